@@ -1,0 +1,120 @@
+#pragma once
+// Device memory: 64-byte aligned buffers padded to whole SIMD batches, recycled by a
+// per-device pool so that a steady training loop stops touching the allocator.
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <unordered_map>
+#include <vector>
+
+namespace lazy {
+
+/// Alignment of every buffer (one cache line, one AVX-512 register).
+inline constexpr std::size_t kBufferAlign = 64;
+/// Element counts are padded to a multiple of this, so a kernel's SIMD main loop reads and
+/// writes whole batches (16 floats = one AVX-512 register) without a scalar tail.
+inline constexpr std::int64_t kPadElements = 16;
+
+/// Bytes a buffer of `numel` elements of `elem_size` bytes occupies after padding.
+constexpr std::size_t padded_bytes(std::int64_t numel, std::size_t elem_size) {
+  const std::int64_t n = ((numel < 1 ? 1 : numel) + kPadElements - 1) / kPadElements * kPadElements;
+  const std::size_t bytes = static_cast<std::size_t>(n) * elem_size;
+  return (bytes + kBufferAlign - 1) / kBufferAlign * kBufferAlign;
+}
+
+class BufferPool;
+
+/// A block of aligned memory. Returned to its pool when the last reference goes.
+class Buffer {
+ public:
+  Buffer(void* p, std::size_t bytes, std::shared_ptr<BufferPool> pool)
+      : data_(p), bytes_(bytes), pool_(std::move(pool)) {}
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer();
+
+  void* data() const { return data_; }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  void* data_;
+  std::size_t bytes_;
+  std::shared_ptr<BufferPool> pool_;
+};
+
+/// Pool statistics, for tests and metrics.
+struct PoolStats {
+  std::int64_t fresh_allocations = 0;  ///< blocks obtained from the system allocator
+  std::int64_t fresh_bytes = 0;
+  std::int64_t reuses = 0;  ///< blocks served from the free lists
+  std::int64_t cached_bytes = 0;
+};
+
+/// Free lists keyed by exact padded size. Thread-safe.
+class BufferPool : public std::enable_shared_from_this<BufferPool> {
+ public:
+  ~BufferPool() { empty_cache(); }
+
+  /// A buffer of at least `bytes` (already padded) bytes.
+  std::shared_ptr<Buffer> acquire(std::size_t bytes) {
+    void* p = nullptr;
+    {
+      std::lock_guard lock(mu_);
+      auto it = free_.find(bytes);
+      if (it != free_.end() && !it->second.empty()) {
+        p = it->second.back();
+        it->second.pop_back();
+        stats_.reuses++;
+        stats_.cached_bytes -= static_cast<std::int64_t>(bytes);
+      } else {
+        stats_.fresh_allocations++;
+        stats_.fresh_bytes += static_cast<std::int64_t>(bytes);
+      }
+    }
+    if (!p) {
+      p = ::operator new(bytes, std::align_val_t(kBufferAlign));
+    }
+    return std::make_shared<Buffer>(p, bytes, shared_from_this());
+  }
+
+  void release(void* p, std::size_t bytes) {
+    std::lock_guard lock(mu_);
+    free_[bytes].push_back(p);
+    stats_.cached_bytes += static_cast<std::int64_t>(bytes);
+  }
+
+  /// Returns every cached block to the system.
+  void empty_cache() {
+    std::lock_guard lock(mu_);
+    for (auto& [bytes, list] : free_) {
+      for (void* p : list) ::operator delete(p, std::align_val_t(kBufferAlign));
+    }
+    free_.clear();
+    stats_.cached_bytes = 0;
+  }
+
+  PoolStats stats() const {
+    std::lock_guard lock(mu_);
+    return stats_;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::unordered_map<std::size_t, std::vector<void*>> free_;
+  PoolStats stats_;
+};
+
+inline Buffer::~Buffer() {
+  if (pool_) {
+    pool_->release(data_, bytes_);
+  } else {
+    ::operator delete(data_, std::align_val_t(kBufferAlign));
+  }
+}
+
+}  // namespace lazy

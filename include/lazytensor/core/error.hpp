@@ -1,0 +1,82 @@
+#pragma once
+// Error hierarchy. Every failure reachable from the public API is one of these, with a
+// message that says what was expected, what was found, and where.
+
+#include <stdexcept>
+#include <string>
+
+namespace lazy {
+
+/// Base of every lazytensor error.
+class Error : public std::runtime_error {
+ public:
+  explicit Error(const std::string& what) : std::runtime_error(what) {}
+};
+
+/// Incompatible or invalid shapes, out-of-range dimensions.
+class ShapeError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// An op was given a dtype it does not support.
+class DTypeError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// An index value (gather, index_select, one_hot, ...) is out of range.
+class IndexError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// Tensors on different devices, or an unknown device.
+class DeviceError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// Invalid sharding annotation.
+class ShardingError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// Base of collective failures.
+class CollectiveError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// Replicas issued different collectives at the same sequence number.
+class CollectiveMismatch : public CollectiveError {
+ public:
+  using CollectiveError::CollectiveError;
+};
+
+/// A participant did not arrive in time.
+class CollectiveTimeout : public CollectiveError {
+ public:
+  using CollectiveError::CollectiveError;
+};
+
+/// Another replica failed; this one was woken up to stop.
+class ReplicaAborted : public CollectiveError {
+ public:
+  using CollectiveError::CollectiveError;
+};
+
+/// Malformed or truncated file contents.
+class FormatError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// The operating system refused a file operation.
+class IoError : public Error {
+ public:
+  using Error::Error;
+};
+
+}  // namespace lazy

@@ -1,0 +1,139 @@
+#pragma once
+// Shapes (rank 0..8, row-major) and NumPy broadcasting.
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <initializer_list>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <lazytensor/core/error.hpp>
+
+namespace lazy {
+
+/// Maximum tensor rank.
+inline constexpr int kMaxRank = 8;
+
+/// A tensor's dimensions. Value type, fixed capacity, no allocation.
+class Shape {
+ public:
+  Shape() = default;
+  /// Builds a shape from its sizes; throws ShapeError on negative sizes or rank > 8.
+  Shape(std::initializer_list<std::int64_t> dims) { assign(dims.begin(), dims.end()); }
+  explicit Shape(std::span<const std::int64_t> dims) { assign(dims.begin(), dims.end()); }
+  explicit Shape(const std::vector<std::int64_t>& dims) { assign(dims.begin(), dims.end()); }
+
+  int rank() const { return rank_; }
+  std::int64_t operator[](int i) const { return dims_[i]; }
+  std::int64_t& operator[](int i) { return dims_[i]; }
+  const std::int64_t* begin() const { return dims_.data(); }
+  const std::int64_t* end() const { return dims_.data() + rank_; }
+
+  /// Number of elements (1 for rank 0).
+  std::int64_t numel() const {
+    std::int64_t n = 1;
+    for (int i = 0; i < rank_; ++i) n *= dims_[i];
+    return n;
+  }
+
+  /// Size of dimension d, negative d counting from the back.
+  std::int64_t size(int d) const;
+
+  std::vector<std::int64_t> vec() const { return {begin(), end()}; }
+
+  /// Appends a dimension.
+  void push_back(std::int64_t d) {
+    if (rank_ == kMaxRank) throw ShapeError("rank exceeds the maximum of 8");
+    dims_[rank_++] = d;
+  }
+
+  /// "(2, 3)" as PyTorch prints sizes; "()" for a scalar.
+  std::string str() const {
+    std::string s = "(";
+    for (int i = 0; i < rank_; ++i) {
+      if (i) s += ", ";
+      s += std::to_string(dims_[i]);
+    }
+    if (rank_ == 1) s += ",";
+    return s + ")";
+  }
+
+  friend bool operator==(const Shape& a, const Shape& b) {
+    return a.rank_ == b.rank_ && std::equal(a.begin(), a.end(), b.begin());
+  }
+
+ private:
+  template <class It>
+  void assign(It first, It last) {
+    const auto n = std::distance(first, last);
+    if (n > kMaxRank) {
+      throw ShapeError("rank " + std::to_string(n) + " exceeds the maximum of 8");
+    }
+    rank_ = static_cast<int>(n);
+    int i = 0;
+    for (; first != last; ++first, ++i) {
+      if (*first < 0) throw ShapeError("negative dimension " + std::to_string(*first) + " in shape");
+      dims_[i] = *first;
+    }
+  }
+
+  std::array<std::int64_t, kMaxRank> dims_{};
+  int rank_ = 0;
+};
+
+/// Normalizes a possibly negative dimension index for a tensor of the given rank; `op` names
+/// the caller in the error. A rank-0 tensor accepts -1 and 0 as PyTorch does.
+inline int normalize_dim(std::int64_t dim, int rank, const char* op) {
+  const int r = std::max(rank, 1);
+  if (dim < -r || dim >= r) {
+    throw ShapeError(std::string(op) + ": dimension out of range (expected to be in range of [" +
+                     std::to_string(-r) + ", " + std::to_string(r - 1) + "], but got " +
+                     std::to_string(dim) + ")");
+  }
+  return static_cast<int>(dim < 0 ? dim + r : dim);
+}
+
+inline std::int64_t Shape::size(int d) const { return dims_[normalize_dim(d, rank_, "size")]; }
+
+/// Row-major strides of a shape, in elements.
+inline std::array<std::int64_t, kMaxRank> contiguous_strides(const Shape& s) {
+  std::array<std::int64_t, kMaxRank> st{};
+  std::int64_t acc = 1;
+  for (int i = s.rank() - 1; i >= 0; --i) {
+    st[i] = acc;
+    acc *= s[i];
+  }
+  return st;
+}
+
+/// NumPy broadcast of two shapes; throws ShapeError naming both shapes and the op.
+inline Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {
+  if (a == b) return a;
+  const int r = std::max(a.rank(), b.rank());
+  Shape out;
+  for (int i = 0; i < r; ++i) {
+    const int ia = i - (r - a.rank()), ib = i - (r - b.rank());
+    const std::int64_t da = ia >= 0 ? a[ia] : 1, db = ib >= 0 ? b[ib] : 1;
+    if (da != db && da != 1 && db != 1) {
+      throw ShapeError(std::string(op) + ": shapes " + a.str() + " and " + b.str() +
+                       " are not broadcastable (dimension " + std::to_string(i) + ": " +
+                       std::to_string(da) + " vs " + std::to_string(db) + ")");
+    }
+    out.push_back(da == 1 ? db : da);
+  }
+  return out;
+}
+
+/// True when `from` broadcasts to `to` (NumPy rules, `to` unchanged).
+inline bool broadcastable_to(const Shape& from, const Shape& to) {
+  if (from.rank() > to.rank()) return false;
+  const int off = to.rank() - from.rank();
+  for (int i = 0; i < from.rank(); ++i) {
+    if (from[i] != 1 && from[i] != to[i + off]) return false;
+  }
+  return true;
+}
+
+}  // namespace lazy

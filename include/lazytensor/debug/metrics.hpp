@@ -1,0 +1,90 @@
+#pragma once
+// Counters and metrics, named like PyTorch/XLA's (torch_xla.debug.metrics).
+
+#include <cstdint>
+#include <iomanip>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <lazytensor/core/counters.hpp>
+#include <lazytensor/graph/device.hpp>
+
+namespace lazy::debug {
+
+/// Value of counter `name` (0 when it never fired), as met.counter_value.
+inline std::int64_t counter_value(const std::string& name) {
+  std::int64_t v = 0;
+  core::Registry::get().for_each([&](const std::string& n, const core::Counter* c, const core::Metric*) {
+    if (c && n == name) v = c->value.load();
+  });
+  return v;
+}
+
+/// Summary of metric `name` (count, total, min, max in ns), if it was ever recorded.
+inline std::optional<core::MetricData> metric_data(const std::string& name) {
+  std::optional<core::MetricData> r;
+  core::Registry::get().for_each([&](const std::string& n, const core::Counter*, const core::Metric* m) {
+    if (m && n == name && m->data().count) r = m->data();
+  });
+  return r;
+}
+
+/// Names of the counters that fired.
+inline std::vector<std::string> counter_names() {
+  std::vector<std::string> names;
+  core::Registry::get().for_each([&](const std::string& n, const core::Counter* c, const core::Metric*) {
+    if (c && c->value.load()) names.push_back(n);
+  });
+  return names;
+}
+
+/// Resets every counter and metric to zero.
+inline void clear_metrics() { core::Registry::get().reset(); }
+
+namespace detail {
+inline std::string fmt_ns(double ns) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(3);
+  if (ns >= 1e9) os << ns / 1e9 << "s";
+  else if (ns >= 1e6) os << ns / 1e6 << "ms";
+  else if (ns >= 1e3) os << ns / 1e3 << "us";
+  else os << ns << "ns";
+  return os.str();
+}
+}  // namespace detail
+
+/// Every metric and counter, plus the buffer pool of device 0, in PyTorch/XLA's format.
+inline std::string metrics_report() {
+  std::ostringstream os;
+  core::Registry::get().for_each([&](const std::string& n, const core::Counter*, const core::Metric* m) {
+    if (!m) return;
+    auto d = m->data();
+    if (!d.count) return;
+    os << "Metric: " << n << "\n  TotalSamples: " << d.count << "\n  Accumulator: " << detail::fmt_ns(d.total_ns)
+       << "\n  Mean: " << detail::fmt_ns(d.total_ns / static_cast<double>(d.count))
+       << "\n  Min: " << detail::fmt_ns(d.min_ns) << "\n  Max: " << detail::fmt_ns(d.max_ns) << "\n";
+  });
+  core::Registry::get().for_each([&](const std::string& n, const core::Counter* c, const core::Metric*) {
+    if (c && c->value.load()) os << "Counter: " << n << "\n  Value: " << c->value.load() << "\n";
+  });
+  auto ps = graph::current_device().pool().stats();
+  os << "Counter: BytesAllocated\n  Value: " << ps.fresh_bytes << "\n";
+  os << "Counter: FreshAllocations\n  Value: " << ps.fresh_allocations << "\n";
+  os << "Counter: PoolReuses\n  Value: " << ps.reuses << "\n";
+  return os.str();
+}
+
+/// One line: steps, syncs, kernels, time executing and bytes allocated.
+inline std::string short_metrics_report() {
+  std::ostringstream os;
+  auto exec = metric_data("ExecuteTime");
+  os << "MarkStep=" << counter_value("MarkStep") << " ImplicitSync=" << counter_value("ImplicitSync")
+     << " KernelsRun=" << counter_value("KernelsRun")
+     << " ExecuteTime=" << detail::fmt_ns(exec ? exec->total_ns : 0)
+     << " BytesAllocated=" << graph::current_device().pool().stats().fresh_bytes;
+  return os.str();
+}
+
+}  // namespace lazy::debug

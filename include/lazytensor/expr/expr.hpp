@@ -1,0 +1,296 @@
+#pragma once
+// Expression nodes. They are thin: an op type and its operands. Leaves hold the graph node
+// of a tensor's value at the time the expression was built (so `auto e = a + 1; a += 5;`
+// keeps meaning the old `a`), scalars hold their value, and the shape is broadcast once,
+// at construction, where a mismatch is reported against the line that built it.
+
+#include <concepts>
+#include <cstdint>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#include <lazytensor/core/dtype.hpp>
+#include <lazytensor/core/shape.hpp>
+#include <lazytensor/expr/functors.hpp>
+#include <lazytensor/graph/node.hpp>
+
+namespace lazy {
+
+namespace expr {
+
+/// A tensor operand: the graph node holding its value.
+template <Element T>
+struct Leaf {
+  using value_type = T;
+  graph::NodePtr node;
+  const Shape& shape() const { return node->shape(); }
+};
+
+/// A C++ number converted to the type it takes in the expression.
+template <Element T>
+struct Scalar {
+  using value_type = T;
+  T value;
+  static Shape shape() { return {}; }
+};
+
+template <class X>
+struct is_leaf : std::false_type {};
+template <class T>
+struct is_leaf<Leaf<T>> : std::true_type {};
+template <class X>
+struct is_scalar : std::false_type {};
+template <class T>
+struct is_scalar<Scalar<T>> : std::true_type {};
+
+/// Type a kernel computes in: bool as int32, bfloat16 as float.
+template <Element T>
+using lane_of = std::conditional_t<std::is_same_v<T, bool>, std::int32_t, compute_t<T>>;
+template <class A, class B>
+using lane_combine = lane_of<promote_t<A, B>>;
+
+}  // namespace expr
+
+/// A lazy element-wise expression: Op applied to Children (leaves, scalars, expressions).
+template <class Op, class... Children>
+class Expr {
+ public:
+  using op_type = Op;
+  using value_type = typename Op::template result<typename Children::value_type...>;
+
+  explicit Expr(Children... c) : children_(std::move(c)...) {
+    shape_ = std::apply([](const auto&... ch) { return broadcast_all(ch.shape()...); }, children_);
+  }
+
+  const Shape& shape() const { return shape_; }
+  std::int64_t numel() const { return shape_.numel(); }
+  int dim() const { return shape_.rank(); }
+  const std::tuple<Children...>& children() const { return children_; }
+
+ private:
+  static Shape broadcast_all(const Shape& s) { return s; }
+  template <class... S>
+  static Shape broadcast_all(const Shape& a, const Shape& b, const S&... rest) {
+    return broadcast_all(broadcast_shapes(a, b, Op::name), rest...);
+  }
+
+  std::tuple<Children...> children_;
+  Shape shape_;
+};
+
+namespace expr {
+
+template <class X>
+struct is_expr_node : std::false_type {};
+template <class Op, class... C>
+struct is_expr_node<Expr<Op, C...>> : std::true_type {};
+
+/// Anything usable as a tensor operand: an Expr, or a handle with `to_leaf()` (Tensor).
+template <class X>
+concept ExprLike = is_expr_node<std::remove_cvref_t<X>>::value || requires(const X& x) {
+  { x.to_leaf() };
+};
+
+/// A C++ number usable as a scalar operand.
+template <class X>
+concept Number = std::is_arithmetic_v<std::remove_cvref_t<X>> ||
+                 std::is_same_v<std::remove_cvref_t<X>, bfloat16>;
+
+/// The operand form of an expression-like value.
+template <ExprLike X>
+auto operand(const X& x) {
+  if constexpr (is_expr_node<X>::value) {
+    return x;
+  } else {
+    return x.to_leaf();
+  }
+}
+template <ExprLike X>
+using operand_t = decltype(operand(std::declval<const X&>()));
+template <ExprLike X>
+using value_t = typename operand_t<X>::value_type;
+
+/// Converts a number to the type it takes next to a tensor of type T.
+template <Element T, Number S>
+Scalar<weak_scalar_t<T, std::remove_cvref_t<S>>> scalar_for(S s) {
+  using U = weak_scalar_t<T, std::remove_cvref_t<S>>;
+  if constexpr (std::is_same_v<U, bfloat16>) return {bfloat16(static_cast<float>(s))};
+  else return {static_cast<U>(s)};
+}
+
+/// Lane (compute) type of a whole expression: the widest type any node uses.
+template <class E>
+struct lane;
+template <Element T>
+struct lane<Leaf<T>> {
+  using type = lane_of<T>;
+};
+template <Element T>
+struct lane<Scalar<T>> {
+  using type = lane_of<T>;
+};
+template <class... Ts>
+struct lane_fold;
+template <class T>
+struct lane_fold<T> {
+  using type = T;
+};
+template <class A, class B, class... R>
+struct lane_fold<A, B, R...> {
+  using type = typename lane_fold<lane_combine<A, B>, R...>::type;
+};
+template <class Op, class... C>
+struct lane<Expr<Op, C...>> {
+  using type =
+      typename lane_fold<lane_of<typename Expr<Op, C...>::value_type>, typename lane<C>::type...>::type;
+};
+template <class E>
+using lane_t = typename lane<E>::type;
+
+/// Builds Expr<Op, ...> from operands that may be tensors, expressions or numbers; a number
+/// takes its type from the first tensor-like operand (PyTorch's weak scalars).
+template <class Op, class First, class... Rest>
+auto make(const First& first, const Rest&... rest) {
+  if constexpr (ExprLike<First>) {
+    using T = value_t<First>;
+    auto conv = [](const auto& x) {
+      if constexpr (ExprLike<std::remove_cvref_t<decltype(x)>>) return operand(x);
+      else return scalar_for<T>(x);
+    };
+    return Expr<Op, decltype(conv(first)), decltype(conv(rest))...>(conv(first), conv(rest)...);
+  } else {
+    // The first operand is a number: find the first tensor-like one for typing.
+    using Anchor = std::tuple_element_t<0, decltype(std::tuple_cat(
+        std::conditional_t<ExprLike<Rest>, std::tuple<value_t<Rest>>, std::tuple<>>{}...))>;
+    auto conv = [](const auto& x) {
+      if constexpr (ExprLike<std::remove_cvref_t<decltype(x)>>) return operand(x);
+      else return scalar_for<Anchor>(x);
+    };
+    return Expr<Op, decltype(conv(first)), decltype(conv(rest))...>(conv(first), conv(rest)...);
+  }
+}
+
+template <class A, class B>
+concept BinaryOperands = (ExprLike<A> && (ExprLike<B> || Number<B>)) || (Number<A> && ExprLike<B>);
+
+}  // namespace expr
+
+// ---- operators ------------------------------------------------------------------------
+
+#define LAZY_BINARY_OPERATOR(SYM, OP)                                   \
+  template <class A, class B>                                          \
+    requires expr::BinaryOperands<A, B>                                \
+  auto operator SYM(const A& a, const B& b) {                          \
+    return expr::make<ops::OP>(a, b);                                  \
+  }
+LAZY_BINARY_OPERATOR(+, Add)
+LAZY_BINARY_OPERATOR(-, Sub)
+LAZY_BINARY_OPERATOR(*, Mul)
+LAZY_BINARY_OPERATOR(/, Div)
+LAZY_BINARY_OPERATOR(==, Eq)
+LAZY_BINARY_OPERATOR(!=, Ne)
+LAZY_BINARY_OPERATOR(<, Lt)
+LAZY_BINARY_OPERATOR(<=, Le)
+LAZY_BINARY_OPERATOR(>, Gt)
+LAZY_BINARY_OPERATOR(>=, Ge)
+LAZY_BINARY_OPERATOR(&, LogicalAnd)
+LAZY_BINARY_OPERATOR(|, LogicalOr)
+#undef LAZY_BINARY_OPERATOR
+
+/// Element-wise negation.
+template <expr::ExprLike A>
+auto operator-(const A& a) {
+  return expr::make<ops::Neg>(a);
+}
+/// Element-wise logical not (a bool expression).
+template <expr::ExprLike A>
+auto operator!(const A& a) {
+  return expr::make<ops::LogicalNot>(a);
+}
+
+#define LAZY_UNARY_FUNCTION(FN, OP, DOC)   \
+  /** DOC */                               \
+  template <expr::ExprLike A>              \
+  auto FN(const A& a) {                    \
+    return expr::make<ops::OP>(a);         \
+  }
+LAZY_UNARY_FUNCTION(exp, Exp, Element-wise e^x.)
+LAZY_UNARY_FUNCTION(log, Log, Element-wise natural logarithm.)
+LAZY_UNARY_FUNCTION(log1p, Log1p, Element-wise log(1 + x) accurate near 0.)
+LAZY_UNARY_FUNCTION(expm1, Expm1, Element-wise e^x - 1 accurate near 0.)
+LAZY_UNARY_FUNCTION(sqrt, Sqrt, Element-wise square root.)
+LAZY_UNARY_FUNCTION(rsqrt, Rsqrt, Element-wise 1 / sqrt(x).)
+LAZY_UNARY_FUNCTION(abs, Abs, Element-wise absolute value.)
+LAZY_UNARY_FUNCTION(sign, Sign, Element-wise sign: -1 0 or 1.)
+LAZY_UNARY_FUNCTION(sin, Sin, Element-wise sine.)
+LAZY_UNARY_FUNCTION(cos, Cos, Element-wise cosine.)
+LAZY_UNARY_FUNCTION(tanh, Tanh, Element-wise hyperbolic tangent.)
+LAZY_UNARY_FUNCTION(sigmoid, Sigmoid, Element-wise logistic function 1 / (1 + e^-x).)
+LAZY_UNARY_FUNCTION(relu, Relu, Element-wise max(x 0) keeping NaN.)
+LAZY_UNARY_FUNCTION(gelu, Gelu, Element-wise exact GELU x * Phi(x).)
+LAZY_UNARY_FUNCTION(silu, Silu, Element-wise x * sigmoid(x).)
+LAZY_UNARY_FUNCTION(softplus, Softplus, Element-wise log(1 + e^x) (linear above 20).)
+LAZY_UNARY_FUNCTION(logical_not, LogicalNot, Element-wise logical not.)
+#undef LAZY_UNARY_FUNCTION
+
+/// Element-wise a^b.
+template <class A, class B>
+  requires expr::BinaryOperands<A, B>
+auto pow(const A& a, const B& b) {
+  return expr::make<ops::Pow>(a, b);
+}
+/// Element-wise maximum (NaN-propagating).
+template <class A, class B>
+  requires expr::BinaryOperands<A, B>
+auto maximum(const A& a, const B& b) {
+  return expr::make<ops::Maximum>(a, b);
+}
+/// Element-wise minimum (NaN-propagating).
+template <class A, class B>
+  requires expr::BinaryOperands<A, B>
+auto minimum(const A& a, const B& b) {
+  return expr::make<ops::Minimum>(a, b);
+}
+/// Element-wise logical and / or of non-zero tests.
+template <class A, class B>
+  requires expr::BinaryOperands<A, B>
+auto logical_and(const A& a, const B& b) {
+  return expr::make<ops::LogicalAnd>(a, b);
+}
+template <class A, class B>
+  requires expr::BinaryOperands<A, B>
+auto logical_or(const A& a, const B& b) {
+  return expr::make<ops::LogicalOr>(a, b);
+}
+/// Clamps to [lo, hi]; NaN stays NaN.
+template <expr::ExprLike X, class L, class H>
+auto clamp(const X& x, const L& lo, const H& hi) {
+  return minimum(maximum(x, lo), hi);
+}
+/// Element-wise choice: a where cond is non-zero, b elsewhere (all three broadcast).
+template <expr::ExprLike C, class A, class B>
+auto where(const C& cond, const A& a, const B& b) {
+  // A number operand takes its type from the other value operand, never from the condition.
+  auto value = [](const auto& x, const auto& other) {
+    using X = std::remove_cvref_t<decltype(x)>;
+    using O = std::remove_cvref_t<decltype(other)>;
+    if constexpr (expr::ExprLike<X>) {
+      return expr::operand(x);
+    } else if constexpr (expr::ExprLike<O>) {
+      return expr::scalar_for<expr::value_t<O>>(x);
+    } else {
+      return expr::scalar_for<weak_scalar_t<std::int64_t, std::common_type_t<A, B>>>(x);
+    }
+  };
+  auto va = value(a, b);
+  auto vb = value(b, a);
+  return Expr<ops::Where, expr::operand_t<C>, decltype(va), decltype(vb)>(expr::operand(cond), va, vb);
+}
+/// Explicit element type conversion.
+template <Element U, expr::ExprLike X>
+auto cast(const X& x) {
+  return expr::make<ops::Cast<U>>(x);
+}
+
+}  // namespace lazy

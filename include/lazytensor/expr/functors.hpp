@@ -1,0 +1,159 @@
+#pragma once
+// Element-wise op functors. Each one says how it types its result (PyTorch promotion) and
+// computes on a value `V` that is either a scalar or an xsimd batch of the kernel's lane
+// type, so one definition serves the SIMD main loop and the scalar tail.
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include <xsimd/xsimd.hpp>
+
+#include <lazytensor/core/dtype.hpp>
+
+namespace lazy::ops {
+
+namespace detail {
+// Scalar counterpart of xsimd::select, so ops read the same for both kinds of V.
+template <class V>
+inline V select(bool c, const V& a, const V& b) {
+  return c ? a : b;
+}
+using xsimd::select;
+
+/// 1 where the mask holds, else 0, for a scalar bool or an xsimd batch_bool.
+template <class V, class M>
+inline V from_bool(const M& m) {
+  if constexpr (std::is_arithmetic_v<V>) {
+    return m ? V(1) : V(0);
+  } else {
+    return xsimd::select(m, V(1), V(0));
+  }
+}
+}  // namespace detail
+
+// ---- result-type rules ---------------------------------------------------------------
+
+template <class A, class B = A>
+using promoted = promote_t<A, B>;
+
+#define LAZY_STRIP(...) __VA_ARGS__
+#define LAZY_UNARY_OP(NAME, STR, COST, RESULT, BODY)             \
+  struct NAME {                                                  \
+    static constexpr const char* name = STR;                     \
+    static constexpr double cost = COST;                         \
+    template <class T>                                           \
+    using result = LAZY_STRIP RESULT;                                       \
+    template <class V>                                           \
+    static V apply(const V& a) {                                 \
+      using namespace detail;                                    \
+      using std::exp, std::log, std::log1p, std::expm1, std::sqrt, std::abs, std::sin, std::cos, \
+          std::tanh, std::erf, std::trunc;                       \
+      LAZY_STRIP BODY                                            \
+    }                                                            \
+  };
+
+#define LAZY_BINARY_OP(NAME, STR, COST, RESULT, BODY) \
+  struct NAME {                                       \
+    static constexpr const char* name = STR;          \
+    static constexpr double cost = COST;              \
+    template <class A, class B>                       \
+    using result = LAZY_STRIP RESULT;                            \
+    template <class V>                                \
+    static V apply(const V& a, const V& b) {          \
+      using namespace detail;                         \
+      using std::pow;                                 \
+      LAZY_STRIP BODY                                 \
+    }                                                 \
+  };
+
+// Unary ops. Results of floating-only functions on integers are float, as in PyTorch.
+LAZY_UNARY_OP(Neg, "neg", 1, (T), (return -a;))
+LAZY_UNARY_OP(Identity, "identity", 0.5, (T), (return a;))
+LAZY_UNARY_OP(Exp, "exp", 8, (to_floating_t<T>), (return exp(a);))
+LAZY_UNARY_OP(Log, "log", 8, (to_floating_t<T>), (return log(a);))
+LAZY_UNARY_OP(Log1p, "log1p", 10, (to_floating_t<T>), (return log1p(a);))
+LAZY_UNARY_OP(Expm1, "expm1", 10, (to_floating_t<T>), (return expm1(a);))
+LAZY_UNARY_OP(Sqrt, "sqrt", 4, (to_floating_t<T>), (return sqrt(a);))
+// Full-precision 1/sqrt: xsimd::rsqrt is an approximation on x86.
+LAZY_UNARY_OP(Rsqrt, "rsqrt", 5, (to_floating_t<T>), (return V(1) / sqrt(a);))
+LAZY_UNARY_OP(Abs, "abs", 1, (T), (return abs(a);))
+LAZY_UNARY_OP(Sign, "sign", 2, (T), (return from_bool<V>(a > V(0)) - from_bool<V>(a < V(0));))
+LAZY_UNARY_OP(Sin, "sin", 10, (to_floating_t<T>), (return sin(a);))
+LAZY_UNARY_OP(Cos, "cos", 10, (to_floating_t<T>), (return cos(a);))
+LAZY_UNARY_OP(Tanh, "tanh", 10, (to_floating_t<T>), (return tanh(a);))
+LAZY_UNARY_OP(Sigmoid, "sigmoid", 10, (to_floating_t<T>), (return V(1) / (V(1) + exp(-a));))
+// relu keeps NaN (NaN < 0 is false), like torch.relu.
+LAZY_UNARY_OP(Relu, "relu", 1, (T), (return select(a < V(0), V(0), a);))
+// Exact (erf) GELU, torch's default approximate='none'.
+LAZY_UNARY_OP(Gelu, "gelu", 12, (to_floating_t<T>), (return V(0.5) * a * (V(1) + erf(a * V(0.70710678118654752440)));))
+LAZY_UNARY_OP(Silu, "silu", 10, (to_floating_t<T>), (return a / (V(1) + exp(-a));))
+// softplus with torch's default threshold 20: linear above it.
+LAZY_UNARY_OP(Softplus, "softplus", 12, (to_floating_t<T>), (return select(a > V(20), a, log1p(exp(a)));))
+LAZY_UNARY_OP(LogicalNot, "logical_not", 1, (bool), (return from_bool<V>(a == V(0));))
+
+// Binary ops.
+LAZY_BINARY_OP(Add, "add", 1, (promoted<A, B>), (return a + b;))
+LAZY_BINARY_OP(Sub, "sub", 1, (promoted<A, B>), (return a - b;))
+LAZY_BINARY_OP(Mul, "mul", 1, (promoted<A, B>), (return a * b;))
+LAZY_BINARY_OP(Div, "div", 2, (to_floating_t<promoted<A, B>>), (return a / b;))
+LAZY_BINARY_OP(Pow, "pow", 12, (promoted<A, B>), (return V(pow(a, b));))
+// maximum/minimum propagate NaN from either side, like torch.maximum.
+LAZY_BINARY_OP(Maximum, "maximum", 2, (promoted<A, B>), (return select((a > b) | (a != a), a, b);))
+LAZY_BINARY_OP(Minimum, "minimum", 2, (promoted<A, B>), (return select((a < b) | (a != a), a, b);))
+LAZY_BINARY_OP(Eq, "eq", 1, (bool), (return from_bool<V>(a == b);))
+LAZY_BINARY_OP(Ne, "ne", 1, (bool), (return from_bool<V>(a != b);))
+LAZY_BINARY_OP(Lt, "lt", 1, (bool), (return from_bool<V>(a < b);))
+LAZY_BINARY_OP(Le, "le", 1, (bool), (return from_bool<V>(a <= b);))
+LAZY_BINARY_OP(Gt, "gt", 1, (bool), (return from_bool<V>(a > b);))
+LAZY_BINARY_OP(Ge, "ge", 1, (bool), (return from_bool<V>(a >= b);))
+LAZY_BINARY_OP(LogicalAnd, "logical_and", 1, (bool), (return from_bool<V>((a != V(0)) & (b != V(0)));))
+LAZY_BINARY_OP(LogicalOr, "logical_or", 1, (bool), (return from_bool<V>((a != V(0)) | (b != V(0)));))
+
+#undef LAZY_UNARY_OP
+#undef LAZY_BINARY_OP
+#undef LAZY_STRIP
+
+/// where(cond, a, b): a where cond is non-zero.
+struct Where {
+  static constexpr const char* name = "where";
+  static constexpr double cost = 2;
+  template <class C, class A, class B>
+  using result = promoted<A, B>;
+  template <class V>
+  static V apply(const V& c, const V& a, const V& b) {
+    using namespace detail;
+    return select(c != V(0), a, b);
+  }
+};
+
+/// Explicit conversion to U. Within a kernel values stay in the lane type; conversion to
+/// an integer truncates toward zero and to bool tests for non-zero, as static_cast does.
+template <Element U>
+struct Cast {
+  static constexpr const char* name = "cast";
+  static constexpr double cost = 1;
+  template <class T>
+  using result = U;
+  template <class V>
+  static V apply(const V& a) {
+    using namespace detail;
+    if constexpr (std::is_same_v<U, bool>) {
+      return from_bool<V>(a != V(0));
+    } else if constexpr (is_integral_v<U>) {
+      if constexpr (std::is_floating_point_v<V>) {
+        return std::trunc(a);
+      } else if constexpr (std::is_arithmetic_v<V>) {
+        return a;
+      } else if constexpr (std::is_floating_point_v<typename V::value_type>) {
+        return xsimd::trunc(a);
+      } else {
+        return a;
+      }
+    } else {
+      return a;
+    }
+  }
+};
+
+}  // namespace lazy::ops

@@ -1,0 +1,142 @@
+#pragma once
+// The kernel form of an expression: the same tree with every tensor leaf replaced by the
+// index of a node input. A graph node stores this form, so it holds no handle of its own
+// beyond its input list (buffer donation counts references on that list).
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <lazytensor/expr/expr.hpp>
+
+namespace lazy::expr {
+
+/// A leaf reading node input number `slot`.
+template <Element T>
+struct KLeaf {
+  using value_type = T;
+  int slot;
+};
+
+/// An op over kernel-form children.
+template <class Op, class... C>
+struct KExpr {
+  using op_type = Op;
+  using value_type = typename Op::template result<typename C::value_type...>;
+  std::tuple<C...> children;
+};
+
+template <class E>
+struct kernel_form;
+template <Element T>
+struct kernel_form<Leaf<T>> {
+  using type = KLeaf<T>;
+};
+template <Element T>
+struct kernel_form<Scalar<T>> {
+  using type = Scalar<T>;
+};
+template <class Op, class... C>
+struct kernel_form<Expr<Op, C...>> {
+  using type = KExpr<Op, typename kernel_form<C>::type...>;
+};
+template <class E>
+using kernel_form_t = typename kernel_form<E>::type;
+
+/// Lane type of a kernel-form expression (see lane_t).
+template <class K>
+struct klane;
+template <Element T>
+struct klane<KLeaf<T>> {
+  using type = lane_of<T>;
+};
+template <Element T>
+struct klane<Scalar<T>> {
+  using type = lane_of<T>;
+};
+template <class Op, class... C>
+struct klane<KExpr<Op, C...>> {
+  using type = typename lane_fold<lane_of<typename KExpr<Op, C...>::value_type>,
+                                  typename klane<C>::type...>::type;
+};
+template <class K>
+using klane_t = typename klane<K>::type;
+
+/// Converts an expression to kernel form, appending its distinct leaf nodes to `inputs`.
+template <Element T>
+KLeaf<T> to_kernel(const Leaf<T>& l, std::vector<graph::NodePtr>& inputs) {
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    if (inputs[i] == l.node) return {static_cast<int>(i)};
+  }
+  inputs.push_back(l.node);
+  return {static_cast<int>(inputs.size() - 1)};
+}
+template <Element T>
+Scalar<T> to_kernel(const Scalar<T>& s, std::vector<graph::NodePtr>&) {
+  return s;
+}
+template <class Op, class... C>
+auto to_kernel(const Expr<Op, C...>& e, std::vector<graph::NodePtr>& inputs) {
+  return std::apply(
+      [&](const auto&... ch) {
+        // Braced initialization evaluates left to right: slots follow operand order.
+        return KExpr<Op, kernel_form_t<C>...>{std::tuple<kernel_form_t<C>...>{to_kernel(ch, inputs)...}};
+      },
+      e.children());
+}
+
+/// Sum of the op costs of a kernel-form expression, per output element.
+template <class K>
+constexpr double kernel_cost() {
+  if constexpr (requires { typename K::op_type; }) {
+    return []<class... C>(std::type_identity<std::tuple<C...>>) {
+      return K::op_type::cost + (0.0 + ... + kernel_cost<C>());
+    }(std::type_identity<decltype(K::children)>{});
+  } else {
+    return 0.0;
+  }
+}
+
+/// "add(mul(%0, %1), 2)": the expression as text, for graph dumps.
+template <Element T>
+std::string kernel_text(const KLeaf<T>& l) {
+  return "%" + std::to_string(l.slot);
+}
+template <Element T>
+std::string kernel_text(const Scalar<T>& s) {
+  std::string v = std::to_string(static_cast<double>(static_cast<compute_t<T>>(s.value)));
+  v.erase(v.find_last_not_of('0') + 1);
+  if (!v.empty() && v.back() == '.') v.pop_back();
+  return v;
+}
+template <class Op, class... C>
+std::string kernel_text(const KExpr<Op, C...>& k) {
+  std::string s = std::string(Op::name) + "(";
+  bool first = true;
+  std::apply(
+      [&](const auto&... ch) {
+        ((s += (first ? "" : ", ") + kernel_text(ch), first = false), ...);
+      },
+      k.children);
+  return s + ")";
+}
+
+/// Hash of the scalar operands' classes: 0, 1, -1 or "other". Other values do not enter
+/// the plan's identity, so a new learning rate reuses the cached plan.
+template <class K>
+std::uint64_t scalar_classes(const K& k) {
+  if constexpr (requires { typename K::op_type; }) {
+    std::uint64_t h = 7;
+    std::apply([&](const auto&... ch) { ((h = h * 31 + scalar_classes(ch)), ...); }, k.children);
+    return h;
+  } else if constexpr (is_scalar<K>::value) {
+    const double v = static_cast<double>(static_cast<compute_t<typename K::value_type>>(k.value));
+    return v == 0 ? 1 : v == 1 ? 2 : v == -1 ? 3 : 4;
+  } else {
+    return 5;
+  }
+}
+
+}  // namespace lazy::expr

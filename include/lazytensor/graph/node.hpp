@@ -1,0 +1,154 @@
+#pragma once
+// Runtime graph nodes. A node is a type-erased kernel plus its inputs; once computed it
+// keeps only its buffer and drops its inputs, so the graph behind it can be freed.
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <lazytensor/core/buffer.hpp>
+#include <lazytensor/core/dtype.hpp>
+#include <lazytensor/core/shape.hpp>
+
+namespace lazy::graph {
+
+class Device;
+class Node;
+using NodePtr = std::shared_ptr<Node>;
+
+/// What a node's kernel does, for the planner and for graph dumps.
+enum class NodeKind { Data, Elementwise, Reduction, Gemm, View, Copy, Random, Host, Collective };
+
+/// Execution context handed to a kernel.
+struct ExecContext {
+  Device& device;
+};
+
+/// A value in the pending graph of one device.
+class Node {
+ public:
+  Node(NodeKind kind, DType dtype, Shape shape, Device* device, std::vector<NodePtr> inputs = {})
+      : kind_(kind), dtype_(dtype), shape_(shape), device_(device), inputs_(std::move(inputs)),
+        id_(next_id()) {}
+  virtual ~Node() = default;
+  Node(const Node&) = delete;
+  Node& operator=(const Node&) = delete;
+
+  NodeKind kind() const { return kind_; }
+  DType dtype() const { return dtype_; }
+  const Shape& shape() const { return shape_; }
+  std::int64_t numel() const { return shape_.numel(); }
+  Device* device() const { return device_; }
+  std::uint64_t id() const { return id_; }
+  const std::vector<NodePtr>& inputs() const { return inputs_; }
+
+  /// True once the value exists in a buffer.
+  bool materialized() const { return buffer_ != nullptr; }
+  const std::shared_ptr<Buffer>& buffer() const { return buffer_; }
+  template <class T>
+  const T* data() const {
+    return static_cast<const T*>(buffer_->data());
+  }
+
+  /// Short op name ("add", "matmul", ...).
+  virtual std::string op_name() const = 0;
+  /// Longer description for graph dumps (the fused expression, reduction dims, ...).
+  virtual std::string describe() const { return op_name(); }
+  /// Hash of everything that determines the kernel's code and layout, but not its data.
+  virtual std::uint64_t structural_hash() const;
+  /// Estimated cost per output element (1 = one add), used to decide threading.
+  virtual double cost_per_element() const { return 1.0; }
+
+  /// Computes the value into a buffer. Called once, after every input is materialized.
+  void run(ExecContext& ctx) {
+    compute(ctx);
+    finish();
+  }
+
+  /// Planner hook, called once per plan before execution, while the plan holds one extra
+  /// reference to every node in it: a node may take over (defer) a producer's work, e.g. an
+  /// element-wise epilogue running a GEMM in row blocks.
+  virtual void fuse_producers() {}
+  /// True when a consumer has taken over this node's computation for the current plan.
+  bool deferred() const { return deferred_; }
+  void set_deferred(bool d) { deferred_ = d; }
+
+  /// Makes this node a materialized value holding `buf` (used by data nodes and views).
+  void set_buffer(std::shared_ptr<Buffer> buf) { buffer_ = std::move(buf); }
+
+  /// Steals the buffer of input `i` when nothing else can observe it (buffer donation):
+  /// this node is the input's only holder, the input's buffer is not shared (views), and
+  /// the input has this node's dtype and element count.
+  std::shared_ptr<Buffer> try_donate(std::size_t i);
+
+ protected:
+  virtual void compute(ExecContext& ctx) = 0;
+  /// Drops the kernel's inputs and state after it ran.
+  virtual void finish() { inputs_.clear(); }
+  /// Allocates this node's output from the device pool, or takes a donated input buffer.
+  std::shared_ptr<Buffer> allocate_output(ExecContext& ctx, bool allow_donation = true);
+
+  std::vector<NodePtr>& mutable_inputs() { return inputs_; }
+
+ private:
+  static std::uint64_t next_id() {
+    static std::atomic<std::uint64_t> n{0};
+    return ++n;
+  }
+
+  NodeKind kind_;
+  DType dtype_;
+  Shape shape_;
+  Device* device_;
+  std::vector<NodePtr> inputs_;
+  std::shared_ptr<Buffer> buffer_;
+  std::uint64_t id_;
+  bool deferred_ = false;
+};
+
+/// A value that already exists (factories, reads from host memory, computed results).
+class DataNode final : public Node {
+ public:
+  DataNode(DType dtype, Shape shape, Device* device, std::shared_ptr<Buffer> buf)
+      : Node(NodeKind::Data, dtype, shape, device) {
+    set_buffer(std::move(buf));
+  }
+  std::string op_name() const override { return "data"; }
+
+ protected:
+  void compute(ExecContext&) override {}
+};
+
+/// Combines hashes (boost::hash_combine's mixing).
+inline std::uint64_t hash_combine(std::uint64_t seed, std::uint64_t v) {
+  return seed ^ (v + 0x9e3779b97f4a7c15ull + (seed << 6) + (seed >> 2));
+}
+
+inline std::uint64_t hash_shape(const Shape& s) {
+  std::uint64_t h = static_cast<std::uint64_t>(s.rank());
+  for (auto d : s) h = hash_combine(h, static_cast<std::uint64_t>(d));
+  return h;
+}
+
+inline std::uint64_t Node::structural_hash() const {
+  std::uint64_t h = hash_combine(static_cast<std::uint64_t>(kind_), static_cast<std::uint64_t>(dtype_));
+  h = hash_combine(h, hash_shape(shape_));
+  for (const auto& in : inputs_) {
+    h = hash_combine(h, static_cast<std::uint64_t>(in->dtype()));
+    h = hash_combine(h, hash_shape(in->shape()));
+  }
+  return hash_combine(h, std::hash<std::string>{}(op_name()));
+}
+
+inline std::shared_ptr<Buffer> Node::try_donate(std::size_t i) {
+  NodePtr& in = inputs_[i];
+  if (!in->materialized() || in->dtype() != dtype_ || in->numel() != numel()) return nullptr;
+  long holders = 0;
+  for (const auto& p : inputs_) holders += (p == in);
+  if (in.use_count() != holders || in->buffer_.use_count() != 1) return nullptr;
+  return std::move(in->buffer_);
+}
+
+}  // namespace lazy::graph

@@ -1,0 +1,258 @@
+#pragma once
+// Reductions fused with their element-wise child: the child expression is evaluated inside
+// the reduction loop, never written out. The child is viewed as [outer, R, inner] and
+// reduced over R.
+//
+// Determinism: a span of R contiguous values is cut into fixed blocks of kReduceBlock
+// elements, each reduced with 4 independent SIMD accumulators, and the block results are
+// combined by a pairwise tree. Block boundaries depend only on the sizes, so results are
+// bitwise identical whatever the number of threads.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <typeinfo>
+#include <vector>
+
+#include <lazytensor/expr/evaluator.hpp>
+#include <lazytensor/graph/device.hpp>
+#include <lazytensor/graph/parallel.hpp>
+#include <lazytensor/ops/reduce_ops.hpp>
+
+namespace lazy::graph {
+
+/// Leaf size of the pairwise reduction tree.
+inline constexpr std::int64_t kReduceBlock = 4096;
+
+/// How a child of shape `in` is reduced: [outer, R, inner].
+struct ReduceGeometry {
+  std::int64_t outer = 1, extent = 1, inner = 1;
+};
+
+namespace detail {
+
+template <class R, class S, bool C, class K>
+S reduce_span(const expr::Eval<S, K>& ev, std::int64_t b, std::int64_t len) {
+  const std::int64_t e = b + len;
+  std::int64_t i = b;
+  if constexpr (expr::simd_lane_v<S>) {
+    using V = expr::batch_t<S>;
+    constexpr std::int64_t W = V::size;
+    V a0 = R::template identity<V>(), a1 = a0, a2 = a0, a3 = a0;
+    for (; i + 4 * W <= e; i += 4 * W) {
+      a0 = R::combine(a0, ev.template packet<C>(i));
+      a1 = R::combine(a1, ev.template packet<C>(i + W));
+      a2 = R::combine(a2, ev.template packet<C>(i + 2 * W));
+      a3 = R::combine(a3, ev.template packet<C>(i + 3 * W));
+    }
+    for (; i + W <= e; i += W) a0 = R::combine(a0, ev.template packet<C>(i));
+    S r = R::template horizontal<S>(R::combine(R::combine(a0, a1), R::combine(a2, a3)));
+    for (; i < e; ++i) r = R::combine(r, ev.coeff(i));
+    return r;
+  } else {
+    S a[4] = {R::template identity<S>(), R::template identity<S>(), R::template identity<S>(),
+              R::template identity<S>()};
+    for (; i + 4 <= e; i += 4) {
+      for (int k = 0; k < 4; ++k) a[k] = R::combine(a[k], ev.coeff(i + k));
+    }
+    for (; i < e; ++i) a[0] = R::combine(a[0], ev.coeff(i));
+    return R::combine(R::combine(a[0], a[1]), R::combine(a[2], a[3]));
+  }
+}
+
+/// Combines partial results pairwise, in a fixed shape.
+template <class R, class S>
+S pairwise(std::vector<S>& v) {
+  if (v.empty()) return R::template identity<S>();
+  while (v.size() > 1) {
+    std::size_t j = 0;
+    for (std::size_t i = 0; i + 1 < v.size(); i += 2) v[j++] = R::combine(v[i], v[i + 1]);
+    if (v.size() % 2) v[j++] = v.back();
+    v.resize(j);
+  }
+  return v[0];
+}
+
+template <class R, class S, bool C, class K>
+S reduce_range(const expr::Eval<S, K>& ev, std::int64_t b, std::int64_t len) {
+  if (len <= kReduceBlock) return reduce_span<R, S, C>(ev, b, len);
+  std::vector<S> partial;
+  partial.reserve(static_cast<std::size_t>((len + kReduceBlock - 1) / kReduceBlock));
+  for (std::int64_t o = 0; o < len; o += kReduceBlock) {
+    partial.push_back(reduce_span<R, S, C>(ev, b + o, std::min(kReduceBlock, len - o)));
+  }
+  return pairwise<R>(partial);
+}
+
+}  // namespace detail
+
+/// Reduces kernel-form expression K (with lane S) by R into Tout, scaling by `scale`.
+template <class K, class R, class S, Element Tout>
+class ReductionNode final : public Node {
+ public:
+  ReductionNode(K kernel, Shape out_shape, ReduceGeometry g, double scale, Device* device,
+                std::vector<NodePtr> inputs, Shape child_shape)
+      : Node(NodeKind::Reduction, dtype_of<Tout>(), out_shape, device, std::move(inputs)),
+        kernel_(std::move(kernel)), g_(g), scale_(scale), child_shape_(child_shape) {
+    const std::int64_t n = child_shape.numel();
+    for (const auto& in : this->inputs()) splat_.push_back(in->numel() == 1 && n != 1 ? 1 : 0);
+  }
+
+  std::string op_name() const override { return R::name; }
+  std::string describe() const override {
+    return std::string(R::name) + "(" + expr::kernel_text(kernel_) + ") over [" + std::to_string(g_.outer) +
+           ", " + std::to_string(g_.extent) + ", " + std::to_string(g_.inner) + "]";
+  }
+  double cost_per_element() const override { return expr::kernel_cost<K>() + 1; }
+  std::uint64_t structural_hash() const override {
+    std::uint64_t h = hash_combine(Node::structural_hash(), typeid(K).hash_code());
+    h = hash_combine(h, hash_shape(child_shape_));
+    return hash_combine(h, static_cast<std::uint64_t>(g_.extent));
+  }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    const auto& ins = inputs();
+    std::vector<const void*> ptrs(ins.size());
+    for (std::size_t i = 0; i < ins.size(); ++i) ptrs[i] = ins[i]->buffer()->data();
+    auto buf = allocate_output(ctx, false);
+    Tout* out = static_cast<Tout*>(buf->data());
+    bool contig = true;
+    for (char s : splat_) contig = contig && !s;
+    if (contig) run<true>(ctx, ptrs, out);
+    else run<false>(ctx, ptrs, out);
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  Tout finish_value(S v) const {
+    if (scale_ != 1.0) v = static_cast<S>(v * static_cast<S>(scale_));
+    return expr::to_storage<Tout>(v);
+  }
+
+  template <bool C>
+  void run(ExecContext& ctx, const std::vector<const void*>& ptrs, Tout* out) {
+    auto& pool = ctx.device.threads();
+    const double cost = cost_per_element();
+    const std::int64_t outer = g_.outer, R_ = g_.extent, inner = g_.inner;
+    const std::int64_t total = outer * R_ * inner;
+    auto eval = [&] { return expr::Eval<S, K>(kernel_, ptrs.data(), splat_.data()); };
+    if (inner == 1 && outer == 1) {
+      // One value: blocks in parallel, then the fixed pairwise tree.
+      const std::int64_t blocks = (R_ + kReduceBlock - 1) / kReduceBlock;
+      std::vector<S> partial(static_cast<std::size_t>(blocks));
+      const std::int64_t tasks = std::min(blocks, task_count(pool, total, cost));
+      pool.parallel_for(tasks, [&](std::int64_t t) {
+        auto ev = eval();
+        auto [b0, b1] = task_range(blocks, tasks, t);
+        for (std::int64_t b = b0; b < b1; ++b) {
+          const std::int64_t s = b * kReduceBlock;
+          partial[b] = detail::reduce_span<R, S, C>(ev, s, std::min(kReduceBlock, R_ - s));
+        }
+      });
+      out[0] = finish_value(detail::pairwise<R>(partial));
+    } else if (inner == 1) {
+      const std::int64_t tasks = std::min(outer, task_count(pool, total, cost));
+      pool.parallel_for(tasks, [&](std::int64_t t) {
+        auto ev = eval();
+        auto [o0, o1] = task_range(outer, tasks, t);
+        for (std::int64_t o = o0; o < o1; ++o) out[o] = finish_value(detail::reduce_range<R, S, C>(ev, o * R_, R_));
+      });
+    } else {
+      // Reduce across rows: vectorized along the inner dimension, R in order.
+      constexpr std::int64_t kCols = 256;
+      const std::int64_t col_chunks = (inner + kCols - 1) / kCols;
+      const std::int64_t units = outer * col_chunks;
+      const std::int64_t tasks = std::min(units, task_count(pool, total, cost));
+      pool.parallel_for(tasks, [&](std::int64_t t) {
+        auto ev = eval();
+        auto [u0, u1] = task_range(units, tasks, t);
+        for (std::int64_t u = u0; u < u1; ++u) {
+          const std::int64_t o = u / col_chunks, c0 = (u % col_chunks) * kCols, c1 = std::min(inner, c0 + kCols);
+          reduce_columns<C>(ev, out + o * inner, o * R_ * inner, c0, c1);
+        }
+      });
+    }
+  }
+
+  template <bool C>
+  void reduce_columns(const expr::Eval<S, K>& ev, Tout* out, std::int64_t base, std::int64_t c0, std::int64_t c1) {
+    const std::int64_t R_ = g_.extent, inner = g_.inner;
+    std::int64_t c = c0;
+    if constexpr (expr::simd_lane_v<S>) {
+      using V = expr::batch_t<S>;
+      constexpr std::int64_t W = V::size;
+      for (; c + W <= c1; c += W) {
+        V acc = R::template identity<V>();
+        for (std::int64_t r = 0; r < R_; ++r) acc = R::combine(acc, ev.template packet<C>(base + r * inner + c));
+        alignas(64) S tmp[W];
+        acc.store_aligned(tmp);
+        for (std::int64_t k = 0; k < W; ++k) out[c + k] = finish_value(tmp[k]);
+      }
+    }
+    for (; c < c1; ++c) {
+      S acc = R::template identity<S>();
+      for (std::int64_t r = 0; r < R_; ++r) acc = R::combine(acc, ev.coeff(base + r * inner + c));
+      out[c] = finish_value(acc);
+    }
+  }
+
+  K kernel_;
+  ReduceGeometry g_;
+  double scale_;
+  Shape child_shape_;
+  std::vector<char> splat_;
+};
+
+/// argmax / argmin (first occurrence; NaN counts as the extreme, as in torch).
+template <class K, class S, bool IsMax>
+class ArgReductionNode final : public Node {
+ public:
+  ArgReductionNode(K kernel, Shape out_shape, ReduceGeometry g, Device* device, std::vector<NodePtr> inputs,
+                   Shape child_shape)
+      : Node(NodeKind::Reduction, DType::Int64, out_shape, device, std::move(inputs)), kernel_(std::move(kernel)),
+        g_(g) {
+    for (const auto& in : this->inputs()) splat_.push_back(in->numel() == 1 && child_shape.numel() != 1 ? 1 : 0);
+  }
+  std::string op_name() const override { return IsMax ? "argmax" : "argmin"; }
+  std::string describe() const override { return op_name() + "(" + expr::kernel_text(kernel_) + ")"; }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    const auto& ins = inputs();
+    std::vector<const void*> ptrs(ins.size());
+    for (std::size_t i = 0; i < ins.size(); ++i) ptrs[i] = ins[i]->buffer()->data();
+    auto buf = allocate_output(ctx, false);
+    auto* out = static_cast<std::int64_t*>(buf->data());
+    auto& pool = ctx.device.threads();
+    const std::int64_t units = g_.outer * g_.inner;
+    const std::int64_t tasks = std::min(units, task_count(pool, units * g_.extent, 2.0));
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      expr::Eval<S, K> ev(kernel_, ptrs.data(), splat_.data());
+      auto [u0, u1] = task_range(units, tasks, t);
+      for (std::int64_t u = u0; u < u1; ++u) {
+        const std::int64_t o = u / g_.inner, c = u % g_.inner;
+        const std::int64_t base = o * g_.extent * g_.inner + c;
+        S best = ev.coeff(base);
+        std::int64_t best_i = 0;
+        for (std::int64_t r = 1; r < g_.extent && best == best; ++r) {
+          const S v = ev.coeff(base + r * g_.inner);
+          if ((IsMax ? v > best : v < best) || v != v) {
+            best = v;
+            best_i = r;
+          }
+        }
+        out[u] = best_i;
+      }
+    });
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  K kernel_;
+  ReduceGeometry g_;
+  std::vector<char> splat_;
+};
+
+}  // namespace lazy::graph

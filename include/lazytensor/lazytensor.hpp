@@ -1,0 +1,15 @@
+#pragma once
+// lazytensor: lazy tensors with fused, SIMD-vectorized kernels. Umbrella header: include
+// this, or one module header, and link lazytensor::lazytensor.
+
+#include <lazytensor/core/error.hpp>
+#include <lazytensor/debug/graph_dump.hpp>
+#include <lazytensor/debug/metrics.hpp>
+#include <lazytensor/device.hpp>
+#include <lazytensor/ops/factories.hpp>
+#include <lazytensor/ops/matmul.hpp>
+#include <lazytensor/ops/random.hpp>
+#include <lazytensor/ops/reduction.hpp>
+#include <lazytensor/ops/shape.hpp>
+#include <lazytensor/ops/softmax.hpp>
+#include <lazytensor/tensor.hpp>

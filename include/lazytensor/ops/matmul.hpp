@@ -1,0 +1,230 @@
+#pragma once
+// matmul, linear, bmm: Eigen GEMM on maps of the buffers. Transposes are layouts (a pending
+// transpose of the last two dims is read through, never copied), and a GEMM that feeds
+// only an element-wise expression runs in row blocks with that expression applied to each
+// block while it is in cache (see ElementwiseNode::fuse_producers).
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <Eigen/Core>
+
+#include <lazytensor/graph/elementwise_node.hpp>
+#include <lazytensor/graph/transpose_hint.hpp>
+#include <lazytensor/ops/shape.hpp>
+#include <lazytensor/tensor.hpp>
+
+namespace lazy {
+
+namespace graph {
+
+/// C[b] = op(A[b]) * op(B[b]) for a batch of row-major matrices; op is identity or
+/// transpose. A batch count of 1 on either side broadcasts.
+template <Element T>
+class GemmNode final : public Node, public RowProducer {
+ public:
+  struct Operand {
+    NodePtr node;
+    bool transposed;  ///< the node holds [.., cols, rows] and is read transposed
+  };
+
+  GemmNode(Operand a, Operand b, std::int64_t batch_a, std::int64_t batch_b, std::int64_t m, std::int64_t k,
+           std::int64_t n, Shape out_shape, Device* device)
+      : Node(NodeKind::Gemm, dtype_of<T>(), out_shape, device, {a.node, b.node}), ta_(a.transposed),
+        tb_(b.transposed), batch_a_(batch_a), batch_b_(batch_b), m_(m), k_(k), n_(n) {}
+
+  std::string op_name() const override { return "matmul"; }
+  std::string describe() const override {
+    return std::string("matmul(%0") + (ta_ ? "^T" : "") + ", %1" + (tb_ ? "^T" : "") + ") [" + std::to_string(m_) +
+           "x" + std::to_string(k_) + "] x [" + std::to_string(k_) + "x" + std::to_string(n_) + "]";
+  }
+  double cost_per_element() const override { return 2.0 * static_cast<double>(k_); }
+  std::uint64_t structural_hash() const override {
+    return hash_combine(Node::structural_hash(), (ta_ ? 1u : 0u) | (tb_ ? 2u : 0u));
+  }
+
+  void produce_rows(void* out, std::int64_t r0, std::int64_t r1) override {
+    T* c = static_cast<T*>(out);
+    const T* a = inputs()[0]->template data<T>();
+    const T* b = inputs()[1]->template data<T>();
+    // Rows of the output run over (batch, m); a range may span several batches.
+    while (r0 < r1) {
+      const std::int64_t bi = r0 / m_, row = r0 % m_;
+      const std::int64_t rows = std::min(r1 - r0, m_ - row);
+      gemm_block(a + (batch_a_ == 1 ? 0 : bi) * m_ * k_, b + (batch_b_ == 1 ? 0 : bi) * k_ * n_,
+                 c + r0 * n_, row, rows);
+      r0 += rows;
+    }
+  }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    auto buf = allocate_output(ctx, false);
+    auto& pool = ctx.device.threads();
+    const std::int64_t rows = m_ * std::max(batch_a_, batch_b_);
+    if (n_ == 0 || rows == 0) {
+      set_buffer(std::move(buf));
+      return;
+    }
+    if (k_ == 0) {
+      std::fill_n(static_cast<T*>(buf->data()), rows * n_, T(0));
+      set_buffer(std::move(buf));
+      return;
+    }
+    const std::int64_t tasks = std::min<std::int64_t>(task_count(pool, rows * n_, cost_per_element()), (rows + 7) / 8);
+    void* out = buf->data();
+    pool.parallel_for(std::max<std::int64_t>(tasks, 1), [&](std::int64_t t) {
+      auto [r0, r1] = task_range(rows, std::max<std::int64_t>(tasks, 1), t);
+      produce_rows(out, r0, r1);
+    });
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  using CMap = Eigen::Map<const Mat>;
+
+  // Rows [row, row + rows) of op(A) * op(B) for one batch, into c (already offset).
+  void gemm_block(const T* a, const T* b, T* c, std::int64_t row, std::int64_t rows) const {
+    Eigen::Map<Mat> C(c, rows, n_);
+    if (k_ == 0) {
+      C.setZero();
+      return;
+    }
+    auto run = [&](const auto& A) {
+      if (tb_) C.noalias() = A * CMap(b, n_, k_).transpose();
+      else C.noalias() = A * CMap(b, k_, n_);
+    };
+    if (ta_) run(CMap(a, k_, m_).middleCols(row, rows).transpose());
+    else run(CMap(a, m_, k_).middleRows(row, rows));
+  }
+
+  bool ta_, tb_;
+  std::int64_t batch_a_, batch_b_, m_, k_, n_;
+};
+
+}  // namespace graph
+
+namespace detail {
+
+/// The operand as a GEMM reads it: through a pending transpose when there is one.
+template <Element T>
+typename graph::GemmNode<T>::Operand gemm_operand(const Tensor<T>& t) {
+  const auto& n = t.node();
+  if (!n->materialized()) {
+    // Only a 2-D source: batched GEMMs may stack batch rows, which a transposed read breaks.
+    if (auto* tr = dynamic_cast<graph::TransposeOfLastTwo*>(n.get()); tr && tr->transpose_source()->shape().rank() == 2)
+      return {tr->transpose_source(), true};
+  }
+  return {n, false};
+}
+
+template <Element T>
+Tensor<T> gemm(const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std::int64_t batch_b,
+               std::int64_t m, std::int64_t k, std::int64_t n, const Shape& out) {
+  auto oa = gemm_operand(a), ob = gemm_operand(b);
+  graph::Device& dev = graph::common_device({oa.node, ob.node}, "matmul");
+  return Tensor<T>(graph::submit(std::make_shared<graph::GemmNode<T>>(oa, ob, batch_a, batch_b, m, k, n, out, &dev)));
+}
+
+[[noreturn]] inline void matmul_mismatch(const Shape& a, const Shape& b, std::int64_t ka, std::int64_t kb) {
+  throw ShapeError("matmul: mat1 and mat2 shapes cannot be multiplied (" + a.str() + " and " + b.str() +
+                   "): expected the contracted sizes to match, found " + std::to_string(ka) + " and " +
+                   std::to_string(kb));
+}
+
+}  // namespace detail
+
+/// Matrix product with torch.matmul's rules: 1-D x 1-D is a dot product, 2-D x 2-D a matrix
+/// product, 1-D operands gain and lose a dimension, and leading (batch) dims broadcast.
+template <Element T>
+Tensor<T> matmul(const Tensor<T>& a, const Tensor<T>& b) {
+  if constexpr (!std::is_same_v<T, float> && !std::is_same_v<T, double> && !std::is_same_v<T, std::int32_t> &&
+                !std::is_same_v<T, std::int64_t>) {
+    throw DTypeError("matmul: expected float, double, int32 or int64 operands, got " + dtype_name(dtype_of<T>()));
+  } else {
+    const Shape& sa = a.shape();
+    const Shape& sb = b.shape();
+    if (sa.rank() == 0 || sb.rank() == 0) {
+      throw ShapeError("matmul: both arguments need at least 1 dimension, got " + sa.str() + " and " + sb.str());
+    }
+    if (sa.rank() == 1 && sb.rank() == 1) {
+      if (sa[0] != sb[0]) detail::matmul_mismatch(sa, sb, sa[0], sb[0]);
+      return detail::gemm(reshape(a, Shape{1, sa[0]}), reshape(b, Shape{sb[0], 1}), 1, 1, 1, sa[0], 1, Shape{});
+    }
+    if (sb.rank() == 1) {  // [.., m, k] x [k]
+      const std::int64_t k = sa[sa.rank() - 1];
+      if (k != sb[0]) detail::matmul_mismatch(sa, sb, k, sb[0]);
+      Shape out;
+      for (int i = 0; i + 1 < sa.rank(); ++i) out.push_back(sa[i]);
+      const std::int64_t m = k ? a.numel() / k : out.numel();
+      return detail::gemm(reshape(a, Shape{m, k}), reshape(b, Shape{k, 1}), 1, 1, m, k, 1, out);
+    }
+    if (sa.rank() == 1) {  // [k] x [.., k, n]
+      const std::int64_t k = sb[sb.rank() - 2], n = sb[sb.rank() - 1];
+      if (k != sa[0]) detail::matmul_mismatch(sa, sb, sa[0], k);
+      Shape out;
+      for (int i = 0; i + 2 < sb.rank(); ++i) out.push_back(sb[i]);
+      out.push_back(n);
+      const std::int64_t batch = sb.numel() / std::max<std::int64_t>(1, k * n);
+      return detail::gemm(reshape(a, Shape{1, k}), b, 1, batch, 1, k, n, out);
+    }
+    const std::int64_t m = sa[sa.rank() - 2], k = sa[sa.rank() - 1];
+    const std::int64_t kb = sb[sb.rank() - 2], n = sb[sb.rank() - 1];
+    if (k != kb) detail::matmul_mismatch(sa, sb, k, kb);
+    Shape ba, bb;
+    for (int i = 0; i + 2 < sa.rank(); ++i) ba.push_back(sa[i]);
+    for (int i = 0; i + 2 < sb.rank(); ++i) bb.push_back(sb[i]);
+    const Shape batch = broadcast_shapes(ba, bb, "matmul");
+    Shape out = batch;
+    out.push_back(m);
+    out.push_back(n);
+    if (bb.numel() == 1 && sb.rank() == 2) {
+      // [.., m, k] x [k, n]: one GEMM with all batch rows stacked (m' = batch * m).
+      return detail::gemm(a, b, 1, 1, ba.numel() * m, k, n, out);
+    }
+    Shape fa = batch, fb = batch;
+    fa.push_back(m);
+    fa.push_back(k);
+    fb.push_back(k);
+    fb.push_back(n);
+    Tensor<T> ea = (ba == batch) ? a : expand(a, fa);
+    Tensor<T> eb = (bb == batch) ? b : expand(b, fb);
+    return detail::gemm(ea, eb, batch.numel(), batch.numel(), m, k, n, out);
+  }
+}
+
+/// Batched matrix product of [b, m, k] and [b, k, n] (no broadcasting, as torch.bmm).
+template <Element T>
+Tensor<T> bmm(const Tensor<T>& a, const Tensor<T>& b) {
+  if (a.dim() != 3 || b.dim() != 3 || a.size(0) != b.size(0)) {
+    throw ShapeError("bmm: expected 3-D tensors with equal batch sizes, got " + a.shape().str() + " and " +
+                     b.shape().str());
+  }
+  return matmul(a, b);
+}
+
+/// x @ w^T (torch.nn.functional.linear without bias); w is [out_features, in_features].
+template <Element T>
+Tensor<T> linear(const Tensor<T>& x, const Tensor<T>& w) {
+  if (w.dim() != 2 || x.dim() < 1 || x.size(-1) != w.size(1)) {
+    throw ShapeError("linear: expected input [..., " + std::to_string(w.dim() == 2 ? w.size(1) : -1) +
+                     "] and weight [out_features, in_features], got input " + x.shape().str() + " and weight " +
+                     w.shape().str());
+  }
+  return matmul(x, transpose(w, 0, 1));
+}
+
+/// x @ w^T + b. Returns an expression (as `a + b` does), so a following element-wise op
+/// such as relu joins the bias in one epilogue that runs on the GEMM's row blocks.
+template <Element T>
+auto linear(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& b) {
+  if (b.dim() != 1 || b.size(0) != w.size(0)) {
+    throw ShapeError("linear: expected bias of shape (" + std::to_string(w.size(0)) + ",), got " + b.shape().str());
+  }
+  return linear(x, w) + b;
+}
+
+}  // namespace lazy

@@ -1,0 +1,280 @@
+#pragma once
+// Reductions: sum mean prod max min amax amin argmax argmin any all logsumexp norm.
+// Each takes a tensor or an element-wise expression (fused into the reduction loop) and
+// returns a pending tensor.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <lazytensor/graph/reduction_node.hpp>
+#include <lazytensor/ops/shape.hpp>
+#include <lazytensor/tensor.hpp>
+
+namespace lazy {
+
+namespace detail {
+
+/// Normalized, sorted, de-duplicated reduction dims; empty `dims` means all.
+inline std::vector<int> reduce_dims(const Shape& s, const std::vector<std::int64_t>& dims, const char* op) {
+  std::vector<int> d;
+  if (dims.empty()) {
+    for (int i = 0; i < s.rank(); ++i) d.push_back(i);
+    return d;
+  }
+  for (auto x : dims) {
+    const int n = normalize_dim(x, s.rank(), op);
+    if (std::find(d.begin(), d.end(), n) != d.end()) {
+      throw ShapeError(std::string(op) + ": dim " + std::to_string(n) + " appears multiple times in the list of dims");
+    }
+    d.push_back(n);
+  }
+  std::sort(d.begin(), d.end());
+  if (s.rank() == 0) d.clear();
+  return d;
+}
+
+inline Shape reduced_shape(const Shape& s, const std::vector<int>& dims, bool keepdim) {
+  Shape out;
+  for (int i = 0; i < s.rank(); ++i) {
+    const bool r = std::find(dims.begin(), dims.end(), i) != dims.end();
+    if (!r) out.push_back(s[i]);
+    else if (keepdim) out.push_back(1);
+  }
+  return out;
+}
+
+/// [outer, R, inner] when the reduced dims of size > 1 are adjacent; false otherwise.
+inline bool geometry(const Shape& s, const std::vector<int>& dims, graph::ReduceGeometry& g) {
+  int lo = -1, hi = -1;
+  for (int d : dims)
+    if (s[d] != 1) {
+      if (lo < 0) lo = d;
+      hi = d;
+    }
+  g = {};
+  if (lo < 0) {  // nothing of size > 1 is reduced
+    g.outer = s.numel();
+    return true;
+  }
+  for (int i = lo; i <= hi; ++i) {
+    const bool r = std::find(dims.begin(), dims.end(), i) != dims.end();
+    if (!r && s[i] != 1) return false;
+  }
+  for (int i = 0; i < s.rank(); ++i) {
+    if (i < lo) g.outer *= s[i];
+    else if (i > hi) g.inner *= s[i];
+    else g.extent *= s[i];
+  }
+  return true;
+}
+
+template <class E>
+bool flat_child(const E& e, const std::vector<graph::NodePtr>& inputs) {
+  for (const auto& in : inputs)
+    if (!(in->shape() == e.shape()) && in->numel() != 1) return false;
+  return true;
+}
+
+/// Builds the node for reducing the operand `x` (flat kernel form) with reducer R.
+template <class R, class Tout, class X>
+graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims, bool keepdim, double scale_kind,
+                              const char* op) {
+  const Shape& s = x.shape();
+  auto rd = reduce_dims(s, dims, op);
+  graph::ReduceGeometry g;
+  if (!geometry(s, rd, g)) {
+    // Reduced dims are not adjacent: move them to the back first (one copy), then reduce.
+    using V = expr::value_t<X>;
+    Tensor<V> t = [&] {
+      if constexpr (expr::is_expr_node<X>::value) return Tensor<V>(x);
+      else return x;
+    }();
+    std::vector<std::int64_t> perm;
+    for (int i = 0; i < s.rank(); ++i)
+      if (std::find(rd.begin(), rd.end(), i) == rd.end()) perm.push_back(i);
+    for (int d : rd) perm.push_back(d);
+    Tensor<V> p = permute(t, perm);
+    std::vector<std::int64_t> back;
+    for (std::size_t i = 0; i < rd.size(); ++i) back.push_back(s.rank() - static_cast<std::int64_t>(rd.size() + 0) + static_cast<std::int64_t>(i));
+    auto node = reduction_node<R, Tout>(p, back, false, scale_kind, op);
+    if (!keepdim) return node;
+    return reshape(Tensor<Tout>(node), reduced_shape(s, rd, true)).node();
+  }
+  const Shape out = reduced_shape(s, rd, keepdim);
+  const double scale = scale_kind == 0 ? 1.0 : (g.extent ? 1.0 / static_cast<double>(g.extent) : std::nan(""));
+  std::vector<graph::NodePtr> inputs;
+  auto k = expr::to_kernel(expr::operand(x), inputs);
+  using K = decltype(k);
+  if constexpr (expr::is_expr_node<X>::value) {
+    if (!flat_child(x, inputs)) {
+      // A broadcast inside the child: materialize it once, then reduce the result.
+      return reduction_node<R, Tout>(Tensor<typename X::value_type>(x), dims, keepdim, scale_kind, op);
+    }
+  }
+  using S = expr::lane_combine<expr::klane_t<K>, expr::lane_of<Tout>>;
+  graph::Device& dev = graph::common_device(inputs, op);
+  return graph::submit(std::make_shared<graph::ReductionNode<K, R, S, Tout>>(std::move(k), out, g, scale, &dev,
+                                                                            std::move(inputs), s));
+}
+
+template <class R, class X>
+auto reduce(const X& x, const std::vector<std::int64_t>& dims, bool keepdim, const char* op) {
+  using T = typename R::template result<expr::value_t<X>>;
+  return Tensor<T>(reduction_node<R, T>(x, dims, keepdim, 0, op));
+}
+
+template <class X>
+void require_nonempty(const X& x, const std::vector<std::int64_t>& dims, const char* op) {
+  const Shape& s = x.shape();
+  auto rd = reduce_dims(s, dims, op);
+  for (int d : rd)
+    if (s[d] == 0) {
+      throw ShapeError(std::string(op) + ": expected a non-empty dimension to reduce, got size 0 in dim " +
+                       std::to_string(d) + " of shape " + s.str());
+    }
+  if (s.numel() == 0 && rd.empty()) throw ShapeError(std::string(op) + ": cannot reduce a tensor with no elements");
+}
+
+}  // namespace detail
+
+using Dims = std::vector<std::int64_t>;
+
+/// Sum over `dims` (all when empty); integers sum to int64.
+template <expr::ExprLike X>
+auto sum(const X& x, const Dims& dims = {}, bool keepdim = false) {
+  return detail::reduce<ops::reduce::Sum>(x, dims, keepdim, "sum");
+}
+/// Product over `dims`.
+template <expr::ExprLike X>
+auto prod(const X& x, const Dims& dims = {}, bool keepdim = false) {
+  return detail::reduce<ops::reduce::Prod>(x, dims, keepdim, "prod");
+}
+/// Mean over `dims`; floating types only (DTypeError otherwise, as torch.mean).
+template <expr::ExprLike X>
+auto mean(const X& x, const Dims& dims = {}, bool keepdim = false) {
+  using T = expr::value_t<X>;
+  if constexpr (!is_floating_v<T>) {
+    throw DTypeError("mean(): could not infer output dtype. Input dtype must be floating point, got " +
+                     dtype_name(dtype_of<T>()));
+    return Tensor<float>();
+  } else {
+    return Tensor<T>(detail::reduction_node<ops::reduce::Sum, T>(x, dims, keepdim, 1, "mean"));
+  }
+}
+/// Largest value over `dims` (NaN-propagating).
+template <expr::ExprLike X>
+auto amax(const X& x, const Dims& dims = {}, bool keepdim = false) {
+  detail::require_nonempty(x, dims, "amax");
+  return detail::reduce<ops::reduce::Max>(x, dims, keepdim, "amax");
+}
+/// Smallest value over `dims` (NaN-propagating).
+template <expr::ExprLike X>
+auto amin(const X& x, const Dims& dims = {}, bool keepdim = false) {
+  detail::require_nonempty(x, dims, "amin");
+  return detail::reduce<ops::reduce::Min>(x, dims, keepdim, "amin");
+}
+/// Largest value: all elements, or along `dim` (values only; see argmax for indices).
+template <expr::ExprLike X>
+auto max(const X& x) {
+  return amax(x);
+}
+template <expr::ExprLike X>
+auto max(const X& x, std::int64_t dim, bool keepdim = false) {
+  return amax(x, {dim}, keepdim);
+}
+/// Smallest value: all elements, or along `dim`.
+template <expr::ExprLike X>
+auto min(const X& x) {
+  return amin(x);
+}
+template <expr::ExprLike X>
+auto min(const X& x, std::int64_t dim, bool keepdim = false) {
+  return amin(x, {dim}, keepdim);
+}
+/// True where any element over `dims` is non-zero.
+template <expr::ExprLike X>
+Tensor<bool> any(const X& x, const Dims& dims = {}, bool keepdim = false) {
+  return Tensor<bool>(detail::reduction_node<ops::reduce::Any, bool>(x != 0, dims, keepdim, 0, "any"));
+}
+/// True where every element over `dims` is non-zero.
+template <expr::ExprLike X>
+Tensor<bool> all(const X& x, const Dims& dims = {}, bool keepdim = false) {
+  return Tensor<bool>(detail::reduction_node<ops::reduce::All, bool>(x != 0, dims, keepdim, 0, "all"));
+}
+
+namespace detail {
+template <bool IsMax, class X>
+Tensor<std::int64_t> arg_reduce(const X& x, std::optional<std::int64_t> dim, bool keepdim, const char* op) {
+  if (!dim) {
+    // Over the flattened tensor.
+    using V = expr::value_t<X>;
+    Tensor<V> t = [&] {
+      if constexpr (expr::is_expr_node<X>::value) return Tensor<V>(x);
+      else return x;
+    }();
+    Tensor<V> flat = reshape(t, Shape{t.numel()});
+    auto r = arg_reduce<IsMax>(flat, 0, false, op);
+    if (!keepdim) return r;
+    Shape ones;
+    for (int i = 0; i < t.dim(); ++i) ones.push_back(1);
+    return reshape(r, ones);
+  }
+  require_nonempty(x, {*dim}, op);
+  const Shape& s = x.shape();
+  auto rd = reduce_dims(s, {*dim}, op);
+  graph::ReduceGeometry g;
+  geometry(s, rd, g);  // a single dim is always adjacent to itself
+  std::vector<graph::NodePtr> inputs;
+  auto k = expr::to_kernel(expr::operand(x), inputs);
+  if constexpr (expr::is_expr_node<X>::value) {
+    if (!flat_child(x, inputs)) return arg_reduce<IsMax>(Tensor<typename X::value_type>(x), dim, keepdim, op);
+  }
+  using K = decltype(k);
+  graph::Device& dev = graph::common_device(inputs, op);
+  return Tensor<std::int64_t>(graph::submit(std::make_shared<graph::ArgReductionNode<K, expr::klane_t<K>, IsMax>>(
+      std::move(k), reduced_shape(s, rd, keepdim), g, &dev, std::move(inputs), s)));
+}
+}  // namespace detail
+
+/// Index of the largest value (first occurrence), over all elements or along `dim`.
+template <expr::ExprLike X>
+Tensor<std::int64_t> argmax(const X& x, std::optional<std::int64_t> dim = std::nullopt, bool keepdim = false) {
+  return detail::arg_reduce<true>(x, dim, keepdim, "argmax");
+}
+/// Index of the smallest value (first occurrence), over all elements or along `dim`.
+template <expr::ExprLike X>
+Tensor<std::int64_t> argmin(const X& x, std::optional<std::int64_t> dim = std::nullopt, bool keepdim = false) {
+  return detail::arg_reduce<false>(x, dim, keepdim, "argmin");
+}
+
+/// log(sum(exp(x))) over `dims`, computed stably (the max is subtracted first).
+template <expr::ExprLike X>
+auto logsumexp(const X& x, const Dims& dims = {}, bool keepdim = false) {
+  using T = to_floating_t<expr::value_t<X>>;
+  Tensor<T> t = cast<T>(x);
+  Tensor<T> m = amax(t, dims, true);
+  // An all -inf (or inf) slice would give inf - inf: shift by 0 there instead.
+  Tensor<T> shift = where(abs(m) == std::numeric_limits<float>::infinity(), 0, m);
+  Tensor<T> s = sum(exp(t - shift), dims, true);
+  Tensor<T> r = log(s) + shift;
+  if (keepdim) return r;
+  return reshape(r, detail::reduced_shape(t.shape(), detail::reduce_dims(t.shape(), dims, "logsumexp"), false));
+}
+
+/// p-norm over `dims` (p = 2 by default; p = inf is the max of |x|).
+template <expr::ExprLike X>
+auto norm(const X& x, double p = 2, const Dims& dims = {}, bool keepdim = false) {
+  using T = to_floating_t<expr::value_t<X>>;
+  if (p == 2) return Tensor<T>(sqrt(sum(cast<T>(x) * cast<T>(x), dims, keepdim)));
+  if (p == 1) return Tensor<T>(sum(abs(cast<T>(x)), dims, keepdim));
+  if (std::isinf(p) && p > 0) return Tensor<T>(amax(abs(cast<T>(x)), dims, keepdim));
+  if (p == 0) return Tensor<T>(cast<T>(sum(cast<T>(x) != 0, dims, keepdim)));
+  return Tensor<T>(pow(sum(pow(abs(cast<T>(x)), p), dims, keepdim), 1.0 / p));
+}
+
+}  // namespace lazy

@@ -1,0 +1,262 @@
+#pragma once
+// lazy::Tensor<T>: a cheap handle, like torch::Tensor. Copies share one tensor object that
+// points at the graph node holding the current value; in-place ops rebind that node.
+
+#include <cstdint>
+#include <cstring>
+#include <iomanip>
+#include <memory>
+#include <ostream>
+#include <sstream>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <Eigen/Core>
+
+#include <lazytensor/core/counters.hpp>
+#include <lazytensor/expr/expr.hpp>
+#include <lazytensor/graph/builders.hpp>
+
+namespace lazy {
+
+/// A user-facing device handle: which engine device a tensor lives on.
+class Device {
+ public:
+  Device() = default;
+  explicit Device(int index) : index_(index) {}
+  int index() const { return index_; }
+  /// "CPU:0", as torch_xla names devices.
+  std::string str() const { return "CPU:" + std::to_string(index_); }
+  /// The engine behind this handle.
+  graph::Device& engine() const { return graph::DeviceRegistry::get().device(index_); }
+  friend bool operator==(const Device&, const Device&) = default;
+
+ private:
+  int index_ = 0;
+};
+
+inline std::ostream& operator<<(std::ostream& os, const Device& d) { return os << d.str(); }
+
+/// This thread's current device (torch_xla.device()).
+inline Device device() { return Device(graph::current_device_index()); }
+
+namespace detail {
+/// A materialized node holding a copy of `n` host values.
+template <Element T>
+graph::NodePtr data_node(const T* src, const Shape& shape, const Device& dev) {
+  graph::Device& d = dev.engine();
+  auto buf = d.pool().acquire(padded_bytes(shape.numel(), sizeof(T)));
+  if (shape.numel() > 0) std::memcpy(buf->data(), src, static_cast<std::size_t>(shape.numel()) * sizeof(T));
+  return std::make_shared<graph::DataNode>(dtype_of<T>(), shape, &d, std::move(buf));
+}
+}  // namespace detail
+
+/// A lazy tensor of element type T (float, double, int32_t, int64_t, bool, bfloat16).
+template <Element T>
+class Tensor {
+ public:
+  using value_type = T;
+
+  /// An undefined tensor (defined() is false), like torch::Tensor().
+  Tensor() = default;
+
+  /// Wraps a graph node (internal: factories and ops build tensors this way).
+  explicit Tensor(graph::NodePtr node) : impl_(std::make_shared<graph::TensorImpl>(std::move(node))) {
+    impl_->node->device()->register_handle(impl_);
+  }
+
+  /// Captures an expression as a pending node; nothing is computed until a sync or read.
+  template <class Op, class... C>
+  Tensor(const Expr<Op, C...>& e)  // NOLINT: implicit, as `Tensor<float> y = a + b;`
+      : Tensor(graph::make_elementwise<T>(e)) {}
+
+  /// Rebinds this handle (not the shared tensor) to an expression's value, as `t = a + b`
+  /// does in libtorch.
+  template <class Op, class... C>
+  Tensor& operator=(const Expr<Op, C...>& e) {
+    return *this = Tensor(e);
+  }
+
+  /// True unless default-constructed.
+  bool defined() const { return impl_ != nullptr; }
+  /// Sizes of each dimension.
+  const Shape& shape() const { return node()->shape(); }
+  /// Same as shape(), libtorch's name.
+  const Shape& sizes() const { return shape(); }
+  /// Size of dimension d (negative counts from the back).
+  std::int64_t size(int d) const { return shape().size(d); }
+  /// Rank.
+  int dim() const { return shape().rank(); }
+  /// Number of elements.
+  std::int64_t numel() const { return shape().numel(); }
+  /// Element type tag.
+  static constexpr DType dtype = dtype_of<T>();
+  /// Device the value lives on.
+  Device device() const { return Device(node()->device()->index()); }
+
+  /// The single value of a one-element tensor. Materializes (an implicit sync).
+  T item() const {
+    if (numel() != 1) {
+      throw ShapeError("item(): a Tensor with " + std::to_string(numel()) +
+                       " elements cannot be converted to a scalar (expected 1 element)");
+    }
+    return data()[0];
+  }
+
+  /// A copy of the values, row-major. Materializes (an implicit sync).
+  std::vector<T> to_vector() const {
+    const T* p = data();
+    return std::vector<T>(p, p + numel());
+  }
+
+  /// A row-major Eigen view of the values: rank 2 as is, rank 1 as a column, rank 0 as
+  /// 1x1, higher ranks as (numel / last dim) x last dim. Valid while this handle keeps the
+  /// value (until it is modified or destroyed). Materializes (an implicit sync).
+  auto eigen() const
+    requires(!std::is_same_v<T, bfloat16>)
+  {
+    using M = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+    const Shape& s = shape();
+    const std::int64_t cols = s.rank() == 0 ? 1 : s.rank() == 1 ? 1 : s[s.rank() - 1];
+    const std::int64_t rows = cols == 0 ? 0 : numel() / cols;
+    return Eigen::Map<const M>(data(), static_cast<Eigen::Index>(rows), static_cast<Eigen::Index>(cols));
+  }
+
+  /// Pointer to the materialized values (row-major, padded). Materializes.
+  const T* data() const {
+    if (graph::materialize(node())) {
+      static auto& implicit = core::counter("ImplicitSync");
+      implicit.add();
+    }
+    static auto& transfers = core::counter("TransferFromDevice");
+    transfers.add();
+    return node()->template data<T>();
+  }
+
+  /// The tensor as an expression operand.
+  expr::Leaf<T> to_leaf() const { return {node()}; }
+  /// The graph node holding the current value.
+  const graph::NodePtr& node() const {
+    if (!impl_) throw Error("use of an undefined tensor (default-constructed lazy::Tensor)");
+    return impl_->node;
+  }
+  /// The shared tensor object (every copy of this handle has the same one).
+  const std::shared_ptr<graph::TensorImpl>& impl() const { return impl_; }
+
+  // ---- in-place (functionalized: the shared object is rebound to a new node) ---------
+
+  /// Replaces the value with `src` broadcast to this shape and converted to T.
+  template <class X>
+  Tensor& copy_(const X& src) {
+    return assign_(expr::make<ops::Identity>(src), "copy_");
+  }
+  template <class X>
+  Tensor& add_(const X& x) {
+    return assign_(*this + x, "add_");
+  }
+  template <class X>
+  Tensor& sub_(const X& x) {
+    return assign_(*this - x, "sub_");
+  }
+  template <class X>
+  Tensor& mul_(const X& x) {
+    return assign_(*this * x, "mul_");
+  }
+  template <class X>
+  Tensor& div_(const X& x) {
+    return assign_(*this / x, "div_");
+  }
+  /// Adds alpha * x, as torch's add_(other, alpha).
+  template <class X, class A>
+  Tensor& add_(const X& x, A alpha) {
+    return assign_(*this + x * alpha, "add_");
+  }
+  template <class X>
+  Tensor& operator+=(const X& x) {
+    return add_(x);
+  }
+  template <class X>
+  Tensor& operator-=(const X& x) {
+    return sub_(x);
+  }
+  template <class X>
+  Tensor& operator*=(const X& x) {
+    return mul_(x);
+  }
+  template <class X>
+  Tensor& operator/=(const X& x) {
+    return div_(x);
+  }
+  /// Sets every element to v.
+  template <expr::Number V>
+  Tensor& fill_(V v) {
+    std::vector<graph::NodePtr> none;
+    using E = Expr<ops::Identity, expr::Scalar<T>>;
+    E e(expr::Scalar<T>{static_cast<T>(v)});
+    impl_->node = graph::submit(std::make_shared<graph::ElementwiseNode<expr::kernel_form_t<E>, T>>(
+        expr::to_kernel(e, none), shape(), node()->device(), std::vector<graph::NodePtr>{}));
+    return *this;
+  }
+  /// Sets every element to zero.
+  Tensor& zero_() { return fill_(0); }
+
+ private:
+  template <class E>
+  Tensor& assign_(const E& e, const char* op) {
+    using V = typename E::value_type;
+    if constexpr (is_floating_v<V> && !is_floating_v<T>) {
+      throw DTypeError(std::string(op) + ": result type " + dtype_name(dtype_of<V>()) +
+                       " can't be cast to the desired output type " + dtype_name(dtype_of<T>()));
+    }
+    if (!broadcastable_to(e.shape(), shape())) {
+      throw ShapeError(std::string(op) + ": output with shape " + shape().str() +
+                       " doesn't match the broadcast shape " + e.shape().str());
+    }
+    impl_->node = graph::make_elementwise<T>(e, shape());
+    return *this;
+  }
+
+  std::shared_ptr<graph::TensorImpl> impl_;
+};
+
+namespace detail {
+template <class T>
+void print_value(std::ostream& os, T v) {
+  if constexpr (std::is_same_v<T, bool>) os << (v ? "True" : "False");
+  else if constexpr (is_floating_v<T>) os << static_cast<double>(static_cast<float>(v));
+  else os << v;
+}
+template <class T>
+void print_dims(std::ostream& os, const T* p, const Shape& s, int d, std::int64_t& pos) {
+  if (d == s.rank()) {
+    print_value(os, p[pos++]);
+    return;
+  }
+  os << "[";
+  for (std::int64_t i = 0; i < s[d]; ++i) {
+    if (i) os << (d + 1 == s.rank() ? ", " : ",\n" + std::string(static_cast<std::size_t>(d) + 8, ' '));
+    print_dims(os, p, s, d + 1, pos);
+  }
+  os << "]";
+}
+}  // namespace detail
+
+/// Prints like PyTorch: tensor([[1, 2], [3, 4]], device='CPU:0', dtype=float32).
+template <Element T>
+std::ostream& operator<<(std::ostream& os, const Tensor<T>& t) {
+  if (!t.defined()) return os << "[ Tensor (undefined) ]";
+  std::int64_t pos = 0;
+  const T* p = t.data();
+  os << "tensor(";
+  detail::print_dims(os, p, t.shape(), 0, pos);
+  return os << ", device='" << t.device().str() << "', dtype=" << dtype_name(t.dtype) << ")";
+}
+
+/// Evaluates an expression into a new tensor of its natural type.
+template <class Op, class... C>
+auto eval(const Expr<Op, C...>& e) {
+  return Tensor<typename Expr<Op, C...>::value_type>(e);
+}
+
+}  // namespace lazy
