@@ -117,7 +117,7 @@ std::string kernel_text(const KExpr<Op, C...>& k) {
   bool first = true;
   std::apply(
       [&](const auto&... ch) {
-        ((s += (first ? "" : ", ") + kernel_text(ch), first = false), ...);
+        ((s.append(first ? "" : ", ").append(kernel_text(ch)), first = false), ...);
       },
       k.children);
   return s + ")";

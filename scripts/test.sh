@@ -1,0 +1,165 @@
+#!/usr/bin/env bash
+# Build lazytensor and run its tests.
+#
+#   scripts/test.sh                              Release build (-march=native) in $BUILD_DIR (default: build), run ctest
+#   scripts/test.sh --sanitize address,undefined ASan+UBSan build in build-asan, run the whole suite
+#   scripts/test.sh --sanitize thread            TSan build in build-tsan, run tests labelled "tsan"
+#   scripts/test.sh --all                        everything CI runs: tests, single-header staleness check and
+#                                                smoke test, installed-package / add_subdirectory / FetchContent
+#                                                consumers, ASan+UBSan suite, TSan suite
+#   scripts/test.sh [...] -- <ctest args>        extra arguments for ctest (e.g. -- -R shape)
+#
+# Environment: BUILD_DIR, ASAN_BUILD_DIR, TSAN_BUILD_DIR, JOBS, CXX (single-header smoke compiler).
+set -euo pipefail
+
+# shellcheck source=scripts/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+cd "$LT_ROOT"
+
+usage() { sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+
+mode=normal
+sanitize=""
+ctest_extra=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --all) mode=all ;;
+    --sanitize) [ $# -ge 2 ] || die "--sanitize needs a value (address,undefined | thread)"
+                mode=sanitize; sanitize="$2"; shift ;;
+    --sanitize=*) mode=sanitize; sanitize="${1#--sanitize=}" ;;
+    -h|--help) usage; exit 0 ;;
+    --) shift; ctest_extra=("$@"); break ;;
+    *) usage >&2; die "unknown argument: $1" ;;
+  esac
+  shift
+done
+
+ensure_packages cmake g++ make libeigen3-dev libxsimd-dev libboost-dev libgtest-dev libbenchmark-dev ccache
+
+# --------------------------------------------------------------------------------------------
+run_default() {
+  local dir="${BUILD_DIR:-build}"
+  section "configure + build ($dir, Release, LAZYTENSOR_NATIVE=ON)"
+  cmake -S . -B "$dir" \
+    -DCMAKE_BUILD_TYPE=Release \
+    -DLAZYTENSOR_NATIVE=ON \
+    -DLAZYTENSOR_SANITIZE= \
+    -DLAZYTENSOR_BUILD_TESTS=ON \
+    -DLAZYTENSOR_BUILD_EXAMPLES=ON \
+    -DLAZYTENSOR_BUILD_BENCHMARKS=ON
+  cmake --build "$dir" -j"$JOBS"
+  section "tests ($dir)"
+  ctest --test-dir "$dir" --output-on-failure --no-tests=error -j"$JOBS" "${ctest_extra[@]}"
+}
+
+run_sanitized() {
+  local kind="$1" dir ctest_args=() norandom=()
+  case "$kind" in
+    address,undefined|undefined,address|address|undefined)
+      dir="${ASAN_BUILD_DIR:-build-asan}"
+      export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:halt_on_error=1}"
+      export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
+      ;;
+    thread)
+      dir="${TSAN_BUILD_DIR:-build-tsan}"
+      export TSAN_OPTIONS="${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1}"
+      ctest_args=(-L tsan)
+      ;;
+    *) die "unsupported sanitizer '$kind' (use address,undefined | thread)" ;;
+  esac
+  # Sanitizer runtimes can trip over high ASLR entropy on recent kernels; run without
+  # address randomization when the sandbox allows it.
+  if command -v setarch >/dev/null 2>&1 && setarch "$(uname -m)" -R true >/dev/null 2>&1; then
+    norandom=(setarch "$(uname -m)" -R)
+  fi
+  section "configure + build ($dir, sanitize=$kind)"
+  cmake -S . -B "$dir" \
+    -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g" \
+    -DLAZYTENSOR_NATIVE=OFF \
+    "-DLAZYTENSOR_SANITIZE=$kind" \
+    -DLAZYTENSOR_BUILD_TESTS=ON \
+    -DLAZYTENSOR_BUILD_EXAMPLES=OFF \
+    -DLAZYTENSOR_BUILD_BENCHMARKS=OFF
+  if [ "$kind" = thread ]; then
+    # Only the concurrent parts run under TSan: build just those.
+    cmake --build "$dir" -j"$JOBS" --target lazytensor_tsan_tests
+  else
+    cmake --build "$dir" -j"$JOBS"
+  fi
+  section "tests ($dir, sanitize=$kind${ctest_args[*]:+, ctest ${ctest_args[*]}})"
+  "${norandom[@]}" ctest --test-dir "$dir" --output-on-failure --no-tests=error -j"$JOBS" \
+    "${ctest_args[@]}" "${ctest_extra[@]}"
+}
+
+run_amalgamate_check() {
+  section "single header: staleness check"
+  cmake -DCHECK=ON -P scripts/amalgamate.cmake
+}
+
+run_single_header_smoke() {
+  local src=tests/single_header/main.cpp
+  if [ ! -f "$src" ]; then
+    section "single header: smoke test skipped ($src not present)"
+    return 0
+  fi
+  section "single header: smoke test"
+  local eigen_inc cxx=("${CXX:-g++}")
+  eigen_inc="$(pkg-config --cflags-only-I eigen3 2>/dev/null || true)"
+  [ -n "$eigen_inc" ] || eigen_inc="-I/usr/include/eigen3"
+  command -v ccache >/dev/null 2>&1 && cxx=(ccache "${cxx[@]}")
+  # shellcheck disable=SC2086  # eigen_inc may hold several -I flags
+  "${cxx[@]}" -std=c++20 -O2 -Wall -Wextra -Wpedantic -pthread \
+    -I single_include $eigen_inc "$src" -o "$tmp/single_header_smoke"
+  "$tmp/single_header_smoke"
+  echo "single header smoke test: OK"
+}
+
+run_package_consumers() {
+  local launcher
+  launcher="$(cmake_launcher_args)"
+  local common=(-DCMAKE_BUILD_TYPE=Release ${launcher:+"$launcher"})
+
+  section "package: install + find_package consumer"
+  cmake --install "${BUILD_DIR:-build}" --prefix "$tmp/prefix"
+  cmake -S tests/package -B "$tmp/pkg-find" "${common[@]}" \
+    "-DCMAKE_PREFIX_PATH=$tmp/prefix" -DCMAKE_FIND_PACKAGE_NO_PACKAGE_REGISTRY=ON
+  grep -q "^lazytensor_DIR:PATH=$tmp/prefix/" "$tmp/pkg-find/CMakeCache.txt" \
+    || die "find_package(lazytensor) did not pick up the freshly installed package"
+  cmake --build "$tmp/pkg-find" -j"$JOBS"
+  "$tmp/pkg-find/lazytensor_package_test"
+  echo "find_package consumer: OK"
+
+  section "package: add_subdirectory consumer"
+  cmake -S tests/package/subdir -B "$tmp/pkg-subdir" "${common[@]}"
+  cmake --build "$tmp/pkg-subdir" -j"$JOBS"
+  "$tmp/pkg-subdir/lazytensor_subdir_test"
+  echo "add_subdirectory consumer: OK"
+
+  section "package: FetchContent consumer"
+  cmake -S tests/package/subdir -B "$tmp/pkg-fetch" "${common[@]}" -DCONSUMER_USE_FETCHCONTENT=ON
+  cmake --build "$tmp/pkg-fetch" -j"$JOBS"
+  "$tmp/pkg-fetch/lazytensor_subdir_test"
+  echo "FetchContent consumer: OK"
+}
+
+# --------------------------------------------------------------------------------------------
+case "$mode" in
+  normal)
+    run_default
+    ;;
+  sanitize)
+    run_sanitized "$sanitize"
+    ;;
+  all)
+    tmp="$(mktemp -d "${TMPDIR:-/tmp}/lazytensor-ci.XXXXXX")"
+    trap 'rm -rf "$tmp"' EXIT
+    run_default
+    run_amalgamate_check
+    run_single_header_smoke
+    run_package_consumers
+    run_sanitized address,undefined
+    run_sanitized thread
+    section "all checks passed"
+    ;;
+esac
