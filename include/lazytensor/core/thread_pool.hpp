@@ -1,6 +1,10 @@
 #pragma once
 // Fork-join worker pool: a kernel splits its work into tasks, the calling thread takes part,
 // and the call returns when every task is done. Nested calls run inline.
+//
+// Workers spin briefly before sleeping, and so does the caller waiting for the last task:
+// the kernels of one mark_step come back to back, and a condition-variable round trip
+// costs more than a small kernel.
 
 #include <algorithm>
 #include <atomic>
@@ -10,7 +14,12 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <utility>
 #include <vector>
+
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
 
 namespace lazy {
 
@@ -30,7 +39,7 @@ class ThreadPool {
   void resize(int threads) {
     stop();
     threads_ = std::max(1, threads);
-    stopping_ = false;
+    stopping_.store(false);
     for (int i = 1; i < threads_; ++i) workers_.emplace_back([this] { worker_loop(); });
   }
 
@@ -43,29 +52,46 @@ class ThreadPool {
       return;
     }
     std::lock_guard submit(submit_mu_);
+    bool wake = false;
     {
       std::lock_guard lock(mu_);
       job_ = &fn;
       tasks_ = tasks;
       next_.store(0);
-      pending_ = tasks;
+      pending_.store(tasks);
       error_ = nullptr;
-      ++generation_;
+      generation_.fetch_add(1, std::memory_order_release);
+      wake = sleepers_ > 0;
     }
-    cv_.notify_all();
+    if (wake) cv_.notify_all();
     in_worker() = true;
     drain();
     in_worker() = false;
+    for (int spin = 0; spin < kSpin && !finished(); ++spin) pause();
     std::unique_lock lock(mu_);
-    done_cv_.wait(lock, [&] { return pending_ == 0 && active_ == 0; });
+    done_cv_.wait(lock, [&] { return finished(); });
     job_ = nullptr;
     if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
   }
 
  private:
+  static constexpr int kSpin = 4000;  // ~50-100 us of pause instructions
+
+  static void pause() {
+#if defined(__SSE2__)
+    _mm_pause();
+#else
+    std::this_thread::yield();
+#endif
+  }
+
   static bool& in_worker() {
     thread_local bool flag = false;
     return flag;
+  }
+
+  bool finished() const {
+    return pending_.load(std::memory_order_acquire) == 0 && active_.load(std::memory_order_acquire) == 0;
   }
 
   void drain() {
@@ -76,7 +102,7 @@ class ThreadPool {
       if (!job_) return;
       job = job_;
       tasks = tasks_;
-      ++active_;  // the submitter may not return while we hold its job
+      active_.fetch_add(1);  // the submitter may not return while we hold its job
     }
     std::int64_t done = 0;
     for (std::int64_t t; (t = next_.fetch_add(1)) < tasks;) {
@@ -89,21 +115,32 @@ class ThreadPool {
       ++done;
     }
     std::lock_guard lock(mu_);
-    pending_ -= done;
-    --active_;
-    if (pending_ == 0 && active_ == 0) done_cv_.notify_all();
+    pending_.fetch_sub(done, std::memory_order_acq_rel);
+    active_.fetch_sub(1, std::memory_order_acq_rel);
+    if (finished()) done_cv_.notify_all();
   }
 
   void worker_loop() {
     in_worker() = true;
-    std::uint64_t seen = 0;
+    std::uint64_t seen = generation_.load(std::memory_order_acquire);
     for (;;) {
-      {
-        std::unique_lock lock(mu_);
-        cv_.wait(lock, [&] { return stopping_ || (generation_ != seen && job_); });
-        if (stopping_) return;
-        seen = generation_;
+      bool ready = false;
+      for (int spin = 0; spin < kSpin; ++spin) {
+        if (stopping_.load(std::memory_order_acquire)) return;
+        if (generation_.load(std::memory_order_acquire) != seen) {
+          ready = true;
+          break;
+        }
+        pause();
       }
+      if (!ready) {
+        std::unique_lock lock(mu_);
+        ++sleepers_;
+        cv_.wait(lock, [&] { return stopping_.load() || generation_.load() != seen; });
+        --sleepers_;
+        if (stopping_.load()) return;
+      }
+      seen = generation_.load(std::memory_order_acquire);
       drain();
     }
   }
@@ -111,7 +148,7 @@ class ThreadPool {
   void stop() {
     {
       std::lock_guard lock(mu_);
-      stopping_ = true;
+      stopping_.store(true);
     }
     cv_.notify_all();
     for (auto& w : workers_) w.join();
@@ -123,14 +160,15 @@ class ThreadPool {
   std::mutex submit_mu_;
   std::mutex mu_;
   std::condition_variable cv_, done_cv_;
-  const std::function<void(std::int64_t)>* job_ = nullptr;
-  std::int64_t tasks_ = 0;
+  const std::function<void(std::int64_t)>* job_ = nullptr;  // guarded by mu_
+  std::int64_t tasks_ = 0;                                  // guarded by mu_
+  std::exception_ptr error_;                                // guarded by mu_
+  int sleepers_ = 0;                                        // guarded by mu_
   std::atomic<std::int64_t> next_{0};
-  std::int64_t pending_ = 0;
-  int active_ = 0;
-  std::uint64_t generation_ = 0;
-  std::exception_ptr error_;
-  bool stopping_ = false;
+  std::atomic<std::int64_t> pending_{0};
+  std::atomic<int> active_{0};
+  std::atomic<std::uint64_t> generation_{0};
+  std::atomic<bool> stopping_{false};
 };
 
 }  // namespace lazy

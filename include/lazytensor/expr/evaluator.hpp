@@ -114,14 +114,56 @@ struct Eval<S, KExpr<Op, C...>> {
   }
 };
 
+/// Outputs at least this large are written with non-temporal stores: they cannot stay in
+/// cache anyway, and streaming skips reading each output line before overwriting it.
+inline constexpr std::int64_t kStreamingStoreBytes = std::int64_t(32) << 20;
+
+/// Stores a batch at a batch-aligned address, bypassing the cache where the ISA allows.
+template <class S>
+inline void stream_store(S* p, const batch_t<S>& b) {
+#if defined(__AVX512F__)
+  if constexpr (batch_t<S>::size * sizeof(S) == 64) {
+    if constexpr (std::is_same_v<S, float>) _mm512_stream_ps(p, b);
+    else _mm512_stream_pd(p, b);
+    return;
+  }
+#endif
+#if defined(__AVX__)
+  if constexpr (batch_t<S>::size * sizeof(S) == 32) {
+    if constexpr (std::is_same_v<S, float>) _mm256_stream_ps(p, b);
+    else _mm256_stream_pd(p, b);
+    return;
+  }
+#endif
+#if defined(__SSE2__)
+  if constexpr (batch_t<S>::size * sizeof(S) == 16) {
+    if constexpr (std::is_same_v<S, float>) _mm_stream_ps(p, b);
+    else _mm_stream_pd(p, b);
+    return;
+  }
+#endif
+  b.store_aligned(p);
+}
+
+/// Orders earlier non-temporal stores before later loads of other threads.
+inline void store_fence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
 /// Evaluates `k` over the flat element range [b, e) of an output of `n` elements whose
 /// inputs are all contiguous or single elements. A range ending at `n` finishes with one
-/// whole batch that runs into the buffers' padding instead of a scalar tail.
-template <class S, class Tout, bool Contig, class K>
+/// whole batch that runs into the buffers' padding instead of a scalar tail. With
+/// `Stream`, `out + b` must be batch-aligned and the caller fences after the kernel.
+template <class S, class Tout, bool Contig, class K, bool Stream = false>
 void eval_flat_range(const Eval<S, K>& ev, Tout* out, std::int64_t b, std::int64_t e, std::int64_t n) {
   std::int64_t i = b;
   if constexpr (simd_lane_v<S>) {
     constexpr std::int64_t W = batch_t<S>::size;
+    if constexpr (Stream && std::is_same_v<S, Tout>) {
+      for (; i + W <= e; i += W) stream_store<S>(out + i, ev.template packet<Contig>(i));
+    }
     for (; i + W <= e; i += W) store_lane<Tout, S>(out + i, ev.template packet<Contig>(i));
     if (i < e && e == n) {
       store_lane<Tout, S>(out + i, ev.template packet<Contig>(i));

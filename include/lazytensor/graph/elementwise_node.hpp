@@ -97,11 +97,19 @@ class ElementwiseNode final : public Node {
     if (layout_.flat()) {
       const std::int64_t tasks = task_count(pool, n, cost);
       const bool contig = !layout_.any_splat();
+      const bool stream = n * static_cast<std::int64_t>(sizeof(Tout)) >= expr::kStreamingStoreBytes;
       pool.parallel_for(tasks, [&](std::int64_t t) {
         auto [b, e] = task_range(n, tasks, t, kPadElements);
         expr::Eval<S, K> ev(kernel_, ptrs.data(), layout_.splat.data());
-        if (contig) expr::eval_flat_range<S, Tout, true>(ev, out, b, e, n);
-        else expr::eval_flat_range<S, Tout, false>(ev, out, b, e, n);
+        if (stream) {
+          if (contig) expr::eval_flat_range<S, Tout, true, K, true>(ev, out, b, e, n);
+          else expr::eval_flat_range<S, Tout, false, K, true>(ev, out, b, e, n);
+          expr::store_fence();
+        } else if (contig) {
+          expr::eval_flat_range<S, Tout, true>(ev, out, b, e, n);
+        } else {
+          expr::eval_flat_range<S, Tout, false>(ev, out, b, e, n);
+        }
       });
     } else {
       const std::int64_t rows = n / layout_.inner();

@@ -9,8 +9,9 @@
 namespace lazy::graph {
 
 /// Work (cost units x elements) below which a kernel runs on the calling thread: waking
-/// workers costs a few microseconds, about what 2^16 simple element operations take.
-inline constexpr double kParallelCostThreshold = 1 << 16;
+/// workers and joining them costs a few microseconds, what ~2^18 simple SIMD element operations
+/// take (workers spin between kernels; see ThreadPool).
+inline constexpr double kParallelCostThreshold = 1 << 18;
 
 /// Number of tasks for `n` items of `cost` each: 1 below the threshold, else a few per
 /// thread (slack for a noisy, shared machine), never tasks smaller than `min_items`.
