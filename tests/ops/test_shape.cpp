@@ -1,0 +1,737 @@
+// Shape ops (include/lazytensor/ops/shape.hpp) against scalar references, for every dtype.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+#include <type_traits>
+#include <vector>
+
+#include <lazytensor/core/counters.hpp>
+#include <lazytensor/device.hpp>
+#include <lazytensor/ops/factories.hpp>
+#include <lazytensor/ops/shape.hpp>
+
+namespace {
+
+using lazy::Shape;
+using lazy::Tensor;
+
+// Distinct-enough values per dtype, exactly representable (bfloat16: small integers).
+template <class T>
+T val(std::int64_t i) {
+  if constexpr (std::is_same_v<T, bool>) return (i * 7 + 3) % 5 < 2;
+  else if constexpr (std::is_same_v<T, lazy::bfloat16>) return lazy::bfloat16(static_cast<float>(i % 251 - 125));
+  else return static_cast<T>(i % 1000003);
+}
+
+template <class T>
+double num(T v) {
+  if constexpr (std::is_same_v<T, lazy::bfloat16>) return static_cast<double>(static_cast<float>(v));
+  else return static_cast<double>(v);
+}
+
+template <class T>
+std::vector<T> host(const Shape& s, std::int64_t seed = 0) {
+  std::vector<T> v(static_cast<std::size_t>(s.numel()));
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = val<T>(static_cast<std::int64_t>(i) + seed);
+  return v;
+}
+
+template <class T>
+Tensor<T> make(const Shape& s, std::int64_t seed = 0) {
+  return lazy::from_vector<T>(host<T>(s, seed), s);
+}
+
+// Compares values and shape; reports the first mismatch only.
+template <class T>
+void expect_values(const Tensor<T>& t, const Shape& shape, const std::vector<T>& want) {
+  ASSERT_EQ(t.shape(), shape) << "got " << t.shape().str() << ", want " << shape.str();
+  const std::vector<T> got = t.to_vector();
+  ASSERT_EQ(got.size(), want.size());
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    if (num<T>(got[i]) != num<T>(want[i])) {
+      ADD_FAILURE() << "element " << i << " of shape " << shape.str() << ": got " << num<T>(got[i]) << ", want "
+                    << num<T>(want[i]);
+      return;
+    }
+  }
+}
+
+std::vector<std::int64_t> strides_of(const Shape& s) {
+  std::vector<std::int64_t> st(static_cast<std::size_t>(s.rank()), 1);
+  for (int d = s.rank() - 2; d >= 0; --d) st[d] = st[d + 1] * s[d + 1];
+  return st;
+}
+std::vector<std::int64_t> coords(std::int64_t f, const Shape& s) {
+  std::vector<std::int64_t> c(static_cast<std::size_t>(s.rank()));
+  for (int d = s.rank() - 1; d >= 0; --d) {
+    c[d] = f % s[d];
+    f /= s[d];
+  }
+  return c;
+}
+
+// Reference permute: out[c] = in[c'] with c'[perm[k]] = c[k].
+template <class T>
+std::vector<T> ref_permute(const std::vector<T>& in, const Shape& s, const std::vector<int>& perm, Shape& out) {
+  out = Shape{};
+  for (int p : perm) out.push_back(s[p]);
+  const auto ist = strides_of(s);
+  std::vector<T> r(in.size());
+  for (std::int64_t f = 0; f < out.numel(); ++f) {
+    const auto c = coords(f, out);
+    std::int64_t off = 0;
+    for (std::size_t k = 0; k < perm.size(); ++k) off += c[k] * ist[perm[k]];
+    r[f] = in[off];
+  }
+  return r;
+}
+
+// Runs the device's kernels on `n` threads for the lifetime of the guard.
+struct ThreadsGuard {
+  explicit ThreadsGuard(int n) : pool(lazy::graph::DeviceRegistry::get().device(0).threads()), old(pool.size()) {
+    pool.resize(n);
+  }
+  ~ThreadsGuard() { pool.resize(old); }
+  lazy::ThreadPool& pool;
+  int old;
+};
+
+std::int64_t kernels_run() { return lazy::core::counter("KernelsRun").value.load(); }
+
+const std::vector<std::int64_t> kSizes = {0, 1, 2, 3, 4, 5, 6, 7, 127, 128, 129};
+
+template <class T>
+class ShapeOps : public ::testing::Test {};
+using AllTypes = ::testing::Types<float, double, std::int32_t, std::int64_t, bool, lazy::bfloat16>;
+TYPED_TEST_SUITE(ShapeOps, AllTypes);
+
+// ---- views ---------------------------------------------------------------------------
+
+TYPED_TEST(ShapeOps, ReshapeViewFlattenSqueezeUnsqueezeKeepOrder) {
+  using T = TypeParam;
+  for (auto n : {std::int64_t{0}, std::int64_t{1}, std::int64_t{6}, std::int64_t{128}}) {
+    auto a = make<T>(Shape{n, 1, 2});
+    const auto want = host<T>(Shape{n, 1, 2});
+    expect_values(lazy::reshape(a, {2, -1}), Shape{2, n}, want);
+    expect_values(lazy::view(a, std::vector<std::int64_t>{n * 2}), Shape{n * 2}, want);
+    expect_values(lazy::reshape(a, Shape{1, n, 2}), Shape{1, n, 2}, want);
+    expect_values(lazy::flatten(a), Shape{n * 2}, want);
+    expect_values(lazy::flatten(a, 1), Shape{n, 2}, want);
+    expect_values(lazy::flatten(a, 0, 1), Shape{n, 2}, want);
+    expect_values(lazy::squeeze(a), n == 1 ? Shape{2} : Shape{n, 2}, want);
+    expect_values(lazy::squeeze(a, 1), Shape{n, 2}, want);
+    expect_values(lazy::squeeze(a, -1), Shape{n, 1, 2}, want);  // size 2: unchanged
+    expect_values(lazy::unsqueeze(a, 0), Shape{1, n, 1, 2}, want);
+    expect_values(lazy::unsqueeze(a, -1), Shape{n, 1, 2, 1}, want);
+    expect_values(lazy::unsqueeze(a, 2), Shape{n, 1, 1, 2}, want);
+  }
+  auto s = lazy::from_vector<T>({val<T>(3)}, Shape{});
+  expect_values(lazy::flatten(s), Shape{1}, {val<T>(3)});
+  expect_values(lazy::unsqueeze(s, 0), Shape{1}, {val<T>(3)});
+  expect_values(lazy::squeeze(s, 0), Shape{}, {val<T>(3)});
+  expect_values(lazy::reshape(lazy::reshape(s, {1, 1}), Shape{}), Shape{}, {val<T>(3)});
+}
+
+TYPED_TEST(ShapeOps, ViewsShareTheInputBuffer) {
+  using T = TypeParam;
+  auto a = make<T>(Shape{4, 6});
+  Tensor<T> x = a;  // keep a handle alive on the source
+  auto r = lazy::reshape(a, {3, 8});
+  auto f = lazy::flatten(r);
+  auto u = lazy::unsqueeze(f, 0);
+  lazy::mark_step();
+  EXPECT_EQ(r.node()->kind(), lazy::graph::NodeKind::View);
+  EXPECT_EQ(r.data(), a.data());
+  EXPECT_EQ(f.data(), a.data());
+  EXPECT_EQ(u.data(), a.data());
+  EXPECT_EQ(u.node()->buffer(), a.node()->buffer());
+}
+
+TEST(ShapeViews, ViewOfPendingNodeIsPendingAndShares) {
+  auto a = lazy::from_vector<float>({1, 2, 3, 4, 5, 6}, Shape{2, 3});
+  const auto before = kernels_run();
+  Tensor<float> b = a * 2.0f;
+  auto v = lazy::reshape(b, {3, 2});
+  auto w = lazy::reshape(v, {6});  // a view of a pending view reads the source directly
+  EXPECT_EQ(kernels_run(), before);
+  EXPECT_FALSE(v.node()->materialized());
+  EXPECT_FALSE(w.node()->materialized());
+  EXPECT_EQ(w.node()->inputs().at(0), b.node());
+  lazy::mark_step();
+  EXPECT_GT(kernels_run(), before);
+  EXPECT_EQ(v.data(), b.data());
+  EXPECT_EQ(w.data(), b.data());
+  expect_values(w, Shape{6}, {2, 4, 6, 8, 10, 12});
+}
+
+TEST(ShapeViews, AcceptExpressions) {
+  auto a = lazy::from_vector<float>({1, 2, 3, 4, 5, 6}, Shape{2, 3});
+  expect_values(lazy::reshape(a + 1.0f, {3, 2}), Shape{3, 2}, std::vector<float>{2, 3, 4, 5, 6, 7});
+  expect_values(lazy::transpose(a * 2.0f, 0, 1), Shape{3, 2}, std::vector<float>{2, 8, 4, 10, 6, 12});
+  expect_values(lazy::slice(a - 1.0f, 1, 1), Shape{2, 2}, std::vector<float>{1, 2, 4, 5});
+}
+
+TEST(ShapeViews, BadInputsRaiseShapeError) {
+  auto a = make<float>(Shape{2, 3});
+  EXPECT_THROW(lazy::reshape(a, {4, 2}), lazy::ShapeError);
+  EXPECT_THROW(lazy::reshape(a, {-1, -1}), lazy::ShapeError);
+  EXPECT_THROW(lazy::reshape(a, {-2, -3}), lazy::ShapeError);
+  EXPECT_THROW(lazy::reshape(a, {4, -1}), lazy::ShapeError);
+  EXPECT_THROW(lazy::reshape(make<float>(Shape{0}), {0, -1}), lazy::ShapeError);
+  EXPECT_THROW(lazy::view(a, {7}), lazy::ShapeError);
+  EXPECT_THROW(lazy::flatten(a, 1, 0), lazy::ShapeError);
+  EXPECT_THROW(lazy::flatten(a, 2), lazy::ShapeError);
+  EXPECT_THROW(lazy::squeeze(a, 2), lazy::ShapeError);
+  EXPECT_THROW(lazy::unsqueeze(a, 3), lazy::ShapeError);
+  EXPECT_THROW(lazy::unsqueeze(a, -4), lazy::ShapeError);
+  EXPECT_THROW(lazy::unsqueeze(make<float>(Shape{1, 1, 1, 1, 1, 1, 1, 1}), 0), lazy::ShapeError);
+  try {
+    lazy::reshape(a, {4, 2});
+    FAIL();
+  } catch (const lazy::ShapeError& e) {
+    EXPECT_NE(std::string(e.what()).find("reshape"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("6"), std::string::npos) << e.what();
+  }
+}
+
+// ---- transpose / permute ------------------------------------------------------------------
+
+TYPED_TEST(ShapeOps, Transpose2DAllSizes) {
+  using T = TypeParam;
+  for (auto r : kSizes) {
+    for (auto c : kSizes) {
+      const Shape s{r, c};
+      const auto in = host<T>(s);
+      std::vector<T> want(in.size());
+      for (std::int64_t i = 0; i < r; ++i)
+        for (std::int64_t j = 0; j < c; ++j) want[j * r + i] = in[i * c + j];
+      auto a = lazy::from_vector<T>(in, s);
+      expect_values(lazy::transpose(a, 0, 1), Shape{c, r}, want);
+      expect_values(lazy::transpose(a, -1, -2), Shape{c, r}, want);
+      expect_values(lazy::transpose(a), Shape{c, r}, want);
+      expect_values(lazy::permute(a, {1, 0}), Shape{c, r}, want);
+    }
+  }
+}
+
+TYPED_TEST(ShapeOps, TransposeAndPermuteAboveThreadingThreshold) {
+  using T = TypeParam;
+  ThreadsGuard threads(4);
+  const Shape s{300, 1000};
+  const auto in = host<T>(s);
+  Shape out;
+  expect_values(lazy::transpose(lazy::from_vector<T>(in, s), 0, 1), Shape{1000, 300}, ref_permute(in, s, {1, 0}, out));
+  const Shape s3{60, 70, 80};
+  const auto in3 = host<T>(s3);
+  for (std::vector<int> p : {std::vector<int>{2, 0, 1}, {0, 2, 1}, {1, 0, 2}, {2, 1, 0}}) {
+    auto want = ref_permute(in3, s3, p, out);
+    expect_values(lazy::permute(lazy::from_vector<T>(in3, s3), std::vector<std::int64_t>(p.begin(), p.end())), out,
+                  want);
+  }
+}
+
+TYPED_TEST(ShapeOps, PermuteEveryPermutationRank3And4) {
+  using T = TypeParam;
+  for (const Shape& s : {Shape{3, 4, 5}, Shape{1, 5, 7}, Shape{129, 2, 3}, Shape{0, 3, 2}, Shape{2, 1, 33}}) {
+    std::vector<int> p{0, 1, 2};
+    const auto in = host<T>(s);
+    do {
+      Shape out;
+      auto want = ref_permute(in, s, p, out);
+      expect_values(lazy::permute(lazy::from_vector<T>(in, s), std::vector<std::int64_t>(p.begin(), p.end())), out,
+                    want);
+    } while (std::next_permutation(p.begin(), p.end()));
+  }
+  const Shape s4{2, 3, 4, 5};
+  const auto in4 = host<T>(s4);
+  std::vector<int> p{0, 1, 2, 3};
+  do {
+    Shape out;
+    auto want = ref_permute(in4, s4, p, out);
+    expect_values(lazy::permute(lazy::from_vector<T>(in4, s4), std::vector<std::int64_t>(p.begin(), p.end())), out,
+                  want);
+  } while (std::next_permutation(p.begin(), p.end()));
+}
+
+TYPED_TEST(ShapeOps, BatchedTransposeOfLastTwoDims) {
+  using T = TypeParam;
+  for (const Shape& s : {Shape{3, 129, 127}, Shape{2, 1, 7}, Shape{4, 33, 1}, Shape{2, 2, 0, 5}}) {
+    const auto in = host<T>(s);
+    std::vector<int> p(static_cast<std::size_t>(s.rank()));
+    std::iota(p.begin(), p.end(), 0);
+    std::swap(p[p.size() - 1], p[p.size() - 2]);
+    Shape out;
+    auto want = ref_permute(in, s, p, out);
+    expect_values(lazy::transpose(lazy::from_vector<T>(in, s), -1, -2), out, want);
+  }
+}
+
+TEST(ShapePermute, TransposeNodeIsRecognizableByMatmul) {
+  auto w = make<float>(Shape{4, 3});
+  Tensor<float> x = w + 1.0f;  // pending source
+  auto t = lazy::transpose(x, 0, 1);
+  auto* node = dynamic_cast<lazy::graph::TransposeNode*>(t.node().get());
+  ASSERT_NE(node, nullptr);
+  EXPECT_TRUE(node->swaps_last_two());
+  EXPECT_EQ(node->op_name(), "transpose");
+  EXPECT_EQ(node->kind(), lazy::graph::NodeKind::Copy);
+  auto* hint = dynamic_cast<lazy::graph::TransposeOfLastTwo*>(t.node().get());
+  ASSERT_NE(hint, nullptr);
+  EXPECT_EQ(hint->transpose_source(), x.node());
+  // A general permutation is not a transpose of the last two dims.
+  auto p = lazy::permute(make<float>(Shape{2, 3, 4}), {2, 0, 1});
+  EXPECT_EQ(dynamic_cast<lazy::graph::TransposeOfLastTwo*>(p.node().get()), nullptr);
+  EXPECT_EQ(p.node()->op_name(), "permute");
+  auto* pn = dynamic_cast<lazy::graph::PermuteNode*>(p.node().get());
+  ASSERT_NE(pn, nullptr);
+  EXPECT_FALSE(pn->swaps_last_two());
+  lazy::mark_step();
+  EXPECT_EQ(hint->transpose_source(), nullptr);  // a computed node keeps no inputs
+}
+
+TEST(ShapePermute, MovingOnlySizeOneDimsIsAView) {
+  auto a = make<float>(Shape{1, 5});
+  auto t = lazy::transpose(a, 0, 1);
+  EXPECT_EQ(t.node()->kind(), lazy::graph::NodeKind::View);
+  expect_values(t, Shape{5, 1}, host<float>(Shape{5}));
+  auto b = make<float>(Shape{3, 1, 4});
+  auto p = lazy::permute(b, {1, 0, 2});
+  EXPECT_EQ(p.node()->kind(), lazy::graph::NodeKind::View);
+  expect_values(p, Shape{1, 3, 4}, host<float>(Shape{12}));
+  EXPECT_EQ(lazy::transpose(b, 1, 1).node(), b.node());
+}
+
+TEST(ShapePermute, StructuralHashDependsOnThePermutation) {
+  auto a = make<float>(Shape{3, 3, 3});
+  auto p1 = lazy::permute(a, {1, 2, 0});
+  auto p2 = lazy::permute(a, {2, 0, 1});
+  auto p3 = lazy::permute(make<float>(Shape{3, 3, 3}, 5), {1, 2, 0});
+  EXPECT_NE(p1.node()->structural_hash(), p2.node()->structural_hash());
+  EXPECT_EQ(p1.node()->structural_hash(), p3.node()->structural_hash());
+}
+
+TEST(ShapePermute, BadInputsRaiseShapeError) {
+  auto a = make<float>(Shape{2, 3, 4});
+  EXPECT_THROW(lazy::permute(a, {0, 1}), lazy::ShapeError);
+  EXPECT_THROW(lazy::permute(a, {0, 1, 1}), lazy::ShapeError);
+  EXPECT_THROW(lazy::permute(a, {0, 1, 3}), lazy::ShapeError);
+  EXPECT_THROW(lazy::transpose(a, 0, 3), lazy::ShapeError);
+  EXPECT_THROW(lazy::transpose(a), lazy::ShapeError);
+}
+
+// ---- expand -------------------------------------------------------------------------------
+
+TYPED_TEST(ShapeOps, ExpandBroadcastsLikeTorch) {
+  using T = TypeParam;
+  for (auto n : kSizes) {
+    auto col = make<T>(Shape{n, 1});
+    const auto in = host<T>(Shape{n, 1});
+    std::vector<T> want;
+    for (int b = 0; b < 2; ++b)
+      for (std::int64_t i = 0; i < n; ++i)
+        for (int j = 0; j < 3; ++j) want.push_back(in[i]);
+    expect_values(lazy::expand(col, {2, -1, 3}), Shape{2, n, 3}, want);
+    auto row = make<T>(Shape{n});
+    const auto rin = host<T>(Shape{n});
+    std::vector<T> rwant;
+    for (int i = 0; i < 4; ++i) rwant.insert(rwant.end(), rin.begin(), rin.end());
+    expect_values(lazy::expand(row, Shape{4, n}), Shape{4, n}, rwant);
+  }
+  auto s = lazy::from_vector<T>({val<T>(1)}, Shape{});
+  expect_values(lazy::expand(s, std::vector<std::int64_t>{2, 2}), Shape{2, 2}, std::vector<T>(4, val<T>(1)));
+  auto same = make<T>(Shape{2, 3});
+  EXPECT_EQ(lazy::expand(same, {-1, 3}).node(), same.node());
+}
+
+TEST(ShapeExpand, BadInputsRaiseShapeError) {
+  auto a = make<float>(Shape{2, 3});
+  EXPECT_THROW(lazy::expand(a, {3}), lazy::ShapeError);
+  EXPECT_THROW(lazy::expand(a, {2, 4}), lazy::ShapeError);
+  EXPECT_THROW(lazy::expand(a, {-1, 2, 3}), lazy::ShapeError);
+  EXPECT_THROW(lazy::expand(a, {2, -2}), lazy::ShapeError);
+}
+
+// ---- slice / narrow -------------------------------------------------------------------------
+
+template <class T>
+std::vector<T> ref_slice(const std::vector<T>& in, std::int64_t rows, std::int64_t cols, int dim, std::int64_t start,
+                         std::int64_t len, std::int64_t step) {
+  std::vector<T> r;
+  if (dim == 0) {
+    for (std::int64_t k = 0; k < len; ++k)
+      for (std::int64_t j = 0; j < cols; ++j) r.push_back(in[(start + k * step) * cols + j]);
+  } else {
+    for (std::int64_t i = 0; i < rows; ++i)
+      for (std::int64_t k = 0; k < len; ++k) r.push_back(in[i * cols + start + k * step]);
+  }
+  return r;
+}
+
+TYPED_TEST(ShapeOps, SliceAndNarrowAllSizes) {
+  using T = TypeParam;
+  for (auto n : kSizes) {
+    for (int dim = 0; dim < 2; ++dim) {
+      const Shape s = dim == 0 ? Shape{n, 3} : Shape{3, n};
+      const auto in = host<T>(s);
+      auto a = lazy::from_vector<T>(in, s);
+      struct Case {
+        std::int64_t start, end, step;
+      };
+      for (Case c : {Case{0, n, 1}, Case{1, n, 1}, Case{0, n / 2, 1}, Case{1, n - 1, 2}, Case{-3, 1000, 1},
+                     Case{0, -1, 3}, Case{-1000, 2, 1}, Case{5, 2, 1}, Case{2, n, 64}}) {
+        std::int64_t st = c.start < 0 ? c.start + n : c.start, en = c.end < 0 ? c.end + n : c.end;
+        st = std::clamp<std::int64_t>(st, 0, n);
+        en = std::clamp<std::int64_t>(en, st, n);
+        const std::int64_t len = (en - st + c.step - 1) / c.step;
+        Shape out = s;
+        out[dim] = len;
+        expect_values(lazy::slice(a, dim, c.start, c.end, c.step), out,
+                      ref_slice(in, s[0], s[1], dim, st, len, c.step));
+      }
+      for (std::int64_t start : {std::int64_t{0}, n / 2, n}) {
+        const std::int64_t len = n - start;
+        Shape out = s;
+        out[dim] = len;
+        expect_values(lazy::narrow(a, dim, start, len), out, ref_slice(in, s[0], s[1], dim, start, len, 1));
+        if (len > 0) {
+          out[dim] = len - 1;
+          expect_values(lazy::narrow(a, dim - 2, start - n, len - 1), out,
+                        ref_slice(in, s[0], s[1], dim, start, len - 1, 1));
+        }
+      }
+    }
+  }
+}
+
+TYPED_TEST(ShapeOps, SliceAboveThreadingThreshold) {
+  using T = TypeParam;
+  ThreadsGuard threads(4);
+  const Shape s{300, 1000};
+  const auto in = host<T>(s);
+  auto a = lazy::from_vector<T>(in, s);
+  expect_values(lazy::slice(a, 1, 3, 997, 2), Shape{300, 497}, ref_slice(in, 300, 1000, 1, 3, 497, 2));
+  expect_values(lazy::slice(a, 0, 10, 290), Shape{280, 1000}, ref_slice(in, 300, 1000, 0, 10, 280, 1));
+  expect_values(lazy::slice(a, 1, 1, 1000, 3), Shape{300, 333}, ref_slice(in, 300, 1000, 1, 1, 333, 3));
+}
+
+TEST(ShapeSlice, BadInputsRaiseShapeError) {
+  auto a = make<float>(Shape{4, 5});
+  EXPECT_THROW(lazy::slice(a, 0, 0, 4, 0), lazy::ShapeError);
+  EXPECT_THROW(lazy::slice(a, 0, 0, 4, -1), lazy::ShapeError);
+  EXPECT_THROW(lazy::slice(a, 2, 0, 4), lazy::ShapeError);
+  EXPECT_THROW(lazy::slice(make<float>(Shape{}), 0, 0, 1), lazy::ShapeError);
+  EXPECT_THROW(lazy::narrow(a, 0, 2, 3), lazy::ShapeError);
+  EXPECT_THROW(lazy::narrow(a, 0, 5, 0), lazy::ShapeError);
+  EXPECT_THROW(lazy::narrow(a, 0, -5, 1), lazy::ShapeError);
+  EXPECT_THROW(lazy::narrow(a, 1, 0, -1), lazy::ShapeError);
+  EXPECT_THROW(lazy::narrow(make<float>(Shape{}), 0, 0, 1), lazy::ShapeError);
+  EXPECT_NO_THROW(lazy::narrow(a, 0, 4, 0));
+  EXPECT_NO_THROW(lazy::narrow(a, 0, -4, 4));
+}
+
+// ---- cat / stack --------------------------------------------------------------------------
+
+// Reference cat of [outer, w_i] row blocks.
+template <class T>
+std::vector<T> ref_cat(const std::vector<std::vector<T>>& ins, std::int64_t outer, const std::vector<std::int64_t>& w) {
+  std::vector<T> r;
+  for (std::int64_t o = 0; o < outer; ++o)
+    for (std::size_t i = 0; i < ins.size(); ++i)
+      for (std::int64_t k = 0; k < w[i]; ++k) r.push_back(ins[i][o * w[i] + k]);
+  return r;
+}
+
+TYPED_TEST(ShapeOps, CatEveryDimAllSizes) {
+  using T = TypeParam;
+  for (auto n : kSizes) {
+    for (int dim = 0; dim < 3; ++dim) {
+      std::vector<Shape> shapes;
+      for (std::int64_t k : {n, std::int64_t{2}, std::int64_t{0}, std::int64_t{1}}) {
+        Shape s{2, 3, 4};
+        s[dim] = k;
+        shapes.push_back(s);
+      }
+      std::vector<Tensor<T>> ts;
+      std::vector<std::vector<T>> hs;
+      std::vector<std::int64_t> widths;
+      std::int64_t outer = 1, total = 0;
+      for (int k = 0; k < dim; ++k) outer *= shapes[0][k];
+      for (std::size_t i = 0; i < shapes.size(); ++i) {
+        hs.push_back(host<T>(shapes[i], static_cast<std::int64_t>(i) * 1000));
+        ts.push_back(lazy::from_vector<T>(hs.back(), shapes[i]));
+        widths.push_back(outer ? shapes[i].numel() / outer : 0);
+        total += shapes[i][dim];
+      }
+      Shape out{2, 3, 4};
+      out[dim] = total;
+      expect_values(lazy::cat(ts, dim), out, ref_cat(hs, outer, widths));
+      expect_values(lazy::cat(ts, dim - 3), out, ref_cat(hs, outer, widths));
+    }
+  }
+}
+
+TYPED_TEST(ShapeOps, StackEveryDim) {
+  using T = TypeParam;
+  for (auto n : {std::int64_t{0}, std::int64_t{1}, std::int64_t{5}, std::int64_t{129}}) {
+    const Shape s{n, 3};
+    std::vector<std::vector<T>> hs;
+    std::vector<Tensor<T>> ts;
+    for (int i = 0; i < 3; ++i) {
+      hs.push_back(host<T>(s, i * 500));
+      ts.push_back(lazy::from_vector<T>(hs.back(), s));
+    }
+    for (int dim = 0; dim <= 2; ++dim) {
+      std::int64_t outer = 1;
+      for (int k = 0; k < dim; ++k) outer *= s[k];
+      const std::int64_t w = outer ? s.numel() / outer : 0;
+      Shape out;
+      for (int k = 0; k <= 2; ++k) {
+        if (k == dim) out.push_back(3);
+        if (k < 2) out.push_back(s[k]);
+      }
+      expect_values(lazy::stack(ts, dim), out, ref_cat(hs, outer, {w, w, w}));
+      expect_values(lazy::stack(ts, dim - 3), out, ref_cat(hs, outer, {w, w, w}));
+    }
+  }
+  auto single = make<T>(Shape{2, 2});
+  expect_values(lazy::stack({single}, 1), Shape{2, 1, 2}, host<T>(Shape{4}));
+}
+
+TYPED_TEST(ShapeOps, CatAboveThreadingThreshold) {
+  using T = TypeParam;
+  ThreadsGuard threads(4);
+  const Shape a{300, 400}, b{300, 600};
+  auto ha = host<T>(a), hb = host<T>(b, 77);
+  expect_values(lazy::cat({lazy::from_vector<T>(ha, a), lazy::from_vector<T>(hb, b)}, 1), Shape{300, 1000},
+                ref_cat<T>({ha, hb}, 300, {400, 600}));
+  expect_values(lazy::cat({lazy::from_vector<T>(hb, b), lazy::from_vector<T>(hb, b)}, 0), Shape{600, 600},
+                ref_cat<T>({hb, hb}, 1, {180000, 180000}));
+}
+
+TEST(ShapeCat, LegacyEmptyTensorsAreSkippedAndDuplicatesWork) {
+  auto a = make<float>(Shape{2, 3});
+  auto e = make<float>(Shape{0});
+  expect_values(lazy::cat({e, a, e}, 1), Shape{2, 3}, host<float>(Shape{6}));
+  auto h = host<float>(Shape{6});
+  expect_values(lazy::cat({a, a}, 0), Shape{4, 3}, ref_cat<float>({h, h}, 1, {6, 6}));
+}
+
+TEST(ShapeCat, BadInputsRaise) {
+  auto a = make<float>(Shape{2, 3});
+  EXPECT_THROW(lazy::cat(std::vector<Tensor<float>>{}, 0), lazy::ShapeError);
+  EXPECT_THROW(lazy::cat({a, make<float>(Shape{2, 3, 1})}, 0), lazy::ShapeError);
+  EXPECT_THROW(lazy::cat({a, make<float>(Shape{2, 4})}, 0), lazy::ShapeError);
+  EXPECT_THROW(lazy::cat({a, a}, 2), lazy::ShapeError);
+  EXPECT_THROW(lazy::cat({make<float>(Shape{}), make<float>(Shape{})}, 0), lazy::ShapeError);
+  EXPECT_THROW(lazy::stack(std::vector<Tensor<float>>{}, 0), lazy::ShapeError);
+  EXPECT_THROW(lazy::stack({a, make<float>(Shape{3, 2})}, 0), lazy::ShapeError);
+  EXPECT_THROW(lazy::stack({a, a}, 3), lazy::ShapeError);
+  auto other = lazy::zeros<float>(Shape{2, 3}, lazy::Device(1));
+  EXPECT_THROW(lazy::cat({a, other}, 0), lazy::DeviceError);
+  EXPECT_THROW(lazy::stack({a, other}, 0), lazy::DeviceError);
+  try {
+    lazy::cat({a, make<float>(Shape{2, 4})}, 0);
+  } catch (const lazy::ShapeError& e) {
+    EXPECT_NE(std::string(e.what()).find("cat"), std::string::npos) << e.what();
+  }
+}
+
+// ---- index_select / gather / one_hot ----------------------------------------------------
+
+template <class T, class I>
+void check_index_select() {
+  for (auto n : kSizes) {
+    const Shape s{3, std::max<std::int64_t>(n, 1), 2};
+    const auto in = host<T>(s);
+    auto a = lazy::from_vector<T>(in, s);
+    for (int dim = 0; dim < 3; ++dim) {
+      std::vector<I> idx;
+      for (std::int64_t k = 0; k < n; ++k) idx.push_back(static_cast<I>((k * 5 + 1) % s[dim]));
+      Shape out = s;
+      out[dim] = n;
+      std::vector<T> want(static_cast<std::size_t>(out.numel()));
+      for (std::int64_t f = 0; f < out.numel(); ++f) {
+        auto c = coords(f, out);
+        c[dim] = idx[c[dim]];
+        want[f] = in[(c[0] * s[1] + c[1]) * s[2] + c[2]];
+      }
+      expect_values(lazy::index_select(a, dim, lazy::from_vector<I>(idx)), out, want);
+    }
+  }
+}
+
+TYPED_TEST(ShapeOps, IndexSelectInt64AndInt32) {
+  check_index_select<TypeParam, std::int64_t>();
+  check_index_select<TypeParam, std::int32_t>();
+  auto s = lazy::from_vector<TypeParam>({val<TypeParam>(4)}, Shape{});
+  expect_values(lazy::index_select(s, 0, lazy::from_vector<std::int64_t>({0})), Shape{}, {val<TypeParam>(4)});
+}
+
+template <class T, class I>
+void check_gather(const Shape& s, const Shape& is, int dim) {
+  const auto in = host<T>(s);
+  std::vector<I> idx(static_cast<std::size_t>(is.numel()));
+  for (std::size_t k = 0; k < idx.size(); ++k) idx[k] = static_cast<I>((k * 7 + 3) % static_cast<std::size_t>(s[dim]));
+  std::vector<T> want(idx.size());
+  const auto st = strides_of(s);
+  for (std::int64_t f = 0; f < is.numel(); ++f) {
+    auto c = coords(f, is);
+    c[dim] = idx[f];
+    std::int64_t off = 0;
+    for (int d = 0; d < s.rank(); ++d) off += c[d] * st[d];
+    want[f] = in[off];
+  }
+  expect_values(lazy::gather(lazy::from_vector<T>(in, s), dim, lazy::from_vector<I>(idx, is)), is, want);
+}
+
+TYPED_TEST(ShapeOps, GatherEveryDim) {
+  using T = TypeParam;
+  for (auto n : kSizes) {
+    for (int dim = 0; dim < 3; ++dim) {
+      check_gather<T, std::int64_t>(Shape{3, 4, 5}, [&] {
+        Shape is{2, 4, 3};
+        is[dim] = n;
+        return is;
+      }(), dim);
+      check_gather<T, std::int32_t>(Shape{2, std::max<std::int64_t>(n, 1), 3}, Shape{2, std::max<std::int64_t>(n, 1), 3},
+                                    dim);
+    }
+  }
+  check_gather<T, std::int64_t>(Shape{7}, Shape{129}, 0);
+  auto s = lazy::from_vector<T>({val<T>(9)}, Shape{});
+  expect_values(lazy::gather(s, 0, lazy::from_vector<std::int64_t>({0}, Shape{})), Shape{}, {val<T>(9)});
+}
+
+TYPED_TEST(ShapeOps, GatherAndIndexSelectAboveThreadingThreshold) {
+  using T = TypeParam;
+  ThreadsGuard threads(4);
+  check_gather<T, std::int64_t>(Shape{300, 1000}, Shape{300, 1000}, 1);
+  check_gather<T, std::int64_t>(Shape{300, 1000}, Shape{250, 1000}, 0);
+  const Shape s{300, 1000};
+  const auto in = host<T>(s);
+  std::vector<std::int64_t> idx;
+  for (int k = 0; k < 500; ++k) idx.push_back((k * 13) % 1000);
+  std::vector<T> want;
+  for (int i = 0; i < 300; ++i)
+    for (auto k : idx) want.push_back(in[i * 1000 + k]);
+  expect_values(lazy::index_select(lazy::from_vector<T>(in, s), 1, lazy::from_vector<std::int64_t>(idx)), Shape{300, 500},
+                want);
+}
+
+TEST(ShapeIndex, OutOfRangeIndicesRaiseIndexErrorWhenRun) {
+  auto a = make<float>(Shape{3, 4});
+  {
+    auto bad = lazy::index_select(a, 0, lazy::from_vector<std::int64_t>({0, 3}));  // lazy: no throw yet
+    EXPECT_THROW(bad.to_vector(), lazy::IndexError);
+  }
+  {
+    auto bad = lazy::index_select(a, 1, lazy::from_vector<std::int32_t>({-1}));
+    EXPECT_THROW(lazy::mark_step(), lazy::IndexError);
+  }
+  {
+    auto bad = lazy::gather(a, 1, lazy::from_vector<std::int64_t>({0, 1, 4}, Shape{1, 3}));
+    EXPECT_THROW(lazy::mark_step(), lazy::IndexError);
+  }
+  {
+    auto bad = lazy::gather(a, 0, lazy::from_vector<std::int32_t>({-1}, Shape{1, 1}));
+    EXPECT_THROW(bad.to_vector(), lazy::IndexError);
+  }
+  {
+    auto bad = lazy::one_hot(lazy::from_vector<std::int64_t>({0, 5}), 3);
+    EXPECT_THROW(bad.to_vector(), lazy::IndexError);
+  }
+  {
+    auto bad = lazy::one_hot(lazy::from_vector<std::int64_t>({0, -1}), 3);
+    EXPECT_THROW(lazy::mark_step(), lazy::IndexError);
+  }
+  EXPECT_THROW(lazy::one_hot(lazy::from_vector<std::int64_t>({0, -1})), lazy::IndexError);  // inferred: eager check
+  lazy::mark_step();  // nothing bad is left pending
+  try {
+    auto bad = lazy::gather(a, 1, lazy::from_vector<std::int64_t>({7}, Shape{1, 1}));
+    bad.to_vector();
+    FAIL();
+  } catch (const lazy::IndexError& e) {
+    EXPECT_NE(std::string(e.what()).find("gather"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("7"), std::string::npos) << e.what();
+  }
+}
+
+TEST(ShapeIndex, BadShapesRaiseShapeError) {
+  auto a = make<float>(Shape{3, 4});
+  EXPECT_THROW(lazy::index_select(a, 0, lazy::from_vector<std::int64_t>({0, 1}, Shape{1, 2})), lazy::ShapeError);
+  EXPECT_THROW(lazy::index_select(a, 2, lazy::from_vector<std::int64_t>({0})), lazy::ShapeError);
+  EXPECT_THROW(lazy::gather(a, 0, lazy::from_vector<std::int64_t>({0})), lazy::ShapeError);
+  EXPECT_THROW(lazy::gather(a, 0, lazy::from_vector<std::int64_t>({0, 0, 0, 0, 0}, Shape{1, 5})), lazy::ShapeError);
+  EXPECT_THROW(lazy::gather(a, -3, lazy::from_vector<std::int64_t>({0}, Shape{1, 1})), lazy::ShapeError);
+  EXPECT_THROW(lazy::one_hot(lazy::from_vector<std::int64_t>({0}), -2), lazy::ShapeError);
+  EXPECT_THROW(lazy::one_hot(lazy::from_vector<std::int64_t>({}, Shape{0})), lazy::ShapeError);
+}
+
+template <class I>
+void check_one_hot(const std::vector<I>& idx, const Shape& is, std::int64_t classes, std::int64_t want_classes) {
+  std::vector<std::int64_t> want;
+  for (auto v : idx)
+    for (std::int64_t c = 0; c < want_classes; ++c) want.push_back(v == c ? 1 : 0);
+  Shape out = is;
+  out.push_back(want_classes);
+  expect_values(lazy::one_hot(lazy::from_vector<I>(idx, is), classes), out, want);
+}
+
+TEST(ShapeIndex, OneHot) {
+  for (auto n : kSizes) {
+    std::vector<std::int64_t> idx;
+    for (std::int64_t k = 0; k < n; ++k) idx.push_back((k * 3) % 5);
+    check_one_hot<std::int64_t>(idx, Shape{n}, 5, 5);
+    check_one_hot<std::int64_t>(idx, Shape{n}, 7, 7);
+    if (n > 3) check_one_hot<std::int64_t>(idx, Shape{n}, -1, 5);
+    std::vector<std::int32_t> idx32(idx.begin(), idx.end());
+    check_one_hot<std::int32_t>(idx32, Shape{1, n}, 6, 6);
+  }
+  check_one_hot<std::int64_t>({2}, Shape{}, -1, 3);
+  check_one_hot<std::int64_t>({}, Shape{0}, 0, 0);
+  ThreadsGuard threads(4);
+  std::vector<std::int64_t> big;
+  for (int k = 0; k < 30000; ++k) big.push_back(k % 10);
+  check_one_hot<std::int64_t>(big, Shape{300, 100}, 10, 10);
+}
+
+// ---- laziness ---------------------------------------------------------------------------
+
+TEST(ShapeLaziness, NothingRunsBeforeMarkStep) {
+  auto a = make<float>(Shape{4, 6});
+  auto idx = lazy::from_vector<std::int64_t>({0, 2});
+  const auto before = kernels_run();
+  std::vector<Tensor<float>> outs = {
+      lazy::reshape(a, {6, 4}),
+      lazy::transpose(a, 0, 1),
+      lazy::permute(lazy::reshape(a, {2, 3, 4}), {2, 0, 1}),
+      lazy::expand(lazy::reshape(a, {1, 4, 6}), {3, 4, 6}),
+      lazy::slice(a, 1, 1, 5, 2),
+      lazy::narrow(a, 0, 1, 2),
+      lazy::cat({a, a}, 1),
+      lazy::stack({a, a}, 2),
+      lazy::index_select(a, 1, idx),
+      lazy::gather(a, 0, lazy::from_vector<std::int64_t>({1, 0, 3}, Shape{1, 3})),
+  };
+  auto oh = lazy::one_hot(idx, 3);
+  EXPECT_EQ(kernels_run(), before);
+  for (const auto& t : outs) EXPECT_FALSE(t.node()->materialized()) << t.node()->op_name();
+  EXPECT_FALSE(oh.node()->materialized());
+  lazy::mark_step();
+  EXPECT_GE(kernels_run(), before + static_cast<std::int64_t>(outs.size()) + 1);
+  for (const auto& t : outs) EXPECT_TRUE(t.node()->materialized()) << t.node()->op_name();
+  expect_values(oh, Shape{2, 3}, std::vector<std::int64_t>{1, 0, 0, 0, 0, 1});
+}
+
+TEST(ShapeLaziness, EagerModeRunsAtOnce) {
+  lazy::eager_mode(true);
+  auto a = make<float>(Shape{2, 3});
+  auto t = lazy::transpose(a, 0, 1);
+  EXPECT_TRUE(t.node()->materialized());
+  lazy::eager_mode(false);
+  expect_values(t, Shape{3, 2}, std::vector<float>{0, 3, 1, 4, 2, 5});
+}
+
+}  // namespace
