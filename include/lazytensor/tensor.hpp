@@ -149,7 +149,7 @@ class Tensor {
   /// Replaces the value with `src` broadcast to this shape and converted to T.
   template <class X>
   Tensor& copy_(const X& src) {
-    return assign_(expr::make<ops::Identity>(src), "copy_");
+    return assign_(expr::make<ops::Cast<T>>(src), "copy_");  // converts any dtype, like torch's copy_
   }
   template <class X>
   Tensor& add_(const X& x) {
@@ -205,7 +205,9 @@ class Tensor {
   template <class E>
   Tensor& assign_(const E& e, const char* op) {
     using V = typename E::value_type;
-    if constexpr (is_floating_v<V> && !is_floating_v<T>) {
+    // PyTorch's can_cast: no floating result into an integral/bool tensor, nor a non-bool
+    // result into a bool tensor.
+    if constexpr ((is_floating_v<V> && !is_floating_v<T>) || (std::is_same_v<T, bool> && !std::is_same_v<V, bool>)) {
       throw DTypeError(std::string(op) + ": result type " + dtype_name(dtype_of<V>()) +
                        " can't be cast to the desired output type " + dtype_name(dtype_of<T>()));
     }
@@ -224,7 +226,7 @@ namespace detail {
 template <class T>
 void print_value(std::ostream& os, T v) {
   if constexpr (std::is_same_v<T, bool>) os << (v ? "True" : "False");
-  else if constexpr (is_floating_v<T>) os << static_cast<double>(static_cast<float>(v));
+  else if constexpr (is_floating_v<T>) os << static_cast<double>(static_cast<compute_t<T>>(v));  // double stays double
   else os << v;
 }
 template <class T>

@@ -88,10 +88,11 @@ template <Element T>
 using to_floating_t = std::conditional_t<is_floating_v<T>, T, float>;
 
 /// Type a C++ scalar takes next to a tensor of type T (PyTorch's weak scalars): it adopts
-/// T unless its category (bool < integral < floating) is higher.
+/// T unless its category (bool < integral < floating) is higher. A bfloat16 scalar counts
+/// as floating.
 template <Element T, class S>
 using weak_scalar_t = std::conditional_t<
-    std::is_floating_point_v<S>, std::conditional_t<is_floating_v<T>, T, float>,
+    std::is_floating_point_v<S> || std::is_same_v<S, bfloat16>, std::conditional_t<is_floating_v<T>, T, float>,
     std::conditional_t<std::is_same_v<S, bool>, T,
                        std::conditional_t<std::is_same_v<T, bool>, std::int64_t, T>>>;
 

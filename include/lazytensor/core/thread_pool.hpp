@@ -11,7 +11,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
-#include <functional>
+#include <type_traits>
 #include <mutex>
 #include <thread>
 #include <utility>
@@ -40,12 +40,16 @@ class ThreadPool {
     stop();
     threads_ = std::max(1, threads);
     stopping_.store(false);
-    for (int i = 1; i < threads_; ++i) workers_.emplace_back([this] { worker_loop(); });
+    // Workers start from the generation current now, not when they first run: a loop
+    // submitted before a new worker got scheduled must not be skipped by it.
+    const std::uint64_t start = generation_.load();
+    for (int i = 1; i < threads_; ++i) workers_.emplace_back([this, start] { worker_loop(start); });
   }
 
   /// Runs fn(task) for task in [0, tasks); returns when all have run. The first exception
   /// thrown by a task is re-thrown here after the others finished.
-  void parallel_for(std::int64_t tasks, const std::function<void(std::int64_t)>& fn) {
+  template <class F>
+  void parallel_for(std::int64_t tasks, F&& fn) {
     if (tasks <= 0) return;
     if (tasks == 1 || threads_ == 1 || in_worker()) {
       for (std::int64_t t = 0; t < tasks; ++t) fn(t);
@@ -53,9 +57,10 @@ class ThreadPool {
     }
     std::lock_guard submit(submit_mu_);
     bool wake = false;
+    const TaskRef job{&fn, [](void* f, std::int64_t t) { (*static_cast<std::remove_reference_t<F>*>(f))(t); }};
     {
       std::lock_guard lock(mu_);
-      job_ = &fn;
+      job_ = job;
       tasks_ = tasks;
       next_.store(0);
       pending_.store(tasks);
@@ -70,12 +75,18 @@ class ThreadPool {
     for (int spin = 0; spin < kSpin && !finished(); ++spin) pause();
     std::unique_lock lock(mu_);
     done_cv_.wait(lock, [&] { return finished(); });
-    job_ = nullptr;
+    job_ = {};
     if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
   }
 
  private:
-  static constexpr int kSpin = 4000;  // ~50-100 us of pause instructions
+  // A non-owning reference to the caller's loop body: no allocation per parallel loop.
+  struct TaskRef {
+    void* fn = nullptr;
+    void (*call)(void*, std::int64_t) = nullptr;
+  };
+
+  static constexpr int kSpin = 2000;  // some tens of microseconds of pause instructions
 
   static void pause() {
 #if defined(__SSE2__)
@@ -95,11 +106,11 @@ class ThreadPool {
   }
 
   void drain() {
-    const std::function<void(std::int64_t)>* job;
+    TaskRef job;
     std::int64_t tasks;
     {
       std::lock_guard lock(mu_);
-      if (!job_) return;
+      if (!job_.fn) return;
       job = job_;
       tasks = tasks_;
       active_.fetch_add(1);  // the submitter may not return while we hold its job
@@ -107,7 +118,7 @@ class ThreadPool {
     std::int64_t done = 0;
     for (std::int64_t t; (t = next_.fetch_add(1)) < tasks;) {
       try {
-        (*job)(t);
+        job.call(job.fn, t);
       } catch (...) {
         std::lock_guard lock(mu_);
         if (!error_) error_ = std::current_exception();
@@ -120,9 +131,8 @@ class ThreadPool {
     if (finished()) done_cv_.notify_all();
   }
 
-  void worker_loop() {
+  void worker_loop(std::uint64_t seen) {
     in_worker() = true;
-    std::uint64_t seen = generation_.load(std::memory_order_acquire);
     for (;;) {
       bool ready = false;
       for (int spin = 0; spin < kSpin; ++spin) {
@@ -160,7 +170,7 @@ class ThreadPool {
   std::mutex submit_mu_;
   std::mutex mu_;
   std::condition_variable cv_, done_cv_;
-  const std::function<void(std::int64_t)>* job_ = nullptr;  // guarded by mu_
+  TaskRef job_;                                             // guarded by mu_
   std::int64_t tasks_ = 0;                                  // guarded by mu_
   std::exception_ptr error_;                                // guarded by mu_
   int sleepers_ = 0;                                        // guarded by mu_

@@ -157,7 +157,10 @@ inline void store_fence() {
 /// whole batch that runs into the buffers' padding instead of a scalar tail. With
 /// `Stream`, `out + b` must be batch-aligned and the caller fences after the kernel.
 template <class S, class Tout, bool Contig, class K, bool Stream = false>
-void eval_flat_range(const Eval<S, K>& ev, Tout* out, std::int64_t b, std::int64_t e, std::int64_t n) {
+void eval_flat_range(const Eval<S, K>& ev_in, Tout* out, std::int64_t b, std::int64_t e, std::int64_t n) {
+  // A local copy: stores through `out` may alias anything, which would otherwise force a
+  // reload of every leaf pointer from *ev_in after each store.
+  const Eval<S, K> ev = ev_in;
   std::int64_t i = b;
   if constexpr (simd_lane_v<S>) {
     constexpr std::int64_t W = batch_t<S>::size;

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 
 #include <xsimd/xsimd.hpp>
@@ -28,6 +29,28 @@ inline V from_bool(const M& m) {
     return m ? V(1) : V(0);
   } else {
     return xsimd::select(m, V(1), V(0));
+  }
+}
+/// Element type of a scalar or an xsimd batch.
+template <class V>
+struct lane_value {
+  using type = V;
+};
+template <class T, class A>
+struct lane_value<xsimd::batch<T, A>> {
+  using type = T;
+};
+
+/// Applies a scalar function to every lane of a value.
+template <class V, class F>
+inline V map_lanes(const V& a, F f) {
+  if constexpr (std::is_arithmetic_v<V>) {
+    return f(a);
+  } else {
+    alignas(64) typename V::value_type tmp[V::size];
+    a.store_aligned(tmp);
+    for (auto& x : tmp) x = f(x);
+    return V::load_aligned(tmp);
   }
 }
 }  // namespace detail
@@ -97,7 +120,20 @@ LAZY_BINARY_OP(Add, "add", 1, (promoted<A, B>), (return a + b;))
 LAZY_BINARY_OP(Sub, "sub", 1, (promoted<A, B>), (return a - b;))
 LAZY_BINARY_OP(Mul, "mul", 1, (promoted<A, B>), (return a * b;))
 LAZY_BINARY_OP(Div, "div", 2, (to_floating_t<promoted<A, B>>), (return a / b;))
-LAZY_BINARY_OP(Pow, "pow", 12, (promoted<A, B>), (return V(pow(a, b));))
+// xsimd's pow maps a zero base to 0 for every exponent (0^0 and 0^-1 included) and turns
+// inf^0, NaN^0 and 1^NaN into NaN; patch those IEEE cases to agree with std::pow/torch.pow.
+LAZY_BINARY_OP(Pow, "pow", 12, (promoted<A, B>), (
+  if constexpr (std::is_arithmetic_v<V>) {
+    return V(pow(a, b));
+  } else {
+    const V inf(std::numeric_limits<typename V::value_type>::infinity());
+    const auto zero_base = a == V(0);
+    const auto odd = xsimd::is_odd(b);  // a signed zero keeps its sign for odd exponents
+    V z = pow(a, b);
+    z = select(zero_base, select(b < V(0), select(odd, xsimd::copysign(inf, a), inf), select(odd, a, V(0))), z);
+    z = select(zero_base & (b != b), b, z);
+    return select((b == V(0)) | (a == V(1)), V(1), z);
+  }))
 // maximum/minimum propagate NaN from either side, like torch.maximum.
 LAZY_BINARY_OP(Maximum, "maximum", 2, (promoted<A, B>), (return select((a > b) | (a != a), a, b);))
 LAZY_BINARY_OP(Minimum, "minimum", 2, (promoted<A, B>), (return select((a < b) | (a != a), a, b);))
@@ -149,6 +185,15 @@ struct Cast {
         return xsimd::trunc(a);
       } else {
         return a;
+      }
+    } else if constexpr (std::is_same_v<U, bfloat16> || std::is_same_v<U, float>) {
+      // Narrowing to a floating type rounds even inside a wider lane, as static_cast does
+      // (x.to(bfloat16).to(float) in PyTorch): round each value through U.
+      using S = typename detail::lane_value<V>::type;
+      if constexpr (std::is_same_v<S, float> && std::is_same_v<U, float>) {
+        return a;
+      } else {
+        return detail::map_lanes(a, [](S x) { return static_cast<S>(static_cast<float>(U(static_cast<float>(x)))); });
       }
     } else {
       return a;

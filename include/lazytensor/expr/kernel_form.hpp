@@ -99,10 +99,12 @@ constexpr double kernel_cost() {
   }
 }
 
-/// "add(mul(%0, %1), 2)": the expression as text, for graph dumps.
+/// "add(mul(in0, in1), 2)": the expression as text, for graph dumps (inK is input K).
 template <Element T>
 std::string kernel_text(const KLeaf<T>& l) {
-  return "%" + std::to_string(l.slot);
+  std::string s = "in";
+  s += std::to_string(l.slot);
+  return s;
 }
 template <Element T>
 std::string kernel_text(const Scalar<T>& s) {

@@ -32,6 +32,22 @@ struct Layout {
 inline Layout make_layout(const Shape& out, const std::vector<Shape>& inputs) {
   const int r = out.rank();
   const std::size_t n = inputs.size();
+  // The common case first: every input has the output's shape or is one element.
+  bool flat = true;
+  for (const Shape& s : inputs) flat = flat && (s == out || s.numel() == 1);
+  if (flat) {
+    Layout L;
+    L.stride.resize(n);
+    L.splat.resize(n);
+    L.ndim = 1;
+    L.size[0] = out.numel();
+    for (std::size_t k = 0; k < n; ++k) {
+      const bool one = inputs[k].numel() == 1 && out.numel() != 1;
+      L.stride[k][0] = one ? 0 : 1;
+      L.splat[k] = one ? 1 : 0;
+    }
+    return L;
+  }
   // Uncollapsed strides in output coordinates, dropping output dims of size 1.
   std::vector<std::int64_t> sizes;
   std::vector<std::vector<std::int64_t>> strides(n);

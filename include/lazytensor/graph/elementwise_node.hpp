@@ -52,6 +52,7 @@ class ElementwiseNode final : public Node {
     // followed at once by this epilogue while the block is still in cache.
     const auto& ins = inputs();
     for (std::size_t i = 0; i < ins.size(); ++i) {
+      if (ins[i]->kind() != NodeKind::Gemm) continue;
       auto* rp = dynamic_cast<RowProducer*>(ins[i].get());
       if (!rp || ins[i]->materialized() || ins[i]->dtype() != dtype() || !(ins[i]->shape() == shape()) ||
           shape().rank() < 1 || !(layout_.flat() || layout_.inner() == shape()[shape().rank() - 1]))
@@ -122,16 +123,23 @@ class ElementwiseNode final : public Node {
     }
   }
 
-  // Row blocks of about 128 KiB: the GEMM writes a block, the epilogue rewrites it in place.
+  // Each thread runs the GEMM on its rows in as few calls as possible (every call re-packs
+  // the right-hand matrix), in blocks of at most ~512 KiB of output so that the epilogue
+  // rewrites them in place while they are still in L2.
   void run_with_producer(ExecContext& ctx, const std::vector<const void*>& ptrs, Tout* out) {
     auto* producer = dynamic_cast<RowProducer*>(inputs()[fused_slot_].get());
     const std::int64_t cols = shape()[shape().rank() - 1];
     const std::int64_t rows = cols ? numel() / cols : 0;
     if (rows == 0) return;
-    const std::int64_t block = std::max<std::int64_t>(1, (128 << 10) / std::max<std::int64_t>(1, cols * 4));
-    const std::int64_t blocks = (rows + block - 1) / block;
     auto& pool = ctx.device.threads();
-    const std::int64_t tasks = std::min<std::int64_t>(blocks, std::max(1, pool.size()));
+    const std::int64_t threads = std::min<std::int64_t>(
+        std::max(1, pool.size()), std::max<std::int64_t>(1, task_count(pool, numel(), producer_cost())));
+    const std::int64_t row_bytes = cols * static_cast<std::int64_t>(sizeof(Tout));
+    const std::int64_t by_cache = (rows * row_bytes + (512 << 10) - 1) / (512 << 10);
+    const std::int64_t wanted = std::min(rows, std::max(threads, (by_cache + threads - 1) / threads * threads));
+    const std::int64_t block = (rows + wanted - 1) / wanted;
+    const std::int64_t blocks = (rows + block - 1) / block;
+    const std::int64_t tasks = std::min(threads, blocks);
     pool.parallel_for(tasks, [&](std::int64_t t) {
       auto [b0, b1] = task_range(blocks, tasks, t);
       expr::Eval<S, K> ev(kernel_, ptrs.data(), layout_.splat.data());
@@ -148,6 +156,8 @@ class ElementwiseNode final : public Node {
     });
     inputs()[fused_slot_]->set_deferred(false);
   }
+
+  double producer_cost() const { return inputs()[fused_slot_]->cost_per_element(); }
 
   K kernel_;
   expr::Layout layout_;

@@ -69,8 +69,8 @@ Tensor<T> from_vector(const std::vector<T>& data, const Shape& shape, Device dev
 
 /// A 1-D tensor holding a copy of `data`.
 template <Element T>
-Tensor<T> from_vector(const std::vector<T>& data, Device dev = device()) {
-  return from_vector<T>(data, Shape{static_cast<std::int64_t>(data.size())}, dev);
+Tensor<T> from_vector(const std::vector<T>& data) {
+  return from_vector<T>(data, Shape{static_cast<std::int64_t>(data.size())}, device());
 }
 
 /// A 2-D tensor copied from an Eigen matrix or expression (any storage order).
@@ -84,7 +84,7 @@ auto from_eigen(const Eigen::DenseBase<Derived>& m, Device dev = device()) {
 /// A 1-D tensor from a list: tensor<float>({1, 2, 3}).
 template <Element T>
 Tensor<T> tensor(std::initializer_list<T> values, Device dev = device()) {
-  return from_vector<T>(std::vector<T>(values), dev);
+  return from_vector<T>(std::vector<T>(values), Shape{static_cast<std::int64_t>(values.size())}, dev);
 }
 /// A 2-D tensor from nested lists: tensor<float>({{1, 2}, {3, 4}}); rows must agree.
 template <Element T>
@@ -119,7 +119,7 @@ Tensor<T> arange(double start, double end, double step = 1, Device dev = device(
   const auto n = static_cast<std::int64_t>(std::ceil((end - start) / step));
   std::vector<T> v(static_cast<std::size_t>(n));
   for (std::int64_t i = 0; i < n; ++i) v[i] = static_cast<T>(start + static_cast<double>(i) * step);
-  return from_vector<T>(v, dev);
+  return from_vector<T>(v, Shape{static_cast<std::int64_t>(v.size())}, dev);
 }
 /// 0, 1, ..., end - 1.
 template <Element T>
@@ -135,10 +135,11 @@ Tensor<T> linspace(double start, double end, std::int64_t steps, Device dev = de
   const double step = steps > 1 ? (end - start) / static_cast<double>(steps - 1) : 0;
   // Fill from both ends, as PyTorch does, so the last value is exactly `end`.
   for (std::int64_t i = 0; i < steps; ++i) {
-    v[i] = static_cast<T>(i < steps / 2 ? start + step * static_cast<double>(i)
-                                        : end - step * static_cast<double>(steps - 1 - i));
+    // A single step is `start`, as torch.linspace(a, b, 1) == [a].
+    v[i] = static_cast<T>(steps == 1 || i < steps / 2 ? start + step * static_cast<double>(i)
+                                                      : end - step * static_cast<double>(steps - 1 - i));
   }
-  return from_vector<T>(v, dev);
+  return from_vector<T>(v, Shape{static_cast<std::int64_t>(v.size())}, dev);
 }
 
 }  // namespace lazy

@@ -168,7 +168,8 @@ Tensor<T> matmul(const Tensor<T>& a, const Tensor<T>& b) {
       Shape out;
       for (int i = 0; i + 2 < sb.rank(); ++i) out.push_back(sb[i]);
       out.push_back(n);
-      const std::int64_t batch = sb.numel() / std::max<std::int64_t>(1, k * n);
+      std::int64_t batch = 1;  // not numel / (k * n): k or n may be 0
+      for (int i = 0; i + 2 < sb.rank(); ++i) batch *= sb[i];
       return detail::gemm(reshape(a, Shape{1, k}), b, 1, batch, 1, k, n, out);
     }
     const std::int64_t m = sa[sa.rank() - 2], k = sa[sa.rank() - 1];

@@ -76,6 +76,9 @@ struct Prod {
   }
 };
 
+// NaN tests on batches use xsimd::isnan: xsimd 8's AVX/AVX-512 `!=` compares with
+// _CMP_NEQ_OQ (ordered), so there `nan != nan` is false and `a != a` never finds a NaN.
+
 /// Maximum, NaN-propagating (torch.amax).
 struct Max {
   static constexpr const char* name = "max";
@@ -91,7 +94,7 @@ struct Max {
   static V combine(const V& a, const V& b) {
     using xsimd::select;
     if constexpr (std::is_arithmetic_v<V>) return (a > b || a != a) ? a : b;
-    else return select((a > b) | (a != a), a, b);
+    else return select((a > b) | xsimd::isnan(a), a, b);  // not a != a: see the note above
   }
   template <class S, class V>
   static S horizontal(const V& v) {
@@ -114,7 +117,7 @@ struct Min {
   static V combine(const V& a, const V& b) {
     using xsimd::select;
     if constexpr (std::is_arithmetic_v<V>) return (a < b || a != a) ? a : b;
-    else return select((a < b) | (a != a), a, b);
+    else return select((a < b) | xsimd::isnan(a), a, b);
   }
   template <class S, class V>
   static S horizontal(const V& v) {

@@ -257,7 +257,10 @@ template <expr::ExprLike X>
 auto logsumexp(const X& x, const Dims& dims = {}, bool keepdim = false) {
   using T = to_floating_t<expr::value_t<X>>;
   Tensor<T> t = cast<T>(x);
-  Tensor<T> m = amax(t, dims, true);
+  // amax has no identity: over an empty slice the result is log(0) = -inf, as in torch.
+  bool empty = false;
+  for (int d : detail::reduce_dims(t.shape(), dims, "logsumexp")) empty = empty || t.shape()[d] == 0;
+  Tensor<T> m = empty ? sum(t, dims, true) : amax(t, dims, true);
   // An all -inf (or inf) slice would give inf - inf: shift by 0 there instead.
   Tensor<T> shift = where(abs(m) == std::numeric_limits<float>::infinity(), 0, m);
   Tensor<T> s = sum(exp(t - shift), dims, true);
@@ -270,11 +273,13 @@ auto logsumexp(const X& x, const Dims& dims = {}, bool keepdim = false) {
 template <expr::ExprLike X>
 auto norm(const X& x, double p = 2, const Dims& dims = {}, bool keepdim = false) {
   using T = to_floating_t<expr::value_t<X>>;
-  if (p == 2) return Tensor<T>(sqrt(sum(cast<T>(x) * cast<T>(x), dims, keepdim)));
+  // bfloat16 computes in float and rounds once (else the sum and 1/p round to bf16 first).
+  using C = compute_t<T>;
+  if (p == 2) return Tensor<T>(cast<T>(sqrt(sum(cast<C>(x) * cast<C>(x), dims, keepdim))));
   if (p == 1) return Tensor<T>(sum(abs(cast<T>(x)), dims, keepdim));
   if (std::isinf(p) && p > 0) return Tensor<T>(amax(abs(cast<T>(x)), dims, keepdim));
   if (p == 0) return Tensor<T>(cast<T>(sum(cast<T>(x) != 0, dims, keepdim)));
-  return Tensor<T>(pow(sum(pow(abs(cast<T>(x)), p), dims, keepdim), 1.0 / p));
+  return Tensor<T>(cast<T>(pow(sum(pow(abs(cast<C>(x)), p), dims, keepdim), 1.0 / p)));
 }
 
 }  // namespace lazy

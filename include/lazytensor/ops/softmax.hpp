@@ -79,10 +79,12 @@ class SoftmaxNode final : public Node {
       s += e;
     }
     if constexpr (Log) {
-      const T shift = m + std::log(s);
-      const V vshift(shift);
-      for (i = 0; i + W <= n; i += W) (V::load_unaligned(x + i) - vshift).store_unaligned(y + i);
-      for (; i < n; ++i) y[i] = x[i] - shift;
+      // (x - max) - log(sum): folding max + log(sum) into one shift first would round it to
+      // the precision of max (ulp(1e4) ~ 1e-3 in float).
+      const T ls = std::log(s);
+      const V vls(ls);
+      for (i = 0; i + W <= n; i += W) ((V::load_unaligned(x + i) - vmax) - vls).store_unaligned(y + i);
+      for (; i < n; ++i) y[i] = (x[i] - m) - ls;
     } else {
       const V inv(T(1) / s);
       for (i = 0; i + W <= n; i += W) (V::load_unaligned(y + i) * inv).store_unaligned(y + i);
@@ -96,9 +98,9 @@ class SoftmaxNode final : public Node {
     if (std::isinf(m)) m = m > 0 ? m : T(0);
     T s = 0;
     for (std::int64_t r = 0; r < extent_; ++r) s += std::exp(x[r * inner_] - m);
-    const T shift = m + std::log(s);
+    const T ls = std::log(s), inv = T(1) / s;  // see row(): never round max + log(sum)
     for (std::int64_t r = 0; r < extent_; ++r) {
-      y[r * inner_] = Log ? x[r * inner_] - shift : std::exp(x[r * inner_] - shift);
+      y[r * inner_] = Log ? (x[r * inner_] - m) - ls : std::exp(x[r * inner_] - m) * inv;
     }
   }
 
