@@ -4,6 +4,10 @@
 # Repository root (the parent of scripts/).
 LT_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
+# Let ccache hit across clones in different directories (CI builds a fresh clone).
+export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$LT_ROOT}"
+export CCACHE_NOHASHDIR="${CCACHE_NOHASHDIR:-1}"
+
 # Parallelism for builds and ctest (override with JOBS=N).
 JOBS="${JOBS:-$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2)}"
 

@@ -29,6 +29,13 @@ template <class S, class T>
 inline batch_t<S> load_lane(const T* p) {
   if constexpr (std::is_same_v<S, T>) {
     return batch_t<S>::load_unaligned(p);
+  } else if constexpr (std::is_same_v<T, bool>) {
+    // The last batch may run into the buffer's padding, whose bytes can hold any value:
+    // read bytes, since loading a bool that is neither 0 nor 1 is undefined behaviour.
+    alignas(64) S tmp[batch_t<S>::size];
+    const auto* bytes = reinterpret_cast<const unsigned char*>(p);
+    for (std::size_t k = 0; k < batch_t<S>::size; ++k) tmp[k] = static_cast<S>(bytes[k] != 0);
+    return batch_t<S>::load_aligned(tmp);
   } else {
     alignas(64) S tmp[batch_t<S>::size];
     for (std::size_t k = 0; k < batch_t<S>::size; ++k) tmp[k] = static_cast<S>(p[k]);

@@ -22,6 +22,18 @@ inline V select(bool c, const V& a, const V& b) {
 }
 using xsimd::select;
 
+/// a != b that is true when either side is NaN. xsimd 8.1 compiles batch `!=` as an
+/// ordered compare on AVX/AVX-512 (false with NaN), unlike C++ and SSE2.
+template <class V>
+inline auto not_equal(const V& a, const V& b) {
+  return !(a == b);
+}
+/// True where a is NaN (false for integers).
+template <class V>
+inline auto is_nan(const V& a) {
+  return not_equal(a, a);
+}
+
 /// 1 where the mask holds, else 0, for a scalar bool or an xsimd batch_bool.
 template <class V, class M>
 inline V from_bool(const M& m) {
@@ -131,20 +143,20 @@ LAZY_BINARY_OP(Pow, "pow", 12, (promoted<A, B>), (
     const auto odd = xsimd::is_odd(b);  // a signed zero keeps its sign for odd exponents
     V z = pow(a, b);
     z = select(zero_base, select(b < V(0), select(odd, xsimd::copysign(inf, a), inf), select(odd, a, V(0))), z);
-    z = select(zero_base & (b != b), b, z);
+    z = select(zero_base & is_nan(b), b, z);
     return select((b == V(0)) | (a == V(1)), V(1), z);
   }))
 // maximum/minimum propagate NaN from either side, like torch.maximum.
-LAZY_BINARY_OP(Maximum, "maximum", 2, (promoted<A, B>), (return select((a > b) | (a != a), a, b);))
-LAZY_BINARY_OP(Minimum, "minimum", 2, (promoted<A, B>), (return select((a < b) | (a != a), a, b);))
+LAZY_BINARY_OP(Maximum, "maximum", 2, (promoted<A, B>), (return select((a > b) | is_nan(a), a, b);))
+LAZY_BINARY_OP(Minimum, "minimum", 2, (promoted<A, B>), (return select((a < b) | is_nan(a), a, b);))
 LAZY_BINARY_OP(Eq, "eq", 1, (bool), (return from_bool<V>(a == b);))
-LAZY_BINARY_OP(Ne, "ne", 1, (bool), (return from_bool<V>(a != b);))
+LAZY_BINARY_OP(Ne, "ne", 1, (bool), (return from_bool<V>(not_equal(a, b));))
 LAZY_BINARY_OP(Lt, "lt", 1, (bool), (return from_bool<V>(a < b);))
 LAZY_BINARY_OP(Le, "le", 1, (bool), (return from_bool<V>(a <= b);))
 LAZY_BINARY_OP(Gt, "gt", 1, (bool), (return from_bool<V>(a > b);))
 LAZY_BINARY_OP(Ge, "ge", 1, (bool), (return from_bool<V>(a >= b);))
-LAZY_BINARY_OP(LogicalAnd, "logical_and", 1, (bool), (return from_bool<V>((a != V(0)) & (b != V(0)));))
-LAZY_BINARY_OP(LogicalOr, "logical_or", 1, (bool), (return from_bool<V>((a != V(0)) | (b != V(0)));))
+LAZY_BINARY_OP(LogicalAnd, "logical_and", 1, (bool), (return from_bool<V>(not_equal(a, V(0)) & not_equal(b, V(0)));))
+LAZY_BINARY_OP(LogicalOr, "logical_or", 1, (bool), (return from_bool<V>(not_equal(a, V(0)) | not_equal(b, V(0)));))
 
 #undef LAZY_UNARY_OP
 #undef LAZY_BINARY_OP
@@ -159,7 +171,7 @@ struct Where {
   template <class V>
   static V apply(const V& c, const V& a, const V& b) {
     using namespace detail;
-    return select(c != V(0), a, b);
+    return select(not_equal(c, V(0)), a, b);
   }
 };
 
@@ -175,7 +187,7 @@ struct Cast {
   static V apply(const V& a) {
     using namespace detail;
     if constexpr (std::is_same_v<U, bool>) {
-      return from_bool<V>(a != V(0));
+      return from_bool<V>(not_equal(a, V(0)));
     } else if constexpr (is_integral_v<U>) {
       if constexpr (std::is_floating_point_v<V>) {
         return std::trunc(a);

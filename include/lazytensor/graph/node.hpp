@@ -32,7 +32,7 @@ class Node {
   Node(NodeKind kind, DType dtype, Shape shape, Device* device, std::vector<NodePtr> inputs = {})
       : kind_(kind), dtype_(dtype), shape_(shape), device_(device), inputs_(std::move(inputs)),
         id_(next_id()) {}
-  virtual ~Node() = default;
+  virtual ~Node() { release_chain(inputs_); }
   Node(const Node&) = delete;
   Node& operator=(const Node&) = delete;
 
@@ -93,6 +93,27 @@ class Node {
   std::vector<NodePtr>& mutable_inputs() { return inputs_; }
 
  private:
+  /// Drops input references without recursion: a long pending chain (`a = a + 1` repeated
+  /// 10^5 times, never computed) would otherwise be freed by nested destructor calls and
+  /// overflow the stack. The outermost call drains a worklist; nested ones append to it.
+  static void release_chain(std::vector<NodePtr>& inputs) noexcept {
+    thread_local std::vector<NodePtr>* worklist = nullptr;
+    if (worklist) {
+      for (auto& p : inputs) worklist->push_back(std::move(p));
+      inputs.clear();
+      return;
+    }
+    std::vector<NodePtr> work = std::move(inputs);
+    inputs.clear();
+    worklist = &work;
+    while (!work.empty()) {
+      NodePtr n = std::move(work.back());
+      work.pop_back();
+      n.reset();  // a node destroyed here appends its own inputs to `work`
+    }
+    worklist = nullptr;
+  }
+
   static std::uint64_t next_id() {
     static std::atomic<std::uint64_t> n{0};
     return ++n;

@@ -1,0 +1,185 @@
+// core/buffer.hpp: alignment, the padding rule, and pool recycling; plus the device pool
+// reaching a steady state in a training-like loop.
+#include <lazytensor/core/buffer.hpp>
+#include <lazytensor/device.hpp>
+#include <lazytensor/ops/factories.hpp>
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <set>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using lazy::BufferPool;
+
+// Reference padding rule, from the documentation: the element count (at least 1) rounded up
+// to a multiple of 16, times the element size, rounded up to whole 64-byte lines.
+std::size_t ref_padded_bytes(std::int64_t numel, std::size_t elem) {
+  std::int64_t n = numel < 1 ? 1 : numel;
+  while (n % 16) ++n;
+  std::size_t bytes = static_cast<std::size_t>(n) * elem;
+  while (bytes % 64) ++bytes;
+  return bytes;
+}
+
+TEST(Buffer, PaddingRule) {
+  EXPECT_EQ(lazy::padded_bytes(0, 4), 64u);
+  EXPECT_EQ(lazy::padded_bytes(1, 4), 64u);
+  EXPECT_EQ(lazy::padded_bytes(16, 4), 64u);
+  EXPECT_EQ(lazy::padded_bytes(17, 4), 128u);
+  EXPECT_EQ(lazy::padded_bytes(1, 1), 64u);
+  EXPECT_EQ(lazy::padded_bytes(65, 1), 128u);
+  EXPECT_EQ(lazy::padded_bytes(16, 8), 128u);
+  EXPECT_EQ(lazy::padded_bytes(100, 2), 256u);
+  for (std::size_t elem : {1u, 2u, 4u, 8u}) {
+    for (std::int64_t n = 0; n < 300; ++n) {
+      const std::size_t got = lazy::padded_bytes(n, elem);
+      ASSERT_EQ(got, ref_padded_bytes(n, elem)) << "numel " << n << " elem " << elem;
+      // What kernels rely on: whole 16-element batches fit, and lines are whole.
+      const std::int64_t batches = (std::max<std::int64_t>(n, 1) + 15) / 16;
+      ASSERT_GE(got, static_cast<std::size_t>(batches * 16) * elem);
+      ASSERT_EQ(got % 64, 0u);
+    }
+  }
+  static_assert(lazy::padded_bytes(3, 4) == 64);  // usable at compile time
+  static_assert(lazy::kBufferAlign == 64 && lazy::kPadElements == 16);
+}
+
+TEST(Buffer, Alignment) {
+  auto pool = std::make_shared<BufferPool>();
+  std::vector<std::shared_ptr<lazy::Buffer>> keep;
+  for (std::int64_t n : {0, 1, 3, 15, 16, 17, 63, 64, 65, 1000, 4097, 100003}) {
+    for (std::size_t elem : {1u, 2u, 4u, 8u}) {
+      auto b = pool->acquire(lazy::padded_bytes(n, elem));
+      ASSERT_NE(b->data(), nullptr);
+      EXPECT_EQ(reinterpret_cast<std::uintptr_t>(b->data()) % 64, 0u) << n << " x " << elem;
+      EXPECT_EQ(b->bytes(), lazy::padded_bytes(n, elem));
+      std::memset(b->data(), 0xab, b->bytes());  // the whole padded size is writable (ASan)
+      keep.push_back(std::move(b));
+    }
+  }
+  // Recycled blocks are aligned too.
+  keep.clear();
+  for (int i = 0; i < 10; ++i) {
+    auto b = pool->acquire(lazy::padded_bytes(17, 4));
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(b->data()) % 64, 0u);
+  }
+}
+
+TEST(Buffer, PoolReusesReleasedBlocksOfTheSameSize) {
+  auto pool = std::make_shared<BufferPool>();
+  const std::size_t bytes = lazy::padded_bytes(1000, 4);
+  void* first;
+  {
+    auto b = pool->acquire(bytes);
+    first = b->data();
+    auto s = pool->stats();
+    EXPECT_EQ(s.fresh_allocations, 1);
+    EXPECT_EQ(s.fresh_bytes, static_cast<std::int64_t>(bytes));
+    EXPECT_EQ(s.reuses, 0);
+    EXPECT_EQ(s.cached_bytes, 0);
+  }
+  EXPECT_EQ(pool->stats().cached_bytes, static_cast<std::int64_t>(bytes));
+  {
+    auto b = pool->acquire(bytes);
+    EXPECT_EQ(b->data(), first) << "the released block is served again";
+    auto s = pool->stats();
+    EXPECT_EQ(s.fresh_allocations, 1);
+    EXPECT_EQ(s.reuses, 1);
+    EXPECT_EQ(s.cached_bytes, 0);
+    // A different size is not served from that list.
+    auto c = pool->acquire(bytes + 64);
+    EXPECT_NE(c->data(), first);
+    EXPECT_EQ(pool->stats().fresh_allocations, 2);
+  }
+  EXPECT_EQ(pool->stats().cached_bytes, static_cast<std::int64_t>(2 * bytes + 64));
+}
+
+TEST(Buffer, FreshAllocationsStayFlatInSteadyState) {
+  auto pool = std::make_shared<BufferPool>();
+  const std::vector<std::size_t> sizes = {64, 128, 4096, 64, 1 << 20, 4096, 192};
+  auto one_step = [&] {
+    std::vector<std::shared_ptr<lazy::Buffer>> live;
+    for (std::size_t s : sizes) live.push_back(pool->acquire(s));
+    // Release half early, acquire again: same sizes come back from the free lists.
+    live.erase(live.begin(), live.begin() + 3);
+    for (std::size_t k = 0; k < 3; ++k) live.push_back(pool->acquire(sizes[k]));
+  };
+  one_step();
+  const auto warm = pool->stats();
+  EXPECT_EQ(warm.fresh_allocations, static_cast<std::int64_t>(sizes.size()));
+  for (int i = 0; i < 100; ++i) one_step();
+  const auto s = pool->stats();
+  EXPECT_EQ(s.fresh_allocations, warm.fresh_allocations);
+  EXPECT_EQ(s.fresh_bytes, warm.fresh_bytes);
+  EXPECT_EQ(s.reuses, warm.reuses + 100 * static_cast<std::int64_t>(sizes.size() + 3));
+}
+
+TEST(Buffer, EmptyCacheReturnsBlocks) {
+  auto pool = std::make_shared<BufferPool>();
+  { auto a = pool->acquire(256), b = pool->acquire(512); }
+  EXPECT_EQ(pool->stats().cached_bytes, 768);
+  pool->empty_cache();
+  EXPECT_EQ(pool->stats().cached_bytes, 0);
+  auto c = pool->acquire(256);
+  EXPECT_EQ(pool->stats().fresh_allocations, 3) << "nothing cached any more";
+}
+
+TEST(Buffer, BufferKeepsItsPoolAlive) {
+  std::shared_ptr<lazy::Buffer> b;
+  {
+    auto pool = std::make_shared<BufferPool>();
+    b = pool->acquire(128);
+  }
+  std::memset(b->data(), 1, 128);
+  b.reset();  // returns to the (now last-referenced) pool, which then frees it: no leak (ASan)
+}
+
+TEST(Buffer, ConcurrentAcquireRelease) {
+  auto pool = std::make_shared<BufferPool>();
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 2000; ++i) {
+        auto b = pool->acquire(64 * static_cast<std::size_t>(1 + (i + t) % 5));
+        static_cast<unsigned char*>(b->data())[0] = static_cast<unsigned char>(i);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  const auto s = pool->stats();
+  EXPECT_EQ(s.fresh_allocations + s.reuses, 4 * 2000);
+  EXPECT_LE(s.fresh_allocations, 4 * 5) << "at most one live block per thread and size";
+}
+
+TEST(Buffer, DevicePoolReachesSteadyStateInATrainingLoop) {
+  // A parameter update per step: after warm-up the device allocates nothing new.
+  auto w = lazy::from_vector<float>(std::vector<float>(4096, 1.0f), {64, 64});
+  auto g = lazy::full<float>({64, 64}, 0.5f);
+  auto b = lazy::full<float>({64}, 0.25f);
+  lazy::mark_step();
+  auto& pool = lazy::graph::current_device().pool();
+  auto step = [&] {
+    lazy::Tensor<float> grad = g * 2.0f + b;  // a temporary per step
+    w -= 0.01f * grad;
+    lazy::mark_step();
+  };
+  for (int i = 0; i < 3; ++i) step();
+  const auto warm = pool.stats();
+  for (int i = 0; i < 20; ++i) step();
+  const auto s = pool.stats();
+  EXPECT_EQ(s.fresh_allocations, warm.fresh_allocations);
+  EXPECT_GT(s.reuses, warm.reuses);
+  const auto v = w.to_vector();
+  // 23 steps of w -= 0.01 * (0.5 * 2 + 0.25).
+  float want = 1.0f;
+  for (int i = 0; i < 23; ++i) want -= 0.01f * 1.25f;
+  for (float x : v) ASSERT_NEAR(x, want, 1e-5f);
+}
+
+}  // namespace

@@ -1,0 +1,140 @@
+// expr/: NumPy broadcasting for every binary op and dtype (scalar tensors, row bias, column,
+// outer, 3-D middle/inner, 0-size dims, and shapes big enough to split across threads), and
+// the ShapeError an incompatible pair raises where the expression is built.
+#include "elementwise_testing.hpp"
+
+#include <gtest/gtest.h>
+
+namespace {
+
+using namespace lazytest;  // NOLINT
+
+template <class T>
+class Elementwise : public ::testing::Test {};
+using AllTypes = ::testing::Types<float, double, i32, i64, bool, bf16>;
+TYPED_TEST_SUITE(Elementwise, AllTypes);
+
+const std::vector<std::pair<Shape, Shape>>& small_broadcast_cases() {
+  static const std::vector<std::pair<Shape, Shape>> cases = {
+      {Shape{}, Shape{5, 7}},            // scalar tensor
+      {Shape{5, 7}, Shape{}},            //
+      {Shape{3, 37}, Shape{37}},         // row bias
+      {Shape{37}, Shape{3, 37}},         //
+      {Shape{9, 1}, Shape{9, 33}},       // column
+      {Shape{9, 33}, Shape{9, 1}},       //
+      {Shape{1, 19}, Shape{21, 1}},      // outer
+      {Shape{3, 1, 17}, Shape{3, 5, 17}},  // 3-D, middle broadcast
+      {Shape{4, 6, 1}, Shape{4, 6, 9}},  // 3-D, inner broadcast
+      {Shape{2, 1, 3, 1}, Shape{1, 4, 1, 5}},
+      {Shape{1, 1, 7}, Shape{7}},        // rank grows, values contiguous
+      {Shape{0, 3}, Shape{3}},           // 0-size dims
+      {Shape{4, 0}, Shape{4, 1}},
+      {Shape{0}, Shape{}},
+      {Shape{2, 0, 3}, Shape{2, 1, 3}},
+      {Shape{1}, Shape{1}},
+  };
+  return cases;
+}
+
+template <class T, class... Ops>
+void run_small_broadcasts() {
+  for (const auto& [a, b] : small_broadcast_cases()) {
+    (
+        [&] {
+          if constexpr (Ops::template supports<T>) run_broadcast<Ops, T>(a, b);
+        }(),
+        ...);
+  }
+}
+
+TYPED_TEST(Elementwise, BroadcastEveryBinaryOp) {
+  run_small_broadcasts<TypeParam, Add, Sub, Mul, Div, Pow, Maximum, Minimum, Eq, Ne, Lt, Le, Gt, Ge, And, Or>();
+}
+
+TYPED_TEST(Elementwise, BroadcastAboveThreadingThreshold) {
+  using T = TypeParam;
+  // Row, column and outer broadcasts big enough to be split across threads.
+  run_broadcast<Add, T>(Shape{2048, 131}, Shape{131});
+  run_broadcast<Mul, T>(Shape{131, 2048}, Shape{131, 1});
+  run_broadcast<Maximum, T>(Shape{1, 611}, Shape{509, 1});
+  run_broadcast<Lt, T>(Shape{64, 1, 67}, Shape{64, 71, 67});
+}
+
+TYPED_TEST(Elementwise, BroadcastUnaryOfBroadcastExpression) {
+  // A unary op over a broadcast expression, and a three-operand where with broadcasts.
+  using T = TypeParam;
+  const auto vr = gen<T>(37, kMulDom, 1), vc = gen<T>(9, kMulDom, 2);
+  const auto row = make<T>(vr, {37});
+  const auto col = make<T>(vc, {9, 1});
+  const auto cond = gen<bool>(9 * 37, {}, 3);
+  using R = typename decltype(row + col)::value_type;
+  Tensor<R> out = lazy::where(make<bool>(cond, {9, 37}), row + col, row);
+  ASSERT_EQ(out.shape(), (Shape{9, 37}));
+  const auto got = out.to_vector();
+  for (int i = 0; i < 9; ++i)
+    for (int j = 0; j < 37; ++j) {
+      using RL = RefLane<T, R>;
+      const auto s = RL::in(vr[j]) + RL::in(vc[i]);
+      const R want = cond[i * 37 + j] ? to_result<R>(s) : to_result<R>(RL::in(vr[j]));
+      EXPECT_TRUE(close<R>(got[i * 37 + j], want, static_cast<double>(want), kExact)) << i << "," << j;
+    }
+}
+
+// ---- shape errors ---------------------------------------------------------------------
+
+template <class Op>
+void expect_shape_error() {
+  const auto a = lazy::zeros<float>({3, 4});
+  const auto b = lazy::zeros<float>({5});
+  try {
+    auto e = Op::apply(a, b);  // must throw here, where the expression is built
+    (void)e;
+    ADD_FAILURE() << Op::name << ": no exception for (3, 4) and (5,)";
+  } catch (const lazy::ShapeError& err) {
+    const std::string m = err.what();
+    EXPECT_NE(m.find(Op::name), std::string::npos) << m;
+    EXPECT_NE(m.find("(3, 4)"), std::string::npos) << m;
+    EXPECT_NE(m.find("(5,)"), std::string::npos) << m;
+  }
+}
+
+TEST(ShapeErrors, IncompatibleShapesNameBothShapesAndOp) {
+  expect_shape_error<Add>();
+  expect_shape_error<Sub>();
+  expect_shape_error<Mul>();
+  expect_shape_error<Div>();
+  expect_shape_error<Pow>();
+  expect_shape_error<Maximum>();
+  expect_shape_error<Minimum>();
+  expect_shape_error<Eq>();
+  expect_shape_error<Ne>();
+  expect_shape_error<Lt>();
+  expect_shape_error<Le>();
+  expect_shape_error<Gt>();
+  expect_shape_error<Ge>();
+  expect_shape_error<And>();
+  expect_shape_error<Or>();
+}
+
+TEST(ShapeErrors, NestedAndTernary) {
+  const auto a = lazy::zeros<float>({2, 3});
+  const auto b = lazy::zeros<float>({2, 3});
+  const auto c = lazy::zeros<float>({4, 1, 7});
+  // The failing op is the outer one; the inner expression has shape (2, 3).
+  EXPECT_THROW((void)(lazy::exp(a + b) * c), lazy::ShapeError);
+  try {
+    (void)lazy::where(lazy::zeros<bool>({2, 3}), a, lazy::zeros<float>({2, 4}));
+    ADD_FAILURE() << "no exception";
+  } catch (const lazy::ShapeError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("where"), std::string::npos) << m;
+    EXPECT_NE(m.find("(2, 3)"), std::string::npos) << m;
+    EXPECT_NE(m.find("(2, 4)"), std::string::npos) << m;
+  }
+  // A ShapeError leaves no pending work behind: the operands are still usable.
+  Tensor<float> ok = a + b + 1;
+  EXPECT_EQ(ok.to_vector(), std::vector<float>(6, 1.0f));
+}
+
+
+}  // namespace

@@ -1,0 +1,631 @@
+// graph/executor.hpp and the step machinery of device.hpp / tensor.hpp: laziness, what
+// mark_step and reads materialize, functionalized in-place ops and buffer donation, eager
+// mode, compile, step closures, determinism across thread counts, long chains and error
+// paths. Also run under ThreadSanitizer.
+#include <lazytensor/debug/metrics.hpp>
+#include <lazytensor/device.hpp>
+#include <lazytensor/ops/factories.hpp>
+#include <lazytensor/tensor.hpp>
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using lazy::Shape;
+using lazy::Tensor;
+
+std::int64_t counter(const char* name) { return lazy::debug::counter_value(name); }
+
+// A test-only kernel that counts how often it runs, then fills its output with `value`
+// (or throws). It lets a test see exactly which nodes were computed.
+class ProbeNode final : public lazy::graph::Node {
+ public:
+  ProbeNode(std::shared_ptr<std::atomic<int>> runs, float value, Shape shape, bool fail = false)
+      : Node(lazy::graph::NodeKind::Host, lazy::DType::Float32, shape, &lazy::graph::current_device()),
+        runs_(std::move(runs)), value_(value), fail_(fail) {}
+  std::string op_name() const override { return "probe"; }
+
+ protected:
+  void compute(lazy::graph::ExecContext& ctx) override {
+    runs_->fetch_add(1);
+    if (fail_) throw lazy::Error("probe kernel failed");
+    auto buf = allocate_output(ctx, false);
+    float* p = static_cast<float*>(buf->data());
+    for (std::int64_t i = 0; i < numel(); ++i) p[i] = value_;
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  std::shared_ptr<std::atomic<int>> runs_;
+  float value_;
+  bool fail_;
+};
+
+struct Probe {
+  std::shared_ptr<std::atomic<int>> runs = std::make_shared<std::atomic<int>>(0);
+  Tensor<float> make(float value, Shape shape = Shape{4}, bool fail = false) const {
+    return Tensor<float>(lazy::graph::submit(std::make_shared<ProbeNode>(runs, value, shape, fail)));
+  }
+  int count() const { return runs->load(); }
+};
+
+bool pending(const auto& t) { return !t.node()->materialized(); }
+
+// Restores eager mode / thread count at scope exit, even when an assertion fails.
+struct EagerGuard {
+  explicit EagerGuard(bool on) { lazy::eager_mode(on); }
+  ~EagerGuard() { lazy::eager_mode(false); }
+};
+struct ThreadsGuard {
+  ~ThreadsGuard() { lazy::graph::current_device().threads().resize(lazy::graph::default_device_threads()); }
+};
+
+// Start every test from a clean step: nothing pending from a previous test.
+class Executor : public ::testing::Test {
+ protected:
+  void SetUp() override { lazy::mark_step(); }
+};
+
+// ---- laziness -------------------------------------------------------------------------
+
+TEST_F(Executor, NothingRunsBeforeMarkStep) {
+  const auto k0 = counter("KernelsRun");
+  auto a = lazy::full<float>({3, 5}, 2.0f);
+  Tensor<float> b = a + 1;
+  Tensor<float> c = lazy::exp(b) * 2;
+  b += c;
+  EXPECT_EQ(counter("KernelsRun"), k0);
+  EXPECT_TRUE(pending(a));
+  EXPECT_TRUE(pending(b));
+  EXPECT_TRUE(pending(c));
+  const auto m0 = counter("MarkStep");
+  lazy::mark_step();
+  EXPECT_EQ(counter("MarkStep"), m0 + 1);
+  EXPECT_GT(counter("KernelsRun"), k0);
+  EXPECT_FALSE(pending(a));
+  EXPECT_FALSE(pending(b));
+  EXPECT_FALSE(pending(c));
+  const auto s0 = counter("ImplicitSync");
+  const float want_c = static_cast<float>(std::exp(3.0) * 2);
+  for (float v : c.to_vector()) EXPECT_NEAR(v, want_c, 1e-5 * want_c);
+  for (float v : b.to_vector()) EXPECT_NEAR(v, 3 + want_c, 1e-5 * want_c);
+  EXPECT_EQ(counter("ImplicitSync"), s0) << "reading materialized tensors is not a sync";
+}
+
+TEST_F(Executor, UnreachableNodesAreNeverComputed) {
+  Probe dead, live, expr_only;
+  {
+    Tensor<float> gone = dead.make(1.0f) + 1;  // the handle dies before the step
+    Tensor<float> also_gone = gone * 3;
+  }
+  Tensor<float> kept = live.make(2.0f) * 2;
+  auto e = expr_only.make(5.0f) + 1;  // an expression is not a handle: not a root
+  const auto k0 = counter("KernelsRun");
+  lazy::mark_step();
+  EXPECT_EQ(dead.count(), 0);
+  EXPECT_EQ(live.count(), 1);
+  EXPECT_EQ(expr_only.count(), 0);
+  EXPECT_EQ(counter("KernelsRun"), k0 + 2) << "the probe and the multiply, nothing else";
+  EXPECT_EQ(kept.to_vector(), std::vector<float>(4, 4.0f));
+  // The expression still works when it is finally used.
+  Tensor<float> late = e;
+  EXPECT_EQ(late.to_vector(), std::vector<float>(4, 6.0f));
+  EXPECT_EQ(expr_only.count(), 1);
+}
+
+TEST_F(Executor, ReadMaterializesOnlyWhatItNeeds) {
+  Probe p1, p2, shared;
+  Tensor<float> y1 = p1.make(1.0f) + 1;
+  Tensor<float> y2 = p2.make(2.0f) + 1;
+  auto s = shared.make(3.0f);
+  Tensor<float> y3 = s * 2;
+  Tensor<float> y4 = s + 1;
+  const auto sync0 = counter("ImplicitSync");
+  EXPECT_EQ(y1.to_vector(), std::vector<float>(4, 2.0f));
+  EXPECT_EQ(counter("ImplicitSync"), sync0 + 1);
+  EXPECT_EQ(p1.count(), 1);
+  EXPECT_EQ(p2.count(), 0);
+  EXPECT_TRUE(pending(y2));
+  EXPECT_TRUE(pending(y3));
+  // Reading again: already there, no sync.
+  EXPECT_EQ(y1.to_vector(), std::vector<float>(4, 2.0f));
+  EXPECT_EQ(counter("ImplicitSync"), sync0 + 1);
+  // A producer shared by two tensors runs once, for the first reader.
+  EXPECT_EQ(y3.to_vector(), std::vector<float>(4, 6.0f));
+  EXPECT_EQ(counter("ImplicitSync"), sync0 + 2);
+  EXPECT_EQ(y4.to_vector(), std::vector<float>(4, 4.0f));
+  EXPECT_EQ(counter("ImplicitSync"), sync0 + 3);
+  EXPECT_EQ(shared.count(), 1);
+  // item() counts as a read too.
+  Tensor<float> one = p2.make(7.0f, Shape{1}) * 2;
+  EXPECT_EQ(one.item(), 14.0f);
+  EXPECT_EQ(counter("ImplicitSync"), sync0 + 4);
+  EXPECT_TRUE(pending(y2)) << "untouched by other reads";
+  lazy::mark_step();
+  EXPECT_EQ(y2.to_vector(), std::vector<float>(4, 3.0f));
+  EXPECT_EQ(counter("ImplicitSync"), sync0 + 4) << "materialized by mark_step, not by the read";
+  EXPECT_EQ(p2.count(), 2);
+}
+
+TEST_F(Executor, MarkStepMaterializesEveryLivePendingTensor) {
+  Probe p;
+  std::vector<Tensor<float>> ts;
+  for (int i = 0; i < 20; ++i) ts.push_back(p.make(static_cast<float>(i)) * 2 + 1);
+  auto chained = ts[3];
+  chained += ts[4];        // in-place on a copy: ts[3] sees it too
+  Tensor<double> other = lazy::full<double>({2, 2}, 0.5) * 4;
+  const auto k0 = counter("KernelsRun");
+  lazy::mark_step();
+  for (const auto& t : ts) EXPECT_FALSE(pending(t));
+  EXPECT_FALSE(pending(other));
+  EXPECT_EQ(p.count(), 20);
+  const auto after = counter("KernelsRun");
+  EXPECT_GE(after - k0, 20 + 1 + 1);
+  // Nothing left: another step runs no kernel.
+  lazy::mark_step();
+  EXPECT_EQ(counter("KernelsRun"), after);
+  const auto sync0 = counter("ImplicitSync");
+  for (int i = 0; i < 20; ++i) {
+    const float want = i == 3 ? (3 * 2 + 1) + (4 * 2 + 1) : static_cast<float>(i * 2 + 1);
+    EXPECT_EQ(ts[i].to_vector(), std::vector<float>(4, want)) << i;
+  }
+  EXPECT_EQ(other.to_vector(), std::vector<double>(4, 2.0));
+  EXPECT_EQ(counter("ImplicitSync"), sync0);
+}
+
+TEST_F(Executor, SyncIsMarkStepAndAdvancesRng) {
+  const auto seed0 = lazy::get_rng_state();
+  const auto m0 = counter("MarkStep");
+  Tensor<float> t = lazy::full<float>({2}, 1.0f) + 1;
+  lazy::sync();
+  EXPECT_EQ(counter("MarkStep"), m0 + 1);
+  EXPECT_FALSE(pending(t));
+  EXPECT_NE(lazy::get_rng_state(), seed0);
+  lazy::wait_device_ops();  // nothing stored: returns
+}
+
+// ---- in-place ops ---------------------------------------------------------------------
+
+TEST_F(Executor, InPlaceOpsAreFunctionalized) {
+  const std::vector<float> init{1, -2, 3, 8};
+  const auto x = lazy::from_vector<float>({2, 4, -1, 0.5f}, Shape{4});
+  struct Case {
+    const char* name;
+    std::function<void(Tensor<float>&)> op;
+    std::function<float(float, float)> ref;  // (old value, x)
+  };
+  const std::vector<Case> cases = {
+      {"add_", [&](Tensor<float>& t) { t.add_(x); }, [](float v, float w) { return v + w; }},
+      {"add_ alpha", [&](Tensor<float>& t) { t.add_(x, 0.5f); }, [](float v, float w) { return v + w * 0.5f; }},
+      {"sub_", [&](Tensor<float>& t) { t.sub_(x); }, [](float v, float w) { return v - w; }},
+      {"mul_", [&](Tensor<float>& t) { t.mul_(x); }, [](float v, float w) { return v * w; }},
+      {"div_", [&](Tensor<float>& t) { t.div_(x); }, [](float v, float w) { return v / w; }},
+      {"copy_", [&](Tensor<float>& t) { t.copy_(x); }, [](float, float w) { return w; }},
+      {"zero_", [&](Tensor<float>& t) { t.zero_(); }, [](float, float) { return 0.0f; }},
+      {"fill_", [&](Tensor<float>& t) { t.fill_(2.5); }, [](float, float) { return 2.5f; }},
+      {"+=", [&](Tensor<float>& t) { t += x; }, [](float v, float w) { return v + w; }},
+      {"-=", [&](Tensor<float>& t) { t -= x; }, [](float v, float w) { return v - w; }},
+      {"*=", [&](Tensor<float>& t) { t *= x; }, [](float v, float w) { return v * w; }},
+      {"/=", [&](Tensor<float>& t) { t /= x; }, [](float v, float w) { return v / w; }},
+      {"+= scalar", [&](Tensor<float>& t) { t += 3; }, [](float v, float) { return v + 3; }},
+      {"*= expr", [&](Tensor<float>& t) { t *= x * 2 - 1; }, [](float v, float w) { return v * (w * 2 - 1); }},
+  };
+  const auto xv = x.to_vector();
+  for (const auto& c : cases) {
+    for (bool materialized : {false, true}) {
+      Tensor<float> t = lazy::from_vector<float>(init, Shape{4}) * 1;  // pending
+      if (materialized) lazy::mark_step();
+      Tensor<float> copy = t;  // shares the tensor object
+      const auto old_node = t.node();
+      const auto k0 = counter("KernelsRun");
+      c.op(t);
+      EXPECT_EQ(counter("KernelsRun"), k0) << c.name << ": in-place ops are lazy too";
+      EXPECT_NE(t.node(), old_node) << c.name << ": rebound to a new node";
+      EXPECT_EQ(copy.node(), t.node()) << c.name << ": every copy of the handle sees it";
+      EXPECT_EQ(t.shape(), Shape{4});
+      std::vector<float> want;
+      for (int i = 0; i < 4; ++i) want.push_back(c.ref(init[i], xv[i]));
+      EXPECT_EQ(copy.to_vector(), want) << c.name << (materialized ? " (materialized)" : " (pending)");
+      EXPECT_EQ(t.to_vector(), want) << c.name;
+    }
+  }
+}
+
+TEST_F(Executor, InPlaceOnOtherDtypes) {
+  auto i = lazy::from_vector<std::int32_t>({1, 2, 3}, Shape{3});
+  i += lazy::from_vector<std::int64_t>({10, 20, 30}, Shape{3});  // int64 result into int32: allowed
+  i *= 2;
+  EXPECT_EQ(i.to_vector(), (std::vector<std::int32_t>{22, 44, 66}));
+  auto h = lazy::from_vector<lazy::bfloat16>({lazy::bfloat16(1.0f), lazy::bfloat16(2.0f)}, Shape{2});
+  h += lazy::from_vector<float>({0.5f, 0.25f}, Shape{2});  // float result into bf16: allowed
+  EXPECT_EQ(float(h.to_vector()[0]), 1.5f);
+  EXPECT_EQ(float(h.to_vector()[1]), 2.25f);
+  // copy_ converts, like torch's copy_: float into int truncates toward zero.
+  auto j = lazy::zeros<std::int32_t>({4});
+  j.copy_(lazy::from_vector<float>({1.9f, -1.9f, 0.5f, 7.0f}, Shape{4}));
+  EXPECT_EQ(j.to_vector(), (std::vector<std::int32_t>{1, -1, 0, 7}));
+  auto b = lazy::zeros<bool>({3});
+  b.copy_(lazy::from_vector<float>({0.0f, -2.0f, 0.1f}, Shape{3}));
+  EXPECT_EQ(b.to_vector(), (std::vector<bool>{false, true, true}));
+  // copy_ broadcasts its source.
+  auto m = lazy::zeros<double>({2, 3});
+  m.copy_(lazy::from_vector<double>({1, 2, 3}, Shape{3}));
+  EXPECT_EQ(m.to_vector(), (std::vector<double>{1, 2, 3, 1, 2, 3}));
+}
+
+TEST_F(Executor, WrongDtypeInPlaceThrowsDTypeError) {
+  auto i = lazy::from_vector<std::int32_t>({1, 2, 3}, Shape{3});
+  const auto f = lazy::from_vector<float>({0.5f, 1.5f, 2.5f}, Shape{3});
+  const auto node = i.node();
+  EXPECT_THROW(i += f, lazy::DTypeError);
+  EXPECT_THROW(i.add_(f), lazy::DTypeError);
+  EXPECT_THROW(i *= 0.5, lazy::DTypeError);  // weak float scalar: float result
+  EXPECT_THROW(i /= 2, lazy::DTypeError);    // true division: float result
+  EXPECT_THROW(i.div_(i), lazy::DTypeError);
+  EXPECT_THROW(i.sub_(lazy::exp(i)), lazy::DTypeError);
+  try {
+    i.mul_(f);
+    ADD_FAILURE() << "no exception";
+  } catch (const lazy::DTypeError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("float32"), std::string::npos) << m;
+    EXPECT_NE(m.find("int32"), std::string::npos) << m;
+    EXPECT_NE(m.find("mul_"), std::string::npos) << m;
+  }
+  EXPECT_EQ(i.node(), node) << "a rejected in-place op leaves the tensor untouched";
+  EXPECT_EQ(i.to_vector(), (std::vector<std::int32_t>{1, 2, 3}));
+  // Integer or float results into bool (torch: "result type Long can't be cast to Bool").
+  auto b = lazy::from_vector<bool>({true, false}, Shape{2});
+  EXPECT_THROW(b += 1, lazy::DTypeError);
+  EXPECT_THROW(b *= 2.0, lazy::DTypeError);
+  EXPECT_NO_THROW(b.mul_(b));  // bool result: fine
+  EXPECT_EQ(b.to_vector(), (std::vector<bool>{true, false}));
+  // DTypeError is a lazy::Error.
+  EXPECT_THROW(i += f, lazy::Error);
+}
+
+TEST_F(Executor, ShapeMismatchInPlaceThrowsShapeError) {
+  auto a = lazy::from_vector<float>({1, 2, 3}, Shape{3});
+  const auto node = a.node();
+  EXPECT_THROW(a += lazy::zeros<float>({4}), lazy::ShapeError);    // not broadcastable at all
+  EXPECT_THROW(a += lazy::zeros<float>({2, 3}), lazy::ShapeError); // would grow the output
+  EXPECT_THROW(a.copy_(lazy::zeros<float>({2, 3})), lazy::ShapeError);
+  EXPECT_THROW(a.mul_(lazy::zeros<float>({3, 1})), lazy::ShapeError);
+  try {
+    a.sub_(lazy::zeros<float>({2, 3}));
+    ADD_FAILURE() << "no exception";
+  } catch (const lazy::ShapeError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("(3,)"), std::string::npos) << m;
+    EXPECT_NE(m.find("(2, 3)"), std::string::npos) << m;
+    EXPECT_NE(m.find("sub_"), std::string::npos) << m;
+  }
+  EXPECT_EQ(a.node(), node);
+  // Broadcasting into the output's shape is fine.
+  auto m = lazy::zeros<float>({2, 3});
+  m += a;
+  m += lazy::scalar_tensor<float>(1.0f);
+  EXPECT_EQ(m.to_vector(), (std::vector<float>{2, 3, 4, 2, 3, 4}));
+}
+
+// ---- buffer donation ------------------------------------------------------------------
+
+const void* data_ptr(const Tensor<float>& t) { return t.node()->buffer()->data(); }
+
+TEST_F(Executor, InPlaceUpdateDonatesTheOnlyReference) {
+  auto w = lazy::from_vector<float>({1, 2, 3, 4}, Shape{4});
+  const auto g = lazy::from_vector<float>({10, 20, 30, 40}, Shape{4});
+  const void* p = data_ptr(w);
+  const auto d0 = counter("DonatedBuffers");
+  w -= 0.5f * g;
+  lazy::mark_step();
+  EXPECT_EQ(counter("DonatedBuffers"), d0 + 1);
+  EXPECT_EQ(data_ptr(w), p) << "updated in place";
+  EXPECT_EQ(w.to_vector(), (std::vector<float>{-4, -8, -12, -16}));
+  EXPECT_EQ(g.to_vector(), (std::vector<float>{10, 20, 30, 40}));
+  // Copies of the handle share the tensor object, so they do not keep the old value.
+  auto alias = w;
+  w += 1;
+  lazy::mark_step();
+  EXPECT_EQ(counter("DonatedBuffers"), d0 + 2);
+  EXPECT_EQ(data_ptr(w), p);
+  EXPECT_EQ(alias.to_vector(), (std::vector<float>{-3, -7, -11, -15}));
+}
+
+TEST_F(Executor, NoDonationWhileAnotherHandleHoldsTheOldValue) {
+  auto w = lazy::from_vector<float>({1, 2, 3, 4}, Shape{4});
+  const void* p = data_ptr(w);
+  Tensor<float> old(w.node());  // another tensor object on the same value
+  const auto d0 = counter("DonatedBuffers");
+  w += 1;
+  lazy::mark_step();
+  EXPECT_EQ(counter("DonatedBuffers"), d0);
+  EXPECT_NE(data_ptr(w), p);
+  EXPECT_EQ(w.to_vector(), (std::vector<float>{2, 3, 4, 5}));
+  EXPECT_EQ(old.to_vector(), (std::vector<float>{1, 2, 3, 4}));
+}
+
+TEST_F(Executor, NoDonationWhileALiveExpressionHoldsTheOldValue) {
+  auto w = lazy::from_vector<float>({1, 2, 3, 4}, Shape{4});
+  const void* p = data_ptr(w);
+  auto e = w * 2;  // captures the old value
+  const auto d0 = counter("DonatedBuffers");
+  w.mul_(10);
+  lazy::mark_step();
+  EXPECT_EQ(counter("DonatedBuffers"), d0);
+  EXPECT_NE(data_ptr(w), p);
+  EXPECT_EQ(w.to_vector(), (std::vector<float>{10, 20, 30, 40}));
+  Tensor<float> r = e;
+  EXPECT_EQ(r.to_vector(), (std::vector<float>{2, 4, 6, 8}));
+}
+
+TEST_F(Executor, PendingConsumerOfTheOldValueStaysCorrect) {
+  // A pending consumer of the old value and the in-place update run in the same step:
+  // whichever runs first, the consumer sees the old value and the update the new one.
+  for (bool use_copy : {false, true}) {
+    auto w = lazy::from_vector<float>({1, 2, 3, 4}, Shape{4});
+    Tensor<float> before = w * 3;
+    if (use_copy) w.copy_(lazy::zeros<float>({4}));
+    else w.add_(100);
+    Tensor<float> after = w * 3;
+    lazy::mark_step();
+    EXPECT_EQ(before.to_vector(), (std::vector<float>{3, 6, 9, 12}));
+    EXPECT_EQ(after.to_vector(), use_copy ? std::vector<float>(4, 0.0f) : (std::vector<float>{303, 306, 309, 312}));
+  }
+}
+
+TEST_F(Executor, ChainOfPendingInPlaceUpdatesDonates) {
+  auto w = lazy::from_vector<float>(std::vector<float>(1000, 1.0f), Shape{1000});
+  const void* p = data_ptr(w);
+  const auto d0 = counter("DonatedBuffers");
+  for (int i = 0; i < 5; ++i) w += 1;
+  lazy::mark_step();
+  EXPECT_GE(counter("DonatedBuffers"), d0 + 1);
+  EXPECT_EQ(data_ptr(w), p) << "the first update donates, later ones reuse its output";
+  EXPECT_EQ(w.to_vector(), std::vector<float>(1000, 6.0f));
+}
+
+// ---- eager mode, compile, step closures ------------------------------------------------
+
+TEST_F(Executor, EagerModeRunsEachNodeAtOnce) {
+  {
+    EagerGuard eager(true);
+    EXPECT_TRUE(lazy::is_eager_mode());
+    auto k = counter("KernelsRun");
+    auto a = lazy::full<float>({8}, 3.0f);
+    EXPECT_FALSE(pending(a));
+    EXPECT_EQ(counter("KernelsRun"), k + 1);
+    Tensor<float> b = a * a + 1;
+    EXPECT_FALSE(pending(b));
+    EXPECT_EQ(counter("KernelsRun"), k + 2);
+    b -= a;
+    EXPECT_FALSE(pending(b));
+    EXPECT_EQ(counter("KernelsRun"), k + 3);
+    const auto sync0 = counter("ImplicitSync");
+    EXPECT_EQ(b.to_vector(), std::vector<float>(8, 7.0f));
+    EXPECT_EQ(counter("ImplicitSync"), sync0);
+    EXPECT_THROW((void)(a + lazy::zeros<float>({3})), lazy::ShapeError);
+  }
+  EXPECT_FALSE(lazy::is_eager_mode());
+  Tensor<float> c = lazy::full<float>({8}, 1.0f) + 1;
+  EXPECT_TRUE(pending(c)) << "lazy again";
+}
+
+TEST_F(Executor, CompileSyncsAfterEachCall) {
+  auto w = lazy::from_vector<float>({1, 2, 3}, Shape{3});
+  const auto g = lazy::from_vector<float>({1, 1, 1}, Shape{3});
+  auto step = lazy::compile([&](float lr) {
+    w -= lr * g;
+    Tensor<float> loss = w * w;
+    return loss;
+  });
+  const auto m0 = counter("MarkStep");
+  auto loss = step(0.5f);
+  EXPECT_EQ(counter("MarkStep"), m0 + 1);
+  EXPECT_FALSE(pending(w));
+  EXPECT_FALSE(pending(loss));
+  EXPECT_EQ(loss.to_vector(), (std::vector<float>{0.25f, 2.25f, 6.25f}));
+  int calls = 0;
+  auto void_step = lazy::compile([&] {
+    ++calls;
+    w += 1;
+  });
+  void_step();
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(counter("MarkStep"), m0 + 2);
+  EXPECT_FALSE(pending(w));
+  EXPECT_EQ(w.to_vector(), (std::vector<float>{1.5f, 2.5f, 3.5f}));
+}
+
+TEST_F(Executor, StepClosuresRunAfterMarkStep) {
+  Tensor<float> t = lazy::full<float>({3}, 2.0f) * 2;
+  std::vector<int> order;
+  bool was_materialized = false;
+  std::vector<float> seen;
+  std::int64_t syncs_inside = -1;
+  lazy::add_step_closure([&] {
+    order.push_back(1);
+    was_materialized = !pending(t);
+    const auto s = counter("ImplicitSync");
+    seen = t.to_vector();
+    syncs_inside = counter("ImplicitSync") - s;
+  });
+  lazy::add_step_closure([&] { order.push_back(2); });
+  EXPECT_TRUE(order.empty()) << "queued, not run";
+  lazy::mark_step();
+  EXPECT_EQ(order, (std::vector<int>{1, 2}));
+  EXPECT_TRUE(was_materialized);
+  EXPECT_EQ(seen, std::vector<float>(3, 4.0f));
+  EXPECT_EQ(syncs_inside, 0);
+  lazy::mark_step();
+  EXPECT_EQ(order, (std::vector<int>{1, 2})) << "closures run once";
+}
+
+// ---- determinism across thread counts -------------------------------------------------
+
+template <class T>
+std::vector<T> compute_for_threads(int threads, const std::vector<float>& xs, const std::vector<float>& row) {
+  lazy::graph::current_device().threads().resize(threads);
+  const auto n = static_cast<std::int64_t>(xs.size());
+  const std::int64_t cols = static_cast<std::int64_t>(row.size());
+  Tensor<T> x = lazy::cast<T>(lazy::from_vector<float>(xs, Shape{n / cols, cols}));
+  Tensor<T> r = lazy::cast<T>(lazy::from_vector<float>(row, Shape{cols}));
+  Tensor<T> y = lazy::tanh(x * 1.7 + r) * lazy::exp(-x * x) + lazy::sigmoid(x - r) / (1 + lazy::abs(r));
+  Tensor<T> z = lazy::sqrt(lazy::abs(y)) + lazy::log1p(lazy::abs(x));  // flat layout
+  z += y;
+  lazy::mark_step();
+  return z.to_vector();
+}
+
+template <class T>
+void expect_bitwise_equal(const std::vector<T>& a, const std::vector<T>& b, int threads) {
+  ASSERT_EQ(a.size(), b.size());
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(T)), 0) << "threads=" << threads;
+}
+
+TEST_F(Executor, ResultsAreBitwiseIdenticalForAnyThreadCount) {
+  ThreadsGuard restore;
+  const std::int64_t cols = 1003, rows = 307;  // ~308k elements: split across threads
+  std::vector<float> xs(static_cast<std::size_t>(rows * cols)), row(static_cast<std::size_t>(cols));
+  for (std::size_t i = 0; i < xs.size(); ++i) xs[i] = static_cast<float>(std::sin(static_cast<double>(i) * 0.37) * 3);
+  for (std::size_t i = 0; i < row.size(); ++i) row[i] = static_cast<float>(std::cos(static_cast<double>(i)) * 0.5);
+  const auto f1 = compute_for_threads<float>(1, xs, row);
+  const auto d1 = compute_for_threads<double>(1, xs, row);
+  for (int threads : {2, 4}) {
+    expect_bitwise_equal(f1, compute_for_threads<float>(threads, xs, row), threads);
+    expect_bitwise_equal(d1, compute_for_threads<double>(threads, xs, row), threads);
+  }
+  // Sanity: the value is what the formula says (so equal-but-wrong can't pass).
+  const double x0 = xs[5], r0 = row[5];
+  const double y0 = std::tanh(x0 * 1.7 + r0) * std::exp(-x0 * x0) + 1 / (1 + std::exp(-(x0 - r0))) / (1 + std::abs(r0));
+  EXPECT_NEAR(d1[5], std::sqrt(std::abs(y0)) + std::log1p(std::abs(x0)) + y0, 1e-12);
+}
+
+// ---- long chains ----------------------------------------------------------------------
+
+TEST_F(Executor, LongChainOfStatementsDoesNotOverflowTheStack) {
+  constexpr int kSteps = 100000;
+  {
+    Tensor<float> a = lazy::full<float>({4}, 0.0f);
+    for (int i = 0; i < kSteps; ++i) a = a + 1;  // 100000 pending nodes in one chain
+    lazy::mark_step();
+    EXPECT_EQ(a.to_vector(), std::vector<float>(4, static_cast<float>(kSteps)));
+  }
+  {
+    Tensor<float> a = lazy::full<float>({4}, 0.0f);
+    for (int i = 0; i < kSteps; ++i) a += 2;
+    EXPECT_EQ(a.to_vector(), std::vector<float>(4, 2.0f * kSteps)) << "materialized by a read";
+  }
+}
+
+TEST_F(Executor, DroppingALongPendingChainDoesNotOverflowTheStack) {
+  constexpr int kSteps = 100000;
+  Probe p;
+  {
+    Tensor<float> a = p.make(1.0f);
+    for (int i = 0; i < kSteps; ++i) a = a * 1.5f;
+  }  // never computed; the whole chain is freed here
+  lazy::mark_step();
+  EXPECT_EQ(p.count(), 0);
+}
+
+// ---- errors ---------------------------------------------------------------------------
+
+TEST_F(Executor, UndefinedTensorUseThrows) {
+  Tensor<float> u;
+  EXPECT_FALSE(u.defined());
+  EXPECT_THROW((void)u.shape(), lazy::Error);
+  EXPECT_THROW((void)u.numel(), lazy::Error);
+  EXPECT_THROW((void)u.item(), lazy::Error);
+  EXPECT_THROW((void)u.to_vector(), lazy::Error);
+  EXPECT_THROW((void)(u + 1), lazy::Error);
+  EXPECT_THROW(u += 1, lazy::Error);
+  EXPECT_THROW(u.zero_(), lazy::Error);
+  EXPECT_THROW(u.copy_(lazy::zeros<float>({2})), lazy::Error);
+  auto d = lazy::zeros<float>({2});
+  EXPECT_THROW(d += u, lazy::Error);
+  EXPECT_THROW((void)lazy::where(d > 0, u, d), lazy::Error);
+  std::ostringstream os;
+  os << u;  // printing an undefined tensor is fine, as in libtorch
+  EXPECT_NE(os.str().find("undefined"), std::string::npos);
+  lazy::mark_step();  // and the device is unaffected
+}
+
+TEST_F(Executor, ItemNeedsExactlyOneElement) {
+  EXPECT_THROW((void)lazy::zeros<float>({2}).item(), lazy::ShapeError);
+  EXPECT_THROW((void)lazy::zeros<float>({0}).item(), lazy::ShapeError);
+  EXPECT_THROW((void)lazy::zeros<std::int64_t>({2, 3}).item(), lazy::ShapeError);
+  EXPECT_EQ(lazy::full<float>({1, 1, 1}, 4.5f).item(), 4.5f);
+  EXPECT_EQ(lazy::scalar_tensor<std::int32_t>(-7).item(), -7);
+}
+
+TEST_F(Executor, FromVectorSizeMismatchThrows) {
+  EXPECT_THROW(lazy::from_vector<float>({1, 2, 3}, Shape{2, 2}), lazy::ShapeError);
+  EXPECT_THROW(lazy::from_vector<float>({}, Shape{1}), lazy::ShapeError);
+  EXPECT_THROW(lazy::from_vector<bool>({true}, Shape{0}), lazy::ShapeError);
+  try {
+    lazy::from_vector<double>({1, 2, 3, 4, 5}, Shape{2, 3});
+    ADD_FAILURE() << "no exception";
+  } catch (const lazy::ShapeError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("(2, 3)"), std::string::npos) << m;
+    EXPECT_NE(m.find('5'), std::string::npos) << m;
+  }
+  EXPECT_NO_THROW(lazy::from_vector<float>({}, Shape{0, 4}));
+}
+
+TEST_F(Executor, KernelErrorPropagatesAndLeavesTheGraphUsable) {
+  Probe bad, good;
+  Tensor<float> y = bad.make(1.0f, Shape{4}, /*fail=*/true) + 1;
+  EXPECT_THROW(lazy::mark_step(), lazy::Error);
+  EXPECT_TRUE(pending(y)) << "a failed node stays pending";
+  EXPECT_THROW((void)y.to_vector(), lazy::Error) << "and fails again when read: never lost";
+  y = lazy::full<float>({4}, 2.0f);  // drop the failing graph
+  Tensor<float> z = good.make(3.0f) * y;
+  lazy::mark_step();
+  EXPECT_EQ(z.to_vector(), std::vector<float>(4, 6.0f));
+}
+
+TEST_F(Executor, TensorsOnDifferentDevicesDoNotMix) {
+  auto a = lazy::zeros<float>({3});
+  auto b = lazy::zeros<float>({3}, lazy::Device(1));
+  EXPECT_THROW((void)Tensor<float>(a + b), lazy::DeviceError);
+  EXPECT_EQ(b.device().index(), 1);
+}
+
+TEST_F(Executor, ConcurrentDevicesInThreads) {
+  // Two threads, each with its own device (as replicas have), stepping concurrently.
+  std::atomic<int> failures{0};
+  auto worker = [&](int dev) {
+    lazy::graph::current_device_index() = dev;
+    auto w = lazy::full<float>({300000}, 1.0f);  // big enough to use the device's workers
+    for (int step = 0; step < 20; ++step) {
+      Tensor<float> g = lazy::sin(w) * 0.0f + 1;
+      w -= 0.5f * g;
+      lazy::mark_step();
+    }
+    const auto v = w.to_vector();
+    for (float x : v)
+      if (x != 1.0f - 10.0f) failures.fetch_add(1);
+    lazy::graph::current_device_index() = 0;
+  };
+  std::thread t1(worker, 1), t2(worker, 2);
+  worker(0);
+  t1.join();
+  t2.join();
+  EXPECT_EQ(failures.load(), 0);
+}
+
+}  // namespace
