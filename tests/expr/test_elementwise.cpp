@@ -490,6 +490,35 @@ TEST(Chains, NarrowingCastRoundsInsideWiderExpression) {
   for (std::size_t k = 0; k < dv.size(); ++k) EXPECT_EQ(gd[k], static_cast<double>(static_cast<float>(dv[k]))) << dv[k];
 }
 
+// ---- integers inside kernels with a floating lane --------------------------------------
+// PyTorch computes each op in its own result type: in where(x > 0, i, j) the integer
+// operands never pass through float, and in (a + b) * 0.5 the int64 sum is exact before it
+// is converted. A kernel lane must therefore hold every integer value of its int32/int64
+// operands exactly; float (24-bit significand) does not.
+
+TEST(LaneSemantics, WhereWithFloatConditionKeepsIntegersExact) {
+  const auto x = lazy::from_vector<float>({1.0f, -1.0f, 2.0f}, Shape{3});
+  const auto i = lazy::from_vector<i32>({16777217, 5, -2147483647}, Shape{3});
+  Tensor<i32> wi = lazy::where(x > 0, i, i - 1);
+  EXPECT_EQ(wi.to_vector(), (std::vector<i32>{16777217, 4, -2147483647}));
+  const i64 big = (i64(1) << 40) + 1;
+  const auto a = lazy::from_vector<i64>({big, 3, -big}, Shape{3});
+  const auto b = lazy::from_vector<i64>({7, -big, 9}, Shape{3});
+  Tensor<i64> wl = lazy::where(x > 0.5, a, b);
+  EXPECT_EQ(wl.to_vector(), (std::vector<i64>{big, -big, -big}));
+}
+
+TEST(LaneSemantics, IntegerSubexpressionsAreExactBeforeConversion) {
+  const i64 big = i64(1) << 40;
+  const auto a = lazy::from_vector<i64>({big + 1, 16777217}, Shape{2});
+  const auto b = lazy::from_vector<i64>({-big, 0}, Shape{2});
+  Tensor<float> half = (a + b) * 0.5;  // torch: int64 sum, then float
+  EXPECT_EQ(half.to_vector(), (std::vector<float>{0.5f, static_cast<float>(16777217) * 0.5f}));
+  const auto f = lazy::from_vector<float>({1.0f, 2.0f}, Shape{2});
+  Tensor<i64> c = lazy::cast<i64>(f) + a;  // torch: int64 + int64
+  EXPECT_EQ(c.to_vector(), (std::vector<i64>{big + 2, 16777219}));
+}
+
 // ---- large outputs ---------------------------------------------------------------------
 
 TEST(LargeOutputs, StreamingStorePathIsCorrect) {

@@ -68,6 +68,7 @@ struct Eval;
 
 template <class S, Element T>
 struct Eval<S, KLeaf<T>> {
+  static constexpr bool simd = simd_lane_v<S>;
   const T* base;
   const T* ptr;
   bool splat;
@@ -92,6 +93,7 @@ struct Eval<S, KLeaf<T>> {
 
 template <class S, Element T>
 struct Eval<S, Scalar<T>> {
+  static constexpr bool simd = simd_lane_v<S>;
   S value;
   Eval(const Scalar<T>& s, const void* const*, const char*) : value(static_cast<S>(static_cast<compute_t<T>>(s.value))) {}
   void seek(const std::int64_t*) {}
@@ -104,6 +106,7 @@ struct Eval<S, Scalar<T>> {
 
 template <class S, class Op, class... C>
 struct Eval<S, KExpr<Op, C...>> {
+  static constexpr bool simd = simd_lane_v<S>;
   std::tuple<Eval<S, C>...> children;
 
   Eval(const KExpr<Op, C...>& k, const void* const* ptrs, const char* splats)
@@ -120,6 +123,134 @@ struct Eval<S, KExpr<Op, C...>> {
     return std::apply([&](const auto&... ch) { return Op::apply(ch.template packet<Contig>(i)...); }, children);
   }
 };
+
+// ---- exact (per-node) evaluation -------------------------------------------------------
+// PyTorch computes each op in its own type. One floating lane for a whole kernel matches
+// that for floating values (a wider lane only rounds later), but not for integers, which a
+// float lane cannot hold above 2^24 (2^53 for double): where(x > 0, i64_a, i64_b) or
+// (i64_a + i64_b) * 0.5 must stay exact. Kernels that mix int32/int64 values with a
+// floating lane therefore evaluate node by node, each op in its own type, on the scalar
+// path; every other kernel keeps the single SIMD lane.
+
+/// True when K holds an int32 or int64 value anywhere (leaf, scalar or op result).
+template <class K>
+struct has_integral : std::bool_constant<is_integral_v<typename K::value_type>> {};
+template <class Op, class... C>
+struct has_integral<KExpr<Op, C...>>
+    : std::bool_constant<is_integral_v<typename KExpr<Op, C...>::value_type> || (has_integral<C>::value || ...)> {};
+
+/// True when kernel K must use per-node evaluation (see above).
+template <class K>
+inline constexpr bool needs_exact_v = simd_lane_v<klane_t<K>> && has_integral<K>::value;
+
+/// The lane a kernel's root produces: the single lane, or (per-node kernels) the lane of
+/// the root's own type, so an int64 result is never squeezed through a float.
+template <class K>
+using kernel_lane_t = std::conditional_t<needs_exact_v<K>, lane_of<typename K::value_type>, klane_t<K>>;
+
+/// Type an op computes in, given its operands' value types (PyTorch: comparisons and
+/// where compute in the promoted operand type; everything else in its result type).
+template <class Op, class... A>
+struct op_compute {
+  using type = typename Op::template result<A...>;
+};
+#define LAZY_PROMOTED_COMPUTE(OP)     \
+  template <class A, class B>         \
+  struct op_compute<ops::OP, A, B> {  \
+    using type = promote_t<A, B>;     \
+  };
+LAZY_PROMOTED_COMPUTE(Eq)
+LAZY_PROMOTED_COMPUTE(Ne)
+LAZY_PROMOTED_COMPUTE(Lt)
+LAZY_PROMOTED_COMPUTE(Le)
+LAZY_PROMOTED_COMPUTE(Gt)
+LAZY_PROMOTED_COMPUTE(Ge)
+LAZY_PROMOTED_COMPUTE(LogicalAnd)
+LAZY_PROMOTED_COMPUTE(LogicalOr)
+#undef LAZY_PROMOTED_COMPUTE
+template <class A>
+struct op_compute<ops::LogicalNot, A> {
+  using type = A;
+};
+
+/// Rounds a value computed in lane L to what a tensor of type V holds, in V's lane.
+template <Element V, class L>
+inline lane_of<V> round_to(L v) {
+  if constexpr (std::is_same_v<V, bool>) return v != L(0) ? 1 : 0;
+  else if constexpr (std::is_same_v<V, bfloat16>) return static_cast<float>(bfloat16(static_cast<float>(v)));
+  else return static_cast<lane_of<V>>(v);
+}
+
+template <class S, class K>
+struct ExactEval;
+
+template <class S, Element T>
+struct ExactEval<S, KLeaf<T>> : Eval<lane_of<T>, KLeaf<T>> {
+  using Eval<lane_of<T>, KLeaf<T>>::Eval;
+};
+template <class S, Element T>
+struct ExactEval<S, Scalar<T>> : Eval<lane_of<T>, Scalar<T>> {
+  using Eval<lane_of<T>, Scalar<T>>::Eval;
+};
+
+/// Evaluates an op in its own compute type; coeff() returns the op's value in the lane of
+/// its result type (S is unused below the root: each node picks its own).
+template <class S, class Op, class... C>
+struct ExactEval<S, KExpr<Op, C...>> {
+  static constexpr bool simd = false;
+  using V = typename KExpr<Op, C...>::value_type;
+  std::tuple<ExactEval<S, C>...> children;
+
+  ExactEval(const KExpr<Op, C...>& k, const void* const* ptrs, const char* splats)
+      : children(std::apply(
+            [&](const auto&... ch) { return std::tuple<ExactEval<S, C>...>{ExactEval<S, C>(ch, ptrs, splats)...}; },
+            k.children)) {}
+  void seek(const std::int64_t* offsets) {
+    std::apply([&](auto&... ch) { (ch.seek(offsets), ...); }, children);
+  }
+  lane_of<V> coeff(std::int64_t i) const {
+    return std::apply([&](const auto&... ch) { return apply(ch...)(i); }, children);
+  }
+
+ private:
+  template <class... E>
+  auto apply(const E&... ch) const {
+    return [&](std::int64_t i) -> lane_of<V> {
+      if constexpr (std::is_same_v<Op, ops::Where>) {
+        // The condition is tested in its own type (a NaN float is non-zero, not converted).
+        const auto& [c, a, b] = std::tie(ch...);
+        using L = lane_of<op_compute_t<ops::Where, typename C::value_type...>>;
+        return round_to<V>(c.coeff(i) != 0 ? static_cast<L>(a.coeff(i)) : static_cast<L>(b.coeff(i)));
+      } else if constexpr (is_cast<Op>::value) {
+        // A conversion is a store into the target type (truncation, != 0, rounding).
+        return round_to<V>(to_storage<V>((ch.coeff(i), ...)));
+      } else {
+        using L = lane_of<typename op_compute<Op, typename C::value_type...>::type>;
+        return round_to<V>(Op::apply(static_cast<L>(ch.coeff(i))...));
+      }
+    };
+  }
+  template <class O>
+  struct is_cast : std::false_type {};
+  template <Element U>
+  struct is_cast<ops::Cast<U>> : std::true_type {};
+  template <class O, class... A>
+  using op_compute_t = typename op_compute<O, A...>::type;
+};
+
+/// Root evaluator of a kernel with lane S: converts the exact root value to S.
+template <class S, class K>
+struct ExactRoot {
+  static constexpr bool simd = false;
+  ExactEval<S, K> ev;
+  ExactRoot(const K& k, const void* const* ptrs, const char* splats) : ev(k, ptrs, splats) {}
+  void seek(const std::int64_t* offsets) { ev.seek(offsets); }
+  S coeff(std::int64_t i) const { return static_cast<S>(ev.coeff(i)); }
+};
+
+/// The evaluator a kernel of lane S over K uses.
+template <class S, class K>
+using Evaluator = std::conditional_t<needs_exact_v<K>, ExactRoot<S, K>, Eval<S, K>>;
 
 /// Outputs at least this large are written with non-temporal stores: they cannot stay in
 /// cache anyway, and streaming skips reading each output line before overwriting it.
@@ -163,13 +294,13 @@ inline void store_fence() {
 /// inputs are all contiguous or single elements. A range ending at `n` finishes with one
 /// whole batch that runs into the buffers' padding instead of a scalar tail. With
 /// `Stream`, `out + b` must be batch-aligned and the caller fences after the kernel.
-template <class S, class Tout, bool Contig, class K, bool Stream = false>
-void eval_flat_range(const Eval<S, K>& ev_in, Tout* out, std::int64_t b, std::int64_t e, std::int64_t n) {
+template <class S, class Tout, bool Contig, class Ev, bool Stream = false>
+void eval_flat_range(const Ev& ev_in, Tout* out, std::int64_t b, std::int64_t e, std::int64_t n) {
   // A local copy: stores through `out` may alias anything, which would otherwise force a
   // reload of every leaf pointer from *ev_in after each store.
-  const Eval<S, K> ev = ev_in;
+  const Ev ev = ev_in;
   std::int64_t i = b;
-  if constexpr (simd_lane_v<S>) {
+  if constexpr (Ev::simd) {
     constexpr std::int64_t W = batch_t<S>::size;
     if constexpr (Stream && std::is_same_v<S, Tout>) {
       for (; i + W <= e; i += W) stream_store<S>(out + i, ev.template packet<Contig>(i));
@@ -184,10 +315,10 @@ void eval_flat_range(const Eval<S, K>& ev_in, Tout* out, std::int64_t b, std::in
 }
 
 /// Evaluates one row of `len` elements whose leaves were positioned with seek().
-template <class S, class Tout, class K>
-void eval_row(const Eval<S, K>& ev, Tout* out, std::int64_t len) {
+template <class S, class Tout, class Ev>
+void eval_row(const Ev& ev, Tout* out, std::int64_t len) {
   std::int64_t i = 0;
-  if constexpr (simd_lane_v<S>) {
+  if constexpr (Ev::simd) {
     constexpr std::int64_t W = batch_t<S>::size;
     for (; i + W <= len; i += W) store_lane<Tout, S>(out + i, ev.template packet<false>(i));
   }
@@ -195,8 +326,8 @@ void eval_row(const Eval<S, K>& ev, Tout* out, std::int64_t len) {
 }
 
 /// Evaluates rows [r0, r1) of a layout with several collapsed dimensions.
-template <class S, class Tout, class K>
-void eval_rows(Eval<S, K>& ev, const Layout& L, Tout* out, std::int64_t r0, std::int64_t r1) {
+template <class S, class Tout, class Ev>
+void eval_rows(Ev& ev, const Layout& L, Tout* out, std::int64_t r0, std::int64_t r1) {
   const int outer = L.ndim - 1;
   const std::int64_t inner = L.inner();
   const std::size_t nin = L.stride.size();

@@ -28,7 +28,7 @@ class RowProducer {
 template <class K, Element Tout>
 class ElementwiseNode final : public Node {
  public:
-  using S = expr::klane_t<K>;
+  using S = expr::kernel_lane_t<K>;
 
   ElementwiseNode(K kernel, Shape shape, Device* device, std::vector<NodePtr> inputs)
       : Node(NodeKind::Elementwise, dtype_of<Tout>(), shape, device, std::move(inputs)),
@@ -101,10 +101,10 @@ class ElementwiseNode final : public Node {
       const bool stream = n * static_cast<std::int64_t>(sizeof(Tout)) >= expr::kStreamingStoreBytes;
       pool.parallel_for(tasks, [&](std::int64_t t) {
         auto [b, e] = task_range(n, tasks, t, kPadElements);
-        expr::Eval<S, K> ev(kernel_, ptrs.data(), layout_.splat.data());
+        expr::Evaluator<S, K> ev(kernel_, ptrs.data(), layout_.splat.data());
         if (stream) {
-          if (contig) expr::eval_flat_range<S, Tout, true, K, true>(ev, out, b, e, n);
-          else expr::eval_flat_range<S, Tout, false, K, true>(ev, out, b, e, n);
+          if (contig) expr::eval_flat_range<S, Tout, true, decltype(ev), true>(ev, out, b, e, n);
+          else expr::eval_flat_range<S, Tout, false, decltype(ev), true>(ev, out, b, e, n);
           expr::store_fence();
         } else if (contig) {
           expr::eval_flat_range<S, Tout, true>(ev, out, b, e, n);
@@ -117,7 +117,7 @@ class ElementwiseNode final : public Node {
       const std::int64_t tasks = task_count(pool, n, cost);
       pool.parallel_for(std::min(tasks, rows), [&](std::int64_t t) {
         auto [r0, r1] = task_range(rows, std::min(tasks, rows), t);
-        expr::Eval<S, K> ev(kernel_, ptrs.data(), layout_.splat.data());
+        expr::Evaluator<S, K> ev(kernel_, ptrs.data(), layout_.splat.data());
         expr::eval_rows<S, Tout>(ev, layout_, out, r0, r1);
       });
     }
@@ -142,7 +142,7 @@ class ElementwiseNode final : public Node {
     const std::int64_t tasks = std::min(threads, blocks);
     pool.parallel_for(tasks, [&](std::int64_t t) {
       auto [b0, b1] = task_range(blocks, tasks, t);
-      expr::Eval<S, K> ev(kernel_, ptrs.data(), layout_.splat.data());
+      expr::Evaluator<S, K> ev(kernel_, ptrs.data(), layout_.splat.data());
       for (std::int64_t b = b0; b < b1; ++b) {
         const std::int64_t r0 = b * block, r1 = std::min(rows, r0 + block);
         producer->produce_rows(out, r0, r1);

@@ -32,11 +32,11 @@ struct ReduceGeometry {
 
 namespace detail {
 
-template <class R, class S, bool C, class K>
-S reduce_span(const expr::Eval<S, K>& ev, std::int64_t b, std::int64_t len) {
+template <class R, class S, bool C, class Ev>
+S reduce_span(const Ev& ev, std::int64_t b, std::int64_t len) {
   const std::int64_t e = b + len;
   std::int64_t i = b;
-  if constexpr (expr::simd_lane_v<S>) {
+  if constexpr (Ev::simd) {
     using V = expr::batch_t<S>;
     constexpr std::int64_t W = V::size;
     V a0 = R::template identity<V>(), a1 = a0, a2 = a0, a3 = a0;
@@ -74,8 +74,8 @@ S pairwise(std::vector<S>& v) {
   return v[0];
 }
 
-template <class R, class S, bool C, class K>
-S reduce_range(const expr::Eval<S, K>& ev, std::int64_t b, std::int64_t len) {
+template <class R, class S, bool C, class Ev>
+S reduce_range(const Ev& ev, std::int64_t b, std::int64_t len) {
   if (len <= kReduceBlock) return reduce_span<R, S, C>(ev, b, len);
   std::vector<S> partial;
   partial.reserve(static_cast<std::size_t>((len + kReduceBlock - 1) / kReduceBlock));
@@ -137,7 +137,7 @@ class ReductionNode final : public Node {
     const double cost = cost_per_element();
     const std::int64_t outer = g_.outer, R_ = g_.extent, inner = g_.inner;
     const std::int64_t total = outer * R_ * inner;
-    auto eval = [&] { return expr::Eval<S, K>(kernel_, ptrs.data(), splat_.data()); };
+    auto eval = [&] { return expr::Evaluator<S, K>(kernel_, ptrs.data(), splat_.data()); };
     if (inner == 1 && outer == 1) {
       // One value: blocks in parallel, then the fixed pairwise tree.
       const std::int64_t blocks = (R_ + kReduceBlock - 1) / kReduceBlock;
@@ -177,10 +177,10 @@ class ReductionNode final : public Node {
   }
 
   template <bool C>
-  void reduce_columns(const expr::Eval<S, K>& ev, Tout* out, std::int64_t base, std::int64_t c0, std::int64_t c1) {
+  void reduce_columns(const expr::Evaluator<S, K>& ev, Tout* out, std::int64_t base, std::int64_t c0, std::int64_t c1) {
     const std::int64_t R_ = g_.extent, inner = g_.inner;
     std::int64_t c = c0;
-    if constexpr (expr::simd_lane_v<S>) {
+    if constexpr (expr::Evaluator<S, K>::simd) {
       using V = expr::batch_t<S>;
       constexpr std::int64_t W = V::size;
       for (; c + W <= c1; c += W) {
@@ -229,7 +229,7 @@ class ArgReductionNode final : public Node {
     const std::int64_t units = g_.outer * g_.inner;
     const std::int64_t tasks = std::min(units, task_count(pool, units * g_.extent, 2.0));
     pool.parallel_for(tasks, [&](std::int64_t t) {
-      expr::Eval<S, K> ev(kernel_, ptrs.data(), splat_.data());
+      expr::Evaluator<S, K> ev(kernel_, ptrs.data(), splat_.data());
       auto [u0, u1] = task_range(units, tasks, t);
       for (std::int64_t u = u0; u < u1; ++u) {
         const std::int64_t o = u / g_.inner, c = u % g_.inner;

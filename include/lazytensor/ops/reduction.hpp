@@ -116,7 +116,7 @@ graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims,
       return reduction_node<R, Tout>(Tensor<typename X::value_type>(x), dims, keepdim, scale_kind, op);
     }
   }
-  using S = expr::lane_combine<expr::klane_t<K>, expr::lane_of<Tout>>;
+  using S = expr::lane_combine<expr::kernel_lane_t<K>, expr::lane_of<Tout>>;
   graph::Device& dev = graph::common_device(inputs, op);
   return graph::submit(std::make_shared<graph::ReductionNode<K, R, S, Tout>>(std::move(k), out, g, scale, &dev,
                                                                             std::move(inputs), s));
@@ -236,7 +236,7 @@ Tensor<std::int64_t> arg_reduce(const X& x, std::optional<std::int64_t> dim, boo
   }
   using K = decltype(k);
   graph::Device& dev = graph::common_device(inputs, op);
-  return Tensor<std::int64_t>(graph::submit(std::make_shared<graph::ArgReductionNode<K, expr::klane_t<K>, IsMax>>(
+  return Tensor<std::int64_t>(graph::submit(std::make_shared<graph::ArgReductionNode<K, expr::kernel_lane_t<K>, IsMax>>(
       std::move(k), reduced_shape(s, rd, keepdim), g, &dev, std::move(inputs), s)));
 }
 }  // namespace detail
