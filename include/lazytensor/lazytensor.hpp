@@ -2,6 +2,7 @@
 // lazytensor: lazy tensors with fused, SIMD-vectorized kernels. Umbrella header: include
 // this, or one module header, and link lazytensor::lazytensor.
 
+#include <lazytensor/any_tensor.hpp>
 #include <lazytensor/core/error.hpp>
 #include <lazytensor/debug/graph_dump.hpp>
 #include <lazytensor/debug/metrics.hpp>
@@ -12,4 +13,5 @@
 #include <lazytensor/ops/reduction.hpp>
 #include <lazytensor/ops/shape.hpp>
 #include <lazytensor/ops/softmax.hpp>
+#include <lazytensor/state_dict.hpp>
 #include <lazytensor/tensor.hpp>

@@ -66,6 +66,18 @@ class Tensor {
     impl_->node->device()->register_handle(impl_);
   }
 
+  /// A handle on an existing tensor object (shares it, like copying a handle). Throws
+  /// DTypeError when the object holds another element type.
+  static Tensor from_impl(std::shared_ptr<graph::TensorImpl> impl) {
+    Tensor t;
+    if (impl && impl->node && impl->node->dtype() != dtype_of<T>()) {
+      throw DTypeError("expected a tensor of dtype " + dtype_name(dtype_of<T>()) + ", found " +
+                       dtype_name(impl->node->dtype()));
+    }
+    t.impl_ = std::move(impl);
+    return t;
+  }
+
   /// Captures an expression as a pending node; nothing is computed until a sync or read.
   template <class Op, class... C>
   Tensor(const Expr<Op, C...>& e)  // NOLINT: implicit, as `Tensor<float> y = a + b;`
@@ -132,6 +144,14 @@ class Tensor {
     static auto& transfers = core::counter("TransferFromDevice");
     transfers.add();
     return node()->template data<T>();
+  }
+
+  /// A copy on device `dev` (this handle when already there). The value is materialized on
+  /// its own device first, then copied into a buffer of `dev`'s pool.
+  Tensor to(const Device& dev) const {
+    if (dev == device()) return *this;
+    const T* p = data();
+    return Tensor(detail::data_node<T>(p, shape(), dev));
   }
 
   /// The tensor as an expression operand.

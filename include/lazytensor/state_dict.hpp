@@ -1,0 +1,66 @@
+#pragma once
+// StateDict: named tensors in insertion order, plus string metadata. What Module::state_dict,
+// Optimizer::state_dict and lazy::io::save/load exchange (libtorch's OrderedDict of tensors;
+// the metadata maps to safetensors' "__metadata__").
+
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <lazytensor/any_tensor.hpp>
+
+namespace lazy {
+
+/// Ordered name -> tensor map with unique names, plus free-form string metadata.
+class StateDict {
+ public:
+  using Item = std::pair<std::string, AnyTensor>;
+
+  /// Adds `name`; Error when the name is already present.
+  void insert(const std::string& name, AnyTensor t) {
+    if (index_.count(name)) throw Error("StateDict: duplicate key '" + name + "'");
+    index_.emplace(name, items_.size());
+    items_.emplace_back(name, std::move(t));
+  }
+  /// Adds or replaces `name`.
+  void insert_or_assign(const std::string& name, AnyTensor t) {
+    if (auto it = index_.find(name); it != index_.end()) items_[it->second].second = std::move(t);
+    else insert(name, std::move(t));
+  }
+  /// True when `name` is present.
+  bool contains(const std::string& name) const { return index_.count(name) != 0; }
+  /// The tensor stored under `name`, or nullptr.
+  const AnyTensor* find(const std::string& name) const {
+    auto it = index_.find(name);
+    return it == index_.end() ? nullptr : &items_[it->second].second;
+  }
+  /// The tensor stored under `name`; Error naming the key when it is missing.
+  const AnyTensor& at(const std::string& name) const {
+    if (const AnyTensor* t = find(name)) return *t;
+    throw Error("StateDict: missing key '" + name + "'");
+  }
+  /// Every (name, tensor) pair in insertion order.
+  const std::vector<Item>& items() const { return items_; }
+  std::vector<Item>::const_iterator begin() const { return items_.begin(); }
+  std::vector<Item>::const_iterator end() const { return items_.end(); }
+  std::size_t size() const { return items_.size(); }
+  bool empty() const { return items_.empty(); }
+  /// The keys in insertion order.
+  std::vector<std::string> keys() const {
+    std::vector<std::string> k;
+    for (const auto& [n, t] : items_) k.push_back(n);
+    return k;
+  }
+
+  /// Free-form string metadata (hyper-parameters, format versions, ...).
+  std::map<std::string, std::string>& metadata() { return metadata_; }
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+
+ private:
+  std::vector<Item> items_;
+  std::map<std::string, std::size_t> index_;
+  std::map<std::string, std::string> metadata_;
+};
+
+}  // namespace lazy
