@@ -1,0 +1,186 @@
+#pragma once
+// Collectives in the graph. A tensor collective is two kinds of node:
+//  - an ExchangeNode, which runs one round of its group's exchange and computes every
+//    output of the collective (several for a coalesced all_reduce); its own value is an
+//    empty token, so chaining exchanges in program order holds no data alive;
+//  - one ResultNode per output, which takes its buffer from the exchange (no copy).
+// An exchange that fails is nevertheless done (it never joins its group again with a
+// sequence number the others have moved past): it keeps the error, and its result nodes
+// re-throw it whenever they are read.
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <lazytensor/dist/context.hpp>
+#include <lazytensor/graph/builders.hpp>
+
+namespace lazy::dist::detail {
+
+/// The shared empty value of every exchange node.
+inline const std::shared_ptr<Buffer>& token_buffer() {
+  static const std::shared_ptr<Buffer> tok = std::make_shared<Buffer>(
+      ::operator new(kBufferAlign, std::align_val_t(kBufferAlign)), kBufferAlign, nullptr);
+  return tok;
+}
+
+/// One round of a group exchange, computing every output of a collective (one per input).
+class ExchangeNode : public graph::Node {
+ public:
+  /// `data` are the collective's inputs; `after` (may be null) is the replica's previous
+  /// pending exchange, which must run first.
+  ExchangeNode(CollectiveCall call, std::vector<graph::NodePtr> data, const graph::NodePtr& after,
+               graph::Device* device)
+      : Node(graph::NodeKind::Collective, DType::Bool, Shape{0}, device,
+             with_after(std::move(data), after)),
+        call_(std::move(call)),
+        data_count_(inputs().size() - (after ? 1 : 0)),
+        outputs_(data_count_),
+        results_(data_count_) {}
+
+  std::string op_name() const override { return kind_name(call_.sig.kind); }
+  std::string describe() const override {
+    return call_.sig.str() + (call_.comm ? " #" + std::to_string(call_.seq) : std::string());
+  }
+  double cost_per_element() const override { return 0; }
+
+  /// Lets the exchange drop output `i` at once when its result node is gone.
+  void watch(std::size_t i, const graph::NodePtr& result) { results_[i] = result; }
+  /// Hands output `i` to its result node; re-throws the exchange's error if it failed.
+  std::shared_ptr<Buffer> take(std::size_t i) {
+    if (failure_) std::rethrow_exception(failure_);
+    return std::move(outputs_[i]);
+  }
+  const CollectiveCall& call() const { return call_; }
+
+ protected:
+  void compute(graph::ExecContext& ctx) final {
+    std::vector<std::shared_ptr<Buffer>> outs;
+    try {
+      outs = run(ctx);
+    } catch (...) {
+      // Done for good: the exchange never runs again (its group has moved on); the
+      // error goes to whoever reads a result.
+      failure_ = std::current_exception();
+      set_buffer(token_buffer());
+      finish();
+      throw;
+    }
+    for (std::size_t i = 0; i < outs.size(); ++i) {
+      if (results_[i].expired()) outs[i].reset();
+    }
+    outputs_ = std::move(outs);
+    set_buffer(token_buffer());
+  }
+  void finish() override {
+    Node::finish();
+    call_.comm.reset();
+  }
+
+  /// Runs the exchange; returns one buffer per output.
+  virtual std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext& ctx) = 0;
+
+  std::size_t data_count() const { return data_count_; }
+  const graph::NodePtr& data(std::size_t i) const { return inputs()[i]; }
+  const std::byte* bytes(std::size_t i) const {
+    return static_cast<const std::byte*>(inputs()[i]->buffer()->data());
+  }
+
+  static std::shared_ptr<Buffer> allocate(graph::ExecContext& ctx, std::int64_t numel,
+                                          std::size_t elem) {
+    return ctx.device.pool().acquire(padded_bytes(numel, elem));
+  }
+
+ private:
+  static std::vector<graph::NodePtr> with_after(std::vector<graph::NodePtr> data,
+                                                const graph::NodePtr& after) {
+    if (after) data.push_back(after);
+    return data;
+  }
+
+  CollectiveCall call_;
+  std::size_t data_count_;
+  std::vector<std::shared_ptr<Buffer>> outputs_;
+  std::vector<std::weak_ptr<graph::Node>> results_;
+  std::exception_ptr failure_;
+};
+
+/// Output `index` of an exchange.
+class ResultNode final : public graph::Node {
+ public:
+  ResultNode(const std::shared_ptr<ExchangeNode>& ex, std::size_t index, DType dtype, Shape shape)
+      : Node(graph::NodeKind::Collective, dtype, shape, ex->device(), {ex}), index_(index) {}
+  std::string op_name() const override {
+    return kind_name(static_cast<const ExchangeNode&>(*inputs()[0]).call().sig.kind);
+  }
+  double cost_per_element() const override { return 0; }
+
+ protected:
+  void compute(graph::ExecContext&) override {
+    set_buffer(static_cast<ExchangeNode&>(*inputs()[0]).take(index_));
+  }
+
+ private:
+  std::size_t index_;
+};
+
+/// dtype and shape of one output.
+struct OutputSpec {
+  DType dtype;
+  Shape shape;
+};
+
+/// The device a collective's nodes go to: inside spawn, the replica's own device (its
+/// inputs must live there); outside, the inputs' common device.
+inline graph::Device& collective_device(const std::vector<graph::NodePtr>& inputs, const char* op) {
+  if (!current_context()) return graph::common_device(inputs, op);
+  graph::Device& dev = graph::current_device();
+  for (const auto& in : inputs) {
+    if (in->device() != &dev) {
+      throw DeviceError(std::string(op) + ": replica " + std::to_string(ordinal_now()) +
+                        " expected its tensors on its own device " + dev.str() + ", found one on " +
+                        in->device()->str());
+    }
+  }
+  return dev;
+}
+
+/// Submits an exchange and its result nodes (in this order, so eager mode works); returns
+/// the result nodes.
+inline std::vector<graph::NodePtr> submit_exchange(const std::shared_ptr<ExchangeNode>& ex,
+                                                   const std::vector<OutputSpec>& outs) {
+  std::vector<graph::NodePtr> results;
+  results.reserve(outs.size());
+  for (std::size_t i = 0; i < outs.size(); ++i) {
+    auto r = std::make_shared<ResultNode>(ex, i, outs[i].dtype, outs[i].shape);
+    ex->watch(i, r);
+    results.push_back(std::move(r));
+  }
+  if (ex->call().comm) remember(ex);
+  graph::submit(ex);
+  for (auto& r : results) graph::submit(r);
+  return results;
+}
+
+/// Up to 16 pointers without allocating (one per group member).
+template <class T>
+class PtrList {
+ public:
+  explicit PtrList(std::size_t n) : n_(n) {
+    if (n > small_.size()) big_.resize(n);
+  }
+  T*& operator[](std::size_t i) { return n_ > small_.size() ? big_[i] : small_[i]; }
+  T* const* data() const { return n_ > small_.size() ? big_.data() : small_.data(); }
+
+ private:
+  std::size_t n_;
+  std::array<T*, 16> small_{};
+  std::vector<T*> big_;
+};
+
+}  // namespace lazy::dist::detail

@@ -1,0 +1,331 @@
+#pragma once
+// The shared-memory exchange of one replica group (threads backend).
+//
+// A round (one collective, sequence number s of this group) goes:
+//   1. publish: each member writes its signature and data pointers (or, for small
+//      messages, a copy of its data) into its slot, then sets `arrived = s`;
+//   2. start: once every member arrived, the round starts (an atomic `started = s`, so
+//      that a member giving up on a timeout or an abort can withdraw only while nobody has
+//      started; a round that started always completes);
+//   3. check: every member compares every signature and throws CollectiveMismatch when
+//      one differs, before touching any data;
+//   4. work: each member reads the others' data (always in rank order) and writes outputs;
+//   5. done: when members read each other's buffers (not copies), each sets `done = s` and
+//      waits for all, so no buffer is freed or reused while another member reads it.
+// Slots are double-buffered by the parity of s: a member can only reach round s + 2 after
+// every member arrived at s + 1, i.e. finished reading round s, so copied (inline) data
+// needs no step 5 and a small collective costs one synchronization.
+//
+// Waiting: spin, then sleep on the world's event. Only step 2 gives up (abort, a partner
+// that exited, timeout); once a round started every member is inside it doing bounded
+// memory work, so steps 4-5 never give up (giving up there could free memory a partner
+// is still reading).
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <lazytensor/core/buffer.hpp>
+#include <lazytensor/core/error.hpp>
+#include <lazytensor/dist/signature.hpp>
+#include <lazytensor/dist/world.hpp>
+
+namespace lazy::dist::detail {
+
+/// Messages up to this many bytes per member are copied into the slot (one synchronization);
+/// larger ones are read in place from the members' buffers (two synchronizations).
+inline constexpr std::size_t kInlineBytes = std::size_t{16} << 10;
+
+/// Rounds `n` up to a multiple of 64 (offsets inside a slot's staging area).
+constexpr std::size_t align64(std::size_t n) { return (n + 63) / 64 * 64; }
+
+/// What one member shares in one round.
+struct Share {
+  Signature sig;
+  std::vector<const std::byte*> data;            ///< per tensor or payload: where its bytes are
+  std::vector<std::size_t> bytes;                ///< payload sizes (host collectives)
+  std::vector<std::shared_ptr<Buffer>> buffers;  ///< shared outputs, broadcast source
+  std::vector<std::byte> staging;                ///< copies of small messages
+
+  /// A staging area of at least `n` bytes (allocated once, then reused).
+  std::byte* stage(std::size_t n) {
+    if (staging.size() < n) staging.resize(std::max(n, kInlineBytes));
+    return staging.data();
+  }
+};
+
+/// One group's exchange: its members (sorted global ordinals), their slots, the round state.
+class GroupComm {
+ public:
+  GroupComm(std::shared_ptr<WorldState> world, std::vector<int> members)
+      : world_(std::move(world)),
+        members_(std::move(members)),
+        slot_of_(static_cast<std::size_t>(world_->layout().world_size), -1),
+        slots_(std::make_unique<Slot[]>(members_.size())) {
+    for (std::size_t i = 0; i < members_.size(); ++i)
+      slot_of_[static_cast<std::size_t>(members_[i])] = static_cast<int>(i);
+  }
+
+  int size() const { return static_cast<int>(members_.size()); }
+  /// Members, sorted by ordinal (slot i belongs to members()[i]).
+  const std::vector<int>& members() const { return members_; }
+  /// Slot of replica `ordinal` (-1 when not a member).
+  int slot_of(int ordinal) const { return slot_of_[static_cast<std::size_t>(ordinal)]; }
+  WorldState& world() { return *world_; }
+
+  /// Read access to every member's share of round s.
+  class Round {
+   public:
+    Round(const GroupComm& c, std::uint64_t s) : c_(c), s_(s) {}
+    const Share& operator[](int slot) const {
+      return c_.slots_[static_cast<std::size_t>(slot)].round[s_ & 1];
+    }
+
+   private:
+    const GroupComm& c_;
+    std::uint64_t s_;
+  };
+
+  /// Runs round `s` for member `me`: publish(Share&) fills this member's share,
+  /// work(const Round&) runs once every member published matching signatures. With
+  /// `read_in_place`, members read each other's buffers, so the round ends with a barrier.
+  template <class Publish, class Work>
+  void exchange(int me, std::uint64_t s, const Signature& sig, Publish&& publish, Work&& work,
+                bool read_in_place) {
+    WorldState& w = *world_;
+    if (w.aborted()) {
+      throw ReplicaAborted(prefix(me, s, sig) + "aborted because " + w.abort_reason());
+    }
+    if (state_.load(std::memory_order_acquire) & kBroken) throw_broken(me, s, sig);
+    // Read before publishing: once this member arrived it may only leave through withdraw().
+    const std::chrono::milliseconds timeout = collective_timeout();
+    Slot& slot = slots_[static_cast<std::size_t>(me)];
+    Share& mine = slot.round[s & 1];
+    mine.sig = sig;
+    publish(mine);
+    slot.arrived.store(s, std::memory_order_seq_cst);
+    w.event().notify();
+    await_start(me, s, sig, timeout);
+    const Round round(*this, s);
+    check_signatures(round, me, s);
+    if (!read_in_place) {
+      work(round);
+      return;
+    }
+    try {
+      work(round);
+    } catch (...) {
+      finish(me, s);
+      throw;
+    }
+    finish(me, s);
+  }
+
+ private:
+  static constexpr std::uint64_t kBroken = std::uint64_t{1} << 63;
+  enum class Failure { Timeout, Exited, Aborted };
+
+  struct alignas(64) Slot {
+    std::atomic<std::uint64_t> arrived{0};  ///< last round this member published
+    std::atomic<std::uint64_t> done{0};     ///< last round this member finished reading
+    alignas(64) Share round[2];
+  };
+
+  std::string prefix(int me, std::uint64_t s, const Signature& sig) const {
+    return "replica " + std::to_string(members_[static_cast<std::size_t>(me)]) + ": " + sig.str() +
+           " (collective #" + std::to_string(s) + " of group " + list_str(members_) + "): ";
+  }
+
+  bool all_arrived(std::uint64_t s) const {
+    for (std::size_t j = 0; j < members_.size(); ++j) {
+      if (slots_[j].arrived.load(std::memory_order_acquire) < s) return false;
+    }
+    return true;
+  }
+  /// A member that has not arrived at round s and whose replica has exited, else -1.
+  int exited_partner(std::uint64_t s) const {
+    for (std::size_t j = 0; j < members_.size(); ++j) {
+      if (slots_[j].arrived.load(std::memory_order_acquire) < s && world_->exited(members_[j]))
+        return members_[j];
+    }
+    return -1;
+  }
+  std::string missing(std::uint64_t s) const {
+    std::string m;
+    for (std::size_t j = 0; j < members_.size(); ++j) {
+      const std::uint64_t a = slots_[j].arrived.load(std::memory_order_acquire);
+      if (a >= s) continue;
+      if (!m.empty()) m += ", ";
+      m += "replica " + std::to_string(members_[j]) +
+           (a ? " (last joined collective #" + std::to_string(a) + ")" : " (joined none yet)");
+    }
+    return m;
+  }
+
+  void await_start(int me, std::uint64_t s, const Signature& sig,
+                   std::chrono::milliseconds timeout) {
+    WorldState& w = *world_;
+    if (!spin_until([&] { return all_arrived(s); }, w.spin())) {
+      const auto deadline = std::chrono::steady_clock::now() + timeout;
+      for (;;) {
+        if (all_arrived(s)) break;
+        if (state_.load(std::memory_order_acquire) & kBroken) break;  // start() reports it
+        const int gone = exited_partner(s);
+        if (w.aborted()) {
+          if (withdraw(me, s, sig, Failure::Aborted, "aborted because " + w.abort_reason())) break;
+        } else if (gone >= 0) {
+          if (withdraw(me, s, sig, Failure::Exited,
+                       "replica " + std::to_string(gone) +
+                           " exited (its function returned) without joining this collective")) {
+            break;
+          }
+        } else if (std::chrono::steady_clock::now() >= deadline) {
+          const double secs = static_cast<double>(timeout.count()) / 1000.0;
+          std::string t = std::to_string(secs);
+          t.erase(t.find_last_not_of('0') + 1);
+          if (t.back() == '.') t.pop_back();
+          if (withdraw(me, s, sig, Failure::Timeout,
+                       "timed out after " + t + " s waiting for " + missing(s) +
+                           " (set the limit with lazy::dist::set_collective_timeout or "
+                           "LAZYTENSOR_COLLECTIVE_TIMEOUT seconds)")) {
+            break;
+          }
+        }
+        w.event().wait_until(
+            [&] {
+              return all_arrived(s) || (state_.load(std::memory_order_acquire) & kBroken) ||
+                     w.aborted() || exited_partner(s) >= 0;
+            },
+            deadline);
+      }
+    }
+    start(me, s, sig);
+  }
+
+  void start(int me, std::uint64_t s, const Signature& sig) {
+    std::uint64_t expected = s - 1;
+    if (state_.compare_exchange_strong(expected, s, std::memory_order_acq_rel)) return;
+    if ((expected & ~kBroken) >= s) return;  // another member started it
+    throw_broken(me, s, sig);
+  }
+
+  /// Gives up on round s unless it already started. Returns true when it had started (the
+  /// caller must take part); otherwise marks the group broken and throws.
+  bool withdraw(int me, std::uint64_t s, const Signature& sig, Failure why,
+                const std::string& reason) {
+    std::unique_lock lock(broken_mu_);
+    std::uint64_t expected = s - 1;
+    if (state_.compare_exchange_strong(expected, (s - 1) | kBroken, std::memory_order_acq_rel)) {
+      broken_kind_ = why;
+      broken_reason_ =
+          "replica " + std::to_string(members_[static_cast<std::size_t>(me)]) + " " + reason;
+      lock.unlock();
+      world_->event().notify();
+      raise(why, prefix(me, s, sig) + reason);
+    }
+    if ((expected & ~kBroken) >= s) return true;
+    lock.unlock();
+    throw_broken(me, s, sig);
+  }
+
+  [[noreturn]] void throw_broken(int me, std::uint64_t s, const Signature& sig) {
+    std::lock_guard lock(broken_mu_);
+    const std::string msg =
+        prefix(me, s, sig) + "the group can no longer be used: " + broken_reason_;
+    raise(broken_kind_, msg);
+  }
+
+  [[noreturn]] static void raise(Failure why, const std::string& msg) {
+    switch (why) {
+      case Failure::Timeout:
+        throw CollectiveTimeout(msg);
+      case Failure::Aborted:
+        throw ReplicaAborted(msg);
+      case Failure::Exited:
+        break;
+    }
+    throw CollectiveError(msg);
+  }
+
+  /// Throws CollectiveMismatch (on every member: they all see the same signatures) when
+  /// the members' signatures differ, naming the replicas that diverged from the majority.
+  void check_signatures(const Round& round, int me, std::uint64_t s) const {
+    const int n = size();
+    bool same = true;
+    for (int j = 1; j < n && same; ++j) same = round[j].sig == round[0].sig;
+    if (same) return;
+    // Classes of equal signatures; the largest (ties: the one holding the lowest ordinal)
+    // is the reference, every other class diverged.
+    std::vector<int> cls(static_cast<std::size_t>(n), -1);
+    std::vector<std::vector<int>> classes;
+    for (int j = 0; j < n; ++j) {
+      if (cls[static_cast<std::size_t>(j)] >= 0) continue;
+      cls[static_cast<std::size_t>(j)] = static_cast<int>(classes.size());
+      classes.push_back({j});
+      for (int k = j + 1; k < n; ++k) {
+        if (cls[static_cast<std::size_t>(k)] < 0 && round[k].sig == round[j].sig) {
+          cls[static_cast<std::size_t>(k)] = cls[static_cast<std::size_t>(j)];
+          classes.back().push_back(k);
+        }
+      }
+    }
+    std::size_t ref = 0;
+    for (std::size_t c = 1; c < classes.size(); ++c) {
+      if (classes[c].size() > classes[ref].size()) ref = c;
+    }
+    auto who = [&](const std::vector<int>& slots) {
+      std::string w = slots.size() == 1 ? "replica " : "replicas ";
+      for (std::size_t i = 0; i < slots.size(); ++i) {
+        w += (i ? ", " : "") + std::to_string(members_[static_cast<std::size_t>(slots[i])]);
+      }
+      return w;
+    };
+    std::string msg = "replica " + std::to_string(members_[static_cast<std::size_t>(me)]) +
+                      ": collective mismatch at collective #" + std::to_string(s) + " of group " +
+                      list_str(members_) + ": ";
+    for (std::size_t c = 0; c < classes.size(); ++c) {
+      if (c == ref) continue;
+      msg += who(classes[c]) + " issued " + round[classes[c].front()].sig.str() + "; ";
+    }
+    msg += who(classes[ref]) + " issued " + round[classes[ref].front()].sig.str();
+    throw CollectiveMismatch(msg);
+  }
+
+  /// Step 5: this member is done reading; wait until every member is, then drop the
+  /// references this member shared.
+  void finish(int me, std::uint64_t s) {
+    Slot& slot = slots_[static_cast<std::size_t>(me)];
+    slot.done.store(s, std::memory_order_seq_cst);
+    WorldState& w = *world_;
+    w.event().notify();
+    auto all_done = [&] {
+      for (std::size_t j = 0; j < members_.size(); ++j) {
+        if (slots_[j].done.load(std::memory_order_acquire) < s) return false;
+      }
+      return true;
+    };
+    bool ready = spin_until(all_done, w.spin());
+    while (!ready) {
+      ready = w.event().wait_until(all_done,
+                                   std::chrono::steady_clock::now() + std::chrono::seconds(1));
+    }
+    slot.round[s & 1].buffers.clear();
+  }
+
+  std::shared_ptr<WorldState> world_;
+  std::vector<int> members_;
+  std::vector<int> slot_of_;
+  std::unique_ptr<Slot[]> slots_;
+  std::atomic<std::uint64_t> state_{0};  ///< last started round, | kBroken once unusable
+  std::mutex broken_mu_;
+  Failure broken_kind_ = Failure::Timeout;  // guarded by broken_mu_
+  std::string broken_reason_;               // guarded by broken_mu_
+};
+
+}  // namespace lazy::dist::detail

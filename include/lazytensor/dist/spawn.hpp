@@ -1,0 +1,137 @@
+#pragma once
+// lazy::dist::spawn: one thread per replica, as xmp.spawn.
+//
+// Replica i runs fn(i) on a new thread bound to device i (its own pending graph, executor,
+// random stream and buffer pool). Each replica device gets max(1, T / nprocs) worker
+// threads, T = LAZYTENSOR_NUM_THREADS or the hardware threads, so the replicas together do
+// not oversubscribe the machine; devices that existed before spawn get their sizes back
+// when it returns (devices it created keep the replica size).
+//
+// When fn returns, the replica first runs its pending collectives (a collective traced but
+// never synced would otherwise leave its partners waiting), then counts as exited: a
+// partner still waiting for it fails at once with a CollectiveError naming it. The first
+// exception in any replica aborts the world: every replica blocked in a collective (or
+// entering one later) gets ReplicaAborted, and spawn re-throws that first exception once
+// every replica thread has finished. A replica busy in its own code notices the abort at
+// its next collective, so spawn returns as soon as every replica reached one (or ended).
+
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <lazytensor/dist/context.hpp>
+#include <lazytensor/graph/device.hpp>
+
+namespace lazy::dist {
+
+namespace detail {
+
+inline std::mutex& spawn_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+/// Worker threads of each replica's device.
+inline int replica_threads(int nprocs) {
+  return std::max(1, graph::default_device_threads() / nprocs);
+}
+
+/// Sizes the pools of devices [0, n) for n replicas. Devices that existed before get their
+/// sizes back when this is destroyed; devices created for the replicas keep the replica
+/// size (restoring them would only start idle workers nobody asked for).
+class ReplicaPools {
+ public:
+  explicit ReplicaPools(int n) {
+    const int per = replica_threads(n);
+    const int existing = graph::DeviceRegistry::get().count();
+    for (int i = 0; i < n; ++i) {
+      ThreadPool& pool = graph::DeviceRegistry::get().device(i).threads();
+      if (i < existing) old_.push_back(pool.size());
+      if (pool.size() != per) pool.resize(per);
+    }
+  }
+  ~ReplicaPools() {
+    for (std::size_t i = 0; i < old_.size(); ++i) {
+      ThreadPool& pool = graph::DeviceRegistry::get().device(static_cast<int>(i)).threads();
+      if (pool.size() != old_[i]) pool.resize(old_[i]);
+    }
+  }
+  ReplicaPools(const ReplicaPools&) = delete;
+  ReplicaPools& operator=(const ReplicaPools&) = delete;
+
+ private:
+  std::vector<int> old_;
+};
+
+/// Body of a replica thread.
+template <class Body>
+void run_replica(const std::shared_ptr<World>& world, int local, Body& body) {
+  graph::current_device_index() = local;
+  ReplicaContext ctx(world, local);
+  current_context() = &ctx;
+  try {
+    body(local);
+    flush_pending();
+  } catch (...) {
+    world->state().fail(ctx.ordinal, std::current_exception());
+  }
+  ctx.last.reset();
+  current_context() = nullptr;
+  world->state().mark_exited(ctx.ordinal);
+}
+
+struct NoResult {};
+
+}  // namespace detail
+
+/// Runs fn(i) for i in [0, nprocs), each on its own replica thread and device, and returns
+/// replica 0's result (nothing when fn returns void). Re-throws the first exception of any
+/// replica (see the file comment). Not re-entrant: a second spawn while one runs, or spawn
+/// inside a replica, throws lazy::Error.
+template <class F>
+auto spawn(F&& fn, int nprocs) {
+  using R = std::decay_t<std::invoke_result_t<F&, int>>;
+  if (nprocs < 1) throw Error("spawn: nprocs must be >= 1, got " + std::to_string(nprocs));
+  if (auto* ctx = detail::current_context()) {
+    throw Error("spawn: called inside replica " + std::to_string(ctx->ordinal) +
+                "; nested spawn is not supported");
+  }
+  std::unique_lock guard(detail::spawn_mutex(), std::try_to_lock);
+  if (!guard.owns_lock()) throw Error("spawn: another spawn is already running in this process");
+
+  detail::WorldLayout layout;
+  layout.world_size = layout.process_replicas = layout.host_replicas = nprocs;
+  auto world = std::make_shared<detail::World>(layout);
+  detail::ReplicaPools pools(nprocs);
+  std::conditional_t<std::is_void_v<R>, detail::NoResult, std::optional<R>> result;
+  auto body = [&](int i) {
+    if constexpr (std::is_void_v<R>) {
+      fn(i);
+    } else if (i == 0) {
+      result.emplace(fn(i));
+    } else {
+      (void)fn(i);
+    }
+  };
+  std::vector<std::thread> threads;
+  threads.reserve(static_cast<std::size_t>(nprocs));
+  try {
+    for (int i = 0; i < nprocs; ++i)
+      threads.emplace_back([&, i] { detail::run_replica(world, i, body); });
+  } catch (...) {  // could not start a thread: stop the others
+    world->state().fail(-1, std::current_exception());
+    for (auto& t : threads) t.join();
+    throw;
+  }
+  for (auto& t : threads) t.join();
+  if (auto e = world->state().first_error()) std::rethrow_exception(e);
+  if constexpr (!std::is_void_v<R>) return std::move(*result);
+}
+
+}  // namespace lazy::dist

@@ -1,0 +1,230 @@
+#pragma once
+// The world of replicas: where this process's replicas sit among all of them, which ones
+// are still running, the shared abort flag, the collective timeout, and the one event every
+// blocked replica sleeps on (so an abort or an exit can wake them all).
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
+#include <lazytensor/core/error.hpp>
+
+namespace lazy::dist {
+
+namespace detail {
+
+/// Default collective timeout: LAZYTENSOR_COLLECTIVE_TIMEOUT (seconds, may be fractional),
+/// else 300 s. A malformed value is an error when a collective first needs it.
+inline std::chrono::milliseconds env_collective_timeout() {
+  const char* env = std::getenv("LAZYTENSOR_COLLECTIVE_TIMEOUT");
+  if (!env || !*env) return std::chrono::seconds(300);
+  char* end = nullptr;
+  const double s = std::strtod(env, &end);
+  if (end == env || *end != '\0' || !(s > 0) || s > 1e9) {
+    throw Error(std::string("LAZYTENSOR_COLLECTIVE_TIMEOUT='") + env +
+                "' is not a number of seconds > 0 (expected e.g. 300 or 0.5)");
+  }
+  return std::chrono::milliseconds(
+      std::max<std::int64_t>(1, static_cast<std::int64_t>(s * 1000.0)));
+}
+
+/// The timeout in milliseconds; 0 means "not read from the environment yet".
+inline std::atomic<std::int64_t>& timeout_ms() {
+  static std::atomic<std::int64_t> ms{0};
+  return ms;
+}
+
+inline void cpu_relax() {
+#if defined(__SSE2__)
+  _mm_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+}  // namespace detail
+
+/// How long a replica waits in a collective for the others before CollectiveTimeout.
+inline std::chrono::milliseconds collective_timeout() {
+  auto& ms = detail::timeout_ms();
+  std::int64_t v = ms.load(std::memory_order_relaxed);
+  if (v == 0) {
+    v = detail::env_collective_timeout().count();
+    std::int64_t expected = 0;
+    if (!ms.compare_exchange_strong(expected, v)) v = expected;  // set_collective_timeout won
+  }
+  return std::chrono::milliseconds(v);
+}
+
+/// Sets the collective timeout for every replica of this process (default 300 s, or
+/// LAZYTENSOR_COLLECTIVE_TIMEOUT seconds). Takes effect at the next wait.
+inline void set_collective_timeout(std::chrono::milliseconds t) {
+  if (t.count() <= 0) {
+    throw Error("set_collective_timeout: the timeout must be > 0 ms, got " +
+                std::to_string(t.count()) + " ms");
+  }
+  detail::timeout_ms().store(t.count());
+}
+
+namespace detail {
+
+/// Where this process's replica threads sit in the world. The threads backend has one
+/// process holding every replica; an MPI backend has several processes, each with
+/// `process_replicas` threads: global ordinal = process_offset + local replica index.
+struct WorldLayout {
+  int world_size = 1;        ///< replicas in the world, every process
+  int process_offset = 0;    ///< global ordinal of this process's first replica
+  int process_replicas = 1;  ///< replica threads in this process
+  int host_offset = 0;       ///< ordinal on this host of this process's first replica
+  int host_replicas = 1;     ///< replicas on this host, every process on it
+};
+
+/// A sleep/wake point for blocked replicas. Waiters spin first (the caller does), then
+/// sleep here; whoever changes state that a waiter may be waiting for calls notify().
+/// Both sides update `sleepers_` with a read-modify-write: either the notifier's RMW comes
+/// later in its order and sees the sleeper, or the sleeper's RMW reads from the notifier's
+/// and so sees the state it published before; a wake-up cannot be lost. Sleeps are also
+/// capped at 100 ms as a second line of defence.
+class Event {
+ public:
+  /// Wakes the sleepers, if any (cheap when nobody sleeps).
+  void notify() {
+    if (sleepers_.fetch_add(0, std::memory_order_acq_rel) > 0) {
+      std::lock_guard lock(mu_);
+      cv_.notify_all();
+    }
+  }
+  /// Sleeps until pred() holds or `deadline` passes; returns pred().
+  template <class Pred>
+  bool wait_until(Pred&& pred, std::chrono::steady_clock::time_point deadline) {
+    std::unique_lock lock(mu_);
+    sleepers_.fetch_add(1, std::memory_order_acq_rel);
+    while (!pred()) {
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= deadline) break;
+      cv_.wait_until(lock, std::min(deadline, now + std::chrono::milliseconds(100)));
+    }
+    sleepers_.fetch_sub(1, std::memory_order_relaxed);
+    return pred();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::atomic<int> sleepers_{0};
+};
+
+/// How long a waiter spins before sleeping: a collective's partners usually arrive within
+/// a microsecond or two, and a futex round trip costs more than that. When replicas
+/// outnumber the hardware threads, spinning would only steal time from the replica being
+/// waited for, and on a loaded machine a long spin is worse than sleeping (the partner may
+/// not be running at all), so the budget is short.
+inline std::chrono::nanoseconds spin_budget(int replicas) {
+  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return replicas <= hw ? std::chrono::microseconds(20) : std::chrono::microseconds(1);
+}
+
+/// Spins until pred() holds (true) or `budget` elapsed (false).
+template <class Pred>
+bool spin_until(Pred&& pred, std::chrono::nanoseconds budget) {
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 1;; ++i) {
+    if (pred()) return true;
+    cpu_relax();
+    if ((i & 31) == 0 && std::chrono::steady_clock::now() - start >= budget) return pred();
+  }
+}
+
+/// Shared state of one world: replica lifecycle, abort flag and first failure, the event.
+class WorldState {
+ public:
+  explicit WorldState(WorldLayout layout)
+      : layout_(layout),
+        exited_(static_cast<std::size_t>(layout.world_size)),
+        spin_(spin_budget(layout.process_replicas)) {}
+
+  const WorldLayout& layout() const { return layout_; }
+  Event& event() { return event_; }
+  /// Spin time before sleeping (see spin_budget).
+  std::chrono::nanoseconds spin() const { return spin_; }
+
+  /// True once any replica failed: every waiter must give up with ReplicaAborted.
+  bool aborted() const { return aborted_.load(std::memory_order_acquire); }
+
+  /// Records that replica `ordinal` failed with `e`; the first failure is kept (and
+  /// re-thrown by spawn) and aborts the world. Returns true for the first failure.
+  bool fail(int ordinal, std::exception_ptr e) {
+    bool first = false;
+    {
+      std::lock_guard lock(mu_);
+      if (!error_) {
+        error_ = e;
+        failed_ordinal_ = ordinal;
+        failure_ = describe(e);
+        first = true;
+      }
+    }
+    aborted_.store(true, std::memory_order_release);
+    event_.notify();
+    return first;
+  }
+  /// The first failure (null when none).
+  std::exception_ptr first_error() const {
+    std::lock_guard lock(mu_);
+    return error_;
+  }
+  /// "replica 2 failed: <what>", for ReplicaAborted messages.
+  std::string abort_reason() const {
+    std::lock_guard lock(mu_);
+    if (!error_) return "the world was aborted";
+    if (failed_ordinal_ < 0) return "spawn failed: " + failure_;
+    return "replica " + std::to_string(failed_ordinal_) + " failed: " + failure_;
+  }
+
+  /// Marks replica `ordinal` as gone (its function returned or threw): collectives that
+  /// wait for it fail at once instead of timing out.
+  void mark_exited(int ordinal) {
+    exited_[static_cast<std::size_t>(ordinal)].store(true, std::memory_order_release);
+    event_.notify();
+  }
+  bool exited(int ordinal) const {
+    return exited_[static_cast<std::size_t>(ordinal)].load(std::memory_order_acquire);
+  }
+
+ private:
+  static std::string describe(const std::exception_ptr& e) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& ex) {
+      return ex.what();
+    } catch (...) {
+      return "an exception not derived from std::exception";
+    }
+  }
+
+  WorldLayout layout_;
+  std::vector<std::atomic<bool>> exited_;
+  std::chrono::nanoseconds spin_;
+  Event event_;
+  std::atomic<bool> aborted_{false};
+  mutable std::mutex mu_;
+  std::exception_ptr error_;  // guarded by mu_
+  int failed_ordinal_ = -1;   // guarded by mu_
+  std::string failure_;       // guarded by mu_
+};
+
+}  // namespace detail
+}  // namespace lazy::dist
