@@ -3,6 +3,8 @@
 // this, or one module header, and link lazytensor::lazytensor.
 
 #include <lazytensor/any_tensor.hpp>
+#include <lazytensor/autograd/functional.hpp>
+#include <lazytensor/autograd/record.hpp>
 #include <lazytensor/core/error.hpp>
 #include <lazytensor/debug/graph_dump.hpp>
 #include <lazytensor/debug/metrics.hpp>

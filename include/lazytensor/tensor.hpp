@@ -14,6 +14,7 @@
 
 #include <Eigen/Core>
 
+#include <lazytensor/autograd/engine.hpp>
 #include <lazytensor/core/counters.hpp>
 #include <lazytensor/expr/expr.hpp>
 #include <lazytensor/graph/builders.hpp>
@@ -79,9 +80,13 @@ class Tensor {
   }
 
   /// Captures an expression as a pending node; nothing is computed until a sync or read.
+  /// Records its backward function when a leaf requires grad.
   template <class Op, class... C>
-  Tensor(const Expr<Op, C...>& e)  // NOLINT: implicit, as `Tensor<float> y = a + b;`
-      : Tensor(graph::make_elementwise<T>(e)) {}
+  Tensor(const Expr<Op, C...>& e) {  // NOLINT: implicit, as `Tensor<float> y = a + b;`
+    autograd::GradFnPtr fn;
+    *this = Tensor(graph::make_elementwise<T>(e, e.shape(), &fn));
+    autograd::attach_grad_fn(*impl_, std::move(fn));
+  }
 
   /// Rebinds this handle (not the shared tensor) to an expression's value, as `t = a + b`
   /// does in libtorch.
@@ -154,8 +159,92 @@ class Tensor {
     return Tensor(detail::data_node<T>(p, shape(), dev));
   }
 
-  /// The tensor as an expression operand.
-  expr::Leaf<T> to_leaf() const { return {node()}; }
+  /// The tensor as an expression operand (with its autograd edge when it requires grad).
+  expr::Leaf<T> to_leaf() const { return {node(), autograd::edge_of(impl_)}; }
+
+  // ---- autograd (libtorch names) ---------------------------------------------------
+
+  /// Marks a leaf as requiring gradients (floating dtypes only, leaves only).
+  Tensor& requires_grad_(bool on = true) {
+    if constexpr (!is_floating_v<T>) {
+      if (on) {
+        throw DTypeError("requires_grad_: only tensors of floating point dtype can require gradients, got " +
+                         dtype_name(dtype_of<T>()));
+      }
+    }
+    if (!is_leaf()) {
+      throw Error("requires_grad_: you can only change requires_grad flags of leaf variables (this tensor was "
+                  "computed by " + impl_->autograd->grad_fn->name() + ")");
+    }
+    node();
+    impl_->autograd_meta().requires_grad = on;
+    return *this;
+  }
+  /// True when gradients flow into this tensor.
+  bool requires_grad() const { return impl_ && impl_->requires_grad(); }
+  /// True unless the value was computed by an operation recorded for autograd.
+  bool is_leaf() const { return !impl_ || !impl_->autograd || !impl_->autograd->grad_fn; }
+  /// The function that computed this value (nullptr for leaves).
+  const autograd::GradFnPtr& grad_fn() const {
+    static const autograd::GradFnPtr none;
+    return impl_ && impl_->autograd ? impl_->autograd->grad_fn : none;
+  }
+  /// The accumulated gradient (undefined until a backward pass reached this tensor). The
+  /// handle shares the gradient: `p.grad().zero_()` zeroes it.
+  Tensor grad() const {
+    if (!impl_ || !impl_->autograd || !impl_->autograd->grad || !impl_->autograd->grad->node) return Tensor();
+    return from_impl(impl_->autograd->grad);
+  }
+  /// Replaces (or with an undefined tensor, clears) the accumulated gradient.
+  void set_grad(const Tensor& g) {
+    auto& meta = impl_->autograd_meta();
+    if (!g.defined()) {
+      meta.grad.reset();
+      return;
+    }
+    if (!(g.shape() == shape())) {
+      throw ShapeError("set_grad: assigned grad has shape " + g.shape().str() + ", expected " + shape().str());
+    }
+    meta.grad = g.impl_;
+  }
+  /// Keeps this non-leaf tensor's gradient in `.grad()` during backward.
+  void retain_grad() {
+    if (is_leaf()) return;  // leaves keep theirs anyway
+    auto& meta = *impl_->autograd;
+    if (!meta.retains_grad) {
+      meta.retains_grad = true;
+      meta.grad_fn->retained.push_back(impl_);
+    }
+  }
+  /// A new tensor sharing this value, outside autograd (torch's detach()).
+  Tensor detach() const { return Tensor(node()); }
+
+  /// Backpropagates from this tensor: `gradient` defaults to 1 for a one-element tensor.
+  /// Gradients accumulate into the leaves' `.grad()` as pending values; the graph is freed
+  /// unless `retain_graph`.
+  void backward(const Tensor& gradient = Tensor(), bool retain_graph = false) const {
+    if (!requires_grad()) {
+      throw Error("backward: element 0 of tensors does not require grad and does not have a grad_fn");
+    }
+    graph::NodePtr g;
+    if (gradient.defined()) {
+      if (!(gradient.shape() == shape())) {
+        throw ShapeError("backward: gradient has shape " + gradient.shape().str() + ", expected " + shape().str());
+      }
+      g = gradient.node();
+    } else {
+      if (numel() != 1) {
+        throw Error("backward: grad can be implicitly created only for scalar outputs (got shape " +
+                    shape().str() + ")");
+      }
+      g = autograd::full_node(shape(), dtype_of<T>(), node()->device(), 1.0);
+    }
+    autograd::GradFnPtr root = [&] {
+      autograd::AutoGradMode on(true);
+      return autograd::edge_of(impl_);
+    }();
+    autograd::run_backward({{{root, g}}, retain_graph, {}});
+  }
   /// The graph node holding the current value.
   const graph::NodePtr& node() const {
     if (!impl_) throw Error("use of an undefined tensor (default-constructed lazy::Tensor)");
@@ -211,11 +300,14 @@ class Tensor {
   /// Sets every element to v.
   template <expr::Number V>
   Tensor& fill_(V v) {
+    node();  // an undefined tensor throws here
+    check_inplace("fill_");
+    if (impl_->autograd) impl_->autograd->grad_fn = nullptr;  // a constant: no history
     std::vector<graph::NodePtr> none;
     using E = Expr<ops::Identity, expr::Scalar<T>>;
     E e(expr::Scalar<T>{static_cast<T>(v)});
-    impl_->node = graph::submit(std::make_shared<graph::ElementwiseNode<expr::kernel_form_t<E>, T>>(
-        expr::to_kernel(e, none), shape(), node()->device(), std::vector<graph::NodePtr>{}));
+    impl_->node = graph::submit(
+        graph::elementwise_node<T>(expr::to_kernel(e, none), shape(), node()->device(), std::vector<graph::NodePtr>{}));
     return *this;
   }
   /// Sets every element to zero.
@@ -235,8 +327,20 @@ class Tensor {
       throw ShapeError(std::string(op) + ": output with shape " + shape().str() +
                        " doesn't match the broadcast shape " + e.shape().str());
     }
-    impl_->node = graph::make_elementwise<T>(e, shape());
+    check_inplace(op);
+    autograd::GradFnPtr fn;
+    impl_->node = graph::make_elementwise<T>(e, shape(), &fn);
+    autograd::attach_grad_fn(*impl_, std::move(fn));
     return *this;
+  }
+
+  // libtorch refuses in-place updates of leaves that require grad while recording: the
+  // gradient would belong to neither value. Optimizers update them under NoGradGuard.
+  void check_inplace(const char* op) const {
+    if (autograd::is_grad_enabled() && requires_grad() && is_leaf()) {
+      throw Error(std::string(op) + ": a leaf Variable that requires grad is being used in an in-place operation "
+                  "(wrap the update in lazy::NoGradGuard)");
+    }
   }
 
   std::shared_ptr<graph::TensorImpl> impl_;
@@ -273,6 +377,16 @@ std::ostream& operator<<(std::ostream& os, const Tensor<T>& t) {
   os << "tensor(";
   detail::print_dims(os, p, t.shape(), 0, pos);
   return os << ", device='" << t.device().str() << "', dtype=" << dtype_name(t.dtype) << ")";
+}
+
+/// Evaluates expression `e` into a pending tensor of type T and shape `shape` (e's shape,
+/// or one it broadcasts to), recording its backward function when a leaf requires grad.
+template <Element T, class E>
+Tensor<T> evaluate_as(const E& e, const Shape& shape) {
+  autograd::GradFnPtr fn;
+  Tensor<T> t(graph::make_elementwise<T>(e, shape, &fn));
+  autograd::attach_grad_fn(*t.impl(), std::move(fn));
+  return t;
 }
 
 /// Evaluates an expression into a new tensor of its natural type.

@@ -20,9 +20,12 @@ inline constexpr std::size_t kBufferAlign = 64;
 /// writes whole batches (16 floats = one AVX-512 register) without a scalar tail.
 inline constexpr std::int64_t kPadElements = 16;
 
-/// Bytes a buffer of `numel` elements of `elem_size` bytes occupies after padding.
+/// Bytes a buffer of `numel` elements of `elem_size` bytes occupies after padding: rounded up
+/// to whole batches, plus one more batch, so that a full SIMD batch loaded at any element
+/// of the tensor stays inside the allocation (a kernel's tail reads a whole batch and
+/// stores only the lanes it owns).
 constexpr std::size_t padded_bytes(std::int64_t numel, std::size_t elem_size) {
-  const std::int64_t n = ((numel < 1 ? 1 : numel) + kPadElements - 1) / kPadElements * kPadElements;
+  const std::int64_t n = ((numel < 1 ? 1 : numel) + kPadElements - 1) / kPadElements * kPadElements + kPadElements;
   const std::size_t bytes = static_cast<std::size_t>(n) * elem_size;
   return (bytes + kBufferAlign - 1) / kBufferAlign * kBufferAlign;
 }

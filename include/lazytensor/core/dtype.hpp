@@ -24,6 +24,10 @@ inline constexpr bool is_element_v =
 template <class T>
 concept Element = is_element_v<T>;
 
+/// Element types accepted for index tensors (index_select, gather, one_hot, targets).
+template <class I>
+concept IndexElement = std::is_same_v<I, std::int32_t> || std::is_same_v<I, std::int64_t>;
+
 template <Element T>
 constexpr DType dtype_of() {
   if constexpr (std::is_same_v<T, bool>) return DType::Bool;

@@ -55,9 +55,20 @@ class ThreadPool {
       for (std::int64_t t = 0; t < tasks; ++t) fn(t);
       return;
     }
+    // Everything below is the same for every loop body: one copy, not one per kernel.
+    run_job(tasks, TaskRef{&fn, [](void* f, std::int64_t t) { (*static_cast<std::remove_reference_t<F>*>(f))(t); }});
+  }
+
+ private:
+  // A non-owning reference to the caller's loop body: no allocation per parallel loop.
+  struct TaskRef {
+    void* fn = nullptr;
+    void (*call)(void*, std::int64_t) = nullptr;
+  };
+
+  void run_job(std::int64_t tasks, TaskRef job) {
     std::lock_guard submit(submit_mu_);
     bool wake = false;
-    const TaskRef job{&fn, [](void* f, std::int64_t t) { (*static_cast<std::remove_reference_t<F>*>(f))(t); }};
     {
       std::lock_guard lock(mu_);
       job_ = job;
@@ -78,13 +89,6 @@ class ThreadPool {
     job_ = {};
     if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
   }
-
- private:
-  // A non-owning reference to the caller's loop body: no allocation per parallel loop.
-  struct TaskRef {
-    void* fn = nullptr;
-    void (*call)(void*, std::int64_t) = nullptr;
-  };
 
   static constexpr int kSpin = 2000;  // some tens of microseconds of pause instructions
 

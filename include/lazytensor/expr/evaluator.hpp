@@ -290,44 +290,49 @@ inline void store_fence() {
 #endif
 }
 
-/// Evaluates `k` over the flat element range [b, e) of an output of `n` elements whose
-/// inputs are all contiguous or single elements. A range ending at `n` finishes with one
-/// whole batch that runs into the buffers' padding instead of a scalar tail. With
-/// `Stream`, `out + b` must be batch-aligned and the caller fences after the kernel.
-template <class S, class Tout, bool Contig, class Ev, bool Stream = false>
-void eval_flat_range(const Ev& ev_in, Tout* out, std::int64_t b, std::int64_t e, std::int64_t n) {
+/// Keeps the optimizer from inlining a kernel loop into each of its callers: the loop is
+/// called once per task, so the call costs nothing, and every inlined copy of an
+/// expression's SIMD body would be compiled again.
+#if defined(__GNUC__)
+#define LAZY_KERNEL_LOOP __attribute__((noinline))
+#else
+#define LAZY_KERNEL_LOOP
+#endif
+
+/// Stores the first `count` lanes of `b` to `p` (the tail of a range).
+template <class Tout, class S>
+inline void store_partial(Tout* p, const batch_t<S>& b, std::int64_t count) {
+  alignas(64) S tmp[batch_t<S>::size];
+  b.store_aligned(tmp);
+  for (std::int64_t k = 0; k < count; ++k) p[k] = to_storage<Tout>(tmp[k]);
+}
+
+/// Evaluates elements [b, e) of a kernel into `out` (indices relative to the evaluator's
+/// leaf positions). `Contig`: no leaf is a splatted single element. The tail is one whole
+/// batch of which only the owned lanes are stored: buffers carry a spare batch of padding,
+/// so the read stays in bounds, and no scalar copy of the expression is compiled. With
+/// `Stream`, stores bypass the cache (out + b batch-aligned; the caller fences).
+template <class S, class Tout, bool Contig, bool Stream, class Ev>
+LAZY_KERNEL_LOOP void eval_range(const Ev& ev_in, Tout* out, std::int64_t b, std::int64_t e) {
   // A local copy: stores through `out` may alias anything, which would otherwise force a
   // reload of every leaf pointer from *ev_in after each store.
   const Ev ev = ev_in;
-  std::int64_t i = b;
   if constexpr (Ev::simd) {
     constexpr std::int64_t W = batch_t<S>::size;
-    if constexpr (Stream && std::is_same_v<S, Tout>) {
-      for (; i + W <= e; i += W) stream_store<S>(out + i, ev.template packet<Contig>(i));
+    std::int64_t i = b;
+    for (; i + W <= e; i += W) {
+      if constexpr (Stream) stream_store<S>(out + i, ev.template packet<Contig>(i));
+      else store_lane<Tout, S>(out + i, ev.template packet<Contig>(i));
     }
-    for (; i + W <= e; i += W) store_lane<Tout, S>(out + i, ev.template packet<Contig>(i));
-    if (i < e && e == n) {
-      store_lane<Tout, S>(out + i, ev.template packet<Contig>(i));
-      return;
-    }
+    if (i < e) store_partial<Tout, S>(out + i, ev.template packet<Contig>(i), e - i);
+  } else {
+    for (std::int64_t i = b; i < e; ++i) out[i] = to_storage<Tout>(ev.coeff(i));
   }
-  for (; i < e; ++i) out[i] = to_storage<Tout>(ev.coeff(i));
-}
-
-/// Evaluates one row of `len` elements whose leaves were positioned with seek().
-template <class S, class Tout, class Ev>
-void eval_row(const Ev& ev, Tout* out, std::int64_t len) {
-  std::int64_t i = 0;
-  if constexpr (Ev::simd) {
-    constexpr std::int64_t W = batch_t<S>::size;
-    for (; i + W <= len; i += W) store_lane<Tout, S>(out + i, ev.template packet<false>(i));
-  }
-  for (; i < len; ++i) out[i] = to_storage<Tout>(ev.coeff(i));
 }
 
 /// Evaluates rows [r0, r1) of a layout with several collapsed dimensions.
 template <class S, class Tout, class Ev>
-void eval_rows(Ev& ev, const Layout& L, Tout* out, std::int64_t r0, std::int64_t r1) {
+LAZY_KERNEL_LOOP void eval_rows(Ev& ev, const Layout& L, Tout* out, std::int64_t r0, std::int64_t r1) {
   const int outer = L.ndim - 1;
   const std::int64_t inner = L.inner();
   const std::size_t nin = L.stride.size();
@@ -344,7 +349,7 @@ void eval_rows(Ev& ev, const Layout& L, Tout* out, std::int64_t r0, std::int64_t
   }
   for (std::int64_t r = r0; r < r1; ++r) {
     ev.seek(off.data());
-    eval_row<S, Tout>(ev, out + r * inner, inner);
+    eval_range<S, Tout, false, false>(ev, out + r * inner, 0, inner);
     // Advance the odometer over the outer dimensions.
     for (int d = outer - 1; d >= 0; --d) {
       for (std::size_t k = 0; k < nin; ++k) off[k] += L.stride[k][d];

@@ -10,6 +10,7 @@
 #include <type_traits>
 #include <utility>
 
+#include <lazytensor/autograd/function.hpp>
 #include <lazytensor/core/dtype.hpp>
 #include <lazytensor/core/shape.hpp>
 #include <lazytensor/expr/functors.hpp>
@@ -19,11 +20,13 @@ namespace lazy {
 
 namespace expr {
 
-/// A tensor operand: the graph node holding its value.
+/// A tensor operand: the graph node holding its value, and where its gradient goes
+/// (null unless the tensor requires grad and grad mode was on when the leaf was made).
 template <Element T>
 struct Leaf {
   using value_type = T;
   graph::NodePtr node;
+  autograd::GradFnPtr grad;
   const Shape& shape() const { return node->shape(); }
 };
 
@@ -280,7 +283,9 @@ auto where(const C& cond, const A& a, const B& b) {
     } else if constexpr (expr::ExprLike<O>) {
       return expr::scalar_for<expr::value_t<O>>(x);
     } else {
-      return expr::scalar_for<weak_scalar_t<std::int64_t, std::common_type_t<A, B>>>(x);
+      // Both are numbers: their common type (spelled through X and O, so that the
+      // branch is only instantiated when it is taken).
+      return expr::scalar_for<weak_scalar_t<std::int64_t, std::common_type_t<X, O>>>(x);
     }
   };
   auto va = value(a, b);

@@ -73,7 +73,11 @@ template <class A, class B = A>
 using promoted = promote_t<A, B>;
 
 #define LAZY_STRIP(...) __VA_ARGS__
-#define LAZY_UNARY_OP(NAME, STR, COST, RESULT, BODY)             \
+// Each functor also declares its local derivative d<I>(operands..., y): the partial of
+// the result y with respect to operand I, as an expression of the operands and y. The
+// chain rule over an expression's type (expr/dual.hpp) turns these into one fused
+// gradient kernel per leaf.
+#define LAZY_UNARY_OP(NAME, STR, COST, RESULT, BODY, DERIV)      \
   struct NAME {                                                  \
     static constexpr const char* name = STR;                     \
     static constexpr double cost = COST;                         \
@@ -86,9 +90,15 @@ using promoted = promote_t<A, B>;
           std::tanh, std::erf, std::trunc;                       \
       LAZY_STRIP BODY                                            \
     }                                                            \
+    template <int I, class V>                                    \
+    static V d([[maybe_unused]] const V& a, [[maybe_unused]] const V& y) { \
+      using namespace detail;                                    \
+      using std::exp, std::log, std::sqrt, std::sin, std::cos, std::erf; \
+      return LAZY_STRIP DERIV;                                   \
+    }                                                            \
   };
 
-#define LAZY_BINARY_OP(NAME, STR, COST, RESULT, BODY) \
+#define LAZY_BINARY_OP(NAME, STR, COST, RESULT, BODY, D0, D1) \
   struct NAME {                                       \
     static constexpr const char* name = STR;          \
     static constexpr double cost = COST;              \
@@ -100,38 +110,48 @@ using promoted = promote_t<A, B>;
       using std::pow;                                 \
       LAZY_STRIP BODY                                 \
     }                                                 \
+    template <int I, class V>                         \
+    static V d([[maybe_unused]] const V& a, [[maybe_unused]] const V& b, [[maybe_unused]] const V& y) { \
+      using namespace detail;                         \
+      using std::pow, std::log;                       \
+      if constexpr (I == 0) return LAZY_STRIP D0;     \
+      else return LAZY_STRIP D1;                      \
+    }                                                 \
   };
 
 // Unary ops. Results of floating-only functions on integers are float, as in PyTorch.
-LAZY_UNARY_OP(Neg, "neg", 1, (T), (return -a;))
-LAZY_UNARY_OP(Identity, "identity", 0.5, (T), (return a;))
-LAZY_UNARY_OP(Exp, "exp", 8, (to_floating_t<T>), (return exp(a);))
-LAZY_UNARY_OP(Log, "log", 8, (to_floating_t<T>), (return log(a);))
-LAZY_UNARY_OP(Log1p, "log1p", 10, (to_floating_t<T>), (return log1p(a);))
-LAZY_UNARY_OP(Expm1, "expm1", 10, (to_floating_t<T>), (return expm1(a);))
-LAZY_UNARY_OP(Sqrt, "sqrt", 4, (to_floating_t<T>), (return sqrt(a);))
+LAZY_UNARY_OP(Neg, "neg", 1, (T), (return -a;), (V(-1)))
+LAZY_UNARY_OP(Identity, "identity", 0.5, (T), (return a;), (V(1)))
+LAZY_UNARY_OP(Exp, "exp", 8, (to_floating_t<T>), (return exp(a);), (y))
+LAZY_UNARY_OP(Log, "log", 8, (to_floating_t<T>), (return log(a);), (V(1) / a))
+LAZY_UNARY_OP(Log1p, "log1p", 10, (to_floating_t<T>), (return log1p(a);), (V(1) / (V(1) + a)))
+LAZY_UNARY_OP(Expm1, "expm1", 10, (to_floating_t<T>), (return expm1(a);), (y + V(1)))
+LAZY_UNARY_OP(Sqrt, "sqrt", 4, (to_floating_t<T>), (return sqrt(a);), (V(0.5) / y))
 // Full-precision 1/sqrt: xsimd::rsqrt is an approximation on x86.
-LAZY_UNARY_OP(Rsqrt, "rsqrt", 5, (to_floating_t<T>), (return V(1) / sqrt(a);))
-LAZY_UNARY_OP(Abs, "abs", 1, (T), (return abs(a);))
-LAZY_UNARY_OP(Sign, "sign", 2, (T), (return from_bool<V>(a > V(0)) - from_bool<V>(a < V(0));))
-LAZY_UNARY_OP(Sin, "sin", 10, (to_floating_t<T>), (return sin(a);))
-LAZY_UNARY_OP(Cos, "cos", 10, (to_floating_t<T>), (return cos(a);))
-LAZY_UNARY_OP(Tanh, "tanh", 10, (to_floating_t<T>), (return tanh(a);))
-LAZY_UNARY_OP(Sigmoid, "sigmoid", 10, (to_floating_t<T>), (return V(1) / (V(1) + exp(-a));))
+LAZY_UNARY_OP(Rsqrt, "rsqrt", 5, (to_floating_t<T>), (return V(1) / sqrt(a);), (V(-0.5) * y * y * y))
+LAZY_UNARY_OP(Abs, "abs", 1, (T), (return abs(a);), (from_bool<V>(a > V(0)) - from_bool<V>(a < V(0))))
+LAZY_UNARY_OP(Sign, "sign", 2, (T), (return from_bool<V>(a > V(0)) - from_bool<V>(a < V(0));), (V(0)))
+LAZY_UNARY_OP(Sin, "sin", 10, (to_floating_t<T>), (return sin(a);), (cos(a)))
+LAZY_UNARY_OP(Cos, "cos", 10, (to_floating_t<T>), (return cos(a);), (-sin(a)))
+LAZY_UNARY_OP(Tanh, "tanh", 10, (to_floating_t<T>), (return tanh(a);), (V(1) - y * y))
+LAZY_UNARY_OP(Sigmoid, "sigmoid", 10, (to_floating_t<T>), (return V(1) / (V(1) + exp(-a));), (y * (V(1) - y)))
 // relu keeps NaN (NaN < 0 is false), like torch.relu.
-LAZY_UNARY_OP(Relu, "relu", 1, (T), (return select(a < V(0), V(0), a);))
+LAZY_UNARY_OP(Relu, "relu", 1, (T), (return select(a < V(0), V(0), a);), (from_bool<V>(y > V(0))))
 // Exact (erf) GELU, torch's default approximate='none'.
-LAZY_UNARY_OP(Gelu, "gelu", 12, (to_floating_t<T>), (return V(0.5) * a * (V(1) + erf(a * V(0.70710678118654752440)));))
-LAZY_UNARY_OP(Silu, "silu", 10, (to_floating_t<T>), (return a / (V(1) + exp(-a));))
+LAZY_UNARY_OP(Gelu, "gelu", 12, (to_floating_t<T>), (return V(0.5) * a * (V(1) + erf(a * V(0.70710678118654752440)));),
+              (V(0.5) * (V(1) + erf(a * V(0.70710678118654752440))) + a * V(0.39894228040143267794) * exp(V(-0.5) * a * a)))
+LAZY_UNARY_OP(Silu, "silu", 10, (to_floating_t<T>), (return a / (V(1) + exp(-a));),
+              ((V(1) + a - y) / (V(1) + exp(-a))))
 // softplus with torch's default threshold 20: linear above it.
-LAZY_UNARY_OP(Softplus, "softplus", 12, (to_floating_t<T>), (return select(a > V(20), a, log1p(exp(a)));))
-LAZY_UNARY_OP(LogicalNot, "logical_not", 1, (bool), (return from_bool<V>(a == V(0));))
+LAZY_UNARY_OP(Softplus, "softplus", 12, (to_floating_t<T>), (return select(a > V(20), a, log1p(exp(a)));),
+              (select(a > V(20), V(1), V(1) / (V(1) + exp(-a)))))
+LAZY_UNARY_OP(LogicalNot, "logical_not", 1, (bool), (return from_bool<V>(a == V(0));), (V(0)))
 
 // Binary ops.
-LAZY_BINARY_OP(Add, "add", 1, (promoted<A, B>), (return a + b;))
-LAZY_BINARY_OP(Sub, "sub", 1, (promoted<A, B>), (return a - b;))
-LAZY_BINARY_OP(Mul, "mul", 1, (promoted<A, B>), (return a * b;))
-LAZY_BINARY_OP(Div, "div", 2, (to_floating_t<promoted<A, B>>), (return a / b;))
+LAZY_BINARY_OP(Add, "add", 1, (promoted<A, B>), (return a + b;), (V(1)), (V(1)))
+LAZY_BINARY_OP(Sub, "sub", 1, (promoted<A, B>), (return a - b;), (V(1)), (V(-1)))
+LAZY_BINARY_OP(Mul, "mul", 1, (promoted<A, B>), (return a * b;), (b), (a))
+LAZY_BINARY_OP(Div, "div", 2, (to_floating_t<promoted<A, B>>), (return a / b;), (V(1) / b), (-y / b))
 // xsimd's pow maps a zero base to 0 for every exponent (0^0 and 0^-1 included) and turns
 // inf^0, NaN^0 and 1^NaN into NaN; patch those IEEE cases to agree with std::pow/torch.pow.
 LAZY_BINARY_OP(Pow, "pow", 12, (promoted<A, B>), (
@@ -145,18 +165,23 @@ LAZY_BINARY_OP(Pow, "pow", 12, (promoted<A, B>), (
     z = select(zero_base, select(b < V(0), select(odd, xsimd::copysign(inf, a), inf), select(odd, a, V(0))), z);
     z = select(zero_base & is_nan(b), b, z);
     return select((b == V(0)) | (a == V(1)), V(1), z);
-  }))
+  }),
+  // torch.pow's backward: b * a^(b-1) (0 where b == 0), and y * log(a) (0 where a == 0, b >= 0).
+  (select(b == V(0), V(0), b * Pow::apply(a, b - V(1)))),
+  (select((a == V(0)) & (b >= V(0)), V(0), y * log(a))))
 // maximum/minimum propagate NaN from either side, like torch.maximum.
-LAZY_BINARY_OP(Maximum, "maximum", 2, (promoted<A, B>), (return select((a > b) | is_nan(a), a, b);))
-LAZY_BINARY_OP(Minimum, "minimum", 2, (promoted<A, B>), (return select((a < b) | is_nan(a), a, b);))
-LAZY_BINARY_OP(Eq, "eq", 1, (bool), (return from_bool<V>(a == b);))
-LAZY_BINARY_OP(Ne, "ne", 1, (bool), (return from_bool<V>(not_equal(a, b));))
-LAZY_BINARY_OP(Lt, "lt", 1, (bool), (return from_bool<V>(a < b);))
-LAZY_BINARY_OP(Le, "le", 1, (bool), (return from_bool<V>(a <= b);))
-LAZY_BINARY_OP(Gt, "gt", 1, (bool), (return from_bool<V>(a > b);))
-LAZY_BINARY_OP(Ge, "ge", 1, (bool), (return from_bool<V>(a >= b);))
-LAZY_BINARY_OP(LogicalAnd, "logical_and", 1, (bool), (return from_bool<V>(not_equal(a, V(0)) & not_equal(b, V(0)));))
-LAZY_BINARY_OP(LogicalOr, "logical_or", 1, (bool), (return from_bool<V>(not_equal(a, V(0)) | not_equal(b, V(0)));))
+LAZY_BINARY_OP(Maximum, "maximum", 2, (promoted<A, B>), (return select((a > b) | is_nan(a), a, b);),
+               (from_bool<V>(a > b) + V(0.5) * from_bool<V>(a == b)), (from_bool<V>(b > a) + V(0.5) * from_bool<V>(a == b)))
+LAZY_BINARY_OP(Minimum, "minimum", 2, (promoted<A, B>), (return select((a < b) | is_nan(a), a, b);),
+               (from_bool<V>(a < b) + V(0.5) * from_bool<V>(a == b)), (from_bool<V>(b < a) + V(0.5) * from_bool<V>(a == b)))
+LAZY_BINARY_OP(Eq, "eq", 1, (bool), (return from_bool<V>(a == b);), (V(0)), (V(0)))
+LAZY_BINARY_OP(Ne, "ne", 1, (bool), (return from_bool<V>(not_equal(a, b));), (V(0)), (V(0)))
+LAZY_BINARY_OP(Lt, "lt", 1, (bool), (return from_bool<V>(a < b);), (V(0)), (V(0)))
+LAZY_BINARY_OP(Le, "le", 1, (bool), (return from_bool<V>(a <= b);), (V(0)), (V(0)))
+LAZY_BINARY_OP(Gt, "gt", 1, (bool), (return from_bool<V>(a > b);), (V(0)), (V(0)))
+LAZY_BINARY_OP(Ge, "ge", 1, (bool), (return from_bool<V>(a >= b);), (V(0)), (V(0)))
+LAZY_BINARY_OP(LogicalAnd, "logical_and", 1, (bool), (return from_bool<V>(not_equal(a, V(0)) & not_equal(b, V(0)));), (V(0)), (V(0)))
+LAZY_BINARY_OP(LogicalOr, "logical_or", 1, (bool), (return from_bool<V>(not_equal(a, V(0)) | not_equal(b, V(0)));), (V(0)), (V(0)))
 
 #undef LAZY_UNARY_OP
 #undef LAZY_BINARY_OP
@@ -172,6 +197,13 @@ struct Where {
   static V apply(const V& c, const V& a, const V& b) {
     using namespace detail;
     return select(not_equal(c, V(0)), a, b);
+  }
+  template <int I, class V>
+  static V d(const V& c, const V&, const V&, const V&) {
+    using namespace detail;
+    if constexpr (I == 0) return V(0);
+    else if constexpr (I == 1) return from_bool<V>(not_equal(c, V(0)));
+    else return from_bool<V>(c == V(0));
   }
 };
 
@@ -210,6 +242,12 @@ struct Cast {
     } else {
       return a;
     }
+  }
+  /// Conversions to floating types pass gradients straight through (rounding to bfloat16
+  /// included, as torch does); conversions to integers and bool stop them.
+  template <int I, class V>
+  static V d(const V&, const V&) {
+    return V(is_floating_v<U> ? 1 : 0);
   }
 };
 

@@ -65,24 +65,29 @@ template <class K>
 using klane_t = typename klane<K>::type;
 
 /// Converts an expression to kernel form, appending its distinct leaf nodes to `inputs`.
+/// With `edges`, a leaf's autograd edge is appended alongside, and two leaves share a slot
+/// only when both node and edge agree (x * x.detach() has two slots: one gets a gradient).
 template <Element T>
-KLeaf<T> to_kernel(const Leaf<T>& l, std::vector<graph::NodePtr>& inputs) {
+KLeaf<T> to_kernel(const Leaf<T>& l, std::vector<graph::NodePtr>& inputs,
+                   std::vector<autograd::GradFnPtr>* edges = nullptr) {
   for (std::size_t i = 0; i < inputs.size(); ++i) {
-    if (inputs[i] == l.node) return {static_cast<int>(i)};
+    if (inputs[i] == l.node && (!edges || (*edges)[i] == l.grad)) return {static_cast<int>(i)};
   }
   inputs.push_back(l.node);
+  if (edges) edges->push_back(l.grad);
   return {static_cast<int>(inputs.size() - 1)};
 }
 template <Element T>
-Scalar<T> to_kernel(const Scalar<T>& s, std::vector<graph::NodePtr>&) {
+Scalar<T> to_kernel(const Scalar<T>& s, std::vector<graph::NodePtr>&, std::vector<autograd::GradFnPtr>* = nullptr) {
   return s;
 }
 template <class Op, class... C>
-auto to_kernel(const Expr<Op, C...>& e, std::vector<graph::NodePtr>& inputs) {
+auto to_kernel(const Expr<Op, C...>& e, std::vector<graph::NodePtr>& inputs,
+               std::vector<autograd::GradFnPtr>* edges = nullptr) {
   return std::apply(
       [&](const auto&... ch) {
         // Braced initialization evaluates left to right: slots follow operand order.
-        return KExpr<Op, kernel_form_t<C>...>{std::tuple<kernel_form_t<C>...>{to_kernel(ch, inputs)...}};
+        return KExpr<Op, kernel_form_t<C>...>{std::tuple<kernel_form_t<C>...>{to_kernel(ch, inputs, edges)...}};
       },
       e.children());
 }
@@ -90,7 +95,9 @@ auto to_kernel(const Expr<Op, C...>& e, std::vector<graph::NodePtr>& inputs) {
 /// Sum of the op costs of a kernel-form expression, per output element.
 template <class K>
 constexpr double kernel_cost() {
-  if constexpr (requires { typename K::op_type; }) {
+  if constexpr (requires { K::custom_cost; }) {
+    return K::custom_cost;
+  } else if constexpr (requires { typename K::op_type; }) {
     return []<class... C>(std::type_identity<std::tuple<C...>>) {
       return K::op_type::cost + (0.0 + ... + kernel_cost<C>());
     }(std::type_identity<decltype(K::children)>{});
@@ -123,22 +130,6 @@ std::string kernel_text(const KExpr<Op, C...>& k) {
       },
       k.children);
   return s + ")";
-}
-
-/// Hash of the scalar operands' classes: 0, 1, -1 or "other". Other values do not enter
-/// the plan's identity, so a new learning rate reuses the cached plan.
-template <class K>
-std::uint64_t scalar_classes(const K& k) {
-  if constexpr (requires { typename K::op_type; }) {
-    std::uint64_t h = 7;
-    std::apply([&](const auto&... ch) { ((h = h * 31 + scalar_classes(ch)), ...); }, k.children);
-    return h;
-  } else if constexpr (is_scalar<K>::value) {
-    const double v = static_cast<double>(static_cast<compute_t<typename K::value_type>>(k.value));
-    return v == 0 ? 1 : v == 1 ? 2 : v == -1 ? 3 : 4;
-  } else {
-    return 5;
-  }
 }
 
 }  // namespace lazy::expr

@@ -5,38 +5,32 @@
 #include <string>
 #include <vector>
 
+#include <lazytensor/autograd/accumulate.hpp>
+#include <lazytensor/autograd/elementwise_grad.hpp>
 #include <lazytensor/graph/elementwise_node.hpp>
-#include <lazytensor/graph/executor.hpp>
+#include <lazytensor/graph/submit.hpp>
 
 namespace lazy::graph {
 
-/// The device shared by `inputs`; throws DeviceError when they differ. With no inputs,
-/// the current device.
-inline Device& common_device(const std::vector<NodePtr>& inputs, const char* op) {
-  Device* d = inputs.empty() ? &current_device() : inputs.front()->device();
-  for (const auto& in : inputs) {
-    if (in->device() != d) {
-      throw DeviceError(std::string(op) + ": expected all tensors on the same device, found " + d->str() +
-                        " and " + in->device()->str());
+/// A pending node evaluating expression `e` into a tensor of type Tout and shape `shape`
+/// (the expression's own shape, or one it broadcasts to). With `grad_fn`, also returns
+/// the backward function (its `next` edges set) when a leaf of `e` requires grad.
+template <Element Tout, class E>
+NodePtr make_elementwise(const E& e, const Shape& shape, autograd::GradFnPtr* grad_fn = nullptr) {
+  std::vector<NodePtr> inputs;
+  std::vector<autograd::GradFnPtr> edges;
+  // History is recorded where the expression is evaluated, if grad mode is on there.
+  if (grad_fn && !autograd::is_grad_enabled()) grad_fn = nullptr;
+  auto k = expr::to_kernel(e, inputs, grad_fn ? &edges : nullptr);
+  Device& dev = common_device(inputs, E::op_type::name);
+  if constexpr (is_floating_v<Tout>) {
+    if (grad_fn && autograd::any_edge(edges)) {
+      auto fn = std::make_shared<autograd::ElementwiseGradFn<decltype(k), Tout>>(k, inputs);
+      fn->next = std::move(edges);
+      *grad_fn = std::move(fn);
     }
   }
-  return *d;
-}
-
-/// Adds a node to its device's pending graph; in eager mode it runs at once.
-inline NodePtr submit(NodePtr node) {
-  if (node->device()->eager()) execute(*node->device(), {node});
-  return node;
-}
-
-/// A pending node evaluating expression `e` into a tensor of type Tout and shape `shape`
-/// (the expression's own shape, or one it broadcasts to).
-template <Element Tout, class E>
-NodePtr make_elementwise(const E& e, const Shape& shape) {
-  std::vector<NodePtr> inputs;
-  auto k = expr::to_kernel(e, inputs);
-  Device& dev = common_device(inputs, E::op_type::name);
-  return submit(std::make_shared<ElementwiseNode<decltype(k), Tout>>(std::move(k), shape, &dev, std::move(inputs)));
+  return submit(elementwise_node<Tout>(std::move(k), shape, &dev, std::move(inputs)));
 }
 
 template <Element Tout, class E>

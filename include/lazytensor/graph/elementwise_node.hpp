@@ -1,12 +1,21 @@
 #pragma once
 // The graph node of a fused element-wise kernel: one expression, one output, one pass.
+//
+// Split as Eigen splits expressions from evaluators: ElementwiseNode (not a template) owns
+// the graph-side logic — layout, threading, GEMM epilogue fusion, donation — once for all
+// kernels; a CompiledKernel<K, Tout> holds the kernel-form expression and only the loops
+// that must be compiled per expression. That keeps each expression's cost in code (and
+// compile time) to its SIMD loops, and gives the planner one interface to run any
+// element-wise kernel over a range of elements.
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <typeinfo>
 #include <vector>
 
 #include <lazytensor/core/counters.hpp>
+#include <lazytensor/expr/dual.hpp>
 #include <lazytensor/expr/evaluator.hpp>
 #include <lazytensor/expr/layout.hpp>
 #include <lazytensor/graph/device.hpp>
@@ -24,28 +33,85 @@ class RowProducer {
   virtual void produce_rows(void* out, std::int64_t r0, std::int64_t r1) = 0;
 };
 
-/// Evaluates kernel-form expression K into a tensor of type Tout.
+/// The per-expression part of an element-wise kernel: its loops.
+class ElementwiseKernel {
+ public:
+  virtual ~ElementwiseKernel() = default;
+  /// Elements [b, e) of a flat kernel (inputs of the output's shape, or single elements
+  /// flagged in `splat`). `contig`: no splat. `stream`: non-temporal stores, out + b
+  /// batch-aligned, the caller fences.
+  virtual void flat(const void* const* in, const char* splat, void* out, std::int64_t b, std::int64_t e, bool contig,
+                    bool stream) const = 0;
+  /// Rows [r0, r1) of a kernel with a multi-dimensional broadcast layout.
+  virtual void rows(const void* const* in, const expr::Layout& layout, void* out, std::int64_t r0,
+                    std::int64_t r1) const = 0;
+  /// The expression as text ("add(mul(in0, in1), 2)").
+  virtual std::string text() const = 0;
+  /// Estimated cost per element (1 = one add).
+  virtual double cost() const = 0;
+  /// Identity of the code: equal hashes, same kernel up to scalar values. Scalar values
+  /// never enter it (not even 0 and +-1, which DESIGN allows: no kernel specializes on
+  /// them), so a new learning rate or a schedule reaching 0 never changes a plan.
+  virtual std::uint64_t hash() const = 0;
+};
+
+/// The loops of kernel-form expression K writing Tout.
 template <class K, Element Tout>
-class ElementwiseNode final : public Node {
+class CompiledKernel final : public ElementwiseKernel {
  public:
   using S = expr::kernel_lane_t<K>;
+  using Ev = expr::Evaluator<S, K>;
 
-  ElementwiseNode(K kernel, Shape shape, Device* device, std::vector<NodePtr> inputs)
-      : Node(NodeKind::Elementwise, dtype_of<Tout>(), shape, device, std::move(inputs)),
-        kernel_(std::move(kernel)) {
+  explicit CompiledKernel(K k) : k_(std::move(k)) {}
+
+  void flat(const void* const* in, const char* splat, void* out_v, std::int64_t b, std::int64_t e, bool contig,
+            bool stream) const override {
+    Tout* out = static_cast<Tout*>(out_v);
+    Ev ev(k_, in, splat);
+    if constexpr (Ev::simd && std::is_same_v<S, Tout>) {
+      if (stream) {
+        expr::eval_range<S, Tout, true, true>(ev, out, b, e);
+        return;
+      }
+    }
+    if (contig) expr::eval_range<S, Tout, true, false>(ev, out, b, e);
+    else expr::eval_range<S, Tout, false, false>(ev, out, b, e);
+  }
+  void rows(const void* const* in, const expr::Layout& layout, void* out, std::int64_t r0,
+            std::int64_t r1) const override {
+    Ev ev(k_, in, layout.splat.data());
+    expr::eval_rows<S, Tout>(ev, layout, static_cast<Tout*>(out), r0, r1);
+  }
+  std::string text() const override { return expr::kernel_text(k_); }
+  double cost() const override { return expr::kernel_cost<K>(); }
+  std::uint64_t hash() const override { return typeid(K).hash_code(); }
+
+  /// Whether this kernel can stream its stores (a SIMD lane that is the output type).
+  static constexpr bool can_stream = Ev::simd && std::is_same_v<S, Tout>;
+
+ private:
+  K k_;
+};
+
+/// Evaluates an element-wise kernel into a tensor.
+class ElementwiseNode final : public Node {
+ public:
+  ElementwiseNode(std::unique_ptr<ElementwiseKernel> kernel, bool can_stream, DType dtype, Shape shape,
+                  Device* device, std::vector<NodePtr> inputs)
+      : Node(NodeKind::Elementwise, dtype, shape, device, std::move(inputs)), kernel_(std::move(kernel)),
+        can_stream_(can_stream) {
     std::vector<Shape> shapes;
+    shapes.reserve(this->inputs().size());
     for (const auto& in : this->inputs()) shapes.push_back(in->shape());
     layout_ = expr::make_layout(shape, shapes);
   }
 
   std::string op_name() const override { return "fused"; }
-  std::string describe() const override { return expr::kernel_text(kernel_); }
-  double cost_per_element() const override { return expr::kernel_cost<K>(); }
-  std::uint64_t structural_hash() const override {
-    return hash_combine(hash_combine(Node::structural_hash(), typeid(K).hash_code()),
-                        expr::scalar_classes(kernel_));
-  }
+  std::string describe() const override { return kernel_->text(); }
+  double cost_per_element() const override { return kernel_->cost(); }
+  std::uint64_t structural_hash() const override { return hash_combine(Node::structural_hash(), kernel_->hash()); }
   const expr::Layout& layout() const { return layout_; }
+  const ElementwiseKernel& kernel() const { return *kernel_; }
 
   void fuse_producers() override {
     // Take over a GEMM producer that nothing else reads: it then runs in row blocks, each
@@ -74,7 +140,7 @@ class ElementwiseNode final : public Node {
       ptrs[i] = static_cast<int>(i) == fused_slot_ ? nullptr : ins[i]->buffer()->data();
     }
     auto buf = allocate_output(ctx, fused_slot_ < 0);
-    Tout* out = static_cast<Tout*>(buf->data());
+    void* out = buf->data();
     if (fused_slot_ >= 0) {
       ptrs[fused_slot_] = out;  // the epilogue reads the GEMM block in place
       run_with_producer(ctx, ptrs, out);
@@ -90,35 +156,27 @@ class ElementwiseNode final : public Node {
   }
 
  private:
-  void run(ExecContext& ctx, const std::vector<const void*>& ptrs, Tout* out) const {
+  void run(ExecContext& ctx, const std::vector<const void*>& ptrs, void* out) const {
     const std::int64_t n = numel();
     if (n == 0) return;
     auto& pool = ctx.device.threads();
-    const double cost = expr::kernel_cost<K>();
+    const double cost = kernel_->cost();
+    const std::int64_t tasks = task_count(pool, n, cost);
     if (layout_.flat()) {
-      const std::int64_t tasks = task_count(pool, n, cost);
       const bool contig = !layout_.any_splat();
-      const bool stream = n * static_cast<std::int64_t>(sizeof(Tout)) >= expr::kStreamingStoreBytes;
+      const bool stream = can_stream_ && contig &&
+                          n * static_cast<std::int64_t>(dtype_size(dtype())) >= expr::kStreamingStoreBytes;
       pool.parallel_for(tasks, [&](std::int64_t t) {
         auto [b, e] = task_range(n, tasks, t, kPadElements);
-        expr::Evaluator<S, K> ev(kernel_, ptrs.data(), layout_.splat.data());
-        if (stream) {
-          if (contig) expr::eval_flat_range<S, Tout, true, decltype(ev), true>(ev, out, b, e, n);
-          else expr::eval_flat_range<S, Tout, false, decltype(ev), true>(ev, out, b, e, n);
-          expr::store_fence();
-        } else if (contig) {
-          expr::eval_flat_range<S, Tout, true>(ev, out, b, e, n);
-        } else {
-          expr::eval_flat_range<S, Tout, false>(ev, out, b, e, n);
-        }
+        kernel_->flat(ptrs.data(), layout_.splat.data(), out, b, e, contig, stream);
+        if (stream) expr::store_fence();
       });
     } else {
       const std::int64_t rows = n / layout_.inner();
-      const std::int64_t tasks = task_count(pool, n, cost);
-      pool.parallel_for(std::min(tasks, rows), [&](std::int64_t t) {
-        auto [r0, r1] = task_range(rows, std::min(tasks, rows), t);
-        expr::Evaluator<S, K> ev(kernel_, ptrs.data(), layout_.splat.data());
-        expr::eval_rows<S, Tout>(ev, layout_, out, r0, r1);
+      const std::int64_t rtasks = std::min(tasks, rows);
+      pool.parallel_for(rtasks, [&](std::int64_t t) {
+        auto [r0, r1] = task_range(rows, rtasks, t);
+        kernel_->rows(ptrs.data(), layout_, out, r0, r1);
       });
     }
   }
@@ -126,7 +184,7 @@ class ElementwiseNode final : public Node {
   // Each thread runs the GEMM on its rows in as few calls as possible (every call re-packs
   // the right-hand matrix), in blocks of at most ~512 KiB of output so that the epilogue
   // rewrites them in place while they are still in L2.
-  void run_with_producer(ExecContext& ctx, const std::vector<const void*>& ptrs, Tout* out) {
+  void run_with_producer(ExecContext& ctx, const std::vector<const void*>& ptrs, void* out) {
     auto* producer = dynamic_cast<RowProducer*>(inputs()[fused_slot_].get());
     const std::int64_t cols = shape()[shape().rank() - 1];
     const std::int64_t rows = cols ? numel() / cols : 0;
@@ -134,24 +192,20 @@ class ElementwiseNode final : public Node {
     auto& pool = ctx.device.threads();
     const std::int64_t threads = std::min<std::int64_t>(
         std::max(1, pool.size()), std::max<std::int64_t>(1, task_count(pool, numel(), producer_cost())));
-    const std::int64_t row_bytes = cols * static_cast<std::int64_t>(sizeof(Tout));
+    const std::int64_t row_bytes = cols * static_cast<std::int64_t>(dtype_size(dtype()));
     const std::int64_t by_cache = (rows * row_bytes + (512 << 10) - 1) / (512 << 10);
     const std::int64_t wanted = std::min(rows, std::max(threads, (by_cache + threads - 1) / threads * threads));
     const std::int64_t block = (rows + wanted - 1) / wanted;
     const std::int64_t blocks = (rows + block - 1) / block;
     const std::int64_t tasks = std::min(threads, blocks);
+    const bool contig = !layout_.any_splat();
     pool.parallel_for(tasks, [&](std::int64_t t) {
       auto [b0, b1] = task_range(blocks, tasks, t);
-      expr::Evaluator<S, K> ev(kernel_, ptrs.data(), layout_.splat.data());
       for (std::int64_t b = b0; b < b1; ++b) {
         const std::int64_t r0 = b * block, r1 = std::min(rows, r0 + block);
         producer->produce_rows(out, r0, r1);
-        if (layout_.flat()) {
-          if (layout_.any_splat()) expr::eval_flat_range<S, Tout, false>(ev, out, r0 * cols, r1 * cols, numel());
-          else expr::eval_flat_range<S, Tout, true>(ev, out, r0 * cols, r1 * cols, numel());
-        } else {
-          expr::eval_rows<S, Tout>(ev, layout_, out, r0, r1);  // inner == cols (fuse_producers)
-        }
+        if (layout_.flat()) kernel_->flat(ptrs.data(), layout_.splat.data(), out, r0 * cols, r1 * cols, contig, false);
+        else kernel_->rows(ptrs.data(), layout_, out, r0, r1);  // inner == cols (fuse_producers)
       }
     });
     inputs()[fused_slot_]->set_deferred(false);
@@ -159,9 +213,19 @@ class ElementwiseNode final : public Node {
 
   double producer_cost() const { return inputs()[fused_slot_]->cost_per_element(); }
 
-  K kernel_;
+  std::unique_ptr<ElementwiseKernel> kernel_;
+  bool can_stream_;
   expr::Layout layout_;
   int fused_slot_ = -1;
 };
+
+/// A pending-node-to-be for kernel-form expression `k` writing Tout of `shape` on `device`
+/// (not yet submitted).
+template <Element Tout, class K>
+NodePtr elementwise_node(K k, const Shape& shape, Device* device, std::vector<NodePtr> inputs) {
+  using CK = CompiledKernel<K, Tout>;
+  return std::make_shared<ElementwiseNode>(std::make_unique<CK>(std::move(k)), CK::can_stream, dtype_of<Tout>(),
+                                           shape, device, std::move(inputs));
+}
 
 }  // namespace lazy::graph

@@ -15,6 +15,7 @@
 #include <typeinfo>
 #include <vector>
 
+#include <lazytensor/expr/dual.hpp>
 #include <lazytensor/expr/evaluator.hpp>
 #include <lazytensor/graph/device.hpp>
 #include <lazytensor/graph/parallel.hpp>
@@ -32,8 +33,19 @@ struct ReduceGeometry {
 
 namespace detail {
 
+/// A batch of the child's values at [i, i + W) with the lanes from `count` on replaced by
+/// the reduction's identity (the tail of a span; the read stays inside the padding).
 template <class R, class S, bool C, class Ev>
-S reduce_span(const Ev& ev, std::int64_t b, std::int64_t len) {
+inline expr::batch_t<S> masked_packet(const Ev& ev, std::int64_t i, std::int64_t count) {
+  using V = expr::batch_t<S>;
+  alignas(64) S tmp[V::size];
+  ev.template packet<C>(i).store_aligned(tmp);
+  for (std::int64_t k = count; k < static_cast<std::int64_t>(V::size); ++k) tmp[k] = R::template identity<S>();
+  return V::load_aligned(tmp);
+}
+
+template <class R, class S, bool C, class Ev>
+LAZY_KERNEL_LOOP S reduce_span(const Ev& ev, std::int64_t b, std::int64_t len) {
   const std::int64_t e = b + len;
   std::int64_t i = b;
   if constexpr (Ev::simd) {
@@ -46,10 +58,9 @@ S reduce_span(const Ev& ev, std::int64_t b, std::int64_t len) {
       a2 = R::combine(a2, ev.template packet<C>(i + 2 * W));
       a3 = R::combine(a3, ev.template packet<C>(i + 3 * W));
     }
-    for (; i + W <= e; i += W) a0 = R::combine(a0, ev.template packet<C>(i));
-    S r = R::template horizontal<S>(R::combine(R::combine(a0, a1), R::combine(a2, a3)));
-    for (; i < e; ++i) r = R::combine(r, ev.coeff(i));
-    return r;
+    // At most four more batches, the last one partial: one masked body serves them all.
+    for (; i < e; i += W) a0 = R::combine(a0, masked_packet<R, S, C>(ev, i, std::min(W, e - i)));
+    return R::template horizontal<S>(R::combine(R::combine(a0, a1), R::combine(a2, a3)));
   } else {
     S a[4] = {R::template identity<S>(), R::template identity<S>(), R::template identity<S>(),
               R::template identity<S>()};
@@ -177,24 +188,26 @@ class ReductionNode final : public Node {
   }
 
   template <bool C>
-  void reduce_columns(const expr::Evaluator<S, K>& ev, Tout* out, std::int64_t base, std::int64_t c0, std::int64_t c1) {
+  LAZY_KERNEL_LOOP void reduce_columns(const expr::Evaluator<S, K>& ev, Tout* out, std::int64_t base, std::int64_t c0, std::int64_t c1) {
     const std::int64_t R_ = g_.extent, inner = g_.inner;
-    std::int64_t c = c0;
     if constexpr (expr::Evaluator<S, K>::simd) {
+      // Whole batches of columns; the last may be partial (its extra lanes are computed
+      // from padding and dropped).
       using V = expr::batch_t<S>;
       constexpr std::int64_t W = V::size;
-      for (; c + W <= c1; c += W) {
+      for (std::int64_t c = c0; c < c1; c += W) {
         V acc = R::template identity<V>();
         for (std::int64_t r = 0; r < R_; ++r) acc = R::combine(acc, ev.template packet<C>(base + r * inner + c));
         alignas(64) S tmp[W];
         acc.store_aligned(tmp);
-        for (std::int64_t k = 0; k < W; ++k) out[c + k] = finish_value(tmp[k]);
+        for (std::int64_t k = 0; k < std::min(W, c1 - c); ++k) out[c + k] = finish_value(tmp[k]);
       }
-    }
-    for (; c < c1; ++c) {
-      S acc = R::template identity<S>();
-      for (std::int64_t r = 0; r < R_; ++r) acc = R::combine(acc, ev.coeff(base + r * inner + c));
-      out[c] = finish_value(acc);
+    } else {
+      for (std::int64_t c = c0; c < c1; ++c) {
+        S acc = R::template identity<S>();
+        for (std::int64_t r = 0; r < R_; ++r) acc = R::combine(acc, ev.coeff(base + r * inner + c));
+        out[c] = finish_value(acc);
+      }
     }
   }
 

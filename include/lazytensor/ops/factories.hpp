@@ -19,8 +19,8 @@ Tensor<T> full(const Shape& shape, V value, Device dev = device()) {
   using E = Expr<ops::Identity, expr::Scalar<T>>;
   E e(expr::Scalar<T>{static_cast<T>(value)});
   std::vector<graph::NodePtr> none;
-  return Tensor<T>(graph::submit(std::make_shared<graph::ElementwiseNode<expr::kernel_form_t<E>, T>>(
-      expr::to_kernel(e, none), shape, &dev.engine(), std::vector<graph::NodePtr>{})));
+  return Tensor<T>(graph::submit(
+      graph::elementwise_node<T>(expr::to_kernel(e, none), shape, &dev.engine(), std::vector<graph::NodePtr>{})));
 }
 
 /// Zeros of `shape`.

@@ -11,8 +11,10 @@
 
 #include <Eigen/Core>
 
+#include <lazytensor/autograd/record.hpp>
 #include <lazytensor/graph/elementwise_node.hpp>
 #include <lazytensor/graph/transpose_hint.hpp>
+#include <lazytensor/ops/reduction.hpp>
 #include <lazytensor/ops/shape.hpp>
 #include <lazytensor/tensor.hpp>
 
@@ -123,10 +125,55 @@ typename graph::GemmNode<T>::Operand gemm_operand(const Tensor<T>& t) {
 
 template <Element T>
 Tensor<T> gemm(const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std::int64_t batch_b,
+               std::int64_t m, std::int64_t k, std::int64_t n, const Shape& out);
+
+/// Backward of C[b] = A[b] B[b] with A viewed as [batch_a, m, k], B as [batch_b, k, n] (a
+/// batch of 1 broadcasts): dA = dC B^T, dB = A^T dC, summed over broadcast batches. When a
+/// side is shared by every batch, the batches are stacked into one GEMM instead.
+template <Element T>
+void record_gemm(Tensor<T>& c, const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std::int64_t batch_b,
+                 std::int64_t m, std::int64_t k, std::int64_t n) {
+  auto ea = autograd::edge_of(a.impl()), eb = autograd::edge_of(b.impl());
+  if (!ea && !eb) return;
+  autograd::record(c, "MmBackward0", {ea, eb},
+                   [a = a.detach(), b = b.detach(), batch_a, batch_b, m, k, n, need_a = ea != nullptr,
+                    need_b = eb != nullptr](const Tensor<T>& g) {
+                     const std::int64_t B = std::max(batch_a, batch_b);
+                     std::vector<graph::NodePtr> grads(2);
+                     if (need_a) {
+                       // dA[b] = dC[b] B[b]^T: [B*m, n] x [n, k] stacked when B is shared.
+                       Tensor<T> da = batch_b == 1 ? gemm(g, transpose(reshape(b, Shape{k, n}), 0, 1), 1, 1, B * m, n, k, Shape{B, m, k})
+                                                   : gemm(g, transpose(reshape(b, Shape{B, k, n}), 1, 2), B, B, m, n, k, Shape{B, m, k});
+                       if (batch_a == 1 && B > 1) da = sum(da, {0});
+                       grads[0] = reshape(da, a.shape()).node();
+                     }
+                     if (need_b) {
+                       Tensor<T> db;
+                       if (batch_a == 1) {  // A shared: dB[b] = A^T dC[b]
+                         db = gemm(transpose(reshape(a, Shape{m, k}), 0, 1), g, 1, B, k, m, n, Shape{B, k, n});
+                       } else if (batch_b == 1) {  // B shared: one GEMM over the stacked batches
+                         db = gemm(transpose(reshape(a, Shape{B * m, k}), 0, 1), reshape(g, Shape{B * m, n}), 1, 1, k,
+                                   B * m, n, Shape{k, n});
+                       } else {
+                         db = gemm(transpose(reshape(a, Shape{B, m, k}), 1, 2), g, B, B, k, m, n, Shape{B, k, n});
+                       }
+                       if (batch_b == 1 && B > 1 && batch_a == 1) db = sum(db, {0});
+                       grads[1] = reshape(db, b.shape()).node();
+                     }
+                     return grads;
+                   });
+}
+
+template <Element T>
+Tensor<T> gemm(const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std::int64_t batch_b,
                std::int64_t m, std::int64_t k, std::int64_t n, const Shape& out) {
   auto oa = gemm_operand(a), ob = gemm_operand(b);
   graph::Device& dev = graph::common_device({oa.node, ob.node}, "matmul");
-  return Tensor<T>(graph::submit(std::make_shared<graph::GemmNode<T>>(oa, ob, batch_a, batch_b, m, k, n, out, &dev)));
+  Tensor<T> c(graph::submit(std::make_shared<graph::GemmNode<T>>(oa, ob, batch_a, batch_b, m, k, n, out, &dev)));
+  if constexpr (is_floating_v<T>) {
+    if (autograd::is_grad_enabled()) record_gemm(c, a, b, batch_a, batch_b, m, k, n);
+  }
+  return c;
 }
 
 [[noreturn]] inline void matmul_mismatch(const Shape& a, const Shape& b, std::int64_t ka, std::int64_t kb) {

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include <lazytensor/autograd/record.hpp>
 #include <lazytensor/graph/reduction_node.hpp>
 #include <lazytensor/ops/shape.hpp>
 #include <lazytensor/tensor.hpp>
@@ -140,6 +141,46 @@ void require_nonempty(const X& x, const std::vector<std::int64_t>& dims, const c
   if (s.numel() == 0 && rd.empty()) throw ShapeError(std::string(op) + ": cannot reduce a tensor with no elements");
 }
 
+/// The reduced shape with kept (size-1) dims, for broadcasting a gradient back.
+template <class X>
+Shape keep_shape(const X& x, const std::vector<std::int64_t>& dims, const char* op) {
+  return reduced_shape(x.shape(), reduce_dims(x.shape(), dims, op), true);
+}
+
+/// sum / mean backward: the gradient, scaled, broadcast back over the reduced dims.
+template <class T, class X>
+void record_sum(Tensor<T>& r, const X& x, const std::vector<std::int64_t>& dims, bool mean) {
+  using V = expr::value_t<X>;
+  if constexpr (is_floating_v<T> && is_floating_v<V>) {
+    if (!autograd::is_grad_enabled()) return;
+    auto e = autograd::operand_edge(x);
+    if (!e) return;
+    const Shape in = x.shape(), keep = keep_shape(x, dims, "sum");
+    const double scale = mean && keep.numel() ? static_cast<double>(keep.numel()) / static_cast<double>(in.numel()) : 1.0;
+    autograd::record(r, mean ? "MeanBackward0" : "SumBackward0", {e}, [in, keep, scale](const Tensor<T>& g) {
+      Tensor<T> gk = reshape(g, keep);
+      return std::vector<graph::NodePtr>{
+          (scale == 1.0 ? evaluate_as<V>(cast<V>(gk), in) : evaluate_as<V>(cast<V>(gk * scale), in)).node()};
+    });
+  }
+}
+
+/// amax / amin backward: the gradient goes to the extreme elements, split evenly among ties.
+template <class T, class X>
+void record_extreme(Tensor<T>& r, const X& x, const std::vector<std::int64_t>& dims, const char* name) {
+  if constexpr (is_floating_v<T>) {
+    if (!autograd::is_grad_enabled()) return;
+    auto e = autograd::operand_edge(x);
+    if (!e) return;
+    const Shape in = x.shape(), keep = keep_shape(x, dims, name);
+    autograd::record(r, name, {e}, [x = autograd::saved(x), in, keep, dims, y = r.detach()](const Tensor<T>& g) {
+      Tensor<T> hit = cast<T>(x == reshape(y, keep));
+      Tensor<T> count = sum(hit, dims, true);
+      return std::vector<graph::NodePtr>{evaluate_as<T>(hit * (reshape(g, keep) / count), in).node()};
+    });
+  }
+}
+
 }  // namespace detail
 
 using Dims = std::vector<std::int64_t>;
@@ -147,12 +188,31 @@ using Dims = std::vector<std::int64_t>;
 /// Sum over `dims` (all when empty); integers sum to int64.
 template <expr::ExprLike X>
 auto sum(const X& x, const Dims& dims = {}, bool keepdim = false) {
-  return detail::reduce<ops::reduce::Sum>(x, dims, keepdim, "sum");
+  auto r = detail::reduce<ops::reduce::Sum>(x, dims, keepdim, "sum");
+  detail::record_sum(r, x, dims, false);
+  return r;
 }
 /// Product over `dims`.
 template <expr::ExprLike X>
 auto prod(const X& x, const Dims& dims = {}, bool keepdim = false) {
-  return detail::reduce<ops::reduce::Prod>(x, dims, keepdim, "prod");
+  auto r = detail::reduce<ops::reduce::Prod>(x, dims, keepdim, "prod");
+  using T = typename decltype(r)::value_type;
+  if constexpr (is_floating_v<T>) {
+    if (auto e = autograd::is_grad_enabled() ? autograd::operand_edge(x) : nullptr) {
+      // d prod / d x_i = product of the others: prod / x_i without zeros; with one zero in
+      // the slice only that element gets the product of the rest; with more, nothing.
+      const Shape in = x.shape(), keep = detail::keep_shape(x, dims, "prod");
+      autograd::record(r, "ProdBackward0", {e}, [x = autograd::saved(x), in, keep, dims](const Tensor<T>& g) {
+        Tensor<T> v = cast<T>(x);
+        Tensor<T> zeros = sum(cast<T>(v == 0), dims, true);
+        Tensor<T> others = detail::reduce<ops::reduce::Prod>(where(v == 0, 1, v), dims, true, "prod");
+        Tensor<T> gk = reshape(g, keep);
+        return std::vector<graph::NodePtr>{
+            evaluate_as<T>(gk * where(zeros == 0, others / v, where((zeros == 1) & (v == 0), others, 0)), in).node()};
+      });
+    }
+  }
+  return r;
 }
 /// Mean over `dims`; floating types only (DTypeError otherwise, as torch.mean).
 template <expr::ExprLike X>
@@ -163,20 +223,26 @@ auto mean(const X& x, const Dims& dims = {}, bool keepdim = false) {
                      dtype_name(dtype_of<T>()));
     return Tensor<float>();
   } else {
-    return Tensor<T>(detail::reduction_node<ops::reduce::Sum, T>(x, dims, keepdim, 1, "mean"));
+    Tensor<T> r(detail::reduction_node<ops::reduce::Sum, T>(x, dims, keepdim, 1, "mean"));
+    detail::record_sum(r, x, dims, true);
+    return r;
   }
 }
 /// Largest value over `dims` (NaN-propagating).
 template <expr::ExprLike X>
 auto amax(const X& x, const Dims& dims = {}, bool keepdim = false) {
   detail::require_nonempty(x, dims, "amax");
-  return detail::reduce<ops::reduce::Max>(x, dims, keepdim, "amax");
+  auto r = detail::reduce<ops::reduce::Max>(x, dims, keepdim, "amax");
+  detail::record_extreme(r, x, dims, "AmaxBackward0");
+  return r;
 }
 /// Smallest value over `dims` (NaN-propagating).
 template <expr::ExprLike X>
 auto amin(const X& x, const Dims& dims = {}, bool keepdim = false) {
   detail::require_nonempty(x, dims, "amin");
-  return detail::reduce<ops::reduce::Min>(x, dims, keepdim, "amin");
+  auto r = detail::reduce<ops::reduce::Min>(x, dims, keepdim, "amin");
+  detail::record_extreme(r, x, dims, "AminBackward0");
+  return r;
 }
 /// Largest value: all elements, or along `dim` (values only; see argmax for indices).
 template <expr::ExprLike X>
@@ -262,7 +328,8 @@ auto logsumexp(const X& x, const Dims& dims = {}, bool keepdim = false) {
   for (int d : detail::reduce_dims(t.shape(), dims, "logsumexp")) empty = empty || t.shape()[d] == 0;
   Tensor<T> m = empty ? sum(t, dims, true) : amax(t, dims, true);
   // An all -inf (or inf) slice would give inf - inf: shift by 0 there instead.
-  Tensor<T> shift = where(abs(m) == std::numeric_limits<float>::infinity(), 0, m);
+  // The shift only keeps exp in range; it is a constant for autograd (its terms cancel).
+  Tensor<T> shift = where(abs(m) == std::numeric_limits<float>::infinity(), 0, m.detach());
   Tensor<T> s = sum(exp(t - shift), dims, true);
   Tensor<T> r = log(s) + shift;
   if (keepdim) return r;

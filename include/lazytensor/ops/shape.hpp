@@ -26,16 +26,15 @@
 #include <utility>
 #include <vector>
 
+#include <lazytensor/autograd/record.hpp>
 #include <lazytensor/graph/builders.hpp>
 #include <lazytensor/graph/parallel.hpp>
 #include <lazytensor/graph/transpose_hint.hpp>
+#include <lazytensor/ops/shape_backward.hpp>
 #include <lazytensor/tensor.hpp>
 
 namespace lazy {
 
-/// Element types accepted for index tensors (index_select, gather, one_hot).
-template <class I>
-concept IndexElement = std::is_same_v<I, std::int32_t> || std::is_same_v<I, std::int64_t>;
 
 namespace graph {
 
@@ -623,9 +622,13 @@ inline std::span<const std::int64_t> span_of(const Shape& s) { return {s.begin()
 template <Element T>
 Tensor<T> view_of(const Tensor<T>& t, const Shape& shape, const char* op) {
   graph::NodePtr src = t.node();
-  if (src->shape() == shape) return Tensor<T>(src);
+  if (src->shape() == shape) return t;
   if (!src->materialized() && dynamic_cast<graph::ViewNode*>(src.get())) src = src->inputs()[0];
-  return Tensor<T>(graph::submit(std::make_shared<graph::ViewNode>(op, std::move(src), shape)));
+  Tensor<T> r(graph::submit(std::make_shared<graph::ViewNode>(op, std::move(src), shape)));
+  autograd::record(r, "ViewBackward0", {autograd::edge_of(t.impl())}, [in = t.shape()](const Tensor<T>& g) {
+    return std::vector<graph::NodePtr>{view_of(g, in, "view").node()};
+  });
+  return r;
 }
 
 /// Resolves a size list with at most one -1 against `numel` (torch's infer_size).
@@ -677,14 +680,19 @@ Tensor<T> permute_impl(const Tensor<T>& t, std::vector<int> perm, const char* op
   const graph::NodePtr& n = t.node();
   bool identity = true;
   for (std::size_t i = 0; i < perm.size(); ++i) identity = identity && perm[i] == static_cast<int>(i);
-  if (identity) return Tensor<T>(n);
+  if (identity) return t;
   if (graph::PermuteNode::make_plan(n->shape(), perm).keeps_order()) {
     return view_of(t, graph::PermuteNode::permuted_shape(n->shape(), perm), op);
   }
-  if (perm == graph::TransposeNode::last_two(static_cast<int>(perm.size()))) {
-    return Tensor<T>(graph::submit(std::make_shared<graph::TransposeNode>(n)));
-  }
-  return Tensor<T>(graph::submit(std::make_shared<graph::PermuteNode>(n, std::move(perm), op)));
+  std::vector<int> inverse(perm.size());
+  for (std::size_t i = 0; i < perm.size(); ++i) inverse[static_cast<std::size_t>(perm[i])] = static_cast<int>(i);
+  Tensor<T> r = perm == graph::TransposeNode::last_two(static_cast<int>(perm.size()))
+                    ? Tensor<T>(graph::submit(std::make_shared<graph::TransposeNode>(n)))
+                    : Tensor<T>(graph::submit(std::make_shared<graph::PermuteNode>(n, std::move(perm), op)));
+  autograd::record(r, "PermuteBackward0", {autograd::edge_of(t.impl())}, [inverse](const Tensor<T>& g) {
+    return std::vector<graph::NodePtr>{permute_impl(g, inverse, "permute").node()};
+  });
+  return r;
 }
 
 template <expr::ExprLike X>
@@ -726,9 +734,31 @@ auto expand_impl(const X& x, std::span<const std::int64_t> sizes) {
       out.push_back(v);
     }
   }
-  if (out == s) return Tensor<T>(t.node());
-  // The element-wise node broadcasts its leaves to `out`: a splat per expanded dim.
-  return Tensor<T>(graph::make_elementwise<T>(expr::make<ops::Identity>(t), out));
+  if (out == s) return t;
+  // The element-wise node broadcasts its leaves to `out`: a splat per expanded dim (and
+  // its gradient sums back over them).
+  return evaluate_as<T>(expr::make<ops::Identity>(t), out);
+}
+
+/// Records the backward of a slice of `t` (the gradient lands in zeros of t's shape).
+template <Element T>
+void record_slice(Tensor<T>& r, const Tensor<T>& t, int d, std::int64_t start, std::int64_t step) {
+  if constexpr (is_floating_v<T>) {
+    autograd::record(r, "SliceBackward0", {autograd::edge_of(t.impl())},
+                     [in = t.shape(), d, start, step](const Tensor<T>& g) {
+                       return std::vector<graph::NodePtr>{graph::submit(
+                           std::make_shared<graph::SliceBackwardNode<T>>(g.node(), in, d, start, step))};
+                     });
+  }
+}
+
+/// Autograd edges of a list of tensors.
+template <Element T>
+std::vector<autograd::GradFnPtr> edges_of(const std::vector<Tensor<T>>& ts) {
+  std::vector<autograd::GradFnPtr> e;
+  e.reserve(ts.size());
+  for (const auto& t : ts) e.push_back(autograd::edge_of(t.impl()));
+  return e;
 }
 
 template <Element T>
@@ -884,7 +914,7 @@ auto transpose(const X& x, std::int64_t d0, std::int64_t d1) {
   auto t = detail::shape_ops::as_tensor(x);
   const int r = t.dim();
   const int a = normalize_dim(d0, r, "transpose"), b = normalize_dim(d1, r, "transpose");
-  if (a == b || r == 0) return Tensor<typename decltype(t)::value_type>(t.node());
+  if (a == b || r == 0) return t;
   std::vector<int> perm(static_cast<std::size_t>(r));
   for (int i = 0; i < r; ++i) perm[i] = i;
   std::swap(perm[a], perm[b]);
@@ -943,10 +973,12 @@ auto slice(const X& x, std::int64_t dim, std::int64_t start = 0,
   start = std::clamp<std::int64_t>(start, 0, size);
   end = std::clamp<std::int64_t>(end, start, size);
   const std::int64_t len = (end - start + step - 1) / step;
-  if (start == 0 && len == size && (step == 1 || size <= 1)) return Tensor<T>(t.node());
+  if (start == 0 && len == size && (step == 1 || size <= 1)) return t;
   Shape out = s;
   out[d] = len;
-  return Tensor<T>(graph::submit(std::make_shared<graph::SliceNode>("slice", t.node(), d, start, step, out)));
+  Tensor<T> r(graph::submit(std::make_shared<graph::SliceNode>("slice", t.node(), d, start, step, out)));
+  detail::shape_ops::record_slice(r, t, d, start, step);
+  return r;
 }
 
 /// `length` elements from `start` along `dim` (torch.narrow). start may be negative
@@ -969,10 +1001,12 @@ auto narrow(const X& x, std::int64_t dim, std::int64_t start, std::int64_t lengt
     throw ShapeError("narrow: start (" + std::to_string(start) + ") + length (" + std::to_string(length) +
                      ") exceeds dimension size (" + std::to_string(size) + ") of dimension " + std::to_string(d));
   }
-  if (start == 0 && length == size) return Tensor<T>(t.node());
+  if (start == 0 && length == size) return t;
   Shape out = s;
   out[d] = length;
-  return Tensor<T>(graph::submit(std::make_shared<graph::SliceNode>("narrow", t.node(), d, start, 1, out)));
+  Tensor<T> r(graph::submit(std::make_shared<graph::SliceNode>("narrow", t.node(), d, start, 1, out)));
+  detail::shape_ops::record_slice(r, t, d, start, 1);
+  return r;
 }
 
 // ---- cat / stack ----------------------------------------------------------------------------
@@ -986,7 +1020,7 @@ Tensor<T> cat(const std::vector<Tensor<T>>& tensors, std::int64_t dim = 0) {
   std::vector<Tensor<T>> ts;
   for (const auto& t : tensors)
     if (!(t.dim() == 1 && t.numel() == 0)) ts.push_back(t);
-  if (ts.empty()) return Tensor<T>(tensors.front().node());
+  if (ts.empty()) return tensors.front();
   const Shape& ref = ts.front().shape();
   const int r = ref.rank();
   if (r == 0) throw ShapeError("cat: zero-dimensional tensor (at position 0) cannot be concatenated (expected rank >= 1)");
@@ -1009,7 +1043,7 @@ Tensor<T> cat(const std::vector<Tensor<T>>& tensors, std::int64_t dim = 0) {
   }
   auto nodes = detail::shape_ops::nodes_of(ts);
   graph::Device& dev = graph::common_device(nodes, "cat");
-  if (ts.size() == 1) return Tensor<T>(nodes.front());
+  if (ts.size() == 1) return ts.front();
   std::int64_t outer = 1, inner = 1, total = 0;
   for (int k = 0; k < d; ++k) outer *= ref[k];
   for (int k = d + 1; k < r; ++k) inner *= ref[k];
@@ -1020,8 +1054,20 @@ Tensor<T> cat(const std::vector<Tensor<T>>& tensors, std::int64_t dim = 0) {
   }
   Shape out = ref;
   out[d] = total;
-  return Tensor<T>(graph::submit(
+  Tensor<T> result(graph::submit(
       std::make_shared<graph::CatNode>("cat", dtype_of<T>(), std::move(nodes), out, &dev, outer, std::move(widths))));
+  std::vector<std::int64_t> sizes;
+  for (const auto& t : ts) sizes.push_back(t.shape()[d]);
+  autograd::record(result, "CatBackward0", detail::shape_ops::edges_of(ts), [sizes, d](const Tensor<T>& g) {
+    std::vector<graph::NodePtr> gs;
+    std::int64_t off = 0;
+    for (auto len : sizes) {
+      gs.push_back(narrow(g, d, off, len).node());
+      off += len;
+    }
+    return gs;
+  });
+  return result;
 }
 /// cat with a braced list: cat({a, b}, 1).
 template <Element T>
@@ -1057,8 +1103,17 @@ Tensor<T> stack(const std::vector<Tensor<T>>& tensors, std::int64_t dim = 0) {
     if (k < ref.rank()) out.push_back(ref[k]);
   }
   std::vector<std::int64_t> widths(tensors.size(), inner);
-  return Tensor<T>(graph::submit(
+  Tensor<T> r(graph::submit(
       std::make_shared<graph::CatNode>("stack", dtype_of<T>(), std::move(nodes), out, &dev, outer, std::move(widths))));
+  autograd::record(r, "StackBackward0", detail::shape_ops::edges_of(tensors),
+                   [n = tensors.size(), d, ref](const Tensor<T>& g) {
+                     std::vector<graph::NodePtr> gs;
+                     for (std::size_t i = 0; i < n; ++i) {
+                       gs.push_back(reshape(narrow(g, d, static_cast<std::int64_t>(i), 1), ref).node());
+                     }
+                     return gs;
+                   });
+  return r;
 }
 /// stack with a braced list: stack({a, b}, 0).
 template <Element T>
@@ -1090,7 +1145,15 @@ auto index_select(const X& x, std::int64_t dim, const Tensor<I>& index) {
     out[d] = index.numel();
   }
   graph::common_device({t.node(), index.node()}, "index_select");
-  return Tensor<T>(graph::submit(std::make_shared<graph::IndexSelectNode<I>>(t.node(), index.node(), d, out)));
+  Tensor<T> r(graph::submit(std::make_shared<graph::IndexSelectNode<I>>(t.node(), index.node(), d, out)));
+  if constexpr (is_floating_v<T>) {
+    autograd::record(r, "IndexSelectBackward0", {autograd::edge_of(t.impl())},
+                     [in = s, d, idx = index.detach()](const Tensor<T>& g) {
+                       return std::vector<graph::NodePtr>{
+                           graph::submit(std::make_shared<graph::IndexAddNode<T, I>>(g.node(), idx.node(), in, d))};
+                     });
+  }
+  return r;
 }
 
 /// torch.gather: out[i][j][k] = x[index[i][j][k]][j][k] for dim 0 (likewise for the other
@@ -1116,7 +1179,15 @@ auto gather(const X& x, std::int64_t dim, const Tensor<I>& index) {
     }
   }
   graph::common_device({t.node(), index.node()}, "gather");
-  return Tensor<T>(graph::submit(std::make_shared<graph::GatherNode<I>>(t.node(), index.node(), d)));
+  Tensor<T> r(graph::submit(std::make_shared<graph::GatherNode<I>>(t.node(), index.node(), d)));
+  if constexpr (is_floating_v<T>) {
+    autograd::record(r, "GatherBackward0", {autograd::edge_of(t.impl())},
+                     [in = s, d, idx = index.detach()](const Tensor<T>& g) {
+                       return std::vector<graph::NodePtr>{
+                           graph::submit(std::make_shared<graph::ScatterAddNode<T, I>>(g.node(), idx.node(), in, d))};
+                     });
+  }
+  return r;
 }
 
 /// torch.nn.functional.one_hot: int64 tensor of shape index.shape + (num_classes,) with a 1

@@ -10,7 +10,9 @@
 
 #include <xsimd/xsimd.hpp>
 
+#include <lazytensor/autograd/record.hpp>
 #include <lazytensor/graph/elementwise_node.hpp>
+#include <lazytensor/ops/reduction.hpp>
 #include <lazytensor/tensor.hpp>
 
 namespace lazy {
@@ -128,6 +130,13 @@ auto softmax_impl(const X& x, std::int64_t dim, const char* op) {
     if (i > d) inner *= s[i];
   }
   Tensor<T> r(graph::submit(std::make_shared<graph::SoftmaxNode<T, Log>>(t.node(), d, outer, extent, inner)));
+  // softmax: dx = y * (g - sum(g * y)); log_softmax: dx = g - exp(y) * sum(g), along dim.
+  autograd::record(r, Log ? "LogSoftmaxBackward0" : "SoftmaxBackward0", {autograd::edge_of(t.impl())},
+                   [y = r.detach(), d](const Tensor<T>& g) {
+                     Tensor<T> dx = Log ? Tensor<T>(g - exp(y) * sum(g, {d}, true))
+                                        : Tensor<T>(y * (g - sum(g * y, {d}, true)));
+                     return std::vector<graph::NodePtr>{dx.node()};
+                   });
   if constexpr (std::is_same_v<V, bfloat16>) return Tensor<bfloat16>(cast<bfloat16>(r));
   else return r;
 }

@@ -1,0 +1,99 @@
+#pragma once
+// How an op records its explicit backward rule: a callable from the typed output gradient
+// to the input gradients, wrapped as a GradFn and attached to the op's result when any
+// operand needs a gradient. Rules capture detached tensors (values, no history), never the
+// result's own handle, so no reference cycle forms.
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <lazytensor/tensor.hpp>
+
+namespace lazy::autograd {
+
+/// A backward rule given as a callable.
+class FunctionGradFn final : public GradFn {
+ public:
+  using Backward = std::function<std::vector<graph::NodePtr>(const graph::NodePtr&)>;
+  FunctionGradFn(std::string name, Backward f) : name_(std::move(name)), f_(std::move(f)) {}
+  std::string name() const override { return name_; }
+  std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override {
+    check_not_released();
+    return f_(grad);
+  }
+  void release_saved() override {
+    f_ = nullptr;
+    GradFn::release_saved();
+  }
+
+ private:
+  std::string name_;
+  Backward f_;
+};
+
+/// Where the gradient of operand `x` goes: a tensor's own edge, or for an element-wise
+/// expression a backward function over its leaves (the expression need not be computed
+/// for that: e.g. sum(a * b) never writes a * b).
+template <expr::ExprLike X>
+GradFnPtr operand_edge(const X& x) {
+  if constexpr (expr::is_expr_node<X>::value) {
+    using V = typename X::value_type;
+    if constexpr (!is_floating_v<V>) {
+      return nullptr;
+    } else {
+      if (!is_grad_enabled()) return nullptr;
+      std::vector<graph::NodePtr> inputs;
+      std::vector<GradFnPtr> edges;
+      auto k = expr::to_kernel(x, inputs, &edges);
+      if (!any_edge(edges)) return nullptr;
+      auto fn = std::make_shared<ElementwiseGradFn<decltype(k), V>>(k, inputs);
+      fn->next = std::move(edges);
+      fn->dtype = dtype_of<V>();
+      fn->shape = x.shape();
+      fn->device = fn->next.empty() ? nullptr : inputs.front()->device();
+      return fn;
+    }
+  } else {
+    return edge_of(x.impl());
+  }
+}
+
+/// The value of operand `x` as a backward rule keeps it: a tensor detached (its value now,
+/// unaffected by later in-place updates, without history), an expression as is (its
+/// leaves already hold the values it was built from).
+template <expr::ExprLike X>
+auto saved(const X& x) {
+  if constexpr (expr::is_expr_node<X>::value) return x;
+  else return x.detach();
+}
+
+/// The node of a gradient tensor, or nullptr for an undefined one (no gradient).
+template <Element T>
+graph::NodePtr node_or_null(const Tensor<T>& t) {
+  return t.defined() ? t.node() : nullptr;
+}
+
+/// Makes `backward` (Tensor<T> grad of out -> input gradient nodes, in `edges` order) the
+/// grad_fn of `out` when any edge is live. The rule runs with grad mode off.
+template <Element T, class F>
+void record(Tensor<T>& out, const char* name, std::vector<GradFnPtr> edges, F backward) {
+  if constexpr (!is_floating_v<T>) return;  // integer results carry no gradient
+  if (!any_edge(edges)) return;
+  auto fn = std::make_shared<FunctionGradFn>(name, [b = std::move(backward)](const graph::NodePtr& g) {
+    AutoGradMode off(false);
+    return b(Tensor<T>(cast_node(g, dtype_of<T>())));
+  });
+  fn->next = std::move(edges);
+  attach_grad_fn(*out.impl(), std::move(fn));
+}
+
+/// True when grad mode is on and any of the tensors requires grad.
+template <class... Ts>
+bool any_requires_grad(const Ts&... ts) {
+  return is_grad_enabled() && (false || ... || ts.requires_grad());
+}
+
+}  // namespace lazy::autograd

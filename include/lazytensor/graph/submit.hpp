@@ -1,0 +1,31 @@
+#pragma once
+// Adding nodes to a device's pending graph.
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <lazytensor/graph/executor.hpp>
+
+namespace lazy::graph {
+
+/// The device shared by `inputs`; throws DeviceError when they differ. With no inputs,
+/// the current device.
+inline Device& common_device(const std::vector<NodePtr>& inputs, const char* op) {
+  Device* d = inputs.empty() ? &current_device() : inputs.front()->device();
+  for (const auto& in : inputs) {
+    if (in->device() != d) {
+      throw DeviceError(std::string(op) + ": expected all tensors on the same device, found " + d->str() +
+                        " and " + in->device()->str());
+    }
+  }
+  return *d;
+}
+
+/// Adds a node to its device's pending graph; in eager mode it runs at once.
+inline NodePtr submit(NodePtr node) {
+  if (node->device()->eager()) execute(*node->device(), {node});
+  return node;
+}
+
+}  // namespace lazy::graph

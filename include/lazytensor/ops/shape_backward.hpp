@@ -1,0 +1,179 @@
+#pragma once
+// Kernels that only backward passes need: the adjoints of slicing, index_select and gather
+// (write or add a gradient into a zero tensor of the input's shape). Accumulation order is
+// fixed (by index position), and work is split only where no two tasks touch the same
+// output element, so results do not depend on the thread count.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include <lazytensor/graph/device.hpp>
+#include <lazytensor/graph/parallel.hpp>
+
+namespace lazy::graph {
+
+/// The gradient of a slice: zeros of the input's shape with `g` at the sliced positions.
+template <Element T>
+class SliceBackwardNode final : public Node {
+ public:
+  SliceBackwardNode(NodePtr g, Shape in_shape, int dim, std::int64_t start, std::int64_t step)
+      : Node(NodeKind::Copy, dtype_of<T>(), in_shape, g->device(), {g}), dim_(dim), start_(start), step_(step) {}
+  std::string op_name() const override { return "slice_backward"; }
+  std::uint64_t structural_hash() const override {
+    return hash_combine(hash_combine(hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_)),
+                                     static_cast<std::uint64_t>(start_)),
+                        static_cast<std::uint64_t>(step_));
+  }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    const T* g = inputs()[0]->template data<T>();
+    const Shape& gs = inputs()[0]->shape();
+    auto buf = allocate_output(ctx, false);
+    T* out = static_cast<T*>(buf->data());
+    const Shape& s = shape();
+    std::int64_t outer = 1, inner = 1;
+    for (int d = 0; d < dim_; ++d) outer *= s[d];
+    for (int d = dim_ + 1; d < s.rank(); ++d) inner *= s[d];
+    const std::int64_t dsize = s[dim_], len = gs[dim_];
+    auto& pool = ctx.device.threads();
+    const std::int64_t tasks = std::max<std::int64_t>(1, std::min(outer, task_count(pool, numel(), 1.0)));
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      auto [o0, o1] = task_range(outer, tasks, t);
+      for (std::int64_t o = o0; o < o1; ++o) {
+        T* row = out + o * dsize * inner;
+        std::fill(row, row + dsize * inner, T(0));
+        for (std::int64_t k = 0; k < len; ++k) {
+          std::memcpy(row + (start_ + k * step_) * inner, g + (o * len + k) * inner,
+                      static_cast<std::size_t>(inner) * sizeof(T));
+        }
+      }
+    });
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  int dim_;
+  std::int64_t start_, step_;
+};
+
+/// index_add into zeros: out[.., index[k], ..] += g[.., k, ..] along `dim` (the gradient of
+/// index_select; embeddings). Tasks split the (outer, inner) plane, each adding over k in
+/// order.
+template <Element T, IndexElement I>
+class IndexAddNode final : public Node {
+ public:
+  IndexAddNode(NodePtr g, NodePtr index, Shape in_shape, int dim)
+      : Node(NodeKind::Copy, dtype_of<T>(), in_shape, g->device(), {g, index}), dim_(dim) {}
+  std::string op_name() const override { return "index_add"; }
+  std::uint64_t structural_hash() const override {
+    return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
+  }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    const T* g = inputs()[0]->template data<T>();
+    const I* idx = inputs()[1]->template data<I>();
+    const std::int64_t K = inputs()[1]->numel();
+    auto buf = allocate_output(ctx, false);
+    T* out = static_cast<T*>(buf->data());
+    const Shape& s = shape();
+    std::int64_t outer = 1, inner = 1;
+    for (int d = 0; d < dim_; ++d) outer *= s[d];
+    for (int d = dim_ + 1; d < s.rank(); ++d) inner *= s[d];
+    const std::int64_t dsize = s.rank() ? s[dim_] : 1;
+    for (std::int64_t k = 0; k < K; ++k) {
+      if (idx[k] < 0 || idx[k] >= dsize) {
+        throw IndexError("index_add: index " + std::to_string(idx[k]) + " is out of range for dimension " +
+                         std::to_string(dim_) + " with size " + std::to_string(dsize));
+      }
+    }
+    using C = compute_t<T>;
+    constexpr std::int64_t kCols = 256;
+    const std::int64_t chunks = (inner + kCols - 1) / kCols, units = outer * chunks;
+    auto& pool = ctx.device.threads();
+    const std::int64_t tasks = std::max<std::int64_t>(1, std::min(units, task_count(pool, numel() + K * inner, 1.0)));
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      auto [u0, u1] = task_range(units, tasks, t);
+      for (std::int64_t u = u0; u < u1; ++u) {
+        const std::int64_t o = u / chunks, j0 = (u % chunks) * kCols, j1 = std::min(inner, j0 + kCols);
+        T* base = out + o * dsize * inner;
+        for (std::int64_t r = 0; r < dsize; ++r) std::fill(base + r * inner + j0, base + r * inner + j1, T(0));
+        for (std::int64_t k = 0; k < K; ++k) {
+          T* dst = base + static_cast<std::int64_t>(idx[k]) * inner;
+          const T* src = g + (o * K + k) * inner;
+          for (std::int64_t j = j0; j < j1; ++j) dst[j] = static_cast<T>(static_cast<C>(dst[j]) + static_cast<C>(src[j]));
+        }
+      }
+    });
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  int dim_;
+};
+
+/// scatter_add into zeros: out[.., index[p], ..] += g[p] along `dim` for every position p of
+/// the index (the gradient of gather). Positions that differ outside `dim` never collide,
+/// so tasks split the index's outermost other dimension.
+template <Element T, IndexElement I>
+class ScatterAddNode final : public Node {
+ public:
+  ScatterAddNode(NodePtr g, NodePtr index, Shape in_shape, int dim)
+      : Node(NodeKind::Copy, dtype_of<T>(), in_shape, g->device(), {g, index}), dim_(dim) {}
+  std::string op_name() const override { return "scatter_add"; }
+  std::uint64_t structural_hash() const override {
+    return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
+  }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    const T* g = inputs()[0]->template data<T>();
+    const I* idx = inputs()[1]->template data<I>();
+    Shape xs = inputs()[1]->shape(), ts = shape();
+    if (xs.rank() == 0) xs = Shape{1};
+    if (ts.rank() == 0) ts = Shape{1};
+    auto buf = allocate_output(ctx, false);
+    T* out = static_cast<T*>(buf->data());
+    std::fill(out, out + numel(), T(0));
+    const int R = xs.rank();
+    const std::int64_t n = xs.numel(), dsize = ts[dim_];
+    const auto xst = contiguous_strides(xs), tst = contiguous_strides(ts);
+    // Split over the outermost dim other than `dim` (all of it in one task when none).
+    const int split = dim_ == 0 ? (R > 1 ? 1 : -1) : 0;
+    const std::int64_t parts = split < 0 ? 1 : xs[split];
+    auto& pool = ctx.device.threads();
+    const std::int64_t tasks = std::max<std::int64_t>(1, std::min(parts, task_count(pool, n, 2.0)));
+    using C = compute_t<T>;
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      auto [p0, p1] = task_range(parts, tasks, t);
+      for (std::int64_t p = 0; p < n; ++p) {
+        // Coordinates of p in the index; the target replaces coordinate `dim`.
+        std::int64_t rem = p, at = 0, part = 0;
+        for (int d = 0; d < R; ++d) {
+          const std::int64_t c = rem / xst[d];
+          rem %= xst[d];
+          if (d == split) part = c;
+          if (d != dim_) at += c * tst[d];
+        }
+        if (split >= 0 && (part < p0 || part >= p1)) continue;
+        if (split < 0 && t != 0) continue;
+        const auto k = static_cast<std::int64_t>(idx[p]);
+        if (k < 0 || k >= dsize) {
+          throw IndexError("scatter_add: index " + std::to_string(k) + " is out of bounds for dimension " +
+                           std::to_string(dim_) + " with size " + std::to_string(dsize));
+        }
+        T& dst = out[at + k * tst[dim_]];
+        dst = static_cast<T>(static_cast<C>(dst) + static_cast<C>(g[p]));
+      }
+    });
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  int dim_;
+};
+
+}  // namespace lazy::graph
