@@ -7,6 +7,8 @@ LT_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # Let ccache hit across clones in different directories (CI builds a fresh clone).
 export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$LT_ROOT}"
 export CCACHE_NOHASHDIR="${CCACHE_NOHASHDIR:-1}"
+# The tests use a precompiled header; ccache caches such compiles only with these.
+export CCACHE_SLOPPINESS="${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_file_mtime,include_file_ctime}"
 
 # Parallelism for builds and ctest (override with JOBS=N).
 JOBS="${JOBS:-$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2)}"

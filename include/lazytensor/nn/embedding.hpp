@@ -1,0 +1,42 @@
+#pragma once
+// nn::Embedding: a lookup table of num_embeddings vectors (initialized N(0, 1) as torch).
+
+#include <cstdint>
+#include <string>
+
+#include <lazytensor/nn/init.hpp>
+#include <lazytensor/nn/module.hpp>
+#include <lazytensor/ops/shape.hpp>
+
+namespace lazy::nn {
+
+/// Maps integer indices to learned vectors.
+class EmbeddingImpl : public Module {
+ public:
+  EmbeddingImpl(std::int64_t num_embeddings, std::int64_t embedding_dim)
+      : Module("Embedding"), n_(num_embeddings), d_(embedding_dim) {
+    if (num_embeddings <= 0 || embedding_dim <= 0) {
+      throw ShapeError("Embedding: expected positive sizes, got " + std::to_string(num_embeddings) + " and " +
+                       std::to_string(embedding_dim));
+    }
+    weight = register_parameter("weight", empty<float>({num_embeddings, embedding_dim}));
+    init::normal_(weight);
+  }
+  /// indices of any shape -> indices.shape + [embedding_dim]. Out-of-range indices raise
+  /// IndexError when computed.
+  template <IndexElement I>
+  Tensor<float> forward(const Tensor<I>& indices) const {
+    Shape out = indices.shape();
+    out.push_back(d_);
+    return reshape(index_select(weight, 0, reshape(indices, Shape{indices.numel()})), out);
+  }
+  void pretty_print(std::ostream& os) const override { os << "Embedding(" << n_ << ", " << d_ << ")"; }
+
+  Tensor<float> weight;
+
+ private:
+  std::int64_t n_, d_;
+};
+LAZY_MODULE(Embedding);
+
+}  // namespace lazy::nn

@@ -1,0 +1,147 @@
+#pragma once
+// torch.nn.functional: losses and the functional forms of layers, on float tensors.
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include <lazytensor/autograd/record.hpp>
+#include <lazytensor/ops/random.hpp>
+#include <lazytensor/ops/reduction.hpp>
+#include <lazytensor/ops/shape.hpp>
+#include <lazytensor/ops/softmax.hpp>
+
+namespace lazy::nn {
+
+/// How a loss reduces over the batch (torch's reduction='mean' | 'sum' | 'none').
+enum class Reduction { Mean, Sum, None };
+
+namespace functional {
+
+namespace detail {
+template <Element T>
+Tensor<T> reduce(const Tensor<T>& per_sample, Reduction r) {
+  switch (r) {
+    case Reduction::Mean: return mean(per_sample);
+    case Reduction::Sum: return sum(per_sample);
+    case Reduction::None: break;
+  }
+  return per_sample;
+}
+
+template <Element T, IndexElement I>
+void check_targets(const Tensor<T>& input, const Tensor<I>& target, const char* op) {
+  if (input.dim() != 2) {
+    throw ShapeError(std::string(op) + ": expected input of shape (N, C), got " + input.shape().str());
+  }
+  if (target.dim() != 1 || target.size(0) != input.size(0)) {
+    throw ShapeError(std::string(op) + ": expected target of shape (" + std::to_string(input.size(0)) +
+                     ",) for input " + input.shape().str() + ", got " + target.shape().str());
+  }
+}
+}  // namespace detail
+
+/// Options of cross_entropy.
+struct CrossEntropyOptions {
+  Reduction reduction = Reduction::Mean;
+  /// Mix the one-hot targets with the uniform distribution (torch's label_smoothing).
+  double label_smoothing = 0.0;
+};
+
+/// Cross entropy of logits `input` [N, C] against class indices `target` [N] (torch's
+/// F.cross_entropy). Its backward is one fused kernel, (softmax(x) - smoothed one-hot) * g,
+/// rather than the composition of log_softmax, gather and the reduction. Class indices
+/// outside [0, C) raise IndexError when the loss is computed.
+template <IndexElement I>
+Tensor<float> cross_entropy(const Tensor<float>& input, const Tensor<I>& target, CrossEntropyOptions opt = {}) {
+  detail::check_targets(input, target, "cross_entropy");
+  if (opt.label_smoothing < 0 || opt.label_smoothing > 1) {
+    throw Error("cross_entropy: label_smoothing must be in [0, 1], got " + std::to_string(opt.label_smoothing));
+  }
+  const std::int64_t n = input.size(0), c = input.size(1);
+  const float eps = static_cast<float>(opt.label_smoothing);
+  Tensor<float> logp;
+  Tensor<float> per_sample;
+  {
+    NoGradGuard forward_only;  // the backward below is explicit
+    logp = log_softmax(input, 1);
+    Tensor<float> picked = reshape(gather(logp, 1, reshape(target, Shape{n, 1})), Shape{n});
+    per_sample = eps == 0 ? Tensor<float>(-picked)
+                          : Tensor<float>(-(1 - eps) * picked - (eps / static_cast<float>(c)) * sum(logp, {1}));
+  }
+  Tensor<float> loss = detail::reduce(per_sample, opt.reduction);
+  autograd::record(loss, "CrossEntropyBackward0", {autograd::edge_of(input.impl())},
+                   [logp = logp.detach(), target = target.detach(), n, c, eps, r = opt.reduction](const Tensor<float>& g) {
+                     // d loss_i / d x_ij = softmax_ij - ((1 - eps) [j == t_i] + eps / C), times the
+                     // incoming gradient (per sample for 'none', shared otherwise).
+                     Tensor<float> gi = r == Reduction::None ? reshape(g, Shape{n, 1})
+                                        : r == Reduction::Mean ? Tensor<float>(reshape(g, Shape{1, 1}) / static_cast<float>(n))
+                                                               : reshape(g, Shape{1, 1});
+                     Tensor<float> dx = (exp(logp) - (cast<float>(one_hot(target, c)) * (1 - eps) + eps / static_cast<float>(c))) * gi;
+                     return std::vector<graph::NodePtr>{dx.node()};
+                   });
+  return loss;
+}
+
+/// Negative log likelihood of log-probabilities `input` [N, C] at class indices `target`.
+template <IndexElement I>
+Tensor<float> nll_loss(const Tensor<float>& input, const Tensor<I>& target, Reduction r = Reduction::Mean) {
+  detail::check_targets(input, target, "nll_loss");
+  const std::int64_t n = input.size(0);
+  Tensor<float> picked = reshape(gather(input, 1, reshape(target, Shape{n, 1})), Shape{n});
+  return detail::reduce(Tensor<float>(-picked), r);
+}
+
+/// Mean squared error (torch's F.mse_loss).
+inline Tensor<float> mse_loss(const Tensor<float>& input, const Tensor<float>& target, Reduction r = Reduction::Mean) {
+  if (!(input.shape() == target.shape())) {
+    throw ShapeError("mse_loss: input " + input.shape().str() + " and target " + target.shape().str() +
+                     " must have the same shape");
+  }
+  Tensor<float> d = (input - target) * (input - target);
+  return detail::reduce(d, r);
+}
+
+/// Binary cross entropy on logits, computed stably: max(x, 0) - x * y + log(1 + e^-|x|).
+inline Tensor<float> binary_cross_entropy_with_logits(const Tensor<float>& input, const Tensor<float>& target,
+                                                      Reduction r = Reduction::Mean) {
+  if (!(input.shape() == target.shape())) {
+    throw ShapeError("binary_cross_entropy_with_logits: input " + input.shape().str() + " and target " +
+                     target.shape().str() + " must have the same shape");
+  }
+  Tensor<float> l = relu(input) - input * target + log1p(exp(-abs(input)));
+  return detail::reduce(l, r);
+}
+
+/// Zeroes elements with probability p and scales the rest by 1 / (1 - p) in training.
+inline Tensor<float> dropout(const Tensor<float>& x, double p = 0.5, bool training = true) {
+  if (p < 0 || p > 1) throw Error("dropout: probability has to be between 0 and 1, but got " + std::to_string(p));
+  if (!training || p == 0) return x;
+  if (p == 1) return Tensor<float>(x * 0.0f);
+  return Tensor<float>(x * bernoulli<float>(1 - p, x.shape(), x.device()) * static_cast<float>(1 / (1 - p)));
+}
+
+/// Normalizes over the trailing dims `normalized` (torch's F.layer_norm); weight and bias
+/// (optional: undefined tensors) have the normalized shape.
+inline Tensor<float> layer_norm(const Tensor<float>& x, const Shape& normalized, const Tensor<float>& weight,
+                                const Tensor<float>& bias, double eps = 1e-5) {
+  const int k = normalized.rank(), r = x.dim();
+  bool ok = k >= 1 && k <= r;
+  for (int i = 0; ok && i < k; ++i) ok = x.shape()[r - k + i] == normalized[i];
+  if (!ok) {
+    throw ShapeError("layer_norm: normalized_shape " + normalized.str() + " does not match the trailing dims of input " +
+                     x.shape().str());
+  }
+  std::vector<std::int64_t> dims;
+  for (int i = r - k; i < r; ++i) dims.push_back(i);
+  Tensor<float> mu = mean(x, dims, true);
+  Tensor<float> xc = x - mu;
+  Tensor<float> var = mean(xc * xc, dims, true);
+  Tensor<float> y = xc * rsqrt(var + static_cast<float>(eps));
+  if (weight.defined()) y = y * weight;
+  if (bias.defined()) y = y + bias;
+  return y;
+}
+
+}  // namespace functional
+}  // namespace lazy::nn

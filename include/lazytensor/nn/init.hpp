@@ -1,0 +1,93 @@
+#pragma once
+// Parameter initializers, as torch.nn.init: each fills a tensor in place (without recording
+// history) from the current device's random stream.
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include <lazytensor/ops/random.hpp>
+#include <lazytensor/tensor.hpp>
+
+namespace lazy::nn::init {
+
+/// Which fan kaiming_* scales by.
+enum class FanMode { FanIn, FanOut };
+/// The nonlinearity a gain is computed for (torch.nn.init.calculate_gain).
+enum class Nonlinearity { Linear, Sigmoid, Tanh, ReLU, LeakyReLU };
+
+/// torch.nn.init.calculate_gain.
+inline double calculate_gain(Nonlinearity nl, double param = 0.01) {
+  switch (nl) {
+    case Nonlinearity::Linear:
+    case Nonlinearity::Sigmoid: return 1.0;
+    case Nonlinearity::Tanh: return 5.0 / 3.0;
+    case Nonlinearity::ReLU: return std::sqrt(2.0);
+    case Nonlinearity::LeakyReLU: return std::sqrt(2.0 / (1.0 + param * param));
+  }
+  return 1.0;
+}
+
+/// (fan_in, fan_out) of a weight: dim 1 and dim 0 sizes times the receptive field (the
+/// product of the remaining dims), as torch computes them.
+inline std::pair<double, double> fans(const Shape& s) {
+  if (s.rank() < 2) {
+    throw ShapeError("init: fan in and fan out can not be computed for a tensor with fewer than 2 dimensions (shape " +
+                     s.str() + ")");
+  }
+  double field = 1;
+  for (int i = 2; i < s.rank(); ++i) field *= static_cast<double>(s[i]);
+  return {static_cast<double>(s[1]) * field, static_cast<double>(s[0]) * field};
+}
+
+/// Fills with U(a, b).
+inline Tensor<float>& uniform_(Tensor<float>& t, double a = 0, double b = 1) {
+  NoGradGuard guard;
+  t.copy_(rand<float>(t.shape(), t.device()) * static_cast<float>(b - a) + static_cast<float>(a));
+  return t;
+}
+/// Fills with N(mean, std^2).
+inline Tensor<float>& normal_(Tensor<float>& t, double mean = 0, double std = 1) {
+  NoGradGuard guard;
+  t.copy_(randn<float>(t.shape(), t.device()) * static_cast<float>(std) + static_cast<float>(mean));
+  return t;
+}
+/// Fills with `value`.
+inline Tensor<float>& constant_(Tensor<float>& t, double value) {
+  NoGradGuard guard;
+  t.fill_(value);
+  return t;
+}
+/// Fills with zeros.
+inline Tensor<float>& zeros_(Tensor<float>& t) { return constant_(t, 0); }
+/// Fills with ones.
+inline Tensor<float>& ones_(Tensor<float>& t) { return constant_(t, 1); }
+
+/// Glorot uniform: U(-a, a), a = gain * sqrt(6 / (fan_in + fan_out)).
+inline Tensor<float>& xavier_uniform_(Tensor<float>& t, double gain = 1) {
+  auto [in, out] = fans(t.shape());
+  const double a = gain * std::sqrt(6.0 / (in + out));
+  return uniform_(t, -a, a);
+}
+/// Glorot normal: N(0, std^2), std = gain * sqrt(2 / (fan_in + fan_out)).
+inline Tensor<float>& xavier_normal_(Tensor<float>& t, double gain = 1) {
+  auto [in, out] = fans(t.shape());
+  return normal_(t, 0, gain * std::sqrt(2.0 / (in + out)));
+}
+/// He uniform: U(-b, b), b = gain(nl, a) * sqrt(3 / fan).
+inline Tensor<float>& kaiming_uniform_(Tensor<float>& t, double a = 0, FanMode mode = FanMode::FanIn,
+                                       Nonlinearity nl = Nonlinearity::LeakyReLU) {
+  auto [in, out] = fans(t.shape());
+  const double fan = mode == FanMode::FanIn ? in : out;
+  const double bound = calculate_gain(nl, a) * std::sqrt(3.0 / fan);
+  return uniform_(t, -bound, bound);
+}
+/// He normal: N(0, std^2), std = gain(nl, a) / sqrt(fan).
+inline Tensor<float>& kaiming_normal_(Tensor<float>& t, double a = 0, FanMode mode = FanMode::FanIn,
+                                      Nonlinearity nl = Nonlinearity::LeakyReLU) {
+  auto [in, out] = fans(t.shape());
+  const double fan = mode == FanMode::FanIn ? in : out;
+  return normal_(t, 0, calculate_gain(nl, a) / std::sqrt(fan));
+}
+
+}  // namespace lazy::nn::init

@@ -1,0 +1,54 @@
+#pragma once
+// nn::Linear: y = x W^T + b, initialized as PyTorch does (kaiming uniform with a = sqrt(5),
+// i.e. U(-1/sqrt(in), 1/sqrt(in)) for both weight and bias).
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include <lazytensor/nn/init.hpp>
+#include <lazytensor/nn/module.hpp>
+#include <lazytensor/ops/matmul.hpp>
+
+namespace lazy::nn {
+
+/// A fully connected layer.
+class LinearImpl : public Module {
+ public:
+  /// in_features -> out_features, with a bias unless `bias` is false.
+  LinearImpl(std::int64_t in_features, std::int64_t out_features, bool bias = true)
+      : Module("Linear"), in_(in_features), out_(out_features) {
+    if (in_features <= 0 || out_features <= 0) {
+      throw ShapeError("Linear: expected positive in_features and out_features, got " + std::to_string(in_features) +
+                       " and " + std::to_string(out_features));
+    }
+    weight = register_parameter("weight", empty<float>({out_features, in_features}));
+    init::kaiming_uniform_(weight, std::sqrt(5.0));
+    if (bias) {
+      this->bias = register_parameter("bias", empty<float>({out_features}));
+      const double bound = 1.0 / std::sqrt(static_cast<double>(in_features));
+      init::uniform_(this->bias, -bound, bound);
+    }
+  }
+
+  /// x [..., in_features] -> [..., out_features]; bias and a following element-wise op
+  /// run on the GEMM's row blocks.
+  Tensor<float> forward(const Tensor<float>& x) const {
+    if (bias.defined()) return linear(x, weight, bias);
+    return linear(x, weight);
+  }
+
+  void pretty_print(std::ostream& os) const override {
+    os << "Linear(in_features=" << in_ << ", out_features=" << out_ << ", bias=" << (bias.defined() ? "True" : "False")
+       << ")";
+  }
+
+  Tensor<float> weight;
+  Tensor<float> bias;
+
+ private:
+  std::int64_t in_, out_;
+};
+LAZY_MODULE(Linear);
+
+}  // namespace lazy::nn

@@ -1,0 +1,116 @@
+#pragma once
+// LayerNorm and BatchNorm1d/2d, as torch.nn. Batch norm keeps running statistics as
+// buffers (updated in training, used in eval), with torch's momentum convention and the
+// unbiased batch variance in the running estimate.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <lazytensor/nn/functional.hpp>
+#include <lazytensor/nn/init.hpp>
+#include <lazytensor/nn/module.hpp>
+
+namespace lazy::nn {
+
+/// Normalizes over the trailing `normalized_shape` dims, with a learned affine map.
+class LayerNormImpl : public Module {
+ public:
+  explicit LayerNormImpl(Shape normalized_shape, double eps = 1e-5, bool elementwise_affine = true)
+      : Module("LayerNorm"), shape_(normalized_shape), eps_(eps) {
+    if (elementwise_affine) {
+      weight = register_parameter("weight", ones<float>(normalized_shape));
+      bias = register_parameter("bias", zeros<float>(normalized_shape));
+    }
+  }
+  Tensor<float> forward(const Tensor<float>& x) const { return functional::layer_norm(x, shape_, weight, bias, eps_); }
+  void pretty_print(std::ostream& os) const override { os << "LayerNorm(" << shape_.str() << ", eps=" << eps_ << ")"; }
+
+  Tensor<float> weight, bias;
+
+ private:
+  Shape shape_;
+  double eps_;
+};
+LAZY_MODULE(LayerNorm);
+
+/// Batch normalization over the channel dim 1 of [N, C] or [N, C, L] (Rank 1) or
+/// [N, C, H, W] (Rank 2) inputs.
+template <int Rank>
+class BatchNormImpl : public Module {
+ public:
+  explicit BatchNormImpl(std::int64_t num_features, double eps = 1e-5, double momentum = 0.1, bool affine = true,
+                         bool track_running_stats = true)
+      : Module(Rank == 1 ? "BatchNorm1d" : "BatchNorm2d"), c_(num_features), eps_(eps), momentum_(momentum) {
+    if (affine) {
+      weight = register_parameter("weight", ones<float>({num_features}));
+      bias = register_parameter("bias", zeros<float>({num_features}));
+    }
+    if (track_running_stats) {
+      running_mean = zeros<float>({num_features});
+      running_var = ones<float>({num_features});
+      num_batches_tracked = zeros<std::int64_t>({});
+      register_buffer("running_mean", running_mean);
+      register_buffer("running_var", running_var);
+      register_buffer("num_batches_tracked", num_batches_tracked);
+    }
+  }
+
+  Tensor<float> forward(const Tensor<float>& x) {
+    const int r = x.dim();
+    const bool ok = Rank == 1 ? (r == 2 || r == 3) : r == 4;
+    if (!ok || x.size(1) != c_) {
+      throw ShapeError(name() + ": expected input of shape " +
+                       (Rank == 1 ? "(N, " + std::to_string(c_) + ") or (N, " + std::to_string(c_) + ", L)"
+                                  : "(N, " + std::to_string(c_) + ", H, W)") +
+                       ", got " + x.shape().str());
+    }
+    std::vector<std::int64_t> dims{0};
+    for (int d = 2; d < r; ++d) dims.push_back(d);
+    Shape stat;  // [1, C, 1, ...]
+    for (int d = 0; d < r; ++d) stat.push_back(d == 1 ? c_ : 1);
+    Tensor<float> y;
+    if (is_training() || !running_mean.defined()) {
+      const std::int64_t count = x.numel() / c_;
+      if (is_training() && count <= 1) {
+        throw Error(name() + ": expected more than 1 value per channel when training, got input " + x.shape().str());
+      }
+      Tensor<float> mu = mean(x, dims, true);
+      Tensor<float> xc = x - mu;
+      Tensor<float> var = mean(xc * xc, dims, true);
+      y = xc * rsqrt(var + static_cast<float>(eps_));
+      if (is_training() && running_mean.defined()) {
+        NoGradGuard guard;
+        const auto m = static_cast<float>(momentum_);
+        const float unbias = static_cast<float>(count) / static_cast<float>(count - 1);
+        running_mean.copy_(running_mean * (1 - m) + reshape(mu, Shape{c_}) * m);
+        running_var.copy_(running_var * (1 - m) + reshape(var, Shape{c_}) * (m * unbias));
+        num_batches_tracked.add_(1);
+      }
+    } else {
+      y = (x - reshape(running_mean, stat)) * rsqrt(reshape(running_var, stat) + static_cast<float>(eps_));
+    }
+    if (weight.defined()) y = y * reshape(weight, stat) + reshape(bias, stat);
+    return y;
+  }
+
+  void pretty_print(std::ostream& os) const override {
+    os << name() << "(" << c_ << ", eps=" << eps_ << ", momentum=" << momentum_
+       << ", affine=" << (weight.defined() ? "True" : "False") << ")";
+  }
+
+  Tensor<float> weight, bias;
+  Tensor<float> running_mean, running_var;
+  Tensor<std::int64_t> num_batches_tracked;
+
+ private:
+  std::int64_t c_;
+  double eps_, momentum_;
+};
+
+using BatchNorm1dImpl = BatchNormImpl<1>;
+using BatchNorm2dImpl = BatchNormImpl<2>;
+LAZY_MODULE(BatchNorm1d);
+LAZY_MODULE(BatchNorm2d);
+
+}  // namespace lazy::nn

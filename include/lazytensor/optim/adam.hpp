@@ -1,0 +1,135 @@
+#pragma once
+// Adam and AdamW, as torch.optim: bias-corrected first and second moment estimates, L2
+// weight decay folded into the gradient (Adam) or decoupled (AdamW), optional AMSGrad.
+
+#include <cmath>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <lazytensor/optim/optimizer.hpp>
+
+namespace lazy::optim {
+
+/// Options of Adam and AdamW (libtorch's AdamOptions / AdamWOptions).
+struct AdamOptions {
+  using Betas = std::tuple<double, double>;
+  AdamOptions(double lr = 1e-3) : lr_(lr) {}  // NOLINT
+  LAZY_ARG(double, lr);
+  LAZY_ARG(Betas, betas) = Betas(0.9, 0.999);
+  LAZY_ARG(double, eps) = 1e-8;
+  LAZY_ARG(double, weight_decay) = 0;
+  LAZY_ARG(bool, amsgrad) = false;
+
+ public:
+  std::map<std::string, std::string> to_map() const {
+    return {{"lr", detail::format_option(lr_)},
+            {"beta1", detail::format_option(std::get<0>(betas_))},
+            {"beta2", detail::format_option(std::get<1>(betas_))},
+            {"eps", detail::format_option(eps_)},
+            {"weight_decay", detail::format_option(weight_decay_)},
+            {"amsgrad", amsgrad_ ? "1" : "0"}};
+  }
+  static AdamOptions from_map(const std::map<std::string, std::string>& m) {
+    AdamOptions o(detail::parse_option(m, "lr"));
+    o.betas(Betas(detail::parse_option(m, "beta1"), detail::parse_option(m, "beta2")))
+        .eps(detail::parse_option(m, "eps"))
+        .weight_decay(detail::parse_option(m, "weight_decay"))
+        .amsgrad(detail::parse_option(m, "amsgrad") != 0);
+    return o;
+  }
+};
+/// AdamW's options: Adam's, with weight_decay 1e-2 by default (as torch). The fluent
+/// setters return AdamOptions&, which AdamW takes as well.
+struct AdamWOptions : AdamOptions {
+  AdamWOptions(double lr = 1e-3) : AdamOptions(lr) { weight_decay(1e-2); }  // NOLINT
+};
+
+/// The Adam update shared by Adam (L2 decay in the gradient) and AdamW (decoupled decay).
+template <class Options, bool Decoupled>
+class AdamBase : public OptimizerWithOptions<Options> {
+  using Base = OptimizerWithOptions<Options>;
+
+ public:
+  using typename Base::ParamGroup;
+  AdamBase(std::vector<ParamGroup> groups) : Base(std::move(groups)) {
+    for (const auto& g : this->groups_) validate(g.options);
+  }
+
+  void step() override {
+    NoGradGuard guard;
+    for (std::size_t gi = 0; gi < this->groups_.size(); ++gi) {
+      const AdamOptions& o = this->groups_[gi].options;
+      const double lr = o.lr(), b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas()), wd = o.weight_decay();
+      auto& ps = this->groups_[gi].params;
+      for (std::size_t k = 0; k < ps.size(); ++k) {
+        Tensor<float>& p = ps[k];
+        const Tensor<float> grad = p.grad();
+        if (!grad.defined()) continue;
+        ParamState& st = this->state(gi, k);
+        const std::int64_t t = ++st.step;
+        const Tensor<float> g = !Decoupled && wd != 0 ? Tensor<float>(grad + static_cast<float>(wd) * p) : grad;
+        auto init = [&](const char* name) -> Tensor<float>& {
+          auto it = st.tensors.find(name);
+          if (it == st.tensors.end()) it = st.tensors.emplace(name, zeros<float>(p.shape(), p.device())).first;
+          return it->second;
+        };
+        Tensor<float>& m = init("exp_avg");
+        Tensor<float>& v = init("exp_avg_sq");
+        m.copy_(m * static_cast<float>(b1) + g * static_cast<float>(1 - b1));
+        v.copy_(v * static_cast<float>(b2) + g * g * static_cast<float>(1 - b2));
+        // p -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps), rearranged so that no scalar
+        // drifts to exactly 1 as the bias corrections vanish:
+        // lr sqrt(bc2) / bc1 * m / (sqrt(v) + eps sqrt(bc2)).
+        const double bc1 = 1 - std::pow(b1, static_cast<double>(t));
+        const double sbc2 = std::sqrt(1 - std::pow(b2, static_cast<double>(t)));
+        const auto step_size = static_cast<float>(lr * sbc2 / bc1), eps = static_cast<float>(o.eps() * sbc2);
+        const Tensor<float>* vmax = &v;
+        if (o.amsgrad()) {
+          Tensor<float>& mx = init("max_exp_avg_sq");
+          mx.copy_(maximum(mx, v));
+          vmax = &mx;
+        }
+        if (Decoupled && wd != 0) {
+          p.copy_(p * static_cast<float>(1 - lr * wd) - step_size * m / (sqrt(*vmax) + eps));
+        } else {
+          p.sub_(step_size * m / (sqrt(*vmax) + eps));
+        }
+      }
+    }
+  }
+
+ protected:
+  std::string type_name() const override { return Decoupled ? "AdamW" : "Adam"; }
+  std::string type_name_of() const override { return type_name(); }
+
+ private:
+  void validate(const AdamOptions& o) const {
+    const double b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
+    const std::string n = type_name();
+    if (o.lr() < 0) throw Error(n + ": invalid learning rate " + std::to_string(o.lr()));
+    if (o.eps() < 0) throw Error(n + ": invalid epsilon value " + std::to_string(o.eps()));
+    if (b1 < 0 || b1 >= 1) throw Error(n + ": invalid beta parameter at index 0: " + std::to_string(b1));
+    if (b2 < 0 || b2 >= 1) throw Error(n + ": invalid beta parameter at index 1: " + std::to_string(b2));
+    if (o.weight_decay() < 0) throw Error(n + ": invalid weight_decay value " + std::to_string(o.weight_decay()));
+  }
+};
+
+/// Adam (L2 weight decay added to the gradient), as torch.optim.Adam.
+class Adam : public AdamBase<AdamOptions, false> {
+ public:
+  Adam(std::vector<Tensor<float>> params, AdamOptions options = {})
+      : AdamBase({ParamGroup{std::move(params), options}}) {}
+  Adam(std::vector<ParamGroup> groups) : AdamBase(std::move(groups)) {}
+};
+
+/// AdamW (decoupled weight decay: p *= 1 - lr * weight_decay with the step), as
+/// torch.optim.AdamW.
+class AdamW : public AdamBase<AdamOptions, true> {
+ public:
+  AdamW(std::vector<Tensor<float>> params, AdamOptions options = AdamWOptions())
+      : AdamBase({ParamGroup{std::move(params), options}}) {}
+  AdamW(std::vector<ParamGroup> groups) : AdamBase(std::move(groups)) {}
+};
+
+}  // namespace lazy::optim
