@@ -7,6 +7,7 @@
 #include <string>
 
 #include <lazytensor/ops/random.hpp>
+#include <lazytensor/ops/factories.hpp>
 #include <lazytensor/tensor.hpp>
 
 namespace lazy::nn::init {

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include <lazytensor/state_dict.hpp>
+#include <lazytensor/ops/factories.hpp>
 #include <lazytensor/tensor.hpp>
 
 namespace lazy::nn {
