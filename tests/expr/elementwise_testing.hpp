@@ -293,6 +293,8 @@ constexpr bool not_bool = !is_bool_v<T>;
     static auto apply(const X& x) {                                              \
       return lazy::FN(x);                                                        \
     }                                                                            \
+    template <class X>                                                           \
+    static constexpr bool callable = requires(const X& x) { lazy::FN(x); };      \
     static double ref(double x) { return REF; }                                  \
     static Domain domain() { return {LO, HI, ILO, IHI, ILO, IHI, false, false}; } \
     template <class R>                                                           \
@@ -326,6 +328,8 @@ struct Sqrt {
   static auto apply(const X& x) {
     return lazy::sqrt(x);
   }
+  template <class X>
+  static constexpr bool callable = requires(const X& x) { lazy::sqrt(x); };
   static double ref(double x) { return std::sqrt(x); }
   static Domain domain() { return {0, 1000, 0, 100000, 0, 100000}; }
   template <class R>
@@ -343,6 +347,8 @@ struct Rsqrt {
   static auto apply(const X& x) {
     return lazy::rsqrt(x);
   }
+  template <class X>
+  static constexpr bool callable = requires(const X& x) { lazy::rsqrt(x); };
   static double ref(double x) { return 1.0 / std::sqrt(x); }
   static Domain domain() { return {0.001, 1000, 1, 100000, 1, 100000}; }
   template <class R>
@@ -365,6 +371,8 @@ struct Rsqrt {
     static auto apply(const X& x) {                        \
       return CALL;                                         \
     }                                                      \
+    template <class X>                                     \
+    static constexpr bool callable = requires(const X& x) { CALL; }; \
     template <class V>                                     \
     static V ref(V x) {                                    \
       return REF;                                          \
@@ -392,6 +400,8 @@ struct Not {
   static auto apply(const X& x) {
     return !x;
   }
+  template <class X>
+  static constexpr bool callable = requires(const X& x) { !x; };
   template <class V>
   static V ref(V x) {
     return x == 0 ? 1 : 0;
@@ -419,6 +429,8 @@ using promote = typename widest<A, B>::type;
     static auto apply(const X& a, const Y& b) {                                     \
       return CALL;                                                                  \
     }                                                                               \
+    template <class X, class Y>                                                     \
+    static constexpr bool callable = requires(const X& a, const Y& b) { CALL; };    \
     template <class V>                                                              \
     static auto ref(V a, V b) {                                                     \
       return REF;                                                                   \
@@ -474,6 +486,8 @@ struct Pow {
   static auto apply(const X& a, const Y& b) {
     return lazy::pow(a, b);
   }
+  template <class X, class Y>
+  static constexpr bool callable = requires(const X& a, const Y& b) { lazy::pow(a, b); };
   template <class V>
   static V ref(V a, V b) {
     if constexpr (std::is_same_v<V, double>) {

@@ -177,6 +177,23 @@ auto make(const First& first, const Rest&... rest) {
 template <class A, class B>
 concept BinaryOperands = (ExprLike<A> && (ExprLike<B> || Number<B>)) || (Number<A> && ExprLike<B>);
 
+namespace detail {
+template <class X>
+struct operand_value {
+  using type = std::remove_cvref_t<X>;  // a number
+};
+template <ExprLike X>
+struct operand_value<X> {
+  using type = value_t<X>;
+};
+}  // namespace detail
+
+/// An operand (tensor, expression or number) whose values are bool. PyTorch rejects
+/// arithmetic that has no meaning on bool (negation, subtraction of two bools, abs, sign,
+/// relu, pow of two bools, clamp); so do we, at compile time.
+template <class X>
+concept BoolValued = std::is_same_v<typename detail::operand_value<X>::type, bool>;
+
 }  // namespace expr
 
 // ---- operators ------------------------------------------------------------------------
@@ -188,7 +205,6 @@ concept BinaryOperands = (ExprLike<A> && (ExprLike<B> || Number<B>)) || (Number<
     return expr::make<ops::OP>(a, b);                                  \
   }
 LAZY_BINARY_OPERATOR(+, Add)
-LAZY_BINARY_OPERATOR(-, Sub)
 LAZY_BINARY_OPERATOR(*, Mul)
 LAZY_BINARY_OPERATOR(/, Div)
 LAZY_BINARY_OPERATOR(==, Eq)
@@ -201,8 +217,16 @@ LAZY_BINARY_OPERATOR(&, LogicalAnd)
 LAZY_BINARY_OPERATOR(|, LogicalOr)
 #undef LAZY_BINARY_OPERATOR
 
-/// Element-wise negation.
+/// Element-wise subtraction (not of two bool operands, as in PyTorch: use logical ops).
+template <class A, class B>
+  requires expr::BinaryOperands<A, B> && (!(expr::BoolValued<A> && expr::BoolValued<B>))
+auto operator-(const A& a, const B& b) {
+  return expr::make<ops::Sub>(a, b);
+}
+
+/// Element-wise negation (not of bool, as in PyTorch: use `!` / logical_not).
 template <expr::ExprLike A>
+  requires(!expr::BoolValued<A>)
 auto operator-(const A& a) {
   return expr::make<ops::Neg>(a);
 }
@@ -218,28 +242,37 @@ auto operator!(const A& a) {
   auto FN(const A& a) {                    \
     return expr::make<ops::OP>(a);         \
   }
+// Ops without meaning on bool (PyTorch rejects them too).
+#define LAZY_UNARY_NUMERIC_FUNCTION(FN, OP, DOC) \
+  /** DOC Not for bool. */                       \
+  template <expr::ExprLike A>                    \
+    requires(!expr::BoolValued<A>)               \
+  auto FN(const A& a) {                          \
+    return expr::make<ops::OP>(a);               \
+  }
 LAZY_UNARY_FUNCTION(exp, Exp, Element-wise e^x.)
 LAZY_UNARY_FUNCTION(log, Log, Element-wise natural logarithm.)
 LAZY_UNARY_FUNCTION(log1p, Log1p, Element-wise log(1 + x) accurate near 0.)
 LAZY_UNARY_FUNCTION(expm1, Expm1, Element-wise e^x - 1 accurate near 0.)
 LAZY_UNARY_FUNCTION(sqrt, Sqrt, Element-wise square root.)
 LAZY_UNARY_FUNCTION(rsqrt, Rsqrt, Element-wise 1 / sqrt(x).)
-LAZY_UNARY_FUNCTION(abs, Abs, Element-wise absolute value.)
-LAZY_UNARY_FUNCTION(sign, Sign, Element-wise sign: -1 0 or 1.)
+LAZY_UNARY_NUMERIC_FUNCTION(abs, Abs, Element-wise absolute value.)
+LAZY_UNARY_NUMERIC_FUNCTION(sign, Sign, Element-wise sign: -1 0 or 1.)
 LAZY_UNARY_FUNCTION(sin, Sin, Element-wise sine.)
 LAZY_UNARY_FUNCTION(cos, Cos, Element-wise cosine.)
 LAZY_UNARY_FUNCTION(tanh, Tanh, Element-wise hyperbolic tangent.)
 LAZY_UNARY_FUNCTION(sigmoid, Sigmoid, Element-wise logistic function 1 / (1 + e^-x).)
-LAZY_UNARY_FUNCTION(relu, Relu, Element-wise max(x 0) keeping NaN.)
+LAZY_UNARY_NUMERIC_FUNCTION(relu, Relu, Element-wise max(x 0) keeping NaN.)
 LAZY_UNARY_FUNCTION(gelu, Gelu, Element-wise exact GELU x * Phi(x).)
 LAZY_UNARY_FUNCTION(silu, Silu, Element-wise x * sigmoid(x).)
 LAZY_UNARY_FUNCTION(softplus, Softplus, Element-wise log(1 + e^x) (linear above 20).)
 LAZY_UNARY_FUNCTION(logical_not, LogicalNot, Element-wise logical not.)
 #undef LAZY_UNARY_FUNCTION
+#undef LAZY_UNARY_NUMERIC_FUNCTION
 
-/// Element-wise a^b.
+/// Element-wise a^b (not of two bool operands).
 template <class A, class B>
-  requires expr::BinaryOperands<A, B>
+  requires expr::BinaryOperands<A, B> && (!(expr::BoolValued<A> && expr::BoolValued<B>))
 auto pow(const A& a, const B& b) {
   return expr::make<ops::Pow>(a, b);
 }
@@ -266,8 +299,9 @@ template <class A, class B>
 auto logical_or(const A& a, const B& b) {
   return expr::make<ops::LogicalOr>(a, b);
 }
-/// Clamps to [lo, hi]; NaN stays NaN.
+/// Clamps to [lo, hi]; NaN stays NaN. Not for bool.
 template <expr::ExprLike X, class L, class H>
+  requires(!expr::BoolValued<X>)
 auto clamp(const X& x, const L& lo, const H& hi) {
   return minimum(maximum(x, lo), hi);
 }
