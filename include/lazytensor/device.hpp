@@ -46,27 +46,53 @@ inline void set_device(const Device& d) { graph::current_device_index() = d.inde
 /// Materializes every pending value that a live tensor handle on the current device can
 /// reach, then runs the step closures and advances the device's random stream. A node
 /// that no handle reaches is never computed.
+///
+/// Asynchronous: the step is planned here and handed to the device's executor thread, and
+/// mark_step returns while it runs, so the next step can be traced meanwhile. Reading a
+/// value (item(), to_vector(), ...) or wait_device_ops() waits for it; the next mark_step
+/// waits for the previous one; an error surfaces at the next read or sync.
+/// (LAZYTENSOR_ASYNC=0 runs steps on the calling thread.)
 inline void mark_step() {
   static auto& steps = core::counter("MarkStep");
   graph::Device& dev = graph::current_device();
   steps.add();
   dev.rethrow_stored_error();
-  graph::execute(dev, dev.pending_roots());
+  graph::run_step(dev, graph::collect_step(dev));
   // A new step draws fresh random numbers, as XLA's seed advance after mark_step.
   auto& rng = dev.rng();
   rng.seed = graph::hash_combine(rng.seed, 0x9e3779b97f4a7c15ull);
   rng.offset = 0;
-  for (auto& f : dev.take_step_closures()) f();
+  // Closures run once the step has executed (as torch_xla's synchronous step closures), so
+  // they see its values; without closures mark_step returns at once.
+  auto closures = dev.take_step_closures();
+  if (!closures.empty()) dev.wait_idle();
+  for (auto& f : closures) f();
 }
 
 /// Alias of mark_step(), as torch_xla.sync().
 inline void sync() { mark_step(); }
 
-/// Waits for every enqueued execution on the current device (execution is synchronous
-/// today, so this only surfaces a stored error).
-inline void wait_device_ops() { graph::current_device().rethrow_stored_error(); }
+/// Waits for every step enqueued on the current device (xm.wait_device_ops), then
+/// re-throws an error a step stored.
+inline void wait_device_ops() {
+  auto& dev = graph::current_device();
+  dev.wait_idle();
+  dev.rethrow_stored_error();
+}
 
-/// Queues f to run after the next mark_step on the current device (xm.add_step_closure).
+/// Sets how many threads the current device's kernels use (as torch::set_num_threads; the
+/// default is LAZYTENSOR_NUM_THREADS, else the hardware threads). Waits for the steps in
+/// flight first. Error when `n` < 1.
+inline void set_num_threads(int n) {
+  if (n < 1) throw Error("set_num_threads: expected at least 1 thread, got " + std::to_string(n));
+  graph::current_device().set_num_threads(n);
+}
+
+/// The number of threads the current device's kernels use (as torch::get_num_threads).
+inline int get_num_threads() { return graph::current_device().threads().size(); }
+
+/// Queues f to run at the end of the next mark_step on the current device, once that step
+/// has executed (xm.add_step_closure).
 inline void add_step_closure(std::function<void()> f) { graph::current_device().add_step_closure(std::move(f)); }
 
 /// Eager mode: every node runs as soon as it is created (for debugging). Per device.

@@ -4,6 +4,8 @@
 #include <lazytensor/debug/metrics.hpp>
 #include <lazytensor/device.hpp>
 #include <lazytensor/ops/factories.hpp>
+#include <lazytensor/ops/random.hpp>
+#include <lazytensor/ops/reduction.hpp>
 #include <lazytensor/tensor.hpp>
 
 #include <gtest/gtest.h>
@@ -21,13 +23,20 @@
 
 namespace {
 
+// mark_step runs the step asynchronously; tests that look at counters or node states right
+// after it wait for the step to finish.
+void step() {
+  lazy::mark_step();
+  lazy::wait_device_ops();
+}
+
 using lazy::Shape;
 using lazy::Tensor;
 using lazy::debug::counter_value;
 
 class Debug : public ::testing::Test {
  protected:
-  void SetUp() override { lazy::mark_step(); }
+  void SetUp() override { step(); }
 };
 
 // "Counter: NAME\n  Value: V" in a report; -1 when absent.
@@ -47,8 +56,8 @@ std::vector<std::string> lines_of(const std::string& s) {
 
 TEST_F(Debug, MarkStepCounter) {
   const auto m0 = counter_value("MarkStep");
-  lazy::mark_step();
-  lazy::mark_step();
+  step();
+  step();
   lazy::sync();
   EXPECT_EQ(counter_value("MarkStep"), m0 + 3);
 }
@@ -67,19 +76,24 @@ TEST_F(Debug, ImplicitSyncAndTransferCounters) {
   EXPECT_EQ(counter_value("TransferFromDevice"), t0 + 2);
   (void)c.to_vector();  // another pending tensor: another sync
   EXPECT_EQ(counter_value("ImplicitSync"), s0 + 2);
-  lazy::mark_step();  // nothing pending is left: no sync counted by the step itself
+  step();  // nothing pending is left: no sync counted by the step itself
   EXPECT_EQ(counter_value("ImplicitSync"), s0 + 2);
 }
 
 TEST_F(Debug, KernelsRunAndExecuteTime) {
   const auto k0 = counter_value("KernelsRun");
+  const auto f0 = counter_value("FusedNodes");
   const auto e0 = lazy::debug::metric_data("ExecuteTime");
   const std::int64_t samples0 = e0 ? e0->count : 0;
-  auto a = lazy::full<float>({1000}, 1.0f);  // one kernel
-  Tensor<float> b = lazy::exp(a) + 1;       // one fused kernel
-  Tensor<float> c = b * b;                  // one more
-  lazy::mark_step();
-  EXPECT_EQ(counter_value("KernelsRun"), k0 + 3);
+  // Element-wise statements fuse by size (cross-statement groups): a, b, c are one kernel
+  // run, the two of size 7 another.
+  auto a = lazy::full<float>({1000}, 1.0f);
+  Tensor<double> other = lazy::full<double>({7}, 1.0) * 3;
+  Tensor<float> b = lazy::exp(a) + 1;
+  Tensor<float> c = b * b;
+  step();
+  EXPECT_EQ(counter_value("KernelsRun"), k0 + 2);
+  EXPECT_EQ(counter_value("FusedNodes"), f0 + 5);
   const auto e1 = lazy::debug::metric_data("ExecuteTime");
   ASSERT_TRUE(e1.has_value());
   EXPECT_EQ(e1->count, samples0 + 1) << "one sample per execution";
@@ -87,8 +101,8 @@ TEST_F(Debug, KernelsRunAndExecuteTime) {
   EXPECT_LE(e1->min_ns, e1->max_ns);
   EXPECT_GE(e1->min_ns, 0.0);
   // A step with nothing to run executes nothing.
-  lazy::mark_step();
-  EXPECT_EQ(counter_value("KernelsRun"), k0 + 3);
+  step();
+  EXPECT_EQ(counter_value("KernelsRun"), k0 + 2);
 }
 
 TEST_F(Debug, UnknownNamesAreZeroOrAbsent) {
@@ -99,7 +113,7 @@ TEST_F(Debug, UnknownNamesAreZeroOrAbsent) {
 TEST_F(Debug, MetricsReportContainsTheCounters) {
   Tensor<float> t = lazy::full<float>({8}, 2.0f) * 2;
   (void)t.to_vector();  // ImplicitSync
-  lazy::mark_step();
+  step();
   const std::string r = lazy::debug::metrics_report();
   EXPECT_NE(r.find("Metric: ExecuteTime"), std::string::npos) << r;
   EXPECT_NE(r.find("TotalSamples:"), std::string::npos) << r;
@@ -120,7 +134,7 @@ TEST_F(Debug, MetricsReportContainsTheCounters) {
 }
 
 TEST_F(Debug, ClearMetricsResetsEverything) {
-  lazy::mark_step();
+  step();
   Tensor<float> t = lazy::full<float>({2}, 1.0f) + 1;
   (void)t.to_vector();
   ASSERT_GT(counter_value("MarkStep"), 0);
@@ -130,7 +144,7 @@ TEST_F(Debug, ClearMetricsResetsEverything) {
   EXPECT_EQ(counter_value("KernelsRun"), 0);
   EXPECT_FALSE(lazy::debug::metric_data("ExecuteTime").has_value());
   EXPECT_EQ(report_value(lazy::debug::metrics_report(), "MarkStep"), -1) << "zero counters are not listed";
-  lazy::mark_step();  // counting resumes
+  step();  // counting resumes
   EXPECT_EQ(counter_value("MarkStep"), 1);
 }
 
@@ -178,7 +192,7 @@ TEST_F(Debug, GraphTextShowsOpsTypesAndOrder) {
   for (std::size_t p = both.find("(output)"); p != std::string::npos; p = both.find("(output)", p + 1)) ++marks;
   EXPECT_EQ(marks, 2u) << both;
   // After the step everything is data.
-  lazy::mark_step();
+  step();
   const std::string after = lazy::debug::graph_text(z);
   EXPECT_EQ(lines_of(after).size(), 1u) << after;
   EXPECT_NE(after.find("float64(2, 3) data"), std::string::npos) << after;
@@ -219,6 +233,55 @@ TEST_F(Debug, GraphDotIsWellFormed) {
     const std::string cmd = std::string("dot -Tsvg ") + path + " -o /dev/null 2>/dev/null";
     EXPECT_EQ(std::system(cmd.c_str()), 0) << dot;
     std::remove(path);
+  }
+}
+
+TEST_F(Debug, DumpsShowCrossStatementFusionGroups) {
+  const auto a = lazy::rand<float>({3000});
+  const auto b = lazy::rand<float>({3000});
+  const auto c = lazy::rand<float>({3000});
+  const auto d = lazy::rand<float>({3000});
+  step();
+  Tensor<float> y;
+  {
+    Tensor<float> t1 = a * b + c;
+    Tensor<float> t2 = lazy::relu(t1) * d;
+    y = t2 - 0.5f * a;
+  }  // t1 and t2 dropped: the planner keeps them in chunk scratch
+  const std::string text = lazy::debug::graph_text(y);
+  const auto lines = lines_of(text);
+  ASSERT_EQ(lines.size(), 7u) << text;  // a, b, c, d, t1, t2, y
+  EXPECT_NE(lines[4].find("{group 0, scratch}"), std::string::npos) << text;
+  EXPECT_NE(lines[5].find("{group 0, scratch}"), std::string::npos) << text;
+  EXPECT_NE(lines[6].find("{group 0}"), std::string::npos) << text;
+  EXPECT_EQ(lines[6].find("scratch"), std::string::npos) << "the output is written whole\n" << text;
+  const std::string dot = lazy::debug::graph_dot(y);
+  EXPECT_NE(dot.find("subgraph cluster_0"), std::string::npos) << dot;
+  EXPECT_EQ(std::count(dot.begin(), dot.end(), '{'), std::count(dot.begin(), dot.end(), '}')) << dot;
+
+  // A value someone still holds is written whole; a reduction of everything the group
+  // computes ends it (its child then lives in scratch); what reads the reduction does not
+  // join.
+  Tensor<float> t1 = a * b + c;
+  Tensor<float> w;
+  {
+    Tensor<float> z = lazy::exp(t1);
+    w = lazy::sum(z, {0}, true) + 1.0f;
+  }
+  const std::string kept = lazy::debug::graph_text(w, t1);
+  const auto kl = lines_of(kept);
+  ASSERT_EQ(kl.size(), 7u) << kept;  // a, b, c, t1, z, sum, w
+  EXPECT_NE(kl[3].find("{group 0}"), std::string::npos) << kept;
+  EXPECT_NE(kl[4].find("{group 0, scratch}"), std::string::npos) << kept;
+  EXPECT_NE(kl[5].find("{group 0}"), std::string::npos) << kept;
+  EXPECT_EQ(kl[6].find("{group"), std::string::npos) << kept;
+  // The dump computes nothing; the step computes the same values as unfused arithmetic.
+  EXPECT_FALSE(y.node()->materialized());
+  const auto got = y.to_vector();
+  const auto av = a.to_vector(), bv = b.to_vector(), cv = c.to_vector(), dv = d.to_vector();
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const float t = std::max(av[i] * bv[i] + cv[i], 0.0f) * dv[i];
+    ASSERT_NEAR(got[i], t - 0.5f * av[i], 1e-5f) << i;
   }
 }
 

@@ -374,6 +374,7 @@ TEST(Factories, FullIsLazyAndCounted) {
   Tensor<float> f = lazy::full<float>({4, 4}, 2.5);
   EXPECT_FALSE(f.node()->materialized());
   lazy::mark_step();
+  lazy::wait_device_ops();  // the step runs asynchronously
   EXPECT_TRUE(f.node()->materialized());
   for (float v : f.to_vector()) EXPECT_EQ(v, 2.5f);
   Tensor<lazy::bfloat16> hb = lazy::full<lazy::bfloat16>({3}, 0.1);

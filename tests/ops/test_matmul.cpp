@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -220,6 +221,40 @@ TEST(Matmul, LargeAboveThreadingThresholdAllThreadCounts) {
     expect_matches(d.to_vector(), ref_matmul(xa, ta, xb, tb), "batched threads " + std::to_string(threads));
   }
   pool.resize(saved);
+}
+
+TEST(Matmul, BitwiseIdenticalForAnyThreadCount) {
+  // Odd row counts, a fused epilogue, a transposed operand and a batch: every variant must
+  // give the same bits on 1, 2 and 3 threads (GEMM calls are cut by the shapes only).
+  const Shape sx{301, 200}, sw{129, 200}, sb{129}, tb{3, 67, 40}, tc{3, 40, 33};
+  const auto vx = random_values<float>(sx.numel(), 11), vw = random_values<float>(sw.numel(), 12);
+  const auto vb = random_values<float>(sb.numel(), 13);
+  const auto xa = random_values<float>(tb.numel(), 14), xb = random_values<float>(tc.numel(), 15);
+  std::vector<std::vector<float>> first;
+  for (int threads : {1, 2, 3}) {
+    lazy::set_num_threads(threads);
+    const auto x = lazy::from_vector(vx, sx), w = lazy::from_vector(vw, sw), b = lazy::from_vector(vb, sb);
+    Tensor<float> plain = lazy::matmul(x, lazy::transpose(w, 0, 1));
+    Tensor<float> fused = lazy::relu(lazy::linear(x, w, b));
+    Tensor<float> batched = lazy::matmul(lazy::from_vector(xa, tb), lazy::from_vector(xb, tc)) * 2.0f;
+    lazy::mark_step();
+    const std::vector<std::vector<float>> got{plain.to_vector(), fused.to_vector(), batched.to_vector()};
+    if (first.empty()) {
+      first = got;
+      // The first run also matches an independent reference.
+      std::vector<float> wt(vw.size());
+      for (std::int64_t i = 0; i < 129; ++i)
+        for (std::int64_t j = 0; j < 200; ++j) wt[j * 129 + i] = vw[i * 200 + j];
+      expect_matches(got[0], ref_matmul(vx, sx, wt, Shape{200, 129}), "plain");
+      continue;
+    }
+    for (std::size_t v = 0; v < got.size(); ++v) {
+      ASSERT_EQ(got[v].size(), first[v].size());
+      EXPECT_EQ(std::memcmp(got[v].data(), first[v].data(), got[v].size() * sizeof(float)), 0)
+          << "variant " << v << " differs on " << threads << " threads";
+    }
+  }
+  lazy::set_num_threads(lazy::graph::default_device_threads());
 }
 
 template <class T>

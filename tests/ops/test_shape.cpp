@@ -7,6 +7,7 @@
 #include <type_traits>
 #include <vector>
 
+#include <lazytensor/debug/metrics.hpp>
 #include <lazytensor/core/counters.hpp>
 #include <lazytensor/device.hpp>
 #include <lazytensor/ops/factories.hpp>
@@ -98,7 +99,8 @@ struct ThreadsGuard {
   int old;
 };
 
-std::int64_t kernels_run() { return lazy::core::counter("KernelsRun").value.load(); }
+// Waits for the steps in flight first (mark_step runs them asynchronously).
+std::int64_t kernels_run() { return lazy::debug::counter_value("KernelsRun"); }
 
 const std::vector<std::int64_t> kSizes = {0, 1, 2, 3, 4, 5, 6, 7, 127, 128, 129};
 
@@ -288,6 +290,7 @@ TEST(ShapePermute, TransposeNodeIsRecognizableByMatmul) {
   ASSERT_NE(pn, nullptr);
   EXPECT_FALSE(pn->swaps_last_two());
   lazy::mark_step();
+  lazy::wait_device_ops();
   EXPECT_EQ(hint->transpose_source(), nullptr);  // a computed node keeps no inputs
 }
 
@@ -628,11 +631,21 @@ TEST(ShapeIndex, OutOfRangeIndicesRaiseIndexErrorWhenRun) {
   }
   {
     auto bad = lazy::index_select(a, 1, lazy::from_vector<std::int32_t>({-1}));
-    EXPECT_THROW(lazy::mark_step(), lazy::IndexError);
+    EXPECT_THROW(
+        {
+          lazy::mark_step();
+          lazy::wait_device_ops();  // an error of an asynchronous step surfaces here
+        },
+        lazy::IndexError);
   }
   {
     auto bad = lazy::gather(a, 1, lazy::from_vector<std::int64_t>({0, 1, 4}, Shape{1, 3}));
-    EXPECT_THROW(lazy::mark_step(), lazy::IndexError);
+    EXPECT_THROW(
+        {
+          lazy::mark_step();
+          lazy::wait_device_ops();  // an error of an asynchronous step surfaces here
+        },
+        lazy::IndexError);
   }
   {
     auto bad = lazy::gather(a, 0, lazy::from_vector<std::int32_t>({-1}, Shape{1, 1}));
@@ -644,7 +657,12 @@ TEST(ShapeIndex, OutOfRangeIndicesRaiseIndexErrorWhenRun) {
   }
   {
     auto bad = lazy::one_hot(lazy::from_vector<std::int64_t>({0, -1}), 3);
-    EXPECT_THROW(lazy::mark_step(), lazy::IndexError);
+    EXPECT_THROW(
+        {
+          lazy::mark_step();
+          lazy::wait_device_ops();  // an error of an asynchronous step surfaces here
+        },
+        lazy::IndexError);
   }
   EXPECT_THROW(lazy::one_hot(lazy::from_vector<std::int64_t>({0, -1})), lazy::IndexError);  // inferred: eager check
   lazy::mark_step();  // nothing bad is left pending

@@ -53,8 +53,10 @@ class Metric {
 class Registry {
  public:
   static Registry& get() {
-    static Registry r;
-    return r;
+    // Never destroyed: devices' executor threads may still record into it while static
+    // objects are destroyed at exit (their destruction order is not ours to choose).
+    static Registry* r = new Registry;
+    return *r;
   }
   Counter& counter(const std::string& name) {
     std::lock_guard lock(mu_);

@@ -1,8 +1,11 @@
 #pragma once
 // The pending graph behind tensors, as text or Graphviz DOT (the analogue of
-// torch_xla's get_stablehlo / graph dumps).
+// torch_xla's get_stablehlo / graph dumps), with the fusion the planner would apply if
+// mark_step ran now: cross-statement element-wise groups (chunk-interleaved; a member kept
+// only in chunk scratch is marked) and GEMMs run in row blocks by their epilogue.
 
 #include <algorithm>
+#include <cstdint>
 #include <sstream>
 #include <string>
 #include <unordered_map>
@@ -23,9 +26,41 @@ std::vector<graph::NodePtr> roots_of(const Ts&... ts) {
   return {ts.node()...};
 }
 
-inline std::vector<graph::NodePtr> with_inputs(const std::vector<graph::NodePtr>& roots) {
+/// How the planner would run the pending nodes: the fused group of each node (-1: alone)
+/// and whether its value would only live in chunk scratch.
+struct Fusion {
+  std::unordered_map<const graph::Node*, int> group;
+  std::unordered_map<const graph::Node*, bool> scratch_only;
+};
+
+inline Fusion plan_fusion(const std::vector<graph::NodePtr>& order) {
+  Fusion f;
+  if (order.empty()) return f;
+  graph::prepare(order);  // decisions redone by the real step's planning
+  const std::uint64_t epoch = graph::planner::number(order);
+  std::vector<std::uint8_t> outside;
+  graph::planner::signature(order, epoch, outside);
+  auto plan = graph::planner::build(order, epoch, outside);
+  int g = 0;
+  for (const auto& st : plan->steps) {
+    if (st.kind != graph::PlanStep::Kind::Group) continue;
+    for (std::size_t j = 0; j < st.members.size(); ++j) {
+      const graph::Node* n = order[static_cast<std::size_t>(st.members[j])].get();
+      f.group[n] = g;
+      f.scratch_only[n] = !st.whole[j];
+    }
+    ++g;
+  }
+  return f;
+}
+
+inline std::vector<graph::NodePtr> with_inputs(const std::vector<graph::NodePtr>& roots, Fusion* fusion) {
+  // Steps in flight finish first: a dump looks at values, not at a graph being executed.
+  for (const auto& r : roots)
+    if (r) r->device()->wait_idle();
   // Pending nodes in execution order, plus the materialized values they read.
   std::vector<graph::NodePtr> order = graph::topological_order(roots);
+  if (fusion) *fusion = plan_fusion(order);
   std::vector<graph::NodePtr> all;
   std::unordered_map<const graph::Node*, bool> seen;
   for (const auto& n : order)
@@ -48,8 +83,12 @@ inline std::string type_str(const graph::Node& n) { return dtype_name(n.dtype())
 
 /// The graph that computes `tensors`, one node per line in execution order:
 /// `%3 = float32(4, 4) fused(add(%0, %1)) <- %1, %2`. Materialized inputs show as data.
+/// Fusion shows at the end of a line: `{group 0}` for members of a chunk-interleaved group
+/// (`{group 0, scratch}` when the value is never written whole), `{in row blocks of %5}`
+/// for a GEMM that its epilogue %5 runs block by block.
 inline std::string graph_text(const std::vector<graph::NodePtr>& roots) {
-  auto nodes = detail::with_inputs(roots);
+  detail::Fusion fusion;
+  auto nodes = detail::with_inputs(roots, &fusion);
   std::unordered_map<const graph::Node*, int> id;
   for (const auto& n : nodes) id.emplace(n.get(), static_cast<int>(id.size()));
   std::ostringstream os;
@@ -64,6 +103,12 @@ inline std::string graph_text(const std::vector<graph::NodePtr>& roots) {
         for (const auto& in : n->inputs()) os << " %" << id[in.get()];
       }
     }
+    if (auto g = fusion.group.find(n.get()); g != fusion.group.end())
+      os << "  {group " << g->second << (fusion.scratch_only[n.get()] ? ", scratch}" : "}");
+    if (n->deferred())
+      for (const auto& c : nodes)
+        if (!c->materialized() && std::find(c->inputs().begin(), c->inputs().end(), n) != c->inputs().end())
+          os << "  {in row blocks of %" << id[c.get()] << "}";
     for (const auto& r : roots)
       if (r == n) {
         os << "  (output)";
@@ -82,9 +127,12 @@ std::string graph_text(const Ts&... tensors)
   return graph_text(detail::roots_of(tensors...));
 }
 
-/// The graph in Graphviz DOT; render with `dot -Tpng`.
+/// The graph in Graphviz DOT; render with `dot -Tpng`. Fused groups are clusters
+/// ("fused group N"); scratch-only members are dotted; a GEMM run in row blocks by its
+/// epilogue is linked to it by a bold edge.
 inline std::string graph_dot(const std::vector<graph::NodePtr>& roots) {
-  auto nodes = detail::with_inputs(roots);
+  detail::Fusion fusion;
+  auto nodes = detail::with_inputs(roots, &fusion);
   std::unordered_map<const graph::Node*, int> id;
   for (const auto& n : nodes) id.emplace(n.get(), static_cast<int>(id.size()));
   std::ostringstream os;
@@ -97,12 +145,16 @@ inline std::string graph_dot(const std::vector<graph::NodePtr>& roots) {
       else esc += c;
     }
     const bool out = std::find(roots.begin(), roots.end(), n) != roots.end();
+    auto g = fusion.group.find(n.get());
+    if (g != fusion.group.end()) os << "  subgraph cluster_" << g->second << " { label=\"fused group " << g->second << "\";";
     os << "  n" << id[n.get()] << " [label=\"%" << id[n.get()] << " " << esc << "\\n" << detail::type_str(*n) << "\""
-       << (n->materialized() ? ", style=dashed" : "") << (out ? ", peripheries=2" : "") << "];\n";
+       << (n->materialized() ? ", style=dashed" : "") << (g != fusion.group.end() && fusion.scratch_only[n.get()] ? ", style=dotted" : "")
+       << (out ? ", peripheries=2" : "") << "];" << (g != fusion.group.end() ? " }" : "") << "\n";
   }
   for (const auto& n : nodes)
     if (!n->materialized())
-      for (const auto& in : n->inputs()) os << "  n" << id[in.get()] << " -> n" << id[n.get()] << ";\n";
+      for (const auto& in : n->inputs())
+        os << "  n" << id[in.get()] << " -> n" << id[n.get()] << (in->deferred() ? " [style=bold]" : "") << ";\n";
   os << "}\n";
   return os.str();
 }

@@ -1,5 +1,9 @@
 #pragma once
 // Counters and metrics, named like PyTorch/XLA's (torch_xla.debug.metrics).
+//
+// Steps run asynchronously; every function here first waits for the steps issued on the
+// calling thread's device, so that what it reports includes everything issued so far
+// (other devices are not waited for: a replica must not wait on another's collectives).
 
 #include <cstdint>
 #include <iomanip>
@@ -13,8 +17,14 @@
 
 namespace lazy::debug {
 
+namespace detail {
+/// Waits for the steps in flight on the current device (see the file comment).
+inline void settle() { graph::current_device().wait_idle(); }
+}  // namespace detail
+
 /// Value of counter `name` (0 when it never fired), as met.counter_value.
 inline std::int64_t counter_value(const std::string& name) {
+  detail::settle();
   std::int64_t v = 0;
   core::Registry::get().for_each([&](const std::string& n, const core::Counter* c, const core::Metric*) {
     if (c && n == name) v = c->value.load();
@@ -24,6 +34,7 @@ inline std::int64_t counter_value(const std::string& name) {
 
 /// Summary of metric `name` (count, total, min, max in ns), if it was ever recorded.
 inline std::optional<core::MetricData> metric_data(const std::string& name) {
+  detail::settle();
   std::optional<core::MetricData> r;
   core::Registry::get().for_each([&](const std::string& n, const core::Counter*, const core::Metric* m) {
     if (m && n == name && m->data().count) r = m->data();
@@ -33,6 +44,7 @@ inline std::optional<core::MetricData> metric_data(const std::string& name) {
 
 /// Names of the counters that fired.
 inline std::vector<std::string> counter_names() {
+  detail::settle();
   std::vector<std::string> names;
   core::Registry::get().for_each([&](const std::string& n, const core::Counter* c, const core::Metric*) {
     if (c && c->value.load()) names.push_back(n);
@@ -41,7 +53,10 @@ inline std::vector<std::string> counter_names() {
 }
 
 /// Resets every counter and metric to zero.
-inline void clear_metrics() { core::Registry::get().reset(); }
+inline void clear_metrics() {
+  detail::settle();
+  core::Registry::get().reset();
+}
 
 namespace detail {
 inline std::string fmt_ns(double ns) {
@@ -57,6 +72,7 @@ inline std::string fmt_ns(double ns) {
 
 /// Every metric and counter, plus the buffer pool of device 0, in PyTorch/XLA's format.
 inline std::string metrics_report() {
+  detail::settle();
   std::ostringstream os;
   core::Registry::get().for_each([&](const std::string& n, const core::Counter*, const core::Metric* m) {
     if (!m) return;

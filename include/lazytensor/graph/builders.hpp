@@ -38,9 +38,12 @@ NodePtr make_elementwise(const E& e) {
   return make_elementwise<Tout>(e, e.shape());
 }
 
-/// Materializes `node` (and what it needs). Returns true when it was pending.
+/// Materializes `node` (and what it needs). A value a step is computing is waited for;
+/// a pending one is computed now. Returns true when this read had to compute it (an
+/// implicit sync). Re-throws a stored execution error.
 inline bool materialize(const NodePtr& node) {
   Device& dev = *node->device();
+  if (!node->materialized() && !node->pending()) dev.wait_idle();
   dev.rethrow_stored_error();
   if (node->materialized()) return false;
   execute(dev, {node});

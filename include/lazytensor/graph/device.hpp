@@ -1,8 +1,15 @@
 #pragma once
-// A device: a pending graph, the handles that can reach it, a worker pool, a buffer pool,
-// a random-number stream and the step closures. Devices live for the whole process.
+// A device: the trace of pending nodes, the handles that can reach them, a worker pool, a
+// buffer pool, an executor thread running submitted plans in order, the plan cache, a
+// random-number stream and the step closures. Devices live for the whole process.
+//
+// Threads: one thread traces a device (its replica thread, or the user's), creating
+// pending nodes and calling mark_step; the device's executor thread runs the plans
+// mark_step hands it, using the worker pool. The tracing thread never looks inside a
+// queued node, and waits for the executor (wait_idle) before it runs anything itself.
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <deque>
@@ -12,6 +19,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include <lazytensor/core/buffer.hpp>
@@ -28,18 +36,49 @@ struct RngState {
   std::uint64_t offset = 0;  ///< Philox counters consumed so far in this step
 };
 
+struct Plan;
+
 /// One execution device (a CPU "core group" with its own pool and graph).
 class Device {
  public:
   Device(int index, int threads)
       : index_(index), pool_(std::make_shared<BufferPool>()), threads_(threads) {}
+  ~Device() { stop_executor(); }
+  Device(const Device&) = delete;
+  Device& operator=(const Device&) = delete;
 
   int index() const { return index_; }
   /// "CPU:0", as torch_xla prints devices.
   std::string str() const { return "CPU:" + std::to_string(index_); }
 
   ThreadPool& threads() { return threads_; }
+  /// Changes the number of threads kernels use, once the steps in flight have finished.
+  void set_num_threads(int n) {
+    wait_idle();
+    threads_.resize(n);
+  }
   BufferPool& pool() { return *pool_; }
+
+  // ---- the trace ----------------------------------------------------------------------
+
+  /// Records a new pending node, in creation order.
+  void trace(const NodePtr& n) {
+    std::lock_guard lock(mu_);
+    trace_.push_back(n);
+  }
+  /// Takes the trace (the caller puts back what it does not run, see keep_traced).
+  std::vector<std::weak_ptr<Node>> take_trace() {
+    std::lock_guard lock(mu_);
+    return std::exchange(trace_, {});
+  }
+  /// Returns nodes to the front of the trace (still pending, older than anything traced
+  /// since), keeping creation order.
+  void keep_traced(std::vector<std::weak_ptr<Node>> older) {
+    if (older.empty()) return;
+    std::lock_guard lock(mu_);
+    older.insert(older.end(), trace_.begin(), trace_.end());
+    trace_ = std::move(older);
+  }
 
   /// Registers a handle, so mark_step can find the pending values that are still wanted.
   void register_handle(const std::shared_ptr<TensorImpl>& impl) {
@@ -50,20 +89,55 @@ class Device {
     }
     live_.push_back(impl);
   }
-
-  /// The pending nodes that a live handle refers to.
-  std::vector<NodePtr> pending_roots() {
+  /// Calls f(node) for the node of every live handle whose value is still being traced.
+  template <class F>
+  void for_each_pending_root(F&& f) {
     std::lock_guard lock(mu_);
-    std::vector<NodePtr> roots;
     std::erase_if(live_, [&](const auto& w) {
       auto impl = w.lock();
       if (!impl) return true;
-      if (impl->node && !impl->node->materialized()) roots.push_back(impl->node);
+      if (impl->node && impl->node->pending()) f(impl->node);
       return false;
     });
     compact_at_ = std::max<std::size_t>(1024, live_.size() * 2);
-    return roots;
   }
+
+  // ---- execution ----------------------------------------------------------------------
+
+  /// Runs `job` on the executor thread after the jobs before it.
+  void enqueue(std::function<void()> job) {
+    {
+      std::lock_guard lock(exec_mu_);
+      if (!executor_.joinable()) executor_ = std::thread([this] { executor_loop(); });
+      jobs_.push_back(std::move(job));
+      ++outstanding_;
+    }
+    exec_cv_.notify_all();
+  }
+  /// Blocks until every enqueued job has finished.
+  void wait_idle() {
+    std::unique_lock lock(exec_mu_);
+    idle_cv_.wait(lock, [&] { return outstanding_ == 0; });
+  }
+  /// True when jobs are enqueued or running.
+  bool busy() {
+    std::lock_guard lock(exec_mu_);
+    return outstanding_ != 0;
+  }
+  /// Whether mark_step runs plans on the executor thread (default, LAZYTENSOR_ASYNC=0 turns
+  /// it off) or on the calling thread.
+  bool& async() { return async_; }
+
+  /// The plans built so far, by structural hash.
+  std::unordered_map<std::uint64_t, std::shared_ptr<const Plan>>& plan_cache() { return plan_cache_; }
+  /// Steps and plan rebuilds, for the re-planning warning.
+  struct PlanStats {
+    std::int64_t steps = 0, rebuilds_after_warmup = 0;
+    bool warned = false;
+    std::vector<std::uint64_t> last_signature;
+    std::vector<std::string> last_description;
+  };
+  PlanStats& plan_stats() { return plan_stats_; }
 
   RngState& rng() { return rng_; }
   bool& eager() { return eager_; }
@@ -93,16 +167,65 @@ class Device {
   }
 
  private:
+  void executor_loop() {
+    for (;;) {
+      std::function<void()> job;
+      {
+        std::unique_lock lock(exec_mu_);
+        exec_cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
+        if (jobs_.empty()) return;  // stopping, nothing left
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
+      job();  // jobs catch their own errors (store_error)
+      job = nullptr;
+      {
+        std::lock_guard lock(exec_mu_);
+        --outstanding_;
+      }
+      idle_cv_.notify_all();
+    }
+  }
+  // At destruction (process exit): steps not started yet are dropped (nothing can read
+  // their results any more), the running one finishes.
+  void stop_executor() {
+    std::deque<std::function<void()>> dropped;
+    {
+      std::lock_guard lock(exec_mu_);
+      stop_ = true;
+      dropped.swap(jobs_);
+      outstanding_ -= static_cast<std::int64_t>(dropped.size());
+    }
+    exec_cv_.notify_all();
+    if (executor_.joinable()) executor_.join();
+  }
+
+  static bool default_async() {
+    const char* env = std::getenv("LAZYTENSOR_ASYNC");
+    return !(env && env[0] == '0');
+  }
+
   int index_;
   std::shared_ptr<BufferPool> pool_;
   ThreadPool threads_;
   std::mutex mu_;
+  std::vector<std::weak_ptr<Node>> trace_;
   std::vector<std::weak_ptr<TensorImpl>> live_;
   std::size_t compact_at_ = 1024;
   RngState rng_;
   bool eager_ = false;
+  bool async_ = default_async();
   std::vector<std::function<void()>> closures_;
   std::exception_ptr error_;
+  std::unordered_map<std::uint64_t, std::shared_ptr<const Plan>> plan_cache_;
+  PlanStats plan_stats_;
+
+  std::mutex exec_mu_;
+  std::condition_variable exec_cv_, idle_cv_;
+  std::deque<std::function<void()>> jobs_;
+  std::int64_t outstanding_ = 0;
+  bool stop_ = false;
+  std::thread executor_;
 };
 
 /// Threads a device uses by default: LAZYTENSOR_NUM_THREADS, else the hardware threads.

@@ -29,8 +29,12 @@ class RowProducer {
  public:
   virtual ~RowProducer() = default;
   /// Writes rows [r0, r1) of this node's value (viewed as rows x last dim) into `out`,
-  /// a buffer laid out like this node's value. Runs on the calling thread only.
+  /// a buffer laid out like this node's value. Runs on the calling thread only. The
+  /// producer cuts the range at fixed row_block() boundaries, so the values do not depend
+  /// on how callers split the rows (bitwise-identical results for any thread count).
   virtual void produce_rows(void* out, std::int64_t r0, std::int64_t r1) = 0;
+  /// The rows one block holds (callers split on multiples of it to avoid partial blocks).
+  virtual std::int64_t row_block() const = 0;
 };
 
 /// The per-expression part of an element-wise kernel: its loops.
@@ -112,15 +116,18 @@ class ElementwiseNode final : public Node {
   std::uint64_t structural_hash() const override { return hash_combine(Node::structural_hash(), kernel_->hash()); }
   const expr::Layout& layout() const { return layout_; }
   const ElementwiseKernel& kernel() const { return *kernel_; }
+  /// True when this node runs a GEMM producer in row blocks (see fuse_producers).
+  bool takes_producer() const { return fused_slot_ >= 0; }
 
   void fuse_producers() override {
     // Take over a GEMM producer that nothing else reads: it then runs in row blocks, each
     // followed at once by this epilogue while the block is still in cache.
+    fused_slot_ = -1;
     const auto& ins = inputs();
     for (std::size_t i = 0; i < ins.size(); ++i) {
       if (ins[i]->kind() != NodeKind::Gemm) continue;
       auto* rp = dynamic_cast<RowProducer*>(ins[i].get());
-      if (!rp || ins[i]->materialized() || ins[i]->dtype() != dtype() || !(ins[i]->shape() == shape()) ||
+      if (!rp || !ins[i]->pending() || ins[i]->dtype() != dtype() || !(ins[i]->shape() == shape()) ||
           shape().rank() < 1 || !(layout_.flat() || layout_.inner() == shape()[shape().rank() - 1]))
         continue;
       long holders = 0;
@@ -181,23 +188,17 @@ class ElementwiseNode final : public Node {
     }
   }
 
-  // Each thread runs the GEMM on its rows in as few calls as possible (every call re-packs
-  // the right-hand matrix), in blocks of at most ~512 KiB of output so that the epilogue
-  // rewrites them in place while they are still in L2.
+  // The producer's row blocks (fixed by the shapes, not by the thread count), each
+  // followed at once by the epilogue while it is still in cache.
   void run_with_producer(ExecContext& ctx, const std::vector<const void*>& ptrs, void* out) {
     auto* producer = dynamic_cast<RowProducer*>(inputs()[fused_slot_].get());
     const std::int64_t cols = shape()[shape().rank() - 1];
     const std::int64_t rows = cols ? numel() / cols : 0;
     if (rows == 0) return;
     auto& pool = ctx.device.threads();
-    const std::int64_t threads = std::min<std::int64_t>(
-        std::max(1, pool.size()), std::max<std::int64_t>(1, task_count(pool, numel(), producer_cost())));
-    const std::int64_t row_bytes = cols * static_cast<std::int64_t>(dtype_size(dtype()));
-    const std::int64_t by_cache = (rows * row_bytes + (512 << 10) - 1) / (512 << 10);
-    const std::int64_t wanted = std::min(rows, std::max(threads, (by_cache + threads - 1) / threads * threads));
-    const std::int64_t block = (rows + wanted - 1) / wanted;
+    const std::int64_t block = std::max<std::int64_t>(1, producer->row_block());
     const std::int64_t blocks = (rows + block - 1) / block;
-    const std::int64_t tasks = std::min(threads, blocks);
+    const std::int64_t tasks = std::min(blocks, std::max<std::int64_t>(1, task_count(pool, numel(), producer_cost())));
     const bool contig = !layout_.any_splat();
     pool.parallel_for(tasks, [&](std::int64_t t) {
       auto [b0, b1] = task_range(blocks, tasks, t);

@@ -1,14 +1,20 @@
 #pragma once
-// The planner and executor: order the pending nodes reachable from a set of roots, let
-// nodes fuse with their producers, and run each kernel once its inputs exist.
+// Running plans: a step's collection (what mark_step computes), plan lookup in the cache,
+// the execution of single nodes and of fused element-wise groups (chunk-interleaved), the
+// hand-off to the device's executor thread, and the synchronous path used by reads and
+// eager mode. Errors inside a plan return its unrun nodes to the trace (they stay pending)
+// and are stored on the device, to be re-thrown at the next read or sync.
 
 #include <chrono>
+#include <cstddef>
+#include <cstdio>
 #include <unordered_set>
 #include <utility>
 #include <vector>
 
 #include <lazytensor/core/counters.hpp>
-#include <lazytensor/graph/device.hpp>
+#include <lazytensor/graph/parallel.hpp>
+#include <lazytensor/graph/plan.hpp>
 
 namespace lazy::graph {
 
@@ -18,19 +24,15 @@ inline std::vector<NodePtr> topological_order(const std::vector<NodePtr>& roots)
   std::vector<NodePtr> order;
   std::unordered_set<const Node*> seen;
   std::vector<std::pair<Node*, std::size_t>> stack;
-  std::vector<NodePtr> holders;  // keeps nodes alive while on the stack
   for (const auto& r : roots) {
-    if (!r || r->materialized() || !seen.insert(r.get()).second) continue;
+    if (!r || !r->pending() || !seen.insert(r.get()).second) continue;
     stack.emplace_back(r.get(), 0);
-    holders.push_back(r);
     while (!stack.empty()) {
       auto& [node, next] = stack.back();
       const auto& ins = node->inputs();
       if (next < ins.size()) {
         const NodePtr& in = ins[next++];
-        if (!in->materialized() && seen.insert(in.get()).second) {
-          stack.emplace_back(in.get(), 0);
-        }
+        if (in->pending() && seen.insert(in.get()).second) stack.emplace_back(in.get(), 0);
         continue;
       }
       // All inputs ordered: find the owning shared_ptr (the root or a consumer's input).
@@ -53,35 +55,298 @@ inline std::vector<NodePtr> topological_order(const std::vector<NodePtr>& roots)
   return order;
 }
 
-/// Materializes every pending node reachable from `roots` on `device`. Exceptions thrown
-/// by a kernel propagate to the caller; the nodes not yet run stay pending.
-inline void execute(Device& device, const std::vector<NodePtr>& roots) {
+namespace detail {
+
+/// The whole output buffer of group member `j`: the buffer of an outside input of the
+/// group it may overwrite (donation), else one from the pool. An input can be donated when
+/// it has the member's dtype and size, only group members hold it, and no member after `j`
+/// reads it: within a chunk, members run in order, so every read of that chunk of the
+/// input happens before `j` writes it (a chain of in-place updates ends in its first
+/// input's buffer).
+inline std::shared_ptr<Buffer> group_output(ExecContext& ctx, const PlanStep& st, const std::vector<NodePtr>& members,
+                                            std::size_t j) {
+  const NodePtr& me = members[j];
+  for (std::size_t r = 0; r <= j; ++r) {
+    const auto& ins = members[r]->inputs();
+    for (std::size_t q = 0; q < ins.size(); ++q) {
+      const NodePtr& x = ins[q];
+      if (st.sources[r][q] >= 0 || x->dtype() != me->dtype() || x->numel() != me->numel()) continue;
+      long holders = 0;
+      bool read_later = false;
+      for (std::size_t m = 0; m < members.size(); ++m)
+        for (const auto& in : members[m]->inputs())
+          if (in == x) {
+            ++holders;
+            read_later = read_later || m > j;
+          }
+      if (read_later) continue;
+      if (auto b = Node::take_buffer(x, holders)) {
+        static auto& donated = core::counter("DonatedBuffers");
+        donated.add();
+        return b;
+      }
+    }
+  }
+  return ctx.device.pool().acquire(padded_bytes(me->numel(), dtype_size(me->dtype())));
+}
+
+/// Runs a fused group: every chunk of kFusionChunk elements goes through each member in
+/// order; members needed outside the group are written whole, the others only to a
+/// per-task scratch chunk. A reduction ending the group reduces each chunk to a partial
+/// (one per chunk, so the result does not depend on the task split).
+inline void run_group(ExecContext& ctx, const PlanStep& st, const std::vector<NodePtr>& members) {
+  const std::size_t k = members.size();
+  const std::int64_t n = members[0]->numel();
+  std::vector<const ElementwiseNode*> ew(k, nullptr);
+  ChunkReduction* reduction = nullptr;
+  std::vector<std::size_t> esz(k), scratch_off(k, 0);
+  std::vector<std::vector<const std::byte*>> base(k);
+  std::vector<std::vector<std::size_t>> in_esz(k);
+  std::size_t per_task = 0;
+  double cost = 0;
+  for (std::size_t j = 0; j < k; ++j) {
+    if (members[j]->kind() == NodeKind::Elementwise) {
+      ew[j] = static_cast<const ElementwiseNode*>(members[j].get());
+      cost += ew[j]->kernel().cost();
+    } else {
+      reduction = dynamic_cast<ChunkReduction*>(members[j].get());  // the last member (plan.hpp)
+      cost += members[j]->cost_per_element();
+    }
+    esz[j] = dtype_size(members[j]->dtype());
+    const auto& ins = members[j]->inputs();
+    for (std::size_t q = 0; q < ins.size(); ++q) {
+      // Read every outside input's address before any output is allocated: a donated
+      // input's buffer moves to the output (same memory).
+      base[j].push_back(st.sources[j][q] < 0 ? static_cast<const std::byte*>(ins[q]->buffer()->data()) : nullptr);
+      in_esz[j].push_back(ins[q]->numel() == 1 && n != 1 ? 0 : dtype_size(ins[q]->dtype()));
+    }
+    if (!st.whole[j] && ew[j]) {
+      scratch_off[j] = per_task;
+      per_task += padded_bytes(kFusionChunk, esz[j]);
+    }
+  }
+  std::vector<std::shared_ptr<Buffer>> out(k);
+  for (std::size_t j = 0; j < k; ++j)
+    if (st.whole[j] && ew[j]) out[j] = group_output(ctx, st, members, j);
+  auto& pool = ctx.device.threads();
+  const std::int64_t chunks = (n + kFusionChunk - 1) / kFusionChunk;
+  const std::int64_t tasks = std::max<std::int64_t>(1, std::min(chunks, task_count(pool, n, cost)));
+  std::shared_ptr<Buffer> scratch = per_task ? ctx.device.pool().acquire(per_task * static_cast<std::size_t>(tasks)) : nullptr;
+  const std::size_t partial_bytes = reduction ? reduction->partial_bytes() : 0;
+  std::shared_ptr<Buffer> partials =
+      reduction ? ctx.device.pool().acquire(padded_bytes(chunks, partial_bytes)) : nullptr;
+  pool.parallel_for(tasks, [&](std::int64_t t) {
+    auto [c0, c1] = task_range(chunks, tasks, t);
+    std::byte* mine = scratch ? static_cast<std::byte*>(scratch->data()) + per_task * static_cast<std::size_t>(t) : nullptr;
+    std::vector<const void*> ptrs;
+    for (std::int64_t c = c0; c < c1; ++c) {
+      const std::int64_t b = c * kFusionChunk, len = std::min(kFusionChunk, n - b);
+      for (std::size_t j = 0; j < k; ++j) {
+        const auto& src = st.sources[j];
+        ptrs.resize(src.size());
+        for (std::size_t q = 0; q < src.size(); ++q) {
+          const std::int32_t p = src[q];
+          if (p < 0) {
+            ptrs[q] = base[j][q] + static_cast<std::size_t>(b) * in_esz[j][q];
+          } else {
+            const auto pu = static_cast<std::size_t>(p);
+            ptrs[q] = st.whole[pu] ? static_cast<const std::byte*>(out[pu]->data()) + static_cast<std::size_t>(b) * esz[pu]
+                                   : mine + scratch_off[pu];
+          }
+        }
+        if (!ew[j]) {
+          reduction->reduce_chunk(ptrs.data(), len, static_cast<std::byte*>(partials->data()) + static_cast<std::size_t>(c) * partial_bytes);
+          continue;
+        }
+        void* o = st.whole[j] ? static_cast<std::byte*>(out[j]->data()) + static_cast<std::size_t>(b) * esz[j]
+                              : static_cast<void*>(mine + scratch_off[j]);
+        const auto& layout = ew[j]->layout();
+        ew[j]->kernel().flat(ptrs.data(), layout.splat.data(), o, 0, len, !layout.any_splat(), false);
+      }
+    }
+  });
+  for (std::size_t j = 0; j < k; ++j) {
+    if (ew[j]) members[j]->finish_with(std::move(out[j]));
+    else reduction->finish_partials(ctx, partials->data(), chunks);
+  }
+}
+
+}  // namespace detail
+
+/// Lets the step's element-wise nodes take over their GEMM producers (epilogue fusion).
+/// Called on every step before planning and execution: it decides on this step's nodes.
+inline void prepare(const std::vector<NodePtr>& nodes) {
+  for (const auto& n : nodes) n->set_deferred(false);  // decisions of an earlier look (dumps) are redone
+  for (const auto& n : nodes) n->fuse_producers();
+}
+
+/// The plan for `nodes` (in creation order), from the device's cache or newly built.
+/// `step`: planning a mark_step (reads and eager ops do not count toward the re-planning
+/// warning).
+inline std::shared_ptr<const Plan> plan_for(Device& dev, const std::vector<NodePtr>& nodes, bool step) {
+  static auto& cached = core::counter("CachedPlan");
+  static auto& uncached = core::counter("UncachedPlan");
+  static auto& plan_time = core::metric("PlanTime");
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::uint64_t epoch = planner::number(nodes);
+  std::vector<std::uint8_t> outside;
+  auto sig = planner::signature(nodes, epoch, outside);
+  const std::uint64_t h = planner::fold(sig);
+  auto& cache = dev.plan_cache();
+  auto& stats = dev.plan_stats();
+  if (step) ++stats.steps;
+  std::shared_ptr<const Plan> plan;
+  if (auto it = cache.find(h); it != cache.end() && it->second->signature == sig) {
+    plan = it->second;
+    cached.add();
+  } else {
+    auto built = planner::build(nodes, epoch, outside);
+    built->hash = h;
+    built->signature = sig;
+    plan = built;
+    cache[h] = plan;
+    uncached.add();
+    if (step && stats.steps > 10) ++stats.rebuilds_after_warmup;
+    // PyTorch/XLA warns about graphs that keep changing; so do we, naming what changed.
+    // Judged once at least 10 steps followed the 10th, so one new shape is no alarm.
+    if (step && !stats.warned && stats.steps >= 20 && stats.rebuilds_after_warmup * 2 > stats.steps - 10) {
+      stats.warned = true;
+      std::size_t at = 0;
+      const auto& prev = stats.last_signature;
+      while (at < sig.size() && at < prev.size() && sig[at] == prev[at]) ++at;
+      const std::size_t node = at / 2;
+      std::string what = node < nodes.size() ? nodes[node]->op_name() + " " + nodes[node]->describe() + " of shape " +
+                                                   nodes[node]->shape().str()
+                                             : "the number of nodes";
+      std::fprintf(stderr,
+                   "lazytensor warning: %s rebuilt its execution plan on %lld of %lld steps after the 10th; the "
+                   "graph changes between steps (first difference from the previous step at node %zu: %s; this "
+                   "step has %zu nodes, the previous one %zu). Keep shapes and the sequence of ops constant across "
+                   "steps.\n",
+                   dev.str().c_str(), static_cast<long long>(stats.rebuilds_after_warmup),
+                   static_cast<long long>(stats.steps - 10), node, what.c_str(), nodes.size(), prev.size() / 2);
+    }
+  }
+  if (step) stats.last_signature = std::move(sig);
+  plan_time.record(std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count());
+  return plan;
+}
+
+/// Runs `plan` over `nodes` (positions as planned). The plan's reference to each node is
+/// dropped as it runs, so donation sees the true holders. On an error, the nodes not run
+/// go back to pending (and to the device's trace) and the exception propagates.
+inline void run_plan(Device& device, const Plan& plan, std::vector<NodePtr>& nodes) {
   static auto& execute_time = core::metric("ExecuteTime");
   static auto& kernels = core::counter("KernelsRun");
-  std::vector<NodePtr> order = topological_order(roots);
-  if (order.empty()) return;
-  for (const auto& n : order) n->fuse_producers();
-  std::vector<NodePtr> deferred;  // to undo the take-over if a kernel throws
-  for (const auto& n : order)
-    if (n->deferred()) deferred.push_back(n);
+  static auto& fused = core::counter("FusedNodes");
   core::ScopedTimer timer(execute_time);
   ExecContext ctx{device};
   std::int64_t ran = 0;
+  std::size_t step = 0;
   try {
-    for (auto& slot : order) {
-      // Take the plan's reference, so a finished node is held only by its consumers and
-      // handles (buffer donation counts on that).
-      NodePtr n = std::move(slot);
-      if (n->materialized() || n->deferred()) continue;
-      n->run(ctx);
+    std::vector<NodePtr> members;
+    for (; step < plan.steps.size(); ++step) {
+      const PlanStep& st = plan.steps[step];
+      if (st.kind == PlanStep::Kind::Single) {
+        NodePtr& n = nodes[static_cast<std::size_t>(st.members[0])];
+        if (!n->materialized() && !n->deferred()) {
+          n->run(ctx);
+          ++ran;
+        }
+        n.reset();
+        continue;
+      }
+      members.clear();
+      for (auto m : st.members) members.push_back(nodes[static_cast<std::size_t>(m)]);
+      detail::run_group(ctx, st, members);
+      for (auto m : st.members) nodes[static_cast<std::size_t>(m)].reset();
+      members.clear();
       ++ran;
+      fused.add(static_cast<std::int64_t>(st.members.size()));
     }
   } catch (...) {
-    for (auto& n : deferred) n->set_deferred(false);
     kernels.add(ran);
+    std::vector<std::weak_ptr<Node>> back;
+    for (auto& n : nodes) {
+      if (!n || n->materialized()) continue;
+      n->set_deferred(false);
+      n->set_state(Node::State::Pending);
+      back.push_back(n);
+    }
+    device.keep_traced(std::move(back));
     throw;
   }
   kernels.add(ran);
+}
+
+/// Plans and runs `nodes` on the calling thread (after every queued plan has finished).
+inline void execute_now(Device& device, std::vector<NodePtr> nodes) {
+  if (nodes.empty()) return;
+  device.wait_idle();
+  prepare(nodes);
+  auto plan = plan_for(device, nodes, false);
+  for (auto& n : nodes) n->set_state(Node::State::Queued);
+  run_plan(device, *plan, nodes);
+}
+
+/// Materializes every pending node reachable from `roots` on `device`, now, on the
+/// calling thread.
+inline void execute(Device& device, const std::vector<NodePtr>& roots) {
+  device.wait_idle();
+  execute_now(device, topological_order(roots));
+}
+
+/// The nodes a step computes: every pending node of the trace that a live handle reaches,
+/// in creation order. The rest (alive, but reachable only from expressions or dropped
+/// values' consumers) stays traced for later steps.
+inline std::vector<NodePtr> collect_step(Device& dev) {
+  auto trace = dev.take_trace();
+  std::vector<NodePtr> alive;
+  alive.reserve(trace.size());
+  for (auto& w : trace)
+    if (auto n = w.lock(); n && n->pending()) alive.push_back(std::move(n));
+  if (alive.empty()) return {};
+  const std::uint64_t epoch = planner::number(alive);
+  std::vector<std::uint8_t> needed(alive.size(), 0);
+  dev.for_each_pending_root([&](const NodePtr& r) {
+    if (const std::int32_t s = planner::slot_of(r, epoch); s >= 0) needed[static_cast<std::size_t>(s)] = 1;
+  });
+  // Consumers are newer than their inputs: one sweep from the newest marks everything needed.
+  for (std::size_t i = alive.size(); i-- > 0;) {
+    if (!needed[i]) continue;
+    for (const auto& in : alive[i]->inputs())
+      if (const std::int32_t s = planner::slot_of(in, epoch); s >= 0) needed[static_cast<std::size_t>(s)] = 1;
+  }
+  std::vector<NodePtr> run;
+  std::vector<std::weak_ptr<Node>> keep;
+  for (std::size_t i = 0; i < alive.size(); ++i) {
+    if (needed[i]) run.push_back(std::move(alive[i]));
+    else keep.push_back(alive[i]);
+  }
+  dev.keep_traced(std::move(keep));
+  return run;
+}
+
+/// Runs a step: plans the collected nodes now (overlapping the previous step's
+/// execution), waits for the previous step, then hands the plan to the executor thread
+/// (or, with async off, runs it here). Errors of an asynchronous step are stored.
+inline void run_step(Device& dev, std::vector<NodePtr> nodes) {
+  if (nodes.empty()) return;
+  prepare(nodes);
+  auto plan = plan_for(dev, nodes, true);
+  dev.wait_idle();
+  for (auto& n : nodes) n->set_state(Node::State::Queued);
+  if (!dev.async()) {
+    run_plan(dev, *plan, nodes);
+    return;
+  }
+  dev.enqueue([&dev, plan, nodes = std::move(nodes)]() mutable {
+    try {
+      run_plan(dev, *plan, nodes);
+    } catch (...) {
+      dev.store_error(std::current_exception());
+    }
+  });
 }
 
 }  // namespace lazy::graph

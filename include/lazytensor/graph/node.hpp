@@ -44,8 +44,17 @@ class Node {
   std::uint64_t id() const { return id_; }
   const std::vector<NodePtr>& inputs() const { return inputs_; }
 
+  /// Lifecycle: Pending (being traced; only the tracing thread touches it), Queued (handed
+  /// to an execution plan: the tracing thread may hold it as an input but must not look
+  /// inside), Ready (the buffer is set and immutable). Set with release, read with acquire,
+  /// so a Ready node's buffer is visible to whoever sees the state.
+  enum class State : std::uint8_t { Pending, Queued, Ready };
+  State state() const { return state_.load(std::memory_order_acquire); }
+  void set_state(State s) { state_.store(s, std::memory_order_release); }
+  /// True while the node is still being traced: its inputs and kernel may be inspected.
+  bool pending() const { return state() == State::Pending; }
   /// True once the value exists in a buffer.
-  bool materialized() const { return buffer_ != nullptr; }
+  bool materialized() const { return state() == State::Ready; }
   const std::shared_ptr<Buffer>& buffer() const { return buffer_; }
   template <class T>
   const T* data() const {
@@ -56,7 +65,16 @@ class Node {
   virtual std::string op_name() const = 0;
   /// Longer description for graph dumps (the fused expression, reduction dims, ...).
   virtual std::string describe() const { return op_name(); }
-  /// Hash of everything that determines the kernel's code and layout, but not its data.
+  /// Hash of everything that determines the kernel's code and layout, but not its data
+  /// (cached: a node's structure never changes).
+  std::uint64_t hash() const {
+    if (!hash_valid_) {
+      hash_ = structural_hash();
+      hash_valid_ = true;
+    }
+    return hash_;
+  }
+  /// Computes the structural hash (override to add kernel parameters).
   virtual std::uint64_t structural_hash() const;
   /// Estimated cost per output element (1 = one add), used to decide threading.
   virtual double cost_per_element() const { return 1.0; }
@@ -64,6 +82,14 @@ class Node {
   /// Computes the value into a buffer. Called once, after every input is materialized.
   void run(ExecContext& ctx) {
     compute(ctx);
+    finish();
+  }
+
+  /// Ends a run from outside: the value is `buf` (or, without one, it lived only in a fused
+  /// group's scratch and nothing can read it), and the inputs are released.
+  void finish_with(std::shared_ptr<Buffer> buf) {
+    if (buf) set_buffer(std::move(buf));
+    else set_state(State::Ready);
     finish();
   }
 
@@ -76,12 +102,28 @@ class Node {
   void set_deferred(bool d) { deferred_ = d; }
 
   /// Makes this node a materialized value holding `buf` (used by data nodes and views).
-  void set_buffer(std::shared_ptr<Buffer> buf) { buffer_ = std::move(buf); }
+  void set_buffer(std::shared_ptr<Buffer> buf) {
+    buffer_ = std::move(buf);
+    set_state(State::Ready);
+  }
+
+  /// The planner's scratch: this node's position in the plan being built (valid while
+  /// `plan_epoch` matches the planner's epoch). Touched by the planning thread only.
+  std::int32_t plan_slot = -1;
+  std::uint64_t plan_epoch = 0;
 
   /// Steals the buffer of input `i` when nothing else can observe it (buffer donation):
   /// this node is the input's only holder, the input's buffer is not shared (views), and
   /// the input has this node's dtype and element count.
   std::shared_ptr<Buffer> try_donate(std::size_t i);
+
+  /// Donation to a fused group: takes the buffer of materialized `n` when exactly
+  /// `holders` references to it exist (all held by the group's members, which read it at
+  /// the positions they write) and no view shares the buffer. Else null.
+  static std::shared_ptr<Buffer> take_buffer(const NodePtr& n, long holders) {
+    if (!n->materialized() || !n->buffer_ || n.use_count() != holders || n->buffer_.use_count() != 1) return nullptr;
+    return std::move(n->buffer_);
+  }
 
  protected:
   virtual void compute(ExecContext& ctx) = 0;
@@ -126,7 +168,10 @@ class Node {
   std::vector<NodePtr> inputs_;
   std::shared_ptr<Buffer> buffer_;
   std::uint64_t id_;
+  std::atomic<State> state_{State::Pending};
   bool deferred_ = false;
+  mutable bool hash_valid_ = false;
+  mutable std::uint64_t hash_ = 0;
 };
 
 /// A value that already exists (factories, reads from host memory, computed results).

@@ -17,13 +17,15 @@
 
 #include <lazytensor/expr/dual.hpp>
 #include <lazytensor/expr/evaluator.hpp>
+#include <lazytensor/graph/chunk_reduction.hpp>
 #include <lazytensor/graph/device.hpp>
 #include <lazytensor/graph/parallel.hpp>
 #include <lazytensor/ops/reduce_ops.hpp>
 
 namespace lazy::graph {
 
-/// Leaf size of the pairwise reduction tree.
+/// Leaf size of the pairwise reduction tree (also the chunk of fused groups, see
+/// chunk_reduction.hpp).
 inline constexpr std::int64_t kReduceBlock = 4096;
 
 /// How a child of shape `in` is reduced: [outer, R, inner].
@@ -100,7 +102,7 @@ S reduce_range(const Ev& ev, std::int64_t b, std::int64_t len) {
 
 /// Reduces kernel-form expression K (with lane S) by R into Tout, scaling by `scale`.
 template <class K, class R, class S, Element Tout>
-class ReductionNode final : public Node {
+class ReductionNode final : public Node, public ChunkReduction {
  public:
   ReductionNode(K kernel, Shape out_shape, ReduceGeometry g, double scale, Device* device,
                 std::vector<NodePtr> inputs, Shape child_shape)
@@ -120,6 +122,22 @@ class ReductionNode final : public Node {
     std::uint64_t h = hash_combine(Node::structural_hash(), typeid(K).hash_code());
     h = hash_combine(h, hash_shape(child_shape_));
     return hash_combine(h, static_cast<std::uint64_t>(g_.extent));
+  }
+
+  bool reduces_all() const override { return g_.outer == 1 && g_.inner == 1; }
+  std::size_t partial_bytes() const override { return sizeof(S); }
+  void reduce_chunk(const void* const* inputs, std::int64_t len, void* partial) const override {
+    bool contig = true;
+    for (char s : splat_) contig = contig && !s;
+    const expr::Evaluator<S, K> ev(kernel_, inputs, splat_.data());
+    *static_cast<S*>(partial) = contig ? detail::reduce_span<R, S, true>(ev, 0, len) : detail::reduce_span<R, S, false>(ev, 0, len);
+  }
+  void finish_partials(ExecContext& ctx, void* partials, std::int64_t count) override {
+    std::vector<S> v(static_cast<S*>(partials), static_cast<S*>(partials) + count);
+    auto buf = allocate_output(ctx, false);
+    static_cast<Tout*>(buf->data())[0] = finish_value(detail::pairwise<R>(v));
+    set_buffer(std::move(buf));
+    finish();
   }
 
  protected:

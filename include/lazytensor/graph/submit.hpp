@@ -24,7 +24,9 @@ inline Device& common_device(const std::vector<NodePtr>& inputs, const char* op)
 
 /// Adds a node to its device's pending graph; in eager mode it runs at once.
 inline NodePtr submit(NodePtr node) {
-  if (node->device()->eager()) execute(*node->device(), {node});
+  Device& dev = *node->device();
+  if (dev.eager()) execute(dev, {node});
+  else dev.trace(node);
   return node;
 }
 

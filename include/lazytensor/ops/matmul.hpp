@@ -47,14 +47,25 @@ class GemmNode final : public Node, public RowProducer {
     return hash_combine(Node::structural_hash(), (ta_ ? 1u : 0u) | (tb_ ? 2u : 0u));
   }
 
+  /// Rows per GEMM call: Eigen's blocking (and so the order of the k-sums) depends on the
+  /// rows of a call, so blocks are fixed by the shapes alone. 64 rows keep an output block
+  /// in L2 for the epilogue and re-pack the right-hand side once per 64 rows; a small
+  /// product is one block.
+  std::int64_t row_block() const override {
+    const std::int64_t rows = m_ * std::max(batch_a_, batch_b_);
+    return rows * n_ * k_ <= (std::int64_t(1) << 16) ? std::max<std::int64_t>(rows, 1) : 64;
+  }
+
   void produce_rows(void* out, std::int64_t r0, std::int64_t r1) override {
     T* c = static_cast<T*>(out);
     const T* a = inputs()[0]->template data<T>();
     const T* b = inputs()[1]->template data<T>();
-    // Rows of the output run over (batch, m); a range may span several batches.
+    const std::int64_t block = row_block();
+    // Rows of the output run over (batch, m); a range may span several batches. Calls are
+    // cut at block boundaries and batch ends only (see row_block).
     while (r0 < r1) {
       const std::int64_t bi = r0 / m_, row = r0 % m_;
-      const std::int64_t rows = std::min(r1 - r0, m_ - row);
+      const std::int64_t rows = std::min({r1 - r0, m_ - row, (r0 / block + 1) * block - r0});
       gemm_block(a + (batch_a_ == 1 ? 0 : bi) * m_ * k_, b + (batch_b_ == 1 ? 0 : bi) * k_ * n_,
                  c + r0 * n_, row, rows);
       r0 += rows;
@@ -75,11 +86,14 @@ class GemmNode final : public Node, public RowProducer {
       set_buffer(std::move(buf));
       return;
     }
-    const std::int64_t tasks = std::min<std::int64_t>(task_count(pool, rows * n_, cost_per_element()), (rows + 7) / 8);
+    // Whole blocks per task (row_block): the same GEMM calls whatever the thread count.
+    const std::int64_t block = row_block(), blocks = (rows + block - 1) / block;
+    const std::int64_t tasks =
+        std::max<std::int64_t>(1, std::min<std::int64_t>(task_count(pool, rows * n_, cost_per_element()), blocks));
     void* out = buf->data();
-    pool.parallel_for(std::max<std::int64_t>(tasks, 1), [&](std::int64_t t) {
-      auto [r0, r1] = task_range(rows, std::max<std::int64_t>(tasks, 1), t);
-      produce_rows(out, r0, r1);
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      auto [b0, b1] = task_range(blocks, tasks, t);
+      produce_rows(out, b0 * block, std::min(rows, b1 * block));
     });
     set_buffer(std::move(buf));
   }
@@ -115,7 +129,7 @@ namespace detail {
 template <Element T>
 typename graph::GemmNode<T>::Operand gemm_operand(const Tensor<T>& t) {
   const auto& n = t.node();
-  if (!n->materialized()) {
+  if (n->pending()) {
     // Only a 2-D source: batched GEMMs may stack batch rows, which a transposed read breaks.
     if (auto* tr = dynamic_cast<graph::TransposeOfLastTwo*>(n.get()); tr && tr->transpose_source()->shape().rank() == 2)
       return {tr->transpose_source(), true};

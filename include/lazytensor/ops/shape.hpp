@@ -623,7 +623,7 @@ template <Element T>
 Tensor<T> view_of(const Tensor<T>& t, const Shape& shape, const char* op) {
   graph::NodePtr src = t.node();
   if (src->shape() == shape) return t;
-  if (!src->materialized() && dynamic_cast<graph::ViewNode*>(src.get())) src = src->inputs()[0];
+  if (src->pending() && dynamic_cast<graph::ViewNode*>(src.get())) src = src->inputs()[0];
   Tensor<T> r(graph::submit(std::make_shared<graph::ViewNode>(op, std::move(src), shape)));
   autograd::record(r, "ViewBackward0", {autograd::edge_of(t.impl())}, [in = t.shape()](const Tensor<T>& g) {
     return std::vector<graph::NodePtr>{view_of(g, in, "view").node()};

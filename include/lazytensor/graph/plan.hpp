@@ -1,0 +1,253 @@
+#pragma once
+// The planner: which pending nodes a step runs, in what order, grouped how, and the plan
+// cache that lets a repeated step skip all of that.
+//
+// A step's nodes are taken in creation order (a valid topological order: inputs exist
+// before their consumers). Its structural signature lists, per node, the node's own hash
+// (op, kernel type, dtypes, shapes), where each input comes from (a node of this step, by
+// position, or outside it) and whether anything outside the step still refers to the
+// node (then its value must be written whole). Equal signatures get the same plan.
+//
+// Fusion across statements: element-wise nodes with flat layouts and the same number of
+// elements (not necessarily adjacent in the program) form a group that runs chunk by chunk (each chunk through every member in
+// order), so intermediates stay in cache; a member that nothing outside the group needs
+// is computed into a chunk-sized scratch and never written whole. A reduction of every
+// element of a child the group computes ends the group: it reduces each chunk as the chunk
+// is made (see chunk_reduction.hpp).
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <lazytensor/graph/chunk_reduction.hpp>
+#include <lazytensor/graph/device.hpp>
+#include <lazytensor/graph/elementwise_node.hpp>
+
+namespace lazy::graph {
+
+/// One unit of execution: a single node, or a fused element-wise group.
+struct PlanStep {
+  enum class Kind : std::uint8_t { Single, Group };
+  Kind kind = Kind::Single;
+  /// Plan positions of the members, in execution order.
+  std::vector<std::int32_t> members;
+  /// Per member: its value is written to a whole buffer (else only to chunk scratch).
+  std::vector<std::uint8_t> whole;
+  /// Per member, per input: the producing member's index in this group, or -1.
+  std::vector<std::vector<std::int32_t>> sources;
+};
+
+/// What a step runs, reusable for every step with the same signature.
+struct Plan {
+  std::uint64_t hash = 0;
+  std::vector<std::uint64_t> signature;
+  std::vector<PlanStep> steps;
+  std::size_t num_nodes = 0;
+  std::int64_t fused_groups = 0, fused_members = 0;
+};
+
+/// Elements a fused group processes per chunk: a reduction block (kReduceBlock), 16 KiB of
+/// floats.
+inline constexpr std::int64_t kFusionChunk = 4096;
+
+namespace planner {
+
+inline std::uint64_t next_epoch() {
+  thread_local std::uint64_t epoch = 0;
+  // Mix in the thread so that two planners (devices in different threads) never share one.
+  return (++epoch << 8) ^ reinterpret_cast<std::uintptr_t>(&epoch);
+}
+
+/// Numbers the nodes (plan_slot) for this planning pass.
+inline std::uint64_t number(const std::vector<NodePtr>& nodes) {
+  const std::uint64_t epoch = next_epoch();
+  for (std::size_t i = 0; i < nodes.size(); ++i) {
+    nodes[i]->plan_slot = static_cast<std::int32_t>(i);
+    nodes[i]->plan_epoch = epoch;
+  }
+  return epoch;
+}
+
+inline std::int32_t slot_of(const NodePtr& n, std::uint64_t epoch) {
+  return n->plan_epoch == epoch ? n->plan_slot : -1;
+}
+
+/// An element-wise node that can run chunk by chunk with others: flat layout (every input
+/// has the output's shape or one element), not running a GEMM producer's epilogue.
+inline const ElementwiseNode* chunkable(const NodePtr& n) {
+  if (n->kind() != NodeKind::Elementwise) return nullptr;
+  const auto* e = static_cast<const ElementwiseNode*>(n.get());
+  if (!e->layout().flat() || e->takes_producer() || n->numel() == 0) return nullptr;
+  return e;
+}
+
+/// A reduction that can end a group of `numel`-element chunks: it reduces every element
+/// of a child with that many elements, each input having them all or one.
+inline ChunkReduction* chunk_reduction(const NodePtr& n, std::int64_t numel) {
+  if (n->kind() != NodeKind::Reduction || n->numel() != 1) return nullptr;
+  auto* r = dynamic_cast<ChunkReduction*>(n.get());
+  if (!r || !r->reduces_all()) return nullptr;
+  bool reads_chunk = false;
+  for (const auto& in : n->inputs()) {
+    if (in->numel() != numel && in->numel() != 1) return nullptr;
+    reads_chunk = reads_chunk || in->numel() == numel;
+  }
+  return reads_chunk ? r : nullptr;
+}
+
+/// Signature (see the file comment) of `nodes`, numbered with `epoch`; `outside[i]` is
+/// true when something outside the step refers to node i.
+inline std::vector<std::uint64_t> signature(const std::vector<NodePtr>& nodes, std::uint64_t epoch,
+                                            std::vector<std::uint8_t>& outside) {
+  std::vector<std::int32_t> refs(nodes.size(), 0);
+  for (const auto& n : nodes)
+    for (const auto& in : n->inputs()) {
+      const std::int32_t s = slot_of(in, epoch);
+      if (s >= 0) ++refs[static_cast<std::size_t>(s)];
+    }
+  std::vector<std::uint64_t> sig;
+  sig.reserve(nodes.size() * 3);
+  outside.assign(nodes.size(), 0);
+  for (std::size_t i = 0; i < nodes.size(); ++i) {
+    const auto& n = nodes[i];
+    // References: the plan's own vector, the step's consumers, and everything else.
+    outside[i] = n.use_count() > 1 + refs[i] ? 1 : 0;
+    sig.push_back(n->hash());
+    std::uint64_t wiring = outside[i];
+    for (const auto& in : n->inputs()) wiring = hash_combine(wiring, static_cast<std::uint64_t>(slot_of(in, epoch) + 1));
+    sig.push_back(wiring);
+  }
+  return sig;
+}
+
+inline std::uint64_t fold(const std::vector<std::uint64_t>& sig) {
+  std::uint64_t h = sig.size();
+  for (auto v : sig) h = hash_combine(h, v);
+  return h;
+}
+
+/// Groups `nodes` into steps (see the file comment). Several groups (one per element
+/// count) may be open at once, so statements of different sizes interleaved in the
+/// program (activations and weight gradients of a backward pass) still fuse by size. A
+/// group's step is emitted when it closes: when a node outside it reads it, or at the end.
+/// So every consumer comes after its producers: a non-member reading a group closes the
+/// group first, and a member reading anything else reads a single step or a closed group
+/// emitted earlier.
+inline std::shared_ptr<Plan> build(const std::vector<NodePtr>& nodes, std::uint64_t epoch,
+                                   const std::vector<std::uint8_t>& outside) {
+  auto plan = std::make_shared<Plan>();
+  plan->num_nodes = nodes.size();
+  const std::size_t n = nodes.size();
+  std::vector<std::int32_t> unit(n, -1);  // the step (group or single) each node runs in
+  std::int32_t next_unit = 0;
+  struct Open {
+    PlanStep st;
+    std::int32_t unit;
+    std::int64_t numel;
+  };
+  std::vector<Open> open;  // in creation order
+
+  auto close_unit = [&](std::int32_t u) {
+    for (std::size_t g = 0; g < open.size(); ++g) {
+      if (open[g].unit != u) continue;
+      if (open[g].st.members.size() > 1) open[g].st.kind = PlanStep::Kind::Group;
+      plan->steps.push_back(std::move(open[g].st));
+      open.erase(open.begin() + static_cast<std::ptrdiff_t>(g));
+      return;
+    }
+  };
+  auto open_with = [&](std::int64_t numel) -> Open* {
+    for (auto& g : open)
+      if (g.numel == numel) return &g;
+    return nullptr;
+  };
+  auto is_open = [&](std::int32_t u) {
+    return std::any_of(open.begin(), open.end(), [&](const Open& g) { return g.unit == u; });
+  };
+  // Closes every open group `node` reads, except `keep`.
+  auto close_read = [&](const NodePtr& node, std::int32_t keep) {
+    for (const auto& in : node->inputs()) {
+      const std::int32_t s = slot_of(in, epoch);
+      if (s < 0) continue;
+      const std::int32_t u = unit[static_cast<std::size_t>(s)];
+      if (u != keep && is_open(u)) close_unit(u);
+    }
+  };
+  auto add_member = [&](Open& g, std::size_t i) {
+    std::vector<std::int32_t> src;
+    for (const auto& in : nodes[i]->inputs()) {
+      const std::int32_t s = slot_of(in, epoch);
+      std::int32_t m = -1;
+      if (s >= 0 && unit[static_cast<std::size_t>(s)] == g.unit)
+        m = static_cast<std::int32_t>(std::find(g.st.members.begin(), g.st.members.end(), s) - g.st.members.begin());
+      src.push_back(m);
+    }
+    g.st.members.push_back(static_cast<std::int32_t>(i));
+    g.st.sources.push_back(std::move(src));
+    unit[i] = g.unit;
+  };
+
+  for (std::size_t i = 0; i < n; ++i) {
+    const NodePtr& node = nodes[i];
+    if (chunkable(node)) {
+      Open* g = open_with(node->numel());
+      close_read(node, g ? g->unit : -1);
+      g = open_with(node->numel());  // closing others moved the vector
+      if (!g) {
+        open.push_back(Open{PlanStep{}, next_unit++, node->numel()});
+        g = &open.back();
+      }
+      add_member(*g, i);
+      continue;
+    }
+    // A reduction of everything an open group computes ends that group.
+    bool ended = false;
+    for (const auto& in : node->inputs()) {
+      const std::int32_t s = slot_of(in, epoch);
+      if (s < 0) continue;
+      const std::int32_t u = unit[static_cast<std::size_t>(s)];
+      Open* g = nullptr;
+      for (auto& o : open)
+        if (o.unit == u) g = &o;
+      if (!g || !chunk_reduction(node, g->numel)) continue;
+      close_read(node, u);
+      for (auto& o : open)
+        if (o.unit == u) g = &o;
+      add_member(*g, i);
+      close_unit(u);
+      ended = true;
+      break;
+    }
+    if (ended) continue;
+    // Not fusible: the groups it reads run first; it runs ahead of the others (its inputs
+    // are older, already scheduled).
+    close_read(node, -1);
+    PlanStep single;
+    single.members = {static_cast<std::int32_t>(i)};
+    unit[i] = next_unit++;
+    plan->steps.push_back(std::move(single));
+  }
+  while (!open.empty()) close_unit(open.front().unit);
+
+  // A member's value is written whole when anything outside its group needs it.
+  std::vector<std::uint8_t> whole(outside.begin(), outside.end());
+  for (std::size_t i = 0; i < n; ++i)
+    for (const auto& in : nodes[i]->inputs()) {
+      const std::int32_t s = slot_of(in, epoch);
+      if (s >= 0 && unit[static_cast<std::size_t>(s)] != unit[i]) whole[static_cast<std::size_t>(s)] = 1;
+    }
+  for (auto& st : plan->steps) {
+    if (st.kind != PlanStep::Kind::Group) continue;
+    for (auto m : st.members) st.whole.push_back(whole[static_cast<std::size_t>(m)]);
+    ++plan->fused_groups;
+    plan->fused_members += static_cast<std::int64_t>(st.members.size());
+  }
+  return plan;
+}
+
+}  // namespace planner
+
+}  // namespace lazy::graph
