@@ -1,0 +1,94 @@
+#pragma once
+// optimizer_step: data-parallel training's gradient averaging, as torch_xla's
+// xm.optimizer_step / xm.reduce_gradients.
+//
+// Gradients are all-reduced in coalesced buckets: consecutive gradients (in parameter
+// order) share one exchange until the next one would push the bucket past
+// gradient_bucket_bytes() (default 16 MiB; a larger gradient gets a bucket of its own).
+// On the threads backend a bucket costs one round of its group whatever it holds (the
+// tensors are read in place, nothing is concatenated), so fewer rounds are better; the cap
+// bounds what a message-passing backend has to stage. Buckets change which round an
+// element travels in, never its value: each element is reduced in group order, so the
+// result does not depend on the bucket size.
+
+#include <atomic>
+#include <cstddef>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include <lazytensor/device.hpp>
+#include <lazytensor/dist/collectives.hpp>
+#include <lazytensor/optim/optimizer.hpp>
+
+namespace lazy::dist {
+
+namespace detail {
+inline std::atomic<std::size_t>& bucket_bytes_setting() {
+  static std::atomic<std::size_t> bytes{std::size_t{16} << 20};
+  return bytes;
+}
+}  // namespace detail
+
+/// The most gradient bytes optimizer_step puts in one all_reduce (default 16 MiB).
+inline std::size_t gradient_bucket_bytes() {
+  return detail::bucket_bytes_setting().load(std::memory_order_relaxed);
+}
+
+/// Sets the bucket size of optimizer_step for the whole process (every replica must use the
+/// same buckets; set it before spawn). Error when `bytes` is 0.
+inline void set_gradient_bucket_bytes(std::size_t bytes) {
+  if (bytes == 0) throw Error("set_gradient_bucket_bytes: the bucket size must be > 0 bytes");
+  detail::bucket_bytes_setting().store(bytes, std::memory_order_relaxed);
+}
+
+/// All-reduces the gradient of every parameter of `optimizer` that has one to the mean over
+/// this replica's group (sum times 1 / group size), in place (each parameter's .grad() then
+/// holds the mean), in coalesced buckets (see the file comment), as xm.reduce_gradients.
+/// Nothing is exchanged in a group of one. Lazy: the exchanges run at the next mark_step.
+inline void reduce_gradients(optim::Optimizer& optimizer, const Groups& groups = {}) {
+  const auto group = detail::group_of(groups, "optimizer_step");
+  if (group->size() == 1) return;
+  const AllReduceOptions opts{.scale = 1.0 / static_cast<double>(group->size()), .groups = groups};
+  const std::size_t cap = gradient_bucket_bytes();
+  std::unordered_set<const graph::TensorImpl*> seen;  // a parameter listed twice is reduced once
+  std::vector<Tensor<float>> bucket;
+  std::size_t bytes = 0;
+  auto flush = [&] {
+    if (!bucket.empty()) all_reduce_(ReduceOp::Sum, bucket, opts);
+    bucket.clear();
+    bytes = 0;
+  };
+  for (std::size_t g = 0; g < optimizer.num_param_groups(); ++g) {
+    for (const auto& p : optimizer.params(g)) {
+      Tensor<float> grad = p.grad();  // shares the gradient object: all_reduce_ rebinds it
+      if (!grad.defined() || !seen.insert(p.impl().get()).second) continue;
+      const std::size_t nbytes = static_cast<std::size_t>(grad.numel()) * sizeof(float);
+      if (!bucket.empty() && bytes + nbytes > cap) flush();
+      bucket.push_back(std::move(grad));
+      bytes += nbytes;
+    }
+  }
+  flush();
+}
+
+/// One data-parallel optimizer step, as xm.optimizer_step(optimizer, barrier, groups):
+/// reduce_gradients (the mean of every gradient over this replica's group, in coalesced
+/// buckets), then `optimizer.step()`.
+///
+/// **It does not run anything unless `barrier` is true.** Like everything else in a step,
+/// the all-reduces and the update are traced lazily and execute at the next mark_step,
+/// which the training loop usually gets from MpDeviceLoader (it calls mark_step as it hands
+/// out batches). `barrier = true` calls lazy::mark_step() right after the update, which is
+/// what a loop that does not iterate an MpDeviceLoader needs (PyTorch/XLA users were often
+/// surprised that `barrier` means "sync the step", not "wait for the other replicas").
+/// Every replica of a group must call it with the same parameters having gradients (in the
+/// same order and shapes), or the exchange raises CollectiveMismatch.
+inline void optimizer_step(optim::Optimizer& optimizer, bool barrier = false,
+                           const Groups& groups = {}) {
+  reduce_gradients(optimizer, groups);
+  optimizer.step();
+  if (barrier) mark_step();
+}
+
+}  // namespace lazy::dist

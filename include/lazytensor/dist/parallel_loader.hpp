@@ -1,0 +1,562 @@
+#pragma once
+// ParallelLoader, its per-device loaders and MpDeviceLoader, as torch_xla's
+// torch_xla.distributed.parallel_loader.
+//
+//   // one replica per thread (inside dist::spawn), the canonical loop:
+//   auto loader = lazy::data::make_data_loader(train, lazy::data::DistributedSampler(n, rank),
+//                                              {.batch_size = 64});
+//   lazy::dist::MpDeviceLoader device_loader(*loader, lazy::device());
+//   for (auto& batch : device_loader) { ... lazy::dist::optimizer_step(opt); }  // mark_step
+//                                                                              // per batch
+//
+// One pass of a ParallelLoader over D devices runs, in the background:
+//  - a loader thread iterating the underlying loader (one epoch). It collects batches in
+//    groups of D and routes batch i*D + d of the epoch to device d only as part of a complete
+//    group (an incomplete last group is dropped, as torch_xla does); each device's host queue
+//    holds at most `loader_prefetch_size` batches, and the loader thread waits for room in
+//    every queue before routing a group;
+//  - per device, `host_to_device_transfer_threads` threads copying host batches into
+//    buffers of that device (at most `device_prefetch_size` batches copied or being copied
+//    ahead of the consumer). A copy is a DataNode built from the source's bytes on the
+//    target device: it never executes or touches any device's pending graph. A batch field
+//    already materialized on the target device is handed over as is (buffers are immutable,
+//    so sharing is a free copy): in the replica-per-thread loop the DataLoader already
+//    builds its batches on the replica's device.
+// The consumer of device d gets its batches strictly in order (several transfer threads
+// finish out of order; a reorder buffer puts them back). An exception in the loader thread
+// (e.g. a FormatError from the dataset) reaches every device's consumer once that device
+// has received the batches routed before the failure; an exception copying a batch reaches
+// its device's consumer at that batch. Either ends the device's pass.
+//
+// Batch fields must be materialized (as the library's datasets and the DataLoader's
+// collation make them): computing a pending one would run graph nodes on a background
+// thread while the device's owner may be tracing or running mark_step (lazy::Error).
+// Supported batch types: Tensor<T>, AnyTensor, data::Example, std::vector, std::pair,
+// std::tuple and std::optional of those; arithmetic values and strings pass unchanged.
+//
+// Consumers: a per-device loader is consumed by one thread; several can be consumed by
+// one thread in turn (round robin) or by a thread each. Consuming one device's loader to
+// the end while another device's is not read stalls once that device's queues are full,
+// as in torch_xla (the loader thread waits for room in every queue).
+//
+// Stopping: destroying a ParallelLoader (or MpDeviceLoader::begin() starting the next
+// epoch) wakes every background thread and joins it; a thread busy loading or copying a
+// batch finishes that batch first. The underlying loader must outlive the ParallelLoader and
+// must not be used by anyone else while a pass runs.
+
+#include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <cstddef>
+#include <exception>
+#include <iterator>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <lazytensor/any_tensor.hpp>
+#include <lazytensor/core/error.hpp>
+#include <lazytensor/data/data_loader.hpp>
+#include <lazytensor/data/example.hpp>
+#include <lazytensor/device.hpp>
+
+namespace lazy::dist {
+
+/// Options of ParallelLoader and MpDeviceLoader (torch_xla's keyword arguments).
+struct ParallelLoaderOptions {
+  /// The batch dimension of the data (torch_xla's `batchdim`). Batches are handed out
+  /// whole, never split, so it is only validated (>= 0).
+  int batchdim = 0;
+  /// A per-device loader calls mark_step on its device after every this many batches.
+  std::size_t batches_per_execution = 1;
+  /// Host batches queued per device ahead of the transfers.
+  std::size_t loader_prefetch_size = 8;
+  /// Batches per device copied (or being copied) ahead of the consumer.
+  std::size_t device_prefetch_size = 4;
+  /// Threads copying host batches into each device.
+  std::size_t host_to_device_transfer_threads = 1;
+};
+
+namespace detail {
+
+/// The batch type a loader yields.
+template <class Loader>
+using loader_batch_t = std::remove_cvref_t<decltype(*std::declval<Loader&>().begin())>;
+
+template <class X>
+inline constexpr bool passes_unchanged_v =
+    std::is_arithmetic_v<X> || std::is_enum_v<X> || std::is_same_v<X, std::string>;
+
+// Copies of a batch on a device (see the file comment). Declared first: they call each
+// other for nested batch types.
+template <Element T>
+Tensor<T> to_device(Tensor<T> t, graph::Device& dev);
+inline AnyTensor to_device(const AnyTensor& t, graph::Device& dev);
+template <class D, class T>
+data::Example<D, T> to_device(data::Example<D, T> e, graph::Device& dev);
+template <class X>
+std::vector<X> to_device(std::vector<X> v, graph::Device& dev);
+template <class A, class B>
+std::pair<A, B> to_device(std::pair<A, B> p, graph::Device& dev);
+template <class... X>
+std::tuple<X...> to_device(std::tuple<X...> t, graph::Device& dev);
+template <class X>
+std::optional<X> to_device(std::optional<X> o, graph::Device& dev);
+template <class X>
+requires passes_unchanged_v<X> X to_device(X x, graph::Device&) { return x; }
+
+template <Element T>
+Tensor<T> to_device(Tensor<T> t, graph::Device& dev) {
+  if (!t.defined()) return t;
+  const graph::NodePtr& node = t.node();
+  if (!node->materialized()) {
+    throw Error("ParallelLoader: a batch holds a pending (not materialized) tensor of shape " +
+                t.shape().str() + " on " + node->device()->str() +
+                "; the loader copies batches on background threads and cannot run graph nodes "
+                "there: the dataset must return materialized tensors (built from host data)");
+  }
+  if (node->device() == &dev) return t;
+  return Tensor<T>(lazy::detail::data_node<T>(node->template data<T>(), t.shape(),
+                                              Device(dev.index())));
+}
+inline AnyTensor to_device(const AnyTensor& t, graph::Device& dev) {
+  if (!t.defined()) return t;
+  return t.visit([&](const auto& typed) { return AnyTensor(to_device(typed, dev)); });
+}
+template <class D, class T>
+data::Example<D, T> to_device(data::Example<D, T> e, graph::Device& dev) {
+  return {to_device(std::move(e.data), dev), to_device(std::move(e.target), dev)};
+}
+template <class X>
+std::vector<X> to_device(std::vector<X> v, graph::Device& dev) {
+  for (auto& x : v) x = to_device(std::move(x), dev);
+  return v;
+}
+template <class A, class B>
+std::pair<A, B> to_device(std::pair<A, B> p, graph::Device& dev) {
+  return {to_device(std::move(p.first), dev), to_device(std::move(p.second), dev)};
+}
+template <class... X>
+std::tuple<X...> to_device(std::tuple<X...> t, graph::Device& dev) {
+  return std::apply(
+      [&](auto&&... x) { return std::tuple<X...>(to_device(std::move(x), dev)...); }, std::move(t));
+}
+template <class X>
+std::optional<X> to_device(std::optional<X> o, graph::Device& dev) {
+  if (o) o = to_device(std::move(*o), dev);
+  return o;
+}
+
+/// One pass of a ParallelLoader: the loader thread, and per device a host queue, the
+/// transfer threads and a reorder buffer of copied batches (see the file comment).
+template <class Batch>
+class LoaderPass {
+ public:
+  template <class Loader>
+  LoaderPass(Loader& loader, const std::vector<Device>& devices, const ParallelLoaderOptions& o)
+      : options_(o) {
+    for (const auto& d : devices) {
+      queues_.push_back(std::make_unique<Queue>());
+      queues_.back()->device = &d.engine();
+    }
+    try {
+      threads_.emplace_back([this, &loader] { load(loader); });
+      for (std::size_t d = 0; d < queues_.size(); ++d) {
+        for (std::size_t t = 0; t < o.host_to_device_transfer_threads; ++t)
+          threads_.emplace_back([this, d] { transfer(*queues_[d]); });
+      }
+    } catch (...) {
+      stop();
+      throw;
+    }
+  }
+  LoaderPass(const LoaderPass&) = delete;
+  LoaderPass& operator=(const LoaderPass&) = delete;
+  ~LoaderPass() { stop(); }
+
+  /// Device d's next batch in order, or nothing at the end of its pass. Re-throws the error
+  /// that ended the pass (once); afterwards the pass is over for this device.
+  std::optional<Batch> next(std::size_t d) {
+    Queue& q = *queues_[d];
+    Slot slot;
+    {
+      std::unique_lock lock(mu_);
+      if (q.finished) return std::nullopt;
+      q.ready_cv.wait(lock, [&] {
+        return stopping_ || q.ready.count(q.next) || (closed_ && q.next == q.routed);
+      });
+      auto it = q.ready.find(q.next);
+      if (it == q.ready.end()) {  // closed, or every routed batch delivered and the loader done
+        q.finished = true;
+        if (loader_error_ && !stopping_) std::rethrow_exception(loader_error_);
+        return std::nullopt;
+      }
+      slot = std::move(it->second);
+      q.ready.erase(it);
+      ++q.next;
+      if (slot.error) q.finished = true;
+    }
+    q.work_cv.notify_all();  // room for one more copy
+    if (slot.error) std::rethrow_exception(slot.error);
+    return std::move(slot.batch);
+  }
+
+  /// Wakes every background thread and joins it (each finishes the batch it holds).
+  void stop() noexcept {
+    {
+      std::lock_guard lock(mu_);
+      stopping_ = true;
+    }
+    notify_all();
+    for (auto& t : threads_) t.join();
+    threads_.clear();
+  }
+
+ private:
+  struct Slot {
+    std::optional<Batch> batch;
+    std::exception_ptr error;
+  };
+  struct Queue {
+    graph::Device* device = nullptr;
+    std::deque<std::pair<std::size_t, Batch>> host;  ///< (position on this device, batch)
+    std::size_t routed = 0;                          ///< batches routed to this device
+    std::size_t in_flight = 0;                       ///< being copied
+    std::size_t next = 0;                            ///< the consumer's next position
+    std::map<std::size_t, Slot> ready;               ///< copied, by position
+    bool finished = false;                           ///< the consumer saw the end or an error
+    std::condition_variable work_cv;                 ///< transfer threads wait here
+    std::condition_variable ready_cv;                ///< the consumer waits here
+  };
+
+  void notify_all() {
+    room_cv_.notify_all();
+    for (auto& q : queues_) {
+      q->work_cv.notify_all();
+      q->ready_cv.notify_all();
+    }
+  }
+
+  template <class Loader>
+  void load(Loader& loader) {
+    std::exception_ptr error;
+    try {
+      const std::size_t n = queues_.size();
+      std::vector<Batch> group;
+      group.reserve(n);
+      for (auto&& batch : loader) {
+        group.push_back(std::move(batch));
+        if (group.size() < n) continue;
+        {
+          std::unique_lock lock(mu_);
+          room_cv_.wait(lock, [&] {
+            return stopping_ || std::all_of(queues_.begin(), queues_.end(), [&](const auto& q) {
+                     return q->host.size() < options_.loader_prefetch_size;
+                   });
+          });
+          if (stopping_) break;
+          for (std::size_t d = 0; d < n; ++d) {
+            Queue& q = *queues_[d];
+            q.host.emplace_back(q.routed++, std::move(group[d]));
+          }
+        }
+        for (auto& q : queues_) q->work_cv.notify_all();
+        group.clear();
+        {
+          std::lock_guard lock(mu_);
+          if (stopping_) break;
+        }
+      }
+    } catch (...) {
+      error = std::current_exception();
+    }
+    {
+      std::lock_guard lock(mu_);
+      closed_ = true;
+      loader_error_ = error;
+    }
+    notify_all();
+  }
+
+  void transfer(Queue& q) {
+    for (;;) {
+      std::pair<std::size_t, Batch> item;
+      {
+        std::unique_lock lock(mu_);
+        q.work_cv.wait(lock, [&] {
+          return stopping_ || (q.host.empty() && closed_) ||
+                 (!q.host.empty() && q.in_flight + q.ready.size() < options_.device_prefetch_size);
+        });
+        if (stopping_ || q.host.empty()) return;
+        item = std::move(q.host.front());
+        q.host.pop_front();
+        ++q.in_flight;
+      }
+      room_cv_.notify_all();  // room in the host queue
+      Slot slot;
+      try {
+        slot.batch.emplace(to_device(std::move(item.second), *q.device));
+      } catch (...) {
+        slot.error = std::current_exception();
+      }
+      item.second = Batch();  // release the host copy outside the lock
+      {
+        std::lock_guard lock(mu_);
+        --q.in_flight;
+        q.ready.emplace(item.first, std::move(slot));
+      }
+      q.ready_cv.notify_all();
+    }
+  }
+
+  const ParallelLoaderOptions options_;
+  std::vector<std::unique_ptr<Queue>> queues_;
+  std::mutex mu_;
+  std::condition_variable room_cv_;  ///< the loader thread waits for room in every host queue
+  bool closed_ = false;              ///< the loader thread is done (guarded by mu_)
+  std::exception_ptr loader_error_;  ///< why it stopped early (guarded by mu_)
+  bool stopping_ = false;            ///< guarded by mu_
+  std::vector<std::thread> threads_;
+};
+
+/// Rejects options torch_xla would reject (or that would stall the pipeline).
+inline void check_options(const ParallelLoaderOptions& o, const char* who) {
+  const std::string w(who);
+  if (o.batchdim < 0) throw Error(w + ": batchdim must be >= 0, got " + std::to_string(o.batchdim));
+  auto positive = [&](std::size_t v, const char* name) {
+    if (v == 0) throw Error(w + ": " + name + " must be at least 1, got 0");
+  };
+  positive(o.batches_per_execution, "batches_per_execution");
+  positive(o.loader_prefetch_size, "loader_prefetch_size");
+  positive(o.device_prefetch_size, "device_prefetch_size");
+  positive(o.host_to_device_transfer_threads, "host_to_device_transfer_threads");
+}
+
+}  // namespace detail
+
+template <class Loader>
+class ParallelLoader;
+
+/// The batches of one device of a ParallelLoader pass (torch_xla's PerDeviceLoader). An
+/// input range: iterating it hands out the device's batches in order and calls mark_step on
+/// the device after every `batches_per_execution` batches (when the consumer advances past
+/// the last batch of a step) and once more at the end of the pass if batches were handed
+/// out since the last one. So the loop body only traces a step; it runs when the next batch
+/// is requested. begin() continues where the previous iteration stopped.
+template <class Batch>
+class PerDeviceLoader {
+ public:
+  using batch_type = Batch;
+
+  /// Input iterator over the remaining batches.
+  class iterator {
+   public:
+    using value_type = Batch;
+    using difference_type = std::ptrdiff_t;
+    using reference = Batch&;
+    using pointer = Batch*;
+    using iterator_category = std::input_iterator_tag;
+
+    iterator() = default;
+    Batch& operator*() const { return *owner_->current_; }
+    Batch* operator->() const { return &*owner_->current_; }
+    iterator& operator++() {
+      owner_->advance();
+      return *this;
+    }
+    void operator++(int) { ++*this; }
+    friend bool operator==(const iterator& it, std::default_sentinel_t) { return it.at_end(); }
+
+   private:
+    friend class PerDeviceLoader;
+    bool at_end() const { return !owner_ || !owner_->current_; }
+    explicit iterator(PerDeviceLoader* o) : owner_(o) {}
+    PerDeviceLoader* owner_ = nullptr;
+  };
+
+  PerDeviceLoader(const PerDeviceLoader&) = delete;
+  PerDeviceLoader& operator=(const PerDeviceLoader&) = delete;
+
+  /// An iterator at the current batch (the first call fetches the first one).
+  iterator begin() {
+    if (!started_) {
+      started_ = true;
+      advance();
+    }
+    return iterator(this);
+  }
+  std::default_sentinel_t end() const { return {}; }
+
+  /// The device the batches are on.
+  Device device() const { return device_; }
+
+ private:
+  template <class L>
+  friend class ParallelLoader;
+
+  PerDeviceLoader(detail::LoaderPass<Batch>* pass, std::size_t index, Device device,
+                  std::size_t batches_per_execution)
+      : pass_(pass), index_(index), device_(device), per_step_(batches_per_execution) {}
+
+  void advance() {
+    if (current_) {
+      current_.reset();
+      if (++since_step_ == per_step_) step();
+    }
+    current_ = pass_->next(index_);  // an error leaves current_ empty: the pass is over
+    if (!current_ && since_step_ > 0) step();
+  }
+
+  /// mark_step on this loader's device (the consuming thread may serve several devices).
+  void step() {
+    since_step_ = 0;
+    data::detail::CurrentDeviceScope scope(device_.index());
+    mark_step();
+  }
+
+  detail::LoaderPass<Batch>* pass_;
+  std::size_t index_;
+  Device device_;
+  std::size_t per_step_;
+  std::size_t since_step_ = 0;  ///< batches handed out since the last mark_step
+  bool started_ = false;
+  std::optional<Batch> current_;
+};
+
+/// Feeds the batches of `loader` to several devices, as torch_xla's
+/// ParallelLoader(loader, devices, ...): one pass (one epoch of `loader`) starts at
+/// construction; batch i*D + d goes to devices[d] (see the file comment for the threads,
+/// the queues and the error and stopping rules). Get each device's batches with
+/// per_device_loader(device). For the next epoch, construct a new ParallelLoader (or use
+/// MpDeviceLoader, which does that at every begin()). Not copyable or movable.
+template <class Loader>
+class ParallelLoader {
+ public:
+  using batch_type = detail::loader_batch_t<Loader>;
+
+  /// torch_xla's positional form. Error for an empty or repeated device list or a zero
+  /// size; `loader` must outlive this object.
+  ParallelLoader(Loader& loader, std::vector<Device> devices, int batchdim = 0,
+                 std::size_t batches_per_execution = 1, std::size_t loader_prefetch_size = 8,
+                 std::size_t device_prefetch_size = 4,
+                 std::size_t host_to_device_transfer_threads = 1)
+      : ParallelLoader(loader, std::move(devices),
+                       ParallelLoaderOptions{batchdim, batches_per_execution, loader_prefetch_size,
+                                             device_prefetch_size,
+                                             host_to_device_transfer_threads}) {}
+
+  /// The same with named options: `ParallelLoader(loader, devs, {.device_prefetch_size = 2})`.
+  ParallelLoader(Loader& loader, std::vector<Device> devices, const ParallelLoaderOptions& options)
+      : loader_(loader), devices_(std::move(devices)) {
+    detail::check_options(options, "ParallelLoader");
+    if (devices_.empty()) throw DeviceError("ParallelLoader: the list of devices is empty");
+    for (std::size_t i = 0; i < devices_.size(); ++i) {
+      for (std::size_t j = 0; j < i; ++j) {
+        if (devices_[i] == devices_[j]) {
+          throw DeviceError("ParallelLoader: device " + devices_[i].str() +
+                            " appears more than once in the list of devices");
+        }
+      }
+      devices_[i].engine();  // create it now, not on a background thread
+    }
+    pass_ = std::make_unique<detail::LoaderPass<batch_type>>(loader_, devices_, options);
+    for (std::size_t i = 0; i < devices_.size(); ++i) {
+      per_device_.push_back(std::unique_ptr<PerDeviceLoader<batch_type>>(new PerDeviceLoader<batch_type>(
+          pass_.get(), i, devices_[i], options.batches_per_execution)));
+    }
+  }
+  ParallelLoader(const ParallelLoader&) = delete;
+  ParallelLoader& operator=(const ParallelLoader&) = delete;
+  /// Stops and joins the background threads (see the file comment).
+  ~ParallelLoader() { close(); }
+
+  /// The batches of `device` (DeviceError when it is not one of this loader's devices).
+  PerDeviceLoader<batch_type>& per_device_loader(const Device& device) {
+    for (std::size_t i = 0; i < devices_.size(); ++i)
+      if (devices_[i] == device) return *per_device_[i];
+    std::string list;
+    for (const auto& d : devices_) list += (list.empty() ? "" : ", ") + d.str();
+    throw DeviceError("ParallelLoader::per_device_loader: " + device.str() +
+                      " is not one of the loader's devices [" + list + "]");
+  }
+
+  /// Batches each device gets in a pass: the loader's batches / number of devices, rounded
+  /// down (an incomplete last group is dropped).
+  std::size_t per_device_batches() const
+  requires requires(const Loader& l) { l.size(); }
+  { return static_cast<std::size_t>(loader_.size()) / devices_.size(); }
+
+  const std::vector<Device>& devices() const { return devices_; }
+
+  /// Stops the pass now (joins its threads); per-device loaders then end (torch_xla's close).
+  void close() {
+    if (pass_) pass_->stop();
+  }
+
+ private:
+  Loader& loader_;
+  std::vector<Device> devices_;
+  std::unique_ptr<detail::LoaderPass<batch_type>> pass_;
+  std::vector<std::unique_ptr<PerDeviceLoader<batch_type>>> per_device_;
+};
+
+/// The loader of one device, as torch_xla's MpDeviceLoader(loader, device, ...): each
+/// begin() starts a new pass (a ParallelLoader over {device}, stopping the previous one)
+/// and iterates its per-device loader, which calls mark_step on `device` after every
+/// `batches_per_execution` batches and at the end of the epoch. The canonical loop of a
+/// replica (see the file comment): set_epoch on the loader, then range-for over this. The
+/// underlying loader must outlive this object.
+template <class Loader>
+class MpDeviceLoader {
+ public:
+  using batch_type = detail::loader_batch_t<Loader>;
+  using iterator = typename PerDeviceLoader<batch_type>::iterator;
+
+  /// torch_xla's form: the options after `device` as in ParallelLoader.
+  MpDeviceLoader(Loader& loader, Device device, int batchdim = 0,
+                 std::size_t batches_per_execution = 1, std::size_t loader_prefetch_size = 8,
+                 std::size_t device_prefetch_size = 4,
+                 std::size_t host_to_device_transfer_threads = 1)
+      : MpDeviceLoader(loader, device,
+                       ParallelLoaderOptions{batchdim, batches_per_execution, loader_prefetch_size,
+                                             device_prefetch_size,
+                                             host_to_device_transfer_threads}) {}
+  /// The same with named options.
+  MpDeviceLoader(Loader& loader, Device device, const ParallelLoaderOptions& options)
+      : loader_(loader), device_(device), options_(options) {
+    detail::check_options(options, "MpDeviceLoader");
+  }
+  MpDeviceLoader(const MpDeviceLoader&) = delete;
+  MpDeviceLoader& operator=(const MpDeviceLoader&) = delete;
+
+  /// Starts an epoch of the underlying loader (stopping a pass in progress first).
+  iterator begin() {
+    pass_.reset();
+    pass_ = std::make_unique<ParallelLoader<Loader>>(loader_, std::vector<Device>{device_},
+                                                     options_);
+    return pass_->per_device_loader(device_).begin();
+  }
+  std::default_sentinel_t end() const { return {}; }
+
+  /// Batches per epoch (the underlying loader's).
+  std::size_t size() const
+  requires requires(const Loader& l) { l.size(); }
+  { return static_cast<std::size_t>(loader_.size()); }
+
+  Device device() const { return device_; }
+
+ private:
+  Loader& loader_;
+  Device device_;
+  ParallelLoaderOptions options_;
+  std::unique_ptr<ParallelLoader<Loader>> pass_;
+};
+
+}  // namespace lazy::dist
