@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# Build and run the lazytensor demo example. Extra arguments are passed to the example.
+# Build and run the lazytensor demo example: Fashion-MNIST training (examples/fashion_mnist).
+# Arguments are passed to the example; without any, it runs DEMO_ARGS (the MLP for 3
+# epochs on one replica per hardware thread).
 #
-#   scripts/demo.sh [example args...]
+#   scripts/demo.sh [example args...]      e.g. scripts/demo.sh --model cnn --epochs 5
 #
 # Environment: DEMO_BUILD_DIR (default: build-demo), JOBS.
 set -euo pipefail
 
 # ---- what the demo is (change these when the headline example changes) ---------------------
-DEMO_TARGET="${DEMO_TARGET:-quickstart}"                  # CMake target to build
-DEMO_EXE="${DEMO_EXE:-examples/quickstart/quickstart}"    # executable, relative to the build dir
-DEMO_PACKAGES=(cmake g++ make libeigen3-dev libxsimd-dev libboost-dev ccache)
+DEMO_TARGET="${DEMO_TARGET:-fashion_mnist}"                    # CMake target to build
+DEMO_EXE="${DEMO_EXE:-examples/fashion_mnist/fashion_mnist}"   # executable, relative to the build dir
+DEMO_ARGS=(--model mlp --epochs 3)                             # used when no argument is given
+DEMO_PACKAGES=(cmake g++ make libeigen3-dev libxsimd-dev libboost-dev ccache zlib1g-dev dataset-fashion-mnist)
 # ---------------------------------------------------------------------------------------------
 
 # shellcheck source=scripts/common.sh
@@ -29,5 +32,8 @@ cmake -S . -B "$dir" \
   -DLAZYTENSOR_BUILD_EXAMPLES=ON
 cmake --build "$dir" -j"$JOBS" --target "$DEMO_TARGET"
 
+if [ "$#" -eq 0 ]; then
+  set -- "${DEMO_ARGS[@]}"
+fi
 section "run $DEMO_EXE $*"
 exec "$dir/$DEMO_EXE" "$@"

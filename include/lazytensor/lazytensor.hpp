@@ -13,8 +13,10 @@
 #include <lazytensor/dist.hpp>
 #include <lazytensor/io.hpp>
 #include <lazytensor/nn.hpp>
+#include <lazytensor/ops/conv.hpp>
 #include <lazytensor/ops/factories.hpp>
 #include <lazytensor/ops/matmul.hpp>
+#include <lazytensor/ops/pool.hpp>
 #include <lazytensor/ops/random.hpp>
 #include <lazytensor/ops/reduction.hpp>
 #include <lazytensor/ops/shape.hpp>

@@ -13,22 +13,10 @@
 #include <string>
 #include <vector>
 
+#include <lazytensor/core/arg.hpp>
 #include <lazytensor/ops/factories.hpp>
 #include <lazytensor/state_dict.hpp>
 #include <lazytensor/tensor.hpp>
-
-/// Declares an option with a fluent setter and a getter, as libtorch's TORCH_ARG:
-/// `SGDOptions(0.1).momentum(0.9)`; `opts.momentum()`.
-#define LAZY_ARG(T, name)                     \
- public:                                      \
-  auto& name(const T& v) {                    \
-    name##_ = v;                              \
-    return *this;                             \
-  }                                           \
-  const T& name() const { return name##_; }   \
-                                              \
- private:                                     \
-  T name##_
 
 namespace lazy::optim {
 
