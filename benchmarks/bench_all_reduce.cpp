@@ -8,6 +8,9 @@
 //   BM_AllReduce_Memcpy/<bytes>   peer: one memcpy of the same size on one thread, measured
 //                                 in the same run (the machine's copy bandwidth)
 //   BM_AllReduceLatency_Lazy      the 4-byte all_reduce, as a latency
+//   BM_AllReduceLatency_LazySync  the same with the replicas' devices running steps on the
+//                                 calling thread (as LAZYTENSOR_ASYNC=0): the cost of handing
+//                                 each step to the device's executor thread
 //   BM_AllReduceLatency_Barrier   peer: a host barrier (the bare cost of one synchronization)
 //
 // The replicas are spawned once per benchmark run and loop inside: replica 0 drives the
@@ -25,11 +28,21 @@ namespace {
 constexpr int kReplicas = 2;
 
 /// Runs `step` max_iterations times on every replica, timing on replica 0. `step` gets the
-/// replica's input; returns false from the self-check to stop with an error.
+/// replica's input; returns false from the self-check to stop with an error. `async`: whether
+/// mark_step hands steps to the device's executor thread (the default) or runs them itself.
 template <class Check, class Step>
-void run_replicated(benchmark::State& state, std::int64_t n, Check check, Step step) {
+void run_replicated(benchmark::State& state, std::int64_t n, Check check, Step step,
+                    bool async = true) {
   lazy::dist::spawn(
       [&](int r) {
+        auto& dev = lazy::graph::current_device();
+        const bool was_async = dev.async();
+        dev.async() = async;
+        struct Restore {
+          lazy::graph::Device& dev;
+          bool async;
+          ~Restore() { dev.async() = async; }
+        } restore{dev, was_async};
         auto x = lazy::from_vector<float>(bench::random_vector(n, static_cast<unsigned>(r + 1)));
         lazy::mark_step();
         // Every replica must agree to run the loop, or the other one would wait for it.
@@ -41,9 +54,16 @@ void run_replicated(benchmark::State& state, std::int64_t n, Check check, Step s
             });
         if (r == 0) {
           if (!bench::check(state, ok, "all_reduce result differs from x0 + x1")) return;
-          for (auto _ : state) step(x);
+          benchmark::IterationCount i = 0;
+          for (auto _ : state) {
+            step(x);
+            // mark_step may return before its step ran: the last one is waited for inside
+            // the time.
+            if (++i == state.max_iterations) lazy::wait_device_ops();
+          }
         } else if (ok) {
           for (benchmark::IterationCount i = 0; i < state.max_iterations; ++i) step(x);
+          lazy::wait_device_ops();
         }
       },
       kReplicas);
@@ -96,6 +116,10 @@ void BM_AllReduceLatency_Lazy(benchmark::State& state) {
   run_replicated(state, 1, sum_is_right, all_reduce_step);
 }
 
+void BM_AllReduceLatency_LazySync(benchmark::State& state) {
+  run_replicated(state, 1, sum_is_right, all_reduce_step, /*async=*/false);
+}
+
 void BM_AllReduceLatency_Barrier(benchmark::State& state) {
   run_replicated(
       state, 1, [](const lazy::Tensor<float>&) { return true; },
@@ -115,6 +139,7 @@ BENCHMARK(BM_AllReduce_Memcpy)
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_AllReduceLatency_Lazy)->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_AllReduceLatency_LazySync)->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_AllReduceLatency_Barrier)->UseRealTime()->Unit(benchmark::kMicrosecond);
 
 BENCHMARK_MAIN();

@@ -42,8 +42,7 @@ class DeviceThreads {
 
  private:
   static void set(int n) {
-    auto& pool = lazy::graph::current_device().threads();
-    if (pool.size() != n) pool.resize(n);
+    if (lazy::get_num_threads() != n) lazy::set_num_threads(n);  // waits for steps in flight
   }
   int old_;
 };

@@ -8,6 +8,13 @@
 //   BM_Chain_Torch/N              libtorch eager, 1 thread (when built with LAZYTENSOR_HAVE_TORCH)
 //   BM_Chain_LazyThreads/N/T      lazytensor with T device threads (thread scaling)
 //
+// The same chain as three statements, t1 = a*b + c; t2 = relu(t1) * d; y = t2 - 0.5*a
+// (cross-statement fusion):
+//   BM_ThreeStmt_Lazy/N           t1, t2 dropped before mark_step (kept in chunk scratch)
+//   BM_ThreeStmt_LazyKept/N       t1, t2 alive across mark_step (written whole)
+//   BM_ThreeStmt_LazyEager/N      the three statements with eager_mode(true): unfused
+// Every lazy variant waits for its step (wait_device_ops) inside the timed loop.
+//
 // Bytes processed: 5 arrays (4 inputs + 1 output) x 4 bytes x N per iteration, the
 // compulsory traffic of a fused kernel, for every variant (so GB/s compare directly).
 
@@ -65,11 +72,63 @@ void run_lazy(benchmark::State& state, std::int64_t n, int threads) {
   for (auto _ : state) {
     lazy::Tensor<float> y = lazy::relu(a * b + c) * d - 0.5f * a;
     lazy::mark_step();
+    lazy::wait_device_ops();
     benchmark::DoNotOptimize(y.node().get());
     benchmark::ClobberMemory();
   }
   set_bytes(state, n);
 }
+
+enum class Statements { Dropped, Kept, Eager };
+
+// The chain as three statements (see the file comment).
+void run_three(benchmark::State& state, Statements mode) {
+  bench::DeviceThreads guard(1);
+  const std::int64_t n = state.range(0);
+  const Inputs in(n);
+  const lazy::Shape shape{n};
+  const auto a = lazy::from_vector<float>(in.a, shape), b = lazy::from_vector<float>(in.b, shape),
+             c = lazy::from_vector<float>(in.c, shape), d = lazy::from_vector<float>(in.d, shape);
+  lazy::eager_mode(mode == Statements::Eager);
+  lazy::Tensor<float> k1, k2;
+  auto step = [&] {
+    lazy::Tensor<float> y;
+    {
+      lazy::Tensor<float> t1 = a * b + c;
+      lazy::Tensor<float> t2 = lazy::relu(t1) * d;
+      y = t2 - 0.5f * a;
+      if (mode == Statements::Kept) {
+        k1 = t1;
+        k2 = t2;
+      }
+    }
+    lazy::mark_step();
+    lazy::wait_device_ops();
+    return y;
+  };
+  {  // untimed self-check (also warms the buffer pool and the plan cache)
+    const lazy::Tensor<float> y = step();
+    const float* p = y.data();
+    for (std::int64_t i = 0; i < n; i += std::max<std::int64_t>(1, n / 4096)) {
+      if (!bench::check(state, std::abs(p[i] - in.reference(i)) <= 1e-5f * (1 + std::abs(in.reference(i))),
+                        "three statements value at " + std::to_string(i))) {
+        lazy::eager_mode(false);
+        return;
+      }
+    }
+  }
+  for (auto _ : state) {
+    lazy::Tensor<float> y = step();
+    benchmark::DoNotOptimize(y.node().get());
+    benchmark::ClobberMemory();
+  }
+  lazy::eager_mode(false);
+  set_bytes(state, n);
+}
+
+void BM_ThreeStmt_Lazy(benchmark::State& state) { run_three(state, Statements::Dropped); }
+void BM_ThreeStmt_LazyKept(benchmark::State& state) { run_three(state, Statements::Kept); }
+void BM_ThreeStmt_LazyEager(benchmark::State& state) { run_three(state, Statements::Eager); }
 
 void BM_Chain_Lazy(benchmark::State& state) { run_lazy(state, state.range(0), 1); }
 
@@ -187,6 +246,9 @@ BENCHMARK(BM_Chain_Xtensor)->Apply(sizes);
 #ifdef LAZYTENSOR_HAVE_TORCH
 BENCHMARK(BM_Chain_Torch)->Apply(sizes);
 #endif
+BENCHMARK(BM_ThreeStmt_Lazy)->Arg(std::int64_t{1} << 20)->Arg(std::int64_t{1} << 24)->UseRealTime();
+BENCHMARK(BM_ThreeStmt_LazyKept)->Arg(std::int64_t{1} << 20)->Arg(std::int64_t{1} << 24)->UseRealTime();
+BENCHMARK(BM_ThreeStmt_LazyEager)->Arg(std::int64_t{1} << 20)->Arg(std::int64_t{1} << 24)->UseRealTime();
 BENCHMARK(BM_Chain_LazyThreads)->Args({std::int64_t{1} << 24, 1})->Args({std::int64_t{1} << 24, 2})->UseRealTime();
 
 BENCHMARK_MAIN();

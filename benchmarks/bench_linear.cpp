@@ -64,6 +64,7 @@ void run_lazy(benchmark::State& state, std::int64_t batch, int threads, bool fus
     for (auto _ : state) {
       lazy::Tensor<float> y = lazy::relu(lazy::linear(x, w, b));
       lazy::mark_step();
+      lazy::wait_device_ops();
       benchmark::DoNotOptimize(y.node().get());
       benchmark::ClobberMemory();
     }
@@ -72,6 +73,7 @@ void run_lazy(benchmark::State& state, std::int64_t batch, int threads, bool fus
       lazy::Tensor<float> h = lazy::linear(x, w);  // held: materialized on its own
       lazy::Tensor<float> y = lazy::relu(h + b);
       lazy::mark_step();
+      lazy::wait_device_ops();
       benchmark::DoNotOptimize(y.node().get());
       benchmark::ClobberMemory();
     }
