@@ -11,6 +11,256 @@
 // lazytensor: lazy tensors with fused, SIMD-vectorized kernels. Umbrella header: include
 // this, or one module header, and link lazytensor::lazytensor.
 
+// ---- begin lazytensor/any_tensor.hpp ----
+// AnyTensor: a tensor whose element type is known at run time only. State dicts, file
+// formats and optimizer state hold tensors of several dtypes side by side; AnyTensor
+// carries them and converts back to Tensor<T> with a checked as<T>().
+
+#include <cstring>
+#include <memory>
+#include <string>
+
+// ---- begin lazytensor/tensor.hpp ----
+// lazy::Tensor<T>: a cheap handle, like torch::Tensor. Copies share one tensor object that
+// points at the graph node holding the current value; in-place ops rebind that node.
+
+#include <cstdint>
+#include <cstring>
+#include <iomanip>
+#include <memory>
+#include <ostream>
+#include <sstream>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <Eigen/Core>
+
+// ---- begin lazytensor/autograd/engine.hpp ----
+// The backward pass: walks the GradFn graph from the roots in dependency order, summing
+// the gradients that reach each function before applying it. Every gradient is a pending
+// node, so backward runs no kernel: forward, backward and the optimizer update of a step
+// materialize together at the next mark_step.
+
+#include <algorithm>
+#include <deque>
+#include <memory>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+// ---- begin lazytensor/autograd/accumulate.hpp ----
+// AccumulateGrad: the end of every gradient path into a leaf. It adds the incoming
+// gradient into the leaf's `.grad()` (lazily: a pending add), as libtorch does.
+
+#include <memory>
+#include <string>
+#include <vector>
+
+// ---- begin lazytensor/autograd/node_ops.hpp ----
+// The few operations autograd performs on gradients whose dtype is known only at run time
+// (a GradFn receives and returns graph nodes): sum a broadcast gradient back to an input's
+// shape, convert dtype, add two gradients, make a constant. All build pending nodes.
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+// ---- begin lazytensor/graph/elementwise_node.hpp ----
+// The graph node of a fused element-wise kernel: one expression, one output, one pass.
+//
+// Split as Eigen splits expressions from evaluators: ElementwiseNode (not a template) owns
+// the graph-side logic — layout, threading, GEMM epilogue fusion, donation — once for all
+// kernels; a CompiledKernel<K, Tout> holds the kernel-form expression and only the loops
+// that must be compiled per expression. That keeps each expression's cost in code (and
+// compile time) to its SIMD loops, and gives the planner one interface to run any
+// element-wise kernel over a range of elements.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <typeinfo>
+#include <vector>
+
+// ---- begin lazytensor/core/counters.hpp ----
+// Process-wide counters and timing metrics, named like PyTorch/XLA's. The lower layers
+// record into them; lazy::debug reports them. A hot path looks a counter up once
+// (function-local static) and then pays one relaxed atomic add.
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+namespace lazy::core {
+
+/// A monotonically increasing event count.
+struct Counter {
+  std::atomic<std::int64_t> value{0};
+  void add(std::int64_t n = 1) { value.fetch_add(n, std::memory_order_relaxed); }
+};
+
+/// Summary of timed samples, in nanoseconds.
+struct MetricData {
+  std::int64_t count = 0;
+  double total_ns = 0, min_ns = 0, max_ns = 0;
+};
+
+/// A series of timed samples.
+class Metric {
+ public:
+  void record(double ns) {
+    std::lock_guard lock(mu_);
+    if (data_.count == 0 || ns < data_.min_ns) data_.min_ns = ns;
+    if (data_.count == 0 || ns > data_.max_ns) data_.max_ns = ns;
+    data_.count++;
+    data_.total_ns += ns;
+  }
+  MetricData data() const {
+    std::lock_guard lock(mu_);
+    return data_;
+  }
+  void reset() {
+    std::lock_guard lock(mu_);
+    data_ = {};
+  }
+
+ private:
+  mutable std::mutex mu_;
+  MetricData data_;
+};
+
+/// The registry of every counter and metric.
+class Registry {
+ public:
+  static Registry& get() {
+    // Never destroyed: devices' executor threads may still record into it while static
+    // objects are destroyed at exit (their destruction order is not ours to choose).
+    static Registry* r = new Registry;
+    return *r;
+  }
+  Counter& counter(const std::string& name) {
+    std::lock_guard lock(mu_);
+    auto& p = counters_[name];
+    if (!p) p = std::make_unique<Counter>();
+    return *p;
+  }
+  Metric& metric(const std::string& name) {
+    std::lock_guard lock(mu_);
+    auto& p = metrics_[name];
+    if (!p) p = std::make_unique<Metric>();
+    return *p;
+  }
+  template <class F>
+  void for_each(F&& f) const {
+    std::lock_guard lock(mu_);
+    for (auto& [n, c] : counters_) f(n, c.get(), static_cast<const Metric*>(nullptr));
+    for (auto& [n, m] : metrics_) f(n, static_cast<const Counter*>(nullptr), m.get());
+  }
+  void reset() {
+    std::lock_guard lock(mu_);
+    for (auto& [n, c] : counters_) c->value.store(0);
+    for (auto& [n, m] : metrics_) m->reset();
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::map<std::string, std::unique_ptr<Counter>> counters_;
+  std::map<std::string, std::unique_ptr<Metric>> metrics_;
+};
+
+inline Counter& counter(const std::string& name) { return Registry::get().counter(name); }
+inline Metric& metric(const std::string& name) { return Registry::get().metric(name); }
+
+/// Records the lifetime of a scope into a metric.
+class ScopedTimer {
+ public:
+  explicit ScopedTimer(Metric& m) : m_(m), t0_(std::chrono::steady_clock::now()) {}
+  ~ScopedTimer() {
+    m_.record(std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0_).count());
+  }
+
+ private:
+  Metric& m_;
+  std::chrono::steady_clock::time_point t0_;
+};
+
+}  // namespace lazy::core
+// ---- end lazytensor/core/counters.hpp ----
+// ---- begin lazytensor/expr/dual.hpp ----
+// Gradient kernels of element-wise expressions, derived at compile time.
+//
+// The gradient of y = f(leaves...) with respect to one leaf is g * dy/dleaf, element by
+// element. DualEval evaluates f on dual numbers (value, tangent) with the tangent seeded
+// at the target leaf: each op combines its operands' tangents through its declared local
+// derivatives (functors.hpp, d<I>), so the chain rule over the expression's type yields
+// one fused kernel that recomputes the forward values it needs and never writes an
+// intermediate. A leaf that appears twice (x * x) is one input slot, so its tangent
+// counts both uses. Subtrees without the target skip their tangent arithmetic (a
+// loop-invariant branch).
+
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <utility>
+
+// ---- begin lazytensor/expr/evaluator.hpp ----
+// Evaluators: built per kernel run from a kernel-form expression and the input pointers.
+// They carry what nodes do not: pointers, the splat flags, the lane type S, and the
+// scalar (coeff) and SIMD (packet) access paths. Eigen's split, in short.
+
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include <xsimd/xsimd.hpp>
+
+// ---- begin lazytensor/expr/kernel_form.hpp ----
+// The kernel form of an expression: the same tree with every tensor leaf replaced by the
+// index of a node input. A graph node stores this form, so it holds no handle of its own
+// beyond its input list (buffer donation counts references on that list).
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+// ---- begin lazytensor/expr/expr.hpp ----
+// Expression nodes. They are thin: an op type and its operands. Leaves hold the graph node
+// of a tensor's value at the time the expression was built (so `auto e = a + 1; a += 5;`
+// keeps meaning the old `a`), scalars hold their value, and the shape is broadcast once,
+// at construction, where a mismatch is reported against the line that built it.
+
+#include <concepts>
+#include <cstdint>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+// ---- begin lazytensor/autograd/function.hpp ----
+// The autograd graph, as in libtorch: every value computed from tensors that require grad
+// records a GradFn that maps the gradient of its output to the gradients of its inputs,
+// and points (`next`) at the functions that receive those. Leaves end in AccumulateGrad,
+// which adds into the leaf's `.grad()`. Gradients are graph nodes too, so a backward pass
+// only builds pending work; it runs at the next mark_step with the forward and the update.
+//
+// This header only needs the graph layer: tensors, expressions and ops include it.
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
 // ---- begin lazytensor/core/error.hpp ----
 // Error hierarchy. Every failure reachable from the public API is one of these, with a
 // message that says what was expected, what was found, and where.
@@ -94,145 +344,14 @@ class IoError : public Error {
 
 }  // namespace lazy
 // ---- end lazytensor/core/error.hpp ----
-// ---- begin lazytensor/debug/graph_dump.hpp ----
-// The pending graph behind tensors, as text or Graphviz DOT (the analogue of
-// torch_xla's get_stablehlo / graph dumps).
-
-#include <algorithm>
-#include <sstream>
-#include <string>
-#include <unordered_map>
-#include <vector>
-
-// ---- begin lazytensor/graph/executor.hpp ----
-// The planner and executor: order the pending nodes reachable from a set of roots, let
-// nodes fuse with their producers, and run each kernel once its inputs exist.
-
-#include <chrono>
-#include <unordered_set>
-#include <utility>
-#include <vector>
-
-// ---- begin lazytensor/core/counters.hpp ----
-// Process-wide counters and timing metrics, named like PyTorch/XLA's. The lower layers
-// record into them; lazy::debug reports them. A hot path looks a counter up once
-// (function-local static) and then pays one relaxed atomic add.
+// ---- begin lazytensor/graph/node.hpp ----
+// Runtime graph nodes. A node is a type-erased kernel plus its inputs; once computed it
+// keeps only its buffer and drops its inputs, so the graph behind it can be freed.
 
 #include <atomic>
-#include <chrono>
 #include <cstdint>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <string>
-
-namespace lazy::core {
-
-/// A monotonically increasing event count.
-struct Counter {
-  std::atomic<std::int64_t> value{0};
-  void add(std::int64_t n = 1) { value.fetch_add(n, std::memory_order_relaxed); }
-};
-
-/// Summary of timed samples, in nanoseconds.
-struct MetricData {
-  std::int64_t count = 0;
-  double total_ns = 0, min_ns = 0, max_ns = 0;
-};
-
-/// A series of timed samples.
-class Metric {
- public:
-  void record(double ns) {
-    std::lock_guard lock(mu_);
-    if (data_.count == 0 || ns < data_.min_ns) data_.min_ns = ns;
-    if (data_.count == 0 || ns > data_.max_ns) data_.max_ns = ns;
-    data_.count++;
-    data_.total_ns += ns;
-  }
-  MetricData data() const {
-    std::lock_guard lock(mu_);
-    return data_;
-  }
-  void reset() {
-    std::lock_guard lock(mu_);
-    data_ = {};
-  }
-
- private:
-  mutable std::mutex mu_;
-  MetricData data_;
-};
-
-/// The registry of every counter and metric.
-class Registry {
- public:
-  static Registry& get() {
-    static Registry r;
-    return r;
-  }
-  Counter& counter(const std::string& name) {
-    std::lock_guard lock(mu_);
-    auto& p = counters_[name];
-    if (!p) p = std::make_unique<Counter>();
-    return *p;
-  }
-  Metric& metric(const std::string& name) {
-    std::lock_guard lock(mu_);
-    auto& p = metrics_[name];
-    if (!p) p = std::make_unique<Metric>();
-    return *p;
-  }
-  template <class F>
-  void for_each(F&& f) const {
-    std::lock_guard lock(mu_);
-    for (auto& [n, c] : counters_) f(n, c.get(), static_cast<const Metric*>(nullptr));
-    for (auto& [n, m] : metrics_) f(n, static_cast<const Counter*>(nullptr), m.get());
-  }
-  void reset() {
-    std::lock_guard lock(mu_);
-    for (auto& [n, c] : counters_) c->value.store(0);
-    for (auto& [n, m] : metrics_) m->reset();
-  }
-
- private:
-  mutable std::mutex mu_;
-  std::map<std::string, std::unique_ptr<Counter>> counters_;
-  std::map<std::string, std::unique_ptr<Metric>> metrics_;
-};
-
-inline Counter& counter(const std::string& name) { return Registry::get().counter(name); }
-inline Metric& metric(const std::string& name) { return Registry::get().metric(name); }
-
-/// Records the lifetime of a scope into a metric.
-class ScopedTimer {
- public:
-  explicit ScopedTimer(Metric& m) : m_(m), t0_(std::chrono::steady_clock::now()) {}
-  ~ScopedTimer() {
-    m_.record(std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0_).count());
-  }
-
- private:
-  Metric& m_;
-  std::chrono::steady_clock::time_point t0_;
-};
-
-}  // namespace lazy::core
-// ---- end lazytensor/core/counters.hpp ----
-// ---- begin lazytensor/graph/device.hpp ----
-// A device: a pending graph, the handles that can reach it, a worker pool, a buffer pool,
-// a random-number stream and the step closures. Devices live for the whole process.
-
-#include <algorithm>
-#include <cstdint>
-#include <cstdlib>
-#include <deque>
-#include <exception>
-#include <functional>
-#include <memory>
-#include <mutex>
-#include <string>
-#include <thread>
 #include <vector>
 
 // ---- begin lazytensor/core/buffer.hpp ----
@@ -257,9 +376,12 @@ inline constexpr std::size_t kBufferAlign = 64;
 /// writes whole batches (16 floats = one AVX-512 register) without a scalar tail.
 inline constexpr std::int64_t kPadElements = 16;
 
-/// Bytes a buffer of `numel` elements of `elem_size` bytes occupies after padding.
+/// Bytes a buffer of `numel` elements of `elem_size` bytes occupies after padding: rounded up
+/// to whole batches, plus one more batch, so that a full SIMD batch loaded at any element
+/// of the tensor stays inside the allocation (a kernel's tail reads a whole batch and
+/// stores only the lanes it owns).
 constexpr std::size_t padded_bytes(std::int64_t numel, std::size_t elem_size) {
-  const std::int64_t n = ((numel < 1 ? 1 : numel) + kPadElements - 1) / kPadElements * kPadElements;
+  const std::int64_t n = ((numel < 1 ? 1 : numel) + kPadElements - 1) / kPadElements * kPadElements + kPadElements;
   const std::size_t bytes = static_cast<std::size_t>(n) * elem_size;
   return (bytes + kBufferAlign - 1) / kBufferAlign * kBufferAlign;
 }
@@ -356,208 +478,6 @@ inline Buffer::~Buffer() {
 
 }  // namespace lazy
 // ---- end lazytensor/core/buffer.hpp ----
-// ---- begin lazytensor/core/thread_pool.hpp ----
-// Fork-join worker pool: a kernel splits its work into tasks, the calling thread takes part,
-// and the call returns when every task is done. Nested calls run inline.
-//
-// Workers spin briefly before sleeping, and so does the caller waiting for the last task:
-// the kernels of one mark_step come back to back, and a condition-variable round trip
-// costs more than a small kernel.
-
-#include <algorithm>
-#include <atomic>
-#include <condition_variable>
-#include <cstdint>
-#include <exception>
-#include <type_traits>
-#include <mutex>
-#include <thread>
-#include <utility>
-#include <vector>
-
-#if defined(__SSE2__)
-#include <immintrin.h>
-#endif
-
-namespace lazy {
-
-/// A fixed set of worker threads running fork-join loops.
-class ThreadPool {
- public:
-  /// `threads` counts the caller: 1 means no worker threads at all.
-  explicit ThreadPool(int threads) { resize(threads); }
-  ~ThreadPool() { stop(); }
-  ThreadPool(const ThreadPool&) = delete;
-  ThreadPool& operator=(const ThreadPool&) = delete;
-
-  /// Number of threads a parallel loop uses, the caller included.
-  int size() const { return threads_; }
-
-  /// Changes the thread count; must not be called while a loop runs.
-  void resize(int threads) {
-    stop();
-    threads_ = std::max(1, threads);
-    stopping_.store(false);
-    // Workers start from the generation current now, not when they first run: a loop
-    // submitted before a new worker got scheduled must not be skipped by it.
-    const std::uint64_t start = generation_.load();
-    for (int i = 1; i < threads_; ++i) workers_.emplace_back([this, start] { worker_loop(start); });
-  }
-
-  /// Runs fn(task) for task in [0, tasks); returns when all have run. The first exception
-  /// thrown by a task is re-thrown here after the others finished.
-  template <class F>
-  void parallel_for(std::int64_t tasks, F&& fn) {
-    if (tasks <= 0) return;
-    if (tasks == 1 || threads_ == 1 || in_worker()) {
-      for (std::int64_t t = 0; t < tasks; ++t) fn(t);
-      return;
-    }
-    std::lock_guard submit(submit_mu_);
-    bool wake = false;
-    const TaskRef job{&fn, [](void* f, std::int64_t t) { (*static_cast<std::remove_reference_t<F>*>(f))(t); }};
-    {
-      std::lock_guard lock(mu_);
-      job_ = job;
-      tasks_ = tasks;
-      next_.store(0);
-      pending_.store(tasks);
-      error_ = nullptr;
-      generation_.fetch_add(1, std::memory_order_release);
-      wake = sleepers_ > 0;
-    }
-    if (wake) cv_.notify_all();
-    in_worker() = true;
-    drain();
-    in_worker() = false;
-    for (int spin = 0; spin < kSpin && !finished(); ++spin) pause();
-    std::unique_lock lock(mu_);
-    done_cv_.wait(lock, [&] { return finished(); });
-    job_ = {};
-    if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
-  }
-
- private:
-  // A non-owning reference to the caller's loop body: no allocation per parallel loop.
-  struct TaskRef {
-    void* fn = nullptr;
-    void (*call)(void*, std::int64_t) = nullptr;
-  };
-
-  static constexpr int kSpin = 2000;  // some tens of microseconds of pause instructions
-
-  static void pause() {
-#if defined(__SSE2__)
-    _mm_pause();
-#else
-    std::this_thread::yield();
-#endif
-  }
-
-  static bool& in_worker() {
-    thread_local bool flag = false;
-    return flag;
-  }
-
-  bool finished() const {
-    return pending_.load(std::memory_order_acquire) == 0 && active_.load(std::memory_order_acquire) == 0;
-  }
-
-  void drain() {
-    TaskRef job;
-    std::int64_t tasks;
-    {
-      std::lock_guard lock(mu_);
-      if (!job_.fn) return;
-      job = job_;
-      tasks = tasks_;
-      active_.fetch_add(1);  // the submitter may not return while we hold its job
-    }
-    std::int64_t done = 0;
-    for (std::int64_t t; (t = next_.fetch_add(1)) < tasks;) {
-      try {
-        job.call(job.fn, t);
-      } catch (...) {
-        std::lock_guard lock(mu_);
-        if (!error_) error_ = std::current_exception();
-      }
-      ++done;
-    }
-    std::lock_guard lock(mu_);
-    pending_.fetch_sub(done, std::memory_order_acq_rel);
-    active_.fetch_sub(1, std::memory_order_acq_rel);
-    if (finished()) done_cv_.notify_all();
-  }
-
-  void worker_loop(std::uint64_t seen) {
-    in_worker() = true;
-    for (;;) {
-      bool ready = false;
-      for (int spin = 0; spin < kSpin; ++spin) {
-        if (stopping_.load(std::memory_order_acquire)) return;
-        if (generation_.load(std::memory_order_acquire) != seen) {
-          ready = true;
-          break;
-        }
-        pause();
-      }
-      if (!ready) {
-        std::unique_lock lock(mu_);
-        ++sleepers_;
-        cv_.wait(lock, [&] { return stopping_.load() || generation_.load() != seen; });
-        --sleepers_;
-        if (stopping_.load()) return;
-      }
-      seen = generation_.load(std::memory_order_acquire);
-      drain();
-    }
-  }
-
-  void stop() {
-    {
-      std::lock_guard lock(mu_);
-      stopping_.store(true);
-    }
-    cv_.notify_all();
-    for (auto& w : workers_) w.join();
-    workers_.clear();
-  }
-
-  int threads_ = 1;
-  std::vector<std::thread> workers_;
-  std::mutex submit_mu_;
-  std::mutex mu_;
-  std::condition_variable cv_, done_cv_;
-  TaskRef job_;                                             // guarded by mu_
-  std::int64_t tasks_ = 0;                                  // guarded by mu_
-  std::exception_ptr error_;                                // guarded by mu_
-  int sleepers_ = 0;                                        // guarded by mu_
-  std::atomic<std::int64_t> next_{0};
-  std::atomic<std::int64_t> pending_{0};
-  std::atomic<int> active_{0};
-  std::atomic<std::uint64_t> generation_{0};
-  std::atomic<bool> stopping_{false};
-};
-
-}  // namespace lazy
-// ---- end lazytensor/core/thread_pool.hpp ----
-// ---- begin lazytensor/graph/tensor_impl.hpp ----
-// The object every copy of a Tensor handle shares. In-place ops rebind `node`, so all
-// copies see the new value (functionalization, as in libtorch/XLA).
-
-#include <memory>
-#include <mutex>
-
-// ---- begin lazytensor/graph/node.hpp ----
-// Runtime graph nodes. A node is a type-erased kernel plus its inputs; once computed it
-// keeps only its buffer and drops its inputs, so the graph behind it can be freed.
-
-#include <atomic>
-#include <cstdint>
-#include <memory>
-#include <string>
-#include <vector>
-
 // ---- begin lazytensor/core/dtype.hpp ----
 // Element types and PyTorch's type promotion rules.
 
@@ -631,6 +551,10 @@ inline constexpr bool is_element_v =
 /// Constrains templates to the supported element types.
 template <class T>
 concept Element = is_element_v<T>;
+
+/// Element types accepted for index tensors (index_select, gather, one_hot, targets).
+template <class I>
+concept IndexElement = std::is_same_v<I, std::int32_t> || std::is_same_v<I, std::int64_t>;
 
 template <Element T>
 constexpr DType dtype_of() {
@@ -882,8 +806,17 @@ class Node {
   std::uint64_t id() const { return id_; }
   const std::vector<NodePtr>& inputs() const { return inputs_; }
 
+  /// Lifecycle: Pending (being traced; only the tracing thread touches it), Queued (handed
+  /// to an execution plan: the tracing thread may hold it as an input but must not look
+  /// inside), Ready (the buffer is set and immutable). Set with release, read with acquire,
+  /// so a Ready node's buffer is visible to whoever sees the state.
+  enum class State : std::uint8_t { Pending, Queued, Ready };
+  State state() const { return state_.load(std::memory_order_acquire); }
+  void set_state(State s) { state_.store(s, std::memory_order_release); }
+  /// True while the node is still being traced: its inputs and kernel may be inspected.
+  bool pending() const { return state() == State::Pending; }
   /// True once the value exists in a buffer.
-  bool materialized() const { return buffer_ != nullptr; }
+  bool materialized() const { return state() == State::Ready; }
   const std::shared_ptr<Buffer>& buffer() const { return buffer_; }
   template <class T>
   const T* data() const {
@@ -894,7 +827,16 @@ class Node {
   virtual std::string op_name() const = 0;
   /// Longer description for graph dumps (the fused expression, reduction dims, ...).
   virtual std::string describe() const { return op_name(); }
-  /// Hash of everything that determines the kernel's code and layout, but not its data.
+  /// Hash of everything that determines the kernel's code and layout, but not its data
+  /// (cached: a node's structure never changes).
+  std::uint64_t hash() const {
+    if (!hash_valid_) {
+      hash_ = structural_hash();
+      hash_valid_ = true;
+    }
+    return hash_;
+  }
+  /// Computes the structural hash (override to add kernel parameters).
   virtual std::uint64_t structural_hash() const;
   /// Estimated cost per output element (1 = one add), used to decide threading.
   virtual double cost_per_element() const { return 1.0; }
@@ -902,6 +844,14 @@ class Node {
   /// Computes the value into a buffer. Called once, after every input is materialized.
   void run(ExecContext& ctx) {
     compute(ctx);
+    finish();
+  }
+
+  /// Ends a run from outside: the value is `buf` (or, without one, it lived only in a fused
+  /// group's scratch and nothing can read it), and the inputs are released.
+  void finish_with(std::shared_ptr<Buffer> buf) {
+    if (buf) set_buffer(std::move(buf));
+    else set_state(State::Ready);
     finish();
   }
 
@@ -914,12 +864,28 @@ class Node {
   void set_deferred(bool d) { deferred_ = d; }
 
   /// Makes this node a materialized value holding `buf` (used by data nodes and views).
-  void set_buffer(std::shared_ptr<Buffer> buf) { buffer_ = std::move(buf); }
+  void set_buffer(std::shared_ptr<Buffer> buf) {
+    buffer_ = std::move(buf);
+    set_state(State::Ready);
+  }
+
+  /// The planner's scratch: this node's position in the plan being built (valid while
+  /// `plan_epoch` matches the planner's epoch). Touched by the planning thread only.
+  std::int32_t plan_slot = -1;
+  std::uint64_t plan_epoch = 0;
 
   /// Steals the buffer of input `i` when nothing else can observe it (buffer donation):
   /// this node is the input's only holder, the input's buffer is not shared (views), and
   /// the input has this node's dtype and element count.
   std::shared_ptr<Buffer> try_donate(std::size_t i);
+
+  /// Donation to a fused group: takes the buffer of materialized `n` when exactly
+  /// `holders` references to it exist (all held by the group's members, which read it at
+  /// the positions they write) and no view shares the buffer. Else null.
+  static std::shared_ptr<Buffer> take_buffer(const NodePtr& n, long holders) {
+    if (!n->materialized() || !n->buffer_ || n.use_count() != holders || n->buffer_.use_count() != 1) return nullptr;
+    return std::move(n->buffer_);
+  }
 
  protected:
   virtual void compute(ExecContext& ctx) = 0;
@@ -964,7 +930,10 @@ class Node {
   std::vector<NodePtr> inputs_;
   std::shared_ptr<Buffer> buffer_;
   std::uint64_t id_;
+  std::atomic<State> state_{State::Pending};
   bool deferred_ = false;
+  mutable bool hash_valid_ = false;
+  mutable std::uint64_t hash_ = 0;
 };
 
 /// A value that already exists (factories, reads from host memory, computed results).
@@ -1014,268 +983,101 @@ inline std::shared_ptr<Buffer> Node::try_donate(std::size_t i) {
 // ---- end lazytensor/graph/node.hpp ----
 
 namespace lazy::graph {
+struct TensorImpl;
+}
 
-/// Shared state behind a tensor handle.
-struct TensorImpl {
-  explicit TensorImpl(NodePtr n) : node(std::move(n)) {}
-  NodePtr node;
-  bool requires_grad = false;  // used by autograd
-};
+namespace lazy::autograd {
 
-}  // namespace lazy::graph
-// ---- end lazytensor/graph/tensor_impl.hpp ----
+class GradFn;
+/// Where a gradient goes: the function that receives it (nullptr: nowhere, no grad).
+using GradFnPtr = std::shared_ptr<GradFn>;
 
-namespace lazy::graph {
-
-/// State of the counter-based random generator of a device.
-struct RngState {
-  std::uint64_t seed = 0x5eed;
-  std::uint64_t offset = 0;  ///< Philox counters consumed so far in this step
-};
-
-/// One execution device (a CPU "core group" with its own pool and graph).
-class Device {
+/// A backward function: gradient of its output -> gradients of its inputs.
+class GradFn {
  public:
-  Device(int index, int threads)
-      : index_(index), pool_(std::make_shared<BufferPool>()), threads_(threads) {}
+  virtual ~GradFn() = default;
 
-  int index() const { return index_; }
-  /// "CPU:0", as torch_xla prints devices.
-  std::string str() const { return "CPU:" + std::to_string(index_); }
+  /// Name as libtorch prints it ("MulBackward0", "MmBackward0", ...).
+  virtual std::string name() const = 0;
+  /// Gradients of the inputs (one per entry of `next`; nullptr where none flows), given
+  /// the gradient of the output (same dtype and shape as the output).
+  virtual std::vector<graph::NodePtr> apply(const graph::NodePtr& grad_output) = 0;
+  /// Drops what forward saved for backward (after a backward without retain_graph).
+  virtual void release_saved() { released_ = true; }
+  /// True once release_saved() ran: a second backward through this function is an error.
+  bool released() const { return released_; }
 
-  ThreadPool& threads() { return threads_; }
-  BufferPool& pool() { return *pool_; }
+  /// Receivers of the input gradients, in input order.
+  std::vector<GradFnPtr> next;
+  /// Metadata of the output, to check and shape incoming gradients.
+  DType dtype = DType::Float32;
+  Shape shape;
+  graph::Device* device = nullptr;
+  /// Non-leaf tensors whose `.grad()` should be kept (retain_grad): filled by backward.
+  std::vector<std::weak_ptr<graph::TensorImpl>> retained;
 
-  /// Registers a handle, so mark_step can find the pending values that are still wanted.
-  void register_handle(const std::shared_ptr<TensorImpl>& impl) {
-    std::lock_guard lock(mu_);
-    if (live_.size() >= compact_at_) {
-      std::erase_if(live_, [](const auto& w) { return w.expired(); });
-      compact_at_ = std::max<std::size_t>(1024, live_.size() * 2);
+ protected:
+  /// Raises the libtorch error for a second backward through a freed graph.
+  void check_not_released() const {
+    if (released_) {
+      throw Error("Trying to backward through the graph a second time (or directly access saved tensors after "
+                  "they have already been freed) in " + name() +
+                  ". Specify retain_graph=true if you need to backward through the graph a second time.");
     }
-    live_.push_back(impl);
-  }
-
-  /// The pending nodes that a live handle refers to.
-  std::vector<NodePtr> pending_roots() {
-    std::lock_guard lock(mu_);
-    std::vector<NodePtr> roots;
-    std::erase_if(live_, [&](const auto& w) {
-      auto impl = w.lock();
-      if (!impl) return true;
-      if (impl->node && !impl->node->materialized()) roots.push_back(impl->node);
-      return false;
-    });
-    compact_at_ = std::max<std::size_t>(1024, live_.size() * 2);
-    return roots;
-  }
-
-  RngState& rng() { return rng_; }
-  bool& eager() { return eager_; }
-
-  void add_step_closure(std::function<void()> f) {
-    std::lock_guard lock(mu_);
-    closures_.push_back(std::move(f));
-  }
-  std::vector<std::function<void()>> take_step_closures() {
-    std::lock_guard lock(mu_);
-    return std::exchange(closures_, {});
-  }
-
-  /// Stores an execution error to be re-thrown at the next read or sync.
-  void store_error(std::exception_ptr e) {
-    std::lock_guard lock(mu_);
-    if (!error_) error_ = e;
-  }
-  /// Re-throws (once) a stored execution error.
-  void rethrow_stored_error() {
-    std::exception_ptr e;
-    {
-      std::lock_guard lock(mu_);
-      e = std::exchange(error_, nullptr);
-    }
-    if (e) std::rethrow_exception(e);
   }
 
  private:
-  int index_;
-  std::shared_ptr<BufferPool> pool_;
-  ThreadPool threads_;
-  std::mutex mu_;
-  std::vector<std::weak_ptr<TensorImpl>> live_;
-  std::size_t compact_at_ = 1024;
-  RngState rng_;
-  bool eager_ = false;
-  std::vector<std::function<void()>> closures_;
-  std::exception_ptr error_;
+  bool released_ = false;
 };
 
-/// Threads a device uses by default: LAZYTENSOR_NUM_THREADS, else the hardware threads.
-inline int default_device_threads() {
-  if (const char* env = std::getenv("LAZYTENSOR_NUM_THREADS")) {
-    const int n = std::atoi(env);
-    if (n > 0) return n;
-  }
-  return std::max(1u, std::thread::hardware_concurrency());
-}
+/// Per-tensor autograd state, allocated only for tensors that take part in autograd.
+struct AutogradMeta {
+  bool requires_grad = false;
+  /// The function that produced this value (nullptr for leaves).
+  GradFnPtr grad_fn;
+  /// A leaf's AccumulateGrad, shared by every expression that reads the leaf.
+  std::weak_ptr<GradFn> accumulator;
+  /// The accumulated gradient (leaves, or non-leaves with retain_grad()), as a tensor
+  /// object of its own so that `p.grad()` handles can update it in place.
+  std::shared_ptr<graph::TensorImpl> grad;
+  bool retains_grad = false;
+};
 
-/// All devices of this process. Created on first use; never destroyed before exit.
-class DeviceRegistry {
+// ---- grad mode -------------------------------------------------------------------------
+
+/// Whether operations record autograd history on this thread (torch.is_grad_enabled()).
+inline bool& grad_mode() {
+  thread_local bool enabled = true;
+  return enabled;
+}
+/// True when autograd records history on this thread.
+inline bool is_grad_enabled() { return grad_mode(); }
+/// Turns history recording on or off for this thread (torch.set_grad_enabled).
+inline void set_grad_enabled(bool on) { grad_mode() = on; }
+
+/// Scope guard that sets grad mode and restores the previous mode on exit.
+class AutoGradMode {
  public:
-  static DeviceRegistry& get() {
-    static DeviceRegistry r;
-    return r;
-  }
-  /// Device `index`, created on first use.
-  Device& device(int index) {
-    if (index < 0) throw DeviceError("device index must be >= 0, got " + std::to_string(index));
-    std::lock_guard lock(mu_);
-    while (static_cast<int>(devices_.size()) <= index) {
-      devices_.push_back(std::make_unique<Device>(static_cast<int>(devices_.size()), default_device_threads()));
-    }
-    return *devices_[index];
-  }
-  /// Number of devices created so far (at least 1).
-  int count() {
-    device(0);
-    std::lock_guard lock(mu_);
-    return static_cast<int>(devices_.size());
-  }
+  explicit AutoGradMode(bool enabled) : prev_(grad_mode()) { grad_mode() = enabled; }
+  ~AutoGradMode() { grad_mode() = prev_; }
+  AutoGradMode(const AutoGradMode&) = delete;
+  AutoGradMode& operator=(const AutoGradMode&) = delete;
 
  private:
-  std::mutex mu_;
-  std::deque<std::unique_ptr<Device>> devices_;
+  bool prev_;
 };
 
-/// Index of this thread's current device (replicas bind their thread to their device).
-inline int& current_device_index() {
-  thread_local int index = 0;
-  return index;
-}
+}  // namespace lazy::autograd
 
-/// This thread's current device.
-inline Device& current_device() { return DeviceRegistry::get().device(current_device_index()); }
-
-inline std::shared_ptr<Buffer> Node::allocate_output(ExecContext& ctx, bool allow_donation) {
-  if (allow_donation) {
-    for (std::size_t i = 0; i < inputs_.size(); ++i) {
-      if (auto b = try_donate(i)) {
-        static auto& donated = core::counter("DonatedBuffers");
-        donated.add();
-        return b;
-      }
-    }
-  }
-  return ctx.device.pool().acquire(padded_bytes(numel(), dtype_size(dtype_)));
-}
-
-}  // namespace lazy::graph
-// ---- end lazytensor/graph/device.hpp ----
-
-namespace lazy::graph {
-
-/// Pending nodes reachable from `roots`, producers before consumers (iterative DFS, so a
-/// long chain of statements cannot overflow the stack).
-inline std::vector<NodePtr> topological_order(const std::vector<NodePtr>& roots) {
-  std::vector<NodePtr> order;
-  std::unordered_set<const Node*> seen;
-  std::vector<std::pair<Node*, std::size_t>> stack;
-  std::vector<NodePtr> holders;  // keeps nodes alive while on the stack
-  for (const auto& r : roots) {
-    if (!r || r->materialized() || !seen.insert(r.get()).second) continue;
-    stack.emplace_back(r.get(), 0);
-    holders.push_back(r);
-    while (!stack.empty()) {
-      auto& [node, next] = stack.back();
-      const auto& ins = node->inputs();
-      if (next < ins.size()) {
-        const NodePtr& in = ins[next++];
-        if (!in->materialized() && seen.insert(in.get()).second) {
-          stack.emplace_back(in.get(), 0);
-        }
-        continue;
-      }
-      // All inputs ordered: find the owning shared_ptr (the root or a consumer's input).
-      Node* done = node;
-      stack.pop_back();
-      NodePtr owner;
-      if (stack.empty()) {
-        owner = r;
-      } else {
-        for (const auto& in : stack.back().first->inputs()) {
-          if (in.get() == done) {
-            owner = in;
-            break;
-          }
-        }
-      }
-      order.push_back(std::move(owner));
-    }
-  }
-  return order;
-}
-
-/// Materializes every pending node reachable from `roots` on `device`. Exceptions thrown
-/// by a kernel propagate to the caller; the nodes not yet run stay pending.
-inline void execute(Device& device, const std::vector<NodePtr>& roots) {
-  static auto& execute_time = core::metric("ExecuteTime");
-  static auto& kernels = core::counter("KernelsRun");
-  std::vector<NodePtr> order = topological_order(roots);
-  if (order.empty()) return;
-  for (const auto& n : order) n->fuse_producers();
-  std::vector<NodePtr> deferred;  // to undo the take-over if a kernel throws
-  for (const auto& n : order)
-    if (n->deferred()) deferred.push_back(n);
-  core::ScopedTimer timer(execute_time);
-  ExecContext ctx{device};
-  std::int64_t ran = 0;
-  try {
-    for (auto& slot : order) {
-      // Take the plan's reference, so a finished node is held only by its consumers and
-      // handles (buffer donation counts on that).
-      NodePtr n = std::move(slot);
-      if (n->materialized() || n->deferred()) continue;
-      n->run(ctx);
-      ++ran;
-    }
-  } catch (...) {
-    for (auto& n : deferred) n->set_deferred(false);
-    kernels.add(ran);
-    throw;
-  }
-  kernels.add(ran);
-}
-
-}  // namespace lazy::graph
-// ---- end lazytensor/graph/executor.hpp ----
-// ---- begin lazytensor/tensor.hpp ----
-// lazy::Tensor<T>: a cheap handle, like torch::Tensor. Copies share one tensor object that
-// points at the graph node holding the current value; in-place ops rebind that node.
-
-#include <cstdint>
-#include <cstring>
-#include <iomanip>
-#include <memory>
-#include <ostream>
-#include <sstream>
-#include <string>
-#include <type_traits>
-#include <vector>
-
-#include <Eigen/Core>
-
-// ---- begin lazytensor/expr/expr.hpp ----
-// Expression nodes. They are thin: an op type and its operands. Leaves hold the graph node
-// of a tensor's value at the time the expression was built (so `auto e = a + 1; a += 5;`
-// keeps meaning the old `a`), scalars hold their value, and the shape is broadcast once,
-// at construction, where a mismatch is reported against the line that built it.
-
-#include <concepts>
-#include <cstdint>
-#include <tuple>
-#include <type_traits>
-#include <utility>
-
+namespace lazy {
+/// Disables gradient recording in its scope (torch::NoGradGuard): optimizer updates,
+/// evaluation loops.
+class NoGradGuard : public autograd::AutoGradMode {
+ public:
+  NoGradGuard() : AutoGradMode(false) {}
+};
+}  // namespace lazy
+// ---- end lazytensor/autograd/function.hpp ----
 // ---- begin lazytensor/expr/functors.hpp ----
 // Element-wise op functors. Each one says how it types its result (PyTorch promotion) and
 // computes on a value `V` that is either a scalar or an xsimd batch of the kernel's lane
@@ -1350,7 +1152,11 @@ template <class A, class B = A>
 using promoted = promote_t<A, B>;
 
 #define LAZY_STRIP(...) __VA_ARGS__
-#define LAZY_UNARY_OP(NAME, STR, COST, RESULT, BODY)             \
+// Each functor also declares its local derivative d<I>(operands..., y): the partial of
+// the result y with respect to operand I, as an expression of the operands and y. The
+// chain rule over an expression's type (expr/dual.hpp) turns these into one fused
+// gradient kernel per leaf.
+#define LAZY_UNARY_OP(NAME, STR, COST, RESULT, BODY, DERIV)      \
   struct NAME {                                                  \
     static constexpr const char* name = STR;                     \
     static constexpr double cost = COST;                         \
@@ -1363,9 +1169,15 @@ using promoted = promote_t<A, B>;
           std::tanh, std::erf, std::trunc;                       \
       LAZY_STRIP BODY                                            \
     }                                                            \
+    template <int I, class V>                                    \
+    static V d([[maybe_unused]] const V& a, [[maybe_unused]] const V& y) { \
+      using namespace detail;                                    \
+      using std::exp, std::log, std::sqrt, std::sin, std::cos, std::erf; \
+      return LAZY_STRIP DERIV;                                   \
+    }                                                            \
   };
 
-#define LAZY_BINARY_OP(NAME, STR, COST, RESULT, BODY) \
+#define LAZY_BINARY_OP(NAME, STR, COST, RESULT, BODY, D0, D1) \
   struct NAME {                                       \
     static constexpr const char* name = STR;          \
     static constexpr double cost = COST;              \
@@ -1377,38 +1189,48 @@ using promoted = promote_t<A, B>;
       using std::pow;                                 \
       LAZY_STRIP BODY                                 \
     }                                                 \
+    template <int I, class V>                         \
+    static V d([[maybe_unused]] const V& a, [[maybe_unused]] const V& b, [[maybe_unused]] const V& y) { \
+      using namespace detail;                         \
+      using std::pow, std::log;                       \
+      if constexpr (I == 0) return LAZY_STRIP D0;     \
+      else return LAZY_STRIP D1;                      \
+    }                                                 \
   };
 
 // Unary ops. Results of floating-only functions on integers are float, as in PyTorch.
-LAZY_UNARY_OP(Neg, "neg", 1, (T), (return -a;))
-LAZY_UNARY_OP(Identity, "identity", 0.5, (T), (return a;))
-LAZY_UNARY_OP(Exp, "exp", 8, (to_floating_t<T>), (return exp(a);))
-LAZY_UNARY_OP(Log, "log", 8, (to_floating_t<T>), (return log(a);))
-LAZY_UNARY_OP(Log1p, "log1p", 10, (to_floating_t<T>), (return log1p(a);))
-LAZY_UNARY_OP(Expm1, "expm1", 10, (to_floating_t<T>), (return expm1(a);))
-LAZY_UNARY_OP(Sqrt, "sqrt", 4, (to_floating_t<T>), (return sqrt(a);))
+LAZY_UNARY_OP(Neg, "neg", 1, (T), (return -a;), (V(-1)))
+LAZY_UNARY_OP(Identity, "identity", 0.5, (T), (return a;), (V(1)))
+LAZY_UNARY_OP(Exp, "exp", 8, (to_floating_t<T>), (return exp(a);), (y))
+LAZY_UNARY_OP(Log, "log", 8, (to_floating_t<T>), (return log(a);), (V(1) / a))
+LAZY_UNARY_OP(Log1p, "log1p", 10, (to_floating_t<T>), (return log1p(a);), (V(1) / (V(1) + a)))
+LAZY_UNARY_OP(Expm1, "expm1", 10, (to_floating_t<T>), (return expm1(a);), (y + V(1)))
+LAZY_UNARY_OP(Sqrt, "sqrt", 4, (to_floating_t<T>), (return sqrt(a);), (V(0.5) / y))
 // Full-precision 1/sqrt: xsimd::rsqrt is an approximation on x86.
-LAZY_UNARY_OP(Rsqrt, "rsqrt", 5, (to_floating_t<T>), (return V(1) / sqrt(a);))
-LAZY_UNARY_OP(Abs, "abs", 1, (T), (return abs(a);))
-LAZY_UNARY_OP(Sign, "sign", 2, (T), (return from_bool<V>(a > V(0)) - from_bool<V>(a < V(0));))
-LAZY_UNARY_OP(Sin, "sin", 10, (to_floating_t<T>), (return sin(a);))
-LAZY_UNARY_OP(Cos, "cos", 10, (to_floating_t<T>), (return cos(a);))
-LAZY_UNARY_OP(Tanh, "tanh", 10, (to_floating_t<T>), (return tanh(a);))
-LAZY_UNARY_OP(Sigmoid, "sigmoid", 10, (to_floating_t<T>), (return V(1) / (V(1) + exp(-a));))
+LAZY_UNARY_OP(Rsqrt, "rsqrt", 5, (to_floating_t<T>), (return V(1) / sqrt(a);), (V(-0.5) * y * y * y))
+LAZY_UNARY_OP(Abs, "abs", 1, (T), (return abs(a);), (from_bool<V>(a > V(0)) - from_bool<V>(a < V(0))))
+LAZY_UNARY_OP(Sign, "sign", 2, (T), (return from_bool<V>(a > V(0)) - from_bool<V>(a < V(0));), (V(0)))
+LAZY_UNARY_OP(Sin, "sin", 10, (to_floating_t<T>), (return sin(a);), (cos(a)))
+LAZY_UNARY_OP(Cos, "cos", 10, (to_floating_t<T>), (return cos(a);), (-sin(a)))
+LAZY_UNARY_OP(Tanh, "tanh", 10, (to_floating_t<T>), (return tanh(a);), (V(1) - y * y))
+LAZY_UNARY_OP(Sigmoid, "sigmoid", 10, (to_floating_t<T>), (return V(1) / (V(1) + exp(-a));), (y * (V(1) - y)))
 // relu keeps NaN (NaN < 0 is false), like torch.relu.
-LAZY_UNARY_OP(Relu, "relu", 1, (T), (return select(a < V(0), V(0), a);))
+LAZY_UNARY_OP(Relu, "relu", 1, (T), (return select(a < V(0), V(0), a);), (from_bool<V>(y > V(0))))
 // Exact (erf) GELU, torch's default approximate='none'.
-LAZY_UNARY_OP(Gelu, "gelu", 12, (to_floating_t<T>), (return V(0.5) * a * (V(1) + erf(a * V(0.70710678118654752440)));))
-LAZY_UNARY_OP(Silu, "silu", 10, (to_floating_t<T>), (return a / (V(1) + exp(-a));))
+LAZY_UNARY_OP(Gelu, "gelu", 12, (to_floating_t<T>), (return V(0.5) * a * (V(1) + erf(a * V(0.70710678118654752440)));),
+              (V(0.5) * (V(1) + erf(a * V(0.70710678118654752440))) + a * V(0.39894228040143267794) * exp(V(-0.5) * a * a)))
+LAZY_UNARY_OP(Silu, "silu", 10, (to_floating_t<T>), (return a / (V(1) + exp(-a));),
+              ((V(1) + a - y) / (V(1) + exp(-a))))
 // softplus with torch's default threshold 20: linear above it.
-LAZY_UNARY_OP(Softplus, "softplus", 12, (to_floating_t<T>), (return select(a > V(20), a, log1p(exp(a)));))
-LAZY_UNARY_OP(LogicalNot, "logical_not", 1, (bool), (return from_bool<V>(a == V(0));))
+LAZY_UNARY_OP(Softplus, "softplus", 12, (to_floating_t<T>), (return select(a > V(20), a, log1p(exp(a)));),
+              (select(a > V(20), V(1), V(1) / (V(1) + exp(-a)))))
+LAZY_UNARY_OP(LogicalNot, "logical_not", 1, (bool), (return from_bool<V>(a == V(0));), (V(0)))
 
 // Binary ops.
-LAZY_BINARY_OP(Add, "add", 1, (promoted<A, B>), (return a + b;))
-LAZY_BINARY_OP(Sub, "sub", 1, (promoted<A, B>), (return a - b;))
-LAZY_BINARY_OP(Mul, "mul", 1, (promoted<A, B>), (return a * b;))
-LAZY_BINARY_OP(Div, "div", 2, (to_floating_t<promoted<A, B>>), (return a / b;))
+LAZY_BINARY_OP(Add, "add", 1, (promoted<A, B>), (return a + b;), (V(1)), (V(1)))
+LAZY_BINARY_OP(Sub, "sub", 1, (promoted<A, B>), (return a - b;), (V(1)), (V(-1)))
+LAZY_BINARY_OP(Mul, "mul", 1, (promoted<A, B>), (return a * b;), (b), (a))
+LAZY_BINARY_OP(Div, "div", 2, (to_floating_t<promoted<A, B>>), (return a / b;), (V(1) / b), (-y / b))
 // xsimd's pow maps a zero base to 0 for every exponent (0^0 and 0^-1 included) and turns
 // inf^0, NaN^0 and 1^NaN into NaN; patch those IEEE cases to agree with std::pow/torch.pow.
 LAZY_BINARY_OP(Pow, "pow", 12, (promoted<A, B>), (
@@ -1422,18 +1244,23 @@ LAZY_BINARY_OP(Pow, "pow", 12, (promoted<A, B>), (
     z = select(zero_base, select(b < V(0), select(odd, xsimd::copysign(inf, a), inf), select(odd, a, V(0))), z);
     z = select(zero_base & is_nan(b), b, z);
     return select((b == V(0)) | (a == V(1)), V(1), z);
-  }))
+  }),
+  // torch.pow's backward: b * a^(b-1) (0 where b == 0), and y * log(a) (0 where a == 0, b >= 0).
+  (select(b == V(0), V(0), b * Pow::apply(a, b - V(1)))),
+  (select((a == V(0)) & (b >= V(0)), V(0), y * log(a))))
 // maximum/minimum propagate NaN from either side, like torch.maximum.
-LAZY_BINARY_OP(Maximum, "maximum", 2, (promoted<A, B>), (return select((a > b) | is_nan(a), a, b);))
-LAZY_BINARY_OP(Minimum, "minimum", 2, (promoted<A, B>), (return select((a < b) | is_nan(a), a, b);))
-LAZY_BINARY_OP(Eq, "eq", 1, (bool), (return from_bool<V>(a == b);))
-LAZY_BINARY_OP(Ne, "ne", 1, (bool), (return from_bool<V>(not_equal(a, b));))
-LAZY_BINARY_OP(Lt, "lt", 1, (bool), (return from_bool<V>(a < b);))
-LAZY_BINARY_OP(Le, "le", 1, (bool), (return from_bool<V>(a <= b);))
-LAZY_BINARY_OP(Gt, "gt", 1, (bool), (return from_bool<V>(a > b);))
-LAZY_BINARY_OP(Ge, "ge", 1, (bool), (return from_bool<V>(a >= b);))
-LAZY_BINARY_OP(LogicalAnd, "logical_and", 1, (bool), (return from_bool<V>(not_equal(a, V(0)) & not_equal(b, V(0)));))
-LAZY_BINARY_OP(LogicalOr, "logical_or", 1, (bool), (return from_bool<V>(not_equal(a, V(0)) | not_equal(b, V(0)));))
+LAZY_BINARY_OP(Maximum, "maximum", 2, (promoted<A, B>), (return select((a > b) | is_nan(a), a, b);),
+               (from_bool<V>(a > b) + V(0.5) * from_bool<V>(a == b)), (from_bool<V>(b > a) + V(0.5) * from_bool<V>(a == b)))
+LAZY_BINARY_OP(Minimum, "minimum", 2, (promoted<A, B>), (return select((a < b) | is_nan(a), a, b);),
+               (from_bool<V>(a < b) + V(0.5) * from_bool<V>(a == b)), (from_bool<V>(b < a) + V(0.5) * from_bool<V>(a == b)))
+LAZY_BINARY_OP(Eq, "eq", 1, (bool), (return from_bool<V>(a == b);), (V(0)), (V(0)))
+LAZY_BINARY_OP(Ne, "ne", 1, (bool), (return from_bool<V>(not_equal(a, b));), (V(0)), (V(0)))
+LAZY_BINARY_OP(Lt, "lt", 1, (bool), (return from_bool<V>(a < b);), (V(0)), (V(0)))
+LAZY_BINARY_OP(Le, "le", 1, (bool), (return from_bool<V>(a <= b);), (V(0)), (V(0)))
+LAZY_BINARY_OP(Gt, "gt", 1, (bool), (return from_bool<V>(a > b);), (V(0)), (V(0)))
+LAZY_BINARY_OP(Ge, "ge", 1, (bool), (return from_bool<V>(a >= b);), (V(0)), (V(0)))
+LAZY_BINARY_OP(LogicalAnd, "logical_and", 1, (bool), (return from_bool<V>(not_equal(a, V(0)) & not_equal(b, V(0)));), (V(0)), (V(0)))
+LAZY_BINARY_OP(LogicalOr, "logical_or", 1, (bool), (return from_bool<V>(not_equal(a, V(0)) | not_equal(b, V(0)));), (V(0)), (V(0)))
 
 #undef LAZY_UNARY_OP
 #undef LAZY_BINARY_OP
@@ -1449,6 +1276,13 @@ struct Where {
   static V apply(const V& c, const V& a, const V& b) {
     using namespace detail;
     return select(not_equal(c, V(0)), a, b);
+  }
+  template <int I, class V>
+  static V d(const V& c, const V&, const V&, const V&) {
+    using namespace detail;
+    if constexpr (I == 0) return V(0);
+    else if constexpr (I == 1) return from_bool<V>(not_equal(c, V(0)));
+    else return from_bool<V>(c == V(0));
   }
 };
 
@@ -1488,6 +1322,12 @@ struct Cast {
       return a;
     }
   }
+  /// Conversions to floating types pass gradients straight through (rounding to bfloat16
+  /// included, as torch does); conversions to integers and bool stop them.
+  template <int I, class V>
+  static V d(const V&, const V&) {
+    return V(is_floating_v<U> ? 1 : 0);
+  }
 };
 
 }  // namespace lazy::ops
@@ -1497,11 +1337,13 @@ namespace lazy {
 
 namespace expr {
 
-/// A tensor operand: the graph node holding its value.
+/// A tensor operand: the graph node holding its value, and where its gradient goes
+/// (null unless the tensor requires grad and grad mode was on when the leaf was made).
 template <Element T>
 struct Leaf {
   using value_type = T;
   graph::NodePtr node;
+  autograd::GradFnPtr grad;
   const Shape& shape() const { return node->shape(); }
 };
 
@@ -1652,6 +1494,23 @@ auto make(const First& first, const Rest&... rest) {
 template <class A, class B>
 concept BinaryOperands = (ExprLike<A> && (ExprLike<B> || Number<B>)) || (Number<A> && ExprLike<B>);
 
+namespace detail {
+template <class X>
+struct operand_value {
+  using type = std::remove_cvref_t<X>;  // a number
+};
+template <ExprLike X>
+struct operand_value<X> {
+  using type = value_t<X>;
+};
+}  // namespace detail
+
+/// An operand (tensor, expression or number) whose values are bool. PyTorch rejects
+/// arithmetic that has no meaning on bool (negation, subtraction of two bools, abs, sign,
+/// relu, pow of two bools, clamp); so do we, at compile time.
+template <class X>
+concept BoolValued = std::is_same_v<typename detail::operand_value<X>::type, bool>;
+
 }  // namespace expr
 
 // ---- operators ------------------------------------------------------------------------
@@ -1663,7 +1522,6 @@ concept BinaryOperands = (ExprLike<A> && (ExprLike<B> || Number<B>)) || (Number<
     return expr::make<ops::OP>(a, b);                                  \
   }
 LAZY_BINARY_OPERATOR(+, Add)
-LAZY_BINARY_OPERATOR(-, Sub)
 LAZY_BINARY_OPERATOR(*, Mul)
 LAZY_BINARY_OPERATOR(/, Div)
 LAZY_BINARY_OPERATOR(==, Eq)
@@ -1676,8 +1534,16 @@ LAZY_BINARY_OPERATOR(&, LogicalAnd)
 LAZY_BINARY_OPERATOR(|, LogicalOr)
 #undef LAZY_BINARY_OPERATOR
 
-/// Element-wise negation.
+/// Element-wise subtraction (not of two bool operands, as in PyTorch: use logical ops).
+template <class A, class B>
+  requires expr::BinaryOperands<A, B> && (!(expr::BoolValued<A> && expr::BoolValued<B>))
+auto operator-(const A& a, const B& b) {
+  return expr::make<ops::Sub>(a, b);
+}
+
+/// Element-wise negation (not of bool, as in PyTorch: use `!` / logical_not).
 template <expr::ExprLike A>
+  requires(!expr::BoolValued<A>)
 auto operator-(const A& a) {
   return expr::make<ops::Neg>(a);
 }
@@ -1693,28 +1559,37 @@ auto operator!(const A& a) {
   auto FN(const A& a) {                    \
     return expr::make<ops::OP>(a);         \
   }
+// Ops without meaning on bool (PyTorch rejects them too).
+#define LAZY_UNARY_NUMERIC_FUNCTION(FN, OP, DOC) \
+  /** DOC Not for bool. */                       \
+  template <expr::ExprLike A>                    \
+    requires(!expr::BoolValued<A>)               \
+  auto FN(const A& a) {                          \
+    return expr::make<ops::OP>(a);               \
+  }
 LAZY_UNARY_FUNCTION(exp, Exp, Element-wise e^x.)
 LAZY_UNARY_FUNCTION(log, Log, Element-wise natural logarithm.)
 LAZY_UNARY_FUNCTION(log1p, Log1p, Element-wise log(1 + x) accurate near 0.)
 LAZY_UNARY_FUNCTION(expm1, Expm1, Element-wise e^x - 1 accurate near 0.)
 LAZY_UNARY_FUNCTION(sqrt, Sqrt, Element-wise square root.)
 LAZY_UNARY_FUNCTION(rsqrt, Rsqrt, Element-wise 1 / sqrt(x).)
-LAZY_UNARY_FUNCTION(abs, Abs, Element-wise absolute value.)
-LAZY_UNARY_FUNCTION(sign, Sign, Element-wise sign: -1 0 or 1.)
+LAZY_UNARY_NUMERIC_FUNCTION(abs, Abs, Element-wise absolute value.)
+LAZY_UNARY_NUMERIC_FUNCTION(sign, Sign, Element-wise sign: -1 0 or 1.)
 LAZY_UNARY_FUNCTION(sin, Sin, Element-wise sine.)
 LAZY_UNARY_FUNCTION(cos, Cos, Element-wise cosine.)
 LAZY_UNARY_FUNCTION(tanh, Tanh, Element-wise hyperbolic tangent.)
 LAZY_UNARY_FUNCTION(sigmoid, Sigmoid, Element-wise logistic function 1 / (1 + e^-x).)
-LAZY_UNARY_FUNCTION(relu, Relu, Element-wise max(x 0) keeping NaN.)
+LAZY_UNARY_NUMERIC_FUNCTION(relu, Relu, Element-wise max(x 0) keeping NaN.)
 LAZY_UNARY_FUNCTION(gelu, Gelu, Element-wise exact GELU x * Phi(x).)
 LAZY_UNARY_FUNCTION(silu, Silu, Element-wise x * sigmoid(x).)
 LAZY_UNARY_FUNCTION(softplus, Softplus, Element-wise log(1 + e^x) (linear above 20).)
 LAZY_UNARY_FUNCTION(logical_not, LogicalNot, Element-wise logical not.)
 #undef LAZY_UNARY_FUNCTION
+#undef LAZY_UNARY_NUMERIC_FUNCTION
 
-/// Element-wise a^b.
+/// Element-wise a^b (not of two bool operands).
 template <class A, class B>
-  requires expr::BinaryOperands<A, B>
+  requires expr::BinaryOperands<A, B> && (!(expr::BoolValued<A> && expr::BoolValued<B>))
 auto pow(const A& a, const B& b) {
   return expr::make<ops::Pow>(a, b);
 }
@@ -1741,8 +1616,9 @@ template <class A, class B>
 auto logical_or(const A& a, const B& b) {
   return expr::make<ops::LogicalOr>(a, b);
 }
-/// Clamps to [lo, hi]; NaN stays NaN.
+/// Clamps to [lo, hi]; NaN stays NaN. Not for bool.
 template <expr::ExprLike X, class L, class H>
+  requires(!expr::BoolValued<X>)
 auto clamp(const X& x, const L& lo, const H& hi) {
   return minimum(maximum(x, lo), hi);
 }
@@ -1758,7 +1634,9 @@ auto where(const C& cond, const A& a, const B& b) {
     } else if constexpr (expr::ExprLike<O>) {
       return expr::scalar_for<expr::value_t<O>>(x);
     } else {
-      return expr::scalar_for<weak_scalar_t<std::int64_t, std::common_type_t<A, B>>>(x);
+      // Both are numbers: their common type (spelled through X and O, so that the
+      // branch is only instantiated when it is taken).
+      return expr::scalar_for<weak_scalar_t<std::int64_t, std::common_type_t<X, O>>>(x);
     }
   };
   auto va = value(a, b);
@@ -1773,45 +1651,6 @@ auto cast(const X& x) {
 
 }  // namespace lazy
 // ---- end lazytensor/expr/expr.hpp ----
-// ---- begin lazytensor/graph/builders.hpp ----
-// Turning expressions into pending graph nodes.
-
-#include <memory>
-#include <string>
-#include <vector>
-
-// ---- begin lazytensor/graph/elementwise_node.hpp ----
-// The graph node of a fused element-wise kernel: one expression, one output, one pass.
-
-#include <cstdint>
-#include <string>
-#include <typeinfo>
-#include <vector>
-
-// ---- begin lazytensor/expr/evaluator.hpp ----
-// Evaluators: built per kernel run from a kernel-form expression and the input pointers.
-// They carry what nodes do not: pointers, the splat flags, the lane type S, and the
-// scalar (coeff) and SIMD (packet) access paths. Eigen's split, in short.
-
-#include <cstdint>
-#include <cstring>
-#include <tuple>
-#include <type_traits>
-#include <vector>
-
-#include <xsimd/xsimd.hpp>
-
-// ---- begin lazytensor/expr/kernel_form.hpp ----
-// The kernel form of an expression: the same tree with every tensor leaf replaced by the
-// index of a node input. A graph node stores this form, so it holds no handle of its own
-// beyond its input list (buffer donation counts references on that list).
-
-#include <cstdint>
-#include <memory>
-#include <string>
-#include <tuple>
-#include <vector>
-
 
 namespace lazy::expr {
 
@@ -1867,24 +1706,29 @@ template <class K>
 using klane_t = typename klane<K>::type;
 
 /// Converts an expression to kernel form, appending its distinct leaf nodes to `inputs`.
+/// With `edges`, a leaf's autograd edge is appended alongside, and two leaves share a slot
+/// only when both node and edge agree (x * x.detach() has two slots: one gets a gradient).
 template <Element T>
-KLeaf<T> to_kernel(const Leaf<T>& l, std::vector<graph::NodePtr>& inputs) {
+KLeaf<T> to_kernel(const Leaf<T>& l, std::vector<graph::NodePtr>& inputs,
+                   std::vector<autograd::GradFnPtr>* edges = nullptr) {
   for (std::size_t i = 0; i < inputs.size(); ++i) {
-    if (inputs[i] == l.node) return {static_cast<int>(i)};
+    if (inputs[i] == l.node && (!edges || (*edges)[i] == l.grad)) return {static_cast<int>(i)};
   }
   inputs.push_back(l.node);
+  if (edges) edges->push_back(l.grad);
   return {static_cast<int>(inputs.size() - 1)};
 }
 template <Element T>
-Scalar<T> to_kernel(const Scalar<T>& s, std::vector<graph::NodePtr>&) {
+Scalar<T> to_kernel(const Scalar<T>& s, std::vector<graph::NodePtr>&, std::vector<autograd::GradFnPtr>* = nullptr) {
   return s;
 }
 template <class Op, class... C>
-auto to_kernel(const Expr<Op, C...>& e, std::vector<graph::NodePtr>& inputs) {
+auto to_kernel(const Expr<Op, C...>& e, std::vector<graph::NodePtr>& inputs,
+               std::vector<autograd::GradFnPtr>* edges = nullptr) {
   return std::apply(
       [&](const auto&... ch) {
         // Braced initialization evaluates left to right: slots follow operand order.
-        return KExpr<Op, kernel_form_t<C>...>{std::tuple<kernel_form_t<C>...>{to_kernel(ch, inputs)...}};
+        return KExpr<Op, kernel_form_t<C>...>{std::tuple<kernel_form_t<C>...>{to_kernel(ch, inputs, edges)...}};
       },
       e.children());
 }
@@ -1892,7 +1736,9 @@ auto to_kernel(const Expr<Op, C...>& e, std::vector<graph::NodePtr>& inputs) {
 /// Sum of the op costs of a kernel-form expression, per output element.
 template <class K>
 constexpr double kernel_cost() {
-  if constexpr (requires { typename K::op_type; }) {
+  if constexpr (requires { K::custom_cost; }) {
+    return K::custom_cost;
+  } else if constexpr (requires { typename K::op_type; }) {
     return []<class... C>(std::type_identity<std::tuple<C...>>) {
       return K::op_type::cost + (0.0 + ... + kernel_cost<C>());
     }(std::type_identity<decltype(K::children)>{});
@@ -1925,22 +1771,6 @@ std::string kernel_text(const KExpr<Op, C...>& k) {
       },
       k.children);
   return s + ")";
-}
-
-/// Hash of the scalar operands' classes: 0, 1, -1 or "other". Other values do not enter
-/// the plan's identity, so a new learning rate reuses the cached plan.
-template <class K>
-std::uint64_t scalar_classes(const K& k) {
-  if constexpr (requires { typename K::op_type; }) {
-    std::uint64_t h = 7;
-    std::apply([&](const auto&... ch) { ((h = h * 31 + scalar_classes(ch)), ...); }, k.children);
-    return h;
-  } else if constexpr (is_scalar<K>::value) {
-    const double v = static_cast<double>(static_cast<compute_t<typename K::value_type>>(k.value));
-    return v == 0 ? 1 : v == 1 ? 2 : v == -1 ? 3 : 4;
-  } else {
-    return 5;
-  }
 }
 
 }  // namespace lazy::expr
@@ -2104,6 +1934,7 @@ struct Eval;
 
 template <class S, Element T>
 struct Eval<S, KLeaf<T>> {
+  static constexpr bool simd = simd_lane_v<S>;
   const T* base;
   const T* ptr;
   bool splat;
@@ -2128,6 +1959,7 @@ struct Eval<S, KLeaf<T>> {
 
 template <class S, Element T>
 struct Eval<S, Scalar<T>> {
+  static constexpr bool simd = simd_lane_v<S>;
   S value;
   Eval(const Scalar<T>& s, const void* const*, const char*) : value(static_cast<S>(static_cast<compute_t<T>>(s.value))) {}
   void seek(const std::int64_t*) {}
@@ -2140,6 +1972,7 @@ struct Eval<S, Scalar<T>> {
 
 template <class S, class Op, class... C>
 struct Eval<S, KExpr<Op, C...>> {
+  static constexpr bool simd = simd_lane_v<S>;
   std::tuple<Eval<S, C>...> children;
 
   Eval(const KExpr<Op, C...>& k, const void* const* ptrs, const char* splats)
@@ -2156,6 +1989,134 @@ struct Eval<S, KExpr<Op, C...>> {
     return std::apply([&](const auto&... ch) { return Op::apply(ch.template packet<Contig>(i)...); }, children);
   }
 };
+
+// ---- exact (per-node) evaluation -------------------------------------------------------
+// PyTorch computes each op in its own type. One floating lane for a whole kernel matches
+// that for floating values (a wider lane only rounds later), but not for integers, which a
+// float lane cannot hold above 2^24 (2^53 for double): where(x > 0, i64_a, i64_b) or
+// (i64_a + i64_b) * 0.5 must stay exact. Kernels that mix int32/int64 values with a
+// floating lane therefore evaluate node by node, each op in its own type, on the scalar
+// path; every other kernel keeps the single SIMD lane.
+
+/// True when K holds an int32 or int64 value anywhere (leaf, scalar or op result).
+template <class K>
+struct has_integral : std::bool_constant<is_integral_v<typename K::value_type>> {};
+template <class Op, class... C>
+struct has_integral<KExpr<Op, C...>>
+    : std::bool_constant<is_integral_v<typename KExpr<Op, C...>::value_type> || (has_integral<C>::value || ...)> {};
+
+/// True when kernel K must use per-node evaluation (see above).
+template <class K>
+inline constexpr bool needs_exact_v = simd_lane_v<klane_t<K>> && has_integral<K>::value;
+
+/// The lane a kernel's root produces: the single lane, or (per-node kernels) the lane of
+/// the root's own type, so an int64 result is never squeezed through a float.
+template <class K>
+using kernel_lane_t = std::conditional_t<needs_exact_v<K>, lane_of<typename K::value_type>, klane_t<K>>;
+
+/// Type an op computes in, given its operands' value types (PyTorch: comparisons and
+/// where compute in the promoted operand type; everything else in its result type).
+template <class Op, class... A>
+struct op_compute {
+  using type = typename Op::template result<A...>;
+};
+#define LAZY_PROMOTED_COMPUTE(OP)     \
+  template <class A, class B>         \
+  struct op_compute<ops::OP, A, B> {  \
+    using type = promote_t<A, B>;     \
+  };
+LAZY_PROMOTED_COMPUTE(Eq)
+LAZY_PROMOTED_COMPUTE(Ne)
+LAZY_PROMOTED_COMPUTE(Lt)
+LAZY_PROMOTED_COMPUTE(Le)
+LAZY_PROMOTED_COMPUTE(Gt)
+LAZY_PROMOTED_COMPUTE(Ge)
+LAZY_PROMOTED_COMPUTE(LogicalAnd)
+LAZY_PROMOTED_COMPUTE(LogicalOr)
+#undef LAZY_PROMOTED_COMPUTE
+template <class A>
+struct op_compute<ops::LogicalNot, A> {
+  using type = A;
+};
+
+/// Rounds a value computed in lane L to what a tensor of type V holds, in V's lane.
+template <Element V, class L>
+inline lane_of<V> round_to(L v) {
+  if constexpr (std::is_same_v<V, bool>) return v != L(0) ? 1 : 0;
+  else if constexpr (std::is_same_v<V, bfloat16>) return static_cast<float>(bfloat16(static_cast<float>(v)));
+  else return static_cast<lane_of<V>>(v);
+}
+
+template <class S, class K>
+struct ExactEval;
+
+template <class S, Element T>
+struct ExactEval<S, KLeaf<T>> : Eval<lane_of<T>, KLeaf<T>> {
+  using Eval<lane_of<T>, KLeaf<T>>::Eval;
+};
+template <class S, Element T>
+struct ExactEval<S, Scalar<T>> : Eval<lane_of<T>, Scalar<T>> {
+  using Eval<lane_of<T>, Scalar<T>>::Eval;
+};
+
+/// Evaluates an op in its own compute type; coeff() returns the op's value in the lane of
+/// its result type (S is unused below the root: each node picks its own).
+template <class S, class Op, class... C>
+struct ExactEval<S, KExpr<Op, C...>> {
+  static constexpr bool simd = false;
+  using V = typename KExpr<Op, C...>::value_type;
+  std::tuple<ExactEval<S, C>...> children;
+
+  ExactEval(const KExpr<Op, C...>& k, const void* const* ptrs, const char* splats)
+      : children(std::apply(
+            [&](const auto&... ch) { return std::tuple<ExactEval<S, C>...>{ExactEval<S, C>(ch, ptrs, splats)...}; },
+            k.children)) {}
+  void seek(const std::int64_t* offsets) {
+    std::apply([&](auto&... ch) { (ch.seek(offsets), ...); }, children);
+  }
+  lane_of<V> coeff(std::int64_t i) const {
+    return std::apply([&](const auto&... ch) { return apply(ch...)(i); }, children);
+  }
+
+ private:
+  template <class... E>
+  auto apply(const E&... ch) const {
+    return [&](std::int64_t i) -> lane_of<V> {
+      if constexpr (std::is_same_v<Op, ops::Where>) {
+        // The condition is tested in its own type (a NaN float is non-zero, not converted).
+        const auto& [c, a, b] = std::tie(ch...);
+        using L = lane_of<op_compute_t<ops::Where, typename C::value_type...>>;
+        return round_to<V>(c.coeff(i) != 0 ? static_cast<L>(a.coeff(i)) : static_cast<L>(b.coeff(i)));
+      } else if constexpr (is_cast<Op>::value) {
+        // A conversion is a store into the target type (truncation, != 0, rounding).
+        return round_to<V>(to_storage<V>((ch.coeff(i), ...)));
+      } else {
+        using L = lane_of<typename op_compute<Op, typename C::value_type...>::type>;
+        return round_to<V>(Op::apply(static_cast<L>(ch.coeff(i))...));
+      }
+    };
+  }
+  template <class O>
+  struct is_cast : std::false_type {};
+  template <Element U>
+  struct is_cast<ops::Cast<U>> : std::true_type {};
+  template <class O, class... A>
+  using op_compute_t = typename op_compute<O, A...>::type;
+};
+
+/// Root evaluator of a kernel with lane S: converts the exact root value to S.
+template <class S, class K>
+struct ExactRoot {
+  static constexpr bool simd = false;
+  ExactEval<S, K> ev;
+  ExactRoot(const K& k, const void* const* ptrs, const char* splats) : ev(k, ptrs, splats) {}
+  void seek(const std::int64_t* offsets) { ev.seek(offsets); }
+  S coeff(std::int64_t i) const { return static_cast<S>(ev.coeff(i)); }
+};
+
+/// The evaluator a kernel of lane S over K uses.
+template <class S, class K>
+using Evaluator = std::conditional_t<needs_exact_v<K>, ExactRoot<S, K>, Eval<S, K>>;
 
 /// Outputs at least this large are written with non-temporal stores: they cannot stay in
 /// cache anyway, and streaming skips reading each output line before overwriting it.
@@ -2195,44 +2156,49 @@ inline void store_fence() {
 #endif
 }
 
-/// Evaluates `k` over the flat element range [b, e) of an output of `n` elements whose
-/// inputs are all contiguous or single elements. A range ending at `n` finishes with one
-/// whole batch that runs into the buffers' padding instead of a scalar tail. With
-/// `Stream`, `out + b` must be batch-aligned and the caller fences after the kernel.
-template <class S, class Tout, bool Contig, class K, bool Stream = false>
-void eval_flat_range(const Eval<S, K>& ev_in, Tout* out, std::int64_t b, std::int64_t e, std::int64_t n) {
-  // A local copy: stores through `out` may alias anything, which would otherwise force a
-  // reload of every leaf pointer from *ev_in after each store.
-  const Eval<S, K> ev = ev_in;
-  std::int64_t i = b;
-  if constexpr (simd_lane_v<S>) {
-    constexpr std::int64_t W = batch_t<S>::size;
-    if constexpr (Stream && std::is_same_v<S, Tout>) {
-      for (; i + W <= e; i += W) stream_store<S>(out + i, ev.template packet<Contig>(i));
-    }
-    for (; i + W <= e; i += W) store_lane<Tout, S>(out + i, ev.template packet<Contig>(i));
-    if (i < e && e == n) {
-      store_lane<Tout, S>(out + i, ev.template packet<Contig>(i));
-      return;
-    }
-  }
-  for (; i < e; ++i) out[i] = to_storage<Tout>(ev.coeff(i));
+/// Keeps the optimizer from inlining a kernel loop into each of its callers: the loop is
+/// called once per task, so the call costs nothing, and every inlined copy of an
+/// expression's SIMD body would be compiled again.
+#if defined(__GNUC__)
+#define LAZY_KERNEL_LOOP __attribute__((noinline))
+#else
+#define LAZY_KERNEL_LOOP
+#endif
+
+/// Stores the first `count` lanes of `b` to `p` (the tail of a range).
+template <class Tout, class S>
+inline void store_partial(Tout* p, const batch_t<S>& b, std::int64_t count) {
+  alignas(64) S tmp[batch_t<S>::size];
+  b.store_aligned(tmp);
+  for (std::int64_t k = 0; k < count; ++k) p[k] = to_storage<Tout>(tmp[k]);
 }
 
-/// Evaluates one row of `len` elements whose leaves were positioned with seek().
-template <class S, class Tout, class K>
-void eval_row(const Eval<S, K>& ev, Tout* out, std::int64_t len) {
-  std::int64_t i = 0;
-  if constexpr (simd_lane_v<S>) {
+/// Evaluates elements [b, e) of a kernel into `out` (indices relative to the evaluator's
+/// leaf positions). `Contig`: no leaf is a splatted single element. The tail is one whole
+/// batch of which only the owned lanes are stored: buffers carry a spare batch of padding,
+/// so the read stays in bounds, and no scalar copy of the expression is compiled. With
+/// `Stream`, stores bypass the cache (out + b batch-aligned; the caller fences).
+template <class S, class Tout, bool Contig, bool Stream, class Ev>
+LAZY_KERNEL_LOOP void eval_range(const Ev& ev_in, Tout* out, std::int64_t b, std::int64_t e) {
+  // A local copy: stores through `out` may alias anything, which would otherwise force a
+  // reload of every leaf pointer from *ev_in after each store.
+  const Ev ev = ev_in;
+  if constexpr (Ev::simd) {
     constexpr std::int64_t W = batch_t<S>::size;
-    for (; i + W <= len; i += W) store_lane<Tout, S>(out + i, ev.template packet<false>(i));
+    std::int64_t i = b;
+    for (; i + W <= e; i += W) {
+      if constexpr (Stream) stream_store<S>(out + i, ev.template packet<Contig>(i));
+      else store_lane<Tout, S>(out + i, ev.template packet<Contig>(i));
+    }
+    if (i < e) store_partial<Tout, S>(out + i, ev.template packet<Contig>(i), e - i);
+  } else {
+    for (std::int64_t i = b; i < e; ++i) out[i] = to_storage<Tout>(ev.coeff(i));
   }
-  for (; i < len; ++i) out[i] = to_storage<Tout>(ev.coeff(i));
 }
 
 /// Evaluates rows [r0, r1) of a layout with several collapsed dimensions.
-template <class S, class Tout, class K>
-void eval_rows(Eval<S, K>& ev, const Layout& L, Tout* out, std::int64_t r0, std::int64_t r1) {
+template <class S, class Tout, class Ev>
+LAZY_KERNEL_LOOP void eval_rows(Ev& ev, const Layout& L, Tout* out, std::int64_t r0, std::int64_t r1) {
   const int outer = L.ndim - 1;
   const std::int64_t inner = L.inner();
   const std::size_t nin = L.stride.size();
@@ -2249,7 +2215,7 @@ void eval_rows(Eval<S, K>& ev, const Layout& L, Tout* out, std::int64_t r0, std:
   }
   for (std::int64_t r = r0; r < r1; ++r) {
     ev.seek(off.data());
-    eval_row<S, Tout>(ev, out + r * inner, inner);
+    eval_range<S, Tout, false, false>(ev, out + r * inner, 0, inner);
     // Advance the odometer over the outer dimensions.
     for (int d = outer - 1; d >= 0; --d) {
       for (std::size_t k = 0; k < nin; ++k) off[k] += L.stride[k][d];
@@ -2262,6 +2228,642 @@ void eval_rows(Eval<S, K>& ev, const Layout& L, Tout* out, std::int64_t r0, std:
 
 }  // namespace lazy::expr
 // ---- end lazytensor/expr/evaluator.hpp ----
+
+namespace lazy::expr {
+
+/// A value and its derivative with respect to the target leaf.
+template <class V>
+struct Dual {
+  V v;
+  V t;
+};
+
+template <class S, class K>
+struct DualEval;
+
+template <class S, Element T>
+struct DualEval<S, KLeaf<T>> {
+  Eval<S, KLeaf<T>> e;
+  bool active;
+  DualEval(const KLeaf<T>& k, const void* const* ptrs, const char* splats, int target)
+      : e(k, ptrs, splats), active(k.slot == target) {}
+  void seek(const std::int64_t* offsets) { e.seek(offsets); }
+  Dual<S> coeff(std::int64_t i) const { return {e.coeff(i), S(active ? 1 : 0)}; }
+  template <bool C>
+  Dual<batch_t<S>> packet(std::int64_t i) const {
+    return {e.template packet<C>(i), batch_t<S>(S(active ? 1 : 0))};
+  }
+};
+
+template <class S, Element T>
+struct DualEval<S, Scalar<T>> {
+  Eval<S, Scalar<T>> e;
+  static constexpr bool active = false;
+  DualEval(const Scalar<T>& k, const void* const* ptrs, const char* splats, int) : e(k, ptrs, splats) {}
+  void seek(const std::int64_t*) {}
+  Dual<S> coeff(std::int64_t i) const { return {e.coeff(i), S(0)}; }
+  template <bool C>
+  Dual<batch_t<S>> packet(std::int64_t i) const {
+    return {e.template packet<C>(i), batch_t<S>(S(0))};
+  }
+};
+
+template <class S, class Op, class... C>
+struct DualEval<S, KExpr<Op, C...>> {
+  std::tuple<DualEval<S, C>...> children;
+  bool active;
+
+  DualEval(const KExpr<Op, C...>& k, const void* const* ptrs, const char* splats, int target)
+      : children(std::apply(
+            [&](const auto&... ch) { return std::tuple<DualEval<S, C>...>{DualEval<S, C>(ch, ptrs, splats, target)...}; },
+            k.children)),
+        active(std::apply([](const auto&... ch) { return (false || ... || ch.active); }, children)) {}
+
+  void seek(const std::int64_t* offsets) {
+    std::apply([&](auto&... ch) { (ch.seek(offsets), ...); }, children);
+  }
+  Dual<S> coeff(std::int64_t i) const {
+    return combine<S>(std::apply([&](const auto&... ch) { return std::make_tuple(ch.coeff(i)...); }, children));
+  }
+  template <bool Contig>
+  Dual<batch_t<S>> packet(std::int64_t i) const {
+    return combine<batch_t<S>>(
+        std::apply([&](const auto&... ch) { return std::make_tuple(ch.template packet<Contig>(i)...); }, children));
+  }
+
+ private:
+  static constexpr std::size_t N = sizeof...(C);
+
+  template <class V, class Tup>
+  Dual<V> combine(const Tup& d) const {
+    return combine_impl<V>(d, std::make_index_sequence<N>{});
+  }
+  template <class V, class Tup, std::size_t... I>
+  Dual<V> combine_impl(const Tup& d, std::index_sequence<I...>) const {
+    const auto vals = std::tie(std::get<I>(d).v...);
+    const V y = Op::apply(std::get<I>(d).v...);
+    V t(0);
+    if (active) {
+      // Sum of d<I>(operands..., y) * tangent_I over the operands that depend on the target.
+      auto partial = [&]<int J>(std::integral_constant<int, J>) {
+        return std::apply([&](const auto&... v) { return Op::template d<J>(v..., y); }, vals);
+      };
+      ((t = std::get<I>(children).active
+                ? t + partial(std::integral_constant<int, static_cast<int>(I)>{}) * std::get<I>(d).t
+                : t),
+       ...);
+    }
+    return {y, t};
+  }
+};
+
+/// Kernel form of "g * d(fwd)/d(input `target`)": the forward kernel, the incoming
+/// gradient as the last input slot, and the target slot (a run-time value: one kernel
+/// type serves every leaf of the expression).
+template <class K, Element Tg>
+struct KGrad {
+  using lane = lane_combine<klane_t<K>, Tg>;
+  using value_type = lane;
+  static constexpr bool is_grad_kernel = true;
+  static constexpr double custom_cost = 3 * kernel_cost<K>() + 1;
+  K fwd;
+  KLeaf<Tg> grad;
+  int target;
+};
+
+template <class K, Element Tg>
+struct klane<KGrad<K, Tg>> {
+  using type = typename KGrad<K, Tg>::lane;
+};
+
+template <class S, class K, Element Tg>
+struct Eval<S, KGrad<K, Tg>> {
+  static constexpr bool simd = simd_lane_v<S>;
+  DualEval<S, K> f;
+  Eval<S, KLeaf<Tg>> g;
+  Eval(const KGrad<K, Tg>& k, const void* const* ptrs, const char* splats)
+      : f(k.fwd, ptrs, splats, k.target), g(k.grad, ptrs, splats) {}
+  void seek(const std::int64_t* offsets) {
+    f.seek(offsets);
+    g.seek(offsets);
+  }
+  S coeff(std::int64_t i) const { return g.coeff(i) * f.coeff(i).t; }
+  template <bool C>
+  batch_t<S> packet(std::int64_t i) const {
+    return g.template packet<C>(i) * f.template packet<C>(i).t;
+  }
+};
+
+/// "grad_in2(mul(in0, in1)) * in3" for graph dumps.
+template <class K, Element Tg>
+std::string kernel_text(const KGrad<K, Tg>& k) {
+  return "d/din" + std::to_string(k.target) + "(" + kernel_text(k.fwd) + ") * " + kernel_text(k.grad);
+}
+
+}  // namespace lazy::expr
+// ---- end lazytensor/expr/dual.hpp ----
+// ---- begin lazytensor/graph/device.hpp ----
+// A device: the trace of pending nodes, the handles that can reach them, a worker pool, a
+// buffer pool, an executor thread running submitted plans in order, the plan cache, a
+// random-number stream and the step closures. Devices live for the whole process.
+//
+// Threads: one thread traces a device (its replica thread, or the user's), creating
+// pending nodes and calling mark_step; the device's executor thread runs the plans
+// mark_step hands it, using the worker pool. The tracing thread never looks inside a
+// queued node, and waits for the executor (wait_idle) before it runs anything itself.
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+// ---- begin lazytensor/core/thread_pool.hpp ----
+// Fork-join worker pool: a kernel splits its work into tasks, the calling thread takes part,
+// and the call returns when every task is done. Nested calls run inline.
+//
+// Workers spin briefly before sleeping, and so does the caller waiting for the last task:
+// the kernels of one mark_step come back to back, and a condition-variable round trip
+// costs more than a small kernel.
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <type_traits>
+#include <mutex>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
+namespace lazy {
+
+/// A fixed set of worker threads running fork-join loops.
+class ThreadPool {
+ public:
+  /// `threads` counts the caller: 1 means no worker threads at all.
+  explicit ThreadPool(int threads) { resize(threads); }
+  ~ThreadPool() { stop(); }
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  /// Number of threads a parallel loop uses, the caller included.
+  int size() const { return threads_; }
+
+  /// Changes the thread count; must not be called while a loop runs.
+  void resize(int threads) {
+    stop();
+    threads_ = std::max(1, threads);
+    stopping_.store(false);
+    // Workers start from the generation current now, not when they first run: a loop
+    // submitted before a new worker got scheduled must not be skipped by it.
+    const std::uint64_t start = generation_.load();
+    for (int i = 1; i < threads_; ++i) workers_.emplace_back([this, start] { worker_loop(start); });
+  }
+
+  /// Runs fn(task) for task in [0, tasks); returns when all have run. The first exception
+  /// thrown by a task is re-thrown here after the others finished.
+  template <class F>
+  void parallel_for(std::int64_t tasks, F&& fn) {
+    if (tasks <= 0) return;
+    if (tasks == 1 || threads_ == 1 || in_worker()) {
+      for (std::int64_t t = 0; t < tasks; ++t) fn(t);
+      return;
+    }
+    // Everything below is the same for every loop body: one copy, not one per kernel.
+    run_job(tasks, TaskRef{&fn, [](void* f, std::int64_t t) { (*static_cast<std::remove_reference_t<F>*>(f))(t); }});
+  }
+
+ private:
+  // A non-owning reference to the caller's loop body: no allocation per parallel loop.
+  struct TaskRef {
+    void* fn = nullptr;
+    void (*call)(void*, std::int64_t) = nullptr;
+  };
+
+  void run_job(std::int64_t tasks, TaskRef job) {
+    std::lock_guard submit(submit_mu_);
+    bool wake = false;
+    {
+      std::lock_guard lock(mu_);
+      job_ = job;
+      tasks_ = tasks;
+      next_.store(0);
+      pending_.store(tasks);
+      error_ = nullptr;
+      generation_.fetch_add(1, std::memory_order_release);
+      wake = sleepers_ > 0;
+    }
+    if (wake) cv_.notify_all();
+    in_worker() = true;
+    drain();
+    in_worker() = false;
+    for (int spin = 0; spin < kSpin && !finished(); ++spin) pause();
+    std::unique_lock lock(mu_);
+    done_cv_.wait(lock, [&] { return finished(); });
+    job_ = {};
+    if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+  }
+
+  static constexpr int kSpin = 2000;  // some tens of microseconds of pause instructions
+
+  static void pause() {
+#if defined(__SSE2__)
+    _mm_pause();
+#else
+    std::this_thread::yield();
+#endif
+  }
+
+  static bool& in_worker() {
+    thread_local bool flag = false;
+    return flag;
+  }
+
+  bool finished() const {
+    return pending_.load(std::memory_order_acquire) == 0 && active_.load(std::memory_order_acquire) == 0;
+  }
+
+  void drain() {
+    TaskRef job;
+    std::int64_t tasks;
+    {
+      std::lock_guard lock(mu_);
+      if (!job_.fn) return;
+      job = job_;
+      tasks = tasks_;
+      active_.fetch_add(1);  // the submitter may not return while we hold its job
+    }
+    std::int64_t done = 0;
+    for (std::int64_t t; (t = next_.fetch_add(1)) < tasks;) {
+      try {
+        job.call(job.fn, t);
+      } catch (...) {
+        std::lock_guard lock(mu_);
+        if (!error_) error_ = std::current_exception();
+      }
+      ++done;
+    }
+    std::lock_guard lock(mu_);
+    pending_.fetch_sub(done, std::memory_order_acq_rel);
+    active_.fetch_sub(1, std::memory_order_acq_rel);
+    if (finished()) done_cv_.notify_all();
+  }
+
+  void worker_loop(std::uint64_t seen) {
+    in_worker() = true;
+    for (;;) {
+      bool ready = false;
+      for (int spin = 0; spin < kSpin; ++spin) {
+        if (stopping_.load(std::memory_order_acquire)) return;
+        if (generation_.load(std::memory_order_acquire) != seen) {
+          ready = true;
+          break;
+        }
+        pause();
+      }
+      if (!ready) {
+        std::unique_lock lock(mu_);
+        ++sleepers_;
+        cv_.wait(lock, [&] { return stopping_.load() || generation_.load() != seen; });
+        --sleepers_;
+        if (stopping_.load()) return;
+      }
+      seen = generation_.load(std::memory_order_acquire);
+      drain();
+    }
+  }
+
+  void stop() {
+    {
+      std::lock_guard lock(mu_);
+      stopping_.store(true);
+    }
+    cv_.notify_all();
+    for (auto& w : workers_) w.join();
+    workers_.clear();
+  }
+
+  int threads_ = 1;
+  std::vector<std::thread> workers_;
+  std::mutex submit_mu_;
+  std::mutex mu_;
+  std::condition_variable cv_, done_cv_;
+  TaskRef job_;                                             // guarded by mu_
+  std::int64_t tasks_ = 0;                                  // guarded by mu_
+  std::exception_ptr error_;                                // guarded by mu_
+  int sleepers_ = 0;                                        // guarded by mu_
+  std::atomic<std::int64_t> next_{0};
+  std::atomic<std::int64_t> pending_{0};
+  std::atomic<int> active_{0};
+  std::atomic<std::uint64_t> generation_{0};
+  std::atomic<bool> stopping_{false};
+};
+
+}  // namespace lazy
+// ---- end lazytensor/core/thread_pool.hpp ----
+// ---- begin lazytensor/graph/tensor_impl.hpp ----
+// The object every copy of a Tensor handle shares. In-place ops rebind `node`, so all
+// copies see the new value (functionalization, as in libtorch/XLA).
+
+#include <memory>
+
+
+namespace lazy::graph {
+
+/// Shared state behind a tensor handle.
+struct TensorImpl {
+  explicit TensorImpl(NodePtr n) : node(std::move(n)) {}
+  NodePtr node;
+  /// Autograd state; null for tensors that never took part in autograd.
+  std::unique_ptr<autograd::AutogradMeta> autograd;
+
+  /// The autograd state, created on first use.
+  autograd::AutogradMeta& autograd_meta() {
+    if (!autograd) autograd = std::make_unique<autograd::AutogradMeta>();
+    return *autograd;
+  }
+  /// True when gradients flow into this tensor.
+  bool requires_grad() const { return autograd && autograd->requires_grad; }
+};
+
+}  // namespace lazy::graph
+// ---- end lazytensor/graph/tensor_impl.hpp ----
+
+namespace lazy::graph {
+
+/// State of the counter-based random generator of a device.
+struct RngState {
+  std::uint64_t seed = 0x5eed;
+  std::uint64_t offset = 0;  ///< Philox counters consumed so far in this step
+};
+
+struct Plan;
+
+/// One execution device (a CPU "core group" with its own pool and graph).
+class Device {
+ public:
+  Device(int index, int threads)
+      : index_(index), pool_(std::make_shared<BufferPool>()), threads_(threads) {}
+  ~Device() { stop_executor(); }
+  Device(const Device&) = delete;
+  Device& operator=(const Device&) = delete;
+
+  int index() const { return index_; }
+  /// "CPU:0", as torch_xla prints devices.
+  std::string str() const { return "CPU:" + std::to_string(index_); }
+
+  ThreadPool& threads() { return threads_; }
+  /// Changes the number of threads kernels use, once the steps in flight have finished.
+  void set_num_threads(int n) {
+    wait_idle();
+    threads_.resize(n);
+  }
+  BufferPool& pool() { return *pool_; }
+
+  // ---- the trace ----------------------------------------------------------------------
+
+  /// Records a new pending node, in creation order.
+  void trace(const NodePtr& n) {
+    std::lock_guard lock(mu_);
+    trace_.push_back(n);
+  }
+  /// Takes the trace (the caller puts back what it does not run, see keep_traced).
+  std::vector<std::weak_ptr<Node>> take_trace() {
+    std::lock_guard lock(mu_);
+    return std::exchange(trace_, {});
+  }
+  /// Returns nodes to the front of the trace (still pending, older than anything traced
+  /// since), keeping creation order.
+  void keep_traced(std::vector<std::weak_ptr<Node>> older) {
+    if (older.empty()) return;
+    std::lock_guard lock(mu_);
+    older.insert(older.end(), trace_.begin(), trace_.end());
+    trace_ = std::move(older);
+  }
+
+  /// Registers a handle, so mark_step can find the pending values that are still wanted.
+  void register_handle(const std::shared_ptr<TensorImpl>& impl) {
+    std::lock_guard lock(mu_);
+    if (live_.size() >= compact_at_) {
+      std::erase_if(live_, [](const auto& w) { return w.expired(); });
+      compact_at_ = std::max<std::size_t>(1024, live_.size() * 2);
+    }
+    live_.push_back(impl);
+  }
+  /// Calls f(node) for the node of every live handle whose value is still being traced.
+  template <class F>
+  void for_each_pending_root(F&& f) {
+    std::lock_guard lock(mu_);
+    std::erase_if(live_, [&](const auto& w) {
+      auto impl = w.lock();
+      if (!impl) return true;
+      if (impl->node && impl->node->pending()) f(impl->node);
+      return false;
+    });
+    compact_at_ = std::max<std::size_t>(1024, live_.size() * 2);
+  }
+
+  // ---- execution ----------------------------------------------------------------------
+
+  /// Runs `job` on the executor thread after the jobs before it.
+  void enqueue(std::function<void()> job) {
+    {
+      std::lock_guard lock(exec_mu_);
+      if (!executor_.joinable()) executor_ = std::thread([this] { executor_loop(); });
+      jobs_.push_back(std::move(job));
+      ++outstanding_;
+    }
+    exec_cv_.notify_all();
+  }
+  /// Blocks until every enqueued job has finished.
+  void wait_idle() {
+    std::unique_lock lock(exec_mu_);
+    idle_cv_.wait(lock, [&] { return outstanding_ == 0; });
+  }
+  /// True when jobs are enqueued or running.
+  bool busy() {
+    std::lock_guard lock(exec_mu_);
+    return outstanding_ != 0;
+  }
+  /// Whether mark_step runs plans on the executor thread (default, LAZYTENSOR_ASYNC=0 turns
+  /// it off) or on the calling thread.
+  bool& async() { return async_; }
+
+  /// The plans built so far, by structural hash.
+  std::unordered_map<std::uint64_t, std::shared_ptr<const Plan>>& plan_cache() { return plan_cache_; }
+  /// Steps and plan rebuilds, for the re-planning warning.
+  struct PlanStats {
+    std::int64_t steps = 0, rebuilds_after_warmup = 0;
+    bool warned = false;
+    std::vector<std::uint64_t> last_signature;
+    std::vector<std::string> last_description;
+  };
+  PlanStats& plan_stats() { return plan_stats_; }
+
+  RngState& rng() { return rng_; }
+  bool& eager() { return eager_; }
+
+  void add_step_closure(std::function<void()> f) {
+    std::lock_guard lock(mu_);
+    closures_.push_back(std::move(f));
+  }
+  std::vector<std::function<void()>> take_step_closures() {
+    std::lock_guard lock(mu_);
+    return std::exchange(closures_, {});
+  }
+
+  /// Stores an execution error to be re-thrown at the next read or sync.
+  void store_error(std::exception_ptr e) {
+    std::lock_guard lock(mu_);
+    if (!error_) error_ = e;
+  }
+  /// Re-throws (once) a stored execution error.
+  void rethrow_stored_error() {
+    std::exception_ptr e;
+    {
+      std::lock_guard lock(mu_);
+      e = std::exchange(error_, nullptr);
+    }
+    if (e) std::rethrow_exception(e);
+  }
+
+ private:
+  void executor_loop() {
+    for (;;) {
+      std::function<void()> job;
+      {
+        std::unique_lock lock(exec_mu_);
+        exec_cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
+        if (jobs_.empty()) return;  // stopping, nothing left
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
+      job();  // jobs catch their own errors (store_error)
+      job = nullptr;
+      {
+        std::lock_guard lock(exec_mu_);
+        --outstanding_;
+      }
+      idle_cv_.notify_all();
+    }
+  }
+  // At destruction (process exit): steps not started yet are dropped (nothing can read
+  // their results any more), the running one finishes.
+  void stop_executor() {
+    std::deque<std::function<void()>> dropped;
+    {
+      std::lock_guard lock(exec_mu_);
+      stop_ = true;
+      dropped.swap(jobs_);
+      outstanding_ -= static_cast<std::int64_t>(dropped.size());
+    }
+    exec_cv_.notify_all();
+    if (executor_.joinable()) executor_.join();
+  }
+
+  static bool default_async() {
+    const char* env = std::getenv("LAZYTENSOR_ASYNC");
+    return !(env && env[0] == '0');
+  }
+
+  int index_;
+  std::shared_ptr<BufferPool> pool_;
+  ThreadPool threads_;
+  std::mutex mu_;
+  std::vector<std::weak_ptr<Node>> trace_;
+  std::vector<std::weak_ptr<TensorImpl>> live_;
+  std::size_t compact_at_ = 1024;
+  RngState rng_;
+  bool eager_ = false;
+  bool async_ = default_async();
+  std::vector<std::function<void()>> closures_;
+  std::exception_ptr error_;
+  std::unordered_map<std::uint64_t, std::shared_ptr<const Plan>> plan_cache_;
+  PlanStats plan_stats_;
+
+  std::mutex exec_mu_;
+  std::condition_variable exec_cv_, idle_cv_;
+  std::deque<std::function<void()>> jobs_;
+  std::int64_t outstanding_ = 0;
+  bool stop_ = false;
+  std::thread executor_;
+};
+
+/// Threads a device uses by default: LAZYTENSOR_NUM_THREADS, else the hardware threads.
+inline int default_device_threads() {
+  if (const char* env = std::getenv("LAZYTENSOR_NUM_THREADS")) {
+    const int n = std::atoi(env);
+    if (n > 0) return n;
+  }
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+/// All devices of this process. Created on first use; never destroyed before exit.
+class DeviceRegistry {
+ public:
+  static DeviceRegistry& get() {
+    static DeviceRegistry r;
+    return r;
+  }
+  /// Device `index`, created on first use.
+  Device& device(int index) {
+    if (index < 0) throw DeviceError("device index must be >= 0, got " + std::to_string(index));
+    std::lock_guard lock(mu_);
+    while (static_cast<int>(devices_.size()) <= index) {
+      devices_.push_back(std::make_unique<Device>(static_cast<int>(devices_.size()), default_device_threads()));
+    }
+    return *devices_[index];
+  }
+  /// Number of devices created so far (at least 1).
+  int count() {
+    device(0);
+    std::lock_guard lock(mu_);
+    return static_cast<int>(devices_.size());
+  }
+
+ private:
+  std::mutex mu_;
+  std::deque<std::unique_ptr<Device>> devices_;
+};
+
+/// Index of this thread's current device (replicas bind their thread to their device).
+inline int& current_device_index() {
+  thread_local int index = 0;
+  return index;
+}
+
+/// This thread's current device.
+inline Device& current_device() { return DeviceRegistry::get().device(current_device_index()); }
+
+inline std::shared_ptr<Buffer> Node::allocate_output(ExecContext& ctx, bool allow_donation) {
+  if (allow_donation) {
+    for (std::size_t i = 0; i < inputs_.size(); ++i) {
+      if (auto b = try_donate(i)) {
+        static auto& donated = core::counter("DonatedBuffers");
+        donated.add();
+        return b;
+      }
+    }
+  }
+  return ctx.device.pool().acquire(padded_bytes(numel(), dtype_size(dtype_)));
+}
+
+}  // namespace lazy::graph
+// ---- end lazytensor/graph/device.hpp ----
 // ---- begin lazytensor/graph/parallel.hpp ----
 // When and how a kernel is split across a device's workers.
 
@@ -2303,41 +2905,105 @@ class RowProducer {
  public:
   virtual ~RowProducer() = default;
   /// Writes rows [r0, r1) of this node's value (viewed as rows x last dim) into `out`,
-  /// a buffer laid out like this node's value. Runs on the calling thread only.
+  /// a buffer laid out like this node's value. Runs on the calling thread only. The
+  /// producer cuts the range at fixed row_block() boundaries, so the values do not depend
+  /// on how callers split the rows (bitwise-identical results for any thread count).
   virtual void produce_rows(void* out, std::int64_t r0, std::int64_t r1) = 0;
+  /// The rows one block holds (callers split on multiples of it to avoid partial blocks).
+  virtual std::int64_t row_block() const = 0;
 };
 
-/// Evaluates kernel-form expression K into a tensor of type Tout.
+/// The per-expression part of an element-wise kernel: its loops.
+class ElementwiseKernel {
+ public:
+  virtual ~ElementwiseKernel() = default;
+  /// Elements [b, e) of a flat kernel (inputs of the output's shape, or single elements
+  /// flagged in `splat`). `contig`: no splat. `stream`: non-temporal stores, out + b
+  /// batch-aligned, the caller fences.
+  virtual void flat(const void* const* in, const char* splat, void* out, std::int64_t b, std::int64_t e, bool contig,
+                    bool stream) const = 0;
+  /// Rows [r0, r1) of a kernel with a multi-dimensional broadcast layout.
+  virtual void rows(const void* const* in, const expr::Layout& layout, void* out, std::int64_t r0,
+                    std::int64_t r1) const = 0;
+  /// The expression as text ("add(mul(in0, in1), 2)").
+  virtual std::string text() const = 0;
+  /// Estimated cost per element (1 = one add).
+  virtual double cost() const = 0;
+  /// Identity of the code: equal hashes, same kernel up to scalar values. Scalar values
+  /// never enter it (not even 0 and +-1, which DESIGN allows: no kernel specializes on
+  /// them), so a new learning rate or a schedule reaching 0 never changes a plan.
+  virtual std::uint64_t hash() const = 0;
+};
+
+/// The loops of kernel-form expression K writing Tout.
 template <class K, Element Tout>
+class CompiledKernel final : public ElementwiseKernel {
+ public:
+  using S = expr::kernel_lane_t<K>;
+  using Ev = expr::Evaluator<S, K>;
+
+  explicit CompiledKernel(K k) : k_(std::move(k)) {}
+
+  void flat(const void* const* in, const char* splat, void* out_v, std::int64_t b, std::int64_t e, bool contig,
+            bool stream) const override {
+    Tout* out = static_cast<Tout*>(out_v);
+    Ev ev(k_, in, splat);
+    if constexpr (Ev::simd && std::is_same_v<S, Tout>) {
+      if (stream) {
+        expr::eval_range<S, Tout, true, true>(ev, out, b, e);
+        return;
+      }
+    }
+    if (contig) expr::eval_range<S, Tout, true, false>(ev, out, b, e);
+    else expr::eval_range<S, Tout, false, false>(ev, out, b, e);
+  }
+  void rows(const void* const* in, const expr::Layout& layout, void* out, std::int64_t r0,
+            std::int64_t r1) const override {
+    Ev ev(k_, in, layout.splat.data());
+    expr::eval_rows<S, Tout>(ev, layout, static_cast<Tout*>(out), r0, r1);
+  }
+  std::string text() const override { return expr::kernel_text(k_); }
+  double cost() const override { return expr::kernel_cost<K>(); }
+  std::uint64_t hash() const override { return typeid(K).hash_code(); }
+
+  /// Whether this kernel can stream its stores (a SIMD lane that is the output type).
+  static constexpr bool can_stream = Ev::simd && std::is_same_v<S, Tout>;
+
+ private:
+  K k_;
+};
+
+/// Evaluates an element-wise kernel into a tensor.
 class ElementwiseNode final : public Node {
  public:
-  using S = expr::klane_t<K>;
-
-  ElementwiseNode(K kernel, Shape shape, Device* device, std::vector<NodePtr> inputs)
-      : Node(NodeKind::Elementwise, dtype_of<Tout>(), shape, device, std::move(inputs)),
-        kernel_(std::move(kernel)) {
+  ElementwiseNode(std::unique_ptr<ElementwiseKernel> kernel, bool can_stream, DType dtype, Shape shape,
+                  Device* device, std::vector<NodePtr> inputs)
+      : Node(NodeKind::Elementwise, dtype, shape, device, std::move(inputs)), kernel_(std::move(kernel)),
+        can_stream_(can_stream) {
     std::vector<Shape> shapes;
+    shapes.reserve(this->inputs().size());
     for (const auto& in : this->inputs()) shapes.push_back(in->shape());
     layout_ = expr::make_layout(shape, shapes);
   }
 
   std::string op_name() const override { return "fused"; }
-  std::string describe() const override { return expr::kernel_text(kernel_); }
-  double cost_per_element() const override { return expr::kernel_cost<K>(); }
-  std::uint64_t structural_hash() const override {
-    return hash_combine(hash_combine(Node::structural_hash(), typeid(K).hash_code()),
-                        expr::scalar_classes(kernel_));
-  }
+  std::string describe() const override { return kernel_->text(); }
+  double cost_per_element() const override { return kernel_->cost(); }
+  std::uint64_t structural_hash() const override { return hash_combine(Node::structural_hash(), kernel_->hash()); }
   const expr::Layout& layout() const { return layout_; }
+  const ElementwiseKernel& kernel() const { return *kernel_; }
+  /// True when this node runs a GEMM producer in row blocks (see fuse_producers).
+  bool takes_producer() const { return fused_slot_ >= 0; }
 
   void fuse_producers() override {
     // Take over a GEMM producer that nothing else reads: it then runs in row blocks, each
     // followed at once by this epilogue while the block is still in cache.
+    fused_slot_ = -1;
     const auto& ins = inputs();
     for (std::size_t i = 0; i < ins.size(); ++i) {
       if (ins[i]->kind() != NodeKind::Gemm) continue;
       auto* rp = dynamic_cast<RowProducer*>(ins[i].get());
-      if (!rp || ins[i]->materialized() || ins[i]->dtype() != dtype() || !(ins[i]->shape() == shape()) ||
+      if (!rp || !ins[i]->pending() || ins[i]->dtype() != dtype() || !(ins[i]->shape() == shape()) ||
           shape().rank() < 1 || !(layout_.flat() || layout_.inner() == shape()[shape().rank() - 1]))
         continue;
       long holders = 0;
@@ -2357,7 +3023,7 @@ class ElementwiseNode final : public Node {
       ptrs[i] = static_cast<int>(i) == fused_slot_ ? nullptr : ins[i]->buffer()->data();
     }
     auto buf = allocate_output(ctx, fused_slot_ < 0);
-    Tout* out = static_cast<Tout*>(buf->data());
+    void* out = buf->data();
     if (fused_slot_ >= 0) {
       ptrs[fused_slot_] = out;  // the epilogue reads the GEMM block in place
       run_with_producer(ctx, ptrs, out);
@@ -2373,68 +3039,50 @@ class ElementwiseNode final : public Node {
   }
 
  private:
-  void run(ExecContext& ctx, const std::vector<const void*>& ptrs, Tout* out) const {
+  void run(ExecContext& ctx, const std::vector<const void*>& ptrs, void* out) const {
     const std::int64_t n = numel();
     if (n == 0) return;
     auto& pool = ctx.device.threads();
-    const double cost = expr::kernel_cost<K>();
+    const double cost = kernel_->cost();
+    const std::int64_t tasks = task_count(pool, n, cost);
     if (layout_.flat()) {
-      const std::int64_t tasks = task_count(pool, n, cost);
       const bool contig = !layout_.any_splat();
-      const bool stream = n * static_cast<std::int64_t>(sizeof(Tout)) >= expr::kStreamingStoreBytes;
+      const bool stream = can_stream_ && contig &&
+                          n * static_cast<std::int64_t>(dtype_size(dtype())) >= expr::kStreamingStoreBytes;
       pool.parallel_for(tasks, [&](std::int64_t t) {
         auto [b, e] = task_range(n, tasks, t, kPadElements);
-        expr::Eval<S, K> ev(kernel_, ptrs.data(), layout_.splat.data());
-        if (stream) {
-          if (contig) expr::eval_flat_range<S, Tout, true, K, true>(ev, out, b, e, n);
-          else expr::eval_flat_range<S, Tout, false, K, true>(ev, out, b, e, n);
-          expr::store_fence();
-        } else if (contig) {
-          expr::eval_flat_range<S, Tout, true>(ev, out, b, e, n);
-        } else {
-          expr::eval_flat_range<S, Tout, false>(ev, out, b, e, n);
-        }
+        kernel_->flat(ptrs.data(), layout_.splat.data(), out, b, e, contig, stream);
+        if (stream) expr::store_fence();
       });
     } else {
       const std::int64_t rows = n / layout_.inner();
-      const std::int64_t tasks = task_count(pool, n, cost);
-      pool.parallel_for(std::min(tasks, rows), [&](std::int64_t t) {
-        auto [r0, r1] = task_range(rows, std::min(tasks, rows), t);
-        expr::Eval<S, K> ev(kernel_, ptrs.data(), layout_.splat.data());
-        expr::eval_rows<S, Tout>(ev, layout_, out, r0, r1);
+      const std::int64_t rtasks = std::min(tasks, rows);
+      pool.parallel_for(rtasks, [&](std::int64_t t) {
+        auto [r0, r1] = task_range(rows, rtasks, t);
+        kernel_->rows(ptrs.data(), layout_, out, r0, r1);
       });
     }
   }
 
-  // Each thread runs the GEMM on its rows in as few calls as possible (every call re-packs
-  // the right-hand matrix), in blocks of at most ~512 KiB of output so that the epilogue
-  // rewrites them in place while they are still in L2.
-  void run_with_producer(ExecContext& ctx, const std::vector<const void*>& ptrs, Tout* out) {
+  // The producer's row blocks (fixed by the shapes, not by the thread count), each
+  // followed at once by the epilogue while it is still in cache.
+  void run_with_producer(ExecContext& ctx, const std::vector<const void*>& ptrs, void* out) {
     auto* producer = dynamic_cast<RowProducer*>(inputs()[fused_slot_].get());
     const std::int64_t cols = shape()[shape().rank() - 1];
     const std::int64_t rows = cols ? numel() / cols : 0;
     if (rows == 0) return;
     auto& pool = ctx.device.threads();
-    const std::int64_t threads = std::min<std::int64_t>(
-        std::max(1, pool.size()), std::max<std::int64_t>(1, task_count(pool, numel(), producer_cost())));
-    const std::int64_t row_bytes = cols * static_cast<std::int64_t>(sizeof(Tout));
-    const std::int64_t by_cache = (rows * row_bytes + (512 << 10) - 1) / (512 << 10);
-    const std::int64_t wanted = std::min(rows, std::max(threads, (by_cache + threads - 1) / threads * threads));
-    const std::int64_t block = (rows + wanted - 1) / wanted;
+    const std::int64_t block = std::max<std::int64_t>(1, producer->row_block());
     const std::int64_t blocks = (rows + block - 1) / block;
-    const std::int64_t tasks = std::min(threads, blocks);
+    const std::int64_t tasks = std::min(blocks, std::max<std::int64_t>(1, task_count(pool, numel(), producer_cost())));
+    const bool contig = !layout_.any_splat();
     pool.parallel_for(tasks, [&](std::int64_t t) {
       auto [b0, b1] = task_range(blocks, tasks, t);
-      expr::Eval<S, K> ev(kernel_, ptrs.data(), layout_.splat.data());
       for (std::int64_t b = b0; b < b1; ++b) {
         const std::int64_t r0 = b * block, r1 = std::min(rows, r0 + block);
         producer->produce_rows(out, r0, r1);
-        if (layout_.flat()) {
-          if (layout_.any_splat()) expr::eval_flat_range<S, Tout, false>(ev, out, r0 * cols, r1 * cols, numel());
-          else expr::eval_flat_range<S, Tout, true>(ev, out, r0 * cols, r1 * cols, numel());
-        } else {
-          expr::eval_rows<S, Tout>(ev, layout_, out, r0, r1);  // inner == cols (fuse_producers)
-        }
+        if (layout_.flat()) kernel_->flat(ptrs.data(), layout_.splat.data(), out, r0 * cols, r1 * cols, contig, false);
+        else kernel_->rows(ptrs.data(), layout_, out, r0, r1);  // inner == cols (fuse_producers)
       }
     });
     inputs()[fused_slot_]->set_deferred(false);
@@ -2442,13 +3090,1100 @@ class ElementwiseNode final : public Node {
 
   double producer_cost() const { return inputs()[fused_slot_]->cost_per_element(); }
 
-  K kernel_;
+  std::unique_ptr<ElementwiseKernel> kernel_;
+  bool can_stream_;
   expr::Layout layout_;
   int fused_slot_ = -1;
 };
 
+/// A pending-node-to-be for kernel-form expression `k` writing Tout of `shape` on `device`
+/// (not yet submitted).
+template <Element Tout, class K>
+NodePtr elementwise_node(K k, const Shape& shape, Device* device, std::vector<NodePtr> inputs) {
+  using CK = CompiledKernel<K, Tout>;
+  return std::make_shared<ElementwiseNode>(std::make_unique<CK>(std::move(k)), CK::can_stream, dtype_of<Tout>(),
+                                           shape, device, std::move(inputs));
+}
+
 }  // namespace lazy::graph
 // ---- end lazytensor/graph/elementwise_node.hpp ----
+// ---- begin lazytensor/graph/reduction_node.hpp ----
+// Reductions fused with their element-wise child: the child expression is evaluated inside
+// the reduction loop, never written out. The child is viewed as [outer, R, inner] and
+// reduced over R.
+//
+// Determinism: a span of R contiguous values is cut into fixed blocks of kReduceBlock
+// elements, each reduced with 4 independent SIMD accumulators, and the block results are
+// combined by a pairwise tree. Block boundaries depend only on the sizes, so results are
+// bitwise identical whatever the number of threads.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <typeinfo>
+#include <vector>
+
+// ---- begin lazytensor/graph/chunk_reduction.hpp ----
+// The face a reduction shows to a fused element-wise group it ends: the group computes its
+// child chunk by chunk and hands each chunk to the reduction, which keeps one partial
+// result per chunk and combines them at the end.
+//
+// Only reductions of every element to one value take part: their blocks (kReduceBlock)
+// are the group's chunks (kFusionChunk), both cut at the same multiples from element 0,
+// so a fused reduction adds exactly the same numbers in the same order as an unfused one
+// (bitwise-identical results, whatever the fusion or the thread count).
+
+#include <cstddef>
+#include <cstdint>
+
+namespace lazy::graph {
+
+struct ExecContext;
+
+/// Implemented by reduction nodes that can end a fused group (see the file comment).
+class ChunkReduction {
+ public:
+  virtual ~ChunkReduction() = default;
+  /// True when every element of the child is reduced to one value: only then can the
+  /// node end a group.
+  virtual bool reduces_all() const = 0;
+  /// Bytes of one partial result.
+  virtual std::size_t partial_bytes() const = 0;
+  /// Reduces `len` (<= one chunk) elements whose inputs start at `inputs` (an input of
+  /// one element broadcast to all: its only element) into `partial`.
+  virtual void reduce_chunk(const void* const* inputs, std::int64_t len, void* partial) const = 0;
+  /// Combines `count` partials (in chunk order) into the node's value and finishes it.
+  virtual void finish_partials(ExecContext& ctx, void* partials, std::int64_t count) = 0;
+};
+
+}  // namespace lazy::graph
+// ---- end lazytensor/graph/chunk_reduction.hpp ----
+// ---- begin lazytensor/ops/reduce_ops.hpp ----
+// Reduction functors: identity, combine (scalar or xsimd batch) and horizontal reduce.
+
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+#include <xsimd/xsimd.hpp>
+
+
+namespace lazy::ops::reduce {
+
+namespace detail {
+template <class V>
+struct scalar_of {
+  using type = V;
+};
+template <class T, class A>
+struct scalar_of<xsimd::batch<T, A>> {
+  using type = T;
+};
+template <class V>
+using scalar_of_t = typename scalar_of<V>::type;
+
+template <class S, class V, class F>
+S horizontal(const V& v, F f) {
+  if constexpr (std::is_arithmetic_v<V>) {
+    return v;
+  } else {
+    alignas(64) S tmp[V::size];
+    v.store_aligned(tmp);
+    S r = tmp[0];
+    for (std::size_t k = 1; k < V::size; ++k) r = f(r, tmp[k]);
+    return r;
+  }
+}
+}  // namespace detail
+
+/// Sum; integers and bool accumulate and return int64, as torch.sum.
+struct Sum {
+  static constexpr const char* name = "sum";
+  template <class T>
+  using result = std::conditional_t<is_floating_v<T>, T, std::int64_t>;
+  template <class V>
+  static V identity() {
+    return V(0);
+  }
+  template <class V>
+  static V combine(const V& a, const V& b) {
+    return a + b;
+  }
+  template <class S, class V>
+  static S horizontal(const V& v) {
+    if constexpr (std::is_arithmetic_v<V>) return v;
+    else return xsimd::hadd(v);
+  }
+};
+
+/// Product; integers and bool return int64, as torch.prod.
+struct Prod {
+  static constexpr const char* name = "prod";
+  template <class T>
+  using result = std::conditional_t<is_floating_v<T>, T, std::int64_t>;
+  template <class V>
+  static V identity() {
+    return V(1);
+  }
+  template <class V>
+  static V combine(const V& a, const V& b) {
+    return a * b;
+  }
+  template <class S, class V>
+  static S horizontal(const V& v) {
+    return detail::horizontal<S>(v, [](S a, S b) { return a * b; });
+  }
+};
+
+// NaN tests on batches use xsimd::isnan: xsimd 8's AVX/AVX-512 `!=` compares with
+// _CMP_NEQ_OQ (ordered), so there `nan != nan` is false and `a != a` never finds a NaN.
+
+/// Maximum, NaN-propagating (torch.amax).
+struct Max {
+  static constexpr const char* name = "max";
+  template <class T>
+  using result = T;
+  template <class V>
+  static V identity() {
+    using S = detail::scalar_of_t<V>;
+    if constexpr (std::numeric_limits<S>::has_infinity) return V(-std::numeric_limits<S>::infinity());
+    else return V(std::numeric_limits<S>::lowest());
+  }
+  template <class V>
+  static V combine(const V& a, const V& b) {
+    using xsimd::select;
+    if constexpr (std::is_arithmetic_v<V>) return (a > b || a != a) ? a : b;
+    else return select((a > b) | xsimd::isnan(a), a, b);  // not a != a: see the note above
+  }
+  template <class S, class V>
+  static S horizontal(const V& v) {
+    return detail::horizontal<S>(v, [](S a, S b) { return combine(a, b); });
+  }
+};
+
+/// Minimum, NaN-propagating (torch.amin).
+struct Min {
+  static constexpr const char* name = "min";
+  template <class T>
+  using result = T;
+  template <class V>
+  static V identity() {
+    using S = detail::scalar_of_t<V>;
+    if constexpr (std::numeric_limits<S>::has_infinity) return V(std::numeric_limits<S>::infinity());
+    else return V(std::numeric_limits<S>::max());
+  }
+  template <class V>
+  static V combine(const V& a, const V& b) {
+    using xsimd::select;
+    if constexpr (std::is_arithmetic_v<V>) return (a < b || a != a) ? a : b;
+    else return select((a < b) | xsimd::isnan(a), a, b);
+  }
+  template <class S, class V>
+  static S horizontal(const V& v) {
+    return detail::horizontal<S>(v, [](S a, S b) { return combine(a, b); });
+  }
+};
+
+/// Any non-zero (fed with 0/1 values): max with identity 0.
+struct Any : Max {
+  static constexpr const char* name = "any";
+  template <class T>
+  using result = bool;
+  template <class V>
+  static V identity() {
+    return V(0);
+  }
+};
+
+/// All non-zero (fed with 0/1 values): min with identity 1.
+struct All : Min {
+  static constexpr const char* name = "all";
+  template <class T>
+  using result = bool;
+  template <class V>
+  static V identity() {
+    return V(1);
+  }
+};
+
+}  // namespace lazy::ops::reduce
+// ---- end lazytensor/ops/reduce_ops.hpp ----
+
+namespace lazy::graph {
+
+/// Leaf size of the pairwise reduction tree (also the chunk of fused groups, see
+/// chunk_reduction.hpp).
+inline constexpr std::int64_t kReduceBlock = 4096;
+
+/// How a child of shape `in` is reduced: [outer, R, inner].
+struct ReduceGeometry {
+  std::int64_t outer = 1, extent = 1, inner = 1;
+};
+
+namespace detail {
+
+/// A batch of the child's values at [i, i + W) with the lanes from `count` on replaced by
+/// the reduction's identity (the tail of a span; the read stays inside the padding).
+template <class R, class S, bool C, class Ev>
+inline expr::batch_t<S> masked_packet(const Ev& ev, std::int64_t i, std::int64_t count) {
+  using V = expr::batch_t<S>;
+  alignas(64) S tmp[V::size];
+  ev.template packet<C>(i).store_aligned(tmp);
+  for (std::int64_t k = count; k < static_cast<std::int64_t>(V::size); ++k) tmp[k] = R::template identity<S>();
+  return V::load_aligned(tmp);
+}
+
+template <class R, class S, bool C, class Ev>
+LAZY_KERNEL_LOOP S reduce_span(const Ev& ev, std::int64_t b, std::int64_t len) {
+  const std::int64_t e = b + len;
+  std::int64_t i = b;
+  if constexpr (Ev::simd) {
+    using V = expr::batch_t<S>;
+    constexpr std::int64_t W = V::size;
+    V a0 = R::template identity<V>(), a1 = a0, a2 = a0, a3 = a0;
+    for (; i + 4 * W <= e; i += 4 * W) {
+      a0 = R::combine(a0, ev.template packet<C>(i));
+      a1 = R::combine(a1, ev.template packet<C>(i + W));
+      a2 = R::combine(a2, ev.template packet<C>(i + 2 * W));
+      a3 = R::combine(a3, ev.template packet<C>(i + 3 * W));
+    }
+    // At most four more batches, the last one partial: one masked body serves them all.
+    for (; i < e; i += W) a0 = R::combine(a0, masked_packet<R, S, C>(ev, i, std::min(W, e - i)));
+    return R::template horizontal<S>(R::combine(R::combine(a0, a1), R::combine(a2, a3)));
+  } else {
+    S a[4] = {R::template identity<S>(), R::template identity<S>(), R::template identity<S>(),
+              R::template identity<S>()};
+    for (; i + 4 <= e; i += 4) {
+      for (int k = 0; k < 4; ++k) a[k] = R::combine(a[k], ev.coeff(i + k));
+    }
+    for (; i < e; ++i) a[0] = R::combine(a[0], ev.coeff(i));
+    return R::combine(R::combine(a[0], a[1]), R::combine(a[2], a[3]));
+  }
+}
+
+/// Combines partial results pairwise, in a fixed shape.
+template <class R, class S>
+S pairwise(std::vector<S>& v) {
+  if (v.empty()) return R::template identity<S>();
+  while (v.size() > 1) {
+    std::size_t j = 0;
+    for (std::size_t i = 0; i + 1 < v.size(); i += 2) v[j++] = R::combine(v[i], v[i + 1]);
+    if (v.size() % 2) v[j++] = v.back();
+    v.resize(j);
+  }
+  return v[0];
+}
+
+template <class R, class S, bool C, class Ev>
+S reduce_range(const Ev& ev, std::int64_t b, std::int64_t len) {
+  if (len <= kReduceBlock) return reduce_span<R, S, C>(ev, b, len);
+  std::vector<S> partial;
+  partial.reserve(static_cast<std::size_t>((len + kReduceBlock - 1) / kReduceBlock));
+  for (std::int64_t o = 0; o < len; o += kReduceBlock) {
+    partial.push_back(reduce_span<R, S, C>(ev, b + o, std::min(kReduceBlock, len - o)));
+  }
+  return pairwise<R>(partial);
+}
+
+}  // namespace detail
+
+/// Reduces kernel-form expression K (with lane S) by R into Tout, scaling by `scale`.
+template <class K, class R, class S, Element Tout>
+class ReductionNode final : public Node, public ChunkReduction {
+ public:
+  ReductionNode(K kernel, Shape out_shape, ReduceGeometry g, double scale, Device* device,
+                std::vector<NodePtr> inputs, Shape child_shape)
+      : Node(NodeKind::Reduction, dtype_of<Tout>(), out_shape, device, std::move(inputs)),
+        kernel_(std::move(kernel)), g_(g), scale_(scale), child_shape_(child_shape) {
+    const std::int64_t n = child_shape.numel();
+    for (const auto& in : this->inputs()) splat_.push_back(in->numel() == 1 && n != 1 ? 1 : 0);
+  }
+
+  std::string op_name() const override { return R::name; }
+  std::string describe() const override {
+    return std::string(R::name) + "(" + expr::kernel_text(kernel_) + ") over [" + std::to_string(g_.outer) +
+           ", " + std::to_string(g_.extent) + ", " + std::to_string(g_.inner) + "]";
+  }
+  double cost_per_element() const override { return expr::kernel_cost<K>() + 1; }
+  std::uint64_t structural_hash() const override {
+    std::uint64_t h = hash_combine(Node::structural_hash(), typeid(K).hash_code());
+    h = hash_combine(h, hash_shape(child_shape_));
+    return hash_combine(h, static_cast<std::uint64_t>(g_.extent));
+  }
+
+  bool reduces_all() const override { return g_.outer == 1 && g_.inner == 1; }
+  std::size_t partial_bytes() const override { return sizeof(S); }
+  void reduce_chunk(const void* const* inputs, std::int64_t len, void* partial) const override {
+    bool contig = true;
+    for (char s : splat_) contig = contig && !s;
+    const expr::Evaluator<S, K> ev(kernel_, inputs, splat_.data());
+    *static_cast<S*>(partial) = contig ? detail::reduce_span<R, S, true>(ev, 0, len) : detail::reduce_span<R, S, false>(ev, 0, len);
+  }
+  void finish_partials(ExecContext& ctx, void* partials, std::int64_t count) override {
+    std::vector<S> v(static_cast<S*>(partials), static_cast<S*>(partials) + count);
+    auto buf = allocate_output(ctx, false);
+    static_cast<Tout*>(buf->data())[0] = finish_value(detail::pairwise<R>(v));
+    set_buffer(std::move(buf));
+    finish();
+  }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    const auto& ins = inputs();
+    std::vector<const void*> ptrs(ins.size());
+    for (std::size_t i = 0; i < ins.size(); ++i) ptrs[i] = ins[i]->buffer()->data();
+    auto buf = allocate_output(ctx, false);
+    Tout* out = static_cast<Tout*>(buf->data());
+    bool contig = true;
+    for (char s : splat_) contig = contig && !s;
+    if (contig) run<true>(ctx, ptrs, out);
+    else run<false>(ctx, ptrs, out);
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  Tout finish_value(S v) const {
+    if (scale_ != 1.0) v = static_cast<S>(v * static_cast<S>(scale_));
+    return expr::to_storage<Tout>(v);
+  }
+
+  template <bool C>
+  void run(ExecContext& ctx, const std::vector<const void*>& ptrs, Tout* out) {
+    auto& pool = ctx.device.threads();
+    const double cost = cost_per_element();
+    const std::int64_t outer = g_.outer, R_ = g_.extent, inner = g_.inner;
+    const std::int64_t total = outer * R_ * inner;
+    auto eval = [&] { return expr::Evaluator<S, K>(kernel_, ptrs.data(), splat_.data()); };
+    if (inner == 1 && outer == 1) {
+      // One value: blocks in parallel, then the fixed pairwise tree.
+      const std::int64_t blocks = (R_ + kReduceBlock - 1) / kReduceBlock;
+      std::vector<S> partial(static_cast<std::size_t>(blocks));
+      const std::int64_t tasks = std::min(blocks, task_count(pool, total, cost));
+      pool.parallel_for(tasks, [&](std::int64_t t) {
+        auto ev = eval();
+        auto [b0, b1] = task_range(blocks, tasks, t);
+        for (std::int64_t b = b0; b < b1; ++b) {
+          const std::int64_t s = b * kReduceBlock;
+          partial[b] = detail::reduce_span<R, S, C>(ev, s, std::min(kReduceBlock, R_ - s));
+        }
+      });
+      out[0] = finish_value(detail::pairwise<R>(partial));
+    } else if (inner == 1) {
+      const std::int64_t tasks = std::min(outer, task_count(pool, total, cost));
+      pool.parallel_for(tasks, [&](std::int64_t t) {
+        auto ev = eval();
+        auto [o0, o1] = task_range(outer, tasks, t);
+        for (std::int64_t o = o0; o < o1; ++o) out[o] = finish_value(detail::reduce_range<R, S, C>(ev, o * R_, R_));
+      });
+    } else {
+      // Reduce across rows: vectorized along the inner dimension, R in order.
+      constexpr std::int64_t kCols = 256;
+      const std::int64_t col_chunks = (inner + kCols - 1) / kCols;
+      const std::int64_t units = outer * col_chunks;
+      const std::int64_t tasks = std::min(units, task_count(pool, total, cost));
+      pool.parallel_for(tasks, [&](std::int64_t t) {
+        auto ev = eval();
+        auto [u0, u1] = task_range(units, tasks, t);
+        for (std::int64_t u = u0; u < u1; ++u) {
+          const std::int64_t o = u / col_chunks, c0 = (u % col_chunks) * kCols, c1 = std::min(inner, c0 + kCols);
+          reduce_columns<C>(ev, out + o * inner, o * R_ * inner, c0, c1);
+        }
+      });
+    }
+  }
+
+  template <bool C>
+  LAZY_KERNEL_LOOP void reduce_columns(const expr::Evaluator<S, K>& ev, Tout* out, std::int64_t base, std::int64_t c0, std::int64_t c1) {
+    const std::int64_t R_ = g_.extent, inner = g_.inner;
+    if constexpr (expr::Evaluator<S, K>::simd) {
+      // Whole batches of columns; the last may be partial (its extra lanes are computed
+      // from padding and dropped).
+      using V = expr::batch_t<S>;
+      constexpr std::int64_t W = V::size;
+      for (std::int64_t c = c0; c < c1; c += W) {
+        V acc = R::template identity<V>();
+        for (std::int64_t r = 0; r < R_; ++r) acc = R::combine(acc, ev.template packet<C>(base + r * inner + c));
+        alignas(64) S tmp[W];
+        acc.store_aligned(tmp);
+        for (std::int64_t k = 0; k < std::min(W, c1 - c); ++k) out[c + k] = finish_value(tmp[k]);
+      }
+    } else {
+      for (std::int64_t c = c0; c < c1; ++c) {
+        S acc = R::template identity<S>();
+        for (std::int64_t r = 0; r < R_; ++r) acc = R::combine(acc, ev.coeff(base + r * inner + c));
+        out[c] = finish_value(acc);
+      }
+    }
+  }
+
+  K kernel_;
+  ReduceGeometry g_;
+  double scale_;
+  Shape child_shape_;
+  std::vector<char> splat_;
+};
+
+/// argmax / argmin (first occurrence; NaN counts as the extreme, as in torch).
+template <class K, class S, bool IsMax>
+class ArgReductionNode final : public Node {
+ public:
+  ArgReductionNode(K kernel, Shape out_shape, ReduceGeometry g, Device* device, std::vector<NodePtr> inputs,
+                   Shape child_shape)
+      : Node(NodeKind::Reduction, DType::Int64, out_shape, device, std::move(inputs)), kernel_(std::move(kernel)),
+        g_(g) {
+    for (const auto& in : this->inputs()) splat_.push_back(in->numel() == 1 && child_shape.numel() != 1 ? 1 : 0);
+  }
+  std::string op_name() const override { return IsMax ? "argmax" : "argmin"; }
+  std::string describe() const override { return op_name() + "(" + expr::kernel_text(kernel_) + ")"; }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    const auto& ins = inputs();
+    std::vector<const void*> ptrs(ins.size());
+    for (std::size_t i = 0; i < ins.size(); ++i) ptrs[i] = ins[i]->buffer()->data();
+    auto buf = allocate_output(ctx, false);
+    auto* out = static_cast<std::int64_t*>(buf->data());
+    auto& pool = ctx.device.threads();
+    const std::int64_t units = g_.outer * g_.inner;
+    const std::int64_t tasks = std::min(units, task_count(pool, units * g_.extent, 2.0));
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      expr::Evaluator<S, K> ev(kernel_, ptrs.data(), splat_.data());
+      auto [u0, u1] = task_range(units, tasks, t);
+      for (std::int64_t u = u0; u < u1; ++u) {
+        const std::int64_t o = u / g_.inner, c = u % g_.inner;
+        const std::int64_t base = o * g_.extent * g_.inner + c;
+        S best = ev.coeff(base);
+        std::int64_t best_i = 0;
+        for (std::int64_t r = 1; r < g_.extent && best == best; ++r) {
+          const S v = ev.coeff(base + r * g_.inner);
+          if ((IsMax ? v > best : v < best) || v != v) {
+            best = v;
+            best_i = r;
+          }
+        }
+        out[u] = best_i;
+      }
+    });
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  K kernel_;
+  ReduceGeometry g_;
+  std::vector<char> splat_;
+};
+
+}  // namespace lazy::graph
+// ---- end lazytensor/graph/reduction_node.hpp ----
+// ---- begin lazytensor/graph/submit.hpp ----
+// Adding nodes to a device's pending graph.
+
+#include <memory>
+#include <string>
+#include <vector>
+
+// ---- begin lazytensor/graph/executor.hpp ----
+// Running plans: a step's collection (what mark_step computes), plan lookup in the cache,
+// the execution of single nodes and of fused element-wise groups (chunk-interleaved), the
+// hand-off to the device's executor thread, and the synchronous path used by reads and
+// eager mode. Errors inside a plan return its unrun nodes to the trace (they stay pending)
+// and are stored on the device, to be re-thrown at the next read or sync.
+
+#include <chrono>
+#include <cstddef>
+#include <cstdio>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+// ---- begin lazytensor/graph/plan.hpp ----
+// The planner: which pending nodes a step runs, in what order, grouped how, and the plan
+// cache that lets a repeated step skip all of that.
+//
+// A step's nodes are taken in creation order (a valid topological order: inputs exist
+// before their consumers). Its structural signature lists, per node, the node's own hash
+// (op, kernel type, dtypes, shapes), where each input comes from (a node of this step, by
+// position, or outside it) and whether anything outside the step still refers to the
+// node (then its value must be written whole). Equal signatures get the same plan.
+//
+// Fusion across statements: element-wise nodes with flat layouts and the same number of
+// elements (not necessarily adjacent in the program) form a group that runs chunk by chunk (each chunk through every member in
+// order), so intermediates stay in cache; a member that nothing outside the group needs
+// is computed into a chunk-sized scratch and never written whole. A reduction of every
+// element of a child the group computes ends the group: it reduces each chunk as the chunk
+// is made (see chunk_reduction.hpp).
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+
+namespace lazy::graph {
+
+/// One unit of execution: a single node, or a fused element-wise group.
+struct PlanStep {
+  enum class Kind : std::uint8_t { Single, Group };
+  Kind kind = Kind::Single;
+  /// Plan positions of the members, in execution order.
+  std::vector<std::int32_t> members;
+  /// Per member: its value is written to a whole buffer (else only to chunk scratch).
+  std::vector<std::uint8_t> whole;
+  /// Per member, per input: the producing member's index in this group, or -1.
+  std::vector<std::vector<std::int32_t>> sources;
+};
+
+/// What a step runs, reusable for every step with the same signature.
+struct Plan {
+  std::uint64_t hash = 0;
+  std::vector<std::uint64_t> signature;
+  std::vector<PlanStep> steps;
+  std::size_t num_nodes = 0;
+  std::int64_t fused_groups = 0, fused_members = 0;
+};
+
+/// Elements a fused group processes per chunk: a reduction block (kReduceBlock), 16 KiB of
+/// floats.
+inline constexpr std::int64_t kFusionChunk = 4096;
+
+namespace planner {
+
+inline std::uint64_t next_epoch() {
+  thread_local std::uint64_t epoch = 0;
+  // Mix in the thread so that two planners (devices in different threads) never share one.
+  return (++epoch << 8) ^ reinterpret_cast<std::uintptr_t>(&epoch);
+}
+
+/// Numbers the nodes (plan_slot) for this planning pass.
+inline std::uint64_t number(const std::vector<NodePtr>& nodes) {
+  const std::uint64_t epoch = next_epoch();
+  for (std::size_t i = 0; i < nodes.size(); ++i) {
+    nodes[i]->plan_slot = static_cast<std::int32_t>(i);
+    nodes[i]->plan_epoch = epoch;
+  }
+  return epoch;
+}
+
+inline std::int32_t slot_of(const NodePtr& n, std::uint64_t epoch) {
+  return n->plan_epoch == epoch ? n->plan_slot : -1;
+}
+
+/// An element-wise node that can run chunk by chunk with others: flat layout (every input
+/// has the output's shape or one element), not running a GEMM producer's epilogue.
+inline const ElementwiseNode* chunkable(const NodePtr& n) {
+  if (n->kind() != NodeKind::Elementwise) return nullptr;
+  const auto* e = static_cast<const ElementwiseNode*>(n.get());
+  if (!e->layout().flat() || e->takes_producer() || n->numel() == 0) return nullptr;
+  return e;
+}
+
+/// A reduction that can end a group of `numel`-element chunks: it reduces every element
+/// of a child with that many elements, each input having them all or one.
+inline ChunkReduction* chunk_reduction(const NodePtr& n, std::int64_t numel) {
+  if (n->kind() != NodeKind::Reduction || n->numel() != 1) return nullptr;
+  auto* r = dynamic_cast<ChunkReduction*>(n.get());
+  if (!r || !r->reduces_all()) return nullptr;
+  bool reads_chunk = false;
+  for (const auto& in : n->inputs()) {
+    if (in->numel() != numel && in->numel() != 1) return nullptr;
+    reads_chunk = reads_chunk || in->numel() == numel;
+  }
+  return reads_chunk ? r : nullptr;
+}
+
+/// Signature (see the file comment) of `nodes`, numbered with `epoch`; `outside[i]` is
+/// true when something outside the step refers to node i.
+inline std::vector<std::uint64_t> signature(const std::vector<NodePtr>& nodes, std::uint64_t epoch,
+                                            std::vector<std::uint8_t>& outside) {
+  std::vector<std::int32_t> refs(nodes.size(), 0);
+  for (const auto& n : nodes)
+    for (const auto& in : n->inputs()) {
+      const std::int32_t s = slot_of(in, epoch);
+      if (s >= 0) ++refs[static_cast<std::size_t>(s)];
+    }
+  std::vector<std::uint64_t> sig;
+  sig.reserve(nodes.size() * 3);
+  outside.assign(nodes.size(), 0);
+  for (std::size_t i = 0; i < nodes.size(); ++i) {
+    const auto& n = nodes[i];
+    // References: the plan's own vector, the step's consumers, and everything else.
+    outside[i] = n.use_count() > 1 + refs[i] ? 1 : 0;
+    sig.push_back(n->hash());
+    std::uint64_t wiring = outside[i];
+    for (const auto& in : n->inputs()) wiring = hash_combine(wiring, static_cast<std::uint64_t>(slot_of(in, epoch) + 1));
+    sig.push_back(wiring);
+  }
+  return sig;
+}
+
+inline std::uint64_t fold(const std::vector<std::uint64_t>& sig) {
+  std::uint64_t h = sig.size();
+  for (auto v : sig) h = hash_combine(h, v);
+  return h;
+}
+
+/// Groups `nodes` into steps (see the file comment). Several groups (one per element
+/// count) may be open at once, so statements of different sizes interleaved in the
+/// program (activations and weight gradients of a backward pass) still fuse by size. A
+/// group's step is emitted when it closes: when a node outside it reads it, or at the end.
+/// So every consumer comes after its producers: a non-member reading a group closes the
+/// group first, and a member reading anything else reads a single step or a closed group
+/// emitted earlier.
+inline std::shared_ptr<Plan> build(const std::vector<NodePtr>& nodes, std::uint64_t epoch,
+                                   const std::vector<std::uint8_t>& outside) {
+  auto plan = std::make_shared<Plan>();
+  plan->num_nodes = nodes.size();
+  const std::size_t n = nodes.size();
+  std::vector<std::int32_t> unit(n, -1);  // the step (group or single) each node runs in
+  std::int32_t next_unit = 0;
+  struct Open {
+    PlanStep st;
+    std::int32_t unit;
+    std::int64_t numel;
+  };
+  std::vector<Open> open;  // in creation order
+
+  auto close_unit = [&](std::int32_t u) {
+    for (std::size_t g = 0; g < open.size(); ++g) {
+      if (open[g].unit != u) continue;
+      if (open[g].st.members.size() > 1) open[g].st.kind = PlanStep::Kind::Group;
+      plan->steps.push_back(std::move(open[g].st));
+      open.erase(open.begin() + static_cast<std::ptrdiff_t>(g));
+      return;
+    }
+  };
+  auto open_with = [&](std::int64_t numel) -> Open* {
+    for (auto& g : open)
+      if (g.numel == numel) return &g;
+    return nullptr;
+  };
+  auto is_open = [&](std::int32_t u) {
+    return std::any_of(open.begin(), open.end(), [&](const Open& g) { return g.unit == u; });
+  };
+  // Closes every open group `node` reads, except `keep`.
+  auto close_read = [&](const NodePtr& node, std::int32_t keep) {
+    for (const auto& in : node->inputs()) {
+      const std::int32_t s = slot_of(in, epoch);
+      if (s < 0) continue;
+      const std::int32_t u = unit[static_cast<std::size_t>(s)];
+      if (u != keep && is_open(u)) close_unit(u);
+    }
+  };
+  auto add_member = [&](Open& g, std::size_t i) {
+    std::vector<std::int32_t> src;
+    for (const auto& in : nodes[i]->inputs()) {
+      const std::int32_t s = slot_of(in, epoch);
+      std::int32_t m = -1;
+      if (s >= 0 && unit[static_cast<std::size_t>(s)] == g.unit)
+        m = static_cast<std::int32_t>(std::find(g.st.members.begin(), g.st.members.end(), s) - g.st.members.begin());
+      src.push_back(m);
+    }
+    g.st.members.push_back(static_cast<std::int32_t>(i));
+    g.st.sources.push_back(std::move(src));
+    unit[i] = g.unit;
+  };
+
+  for (std::size_t i = 0; i < n; ++i) {
+    const NodePtr& node = nodes[i];
+    if (chunkable(node)) {
+      Open* g = open_with(node->numel());
+      close_read(node, g ? g->unit : -1);
+      g = open_with(node->numel());  // closing others moved the vector
+      if (!g) {
+        open.push_back(Open{PlanStep{}, next_unit++, node->numel()});
+        g = &open.back();
+      }
+      add_member(*g, i);
+      continue;
+    }
+    // A reduction of everything an open group computes ends that group.
+    bool ended = false;
+    for (const auto& in : node->inputs()) {
+      const std::int32_t s = slot_of(in, epoch);
+      if (s < 0) continue;
+      const std::int32_t u = unit[static_cast<std::size_t>(s)];
+      Open* g = nullptr;
+      for (auto& o : open)
+        if (o.unit == u) g = &o;
+      if (!g || !chunk_reduction(node, g->numel)) continue;
+      close_read(node, u);
+      for (auto& o : open)
+        if (o.unit == u) g = &o;
+      add_member(*g, i);
+      close_unit(u);
+      ended = true;
+      break;
+    }
+    if (ended) continue;
+    // Not fusible: the groups it reads run first; it runs ahead of the others (its inputs
+    // are older, already scheduled).
+    close_read(node, -1);
+    PlanStep single;
+    single.members = {static_cast<std::int32_t>(i)};
+    unit[i] = next_unit++;
+    plan->steps.push_back(std::move(single));
+  }
+  while (!open.empty()) close_unit(open.front().unit);
+
+  // A member's value is written whole when anything outside its group needs it.
+  std::vector<std::uint8_t> whole(outside.begin(), outside.end());
+  for (std::size_t i = 0; i < n; ++i)
+    for (const auto& in : nodes[i]->inputs()) {
+      const std::int32_t s = slot_of(in, epoch);
+      if (s >= 0 && unit[static_cast<std::size_t>(s)] != unit[i]) whole[static_cast<std::size_t>(s)] = 1;
+    }
+  for (auto& st : plan->steps) {
+    if (st.kind != PlanStep::Kind::Group) continue;
+    for (auto m : st.members) st.whole.push_back(whole[static_cast<std::size_t>(m)]);
+    ++plan->fused_groups;
+    plan->fused_members += static_cast<std::int64_t>(st.members.size());
+  }
+  return plan;
+}
+
+}  // namespace planner
+
+}  // namespace lazy::graph
+// ---- end lazytensor/graph/plan.hpp ----
+
+namespace lazy::graph {
+
+/// Pending nodes reachable from `roots`, producers before consumers (iterative DFS, so a
+/// long chain of statements cannot overflow the stack).
+inline std::vector<NodePtr> topological_order(const std::vector<NodePtr>& roots) {
+  std::vector<NodePtr> order;
+  std::unordered_set<const Node*> seen;
+  std::vector<std::pair<Node*, std::size_t>> stack;
+  for (const auto& r : roots) {
+    if (!r || !r->pending() || !seen.insert(r.get()).second) continue;
+    stack.emplace_back(r.get(), 0);
+    while (!stack.empty()) {
+      auto& [node, next] = stack.back();
+      const auto& ins = node->inputs();
+      if (next < ins.size()) {
+        const NodePtr& in = ins[next++];
+        if (in->pending() && seen.insert(in.get()).second) stack.emplace_back(in.get(), 0);
+        continue;
+      }
+      // All inputs ordered: find the owning shared_ptr (the root or a consumer's input).
+      Node* done = node;
+      stack.pop_back();
+      NodePtr owner;
+      if (stack.empty()) {
+        owner = r;
+      } else {
+        for (const auto& in : stack.back().first->inputs()) {
+          if (in.get() == done) {
+            owner = in;
+            break;
+          }
+        }
+      }
+      order.push_back(std::move(owner));
+    }
+  }
+  return order;
+}
+
+namespace detail {
+
+/// The whole output buffer of group member `j`: the buffer of an outside input of the
+/// group it may overwrite (donation), else one from the pool. An input can be donated when
+/// it has the member's dtype and size, only group members hold it, and no member after `j`
+/// reads it: within a chunk, members run in order, so every read of that chunk of the
+/// input happens before `j` writes it (a chain of in-place updates ends in its first
+/// input's buffer).
+inline std::shared_ptr<Buffer> group_output(ExecContext& ctx, const PlanStep& st, const std::vector<NodePtr>& members,
+                                            std::size_t j) {
+  const NodePtr& me = members[j];
+  for (std::size_t r = 0; r <= j; ++r) {
+    const auto& ins = members[r]->inputs();
+    for (std::size_t q = 0; q < ins.size(); ++q) {
+      const NodePtr& x = ins[q];
+      if (st.sources[r][q] >= 0 || x->dtype() != me->dtype() || x->numel() != me->numel()) continue;
+      long holders = 0;
+      bool read_later = false;
+      for (std::size_t m = 0; m < members.size(); ++m)
+        for (const auto& in : members[m]->inputs())
+          if (in == x) {
+            ++holders;
+            read_later = read_later || m > j;
+          }
+      if (read_later) continue;
+      if (auto b = Node::take_buffer(x, holders)) {
+        static auto& donated = core::counter("DonatedBuffers");
+        donated.add();
+        return b;
+      }
+    }
+  }
+  return ctx.device.pool().acquire(padded_bytes(me->numel(), dtype_size(me->dtype())));
+}
+
+/// Runs a fused group: every chunk of kFusionChunk elements goes through each member in
+/// order; members needed outside the group are written whole, the others only to a
+/// per-task scratch chunk. A reduction ending the group reduces each chunk to a partial
+/// (one per chunk, so the result does not depend on the task split).
+inline void run_group(ExecContext& ctx, const PlanStep& st, const std::vector<NodePtr>& members) {
+  const std::size_t k = members.size();
+  const std::int64_t n = members[0]->numel();
+  std::vector<const ElementwiseNode*> ew(k, nullptr);
+  ChunkReduction* reduction = nullptr;
+  std::vector<std::size_t> esz(k), scratch_off(k, 0);
+  std::vector<std::vector<const std::byte*>> base(k);
+  std::vector<std::vector<std::size_t>> in_esz(k);
+  std::size_t per_task = 0;
+  double cost = 0;
+  for (std::size_t j = 0; j < k; ++j) {
+    if (members[j]->kind() == NodeKind::Elementwise) {
+      ew[j] = static_cast<const ElementwiseNode*>(members[j].get());
+      cost += ew[j]->kernel().cost();
+    } else {
+      reduction = dynamic_cast<ChunkReduction*>(members[j].get());  // the last member (plan.hpp)
+      cost += members[j]->cost_per_element();
+    }
+    esz[j] = dtype_size(members[j]->dtype());
+    const auto& ins = members[j]->inputs();
+    for (std::size_t q = 0; q < ins.size(); ++q) {
+      // Read every outside input's address before any output is allocated: a donated
+      // input's buffer moves to the output (same memory).
+      base[j].push_back(st.sources[j][q] < 0 ? static_cast<const std::byte*>(ins[q]->buffer()->data()) : nullptr);
+      in_esz[j].push_back(ins[q]->numel() == 1 && n != 1 ? 0 : dtype_size(ins[q]->dtype()));
+    }
+    if (!st.whole[j] && ew[j]) {
+      scratch_off[j] = per_task;
+      per_task += padded_bytes(kFusionChunk, esz[j]);
+    }
+  }
+  std::vector<std::shared_ptr<Buffer>> out(k);
+  for (std::size_t j = 0; j < k; ++j)
+    if (st.whole[j] && ew[j]) out[j] = group_output(ctx, st, members, j);
+  auto& pool = ctx.device.threads();
+  const std::int64_t chunks = (n + kFusionChunk - 1) / kFusionChunk;
+  const std::int64_t tasks = std::max<std::int64_t>(1, std::min(chunks, task_count(pool, n, cost)));
+  std::shared_ptr<Buffer> scratch = per_task ? ctx.device.pool().acquire(per_task * static_cast<std::size_t>(tasks)) : nullptr;
+  const std::size_t partial_bytes = reduction ? reduction->partial_bytes() : 0;
+  std::shared_ptr<Buffer> partials =
+      reduction ? ctx.device.pool().acquire(padded_bytes(chunks, partial_bytes)) : nullptr;
+  pool.parallel_for(tasks, [&](std::int64_t t) {
+    auto [c0, c1] = task_range(chunks, tasks, t);
+    std::byte* mine = scratch ? static_cast<std::byte*>(scratch->data()) + per_task * static_cast<std::size_t>(t) : nullptr;
+    std::vector<const void*> ptrs;
+    for (std::int64_t c = c0; c < c1; ++c) {
+      const std::int64_t b = c * kFusionChunk, len = std::min(kFusionChunk, n - b);
+      for (std::size_t j = 0; j < k; ++j) {
+        const auto& src = st.sources[j];
+        ptrs.resize(src.size());
+        for (std::size_t q = 0; q < src.size(); ++q) {
+          const std::int32_t p = src[q];
+          if (p < 0) {
+            ptrs[q] = base[j][q] + static_cast<std::size_t>(b) * in_esz[j][q];
+          } else {
+            const auto pu = static_cast<std::size_t>(p);
+            ptrs[q] = st.whole[pu] ? static_cast<const std::byte*>(out[pu]->data()) + static_cast<std::size_t>(b) * esz[pu]
+                                   : mine + scratch_off[pu];
+          }
+        }
+        if (!ew[j]) {
+          reduction->reduce_chunk(ptrs.data(), len, static_cast<std::byte*>(partials->data()) + static_cast<std::size_t>(c) * partial_bytes);
+          continue;
+        }
+        void* o = st.whole[j] ? static_cast<std::byte*>(out[j]->data()) + static_cast<std::size_t>(b) * esz[j]
+                              : static_cast<void*>(mine + scratch_off[j]);
+        const auto& layout = ew[j]->layout();
+        ew[j]->kernel().flat(ptrs.data(), layout.splat.data(), o, 0, len, !layout.any_splat(), false);
+      }
+    }
+  });
+  for (std::size_t j = 0; j < k; ++j) {
+    if (ew[j]) members[j]->finish_with(std::move(out[j]));
+    else reduction->finish_partials(ctx, partials->data(), chunks);
+  }
+}
+
+}  // namespace detail
+
+/// Lets the step's element-wise nodes take over their GEMM producers (epilogue fusion).
+/// Called on every step before planning and execution: it decides on this step's nodes.
+inline void prepare(const std::vector<NodePtr>& nodes) {
+  for (const auto& n : nodes) n->set_deferred(false);  // decisions of an earlier look (dumps) are redone
+  for (const auto& n : nodes) n->fuse_producers();
+}
+
+/// The plan for `nodes` (in creation order), from the device's cache or newly built.
+/// `step`: planning a mark_step (reads and eager ops do not count toward the re-planning
+/// warning).
+inline std::shared_ptr<const Plan> plan_for(Device& dev, const std::vector<NodePtr>& nodes, bool step) {
+  static auto& cached = core::counter("CachedPlan");
+  static auto& uncached = core::counter("UncachedPlan");
+  static auto& plan_time = core::metric("PlanTime");
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::uint64_t epoch = planner::number(nodes);
+  std::vector<std::uint8_t> outside;
+  auto sig = planner::signature(nodes, epoch, outside);
+  const std::uint64_t h = planner::fold(sig);
+  auto& cache = dev.plan_cache();
+  auto& stats = dev.plan_stats();
+  if (step) ++stats.steps;
+  std::shared_ptr<const Plan> plan;
+  if (auto it = cache.find(h); it != cache.end() && it->second->signature == sig) {
+    plan = it->second;
+    cached.add();
+  } else {
+    auto built = planner::build(nodes, epoch, outside);
+    built->hash = h;
+    built->signature = sig;
+    plan = built;
+    cache[h] = plan;
+    uncached.add();
+    if (step && stats.steps > 10) ++stats.rebuilds_after_warmup;
+    // PyTorch/XLA warns about graphs that keep changing; so do we, naming what changed.
+    // Judged once at least 10 steps followed the 10th, so one new shape is no alarm.
+    if (step && !stats.warned && stats.steps >= 20 && stats.rebuilds_after_warmup * 2 > stats.steps - 10) {
+      stats.warned = true;
+      std::size_t at = 0;
+      const auto& prev = stats.last_signature;
+      while (at < sig.size() && at < prev.size() && sig[at] == prev[at]) ++at;
+      const std::size_t node = at / 2;
+      std::string what = node < nodes.size() ? nodes[node]->op_name() + " " + nodes[node]->describe() + " of shape " +
+                                                   nodes[node]->shape().str()
+                                             : "the number of nodes";
+      std::fprintf(stderr,
+                   "lazytensor warning: %s rebuilt its execution plan on %lld of %lld steps after the 10th; the "
+                   "graph changes between steps (first difference from the previous step at node %zu: %s; this "
+                   "step has %zu nodes, the previous one %zu). Keep shapes and the sequence of ops constant across "
+                   "steps.\n",
+                   dev.str().c_str(), static_cast<long long>(stats.rebuilds_after_warmup),
+                   static_cast<long long>(stats.steps - 10), node, what.c_str(), nodes.size(), prev.size() / 2);
+    }
+  }
+  if (step) stats.last_signature = std::move(sig);
+  plan_time.record(std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count());
+  return plan;
+}
+
+/// Runs `plan` over `nodes` (positions as planned). The plan's reference to each node is
+/// dropped as it runs, so donation sees the true holders. On an error, the nodes not run
+/// go back to pending (and to the device's trace) and the exception propagates.
+inline void run_plan(Device& device, const Plan& plan, std::vector<NodePtr>& nodes) {
+  static auto& execute_time = core::metric("ExecuteTime");
+  static auto& kernels = core::counter("KernelsRun");
+  static auto& fused = core::counter("FusedNodes");
+  core::ScopedTimer timer(execute_time);
+  ExecContext ctx{device};
+  std::int64_t ran = 0;
+  std::size_t step = 0;
+  try {
+    std::vector<NodePtr> members;
+    for (; step < plan.steps.size(); ++step) {
+      const PlanStep& st = plan.steps[step];
+      if (st.kind == PlanStep::Kind::Single) {
+        NodePtr& n = nodes[static_cast<std::size_t>(st.members[0])];
+        if (!n->materialized() && !n->deferred()) {
+          n->run(ctx);
+          ++ran;
+        }
+        n.reset();
+        continue;
+      }
+      members.clear();
+      for (auto m : st.members) members.push_back(nodes[static_cast<std::size_t>(m)]);
+      detail::run_group(ctx, st, members);
+      for (auto m : st.members) nodes[static_cast<std::size_t>(m)].reset();
+      members.clear();
+      ++ran;
+      fused.add(static_cast<std::int64_t>(st.members.size()));
+    }
+  } catch (...) {
+    kernels.add(ran);
+    std::vector<std::weak_ptr<Node>> back;
+    for (auto& n : nodes) {
+      if (!n || n->materialized()) continue;
+      n->set_deferred(false);
+      n->set_state(Node::State::Pending);
+      back.push_back(n);
+    }
+    device.keep_traced(std::move(back));
+    throw;
+  }
+  kernels.add(ran);
+}
+
+/// Plans and runs `nodes` on the calling thread (after every queued plan has finished).
+inline void execute_now(Device& device, std::vector<NodePtr> nodes) {
+  if (nodes.empty()) return;
+  device.wait_idle();
+  prepare(nodes);
+  auto plan = plan_for(device, nodes, false);
+  for (auto& n : nodes) n->set_state(Node::State::Queued);
+  run_plan(device, *plan, nodes);
+}
+
+/// Materializes every pending node reachable from `roots` on `device`, now, on the
+/// calling thread.
+inline void execute(Device& device, const std::vector<NodePtr>& roots) {
+  device.wait_idle();
+  execute_now(device, topological_order(roots));
+}
+
+/// The nodes a step computes: every pending node of the trace that a live handle reaches,
+/// in creation order. The rest (alive, but reachable only from expressions or dropped
+/// values' consumers) stays traced for later steps.
+inline std::vector<NodePtr> collect_step(Device& dev) {
+  auto trace = dev.take_trace();
+  std::vector<NodePtr> alive;
+  alive.reserve(trace.size());
+  for (auto& w : trace)
+    if (auto n = w.lock(); n && n->pending()) alive.push_back(std::move(n));
+  if (alive.empty()) return {};
+  const std::uint64_t epoch = planner::number(alive);
+  std::vector<std::uint8_t> needed(alive.size(), 0);
+  dev.for_each_pending_root([&](const NodePtr& r) {
+    if (const std::int32_t s = planner::slot_of(r, epoch); s >= 0) needed[static_cast<std::size_t>(s)] = 1;
+  });
+  // Consumers are newer than their inputs: one sweep from the newest marks everything needed.
+  for (std::size_t i = alive.size(); i-- > 0;) {
+    if (!needed[i]) continue;
+    for (const auto& in : alive[i]->inputs())
+      if (const std::int32_t s = planner::slot_of(in, epoch); s >= 0) needed[static_cast<std::size_t>(s)] = 1;
+  }
+  std::vector<NodePtr> run;
+  std::vector<std::weak_ptr<Node>> keep;
+  for (std::size_t i = 0; i < alive.size(); ++i) {
+    if (needed[i]) run.push_back(std::move(alive[i]));
+    else keep.push_back(alive[i]);
+  }
+  dev.keep_traced(std::move(keep));
+  return run;
+}
+
+/// Runs a step: plans the collected nodes now (overlapping the previous step's
+/// execution), waits for the previous step, then hands the plan to the executor thread
+/// (or, with async off, runs it here). Errors of an asynchronous step are stored.
+inline void run_step(Device& dev, std::vector<NodePtr> nodes) {
+  if (nodes.empty()) return;
+  prepare(nodes);
+  auto plan = plan_for(dev, nodes, true);
+  dev.wait_idle();
+  for (auto& n : nodes) n->set_state(Node::State::Queued);
+  if (!dev.async()) {
+    run_plan(dev, *plan, nodes);
+    return;
+  }
+  dev.enqueue([&dev, plan, nodes = std::move(nodes)]() mutable {
+    try {
+      run_plan(dev, *plan, nodes);
+    } catch (...) {
+      dev.store_error(std::current_exception());
+    }
+  });
+}
+
+}  // namespace lazy::graph
+// ---- end lazytensor/graph/executor.hpp ----
 
 namespace lazy::graph {
 
@@ -2467,18 +4202,394 @@ inline Device& common_device(const std::vector<NodePtr>& inputs, const char* op)
 
 /// Adds a node to its device's pending graph; in eager mode it runs at once.
 inline NodePtr submit(NodePtr node) {
-  if (node->device()->eager()) execute(*node->device(), {node});
+  Device& dev = *node->device();
+  if (dev.eager()) execute(dev, {node});
+  else dev.trace(node);
   return node;
 }
 
+}  // namespace lazy::graph
+// ---- end lazytensor/graph/submit.hpp ----
+
+namespace lazy::autograd {
+
+/// Calls f(std::type_identity<T>{}) for the floating dtype `d`; DTypeError otherwise.
+template <class F>
+decltype(auto) visit_floating(DType d, const char* what, F&& f) {
+  switch (d) {
+    case DType::Float32: return f(std::type_identity<float>{});
+    case DType::Float64: return f(std::type_identity<double>{});
+    case DType::BFloat16: return f(std::type_identity<bfloat16>{});
+    default: break;
+  }
+  throw DTypeError(std::string(what) + ": only floating point tensors have gradients, found " + dtype_name(d));
+}
+
+namespace detail {
+template <Element T, class Op, class... Ks>
+graph::NodePtr elementwise(const Shape& shape, graph::Device* dev, std::vector<graph::NodePtr> inputs, Ks... ks) {
+  using K = expr::KExpr<Op, Ks...>;
+  return graph::submit(graph::elementwise_node<T>(K{{ks...}}, shape, dev, std::move(inputs)));
+}
+}  // namespace detail
+
+/// `g` converted to dtype `to` (floating types).
+inline graph::NodePtr cast_node(const graph::NodePtr& g, DType to) {
+  if (g->dtype() == to) return g;
+  return visit_floating(to, "cast", [&](auto to_t) {
+    using U = typename decltype(to_t)::type;
+    return visit_floating(g->dtype(), "cast", [&](auto from_t) {
+      using T = typename decltype(from_t)::type;
+      return detail::elementwise<U, ops::Cast<U>>(g->shape(), g->device(), {g}, expr::KLeaf<T>{0});
+    });
+  });
+}
+
+/// a + b for two gradients of one dtype and shape.
+inline graph::NodePtr add_nodes(const graph::NodePtr& a, const graph::NodePtr& b) {
+  return visit_floating(a->dtype(), "add", [&](auto t) {
+    using T = typename decltype(t)::type;
+    return detail::elementwise<T, ops::Add>(a->shape(), a->device(), {a, cast_node(b, a->dtype())},
+                                            expr::KLeaf<T>{0}, expr::KLeaf<T>{1});
+  });
+}
+
+/// A pending tensor of `shape` filled with `value`.
+inline graph::NodePtr full_node(const Shape& shape, DType dtype, graph::Device* dev, double value) {
+  return visit_floating(dtype, "full", [&](auto t) {
+    using T = typename decltype(t)::type;
+    return detail::elementwise<T, ops::Identity>(shape, dev, {}, expr::Scalar<T>{static_cast<T>(value)});
+  });
+}
+
+/// Sums gradient `g` (shape `from`) over the dimensions that were broadcast from `to`
+/// (NumPy rules), giving a tensor of shape `to`. Each run of adjacent broadcast dims is
+/// one deterministic reduction pass; the common cases (bias rows, per-channel columns)
+/// take a single pass.
+inline graph::NodePtr sum_to_shape(const graph::NodePtr& g, const Shape& to) {
+  const Shape& from = g->shape();
+  if (from == to) return g;
+  if (!broadcastable_to(to, from)) {
+    throw ShapeError("autograd: gradient of shape " + from.str() + " cannot be summed to shape " + to.str());
+  }
+  const int r = from.rank(), off = r - to.rank();
+  std::vector<char> reduced(static_cast<std::size_t>(r));
+  for (int d = 0; d < r; ++d) reduced[d] = d < off || (to[d - off] == 1 && from[d] != 1);
+  return visit_floating(g->dtype(), "sum_to_shape", [&](auto t) {
+    using T = typename decltype(t)::type;
+    using S = compute_t<T>;
+    graph::NodePtr cur = g;
+    Shape cur_shape = from;  // keepdim shape of `cur`, rank r
+    // Innermost run first: later passes read less data.
+    for (int hi = r - 1; hi >= 0;) {
+      if (!reduced[hi]) {
+        --hi;
+        continue;
+      }
+      int lo = hi;
+      while (lo > 0 && reduced[lo - 1]) --lo;
+      graph::ReduceGeometry geo;
+      for (int d = 0; d < r; ++d) {
+        (d < lo ? geo.outer : d > hi ? geo.inner : geo.extent) *= cur_shape[d];
+      }
+      Shape next = cur_shape;
+      for (int d = lo; d <= hi; ++d) next[d] = 1;
+      bool more = false;
+      for (int d = 0; d < lo; ++d) more = more || reduced[d];
+      const Shape out = more ? next : to;  // the last pass writes the target shape directly
+      using K = expr::KLeaf<T>;
+      cur = graph::submit(std::make_shared<graph::ReductionNode<K, ops::reduce::Sum, S, T>>(
+          K{0}, out, geo, 1.0, cur->device(), std::vector<graph::NodePtr>{cur}, cur_shape));
+      cur_shape = next;
+      hi = lo - 1;
+    }
+    return cur;
+  });
+}
+
+}  // namespace lazy::autograd
+// ---- end lazytensor/autograd/node_ops.hpp ----
+
+namespace lazy::autograd {
+
+/// Adds `grad` into the `.grad()` of `impl` (creating it on first use).
+inline void accumulate_into(graph::TensorImpl& impl, graph::NodePtr grad) {
+  const graph::NodePtr& value = impl.node;
+  if (!(grad->shape() == value->shape())) {
+    throw ShapeError("autograd: gradient of shape " + grad->shape().str() + " for a tensor of shape " +
+                     value->shape().str());
+  }
+  grad = cast_node(grad, value->dtype());
+  auto& meta = impl.autograd_meta();
+  if (!meta.grad) {
+    meta.grad = std::make_shared<graph::TensorImpl>(std::move(grad));
+    meta.grad->node->device()->register_handle(meta.grad);
+  } else if (!meta.grad->node) {
+    meta.grad->node = std::move(grad);
+  } else {
+    meta.grad->node = add_nodes(meta.grad->node, grad);
+  }
+}
+
+/// The gradient sink of a leaf tensor.
+class AccumulateGrad final : public GradFn {
+ public:
+  explicit AccumulateGrad(std::shared_ptr<graph::TensorImpl> leaf) : leaf_(std::move(leaf)) {
+    dtype = leaf_->node->dtype();
+    shape = leaf_->node->shape();
+    device = leaf_->node->device();
+  }
+  std::string name() const override { return "AccumulateGrad"; }
+  std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override {
+    accumulate_into(*leaf_, grad);
+    return {};
+  }
+  /// Nothing is saved: a leaf can receive gradients from any number of backward passes.
+  void release_saved() override {}
+  const std::shared_ptr<graph::TensorImpl>& leaf() const { return leaf_; }
+
+ private:
+  std::shared_ptr<graph::TensorImpl> leaf_;
+};
+
+/// Where gradients for the tensor object `impl` go when it is read now: its grad_fn, its
+/// leaf accumulator (created on first use), or nowhere (nullptr) when it does not require
+/// grad or grad mode is off.
+inline GradFnPtr edge_of(const std::shared_ptr<graph::TensorImpl>& impl) {
+  if (!impl || !impl->requires_grad() || !is_grad_enabled()) return nullptr;
+  auto& meta = *impl->autograd;
+  if (meta.grad_fn) return meta.grad_fn;
+  GradFnPtr acc = meta.accumulator.lock();
+  if (!acc) {
+    acc = std::make_shared<AccumulateGrad>(impl);
+    meta.accumulator = acc;
+  }
+  return acc;
+}
+
+/// True when any of `edges` leads somewhere.
+inline bool any_edge(const std::vector<GradFnPtr>& edges) {
+  for (const auto& e : edges)
+    if (e) return true;
+  return false;
+}
+
+/// Makes `fn` (its `next` edges set) the producer of `impl`'s value when any edge is live;
+/// returns whether it did. With no live edge nothing changes: an in-place update under
+/// no_grad keeps the tensor's own state.
+inline bool attach_grad_fn(graph::TensorImpl& impl, GradFnPtr fn) {
+  if (!fn || !any_edge(fn->next)) return false;
+  fn->dtype = impl.node->dtype();
+  fn->shape = impl.node->shape();
+  fn->device = impl.node->device();
+  auto& meta = impl.autograd_meta();
+  meta.requires_grad = true;
+  meta.grad_fn = std::move(fn);
+  return true;
+}
+
+}  // namespace lazy::autograd
+// ---- end lazytensor/autograd/accumulate.hpp ----
+
+namespace lazy::autograd {
+
+/// What a backward pass computes: with `capture` empty, gradients accumulate into leaves'
+/// `.grad()`; otherwise the total gradient reaching each captured function is returned
+/// instead, and no `.grad()` changes (torch.autograd.grad).
+struct BackwardRequest {
+  std::vector<std::pair<GradFnPtr, graph::NodePtr>> roots;  ///< (function, gradient of its output)
+  bool retain_graph = false;
+  std::vector<GradFnPtr> capture;
+};
+
+/// Runs a backward pass; returns one gradient per captured function (nullptr when none
+/// reached it).
+inline std::vector<graph::NodePtr> run_backward(const BackwardRequest& req) {
+  AutoGradMode no_grad(false);  // gradients of gradients are not recorded
+  // Dependency counts over the graph reachable from the roots.
+  std::unordered_map<GradFn*, int> deps;
+  std::vector<GradFn*> stack;
+  std::unordered_set<GradFn*> seen;
+  for (const auto& [fn, g] : req.roots) {
+    if (fn && seen.insert(fn.get()).second) stack.push_back(fn.get());
+  }
+  while (!stack.empty()) {
+    GradFn* fn = stack.back();
+    stack.pop_back();
+    for (const auto& nx : fn->next) {
+      if (!nx) continue;
+      ++deps[nx.get()];
+      if (seen.insert(nx.get()).second) stack.push_back(nx.get());
+    }
+  }
+  std::unordered_map<GradFn*, std::size_t> captured;
+  for (std::size_t i = 0; i < req.capture.size(); ++i) captured.emplace(req.capture[i].get(), i);
+  std::vector<graph::NodePtr> out(req.capture.size());
+
+  std::unordered_map<GradFn*, graph::NodePtr> pending;
+  auto add_grad = [&](GradFn* fn, const graph::NodePtr& g) {
+    if (!g) return;
+    if (!(g->shape() == fn->shape)) {
+      throw ShapeError("autograd: " + fn->name() + " expected a gradient of shape " + fn->shape.str() + ", got " +
+                       g->shape().str());
+    }
+    auto& slot = pending[fn];
+    slot = slot ? add_nodes(slot, g) : g;
+  };
+  std::deque<GradFn*> ready;
+  for (const auto& [fn, g] : req.roots) {
+    if (!fn) continue;
+    add_grad(fn.get(), g);
+  }
+  for (const auto& [fn, g] : req.roots) {
+    if (fn && deps[fn.get()] == 0 && std::find(ready.begin(), ready.end(), fn.get()) == ready.end())
+      ready.push_back(fn.get());
+  }
+  while (!ready.empty()) {
+    GradFn* fn = ready.front();
+    ready.pop_front();
+    graph::NodePtr g;
+    if (auto it = pending.find(fn); it != pending.end()) {
+      g = std::move(it->second);
+      pending.erase(it);
+    }
+    std::vector<graph::NodePtr> grads;
+    if (g) {
+      for (const auto& w : fn->retained) {
+        if (auto impl = w.lock()) accumulate_into(*impl, g);
+      }
+      if (auto c = captured.find(fn); c != captured.end()) out[c->second] = g;
+      // torch.autograd.grad leaves every .grad() alone; other functions still pass the
+      // gradient on, so an input upstream of another captured one gets its share.
+      if (!(req.capture.size() && dynamic_cast<AccumulateGrad*>(fn))) grads = fn->apply(g);
+    }
+    if (!req.retain_graph) fn->release_saved();
+    for (std::size_t i = 0; i < fn->next.size(); ++i) {
+      GradFn* nx = fn->next[i].get();
+      if (!nx) continue;
+      if (i < grads.size()) add_grad(nx, grads[i]);
+      if (--deps[nx] == 0) ready.push_back(nx);
+    }
+  }
+  return out;
+}
+
+}  // namespace lazy::autograd
+// ---- end lazytensor/autograd/engine.hpp ----
+// ---- begin lazytensor/graph/builders.hpp ----
+// Turning expressions into pending graph nodes.
+
+#include <memory>
+#include <string>
+#include <vector>
+
+// ---- begin lazytensor/autograd/elementwise_grad.hpp ----
+// The backward function of a fused element-wise kernel: one gradient kernel per input that
+// needs a gradient (expr/dual.hpp), summed back over broadcast dimensions and converted to
+// the input's dtype.
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+
+namespace lazy::autograd {
+
+/// What every element-wise backward does, whatever its expression: for each input that
+/// needs a gradient, a gradient kernel (made by the subclass), summed back over broadcast
+/// dimensions and converted to the input's dtype.
+class ElementwiseGradFnBase : public GradFn {
+ public:
+  explicit ElementwiseGradFnBase(std::vector<graph::NodePtr> inputs) : inputs_(std::move(inputs)) {}
+
+  std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override {
+    check_not_released();
+    std::vector<graph::NodePtr> grads(next.size());
+    for (std::size_t s = 0; s < next.size(); ++s) {
+      if (!next[s]) continue;
+      graph::NodePtr g = gradient_kernel(static_cast<int>(s), grad);
+      g = sum_to_shape(g, inputs_[s]->shape());
+      grads[s] = cast_node(g, inputs_[s]->dtype());
+    }
+    return grads;
+  }
+
+  void release_saved() override {
+    inputs_.clear();
+    GradFn::release_saved();
+  }
+
+ protected:
+  /// A pending node computing grad * d(output)/d(input `slot`), in the output's shape.
+  virtual graph::NodePtr gradient_kernel(int slot, const graph::NodePtr& grad) const = 0;
+  const std::vector<graph::NodePtr>& inputs() const { return inputs_; }
+
+ private:
+  std::vector<graph::NodePtr> inputs_;
+};
+
+/// Backward of `y = K(inputs...)` with output dtype Tout.
+template <class K, Element Tout>
+class ElementwiseGradFn final : public ElementwiseGradFnBase {
+ public:
+  ElementwiseGradFn(K kernel, std::vector<graph::NodePtr> inputs)
+      : ElementwiseGradFnBase(std::move(inputs)), kernel_(std::move(kernel)) {}
+
+  std::string name() const override {
+    std::string n = op_label();
+    if (!n.empty() && n[0] >= 'a' && n[0] <= 'z') n[0] = static_cast<char>(n[0] - 'a' + 'A');
+    return n + "Backward0";
+  }
+
+ protected:
+  graph::NodePtr gradient_kernel(int slot, const graph::NodePtr& grad) const override {
+    using KG = expr::KGrad<K, Tout>;
+    using S = typename KG::value_type;
+    if constexpr (std::is_same_v<S, float> || std::is_same_v<S, double>) {
+      std::vector<graph::NodePtr> ins = inputs();
+      const int g_slot = static_cast<int>(ins.size());
+      ins.push_back(cast_node(grad, dtype_of<Tout>()));
+      return graph::submit(
+          graph::elementwise_node<S>(KG{kernel_, expr::KLeaf<Tout>{g_slot}, slot}, shape, grad->device(), std::move(ins)));
+    } else {
+      throw DTypeError("autograd: no gradient through an expression computed in " + dtype_name(dtype_of<S>()));
+    }
+  }
+
+ private:
+  static const char* op_label() {
+    if constexpr (requires { typename K::op_type; }) return K::op_type::name;
+    else return "Identity";
+  }
+
+  K kernel_;
+};
+
+}  // namespace lazy::autograd
+// ---- end lazytensor/autograd/elementwise_grad.hpp ----
+
+namespace lazy::graph {
+
 /// A pending node evaluating expression `e` into a tensor of type Tout and shape `shape`
-/// (the expression's own shape, or one it broadcasts to).
+/// (the expression's own shape, or one it broadcasts to). With `grad_fn`, also returns
+/// the backward function (its `next` edges set) when a leaf of `e` requires grad.
 template <Element Tout, class E>
-NodePtr make_elementwise(const E& e, const Shape& shape) {
+NodePtr make_elementwise(const E& e, const Shape& shape, autograd::GradFnPtr* grad_fn = nullptr) {
   std::vector<NodePtr> inputs;
-  auto k = expr::to_kernel(e, inputs);
+  std::vector<autograd::GradFnPtr> edges;
+  // History is recorded where the expression is evaluated, if grad mode is on there.
+  if (grad_fn && !autograd::is_grad_enabled()) grad_fn = nullptr;
+  auto k = expr::to_kernel(e, inputs, grad_fn ? &edges : nullptr);
   Device& dev = common_device(inputs, E::op_type::name);
-  return submit(std::make_shared<ElementwiseNode<decltype(k), Tout>>(std::move(k), shape, &dev, std::move(inputs)));
+  if constexpr (is_floating_v<Tout>) {
+    if (grad_fn && autograd::any_edge(edges)) {
+      auto fn = std::make_shared<autograd::ElementwiseGradFn<decltype(k), Tout>>(k, inputs);
+      fn->next = std::move(edges);
+      *grad_fn = std::move(fn);
+    }
+  }
+  return submit(elementwise_node<Tout>(std::move(k), shape, &dev, std::move(inputs)));
 }
 
 template <Element Tout, class E>
@@ -2486,9 +4597,12 @@ NodePtr make_elementwise(const E& e) {
   return make_elementwise<Tout>(e, e.shape());
 }
 
-/// Materializes `node` (and what it needs). Returns true when it was pending.
+/// Materializes `node` (and what it needs). A value a step is computing is waited for;
+/// a pending one is computed now. Returns true when this read had to compute it (an
+/// implicit sync). Re-throws a stored execution error.
 inline bool materialize(const NodePtr& node) {
   Device& dev = *node->device();
+  if (!node->materialized() && !node->pending()) dev.wait_idle();
   dev.rethrow_stored_error();
   if (node->materialized()) return false;
   execute(dev, {node});
@@ -2546,10 +4660,26 @@ class Tensor {
     impl_->node->device()->register_handle(impl_);
   }
 
+  /// A handle on an existing tensor object (shares it, like copying a handle). Throws
+  /// DTypeError when the object holds another element type.
+  static Tensor from_impl(std::shared_ptr<graph::TensorImpl> impl) {
+    Tensor t;
+    if (impl && impl->node && impl->node->dtype() != dtype_of<T>()) {
+      throw DTypeError("expected a tensor of dtype " + dtype_name(dtype_of<T>()) + ", found " +
+                       dtype_name(impl->node->dtype()));
+    }
+    t.impl_ = std::move(impl);
+    return t;
+  }
+
   /// Captures an expression as a pending node; nothing is computed until a sync or read.
+  /// Records its backward function when a leaf requires grad.
   template <class Op, class... C>
-  Tensor(const Expr<Op, C...>& e)  // NOLINT: implicit, as `Tensor<float> y = a + b;`
-      : Tensor(graph::make_elementwise<T>(e)) {}
+  Tensor(const Expr<Op, C...>& e) {  // NOLINT: implicit, as `Tensor<float> y = a + b;`
+    autograd::GradFnPtr fn;
+    *this = Tensor(graph::make_elementwise<T>(e, e.shape(), &fn));
+    autograd::attach_grad_fn(*impl_, std::move(fn));
+  }
 
   /// Rebinds this handle (not the shared tensor) to an expression's value, as `t = a + b`
   /// does in libtorch.
@@ -2614,8 +4744,100 @@ class Tensor {
     return node()->template data<T>();
   }
 
-  /// The tensor as an expression operand.
-  expr::Leaf<T> to_leaf() const { return {node()}; }
+  /// A copy on device `dev` (this handle when already there). The value is materialized on
+  /// its own device first, then copied into a buffer of `dev`'s pool.
+  Tensor to(const Device& dev) const {
+    if (dev == device()) return *this;
+    const T* p = data();
+    return Tensor(detail::data_node<T>(p, shape(), dev));
+  }
+
+  /// The tensor as an expression operand (with its autograd edge when it requires grad).
+  expr::Leaf<T> to_leaf() const { return {node(), autograd::edge_of(impl_)}; }
+
+  // ---- autograd (libtorch names) ---------------------------------------------------
+
+  /// Marks a leaf as requiring gradients (floating dtypes only, leaves only).
+  Tensor& requires_grad_(bool on = true) {
+    if constexpr (!is_floating_v<T>) {
+      if (on) {
+        throw DTypeError("requires_grad_: only tensors of floating point dtype can require gradients, got " +
+                         dtype_name(dtype_of<T>()));
+      }
+    }
+    if (!is_leaf()) {
+      throw Error("requires_grad_: you can only change requires_grad flags of leaf variables (this tensor was "
+                  "computed by " + impl_->autograd->grad_fn->name() + ")");
+    }
+    node();
+    impl_->autograd_meta().requires_grad = on;
+    return *this;
+  }
+  /// True when gradients flow into this tensor.
+  bool requires_grad() const { return impl_ && impl_->requires_grad(); }
+  /// True unless the value was computed by an operation recorded for autograd.
+  bool is_leaf() const { return !impl_ || !impl_->autograd || !impl_->autograd->grad_fn; }
+  /// The function that computed this value (nullptr for leaves).
+  const autograd::GradFnPtr& grad_fn() const {
+    static const autograd::GradFnPtr none;
+    return impl_ && impl_->autograd ? impl_->autograd->grad_fn : none;
+  }
+  /// The accumulated gradient (undefined until a backward pass reached this tensor). The
+  /// handle shares the gradient: `p.grad().zero_()` zeroes it.
+  Tensor grad() const {
+    if (!impl_ || !impl_->autograd || !impl_->autograd->grad || !impl_->autograd->grad->node) return Tensor();
+    return from_impl(impl_->autograd->grad);
+  }
+  /// Replaces (or with an undefined tensor, clears) the accumulated gradient.
+  void set_grad(const Tensor& g) {
+    auto& meta = impl_->autograd_meta();
+    if (!g.defined()) {
+      meta.grad.reset();
+      return;
+    }
+    if (!(g.shape() == shape())) {
+      throw ShapeError("set_grad: assigned grad has shape " + g.shape().str() + ", expected " + shape().str());
+    }
+    meta.grad = g.impl_;
+  }
+  /// Keeps this non-leaf tensor's gradient in `.grad()` during backward.
+  void retain_grad() {
+    if (is_leaf()) return;  // leaves keep theirs anyway
+    auto& meta = *impl_->autograd;
+    if (!meta.retains_grad) {
+      meta.retains_grad = true;
+      meta.grad_fn->retained.push_back(impl_);
+    }
+  }
+  /// A new tensor sharing this value, outside autograd (torch's detach()).
+  Tensor detach() const { return Tensor(node()); }
+
+  /// Backpropagates from this tensor: `gradient` defaults to 1 for a one-element tensor.
+  /// Gradients accumulate into the leaves' `.grad()` as pending values; the graph is freed
+  /// unless `retain_graph`.
+  void backward(const Tensor& gradient = Tensor(), bool retain_graph = false) const {
+    if (!requires_grad()) {
+      throw Error("backward: element 0 of tensors does not require grad and does not have a grad_fn");
+    }
+    graph::NodePtr g;
+    if (gradient.defined()) {
+      if (!(gradient.shape() == shape())) {
+        throw ShapeError("backward: gradient has shape " + gradient.shape().str() + ", expected " + shape().str());
+      }
+      g = gradient.node();
+    } else {
+      if (numel() != 1) {
+        throw Error("backward: grad can be implicitly created only for scalar outputs (got shape " +
+                    shape().str() + ")");
+      }
+      g = autograd::full_node(shape(), dtype_of<T>(), node()->device(), 1.0);
+    }
+    autograd::GradFnPtr root = [&] {
+      autograd::AutoGradMode on(true);
+      return autograd::edge_of(impl_);
+    }();
+    autograd::run_backward({{{root, g}}, retain_graph, {}});
+  }
   /// The graph node holding the current value.
   const graph::NodePtr& node() const {
     if (!impl_) throw Error("use of an undefined tensor (default-constructed lazy::Tensor)");
@@ -2671,11 +4893,14 @@ class Tensor {
   /// Sets every element to v.
   template <expr::Number V>
   Tensor& fill_(V v) {
+    node();  // an undefined tensor throws here
+    check_inplace("fill_");
+    if (impl_->autograd) impl_->autograd->grad_fn = nullptr;  // a constant: no history
     std::vector<graph::NodePtr> none;
     using E = Expr<ops::Identity, expr::Scalar<T>>;
     E e(expr::Scalar<T>{static_cast<T>(v)});
-    impl_->node = graph::submit(std::make_shared<graph::ElementwiseNode<expr::kernel_form_t<E>, T>>(
-        expr::to_kernel(e, none), shape(), node()->device(), std::vector<graph::NodePtr>{}));
+    impl_->node = graph::submit(
+        graph::elementwise_node<T>(expr::to_kernel(e, none), shape(), node()->device(), std::vector<graph::NodePtr>{}));
     return *this;
   }
   /// Sets every element to zero.
@@ -2695,8 +4920,20 @@ class Tensor {
       throw ShapeError(std::string(op) + ": output with shape " + shape().str() +
                        " doesn't match the broadcast shape " + e.shape().str());
     }
-    impl_->node = graph::make_elementwise<T>(e, shape());
+    check_inplace(op);
+    autograd::GradFnPtr fn;
+    impl_->node = graph::make_elementwise<T>(e, shape(), &fn);
+    autograd::attach_grad_fn(*impl_, std::move(fn));
     return *this;
+  }
+
+  // libtorch refuses in-place updates of leaves that require grad while recording: the
+  // gradient would belong to neither value. Optimizers update them under NoGradGuard.
+  void check_inplace(const char* op) const {
+    if (autograd::is_grad_enabled() && requires_grad() && is_leaf()) {
+      throw Error(std::string(op) + ": a leaf Variable that requires grad is being used in an in-place operation "
+                  "(wrap the update in lazy::NoGradGuard)");
+    }
   }
 
   std::shared_ptr<graph::TensorImpl> impl_;
@@ -2735,6 +4972,16 @@ std::ostream& operator<<(std::ostream& os, const Tensor<T>& t) {
   return os << ", device='" << t.device().str() << "', dtype=" << dtype_name(t.dtype) << ")";
 }
 
+/// Evaluates expression `e` into a pending tensor of type T and shape `shape` (e's shape,
+/// or one it broadcasts to), recording its backward function when a leaf requires grad.
+template <Element T, class E>
+Tensor<T> evaluate_as(const E& e, const Shape& shape) {
+  autograd::GradFnPtr fn;
+  Tensor<T> t(graph::make_elementwise<T>(e, shape, &fn));
+  autograd::attach_grad_fn(*t.impl(), std::move(fn));
+  return t;
+}
+
 /// Evaluates an expression into a new tensor of its natural type.
 template <class Op, class... C>
 auto eval(const Expr<Op, C...>& e) {
@@ -2743,6 +4990,1870 @@ auto eval(const Expr<Op, C...>& e) {
 
 }  // namespace lazy
 // ---- end lazytensor/tensor.hpp ----
+
+namespace lazy {
+
+/// A handle on a tensor of any dtype (shares the tensor object, like Tensor<T> does).
+class AnyTensor {
+ public:
+  /// An undefined tensor.
+  AnyTensor() = default;
+  /// Wraps a typed handle; both share one tensor object.
+  template <Element T>
+  AnyTensor(const Tensor<T>& t) : impl_(t.impl()) {}  // NOLINT: implicit, like torch::Tensor
+
+  /// True unless default-constructed.
+  bool defined() const { return impl_ != nullptr; }
+  /// Element type tag.
+  DType dtype() const { return node()->dtype(); }
+  /// Sizes of each dimension.
+  const Shape& shape() const { return node()->shape(); }
+  /// Number of elements.
+  std::int64_t numel() const { return shape().numel(); }
+  /// Device the value lives on.
+  Device device() const { return Device(node()->device()->index()); }
+
+  /// True when the tensor holds elements of type T.
+  template <Element T>
+  bool is() const {
+    return defined() && dtype() == dtype_of<T>();
+  }
+  /// The typed handle; DTypeError when the dtype is not T.
+  template <Element T>
+  Tensor<T> as() const {
+    if (!defined()) throw Error("use of an undefined tensor (default-constructed lazy::AnyTensor)");
+    return Tensor<T>::from_impl(impl_);
+  }
+
+  /// Calls f(Tensor<T>) with the typed handle.
+  template <class F>
+  decltype(auto) visit(F&& f) const {
+    switch (dtype()) {
+      case DType::Bool: return f(as<bool>());
+      case DType::Int32: return f(as<std::int32_t>());
+      case DType::Int64: return f(as<std::int64_t>());
+      case DType::BFloat16: return f(as<bfloat16>());
+      case DType::Float32: return f(as<float>());
+      case DType::Float64: break;
+    }
+    return f(as<double>());
+  }
+
+  /// Copies the values (row-major, dtype_size(dtype()) bytes each) to `dst`. Materializes
+  /// (an implicit sync when pending).
+  void copy_bytes_to(void* dst) const {
+    visit([&](const auto& t) {
+      if (t.numel() > 0) std::memcpy(dst, t.data(), static_cast<std::size_t>(t.numel()) * dtype_size(dtype()));
+    });
+  }
+
+  /// The shared tensor object.
+  const std::shared_ptr<graph::TensorImpl>& impl() const { return impl_; }
+
+ private:
+  const graph::NodePtr& node() const {
+    if (!impl_) throw Error("use of an undefined tensor (default-constructed lazy::AnyTensor)");
+    return impl_->node;
+  }
+  std::shared_ptr<graph::TensorImpl> impl_;
+};
+
+/// A materialized tensor of run-time dtype `dtype` and `shape` holding a copy of `bytes`
+/// (numel * dtype_size(dtype) bytes), on `dev`.
+inline AnyTensor from_bytes(DType dtype, const Shape& shape, const void* bytes, Device dev = device()) {
+  graph::Device& d = dev.engine();
+  const std::size_t n = static_cast<std::size_t>(shape.numel()) * dtype_size(dtype);
+  auto buf = d.pool().acquire(padded_bytes(shape.numel(), dtype_size(dtype)));
+  if (n) std::memcpy(buf->data(), bytes, n);
+  auto node = std::make_shared<graph::DataNode>(dtype, shape, &d, std::move(buf));
+  switch (dtype) {
+    case DType::Bool: return Tensor<bool>(node);
+    case DType::Int32: return Tensor<std::int32_t>(node);
+    case DType::Int64: return Tensor<std::int64_t>(node);
+    case DType::BFloat16: return Tensor<bfloat16>(node);
+    case DType::Float32: return Tensor<float>(node);
+    case DType::Float64: break;
+  }
+  return Tensor<double>(node);
+}
+
+}  // namespace lazy
+// ---- end lazytensor/any_tensor.hpp ----
+// ---- begin lazytensor/autograd/functional.hpp ----
+// torch.autograd.grad: gradients of outputs with respect to chosen inputs, returned rather
+// than accumulated into `.grad()`.
+
+#include <string>
+#include <vector>
+
+
+namespace lazy::autograd {
+
+/// Gradients of sum(outputs[i] * grad_outputs[i]) with respect to each of `inputs` (one-
+/// element outputs may omit grad_outputs). No `.grad()` changes. An input the outputs do
+/// not depend on is an Error unless `allow_unused` (then its gradient is undefined).
+template <Element T>
+std::vector<Tensor<T>> grad(const std::vector<Tensor<T>>& outputs, const std::vector<Tensor<T>>& inputs,
+                            const std::vector<Tensor<T>>& grad_outputs = {}, bool retain_graph = false,
+                            bool allow_unused = false) {
+  if (!grad_outputs.empty() && grad_outputs.size() != outputs.size()) {
+    throw Error("autograd::grad: expected " + std::to_string(outputs.size()) + " grad_outputs, got " +
+                std::to_string(grad_outputs.size()));
+  }
+  BackwardRequest req;
+  req.retain_graph = retain_graph;
+  {
+    AutoGradMode on(true);
+    for (std::size_t i = 0; i < outputs.size(); ++i) {
+      const Tensor<T>& o = outputs[i];
+      if (!o.requires_grad()) {
+        throw Error("autograd::grad: output " + std::to_string(i) + " does not require grad and has no grad_fn");
+      }
+      graph::NodePtr g;
+      if (grad_outputs.empty()) {
+        if (o.numel() != 1) {
+          throw Error("autograd::grad: grad can be implicitly created only for scalar outputs (output " +
+                      std::to_string(i) + " has shape " + o.shape().str() + ")");
+        }
+        g = full_node(o.shape(), dtype_of<T>(), o.node()->device(), 1.0);
+      } else {
+        if (!(grad_outputs[i].shape() == o.shape())) {
+          throw ShapeError("autograd::grad: grad_outputs[" + std::to_string(i) + "] has shape " +
+                           grad_outputs[i].shape().str() + ", expected " + o.shape().str());
+        }
+        g = grad_outputs[i].node();
+      }
+      req.roots.emplace_back(edge_of(o.impl()), g);
+    }
+    for (std::size_t i = 0; i < inputs.size(); ++i) {
+      if (!inputs[i].requires_grad()) {
+        throw Error("autograd::grad: input " + std::to_string(i) + " does not require grad");
+      }
+      req.capture.push_back(edge_of(inputs[i].impl()));
+    }
+  }
+  auto nodes = run_backward(req);
+  std::vector<Tensor<T>> out;
+  for (std::size_t i = 0; i < nodes.size(); ++i) {
+    if (!nodes[i]) {
+      if (!allow_unused) {
+        throw Error("autograd::grad: input " + std::to_string(i) +
+                    " appears to not have been used in the graph (set allow_unused to get an undefined gradient)");
+      }
+      out.emplace_back();
+    } else {
+      out.emplace_back(cast_node(nodes[i], dtype_of<T>()));
+    }
+  }
+  return out;
+}
+
+}  // namespace lazy::autograd
+// ---- end lazytensor/autograd/functional.hpp ----
+// ---- begin lazytensor/autograd/record.hpp ----
+// How an op records its explicit backward rule: a callable from the typed output gradient
+// to the input gradients, wrapped as a GradFn and attached to the op's result when any
+// operand needs a gradient. Rules capture detached tensors (values, no history), never the
+// result's own handle, so no reference cycle forms.
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+
+namespace lazy::autograd {
+
+/// A backward rule given as a callable.
+class FunctionGradFn final : public GradFn {
+ public:
+  using Backward = std::function<std::vector<graph::NodePtr>(const graph::NodePtr&)>;
+  FunctionGradFn(std::string name, Backward f) : name_(std::move(name)), f_(std::move(f)) {}
+  std::string name() const override { return name_; }
+  std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override {
+    check_not_released();
+    return f_(grad);
+  }
+  void release_saved() override {
+    f_ = nullptr;
+    GradFn::release_saved();
+  }
+
+ private:
+  std::string name_;
+  Backward f_;
+};
+
+/// Where the gradient of operand `x` goes: a tensor's own edge, or for an element-wise
+/// expression a backward function over its leaves (the expression need not be computed
+/// for that: e.g. sum(a * b) never writes a * b).
+template <expr::ExprLike X>
+GradFnPtr operand_edge(const X& x) {
+  if constexpr (expr::is_expr_node<X>::value) {
+    using V = typename X::value_type;
+    if constexpr (!is_floating_v<V>) {
+      return nullptr;
+    } else {
+      if (!is_grad_enabled()) return nullptr;
+      std::vector<graph::NodePtr> inputs;
+      std::vector<GradFnPtr> edges;
+      auto k = expr::to_kernel(x, inputs, &edges);
+      if (!any_edge(edges)) return nullptr;
+      auto fn = std::make_shared<ElementwiseGradFn<decltype(k), V>>(k, inputs);
+      fn->next = std::move(edges);
+      fn->dtype = dtype_of<V>();
+      fn->shape = x.shape();
+      fn->device = fn->next.empty() ? nullptr : inputs.front()->device();
+      return fn;
+    }
+  } else {
+    return edge_of(x.impl());
+  }
+}
+
+/// The value of operand `x` as a backward rule keeps it: a tensor detached (its value now,
+/// unaffected by later in-place updates, without history), an expression as is (its
+/// leaves already hold the values it was built from).
+template <expr::ExprLike X>
+auto saved(const X& x) {
+  if constexpr (expr::is_expr_node<X>::value) return x;
+  else return x.detach();
+}
+
+/// The node of a gradient tensor, or nullptr for an undefined one (no gradient).
+template <Element T>
+graph::NodePtr node_or_null(const Tensor<T>& t) {
+  return t.defined() ? t.node() : nullptr;
+}
+
+/// Makes `backward` (Tensor<T> grad of out -> input gradient nodes, in `edges` order) the
+/// grad_fn of `out` when any edge is live. The rule runs with grad mode off.
+template <Element T, class F>
+void record(Tensor<T>& out, const char* name, std::vector<GradFnPtr> edges, F backward) {
+  if constexpr (!is_floating_v<T>) return;  // integer results carry no gradient
+  if (!any_edge(edges)) return;
+  auto fn = std::make_shared<FunctionGradFn>(name, [b = std::move(backward)](const graph::NodePtr& g) {
+    AutoGradMode off(false);
+    return b(Tensor<T>(cast_node(g, dtype_of<T>())));
+  });
+  fn->next = std::move(edges);
+  attach_grad_fn(*out.impl(), std::move(fn));
+}
+
+/// True when grad mode is on and any of the tensors requires grad.
+template <class... Ts>
+bool any_requires_grad(const Ts&... ts) {
+  return is_grad_enabled() && (false || ... || ts.requires_grad());
+}
+
+}  // namespace lazy::autograd
+// ---- end lazytensor/autograd/record.hpp ----
+// ---- begin lazytensor/data.hpp ----
+// lazy::data: datasets, transforms, samplers and the DataLoader, with libtorch's names
+// (torch::data). Reading gzip'd IDX files (MNIST) needs zlib: link ZLIB::ZLIB.
+
+// ---- begin lazytensor/data/data_loader.hpp ----
+// DataLoader: batches of a dataset in sampler order, loaded on the calling thread or by
+// worker threads ahead of use, as torch::data's make_data_loader.
+//
+//   auto loader = lazy::data::make_data_loader(dataset, {.batch_size = 64, .shuffle = true,
+//   .num_workers = 2}); for (auto& batch : *loader) { ... batch.data, batch.target ... }
+//
+// Workers: worker w loads batches w, w + W, w + 2W, ... of the epoch, each at most
+// W * prefetch batches ahead of the consumer; the consumer takes them strictly in order.
+// An exception thrown while loading a batch is re-thrown to the consumer when it reaches
+// that batch. Stopping (a new epoch, destruction) wakes every worker and joins it; a worker
+// finishes the batch it is loading first.
+
+#include <concepts>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <iterator>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <numeric>
+#include <optional>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+// ---- begin lazytensor/data/dataset.hpp ----
+// What a dataset is (the Dataset concept), the optional batched fast path (get_batch), and
+// dataset.map(transform) as in libtorch.
+//
+// A dataset is a value with `size()` and `get(index)` (const: a DataLoader with workers calls
+// it from several threads at once, so it must be thread-safe) returning an Example. It may
+// also provide `get_batch(indices)` returning a whole batch, built on the host into one
+// buffer per field on the calling thread's current device (lazy::device()): the DataLoader
+// uses it when present instead of stacking single examples.
+//
+// Datasets used with worker threads should return materialized tensors (built from host
+// data, as the library's datasets do): stacking reads each example, and a pending one would
+// be computed on the worker while the consumer may be running mark_step on the same device.
+
+#include <concepts>
+#include <cstddef>
+#include <utility>
+#include <vector>
+
+// ---- begin lazytensor/data/example.hpp ----
+// Example<Data, Target>: one sample (or one batch) of a dataset, as torch::data::Example.
+// Also the host-side helpers that build a batch: a tensor filled in place in a buffer of the
+// target device's pool (no staging copy), and the generic collation that stacks examples.
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace lazy::data {
+
+/// A sample and its target (for a batch: data [B, ...] and targets [B, ...]).
+template <class Data = Tensor<float>, class Target = Tensor<std::int64_t>>
+struct Example {
+  using DataType = Data;
+  using TargetType = Target;
+  Data data;
+  Target target;
+};
+
+namespace detail {
+
+template <class T>
+inline constexpr bool is_tensor_v = false;
+template <Element T>
+inline constexpr bool is_tensor_v<Tensor<T>> = true;
+
+/// A tensor under construction on the host: a buffer from `dev`'s pool that the caller
+/// fills through data(), then finish() wraps it as a materialized tensor. Safe to use from
+/// any thread (the pool and the device's handle registry are locked).
+template <Element T>
+class HostTensor {
+ public:
+  explicit HostTensor(const Shape& shape, Device dev = device())
+      : shape_(shape),
+        dev_(&dev.engine()),
+        buf_(dev_->pool().acquire(padded_bytes(shape.numel(), sizeof(T)))) {}
+
+  /// The elements, row-major.
+  T* data() { return static_cast<T*>(buf_->data()); }
+  /// The finished tensor (this object is spent).
+  Tensor<T> finish() && {
+    return Tensor<T>(
+        std::make_shared<graph::DataNode>(dtype_of<T>(), shape_, dev_, std::move(buf_)));
+  }
+
+ private:
+  Shape shape_;
+  graph::Device* dev_;
+  std::shared_ptr<Buffer> buf_;
+};
+
+/// (n, s0, s1, ...): the shape of a batch of n samples of shape s.
+inline Shape batch_shape(std::size_t n, const Shape& s) {
+  if (s.rank() >= kMaxRank) {
+    throw ShapeError("cannot batch samples of shape " + s.str() + ": a batch would have rank " +
+                     std::to_string(s.rank() + 1) + ", the maximum is " + std::to_string(kMaxRank));
+  }
+  Shape out{static_cast<std::int64_t>(n)};
+  for (const auto d : s) out.push_back(d);
+  return out;
+}
+
+/// Stacks equally shaped tensors into [n, ...] on the current device, on the host.
+template <Element T, class Get>
+Tensor<T> stack_on_host(std::size_t n, Get&& get, const char* field) {
+  const Tensor<T>& first = get(0);
+  const Shape shape = first.shape();
+  for (std::size_t i = 1; i < n; ++i) {
+    if (!(get(i).shape() == shape)) {
+      throw ShapeError(std::string("DataLoader: cannot stack the examples of a batch: ") + field +
+                       " of example 0 has shape " + shape.str() + ", of example " +
+                       std::to_string(i) + " " + get(i).shape().str());
+    }
+  }
+  HostTensor<T> out(batch_shape(n, shape));
+  const auto per = static_cast<std::size_t>(shape.numel());
+  for (std::size_t i = 0; i < n; ++i) {
+    if (per) std::memcpy(out.data() + i * per, get(i).data(), per * sizeof(T));
+  }
+  return std::move(out).finish();
+}
+
+/// Collates examples of tensors into one batch example (data and target each stacked
+/// along a new first dimension): the generic path of the DataLoader, for datasets without
+/// get_batch.
+template <class Data, class Target>
+Example<Data, Target> collate(const std::vector<Example<Data, Target>>& examples) {
+  static_assert(is_tensor_v<Data> && is_tensor_v<Target>,
+                "DataLoader: a dataset without get_batch() must return Example<Tensor<T>, "
+                "Tensor<U>> from get(), "
+                "so that examples can be stacked into a batch");
+  using D = typename Data::value_type;
+  using T = typename Target::value_type;
+  const std::size_t n = examples.size();
+  return {stack_on_host<D>(
+              n, [&](std::size_t i) -> const Data& { return examples[i].data; }, "data"),
+          stack_on_host<T>(
+              n, [&](std::size_t i) -> const Target& { return examples[i].target; }, "target")};
+}
+
+}  // namespace detail
+}  // namespace lazy::data
+// ---- end lazytensor/data/example.hpp ----
+
+namespace lazy::data {
+
+/// size() and a const get(index).
+template <class D>
+concept Dataset = requires(const D& d, std::size_t i) {
+  { d.size() } -> std::convertible_to<std::size_t>;
+  d.get(i);
+};
+
+/// A Dataset that also builds whole batches: get_batch(const std::vector<std::size_t>&).
+template <class D>
+concept BatchDataset = Dataset<D> && requires(const D& d, const std::vector<std::size_t>& indices) {
+  d.get_batch(indices);
+};
+
+/// The example type of a dataset.
+template <Dataset D>
+using example_t = decltype(std::declval<const D&>().get(std::size_t{}));
+
+namespace detail {
+template <class D>
+struct batch_type_of {
+  using type = example_t<D>;  // examples stacked into one of the same type
+};
+template <BatchDataset D>
+struct batch_type_of<D> {
+  using type =
+      decltype(std::declval<const D&>().get_batch(std::declval<const std::vector<std::size_t>&>()));
+};
+}  // namespace detail
+
+/// The batch type a DataLoader yields for a dataset.
+template <Dataset D>
+using batch_t = typename detail::batch_type_of<D>::type;
+
+/// A dataset that builds its batches with `transform` folded in (e.g. MNIST converts bytes
+/// to normalized floats in one pass): get_batch(indices, transform).
+template <class D, class F>
+concept FoldsTransform = requires(const D& d, const F& f, const std::vector<std::size_t>& indices) {
+  d.get_batch(indices, f);
+};
+
+/// A transform that can also be applied to a whole batch of D: f.apply_batch(batch).
+template <class D, class F>
+concept BatchTransformFor = BatchDataset<D> &&
+    requires(const D& d, const F& f, const std::vector<std::size_t>& indices) {
+  f.apply_batch(d.get_batch(indices));
+};
+
+template <Dataset D, class F>
+class MapDataset;
+
+/// Base of the library's datasets: gives them map(transform), as libtorch's datasets have.
+template <class Self>
+class DatasetBase {
+ public:
+  /// A dataset yielding transform(example) for each example of this one (which is copied;
+  /// the library's datasets share their storage, so copies are cheap).
+  template <class F>
+  MapDataset<Self, F> map(F transform) const& {
+    return MapDataset<Self, F>(static_cast<const Self&>(*this), std::move(transform));
+  }
+  template <class F>
+  MapDataset<Self, F> map(F transform) && {
+    return MapDataset<Self, F>(std::move(static_cast<Self&>(*this)), std::move(transform));
+  }
+};
+
+/// `dataset` with `transform` applied to each example (transform(Example) -> Example).
+/// It has a get_batch when the transform can be folded into the dataset's own batching
+/// (FoldsTransform) or applied to a batch (BatchTransformFor); otherwise the DataLoader
+/// stacks transformed examples.
+template <Dataset D, class F>
+class MapDataset : public DatasetBase<MapDataset<D, F>> {
+ public:
+  MapDataset(D dataset, F transform)
+      : dataset_(std::move(dataset)), transform_(std::move(transform)) {}
+
+  /// Number of samples (that of the underlying dataset).
+  std::size_t size() const { return dataset_.size(); }
+  /// transform(dataset.get(index)).
+  auto get(std::size_t index) const { return transform_(dataset_.get(index)); }
+  /// The transformed batch: folded into the dataset's conversion when it offers that,
+  /// else the transform applied to the dataset's batch.
+  auto get_batch(const std::vector<std::size_t>& indices) const requires FoldsTransform<D, F> ||
+      BatchTransformFor<D, F> {
+    if constexpr (FoldsTransform<D, F>)
+      return dataset_.get_batch(indices, transform_);
+    else
+      return transform_.apply_batch(dataset_.get_batch(indices));
+  }
+
+  /// The underlying dataset.
+  const D& dataset() const { return dataset_; }
+  /// The transform.
+  const F& transform() const { return transform_; }
+
+ private:
+  D dataset_;
+  F transform_;
+};
+
+}  // namespace lazy::data
+// ---- end lazytensor/data/dataset.hpp ----
+// ---- begin lazytensor/data/sampler.hpp ----
+// Samplers: which dataset indices an epoch visits, in which order. A DataLoader takes one
+// (by default sequential, or RandomSampler when shuffle is on) and forwards set_epoch to it.
+
+#include <cstddef>
+#include <cstdint>
+#include <numeric>
+#include <string>
+#include <vector>
+
+// ---- begin lazytensor/data/shuffle.hpp ----
+// Deterministic shuffling: the same (seed, epoch) gives the same permutation on every
+// replica, platform and standard library. Only std::mt19937_64 is used from <random> (its
+// output sequence is fixed by the C++ standard); its distributions are not (their
+// algorithms are implementation-defined), so bounded draws are our own.
+//
+//   generator seed  = splitmix64(splitmix64(seed) + epoch)
+//   generator       = std::mt19937_64(generator seed)
+//   permutation     = Fisher-Yates from the back: for i = n-1 down to 1, swap p[i] with
+//                     p[j], j = uniform_below(i + 1)
+//   uniform_below(b) = the first draw r with r >= (2^64 - b) mod b, reduced r mod b
+//                     (rejection makes it exactly uniform)
+
+#include <cstddef>
+#include <cstdint>
+#include <numeric>
+#include <random>
+#include <utility>
+#include <vector>
+
+namespace lazy::data {
+
+namespace detail {
+
+/// SplitMix64's output function: a bijective 64-bit mixer.
+constexpr std::uint64_t splitmix64(std::uint64_t x) {
+  std::uint64_t z = x + 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+/// A uniform integer in [0, bound), bound > 0, by rejection (no modulo bias).
+inline std::uint64_t uniform_below(std::mt19937_64& gen, std::uint64_t bound) {
+  const std::uint64_t threshold = (0 - bound) % bound;  // (2^64 - bound) mod bound
+  for (;;) {
+    const std::uint64_t r = gen();
+    if (r >= threshold) return r % bound;
+  }
+}
+
+}  // namespace detail
+
+/// The generator seed used for (seed, epoch).
+constexpr std::uint64_t shuffle_seed(std::uint64_t seed, std::uint64_t epoch) {
+  return detail::splitmix64(detail::splitmix64(seed) + epoch);
+}
+
+/// A permutation of 0..n-1, a fixed function of (n, seed, epoch) (see the file comment).
+inline std::vector<std::size_t> permutation(std::size_t n, std::uint64_t seed,
+                                            std::uint64_t epoch) {
+  std::vector<std::size_t> p(n);
+  std::iota(p.begin(), p.end(), std::size_t{0});
+  std::mt19937_64 gen(shuffle_seed(seed, epoch));
+  for (std::size_t i = n; i > 1; --i) {
+    const auto j = static_cast<std::size_t>(detail::uniform_below(gen, i));
+    std::swap(p[i - 1], p[j]);
+  }
+  return p;
+}
+
+}  // namespace lazy::data
+// ---- end lazytensor/data/shuffle.hpp ----
+
+namespace lazy::data {
+
+/// The order of the indices of one epoch over a dataset.
+class Sampler {
+ public:
+  virtual ~Sampler() = default;
+  /// The indices of the current epoch, for a dataset of `dataset_size` samples.
+  virtual std::vector<std::size_t> indices(std::size_t dataset_size) const = 0;
+  /// How many indices indices(dataset_size) returns.
+  virtual std::size_t size(std::size_t dataset_size) const = 0;
+  /// Selects the epoch (which shuffle a shuffling sampler uses).
+  void set_epoch(std::uint64_t epoch) { epoch_ = epoch; }
+  /// The selected epoch.
+  std::uint64_t epoch() const { return epoch_; }
+
+ private:
+  std::uint64_t epoch_ = 0;
+};
+
+/// 0, 1, ..., n-1.
+class SequentialSampler final : public Sampler {
+ public:
+  std::vector<std::size_t> indices(std::size_t n) const override {
+    std::vector<std::size_t> v(n);
+    std::iota(v.begin(), v.end(), std::size_t{0});
+    return v;
+  }
+  std::size_t size(std::size_t n) const override { return n; }
+};
+
+/// A permutation of 0..n-1 drawn from (seed, epoch) (data::permutation).
+class RandomSampler final : public Sampler {
+ public:
+  explicit RandomSampler(std::uint64_t seed = 0) : seed_(seed) {}
+  std::vector<std::size_t> indices(std::size_t n) const override {
+    return permutation(n, seed_, epoch());
+  }
+  std::size_t size(std::size_t n) const override { return n; }
+  std::uint64_t seed() const { return seed_; }
+
+ private:
+  std::uint64_t seed_;
+};
+
+/// The share of replica `rank` out of `num_replicas`, as torch.utils.data.DistributedSampler:
+/// every replica draws the same permutation of 0..n-1 (from seed and epoch; the identity
+/// when shuffle is off); without drop_last it is padded by repeating indices from its start
+/// up to ceil(n / R) * R, with drop_last cut to floor(n / R) * R; replica r then takes
+/// positions r, r + R, r + 2R, ... So each replica gets ceil(n / R) (floor with drop_last)
+/// samples, and together the replicas cover the (padded) permutation exactly once.
+class DistributedSampler final : public Sampler {
+ public:
+  /// IndexError when num_replicas is 0 or rank is not in [0, num_replicas).
+  DistributedSampler(std::size_t num_replicas, std::size_t rank, bool shuffle = true,
+                     std::uint64_t seed = 0, bool drop_last = false)
+      : num_replicas_(num_replicas),
+        rank_(rank),
+        shuffle_(shuffle),
+        seed_(seed),
+        drop_last_(drop_last) {
+    if (num_replicas == 0)
+      throw IndexError("DistributedSampler: num_replicas must be at least 1, got 0");
+    if (rank >= num_replicas) {
+      throw IndexError("DistributedSampler: invalid rank " + std::to_string(rank) +
+                       ", rank should be in the interval [0, " + std::to_string(num_replicas - 1) +
+                       "]");
+    }
+  }
+
+  std::size_t size(std::size_t n) const override {
+    return drop_last_ ? n / num_replicas_ : (n + num_replicas_ - 1) / num_replicas_;
+  }
+
+  std::vector<std::size_t> indices(std::size_t n) const override {
+    std::vector<std::size_t> all =
+        shuffle_ ? permutation(n, seed_, epoch()) : SequentialSampler().indices(n);
+    const std::size_t total = size(n) * num_replicas_;
+    // Padding repeats the list from its start, cyclically when it must grow more than twice.
+    for (std::size_t k = 0; all.size() < total; ++k) {
+      const std::size_t repeat = all[k % n];
+      all.push_back(repeat);
+    }
+    all.resize(total);
+    std::vector<std::size_t> mine;
+    mine.reserve(size(n));
+    for (std::size_t i = rank_; i < total; i += num_replicas_) mine.push_back(all[i]);
+    return mine;
+  }
+
+  std::size_t num_replicas() const { return num_replicas_; }
+  std::size_t rank() const { return rank_; }
+  bool shuffle() const { return shuffle_; }
+  std::uint64_t seed() const { return seed_; }
+  bool drop_last() const { return drop_last_; }
+
+ private:
+  std::size_t num_replicas_, rank_;
+  bool shuffle_;
+  std::uint64_t seed_;
+  bool drop_last_;
+};
+
+}  // namespace lazy::data
+// ---- end lazytensor/data/sampler.hpp ----
+
+namespace lazy::data {
+
+/// Options of a DataLoader (libtorch's DataLoaderOptions / PyTorch's DataLoader arguments).
+struct DataLoaderOptions {
+  std::size_t batch_size = 1;
+  /// Visit the samples in a random order (permutation(n, seed, epoch)); exclusive with a sampler.
+  bool shuffle = false;
+  /// Drop the last batch when it would be smaller than batch_size.
+  bool drop_last = false;
+  /// Seed of the shuffle.
+  std::uint64_t seed = 0;
+  /// Worker threads loading batches; 0 loads each batch on the consuming thread when asked.
+  std::size_t num_workers = 0;
+  /// Batches each worker loads ahead of the consumer (at least 1).
+  std::size_t prefetch = 2;
+  /// Device the batches are created on; default: the current device of the thread that
+  /// creates the loader.
+  std::optional<Device> device = std::nullopt;
+};
+
+namespace detail {
+
+/// Sets this thread's current device for a scope.
+class CurrentDeviceScope {
+ public:
+  explicit CurrentDeviceScope(int index)
+      : saved_(std::exchange(graph::current_device_index(), index)) {}
+  CurrentDeviceScope(const CurrentDeviceScope&) = delete;
+  CurrentDeviceScope& operator=(const CurrentDeviceScope&) = delete;
+  ~CurrentDeviceScope() { graph::current_device_index() = saved_; }
+
+ private:
+  int saved_;
+};
+
+/// Loads batches 0..n-1 through `load`, on worker threads or on demand, and hands them out
+/// in order. One epoch; destroyed (and its workers joined) by the loader.
+template <class Batch>
+class BatchPipeline {
+ public:
+  using Load = std::function<Batch(std::size_t)>;
+
+  BatchPipeline(std::size_t num_batches, std::size_t workers, std::size_t prefetch,
+                int device_index, Load load)
+      : n_(num_batches),
+        workers_(workers),
+        window_(workers * prefetch),
+        device_(device_index),
+        load_(std::move(load)) {
+    threads_.reserve(workers_);
+    try {
+      for (std::size_t w = 0; w < workers_ && w < n_; ++w)
+        threads_.emplace_back([this, w] { work(w); });
+    } catch (...) {
+      stop();
+      throw;
+    }
+  }
+  BatchPipeline(const BatchPipeline&) = delete;
+  BatchPipeline& operator=(const BatchPipeline&) = delete;
+  ~BatchPipeline() { stop(); }
+
+  /// The next batch in order, or nothing at the end of the epoch. Re-throws the exception
+  /// of a batch that failed to load (the epoch then ends).
+  std::optional<Batch> next() {
+    if (next_ >= n_) return std::nullopt;
+    if (workers_ == 0) {
+      CurrentDeviceScope scope(device_);
+      const std::size_t b = next_;
+      next_ = n_;  // an exception ends the epoch
+      std::optional<Batch> batch(load_(b));
+      next_ = b + 1;
+      return batch;
+    }
+    Slot slot;
+    {
+      std::unique_lock lock(mu_);
+      ready_cv_.wait(lock, [&] { return ready_.count(next_) != 0; });
+      auto it = ready_.find(next_);
+      slot = std::move(it->second);
+      ready_.erase(it);
+      ++next_;
+    }
+    space_cv_.notify_all();
+    if (slot.error) {
+      stop();
+      next_ = n_;
+      std::rethrow_exception(slot.error);
+    }
+    return std::move(slot.batch);
+  }
+
+  /// Stops the workers (each finishes the batch it is loading) and joins them.
+  void stop() noexcept {
+    {
+      std::lock_guard lock(mu_);
+      stopping_ = true;
+    }
+    space_cv_.notify_all();
+    for (auto& t : threads_) t.join();
+    threads_.clear();
+  }
+
+ private:
+  struct Slot {
+    std::optional<Batch> batch;
+    std::exception_ptr error;
+  };
+
+  void work(std::size_t w) {
+    graph::current_device_index() = device_;
+    for (std::size_t b = w; b < n_; b += workers_) {
+      {
+        std::unique_lock lock(mu_);
+        space_cv_.wait(lock, [&] { return stopping_ || b < next_ + window_; });
+        if (stopping_) return;
+      }
+      Slot slot;
+      try {
+        slot.batch.emplace(load_(b));
+      } catch (...) {
+        slot.error = std::current_exception();
+      }
+      const bool failed = slot.error != nullptr;
+      {
+        std::lock_guard lock(mu_);
+        if (stopping_) return;
+        ready_.emplace(b, std::move(slot));
+      }
+      ready_cv_.notify_one();
+      if (failed) return;  // the consumer stops at this batch; later ones are not wanted
+    }
+  }
+
+  const std::size_t n_, workers_, window_;
+  const int device_;
+  const Load load_;
+  std::size_t next_ = 0;  // guarded by mu_ when workers run
+  std::mutex mu_;
+  std::condition_variable ready_cv_, space_cv_;
+  std::map<std::size_t, Slot> ready_;  // guarded by mu_
+  bool stopping_ = false;              // guarded by mu_
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace detail
+
+/// Batches of `D` in sampler order (see the file comment). Iterate with range-for; each
+/// begin() starts an epoch (stopping one in progress). Not copyable or movable (workers
+/// refer to it); make_data_loader returns it by unique_ptr, as libtorch does.
+template <Dataset D>
+class DataLoader {
+ public:
+  using dataset_type = D;
+  using batch_type = batch_t<D>;
+
+  /// Error for batch_size 0, prefetch 0, or shuffle together with a sampler.
+  DataLoader(D dataset, DataLoaderOptions options = {}, std::shared_ptr<Sampler> sampler = nullptr)
+      : dataset_(std::move(dataset)),
+        options_(options),
+        sampler_(std::move(sampler)),
+        device_(options.device.value_or(lazy::device())) {
+    if (options_.batch_size == 0) throw Error("DataLoader: batch_size must be at least 1, got 0");
+    if (options_.prefetch == 0) throw Error("DataLoader: prefetch must be at least 1, got 0");
+    if (options_.shuffle && sampler_) {
+      throw Error(
+          "DataLoader: shuffle = true is mutually exclusive with a sampler (shuffle with the "
+          "sampler instead)");
+    }
+  }
+  DataLoader(const DataLoader&) = delete;
+  DataLoader& operator=(const DataLoader&) = delete;
+  ~DataLoader() { pipeline_.reset(); }
+
+  /// Input iterator over the batches of the running epoch.
+  class iterator {
+   public:
+    using value_type = batch_type;
+    using difference_type = std::ptrdiff_t;
+    using reference = batch_type&;
+    using pointer = batch_type*;
+    using iterator_category = std::input_iterator_tag;
+
+    iterator() = default;
+    batch_type& operator*() const { return *loader_->current_; }
+    batch_type* operator->() const { return &*loader_->current_; }
+    iterator& operator++() {
+      loader_->advance();
+      return *this;
+    }
+    void operator++(int) { ++*this; }
+    friend bool operator==(const iterator& it, std::default_sentinel_t) { return it.at_end(); }
+
+   private:
+    friend class DataLoader;
+    explicit iterator(DataLoader* l) : loader_(l) {}
+    bool at_end() const { return !loader_ || !loader_->current_; }
+    DataLoader* loader_ = nullptr;
+  };
+
+  /// Starts an epoch (the one set by set_epoch, else the one after the previous begin())
+  /// and returns an iterator at its first batch.
+  iterator begin() {
+    start_epoch();
+    advance();
+    return iterator(this);
+  }
+  std::default_sentinel_t end() const { return {}; }
+
+  /// Batches per epoch.
+  std::size_t size() const {
+    const std::size_t n = sampler_ ? sampler_->size(dataset_.size()) : dataset_.size();
+    return options_.drop_last ? n / options_.batch_size
+                              : (n + options_.batch_size - 1) / options_.batch_size;
+  }
+
+  /// The epoch the next begin() uses (it determines the shuffle); each begin() then moves
+  /// to the following epoch, so a loader reshuffles every epoch even without set_epoch.
+  /// Also selects the sampler's epoch.
+  void set_epoch(std::uint64_t epoch) { next_epoch_ = epoch; }
+
+  const D& dataset() const { return dataset_; }
+  const DataLoaderOptions& options() const { return options_; }
+  /// The device batches are created on.
+  Device device() const { return device_; }
+  /// The sampler given at construction (nullptr when none).
+  Sampler* sampler() const { return sampler_.get(); }
+
+ private:
+  void start_epoch() {
+    pipeline_.reset();  // stop the epoch in progress before touching what its workers read
+    current_.reset();
+    const std::uint64_t epoch = next_epoch_++;
+    const std::size_t n = dataset_.size();
+    if (sampler_) {
+      sampler_->set_epoch(epoch);
+      order_ = sampler_->indices(n);
+    } else if (options_.shuffle) {
+      order_ = permutation(n, options_.seed, epoch);
+    } else {
+      order_.resize(n);
+      std::iota(order_.begin(), order_.end(), std::size_t{0});
+    }
+    const std::size_t bs = options_.batch_size;
+    const std::size_t batches =
+        options_.drop_last ? order_.size() / bs : (order_.size() + bs - 1) / bs;
+    pipeline_ = std::make_unique<detail::BatchPipeline<batch_type>>(
+        batches, options_.num_workers, options_.prefetch, device_.index(),
+        [this, bs](std::size_t b) {
+          const auto first = order_.begin() + static_cast<std::ptrdiff_t>(b * bs);
+          const auto last =
+              order_.begin() + static_cast<std::ptrdiff_t>(std::min(order_.size(), (b + 1) * bs));
+          return load(std::vector<std::size_t>(first, last));
+        });
+  }
+
+  batch_type load(const std::vector<std::size_t>& indices) const {
+    if constexpr (BatchDataset<D>) {
+      return dataset_.get_batch(indices);
+    } else {
+      std::vector<example_t<D>> examples;
+      examples.reserve(indices.size());
+      for (const auto i : indices) examples.push_back(dataset_.get(i));
+      return detail::collate(examples);
+    }
+  }
+
+  void advance() {
+    current_.reset();  // release the previous batch before loading the next
+    if (pipeline_) current_ = pipeline_->next();
+  }
+
+  D dataset_;
+  DataLoaderOptions options_;
+  std::shared_ptr<Sampler> sampler_;
+  Device device_;
+  std::uint64_t next_epoch_ = 0;
+  std::vector<std::size_t> order_;  // the running epoch's indices, read by the workers
+  std::optional<batch_type> current_;
+  std::unique_ptr<detail::BatchPipeline<batch_type>> pipeline_;  // last: stopped first
+};
+
+/// A loader over `dataset` (copied or moved in), as torch::data::make_data_loader.
+template <class D>
+requires Dataset<std::remove_cvref_t<D>> std::unique_ptr<DataLoader<std::remove_cvref_t<D>>>
+make_data_loader(D&& dataset, DataLoaderOptions options = {}) {
+  return std::make_unique<DataLoader<std::remove_cvref_t<D>>>(std::forward<D>(dataset), options);
+}
+
+/// A loader with the given batch size and default options.
+template <class D>
+requires Dataset<std::remove_cvref_t<D>> std::unique_ptr<DataLoader<std::remove_cvref_t<D>>>
+make_data_loader(D&& dataset, std::size_t batch_size) {
+  return make_data_loader(std::forward<D>(dataset), DataLoaderOptions{.batch_size = batch_size});
+}
+
+/// A loader visiting the indices of `sampler` (e.g. a DistributedSampler).
+template <class D, std::derived_from<Sampler> S>
+requires Dataset<std::remove_cvref_t<D>> std::unique_ptr<DataLoader<std::remove_cvref_t<D>>>
+make_data_loader(D&& dataset, S sampler, DataLoaderOptions options = {}) {
+  return std::make_unique<DataLoader<std::remove_cvref_t<D>>>(
+      std::forward<D>(dataset), options, std::make_shared<S>(std::move(sampler)));
+}
+
+}  // namespace lazy::data
+// ---- end lazytensor/data/data_loader.hpp ----
+// ---- begin lazytensor/data/idx.hpp ----
+// The IDX format of MNIST and Fashion-MNIST (http://yann.lecun.com/exdb/mnist/), raw or
+// gzip-compressed (detected by the gzip magic bytes 1f 8b, not by the file name):
+//
+//   00 00 <type> <rank>   magic: two zero bytes, the element type, the number of dims
+//   rank x uint32         the dimensions, big-endian
+//   data                  row-major elements, exactly as many as the dims describe
+//
+// The reader is strict and hostile-input safe: every header field is checked, the data
+// must fill the file exactly (short = truncated, longer = corrupt), and memory is sized from
+// the data actually present, never from what a header claims.
+//
+// gzip needs zlib: it is used when <zlib.h> is found (link ZLIB::ZLIB, or -lz); define
+// LAZYTENSOR_WITH_ZLIB=0 to do without (compressed files then raise IoError).
+
+#include <algorithm>
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <new>
+#include <optional>
+#include <string>
+#include <vector>
+
+// ---- begin lazytensor/io/file.hpp ----
+// POSIX file access for the readers and writers of lazy::io and lazy::data: every system
+// call is checked and turned into an IoError naming the file and the OS reason, partial
+// reads/writes and EINTR are retried, and writes replace their target atomically.
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <system_error>
+#include <utility>
+
+
+namespace lazy::io::detail {
+
+/// The OS description of `err` (thread-safe, unlike strerror).
+inline std::string os_reason(int err) {
+  return std::error_code(err, std::generic_category()).message();
+}
+
+/// An IoError "<what> '<path>': <reason of errno>".
+inline IoError os_error(const std::string& what, const std::string& path, int err = errno) {
+  return IoError(what + " '" + path + "': " + os_reason(err));
+}
+
+/// The directory part of `path` ("." when it has none), for temp files and directory fsync.
+inline std::string parent_dir(const std::string& path) {
+  const auto slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  if (slash == 0) return "/";
+  return path.substr(0, slash);
+}
+
+/// A file opened for reading, with its size taken once at open.
+class ReadFile {
+ public:
+  /// Opens `path`; IoError when it cannot be opened or is not a regular file.
+  explicit ReadFile(std::string path) : path_(std::move(path)) {
+    do fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+    while (fd_ < 0 && errno == EINTR);
+    if (fd_ < 0) throw os_error("cannot open", path_);
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0) {
+      const int err = errno;
+      ::close(fd_);
+      throw os_error("cannot stat", path_, err);
+    }
+    if (!S_ISREG(st.st_mode)) {
+      ::close(fd_);
+      throw IoError("cannot read '" + path_ + "': not a regular file");
+    }
+    size_ = static_cast<std::uint64_t>(st.st_size);
+  }
+  ReadFile(const ReadFile&) = delete;
+  ReadFile& operator=(const ReadFile&) = delete;
+  ~ReadFile() { ::close(fd_); }
+
+  const std::string& path() const { return path_; }
+  /// Size in bytes when the file was opened.
+  std::uint64_t size() const { return size_; }
+
+  /// Reads up to `n` bytes at the current position; fewer only at end of file.
+  std::size_t read(void* dst, std::size_t n) {
+    std::size_t done = 0;
+    while (done < n) {
+      const ::ssize_t r = ::read(fd_, static_cast<char*>(dst) + done, n - done);
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0) throw os_error("cannot read", path_);
+      if (r == 0) break;
+      done += static_cast<std::size_t>(r);
+    }
+    return done;
+  }
+
+  /// Reads up to `n` bytes at byte `offset` (the position is not moved); fewer only at end
+  /// of file.
+  std::size_t read_at(void* dst, std::size_t n, std::uint64_t offset) {
+    std::size_t done = 0;
+    while (done < n) {
+      const ::ssize_t r = ::pread(fd_, static_cast<char*>(dst) + done, n - done,
+                                  static_cast<::off_t>(offset + done));
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0) throw os_error("cannot read", path_);
+      if (r == 0) break;
+      done += static_cast<std::size_t>(r);
+    }
+    return done;
+  }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  std::uint64_t size_ = 0;
+};
+
+/// Writes a file atomically: the bytes go to a temporary file in the target's directory,
+/// which commit() fsyncs and renames over the target, then fsyncs the directory (so the
+/// rename itself survives a crash). Until commit() succeeds the target is untouched; a
+/// writer destroyed without commit (an exception on the way) removes its temporary file.
+class AtomicFileWriter {
+ public:
+  /// Creates the temporary file; IoError when the directory refuses it.
+  explicit AtomicFileWriter(std::string path) : path_(std::move(path)) {
+    const auto slash = path_.find_last_of('/');
+    const std::string dir = slash == std::string::npos ? std::string() : path_.substr(0, slash + 1);
+    const std::string base = slash == std::string::npos ? path_ : path_.substr(slash + 1);
+    if (base.empty())
+      throw IoError("cannot write '" + path_ + "': the path names a directory, not a file");
+    // A hidden name unique to this process, call and moment; O_EXCL makes a clash an error
+    // we retry rather than a file we clobber. 0666 lets the umask decide, as for any file.
+    static std::atomic<std::uint64_t> counter{0};
+    for (int attempt = 0;; ++attempt) {
+      const auto stamp =
+          static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+      tmp_ = dir + "." + base + ".tmp." + std::to_string(::getpid()) + "." +
+             std::to_string(counter.fetch_add(1)) + "." + std::to_string(stamp % 1000000007u);
+      do fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+      while (fd_ < 0 && errno == EINTR);
+      if (fd_ >= 0) break;
+      if (errno != EEXIST || attempt == 16)
+        throw os_error("cannot create a temporary file next to", path_);
+    }
+  }
+  AtomicFileWriter(const AtomicFileWriter&) = delete;
+  AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;
+  ~AtomicFileWriter() { discard(); }
+
+  /// Path of the temporary file (for tests and messages).
+  const std::string& temp_path() const { return tmp_; }
+
+  /// Appends `n` bytes; IoError (and the temporary file removed) on failure.
+  void write(const void* src, std::size_t n) {
+    std::size_t done = 0;
+    while (done < n) {
+      const ::ssize_t r = ::write(fd_, static_cast<const char*>(src) + done, n - done);
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0) fail("cannot write");
+      done += static_cast<std::size_t>(r);
+    }
+  }
+
+  /// Makes the written bytes the content of the target path (fsync, rename, directory fsync).
+  void commit() {
+    if (::fsync(fd_) != 0) fail("cannot flush (fsync)");
+    const int fd = std::exchange(fd_, -1);
+    if (::close(fd) != 0) fail("cannot close");
+    if (::rename(tmp_.c_str(), path_.c_str()) != 0) fail("cannot rename the temporary file over");
+    tmp_.clear();  // it is the target now
+    // The rename is durable only once the directory entry is on disk. The data is already
+    // safe and the target replaced, so a directory that cannot be opened (some filesystems)
+    // is not an error; a failing fsync is.
+    const std::string dir = parent_dir(path_);
+    const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd >= 0) {
+      const int rc = ::fsync(dfd);
+      const int err = errno;
+      ::close(dfd);
+      if (rc != 0 && err != EINVAL && err != EROFS)
+        throw os_error("cannot flush (fsync) the directory of", path_, err);
+    }
+  }
+
+ private:
+  [[noreturn]] void fail(const std::string& what) {
+    const int err = errno;
+    discard();
+    throw os_error(what, path_, err);
+  }
+  void discard() noexcept {
+    if (fd_ >= 0) ::close(std::exchange(fd_, -1));
+    if (!tmp_.empty()) ::unlink(std::exchange(tmp_, std::string()).c_str());
+  }
+
+  std::string path_;
+  std::string tmp_;
+  int fd_ = -1;
+};
+
+}  // namespace lazy::io::detail
+// ---- end lazytensor/io/file.hpp ----
+
+#ifndef LAZYTENSOR_WITH_ZLIB
+#if __has_include(<zlib.h>)
+#define LAZYTENSOR_WITH_ZLIB 1
+#else
+#define LAZYTENSOR_WITH_ZLIB 0
+#endif
+#endif
+#if LAZYTENSOR_WITH_ZLIB
+#include <zlib.h>
+#endif
+
+namespace lazy::data {
+
+/// The contents of an IDX file of unsigned bytes (element type 0x08).
+struct IdxArray {
+  std::vector<std::int64_t> dims;  ///< the dimensions, outermost first
+  std::vector<std::uint8_t> data;  ///< the elements, row-major
+  /// Number of elements.
+  std::int64_t numel() const {
+    std::int64_t n = 1;
+    for (const auto d : dims) n *= d;
+    return n;
+  }
+};
+
+namespace detail {
+
+/// The IDX name of an element type code, or nullptr for an unknown code.
+inline const char* idx_type_name(unsigned code) {
+  switch (code) {
+    case 0x08:
+      return "unsigned byte";
+    case 0x09:
+      return "signed byte";
+    case 0x0B:
+      return "int16";
+    case 0x0C:
+      return "int32";
+    case 0x0D:
+      return "float32";
+    case 0x0E:
+      return "float64";
+    default:
+      return nullptr;
+  }
+}
+
+inline std::string hex_byte(unsigned b) {
+  char s[8];
+  std::snprintf(s, sizeof s, "%02x", b & 0xFFu);
+  return s;
+}
+
+/// Bytes of an uncompressed file, read sequentially.
+class RawSource {
+ public:
+  explicit RawSource(io::detail::ReadFile& f) : f_(f) {}
+  std::size_t read(void* dst, std::size_t n) { return f_.read(dst, n); }
+
+ private:
+  io::detail::ReadFile& f_;
+};
+
+#if LAZYTENSOR_WITH_ZLIB
+/// The decompressed bytes of a gzip file (one or more concatenated members, as gzip -c
+/// writes them). Corrupt or truncated compressed data, and anything after the last member
+/// that is not another member, raise FormatError.
+class GzipSource {
+ public:
+  explicit GzipSource(io::detail::ReadFile& f) : f_(f), in_(1 << 16) {
+    if (inflateInit2(&zs_, 16 + MAX_WBITS) != Z_OK)
+      throw std::bad_alloc();  // the only failure left: memory
+  }
+  GzipSource(const GzipSource&) = delete;
+  GzipSource& operator=(const GzipSource&) = delete;
+  ~GzipSource() { inflateEnd(&zs_); }
+
+  /// Up to n decompressed bytes; fewer only at the clean end of the stream.
+  std::size_t read(void* dst, std::size_t n) {
+    auto* out = static_cast<Bytef*>(dst);
+    std::size_t done = 0;
+    while (done < n) {
+      if (zs_.avail_in == 0 && !eof_) refill();
+      if (member_done_) {
+        if (zs_.avail_in == 0) break;  // clean end of the last member
+        if (zs_.next_in[0] != 0x1f)
+          fail("data after the end of the gzip stream is not another gzip member");
+        if (inflateReset(&zs_) != Z_OK) fail("cannot restart for the next gzip member");
+        member_done_ = false;
+      }
+      if (zs_.avail_in == 0)
+        fail("truncated gzip stream (the compressed data ends before its end-of-stream marker)");
+      const auto room = static_cast<uInt>(std::min<std::size_t>(n - done, UINT_MAX));
+      zs_.next_out = out + done;
+      zs_.avail_out = room;
+      const int rc = inflate(&zs_, Z_NO_FLUSH);
+      done += room - zs_.avail_out;
+      if (rc == Z_STREAM_END)
+        member_done_ = true;
+      else if (rc == Z_MEM_ERROR)
+        throw std::bad_alloc();
+      else if (rc != Z_OK && rc != Z_BUF_ERROR)
+        fail(std::string("corrupt gzip data (") + (zs_.msg ? zs_.msg : "inflate error") + ")");
+    }
+    return done;
+  }
+
+ private:
+  void refill() {
+    const std::size_t got = f_.read(in_.data(), in_.size());
+    zs_.next_in = in_.data();
+    zs_.avail_in = static_cast<uInt>(got);
+    eof_ = got == 0;
+  }
+  [[noreturn]] void fail(const std::string& what) { throw FormatError(f_.path() + ": " + what); }
+
+  io::detail::ReadFile& f_;
+  std::vector<Bytef> in_;
+  z_stream zs_{};
+  bool eof_ = false;
+  bool member_done_ = false;
+};
+#endif
+
+/// Parses an IDX stream. `file_size` is the exact size of an uncompressed file (checked
+/// before allocating); for a compressed stream it is unknown and `reserve_cap` bounds the
+/// memory reserved up front (the rest grows with the data actually decompressed).
+[[noreturn]] inline void idx_fail(const std::string& path, const std::string& what) {
+  throw FormatError(path + ": " + what);
+}
+
+template <class Source>
+IdxArray parse_idx(Source& src, const std::string& path, std::optional<std::uint64_t> file_size,
+                   std::uint64_t reserve_cap) {
+  unsigned char head[4];
+  const std::size_t got = src.read(head, 4);
+  if (got < 4) {
+    idx_fail(path, (got == 0 ? std::string("truncated: the file is empty")
+                             : "truncated: the file ends after " + std::to_string(got) + " bytes") +
+                       ", expected the 4-byte IDX magic 00 00 <type> <rank>");
+  }
+  if (head[0] != 0 || head[1] != 0) {
+    idx_fail(path, "not an IDX file: the magic bytes are " + hex_byte(head[0]) + " " +
+                       hex_byte(head[1]) + " " + hex_byte(head[2]) + " " + hex_byte(head[3]) +
+                       ", expected 00 00 <type> <rank>");
+  }
+  if (head[2] != 0x08) {
+    const char* name = idx_type_name(head[2]);
+    idx_fail(path, name ? "element type 0x" + hex_byte(head[2]) + " (" + name +
+                              ") is not supported, expected 0x08 (unsigned byte)"
+                        : "unknown element type 0x" + hex_byte(head[2]) +
+                              ", expected 0x08 (unsigned byte)");
+  }
+  const unsigned rank = head[3];
+  if (rank == 0 || rank > static_cast<unsigned>(kMaxRank)) {
+    idx_fail(path, "the header declares " + std::to_string(rank) + " dimensions, expected 1 to " +
+                       std::to_string(kMaxRank));
+  }
+  unsigned char raw_dims[4 * kMaxRank];
+  const std::size_t dim_bytes = 4 * static_cast<std::size_t>(rank);
+  if (const std::size_t g = src.read(raw_dims, dim_bytes); g < dim_bytes) {
+    idx_fail(path, "truncated: the file ends inside the header (" + std::to_string(4 + g) + " of " +
+                       std::to_string(4 + dim_bytes) + " header bytes present)");
+  }
+  IdxArray a;
+  std::uint64_t numel = 1;
+  std::string dims_text;
+  for (unsigned d = 0; d < rank; ++d) {
+    const unsigned char* p = raw_dims + 4 * d;
+    const std::uint64_t v = (std::uint64_t{p[0]} << 24) | (std::uint64_t{p[1]} << 16) |
+                            (std::uint64_t{p[2]} << 8) | p[3];
+    if (v == 0) idx_fail(path, "dimension " + std::to_string(d) + " is 0, expected > 0");
+    dims_text += (d ? " x " : "") + std::to_string(v);
+    // 2^62 bounds every later sum and the allocation arithmetic far from overflow.
+    if (__builtin_mul_overflow(numel, v, &numel) || numel > (std::uint64_t{1} << 62)) {
+      idx_fail(path, "the dimensions describe more than 2^62 elements (corrupt header?)");
+    }
+    a.dims.push_back(static_cast<std::int64_t>(v));
+  }
+  const std::string promise = "the header (dims " + dims_text + " of unsigned bytes) promises " +
+                              std::to_string(numel) + " data bytes";
+  if (file_size) {
+    const std::uint64_t expected = 4 + dim_bytes + numel;
+    if (*file_size < expected) {
+      idx_fail(path, "truncated: " + promise + ", the file holds " +
+                         std::to_string(*file_size - 4 - dim_bytes));
+    }
+    if (*file_size > expected) {
+      idx_fail(path, "corrupt: " + std::to_string(*file_size - expected) +
+                         " extra bytes after the data (" + promise + ")");
+    }
+    a.data.resize(static_cast<std::size_t>(numel));
+    if (src.read(a.data.data(), a.data.size()) != a.data.size())
+      idx_fail(path, "the file shrank while being read");
+    return a;
+  }
+  a.data.reserve(static_cast<std::size_t>(std::min(numel, reserve_cap)));
+  constexpr std::size_t kChunk = std::size_t{1} << 20;
+  std::size_t have = 0;
+  while (have < numel) {
+    const std::size_t want =
+        static_cast<std::size_t>(std::min<std::uint64_t>(kChunk, numel - have));
+    a.data.resize(have + want);
+    const std::size_t g = src.read(a.data.data() + have, want);
+    have += g;
+    if (g < want)
+      idx_fail(path,
+               "truncated: " + promise + ", the decompressed data holds " + std::to_string(have));
+  }
+  std::uint64_t extra = 0;
+  unsigned char sink[4096];
+  for (std::size_t g; (g = src.read(sink, sizeof sink)) > 0;) extra += g;
+  if (extra)
+    idx_fail(path,
+             "corrupt: " + std::to_string(extra) + " extra bytes after the data (" + promise + ")");
+  return a;
+}
+
+}  // namespace detail
+
+/// Reads an IDX file of unsigned bytes, raw or gzip-compressed. IoError when the file
+/// cannot be opened or read; FormatError naming the file and what was expected vs found
+/// for anything malformed (magic, element type, dimensions, size, compressed data).
+inline IdxArray read_idx(const std::string& path) {
+  io::detail::ReadFile file(path);
+  unsigned char magic[2] = {0, 0};
+  const bool gzip = file.read_at(magic, 2, 0) == 2 && magic[0] == 0x1f && magic[1] == 0x8b;
+  if (gzip) {
+#if LAZYTENSOR_WITH_ZLIB
+    detail::GzipSource src(file);
+    // Deflate expands at most ~1032:1, so a file cannot hold more than this: reserving it
+    // is safe however large the header claims the data to be.
+    const std::uint64_t cap = file.size() * 1032 + (1u << 20);
+    return detail::parse_idx(src, path, std::nullopt, cap);
+#else
+    throw IoError(path +
+                  ": the file is gzip-compressed, but lazytensor was compiled without zlib "
+                  "(install zlib's headers and link ZLIB::ZLIB)");
+#endif
+  }
+  detail::RawSource src(file);
+  return detail::parse_idx(src, path, file.size(), 0);
+}
+
+}  // namespace lazy::data
+// ---- end lazytensor/data/idx.hpp ----
+// ---- begin lazytensor/data/mnist.hpp ----
+// The MNIST / Fashion-MNIST dataset (same files, same layout), as
+// torch::data::datasets::MNIST. Debian's dataset-fashion-mnist package installs the files
+// gzip'd in /usr/share/datasets/fashion-mnist.
+
+#include <sys/stat.h>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+// ---- begin lazytensor/data/transforms.hpp ----
+// Transforms applied to examples, as torch::data::transforms. Normalize runs on the host
+// while the batch is built: datasets that convert raw bytes to floats (MNIST) fold it into
+// that conversion, so normalizing costs nothing extra.
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+
+namespace lazy::data::transforms {
+
+/// (x - mean[c]) / stddev[c] on the data of each example, c being the channel: dimension 0
+/// of an example, dimension 1 of a batch (a single mean/stddev applies to every element).
+/// Computed in float, as libtorch's Normalize on a float tensor.
+class Normalize {
+ public:
+  /// One mean and stddev for every channel.
+  Normalize(double mean, double stddev)
+      : Normalize(std::vector<double>{mean}, std::vector<double>{stddev}) {}
+  /// Per-channel means and standard deviations (equal, non-zero counts; stddev non-zero).
+  Normalize(const std::vector<double>& mean, const std::vector<double>& stddev) {
+    if (mean.empty() || mean.size() != stddev.size()) {
+      throw ShapeError(
+          "Normalize: expected as many means as standard deviations (at least one), got " +
+          std::to_string(mean.size()) + " and " + std::to_string(stddev.size()));
+    }
+    for (std::size_t c = 0; c < mean.size(); ++c) {
+      if (stddev[c] == 0)
+        throw Error("Normalize: stddev of channel " + std::to_string(c) + " is 0");
+      mean_.push_back(static_cast<float>(mean[c]));
+      stddev_.push_back(static_cast<float>(stddev[c]));
+    }
+  }
+
+  /// Number of channels (1 when one mean applies to everything).
+  std::size_t channels() const { return mean_.size(); }
+  /// The normalized value of x in channel c.
+  float operator()(float x, std::size_t c) const { return (x - mean_[c]) / stddev_[c]; }
+
+  /// Checks that data with `channels` channels can be normalized; ShapeError otherwise.
+  void check_channels(std::int64_t channels, const Shape& shape) const {
+    if (mean_.size() != 1 && static_cast<std::int64_t>(mean_.size()) != channels) {
+      throw ShapeError("Normalize: " + std::to_string(mean_.size()) +
+                       " channel means for data of shape " + shape.str() + ", which has " +
+                       std::to_string(channels) + " channels");
+    }
+  }
+
+  /// x normalized, channels along `channel_dim` (a new tensor on x's device).
+  Tensor<float> apply(const Tensor<float>& x, int channel_dim) const {
+    const Shape& s = x.shape();
+    const std::int64_t channels = channel_dim < s.rank() ? s[channel_dim] : 1;
+    check_channels(channels, s);
+    std::int64_t inner = 1;
+    for (int d = channel_dim + 1; d < s.rank(); ++d) inner *= s[d];
+    const float* src = x.data();
+    detail::HostTensor<float> out(s, x.device());
+    float* dst = out.data();
+    const std::int64_t n = x.numel();
+    for (std::int64_t i = 0; i < n; ++i) {
+      const auto c =
+          mean_.size() == 1 ? std::size_t{0} : static_cast<std::size_t>((i / inner) % channels);
+      dst[i] = (*this)(src[i], c);
+    }
+    return std::move(out).finish();
+  }
+
+  /// Normalizes an example's data (channels along dimension 0).
+  template <class Target>
+  Example<Tensor<float>, Target> operator()(Example<Tensor<float>, Target> example) const {
+    example.data = apply(example.data, 0);
+    return example;
+  }
+  /// Normalizes a batch's data (channels along dimension 1).
+  template <class Target>
+  Example<Tensor<float>, Target> apply_batch(Example<Tensor<float>, Target> batch) const {
+    batch.data = apply(batch.data, 1);
+    return batch;
+  }
+
+  const std::vector<float>& mean() const { return mean_; }
+  const std::vector<float>& stddev() const { return stddev_; }
+
+ private:
+  std::vector<float> mean_, stddev_;
+};
+
+}  // namespace lazy::data::transforms
+// ---- end lazytensor/data/transforms.hpp ----
+
+namespace lazy::data {
+
+/// MNIST-format images and labels from `root`: train-images-idx3-ubyte and
+/// train-labels-idx1-ubyte (Mode::Train) or t10k-images-idx3-ubyte and
+/// t10k-labels-idx1-ubyte (Mode::Test), each raw or with a .gz suffix. Images stay bytes on
+/// the host (47 MB for the training set); each batch converts its images to float in [0, 1]
+/// (with Normalize folded into the same table lookup when mapped), shape [B, 1, H, W], and
+/// its labels to int64 [B]. Copies share the loaded data.
+class MNIST : public DatasetBase<MNIST> {
+ public:
+  /// Which split to read.
+  enum class Mode { Train, Test };
+
+  /// Loads the split; IoError when a file is missing, FormatError when one is malformed or
+  /// the two disagree (image count vs label count, labels outside 0..9).
+  explicit MNIST(const std::string& root, Mode mode = Mode::Train) : mode_(mode) {
+    const std::string prefix = root + "/" + (mode == Mode::Train ? "train" : "t10k");
+    auto s = std::make_shared<Storage>();
+    const std::string images_path = find(prefix + "-images-idx3-ubyte");
+    const std::string labels_path = find(prefix + "-labels-idx1-ubyte");
+    s->images = read_idx(images_path);
+    s->labels = read_idx(labels_path);
+    if (s->images.dims.size() != 3) {
+      throw FormatError(images_path + ": expected 3 dimensions (images x rows x columns), found " +
+                        std::to_string(s->images.dims.size()));
+    }
+    if (s->labels.dims.size() != 1) {
+      throw FormatError(labels_path + ": expected 1 dimension (labels), found " +
+                        std::to_string(s->labels.dims.size()));
+    }
+    if (s->images.dims[0] != s->labels.dims[0]) {
+      throw FormatError(images_path + " holds " + std::to_string(s->images.dims[0]) +
+                        " images but " + labels_path + " holds " +
+                        std::to_string(s->labels.dims[0]) + " labels");
+    }
+    for (std::size_t i = 0; i < s->labels.data.size(); ++i) {
+      if (s->labels.data[i] > 9) {
+        throw FormatError(labels_path + ": label " + std::to_string(i) + " is " +
+                          std::to_string(s->labels.data[i]) + ", expected 0 to 9");
+      }
+    }
+    storage_ = std::move(s);
+  }
+
+  /// Number of images.
+  std::size_t size() const { return storage_->labels.data.size(); }
+  /// True for the training split.
+  bool is_train() const { return mode_ == Mode::Train; }
+  /// Image height and width.
+  std::int64_t rows() const { return storage_->images.dims[1]; }
+  std::int64_t cols() const { return storage_->images.dims[2]; }
+  /// The raw images (size() x rows() x cols() bytes) and labels.
+  const std::vector<std::uint8_t>& images() const { return storage_->images.data; }
+  const std::vector<std::uint8_t>& labels() const { return storage_->labels.data; }
+
+  /// Image `index` as float [1, H, W] in [0, 1] and its label as a 0-d int64 tensor.
+  Example<> get(std::size_t index) const {
+    const std::vector<std::size_t> one{index};
+    return {convert(one, identity_table(), Shape{1, rows(), cols()}), labels_of(one, Shape{})};
+  }
+  /// Images `indices` as float [B, 1, H, W] in [0, 1] and labels as int64 [B].
+  Example<> get_batch(const std::vector<std::size_t>& indices) const {
+    return {convert(indices, identity_table(), batch_image_shape(indices.size())),
+            labels_of(indices, Shape{static_cast<std::int64_t>(indices.size())})};
+  }
+  /// get_batch with `normalize` folded into the byte-to-float conversion (one table lookup
+  /// per pixel; the values equal normalizing the [0, 1] floats afterwards, bit for bit).
+  Example<> get_batch(const std::vector<std::size_t>& indices,
+                      const transforms::Normalize& normalize) const {
+    const Shape shape = batch_image_shape(indices.size());
+    normalize.check_channels(1, shape);
+    Table t;
+    for (int p = 0; p < 256; ++p) t[static_cast<std::size_t>(p)] = normalize(to_unit(p), 0);
+    return {convert(indices, t, shape),
+            labels_of(indices, Shape{static_cast<std::int64_t>(indices.size())})};
+  }
+
+ private:
+  struct Storage {
+    IdxArray images, labels;
+  };
+  using Table = std::array<float, 256>;
+
+  // As libtorch: the byte converted to float, then divided by 255.
+  static float to_unit(int p) { return static_cast<float>(p) / 255.0f; }
+  static const Table& identity_table() {
+    static const Table t = [] {
+      Table r;
+      for (int p = 0; p < 256; ++p) r[static_cast<std::size_t>(p)] = to_unit(p);
+      return r;
+    }();
+    return t;
+  }
+
+  static std::string find(const std::string& base) {
+    struct stat st {};
+    if (::stat(base.c_str(), &st) == 0) return base;
+    if (::stat((base + ".gz").c_str(), &st) == 0) return base + ".gz";
+    throw IoError("MNIST: neither '" + base + "' nor '" + base + ".gz' exists");
+  }
+
+  Shape batch_image_shape(std::size_t n) const {
+    return Shape{static_cast<std::int64_t>(n), 1, rows(), cols()};
+  }
+
+  void check(std::size_t index) const {
+    if (index >= size()) {
+      throw IndexError("MNIST: index " + std::to_string(index) +
+                       " is out of range for a dataset of " + std::to_string(size()) + " images");
+    }
+  }
+
+  Tensor<float> convert(const std::vector<std::size_t>& indices, const Table& table,
+                        const Shape& shape) const {
+    for (const auto i : indices) check(i);
+    const auto per = static_cast<std::size_t>(rows() * cols());
+    detail::HostTensor<float> out(shape);
+    float* dst = out.data();
+    const std::uint8_t* src = storage_->images.data.data();
+    for (const auto i : indices) {
+      const std::uint8_t* img = src + i * per;
+      for (std::size_t k = 0; k < per; ++k) dst[k] = table[img[k]];
+      dst += per;
+    }
+    return std::move(out).finish();
+  }
+
+  Tensor<std::int64_t> labels_of(const std::vector<std::size_t>& indices,
+                                 const Shape& shape) const {
+    detail::HostTensor<std::int64_t> out(shape);
+    for (std::size_t b = 0; b < indices.size(); ++b)
+      out.data()[b] = storage_->labels.data[indices[b]];
+    return std::move(out).finish();
+  }
+
+  std::shared_ptr<const Storage> storage_;
+  Mode mode_;
+};
+
+namespace datasets {
+/// libtorch's spelling: torch::data::datasets::MNIST.
+using lazy::data::MNIST;
+}  // namespace datasets
+
+}  // namespace lazy::data
+// ---- end lazytensor/data/mnist.hpp ----
+// ---- begin lazytensor/data/tensor_dataset.hpp ----
+// TensorDataset: samples are the rows (first dimension) of a data tensor and a target
+// tensor, as torch::data::datasets::TensorDataset.
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace lazy::data {
+
+/// Rows of `data` paired with rows of `targets`. The values are materialized once, at
+/// construction, and held as an immutable snapshot: later in-place updates of the tensors
+/// passed in do not change the dataset, and workers read the snapshot without touching the
+/// lazy graph. Copies share the snapshot.
+template <Element D = float, Element T = std::int64_t>
+class TensorDataset : public DatasetBase<TensorDataset<D, T>> {
+ public:
+  using example_type = Example<Tensor<D>, Tensor<T>>;
+
+  /// ShapeError when either tensor is 0-d or their first dimensions differ.
+  TensorDataset(const Tensor<D>& data, const Tensor<T>& targets)
+      : data_(snapshot(data, "data")), targets_(snapshot(targets, "targets")) {
+    if (data.size(0) != targets.size(0)) {
+      throw ShapeError("TensorDataset: data has " + std::to_string(data.size(0)) +
+                       " samples (shape " + data.shape().str() + ") but targets has " +
+                       std::to_string(targets.size(0)) + " (shape " + targets.shape().str() + ")");
+    }
+    size_ = static_cast<std::size_t>(data.size(0));
+  }
+
+  /// Number of samples.
+  std::size_t size() const { return size_; }
+
+  /// Sample `index` (IndexError when out of range), on the current device.
+  example_type get(std::size_t index) const {
+    check(index);
+    return {gather<D>(data_, &index, 1, data_.row_shape),
+            gather<T>(targets_, &index, 1, targets_.row_shape)};
+  }
+
+  /// Rows `indices` gathered into one [B, ...] tensor per field, on the current device.
+  example_type get_batch(const std::vector<std::size_t>& indices) const {
+    for (const auto i : indices) check(i);
+    const std::size_t n = indices.size();
+    return {gather<D>(data_, indices.data(), n, detail::batch_shape(n, data_.row_shape)),
+            gather<T>(targets_, indices.data(), n, detail::batch_shape(n, targets_.row_shape))};
+  }
+
+  /// get_batch with the data normalized during the gather (channels along dimension 1).
+  example_type get_batch(
+      const std::vector<std::size_t>& indices,
+      const transforms::Normalize& normalize) const requires std::is_same_v<D, float> {
+    for (const auto i : indices) check(i);
+    const std::size_t n = indices.size();
+    const Shape shape = detail::batch_shape(n, data_.row_shape);
+    const std::int64_t channels = data_.row_shape.rank() > 0 ? data_.row_shape[0] : 1;
+    normalize.check_channels(channels, shape);
+    const auto per = static_cast<std::size_t>(data_.row_shape.numel());
+    const std::size_t inner = channels > 0 ? per / static_cast<std::size_t>(channels) : 0;
+    detail::HostTensor<float> out(shape);
+    float* dst = out.data();
+    for (std::size_t b = 0; b < n; ++b) {
+      const float* src = static_cast<const float*>(data_.buffer->data()) + indices[b] * per;
+      for (std::size_t k = 0; k < per; ++k) {
+        const std::size_t c = normalize.channels() == 1 ? 0 : k / inner;
+        dst[b * per + k] = normalize(src[k], c);
+      }
+    }
+    return {std::move(out).finish(),
+            gather<T>(targets_, indices.data(), n, detail::batch_shape(n, targets_.row_shape))};
+  }
+
+ private:
+  struct Field {
+    std::shared_ptr<Buffer> buffer;  // shared with the source node, so never donated or changed
+    Shape row_shape;
+  };
+
+  template <Element U>
+  static Field snapshot(const Tensor<U>& t, const char* what) {
+    if (t.dim() == 0) {
+      throw ShapeError(std::string("TensorDataset: ") + what +
+                       " must have a first (sample) dimension, got a 0-d tensor");
+    }
+    t.data();  // materialize
+    Shape row;
+    for (int d = 1; d < t.dim(); ++d) row.push_back(t.size(d));
+    return {t.node()->buffer(), row};
+  }
+
+  void check(std::size_t index) const {
+    if (index >= size_) {
+      throw IndexError("TensorDataset: index " + std::to_string(index) +
+                       " is out of range for a dataset of " + std::to_string(size_) + " samples");
+    }
+  }
+
+  template <Element U>
+  static Tensor<U> gather(const Field& f, const std::size_t* indices, std::size_t n,
+                          const Shape& shape) {
+    const auto per = static_cast<std::size_t>(f.row_shape.numel());
+    detail::HostTensor<U> out(shape);
+    const auto* src = static_cast<const U*>(f.buffer->data());
+    for (std::size_t b = 0; b < n; ++b) {
+      if (per) std::memcpy(out.data() + b * per, src + indices[b] * per, per * sizeof(U));
+    }
+    return std::move(out).finish();
+  }
+
+  Field data_, targets_;
+  std::size_t size_ = 0;
+};
+
+namespace datasets {
+/// libtorch's spelling: torch::data::datasets::TensorDataset.
+using lazy::data::TensorDataset;
+}  // namespace datasets
+
+}  // namespace lazy::data
+// ---- end lazytensor/data/tensor_dataset.hpp ----
+// ---- end lazytensor/data.hpp ----
+// ---- begin lazytensor/debug/graph_dump.hpp ----
+// The pending graph behind tensors, as text or Graphviz DOT (the analogue of
+// torch_xla's get_stablehlo / graph dumps), with the fusion the planner would apply if
+// mark_step ran now: cross-statement element-wise groups (chunk-interleaved; a member kept
+// only in chunk scratch is marked) and GEMMs run in row blocks by their epilogue.
+
+#include <algorithm>
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
 
 namespace lazy::debug {
 
@@ -2756,9 +6867,41 @@ std::vector<graph::NodePtr> roots_of(const Ts&... ts) {
   return {ts.node()...};
 }
 
-inline std::vector<graph::NodePtr> with_inputs(const std::vector<graph::NodePtr>& roots) {
+/// How the planner would run the pending nodes: the fused group of each node (-1: alone)
+/// and whether its value would only live in chunk scratch.
+struct Fusion {
+  std::unordered_map<const graph::Node*, int> group;
+  std::unordered_map<const graph::Node*, bool> scratch_only;
+};
+
+inline Fusion plan_fusion(const std::vector<graph::NodePtr>& order) {
+  Fusion f;
+  if (order.empty()) return f;
+  graph::prepare(order);  // decisions redone by the real step's planning
+  const std::uint64_t epoch = graph::planner::number(order);
+  std::vector<std::uint8_t> outside;
+  graph::planner::signature(order, epoch, outside);
+  auto plan = graph::planner::build(order, epoch, outside);
+  int g = 0;
+  for (const auto& st : plan->steps) {
+    if (st.kind != graph::PlanStep::Kind::Group) continue;
+    for (std::size_t j = 0; j < st.members.size(); ++j) {
+      const graph::Node* n = order[static_cast<std::size_t>(st.members[j])].get();
+      f.group[n] = g;
+      f.scratch_only[n] = !st.whole[j];
+    }
+    ++g;
+  }
+  return f;
+}
+
+inline std::vector<graph::NodePtr> with_inputs(const std::vector<graph::NodePtr>& roots, Fusion* fusion) {
+  // Steps in flight finish first: a dump looks at values, not at a graph being executed.
+  for (const auto& r : roots)
+    if (r) r->device()->wait_idle();
   // Pending nodes in execution order, plus the materialized values they read.
   std::vector<graph::NodePtr> order = graph::topological_order(roots);
+  if (fusion) *fusion = plan_fusion(order);
   std::vector<graph::NodePtr> all;
   std::unordered_map<const graph::Node*, bool> seen;
   for (const auto& n : order)
@@ -2781,8 +6924,12 @@ inline std::string type_str(const graph::Node& n) { return dtype_name(n.dtype())
 
 /// The graph that computes `tensors`, one node per line in execution order:
 /// `%3 = float32(4, 4) fused(add(%0, %1)) <- %1, %2`. Materialized inputs show as data.
+/// Fusion shows at the end of a line: `{group 0}` for members of a chunk-interleaved group
+/// (`{group 0, scratch}` when the value is never written whole), `{in row blocks of %5}`
+/// for a GEMM that its epilogue %5 runs block by block.
 inline std::string graph_text(const std::vector<graph::NodePtr>& roots) {
-  auto nodes = detail::with_inputs(roots);
+  detail::Fusion fusion;
+  auto nodes = detail::with_inputs(roots, &fusion);
   std::unordered_map<const graph::Node*, int> id;
   for (const auto& n : nodes) id.emplace(n.get(), static_cast<int>(id.size()));
   std::ostringstream os;
@@ -2797,6 +6944,12 @@ inline std::string graph_text(const std::vector<graph::NodePtr>& roots) {
         for (const auto& in : n->inputs()) os << " %" << id[in.get()];
       }
     }
+    if (auto g = fusion.group.find(n.get()); g != fusion.group.end())
+      os << "  {group " << g->second << (fusion.scratch_only[n.get()] ? ", scratch}" : "}");
+    if (n->deferred())
+      for (const auto& c : nodes)
+        if (!c->materialized() && std::find(c->inputs().begin(), c->inputs().end(), n) != c->inputs().end())
+          os << "  {in row blocks of %" << id[c.get()] << "}";
     for (const auto& r : roots)
       if (r == n) {
         os << "  (output)";
@@ -2815,9 +6968,12 @@ std::string graph_text(const Ts&... tensors)
   return graph_text(detail::roots_of(tensors...));
 }
 
-/// The graph in Graphviz DOT; render with `dot -Tpng`.
+/// The graph in Graphviz DOT; render with `dot -Tpng`. Fused groups are clusters
+/// ("fused group N"); scratch-only members are dotted; a GEMM run in row blocks by its
+/// epilogue is linked to it by a bold edge.
 inline std::string graph_dot(const std::vector<graph::NodePtr>& roots) {
-  auto nodes = detail::with_inputs(roots);
+  detail::Fusion fusion;
+  auto nodes = detail::with_inputs(roots, &fusion);
   std::unordered_map<const graph::Node*, int> id;
   for (const auto& n : nodes) id.emplace(n.get(), static_cast<int>(id.size()));
   std::ostringstream os;
@@ -2830,12 +6986,16 @@ inline std::string graph_dot(const std::vector<graph::NodePtr>& roots) {
       else esc += c;
     }
     const bool out = std::find(roots.begin(), roots.end(), n) != roots.end();
+    auto g = fusion.group.find(n.get());
+    if (g != fusion.group.end()) os << "  subgraph cluster_" << g->second << " { label=\"fused group " << g->second << "\";";
     os << "  n" << id[n.get()] << " [label=\"%" << id[n.get()] << " " << esc << "\\n" << detail::type_str(*n) << "\""
-       << (n->materialized() ? ", style=dashed" : "") << (out ? ", peripheries=2" : "") << "];\n";
+       << (n->materialized() ? ", style=dashed" : "") << (g != fusion.group.end() && fusion.scratch_only[n.get()] ? ", style=dotted" : "")
+       << (out ? ", peripheries=2" : "") << "];" << (g != fusion.group.end() ? " }" : "") << "\n";
   }
   for (const auto& n : nodes)
     if (!n->materialized())
-      for (const auto& in : n->inputs()) os << "  n" << id[in.get()] << " -> n" << id[n.get()] << ";\n";
+      for (const auto& in : n->inputs())
+        os << "  n" << id[in.get()] << " -> n" << id[n.get()] << (in->deferred() ? " [style=bold]" : "") << ";\n";
   os << "}\n";
   return os.str();
 }
@@ -2852,6 +7012,10 @@ std::string graph_dot(const Ts&... tensors)
 // ---- end lazytensor/debug/graph_dump.hpp ----
 // ---- begin lazytensor/debug/metrics.hpp ----
 // Counters and metrics, named like PyTorch/XLA's (torch_xla.debug.metrics).
+//
+// Steps run asynchronously; every function here first waits for the steps issued on the
+// calling thread's device, so that what it reports includes everything issued so far
+// (other devices are not waited for: a replica must not wait on another's collectives).
 
 #include <cstdint>
 #include <iomanip>
@@ -2863,8 +7027,14 @@ std::string graph_dot(const Ts&... tensors)
 
 namespace lazy::debug {
 
+namespace detail {
+/// Waits for the steps in flight on the current device (see the file comment).
+inline void settle() { graph::current_device().wait_idle(); }
+}  // namespace detail
+
 /// Value of counter `name` (0 when it never fired), as met.counter_value.
 inline std::int64_t counter_value(const std::string& name) {
+  detail::settle();
   std::int64_t v = 0;
   core::Registry::get().for_each([&](const std::string& n, const core::Counter* c, const core::Metric*) {
     if (c && n == name) v = c->value.load();
@@ -2874,6 +7044,7 @@ inline std::int64_t counter_value(const std::string& name) {
 
 /// Summary of metric `name` (count, total, min, max in ns), if it was ever recorded.
 inline std::optional<core::MetricData> metric_data(const std::string& name) {
+  detail::settle();
   std::optional<core::MetricData> r;
   core::Registry::get().for_each([&](const std::string& n, const core::Counter*, const core::Metric* m) {
     if (m && n == name && m->data().count) r = m->data();
@@ -2883,6 +7054,7 @@ inline std::optional<core::MetricData> metric_data(const std::string& name) {
 
 /// Names of the counters that fired.
 inline std::vector<std::string> counter_names() {
+  detail::settle();
   std::vector<std::string> names;
   core::Registry::get().for_each([&](const std::string& n, const core::Counter* c, const core::Metric*) {
     if (c && c->value.load()) names.push_back(n);
@@ -2891,7 +7063,10 @@ inline std::vector<std::string> counter_names() {
 }
 
 /// Resets every counter and metric to zero.
-inline void clear_metrics() { core::Registry::get().reset(); }
+inline void clear_metrics() {
+  detail::settle();
+  core::Registry::get().reset();
+}
 
 namespace detail {
 inline std::string fmt_ns(double ns) {
@@ -2907,6 +7082,7 @@ inline std::string fmt_ns(double ns) {
 
 /// Every metric and counter, plus the buffer pool of device 0, in PyTorch/XLA's format.
 inline std::string metrics_report() {
+  detail::settle();
   std::ostringstream os;
   core::Registry::get().for_each([&](const std::string& n, const core::Counter*, const core::Metric* m) {
     if (!m) return;
@@ -2984,27 +7160,53 @@ inline void set_device(const Device& d) { graph::current_device_index() = d.inde
 /// Materializes every pending value that a live tensor handle on the current device can
 /// reach, then runs the step closures and advances the device's random stream. A node
 /// that no handle reaches is never computed.
+///
+/// Asynchronous: the step is planned here and handed to the device's executor thread, and
+/// mark_step returns while it runs, so the next step can be traced meanwhile. Reading a
+/// value (item(), to_vector(), ...) or wait_device_ops() waits for it; the next mark_step
+/// waits for the previous one; an error surfaces at the next read or sync.
+/// (LAZYTENSOR_ASYNC=0 runs steps on the calling thread.)
 inline void mark_step() {
   static auto& steps = core::counter("MarkStep");
   graph::Device& dev = graph::current_device();
   steps.add();
   dev.rethrow_stored_error();
-  graph::execute(dev, dev.pending_roots());
+  graph::run_step(dev, graph::collect_step(dev));
   // A new step draws fresh random numbers, as XLA's seed advance after mark_step.
   auto& rng = dev.rng();
   rng.seed = graph::hash_combine(rng.seed, 0x9e3779b97f4a7c15ull);
   rng.offset = 0;
-  for (auto& f : dev.take_step_closures()) f();
+  // Closures run once the step has executed (as torch_xla's synchronous step closures), so
+  // they see its values; without closures mark_step returns at once.
+  auto closures = dev.take_step_closures();
+  if (!closures.empty()) dev.wait_idle();
+  for (auto& f : closures) f();
 }
 
 /// Alias of mark_step(), as torch_xla.sync().
 inline void sync() { mark_step(); }
 
-/// Waits for every enqueued execution on the current device (execution is synchronous
-/// today, so this only surfaces a stored error).
-inline void wait_device_ops() { graph::current_device().rethrow_stored_error(); }
+/// Waits for every step enqueued on the current device (xm.wait_device_ops), then
+/// re-throws an error a step stored.
+inline void wait_device_ops() {
+  auto& dev = graph::current_device();
+  dev.wait_idle();
+  dev.rethrow_stored_error();
+}
 
-/// Queues f to run after the next mark_step on the current device (xm.add_step_closure).
+/// Sets how many threads the current device's kernels use (as torch::set_num_threads; the
+/// default is LAZYTENSOR_NUM_THREADS, else the hardware threads). Waits for the steps in
+/// flight first. Error when `n` < 1.
+inline void set_num_threads(int n) {
+  if (n < 1) throw Error("set_num_threads: expected at least 1 thread, got " + std::to_string(n));
+  graph::current_device().set_num_threads(n);
+}
+
+/// The number of threads the current device's kernels use (as torch::get_num_threads).
+inline int get_num_threads() { return graph::current_device().threads().size(); }
+
+/// Queues f to run at the end of the next mark_step on the current device, once that step
+/// has executed (xm.add_step_closure).
 inline void add_step_closure(std::function<void()> f) { graph::current_device().add_step_closure(std::move(f)); }
 
 /// Eager mode: every node runs as soon as it is created (for debugging). Per device.
@@ -3039,6 +7241,2178 @@ inline std::uint64_t get_rng_state() { return graph::current_device().rng().seed
 
 }  // namespace lazy
 // ---- end lazytensor/device.hpp ----
+// ---- begin lazytensor/dist.hpp ----
+// lazy::dist and lazy::runtime: replicas as threads (spawn), runtime queries, tensor
+// collectives (all_reduce, all_gather, reduce_scatter, all_to_all, broadcast) and host-side
+// ones (barrier, rendezvous, mesh_reduce, broadcast_object), as torch_xla's xmp.spawn,
+// torch_xla.runtime and xla_model; optimizer_step and the device loaders (ParallelLoader,
+// MpDeviceLoader) of data-parallel training.
+
+// ---- begin lazytensor/dist/collectives.hpp ----
+// Tensor collectives, as torch_xla's xla_model: all_reduce, all_gather, reduce_scatter,
+// all_to_all, broadcast. Each call is lazy: it adds a pending node to the replica's graph
+// (and takes the group's next sequence number, in program order); the exchange runs at
+// mark_step or when a result is read, in program order among the replica's collectives.
+// Inside spawn, inputs must live on the replica's own device. Outside spawn the world is
+// one replica and every collective is local.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+// ---- begin lazytensor/dist/collective_node.hpp ----
+// Collectives in the graph. A tensor collective is two kinds of node:
+//  - an ExchangeNode, which runs one round of its group's exchange and computes every
+//    output of the collective (several for a coalesced all_reduce); its own value is an
+//    empty token, so chaining exchanges in program order holds no data alive;
+//  - one ResultNode per output, which takes its buffer from the exchange (no copy).
+// An exchange that fails is nevertheless done (it never joins its group again with a
+// sequence number the others have moved past): it keeps the error, and its result nodes
+// re-throw it whenever they are read.
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+// ---- begin lazytensor/dist/context.hpp ----
+// A replica thread's context (its world, ordinal, per-group sequence numbers, its last
+// traced collective) and the capture of a collective call at trace time.
+//
+// Sequence numbers are assigned when a collective is traced, in program order, one counter
+// per (replica, group). Tensor collectives run later (mark_step or a read), possibly on
+// another thread, so everything they need is captured in a CollectiveCall. Each traced
+// exchange takes the previous, still pending one as an extra input: a replica's collectives
+// run in program order whatever order its graph is walked in, and the context keeps the
+// last one registered with the device, so mark_step runs it even when no handle reaches
+// its result (a collective skipped on one replica would leave the others waiting).
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+// ---- begin lazytensor/dist/group_comm.hpp ----
+// The shared-memory exchange of one replica group (threads backend).
+//
+// A round (one collective, sequence number s of this group) goes:
+//   1. publish: each member writes its signature and data pointers (or, for small
+//      messages, a copy of its data) into its slot, then sets `arrived = s`;
+//   2. start: once every member arrived, the round starts (an atomic `started = s`, so
+//      that a member giving up on a timeout or an abort can withdraw only while nobody has
+//      started; a round that started always completes);
+//   3. check: every member compares every signature and throws CollectiveMismatch when
+//      one differs, before touching any data;
+//   4. work: each member reads the others' data (always in rank order) and writes outputs;
+//   5. done: when members read each other's buffers (not copies), each sets `done = s` and
+//      waits for all, so no buffer is freed or reused while another member reads it.
+// Slots are double-buffered by the parity of s: a member can only reach round s + 2 after
+// every member arrived at s + 1, i.e. finished reading round s, so copied (inline) data
+// needs no step 5 and a small collective costs one synchronization.
+//
+// Waiting: spin, then sleep on the world's event. Only step 2 gives up (abort, a partner
+// that exited, timeout); once a round started every member is inside it doing bounded
+// memory work, so steps 4-5 never give up (giving up there could free memory a partner
+// is still reading).
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+// ---- begin lazytensor/dist/signature.hpp ----
+// Replica groups and collective signatures.
+//
+// Groups: a list of equal-size lists of replica ordinals that partitions the world (every
+// replica exactly once), as torch_xla's `groups`; empty means one group of everyone. The
+// order inside a group is the data order (all_gather concatenates in it, reductions combine
+// in it).
+//
+// Signature: what a replica says it is doing at a given sequence number of its group. Every
+// participant compares all of them before touching any data; a difference is a
+// CollectiveMismatch on every participant.
+
+#include <bit>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+// ---- begin lazytensor/dist/reduce_op.hpp ----
+// Reduction operators of the collectives (xm.REDUCE_SUM, ...) and the element kernels that
+// combine replica inputs.
+//
+// Semantics, per dtype:
+//  - float, double: Sum, Mul, Min, Max; Min/Max propagate NaN (torch.minimum/maximum).
+//  - bfloat16: as float, accumulated in float and rounded once at the end.
+//  - int32, int64: Sum and Mul wrap around on overflow (two's complement, as torch);
+//    And/Or are bitwise; Min, Max.
+//  - bool: And/Or are logical; Sum acts as Or and Mul as And, as torch.distributed treats
+//    bool tensors (the result stays bool); Min = And, Max = Or.
+//  - `scale` multiplies the reduced value (in float for float/bfloat16, in double for
+//    double); integral and bool tensors accept scale 1 only (DTypeError otherwise), since
+//    the scaled value could not be stored in them.
+// Inputs are always combined in rank order, ((x0 op x1) op x2) ..., element by element, so
+// the result does not depend on timing and is the same on every replica.
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+
+namespace lazy {
+
+/// Reduction of an all_reduce / reduce_scatter (xm.REDUCE_SUM, REDUCE_MUL, ...).
+enum class ReduceOp { Sum, Mul, And, Or, Min, Max };
+
+/// Lower-case name ("sum", "mul", ...).
+inline std::string reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum:
+      return "sum";
+    case ReduceOp::Mul:
+      return "mul";
+    case ReduceOp::And:
+      return "and";
+    case ReduceOp::Or:
+      return "or";
+    case ReduceOp::Min:
+      return "min";
+    case ReduceOp::Max:
+      return "max";
+  }
+  return "?";
+}
+
+namespace dist::detail {
+
+/// Throws DTypeError when `op` or `scale` does not apply to element type T (see the file
+/// comment); `where` names the collective.
+template <Element T>
+void check_reduction(ReduceOp op, double scale, const char* where) {
+  const std::string what = std::string(where) + "(" + reduce_op_name(op) + ") on a " +
+                           dtype_name(dtype_of<T>()) + " tensor";
+  if constexpr (is_floating_v<T>) {
+    if (op == ReduceOp::And || op == ReduceOp::Or) {
+      throw DTypeError(what + ": and/or need an integral or bool tensor (found a floating dtype)");
+    }
+  } else if (scale != 1.0) {
+    throw DTypeError(what + ": scale must be 1 for integral and bool tensors, got " +
+                     std::to_string(scale));
+  }
+}
+
+/// Type in which values of T are combined.
+template <Element T>
+using accum_t = std::conditional_t<std::is_same_v<T, bool>, std::uint8_t, compute_t<T>>;
+
+/// acc = acc op x for one element (the op is a template argument so the loops vectorize).
+template <ReduceOp Op, class A>
+inline A combine(A acc, A x) {
+  if constexpr (std::is_same_v<A, std::uint8_t>) {  // bool stored as 0/1 bytes
+    if constexpr (Op == ReduceOp::Sum || Op == ReduceOp::Or || Op == ReduceOp::Max)
+      return acc | x;
+    else
+      return acc & x;
+  } else if constexpr (std::is_integral_v<A>) {
+    using U = std::make_unsigned_t<A>;  // wrap-around without undefined behaviour
+    if constexpr (Op == ReduceOp::Sum)
+      return static_cast<A>(static_cast<U>(acc) + static_cast<U>(x));
+    else if constexpr (Op == ReduceOp::Mul)
+      return static_cast<A>(static_cast<U>(acc) * static_cast<U>(x));
+    else if constexpr (Op == ReduceOp::And)
+      return acc & x;
+    else if constexpr (Op == ReduceOp::Or)
+      return acc | x;
+    else if constexpr (Op == ReduceOp::Min)
+      return std::min(acc, x);
+    else
+      return std::max(acc, x);
+  } else {
+    if constexpr (Op == ReduceOp::Sum)
+      return acc + x;
+    else if constexpr (Op == ReduceOp::Mul)
+      return acc * x;
+    // NaN wins: keep acc when it is NaN or smaller, else take x (NaN or not).
+    else if constexpr (Op == ReduceOp::Min)
+      return (acc < x || acc != acc) ? acc : x;
+    else
+      return (acc > x || acc != acc) ? acc : x;  // Max (And/Or rejected for floats)
+  }
+}
+
+template <Element T>
+inline accum_t<T> load_acc(const T* p, std::int64_t i) {
+  if constexpr (std::is_same_v<T, bool>)
+    return reinterpret_cast<const std::uint8_t*>(p)[i];
+  else
+    return static_cast<accum_t<T>>(p[i]);
+}
+
+/// out[i] = (in[0][i] op in[1][i] op ... op in[n-1][i]) * scale for i in [0, len), in rank
+/// order. Blocks of 512 elements keep the accumulator in L1 while each input streams by.
+/// With `Stream` (float/double, `out` batch-aligned), results bypass the cache: a large
+/// output cannot stay there anyway, and it saves reading each line before writing it.
+template <Element T, ReduceOp Op, bool Stream = false>
+void reduce_span_op(T* out, const T* const* in, int n, std::int64_t len, double scale) {
+  using A = accum_t<T>;
+  constexpr std::int64_t kBlock = 512;
+  alignas(64) A acc[kBlock];
+  const A s = static_cast<A>(scale);  // only used by floating types (check_reduction)
+  const bool scaled = scale != 1.0;
+  for (std::int64_t b = 0; b < len; b += kBlock) {
+    const std::int64_t m = std::min(kBlock, len - b);
+    const T* first = in[0] + b;
+    for (std::int64_t i = 0; i < m; ++i) acc[i] = load_acc(first, i);
+    for (int j = 1; j < n; ++j) {
+      const T* x = in[j] + b;
+      for (std::int64_t i = 0; i < m; ++i) acc[i] = combine<Op>(acc[i], load_acc(x, i));
+    }
+    T* o = out + b;
+    if constexpr (Stream) {
+      using B = expr::batch_t<T>;
+      constexpr std::int64_t W = B::size;
+      std::int64_t i = 0;
+      if (scaled) {
+        for (; i + W <= m; i += W) expr::stream_store<T>(o + i, B::load_aligned(acc + i) * B(s));
+      } else {
+        for (; i + W <= m; i += W) expr::stream_store<T>(o + i, B::load_aligned(acc + i));
+      }
+      for (; i < m; ++i) o[i] = scaled ? acc[i] * s : acc[i];
+    } else if constexpr (std::is_same_v<T, bool>) {
+      auto* ob = reinterpret_cast<std::uint8_t*>(o);
+      for (std::int64_t i = 0; i < m; ++i) ob[i] = acc[i];
+    } else if constexpr (is_floating_v<T>) {
+      if (scaled) {
+        for (std::int64_t i = 0; i < m; ++i) o[i] = static_cast<T>(acc[i] * s);
+      } else {
+        for (std::int64_t i = 0; i < m; ++i) o[i] = static_cast<T>(acc[i]);
+      }
+    } else {
+      for (std::int64_t i = 0; i < m; ++i) o[i] = acc[i];
+    }
+  }
+}
+
+template <Element T, ReduceOp Op>
+void reduce_span_dispatch(T* out, const T* const* in, int n, std::int64_t len, double scale,
+                          bool stream) {
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+    if (stream && reinterpret_cast<std::uintptr_t>(out) % sizeof(expr::batch_t<T>) == 0) {
+      reduce_span_op<T, Op, true>(out, in, n, len, scale);
+      expr::store_fence();
+      return;
+    }
+  }
+  reduce_span_op<T, Op>(out, in, n, len, scale);
+}
+
+/// Runtime-op entry of reduce_span_op; `stream` asks for non-temporal stores (honoured for
+/// float and double outputs that are batch-aligned).
+template <Element T>
+void reduce_span(ReduceOp op, T* out, const T* const* in, int n, std::int64_t len, double scale,
+                 bool stream = false) {
+  if (len <= 0) return;
+  switch (op) {
+    case ReduceOp::Sum:
+      return reduce_span_dispatch<T, ReduceOp::Sum>(out, in, n, len, scale, stream);
+    case ReduceOp::Mul:
+      return reduce_span_dispatch<T, ReduceOp::Mul>(out, in, n, len, scale, stream);
+    case ReduceOp::Min:
+      return reduce_span_dispatch<T, ReduceOp::Min>(out, in, n, len, scale, stream);
+    case ReduceOp::Max:
+      return reduce_span_dispatch<T, ReduceOp::Max>(out, in, n, len, scale, stream);
+    case ReduceOp::And:
+    case ReduceOp::Or:
+      if constexpr (!is_floating_v<T>) {
+        return op == ReduceOp::And ? reduce_span_op<T, ReduceOp::And>(out, in, n, len, scale)
+                                   : reduce_span_op<T, ReduceOp::Or>(out, in, n, len, scale);
+      }
+      break;
+  }
+}
+
+}  // namespace dist::detail
+}  // namespace lazy
+// ---- end lazytensor/dist/reduce_op.hpp ----
+
+namespace lazy::dist {
+
+/// Replica groups, as torch_xla's `groups=[[0, 1], [2, 3]]`.
+using Groups = std::vector<std::vector<int>>;
+
+namespace detail {
+
+/// "[0, 1, 2]".
+inline std::string list_str(const std::vector<int>& v) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "]";
+}
+
+inline std::string groups_str(const Groups& g) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < g.size(); ++i) s += (i ? ", " : "") + list_str(g[i]);
+  return s + "]";
+}
+
+/// The group of `ordinal` in `groups` (validated: a partition of [0, world) into lists of
+/// equal size). Throws CollectiveError naming the problem.
+inline std::vector<int> resolve_group(const Groups& groups, int world, int ordinal,
+                                      const char* op) {
+  if (groups.empty()) {
+    std::vector<int> all(static_cast<std::size_t>(world));
+    for (int i = 0; i < world; ++i) all[static_cast<std::size_t>(i)] = i;
+    return all;
+  }
+  const std::string where = std::string(op) + ": invalid groups " + groups_str(groups) +
+                            " for a world of " + std::to_string(world) + " replica(s): ";
+  std::vector<int> seen(static_cast<std::size_t>(world), 0);
+  const std::size_t size = groups.front().size();
+  const std::vector<int>* mine = nullptr;
+  for (const auto& g : groups) {
+    if (g.empty()) throw CollectiveError(where + "a group is empty");
+    if (g.size() != size) {
+      throw CollectiveError(where + "groups must have equal sizes, found " + std::to_string(size) +
+                            " and " + std::to_string(g.size()));
+    }
+    for (int r : g) {
+      if (r < 0 || r >= world) {
+        throw CollectiveError(where + "replica " + std::to_string(r) + " is out of range [0, " +
+                              std::to_string(world) + ")");
+      }
+      if (seen[static_cast<std::size_t>(r)]++) {
+        throw CollectiveError(where + "replica " + std::to_string(r) + " appears more than once");
+      }
+      if (r == ordinal) mine = &g;
+    }
+  }
+  for (int r = 0; r < world; ++r) {
+    if (!seen[static_cast<std::size_t>(r)]) {
+      throw CollectiveError(where + "replica " + std::to_string(r) +
+                            " is in no group (groups must cover every replica)");
+    }
+  }
+  return *mine;
+}
+
+/// What a collective is.
+enum class CollectiveKind : std::uint8_t {
+  AllReduce,
+  AllGather,
+  ReduceScatter,
+  AllToAll,
+  Broadcast,
+  Barrier,
+  Rendezvous,
+  MeshReduce,
+  BroadcastObject
+};
+
+inline const char* kind_name(CollectiveKind k) {
+  switch (k) {
+    case CollectiveKind::AllReduce:
+      return "all_reduce";
+    case CollectiveKind::AllGather:
+      return "all_gather";
+    case CollectiveKind::ReduceScatter:
+      return "reduce_scatter";
+    case CollectiveKind::AllToAll:
+      return "all_to_all";
+    case CollectiveKind::Broadcast:
+      return "broadcast";
+    case CollectiveKind::Barrier:
+      return "barrier";
+    case CollectiveKind::Rendezvous:
+      return "rendezvous";
+    case CollectiveKind::MeshReduce:
+      return "mesh_reduce";
+    case CollectiveKind::BroadcastObject:
+      return "broadcast_object";
+  }
+  return "?";
+}
+
+/// Everything replicas must agree on for one collective (data sizes of host-side payloads
+/// excepted: those may differ).
+struct Signature {
+  CollectiveKind kind = CollectiveKind::Barrier;
+  ReduceOp op = ReduceOp::Sum;         ///< reductions only
+  DType dtype = DType::Float32;        ///< tensor collectives only
+  int tensors = 0;                     ///< number of tensors (coalesced all_reduce: several)
+  Shape shape;                         ///< the first tensor's shape
+  std::uint64_t shapes_hash = 0;       ///< every tensor's shape
+  std::int64_t params[3] = {0, 0, 0};  ///< dim, scatter/split/concat dims and counts, src
+  double scale = 1.0;
+  std::shared_ptr<const std::vector<int>> group;  ///< this replica's group, in data order
+  std::string tag;                                ///< host collectives: name, tag or value type
+
+  friend bool operator==(const Signature& a, const Signature& b) {
+    return a.kind == b.kind && a.op == b.op && a.dtype == b.dtype && a.tensors == b.tensors &&
+           a.shape == b.shape && a.shapes_hash == b.shapes_hash && a.params[0] == b.params[0] &&
+           a.params[1] == b.params[1] && a.params[2] == b.params[2] &&
+           std::bit_cast<std::uint64_t>(a.scale) == std::bit_cast<std::uint64_t>(b.scale) &&
+           a.tag == b.tag && (a.group == b.group || (a.group && b.group && *a.group == *b.group));
+  }
+
+  /// "all_reduce(op=sum, dtype=float32, shape=(4,), scale=1, group=[0, 1])".
+  std::string str() const {
+    std::string s = std::string(kind_name(kind)) + "(";
+    auto num = [](double v) {
+      std::string t = std::to_string(v);
+      t.erase(t.find_last_not_of('0') + 1);
+      if (!t.empty() && t.back() == '.') t.pop_back();
+      return t;
+    };
+    switch (kind) {
+      case CollectiveKind::AllReduce:
+      case CollectiveKind::ReduceScatter:
+        s += "op=" + reduce_op_name(op) + ", ";
+        break;
+      default:
+        break;
+    }
+    if (tensors > 0) {
+      s += "dtype=" + dtype_name(dtype) + ", ";
+      s += tensors == 1 ? "shape=" + shape.str()
+                        : std::to_string(tensors) + " tensors, first shape=" + shape.str();
+      s += ", ";
+    }
+    switch (kind) {
+      case CollectiveKind::AllReduce:
+        s += "scale=" + num(scale) + ", ";
+        break;
+      case CollectiveKind::AllGather:
+        s += "dim=" + std::to_string(params[0]) + ", ";
+        break;
+      case CollectiveKind::ReduceScatter:
+        s += "scale=" + num(scale) + ", scatter_dim=" + std::to_string(params[0]) +
+             ", shard_count=" + std::to_string(params[1]) + ", ";
+        break;
+      case CollectiveKind::AllToAll:
+        s += "split_dimension=" + std::to_string(params[0]) +
+             ", concat_dimension=" + std::to_string(params[1]) +
+             ", split_count=" + std::to_string(params[2]) + ", ";
+        break;
+      case CollectiveKind::Broadcast:
+      case CollectiveKind::BroadcastObject:
+        s += "src=" + std::to_string(params[0]) + ", ";
+        break;
+      default:
+        break;
+    }
+    if (!tag.empty()) s += "'" + tag + "', ";
+    s += "group=" + (group ? list_str(*group) : std::string("[]"));
+    return s + ")";
+  }
+};
+
+/// Hash of a list of shapes (order-sensitive).
+inline std::uint64_t shapes_hash(const std::vector<Shape>& shapes) {
+  std::uint64_t h = 1469598103934665603ull;
+  auto mix = [&](std::uint64_t v) { h = (h ^ v) * 1099511628211ull; };
+  for (const auto& s : shapes) {
+    mix(static_cast<std::uint64_t>(s.rank()) + 0x100);
+    for (auto d : s) mix(static_cast<std::uint64_t>(d));
+  }
+  return h;
+}
+
+}  // namespace detail
+}  // namespace lazy::dist
+// ---- end lazytensor/dist/signature.hpp ----
+// ---- begin lazytensor/dist/world.hpp ----
+// The world of replicas: where this process's replicas sit among all of them, which ones
+// are still running, the shared abort flag, the collective timeout, and the one event every
+// blocked replica sleeps on (so an abort or an exit can wake them all).
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
+
+namespace lazy::dist {
+
+namespace detail {
+
+/// Default collective timeout: LAZYTENSOR_COLLECTIVE_TIMEOUT (seconds, may be fractional),
+/// else 300 s. A malformed value is an error when a collective first needs it.
+inline std::chrono::milliseconds env_collective_timeout() {
+  const char* env = std::getenv("LAZYTENSOR_COLLECTIVE_TIMEOUT");
+  if (!env || !*env) return std::chrono::seconds(300);
+  char* end = nullptr;
+  const double s = std::strtod(env, &end);
+  if (end == env || *end != '\0' || !(s > 0) || s > 1e9) {
+    throw Error(std::string("LAZYTENSOR_COLLECTIVE_TIMEOUT='") + env +
+                "' is not a number of seconds > 0 (expected e.g. 300 or 0.5)");
+  }
+  return std::chrono::milliseconds(
+      std::max<std::int64_t>(1, static_cast<std::int64_t>(s * 1000.0)));
+}
+
+/// The timeout in milliseconds; 0 means "not read from the environment yet".
+inline std::atomic<std::int64_t>& timeout_ms() {
+  static std::atomic<std::int64_t> ms{0};
+  return ms;
+}
+
+inline void cpu_relax() {
+#if defined(__SSE2__)
+  _mm_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+}  // namespace detail
+
+/// How long a replica waits in a collective for the others before CollectiveTimeout.
+inline std::chrono::milliseconds collective_timeout() {
+  auto& ms = detail::timeout_ms();
+  std::int64_t v = ms.load(std::memory_order_relaxed);
+  if (v == 0) {
+    v = detail::env_collective_timeout().count();
+    std::int64_t expected = 0;
+    if (!ms.compare_exchange_strong(expected, v)) v = expected;  // set_collective_timeout won
+  }
+  return std::chrono::milliseconds(v);
+}
+
+/// Sets the collective timeout for every replica of this process (default 300 s, or
+/// LAZYTENSOR_COLLECTIVE_TIMEOUT seconds). Takes effect at the next wait.
+inline void set_collective_timeout(std::chrono::milliseconds t) {
+  if (t.count() <= 0) {
+    throw Error("set_collective_timeout: the timeout must be > 0 ms, got " +
+                std::to_string(t.count()) + " ms");
+  }
+  detail::timeout_ms().store(t.count());
+}
+
+namespace detail {
+
+/// Where this process's replica threads sit in the world. The threads backend has one
+/// process holding every replica; an MPI backend has several processes, each with
+/// `process_replicas` threads: global ordinal = process_offset + local replica index.
+struct WorldLayout {
+  int world_size = 1;        ///< replicas in the world, every process
+  int process_offset = 0;    ///< global ordinal of this process's first replica
+  int process_replicas = 1;  ///< replica threads in this process
+  int host_offset = 0;       ///< ordinal on this host of this process's first replica
+  int host_replicas = 1;     ///< replicas on this host, every process on it
+};
+
+/// A sleep/wake point for blocked replicas. Waiters spin first (the caller does), then
+/// sleep here; whoever changes state that a waiter may be waiting for calls notify().
+/// Both sides update `sleepers_` with a read-modify-write: either the notifier's RMW comes
+/// later in its order and sees the sleeper, or the sleeper's RMW reads from the notifier's
+/// and so sees the state it published before; a wake-up cannot be lost. Sleeps are also
+/// capped at 100 ms as a second line of defence.
+class Event {
+ public:
+  /// Wakes the sleepers, if any (cheap when nobody sleeps).
+  void notify() {
+    if (sleepers_.fetch_add(0, std::memory_order_acq_rel) > 0) {
+      std::lock_guard lock(mu_);
+      cv_.notify_all();
+    }
+  }
+  /// Sleeps until pred() holds or `deadline` passes; returns pred().
+  template <class Pred>
+  bool wait_until(Pred&& pred, std::chrono::steady_clock::time_point deadline) {
+    std::unique_lock lock(mu_);
+    sleepers_.fetch_add(1, std::memory_order_acq_rel);
+    while (!pred()) {
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= deadline) break;
+      cv_.wait_until(lock, std::min(deadline, now + std::chrono::milliseconds(100)));
+    }
+    sleepers_.fetch_sub(1, std::memory_order_relaxed);
+    return pred();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::atomic<int> sleepers_{0};
+};
+
+/// How long a waiter spins before sleeping: a collective's partners usually arrive within
+/// a microsecond or two, and a futex round trip costs more than that. When replicas
+/// outnumber the hardware threads, spinning would only steal time from the replica being
+/// waited for, and on a loaded machine a long spin is worse than sleeping (the partner may
+/// not be running at all), so the budget is short.
+inline std::chrono::nanoseconds spin_budget(int replicas) {
+  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return replicas <= hw ? std::chrono::microseconds(20) : std::chrono::microseconds(1);
+}
+
+/// Spins until pred() holds (true) or `budget` elapsed (false).
+template <class Pred>
+bool spin_until(Pred&& pred, std::chrono::nanoseconds budget) {
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 1;; ++i) {
+    if (pred()) return true;
+    cpu_relax();
+    if ((i & 31) == 0 && std::chrono::steady_clock::now() - start >= budget) return pred();
+  }
+}
+
+/// Shared state of one world: replica lifecycle, abort flag and first failure, the event.
+class WorldState {
+ public:
+  explicit WorldState(WorldLayout layout)
+      : layout_(layout),
+        exited_(static_cast<std::size_t>(layout.world_size)),
+        spin_(spin_budget(layout.process_replicas)) {}
+
+  const WorldLayout& layout() const { return layout_; }
+  Event& event() { return event_; }
+  /// Spin time before sleeping (see spin_budget).
+  std::chrono::nanoseconds spin() const { return spin_; }
+
+  /// True once any replica failed: every waiter must give up with ReplicaAborted.
+  bool aborted() const { return aborted_.load(std::memory_order_acquire); }
+
+  /// Records that replica `ordinal` failed with `e`; the first failure is kept (and
+  /// re-thrown by spawn) and aborts the world. Returns true for the first failure.
+  bool fail(int ordinal, std::exception_ptr e) {
+    bool first = false;
+    {
+      std::lock_guard lock(mu_);
+      if (!error_) {
+        error_ = e;
+        failed_ordinal_ = ordinal;
+        failure_ = describe(e);
+        first = true;
+      }
+    }
+    aborted_.store(true, std::memory_order_release);
+    event_.notify();
+    return first;
+  }
+  /// The first failure (null when none).
+  std::exception_ptr first_error() const {
+    std::lock_guard lock(mu_);
+    return error_;
+  }
+  /// "replica 2 failed: <what>", for ReplicaAborted messages.
+  std::string abort_reason() const {
+    std::lock_guard lock(mu_);
+    if (!error_) return "the world was aborted";
+    if (failed_ordinal_ < 0) return "spawn failed: " + failure_;
+    return "replica " + std::to_string(failed_ordinal_) + " failed: " + failure_;
+  }
+
+  /// Marks replica `ordinal` as gone (its function returned or threw): collectives that
+  /// wait for it fail at once instead of timing out.
+  void mark_exited(int ordinal) {
+    exited_[static_cast<std::size_t>(ordinal)].store(true, std::memory_order_release);
+    event_.notify();
+  }
+  bool exited(int ordinal) const {
+    return exited_[static_cast<std::size_t>(ordinal)].load(std::memory_order_acquire);
+  }
+
+ private:
+  static std::string describe(const std::exception_ptr& e) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& ex) {
+      return ex.what();
+    } catch (...) {
+      return "an exception not derived from std::exception";
+    }
+  }
+
+  WorldLayout layout_;
+  std::vector<std::atomic<bool>> exited_;
+  std::chrono::nanoseconds spin_;
+  Event event_;
+  std::atomic<bool> aborted_{false};
+  mutable std::mutex mu_;
+  std::exception_ptr error_;  // guarded by mu_
+  int failed_ordinal_ = -1;   // guarded by mu_
+  std::string failure_;       // guarded by mu_
+};
+
+}  // namespace detail
+}  // namespace lazy::dist
+// ---- end lazytensor/dist/world.hpp ----
+
+namespace lazy::dist::detail {
+
+/// Messages up to this many bytes per member are copied into the slot (one synchronization);
+/// larger ones are read in place from the members' buffers (two synchronizations).
+inline constexpr std::size_t kInlineBytes = std::size_t{16} << 10;
+
+/// Rounds `n` up to a multiple of 64 (offsets inside a slot's staging area).
+constexpr std::size_t align64(std::size_t n) { return (n + 63) / 64 * 64; }
+
+/// What one member shares in one round.
+struct Share {
+  Signature sig;
+  std::vector<const std::byte*> data;            ///< per tensor or payload: where its bytes are
+  std::vector<std::size_t> bytes;                ///< payload sizes (host collectives)
+  std::vector<std::shared_ptr<Buffer>> buffers;  ///< shared outputs, broadcast source
+  std::vector<std::byte> staging;                ///< copies of small messages
+
+  /// A staging area of at least `n` bytes (allocated once, then reused).
+  std::byte* stage(std::size_t n) {
+    if (staging.size() < n) staging.resize(std::max(n, kInlineBytes));
+    return staging.data();
+  }
+};
+
+/// One group's exchange: its members (sorted global ordinals), their slots, the round state.
+class GroupComm {
+ public:
+  GroupComm(std::shared_ptr<WorldState> world, std::vector<int> members)
+      : world_(std::move(world)),
+        members_(std::move(members)),
+        slot_of_(static_cast<std::size_t>(world_->layout().world_size), -1),
+        slots_(std::make_unique<Slot[]>(members_.size())) {
+    for (std::size_t i = 0; i < members_.size(); ++i)
+      slot_of_[static_cast<std::size_t>(members_[i])] = static_cast<int>(i);
+  }
+
+  int size() const { return static_cast<int>(members_.size()); }
+  /// Members, sorted by ordinal (slot i belongs to members()[i]).
+  const std::vector<int>& members() const { return members_; }
+  /// Slot of replica `ordinal` (-1 when not a member).
+  int slot_of(int ordinal) const { return slot_of_[static_cast<std::size_t>(ordinal)]; }
+  WorldState& world() { return *world_; }
+
+  /// Read access to every member's share of round s.
+  class Round {
+   public:
+    Round(const GroupComm& c, std::uint64_t s) : c_(c), s_(s) {}
+    const Share& operator[](int slot) const {
+      return c_.slots_[static_cast<std::size_t>(slot)].round[s_ & 1];
+    }
+
+   private:
+    const GroupComm& c_;
+    std::uint64_t s_;
+  };
+
+  /// Runs round `s` for member `me`: publish(Share&) fills this member's share,
+  /// work(const Round&) runs once every member published matching signatures. With
+  /// `read_in_place`, members read each other's buffers, so the round ends with a barrier.
+  template <class Publish, class Work>
+  void exchange(int me, std::uint64_t s, const Signature& sig, Publish&& publish, Work&& work,
+                bool read_in_place) {
+    WorldState& w = *world_;
+    if (w.aborted()) {
+      throw ReplicaAborted(prefix(me, s, sig) + "aborted because " + w.abort_reason());
+    }
+    if (state_.load(std::memory_order_acquire) & kBroken) throw_broken(me, s, sig);
+    // Read before publishing: once this member arrived it may only leave through withdraw().
+    const std::chrono::milliseconds timeout = collective_timeout();
+    Slot& slot = slots_[static_cast<std::size_t>(me)];
+    Share& mine = slot.round[s & 1];
+    mine.sig = sig;
+    publish(mine);
+    slot.arrived.store(s, std::memory_order_seq_cst);
+    w.event().notify();
+    await_start(me, s, sig, timeout);
+    const Round round(*this, s);
+    check_signatures(round, me, s);
+    if (!read_in_place) {
+      work(round);
+      return;
+    }
+    try {
+      work(round);
+    } catch (...) {
+      finish(me, s);
+      throw;
+    }
+    finish(me, s);
+  }
+
+ private:
+  static constexpr std::uint64_t kBroken = std::uint64_t{1} << 63;
+  enum class Failure { Timeout, Exited, Aborted };
+
+  struct alignas(64) Slot {
+    std::atomic<std::uint64_t> arrived{0};  ///< last round this member published
+    std::atomic<std::uint64_t> done{0};     ///< last round this member finished reading
+    alignas(64) Share round[2];
+  };
+
+  std::string prefix(int me, std::uint64_t s, const Signature& sig) const {
+    return "replica " + std::to_string(members_[static_cast<std::size_t>(me)]) + ": " + sig.str() +
+           " (collective #" + std::to_string(s) + " of group " + list_str(members_) + "): ";
+  }
+
+  bool all_arrived(std::uint64_t s) const {
+    for (std::size_t j = 0; j < members_.size(); ++j) {
+      if (slots_[j].arrived.load(std::memory_order_acquire) < s) return false;
+    }
+    return true;
+  }
+  /// A member that has not arrived at round s and whose replica has exited, else -1.
+  int exited_partner(std::uint64_t s) const {
+    for (std::size_t j = 0; j < members_.size(); ++j) {
+      if (slots_[j].arrived.load(std::memory_order_acquire) < s && world_->exited(members_[j]))
+        return members_[j];
+    }
+    return -1;
+  }
+  std::string missing(std::uint64_t s) const {
+    std::string m;
+    for (std::size_t j = 0; j < members_.size(); ++j) {
+      const std::uint64_t a = slots_[j].arrived.load(std::memory_order_acquire);
+      if (a >= s) continue;
+      if (!m.empty()) m += ", ";
+      m += "replica " + std::to_string(members_[j]) +
+           (a ? " (last joined collective #" + std::to_string(a) + ")" : " (joined none yet)");
+    }
+    return m;
+  }
+
+  void await_start(int me, std::uint64_t s, const Signature& sig,
+                   std::chrono::milliseconds timeout) {
+    WorldState& w = *world_;
+    if (!spin_until([&] { return all_arrived(s); }, w.spin())) {
+      const auto deadline = std::chrono::steady_clock::now() + timeout;
+      for (;;) {
+        if (all_arrived(s)) break;
+        if (state_.load(std::memory_order_acquire) & kBroken) break;  // start() reports it
+        const int gone = exited_partner(s);
+        if (w.aborted()) {
+          if (withdraw(me, s, sig, Failure::Aborted, "aborted because " + w.abort_reason())) break;
+        } else if (gone >= 0) {
+          if (withdraw(me, s, sig, Failure::Exited,
+                       "replica " + std::to_string(gone) +
+                           " exited (its function returned) without joining this collective")) {
+            break;
+          }
+        } else if (std::chrono::steady_clock::now() >= deadline) {
+          const double secs = static_cast<double>(timeout.count()) / 1000.0;
+          std::string t = std::to_string(secs);
+          t.erase(t.find_last_not_of('0') + 1);
+          if (t.back() == '.') t.pop_back();
+          if (withdraw(me, s, sig, Failure::Timeout,
+                       "timed out after " + t + " s waiting for " + missing(s) +
+                           " (set the limit with lazy::dist::set_collective_timeout or "
+                           "LAZYTENSOR_COLLECTIVE_TIMEOUT seconds)")) {
+            break;
+          }
+        }
+        w.event().wait_until(
+            [&] {
+              return all_arrived(s) || (state_.load(std::memory_order_acquire) & kBroken) ||
+                     w.aborted() || exited_partner(s) >= 0;
+            },
+            deadline);
+      }
+    }
+    start(me, s, sig);
+  }
+
+  void start(int me, std::uint64_t s, const Signature& sig) {
+    std::uint64_t expected = s - 1;
+    if (state_.compare_exchange_strong(expected, s, std::memory_order_acq_rel)) return;
+    if ((expected & ~kBroken) >= s) return;  // another member started it
+    throw_broken(me, s, sig);
+  }
+
+  /// Gives up on round s unless it already started. Returns true when it had started (the
+  /// caller must take part); otherwise marks the group broken and throws.
+  bool withdraw(int me, std::uint64_t s, const Signature& sig, Failure why,
+                const std::string& reason) {
+    std::unique_lock lock(broken_mu_);
+    std::uint64_t expected = s - 1;
+    if (state_.compare_exchange_strong(expected, (s - 1) | kBroken, std::memory_order_acq_rel)) {
+      broken_kind_ = why;
+      broken_reason_ =
+          "replica " + std::to_string(members_[static_cast<std::size_t>(me)]) + " " + reason;
+      lock.unlock();
+      world_->event().notify();
+      raise(why, prefix(me, s, sig) + reason);
+    }
+    if ((expected & ~kBroken) >= s) return true;
+    lock.unlock();
+    throw_broken(me, s, sig);
+  }
+
+  [[noreturn]] void throw_broken(int me, std::uint64_t s, const Signature& sig) {
+    std::lock_guard lock(broken_mu_);
+    const std::string msg =
+        prefix(me, s, sig) + "the group can no longer be used: " + broken_reason_;
+    raise(broken_kind_, msg);
+  }
+
+  [[noreturn]] static void raise(Failure why, const std::string& msg) {
+    switch (why) {
+      case Failure::Timeout:
+        throw CollectiveTimeout(msg);
+      case Failure::Aborted:
+        throw ReplicaAborted(msg);
+      case Failure::Exited:
+        break;
+    }
+    throw CollectiveError(msg);
+  }
+
+  /// Throws CollectiveMismatch (on every member: they all see the same signatures) when
+  /// the members' signatures differ, naming the replicas that diverged from the majority.
+  void check_signatures(const Round& round, int me, std::uint64_t s) const {
+    const int n = size();
+    bool same = true;
+    for (int j = 1; j < n && same; ++j) same = round[j].sig == round[0].sig;
+    if (same) return;
+    // Classes of equal signatures; the largest (ties: the one holding the lowest ordinal)
+    // is the reference, every other class diverged.
+    std::vector<int> cls(static_cast<std::size_t>(n), -1);
+    std::vector<std::vector<int>> classes;
+    for (int j = 0; j < n; ++j) {
+      if (cls[static_cast<std::size_t>(j)] >= 0) continue;
+      cls[static_cast<std::size_t>(j)] = static_cast<int>(classes.size());
+      classes.push_back({j});
+      for (int k = j + 1; k < n; ++k) {
+        if (cls[static_cast<std::size_t>(k)] < 0 && round[k].sig == round[j].sig) {
+          cls[static_cast<std::size_t>(k)] = cls[static_cast<std::size_t>(j)];
+          classes.back().push_back(k);
+        }
+      }
+    }
+    std::size_t ref = 0;
+    for (std::size_t c = 1; c < classes.size(); ++c) {
+      if (classes[c].size() > classes[ref].size()) ref = c;
+    }
+    auto who = [&](const std::vector<int>& slots) {
+      std::string w = slots.size() == 1 ? "replica " : "replicas ";
+      for (std::size_t i = 0; i < slots.size(); ++i) {
+        w += (i ? ", " : "") + std::to_string(members_[static_cast<std::size_t>(slots[i])]);
+      }
+      return w;
+    };
+    std::string msg = "replica " + std::to_string(members_[static_cast<std::size_t>(me)]) +
+                      ": collective mismatch at collective #" + std::to_string(s) + " of group " +
+                      list_str(members_) + ": ";
+    for (std::size_t c = 0; c < classes.size(); ++c) {
+      if (c == ref) continue;
+      msg += who(classes[c]) + " issued " + round[classes[c].front()].sig.str() + "; ";
+    }
+    msg += who(classes[ref]) + " issued " + round[classes[ref].front()].sig.str();
+    throw CollectiveMismatch(msg);
+  }
+
+  /// Step 5: this member is done reading; wait until every member is, then drop the
+  /// references this member shared.
+  void finish(int me, std::uint64_t s) {
+    Slot& slot = slots_[static_cast<std::size_t>(me)];
+    slot.done.store(s, std::memory_order_seq_cst);
+    WorldState& w = *world_;
+    w.event().notify();
+    auto all_done = [&] {
+      for (std::size_t j = 0; j < members_.size(); ++j) {
+        if (slots_[j].done.load(std::memory_order_acquire) < s) return false;
+      }
+      return true;
+    };
+    bool ready = spin_until(all_done, w.spin());
+    while (!ready) {
+      ready = w.event().wait_until(all_done,
+                                   std::chrono::steady_clock::now() + std::chrono::seconds(1));
+    }
+    slot.round[s & 1].buffers.clear();
+  }
+
+  std::shared_ptr<WorldState> world_;
+  std::vector<int> members_;
+  std::vector<int> slot_of_;
+  std::unique_ptr<Slot[]> slots_;
+  std::atomic<std::uint64_t> state_{0};  ///< last started round, | kBroken once unusable
+  std::mutex broken_mu_;
+  Failure broken_kind_ = Failure::Timeout;  // guarded by broken_mu_
+  std::string broken_reason_;               // guarded by broken_mu_
+};
+
+}  // namespace lazy::dist::detail
+// ---- end lazytensor/dist/group_comm.hpp ----
+
+namespace lazy::dist::detail {
+
+/// A world of replicas (threads backend): its shared state and its groups' exchanges.
+class World {
+ public:
+  explicit World(WorldLayout layout) : state_(std::make_shared<WorldState>(layout)) {}
+  WorldState& state() { return *state_; }
+
+  /// The exchange of the group with these members (sorted), created on first use.
+  std::shared_ptr<GroupComm> comm(const std::vector<int>& members) {
+    std::lock_guard lock(mu_);
+    auto& c = comms_[members];
+    if (!c) c = std::make_shared<GroupComm>(state_, members);
+    return c;
+  }
+
+ private:
+  std::shared_ptr<WorldState> state_;
+  std::mutex mu_;
+  std::map<std::vector<int>, std::shared_ptr<GroupComm>> comms_;
+};
+
+/// State of one replica thread, reachable through current_context() while spawn runs it.
+struct ReplicaContext {
+  struct Channel {
+    std::shared_ptr<GroupComm> comm;
+    std::uint64_t next_seq = 1;
+  };
+
+  ReplicaContext(std::shared_ptr<World> w, int local_index)
+      : world(std::move(w)),
+        local(local_index),
+        ordinal(world->state().layout().process_offset + local_index) {}
+
+  std::shared_ptr<World> world;
+  int local;    ///< replica index inside this process (= its device index)
+  int ordinal;  ///< global ordinal
+  std::map<std::vector<int>, Channel> channels;         ///< by sorted members
+  std::shared_ptr<const std::vector<int>> world_group;  ///< [0, world) (cached)
+  Channel* world_channel = nullptr;                     ///< its channel (cached)
+  std::shared_ptr<graph::TensorImpl> last;  ///< last traced exchange, registered with the device
+
+  Channel& channel(const std::vector<int>& sorted_members) {
+    auto& ch = channels[sorted_members];
+    if (!ch.comm) ch.comm = world->comm(sorted_members);
+    return ch;
+  }
+};
+
+/// This thread's replica context (null outside spawn: a world of one).
+inline ReplicaContext*& current_context() {
+  thread_local ReplicaContext* ctx = nullptr;
+  return ctx;
+}
+
+/// Everything an exchange needs when it runs, captured when it is traced.
+struct CollectiveCall {
+  std::shared_ptr<GroupComm> comm;  ///< null for a group of one (nothing to exchange)
+  int slot = 0;                     ///< this replica's slot in comm
+  int rank = 0;                     ///< this replica's position in its group (data order)
+  std::vector<int> slot_of_rank;    ///< slot of each group position
+  std::uint64_t seq = 0;            ///< sequence number in the group
+  Signature sig;
+
+  int size() const { return comm ? comm->size() : 1; }
+};
+
+/// Captures a collective whose group is `group` (ordinals in data order, containing this
+/// replica): takes the group's next sequence number.
+inline CollectiveCall capture(Signature sig, std::shared_ptr<const std::vector<int>> group) {
+  ReplicaContext* ctx = current_context();
+  const int me = ctx ? ctx->ordinal : 0;
+  CollectiveCall call;
+  const auto& g = *group;
+  call.rank = static_cast<int>(std::find(g.begin(), g.end(), me) - g.begin());
+  sig.group = std::move(group);
+  call.sig = std::move(sig);
+  if (g.size() == 1) return call;
+  ReplicaContext::Channel* ch = nullptr;
+  if (ctx->world_channel && ctx->world_group && (g.data() == ctx->world_group->data())) {
+    ch = ctx->world_channel;
+  } else {
+    std::vector<int> sorted = g;
+    std::sort(sorted.begin(), sorted.end());
+    ch = &ctx->channel(sorted);
+  }
+  call.comm = ch->comm;
+  call.seq = ch->next_seq++;
+  call.slot = call.comm->slot_of(me);
+  call.slot_of_rank.resize(g.size());
+  for (std::size_t k = 0; k < g.size(); ++k) call.slot_of_rank[k] = call.comm->slot_of(g[k]);
+  return call;
+}
+
+/// World size and this thread's ordinal.
+inline int world_size_now() {
+  ReplicaContext* ctx = current_context();
+  return ctx ? ctx->world->state().layout().world_size : 1;
+}
+inline int ordinal_now() {
+  ReplicaContext* ctx = current_context();
+  return ctx ? ctx->ordinal : 0;
+}
+
+/// The group of this replica for `groups`, validated (no sequence number taken yet).
+inline std::shared_ptr<const std::vector<int>> group_of(const Groups& groups, const char* op) {
+  ReplicaContext* ctx = current_context();
+  if (!groups.empty() || !ctx) {
+    return std::make_shared<const std::vector<int>>(
+        resolve_group(groups, world_size_now(), ordinal_now(), op));
+  }
+  if (!ctx->world_group) {
+    const int n = world_size_now();
+    auto all = std::make_shared<std::vector<int>>(static_cast<std::size_t>(n));
+    for (int i = 0; i < n; ++i) (*all)[static_cast<std::size_t>(i)] = i;
+    ctx->world_group = std::move(all);
+    if (n > 1) ctx->world_channel = &ctx->channel(*ctx->world_group);
+  }
+  return ctx->world_group;
+}
+
+/// Captures a host-side collective among `replicas` (empty: everyone), which must hold
+/// this replica and no ordinal twice; they take part in ascending ordinal order.
+inline CollectiveCall capture_among(Signature sig, std::vector<int> replicas, const char* op) {
+  if (replicas.empty()) return capture(std::move(sig), group_of({}, op));
+  const int world = world_size_now(), me = ordinal_now();
+  std::sort(replicas.begin(), replicas.end());
+  const std::string where = std::string(op) + ": invalid replicas " + list_str(replicas) + ": ";
+  for (std::size_t i = 0; i < replicas.size(); ++i) {
+    if (replicas[i] < 0 || replicas[i] >= world) {
+      throw CollectiveError(where + "replica " + std::to_string(replicas[i]) +
+                            " is out of range [0, " + std::to_string(world) + ")");
+    }
+    if (i && replicas[i] == replicas[i - 1]) {
+      throw CollectiveError(where + "replica " + std::to_string(replicas[i]) +
+                            " appears more than once");
+    }
+  }
+  if (!std::binary_search(replicas.begin(), replicas.end(), me)) {
+    throw CollectiveError(where + "the calling replica " + std::to_string(me) +
+                          " is not among them");
+  }
+  return capture(std::move(sig), std::make_shared<const std::vector<int>>(std::move(replicas)));
+}
+
+/// The replica's last traced exchange when it is still pending (the next one runs after it).
+inline graph::NodePtr pending_predecessor() {
+  ReplicaContext* ctx = current_context();
+  if (!ctx || !ctx->last || !ctx->last->node || ctx->last->node->materialized()) return nullptr;
+  return ctx->last->node;
+}
+
+/// Makes `exchange` the replica's last traced collective (see the file comment).
+inline void remember(const graph::NodePtr& exchange) {
+  ReplicaContext* ctx = current_context();
+  if (!ctx) return;
+  if (!ctx->last) {
+    ctx->last = std::make_shared<graph::TensorImpl>(exchange);
+    exchange->device()->register_handle(ctx->last);
+  } else {
+    ctx->last->node = exchange;
+  }
+}
+
+/// Runs this replica's pending collectives (and what they need): host-side collectives and
+/// a replica's exit do this first, so every replica executes its collectives in program
+/// order.
+inline void flush_pending() {
+  if (graph::NodePtr n = pending_predecessor()) graph::materialize(n);
+}
+
+}  // namespace lazy::dist::detail
+// ---- end lazytensor/dist/context.hpp ----
+
+namespace lazy::dist::detail {
+
+/// The shared empty value of every exchange node.
+inline const std::shared_ptr<Buffer>& token_buffer() {
+  static const std::shared_ptr<Buffer> tok = std::make_shared<Buffer>(
+      ::operator new(kBufferAlign, std::align_val_t(kBufferAlign)), kBufferAlign, nullptr);
+  return tok;
+}
+
+/// One round of a group exchange, computing every output of a collective (one per input).
+class ExchangeNode : public graph::Node {
+ public:
+  /// `data` are the collective's inputs; `after` (may be null) is the replica's previous
+  /// pending exchange, which must run first.
+  ExchangeNode(CollectiveCall call, std::vector<graph::NodePtr> data, const graph::NodePtr& after,
+               graph::Device* device)
+      : Node(graph::NodeKind::Collective, DType::Bool, Shape{0}, device,
+             with_after(std::move(data), after)),
+        call_(std::move(call)),
+        data_count_(inputs().size() - (after ? 1 : 0)),
+        outputs_(data_count_),
+        results_(data_count_) {}
+
+  std::string op_name() const override { return kind_name(call_.sig.kind); }
+  std::string describe() const override {
+    return call_.sig.str() + (call_.comm ? " #" + std::to_string(call_.seq) : std::string());
+  }
+  double cost_per_element() const override { return 0; }
+
+  /// Lets the exchange drop output `i` at once when its result node is gone.
+  void watch(std::size_t i, const graph::NodePtr& result) { results_[i] = result; }
+  /// Hands output `i` to its result node; re-throws the exchange's error if it failed.
+  std::shared_ptr<Buffer> take(std::size_t i) {
+    if (failure_) std::rethrow_exception(failure_);
+    return std::move(outputs_[i]);
+  }
+  const CollectiveCall& call() const { return call_; }
+
+ protected:
+  void compute(graph::ExecContext& ctx) final {
+    std::vector<std::shared_ptr<Buffer>> outs;
+    try {
+      outs = run(ctx);
+    } catch (...) {
+      // Done for good: the exchange never runs again (its group has moved on); the
+      // error goes to whoever reads a result.
+      failure_ = std::current_exception();
+      set_buffer(token_buffer());
+      finish();
+      throw;
+    }
+    for (std::size_t i = 0; i < outs.size(); ++i) {
+      if (results_[i].expired()) outs[i].reset();
+    }
+    outputs_ = std::move(outs);
+    set_buffer(token_buffer());
+  }
+  void finish() override {
+    Node::finish();
+    call_.comm.reset();
+  }
+
+  /// Runs the exchange; returns one buffer per output.
+  virtual std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext& ctx) = 0;
+
+  std::size_t data_count() const { return data_count_; }
+  const graph::NodePtr& data(std::size_t i) const { return inputs()[i]; }
+  const std::byte* bytes(std::size_t i) const {
+    return static_cast<const std::byte*>(inputs()[i]->buffer()->data());
+  }
+
+  static std::shared_ptr<Buffer> allocate(graph::ExecContext& ctx, std::int64_t numel,
+                                          std::size_t elem) {
+    return ctx.device.pool().acquire(padded_bytes(numel, elem));
+  }
+
+ private:
+  static std::vector<graph::NodePtr> with_after(std::vector<graph::NodePtr> data,
+                                                const graph::NodePtr& after) {
+    if (after) data.push_back(after);
+    return data;
+  }
+
+  CollectiveCall call_;
+  std::size_t data_count_;
+  std::vector<std::shared_ptr<Buffer>> outputs_;
+  std::vector<std::weak_ptr<graph::Node>> results_;
+  std::exception_ptr failure_;
+};
+
+/// Output `index` of an exchange.
+class ResultNode final : public graph::Node {
+ public:
+  ResultNode(const std::shared_ptr<ExchangeNode>& ex, std::size_t index, DType dtype, Shape shape)
+      : Node(graph::NodeKind::Collective, dtype, shape, ex->device(), {ex}), index_(index) {}
+  std::string op_name() const override {
+    return kind_name(static_cast<const ExchangeNode&>(*inputs()[0]).call().sig.kind);
+  }
+  double cost_per_element() const override { return 0; }
+
+ protected:
+  void compute(graph::ExecContext&) override {
+    set_buffer(static_cast<ExchangeNode&>(*inputs()[0]).take(index_));
+  }
+
+ private:
+  std::size_t index_;
+};
+
+/// dtype and shape of one output.
+struct OutputSpec {
+  DType dtype;
+  Shape shape;
+};
+
+/// The device a collective's nodes go to: inside spawn, the replica's own device (its
+/// inputs must live there); outside, the inputs' common device.
+inline graph::Device& collective_device(const std::vector<graph::NodePtr>& inputs, const char* op) {
+  if (!current_context()) return graph::common_device(inputs, op);
+  graph::Device& dev = graph::current_device();
+  for (const auto& in : inputs) {
+    if (in->device() != &dev) {
+      throw DeviceError(std::string(op) + ": replica " + std::to_string(ordinal_now()) +
+                        " expected its tensors on its own device " + dev.str() + ", found one on " +
+                        in->device()->str());
+    }
+  }
+  return dev;
+}
+
+/// Submits an exchange and its result nodes (in this order, so eager mode works); returns
+/// the result nodes.
+inline std::vector<graph::NodePtr> submit_exchange(const std::shared_ptr<ExchangeNode>& ex,
+                                                   const std::vector<OutputSpec>& outs) {
+  std::vector<graph::NodePtr> results;
+  results.reserve(outs.size());
+  for (std::size_t i = 0; i < outs.size(); ++i) {
+    auto r = std::make_shared<ResultNode>(ex, i, outs[i].dtype, outs[i].shape);
+    ex->watch(i, r);
+    results.push_back(std::move(r));
+  }
+  if (ex->call().comm) remember(ex);
+  graph::submit(ex);
+  for (auto& r : results) graph::submit(r);
+  return results;
+}
+
+/// Up to 16 pointers without allocating (one per group member).
+template <class T>
+class PtrList {
+ public:
+  explicit PtrList(std::size_t n) : n_(n) {
+    if (n > small_.size()) big_.resize(n);
+  }
+  T*& operator[](std::size_t i) { return n_ > small_.size() ? big_[i] : small_[i]; }
+  T* const* data() const { return n_ > small_.size() ? big_.data() : small_.data(); }
+
+ private:
+  std::size_t n_;
+  std::array<T*, 16> small_{};
+  std::vector<T*> big_;
+};
+
+}  // namespace lazy::dist::detail
+// ---- end lazytensor/dist/collective_node.hpp ----
+// ---- begin lazytensor/dist/exchanges.hpp ----
+// The exchange kernels of the tensor collectives (threads backend).
+//
+// Small messages (<= kInlineBytes per member) are copied into the members' slots and every
+// member computes its whole output from the copies: one synchronization. Larger ones are
+// read in place:
+//  - all_reduce: member i reduces slice i of the result, reading every member's input in
+//    rank order, into one output buffer shared by the whole group (buffers are immutable
+//    and never donated while shared, so sharing is safe); nothing is gathered afterwards
+//    and the result is bitwise identical everywhere by construction;
+//  - all_gather: each member copies its input into its block of a shared output;
+//  - reduce_scatter, all_to_all: each member reads its part of every input;
+//  - broadcast: every member's output is the source's buffer (no copy at all).
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <utility>
+#include <vector>
+
+
+namespace lazy::dist::detail {
+
+/// Copies a `shape` block of `es`-byte elements between two strided layouts (strides in
+/// elements), one memcpy per run of the longest suffix contiguous in both.
+inline void copy_block(std::byte* dst, const std::array<std::int64_t, kMaxRank>& dstr,
+                       const std::byte* src, const std::array<std::int64_t, kMaxRank>& sstr,
+                       const Shape& shape, std::size_t es) {
+  if (shape.numel() == 0) return;
+  std::int64_t run = 1;
+  int d0 = shape.rank();
+  while (d0 > 0 && sstr[d0 - 1] == run && dstr[d0 - 1] == run) run *= shape[--d0];
+  std::int64_t count = 1;
+  for (int d = 0; d < d0; ++d) count *= shape[d];
+  std::array<std::int64_t, kMaxRank> idx{};
+  std::int64_t so = 0, dof = 0;
+  const std::size_t run_bytes = static_cast<std::size_t>(run) * es;
+  for (std::int64_t it = 0; it < count; ++it) {
+    std::memcpy(dst + dof * static_cast<std::int64_t>(es), src + so * static_cast<std::int64_t>(es),
+                run_bytes);
+    for (int d = d0 - 1; d >= 0; --d) {
+      so += sstr[d];
+      dof += dstr[d];
+      if (++idx[d] < shape[d]) break;
+      so -= sstr[d] * shape[d];
+      dof -= dstr[d] * shape[d];
+      idx[d] = 0;
+    }
+  }
+}
+
+/// Publishes this member's inputs: copies into the slot when `copied`, else pointers.
+inline void publish_inputs(Share& s, const std::vector<const std::byte*>& in,
+                           const std::vector<std::size_t>& nbytes, bool copied) {
+  s.data.resize(in.size());
+  if (!copied) {
+    for (std::size_t i = 0; i < in.size(); ++i) s.data[i] = in[i];
+    return;
+  }
+  std::size_t total = 0;
+  for (auto b : nbytes) total += align64(b);
+  std::byte* st = s.stage(total);
+  for (std::size_t i = 0; i < in.size(); ++i) {
+    if (nbytes[i]) std::memcpy(st, in[i], nbytes[i]);
+    s.data[i] = st;
+    st += align64(nbytes[i]);
+  }
+}
+
+/// all_reduce of one or several tensors of type T (coalesced: one round for all of them).
+template <Element T>
+class AllReduceExchange final : public ExchangeNode {
+ public:
+  AllReduceExchange(CollectiveCall call, std::vector<graph::NodePtr> data,
+                    const graph::NodePtr& after, graph::Device* device, ReduceOp op, double scale)
+      : ExchangeNode(std::move(call), std::move(data), after, device), op_(op), scale_(scale) {}
+
+ protected:
+  std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext& ctx) override {
+    const CollectiveCall& c = call();
+    const std::size_t k = data_count();
+    std::vector<std::shared_ptr<Buffer>> outs(k);
+    if (c.size() == 1) {
+      for (std::size_t i = 0; i < k; ++i) {
+        if (scale_ == 1.0) {
+          outs[i] = data(i)->buffer();  // x op nothing = x: share the immutable input
+          continue;
+        }
+        outs[i] = allocate(ctx, data(i)->numel(), sizeof(T));
+        const T* in = data(i)->template data<T>();
+        reduce_span<T>(op_, static_cast<T*>(outs[i]->data()), &in, 1, data(i)->numel(), scale_);
+      }
+      return outs;
+    }
+    std::vector<std::int64_t> offs(k + 1, 0);  // tensors laid end to end
+    std::vector<const std::byte*> in(k);
+    std::vector<std::size_t> nbytes(k);
+    std::size_t staged = 0;
+    for (std::size_t i = 0; i < k; ++i) {
+      offs[i + 1] = offs[i] + data(i)->numel();
+      in[i] = bytes(i);
+      nbytes[i] = static_cast<std::size_t>(data(i)->numel()) * sizeof(T);
+      staged += align64(nbytes[i]);
+    }
+    const bool copied = staged <= kInlineBytes;
+    const bool leader = c.slot == 0;
+    if (copied || leader) {
+      for (std::size_t i = 0; i < k; ++i) outs[i] = allocate(ctx, data(i)->numel(), sizeof(T));
+    }
+    c.comm->exchange(
+        c.slot, c.seq, c.sig,
+        [&](Share& s) {
+          publish_inputs(s, in, nbytes, copied);
+          if (!copied && leader) s.buffers = outs;
+        },
+        [&](const GroupComm::Round& r) {
+          if (!copied && !leader) outs = r[0].buffers;
+          reduce(ctx, r, outs, offs, copied);
+        },
+        !copied);
+    return outs;
+  }
+
+ private:
+  /// Reduces elements [b, e) of the end-to-end layout (all of it when `whole`, else this
+  /// member's slice), split across the device's workers.
+  void reduce(graph::ExecContext& ctx, const GroupComm::Round& r,
+              const std::vector<std::shared_ptr<Buffer>>& outs,
+              const std::vector<std::int64_t>& offs, bool whole) const {
+    const CollectiveCall& c = call();
+    const int n = c.size();
+    const std::int64_t total = offs.back();
+    // (no structured bindings: clang 14 cannot capture them in the lambda below)
+    const std::pair<std::int64_t, std::int64_t> range =
+        whole ? std::pair<std::int64_t, std::int64_t>{0, total}
+              : graph::task_range(total, n, c.slot, 16);
+    const std::int64_t b = range.first, e = range.second;
+    if (b >= e) return;
+    ThreadPool& pool = ctx.device.threads();
+    const std::int64_t tasks = graph::task_count(pool, e - b, static_cast<double>(n));
+    // When the inputs and the result together are this large, the result cannot stay in
+    // cache for its readers anyway: write it around the cache (saves the read for
+    // ownership of every output line).
+    const bool stream = !whole && (n + 1) * total * static_cast<std::int64_t>(sizeof(T)) >=
+                                      expr::kStreamingStoreBytes;
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      const auto [tb, te] = graph::task_range(e - b, tasks, t, 16);
+      std::int64_t lo = b + tb;
+      const std::int64_t hi = b + te;
+      auto i = static_cast<std::size_t>(std::upper_bound(offs.begin(), offs.end(), lo) -
+                                        offs.begin() - 1);
+      PtrList<const T> p(static_cast<std::size_t>(n));
+      while (lo < hi) {
+        while (offs[i + 1] <= lo) ++i;  // skip empty tensors
+        const std::int64_t end = std::min(hi, offs[i + 1]), local = lo - offs[i];
+        for (int q = 0; q < n; ++q) {
+          p[static_cast<std::size_t>(q)] =
+              reinterpret_cast<const T*>(r[c.slot_of_rank[static_cast<std::size_t>(q)]].data[i]) +
+              local;
+        }
+        reduce_span<T>(op_, static_cast<T*>(outs[i]->data()) + local, p.data(), n, end - lo, scale_,
+                       stream);
+        lo = end;
+      }
+    });
+  }
+
+  ReduceOp op_;
+  double scale_;
+};
+
+/// all_gather along `dim`: output block q (along dim) is group member q's input.
+class AllGatherExchange final : public ExchangeNode {
+ public:
+  AllGatherExchange(CollectiveCall call, graph::NodePtr in, const graph::NodePtr& after,
+                    graph::Device* device, int dim)
+      : ExchangeNode(std::move(call), {std::move(in)}, after, device), dim_(dim) {}
+
+ protected:
+  std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext& ctx) override {
+    const CollectiveCall& c = call();
+    const std::int64_t numel = data(0)->numel();
+    if (c.size() == 1) return {data(0)->buffer()};
+    const Shape& s = data(0)->shape();
+    const std::size_t es = dtype_size(data(0)->dtype());
+    const int n = c.size();
+    std::int64_t outer = 1, inner = 1;  // input as [outer, inner], output as [outer, n * inner]
+    for (int d = 0; d < s.rank(); ++d) (d < dim_ ? outer : inner) *= s[d];
+    const std::size_t nbytes = static_cast<std::size_t>(numel) * es;
+    const bool copied = align64(nbytes) <= kInlineBytes;
+    const bool leader = c.slot == 0;
+    std::vector<std::shared_ptr<Buffer>> outs(1);
+    if (copied || leader) outs[0] = allocate(ctx, numel * n, es);
+    const std::byte* own = bytes(0);
+    auto copy_rank = [&](std::byte* out, const std::byte* src, int q) {
+      const auto row = static_cast<std::size_t>(inner) * es;
+      for (std::int64_t o = 0; o < outer; ++o) {
+        std::memcpy(out + (static_cast<std::size_t>(o) * static_cast<std::size_t>(n) +
+                           static_cast<std::size_t>(q)) *
+                              row,
+                    src + static_cast<std::size_t>(o) * row, row);
+      }
+    };
+    c.comm->exchange(
+        c.slot, c.seq, c.sig,
+        [&](Share& sh) {
+          publish_inputs(sh, {own}, {nbytes}, copied);
+          if (!copied && leader) sh.buffers = outs;
+        },
+        [&](const GroupComm::Round& r) {
+          if (!copied && !leader) outs = r[0].buffers;
+          auto* out = static_cast<std::byte*>(outs[0]->data());
+          if (!copied) {
+            copy_rank(out, own, c.rank);  // each member writes its own block of the shared output
+            return;
+          }
+          for (int q = 0; q < n; ++q)
+            copy_rank(out, r[c.slot_of_rank[static_cast<std::size_t>(q)]].data[0], q);
+        },
+        !copied);
+    return outs;
+  }
+
+ private:
+  int dim_;
+};
+
+/// reduce_scatter: member q gets shard q (along `dim`) of the reduction of every input.
+template <Element T>
+class ReduceScatterExchange final : public ExchangeNode {
+ public:
+  ReduceScatterExchange(CollectiveCall call, graph::NodePtr in, const graph::NodePtr& after,
+                        graph::Device* device, ReduceOp op, double scale, int dim)
+      : ExchangeNode(std::move(call), {std::move(in)}, after, device),
+        op_(op),
+        scale_(scale),
+        dim_(dim) {}
+
+ protected:
+  std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext& ctx) override {
+    const CollectiveCall& c = call();
+    const int n = c.size();
+    const std::int64_t numel = data(0)->numel();
+    if (n == 1 && scale_ == 1.0) return {data(0)->buffer()};
+    const Shape& s = data(0)->shape();
+    std::int64_t outer = 1, inner = 1;
+    for (int d = 0; d < s.rank(); ++d) {
+      if (d < dim_) outer *= s[d];
+      if (d > dim_) inner *= s[d];
+    }
+    const std::int64_t run_len = s[dim_] / n * inner, row = s[dim_] * inner;
+    std::vector<std::shared_ptr<Buffer>> outs{allocate(ctx, numel / n, sizeof(T))};
+    T* out = static_cast<T*>(outs[0]->data());
+    auto reduce_from = [&](auto&& input_of) {
+      PtrList<const T> p(static_cast<std::size_t>(n));
+      for (std::int64_t o = 0; o < outer; ++o) {
+        for (int q = 0; q < n; ++q)
+          p[static_cast<std::size_t>(q)] = input_of(q) + o * row + c.rank * run_len;
+        reduce_span<T>(op_, out + o * run_len, p.data(), n, run_len, scale_);
+      }
+    };
+    if (n == 1) {
+      reduce_from([&](int) { return data(0)->template data<T>(); });
+      return outs;
+    }
+    const std::size_t nbytes = static_cast<std::size_t>(numel) * sizeof(T);
+    const bool copied = align64(nbytes) <= kInlineBytes;
+    c.comm->exchange(
+        c.slot, c.seq, c.sig, [&](Share& sh) { publish_inputs(sh, {bytes(0)}, {nbytes}, copied); },
+        [&](const GroupComm::Round& r) {
+          reduce_from([&](int q) {
+            return reinterpret_cast<const T*>(
+                r[c.slot_of_rank[static_cast<std::size_t>(q)]].data[0]);
+          });
+        },
+        !copied);
+    return outs;
+  }
+
+ private:
+  ReduceOp op_;
+  double scale_;
+  int dim_;
+};
+
+/// all_to_all: member r splits its input in n chunks along `split`; member q's output is
+/// chunk q of every member, concatenated along `concat` in rank order.
+class AllToAllExchange final : public ExchangeNode {
+ public:
+  AllToAllExchange(CollectiveCall call, graph::NodePtr in, const graph::NodePtr& after,
+                   graph::Device* device, int split, int concat)
+      : ExchangeNode(std::move(call), {std::move(in)}, after, device),
+        split_(split),
+        concat_(concat) {}
+
+ protected:
+  std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext& ctx) override {
+    const CollectiveCall& c = call();
+    const int n = c.size();
+    if (n == 1) return {data(0)->buffer()};
+    const Shape& s = data(0)->shape();
+    const std::size_t es = dtype_size(data(0)->dtype());
+    Shape chunk = s;
+    chunk[split_] = s[split_] / n;
+    Shape out_shape = chunk;
+    out_shape[concat_] = chunk[concat_] * n;
+    const auto sstr = contiguous_strides(s), ostr = contiguous_strides(out_shape);
+    std::vector<std::shared_ptr<Buffer>> outs{allocate(ctx, out_shape.numel(), es)};
+    auto* out = static_cast<std::byte*>(outs[0]->data());
+    const std::size_t nbytes = static_cast<std::size_t>(s.numel()) * es;
+    const bool copied = align64(nbytes) <= kInlineBytes;
+    const auto ses = static_cast<std::int64_t>(es);
+    c.comm->exchange(
+        c.slot, c.seq, c.sig, [&](Share& sh) { publish_inputs(sh, {bytes(0)}, {nbytes}, copied); },
+        [&](const GroupComm::Round& r) {
+          for (int q = 0; q < n; ++q) {
+            const std::byte* src = r[c.slot_of_rank[static_cast<std::size_t>(q)]].data[0] +
+                                   c.rank * chunk[split_] * sstr[split_] * ses;
+            copy_block(out + q * chunk[concat_] * ostr[concat_] * ses, ostr, src, sstr, chunk, es);
+          }
+        },
+        !copied);
+    return outs;
+  }
+
+ private:
+  int split_, concat_;
+};
+
+/// broadcast: every member's output is the source member's input buffer.
+class BroadcastExchange final : public ExchangeNode {
+ public:
+  BroadcastExchange(CollectiveCall call, graph::NodePtr in, const graph::NodePtr& after,
+                    graph::Device* device, int src_slot)
+      : ExchangeNode(std::move(call), {std::move(in)}, after, device), src_slot_(src_slot) {}
+
+ protected:
+  std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext&) override {
+    const CollectiveCall& c = call();
+    if (c.size() == 1) return {data(0)->buffer()};
+    std::vector<std::shared_ptr<Buffer>> outs(1);
+    c.comm->exchange(
+        c.slot, c.seq, c.sig,
+        [&](Share& sh) {
+          if (c.slot == src_slot_) sh.buffers = {data(0)->buffer()};
+        },
+        [&](const GroupComm::Round& r) { outs[0] = r[src_slot_].buffers[0]; },
+        true);  // the source's share holds its buffer until everyone took it
+    return outs;
+  }
+
+ private:
+  int src_slot_;
+};
+
+}  // namespace lazy::dist::detail
+// ---- end lazytensor/dist/exchanges.hpp ----
+
+namespace lazy::dist {
+
+/// Options of all_reduce: `scale` multiplies the result (e.g. 1/world_size for a mean),
+/// `groups` splits the world into groups reducing separately (empty: one group).
+struct AllReduceOptions {
+  double scale = 1.0;
+  Groups groups = {};
+};
+
+namespace detail {
+
+template <Element T>
+Signature tensor_signature(CollectiveKind kind, const Tensor<T>& t) {
+  Signature sig;
+  sig.kind = kind;
+  sig.dtype = dtype_of<T>();
+  sig.tensors = 1;
+  sig.shape = t.shape();
+  sig.shapes_hash = shapes_hash({t.shape()});
+  return sig;
+}
+
+/// Submits exchange `ex` (built by make(after)) and wraps its results as tensors.
+template <Element T, class Make>
+std::vector<Tensor<T>> trace(CollectiveCall call, Make&& make,
+                             const std::vector<OutputSpec>& outs) {
+  // Only exchanges that talk to other replicas are chained in program order.
+  const graph::NodePtr after = call.comm ? pending_predecessor() : nullptr;
+  std::shared_ptr<ExchangeNode> ex = make(std::move(call), after);
+  std::vector<Tensor<T>> res;
+  for (auto& node : submit_exchange(ex, outs)) res.emplace_back(std::move(node));
+  return res;
+}
+
+}  // namespace detail
+
+/// All-reduces several tensors in one exchange (coalesced; as xm.all_reduce on a list, but
+/// returning new tensors: see all_reduce_ for the in-place form). Every replica of a group
+/// gets the bitwise-identical element-wise reduction, combined in group order.
+template <Element T>
+std::vector<Tensor<T>> all_reduce(ReduceOp op, const std::vector<Tensor<T>>& tensors,
+                                  const AllReduceOptions& opts = {}) {
+  detail::check_reduction<T>(op, opts.scale, "all_reduce");
+  if (tensors.empty()) return {};
+  std::vector<graph::NodePtr> nodes;
+  std::vector<Shape> shapes;
+  std::vector<detail::OutputSpec> outs;
+  for (const auto& t : tensors) {
+    nodes.push_back(t.node());
+    shapes.push_back(t.shape());
+    outs.push_back({dtype_of<T>(), t.shape()});
+  }
+  graph::Device& dev = detail::collective_device(nodes, "all_reduce");
+  detail::Signature sig =
+      detail::tensor_signature(detail::CollectiveKind::AllReduce, tensors.front());
+  sig.op = op;
+  sig.tensors = static_cast<int>(tensors.size());
+  sig.shapes_hash = detail::shapes_hash(shapes);
+  sig.scale = opts.scale;
+  auto call = detail::capture(std::move(sig), detail::group_of(opts.groups, "all_reduce"));
+  return detail::trace<T>(
+      std::move(call),
+      [&](detail::CollectiveCall c, const graph::NodePtr& after) {
+        return std::make_shared<detail::AllReduceExchange<T>>(std::move(c), std::move(nodes), after,
+                                                              &dev, op, opts.scale);
+      },
+      outs);
+}
+
+/// All-reduces one tensor (xm.all_reduce(reduce_type, t, scale, groups)); returns a new
+/// tensor. Example: `all_reduce(lazy::ReduceOp::Sum, g, {.scale = 1.0 / world_size()})`.
+template <Element T>
+Tensor<T> all_reduce(ReduceOp op, const Tensor<T>& t, const AllReduceOptions& opts = {}) {
+  return all_reduce(op, std::vector<Tensor<T>>{t}, opts).front();
+}
+
+/// In-place all_reduce of a list (one exchange), as xm.all_reduce on a list: every tensor
+/// object is rebound to its reduced value, so all handles sharing it see the result.
+template <Element T>
+void all_reduce_(ReduceOp op, std::vector<Tensor<T>>& tensors, const AllReduceOptions& opts = {}) {
+  auto res = all_reduce(op, static_cast<const std::vector<Tensor<T>>&>(tensors), opts);
+  for (std::size_t i = 0; i < tensors.size(); ++i) tensors[i].impl()->node = res[i].node();
+}
+
+/// In-place all_reduce of one tensor.
+template <Element T>
+void all_reduce_(ReduceOp op, Tensor<T>& t, const AllReduceOptions& opts = {}) {
+  t.impl()->node = all_reduce(op, t, opts).node();
+}
+
+/// Concatenates every group member's tensor along `dim`, in group order
+/// (xm.all_gather(t, dim, groups)). A 0-dim tensor gathers into shape (group size,).
+template <Element T>
+Tensor<T> all_gather(const Tensor<T>& t, std::int64_t dim = 0, const Groups& groups = {}) {
+  const int d = normalize_dim(dim, t.dim(), "all_gather");
+  graph::Device& dev = detail::collective_device({t.node()}, "all_gather");
+  auto group = detail::group_of(groups, "all_gather");
+  const auto n = static_cast<std::int64_t>(group->size());
+  Shape out = t.dim() == 0 ? Shape{n} : t.shape();
+  if (t.dim() > 0) out[d] *= n;
+  detail::Signature sig = detail::tensor_signature(detail::CollectiveKind::AllGather, t);
+  sig.params[0] = d;
+  auto call = detail::capture(std::move(sig), std::move(group));
+  return detail::trace<T>(std::move(call),
+                          [&](detail::CollectiveCall c, const graph::NodePtr& after) {
+                            return std::make_shared<detail::AllGatherExchange>(
+                                std::move(c), t.node(), after, &dev, d);
+                          },
+                          {{dtype_of<T>(), out}})
+      .front();
+}
+
+/// Reduces every group member's tensor and gives member q shard q along `scatter_dim`
+/// (xm.reduce_scatter(op, t, scale, scatter_dim, shard_count, groups)). `shard_count` must
+/// equal the group size and divide the size of `scatter_dim`.
+template <Element T>
+Tensor<T> reduce_scatter(ReduceOp op, const Tensor<T>& t, double scale, std::int64_t scatter_dim,
+                         std::int64_t shard_count, const Groups& groups = {}) {
+  detail::check_reduction<T>(op, scale, "reduce_scatter");
+  if (t.dim() == 0)
+    throw ShapeError("reduce_scatter: a 0-dim tensor cannot be scattered (expected rank >= 1)");
+  const int d = normalize_dim(scatter_dim, t.dim(), "reduce_scatter");
+  graph::Device& dev = detail::collective_device({t.node()}, "reduce_scatter");
+  auto group = detail::group_of(groups, "reduce_scatter");
+  const auto n = static_cast<std::int64_t>(group->size());
+  if (shard_count != n) {
+    throw CollectiveError("reduce_scatter: shard_count " + std::to_string(shard_count) +
+                          " must equal the group size " + std::to_string(n) + " (group " +
+                          detail::list_str(*group) + ")");
+  }
+  if (t.size(d) % n != 0) {
+    throw ShapeError("reduce_scatter: size " + std::to_string(t.size(d)) + " of scatter_dim " +
+                     std::to_string(d) + " of a tensor of shape " + t.shape().str() +
+                     " is not divisible by shard_count " + std::to_string(n));
+  }
+  Shape out = t.shape();
+  out[d] /= n;
+  detail::Signature sig = detail::tensor_signature(detail::CollectiveKind::ReduceScatter, t);
+  sig.op = op;
+  sig.scale = scale;
+  sig.params[0] = d;
+  sig.params[1] = shard_count;
+  auto call = detail::capture(std::move(sig), std::move(group));
+  return detail::trace<T>(std::move(call),
+                          [&](detail::CollectiveCall c, const graph::NodePtr& after) {
+                            return std::make_shared<detail::ReduceScatterExchange<T>>(
+                                std::move(c), t.node(), after, &dev, op, scale, d);
+                          },
+                          {{dtype_of<T>(), out}})
+      .front();
+}
+
+/// Splits the tensor in `split_count` chunks along `split_dimension`, sends chunk q to
+/// group member q, and concatenates the chunks received along `concat_dimension` in group
+/// order (xm.all_to_all). `split_count` must equal the group size and divide the size of
+/// `split_dimension`.
+template <Element T>
+Tensor<T> all_to_all(const Tensor<T>& t, std::int64_t split_dimension,
+                     std::int64_t concat_dimension, std::int64_t split_count,
+                     const Groups& groups = {}) {
+  if (t.dim() == 0)
+    throw ShapeError("all_to_all: a 0-dim tensor cannot be split (expected rank >= 1)");
+  const int sd = normalize_dim(split_dimension, t.dim(), "all_to_all");
+  const int cd = normalize_dim(concat_dimension, t.dim(), "all_to_all");
+  graph::Device& dev = detail::collective_device({t.node()}, "all_to_all");
+  auto group = detail::group_of(groups, "all_to_all");
+  const auto n = static_cast<std::int64_t>(group->size());
+  if (split_count != n) {
+    throw CollectiveError("all_to_all: split_count " + std::to_string(split_count) +
+                          " must equal the group size " + std::to_string(n) + " (group " +
+                          detail::list_str(*group) + ")");
+  }
+  if (t.size(sd) % n != 0) {
+    throw ShapeError("all_to_all: size " + std::to_string(t.size(sd)) + " of split_dimension " +
+                     std::to_string(sd) + " of a tensor of shape " + t.shape().str() +
+                     " is not divisible by split_count " + std::to_string(n));
+  }
+  Shape out = t.shape();
+  out[sd] /= n;
+  out[cd] *= n;
+  detail::Signature sig = detail::tensor_signature(detail::CollectiveKind::AllToAll, t);
+  sig.params[0] = sd;
+  sig.params[1] = cd;
+  sig.params[2] = split_count;
+  auto call = detail::capture(std::move(sig), std::move(group));
+  return detail::trace<T>(std::move(call),
+                          [&](detail::CollectiveCall c, const graph::NodePtr& after) {
+                            return std::make_shared<detail::AllToAllExchange>(
+                                std::move(c), t.node(), after, &dev, sd, cd);
+                          },
+                          {{dtype_of<T>(), out}})
+      .front();
+}
+
+/// Every group member gets replica `src`'s value of `t` (xm.collective_broadcast). All
+/// members pass a tensor of the same shape and dtype; `src` is a global ordinal in the
+/// caller's group. The result shares the source's buffer (no copy).
+template <Element T>
+Tensor<T> broadcast(const Tensor<T>& t, int src = 0, const Groups& groups = {}) {
+  graph::Device& dev = detail::collective_device({t.node()}, "broadcast");
+  auto group = detail::group_of(groups, "broadcast");
+  int src_rank = -1;
+  for (std::size_t q = 0; q < group->size(); ++q) {
+    if ((*group)[q] == src) src_rank = static_cast<int>(q);
+  }
+  if (src_rank < 0) {
+    throw CollectiveError("broadcast: src " + std::to_string(src) + " is not in the group " +
+                          detail::list_str(*group) + " of replica " +
+                          std::to_string(detail::ordinal_now()));
+  }
+  detail::Signature sig = detail::tensor_signature(detail::CollectiveKind::Broadcast, t);
+  sig.params[0] = src;
+  auto call = detail::capture(std::move(sig), std::move(group));
+  const int src_slot = call.comm ? call.slot_of_rank[static_cast<std::size_t>(src_rank)] : 0;
+  return detail::trace<T>(std::move(call),
+                          [&](detail::CollectiveCall c, const graph::NodePtr& after) {
+                            return std::make_shared<detail::BroadcastExchange>(
+                                std::move(c), t.node(), after, &dev, src_slot);
+                          },
+                          {{dtype_of<T>(), t.shape()}})
+      .front();
+}
+
+}  // namespace lazy::dist
+// ---- end lazytensor/dist/collectives.hpp ----
+// ---- begin lazytensor/dist/host_collectives.hpp ----
+// Host-side collectives, as torch_xla's xm.rendezvous / xm.mesh_reduce: they run at once
+// on the calling thread (nothing lazy). Each first runs the replica's pending tensor
+// collectives, so a replica's collectives of both kinds execute in program order and share
+// one sequence per group (a replica that skips one is a CollectiveMismatch, not a hang).
+//
+// Values travel as bytes: trivially copyable types, std::string, and std::vector of a
+// trivially copyable type (the Codec below); the type is part of the signature.
+
+#include <concepts>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <typeinfo>
+#include <utility>
+#include <vector>
+
+
+namespace lazy::dist {
+
+namespace detail {
+
+/// Bytes of values of type T (see the file comment for the supported types).
+template <class T>
+struct Codec {
+  static_assert(
+      std::is_trivially_copyable_v<T> && std::is_default_constructible_v<T>,
+      "lazy::dist host collectives carry trivially copyable values, std::string or std::vector of "
+      "trivially copyable values");
+  static std::string encode(const T& v) {
+    return std::string(reinterpret_cast<const char*>(&v), sizeof(T));
+  }
+  static T decode(std::string_view b, const std::string& where) {
+    if (b.size() != sizeof(T)) {
+      throw CollectiveError(where + ": expected " + std::to_string(sizeof(T)) +
+                            " bytes, received " + std::to_string(b.size()));
+    }
+    T v;
+    std::memcpy(&v, b.data(), sizeof(T));
+    return v;
+  }
+};
+
+template <>
+struct Codec<std::string> {
+  static std::string encode(const std::string& v) { return v; }
+  static std::string decode(std::string_view b, const std::string&) { return std::string(b); }
+};
+
+template <class U>
+struct Codec<std::vector<U>> {
+  static_assert(std::is_trivially_copyable_v<U> && std::is_default_constructible_v<U>,
+                "lazy::dist host collectives carry std::vector of trivially copyable values");
+  static std::string encode(const std::vector<U>& v) {
+    return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(U));
+  }
+  static std::vector<U> decode(std::string_view b, const std::string& where) {
+    if (b.size() % sizeof(U) != 0) {
+      throw CollectiveError(where + ": received " + std::to_string(b.size()) +
+                            " bytes, not a whole number of elements of " +
+                            std::to_string(sizeof(U)) + " bytes");
+    }
+    std::vector<U> v(b.size() / sizeof(U));
+    if (!b.empty()) std::memcpy(v.data(), b.data(), b.size());
+    return v;
+  }
+};
+
+template <class T>
+std::string type_tag() {
+  return std::string(typeid(T).name()) + "/" + std::to_string(sizeof(T));
+}
+
+/// Runs a host round: every member publishes `mine`; returns the payloads of the members
+/// in ascending ordinal order (only the source's when `src_slot` >= 0).
+inline std::vector<std::string> host_exchange(const CollectiveCall& c, std::string_view mine,
+                                              int src_slot = -1) {
+  if (!c.comm) return {std::string(mine)};
+  std::vector<std::string> out;
+  c.comm->exchange(
+      c.slot, c.seq, c.sig,
+      [&](Share& s) {
+        s.data.assign(1, reinterpret_cast<const std::byte*>(mine.data()));
+        s.bytes.assign(1, mine.size());
+      },
+      [&](const GroupComm::Round& r) {
+        auto payload = [&](int slot) {
+          const Share& s = r[slot];
+          return std::string(reinterpret_cast<const char*>(s.data[0]), s.bytes[0]);
+        };
+        if (src_slot >= 0) {
+          out.push_back(payload(src_slot));
+          return;
+        }
+        for (int j = 0; j < c.comm->size(); ++j)
+          out.push_back(payload(j));  // slots: ascending ordinals
+      },
+      true);
+  return out;
+}
+
+inline Signature host_signature(CollectiveKind kind, std::string tag) {
+  Signature sig;
+  sig.kind = kind;
+  sig.tag = std::move(tag);
+  return sig;
+}
+
+}  // namespace detail
+
+/// Blocks until every replica reached a barrier with the same `name` (as xm.rendezvous(tag)
+/// without payload). A different name on some replica is a CollectiveMismatch.
+inline void barrier(const std::string& name = "") {
+  detail::flush_pending();
+  auto call = detail::capture(detail::host_signature(detail::CollectiveKind::Barrier, name),
+                              detail::group_of({}, "barrier"));
+  if (!call.comm) return;
+  call.comm->exchange(
+      call.slot, call.seq, call.sig, [](detail::Share&) {}, [](const detail::GroupComm::Round&) {},
+      false);
+}
+
+/// Exchanges a payload with the other replicas (xm.rendezvous(tag, payload, replicas)):
+/// returns every participant's payload in ascending ordinal order. `replicas` (default:
+/// all) lists the participants; each of them must call it with the same tag.
+inline std::vector<std::string> rendezvous(const std::string& tag, std::string_view payload = {},
+                                           std::vector<int> replicas = {}) {
+  detail::flush_pending();
+  auto call = detail::capture_among(detail::host_signature(detail::CollectiveKind::Rendezvous, tag),
+                                    std::move(replicas), "rendezvous");
+  return detail::host_exchange(call, payload);
+}
+
+/// Gathers every replica's `data` and returns reduce_fn(values), values in ordinal order
+/// (xm.mesh_reduce). Every replica gets the same list, so a deterministic reduce_fn gives
+/// the same result everywhere. T: see the file comment.
+template <class T, class F>
+auto mesh_reduce(const std::string& tag, const T& data, F&& reduce_fn) {
+  detail::flush_pending();
+  auto call = detail::capture(detail::host_signature(detail::CollectiveKind::MeshReduce,
+                                                     tag + " <" + detail::type_tag<T>() + ">"),
+                              detail::group_of({}, "mesh_reduce"));
+  const std::vector<std::string> raw = detail::host_exchange(call, detail::Codec<T>::encode(data));
+  std::vector<T> values;
+  values.reserve(raw.size());
+  for (const auto& r : raw)
+    values.push_back(detail::Codec<T>::decode(r, "mesh_reduce('" + tag + "')"));
+  return std::forward<F>(reduce_fn)(values);
+}
+
+/// Returns replica `src`'s `obj` on every replica. T: see the file comment.
+template <class T>
+T broadcast_object(const T& obj, int src = 0) {
+  detail::flush_pending();
+  const int world = detail::world_size_now();
+  if (src < 0 || src >= world) {
+    throw CollectiveError("broadcast_object: src " + std::to_string(src) + " is out of range [0, " +
+                          std::to_string(world) + ")");
+  }
+  detail::Signature sig =
+      detail::host_signature(detail::CollectiveKind::BroadcastObject, detail::type_tag<T>());
+  sig.params[0] = src;
+  auto call = detail::capture(std::move(sig), detail::group_of({}, "broadcast_object"));
+  if (!call.comm) return obj;
+  const int src_slot = call.comm->slot_of(src);
+  const bool is_src = call.slot == src_slot;
+  const std::string mine = is_src ? detail::Codec<T>::encode(obj) : std::string();
+  const std::vector<std::string> raw = detail::host_exchange(call, mine, src_slot);
+  return detail::Codec<T>::decode(raw.front(), "broadcast_object");
+}
+
+}  // namespace lazy::dist
+// ---- end lazytensor/dist/host_collectives.hpp ----
+// ---- begin lazytensor/dist/optimizer_step.hpp ----
+// optimizer_step: data-parallel training's gradient averaging, as torch_xla's
+// xm.optimizer_step / xm.reduce_gradients.
+//
+// Gradients are all-reduced in coalesced buckets: consecutive gradients (in parameter
+// order) share one exchange until the next one would push the bucket past
+// gradient_bucket_bytes() (default 16 MiB; a larger gradient gets a bucket of its own).
+// On the threads backend a bucket costs one round of its group whatever it holds (the
+// tensors are read in place, nothing is concatenated), so fewer rounds are better; the cap
+// bounds what a message-passing backend has to stage. Buckets change which round an
+// element travels in, never its value: each element is reduced in group order, so the
+// result does not depend on the bucket size.
+
+#include <atomic>
+#include <cstddef>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+// ---- begin lazytensor/optim/optimizer.hpp ----
+// Optimizer base, as torch::optim::Optimizer: parameter groups with their own options,
+// zero_grad, step, and state_dict / load_state_dict. An update is built from lazy
+// expressions under NoGradGuard, so the whole training step (forward, backward, update)
+// materializes at one mark_step; each state tensor is updated in place (buffer donation
+// makes that free), and the learning rate is a scalar in the kernel, so changing it never
+// changes the plan.
+
+#include <charconv>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+// ---- begin lazytensor/core/arg.hpp ----
+// LAZY_ARG: the option accessors of libtorch's TORCH_ARG, shared by the options structs of
+// lazy::optim (SGDOptions, ...) and lazy::nn (Conv2dOptions, ...).
+
+/// Declares an option with a fluent setter and a getter, as libtorch's TORCH_ARG:
+/// `SGDOptions(0.1).momentum(0.9)`; `opts.momentum()`. Leaves the access at `private`.
+#define LAZY_ARG(T, name)                   \
+ public:                                    \
+  auto& name(const T& v) {                  \
+    name##_ = v;                            \
+    return *this;                           \
+  }                                         \
+  const T& name() const { return name##_; } \
+                                            \
+ private:                                   \
+  T name##_
+// ---- end lazytensor/core/arg.hpp ----
 // ---- begin lazytensor/ops/factories.hpp ----
 // Tensor factories: constants (lazy), ranges and host data (materialized at once).
 
@@ -3059,8 +9433,8 @@ Tensor<T> full(const Shape& shape, V value, Device dev = device()) {
   using E = Expr<ops::Identity, expr::Scalar<T>>;
   E e(expr::Scalar<T>{static_cast<T>(value)});
   std::vector<graph::NodePtr> none;
-  return Tensor<T>(graph::submit(std::make_shared<graph::ElementwiseNode<expr::kernel_form_t<E>, T>>(
-      expr::to_kernel(e, none), shape, &dev.engine(), std::vector<graph::NodePtr>{})));
+  return Tensor<T>(graph::submit(
+      graph::elementwise_node<T>(expr::to_kernel(e, none), shape, &dev.engine(), std::vector<graph::NodePtr>{})));
 }
 
 /// Zeros of `shape`.
@@ -3184,35 +9558,2335 @@ Tensor<T> linspace(double start, double end, std::int64_t steps, Device dev = de
 
 }  // namespace lazy
 // ---- end lazytensor/ops/factories.hpp ----
-// ---- begin lazytensor/ops/matmul.hpp ----
-// matmul, linear, bmm: Eigen GEMM on maps of the buffers. Transposes are layouts (a pending
-// transpose of the last two dims is read through, never copied), and a GEMM that feeds
-// only an element-wise expression runs in row blocks with that expression applied to each
-// block while it is in cache (see ElementwiseNode::fuse_producers).
+// ---- begin lazytensor/state_dict.hpp ----
+// StateDict: named tensors in insertion order, plus string metadata. What Module::state_dict,
+// Optimizer::state_dict and lazy::io::save/load exchange (libtorch's OrderedDict of tensors;
+// the metadata maps to safetensors' "__metadata__").
+
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+
+namespace lazy {
+
+/// Ordered name -> tensor map with unique names, plus free-form string metadata.
+class StateDict {
+ public:
+  using Item = std::pair<std::string, AnyTensor>;
+
+  /// Adds `name`; Error when the name is already present.
+  void insert(const std::string& name, AnyTensor t) {
+    if (index_.count(name)) throw Error("StateDict: duplicate key '" + name + "'");
+    index_.emplace(name, items_.size());
+    items_.emplace_back(name, std::move(t));
+  }
+  /// Adds or replaces `name`.
+  void insert_or_assign(const std::string& name, AnyTensor t) {
+    if (auto it = index_.find(name); it != index_.end()) items_[it->second].second = std::move(t);
+    else insert(name, std::move(t));
+  }
+  /// True when `name` is present.
+  bool contains(const std::string& name) const { return index_.count(name) != 0; }
+  /// The tensor stored under `name`, or nullptr.
+  const AnyTensor* find(const std::string& name) const {
+    auto it = index_.find(name);
+    return it == index_.end() ? nullptr : &items_[it->second].second;
+  }
+  /// The tensor stored under `name`; Error naming the key when it is missing.
+  const AnyTensor& at(const std::string& name) const {
+    if (const AnyTensor* t = find(name)) return *t;
+    throw Error("StateDict: missing key '" + name + "'");
+  }
+  /// Every (name, tensor) pair in insertion order.
+  const std::vector<Item>& items() const { return items_; }
+  std::vector<Item>::const_iterator begin() const { return items_.begin(); }
+  std::vector<Item>::const_iterator end() const { return items_.end(); }
+  std::size_t size() const { return items_.size(); }
+  bool empty() const { return items_.empty(); }
+  /// The keys in insertion order.
+  std::vector<std::string> keys() const {
+    std::vector<std::string> k;
+    for (const auto& [n, t] : items_) k.push_back(n);
+    return k;
+  }
+
+  /// Free-form string metadata (hyper-parameters, format versions, ...).
+  std::map<std::string, std::string>& metadata() { return metadata_; }
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+
+ private:
+  std::vector<Item> items_;
+  std::map<std::string, std::size_t> index_;
+  std::map<std::string, std::string> metadata_;
+};
+
+}  // namespace lazy
+// ---- end lazytensor/state_dict.hpp ----
+
+namespace lazy::optim {
+
+namespace detail {
+/// Option `name` of a saved group as a number (Error when missing or malformed).
+inline double parse_option(const std::map<std::string, std::string>& opts, const std::string& name) {
+  auto it = opts.find(name);
+  if (it == opts.end()) throw Error("Optimizer::load_state_dict: missing option '" + name + "'");
+  double v = 0;
+  const char* b = it->second.data();
+  const char* e = b + it->second.size();
+  auto [p, ec] = std::from_chars(b, e, v);
+  if (ec != std::errc() || p != e) {
+    throw Error("Optimizer::load_state_dict: option '" + name + "' is not a number: '" + it->second + "'");
+  }
+  return v;
+}
+/// The shortest text that reads back as exactly `v`.
+inline std::string format_option(double v) {
+  char buf[64];
+  auto [p, ec] = std::to_chars(buf, buf + sizeof buf, v);
+  return std::string(buf, p);
+}
+}  // namespace detail
+
+/// Per-parameter optimizer state: named tensors plus a step count.
+struct ParamState {
+  std::map<std::string, Tensor<float>> tensors;
+  std::int64_t step = 0;
+};
+
+/// Base of every optimizer. `Options` is the optimizer's options type (with lr()).
+class Optimizer {
+ public:
+  virtual ~Optimizer() = default;
+
+  /// Applies one update to every parameter that has a gradient.
+  virtual void step() = 0;
+
+  /// Clears the gradients of every parameter: undefined (libtorch's default) or zero.
+  void zero_grad(bool set_to_none = true) {
+    for (std::size_t g = 0; g < num_param_groups(); ++g) {
+      for (auto& p : params(g)) {
+        if (set_to_none || !p.grad().defined()) {
+          p.set_grad(Tensor<float>());
+        } else {
+          NoGradGuard guard;
+          p.grad().zero_();
+        }
+      }
+    }
+  }
+
+  /// Number of parameter groups.
+  virtual std::size_t num_param_groups() const = 0;
+  /// The parameters of group `g`.
+  virtual std::vector<Tensor<float>>& params(std::size_t g) = 0;
+  /// Learning rate of group `g` (what schedulers read and write).
+  virtual double lr(std::size_t g = 0) const = 0;
+  virtual void set_lr(double lr, std::size_t g) = 0;
+  /// Sets the learning rate of every group.
+  void set_lr(double lr) {
+    for (std::size_t g = 0; g < num_param_groups(); ++g) set_lr(lr, g);
+  }
+
+  /// State tensors as "state.<i>.<name>" (i counts parameters across groups in order),
+  /// step counts as "state.<i>.step", and every group's options in the metadata
+  /// ("param_groups.<g>.<option>").
+  StateDict state_dict() const {
+    StateDict sd;
+    std::size_t i = 0;
+    for (std::size_t g = 0; g < num_param_groups(); ++g) {
+      for (std::size_t k = 0; k < const_params(g).size(); ++k, ++i) {
+        auto it = state_.find(key(g, k));
+        if (it == state_.end()) continue;
+        for (const auto& [name, t] : it->second.tensors) sd.insert("state." + std::to_string(i) + "." + name, t.detach());
+        sd.insert("state." + std::to_string(i) + ".step", scalar_step(it->second.step));
+      }
+      for (const auto& [name, v] : options_of(g)) sd.metadata()["param_groups." + std::to_string(g) + "." + name] = v;
+    }
+    sd.metadata()["optimizer"] = type_name();
+    return sd;
+  }
+
+  /// Restores state and options saved by state_dict() of the same kind of optimizer over
+  /// parameters of the same shapes. Checks everything before changing anything.
+  void load_state_dict(const StateDict& sd) {
+    if (auto it = sd.metadata().find("optimizer"); it == sd.metadata().end() || it->second != type_name()) {
+      throw Error("Optimizer::load_state_dict: expected a state dict of a " + type_name() + " optimizer, found " +
+                  (it == sd.metadata().end() ? std::string("none") : it->second));
+    }
+    std::map<std::pair<std::size_t, std::size_t>, ParamState> loaded;
+    std::size_t i = 0, total = 0;
+    for (std::size_t g = 0; g < num_param_groups(); ++g) total += const_params(g).size();
+    for (const auto& [name, t] : sd) {
+      if (name.rfind("state.", 0) != 0) throw Error("Optimizer::load_state_dict: unexpected key '" + name + "'");
+      const auto dot = name.find('.', 6);
+      std::size_t idx = 0;
+      auto [p, ec] = std::from_chars(name.data() + 6, name.data() + (dot == std::string::npos ? name.size() : dot), idx);
+      if (ec != std::errc() || dot == std::string::npos || idx >= total) {
+        throw Error("Optimizer::load_state_dict: key '" + name + "' does not name one of the " + std::to_string(total) +
+                    " parameters");
+      }
+      (void)p;
+    }
+    for (std::size_t g = 0; g < num_param_groups(); ++g) {
+      for (std::size_t k = 0; k < const_params(g).size(); ++k, ++i) {
+        const std::string prefix = "state." + std::to_string(i) + ".";
+        ParamState st;
+        bool any = false;
+        for (const auto& [name, t] : sd) {
+          if (name.rfind(prefix, 0) != 0) continue;
+          any = true;
+          const std::string field = name.substr(prefix.size());
+          if (field == "step") {
+            st.step = t.as<std::int64_t>().item();
+            continue;
+          }
+          Tensor<float> v = t.as<float>();
+          if (!(v.shape() == const_params(g)[k].shape())) {
+            throw ShapeError("Optimizer::load_state_dict: '" + name + "' has shape " + v.shape().str() +
+                             ", the parameter has shape " + const_params(g)[k].shape().str());
+          }
+          st.tensors[field] = v.to(const_params(g)[k].device());
+        }
+        if (any) loaded[key(g, k)] = std::move(st);
+      }
+    }
+    for (std::size_t g = 0; g < num_param_groups(); ++g) {
+      std::map<std::string, std::string> opts;
+      const std::string prefix = "param_groups." + std::to_string(g) + ".";
+      for (const auto& [k, v] : sd.metadata())
+        if (k.rfind(prefix, 0) == 0) opts[k.substr(prefix.size())] = v;
+      set_options_of(g, opts);
+    }
+    state_ = std::move(loaded);
+  }
+
+ protected:
+  /// "SGD", "Adam", ...
+  virtual std::string type_name() const = 0;
+  virtual const std::vector<Tensor<float>>& const_params(std::size_t g) const = 0;
+  /// Options of group g as strings, and back (Error on a missing or malformed value).
+  virtual std::map<std::string, std::string> options_of(std::size_t g) const = 0;
+  virtual void set_options_of(std::size_t g, const std::map<std::string, std::string>& opts) = 0;
+
+  /// State of parameter k of group g.
+  ParamState& state(std::size_t g, std::size_t k) { return state_[key(g, k)]; }
+
+ private:
+  static std::pair<std::size_t, std::size_t> key(std::size_t g, std::size_t k) { return {g, k}; }
+  static AnyTensor scalar_step(std::int64_t s) {
+    std::vector<std::int64_t> v{s};
+    return from_vector<std::int64_t>(v, Shape{});
+  }
+
+  std::map<std::pair<std::size_t, std::size_t>, ParamState> state_;
+};
+
+/// The parameter groups of an optimizer with options type Options.
+template <class Options>
+class OptimizerWithOptions : public Optimizer {
+ public:
+  /// A group of parameters sharing options.
+  struct ParamGroup {
+    std::vector<Tensor<float>> params;
+    Options options;
+  };
+
+  OptimizerWithOptions(std::vector<ParamGroup> groups) : groups_(std::move(groups)) {
+    for (auto& g : groups_) {
+      for (auto& p : g.params) {
+        if (!p.defined()) throw Error(type_name_of() + ": got an undefined parameter");
+        if (!p.requires_grad()) p.requires_grad_();
+      }
+    }
+  }
+
+  std::size_t num_param_groups() const override { return groups_.size(); }
+  std::vector<Tensor<float>>& params(std::size_t g) override { return groups_.at(g).params; }
+  double lr(std::size_t g = 0) const override { return groups_.at(g).options.lr(); }
+  void set_lr(double lr, std::size_t g) override { groups_.at(g).options.lr(lr); }
+  using Optimizer::set_lr;
+  /// The groups, with their options (libtorch's param_groups()).
+  std::vector<ParamGroup>& param_groups() { return groups_; }
+  /// Adds a group (libtorch's add_param_group).
+  void add_param_group(ParamGroup g) { groups_.push_back(std::move(g)); }
+
+ protected:
+  const std::vector<Tensor<float>>& const_params(std::size_t g) const override { return groups_.at(g).params; }
+  std::map<std::string, std::string> options_of(std::size_t g) const override { return groups_.at(g).options.to_map(); }
+  void set_options_of(std::size_t g, const std::map<std::string, std::string>& opts) override {
+    groups_.at(g).options = Options::from_map(opts);
+  }
+  virtual std::string type_name_of() const { return "Optimizer"; }
+
+  std::vector<ParamGroup> groups_;
+};
+
+}  // namespace lazy::optim
+// ---- end lazytensor/optim/optimizer.hpp ----
+
+namespace lazy::dist {
+
+namespace detail {
+inline std::atomic<std::size_t>& bucket_bytes_setting() {
+  static std::atomic<std::size_t> bytes{std::size_t{16} << 20};
+  return bytes;
+}
+}  // namespace detail
+
+/// The most gradient bytes optimizer_step puts in one all_reduce (default 16 MiB).
+inline std::size_t gradient_bucket_bytes() {
+  return detail::bucket_bytes_setting().load(std::memory_order_relaxed);
+}
+
+/// Sets the bucket size of optimizer_step for the whole process (every replica must use the
+/// same buckets; set it before spawn). Error when `bytes` is 0.
+inline void set_gradient_bucket_bytes(std::size_t bytes) {
+  if (bytes == 0) throw Error("set_gradient_bucket_bytes: the bucket size must be > 0 bytes");
+  detail::bucket_bytes_setting().store(bytes, std::memory_order_relaxed);
+}
+
+/// All-reduces the gradient of every parameter of `optimizer` that has one to the mean over
+/// this replica's group (sum times 1 / group size), in place (each parameter's .grad() then
+/// holds the mean), in coalesced buckets (see the file comment), as xm.reduce_gradients.
+/// Nothing is exchanged in a group of one. Lazy: the exchanges run at the next mark_step.
+inline void reduce_gradients(optim::Optimizer& optimizer, const Groups& groups = {}) {
+  const auto group = detail::group_of(groups, "optimizer_step");
+  if (group->size() == 1) return;
+  const AllReduceOptions opts{.scale = 1.0 / static_cast<double>(group->size()), .groups = groups};
+  const std::size_t cap = gradient_bucket_bytes();
+  std::unordered_set<const graph::TensorImpl*> seen;  // a parameter listed twice is reduced once
+  std::vector<Tensor<float>> bucket;
+  std::size_t bytes = 0;
+  auto flush = [&] {
+    if (!bucket.empty()) all_reduce_(ReduceOp::Sum, bucket, opts);
+    bucket.clear();
+    bytes = 0;
+  };
+  for (std::size_t g = 0; g < optimizer.num_param_groups(); ++g) {
+    for (const auto& p : optimizer.params(g)) {
+      Tensor<float> grad = p.grad();  // shares the gradient object: all_reduce_ rebinds it
+      if (!grad.defined() || !seen.insert(p.impl().get()).second) continue;
+      const std::size_t nbytes = static_cast<std::size_t>(grad.numel()) * sizeof(float);
+      if (!bucket.empty() && bytes + nbytes > cap) flush();
+      bucket.push_back(std::move(grad));
+      bytes += nbytes;
+    }
+  }
+  flush();
+}
+
+/// One data-parallel optimizer step, as xm.optimizer_step(optimizer, barrier, groups):
+/// reduce_gradients (the mean of every gradient over this replica's group, in coalesced
+/// buckets), then `optimizer.step()`.
+///
+/// **It does not run anything unless `barrier` is true.** Like everything else in a step,
+/// the all-reduces and the update are traced lazily and execute at the next mark_step,
+/// which the training loop usually gets from MpDeviceLoader (it calls mark_step as it hands
+/// out batches). `barrier = true` calls lazy::mark_step() right after the update, which is
+/// what a loop that does not iterate an MpDeviceLoader needs (PyTorch/XLA users were often
+/// surprised that `barrier` means "sync the step", not "wait for the other replicas").
+/// Every replica of a group must call it with the same parameters having gradients (in the
+/// same order and shapes), or the exchange raises CollectiveMismatch.
+inline void optimizer_step(optim::Optimizer& optimizer, bool barrier = false,
+                           const Groups& groups = {}) {
+  reduce_gradients(optimizer, groups);
+  optimizer.step();
+  if (barrier) mark_step();
+}
+
+}  // namespace lazy::dist
+// ---- end lazytensor/dist/optimizer_step.hpp ----
+// ---- begin lazytensor/dist/parallel_loader.hpp ----
+// ParallelLoader, its per-device loaders and MpDeviceLoader, as torch_xla's
+// torch_xla.distributed.parallel_loader.
+//
+//   // one replica per thread (inside dist::spawn), the canonical loop:
+//   auto loader = lazy::data::make_data_loader(train, lazy::data::DistributedSampler(n, rank),
+//                                              {.batch_size = 64});
+//   lazy::dist::MpDeviceLoader device_loader(*loader, lazy::device());
+//   for (auto& batch : device_loader) { ... lazy::dist::optimizer_step(opt); }  // mark_step
+//                                                                              // per batch
+//
+// One pass of a ParallelLoader over D devices runs, in the background:
+//  - a loader thread iterating the underlying loader (one epoch). It collects batches in
+//    groups of D and routes batch i*D + d of the epoch to device d only as part of a complete
+//    group (an incomplete last group is dropped, as torch_xla does); each device's host queue
+//    holds at most `loader_prefetch_size` batches, and the loader thread waits for room in
+//    every queue before routing a group;
+//  - per device, `host_to_device_transfer_threads` threads copying host batches into
+//    buffers of that device (at most `device_prefetch_size` batches copied or being copied
+//    ahead of the consumer). A copy is a DataNode built from the source's bytes on the
+//    target device: it never executes or touches any device's pending graph. A batch field
+//    already materialized on the target device is handed over as is (buffers are immutable,
+//    so sharing is a free copy): in the replica-per-thread loop the DataLoader already
+//    builds its batches on the replica's device.
+// The consumer of device d gets its batches strictly in order (several transfer threads
+// finish out of order; a reorder buffer puts them back). An exception in the loader thread
+// (e.g. a FormatError from the dataset) reaches every device's consumer once that device
+// has received the batches routed before the failure; an exception copying a batch reaches
+// its device's consumer at that batch. Either ends the device's pass.
+//
+// Batch fields must be materialized (as the library's datasets and the DataLoader's
+// collation make them): computing a pending one would run graph nodes on a background
+// thread while the device's owner may be tracing or running mark_step (lazy::Error).
+// Supported batch types: Tensor<T>, AnyTensor, data::Example, std::vector, std::pair,
+// std::tuple and std::optional of those; arithmetic values and strings pass unchanged.
+//
+// Consumers: a per-device loader is consumed by one thread; several can be consumed by
+// one thread in turn (round robin) or by a thread each. Consuming one device's loader to
+// the end while another device's is not read stalls once that device's queues are full,
+// as in torch_xla (the loader thread waits for room in every queue).
+//
+// Stopping: destroying a ParallelLoader (or MpDeviceLoader::begin() starting the next
+// epoch) wakes every background thread and joins it; a thread busy loading or copying a
+// batch finishes that batch first. The underlying loader must outlive the ParallelLoader and
+// must not be used by anyone else while a pass runs.
 
 #include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <cstddef>
+#include <exception>
+#include <iterator>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace lazy::dist {
+
+/// Options of ParallelLoader and MpDeviceLoader (torch_xla's keyword arguments).
+struct ParallelLoaderOptions {
+  /// The batch dimension of the data (torch_xla's `batchdim`). Batches are handed out
+  /// whole, never split, so it is only validated (>= 0).
+  int batchdim = 0;
+  /// A per-device loader calls mark_step on its device after every this many batches.
+  std::size_t batches_per_execution = 1;
+  /// Host batches queued per device ahead of the transfers.
+  std::size_t loader_prefetch_size = 8;
+  /// Batches per device copied (or being copied) ahead of the consumer.
+  std::size_t device_prefetch_size = 4;
+  /// Threads copying host batches into each device.
+  std::size_t host_to_device_transfer_threads = 1;
+};
+
+namespace detail {
+
+/// The batch type a loader yields.
+template <class Loader>
+using loader_batch_t = std::remove_cvref_t<decltype(*std::declval<Loader&>().begin())>;
+
+template <class X>
+inline constexpr bool passes_unchanged_v =
+    std::is_arithmetic_v<X> || std::is_enum_v<X> || std::is_same_v<X, std::string>;
+
+// Copies of a batch on a device (see the file comment). Declared first: they call each
+// other for nested batch types.
+template <Element T>
+Tensor<T> to_device(Tensor<T> t, graph::Device& dev);
+inline AnyTensor to_device(const AnyTensor& t, graph::Device& dev);
+template <class D, class T>
+data::Example<D, T> to_device(data::Example<D, T> e, graph::Device& dev);
+template <class X>
+std::vector<X> to_device(std::vector<X> v, graph::Device& dev);
+template <class A, class B>
+std::pair<A, B> to_device(std::pair<A, B> p, graph::Device& dev);
+template <class... X>
+std::tuple<X...> to_device(std::tuple<X...> t, graph::Device& dev);
+template <class X>
+std::optional<X> to_device(std::optional<X> o, graph::Device& dev);
+template <class X>
+requires passes_unchanged_v<X> X to_device(X x, graph::Device&) { return x; }
+
+template <Element T>
+Tensor<T> to_device(Tensor<T> t, graph::Device& dev) {
+  if (!t.defined()) return t;
+  const graph::NodePtr& node = t.node();
+  if (!node->materialized()) {
+    throw Error("ParallelLoader: a batch holds a pending (not materialized) tensor of shape " +
+                t.shape().str() + " on " + node->device()->str() +
+                "; the loader copies batches on background threads and cannot run graph nodes "
+                "there: the dataset must return materialized tensors (built from host data)");
+  }
+  if (node->device() == &dev) return t;
+  return Tensor<T>(lazy::detail::data_node<T>(node->template data<T>(), t.shape(),
+                                              Device(dev.index())));
+}
+inline AnyTensor to_device(const AnyTensor& t, graph::Device& dev) {
+  if (!t.defined()) return t;
+  return t.visit([&](const auto& typed) { return AnyTensor(to_device(typed, dev)); });
+}
+template <class D, class T>
+data::Example<D, T> to_device(data::Example<D, T> e, graph::Device& dev) {
+  return {to_device(std::move(e.data), dev), to_device(std::move(e.target), dev)};
+}
+template <class X>
+std::vector<X> to_device(std::vector<X> v, graph::Device& dev) {
+  for (auto& x : v) x = to_device(std::move(x), dev);
+  return v;
+}
+template <class A, class B>
+std::pair<A, B> to_device(std::pair<A, B> p, graph::Device& dev) {
+  return {to_device(std::move(p.first), dev), to_device(std::move(p.second), dev)};
+}
+template <class... X>
+std::tuple<X...> to_device(std::tuple<X...> t, graph::Device& dev) {
+  return std::apply(
+      [&](auto&&... x) { return std::tuple<X...>(to_device(std::move(x), dev)...); }, std::move(t));
+}
+template <class X>
+std::optional<X> to_device(std::optional<X> o, graph::Device& dev) {
+  if (o) o = to_device(std::move(*o), dev);
+  return o;
+}
+
+/// One pass of a ParallelLoader: the loader thread, and per device a host queue, the
+/// transfer threads and a reorder buffer of copied batches (see the file comment).
+template <class Batch>
+class LoaderPass {
+ public:
+  template <class Loader>
+  LoaderPass(Loader& loader, const std::vector<Device>& devices, const ParallelLoaderOptions& o)
+      : options_(o) {
+    for (const auto& d : devices) {
+      queues_.push_back(std::make_unique<Queue>());
+      queues_.back()->device = &d.engine();
+    }
+    try {
+      threads_.emplace_back([this, &loader] { load(loader); });
+      for (std::size_t d = 0; d < queues_.size(); ++d) {
+        for (std::size_t t = 0; t < o.host_to_device_transfer_threads; ++t)
+          threads_.emplace_back([this, d] { transfer(*queues_[d]); });
+      }
+    } catch (...) {
+      stop();
+      throw;
+    }
+  }
+  LoaderPass(const LoaderPass&) = delete;
+  LoaderPass& operator=(const LoaderPass&) = delete;
+  ~LoaderPass() { stop(); }
+
+  /// Device d's next batch in order, or nothing at the end of its pass. Re-throws the error
+  /// that ended the pass (once); afterwards the pass is over for this device.
+  std::optional<Batch> next(std::size_t d) {
+    Queue& q = *queues_[d];
+    Slot slot;
+    {
+      std::unique_lock lock(mu_);
+      if (q.finished) return std::nullopt;
+      q.ready_cv.wait(lock, [&] {
+        return stopping_ || q.ready.count(q.next) || (closed_ && q.next == q.routed);
+      });
+      auto it = q.ready.find(q.next);
+      if (it == q.ready.end()) {  // closed, or every routed batch delivered and the loader done
+        q.finished = true;
+        if (loader_error_ && !stopping_) std::rethrow_exception(loader_error_);
+        return std::nullopt;
+      }
+      slot = std::move(it->second);
+      q.ready.erase(it);
+      ++q.next;
+      if (slot.error) q.finished = true;
+    }
+    q.work_cv.notify_all();  // room for one more copy
+    if (slot.error) std::rethrow_exception(slot.error);
+    return std::move(slot.batch);
+  }
+
+  /// Wakes every background thread and joins it (each finishes the batch it holds).
+  void stop() noexcept {
+    {
+      std::lock_guard lock(mu_);
+      stopping_ = true;
+    }
+    notify_all();
+    for (auto& t : threads_) t.join();
+    threads_.clear();
+  }
+
+ private:
+  struct Slot {
+    std::optional<Batch> batch;
+    std::exception_ptr error;
+  };
+  struct Queue {
+    graph::Device* device = nullptr;
+    std::deque<std::pair<std::size_t, Batch>> host;  ///< (position on this device, batch)
+    std::size_t routed = 0;                          ///< batches routed to this device
+    std::size_t in_flight = 0;                       ///< being copied
+    std::size_t next = 0;                            ///< the consumer's next position
+    std::map<std::size_t, Slot> ready;               ///< copied, by position
+    bool finished = false;                           ///< the consumer saw the end or an error
+    std::condition_variable work_cv;                 ///< transfer threads wait here
+    std::condition_variable ready_cv;                ///< the consumer waits here
+  };
+
+  void notify_all() {
+    room_cv_.notify_all();
+    for (auto& q : queues_) {
+      q->work_cv.notify_all();
+      q->ready_cv.notify_all();
+    }
+  }
+
+  template <class Loader>
+  void load(Loader& loader) {
+    std::exception_ptr error;
+    try {
+      const std::size_t n = queues_.size();
+      std::vector<Batch> group;
+      group.reserve(n);
+      for (auto&& batch : loader) {
+        group.push_back(std::move(batch));
+        if (group.size() < n) continue;
+        {
+          std::unique_lock lock(mu_);
+          room_cv_.wait(lock, [&] {
+            return stopping_ || std::all_of(queues_.begin(), queues_.end(), [&](const auto& q) {
+                     return q->host.size() < options_.loader_prefetch_size;
+                   });
+          });
+          if (stopping_) break;
+          for (std::size_t d = 0; d < n; ++d) {
+            Queue& q = *queues_[d];
+            q.host.emplace_back(q.routed++, std::move(group[d]));
+          }
+        }
+        for (auto& q : queues_) q->work_cv.notify_all();
+        group.clear();
+        {
+          std::lock_guard lock(mu_);
+          if (stopping_) break;
+        }
+      }
+    } catch (...) {
+      error = std::current_exception();
+    }
+    {
+      std::lock_guard lock(mu_);
+      closed_ = true;
+      loader_error_ = error;
+    }
+    notify_all();
+  }
+
+  void transfer(Queue& q) {
+    for (;;) {
+      std::pair<std::size_t, Batch> item;
+      {
+        std::unique_lock lock(mu_);
+        q.work_cv.wait(lock, [&] {
+          return stopping_ || (q.host.empty() && closed_) ||
+                 (!q.host.empty() && q.in_flight + q.ready.size() < options_.device_prefetch_size);
+        });
+        if (stopping_ || q.host.empty()) return;
+        item = std::move(q.host.front());
+        q.host.pop_front();
+        ++q.in_flight;
+      }
+      room_cv_.notify_all();  // room in the host queue
+      Slot slot;
+      try {
+        slot.batch.emplace(to_device(std::move(item.second), *q.device));
+      } catch (...) {
+        slot.error = std::current_exception();
+      }
+      item.second = Batch();  // release the host copy outside the lock
+      {
+        std::lock_guard lock(mu_);
+        --q.in_flight;
+        q.ready.emplace(item.first, std::move(slot));
+      }
+      q.ready_cv.notify_all();
+    }
+  }
+
+  const ParallelLoaderOptions options_;
+  std::vector<std::unique_ptr<Queue>> queues_;
+  std::mutex mu_;
+  std::condition_variable room_cv_;  ///< the loader thread waits for room in every host queue
+  bool closed_ = false;              ///< the loader thread is done (guarded by mu_)
+  std::exception_ptr loader_error_;  ///< why it stopped early (guarded by mu_)
+  bool stopping_ = false;            ///< guarded by mu_
+  std::vector<std::thread> threads_;
+};
+
+/// Rejects options torch_xla would reject (or that would stall the pipeline).
+inline void check_options(const ParallelLoaderOptions& o, const char* who) {
+  const std::string w(who);
+  if (o.batchdim < 0) throw Error(w + ": batchdim must be >= 0, got " + std::to_string(o.batchdim));
+  auto positive = [&](std::size_t v, const char* name) {
+    if (v == 0) throw Error(w + ": " + name + " must be at least 1, got 0");
+  };
+  positive(o.batches_per_execution, "batches_per_execution");
+  positive(o.loader_prefetch_size, "loader_prefetch_size");
+  positive(o.device_prefetch_size, "device_prefetch_size");
+  positive(o.host_to_device_transfer_threads, "host_to_device_transfer_threads");
+}
+
+}  // namespace detail
+
+template <class Loader>
+class ParallelLoader;
+
+/// The batches of one device of a ParallelLoader pass (torch_xla's PerDeviceLoader). An
+/// input range: iterating it hands out the device's batches in order and calls mark_step on
+/// the device after every `batches_per_execution` batches (when the consumer advances past
+/// the last batch of a step) and once more at the end of the pass if batches were handed
+/// out since the last one. So the loop body only traces a step; it runs when the next batch
+/// is requested. begin() continues where the previous iteration stopped.
+template <class Batch>
+class PerDeviceLoader {
+ public:
+  using batch_type = Batch;
+
+  /// Input iterator over the remaining batches.
+  class iterator {
+   public:
+    using value_type = Batch;
+    using difference_type = std::ptrdiff_t;
+    using reference = Batch&;
+    using pointer = Batch*;
+    using iterator_category = std::input_iterator_tag;
+
+    iterator() = default;
+    Batch& operator*() const { return *owner_->current_; }
+    Batch* operator->() const { return &*owner_->current_; }
+    iterator& operator++() {
+      owner_->advance();
+      return *this;
+    }
+    void operator++(int) { ++*this; }
+    friend bool operator==(const iterator& it, std::default_sentinel_t) { return it.at_end(); }
+
+   private:
+    friend class PerDeviceLoader;
+    bool at_end() const { return !owner_ || !owner_->current_; }
+    explicit iterator(PerDeviceLoader* o) : owner_(o) {}
+    PerDeviceLoader* owner_ = nullptr;
+  };
+
+  PerDeviceLoader(const PerDeviceLoader&) = delete;
+  PerDeviceLoader& operator=(const PerDeviceLoader&) = delete;
+
+  /// An iterator at the current batch (the first call fetches the first one).
+  iterator begin() {
+    if (!started_) {
+      started_ = true;
+      advance();
+    }
+    return iterator(this);
+  }
+  std::default_sentinel_t end() const { return {}; }
+
+  /// The device the batches are on.
+  Device device() const { return device_; }
+
+ private:
+  template <class L>
+  friend class ParallelLoader;
+
+  PerDeviceLoader(detail::LoaderPass<Batch>* pass, std::size_t index, Device device,
+                  std::size_t batches_per_execution)
+      : pass_(pass), index_(index), device_(device), per_step_(batches_per_execution) {}
+
+  void advance() {
+    if (current_) {
+      current_.reset();
+      if (++since_step_ == per_step_) step();
+    }
+    current_ = pass_->next(index_);  // an error leaves current_ empty: the pass is over
+    if (!current_ && since_step_ > 0) step();
+  }
+
+  /// mark_step on this loader's device (the consuming thread may serve several devices).
+  void step() {
+    since_step_ = 0;
+    data::detail::CurrentDeviceScope scope(device_.index());
+    mark_step();
+  }
+
+  detail::LoaderPass<Batch>* pass_;
+  std::size_t index_;
+  Device device_;
+  std::size_t per_step_;
+  std::size_t since_step_ = 0;  ///< batches handed out since the last mark_step
+  bool started_ = false;
+  std::optional<Batch> current_;
+};
+
+/// Feeds the batches of `loader` to several devices, as torch_xla's
+/// ParallelLoader(loader, devices, ...): one pass (one epoch of `loader`) starts at
+/// construction; batch i*D + d goes to devices[d] (see the file comment for the threads,
+/// the queues and the error and stopping rules). Get each device's batches with
+/// per_device_loader(device). For the next epoch, construct a new ParallelLoader (or use
+/// MpDeviceLoader, which does that at every begin()). Not copyable or movable.
+template <class Loader>
+class ParallelLoader {
+ public:
+  using batch_type = detail::loader_batch_t<Loader>;
+
+  /// torch_xla's positional form. Error for an empty or repeated device list or a zero
+  /// size; `loader` must outlive this object.
+  ParallelLoader(Loader& loader, std::vector<Device> devices, int batchdim = 0,
+                 std::size_t batches_per_execution = 1, std::size_t loader_prefetch_size = 8,
+                 std::size_t device_prefetch_size = 4,
+                 std::size_t host_to_device_transfer_threads = 1)
+      : ParallelLoader(loader, std::move(devices),
+                       ParallelLoaderOptions{batchdim, batches_per_execution, loader_prefetch_size,
+                                             device_prefetch_size,
+                                             host_to_device_transfer_threads}) {}
+
+  /// The same with named options: `ParallelLoader(loader, devs, {.device_prefetch_size = 2})`.
+  ParallelLoader(Loader& loader, std::vector<Device> devices, const ParallelLoaderOptions& options)
+      : loader_(loader), devices_(std::move(devices)) {
+    detail::check_options(options, "ParallelLoader");
+    if (devices_.empty()) throw DeviceError("ParallelLoader: the list of devices is empty");
+    for (std::size_t i = 0; i < devices_.size(); ++i) {
+      for (std::size_t j = 0; j < i; ++j) {
+        if (devices_[i] == devices_[j]) {
+          throw DeviceError("ParallelLoader: device " + devices_[i].str() +
+                            " appears more than once in the list of devices");
+        }
+      }
+      devices_[i].engine();  // create it now, not on a background thread
+    }
+    pass_ = std::make_unique<detail::LoaderPass<batch_type>>(loader_, devices_, options);
+    for (std::size_t i = 0; i < devices_.size(); ++i) {
+      per_device_.push_back(std::unique_ptr<PerDeviceLoader<batch_type>>(new PerDeviceLoader<batch_type>(
+          pass_.get(), i, devices_[i], options.batches_per_execution)));
+    }
+  }
+  ParallelLoader(const ParallelLoader&) = delete;
+  ParallelLoader& operator=(const ParallelLoader&) = delete;
+  /// Stops and joins the background threads (see the file comment).
+  ~ParallelLoader() { close(); }
+
+  /// The batches of `device` (DeviceError when it is not one of this loader's devices).
+  PerDeviceLoader<batch_type>& per_device_loader(const Device& device) {
+    for (std::size_t i = 0; i < devices_.size(); ++i)
+      if (devices_[i] == device) return *per_device_[i];
+    std::string list;
+    for (const auto& d : devices_) list += (list.empty() ? "" : ", ") + d.str();
+    throw DeviceError("ParallelLoader::per_device_loader: " + device.str() +
+                      " is not one of the loader's devices [" + list + "]");
+  }
+
+  /// Batches each device gets in a pass: the loader's batches / number of devices, rounded
+  /// down (an incomplete last group is dropped).
+  std::size_t per_device_batches() const
+  requires requires(const Loader& l) { l.size(); }
+  { return static_cast<std::size_t>(loader_.size()) / devices_.size(); }
+
+  const std::vector<Device>& devices() const { return devices_; }
+
+  /// Stops the pass now (joins its threads); per-device loaders then end (torch_xla's close).
+  void close() {
+    if (pass_) pass_->stop();
+  }
+
+ private:
+  Loader& loader_;
+  std::vector<Device> devices_;
+  std::unique_ptr<detail::LoaderPass<batch_type>> pass_;
+  std::vector<std::unique_ptr<PerDeviceLoader<batch_type>>> per_device_;
+};
+
+/// The loader of one device, as torch_xla's MpDeviceLoader(loader, device, ...): each
+/// begin() starts a new pass (a ParallelLoader over {device}, stopping the previous one)
+/// and iterates its per-device loader, which calls mark_step on `device` after every
+/// `batches_per_execution` batches and at the end of the epoch. The canonical loop of a
+/// replica (see the file comment): set_epoch on the loader, then range-for over this. The
+/// underlying loader must outlive this object.
+template <class Loader>
+class MpDeviceLoader {
+ public:
+  using batch_type = detail::loader_batch_t<Loader>;
+  using iterator = typename PerDeviceLoader<batch_type>::iterator;
+
+  /// torch_xla's form: the options after `device` as in ParallelLoader.
+  MpDeviceLoader(Loader& loader, Device device, int batchdim = 0,
+                 std::size_t batches_per_execution = 1, std::size_t loader_prefetch_size = 8,
+                 std::size_t device_prefetch_size = 4,
+                 std::size_t host_to_device_transfer_threads = 1)
+      : MpDeviceLoader(loader, device,
+                       ParallelLoaderOptions{batchdim, batches_per_execution, loader_prefetch_size,
+                                             device_prefetch_size,
+                                             host_to_device_transfer_threads}) {}
+  /// The same with named options.
+  MpDeviceLoader(Loader& loader, Device device, const ParallelLoaderOptions& options)
+      : loader_(loader), device_(device), options_(options) {
+    detail::check_options(options, "MpDeviceLoader");
+  }
+  MpDeviceLoader(const MpDeviceLoader&) = delete;
+  MpDeviceLoader& operator=(const MpDeviceLoader&) = delete;
+
+  /// Starts an epoch of the underlying loader (stopping a pass in progress first).
+  iterator begin() {
+    pass_.reset();
+    pass_ = std::make_unique<ParallelLoader<Loader>>(loader_, std::vector<Device>{device_},
+                                                     options_);
+    return pass_->per_device_loader(device_).begin();
+  }
+  std::default_sentinel_t end() const { return {}; }
+
+  /// Batches per epoch (the underlying loader's).
+  std::size_t size() const
+  requires requires(const Loader& l) { l.size(); }
+  { return static_cast<std::size_t>(loader_.size()); }
+
+  Device device() const { return device_; }
+
+ private:
+  Loader& loader_;
+  Device device_;
+  ParallelLoaderOptions options_;
+  std::unique_ptr<ParallelLoader<Loader>> pass_;
+};
+
+}  // namespace lazy::dist
+// ---- end lazytensor/dist/parallel_loader.hpp ----
+// ---- begin lazytensor/dist/runtime.hpp ----
+// Runtime queries, as torch_xla.runtime (xr.*). Inside spawn they describe the world of
+// replicas; on any other thread, a world of one replica addressing the process's devices.
+//
+// Each replica plays the role of a torch_xla process: it has one device of its own, so
+// local_process_count() and local_device_count() count the replicas on this host and
+// addressable_device_count() is 1. The threads backend runs every replica in one process;
+// an MPI backend places several processes (each with replica threads) in one world, and
+// ordinals follow the world layout (global ordinal = process offset + local index).
+
+#include <string>
+
+
+namespace lazy::runtime {
+
+namespace detail {
+inline const dist::detail::WorldLayout* layout() {
+  auto* ctx = dist::detail::current_context();
+  return ctx ? &ctx->world->state().layout() : nullptr;
+}
+}  // namespace detail
+
+/// Number of replicas in the world (xr.world_size()); 1 outside spawn.
+inline int world_size() {
+  auto* l = detail::layout();
+  return l ? l->world_size : 1;
+}
+/// This replica's ordinal in the world (xr.global_ordinal()); 0 outside spawn.
+inline int global_ordinal() { return dist::detail::ordinal_now(); }
+/// This replica's ordinal on its host (xr.local_ordinal()); 0 outside spawn.
+inline int local_ordinal() {
+  auto* ctx = dist::detail::current_context();
+  return ctx ? ctx->world->state().layout().host_offset + ctx->local : 0;
+}
+/// Replicas ("processes" in torch_xla's terms) on this host (xr.local_process_count()).
+inline int local_process_count() {
+  auto* l = detail::layout();
+  return l ? l->host_replicas : 1;
+}
+/// Devices on this host: one per replica inside spawn, else lazy::device_count().
+inline int local_device_count() {
+  auto* l = detail::layout();
+  return l ? l->host_replicas : device_count();
+}
+/// Devices in the world: one per replica inside spawn, else lazy::device_count().
+inline int global_device_count() {
+  auto* l = detail::layout();
+  return l ? l->world_size : device_count();
+}
+/// Devices this thread can use: its own inside spawn, else lazy::device_count().
+inline int addressable_device_count() { return detail::layout() ? 1 : device_count(); }
+/// Kind of device ("CPU"), as xr.device_type().
+inline std::string device_type() { return "CPU"; }
+
+}  // namespace lazy::runtime
+
+namespace lazy::dist {
+
+/// True on the master replica: local ordinal 0 (of its host) when `local`, else global
+/// ordinal 0 (xm.is_master_ordinal).
+inline bool is_master_ordinal(bool local = true) {
+  return local ? runtime::local_ordinal() == 0 : runtime::global_ordinal() == 0;
+}
+
+}  // namespace lazy::dist
+// ---- end lazytensor/dist/runtime.hpp ----
+// ---- begin lazytensor/dist/spawn.hpp ----
+// lazy::dist::spawn: one thread per replica, as xmp.spawn.
+//
+// Replica i runs fn(i) on a new thread bound to device i (its own pending graph, executor,
+// random stream and buffer pool). Each replica device gets max(1, T / nprocs) worker
+// threads, T = LAZYTENSOR_NUM_THREADS or the hardware threads, so the replicas together do
+// not oversubscribe the machine; devices that existed before spawn get their sizes back
+// when it returns (devices it created keep the replica size).
+//
+// When fn returns, the replica first runs its pending collectives (a collective traced but
+// never synced would otherwise leave its partners waiting), then counts as exited: a
+// partner still waiting for it fails at once with a CollectiveError naming it. The first
+// exception in any replica aborts the world: every replica blocked in a collective (or
+// entering one later) gets ReplicaAborted, and spawn re-throws that first exception once
+// every replica thread has finished. A replica busy in its own code notices the abort at
+// its next collective, so spawn returns as soon as every replica reached one (or ended).
+
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace lazy::dist {
+
+namespace detail {
+
+inline std::mutex& spawn_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+/// Worker threads of each replica's device.
+inline int replica_threads(int nprocs) {
+  return std::max(1, graph::default_device_threads() / nprocs);
+}
+
+/// Sizes the pools of devices [0, n) for n replicas. Devices that existed before get their
+/// sizes back when this is destroyed; devices created for the replicas keep the replica
+/// size (restoring them would only start idle workers nobody asked for).
+class ReplicaPools {
+ public:
+  explicit ReplicaPools(int n) {
+    const int per = replica_threads(n);
+    const int existing = graph::DeviceRegistry::get().count();
+    for (int i = 0; i < n; ++i) {
+      ThreadPool& pool = graph::DeviceRegistry::get().device(i).threads();
+      if (i < existing) old_.push_back(pool.size());
+      if (pool.size() != per) pool.resize(per);
+    }
+  }
+  ~ReplicaPools() {
+    for (std::size_t i = 0; i < old_.size(); ++i) {
+      ThreadPool& pool = graph::DeviceRegistry::get().device(static_cast<int>(i)).threads();
+      if (pool.size() != old_[i]) pool.resize(old_[i]);
+    }
+  }
+  ReplicaPools(const ReplicaPools&) = delete;
+  ReplicaPools& operator=(const ReplicaPools&) = delete;
+
+ private:
+  std::vector<int> old_;
+};
+
+/// Body of a replica thread.
+template <class Body>
+void run_replica(const std::shared_ptr<World>& world, int local, Body& body) {
+  graph::current_device_index() = local;
+  ReplicaContext ctx(world, local);
+  current_context() = &ctx;
+  try {
+    body(local);
+    flush_pending();
+  } catch (...) {
+    world->state().fail(ctx.ordinal, std::current_exception());
+  }
+  ctx.last.reset();
+  current_context() = nullptr;
+  world->state().mark_exited(ctx.ordinal);
+}
+
+struct NoResult {};
+
+}  // namespace detail
+
+/// Runs fn(i) for i in [0, nprocs), each on its own replica thread and device, and returns
+/// replica 0's result (nothing when fn returns void). Re-throws the first exception of any
+/// replica (see the file comment). Not re-entrant: a second spawn while one runs, or spawn
+/// inside a replica, throws lazy::Error.
+template <class F>
+auto spawn(F&& fn, int nprocs) {
+  using R = std::decay_t<std::invoke_result_t<F&, int>>;
+  if (nprocs < 1) throw Error("spawn: nprocs must be >= 1, got " + std::to_string(nprocs));
+  if (auto* ctx = detail::current_context()) {
+    throw Error("spawn: called inside replica " + std::to_string(ctx->ordinal) +
+                "; nested spawn is not supported");
+  }
+  std::unique_lock guard(detail::spawn_mutex(), std::try_to_lock);
+  if (!guard.owns_lock()) throw Error("spawn: another spawn is already running in this process");
+
+  detail::WorldLayout layout;
+  layout.world_size = layout.process_replicas = layout.host_replicas = nprocs;
+  auto world = std::make_shared<detail::World>(layout);
+  detail::ReplicaPools pools(nprocs);
+  std::conditional_t<std::is_void_v<R>, detail::NoResult, std::optional<R>> result;
+  auto body = [&](int i) {
+    if constexpr (std::is_void_v<R>) {
+      fn(i);
+    } else if (i == 0) {
+      result.emplace(fn(i));
+    } else {
+      (void)fn(i);
+    }
+  };
+  std::vector<std::thread> threads;
+  threads.reserve(static_cast<std::size_t>(nprocs));
+  try {
+    for (int i = 0; i < nprocs; ++i)
+      threads.emplace_back([&, i] { detail::run_replica(world, i, body); });
+  } catch (...) {  // could not start a thread: stop the others
+    world->state().fail(-1, std::current_exception());
+    for (auto& t : threads) t.join();
+    throw;
+  }
+  for (auto& t : threads) t.join();
+  if (auto e = world->state().first_error()) std::rethrow_exception(e);
+  if constexpr (!std::is_void_v<R>) return std::move(*result);
+}
+
+}  // namespace lazy::dist
+// ---- end lazytensor/dist/spawn.hpp ----
+// ---- end lazytensor/dist.hpp ----
+// ---- begin lazytensor/io.hpp ----
+// lazy::io: reading and writing tensors. safetensors files (readable by the Python
+// `safetensors` package) through io::save_file and io::load, with atomic, streaming writes;
+// io::save writes from replicas (only the master writes, as xm.save).
+
+// ---- begin lazytensor/io/safetensors.hpp ----
+// safetensors files (https://github.com/huggingface/safetensors), readable by the Python
+// `safetensors` package:
+//
+//   [8 bytes]  N, the header length, unsigned little-endian
+//   [N bytes]  a JSON object: "name": {"dtype": "F32", "shape": [2, 3], "data_offsets": [b, e]}
+//              per tensor, plus an optional "__metadata__": {string: string}; padded with
+//              spaces so that the data starts 8-byte aligned
+//   [rest]     the tensors' bytes, little-endian, row-major; offsets are relative to the
+//              start of this buffer, and the tensors tile it exactly (no gap, no overlap,
+//              nothing after the last one)
+//
+// Writing streams one tensor at a time into a temporary file that replaces the target
+// atomically; reading validates the whole header against the file size before allocating
+// anything, then reads each tensor straight into a buffer of the target device.
+
+#include <algorithm>
+#include <bit>
 #include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <string_view>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+// ---- begin lazytensor/io/json.hpp ----
+// The little JSON that file headers need, written by us and strict: a cursor that reads
+// objects, strings and non-negative integers exactly as RFC 8259 spells them (and nothing
+// else: no comments, no trailing commas, no NaN, no leading zeros, valid UTF-8 only), and
+// a writer for strings. Callers read the schema they expect with these primitives, so a
+// hostile header never builds a document tree bigger than what the caller keeps.
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+
+namespace lazy::io::detail {
+
+/// Length of the valid UTF-8 sequence starting at s[i], or 0 when it is invalid (overlong
+/// forms, surrogates and code points above U+10FFFF are invalid, as RFC 3629 says).
+inline std::size_t utf8_sequence_length(std::string_view s, std::size_t i) {
+  const auto b = [&](std::size_t k) { return static_cast<unsigned char>(s[i + k]); };
+  const unsigned char c = b(0);
+  if (c < 0x80) return 1;
+  std::size_t n;
+  std::uint32_t cp;
+  if (c >= 0xC2 && c <= 0xDF)
+    n = 2, cp = c & 0x1Fu;
+  else if (c >= 0xE0 && c <= 0xEF)
+    n = 3, cp = c & 0x0Fu;
+  else if (c >= 0xF0 && c <= 0xF4)
+    n = 4, cp = c & 0x07u;
+  else
+    return 0;
+  if (i + n > s.size()) return 0;
+  for (std::size_t k = 1; k < n; ++k) {
+    if ((b(k) & 0xC0u) != 0x80u) return 0;
+    cp = (cp << 6) | (b(k) & 0x3Fu);
+  }
+  if ((n == 3 && cp < 0x800) || (n == 4 && cp < 0x10000) || cp > 0x10FFFF ||
+      (cp >= 0xD800 && cp <= 0xDFFF))
+    return 0;
+  return n;
+}
+
+/// True when `s` is valid UTF-8.
+inline bool valid_utf8(std::string_view s) {
+  for (std::size_t i = 0; i < s.size();) {
+    const std::size_t n = utf8_sequence_length(s, i);
+    if (n == 0) return false;
+    i += n;
+  }
+  return true;
+}
+
+/// Appends `s` as a JSON string literal: quotes, backslashes and control characters are
+/// escaped (the short forms where JSON has them), everything else is copied as is.
+inline void append_json_string(std::string& out, std::string_view s) {
+  static constexpr char hex[] = "0123456789abcdef";
+  out += '"';
+  for (const char ch : s) {
+    const auto c = static_cast<unsigned char>(ch);
+    switch (c) {
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\b':
+        out += "\\b";
+        break;
+      case '\f':
+        out += "\\f";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      default:
+        if (c < 0x20) {
+          out += "\\u00";
+          out += hex[c >> 4];
+          out += hex[c & 0xF];
+        } else {
+          out += ch;
+        }
+    }
+  }
+  out += '"';
+}
+
+/// A read position in a JSON text. Every method throws FormatError("<where>: <what> at
+/// byte <pos>") on anything that is not exactly what was asked for.
+class JsonCursor {
+ public:
+  JsonCursor(std::string_view text, std::string where) : s_(text), where_(std::move(where)) {}
+
+  std::size_t pos() const { return i_; }
+  bool at_end() const { return i_ >= s_.size(); }
+
+  /// Skips JSON whitespace (space, tab, line feed, carriage return).
+  void skip_ws() {
+    while (i_ < s_.size() && (s_[i_] == ' ' || s_[i_] == '\t' || s_[i_] == '\n' || s_[i_] == '\r'))
+      ++i_;
+  }
+  /// The next non-whitespace character (or '\0' at the end), without consuming it.
+  char peek() {
+    skip_ws();
+    return at_end() ? '\0' : s_[i_];
+  }
+  /// Consumes `c` (after whitespace), else FormatError.
+  void expect(char c) {
+    if (peek() != c) fail(std::string("expected '") + c + "', found " + found());
+    ++i_;
+  }
+  /// Consumes `c` when it comes next.
+  bool accept(char c) {
+    if (peek() != c) return false;
+    ++i_;
+    return true;
+  }
+
+  /// Reads a string literal, decoding escapes (\uXXXX with surrogate pairs) to UTF-8.
+  std::string string() {
+    if (peek() != '"') fail("expected a string, found " + found());
+    ++i_;
+    std::string out;
+    for (;;) {
+      if (at_end()) fail("unterminated string");
+      const auto c = static_cast<unsigned char>(s_[i_]);
+      if (c == '"') {
+        ++i_;
+        return out;
+      }
+      if (c < 0x20) fail("unescaped control character in a string");
+      if (c == '\\') {
+        escape(out);
+        continue;
+      }
+      const std::size_t n = utf8_sequence_length(s_, i_);
+      if (n == 0) fail("invalid UTF-8 in a string");
+      out.append(s_.substr(i_, n));
+      i_ += n;
+    }
+  }
+
+  /// Reads a non-negative integer literal that fits in 64 bits. Signs, fractions,
+  /// exponents and leading zeros are rejected: sizes and offsets are whole numbers.
+  std::uint64_t uint64() {
+    peek();
+    const std::size_t start = i_;
+    if (at_end() || s_[i_] < '0' || s_[i_] > '9')
+      fail("expected a non-negative integer, found " + found());
+    if (s_[i_] == '0' && i_ + 1 < s_.size() && s_[i_ + 1] >= '0' && s_[i_ + 1] <= '9')
+      fail("leading zero in a number");
+    std::uint64_t v = 0;
+    while (i_ < s_.size() && s_[i_] >= '0' && s_[i_] <= '9') {
+      const auto d = static_cast<std::uint64_t>(s_[i_] - '0');
+      if (v > (UINT64_MAX - d) / 10) {
+        i_ = start;
+        fail("integer does not fit in 64 bits");
+      }
+      v = v * 10 + d;
+      ++i_;
+    }
+    if (i_ < s_.size() && (s_[i_] == '.' || s_[i_] == 'e' || s_[i_] == 'E'))
+      fail("expected an integer, found a fraction or exponent");
+    return v;
+  }
+
+  /// Throws FormatError naming the position.
+  [[noreturn]] void fail(const std::string& what) const {
+    throw FormatError(where_ + ": " + what + " at byte " + std::to_string(i_) + " of the header");
+  }
+
+  /// A short quote of the text at the cursor, for messages.
+  std::string found() const {
+    if (at_end()) return "the end of the header";
+    std::string q;
+    for (std::size_t k = i_; k < s_.size() && k < i_ + 12; ++k) {
+      const auto c = static_cast<unsigned char>(s_[k]);
+      q += (c >= 0x20 && c < 0x7F) ? static_cast<char>(c) : '?';
+    }
+    return "'" + q + "'";
+  }
+
+ private:
+  static int hex_value(char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  }
+  std::uint32_t hex4() {
+    if (i_ + 4 > s_.size()) fail("truncated \\u escape");
+    std::uint32_t v = 0;
+    for (int k = 0; k < 4; ++k) {
+      const int h = hex_value(s_[i_ + static_cast<std::size_t>(k)]);
+      if (h < 0) fail("invalid hex digit in a \\u escape");
+      v = v * 16 + static_cast<std::uint32_t>(h);
+    }
+    i_ += 4;
+    return v;
+  }
+  static void append_utf8(std::string& out, std::uint32_t cp) {
+    if (cp < 0x80) {
+      out += static_cast<char>(cp);
+    } else if (cp < 0x800) {
+      out += static_cast<char>(0xC0 | (cp >> 6));
+      out += static_cast<char>(0x80 | (cp & 0x3F));
+    } else if (cp < 0x10000) {
+      out += static_cast<char>(0xE0 | (cp >> 12));
+      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+      out += static_cast<char>(0x80 | (cp & 0x3F));
+    } else {
+      out += static_cast<char>(0xF0 | (cp >> 18));
+      out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+      out += static_cast<char>(0x80 | (cp & 0x3F));
+    }
+  }
+  void escape(std::string& out) {
+    ++i_;  // the backslash
+    if (at_end()) fail("truncated escape");
+    const char e = s_[i_++];
+    switch (e) {
+      case '"':
+        out += '"';
+        return;
+      case '\\':
+        out += '\\';
+        return;
+      case '/':
+        out += '/';
+        return;
+      case 'b':
+        out += '\b';
+        return;
+      case 'f':
+        out += '\f';
+        return;
+      case 'n':
+        out += '\n';
+        return;
+      case 'r':
+        out += '\r';
+        return;
+      case 't':
+        out += '\t';
+        return;
+      case 'u':
+        break;
+      default:
+        --i_;
+        fail("invalid escape");
+    }
+    std::uint32_t cp = hex4();
+    if (cp >= 0xDC00 && cp <= 0xDFFF) fail("unpaired low surrogate in a \\u escape");
+    if (cp >= 0xD800 && cp <= 0xDBFF) {
+      if (i_ + 2 > s_.size() || s_[i_] != '\\' || s_[i_ + 1] != 'u')
+        fail("unpaired high surrogate in a \\u escape");
+      i_ += 2;
+      const std::uint32_t lo = hex4();
+      if (lo < 0xDC00 || lo > 0xDFFF) fail("unpaired high surrogate in a \\u escape");
+      cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+    }
+    append_utf8(out, cp);
+  }
+
+  std::string_view s_;
+  std::string where_;
+  std::size_t i_ = 0;
+};
+
+}  // namespace lazy::io::detail
+// ---- end lazytensor/io/json.hpp ----
+
+namespace lazy::io {
+
+namespace detail {
+
+static_assert(
+    std::endian::native == std::endian::little,
+    "lazy::io writes tensor bytes as they are in memory; safetensors needs little-endian");
+
+/// Largest header accepted (and written): the limit of the reference implementation.
+inline constexpr std::uint64_t kMaxSafetensorsHeader = 100'000'000;
+
+/// safetensors' name of a dtype.
+inline const char* safetensors_dtype_name(DType d) {
+  switch (d) {
+    case DType::Bool:
+      return "BOOL";
+    case DType::Int32:
+      return "I32";
+    case DType::Int64:
+      return "I64";
+    case DType::BFloat16:
+      return "BF16";
+    case DType::Float32:
+      return "F32";
+    case DType::Float64:
+      return "F64";
+  }
+  return "?";
+}
+
+/// One tensor as the header describes it.
+struct SafetensorsEntry {
+  std::string name;
+  DType dtype = DType::Float32;
+  Shape shape;
+  std::uint64_t begin = 0;  ///< data_offsets, relative to the data buffer
+  std::uint64_t end = 0;
+};
+
+/// A parsed header: tensors in header order, and the metadata.
+struct SafetensorsHeader {
+  std::vector<SafetensorsEntry> tensors;
+  std::map<std::string, std::string> metadata;
+};
+
+inline void parse_tensor_entry(JsonCursor& cur, SafetensorsEntry& e) {
+  const std::string ctx = "tensor '" + e.name + "': ";
+  bool have_dtype = false, have_shape = false, have_offsets = false;
+  cur.expect('{');
+  if (!cur.accept('}')) {
+    for (;;) {
+      const std::string key = cur.string();
+      cur.expect(':');
+      if (key == "dtype") {
+        if (have_dtype) cur.fail(ctx + "duplicate key 'dtype'");
+        have_dtype = true;
+        const std::string name = cur.string();
+        bool known = false;
+        for (DType d : {DType::Bool, DType::Int32, DType::Int64, DType::BFloat16, DType::Float32,
+                        DType::Float64}) {
+          if (name == safetensors_dtype_name(d)) e.dtype = d, known = true;
+        }
+        if (!known) {
+          cur.fail(ctx + "unsupported dtype '" + name +
+                   "' (expected one of BOOL, I32, I64, BF16, F32, F64)");
+        }
+      } else if (key == "shape") {
+        if (have_shape) cur.fail(ctx + "duplicate key 'shape'");
+        have_shape = true;
+        cur.expect('[');
+        if (!cur.accept(']')) {
+          for (;;) {
+            if (e.shape.rank() == kMaxRank) {
+              cur.fail(ctx + "shape has more than " + std::to_string(kMaxRank) +
+                       " dimensions (the maximum rank)");
+            }
+            const std::uint64_t d = cur.uint64();
+            if (d > static_cast<std::uint64_t>(INT64_MAX))
+              cur.fail(ctx + "dimension " + std::to_string(d) + " is too large");
+            e.shape.push_back(static_cast<std::int64_t>(d));
+            if (cur.accept(']')) break;
+            cur.expect(',');
+          }
+        }
+      } else if (key == "data_offsets") {
+        if (have_offsets) cur.fail(ctx + "duplicate key 'data_offsets'");
+        have_offsets = true;
+        cur.expect('[');
+        e.begin = cur.uint64();
+        cur.expect(',');
+        e.end = cur.uint64();
+        if (cur.peek() != ']')
+          cur.fail(ctx + "data_offsets must hold exactly two numbers [begin, end]");
+        cur.expect(']');
+      } else {
+        cur.fail(ctx + "unexpected key '" + key + "' (expected dtype, shape and data_offsets)");
+      }
+      if (cur.accept('}')) break;
+      cur.expect(',');
+    }
+  }
+  if (!have_dtype) cur.fail(ctx + "missing 'dtype'");
+  if (!have_shape) cur.fail(ctx + "missing 'shape'");
+  if (!have_offsets) cur.fail(ctx + "missing 'data_offsets'");
+}
+
+/// Parses a header strictly; FormatError("<path>: ...") on anything malformed.
+inline SafetensorsHeader parse_safetensors_header(std::string_view text, const std::string& path) {
+  SafetensorsHeader h;
+  JsonCursor cur(text, path);
+  if (text.empty() || text.front() != '{')
+    cur.fail("the header must be a JSON object starting with '{', found " + cur.found());
+  std::unordered_set<std::string> keys;
+  cur.expect('{');
+  if (!cur.accept('}')) {
+    for (;;) {
+      std::string key = cur.string();
+      cur.expect(':');
+      if (!keys.insert(key).second) cur.fail("duplicate key '" + key + "'");
+      if (key == "__metadata__") {
+        cur.expect('{');
+        if (!cur.accept('}')) {
+          for (;;) {
+            std::string k = cur.string();
+            cur.expect(':');
+            if (cur.peek() != '"')
+              cur.fail("__metadata__ value of '" + k + "' must be a string, found " + cur.found());
+            std::string v = cur.string();
+            if (!h.metadata.emplace(k, std::move(v)).second)
+              cur.fail("duplicate __metadata__ key '" + k + "'");
+            if (cur.accept('}')) break;
+            cur.expect(',');
+          }
+        }
+      } else {
+        SafetensorsEntry e;
+        e.name = std::move(key);
+        parse_tensor_entry(cur, e);
+        h.tensors.push_back(std::move(e));
+      }
+      if (cur.accept('}')) break;
+      cur.expect(',');
+    }
+  }
+  cur.skip_ws();  // writers pad the header with spaces
+  if (!cur.at_end()) cur.fail("unexpected data after the header's JSON object: " + cur.found());
+  return h;
+}
+
+/// Checks that the tensors tile a data buffer of `buffer_bytes` exactly: each tensor's
+/// byte range matches its shape and dtype, ranges neither overlap nor leave gaps, and the
+/// last one ends where the file ends. FormatError("<path>: ...") otherwise.
+inline void check_safetensors_layout(const SafetensorsHeader& h, std::uint64_t buffer_bytes,
+                                     const std::string& path) {
+  const auto& ts = h.tensors;
+  const auto fail = [&](const std::string& what) { throw FormatError(path + ": " + what); };
+  for (const auto& e : ts) {
+    if (e.end < e.begin) {
+      fail("tensor '" + e.name + "': data_offsets [" + std::to_string(e.begin) + ", " +
+           std::to_string(e.end) + "] end before they begin");
+    }
+    std::uint64_t numel = 1;
+    for (const auto d : e.shape) {
+      if (__builtin_mul_overflow(numel, static_cast<std::uint64_t>(d), &numel)) {
+        fail("tensor '" + e.name + "': shape " + e.shape.str() +
+             " has more elements than 64 bits can count");
+      }
+    }
+    std::uint64_t nbytes = 0;
+    if (__builtin_mul_overflow(numel, static_cast<std::uint64_t>(dtype_size(e.dtype)), &nbytes)) {
+      fail("tensor '" + e.name + "': shape " + e.shape.str() +
+           " has more bytes than 64 bits can count");
+    }
+    if (e.end - e.begin != nbytes) {
+      fail("tensor '" + e.name + "': shape " + e.shape.str() + " of " +
+           safetensors_dtype_name(e.dtype) + " needs " + std::to_string(nbytes) +
+           " bytes, but data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
+           "] hold " + std::to_string(e.end - e.begin));
+    }
+  }
+  std::vector<std::size_t> order(ts.size());
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+    return std::pair(ts[a].begin, ts[a].end) < std::pair(ts[b].begin, ts[b].end);
+  });
+  std::uint64_t pos = 0;
+  std::string prev = "the start of the data buffer";
+  for (const std::size_t k : order) {
+    const auto& e = ts[k];
+    if (e.begin < pos) {
+      fail("tensor '" + e.name + "' (data_offsets [" + std::to_string(e.begin) + ", " +
+           std::to_string(e.end) + "]) overlaps " + prev + ", which ends at byte " +
+           std::to_string(pos));
+    }
+    if (e.begin > pos) {
+      fail("gap of " + std::to_string(e.begin - pos) + " bytes between " + prev +
+           " (ends at byte " + std::to_string(pos) + ") and tensor '" + e.name +
+           "' (starts at byte " + std::to_string(e.begin) +
+           "): the offsets must cover the data buffer contiguously");
+    }
+    pos = e.end;
+    prev = "tensor '" + e.name + "'";
+  }
+  if (pos > buffer_bytes) {
+    fail("truncated: the header describes " + std::to_string(pos) +
+         " bytes of tensor data, but only " + std::to_string(buffer_bytes) +
+         " bytes follow the header");
+  }
+  if (pos < buffer_bytes) {
+    fail(std::to_string(buffer_bytes - pos) +
+         " bytes of trailing data after the last tensor (the header describes " +
+         std::to_string(pos) + " bytes of tensor data, " + std::to_string(buffer_bytes) +
+         " follow the header)");
+  }
+}
+
+/// A typed handle on a materialized node of run-time dtype.
+inline AnyTensor wrap_node(const graph::NodePtr& node) {
+  switch (node->dtype()) {
+    case DType::Bool:
+      return Tensor<bool>(node);
+    case DType::Int32:
+      return Tensor<std::int32_t>(node);
+    case DType::Int64:
+      return Tensor<std::int64_t>(node);
+    case DType::BFloat16:
+      return Tensor<bfloat16>(node);
+    case DType::Float32:
+      return Tensor<float>(node);
+    case DType::Float64:
+      break;
+  }
+  return Tensor<double>(node);
+}
+
+/// The header text (padded to 8 bytes) for `sd`, whose tensors are laid out in `order`.
+inline std::string safetensors_header(const StateDict& sd, const std::vector<std::size_t>& order) {
+  const auto& items = sd.items();
+  std::vector<std::uint64_t> begin(items.size());
+  std::uint64_t pos = 0;
+  for (const std::size_t k : order) {
+    begin[k] = pos;
+    pos +=
+        static_cast<std::uint64_t>(items[k].second.numel()) * dtype_size(items[k].second.dtype());
+  }
+  std::string h = "{";
+  if (!sd.metadata().empty()) {
+    append_json_string(h, "__metadata__");
+    h += ":{";
+    bool first = true;
+    for (const auto& [k, v] : sd.metadata()) {
+      if (!first) h += ',';
+      first = false;
+      append_json_string(h, k);
+      h += ':';
+      append_json_string(h, v);
+    }
+    h += '}';
+  }
+  for (std::size_t k = 0; k < items.size(); ++k) {
+    const AnyTensor& t = items[k].second;
+    if (h.size() > 1) h += ',';
+    append_json_string(h, items[k].first);
+    h += ":{\"dtype\":\"";
+    h += safetensors_dtype_name(t.dtype());
+    h += "\",\"shape\":[";
+    for (int d = 0; d < t.shape().rank(); ++d) {
+      if (d) h += ',';
+      h += std::to_string(t.shape()[d]);
+    }
+    const std::uint64_t nbytes = static_cast<std::uint64_t>(t.numel()) * dtype_size(t.dtype());
+    h += "],\"data_offsets\":[" + std::to_string(begin[k]) + "," +
+         std::to_string(begin[k] + nbytes) + "]}";
+  }
+  h += '}';
+  h.append((8 - h.size() % 8) % 8, ' ');  // the data then starts 8-byte aligned
+  return h;
+}
+
+/// Rejects what the format cannot store (before anything is written).
+inline void check_saveable(const StateDict& sd, const std::string& path) {
+  for (const auto& [name, t] : sd) {
+    if (!t.defined()) throw Error("cannot save '" + path + "': tensor '" + name + "' is undefined");
+    if (name == "__metadata__") {
+      throw FormatError("cannot save '" + path +
+                        "': '__metadata__' is reserved by safetensors, not a tensor name");
+    }
+    if (!valid_utf8(name))
+      throw FormatError("cannot save '" + path + "': tensor name '" + name +
+                        "' is not valid UTF-8");
+  }
+  for (const auto& [k, v] : sd.metadata()) {
+    if (!valid_utf8(k) || !valid_utf8(v)) {
+      throw FormatError("cannot save '" + path + "': metadata entry '" + k +
+                        "' is not valid UTF-8");
+    }
+  }
+}
+
+}  // namespace detail
+
+/// Writes `sd` (tensors and metadata) to `path` as a safetensors file. Each tensor is
+/// materialized and written in turn (the file is never assembled in memory), into a
+/// temporary file in the same directory that is fsynced and renamed over `path`: a failure
+/// leaves any previous file intact and no temporary file behind. Disk errors raise IoError;
+/// an error computing a pending tensor propagates as is. Data are laid out by decreasing
+/// element size (so each tensor is aligned to its element size, as the reference writer
+/// does); the header lists tensors in the state dict's order.
+inline void save_file(const StateDict& sd, const std::string& path) {
+  detail::check_saveable(sd, path);
+  const auto& items = sd.items();
+  std::vector<std::size_t> order(items.size());
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+    return dtype_size(items[a].second.dtype()) > dtype_size(items[b].second.dtype());
+  });
+  const std::string header = detail::safetensors_header(sd, order);
+  if (header.size() > detail::kMaxSafetensorsHeader) {
+    throw FormatError("cannot save '" + path + "': the header would take " +
+                      std::to_string(header.size()) + " bytes, more than safetensors' limit of " +
+                      std::to_string(detail::kMaxSafetensorsHeader));
+  }
+  detail::AtomicFileWriter out(path);
+  unsigned char len[8];
+  for (int i = 0; i < 8; ++i)
+    len[i] = static_cast<unsigned char>(static_cast<std::uint64_t>(header.size()) >> (8 * i));
+  out.write(len, sizeof len);
+  out.write(header.data(), header.size());
+  for (const std::size_t k : order) {
+    const AnyTensor& t = items[k].second;
+    const auto nbytes = static_cast<std::size_t>(t.numel()) * dtype_size(t.dtype());
+    if (nbytes == 0) continue;
+    t.visit([&](const auto& typed) { out.write(typed.data(), nbytes); });
+  }
+  out.commit();
+}
+
+/// Reads a safetensors file into a state dict (tensors in header order, materialized on
+/// `dev`; the "__metadata__" entries in metadata()). IoError when the file cannot be read;
+/// FormatError naming the file and the problem when it is not a valid safetensors file of
+/// dtypes lazytensor holds (BOOL, I32, I64, BF16, F32, F64). Nothing is allocated for a
+/// tensor before the whole header has been checked against the file's size.
+inline StateDict load(const std::string& path, Device dev = device()) {
+  detail::ReadFile file(path);
+  const std::uint64_t size = file.size();
+  if (size < 8) {
+    throw FormatError(path + ": file is " + std::to_string(size) +
+                      " bytes long, too short for the 8-byte header length of a safetensors file");
+  }
+  unsigned char len[8];
+  if (file.read_at(len, 8, 0) != 8)
+    throw FormatError(path + ": file shrank while reading the header length");
+  std::uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | len[i];
+  if (n > detail::kMaxSafetensorsHeader) {
+    throw FormatError(
+        path + ": header length " + std::to_string(n) + " exceeds safetensors' limit of " +
+        std::to_string(detail::kMaxSafetensorsHeader) + " bytes (corrupt length field?)");
+  }
+  if (n > size - 8) {
+    throw FormatError(path + ": header length " + std::to_string(n) + " but only " +
+                      std::to_string(size - 8) +
+                      " bytes follow the length field (truncated file or wrong header length)");
+  }
+  std::string text(static_cast<std::size_t>(n), '\0');
+  if (file.read_at(text.data(), text.size(), 8) != text.size())
+    throw FormatError(path + ": file shrank while reading the header");
+  const detail::SafetensorsHeader header = detail::parse_safetensors_header(text, path);
+  const std::uint64_t data_start = 8 + n;
+  detail::check_safetensors_layout(header, size - data_start, path);
+
+  StateDict sd;
+  graph::Device& engine = dev.engine();
+  for (const auto& e : header.tensors) {
+    const std::size_t nbytes = static_cast<std::size_t>(e.end - e.begin);
+    auto buf = engine.pool().acquire(padded_bytes(e.shape.numel(), dtype_size(e.dtype)));
+    if (file.read_at(buf->data(), nbytes, data_start + e.begin) != nbytes) {
+      throw FormatError(path + ": file shrank while reading tensor '" + e.name + "'");
+    }
+    if (e.dtype == DType::Bool) {
+      // A byte other than 0/1 read as bool is undefined behaviour; such a file is corrupt.
+      const auto* p = static_cast<const unsigned char*>(buf->data());
+      for (std::size_t i = 0; i < nbytes; ++i) {
+        if (p[i] > 1) {
+          throw FormatError(path + ": tensor '" + e.name + "': BOOL element " + std::to_string(i) +
+                            " is " + std::to_string(p[i]) + ", expected 0 or 1");
+        }
+      }
+    }
+    sd.insert(e.name, detail::wrap_node(std::make_shared<graph::DataNode>(e.dtype, e.shape, &engine,
+                                                                          std::move(buf))));
+  }
+  sd.metadata() = header.metadata;
+  return sd;
+}
+
+}  // namespace lazy::io
+// ---- end lazytensor/io/safetensors.hpp ----
+// ---- begin lazytensor/io/save.hpp ----
+// io::save: saving a state dict from a replicated program, as torch_xla's xm.save.
+//
+// Every replica calls it with its own state dict. Each one first materializes the pending
+// tensors of its state dict (one execution per device: a sync, as xm.save's transfer to the
+// CPU is), then the writer(s) write, then all replicas meet in a rendezvous: when save
+// returns on any replica the file is complete (renamed into place and fsynced), so another
+// replica may read it at once. A failure on one replica is reported on all of them, after the
+// rendezvous (nobody is left waiting for a replica that failed): the failing replica
+// re-throws its own error, the others throw IoError naming it.
+
+#include <algorithm>
+#include <exception>
+#include <string>
+#include <utility>
+#include <vector>
+
+
+namespace lazy::io {
+
+namespace detail {
+
+/// Runs every pending tensor of `sd`, one execution per device.
+inline void materialize_all(const StateDict& sd) {
+  std::vector<std::pair<graph::Device*, std::vector<graph::NodePtr>>> pending;
+  for (const auto& [name, t] : sd) {
+    if (!t.defined() || t.impl()->node->materialized()) continue;
+    const graph::NodePtr& node = t.impl()->node;
+    auto it = std::find_if(pending.begin(), pending.end(),
+                           [&](const auto& p) { return p.first == node->device(); });
+    if (it == pending.end()) it = pending.insert(pending.end(), {node->device(), {}});
+    it->second.push_back(node);
+  }
+  for (auto& [dev, nodes] : pending) {
+    dev->rethrow_stored_error();
+    graph::execute(*dev, nodes);
+  }
+}
+
+inline std::string message_of(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& ex) {
+    return ex.what();
+  } catch (...) {
+    return "an exception not derived from std::exception";
+  }
+}
+
+}  // namespace detail
+
+/// Saves `sd` to `path` as a safetensors file (see save_file), as xm.save(data, path,
+/// master_only, global_master):
+///  - `master_only` (default): only the master replica writes: the local master (local
+///    ordinal 0, one per host) or, with `global_master`, global ordinal 0 only. Otherwise
+///    every replica writes (give each its own path; replicas writing one path replace the
+///    file atomically in turn, the last rename wins).
+///  - Every replica materializes the pending tensors of `sd` first (a sync), then all
+///    replicas rendezvous after the write: the file is complete when save returns on any of
+///    them (see the file comment for failures). Every replica must call it (it is a
+///    collective of the whole world).
+/// Outside spawn it just writes.
+inline void save(const StateDict& sd, const std::string& path, bool master_only = true,
+                 bool global_master = false) {
+  const bool writer = !master_only || dist::is_master_ordinal(!global_master);
+  std::exception_ptr error;
+  try {
+    detail::materialize_all(sd);
+    if (writer) save_file(sd, path);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  if (runtime::world_size() == 1) {
+    if (error) std::rethrow_exception(error);
+    return;
+  }
+  // Every replica reaches the rendezvous, failed or not; each says how it went ("" = ok).
+  const std::string mine = error ? "!" + detail::message_of(error) : std::string();
+  const std::vector<std::string> all = dist::rendezvous("lazy::io::save", mine);
+  if (error) std::rethrow_exception(error);
+  for (std::size_t q = 0; q < all.size(); ++q) {
+    if (!all[q].empty()) {
+      throw IoError("io::save('" + path + "'): replica " + std::to_string(q) +
+                    " failed: " + all[q].substr(1));
+    }
+  }
+}
+
+}  // namespace lazy::io
+// ---- end lazytensor/io/save.hpp ----
+// ---- end lazytensor/io.hpp ----
+// ---- begin lazytensor/nn.hpp ----
+// lazy::nn: modules, layers, initializers and losses (torch::nn).
+
+// ---- begin lazytensor/nn/activation.hpp ----
+// Parameter-free layers: activations, Flatten, Dropout.
+
+#include <cstdint>
+#include <string>
+
+// ---- begin lazytensor/nn/functional.hpp ----
+// torch.nn.functional: losses and the functional forms of layers, on float tensors.
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+// ---- begin lazytensor/ops/random.hpp ----
+// Random tensors from a counter-based generator (Philox4x32-10, Salmon et al., "Parallel
+// Random Numbers: As Easy as 1, 2, 3", SC'11). A counter-based generator needs no state
+// per thread: the value of element i is a pure function of (seed, counter(i)), so results
+// are identical whatever the thread count and however the work is chunked.
+//
+// Streams: each call reserves a block of counters from its device's RngState at creation
+// time (offset .. offset + blocks) and captures the seed; element i uses counter
+// offset + i / P, where P is how many elements one 128-bit Philox output yields (4 for
+// 32-bit draws, 2 for 64-bit draws): in the 4 * B words of a block of B consecutive
+// counters, element j of the block reads word j (32-bit draws) or words 2j, 2j + 1. The
+// values are computed lazily, at mark_step, by a RandomNode, always a whole block at a time
+// (block k holds the call's elements k * B * P ..), so a vectorized distribution gives
+// every element the same bits whichever task computes it. set_rng_state / manual_seed restart the
+// stream; mark_step advances the seed.
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <numbers>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <xsimd/xsimd.hpp>
+
+
+namespace lazy {
+
+namespace ops {
+
+/// 128-bit Philox counter (four 32-bit words, word 0 least significant).
+using PhiloxCounter = std::array<std::uint32_t, 4>;
+/// 64-bit Philox key (two 32-bit words).
+using PhiloxKey = std::array<std::uint32_t, 2>;
+
+/// The Philox4x32-10 bijection of `counter` under `key`: ten rounds of two 32x32->64-bit
+/// multiplies, with the key bumped by the Weyl constants between rounds. Matches the
+/// Random123 known-answer vectors (e.g. counter 0, key 0 -> 6627e8d5 e169c58d bc57ac4c
+/// 9b00dbd8).
+constexpr PhiloxCounter philox4x32_10(PhiloxCounter ctr, PhiloxKey key) {
+  constexpr std::uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;  // round multipliers
+  constexpr std::uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;  // Weyl key increments
+  for (int r = 0; r < 10; ++r) {
+    if (r > 0) {
+      key[0] += kW0;
+      key[1] += kW1;
+    }
+    const std::uint64_t p0 = std::uint64_t{kM0} * ctr[0];
+    const std::uint64_t p1 = std::uint64_t{kM1} * ctr[2];
+    const auto hi0 = static_cast<std::uint32_t>(p0 >> 32), lo0 = static_cast<std::uint32_t>(p0);
+    const auto hi1 = static_cast<std::uint32_t>(p1 >> 32), lo1 = static_cast<std::uint32_t>(p1);
+    ctr = {hi1 ^ ctr[1] ^ key[0], lo1, hi0 ^ ctr[3] ^ key[1], lo0};
+  }
+  return ctr;
+}
+
+/// The key of a 64-bit seed: its low and high words.
+constexpr PhiloxKey philox_key(std::uint64_t seed) {
+  return {static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32)};
+}
+
+/// Philox output for 64-bit counter value `c` (the upper 64 counter bits are zero).
+constexpr PhiloxCounter philox_block(std::uint64_t c, const PhiloxKey& key) {
+  return philox4x32_10({static_cast<std::uint32_t>(c), static_cast<std::uint32_t>(c >> 32), 0u, 0u}, key);
+}
+
+}  // namespace ops
+
+namespace graph {
+
+namespace random_dist {
+
+// A distribution turns the 4 * kBlock words of one block of counters into P * kBlock
+// elements (P = per_counter). fill(words, j0, cnt, out, i) writes elements [j0, j0 + cnt)
+// of the block to out[0..cnt); `i` is the global index of out[0] (for distributions that
+// read an input element-wise). A distribution that vectorizes computes the whole block
+// and keeps the part asked for, so no element's bits depend on where a task starts.
+
+/// Counters per block.
+inline constexpr int kBlock = 16;
+
+/// Uniform 24-bit float in [0, 1): exact, never 1.
+inline float unit_float(std::uint32_t x) { return static_cast<float>(x >> 8) * 0x1p-24f; }
+inline std::uint64_t word64(std::uint32_t hi, std::uint32_t lo) { return (std::uint64_t{hi} << 32) | lo; }
+/// Uniform 53-bit double in [0, 1).
+inline double unit_double(std::uint32_t hi, std::uint32_t lo) {
+  return static_cast<double>(word64(hi, lo) >> 11) * 0x1p-53;
+}
+
+/// torch.rand: uniform in [0, 1).
+template <Element T>
+struct Uniform {
+  static constexpr const char* name = "rand";
+  static constexpr int per_counter = std::is_same_v<T, double> ? 2 : 4;
+  static constexpr double cost = 2;
+  std::string params() const { return ""; }
+  void bind(const std::vector<NodePtr>&) {}
+  void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t) const {
+    for (int k = 0; k < cnt; ++k) {
+      const int j = j0 + k;
+      if constexpr (std::is_same_v<T, double>) {
+        out[k] = unit_double(w[2 * j], w[2 * j + 1]);
+      } else if constexpr (std::is_same_v<T, bfloat16>) {
+        // 8 random bits: k / 256 is exact in bfloat16, whereas rounding a 24-bit float
+        // could round up to 1.0 and break the [0, 1) contract.
+        out[k] = bfloat16(static_cast<float>(w[j] >> 24) * 0x1p-8f);
+      } else {
+        out[k] = unit_float(w[j]);
+      }
+    }
+  }
+};
+
+/// torch.randn: standard normal by Box-Muller on pairs of uniforms (u1, u2) -> (r cos t,
+/// r sin t), r = sqrt(-2 log u1), t = 2 pi u2. u1 is in (0, 1], so log(0) cannot happen.
+/// Vectorized with xsimd over a whole block; bfloat16 computes in float and rounds.
+template <Element T>
+struct Normal {
+  static constexpr const char* name = "randn";
+  static constexpr int per_counter = std::is_same_v<T, double> ? 2 : 4;
+  static constexpr double cost = 6;
+  std::string params() const { return ""; }
+  void bind(const std::vector<NodePtr>&) {}
+  void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t) const {
+    using S = std::conditional_t<std::is_same_v<T, double>, double, float>;
+    using V = xsimd::batch<S>;
+    constexpr int kPairs = kBlock * per_counter / 2;
+    static_assert(kPairs % V::size == 0, "a block is a whole number of SIMD batches");
+    alignas(64) S u1[kPairs], u2[kPairs], z[2 * kPairs];
+    for (int m = 0; m < kPairs; ++m) {
+      if constexpr (std::is_same_v<S, double>) {
+        u1[m] = static_cast<double>((word64(w[4 * m], w[4 * m + 1]) >> 11) + 1) * 0x1p-53;
+        u2[m] = unit_double(w[4 * m + 2], w[4 * m + 3]);
+      } else {
+        u1[m] = static_cast<float>((w[2 * m] >> 8) + 1) * 0x1p-24f;
+        u2[m] = unit_float(w[2 * m + 1]);
+      }
+    }
+    for (int m = 0; m < kPairs; m += static_cast<int>(V::size)) {
+      const V r = xsimd::sqrt(V(S(-2)) * xsimd::log(V::load_aligned(u1 + m)));
+      const auto [sn, cs] = xsimd::sincos(V(S(2) * std::numbers::pi_v<S>) * V::load_aligned(u2 + m));
+      alignas(64) S c[V::size], s[V::size];
+      (r * cs).store_aligned(c);
+      (r * sn).store_aligned(s);
+      for (std::size_t l = 0; l < V::size; ++l) {
+        z[2 * (m + static_cast<int>(l))] = c[l];
+        z[2 * (m + static_cast<int>(l)) + 1] = s[l];
+      }
+    }
+    for (int k = 0; k < cnt; ++k) out[k] = static_cast<T>(z[j0 + k]);
+  }
+};
+
+/// torch.randint: integers in [low, high). A 64-bit draw modulo the range: the bias is at
+/// most range / 2^64, far below anything a test can see.
+template <Element T>
+struct RandInt {
+  static constexpr const char* name = "randint";
+  static constexpr int per_counter = 2;
+  static constexpr double cost = 3;
+  std::int64_t low;
+  std::uint64_t range;
+  std::string params() const {
+    return "low=" + std::to_string(low) + ", high=" + std::to_string(static_cast<std::int64_t>(static_cast<std::uint64_t>(low) + range));
+  }
+  void bind(const std::vector<NodePtr>&) {}
+  void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t) const {
+    for (int k = 0; k < cnt; ++k) {
+      const int j = j0 + k;
+      // Unsigned arithmetic: low + v may pass through values outside int64 mid-way.
+      const std::uint64_t v = static_cast<std::uint64_t>(low) + word64(w[2 * j], w[2 * j + 1]) % range;
+      out[k] = static_cast<T>(static_cast<std::int64_t>(v));
+    }
+  }
+};
+
+/// torch.bernoulli with one probability: 1 with probability p, else 0.
+template <Element T>
+struct Bernoulli {
+  static constexpr const char* name = "bernoulli";
+  static constexpr int per_counter = 4;
+  static constexpr double cost = 2;
+  double p;
+  std::string params() const { return "p=" + std::to_string(p); }
+  void bind(const std::vector<NodePtr>&) {}
+  void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t) const {
+    // u = x / 2^32 in [0, 1): p = 0 never fires, p = 1 always does.
+    for (int k = 0; k < cnt; ++k) out[k] = static_cast<T>(static_cast<double>(w[j0 + k]) * 0x1p-32 < p);
+  }
+};
+
+/// torch.bernoulli(probs): element i is 1 with probability probs[i]. Probabilities outside
+/// [0, 1] (or NaN) raise lazy::Error when the kernel runs.
+template <Element T>
+struct BernoulliTensor {
+  static constexpr const char* name = "bernoulli";
+  static constexpr int per_counter = 4;
+  static constexpr double cost = 3;
+  const T* probs = nullptr;
+  std::string params() const { return "p=%0"; }
+  void bind(const std::vector<NodePtr>& ins) { probs = ins[0]->template data<T>(); }
+  void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t i) const {
+    for (int k = 0; k < cnt; ++k) {
+      const double p = static_cast<double>(static_cast<compute_t<T>>(probs[i + k]));
+      if (!(p >= 0.0 && p <= 1.0)) {
+        throw Error("bernoulli: expected every probability in [0, 1], found " + std::to_string(p) + " at element " +
+                    std::to_string(i + k));
+      }
+      out[k] = static_cast<T>(static_cast<double>(w[j0 + k]) * 0x1p-32 < p);
+    }
+  }
+};
+
+}  // namespace random_dist
+
+/// A tensor of random values drawn from distribution D with counters offset.. of `seed`.
+template <Element T, class D>
+class RandomNode final : public Node {
+ public:
+  RandomNode(D dist, Shape shape, Device* device, std::uint64_t seed, std::uint64_t offset,
+             std::vector<NodePtr> inputs = {})
+      : Node(NodeKind::Random, dtype_of<T>(), shape, device, std::move(inputs)), dist_(dist), seed_(seed),
+        offset_(offset) {}
+
+  std::string op_name() const override { return D::name; }
+  std::string describe() const override {
+    const std::string p = dist_.params();
+    return std::string(D::name) + "(" + p + (p.empty() ? "" : ", ") + "offset=" + std::to_string(offset_) + ")";
+  }
+  double cost_per_element() const override { return D::cost; }
+  /// Shape, dtype and distribution only: a new seed or offset every step must not make the
+  /// plan look new (the values are data, as a learning rate is).
+  std::uint64_t structural_hash() const override { return Node::structural_hash(); }
+
+  std::uint64_t seed() const { return seed_; }
+  std::uint64_t offset() const { return offset_; }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    D d = dist_;
+    d.bind(inputs());  // input pointers first (house rule)
+    // No donation: bernoulli(probs) may throw half-way, and must leave its input intact.
+    auto buf = allocate_output(ctx, false);
+    T* out = static_cast<T*>(buf->data());
+    const std::int64_t n = numel();
+    constexpr std::int64_t E = std::int64_t{random_dist::kBlock} * D::per_counter;  // elements per block
+    const auto key = ops::philox_key(seed_);
+    auto& pool = ctx.device.threads();
+    const std::int64_t tasks = task_count(pool, n, D::cost);
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      // Tasks start on block boundaries (no block computed twice), but the values depend
+      // only on the element index either way.
+      auto [b, e] = task_range(n, tasks, t, E);
+      std::uint32_t words[4 * random_dist::kBlock];
+      for (std::int64_t i = b; i < e;) {
+        const std::int64_t blk = i / E;
+        const std::uint64_t c0 = offset_ + static_cast<std::uint64_t>(blk) * random_dist::kBlock;
+        for (int c = 0; c < random_dist::kBlock; ++c) {
+          const auto r = ops::philox_block(c0 + static_cast<std::uint64_t>(c), key);
+          for (int k = 0; k < 4; ++k) words[4 * c + k] = r[k];
+        }
+        const int j0 = static_cast<int>(i - blk * E);
+        const int cnt = static_cast<int>(std::min<std::int64_t>(E - j0, e - i));
+        d.fill(words, j0, cnt, out + i, i);
+        i += cnt;
+      }
+    });
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  D dist_;
+  std::uint64_t seed_, offset_;
+};
+
+}  // namespace graph
+
+namespace detail::random_ops {
+
+/// Reserves the counters of `n` elements from the device stream and builds the node.
+template <Element T, class D>
+Tensor<T> make_random(D dist, const Shape& shape, const Device& dev, std::vector<graph::NodePtr> inputs = {}) {
+  graph::Device& eng = dev.engine();
+  auto& rng = eng.rng();
+  const auto blocks = static_cast<std::uint64_t>((shape.numel() + D::per_counter - 1) / D::per_counter);
+  const std::uint64_t offset = rng.offset;
+  rng.offset += blocks;
+  return Tensor<T>(graph::submit(
+      std::make_shared<graph::RandomNode<T, D>>(dist, shape, &eng, rng.seed, offset, std::move(inputs))));
+}
+
+template <class T>
+constexpr std::int64_t exact_integer_limit() {
+  if constexpr (std::is_same_v<T, bfloat16>) return std::int64_t{1} << 8;
+  else if constexpr (std::is_same_v<T, float>) return std::int64_t{1} << 24;
+  else return std::int64_t{1} << 53;
+}
+
+}  // namespace detail::random_ops
+
+/// Seeds the current device's random stream; alias of set_rng_state (torch.manual_seed).
+inline void manual_seed(std::uint64_t seed) { set_rng_state(seed); }
+
+/// Uniform values in [0, 1) (torch.rand). T: float, double or bfloat16. Lazy: drawn when
+/// the tensor is materialized, identical whatever the thread count.
+template <Element T>
+  requires is_floating_v<T>
+Tensor<T> rand(const Shape& shape, Device dev = device()) {
+  return detail::random_ops::make_random<T>(graph::random_dist::Uniform<T>{}, shape, dev);
+}
+
+/// Standard normal values (torch.randn). T: float, double or bfloat16.
+template <Element T>
+  requires is_floating_v<T>
+Tensor<T> randn(const Shape& shape, Device dev = device()) {
+  return detail::random_ops::make_random<T>(graph::random_dist::Normal<T>{}, shape, dev);
+}
+
+/// rand with t's shape and device.
+template <Element T>
+  requires is_floating_v<T>
+Tensor<T> rand_like(const Tensor<T>& t) {
+  return rand<T>(t.shape(), t.device());
+}
+/// randn with t's shape and device.
+template <Element T>
+  requires is_floating_v<T>
+Tensor<T> randn_like(const Tensor<T>& t) {
+  return randn<T>(t.shape(), t.device());
+}
+
+/// Integers uniform in [low, high) (torch.randint), stored as T (int32, int64, float,
+/// double or bfloat16; default int64). lazy::Error when low >= high or when a bound does
+/// not fit T (exactly, for floating T).
+template <Element T = std::int64_t>
+  requires(!std::is_same_v<T, bool>)
+Tensor<T> randint(std::int64_t low, std::int64_t high, const Shape& shape, Device dev = device()) {
+  if (low >= high) {
+    throw Error("randint: expected low < high, got low=" + std::to_string(low) + ", high=" + std::to_string(high));
+  }
+  if constexpr (is_integral_v<T>) {
+    if (low < std::numeric_limits<T>::min() || high - 1 > std::numeric_limits<T>::max()) {
+      throw Error("randint: range [" + std::to_string(low) + ", " + std::to_string(high) + ") does not fit " +
+                  dtype_name(dtype_of<T>()));
+    }
+  } else {
+    constexpr std::int64_t lim = detail::random_ops::exact_integer_limit<T>();
+    if (low < -lim || high > lim) {
+      throw Error("randint: range [" + std::to_string(low) + ", " + std::to_string(high) + ") is not exactly " +
+                  "representable in " + dtype_name(dtype_of<T>()) + " (expected bounds within +-" +
+                  std::to_string(lim) + ")");
+    }
+  }
+  const std::uint64_t range = static_cast<std::uint64_t>(high) - static_cast<std::uint64_t>(low);
+  return detail::random_ops::make_random<T>(graph::random_dist::RandInt<T>{low, range}, shape, dev);
+}
+
+/// Integers uniform in [0, high) (torch.randint(high, size)).
+template <Element T = std::int64_t>
+  requires(!std::is_same_v<T, bool>)
+Tensor<T> randint(std::int64_t high, const Shape& shape, Device dev = device()) {
+  return randint<T>(0, high, shape, dev);
+}
+
+/// 1 with probability p, else 0, for every element (torch.empty(shape).bernoulli_(p)).
+/// T: any element type (bool gives true/false). lazy::Error unless 0 <= p <= 1.
+template <Element T>
+Tensor<T> bernoulli(double p, const Shape& shape, Device dev = device()) {
+  if (!(p >= 0.0 && p <= 1.0)) {
+    throw Error("bernoulli: expected 0 <= p <= 1, got p=" + std::to_string(p));
+  }
+  return detail::random_ops::make_random<T>(graph::random_dist::Bernoulli<T>{p}, shape, dev);
+}
+
+/// Element i is 1 with probability probs[i], else 0 (torch.bernoulli(probs)); the result
+/// has probs' shape, dtype and device. probs: a floating tensor or expression; values
+/// outside [0, 1] raise lazy::Error when the kernel runs (next mark_step or read).
+template <expr::ExprLike X>
+  requires is_floating_v<expr::value_t<X>>
+auto bernoulli(const X& probs) {
+  using T = expr::value_t<X>;
+  Tensor<T> p = [&] {
+    if constexpr (std::is_same_v<X, Tensor<T>>) return probs;
+    else if constexpr (expr::is_expr_node<X>::value) return Tensor<T>(probs);
+    else return Tensor<T>(probs.to_leaf().node);
+  }();
+  return detail::random_ops::make_random<T>(graph::random_dist::BernoulliTensor<T>{}, p.shape(), p.device(),
+                                            {p.node()});
+}
+
+}  // namespace lazy
+// ---- end lazytensor/ops/random.hpp ----
+// ---- begin lazytensor/ops/reduction.hpp ----
+// Reductions: sum mean prod max min amax amin argmax argmin any all logsumexp norm.
+// Each takes a tensor or an element-wise expression (fused into the reduction loop) and
+// returns a pending tensor.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
-#include <Eigen/Core>
-
-// ---- begin lazytensor/graph/transpose_hint.hpp ----
-// A node that is the transpose of its input's last two dimensions can say so, so that a
-// GEMM reads the source with a transposed layout instead of waiting for the copy.
-
-
-namespace lazy::graph {
-
-/// Implemented by nodes whose value is `source()` with its last two dimensions swapped.
-class TransposeOfLastTwo {
- public:
-  virtual ~TransposeOfLastTwo() = default;
-  virtual const NodePtr& transpose_source() const = 0;
-};
-
-}  // namespace lazy::graph
-// ---- end lazytensor/graph/transpose_hint.hpp ----
 // ---- begin lazytensor/ops/shape.hpp ----
 // Shape ops, all lazy.
 //  - Views (reshape/view, flatten, squeeze, unsqueeze) are nodes whose kernel shares the
@@ -3241,12 +11915,203 @@ class TransposeOfLastTwo {
 #include <utility>
 #include <vector>
 
+// ---- begin lazytensor/graph/transpose_hint.hpp ----
+// A node that is the transpose of its input's last two dimensions can say so, so that a
+// GEMM reads the source with a transposed layout instead of waiting for the copy.
+
+
+namespace lazy::graph {
+
+/// Implemented by nodes whose value is `source()` with its last two dimensions swapped.
+class TransposeOfLastTwo {
+ public:
+  virtual ~TransposeOfLastTwo() = default;
+  virtual const NodePtr& transpose_source() const = 0;
+};
+
+}  // namespace lazy::graph
+// ---- end lazytensor/graph/transpose_hint.hpp ----
+// ---- begin lazytensor/ops/shape_backward.hpp ----
+// Kernels that only backward passes need: the adjoints of slicing, index_select and gather
+// (write or add a gradient into a zero tensor of the input's shape). Accumulation order is
+// fixed (by index position), and work is split only where no two tasks touch the same
+// output element, so results do not depend on the thread count.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+
+namespace lazy::graph {
+
+/// The gradient of a slice: zeros of the input's shape with `g` at the sliced positions.
+template <Element T>
+class SliceBackwardNode final : public Node {
+ public:
+  SliceBackwardNode(NodePtr g, Shape in_shape, int dim, std::int64_t start, std::int64_t step)
+      : Node(NodeKind::Copy, dtype_of<T>(), in_shape, g->device(), {g}), dim_(dim), start_(start), step_(step) {}
+  std::string op_name() const override { return "slice_backward"; }
+  std::uint64_t structural_hash() const override {
+    return hash_combine(hash_combine(hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_)),
+                                     static_cast<std::uint64_t>(start_)),
+                        static_cast<std::uint64_t>(step_));
+  }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    const T* g = inputs()[0]->template data<T>();
+    const Shape& gs = inputs()[0]->shape();
+    auto buf = allocate_output(ctx, false);
+    T* out = static_cast<T*>(buf->data());
+    const Shape& s = shape();
+    std::int64_t outer = 1, inner = 1;
+    for (int d = 0; d < dim_; ++d) outer *= s[d];
+    for (int d = dim_ + 1; d < s.rank(); ++d) inner *= s[d];
+    const std::int64_t dsize = s[dim_], len = gs[dim_];
+    auto& pool = ctx.device.threads();
+    const std::int64_t tasks = std::max<std::int64_t>(1, std::min(outer, task_count(pool, numel(), 1.0)));
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      auto [o0, o1] = task_range(outer, tasks, t);
+      for (std::int64_t o = o0; o < o1; ++o) {
+        T* row = out + o * dsize * inner;
+        std::fill(row, row + dsize * inner, T(0));
+        for (std::int64_t k = 0; k < len; ++k) {
+          std::memcpy(row + (start_ + k * step_) * inner, g + (o * len + k) * inner,
+                      static_cast<std::size_t>(inner) * sizeof(T));
+        }
+      }
+    });
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  int dim_;
+  std::int64_t start_, step_;
+};
+
+/// index_add into zeros: out[.., index[k], ..] += g[.., k, ..] along `dim` (the gradient of
+/// index_select; embeddings). Tasks split the (outer, inner) plane, each adding over k in
+/// order.
+template <Element T, IndexElement I>
+class IndexAddNode final : public Node {
+ public:
+  IndexAddNode(NodePtr g, NodePtr index, Shape in_shape, int dim)
+      : Node(NodeKind::Copy, dtype_of<T>(), in_shape, g->device(), {g, index}), dim_(dim) {}
+  std::string op_name() const override { return "index_add"; }
+  std::uint64_t structural_hash() const override {
+    return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
+  }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    const T* g = inputs()[0]->template data<T>();
+    const I* idx = inputs()[1]->template data<I>();
+    const std::int64_t K = inputs()[1]->numel();
+    auto buf = allocate_output(ctx, false);
+    T* out = static_cast<T*>(buf->data());
+    const Shape& s = shape();
+    std::int64_t outer = 1, inner = 1;
+    for (int d = 0; d < dim_; ++d) outer *= s[d];
+    for (int d = dim_ + 1; d < s.rank(); ++d) inner *= s[d];
+    const std::int64_t dsize = s.rank() ? s[dim_] : 1;
+    for (std::int64_t k = 0; k < K; ++k) {
+      if (idx[k] < 0 || idx[k] >= dsize) {
+        throw IndexError("index_add: index " + std::to_string(idx[k]) + " is out of range for dimension " +
+                         std::to_string(dim_) + " with size " + std::to_string(dsize));
+      }
+    }
+    using C = compute_t<T>;
+    constexpr std::int64_t kCols = 256;
+    const std::int64_t chunks = (inner + kCols - 1) / kCols, units = outer * chunks;
+    auto& pool = ctx.device.threads();
+    const std::int64_t tasks = std::max<std::int64_t>(1, std::min(units, task_count(pool, numel() + K * inner, 1.0)));
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      auto [u0, u1] = task_range(units, tasks, t);
+      for (std::int64_t u = u0; u < u1; ++u) {
+        const std::int64_t o = u / chunks, j0 = (u % chunks) * kCols, j1 = std::min(inner, j0 + kCols);
+        T* base = out + o * dsize * inner;
+        for (std::int64_t r = 0; r < dsize; ++r) std::fill(base + r * inner + j0, base + r * inner + j1, T(0));
+        for (std::int64_t k = 0; k < K; ++k) {
+          T* dst = base + static_cast<std::int64_t>(idx[k]) * inner;
+          const T* src = g + (o * K + k) * inner;
+          for (std::int64_t j = j0; j < j1; ++j) dst[j] = static_cast<T>(static_cast<C>(dst[j]) + static_cast<C>(src[j]));
+        }
+      }
+    });
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  int dim_;
+};
+
+/// scatter_add into zeros: out[.., index[p], ..] += g[p] along `dim` for every position p of
+/// the index (the gradient of gather). Positions that differ outside `dim` never collide,
+/// so tasks split the index's outermost other dimension.
+template <Element T, IndexElement I>
+class ScatterAddNode final : public Node {
+ public:
+  ScatterAddNode(NodePtr g, NodePtr index, Shape in_shape, int dim)
+      : Node(NodeKind::Copy, dtype_of<T>(), in_shape, g->device(), {g, index}), dim_(dim) {}
+  std::string op_name() const override { return "scatter_add"; }
+  std::uint64_t structural_hash() const override {
+    return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
+  }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    const T* g = inputs()[0]->template data<T>();
+    const I* idx = inputs()[1]->template data<I>();
+    Shape xs = inputs()[1]->shape(), ts = shape();
+    if (xs.rank() == 0) xs = Shape{1};
+    if (ts.rank() == 0) ts = Shape{1};
+    auto buf = allocate_output(ctx, false);
+    T* out = static_cast<T*>(buf->data());
+    std::fill(out, out + numel(), T(0));
+    const int R = xs.rank();
+    const std::int64_t n = xs.numel(), dsize = ts[dim_];
+    const auto xst = contiguous_strides(xs), tst = contiguous_strides(ts);
+    // Split over the outermost dim other than `dim` (all of it in one task when none).
+    const int split = dim_ == 0 ? (R > 1 ? 1 : -1) : 0;
+    const std::int64_t parts = split < 0 ? 1 : xs[split];
+    auto& pool = ctx.device.threads();
+    const std::int64_t tasks = std::max<std::int64_t>(1, std::min(parts, task_count(pool, n, 2.0)));
+    using C = compute_t<T>;
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      auto [p0, p1] = task_range(parts, tasks, t);
+      for (std::int64_t p = 0; p < n; ++p) {
+        // Coordinates of p in the index; the target replaces coordinate `dim`.
+        std::int64_t rem = p, at = 0, part = 0;
+        for (int d = 0; d < R; ++d) {
+          const std::int64_t c = rem / xst[d];
+          rem %= xst[d];
+          if (d == split) part = c;
+          if (d != dim_) at += c * tst[d];
+        }
+        if (split >= 0 && (part < p0 || part >= p1)) continue;
+        if (split < 0 && t != 0) continue;
+        const auto k = static_cast<std::int64_t>(idx[p]);
+        if (k < 0 || k >= dsize) {
+          throw IndexError("scatter_add: index " + std::to_string(k) + " is out of bounds for dimension " +
+                           std::to_string(dim_) + " with size " + std::to_string(dsize));
+        }
+        T& dst = out[at + k * tst[dim_]];
+        dst = static_cast<T>(static_cast<C>(dst) + static_cast<C>(g[p]));
+      }
+    });
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  int dim_;
+};
+
+}  // namespace lazy::graph
+// ---- end lazytensor/ops/shape_backward.hpp ----
 
 namespace lazy {
 
-/// Element types accepted for index tensors (index_select, gather, one_hot).
-template <class I>
-concept IndexElement = std::is_same_v<I, std::int32_t> || std::is_same_v<I, std::int64_t>;
 
 namespace graph {
 
@@ -3834,9 +12699,13 @@ inline std::span<const std::int64_t> span_of(const Shape& s) { return {s.begin()
 template <Element T>
 Tensor<T> view_of(const Tensor<T>& t, const Shape& shape, const char* op) {
   graph::NodePtr src = t.node();
-  if (src->shape() == shape) return Tensor<T>(src);
-  if (!src->materialized() && dynamic_cast<graph::ViewNode*>(src.get())) src = src->inputs()[0];
-  return Tensor<T>(graph::submit(std::make_shared<graph::ViewNode>(op, std::move(src), shape)));
+  if (src->shape() == shape) return t;
+  if (src->pending() && dynamic_cast<graph::ViewNode*>(src.get())) src = src->inputs()[0];
+  Tensor<T> r(graph::submit(std::make_shared<graph::ViewNode>(op, std::move(src), shape)));
+  autograd::record(r, "ViewBackward0", {autograd::edge_of(t.impl())}, [in = t.shape()](const Tensor<T>& g) {
+    return std::vector<graph::NodePtr>{view_of(g, in, "view").node()};
+  });
+  return r;
 }
 
 /// Resolves a size list with at most one -1 against `numel` (torch's infer_size).
@@ -3888,14 +12757,19 @@ Tensor<T> permute_impl(const Tensor<T>& t, std::vector<int> perm, const char* op
   const graph::NodePtr& n = t.node();
   bool identity = true;
   for (std::size_t i = 0; i < perm.size(); ++i) identity = identity && perm[i] == static_cast<int>(i);
-  if (identity) return Tensor<T>(n);
+  if (identity) return t;
   if (graph::PermuteNode::make_plan(n->shape(), perm).keeps_order()) {
     return view_of(t, graph::PermuteNode::permuted_shape(n->shape(), perm), op);
   }
-  if (perm == graph::TransposeNode::last_two(static_cast<int>(perm.size()))) {
-    return Tensor<T>(graph::submit(std::make_shared<graph::TransposeNode>(n)));
-  }
-  return Tensor<T>(graph::submit(std::make_shared<graph::PermuteNode>(n, std::move(perm), op)));
+  std::vector<int> inverse(perm.size());
+  for (std::size_t i = 0; i < perm.size(); ++i) inverse[static_cast<std::size_t>(perm[i])] = static_cast<int>(i);
+  Tensor<T> r = perm == graph::TransposeNode::last_two(static_cast<int>(perm.size()))
+                    ? Tensor<T>(graph::submit(std::make_shared<graph::TransposeNode>(n)))
+                    : Tensor<T>(graph::submit(std::make_shared<graph::PermuteNode>(n, std::move(perm), op)));
+  autograd::record(r, "PermuteBackward0", {autograd::edge_of(t.impl())}, [inverse](const Tensor<T>& g) {
+    return std::vector<graph::NodePtr>{permute_impl(g, inverse, "permute").node()};
+  });
+  return r;
 }
 
 template <expr::ExprLike X>
@@ -3937,9 +12811,31 @@ auto expand_impl(const X& x, std::span<const std::int64_t> sizes) {
       out.push_back(v);
     }
   }
-  if (out == s) return Tensor<T>(t.node());
-  // The element-wise node broadcasts its leaves to `out`: a splat per expanded dim.
-  return Tensor<T>(graph::make_elementwise<T>(expr::make<ops::Identity>(t), out));
+  if (out == s) return t;
+  // The element-wise node broadcasts its leaves to `out`: a splat per expanded dim (and
+  // its gradient sums back over them).
+  return evaluate_as<T>(expr::make<ops::Identity>(t), out);
+}
+
+/// Records the backward of a slice of `t` (the gradient lands in zeros of t's shape).
+template <Element T>
+void record_slice(Tensor<T>& r, const Tensor<T>& t, int d, std::int64_t start, std::int64_t step) {
+  if constexpr (is_floating_v<T>) {
+    autograd::record(r, "SliceBackward0", {autograd::edge_of(t.impl())},
+                     [in = t.shape(), d, start, step](const Tensor<T>& g) {
+                       return std::vector<graph::NodePtr>{graph::submit(
+                           std::make_shared<graph::SliceBackwardNode<T>>(g.node(), in, d, start, step))};
+                     });
+  }
+}
+
+/// Autograd edges of a list of tensors.
+template <Element T>
+std::vector<autograd::GradFnPtr> edges_of(const std::vector<Tensor<T>>& ts) {
+  std::vector<autograd::GradFnPtr> e;
+  e.reserve(ts.size());
+  for (const auto& t : ts) e.push_back(autograd::edge_of(t.impl()));
+  return e;
 }
 
 template <Element T>
@@ -4095,7 +12991,7 @@ auto transpose(const X& x, std::int64_t d0, std::int64_t d1) {
   auto t = detail::shape_ops::as_tensor(x);
   const int r = t.dim();
   const int a = normalize_dim(d0, r, "transpose"), b = normalize_dim(d1, r, "transpose");
-  if (a == b || r == 0) return Tensor<typename decltype(t)::value_type>(t.node());
+  if (a == b || r == 0) return t;
   std::vector<int> perm(static_cast<std::size_t>(r));
   for (int i = 0; i < r; ++i) perm[i] = i;
   std::swap(perm[a], perm[b]);
@@ -4154,10 +13050,12 @@ auto slice(const X& x, std::int64_t dim, std::int64_t start = 0,
   start = std::clamp<std::int64_t>(start, 0, size);
   end = std::clamp<std::int64_t>(end, start, size);
   const std::int64_t len = (end - start + step - 1) / step;
-  if (start == 0 && len == size && (step == 1 || size <= 1)) return Tensor<T>(t.node());
+  if (start == 0 && len == size && (step == 1 || size <= 1)) return t;
   Shape out = s;
   out[d] = len;
-  return Tensor<T>(graph::submit(std::make_shared<graph::SliceNode>("slice", t.node(), d, start, step, out)));
+  Tensor<T> r(graph::submit(std::make_shared<graph::SliceNode>("slice", t.node(), d, start, step, out)));
+  detail::shape_ops::record_slice(r, t, d, start, step);
+  return r;
 }
 
 /// `length` elements from `start` along `dim` (torch.narrow). start may be negative
@@ -4180,10 +13078,12 @@ auto narrow(const X& x, std::int64_t dim, std::int64_t start, std::int64_t lengt
     throw ShapeError("narrow: start (" + std::to_string(start) + ") + length (" + std::to_string(length) +
                      ") exceeds dimension size (" + std::to_string(size) + ") of dimension " + std::to_string(d));
   }
-  if (start == 0 && length == size) return Tensor<T>(t.node());
+  if (start == 0 && length == size) return t;
   Shape out = s;
   out[d] = length;
-  return Tensor<T>(graph::submit(std::make_shared<graph::SliceNode>("narrow", t.node(), d, start, 1, out)));
+  Tensor<T> r(graph::submit(std::make_shared<graph::SliceNode>("narrow", t.node(), d, start, 1, out)));
+  detail::shape_ops::record_slice(r, t, d, start, 1);
+  return r;
 }
 
 // ---- cat / stack ----------------------------------------------------------------------------
@@ -4197,7 +13097,7 @@ Tensor<T> cat(const std::vector<Tensor<T>>& tensors, std::int64_t dim = 0) {
   std::vector<Tensor<T>> ts;
   for (const auto& t : tensors)
     if (!(t.dim() == 1 && t.numel() == 0)) ts.push_back(t);
-  if (ts.empty()) return Tensor<T>(tensors.front().node());
+  if (ts.empty()) return tensors.front();
   const Shape& ref = ts.front().shape();
   const int r = ref.rank();
   if (r == 0) throw ShapeError("cat: zero-dimensional tensor (at position 0) cannot be concatenated (expected rank >= 1)");
@@ -4220,7 +13120,7 @@ Tensor<T> cat(const std::vector<Tensor<T>>& tensors, std::int64_t dim = 0) {
   }
   auto nodes = detail::shape_ops::nodes_of(ts);
   graph::Device& dev = graph::common_device(nodes, "cat");
-  if (ts.size() == 1) return Tensor<T>(nodes.front());
+  if (ts.size() == 1) return ts.front();
   std::int64_t outer = 1, inner = 1, total = 0;
   for (int k = 0; k < d; ++k) outer *= ref[k];
   for (int k = d + 1; k < r; ++k) inner *= ref[k];
@@ -4231,8 +13131,20 @@ Tensor<T> cat(const std::vector<Tensor<T>>& tensors, std::int64_t dim = 0) {
   }
   Shape out = ref;
   out[d] = total;
-  return Tensor<T>(graph::submit(
+  Tensor<T> result(graph::submit(
       std::make_shared<graph::CatNode>("cat", dtype_of<T>(), std::move(nodes), out, &dev, outer, std::move(widths))));
+  std::vector<std::int64_t> sizes;
+  for (const auto& t : ts) sizes.push_back(t.shape()[d]);
+  autograd::record(result, "CatBackward0", detail::shape_ops::edges_of(ts), [sizes, d](const Tensor<T>& g) {
+    std::vector<graph::NodePtr> gs;
+    std::int64_t off = 0;
+    for (auto len : sizes) {
+      gs.push_back(narrow(g, d, off, len).node());
+      off += len;
+    }
+    return gs;
+  });
+  return result;
 }
 /// cat with a braced list: cat({a, b}, 1).
 template <Element T>
@@ -4268,8 +13180,17 @@ Tensor<T> stack(const std::vector<Tensor<T>>& tensors, std::int64_t dim = 0) {
     if (k < ref.rank()) out.push_back(ref[k]);
   }
   std::vector<std::int64_t> widths(tensors.size(), inner);
-  return Tensor<T>(graph::submit(
+  Tensor<T> r(graph::submit(
       std::make_shared<graph::CatNode>("stack", dtype_of<T>(), std::move(nodes), out, &dev, outer, std::move(widths))));
+  autograd::record(r, "StackBackward0", detail::shape_ops::edges_of(tensors),
+                   [n = tensors.size(), d, ref](const Tensor<T>& g) {
+                     std::vector<graph::NodePtr> gs;
+                     for (std::size_t i = 0; i < n; ++i) {
+                       gs.push_back(reshape(narrow(g, d, static_cast<std::int64_t>(i), 1), ref).node());
+                     }
+                     return gs;
+                   });
+  return r;
 }
 /// stack with a braced list: stack({a, b}, 0).
 template <Element T>
@@ -4301,7 +13222,15 @@ auto index_select(const X& x, std::int64_t dim, const Tensor<I>& index) {
     out[d] = index.numel();
   }
   graph::common_device({t.node(), index.node()}, "index_select");
-  return Tensor<T>(graph::submit(std::make_shared<graph::IndexSelectNode<I>>(t.node(), index.node(), d, out)));
+  Tensor<T> r(graph::submit(std::make_shared<graph::IndexSelectNode<I>>(t.node(), index.node(), d, out)));
+  if constexpr (is_floating_v<T>) {
+    autograd::record(r, "IndexSelectBackward0", {autograd::edge_of(t.impl())},
+                     [in = s, d, idx = index.detach()](const Tensor<T>& g) {
+                       return std::vector<graph::NodePtr>{
+                           graph::submit(std::make_shared<graph::IndexAddNode<T, I>>(g.node(), idx.node(), in, d))};
+                     });
+  }
+  return r;
 }
 
 /// torch.gather: out[i][j][k] = x[index[i][j][k]][j][k] for dim 0 (likewise for the other
@@ -4327,7 +13256,15 @@ auto gather(const X& x, std::int64_t dim, const Tensor<I>& index) {
     }
   }
   graph::common_device({t.node(), index.node()}, "gather");
-  return Tensor<T>(graph::submit(std::make_shared<graph::GatherNode<I>>(t.node(), index.node(), d)));
+  Tensor<T> r(graph::submit(std::make_shared<graph::GatherNode<I>>(t.node(), index.node(), d)));
+  if constexpr (is_floating_v<T>) {
+    autograd::record(r, "GatherBackward0", {autograd::edge_of(t.impl())},
+                     [in = s, d, idx = index.detach()](const Tensor<T>& g) {
+                       return std::vector<graph::NodePtr>{
+                           graph::submit(std::make_shared<graph::ScatterAddNode<T, I>>(g.node(), idx.node(), in, d))};
+                     });
+  }
+  return r;
 }
 
 /// torch.nn.functional.one_hot: int64 tensor of shape index.shape + (num_classes,) with a 1
@@ -4360,1035 +13297,6 @@ Tensor<std::int64_t> one_hot(const Tensor<I>& index, std::int64_t num_classes = 
 
 }  // namespace lazy
 // ---- end lazytensor/ops/shape.hpp ----
-
-namespace lazy {
-
-namespace graph {
-
-/// C[b] = op(A[b]) * op(B[b]) for a batch of row-major matrices; op is identity or
-/// transpose. A batch count of 1 on either side broadcasts.
-template <Element T>
-class GemmNode final : public Node, public RowProducer {
- public:
-  struct Operand {
-    NodePtr node;
-    bool transposed;  ///< the node holds [.., cols, rows] and is read transposed
-  };
-
-  GemmNode(Operand a, Operand b, std::int64_t batch_a, std::int64_t batch_b, std::int64_t m, std::int64_t k,
-           std::int64_t n, Shape out_shape, Device* device)
-      : Node(NodeKind::Gemm, dtype_of<T>(), out_shape, device, {a.node, b.node}), ta_(a.transposed),
-        tb_(b.transposed), batch_a_(batch_a), batch_b_(batch_b), m_(m), k_(k), n_(n) {}
-
-  std::string op_name() const override { return "matmul"; }
-  std::string describe() const override {
-    return std::string("matmul(%0") + (ta_ ? "^T" : "") + ", %1" + (tb_ ? "^T" : "") + ") [" + std::to_string(m_) +
-           "x" + std::to_string(k_) + "] x [" + std::to_string(k_) + "x" + std::to_string(n_) + "]";
-  }
-  double cost_per_element() const override { return 2.0 * static_cast<double>(k_); }
-  std::uint64_t structural_hash() const override {
-    return hash_combine(Node::structural_hash(), (ta_ ? 1u : 0u) | (tb_ ? 2u : 0u));
-  }
-
-  void produce_rows(void* out, std::int64_t r0, std::int64_t r1) override {
-    T* c = static_cast<T*>(out);
-    const T* a = inputs()[0]->template data<T>();
-    const T* b = inputs()[1]->template data<T>();
-    // Rows of the output run over (batch, m); a range may span several batches.
-    while (r0 < r1) {
-      const std::int64_t bi = r0 / m_, row = r0 % m_;
-      const std::int64_t rows = std::min(r1 - r0, m_ - row);
-      gemm_block(a + (batch_a_ == 1 ? 0 : bi) * m_ * k_, b + (batch_b_ == 1 ? 0 : bi) * k_ * n_,
-                 c + r0 * n_, row, rows);
-      r0 += rows;
-    }
-  }
-
- protected:
-  void compute(ExecContext& ctx) override {
-    auto buf = allocate_output(ctx, false);
-    auto& pool = ctx.device.threads();
-    const std::int64_t rows = m_ * std::max(batch_a_, batch_b_);
-    if (n_ == 0 || rows == 0) {
-      set_buffer(std::move(buf));
-      return;
-    }
-    if (k_ == 0) {
-      std::fill_n(static_cast<T*>(buf->data()), rows * n_, T(0));
-      set_buffer(std::move(buf));
-      return;
-    }
-    const std::int64_t tasks = std::min<std::int64_t>(task_count(pool, rows * n_, cost_per_element()), (rows + 7) / 8);
-    void* out = buf->data();
-    pool.parallel_for(std::max<std::int64_t>(tasks, 1), [&](std::int64_t t) {
-      auto [r0, r1] = task_range(rows, std::max<std::int64_t>(tasks, 1), t);
-      produce_rows(out, r0, r1);
-    });
-    set_buffer(std::move(buf));
-  }
-
- private:
-  using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  using CMap = Eigen::Map<const Mat>;
-
-  // Rows [row, row + rows) of op(A) * op(B) for one batch, into c (already offset).
-  void gemm_block(const T* a, const T* b, T* c, std::int64_t row, std::int64_t rows) const {
-    Eigen::Map<Mat> C(c, rows, n_);
-    if (k_ == 0) {
-      C.setZero();
-      return;
-    }
-    auto run = [&](const auto& A) {
-      if (tb_) C.noalias() = A * CMap(b, n_, k_).transpose();
-      else C.noalias() = A * CMap(b, k_, n_);
-    };
-    if (ta_) run(CMap(a, k_, m_).middleCols(row, rows).transpose());
-    else run(CMap(a, m_, k_).middleRows(row, rows));
-  }
-
-  bool ta_, tb_;
-  std::int64_t batch_a_, batch_b_, m_, k_, n_;
-};
-
-}  // namespace graph
-
-namespace detail {
-
-/// The operand as a GEMM reads it: through a pending transpose when there is one.
-template <Element T>
-typename graph::GemmNode<T>::Operand gemm_operand(const Tensor<T>& t) {
-  const auto& n = t.node();
-  if (!n->materialized()) {
-    // Only a 2-D source: batched GEMMs may stack batch rows, which a transposed read breaks.
-    if (auto* tr = dynamic_cast<graph::TransposeOfLastTwo*>(n.get()); tr && tr->transpose_source()->shape().rank() == 2)
-      return {tr->transpose_source(), true};
-  }
-  return {n, false};
-}
-
-template <Element T>
-Tensor<T> gemm(const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std::int64_t batch_b,
-               std::int64_t m, std::int64_t k, std::int64_t n, const Shape& out) {
-  auto oa = gemm_operand(a), ob = gemm_operand(b);
-  graph::Device& dev = graph::common_device({oa.node, ob.node}, "matmul");
-  return Tensor<T>(graph::submit(std::make_shared<graph::GemmNode<T>>(oa, ob, batch_a, batch_b, m, k, n, out, &dev)));
-}
-
-[[noreturn]] inline void matmul_mismatch(const Shape& a, const Shape& b, std::int64_t ka, std::int64_t kb) {
-  throw ShapeError("matmul: mat1 and mat2 shapes cannot be multiplied (" + a.str() + " and " + b.str() +
-                   "): expected the contracted sizes to match, found " + std::to_string(ka) + " and " +
-                   std::to_string(kb));
-}
-
-}  // namespace detail
-
-/// Matrix product with torch.matmul's rules: 1-D x 1-D is a dot product, 2-D x 2-D a matrix
-/// product, 1-D operands gain and lose a dimension, and leading (batch) dims broadcast.
-template <Element T>
-Tensor<T> matmul(const Tensor<T>& a, const Tensor<T>& b) {
-  if constexpr (!std::is_same_v<T, float> && !std::is_same_v<T, double> && !std::is_same_v<T, std::int32_t> &&
-                !std::is_same_v<T, std::int64_t>) {
-    throw DTypeError("matmul: expected float, double, int32 or int64 operands, got " + dtype_name(dtype_of<T>()));
-  } else {
-    const Shape& sa = a.shape();
-    const Shape& sb = b.shape();
-    if (sa.rank() == 0 || sb.rank() == 0) {
-      throw ShapeError("matmul: both arguments need at least 1 dimension, got " + sa.str() + " and " + sb.str());
-    }
-    if (sa.rank() == 1 && sb.rank() == 1) {
-      if (sa[0] != sb[0]) detail::matmul_mismatch(sa, sb, sa[0], sb[0]);
-      return detail::gemm(reshape(a, Shape{1, sa[0]}), reshape(b, Shape{sb[0], 1}), 1, 1, 1, sa[0], 1, Shape{});
-    }
-    if (sb.rank() == 1) {  // [.., m, k] x [k]
-      const std::int64_t k = sa[sa.rank() - 1];
-      if (k != sb[0]) detail::matmul_mismatch(sa, sb, k, sb[0]);
-      Shape out;
-      for (int i = 0; i + 1 < sa.rank(); ++i) out.push_back(sa[i]);
-      const std::int64_t m = k ? a.numel() / k : out.numel();
-      return detail::gemm(reshape(a, Shape{m, k}), reshape(b, Shape{k, 1}), 1, 1, m, k, 1, out);
-    }
-    if (sa.rank() == 1) {  // [k] x [.., k, n]
-      const std::int64_t k = sb[sb.rank() - 2], n = sb[sb.rank() - 1];
-      if (k != sa[0]) detail::matmul_mismatch(sa, sb, sa[0], k);
-      Shape out;
-      for (int i = 0; i + 2 < sb.rank(); ++i) out.push_back(sb[i]);
-      out.push_back(n);
-      std::int64_t batch = 1;  // not numel / (k * n): k or n may be 0
-      for (int i = 0; i + 2 < sb.rank(); ++i) batch *= sb[i];
-      return detail::gemm(reshape(a, Shape{1, k}), b, 1, batch, 1, k, n, out);
-    }
-    const std::int64_t m = sa[sa.rank() - 2], k = sa[sa.rank() - 1];
-    const std::int64_t kb = sb[sb.rank() - 2], n = sb[sb.rank() - 1];
-    if (k != kb) detail::matmul_mismatch(sa, sb, k, kb);
-    Shape ba, bb;
-    for (int i = 0; i + 2 < sa.rank(); ++i) ba.push_back(sa[i]);
-    for (int i = 0; i + 2 < sb.rank(); ++i) bb.push_back(sb[i]);
-    const Shape batch = broadcast_shapes(ba, bb, "matmul");
-    Shape out = batch;
-    out.push_back(m);
-    out.push_back(n);
-    if (bb.numel() == 1 && sb.rank() == 2) {
-      // [.., m, k] x [k, n]: one GEMM with all batch rows stacked (m' = batch * m).
-      return detail::gemm(a, b, 1, 1, ba.numel() * m, k, n, out);
-    }
-    Shape fa = batch, fb = batch;
-    fa.push_back(m);
-    fa.push_back(k);
-    fb.push_back(k);
-    fb.push_back(n);
-    Tensor<T> ea = (ba == batch) ? a : expand(a, fa);
-    Tensor<T> eb = (bb == batch) ? b : expand(b, fb);
-    return detail::gemm(ea, eb, batch.numel(), batch.numel(), m, k, n, out);
-  }
-}
-
-/// Batched matrix product of [b, m, k] and [b, k, n] (no broadcasting, as torch.bmm).
-template <Element T>
-Tensor<T> bmm(const Tensor<T>& a, const Tensor<T>& b) {
-  if (a.dim() != 3 || b.dim() != 3 || a.size(0) != b.size(0)) {
-    throw ShapeError("bmm: expected 3-D tensors with equal batch sizes, got " + a.shape().str() + " and " +
-                     b.shape().str());
-  }
-  return matmul(a, b);
-}
-
-/// x @ w^T (torch.nn.functional.linear without bias); w is [out_features, in_features].
-template <Element T>
-Tensor<T> linear(const Tensor<T>& x, const Tensor<T>& w) {
-  if (w.dim() != 2 || x.dim() < 1 || x.size(-1) != w.size(1)) {
-    throw ShapeError("linear: expected input [..., " + std::to_string(w.dim() == 2 ? w.size(1) : -1) +
-                     "] and weight [out_features, in_features], got input " + x.shape().str() + " and weight " +
-                     w.shape().str());
-  }
-  return matmul(x, transpose(w, 0, 1));
-}
-
-/// x @ w^T + b. Returns an expression (as `a + b` does), so a following element-wise op
-/// such as relu joins the bias in one epilogue that runs on the GEMM's row blocks.
-template <Element T>
-auto linear(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& b) {
-  if (b.dim() != 1 || b.size(0) != w.size(0)) {
-    throw ShapeError("linear: expected bias of shape (" + std::to_string(w.size(0)) + ",), got " + b.shape().str());
-  }
-  return linear(x, w) + b;
-}
-
-}  // namespace lazy
-// ---- end lazytensor/ops/matmul.hpp ----
-// ---- begin lazytensor/ops/random.hpp ----
-// Random tensors from a counter-based generator (Philox4x32-10, Salmon et al., "Parallel
-// Random Numbers: As Easy as 1, 2, 3", SC'11). A counter-based generator needs no state
-// per thread: the value of element i is a pure function of (seed, counter(i)), so results
-// are identical whatever the thread count and however the work is chunked.
-//
-// Streams: each call reserves a block of counters from its device's RngState at creation
-// time (offset .. offset + blocks) and captures the seed; element i uses counter
-// offset + i / P, where P is how many elements one 128-bit Philox output yields (4 for
-// 32-bit draws, 2 for 64-bit draws): in the 4 * B words of a block of B consecutive
-// counters, element j of the block reads word j (32-bit draws) or words 2j, 2j + 1. The
-// values are computed lazily, at mark_step, by a RandomNode, always a whole block at a time
-// (block k holds the call's elements k * B * P ..), so a vectorized distribution gives
-// every element the same bits whichever task computes it. set_rng_state / manual_seed restart the
-// stream; mark_step advances the seed.
-
-#include <algorithm>
-#include <array>
-#include <cmath>
-#include <cstdint>
-#include <limits>
-#include <memory>
-#include <numbers>
-#include <string>
-#include <type_traits>
-#include <vector>
-
-#include <xsimd/xsimd.hpp>
-
-
-namespace lazy {
-
-namespace ops {
-
-/// 128-bit Philox counter (four 32-bit words, word 0 least significant).
-using PhiloxCounter = std::array<std::uint32_t, 4>;
-/// 64-bit Philox key (two 32-bit words).
-using PhiloxKey = std::array<std::uint32_t, 2>;
-
-/// The Philox4x32-10 bijection of `counter` under `key`: ten rounds of two 32x32->64-bit
-/// multiplies, with the key bumped by the Weyl constants between rounds. Matches the
-/// Random123 known-answer vectors (e.g. counter 0, key 0 -> 6627e8d5 e169c58d bc57ac4c
-/// 9b00dbd8).
-constexpr PhiloxCounter philox4x32_10(PhiloxCounter ctr, PhiloxKey key) {
-  constexpr std::uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;  // round multipliers
-  constexpr std::uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;  // Weyl key increments
-  for (int r = 0; r < 10; ++r) {
-    if (r > 0) {
-      key[0] += kW0;
-      key[1] += kW1;
-    }
-    const std::uint64_t p0 = std::uint64_t{kM0} * ctr[0];
-    const std::uint64_t p1 = std::uint64_t{kM1} * ctr[2];
-    const auto hi0 = static_cast<std::uint32_t>(p0 >> 32), lo0 = static_cast<std::uint32_t>(p0);
-    const auto hi1 = static_cast<std::uint32_t>(p1 >> 32), lo1 = static_cast<std::uint32_t>(p1);
-    ctr = {hi1 ^ ctr[1] ^ key[0], lo1, hi0 ^ ctr[3] ^ key[1], lo0};
-  }
-  return ctr;
-}
-
-/// The key of a 64-bit seed: its low and high words.
-constexpr PhiloxKey philox_key(std::uint64_t seed) {
-  return {static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32)};
-}
-
-/// Philox output for 64-bit counter value `c` (the upper 64 counter bits are zero).
-constexpr PhiloxCounter philox_block(std::uint64_t c, const PhiloxKey& key) {
-  return philox4x32_10({static_cast<std::uint32_t>(c), static_cast<std::uint32_t>(c >> 32), 0u, 0u}, key);
-}
-
-}  // namespace ops
-
-namespace graph {
-
-namespace random_dist {
-
-// A distribution turns the 4 * kBlock words of one block of counters into P * kBlock
-// elements (P = per_counter). fill(words, j0, cnt, out, i) writes elements [j0, j0 + cnt)
-// of the block to out[0..cnt); `i` is the global index of out[0] (for distributions that
-// read an input element-wise). A distribution that vectorizes computes the whole block
-// and keeps the part asked for, so no element's bits depend on where a task starts.
-
-/// Counters per block.
-inline constexpr int kBlock = 16;
-
-/// Uniform 24-bit float in [0, 1): exact, never 1.
-inline float unit_float(std::uint32_t x) { return static_cast<float>(x >> 8) * 0x1p-24f; }
-inline std::uint64_t word64(std::uint32_t hi, std::uint32_t lo) { return (std::uint64_t{hi} << 32) | lo; }
-/// Uniform 53-bit double in [0, 1).
-inline double unit_double(std::uint32_t hi, std::uint32_t lo) {
-  return static_cast<double>(word64(hi, lo) >> 11) * 0x1p-53;
-}
-
-/// torch.rand: uniform in [0, 1).
-template <Element T>
-struct Uniform {
-  static constexpr const char* name = "rand";
-  static constexpr int per_counter = std::is_same_v<T, double> ? 2 : 4;
-  static constexpr double cost = 2;
-  std::string params() const { return ""; }
-  void bind(const std::vector<NodePtr>&) {}
-  void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t) const {
-    for (int k = 0; k < cnt; ++k) {
-      const int j = j0 + k;
-      if constexpr (std::is_same_v<T, double>) {
-        out[k] = unit_double(w[2 * j], w[2 * j + 1]);
-      } else if constexpr (std::is_same_v<T, bfloat16>) {
-        // 8 random bits: k / 256 is exact in bfloat16, whereas rounding a 24-bit float
-        // could round up to 1.0 and break the [0, 1) contract.
-        out[k] = bfloat16(static_cast<float>(w[j] >> 24) * 0x1p-8f);
-      } else {
-        out[k] = unit_float(w[j]);
-      }
-    }
-  }
-};
-
-/// torch.randn: standard normal by Box-Muller on pairs of uniforms (u1, u2) -> (r cos t,
-/// r sin t), r = sqrt(-2 log u1), t = 2 pi u2. u1 is in (0, 1], so log(0) cannot happen.
-/// Vectorized with xsimd over a whole block; bfloat16 computes in float and rounds.
-template <Element T>
-struct Normal {
-  static constexpr const char* name = "randn";
-  static constexpr int per_counter = std::is_same_v<T, double> ? 2 : 4;
-  static constexpr double cost = 6;
-  std::string params() const { return ""; }
-  void bind(const std::vector<NodePtr>&) {}
-  void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t) const {
-    using S = std::conditional_t<std::is_same_v<T, double>, double, float>;
-    using V = xsimd::batch<S>;
-    constexpr int kPairs = kBlock * per_counter / 2;
-    static_assert(kPairs % V::size == 0, "a block is a whole number of SIMD batches");
-    alignas(64) S u1[kPairs], u2[kPairs], z[2 * kPairs];
-    for (int m = 0; m < kPairs; ++m) {
-      if constexpr (std::is_same_v<S, double>) {
-        u1[m] = static_cast<double>((word64(w[4 * m], w[4 * m + 1]) >> 11) + 1) * 0x1p-53;
-        u2[m] = unit_double(w[4 * m + 2], w[4 * m + 3]);
-      } else {
-        u1[m] = static_cast<float>((w[2 * m] >> 8) + 1) * 0x1p-24f;
-        u2[m] = unit_float(w[2 * m + 1]);
-      }
-    }
-    for (int m = 0; m < kPairs; m += static_cast<int>(V::size)) {
-      const V r = xsimd::sqrt(V(S(-2)) * xsimd::log(V::load_aligned(u1 + m)));
-      const auto [sn, cs] = xsimd::sincos(V(S(2) * std::numbers::pi_v<S>) * V::load_aligned(u2 + m));
-      alignas(64) S c[V::size], s[V::size];
-      (r * cs).store_aligned(c);
-      (r * sn).store_aligned(s);
-      for (std::size_t l = 0; l < V::size; ++l) {
-        z[2 * (m + static_cast<int>(l))] = c[l];
-        z[2 * (m + static_cast<int>(l)) + 1] = s[l];
-      }
-    }
-    for (int k = 0; k < cnt; ++k) out[k] = static_cast<T>(z[j0 + k]);
-  }
-};
-
-/// torch.randint: integers in [low, high). A 64-bit draw modulo the range: the bias is at
-/// most range / 2^64, far below anything a test can see.
-template <Element T>
-struct RandInt {
-  static constexpr const char* name = "randint";
-  static constexpr int per_counter = 2;
-  static constexpr double cost = 3;
-  std::int64_t low;
-  std::uint64_t range;
-  std::string params() const {
-    return "low=" + std::to_string(low) + ", high=" + std::to_string(static_cast<std::int64_t>(static_cast<std::uint64_t>(low) + range));
-  }
-  void bind(const std::vector<NodePtr>&) {}
-  void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t) const {
-    for (int k = 0; k < cnt; ++k) {
-      const int j = j0 + k;
-      // Unsigned arithmetic: low + v may pass through values outside int64 mid-way.
-      const std::uint64_t v = static_cast<std::uint64_t>(low) + word64(w[2 * j], w[2 * j + 1]) % range;
-      out[k] = static_cast<T>(static_cast<std::int64_t>(v));
-    }
-  }
-};
-
-/// torch.bernoulli with one probability: 1 with probability p, else 0.
-template <Element T>
-struct Bernoulli {
-  static constexpr const char* name = "bernoulli";
-  static constexpr int per_counter = 4;
-  static constexpr double cost = 2;
-  double p;
-  std::string params() const { return "p=" + std::to_string(p); }
-  void bind(const std::vector<NodePtr>&) {}
-  void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t) const {
-    // u = x / 2^32 in [0, 1): p = 0 never fires, p = 1 always does.
-    for (int k = 0; k < cnt; ++k) out[k] = static_cast<T>(static_cast<double>(w[j0 + k]) * 0x1p-32 < p);
-  }
-};
-
-/// torch.bernoulli(probs): element i is 1 with probability probs[i]. Probabilities outside
-/// [0, 1] (or NaN) raise lazy::Error when the kernel runs.
-template <Element T>
-struct BernoulliTensor {
-  static constexpr const char* name = "bernoulli";
-  static constexpr int per_counter = 4;
-  static constexpr double cost = 3;
-  const T* probs = nullptr;
-  std::string params() const { return "p=%0"; }
-  void bind(const std::vector<NodePtr>& ins) { probs = ins[0]->template data<T>(); }
-  void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t i) const {
-    for (int k = 0; k < cnt; ++k) {
-      const double p = static_cast<double>(static_cast<compute_t<T>>(probs[i + k]));
-      if (!(p >= 0.0 && p <= 1.0)) {
-        throw Error("bernoulli: expected every probability in [0, 1], found " + std::to_string(p) + " at element " +
-                    std::to_string(i + k));
-      }
-      out[k] = static_cast<T>(static_cast<double>(w[j0 + k]) * 0x1p-32 < p);
-    }
-  }
-};
-
-}  // namespace random_dist
-
-/// A tensor of random values drawn from distribution D with counters offset.. of `seed`.
-template <Element T, class D>
-class RandomNode final : public Node {
- public:
-  RandomNode(D dist, Shape shape, Device* device, std::uint64_t seed, std::uint64_t offset,
-             std::vector<NodePtr> inputs = {})
-      : Node(NodeKind::Random, dtype_of<T>(), shape, device, std::move(inputs)), dist_(dist), seed_(seed),
-        offset_(offset) {}
-
-  std::string op_name() const override { return D::name; }
-  std::string describe() const override {
-    const std::string p = dist_.params();
-    return std::string(D::name) + "(" + p + (p.empty() ? "" : ", ") + "offset=" + std::to_string(offset_) + ")";
-  }
-  double cost_per_element() const override { return D::cost; }
-  /// Shape, dtype and distribution only: a new seed or offset every step must not make the
-  /// plan look new (the values are data, as a learning rate is).
-  std::uint64_t structural_hash() const override { return Node::structural_hash(); }
-
-  std::uint64_t seed() const { return seed_; }
-  std::uint64_t offset() const { return offset_; }
-
- protected:
-  void compute(ExecContext& ctx) override {
-    D d = dist_;
-    d.bind(inputs());  // input pointers first (house rule)
-    // No donation: bernoulli(probs) may throw half-way, and must leave its input intact.
-    auto buf = allocate_output(ctx, false);
-    T* out = static_cast<T*>(buf->data());
-    const std::int64_t n = numel();
-    constexpr std::int64_t E = std::int64_t{random_dist::kBlock} * D::per_counter;  // elements per block
-    const auto key = ops::philox_key(seed_);
-    auto& pool = ctx.device.threads();
-    const std::int64_t tasks = task_count(pool, n, D::cost);
-    pool.parallel_for(tasks, [&](std::int64_t t) {
-      // Tasks start on block boundaries (no block computed twice), but the values depend
-      // only on the element index either way.
-      auto [b, e] = task_range(n, tasks, t, E);
-      std::uint32_t words[4 * random_dist::kBlock];
-      for (std::int64_t i = b; i < e;) {
-        const std::int64_t blk = i / E;
-        const std::uint64_t c0 = offset_ + static_cast<std::uint64_t>(blk) * random_dist::kBlock;
-        for (int c = 0; c < random_dist::kBlock; ++c) {
-          const auto r = ops::philox_block(c0 + static_cast<std::uint64_t>(c), key);
-          for (int k = 0; k < 4; ++k) words[4 * c + k] = r[k];
-        }
-        const int j0 = static_cast<int>(i - blk * E);
-        const int cnt = static_cast<int>(std::min<std::int64_t>(E - j0, e - i));
-        d.fill(words, j0, cnt, out + i, i);
-        i += cnt;
-      }
-    });
-    set_buffer(std::move(buf));
-  }
-
- private:
-  D dist_;
-  std::uint64_t seed_, offset_;
-};
-
-}  // namespace graph
-
-namespace detail::random_ops {
-
-/// Reserves the counters of `n` elements from the device stream and builds the node.
-template <Element T, class D>
-Tensor<T> make_random(D dist, const Shape& shape, const Device& dev, std::vector<graph::NodePtr> inputs = {}) {
-  graph::Device& eng = dev.engine();
-  auto& rng = eng.rng();
-  const auto blocks = static_cast<std::uint64_t>((shape.numel() + D::per_counter - 1) / D::per_counter);
-  const std::uint64_t offset = rng.offset;
-  rng.offset += blocks;
-  return Tensor<T>(graph::submit(
-      std::make_shared<graph::RandomNode<T, D>>(dist, shape, &eng, rng.seed, offset, std::move(inputs))));
-}
-
-template <class T>
-constexpr std::int64_t exact_integer_limit() {
-  if constexpr (std::is_same_v<T, bfloat16>) return std::int64_t{1} << 8;
-  else if constexpr (std::is_same_v<T, float>) return std::int64_t{1} << 24;
-  else return std::int64_t{1} << 53;
-}
-
-}  // namespace detail::random_ops
-
-/// Seeds the current device's random stream; alias of set_rng_state (torch.manual_seed).
-inline void manual_seed(std::uint64_t seed) { set_rng_state(seed); }
-
-/// Uniform values in [0, 1) (torch.rand). T: float, double or bfloat16. Lazy: drawn when
-/// the tensor is materialized, identical whatever the thread count.
-template <Element T>
-  requires is_floating_v<T>
-Tensor<T> rand(const Shape& shape, Device dev = device()) {
-  return detail::random_ops::make_random<T>(graph::random_dist::Uniform<T>{}, shape, dev);
-}
-
-/// Standard normal values (torch.randn). T: float, double or bfloat16.
-template <Element T>
-  requires is_floating_v<T>
-Tensor<T> randn(const Shape& shape, Device dev = device()) {
-  return detail::random_ops::make_random<T>(graph::random_dist::Normal<T>{}, shape, dev);
-}
-
-/// rand with t's shape and device.
-template <Element T>
-  requires is_floating_v<T>
-Tensor<T> rand_like(const Tensor<T>& t) {
-  return rand<T>(t.shape(), t.device());
-}
-/// randn with t's shape and device.
-template <Element T>
-  requires is_floating_v<T>
-Tensor<T> randn_like(const Tensor<T>& t) {
-  return randn<T>(t.shape(), t.device());
-}
-
-/// Integers uniform in [low, high) (torch.randint), stored as T (int32, int64, float,
-/// double or bfloat16; default int64). lazy::Error when low >= high or when a bound does
-/// not fit T (exactly, for floating T).
-template <Element T = std::int64_t>
-  requires(!std::is_same_v<T, bool>)
-Tensor<T> randint(std::int64_t low, std::int64_t high, const Shape& shape, Device dev = device()) {
-  if (low >= high) {
-    throw Error("randint: expected low < high, got low=" + std::to_string(low) + ", high=" + std::to_string(high));
-  }
-  if constexpr (is_integral_v<T>) {
-    if (low < std::numeric_limits<T>::min() || high - 1 > std::numeric_limits<T>::max()) {
-      throw Error("randint: range [" + std::to_string(low) + ", " + std::to_string(high) + ") does not fit " +
-                  dtype_name(dtype_of<T>()));
-    }
-  } else {
-    constexpr std::int64_t lim = detail::random_ops::exact_integer_limit<T>();
-    if (low < -lim || high > lim) {
-      throw Error("randint: range [" + std::to_string(low) + ", " + std::to_string(high) + ") is not exactly " +
-                  "representable in " + dtype_name(dtype_of<T>()) + " (expected bounds within +-" +
-                  std::to_string(lim) + ")");
-    }
-  }
-  const std::uint64_t range = static_cast<std::uint64_t>(high) - static_cast<std::uint64_t>(low);
-  return detail::random_ops::make_random<T>(graph::random_dist::RandInt<T>{low, range}, shape, dev);
-}
-
-/// Integers uniform in [0, high) (torch.randint(high, size)).
-template <Element T = std::int64_t>
-  requires(!std::is_same_v<T, bool>)
-Tensor<T> randint(std::int64_t high, const Shape& shape, Device dev = device()) {
-  return randint<T>(0, high, shape, dev);
-}
-
-/// 1 with probability p, else 0, for every element (torch.empty(shape).bernoulli_(p)).
-/// T: any element type (bool gives true/false). lazy::Error unless 0 <= p <= 1.
-template <Element T>
-Tensor<T> bernoulli(double p, const Shape& shape, Device dev = device()) {
-  if (!(p >= 0.0 && p <= 1.0)) {
-    throw Error("bernoulli: expected 0 <= p <= 1, got p=" + std::to_string(p));
-  }
-  return detail::random_ops::make_random<T>(graph::random_dist::Bernoulli<T>{p}, shape, dev);
-}
-
-/// Element i is 1 with probability probs[i], else 0 (torch.bernoulli(probs)); the result
-/// has probs' shape, dtype and device. probs: a floating tensor or expression; values
-/// outside [0, 1] raise lazy::Error when the kernel runs (next mark_step or read).
-template <expr::ExprLike X>
-  requires is_floating_v<expr::value_t<X>>
-auto bernoulli(const X& probs) {
-  using T = expr::value_t<X>;
-  Tensor<T> p = [&] {
-    if constexpr (std::is_same_v<X, Tensor<T>>) return probs;
-    else if constexpr (expr::is_expr_node<X>::value) return Tensor<T>(probs);
-    else return Tensor<T>(probs.to_leaf().node);
-  }();
-  return detail::random_ops::make_random<T>(graph::random_dist::BernoulliTensor<T>{}, p.shape(), p.device(),
-                                            {p.node()});
-}
-
-}  // namespace lazy
-// ---- end lazytensor/ops/random.hpp ----
-// ---- begin lazytensor/ops/reduction.hpp ----
-// Reductions: sum mean prod max min amax amin argmax argmin any all logsumexp norm.
-// Each takes a tensor or an element-wise expression (fused into the reduction loop) and
-// returns a pending tensor.
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <limits>
-#include <optional>
-#include <string>
-#include <vector>
-
-// ---- begin lazytensor/graph/reduction_node.hpp ----
-// Reductions fused with their element-wise child: the child expression is evaluated inside
-// the reduction loop, never written out. The child is viewed as [outer, R, inner] and
-// reduced over R.
-//
-// Determinism: a span of R contiguous values is cut into fixed blocks of kReduceBlock
-// elements, each reduced with 4 independent SIMD accumulators, and the block results are
-// combined by a pairwise tree. Block boundaries depend only on the sizes, so results are
-// bitwise identical whatever the number of threads.
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <string>
-#include <typeinfo>
-#include <vector>
-
-// ---- begin lazytensor/ops/reduce_ops.hpp ----
-// Reduction functors: identity, combine (scalar or xsimd batch) and horizontal reduce.
-
-#include <cstdint>
-#include <limits>
-#include <type_traits>
-
-#include <xsimd/xsimd.hpp>
-
-
-namespace lazy::ops::reduce {
-
-namespace detail {
-template <class V>
-struct scalar_of {
-  using type = V;
-};
-template <class T, class A>
-struct scalar_of<xsimd::batch<T, A>> {
-  using type = T;
-};
-template <class V>
-using scalar_of_t = typename scalar_of<V>::type;
-
-template <class S, class V, class F>
-S horizontal(const V& v, F f) {
-  if constexpr (std::is_arithmetic_v<V>) {
-    return v;
-  } else {
-    alignas(64) S tmp[V::size];
-    v.store_aligned(tmp);
-    S r = tmp[0];
-    for (std::size_t k = 1; k < V::size; ++k) r = f(r, tmp[k]);
-    return r;
-  }
-}
-}  // namespace detail
-
-/// Sum; integers and bool accumulate and return int64, as torch.sum.
-struct Sum {
-  static constexpr const char* name = "sum";
-  template <class T>
-  using result = std::conditional_t<is_floating_v<T>, T, std::int64_t>;
-  template <class V>
-  static V identity() {
-    return V(0);
-  }
-  template <class V>
-  static V combine(const V& a, const V& b) {
-    return a + b;
-  }
-  template <class S, class V>
-  static S horizontal(const V& v) {
-    if constexpr (std::is_arithmetic_v<V>) return v;
-    else return xsimd::hadd(v);
-  }
-};
-
-/// Product; integers and bool return int64, as torch.prod.
-struct Prod {
-  static constexpr const char* name = "prod";
-  template <class T>
-  using result = std::conditional_t<is_floating_v<T>, T, std::int64_t>;
-  template <class V>
-  static V identity() {
-    return V(1);
-  }
-  template <class V>
-  static V combine(const V& a, const V& b) {
-    return a * b;
-  }
-  template <class S, class V>
-  static S horizontal(const V& v) {
-    return detail::horizontal<S>(v, [](S a, S b) { return a * b; });
-  }
-};
-
-// NaN tests on batches use xsimd::isnan: xsimd 8's AVX/AVX-512 `!=` compares with
-// _CMP_NEQ_OQ (ordered), so there `nan != nan` is false and `a != a` never finds a NaN.
-
-/// Maximum, NaN-propagating (torch.amax).
-struct Max {
-  static constexpr const char* name = "max";
-  template <class T>
-  using result = T;
-  template <class V>
-  static V identity() {
-    using S = detail::scalar_of_t<V>;
-    if constexpr (std::numeric_limits<S>::has_infinity) return V(-std::numeric_limits<S>::infinity());
-    else return V(std::numeric_limits<S>::lowest());
-  }
-  template <class V>
-  static V combine(const V& a, const V& b) {
-    using xsimd::select;
-    if constexpr (std::is_arithmetic_v<V>) return (a > b || a != a) ? a : b;
-    else return select((a > b) | xsimd::isnan(a), a, b);  // not a != a: see the note above
-  }
-  template <class S, class V>
-  static S horizontal(const V& v) {
-    return detail::horizontal<S>(v, [](S a, S b) { return combine(a, b); });
-  }
-};
-
-/// Minimum, NaN-propagating (torch.amin).
-struct Min {
-  static constexpr const char* name = "min";
-  template <class T>
-  using result = T;
-  template <class V>
-  static V identity() {
-    using S = detail::scalar_of_t<V>;
-    if constexpr (std::numeric_limits<S>::has_infinity) return V(std::numeric_limits<S>::infinity());
-    else return V(std::numeric_limits<S>::max());
-  }
-  template <class V>
-  static V combine(const V& a, const V& b) {
-    using xsimd::select;
-    if constexpr (std::is_arithmetic_v<V>) return (a < b || a != a) ? a : b;
-    else return select((a < b) | xsimd::isnan(a), a, b);
-  }
-  template <class S, class V>
-  static S horizontal(const V& v) {
-    return detail::horizontal<S>(v, [](S a, S b) { return combine(a, b); });
-  }
-};
-
-/// Any non-zero (fed with 0/1 values): max with identity 0.
-struct Any : Max {
-  static constexpr const char* name = "any";
-  template <class T>
-  using result = bool;
-  template <class V>
-  static V identity() {
-    return V(0);
-  }
-};
-
-/// All non-zero (fed with 0/1 values): min with identity 1.
-struct All : Min {
-  static constexpr const char* name = "all";
-  template <class T>
-  using result = bool;
-  template <class V>
-  static V identity() {
-    return V(1);
-  }
-};
-
-}  // namespace lazy::ops::reduce
-// ---- end lazytensor/ops/reduce_ops.hpp ----
-
-namespace lazy::graph {
-
-/// Leaf size of the pairwise reduction tree.
-inline constexpr std::int64_t kReduceBlock = 4096;
-
-/// How a child of shape `in` is reduced: [outer, R, inner].
-struct ReduceGeometry {
-  std::int64_t outer = 1, extent = 1, inner = 1;
-};
-
-namespace detail {
-
-template <class R, class S, bool C, class K>
-S reduce_span(const expr::Eval<S, K>& ev, std::int64_t b, std::int64_t len) {
-  const std::int64_t e = b + len;
-  std::int64_t i = b;
-  if constexpr (expr::simd_lane_v<S>) {
-    using V = expr::batch_t<S>;
-    constexpr std::int64_t W = V::size;
-    V a0 = R::template identity<V>(), a1 = a0, a2 = a0, a3 = a0;
-    for (; i + 4 * W <= e; i += 4 * W) {
-      a0 = R::combine(a0, ev.template packet<C>(i));
-      a1 = R::combine(a1, ev.template packet<C>(i + W));
-      a2 = R::combine(a2, ev.template packet<C>(i + 2 * W));
-      a3 = R::combine(a3, ev.template packet<C>(i + 3 * W));
-    }
-    for (; i + W <= e; i += W) a0 = R::combine(a0, ev.template packet<C>(i));
-    S r = R::template horizontal<S>(R::combine(R::combine(a0, a1), R::combine(a2, a3)));
-    for (; i < e; ++i) r = R::combine(r, ev.coeff(i));
-    return r;
-  } else {
-    S a[4] = {R::template identity<S>(), R::template identity<S>(), R::template identity<S>(),
-              R::template identity<S>()};
-    for (; i + 4 <= e; i += 4) {
-      for (int k = 0; k < 4; ++k) a[k] = R::combine(a[k], ev.coeff(i + k));
-    }
-    for (; i < e; ++i) a[0] = R::combine(a[0], ev.coeff(i));
-    return R::combine(R::combine(a[0], a[1]), R::combine(a[2], a[3]));
-  }
-}
-
-/// Combines partial results pairwise, in a fixed shape.
-template <class R, class S>
-S pairwise(std::vector<S>& v) {
-  if (v.empty()) return R::template identity<S>();
-  while (v.size() > 1) {
-    std::size_t j = 0;
-    for (std::size_t i = 0; i + 1 < v.size(); i += 2) v[j++] = R::combine(v[i], v[i + 1]);
-    if (v.size() % 2) v[j++] = v.back();
-    v.resize(j);
-  }
-  return v[0];
-}
-
-template <class R, class S, bool C, class K>
-S reduce_range(const expr::Eval<S, K>& ev, std::int64_t b, std::int64_t len) {
-  if (len <= kReduceBlock) return reduce_span<R, S, C>(ev, b, len);
-  std::vector<S> partial;
-  partial.reserve(static_cast<std::size_t>((len + kReduceBlock - 1) / kReduceBlock));
-  for (std::int64_t o = 0; o < len; o += kReduceBlock) {
-    partial.push_back(reduce_span<R, S, C>(ev, b + o, std::min(kReduceBlock, len - o)));
-  }
-  return pairwise<R>(partial);
-}
-
-}  // namespace detail
-
-/// Reduces kernel-form expression K (with lane S) by R into Tout, scaling by `scale`.
-template <class K, class R, class S, Element Tout>
-class ReductionNode final : public Node {
- public:
-  ReductionNode(K kernel, Shape out_shape, ReduceGeometry g, double scale, Device* device,
-                std::vector<NodePtr> inputs, Shape child_shape)
-      : Node(NodeKind::Reduction, dtype_of<Tout>(), out_shape, device, std::move(inputs)),
-        kernel_(std::move(kernel)), g_(g), scale_(scale), child_shape_(child_shape) {
-    const std::int64_t n = child_shape.numel();
-    for (const auto& in : this->inputs()) splat_.push_back(in->numel() == 1 && n != 1 ? 1 : 0);
-  }
-
-  std::string op_name() const override { return R::name; }
-  std::string describe() const override {
-    return std::string(R::name) + "(" + expr::kernel_text(kernel_) + ") over [" + std::to_string(g_.outer) +
-           ", " + std::to_string(g_.extent) + ", " + std::to_string(g_.inner) + "]";
-  }
-  double cost_per_element() const override { return expr::kernel_cost<K>() + 1; }
-  std::uint64_t structural_hash() const override {
-    std::uint64_t h = hash_combine(Node::structural_hash(), typeid(K).hash_code());
-    h = hash_combine(h, hash_shape(child_shape_));
-    return hash_combine(h, static_cast<std::uint64_t>(g_.extent));
-  }
-
- protected:
-  void compute(ExecContext& ctx) override {
-    const auto& ins = inputs();
-    std::vector<const void*> ptrs(ins.size());
-    for (std::size_t i = 0; i < ins.size(); ++i) ptrs[i] = ins[i]->buffer()->data();
-    auto buf = allocate_output(ctx, false);
-    Tout* out = static_cast<Tout*>(buf->data());
-    bool contig = true;
-    for (char s : splat_) contig = contig && !s;
-    if (contig) run<true>(ctx, ptrs, out);
-    else run<false>(ctx, ptrs, out);
-    set_buffer(std::move(buf));
-  }
-
- private:
-  Tout finish_value(S v) const {
-    if (scale_ != 1.0) v = static_cast<S>(v * static_cast<S>(scale_));
-    return expr::to_storage<Tout>(v);
-  }
-
-  template <bool C>
-  void run(ExecContext& ctx, const std::vector<const void*>& ptrs, Tout* out) {
-    auto& pool = ctx.device.threads();
-    const double cost = cost_per_element();
-    const std::int64_t outer = g_.outer, R_ = g_.extent, inner = g_.inner;
-    const std::int64_t total = outer * R_ * inner;
-    auto eval = [&] { return expr::Eval<S, K>(kernel_, ptrs.data(), splat_.data()); };
-    if (inner == 1 && outer == 1) {
-      // One value: blocks in parallel, then the fixed pairwise tree.
-      const std::int64_t blocks = (R_ + kReduceBlock - 1) / kReduceBlock;
-      std::vector<S> partial(static_cast<std::size_t>(blocks));
-      const std::int64_t tasks = std::min(blocks, task_count(pool, total, cost));
-      pool.parallel_for(tasks, [&](std::int64_t t) {
-        auto ev = eval();
-        auto [b0, b1] = task_range(blocks, tasks, t);
-        for (std::int64_t b = b0; b < b1; ++b) {
-          const std::int64_t s = b * kReduceBlock;
-          partial[b] = detail::reduce_span<R, S, C>(ev, s, std::min(kReduceBlock, R_ - s));
-        }
-      });
-      out[0] = finish_value(detail::pairwise<R>(partial));
-    } else if (inner == 1) {
-      const std::int64_t tasks = std::min(outer, task_count(pool, total, cost));
-      pool.parallel_for(tasks, [&](std::int64_t t) {
-        auto ev = eval();
-        auto [o0, o1] = task_range(outer, tasks, t);
-        for (std::int64_t o = o0; o < o1; ++o) out[o] = finish_value(detail::reduce_range<R, S, C>(ev, o * R_, R_));
-      });
-    } else {
-      // Reduce across rows: vectorized along the inner dimension, R in order.
-      constexpr std::int64_t kCols = 256;
-      const std::int64_t col_chunks = (inner + kCols - 1) / kCols;
-      const std::int64_t units = outer * col_chunks;
-      const std::int64_t tasks = std::min(units, task_count(pool, total, cost));
-      pool.parallel_for(tasks, [&](std::int64_t t) {
-        auto ev = eval();
-        auto [u0, u1] = task_range(units, tasks, t);
-        for (std::int64_t u = u0; u < u1; ++u) {
-          const std::int64_t o = u / col_chunks, c0 = (u % col_chunks) * kCols, c1 = std::min(inner, c0 + kCols);
-          reduce_columns<C>(ev, out + o * inner, o * R_ * inner, c0, c1);
-        }
-      });
-    }
-  }
-
-  template <bool C>
-  void reduce_columns(const expr::Eval<S, K>& ev, Tout* out, std::int64_t base, std::int64_t c0, std::int64_t c1) {
-    const std::int64_t R_ = g_.extent, inner = g_.inner;
-    std::int64_t c = c0;
-    if constexpr (expr::simd_lane_v<S>) {
-      using V = expr::batch_t<S>;
-      constexpr std::int64_t W = V::size;
-      for (; c + W <= c1; c += W) {
-        V acc = R::template identity<V>();
-        for (std::int64_t r = 0; r < R_; ++r) acc = R::combine(acc, ev.template packet<C>(base + r * inner + c));
-        alignas(64) S tmp[W];
-        acc.store_aligned(tmp);
-        for (std::int64_t k = 0; k < W; ++k) out[c + k] = finish_value(tmp[k]);
-      }
-    }
-    for (; c < c1; ++c) {
-      S acc = R::template identity<S>();
-      for (std::int64_t r = 0; r < R_; ++r) acc = R::combine(acc, ev.coeff(base + r * inner + c));
-      out[c] = finish_value(acc);
-    }
-  }
-
-  K kernel_;
-  ReduceGeometry g_;
-  double scale_;
-  Shape child_shape_;
-  std::vector<char> splat_;
-};
-
-/// argmax / argmin (first occurrence; NaN counts as the extreme, as in torch).
-template <class K, class S, bool IsMax>
-class ArgReductionNode final : public Node {
- public:
-  ArgReductionNode(K kernel, Shape out_shape, ReduceGeometry g, Device* device, std::vector<NodePtr> inputs,
-                   Shape child_shape)
-      : Node(NodeKind::Reduction, DType::Int64, out_shape, device, std::move(inputs)), kernel_(std::move(kernel)),
-        g_(g) {
-    for (const auto& in : this->inputs()) splat_.push_back(in->numel() == 1 && child_shape.numel() != 1 ? 1 : 0);
-  }
-  std::string op_name() const override { return IsMax ? "argmax" : "argmin"; }
-  std::string describe() const override { return op_name() + "(" + expr::kernel_text(kernel_) + ")"; }
-
- protected:
-  void compute(ExecContext& ctx) override {
-    const auto& ins = inputs();
-    std::vector<const void*> ptrs(ins.size());
-    for (std::size_t i = 0; i < ins.size(); ++i) ptrs[i] = ins[i]->buffer()->data();
-    auto buf = allocate_output(ctx, false);
-    auto* out = static_cast<std::int64_t*>(buf->data());
-    auto& pool = ctx.device.threads();
-    const std::int64_t units = g_.outer * g_.inner;
-    const std::int64_t tasks = std::min(units, task_count(pool, units * g_.extent, 2.0));
-    pool.parallel_for(tasks, [&](std::int64_t t) {
-      expr::Eval<S, K> ev(kernel_, ptrs.data(), splat_.data());
-      auto [u0, u1] = task_range(units, tasks, t);
-      for (std::int64_t u = u0; u < u1; ++u) {
-        const std::int64_t o = u / g_.inner, c = u % g_.inner;
-        const std::int64_t base = o * g_.extent * g_.inner + c;
-        S best = ev.coeff(base);
-        std::int64_t best_i = 0;
-        for (std::int64_t r = 1; r < g_.extent && best == best; ++r) {
-          const S v = ev.coeff(base + r * g_.inner);
-          if ((IsMax ? v > best : v < best) || v != v) {
-            best = v;
-            best_i = r;
-          }
-        }
-        out[u] = best_i;
-      }
-    });
-    set_buffer(std::move(buf));
-  }
-
- private:
-  K kernel_;
-  ReduceGeometry g_;
-  std::vector<char> splat_;
-};
-
-}  // namespace lazy::graph
-// ---- end lazytensor/graph/reduction_node.hpp ----
 
 namespace lazy {
 
@@ -5491,7 +13399,7 @@ graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims,
       return reduction_node<R, Tout>(Tensor<typename X::value_type>(x), dims, keepdim, scale_kind, op);
     }
   }
-  using S = expr::lane_combine<expr::klane_t<K>, expr::lane_of<Tout>>;
+  using S = expr::lane_combine<expr::kernel_lane_t<K>, expr::lane_of<Tout>>;
   graph::Device& dev = graph::common_device(inputs, op);
   return graph::submit(std::make_shared<graph::ReductionNode<K, R, S, Tout>>(std::move(k), out, g, scale, &dev,
                                                                             std::move(inputs), s));
@@ -5515,6 +13423,46 @@ void require_nonempty(const X& x, const std::vector<std::int64_t>& dims, const c
   if (s.numel() == 0 && rd.empty()) throw ShapeError(std::string(op) + ": cannot reduce a tensor with no elements");
 }
 
+/// The reduced shape with kept (size-1) dims, for broadcasting a gradient back.
+template <class X>
+Shape keep_shape(const X& x, const std::vector<std::int64_t>& dims, const char* op) {
+  return reduced_shape(x.shape(), reduce_dims(x.shape(), dims, op), true);
+}
+
+/// sum / mean backward: the gradient, scaled, broadcast back over the reduced dims.
+template <class T, class X>
+void record_sum(Tensor<T>& r, const X& x, const std::vector<std::int64_t>& dims, bool mean) {
+  using V = expr::value_t<X>;
+  if constexpr (is_floating_v<T> && is_floating_v<V>) {
+    if (!autograd::is_grad_enabled()) return;
+    auto e = autograd::operand_edge(x);
+    if (!e) return;
+    const Shape in = x.shape(), keep = keep_shape(x, dims, "sum");
+    const double scale = mean && keep.numel() ? static_cast<double>(keep.numel()) / static_cast<double>(in.numel()) : 1.0;
+    autograd::record(r, mean ? "MeanBackward0" : "SumBackward0", {e}, [in, keep, scale](const Tensor<T>& g) {
+      Tensor<T> gk = reshape(g, keep);
+      return std::vector<graph::NodePtr>{
+          (scale == 1.0 ? evaluate_as<V>(cast<V>(gk), in) : evaluate_as<V>(cast<V>(gk * scale), in)).node()};
+    });
+  }
+}
+
+/// amax / amin backward: the gradient goes to the extreme elements, split evenly among ties.
+template <class T, class X>
+void record_extreme(Tensor<T>& r, const X& x, const std::vector<std::int64_t>& dims, const char* name) {
+  if constexpr (is_floating_v<T>) {
+    if (!autograd::is_grad_enabled()) return;
+    auto e = autograd::operand_edge(x);
+    if (!e) return;
+    const Shape in = x.shape(), keep = keep_shape(x, dims, name);
+    autograd::record(r, name, {e}, [x = autograd::saved(x), in, keep, dims, y = r.detach()](const Tensor<T>& g) {
+      Tensor<T> hit = cast<T>(x == reshape(y, keep));
+      Tensor<T> count = sum(hit, dims, true);
+      return std::vector<graph::NodePtr>{evaluate_as<T>(hit * (reshape(g, keep) / count), in).node()};
+    });
+  }
+}
+
 }  // namespace detail
 
 using Dims = std::vector<std::int64_t>;
@@ -5522,12 +13470,31 @@ using Dims = std::vector<std::int64_t>;
 /// Sum over `dims` (all when empty); integers sum to int64.
 template <expr::ExprLike X>
 auto sum(const X& x, const Dims& dims = {}, bool keepdim = false) {
-  return detail::reduce<ops::reduce::Sum>(x, dims, keepdim, "sum");
+  auto r = detail::reduce<ops::reduce::Sum>(x, dims, keepdim, "sum");
+  detail::record_sum(r, x, dims, false);
+  return r;
 }
 /// Product over `dims`.
 template <expr::ExprLike X>
 auto prod(const X& x, const Dims& dims = {}, bool keepdim = false) {
-  return detail::reduce<ops::reduce::Prod>(x, dims, keepdim, "prod");
+  auto r = detail::reduce<ops::reduce::Prod>(x, dims, keepdim, "prod");
+  using T = typename decltype(r)::value_type;
+  if constexpr (is_floating_v<T>) {
+    if (auto e = autograd::is_grad_enabled() ? autograd::operand_edge(x) : nullptr) {
+      // d prod / d x_i = product of the others: prod / x_i without zeros; with one zero in
+      // the slice only that element gets the product of the rest; with more, nothing.
+      const Shape in = x.shape(), keep = detail::keep_shape(x, dims, "prod");
+      autograd::record(r, "ProdBackward0", {e}, [x = autograd::saved(x), in, keep, dims](const Tensor<T>& g) {
+        Tensor<T> v = cast<T>(x);
+        Tensor<T> zeros = sum(cast<T>(v == 0), dims, true);
+        Tensor<T> others = detail::reduce<ops::reduce::Prod>(where(v == 0, 1, v), dims, true, "prod");
+        Tensor<T> gk = reshape(g, keep);
+        return std::vector<graph::NodePtr>{
+            evaluate_as<T>(gk * where(zeros == 0, others / v, where((zeros == 1) & (v == 0), others, 0)), in).node()};
+      });
+    }
+  }
+  return r;
 }
 /// Mean over `dims`; floating types only (DTypeError otherwise, as torch.mean).
 template <expr::ExprLike X>
@@ -5538,20 +13505,26 @@ auto mean(const X& x, const Dims& dims = {}, bool keepdim = false) {
                      dtype_name(dtype_of<T>()));
     return Tensor<float>();
   } else {
-    return Tensor<T>(detail::reduction_node<ops::reduce::Sum, T>(x, dims, keepdim, 1, "mean"));
+    Tensor<T> r(detail::reduction_node<ops::reduce::Sum, T>(x, dims, keepdim, 1, "mean"));
+    detail::record_sum(r, x, dims, true);
+    return r;
   }
 }
 /// Largest value over `dims` (NaN-propagating).
 template <expr::ExprLike X>
 auto amax(const X& x, const Dims& dims = {}, bool keepdim = false) {
   detail::require_nonempty(x, dims, "amax");
-  return detail::reduce<ops::reduce::Max>(x, dims, keepdim, "amax");
+  auto r = detail::reduce<ops::reduce::Max>(x, dims, keepdim, "amax");
+  detail::record_extreme(r, x, dims, "AmaxBackward0");
+  return r;
 }
 /// Smallest value over `dims` (NaN-propagating).
 template <expr::ExprLike X>
 auto amin(const X& x, const Dims& dims = {}, bool keepdim = false) {
   detail::require_nonempty(x, dims, "amin");
-  return detail::reduce<ops::reduce::Min>(x, dims, keepdim, "amin");
+  auto r = detail::reduce<ops::reduce::Min>(x, dims, keepdim, "amin");
+  detail::record_extreme(r, x, dims, "AminBackward0");
+  return r;
 }
 /// Largest value: all elements, or along `dim` (values only; see argmax for indices).
 template <expr::ExprLike X>
@@ -5611,7 +13584,7 @@ Tensor<std::int64_t> arg_reduce(const X& x, std::optional<std::int64_t> dim, boo
   }
   using K = decltype(k);
   graph::Device& dev = graph::common_device(inputs, op);
-  return Tensor<std::int64_t>(graph::submit(std::make_shared<graph::ArgReductionNode<K, expr::klane_t<K>, IsMax>>(
+  return Tensor<std::int64_t>(graph::submit(std::make_shared<graph::ArgReductionNode<K, expr::kernel_lane_t<K>, IsMax>>(
       std::move(k), reduced_shape(s, rd, keepdim), g, &dev, std::move(inputs), s)));
 }
 }  // namespace detail
@@ -5637,7 +13610,8 @@ auto logsumexp(const X& x, const Dims& dims = {}, bool keepdim = false) {
   for (int d : detail::reduce_dims(t.shape(), dims, "logsumexp")) empty = empty || t.shape()[d] == 0;
   Tensor<T> m = empty ? sum(t, dims, true) : amax(t, dims, true);
   // An all -inf (or inf) slice would give inf - inf: shift by 0 there instead.
-  Tensor<T> shift = where(abs(m) == std::numeric_limits<float>::infinity(), 0, m);
+  // The shift only keeps exp in range; it is a constant for autograd (its terms cancel).
+  Tensor<T> shift = where(abs(m) == std::numeric_limits<float>::infinity(), 0, m.detach());
   Tensor<T> s = sum(exp(t - shift), dims, true);
   Tensor<T> r = log(s) + shift;
   if (keepdim) return r;
@@ -5787,6 +13761,13 @@ auto softmax_impl(const X& x, std::int64_t dim, const char* op) {
     if (i > d) inner *= s[i];
   }
   Tensor<T> r(graph::submit(std::make_shared<graph::SoftmaxNode<T, Log>>(t.node(), d, outer, extent, inner)));
+  // softmax: dx = y * (g - sum(g * y)); log_softmax: dx = g - exp(y) * sum(g), along dim.
+  autograd::record(r, Log ? "LogSoftmaxBackward0" : "SoftmaxBackward0", {autograd::edge_of(t.impl())},
+                   [y = r.detach(), d](const Tensor<T>& g) {
+                     Tensor<T> dx = Log ? Tensor<T>(g - exp(y) * sum(g, {d}, true))
+                                        : Tensor<T>(y * (g - sum(g * y, {d}, true)));
+                     return std::vector<graph::NodePtr>{dx.node()};
+                   });
   if constexpr (std::is_same_v<V, bfloat16>) return Tensor<bfloat16>(cast<bfloat16>(r));
   else return r;
 }
@@ -5806,4 +13787,2608 @@ auto log_softmax(const X& x, std::int64_t dim) {
 
 }  // namespace lazy
 // ---- end lazytensor/ops/softmax.hpp ----
+
+namespace lazy::nn {
+
+/// How a loss reduces over the batch (torch's reduction='mean' | 'sum' | 'none').
+enum class Reduction { Mean, Sum, None };
+
+namespace functional {
+
+namespace detail {
+template <Element T>
+Tensor<T> reduce(const Tensor<T>& per_sample, Reduction r) {
+  switch (r) {
+    case Reduction::Mean: return mean(per_sample);
+    case Reduction::Sum: return sum(per_sample);
+    case Reduction::None: break;
+  }
+  return per_sample;
+}
+
+template <Element T, IndexElement I>
+void check_targets(const Tensor<T>& input, const Tensor<I>& target, const char* op) {
+  if (input.dim() != 2) {
+    throw ShapeError(std::string(op) + ": expected input of shape (N, C), got " + input.shape().str());
+  }
+  if (target.dim() != 1 || target.size(0) != input.size(0)) {
+    throw ShapeError(std::string(op) + ": expected target of shape (" + std::to_string(input.size(0)) +
+                     ",) for input " + input.shape().str() + ", got " + target.shape().str());
+  }
+}
+}  // namespace detail
+
+/// Options of cross_entropy.
+struct CrossEntropyOptions {
+  Reduction reduction = Reduction::Mean;
+  /// Mix the one-hot targets with the uniform distribution (torch's label_smoothing).
+  double label_smoothing = 0.0;
+};
+
+/// Cross entropy of logits `input` [N, C] against class indices `target` [N] (torch's
+/// F.cross_entropy). Its backward is one fused kernel, (softmax(x) - smoothed one-hot) * g,
+/// rather than the composition of log_softmax, gather and the reduction. Class indices
+/// outside [0, C) raise IndexError when the loss is computed.
+template <IndexElement I>
+Tensor<float> cross_entropy(const Tensor<float>& input, const Tensor<I>& target, CrossEntropyOptions opt = {}) {
+  detail::check_targets(input, target, "cross_entropy");
+  if (opt.label_smoothing < 0 || opt.label_smoothing > 1) {
+    throw Error("cross_entropy: label_smoothing must be in [0, 1], got " + std::to_string(opt.label_smoothing));
+  }
+  const std::int64_t n = input.size(0), c = input.size(1);
+  const float eps = static_cast<float>(opt.label_smoothing);
+  Tensor<float> logp;
+  Tensor<float> per_sample;
+  {
+    NoGradGuard forward_only;  // the backward below is explicit
+    logp = log_softmax(input, 1);
+    Tensor<float> picked = reshape(gather(logp, 1, reshape(target, Shape{n, 1})), Shape{n});
+    per_sample = eps == 0 ? Tensor<float>(-picked)
+                          : Tensor<float>(-(1 - eps) * picked - (eps / static_cast<float>(c)) * sum(logp, {1}));
+  }
+  Tensor<float> loss = detail::reduce(per_sample, opt.reduction);
+  autograd::record(loss, "CrossEntropyBackward0", {autograd::edge_of(input.impl())},
+                   [logp = logp.detach(), target = target.detach(), n, c, eps, r = opt.reduction](const Tensor<float>& g) {
+                     // d loss_i / d x_ij = softmax_ij - ((1 - eps) [j == t_i] + eps / C), times the
+                     // incoming gradient (per sample for 'none', shared otherwise).
+                     Tensor<float> gi = r == Reduction::None ? reshape(g, Shape{n, 1})
+                                        : r == Reduction::Mean ? Tensor<float>(reshape(g, Shape{1, 1}) / static_cast<float>(n))
+                                                               : reshape(g, Shape{1, 1});
+                     Tensor<float> dx = (exp(logp) - (cast<float>(one_hot(target, c)) * (1 - eps) + eps / static_cast<float>(c))) * gi;
+                     return std::vector<graph::NodePtr>{dx.node()};
+                   });
+  return loss;
+}
+
+/// Negative log likelihood of log-probabilities `input` [N, C] at class indices `target`.
+template <IndexElement I>
+Tensor<float> nll_loss(const Tensor<float>& input, const Tensor<I>& target, Reduction r = Reduction::Mean) {
+  detail::check_targets(input, target, "nll_loss");
+  const std::int64_t n = input.size(0);
+  Tensor<float> picked = reshape(gather(input, 1, reshape(target, Shape{n, 1})), Shape{n});
+  return detail::reduce(Tensor<float>(-picked), r);
+}
+
+/// Mean squared error (torch's F.mse_loss).
+inline Tensor<float> mse_loss(const Tensor<float>& input, const Tensor<float>& target, Reduction r = Reduction::Mean) {
+  if (!(input.shape() == target.shape())) {
+    throw ShapeError("mse_loss: input " + input.shape().str() + " and target " + target.shape().str() +
+                     " must have the same shape");
+  }
+  Tensor<float> d = (input - target) * (input - target);
+  return detail::reduce(d, r);
+}
+
+/// Binary cross entropy on logits, computed stably: max(x, 0) - x * y + log(1 + e^-|x|).
+inline Tensor<float> binary_cross_entropy_with_logits(const Tensor<float>& input, const Tensor<float>& target,
+                                                      Reduction r = Reduction::Mean) {
+  if (!(input.shape() == target.shape())) {
+    throw ShapeError("binary_cross_entropy_with_logits: input " + input.shape().str() + " and target " +
+                     target.shape().str() + " must have the same shape");
+  }
+  Tensor<float> l = relu(input) - input * target + log1p(exp(-abs(input)));
+  return detail::reduce(l, r);
+}
+
+/// Zeroes elements with probability p and scales the rest by 1 / (1 - p) in training.
+inline Tensor<float> dropout(const Tensor<float>& x, double p = 0.5, bool training = true) {
+  if (p < 0 || p > 1) throw Error("dropout: probability has to be between 0 and 1, but got " + std::to_string(p));
+  if (!training || p == 0) return x;
+  if (p == 1) return Tensor<float>(x * 0.0f);
+  return Tensor<float>(x * bernoulli<float>(1 - p, x.shape(), x.device()) * static_cast<float>(1 / (1 - p)));
+}
+
+/// Normalizes over the trailing dims `normalized` (torch's F.layer_norm); weight and bias
+/// (optional: undefined tensors) have the normalized shape.
+inline Tensor<float> layer_norm(const Tensor<float>& x, const Shape& normalized, const Tensor<float>& weight,
+                                const Tensor<float>& bias, double eps = 1e-5) {
+  const int k = normalized.rank(), r = x.dim();
+  bool ok = k >= 1 && k <= r;
+  for (int i = 0; ok && i < k; ++i) ok = x.shape()[r - k + i] == normalized[i];
+  if (!ok) {
+    throw ShapeError("layer_norm: normalized_shape " + normalized.str() + " does not match the trailing dims of input " +
+                     x.shape().str());
+  }
+  std::vector<std::int64_t> dims;
+  for (int i = r - k; i < r; ++i) dims.push_back(i);
+  Tensor<float> mu = mean(x, dims, true);
+  Tensor<float> xc = x - mu;
+  Tensor<float> var = mean(xc * xc, dims, true);
+  Tensor<float> y = xc * rsqrt(var + static_cast<float>(eps));
+  if (weight.defined()) y = y * weight;
+  if (bias.defined()) y = y + bias;
+  return y;
+}
+
+}  // namespace functional
+}  // namespace lazy::nn
+// ---- end lazytensor/nn/functional.hpp ----
+// ---- begin lazytensor/nn/module.hpp ----
+// nn::Module, as libtorch's torch::nn::Module: a tree of modules owning named parameters
+// (float tensors that require grad) and buffers (running statistics and the like), with
+// state_dict / load_state_dict, train / eval, to(device) and zero_grad. Module handles
+// (nn::Linear, ...) are shared pointers to the *Impl classes, like libtorch's ModuleHolder.
+//
+// Parameters and buffers are tensor handles shared with the owning module's members: an
+// optimizer's in-place update, load_state_dict or to(device) rebinds the shared tensor
+// object, so every handle sees it.
+
+#include <algorithm>
+#include <memory>
+#include <ostream>
+#include <sstream>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace lazy::nn {
+
+/// Base of every layer and model.
+class Module : public std::enable_shared_from_this<Module> {
+ public:
+  /// `name` is what printing shows ("Linear", "Net", ...).
+  explicit Module(std::string name = "Module") : name_(std::move(name)) {}
+  virtual ~Module() = default;
+  Module(const Module&) = delete;
+  Module& operator=(const Module&) = delete;
+
+  /// The module's type name.
+  const std::string& name() const { return name_; }
+
+  /// Registers a parameter under `name` (marked requires_grad unless told otherwise) and
+  /// returns a handle sharing it.
+  Tensor<float> register_parameter(const std::string& name, Tensor<float> t, bool requires_grad = true) {
+    check_name(name);
+    if (!t.defined()) throw Error(name_ + ".register_parameter: parameter '" + name + "' is undefined");
+    if (requires_grad && !t.requires_grad()) t.requires_grad_();
+    params_.emplace_back(name, t);
+    return t;
+  }
+  /// Registers a buffer (saved in state_dict, not a parameter) and returns a handle.
+  AnyTensor register_buffer(const std::string& name, AnyTensor t) {
+    check_name(name);
+    buffers_.emplace_back(name, t);
+    return t;
+  }
+  /// Registers a submodule; returns it.
+  template <class M>
+  std::shared_ptr<M> register_module(const std::string& name, std::shared_ptr<M> m) {
+    static_assert(std::is_base_of_v<Module, M>, "register_module: not an nn::Module");
+    check_name(name);
+    if (!m) throw Error(name_ + ".register_module: submodule '" + name + "' is empty");
+    children_.emplace_back(name, m);
+    return m;
+  }
+  /// Registers a submodule given by its holder (nn::Linear, ...); returns the holder.
+  template <class H>
+    requires requires(const H& h) { h.ptr(); }
+  H register_module(const std::string& name, H holder) {
+    register_module(name, holder.ptr());
+    return holder;
+  }
+
+  /// Every parameter of this module and (recursively) its submodules, in registration order.
+  std::vector<Tensor<float>> parameters(bool recurse = true) const {
+    std::vector<Tensor<float>> out;
+    for (auto& [n, p] : named_parameters(recurse)) out.push_back(p);
+    return out;
+  }
+  /// Parameters with dotted names ("fc1.weight").
+  std::vector<std::pair<std::string, Tensor<float>>> named_parameters(bool recurse = true) const {
+    std::vector<std::pair<std::string, Tensor<float>>> out;
+    collect_params("", recurse, out);
+    return out;
+  }
+  /// Buffers with dotted names.
+  std::vector<std::pair<std::string, AnyTensor>> named_buffers(bool recurse = true) const {
+    std::vector<std::pair<std::string, AnyTensor>> out;
+    collect_buffers("", recurse, out);
+    return out;
+  }
+  /// Direct submodules with their names.
+  const std::vector<std::pair<std::string, std::shared_ptr<Module>>>& named_children() const { return children_; }
+  /// This module and every descendant, depth first.
+  std::vector<std::shared_ptr<const Module>> modules() const {
+    std::vector<std::shared_ptr<const Module>> out{shared_from_this()};
+    for (auto& [n, c] : children_)
+      for (auto& m : c->modules()) out.push_back(m);
+    return out;
+  }
+
+  /// Parameters and buffers by dotted name.
+  StateDict state_dict() const {
+    StateDict sd;
+    collect_state("", sd);
+    return sd;
+  }
+
+  /// Replaces parameters and buffers with the entries of `sd`. With `strict`, a missing or
+  /// unexpected key is an Error; a shape or dtype mismatch is always an error. Nothing is
+  /// changed when any check fails. The values are shared, not copied.
+  void load_state_dict(const StateDict& sd, bool strict = true) {
+    std::vector<std::pair<std::shared_ptr<graph::TensorImpl>, AnyTensor>> plan;
+    std::vector<std::string> missing;
+    auto match = [&](const std::string& key, const std::shared_ptr<graph::TensorImpl>& impl) {
+      const AnyTensor* src = sd.find(key);
+      if (!src) {
+        missing.push_back(key);
+        return;
+      }
+      const auto& cur = impl->node;
+      if (src->dtype() != cur->dtype()) {
+        throw DTypeError("load_state_dict: '" + key + "' has dtype " + dtype_name(src->dtype()) +
+                         " in the state dict, expected " + dtype_name(cur->dtype()));
+      }
+      if (!(src->shape() == cur->shape())) {
+        throw ShapeError("load_state_dict: size mismatch for '" + key + "': copying a param with shape " +
+                         src->shape().str() + " from the state dict, the shape in the current model is " +
+                         cur->shape().str());
+      }
+      plan.emplace_back(impl, *src);
+    };
+    std::vector<std::string> own;
+    for (auto& [n, p] : named_parameters()) {
+      match(n, p.impl());
+      own.push_back(n);
+    }
+    for (auto& [n, b] : named_buffers()) {
+      match(n, b.impl());
+      own.push_back(n);
+    }
+    if (strict) {
+      std::vector<std::string> unexpected;
+      for (const auto& k : sd.keys())
+        if (std::find(own.begin(), own.end(), k) == own.end()) unexpected.push_back(k);
+      if (!missing.empty() || !unexpected.empty()) {
+        throw Error("load_state_dict: error(s) in loading state_dict for " + name_ + ": missing key(s): " +
+                    join(missing) + "; unexpected key(s): " + join(unexpected));
+      }
+    }
+    for (auto& [impl, src] : plan) {
+      const Device here(impl->node->device()->index());
+      impl->node = src.device() == here ? src.impl()->node : on_device(src, here).impl()->node;
+    }
+  }
+
+  /// Training mode (dropout active, batch norm uses batch statistics), recursively.
+  virtual void train(bool on = true) {
+    training_ = on;
+    for (auto& [n, c] : children_) c->train(on);
+  }
+  /// Evaluation mode: train(false).
+  void eval() { train(false); }
+  /// True in training mode.
+  bool is_training() const { return training_; }
+
+  /// Moves every parameter and buffer to `dev` (their gradients are dropped).
+  void to(const Device& dev) {
+    for (auto& [n, p] : named_parameters()) {
+      if (p.device() == dev) continue;
+      p.impl()->node = p.detach().to(dev).node();
+      p.set_grad(Tensor<float>());
+    }
+    for (auto& [n, b] : named_buffers()) {
+      if (b.device() == dev) continue;
+      b.impl()->node = on_device(b, dev).impl()->node;
+    }
+  }
+
+  /// Clears the gradients: undefined (set_to_none, libtorch's default) or zero.
+  void zero_grad(bool set_to_none = true) {
+    for (auto& p : parameters()) {
+      if (set_to_none || !p.grad().defined()) {
+        p.set_grad(Tensor<float>());
+      } else {
+        NoGradGuard guard;
+        p.grad().zero_();
+      }
+    }
+  }
+
+  /// Prints the module tree as PyTorch does.
+  virtual void pretty_print(std::ostream& os) const { os << name_; }
+
+  /// The module tree as text.
+  std::string str() const {
+    std::ostringstream os;
+    print_tree(os, 0);
+    return os.str();
+  }
+
+ private:
+  void check_name(const std::string& n) const {
+    if (n.empty() || n.find('.') != std::string::npos) {
+      throw Error(name_ + ": invalid name '" + n + "' (names must be non-empty and contain no '.')");
+    }
+    for (auto& [k, v] : params_)
+      if (k == n) throw Error(name_ + ": '" + n + "' is already registered");
+    for (auto& [k, v] : buffers_)
+      if (k == n) throw Error(name_ + ": '" + n + "' is already registered");
+    for (auto& [k, v] : children_)
+      if (k == n) throw Error(name_ + ": '" + n + "' is already registered");
+  }
+  void collect_params(const std::string& prefix, bool recurse,
+                      std::vector<std::pair<std::string, Tensor<float>>>& out) const {
+    for (auto& [n, p] : params_) out.emplace_back(prefix + n, p);
+    if (recurse)
+      for (auto& [n, c] : children_) c->collect_params(prefix + n + ".", true, out);
+  }
+  void collect_buffers(const std::string& prefix, bool recurse,
+                       std::vector<std::pair<std::string, AnyTensor>>& out) const {
+    for (auto& [n, b] : buffers_) out.emplace_back(prefix + n, b);
+    if (recurse)
+      for (auto& [n, c] : children_) c->collect_buffers(prefix + n + ".", true, out);
+  }
+  // Module by module, parameters then buffers, as torch orders its state dicts.
+  void collect_state(const std::string& prefix, StateDict& sd) const {
+    for (auto& [n, p] : params_) sd.insert(prefix + n, p.detach());
+    for (auto& [n, b] : buffers_) sd.insert(prefix + n, b);
+    for (auto& [n, c] : children_) c->collect_state(prefix + n + ".", sd);
+  }
+  void print_tree(std::ostream& os, int indent) const {
+    pretty_print(os);
+    if (children_.empty()) return;
+    os << "(\n";
+    for (auto& [n, c] : children_) {
+      os << std::string(static_cast<std::size_t>(indent + 2), ' ') << "(" << n << "): ";
+      c->print_tree(os, indent + 2);
+      os << "\n";
+    }
+    os << std::string(static_cast<std::size_t>(indent), ' ') << ")";
+  }
+  static AnyTensor on_device(const AnyTensor& t, const Device& dev) {
+    return t.visit([&](const auto& typed) { return AnyTensor(typed.to(dev)); });
+  }
+  static std::string join(const std::vector<std::string>& v) {
+    std::string s;
+    for (const auto& x : v) s += (s.empty() ? "'" : ", '") + x + "'";
+    return s.empty() ? "none" : s;
+  }
+
+  std::string name_;
+  bool training_ = true;
+  std::vector<std::pair<std::string, Tensor<float>>> params_;
+  std::vector<std::pair<std::string, AnyTensor>> buffers_;
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
+};
+
+/// A shared handle on a module implementation, as libtorch's ModuleHolder: `nn::Linear fc(4, 2);`
+/// constructs a LinearImpl; `nn::Linear fc{nullptr};` is empty; `fc->weight`, `fc(x)`.
+template <class Impl>
+class ModuleHolder {
+ public:
+  using impl_type = Impl;
+  /// An empty holder (assign a constructed one later).
+  ModuleHolder(std::nullptr_t) {}  // NOLINT: as libtorch
+  /// Wraps an existing implementation.
+  ModuleHolder(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}  // NOLINT
+  /// Constructs the implementation from `args`.
+  template <class A0, class... Args>
+    requires(!std::is_same_v<std::remove_cvref_t<A0>, ModuleHolder> &&
+             !std::is_same_v<std::remove_cvref_t<A0>, std::nullptr_t> &&
+             !std::is_same_v<std::remove_cvref_t<A0>, std::shared_ptr<Impl>>)
+  explicit ModuleHolder(A0&& a0, Args&&... args)
+      : impl_(std::make_shared<Impl>(std::forward<A0>(a0), std::forward<Args>(args)...)) {}
+  /// Default-constructs the implementation (when it has a default constructor).
+  ModuleHolder()
+    requires std::is_default_constructible_v<Impl>
+      : impl_(std::make_shared<Impl>()) {}
+
+  Impl* operator->() const { return &get(); }
+  Impl& operator*() const { return get(); }
+  Impl& get() const {
+    if (!impl_) throw Error("use of an empty module holder (constructed with nullptr)");
+    return *impl_;
+  }
+  const std::shared_ptr<Impl>& ptr() const { return impl_; }
+  bool is_empty() const { return impl_ == nullptr; }
+  /// Calls forward.
+  template <class... Args>
+  decltype(auto) operator()(Args&&... args) const {
+    return get().forward(std::forward<Args>(args)...);
+  }
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace lazy::nn
+
+/// Declares `Name` as the holder of `NameImpl` (libtorch's TORCH_MODULE).
+#define LAZY_MODULE(Name)                                          \
+  class Name : public ::lazy::nn::ModuleHolder<Name##Impl> {       \
+   public:                                                         \
+    using ::lazy::nn::ModuleHolder<Name##Impl>::ModuleHolder;      \
+  }
+// ---- end lazytensor/nn/module.hpp ----
+
+namespace lazy::nn {
+
+#define LAZY_ACTIVATION(NAME, FN)                                                              \
+  /** Element-wise FN as a layer. */                                                            \
+  class NAME##Impl : public Module {                                                           \
+   public:                                                                                     \
+    NAME##Impl() : Module(#NAME) {}                                                            \
+    Tensor<float> forward(const Tensor<float>& x) const { return Tensor<float>(lazy::FN(x)); } \
+    void pretty_print(std::ostream& os) const override { os << #NAME "()"; }                   \
+  };                                                                                           \
+  LAZY_MODULE(NAME)
+
+LAZY_ACTIVATION(ReLU, relu);
+LAZY_ACTIVATION(GELU, gelu);
+LAZY_ACTIVATION(Tanh, tanh);
+LAZY_ACTIVATION(Sigmoid, sigmoid);
+LAZY_ACTIVATION(SiLU, silu);
+#undef LAZY_ACTIVATION
+
+/// Flattens dims start_dim..end_dim (default: all but the batch dim).
+class FlattenImpl : public Module {
+ public:
+  explicit FlattenImpl(std::int64_t start_dim = 1, std::int64_t end_dim = -1)
+      : Module("Flatten"), start_(start_dim), end_(end_dim) {}
+  Tensor<float> forward(const Tensor<float>& x) const { return flatten(x, start_, end_); }
+  void pretty_print(std::ostream& os) const override {
+    os << "Flatten(start_dim=" << start_ << ", end_dim=" << end_ << ")";
+  }
+
+ private:
+  std::int64_t start_, end_;
+};
+LAZY_MODULE(Flatten);
+
+/// Zeroes inputs with probability p during training (scaling the rest by 1 / (1 - p));
+/// the identity in eval mode.
+class DropoutImpl : public Module {
+ public:
+  explicit DropoutImpl(double p = 0.5) : Module("Dropout"), p_(p) {
+    if (p < 0 || p > 1) throw Error("Dropout: probability has to be between 0 and 1, but got " + std::to_string(p));
+  }
+  Tensor<float> forward(const Tensor<float>& x) const { return functional::dropout(x, p_, is_training()); }
+  void pretty_print(std::ostream& os) const override { os << "Dropout(p=" << p_ << ")"; }
+
+ private:
+  double p_;
+};
+LAZY_MODULE(Dropout);
+
+}  // namespace lazy::nn
+// ---- end lazytensor/nn/activation.hpp ----
+// ---- begin lazytensor/nn/conv.hpp ----
+// nn::Conv2d, as torch::nn::Conv2d: a 2-D convolution layer over the functional
+// lazy::conv2d (im2col + one GEMM, bias fused into the GEMM's row blocks), with PyTorch's
+// initialization: kaiming_uniform(a = sqrt(5)) on the weight, i.e. U(-1/sqrt(fan_in),
+// 1/sqrt(fan_in)) with fan_in = in_channels * kH * kW, and the same bound for the bias.
+//
+// Options are checked at construction (a layer that cannot run is never built); the input
+// is checked by conv2d at forward. groups and padding modes other than zeros are not
+// supported (conv2d has groups = 1 only), so Conv2dOptions does not offer them.
+
+#include <cmath>
+#include <cstdint>
+#include <ostream>
+#include <string>
+
+// ---- begin lazytensor/nn/init.hpp ----
+// Parameter initializers, as torch.nn.init: each fills a tensor in place (without recording
+// history) from the current device's random stream.
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+
+namespace lazy::nn::init {
+
+/// Which fan kaiming_* scales by.
+enum class FanMode { FanIn, FanOut };
+/// The nonlinearity a gain is computed for (torch.nn.init.calculate_gain).
+enum class Nonlinearity { Linear, Sigmoid, Tanh, ReLU, LeakyReLU };
+
+/// torch.nn.init.calculate_gain.
+inline double calculate_gain(Nonlinearity nl, double param = 0.01) {
+  switch (nl) {
+    case Nonlinearity::Linear:
+    case Nonlinearity::Sigmoid: return 1.0;
+    case Nonlinearity::Tanh: return 5.0 / 3.0;
+    case Nonlinearity::ReLU: return std::sqrt(2.0);
+    case Nonlinearity::LeakyReLU: return std::sqrt(2.0 / (1.0 + param * param));
+  }
+  return 1.0;
+}
+
+/// (fan_in, fan_out) of a weight: dim 1 and dim 0 sizes times the receptive field (the
+/// product of the remaining dims), as torch computes them.
+inline std::pair<double, double> fans(const Shape& s) {
+  if (s.rank() < 2) {
+    throw ShapeError("init: fan in and fan out can not be computed for a tensor with fewer than 2 dimensions (shape " +
+                     s.str() + ")");
+  }
+  double field = 1;
+  for (int i = 2; i < s.rank(); ++i) field *= static_cast<double>(s[i]);
+  return {static_cast<double>(s[1]) * field, static_cast<double>(s[0]) * field};
+}
+
+/// Fills with U(a, b).
+inline Tensor<float>& uniform_(Tensor<float>& t, double a = 0, double b = 1) {
+  NoGradGuard guard;
+  t.copy_(rand<float>(t.shape(), t.device()) * static_cast<float>(b - a) + static_cast<float>(a));
+  return t;
+}
+/// Fills with N(mean, std^2).
+inline Tensor<float>& normal_(Tensor<float>& t, double mean = 0, double std = 1) {
+  NoGradGuard guard;
+  t.copy_(randn<float>(t.shape(), t.device()) * static_cast<float>(std) + static_cast<float>(mean));
+  return t;
+}
+/// Fills with `value`.
+inline Tensor<float>& constant_(Tensor<float>& t, double value) {
+  NoGradGuard guard;
+  t.fill_(value);
+  return t;
+}
+/// Fills with zeros.
+inline Tensor<float>& zeros_(Tensor<float>& t) { return constant_(t, 0); }
+/// Fills with ones.
+inline Tensor<float>& ones_(Tensor<float>& t) { return constant_(t, 1); }
+
+/// Glorot uniform: U(-a, a), a = gain * sqrt(6 / (fan_in + fan_out)).
+inline Tensor<float>& xavier_uniform_(Tensor<float>& t, double gain = 1) {
+  auto [in, out] = fans(t.shape());
+  const double a = gain * std::sqrt(6.0 / (in + out));
+  return uniform_(t, -a, a);
+}
+/// Glorot normal: N(0, std^2), std = gain * sqrt(2 / (fan_in + fan_out)).
+inline Tensor<float>& xavier_normal_(Tensor<float>& t, double gain = 1) {
+  auto [in, out] = fans(t.shape());
+  return normal_(t, 0, gain * std::sqrt(2.0 / (in + out)));
+}
+/// He uniform: U(-b, b), b = gain(nl, a) * sqrt(3 / fan).
+inline Tensor<float>& kaiming_uniform_(Tensor<float>& t, double a = 0, FanMode mode = FanMode::FanIn,
+                                       Nonlinearity nl = Nonlinearity::LeakyReLU) {
+  auto [in, out] = fans(t.shape());
+  const double fan = mode == FanMode::FanIn ? in : out;
+  const double bound = calculate_gain(nl, a) * std::sqrt(3.0 / fan);
+  return uniform_(t, -bound, bound);
+}
+/// He normal: N(0, std^2), std = gain(nl, a) / sqrt(fan).
+inline Tensor<float>& kaiming_normal_(Tensor<float>& t, double a = 0, FanMode mode = FanMode::FanIn,
+                                      Nonlinearity nl = Nonlinearity::LeakyReLU) {
+  auto [in, out] = fans(t.shape());
+  const double fan = mode == FanMode::FanIn ? in : out;
+  return normal_(t, 0, calculate_gain(nl, a) / std::sqrt(fan));
+}
+
+}  // namespace lazy::nn::init
+// ---- end lazytensor/nn/init.hpp ----
+// ---- begin lazytensor/ops/conv.hpp ----
+// conv2d as im2col + one batched GEMM (torch::nn::functional::conv2d), and unfold/fold
+// (torch::nn::functional::unfold/fold), the im2col/col2im ops themselves.
+//
+// conv2d(x, w, b) = reshape(W [O, C*kh*kw] x cols[n] + b[:, None], [N, O, OH, OW]) with
+// cols = im2col(x) [N, C*kh*kw, OH*OW]: the weight is shared by every image (a GEMM with a
+// batch-1 left operand) and the output [N, O, OH*OW] is already NCHW; the bias add runs on
+// the GEMM's row blocks while they are in cache (epilogue fusion). A 1x1 kernel with stride
+// 1 and no padding needs no im2col: the image is its own column matrix (a view).
+//
+// Backward: im2col's rule is col2im; the GEMM's rule computes the column gradient as
+// W^T x G[n] (W read transposed) and the weight gradient with ConvWeightGradNode, which sums
+// G[n] x cols[n]^T over the images without materializing a transpose (matmul's generic rule
+// would copy cols transposed and sum N products: ~1.7x slower at 32x64x32x32, 3x3); the bias
+// gradient comes from the element-wise rule (a sum over N and the positions).
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+// ---- begin lazytensor/ops/im2col.hpp ----
+// The kernels behind conv2d: im2col, its adjoint col2im (Caffe's layout), and the weight
+// gradient (ConvWeightGradNode, at the end).
+//
+// im2col turns an image x [N, C, H, W] into columns [N, C*kh*kw, OH*OW]: row (c, i, j) of
+// image n holds, for every output position, the input value under kernel tap (i, j) of
+// channel c (zero where the tap falls into padding). A convolution is then one GEMM per
+// image with the weight viewed as [O, C*kh*kw], and its output is already in NCHW order.
+//
+// col2im adds columns back into an image (the gradient of im2col). Each task owns whole
+// (n, c) planes and adds the taps of a plane in a fixed order (i, j, output row, output
+// column), so no two tasks write the same element and the sums do not depend on the
+// thread count.
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include <Eigen/Core>
+
+// ---- begin lazytensor/ops/window.hpp ----
+// Geometry shared by convolution and pooling: a 2-D window sliding over [H, W] planes, and
+// the (height, width) size pairs their arguments take (libtorch's ExpandingArray<2>).
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+
+namespace lazy {
+
+/// A (height, width) pair: `3` means {3, 3}, `{3, 2}` means height 3 and width 2, as
+/// libtorch's ExpandingArray<2> (kernel sizes, strides, paddings, dilations).
+struct Size2 {
+  std::int64_t h = 0;
+  std::int64_t w = 0;
+  /// The same value for both dimensions.
+  Size2(std::int64_t v) : h(v), w(v) {}  // NOLINT(google-explicit-constructor): `stride = 2`
+  /// Height and width.
+  Size2(std::int64_t height, std::int64_t width) : h(height), w(width) {}
+  /// "(h, w)", for error messages.
+  std::string str() const { return "(" + std::to_string(h) + ", " + std::to_string(w) + ")"; }
+  friend bool operator==(const Size2&, const Size2&) = default;
+};
+
+namespace graph {
+
+/// Where a 2-D window lands: output position (oy, ox) reads input rows
+/// oy * sh - ph + i * dh (i < kh) and columns ox * sw - pw + j * dw (j < kw) of an h x w
+/// plane; positions outside the plane are padding.
+struct Window2d {
+  std::int64_t kh = 1, kw = 1;  ///< kernel
+  std::int64_t sh = 1, sw = 1;  ///< stride
+  std::int64_t ph = 0, pw = 0;  ///< padding
+  std::int64_t dh = 1, dw = 1;  ///< dilation
+  std::int64_t h = 0, w = 0;    ///< input plane
+  std::int64_t oh = 0, ow = 0;  ///< output plane
+
+  /// Fills oh/ow (torch's floor formula, no ceil_mode); the caller validated that the
+  /// dilated kernel fits the padded input.
+  void set_output_size() {
+    oh = (h + 2 * ph - dh * (kh - 1) - 1) / sh + 1;
+    ow = (w + 2 * pw - dw * (kw - 1) - 1) / sw + 1;
+  }
+  /// Output columns [first, last) whose kernel column j reads inside the plane.
+  std::pair<std::int64_t, std::int64_t> valid_columns(std::int64_t j) const {
+    return valid_range(pw - j * dw, w, sw, ow);
+  }
+  /// Output rows [first, last) whose kernel row i reads inside the plane.
+  std::pair<std::int64_t, std::int64_t> valid_rows(std::int64_t i) const {
+    return valid_range(ph - i * dh, h, sh, oh);
+  }
+  /// Folds every field into a structural hash.
+  std::uint64_t hash(std::uint64_t seed) const {
+    for (std::int64_t v : {kh, kw, sh, sw, ph, pw, dh, dw, h, w})
+      seed = hash_combine(seed, static_cast<std::uint64_t>(v));
+    return seed;
+  }
+  /// "kernel=(3, 3), stride=(1, 1), padding=(1, 1), dilation=(1, 1)", for graph dumps.
+  std::string str() const {
+    return "kernel=" + Size2(kh, kw).str() + ", stride=" + Size2(sh, sw).str() +
+           ", padding=" + Size2(ph, pw).str() + ", dilation=" + Size2(dh, dw).str();
+  }
+
+ private:
+  // Outputs o in [0, count) with 0 <= o * stride - shift < size.
+  static std::pair<std::int64_t, std::int64_t> valid_range(std::int64_t shift, std::int64_t size,
+                                                           std::int64_t stride,
+                                                           std::int64_t count) {
+    const std::int64_t first = shift <= 0 ? 0 : (shift + stride - 1) / stride;
+    const std::int64_t top = size - 1 + shift;  // o * stride <= top
+    const std::int64_t last = top < 0 ? 0 : std::min(count, top / stride + 1);
+    return {std::min(first, last), last};
+  }
+};
+
+}  // namespace graph
+
+namespace detail {
+
+/// "(a x b)", as torch prints plane sizes in conv/pool errors.
+inline std::string plane_str(std::int64_t a, std::int64_t b) {
+  return "(" + std::to_string(a) + " x " + std::to_string(b) + ")";
+}
+
+/// ShapeError unless x is [N, C, H, W] with C, H, W > 0 (N may be 0).
+inline void check_nchw(const Shape& s, const char* op, const char* what) {
+  if (s.rank() != 4) {
+    throw ShapeError(std::string(op) + ": expected a 4-D " + what + " [N, C, H, W], got shape " +
+                     s.str() + " (rank " + std::to_string(s.rank()) + ")");
+  }
+  if (s[1] == 0 || s[2] == 0 || s[3] == 0) {
+    throw ShapeError(std::string(op) + ": expected non-zero channels, height and width in the " +
+                     what + " [N, C, H, W], got shape " + s.str());
+  }
+}
+
+/// ShapeError unless stride and dilation are positive and padding is not negative.
+inline void check_window_args(const char* op, Size2 stride, Size2 padding, Size2 dilation) {
+  if (stride.h <= 0 || stride.w <= 0) {
+    throw ShapeError(std::string(op) + ": expected a positive stride, got " + stride.str());
+  }
+  if (dilation.h <= 0 || dilation.w <= 0) {
+    throw ShapeError(std::string(op) + ": expected a positive dilation, got " + dilation.str());
+  }
+  if (padding.h < 0 || padding.w < 0) {
+    throw ShapeError(std::string(op) + ": expected a non-negative padding, got " + padding.str());
+  }
+}
+
+/// The geometry of a kernel sliding over the planes of `image` ([N, C, H, W]), validated:
+/// the dilated kernel must fit the padded input.
+inline graph::Window2d window_over(const char* op, const Shape& image, Size2 kernel, Size2 stride,
+                                   Size2 padding, Size2 dilation) {
+  if (kernel.h <= 0 || kernel.w <= 0) {
+    throw ShapeError(std::string(op) + ": expected a positive kernel size, got " + kernel.str());
+  }
+  check_window_args(op, stride, padding, dilation);
+  graph::Window2d g{kernel.h,   kernel.w,   stride.h, stride.w, padding.h, padding.w,
+                    dilation.h, dilation.w, image[2], image[3], 0,         0};
+  const std::int64_t eh = g.dh * (g.kh - 1) + 1, ew = g.dw * (g.kw - 1) + 1;
+  if (g.h + 2 * g.ph < eh || g.w + 2 * g.pw < ew) {
+    throw ShapeError(std::string(op) +
+                     ": kernel size can't be greater than the padded input size: padded input " +
+                     plane_str(g.h + 2 * g.ph, g.w + 2 * g.pw) + " (input " + image.str() +
+                     ", padding " + padding.str() + "), dilated kernel " + plane_str(eh, ew) +
+                     " (kernel " + kernel.str() + ", dilation " + dilation.str() + ")");
+  }
+  g.set_output_size();
+  return g;
+}
+
+}  // namespace detail
+
+}  // namespace lazy
+// ---- end lazytensor/ops/window.hpp ----
+
+namespace lazy::graph {
+
+namespace conv_kernels {
+
+/// The kh*kw column rows of one channel plane `x` (h x w) into `rows` ([kh*kw, oh*ow]).
+template <class T>
+void im2col_plane(const T* x, T* rows, const Window2d& g) {
+  const std::int64_t L = g.oh * g.ow;
+  for (std::int64_t i = 0; i < g.kh; ++i) {
+    const auto [y0, y1] = g.valid_rows(i);
+    for (std::int64_t j = 0; j < g.kw; ++j) {
+      T* row = rows + (i * g.kw + j) * L;
+      const auto [x0, x1] = g.valid_columns(j);
+      std::fill(row, row + y0 * g.ow, T(0));
+      for (std::int64_t oy = y0; oy < y1; ++oy) {
+        T* out = row + oy * g.ow;
+        std::fill(out, out + x0, T(0));
+        std::fill(out + x1, out + g.ow, T(0));
+        if (x0 == x1) continue;  // (src below would point outside the plane)
+        const T* src = x + (oy * g.sh - g.ph + i * g.dh) * g.w + (x0 * g.sw - g.pw + j * g.dw);
+        if (g.sw == 1) {
+          std::copy(src, src + (x1 - x0), out + x0);
+        } else {
+          for (std::int64_t ox = x0; ox < x1; ++ox) out[ox] = src[(ox - x0) * g.sw];
+        }
+      }
+      std::fill(row + y1 * g.ow, row + L, T(0));
+    }
+  }
+}
+
+/// Adds the kh*kw column rows `rows` ([kh*kw, oh*ow]) of one channel into plane `x`
+/// (h x w), which the caller zeroed.
+template <class T>
+void col2im_plane(const T* rows, T* x, const Window2d& g) {
+  const std::int64_t L = g.oh * g.ow;
+  for (std::int64_t i = 0; i < g.kh; ++i) {
+    const auto [y0, y1] = g.valid_rows(i);
+    for (std::int64_t j = 0; j < g.kw; ++j) {
+      const T* row = rows + (i * g.kw + j) * L;
+      const auto [x0, x1] = g.valid_columns(j);
+      if (x0 == x1) continue;
+      for (std::int64_t oy = y0; oy < y1; ++oy) {
+        const T* in = row + oy * g.ow;
+        T* dst = x + (oy * g.sh - g.ph + i * g.dh) * g.w + (x0 * g.sw - g.pw + j * g.dw);
+        if (g.sw == 1) {
+          for (std::int64_t ox = x0; ox < x1; ++ox) dst[ox - x0] += in[ox];
+        } else {
+          for (std::int64_t ox = x0; ox < x1; ++ox) dst[(ox - x0) * g.sw] += in[ox];
+        }
+      }
+    }
+  }
+}
+
+/// Tasks for `planes` independent planes of `per_plane` elements each costing `cost`.
+inline std::int64_t plane_tasks(ThreadPool& pool, std::int64_t planes, std::int64_t per_plane,
+                                double cost) {
+  return std::max<std::int64_t>(1, std::min(planes, task_count(pool, planes * per_plane, cost)));
+}
+
+}  // namespace conv_kernels
+
+/// Columns [N, C*kh*kw, OH*OW] of images [N, C, H, W] (see the header comment).
+template <class T>
+class Im2colNode final : public Node {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
+                "im2col runs on float or double");
+
+ public:
+  Im2colNode(NodePtr x, const Window2d& g)
+      : Node(NodeKind::Copy, dtype_of<T>(),
+             Shape{x->shape()[0], x->shape()[1] * g.kh * g.kw, g.oh * g.ow}, x->device(), {x}),
+        g_(g) {}
+  std::string op_name() const override { return "im2col"; }
+  std::string describe() const override { return "im2col(%0, " + g_.str() + ")"; }
+  std::uint64_t structural_hash() const override { return g_.hash(Node::structural_hash()); }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    const T* x = inputs()[0]->template data<T>();
+    const std::int64_t planes = shape()[0] * inputs()[0]->shape()[1];
+    auto buf = allocate_output(ctx, false);
+    T* cols = static_cast<T*>(buf->data());
+    const std::int64_t in_plane = g_.h * g_.w, out_plane = g_.kh * g_.kw * g_.oh * g_.ow;
+    auto& pool = ctx.device.threads();
+    const std::int64_t tasks = conv_kernels::plane_tasks(pool, planes, out_plane, 1.0);
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      auto [p0, p1] = task_range(planes, tasks, t);
+      for (std::int64_t p = p0; p < p1; ++p)
+        conv_kernels::im2col_plane(x + p * in_plane, cols + p * out_plane, g_);
+    });
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  Window2d g_;
+};
+
+/// Images [N, C, H, W] summed from columns [N, C*kh*kw, OH*OW] (the adjoint of im2col).
+template <class T>
+class Col2imNode final : public Node {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
+                "col2im runs on float or double");
+
+ public:
+  Col2imNode(NodePtr cols, Shape image, const Window2d& g)
+      : Node(NodeKind::Copy, dtype_of<T>(), image, cols->device(), {cols}), g_(g) {}
+  std::string op_name() const override { return "col2im"; }
+  std::string describe() const override { return "col2im(%0, " + g_.str() + ")"; }
+  std::uint64_t structural_hash() const override { return g_.hash(Node::structural_hash()); }
+  double cost_per_element() const override {
+    return std::max(
+        1.0, static_cast<double>(g_.kh * g_.kw * g_.oh * g_.ow) / static_cast<double>(g_.h * g_.w));
+  }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    const T* cols = inputs()[0]->template data<T>();
+    const std::int64_t planes = shape()[0] * shape()[1];
+    auto buf = allocate_output(ctx, false);
+    T* x = static_cast<T*>(buf->data());
+    const std::int64_t in_plane = g_.kh * g_.kw * g_.oh * g_.ow, out_plane = g_.h * g_.w;
+    auto& pool = ctx.device.threads();
+    const std::int64_t tasks =
+        conv_kernels::plane_tasks(pool, planes, out_plane, cost_per_element());
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      auto [p0, p1] = task_range(planes, tasks, t);
+      for (std::int64_t p = p0; p < p1; ++p) {
+        T* plane = x + p * out_plane;
+        std::fill(plane, plane + out_plane, T(0));
+        conv_kernels::col2im_plane(cols + p * in_plane, plane, g_);
+      }
+    });
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  Window2d g_;
+};
+
+/// The weight gradient of a convolution: dW [O, K] = sum over n of G[n] [O, L] x cols[n]^T,
+/// with G [N, O, L] and cols [N, K, L]. The transposes are read through (Eigen layouts) and
+/// the images are added in order. dW is computed in blocks of kBlock columns, each with its
+/// own GEMM calls (which pack only that block's rows of cols); tasks take whole blocks. The
+/// blocks depend on K only: Eigen's kernels sum in an order that depends on the shape of the
+/// call, so splitting by thread count would change the bits.
+template <class T>
+class ConvWeightGradNode final : public Node {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
+                "conv weight gradients run on float or double");
+
+ public:
+  static constexpr std::int64_t kBlock = 64;
+
+  ConvWeightGradNode(NodePtr g, NodePtr cols)
+      : Node(NodeKind::Gemm, dtype_of<T>(), Shape{g->shape()[1], cols->shape()[1]}, g->device(),
+             {g, cols}) {}
+  std::string op_name() const override { return "conv2d_weight_grad"; }
+  double cost_per_element() const override {
+    return 2.0 * static_cast<double>(inputs()[0]->shape()[0] * inputs()[0]->shape()[2]);
+  }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    const T* g = inputs()[0]->template data<T>();
+    const T* cols = inputs()[1]->template data<T>();
+    const std::int64_t N = inputs()[0]->shape()[0], O = shape()[0], K = shape()[1],
+                       L = inputs()[0]->shape()[2];
+    auto buf = allocate_output(ctx, false);
+    T* out = static_cast<T*>(buf->data());
+    using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+    using Stride = Eigen::OuterStride<>;
+    const std::int64_t blocks = (K + kBlock - 1) / kBlock;
+    auto& pool = ctx.device.threads();
+    const std::int64_t tasks =
+        std::max<std::int64_t>(1, std::min(blocks, task_count(pool, O * K, cost_per_element(), 1)));
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      auto [b0, b1] = task_range(blocks, tasks, t);
+      for (std::int64_t blk = b0; blk < b1; ++blk) {
+        const std::int64_t k0 = blk * kBlock, k1 = std::min(K, k0 + kBlock);
+        Eigen::Map<Mat, 0, Stride> D(out + k0, O, k1 - k0, Stride(K));
+        D.setZero();
+        for (std::int64_t n = 0; n < N; ++n) {
+          Eigen::Map<const Mat> G(g + n * O * L, O, L);
+          Eigen::Map<const Mat> Cn(cols + (n * K + k0) * L, k1 - k0, L);
+          D.noalias() += G * Cn.transpose();
+        }
+      }
+    });
+    set_buffer(std::move(buf));
+  }
+};
+
+}  // namespace lazy::graph
+// ---- end lazytensor/ops/im2col.hpp ----
+// ---- begin lazytensor/ops/matmul.hpp ----
+// matmul, linear, bmm: Eigen GEMM on maps of the buffers. Transposes are layouts (a pending
+// transpose of the last two dims is read through, never copied), and a GEMM that feeds
+// only an element-wise expression runs in row blocks with that expression applied to each
+// block while it is in cache (see ElementwiseNode::fuse_producers).
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <Eigen/Core>
+
+
+namespace lazy {
+
+namespace graph {
+
+/// C[b] = op(A[b]) * op(B[b]) for a batch of row-major matrices; op is identity or
+/// transpose. A batch count of 1 on either side broadcasts.
+template <Element T>
+class GemmNode final : public Node, public RowProducer {
+ public:
+  struct Operand {
+    NodePtr node;
+    bool transposed;  ///< the node holds [.., cols, rows] and is read transposed
+  };
+
+  GemmNode(Operand a, Operand b, std::int64_t batch_a, std::int64_t batch_b, std::int64_t m, std::int64_t k,
+           std::int64_t n, Shape out_shape, Device* device)
+      : Node(NodeKind::Gemm, dtype_of<T>(), out_shape, device, {a.node, b.node}), ta_(a.transposed),
+        tb_(b.transposed), batch_a_(batch_a), batch_b_(batch_b), m_(m), k_(k), n_(n) {}
+
+  std::string op_name() const override { return "matmul"; }
+  std::string describe() const override {
+    return std::string("matmul(%0") + (ta_ ? "^T" : "") + ", %1" + (tb_ ? "^T" : "") + ") [" + std::to_string(m_) +
+           "x" + std::to_string(k_) + "] x [" + std::to_string(k_) + "x" + std::to_string(n_) + "]";
+  }
+  double cost_per_element() const override { return 2.0 * static_cast<double>(k_); }
+  std::uint64_t structural_hash() const override {
+    return hash_combine(Node::structural_hash(), (ta_ ? 1u : 0u) | (tb_ ? 2u : 0u));
+  }
+
+  /// Rows per GEMM call: Eigen's blocking (and so the order of the k-sums) depends on the
+  /// rows of a call, so blocks are fixed by the shapes alone. 64 rows keep an output block
+  /// in L2 for the epilogue and re-pack the right-hand side once per 64 rows; a small
+  /// product is one block.
+  std::int64_t row_block() const override {
+    const std::int64_t rows = m_ * std::max(batch_a_, batch_b_);
+    return rows * n_ * k_ <= (std::int64_t(1) << 16) ? std::max<std::int64_t>(rows, 1) : 64;
+  }
+
+  void produce_rows(void* out, std::int64_t r0, std::int64_t r1) override {
+    T* c = static_cast<T*>(out);
+    const T* a = inputs()[0]->template data<T>();
+    const T* b = inputs()[1]->template data<T>();
+    const std::int64_t block = row_block();
+    // Rows of the output run over (batch, m); a range may span several batches. Calls are
+    // cut at block boundaries and batch ends only (see row_block).
+    while (r0 < r1) {
+      const std::int64_t bi = r0 / m_, row = r0 % m_;
+      const std::int64_t rows = std::min({r1 - r0, m_ - row, (r0 / block + 1) * block - r0});
+      gemm_block(a + (batch_a_ == 1 ? 0 : bi) * m_ * k_, b + (batch_b_ == 1 ? 0 : bi) * k_ * n_,
+                 c + r0 * n_, row, rows);
+      r0 += rows;
+    }
+  }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    auto buf = allocate_output(ctx, false);
+    auto& pool = ctx.device.threads();
+    const std::int64_t rows = m_ * std::max(batch_a_, batch_b_);
+    if (n_ == 0 || rows == 0) {
+      set_buffer(std::move(buf));
+      return;
+    }
+    if (k_ == 0) {
+      std::fill_n(static_cast<T*>(buf->data()), rows * n_, T(0));
+      set_buffer(std::move(buf));
+      return;
+    }
+    // Whole blocks per task (row_block): the same GEMM calls whatever the thread count.
+    const std::int64_t block = row_block(), blocks = (rows + block - 1) / block;
+    const std::int64_t tasks =
+        std::max<std::int64_t>(1, std::min<std::int64_t>(task_count(pool, rows * n_, cost_per_element()), blocks));
+    void* out = buf->data();
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      auto [b0, b1] = task_range(blocks, tasks, t);
+      produce_rows(out, b0 * block, std::min(rows, b1 * block));
+    });
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  using CMap = Eigen::Map<const Mat>;
+
+  // Rows [row, row + rows) of op(A) * op(B) for one batch, into c (already offset).
+  void gemm_block(const T* a, const T* b, T* c, std::int64_t row, std::int64_t rows) const {
+    Eigen::Map<Mat> C(c, rows, n_);
+    if (k_ == 0) {
+      C.setZero();
+      return;
+    }
+    auto run = [&](const auto& A) {
+      if (tb_) C.noalias() = A * CMap(b, n_, k_).transpose();
+      else C.noalias() = A * CMap(b, k_, n_);
+    };
+    if (ta_) run(CMap(a, k_, m_).middleCols(row, rows).transpose());
+    else run(CMap(a, m_, k_).middleRows(row, rows));
+  }
+
+  bool ta_, tb_;
+  std::int64_t batch_a_, batch_b_, m_, k_, n_;
+};
+
+}  // namespace graph
+
+namespace detail {
+
+/// The operand as a GEMM reads it: through a pending transpose when there is one.
+template <Element T>
+typename graph::GemmNode<T>::Operand gemm_operand(const Tensor<T>& t) {
+  const auto& n = t.node();
+  if (n->pending()) {
+    // Only a 2-D source: batched GEMMs may stack batch rows, which a transposed read breaks.
+    if (auto* tr = dynamic_cast<graph::TransposeOfLastTwo*>(n.get()); tr && tr->transpose_source()->shape().rank() == 2)
+      return {tr->transpose_source(), true};
+  }
+  return {n, false};
+}
+
+template <Element T>
+Tensor<T> gemm(const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std::int64_t batch_b,
+               std::int64_t m, std::int64_t k, std::int64_t n, const Shape& out);
+
+/// Backward of C[b] = A[b] B[b] with A viewed as [batch_a, m, k], B as [batch_b, k, n] (a
+/// batch of 1 broadcasts): dA = dC B^T, dB = A^T dC, summed over broadcast batches. When a
+/// side is shared by every batch, the batches are stacked into one GEMM instead.
+template <Element T>
+void record_gemm(Tensor<T>& c, const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std::int64_t batch_b,
+                 std::int64_t m, std::int64_t k, std::int64_t n) {
+  auto ea = autograd::edge_of(a.impl()), eb = autograd::edge_of(b.impl());
+  if (!ea && !eb) return;
+  autograd::record(c, "MmBackward0", {ea, eb},
+                   [a = a.detach(), b = b.detach(), batch_a, batch_b, m, k, n, need_a = ea != nullptr,
+                    need_b = eb != nullptr](const Tensor<T>& g) {
+                     const std::int64_t B = std::max(batch_a, batch_b);
+                     std::vector<graph::NodePtr> grads(2);
+                     if (need_a) {
+                       // dA[b] = dC[b] B[b]^T: [B*m, n] x [n, k] stacked when B is shared.
+                       Tensor<T> da = batch_b == 1 ? gemm(g, transpose(reshape(b, Shape{k, n}), 0, 1), 1, 1, B * m, n, k, Shape{B, m, k})
+                                                   : gemm(g, transpose(reshape(b, Shape{B, k, n}), 1, 2), B, B, m, n, k, Shape{B, m, k});
+                       if (batch_a == 1 && B > 1) da = sum(da, {0});
+                       grads[0] = reshape(da, a.shape()).node();
+                     }
+                     if (need_b) {
+                       Tensor<T> db;
+                       if (batch_a == 1) {  // A shared: dB[b] = A^T dC[b]
+                         db = gemm(transpose(reshape(a, Shape{m, k}), 0, 1), g, 1, B, k, m, n, Shape{B, k, n});
+                       } else if (batch_b == 1) {  // B shared: one GEMM over the stacked batches
+                         db = gemm(transpose(reshape(a, Shape{B * m, k}), 0, 1), reshape(g, Shape{B * m, n}), 1, 1, k,
+                                   B * m, n, Shape{k, n});
+                       } else {
+                         db = gemm(transpose(reshape(a, Shape{B, m, k}), 1, 2), g, B, B, k, m, n, Shape{B, k, n});
+                       }
+                       if (batch_b == 1 && B > 1 && batch_a == 1) db = sum(db, {0});
+                       grads[1] = reshape(db, b.shape()).node();
+                     }
+                     return grads;
+                   });
+}
+
+template <Element T>
+Tensor<T> gemm(const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std::int64_t batch_b,
+               std::int64_t m, std::int64_t k, std::int64_t n, const Shape& out) {
+  auto oa = gemm_operand(a), ob = gemm_operand(b);
+  graph::Device& dev = graph::common_device({oa.node, ob.node}, "matmul");
+  Tensor<T> c(graph::submit(std::make_shared<graph::GemmNode<T>>(oa, ob, batch_a, batch_b, m, k, n, out, &dev)));
+  if constexpr (is_floating_v<T>) {
+    if (autograd::is_grad_enabled()) record_gemm(c, a, b, batch_a, batch_b, m, k, n);
+  }
+  return c;
+}
+
+[[noreturn]] inline void matmul_mismatch(const Shape& a, const Shape& b, std::int64_t ka, std::int64_t kb) {
+  throw ShapeError("matmul: mat1 and mat2 shapes cannot be multiplied (" + a.str() + " and " + b.str() +
+                   "): expected the contracted sizes to match, found " + std::to_string(ka) + " and " +
+                   std::to_string(kb));
+}
+
+}  // namespace detail
+
+/// Matrix product with torch.matmul's rules: 1-D x 1-D is a dot product, 2-D x 2-D a matrix
+/// product, 1-D operands gain and lose a dimension, and leading (batch) dims broadcast.
+template <Element T>
+Tensor<T> matmul(const Tensor<T>& a, const Tensor<T>& b) {
+  if constexpr (!std::is_same_v<T, float> && !std::is_same_v<T, double> && !std::is_same_v<T, std::int32_t> &&
+                !std::is_same_v<T, std::int64_t>) {
+    throw DTypeError("matmul: expected float, double, int32 or int64 operands, got " + dtype_name(dtype_of<T>()));
+  } else {
+    const Shape& sa = a.shape();
+    const Shape& sb = b.shape();
+    if (sa.rank() == 0 || sb.rank() == 0) {
+      throw ShapeError("matmul: both arguments need at least 1 dimension, got " + sa.str() + " and " + sb.str());
+    }
+    if (sa.rank() == 1 && sb.rank() == 1) {
+      if (sa[0] != sb[0]) detail::matmul_mismatch(sa, sb, sa[0], sb[0]);
+      return detail::gemm(reshape(a, Shape{1, sa[0]}), reshape(b, Shape{sb[0], 1}), 1, 1, 1, sa[0], 1, Shape{});
+    }
+    if (sb.rank() == 1) {  // [.., m, k] x [k]
+      const std::int64_t k = sa[sa.rank() - 1];
+      if (k != sb[0]) detail::matmul_mismatch(sa, sb, k, sb[0]);
+      Shape out;
+      for (int i = 0; i + 1 < sa.rank(); ++i) out.push_back(sa[i]);
+      const std::int64_t m = k ? a.numel() / k : out.numel();
+      return detail::gemm(reshape(a, Shape{m, k}), reshape(b, Shape{k, 1}), 1, 1, m, k, 1, out);
+    }
+    if (sa.rank() == 1) {  // [k] x [.., k, n]
+      const std::int64_t k = sb[sb.rank() - 2], n = sb[sb.rank() - 1];
+      if (k != sa[0]) detail::matmul_mismatch(sa, sb, sa[0], k);
+      Shape out;
+      for (int i = 0; i + 2 < sb.rank(); ++i) out.push_back(sb[i]);
+      out.push_back(n);
+      std::int64_t batch = 1;  // not numel / (k * n): k or n may be 0
+      for (int i = 0; i + 2 < sb.rank(); ++i) batch *= sb[i];
+      return detail::gemm(reshape(a, Shape{1, k}), b, 1, batch, 1, k, n, out);
+    }
+    const std::int64_t m = sa[sa.rank() - 2], k = sa[sa.rank() - 1];
+    const std::int64_t kb = sb[sb.rank() - 2], n = sb[sb.rank() - 1];
+    if (k != kb) detail::matmul_mismatch(sa, sb, k, kb);
+    Shape ba, bb;
+    for (int i = 0; i + 2 < sa.rank(); ++i) ba.push_back(sa[i]);
+    for (int i = 0; i + 2 < sb.rank(); ++i) bb.push_back(sb[i]);
+    const Shape batch = broadcast_shapes(ba, bb, "matmul");
+    Shape out = batch;
+    out.push_back(m);
+    out.push_back(n);
+    if (bb.numel() == 1 && sb.rank() == 2) {
+      // [.., m, k] x [k, n]: one GEMM with all batch rows stacked (m' = batch * m).
+      return detail::gemm(a, b, 1, 1, ba.numel() * m, k, n, out);
+    }
+    Shape fa = batch, fb = batch;
+    fa.push_back(m);
+    fa.push_back(k);
+    fb.push_back(k);
+    fb.push_back(n);
+    Tensor<T> ea = (ba == batch) ? a : expand(a, fa);
+    Tensor<T> eb = (bb == batch) ? b : expand(b, fb);
+    return detail::gemm(ea, eb, batch.numel(), batch.numel(), m, k, n, out);
+  }
+}
+
+/// Batched matrix product of [b, m, k] and [b, k, n] (no broadcasting, as torch.bmm).
+template <Element T>
+Tensor<T> bmm(const Tensor<T>& a, const Tensor<T>& b) {
+  if (a.dim() != 3 || b.dim() != 3 || a.size(0) != b.size(0)) {
+    throw ShapeError("bmm: expected 3-D tensors with equal batch sizes, got " + a.shape().str() + " and " +
+                     b.shape().str());
+  }
+  return matmul(a, b);
+}
+
+/// x @ w^T (torch.nn.functional.linear without bias); w is [out_features, in_features].
+template <Element T>
+Tensor<T> linear(const Tensor<T>& x, const Tensor<T>& w) {
+  if (w.dim() != 2 || x.dim() < 1 || x.size(-1) != w.size(1)) {
+    throw ShapeError("linear: expected input [..., " + std::to_string(w.dim() == 2 ? w.size(1) : -1) +
+                     "] and weight [out_features, in_features], got input " + x.shape().str() + " and weight " +
+                     w.shape().str());
+  }
+  return matmul(x, transpose(w, 0, 1));
+}
+
+/// x @ w^T + b. Returns an expression (as `a + b` does), so a following element-wise op
+/// such as relu joins the bias in one epilogue that runs on the GEMM's row blocks.
+template <Element T>
+auto linear(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& b) {
+  if (b.dim() != 1 || b.size(0) != w.size(0)) {
+    throw ShapeError("linear: expected bias of shape (" + std::to_string(w.size(0)) + ",), got " + b.shape().str());
+  }
+  return linear(x, w) + b;
+}
+
+}  // namespace lazy
+// ---- end lazytensor/ops/matmul.hpp ----
+
+namespace lazy {
+
+namespace detail {
+
+/// Columns [N, C*kh*kw, OH*OW] of `x`, with col2im as backward.
+template <class T>
+Tensor<T> im2col(const Tensor<T>& x, const graph::Window2d& g) {
+  Tensor<T> cols(graph::submit(std::make_shared<graph::Im2colNode<T>>(x.node(), g)));
+  autograd::record(cols, "Im2ColBackward0", {autograd::edge_of(x.impl())},
+                   [g, image = x.shape()](const Tensor<T>& gc) {
+                     return std::vector<graph::NodePtr>{graph::submit(
+                         std::make_shared<graph::Col2imNode<T>>(gc.node(), image, g))};
+                   });
+  return cols;
+}
+
+/// Images of shape `image` summed from columns, with im2col as backward.
+template <class T>
+Tensor<T> col2im(const Tensor<T>& cols, const Shape& image, const graph::Window2d& g) {
+  Tensor<T> x(graph::submit(std::make_shared<graph::Col2imNode<T>>(cols.node(), image, g)));
+  autograd::record(x, "Col2ImBackward0", {autograd::edge_of(cols.impl())},
+                   [g](const Tensor<T>& gx) {
+                     return std::vector<graph::NodePtr>{
+                         graph::submit(std::make_shared<graph::Im2colNode<T>>(gx.node(), g))};
+                   });
+  return x;
+}
+
+/// Backward of y[n] = W x cols[n] (W [O, K], cols [N, K, L]): dW = sum_n G[n] cols[n]^T by
+/// ConvWeightGradNode, dcols[n] = W^T G[n] by one GEMM reading W transposed.
+template <class T>
+void record_conv_gemm(Tensor<T>& y, const Tensor<T>& w, const Tensor<T>& cols) {
+  auto ew = autograd::edge_of(w.impl()), ec = autograd::edge_of(cols.impl());
+  autograd::record(
+      y, "ConvolutionBackward0", {ew, ec},
+      [w = w.detach(), cols = cols.detach(), need_w = ew != nullptr,
+       need_c = ec != nullptr](const Tensor<T>& g) {
+        const std::int64_t N = cols.size(0), K = cols.size(1), L = cols.size(2), O = w.size(0);
+        std::vector<graph::NodePtr> grads(2);
+        if (need_w) {
+          grads[0] =
+              graph::submit(std::make_shared<graph::ConvWeightGradNode<T>>(g.node(), cols.node()));
+        }
+        if (need_c) grads[1] = gemm(transpose(w, 0, 1), g, 1, N, K, O, L, Shape{N, K, L}).node();
+        return grads;
+      });
+}
+
+/// True for a window that reads every input element once, in order (1x1, stride 1, no
+/// padding): the image [N, C, H, W] is then its own column matrix [N, C, H*W].
+inline bool identity_window(const graph::Window2d& g) {
+  return g.kh == 1 && g.kw == 1 && g.sh == 1 && g.sw == 1 && g.ph == 0 && g.pw == 0;
+}
+
+template <class T>
+Tensor<T> conv2d_impl(const Tensor<T>& x, const Tensor<T>& weight, const Tensor<T>& bias,
+                      Size2 stride, Size2 padding, Size2 dilation) {
+  const Shape& xs = x.shape();
+  const Shape& ws = weight.shape();
+  check_nchw(xs, "conv2d", "input");
+  if (ws.rank() != 4 || ws[0] == 0 || ws[1] == 0) {
+    throw ShapeError("conv2d: expected a 4-D weight [out_channels, in_channels, kH, kW] with " +
+                     std::string("non-zero channels, got shape ") + ws.str());
+  }
+  if (xs[1] != ws[1]) {
+    throw ShapeError("conv2d: weight of shape " + ws.str() +
+                     " expects input [N, C, H, W] with C = " + std::to_string(ws[1]) +
+                     " channels, but got input of shape " + xs.str() + " with " +
+                     std::to_string(xs[1]) + " channels");
+  }
+  if (bias.defined() && (bias.dim() != 1 || bias.size(0) != ws[0])) {
+    throw ShapeError("conv2d: expected bias of shape (" + std::to_string(ws[0]) +
+                     ",) for weight of shape " + ws.str() + ", got bias of shape " +
+                     bias.shape().str());
+  }
+  const graph::Window2d g =
+      window_over("conv2d", xs, Size2(ws[2], ws[3]), stride, padding, dilation);
+  std::vector<graph::NodePtr> nodes{x.node(), weight.node()};
+  if (bias.defined()) nodes.push_back(bias.node());
+  graph::common_device(nodes, "conv2d");
+
+  const std::int64_t N = xs[0], C = xs[1], O = ws[0], K = C * g.kh * g.kw, L = g.oh * g.ow;
+  const Shape out{N, O, g.oh, g.ow};
+  if (N == 0) {
+    // No image: nothing to compute, and zero gradients (GemmNode needs a batch of >= 1).
+    Tensor<T> y = zeros<T>(out, x.device());
+    std::vector<autograd::GradFnPtr> edges{autograd::edge_of(x.impl()),
+                                           autograd::edge_of(weight.impl())};
+    std::vector<Shape> shapes{xs, ws};
+    if (bias.defined()) {
+      edges.push_back(autograd::edge_of(bias.impl()));
+      shapes.push_back(bias.shape());
+    }
+    autograd::record(y, "ConvolutionBackward0", std::move(edges),
+                     [shapes, dev = x.device()](const Tensor<T>&) {
+                       std::vector<graph::NodePtr> grads;
+                       for (const auto& s : shapes) grads.push_back(zeros<T>(s, dev).node());
+                       return grads;
+                     });
+    return y;
+  }
+  Tensor<T> cols = identity_window(g) ? reshape(x, Shape{N, C, L}) : im2col(x, g);
+  // A = weight [O, K] shared by every image (batch 1), B = cols[n] [K, L].
+  Tensor<T> w2 = reshape(weight, Shape{O, K});
+  Tensor<T> y = [&] {
+    autograd::AutoGradMode off(false);  // recorded below, with the convolution's own rule
+    return gemm(w2, cols, 1, N, O, K, L, Shape{N, O, L});
+  }();
+  record_conv_gemm(y, w2, cols);
+  if (bias.defined()) y = y + reshape(bias, Shape{O, 1});
+  return reshape(y, out);
+}
+
+}  // namespace detail
+
+/// 2-D convolution (torch::nn::functional::conv2d with groups = 1): input [N, C, H, W],
+/// weight [O, C, kH, kW], optional bias [O] (pass `{}` for none); returns
+/// [N, O, OH, OW] with OH = (H + 2 * padding.h - dilation.h * (kH - 1) - 1) / stride.h + 1.
+/// Padding is zeros. float and double; bfloat16 is computed in float and rounded once.
+/// ShapeError for ranks other than 4, a channel or bias size mismatch, a non-positive
+/// stride or dilation, negative padding, or a dilated kernel larger than the padded input.
+template <expr::ExprLike X>
+Tensor<expr::value_t<X>> conv2d(const X& input, const Tensor<expr::value_t<X>>& weight,
+                                const Tensor<expr::value_t<X>>& bias = {}, Size2 stride = 1,
+                                Size2 padding = 0, Size2 dilation = 1) {
+  using T = expr::value_t<X>;
+  if constexpr (!is_floating_v<T>) {
+    throw DTypeError("conv2d: expected a floating tensor (float, double or bfloat16), got " +
+                     dtype_name(dtype_of<T>()));
+  } else {
+    Tensor<T> x = detail::shape_ops::as_tensor(input);
+    if constexpr (std::is_same_v<T, bfloat16>) {
+      Tensor<float> xf = cast<float>(x), wf = cast<float>(weight), bf;
+      if (bias.defined()) bf = cast<float>(bias);
+      return Tensor<bfloat16>(
+          cast<bfloat16>(detail::conv2d_impl(xf, wf, bf, stride, padding, dilation)));
+    } else {
+      return detail::conv2d_impl(x, weight, bias, stride, padding, dilation);
+    }
+  }
+}
+
+/// Sliding local blocks of a batch of images (torch::nn::functional::unfold, i.e. im2col):
+/// [N, C, H, W] -> [N, C * kH * kW, L], L = OH * OW output positions, zeros for padding.
+/// float and double. ShapeError as conv2d.
+template <Element T>
+Tensor<T> unfold(const Tensor<T>& input, Size2 kernel_size, Size2 dilation = 1, Size2 padding = 0,
+                 Size2 stride = 1) {
+  if constexpr (!std::is_same_v<T, float> && !std::is_same_v<T, double>) {
+    throw DTypeError("unfold: expected a float or double tensor, got " + dtype_name(dtype_of<T>()));
+  } else {
+    detail::check_nchw(input.shape(), "unfold", "input");
+    const auto g =
+        detail::window_over("unfold", input.shape(), kernel_size, stride, padding, dilation);
+    return detail::im2col(input, g);
+  }
+}
+
+/// Sums sliding local blocks into images (torch::nn::functional::fold, i.e. col2im, the
+/// adjoint of unfold): [N, C * kH * kW, L] -> [N, C, output_size.h, output_size.w], where
+/// L must be the number of block positions in the output. float and double.
+template <Element T>
+Tensor<T> fold(const Tensor<T>& input, Size2 output_size, Size2 kernel_size, Size2 dilation = 1,
+               Size2 padding = 0, Size2 stride = 1) {
+  if constexpr (!std::is_same_v<T, float> && !std::is_same_v<T, double>) {
+    throw DTypeError("fold: expected a float or double tensor, got " + dtype_name(dtype_of<T>()));
+  } else {
+    const Shape& s = input.shape();
+    if (s.rank() != 3)
+      throw ShapeError("fold: expected a 3-D input [N, C * kH * kW, L], got shape " + s.str());
+    if (kernel_size.h <= 0 || kernel_size.w <= 0) {
+      throw ShapeError("fold: expected a positive kernel size, got " + kernel_size.str());
+    }
+    if (output_size.h <= 0 || output_size.w <= 0) {
+      throw ShapeError("fold: expected a positive output size, got " + output_size.str());
+    }
+    const std::int64_t kk = kernel_size.h * kernel_size.w;
+    if (s[1] == 0 || s[1] % kk != 0) {
+      throw ShapeError("fold: expected size(1) of the input " + s.str() +
+                       " to be a non-zero multiple of kH * kW = " + std::to_string(kk));
+    }
+    const Shape image{s[0], s[1] / kk, output_size.h, output_size.w};
+    const auto g = detail::window_over("fold", image, kernel_size, stride, padding, dilation);
+    if (s[2] != g.oh * g.ow) {
+      throw ShapeError("fold: expected input.size(2) = " + std::to_string(g.oh * g.ow) +
+                       " blocks (" + detail::plane_str(g.oh, g.ow) + " for output size " +
+                       output_size.str() + ", kernel " + kernel_size.str() + ", dilation " +
+                       dilation.str() + ", padding " + padding.str() + ", stride " + stride.str() +
+                       "), got input of shape " + s.str());
+    }
+    return detail::col2im(input, image, g);
+  }
+}
+
+}  // namespace lazy
+// ---- end lazytensor/ops/conv.hpp ----
+
+namespace lazy::nn {
+
+/// Options of Conv2d (torch::nn::Conv2dOptions): `Conv2dOptions(1, 32, 3).padding(1)`.
+struct Conv2dOptions {
+  /// in_channels -> out_channels with a kernel_size window (`3` or `{3, 5}`).
+  Conv2dOptions(std::int64_t in_channels, std::int64_t out_channels, Size2 kernel_size)
+      : in_channels_(in_channels), out_channels_(out_channels), kernel_size_(kernel_size) {}
+  LAZY_ARG(std::int64_t, in_channels);
+  LAZY_ARG(std::int64_t, out_channels);
+  LAZY_ARG(Size2, kernel_size);
+  /// Step of the window.
+  LAZY_ARG(Size2, stride) = 1;
+  /// Zeros added on each side of the input.
+  LAZY_ARG(Size2, padding) = 0;
+  /// Spacing between kernel taps.
+  LAZY_ARG(Size2, dilation) = 1;
+  /// Whether the layer has a learned bias.
+  LAZY_ARG(bool, bias) = true;
+};
+
+/// A 2-D convolution: [N, in, H, W] -> [N, out, OH, OW]; `weight` is [out, in, kH, kW],
+/// `bias` [out] (undefined without bias).
+class Conv2dImpl : public Module {
+ public:
+  /// Conv2d(in_channels, out_channels, kernel_size) with default options.
+  Conv2dImpl(std::int64_t in_channels, std::int64_t out_channels, Size2 kernel_size)
+      : Conv2dImpl(Conv2dOptions(in_channels, out_channels, kernel_size)) {}
+
+  /// ShapeError for non-positive channels, kernel size, stride or dilation, or a negative
+  /// padding.
+  explicit Conv2dImpl(const Conv2dOptions& options_) : Module("Conv2d"), options(options_) {
+    const auto& o = options;
+    if (o.in_channels() <= 0 || o.out_channels() <= 0) {
+      throw ShapeError("Conv2d: expected positive in_channels and out_channels, got " +
+                       std::to_string(o.in_channels()) + " and " +
+                       std::to_string(o.out_channels()));
+    }
+    if (o.kernel_size().h <= 0 || o.kernel_size().w <= 0) {
+      throw ShapeError("Conv2d: expected a positive kernel_size, got " + o.kernel_size().str());
+    }
+    lazy::detail::check_window_args("Conv2d", o.stride(), o.padding(), o.dilation());
+
+    weight = register_parameter("weight", empty<float>({o.out_channels(), o.in_channels(),
+                                                        o.kernel_size().h, o.kernel_size().w}));
+    init::kaiming_uniform_(weight, std::sqrt(5.0));
+    if (o.bias()) {
+      bias = register_parameter("bias", empty<float>({o.out_channels()}));
+      const double fan_in =
+          static_cast<double>(o.in_channels() * o.kernel_size().h * o.kernel_size().w);
+      const double bound = 1.0 / std::sqrt(fan_in);
+      init::uniform_(bias, -bound, bound);
+    }
+  }
+
+  /// x [N, in_channels, H, W] -> [N, out_channels, OH, OW]; ShapeError (from conv2d) for
+  /// another rank or channel count, or an input smaller than the dilated kernel.
+  Tensor<float> forward(const Tensor<float>& x) const {
+    return conv2d(x, weight, bias, options.stride(), options.padding(), options.dilation());
+  }
+
+  /// PyTorch's repr: `Conv2d(1, 32, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1))`
+  /// (padding, dilation and bias shown only when not the default).
+  void pretty_print(std::ostream& os) const override {
+    const auto& o = options;
+    os << "Conv2d(" << o.in_channels() << ", " << o.out_channels()
+       << ", kernel_size=" << o.kernel_size().str() << ", stride=" << o.stride().str();
+    if (!(o.padding() == Size2(0))) os << ", padding=" << o.padding().str();
+    if (!(o.dilation() == Size2(1))) os << ", dilation=" << o.dilation().str();
+    if (!o.bias()) os << ", bias=False";
+    os << ")";
+  }
+
+  /// The options the layer was built with.
+  const Conv2dOptions options;
+  /// [out_channels, in_channels, kH, kW].
+  Tensor<float> weight;
+  /// [out_channels], or undefined.
+  Tensor<float> bias;
+};
+LAZY_MODULE(Conv2d);
+
+}  // namespace lazy::nn
+// ---- end lazytensor/nn/conv.hpp ----
+// ---- begin lazytensor/nn/embedding.hpp ----
+// nn::Embedding: a lookup table of num_embeddings vectors (initialized N(0, 1) as torch).
+
+#include <cstdint>
+#include <string>
+
+
+namespace lazy::nn {
+
+/// Maps integer indices to learned vectors.
+class EmbeddingImpl : public Module {
+ public:
+  EmbeddingImpl(std::int64_t num_embeddings, std::int64_t embedding_dim)
+      : Module("Embedding"), n_(num_embeddings), d_(embedding_dim) {
+    if (num_embeddings <= 0 || embedding_dim <= 0) {
+      throw ShapeError("Embedding: expected positive sizes, got " + std::to_string(num_embeddings) + " and " +
+                       std::to_string(embedding_dim));
+    }
+    weight = register_parameter("weight", empty<float>({num_embeddings, embedding_dim}));
+    init::normal_(weight);
+  }
+  /// indices of any shape -> indices.shape + [embedding_dim]. Out-of-range indices raise
+  /// IndexError when computed.
+  template <IndexElement I>
+  Tensor<float> forward(const Tensor<I>& indices) const {
+    Shape out = indices.shape();
+    out.push_back(d_);
+    return reshape(index_select(weight, 0, reshape(indices, Shape{indices.numel()})), out);
+  }
+  void pretty_print(std::ostream& os) const override { os << "Embedding(" << n_ << ", " << d_ << ")"; }
+
+  Tensor<float> weight;
+
+ private:
+  std::int64_t n_, d_;
+};
+LAZY_MODULE(Embedding);
+
+}  // namespace lazy::nn
+// ---- end lazytensor/nn/embedding.hpp ----
+// ---- begin lazytensor/nn/linear.hpp ----
+// nn::Linear: y = x W^T + b, initialized as PyTorch does (kaiming uniform with a = sqrt(5),
+// i.e. U(-1/sqrt(in), 1/sqrt(in)) for both weight and bias).
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+
+namespace lazy::nn {
+
+/// A fully connected layer.
+class LinearImpl : public Module {
+ public:
+  /// in_features -> out_features, with a bias unless `bias` is false.
+  LinearImpl(std::int64_t in_features, std::int64_t out_features, bool bias = true)
+      : Module("Linear"), in_(in_features), out_(out_features) {
+    if (in_features <= 0 || out_features <= 0) {
+      throw ShapeError("Linear: expected positive in_features and out_features, got " + std::to_string(in_features) +
+                       " and " + std::to_string(out_features));
+    }
+    weight = register_parameter("weight", empty<float>({out_features, in_features}));
+    init::kaiming_uniform_(weight, std::sqrt(5.0));
+    if (bias) {
+      this->bias = register_parameter("bias", empty<float>({out_features}));
+      const double bound = 1.0 / std::sqrt(static_cast<double>(in_features));
+      init::uniform_(this->bias, -bound, bound);
+    }
+  }
+
+  /// x [..., in_features] -> [..., out_features]; bias and a following element-wise op
+  /// run on the GEMM's row blocks.
+  Tensor<float> forward(const Tensor<float>& x) const {
+    if (bias.defined()) return linear(x, weight, bias);
+    return linear(x, weight);
+  }
+
+  void pretty_print(std::ostream& os) const override {
+    os << "Linear(in_features=" << in_ << ", out_features=" << out_ << ", bias=" << (bias.defined() ? "True" : "False")
+       << ")";
+  }
+
+  Tensor<float> weight;
+  Tensor<float> bias;
+
+ private:
+  std::int64_t in_, out_;
+};
+LAZY_MODULE(Linear);
+
+}  // namespace lazy::nn
+// ---- end lazytensor/nn/linear.hpp ----
+// ---- begin lazytensor/nn/normalization.hpp ----
+// LayerNorm and BatchNorm1d/2d, as torch.nn. Batch norm keeps running statistics as
+// buffers (updated in training, used in eval), with torch's momentum convention and the
+// unbiased batch variance in the running estimate.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+
+namespace lazy::nn {
+
+/// Normalizes over the trailing `normalized_shape` dims, with a learned affine map.
+class LayerNormImpl : public Module {
+ public:
+  explicit LayerNormImpl(Shape normalized_shape, double eps = 1e-5, bool elementwise_affine = true)
+      : Module("LayerNorm"), shape_(normalized_shape), eps_(eps) {
+    if (elementwise_affine) {
+      weight = register_parameter("weight", ones<float>(normalized_shape));
+      bias = register_parameter("bias", zeros<float>(normalized_shape));
+    }
+  }
+  Tensor<float> forward(const Tensor<float>& x) const { return functional::layer_norm(x, shape_, weight, bias, eps_); }
+  void pretty_print(std::ostream& os) const override { os << "LayerNorm(" << shape_.str() << ", eps=" << eps_ << ")"; }
+
+  Tensor<float> weight, bias;
+
+ private:
+  Shape shape_;
+  double eps_;
+};
+LAZY_MODULE(LayerNorm);
+
+/// Batch normalization over the channel dim 1 of [N, C] or [N, C, L] (Rank 1) or
+/// [N, C, H, W] (Rank 2) inputs.
+template <int Rank>
+class BatchNormImpl : public Module {
+ public:
+  explicit BatchNormImpl(std::int64_t num_features, double eps = 1e-5, double momentum = 0.1, bool affine = true,
+                         bool track_running_stats = true)
+      : Module(Rank == 1 ? "BatchNorm1d" : "BatchNorm2d"), c_(num_features), eps_(eps), momentum_(momentum) {
+    if (affine) {
+      weight = register_parameter("weight", ones<float>({num_features}));
+      bias = register_parameter("bias", zeros<float>({num_features}));
+    }
+    if (track_running_stats) {
+      running_mean = zeros<float>({num_features});
+      running_var = ones<float>({num_features});
+      num_batches_tracked = zeros<std::int64_t>({});
+      register_buffer("running_mean", running_mean);
+      register_buffer("running_var", running_var);
+      register_buffer("num_batches_tracked", num_batches_tracked);
+    }
+  }
+
+  Tensor<float> forward(const Tensor<float>& x) {
+    const int r = x.dim();
+    const bool ok = Rank == 1 ? (r == 2 || r == 3) : r == 4;
+    if (!ok || x.size(1) != c_) {
+      throw ShapeError(name() + ": expected input of shape " +
+                       (Rank == 1 ? "(N, " + std::to_string(c_) + ") or (N, " + std::to_string(c_) + ", L)"
+                                  : "(N, " + std::to_string(c_) + ", H, W)") +
+                       ", got " + x.shape().str());
+    }
+    std::vector<std::int64_t> dims{0};
+    for (int d = 2; d < r; ++d) dims.push_back(d);
+    Shape stat;  // [1, C, 1, ...]
+    for (int d = 0; d < r; ++d) stat.push_back(d == 1 ? c_ : 1);
+    Tensor<float> y;
+    if (is_training() || !running_mean.defined()) {
+      const std::int64_t count = x.numel() / c_;
+      if (is_training() && count <= 1) {
+        throw Error(name() + ": expected more than 1 value per channel when training, got input " + x.shape().str());
+      }
+      Tensor<float> mu = mean(x, dims, true);
+      Tensor<float> xc = x - mu;
+      Tensor<float> var = mean(xc * xc, dims, true);
+      y = xc * rsqrt(var + static_cast<float>(eps_));
+      if (is_training() && running_mean.defined()) {
+        NoGradGuard guard;
+        const auto m = static_cast<float>(momentum_);
+        const float unbias = static_cast<float>(count) / static_cast<float>(count - 1);
+        running_mean.copy_(running_mean * (1 - m) + reshape(mu, Shape{c_}) * m);
+        running_var.copy_(running_var * (1 - m) + reshape(var, Shape{c_}) * (m * unbias));
+        num_batches_tracked.add_(1);
+      }
+    } else {
+      y = (x - reshape(running_mean, stat)) * rsqrt(reshape(running_var, stat) + static_cast<float>(eps_));
+    }
+    if (weight.defined()) y = y * reshape(weight, stat) + reshape(bias, stat);
+    return y;
+  }
+
+  void pretty_print(std::ostream& os) const override {
+    os << name() << "(" << c_ << ", eps=" << eps_ << ", momentum=" << momentum_
+       << ", affine=" << (weight.defined() ? "True" : "False") << ")";
+  }
+
+  Tensor<float> weight, bias;
+  Tensor<float> running_mean, running_var;
+  Tensor<std::int64_t> num_batches_tracked;
+
+ private:
+  std::int64_t c_;
+  double eps_, momentum_;
+};
+
+using BatchNorm1dImpl = BatchNormImpl<1>;
+using BatchNorm2dImpl = BatchNormImpl<2>;
+LAZY_MODULE(BatchNorm1d);
+LAZY_MODULE(BatchNorm2d);
+
+}  // namespace lazy::nn
+// ---- end lazytensor/nn/normalization.hpp ----
+// ---- begin lazytensor/nn/pooling.hpp ----
+// nn::MaxPool2d and nn::AvgPool2d, as torch::nn: parameter-free layers over the functional
+// lazy::max_pool2d / lazy::avg_pool2d. As in PyTorch the stride defaults to the kernel
+// size; the options set it when they are constructed, so `options.stride()` is always the
+// stride in use. Options are checked at construction; dilation, ceil_mode and
+// divisor_override are not supported (the functional ops do not have them).
+
+#include <cstdint>
+#include <ostream>
+#include <string>
+
+// ---- begin lazytensor/ops/pool.hpp ----
+// max_pool2d and avg_pool2d (torch::nn::functional), forward and backward kernels.
+//
+// Every kernel works on whole (n, c) planes, one task owning a plane, one output row at a
+// time, in a fixed order, so results never depend on the thread count. Forward kernels and
+// the average pool's backward loop over the taps of the window in row-major order and, for
+// each, over the row's windows (a branch-free, vectorizable inner loop). Max pooling keeps
+// no index tensor: its backward recomputes each window's argmax from the saved input (the
+// first maximum in row-major window order, as in torch; a NaN wins over numbers), whose
+// value is the forward's maximum. Padding is -inf for max pooling (padded taps are
+// skipped) and zeros for average pooling.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+
+namespace lazy {
+
+namespace graph {
+
+namespace pool_kernels {
+
+/// Calls f(base, x0, x1) for each tap (i, j) of the windows of output row oy, in row-major
+/// tap order, skipping taps in the padding: output columns [x0, x1) read the input at
+/// base + ox * sw (an offset into the plane).
+template <class F>
+void for_each_tap(const Window2d& g, std::int64_t oy, F&& f) {
+  const std::int64_t ys = oy * g.sh - g.ph;
+  for (std::int64_t i = 0; i < g.kh; ++i) {
+    const std::int64_t y = ys + i;
+    if (y < 0 || y >= g.h) continue;
+    for (std::int64_t j = 0; j < g.kw; ++j) {
+      const auto [x0, x1] = g.valid_columns(j);
+      if (x0 < x1) f(y * g.w - g.pw + j, x0, x1);
+    }
+  }
+}
+
+/// The maximum of each window of output row oy (NaN if the window holds one). Padding is
+/// never a candidate (it acts as -inf); padding <= kernel / 2 keeps every window
+/// overlapping the plane.
+template <class T>
+void max_row(const T* plane, const Window2d& g, std::int64_t oy, T* best) {
+  std::fill(best, best + g.ow, -std::numeric_limits<T>::infinity());
+  for_each_tap(g, oy, [&](std::int64_t base, std::int64_t x0, std::int64_t x1) {
+    for (std::int64_t ox = x0; ox < x1; ++ox) {
+      const T v = plane[base + ox * g.sw];
+      best[ox] = (v > best[ox] || v != v) ? v : best[ox];  // a NaN stays: nothing is > NaN
+    }
+  });
+}
+
+/// Where each window of output row oy has its maximum (an offset into the plane): the first
+/// maximum in row-major tap order, or the first NaN (torch's rule).
+template <class T>
+void argmax_row(const T* plane, const Window2d& g, std::int64_t oy, std::int64_t* at) {
+  const std::int64_t ys = oy * g.sh - g.ph;
+  const std::int64_t y0 = std::max<std::int64_t>(ys, 0), y1 = std::min(ys + g.kh, g.h);
+  for (std::int64_t ox = 0; ox < g.ow; ++ox) {
+    const std::int64_t xs = ox * g.sw - g.pw;
+    const std::int64_t x0 = std::max<std::int64_t>(xs, 0), x1 = std::min(xs + g.kw, g.w);
+    std::int64_t best = y0 * g.w + x0;
+    T m = plane[best];
+    for (std::int64_t y = y0; y < y1; ++y) {
+      for (std::int64_t x = x0; x < x1; ++x) {
+        const std::int64_t k = y * g.w + x;
+        const T v = plane[k];
+        // Branch-free selects on locals (the winner is data-dependent, so branches would
+        // mispredict).
+        const bool take = (v > m) | ((v != v) & (m == m));
+        m = take ? v : m;
+        best = take ? k : best;
+      }
+    }
+    at[ox] = best;
+  }
+}
+
+/// torch's divisor of window (oy, ox): kh * kw clipped to the padded plane when padding
+/// counts, else the number of taps inside the plane.
+inline std::int64_t avg_divisor(const Window2d& g, std::int64_t oy, std::int64_t ox,
+                                bool count_include_pad) {
+  const std::int64_t ys = oy * g.sh - g.ph, xs = ox * g.sw - g.pw;
+  if (!count_include_pad) {
+    return (std::min(ys + g.kh, g.h) - std::max<std::int64_t>(ys, 0)) *
+           (std::min(xs + g.kw, g.w) - std::max<std::int64_t>(xs, 0));
+  }
+  return (std::min(ys + g.kh, g.h + g.ph) - ys) * (std::min(xs + g.kw, g.w + g.pw) - xs);
+}
+
+/// Runs planes(p0, p1) on the device's workers, each task owning whole planes.
+template <class F>
+void for_planes(ExecContext& ctx, std::int64_t planes, std::int64_t elements, double cost, F&& f) {
+  auto& pool = ctx.device.threads();
+  const std::int64_t tasks =
+      std::max<std::int64_t>(1, std::min(planes, task_count(pool, elements, cost)));
+  pool.parallel_for(tasks, [&](std::int64_t t) {
+    auto [p0, p1] = task_range(planes, tasks, t);
+    if (p0 < p1) f(p0, p1);
+  });
+}
+
+}  // namespace pool_kernels
+
+/// Base of the pooling kernels: the window geometry, the mode, and their hash.
+class PoolNode : public Node {
+ public:
+  PoolNode(DType dtype, Shape shape, Device* device, std::vector<NodePtr> inputs, const Window2d& g,
+           bool max, bool count_include_pad)
+      : Node(NodeKind::Reduction, dtype, shape, device, std::move(inputs)),
+        g_(g),
+        max_(max),
+        count_include_pad_(count_include_pad) {}
+  std::uint64_t structural_hash() const override {
+    return hash_combine(g_.hash(Node::structural_hash()),
+                        (max_ ? 1u : 0u) | (count_include_pad_ ? 2u : 0u));
+  }
+  std::string describe() const override {
+    return op_name() + "(%0, " + g_.str() +
+           (max_                 ? ""
+            : count_include_pad_ ? ", count_include_pad"
+                                 : "") +
+           ")";
+  }
+  /// Work per element of the pooled output: one window.
+  double window_cost() const { return static_cast<double>(g_.kh * g_.kw); }
+
+ protected:
+  Window2d g_;
+  bool max_, count_include_pad_;
+};
+
+/// max_pool2d / avg_pool2d forward: [N, C, H, W] -> [N, C, OH, OW].
+template <class T>
+class Pool2dNode final : public PoolNode {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
+                "pooling runs on float or double");
+
+ public:
+  Pool2dNode(NodePtr x, const Window2d& g, bool max, bool count_include_pad)
+      : PoolNode(dtype_of<T>(), Shape{x->shape()[0], x->shape()[1], g.oh, g.ow}, x->device(), {x},
+                 g, max, count_include_pad) {}
+  std::string op_name() const override { return max_ ? "max_pool2d" : "avg_pool2d"; }
+  double cost_per_element() const override { return window_cost(); }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    const T* x = inputs()[0]->template data<T>();
+    auto buf = allocate_output(ctx, false);
+    T* y = static_cast<T*>(buf->data());
+    const std::int64_t in_plane = g_.h * g_.w, out_plane = g_.oh * g_.ow;
+    pool_kernels::for_planes(ctx, shape()[0] * shape()[1], numel(), cost_per_element(),
+                             [&](std::int64_t p0, std::int64_t p1) {
+                               for (std::int64_t p = p0; p < p1; ++p) {
+                                 for (std::int64_t oy = 0; oy < g_.oh; ++oy) {
+                                   T* row = y + p * out_plane + oy * g_.ow;
+                                   if (max_) {
+                                     pool_kernels::max_row(x + p * in_plane, g_, oy, row);
+                                   } else {
+                                     average_row(x + p * in_plane, oy, row);
+                                   }
+                                 }
+                               }
+                             });
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  // Window sums in row-major tap order, then the divisions.
+  void average_row(const T* plane, std::int64_t oy, T* out) const {
+    std::fill(out, out + g_.ow, T(0));
+    pool_kernels::for_each_tap(g_, oy, [&](std::int64_t base, std::int64_t x0, std::int64_t x1) {
+      for (std::int64_t ox = x0; ox < x1; ++ox) out[ox] += plane[base + ox * g_.sw];
+    });
+    for (std::int64_t ox = 0; ox < g_.ow; ++ox) {
+      out[ox] /= static_cast<T>(pool_kernels::avg_divisor(g_, oy, ox, count_include_pad_));
+    }
+  }
+};
+
+/// Gradient of max_pool2d / avg_pool2d: [N, C, OH, OW] gradients -> [N, C, H, W]. Inputs:
+/// the gradient, and for max pooling the forward's input (to find each window's argmax).
+template <class T>
+class Pool2dBackwardNode final : public PoolNode {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
+                "pooling runs on float or double");
+
+ public:
+  Pool2dBackwardNode(NodePtr grad, NodePtr x, Shape image, const Window2d& g, bool max,
+                     bool count_include_pad)
+      : PoolNode(dtype_of<T>(), image, grad->device(),
+                 x ? std::vector<NodePtr>{grad, x} : std::vector<NodePtr>{grad}, g, max,
+                 count_include_pad) {}
+  std::string op_name() const override {
+    return max_ ? "max_pool2d_backward" : "avg_pool2d_backward";
+  }
+  double cost_per_element() const override {
+    return std::max(
+        1.0, window_cost() * static_cast<double>(g_.oh * g_.ow) / static_cast<double>(g_.h * g_.w));
+  }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    const T* gy = inputs()[0]->template data<T>();
+    const T* x = max_ ? inputs()[1]->template data<T>() : nullptr;
+    auto buf = allocate_output(ctx, false);
+    T* dx = static_cast<T*>(buf->data());
+    const std::int64_t in_plane = g_.h * g_.w, out_plane = g_.oh * g_.ow;
+    // Each plane adds its output rows in order, each row's windows in tap order: a fixed
+    // accumulation order per element.
+    pool_kernels::for_planes(
+        ctx, shape()[0] * shape()[1], numel(), cost_per_element(),
+        [&](std::int64_t p0, std::int64_t p1) {
+          std::vector<T> scratch(static_cast<std::size_t>(g_.ow));
+          std::vector<std::int64_t> at(static_cast<std::size_t>(g_.ow));
+          for (std::int64_t p = p0; p < p1; ++p) {
+            T* d = dx + p * in_plane;
+            std::fill(d, d + in_plane, T(0));
+            for (std::int64_t oy = 0; oy < g_.oh; ++oy) {
+              const T* g = gy + p * out_plane + oy * g_.ow;
+              if (max_) {
+                pool_kernels::argmax_row(x + p * in_plane, g_, oy, at.data());
+                for (std::int64_t ox = 0; ox < g_.ow; ++ox) d[at[ox]] += g[ox];
+                continue;
+              }
+              T* share = scratch.data();
+              for (std::int64_t ox = 0; ox < g_.ow; ++ox) {
+                share[ox] = g[ox] / static_cast<T>(
+                                        pool_kernels::avg_divisor(g_, oy, ox, count_include_pad_));
+              }
+              pool_kernels::for_each_tap(g_, oy,
+                                         [&](std::int64_t base, std::int64_t x0, std::int64_t x1) {
+                                           for (std::int64_t ox = x0; ox < x1; ++ox)
+                                             d[base + ox * g_.sw] += share[ox];
+                                         });
+            }
+          }
+        });
+    set_buffer(std::move(buf));
+  }
+};
+
+}  // namespace graph
+
+namespace detail {
+
+/// Validated geometry of a pooling window over x ([N, C, H, W]); stride defaults to the
+/// kernel, and padding may be at most half the kernel (torch's rule, which also keeps
+/// every window overlapping the input).
+inline graph::Window2d pool_window(const char* op, const Shape& x, Size2 kernel,
+                                   const std::optional<Size2>& stride, Size2 padding) {
+  check_nchw(x, op, "input");
+  if (kernel.h <= 0 || kernel.w <= 0) {
+    throw ShapeError(std::string(op) + ": expected a positive kernel size, got " + kernel.str());
+  }
+  const Size2 s = stride.value_or(kernel);
+  check_window_args(op, s, padding, 1);
+  if (padding.h > kernel.h / 2 || padding.w > kernel.w / 2) {
+    throw ShapeError(std::string(op) +
+                     ": padding should be at most half of the kernel size, got padding " +
+                     padding.str() + " for kernel " + kernel.str());
+  }
+  return window_over(op, x, kernel, s, padding, 1);
+}
+
+/// Runs the pool on float or double tensors; bfloat16 goes through float (exact for max,
+/// one rounding for the average).
+template <class T, class F>
+Tensor<T> pool_dispatch(const Tensor<T>& x, const char* op, F&& run) {
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+    return run(x);
+  } else if constexpr (std::is_same_v<T, bfloat16>) {
+    return Tensor<bfloat16>(cast<bfloat16>(run(Tensor<float>(cast<float>(x)))));
+  } else {
+    throw DTypeError(std::string(op) +
+                     ": expected a floating tensor (float, double or bfloat16), got " +
+                     dtype_name(dtype_of<T>()));
+  }
+}
+
+template <class T>
+Tensor<T> pool2d(const Tensor<T>& x, const graph::Window2d& g, bool max, bool count_include_pad) {
+  Tensor<T> y(
+      graph::submit(std::make_shared<graph::Pool2dNode<T>>(x.node(), g, max, count_include_pad)));
+  autograd::record(
+      y, max ? "MaxPool2DWithIndicesBackward0" : "AvgPool2DBackward0",
+      {autograd::edge_of(x.impl())},
+      [x = max ? x.detach() : Tensor<T>(), image = x.shape(), g, max,
+       count_include_pad](const Tensor<T>& gy) {
+        return std::vector<graph::NodePtr>{
+            graph::submit(std::make_shared<graph::Pool2dBackwardNode<T>>(
+                gy.node(), max ? x.node() : nullptr, image, g, max, count_include_pad))};
+      });
+  return y;
+}
+
+}  // namespace detail
+
+/// 2-D max pooling (torch::nn::functional::max_pool2d, no dilation or ceil_mode): input
+/// [N, C, H, W] -> [N, C, OH, OW], OH = (H + 2 * padding.h - kernel.h) / stride.h + 1.
+/// stride defaults to the kernel size; padding (at most half the kernel) acts as -inf.
+/// Ties go to the first maximum in the window (row-major). float, double, bfloat16.
+template <expr::ExprLike X>
+Tensor<expr::value_t<X>> max_pool2d(const X& input, Size2 kernel_size,
+                                    std::optional<Size2> stride = std::nullopt, Size2 padding = 0) {
+  using T = expr::value_t<X>;
+  Tensor<T> x = detail::shape_ops::as_tensor(input);
+  const auto g = detail::pool_window("max_pool2d", x.shape(), kernel_size, stride, padding);
+  return detail::pool_dispatch(x, "max_pool2d",
+                               [&](const auto& t) { return detail::pool2d(t, g, true, false); });
+}
+
+/// 2-D average pooling (torch::nn::functional::avg_pool2d, no ceil_mode or
+/// divisor_override): like max_pool2d, with zero padding; each window's sum is divided by
+/// kernel.h * kernel.w when count_include_pad (the default), else by the number of taps
+/// inside the input.
+template <expr::ExprLike X>
+Tensor<expr::value_t<X>> avg_pool2d(const X& input, Size2 kernel_size,
+                                    std::optional<Size2> stride = std::nullopt, Size2 padding = 0,
+                                    bool count_include_pad = true) {
+  using T = expr::value_t<X>;
+  Tensor<T> x = detail::shape_ops::as_tensor(input);
+  const auto g = detail::pool_window("avg_pool2d", x.shape(), kernel_size, stride, padding);
+  return detail::pool_dispatch(x, "avg_pool2d", [&](const auto& t) {
+    return detail::pool2d(t, g, false, count_include_pad);
+  });
+}
+
+}  // namespace lazy
+// ---- end lazytensor/ops/pool.hpp ----
+
+namespace lazy::nn {
+
+namespace detail {
+
+/// ShapeError unless the kernel and stride are positive and 0 <= padding <= kernel / 2
+/// (torch's rule: every window must overlap the input).
+inline void check_pool_options(const char* layer, Size2 kernel, Size2 stride, Size2 padding) {
+  if (kernel.h <= 0 || kernel.w <= 0) {
+    throw ShapeError(std::string(layer) + ": expected a positive kernel_size, got " + kernel.str());
+  }
+  lazy::detail::check_window_args(layer, stride, padding, 1);
+  if (padding.h > kernel.h / 2 || padding.w > kernel.w / 2) {
+    throw ShapeError(std::string(layer) +
+                     ": padding should be at most half of the kernel size, got padding " +
+                     padding.str() + " for kernel_size " + kernel.str());
+  }
+}
+
+/// A size as PyTorch prints a pooling argument: `2` when square, `(2, 3)` otherwise.
+inline std::string pool_size_str(Size2 s) { return s.h == s.w ? std::to_string(s.h) : s.str(); }
+
+}  // namespace detail
+
+/// Options of MaxPool2d (torch::nn::MaxPool2dOptions): `MaxPool2dOptions(3).stride(2)`.
+struct MaxPool2dOptions {
+  /// A kernel_size window; the stride starts equal to it.
+  MaxPool2dOptions(Size2 kernel_size)  // NOLINT: MaxPool2d(2) reads naturally
+      : kernel_size_(kernel_size), stride_(kernel_size) {}
+  LAZY_ARG(Size2, kernel_size);
+  /// Step of the window (default: the kernel size).
+  LAZY_ARG(Size2, stride);
+  /// Implicit -inf padding on each side, at most half the kernel.
+  LAZY_ARG(Size2, padding) = 0;
+};
+
+/// Options of AvgPool2d (torch::nn::AvgPool2dOptions): `AvgPool2dOptions(2).padding(1)`.
+struct AvgPool2dOptions {
+  /// A kernel_size window; the stride starts equal to it.
+  AvgPool2dOptions(Size2 kernel_size)  // NOLINT: AvgPool2d(2) reads naturally
+      : kernel_size_(kernel_size), stride_(kernel_size) {}
+  LAZY_ARG(Size2, kernel_size);
+  /// Step of the window (default: the kernel size).
+  LAZY_ARG(Size2, stride);
+  /// Zero padding on each side, at most half the kernel.
+  LAZY_ARG(Size2, padding) = 0;
+  /// Whether padded zeros count in the divisor (kH * kW) or only the taps inside the input.
+  LAZY_ARG(bool, count_include_pad) = true;
+};
+
+/// 2-D max pooling: [N, C, H, W] -> [N, C, OH, OW].
+class MaxPool2dImpl : public Module {
+ public:
+  /// MaxPool2d(kernel_size) with default options (stride = kernel_size, no padding).
+  explicit MaxPool2dImpl(Size2 kernel_size) : MaxPool2dImpl(MaxPool2dOptions(kernel_size)) {}
+  /// ShapeError for a non-positive kernel size or stride, or a padding outside
+  /// [0, kernel / 2].
+  explicit MaxPool2dImpl(const MaxPool2dOptions& options_)
+      : Module("MaxPool2d"), options(options_) {
+    detail::check_pool_options("MaxPool2d", options.kernel_size(), options.stride(),
+                               options.padding());
+  }
+  /// ShapeError (from max_pool2d) unless x is [N, C, H, W] with a plane no smaller than the
+  /// kernel once padded.
+  Tensor<float> forward(const Tensor<float>& x) const {
+    return max_pool2d(x, options.kernel_size(), options.stride(), options.padding());
+  }
+  /// PyTorch's repr: `MaxPool2d(kernel_size=2, stride=2, padding=0, dilation=1,
+  /// ceil_mode=False)`.
+  void pretty_print(std::ostream& os) const override {
+    os << "MaxPool2d(kernel_size=" << detail::pool_size_str(options.kernel_size())
+       << ", stride=" << detail::pool_size_str(options.stride())
+       << ", padding=" << detail::pool_size_str(options.padding())
+       << ", dilation=1, ceil_mode=False)";
+  }
+
+  /// The options the layer was built with.
+  const MaxPool2dOptions options;
+};
+LAZY_MODULE(MaxPool2d);
+
+/// 2-D average pooling: [N, C, H, W] -> [N, C, OH, OW].
+class AvgPool2dImpl : public Module {
+ public:
+  /// AvgPool2d(kernel_size) with default options (stride = kernel_size, no padding).
+  explicit AvgPool2dImpl(Size2 kernel_size) : AvgPool2dImpl(AvgPool2dOptions(kernel_size)) {}
+  /// ShapeError for a non-positive kernel size or stride, or a padding outside
+  /// [0, kernel / 2].
+  explicit AvgPool2dImpl(const AvgPool2dOptions& options_)
+      : Module("AvgPool2d"), options(options_) {
+    detail::check_pool_options("AvgPool2d", options.kernel_size(), options.stride(),
+                               options.padding());
+  }
+  /// ShapeError (from avg_pool2d) unless x is [N, C, H, W] with a plane no smaller than the
+  /// kernel once padded.
+  Tensor<float> forward(const Tensor<float>& x) const {
+    return avg_pool2d(x, options.kernel_size(), options.stride(), options.padding(),
+                      options.count_include_pad());
+  }
+  /// PyTorch's repr: `AvgPool2d(kernel_size=2, stride=2, padding=0)` (plus
+  /// `count_include_pad=False` when set).
+  void pretty_print(std::ostream& os) const override {
+    os << "AvgPool2d(kernel_size=" << detail::pool_size_str(options.kernel_size())
+       << ", stride=" << detail::pool_size_str(options.stride())
+       << ", padding=" << detail::pool_size_str(options.padding());
+    if (!options.count_include_pad()) os << ", count_include_pad=False";
+    os << ")";
+  }
+
+  /// The options the layer was built with.
+  const AvgPool2dOptions options;
+};
+LAZY_MODULE(AvgPool2d);
+
+}  // namespace lazy::nn
+// ---- end lazytensor/nn/pooling.hpp ----
+// ---- begin lazytensor/nn/sequential.hpp ----
+// nn::Sequential: modules applied in order, registered as "0", "1", ...
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+
+namespace lazy::nn {
+
+/// A chain of float -> float modules.
+class SequentialImpl : public Module {
+ public:
+  SequentialImpl() : Module("Sequential") {}
+  /// Sequential(Linear(4, 8), ReLU(), Linear(8, 2)).
+  template <class... Holders>
+  explicit SequentialImpl(Holders... modules) : Module("Sequential") {
+    (push_back(std::move(modules)), ...);
+  }
+
+  /// Appends a module (a holder such as nn::Linear) whose forward maps a float tensor to one.
+  template <class H>
+  void push_back(H holder) {
+    auto impl = holder.ptr();
+    register_module(std::to_string(steps_.size()), impl);
+    steps_.emplace_back([impl](const Tensor<float>& x) { return Tensor<float>(impl->forward(x)); });
+  }
+
+  /// Applies every module in order.
+  Tensor<float> forward(const Tensor<float>& x) const {
+    Tensor<float> y = x;
+    for (const auto& f : steps_) y = f(y);
+    return y;
+  }
+  /// Number of modules.
+  std::size_t size() const { return steps_.size(); }
+
+ private:
+  std::vector<std::function<Tensor<float>(const Tensor<float>&)>> steps_;
+};
+LAZY_MODULE(Sequential);
+
+}  // namespace lazy::nn
+// ---- end lazytensor/nn/sequential.hpp ----
+// ---- end lazytensor/nn.hpp ----
+// ---- begin lazytensor/optim.hpp ----
+// lazy::optim: optimizers and learning-rate schedulers (torch::optim).
+
+// ---- begin lazytensor/optim/adam.hpp ----
+// Adam and AdamW, as torch.optim: bias-corrected first and second moment estimates, L2
+// weight decay folded into the gradient (Adam) or decoupled (AdamW), optional AMSGrad.
+
+#include <cmath>
+#include <string>
+#include <tuple>
+#include <vector>
+
+
+namespace lazy::optim {
+
+/// Options of Adam and AdamW (libtorch's AdamOptions / AdamWOptions).
+struct AdamOptions {
+  using Betas = std::tuple<double, double>;
+  AdamOptions(double lr = 1e-3) : lr_(lr) {}  // NOLINT
+  LAZY_ARG(double, lr);
+  LAZY_ARG(Betas, betas) = Betas(0.9, 0.999);
+  LAZY_ARG(double, eps) = 1e-8;
+  LAZY_ARG(double, weight_decay) = 0;
+  LAZY_ARG(bool, amsgrad) = false;
+
+ public:
+  std::map<std::string, std::string> to_map() const {
+    return {{"lr", detail::format_option(lr_)},
+            {"beta1", detail::format_option(std::get<0>(betas_))},
+            {"beta2", detail::format_option(std::get<1>(betas_))},
+            {"eps", detail::format_option(eps_)},
+            {"weight_decay", detail::format_option(weight_decay_)},
+            {"amsgrad", amsgrad_ ? "1" : "0"}};
+  }
+  static AdamOptions from_map(const std::map<std::string, std::string>& m) {
+    AdamOptions o(detail::parse_option(m, "lr"));
+    o.betas(Betas(detail::parse_option(m, "beta1"), detail::parse_option(m, "beta2")))
+        .eps(detail::parse_option(m, "eps"))
+        .weight_decay(detail::parse_option(m, "weight_decay"))
+        .amsgrad(detail::parse_option(m, "amsgrad") != 0);
+    return o;
+  }
+};
+/// AdamW's options: Adam's, with weight_decay 1e-2 by default (as torch). The fluent
+/// setters return AdamOptions&, which AdamW takes as well.
+struct AdamWOptions : AdamOptions {
+  AdamWOptions(double lr = 1e-3) : AdamOptions(lr) { weight_decay(1e-2); }  // NOLINT
+};
+
+/// The Adam update shared by Adam (L2 decay in the gradient) and AdamW (decoupled decay).
+template <class Options, bool Decoupled>
+class AdamBase : public OptimizerWithOptions<Options> {
+  using Base = OptimizerWithOptions<Options>;
+
+ public:
+  using typename Base::ParamGroup;
+  AdamBase(std::vector<ParamGroup> groups) : Base(std::move(groups)) {
+    for (const auto& g : this->groups_) validate(g.options);
+  }
+
+  void step() override {
+    NoGradGuard guard;
+    for (std::size_t gi = 0; gi < this->groups_.size(); ++gi) {
+      const AdamOptions& o = this->groups_[gi].options;
+      const double lr = o.lr(), b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas()), wd = o.weight_decay();
+      auto& ps = this->groups_[gi].params;
+      for (std::size_t k = 0; k < ps.size(); ++k) {
+        Tensor<float>& p = ps[k];
+        const Tensor<float> grad = p.grad();
+        if (!grad.defined()) continue;
+        ParamState& st = this->state(gi, k);
+        const std::int64_t t = ++st.step;
+        const Tensor<float> g = !Decoupled && wd != 0 ? Tensor<float>(grad + static_cast<float>(wd) * p) : grad;
+        auto init = [&](const char* name) -> Tensor<float>& {
+          auto it = st.tensors.find(name);
+          if (it == st.tensors.end()) it = st.tensors.emplace(name, zeros<float>(p.shape(), p.device())).first;
+          return it->second;
+        };
+        Tensor<float>& m = init("exp_avg");
+        Tensor<float>& v = init("exp_avg_sq");
+        m.copy_(m * static_cast<float>(b1) + g * static_cast<float>(1 - b1));
+        v.copy_(v * static_cast<float>(b2) + g * g * static_cast<float>(1 - b2));
+        // p -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps), rearranged so that no scalar
+        // drifts to exactly 1 as the bias corrections vanish:
+        // lr sqrt(bc2) / bc1 * m / (sqrt(v) + eps sqrt(bc2)).
+        const double bc1 = 1 - std::pow(b1, static_cast<double>(t));
+        const double sbc2 = std::sqrt(1 - std::pow(b2, static_cast<double>(t)));
+        const auto step_size = static_cast<float>(lr * sbc2 / bc1), eps = static_cast<float>(o.eps() * sbc2);
+        const Tensor<float>* vmax = &v;
+        if (o.amsgrad()) {
+          Tensor<float>& mx = init("max_exp_avg_sq");
+          mx.copy_(maximum(mx, v));
+          vmax = &mx;
+        }
+        if (Decoupled && wd != 0) {
+          p.copy_(p * static_cast<float>(1 - lr * wd) - step_size * m / (sqrt(*vmax) + eps));
+        } else {
+          p.sub_(step_size * m / (sqrt(*vmax) + eps));
+        }
+      }
+    }
+  }
+
+ protected:
+  std::string type_name() const override { return Decoupled ? "AdamW" : "Adam"; }
+  std::string type_name_of() const override { return type_name(); }
+
+ private:
+  void validate(const AdamOptions& o) const {
+    const double b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
+    const std::string n = type_name();
+    if (o.lr() < 0) throw Error(n + ": invalid learning rate " + std::to_string(o.lr()));
+    if (o.eps() < 0) throw Error(n + ": invalid epsilon value " + std::to_string(o.eps()));
+    if (b1 < 0 || b1 >= 1) throw Error(n + ": invalid beta parameter at index 0: " + std::to_string(b1));
+    if (b2 < 0 || b2 >= 1) throw Error(n + ": invalid beta parameter at index 1: " + std::to_string(b2));
+    if (o.weight_decay() < 0) throw Error(n + ": invalid weight_decay value " + std::to_string(o.weight_decay()));
+  }
+};
+
+/// Adam (L2 weight decay added to the gradient), as torch.optim.Adam.
+class Adam : public AdamBase<AdamOptions, false> {
+ public:
+  Adam(std::vector<Tensor<float>> params, AdamOptions options = {})
+      : AdamBase({ParamGroup{std::move(params), options}}) {}
+  Adam(std::vector<ParamGroup> groups) : AdamBase(std::move(groups)) {}
+};
+
+/// AdamW (decoupled weight decay: p *= 1 - lr * weight_decay with the step), as
+/// torch.optim.AdamW.
+class AdamW : public AdamBase<AdamOptions, true> {
+ public:
+  AdamW(std::vector<Tensor<float>> params, AdamOptions options = AdamWOptions())
+      : AdamBase({ParamGroup{std::move(params), options}}) {}
+  AdamW(std::vector<ParamGroup> groups) : AdamBase(std::move(groups)) {}
+};
+
+}  // namespace lazy::optim
+// ---- end lazytensor/optim/adam.hpp ----
+// ---- begin lazytensor/optim/lr_scheduler.hpp ----
+// Learning-rate schedulers, as torch.optim.lr_scheduler: each step() sets every group's
+// learning rate from its base rate and the step count (closed forms, so resuming at any
+// step gives the same rate). The rate is a scalar of the update kernels: a new rate never
+// changes the plan.
+
+#include <cmath>
+#include <cstdint>
+#include <numbers>
+#include <string>
+#include <vector>
+
+
+namespace lazy::optim {
+
+/// Base of the schedulers: remembers the base rates and counts steps.
+class LRScheduler {
+ public:
+  explicit LRScheduler(Optimizer& opt) : opt_(opt) {
+    for (std::size_t g = 0; g < opt.num_param_groups(); ++g) base_.push_back(opt.lr(g));
+  }
+  virtual ~LRScheduler() = default;
+  /// Advances one step (one epoch, usually) and sets the new rates.
+  void step() {
+    ++count_;
+    apply();
+  }
+  /// The rates set last.
+  std::vector<double> get_last_lr() const {
+    std::vector<double> v;
+    for (std::size_t g = 0; g < opt_.num_param_groups(); ++g) v.push_back(opt_.lr(g));
+    return v;
+  }
+  /// Steps taken so far.
+  std::int64_t last_epoch() const { return count_; }
+
+ protected:
+  virtual double rate(double base, std::int64_t step) const = 0;
+  void apply() {
+    for (std::size_t g = 0; g < base_.size(); ++g) opt_.set_lr(rate(base_[g], count_), g);
+  }
+
+ private:
+  Optimizer& opt_;
+  std::vector<double> base_;
+  std::int64_t count_ = 0;
+};
+
+/// lr = base * gamma^(floor(step / step_size)).
+class StepLR : public LRScheduler {
+ public:
+  StepLR(Optimizer& opt, std::int64_t step_size, double gamma = 0.1) : LRScheduler(opt), size_(step_size), gamma_(gamma) {
+    if (step_size <= 0) throw Error("StepLR: step_size must be positive, got " + std::to_string(step_size));
+  }
+
+ protected:
+  double rate(double base, std::int64_t s) const override {
+    return base * std::pow(gamma_, static_cast<double>(s / size_));
+  }
+
+ private:
+  std::int64_t size_;
+  double gamma_;
+};
+
+/// lr = eta_min + (base - eta_min) (1 + cos(pi step / T_max)) / 2.
+class CosineAnnealingLR : public LRScheduler {
+ public:
+  CosineAnnealingLR(Optimizer& opt, std::int64_t T_max, double eta_min = 0) : LRScheduler(opt), T_(T_max), min_(eta_min) {
+    if (T_max <= 0) throw Error("CosineAnnealingLR: T_max must be positive, got " + std::to_string(T_max));
+  }
+
+ protected:
+  double rate(double base, std::int64_t s) const override {
+    return min_ + (base - min_) * (1 + std::cos(std::numbers::pi * static_cast<double>(s) / static_cast<double>(T_))) / 2;
+  }
+
+ private:
+  std::int64_t T_;
+  double min_;
+};
+
+/// lr = base * factor, factor going linearly from start_factor to end_factor over
+/// total_iters steps and staying there.
+class LinearLR : public LRScheduler {
+ public:
+  LinearLR(Optimizer& opt, double start_factor = 1.0 / 3, double end_factor = 1.0, std::int64_t total_iters = 5)
+      : LRScheduler(opt), start_(start_factor), end_(end_factor), total_(total_iters) {
+    if (start_factor <= 0 || start_factor > 1 || end_factor < 0 || end_factor > 1) {
+      throw Error("LinearLR: expected 0 < start_factor <= 1 and 0 <= end_factor <= 1, got " +
+                  std::to_string(start_factor) + " and " + std::to_string(end_factor));
+    }
+    if (total_iters <= 0) throw Error("LinearLR: total_iters must be positive, got " + std::to_string(total_iters));
+    // As torch, the first rate applies from construction on.
+    for (std::size_t g = 0; g < opt.num_param_groups(); ++g) opt.set_lr(opt.lr(g) * start_factor, g);
+  }
+
+ protected:
+  double rate(double base, std::int64_t s) const override {
+    const double f = s >= total_ ? end_ : start_ + (end_ - start_) * static_cast<double>(s) / static_cast<double>(total_);
+    return base * f;
+  }
+
+ private:
+  double start_, end_;
+  std::int64_t total_;
+};
+
+}  // namespace lazy::optim
+// ---- end lazytensor/optim/lr_scheduler.hpp ----
+// ---- begin lazytensor/optim/sgd.hpp ----
+// SGD with momentum, dampening, Nesterov and weight decay, as torch.optim.SGD.
+
+#include <string>
+#include <vector>
+
+
+namespace lazy::optim {
+
+/// Options of SGD (libtorch's SGDOptions).
+struct SGDOptions {
+  SGDOptions(double lr) : lr_(lr) {}  // NOLINT: SGD(params, 0.1) reads naturally
+  LAZY_ARG(double, lr);
+  LAZY_ARG(double, momentum) = 0;
+  LAZY_ARG(double, dampening) = 0;
+  LAZY_ARG(double, weight_decay) = 0;
+  LAZY_ARG(bool, nesterov) = false;
+
+ public:
+  std::map<std::string, std::string> to_map() const {
+    return {{"lr", detail::format_option(lr_)},
+            {"momentum", detail::format_option(momentum_)},
+            {"dampening", detail::format_option(dampening_)},
+            {"weight_decay", detail::format_option(weight_decay_)},
+            {"nesterov", nesterov_ ? "1" : "0"}};
+  }
+  static SGDOptions from_map(const std::map<std::string, std::string>& m) {
+    SGDOptions o(detail::parse_option(m, "lr"));
+    o.momentum(detail::parse_option(m, "momentum"))
+        .dampening(detail::parse_option(m, "dampening"))
+        .weight_decay(detail::parse_option(m, "weight_decay"))
+        .nesterov(detail::parse_option(m, "nesterov") != 0);
+    return o;
+  }
+};
+
+/// Stochastic gradient descent. Per parameter: buf = momentum * buf + (1 - dampening) * g
+/// (g itself at the first step), then p -= lr * (nesterov ? g + momentum * buf : buf),
+/// with g = grad + weight_decay * p.
+class SGD : public OptimizerWithOptions<SGDOptions> {
+ public:
+  SGD(std::vector<Tensor<float>> params, SGDOptions options)
+      : OptimizerWithOptions({ParamGroup{std::move(params), options}}) {
+    validate();
+  }
+  SGD(std::vector<ParamGroup> groups) : OptimizerWithOptions(std::move(groups)) { validate(); }
+
+  void step() override {
+    NoGradGuard guard;
+    for (std::size_t gi = 0; gi < groups_.size(); ++gi) {
+      const SGDOptions& o = groups_[gi].options;
+      const auto lr = static_cast<float>(o.lr()), mom = static_cast<float>(o.momentum()),
+                 damp = static_cast<float>(o.dampening()), wd = static_cast<float>(o.weight_decay());
+      auto& ps = groups_[gi].params;
+      for (std::size_t k = 0; k < ps.size(); ++k) {
+        Tensor<float>& p = ps[k];
+        const Tensor<float> grad = p.grad();
+        if (!grad.defined()) continue;
+        const Tensor<float> g = wd != 0 ? Tensor<float>(grad + wd * p) : grad;
+        if (mom == 0) {
+          p.sub_(g * lr);
+          continue;
+        }
+        ParamState& st = state(gi, k);
+        auto it = st.tensors.find("momentum_buffer");
+        if (it == st.tensors.end()) {
+          it = st.tensors.emplace("momentum_buffer", Tensor<float>(g * 1.0f)).first;
+        } else {
+          it->second.copy_(it->second * mom + g * (1 - damp));
+        }
+        const Tensor<float>& buf = it->second;
+        if (o.nesterov()) p.sub_((g + buf * mom) * lr);
+        else p.sub_(buf * lr);
+        ++st.step;
+      }
+    }
+  }
+
+ protected:
+  std::string type_name() const override { return "SGD"; }
+  std::string type_name_of() const override { return "SGD"; }
+
+ private:
+  void validate() const {
+    for (const auto& g : groups_) {
+      const auto& o = g.options;
+      if (o.lr() < 0) throw Error("SGD: invalid learning rate " + std::to_string(o.lr()));
+      if (o.momentum() < 0) throw Error("SGD: invalid momentum value " + std::to_string(o.momentum()));
+      if (o.weight_decay() < 0) throw Error("SGD: invalid weight_decay value " + std::to_string(o.weight_decay()));
+      if (o.nesterov() && (o.momentum() <= 0 || o.dampening() != 0)) {
+        throw Error("SGD: Nesterov momentum requires a momentum and zero dampening");
+      }
+    }
+  }
+};
+
+}  // namespace lazy::optim
+// ---- end lazytensor/optim/sgd.hpp ----
+// ---- end lazytensor/optim.hpp ----
 // ---- end lazytensor/lazytensor.hpp ----
