@@ -270,8 +270,8 @@ inline std::vector<std::int64_t> sizes_for(double cost_per_element) {
 // one-core CI machine; the default is restored at the end.
 class FourThreads : public ::testing::Environment {
  public:
-  void SetUp() override { lazy::graph::current_device().threads().resize(4); }
-  void TearDown() override { lazy::graph::current_device().threads().resize(lazy::graph::default_device_threads()); }
+  void SetUp() override { lazy::set_num_threads(4); }
+  void TearDown() override { lazy::set_num_threads(lazy::graph::default_device_threads()); }
 };
 inline const auto* const kFourThreadsEnv = ::testing::AddGlobalTestEnvironment(new FourThreads);
 

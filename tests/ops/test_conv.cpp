@@ -196,7 +196,7 @@ TEST(Conv2d, ThreadCountDoesNotChangeBits) {
   std::vector<std::vector<float>> first;
   for (int threads : {1, 2, 4}) {
     SCOPED_TRACE("threads " + std::to_string(threads));
-    pool.resize(threads);
+    lazy::set_num_threads(threads);
     Tensor<float> xt = lazy::from_vector<float>(x, Shape{k.n, k.c, k.h, k.w}).requires_grad_();
     Tensor<float> wt = lazy::from_vector<float>(w, Shape{k.o, k.c, k.kh, k.kw}).requires_grad_();
     Tensor<float> bt = lazy::from_vector<float>(b, Shape{k.o}).requires_grad_();
@@ -215,7 +215,7 @@ TEST(Conv2d, ThreadCountDoesNotChangeBits) {
       for (std::size_t t = 0; t < now.size(); ++t) EXPECT_EQ(now[t], first[t]) << "tensor " << t;
     }
   }
-  pool.resize(saved);
+  lazy::set_num_threads(saved);
 }
 
 // ---- gradients ------------------------------------------------------------------------

@@ -211,7 +211,7 @@ TEST(Matmul, LargeAboveThreadingThresholdAllThreadCounts) {
   const auto va = random_values<float>(sa.numel(), 3), vb = random_values<float>(sb.numel(), 4);
   const Ref r = ref_matmul(va, sa, vb, sb);
   for (int threads : {1, 2, 4}) {
-    pool.resize(threads);
+    lazy::set_num_threads(threads);
     Tensor<float> c = lazy::matmul(lazy::from_vector(va, sa), lazy::from_vector(vb, sb));
     expect_matches(c.to_vector(), r, "threads " + std::to_string(threads));
     // Batched, with a batch count that does not divide evenly among the tasks.
@@ -220,7 +220,7 @@ TEST(Matmul, LargeAboveThreadingThresholdAllThreadCounts) {
     Tensor<double> d = lazy::matmul(lazy::from_vector(xa, ta), lazy::from_vector(xb, tb));
     expect_matches(d.to_vector(), ref_matmul(xa, ta, xb, tb), "batched threads " + std::to_string(threads));
   }
-  pool.resize(saved);
+  lazy::set_num_threads(saved);
 }
 
 TEST(Matmul, BitwiseIdenticalForAnyThreadCount) {
@@ -449,7 +449,7 @@ TEST(Linear, FusedReluEpilogueValues) {
     const auto r = ref_linear(x, rows, in, w, out, &b, &mag);
     for (int threads : {1, 2, 4}) {
       SCOPED_TRACE(threads);
-      pool.resize(threads);
+      lazy::set_num_threads(threads);
       Tensor<float> X = lazy::from_vector(x, Shape{rows, in}), W = lazy::from_vector(w, Shape{out, in});
       Tensor<float> Bv = lazy::from_vector(b);
       Tensor<float> y = lazy::relu(lazy::linear(X, W, Bv));
@@ -457,7 +457,7 @@ TEST(Linear, FusedReluEpilogueValues) {
       expect_close(y.to_vector(), r, mag, in, "relu(linear)", /*relu=*/true);
     }
   }
-  pool.resize(saved);
+  lazy::set_num_threads(saved);
 }
 
 TEST(Linear, FusedEpilogueRunsOneKernel) {

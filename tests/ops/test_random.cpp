@@ -23,9 +23,9 @@ using lazy::Tensor;
 
 struct ThreadsGuard {
   explicit ThreadsGuard(int n) : pool(lazy::graph::DeviceRegistry::get().device(0).threads()), old(pool.size()) {
-    pool.resize(n);
+    lazy::set_num_threads(n);
   }
-  ~ThreadsGuard() { pool.resize(old); }
+  ~ThreadsGuard() { lazy::set_num_threads(old); }
   lazy::ThreadPool& pool;
   int old;
 };

@@ -92,9 +92,9 @@ std::vector<T> ref_permute(const std::vector<T>& in, const Shape& s, const std::
 // Runs the device's kernels on `n` threads for the lifetime of the guard.
 struct ThreadsGuard {
   explicit ThreadsGuard(int n) : pool(lazy::graph::DeviceRegistry::get().device(0).threads()), old(pool.size()) {
-    pool.resize(n);
+    lazy::set_num_threads(n);
   }
-  ~ThreadsGuard() { pool.resize(old); }
+  ~ThreadsGuard() { lazy::set_num_threads(old); }
   lazy::ThreadPool& pool;
   int old;
 };
