@@ -971,12 +971,11 @@ inline std::uint64_t Node::structural_hash() const {
 }
 
 inline std::shared_ptr<Buffer> Node::try_donate(std::size_t i) {
-  NodePtr& in = inputs_[i];
-  if (!in->materialized() || in->dtype() != dtype_ || in->numel() != numel()) return nullptr;
+  const NodePtr& in = inputs_[i];
+  if (in->dtype() != dtype_ || in->numel() != numel()) return nullptr;
   long holders = 0;
   for (const auto& p : inputs_) holders += (p == in);
-  if (in.use_count() != holders || in->buffer_.use_count() != 1) return nullptr;
-  return std::move(in->buffer_);
+  return take_buffer(in, holders);
 }
 
 }  // namespace lazy::graph
@@ -2710,7 +2709,6 @@ class Device {
     std::int64_t steps = 0, rebuilds_after_warmup = 0;
     bool warned = false;
     std::vector<std::uint64_t> last_signature;
-    std::vector<std::string> last_description;
   };
   PlanStats& plan_stats() { return plan_stats_; }
 
@@ -3590,6 +3588,7 @@ class ArgReductionNode final : public Node {
 // eager mode. Errors inside a plan return its unrun nodes to the trace (they stay pending)
 // and are stored on the device, to be re-thrown at the next read or sync.
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdio>
@@ -3890,34 +3889,48 @@ inline std::vector<NodePtr> topological_order(const std::vector<NodePtr>& roots)
 
 namespace detail {
 
+/// An input from outside a fused group that a whole member may take over (donation): how
+/// many references the members hold, and the last member reading it.
+struct DonorCandidate {
+  const NodePtr* node;
+  long holders;
+  std::size_t last_reader;
+};
+
+/// The group's outside inputs, in member order (see group_output).
+inline std::vector<DonorCandidate> donor_candidates(const PlanStep& st, const std::vector<NodePtr>& members) {
+  std::vector<DonorCandidate> c;
+  for (std::size_t m = 0; m < members.size(); ++m) {
+    const auto& ins = members[m]->inputs();
+    for (std::size_t q = 0; q < ins.size(); ++q) {
+      if (st.sources[m][q] >= 0) continue;
+      auto it = std::find_if(c.begin(), c.end(), [&](const DonorCandidate& d) { return *d.node == ins[q]; });
+      if (it == c.end()) {
+        c.push_back({&ins[q], 1, m});
+      } else {
+        ++it->holders;
+        it->last_reader = m;
+      }
+    }
+  }
+  return c;
+}
+
 /// The whole output buffer of group member `j`: the buffer of an outside input of the
 /// group it may overwrite (donation), else one from the pool. An input can be donated when
 /// it has the member's dtype and size, only group members hold it, and no member after `j`
 /// reads it: within a chunk, members run in order, so every read of that chunk of the
 /// input happens before `j` writes it (a chain of in-place updates ends in its first
 /// input's buffer).
-inline std::shared_ptr<Buffer> group_output(ExecContext& ctx, const PlanStep& st, const std::vector<NodePtr>& members,
-                                            std::size_t j) {
-  const NodePtr& me = members[j];
-  for (std::size_t r = 0; r <= j; ++r) {
-    const auto& ins = members[r]->inputs();
-    for (std::size_t q = 0; q < ins.size(); ++q) {
-      const NodePtr& x = ins[q];
-      if (st.sources[r][q] >= 0 || x->dtype() != me->dtype() || x->numel() != me->numel()) continue;
-      long holders = 0;
-      bool read_later = false;
-      for (std::size_t m = 0; m < members.size(); ++m)
-        for (const auto& in : members[m]->inputs())
-          if (in == x) {
-            ++holders;
-            read_later = read_later || m > j;
-          }
-      if (read_later) continue;
-      if (auto b = Node::take_buffer(x, holders)) {
-        static auto& donated = core::counter("DonatedBuffers");
-        donated.add();
-        return b;
-      }
+inline std::shared_ptr<Buffer> group_output(ExecContext& ctx, const std::vector<DonorCandidate>& donors,
+                                            const NodePtr& me, std::size_t j) {
+  for (const auto& d : donors) {
+    const NodePtr& x = *d.node;
+    if (d.last_reader > j || x->dtype() != me->dtype() || x->numel() != me->numel()) continue;
+    if (auto b = Node::take_buffer(x, d.holders)) {
+      static auto& donated = core::counter("DonatedBuffers");
+      donated.add();
+      return b;
     }
   }
   return ctx.device.pool().acquire(padded_bytes(me->numel(), dtype_size(me->dtype())));
@@ -3959,8 +3972,9 @@ inline void run_group(ExecContext& ctx, const PlanStep& st, const std::vector<No
     }
   }
   std::vector<std::shared_ptr<Buffer>> out(k);
+  const auto donors = donor_candidates(st, members);
   for (std::size_t j = 0; j < k; ++j)
-    if (st.whole[j] && ew[j]) out[j] = group_output(ctx, st, members, j);
+    if (st.whole[j] && ew[j]) out[j] = group_output(ctx, donors, members[j], j);
   auto& pool = ctx.device.threads();
   const std::int64_t chunks = (n + kFusionChunk - 1) / kFusionChunk;
   const std::int64_t tasks = std::max<std::int64_t>(1, std::min(chunks, task_count(pool, n, cost)));
@@ -4112,10 +4126,10 @@ inline void run_plan(Device& device, const Plan& plan, std::vector<NodePtr>& nod
   kernels.add(ran);
 }
 
-/// Plans and runs `nodes` on the calling thread (after every queued plan has finished).
+/// Plans and runs `nodes` on the calling thread (the caller has waited for the queued
+/// plans: execute does).
 inline void execute_now(Device& device, std::vector<NodePtr> nodes) {
   if (nodes.empty()) return;
-  device.wait_idle();
   prepare(nodes);
   auto plan = plan_for(device, nodes, false);
   for (auto& n : nodes) n->set_state(Node::State::Queued);

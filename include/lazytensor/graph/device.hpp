@@ -135,7 +135,6 @@ class Device {
     std::int64_t steps = 0, rebuilds_after_warmup = 0;
     bool warned = false;
     std::vector<std::uint64_t> last_signature;
-    std::vector<std::string> last_description;
   };
   PlanStats& plan_stats() { return plan_stats_; }
 

@@ -209,12 +209,11 @@ inline std::uint64_t Node::structural_hash() const {
 }
 
 inline std::shared_ptr<Buffer> Node::try_donate(std::size_t i) {
-  NodePtr& in = inputs_[i];
-  if (!in->materialized() || in->dtype() != dtype_ || in->numel() != numel()) return nullptr;
+  const NodePtr& in = inputs_[i];
+  if (in->dtype() != dtype_ || in->numel() != numel()) return nullptr;
   long holders = 0;
   for (const auto& p : inputs_) holders += (p == in);
-  if (in.use_count() != holders || in->buffer_.use_count() != 1) return nullptr;
-  return std::move(in->buffer_);
+  return take_buffer(in, holders);
 }
 
 }  // namespace lazy::graph
