@@ -99,6 +99,27 @@ TEST_F(Fusion, ThreeStatementsFusedEqualUnfusedBitwise) {
   }
 }
 
+TEST_F(Fusion, LargeGroupsStreamTheirOutputsWithTheSameBits) {
+  // Whole outputs of at least 32 MiB are written with non-temporal stores (y), except
+  // those a later member reads (t1 when kept): same bits as unfused either way.
+  const std::int64_t n = (std::int64_t(32) << 20) / 4 + 4096 + 13;
+  const Inputs in(n);
+  std::vector<float> unfused, t1_unfused;
+  {
+    EagerGuard eager(true);
+    unfused = three_statements(in, true, &t1_unfused);
+  }
+  EXPECT_TRUE(bitwise_equal(three_statements(in, false), unfused));
+  std::vector<float> t1_kept;
+  EXPECT_TRUE(bitwise_equal(three_statements(in, true, &t1_kept), unfused));
+  EXPECT_TRUE(bitwise_equal(t1_kept, t1_unfused));
+  const auto a = in.a.to_vector(), b = in.b.to_vector(), c = in.c.to_vector(), d = in.d.to_vector();
+  for (std::size_t i = 0; i < unfused.size(); i += 997) {
+    const float t1 = a[i] * b[i] + c[i];
+    ASSERT_NEAR(unfused[i], std::max(t1, 0.0f) * d[i] - 0.5f * a[i], 1e-5f) << i;
+  }
+}
+
 TEST_F(Fusion, FusedResultsDoNotDependOnTheThreadCount) {
   const Inputs in((1 << 18) + 3);
   std::vector<std::vector<float>> ys;
@@ -279,6 +300,8 @@ class GateNode final : public lazy::graph::Node {
       : Node(lazy::graph::NodeKind::Host, lazy::DType::Float32, Shape{4}, &lazy::graph::current_device()),
         open_(std::move(open)), fail_(fail) {}
   std::string op_name() const override { return "gate"; }
+  // A long kernel as far as the planner knows: a step this cheap would run inline.
+  double cost_per_element() const override { return 1e9; }
 
  protected:
   void compute(lazy::graph::ExecContext& ctx) override {
@@ -317,6 +340,16 @@ TEST_F(Fusion, MarkStepReturnsWhileTheStepRunsAndReadsWait) {
   open->store(true);
   EXPECT_EQ(y.to_vector(), std::vector<float>(4, 10.0f));  // the read waits for the step
   EXPECT_EQ(z.to_vector(), std::vector<float>(4, 2.0f));
+}
+
+TEST_F(Fusion, TinyStepsRunOnTheCallingThread) {
+  AsyncGuard async;
+  Tensor<float> y = lazy::full<float>({4}, 1.0f) + 1.0f;
+  lazy::mark_step();
+  // Cheaper than waking the executor: done when mark_step returns (a large step is not,
+  // see MarkStepReturnsWhileTheStepRunsAndReadsWait).
+  EXPECT_TRUE(y.node()->materialized());
+  EXPECT_EQ(y.to_vector(), std::vector<float>(4, 2.0f));
 }
 
 TEST_F(Fusion, AsynchronousErrorsSurfaceAtTheNextRead) {

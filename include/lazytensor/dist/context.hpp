@@ -196,4 +196,14 @@ inline void flush_pending() {
   if (graph::NodePtr n = pending_predecessor()) graph::materialize(n);
 }
 
+/// A replica's exit: runs its pending collectives, waits for its device's steps and
+/// re-throws an error one of them stored, so that no failure (a collective mismatch seen by
+/// a step that ran inline or on the executor) ends unseen with its replica.
+inline void finish_replica() {
+  flush_pending();
+  graph::Device& dev = graph::current_device();
+  dev.wait_idle();
+  dev.rethrow_stored_error();
+}
+
 }  // namespace lazy::dist::detail

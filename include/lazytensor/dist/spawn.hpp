@@ -77,7 +77,7 @@ void run_replica(const std::shared_ptr<World>& world, int local, Body& body) {
   current_context() = &ctx;
   try {
     body(local);
-    flush_pending();
+    finish_replica();
   } catch (...) {
     world->state().fail(ctx.ordinal, std::current_exception());
   }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include <lazytensor/core/shape.hpp>
+#include <lazytensor/core/small_vector.hpp>
 
 namespace lazy::expr {
 
@@ -16,8 +17,9 @@ namespace lazy::expr {
 struct Layout {
   int ndim = 1;
   std::array<std::int64_t, kMaxRank> size{};
-  std::vector<std::array<std::int64_t, kMaxRank>> stride;  ///< per input slot
-  std::vector<char> splat;                                  ///< innermost stride is 0
+  /// Per input slot (inline for up to 4 inputs: no allocation for most kernels).
+  core::SmallVector<std::array<std::int64_t, kMaxRank>, 4> stride;
+  core::SmallVector<char, 8> splat;  ///< per input slot: innermost stride is 0
 
   bool flat() const { return ndim == 1; }
   std::int64_t inner() const { return size[ndim - 1]; }

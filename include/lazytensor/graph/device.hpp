@@ -80,26 +80,19 @@ class Device {
     trace_ = std::move(older);
   }
 
-  /// Registers a handle, so mark_step can find the pending values that are still wanted.
+  /// Registers a handle, so mark_step can find the pending values that are still wanted
+  /// (once per handle; it leaves the registry when destroyed).
   void register_handle(const std::shared_ptr<TensorImpl>& impl) {
-    std::lock_guard lock(mu_);
-    if (live_.size() >= compact_at_) {
-      std::erase_if(live_, [](const auto& w) { return w.expired(); });
-      compact_at_ = std::max<std::size_t>(1024, live_.size() * 2);
-    }
-    live_.push_back(impl);
+    if (impl->registry) return;
+    impl->registry = handles_;
+    handles_->add(impl.get());
   }
   /// Calls f(node) for the node of every live handle whose value is still being traced.
   template <class F>
   void for_each_pending_root(F&& f) {
-    std::lock_guard lock(mu_);
-    std::erase_if(live_, [&](const auto& w) {
-      auto impl = w.lock();
-      if (!impl) return true;
-      if (impl->node && impl->node->pending()) f(impl->node);
-      return false;
+    handles_->for_each([&](TensorImpl& impl) {
+      if (impl.node && impl.node->pending()) f(impl.node);
     });
-    compact_at_ = std::max<std::size_t>(1024, live_.size() * 2);
   }
 
   // ---- execution ----------------------------------------------------------------------
@@ -209,8 +202,7 @@ class Device {
   ThreadPool threads_;
   std::mutex mu_;
   std::vector<std::weak_ptr<Node>> trace_;
-  std::vector<std::weak_ptr<TensorImpl>> live_;
-  std::size_t compact_at_ = 1024;
+  std::shared_ptr<HandleRegistry> handles_ = std::make_shared<HandleRegistry>();
   RngState rng_;
   bool eager_ = false;
   bool async_ = default_async();

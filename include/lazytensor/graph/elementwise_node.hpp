@@ -88,7 +88,10 @@ class CompiledKernel final : public ElementwiseKernel {
   }
   std::string text() const override { return expr::kernel_text(k_); }
   double cost() const override { return expr::kernel_cost<K>(); }
-  std::uint64_t hash() const override { return typeid(K).hash_code(); }
+  std::uint64_t hash() const override {
+    static const std::uint64_t h = typeid(K).hash_code();  // hashes the type's name: once
+    return h;
+  }
 
   /// Whether this kernel can stream its stores (a SIMD lane that is the output type).
   static constexpr bool can_stream = Ev::simd && std::is_same_v<S, Tout>;
@@ -118,6 +121,8 @@ class ElementwiseNode final : public Node {
   const ElementwiseKernel& kernel() const { return *kernel_; }
   /// True when this node runs a GEMM producer in row blocks (see fuse_producers).
   bool takes_producer() const { return fused_slot_ >= 0; }
+  /// True when the kernel can write its output with non-temporal stores.
+  bool can_stream() const { return can_stream_; }
 
   void fuse_producers() override {
     // Take over a GEMM producer that nothing else reads: it then runs in row blocks, each

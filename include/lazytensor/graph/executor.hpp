@@ -108,82 +108,130 @@ inline std::shared_ptr<Buffer> group_output(ExecContext& ctx, const std::vector<
 /// Runs a fused group: every chunk of kFusionChunk elements goes through each member in
 /// order; members needed outside the group are written whole, the others only to a
 /// per-task scratch chunk. A reduction ending the group reduces each chunk to a partial
-/// (one per chunk, so the result does not depend on the task split).
+/// (one per chunk, so the result does not depend on the task split). The bookkeeping is
+/// in flat arrays (no allocation per member): a step of 100 tiny statements is one group.
 inline void run_group(ExecContext& ctx, const PlanStep& st, const std::vector<NodePtr>& members) {
   const std::size_t k = members.size();
   const std::int64_t n = members[0]->numel();
-  std::vector<const ElementwiseNode*> ew(k, nullptr);
+  struct Member {
+    const ElementwiseNode* ew;  // null for the reduction ending the group
+    std::size_t esz, scratch_off, first_in, num_in;
+  };
+  struct Input {
+    const std::byte* base;  // an outside input's buffer, or null (a member's output)
+    std::size_t esz;        // bytes per element, 0 for a broadcast single element
+    std::int32_t src;       // the producing member, or -1
+  };
+  std::vector<Member> mem(k);
+  std::vector<Input> in;
+  in.reserve(k * 2);
   ChunkReduction* reduction = nullptr;
-  std::vector<std::size_t> esz(k), scratch_off(k, 0);
-  std::vector<std::vector<const std::byte*>> base(k);
-  std::vector<std::vector<std::size_t>> in_esz(k);
-  std::size_t per_task = 0;
+  std::size_t per_task = 0, max_in = 0;
   double cost = 0;
   for (std::size_t j = 0; j < k; ++j) {
+    Member& m = mem[j];
+    m.ew = nullptr;
     if (members[j]->kind() == NodeKind::Elementwise) {
-      ew[j] = static_cast<const ElementwiseNode*>(members[j].get());
-      cost += ew[j]->kernel().cost();
+      m.ew = static_cast<const ElementwiseNode*>(members[j].get());
+      cost += m.ew->kernel().cost();
     } else {
       reduction = dynamic_cast<ChunkReduction*>(members[j].get());  // the last member (plan.hpp)
       cost += members[j]->cost_per_element();
     }
-    esz[j] = dtype_size(members[j]->dtype());
+    m.esz = dtype_size(members[j]->dtype());
+    m.scratch_off = 0;
+    m.first_in = in.size();
     const auto& ins = members[j]->inputs();
+    m.num_in = ins.size();
+    max_in = std::max(max_in, ins.size());
     for (std::size_t q = 0; q < ins.size(); ++q) {
       // Read every outside input's address before any output is allocated: a donated
       // input's buffer moves to the output (same memory).
-      base[j].push_back(st.sources[j][q] < 0 ? static_cast<const std::byte*>(ins[q]->buffer()->data()) : nullptr);
-      in_esz[j].push_back(ins[q]->numel() == 1 && n != 1 ? 0 : dtype_size(ins[q]->dtype()));
+      const std::int32_t src = st.sources[j][q];
+      in.push_back({src < 0 ? static_cast<const std::byte*>(ins[q]->buffer()->data()) : nullptr,
+                    ins[q]->numel() == 1 && n != 1 ? 0 : dtype_size(ins[q]->dtype()), src});
     }
-    if (!st.whole[j] && ew[j]) {
-      scratch_off[j] = per_task;
-      per_task += padded_bytes(kFusionChunk, esz[j]);
+    if (!st.whole[j] && m.ew) {
+      m.scratch_off = per_task;
+      per_task += padded_bytes(kFusionChunk, m.esz);
     }
   }
   std::vector<std::shared_ptr<Buffer>> out(k);
+  std::vector<std::byte*> out_ptr(k, nullptr);
   const auto donors = donor_candidates(st, members);
-  for (std::size_t j = 0; j < k; ++j)
-    if (st.whole[j] && ew[j]) out[j] = group_output(ctx, donors, members[j], j);
+  for (std::size_t j = 0; j < k; ++j) {
+    if (!st.whole[j] || !mem[j].ew) continue;
+    out[j] = group_output(ctx, donors, members[j], j);
+    out_ptr[j] = static_cast<std::byte*>(out[j]->data());
+  }
   auto& pool = ctx.device.threads();
   const std::int64_t chunks = (n + kFusionChunk - 1) / kFusionChunk;
   const std::int64_t tasks = std::max<std::int64_t>(1, std::min(chunks, task_count(pool, n, cost)));
-  std::shared_ptr<Buffer> scratch = per_task ? ctx.device.pool().acquire(per_task * static_cast<std::size_t>(tasks)) : nullptr;
+  std::shared_ptr<Buffer> scratch =
+      per_task ? ctx.device.pool().acquire(per_task * static_cast<std::size_t>(tasks)) : nullptr;
   const std::size_t partial_bytes = reduction ? reduction->partial_bytes() : 0;
   std::shared_ptr<Buffer> partials =
       reduction ? ctx.device.pool().acquire(padded_bytes(chunks, partial_bytes)) : nullptr;
+  // Whole outputs too large for the cache that no later member reads are streamed (as a
+  // single statement does): the cache keeps the chunk's inputs instead.
+  std::vector<std::uint8_t> stream(k, 0);
+  bool any_stream = false;
+  for (std::size_t j = 0; j < k; ++j) {
+    if (!out_ptr[j] || !mem[j].ew->can_stream() || mem[j].ew->layout().any_splat() ||
+        n * static_cast<std::int64_t>(mem[j].esz) < expr::kStreamingStoreBytes)
+      continue;
+    bool read_later = false;
+    for (std::size_t i = j + 1; i < k; ++i)
+      for (std::size_t q = 0; q < mem[i].num_in; ++q)
+        read_later = read_later || in[mem[i].first_in + q].src == static_cast<std::int32_t>(j);
+    stream[j] = read_later ? 0 : 1;
+    any_stream = any_stream || !read_later;
+  }
   pool.parallel_for(tasks, [&](std::int64_t t) {
     auto [c0, c1] = task_range(chunks, tasks, t);
-    std::byte* mine = scratch ? static_cast<std::byte*>(scratch->data()) + per_task * static_cast<std::size_t>(t) : nullptr;
-    std::vector<const void*> ptrs;
+    std::byte* mine =
+        scratch ? static_cast<std::byte*>(scratch->data()) + per_task * static_cast<std::size_t>(t)
+                : nullptr;
+    std::vector<const void*> ptrs(max_in);
+    // Points ptrs at member m's inputs for the chunk starting at element `ub`.
+    auto point = [&](const Member& m, std::size_t ub) {
+      for (std::size_t q = 0; q < m.num_in; ++q) {
+        const Input& x = in[m.first_in + q];
+        if (x.src < 0) {
+          ptrs[q] = x.base + ub * x.esz;
+        } else {
+          const auto p = static_cast<std::size_t>(x.src);
+          ptrs[q] = out_ptr[p] ? out_ptr[p] + ub * mem[p].esz : mine + mem[p].scratch_off;
+        }
+      }
+    };
     for (std::int64_t c = c0; c < c1; ++c) {
       const std::int64_t b = c * kFusionChunk, len = std::min(kFusionChunk, n - b);
+      const auto ub = static_cast<std::size_t>(b);
       for (std::size_t j = 0; j < k; ++j) {
-        const auto& src = st.sources[j];
-        ptrs.resize(src.size());
-        for (std::size_t q = 0; q < src.size(); ++q) {
-          const std::int32_t p = src[q];
-          if (p < 0) {
-            ptrs[q] = base[j][q] + static_cast<std::size_t>(b) * in_esz[j][q];
-          } else {
-            const auto pu = static_cast<std::size_t>(p);
-            ptrs[q] = st.whole[pu] ? static_cast<const std::byte*>(out[pu]->data()) + static_cast<std::size_t>(b) * esz[pu]
-                                   : mine + scratch_off[pu];
-          }
-        }
-        if (!ew[j]) {
-          reduction->reduce_chunk(ptrs.data(), len, static_cast<std::byte*>(partials->data()) + static_cast<std::size_t>(c) * partial_bytes);
-          continue;
-        }
-        void* o = st.whole[j] ? static_cast<std::byte*>(out[j]->data()) + static_cast<std::size_t>(b) * esz[j]
-                              : static_cast<void*>(mine + scratch_off[j]);
-        const auto& layout = ew[j]->layout();
-        ew[j]->kernel().flat(ptrs.data(), layout.splat.data(), o, 0, len, !layout.any_splat(), false);
+        const Member& m = mem[j];
+        if (!m.ew) continue;
+        point(m, ub);
+        void* o = out_ptr[j] ? static_cast<void*>(out_ptr[j] + ub * m.esz)
+                             : static_cast<void*>(mine + m.scratch_off);
+        const auto& layout = m.ew->layout();
+        m.ew->kernel().flat(ptrs.data(), layout.splat.data(), o, 0, len, !layout.any_splat(),
+                            stream[j] != 0);
+      }
+      if (reduction) {  // the last member, over the whole chunk: one partial, as unfused
+        point(mem[k - 1], ub);
+        reduction->reduce_chunk(ptrs.data(), len,
+                                static_cast<std::byte*>(partials->data()) +
+                                    static_cast<std::size_t>(c) * partial_bytes);
       }
     }
+    if (any_stream) expr::store_fence();
   });
   for (std::size_t j = 0; j < k; ++j) {
-    if (ew[j]) members[j]->finish_with(std::move(out[j]));
-    else reduction->finish_partials(ctx, partials->data(), chunks);
+    if (mem[j].ew)
+      members[j]->finish_with(std::move(out[j]));
+    else
+      reduction->finish_partials(ctx, partials->data(), chunks);
   }
 }
 
@@ -345,7 +393,9 @@ inline std::vector<NodePtr> collect_step(Device& dev) {
 
 /// Runs a step: plans the collected nodes now (overlapping the previous step's
 /// execution), waits for the previous step, then hands the plan to the executor thread
-/// (or, with async off, runs it here). Errors of an asynchronous step are stored.
+/// (or, with async off, runs it here). Errors of an asynchronous step are stored. A step
+/// cheaper than the hand-off (kInlineStepWork) runs here too, its errors stored as if it
+/// had run on the executor.
 inline void run_step(Device& dev, std::vector<NodePtr> nodes) {
   if (nodes.empty()) return;
   prepare(nodes);
@@ -354,6 +404,14 @@ inline void run_step(Device& dev, std::vector<NodePtr> nodes) {
   for (auto& n : nodes) n->set_state(Node::State::Queued);
   if (!dev.async()) {
     run_plan(dev, *plan, nodes);
+    return;
+  }
+  if (plan->work < kInlineStepWork) {
+    try {
+      run_plan(dev, *plan, nodes);
+    } catch (...) {
+      dev.store_error(std::current_exception());
+    }
     return;
   }
   dev.enqueue([&dev, plan, nodes = std::move(nodes)]() mutable {

@@ -2,16 +2,24 @@
 // The object every copy of a Tensor handle shares. In-place ops rebind `node`, so all
 // copies see the new value (functionalization, as in libtorch/XLA).
 
+#include <cstddef>
 #include <memory>
+#include <mutex>
+#include <vector>
 
 #include <lazytensor/autograd/function.hpp>
 #include <lazytensor/graph/node.hpp>
 
 namespace lazy::graph {
 
+class HandleRegistry;
+
 /// Shared state behind a tensor handle.
 struct TensorImpl {
   explicit TensorImpl(NodePtr n) : node(std::move(n)) {}
+  ~TensorImpl();
+  TensorImpl(const TensorImpl&) = delete;
+  TensorImpl& operator=(const TensorImpl&) = delete;
   NodePtr node;
   /// Autograd state; null for tensors that never took part in autograd.
   std::unique_ptr<autograd::AutogradMeta> autograd;
@@ -23,6 +31,44 @@ struct TensorImpl {
   }
   /// True when gradients flow into this tensor.
   bool requires_grad() const { return autograd && autograd->requires_grad; }
+
+  /// The registry listing this handle (Device::register_handle), and its slot there.
+  std::shared_ptr<HandleRegistry> registry;
+  std::size_t registry_slot = 0;
 };
+
+/// The live handles of a device, so mark_step can find the pending values still wanted.
+/// A handle adds itself when registered and removes itself when destroyed (O(1) each), so
+/// a step looks at live handles only. Shared by the device and its handles: a handle that
+/// outlives its device (a static tensor at exit) still finds the registry.
+class HandleRegistry {
+ public:
+  void add(TensorImpl* impl) {
+    std::lock_guard lock(mu_);
+    impl->registry_slot = live_.size();
+    live_.push_back(impl);
+  }
+  void remove(TensorImpl* impl) {
+    std::lock_guard lock(mu_);
+    TensorImpl* last = live_.back();
+    live_[impl->registry_slot] = last;
+    last->registry_slot = impl->registry_slot;
+    live_.pop_back();
+  }
+  /// Calls f(impl) for every live handle; handles cannot be destroyed meanwhile.
+  template <class F>
+  void for_each(F&& f) {
+    std::lock_guard lock(mu_);
+    for (TensorImpl* impl : live_) f(*impl);
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<TensorImpl*> live_;
+};
+
+inline TensorImpl::~TensorImpl() {
+  if (registry) registry->remove(this);
+}
 
 }  // namespace lazy::graph

@@ -1,0 +1,90 @@
+#pragma once
+// A vector of trivially copyable values that keeps up to N of them inline: per-node data
+// with a handful of entries (a kernel's per-input strides) then costs no allocation, which
+// matters when a step traces and frees hundreds of small nodes.
+
+#include <algorithm>
+#include <cstddef>
+#include <memory>
+#include <type_traits>
+
+namespace lazy::core {
+
+/// Fixed-capacity-inline vector (see the file comment). Only what Layout needs: resize,
+/// assign, indexing, data and iteration.
+template <class T, std::size_t N>
+class SmallVector {
+  static_assert(std::is_trivially_copyable_v<T>, "SmallVector holds trivially copyable values");
+
+ public:
+  SmallVector() = default;
+  SmallVector(const SmallVector& o) { copy_from(o); }
+  SmallVector& operator=(const SmallVector& o) {
+    if (this != &o) copy_from(o);
+    return *this;
+  }
+  SmallVector(SmallVector&& o) noexcept { move_from(o); }
+  SmallVector& operator=(SmallVector&& o) noexcept {
+    if (this != &o) move_from(o);
+    return *this;
+  }
+  ~SmallVector() = default;
+
+  /// Sets the size to n; new elements are value-initialized, kept ones keep their values.
+  void resize(std::size_t n) {
+    reserve(n);
+    for (std::size_t i = size_; i < n; ++i) data()[i] = T{};
+    size_ = n;
+  }
+  /// n copies of v.
+  void assign(std::size_t n, const T& v) {
+    reserve(n);
+    std::fill_n(data(), n, v);
+    size_ = n;
+  }
+
+  std::size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  T* data() { return heap_ ? heap_.get() : inline_; }
+  const T* data() const { return heap_ ? heap_.get() : inline_; }
+  T& operator[](std::size_t i) { return data()[i]; }
+  const T& operator[](std::size_t i) const { return data()[i]; }
+  T* begin() { return data(); }
+  T* end() { return data() + size_; }
+  const T* begin() const { return data(); }
+  const T* end() const { return data() + size_; }
+
+ private:
+  void reserve(std::size_t n) {
+    if (n <= capacity()) return;
+    auto bigger = std::make_unique<T[]>(n);
+    std::copy_n(data(), size_, bigger.get());
+    heap_ = std::move(bigger);
+    heap_capacity_ = n;
+  }
+  std::size_t capacity() const { return heap_ ? heap_capacity_ : N; }
+  void copy_from(const SmallVector& o) {
+    size_ = 0;
+    reserve(o.size_);
+    std::copy_n(o.data(), o.size_, data());
+    size_ = o.size_;
+  }
+  void move_from(SmallVector& o) {
+    if (o.heap_) {
+      heap_ = std::move(o.heap_);
+      heap_capacity_ = o.heap_capacity_;
+    } else {
+      heap_.reset();
+      std::copy_n(o.inline_, o.size_, inline_);
+    }
+    size_ = o.size_;
+    o.size_ = 0;
+  }
+
+  T inline_[N] = {};
+  std::unique_ptr<T[]> heap_;
+  std::size_t heap_capacity_ = 0;
+  std::size_t size_ = 0;
+};
+
+}  // namespace lazy::core
