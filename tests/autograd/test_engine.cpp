@@ -142,4 +142,23 @@ TEST(AutogradEngine, BackwardIsLazyAndRunsWithTheStep) {
   EXPECT_TRUE(w.node()->materialized());
 }
 
+TEST(AutogradEngine, LinearWeightGradientIsOneGemmInTheWeightsLayout) {
+  // dW = dY^T X computed directly as [out, in], not as (X^T dY)^T through a transpose copy.
+  const std::vector<double> xv{1, -2, 3, 0.5, 4, -1},
+      wv{0.1, 0.2, 0.3, -1, 2, 0.5, 3, -0.25, 1, 2, -3, 0.75};
+  const std::vector<double> gv{1, 2, -1, 0.5, -2, 3, 0.25, 1};
+  auto x = lazy::from_vector<double>(xv, Shape{2, 3});
+  auto w = lazy::from_vector<double>(wv, Shape{4, 3}).requires_grad_();
+  Tensor<double> y = lazy::linear(x, w);
+  y.backward(lazy::from_vector<double>(gv, Shape{2, 4}));
+  EXPECT_EQ(w.grad().node()->kind(), lazy::graph::NodeKind::Gemm) << w.grad().node()->op_name();
+  std::vector<double> want(12, 0.0);
+  for (int o = 0; o < 4; ++o)
+    for (int i = 0; i < 3; ++i)
+      for (int b = 0; b < 2; ++b) want[o * 3 + i] += gv[b * 4 + o] * xv[b * 3 + i];
+  const auto got = w.grad().to_vector();
+  ASSERT_EQ(got.size(), want.size());
+  for (std::size_t j = 0; j < want.size(); ++j) EXPECT_NEAR(got[j], want[j], 1e-12) << j;
+}
+
 }  // namespace

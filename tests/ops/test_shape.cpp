@@ -294,6 +294,25 @@ TEST(ShapePermute, TransposeNodeIsRecognizableByMatmul) {
   EXPECT_EQ(hint->transpose_source(), nullptr);  // a computed node keeps no inputs
 }
 
+TEST(ShapePermute, TransposeOfAPendingTransposeIsItsSource) {
+  const Shape s{2, 3, 4};
+  const auto in = host<float>(s, 3);
+  Tensor<float> x = lazy::from_vector<float>(in, s) * 2.0f;  // pending source
+  auto t = lazy::transpose(x, -1, -2);
+  auto back = lazy::transpose(t, 1, 2);
+  EXPECT_EQ(back.node(), x.node()) << "no node for transpose(transpose(x))";
+  std::vector<float> want(in.size());
+  for (std::size_t i = 0; i < in.size(); ++i) want[i] = in[i] * 2.0f;
+  EXPECT_EQ(back.to_vector(), want);
+  // Once the transpose is computed, transposing it again copies (the source may be gone).
+  auto t2 = lazy::transpose(x, -1, -2);
+  lazy::mark_step();
+  lazy::wait_device_ops();
+  auto again = lazy::transpose(t2, -1, -2);
+  EXPECT_NE(again.node(), x.node());
+  EXPECT_EQ(again.to_vector(), want);
+}
+
 TEST(ShapePermute, MovingOnlySizeOneDimsIsAView) {
   auto a = make<float>(Shape{1, 5});
   auto t = lazy::transpose(a, 0, 1);

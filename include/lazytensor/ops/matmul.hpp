@@ -48,12 +48,12 @@ class GemmNode final : public Node, public RowProducer {
   }
 
   /// Rows per GEMM call: Eigen's blocking (and so the order of the k-sums) depends on the
-  /// rows of a call, so blocks are fixed by the shapes alone. 64 rows keep an output block
-  /// in L2 for the epilogue and re-pack the right-hand side once per 64 rows; a small
-  /// product is one block.
+  /// rows of a call, so blocks are fixed by the shapes alone. Each call re-packs the
+  /// right-hand side, so blocks are as tall as the epilogue's cache allows: 128 rows (a
+  /// 128 x 256 float block is 128 KiB, in L2); a small product is one block.
   std::int64_t row_block() const override {
     const std::int64_t rows = m_ * std::max(batch_a_, batch_b_);
-    return rows * n_ * k_ <= (std::int64_t(1) << 16) ? std::max<std::int64_t>(rows, 1) : 64;
+    return rows * n_ * k_ <= (std::int64_t(1) << 16) ? std::max<std::int64_t>(rows, 1) : 128;
   }
 
   void produce_rows(void* out, std::int64_t r0, std::int64_t r1) override {
@@ -144,14 +144,19 @@ Tensor<T> gemm(const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std
 /// Backward of C[b] = A[b] B[b] with A viewed as [batch_a, m, k], B as [batch_b, k, n] (a
 /// batch of 1 broadcasts): dA = dC B^T, dB = A^T dC, summed over broadcast batches. When a
 /// side is shared by every batch, the batches are stacked into one GEMM instead.
+/// `b_transposed`: B is the transpose of a stored [n, k] matrix (linear's weight), so dB is
+/// computed as dB^T = dC^T A in that matrix's layout; the transpose's own backward then
+/// folds away (transpose of a transpose) instead of copying the gradient.
 template <Element T>
-void record_gemm(Tensor<T>& c, const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std::int64_t batch_b,
-                 std::int64_t m, std::int64_t k, std::int64_t n) {
+void record_gemm(Tensor<T>& c, const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a,
+                 std::int64_t batch_b, std::int64_t m, std::int64_t k, std::int64_t n,
+                 bool b_transposed) {
   auto ea = autograd::edge_of(a.impl()), eb = autograd::edge_of(b.impl());
   if (!ea && !eb) return;
   autograd::record(c, "MmBackward0", {ea, eb},
-                   [a = a.detach(), b = b.detach(), batch_a, batch_b, m, k, n, need_a = ea != nullptr,
-                    need_b = eb != nullptr](const Tensor<T>& g) {
+                   [a = a.detach(), b = b.detach(), batch_a, batch_b, m, k, n,
+                    need_a = ea != nullptr, need_b = eb != nullptr,
+                    b_transposed](const Tensor<T>& g) {
                      const std::int64_t B = std::max(batch_a, batch_b);
                      std::vector<graph::NodePtr> grads(2);
                      if (need_a) {
@@ -163,7 +168,12 @@ void record_gemm(Tensor<T>& c, const Tensor<T>& a, const Tensor<T>& b, std::int6
                      }
                      if (need_b) {
                        Tensor<T> db;
-                       if (batch_a == 1) {  // A shared: dB[b] = A^T dC[b]
+                       if (batch_b == 1 && b_transposed) {  // dB^T = dC^T A over the stacked rows
+                         db = transpose(
+                             gemm(transpose(reshape(g, Shape{B * m, n}), 0, 1),
+                                  reshape(a, Shape{B * m, k}), 1, 1, n, B * m, k, Shape{n, k}),
+                             0, 1);
+                       } else if (batch_a == 1) {  // A shared: dB[b] = A^T dC[b]
                          db = gemm(transpose(reshape(a, Shape{m, k}), 0, 1), g, 1, B, k, m, n, Shape{B, k, n});
                        } else if (batch_b == 1) {  // B shared: one GEMM over the stacked batches
                          db = gemm(transpose(reshape(a, Shape{B * m, k}), 0, 1), reshape(g, Shape{B * m, n}), 1, 1, k,
@@ -185,7 +195,7 @@ Tensor<T> gemm(const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std
   graph::Device& dev = graph::common_device({oa.node, ob.node}, "matmul");
   Tensor<T> c(graph::submit(std::make_shared<graph::GemmNode<T>>(oa, ob, batch_a, batch_b, m, k, n, out, &dev)));
   if constexpr (is_floating_v<T>) {
-    if (autograd::is_grad_enabled()) record_gemm(c, a, b, batch_a, batch_b, m, k, n);
+    if (autograd::is_grad_enabled()) record_gemm(c, a, b, batch_a, batch_b, m, k, n, ob.transposed);
   }
   return c;
 }

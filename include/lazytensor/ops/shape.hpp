@@ -686,9 +686,17 @@ Tensor<T> permute_impl(const Tensor<T>& t, std::vector<int> perm, const char* op
   }
   std::vector<int> inverse(perm.size());
   for (std::size_t i = 0; i < perm.size(); ++i) inverse[static_cast<std::size_t>(perm[i])] = static_cast<int>(i);
-  Tensor<T> r = perm == graph::TransposeNode::last_two(static_cast<int>(perm.size()))
-                    ? Tensor<T>(graph::submit(std::make_shared<graph::TransposeNode>(n)))
-                    : Tensor<T>(graph::submit(std::make_shared<graph::PermuteNode>(n, std::move(perm), op)));
+  const bool swap_last_two = perm == graph::TransposeNode::last_two(static_cast<int>(perm.size()));
+  graph::NodePtr source;  // transpose(transpose(s)) is s: no node, no copy
+  if (swap_last_two && n->pending()) {
+    if (auto* tr = dynamic_cast<graph::TransposeOfLastTwo*>(n.get()))
+      source = tr->transpose_source();
+  }
+  Tensor<T> r =
+      source ? Tensor<T>(source)
+      : swap_last_two
+          ? Tensor<T>(graph::submit(std::make_shared<graph::TransposeNode>(n)))
+          : Tensor<T>(graph::submit(std::make_shared<graph::PermuteNode>(n, std::move(perm), op)));
   autograd::record(r, "PermuteBackward0", {autograd::edge_of(t.impl())}, [inverse](const Tensor<T>& g) {
     return std::vector<graph::NodePtr>{permute_impl(g, inverse, "permute").node()};
   });
