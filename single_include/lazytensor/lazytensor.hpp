@@ -1784,6 +1784,97 @@ std::string kernel_text(const KExpr<Op, C...>& k) {
 #include <cstdint>
 #include <vector>
 
+// ---- begin lazytensor/core/small_vector.hpp ----
+// A vector of trivially copyable values that keeps up to N of them inline: per-node data
+// with a handful of entries (a kernel's per-input strides) then costs no allocation, which
+// matters when a step traces and frees hundreds of small nodes.
+
+#include <algorithm>
+#include <cstddef>
+#include <memory>
+#include <type_traits>
+
+namespace lazy::core {
+
+/// Fixed-capacity-inline vector (see the file comment). Only what Layout needs: resize,
+/// assign, indexing, data and iteration.
+template <class T, std::size_t N>
+class SmallVector {
+  static_assert(std::is_trivially_copyable_v<T>, "SmallVector holds trivially copyable values");
+
+ public:
+  SmallVector() = default;
+  SmallVector(const SmallVector& o) { copy_from(o); }
+  SmallVector& operator=(const SmallVector& o) {
+    if (this != &o) copy_from(o);
+    return *this;
+  }
+  SmallVector(SmallVector&& o) noexcept { move_from(o); }
+  SmallVector& operator=(SmallVector&& o) noexcept {
+    if (this != &o) move_from(o);
+    return *this;
+  }
+  ~SmallVector() = default;
+
+  /// Sets the size to n; new elements are value-initialized, kept ones keep their values.
+  void resize(std::size_t n) {
+    reserve(n);
+    for (std::size_t i = size_; i < n; ++i) data()[i] = T{};
+    size_ = n;
+  }
+  /// n copies of v.
+  void assign(std::size_t n, const T& v) {
+    reserve(n);
+    std::fill_n(data(), n, v);
+    size_ = n;
+  }
+
+  std::size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  T* data() { return heap_ ? heap_.get() : inline_; }
+  const T* data() const { return heap_ ? heap_.get() : inline_; }
+  T& operator[](std::size_t i) { return data()[i]; }
+  const T& operator[](std::size_t i) const { return data()[i]; }
+  T* begin() { return data(); }
+  T* end() { return data() + size_; }
+  const T* begin() const { return data(); }
+  const T* end() const { return data() + size_; }
+
+ private:
+  void reserve(std::size_t n) {
+    if (n <= capacity()) return;
+    auto bigger = std::make_unique<T[]>(n);
+    std::copy_n(data(), size_, bigger.get());
+    heap_ = std::move(bigger);
+    heap_capacity_ = n;
+  }
+  std::size_t capacity() const { return heap_ ? heap_capacity_ : N; }
+  void copy_from(const SmallVector& o) {
+    size_ = 0;
+    reserve(o.size_);
+    std::copy_n(o.data(), o.size_, data());
+    size_ = o.size_;
+  }
+  void move_from(SmallVector& o) {
+    if (o.heap_) {
+      heap_ = std::move(o.heap_);
+      heap_capacity_ = o.heap_capacity_;
+    } else {
+      heap_.reset();
+      std::copy_n(o.inline_, o.size_, inline_);
+    }
+    size_ = o.size_;
+    o.size_ = 0;
+  }
+
+  T inline_[N] = {};
+  std::unique_ptr<T[]> heap_;
+  std::size_t heap_capacity_ = 0;
+  std::size_t size_ = 0;
+};
+
+}  // namespace lazy::core
+// ---- end lazytensor/core/small_vector.hpp ----
 
 namespace lazy::expr {
 
@@ -1791,8 +1882,9 @@ namespace lazy::expr {
 struct Layout {
   int ndim = 1;
   std::array<std::int64_t, kMaxRank> size{};
-  std::vector<std::array<std::int64_t, kMaxRank>> stride;  ///< per input slot
-  std::vector<char> splat;                                  ///< innermost stride is 0
+  /// Per input slot (inline for up to 4 inputs: no allocation for most kernels).
+  core::SmallVector<std::array<std::int64_t, kMaxRank>, 4> stride;
+  core::SmallVector<char, 8> splat;  ///< per input slot: innermost stride is 0
 
   bool flat() const { return ndim == 1; }
   std::int64_t inner() const { return size[ndim - 1]; }
@@ -2578,14 +2670,22 @@ class ThreadPool {
 // The object every copy of a Tensor handle shares. In-place ops rebind `node`, so all
 // copies see the new value (functionalization, as in libtorch/XLA).
 
+#include <cstddef>
 #include <memory>
+#include <mutex>
+#include <vector>
 
 
 namespace lazy::graph {
 
+class HandleRegistry;
+
 /// Shared state behind a tensor handle.
 struct TensorImpl {
   explicit TensorImpl(NodePtr n) : node(std::move(n)) {}
+  ~TensorImpl();
+  TensorImpl(const TensorImpl&) = delete;
+  TensorImpl& operator=(const TensorImpl&) = delete;
   NodePtr node;
   /// Autograd state; null for tensors that never took part in autograd.
   std::unique_ptr<autograd::AutogradMeta> autograd;
@@ -2597,7 +2697,45 @@ struct TensorImpl {
   }
   /// True when gradients flow into this tensor.
   bool requires_grad() const { return autograd && autograd->requires_grad; }
+
+  /// The registry listing this handle (Device::register_handle), and its slot there.
+  std::shared_ptr<HandleRegistry> registry;
+  std::size_t registry_slot = 0;
 };
+
+/// The live handles of a device, so mark_step can find the pending values still wanted.
+/// A handle adds itself when registered and removes itself when destroyed (O(1) each), so
+/// a step looks at live handles only. Shared by the device and its handles: a handle that
+/// outlives its device (a static tensor at exit) still finds the registry.
+class HandleRegistry {
+ public:
+  void add(TensorImpl* impl) {
+    std::lock_guard lock(mu_);
+    impl->registry_slot = live_.size();
+    live_.push_back(impl);
+  }
+  void remove(TensorImpl* impl) {
+    std::lock_guard lock(mu_);
+    TensorImpl* last = live_.back();
+    live_[impl->registry_slot] = last;
+    last->registry_slot = impl->registry_slot;
+    live_.pop_back();
+  }
+  /// Calls f(impl) for every live handle; handles cannot be destroyed meanwhile.
+  template <class F>
+  void for_each(F&& f) {
+    std::lock_guard lock(mu_);
+    for (TensorImpl* impl : live_) f(*impl);
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<TensorImpl*> live_;
+};
+
+inline TensorImpl::~TensorImpl() {
+  if (registry) registry->remove(this);
+}
 
 }  // namespace lazy::graph
 // ---- end lazytensor/graph/tensor_impl.hpp ----
@@ -2654,26 +2792,19 @@ class Device {
     trace_ = std::move(older);
   }
 
-  /// Registers a handle, so mark_step can find the pending values that are still wanted.
+  /// Registers a handle, so mark_step can find the pending values that are still wanted
+  /// (once per handle; it leaves the registry when destroyed).
   void register_handle(const std::shared_ptr<TensorImpl>& impl) {
-    std::lock_guard lock(mu_);
-    if (live_.size() >= compact_at_) {
-      std::erase_if(live_, [](const auto& w) { return w.expired(); });
-      compact_at_ = std::max<std::size_t>(1024, live_.size() * 2);
-    }
-    live_.push_back(impl);
+    if (impl->registry) return;
+    impl->registry = handles_;
+    handles_->add(impl.get());
   }
   /// Calls f(node) for the node of every live handle whose value is still being traced.
   template <class F>
   void for_each_pending_root(F&& f) {
-    std::lock_guard lock(mu_);
-    std::erase_if(live_, [&](const auto& w) {
-      auto impl = w.lock();
-      if (!impl) return true;
-      if (impl->node && impl->node->pending()) f(impl->node);
-      return false;
+    handles_->for_each([&](TensorImpl& impl) {
+      if (impl.node && impl.node->pending()) f(impl.node);
     });
-    compact_at_ = std::max<std::size_t>(1024, live_.size() * 2);
   }
 
   // ---- execution ----------------------------------------------------------------------
@@ -2783,8 +2914,7 @@ class Device {
   ThreadPool threads_;
   std::mutex mu_;
   std::vector<std::weak_ptr<Node>> trace_;
-  std::vector<std::weak_ptr<TensorImpl>> live_;
-  std::size_t compact_at_ = 1024;
+  std::shared_ptr<HandleRegistry> handles_ = std::make_shared<HandleRegistry>();
   RngState rng_;
   bool eager_ = false;
   bool async_ = default_async();
@@ -2962,7 +3092,10 @@ class CompiledKernel final : public ElementwiseKernel {
   }
   std::string text() const override { return expr::kernel_text(k_); }
   double cost() const override { return expr::kernel_cost<K>(); }
-  std::uint64_t hash() const override { return typeid(K).hash_code(); }
+  std::uint64_t hash() const override {
+    static const std::uint64_t h = typeid(K).hash_code();  // hashes the type's name: once
+    return h;
+  }
 
   /// Whether this kernel can stream its stores (a SIMD lane that is the output type).
   static constexpr bool can_stream = Ev::simd && std::is_same_v<S, Tout>;
@@ -2992,6 +3125,8 @@ class ElementwiseNode final : public Node {
   const ElementwiseKernel& kernel() const { return *kernel_; }
   /// True when this node runs a GEMM producer in row blocks (see fuse_producers).
   bool takes_producer() const { return fused_slot_ >= 0; }
+  /// True when the kernel can write its output with non-temporal stores.
+  bool can_stream() const { return can_stream_; }
 
   void fuse_producers() override {
     // Take over a GEMM producer that nothing else reads: it then runs in row blocks, each
@@ -3642,7 +3777,14 @@ struct Plan {
   std::vector<PlanStep> steps;
   std::size_t num_nodes = 0;
   std::int64_t fused_groups = 0, fused_members = 0;
+  /// Estimated work (element operations: elements touched times cost per element).
+  double work = 0;
 };
+
+/// Steps with less estimated work than this run on the thread calling mark_step: waking
+/// the executor thread costs more (15-50 us measured on a VM, where a wake-up is an
+/// inter-processor interrupt) than running them. About 10 us of work.
+inline constexpr double kInlineStepWork = 1 << 14;
 
 /// Elements a fused group processes per chunk: a reduction block (kReduceBlock), 16 KiB of
 /// floats.
@@ -3827,6 +3969,12 @@ inline std::shared_ptr<Plan> build(const std::vector<NodePtr>& nodes, std::uint6
   }
   while (!open.empty()) close_unit(open.front().unit);
 
+  for (const auto& node : nodes) {
+    std::int64_t touched = node->numel();
+    for (const auto& in : node->inputs()) touched = std::max(touched, in->numel());
+    plan->work += static_cast<double>(touched) * std::max(1.0, node->cost_per_element());
+  }
+
   // A member's value is written whole when anything outside its group needs it.
   std::vector<std::uint8_t> whole(outside.begin(), outside.end());
   for (std::size_t i = 0; i < n; ++i)
@@ -3939,82 +4087,130 @@ inline std::shared_ptr<Buffer> group_output(ExecContext& ctx, const std::vector<
 /// Runs a fused group: every chunk of kFusionChunk elements goes through each member in
 /// order; members needed outside the group are written whole, the others only to a
 /// per-task scratch chunk. A reduction ending the group reduces each chunk to a partial
-/// (one per chunk, so the result does not depend on the task split).
+/// (one per chunk, so the result does not depend on the task split). The bookkeeping is
+/// in flat arrays (no allocation per member): a step of 100 tiny statements is one group.
 inline void run_group(ExecContext& ctx, const PlanStep& st, const std::vector<NodePtr>& members) {
   const std::size_t k = members.size();
   const std::int64_t n = members[0]->numel();
-  std::vector<const ElementwiseNode*> ew(k, nullptr);
+  struct Member {
+    const ElementwiseNode* ew;  // null for the reduction ending the group
+    std::size_t esz, scratch_off, first_in, num_in;
+  };
+  struct Input {
+    const std::byte* base;  // an outside input's buffer, or null (a member's output)
+    std::size_t esz;        // bytes per element, 0 for a broadcast single element
+    std::int32_t src;       // the producing member, or -1
+  };
+  std::vector<Member> mem(k);
+  std::vector<Input> in;
+  in.reserve(k * 2);
   ChunkReduction* reduction = nullptr;
-  std::vector<std::size_t> esz(k), scratch_off(k, 0);
-  std::vector<std::vector<const std::byte*>> base(k);
-  std::vector<std::vector<std::size_t>> in_esz(k);
-  std::size_t per_task = 0;
+  std::size_t per_task = 0, max_in = 0;
   double cost = 0;
   for (std::size_t j = 0; j < k; ++j) {
+    Member& m = mem[j];
+    m.ew = nullptr;
     if (members[j]->kind() == NodeKind::Elementwise) {
-      ew[j] = static_cast<const ElementwiseNode*>(members[j].get());
-      cost += ew[j]->kernel().cost();
+      m.ew = static_cast<const ElementwiseNode*>(members[j].get());
+      cost += m.ew->kernel().cost();
     } else {
       reduction = dynamic_cast<ChunkReduction*>(members[j].get());  // the last member (plan.hpp)
       cost += members[j]->cost_per_element();
     }
-    esz[j] = dtype_size(members[j]->dtype());
+    m.esz = dtype_size(members[j]->dtype());
+    m.scratch_off = 0;
+    m.first_in = in.size();
     const auto& ins = members[j]->inputs();
+    m.num_in = ins.size();
+    max_in = std::max(max_in, ins.size());
     for (std::size_t q = 0; q < ins.size(); ++q) {
       // Read every outside input's address before any output is allocated: a donated
       // input's buffer moves to the output (same memory).
-      base[j].push_back(st.sources[j][q] < 0 ? static_cast<const std::byte*>(ins[q]->buffer()->data()) : nullptr);
-      in_esz[j].push_back(ins[q]->numel() == 1 && n != 1 ? 0 : dtype_size(ins[q]->dtype()));
+      const std::int32_t src = st.sources[j][q];
+      in.push_back({src < 0 ? static_cast<const std::byte*>(ins[q]->buffer()->data()) : nullptr,
+                    ins[q]->numel() == 1 && n != 1 ? 0 : dtype_size(ins[q]->dtype()), src});
     }
-    if (!st.whole[j] && ew[j]) {
-      scratch_off[j] = per_task;
-      per_task += padded_bytes(kFusionChunk, esz[j]);
+    if (!st.whole[j] && m.ew) {
+      m.scratch_off = per_task;
+      per_task += padded_bytes(kFusionChunk, m.esz);
     }
   }
   std::vector<std::shared_ptr<Buffer>> out(k);
+  std::vector<std::byte*> out_ptr(k, nullptr);
   const auto donors = donor_candidates(st, members);
-  for (std::size_t j = 0; j < k; ++j)
-    if (st.whole[j] && ew[j]) out[j] = group_output(ctx, donors, members[j], j);
+  for (std::size_t j = 0; j < k; ++j) {
+    if (!st.whole[j] || !mem[j].ew) continue;
+    out[j] = group_output(ctx, donors, members[j], j);
+    out_ptr[j] = static_cast<std::byte*>(out[j]->data());
+  }
   auto& pool = ctx.device.threads();
   const std::int64_t chunks = (n + kFusionChunk - 1) / kFusionChunk;
   const std::int64_t tasks = std::max<std::int64_t>(1, std::min(chunks, task_count(pool, n, cost)));
-  std::shared_ptr<Buffer> scratch = per_task ? ctx.device.pool().acquire(per_task * static_cast<std::size_t>(tasks)) : nullptr;
+  std::shared_ptr<Buffer> scratch =
+      per_task ? ctx.device.pool().acquire(per_task * static_cast<std::size_t>(tasks)) : nullptr;
   const std::size_t partial_bytes = reduction ? reduction->partial_bytes() : 0;
   std::shared_ptr<Buffer> partials =
       reduction ? ctx.device.pool().acquire(padded_bytes(chunks, partial_bytes)) : nullptr;
+  // Whole outputs too large for the cache that no later member reads are streamed (as a
+  // single statement does): the cache keeps the chunk's inputs instead.
+  std::vector<std::uint8_t> stream(k, 0);
+  bool any_stream = false;
+  for (std::size_t j = 0; j < k; ++j) {
+    if (!out_ptr[j] || !mem[j].ew->can_stream() || mem[j].ew->layout().any_splat() ||
+        n * static_cast<std::int64_t>(mem[j].esz) < expr::kStreamingStoreBytes)
+      continue;
+    bool read_later = false;
+    for (std::size_t i = j + 1; i < k; ++i)
+      for (std::size_t q = 0; q < mem[i].num_in; ++q)
+        read_later = read_later || in[mem[i].first_in + q].src == static_cast<std::int32_t>(j);
+    stream[j] = read_later ? 0 : 1;
+    any_stream = any_stream || !read_later;
+  }
   pool.parallel_for(tasks, [&](std::int64_t t) {
     auto [c0, c1] = task_range(chunks, tasks, t);
-    std::byte* mine = scratch ? static_cast<std::byte*>(scratch->data()) + per_task * static_cast<std::size_t>(t) : nullptr;
-    std::vector<const void*> ptrs;
+    std::byte* mine =
+        scratch ? static_cast<std::byte*>(scratch->data()) + per_task * static_cast<std::size_t>(t)
+                : nullptr;
+    std::vector<const void*> ptrs(max_in);
+    // Points ptrs at member m's inputs for the chunk starting at element `ub`.
+    auto point = [&](const Member& m, std::size_t ub) {
+      for (std::size_t q = 0; q < m.num_in; ++q) {
+        const Input& x = in[m.first_in + q];
+        if (x.src < 0) {
+          ptrs[q] = x.base + ub * x.esz;
+        } else {
+          const auto p = static_cast<std::size_t>(x.src);
+          ptrs[q] = out_ptr[p] ? out_ptr[p] + ub * mem[p].esz : mine + mem[p].scratch_off;
+        }
+      }
+    };
     for (std::int64_t c = c0; c < c1; ++c) {
       const std::int64_t b = c * kFusionChunk, len = std::min(kFusionChunk, n - b);
+      const auto ub = static_cast<std::size_t>(b);
       for (std::size_t j = 0; j < k; ++j) {
-        const auto& src = st.sources[j];
-        ptrs.resize(src.size());
-        for (std::size_t q = 0; q < src.size(); ++q) {
-          const std::int32_t p = src[q];
-          if (p < 0) {
-            ptrs[q] = base[j][q] + static_cast<std::size_t>(b) * in_esz[j][q];
-          } else {
-            const auto pu = static_cast<std::size_t>(p);
-            ptrs[q] = st.whole[pu] ? static_cast<const std::byte*>(out[pu]->data()) + static_cast<std::size_t>(b) * esz[pu]
-                                   : mine + scratch_off[pu];
-          }
-        }
-        if (!ew[j]) {
-          reduction->reduce_chunk(ptrs.data(), len, static_cast<std::byte*>(partials->data()) + static_cast<std::size_t>(c) * partial_bytes);
-          continue;
-        }
-        void* o = st.whole[j] ? static_cast<std::byte*>(out[j]->data()) + static_cast<std::size_t>(b) * esz[j]
-                              : static_cast<void*>(mine + scratch_off[j]);
-        const auto& layout = ew[j]->layout();
-        ew[j]->kernel().flat(ptrs.data(), layout.splat.data(), o, 0, len, !layout.any_splat(), false);
+        const Member& m = mem[j];
+        if (!m.ew) continue;
+        point(m, ub);
+        void* o = out_ptr[j] ? static_cast<void*>(out_ptr[j] + ub * m.esz)
+                             : static_cast<void*>(mine + m.scratch_off);
+        const auto& layout = m.ew->layout();
+        m.ew->kernel().flat(ptrs.data(), layout.splat.data(), o, 0, len, !layout.any_splat(),
+                            stream[j] != 0);
+      }
+      if (reduction) {  // the last member, over the whole chunk: one partial, as unfused
+        point(mem[k - 1], ub);
+        reduction->reduce_chunk(ptrs.data(), len,
+                                static_cast<std::byte*>(partials->data()) +
+                                    static_cast<std::size_t>(c) * partial_bytes);
       }
     }
+    if (any_stream) expr::store_fence();
   });
   for (std::size_t j = 0; j < k; ++j) {
-    if (ew[j]) members[j]->finish_with(std::move(out[j]));
-    else reduction->finish_partials(ctx, partials->data(), chunks);
+    if (mem[j].ew)
+      members[j]->finish_with(std::move(out[j]));
+    else
+      reduction->finish_partials(ctx, partials->data(), chunks);
   }
 }
 
@@ -4176,7 +4372,9 @@ inline std::vector<NodePtr> collect_step(Device& dev) {
 
 /// Runs a step: plans the collected nodes now (overlapping the previous step's
 /// execution), waits for the previous step, then hands the plan to the executor thread
-/// (or, with async off, runs it here). Errors of an asynchronous step are stored.
+/// (or, with async off, runs it here). Errors of an asynchronous step are stored. A step
+/// cheaper than the hand-off (kInlineStepWork) runs here too, its errors stored as if it
+/// had run on the executor.
 inline void run_step(Device& dev, std::vector<NodePtr> nodes) {
   if (nodes.empty()) return;
   prepare(nodes);
@@ -4185,6 +4383,14 @@ inline void run_step(Device& dev, std::vector<NodePtr> nodes) {
   for (auto& n : nodes) n->set_state(Node::State::Queued);
   if (!dev.async()) {
     run_plan(dev, *plan, nodes);
+    return;
+  }
+  if (plan->work < kInlineStepWork) {
+    try {
+      run_plan(dev, *plan, nodes);
+    } catch (...) {
+      dev.store_error(std::current_exception());
+    }
     return;
   }
   dev.enqueue([&dev, plan, nodes = std::move(nodes)]() mutable {
@@ -8448,6 +8654,16 @@ inline void flush_pending() {
   if (graph::NodePtr n = pending_predecessor()) graph::materialize(n);
 }
 
+/// A replica's exit: runs its pending collectives, waits for its device's steps and
+/// re-throws an error one of them stored, so that no failure (a collective mismatch seen by
+/// a step that ran inline or on the executor) ends unseen with its replica.
+inline void finish_replica() {
+  flush_pending();
+  graph::Device& dev = graph::current_device();
+  dev.wait_idle();
+  dev.rethrow_stored_error();
+}
+
 }  // namespace lazy::dist::detail
 // ---- end lazytensor/dist/context.hpp ----
 
@@ -10613,7 +10829,7 @@ void run_replica(const std::shared_ptr<World>& world, int local, Body& body) {
   current_context() = &ctx;
   try {
     body(local);
-    flush_pending();
+    finish_replica();
   } catch (...) {
     world->state().fail(ctx.ordinal, std::current_exception());
   }
@@ -12777,9 +12993,17 @@ Tensor<T> permute_impl(const Tensor<T>& t, std::vector<int> perm, const char* op
   }
   std::vector<int> inverse(perm.size());
   for (std::size_t i = 0; i < perm.size(); ++i) inverse[static_cast<std::size_t>(perm[i])] = static_cast<int>(i);
-  Tensor<T> r = perm == graph::TransposeNode::last_two(static_cast<int>(perm.size()))
-                    ? Tensor<T>(graph::submit(std::make_shared<graph::TransposeNode>(n)))
-                    : Tensor<T>(graph::submit(std::make_shared<graph::PermuteNode>(n, std::move(perm), op)));
+  const bool swap_last_two = perm == graph::TransposeNode::last_two(static_cast<int>(perm.size()));
+  graph::NodePtr source;  // transpose(transpose(s)) is s: no node, no copy
+  if (swap_last_two && n->pending()) {
+    if (auto* tr = dynamic_cast<graph::TransposeOfLastTwo*>(n.get()))
+      source = tr->transpose_source();
+  }
+  Tensor<T> r =
+      source ? Tensor<T>(source)
+      : swap_last_two
+          ? Tensor<T>(graph::submit(std::make_shared<graph::TransposeNode>(n)))
+          : Tensor<T>(graph::submit(std::make_shared<graph::PermuteNode>(n, std::move(perm), op)));
   autograd::record(r, "PermuteBackward0", {autograd::edge_of(t.impl())}, [inverse](const Tensor<T>& g) {
     return std::vector<graph::NodePtr>{permute_impl(g, inverse, "permute").node()};
   });
@@ -14817,12 +15041,12 @@ class GemmNode final : public Node, public RowProducer {
   }
 
   /// Rows per GEMM call: Eigen's blocking (and so the order of the k-sums) depends on the
-  /// rows of a call, so blocks are fixed by the shapes alone. 64 rows keep an output block
-  /// in L2 for the epilogue and re-pack the right-hand side once per 64 rows; a small
-  /// product is one block.
+  /// rows of a call, so blocks are fixed by the shapes alone. Each call re-packs the
+  /// right-hand side, so blocks are as tall as the epilogue's cache allows: 128 rows (a
+  /// 128 x 256 float block is 128 KiB, in L2); a small product is one block.
   std::int64_t row_block() const override {
     const std::int64_t rows = m_ * std::max(batch_a_, batch_b_);
-    return rows * n_ * k_ <= (std::int64_t(1) << 16) ? std::max<std::int64_t>(rows, 1) : 64;
+    return rows * n_ * k_ <= (std::int64_t(1) << 16) ? std::max<std::int64_t>(rows, 1) : 128;
   }
 
   void produce_rows(void* out, std::int64_t r0, std::int64_t r1) override {
@@ -14913,14 +15137,19 @@ Tensor<T> gemm(const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std
 /// Backward of C[b] = A[b] B[b] with A viewed as [batch_a, m, k], B as [batch_b, k, n] (a
 /// batch of 1 broadcasts): dA = dC B^T, dB = A^T dC, summed over broadcast batches. When a
 /// side is shared by every batch, the batches are stacked into one GEMM instead.
+/// `b_transposed`: B is the transpose of a stored [n, k] matrix (linear's weight), so dB is
+/// computed as dB^T = dC^T A in that matrix's layout; the transpose's own backward then
+/// folds away (transpose of a transpose) instead of copying the gradient.
 template <Element T>
-void record_gemm(Tensor<T>& c, const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std::int64_t batch_b,
-                 std::int64_t m, std::int64_t k, std::int64_t n) {
+void record_gemm(Tensor<T>& c, const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a,
+                 std::int64_t batch_b, std::int64_t m, std::int64_t k, std::int64_t n,
+                 bool b_transposed) {
   auto ea = autograd::edge_of(a.impl()), eb = autograd::edge_of(b.impl());
   if (!ea && !eb) return;
   autograd::record(c, "MmBackward0", {ea, eb},
-                   [a = a.detach(), b = b.detach(), batch_a, batch_b, m, k, n, need_a = ea != nullptr,
-                    need_b = eb != nullptr](const Tensor<T>& g) {
+                   [a = a.detach(), b = b.detach(), batch_a, batch_b, m, k, n,
+                    need_a = ea != nullptr, need_b = eb != nullptr,
+                    b_transposed](const Tensor<T>& g) {
                      const std::int64_t B = std::max(batch_a, batch_b);
                      std::vector<graph::NodePtr> grads(2);
                      if (need_a) {
@@ -14932,7 +15161,12 @@ void record_gemm(Tensor<T>& c, const Tensor<T>& a, const Tensor<T>& b, std::int6
                      }
                      if (need_b) {
                        Tensor<T> db;
-                       if (batch_a == 1) {  // A shared: dB[b] = A^T dC[b]
+                       if (batch_b == 1 && b_transposed) {  // dB^T = dC^T A over the stacked rows
+                         db = transpose(
+                             gemm(transpose(reshape(g, Shape{B * m, n}), 0, 1),
+                                  reshape(a, Shape{B * m, k}), 1, 1, n, B * m, k, Shape{n, k}),
+                             0, 1);
+                       } else if (batch_a == 1) {  // A shared: dB[b] = A^T dC[b]
                          db = gemm(transpose(reshape(a, Shape{m, k}), 0, 1), g, 1, B, k, m, n, Shape{B, k, n});
                        } else if (batch_b == 1) {  // B shared: one GEMM over the stacked batches
                          db = gemm(transpose(reshape(a, Shape{B * m, k}), 0, 1), reshape(g, Shape{B * m, n}), 1, 1, k,
@@ -14954,7 +15188,7 @@ Tensor<T> gemm(const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std
   graph::Device& dev = graph::common_device({oa.node, ob.node}, "matmul");
   Tensor<T> c(graph::submit(std::make_shared<graph::GemmNode<T>>(oa, ob, batch_a, batch_b, m, k, n, out, &dev)));
   if constexpr (is_floating_v<T>) {
-    if (autograd::is_grad_enabled()) record_gemm(c, a, b, batch_a, batch_b, m, k, n);
+    if (autograd::is_grad_enabled()) record_gemm(c, a, b, batch_a, batch_b, m, k, n, ob.transposed);
   }
   return c;
 }
