@@ -391,6 +391,16 @@ inline std::vector<NodePtr> collect_step(Device& dev) {
   return run;
 }
 
+/// run_plan for a step nobody waits on: its error is stored on the device, to surface at
+/// the next read or sync.
+inline void run_plan_storing_error(Device& dev, const Plan& plan, std::vector<NodePtr>& nodes) {
+  try {
+    run_plan(dev, plan, nodes);
+  } catch (...) {
+    dev.store_error(std::current_exception());
+  }
+}
+
 /// Runs a step: plans the collected nodes now (overlapping the previous step's
 /// execution), waits for the previous step, then hands the plan to the executor thread
 /// (or, with async off, runs it here). Errors of an asynchronous step are stored. A step
@@ -407,19 +417,11 @@ inline void run_step(Device& dev, std::vector<NodePtr> nodes) {
     return;
   }
   if (plan->work < kInlineStepWork) {
-    try {
-      run_plan(dev, *plan, nodes);
-    } catch (...) {
-      dev.store_error(std::current_exception());
-    }
+    run_plan_storing_error(dev, *plan, nodes);
     return;
   }
   dev.enqueue([&dev, plan, nodes = std::move(nodes)]() mutable {
-    try {
-      run_plan(dev, *plan, nodes);
-    } catch (...) {
-      dev.store_error(std::current_exception());
-    }
+    run_plan_storing_error(dev, *plan, nodes);
   });
 }
 
