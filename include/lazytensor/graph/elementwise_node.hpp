@@ -35,6 +35,23 @@ class RowProducer {
   virtual void produce_rows(void* out, std::int64_t r0, std::int64_t r1) = 0;
   /// The rows one block holds (callers split on multiples of it to avoid partial blocks).
   virtual std::int64_t row_block() const = 0;
+  /// Called once on the executing thread before any produce_rows of a step (the producer
+  /// may prepare shared state there, using the device's threads) ...
+  virtual void begin_rows(ExecContext& ctx) { (void)ctx; }
+  /// ... and once after the last one.
+  virtual void end_rows() {}
+
+  /// begin_rows / end_rows around a scope, end_rows also when the scope throws.
+  class Session {
+   public:
+    Session(RowProducer& p, ExecContext& ctx) : p_(p) { p_.begin_rows(ctx); }
+    ~Session() { p_.end_rows(); }
+    Session(const Session&) = delete;
+    Session& operator=(const Session&) = delete;
+
+   private:
+    RowProducer& p_;
+  };
 };
 
 /// The per-expression part of an element-wise kernel: its loops.
@@ -205,6 +222,7 @@ class ElementwiseNode final : public Node {
     const std::int64_t blocks = (rows + block - 1) / block;
     const std::int64_t tasks = std::min(blocks, std::max<std::int64_t>(1, task_count(pool, numel(), producer_cost())));
     const bool contig = !layout_.any_splat();
+    RowProducer::Session session(*producer, ctx);
     pool.parallel_for(tasks, [&](std::int64_t t) {
       auto [b0, b1] = task_range(blocks, tasks, t);
       for (std::int64_t b = b0; b < b1; ++b) {

@@ -1,12 +1,17 @@
 #pragma once
-// matmul, linear, bmm: Eigen GEMM on maps of the buffers. Transposes are layouts (a pending
-// transpose of the last two dims is read through, never copied), and a GEMM that feeds
-// only an element-wise expression runs in row blocks with that expression applied to each
-// block while it is in cache (see ElementwiseNode::fuse_producers).
+// matmul, linear, bmm: the packed GEMM kernel (ops/gemm_kernel.hpp) for float and double
+// products of at least a register tile, Eigen GEMM on maps of the buffers otherwise.
+// Transposes are layouts (a pending transpose of the last two dims is read through, never
+// copied), and a GEMM that feeds only an element-wise expression runs in row blocks with
+// that expression applied to each block while it is in cache (see
+// ElementwiseNode::fuse_producers).
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
+#include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <Eigen/Core>
@@ -14,6 +19,7 @@
 #include <lazytensor/autograd/record.hpp>
 #include <lazytensor/graph/elementwise_node.hpp>
 #include <lazytensor/graph/transpose_hint.hpp>
+#include <lazytensor/ops/gemm_kernel.hpp>
 #include <lazytensor/ops/reduction.hpp>
 #include <lazytensor/ops/shape.hpp>
 #include <lazytensor/tensor.hpp>
@@ -47,27 +53,65 @@ class GemmNode final : public Node, public RowProducer {
     return hash_combine(Node::structural_hash(), (ta_ ? 1u : 0u) | (tb_ ? 2u : 0u));
   }
 
-  /// Rows per GEMM call: Eigen's blocking (and so the order of the k-sums) depends on the
-  /// rows of a call, so blocks are fixed by the shapes alone. Each call re-packs the
-  /// right-hand side, so blocks are as tall as the epilogue's cache allows: 128 rows (a
-  /// 128 x 256 float block is 128 KiB, in L2); a small product is one block.
+  /// Rows per block. Eigen's blocking (and so the order of its k-sums) depends on the rows
+  /// of a call, so blocks are fixed by the shapes alone; each Eigen call re-packs the
+  /// right-hand side, so its blocks are as tall as the epilogue's cache allows (128 rows).
+  /// The packed kernel's sums do not depend on the blocks and it packs the right-hand side
+  /// once, so its blocks are shorter (64 rows: even splits of common batches over threads).
+  /// A small product is one block.
   std::int64_t row_block() const override {
     const std::int64_t rows = m_ * std::max(batch_a_, batch_b_);
-    return rows * n_ * k_ <= (std::int64_t(1) << 16) ? std::max<std::int64_t>(rows, 1) : 128;
+    if (rows * n_ * k_ <= (std::int64_t(1) << 16)) return std::max<std::int64_t>(rows, 1);
+    return packed() ? 64 : 128;
   }
+
+  /// Packs the right-hand side of every batch for the packed kernel (nothing for Eigen).
+  void begin_rows(ExecContext& ctx) override {
+    if (!packed()) return;
+    if constexpr (kHasPackedKernel) {
+      const std::int64_t size = Kernel::packed_size(k_, n_);
+      const std::int64_t panels = (n_ + Kernel::kTileCols - 1) / Kernel::kTileCols,
+                         jobs = batch_b_ * panels;
+      packed_b_ = ctx.device.pool().acquire(padded_bytes(batch_b_ * size, sizeof(T)));
+      T* out = static_cast<T*>(packed_b_->data());
+      const T* b = inputs()[1]->template data<T>();
+      auto& pool = ctx.device.threads();
+      const std::int64_t tasks = std::min(jobs, task_count(pool, batch_b_ * k_ * n_, 1.0));
+      pool.parallel_for(tasks, [&](std::int64_t t) {
+        auto [q0, q1] = task_range(jobs, tasks, t);
+        for (std::int64_t q = q0; q < q1; ++q) {
+          const std::int64_t bi = q / panels, p = q % panels;
+          Kernel::pack_b(b + bi * k_ * n_, tb_, k_, n_, out + bi * size, p, p + 1);
+        }
+      });
+    }
+  }
+  void end_rows() override { packed_b_.reset(); }
 
   void produce_rows(void* out, std::int64_t r0, std::int64_t r1) override {
     T* c = static_cast<T*>(out);
     const T* a = inputs()[0]->template data<T>();
     const T* b = inputs()[1]->template data<T>();
     const std::int64_t block = row_block();
+    const bool use_packed = packed();
+    if (use_packed && !packed_b_)
+      throw std::logic_error("matmul: rows produced outside begin_rows/end_rows");
     // Rows of the output run over (batch, m); a range may span several batches. Calls are
     // cut at block boundaries and batch ends only (see row_block).
     while (r0 < r1) {
       const std::int64_t bi = r0 / m_, row = r0 % m_;
       const std::int64_t rows = std::min({r1 - r0, m_ - row, (r0 / block + 1) * block - r0});
-      gemm_block(a + (batch_a_ == 1 ? 0 : bi) * m_ * k_, b + (batch_b_ == 1 ? 0 : bi) * k_ * n_,
-                 c + r0 * n_, row, rows);
+      const T* ab = a + (batch_a_ == 1 ? 0 : bi) * m_ * k_;
+      if constexpr (kHasPackedKernel) {
+        if (use_packed) {
+          const T* pb = static_cast<const T*>(packed_b_->data()) +
+                        (batch_b_ == 1 ? 0 : bi) * Kernel::packed_size(k_, n_);
+          Kernel::multiply(ab, ta_, m_, k_, n_, pb, c + r0 * n_, row, rows);
+          r0 += rows;
+          continue;
+        }
+      }
+      gemm_block(ab, b + (batch_b_ == 1 ? 0 : bi) * k_ * n_, c + r0 * n_, row, rows);
       r0 += rows;
     }
   }
@@ -91,14 +135,28 @@ class GemmNode final : public Node, public RowProducer {
     const std::int64_t tasks =
         std::max<std::int64_t>(1, std::min<std::int64_t>(task_count(pool, rows * n_, cost_per_element()), blocks));
     void* out = buf->data();
-    pool.parallel_for(tasks, [&](std::int64_t t) {
-      auto [b0, b1] = task_range(blocks, tasks, t);
-      produce_rows(out, b0 * block, std::min(rows, b1 * block));
-    });
+    {
+      RowProducer::Session session(*this, ctx);
+      pool.parallel_for(tasks, [&](std::int64_t t) {
+        auto [b0, b1] = task_range(blocks, tasks, t);
+        produce_rows(out, b0 * block, std::min(rows, b1 * block));
+      });
+    }
     set_buffer(std::move(buf));
   }
 
  private:
+  static constexpr bool kHasPackedKernel = std::is_same_v<T, float> || std::is_same_v<T, double>;
+  using Kernel = lazy::detail::PackedGemm<std::conditional_t<kHasPackedKernel, T, float>>;
+
+  /// True when this product runs on the packed kernel (decided by dtype and shapes only).
+  bool packed() const {
+    if constexpr (kHasPackedKernel)
+      return k_ > 0 && Kernel::suits(m_ * std::max(batch_a_, batch_b_), n_);
+    else
+      return false;
+  }
+
   using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   using CMap = Eigen::Map<const Mat>;
 
@@ -119,6 +177,7 @@ class GemmNode final : public Node, public RowProducer {
 
   bool ta_, tb_;
   std::int64_t batch_a_, batch_b_, m_, k_, n_;
+  std::shared_ptr<Buffer> packed_b_;  ///< op(B) packed, between begin_rows and end_rows
 };
 
 }  // namespace graph

@@ -1,0 +1,245 @@
+#pragma once
+// The packed GEMM for float and double: the right-hand side is packed once per product
+// into panels two SIMD registers wide and shared by every row block and thread; each row
+// block packs a few rows of the left-hand side at a time and runs a register-tiled
+// micro-kernel over all panels. Eigen's GEMM (the other dtypes, thin products) re-packs
+// the right-hand side on every call and, on the AVX-512 machine we measure, runs at 60-70%
+// of this kernel's rate (docs/architecture.md, "GEMM").
+//
+// Determinism: every output element is one FMA chain over k in order, split at depth
+// blocks fixed by k alone, so the bits depend on the shapes only (not on row blocks,
+// threads or which tile an element falls in).
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <xsimd/xsimd.hpp>
+
+// Full unrolling keeps the accumulator tile in registers at -O2 too.
+#if defined(__clang__)
+#define LAZYTENSOR_UNROLL _Pragma("unroll")
+#elif defined(__GNUC__)
+#define LAZYTENSOR_UNROLL _Pragma("GCC unroll 16")
+#else
+#define LAZYTENSOR_UNROLL
+#endif
+
+namespace lazy::detail {
+
+/// Packed GEMM kernel for T = float or double (see the file comment).
+template <class T>
+struct PackedGemm {
+  using batch = xsimd::batch<T>;
+  static constexpr int kLanes = static_cast<int>(batch::size);
+  /// Rows of the register tile: 8 x 2 accumulators need the 32 registers of AVX-512;
+  /// 16-register instruction sets (SSE2, AVX2) take 4 x 2.
+  static constexpr int kTileRows = XSIMD_WITH_AVX512F ? 8 : 4;
+  /// Columns of the register tile (and of a packed panel): two registers.
+  static constexpr int kTileCols = 2 * kLanes;
+
+  /// True when the shapes suit the kernel: narrower or shorter products waste most of a
+  /// tile on padding and go to Eigen (a decision made from the shapes alone).
+  static bool suits(std::int64_t rows, std::int64_t n) { return n >= kLanes && rows >= kTileRows; }
+
+  /// Depth of one pass over k: short enough that a packed row panel stays in L1.
+  static std::int64_t depth_block(std::int64_t k) { return k <= 1024 ? k : 512; }
+
+  /// Elements of op(B) packed (k x n, columns padded to whole panels).
+  static std::int64_t packed_size(std::int64_t k, std::int64_t n) {
+    return k * ((n + kTileCols - 1) / kTileCols) * kTileCols;
+  }
+
+  /// Packs panels [p0, p1) of op(B) (k x n; stored k x n, or n x k when `transposed`) into
+  /// `out` (packed_size elements, aligned): panel p holds columns [p*kTileCols, ...) as k
+  /// rows of kTileCols contiguous values, zero past n.
+  static void pack_b(const T* b, bool transposed, std::int64_t k, std::int64_t n, T* out,
+                     std::int64_t p0, std::int64_t p1) {
+    for (std::int64_t p = p0; p < p1; ++p) {
+      const std::int64_t j0 = p * kTileCols, cols = std::min<std::int64_t>(kTileCols, n - j0);
+      T* dst = out + p * k * kTileCols;
+      if (!transposed) {
+        for (std::int64_t kk = 0; kk < k; ++kk) {
+          const T* src = b + kk * n + j0;
+          T* row = dst + kk * kTileCols;
+          if (cols == kTileCols) {  // a whole panel row: two registers, no call
+            batch::load_unaligned(src).store_aligned(row);
+            batch::load_unaligned(src + kLanes).store_aligned(row + kLanes);
+            continue;
+          }
+          for (std::int64_t j = 0; j < kTileCols; ++j) row[j] = j < cols ? src[j] : T(0);
+        }
+        continue;
+      }
+      // Stored [n, k]: 16 k-values of each column at a time, so each source line is read
+      // once while the destination rows are still in cache (16 x 16 register transposes
+      // where available).
+      for (std::int64_t k0 = 0; k0 < k; k0 += 16) {
+        const std::int64_t k1 = std::min<std::int64_t>(k, k0 + 16);
+        if (transpose_16x16(b + j0 * k + k0, k, dst + k0 * kTileCols, cols, k1 - k0)) continue;
+        for (std::int64_t j = 0; j < kTileCols; ++j) {
+          if (j < cols) {
+            const T* src = b + (j0 + j) * k;
+            for (std::int64_t kk = k0; kk < k1; ++kk) dst[kk * kTileCols + j] = src[kk];
+          } else {
+            for (std::int64_t kk = k0; kk < k1; ++kk) dst[kk * kTileCols + j] = T(0);
+          }
+        }
+      }
+    }
+  }
+
+  /// Rows [r0, r0 + rows) of op(A) * op(B) into c (row-major, n columns, already offset
+  /// to row r0). op(A) is m x k, stored m x k or, when `a_transposed`, k x m. `packed_b`
+  /// comes from pack_b.
+  static void multiply(const T* a, bool a_transposed, std::int64_t m, std::int64_t k,
+                       std::int64_t n, const T* packed_b, T* c, std::int64_t r0,
+                       std::int64_t rows) {
+    const std::int64_t kc = depth_block(k), panels = (n + kTileCols - 1) / kTileCols;
+    const std::int64_t tiles = (rows + kTileRows - 1) / kTileRows;
+    alignas(64) T tile[kTileRows * kTileCols] = {};
+    thread_local std::vector<T, xsimd::aligned_allocator<T, 64>> packed_a;
+    if (static_cast<std::int64_t>(packed_a.size()) < tiles * kTileRows * kc)
+      packed_a.resize(tiles * kTileRows * kc);
+    for (std::int64_t k0 = 0; k0 < k; k0 += kc) {
+      const std::int64_t kb = std::min(kc, k - k0);
+      const bool accumulate = k0 > 0;
+      // All rows of the block packed first; then each panel of op(B) (k x 2 registers) is
+      // loaded into L2 once and used by every tile of rows, instead of all of op(B) once
+      // per tile.
+      for (std::int64_t t = 0; t < tiles; ++t)
+        pack_a(a, a_transposed, m, k, r0 + t * kTileRows,
+               std::min<std::int64_t>(kTileRows, rows - t * kTileRows), k0, kb,
+               packed_a.data() + t * kTileRows * kb);
+      for (std::int64_t p = 0; p < panels; ++p) {
+        const std::int64_t j0 = p * kTileCols, tc = std::min<std::int64_t>(kTileCols, n - j0);
+        const T* bp = packed_b + p * k * kTileCols + k0 * kTileCols;
+        for (std::int64_t t = 0; t < tiles; ++t) {
+          const std::int64_t i0 = t * kTileRows, tr = std::min<std::int64_t>(kTileRows, rows - i0);
+          const T* ap = packed_a.data() + t * kTileRows * kb;
+          T* cp = c + i0 * n + j0;
+          if (tr == kTileRows && tc == kTileCols) {
+            micro(ap, bp, kb, cp, n, accumulate);
+            continue;
+          }
+          // An edge tile runs the same arithmetic on a full tile in registers' image.
+          if (accumulate)
+            for (std::int64_t i = 0; i < tr; ++i) std::copy_n(cp + i * n, tc, tile + i * kTileCols);
+          micro(ap, bp, kb, tile, kTileCols, accumulate);
+          for (std::int64_t i = 0; i < tr; ++i) std::copy_n(tile + i * kTileCols, tc, cp + i * n);
+        }
+      }
+    }
+  }
+
+ private:
+  // dst[kk * kTileCols + j] = src[j * ld + kk] for a whole panel (cols == kTileCols = 32)
+  // and 16 k-values, with AVX-512 float registers; false (nothing written) otherwise.
+  static bool transpose_16x16([[maybe_unused]] const T* src, [[maybe_unused]] std::int64_t ld,
+                              [[maybe_unused]] T* dst, std::int64_t cols, std::int64_t depth) {
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, float> && kTileCols == 32) {
+      if (cols != kTileCols || depth != 16) return false;
+      for (int half = 0; half < 2; ++half) {
+        __m512 r[16], t[16];
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + (half * 16 + i) * ld);
+        // Pairs of rows interleaved, then pairs of pairs: lane L of u[4i + q] then holds
+        // column 4L + q of rows 4i .. 4i + 3.
+        for (int i = 0; i < 8; ++i) {
+          t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+          t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+        }
+        auto pd = [](__m512 x) { return _mm512_castps_pd(x); };
+        for (int i = 0; i < 4; ++i) {
+          r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
+          r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
+          r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
+          r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
+        }
+        // Gather lane L of the four row groups into output row 4L + q.
+        for (int q = 0; q < 4; ++q) {
+          const __m512 v0 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0x88),
+                       w0 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0xDD);
+          const __m512 v1 = _mm512_shuffle_f32x4(r[8 + q], r[12 + q], 0x88),
+                       w1 = _mm512_shuffle_f32x4(r[8 + q], r[12 + q], 0xDD);
+          _mm512_store_ps(dst + (0 + q) * kTileCols + half * 16,
+                          _mm512_shuffle_f32x4(v0, v1, 0x88));
+          _mm512_store_ps(dst + (8 + q) * kTileCols + half * 16,
+                          _mm512_shuffle_f32x4(v0, v1, 0xDD));
+          _mm512_store_ps(dst + (4 + q) * kTileCols + half * 16,
+                          _mm512_shuffle_f32x4(w0, w1, 0x88));
+          _mm512_store_ps(dst + (12 + q) * kTileCols + half * 16,
+                          _mm512_shuffle_f32x4(w0, w1, 0xDD));
+        }
+      }
+      return true;
+    }
+#endif
+    (void)cols;
+    (void)depth;
+    return false;
+  }
+
+  // Rows [row, row + tr) and depth [k0, k0 + kb) of op(A), k-major in tiles of kTileRows
+  // (zero past tr).
+  static void pack_a(const T* a, bool transposed, std::int64_t m, std::int64_t k, std::int64_t row,
+                     std::int64_t tr, std::int64_t k0, std::int64_t kb, T* out) {
+    if (transposed) {
+      for (std::int64_t kk = 0; kk < kb; ++kk) {
+        const T* src = a + (k0 + kk) * m + row;
+        T* dst = out + kk * kTileRows;
+        std::copy_n(src, tr, dst);
+        std::fill(dst + tr, dst + kTileRows, T(0));
+      }
+      return;
+    }
+    for (std::int64_t i = 0; i < kTileRows; ++i) {
+      if (i < tr) {
+        const T* src = a + (row + i) * k + k0;
+        for (std::int64_t kk = 0; kk < kb; ++kk) out[kk * kTileRows + i] = src[kk];
+      } else {
+        for (std::int64_t kk = 0; kk < kb; ++kk) out[kk * kTileRows + i] = T(0);
+      }
+    }
+  }
+
+  // One kTileRows x kTileCols tile: c (row stride ldc) = [c +] ap * bp over kb.
+  static void micro(const T* __restrict ap, const T* __restrict bp, std::int64_t kb, T* c,
+                    std::int64_t ldc, bool accumulate) {
+    batch acc[kTileRows][2];
+    LAZYTENSOR_UNROLL
+    for (int i = 0; i < kTileRows; ++i) {
+      if (accumulate) {
+        acc[i][0] = batch::load_unaligned(c + i * ldc);
+        acc[i][1] = batch::load_unaligned(c + i * ldc + kLanes);
+      } else {
+        acc[i][0] = batch(T(0));
+        acc[i][1] = batch(T(0));
+      }
+    }
+    for (std::int64_t kk = 0; kk < kb; ++kk) {
+      const batch b0 = batch::load_aligned(bp + kk * kTileCols);
+      const batch b1 = batch::load_aligned(bp + kk * kTileCols + kLanes);
+      LAZYTENSOR_UNROLL
+      for (int i = 0; i < kTileRows; ++i) {
+        const batch av(ap[kk * kTileRows + i]);
+        acc[i][0] = xsimd::fma(av, b0, acc[i][0]);
+        acc[i][1] = xsimd::fma(av, b1, acc[i][1]);
+      }
+    }
+    LAZYTENSOR_UNROLL
+    for (int i = 0; i < kTileRows; ++i) {
+      acc[i][0].store_unaligned(c + i * ldc);
+      acc[i][1].store_unaligned(c + i * ldc + kLanes);
+    }
+  }
+};
+
+}  // namespace lazy::detail
+
+#undef LAZYTENSOR_UNROLL
