@@ -2793,9 +2793,11 @@ class Device {
   }
 
   /// Registers a handle, so mark_step can find the pending values that are still wanted
-  /// (once per handle; it leaves the registry when destroyed).
+  /// (once per handle; it leaves the registry when destroyed). A handle registered with
+  /// another device moves here (a module moved by to(device)).
   void register_handle(const std::shared_ptr<TensorImpl>& impl) {
-    if (impl->registry) return;
+    if (impl->registry == handles_) return;
+    if (impl->registry) impl->registry->remove(impl.get());
     impl->registry = handles_;
     handles_->add(impl.get());
   }
@@ -2976,6 +2978,15 @@ inline int& current_device_index() {
 
 /// This thread's current device.
 inline Device& current_device() { return DeviceRegistry::get().device(current_device_index()); }
+
+/// Points an existing handle at `node` (a parameter moved or reloaded in place); the
+/// handle's registration follows the node's device, so that device's mark_step sees the
+/// handle's later pending values.
+inline void rebind(const std::shared_ptr<TensorImpl>& impl, NodePtr node) {
+  Device* dev = node->device();
+  impl->node = std::move(node);
+  dev->register_handle(impl);
+}
 
 inline std::shared_ptr<Buffer> Node::allocate_output(ExecContext& ctx, bool allow_donation) {
   if (allow_donation) {
@@ -14326,7 +14337,8 @@ class Module : public std::enable_shared_from_this<Module> {
     }
     for (auto& [impl, src] : plan) {
       const Device here(impl->node->device()->index());
-      impl->node = src.device() == here ? src.impl()->node : on_device(src, here).impl()->node;
+      graph::rebind(impl,
+                    src.device() == here ? src.impl()->node : on_device(src, here).impl()->node);
     }
   }
 
@@ -14344,12 +14356,12 @@ class Module : public std::enable_shared_from_this<Module> {
   void to(const Device& dev) {
     for (auto& [n, p] : named_parameters()) {
       if (p.device() == dev) continue;
-      p.impl()->node = p.detach().to(dev).node();
+      graph::rebind(p.impl(), p.detach().to(dev).node());
       p.set_grad(Tensor<float>());
     }
     for (auto& [n, b] : named_buffers()) {
       if (b.device() == dev) continue;
-      b.impl()->node = on_device(b, dev).impl()->node;
+      graph::rebind(b.impl(), on_device(b, dev).impl()->node);
     }
   }
 

@@ -99,6 +99,28 @@ TEST(Module, TrainEvalZeroGradAndTo) {
   net.to(lazy::Device(0));
 }
 
+TEST(Module, MovedParametersAreStepRootsOnTheirNewDevice) {
+  // After to(device), a parameter's later updates are pending on the new device and that
+  // device's mark_step must materialize them (the handle is registered there now).
+  nn::Linear fc(3, 2);
+  const auto w = host(fc->weight);
+  fc->to(lazy::Device(1));
+  lazy::set_device(lazy::Device(1));
+  {
+    lazy::NoGradGuard no_grad;
+    fc->weight.add_(1.0f);
+  }
+  ASSERT_TRUE(fc->weight.node()->pending());
+  lazy::mark_step();
+  lazy::wait_device_ops();
+  EXPECT_FALSE(fc->weight.node()->pending())
+      << "device 1's mark_step did not see the moved parameter";
+  lazy::set_device(lazy::Device(0));
+  const auto after = host(fc->weight);
+  ASSERT_EQ(after.size(), w.size());
+  for (std::size_t i = 0; i < w.size(); ++i) EXPECT_EQ(after[i], w[i] + 1.0f);
+}
+
 TEST(Module, RegistrationErrors) {
   nn::Module m("M");
   m.register_parameter("w", lazy::zeros<float>({2}));

@@ -81,9 +81,11 @@ class Device {
   }
 
   /// Registers a handle, so mark_step can find the pending values that are still wanted
-  /// (once per handle; it leaves the registry when destroyed).
+  /// (once per handle; it leaves the registry when destroyed). A handle registered with
+  /// another device moves here (a module moved by to(device)).
   void register_handle(const std::shared_ptr<TensorImpl>& impl) {
-    if (impl->registry) return;
+    if (impl->registry == handles_) return;
+    if (impl->registry) impl->registry->remove(impl.get());
     impl->registry = handles_;
     handles_->add(impl.get());
   }
@@ -264,6 +266,15 @@ inline int& current_device_index() {
 
 /// This thread's current device.
 inline Device& current_device() { return DeviceRegistry::get().device(current_device_index()); }
+
+/// Points an existing handle at `node` (a parameter moved or reloaded in place); the
+/// handle's registration follows the node's device, so that device's mark_step sees the
+/// handle's later pending values.
+inline void rebind(const std::shared_ptr<TensorImpl>& impl, NodePtr node) {
+  Device* dev = node->device();
+  impl->node = std::move(node);
+  dev->register_handle(impl);
+}
 
 inline std::shared_ptr<Buffer> Node::allocate_output(ExecContext& ctx, bool allow_donation) {
   if (allow_donation) {

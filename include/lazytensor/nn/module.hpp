@@ -146,7 +146,8 @@ class Module : public std::enable_shared_from_this<Module> {
     }
     for (auto& [impl, src] : plan) {
       const Device here(impl->node->device()->index());
-      impl->node = src.device() == here ? src.impl()->node : on_device(src, here).impl()->node;
+      graph::rebind(impl,
+                    src.device() == here ? src.impl()->node : on_device(src, here).impl()->node);
     }
   }
 
@@ -164,12 +165,12 @@ class Module : public std::enable_shared_from_this<Module> {
   void to(const Device& dev) {
     for (auto& [n, p] : named_parameters()) {
       if (p.device() == dev) continue;
-      p.impl()->node = p.detach().to(dev).node();
+      graph::rebind(p.impl(), p.detach().to(dev).node());
       p.set_grad(Tensor<float>());
     }
     for (auto& [n, b] : named_buffers()) {
       if (b.device() == dev) continue;
-      b.impl()->node = on_device(b, dev).impl()->node;
+      graph::rebind(b.impl(), on_device(b, dev).impl()->node);
     }
   }
 
