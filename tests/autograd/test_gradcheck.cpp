@@ -24,6 +24,7 @@ TEST(GradElementwise, UnaryOps) {
   check("expm1", [](const V& v) { return Tensor<double>(lazy::expm1(v[0])); }, {x});
   check("sqrt", [](const V& v) { return Tensor<double>(lazy::sqrt(v[0])); }, {pos});
   check("rsqrt", [](const V& v) { return Tensor<double>(lazy::rsqrt(v[0])); }, {pos});
+  check("square", [](const V& v) { return Tensor<double>(lazy::square(v[0])); }, {x});
   check("abs", [](const V& v) { return Tensor<double>(lazy::abs(v[0])); }, {x});
   check("sin", [](const V& v) { return Tensor<double>(lazy::sin(v[0])); }, {x});
   check("cos", [](const V& v) { return Tensor<double>(lazy::cos(v[0])); }, {x});

@@ -385,6 +385,7 @@ struct Rsqrt {
   };
 
 UNARY_EXACT(Neg, "neg", -x, -x, not_bool<T>)
+UNARY_EXACT(Square, "square", lazy::square(x), x* x, not_bool<T>)
 UNARY_EXACT(Abs, "abs", lazy::abs(x), x < 0 ? -x : x, not_bool<T>)
 UNARY_EXACT(Sign, "sign", lazy::sign(x), static_cast<V>((x > 0) - (x < 0)), not_bool<T>)
 UNARY_EXACT(Relu, "relu", lazy::relu(x), x < 0 ? V(0) : x, not_bool<T>)

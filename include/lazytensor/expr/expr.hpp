@@ -256,6 +256,8 @@ LAZY_UNARY_FUNCTION(log1p, Log1p, Element-wise log(1 + x) accurate near 0.)
 LAZY_UNARY_FUNCTION(expm1, Expm1, Element-wise e^x - 1 accurate near 0.)
 LAZY_UNARY_FUNCTION(sqrt, Sqrt, Element-wise square root.)
 LAZY_UNARY_FUNCTION(rsqrt, Rsqrt, Element-wise 1 / sqrt(x).)
+LAZY_UNARY_NUMERIC_FUNCTION(square, Square,
+                            Element - wise x * x(torch.square; one load of x where x * x has two).)
 LAZY_UNARY_NUMERIC_FUNCTION(abs, Abs, Element-wise absolute value.)
 LAZY_UNARY_NUMERIC_FUNCTION(sign, Sign, Element-wise sign: -1 0 or 1.)
 LAZY_UNARY_FUNCTION(sin, Sin, Element-wise sine.)

@@ -129,6 +129,7 @@ LAZY_UNARY_OP(Expm1, "expm1", 10, (to_floating_t<T>), (return expm1(a);), (y + V
 LAZY_UNARY_OP(Sqrt, "sqrt", 4, (to_floating_t<T>), (return sqrt(a);), (V(0.5) / y))
 // Full-precision 1/sqrt: xsimd::rsqrt is an approximation on x86.
 LAZY_UNARY_OP(Rsqrt, "rsqrt", 5, (to_floating_t<T>), (return V(1) / sqrt(a);), (V(-0.5) * y * y * y))
+LAZY_UNARY_OP(Square, "square", 1, (T), (return a * a;), (V(2) * a))
 LAZY_UNARY_OP(Abs, "abs", 1, (T), (return abs(a);), (from_bool<V>(a > V(0)) - from_bool<V>(a < V(0))))
 LAZY_UNARY_OP(Sign, "sign", 2, (T), (return from_bool<V>(a > V(0)) - from_bool<V>(a < V(0));), (V(0)))
 LAZY_UNARY_OP(Sin, "sin", 10, (to_floating_t<T>), (return sin(a);), (cos(a)))
