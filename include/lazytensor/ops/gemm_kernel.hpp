@@ -193,8 +193,13 @@ struct PackedGemm {
       for (std::int64_t kk = 0; kk < kb; ++kk) {
         const T* src = a + (k0 + kk) * m + row;
         T* dst = out + kk * kTileRows;
-        std::copy_n(src, tr, dst);
-        std::fill(dst + tr, dst + kTileRows, T(0));
+        // Fixed-length loops (a vector move) rather than a library call per row of k.
+        if (tr == kTileRows) {
+          LAZYTENSOR_UNROLL
+          for (int i = 0; i < kTileRows; ++i) dst[i] = src[i];
+        } else {
+          for (int i = 0; i < kTileRows; ++i) dst[i] = i < tr ? src[i] : T(0);
+        }
       }
       return;
     }
