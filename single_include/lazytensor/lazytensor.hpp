@@ -15102,9 +15102,12 @@ struct PackedGemm {
   /// Depth of one pass over k: short enough that a packed row panel stays in L1.
   static std::int64_t depth_block(std::int64_t k) { return k <= 1024 ? k : 512; }
 
+  /// Panels of kTileCols columns covering n columns.
+  static std::int64_t panels(std::int64_t n) { return (n + kTileCols - 1) / kTileCols; }
+
   /// Elements of op(B) packed (k x n, columns padded to whole panels).
   static std::int64_t packed_size(std::int64_t k, std::int64_t n) {
-    return k * ((n + kTileCols - 1) / kTileCols) * kTileCols;
+    return k * panels(n) * kTileCols;
   }
 
   /// Packs panels [p0, p1) of op(B) (k x n; stored k x n, or n x k when `transposed`) into
@@ -15152,7 +15155,7 @@ struct PackedGemm {
   static void multiply(const T* a, bool a_transposed, std::int64_t m, std::int64_t k,
                        std::int64_t n, const T* packed_b, T* c, std::int64_t r0,
                        std::int64_t rows) {
-    const std::int64_t kc = depth_block(k), panels = (n + kTileCols - 1) / kTileCols;
+    const std::int64_t kc = depth_block(k), np = panels(n);
     const std::int64_t tiles = (rows + kTileRows - 1) / kTileRows;
     alignas(64) T tile[kTileRows * kTileCols] = {};
     thread_local std::vector<T, xsimd::aligned_allocator<T, 64>> packed_a;
@@ -15168,7 +15171,7 @@ struct PackedGemm {
         pack_a(a, a_transposed, m, k, r0 + t * kTileRows,
                std::min<std::int64_t>(kTileRows, rows - t * kTileRows), k0, kb,
                packed_a.data() + t * kTileRows * kb);
-      for (std::int64_t p = 0; p < panels; ++p) {
+      for (std::int64_t p = 0; p < np; ++p) {
         const std::int64_t j0 = p * kTileCols, tc = std::min<std::int64_t>(kTileCols, n - j0);
         const T* bp = packed_b + p * k * kTileCols + k0 * kTileCols;
         for (std::int64_t t = 0; t < tiles; ++t) {
@@ -15348,8 +15351,7 @@ class GemmNode final : public Node, public RowProducer {
     if (!packed()) return;
     if constexpr (kHasPackedKernel) {
       const std::int64_t size = Kernel::packed_size(k_, n_);
-      const std::int64_t panels = (n_ + Kernel::kTileCols - 1) / Kernel::kTileCols,
-                         jobs = batch_b_ * panels;
+      const std::int64_t panels = Kernel::panels(n_), jobs = batch_b_ * panels;
       packed_b_ = ctx.device.pool().acquire(padded_bytes(batch_b_ * size, sizeof(T)));
       T* out = static_cast<T*>(packed_b_->data());
       const T* b = inputs()[1]->template data<T>();

@@ -49,8 +49,7 @@ struct Problem {
   AlignedVec<T> packed() const {
     using K = lazy::detail::PackedGemm<T>;
     AlignedVec<T> p(static_cast<std::size_t>(K::packed_size(c.k, c.n)), T(-7));
-    const std::int64_t panels = (c.n + K::kTileCols - 1) / K::kTileCols;
-    K::pack_b(b.data(), c.tb, c.k, c.n, p.data(), 0, panels);
+    K::pack_b(b.data(), c.tb, c.k, c.n, p.data(), 0, K::panels(c.n));
     return p;
   }
 

@@ -70,8 +70,7 @@ class GemmNode final : public Node, public RowProducer {
     if (!packed()) return;
     if constexpr (kHasPackedKernel) {
       const std::int64_t size = Kernel::packed_size(k_, n_);
-      const std::int64_t panels = (n_ + Kernel::kTileCols - 1) / Kernel::kTileCols,
-                         jobs = batch_b_ * panels;
+      const std::int64_t panels = Kernel::panels(n_), jobs = batch_b_ * panels;
       packed_b_ = ctx.device.pool().acquire(padded_bytes(batch_b_ * size, sizeof(T)));
       T* out = static_cast<T*>(packed_b_->data());
       const T* b = inputs()[1]->template data<T>();
