@@ -105,6 +105,37 @@ inline std::shared_ptr<Buffer> group_output(ExecContext& ctx, const std::vector<
   return ctx.device.pool().acquire(padded_bytes(me->numel(), dtype_size(me->dtype())));
 }
 
+/// An outside input a sliced group prefetches ahead of its reads.
+struct PrefetchStream {
+  const std::byte* base;
+  std::size_t esz;
+  /// Prefetches (towards L2) the lines elements [b, e) will need kFusionPrefetchBytes from
+  /// now, clipped to the `n` elements of the buffer.
+  void prefetch(std::int64_t b, std::int64_t e, std::int64_t n) const {
+    const std::size_t end = static_cast<std::size_t>(n) * esz;
+    std::size_t from = static_cast<std::size_t>(b) * esz + kFusionPrefetchBytes;
+    const std::size_t to = std::min(end, static_cast<std::size_t>(e) * esz + kFusionPrefetchBytes);
+    for (from &= ~std::size_t{63}; from < to; from += 64) prefetch_line(base + from);
+  }
+};
+
+/// Bytes per element the group reads from outside buffers (each buffer once), and those
+/// buffers in `streams`.
+template <class Input>
+std::size_t outside_bytes_per_element(const std::vector<Input>& in,
+                                      std::vector<PrefetchStream>& streams) {
+  std::size_t bytes = 0;
+  for (const Input& x : in) {
+    if (x.src >= 0 || x.esz == 0) continue;
+    const bool seen = std::any_of(streams.begin(), streams.end(),
+                                  [&](const PrefetchStream& s) { return s.base == x.base; });
+    if (seen) continue;
+    streams.push_back({x.base, x.esz});
+    bytes += x.esz;
+  }
+  return bytes;
+}
+
 /// Runs a fused group: every chunk of kFusionChunk elements goes through each member in
 /// order; members needed outside the group are written whole, the others only to a
 /// per-task scratch chunk. A reduction ending the group reduces each chunk to a partial
@@ -115,6 +146,9 @@ inline void run_group(ExecContext& ctx, const PlanStep& st, const std::vector<No
   const std::int64_t n = members[0]->numel();
   struct Member {
     const ElementwiseNode* ew;  // null for the reduction ending the group
+    const ElementwiseKernel* kernel;
+    const char* splat;
+    bool contig;
     std::size_t esz, scratch_off, first_in, num_in;
   };
   struct Input {
@@ -126,13 +160,19 @@ inline void run_group(ExecContext& ctx, const PlanStep& st, const std::vector<No
   std::vector<Input> in;
   in.reserve(k * 2);
   ChunkReduction* reduction = nullptr;
-  std::size_t per_task = 0, max_in = 0;
+  std::size_t per_task = 0;
   double cost = 0;
   for (std::size_t j = 0; j < k; ++j) {
     Member& m = mem[j];
     m.ew = nullptr;
+    m.kernel = nullptr;
+    m.splat = nullptr;
+    m.contig = true;
     if (members[j]->kind() == NodeKind::Elementwise) {
       m.ew = static_cast<const ElementwiseNode*>(members[j].get());
+      m.kernel = &m.ew->kernel();
+      m.splat = m.ew->layout().splat.data();
+      m.contig = !m.ew->layout().any_splat();
       cost += m.ew->kernel().cost();
     } else {
       reduction = dynamic_cast<ChunkReduction*>(members[j].get());  // the last member (plan.hpp)
@@ -143,7 +183,6 @@ inline void run_group(ExecContext& ctx, const PlanStep& st, const std::vector<No
     m.first_in = in.size();
     const auto& ins = members[j]->inputs();
     m.num_in = ins.size();
-    max_in = std::max(max_in, ins.size());
     for (std::size_t q = 0; q < ins.size(); ++q) {
       // Read every outside input's address before any output is allocated: a donated
       // input's buffer moves to the output (same memory).
@@ -187,40 +226,63 @@ inline void run_group(ExecContext& ctx, const PlanStep& st, const std::vector<No
     stream[j] = read_later ? 0 : 1;
     any_stream = any_stream || !read_later;
   }
+  // Groups reading more than the cache holds run each chunk in slices, every member over a
+  // slice before the next, and prefetch the outside inputs a few KiB ahead: member by
+  // member over a whole chunk, only one member's inputs stream from memory at a time and
+  // the loads missing the cache are too sparse in the instruction stream to keep enough
+  // of them in flight. Measured with relu(a*b + c)*d - 0.5*a as three statements, 2^24
+  // floats: 0.5x the single statement's speed member by member, 0.7-0.9x sliced.
+  std::vector<PrefetchStream> streams;
+  std::int64_t slice = kFusionChunk;
+  if (n * static_cast<std::int64_t>(outside_bytes_per_element(in, streams)) >= kFusionSliceBytes) {
+    static auto& sliced = core::counter("SlicedGroups");
+    sliced.add();
+    slice = kFusionSlice;
+    // Whole outputs stored through the cache are read for ownership: a stream too.
+    for (std::size_t j = 0; j < k; ++j)
+      if (out_ptr[j] && !stream[j]) streams.push_back({out_ptr[j], mem[j].esz});
+  } else {
+    streams.clear();
+  }
   pool.parallel_for(tasks, [&](std::int64_t t) {
     auto [c0, c1] = task_range(chunks, tasks, t);
     std::byte* mine =
         scratch ? static_cast<std::byte*>(scratch->data()) + per_task * static_cast<std::size_t>(t)
                 : nullptr;
-    std::vector<const void*> ptrs(max_in);
-    // Points ptrs at member m's inputs for the chunk starting at element `ub`.
-    auto point = [&](const Member& m, std::size_t ub) {
-      for (std::size_t q = 0; q < m.num_in; ++q) {
-        const Input& x = in[m.first_in + q];
+    // Every member's input pointers and output for the current chunk (flat, in `in` order):
+    // bound once per chunk, so that a slice costs one kernel call per member.
+    std::vector<const void*> ptrs(in.size());
+    std::vector<void*> outs(k);
+    auto point = [&](std::size_t ub) {
+      for (std::size_t i = 0; i < in.size(); ++i) {
+        const Input& x = in[i];
         if (x.src < 0) {
-          ptrs[q] = x.base + ub * x.esz;
+          ptrs[i] = x.base + ub * x.esz;
         } else {
           const auto p = static_cast<std::size_t>(x.src);
-          ptrs[q] = out_ptr[p] ? out_ptr[p] + ub * mem[p].esz : mine + mem[p].scratch_off;
+          ptrs[i] = out_ptr[p] ? out_ptr[p] + ub * mem[p].esz : mine + mem[p].scratch_off;
         }
       }
+      for (std::size_t j = 0; j < k; ++j)
+        outs[j] = out_ptr[j] ? static_cast<void*>(out_ptr[j] + ub * mem[j].esz)
+                             : static_cast<void*>(mine + mem[j].scratch_off);
     };
     for (std::int64_t c = c0; c < c1; ++c) {
       const std::int64_t b = c * kFusionChunk, len = std::min(kFusionChunk, n - b);
       const auto ub = static_cast<std::size_t>(b);
-      for (std::size_t j = 0; j < k; ++j) {
-        const Member& m = mem[j];
-        if (!m.ew) continue;
-        point(m, ub);
-        void* o = out_ptr[j] ? static_cast<void*>(out_ptr[j] + ub * m.esz)
-                             : static_cast<void*>(mine + m.scratch_off);
-        const auto& layout = m.ew->layout();
-        m.ew->kernel().flat(ptrs.data(), layout.splat.data(), o, 0, len, !layout.any_splat(),
-                            stream[j] != 0);
+      point(ub);
+      for (std::int64_t s0 = 0; s0 < len; s0 += slice) {
+        const std::int64_t s1 = std::min(len, s0 + slice);
+        for (const PrefetchStream& x : streams) x.prefetch(b + s0, b + s1, n);
+        for (std::size_t j = 0; j < k; ++j) {
+          const Member& m = mem[j];
+          if (!m.ew) continue;
+          m.kernel->flat(ptrs.data() + m.first_in, m.splat, outs[j], s0, s1, m.contig,
+                         stream[j] != 0);
+        }
       }
       if (reduction) {  // the last member, over the whole chunk: one partial, as unfused
-        point(mem[k - 1], ub);
-        reduction->reduce_chunk(ptrs.data(), len,
+        reduction->reduce_chunk(ptrs.data() + mem[k - 1].first_in, len,
                                 static_cast<std::byte*>(partials->data()) +
                                     static_cast<std::size_t>(c) * partial_bytes);
       }
