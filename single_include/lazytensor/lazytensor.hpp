@@ -3830,16 +3830,6 @@ inline constexpr std::int64_t kFusionSliceBytes = std::int64_t(1) << 20;
 /// How far ahead of its reads a sliced group prefetches its outside inputs.
 inline constexpr std::size_t kFusionPrefetchBytes = 4096;
 
-/// Hints the hardware to bring the cache line holding `p` into L2 (no-op where the
-/// compiler has no prefetch builtin). Never faults.
-inline void prefetch_line(const void* p) {
-#if defined(__GNUC__) || defined(__clang__)
-  __builtin_prefetch(p, 0, 2);
-#else
-  (void)p;
-#endif
-}
-
 namespace planner {
 
 inline std::uint64_t next_epoch() {
@@ -4134,6 +4124,16 @@ inline std::shared_ptr<Buffer> group_output(ExecContext& ctx, const std::vector<
   return ctx.device.pool().acquire(padded_bytes(me->numel(), dtype_size(me->dtype())));
 }
 
+/// Hints the hardware to bring the cache line holding `p` into L2 (no-op where the
+/// compiler has no prefetch builtin). Never faults.
+inline void prefetch_line(const void* p) {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p, 0, 2);
+#else
+  (void)p;
+#endif
+}
+
 /// An outside input a sliced group prefetches ahead of its reads.
 struct PrefetchStream {
   const std::byte* base;
@@ -4148,11 +4148,16 @@ struct PrefetchStream {
   }
 };
 
-/// Bytes per element the group reads from outside buffers (each buffer once), and those
-/// buffers in `streams`.
+/// The outside buffers a group of `n` elements streams through, each once, when they
+/// hold at least kFusionSliceBytes (so it should run sliced); else none. Allocates only
+/// for groups that large.
 template <class Input>
-std::size_t outside_bytes_per_element(const std::vector<Input>& in,
-                                      std::vector<PrefetchStream>& streams) {
+std::vector<PrefetchStream> slice_streams(const std::vector<Input>& in, std::int64_t n) {
+  std::vector<PrefetchStream> streams;
+  std::size_t upper = 0;  // counting a buffer read twice twice: enough to rule out most groups
+  for (const Input& x : in)
+    if (x.src < 0) upper += x.esz;
+  if (n * static_cast<std::int64_t>(upper) < kFusionSliceBytes) return streams;
   std::size_t bytes = 0;
   for (const Input& x : in) {
     if (x.src >= 0 || x.esz == 0) continue;
@@ -4162,7 +4167,8 @@ std::size_t outside_bytes_per_element(const std::vector<Input>& in,
     streams.push_back({x.base, x.esz});
     bytes += x.esz;
   }
-  return bytes;
+  if (n * static_cast<std::int64_t>(bytes) < kFusionSliceBytes) streams.clear();
+  return streams;
 }
 
 /// Runs a fused group: every chunk of kFusionChunk elements goes through each member in
@@ -4245,7 +4251,7 @@ inline void run_group(ExecContext& ctx, const PlanStep& st, const std::vector<No
   std::vector<std::uint8_t> stream(k, 0);
   bool any_stream = false;
   for (std::size_t j = 0; j < k; ++j) {
-    if (!out_ptr[j] || !mem[j].ew->can_stream() || mem[j].ew->layout().any_splat() ||
+    if (!out_ptr[j] || !mem[j].ew->can_stream() || !mem[j].contig ||
         n * static_cast<std::int64_t>(mem[j].esz) < expr::kStreamingStoreBytes)
       continue;
     bool read_later = false;
@@ -4261,17 +4267,15 @@ inline void run_group(ExecContext& ctx, const PlanStep& st, const std::vector<No
   // the loads missing the cache are too sparse in the instruction stream to keep enough
   // of them in flight. Measured with relu(a*b + c)*d - 0.5*a as three statements, 2^24
   // floats: 0.5x the single statement's speed member by member, 0.7-0.9x sliced.
-  std::vector<PrefetchStream> streams;
+  std::vector<PrefetchStream> streams = slice_streams(in, n);
   std::int64_t slice = kFusionChunk;
-  if (n * static_cast<std::int64_t>(outside_bytes_per_element(in, streams)) >= kFusionSliceBytes) {
+  if (!streams.empty()) {
     static auto& sliced = core::counter("SlicedGroups");
     sliced.add();
     slice = kFusionSlice;
     // Whole outputs stored through the cache are read for ownership: a stream too.
     for (std::size_t j = 0; j < k; ++j)
       if (out_ptr[j] && !stream[j]) streams.push_back({out_ptr[j], mem[j].esz});
-  } else {
-    streams.clear();
   }
   pool.parallel_for(tasks, [&](std::int64_t t) {
     auto [c0, c1] = task_range(chunks, tasks, t);

@@ -68,16 +68,6 @@ inline constexpr std::int64_t kFusionSliceBytes = std::int64_t(1) << 20;
 /// How far ahead of its reads a sliced group prefetches its outside inputs.
 inline constexpr std::size_t kFusionPrefetchBytes = 4096;
 
-/// Hints the hardware to bring the cache line holding `p` into L2 (no-op where the
-/// compiler has no prefetch builtin). Never faults.
-inline void prefetch_line(const void* p) {
-#if defined(__GNUC__) || defined(__clang__)
-  __builtin_prefetch(p, 0, 2);
-#else
-  (void)p;
-#endif
-}
-
 namespace planner {
 
 inline std::uint64_t next_epoch() {
