@@ -1,6 +1,13 @@
 #pragma once
 // Device memory: 64-byte aligned buffers padded to whole SIMD batches, recycled by a
 // per-device pool so that a steady training loop stops touching the allocator.
+//
+// Large buffers (2 MiB and up) start on a 2 MiB boundary and ask Linux for transparent huge
+// pages. Why: a kernel streaming 2^24 floats from DRAM walks 16k 4-KiB pages per array, and
+// the TLB misses (doubly expensive under a hypervisor) cost 25-40% of the bandwidth on the
+// development machine (20 -> 26-29 GB/s for sum((a - b)^2)). Most distributions leave THP in
+// "madvise" mode, so without the hint the kernel never uses them. LAZYTENSOR_HUGE_PAGES=0
+// turns the hint off.
 
 #include <atomic>
 #include <cstddef>
@@ -11,6 +18,10 @@
 #include <new>
 #include <unordered_map>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 namespace lazy {
 
@@ -29,6 +40,41 @@ constexpr std::size_t padded_bytes(std::int64_t numel, std::size_t elem_size) {
   const std::size_t bytes = static_cast<std::size_t>(n) * elem_size;
   return (bytes + kBufferAlign - 1) / kBufferAlign * kBufferAlign;
 }
+
+/// Buffers of at least this many bytes are aligned to it and advised to use huge pages.
+inline constexpr std::size_t kHugePageBytes = std::size_t{2} << 20;
+
+namespace detail {
+
+inline std::size_t buffer_alignment(std::size_t bytes) {
+  return bytes >= kHugePageBytes ? kHugePageBytes : kBufferAlign;
+}
+
+inline bool huge_pages_wanted() {
+  static const bool wanted = [] {
+    const char* env = std::getenv("LAZYTENSOR_HUGE_PAGES");
+    return !(env && env[0] == '0');
+  }();
+  return wanted;
+}
+
+/// Memory for a buffer of `bytes` bytes (see the file comment for large ones).
+inline void* allocate_buffer_memory(std::size_t bytes) {
+  void* p = ::operator new(bytes, std::align_val_t(buffer_alignment(bytes)));
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  // Only whole huge pages inside the block: the advice must not reach memory we do not own.
+  // A refusal (THP disabled, old kernel) only loses the speed-up, so the result is ignored.
+  const std::size_t whole = bytes / kHugePageBytes * kHugePageBytes;
+  if (whole > 0 && huge_pages_wanted()) (void)::madvise(p, whole, MADV_HUGEPAGE);
+#endif
+  return p;
+}
+
+inline void free_buffer_memory(void* p, std::size_t bytes) {
+  ::operator delete(p, std::align_val_t(buffer_alignment(bytes)));
+}
+
+}  // namespace detail
 
 class BufferPool;
 
@@ -80,7 +126,7 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
       }
     }
     if (!p) {
-      p = ::operator new(bytes, std::align_val_t(kBufferAlign));
+      p = detail::allocate_buffer_memory(bytes);
     }
     return std::make_shared<Buffer>(p, bytes, shared_from_this());
   }
@@ -95,7 +141,7 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
   void empty_cache() {
     std::lock_guard lock(mu_);
     for (auto& [bytes, list] : free_) {
-      for (void* p : list) ::operator delete(p, std::align_val_t(kBufferAlign));
+      for (void* p : list) detail::free_buffer_memory(p, bytes);
     }
     free_.clear();
     stats_.cached_bytes = 0;
@@ -116,7 +162,7 @@ inline Buffer::~Buffer() {
   if (pool_) {
     pool_->release(data_, bytes_);
   } else {
-    ::operator delete(data_, std::align_val_t(kBufferAlign));
+    detail::free_buffer_memory(data_, bytes_);
   }
 }
 
