@@ -16,10 +16,10 @@
 // every member arrived at s + 1, i.e. finished reading round s, so copied (inline) data
 // needs no step 5 and a small collective costs one synchronization.
 //
-// Waiting: spin, then sleep on the world's event. Only step 2 gives up (abort, a partner
-// that exited, timeout); once a round started every member is inside it doing bounded
-// memory work, so steps 4-5 never give up (giving up there could free memory a partner
-// is still reading).
+// Waiting: spin, then yield, then sleep on the world's event (world.hpp, wait_budget).
+// Only step 2 gives up (abort, a partner that exited, timeout); once a round started
+// every member is inside it doing bounded memory work, so steps 4-5 never give up (giving
+// up there could free memory a partner is still reading).
 
 #include <atomic>
 #include <chrono>
@@ -171,7 +171,7 @@ class GroupComm {
   void await_start(int me, std::uint64_t s, const Signature& sig,
                    std::chrono::milliseconds timeout) {
     WorldState& w = *world_;
-    if (!spin_until([&] { return all_arrived(s); }, w.spin())) {
+    if (!spin_until([&] { return all_arrived(s); }, w.wait())) {
       const auto deadline = std::chrono::steady_clock::now() + timeout;
       for (;;) {
         if (all_arrived(s)) break;
@@ -310,7 +310,7 @@ class GroupComm {
       }
       return true;
     };
-    bool ready = spin_until(all_done, w.spin());
+    bool ready = spin_until(all_done, w.wait());
     while (!ready) {
       ready = w.event().wait_until(all_done,
                                    std::chrono::steady_clock::now() + std::chrono::seconds(1));
