@@ -166,6 +166,29 @@ TEST_F(Executor, ReadMaterializesOnlyWhatItNeeds) {
   EXPECT_EQ(p2.count(), 2);
 }
 
+// A loop that only reads (item()) and never calls mark_step must not accumulate the
+// trace entries of the values it dropped: each one pins its node's memory.
+TEST_F(Executor, ReadingWithoutMarkStepKeepsTheTraceBounded) {
+  auto& dev = lazy::graph::current_device();
+  step();
+  const Tensor<float> a = lazy::full<float>({64}, 1.5f), b = lazy::full<float>({64}, 0.5f);
+  step();
+  const Tensor<float> kept = a * 3;  // a pending value still wanted stays traced throughout
+  constexpr int kReads = 20000;
+  double total = 0;
+  for (int i = 0; i < kReads; ++i) {
+    Tensor<float> s = lazy::sum((a - b) * float(i % 3));
+    total += s.item();
+  }
+  EXPECT_DOUBLE_EQ(total, 64.0 * (kReads / 3 * 3 + (kReads % 3 == 2 ? 1 : 0)));
+  // One traced node per iteration without pruning (the fused sum).
+  EXPECT_LT(dev.trace_size(), 4096u);
+  EXPECT_TRUE(pending(kept));
+  step();
+  EXPECT_EQ(kept.to_vector(), std::vector<float>(64, 4.5f));
+  EXPECT_EQ(dev.trace_size(), 0u);
+}
+
 TEST_F(Executor, MarkStepMaterializesEveryLivePendingTensor) {
   Probe p;
   std::vector<Tensor<float>> ts;

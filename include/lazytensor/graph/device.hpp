@@ -64,7 +64,13 @@ class Device {
   /// Records a new pending node, in creation order.
   void trace(const NodePtr& n) {
     std::lock_guard lock(mu_);
+    if (trace_.size() >= prune_at_) prune_trace();
     trace_.push_back(n);
+  }
+  /// Number of entries in the trace, dropped nodes not yet pruned included (for tests).
+  std::size_t trace_size() {
+    std::lock_guard lock(mu_);
+    return trace_.size();
   }
   /// Takes the trace (the caller puts back what it does not run, see keep_traced).
   std::vector<std::weak_ptr<Node>> take_trace() {
@@ -194,6 +200,16 @@ class Device {
     if (executor_.joinable()) executor_.join();
   }
 
+  // A program that only reads values (item(), to_vector()) and never calls mark_step
+  // keeps tracing: without pruning, the entries of its dropped nodes would pile up, and
+  // each would pin its node's memory (make_shared puts the node in the control block a
+  // weak_ptr keeps). Dropping them whenever the trace has doubled keeps the cost O(1)
+  // per node and the trace at most twice the nodes still alive.
+  void prune_trace() {
+    std::erase_if(trace_, [](const std::weak_ptr<Node>& w) { return w.expired(); });
+    prune_at_ = std::max(kMinPruneAt, 2 * trace_.size());
+  }
+
   static bool default_async() {
     const char* env = std::getenv("LAZYTENSOR_ASYNC");
     return !(env && env[0] == '0');
@@ -204,6 +220,8 @@ class Device {
   ThreadPool threads_;
   std::mutex mu_;
   std::vector<std::weak_ptr<Node>> trace_;
+  static constexpr std::size_t kMinPruneAt = 1024;
+  std::size_t prune_at_ = kMinPruneAt;
   std::shared_ptr<HandleRegistry> handles_ = std::make_shared<HandleRegistry>();
   RngState rng_;
   bool eager_ = false;
