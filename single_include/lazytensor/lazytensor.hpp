@@ -2523,7 +2523,6 @@ std::string kernel_text(const KGrad<K, Tg>& k) {
 #include <mutex>
 #include <string>
 #include <thread>
-#include <unordered_map>
 #include <vector>
 
 // ---- begin lazytensor/core/thread_pool.hpp ----
@@ -2715,6 +2714,106 @@ class ThreadPool {
 
 }  // namespace lazy
 // ---- end lazytensor/core/thread_pool.hpp ----
+// ---- begin lazytensor/graph/plan_cache.hpp ----
+// A device's cache of execution plans, by structural hash, bounded like PyTorch/XLA's
+// compilation cache (XLA_COMPILATION_CACHE_SIZE): a program whose graph keeps changing
+// (a new shape every step) would otherwise keep every plan it ever built. The least
+// recently used plan goes first, so the few graphs a training loop repeats stay.
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <list>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <utility>
+
+
+namespace lazy::graph {
+
+struct Plan;
+
+/// Plans kept per device by default, as PyTorch/XLA's default compilation cache size.
+inline constexpr std::size_t kDefaultPlanCacheSize = 1024;
+
+/// The plan cache capacity: LAZYTENSOR_PLAN_CACHE_SIZE (a whole number >= 1), else
+/// kDefaultPlanCacheSize. A malformed value is an Error naming it.
+inline std::size_t env_plan_cache_size() {
+  const char* env = std::getenv("LAZYTENSOR_PLAN_CACHE_SIZE");
+  if (!env || !*env) return kDefaultPlanCacheSize;
+  char* end = nullptr;
+  const long long v = std::strtoll(env, &end, 10);
+  if (end == env || *end != '\0' || v < 1) {
+    throw Error(std::string("LAZYTENSOR_PLAN_CACHE_SIZE='") + env +
+                "' is not a number of plans >= 1 (expected e.g. 1024)");
+  }
+  return static_cast<std::size_t>(v);
+}
+
+/// Plans by structural hash, at most capacity() of them, least recently used evicted
+/// first. Used by the device's tracing thread only (not synchronized).
+class PlanCache {
+ public:
+  using PlanPtr = std::shared_ptr<const Plan>;
+
+  /// An empty cache holding at most `capacity` plans (at least one).
+  explicit PlanCache(std::size_t capacity = env_plan_cache_size())
+      : capacity_(capacity ? capacity : 1) {}
+
+  /// The plan stored under `hash` (now the most recently used), or null.
+  PlanPtr find(std::uint64_t hash) {
+    const auto it = index_.find(hash);
+    if (it == index_.end()) return nullptr;
+    order_.splice(order_.begin(), order_, it->second);  // no allocation on a hit
+    return it->second->second;
+  }
+
+  /// Stores `plan` under `hash` (replacing a plan stored there), evicting the least
+  /// recently used plans beyond capacity().
+  void insert(std::uint64_t hash, PlanPtr plan) {
+    if (const auto it = index_.find(hash); it != index_.end()) {
+      it->second->second = std::move(plan);
+      order_.splice(order_.begin(), order_, it->second);
+      return;
+    }
+    order_.emplace_front(hash, std::move(plan));
+    index_.emplace(hash, order_.begin());
+    trim();
+  }
+
+  /// Plans stored.
+  std::size_t size() const { return index_.size(); }
+  /// Most plans kept.
+  std::size_t capacity() const { return capacity_; }
+  /// Changes the capacity (at least one), evicting what no longer fits.
+  void set_capacity(std::size_t capacity) {
+    capacity_ = capacity ? capacity : 1;
+    trim();
+  }
+  /// Drops every plan.
+  void clear() {
+    index_.clear();
+    order_.clear();
+  }
+
+ private:
+  void trim() {
+    static auto& evictions = core::counter("PlanCacheEvictions");
+    while (index_.size() > capacity_) {
+      index_.erase(order_.back().first);
+      order_.pop_back();
+      evictions.add();
+    }
+  }
+
+  std::size_t capacity_;
+  std::list<std::pair<std::uint64_t, PlanPtr>> order_;  // most recently used first
+  std::unordered_map<std::uint64_t, std::list<std::pair<std::uint64_t, PlanPtr>>::iterator> index_;
+};
+
+}  // namespace lazy::graph
+// ---- end lazytensor/graph/plan_cache.hpp ----
 // ---- begin lazytensor/graph/tensor_impl.hpp ----
 // The object every copy of a Tensor handle shares. In-place ops rebind `node`, so all
 // copies see the new value (functionalization, as in libtorch/XLA).
@@ -2797,8 +2896,6 @@ struct RngState {
   std::uint64_t offset = 0;  ///< Philox counters consumed so far in this step
 };
 
-struct Plan;
-
 /// One execution device (a CPU "core group" with its own pool and graph).
 class Device {
  public:
@@ -2825,7 +2922,13 @@ class Device {
   /// Records a new pending node, in creation order.
   void trace(const NodePtr& n) {
     std::lock_guard lock(mu_);
+    if (trace_.size() >= prune_at_) prune_trace();
     trace_.push_back(n);
+  }
+  /// Number of entries in the trace, dropped nodes not yet pruned included (for tests).
+  std::size_t trace_size() {
+    std::lock_guard lock(mu_);
+    return trace_.size();
   }
   /// Takes the trace (the caller puts back what it does not run, see keep_traced).
   std::vector<std::weak_ptr<Node>> take_trace() {
@@ -2884,8 +2987,9 @@ class Device {
   /// it off) or on the calling thread.
   bool& async() { return async_; }
 
-  /// The plans built so far, by structural hash.
-  std::unordered_map<std::uint64_t, std::shared_ptr<const Plan>>& plan_cache() { return plan_cache_; }
+  /// The plans built so far, by structural hash (the most recently used ones, see
+  /// plan_cache.hpp).
+  PlanCache& plan_cache() { return plan_cache_; }
   /// Steps and plan rebuilds, for the re-planning warning.
   struct PlanStats {
     std::int64_t steps = 0, rebuilds_after_warmup = 0;
@@ -2955,6 +3059,16 @@ class Device {
     if (executor_.joinable()) executor_.join();
   }
 
+  // A program that only reads values (item(), to_vector()) and never calls mark_step
+  // keeps tracing: without pruning, the entries of its dropped nodes would pile up, and
+  // each would pin its node's memory (make_shared puts the node in the control block a
+  // weak_ptr keeps). Dropping them whenever the trace has doubled keeps the cost O(1)
+  // per node and the trace at most twice the nodes still alive.
+  void prune_trace() {
+    std::erase_if(trace_, [](const std::weak_ptr<Node>& w) { return w.expired(); });
+    prune_at_ = std::max(kMinPruneAt, 2 * trace_.size());
+  }
+
   static bool default_async() {
     const char* env = std::getenv("LAZYTENSOR_ASYNC");
     return !(env && env[0] == '0');
@@ -2965,13 +3079,15 @@ class Device {
   ThreadPool threads_;
   std::mutex mu_;
   std::vector<std::weak_ptr<Node>> trace_;
+  static constexpr std::size_t kMinPruneAt = 1024;
+  std::size_t prune_at_ = kMinPruneAt;
   std::shared_ptr<HandleRegistry> handles_ = std::make_shared<HandleRegistry>();
   RngState rng_;
   bool eager_ = false;
   bool async_ = default_async();
   std::vector<std::function<void()>> closures_;
   std::exception_ptr error_;
-  std::unordered_map<std::uint64_t, std::shared_ptr<const Plan>> plan_cache_;
+  PlanCache plan_cache_;
   PlanStats plan_stats_;
 
   std::mutex exec_mu_;
@@ -4419,15 +4535,15 @@ inline std::shared_ptr<const Plan> plan_for(Device& dev, const std::vector<NodeP
   auto& stats = dev.plan_stats();
   if (step) ++stats.steps;
   std::shared_ptr<const Plan> plan;
-  if (auto it = cache.find(h); it != cache.end() && it->second->signature == sig) {
-    plan = it->second;
+  if (auto hit = cache.find(h); hit && hit->signature == sig) {
+    plan = std::move(hit);
     cached.add();
   } else {
     auto built = planner::build(nodes, epoch, outside);
     built->hash = h;
     built->signature = sig;
     plan = built;
-    cache[h] = plan;
+    cache.insert(h, plan);
     uncached.add();
     if (step && stats.steps > 10) ++stats.rebuilds_after_warmup;
     // PyTorch/XLA warns about graphs that keep changing; so do we, naming what changed.

@@ -19,13 +19,13 @@
 #include <mutex>
 #include <string>
 #include <thread>
-#include <unordered_map>
 #include <vector>
 
 #include <lazytensor/core/buffer.hpp>
 #include <lazytensor/core/counters.hpp>
 #include <lazytensor/core/error.hpp>
 #include <lazytensor/core/thread_pool.hpp>
+#include <lazytensor/graph/plan_cache.hpp>
 #include <lazytensor/graph/tensor_impl.hpp>
 
 namespace lazy::graph {
@@ -35,8 +35,6 @@ struct RngState {
   std::uint64_t seed = 0x5eed;
   std::uint64_t offset = 0;  ///< Philox counters consumed so far in this step
 };
-
-struct Plan;
 
 /// One execution device (a CPU "core group" with its own pool and graph).
 class Device {
@@ -129,8 +127,9 @@ class Device {
   /// it off) or on the calling thread.
   bool& async() { return async_; }
 
-  /// The plans built so far, by structural hash.
-  std::unordered_map<std::uint64_t, std::shared_ptr<const Plan>>& plan_cache() { return plan_cache_; }
+  /// The plans built so far, by structural hash (the most recently used ones, see
+  /// plan_cache.hpp).
+  PlanCache& plan_cache() { return plan_cache_; }
   /// Steps and plan rebuilds, for the re-planning warning.
   struct PlanStats {
     std::int64_t steps = 0, rebuilds_after_warmup = 0;
@@ -228,7 +227,7 @@ class Device {
   bool async_ = default_async();
   std::vector<std::function<void()>> closures_;
   std::exception_ptr error_;
-  std::unordered_map<std::uint64_t, std::shared_ptr<const Plan>> plan_cache_;
+  PlanCache plan_cache_;
   PlanStats plan_stats_;
 
   std::mutex exec_mu_;

@@ -354,15 +354,15 @@ inline std::shared_ptr<const Plan> plan_for(Device& dev, const std::vector<NodeP
   auto& stats = dev.plan_stats();
   if (step) ++stats.steps;
   std::shared_ptr<const Plan> plan;
-  if (auto it = cache.find(h); it != cache.end() && it->second->signature == sig) {
-    plan = it->second;
+  if (auto hit = cache.find(h); hit && hit->signature == sig) {
+    plan = std::move(hit);
     cached.add();
   } else {
     auto built = planner::build(nodes, epoch, outside);
     built->hash = h;
     built->signature = sig;
     plan = built;
-    cache[h] = plan;
+    cache.insert(h, plan);
     uncached.add();
     if (step && stats.steps > 10) ++stats.rebuilds_after_warmup;
     // PyTorch/XLA warns about graphs that keep changing; so do we, naming what changed.

@@ -1,0 +1,101 @@
+#pragma once
+// A device's cache of execution plans, by structural hash, bounded like PyTorch/XLA's
+// compilation cache (XLA_COMPILATION_CACHE_SIZE): a program whose graph keeps changing
+// (a new shape every step) would otherwise keep every plan it ever built. The least
+// recently used plan goes first, so the few graphs a training loop repeats stay.
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <list>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <utility>
+
+#include <lazytensor/core/counters.hpp>
+#include <lazytensor/core/error.hpp>
+
+namespace lazy::graph {
+
+struct Plan;
+
+/// Plans kept per device by default, as PyTorch/XLA's default compilation cache size.
+inline constexpr std::size_t kDefaultPlanCacheSize = 1024;
+
+/// The plan cache capacity: LAZYTENSOR_PLAN_CACHE_SIZE (a whole number >= 1), else
+/// kDefaultPlanCacheSize. A malformed value is an Error naming it.
+inline std::size_t env_plan_cache_size() {
+  const char* env = std::getenv("LAZYTENSOR_PLAN_CACHE_SIZE");
+  if (!env || !*env) return kDefaultPlanCacheSize;
+  char* end = nullptr;
+  const long long v = std::strtoll(env, &end, 10);
+  if (end == env || *end != '\0' || v < 1) {
+    throw Error(std::string("LAZYTENSOR_PLAN_CACHE_SIZE='") + env +
+                "' is not a number of plans >= 1 (expected e.g. 1024)");
+  }
+  return static_cast<std::size_t>(v);
+}
+
+/// Plans by structural hash, at most capacity() of them, least recently used evicted
+/// first. Used by the device's tracing thread only (not synchronized).
+class PlanCache {
+ public:
+  using PlanPtr = std::shared_ptr<const Plan>;
+
+  /// An empty cache holding at most `capacity` plans (at least one).
+  explicit PlanCache(std::size_t capacity = env_plan_cache_size())
+      : capacity_(capacity ? capacity : 1) {}
+
+  /// The plan stored under `hash` (now the most recently used), or null.
+  PlanPtr find(std::uint64_t hash) {
+    const auto it = index_.find(hash);
+    if (it == index_.end()) return nullptr;
+    order_.splice(order_.begin(), order_, it->second);  // no allocation on a hit
+    return it->second->second;
+  }
+
+  /// Stores `plan` under `hash` (replacing a plan stored there), evicting the least
+  /// recently used plans beyond capacity().
+  void insert(std::uint64_t hash, PlanPtr plan) {
+    if (const auto it = index_.find(hash); it != index_.end()) {
+      it->second->second = std::move(plan);
+      order_.splice(order_.begin(), order_, it->second);
+      return;
+    }
+    order_.emplace_front(hash, std::move(plan));
+    index_.emplace(hash, order_.begin());
+    trim();
+  }
+
+  /// Plans stored.
+  std::size_t size() const { return index_.size(); }
+  /// Most plans kept.
+  std::size_t capacity() const { return capacity_; }
+  /// Changes the capacity (at least one), evicting what no longer fits.
+  void set_capacity(std::size_t capacity) {
+    capacity_ = capacity ? capacity : 1;
+    trim();
+  }
+  /// Drops every plan.
+  void clear() {
+    index_.clear();
+    order_.clear();
+  }
+
+ private:
+  void trim() {
+    static auto& evictions = core::counter("PlanCacheEvictions");
+    while (index_.size() > capacity_) {
+      index_.erase(order_.back().first);
+      order_.pop_back();
+      evictions.add();
+    }
+  }
+
+  std::size_t capacity_;
+  std::list<std::pair<std::uint64_t, PlanPtr>> order_;  // most recently used first
+  std::unordered_map<std::uint64_t, std::list<std::pair<std::uint64_t, PlanPtr>>::iterator> index_;
+};
+
+}  // namespace lazy::graph
