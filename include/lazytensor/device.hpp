@@ -91,6 +91,11 @@ inline void set_num_threads(int n) {
 /// The number of threads the current device's kernels use (as torch::get_num_threads).
 inline int get_num_threads() { return graph::current_device().threads().size(); }
 
+/// Returns the memory the current device keeps for reuse (the buffers of dropped tensors)
+/// to the system, as torch.cuda.empty_cache() does. Live tensors are untouched. The cache
+/// is bounded anyway (a quarter of the physical memory, LAZYTENSOR_POOL_CACHE_BYTES).
+inline void empty_cache() { graph::current_device().pool().empty_cache(); }
+
 /// Queues f to run at the end of the next mark_step on the current device, once that step
 /// has executed (xm.add_step_closure).
 inline void add_step_closure(std::function<void()> f) { graph::current_device().add_step_closure(std::move(f)); }

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
@@ -188,6 +189,76 @@ TEST(Buffer, EmptyCacheReturnsBlocks) {
   EXPECT_EQ(pool->stats().cached_bytes, 0);
   auto c = pool->acquire(256);
   EXPECT_EQ(pool->stats().fresh_allocations, 3) << "nothing cached any more";
+}
+
+// A program whose shapes keep changing releases a new size every step: the cached bytes
+// stay under the limit, the sizes used least recently go first, and a size in use keeps
+// being served from its list. Checked against a model of the cache (per size: blocks and
+// the time of last use).
+TEST(Buffer, CachedBytesStayUnderTheLimitEvictingTheLeastRecentlyUsedSizes) {
+  constexpr std::size_t kLimit = 64 * 1024;
+  auto pool = std::make_shared<BufferPool>(kLimit);
+  EXPECT_EQ(pool->cache_limit(), kLimit);
+  std::map<std::size_t, std::pair<int, int>> model;  // size -> (cached blocks, last use)
+  std::int64_t model_bytes = 0;
+  int clock = 0;
+  auto model_evict = [&] {
+    while (model_bytes > static_cast<std::int64_t>(kLimit)) {
+      auto victim = model.end();
+      for (auto it = model.begin(); it != model.end(); ++it)
+        if (it->second.first > 0 &&
+            (victim == model.end() || it->second.second < victim->second.second))
+          victim = it;
+      while (victim->second.first > 0 && model_bytes > static_cast<std::int64_t>(kLimit)) {
+        --victim->second.first;
+        model_bytes -= static_cast<std::int64_t>(victim->first);
+      }
+      if (victim->second.first == 0) model.erase(victim);
+    }
+  };
+  const std::size_t steady = 4096;  // acquired every step, as a training loop's parameters
+  for (int step = 0; step < 200; ++step) {
+    const std::size_t changing = 64 * static_cast<std::size_t>(1 + step);  // a new size each step
+    for (std::size_t bytes : {steady, changing}) {
+      const auto before = pool->stats();
+      { auto b = pool->acquire(bytes); }
+      const bool cached = model.count(bytes) && model[bytes].first > 0;
+      EXPECT_EQ(pool->stats().reuses - before.reuses, cached ? 1 : 0)
+          << "step " << step << " size " << bytes;
+      if (cached) {
+        --model[bytes].first;
+        model_bytes -= static_cast<std::int64_t>(bytes);
+      }
+      auto& entry = model[bytes];
+      ++entry.first;
+      entry.second = ++clock;
+      model_bytes += static_cast<std::int64_t>(bytes);
+      model_evict();
+      ASSERT_EQ(pool->stats().cached_bytes, model_bytes) << "step " << step;
+      ASSERT_LE(pool->stats().cached_bytes, static_cast<std::int64_t>(kLimit));
+    }
+  }
+  EXPECT_GT(pool->stats().reuses, 190) << "the steady size keeps being reused";
+  // Lowering the limit returns the excess; a block larger than the limit is never cached.
+  pool->set_cache_limit(8192);
+  EXPECT_LE(pool->stats().cached_bytes, 8192);
+  { auto big = pool->acquire(16384); }
+  EXPECT_LE(pool->stats().cached_bytes, 8192);
+  pool->set_cache_limit(0);
+  EXPECT_EQ(pool->stats().cached_bytes, 0);
+}
+
+TEST(Buffer, PublicEmptyCacheReturnsTheDevicesCachedBlocks) {
+  auto& pool = lazy::graph::current_device().pool();
+  {
+    lazy::Tensor<float> t = lazy::full<float>({1000}, 1.0f) + 1.0f;
+    lazy::mark_step();
+    EXPECT_EQ(t.to_vector()[999], 2.0f);
+  }
+  lazy::wait_device_ops();
+  EXPECT_GT(pool.stats().cached_bytes, 0);
+  lazy::empty_cache();
+  EXPECT_EQ(pool.stats().cached_bytes, 0);
 }
 
 TEST(Buffer, BufferKeepsItsPoolAlive) {

@@ -16,12 +16,18 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #if defined(__linux__)
 #include <sys/mman.h>
+#include <unistd.h>
 #endif
+
+#include <lazytensor/core/counters.hpp>
+#include <lazytensor/core/error.hpp>
 
 namespace lazy {
 
@@ -104,9 +110,40 @@ struct PoolStats {
   std::int64_t cached_bytes = 0;
 };
 
+/// Default bound of a pool's cached bytes: a quarter of the physical memory (4 GiB where
+/// it cannot be read), or LAZYTENSOR_POOL_CACHE_BYTES (a whole number of bytes; 0 caches
+/// nothing). A malformed value is an Error naming it.
+inline std::size_t default_pool_cache_bytes() {
+  static const std::size_t bytes = [] {
+    if (const char* env = std::getenv("LAZYTENSOR_POOL_CACHE_BYTES"); env && *env) {
+      char* end = nullptr;
+      const long long v = std::strtoll(env, &end, 10);
+      if (end == env || *end != '\0' || v < 0) {
+        throw Error(std::string("LAZYTENSOR_POOL_CACHE_BYTES='") + env +
+                    "' is not a number of bytes >= 0 (expected e.g. 1073741824)");
+      }
+      return static_cast<std::size_t>(v);
+    }
+#if defined(__linux__)
+    const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+    if (pages > 0 && page > 0)
+      return static_cast<std::size_t>(pages) * static_cast<std::size_t>(page) / 4;
+#endif
+    return std::size_t{4} << 30;
+  }();
+  return bytes;
+}
+
 /// Free lists keyed by exact padded size. Thread-safe.
+///
+/// A steady loop asks for the same sizes every step and finds them here. A program whose
+/// shapes keep changing would leave a list behind for every size it ever used, so the
+/// cached bytes are bounded (cache_limit()): past the bound, the lists of the sizes used
+/// least recently go back to the system first.
 class BufferPool : public std::enable_shared_from_this<BufferPool> {
  public:
+  /// A pool caching at most `cache_limit` bytes of freed buffers.
+  explicit BufferPool(std::size_t cache_limit = default_pool_cache_bytes()) : limit_(cache_limit) {}
   ~BufferPool() { empty_cache(); }
 
   /// A buffer of at least `bytes` (already padded) bytes.
@@ -115,9 +152,10 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
     {
       std::lock_guard lock(mu_);
       auto it = free_.find(bytes);
-      if (it != free_.end() && !it->second.empty()) {
-        p = it->second.back();
-        it->second.pop_back();
+      if (it != free_.end() && !it->second.blocks.empty()) {
+        p = it->second.blocks.back();
+        it->second.blocks.pop_back();
+        it->second.used = ++tick_;
         stats_.reuses++;
         stats_.cached_bytes -= static_cast<std::int64_t>(bytes);
       } else {
@@ -131,20 +169,51 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
     return std::make_shared<Buffer>(p, bytes, shared_from_this());
   }
 
+  /// Takes back a buffer's memory: cached for reuse, or (past the cache limit) returned
+  /// to the system along with the lists of the sizes used least recently.
   void release(void* p, std::size_t bytes) {
-    std::lock_guard lock(mu_);
-    free_[bytes].push_back(p);
-    stats_.cached_bytes += static_cast<std::int64_t>(bytes);
+    std::vector<std::pair<void*, std::size_t>> evicted;
+    {
+      std::lock_guard lock(mu_);
+      if (bytes > limit_) {
+        evicted.emplace_back(p, bytes);
+      } else {
+        SizeList& list = free_[bytes];
+        list.blocks.push_back(p);
+        list.used = ++tick_;
+        stats_.cached_bytes += static_cast<std::int64_t>(bytes);
+        evict_beyond(limit_, evicted);
+      }
+    }
+    for (auto [q, n] : evicted) detail::free_buffer_memory(q, n);
   }
 
-  /// Returns every cached block to the system.
+  /// Returns every cached block to the system (what torch.cuda.empty_cache does).
   void empty_cache() {
-    std::lock_guard lock(mu_);
-    for (auto& [bytes, list] : free_) {
-      for (void* p : list) detail::free_buffer_memory(p, bytes);
+    std::unordered_map<std::size_t, SizeList> lists;
+    {
+      std::lock_guard lock(mu_);
+      lists.swap(free_);
+      stats_.cached_bytes = 0;
     }
-    free_.clear();
-    stats_.cached_bytes = 0;
+    for (auto& [bytes, list] : lists)
+      for (void* p : list.blocks) detail::free_buffer_memory(p, bytes);
+  }
+
+  /// Most bytes of freed buffers kept for reuse.
+  std::size_t cache_limit() const {
+    std::lock_guard lock(mu_);
+    return limit_;
+  }
+  /// Changes the bound on cached bytes, returning what no longer fits to the system.
+  void set_cache_limit(std::size_t bytes) {
+    std::vector<std::pair<void*, std::size_t>> evicted;
+    {
+      std::lock_guard lock(mu_);
+      limit_ = bytes;
+      evict_beyond(limit_, evicted);
+    }
+    for (auto [q, n] : evicted) detail::free_buffer_memory(q, n);
   }
 
   PoolStats stats() const {
@@ -153,8 +222,41 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
   }
 
  private:
+  struct SizeList {
+    std::vector<void*> blocks;
+    std::uint64_t used = 0;  // tick of the last acquire or release of this size
+  };
+
+  // Moves blocks to `out` until the cached bytes fit `limit`: whole lists of the least
+  // recently used sizes first (the size just released is the most recent, so it goes
+  // last). Called with mu_ held;
+  // the caller frees `out` after unlocking. Eviction is rare (shapes changing), so the
+  // linear search for the oldest size costs nothing in a steady loop.
+  void evict_beyond(std::size_t limit, std::vector<std::pair<void*, std::size_t>>& out) {
+    static auto& evictions = core::counter("PoolEvictedBytes");
+    while (stats_.cached_bytes > static_cast<std::int64_t>(limit)) {
+      auto victim = free_.end();
+      for (auto it = free_.begin(); it != free_.end(); ++it) {
+        if (it->second.blocks.empty()) continue;
+        if (victim == free_.end() || it->second.used < victim->second.used) victim = it;
+      }
+      if (victim == free_.end()) break;
+      const std::size_t bytes = victim->first;
+      std::vector<void*>& blocks = victim->second.blocks;
+      while (!blocks.empty() && stats_.cached_bytes > static_cast<std::int64_t>(limit)) {
+        out.emplace_back(blocks.back(), bytes);
+        blocks.pop_back();
+        stats_.cached_bytes -= static_cast<std::int64_t>(bytes);
+        evictions.add(static_cast<std::int64_t>(bytes));
+      }
+      if (blocks.empty()) free_.erase(victim);
+    }
+  }
+
   mutable std::mutex mu_;
-  std::unordered_map<std::size_t, std::vector<void*>> free_;
+  std::unordered_map<std::size_t, SizeList> free_;
+  std::size_t limit_;
+  std::uint64_t tick_ = 0;
   PoolStats stats_;
 };
 
