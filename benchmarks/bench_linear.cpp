@@ -18,6 +18,8 @@
 
 #ifdef LAZYTENSOR_HAVE_TORCH
 #include <torch/torch.h>
+
+#include "torch_threads.hpp"
 #endif
 
 namespace {
@@ -106,7 +108,7 @@ void BM_Linear_EigenSeq(benchmark::State& state) {
 #ifdef LAZYTENSOR_HAVE_TORCH
 void BM_Linear_Torch(benchmark::State& state) {
   const std::int64_t batch = state.range(0);
-  at::set_num_threads(1);
+  bench::set_torch_threads(1, 1);  // and OpenBLAS's pool, which would use every core
   Data data(batch);
   const torch::Tensor x = torch::from_blob(data.x.data(), {batch, kIn}).clone();
   const torch::Tensor w = torch::from_blob(data.w.data(), {kOut, kIn}).clone();

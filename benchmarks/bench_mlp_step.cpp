@@ -30,13 +30,14 @@
 #include <sstream>
 #include <thread>
 
-#include <dlfcn.h>
 #include <sys/resource.h>
 
 #include <Eigen/Core>
 
 #ifdef LAZYTENSOR_HAVE_TORCH
 #include <torch/torch.h>
+
+#include "torch_threads.hpp"
 #endif
 
 namespace {
@@ -217,41 +218,6 @@ std::vector<double> lazy_losses() {
 // ---- libtorch --------------------------------------------------------------------------------
 
 #ifdef LAZYTENSOR_HAVE_TORCH
-// libtorch calls BLAS (sgemm_) for float GEMMs; Debian's libtorch links the libblas.so.3
-// alternative, OpenBLAS when libopenblas0-pthread is installed. at::set_num_threads does not
-// reach OpenBLAS's own pool, so it is set through OpenBLAS's API when that is what got loaded.
-using OpenblasSetThreads = void (*)(int);
-using OpenblasGetThreads = int (*)();
-using OpenblasString = char* (*)();
-
-/// Sets libtorch's intra-op threads and OpenBLAS's threads (when sgemm_ is OpenBLAS's).
-void set_torch_threads(int intra_op, int blas) {
-  torch::set_num_threads(intra_op);
-  if (auto f =
-          reinterpret_cast<OpenblasSetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads")))
-    f(blas);
-}
-
-/// OpenBLAS's thread count, -1 when sgemm_ is not OpenBLAS's.
-int blas_threads() {
-  auto f = reinterpret_cast<OpenblasGetThreads>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
-  return f ? f() : -1;
-}
-
-/// Which library provides sgemm_, and OpenBLAS's own description when it is OpenBLAS.
-std::string torch_blas_info() {
-  std::ostringstream os;
-  void* sgemm = dlsym(RTLD_DEFAULT, "sgemm_");
-  Dl_info info{};
-  os << "sgemm_ from "
-     << (sgemm && dladdr(sgemm, &info) && info.dli_fname ? info.dli_fname : "(not found)");
-  if (auto cfg = reinterpret_cast<OpenblasString>(dlsym(RTLD_DEFAULT, "openblas_get_config")))
-    os << "; " << cfg();
-  if (auto core = reinterpret_cast<OpenblasString>(dlsym(RTLD_DEFAULT, "openblas_get_corename")))
-    os << "; core " << core();
-  return os.str();
-}
-
 struct TorchMlp {
   torch::nn::Sequential model;
   torch::optim::SGD opt;
@@ -283,7 +249,7 @@ struct TorchMlp {
 };
 
 std::vector<double> torch_losses() {
-  set_torch_threads(1, 1);
+  bench::set_torch_threads(1, 1);
   TorchMlp m(Problem::get());
   std::vector<double> out;
   for (int i = 0; i < kCheckSteps; ++i) out.push_back(m.step().item<double>());
@@ -380,11 +346,11 @@ void BM_MlpStep_Lazy(benchmark::State& state) {
 /// libtorch's step with `intra_op` intra-op threads and `threads` OpenBLAS threads.
 void run_torch(benchmark::State& state, int intra_op, int threads) {
   if (!passes_self_check(state)) return;
-  set_torch_threads(intra_op, threads);
+  bench::set_torch_threads(intra_op, threads);
   if (!bench::check(state, torch::get_num_threads() == intra_op,
                     "libtorch did not take the thread count"))
     return;
-  const int blas = blas_threads();
+  const int blas = bench::blas_threads();
   if (!bench::check(state, blas == -1 || blas == threads, "OpenBLAS did not take the thread count"))
     return;
   TorchMlp m(Problem::get());
@@ -470,7 +436,7 @@ int main(int argc, char** argv) {
     at::set_num_interop_threads(1);
   } catch (const std::exception&) {
   }
-  benchmark::AddCustomContext("torch_blas", torch_blas_info());
+  benchmark::AddCustomContext("torch_blas", bench::torch_blas_info());
   benchmark::AddCustomContext("torch_interop_threads",
                               std::to_string(at::get_num_interop_threads()));
 #endif
