@@ -3,6 +3,7 @@
 // They carry what nodes do not: pointers, the splat flags, the lane type S, and the
 // scalar (coeff) and SIMD (packet) access paths. Eigen's split, in short.
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <tuple>
@@ -298,6 +299,22 @@ inline void store_fence() {
 #else
 #define LAZY_KERNEL_LOOP
 #endif
+
+/// Copies `bytes` bytes from `src` to `dst` bypassing the cache where the ISA allows
+/// (both 64-byte aligned; the caller fences). Moves bits, whatever they encode. Not
+/// inlined: it would crowd the registers of the slice loop calling it.
+LAZY_KERNEL_LOOP inline void stream_copy(void* dst, const void* src, std::size_t bytes) {
+  using B = batch_t<float>;
+  constexpr std::size_t kBatchBytes = B::size * sizeof(float);
+  auto* d = static_cast<float*>(dst);
+  const auto* s = static_cast<const float*>(src);
+  const std::size_t whole = bytes / kBatchBytes * kBatchBytes;
+  for (std::size_t i = 0; i < whole / sizeof(float); i += B::size)
+    stream_store<float>(d + i, B::load_aligned(s + i));
+  if (whole < bytes)
+    std::memcpy(static_cast<std::byte*>(dst) + whole, static_cast<const std::byte*>(src) + whole,
+                bytes - whole);
+}
 
 /// Stores the first `count` lanes of `b` to `p` (the tail of a range).
 template <class Tout, class S>

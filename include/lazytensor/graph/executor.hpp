@@ -240,14 +240,18 @@ inline void run_group(ExecContext& ctx, const PlanStep& st, const GroupMembers& 
   auto& pool = ctx.device.threads();
   const std::int64_t chunks = (n + kFusionChunk - 1) / kFusionChunk;
   const std::int64_t tasks = std::max<std::int64_t>(1, std::min(chunks, task_count(pool, n, cost)));
-  std::shared_ptr<Buffer> scratch =
-      per_task ? ctx.device.pool().acquire(per_task * static_cast<std::size_t>(tasks)) : nullptr;
   const std::size_t partial_bytes = reduction ? reduction->partial_bytes() : 0;
   std::shared_ptr<Buffer> partials =
       reduction ? ctx.device.pool().acquire(padded_bytes(chunks, partial_bytes)) : nullptr;
   // Whole outputs too large for the cache that no later member reads are streamed (as a
   // single statement does): the cache keeps the chunk's inputs instead.
-  std::vector<std::uint8_t> stream(k, 0);
+  // A sliced group (below) streams the ones a later member reads too: the member writes
+  // its slice to scratch, where the readers find it in cache, and the slice is then
+  // copied out with non-temporal stores. Stored through the cache instead, each output
+  // line would first be read from memory (two extra streams for t1, t2 in
+  // `t1 = a*b + c; t2 = relu(t1)*d; y = t2 - 0.5*a` with all three kept).
+  std::vector<PrefetchStream> streams = slice_streams(in, n);
+  std::vector<std::uint8_t> stream(k, 0), copy_out(k, 0);
   bool any_stream = false;
   for (std::size_t j = 0; j < k; ++j) {
     if (!out_ptr[j] || !mem[j].ew->can_stream() || !mem[j].contig ||
@@ -258,15 +262,21 @@ inline void run_group(ExecContext& ctx, const PlanStep& st, const GroupMembers& 
       for (std::size_t q = 0; q < mem[i].num_in; ++q)
         read_later = read_later || in[mem[i].first_in + q].src == static_cast<std::int32_t>(j);
     stream[j] = read_later ? 0 : 1;
-    any_stream = any_stream || !read_later;
+    copy_out[j] = read_later && !streams.empty() ? 1 : 0;
+    any_stream = any_stream || stream[j] || copy_out[j];
+    if (copy_out[j]) {
+      mem[j].scratch_off = per_task;
+      per_task += padded_bytes(kFusionChunk, mem[j].esz);
+    }
   }
+  std::shared_ptr<Buffer> scratch =
+      per_task ? ctx.device.pool().acquire(per_task * static_cast<std::size_t>(tasks)) : nullptr;
   // Groups reading more than the cache holds run each chunk in slices, every member over a
   // slice before the next, and prefetch the outside inputs a few KiB ahead: member by
   // member over a whole chunk, only one member's inputs stream from memory at a time and
   // the loads missing the cache are too sparse in the instruction stream to keep enough
   // of them in flight. Measured with relu(a*b + c)*d - 0.5*a as three statements, 2^24
   // floats: 0.5x the single statement's speed member by member, 0.7-0.9x sliced.
-  std::vector<PrefetchStream> streams = slice_streams(in, n);
   std::int64_t slice = kFusionChunk;
   if (!streams.empty()) {
     static auto& sliced = core::counter("SlicedGroups");
@@ -274,7 +284,7 @@ inline void run_group(ExecContext& ctx, const PlanStep& st, const GroupMembers& 
     slice = kFusionSlice;
     // Whole outputs stored through the cache are read for ownership: a stream too.
     for (std::size_t j = 0; j < k; ++j)
-      if (out_ptr[j] && !stream[j]) streams.push_back({out_ptr[j], mem[j].esz});
+      if (out_ptr[j] && !stream[j] && !copy_out[j]) streams.push_back({out_ptr[j], mem[j].esz});
   }
   pool.parallel_for(tasks, [&](std::int64_t t) {
     auto [c0, c1] = task_range(chunks, tasks, t);
@@ -292,12 +302,13 @@ inline void run_group(ExecContext& ctx, const PlanStep& st, const GroupMembers& 
           ptrs[i] = x.base + ub * x.esz;
         } else {
           const auto p = static_cast<std::size_t>(x.src);
-          ptrs[i] = out_ptr[p] ? out_ptr[p] + ub * mem[p].esz : mine + mem[p].scratch_off;
+          ptrs[i] =
+              out_ptr[p] && !copy_out[p] ? out_ptr[p] + ub * mem[p].esz : mine + mem[p].scratch_off;
         }
       }
       for (std::size_t j = 0; j < k; ++j)
-        outs[j] = out_ptr[j] ? static_cast<void*>(out_ptr[j] + ub * mem[j].esz)
-                             : static_cast<void*>(mine + mem[j].scratch_off);
+        outs[j] = out_ptr[j] && !copy_out[j] ? static_cast<void*>(out_ptr[j] + ub * mem[j].esz)
+                                             : static_cast<void*>(mine + mem[j].scratch_off);
     };
     for (std::int64_t c = c0; c < c1; ++c) {
       const std::int64_t b = c * kFusionChunk, len = std::min(kFusionChunk, n - b);
@@ -311,6 +322,12 @@ inline void run_group(ExecContext& ctx, const PlanStep& st, const GroupMembers& 
           if (!m.ew) continue;
           m.kernel->flat(ptrs.data() + m.first_in, m.splat, outs[j], s0, s1, m.contig,
                          stream[j] != 0);
+          if (copy_out[j]) {
+            const auto at = static_cast<std::size_t>(s0) * m.esz;
+            expr::stream_copy(out_ptr[j] + ub * m.esz + at,
+                              static_cast<const std::byte*>(outs[j]) + at,
+                              static_cast<std::size_t>(s1 - s0) * m.esz);
+          }
         }
       }
       if (reduction) {  // the last member, over the whole chunk: one partial, as unfused
