@@ -93,7 +93,8 @@ inline int get_num_threads() { return graph::current_device().threads().size(); 
 
 /// Returns the memory the current device keeps for reuse (the buffers of dropped tensors)
 /// to the system, as torch.cuda.empty_cache() does. Live tensors are untouched. The cache
-/// is bounded anyway (a quarter of the physical memory, LAZYTENSOR_POOL_CACHE_BYTES).
+/// is bounded anyway (per device: a quarter of the physical memory, or
+/// LAZYTENSOR_POOL_CACHE_BYTES).
 inline void empty_cache() { graph::current_device().pool().empty_cache(); }
 
 /// Queues f to run at the end of the next mark_step on the current device, once that step

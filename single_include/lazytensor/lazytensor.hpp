@@ -527,20 +527,18 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
   /// Takes back a buffer's memory: cached for reuse, or (past the cache limit) returned
   /// to the system along with the lists of the sizes used least recently.
   void release(void* p, std::size_t bytes) {
-    std::vector<std::pair<void*, std::size_t>> evicted;
     {
       std::lock_guard lock(mu_);
-      if (bytes > limit_) {
-        evicted.emplace_back(p, bytes);
-      } else {
+      if (bytes <= limit_) {
         SizeList& list = free_[bytes];
         list.blocks.push_back(p);
         list.used = ++tick_;
         stats_.cached_bytes += static_cast<std::int64_t>(bytes);
-        evict_beyond(limit_, evicted);
+        evict_beyond(limit_);
+        return;
       }
     }
-    for (auto [q, n] : evicted) detail::free_buffer_memory(q, n);
+    detail::free_buffer_memory(p, bytes);  // larger than the whole cache
   }
 
   /// Returns every cached block to the system (what torch.cuda.empty_cache does).
@@ -562,13 +560,9 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
   }
   /// Changes the bound on cached bytes, returning what no longer fits to the system.
   void set_cache_limit(std::size_t bytes) {
-    std::vector<std::pair<void*, std::size_t>> evicted;
-    {
-      std::lock_guard lock(mu_);
-      limit_ = bytes;
-      evict_beyond(limit_, evicted);
-    }
-    for (auto [q, n] : evicted) detail::free_buffer_memory(q, n);
+    std::lock_guard lock(mu_);
+    limit_ = bytes;
+    evict_beyond(limit_);
   }
 
   PoolStats stats() const {
@@ -582,24 +576,30 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
     std::uint64_t used = 0;  // tick of the last acquire or release of this size
   };
 
-  // Moves blocks to `out` until the cached bytes fit `limit`: whole lists of the least
-  // recently used sizes first (the size just released is the most recent, so it goes
-  // last). Called with mu_ held;
+  // Frees blocks until the cached bytes fit `limit`: whole lists of the least recently
+  // used sizes first (the size just released is the most recent, so it goes last), and
+  // drops the entries of sizes with no block left. Called with mu_ held; it frees under
+  // the lock so that a release (a destructor) never allocates, and evicting happens only
+  // while shapes change;
   // the caller frees `out` after unlocking. Eviction is rare (shapes changing), so the
   // linear search for the oldest size costs nothing in a steady loop.
-  void evict_beyond(std::size_t limit, std::vector<std::pair<void*, std::size_t>>& out) {
+  void evict_beyond(std::size_t limit) {
     static auto& evictions = core::counter("PoolEvictedBytes");
     while (stats_.cached_bytes > static_cast<std::int64_t>(limit)) {
       auto victim = free_.end();
-      for (auto it = free_.begin(); it != free_.end(); ++it) {
-        if (it->second.blocks.empty()) continue;
+      for (auto it = free_.begin(); it != free_.end();) {
+        if (it->second.blocks.empty()) {
+          it = free_.erase(it);
+          continue;
+        }
         if (victim == free_.end() || it->second.used < victim->second.used) victim = it;
+        ++it;
       }
       if (victim == free_.end()) break;
       const std::size_t bytes = victim->first;
       std::vector<void*>& blocks = victim->second.blocks;
       while (!blocks.empty() && stats_.cached_bytes > static_cast<std::int64_t>(limit)) {
-        out.emplace_back(blocks.back(), bytes);
+        detail::free_buffer_memory(blocks.back(), bytes);
         blocks.pop_back();
         stats_.cached_bytes -= static_cast<std::int64_t>(bytes);
         evictions.add(static_cast<std::int64_t>(bytes));
@@ -3050,6 +3050,7 @@ class Device {
   /// Takes the trace (the caller puts back what it does not run, see keep_traced).
   std::vector<std::weak_ptr<Node>> take_trace() {
     std::lock_guard lock(mu_);
+    prune_at_ = kMinPruneAt;  // a large step must not leave a high threshold behind
     return std::exchange(trace_, {});
   }
   /// Returns nodes to the front of the trace (still pending, older than anything traced
@@ -3059,6 +3060,7 @@ class Device {
     std::lock_guard lock(mu_);
     older.insert(older.end(), trace_.begin(), trace_.end());
     trace_ = std::move(older);
+    prune_at_ = std::max(kMinPruneAt, 2 * trace_.size());
   }
 
   /// Registers a handle, so mark_step can find the pending values that are still wanted
@@ -7855,7 +7857,8 @@ inline int get_num_threads() { return graph::current_device().threads().size(); 
 
 /// Returns the memory the current device keeps for reuse (the buffers of dropped tensors)
 /// to the system, as torch.cuda.empty_cache() does. Live tensors are untouched. The cache
-/// is bounded anyway (a quarter of the physical memory, LAZYTENSOR_POOL_CACHE_BYTES).
+/// is bounded anyway (per device: a quarter of the physical memory, or
+/// LAZYTENSOR_POOL_CACHE_BYTES).
 inline void empty_cache() { graph::current_device().pool().empty_cache(); }
 
 /// Queues f to run at the end of the next mark_step on the current device, once that step

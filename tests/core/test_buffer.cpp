@@ -1,6 +1,7 @@
 // core/buffer.hpp: alignment, the padding rule, and pool recycling; plus the device pool
 // reaching a steady state in a training-like loop.
 #include <lazytensor/core/buffer.hpp>
+#include <lazytensor/debug/metrics.hpp>
 #include <lazytensor/device.hpp>
 #include <lazytensor/ops/factories.hpp>
 
@@ -242,8 +243,11 @@ TEST(Buffer, CachedBytesStayUnderTheLimitEvictingTheLeastRecentlyUsedSizes) {
   // Lowering the limit returns the excess; a block larger than the limit is never cached.
   pool->set_cache_limit(8192);
   EXPECT_LE(pool->stats().cached_bytes, 8192);
+  const auto cached = pool->stats().cached_bytes;
+  const auto evicted = lazy::debug::counter_value("PoolEvictedBytes");
   { auto big = pool->acquire(16384); }
-  EXPECT_LE(pool->stats().cached_bytes, 8192);
+  EXPECT_EQ(pool->stats().cached_bytes, cached) << "freed at once, nothing evicted for it";
+  EXPECT_EQ(lazy::debug::counter_value("PoolEvictedBytes"), evicted);
   pool->set_cache_limit(0);
   EXPECT_EQ(pool->stats().cached_bytes, 0);
 }

@@ -173,6 +173,11 @@ TEST_F(Executor, ReadingWithoutMarkStepKeepsTheTraceBounded) {
   step();
   const Tensor<float> a = lazy::full<float>({64}, 1.5f), b = lazy::full<float>({64}, 0.5f);
   step();
+  {  // a long step first: its trace must not leave a high pruning threshold behind
+    Tensor<float> t = a;
+    for (int i = 0; i < 20000; ++i) t = t + 1.0f;
+    step();
+  }
   const Tensor<float> kept = a * 3;  // a pending value still wanted stays traced throughout
   constexpr int kReads = 20000;
   double total = 0;

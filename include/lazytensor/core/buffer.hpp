@@ -172,20 +172,18 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
   /// Takes back a buffer's memory: cached for reuse, or (past the cache limit) returned
   /// to the system along with the lists of the sizes used least recently.
   void release(void* p, std::size_t bytes) {
-    std::vector<std::pair<void*, std::size_t>> evicted;
     {
       std::lock_guard lock(mu_);
-      if (bytes > limit_) {
-        evicted.emplace_back(p, bytes);
-      } else {
+      if (bytes <= limit_) {
         SizeList& list = free_[bytes];
         list.blocks.push_back(p);
         list.used = ++tick_;
         stats_.cached_bytes += static_cast<std::int64_t>(bytes);
-        evict_beyond(limit_, evicted);
+        evict_beyond(limit_);
+        return;
       }
     }
-    for (auto [q, n] : evicted) detail::free_buffer_memory(q, n);
+    detail::free_buffer_memory(p, bytes);  // larger than the whole cache
   }
 
   /// Returns every cached block to the system (what torch.cuda.empty_cache does).
@@ -207,13 +205,9 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
   }
   /// Changes the bound on cached bytes, returning what no longer fits to the system.
   void set_cache_limit(std::size_t bytes) {
-    std::vector<std::pair<void*, std::size_t>> evicted;
-    {
-      std::lock_guard lock(mu_);
-      limit_ = bytes;
-      evict_beyond(limit_, evicted);
-    }
-    for (auto [q, n] : evicted) detail::free_buffer_memory(q, n);
+    std::lock_guard lock(mu_);
+    limit_ = bytes;
+    evict_beyond(limit_);
   }
 
   PoolStats stats() const {
@@ -227,24 +221,30 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
     std::uint64_t used = 0;  // tick of the last acquire or release of this size
   };
 
-  // Moves blocks to `out` until the cached bytes fit `limit`: whole lists of the least
-  // recently used sizes first (the size just released is the most recent, so it goes
-  // last). Called with mu_ held;
+  // Frees blocks until the cached bytes fit `limit`: whole lists of the least recently
+  // used sizes first (the size just released is the most recent, so it goes last), and
+  // drops the entries of sizes with no block left. Called with mu_ held; it frees under
+  // the lock so that a release (a destructor) never allocates, and evicting happens only
+  // while shapes change;
   // the caller frees `out` after unlocking. Eviction is rare (shapes changing), so the
   // linear search for the oldest size costs nothing in a steady loop.
-  void evict_beyond(std::size_t limit, std::vector<std::pair<void*, std::size_t>>& out) {
+  void evict_beyond(std::size_t limit) {
     static auto& evictions = core::counter("PoolEvictedBytes");
     while (stats_.cached_bytes > static_cast<std::int64_t>(limit)) {
       auto victim = free_.end();
-      for (auto it = free_.begin(); it != free_.end(); ++it) {
-        if (it->second.blocks.empty()) continue;
+      for (auto it = free_.begin(); it != free_.end();) {
+        if (it->second.blocks.empty()) {
+          it = free_.erase(it);
+          continue;
+        }
         if (victim == free_.end() || it->second.used < victim->second.used) victim = it;
+        ++it;
       }
       if (victim == free_.end()) break;
       const std::size_t bytes = victim->first;
       std::vector<void*>& blocks = victim->second.blocks;
       while (!blocks.empty() && stats_.cached_bytes > static_cast<std::int64_t>(limit)) {
-        out.emplace_back(blocks.back(), bytes);
+        detail::free_buffer_memory(blocks.back(), bytes);
         blocks.pop_back();
         stats_.cached_bytes -= static_cast<std::int64_t>(bytes);
         evictions.add(static_cast<std::int64_t>(bytes));

@@ -73,6 +73,7 @@ class Device {
   /// Takes the trace (the caller puts back what it does not run, see keep_traced).
   std::vector<std::weak_ptr<Node>> take_trace() {
     std::lock_guard lock(mu_);
+    prune_at_ = kMinPruneAt;  // a large step must not leave a high threshold behind
     return std::exchange(trace_, {});
   }
   /// Returns nodes to the front of the trace (still pending, older than anything traced
@@ -82,6 +83,7 @@ class Device {
     std::lock_guard lock(mu_);
     older.insert(older.end(), trace_.begin(), trace_.end());
     trace_ = std::move(older);
+    prune_at_ = std::max(kMinPruneAt, 2 * trace_.size());
   }
 
   /// Registers a handle, so mark_step can find the pending values that are still wanted
