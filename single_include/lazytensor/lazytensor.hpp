@@ -373,7 +373,6 @@ class IoError : public Error {
 #include <memory>
 #include <mutex>
 #include <new>
-#include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -383,6 +382,35 @@ class IoError : public Error {
 #include <unistd.h>
 #endif
 
+// ---- begin lazytensor/core/env.hpp ----
+// Reading settings from the environment (LAZYTENSOR_*): a malformed value is an error
+// naming the variable, never silently replaced by a default.
+
+#include <cstdlib>
+#include <optional>
+#include <string>
+
+
+namespace lazy::core {
+
+/// The whole number in environment variable `name`, or nullopt when it is unset or empty.
+/// Throws Error naming the variable, `what` it counts and an `example` when the value is
+/// not a whole number >= `min`.
+inline std::optional<long long> env_integer(const char* name, long long min, const char* what,
+                                            const char* example) {
+  const char* env = std::getenv(name);
+  if (!env || !*env) return std::nullopt;
+  char* end = nullptr;
+  const long long v = std::strtoll(env, &end, 10);
+  if (end == env || *end != '\0' || v < min) {
+    throw Error(std::string(name) + "='" + env + "' is not a number of " + what +
+                " >= " + std::to_string(min) + " (expected e.g. " + example + ")");
+  }
+  return v;
+}
+
+}  // namespace lazy::core
+// ---- end lazytensor/core/env.hpp ----
 
 namespace lazy {
 
@@ -470,15 +498,8 @@ struct PoolStats {
 /// nothing). A malformed value is an Error naming it.
 inline std::size_t default_pool_cache_bytes() {
   static const std::size_t bytes = [] {
-    if (const char* env = std::getenv("LAZYTENSOR_POOL_CACHE_BYTES"); env && *env) {
-      char* end = nullptr;
-      const long long v = std::strtoll(env, &end, 10);
-      if (end == env || *end != '\0' || v < 0) {
-        throw Error(std::string("LAZYTENSOR_POOL_CACHE_BYTES='") + env +
-                    "' is not a number of bytes >= 0 (expected e.g. 1073741824)");
-      }
-      return static_cast<std::size_t>(v);
-    }
+    if (const auto v = core::env_integer("LAZYTENSOR_POOL_CACHE_BYTES", 0, "bytes", "1073741824"))
+      return static_cast<std::size_t>(*v);
 #if defined(__linux__)
     const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
     if (pages > 0 && page > 0)
@@ -578,11 +599,9 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
 
   // Frees blocks until the cached bytes fit `limit`: whole lists of the least recently
   // used sizes first (the size just released is the most recent, so it goes last), and
-  // drops the entries of sizes with no block left. Called with mu_ held; it frees under
-  // the lock so that a release (a destructor) never allocates, and evicting happens only
-  // while shapes change;
-  // the caller frees `out` after unlocking. Eviction is rare (shapes changing), so the
-  // linear search for the oldest size costs nothing in a steady loop.
+  // drops the entries of sizes with no block left. Called with mu_ held: freeing under
+  // the lock means a release (a destructor) never allocates. Eviction happens only while
+  // shapes change, so the linear search for the oldest size costs a steady loop nothing.
   void evict_beyond(std::size_t limit) {
     static auto& evictions = core::counter("PoolEvictedBytes");
     while (stats_.cached_bytes > static_cast<std::int64_t>(limit)) {
@@ -2839,10 +2858,8 @@ class ThreadPool {
 
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
 #include <list>
 #include <memory>
-#include <string>
 #include <unordered_map>
 #include <utility>
 
@@ -2857,15 +2874,8 @@ inline constexpr std::size_t kDefaultPlanCacheSize = 1024;
 /// The plan cache capacity: LAZYTENSOR_PLAN_CACHE_SIZE (a whole number >= 1), else
 /// kDefaultPlanCacheSize. A malformed value is an Error naming it.
 inline std::size_t env_plan_cache_size() {
-  const char* env = std::getenv("LAZYTENSOR_PLAN_CACHE_SIZE");
-  if (!env || !*env) return kDefaultPlanCacheSize;
-  char* end = nullptr;
-  const long long v = std::strtoll(env, &end, 10);
-  if (end == env || *end != '\0' || v < 1) {
-    throw Error(std::string("LAZYTENSOR_PLAN_CACHE_SIZE='") + env +
-                "' is not a number of plans >= 1 (expected e.g. 1024)");
-  }
-  return static_cast<std::size_t>(v);
+  const auto v = core::env_integer("LAZYTENSOR_PLAN_CACHE_SIZE", 1, "plans", "1024");
+  return v ? static_cast<std::size_t>(*v) : kDefaultPlanCacheSize;
 }
 
 /// Plans by structural hash, at most capacity() of them, least recently used evicted
@@ -3060,7 +3070,7 @@ class Device {
     std::lock_guard lock(mu_);
     older.insert(older.end(), trace_.begin(), trace_.end());
     trace_ = std::move(older);
-    prune_at_ = std::max(kMinPruneAt, 2 * trace_.size());
+    rearm_pruning();
   }
 
   /// Registers a handle, so mark_step can find the pending values that are still wanted
@@ -3185,8 +3195,10 @@ class Device {
   // per node and the trace at most twice the nodes still alive.
   void prune_trace() {
     std::erase_if(trace_, [](const std::weak_ptr<Node>& w) { return w.expired(); });
-    prune_at_ = std::max(kMinPruneAt, 2 * trace_.size());
+    rearm_pruning();
   }
+  // The next pruning comes when the trace has doubled from now.
+  void rearm_pruning() { prune_at_ = std::max(kMinPruneAt, 2 * trace_.size()); }
 
   static bool default_async() {
     const char* env = std::getenv("LAZYTENSOR_ASYNC");

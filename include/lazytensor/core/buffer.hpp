@@ -16,7 +16,6 @@
 #include <memory>
 #include <mutex>
 #include <new>
-#include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -27,7 +26,7 @@
 #endif
 
 #include <lazytensor/core/counters.hpp>
-#include <lazytensor/core/error.hpp>
+#include <lazytensor/core/env.hpp>
 
 namespace lazy {
 
@@ -115,15 +114,8 @@ struct PoolStats {
 /// nothing). A malformed value is an Error naming it.
 inline std::size_t default_pool_cache_bytes() {
   static const std::size_t bytes = [] {
-    if (const char* env = std::getenv("LAZYTENSOR_POOL_CACHE_BYTES"); env && *env) {
-      char* end = nullptr;
-      const long long v = std::strtoll(env, &end, 10);
-      if (end == env || *end != '\0' || v < 0) {
-        throw Error(std::string("LAZYTENSOR_POOL_CACHE_BYTES='") + env +
-                    "' is not a number of bytes >= 0 (expected e.g. 1073741824)");
-      }
-      return static_cast<std::size_t>(v);
-    }
+    if (const auto v = core::env_integer("LAZYTENSOR_POOL_CACHE_BYTES", 0, "bytes", "1073741824"))
+      return static_cast<std::size_t>(*v);
 #if defined(__linux__)
     const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
     if (pages > 0 && page > 0)
@@ -223,11 +215,9 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
 
   // Frees blocks until the cached bytes fit `limit`: whole lists of the least recently
   // used sizes first (the size just released is the most recent, so it goes last), and
-  // drops the entries of sizes with no block left. Called with mu_ held; it frees under
-  // the lock so that a release (a destructor) never allocates, and evicting happens only
-  // while shapes change;
-  // the caller frees `out` after unlocking. Eviction is rare (shapes changing), so the
-  // linear search for the oldest size costs nothing in a steady loop.
+  // drops the entries of sizes with no block left. Called with mu_ held: freeing under
+  // the lock means a release (a destructor) never allocates. Eviction happens only while
+  // shapes change, so the linear search for the oldest size costs a steady loop nothing.
   void evict_beyond(std::size_t limit) {
     static auto& evictions = core::counter("PoolEvictedBytes");
     while (stats_.cached_bytes > static_cast<std::int64_t>(limit)) {

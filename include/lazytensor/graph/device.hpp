@@ -83,7 +83,7 @@ class Device {
     std::lock_guard lock(mu_);
     older.insert(older.end(), trace_.begin(), trace_.end());
     trace_ = std::move(older);
-    prune_at_ = std::max(kMinPruneAt, 2 * trace_.size());
+    rearm_pruning();
   }
 
   /// Registers a handle, so mark_step can find the pending values that are still wanted
@@ -208,8 +208,10 @@ class Device {
   // per node and the trace at most twice the nodes still alive.
   void prune_trace() {
     std::erase_if(trace_, [](const std::weak_ptr<Node>& w) { return w.expired(); });
-    prune_at_ = std::max(kMinPruneAt, 2 * trace_.size());
+    rearm_pruning();
   }
+  // The next pruning comes when the trace has doubled from now.
+  void rearm_pruning() { prune_at_ = std::max(kMinPruneAt, 2 * trace_.size()); }
 
   static bool default_async() {
     const char* env = std::getenv("LAZYTENSOR_ASYNC");

@@ -6,15 +6,13 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
 #include <list>
 #include <memory>
-#include <string>
 #include <unordered_map>
 #include <utility>
 
 #include <lazytensor/core/counters.hpp>
-#include <lazytensor/core/error.hpp>
+#include <lazytensor/core/env.hpp>
 
 namespace lazy::graph {
 
@@ -26,15 +24,8 @@ inline constexpr std::size_t kDefaultPlanCacheSize = 1024;
 /// The plan cache capacity: LAZYTENSOR_PLAN_CACHE_SIZE (a whole number >= 1), else
 /// kDefaultPlanCacheSize. A malformed value is an Error naming it.
 inline std::size_t env_plan_cache_size() {
-  const char* env = std::getenv("LAZYTENSOR_PLAN_CACHE_SIZE");
-  if (!env || !*env) return kDefaultPlanCacheSize;
-  char* end = nullptr;
-  const long long v = std::strtoll(env, &end, 10);
-  if (end == env || *end != '\0' || v < 1) {
-    throw Error(std::string("LAZYTENSOR_PLAN_CACHE_SIZE='") + env +
-                "' is not a number of plans >= 1 (expected e.g. 1024)");
-  }
-  return static_cast<std::size_t>(v);
+  const auto v = core::env_integer("LAZYTENSOR_PLAN_CACHE_SIZE", 1, "plans", "1024");
+  return v ? static_cast<std::size_t>(*v) : kDefaultPlanCacheSize;
 }
 
 /// Plans by structural hash, at most capacity() of them, least recently used evicted
