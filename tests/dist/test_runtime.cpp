@@ -1,9 +1,13 @@
 // dist/spawn.hpp and dist/runtime.hpp: replica threads bound to their own devices, worker
-// pools sized for the replicas and restored afterwards, return values, runtime queries
+// pools sized for the replicas and restored afterwards, steps in line when the replicas
+// fill the cores, return values, runtime queries
 // inside and outside spawn. Also run under TSan.
 #include "dist_testing.hpp"
 
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <thread>
 #include <vector>
@@ -112,6 +116,65 @@ TEST(Spawn, DevicesCreatedForReplicasKeepTheReplicaSize) {
   // one that existed (when the test is repeated) gets its size back.
   EXPECT_EQ(registry.device(world - 1).threads().size(),
             before >= 0 ? before : std::max(1, lazy::graph::default_device_threads() / world));
+}
+
+/// Replica devices' step mode during a spawn of `world` replicas, and whether each
+/// replica's value was computed by the time its mark_step returned.
+struct StepModes {
+  std::vector<std::uint8_t> inline_steps, done_at_return;
+};
+StepModes step_modes(int world) {
+  StepModes m{std::vector<std::uint8_t>(static_cast<std::size_t>(world)),
+              std::vector<std::uint8_t>(static_cast<std::size_t>(world))};
+  dist::spawn(
+      [&](int r) {
+        const auto i = static_cast<std::size_t>(r);
+        m.inline_steps[i] = lazy::graph::current_device().inline_steps();
+        // Large enough for the executor (not a tiny step that always runs in line).
+        lazy::Tensor<float> y = lazy::sqrt(lazy::full<float>(lazy::Shape{1 << 16}, 4.0f + r));
+        lazy::mark_step();
+        m.done_at_return[i] = y.node()->materialized();
+        EXPECT_EQ(y.to_vector()[100], std::sqrt(4.0f + r));
+      },
+      world);
+  return m;
+}
+
+TEST(Spawn, ReplicasFillingEveryCoreRunTheirStepsOnTheirOwnThreads) {
+  Watchdog dog;
+  if (std::getenv("LAZYTENSOR_ASYNC")) GTEST_SKIP() << "LAZYTENSOR_ASYNC chooses the step mode";
+  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (hw > 64) GTEST_SKIP() << hw << " hardware threads: too many replica threads for a unit test";
+  auto& dev0 = lazy::graph::DeviceRegistry::get().device(0);
+  const StepModes full = step_modes(hw);
+  for (int r = 0; r < hw; ++r) {
+    const auto i = static_cast<std::size_t>(r);
+    EXPECT_TRUE(full.inline_steps[i]) << "replica " << r;
+    // In line: the step has run when mark_step returns (on the executor it may not have).
+    EXPECT_TRUE(full.done_at_return[i]) << "replica " << r;
+  }
+  EXPECT_FALSE(dev0.inline_steps()) << "spawn must give device 0 its step mode back";
+  if (hw >= 2) {
+    // Fewer replicas than cores: the executor has a core of its own to overlap with.
+    const StepModes half = step_modes(hw / 2);
+    for (std::size_t i = 0; i < half.inline_steps.size(); ++i)
+      EXPECT_FALSE(half.inline_steps[i]) << "replica " << i;
+  }
+}
+
+TEST(Spawn, LazytensorAsyncKeepsReplicasOnTheirExecutors) {
+  Watchdog dog;
+  const char* old = std::getenv("LAZYTENSOR_ASYNC");
+  const std::string saved = old ? old : "";
+  ::setenv("LAZYTENSOR_ASYNC", "1", 1);
+  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const StepModes m = step_modes(std::min(hw, 64));
+  if (old)
+    ::setenv("LAZYTENSOR_ASYNC", saved.c_str(), 1);
+  else
+    ::unsetenv("LAZYTENSOR_ASYNC");
+  for (std::size_t i = 0; i < m.inline_steps.size(); ++i)
+    EXPECT_FALSE(m.inline_steps[i]) << "replica " << i;
 }
 
 TEST(Spawn, ReturnsReplicaZerosResultOrNothing) {

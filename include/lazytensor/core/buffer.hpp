@@ -56,10 +56,7 @@ inline std::size_t buffer_alignment(std::size_t bytes) {
 }
 
 inline bool huge_pages_wanted() {
-  static const bool wanted = [] {
-    const char* env = std::getenv("LAZYTENSOR_HUGE_PAGES");
-    return !(env && env[0] == '0');
-  }();
+  static const bool wanted = core::env_switch("LAZYTENSOR_HUGE_PAGES").value_or(true);
   return wanted;
 }
 

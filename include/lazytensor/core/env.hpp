@@ -26,4 +26,16 @@ inline std::optional<long long> env_integer(const char* name, long long min, con
   return v;
 }
 
+/// The on/off switch in environment variable `name`: true for 1/on/true, false for
+/// 0/off/false, nullopt when unset or empty. Throws Error naming the variable otherwise.
+inline std::optional<bool> env_switch(const char* name) {
+  const char* env = std::getenv(name);
+  if (!env || !*env) return std::nullopt;
+  const std::string v = env;
+  if (v == "1" || v == "on" || v == "true") return true;
+  if (v == "0" || v == "off" || v == "false") return false;
+  throw Error(std::string(name) + "='" + v +
+              "' is not an on/off switch (expected 1, on, true, 0, off or false)");
+}
+
 }  // namespace lazy::core

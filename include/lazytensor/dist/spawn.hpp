@@ -5,7 +5,10 @@
 // random stream and buffer pool). Each replica device gets max(1, T / nprocs) worker
 // threads, T = LAZYTENSOR_NUM_THREADS or the hardware threads, so the replicas together do
 // not oversubscribe the machine; devices that existed before spawn get their sizes back
-// when it returns (devices it created keep the replica size).
+// when it returns (devices it created keep the replica size). When the replica threads
+// fill every hardware thread, each replica runs its steps on its own thread instead of
+// its device's executor (Device::inline_steps; errors still surface at the next read or
+// sync), unless LAZYTENSOR_ASYNC is set.
 //
 // When fn returns, the replica first runs its pending collectives (a collective traced but
 // never synced would otherwise leave its partners waiting), then counts as exited: a
@@ -15,6 +18,8 @@
 // every replica thread has finished. A replica busy in its own code notices the abort at
 // its next collective, so spawn returns as soon as every replica reached one (or ended).
 
+#include <algorithm>
+#include <cstdint>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -42,31 +47,49 @@ inline int replica_threads(int nprocs) {
   return std::max(1, graph::default_device_threads() / nprocs);
 }
 
-/// Sizes the pools of devices [0, n) for n replicas. Devices that existed before get their
-/// sizes back when this is destroyed; devices created for the replicas keep the replica
-/// size (restoring them would only start idle workers nobody asked for).
-class ReplicaPools {
+/// Whether n replicas run their steps on their own threads (Device::inline_steps): when
+/// their threads alone fill the machine's cores, unless LAZYTENSOR_ASYNC chose a mode.
+/// With every core busy, a replica's executor thread could only take turns with the
+/// replica's thread on a core, and every step would pay two cross-core wake-ups (measured
+/// with 2 replicas on 2 cores: about 10% of the MLP step).
+inline bool replica_steps_inline(int n) {
+  return n >= static_cast<int>(std::max(1u, std::thread::hardware_concurrency())) &&
+         !graph::Device::async_from_env();
+}
+
+/// Configures devices [0, n) for n replicas: their worker pools (replica_threads) and
+/// step mode (replica_steps_inline). Devices that existed before get their pool sizes
+/// back when this is destroyed, devices created for the replicas keep the replica size
+/// (restoring them would only start idle workers nobody asked for); every device gets its
+/// step mode back.
+class ReplicaDevices {
  public:
-  explicit ReplicaPools(int n) {
+  explicit ReplicaDevices(int n) {
     const int per = replica_threads(n);
+    const bool in_line = replica_steps_inline(n);
     const int existing = graph::DeviceRegistry::get().count();
     for (int i = 0; i < n; ++i) {
-      ThreadPool& pool = graph::DeviceRegistry::get().device(i).threads();
+      graph::Device& dev = graph::DeviceRegistry::get().device(i);
+      ThreadPool& pool = dev.threads();
       if (i < existing) old_.push_back(pool.size());
       if (pool.size() != per) pool.resize(per);
+      old_inline_.push_back(dev.inline_steps());
+      dev.inline_steps() = in_line;
     }
   }
-  ~ReplicaPools() {
-    for (std::size_t i = 0; i < old_.size(); ++i) {
-      ThreadPool& pool = graph::DeviceRegistry::get().device(static_cast<int>(i)).threads();
-      if (pool.size() != old_[i]) pool.resize(old_[i]);
+  ~ReplicaDevices() {
+    for (std::size_t i = 0; i < old_inline_.size(); ++i) {
+      graph::Device& dev = graph::DeviceRegistry::get().device(static_cast<int>(i));
+      dev.inline_steps() = old_inline_[i] != 0;
+      if (i < old_.size() && dev.threads().size() != old_[i]) dev.threads().resize(old_[i]);
     }
   }
-  ReplicaPools(const ReplicaPools&) = delete;
-  ReplicaPools& operator=(const ReplicaPools&) = delete;
+  ReplicaDevices(const ReplicaDevices&) = delete;
+  ReplicaDevices& operator=(const ReplicaDevices&) = delete;
 
  private:
   std::vector<int> old_;
+  std::vector<std::uint8_t> old_inline_;
 };
 
 /// Body of a replica thread.
@@ -108,7 +131,7 @@ auto spawn(F&& fn, int nprocs) {
   detail::WorldLayout layout;
   layout.world_size = layout.process_replicas = layout.host_replicas = nprocs;
   auto world = std::make_shared<detail::World>(layout);
-  detail::ReplicaPools pools(nprocs);
+  detail::ReplicaDevices devices(nprocs);
   std::conditional_t<std::is_void_v<R>, detail::NoResult, std::optional<R>> result;
   auto body = [&](int i) {
     if constexpr (std::is_void_v<R>) {

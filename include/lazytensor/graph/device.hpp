@@ -23,6 +23,7 @@
 
 #include <lazytensor/core/buffer.hpp>
 #include <lazytensor/core/counters.hpp>
+#include <lazytensor/core/env.hpp>
 #include <lazytensor/core/error.hpp>
 #include <lazytensor/core/thread_pool.hpp>
 #include <lazytensor/graph/plan_cache.hpp>
@@ -128,6 +129,13 @@ class Device {
   /// Whether mark_step runs plans on the executor thread (default, LAZYTENSOR_ASYNC=0 turns
   /// it off) or on the calling thread.
   bool& async() { return async_; }
+  /// Whether an asynchronous device runs every step on the calling thread anyway, storing
+  /// its errors as the executor would (they surface at the next read or sync). spawn sets
+  /// it for replicas that fill every core: the executor would only compete with the
+  /// replica's own thread for a core, and each hand-off costs two thread wake-ups.
+  bool& inline_steps() { return inline_steps_; }
+  /// Whether the user chose the step mode (LAZYTENSOR_ASYNC set): spawn then leaves it.
+  static bool async_from_env() { return core::env_switch("LAZYTENSOR_ASYNC").has_value(); }
 
   /// The plans built so far, by structural hash (the most recently used ones, see
   /// plan_cache.hpp).
@@ -213,10 +221,7 @@ class Device {
   // The next pruning comes when the trace has doubled from now.
   void rearm_pruning() { prune_at_ = std::max(kMinPruneAt, 2 * trace_.size()); }
 
-  static bool default_async() {
-    const char* env = std::getenv("LAZYTENSOR_ASYNC");
-    return !(env && env[0] == '0');
-  }
+  static bool default_async() { return core::env_switch("LAZYTENSOR_ASYNC").value_or(true); }
 
   int index_;
   std::shared_ptr<BufferPool> pool_;
@@ -229,6 +234,7 @@ class Device {
   RngState rng_;
   bool eager_ = false;
   bool async_ = default_async();
+  bool inline_steps_ = false;
   std::vector<std::function<void()>> closures_;
   std::exception_ptr error_;
   PlanCache plan_cache_;

@@ -511,8 +511,8 @@ inline void run_plan_storing_error(Device& dev, const Plan& plan, std::vector<No
 /// Runs a step: plans the collected nodes now (overlapping the previous step's
 /// execution), waits for the previous step, then hands the plan to the executor thread
 /// (or, with async off, runs it here). Errors of an asynchronous step are stored. A step
-/// cheaper than the hand-off (kInlineStepWork) runs here too, its errors stored as if it
-/// had run on the executor.
+/// cheaper than the hand-off (kInlineStepWork), or any step of a device set to
+/// inline_steps, runs here too, its errors stored as if it had run on the executor.
 inline void run_step(Device& dev, std::vector<NodePtr> nodes) {
   if (nodes.empty()) return;
   prepare(nodes);
@@ -523,7 +523,7 @@ inline void run_step(Device& dev, std::vector<NodePtr> nodes) {
     run_plan(dev, *plan, nodes);
     return;
   }
-  if (plan->work < kInlineStepWork) {
+  if (plan->work < kInlineStepWork || dev.inline_steps()) {
     run_plan_storing_error(dev, *plan, nodes);
     return;
   }
