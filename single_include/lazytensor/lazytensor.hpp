@@ -409,6 +409,18 @@ inline std::optional<long long> env_integer(const char* name, long long min, con
   return v;
 }
 
+/// The on/off switch in environment variable `name`: true for 1/on/true, false for
+/// 0/off/false, nullopt when unset or empty. Throws Error naming the variable otherwise.
+inline std::optional<bool> env_switch(const char* name) {
+  const char* env = std::getenv(name);
+  if (!env || !*env) return std::nullopt;
+  const std::string v = env;
+  if (v == "1" || v == "on" || v == "true") return true;
+  if (v == "0" || v == "off" || v == "false") return false;
+  throw Error(std::string(name) + "='" + v +
+              "' is not an on/off switch (expected 1, on, true, 0, off or false)");
+}
+
 }  // namespace lazy::core
 // ---- end lazytensor/core/env.hpp ----
 
@@ -440,10 +452,7 @@ inline std::size_t buffer_alignment(std::size_t bytes) {
 }
 
 inline bool huge_pages_wanted() {
-  static const bool wanted = [] {
-    const char* env = std::getenv("LAZYTENSOR_HUGE_PAGES");
-    return !(env && env[0] == '0');
-  }();
+  static const bool wanted = core::env_switch("LAZYTENSOR_HUGE_PAGES").value_or(true);
   return wanted;
 }
 
@@ -3115,6 +3124,13 @@ class Device {
   /// Whether mark_step runs plans on the executor thread (default, LAZYTENSOR_ASYNC=0 turns
   /// it off) or on the calling thread.
   bool& async() { return async_; }
+  /// Whether an asynchronous device runs every step on the calling thread anyway, storing
+  /// its errors as the executor would (they surface at the next read or sync). spawn sets
+  /// it for replicas that fill every core: the executor would only compete with the
+  /// replica's own thread for a core, and each hand-off costs two thread wake-ups.
+  bool& inline_steps() { return inline_steps_; }
+  /// Whether the user chose the step mode (LAZYTENSOR_ASYNC set): spawn then leaves it.
+  static bool async_from_env() { return core::env_switch("LAZYTENSOR_ASYNC").has_value(); }
 
   /// The plans built so far, by structural hash (the most recently used ones, see
   /// plan_cache.hpp).
@@ -3200,10 +3216,7 @@ class Device {
   // The next pruning comes when the trace has doubled from now.
   void rearm_pruning() { prune_at_ = std::max(kMinPruneAt, 2 * trace_.size()); }
 
-  static bool default_async() {
-    const char* env = std::getenv("LAZYTENSOR_ASYNC");
-    return !(env && env[0] == '0');
-  }
+  static bool default_async() { return core::env_switch("LAZYTENSOR_ASYNC").value_or(true); }
 
   int index_;
   std::shared_ptr<BufferPool> pool_;
@@ -3216,6 +3229,7 @@ class Device {
   RngState rng_;
   bool eager_ = false;
   bool async_ = default_async();
+  bool inline_steps_ = false;
   std::vector<std::function<void()>> closures_;
   std::exception_ptr error_;
   PlanCache plan_cache_;
@@ -4823,8 +4837,8 @@ inline void run_plan_storing_error(Device& dev, const Plan& plan, std::vector<No
 /// Runs a step: plans the collected nodes now (overlapping the previous step's
 /// execution), waits for the previous step, then hands the plan to the executor thread
 /// (or, with async off, runs it here). Errors of an asynchronous step are stored. A step
-/// cheaper than the hand-off (kInlineStepWork) runs here too, its errors stored as if it
-/// had run on the executor.
+/// cheaper than the hand-off (kInlineStepWork), or any step of a device set to
+/// inline_steps, runs here too, its errors stored as if it had run on the executor.
 inline void run_step(Device& dev, std::vector<NodePtr> nodes) {
   if (nodes.empty()) return;
   prepare(nodes);
@@ -4835,7 +4849,7 @@ inline void run_step(Device& dev, std::vector<NodePtr> nodes) {
     run_plan(dev, *plan, nodes);
     return;
   }
-  if (plan->work < kInlineStepWork) {
+  if (plan->work < kInlineStepWork || dev.inline_steps()) {
     run_plan_storing_error(dev, *plan, nodes);
     return;
   }
@@ -11231,7 +11245,10 @@ inline bool is_master_ordinal(bool local = true) {
 // random stream and buffer pool). Each replica device gets max(1, T / nprocs) worker
 // threads, T = LAZYTENSOR_NUM_THREADS or the hardware threads, so the replicas together do
 // not oversubscribe the machine; devices that existed before spawn get their sizes back
-// when it returns (devices it created keep the replica size).
+// when it returns (devices it created keep the replica size). When the replica threads
+// fill every hardware thread, each replica runs its steps on its own thread instead of
+// its device's executor (Device::inline_steps; errors still surface at the next read or
+// sync), unless LAZYTENSOR_ASYNC is set.
 //
 // When fn returns, the replica first runs its pending collectives (a collective traced but
 // never synced would otherwise leave its partners waiting), then counts as exited: a
@@ -11241,6 +11258,8 @@ inline bool is_master_ordinal(bool local = true) {
 // every replica thread has finished. A replica busy in its own code notices the abort at
 // its next collective, so spawn returns as soon as every replica reached one (or ended).
 
+#include <algorithm>
+#include <cstdint>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -11266,31 +11285,49 @@ inline int replica_threads(int nprocs) {
   return std::max(1, graph::default_device_threads() / nprocs);
 }
 
-/// Sizes the pools of devices [0, n) for n replicas. Devices that existed before get their
-/// sizes back when this is destroyed; devices created for the replicas keep the replica
-/// size (restoring them would only start idle workers nobody asked for).
-class ReplicaPools {
+/// Whether n replicas run their steps on their own threads (Device::inline_steps): when
+/// their threads alone fill the machine's cores, unless LAZYTENSOR_ASYNC chose a mode.
+/// With every core busy, a replica's executor thread could only take turns with the
+/// replica's thread on a core, and every step would pay two cross-core wake-ups (measured
+/// with 2 replicas on 2 cores: about 10% of the MLP step).
+inline bool replica_steps_inline(int n) {
+  return n >= static_cast<int>(std::max(1u, std::thread::hardware_concurrency())) &&
+         !graph::Device::async_from_env();
+}
+
+/// Configures devices [0, n) for n replicas: their worker pools (replica_threads) and
+/// step mode (replica_steps_inline). Devices that existed before get their pool sizes
+/// back when this is destroyed, devices created for the replicas keep the replica size
+/// (restoring them would only start idle workers nobody asked for); every device gets its
+/// step mode back.
+class ReplicaDevices {
  public:
-  explicit ReplicaPools(int n) {
+  explicit ReplicaDevices(int n) {
     const int per = replica_threads(n);
+    const bool in_line = replica_steps_inline(n);
     const int existing = graph::DeviceRegistry::get().count();
     for (int i = 0; i < n; ++i) {
-      ThreadPool& pool = graph::DeviceRegistry::get().device(i).threads();
+      graph::Device& dev = graph::DeviceRegistry::get().device(i);
+      ThreadPool& pool = dev.threads();
       if (i < existing) old_.push_back(pool.size());
       if (pool.size() != per) pool.resize(per);
+      old_inline_.push_back(dev.inline_steps());
+      dev.inline_steps() = in_line;
     }
   }
-  ~ReplicaPools() {
-    for (std::size_t i = 0; i < old_.size(); ++i) {
-      ThreadPool& pool = graph::DeviceRegistry::get().device(static_cast<int>(i)).threads();
-      if (pool.size() != old_[i]) pool.resize(old_[i]);
+  ~ReplicaDevices() {
+    for (std::size_t i = 0; i < old_inline_.size(); ++i) {
+      graph::Device& dev = graph::DeviceRegistry::get().device(static_cast<int>(i));
+      dev.inline_steps() = old_inline_[i] != 0;
+      if (i < old_.size() && dev.threads().size() != old_[i]) dev.threads().resize(old_[i]);
     }
   }
-  ReplicaPools(const ReplicaPools&) = delete;
-  ReplicaPools& operator=(const ReplicaPools&) = delete;
+  ReplicaDevices(const ReplicaDevices&) = delete;
+  ReplicaDevices& operator=(const ReplicaDevices&) = delete;
 
  private:
   std::vector<int> old_;
+  std::vector<std::uint8_t> old_inline_;
 };
 
 /// Body of a replica thread.
@@ -11332,7 +11369,7 @@ auto spawn(F&& fn, int nprocs) {
   detail::WorldLayout layout;
   layout.world_size = layout.process_replicas = layout.host_replicas = nprocs;
   auto world = std::make_shared<detail::World>(layout);
-  detail::ReplicaPools pools(nprocs);
+  detail::ReplicaDevices devices(nprocs);
   std::conditional_t<std::is_void_v<R>, detail::NoResult, std::optional<R>> result;
   auto body = [&](int i) {
     if constexpr (std::is_void_v<R>) {
