@@ -1587,6 +1587,20 @@ concept ExprLike = is_expr_node<std::remove_cvref_t<X>>::value || requires(const
   { x.to_leaf() };
 };
 
+/// Whether any tensor operand of `x` carries an autograd edge. Checked before anything is
+/// built for the backward pass: a forward statement outside training then allocates
+/// nothing for autograd.
+template <class X>
+bool any_leaf_grad(const X& x) {
+  if constexpr (is_leaf<X>::value) {
+    return x.grad != nullptr;
+  } else if constexpr (is_expr_node<X>::value) {
+    return std::apply([](const auto&... ch) { return (any_leaf_grad(ch) || ...); }, x.children());
+  } else {
+    return false;
+  }
+}
+
 /// A C++ number usable as a scalar operand.
 template <class X>
 concept Number = std::is_arithmetic_v<std::remove_cvref_t<X>> ||
@@ -3879,7 +3893,8 @@ class ReductionNode final : public Node, public ChunkReduction {
   }
   double cost_per_element() const override { return expr::kernel_cost<K>() + 1; }
   std::uint64_t structural_hash() const override {
-    std::uint64_t h = hash_combine(Node::structural_hash(), typeid(K).hash_code());
+    static const std::uint64_t kernel_hash = typeid(K).hash_code();  // hashes the type's name: once
+    std::uint64_t h = hash_combine(Node::structural_hash(), kernel_hash);
     h = hash_combine(h, hash_shape(child_shape_));
     return hash_combine(h, static_cast<std::uint64_t>(g_.extent));
   }
@@ -4345,21 +4360,52 @@ inline std::shared_ptr<Plan> build(const std::vector<NodePtr>& nodes, std::uint6
 
 namespace lazy::graph {
 
+namespace detail {
+
+/// The nodes a traversal has met: searched in a short inline list first, in a hash set
+/// once that fills. Reading one small statement (`sum(x).item()`) then allocates nothing
+/// to remember it, while reading a whole training graph stays linear.
+class SeenNodes {
+ public:
+  /// Adds `n`; false when it was already there.
+  bool insert(const Node* n) {
+    if (set_.empty()) {
+      for (std::size_t i = 0; i < count_; ++i) {
+        if (inline_[i] == n) return false;
+      }
+      if (count_ < kInline) {
+        inline_[count_++] = n;
+        return true;
+      }
+      set_.insert(inline_, inline_ + count_);
+    }
+    return set_.insert(n).second;
+  }
+
+ private:
+  static constexpr std::size_t kInline = 16;
+  const Node* inline_[kInline] = {};
+  std::size_t count_ = 0;
+  std::unordered_set<const Node*> set_;
+};
+
+}  // namespace detail
+
 /// Pending nodes reachable from `roots`, producers before consumers (iterative DFS, so a
 /// long chain of statements cannot overflow the stack).
 inline std::vector<NodePtr> topological_order(const std::vector<NodePtr>& roots) {
   std::vector<NodePtr> order;
-  std::unordered_set<const Node*> seen;
+  detail::SeenNodes seen;
   std::vector<std::pair<Node*, std::size_t>> stack;
   for (const auto& r : roots) {
-    if (!r || !r->pending() || !seen.insert(r.get()).second) continue;
+    if (!r || !r->pending() || !seen.insert(r.get())) continue;
     stack.emplace_back(r.get(), 0);
     while (!stack.empty()) {
       auto& [node, next] = stack.back();
       const auto& ins = node->inputs();
       if (next < ins.size()) {
         const NodePtr& in = ins[next++];
-        if (in->pending() && seen.insert(in.get()).second) stack.emplace_back(in.get(), 0);
+        if (in->pending() && seen.insert(in.get())) stack.emplace_back(in.get(), 0);
         continue;
       }
       // All inputs ordered: find the owning shared_ptr (the root or a consumer's input).
@@ -5871,7 +5917,7 @@ GradFnPtr operand_edge(const X& x) {
     if constexpr (!is_floating_v<V>) {
       return nullptr;
     } else {
-      if (!is_grad_enabled()) return nullptr;
+      if (!is_grad_enabled() || !expr::any_leaf_grad(x)) return nullptr;
       std::vector<graph::NodePtr> inputs;
       std::vector<GradFnPtr> edges;
       auto k = expr::to_kernel(x, inputs, &edges);

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -192,6 +193,49 @@ TEST_F(Executor, ReadingWithoutMarkStepKeepsTheTraceBounded) {
   step();
   EXPECT_EQ(kept.to_vector(), std::vector<float>(64, 4.5f));
   EXPECT_EQ(dev.trace_size(), 0u);
+}
+
+// A read orders the pending nodes it needs by a traversal that remembers the nodes it met
+// in a short inline list, then in a hash set: both sizes must list every node once,
+// producers first. Checked against a recursive traversal with std::set, on a lattice
+// where each statement reads the two before it (every node is reached many times).
+TEST_F(Executor, ReadOrderListsEachPendingNodeOnceProducersFirst) {
+  for (int len : {3, 15, 16, 17, 60}) {
+    SCOPED_TRACE("statements: " + std::to_string(len));
+    const Tensor<float> x0 = lazy::full<float>({8}, 1.0f), x1 = lazy::full<float>({8}, 2.0f);
+    step();
+    std::vector<Tensor<float>> t{x0, x1};
+    std::vector<float> ref{1.0f, 2.0f};
+    for (int i = 2; i < len + 2; ++i) {
+      t.push_back(t[i - 1] * 0.5f + t[i - 2]);
+      ref.push_back(ref[i - 1] * 0.5f + ref[i - 2]);
+    }
+    const std::vector<lazy::graph::NodePtr> roots{t.back().node(), t[t.size() / 2].node(),
+                                                  x0.node()};
+
+    std::set<const lazy::graph::Node*> want;
+    std::function<void(const lazy::graph::NodePtr&)> visit = [&](const lazy::graph::NodePtr& n) {
+      if (!n->pending() || !want.insert(n.get()).second) return;
+      for (const auto& in : n->inputs()) visit(in);
+    };
+    for (const auto& r : roots) visit(r);
+
+    const auto order = lazy::graph::topological_order(roots);
+    ASSERT_EQ(order.size(), want.size());
+    EXPECT_EQ(want.size(), static_cast<std::size_t>(len))
+        << "one node per statement, the inputs materialized";
+    std::set<const lazy::graph::Node*> before;
+    for (const auto& n : order) {
+      EXPECT_TRUE(want.count(n.get())) << "a node the roots do not need";
+      for (const auto& in : n->inputs()) {
+        if (in->pending())
+          EXPECT_TRUE(before.count(in.get())) << "a consumer listed before its producer";
+      }
+      EXPECT_TRUE(before.insert(n.get()).second) << "a node listed twice";
+    }
+    // Relative bound: the kernel may contract a*0.5 + b into one FMA, the reference does not.
+    for (float v : t.back().to_vector()) EXPECT_NEAR(v, ref.back(), 1e-5 * std::abs(ref.back()));
+  }
 }
 
 TEST_F(Executor, MarkStepMaterializesEveryLivePendingTensor) {

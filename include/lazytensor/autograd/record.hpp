@@ -44,7 +44,7 @@ GradFnPtr operand_edge(const X& x) {
     if constexpr (!is_floating_v<V>) {
       return nullptr;
     } else {
-      if (!is_grad_enabled()) return nullptr;
+      if (!is_grad_enabled() || !expr::any_leaf_grad(x)) return nullptr;
       std::vector<graph::NodePtr> inputs;
       std::vector<GradFnPtr> edges;
       auto k = expr::to_kernel(x, inputs, &edges);

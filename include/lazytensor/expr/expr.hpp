@@ -95,6 +95,20 @@ concept ExprLike = is_expr_node<std::remove_cvref_t<X>>::value || requires(const
   { x.to_leaf() };
 };
 
+/// Whether any tensor operand of `x` carries an autograd edge. Checked before anything is
+/// built for the backward pass: a forward statement outside training then allocates
+/// nothing for autograd.
+template <class X>
+bool any_leaf_grad(const X& x) {
+  if constexpr (is_leaf<X>::value) {
+    return x.grad != nullptr;
+  } else if constexpr (is_expr_node<X>::value) {
+    return std::apply([](const auto&... ch) { return (any_leaf_grad(ch) || ...); }, x.children());
+  } else {
+    return false;
+  }
+}
+
 /// A C++ number usable as a scalar operand.
 template <class X>
 concept Number = std::is_arithmetic_v<std::remove_cvref_t<X>> ||

@@ -19,21 +19,52 @@
 
 namespace lazy::graph {
 
+namespace detail {
+
+/// The nodes a traversal has met: searched in a short inline list first, in a hash set
+/// once that fills. Reading one small statement (`sum(x).item()`) then allocates nothing
+/// to remember it, while reading a whole training graph stays linear.
+class SeenNodes {
+ public:
+  /// Adds `n`; false when it was already there.
+  bool insert(const Node* n) {
+    if (set_.empty()) {
+      for (std::size_t i = 0; i < count_; ++i) {
+        if (inline_[i] == n) return false;
+      }
+      if (count_ < kInline) {
+        inline_[count_++] = n;
+        return true;
+      }
+      set_.insert(inline_, inline_ + count_);
+    }
+    return set_.insert(n).second;
+  }
+
+ private:
+  static constexpr std::size_t kInline = 16;
+  const Node* inline_[kInline] = {};
+  std::size_t count_ = 0;
+  std::unordered_set<const Node*> set_;
+};
+
+}  // namespace detail
+
 /// Pending nodes reachable from `roots`, producers before consumers (iterative DFS, so a
 /// long chain of statements cannot overflow the stack).
 inline std::vector<NodePtr> topological_order(const std::vector<NodePtr>& roots) {
   std::vector<NodePtr> order;
-  std::unordered_set<const Node*> seen;
+  detail::SeenNodes seen;
   std::vector<std::pair<Node*, std::size_t>> stack;
   for (const auto& r : roots) {
-    if (!r || !r->pending() || !seen.insert(r.get()).second) continue;
+    if (!r || !r->pending() || !seen.insert(r.get())) continue;
     stack.emplace_back(r.get(), 0);
     while (!stack.empty()) {
       auto& [node, next] = stack.back();
       const auto& ins = node->inputs();
       if (next < ins.size()) {
         const NodePtr& in = ins[next++];
-        if (in->pending() && seen.insert(in.get()).second) stack.emplace_back(in.get(), 0);
+        if (in->pending() && seen.insert(in.get())) stack.emplace_back(in.get(), 0);
         continue;
       }
       // All inputs ordered: find the owning shared_ptr (the root or a consumer's input).

@@ -119,7 +119,8 @@ class ReductionNode final : public Node, public ChunkReduction {
   }
   double cost_per_element() const override { return expr::kernel_cost<K>() + 1; }
   std::uint64_t structural_hash() const override {
-    std::uint64_t h = hash_combine(Node::structural_hash(), typeid(K).hash_code());
+    static const std::uint64_t kernel_hash = typeid(K).hash_code();  // hashes the type's name: once
+    std::uint64_t h = hash_combine(Node::structural_hash(), kernel_hash);
     h = hash_combine(h, hash_shape(child_shape_));
     return hash_combine(h, static_cast<std::uint64_t>(g_.extent));
   }
