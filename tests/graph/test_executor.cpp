@@ -228,8 +228,9 @@ TEST_F(Executor, ReadOrderListsEachPendingNodeOnceProducersFirst) {
     for (const auto& n : order) {
       EXPECT_TRUE(want.count(n.get())) << "a node the roots do not need";
       for (const auto& in : n->inputs()) {
-        if (in->pending())
+        if (in->pending()) {
           EXPECT_TRUE(before.count(in.get())) << "a consumer listed before its producer";
+        }
       }
       EXPECT_TRUE(before.insert(n.get()).second) << "a node listed twice";
     }

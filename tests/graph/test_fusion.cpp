@@ -121,12 +121,12 @@ TEST_F(Fusion, LargeGroupsStreamTheirOutputsWithTheSameBits) {
   }
 }
 
-TEST_F(Fusion, GroupsLargerThanTheCacheRunInSlicesWithTheSameBits) {
-  // Over 1 MiB of outside inputs: the group runs its chunks in slices with prefetching
-  // (executor.hpp). Covers a partial last slice and chunk, a broadcast one-element input,
-  // a member of another dtype reading a scratch member, a member still held (written
-  // whole, so prefetched as an output) and a reduction ending the group.
-  const std::int64_t n = (std::int64_t(1) << 17) + 4096 * 2 + 37;
+// Runs groups of `n` elements reading over 1 MiB (so they run their chunks in slices,
+// executor.hpp) fused and unfused, and compares the bits. Covers a partial last slice and
+// chunk, a broadcast one-element input, a member of another dtype reading a scratch
+// member, a member still held (written whole) and a reduction ending the group, which
+// reads a scratch member over whole chunks while the other scratch members hold a slice.
+void check_sliced_groups(std::int64_t n) {
   const Inputs in(n);
   const Tensor<float> half = lazy::full<float>({1}, 0.5f);
   lazy::mark_step();
@@ -176,6 +176,14 @@ TEST_F(Fusion, GroupsLargerThanTheCacheRunInSlicesWithTheSameBits) {
     sum += u * u * d[i];
   }
   EXPECT_NEAR(s, sum, 1e-4 * sum);
+}
+
+TEST_F(Fusion, GroupsLargerThanL2RunInSlicesWithTheSameBits) {
+  check_sliced_groups((std::int64_t(1) << 17) + 4096 * 2 + 37);  // 2 MiB of inputs: 256-element slices
+}
+
+TEST_F(Fusion, GroupsReadingFromMemoryRunInShorterSlicesWithTheSameBits) {
+  check_sliced_groups((std::int64_t(1) << 21) + 4096 + 200 + 3);  // 32 MiB of inputs: 128-element slices
 }
 
 TEST_F(Fusion, KeptMembersOfAGroupTooLargeForTheCacheAreStreamedOutWithTheSameBits) {

@@ -65,8 +65,12 @@ inline constexpr std::int64_t kFusionChunk = 4096;
 inline constexpr std::int64_t kFusionSlice = 256;
 /// Outside-input bytes above which a group runs sliced: more than L2 holds.
 inline constexpr std::int64_t kFusionSliceBytes = std::int64_t(1) << 20;
-/// How far ahead of its reads a sliced group prefetches its outside inputs.
-inline constexpr std::size_t kFusionPrefetchBytes = 4096;
+/// Elements of the slices of a group reading at least kFusionMemoryBytes: its inputs
+/// stream from memory, where shorter slices keep more of the streams' loads in flight.
+inline constexpr std::int64_t kFusionMemorySlice = 128;
+/// Outside-input bytes from which a group's inputs come from memory, not the last-level
+/// cache (the size from which single outputs are stored non-temporally too).
+inline constexpr std::int64_t kFusionMemoryBytes = std::int64_t(32) << 20;
 
 namespace planner {
 
