@@ -4149,8 +4149,12 @@ inline constexpr std::int64_t kFusionChunk = 4096;
 inline constexpr std::int64_t kFusionSlice = 256;
 /// Outside-input bytes above which a group runs sliced: more than L2 holds.
 inline constexpr std::int64_t kFusionSliceBytes = std::int64_t(1) << 20;
-/// How far ahead of its reads a sliced group prefetches its outside inputs.
-inline constexpr std::size_t kFusionPrefetchBytes = 4096;
+/// Elements of the slices of a group reading at least kFusionMemoryBytes: its inputs
+/// stream from memory, where shorter slices keep more of the streams' loads in flight.
+inline constexpr std::int64_t kFusionMemorySlice = 128;
+/// Outside-input bytes from which a group's inputs come from memory, not the last-level
+/// cache (the size from which single outputs are stored non-temporally too).
+inline constexpr std::int64_t kFusionMemoryBytes = std::int64_t(32) << 20;
 
 namespace planner {
 
@@ -4495,51 +4499,24 @@ inline std::shared_ptr<Buffer> group_output(ExecContext& ctx, const std::vector<
   return ctx.device.pool().acquire(padded_bytes(me->numel(), dtype_size(me->dtype())));
 }
 
-/// Hints the hardware to bring the cache line holding `p` into L2 (no-op where the
-/// compiler has no prefetch builtin). Never faults.
-inline void prefetch_line(const void* p) {
-#if defined(__GNUC__) || defined(__clang__)
-  __builtin_prefetch(p, 0, 2);
-#else
-  (void)p;
-#endif
-}
-
-/// An outside input a sliced group prefetches ahead of its reads.
-struct PrefetchStream {
-  const std::byte* base;
-  std::size_t esz;
-  /// Prefetches (towards L2) the lines elements [b, e) will need kFusionPrefetchBytes from
-  /// now, clipped to the `n` elements of the buffer.
-  void prefetch(std::int64_t b, std::int64_t e, std::int64_t n) const {
-    const std::size_t end = static_cast<std::size_t>(n) * esz;
-    std::size_t from = static_cast<std::size_t>(b) * esz + kFusionPrefetchBytes;
-    const std::size_t to = std::min(end, static_cast<std::size_t>(e) * esz + kFusionPrefetchBytes);
-    for (from &= ~std::size_t{63}; from < to; from += 64) prefetch_line(base + from);
-  }
-};
-
-/// The outside buffers a group of `n` elements streams through, each once, when they
-/// hold at least kFusionSliceBytes (so it should run sliced); else none. Allocates only
-/// for groups that large.
+/// Bytes per element a group reads from outside buffers, each buffer counted once, when
+/// they reach `least` bytes over its `n` elements; else 0.
 template <class Input>
-std::vector<PrefetchStream> slice_streams(const std::vector<Input>& in, std::int64_t n) {
-  std::vector<PrefetchStream> streams;
+std::int64_t outside_bytes(const std::vector<Input>& in, std::int64_t n, std::int64_t least) {
   std::size_t upper = 0;  // counting a buffer read twice twice: enough to rule out most groups
   for (const Input& x : in)
     if (x.src < 0) upper += x.esz;
-  if (n * static_cast<std::int64_t>(upper) < kFusionSliceBytes) return streams;
+  if (n * static_cast<std::int64_t>(upper) < least) return 0;
   std::size_t bytes = 0;
-  for (const Input& x : in) {
+  for (std::size_t i = 0; i < in.size(); ++i) {
+    const Input& x = in[i];
     if (x.src >= 0 || x.esz == 0) continue;
-    const bool seen = std::any_of(streams.begin(), streams.end(),
-                                  [&](const PrefetchStream& s) { return s.base == x.base; });
-    if (seen) continue;
-    streams.push_back({x.base, x.esz});
-    bytes += x.esz;
+    const bool seen =
+        std::any_of(in.begin(), in.begin() + static_cast<std::ptrdiff_t>(i),
+                    [&](const Input& y) { return y.src < 0 && y.esz != 0 && y.base == x.base; });
+    if (!seen) bytes += x.esz;
   }
-  if (n * static_cast<std::int64_t>(bytes) < kFusionSliceBytes) streams.clear();
-  return streams;
+  return n * static_cast<std::int64_t>(bytes) < least ? 0 : n * static_cast<std::int64_t>(bytes);
 }
 
 /// Runs a fused group: every chunk of kFusionChunk elements goes through each member in
@@ -4622,7 +4599,20 @@ inline void run_group(ExecContext& ctx, const PlanStep& st, const GroupMembers& 
   // copied out with non-temporal stores. Stored through the cache instead, each output
   // line would first be read from memory (two extra streams for t1, t2 in
   // `t1 = a*b + c; t2 = relu(t1)*d; y = t2 - 0.5*a` with all three kept).
-  std::vector<PrefetchStream> streams = slice_streams(in, n);
+  // Groups reading more than L2 holds run each chunk in slices, every member over a slice
+  // before the next: member by member over a whole chunk, only one member's inputs stream
+  // from memory at a time, and the loads missing the cache are too sparse in the
+  // instruction stream to keep enough of them in flight. Shorter slices for inputs from
+  // memory than for inputs from the last-level cache, where the kernel calls per slice
+  // cost more than the loads gain (measured, docs/architecture.md).
+  const std::int64_t reads = outside_bytes(in, n, kFusionSliceBytes);
+  const std::int64_t slice = reads == 0                    ? kFusionChunk
+                             : reads >= kFusionMemoryBytes ? kFusionMemorySlice
+                                                           : kFusionSlice;
+  if (slice < kFusionChunk) {
+    static auto& sliced = core::counter("SlicedGroups");
+    sliced.add();
+  }
   std::vector<std::uint8_t> stream(k, 0), copy_out(k, 0);
   bool any_stream = false;
   for (std::size_t j = 0; j < k; ++j) {
@@ -4634,7 +4624,7 @@ inline void run_group(ExecContext& ctx, const PlanStep& st, const GroupMembers& 
       for (std::size_t q = 0; q < mem[i].num_in; ++q)
         read_later = read_later || in[mem[i].first_in + q].src == static_cast<std::int32_t>(j);
     stream[j] = read_later ? 0 : 1;
-    copy_out[j] = read_later && !streams.empty() ? 1 : 0;
+    copy_out[j] = read_later && slice < kFusionChunk ? 1 : 0;
     any_stream = any_stream || stream[j] || copy_out[j];
     if (copy_out[j]) {
       mem[j].scratch_off = per_task;
@@ -4643,66 +4633,74 @@ inline void run_group(ExecContext& ctx, const PlanStep& st, const GroupMembers& 
   }
   std::shared_ptr<Buffer> scratch =
       per_task ? ctx.device.pool().acquire(per_task * static_cast<std::size_t>(tasks)) : nullptr;
-  // Groups reading more than the cache holds run each chunk in slices, every member over a
-  // slice before the next, and prefetch the outside inputs a few KiB ahead: member by
-  // member over a whole chunk, only one member's inputs stream from memory at a time and
-  // the loads missing the cache are too sparse in the instruction stream to keep enough
-  // of them in flight. Measured with relu(a*b + c)*d - 0.5*a as three statements, 2^24
-  // floats: 0.5x the single statement's speed member by member, 0.7-0.9x sliced.
-  std::int64_t slice = kFusionChunk;
-  if (!streams.empty()) {
-    static auto& sliced = core::counter("SlicedGroups");
-    sliced.add();
-    slice = kFusionSlice;
-    // Whole outputs stored through the cache are read for ownership: a stream too.
+  // In a sliced group a member's scratch holds one slice (at its start), not a chunk: the
+  // scratch of two members a chunk long fills L1 and, cycling through it, evicts the lines
+  // the hardware prefetcher brought in for the outside inputs (hand-written loop nest of
+  // the three statements at 2^24 floats: 12.5 ms with chunk-long scratch, 8.4 ms with
+  // slice-long, 7.8 ms the single statement). The reduction ending a group reads its
+  // inputs over the whole chunk, so the members it reads keep chunk-long scratch.
+  std::vector<std::uint8_t> slice_long(k, 0);
+  if (slice < kFusionChunk) {
     for (std::size_t j = 0; j < k; ++j)
-      if (out_ptr[j] && !stream[j] && !copy_out[j]) streams.push_back({out_ptr[j], mem[j].esz});
+      slice_long[j] = mem[j].ew && (!out_ptr[j] || copy_out[j]) ? 1 : 0;
+    if (reduction)
+      for (std::size_t q = 0; q < mem[k - 1].num_in; ++q)
+        if (const std::int32_t src = in[mem[k - 1].first_in + q].src; src >= 0)
+          slice_long[static_cast<std::size_t>(src)] = 0;
   }
   pool.parallel_for(tasks, [&](std::int64_t t) {
     auto [c0, c1] = task_range(chunks, tasks, t);
     std::byte* mine =
         scratch ? static_cast<std::byte*>(scratch->data()) + per_task * static_cast<std::size_t>(t)
                 : nullptr;
-    // Every member's input pointers and output for the current chunk (flat, in `in` order):
-    // bound once per chunk, so that a slice costs one kernel call per member.
+    // Where each input (flat, in `in` order) and each member's output is found: at
+    // base + i * esz for element i of the group (outside buffers, whole outputs), of the
+    // chunk (chunk-long scratch), or of the slice (slice-long scratch: esz 0, one place).
+    struct Place {
+      std::byte* base;
+      std::size_t esz;
+      bool in_chunk;
+      std::byte* at(std::size_t b, std::size_t s0) const {
+        return base + (in_chunk ? s0 : b + s0) * esz;
+      }
+    };
+    auto output_place = [&](std::size_t p) -> Place {
+      if (!mem[p].ew) return {nullptr, 0, false};  // the reduction: no element-wise output
+      if (out_ptr[p] && !copy_out[p]) return {out_ptr[p], mem[p].esz, false};
+      return {mine + mem[p].scratch_off, slice_long[p] ? 0 : mem[p].esz, true};
+    };
+    std::vector<Place> in_place(in.size()), out_place(k);
+    for (std::size_t i = 0; i < in.size(); ++i)
+      if (in[i].src >= 0) in_place[i] = output_place(static_cast<std::size_t>(in[i].src));
+    for (std::size_t j = 0; j < k; ++j) out_place[j] = output_place(j);
+    // The pointers for the slice starting `s0` elements into the chunk starting at `b`;
+    // kernels then run over [0, slice length).
     std::vector<const void*> ptrs(in.size());
     std::vector<void*> outs(k);
-    auto point = [&](std::size_t ub) {
-      for (std::size_t i = 0; i < in.size(); ++i) {
-        const Input& x = in[i];
-        if (x.src < 0) {
-          ptrs[i] = x.base + ub * x.esz;
-        } else {
-          const auto p = static_cast<std::size_t>(x.src);
-          ptrs[i] =
-              out_ptr[p] && !copy_out[p] ? out_ptr[p] + ub * mem[p].esz : mine + mem[p].scratch_off;
-        }
-      }
-      for (std::size_t j = 0; j < k; ++j)
-        outs[j] = out_ptr[j] && !copy_out[j] ? static_cast<void*>(out_ptr[j] + ub * mem[j].esz)
-                                             : static_cast<void*>(mine + mem[j].scratch_off);
+    auto point = [&](std::size_t b, std::size_t s0) {
+      for (std::size_t i = 0; i < in.size(); ++i)
+        ptrs[i] = in[i].src < 0 ? in[i].base + (b + s0) * in[i].esz : in_place[i].at(b, s0);
+      for (std::size_t j = 0; j < k; ++j) outs[j] = out_place[j].at(b, s0);
     };
     for (std::int64_t c = c0; c < c1; ++c) {
       const std::int64_t b = c * kFusionChunk, len = std::min(kFusionChunk, n - b);
       const auto ub = static_cast<std::size_t>(b);
-      point(ub);
       for (std::int64_t s0 = 0; s0 < len; s0 += slice) {
         const std::int64_t s1 = std::min(len, s0 + slice);
-        for (const PrefetchStream& x : streams) x.prefetch(b + s0, b + s1, n);
+        point(ub, static_cast<std::size_t>(s0));
         for (std::size_t j = 0; j < k; ++j) {
           const Member& m = mem[j];
           if (!m.ew) continue;
-          m.kernel->flat(ptrs.data() + m.first_in, m.splat, outs[j], s0, s1, m.contig,
+          m.kernel->flat(ptrs.data() + m.first_in, m.splat, outs[j], 0, s1 - s0, m.contig,
                          stream[j] != 0);
           if (copy_out[j]) {
-            const auto at = static_cast<std::size_t>(s0) * m.esz;
-            expr::stream_copy(out_ptr[j] + ub * m.esz + at,
-                              static_cast<const std::byte*>(outs[j]) + at,
+            expr::stream_copy(out_ptr[j] + (ub + static_cast<std::size_t>(s0)) * m.esz, outs[j],
                               static_cast<std::size_t>(s1 - s0) * m.esz);
           }
         }
       }
       if (reduction) {  // the last member, over the whole chunk: one partial, as unfused
+        point(ub, 0);
         reduction->reduce_chunk(ptrs.data() + mem[k - 1].first_in, len,
                                 static_cast<std::byte*>(partials->data()) +
                                     static_cast<std::size_t>(c) * partial_bytes);
