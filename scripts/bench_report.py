@@ -68,7 +68,7 @@ FAMILIES = {
 }
 # A line printed under a family's table.
 FAMILY_NOTES = {
-    "ThreeStmt": "Lazy: t1 and t2 dropped before mark_step (cross-statement fusion keeps them in chunk scratch); "
+    "ThreeStmt": "Lazy: t1 and t2 dropped before mark_step (cross-statement fusion keeps them in scratch one slice long); "
                  "LazyKept: t1 and t2 alive (written whole); LazyEager: the same statements with eager_mode(true), "
                  "one kernel per statement. Ratios against the single statement are in the targets table.",
     "MlpStep": "Global samples/s. lazy/GemmBound is lazytensor's fraction of the GEMM bound: the time of the "
