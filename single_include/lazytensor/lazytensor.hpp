@@ -4153,8 +4153,8 @@ inline constexpr std::int64_t kFusionSliceBytes = std::int64_t(1) << 20;
 /// stream from memory, where shorter slices keep more of the streams' loads in flight.
 inline constexpr std::int64_t kFusionMemorySlice = 128;
 /// Outside-input bytes from which a group's inputs come from memory, not the last-level
-/// cache (the size from which single outputs are stored non-temporally too).
-inline constexpr std::int64_t kFusionMemoryBytes = std::int64_t(32) << 20;
+/// cache: the size from which outputs are stored non-temporally, for the same reason.
+inline constexpr std::int64_t kFusionMemoryBytes = expr::kStreamingStoreBytes;
 
 namespace planner {
 
@@ -4516,7 +4516,8 @@ std::int64_t outside_bytes(const std::vector<Input>& in, std::int64_t n, std::in
                     [&](const Input& y) { return y.src < 0 && y.esz != 0 && y.base == x.base; });
     if (!seen) bytes += x.esz;
   }
-  return n * static_cast<std::int64_t>(bytes) < least ? 0 : n * static_cast<std::int64_t>(bytes);
+  const std::int64_t total = n * static_cast<std::int64_t>(bytes);
+  return total < least ? 0 : total;
 }
 
 /// Runs a fused group: every chunk of kFusionChunk elements goes through each member in

@@ -171,7 +171,8 @@ std::int64_t outside_bytes(const std::vector<Input>& in, std::int64_t n, std::in
                     [&](const Input& y) { return y.src < 0 && y.esz != 0 && y.base == x.base; });
     if (!seen) bytes += x.esz;
   }
-  return n * static_cast<std::int64_t>(bytes) < least ? 0 : n * static_cast<std::int64_t>(bytes);
+  const std::int64_t total = n * static_cast<std::int64_t>(bytes);
+  return total < least ? 0 : total;
 }
 
 /// Runs a fused group: every chunk of kFusionChunk elements goes through each member in

@@ -69,8 +69,8 @@ inline constexpr std::int64_t kFusionSliceBytes = std::int64_t(1) << 20;
 /// stream from memory, where shorter slices keep more of the streams' loads in flight.
 inline constexpr std::int64_t kFusionMemorySlice = 128;
 /// Outside-input bytes from which a group's inputs come from memory, not the last-level
-/// cache (the size from which single outputs are stored non-temporally too).
-inline constexpr std::int64_t kFusionMemoryBytes = std::int64_t(32) << 20;
+/// cache: the size from which outputs are stored non-temporally, for the same reason.
+inline constexpr std::int64_t kFusionMemoryBytes = expr::kStreamingStoreBytes;
 
 namespace planner {
 
