@@ -10,7 +10,7 @@
 //
 // The same chain as three statements, t1 = a*b + c; t2 = relu(t1) * d; y = t2 - 0.5*a
 // (cross-statement fusion):
-//   BM_ThreeStmt_Lazy/N           t1, t2 dropped before mark_step (kept in chunk scratch)
+//   BM_ThreeStmt_Lazy/N           t1, t2 dropped before mark_step (kept in scratch one slice long)
 //   BM_ThreeStmt_LazyKept/N       t1, t2 alive across mark_step (written whole)
 //   BM_ThreeStmt_LazyEager/N      the three statements with eager_mode(true): unfused
 // Every lazy variant waits for its step (wait_device_ops) inside the timed loop.
