@@ -4683,22 +4683,48 @@ inline void run_group(ExecContext& ctx, const PlanStep& st, const GroupMembers& 
         ptrs[i] = in[i].src < 0 ? in[i].base + (b + s0) * in[i].esz : in_place[i].at(b, s0);
       for (std::size_t j = 0; j < k; ++j) outs[j] = out_place[j].at(b, s0);
     };
+    // From one slice to the next every pointer moves by the slice's bytes, slice-long
+    // scratch and broadcast elements by none: a chunk's pointers are placed once and then
+    // only advanced. The bookkeeping between kernel calls is what a sliced group costs over
+    // a single statement, so the slice loop does no more than call and advance.
+    std::vector<std::size_t> step(in.size() + k);  // bytes per slice: the inputs, then the outputs
+    for (std::size_t i = 0; i < in.size(); ++i)
+      step[i] = (in[i].src < 0 ? in[i].esz : in_place[i].esz) * static_cast<std::size_t>(slice);
+    for (std::size_t j = 0; j < k; ++j)
+      step[in.size() + j] = out_place[j].esz * static_cast<std::size_t>(slice);
+    struct Call {
+      const ElementwiseKernel* kernel;
+      const void* const* in;
+      const char* splat;
+      void* const* out;
+      std::byte* copy_base;  // the whole output a slice in scratch is copied to, or null
+      std::size_t esz;
+      bool contig, stream;
+    };
+    std::vector<Call> calls;
+    calls.reserve(k);
+    for (std::size_t j = 0; j < k; ++j)
+      if (mem[j].ew)
+        calls.push_back({mem[j].kernel, ptrs.data() + mem[j].first_in, mem[j].splat,
+                         outs.data() + j, copy_out[j] ? out_ptr[j] : nullptr, mem[j].esz,
+                         mem[j].contig, stream[j] != 0});
     for (std::int64_t c = c0; c < c1; ++c) {
       const std::int64_t b = c * kFusionChunk, len = std::min(kFusionChunk, n - b);
       const auto ub = static_cast<std::size_t>(b);
-      for (std::int64_t s0 = 0; s0 < len; s0 += slice) {
-        const std::int64_t s1 = std::min(len, s0 + slice);
-        point(ub, static_cast<std::size_t>(s0));
-        for (std::size_t j = 0; j < k; ++j) {
-          const Member& m = mem[j];
-          if (!m.ew) continue;
-          m.kernel->flat(ptrs.data() + m.first_in, m.splat, outs[j], 0, s1 - s0, m.contig,
-                         stream[j] != 0);
-          if (copy_out[j]) {
-            expr::stream_copy(out_ptr[j] + (ub + static_cast<std::size_t>(s0)) * m.esz, outs[j],
-                              static_cast<std::size_t>(s1 - s0) * m.esz);
-          }
+      point(ub, 0);
+      for (std::int64_t s0 = 0;;) {
+        const std::int64_t m = std::min(slice, len - s0);
+        for (const Call& call : calls) {
+          call.kernel->flat(call.in, call.splat, *call.out, 0, m, call.contig, call.stream);
+          if (call.copy_base)
+            expr::stream_copy(call.copy_base + (ub + static_cast<std::size_t>(s0)) * call.esz,
+                              *call.out, static_cast<std::size_t>(m) * call.esz);
         }
+        if ((s0 += slice) >= len) break;  // no pointer moves past the chunk's last slice
+        for (std::size_t i = 0; i < ptrs.size(); ++i)
+          ptrs[i] = static_cast<const std::byte*>(ptrs[i]) + step[i];
+        for (std::size_t j = 0; j < k; ++j)
+          outs[j] = static_cast<std::byte*>(outs[j]) + step[ptrs.size() + j];
       }
       if (reduction) {  // the last member, over the whole chunk: one partial, as unfused
         point(ub, 0);
