@@ -4656,14 +4656,13 @@ inline void run_group(ExecContext& ctx, const PlanStep& st, const GroupMembers& 
                 : nullptr;
     // Where each input (flat, in `in` order) and each member's output is found: at
     // base + i * esz for element i of the group (outside buffers, whole outputs), of the
-    // chunk (chunk-long scratch), or of the slice (slice-long scratch: esz 0, one place).
+    // chunk (chunk-long scratch), or of the slice (slice-long scratch and broadcast
+    // elements: esz 0, one place).
     struct Place {
       std::byte* base;
       std::size_t esz;
       bool in_chunk;
-      std::byte* at(std::size_t b, std::size_t s0) const {
-        return base + (in_chunk ? s0 : b + s0) * esz;
-      }
+      std::byte* at_chunk(std::size_t b) const { return base + (in_chunk ? 0 : b * esz); }
     };
     auto output_place = [&](std::size_t p) -> Place {
       if (!mem[p].ew) return {nullptr, 0, false};  // the reduction: no element-wise output
@@ -4671,17 +4670,17 @@ inline void run_group(ExecContext& ctx, const PlanStep& st, const GroupMembers& 
       return {mine + mem[p].scratch_off, slice_long[p] ? 0 : mem[p].esz, true};
     };
     std::vector<Place> in_place(in.size()), out_place(k);
-    for (std::size_t i = 0; i < in.size(); ++i)
-      if (in[i].src >= 0) in_place[i] = output_place(static_cast<std::size_t>(in[i].src));
+    for (std::size_t i = 0; i < in.size(); ++i)  // outside buffers are only read
+      in_place[i] = in[i].src < 0 ? Place{const_cast<std::byte*>(in[i].base), in[i].esz, false}
+                                  : output_place(static_cast<std::size_t>(in[i].src));
     for (std::size_t j = 0; j < k; ++j) out_place[j] = output_place(j);
-    // The pointers for the slice starting `s0` elements into the chunk starting at `b`;
-    // kernels then run over [0, slice length).
+    // The pointers for the first slice of the chunk starting at element `b`; kernels run
+    // over [0, slice length).
     std::vector<const void*> ptrs(in.size());
     std::vector<void*> outs(k);
-    auto point = [&](std::size_t b, std::size_t s0) {
-      for (std::size_t i = 0; i < in.size(); ++i)
-        ptrs[i] = in[i].src < 0 ? in[i].base + (b + s0) * in[i].esz : in_place[i].at(b, s0);
-      for (std::size_t j = 0; j < k; ++j) outs[j] = out_place[j].at(b, s0);
+    auto point = [&](std::size_t b) {
+      for (std::size_t i = 0; i < in.size(); ++i) ptrs[i] = in_place[i].at_chunk(b);
+      for (std::size_t j = 0; j < k; ++j) outs[j] = out_place[j].at_chunk(b);
     };
     // From one slice to the next every pointer moves by the slice's bytes, slice-long
     // scratch and broadcast elements by none: a chunk's pointers are placed once and then
@@ -4689,7 +4688,7 @@ inline void run_group(ExecContext& ctx, const PlanStep& st, const GroupMembers& 
     // a single statement, so the slice loop does no more than call and advance.
     std::vector<std::size_t> step(in.size() + k);  // bytes per slice: the inputs, then the outputs
     for (std::size_t i = 0; i < in.size(); ++i)
-      step[i] = (in[i].src < 0 ? in[i].esz : in_place[i].esz) * static_cast<std::size_t>(slice);
+      step[i] = in_place[i].esz * static_cast<std::size_t>(slice);
     for (std::size_t j = 0; j < k; ++j)
       step[in.size() + j] = out_place[j].esz * static_cast<std::size_t>(slice);
     struct Call {
@@ -4711,7 +4710,7 @@ inline void run_group(ExecContext& ctx, const PlanStep& st, const GroupMembers& 
     for (std::int64_t c = c0; c < c1; ++c) {
       const std::int64_t b = c * kFusionChunk, len = std::min(kFusionChunk, n - b);
       const auto ub = static_cast<std::size_t>(b);
-      point(ub, 0);
+      point(ub);
       for (std::int64_t s0 = 0;;) {
         const std::int64_t m = std::min(slice, len - s0);
         for (const Call& call : calls) {
@@ -4727,7 +4726,7 @@ inline void run_group(ExecContext& ctx, const PlanStep& st, const GroupMembers& 
           outs[j] = static_cast<std::byte*>(outs[j]) + step[ptrs.size() + j];
       }
       if (reduction) {  // the last member, over the whole chunk: one partial, as unfused
-        point(ub, 0);
+        point(ub);      // the slices moved the pointers on
         reduction->reduce_chunk(ptrs.data() + mem[k - 1].first_in, len,
                                 static_cast<std::byte*>(partials->data()) +
                                     static_cast<std::size_t>(c) * partial_bytes);
