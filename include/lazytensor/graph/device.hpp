@@ -63,6 +63,11 @@ class Device {
   /// Records a new pending node, in creation order.
   void trace(const NodePtr& n) {
     std::lock_guard lock(mu_);
+    // Statements read and dropped before the next one (`sum(x).item()` in a loop) leave
+    // their entry dead at the back: reuse it at once. A dead entry holds the node's memory
+    // (weak references keep make_shared's block), so waiting for the next pruning would
+    // cycle a fresh block through the cache on every statement.
+    while (!trace_.empty() && trace_.back().expired()) trace_.pop_back();
     if (trace_.size() >= prune_at_) prune_trace();
     trace_.push_back(n);
   }
