@@ -1,4 +1,4 @@
-// core/small_vector.hpp: inline storage up to N, heap beyond, value semantics, against
+// core/small_vector.hpp: inline storage up to N, heap beyond, value semantics, stack use, against
 // std::vector doing the same operations.
 #include <array>
 #include <cstdint>
@@ -68,6 +68,30 @@ TEST(SmallVector, CopiesAndMovesAreIndependentValues) {
     d = same;  // self-assignment keeps the values
     EXPECT_EQ(d[n - 1][0], static_cast<std::int64_t>(n - 1));
   }
+}
+
+TEST(SmallVector, PushBackAndPopBackWorkAsAStackPastTheInlineCapacity) {
+  SmallVector<std::int64_t, 3> v;
+  std::vector<std::int64_t> ref;
+  // Push 40 (inline, then several heap growths), pop 25, push 10 more: a DFS stack's use.
+  for (std::int64_t i = 0; i < 40; ++i) {
+    v.push_back(i * i);
+    ref.push_back(i * i);
+    ASSERT_EQ(v.back(), ref.back()) << i;
+  }
+  for (int i = 0; i < 25; ++i) {
+    v.pop_back();
+    ref.pop_back();
+  }
+  v.back() += 1;  // back() refers to the element itself
+  ref.back() += 1;
+  for (std::int64_t i = 0; i < 10; ++i) {
+    v.push_back(-i);
+    ref.push_back(-i);
+  }
+  EXPECT_EQ(as_vector(v), ref);
+  while (!v.empty()) v.pop_back();
+  EXPECT_EQ(v.size(), 0u);
 }
 
 }  // namespace

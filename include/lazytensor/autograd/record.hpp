@@ -45,10 +45,12 @@ GradFnPtr operand_edge(const X& x) {
       return nullptr;
     } else {
       if (!is_grad_enabled() || !expr::any_leaf_grad(x)) return nullptr;
+      // any_leaf_grad found an edge, so `edges` holds at least one.
       std::vector<graph::NodePtr> inputs;
       std::vector<GradFnPtr> edges;
+      inputs.reserve(expr::leaf_count_v<X>);
+      edges.reserve(expr::leaf_count_v<X>);
       auto k = expr::to_kernel(x, inputs, &edges);
-      if (!any_edge(edges)) return nullptr;
       auto fn = std::make_shared<ElementwiseGradFn<decltype(k), V>>(k, inputs);
       fn->next = std::move(edges);
       fn->dtype = dtype_of<V>();

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -25,28 +26,41 @@ struct MetricData {
   double total_ns = 0, min_ns = 0, max_ns = 0;
 };
 
-/// A series of timed samples.
+/// A series of timed samples. Recording is lock-free (every read of a small statement
+/// records two samples, and a mutex round trip would cost as much as the clock reads);
+/// a summary taken while another thread records may see that sample in part.
 class Metric {
  public:
   void record(double ns) {
-    std::lock_guard lock(mu_);
-    if (data_.count == 0 || ns < data_.min_ns) data_.min_ns = ns;
-    if (data_.count == 0 || ns > data_.max_ns) data_.max_ns = ns;
-    data_.count++;
-    data_.total_ns += ns;
+    double lo = min_.load(std::memory_order_relaxed);
+    while (ns < lo && !min_.compare_exchange_weak(lo, ns, std::memory_order_relaxed)) {
+    }
+    double hi = max_.load(std::memory_order_relaxed);
+    while (ns > hi && !max_.compare_exchange_weak(hi, ns, std::memory_order_relaxed)) {
+    }
+    total_.fetch_add(ns, std::memory_order_relaxed);
+    count_.fetch_add(1, std::memory_order_release);
   }
   MetricData data() const {
-    std::lock_guard lock(mu_);
-    return data_;
+    MetricData d;
+    d.count = count_.load(std::memory_order_acquire);
+    if (d.count == 0) return d;
+    d.total_ns = total_.load(std::memory_order_relaxed);
+    d.min_ns = min_.load(std::memory_order_relaxed);
+    d.max_ns = max_.load(std::memory_order_relaxed);
+    return d;
   }
   void reset() {
-    std::lock_guard lock(mu_);
-    data_ = {};
+    count_.store(0, std::memory_order_relaxed);
+    total_.store(0, std::memory_order_relaxed);
+    min_.store(kNone, std::memory_order_relaxed);
+    max_.store(-kNone, std::memory_order_relaxed);
   }
 
  private:
-  mutable std::mutex mu_;
-  MetricData data_;
+  static constexpr double kNone = std::numeric_limits<double>::infinity();
+  std::atomic<std::int64_t> count_{0};
+  std::atomic<double> total_{0}, min_{kNone}, max_{-kNone};
 };
 
 /// The registry of every counter and metric.
@@ -95,6 +109,8 @@ inline Metric& metric(const std::string& name) { return Registry::get().metric(n
 class ScopedTimer {
  public:
   explicit ScopedTimer(Metric& m) : m_(m), t0_(std::chrono::steady_clock::now()) {}
+  /// Timing from `t0`, a clock reading the caller already has.
+  ScopedTimer(Metric& m, std::chrono::steady_clock::time_point t0) : m_(m), t0_(t0) {}
   ~ScopedTimer() {
     m_.record(std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0_).count());
   }

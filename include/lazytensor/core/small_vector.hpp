@@ -10,8 +10,8 @@
 
 namespace lazy::core {
 
-/// Fixed-capacity-inline vector (see the file comment). Only what Layout needs: resize,
-/// assign, indexing, data and iteration.
+/// Fixed-capacity-inline vector (see the file comment). Only what its users need: resize,
+/// assign, indexing, data, iteration, and stack use (push_back, back, pop_back).
 template <class T, std::size_t N>
 class SmallVector {
   static_assert(std::is_trivially_copyable_v<T>, "SmallVector holds trivially copyable values");
@@ -42,6 +42,16 @@ class SmallVector {
     std::fill_n(data(), n, v);
     size_ = n;
   }
+
+  /// Appends v (growing the storage geometrically once past the inline capacity).
+  void push_back(const T& v) {
+    if (size_ == capacity()) reserve(std::max<std::size_t>(4, 2 * capacity()));
+    data()[size_++] = v;
+  }
+  /// The last element (the vector must not be empty).
+  T& back() { return data()[size_ - 1]; }
+  /// Removes the last element (the vector must not be empty).
+  void pop_back() { --size_; }
 
   std::size_t size() const { return size_; }
   bool empty() const { return size_ == 0; }

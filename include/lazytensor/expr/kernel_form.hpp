@@ -3,10 +3,12 @@
 // index of a node input. A graph node stores this form, so it holds no handle of its own
 // beyond its input list (buffer donation counts references on that list).
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include <lazytensor/expr/expr.hpp>
@@ -63,6 +65,18 @@ struct klane<KExpr<Op, C...>> {
 };
 template <class K>
 using klane_t = typename klane<K>::type;
+
+/// Number of tensor leaves in expression type E, repeats included: the most slots its
+/// kernel form can need, so callers reserve the input list once instead of growing it.
+template <class E>
+struct leaf_count : std::integral_constant<std::size_t, 0> {};
+template <Element T>
+struct leaf_count<Leaf<T>> : std::integral_constant<std::size_t, 1> {};
+template <class Op, class... C>
+struct leaf_count<Expr<Op, C...>>
+    : std::integral_constant<std::size_t, (std::size_t{0} + ... + leaf_count<C>::value)> {};
+template <class E>
+inline constexpr std::size_t leaf_count_v = leaf_count<std::remove_cvref_t<E>>::value;
 
 /// Converts an expression to kernel form, appending its distinct leaf nodes to `inputs`.
 /// With `edges`, a leaf's autograd edge is appended alongside, and two leaves share a slot

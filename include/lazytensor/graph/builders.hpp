@@ -2,6 +2,7 @@
 // Turning expressions into pending graph nodes.
 
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,8 @@ NodePtr make_elementwise(const E& e, const Shape& shape, autograd::GradFnPtr* gr
   std::vector<autograd::GradFnPtr> edges;
   // History is recorded where the expression is evaluated, if grad mode is on there.
   if (grad_fn && !autograd::is_grad_enabled()) grad_fn = nullptr;
+  inputs.reserve(expr::leaf_count_v<E>);
+  if (grad_fn) edges.reserve(expr::leaf_count_v<E>);
   auto k = expr::to_kernel(e, inputs, grad_fn ? &edges : nullptr);
   Device& dev = common_device(inputs, E::op_type::name);
   if constexpr (is_floating_v<Tout>) {
@@ -46,7 +49,7 @@ inline bool materialize(const NodePtr& node) {
   if (!node->materialized() && !node->pending()) dev.wait_idle();
   dev.rethrow_stored_error();
   if (node->materialized()) return false;
-  execute(dev, {node});
+  execute(dev, std::span(&node, 1));
   return true;
 }
 

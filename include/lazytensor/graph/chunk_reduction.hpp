@@ -27,7 +27,8 @@ class ChunkReduction {
   /// Reduces `len` (<= one chunk) elements whose inputs start at `inputs` (an input of
   /// one element broadcast to all: its only element) into `partial`.
   virtual void reduce_chunk(const void* const* inputs, std::int64_t len, void* partial) const = 0;
-  /// Combines `count` partials (in chunk order) into the node's value and finishes it.
+  /// Combines `count` partials (in chunk order) into the node's value and finishes it;
+  /// the partials may be overwritten.
   virtual void finish_partials(ExecContext& ctx, void* partials, std::int64_t count) = 0;
 };
 

@@ -9,11 +9,13 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdio>
+#include <span>
 #include <unordered_set>
 #include <utility>
 #include <vector>
 
 #include <lazytensor/core/counters.hpp>
+#include <lazytensor/core/small_vector.hpp>
 #include <lazytensor/graph/parallel.hpp>
 #include <lazytensor/graph/plan.hpp>
 
@@ -52,29 +54,33 @@ class SeenNodes {
 
 /// Pending nodes reachable from `roots`, producers before consumers (iterative DFS, so a
 /// long chain of statements cannot overflow the stack).
-inline std::vector<NodePtr> topological_order(const std::vector<NodePtr>& roots) {
+inline std::vector<NodePtr> topological_order(std::span<const NodePtr> roots) {
   std::vector<NodePtr> order;
   detail::SeenNodes seen;
-  std::vector<std::pair<Node*, std::size_t>> stack;
+  struct Frame {
+    Node* node;
+    std::size_t next;  // the next input to look at
+  };
+  core::SmallVector<Frame, 16> stack;
   for (const auto& r : roots) {
     if (!r || !r->pending() || !seen.insert(r.get())) continue;
-    stack.emplace_back(r.get(), 0);
+    stack.push_back({r.get(), 0});
     while (!stack.empty()) {
-      auto& [node, next] = stack.back();
-      const auto& ins = node->inputs();
-      if (next < ins.size()) {
-        const NodePtr& in = ins[next++];
-        if (in->pending() && seen.insert(in.get())) stack.emplace_back(in.get(), 0);
+      Frame& top = stack.back();
+      const auto& ins = top.node->inputs();
+      if (top.next < ins.size()) {
+        const NodePtr& in = ins[top.next++];
+        if (in->pending() && seen.insert(in.get())) stack.push_back({in.get(), 0});
         continue;
       }
       // All inputs ordered: find the owning shared_ptr (the root or a consumer's input).
-      Node* done = node;
+      Node* done = top.node;
       stack.pop_back();
       NodePtr owner;
       if (stack.empty()) {
         owner = r;
       } else {
-        for (const auto& in : stack.back().first->inputs()) {
+        for (const auto& in : stack.back().node->inputs()) {
           if (in.get() == done) {
             owner = in;
             break;
@@ -408,8 +414,11 @@ inline void prepare(const std::vector<NodePtr>& nodes) {
 
 /// The plan for `nodes` (in creation order), from the device's cache or newly built.
 /// `step`: planning a mark_step (reads and eager ops do not count toward the re-planning
-/// warning).
-inline std::shared_ptr<const Plan> plan_for(Device& dev, const std::vector<NodePtr>& nodes, bool step) {
+/// warning). `done`: receives the clock reading that ended PlanTime, for a caller that
+/// runs the plan at once and can start ExecuteTime from it.
+inline std::shared_ptr<const Plan> plan_for(Device& dev, const std::vector<NodePtr>& nodes,
+                                            bool step,
+                                            std::chrono::steady_clock::time_point* done = nullptr) {
   static auto& cached = core::counter("CachedPlan");
   static auto& uncached = core::counter("UncachedPlan");
   static auto& plan_time = core::metric("PlanTime");
@@ -454,18 +463,22 @@ inline std::shared_ptr<const Plan> plan_for(Device& dev, const std::vector<NodeP
     }
   }
   if (step) stats.last_signature = std::move(sig);
-  plan_time.record(std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count());
+  const auto t1 = std::chrono::steady_clock::now();
+  plan_time.record(std::chrono::duration<double, std::nano>(t1 - t0).count());
+  if (done) *done = t1;
   return plan;
 }
 
 /// Runs `plan` over `nodes` (positions as planned). The plan's reference to each node is
 /// dropped as it runs, so donation sees the true holders. On an error, the nodes not run
 /// go back to pending (and to the device's trace) and the exception propagates.
-inline void run_plan(Device& device, const Plan& plan, std::vector<NodePtr>& nodes) {
+/// `started`: when ExecuteTime starts (default: now).
+inline void run_plan(Device& device, const Plan& plan, std::vector<NodePtr>& nodes,
+                     const std::chrono::steady_clock::time_point* started = nullptr) {
   static auto& execute_time = core::metric("ExecuteTime");
   static auto& kernels = core::counter("KernelsRun");
   static auto& fused = core::counter("FusedNodes");
-  core::ScopedTimer timer(execute_time);
+  core::ScopedTimer timer(execute_time, started ? *started : std::chrono::steady_clock::now());
   ExecContext ctx{device};
   std::int64_t ran = 0;
   std::size_t step = 0;
@@ -506,14 +519,16 @@ inline void run_plan(Device& device, const Plan& plan, std::vector<NodePtr>& nod
 inline void execute_now(Device& device, std::vector<NodePtr> nodes) {
   if (nodes.empty()) return;
   prepare(nodes);
-  auto plan = plan_for(device, nodes, false);
+  // One clock reading ends PlanTime and starts ExecuteTime.
+  std::chrono::steady_clock::time_point planned;
+  auto plan = plan_for(device, nodes, false, &planned);
   for (auto& n : nodes) n->set_state(Node::State::Queued);
-  run_plan(device, *plan, nodes);
+  run_plan(device, *plan, nodes, &planned);
 }
 
 /// Materializes every pending node reachable from `roots` on `device`, now, on the
 /// calling thread.
-inline void execute(Device& device, const std::vector<NodePtr>& roots) {
+inline void execute(Device& device, std::span<const NodePtr> roots) {
   device.wait_idle();
   execute_now(device, topological_order(roots));
 }

@@ -22,6 +22,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include <lazytensor/core/small_vector.hpp>
 #include <lazytensor/graph/chunk_reduction.hpp>
 #include <lazytensor/graph/device.hpp>
 #include <lazytensor/graph/elementwise_node.hpp>
@@ -121,7 +122,8 @@ inline ChunkReduction* chunk_reduction(const NodePtr& n, std::int64_t numel) {
 /// true when something outside the step refers to node i.
 inline std::vector<std::uint64_t> signature(const std::vector<NodePtr>& nodes, std::uint64_t epoch,
                                             std::vector<std::uint8_t>& outside) {
-  std::vector<std::int32_t> refs(nodes.size(), 0);
+  core::SmallVector<std::int32_t, 32> refs;  // a read of a few statements allocates nothing here
+  refs.assign(nodes.size(), 0);
   for (const auto& n : nodes)
     for (const auto& in : n->inputs()) {
       const std::int32_t s = slot_of(in, epoch);

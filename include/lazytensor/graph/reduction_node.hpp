@@ -15,6 +15,7 @@
 #include <typeinfo>
 #include <vector>
 
+#include <lazytensor/core/small_vector.hpp>
 #include <lazytensor/expr/dual.hpp>
 #include <lazytensor/expr/evaluator.hpp>
 #include <lazytensor/graph/chunk_reduction.hpp>
@@ -74,28 +75,36 @@ LAZY_KERNEL_LOOP S reduce_span(const Ev& ev, std::int64_t b, std::int64_t len) {
   }
 }
 
-/// Combines partial results pairwise, in a fixed shape.
+/// Combines the `n` partial results at `v` pairwise, in a fixed shape (overwriting them).
 template <class R, class S>
-S pairwise(std::vector<S>& v) {
-  if (v.empty()) return R::template identity<S>();
-  while (v.size() > 1) {
+S pairwise(S* v, std::size_t n) {
+  if (n == 0) return R::template identity<S>();
+  while (n > 1) {
     std::size_t j = 0;
-    for (std::size_t i = 0; i + 1 < v.size(); i += 2) v[j++] = R::combine(v[i], v[i + 1]);
-    if (v.size() % 2) v[j++] = v.back();
-    v.resize(j);
+    for (std::size_t i = 0; i + 1 < n; i += 2) v[j++] = R::combine(v[i], v[i + 1]);
+    if (n % 2) v[j++] = v[n - 1];
+    n = j;
   }
   return v[0];
 }
 
+/// Per-block partial results: the blocks of a statement that fits in L2 need no heap.
+template <class S>
+using Partials = core::SmallVector<S, 64>;
+
+/// Input pointers of a node's kernel (most kernels read a handful of inputs).
+using InputPointers = core::SmallVector<const void*, 8>;
+
 template <class R, class S, bool C, class Ev>
 S reduce_range(const Ev& ev, std::int64_t b, std::int64_t len) {
   if (len <= kReduceBlock) return reduce_span<R, S, C>(ev, b, len);
-  std::vector<S> partial;
-  partial.reserve(static_cast<std::size_t>((len + kReduceBlock - 1) / kReduceBlock));
-  for (std::int64_t o = 0; o < len; o += kReduceBlock) {
-    partial.push_back(reduce_span<R, S, C>(ev, b + o, std::min(kReduceBlock, len - o)));
+  Partials<S> partial;
+  partial.resize(static_cast<std::size_t>((len + kReduceBlock - 1) / kReduceBlock));
+  for (std::size_t j = 0; j < partial.size(); ++j) {
+    const std::int64_t o = static_cast<std::int64_t>(j) * kReduceBlock;
+    partial[j] = reduce_span<R, S, C>(ev, b + o, std::min(kReduceBlock, len - o));
   }
-  return pairwise<R>(partial);
+  return pairwise<R>(partial.data(), partial.size());
 }
 
 }  // namespace detail
@@ -109,7 +118,9 @@ class ReductionNode final : public Node, public ChunkReduction {
       : Node(NodeKind::Reduction, dtype_of<Tout>(), out_shape, device, std::move(inputs)),
         kernel_(std::move(kernel)), g_(g), scale_(scale), child_shape_(child_shape) {
     const std::int64_t n = child_shape.numel();
-    for (const auto& in : this->inputs()) splat_.push_back(in->numel() == 1 && n != 1 ? 1 : 0);
+    splat_.resize(this->inputs().size());
+    for (std::size_t i = 0; i < splat_.size(); ++i)
+      splat_[i] = this->inputs()[i]->numel() == 1 && n != 1 ? 1 : 0;
   }
 
   std::string op_name() const override { return R::name; }
@@ -134,9 +145,9 @@ class ReductionNode final : public Node, public ChunkReduction {
     *static_cast<S*>(partial) = contig ? detail::reduce_span<R, S, true>(ev, 0, len) : detail::reduce_span<R, S, false>(ev, 0, len);
   }
   void finish_partials(ExecContext& ctx, void* partials, std::int64_t count) override {
-    std::vector<S> v(static_cast<S*>(partials), static_cast<S*>(partials) + count);
     auto buf = allocate_output(ctx, false);
-    static_cast<Tout*>(buf->data())[0] = finish_value(detail::pairwise<R>(v));
+    static_cast<Tout*>(buf->data())[0] = finish_value(
+        detail::pairwise<R>(static_cast<S*>(partials), static_cast<std::size_t>(count)));
     set_buffer(std::move(buf));
     finish();
   }
@@ -144,7 +155,8 @@ class ReductionNode final : public Node, public ChunkReduction {
  protected:
   void compute(ExecContext& ctx) override {
     const auto& ins = inputs();
-    std::vector<const void*> ptrs(ins.size());
+    detail::InputPointers ptrs;
+    ptrs.resize(ins.size());
     for (std::size_t i = 0; i < ins.size(); ++i) ptrs[i] = ins[i]->buffer()->data();
     auto buf = allocate_output(ctx, false);
     Tout* out = static_cast<Tout*>(buf->data());
@@ -162,7 +174,7 @@ class ReductionNode final : public Node, public ChunkReduction {
   }
 
   template <bool C>
-  void run(ExecContext& ctx, const std::vector<const void*>& ptrs, Tout* out) {
+  void run(ExecContext& ctx, const detail::InputPointers& ptrs, Tout* out) {
     auto& pool = ctx.device.threads();
     const double cost = cost_per_element();
     const std::int64_t outer = g_.outer, R_ = g_.extent, inner = g_.inner;
@@ -171,7 +183,8 @@ class ReductionNode final : public Node, public ChunkReduction {
     if (inner == 1 && outer == 1) {
       // One value: blocks in parallel, then the fixed pairwise tree.
       const std::int64_t blocks = (R_ + kReduceBlock - 1) / kReduceBlock;
-      std::vector<S> partial(static_cast<std::size_t>(blocks));
+      detail::Partials<S> partial;
+      partial.resize(static_cast<std::size_t>(blocks));
       const std::int64_t tasks = std::min(blocks, task_count(pool, total, cost));
       pool.parallel_for(tasks, [&](std::int64_t t) {
         auto ev = eval();
@@ -181,7 +194,7 @@ class ReductionNode final : public Node, public ChunkReduction {
           partial[b] = detail::reduce_span<R, S, C>(ev, s, std::min(kReduceBlock, R_ - s));
         }
       });
-      out[0] = finish_value(detail::pairwise<R>(partial));
+      out[0] = finish_value(detail::pairwise<R>(partial.data(), partial.size()));
     } else if (inner == 1) {
       const std::int64_t tasks = std::min(outer, task_count(pool, total, cost));
       pool.parallel_for(tasks, [&](std::int64_t t) {
@@ -234,7 +247,7 @@ class ReductionNode final : public Node, public ChunkReduction {
   ReduceGeometry g_;
   double scale_;
   Shape child_shape_;
-  std::vector<char> splat_;
+  core::SmallVector<char, 8> splat_;
 };
 
 /// argmax / argmin (first occurrence; NaN counts as the extreme, as in torch).
@@ -245,7 +258,10 @@ class ArgReductionNode final : public Node {
                    Shape child_shape)
       : Node(NodeKind::Reduction, DType::Int64, out_shape, device, std::move(inputs)), kernel_(std::move(kernel)),
         g_(g) {
-    for (const auto& in : this->inputs()) splat_.push_back(in->numel() == 1 && child_shape.numel() != 1 ? 1 : 0);
+    const std::int64_t n = child_shape.numel();
+    splat_.resize(this->inputs().size());
+    for (std::size_t i = 0; i < splat_.size(); ++i)
+      splat_[i] = this->inputs()[i]->numel() == 1 && n != 1 ? 1 : 0;
   }
   std::string op_name() const override { return IsMax ? "argmax" : "argmin"; }
   std::string describe() const override { return op_name() + "(" + expr::kernel_text(kernel_) + ")"; }
@@ -253,7 +269,8 @@ class ArgReductionNode final : public Node {
  protected:
   void compute(ExecContext& ctx) override {
     const auto& ins = inputs();
-    std::vector<const void*> ptrs(ins.size());
+    detail::InputPointers ptrs;
+    ptrs.resize(ins.size());
     for (std::size_t i = 0; i < ins.size(); ++i) ptrs[i] = ins[i]->buffer()->data();
     auto buf = allocate_output(ctx, false);
     auto* out = static_cast<std::int64_t*>(buf->data());
@@ -284,7 +301,7 @@ class ArgReductionNode final : public Node {
  private:
   K kernel_;
   ReduceGeometry g_;
-  std::vector<char> splat_;
+  core::SmallVector<char, 8> splat_;
 };
 
 }  // namespace lazy::graph

@@ -2,6 +2,7 @@
 // Adding nodes to a device's pending graph.
 
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -25,7 +26,8 @@ inline Device& common_device(const std::vector<NodePtr>& inputs, const char* op)
 /// Adds a node to its device's pending graph; in eager mode it runs at once.
 inline NodePtr submit(NodePtr node) {
   Device& dev = *node->device();
-  if (dev.eager()) execute(dev, {node});
+  if (dev.eager())
+    execute(dev, std::span(&node, 1));
   else dev.trace(node);
   return node;
 }

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include <lazytensor/autograd/record.hpp>
+#include <lazytensor/core/small_vector.hpp>
 #include <lazytensor/graph/reduction_node.hpp>
 #include <lazytensor/ops/shape.hpp>
 #include <lazytensor/tensor.hpp>
@@ -20,9 +21,12 @@ namespace lazy {
 
 namespace detail {
 
+/// Reduction dims (at most one per dim of a shape, so they stay inline).
+using DimList = core::SmallVector<int, 8>;
+
 /// Normalized, sorted, de-duplicated reduction dims; empty `dims` means all.
-inline std::vector<int> reduce_dims(const Shape& s, const std::vector<std::int64_t>& dims, const char* op) {
-  std::vector<int> d;
+inline DimList reduce_dims(const Shape& s, const std::vector<std::int64_t>& dims, const char* op) {
+  DimList d;
   if (dims.empty()) {
     for (int i = 0; i < s.rank(); ++i) d.push_back(i);
     return d;
@@ -35,11 +39,11 @@ inline std::vector<int> reduce_dims(const Shape& s, const std::vector<std::int64
     d.push_back(n);
   }
   std::sort(d.begin(), d.end());
-  if (s.rank() == 0) d.clear();
+  if (s.rank() == 0) d.resize(0);
   return d;
 }
 
-inline Shape reduced_shape(const Shape& s, const std::vector<int>& dims, bool keepdim) {
+inline Shape reduced_shape(const Shape& s, const DimList& dims, bool keepdim) {
   Shape out;
   for (int i = 0; i < s.rank(); ++i) {
     const bool r = std::find(dims.begin(), dims.end(), i) != dims.end();
@@ -50,7 +54,7 @@ inline Shape reduced_shape(const Shape& s, const std::vector<int>& dims, bool ke
 }
 
 /// [outer, R, inner] when the reduced dims of size > 1 are adjacent; false otherwise.
-inline bool geometry(const Shape& s, const std::vector<int>& dims, graph::ReduceGeometry& g) {
+inline bool geometry(const Shape& s, const DimList& dims, graph::ReduceGeometry& g) {
   int lo = -1, hi = -1;
   for (int d : dims)
     if (s[d] != 1) {
@@ -109,6 +113,7 @@ graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims,
   const Shape out = reduced_shape(s, rd, keepdim);
   const double scale = scale_kind == 0 ? 1.0 : (g.extent ? 1.0 / static_cast<double>(g.extent) : std::nan(""));
   std::vector<graph::NodePtr> inputs;
+  inputs.reserve(expr::leaf_count_v<decltype(expr::operand(x))>);
   auto k = expr::to_kernel(expr::operand(x), inputs);
   using K = decltype(k);
   if constexpr (expr::is_expr_node<X>::value) {
@@ -296,6 +301,7 @@ Tensor<std::int64_t> arg_reduce(const X& x, std::optional<std::int64_t> dim, boo
   graph::ReduceGeometry g;
   geometry(s, rd, g);  // a single dim is always adjacent to itself
   std::vector<graph::NodePtr> inputs;
+  inputs.reserve(expr::leaf_count_v<decltype(expr::operand(x))>);
   auto k = expr::to_kernel(expr::operand(x), inputs);
   if constexpr (expr::is_expr_node<X>::value) {
     if (!flat_child(x, inputs)) return arg_reduce<IsMax>(Tensor<typename X::value_type>(x), dim, keepdim, op);
