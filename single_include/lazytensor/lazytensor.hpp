@@ -93,6 +93,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -112,28 +113,41 @@ struct MetricData {
   double total_ns = 0, min_ns = 0, max_ns = 0;
 };
 
-/// A series of timed samples.
+/// A series of timed samples. Recording is lock-free (every read of a small statement
+/// records two samples, and a mutex round trip would cost as much as the clock reads);
+/// a summary taken while another thread records may see that sample in part.
 class Metric {
  public:
   void record(double ns) {
-    std::lock_guard lock(mu_);
-    if (data_.count == 0 || ns < data_.min_ns) data_.min_ns = ns;
-    if (data_.count == 0 || ns > data_.max_ns) data_.max_ns = ns;
-    data_.count++;
-    data_.total_ns += ns;
+    double lo = min_.load(std::memory_order_relaxed);
+    while (ns < lo && !min_.compare_exchange_weak(lo, ns, std::memory_order_relaxed)) {
+    }
+    double hi = max_.load(std::memory_order_relaxed);
+    while (ns > hi && !max_.compare_exchange_weak(hi, ns, std::memory_order_relaxed)) {
+    }
+    total_.fetch_add(ns, std::memory_order_relaxed);
+    count_.fetch_add(1, std::memory_order_release);
   }
   MetricData data() const {
-    std::lock_guard lock(mu_);
-    return data_;
+    MetricData d;
+    d.count = count_.load(std::memory_order_acquire);
+    if (d.count == 0) return d;
+    d.total_ns = total_.load(std::memory_order_relaxed);
+    d.min_ns = min_.load(std::memory_order_relaxed);
+    d.max_ns = max_.load(std::memory_order_relaxed);
+    return d;
   }
   void reset() {
-    std::lock_guard lock(mu_);
-    data_ = {};
+    count_.store(0, std::memory_order_relaxed);
+    total_.store(0, std::memory_order_relaxed);
+    min_.store(kNone, std::memory_order_relaxed);
+    max_.store(-kNone, std::memory_order_relaxed);
   }
 
  private:
-  mutable std::mutex mu_;
-  MetricData data_;
+  static constexpr double kNone = std::numeric_limits<double>::infinity();
+  std::atomic<std::int64_t> count_{0};
+  std::atomic<double> total_{0}, min_{kNone}, max_{-kNone};
 };
 
 /// The registry of every counter and metric.
@@ -182,6 +196,8 @@ inline Metric& metric(const std::string& name) { return Registry::get().metric(n
 class ScopedTimer {
  public:
   explicit ScopedTimer(Metric& m) : m_(m), t0_(std::chrono::steady_clock::now()) {}
+  /// Timing from `t0`, a clock reading the caller already has.
+  ScopedTimer(Metric& m, std::chrono::steady_clock::time_point t0) : m_(m), t0_(t0) {}
   ~ScopedTimer() {
     m_.record(std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0_).count());
   }
@@ -229,10 +245,12 @@ class ScopedTimer {
 // index of a node input. A graph node stores this form, so it holds no handle of its own
 // beyond its input list (buffer donation counts references on that list).
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 // ---- begin lazytensor/expr/expr.hpp ----
@@ -1896,6 +1914,18 @@ struct klane<KExpr<Op, C...>> {
 template <class K>
 using klane_t = typename klane<K>::type;
 
+/// Number of tensor leaves in expression type E, repeats included: the most slots its
+/// kernel form can need, so callers reserve the input list once instead of growing it.
+template <class E>
+struct leaf_count : std::integral_constant<std::size_t, 0> {};
+template <Element T>
+struct leaf_count<Leaf<T>> : std::integral_constant<std::size_t, 1> {};
+template <class Op, class... C>
+struct leaf_count<Expr<Op, C...>>
+    : std::integral_constant<std::size_t, (std::size_t{0} + ... + leaf_count<C>::value)> {};
+template <class E>
+inline constexpr std::size_t leaf_count_v = leaf_count<std::remove_cvref_t<E>>::value;
+
 /// Converts an expression to kernel form, appending its distinct leaf nodes to `inputs`.
 /// With `edges`, a leaf's autograd edge is appended alongside, and two leaves share a slot
 /// only when both node and edge agree (x * x.detach() has two slots: one gets a gradient).
@@ -1988,8 +2018,8 @@ std::string kernel_text(const KExpr<Op, C...>& k) {
 
 namespace lazy::core {
 
-/// Fixed-capacity-inline vector (see the file comment). Only what Layout needs: resize,
-/// assign, indexing, data and iteration.
+/// Fixed-capacity-inline vector (see the file comment). Only what its users need: resize,
+/// assign, indexing, data, iteration, and stack use (push_back, back, pop_back).
 template <class T, std::size_t N>
 class SmallVector {
   static_assert(std::is_trivially_copyable_v<T>, "SmallVector holds trivially copyable values");
@@ -2020,6 +2050,16 @@ class SmallVector {
     std::fill_n(data(), n, v);
     size_ = n;
   }
+
+  /// Appends v (growing the storage geometrically once past the inline capacity).
+  void push_back(const T& v) {
+    if (size_ == capacity()) reserve(std::max<std::size_t>(4, 2 * capacity()));
+    data()[size_++] = v;
+  }
+  /// The last element (the vector must not be empty).
+  T& back() { return data()[size_ - 1]; }
+  /// Removes the last element (the vector must not be empty).
+  void pop_back() { --size_; }
 
   std::size_t size() const { return size_; }
   bool empty() const { return size_ == 0; }
@@ -3072,6 +3112,11 @@ class Device {
   /// Records a new pending node, in creation order.
   void trace(const NodePtr& n) {
     std::lock_guard lock(mu_);
+    // Statements read and dropped before the next one (`sum(x).item()` in a loop) leave
+    // their entry dead at the back: reuse it at once. A dead entry holds the node's memory
+    // (weak references keep make_shared's block), so waiting for the next pruning would
+    // cycle a fresh block through the cache on every statement.
+    while (!trace_.empty() && trace_.back().expired()) trace_.pop_back();
     if (trace_.size() >= prune_at_) prune_trace();
     trace_.push_back(n);
   }
@@ -3639,7 +3684,8 @@ class ChunkReduction {
   /// Reduces `len` (<= one chunk) elements whose inputs start at `inputs` (an input of
   /// one element broadcast to all: its only element) into `partial`.
   virtual void reduce_chunk(const void* const* inputs, std::int64_t len, void* partial) const = 0;
-  /// Combines `count` partials (in chunk order) into the node's value and finishes it.
+  /// Combines `count` partials (in chunk order) into the node's value and finishes it;
+  /// the partials may be overwritten.
   virtual void finish_partials(ExecContext& ctx, void* partials, std::int64_t count) = 0;
 };
 
@@ -3848,28 +3894,36 @@ LAZY_KERNEL_LOOP S reduce_span(const Ev& ev, std::int64_t b, std::int64_t len) {
   }
 }
 
-/// Combines partial results pairwise, in a fixed shape.
+/// Combines the `n` partial results at `v` pairwise, in a fixed shape (overwriting them).
 template <class R, class S>
-S pairwise(std::vector<S>& v) {
-  if (v.empty()) return R::template identity<S>();
-  while (v.size() > 1) {
+S pairwise(S* v, std::size_t n) {
+  if (n == 0) return R::template identity<S>();
+  while (n > 1) {
     std::size_t j = 0;
-    for (std::size_t i = 0; i + 1 < v.size(); i += 2) v[j++] = R::combine(v[i], v[i + 1]);
-    if (v.size() % 2) v[j++] = v.back();
-    v.resize(j);
+    for (std::size_t i = 0; i + 1 < n; i += 2) v[j++] = R::combine(v[i], v[i + 1]);
+    if (n % 2) v[j++] = v[n - 1];
+    n = j;
   }
   return v[0];
 }
 
+/// Per-block partial results: the blocks of a statement that fits in L2 need no heap.
+template <class S>
+using Partials = core::SmallVector<S, 64>;
+
+/// Input pointers of a node's kernel (most kernels read a handful of inputs).
+using InputPointers = core::SmallVector<const void*, 8>;
+
 template <class R, class S, bool C, class Ev>
 S reduce_range(const Ev& ev, std::int64_t b, std::int64_t len) {
   if (len <= kReduceBlock) return reduce_span<R, S, C>(ev, b, len);
-  std::vector<S> partial;
-  partial.reserve(static_cast<std::size_t>((len + kReduceBlock - 1) / kReduceBlock));
-  for (std::int64_t o = 0; o < len; o += kReduceBlock) {
-    partial.push_back(reduce_span<R, S, C>(ev, b + o, std::min(kReduceBlock, len - o)));
+  Partials<S> partial;
+  partial.resize(static_cast<std::size_t>((len + kReduceBlock - 1) / kReduceBlock));
+  for (std::size_t j = 0; j < partial.size(); ++j) {
+    const std::int64_t o = static_cast<std::int64_t>(j) * kReduceBlock;
+    partial[j] = reduce_span<R, S, C>(ev, b + o, std::min(kReduceBlock, len - o));
   }
-  return pairwise<R>(partial);
+  return pairwise<R>(partial.data(), partial.size());
 }
 
 }  // namespace detail
@@ -3883,7 +3937,9 @@ class ReductionNode final : public Node, public ChunkReduction {
       : Node(NodeKind::Reduction, dtype_of<Tout>(), out_shape, device, std::move(inputs)),
         kernel_(std::move(kernel)), g_(g), scale_(scale), child_shape_(child_shape) {
     const std::int64_t n = child_shape.numel();
-    for (const auto& in : this->inputs()) splat_.push_back(in->numel() == 1 && n != 1 ? 1 : 0);
+    splat_.resize(this->inputs().size());
+    for (std::size_t i = 0; i < splat_.size(); ++i)
+      splat_[i] = this->inputs()[i]->numel() == 1 && n != 1 ? 1 : 0;
   }
 
   std::string op_name() const override { return R::name; }
@@ -3908,9 +3964,9 @@ class ReductionNode final : public Node, public ChunkReduction {
     *static_cast<S*>(partial) = contig ? detail::reduce_span<R, S, true>(ev, 0, len) : detail::reduce_span<R, S, false>(ev, 0, len);
   }
   void finish_partials(ExecContext& ctx, void* partials, std::int64_t count) override {
-    std::vector<S> v(static_cast<S*>(partials), static_cast<S*>(partials) + count);
     auto buf = allocate_output(ctx, false);
-    static_cast<Tout*>(buf->data())[0] = finish_value(detail::pairwise<R>(v));
+    static_cast<Tout*>(buf->data())[0] = finish_value(
+        detail::pairwise<R>(static_cast<S*>(partials), static_cast<std::size_t>(count)));
     set_buffer(std::move(buf));
     finish();
   }
@@ -3918,7 +3974,8 @@ class ReductionNode final : public Node, public ChunkReduction {
  protected:
   void compute(ExecContext& ctx) override {
     const auto& ins = inputs();
-    std::vector<const void*> ptrs(ins.size());
+    detail::InputPointers ptrs;
+    ptrs.resize(ins.size());
     for (std::size_t i = 0; i < ins.size(); ++i) ptrs[i] = ins[i]->buffer()->data();
     auto buf = allocate_output(ctx, false);
     Tout* out = static_cast<Tout*>(buf->data());
@@ -3936,7 +3993,7 @@ class ReductionNode final : public Node, public ChunkReduction {
   }
 
   template <bool C>
-  void run(ExecContext& ctx, const std::vector<const void*>& ptrs, Tout* out) {
+  void run(ExecContext& ctx, const detail::InputPointers& ptrs, Tout* out) {
     auto& pool = ctx.device.threads();
     const double cost = cost_per_element();
     const std::int64_t outer = g_.outer, R_ = g_.extent, inner = g_.inner;
@@ -3945,7 +4002,8 @@ class ReductionNode final : public Node, public ChunkReduction {
     if (inner == 1 && outer == 1) {
       // One value: blocks in parallel, then the fixed pairwise tree.
       const std::int64_t blocks = (R_ + kReduceBlock - 1) / kReduceBlock;
-      std::vector<S> partial(static_cast<std::size_t>(blocks));
+      detail::Partials<S> partial;
+      partial.resize(static_cast<std::size_t>(blocks));
       const std::int64_t tasks = std::min(blocks, task_count(pool, total, cost));
       pool.parallel_for(tasks, [&](std::int64_t t) {
         auto ev = eval();
@@ -3955,7 +4013,7 @@ class ReductionNode final : public Node, public ChunkReduction {
           partial[b] = detail::reduce_span<R, S, C>(ev, s, std::min(kReduceBlock, R_ - s));
         }
       });
-      out[0] = finish_value(detail::pairwise<R>(partial));
+      out[0] = finish_value(detail::pairwise<R>(partial.data(), partial.size()));
     } else if (inner == 1) {
       const std::int64_t tasks = std::min(outer, task_count(pool, total, cost));
       pool.parallel_for(tasks, [&](std::int64_t t) {
@@ -4008,7 +4066,7 @@ class ReductionNode final : public Node, public ChunkReduction {
   ReduceGeometry g_;
   double scale_;
   Shape child_shape_;
-  std::vector<char> splat_;
+  core::SmallVector<char, 8> splat_;
 };
 
 /// argmax / argmin (first occurrence; NaN counts as the extreme, as in torch).
@@ -4019,7 +4077,10 @@ class ArgReductionNode final : public Node {
                    Shape child_shape)
       : Node(NodeKind::Reduction, DType::Int64, out_shape, device, std::move(inputs)), kernel_(std::move(kernel)),
         g_(g) {
-    for (const auto& in : this->inputs()) splat_.push_back(in->numel() == 1 && child_shape.numel() != 1 ? 1 : 0);
+    const std::int64_t n = child_shape.numel();
+    splat_.resize(this->inputs().size());
+    for (std::size_t i = 0; i < splat_.size(); ++i)
+      splat_[i] = this->inputs()[i]->numel() == 1 && n != 1 ? 1 : 0;
   }
   std::string op_name() const override { return IsMax ? "argmax" : "argmin"; }
   std::string describe() const override { return op_name() + "(" + expr::kernel_text(kernel_) + ")"; }
@@ -4027,7 +4088,8 @@ class ArgReductionNode final : public Node {
  protected:
   void compute(ExecContext& ctx) override {
     const auto& ins = inputs();
-    std::vector<const void*> ptrs(ins.size());
+    detail::InputPointers ptrs;
+    ptrs.resize(ins.size());
     for (std::size_t i = 0; i < ins.size(); ++i) ptrs[i] = ins[i]->buffer()->data();
     auto buf = allocate_output(ctx, false);
     auto* out = static_cast<std::int64_t*>(buf->data());
@@ -4058,7 +4120,7 @@ class ArgReductionNode final : public Node {
  private:
   K kernel_;
   ReduceGeometry g_;
-  std::vector<char> splat_;
+  core::SmallVector<char, 8> splat_;
 };
 
 }  // namespace lazy::graph
@@ -4067,6 +4129,7 @@ class ArgReductionNode final : public Node {
 // Adding nodes to a device's pending graph.
 
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -4081,6 +4144,7 @@ class ArgReductionNode final : public Node {
 #include <chrono>
 #include <cstddef>
 #include <cstdio>
+#include <span>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -4205,7 +4269,8 @@ inline ChunkReduction* chunk_reduction(const NodePtr& n, std::int64_t numel) {
 /// true when something outside the step refers to node i.
 inline std::vector<std::uint64_t> signature(const std::vector<NodePtr>& nodes, std::uint64_t epoch,
                                             std::vector<std::uint8_t>& outside) {
-  std::vector<std::int32_t> refs(nodes.size(), 0);
+  core::SmallVector<std::int32_t, 32> refs;  // a read of a few statements allocates nothing here
+  refs.assign(nodes.size(), 0);
   for (const auto& n : nodes)
     for (const auto& in : n->inputs()) {
       const std::int32_t s = slot_of(in, epoch);
@@ -4397,29 +4462,33 @@ class SeenNodes {
 
 /// Pending nodes reachable from `roots`, producers before consumers (iterative DFS, so a
 /// long chain of statements cannot overflow the stack).
-inline std::vector<NodePtr> topological_order(const std::vector<NodePtr>& roots) {
+inline std::vector<NodePtr> topological_order(std::span<const NodePtr> roots) {
   std::vector<NodePtr> order;
   detail::SeenNodes seen;
-  std::vector<std::pair<Node*, std::size_t>> stack;
+  struct Frame {
+    Node* node;
+    std::size_t next;  // the next input to look at
+  };
+  core::SmallVector<Frame, 16> stack;
   for (const auto& r : roots) {
     if (!r || !r->pending() || !seen.insert(r.get())) continue;
-    stack.emplace_back(r.get(), 0);
+    stack.push_back({r.get(), 0});
     while (!stack.empty()) {
-      auto& [node, next] = stack.back();
-      const auto& ins = node->inputs();
-      if (next < ins.size()) {
-        const NodePtr& in = ins[next++];
-        if (in->pending() && seen.insert(in.get())) stack.emplace_back(in.get(), 0);
+      Frame& top = stack.back();
+      const auto& ins = top.node->inputs();
+      if (top.next < ins.size()) {
+        const NodePtr& in = ins[top.next++];
+        if (in->pending() && seen.insert(in.get())) stack.push_back({in.get(), 0});
         continue;
       }
       // All inputs ordered: find the owning shared_ptr (the root or a consumer's input).
-      Node* done = node;
+      Node* done = top.node;
       stack.pop_back();
       NodePtr owner;
       if (stack.empty()) {
         owner = r;
       } else {
-        for (const auto& in : stack.back().first->inputs()) {
+        for (const auto& in : stack.back().node->inputs()) {
           if (in.get() == done) {
             owner = in;
             break;
@@ -4753,8 +4822,11 @@ inline void prepare(const std::vector<NodePtr>& nodes) {
 
 /// The plan for `nodes` (in creation order), from the device's cache or newly built.
 /// `step`: planning a mark_step (reads and eager ops do not count toward the re-planning
-/// warning).
-inline std::shared_ptr<const Plan> plan_for(Device& dev, const std::vector<NodePtr>& nodes, bool step) {
+/// warning). `done`: receives the clock reading that ended PlanTime, for a caller that
+/// runs the plan at once and can start ExecuteTime from it.
+inline std::shared_ptr<const Plan> plan_for(Device& dev, const std::vector<NodePtr>& nodes,
+                                            bool step,
+                                            std::chrono::steady_clock::time_point* done = nullptr) {
   static auto& cached = core::counter("CachedPlan");
   static auto& uncached = core::counter("UncachedPlan");
   static auto& plan_time = core::metric("PlanTime");
@@ -4799,18 +4871,22 @@ inline std::shared_ptr<const Plan> plan_for(Device& dev, const std::vector<NodeP
     }
   }
   if (step) stats.last_signature = std::move(sig);
-  plan_time.record(std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count());
+  const auto t1 = std::chrono::steady_clock::now();
+  plan_time.record(std::chrono::duration<double, std::nano>(t1 - t0).count());
+  if (done) *done = t1;
   return plan;
 }
 
 /// Runs `plan` over `nodes` (positions as planned). The plan's reference to each node is
 /// dropped as it runs, so donation sees the true holders. On an error, the nodes not run
 /// go back to pending (and to the device's trace) and the exception propagates.
-inline void run_plan(Device& device, const Plan& plan, std::vector<NodePtr>& nodes) {
+/// `started`: when ExecuteTime starts (default: now).
+inline void run_plan(Device& device, const Plan& plan, std::vector<NodePtr>& nodes,
+                     const std::chrono::steady_clock::time_point* started = nullptr) {
   static auto& execute_time = core::metric("ExecuteTime");
   static auto& kernels = core::counter("KernelsRun");
   static auto& fused = core::counter("FusedNodes");
-  core::ScopedTimer timer(execute_time);
+  core::ScopedTimer timer(execute_time, started ? *started : std::chrono::steady_clock::now());
   ExecContext ctx{device};
   std::int64_t ran = 0;
   std::size_t step = 0;
@@ -4851,14 +4927,16 @@ inline void run_plan(Device& device, const Plan& plan, std::vector<NodePtr>& nod
 inline void execute_now(Device& device, std::vector<NodePtr> nodes) {
   if (nodes.empty()) return;
   prepare(nodes);
-  auto plan = plan_for(device, nodes, false);
+  // One clock reading ends PlanTime and starts ExecuteTime.
+  std::chrono::steady_clock::time_point planned;
+  auto plan = plan_for(device, nodes, false, &planned);
   for (auto& n : nodes) n->set_state(Node::State::Queued);
-  run_plan(device, *plan, nodes);
+  run_plan(device, *plan, nodes, &planned);
 }
 
 /// Materializes every pending node reachable from `roots` on `device`, now, on the
 /// calling thread.
-inline void execute(Device& device, const std::vector<NodePtr>& roots) {
+inline void execute(Device& device, std::span<const NodePtr> roots) {
   device.wait_idle();
   execute_now(device, topological_order(roots));
 }
@@ -4949,7 +5027,8 @@ inline Device& common_device(const std::vector<NodePtr>& inputs, const char* op)
 /// Adds a node to its device's pending graph; in eager mode it runs at once.
 inline NodePtr submit(NodePtr node) {
   Device& dev = *node->device();
-  if (dev.eager()) execute(dev, {node});
+  if (dev.eager())
+    execute(dev, std::span(&node, 1));
   else dev.trace(node);
   return node;
 }
@@ -5226,6 +5305,7 @@ inline std::vector<graph::NodePtr> run_backward(const BackwardRequest& req) {
 // Turning expressions into pending graph nodes.
 
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -5326,6 +5406,8 @@ NodePtr make_elementwise(const E& e, const Shape& shape, autograd::GradFnPtr* gr
   std::vector<autograd::GradFnPtr> edges;
   // History is recorded where the expression is evaluated, if grad mode is on there.
   if (grad_fn && !autograd::is_grad_enabled()) grad_fn = nullptr;
+  inputs.reserve(expr::leaf_count_v<E>);
+  if (grad_fn) edges.reserve(expr::leaf_count_v<E>);
   auto k = expr::to_kernel(e, inputs, grad_fn ? &edges : nullptr);
   Device& dev = common_device(inputs, E::op_type::name);
   if constexpr (is_floating_v<Tout>) {
@@ -5351,7 +5433,7 @@ inline bool materialize(const NodePtr& node) {
   if (!node->materialized() && !node->pending()) dev.wait_idle();
   dev.rethrow_stored_error();
   if (node->materialized()) return false;
-  execute(dev, {node});
+  execute(dev, std::span(&node, 1));
   return true;
 }
 
@@ -5942,10 +6024,12 @@ GradFnPtr operand_edge(const X& x) {
       return nullptr;
     } else {
       if (!is_grad_enabled() || !expr::any_leaf_grad(x)) return nullptr;
+      // any_leaf_grad found an edge, so `edges` holds at least one.
       std::vector<graph::NodePtr> inputs;
       std::vector<GradFnPtr> edges;
+      inputs.reserve(expr::leaf_count_v<X>);
+      edges.reserve(expr::leaf_count_v<X>);
       auto k = expr::to_kernel(x, inputs, &edges);
-      if (!any_edge(edges)) return nullptr;
       auto fn = std::make_shared<ElementwiseGradFn<decltype(k), V>>(k, inputs);
       fn->next = std::move(edges);
       fn->dtype = dtype_of<V>();
@@ -14119,9 +14203,12 @@ namespace lazy {
 
 namespace detail {
 
+/// Reduction dims (at most one per dim of a shape, so they stay inline).
+using DimList = core::SmallVector<int, 8>;
+
 /// Normalized, sorted, de-duplicated reduction dims; empty `dims` means all.
-inline std::vector<int> reduce_dims(const Shape& s, const std::vector<std::int64_t>& dims, const char* op) {
-  std::vector<int> d;
+inline DimList reduce_dims(const Shape& s, const std::vector<std::int64_t>& dims, const char* op) {
+  DimList d;
   if (dims.empty()) {
     for (int i = 0; i < s.rank(); ++i) d.push_back(i);
     return d;
@@ -14134,11 +14221,11 @@ inline std::vector<int> reduce_dims(const Shape& s, const std::vector<std::int64
     d.push_back(n);
   }
   std::sort(d.begin(), d.end());
-  if (s.rank() == 0) d.clear();
+  if (s.rank() == 0) d.resize(0);
   return d;
 }
 
-inline Shape reduced_shape(const Shape& s, const std::vector<int>& dims, bool keepdim) {
+inline Shape reduced_shape(const Shape& s, const DimList& dims, bool keepdim) {
   Shape out;
   for (int i = 0; i < s.rank(); ++i) {
     const bool r = std::find(dims.begin(), dims.end(), i) != dims.end();
@@ -14149,7 +14236,7 @@ inline Shape reduced_shape(const Shape& s, const std::vector<int>& dims, bool ke
 }
 
 /// [outer, R, inner] when the reduced dims of size > 1 are adjacent; false otherwise.
-inline bool geometry(const Shape& s, const std::vector<int>& dims, graph::ReduceGeometry& g) {
+inline bool geometry(const Shape& s, const DimList& dims, graph::ReduceGeometry& g) {
   int lo = -1, hi = -1;
   for (int d : dims)
     if (s[d] != 1) {
@@ -14208,6 +14295,7 @@ graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims,
   const Shape out = reduced_shape(s, rd, keepdim);
   const double scale = scale_kind == 0 ? 1.0 : (g.extent ? 1.0 / static_cast<double>(g.extent) : std::nan(""));
   std::vector<graph::NodePtr> inputs;
+  inputs.reserve(expr::leaf_count_v<decltype(expr::operand(x))>);
   auto k = expr::to_kernel(expr::operand(x), inputs);
   using K = decltype(k);
   if constexpr (expr::is_expr_node<X>::value) {
@@ -14395,6 +14483,7 @@ Tensor<std::int64_t> arg_reduce(const X& x, std::optional<std::int64_t> dim, boo
   graph::ReduceGeometry g;
   geometry(s, rd, g);  // a single dim is always adjacent to itself
   std::vector<graph::NodePtr> inputs;
+  inputs.reserve(expr::leaf_count_v<decltype(expr::operand(x))>);
   auto k = expr::to_kernel(expr::operand(x), inputs);
   if constexpr (expr::is_expr_node<X>::value) {
     if (!flat_child(x, inputs)) return arg_reduce<IsMax>(Tensor<typename X::value_type>(x), dim, keepdim, op);
