@@ -90,6 +90,17 @@ TEST(SmallVector, PushBackAndPopBackWorkAsAStackPastTheInlineCapacity) {
     ref.push_back(-i);
   }
   EXPECT_EQ(as_vector(v), ref);
+  // Pushing one of its own elements while it grows (heap to a larger heap, as ASan checks).
+  while (v.size() < 64) {
+    v.push_back(v[0]);
+    ref.push_back(ref[0]);
+  }
+  EXPECT_EQ(as_vector(v), ref);
+  SmallVector<std::int64_t, 2> w;  // and from inline storage to the heap
+  w.push_back(7);
+  w.push_back(8);
+  w.push_back(w.back());
+  EXPECT_EQ(as_vector(w), (std::vector<std::int64_t>{7, 8, 8}));
   while (!v.empty()) v.pop_back();
   EXPECT_EQ(v.size(), 0u);
 }

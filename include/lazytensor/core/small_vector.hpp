@@ -45,8 +45,9 @@ class SmallVector {
 
   /// Appends v (growing the storage geometrically once past the inline capacity).
   void push_back(const T& v) {
+    const T copy = v;  // v may be an element of this vector, which growing frees
     if (size_ == capacity()) reserve(std::max<std::size_t>(4, 2 * capacity()));
-    data()[size_++] = v;
+    data()[size_++] = copy;
   }
   /// The last element (the vector must not be empty).
   T& back() { return data()[size_ - 1]; }
