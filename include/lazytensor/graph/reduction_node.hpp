@@ -95,6 +95,17 @@ using Partials = core::SmallVector<S, 64>;
 /// Input pointers of a node's kernel (most kernels read a handful of inputs).
 using InputPointers = core::SmallVector<const void*, 8>;
 
+/// Per input, 1 when it is a single element broadcast over a child of `child_numel`
+/// elements (the kernel then reads that element for every index).
+inline core::SmallVector<char, 8> splat_flags(const std::vector<NodePtr>& inputs,
+                                              std::int64_t child_numel) {
+  core::SmallVector<char, 8> flags;
+  flags.resize(inputs.size());
+  for (std::size_t i = 0; i < inputs.size(); ++i)
+    flags[i] = inputs[i]->numel() == 1 && child_numel != 1 ? 1 : 0;
+  return flags;
+}
+
 template <class R, class S, bool C, class Ev>
 S reduce_range(const Ev& ev, std::int64_t b, std::int64_t len) {
   if (len <= kReduceBlock) return reduce_span<R, S, C>(ev, b, len);
@@ -116,12 +127,11 @@ class ReductionNode final : public Node, public ChunkReduction {
   ReductionNode(K kernel, Shape out_shape, ReduceGeometry g, double scale, Device* device,
                 std::vector<NodePtr> inputs, Shape child_shape)
       : Node(NodeKind::Reduction, dtype_of<Tout>(), out_shape, device, std::move(inputs)),
-        kernel_(std::move(kernel)), g_(g), scale_(scale), child_shape_(child_shape) {
-    const std::int64_t n = child_shape.numel();
-    splat_.resize(this->inputs().size());
-    for (std::size_t i = 0; i < splat_.size(); ++i)
-      splat_[i] = this->inputs()[i]->numel() == 1 && n != 1 ? 1 : 0;
-  }
+        kernel_(std::move(kernel)),
+        g_(g),
+        scale_(scale),
+        child_shape_(child_shape),
+        splat_(detail::splat_flags(this->inputs(), child_shape.numel())) {}
 
   std::string op_name() const override { return R::name; }
   std::string describe() const override {
@@ -254,15 +264,12 @@ class ReductionNode final : public Node, public ChunkReduction {
 template <class K, class S, bool IsMax>
 class ArgReductionNode final : public Node {
  public:
-  ArgReductionNode(K kernel, Shape out_shape, ReduceGeometry g, Device* device, std::vector<NodePtr> inputs,
-                   Shape child_shape)
-      : Node(NodeKind::Reduction, DType::Int64, out_shape, device, std::move(inputs)), kernel_(std::move(kernel)),
-        g_(g) {
-    const std::int64_t n = child_shape.numel();
-    splat_.resize(this->inputs().size());
-    for (std::size_t i = 0; i < splat_.size(); ++i)
-      splat_[i] = this->inputs()[i]->numel() == 1 && n != 1 ? 1 : 0;
-  }
+  ArgReductionNode(K kernel, Shape out_shape, ReduceGeometry g, Device* device,
+                   std::vector<NodePtr> inputs, Shape child_shape)
+      : Node(NodeKind::Reduction, DType::Int64, out_shape, device, std::move(inputs)),
+        kernel_(std::move(kernel)),
+        g_(g),
+        splat_(detail::splat_flags(this->inputs(), child_shape.numel())) {}
   std::string op_name() const override { return IsMax ? "argmax" : "argmin"; }
   std::string describe() const override { return op_name() + "(" + expr::kernel_text(kernel_) + ")"; }
 
