@@ -7,6 +7,8 @@
 //   BM_Chain_Xtensor/N            xtensor expression (when built with LAZYTENSOR_HAVE_XTENSOR)
 //   BM_Chain_Torch/N              libtorch eager, 1 thread (when built with LAZYTENSOR_HAVE_TORCH)
 //   BM_Chain_LazyThreads/N/T      lazytensor with T device threads (thread scaling)
+//   BM_Chain_EigenExprThreads/N/T Eigen's expression split into T contiguous parts, one per
+//                                 thread: the machine's ceiling for the thread scaling
 //
 // The same chain as three statements, t1 = a*b + c; t2 = relu(t1) * d; y = t2 - 0.5*a
 // (cross-statement fusion):
@@ -19,6 +21,9 @@
 // compulsory traffic of a fused kernel, for every variant (so GB/s compare directly).
 
 #include "bench_common.hpp"
+
+#include <barrier>
+#include <thread>
 
 #include <Eigen/Core>
 
@@ -196,6 +201,55 @@ void BM_Chain_EigenExpr(benchmark::State& state) {
   set_bytes(state, n);
 }
 
+// Eigen's expression over T contiguous parts, the calling thread and T-1 persistent
+// workers meeting at a barrier before and after each part: what the memory system gives
+// T threads running the chain, with no planner in between (the reference for the
+// LazyThreads scaling row).
+void BM_Chain_EigenExprThreads(benchmark::State& state) {
+  const std::int64_t n = state.range(0);
+  const int threads = static_cast<int>(state.range(1));
+  const Inputs in(n);
+  const Eigen::ArrayXf a = Eigen::Map<const Eigen::ArrayXf>(in.a.data(), n),
+                       b = Eigen::Map<const Eigen::ArrayXf>(in.b.data(), n),
+                       c = Eigen::Map<const Eigen::ArrayXf>(in.c.data(), n),
+                       d = Eigen::Map<const Eigen::ArrayXf>(in.d.data(), n);
+  Eigen::ArrayXf y = Eigen::ArrayXf::Zero(n);
+  auto part = [&](int t) {
+    const Eigen::Index lo = n * t / threads, len = n * (t + 1) / threads - lo;
+    y.segment(lo, len) = (a.segment(lo, len) * b.segment(lo, len) + c.segment(lo, len)).max(0.f) *
+                             d.segment(lo, len) -
+                         0.5f * a.segment(lo, len);
+  };
+  std::barrier start(threads), done(threads);
+  bool stop = false;  // written before `start`, read after it
+  std::vector<std::jthread> workers;
+  for (int t = 1; t < threads; ++t)
+    workers.emplace_back([&, t] {
+      for (;;) {
+        start.arrive_and_wait();
+        if (stop) return;
+        part(t);
+        done.arrive_and_wait();
+      }
+    });
+  for (auto _ : state) {
+    start.arrive_and_wait();
+    part(0);
+    done.arrive_and_wait();
+    benchmark::DoNotOptimize(y.data());
+    benchmark::ClobberMemory();
+  }
+  stop = true;
+  start.arrive_and_wait();
+  workers.clear();  // joins
+  for (const std::int64_t i : {std::int64_t{0}, n / 2, n - 1})
+    if (!bench::check(state,
+                      std::abs(y[i] - in.reference(i)) <= 1e-5f * (1 + std::abs(in.reference(i))),
+                      "eigen threads value at " + std::to_string(i)))
+      return;
+  set_bytes(state, n);
+}
+
 #ifdef LAZYTENSOR_HAVE_XTENSOR
 void BM_Chain_Xtensor(benchmark::State& state) {
   const std::int64_t n = state.range(0);
@@ -250,5 +304,9 @@ BENCHMARK(BM_ThreeStmt_Lazy)->Arg(std::int64_t{1} << 20)->Arg(std::int64_t{1} <<
 BENCHMARK(BM_ThreeStmt_LazyKept)->Arg(std::int64_t{1} << 20)->Arg(std::int64_t{1} << 24)->UseRealTime();
 BENCHMARK(BM_ThreeStmt_LazyEager)->Arg(std::int64_t{1} << 20)->Arg(std::int64_t{1} << 24)->UseRealTime();
 BENCHMARK(BM_Chain_LazyThreads)->Args({std::int64_t{1} << 24, 1})->Args({std::int64_t{1} << 24, 2})->UseRealTime();
+BENCHMARK(BM_Chain_EigenExprThreads)
+    ->Args({std::int64_t{1} << 24, 1})
+    ->Args({std::int64_t{1} << 24, 2})
+    ->UseRealTime();
 
 BENCHMARK_MAIN();

@@ -273,6 +273,10 @@ def targets(results: list[Result]) -> str:
         ratio = one.seconds / two.seconds
         rows.append(["5-op chain 2^24: 2 threads / 1 thread", f"{ratio:.2f}x", ">= 1.7x",
                      "PASS" if ratio >= 1.7 else "**MISS**"])
+        e1, e2 = find(results, "Chain", "EigenExprThreads", n24, 1), find(results, "Chain", "EigenExprThreads", n24, 2)
+        if e1 and e2:
+            rows.append(["reference: Eigen's chain expression split over 2 threads / 1 (the machine's ceiling)",
+                         f"{e1.seconds / e2.seconds:.2f}x", "info", ""])
 
     sizes = sorted({r.args for r in results if r.family == "Reduce" and r.variant == LAZY})
     for a in sizes:
