@@ -16,6 +16,7 @@
 
 #include <lazytensor/core/counters.hpp>
 #include <lazytensor/core/small_vector.hpp>
+#include <lazytensor/core/vectorizer_barrier.hpp>
 #include <lazytensor/graph/parallel.hpp>
 #include <lazytensor/graph/plan.hpp>
 
@@ -346,7 +347,8 @@ inline void run_group(ExecContext& ctx, const PlanStep& st, const GroupMembers& 
     // From one slice to the next every pointer moves by the slice's bytes, slice-long
     // scratch and broadcast elements by none: a chunk's pointers are placed once and then
     // only advanced. The bookkeeping between kernel calls is what a sliced group costs over
-    // a single statement, so the slice loop does no more than call and advance.
+    // a single statement, so the slice loop does no more than call and advance (with
+    // scalar additions: see hide_from_vectorizer).
     std::vector<std::size_t> step(in.size() + k);  // bytes per slice: the inputs, then the outputs
     for (std::size_t i = 0; i < in.size(); ++i)
       step[i] = in_place[i].esz * static_cast<std::size_t>(slice);
@@ -381,10 +383,16 @@ inline void run_group(ExecContext& ctx, const PlanStep& st, const GroupMembers& 
                               *call.out, static_cast<std::size_t>(m) * call.esz);
         }
         if ((s0 += slice) >= len) break;  // no pointer moves past the chunk's last slice
-        for (std::size_t i = 0; i < ptrs.size(); ++i)
-          ptrs[i] = static_cast<const std::byte*>(ptrs[i]) + step[i];
-        for (std::size_t j = 0; j < k; ++j)
-          outs[j] = static_cast<std::byte*>(outs[j]) + step[ptrs.size() + j];
+        for (std::size_t i = 0; i < ptrs.size(); ++i) {
+          const std::byte* p = static_cast<const std::byte*>(ptrs[i]) + step[i];
+          core::hide_from_vectorizer(p);
+          ptrs[i] = p;
+        }
+        for (std::size_t j = 0; j < k; ++j) {
+          std::byte* p = static_cast<std::byte*>(outs[j]) + step[ptrs.size() + j];
+          core::hide_from_vectorizer(p);
+          outs[j] = p;
+        }
       }
       if (reduction) {  // the last member, over the whole chunk: one partial, as unfused
         point(ub);      // the slices moved the pointers on
