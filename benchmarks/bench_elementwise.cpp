@@ -52,6 +52,16 @@ struct Inputs {
   }
 };
 
+// The inputs copied into Eigen arrays (the Eigen peers own their data, as lazytensor does).
+struct EigenInputs {
+  Eigen::ArrayXf a, b, c, d;
+  explicit EigenInputs(const Inputs& in)
+      : a(array(in.a)), b(array(in.b)), c(array(in.c)), d(array(in.d)) {}
+  static Eigen::ArrayXf array(const std::vector<float>& v) {
+    return Eigen::Map<const Eigen::ArrayXf>(v.data(), static_cast<Eigen::Index>(v.size()));
+  }
+};
+
 void set_bytes(benchmark::State& state, std::int64_t n) {
   state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * kArrays * 4 * n);
   state.counters["N"] = static_cast<double>(n);
@@ -144,10 +154,8 @@ void BM_Chain_LazyThreads(benchmark::State& state) {
 void BM_Chain_EigenEagerFresh(benchmark::State& state) {
   const std::int64_t n = state.range(0);
   const Inputs in(n);
-  const Eigen::ArrayXf a = Eigen::Map<const Eigen::ArrayXf>(in.a.data(), n),
-                       b = Eigen::Map<const Eigen::ArrayXf>(in.b.data(), n),
-                       c = Eigen::Map<const Eigen::ArrayXf>(in.c.data(), n),
-                       d = Eigen::Map<const Eigen::ArrayXf>(in.d.data(), n);
+  const EigenInputs e(in);
+  const Eigen::ArrayXf &a = e.a, &b = e.b, &c = e.c, &d = e.d;
   for (auto _ : state) {
     // What an eager library does: every op allocates its result.
     Eigen::ArrayXf t1 = a * b;
@@ -165,10 +173,8 @@ void BM_Chain_EigenEagerFresh(benchmark::State& state) {
 void BM_Chain_EigenEagerPrealloc(benchmark::State& state) {
   const std::int64_t n = state.range(0);
   const Inputs in(n);
-  const Eigen::ArrayXf a = Eigen::Map<const Eigen::ArrayXf>(in.a.data(), n),
-                       b = Eigen::Map<const Eigen::ArrayXf>(in.b.data(), n),
-                       c = Eigen::Map<const Eigen::ArrayXf>(in.c.data(), n),
-                       d = Eigen::Map<const Eigen::ArrayXf>(in.d.data(), n);
+  const EigenInputs e(in);
+  const Eigen::ArrayXf &a = e.a, &b = e.b, &c = e.c, &d = e.d;
   // Same-size temporaries allocated (and first touched) once, outside the loop.
   Eigen::ArrayXf t1 = Eigen::ArrayXf::Zero(n), t2 = t1, t3 = t1, t4 = t1, t5 = t1, y = t1;
   for (auto _ : state) {
@@ -187,10 +193,8 @@ void BM_Chain_EigenEagerPrealloc(benchmark::State& state) {
 void BM_Chain_EigenExpr(benchmark::State& state) {
   const std::int64_t n = state.range(0);
   const Inputs in(n);
-  const Eigen::ArrayXf a = Eigen::Map<const Eigen::ArrayXf>(in.a.data(), n),
-                       b = Eigen::Map<const Eigen::ArrayXf>(in.b.data(), n),
-                       c = Eigen::Map<const Eigen::ArrayXf>(in.c.data(), n),
-                       d = Eigen::Map<const Eigen::ArrayXf>(in.d.data(), n);
+  const EigenInputs e(in);
+  const Eigen::ArrayXf &a = e.a, &b = e.b, &c = e.c, &d = e.d;
   Eigen::ArrayXf y = Eigen::ArrayXf::Zero(n);
   for (auto _ : state) {
     y = ((a * b + c).max(0.f) * d - 0.5f * a);
@@ -209,10 +213,8 @@ void BM_Chain_EigenExprThreads(benchmark::State& state) {
   const std::int64_t n = state.range(0);
   const int threads = static_cast<int>(state.range(1));
   const Inputs in(n);
-  const Eigen::ArrayXf a = Eigen::Map<const Eigen::ArrayXf>(in.a.data(), n),
-                       b = Eigen::Map<const Eigen::ArrayXf>(in.b.data(), n),
-                       c = Eigen::Map<const Eigen::ArrayXf>(in.c.data(), n),
-                       d = Eigen::Map<const Eigen::ArrayXf>(in.d.data(), n);
+  const EigenInputs e(in);
+  const Eigen::ArrayXf &a = e.a, &b = e.b, &c = e.c, &d = e.d;
   Eigen::ArrayXf y = Eigen::ArrayXf::Zero(n);
   auto part = [&](int t) {
     const Eigen::Index lo = n * t / threads, len = n * (t + 1) / threads - lo;
