@@ -141,6 +141,26 @@ TYPED_TEST(PackedGemmTyped, PackedPanelsArePaddedWithZeros) {
   }
 }
 
+TYPED_TEST(PackedGemmTyped, PackingPanelRangesWritesOnlyThoseAndMatchesWholePacking) {
+  using T = TypeParam;
+  using K = lazy::detail::PackedGemm<T>;
+  // Four panels, the last one partial; packed whole, and in ranges as the threads of
+  // matmul do (a range leaves the other panels untouched).
+  for (bool tb : {false, true}) {
+    const Problem<T> p(Case{1, 19, 3 * K::kTileCols + 3, false, tb}, 11);
+    const auto whole = p.packed();
+    const std::int64_t panel = p.c.k * K::kTileCols;
+    AlignedVec<T> pieces(whole.size(), T(-7));
+    for (auto [p0, p1] : {std::pair<std::int64_t, std::int64_t>{0, 1}, {1, 3}, {3, 4}}) {
+      K::pack_b(p.b.data(), tb, p.c.k, p.c.n, pieces.data(), p0, p1);
+      for (std::int64_t i = p1 * panel; i < static_cast<std::int64_t>(pieces.size()); ++i)
+        ASSERT_EQ(pieces[static_cast<std::size_t>(i)], T(-7))
+            << "tb=" << tb << " range " << p0 << ".." << p1;
+    }
+    ASSERT_EQ(std::memcmp(whole.data(), pieces.data(), whole.size() * sizeof(T)), 0) << "tb=" << tb;
+  }
+}
+
 TEST(PackedGemm, ShapesDecideTheKernel) {
   using K = lazy::detail::PackedGemm<float>;
   EXPECT_TRUE(K::suits(K::kTileRows, K::kLanes));

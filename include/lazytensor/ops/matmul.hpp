@@ -78,9 +78,11 @@ class GemmNode final : public Node, public RowProducer {
       const std::int64_t tasks = std::min(jobs, task_count(pool, batch_b_ * k_ * n_, 1.0));
       pool.parallel_for(tasks, [&](std::int64_t t) {
         auto [q0, q1] = task_range(jobs, tasks, t);
-        for (std::int64_t q = q0; q < q1; ++q) {
-          const std::int64_t bi = q / panels, p = q % panels;
-          Kernel::pack_b(b + bi * k_ * n_, tb_, k_, n_, out + bi * size, p, p + 1);
+        // One call per batch the task's panels fall in (pack_b reads rows across them).
+        for (std::int64_t q = q0; q < q1;) {
+          const std::int64_t bi = q / panels, p = q % panels, last = std::min(q1 - q, panels - p);
+          Kernel::pack_b(b + bi * k_ * n_, tb_, k_, n_, out + bi * size, p, p + last);
+          q += last;
         }
       });
     }
