@@ -15737,6 +15737,7 @@ class ConvWeightGradNode final : public Node {
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -15788,22 +15789,29 @@ struct PackedGemm {
   /// rows of kTileCols contiguous values, zero past n.
   static void pack_b(const T* b, bool transposed, std::int64_t k, std::int64_t n, T* out,
                      std::int64_t p0, std::int64_t p1) {
+    if (!transposed) {
+      // Row by row of B across all the panels: each source row is read once, front to
+      // back (panel by panel, the reads stride over k rows and outrun the prefetcher).
+      const std::int64_t full = std::min(p1, n / kTileCols);  // panels without padding
+      for (std::int64_t kk = 0; kk < k; ++kk) {
+        const T* src = b + kk * n;
+        for (std::int64_t p = p0; p < full; ++p) {
+          T* row = out + (p * k + kk) * kTileCols;
+          batch::load_unaligned(src + p * kTileCols).store_aligned(row);
+          batch::load_unaligned(src + p * kTileCols + kLanes).store_aligned(row + kLanes);
+        }
+        for (std::int64_t p = std::max(p0, full); p < p1; ++p) {
+          const std::int64_t cols = std::min<std::int64_t>(kTileCols, n - p * kTileCols);
+          T* row = out + (p * k + kk) * kTileCols;
+          for (std::int64_t j = 0; j < kTileCols; ++j)
+            row[j] = j < cols ? src[p * kTileCols + j] : T(0);
+        }
+      }
+      return;
+    }
     for (std::int64_t p = p0; p < p1; ++p) {
       const std::int64_t j0 = p * kTileCols, cols = std::min<std::int64_t>(kTileCols, n - j0);
       T* dst = out + p * k * kTileCols;
-      if (!transposed) {
-        for (std::int64_t kk = 0; kk < k; ++kk) {
-          const T* src = b + kk * n + j0;
-          T* row = dst + kk * kTileCols;
-          if (cols == kTileCols) {  // a whole panel row: two registers, no call
-            batch::load_unaligned(src).store_aligned(row);
-            batch::load_unaligned(src + kLanes).store_aligned(row + kLanes);
-            continue;
-          }
-          for (std::int64_t j = 0; j < kTileCols; ++j) row[j] = j < cols ? src[j] : T(0);
-        }
-        continue;
-      }
       // Stored [n, k]: 16 k-values of each column at a time, so each source line is read
       // once while the destination rows are still in cache (16 x 16 register transposes
       // where available).
@@ -15913,6 +15921,42 @@ struct PackedGemm {
     return false;
   }
 
+  // out[kk * 8 + i] = src[i * ld + kk] for 8 rows and the first multiple of 8 of `depth`
+  // k-values, by 8 x 8 register transposes where float AVX registers exist (the tile of
+  // AVX-512 has 8 rows). Returns how many k-values it packed (0: none).
+  static std::int64_t transpose_rows_8([[maybe_unused]] const T* src,
+                                       [[maybe_unused]] std::int64_t ld,
+                                       [[maybe_unused]] std::int64_t depth,
+                                       [[maybe_unused]] T* out) {
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, float> && kTileRows == 8) {
+      const std::int64_t whole = depth / 8 * 8;
+      for (std::int64_t kk = 0; kk < whole; kk += 8) {
+        __m256 r[8], t[8];
+        for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ld + kk);
+        // Interleave pairs of rows, then pairs of pairs: r[c] then holds k-value c of rows
+        // 0-3 in its low half and k-value c + 4 in its high half (rows 4-7 in r[c + 4]).
+        for (int i = 0; i < 4; ++i) {
+          t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+          t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+        }
+        for (int h = 0; h < 2; ++h) {
+          r[4 * h + 0] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0x44);
+          r[4 * h + 1] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0xEE);
+          r[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0x44);
+          r[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0xEE);
+        }
+        for (int c = 0; c < 4; ++c) {
+          _mm256_store_ps(out + (kk + c) * 8, _mm256_permute2f128_ps(r[c], r[4 + c], 0x20));
+          _mm256_store_ps(out + (kk + c + 4) * 8, _mm256_permute2f128_ps(r[c], r[4 + c], 0x31));
+        }
+      }
+      return whole;
+    }
+#endif
+    return 0;
+  }
+
   // Rows [row, row + tr) and depth [k0, k0 + kb) of op(A), k-major in tiles of kTileRows
   // (zero past tr).
   static void pack_a(const T* a, bool transposed, std::int64_t m, std::int64_t k, std::int64_t row,
@@ -15921,20 +15965,22 @@ struct PackedGemm {
       for (std::int64_t kk = 0; kk < kb; ++kk) {
         const T* src = a + (k0 + kk) * m + row;
         T* dst = out + kk * kTileRows;
-        // Fixed-length loops (a vector move) rather than a library call per row of k.
+        // A fixed-length copy: one vector move, not a library call (an element loop
+        // compiles to kTileRows scalar moves, src and dst may alias as far as GCC knows).
         if (tr == kTileRows) {
-          LAZYTENSOR_UNROLL
-          for (int i = 0; i < kTileRows; ++i) dst[i] = src[i];
+          std::memcpy(dst, src, sizeof(T) * kTileRows);
         } else {
           for (int i = 0; i < kTileRows; ++i) dst[i] = i < tr ? src[i] : T(0);
         }
       }
       return;
     }
+    std::int64_t done = 0;
+    if (tr == kTileRows) done = transpose_rows_8(a + row * k + k0, k, kb, out);
     for (std::int64_t i = 0; i < kTileRows; ++i) {
       if (i < tr) {
         const T* src = a + (row + i) * k + k0;
-        for (std::int64_t kk = 0; kk < kb; ++kk) out[kk * kTileRows + i] = src[kk];
+        for (std::int64_t kk = done; kk < kb; ++kk) out[kk * kTileRows + i] = src[kk];
       } else {
         for (std::int64_t kk = 0; kk < kb; ++kk) out[kk * kTileRows + i] = T(0);
       }
@@ -16032,9 +16078,11 @@ class GemmNode final : public Node, public RowProducer {
       const std::int64_t tasks = std::min(jobs, task_count(pool, batch_b_ * k_ * n_, 1.0));
       pool.parallel_for(tasks, [&](std::int64_t t) {
         auto [q0, q1] = task_range(jobs, tasks, t);
-        for (std::int64_t q = q0; q < q1; ++q) {
-          const std::int64_t bi = q / panels, p = q % panels;
-          Kernel::pack_b(b + bi * k_ * n_, tb_, k_, n_, out + bi * size, p, p + 1);
+        // One call per batch the task's panels fall in (pack_b reads rows across them).
+        for (std::int64_t q = q0; q < q1;) {
+          const std::int64_t bi = q / panels, p = q % panels, last = std::min(q1 - q, panels - p);
+          Kernel::pack_b(b + bi * k_ * n_, tb_, k_, n_, out + bi * size, p, p + last);
+          q += last;
         }
       });
     }
