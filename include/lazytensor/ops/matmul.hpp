@@ -80,9 +80,9 @@ class GemmNode final : public Node, public RowProducer {
         auto [q0, q1] = task_range(jobs, tasks, t);
         // One call per batch the task's panels fall in (pack_b reads rows across them).
         for (std::int64_t q = q0; q < q1;) {
-          const std::int64_t bi = q / panels, p = q % panels, last = std::min(q1 - q, panels - p);
-          Kernel::pack_b(b + bi * k_ * n_, tb_, k_, n_, out + bi * size, p, p + last);
-          q += last;
+          const std::int64_t bi = q / panels, p = q % panels, count = std::min(q1 - q, panels - p);
+          Kernel::pack_b(b + bi * k_ * n_, tb_, k_, n_, out + bi * size, p, p + count);
+          q += count;
         }
       });
     }
