@@ -170,6 +170,50 @@ TEST_F(Executor, ReadMaterializesOnlyWhatItNeeds) {
 
 // A loop that only reads (item()) and never calls mark_step must not accumulate the
 // trace entries of the values it dropped: each one pins its node's memory.
+// A read of one statement whose inputs are all materialized runs it without planning: no
+// plan is built or looked up. Its value, KernelsRun and ExecuteTime are as for any run;
+// a statement over a pending value still goes through the planner.
+TEST_F(Executor, ReadOfOneNodeOverMaterializedInputsSkipsPlanning) {
+  Tensor<float> a = lazy::full<float>({1000}, 2.0f), b = lazy::full<float>({1000}, 0.5f);
+  step();
+  const auto plans = [] { return counter("CachedPlan") + counter("UncachedPlan"); };
+  const auto executions = [] {
+    const auto d = lazy::debug::metric_data("ExecuteTime");
+    return d ? d->count : 0;
+  };
+  const auto p0 = plans(), k0 = counter("KernelsRun"), e0 = executions();
+  Tensor<float> s = lazy::sum(lazy::square(a - b));
+  EXPECT_FLOAT_EQ(s.item(), 1000 * 2.25f);
+  EXPECT_EQ(plans(), p0);
+  EXPECT_EQ(counter("KernelsRun"), k0 + 1);
+  EXPECT_EQ(executions(), e0 + 1);
+
+  Tensor<float> c = a * 3.0f;
+  Tensor<float> t = lazy::sum(c - b);
+  EXPECT_FLOAT_EQ(t.item(), 1000 * 5.5f);
+  EXPECT_EQ(plans(), p0 + 1);
+  EXPECT_TRUE(c.node()->materialized()) << "the read computed the pending input too";
+}
+
+// The same read path on failure: the node stays pending and traced, fails again when read
+// again, and mark_step still runs it (and reports the error).
+TEST_F(Executor, FailedReadOfOneNodeLeavesItPending) {
+  Probe bad;
+  Tensor<float> x = bad.make(1.0f, Shape{4}, /*fail=*/true);
+  EXPECT_THROW((void)x.to_vector(), lazy::Error);
+  EXPECT_TRUE(x.node()->pending());
+  EXPECT_THROW((void)x.to_vector(), lazy::Error);
+  EXPECT_EQ(bad.count(), 2);
+  EXPECT_THROW(
+      {
+        step();
+        lazy::wait_device_ops();
+      },
+      lazy::Error);
+  EXPECT_EQ(bad.count(), 3);
+  EXPECT_TRUE(x.node()->pending());
+}
+
 TEST_F(Executor, ReadingWithoutMarkStepKeepsTheTraceBounded) {
   auto& dev = lazy::graph::current_device();
   step();

@@ -4,13 +4,14 @@
 // (function-local static) and then pays one relaxed atomic add.
 
 #include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+
+#include <lazytensor/core/clock.hpp>
 
 namespace lazy::core {
 
@@ -108,16 +109,14 @@ inline Metric& metric(const std::string& name) { return Registry::get().metric(n
 /// Records the lifetime of a scope into a metric.
 class ScopedTimer {
  public:
-  explicit ScopedTimer(Metric& m) : m_(m), t0_(std::chrono::steady_clock::now()) {}
-  /// Timing from `t0`, a clock reading the caller already has.
-  ScopedTimer(Metric& m, std::chrono::steady_clock::time_point t0) : m_(m), t0_(t0) {}
-  ~ScopedTimer() {
-    m_.record(std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0_).count());
-  }
+  explicit ScopedTimer(Metric& m) : m_(m), t0_(MetricClock::now()) {}
+  /// Timing from `t0`, a reading the caller already has.
+  ScopedTimer(Metric& m, MetricClock::Ticks t0) : m_(m), t0_(t0) {}
+  ~ScopedTimer() { m_.record(MetricClock::to_ns(t0_, MetricClock::now())); }
 
  private:
   Metric& m_;
-  std::chrono::steady_clock::time_point t0_;
+  MetricClock::Ticks t0_;
 };
 
 }  // namespace lazy::core

@@ -6,7 +6,6 @@
 // and are stored on the device, to be re-thrown at the next read or sync.
 
 #include <algorithm>
-#include <chrono>
 #include <cstddef>
 #include <cstdio>
 #include <span>
@@ -101,7 +100,7 @@ namespace detail {
 /// 200 atomic reference-count updates for them).
 class GroupMembers {
  public:
-  GroupMembers(const std::vector<NodePtr>& nodes, const PlanStep& st)
+  GroupMembers(std::span<const NodePtr> nodes, const PlanStep& st)
       : nodes_(nodes), pos_(st.members) {}
   std::size_t size() const { return pos_.size(); }
   const NodePtr& operator[](std::size_t j) const {
@@ -109,7 +108,7 @@ class GroupMembers {
   }
 
  private:
-  const std::vector<NodePtr>& nodes_;
+  std::span<const NodePtr> nodes_;
   const std::vector<std::int32_t>& pos_;
 };
 
@@ -415,7 +414,7 @@ inline void run_group(ExecContext& ctx, const PlanStep& st, const GroupMembers& 
 
 /// Lets the step's element-wise nodes take over their GEMM producers (epilogue fusion).
 /// Called on every step before planning and execution: it decides on this step's nodes.
-inline void prepare(const std::vector<NodePtr>& nodes) {
+inline void prepare(std::span<const NodePtr> nodes) {
   for (const auto& n : nodes) n->set_deferred(false);  // decisions of an earlier look (dumps) are redone
   for (const auto& n : nodes) n->fuse_producers();
 }
@@ -425,12 +424,11 @@ inline void prepare(const std::vector<NodePtr>& nodes) {
 /// warning). `done`: receives the clock reading that ended PlanTime, for a caller that
 /// runs the plan at once and can start ExecuteTime from it.
 inline std::shared_ptr<const Plan> plan_for(Device& dev, const std::vector<NodePtr>& nodes,
-                                            bool step,
-                                            std::chrono::steady_clock::time_point* done = nullptr) {
+                                            bool step, core::MetricClock::Ticks* done = nullptr) {
   static auto& cached = core::counter("CachedPlan");
   static auto& uncached = core::counter("UncachedPlan");
   static auto& plan_time = core::metric("PlanTime");
-  const auto t0 = std::chrono::steady_clock::now();
+  const auto t0 = core::MetricClock::now();
   const std::uint64_t epoch = planner::number(nodes);
   std::vector<std::uint8_t> outside;
   auto sig = planner::signature(nodes, epoch, outside);
@@ -471,8 +469,8 @@ inline std::shared_ptr<const Plan> plan_for(Device& dev, const std::vector<NodeP
     }
   }
   if (step) stats.last_signature = std::move(sig);
-  const auto t1 = std::chrono::steady_clock::now();
-  plan_time.record(std::chrono::duration<double, std::nano>(t1 - t0).count());
+  const auto t1 = core::MetricClock::now();
+  plan_time.record(core::MetricClock::to_ns(t0, t1));
   if (done) *done = t1;
   return plan;
 }
@@ -481,12 +479,12 @@ inline std::shared_ptr<const Plan> plan_for(Device& dev, const std::vector<NodeP
 /// dropped as it runs, so donation sees the true holders. On an error, the nodes not run
 /// go back to pending (and to the device's trace) and the exception propagates.
 /// `started`: when ExecuteTime starts (default: now).
-inline void run_plan(Device& device, const Plan& plan, std::vector<NodePtr>& nodes,
-                     const std::chrono::steady_clock::time_point* started = nullptr) {
+inline void run_plan(Device& device, const Plan& plan, std::span<NodePtr> nodes,
+                     const core::MetricClock::Ticks* started = nullptr) {
   static auto& execute_time = core::metric("ExecuteTime");
   static auto& kernels = core::counter("KernelsRun");
   static auto& fused = core::counter("FusedNodes");
-  core::ScopedTimer timer(execute_time, started ? *started : std::chrono::steady_clock::now());
+  core::ScopedTimer timer(execute_time, started ? *started : core::MetricClock::now());
   ExecContext ctx{device};
   std::int64_t ran = 0;
   std::size_t step = 0;
@@ -528,16 +526,47 @@ inline void execute_now(Device& device, std::vector<NodePtr> nodes) {
   if (nodes.empty()) return;
   prepare(nodes);
   // One clock reading ends PlanTime and starts ExecuteTime.
-  std::chrono::steady_clock::time_point planned;
+  core::MetricClock::Ticks planned = 0;
   auto plan = plan_for(device, nodes, false, &planned);
   for (auto& n : nodes) n->set_state(Node::State::Queued);
   run_plan(device, *plan, nodes, &planned);
+}
+
+/// True when `node` is pending and every input of it is materialized: its plan would be
+/// the node alone.
+inline bool runs_alone(const NodePtr& node) {
+  if (!node || !node->pending()) return false;
+  for (const auto& in : node->inputs())
+    if (!in->materialized()) return false;
+  return true;
+}
+
+/// The plan of one node run alone: a single step at position 0.
+inline const Plan& single_node_plan() {
+  static const Plan plan = [] {
+    Plan p;
+    p.steps.resize(1);
+    p.steps[0].members = {0};
+    p.num_nodes = 1;
+    return p;
+  }();
+  return plan;
 }
 
 /// Materializes every pending node reachable from `roots` on `device`, now, on the
 /// calling thread.
 inline void execute(Device& device, std::span<const NodePtr> roots) {
   device.wait_idle();
+  if (roots.size() == 1 && runs_alone(roots[0])) {
+    // An eager op, or the read of a statement over materialized values: nothing to order,
+    // plan or look up (so no PlanTime and no plan-cache counter), a fifth of the fixed
+    // cost of such a read.
+    NodePtr node = roots[0];
+    prepare(std::span(&node, 1));
+    node->set_state(Node::State::Queued);
+    run_plan(device, single_node_plan(), std::span(&node, 1));
+    return;
+  }
   execute_now(device, topological_order(roots));
 }
 
