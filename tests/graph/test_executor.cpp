@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -41,14 +42,20 @@ void step() {
 // (or throws). It lets a test see exactly which nodes were computed.
 class ProbeNode final : public lazy::graph::Node {
  public:
-  ProbeNode(std::shared_ptr<std::atomic<int>> runs, float value, Shape shape, bool fail = false)
-      : Node(lazy::graph::NodeKind::Host, lazy::DType::Float32, shape, &lazy::graph::current_device()),
-        runs_(std::move(runs)), value_(value), fail_(fail) {}
+  ProbeNode(std::shared_ptr<std::atomic<int>> runs, float value, Shape shape, bool fail = false,
+            std::chrono::milliseconds delay = {})
+      : Node(lazy::graph::NodeKind::Host, lazy::DType::Float32, shape,
+             &lazy::graph::current_device()),
+        runs_(std::move(runs)),
+        value_(value),
+        fail_(fail),
+        delay_(delay) {}
   std::string op_name() const override { return "probe"; }
 
  protected:
   void compute(lazy::graph::ExecContext& ctx) override {
     runs_->fetch_add(1);
+    std::this_thread::sleep_for(delay_);
     if (fail_) throw lazy::Error("probe kernel failed");
     auto buf = allocate_output(ctx, false);
     float* p = static_cast<float*>(buf->data());
@@ -60,12 +67,15 @@ class ProbeNode final : public lazy::graph::Node {
   std::shared_ptr<std::atomic<int>> runs_;
   float value_;
   bool fail_;
+  std::chrono::milliseconds delay_;
 };
 
 struct Probe {
   std::shared_ptr<std::atomic<int>> runs = std::make_shared<std::atomic<int>>(0);
-  Tensor<float> make(float value, Shape shape = Shape{4}, bool fail = false) const {
-    return Tensor<float>(lazy::graph::submit(std::make_shared<ProbeNode>(runs, value, shape, fail)));
+  Tensor<float> make(float value, Shape shape = Shape{4}, bool fail = false,
+                     std::chrono::milliseconds delay = {}) const {
+    return Tensor<float>(
+        lazy::graph::submit(std::make_shared<ProbeNode>(runs, value, shape, fail, delay)));
   }
   int count() const { return runs->load(); }
 };
@@ -742,6 +752,35 @@ TEST_F(Executor, KernelErrorPropagatesAndLeavesTheGraphUsable) {
   Tensor<float> z = good.make(3.0f) * y;
   step();
   EXPECT_EQ(z.to_vector(), std::vector<float>(4, 6.0f));
+}
+
+// A step that fails on the executor while the next mark_step plans a step reading its
+// values: that step must not run on the missing inputs (it crashed before). The second
+// mark_step reports the error, both steps stay pending, and a read fails again cleanly.
+TEST_F(Executor, StepReadingAFailedStepInFlightDoesNotRun) {
+  auto& dev = lazy::graph::current_device();
+  struct AsyncGuard {
+    lazy::graph::Device& d;
+    bool async = d.async(), inline_steps = d.inline_steps();
+    ~AsyncGuard() {
+      d.async() = async;
+      d.inline_steps() = inline_steps;
+    }
+  } guard{dev};
+  dev.async() = true;
+  dev.inline_steps() = false;
+  Probe bad;
+  // 2^16 elements: enough work to run on the executor, not inline.
+  Tensor<float> y =
+      bad.make(1.0f, Shape{1 << 16}, /*fail=*/true, std::chrono::milliseconds(50)) + 1.0f;
+  lazy::mark_step();
+  Tensor<float> z = y * 2.0f;
+  EXPECT_THROW(lazy::mark_step(), lazy::Error);
+  EXPECT_NO_THROW(lazy::wait_device_ops()) << "the error is reported once";
+  EXPECT_TRUE(pending(y));
+  EXPECT_TRUE(pending(z));
+  EXPECT_THROW((void)z.to_vector(), lazy::Error);
+  EXPECT_EQ(bad.count(), 2);
 }
 
 TEST_F(Executor, TensorsOnDifferentDevicesDoNotMix) {

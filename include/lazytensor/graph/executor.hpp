@@ -621,6 +621,15 @@ inline void run_step(Device& dev, std::vector<NodePtr> nodes) {
   prepare(nodes);
   auto plan = plan_for(dev, nodes, true);
   dev.wait_idle();
+  try {
+    // The previous step failed while this one was planned: its nodes went back to
+    // pending, and this step may read them. The error surfaces here (this mark_step is
+    // the next sync); this step's nodes stay traced, never run on missing inputs.
+    dev.rethrow_stored_error();
+  } catch (...) {
+    dev.keep_traced(std::vector<std::weak_ptr<Node>>(nodes.begin(), nodes.end()));
+    throw;
+  }
   for (auto& n : nodes) n->set_state(Node::State::Queued);
   if (!dev.async()) {
     run_plan(dev, *plan, nodes);
