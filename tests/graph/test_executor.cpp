@@ -42,13 +42,13 @@ void step() {
 // (or throws). It lets a test see exactly which nodes were computed.
 class ProbeNode final : public lazy::graph::Node {
  public:
-  ProbeNode(std::shared_ptr<std::atomic<int>> runs, float value, Shape shape, bool fail = false,
-            std::chrono::milliseconds delay = {})
+  ProbeNode(std::shared_ptr<std::atomic<int>> runs, float value, Shape shape,
+            std::shared_ptr<std::atomic<bool>> fail = nullptr, std::chrono::milliseconds delay = {})
       : Node(lazy::graph::NodeKind::Host, lazy::DType::Float32, shape,
              &lazy::graph::current_device()),
         runs_(std::move(runs)),
         value_(value),
-        fail_(fail),
+        fail_(std::move(fail)),
         delay_(delay) {}
   std::string op_name() const override { return "probe"; }
 
@@ -56,7 +56,7 @@ class ProbeNode final : public lazy::graph::Node {
   void compute(lazy::graph::ExecContext& ctx) override {
     runs_->fetch_add(1);
     std::this_thread::sleep_for(delay_);
-    if (fail_) throw lazy::Error("probe kernel failed");
+    if (fail_ && fail_->load()) throw lazy::Error("probe kernel failed");
     auto buf = allocate_output(ctx, false);
     float* p = static_cast<float*>(buf->data());
     for (std::int64_t i = 0; i < numel(); ++i) p[i] = value_;
@@ -66,16 +66,18 @@ class ProbeNode final : public lazy::graph::Node {
  private:
   std::shared_ptr<std::atomic<int>> runs_;
   float value_;
-  bool fail_;
+  std::shared_ptr<std::atomic<bool>> fail_;  // fails while set
   std::chrono::milliseconds delay_;
 };
 
 struct Probe {
   std::shared_ptr<std::atomic<int>> runs = std::make_shared<std::atomic<int>>(0);
+  // Nodes made with fail = true throw while this is set.
+  std::shared_ptr<std::atomic<bool>> failing = std::make_shared<std::atomic<bool>>(true);
   Tensor<float> make(float value, Shape shape = Shape{4}, bool fail = false,
                      std::chrono::milliseconds delay = {}) const {
-    return Tensor<float>(
-        lazy::graph::submit(std::make_shared<ProbeNode>(runs, value, shape, fail, delay)));
+    return Tensor<float>(lazy::graph::submit(
+        std::make_shared<ProbeNode>(runs, value, shape, fail ? failing : nullptr, delay)));
   }
   int count() const { return runs->load(); }
 };
@@ -781,6 +783,12 @@ TEST_F(Executor, StepReadingAFailedStepInFlightDoesNotRun) {
   EXPECT_TRUE(pending(z));
   EXPECT_THROW((void)z.to_vector(), lazy::Error);
   EXPECT_EQ(bad.count(), 2);
+  // The failure was transient: the next step computes everything, producers first.
+  bad.failing->store(false);
+  step();
+  EXPECT_EQ(bad.count(), 3);
+  EXPECT_EQ(z.to_vector(), std::vector<float>(std::size_t{1} << 16, 4.0f));
+  EXPECT_EQ(y.to_vector(), std::vector<float>(std::size_t{1} << 16, 2.0f));
 }
 
 TEST_F(Executor, TensorsOnDifferentDevicesDoNotMix) {

@@ -15,6 +15,7 @@
 #include <deque>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -82,13 +83,29 @@ class Device {
     prune_at_ = kMinPruneAt;  // a large step must not leave a high threshold behind
     return std::exchange(trace_, {});
   }
-  /// Returns nodes to the front of the trace (still pending, older than anything traced
-  /// since), keeping creation order.
+  /// Returns nodes (in creation order) to the trace, which stays in creation order: the
+  /// planner relies on producers coming before their consumers.
   void keep_traced(std::vector<std::weak_ptr<Node>> older) {
     if (older.empty()) return;
     std::lock_guard lock(mu_);
-    older.insert(older.end(), trace_.begin(), trace_.end());
-    trace_ = std::move(older);
+    if (newest_id(older) < oldest_id(trace_)) {
+      // The common case (a step's unneeded nodes, older than anything traced since).
+      older.insert(older.end(), trace_.begin(), trace_.end());
+      trace_ = std::move(older);
+    } else {
+      // Errors return nodes out of order: a failed step's, then the next step's (newer, but
+      // returned later), or a failed read's, still traced. Merge by id, once each.
+      older.insert(older.end(), trace_.begin(), trace_.end());
+      std::vector<std::pair<std::uint64_t, std::weak_ptr<Node>>> live;
+      for (auto& w : older)
+        if (auto n = w.lock()) live.emplace_back(n->id(), std::move(w));
+      std::sort(live.begin(), live.end(),
+                [](const auto& a, const auto& b) { return a.first < b.first; });
+      trace_.clear();
+      for (std::size_t i = 0; i < live.size(); ++i)
+        if (i == 0 || live[i].first != live[i - 1].first)
+          trace_.push_back(std::move(live[i].second));
+    }
     rearm_pruning();
   }
 
@@ -219,6 +236,18 @@ class Device {
   // each would pin its node's memory (make_shared puts the node in the control block a
   // weak_ptr keeps). Dropping them whenever the trace has doubled keeps the cost O(1)
   // per node and the trace at most twice the nodes still alive.
+  // Ids of the newest and oldest live nodes of a list in creation order (0 and the
+  // maximum when none is alive).
+  static std::uint64_t newest_id(const std::vector<std::weak_ptr<Node>>& v) {
+    for (auto it = v.rbegin(); it != v.rend(); ++it)
+      if (const auto n = it->lock()) return n->id();
+    return 0;
+  }
+  static std::uint64_t oldest_id(const std::vector<std::weak_ptr<Node>>& v) {
+    for (const auto& w : v)
+      if (const auto n = w.lock()) return n->id();
+    return std::numeric_limits<std::uint64_t>::max();
+  }
   void prune_trace() {
     std::erase_if(trace_, [](const std::weak_ptr<Node>& w) { return w.expired(); });
     rearm_pruning();
