@@ -9,6 +9,7 @@
 // queued node, and waits for the executor (wait_idle) before it runs anything itself.
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
@@ -139,9 +140,11 @@ class Device {
     exec_cv_.notify_all();
   }
   /// Blocks until every enqueued job has finished.
-  void wait_idle() {
+  void wait_idle() { wait_below(1); }
+  /// Blocks until fewer than `n` enqueued jobs are unfinished (running or waiting).
+  void wait_below(std::int64_t n) {
     std::unique_lock lock(exec_mu_);
-    idle_cv_.wait(lock, [&] { return outstanding_ == 0; });
+    idle_cv_.wait(lock, [&] { return outstanding_ < n; });
   }
   /// True when jobs are enqueued or running.
   bool busy() {
@@ -186,7 +189,11 @@ class Device {
   void store_error(std::exception_ptr e) {
     std::lock_guard lock(mu_);
     if (!error_) error_ = e;
+    failures_.fetch_add(1, std::memory_order_release);
   }
+  /// How many execution errors were ever stored: a queued step compares it with the
+  /// count when it was queued, to learn that a step ahead of it failed.
+  std::uint64_t failures() const { return failures_.load(std::memory_order_acquire); }
   /// Re-throws (once) a stored execution error.
   void rethrow_stored_error() {
     std::exception_ptr e;
@@ -270,6 +277,7 @@ class Device {
   bool async_ = default_async();
   bool inline_steps_ = false;
   std::vector<std::function<void()>> closures_;
+  std::atomic<std::uint64_t> failures_{0};
   std::exception_ptr error_;
   PlanCache plan_cache_;
   PlanStats plan_stats_;
