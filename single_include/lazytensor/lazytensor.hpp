@@ -91,13 +91,111 @@
 // (function-local static) and then pays one relaxed atomic add.
 
 #include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+
+// ---- begin lazytensor/core/clock.hpp ----
+// The clock the metrics time with. Every read of a small statement takes two timings, so
+// the clock is on the hot path: steady_clock costs ~24 ns a reading through the vDSO on
+// the development VM, the x86 time-stamp counter ~10 ns. The counter is used where the
+// CPU says it ticks at a constant rate whatever the power state (CPUID's invariant-TSC
+// bit); elsewhere the clock is steady_clock itself.
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <optional>
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#include <x86intrin.h>
+#define LAZYTENSOR_DETAIL_TSC 1
+#endif
+
+namespace lazy::core {
+
+/// Readings in ticks (`now()`), converted to nanoseconds by `to_ns`.
+class MetricClock {
+ public:
+  using Ticks = std::int64_t;
+
+  /// The current reading.
+  static Ticks now() noexcept {
+#ifdef LAZYTENSOR_DETAIL_TSC
+    if (state().tsc) return static_cast<Ticks>(__rdtsc());
+#endif
+    return steady_ticks();
+  }
+
+  /// Nanoseconds between readings `t0` and `t1` (0 if `t1` is earlier: counters of
+  /// different cores may disagree by a few ticks).
+  static double to_ns(Ticks t0, Ticks t1) noexcept {
+    return static_cast<double>(std::max<Ticks>(t1 - t0, 0)) * state().ns_per_tick;
+  }
+
+  /// True when readings come from the time-stamp counter.
+  static bool uses_tsc() noexcept { return state().tsc; }
+
+ private:
+  struct State {
+    bool tsc = false;
+    double ns_per_tick = 1.0;
+  };
+
+  static Ticks steady_ticks() noexcept {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+
+  static const State& state() noexcept {
+    static const State s = calibrate();
+    return s;
+  }
+
+  // The counter's rate against steady_clock over ~200 us, once per process. Each end is a
+  // steady_clock reading bracketed by two counter readings close together (a thread
+  // preempted in between tries again), so the rate is good to ~0.05%.
+  static State calibrate() noexcept {
+    State s;
+#ifdef LAZYTENSOR_DETAIL_TSC
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (__get_cpuid(0x80000000u, &a, &b, &c, &d) == 0 || a < 0x80000007u) return s;
+    __get_cpuid(0x80000007u, &a, &b, &c, &d);
+    if (!(d & (1u << 8))) return s;  // no invariant TSC
+    struct Pair {
+      Ticks steady;
+      double tsc;
+    };
+    auto pair = []() -> std::optional<Pair> {
+      for (int attempt = 0; attempt < 100; ++attempt) {
+        const auto c0 = __rdtsc();
+        const Ticks t = steady_ticks();
+        const auto c1 = __rdtsc();
+        if (c1 > c0 && c1 - c0 < 20'000)
+          return Pair{t, 0.5 * (static_cast<double>(c0) + static_cast<double>(c1))};
+      }
+      return std::nullopt;
+    };
+    const auto p0 = pair();
+    if (!p0) return s;
+    while (steady_ticks() - p0->steady < 200'000) {
+    }
+    const auto p1 = pair();
+    if (!p1 || p1->tsc <= p0->tsc) return s;
+    s.tsc = true;
+    s.ns_per_tick = static_cast<double>(p1->steady - p0->steady) / (p1->tsc - p0->tsc);
+#endif
+    return s;
+  }
+};
+
+}  // namespace lazy::core
+// ---- end lazytensor/core/clock.hpp ----
 
 namespace lazy::core {
 
@@ -195,16 +293,14 @@ inline Metric& metric(const std::string& name) { return Registry::get().metric(n
 /// Records the lifetime of a scope into a metric.
 class ScopedTimer {
  public:
-  explicit ScopedTimer(Metric& m) : m_(m), t0_(std::chrono::steady_clock::now()) {}
-  /// Timing from `t0`, a clock reading the caller already has.
-  ScopedTimer(Metric& m, std::chrono::steady_clock::time_point t0) : m_(m), t0_(t0) {}
-  ~ScopedTimer() {
-    m_.record(std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0_).count());
-  }
+  explicit ScopedTimer(Metric& m) : m_(m), t0_(MetricClock::now()) {}
+  /// Timing from `t0`, a reading the caller already has.
+  ScopedTimer(Metric& m, MetricClock::Ticks t0) : m_(m), t0_(t0) {}
+  ~ScopedTimer() { m_.record(MetricClock::to_ns(t0_, MetricClock::now())); }
 
  private:
   Metric& m_;
-  std::chrono::steady_clock::time_point t0_;
+  MetricClock::Ticks t0_;
 };
 
 }  // namespace lazy::core
@@ -2713,12 +2809,14 @@ std::string kernel_text(const KGrad<K, Tg>& k) {
 // queued node, and waits for the executor (wait_idle) before it runs anything itself.
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <deque>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -3132,13 +3230,29 @@ class Device {
     prune_at_ = kMinPruneAt;  // a large step must not leave a high threshold behind
     return std::exchange(trace_, {});
   }
-  /// Returns nodes to the front of the trace (still pending, older than anything traced
-  /// since), keeping creation order.
+  /// Returns nodes (in creation order) to the trace, which stays in creation order: the
+  /// planner relies on producers coming before their consumers.
   void keep_traced(std::vector<std::weak_ptr<Node>> older) {
     if (older.empty()) return;
     std::lock_guard lock(mu_);
-    older.insert(older.end(), trace_.begin(), trace_.end());
-    trace_ = std::move(older);
+    if (newest_id(older) < oldest_id(trace_)) {
+      // The common case (a step's unneeded nodes, older than anything traced since).
+      older.insert(older.end(), trace_.begin(), trace_.end());
+      trace_ = std::move(older);
+    } else {
+      // Errors return nodes out of order: a failed step's, then the next step's (newer, but
+      // returned later), or a failed read's, still traced. Merge by id, once each.
+      older.insert(older.end(), trace_.begin(), trace_.end());
+      std::vector<std::pair<std::uint64_t, std::weak_ptr<Node>>> live;
+      for (auto& w : older)
+        if (auto n = w.lock()) live.emplace_back(n->id(), std::move(w));
+      std::sort(live.begin(), live.end(),
+                [](const auto& a, const auto& b) { return a.first < b.first; });
+      trace_.clear();
+      for (std::size_t i = 0; i < live.size(); ++i)
+        if (i == 0 || live[i].first != live[i - 1].first)
+          trace_.push_back(std::move(live[i].second));
+    }
     rearm_pruning();
   }
 
@@ -3172,9 +3286,11 @@ class Device {
     exec_cv_.notify_all();
   }
   /// Blocks until every enqueued job has finished.
-  void wait_idle() {
+  void wait_idle() { wait_below(1); }
+  /// Blocks until fewer than `n` enqueued jobs are unfinished (running or waiting).
+  void wait_below(std::int64_t n) {
     std::unique_lock lock(exec_mu_);
-    idle_cv_.wait(lock, [&] { return outstanding_ == 0; });
+    idle_cv_.wait(lock, [&] { return outstanding_ < n; });
   }
   /// True when jobs are enqueued or running.
   bool busy() {
@@ -3219,7 +3335,11 @@ class Device {
   void store_error(std::exception_ptr e) {
     std::lock_guard lock(mu_);
     if (!error_) error_ = e;
+    failures_.fetch_add(1, std::memory_order_release);
   }
+  /// How many execution errors were ever stored: a queued step compares it with the
+  /// count when it was queued, to learn that a step ahead of it failed.
+  std::uint64_t failures() const { return failures_.load(std::memory_order_acquire); }
   /// Re-throws (once) a stored execution error.
   void rethrow_stored_error() {
     std::exception_ptr e;
@@ -3269,6 +3389,18 @@ class Device {
   // each would pin its node's memory (make_shared puts the node in the control block a
   // weak_ptr keeps). Dropping them whenever the trace has doubled keeps the cost O(1)
   // per node and the trace at most twice the nodes still alive.
+  // Ids of the newest and oldest live nodes of a list in creation order (0 and the
+  // maximum when none is alive).
+  static std::uint64_t newest_id(const std::vector<std::weak_ptr<Node>>& v) {
+    for (auto it = v.rbegin(); it != v.rend(); ++it)
+      if (const auto n = it->lock()) return n->id();
+    return 0;
+  }
+  static std::uint64_t oldest_id(const std::vector<std::weak_ptr<Node>>& v) {
+    for (const auto& w : v)
+      if (const auto n = w.lock()) return n->id();
+    return std::numeric_limits<std::uint64_t>::max();
+  }
   void prune_trace() {
     std::erase_if(trace_, [](const std::weak_ptr<Node>& w) { return w.expired(); });
     rearm_pruning();
@@ -3291,6 +3423,7 @@ class Device {
   bool async_ = default_async();
   bool inline_steps_ = false;
   std::vector<std::function<void()>> closures_;
+  std::atomic<std::uint64_t> failures_{0};
   std::exception_ptr error_;
   PlanCache plan_cache_;
   PlanStats plan_stats_;
@@ -4149,7 +4282,6 @@ class ArgReductionNode final : public Node {
 // and are stored on the device, to be re-thrown at the next read or sync.
 
 #include <algorithm>
-#include <chrono>
 #include <cstddef>
 #include <cstdio>
 #include <span>
@@ -4540,7 +4672,7 @@ namespace detail {
 /// 200 atomic reference-count updates for them).
 class GroupMembers {
  public:
-  GroupMembers(const std::vector<NodePtr>& nodes, const PlanStep& st)
+  GroupMembers(std::span<const NodePtr> nodes, const PlanStep& st)
       : nodes_(nodes), pos_(st.members) {}
   std::size_t size() const { return pos_.size(); }
   const NodePtr& operator[](std::size_t j) const {
@@ -4548,7 +4680,7 @@ class GroupMembers {
   }
 
  private:
-  const std::vector<NodePtr>& nodes_;
+  std::span<const NodePtr> nodes_;
   const std::vector<std::int32_t>& pos_;
 };
 
@@ -4854,7 +4986,7 @@ inline void run_group(ExecContext& ctx, const PlanStep& st, const GroupMembers& 
 
 /// Lets the step's element-wise nodes take over their GEMM producers (epilogue fusion).
 /// Called on every step before planning and execution: it decides on this step's nodes.
-inline void prepare(const std::vector<NodePtr>& nodes) {
+inline void prepare(std::span<const NodePtr> nodes) {
   for (const auto& n : nodes) n->set_deferred(false);  // decisions of an earlier look (dumps) are redone
   for (const auto& n : nodes) n->fuse_producers();
 }
@@ -4864,12 +4996,11 @@ inline void prepare(const std::vector<NodePtr>& nodes) {
 /// warning). `done`: receives the clock reading that ended PlanTime, for a caller that
 /// runs the plan at once and can start ExecuteTime from it.
 inline std::shared_ptr<const Plan> plan_for(Device& dev, const std::vector<NodePtr>& nodes,
-                                            bool step,
-                                            std::chrono::steady_clock::time_point* done = nullptr) {
+                                            bool step, core::MetricClock::Ticks* done = nullptr) {
   static auto& cached = core::counter("CachedPlan");
   static auto& uncached = core::counter("UncachedPlan");
   static auto& plan_time = core::metric("PlanTime");
-  const auto t0 = std::chrono::steady_clock::now();
+  const auto t0 = core::MetricClock::now();
   const std::uint64_t epoch = planner::number(nodes);
   std::vector<std::uint8_t> outside;
   auto sig = planner::signature(nodes, epoch, outside);
@@ -4910,8 +5041,8 @@ inline std::shared_ptr<const Plan> plan_for(Device& dev, const std::vector<NodeP
     }
   }
   if (step) stats.last_signature = std::move(sig);
-  const auto t1 = std::chrono::steady_clock::now();
-  plan_time.record(std::chrono::duration<double, std::nano>(t1 - t0).count());
+  const auto t1 = core::MetricClock::now();
+  plan_time.record(core::MetricClock::to_ns(t0, t1));
   if (done) *done = t1;
   return plan;
 }
@@ -4920,12 +5051,12 @@ inline std::shared_ptr<const Plan> plan_for(Device& dev, const std::vector<NodeP
 /// dropped as it runs, so donation sees the true holders. On an error, the nodes not run
 /// go back to pending (and to the device's trace) and the exception propagates.
 /// `started`: when ExecuteTime starts (default: now).
-inline void run_plan(Device& device, const Plan& plan, std::vector<NodePtr>& nodes,
-                     const std::chrono::steady_clock::time_point* started = nullptr) {
+inline void run_plan(Device& device, const Plan& plan, std::span<NodePtr> nodes,
+                     const core::MetricClock::Ticks* started = nullptr) {
   static auto& execute_time = core::metric("ExecuteTime");
   static auto& kernels = core::counter("KernelsRun");
   static auto& fused = core::counter("FusedNodes");
-  core::ScopedTimer timer(execute_time, started ? *started : std::chrono::steady_clock::now());
+  core::ScopedTimer timer(execute_time, started ? *started : core::MetricClock::now());
   ExecContext ctx{device};
   std::int64_t ran = 0;
   std::size_t step = 0;
@@ -4967,16 +5098,47 @@ inline void execute_now(Device& device, std::vector<NodePtr> nodes) {
   if (nodes.empty()) return;
   prepare(nodes);
   // One clock reading ends PlanTime and starts ExecuteTime.
-  std::chrono::steady_clock::time_point planned;
+  core::MetricClock::Ticks planned = 0;
   auto plan = plan_for(device, nodes, false, &planned);
   for (auto& n : nodes) n->set_state(Node::State::Queued);
   run_plan(device, *plan, nodes, &planned);
+}
+
+/// True when `node` is pending and every input of it is materialized: its plan would be
+/// the node alone.
+inline bool runs_alone(const NodePtr& node) {
+  if (!node || !node->pending()) return false;
+  for (const auto& in : node->inputs())
+    if (!in->materialized()) return false;
+  return true;
+}
+
+/// The plan of one node run alone: a single step at position 0.
+inline const Plan& single_node_plan() {
+  static const Plan plan = [] {
+    Plan p;
+    p.steps.resize(1);
+    p.steps[0].members = {0};
+    p.num_nodes = 1;
+    return p;
+  }();
+  return plan;
 }
 
 /// Materializes every pending node reachable from `roots` on `device`, now, on the
 /// calling thread.
 inline void execute(Device& device, std::span<const NodePtr> roots) {
   device.wait_idle();
+  if (roots.size() == 1 && runs_alone(roots[0])) {
+    // An eager op, or the read of a statement over materialized values: nothing to order,
+    // plan or look up (so no PlanTime and no plan-cache counter), a fifth of the fixed
+    // cost of such a read.
+    NodePtr node = roots[0];
+    prepare(std::span(&node, 1));
+    node->set_state(Node::State::Queued);
+    run_plan(device, single_node_plan(), std::span(&node, 1));
+    return;
+  }
   execute_now(device, topological_order(roots));
 }
 
@@ -5022,25 +5184,52 @@ inline void run_plan_storing_error(Device& dev, const Plan& plan, std::vector<No
 }
 
 /// Runs a step: plans the collected nodes now (overlapping the previous step's
-/// execution), waits for the previous step, then hands the plan to the executor thread
-/// (or, with async off, runs it here). Errors of an asynchronous step are stored. A step
-/// cheaper than the hand-off (kInlineStepWork), or any step of a device set to
-/// inline_steps, runs here too, its errors stored as if it had run on the executor.
+/// execution), then hands the plan to the executor thread (or, with async off, runs it
+/// here). An asynchronous step may wait in the queue behind the running one, so the
+/// executor goes from one step to the next without waiting for this thread (two thread
+/// wake-ups, 15-50 us each on a VM); with one already waiting, this waits for the running
+/// step first, so tracing is never more than a step ahead. Errors of an asynchronous
+/// step are stored. A step cheaper than the hand-off (kInlineStepWork), or any step of a
+/// device set to inline_steps, runs here after the queue, its errors stored as if it had
+/// run on the executor.
 inline void run_step(Device& dev, std::vector<NodePtr> nodes) {
   if (nodes.empty()) return;
   prepare(nodes);
   auto plan = plan_for(dev, nodes, true);
-  dev.wait_idle();
+  const bool queue = dev.async() && !dev.inline_steps() && plan->work >= kInlineStepWork;
+  if (queue)
+    dev.wait_below(2);
+  else
+    dev.wait_idle();
+  const std::uint64_t failures =
+      dev.failures();  // before the check: a later failure is seen by the job
+  try {
+    // A step ahead of this one failed while this one was planned: its nodes went back to
+    // pending, and this step may read them. The error surfaces here (this mark_step is
+    // the next sync); this step's nodes stay traced, never run on missing inputs.
+    dev.rethrow_stored_error();
+  } catch (...) {
+    dev.keep_traced(std::vector<std::weak_ptr<Node>>(nodes.begin(), nodes.end()));
+    throw;
+  }
   for (auto& n : nodes) n->set_state(Node::State::Queued);
   if (!dev.async()) {
     run_plan(dev, *plan, nodes);
     return;
   }
-  if (plan->work < kInlineStepWork || dev.inline_steps()) {
+  if (!queue) {
     run_plan_storing_error(dev, *plan, nodes);
     return;
   }
-  dev.enqueue([&dev, plan, nodes = std::move(nodes)]() mutable {
+  dev.enqueue([&dev, plan, failures, nodes = std::move(nodes)]() mutable {
+    if (dev.failures() != failures) {
+      // The step ahead failed after this one was queued (same reason as above): this one
+      // does not run; its nodes wait in the trace for the next sync, which reports the
+      // error.
+      for (auto& n : nodes) n->set_state(Node::State::Pending);
+      dev.keep_traced(std::vector<std::weak_ptr<Node>>(nodes.begin(), nodes.end()));
+      return;
+    }
     run_plan_storing_error(dev, *plan, nodes);
   });
 }
