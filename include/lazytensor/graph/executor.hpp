@@ -559,8 +559,8 @@ inline void execute(Device& device, std::span<const NodePtr> roots) {
   device.wait_idle();
   if (roots.size() == 1 && runs_alone(roots[0])) {
     // An eager op, or the read of a statement over materialized values: nothing to order,
-    // plan or look up (so no PlanTime and no plan-cache counter), a fifth of the fixed
-    // cost of such a read.
+    // plan or look up (so no PlanTime and no plan-cache counter), ~20% of the fixed cost
+    // of such a read.
     NodePtr node = roots[0];
     prepare(std::span(&node, 1));
     node->set_state(Node::State::Queued);
@@ -629,8 +629,8 @@ inline void run_step(Device& dev, std::vector<NodePtr> nodes) {
     dev.wait_below(2);
   else
     dev.wait_idle();
-  const std::uint64_t failures =
-      dev.failures();  // before the check: a later failure is seen by the job
+  // Read before the check below: a failure after it changes the count the job compares.
+  const std::uint64_t failures = dev.failures();
   try {
     // A step ahead of this one failed while this one was planned: its nodes went back to
     // pending, and this step may read them. The error surfaces here (this mark_step is
