@@ -612,14 +612,13 @@ inline void run_plan_storing_error(Device& dev, const Plan& plan, std::vector<No
 }
 
 /// Runs a step: plans the collected nodes now (overlapping the previous step's
-/// execution), then hands the plan to the executor thread (or, with async off, runs it
-/// here). An asynchronous step may wait in the queue behind the running one, so the
-/// executor goes from one step to the next without waiting for this thread (two thread
-/// wake-ups, 15-50 us each on a VM); with one already waiting, this waits for the running
-/// step first, so tracing is never more than a step ahead. Errors of an asynchronous
+/// execution), hands the plan to the executor thread (or, with async off, runs it here),
+/// then waits for the previous step. The plan is queued behind the running step before
+/// that wait, so the executor goes from one step to the next without waiting for this
+/// thread to wake (two thread wake-ups, 15-50 us each on a VM). Errors of an asynchronous
 /// step are stored. A step cheaper than the hand-off (kInlineStepWork), or any step of a
-/// device set to inline_steps, runs here after the queue, its errors stored as if it had
-/// run on the executor.
+/// device set to inline_steps, runs here once the queue is empty, its errors stored as if
+/// it had run on the executor.
 inline void run_step(Device& dev, std::vector<NodePtr> nodes) {
   if (nodes.empty()) return;
   prepare(nodes);
@@ -660,6 +659,7 @@ inline void run_step(Device& dev, std::vector<NodePtr> nodes) {
     }
     run_plan_storing_error(dev, *plan, nodes);
   });
+  dev.wait_below(2);  // the previous step is done (this one may still run)
 }
 
 }  // namespace lazy::graph
