@@ -5047,6 +5047,19 @@ inline std::shared_ptr<const Plan> plan_for(Device& dev, const std::vector<NodeP
   return plan;
 }
 
+/// Puts the nodes of a step that did not run (or did not finish) back to pending and into
+/// the trace, for a later step or read: nothing is lost when a step fails or is refused.
+inline void return_to_trace(Device& device, std::span<const NodePtr> nodes) {
+  std::vector<std::weak_ptr<Node>> back;
+  for (const auto& n : nodes) {
+    if (!n || n->materialized()) continue;
+    n->set_deferred(false);
+    n->set_state(Node::State::Pending);
+    back.push_back(n);
+  }
+  device.keep_traced(std::move(back));
+}
+
 /// Runs `plan` over `nodes` (positions as planned). The plan's reference to each node is
 /// dropped as it runs, so donation sees the true holders. On an error, the nodes not run
 /// go back to pending (and to the device's trace) and the exception propagates.
@@ -5079,14 +5092,7 @@ inline void run_plan(Device& device, const Plan& plan, std::span<NodePtr> nodes,
     }
   } catch (...) {
     kernels.add(ran);
-    std::vector<std::weak_ptr<Node>> back;
-    for (auto& n : nodes) {
-      if (!n || n->materialized()) continue;
-      n->set_deferred(false);
-      n->set_state(Node::State::Pending);
-      back.push_back(n);
-    }
-    device.keep_traced(std::move(back));
+    return_to_trace(device, nodes);
     throw;
   }
   kernels.add(ran);
@@ -5208,7 +5214,7 @@ inline void run_step(Device& dev, std::vector<NodePtr> nodes) {
     // the next sync); this step's nodes stay traced, never run on missing inputs.
     dev.rethrow_stored_error();
   } catch (...) {
-    dev.keep_traced(std::vector<std::weak_ptr<Node>>(nodes.begin(), nodes.end()));
+    return_to_trace(dev, nodes);
     throw;
   }
   for (auto& n : nodes) n->set_state(Node::State::Queued);
@@ -5225,8 +5231,7 @@ inline void run_step(Device& dev, std::vector<NodePtr> nodes) {
       // The step ahead failed after this one was queued (same reason as above): this one
       // does not run; its nodes wait in the trace for the next sync, which reports the
       // error.
-      for (auto& n : nodes) n->set_state(Node::State::Pending);
-      dev.keep_traced(std::vector<std::weak_ptr<Node>>(nodes.begin(), nodes.end()));
+      return_to_trace(dev, nodes);
       return;
     }
     run_plan_storing_error(dev, *plan, nodes);
