@@ -3281,7 +3281,7 @@ class Device {
       std::lock_guard lock(exec_mu_);
       if (!executor_.joinable()) executor_ = std::thread([this] { executor_loop(); });
       jobs_.push_back(std::move(job));
-      ++outstanding_;
+      outstanding_.fetch_add(1, std::memory_order_relaxed);
     }
     exec_cv_.notify_all();
   }
@@ -3289,14 +3289,14 @@ class Device {
   void wait_idle() { wait_below(1); }
   /// Blocks until fewer than `n` enqueued jobs are unfinished (running or waiting).
   void wait_below(std::int64_t n) {
+    // Every read and eager op asks; the executor is usually idle by then. The acquire load
+    // pairs with the release decrement, so a finished job's writes are visible.
+    if (outstanding_.load(std::memory_order_acquire) < n) return;
     std::unique_lock lock(exec_mu_);
-    idle_cv_.wait(lock, [&] { return outstanding_ < n; });
+    idle_cv_.wait(lock, [&] { return outstanding_.load(std::memory_order_relaxed) < n; });
   }
   /// True when jobs are enqueued or running.
-  bool busy() {
-    std::lock_guard lock(exec_mu_);
-    return outstanding_ != 0;
-  }
+  bool busy() { return outstanding_.load(std::memory_order_acquire) != 0; }
   /// Whether mark_step runs plans on the executor thread (default, LAZYTENSOR_ASYNC=0 turns
   /// it off) or on the calling thread.
   bool& async() { return async_; }
@@ -3335,6 +3335,7 @@ class Device {
   void store_error(std::exception_ptr e) {
     std::lock_guard lock(mu_);
     if (!error_) error_ = e;
+    has_error_.store(true, std::memory_order_release);
     failures_.fetch_add(1, std::memory_order_release);
   }
   /// How many execution errors were ever stored: a queued step compares it with the
@@ -3342,10 +3343,16 @@ class Device {
   std::uint64_t failures() const { return failures_.load(std::memory_order_acquire); }
   /// Re-throws (once) a stored execution error.
   void rethrow_stored_error() {
+    // Every read asks, and almost never finds one: no lock then. A store this load misses
+    // raced with the caller, as if it came after the check. A caller that waited for the
+    // step (wait_below) sees its error: the step stores it before the executor's release
+    // of the job count.
+    if (!has_error_.load(std::memory_order_acquire)) return;
     std::exception_ptr e;
     {
       std::lock_guard lock(mu_);
       e = std::exchange(error_, nullptr);
+      has_error_.store(false, std::memory_order_relaxed);
     }
     if (e) std::rethrow_exception(e);
   }
@@ -3365,7 +3372,7 @@ class Device {
       job = nullptr;
       {
         std::lock_guard lock(exec_mu_);
-        --outstanding_;
+        outstanding_.fetch_sub(1, std::memory_order_release);
       }
       idle_cv_.notify_all();
     }
@@ -3378,7 +3385,7 @@ class Device {
       std::lock_guard lock(exec_mu_);
       stop_ = true;
       dropped.swap(jobs_);
-      outstanding_ -= static_cast<std::int64_t>(dropped.size());
+      outstanding_.fetch_sub(static_cast<std::int64_t>(dropped.size()), std::memory_order_release);
     }
     exec_cv_.notify_all();
     if (executor_.joinable()) executor_.join();
@@ -3425,13 +3432,16 @@ class Device {
   std::vector<std::function<void()>> closures_;
   std::atomic<std::uint64_t> failures_{0};
   std::exception_ptr error_;
+  std::atomic<bool> has_error_{false};  // error_ is set (written under mu_)
   PlanCache plan_cache_;
   PlanStats plan_stats_;
 
   std::mutex exec_mu_;
   std::condition_variable exec_cv_, idle_cv_;
   std::deque<std::function<void()>> jobs_;
-  std::int64_t outstanding_ = 0;
+  // Changed under exec_mu_ (the condition variables' predicate), read without it by
+  // wait_below's and busy()'s fast path.
+  std::atomic<std::int64_t> outstanding_{0};
   bool stop_ = false;
   std::thread executor_;
 };
