@@ -280,8 +280,9 @@ def targets(results: list[Result]) -> str:
 
     # The foundation issue sizes its throughput targets at 2^24 (the chain's); the reduction's
     # goal is read at that size too. Smaller sizes are listed: there the fixed cost of a read
-    # (building the node, running it, reading the value back: ~0.3-0.5 us) weighs against a
-    # kernel of 0.04-5 us, which no graph-building library can hide.
+    # (building the node, running it, reading the value back: ~0.3-0.7 us) weighs against a
+    # kernel of 0.04-5 us; a library that builds a graph node per statement pays it on every
+    # read (libtorch's eager read costs more still).
     ratio_row("reduction 2^24 vs Eigen", "Reduce", "Eigen", (n24,), 0.9)
     sizes = sorted({r.args for r in results if r.family == "Reduce" and r.variant == LAZY and r.args != (n24,)})
     for a in sizes:
