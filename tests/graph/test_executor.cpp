@@ -807,6 +807,37 @@ TEST_F(Executor, StepsBehindAFailingStepDoNotRun) {
   EXPECT_EQ(y.to_vector(), std::vector<float>(std::size_t{1} << 16, 2.0f));
 }
 
+// Reads check for a stored error, and for a step in flight, without a lock when there is
+// none: an error stored by a step on the executor must still reach the first read after
+// that step finished, even of a tensor that needs no computing, and only that read.
+TEST_F(Executor, ErrorOfAFinishedAsyncStepReachesTheNextReadOnce) {
+  auto& dev = lazy::graph::current_device();
+  struct AsyncGuard {
+    lazy::graph::Device& d;
+    bool async = d.async(), inline_steps = d.inline_steps();
+    ~AsyncGuard() {
+      d.async() = async;
+      d.inline_steps() = inline_steps;
+    }
+  } guard{dev};
+  dev.async() = true;
+  dev.inline_steps() = false;
+  auto ready = lazy::full<float>({1}, 3.0f);
+  (void)ready.item();  // materialized: reading it computes nothing
+  Probe bad;
+  Tensor<float> y =
+      bad.make(1.0f, Shape{1 << 16}, /*fail=*/true, std::chrono::milliseconds(50)) + 1.0f;
+  lazy::mark_step();  // queued on the executor; fails there after 50 ms
+  while (dev.busy()) std::this_thread::yield();
+  EXPECT_EQ(bad.count(), 1);
+  EXPECT_THROW((void)ready.item(), lazy::Error) << "the stored error surfaces at this read";
+  EXPECT_EQ(ready.item(), 3.0f) << "once";
+  EXPECT_TRUE(pending(y));
+  bad.failing->store(false);
+  step();
+  EXPECT_EQ(y.to_vector(), std::vector<float>(std::size_t{1} << 16, 2.0f));
+}
+
 TEST_F(Executor, TensorsOnDifferentDevicesDoNotMix) {
   auto a = lazy::zeros<float>({3});
   auto b = lazy::zeros<float>({3}, lazy::Device(1));
