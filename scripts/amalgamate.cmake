@@ -12,7 +12,7 @@
 #     exactly once (first occurrence wins, like #pragma once).
 #   * `#pragma once` lines are dropped from inlined files; the output starts with a banner
 #     and a single `#pragma once`.
-#   * All other includes (<vector>, <Eigen/...>, <xsimd/...>, <boost/...>, ...) stay in place.
+#   * All other includes (<vector>, <Eigen/...>, <xsimd/...>, ...) stay in place.
 #   * An internal include inside #if/#ifdef is an error: inlining it "once" at a conditional
 #     site is not equivalent to the original program.
 #   * The output is deterministic: no timestamps, no absolute paths.

@@ -12,7 +12,7 @@ set -euo pipefail
 DEMO_TARGET="${DEMO_TARGET:-fashion_mnist}"                    # CMake target to build
 DEMO_EXE="${DEMO_EXE:-examples/fashion_mnist/fashion_mnist}"   # executable, relative to the build dir
 DEMO_ARGS=(--model mlp --epochs 3)                             # used when no argument is given
-DEMO_PACKAGES=(cmake g++ make libeigen3-dev libxsimd-dev libboost-dev ccache zlib1g-dev dataset-fashion-mnist)
+DEMO_PACKAGES=(cmake g++ make libeigen3-dev libxsimd-dev ccache zlib1g-dev dataset-fashion-mnist)
 # ---------------------------------------------------------------------------------------------
 
 # shellcheck source=scripts/common.sh

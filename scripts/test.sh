@@ -34,7 +34,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 
-ensure_packages cmake g++ make libeigen3-dev libxsimd-dev libboost-dev libgtest-dev libbenchmark-dev ccache \
+ensure_packages cmake g++ make libeigen3-dev libxsimd-dev libgtest-dev libbenchmark-dev ccache \
   zlib1g-dev dataset-fashion-mnist
 
 # --------------------------------------------------------------------------------------------
