@@ -7,7 +7,7 @@
 #include <memory>
 #include <string>
 
-#include <lazytensor/tensor.hpp>
+#include <lazytensor/tensor/tensor.hpp>
 
 namespace lazy {
 

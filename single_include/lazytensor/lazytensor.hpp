@@ -20,7 +20,7 @@
 #include <memory>
 #include <string>
 
-// ---- begin lazytensor/tensor.hpp ----
+// ---- begin lazytensor/tensor/tensor.hpp ----
 // lazy::Tensor<T>: a cheap handle, like torch::Tensor. Copies share one tensor object that
 // points at the graph node holding the current value; in-place ops rebind that node.
 
@@ -59,11 +59,14 @@
 #include <vector>
 
 // ---- begin lazytensor/autograd/node_ops.hpp ----
-// The few operations autograd performs on gradients whose dtype is known only at run time
-// (a GradFn receives and returns graph nodes): sum a broadcast gradient back to an input's
-// shape, convert dtype, add two gradients, make a constant. All build pending nodes.
+// The few operations autograd performs on gradients (a GradFn receives and returns graph
+// nodes): sum a broadcast gradient back to an input's shape, convert dtype, add two
+// gradients, make a constant. All build pending nodes. Each exists typed (instantiated for
+// the dtypes a program uses) and, where the dtype is a run-time value, behind a table that
+// the typed code fills.
 
 #include <algorithm>
+#include <atomic>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -5281,18 +5284,6 @@ inline NodePtr submit(NodePtr node) {
 
 namespace lazy::autograd {
 
-/// Calls f(std::type_identity<T>{}) for the floating dtype `d`; DTypeError otherwise.
-template <class F>
-decltype(auto) visit_floating(DType d, const char* what, F&& f) {
-  switch (d) {
-    case DType::Float32: return f(std::type_identity<float>{});
-    case DType::Float64: return f(std::type_identity<double>{});
-    case DType::BFloat16: return f(std::type_identity<bfloat16>{});
-    default: break;
-  }
-  throw DTypeError(std::string(what) + ": only floating point tensors have gradients, found " + dtype_name(d));
-}
-
 namespace detail {
 template <Element T, class Op, class... Ks>
 graph::NodePtr elementwise(const Shape& shape, graph::Device* dev, std::vector<graph::NodePtr> inputs, Ks... ks) {
@@ -5301,40 +5292,33 @@ graph::NodePtr elementwise(const Shape& shape, graph::Device* dev, std::vector<g
 }
 }  // namespace detail
 
-/// `g` converted to dtype `to` (floating types).
-inline graph::NodePtr cast_node(const graph::NodePtr& g, DType to) {
-  if (g->dtype() == to) return g;
-  return visit_floating(to, "cast", [&](auto to_t) {
-    using U = typename decltype(to_t)::type;
-    return visit_floating(g->dtype(), "cast", [&](auto from_t) {
-      using T = typename decltype(from_t)::type;
-      return detail::elementwise<U, ops::Cast<U>>(g->shape(), g->device(), {g}, expr::KLeaf<T>{0});
-    });
-  });
+// ---- typed operations: instantiated only for the dtypes a program differentiates ---------
+
+/// `g` (dtype From) converted to To.
+template <Element To, Element From>
+graph::NodePtr cast_node_to(const graph::NodePtr& g) {
+  if constexpr (std::is_same_v<To, From>) return g;
+  else return detail::elementwise<To, ops::Cast<To>>(g->shape(), g->device(), {g}, expr::KLeaf<From>{0});
 }
 
-/// a + b for two gradients of one dtype and shape.
-inline graph::NodePtr add_nodes(const graph::NodePtr& a, const graph::NodePtr& b) {
-  return visit_floating(a->dtype(), "add", [&](auto t) {
-    using T = typename decltype(t)::type;
-    return detail::elementwise<T, ops::Add>(a->shape(), a->device(), {a, cast_node(b, a->dtype())},
-                                            expr::KLeaf<T>{0}, expr::KLeaf<T>{1});
-  });
+/// a + b for two gradients of dtype T and one shape.
+template <Element T>
+graph::NodePtr add_nodes_of(const graph::NodePtr& a, const graph::NodePtr& b) {
+  return detail::elementwise<T, ops::Add>(a->shape(), a->device(), {a, b}, expr::KLeaf<T>{0}, expr::KLeaf<T>{1});
 }
 
-/// A pending tensor of `shape` filled with `value`.
-inline graph::NodePtr full_node(const Shape& shape, DType dtype, graph::Device* dev, double value) {
-  return visit_floating(dtype, "full", [&](auto t) {
-    using T = typename decltype(t)::type;
-    return detail::elementwise<T, ops::Identity>(shape, dev, {}, expr::Scalar<T>{static_cast<T>(value)});
-  });
+/// A pending tensor of dtype T and `shape` filled with `value`.
+template <Element T>
+graph::NodePtr full_node_of(const Shape& shape, graph::Device* dev, double value) {
+  return detail::elementwise<T, ops::Identity>(shape, dev, {}, expr::Scalar<T>{static_cast<T>(value)});
 }
 
-/// Sums gradient `g` (shape `from`) over the dimensions that were broadcast from `to`
-/// (NumPy rules), giving a tensor of shape `to`. Each run of adjacent broadcast dims is
-/// one deterministic reduction pass; the common cases (bias rows, per-channel columns)
-/// take a single pass.
-inline graph::NodePtr sum_to_shape(const graph::NodePtr& g, const Shape& to) {
+/// Sums gradient `g` of dtype T (shape `from`) over the dimensions that were broadcast from
+/// `to` (NumPy rules), giving a tensor of shape `to`. Each run of adjacent broadcast dims is
+/// one deterministic reduction pass; the common cases (bias rows, per-channel columns) take
+/// a single pass.
+template <Element T>
+graph::NodePtr sum_to_shape_of(const graph::NodePtr& g, const Shape& to) {
   const Shape& from = g->shape();
   if (from == to) return g;
   if (!broadcastable_to(to, from)) {
@@ -5343,36 +5327,119 @@ inline graph::NodePtr sum_to_shape(const graph::NodePtr& g, const Shape& to) {
   const int r = from.rank(), off = r - to.rank();
   std::vector<char> reduced(static_cast<std::size_t>(r));
   for (int d = 0; d < r; ++d) reduced[d] = d < off || (to[d - off] == 1 && from[d] != 1);
-  return visit_floating(g->dtype(), "sum_to_shape", [&](auto t) {
-    using T = typename decltype(t)::type;
-    using S = compute_t<T>;
-    graph::NodePtr cur = g;
-    Shape cur_shape = from;  // keepdim shape of `cur`, rank r
-    // Innermost run first: later passes read less data.
-    for (int hi = r - 1; hi >= 0;) {
-      if (!reduced[hi]) {
-        --hi;
-        continue;
-      }
-      int lo = hi;
-      while (lo > 0 && reduced[lo - 1]) --lo;
-      graph::ReduceGeometry geo;
-      for (int d = 0; d < r; ++d) {
-        (d < lo ? geo.outer : d > hi ? geo.inner : geo.extent) *= cur_shape[d];
-      }
-      Shape next = cur_shape;
-      for (int d = lo; d <= hi; ++d) next[d] = 1;
-      bool more = false;
-      for (int d = 0; d < lo; ++d) more = more || reduced[d];
-      const Shape out = more ? next : to;  // the last pass writes the target shape directly
-      using K = expr::KLeaf<T>;
-      cur = graph::submit(std::make_shared<graph::ReductionNode<K, ops::reduce::Sum, S, T>>(
-          K{0}, out, geo, 1.0, cur->device(), std::vector<graph::NodePtr>{cur}, cur_shape));
-      cur_shape = next;
-      hi = lo - 1;
+  using S = compute_t<T>;
+  graph::NodePtr cur = g;
+  Shape cur_shape = from;  // keepdim shape of `cur`, rank r
+  // Innermost run first: later passes read less data.
+  for (int hi = r - 1; hi >= 0;) {
+    if (!reduced[hi]) {
+      --hi;
+      continue;
     }
-    return cur;
-  });
+    int lo = hi;
+    while (lo > 0 && reduced[lo - 1]) --lo;
+    graph::ReduceGeometry geo;
+    for (int d = 0; d < r; ++d) {
+      (d < lo ? geo.outer : d > hi ? geo.inner : geo.extent) *= cur_shape[d];
+    }
+    Shape next = cur_shape;
+    for (int d = lo; d <= hi; ++d) next[d] = 1;
+    bool more = false;
+    for (int d = 0; d < lo; ++d) more = more || reduced[d];
+    const Shape out = more ? next : to;  // the last pass writes the target shape directly
+    using K = expr::KLeaf<T>;
+    cur = graph::submit(std::make_shared<graph::ReductionNode<K, ops::reduce::Sum, S, T>>(
+        K{0}, out, geo, 1.0, cur->device(), std::vector<graph::NodePtr>{cur}, cur_shape));
+    cur_shape = next;
+    hi = lo - 1;
+  }
+  return cur;
+}
+
+// ---- run-time dtype: a table filled by the typed code that records backward functions -----
+//
+// A GradFn hands gradients around as graph nodes whose dtype is a run-time value. Dispatching
+// on it with a switch would compile every dtype's kernels into every program; instead, code
+// that knows T (a Tensor<T> that starts requiring grad, an op recording its backward, an
+// element-wise backward and the dtypes of its leaves) registers T's operations here, so a
+// float-only program holds float kernels only. A gradient of dtype T only exists after such
+// code ran, so a lookup finds its entry.
+
+namespace detail {
+using AddFn = graph::NodePtr (*)(const graph::NodePtr&, const graph::NodePtr&);
+using SumToFn = graph::NodePtr (*)(const graph::NodePtr&, const Shape&);
+using CastFn = graph::NodePtr (*)(const graph::NodePtr&);
+inline constexpr int kDTypes = 6;
+
+struct GradOpsTable {
+  std::atomic<AddFn> add[kDTypes] = {};
+  std::atomic<SumToFn> sum_to[kDTypes] = {};
+  std::atomic<CastFn> cast[kDTypes][kDTypes] = {};  // [from][to]
+};
+inline GradOpsTable& grad_ops_table() {
+  static GradOpsTable table;
+  return table;
+}
+
+[[noreturn]] inline void missing_grad_op(const char* what, DType d, DType to) {
+  throw DTypeError(std::string("autograd: no ") + what + " for gradients of dtype " + dtype_name(d) +
+                   (d == to ? std::string() : " to " + dtype_name(to)) +
+                   " was compiled into this program (only floating point tensors have gradients)");
+}
+}  // namespace detail
+
+/// Makes the gradient operations of dtype T available to code that sees T at run time only.
+template <Element T>
+void register_grad_dtype() {
+  if constexpr (is_floating_v<T>) {
+    static const bool once = [] {
+      auto& t = detail::grad_ops_table();
+      const int d = static_cast<int>(dtype_of<T>());
+      t.add[d].store(&add_nodes_of<T>, std::memory_order_release);
+      t.sum_to[d].store(&sum_to_shape_of<T>, std::memory_order_release);
+      return true;
+    }();
+    (void)once;
+  }
+}
+
+/// Makes the conversion of gradients from dtype From to To available at run time.
+template <Element From, Element To>
+void register_grad_cast() {
+  if constexpr (is_floating_v<From> && is_floating_v<To> && !std::is_same_v<From, To>) {
+    static const bool once = [] {
+      detail::grad_ops_table()
+          .cast[static_cast<int>(dtype_of<From>())][static_cast<int>(dtype_of<To>())]
+          .store(&cast_node_to<To, From>, std::memory_order_release);
+      return true;
+    }();
+    (void)once;
+  }
+}
+
+/// `g` converted to dtype `to`.
+inline graph::NodePtr cast_node(const graph::NodePtr& g, DType to) {
+  if (g->dtype() == to) return g;
+  auto f = detail::grad_ops_table()
+               .cast[static_cast<int>(g->dtype())][static_cast<int>(to)]
+               .load(std::memory_order_acquire);
+  if (!f) detail::missing_grad_op("conversion", g->dtype(), to);
+  return f(g);
+}
+
+/// a + b for two gradients of one shape (b converted to a's dtype).
+inline graph::NodePtr add_nodes(const graph::NodePtr& a, const graph::NodePtr& b) {
+  auto f = detail::grad_ops_table().add[static_cast<int>(a->dtype())].load(std::memory_order_acquire);
+  if (!f) detail::missing_grad_op("addition", a->dtype(), a->dtype());
+  return f(a, cast_node(b, a->dtype()));
+}
+
+/// sum_to_shape_of for a gradient whose dtype is known at run time only.
+inline graph::NodePtr sum_to_shape(const graph::NodePtr& g, const Shape& to) {
+  if (g->shape() == to) return g;
+  auto f = detail::grad_ops_table().sum_to[static_cast<int>(g->dtype())].load(std::memory_order_acquire);
+  if (!f) detail::missing_grad_op("broadcast reduction", g->dtype(), g->dtype());
+  return f(g, to);
 }
 
 }  // namespace lazy::autograd
@@ -5598,12 +5665,36 @@ class ElementwiseGradFnBase : public GradFn {
   std::vector<graph::NodePtr> inputs_;
 };
 
+namespace detail {
+/// Registers the conversions from gradient dtype S to the dtype of every leaf of kernel K.
+template <class S, class K>
+struct register_leaf_casts {
+  static void run() {}
+};
+template <class S, Element T>
+struct register_leaf_casts<S, expr::KLeaf<T>> {
+  static void run() { register_grad_cast<S, T>(); }
+};
+template <class S, class Op, class... C>
+struct register_leaf_casts<S, expr::KExpr<Op, C...>> {
+  static void run() { (register_leaf_casts<S, C>::run(), ...); }
+};
+}  // namespace detail
+
 /// Backward of `y = K(inputs...)` with output dtype Tout.
 template <class K, Element Tout>
 class ElementwiseGradFn final : public ElementwiseGradFnBase {
  public:
   ElementwiseGradFn(K kernel, std::vector<graph::NodePtr> inputs)
-      : ElementwiseGradFnBase(std::move(inputs)), kernel_(std::move(kernel)) {}
+      : ElementwiseGradFnBase(std::move(inputs)), kernel_(std::move(kernel)) {
+    // apply() sums gradients of the kernel's lane back to each input's shape and dtype.
+    using S = typename expr::KGrad<K, Tout>::value_type;
+    register_grad_dtype<Tout>();
+    if constexpr (is_floating_v<S>) {
+      register_grad_dtype<S>();
+      detail::register_leaf_casts<S, K>::run();
+    }
+  }
 
   std::string name() const override {
     std::string n = op_label();
@@ -5841,6 +5932,9 @@ class Tensor {
                   "computed by " + impl_->autograd->grad_fn->name() + ")");
     }
     node();
+    if constexpr (is_floating_v<T>) {
+      if (on) autograd::register_grad_dtype<T>();  // its gradients are added and converted at run time
+    }
     impl_->autograd_meta().requires_grad = on;
     return *this;
   }
@@ -5901,7 +5995,8 @@ class Tensor {
         throw Error("backward: grad can be implicitly created only for scalar outputs (got shape " +
                     shape().str() + ")");
       }
-      g = autograd::full_node(shape(), dtype_of<T>(), node()->device(), 1.0);
+      if constexpr (is_floating_v<T>) g = autograd::full_node_of<T>(shape(), node()->device(), 1.0);
+      else throw DTypeError("backward: only floating point tensors have gradients, found " + dtype_name(dtype_of<T>()));
     }
     autograd::GradFnPtr root = [&] {
       autograd::AutoGradMode on(true);
@@ -6060,7 +6155,7 @@ auto eval(const Expr<Op, C...>& e) {
 }
 
 }  // namespace lazy
-// ---- end lazytensor/tensor.hpp ----
+// ---- end lazytensor/tensor/tensor.hpp ----
 
 namespace lazy {
 
@@ -6186,7 +6281,7 @@ std::vector<Tensor<T>> grad(const std::vector<Tensor<T>>& outputs, const std::ve
           throw Error("autograd::grad: grad can be implicitly created only for scalar outputs (output " +
                       std::to_string(i) + " has shape " + o.shape().str() + ")");
         }
-        g = full_node(o.shape(), dtype_of<T>(), o.node()->device(), 1.0);
+        g = full_node_of<T>(o.shape(), o.node()->device(), 1.0);
       } else {
         if (!(grad_outputs[i].shape() == o.shape())) {
           throw ShapeError("autograd::grad: grad_outputs[" + std::to_string(i) + "] has shape " +
@@ -6306,6 +6401,7 @@ template <Element T, class F>
 void record(Tensor<T>& out, const char* name, std::vector<GradFnPtr> edges, F backward) {
   if constexpr (!is_floating_v<T>) return;  // integer results carry no gradient
   if (!any_edge(edges)) return;
+  register_grad_dtype<T>();
   auto fn = std::make_shared<FunctionGradFn>(name, [b = std::move(backward)](const graph::NodePtr& g) {
     AutoGradMode off(false);
     return b(Tensor<T>(cast_node(g, dtype_of<T>())));
@@ -8083,243 +8179,6 @@ std::string graph_dot(const Ts&... tensors)
 
 }  // namespace lazy::debug
 // ---- end lazytensor/debug/graph_dump.hpp ----
-// ---- begin lazytensor/debug/metrics.hpp ----
-// Counters and metrics, named like PyTorch/XLA's (torch_xla.debug.metrics).
-//
-// Steps run asynchronously; every function here first waits for the steps issued on the
-// calling thread's device, so that what it reports includes everything issued so far
-// (other devices are not waited for: a replica must not wait on another's collectives).
-
-#include <cstdint>
-#include <iomanip>
-#include <optional>
-#include <sstream>
-#include <string>
-#include <vector>
-
-
-namespace lazy::debug {
-
-namespace detail {
-/// Waits for the steps in flight on the current device (see the file comment).
-inline void settle() { graph::current_device().wait_idle(); }
-}  // namespace detail
-
-/// Value of counter `name` (0 when it never fired), as met.counter_value.
-inline std::int64_t counter_value(const std::string& name) {
-  detail::settle();
-  std::int64_t v = 0;
-  core::Registry::get().for_each([&](const std::string& n, const core::Counter* c, const core::Metric*) {
-    if (c && n == name) v = c->value.load();
-  });
-  return v;
-}
-
-/// Summary of metric `name` (count, total, min, max in ns), if it was ever recorded.
-inline std::optional<core::MetricData> metric_data(const std::string& name) {
-  detail::settle();
-  std::optional<core::MetricData> r;
-  core::Registry::get().for_each([&](const std::string& n, const core::Counter*, const core::Metric* m) {
-    if (m && n == name && m->data().count) r = m->data();
-  });
-  return r;
-}
-
-/// Names of the counters that fired.
-inline std::vector<std::string> counter_names() {
-  detail::settle();
-  std::vector<std::string> names;
-  core::Registry::get().for_each([&](const std::string& n, const core::Counter* c, const core::Metric*) {
-    if (c && c->value.load()) names.push_back(n);
-  });
-  return names;
-}
-
-/// Resets every counter and metric to zero.
-inline void clear_metrics() {
-  detail::settle();
-  core::Registry::get().reset();
-}
-
-namespace detail {
-inline std::string fmt_ns(double ns) {
-  std::ostringstream os;
-  os << std::fixed << std::setprecision(3);
-  if (ns >= 1e9) os << ns / 1e9 << "s";
-  else if (ns >= 1e6) os << ns / 1e6 << "ms";
-  else if (ns >= 1e3) os << ns / 1e3 << "us";
-  else os << ns << "ns";
-  return os.str();
-}
-}  // namespace detail
-
-/// Every metric and counter, plus the buffer pool of device 0, in PyTorch/XLA's format.
-inline std::string metrics_report() {
-  detail::settle();
-  std::ostringstream os;
-  core::Registry::get().for_each([&](const std::string& n, const core::Counter*, const core::Metric* m) {
-    if (!m) return;
-    auto d = m->data();
-    if (!d.count) return;
-    os << "Metric: " << n << "\n  TotalSamples: " << d.count << "\n  Accumulator: " << detail::fmt_ns(d.total_ns)
-       << "\n  Mean: " << detail::fmt_ns(d.total_ns / static_cast<double>(d.count))
-       << "\n  Min: " << detail::fmt_ns(d.min_ns) << "\n  Max: " << detail::fmt_ns(d.max_ns) << "\n";
-  });
-  core::Registry::get().for_each([&](const std::string& n, const core::Counter* c, const core::Metric*) {
-    if (c && c->value.load()) os << "Counter: " << n << "\n  Value: " << c->value.load() << "\n";
-  });
-  auto ps = graph::current_device().pool().stats();
-  os << "Counter: BytesAllocated\n  Value: " << ps.fresh_bytes << "\n";
-  os << "Counter: FreshAllocations\n  Value: " << ps.fresh_allocations << "\n";
-  os << "Counter: PoolReuses\n  Value: " << ps.reuses << "\n";
-  return os.str();
-}
-
-/// One line: steps, syncs, kernels, time executing and bytes allocated.
-inline std::string short_metrics_report() {
-  std::ostringstream os;
-  auto exec = metric_data("ExecuteTime");
-  os << "MarkStep=" << counter_value("MarkStep") << " ImplicitSync=" << counter_value("ImplicitSync")
-     << " KernelsRun=" << counter_value("KernelsRun")
-     << " ExecuteTime=" << detail::fmt_ns(exec ? exec->total_ns : 0)
-     << " BytesAllocated=" << graph::current_device().pool().stats().fresh_bytes;
-  return os.str();
-}
-
-}  // namespace lazy::debug
-// ---- end lazytensor/debug/metrics.hpp ----
-// ---- begin lazytensor/device.hpp ----
-// Devices and steps: mark_step/sync, eager mode, step closures, compile, RNG state.
-
-#include <functional>
-#include <string>
-#include <tuple>
-#include <type_traits>
-#include <utility>
-#include <vector>
-
-
-namespace lazy {
-
-/// Number of devices of this process (LAZYTENSOR_NUM_DEVICES, default 1).
-inline int device_count() {
-  static const int n = [] {
-    const char* env = std::getenv("LAZYTENSOR_NUM_DEVICES");
-    const int v = env ? std::atoi(env) : 1;
-    return v > 0 ? v : 1;
-  }();
-  return n;
-}
-
-/// Every device of this process.
-inline std::vector<Device> devices() {
-  std::vector<Device> d;
-  for (int i = 0; i < device_count(); ++i) d.emplace_back(i);
-  return d;
-}
-
-/// Device `index` (DeviceError when out of range).
-inline Device device(int index) {
-  if (index < 0 || index >= device_count()) {
-    throw DeviceError("device index " + std::to_string(index) + " out of range: this process has " +
-                      std::to_string(device_count()) + " device(s)");
-  }
-  return Device(index);
-}
-
-/// Makes `d` this thread's current device.
-inline void set_device(const Device& d) { graph::current_device_index() = d.index(); }
-
-/// Materializes every pending value that a live tensor handle on the current device can
-/// reach, then runs the step closures and advances the device's random stream. A node
-/// that no handle reaches is never computed.
-///
-/// Asynchronous: the step is planned here and handed to the device's executor thread, and
-/// mark_step returns while it runs, so the next step can be traced meanwhile. Reading a
-/// value (item(), to_vector(), ...) or wait_device_ops() waits for it; the next mark_step
-/// waits for the previous one; an error surfaces at the next read or sync.
-/// (LAZYTENSOR_ASYNC=0 runs steps on the calling thread.)
-inline void mark_step() {
-  static auto& steps = core::counter("MarkStep");
-  graph::Device& dev = graph::current_device();
-  steps.add();
-  dev.rethrow_stored_error();
-  graph::run_step(dev, graph::collect_step(dev));
-  // A new step draws fresh random numbers, as XLA's seed advance after mark_step.
-  auto& rng = dev.rng();
-  rng.seed = graph::hash_combine(rng.seed, 0x9e3779b97f4a7c15ull);
-  rng.offset = 0;
-  // Closures run once the step has executed (as torch_xla's synchronous step closures), so
-  // they see its values; without closures mark_step returns at once.
-  auto closures = dev.take_step_closures();
-  if (!closures.empty()) dev.wait_idle();
-  for (auto& f : closures) f();
-}
-
-/// Alias of mark_step(), as torch_xla.sync().
-inline void sync() { mark_step(); }
-
-/// Waits for every step enqueued on the current device (xm.wait_device_ops), then
-/// re-throws an error a step stored.
-inline void wait_device_ops() {
-  auto& dev = graph::current_device();
-  dev.wait_idle();
-  dev.rethrow_stored_error();
-}
-
-/// Sets how many threads the current device's kernels use (as torch::set_num_threads; the
-/// default is LAZYTENSOR_NUM_THREADS, else the hardware threads). Waits for the steps in
-/// flight first. Error when `n` < 1.
-inline void set_num_threads(int n) {
-  if (n < 1) throw Error("set_num_threads: expected at least 1 thread, got " + std::to_string(n));
-  graph::current_device().set_num_threads(n);
-}
-
-/// The number of threads the current device's kernels use (as torch::get_num_threads).
-inline int get_num_threads() { return graph::current_device().threads().size(); }
-
-/// Returns the memory the current device keeps for reuse (the buffers of dropped tensors)
-/// to the system, as torch.cuda.empty_cache() does. Live tensors are untouched. The cache
-/// is bounded anyway (per device: a quarter of the physical memory, or
-/// LAZYTENSOR_POOL_CACHE_BYTES).
-inline void empty_cache() { graph::current_device().pool().empty_cache(); }
-
-/// Queues f to run at the end of the next mark_step on the current device, once that step
-/// has executed (xm.add_step_closure).
-inline void add_step_closure(std::function<void()> f) { graph::current_device().add_step_closure(std::move(f)); }
-
-/// Eager mode: every node runs as soon as it is created (for debugging). Per device.
-inline void eager_mode(bool on) { graph::current_device().eager() = on; }
-/// Whether eager mode is on for the current device.
-inline bool is_eager_mode() { return graph::current_device().eager(); }
-
-/// Wraps f so that each call runs it and then syncs (materializes) everything it left
-/// pending, as torch_xla.compile does for a step function.
-template <class F>
-auto compile(F f) {
-  return [f = std::move(f)](auto&&... args) -> decltype(auto) {
-    if constexpr (std::is_void_v<decltype(f(std::forward<decltype(args)>(args)...))>) {
-      f(std::forward<decltype(args)>(args)...);
-      mark_step();
-    } else {
-      auto result = f(std::forward<decltype(args)>(args)...);
-      mark_step();
-      return result;
-    }
-  };
-}
-
-/// Seeds the current device's random stream (torch.manual_seed / xm.set_rng_state).
-inline void set_rng_state(std::uint64_t seed) {
-  auto& rng = graph::current_device().rng();
-  rng.seed = seed;
-  rng.offset = 0;
-}
-/// The current device's seed.
-inline std::uint64_t get_rng_state() { return graph::current_device().rng().seed; }
-
-}  // namespace lazy
-// ---- end lazytensor/device.hpp ----
 // ---- begin lazytensor/dist.hpp ----
 // lazy::dist and lazy::runtime: replicas as threads (spawn), runtime queries, tensor
 // collectives (all_reduce, all_gather, reduce_scatter, all_to_all, broadcast) and host-side
@@ -10494,6 +10353,138 @@ T broadcast_object(const T& obj, int src = 0) {
 #include <unordered_set>
 #include <vector>
 
+// ---- begin lazytensor/tensor/device.hpp ----
+// Devices and steps: mark_step/sync, eager mode, step closures, compile, RNG state.
+
+#include <functional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace lazy {
+
+/// Number of devices of this process (LAZYTENSOR_NUM_DEVICES, default 1).
+inline int device_count() {
+  static const int n = [] {
+    const char* env = std::getenv("LAZYTENSOR_NUM_DEVICES");
+    const int v = env ? std::atoi(env) : 1;
+    return v > 0 ? v : 1;
+  }();
+  return n;
+}
+
+/// Every device of this process.
+inline std::vector<Device> devices() {
+  std::vector<Device> d;
+  for (int i = 0; i < device_count(); ++i) d.emplace_back(i);
+  return d;
+}
+
+/// Device `index` (DeviceError when out of range).
+inline Device device(int index) {
+  if (index < 0 || index >= device_count()) {
+    throw DeviceError("device index " + std::to_string(index) + " out of range: this process has " +
+                      std::to_string(device_count()) + " device(s)");
+  }
+  return Device(index);
+}
+
+/// Makes `d` this thread's current device.
+inline void set_device(const Device& d) { graph::current_device_index() = d.index(); }
+
+/// Materializes every pending value that a live tensor handle on the current device can
+/// reach, then runs the step closures and advances the device's random stream. A node
+/// that no handle reaches is never computed.
+///
+/// Asynchronous: the step is planned here and handed to the device's executor thread, and
+/// mark_step returns while it runs, so the next step can be traced meanwhile. Reading a
+/// value (item(), to_vector(), ...) or wait_device_ops() waits for it; the next mark_step
+/// waits for the previous one; an error surfaces at the next read or sync.
+/// (LAZYTENSOR_ASYNC=0 runs steps on the calling thread.)
+inline void mark_step() {
+  static auto& steps = core::counter("MarkStep");
+  graph::Device& dev = graph::current_device();
+  steps.add();
+  dev.rethrow_stored_error();
+  graph::run_step(dev, graph::collect_step(dev));
+  // A new step draws fresh random numbers, as XLA's seed advance after mark_step.
+  auto& rng = dev.rng();
+  rng.seed = graph::hash_combine(rng.seed, 0x9e3779b97f4a7c15ull);
+  rng.offset = 0;
+  // Closures run once the step has executed (as torch_xla's synchronous step closures), so
+  // they see its values; without closures mark_step returns at once.
+  auto closures = dev.take_step_closures();
+  if (!closures.empty()) dev.wait_idle();
+  for (auto& f : closures) f();
+}
+
+/// Alias of mark_step(), as torch_xla.sync().
+inline void sync() { mark_step(); }
+
+/// Waits for every step enqueued on the current device (xm.wait_device_ops), then
+/// re-throws an error a step stored.
+inline void wait_device_ops() {
+  auto& dev = graph::current_device();
+  dev.wait_idle();
+  dev.rethrow_stored_error();
+}
+
+/// Sets how many threads the current device's kernels use (as torch::set_num_threads; the
+/// default is LAZYTENSOR_NUM_THREADS, else the hardware threads). Waits for the steps in
+/// flight first. Error when `n` < 1.
+inline void set_num_threads(int n) {
+  if (n < 1) throw Error("set_num_threads: expected at least 1 thread, got " + std::to_string(n));
+  graph::current_device().set_num_threads(n);
+}
+
+/// The number of threads the current device's kernels use (as torch::get_num_threads).
+inline int get_num_threads() { return graph::current_device().threads().size(); }
+
+/// Returns the memory the current device keeps for reuse (the buffers of dropped tensors)
+/// to the system, as torch.cuda.empty_cache() does. Live tensors are untouched. The cache
+/// is bounded anyway (per device: a quarter of the physical memory, or
+/// LAZYTENSOR_POOL_CACHE_BYTES).
+inline void empty_cache() { graph::current_device().pool().empty_cache(); }
+
+/// Queues f to run at the end of the next mark_step on the current device, once that step
+/// has executed (xm.add_step_closure).
+inline void add_step_closure(std::function<void()> f) { graph::current_device().add_step_closure(std::move(f)); }
+
+/// Eager mode: every node runs as soon as it is created (for debugging). Per device.
+inline void eager_mode(bool on) { graph::current_device().eager() = on; }
+/// Whether eager mode is on for the current device.
+inline bool is_eager_mode() { return graph::current_device().eager(); }
+
+/// Wraps f so that each call runs it and then syncs (materializes) everything it left
+/// pending, as torch_xla.compile does for a step function.
+template <class F>
+auto compile(F f) {
+  return [f = std::move(f)](auto&&... args) -> decltype(auto) {
+    if constexpr (std::is_void_v<decltype(f(std::forward<decltype(args)>(args)...))>) {
+      f(std::forward<decltype(args)>(args)...);
+      mark_step();
+    } else {
+      auto result = f(std::forward<decltype(args)>(args)...);
+      mark_step();
+      return result;
+    }
+  };
+}
+
+/// Seeds the current device's random stream (torch.manual_seed / xm.set_rng_state).
+inline void set_rng_state(std::uint64_t seed) {
+  auto& rng = graph::current_device().rng();
+  rng.seed = seed;
+  rng.offset = 0;
+}
+/// The current device's seed.
+inline std::uint64_t get_rng_state() { return graph::current_device().rng().seed; }
+
+}  // namespace lazy
+// ---- end lazytensor/tensor/device.hpp ----
 // ---- begin lazytensor/optim/optimizer.hpp ----
 // Optimizer base, as torch::optim::Optimizer: parameter groups with their own options,
 // zero_grad, step, and state_dict / load_state_dict. An update is built from lazy
@@ -11795,6 +11786,50 @@ auto spawn(F&& fn, int nprocs) {
 }  // namespace lazy::dist
 // ---- end lazytensor/dist/spawn.hpp ----
 // ---- end lazytensor/dist.hpp ----
+// ---- begin lazytensor/fwd.hpp ----
+// Declarations of lazytensor's user-facing types, for a user's own headers: a header that
+// only names `lazy::Tensor<float>` in a signature includes this (as nlohmann's json_fwd.hpp)
+// and leaves the definitions, and their compile time, to the source files that use them.
+// It costs <cstdint>, <string> and <ostream> (through the element types), nothing else.
+
+
+namespace lazy {
+
+class Shape;
+class Device;
+template <Element T>
+class Tensor;
+class AnyTensor;
+class StateDict;
+struct Size2;
+
+enum class ReduceOp;
+
+class Error;
+class ShapeError;
+class DTypeError;
+class IndexError;
+class DeviceError;
+class ShardingError;
+class CollectiveError;
+class CollectiveMismatch;
+class CollectiveTimeout;
+class ReplicaAborted;
+class FormatError;
+class IoError;
+
+namespace nn {
+class Module;
+template <class Impl>
+class ModuleHolder;
+}  // namespace nn
+
+namespace optim {
+class Optimizer;
+}  // namespace optim
+
+}  // namespace lazy
+// ---- end lazytensor/fwd.hpp ----
 // ---- begin lazytensor/io.hpp ----
 // lazy::io: reading and writing tensors. safetensors files (readable by the Python
 // `safetensors` package) through io::save_file and io::load, with atomic, streaming writes;
@@ -12613,6 +12648,7 @@ inline void save(const StateDict& sd, const std::string& path, bool master_only 
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 // ---- begin lazytensor/ops/random.hpp ----
 // Random tensors from a counter-based generator (Philox4x32-10, Salmon et al., "Parallel
@@ -14955,6 +14991,12 @@ Tensor<T> reduce(const Tensor<T>& per_sample, Reduction r) {
   return per_sample;
 }
 
+/// Tensor<T> in a non-deduced context. A function taking it is a template whose body is
+/// compiled only where it is called (T defaults to float), and arguments such as
+/// expressions still convert: headers that merely declare losses cost nothing to include.
+template <class T>
+using Arg = std::type_identity_t<Tensor<T>>;
+
 template <Element T, IndexElement I>
 void check_targets(const Tensor<T>& input, const Tensor<I>& target, const char* op) {
   if (input.dim() != 2) {
@@ -14978,32 +15020,32 @@ struct CrossEntropyOptions {
 /// F.cross_entropy). Its backward is one fused kernel, (softmax(x) - smoothed one-hot) * g,
 /// rather than the composition of log_softmax, gather and the reduction. Class indices
 /// outside [0, C) raise IndexError when the loss is computed.
-template <IndexElement I>
-Tensor<float> cross_entropy(const Tensor<float>& input, const Tensor<I>& target, CrossEntropyOptions opt = {}) {
+template <IndexElement I, class F = float>
+Tensor<F> cross_entropy(const detail::Arg<F>& input, const Tensor<I>& target, CrossEntropyOptions opt = {}) {
   detail::check_targets(input, target, "cross_entropy");
   if (opt.label_smoothing < 0 || opt.label_smoothing > 1) {
     throw Error("cross_entropy: label_smoothing must be in [0, 1], got " + std::to_string(opt.label_smoothing));
   }
   const std::int64_t n = input.size(0), c = input.size(1);
-  const float eps = static_cast<float>(opt.label_smoothing);
-  Tensor<float> logp;
-  Tensor<float> per_sample;
+  const F eps = static_cast<F>(opt.label_smoothing);
+  Tensor<F> logp;
+  Tensor<F> per_sample;
   {
     NoGradGuard forward_only;  // the backward below is explicit
     logp = log_softmax(input, 1);
-    Tensor<float> picked = reshape(gather(logp, 1, reshape(target, Shape{n, 1})), Shape{n});
-    per_sample = eps == 0 ? Tensor<float>(-picked)
-                          : Tensor<float>(-(1 - eps) * picked - (eps / static_cast<float>(c)) * sum(logp, {1}));
+    Tensor<F> picked = reshape(gather(logp, 1, reshape(target, Shape{n, 1})), Shape{n});
+    per_sample = eps == 0 ? Tensor<F>(-picked)
+                          : Tensor<F>(-(1 - eps) * picked - (eps / static_cast<F>(c)) * sum(logp, {1}));
   }
-  Tensor<float> loss = detail::reduce(per_sample, opt.reduction);
+  Tensor<F> loss = detail::reduce(per_sample, opt.reduction);
   autograd::record(loss, "CrossEntropyBackward0", {autograd::edge_of(input.impl())},
-                   [logp = logp.detach(), target = target.detach(), n, c, eps, r = opt.reduction](const Tensor<float>& g) {
+                   [logp = logp.detach(), target = target.detach(), n, c, eps, r = opt.reduction](const Tensor<F>& g) {
                      // d loss_i / d x_ij = softmax_ij - ((1 - eps) [j == t_i] + eps / C), times the
                      // incoming gradient (per sample for 'none', shared otherwise).
-                     Tensor<float> gi = r == Reduction::None ? reshape(g, Shape{n, 1})
-                                        : r == Reduction::Mean ? Tensor<float>(reshape(g, Shape{1, 1}) / static_cast<float>(n))
+                     Tensor<F> gi = r == Reduction::None ? reshape(g, Shape{n, 1})
+                                        : r == Reduction::Mean ? Tensor<F>(reshape(g, Shape{1, 1}) / static_cast<F>(n))
                                                                : reshape(g, Shape{1, 1});
-                     Tensor<float> dx = (exp(logp) - (cast<float>(one_hot(target, c)) * (1 - eps) + eps / static_cast<float>(c))) * gi;
+                     Tensor<F> dx = (exp(logp) - (cast<F>(one_hot(target, c)) * (1 - eps) + eps / static_cast<F>(c))) * gi;
                      return std::vector<graph::NodePtr>{dx.node()};
                    });
   return loss;
@@ -15019,7 +15061,8 @@ Tensor<float> nll_loss(const Tensor<float>& input, const Tensor<I>& target, Redu
 }
 
 /// Mean squared error (torch's F.mse_loss).
-inline Tensor<float> mse_loss(const Tensor<float>& input, const Tensor<float>& target, Reduction r = Reduction::Mean) {
+template <class = void>
+Tensor<float> mse_loss(const Tensor<float>& input, const Tensor<float>& target, Reduction r = Reduction::Mean) {
   if (!(input.shape() == target.shape())) {
     throw ShapeError("mse_loss: input " + input.shape().str() + " and target " + target.shape().str() +
                      " must have the same shape");
@@ -15029,7 +15072,8 @@ inline Tensor<float> mse_loss(const Tensor<float>& input, const Tensor<float>& t
 }
 
 /// Binary cross entropy on logits, computed stably: max(x, 0) - x * y + log(1 + e^-|x|).
-inline Tensor<float> binary_cross_entropy_with_logits(const Tensor<float>& input, const Tensor<float>& target,
+template <class = void>
+Tensor<float> binary_cross_entropy_with_logits(const Tensor<float>& input, const Tensor<float>& target,
                                                       Reduction r = Reduction::Mean) {
   if (!(input.shape() == target.shape())) {
     throw ShapeError("binary_cross_entropy_with_logits: input " + input.shape().str() + " and target " +
@@ -15040,7 +15084,8 @@ inline Tensor<float> binary_cross_entropy_with_logits(const Tensor<float>& input
 }
 
 /// Zeroes elements with probability p and scales the rest by 1 / (1 - p) in training.
-inline Tensor<float> dropout(const Tensor<float>& x, double p = 0.5, bool training = true) {
+template <class = void>
+Tensor<float> dropout(const Tensor<float>& x, double p = 0.5, bool training = true) {
   if (p < 0 || p > 1) throw Error("dropout: probability has to be between 0 and 1, but got " + std::to_string(p));
   if (!training || p == 0) return x;
   if (p == 1) return Tensor<float>(x * 0.0f);
@@ -15049,8 +15094,9 @@ inline Tensor<float> dropout(const Tensor<float>& x, double p = 0.5, bool traini
 
 /// Normalizes over the trailing dims `normalized` (torch's F.layer_norm); weight and bias
 /// (optional: undefined tensors) have the normalized shape.
-inline Tensor<float> layer_norm(const Tensor<float>& x, const Shape& normalized, const Tensor<float>& weight,
-                                const Tensor<float>& bias, double eps = 1e-5) {
+template <class F = float>
+Tensor<F> layer_norm(const detail::Arg<F>& x, const Shape& normalized, const detail::Arg<F>& weight,
+                     const detail::Arg<F>& bias, double eps = 1e-5) {
   const int k = normalized.rank(), r = x.dim();
   bool ok = k >= 1 && k <= r;
   for (int i = 0; ok && i < k; ++i) ok = x.shape()[r - k + i] == normalized[i];
@@ -15060,10 +15106,10 @@ inline Tensor<float> layer_norm(const Tensor<float>& x, const Shape& normalized,
   }
   std::vector<std::int64_t> dims;
   for (int i = r - k; i < r; ++i) dims.push_back(i);
-  Tensor<float> mu = mean(x, dims, true);
-  Tensor<float> xc = x - mu;
-  Tensor<float> var = mean(xc * xc, dims, true);
-  Tensor<float> y = xc * rsqrt(var + static_cast<float>(eps));
+  Tensor<F> mu = mean(x, dims, true);
+  Tensor<F> xc = x - mu;
+  Tensor<F> var = mean(xc * xc, dims, true);
+  Tensor<F> y = xc * rsqrt(var + static_cast<F>(eps));
   if (weight.defined()) y = y * weight;
   if (bias.defined()) y = y + bias;
   return y;
@@ -15381,6 +15427,7 @@ namespace lazy::nn {
   class NAME##Impl : public Module {                                                           \
    public:                                                                                     \
     NAME##Impl() : Module(#NAME) {}                                                            \
+    template <class = void>                                                                    \
     Tensor<float> forward(const Tensor<float>& x) const { return Tensor<float>(lazy::FN(x)); } \
     void pretty_print(std::ostream& os) const override { os << #NAME "()"; }                   \
   };                                                                                           \
@@ -15398,6 +15445,7 @@ class FlattenImpl : public Module {
  public:
   explicit FlattenImpl(std::int64_t start_dim = 1, std::int64_t end_dim = -1)
       : Module("Flatten"), start_(start_dim), end_(end_dim) {}
+  template <class = void>
   Tensor<float> forward(const Tensor<float>& x) const { return flatten(x, start_, end_); }
   void pretty_print(std::ostream& os) const override {
     os << "Flatten(start_dim=" << start_ << ", end_dim=" << end_ << ")";
@@ -15415,6 +15463,7 @@ class DropoutImpl : public Module {
   explicit DropoutImpl(double p = 0.5) : Module("Dropout"), p_(p) {
     if (p < 0 || p > 1) throw Error("Dropout: probability has to be between 0 and 1, but got " + std::to_string(p));
   }
+  template <class = void>
   Tensor<float> forward(const Tensor<float>& x) const { return functional::dropout(x, p_, is_training()); }
   void pretty_print(std::ostream& os) const override { os << "Dropout(p=" << p_ << ")"; }
 
@@ -15481,41 +15530,49 @@ inline std::pair<double, double> fans(const Shape& s) {
 }
 
 /// Fills with U(a, b).
-inline Tensor<float>& uniform_(Tensor<float>& t, double a = 0, double b = 1) {
+template <class = void>
+Tensor<float>& uniform_(Tensor<float>& t, double a = 0, double b = 1) {
   NoGradGuard guard;
   t.copy_(rand<float>(t.shape(), t.device()) * static_cast<float>(b - a) + static_cast<float>(a));
   return t;
 }
 /// Fills with N(mean, std^2).
-inline Tensor<float>& normal_(Tensor<float>& t, double mean = 0, double std = 1) {
+template <class = void>
+Tensor<float>& normal_(Tensor<float>& t, double mean = 0, double std = 1) {
   NoGradGuard guard;
   t.copy_(randn<float>(t.shape(), t.device()) * static_cast<float>(std) + static_cast<float>(mean));
   return t;
 }
 /// Fills with `value`.
-inline Tensor<float>& constant_(Tensor<float>& t, double value) {
+template <class = void>
+Tensor<float>& constant_(Tensor<float>& t, double value) {
   NoGradGuard guard;
   t.fill_(value);
   return t;
 }
 /// Fills with zeros.
-inline Tensor<float>& zeros_(Tensor<float>& t) { return constant_(t, 0); }
+template <class = void>
+Tensor<float>& zeros_(Tensor<float>& t) { return constant_(t, 0); }
 /// Fills with ones.
-inline Tensor<float>& ones_(Tensor<float>& t) { return constant_(t, 1); }
+template <class = void>
+Tensor<float>& ones_(Tensor<float>& t) { return constant_(t, 1); }
 
 /// Glorot uniform: U(-a, a), a = gain * sqrt(6 / (fan_in + fan_out)).
-inline Tensor<float>& xavier_uniform_(Tensor<float>& t, double gain = 1) {
+template <class = void>
+Tensor<float>& xavier_uniform_(Tensor<float>& t, double gain = 1) {
   auto [in, out] = fans(t.shape());
   const double a = gain * std::sqrt(6.0 / (in + out));
   return uniform_(t, -a, a);
 }
 /// Glorot normal: N(0, std^2), std = gain * sqrt(2 / (fan_in + fan_out)).
-inline Tensor<float>& xavier_normal_(Tensor<float>& t, double gain = 1) {
+template <class = void>
+Tensor<float>& xavier_normal_(Tensor<float>& t, double gain = 1) {
   auto [in, out] = fans(t.shape());
   return normal_(t, 0, gain * std::sqrt(2.0 / (in + out)));
 }
 /// He uniform: U(-b, b), b = gain(nl, a) * sqrt(3 / fan).
-inline Tensor<float>& kaiming_uniform_(Tensor<float>& t, double a = 0, FanMode mode = FanMode::FanIn,
+template <class = void>
+Tensor<float>& kaiming_uniform_(Tensor<float>& t, double a = 0, FanMode mode = FanMode::FanIn,
                                        Nonlinearity nl = Nonlinearity::LeakyReLU) {
   auto [in, out] = fans(t.shape());
   const double fan = mode == FanMode::FanIn ? in : out;
@@ -15523,7 +15580,8 @@ inline Tensor<float>& kaiming_uniform_(Tensor<float>& t, double a = 0, FanMode m
   return uniform_(t, -bound, bound);
 }
 /// He normal: N(0, std^2), std = gain(nl, a) / sqrt(fan).
-inline Tensor<float>& kaiming_normal_(Tensor<float>& t, double a = 0, FanMode mode = FanMode::FanIn,
+template <class = void>
+Tensor<float>& kaiming_normal_(Tensor<float>& t, double a = 0, FanMode mode = FanMode::FanIn,
                                       Nonlinearity nl = Nonlinearity::LeakyReLU) {
   auto [in, out] = fans(t.shape());
   const double fan = mode == FanMode::FanIn ? in : out;
@@ -15923,6 +15981,7 @@ class ConvWeightGradNode final : public Node {
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <Eigen/Core>
@@ -16556,8 +16615,11 @@ Tensor<T> linear(const Tensor<T>& x, const Tensor<T>& w) {
 
 /// x @ w^T + b. Returns an expression (as `a + b` does), so a following element-wise op
 /// such as relu joins the bias in one epilogue that runs on the GEMM's row blocks.
+/// (The return type is spelled out so that naming a call does not compile the GEMM: a
+/// deduced type would instantiate this body wherever a call is merely written.)
 template <Element T>
-auto linear(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& b) {
+auto linear(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& b)
+    -> decltype(std::declval<const Tensor<T>&>() + std::declval<const Tensor<T>&>()) {
   if (b.dim() != 1 || b.size(0) != w.size(0)) {
     throw ShapeError("linear: expected bias of shape (" + std::to_string(w.size(0)) + ",), got " + b.shape().str());
   }
@@ -16789,11 +16851,13 @@ struct Conv2dOptions {
 class Conv2dImpl : public Module {
  public:
   /// Conv2d(in_channels, out_channels, kernel_size) with default options.
+  template <class = void>
   Conv2dImpl(std::int64_t in_channels, std::int64_t out_channels, Size2 kernel_size)
       : Conv2dImpl(Conv2dOptions(in_channels, out_channels, kernel_size)) {}
 
   /// ShapeError for non-positive channels, kernel size, stride or dilation, or a negative
   /// padding.
+  template <class = void>
   explicit Conv2dImpl(const Conv2dOptions& options_) : Module("Conv2d"), options(options_) {
     const auto& o = options;
     if (o.in_channels() <= 0 || o.out_channels() <= 0) {
@@ -16820,6 +16884,7 @@ class Conv2dImpl : public Module {
 
   /// x [N, in_channels, H, W] -> [N, out_channels, OH, OW]; ShapeError (from conv2d) for
   /// another rank or channel count, or an input smaller than the dilated kernel.
+  template <class = void>
   Tensor<float> forward(const Tensor<float>& x) const {
     return conv2d(x, weight, bias, options.stride(), options.padding(), options.dilation());
   }
@@ -16859,6 +16924,7 @@ namespace lazy::nn {
 /// Maps integer indices to learned vectors.
 class EmbeddingImpl : public Module {
  public:
+  template <class = void>
   EmbeddingImpl(std::int64_t num_embeddings, std::int64_t embedding_dim)
       : Module("Embedding"), n_(num_embeddings), d_(embedding_dim) {
     if (num_embeddings <= 0 || embedding_dim <= 0) {
@@ -16902,6 +16968,7 @@ namespace lazy::nn {
 class LinearImpl : public Module {
  public:
   /// in_features -> out_features, with a bias unless `bias` is false.
+  template <class = void>
   LinearImpl(std::int64_t in_features, std::int64_t out_features, bool bias = true)
       : Module("Linear"), in_(in_features), out_(out_features) {
     if (in_features <= 0 || out_features <= 0) {
@@ -16919,6 +16986,7 @@ class LinearImpl : public Module {
 
   /// x [..., in_features] -> [..., out_features]; bias and a following element-wise op
   /// run on the GEMM's row blocks.
+  template <class = void>
   Tensor<float> forward(const Tensor<float>& x) const {
     if (bias.defined()) return linear(x, weight, bias);
     return linear(x, weight);
@@ -16954,6 +17022,7 @@ namespace lazy::nn {
 /// Normalizes over the trailing `normalized_shape` dims, with a learned affine map.
 class LayerNormImpl : public Module {
  public:
+  template <class = void>
   explicit LayerNormImpl(Shape normalized_shape, double eps = 1e-5, bool elementwise_affine = true)
       : Module("LayerNorm"), shape_(normalized_shape), eps_(eps) {
     if (elementwise_affine) {
@@ -16961,6 +17030,7 @@ class LayerNormImpl : public Module {
       bias = register_parameter("bias", zeros<float>(normalized_shape));
     }
   }
+  template <class = void>
   Tensor<float> forward(const Tensor<float>& x) const { return functional::layer_norm(x, shape_, weight, bias, eps_); }
   void pretty_print(std::ostream& os) const override { os << "LayerNorm(" << shape_.str() << ", eps=" << eps_ << ")"; }
 
@@ -16994,7 +17064,10 @@ class BatchNormImpl : public Module {
     }
   }
 
-  Tensor<float> forward(const Tensor<float>& x) {
+  /// (F is float: the input is a template-dependent type so that this body, which calls
+  /// deduced-type reductions, is compiled only where a batch norm runs.)
+  template <class F = float>
+  Tensor<F> forward(const functional::detail::Arg<F>& x) {
     const int r = x.dim();
     const bool ok = Rank == 1 ? (r == 2 || r == 3) : r == 4;
     if (!ok || x.size(1) != c_) {
@@ -17007,15 +17080,15 @@ class BatchNormImpl : public Module {
     for (int d = 2; d < r; ++d) dims.push_back(d);
     Shape stat;  // [1, C, 1, ...]
     for (int d = 0; d < r; ++d) stat.push_back(d == 1 ? c_ : 1);
-    Tensor<float> y;
+    Tensor<F> y;
     if (is_training() || !running_mean.defined()) {
       const std::int64_t count = x.numel() / c_;
       if (is_training() && count <= 1) {
         throw Error(name() + ": expected more than 1 value per channel when training, got input " + x.shape().str());
       }
-      Tensor<float> mu = mean(x, dims, true);
-      Tensor<float> xc = x - mu;
-      Tensor<float> var = mean(xc * xc, dims, true);
+      Tensor<F> mu = mean(x, dims, true);
+      Tensor<F> xc = x - mu;
+      Tensor<F> var = mean(xc * xc, dims, true);
       y = xc * rsqrt(var + static_cast<float>(eps_));
       if (is_training() && running_mean.defined()) {
         NoGradGuard guard;
@@ -17465,6 +17538,7 @@ class MaxPool2dImpl : public Module {
   }
   /// ShapeError (from max_pool2d) unless x is [N, C, H, W] with a plane no smaller than the
   /// kernel once padded.
+  template <class = void>
   Tensor<float> forward(const Tensor<float>& x) const {
     return max_pool2d(x, options.kernel_size(), options.stride(), options.padding());
   }
@@ -17496,6 +17570,7 @@ class AvgPool2dImpl : public Module {
   }
   /// ShapeError (from avg_pool2d) unless x is [N, C, H, W] with a plane no smaller than the
   /// kernel once padded.
+  template <class = void>
   Tensor<float> forward(const Tensor<float>& x) const {
     return avg_pool2d(x, options.kernel_size(), options.stride(), options.padding(),
                       options.count_include_pad());
@@ -17620,6 +17695,9 @@ class AdamBase : public OptimizerWithOptions<Options> {
 
  public:
   using typename Base::ParamGroup;
+  /// One group of parameters (AdamW's default options decay weights by 1e-2, as torch's).
+  AdamBase(std::vector<Tensor<float>> params, Options options = default_options())
+      : AdamBase(std::vector<ParamGroup>{ParamGroup{std::move(params), options}}) {}
   AdamBase(std::vector<ParamGroup> groups) : Base(std::move(groups)) {
     for (const auto& g : this->groups_) validate(g.options);
   }
@@ -17672,6 +17750,10 @@ class AdamBase : public OptimizerWithOptions<Options> {
   std::string type_name_of() const override { return type_name(); }
 
  private:
+  static Options default_options() {
+    if constexpr (Decoupled) return AdamWOptions();
+    else return Options();
+  }
   void validate(const AdamOptions& o) const {
     const double b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
     const std::string n = type_name();
@@ -17683,22 +17765,13 @@ class AdamBase : public OptimizerWithOptions<Options> {
   }
 };
 
-/// Adam (L2 weight decay added to the gradient), as torch.optim.Adam.
-class Adam : public AdamBase<AdamOptions, false> {
- public:
-  Adam(std::vector<Tensor<float>> params, AdamOptions options = {})
-      : AdamBase({ParamGroup{std::move(params), options}}) {}
-  Adam(std::vector<ParamGroup> groups) : AdamBase(std::move(groups)) {}
-};
+/// Adam (L2 weight decay added to the gradient), as torch.optim.Adam. A class template
+/// under the name: its step is compiled only into programs that use it.
+using Adam = AdamBase<AdamOptions, false>;
 
 /// AdamW (decoupled weight decay: p *= 1 - lr * weight_decay with the step), as
 /// torch.optim.AdamW.
-class AdamW : public AdamBase<AdamOptions, true> {
- public:
-  AdamW(std::vector<Tensor<float>> params, AdamOptions options = AdamWOptions())
-      : AdamBase({ParamGroup{std::move(params), options}}) {}
-  AdamW(std::vector<ParamGroup> groups) : AdamBase(std::move(groups)) {}
-};
+using AdamW = AdamBase<AdamOptions, true>;
 
 }  // namespace lazy::optim
 // ---- end lazytensor/optim/adam.hpp ----
@@ -17848,16 +17921,18 @@ struct SGDOptions {
   }
 };
 
-/// Stochastic gradient descent. Per parameter: buf = momentum * buf + (1 - dampening) * g
-/// (g itself at the first step), then p -= lr * (nesterov ? g + momentum * buf : buf),
-/// with g = grad + weight_decay * p.
-class SGD : public OptimizerWithOptions<SGDOptions> {
+/// Stochastic gradient descent (`optim::SGD`). Per parameter: buf = momentum * buf +
+/// (1 - dampening) * g (g itself at the first step), then p -= lr * (nesterov ? g + momentum
+/// * buf : buf), with g = grad + weight_decay * p. A class template (the parameter is unused)
+/// so that its step is compiled only into programs that construct one.
+template <class = void>
+class BasicSGD : public OptimizerWithOptions<SGDOptions> {
  public:
-  SGD(std::vector<Tensor<float>> params, SGDOptions options)
+  BasicSGD(std::vector<Tensor<float>> params, SGDOptions options)
       : OptimizerWithOptions({ParamGroup{std::move(params), options}}) {
     validate();
   }
-  SGD(std::vector<ParamGroup> groups) : OptimizerWithOptions(std::move(groups)) { validate(); }
+  BasicSGD(std::vector<ParamGroup> groups) : OptimizerWithOptions(std::move(groups)) { validate(); }
 
   void step() override {
     NoGradGuard guard;
@@ -17908,7 +17983,127 @@ class SGD : public OptimizerWithOptions<SGDOptions> {
   }
 };
 
+/// Stochastic gradient descent, as torch.optim.SGD.
+using SGD = BasicSGD<>;
+
 }  // namespace lazy::optim
 // ---- end lazytensor/optim/sgd.hpp ----
 // ---- end lazytensor/optim.hpp ----
+// ---- begin lazytensor/tensor.hpp ----
+// lazytensor's core module: what a program that computes with tensors includes.
+//
+//   Tensor<T> and Device, element-wise expressions (operators and functions), factories
+//   (zeros/ones/full/from_vector/arange/..., randn/rand/randint/...), reductions, matmul and
+//   linear, mark_step/sync and the other step controls, and the metrics report.
+//
+// Shape ops, softmax, convolution and pooling are in <lazytensor/ops/...>; the frontend
+// modules (nn, optim, data, io, dist) have one header each; <lazytensor/lazytensor.hpp>
+// includes everything, <lazytensor/fwd.hpp> only declares.
+
+// ---- begin lazytensor/debug/metrics.hpp ----
+// Counters and metrics, named like PyTorch/XLA's (torch_xla.debug.metrics).
+//
+// Steps run asynchronously; every function here first waits for the steps issued on the
+// calling thread's device, so that what it reports includes everything issued so far
+// (other devices are not waited for: a replica must not wait on another's collectives).
+
+#include <cstdint>
+#include <iomanip>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+
+namespace lazy::debug {
+
+namespace detail {
+/// Waits for the steps in flight on the current device (see the file comment).
+inline void settle() { graph::current_device().wait_idle(); }
+}  // namespace detail
+
+/// Value of counter `name` (0 when it never fired), as met.counter_value.
+inline std::int64_t counter_value(const std::string& name) {
+  detail::settle();
+  std::int64_t v = 0;
+  core::Registry::get().for_each([&](const std::string& n, const core::Counter* c, const core::Metric*) {
+    if (c && n == name) v = c->value.load();
+  });
+  return v;
+}
+
+/// Summary of metric `name` (count, total, min, max in ns), if it was ever recorded.
+inline std::optional<core::MetricData> metric_data(const std::string& name) {
+  detail::settle();
+  std::optional<core::MetricData> r;
+  core::Registry::get().for_each([&](const std::string& n, const core::Counter*, const core::Metric* m) {
+    if (m && n == name && m->data().count) r = m->data();
+  });
+  return r;
+}
+
+/// Names of the counters that fired.
+inline std::vector<std::string> counter_names() {
+  detail::settle();
+  std::vector<std::string> names;
+  core::Registry::get().for_each([&](const std::string& n, const core::Counter* c, const core::Metric*) {
+    if (c && c->value.load()) names.push_back(n);
+  });
+  return names;
+}
+
+/// Resets every counter and metric to zero.
+inline void clear_metrics() {
+  detail::settle();
+  core::Registry::get().reset();
+}
+
+namespace detail {
+inline std::string fmt_ns(double ns) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(3);
+  if (ns >= 1e9) os << ns / 1e9 << "s";
+  else if (ns >= 1e6) os << ns / 1e6 << "ms";
+  else if (ns >= 1e3) os << ns / 1e3 << "us";
+  else os << ns << "ns";
+  return os.str();
+}
+}  // namespace detail
+
+/// Every metric and counter, plus the buffer pool of device 0, in PyTorch/XLA's format.
+inline std::string metrics_report() {
+  detail::settle();
+  std::ostringstream os;
+  core::Registry::get().for_each([&](const std::string& n, const core::Counter*, const core::Metric* m) {
+    if (!m) return;
+    auto d = m->data();
+    if (!d.count) return;
+    os << "Metric: " << n << "\n  TotalSamples: " << d.count << "\n  Accumulator: " << detail::fmt_ns(d.total_ns)
+       << "\n  Mean: " << detail::fmt_ns(d.total_ns / static_cast<double>(d.count))
+       << "\n  Min: " << detail::fmt_ns(d.min_ns) << "\n  Max: " << detail::fmt_ns(d.max_ns) << "\n";
+  });
+  core::Registry::get().for_each([&](const std::string& n, const core::Counter* c, const core::Metric*) {
+    if (c && c->value.load()) os << "Counter: " << n << "\n  Value: " << c->value.load() << "\n";
+  });
+  auto ps = graph::current_device().pool().stats();
+  os << "Counter: BytesAllocated\n  Value: " << ps.fresh_bytes << "\n";
+  os << "Counter: FreshAllocations\n  Value: " << ps.fresh_allocations << "\n";
+  os << "Counter: PoolReuses\n  Value: " << ps.reuses << "\n";
+  return os.str();
+}
+
+/// One line: steps, syncs, kernels, time executing and bytes allocated.
+inline std::string short_metrics_report() {
+  std::ostringstream os;
+  auto exec = metric_data("ExecuteTime");
+  os << "MarkStep=" << counter_value("MarkStep") << " ImplicitSync=" << counter_value("ImplicitSync")
+     << " KernelsRun=" << counter_value("KernelsRun")
+     << " ExecuteTime=" << detail::fmt_ns(exec ? exec->total_ns : 0)
+     << " BytesAllocated=" << graph::current_device().pool().stats().fresh_bytes;
+  return os.str();
+}
+
+}  // namespace lazy::debug
+// ---- end lazytensor/debug/metrics.hpp ----
+// ---- end lazytensor/tensor.hpp ----
 // ---- end lazytensor/lazytensor.hpp ----

@@ -2,7 +2,7 @@
 // reaching a steady state in a training-like loop.
 #include <lazytensor/core/buffer.hpp>
 #include <lazytensor/debug/metrics.hpp>
-#include <lazytensor/device.hpp>
+#include <lazytensor/tensor.hpp>
 #include <lazytensor/ops/factories.hpp>
 
 #include <gtest/gtest.h>

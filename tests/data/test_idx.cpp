@@ -17,7 +17,7 @@
 
 #include <lazytensor/data/idx.hpp>
 #include <lazytensor/data/mnist.hpp>
-#include <lazytensor/device.hpp>
+#include <lazytensor/tensor.hpp>
 
 namespace {
 

@@ -7,7 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <lazytensor/data.hpp>
-#include <lazytensor/device.hpp>
+#include <lazytensor/tensor.hpp>
 #include <lazytensor/ops/factories.hpp>
 
 namespace {

@@ -2,7 +2,7 @@
 // the reports, and the text / Graphviz dumps of pending graphs.
 #include <lazytensor/debug/graph_dump.hpp>
 #include <lazytensor/debug/metrics.hpp>
-#include <lazytensor/device.hpp>
+#include <lazytensor/tensor.hpp>
 #include <lazytensor/ops/factories.hpp>
 #include <lazytensor/ops/random.hpp>
 #include <lazytensor/ops/reduction.hpp>

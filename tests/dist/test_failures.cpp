@@ -279,7 +279,7 @@ TEST(Arguments, BadCountsDimensionsAndDevicesAreRejected) {
   for (const auto& c : caught) EXPECT_EQ(c.cls, "") << c.msg;
 }
 
-TEST(Spawn, RejectsBadNprocsAndNesting) {
+TEST(SpawnFailures, RejectsBadNprocsAndNesting) {
   Watchdog dog;
   EXPECT_THROW(dist::spawn([](int) {}, 0), lazy::Error);
   std::string nested;
@@ -291,7 +291,7 @@ TEST(Spawn, RejectsBadNprocsAndNesting) {
   EXPECT_TRUE(contains(nested, "nested spawn")) << nested;
 }
 
-TEST(Spawn, AGroupThatFailedStaysUnusable) {
+TEST(SpawnFailures, AGroupThatFailedStaysUnusable) {
   Watchdog dog;
   TimeoutGuard timeout(std::chrono::milliseconds(100));
   auto caught = run_catching(2, [](int r) {

@@ -6,7 +6,7 @@
 // computes every intermediate in it, and rounds once when storing.
 #pragma once
 
-#include <lazytensor/device.hpp>
+#include <lazytensor/tensor.hpp>
 #include <lazytensor/ops/factories.hpp>
 #include <lazytensor/tensor.hpp>
 

@@ -10,9 +10,9 @@ namespace {
 using namespace lazytest;  // NOLINT
 
 template <class T>
-class Elementwise : public ::testing::Test {};
+class ElementwiseBroadcast : public ::testing::Test {};
 using AllTypes = ::testing::Types<float, double, i32, i64, bool, bf16>;
-TYPED_TEST_SUITE(Elementwise, AllTypes);
+TYPED_TEST_SUITE(ElementwiseBroadcast, AllTypes);
 
 const std::vector<std::pair<Shape, Shape>>& small_broadcast_cases() {
   static const std::vector<std::pair<Shape, Shape>> cases = {
@@ -47,11 +47,11 @@ void run_small_broadcasts() {
   }
 }
 
-TYPED_TEST(Elementwise, BroadcastEveryBinaryOp) {
+TYPED_TEST(ElementwiseBroadcast, BroadcastEveryBinaryOp) {
   run_small_broadcasts<TypeParam, Add, Sub, Mul, Div, Pow, Maximum, Minimum, Eq, Ne, Lt, Le, Gt, Ge, And, Or>();
 }
 
-TYPED_TEST(Elementwise, BroadcastAboveThreadingThreshold) {
+TYPED_TEST(ElementwiseBroadcast, BroadcastAboveThreadingThreshold) {
   using T = TypeParam;
   // Row, column and outer broadcasts big enough to be split across threads.
   run_broadcast<Add, T>(Shape{2048, 131}, Shape{131});
@@ -60,7 +60,7 @@ TYPED_TEST(Elementwise, BroadcastAboveThreadingThreshold) {
   run_broadcast<Lt, T>(Shape{64, 1, 67}, Shape{64, 71, 67});
 }
 
-TYPED_TEST(Elementwise, BroadcastUnaryOfBroadcastExpression) {
+TYPED_TEST(ElementwiseBroadcast, BroadcastUnaryOfBroadcastExpression) {
   // A unary op over a broadcast expression, and a three-operand where with broadcasts.
   using T = TypeParam;
   const auto vr = gen<T>(37, kMulDom, 1), vc = gen<T>(9, kMulDom, 2);

@@ -11,12 +11,12 @@ namespace {
 using namespace lazytest;  // NOLINT
 
 template <class T>
-class Elementwise : public ::testing::Test {};
+class ElementwiseScalars : public ::testing::Test {};
 using AllTypes = ::testing::Types<float, double, i32, i64, bool, bf16>;
-TYPED_TEST_SUITE(Elementwise, AllTypes);
+TYPED_TEST_SUITE(ElementwiseScalars, AllTypes);
 
 #define SCALAR_TEST(OP)                                                  \
-  TYPED_TEST(Elementwise, OP##WithScalars) {                             \
+  TYPED_TEST(ElementwiseScalars, OP##WithScalars) {                             \
     if constexpr (OP::template supports<TypeParam>) {                   \
       run_binary_scalars<OP, TypeParam>(scalar_sizes<OP, TypeParam>());  \
     } else {                                                             \

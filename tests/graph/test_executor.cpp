@@ -3,7 +3,7 @@
 // mode, compile, step closures, determinism across thread counts, long chains and error
 // paths. Also run under ThreadSanitizer.
 #include <lazytensor/debug/metrics.hpp>
-#include <lazytensor/device.hpp>
+#include <lazytensor/tensor.hpp>
 #include <lazytensor/ops/factories.hpp>
 #include <lazytensor/tensor.hpp>
 
@@ -24,12 +24,15 @@
 #include <thread>
 #include <vector>
 
+#include "testing/helpers.hpp"
+
 namespace {
+
+using lazy_tests::counter;
+using lazy_tests::EagerGuard;
 
 using lazy::Shape;
 using lazy::Tensor;
-
-std::int64_t counter(const char* name) { return lazy::debug::counter_value(name); }
 
 // mark_step runs the step asynchronously; tests that look at counters or node states right
 // after it wait for the step to finish.
@@ -84,11 +87,6 @@ struct Probe {
 
 bool pending(const auto& t) { return !t.node()->materialized(); }
 
-// Restores eager mode / thread count at scope exit, even when an assertion fails.
-struct EagerGuard {
-  explicit EagerGuard(bool on) { lazy::eager_mode(on); }
-  ~EagerGuard() { lazy::eager_mode(false); }
-};
 struct ThreadsGuard {
   ~ThreadsGuard() { lazy::set_num_threads(lazy::graph::default_device_threads()); }
 };

@@ -2,7 +2,7 @@
 // fusion (bitwise equal to running each statement alone), reductions ending fused groups,
 // the plan cache, the allocation-free steady state and asynchronous steps.
 #include <lazytensor/debug/metrics.hpp>
-#include <lazytensor/device.hpp>
+#include <lazytensor/tensor.hpp>
 #include <lazytensor/nn.hpp>
 #include <lazytensor/optim.hpp>
 #include <lazytensor/ops/factories.hpp>
@@ -23,22 +23,20 @@
 #include <tuple>
 #include <vector>
 
+#include "testing/helpers.hpp"
+
 namespace {
+
+using lazy_tests::counter;
+using lazy_tests::EagerGuard;
 
 using lazy::Shape;
 using lazy::Tensor;
-
-std::int64_t counter(const char* name) { return lazy::debug::counter_value(name); }
 
 template <class T>
 bool bitwise_equal(const std::vector<T>& a, const std::vector<T>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
 }
-
-struct EagerGuard {
-  explicit EagerGuard(bool on) { lazy::eager_mode(on); }
-  ~EagerGuard() { lazy::eager_mode(false); }
-};
 
 class Fusion : public ::testing::Test {
  protected:

@@ -1,7 +1,7 @@
 // graph/plan_cache.hpp: the bounded, least-recently-used cache of execution plans, alone
 // and behind mark_step (a graph that changes every step must not keep every plan).
 #include <lazytensor/debug/metrics.hpp>
-#include <lazytensor/device.hpp>
+#include <lazytensor/tensor.hpp>
 #include <lazytensor/graph/plan.hpp>
 #include <lazytensor/graph/plan_cache.hpp>
 #include <lazytensor/ops/factories.hpp>

@@ -20,7 +20,7 @@
 
 #include <gtest/gtest.h>
 
-#include <lazytensor/device.hpp>
+#include <lazytensor/tensor.hpp>
 #include <lazytensor/io.hpp>
 #include <lazytensor/ops/factories.hpp>
 #include <lazytensor/ops/shape.hpp>

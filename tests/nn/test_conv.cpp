@@ -20,23 +20,19 @@
 #include <lazytensor/lazytensor.hpp>
 #include <lazytensor/nn.hpp>
 
+#include "testing/helpers.hpp"
+
 namespace {
+
+using lazy_tests::random_values;
 
 using lazy::Shape;
 using lazy::Size2;
 using lazy::Tensor;
 namespace nn = lazy::nn;
 
-std::vector<float> random_values(std::int64_t n, unsigned seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> d(-1, 1);
-  std::vector<float> v(static_cast<std::size_t>(n));
-  for (auto& x : v) x = d(rng);
-  return v;
-}
-
 Tensor<float> random_tensor(Shape s, unsigned seed) {
-  return lazy::from_vector<float>(random_values(s.numel(), seed), s);
+  return lazy::from_vector<float>(random_values<float>(s.numel(), seed), s);
 }
 
 /// Geometry of one convolution or pooling window over [N, C, H, W].
@@ -160,10 +156,10 @@ TEST(Conv2d, ForwardMatchesFunctionalAndDefinition) {
 TEST(Conv2d, GradientsMatchTheDefinition) {
   const Geometry g{2, 2, 6, 5, 3, 3, 2, 1, 1};
   nn::Conv2d conv(nn::Conv2dOptions(2, 3, 3).stride(2).padding(1));
-  const std::vector<float> xv = random_values(2 * 2 * 6 * 5, 2);
+  const std::vector<float> xv = random_values<float>(2 * 2 * 6 * 5, 2);
   Tensor<float> x = lazy::from_vector<float>(xv, {2, 2, 6, 5}).requires_grad_();
   Tensor<float> y = conv(x);
-  const std::vector<float> gy = random_values(y.numel(), 3);
+  const std::vector<float> gy = random_values<float>(y.numel(), 3);
   lazy::sum(y * lazy::from_vector<float>(gy, y.shape())).backward();
   lazy::mark_step();
   ASSERT_TRUE(conv->weight.grad().defined());
@@ -341,7 +337,7 @@ PoolRef reference_pool(const Geometry& g, bool max, bool count_include_pad,
 }
 
 TEST(Pooling, ModulesMatchFunctionalAndDefinition) {
-  const std::vector<float> xv = random_values(2 * 3 * 7 * 6, 5);  // distinct values: one argmax
+  const std::vector<float> xv = random_values<float>(2 * 3 * 7 * 6, 5);  // distinct values: one argmax
   struct Case {
     bool max;
     Geometry g;
@@ -384,7 +380,7 @@ TEST(Pooling, ModulesMatchFunctionalAndDefinition) {
     }
     ASSERT_EQ(y.shape(), (Shape{2, 3, g.oh(), g.ow()}));
     EXPECT_EQ(y.to_vector(), yf.to_vector());
-    const std::vector<float> gy = random_values(y.numel(), 6);
+    const std::vector<float> gy = random_values<float>(y.numel(), 6);
     const PoolRef ref = reference_pool(g, k.max, k.count_include_pad, xv, gy);
     expect_near_all(y.to_vector(), ref.y, 1e-6, "forward");
     lazy::sum(y * lazy::from_vector<float>(gy, y.shape())).backward();

@@ -14,23 +14,18 @@
 
 #include <lazytensor/ops/conv.hpp>
 
+#include "testing/helpers.hpp"
+
 namespace {
+
+using lazy_tests::random_values;
 
 using lazy::Shape;
 using lazy::Size2;
 using lazy::Tensor;
 
-template <class T>
-std::vector<T> random_values(std::int64_t n, unsigned seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> d(-1, 1);
-  std::vector<T> v(static_cast<std::size_t>(n));
-  for (auto& x : v) x = static_cast<T>(d(rng));
-  return v;
-}
-
 /// One convolution: sizes and window arguments.
-struct Case {
+struct ConvCase {
   std::int64_t n, c, h, w, o, kh, kw;
   Size2 stride = 1, padding = 0, dilation = 1;
   bool bias = true;
@@ -48,7 +43,7 @@ struct Case {
 /// The definition of a cross-correlation, term by term, in long double; `mag` gets the sum
 /// of |terms| of each output for the tolerance.
 template <class T>
-std::vector<long double> reference_conv(const Case& k, const std::vector<T>& x,
+std::vector<long double> reference_conv(const ConvCase& k, const std::vector<T>& x,
                                         const std::vector<T>& w, const std::vector<T>& b,
                                         std::vector<long double>* mag = nullptr) {
   const std::int64_t OH = k.oh(), OW = k.ow();
@@ -80,7 +75,7 @@ std::vector<long double> reference_conv(const Case& k, const std::vector<T>& x,
 }
 
 template <class T>
-Tensor<T> run_conv(const Case& k, const std::vector<T>& x, const std::vector<T>& w,
+Tensor<T> run_conv(const ConvCase& k, const std::vector<T>& x, const std::vector<T>& w,
                    const std::vector<T>& b) {
   Tensor<T> bias = k.bias ? lazy::from_vector<T>(b, Shape{k.o}) : Tensor<T>();
   return lazy::conv2d(lazy::from_vector<T>(x, Shape{k.n, k.c, k.h, k.w}),
@@ -89,7 +84,7 @@ Tensor<T> run_conv(const Case& k, const std::vector<T>& x, const std::vector<T>&
 }
 
 template <class T>
-void check_forward(const Case& k, unsigned seed) {
+void check_forward(const ConvCase& k, unsigned seed) {
   SCOPED_TRACE(k.str());
   const auto x = random_values<T>(k.n * k.c * k.h * k.w, seed);
   const auto w = random_values<T>(k.o * k.c * k.kh * k.kw, seed + 1);
@@ -105,8 +100,8 @@ void check_forward(const Case& k, unsigned seed) {
   }
 }
 
-const std::vector<Case>& forward_cases() {
-  static const std::vector<Case> cases = {
+const std::vector<ConvCase>& forward_cases() {
+  static const std::vector<ConvCase> cases = {
       {1, 1, 5, 5, 1, 3, 3},                     // single channel, single image
       {3, 3, 7, 6, 4, 3, 3},                     // batch, channels, odd sizes
       {2, 3, 5, 7, 2, 1, 1},                     // 1x1: the image is its own column matrix
@@ -135,7 +130,7 @@ TEST(Conv2d, ForwardFloatAgainstDirectLoops) {
 }
 
 TEST(Conv2d, ExpressionInputAndDefaults) {
-  const Case k{2, 2, 5, 5, 3, 3, 3, 1, 0, 1, false};
+  const ConvCase k{2, 2, 5, 5, 3, 3, 3, 1, 0, 1, false};
   const auto x = random_values<double>(2 * 2 * 5 * 5, 7),
              w = random_values<double>(3 * 2 * 3 * 3, 8);
   std::vector<double> rx(x.size());
@@ -151,7 +146,7 @@ TEST(Conv2d, ExpressionInputAndDefaults) {
 }
 
 TEST(Conv2d, Bfloat16ComputesInFloatAndRoundsOnce) {
-  const Case k{1, 2, 6, 5, 2, 3, 3, 1, 1, 1};
+  const ConvCase k{1, 2, 6, 5, 2, 3, 3, 1, 1, 1};
   auto xf = random_values<float>(2 * 6 * 5, 3), wf = random_values<float>(2 * 2 * 9, 4),
        bf = random_values<float>(2, 5);
   std::vector<lazy::bfloat16> x, w, b;
@@ -186,7 +181,7 @@ TEST(Conv2d, EmptyBatch) {
 TEST(Conv2d, ThreadCountDoesNotChangeBits) {
   auto& pool = lazy::graph::current_device().threads();
   const int saved = pool.size();
-  const Case k{4, 8, 48, 47, 8, 3, 3, 1, 1, 1};
+  const ConvCase k{4, 8, 48, 47, 8, 3, 3, 1, 1, 1};
   const auto x = random_values<float>(k.n * k.c * k.h * k.w, 11);
   const auto w = random_values<float>(k.o * k.c * k.kh * k.kw, 12);
   const auto b = random_values<float>(k.o, 13);
@@ -274,7 +269,7 @@ TEST(Conv2dGrad, OnlyWeightOrOnlyInput) {
 // ---- unfold / fold ----------------------------------------------------------------------
 
 TEST(Unfold, MatchesDefinitionAndFoldIsItsAdjoint) {
-  const Case k{2, 3, 6, 7, 1, 2, 3, {2, 1}, {1, 1}, {1, 2}};
+  const ConvCase k{2, 3, 6, 7, 1, 2, 3, {2, 1}, {1, 1}, {1, 2}};
   const std::int64_t OH = k.oh(), OW = k.ow(), K = k.c * k.kh * k.kw, L = OH * OW;
   const auto x = random_values<double>(k.n * k.c * k.h * k.w, 21);
   Tensor<double> xt = lazy::from_vector<double>(x, Shape{k.n, k.c, k.h, k.w});

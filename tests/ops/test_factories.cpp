@@ -10,7 +10,7 @@
 #include <Eigen/Core>
 #include <gtest/gtest.h>
 
-#include <lazytensor/device.hpp>
+#include <lazytensor/tensor.hpp>
 #include <lazytensor/ops/factories.hpp>
 
 namespace {

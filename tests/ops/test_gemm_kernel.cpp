@@ -18,33 +18,28 @@
 
 #include <lazytensor/ops/gemm_kernel.hpp>
 
+#include "testing/helpers.hpp"
+
 namespace {
+
+using lazy_tests::random_values;
 
 template <class T>
 using AlignedVec = std::vector<T, xsimd::aligned_allocator<T, 64>>;
 
-template <class T>
-std::vector<T> random_values(std::int64_t n, unsigned seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> d(-1, 1);
-  std::vector<T> v(static_cast<std::size_t>(n));
-  for (auto& x : v) x = static_cast<T>(d(rng));
-  return v;
-}
-
-struct Case {
+struct GemmCase {
   std::int64_t m, k, n;
   bool ta, tb;
 };
 
 template <class T>
 struct Problem {
-  Case c;
+  GemmCase c;
   std::vector<T> a, b;  // stored as the transposes say
   T at(std::int64_t i, std::int64_t p) const { return c.ta ? a[p * c.m + i] : a[i * c.k + p]; }
   T bt(std::int64_t p, std::int64_t j) const { return c.tb ? b[j * c.k + p] : b[p * c.n + j]; }
 
-  explicit Problem(Case cs, unsigned seed)
+  explicit Problem(GemmCase cs, unsigned seed)
       : c(cs), a(random_values<T>(cs.m * cs.k, seed)), b(random_values<T>(cs.k * cs.n, seed + 1)) {}
 
   AlignedVec<T> packed() const {
@@ -88,7 +83,7 @@ TYPED_TEST(PackedGemmTyped, MatchesTripleLoopForEveryTransposeAndEdge) {
   unsigned seed = 1;
   for (auto [m, k, n] : shapes)
     for (int t = 0; t < 4; ++t) {
-      const Problem<T> p(Case{m, k, n, (t & 1) != 0, (t & 2) != 0}, seed += 2);
+      const Problem<T> p(GemmCase{m, k, n, (t & 1) != 0, (t & 2) != 0}, seed += 2);
       const auto got = p.run({});
       const std::string what = std::to_string(m) + "x" + std::to_string(k) + "x" +
                                std::to_string(n) + " ta=" + std::to_string(t & 1) +
@@ -112,8 +107,8 @@ TYPED_TEST(PackedGemmTyped, MatchesTripleLoopForEveryTransposeAndEdge) {
 TYPED_TEST(PackedGemmTyped, RowSplitsGiveTheSameBits) {
   using T = TypeParam;
   using K = lazy::detail::PackedGemm<T>;
-  for (const Case c : {Case{61, 300, 2 * K::kTileCols + 3, false, true},
-                       Case{45, 1300, K::kLanes + 1, true, false}}) {
+  for (const GemmCase c : {GemmCase{61, 300, 2 * K::kTileCols + 3, false, true},
+                       GemmCase{45, 1300, K::kLanes + 1, true, false}}) {
     const Problem<T> p(c, 42);
     const auto whole = p.run({});
     // Cuts inside register tiles, at odd rows and at tile boundaries.
@@ -130,7 +125,7 @@ TYPED_TEST(PackedGemmTyped, PackedPanelsArePaddedWithZeros) {
   using T = TypeParam;
   using K = lazy::detail::PackedGemm<T>;
   for (bool tb : {false, true}) {
-    const Problem<T> p(Case{1, 9, K::kTileCols + 3, false, tb}, 7);
+    const Problem<T> p(GemmCase{1, 9, K::kTileCols + 3, false, tb}, 7);
     const auto pb = p.packed();
     // Panel 1 holds columns [kTileCols, kTileCols + 3) and zeros after them.
     const T* panel = pb.data() + 1 * p.c.k * K::kTileCols;
@@ -148,7 +143,7 @@ TYPED_TEST(PackedGemmTyped, PackingPanelRangesWritesOnlyThoseAndMatchesWholePack
   // Four panels, the last one partial; packed whole, and in ranges as the threads of
   // matmul do (a range leaves the other panels untouched).
   for (bool tb : {false, true}) {
-    const Problem<T> p(Case{1, 19, 3 * K::kTileCols + 3, false, tb}, 11);
+    const Problem<T> p(GemmCase{1, 19, 3 * K::kTileCols + 3, false, tb}, 11);
     const auto whole = p.packed();
     const std::int64_t panel = p.c.k * K::kTileCols;
     AlignedVec<T> pieces(whole.size(), T(-7));

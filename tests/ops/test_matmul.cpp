@@ -13,7 +13,7 @@
 #include <gtest/gtest.h>
 
 #include <lazytensor/debug/metrics.hpp>
-#include <lazytensor/device.hpp>
+#include <lazytensor/tensor.hpp>
 #include <lazytensor/ops/factories.hpp>
 #include <lazytensor/ops/matmul.hpp>
 #include <lazytensor/ops/shape.hpp>
@@ -24,7 +24,7 @@ using lazy::Shape;
 using lazy::Tensor;
 
 template <class T>
-std::vector<T> random_values(std::int64_t n, unsigned seed) {
+std::vector<T> matmul_values(std::int64_t n, unsigned seed) {
   std::mt19937_64 rng(seed);
   std::vector<T> v(static_cast<std::size_t>(n));
   if constexpr (std::is_floating_point_v<T>) {
@@ -115,8 +115,8 @@ void expect_matches(const std::vector<T>& got, const Ref& r, const std::string& 
 template <class T>
 void check_matmul(const Shape& sa, const Shape& sb, unsigned seed) {
   const std::string what = sa.str() + " @ " + sb.str();
-  const auto va = random_values<T>(sa.numel(), seed);
-  const auto vb = random_values<T>(sb.numel(), seed + 1000);
+  const auto va = matmul_values<T>(sa.numel(), seed);
+  const auto vb = matmul_values<T>(sb.numel(), seed + 1000);
   const Ref r = ref_matmul(va, sa, vb, sb);
   Tensor<T> a = lazy::from_vector(va, sa), b = lazy::from_vector(vb, sb);
   Tensor<T> c = lazy::matmul(a, b);
@@ -197,7 +197,7 @@ TYPED_TEST(MatmulTyped, Batched) {
   check_matmul<T>(Shape{3, 0, 4}, Shape{4, 2}, seed++);
   check_matmul<T>(Shape{3, 4, 0}, Shape{3, 0, 2}, seed++);
   // bmm is the 3-D x 3-D case.
-  const auto va = random_values<T>(2 * 3 * 4, 1), vb = random_values<T>(2 * 4 * 5, 2);
+  const auto va = matmul_values<T>(2 * 3 * 4, 1), vb = matmul_values<T>(2 * 4 * 5, 2);
   Tensor<T> c = lazy::bmm(lazy::from_vector(va, Shape{2, 3, 4}), lazy::from_vector(vb, Shape{2, 4, 5}));
   expect_matches(c.to_vector(), ref_matmul(va, Shape{2, 3, 4}, vb, Shape{2, 4, 5}), "bmm");
   EXPECT_THROW(lazy::bmm(lazy::zeros<T>({2, 3, 4}), lazy::zeros<T>({3, 4, 5})), lazy::ShapeError);
@@ -208,7 +208,7 @@ TEST(Matmul, LargeAboveThreadingThresholdAllThreadCounts) {
   auto& pool = lazy::graph::current_device().threads();
   const int saved = pool.size();
   const Shape sa{300, 200}, sb{200, 129};
-  const auto va = random_values<float>(sa.numel(), 3), vb = random_values<float>(sb.numel(), 4);
+  const auto va = matmul_values<float>(sa.numel(), 3), vb = matmul_values<float>(sb.numel(), 4);
   const Ref r = ref_matmul(va, sa, vb, sb);
   for (int threads : {1, 2, 4}) {
     lazy::set_num_threads(threads);
@@ -216,7 +216,7 @@ TEST(Matmul, LargeAboveThreadingThresholdAllThreadCounts) {
     expect_matches(c.to_vector(), r, "threads " + std::to_string(threads));
     // Batched, with a batch count that does not divide evenly among the tasks.
     const Shape ta{7, 61, 33}, tb{7, 33, 47};
-    const auto xa = random_values<double>(ta.numel(), 5), xb = random_values<double>(tb.numel(), 6);
+    const auto xa = matmul_values<double>(ta.numel(), 5), xb = matmul_values<double>(tb.numel(), 6);
     Tensor<double> d = lazy::matmul(lazy::from_vector(xa, ta), lazy::from_vector(xb, tb));
     expect_matches(d.to_vector(), ref_matmul(xa, ta, xb, tb), "batched threads " + std::to_string(threads));
   }
@@ -227,9 +227,9 @@ TEST(Matmul, BitwiseIdenticalForAnyThreadCount) {
   // Odd row counts, a fused epilogue, a transposed operand and a batch: every variant must
   // give the same bits on 1, 2 and 3 threads (GEMM calls are cut by the shapes only).
   const Shape sx{301, 200}, sw{129, 200}, sb{129}, tb{3, 67, 40}, tc{3, 40, 33};
-  const auto vx = random_values<float>(sx.numel(), 11), vw = random_values<float>(sw.numel(), 12);
-  const auto vb = random_values<float>(sb.numel(), 13);
-  const auto xa = random_values<float>(tb.numel(), 14), xb = random_values<float>(tc.numel(), 15);
+  const auto vx = matmul_values<float>(sx.numel(), 11), vw = matmul_values<float>(sw.numel(), 12);
+  const auto vb = matmul_values<float>(sb.numel(), 13);
+  const auto xa = matmul_values<float>(tb.numel(), 14), xb = matmul_values<float>(tc.numel(), 15);
   std::vector<std::vector<float>> first;
   for (int threads : {1, 2, 3}) {
     lazy::set_num_threads(threads);
@@ -271,7 +271,7 @@ TYPED_TEST(MatmulTyped, TransposedOperands) {
   for (auto [m, k, n] : std::vector<std::array<std::int64_t, 3>>{
            {7, 13, 5}, {129, 127, 65}, {1, 1, 1}, {1, 9, 4}, {40, 1100, 33}}) {
     SCOPED_TRACE(std::to_string(m) + "x" + std::to_string(k) + "x" + std::to_string(n));
-    const auto va = random_values<T>(m * k, 1), vb = random_values<T>(k * n, 2);
+    const auto va = matmul_values<T>(m * k, 1), vb = matmul_values<T>(k * n, 2);
     const Ref r = ref_matmul(va, Shape{m, k}, vb, Shape{k, n});
     // Sources holding the transposes: at is [k, m], bt is [n, k].
     Tensor<T> at = lazy::from_vector(transposed(va, m, k), Shape{k, m});
@@ -295,7 +295,7 @@ TYPED_TEST(MatmulTyped, TransposedOperands) {
     Tensor<T> bt2 = lazy::from_vector(transposed(vb, k, n), Shape{n, k}) * T(1);
     expect_matches(lazy::matmul(a, lazy::transpose(bt2, 0, 1)).to_vector(), r, "transpose of pending");
     // Transposed operands with a 1-D side.
-    const auto v = random_values<T>(k, 3);
+    const auto v = matmul_values<T>(k, 3);
     expect_matches(lazy::matmul(lazy::transpose(at, 0, 1), lazy::from_vector(v)).to_vector(),
                    ref_matmul(va, Shape{m, k}, v, Shape{k}), "at^T @ v");
     expect_matches(lazy::matmul(lazy::from_vector(v), lazy::transpose(bt, 0, 1)).to_vector(),
@@ -306,7 +306,7 @@ TYPED_TEST(MatmulTyped, TransposedOperands) {
 TYPED_TEST(MatmulTyped, TransposedOperandsBatched) {
   using T = TypeParam;
   const std::int64_t B = 3, m = 5, k = 7, n = 4;
-  const auto va = random_values<T>(B * m * k, 1), vb = random_values<T>(B * k * n, 2);
+  const auto va = matmul_values<T>(B * m * k, 1), vb = matmul_values<T>(B * k * n, 2);
   const Ref r = ref_matmul(va, Shape{B, m, k}, vb, Shape{B, k, n});
   std::vector<T> at(va.size()), bt(vb.size());
   for (std::int64_t b = 0; b < B; ++b) {
@@ -321,23 +321,23 @@ TYPED_TEST(MatmulTyped, TransposedOperandsBatched) {
   expect_matches(lazy::matmul(A, lazy::transpose(Bt, -1, -2)).to_vector(), r, "A @ Bt^T");
   expect_matches(lazy::matmul(lazy::transpose(At, 1, 2), lazy::transpose(Bt, 1, 2)).to_vector(), r, "both");
   // [B, m, k] @ [k, n]^T with the 2-D side transposed.
-  const auto w = random_values<T>(k * n, 9);
+  const auto w = matmul_values<T>(k * n, 9);
   Tensor<T> Wt = lazy::from_vector(transposed(w, k, n), Shape{n, k});
   expect_matches(lazy::matmul(A, lazy::transpose(Wt, 0, 1)).to_vector(), ref_matmul(va, Shape{B, m, k}, w, Shape{k, n}),
                  "A @ Wt^T");
   // [k, m]^T @ [B, k, n]: the 2-D transposed side broadcast over the batch.
-  const auto u = random_values<T>(m * k, 11);
+  const auto u = matmul_values<T>(m * k, 11);
   Tensor<T> Ut = lazy::from_vector(transposed(u, m, k), Shape{k, m});
   expect_matches(lazy::matmul(lazy::transpose(Ut, 0, 1), Bm).to_vector(),
                  ref_matmul(u, Shape{m, k}, vb, Shape{B, k, n}), "Ut^T @ B");
 }
 
 TEST(Matmul, Aliasing) {
-  const auto v = random_values<double>(6 * 6, 1);
+  const auto v = matmul_values<double>(6 * 6, 1);
   Tensor<double> a = lazy::from_vector(v, Shape{6, 6});
   expect_matches(lazy::matmul(a, a).to_vector(), ref_matmul(v, Shape{6, 6}, v, Shape{6, 6}), "a @ a");
   // x @ x^T reads the same node twice, once transposed.
-  const auto x = random_values<double>(5 * 3, 2);
+  const auto x = matmul_values<double>(5 * 3, 2);
   Tensor<double> xt = lazy::from_vector(x, Shape{5, 3});
   expect_matches(lazy::matmul(xt, lazy::transpose(xt, 0, 1)).to_vector(),
                  ref_matmul(x, Shape{5, 3}, transposed(x, 5, 3), Shape{3, 5}), "x @ x^T");
@@ -396,8 +396,8 @@ void expect_close(const std::vector<T>& got, const std::vector<long double>& ref
 TEST(Linear, WithAndWithoutBias) {
   for (auto [rows, in, out] : std::vector<std::array<std::int64_t, 3>>{{1, 1, 1}, {7, 13, 5}, {129, 127, 65}, {4, 0, 3}}) {
     SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(in) + "->" + std::to_string(out));
-    const auto x = random_values<float>(rows * in, 1), w = random_values<float>(out * in, 2);
-    const auto b = random_values<float>(out, 3);
+    const auto x = matmul_values<float>(rows * in, 1), w = matmul_values<float>(out * in, 2);
+    const auto b = matmul_values<float>(out, 3);
     Tensor<float> X = lazy::from_vector(x, Shape{rows, in}), W = lazy::from_vector(w, Shape{out, in});
     Tensor<float> Bv = lazy::from_vector(b);
     std::vector<long double> mag0, mag1;
@@ -412,8 +412,8 @@ TEST(Linear, WithAndWithoutBias) {
     expect_close(y1.to_vector(), r1, mag1, in, "linear(x, w, b)");
   }
   // 1-D and 3-D inputs.
-  const auto w = random_values<double>(4 * 6, 5), b = random_values<double>(4, 6);
-  const auto x1 = random_values<double>(6, 7), x3 = random_values<double>(2 * 3 * 6, 8);
+  const auto w = matmul_values<double>(4 * 6, 5), b = matmul_values<double>(4, 6);
+  const auto x1 = matmul_values<double>(6, 7), x3 = matmul_values<double>(2 * 3 * 6, 8);
   Tensor<double> W = lazy::from_vector(w, Shape{4, 6}), Bv = lazy::from_vector(b);
   std::vector<long double> mag;
   Tensor<double> y1 = lazy::linear(lazy::from_vector(x1), W, Bv);
@@ -445,8 +445,8 @@ TEST(Linear, FusedReluEpilogueValues) {
   for (auto [rows, in, out] : std::vector<std::array<std::int64_t, 3>>{
            {1000, 64, 300}, {1, 64, 300}, {333, 17, 1}, {257, 3, 1001}, {1000, 1, 7}}) {
     SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(in) + "->" + std::to_string(out));
-    const auto x = random_values<float>(rows * in, 21), w = random_values<float>(out * in, 22);
-    const auto b = random_values<float>(out, 23);
+    const auto x = matmul_values<float>(rows * in, 21), w = matmul_values<float>(out * in, 22);
+    const auto b = matmul_values<float>(out, 23);
     std::vector<long double> mag;
     const auto r = ref_linear(x, rows, in, w, out, &b, &mag);
     for (int threads : {1, 2, 4}) {
@@ -464,8 +464,8 @@ TEST(Linear, FusedReluEpilogueValues) {
 
 TEST(Linear, FusedEpilogueRunsOneKernel) {
   const std::int64_t rows = 1000, in = 64, out = 300;
-  const auto x = random_values<float>(rows * in, 31), w = random_values<float>(out * in, 32);
-  const auto b = random_values<float>(out, 33);
+  const auto x = matmul_values<float>(rows * in, 31), w = matmul_values<float>(out * in, 32);
+  const auto b = matmul_values<float>(out, 33);
   std::vector<long double> mag;
   const auto r = ref_linear(x, rows, in, w, out, &b, &mag);
   Tensor<float> X = lazy::from_vector(x, Shape{rows, in}), W = lazy::from_vector(w, Shape{out, in});
@@ -497,7 +497,7 @@ TEST(Linear, FusedEpilogueRunsOneKernel) {
 TEST(Matmul, FusedEpilogueFlatAndBatched) {
   // Flat epilogue (no broadcast leaf): relu(x @ w) and an affine map of it.
   const std::int64_t m = 997, k = 33, n = 129;
-  const auto va = random_values<double>(m * k, 41), vb = random_values<double>(k * n, 42);
+  const auto va = matmul_values<double>(m * k, 41), vb = matmul_values<double>(k * n, 42);
   const Ref r = ref_matmul(va, Shape{m, k}, vb, Shape{k, n});
   Tensor<double> A = lazy::from_vector(va, Shape{m, k}), B = lazy::from_vector(vb, Shape{k, n});
   Tensor<double> y = lazy::relu(lazy::matmul(A, B));
@@ -512,13 +512,13 @@ TEST(Matmul, FusedEpilogueFlatAndBatched) {
   }
   // Batched GEMM feeding an epilogue: row blocks span batch boundaries.
   const Shape sa{5, 211, 19}, sb{5, 19, 150};
-  const auto xa = random_values<float>(sa.numel(), 43), xb = random_values<float>(sb.numel(), 44);
-  const auto bias = random_values<float>(150, 45);
+  const auto xa = matmul_values<float>(sa.numel(), 43), xb = matmul_values<float>(sb.numel(), 44);
+  const auto bias = matmul_values<float>(150, 45);
   const Ref rb = ref_matmul(xa, sa, xb, sb);
   Tensor<float> yb = lazy::relu(lazy::matmul(lazy::from_vector(xa, sa), lazy::from_vector(xb, sb)) + lazy::from_vector(bias));
   // Stacked [B, m, k] @ [k, n] feeding an epilogue.
   const Shape sw{19, 150};
-  const auto xw = random_values<float>(sw.numel(), 46);
+  const auto xw = matmul_values<float>(sw.numel(), 46);
   const Ref rs = ref_matmul(xa, sa, xw, sw);
   Tensor<float> ys = lazy::relu(lazy::matmul(lazy::from_vector(xa, sa), lazy::from_vector(xw, sw)));
   lazy::mark_step();

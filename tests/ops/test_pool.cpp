@@ -18,22 +18,17 @@
 
 #include <lazytensor/ops/pool.hpp>
 
+#include "testing/helpers.hpp"
+
 namespace {
+
+using lazy_tests::random_values;
 
 using lazy::Shape;
 using lazy::Size2;
 using lazy::Tensor;
 
-template <class T>
-std::vector<T> random_values(std::int64_t n, unsigned seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> d(-1, 1);
-  std::vector<T> v(static_cast<std::size_t>(n));
-  for (auto& x : v) x = static_cast<T>(d(rng));
-  return v;
-}
-
-struct Case {
+struct PoolCase {
   std::int64_t n, c, h, w;
   Size2 kernel;
   std::optional<Size2> stride;
@@ -51,7 +46,7 @@ struct Case {
 /// Visits the taps of window (oy, ox) of plane p: f(flat input index) for taps inside the
 /// input; returns the number of padded taps.
 template <class F>
-std::int64_t for_window(const Case& k, std::int64_t p, std::int64_t oy, std::int64_t ox, F&& f) {
+std::int64_t for_window(const PoolCase& k, std::int64_t p, std::int64_t oy, std::int64_t ox, F&& f) {
   std::int64_t padded = 0;
   for (std::int64_t i = 0; i < k.kernel.h; ++i)
     for (std::int64_t j = 0; j < k.kernel.w; ++j) {
@@ -72,7 +67,7 @@ struct Reference {
   std::vector<double> y, dx;
 };
 template <class T>
-Reference reference(const Case& k, const std::vector<T>& x, const std::vector<T>& gy, bool max,
+Reference reference(const PoolCase& k, const std::vector<T>& x, const std::vector<T>& gy, bool max,
                     bool include_pad) {
   Reference r;
   const std::int64_t planes = k.n * k.c, OH = k.oh(), OW = k.ow();
@@ -109,13 +104,13 @@ Reference reference(const Case& k, const std::vector<T>& x, const std::vector<T>
 }
 
 template <class T>
-Tensor<T> run(const Case& k, const Tensor<T>& x, bool max, bool include_pad) {
+Tensor<T> run(const PoolCase& k, const Tensor<T>& x, bool max, bool include_pad) {
   return max ? lazy::max_pool2d(x, k.kernel, k.stride, k.padding)
              : lazy::avg_pool2d(x, k.kernel, k.stride, k.padding, include_pad);
 }
 
-const std::vector<Case>& cases() {
-  static const std::vector<Case> c = {
+const std::vector<PoolCase>& cases() {
+  static const std::vector<PoolCase> c = {
       {1, 1, 4, 4, 2, std::nullopt},              // stride = kernel
       {3, 3, 7, 6, 2, std::nullopt},              // odd sizes: the last row/column is dropped
       {2, 3, 7, 9, 3, 2, 1},                      // overlapping windows with padding
@@ -193,7 +188,7 @@ TEST(MaxPool2d, NaNPropagates) {
 }
 
 TEST(Pool2d, ExpressionInputAndBfloat16) {
-  const Case k{2, 2, 5, 6, 2, 2, 1};
+  const PoolCase k{2, 2, 5, 6, 2, 2, 1};
   const auto x = random_values<float>(k.in().numel(), 7);
   std::vector<float> twice(x.size());
   for (std::size_t i = 0; i < x.size(); ++i) twice[i] = 2 * x[i];
@@ -221,7 +216,7 @@ TEST(Pool2d, ExpressionInputAndBfloat16) {
 TEST(Pool2d, ThreadCountDoesNotChangeBits) {
   auto& pool = lazy::graph::current_device().threads();
   const int saved = pool.size();
-  const Case k{4, 16, 66, 65, 3, 2, 1};
+  const PoolCase k{4, 16, 66, 65, 3, 2, 1};
   const auto x = random_values<float>(k.in().numel(), 31);
   const auto gy = random_values<float>(k.n * k.c * k.oh() * k.ow(), 32);
   for (bool max : {true, false}) {

@@ -12,32 +12,21 @@
 
 #include <lazytensor/debug/metrics.hpp>
 #include <lazytensor/core/counters.hpp>
-#include <lazytensor/device.hpp>
+#include <lazytensor/tensor.hpp>
 #include <lazytensor/ops/factories.hpp>
 #include <lazytensor/ops/random.hpp>
 
+#include "testing/helpers.hpp"
+
 namespace {
+
+using lazy_tests::num;
+using lazy_tests::ThreadsGuard;
+using lazy_tests::kernels_run;
+using lazy_tests::kSizes;
 
 using lazy::Shape;
 using lazy::Tensor;
-
-struct ThreadsGuard {
-  explicit ThreadsGuard(int n) : pool(lazy::graph::DeviceRegistry::get().device(0).threads()), old(pool.size()) {
-    lazy::set_num_threads(n);
-  }
-  ~ThreadsGuard() { lazy::set_num_threads(old); }
-  lazy::ThreadPool& pool;
-  int old;
-};
-
-// Waits for the steps in flight first (mark_step runs them asynchronously).
-std::int64_t kernels_run() { return lazy::debug::counter_value("KernelsRun"); }
-
-template <class T>
-double num(T v) {
-  if constexpr (std::is_same_v<T, lazy::bfloat16>) return static_cast<double>(static_cast<float>(v));
-  else return static_cast<double>(v);
-}
 
 template <class T>
 std::vector<double> values(const Tensor<T>& t) {
@@ -67,8 +56,6 @@ Moments moments(const std::vector<double>& v) {
   m.var /= static_cast<double>(v.size() - 1);
   return m;
 }
-
-const std::vector<std::int64_t> kSizes = {0, 1, 2, 3, 4, 5, 6, 7, 127, 128, 129};
 
 // ---- Philox ---------------------------------------------------------------------------
 

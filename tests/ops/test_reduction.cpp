@@ -14,7 +14,7 @@
 
 #include <gtest/gtest.h>
 
-#include <lazytensor/device.hpp>
+#include <lazytensor/tensor.hpp>
 #include <lazytensor/ops/factories.hpp>
 #include <lazytensor/ops/reduction.hpp>
 #include <lazytensor/ops/shape.hpp>

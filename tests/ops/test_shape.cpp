@@ -9,11 +9,18 @@
 
 #include <lazytensor/debug/metrics.hpp>
 #include <lazytensor/core/counters.hpp>
-#include <lazytensor/device.hpp>
+#include <lazytensor/tensor.hpp>
 #include <lazytensor/ops/factories.hpp>
 #include <lazytensor/ops/shape.hpp>
 
+#include "testing/helpers.hpp"
+
 namespace {
+
+using lazy_tests::num;
+using lazy_tests::ThreadsGuard;
+using lazy_tests::kernels_run;
+using lazy_tests::kSizes;
 
 using lazy::Shape;
 using lazy::Tensor;
@@ -24,12 +31,6 @@ T val(std::int64_t i) {
   if constexpr (std::is_same_v<T, bool>) return (i * 7 + 3) % 5 < 2;
   else if constexpr (std::is_same_v<T, lazy::bfloat16>) return lazy::bfloat16(static_cast<float>(i % 251 - 125));
   else return static_cast<T>(i % 1000003);
-}
-
-template <class T>
-double num(T v) {
-  if constexpr (std::is_same_v<T, lazy::bfloat16>) return static_cast<double>(static_cast<float>(v));
-  else return static_cast<double>(v);
 }
 
 template <class T>
@@ -88,21 +89,6 @@ std::vector<T> ref_permute(const std::vector<T>& in, const Shape& s, const std::
   }
   return r;
 }
-
-// Runs the device's kernels on `n` threads for the lifetime of the guard.
-struct ThreadsGuard {
-  explicit ThreadsGuard(int n) : pool(lazy::graph::DeviceRegistry::get().device(0).threads()), old(pool.size()) {
-    lazy::set_num_threads(n);
-  }
-  ~ThreadsGuard() { lazy::set_num_threads(old); }
-  lazy::ThreadPool& pool;
-  int old;
-};
-
-// Waits for the steps in flight first (mark_step runs them asynchronously).
-std::int64_t kernels_run() { return lazy::debug::counter_value("KernelsRun"); }
-
-const std::vector<std::int64_t> kSizes = {0, 1, 2, 3, 4, 5, 6, 7, 127, 128, 129};
 
 template <class T>
 class ShapeOps : public ::testing::Test {};

@@ -9,25 +9,20 @@
 
 #include <gtest/gtest.h>
 
-#include <lazytensor/device.hpp>
+#include <lazytensor/tensor.hpp>
 #include <lazytensor/ops/factories.hpp>
 #include <lazytensor/ops/softmax.hpp>
 
+#include "testing/helpers.hpp"
+
 namespace {
+
+using lazy_tests::random_values;
 
 using lazy::Shape;
 using lazy::Tensor;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
-
-template <class T>
-std::vector<T> random_values(std::int64_t n, double lo, double hi, unsigned seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> d(lo, hi);
-  std::vector<T> v(static_cast<std::size_t>(n));
-  for (auto& x : v) x = static_cast<T>(d(rng));
-  return v;
-}
 
 /// Reference softmax / log_softmax of `x` (shape s) along dim d, in long double.
 template <class T>
@@ -82,8 +77,8 @@ void check_against_reference(const std::vector<T>& x, const Shape& s, std::int64
 
 template <class T>
 class SoftmaxTyped : public ::testing::Test {};
-using FloatTypes = ::testing::Types<float, double>;
-TYPED_TEST_SUITE(SoftmaxTyped, FloatTypes);
+using SoftmaxTypes = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(SoftmaxTyped, SoftmaxTypes);
 
 TYPED_TEST(SoftmaxTyped, EveryDimAgainstReference) {
   using T = TypeParam;
@@ -93,7 +88,7 @@ TYPED_TEST(SoftmaxTyped, EveryDimAgainstReference) {
                                      Shape{64, 1000}, Shape{1000, 64}};
   unsigned seed = 1;
   for (const Shape& s : shapes) {
-    const auto x = random_values<T>(s.numel(), -6, 6, seed++);
+    const auto x = random_values<T>(s.numel(), seed++, -6, 6);
     for (int d = 0; d < s.rank(); ++d) {
       check_against_reference(x, s, d);
       check_against_reference(x, s, d - s.rank());  // the same dim, counted from the back
@@ -107,7 +102,7 @@ TYPED_TEST(SoftmaxTyped, RowsSumToOneAndLogMatches) {
   for (std::int64_t len : {1, 2, 3, 7, 8, 15, 16, 17, 129, 1000}) {
     SCOPED_TRACE(len);
     const std::int64_t rows = 5;
-    Tensor<T> x = lazy::from_vector(random_values<T>(rows * len, -10, 10, 100 + static_cast<unsigned>(len)),
+    Tensor<T> x = lazy::from_vector(random_values<T>(rows * len, 100 + static_cast<unsigned>(len), -10, 10),
                                     Shape{rows, len});
     for (std::int64_t dim : {1, 0}) {
       Tensor<T> s = lazy::softmax(x, dim);
@@ -243,7 +238,7 @@ TEST(Softmax, BadDim) {
 }
 
 TEST(Softmax, ExpressionAndIntegerInputs) {
-  std::vector<float> v = random_values<float>(3 * 9, -2, 2, 77);
+  std::vector<float> v = random_values<float>(3 * 9, 77, -2, 2);
   Tensor<float> x = lazy::from_vector(v, Shape{3, 9});
   // An element-wise expression operand.
   Tensor<float> y = lazy::softmax(x * 2.0f + 1.0f, 1);
@@ -272,7 +267,7 @@ TEST(Softmax, DonatedInputAndThreads) {
   // The input is a pending temporary only the softmax reads: its buffer may be reused.
   auto& pool = lazy::graph::current_device().threads();
   const int saved = pool.size();
-  const std::vector<float> v = random_values<float>(300 * 257, -4, 4, 5);
+  const std::vector<float> v = random_values<float>(300 * 257, 5, -4, 4);
   std::vector<float> doubled(v.size());
   for (std::size_t i = 0; i < v.size(); ++i) doubled[i] = v[i] * 2.0f;
   const auto r_row = reference(doubled, Shape{300, 257}, 1, false);

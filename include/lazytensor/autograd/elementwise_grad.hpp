@@ -46,12 +46,36 @@ class ElementwiseGradFnBase : public GradFn {
   std::vector<graph::NodePtr> inputs_;
 };
 
+namespace detail {
+/// Registers the conversions from gradient dtype S to the dtype of every leaf of kernel K.
+template <class S, class K>
+struct register_leaf_casts {
+  static void run() {}
+};
+template <class S, Element T>
+struct register_leaf_casts<S, expr::KLeaf<T>> {
+  static void run() { register_grad_cast<S, T>(); }
+};
+template <class S, class Op, class... C>
+struct register_leaf_casts<S, expr::KExpr<Op, C...>> {
+  static void run() { (register_leaf_casts<S, C>::run(), ...); }
+};
+}  // namespace detail
+
 /// Backward of `y = K(inputs...)` with output dtype Tout.
 template <class K, Element Tout>
 class ElementwiseGradFn final : public ElementwiseGradFnBase {
  public:
   ElementwiseGradFn(K kernel, std::vector<graph::NodePtr> inputs)
-      : ElementwiseGradFnBase(std::move(inputs)), kernel_(std::move(kernel)) {}
+      : ElementwiseGradFnBase(std::move(inputs)), kernel_(std::move(kernel)) {
+    // apply() sums gradients of the kernel's lane back to each input's shape and dtype.
+    using S = typename expr::KGrad<K, Tout>::value_type;
+    register_grad_dtype<Tout>();
+    if constexpr (is_floating_v<S>) {
+      register_grad_dtype<S>();
+      detail::register_leaf_casts<S, K>::run();
+    }
+  }
 
   std::string name() const override {
     std::string n = op_label();

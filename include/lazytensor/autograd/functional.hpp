@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include <lazytensor/tensor.hpp>
+#include <lazytensor/tensor/tensor.hpp>
 
 namespace lazy::autograd {
 
@@ -35,7 +35,7 @@ std::vector<Tensor<T>> grad(const std::vector<Tensor<T>>& outputs, const std::ve
           throw Error("autograd::grad: grad can be implicitly created only for scalar outputs (output " +
                       std::to_string(i) + " has shape " + o.shape().str() + ")");
         }
-        g = full_node(o.shape(), dtype_of<T>(), o.node()->device(), 1.0);
+        g = full_node_of<T>(o.shape(), o.node()->device(), 1.0);
       } else {
         if (!(grad_outputs[i].shape() == o.shape())) {
           throw ShapeError("autograd::grad: grad_outputs[" + std::to_string(i) + "] has shape " +

@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include <lazytensor/tensor.hpp>
+#include <lazytensor/tensor/tensor.hpp>
 
 namespace lazy::autograd {
 
@@ -84,6 +84,7 @@ template <Element T, class F>
 void record(Tensor<T>& out, const char* name, std::vector<GradFnPtr> edges, F backward) {
   if constexpr (!is_floating_v<T>) return;  // integer results carry no gradient
   if (!any_edge(edges)) return;
+  register_grad_dtype<T>();
   auto fn = std::make_shared<FunctionGradFn>(name, [b = std::move(backward)](const graph::NodePtr& g) {
     AutoGradMode off(false);
     return b(Tensor<T>(cast_node(g, dtype_of<T>())));

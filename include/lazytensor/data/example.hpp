@@ -13,7 +13,7 @@
 #include <vector>
 
 #include <lazytensor/core/error.hpp>
-#include <lazytensor/tensor.hpp>
+#include <lazytensor/tensor/tensor.hpp>
 
 namespace lazy::data {
 

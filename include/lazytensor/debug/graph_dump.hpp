@@ -12,7 +12,7 @@
 #include <vector>
 
 #include <lazytensor/graph/executor.hpp>
-#include <lazytensor/tensor.hpp>
+#include <lazytensor/tensor/tensor.hpp>
 
 namespace lazy::debug {
 

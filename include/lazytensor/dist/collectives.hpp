@@ -16,7 +16,7 @@
 #include <lazytensor/dist/exchanges.hpp>
 #include <lazytensor/dist/reduce_op.hpp>
 #include <lazytensor/dist/signature.hpp>
-#include <lazytensor/tensor.hpp>
+#include <lazytensor/tensor/tensor.hpp>
 
 namespace lazy::dist {
 

@@ -17,7 +17,7 @@
 #include <unordered_set>
 #include <vector>
 
-#include <lazytensor/device.hpp>
+#include <lazytensor/tensor/device.hpp>
 #include <lazytensor/dist/collectives.hpp>
 #include <lazytensor/optim/optimizer.hpp>
 

@@ -65,7 +65,7 @@
 #include <lazytensor/core/error.hpp>
 #include <lazytensor/data/data_loader.hpp>
 #include <lazytensor/data/example.hpp>
-#include <lazytensor/device.hpp>
+#include <lazytensor/tensor/device.hpp>
 
 namespace lazy::dist {
 

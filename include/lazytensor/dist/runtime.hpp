@@ -10,7 +10,7 @@
 
 #include <string>
 
-#include <lazytensor/device.hpp>
+#include <lazytensor/tensor/device.hpp>
 #include <lazytensor/dist/context.hpp>
 
 namespace lazy::runtime {

@@ -14,6 +14,7 @@ namespace lazy::nn {
   class NAME##Impl : public Module {                                                           \
    public:                                                                                     \
     NAME##Impl() : Module(#NAME) {}                                                            \
+    template <class = void>                                                                    \
     Tensor<float> forward(const Tensor<float>& x) const { return Tensor<float>(lazy::FN(x)); } \
     void pretty_print(std::ostream& os) const override { os << #NAME "()"; }                   \
   };                                                                                           \
@@ -31,6 +32,7 @@ class FlattenImpl : public Module {
  public:
   explicit FlattenImpl(std::int64_t start_dim = 1, std::int64_t end_dim = -1)
       : Module("Flatten"), start_(start_dim), end_(end_dim) {}
+  template <class = void>
   Tensor<float> forward(const Tensor<float>& x) const { return flatten(x, start_, end_); }
   void pretty_print(std::ostream& os) const override {
     os << "Flatten(start_dim=" << start_ << ", end_dim=" << end_ << ")";
@@ -48,6 +50,7 @@ class DropoutImpl : public Module {
   explicit DropoutImpl(double p = 0.5) : Module("Dropout"), p_(p) {
     if (p < 0 || p > 1) throw Error("Dropout: probability has to be between 0 and 1, but got " + std::to_string(p));
   }
+  template <class = void>
   Tensor<float> forward(const Tensor<float>& x) const { return functional::dropout(x, p_, is_training()); }
   void pretty_print(std::ostream& os) const override { os << "Dropout(p=" << p_ << ")"; }
 

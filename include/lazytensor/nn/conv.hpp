@@ -44,11 +44,13 @@ struct Conv2dOptions {
 class Conv2dImpl : public Module {
  public:
   /// Conv2d(in_channels, out_channels, kernel_size) with default options.
+  template <class = void>
   Conv2dImpl(std::int64_t in_channels, std::int64_t out_channels, Size2 kernel_size)
       : Conv2dImpl(Conv2dOptions(in_channels, out_channels, kernel_size)) {}
 
   /// ShapeError for non-positive channels, kernel size, stride or dilation, or a negative
   /// padding.
+  template <class = void>
   explicit Conv2dImpl(const Conv2dOptions& options_) : Module("Conv2d"), options(options_) {
     const auto& o = options;
     if (o.in_channels() <= 0 || o.out_channels() <= 0) {
@@ -75,6 +77,7 @@ class Conv2dImpl : public Module {
 
   /// x [N, in_channels, H, W] -> [N, out_channels, OH, OW]; ShapeError (from conv2d) for
   /// another rank or channel count, or an input smaller than the dilated kernel.
+  template <class = void>
   Tensor<float> forward(const Tensor<float>& x) const {
     return conv2d(x, weight, bias, options.stride(), options.padding(), options.dilation());
   }

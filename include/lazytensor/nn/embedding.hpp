@@ -13,6 +13,7 @@ namespace lazy::nn {
 /// Maps integer indices to learned vectors.
 class EmbeddingImpl : public Module {
  public:
+  template <class = void>
   EmbeddingImpl(std::int64_t num_embeddings, std::int64_t embedding_dim)
       : Module("Embedding"), n_(num_embeddings), d_(embedding_dim) {
     if (num_embeddings <= 0 || embedding_dim <= 0) {

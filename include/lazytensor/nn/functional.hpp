@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include <lazytensor/autograd/record.hpp>
 #include <lazytensor/ops/random.hpp>
@@ -29,6 +30,12 @@ Tensor<T> reduce(const Tensor<T>& per_sample, Reduction r) {
   return per_sample;
 }
 
+/// Tensor<T> in a non-deduced context. A function taking it is a template whose body is
+/// compiled only where it is called (T defaults to float), and arguments such as
+/// expressions still convert: headers that merely declare losses cost nothing to include.
+template <class T>
+using Arg = std::type_identity_t<Tensor<T>>;
+
 template <Element T, IndexElement I>
 void check_targets(const Tensor<T>& input, const Tensor<I>& target, const char* op) {
   if (input.dim() != 2) {
@@ -52,32 +59,32 @@ struct CrossEntropyOptions {
 /// F.cross_entropy). Its backward is one fused kernel, (softmax(x) - smoothed one-hot) * g,
 /// rather than the composition of log_softmax, gather and the reduction. Class indices
 /// outside [0, C) raise IndexError when the loss is computed.
-template <IndexElement I>
-Tensor<float> cross_entropy(const Tensor<float>& input, const Tensor<I>& target, CrossEntropyOptions opt = {}) {
+template <IndexElement I, class F = float>
+Tensor<F> cross_entropy(const detail::Arg<F>& input, const Tensor<I>& target, CrossEntropyOptions opt = {}) {
   detail::check_targets(input, target, "cross_entropy");
   if (opt.label_smoothing < 0 || opt.label_smoothing > 1) {
     throw Error("cross_entropy: label_smoothing must be in [0, 1], got " + std::to_string(opt.label_smoothing));
   }
   const std::int64_t n = input.size(0), c = input.size(1);
-  const float eps = static_cast<float>(opt.label_smoothing);
-  Tensor<float> logp;
-  Tensor<float> per_sample;
+  const F eps = static_cast<F>(opt.label_smoothing);
+  Tensor<F> logp;
+  Tensor<F> per_sample;
   {
     NoGradGuard forward_only;  // the backward below is explicit
     logp = log_softmax(input, 1);
-    Tensor<float> picked = reshape(gather(logp, 1, reshape(target, Shape{n, 1})), Shape{n});
-    per_sample = eps == 0 ? Tensor<float>(-picked)
-                          : Tensor<float>(-(1 - eps) * picked - (eps / static_cast<float>(c)) * sum(logp, {1}));
+    Tensor<F> picked = reshape(gather(logp, 1, reshape(target, Shape{n, 1})), Shape{n});
+    per_sample = eps == 0 ? Tensor<F>(-picked)
+                          : Tensor<F>(-(1 - eps) * picked - (eps / static_cast<F>(c)) * sum(logp, {1}));
   }
-  Tensor<float> loss = detail::reduce(per_sample, opt.reduction);
+  Tensor<F> loss = detail::reduce(per_sample, opt.reduction);
   autograd::record(loss, "CrossEntropyBackward0", {autograd::edge_of(input.impl())},
-                   [logp = logp.detach(), target = target.detach(), n, c, eps, r = opt.reduction](const Tensor<float>& g) {
+                   [logp = logp.detach(), target = target.detach(), n, c, eps, r = opt.reduction](const Tensor<F>& g) {
                      // d loss_i / d x_ij = softmax_ij - ((1 - eps) [j == t_i] + eps / C), times the
                      // incoming gradient (per sample for 'none', shared otherwise).
-                     Tensor<float> gi = r == Reduction::None ? reshape(g, Shape{n, 1})
-                                        : r == Reduction::Mean ? Tensor<float>(reshape(g, Shape{1, 1}) / static_cast<float>(n))
+                     Tensor<F> gi = r == Reduction::None ? reshape(g, Shape{n, 1})
+                                        : r == Reduction::Mean ? Tensor<F>(reshape(g, Shape{1, 1}) / static_cast<F>(n))
                                                                : reshape(g, Shape{1, 1});
-                     Tensor<float> dx = (exp(logp) - (cast<float>(one_hot(target, c)) * (1 - eps) + eps / static_cast<float>(c))) * gi;
+                     Tensor<F> dx = (exp(logp) - (cast<F>(one_hot(target, c)) * (1 - eps) + eps / static_cast<F>(c))) * gi;
                      return std::vector<graph::NodePtr>{dx.node()};
                    });
   return loss;
@@ -93,7 +100,8 @@ Tensor<float> nll_loss(const Tensor<float>& input, const Tensor<I>& target, Redu
 }
 
 /// Mean squared error (torch's F.mse_loss).
-inline Tensor<float> mse_loss(const Tensor<float>& input, const Tensor<float>& target, Reduction r = Reduction::Mean) {
+template <class = void>
+Tensor<float> mse_loss(const Tensor<float>& input, const Tensor<float>& target, Reduction r = Reduction::Mean) {
   if (!(input.shape() == target.shape())) {
     throw ShapeError("mse_loss: input " + input.shape().str() + " and target " + target.shape().str() +
                      " must have the same shape");
@@ -103,7 +111,8 @@ inline Tensor<float> mse_loss(const Tensor<float>& input, const Tensor<float>& t
 }
 
 /// Binary cross entropy on logits, computed stably: max(x, 0) - x * y + log(1 + e^-|x|).
-inline Tensor<float> binary_cross_entropy_with_logits(const Tensor<float>& input, const Tensor<float>& target,
+template <class = void>
+Tensor<float> binary_cross_entropy_with_logits(const Tensor<float>& input, const Tensor<float>& target,
                                                       Reduction r = Reduction::Mean) {
   if (!(input.shape() == target.shape())) {
     throw ShapeError("binary_cross_entropy_with_logits: input " + input.shape().str() + " and target " +
@@ -114,7 +123,8 @@ inline Tensor<float> binary_cross_entropy_with_logits(const Tensor<float>& input
 }
 
 /// Zeroes elements with probability p and scales the rest by 1 / (1 - p) in training.
-inline Tensor<float> dropout(const Tensor<float>& x, double p = 0.5, bool training = true) {
+template <class = void>
+Tensor<float> dropout(const Tensor<float>& x, double p = 0.5, bool training = true) {
   if (p < 0 || p > 1) throw Error("dropout: probability has to be between 0 and 1, but got " + std::to_string(p));
   if (!training || p == 0) return x;
   if (p == 1) return Tensor<float>(x * 0.0f);
@@ -123,8 +133,9 @@ inline Tensor<float> dropout(const Tensor<float>& x, double p = 0.5, bool traini
 
 /// Normalizes over the trailing dims `normalized` (torch's F.layer_norm); weight and bias
 /// (optional: undefined tensors) have the normalized shape.
-inline Tensor<float> layer_norm(const Tensor<float>& x, const Shape& normalized, const Tensor<float>& weight,
-                                const Tensor<float>& bias, double eps = 1e-5) {
+template <class F = float>
+Tensor<F> layer_norm(const detail::Arg<F>& x, const Shape& normalized, const detail::Arg<F>& weight,
+                     const detail::Arg<F>& bias, double eps = 1e-5) {
   const int k = normalized.rank(), r = x.dim();
   bool ok = k >= 1 && k <= r;
   for (int i = 0; ok && i < k; ++i) ok = x.shape()[r - k + i] == normalized[i];
@@ -134,10 +145,10 @@ inline Tensor<float> layer_norm(const Tensor<float>& x, const Shape& normalized,
   }
   std::vector<std::int64_t> dims;
   for (int i = r - k; i < r; ++i) dims.push_back(i);
-  Tensor<float> mu = mean(x, dims, true);
-  Tensor<float> xc = x - mu;
-  Tensor<float> var = mean(xc * xc, dims, true);
-  Tensor<float> y = xc * rsqrt(var + static_cast<float>(eps));
+  Tensor<F> mu = mean(x, dims, true);
+  Tensor<F> xc = x - mu;
+  Tensor<F> var = mean(xc * xc, dims, true);
+  Tensor<F> y = xc * rsqrt(var + static_cast<F>(eps));
   if (weight.defined()) y = y * weight;
   if (bias.defined()) y = y + bias;
   return y;

@@ -8,7 +8,7 @@
 
 #include <lazytensor/ops/random.hpp>
 #include <lazytensor/ops/factories.hpp>
-#include <lazytensor/tensor.hpp>
+#include <lazytensor/tensor/tensor.hpp>
 
 namespace lazy::nn::init {
 
@@ -42,41 +42,49 @@ inline std::pair<double, double> fans(const Shape& s) {
 }
 
 /// Fills with U(a, b).
-inline Tensor<float>& uniform_(Tensor<float>& t, double a = 0, double b = 1) {
+template <class = void>
+Tensor<float>& uniform_(Tensor<float>& t, double a = 0, double b = 1) {
   NoGradGuard guard;
   t.copy_(rand<float>(t.shape(), t.device()) * static_cast<float>(b - a) + static_cast<float>(a));
   return t;
 }
 /// Fills with N(mean, std^2).
-inline Tensor<float>& normal_(Tensor<float>& t, double mean = 0, double std = 1) {
+template <class = void>
+Tensor<float>& normal_(Tensor<float>& t, double mean = 0, double std = 1) {
   NoGradGuard guard;
   t.copy_(randn<float>(t.shape(), t.device()) * static_cast<float>(std) + static_cast<float>(mean));
   return t;
 }
 /// Fills with `value`.
-inline Tensor<float>& constant_(Tensor<float>& t, double value) {
+template <class = void>
+Tensor<float>& constant_(Tensor<float>& t, double value) {
   NoGradGuard guard;
   t.fill_(value);
   return t;
 }
 /// Fills with zeros.
-inline Tensor<float>& zeros_(Tensor<float>& t) { return constant_(t, 0); }
+template <class = void>
+Tensor<float>& zeros_(Tensor<float>& t) { return constant_(t, 0); }
 /// Fills with ones.
-inline Tensor<float>& ones_(Tensor<float>& t) { return constant_(t, 1); }
+template <class = void>
+Tensor<float>& ones_(Tensor<float>& t) { return constant_(t, 1); }
 
 /// Glorot uniform: U(-a, a), a = gain * sqrt(6 / (fan_in + fan_out)).
-inline Tensor<float>& xavier_uniform_(Tensor<float>& t, double gain = 1) {
+template <class = void>
+Tensor<float>& xavier_uniform_(Tensor<float>& t, double gain = 1) {
   auto [in, out] = fans(t.shape());
   const double a = gain * std::sqrt(6.0 / (in + out));
   return uniform_(t, -a, a);
 }
 /// Glorot normal: N(0, std^2), std = gain * sqrt(2 / (fan_in + fan_out)).
-inline Tensor<float>& xavier_normal_(Tensor<float>& t, double gain = 1) {
+template <class = void>
+Tensor<float>& xavier_normal_(Tensor<float>& t, double gain = 1) {
   auto [in, out] = fans(t.shape());
   return normal_(t, 0, gain * std::sqrt(2.0 / (in + out)));
 }
 /// He uniform: U(-b, b), b = gain(nl, a) * sqrt(3 / fan).
-inline Tensor<float>& kaiming_uniform_(Tensor<float>& t, double a = 0, FanMode mode = FanMode::FanIn,
+template <class = void>
+Tensor<float>& kaiming_uniform_(Tensor<float>& t, double a = 0, FanMode mode = FanMode::FanIn,
                                        Nonlinearity nl = Nonlinearity::LeakyReLU) {
   auto [in, out] = fans(t.shape());
   const double fan = mode == FanMode::FanIn ? in : out;
@@ -84,7 +92,8 @@ inline Tensor<float>& kaiming_uniform_(Tensor<float>& t, double a = 0, FanMode m
   return uniform_(t, -bound, bound);
 }
 /// He normal: N(0, std^2), std = gain(nl, a) / sqrt(fan).
-inline Tensor<float>& kaiming_normal_(Tensor<float>& t, double a = 0, FanMode mode = FanMode::FanIn,
+template <class = void>
+Tensor<float>& kaiming_normal_(Tensor<float>& t, double a = 0, FanMode mode = FanMode::FanIn,
                                       Nonlinearity nl = Nonlinearity::LeakyReLU) {
   auto [in, out] = fans(t.shape());
   const double fan = mode == FanMode::FanIn ? in : out;

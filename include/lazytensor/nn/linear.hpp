@@ -16,6 +16,7 @@ namespace lazy::nn {
 class LinearImpl : public Module {
  public:
   /// in_features -> out_features, with a bias unless `bias` is false.
+  template <class = void>
   LinearImpl(std::int64_t in_features, std::int64_t out_features, bool bias = true)
       : Module("Linear"), in_(in_features), out_(out_features) {
     if (in_features <= 0 || out_features <= 0) {
@@ -33,6 +34,7 @@ class LinearImpl : public Module {
 
   /// x [..., in_features] -> [..., out_features]; bias and a following element-wise op
   /// run on the GEMM's row blocks.
+  template <class = void>
   Tensor<float> forward(const Tensor<float>& x) const {
     if (bias.defined()) return linear(x, weight, bias);
     return linear(x, weight);

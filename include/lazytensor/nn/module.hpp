@@ -19,7 +19,7 @@
 
 #include <lazytensor/state_dict.hpp>
 #include <lazytensor/ops/factories.hpp>
-#include <lazytensor/tensor.hpp>
+#include <lazytensor/tensor/tensor.hpp>
 
 namespace lazy::nn {
 

@@ -16,6 +16,7 @@ namespace lazy::nn {
 /// Normalizes over the trailing `normalized_shape` dims, with a learned affine map.
 class LayerNormImpl : public Module {
  public:
+  template <class = void>
   explicit LayerNormImpl(Shape normalized_shape, double eps = 1e-5, bool elementwise_affine = true)
       : Module("LayerNorm"), shape_(normalized_shape), eps_(eps) {
     if (elementwise_affine) {
@@ -23,6 +24,7 @@ class LayerNormImpl : public Module {
       bias = register_parameter("bias", zeros<float>(normalized_shape));
     }
   }
+  template <class = void>
   Tensor<float> forward(const Tensor<float>& x) const { return functional::layer_norm(x, shape_, weight, bias, eps_); }
   void pretty_print(std::ostream& os) const override { os << "LayerNorm(" << shape_.str() << ", eps=" << eps_ << ")"; }
 
@@ -56,7 +58,10 @@ class BatchNormImpl : public Module {
     }
   }
 
-  Tensor<float> forward(const Tensor<float>& x) {
+  /// (F is float: the input is a template-dependent type so that this body, which calls
+  /// deduced-type reductions, is compiled only where a batch norm runs.)
+  template <class F = float>
+  Tensor<F> forward(const functional::detail::Arg<F>& x) {
     const int r = x.dim();
     const bool ok = Rank == 1 ? (r == 2 || r == 3) : r == 4;
     if (!ok || x.size(1) != c_) {
@@ -69,15 +74,15 @@ class BatchNormImpl : public Module {
     for (int d = 2; d < r; ++d) dims.push_back(d);
     Shape stat;  // [1, C, 1, ...]
     for (int d = 0; d < r; ++d) stat.push_back(d == 1 ? c_ : 1);
-    Tensor<float> y;
+    Tensor<F> y;
     if (is_training() || !running_mean.defined()) {
       const std::int64_t count = x.numel() / c_;
       if (is_training() && count <= 1) {
         throw Error(name() + ": expected more than 1 value per channel when training, got input " + x.shape().str());
       }
-      Tensor<float> mu = mean(x, dims, true);
-      Tensor<float> xc = x - mu;
-      Tensor<float> var = mean(xc * xc, dims, true);
+      Tensor<F> mu = mean(x, dims, true);
+      Tensor<F> xc = x - mu;
+      Tensor<F> var = mean(xc * xc, dims, true);
       y = xc * rsqrt(var + static_cast<float>(eps_));
       if (is_training() && running_mean.defined()) {
         NoGradGuard guard;

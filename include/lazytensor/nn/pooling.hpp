@@ -77,6 +77,7 @@ class MaxPool2dImpl : public Module {
   }
   /// ShapeError (from max_pool2d) unless x is [N, C, H, W] with a plane no smaller than the
   /// kernel once padded.
+  template <class = void>
   Tensor<float> forward(const Tensor<float>& x) const {
     return max_pool2d(x, options.kernel_size(), options.stride(), options.padding());
   }
@@ -108,6 +109,7 @@ class AvgPool2dImpl : public Module {
   }
   /// ShapeError (from avg_pool2d) unless x is [N, C, H, W] with a plane no smaller than the
   /// kernel once padded.
+  template <class = void>
   Tensor<float> forward(const Tensor<float>& x) const {
     return avg_pool2d(x, options.kernel_size(), options.stride(), options.padding(),
                       options.count_include_pad());

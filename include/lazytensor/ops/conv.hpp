@@ -26,7 +26,7 @@
 #include <lazytensor/ops/matmul.hpp>
 #include <lazytensor/ops/shape.hpp>
 #include <lazytensor/ops/window.hpp>
-#include <lazytensor/tensor.hpp>
+#include <lazytensor/tensor/tensor.hpp>
 
 namespace lazy {
 

@@ -9,7 +9,7 @@
 
 #include <Eigen/Core>
 
-#include <lazytensor/tensor.hpp>
+#include <lazytensor/tensor/tensor.hpp>
 
 namespace lazy {
 

@@ -12,6 +12,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <Eigen/Core>
@@ -22,7 +23,7 @@
 #include <lazytensor/ops/gemm_kernel.hpp>
 #include <lazytensor/ops/reduction.hpp>
 #include <lazytensor/ops/shape.hpp>
-#include <lazytensor/tensor.hpp>
+#include <lazytensor/tensor/tensor.hpp>
 
 namespace lazy {
 
@@ -351,8 +352,11 @@ Tensor<T> linear(const Tensor<T>& x, const Tensor<T>& w) {
 
 /// x @ w^T + b. Returns an expression (as `a + b` does), so a following element-wise op
 /// such as relu joins the bias in one epilogue that runs on the GEMM's row blocks.
+/// (The return type is spelled out so that naming a call does not compile the GEMM: a
+/// deduced type would instantiate this body wherever a call is merely written.)
 template <Element T>
-auto linear(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& b) {
+auto linear(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& b)
+    -> decltype(std::declval<const Tensor<T>&>() + std::declval<const Tensor<T>&>()) {
   if (b.dim() != 1 || b.size(0) != w.size(0)) {
     throw ShapeError("linear: expected bias of shape (" + std::to_string(w.size(0)) + ",), got " + b.shape().str());
   }

@@ -25,7 +25,7 @@
 #include <lazytensor/graph/parallel.hpp>
 #include <lazytensor/ops/shape.hpp>
 #include <lazytensor/ops/window.hpp>
-#include <lazytensor/tensor.hpp>
+#include <lazytensor/tensor/tensor.hpp>
 
 namespace lazy {
 

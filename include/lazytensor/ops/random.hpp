@@ -27,10 +27,10 @@
 
 #include <xsimd/xsimd.hpp>
 
-#include <lazytensor/device.hpp>
+#include <lazytensor/tensor/device.hpp>
 #include <lazytensor/graph/builders.hpp>
 #include <lazytensor/graph/parallel.hpp>
-#include <lazytensor/tensor.hpp>
+#include <lazytensor/tensor/tensor.hpp>
 
 namespace lazy {
 

@@ -15,7 +15,7 @@
 #include <lazytensor/core/small_vector.hpp>
 #include <lazytensor/graph/reduction_node.hpp>
 #include <lazytensor/ops/shape.hpp>
-#include <lazytensor/tensor.hpp>
+#include <lazytensor/tensor/tensor.hpp>
 
 namespace lazy {
 

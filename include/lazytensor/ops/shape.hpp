@@ -31,7 +31,7 @@
 #include <lazytensor/graph/parallel.hpp>
 #include <lazytensor/graph/transpose_hint.hpp>
 #include <lazytensor/ops/shape_backward.hpp>
-#include <lazytensor/tensor.hpp>
+#include <lazytensor/tensor/tensor.hpp>
 
 namespace lazy {
 

@@ -13,7 +13,7 @@
 #include <lazytensor/autograd/record.hpp>
 #include <lazytensor/graph/elementwise_node.hpp>
 #include <lazytensor/ops/reduction.hpp>
-#include <lazytensor/tensor.hpp>
+#include <lazytensor/tensor/tensor.hpp>
 
 namespace lazy {
 

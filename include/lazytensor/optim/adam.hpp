@@ -52,6 +52,9 @@ class AdamBase : public OptimizerWithOptions<Options> {
 
  public:
   using typename Base::ParamGroup;
+  /// One group of parameters (AdamW's default options decay weights by 1e-2, as torch's).
+  AdamBase(std::vector<Tensor<float>> params, Options options = default_options())
+      : AdamBase(std::vector<ParamGroup>{ParamGroup{std::move(params), options}}) {}
   AdamBase(std::vector<ParamGroup> groups) : Base(std::move(groups)) {
     for (const auto& g : this->groups_) validate(g.options);
   }
@@ -104,6 +107,10 @@ class AdamBase : public OptimizerWithOptions<Options> {
   std::string type_name_of() const override { return type_name(); }
 
  private:
+  static Options default_options() {
+    if constexpr (Decoupled) return AdamWOptions();
+    else return Options();
+  }
   void validate(const AdamOptions& o) const {
     const double b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
     const std::string n = type_name();
@@ -115,21 +122,12 @@ class AdamBase : public OptimizerWithOptions<Options> {
   }
 };
 
-/// Adam (L2 weight decay added to the gradient), as torch.optim.Adam.
-class Adam : public AdamBase<AdamOptions, false> {
- public:
-  Adam(std::vector<Tensor<float>> params, AdamOptions options = {})
-      : AdamBase({ParamGroup{std::move(params), options}}) {}
-  Adam(std::vector<ParamGroup> groups) : AdamBase(std::move(groups)) {}
-};
+/// Adam (L2 weight decay added to the gradient), as torch.optim.Adam. A class template
+/// under the name: its step is compiled only into programs that use it.
+using Adam = AdamBase<AdamOptions, false>;
 
 /// AdamW (decoupled weight decay: p *= 1 - lr * weight_decay with the step), as
 /// torch.optim.AdamW.
-class AdamW : public AdamBase<AdamOptions, true> {
- public:
-  AdamW(std::vector<Tensor<float>> params, AdamOptions options = AdamWOptions())
-      : AdamBase({ParamGroup{std::move(params), options}}) {}
-  AdamW(std::vector<ParamGroup> groups) : AdamBase(std::move(groups)) {}
-};
+using AdamW = AdamBase<AdamOptions, true>;
 
 }  // namespace lazy::optim

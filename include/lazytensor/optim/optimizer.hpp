@@ -16,7 +16,7 @@
 #include <lazytensor/core/arg.hpp>
 #include <lazytensor/ops/factories.hpp>
 #include <lazytensor/state_dict.hpp>
-#include <lazytensor/tensor.hpp>
+#include <lazytensor/tensor/tensor.hpp>
 
 namespace lazy::optim {
 

@@ -35,16 +35,18 @@ struct SGDOptions {
   }
 };
 
-/// Stochastic gradient descent. Per parameter: buf = momentum * buf + (1 - dampening) * g
-/// (g itself at the first step), then p -= lr * (nesterov ? g + momentum * buf : buf),
-/// with g = grad + weight_decay * p.
-class SGD : public OptimizerWithOptions<SGDOptions> {
+/// Stochastic gradient descent (`optim::SGD`). Per parameter: buf = momentum * buf +
+/// (1 - dampening) * g (g itself at the first step), then p -= lr * (nesterov ? g + momentum
+/// * buf : buf), with g = grad + weight_decay * p. A class template (the parameter is unused)
+/// so that its step is compiled only into programs that construct one.
+template <class = void>
+class BasicSGD : public OptimizerWithOptions<SGDOptions> {
  public:
-  SGD(std::vector<Tensor<float>> params, SGDOptions options)
+  BasicSGD(std::vector<Tensor<float>> params, SGDOptions options)
       : OptimizerWithOptions({ParamGroup{std::move(params), options}}) {
     validate();
   }
-  SGD(std::vector<ParamGroup> groups) : OptimizerWithOptions(std::move(groups)) { validate(); }
+  BasicSGD(std::vector<ParamGroup> groups) : OptimizerWithOptions(std::move(groups)) { validate(); }
 
   void step() override {
     NoGradGuard guard;
@@ -94,5 +96,8 @@ class SGD : public OptimizerWithOptions<SGDOptions> {
     }
   }
 };
+
+/// Stochastic gradient descent, as torch.optim.SGD.
+using SGD = BasicSGD<>;
 
 }  // namespace lazy::optim

@@ -10,7 +10,7 @@
 
 #include <lazytensor/core/counters.hpp>
 #include <lazytensor/graph/executor.hpp>
-#include <lazytensor/tensor.hpp>
+#include <lazytensor/tensor/tensor.hpp>
 
 namespace lazy {
 

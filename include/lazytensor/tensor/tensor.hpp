@@ -177,6 +177,9 @@ class Tensor {
                   "computed by " + impl_->autograd->grad_fn->name() + ")");
     }
     node();
+    if constexpr (is_floating_v<T>) {
+      if (on) autograd::register_grad_dtype<T>();  // its gradients are added and converted at run time
+    }
     impl_->autograd_meta().requires_grad = on;
     return *this;
   }
@@ -237,7 +240,8 @@ class Tensor {
         throw Error("backward: grad can be implicitly created only for scalar outputs (got shape " +
                     shape().str() + ")");
       }
-      g = autograd::full_node(shape(), dtype_of<T>(), node()->device(), 1.0);
+      if constexpr (is_floating_v<T>) g = autograd::full_node_of<T>(shape(), node()->device(), 1.0);
+      else throw DTypeError("backward: only floating point tensors have gradients, found " + dtype_name(dtype_of<T>()));
     }
     autograd::GradFnPtr root = [&] {
       autograd::AutoGradMode on(true);

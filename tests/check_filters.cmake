@@ -1,0 +1,47 @@
+# cmake -DEXE=<test executable> -DFILTERS=<f1|f2|...> -P check_filters.cmake
+#
+# Each test file runs as its folder's executable filtered to the file's suites
+# (tests/CMakeLists.txt). This check fails when a test of the executable is selected by no
+# file's filter (it would never run) or by two (it would run twice, or a suite name is shared).
+function(list_tests out)
+  execute_process(COMMAND "${EXE}" --gtest_list_tests ${ARGN}
+    OUTPUT_VARIABLE text RESULT_VARIABLE rc)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "${EXE} --gtest_list_tests ${ARGN} failed (${rc})")
+  endif()
+  string(REPLACE "\n" ";" lines "${text}")
+  set(names "")
+  set(suite "")
+  foreach(line IN LISTS lines)
+    string(REGEX REPLACE "  #.*" "" line "${line}")
+    if(line MATCHES "^([^ ].*)\\.$")
+      set(suite "${CMAKE_MATCH_1}")
+    elseif(line MATCHES "^  ([^ ]+)")
+      list(APPEND names "${suite}.${CMAKE_MATCH_1}")
+    endif()
+  endforeach()
+  set(${out} "${names}" PARENT_SCOPE)
+endfunction()
+
+list_tests(all)
+string(REPLACE "|" ";" filters "${FILTERS}")
+set(selected "")
+foreach(filter IN LISTS filters)
+  list_tests(some "--gtest_filter=${filter}")
+  list(APPEND selected ${some})
+endforeach()
+list(LENGTH all n_all)
+list(LENGTH selected n_selected)
+set(unique ${selected})
+list(REMOVE_DUPLICATES unique)
+list(LENGTH unique n_unique)
+if(NOT n_selected EQUAL n_unique)
+  message(FATAL_ERROR "${EXE}: ${n_selected} tests selected by the file filters, ${n_unique} distinct: "
+    "two files share a suite name")
+endif()
+set(missing ${all})
+list(REMOVE_ITEM missing ${unique})
+if(missing)
+  message(FATAL_ERROR "${EXE}: tests no file filter selects: ${missing}")
+endif()
+message(STATUS "${EXE}: ${n_all} tests, each selected by exactly one file")

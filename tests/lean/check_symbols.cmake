@@ -1,0 +1,38 @@
+# cmake -DNM=<nm> -DOBJECTS=<object files> -P check_symbols.cmake
+#
+# Fails when the float-only program's objects define a symbol whose template arguments name
+# bfloat16 or double: a kernel, node or backward compiled for a dtype the program never uses.
+# Function parameters of type double (a learning rate, a cost) are fine; template arguments
+# are what select kernels, so only the part of each demangled name before its parameter list
+# is searched.
+string(REPLACE "|" ";" objects "${OBJECTS}")
+set(bad "")
+set(count 0)
+foreach(obj IN LISTS objects)
+  execute_process(COMMAND "${NM}" -C --defined-only "${obj}" OUTPUT_VARIABLE text RESULT_VARIABLE rc)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "${NM} failed on ${obj}")
+  endif()
+  string(REPLACE ";" "," text "${text}")
+  string(REPLACE "\n" ";" lines "${text}")
+  foreach(line IN LISTS lines)
+    math(EXPR count "${count} + 1")
+    # "<address> <type> <name>": keep the name up to its parameter list.
+    string(REGEX REPLACE "^[0-9a-f]* *[A-Za-z] " "" name "${line}")
+    string(REPLACE "decltype(auto) " "" name "${name}")
+    string(REGEX REPLACE "\\(.*" "" name "${name}")
+    if(name MATCHES "lazy::" AND name MATCHES "bfloat16|[<,] ?double ?[,>]")
+      list(APPEND bad "${name}")
+    endif()
+  endforeach()
+endforeach()
+if(count LESS 100)
+  message(FATAL_ERROR "only ${count} symbols read from ${OBJECTS}: is this the float-only program?")
+endif()
+if(bad)
+  list(REMOVE_DUPLICATES bad)
+  list(LENGTH bad n)
+  list(JOIN bad "\n  " shown)
+  message(FATAL_ERROR "the float-only program defines ${n} symbols for other dtypes:\n  ${shown}")
+endif()
+message(STATUS "float-only program: ${count} symbols, none for double or bfloat16")

@@ -1,0 +1,24 @@
+// A program that computes in float only: forward, backward and an optimizer step. Its object
+// file must hold no double or bfloat16 kernels (tests/lean/check_symbols.cmake): the runtime
+// dispatches on dtypes, but it must not compile every dtype's kernels into every program.
+#include <iostream>
+
+#include <lazytensor/nn.hpp>
+#include <lazytensor/optim.hpp>
+#include <lazytensor/tensor.hpp>
+
+int main() {
+  auto a = lazy::randn<float>({64, 64});
+  lazy::Tensor<float> y = lazy::relu(a * 2 + 1);
+  std::cout << lazy::sum(y).item() << "\n";
+
+  lazy::nn::Linear fc(64, 10);
+  lazy::optim::SGD opt(fc->parameters(), lazy::optim::SGDOptions(0.1).momentum(0.9));
+  auto target = lazy::randint<std::int64_t>(0, 10, {64});
+  auto loss = lazy::nn::functional::cross_entropy(fc(y), target);
+  opt.zero_grad();
+  loss.backward();
+  opt.step();
+  lazy::mark_step();
+  std::cout << loss.item() << "\n";
+}

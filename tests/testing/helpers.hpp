@@ -1,0 +1,60 @@
+#pragma once
+// Helpers shared by the test files. Each folder's tests compile as one translation unit
+// (tests/CMakeLists.txt), so a helper used by two files lives here, once.
+
+#include <cstdint>
+#include <random>
+#include <type_traits>
+#include <vector>
+
+#include <lazytensor/lazytensor.hpp>
+
+namespace lazy_tests {
+
+/// `n` values drawn uniformly from [lo, hi) (mt19937_64 seeded with `seed`), converted to T.
+template <class T>
+std::vector<T> random_values(std::int64_t n, unsigned seed, double lo = -1, double hi = 1) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> d(lo, hi);
+  std::vector<T> v(static_cast<std::size_t>(n));
+  for (auto& x : v) x = static_cast<T>(d(rng));
+  return v;
+}
+
+/// Any element as a double (bfloat16 through float).
+template <class T>
+double num(T v) {
+  if constexpr (std::is_same_v<T, lazy::bfloat16>) return static_cast<double>(static_cast<float>(v));
+  else return static_cast<double>(v);
+}
+
+/// The sizes every numerical test covers (DESIGN.md section 11).
+inline const std::vector<std::int64_t> kSizes = {0, 1, 2, 3, 4, 5, 6, 7, 127, 128, 129};
+
+/// A debug counter's current value.
+inline std::int64_t counter(const char* name) { return lazy::debug::counter_value(name); }
+
+/// Kernels run so far on this process.
+inline std::int64_t kernels_run() { return counter("KernelsRun"); }
+
+/// Sets device 0's worker count for one scope and restores the previous count.
+struct ThreadsGuard {
+  explicit ThreadsGuard(int n) : pool(lazy::graph::DeviceRegistry::get().device(0).threads()), old(pool.size()) {
+    lazy::set_num_threads(n);
+  }
+  ~ThreadsGuard() { lazy::set_num_threads(old); }
+  ThreadsGuard(const ThreadsGuard&) = delete;
+  ThreadsGuard& operator=(const ThreadsGuard&) = delete;
+  lazy::ThreadPool& pool;
+  int old;
+};
+
+/// Eager mode on or off for one scope (off afterwards).
+struct EagerGuard {
+  explicit EagerGuard(bool on) { lazy::eager_mode(on); }
+  ~EagerGuard() { lazy::eager_mode(false); }
+  EagerGuard(const EagerGuard&) = delete;
+  EagerGuard& operator=(const EagerGuard&) = delete;
+};
+
+}  // namespace lazy_tests
