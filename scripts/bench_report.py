@@ -465,6 +465,12 @@ def main() -> None:
     if errors:
         md.append("### Errors\n\n" + "\n".join(f"- {r.name}: {r.error}" for r in errors) + "\n")
     text = "\n".join(md)
+    # scripts/compile_report.py owns the section between its markers: keep it.
+    if out_md.exists():
+        old = out_md.read_text()
+        begin, end = "<!-- compile-report:begin -->", "<!-- compile-report:end -->"
+        if begin in old and end in old:
+            text = text.rstrip("\n") + "\n\n" + begin + old.split(begin, 1)[1].split(end, 1)[0] + end + "\n"
     out_md.write_text(text)
     print(text)
     if plot(results, out_png):
