@@ -1859,41 +1859,103 @@ auto operator!(const A& a) {
   return expr::make<ops::LogicalNot>(a);
 }
 
-#define LAZY_UNARY_FUNCTION(FN, OP, DOC)   \
-  /** DOC */                               \
-  template <expr::ExprLike A>              \
-  auto FN(const A& a) {                    \
-    return expr::make<ops::OP>(a);         \
-  }
-// Ops without meaning on bool (PyTorch rejects them too).
-#define LAZY_UNARY_NUMERIC_FUNCTION(FN, OP, DOC) \
-  /** DOC Not for bool. */                       \
-  template <expr::ExprLike A>                    \
-    requires(!expr::BoolValued<A>)               \
-  auto FN(const A& a) {                          \
-    return expr::make<ops::OP>(a);               \
-  }
-LAZY_UNARY_FUNCTION(exp, Exp, Element-wise e^x.)
-LAZY_UNARY_FUNCTION(log, Log, Element-wise natural logarithm.)
-LAZY_UNARY_FUNCTION(log1p, Log1p, Element-wise log(1 + x) accurate near 0.)
-LAZY_UNARY_FUNCTION(expm1, Expm1, Element-wise e^x - 1 accurate near 0.)
-LAZY_UNARY_FUNCTION(sqrt, Sqrt, Element-wise square root.)
-LAZY_UNARY_FUNCTION(rsqrt, Rsqrt, Element-wise 1 / sqrt(x).)
-LAZY_UNARY_NUMERIC_FUNCTION(square, Square,
-                            Element - wise x * x(torch.square; one load of x where x * x has two).)
-LAZY_UNARY_NUMERIC_FUNCTION(abs, Abs, Element-wise absolute value.)
-LAZY_UNARY_NUMERIC_FUNCTION(sign, Sign, Element-wise sign: -1 0 or 1.)
-LAZY_UNARY_FUNCTION(sin, Sin, Element-wise sine.)
-LAZY_UNARY_FUNCTION(cos, Cos, Element-wise cosine.)
-LAZY_UNARY_FUNCTION(tanh, Tanh, Element-wise hyperbolic tangent.)
-LAZY_UNARY_FUNCTION(sigmoid, Sigmoid, Element-wise logistic function 1 / (1 + e^-x).)
-LAZY_UNARY_NUMERIC_FUNCTION(relu, Relu, Element-wise max(x 0) keeping NaN.)
-LAZY_UNARY_FUNCTION(gelu, Gelu, Element-wise exact GELU x * Phi(x).)
-LAZY_UNARY_FUNCTION(silu, Silu, Element-wise x * sigmoid(x).)
-LAZY_UNARY_FUNCTION(softplus, Softplus, Element-wise log(1 + e^x) (linear above 20).)
-LAZY_UNARY_FUNCTION(logical_not, LogicalNot, Element-wise logical not.)
-#undef LAZY_UNARY_FUNCTION
-#undef LAZY_UNARY_NUMERIC_FUNCTION
+// Unary functions. Those marked "not for bool" have no meaning on bool (PyTorch rejects
+// them too): their constraint keeps a bool operand from compiling.
+
+/// Element-wise e^x.
+template <expr::ExprLike A>
+auto exp(const A& a) {
+  return expr::make<ops::Exp>(a);
+}
+/// Element-wise natural logarithm.
+template <expr::ExprLike A>
+auto log(const A& a) {
+  return expr::make<ops::Log>(a);
+}
+/// Element-wise log(1 + x), accurate near 0.
+template <expr::ExprLike A>
+auto log1p(const A& a) {
+  return expr::make<ops::Log1p>(a);
+}
+/// Element-wise e^x - 1, accurate near 0.
+template <expr::ExprLike A>
+auto expm1(const A& a) {
+  return expr::make<ops::Expm1>(a);
+}
+/// Element-wise square root.
+template <expr::ExprLike A>
+auto sqrt(const A& a) {
+  return expr::make<ops::Sqrt>(a);
+}
+/// Element-wise 1 / sqrt(x).
+template <expr::ExprLike A>
+auto rsqrt(const A& a) {
+  return expr::make<ops::Rsqrt>(a);
+}
+/// Element-wise x * x (torch.square; one load of x where `x * x` has two). Not for bool.
+template <expr::ExprLike A>
+  requires(!expr::BoolValued<A>)
+auto square(const A& a) {
+  return expr::make<ops::Square>(a);
+}
+/// Element-wise absolute value. Not for bool.
+template <expr::ExprLike A>
+  requires(!expr::BoolValued<A>)
+auto abs(const A& a) {
+  return expr::make<ops::Abs>(a);
+}
+/// Element-wise sign: -1, 0 or 1. Not for bool.
+template <expr::ExprLike A>
+  requires(!expr::BoolValued<A>)
+auto sign(const A& a) {
+  return expr::make<ops::Sign>(a);
+}
+/// Element-wise sine.
+template <expr::ExprLike A>
+auto sin(const A& a) {
+  return expr::make<ops::Sin>(a);
+}
+/// Element-wise cosine.
+template <expr::ExprLike A>
+auto cos(const A& a) {
+  return expr::make<ops::Cos>(a);
+}
+/// Element-wise hyperbolic tangent.
+template <expr::ExprLike A>
+auto tanh(const A& a) {
+  return expr::make<ops::Tanh>(a);
+}
+/// Element-wise logistic function 1 / (1 + e^-x).
+template <expr::ExprLike A>
+auto sigmoid(const A& a) {
+  return expr::make<ops::Sigmoid>(a);
+}
+/// Element-wise max(x, 0), keeping NaN. Not for bool.
+template <expr::ExprLike A>
+  requires(!expr::BoolValued<A>)
+auto relu(const A& a) {
+  return expr::make<ops::Relu>(a);
+}
+/// Element-wise exact GELU, x * Phi(x).
+template <expr::ExprLike A>
+auto gelu(const A& a) {
+  return expr::make<ops::Gelu>(a);
+}
+/// Element-wise x * sigmoid(x).
+template <expr::ExprLike A>
+auto silu(const A& a) {
+  return expr::make<ops::Silu>(a);
+}
+/// Element-wise log(1 + e^x) (linear above 20).
+template <expr::ExprLike A>
+auto softplus(const A& a) {
+  return expr::make<ops::Softplus>(a);
+}
+/// Element-wise logical not.
+template <expr::ExprLike A>
+auto logical_not(const A& a) {
+  return expr::make<ops::LogicalNot>(a);
+}
 
 /// Element-wise a^b (not of two bool operands).
 template <class A, class B>
@@ -3838,7 +3900,7 @@ class ChunkReduction {
 
 }  // namespace lazy::graph
 // ---- end lazytensor/graph/chunk_reduction.hpp ----
-// ---- begin lazytensor/ops/reduce_ops.hpp ----
+// ---- begin lazytensor/expr/reduce_ops.hpp ----
 // Reduction functors: identity, combine (scalar or xsimd batch) and horizontal reduce.
 
 #include <cstdint>
@@ -3987,7 +4049,7 @@ struct All : Min {
 };
 
 }  // namespace lazy::ops::reduce
-// ---- end lazytensor/ops/reduce_ops.hpp ----
+// ---- end lazytensor/expr/reduce_ops.hpp ----
 
 namespace lazy::graph {
 
@@ -13060,18 +13122,11 @@ auto bernoulli(const X& probs) {
 #include <vector>
 
 // ---- begin lazytensor/ops/shape.hpp ----
-// Shape ops, all lazy.
-//  - Views (reshape/view, flatten, squeeze, unsqueeze) are nodes whose kernel shares the
-//    input's buffer: the data is never copied, and a view of a pending value is pending.
-//  - Copies (transpose/permute, narrow/slice, cat/stack, index_select, gather) move bytes:
-//    one kernel per element *size* (1, 2, 4, 8 bytes) serves every dtype, which keeps the
-//    code small; the element copy is a constant-size memcpy, which compiles to one load and
-//    one store and is valid whatever type wrote the buffer (no strict-aliasing games).
-//  - expand is a broadcasting element-wise node (the element-wise layout already knows how
-//    to splat a size-1 dim), and one_hot writes int64 rows.
-// Index values (index_select, gather, one_hot) live in tensors that may still be pending, so
-// they are checked where they are read: inside the kernel, which throws lazy::IndexError out
-// of the mark_step or read that ran it.
+// Shape ops, all lazy: views (reshape/view, flatten, squeeze, unsqueeze) share the input's
+// buffer, so a view of a pending value is pending and nothing is copied; transpose/permute,
+// narrow/slice, cat/stack, index_select, gather and one_hot build the copy nodes of
+// graph/shape_nodes.hpp; expand is a broadcasting element-wise node. Each op records its
+// backward (graph/shape_backward.hpp holds the scatter kernels those need).
 
 #include <algorithm>
 #include <array>
@@ -13079,6 +13134,27 @@ auto bernoulli(const X& probs) {
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <limits>
+#include <memory>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+// ---- begin lazytensor/graph/shape_nodes.hpp ----
+// The runtime nodes of the shape ops (ops/shape.hpp): views share their input's buffer;
+// permutes, slices, cat, index_select, gather and one_hot copy bytes with one kernel per
+// element size (1, 2, 4, 8 bytes), which serves every dtype and keeps the code small (the
+// element copy is a constant-size memcpy: one load and one store, valid whatever type wrote
+// the buffer). Index values may live in tensors that are still pending, so they are checked
+// inside the kernel, which throws lazy::IndexError out of the mark_step or read that ran it.
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <span>
@@ -13103,189 +13179,8 @@ class TransposeOfLastTwo {
 
 }  // namespace lazy::graph
 // ---- end lazytensor/graph/transpose_hint.hpp ----
-// ---- begin lazytensor/ops/shape_backward.hpp ----
-// Kernels that only backward passes need: the adjoints of slicing, index_select and gather
-// (write or add a gradient into a zero tensor of the input's shape). Accumulation order is
-// fixed (by index position), and work is split only where no two tasks touch the same
-// output element, so results do not depend on the thread count.
-
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
-#include <string>
-
 
 namespace lazy::graph {
-
-/// The gradient of a slice: zeros of the input's shape with `g` at the sliced positions.
-template <Element T>
-class SliceBackwardNode final : public Node {
- public:
-  SliceBackwardNode(NodePtr g, Shape in_shape, int dim, std::int64_t start, std::int64_t step)
-      : Node(NodeKind::Copy, dtype_of<T>(), in_shape, g->device(), {g}), dim_(dim), start_(start), step_(step) {}
-  std::string op_name() const override { return "slice_backward"; }
-  std::uint64_t structural_hash() const override {
-    return hash_combine(hash_combine(hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_)),
-                                     static_cast<std::uint64_t>(start_)),
-                        static_cast<std::uint64_t>(step_));
-  }
-
- protected:
-  void compute(ExecContext& ctx) override {
-    const T* g = inputs()[0]->template data<T>();
-    const Shape& gs = inputs()[0]->shape();
-    auto buf = allocate_output(ctx, false);
-    T* out = static_cast<T*>(buf->data());
-    const Shape& s = shape();
-    std::int64_t outer = 1, inner = 1;
-    for (int d = 0; d < dim_; ++d) outer *= s[d];
-    for (int d = dim_ + 1; d < s.rank(); ++d) inner *= s[d];
-    const std::int64_t dsize = s[dim_], len = gs[dim_];
-    auto& pool = ctx.device.threads();
-    const std::int64_t tasks = std::max<std::int64_t>(1, std::min(outer, task_count(pool, numel(), 1.0)));
-    pool.parallel_for(tasks, [&](std::int64_t t) {
-      auto [o0, o1] = task_range(outer, tasks, t);
-      for (std::int64_t o = o0; o < o1; ++o) {
-        T* row = out + o * dsize * inner;
-        std::fill(row, row + dsize * inner, T(0));
-        for (std::int64_t k = 0; k < len; ++k) {
-          std::memcpy(row + (start_ + k * step_) * inner, g + (o * len + k) * inner,
-                      static_cast<std::size_t>(inner) * sizeof(T));
-        }
-      }
-    });
-    set_buffer(std::move(buf));
-  }
-
- private:
-  int dim_;
-  std::int64_t start_, step_;
-};
-
-/// index_add into zeros: out[.., index[k], ..] += g[.., k, ..] along `dim` (the gradient of
-/// index_select; embeddings). Tasks split the (outer, inner) plane, each adding over k in
-/// order.
-template <Element T, IndexElement I>
-class IndexAddNode final : public Node {
- public:
-  IndexAddNode(NodePtr g, NodePtr index, Shape in_shape, int dim)
-      : Node(NodeKind::Copy, dtype_of<T>(), in_shape, g->device(), {g, index}), dim_(dim) {}
-  std::string op_name() const override { return "index_add"; }
-  std::uint64_t structural_hash() const override {
-    return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
-  }
-
- protected:
-  void compute(ExecContext& ctx) override {
-    const T* g = inputs()[0]->template data<T>();
-    const I* idx = inputs()[1]->template data<I>();
-    const std::int64_t K = inputs()[1]->numel();
-    auto buf = allocate_output(ctx, false);
-    T* out = static_cast<T*>(buf->data());
-    const Shape& s = shape();
-    std::int64_t outer = 1, inner = 1;
-    for (int d = 0; d < dim_; ++d) outer *= s[d];
-    for (int d = dim_ + 1; d < s.rank(); ++d) inner *= s[d];
-    const std::int64_t dsize = s.rank() ? s[dim_] : 1;
-    for (std::int64_t k = 0; k < K; ++k) {
-      if (idx[k] < 0 || idx[k] >= dsize) {
-        throw IndexError("index_add: index " + std::to_string(idx[k]) + " is out of range for dimension " +
-                         std::to_string(dim_) + " with size " + std::to_string(dsize));
-      }
-    }
-    using C = compute_t<T>;
-    constexpr std::int64_t kCols = 256;
-    const std::int64_t chunks = (inner + kCols - 1) / kCols, units = outer * chunks;
-    auto& pool = ctx.device.threads();
-    const std::int64_t tasks = std::max<std::int64_t>(1, std::min(units, task_count(pool, numel() + K * inner, 1.0)));
-    pool.parallel_for(tasks, [&](std::int64_t t) {
-      auto [u0, u1] = task_range(units, tasks, t);
-      for (std::int64_t u = u0; u < u1; ++u) {
-        const std::int64_t o = u / chunks, j0 = (u % chunks) * kCols, j1 = std::min(inner, j0 + kCols);
-        T* base = out + o * dsize * inner;
-        for (std::int64_t r = 0; r < dsize; ++r) std::fill(base + r * inner + j0, base + r * inner + j1, T(0));
-        for (std::int64_t k = 0; k < K; ++k) {
-          T* dst = base + static_cast<std::int64_t>(idx[k]) * inner;
-          const T* src = g + (o * K + k) * inner;
-          for (std::int64_t j = j0; j < j1; ++j) dst[j] = static_cast<T>(static_cast<C>(dst[j]) + static_cast<C>(src[j]));
-        }
-      }
-    });
-    set_buffer(std::move(buf));
-  }
-
- private:
-  int dim_;
-};
-
-/// scatter_add into zeros: out[.., index[p], ..] += g[p] along `dim` for every position p of
-/// the index (the gradient of gather). Positions that differ outside `dim` never collide,
-/// so tasks split the index's outermost other dimension.
-template <Element T, IndexElement I>
-class ScatterAddNode final : public Node {
- public:
-  ScatterAddNode(NodePtr g, NodePtr index, Shape in_shape, int dim)
-      : Node(NodeKind::Copy, dtype_of<T>(), in_shape, g->device(), {g, index}), dim_(dim) {}
-  std::string op_name() const override { return "scatter_add"; }
-  std::uint64_t structural_hash() const override {
-    return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
-  }
-
- protected:
-  void compute(ExecContext& ctx) override {
-    const T* g = inputs()[0]->template data<T>();
-    const I* idx = inputs()[1]->template data<I>();
-    Shape xs = inputs()[1]->shape(), ts = shape();
-    if (xs.rank() == 0) xs = Shape{1};
-    if (ts.rank() == 0) ts = Shape{1};
-    auto buf = allocate_output(ctx, false);
-    T* out = static_cast<T*>(buf->data());
-    std::fill(out, out + numel(), T(0));
-    const int R = xs.rank();
-    const std::int64_t n = xs.numel(), dsize = ts[dim_];
-    const auto xst = contiguous_strides(xs), tst = contiguous_strides(ts);
-    // Split over the outermost dim other than `dim` (all of it in one task when none).
-    const int split = dim_ == 0 ? (R > 1 ? 1 : -1) : 0;
-    const std::int64_t parts = split < 0 ? 1 : xs[split];
-    auto& pool = ctx.device.threads();
-    const std::int64_t tasks = std::max<std::int64_t>(1, std::min(parts, task_count(pool, n, 2.0)));
-    using C = compute_t<T>;
-    pool.parallel_for(tasks, [&](std::int64_t t) {
-      auto [p0, p1] = task_range(parts, tasks, t);
-      for (std::int64_t p = 0; p < n; ++p) {
-        // Coordinates of p in the index; the target replaces coordinate `dim`.
-        std::int64_t rem = p, at = 0, part = 0;
-        for (int d = 0; d < R; ++d) {
-          const std::int64_t c = rem / xst[d];
-          rem %= xst[d];
-          if (d == split) part = c;
-          if (d != dim_) at += c * tst[d];
-        }
-        if (split >= 0 && (part < p0 || part >= p1)) continue;
-        if (split < 0 && t != 0) continue;
-        const auto k = static_cast<std::int64_t>(idx[p]);
-        if (k < 0 || k >= dsize) {
-          throw IndexError("scatter_add: index " + std::to_string(k) + " is out of bounds for dimension " +
-                           std::to_string(dim_) + " with size " + std::to_string(dsize));
-        }
-        T& dst = out[at + k * tst[dim_]];
-        dst = static_cast<T>(static_cast<C>(dst) + static_cast<C>(g[p]));
-      }
-    });
-    set_buffer(std::move(buf));
-  }
-
- private:
-  int dim_;
-};
-
-}  // namespace lazy::graph
-// ---- end lazytensor/ops/shape_backward.hpp ----
-
-namespace lazy {
-
-
-namespace graph {
 
 namespace copy_kernels {
 
@@ -13844,7 +13739,188 @@ class OneHotNode final : public Node {
   std::int64_t classes_;
 };
 
-}  // namespace graph
+}  // namespace lazy::graph
+// ---- end lazytensor/graph/shape_nodes.hpp ----
+// ---- begin lazytensor/graph/shape_backward.hpp ----
+// Kernels that only backward passes need: the adjoints of slicing, index_select and gather
+// (write or add a gradient into a zero tensor of the input's shape). Accumulation order is
+// fixed (by index position), and work is split only where no two tasks touch the same
+// output element, so results do not depend on the thread count.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+
+namespace lazy::graph {
+
+/// The gradient of a slice: zeros of the input's shape with `g` at the sliced positions.
+template <Element T>
+class SliceBackwardNode final : public Node {
+ public:
+  SliceBackwardNode(NodePtr g, Shape in_shape, int dim, std::int64_t start, std::int64_t step)
+      : Node(NodeKind::Copy, dtype_of<T>(), in_shape, g->device(), {g}), dim_(dim), start_(start), step_(step) {}
+  std::string op_name() const override { return "slice_backward"; }
+  std::uint64_t structural_hash() const override {
+    return hash_combine(hash_combine(hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_)),
+                                     static_cast<std::uint64_t>(start_)),
+                        static_cast<std::uint64_t>(step_));
+  }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    const T* g = inputs()[0]->template data<T>();
+    const Shape& gs = inputs()[0]->shape();
+    auto buf = allocate_output(ctx, false);
+    T* out = static_cast<T*>(buf->data());
+    const Shape& s = shape();
+    std::int64_t outer = 1, inner = 1;
+    for (int d = 0; d < dim_; ++d) outer *= s[d];
+    for (int d = dim_ + 1; d < s.rank(); ++d) inner *= s[d];
+    const std::int64_t dsize = s[dim_], len = gs[dim_];
+    auto& pool = ctx.device.threads();
+    const std::int64_t tasks = std::max<std::int64_t>(1, std::min(outer, task_count(pool, numel(), 1.0)));
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      auto [o0, o1] = task_range(outer, tasks, t);
+      for (std::int64_t o = o0; o < o1; ++o) {
+        T* row = out + o * dsize * inner;
+        std::fill(row, row + dsize * inner, T(0));
+        for (std::int64_t k = 0; k < len; ++k) {
+          std::memcpy(row + (start_ + k * step_) * inner, g + (o * len + k) * inner,
+                      static_cast<std::size_t>(inner) * sizeof(T));
+        }
+      }
+    });
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  int dim_;
+  std::int64_t start_, step_;
+};
+
+/// index_add into zeros: out[.., index[k], ..] += g[.., k, ..] along `dim` (the gradient of
+/// index_select; embeddings). Tasks split the (outer, inner) plane, each adding over k in
+/// order.
+template <Element T, IndexElement I>
+class IndexAddNode final : public Node {
+ public:
+  IndexAddNode(NodePtr g, NodePtr index, Shape in_shape, int dim)
+      : Node(NodeKind::Copy, dtype_of<T>(), in_shape, g->device(), {g, index}), dim_(dim) {}
+  std::string op_name() const override { return "index_add"; }
+  std::uint64_t structural_hash() const override {
+    return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
+  }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    const T* g = inputs()[0]->template data<T>();
+    const I* idx = inputs()[1]->template data<I>();
+    const std::int64_t K = inputs()[1]->numel();
+    auto buf = allocate_output(ctx, false);
+    T* out = static_cast<T*>(buf->data());
+    const Shape& s = shape();
+    std::int64_t outer = 1, inner = 1;
+    for (int d = 0; d < dim_; ++d) outer *= s[d];
+    for (int d = dim_ + 1; d < s.rank(); ++d) inner *= s[d];
+    const std::int64_t dsize = s.rank() ? s[dim_] : 1;
+    for (std::int64_t k = 0; k < K; ++k) {
+      if (idx[k] < 0 || idx[k] >= dsize) {
+        throw IndexError("index_add: index " + std::to_string(idx[k]) + " is out of range for dimension " +
+                         std::to_string(dim_) + " with size " + std::to_string(dsize));
+      }
+    }
+    using C = compute_t<T>;
+    constexpr std::int64_t kCols = 256;
+    const std::int64_t chunks = (inner + kCols - 1) / kCols, units = outer * chunks;
+    auto& pool = ctx.device.threads();
+    const std::int64_t tasks = std::max<std::int64_t>(1, std::min(units, task_count(pool, numel() + K * inner, 1.0)));
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      auto [u0, u1] = task_range(units, tasks, t);
+      for (std::int64_t u = u0; u < u1; ++u) {
+        const std::int64_t o = u / chunks, j0 = (u % chunks) * kCols, j1 = std::min(inner, j0 + kCols);
+        T* base = out + o * dsize * inner;
+        for (std::int64_t r = 0; r < dsize; ++r) std::fill(base + r * inner + j0, base + r * inner + j1, T(0));
+        for (std::int64_t k = 0; k < K; ++k) {
+          T* dst = base + static_cast<std::int64_t>(idx[k]) * inner;
+          const T* src = g + (o * K + k) * inner;
+          for (std::int64_t j = j0; j < j1; ++j) dst[j] = static_cast<T>(static_cast<C>(dst[j]) + static_cast<C>(src[j]));
+        }
+      }
+    });
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  int dim_;
+};
+
+/// scatter_add into zeros: out[.., index[p], ..] += g[p] along `dim` for every position p of
+/// the index (the gradient of gather). Positions that differ outside `dim` never collide,
+/// so tasks split the index's outermost other dimension.
+template <Element T, IndexElement I>
+class ScatterAddNode final : public Node {
+ public:
+  ScatterAddNode(NodePtr g, NodePtr index, Shape in_shape, int dim)
+      : Node(NodeKind::Copy, dtype_of<T>(), in_shape, g->device(), {g, index}), dim_(dim) {}
+  std::string op_name() const override { return "scatter_add"; }
+  std::uint64_t structural_hash() const override {
+    return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
+  }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    const T* g = inputs()[0]->template data<T>();
+    const I* idx = inputs()[1]->template data<I>();
+    Shape xs = inputs()[1]->shape(), ts = shape();
+    if (xs.rank() == 0) xs = Shape{1};
+    if (ts.rank() == 0) ts = Shape{1};
+    auto buf = allocate_output(ctx, false);
+    T* out = static_cast<T*>(buf->data());
+    std::fill(out, out + numel(), T(0));
+    const int R = xs.rank();
+    const std::int64_t n = xs.numel(), dsize = ts[dim_];
+    const auto xst = contiguous_strides(xs), tst = contiguous_strides(ts);
+    // Split over the outermost dim other than `dim` (all of it in one task when none).
+    const int split = dim_ == 0 ? (R > 1 ? 1 : -1) : 0;
+    const std::int64_t parts = split < 0 ? 1 : xs[split];
+    auto& pool = ctx.device.threads();
+    const std::int64_t tasks = std::max<std::int64_t>(1, std::min(parts, task_count(pool, n, 2.0)));
+    using C = compute_t<T>;
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      auto [p0, p1] = task_range(parts, tasks, t);
+      for (std::int64_t p = 0; p < n; ++p) {
+        // Coordinates of p in the index; the target replaces coordinate `dim`.
+        std::int64_t rem = p, at = 0, part = 0;
+        for (int d = 0; d < R; ++d) {
+          const std::int64_t c = rem / xst[d];
+          rem %= xst[d];
+          if (d == split) part = c;
+          if (d != dim_) at += c * tst[d];
+        }
+        if (split >= 0 && (part < p0 || part >= p1)) continue;
+        if (split < 0 && t != 0) continue;
+        const auto k = static_cast<std::int64_t>(idx[p]);
+        if (k < 0 || k >= dsize) {
+          throw IndexError("scatter_add: index " + std::to_string(k) + " is out of bounds for dimension " +
+                           std::to_string(dim_) + " with size " + std::to_string(dsize));
+        }
+        T& dst = out[at + k * tst[dim_]];
+        dst = static_cast<T>(static_cast<C>(dst) + static_cast<C>(g[p]));
+      }
+    });
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  int dim_;
+};
+
+}  // namespace lazy::graph
+// ---- end lazytensor/graph/shape_backward.hpp ----
+
+namespace lazy {
 
 namespace detail::shape_ops {
 

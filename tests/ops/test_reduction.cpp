@@ -1,4 +1,4 @@
-// Tests of ops/reduction.hpp (and graph/reduction_node.hpp, ops/reduce_ops.hpp): every
+// Tests of ops/reduction.hpp (and graph/reduction_node.hpp, expr/reduce_ops.hpp): every
 // reduction over all elements and over dims, against an independent long double reference.
 
 #include <algorithm>

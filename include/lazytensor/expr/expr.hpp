@@ -250,41 +250,103 @@ auto operator!(const A& a) {
   return expr::make<ops::LogicalNot>(a);
 }
 
-#define LAZY_UNARY_FUNCTION(FN, OP, DOC)   \
-  /** DOC */                               \
-  template <expr::ExprLike A>              \
-  auto FN(const A& a) {                    \
-    return expr::make<ops::OP>(a);         \
-  }
-// Ops without meaning on bool (PyTorch rejects them too).
-#define LAZY_UNARY_NUMERIC_FUNCTION(FN, OP, DOC) \
-  /** DOC Not for bool. */                       \
-  template <expr::ExprLike A>                    \
-    requires(!expr::BoolValued<A>)               \
-  auto FN(const A& a) {                          \
-    return expr::make<ops::OP>(a);               \
-  }
-LAZY_UNARY_FUNCTION(exp, Exp, Element-wise e^x.)
-LAZY_UNARY_FUNCTION(log, Log, Element-wise natural logarithm.)
-LAZY_UNARY_FUNCTION(log1p, Log1p, Element-wise log(1 + x) accurate near 0.)
-LAZY_UNARY_FUNCTION(expm1, Expm1, Element-wise e^x - 1 accurate near 0.)
-LAZY_UNARY_FUNCTION(sqrt, Sqrt, Element-wise square root.)
-LAZY_UNARY_FUNCTION(rsqrt, Rsqrt, Element-wise 1 / sqrt(x).)
-LAZY_UNARY_NUMERIC_FUNCTION(square, Square,
-                            Element - wise x * x(torch.square; one load of x where x * x has two).)
-LAZY_UNARY_NUMERIC_FUNCTION(abs, Abs, Element-wise absolute value.)
-LAZY_UNARY_NUMERIC_FUNCTION(sign, Sign, Element-wise sign: -1 0 or 1.)
-LAZY_UNARY_FUNCTION(sin, Sin, Element-wise sine.)
-LAZY_UNARY_FUNCTION(cos, Cos, Element-wise cosine.)
-LAZY_UNARY_FUNCTION(tanh, Tanh, Element-wise hyperbolic tangent.)
-LAZY_UNARY_FUNCTION(sigmoid, Sigmoid, Element-wise logistic function 1 / (1 + e^-x).)
-LAZY_UNARY_NUMERIC_FUNCTION(relu, Relu, Element-wise max(x 0) keeping NaN.)
-LAZY_UNARY_FUNCTION(gelu, Gelu, Element-wise exact GELU x * Phi(x).)
-LAZY_UNARY_FUNCTION(silu, Silu, Element-wise x * sigmoid(x).)
-LAZY_UNARY_FUNCTION(softplus, Softplus, Element-wise log(1 + e^x) (linear above 20).)
-LAZY_UNARY_FUNCTION(logical_not, LogicalNot, Element-wise logical not.)
-#undef LAZY_UNARY_FUNCTION
-#undef LAZY_UNARY_NUMERIC_FUNCTION
+// Unary functions. Those marked "not for bool" have no meaning on bool (PyTorch rejects
+// them too): their constraint keeps a bool operand from compiling.
+
+/// Element-wise e^x.
+template <expr::ExprLike A>
+auto exp(const A& a) {
+  return expr::make<ops::Exp>(a);
+}
+/// Element-wise natural logarithm.
+template <expr::ExprLike A>
+auto log(const A& a) {
+  return expr::make<ops::Log>(a);
+}
+/// Element-wise log(1 + x), accurate near 0.
+template <expr::ExprLike A>
+auto log1p(const A& a) {
+  return expr::make<ops::Log1p>(a);
+}
+/// Element-wise e^x - 1, accurate near 0.
+template <expr::ExprLike A>
+auto expm1(const A& a) {
+  return expr::make<ops::Expm1>(a);
+}
+/// Element-wise square root.
+template <expr::ExprLike A>
+auto sqrt(const A& a) {
+  return expr::make<ops::Sqrt>(a);
+}
+/// Element-wise 1 / sqrt(x).
+template <expr::ExprLike A>
+auto rsqrt(const A& a) {
+  return expr::make<ops::Rsqrt>(a);
+}
+/// Element-wise x * x (torch.square; one load of x where `x * x` has two). Not for bool.
+template <expr::ExprLike A>
+  requires(!expr::BoolValued<A>)
+auto square(const A& a) {
+  return expr::make<ops::Square>(a);
+}
+/// Element-wise absolute value. Not for bool.
+template <expr::ExprLike A>
+  requires(!expr::BoolValued<A>)
+auto abs(const A& a) {
+  return expr::make<ops::Abs>(a);
+}
+/// Element-wise sign: -1, 0 or 1. Not for bool.
+template <expr::ExprLike A>
+  requires(!expr::BoolValued<A>)
+auto sign(const A& a) {
+  return expr::make<ops::Sign>(a);
+}
+/// Element-wise sine.
+template <expr::ExprLike A>
+auto sin(const A& a) {
+  return expr::make<ops::Sin>(a);
+}
+/// Element-wise cosine.
+template <expr::ExprLike A>
+auto cos(const A& a) {
+  return expr::make<ops::Cos>(a);
+}
+/// Element-wise hyperbolic tangent.
+template <expr::ExprLike A>
+auto tanh(const A& a) {
+  return expr::make<ops::Tanh>(a);
+}
+/// Element-wise logistic function 1 / (1 + e^-x).
+template <expr::ExprLike A>
+auto sigmoid(const A& a) {
+  return expr::make<ops::Sigmoid>(a);
+}
+/// Element-wise max(x, 0), keeping NaN. Not for bool.
+template <expr::ExprLike A>
+  requires(!expr::BoolValued<A>)
+auto relu(const A& a) {
+  return expr::make<ops::Relu>(a);
+}
+/// Element-wise exact GELU, x * Phi(x).
+template <expr::ExprLike A>
+auto gelu(const A& a) {
+  return expr::make<ops::Gelu>(a);
+}
+/// Element-wise x * sigmoid(x).
+template <expr::ExprLike A>
+auto silu(const A& a) {
+  return expr::make<ops::Silu>(a);
+}
+/// Element-wise log(1 + e^x) (linear above 20).
+template <expr::ExprLike A>
+auto softplus(const A& a) {
+  return expr::make<ops::Softplus>(a);
+}
+/// Element-wise logical not.
+template <expr::ExprLike A>
+auto logical_not(const A& a) {
+  return expr::make<ops::LogicalNot>(a);
+}
 
 /// Element-wise a^b (not of two bool operands).
 template <class A, class B>

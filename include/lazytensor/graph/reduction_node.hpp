@@ -21,7 +21,7 @@
 #include <lazytensor/graph/chunk_reduction.hpp>
 #include <lazytensor/graph/device.hpp>
 #include <lazytensor/graph/parallel.hpp>
-#include <lazytensor/ops/reduce_ops.hpp>
+#include <lazytensor/expr/reduce_ops.hpp>
 
 namespace lazy::graph {
 

@@ -1,0 +1,587 @@
+#pragma once
+// The runtime nodes of the shape ops (ops/shape.hpp): views share their input's buffer;
+// permutes, slices, cat, index_select, gather and one_hot copy bytes with one kernel per
+// element size (1, 2, 4, 8 bytes), which serves every dtype and keeps the code small (the
+// element copy is a constant-size memcpy: one load and one store, valid whatever type wrote
+// the buffer). Index values may live in tensors that are still pending, so they are checked
+// inside the kernel, which throws lazy::IndexError out of the mark_step or read that ran it.
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <lazytensor/core/error.hpp>
+#include <lazytensor/graph/device.hpp>
+#include <lazytensor/graph/node.hpp>
+#include <lazytensor/graph/parallel.hpp>
+#include <lazytensor/graph/transpose_hint.hpp>
+
+namespace lazy::graph {
+
+namespace copy_kernels {
+
+/// Copies one element of N bytes (see the file comment for why memcpy).
+template <std::size_t N>
+inline void copy_elem(std::byte* dst, const std::byte* src) {
+  std::memcpy(dst, src, N);
+}
+
+/// Calls f(std::integral_constant<std::size_t, N>{}) for an element size of N bytes, so a
+/// kernel is instantiated once per size instead of once per dtype.
+template <class F>
+void with_elem_size(std::size_t bytes, F&& f) {
+  switch (bytes) {
+    case 1: f(std::integral_constant<std::size_t, 1>{}); break;
+    case 2: f(std::integral_constant<std::size_t, 2>{}); break;
+    case 4: f(std::integral_constant<std::size_t, 4>{}); break;
+    default: f(std::integral_constant<std::size_t, 8>{}); break;
+  }
+}
+
+/// A multi-index over `rank` dims (last fastest) that tracks two linear offsets, `a` and
+/// `b`, with their own strides: typically an input offset and an output offset.
+struct Odometer {
+  int rank = 0;
+  std::array<std::int64_t, kMaxRank> size{}, stride_a{}, stride_b{}, idx{};
+  std::int64_t a = 0, b = 0;
+
+  /// Positions the multi-index at linear position `lin` (row-major over `size`).
+  void seek(std::int64_t lin) {
+    a = b = 0;
+    for (int d = rank - 1; d >= 0; --d) {
+      idx[d] = lin % size[d];
+      lin /= size[d];
+      a += idx[d] * stride_a[d];
+      b += idx[d] * stride_b[d];
+    }
+  }
+  /// Advances by one position (carry from the last dim).
+  void next() {
+    for (int d = rank - 1; d >= 0; --d) {
+      ++idx[d];
+      a += stride_a[d];
+      b += stride_b[d];
+      if (idx[d] < size[d]) return;
+      a -= stride_a[d] * size[d];
+      b -= stride_b[d] * size[d];
+      idx[d] = 0;
+    }
+  }
+};
+
+/// Fills `segs` equal-length output segments of `len` elements each, segment s copied from
+/// the contiguous input run starting at element `src_off(s)`. The split across threads is
+/// over output elements, not segments, so one huge segment and a million tiny ones both
+/// balance.
+template <std::size_t N, class SrcOff>
+void copy_segments(ThreadPool& pool, std::byte* dst, const std::byte* src, std::int64_t segs, std::int64_t len,
+                   const SrcOff& src_off) {
+  const std::int64_t n = segs * len;
+  if (n == 0) return;
+  const std::int64_t tasks = task_count(pool, n, 1.0);
+  pool.parallel_for(tasks, [&](std::int64_t t) {
+    auto [b, e] = task_range(n, tasks, t);
+    if (len == 1) {  // gathers of single elements: no variable-size memcpy per element
+      for (std::int64_t f = b; f < e; ++f) copy_elem<N>(dst + f * N, src + src_off(f) * N);
+      return;
+    }
+    while (b < e) {
+      const std::int64_t s = b / len, k = b % len, c = std::min(len - k, e - b);
+      std::memcpy(dst + b * N, src + (src_off(s) + k) * N, static_cast<std::size_t>(c) * N);
+      b += c;
+    }
+  });
+}
+
+inline const std::byte* bytes_of(const NodePtr& n) { return static_cast<const std::byte*>(n->buffer()->data()); }
+
+}  // namespace copy_kernels
+
+/// A view: same bytes, another shape. Its kernel only shares the input's buffer, so it
+/// costs nothing and the donation rule (buffer use_count == 1) keeps shared data safe.
+class ViewNode final : public Node {
+ public:
+  ViewNode(std::string op, NodePtr in, Shape shape)
+      : Node(NodeKind::View, in->dtype(), shape, in->device(), {in}), op_(std::move(op)) {}
+
+  std::string op_name() const override { return op_; }
+  std::string describe() const override { return op_ + "(%0) -> " + shape().str(); }
+  double cost_per_element() const override { return 0; }
+
+ protected:
+  void compute(ExecContext&) override { set_buffer(inputs()[0]->buffer()); }
+
+ private:
+  std::string op_;
+};
+
+/// Output = input with its dimensions permuted (out dim i = input dim perm[i]).
+/// The permutation is first simplified: size-1 dims are dropped and output dims that are
+/// adjacent in the input too are merged. What remains always has one output dim `q` that
+/// reads the input contiguously; when q is the last dim the kernel copies rows (memcpy),
+/// otherwise it copies 32x32 tiles of the (q, last) plane, so both the reads and the writes
+/// stay within a few cache lines (a batched, cache-blocked 2-D transpose).
+class PermuteNode : public Node {
+ public:
+  /// Simplified iteration space of a permutation (see the class comment).
+  struct Plan {
+    int rank = 0;
+    std::array<std::int64_t, kMaxRank> size{}, istride{}, ostride{};
+    int q = -1;  ///< the output dim with input stride 1
+    /// True when the permutation only moves size-1 dims: the bytes are already in order.
+    bool keeps_order() const { return rank <= 1; }
+  };
+
+  static Shape permuted_shape(const Shape& in, const std::vector<int>& perm) {
+    Shape out;
+    for (int p : perm) out.push_back(in[p]);
+    return out;
+  }
+
+  static Plan make_plan(const Shape& in, const std::vector<int>& perm) {
+    Plan p;
+    if (in.numel() <= 1) return p;
+    const auto ics = contiguous_strides(in);
+    std::vector<std::int64_t> sz, st;
+    for (int d : perm) {
+      if (in[d] == 1) continue;
+      sz.push_back(in[d]);
+      st.push_back(ics[d]);
+    }
+    // Merge output dim i into i + 1 while the input is contiguous across the pair.
+    std::vector<std::int64_t> csz{sz.back()}, cst{st.back()};
+    for (int i = static_cast<int>(sz.size()) - 2; i >= 0; --i) {
+      if (st[i] == cst.front() * csz.front()) {
+        csz.front() *= sz[i];
+      } else {
+        csz.insert(csz.begin(), sz[i]);
+        cst.insert(cst.begin(), st[i]);
+      }
+    }
+    p.rank = static_cast<int>(csz.size());
+    std::int64_t acc = 1;
+    for (int i = p.rank - 1; i >= 0; --i) {
+      p.size[i] = csz[i];
+      p.istride[i] = cst[i];
+      p.ostride[i] = acc;
+      acc *= csz[i];
+      if (cst[i] == 1) p.q = i;
+    }
+    return p;
+  }
+
+  PermuteNode(NodePtr in, std::vector<int> perm, std::string op)
+      : Node(NodeKind::Copy, in->dtype(), permuted_shape(in->shape(), perm), in->device(), {in}),
+        perm_(std::move(perm)), op_(std::move(op)), plan_(make_plan(in->shape(), perm_)) {}
+
+  /// out dim i reads input dim perm()[i].
+  const std::vector<int>& perm() const { return perm_; }
+  /// True when the permutation swaps the last two dims and keeps the others: a matmul can
+  /// then read the input with a transposed layout instead of waiting for this copy.
+  bool swaps_last_two() const {
+    const int r = static_cast<int>(perm_.size());
+    if (r < 2 || perm_[r - 2] != r - 1 || perm_[r - 1] != r - 2) return false;
+    for (int i = 0; i + 2 < r; ++i)
+      if (perm_[i] != i) return false;
+    return true;
+  }
+
+  std::string op_name() const override { return op_; }
+  std::string describe() const override {
+    std::string s = op_ + "(%0, dims=[";
+    for (std::size_t i = 0; i < perm_.size(); ++i) s += (i ? ", " : "") + std::to_string(perm_[i]);
+    return s + "])";
+  }
+  std::uint64_t structural_hash() const override {
+    std::uint64_t h = Node::structural_hash();
+    for (int p : perm_) h = hash_combine(h, static_cast<std::uint64_t>(p));
+    return h;
+  }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    const std::byte* src = copy_kernels::bytes_of(inputs()[0]);
+    auto buf = allocate_output(ctx, false);  // reads elsewhere than it writes
+    auto* dst = static_cast<std::byte*>(buf->data());
+    const std::int64_t n = numel();
+    if (n > 0) {
+      copy_kernels::with_elem_size(dtype_size(dtype()), [&](auto nb) { run<decltype(nb)::value>(ctx, dst, src, n); });
+    }
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  static constexpr std::int64_t kTile = 32;
+
+  template <std::size_t N>
+  void run(ExecContext& ctx, std::byte* dst, const std::byte* src, std::int64_t n) const {
+    using copy_kernels::Odometer;
+    auto& pool = ctx.device.threads();
+    const Plan& p = plan_;
+    if (p.keeps_order()) {  // only reachable when a caller builds the node directly
+      std::memcpy(dst, src, static_cast<std::size_t>(n) * N);
+      return;
+    }
+    const int last = p.rank - 1;
+    if (p.q == last) {
+      // Rows: the innermost output dim is contiguous in the input.
+      Odometer od;
+      od.rank = last;
+      for (int d = 0; d < last; ++d) {
+        od.size[d] = p.size[d];
+        od.stride_a[d] = p.istride[d];
+        od.stride_b[d] = p.ostride[d];
+      }
+      const std::int64_t inner = p.size[last], rows = n / inner;
+      const std::int64_t tasks = std::min(rows, task_count(pool, n, 1.0));
+      pool.parallel_for(tasks, [&](std::int64_t t) {
+        auto [r0, r1] = task_range(rows, tasks, t);
+        Odometer o = od;
+        o.seek(r0);
+        for (std::int64_t r = r0; r < r1; ++r, o.next()) {
+          std::memcpy(dst + o.b * N, src + o.a * N, static_cast<std::size_t>(inner) * N);
+        }
+      });
+      return;
+    }
+    // Tiles of the (q, last) plane; every other dim is iterated by an odometer.
+    const int q = p.q;
+    Odometer od;
+    for (int d = 0; d < p.rank; ++d) {
+      if (d == q || d == last) continue;
+      od.size[od.rank] = p.size[d];
+      od.stride_a[od.rank] = p.istride[d];
+      od.stride_b[od.rank] = p.ostride[d];
+      ++od.rank;
+    }
+    const std::int64_t rows = p.size[q], cols = p.size[last];
+    const std::int64_t ostq = p.ostride[q], isl = p.istride[last];
+    const std::int64_t row_tiles = (rows + kTile - 1) / kTile;
+    const std::int64_t units = n / (rows * cols) * row_tiles;
+    const std::int64_t tasks = std::min(units, task_count(pool, n, 1.0));
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      auto [u0, u1] = task_range(units, tasks, t);
+      Odometer o = od;
+      alignas(64) std::byte tile[kTile * kTile * N];
+      std::int64_t at = -1;
+      for (std::int64_t u = u0; u < u1; ++u) {
+        const std::int64_t outer = u / row_tiles;
+        if (outer != at) {
+          o.seek(outer);
+          at = outer;
+        }
+        const std::int64_t i0 = u % row_tiles * kTile, in_ = std::min(rows - i0, kTile);
+        for (std::int64_t j0 = 0; j0 < cols; j0 += kTile) {
+          const std::int64_t jn = std::min(cols - j0, kTile);
+          // Stage the tile: jn contiguous input runs into a 32x32 scratch, then write the
+          // output rows from it. Reading the strided side straight from the source would
+          // keep 32 lines alive that, for power-of-two strides, all map to one cache set.
+          for (std::int64_t j = 0; j < jn; ++j) {
+            std::memcpy(tile + j * kTile * N, src + (o.a + i0 + (j0 + j) * isl) * N, static_cast<std::size_t>(in_) * N);
+          }
+          for (std::int64_t i = 0; i < in_; ++i) {
+            std::byte* out = dst + (o.b + (i0 + i) * ostq + j0) * N;
+            for (std::int64_t j = 0; j < jn; ++j) copy_kernels::copy_elem<N>(out + j * N, tile + (j * kTile + i) * N);
+          }
+        }
+      }
+    });
+  }
+
+  std::vector<int> perm_;
+  std::string op_;
+  Plan plan_;
+};
+
+/// A permutation that swaps the last two dims (op_name "transpose"). It advertises its
+/// source through TransposeOfLastTwo, so a GEMM consuming it while it is still pending reads
+/// the source with a transposed layout and this copy never runs.
+class TransposeNode final : public PermuteNode, public TransposeOfLastTwo {
+ public:
+  explicit TransposeNode(NodePtr in) : PermuteNode(in, last_two(in->shape().rank()), "transpose") {}
+
+  /// The node whose last two dims this value swaps (null once this node has run: a
+  /// computed node keeps no inputs).
+  const NodePtr& transpose_source() const override { return inputs().empty() ? none_ : inputs()[0]; }
+
+  /// The identity permutation with the last two entries swapped.
+  static std::vector<int> last_two(int rank) {
+    std::vector<int> p(static_cast<std::size_t>(rank));
+    for (int i = 0; i < rank; ++i) p[i] = i;
+    if (rank >= 2) std::swap(p[rank - 2], p[rank - 1]);
+    return p;
+  }
+
+ private:
+  NodePtr none_;
+};
+
+/// Copies a strided range of one dim: out[.., k, ..] = in[.., start + k * step, ..].
+class SliceNode final : public Node {
+ public:
+  SliceNode(std::string op, NodePtr in, int dim, std::int64_t start, std::int64_t step, Shape out)
+      : Node(NodeKind::Copy, in->dtype(), out, in->device(), {in}), op_(std::move(op)), dim_(dim), start_(start),
+        step_(step) {}
+
+  std::string op_name() const override { return op_; }
+  std::string describe() const override {
+    return op_ + "(%0, dim=" + std::to_string(dim_) + ", start=" + std::to_string(start_) +
+           ", step=" + std::to_string(step_) + ")";
+  }
+  // The offsets are part of the kernel's layout, not data: they belong in the hash.
+  std::uint64_t structural_hash() const override {
+    return hash_combine(hash_combine(hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_)),
+                                     static_cast<std::uint64_t>(start_)),
+                        static_cast<std::uint64_t>(step_));
+  }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    const Shape& is = inputs()[0]->shape();
+    const std::byte* src = copy_kernels::bytes_of(inputs()[0]);
+    auto buf = allocate_output(ctx, false);
+    auto* dst = static_cast<std::byte*>(buf->data());
+    std::int64_t outer = 1, inner = 1;
+    for (int d = 0; d < dim_; ++d) outer *= is[d];
+    for (int d = dim_ + 1; d < is.rank(); ++d) inner *= is[d];
+    const std::int64_t dsize = is[dim_], len = shape()[dim_];
+    const std::int64_t start = start_, step = step_;
+    copy_kernels::with_elem_size(dtype_size(dtype()), [&](auto nb) {
+      constexpr std::size_t N = decltype(nb)::value;
+      if (step == 1) {  // one contiguous run per outer index
+        copy_kernels::copy_segments<N>(ctx.device.threads(), dst, src, outer, len * inner,
+                                       [&](std::int64_t o) { return (o * dsize + start) * inner; });
+      } else {
+        copy_kernels::copy_segments<N>(ctx.device.threads(), dst, src, outer * len, inner, [&](std::int64_t s) {
+          return ((s / len) * dsize + start + (s % len) * step) * inner;
+        });
+      }
+    });
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  std::string op_;
+  int dim_;
+  std::int64_t start_, step_;
+};
+
+/// Concatenation: the output, viewed as [outer, sum of widths], is row o = the inputs' rows o
+/// side by side (input i viewed as [outer, widths[i]]). cat and stack differ only in how
+/// they compute outer and the widths.
+class CatNode final : public Node {
+ public:
+  CatNode(std::string op, DType dtype, std::vector<NodePtr> ins, Shape out, Device* dev, std::int64_t outer,
+          std::vector<std::int64_t> widths)
+      : Node(NodeKind::Copy, dtype, out, dev, std::move(ins)), op_(std::move(op)), outer_(outer),
+        widths_(std::move(widths)) {}
+
+  std::string op_name() const override { return op_; }
+  std::uint64_t structural_hash() const override {
+    std::uint64_t h = hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(outer_));
+    for (auto w : widths_) h = hash_combine(h, static_cast<std::uint64_t>(w));
+    return h;
+  }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    const std::size_t k = inputs().size();
+    std::vector<const std::byte*> srcs(k);
+    for (std::size_t i = 0; i < k; ++i) srcs[i] = copy_kernels::bytes_of(inputs()[i]);
+    auto buf = allocate_output(ctx, false);
+    auto* dst = static_cast<std::byte*>(buf->data());
+    std::vector<std::int64_t> pre(k + 1, 0);  // start of each input inside an output row
+    for (std::size_t i = 0; i < k; ++i) pre[i + 1] = pre[i] + widths_[i];
+    const std::int64_t W = pre[k], n = outer_ * W;
+    auto& pool = ctx.device.threads();
+    if (n > 0) {
+      copy_kernels::with_elem_size(dtype_size(dtype()), [&](auto nb) {
+        constexpr std::size_t N = decltype(nb)::value;
+        const std::int64_t tasks = task_count(pool, n, 1.0);
+        // Split the output evenly, whatever the sizes of the pieces.
+        pool.parallel_for(tasks, [&](std::int64_t t) {
+          auto [b, e] = task_range(n, tasks, t);
+          while (b < e) {
+            const std::int64_t o = b / W, w = b % W;
+            const auto i = static_cast<std::size_t>(std::upper_bound(pre.begin() + 1, pre.end(), w) - pre.begin() - 1);
+            const std::int64_t off = w - pre[i], c = std::min(widths_[i] - off, e - b);
+            std::memcpy(dst + b * N, srcs[i] + (o * widths_[i] + off) * N, static_cast<std::size_t>(c) * N);
+            b += c;
+          }
+        });
+      });
+    }
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  std::string op_;
+  std::int64_t outer_;
+  std::vector<std::int64_t> widths_;
+};
+
+/// out[.., k, ..] = in[.., index[k], ..] along `dim` (index 1-D, values checked here).
+template <IndexElement I>
+class IndexSelectNode final : public Node {
+ public:
+  IndexSelectNode(NodePtr in, NodePtr index, int dim, Shape out)
+      : Node(NodeKind::Copy, in->dtype(), out, in->device(), {in, index}), dim_(dim) {}
+
+  std::string op_name() const override { return "index_select"; }
+  std::string describe() const override { return "index_select(%0, dim=" + std::to_string(dim_) + ", %1)"; }
+  std::uint64_t structural_hash() const override {
+    return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
+  }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    const Shape& is = inputs()[0]->shape();
+    const std::byte* src = copy_kernels::bytes_of(inputs()[0]);
+    const I* idx = inputs()[1]->template data<I>();
+    const std::int64_t K = inputs()[1]->numel();
+    std::int64_t outer = 1, inner = 1;
+    const std::int64_t dsize = is.rank() ? is[dim_] : 1;
+    for (int d = 0; d < dim_; ++d) outer *= is[d];
+    for (int d = dim_ + 1; d < is.rank(); ++d) inner *= is[d];
+    // Check every index before writing anything: K values, cheap next to the copy.
+    for (std::int64_t k = 0; k < K; ++k) {
+      if (idx[k] < 0 || idx[k] >= dsize) {
+        throw IndexError("index_select: index " + std::to_string(idx[k]) + " (position " + std::to_string(k) +
+                         ") is out of range for dimension " + std::to_string(dim_) + " with size " +
+                         std::to_string(dsize) + " (expected 0 <= index < " + std::to_string(dsize) + ")");
+      }
+    }
+    auto buf = allocate_output(ctx, false);
+    auto* dst = static_cast<std::byte*>(buf->data());
+    copy_kernels::with_elem_size(dtype_size(dtype()), [&](auto nb) {
+      constexpr std::size_t N = decltype(nb)::value;
+      copy_kernels::copy_segments<N>(ctx.device.threads(), dst, src, outer * K, inner, [&](std::int64_t s) {
+        return ((s / K) * dsize + static_cast<std::int64_t>(idx[s % K])) * inner;
+      });
+    });
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  int dim_;
+};
+
+/// torch.gather: out[i][j][k] = in[index[i][j][k]][j][k] for dim 0 (likewise for others);
+/// the output has the index's shape, index values are checked while they are read.
+template <IndexElement I>
+class GatherNode final : public Node {
+ public:
+  GatherNode(NodePtr in, NodePtr index, int dim)
+      : Node(NodeKind::Copy, in->dtype(), index->shape(), in->device(), {in, index}), dim_(dim) {}
+
+  std::string op_name() const override { return "gather"; }
+  std::string describe() const override { return "gather(%0, dim=" + std::to_string(dim_) + ", %1)"; }
+  double cost_per_element() const override { return 2; }
+  std::uint64_t structural_hash() const override {
+    return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
+  }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    // A 0-d tensor is handled as a 1-D tensor of one element.
+    Shape ts = inputs()[0]->shape(), xs = shape();
+    if (ts.rank() == 0) ts = Shape{1};
+    if (xs.rank() == 0) xs = Shape{1};
+    const std::byte* src = copy_kernels::bytes_of(inputs()[0]);
+    const I* idx = inputs()[1]->template data<I>();
+    auto buf = allocate_output(ctx, false);
+    auto* dst = static_cast<std::byte*>(buf->data());
+    const int R = xs.rank(), dim = dim_;
+    const std::int64_t n = numel(), last = xs[R - 1], dsize = ts[dim];
+    if (n > 0) {
+      const auto tst = contiguous_strides(ts), xst = contiguous_strides(xs);
+      copy_kernels::Odometer od;  // a: input offset without `dim`; b: index offset
+      od.rank = R - 1;
+      for (int d = 0; d + 1 < R; ++d) {
+        od.size[d] = xs[d];
+        od.stride_a[d] = d == dim ? 0 : tst[d];
+        od.stride_b[d] = xst[d];
+      }
+      const std::int64_t dstride = tst[dim], rows = n / last;
+      auto& pool = ctx.device.threads();
+      const std::int64_t tasks = std::min(rows, task_count(pool, n, 2.0));
+      copy_kernels::with_elem_size(dtype_size(dtype()), [&](auto nb) {
+        constexpr std::size_t N = decltype(nb)::value;
+        pool.parallel_for(tasks, [&](std::int64_t t) {
+          auto [r0, r1] = task_range(rows, tasks, t);
+          copy_kernels::Odometer o = od;
+          o.seek(r0);
+          for (std::int64_t r = r0; r < r1; ++r, o.next()) {
+            for (std::int64_t j = 0; j < last; ++j) {
+              const auto k = static_cast<std::int64_t>(idx[o.b + j]);
+              if (k < 0 || k >= dsize) {
+                throw IndexError("gather: index " + std::to_string(k) + " is out of bounds for dimension " +
+                                 std::to_string(dim_) + " with size " + std::to_string(dsize) +
+                                 " (expected 0 <= index < " + std::to_string(dsize) + ")");
+              }
+              const std::int64_t at = dim == R - 1 ? o.a + k : o.a + j + k * dstride;
+              copy_kernels::copy_elem<N>(dst + (o.b + j) * N, src + at * N);
+            }
+          }
+        });
+      });
+    }
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  int dim_;
+};
+
+/// torch.nn.functional.one_hot: out[..., c] = (index[...] == c), as int64.
+template <IndexElement I>
+class OneHotNode final : public Node {
+ public:
+  OneHotNode(NodePtr index, std::int64_t classes, Shape out)
+      : Node(NodeKind::Copy, DType::Int64, out, index->device(), {index}), classes_(classes) {}
+
+  std::string op_name() const override { return "one_hot"; }
+  std::string describe() const override { return "one_hot(%0, num_classes=" + std::to_string(classes_) + ")"; }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    const I* idx = inputs()[0]->template data<I>();
+    const std::int64_t m = inputs()[0]->numel(), C = classes_;
+    auto buf = allocate_output(ctx, false);
+    auto* out = static_cast<std::int64_t*>(buf->data());
+    auto& pool = ctx.device.threads();
+    const std::int64_t tasks = std::max<std::int64_t>(1, std::min(m, task_count(pool, m * C, 1.0)));
+    if (m > 0) {
+      pool.parallel_for(tasks, [&](std::int64_t t) {
+        auto [b, e] = task_range(m, tasks, t);
+        if (C > 0) std::fill(out + b * C, out + e * C, std::int64_t{0});
+        for (std::int64_t i = b; i < e; ++i) {
+          const auto v = static_cast<std::int64_t>(idx[i]);
+          if (v < 0) {
+            throw IndexError("one_hot: class values must be non-negative, found " + std::to_string(v));
+          }
+          if (v >= C) {
+            throw IndexError("one_hot: class values must be smaller than num_classes (" + std::to_string(C) +
+                             "), found " + std::to_string(v));
+          }
+          out[i * C + v] = 1;
+        }
+      });
+    }
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  std::int64_t classes_;
+};
+
+}  // namespace lazy::graph

@@ -1,0 +1,91 @@
+# cmake -DINCLUDE_DIR=<repo>/include -P check_layers.cmake
+#
+# Every header under include/lazytensor/ belongs to a layer (its folder; autograd/ and io/ are
+# split, see LAYER_OF_FILE), and may include headers of its own layer or lower ones only
+# (docs/architecture.md, "Layers and folders"). The module headers at the top level
+# (tensor.hpp, nn.hpp, ..., lazytensor.hpp) are entry points and may include anything.
+# Fails on any include that points up, except the crossings listed in KNOWN_CROSSINGS, which
+# the architecture document names and which must shrink, not grow.
+cmake_minimum_required(VERSION 3.20)
+set(LAYERS core expr graph autograd_node tensor autograd_api ops io_format frontend dist io_save debug)
+set(LAYER_OF_FOLDER_core core)
+set(LAYER_OF_FOLDER_expr expr)
+set(LAYER_OF_FOLDER_graph graph)
+set(LAYER_OF_FOLDER_autograd autograd_node)
+set(LAYER_OF_FOLDER_tensor tensor)
+set(LAYER_OF_FOLDER_ops ops)
+set(LAYER_OF_FOLDER_io io_format)
+set(LAYER_OF_FOLDER_nn frontend)
+set(LAYER_OF_FOLDER_optim frontend)
+set(LAYER_OF_FOLDER_data frontend)
+set(LAYER_OF_FOLDER_dist dist)
+set(LAYER_OF_FOLDER_debug debug)
+# Files whose layer is not their folder's.
+set(LAYER_OF_FILE_autograd/record.hpp autograd_api)
+set(LAYER_OF_FILE_autograd/functional.hpp autograd_api)
+set(LAYER_OF_FILE_io/save.hpp io_save)
+set(LAYER_OF_FILE_any_tensor.hpp tensor)
+set(LAYER_OF_FILE_state_dict.hpp tensor)
+set(LAYER_OF_FILE_fwd.hpp core)
+# Today's crossings (header -> included header), each named in docs/architecture.md.
+set(KNOWN_CROSSINGS
+  "expr/expr.hpp -> graph/node.hpp"
+  "expr/expr.hpp -> autograd/function.hpp"
+  "graph/builders.hpp -> autograd/accumulate.hpp"
+  "graph/builders.hpp -> autograd/elementwise_grad.hpp"
+  "graph/tensor_impl.hpp -> autograd/function.hpp")
+
+function(layer_of rel out)
+  if(DEFINED LAYER_OF_FILE_${rel})
+    set(${out} "${LAYER_OF_FILE_${rel}}" PARENT_SCOPE)
+  elseif(rel MATCHES "^([^/]+)/")
+    set(folder "${CMAKE_MATCH_1}")
+    if(NOT DEFINED LAYER_OF_FOLDER_${folder})
+      message(FATAL_ERROR "include/lazytensor/${folder}/ is in no layer: add it to tests/layers/check_layers.cmake")
+    endif()
+    set(${out} "${LAYER_OF_FOLDER_${folder}}" PARENT_SCOPE)
+  else()
+    set(${out} "entry" PARENT_SCOPE)
+  endif()
+endfunction()
+
+file(GLOB_RECURSE headers RELATIVE "${INCLUDE_DIR}/lazytensor" "${INCLUDE_DIR}/lazytensor/*.hpp")
+set(errors "")
+set(seen_crossings "")
+set(n 0)
+foreach(rel IN LISTS headers)
+  layer_of("${rel}" from)
+  if(from STREQUAL "entry")
+    continue()
+  endif()
+  list(FIND LAYERS "${from}" from_rank)
+  file(STRINGS "${INCLUDE_DIR}/lazytensor/${rel}" lines REGEX "^#include <lazytensor/")
+  foreach(line IN LISTS lines)
+    string(REGEX REPLACE "^#include <lazytensor/([^>]+)>.*" "\\1" target "${line}")
+    math(EXPR n "${n} + 1")
+    layer_of("${target}" to)
+    if(to STREQUAL "entry")
+      list(APPEND errors "${rel} includes the module header ${target} (internal headers include internal headers)")
+      continue()
+    endif()
+    list(FIND LAYERS "${to}" to_rank)
+    if(to_rank GREATER from_rank)
+      set(crossing "${rel} -> ${target}")
+      if(crossing IN_LIST KNOWN_CROSSINGS)
+        list(APPEND seen_crossings "${crossing}")
+      else()
+        list(APPEND errors "${crossing} (layer ${from} includes the higher layer ${to})")
+      endif()
+    endif()
+  endforeach()
+endforeach()
+foreach(crossing IN LISTS KNOWN_CROSSINGS)
+  if(NOT crossing IN_LIST seen_crossings)
+    list(APPEND errors "'${crossing}' is gone: remove it from KNOWN_CROSSINGS (and docs/architecture.md)")
+  endif()
+endforeach()
+if(errors)
+  list(JOIN errors "\n  " shown)
+  message(FATAL_ERROR "include layering:\n  ${shown}")
+endif()
+message(STATUS "${n} includes checked, none points up a layer (known crossings: ${seen_crossings})")
