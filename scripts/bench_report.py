@@ -468,7 +468,7 @@ def main() -> None:
     # scripts/compile_report.py owns the section between its markers: keep it.
     if out_md.exists():
         old = out_md.read_text()
-        begin, end = "<!-- compile-report:begin -->", "<!-- compile-report:end -->"
+        from compile_report import BEGIN as begin, END as end  # scripts/ is on sys.path
         if begin in old and end in old:
             text = text.rstrip("\n") + "\n\n" + begin + old.split(begin, 1)[1].split(end, 1)[0] + end + "\n"
     out_md.write_text(text)

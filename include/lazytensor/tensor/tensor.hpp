@@ -177,9 +177,7 @@ class Tensor {
                   "computed by " + impl_->autograd->grad_fn->name() + ")");
     }
     node();
-    if constexpr (is_floating_v<T>) {
-      if (on) autograd::register_grad_dtype<T>();  // its gradients are added and converted at run time
-    }
+    if (on) autograd::register_grad_dtype<T>();  // its gradients are added and converted at run time
     impl_->autograd_meta().requires_grad = on;
     return *this;
   }
