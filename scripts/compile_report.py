@@ -11,6 +11,10 @@ file). Peers that are not installed (libtorch: Debian's libtorch-dev) are listed
 
   python3 scripts/compile_report.py [--runs N] [--cxx g++] [--no-write] [--baseline DIR]
 
+The `*_compiled` rows build the same programs against the compiled runtime
+(lazytensor::compiled: -DLAZYTENSOR_COMPILED, linked with src/compiled.cpp's object, which is
+built once beforehand and not timed).
+
 --baseline DIR adds the lazytensor rows compiled against another checkout's include/ (an
 older revision, `git worktree add DIR <rev>`), interleaved with the others: a before/after
 ratio from one run. Its tensor program includes tensor.hpp, ops/random.hpp and
@@ -63,7 +67,12 @@ LABELS = {
     "libtorch": "libtorch, `<torch/torch.h>`",
     "eigen": "Eigen, `<Eigen/Dense>`",
     "fashion_mnist": "`examples/fashion_mnist/main.cpp` (umbrella, header-only)",
+    "umbrella_compiled": "lazytensor, `<lazytensor/lazytensor.hpp>` with lazytensor::compiled",
+    "tensor_compiled": "lazytensor, `<lazytensor/tensor.hpp>` with lazytensor::compiled",
+    "fashion_mnist_compiled": "`examples/fashion_mnist/main.cpp` with lazytensor::compiled",
 }
+COMPILED = {"umbrella_compiled": "umbrella", "tensor_compiled": "tensor",
+            "fashion_mnist_compiled": "fashion_mnist"}
 
 
 def eigen_include():
@@ -77,7 +86,7 @@ def eigen_include():
     return ["-I/usr/include/eigen3"]
 
 
-def command(name, src, exe, cxx, root=ROOT):
+def command(name, src, exe, cxx, root=ROOT, runtime=None):
     base = [cxx, "-std=c++20", "-O2", "-march=native", "-pthread"]
     if name == "libtorch":
         inc = ["-I/usr/include/torch/csrc/api/include"]
@@ -85,6 +94,8 @@ def command(name, src, exe, cxx, root=ROOT):
     if name == "eigen":
         return base + eigen_include() + [str(src), "-o", str(exe)]
     lazy = ["-I" + str(root / "include")] + eigen_include()
+    if runtime:  # the compiled runtime's object (zlib: its IDX reader)
+        return base + lazy + ["-DLAZYTENSOR_COMPILED", str(src), str(runtime), "-o", str(exe), "-lz"]
     libs = ["-lz"] if name == "fashion_mnist" else []
     return base + lazy + [str(src), "-o", str(exe)] + libs
 
@@ -144,10 +155,10 @@ def main():
         tmp = pathlib.Path(tmp)
         sources = {}
         for name in names:
-            if name == "fashion_mnist":
+            if COMPILED.get(name, name) == "fashion_mnist":
                 sources[name] = ROOT / "examples" / "fashion_mnist" / "main.cpp"
             else:
-                head, body = PROGRAMS[name]
+                head, body = PROGRAMS[COMPILED.get(name, name)]
                 src = tmp / f"{name}.cpp"
                 src.write_text(head + PROGRAM_BODY.format(body=body))
                 sources[name] = src
@@ -167,6 +178,13 @@ def main():
                     src = base / "examples" / "fashion_mnist" / "main.cpp"
                 jobs[n + "@baseline"] = (n, src, base)
                 LABELS[n + "@baseline"] = LABELS[n].replace("lazytensor,", "baseline,", 1) + " (baseline)"
+        runtime = None
+        if any(n in COMPILED for n in jobs):
+            runtime = tmp / "compiled.o"
+            print("building the compiled runtime (not timed)", file=sys.stderr)
+            subprocess.run([args.cxx, "-std=c++20", "-O2", "-march=native", "-pthread", "-c",
+                            "-I" + str(ROOT / "include")] + eigen_include() +
+                           [str(ROOT / "src" / "compiled.cpp"), "-o", str(runtime)], check=True)
         runnable = list(jobs)
         names = names + [j for j in jobs if j.endswith("@baseline")]
         samples = {n: [] for n in runnable}
@@ -174,7 +192,8 @@ def main():
         for r in range(args.runs):
             for name in runnable:
                 kind, src, root = jobs[name]
-                cmd = command(kind, src, tmp / name.replace("@", "_"), args.cxx, root)
+                cmd = command(COMPILED.get(kind, kind), src, tmp / name.replace("@", "_"), args.cxx, root,
+                              runtime if kind in COMPILED else None)
                 samples[name].append(measure(cmd, time_bin))
                 print(f"run {r + 1}/{args.runs} {name}: {samples[name][-1][0]:.1f} s, "
                       f"{samples[name][-1][1] / 1024:.0f} MiB", file=sys.stderr)

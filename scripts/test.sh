@@ -133,7 +133,8 @@ run_package_consumers() {
     || die "find_package(lazytensor) did not pick up the freshly installed package"
   cmake --build "$tmp/pkg-find" -j"$JOBS"
   "$tmp/pkg-find/lazytensor_package_test"
-  echo "find_package consumer: OK"
+  "$tmp/pkg-find/lazytensor_package_compiled_test"
+  echo "find_package consumers (header-only and lazytensor::compiled): OK"
 
   section "package: add_subdirectory consumer"
   cmake -S tests/package/subdir -B "$tmp/pkg-subdir" "${common[@]}"
@@ -145,7 +146,7 @@ run_package_consumers() {
   cmake -S tests/package/subdir -B "$tmp/pkg-fetch" "${common[@]}" -DCONSUMER_USE_FETCHCONTENT=ON
   cmake --build "$tmp/pkg-fetch" -j"$JOBS"
   "$tmp/pkg-fetch/lazytensor_subdir_test"
-  echo "FetchContent consumer: OK"
+  echo "FetchContent consumer (lazytensor::compiled): OK"
 }
 
 # --------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@
 #include <memory>
 #include <string>
 
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/tensor/tensor.hpp>
 
 namespace lazy {
@@ -59,26 +60,34 @@ class AnyTensor {
 
   /// Copies the values (row-major, dtype_size(dtype()) bytes each) to `dst`. Materializes
   /// (an implicit sync when pending).
-  void copy_bytes_to(void* dst) const {
-    visit([&](const auto& t) {
-      if (t.numel() > 0) std::memcpy(dst, t.data(), static_cast<std::size_t>(t.numel()) * dtype_size(dtype()));
-    });
-  }
+  void copy_bytes_to(void* dst) const;
 
   /// The shared tensor object.
   const std::shared_ptr<graph::TensorImpl>& impl() const { return impl_; }
 
  private:
-  const graph::NodePtr& node() const {
-    if (!impl_) throw Error("use of an undefined tensor (default-constructed lazy::AnyTensor)");
-    return impl_->node;
-  }
+  const graph::NodePtr& node() const;
   std::shared_ptr<graph::TensorImpl> impl_;
 };
 
 /// A materialized tensor of run-time dtype `dtype` and `shape` holding a copy of `bytes`
 /// (numel * dtype_size(dtype) bytes), on `dev`.
-inline AnyTensor from_bytes(DType dtype, const Shape& shape, const void* bytes, Device dev = device()) {
+AnyTensor from_bytes(DType dtype, const Shape& shape, const void* bytes, Device dev = device());
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE void AnyTensor::copy_bytes_to(void* dst) const {
+  visit([&](const auto& t) {
+    if (t.numel() > 0) std::memcpy(dst, t.data(), static_cast<std::size_t>(t.numel()) * dtype_size(dtype()));
+  });
+}
+
+LAZYTENSOR_INLINE const graph::NodePtr& AnyTensor::node() const {
+  if (!impl_) throw Error("use of an undefined tensor (default-constructed lazy::AnyTensor)");
+  return impl_->node;
+}
+
+LAZYTENSOR_INLINE AnyTensor from_bytes(DType dtype, const Shape& shape, const void* bytes,
+                                       Device dev) {
   graph::Device& d = dev.engine();
   const std::size_t n = static_cast<std::size_t>(shape.numel()) * dtype_size(dtype);
   auto buf = d.pool().acquire(padded_bytes(shape.numel(), dtype_size(dtype)));
@@ -94,5 +103,6 @@ inline AnyTensor from_bytes(DType dtype, const Shape& shape, const void* bytes, 
   }
   return Tensor<double>(node);
 }
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy

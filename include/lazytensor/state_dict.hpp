@@ -9,6 +9,7 @@
 #include <vector>
 
 #include <lazytensor/any_tensor.hpp>
+#include <lazytensor/core/config.hpp>
 
 namespace lazy {
 
@@ -18,28 +19,15 @@ class StateDict {
   using Item = std::pair<std::string, AnyTensor>;
 
   /// Adds `name`; Error when the name is already present.
-  void insert(const std::string& name, AnyTensor t) {
-    if (index_.count(name)) throw Error("StateDict: duplicate key '" + name + "'");
-    index_.emplace(name, items_.size());
-    items_.emplace_back(name, std::move(t));
-  }
+  void insert(const std::string& name, AnyTensor t);
   /// Adds or replaces `name`.
-  void insert_or_assign(const std::string& name, AnyTensor t) {
-    if (auto it = index_.find(name); it != index_.end()) items_[it->second].second = std::move(t);
-    else insert(name, std::move(t));
-  }
+  void insert_or_assign(const std::string& name, AnyTensor t);
   /// True when `name` is present.
   bool contains(const std::string& name) const { return index_.count(name) != 0; }
   /// The tensor stored under `name`, or nullptr.
-  const AnyTensor* find(const std::string& name) const {
-    auto it = index_.find(name);
-    return it == index_.end() ? nullptr : &items_[it->second].second;
-  }
+  const AnyTensor* find(const std::string& name) const;
   /// The tensor stored under `name`; Error naming the key when it is missing.
-  const AnyTensor& at(const std::string& name) const {
-    if (const AnyTensor* t = find(name)) return *t;
-    throw Error("StateDict: missing key '" + name + "'");
-  }
+  const AnyTensor& at(const std::string& name) const;
   /// Every (name, tensor) pair in insertion order.
   const std::vector<Item>& items() const { return items_; }
   std::vector<Item>::const_iterator begin() const { return items_.begin(); }
@@ -47,11 +35,7 @@ class StateDict {
   std::size_t size() const { return items_.size(); }
   bool empty() const { return items_.empty(); }
   /// The keys in insertion order.
-  std::vector<std::string> keys() const {
-    std::vector<std::string> k;
-    for (const auto& [n, t] : items_) k.push_back(n);
-    return k;
-  }
+  std::vector<std::string> keys() const;
 
   /// Free-form string metadata (hyper-parameters, format versions, ...).
   std::map<std::string, std::string>& metadata() { return metadata_; }
@@ -62,5 +46,34 @@ class StateDict {
   std::map<std::string, std::size_t> index_;
   std::map<std::string, std::string> metadata_;
 };
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE void StateDict::insert(const std::string& name, AnyTensor t) {
+  if (index_.count(name)) throw Error("StateDict: duplicate key '" + name + "'");
+  index_.emplace(name, items_.size());
+  items_.emplace_back(name, std::move(t));
+}
+
+LAZYTENSOR_INLINE void StateDict::insert_or_assign(const std::string& name, AnyTensor t) {
+  if (auto it = index_.find(name); it != index_.end()) items_[it->second].second = std::move(t);
+  else insert(name, std::move(t));
+}
+
+LAZYTENSOR_INLINE const AnyTensor* StateDict::find(const std::string& name) const {
+  auto it = index_.find(name);
+  return it == index_.end() ? nullptr : &items_[it->second].second;
+}
+
+LAZYTENSOR_INLINE const AnyTensor& StateDict::at(const std::string& name) const {
+  if (const AnyTensor* t = find(name)) return *t;
+  throw Error("StateDict: missing key '" + name + "'");
+}
+
+LAZYTENSOR_INLINE std::vector<std::string> StateDict::keys() const {
+  std::vector<std::string> k;
+  for (const auto& [n, t] : items_) k.push_back(n);
+  return k;
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy

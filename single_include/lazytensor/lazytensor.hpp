@@ -20,6 +20,35 @@
 #include <memory>
 #include <string>
 
+// ---- begin lazytensor/core/config.hpp ----
+// Where the non-template runtime (device, executor, planner, pools, thread pool, collectives'
+// transport, file and format readers) is defined.
+//
+// Header-only, the default: the headers define it `inline`, and every translation unit that
+// uses a part compiles that part again. With LAZYTENSOR_COMPILED (defined for users by the
+// CMake target lazytensor::compiled) the headers only declare it, and the library defines it
+// once: a user TU then compiles just the templates it names (kernels of its dtypes and ops).
+// Templates are always defined in the headers.
+//
+// A header writes its runtime definitions after its declarations, as
+//   #if LAZYTENSOR_HEADER_DEFINITIONS
+//   LAZYTENSOR_INLINE void ThreadPool::resize(int threads) { ... }
+//   #endif
+// so both modes read the same text. LAZYTENSOR_INLINE goes on those definitions only, never
+// on a declaration.
+
+#if defined(LAZYTENSOR_BUILDING_RUNTIME)
+// src/compiled.cpp: the one TU that defines the runtime, with external linkage.
+#define LAZYTENSOR_HEADER_DEFINITIONS 1
+#define LAZYTENSOR_INLINE
+#elif defined(LAZYTENSOR_COMPILED)
+#define LAZYTENSOR_HEADER_DEFINITIONS 0
+#define LAZYTENSOR_INLINE
+#else
+#define LAZYTENSOR_HEADER_DEFINITIONS 1
+#define LAZYTENSOR_INLINE inline
+#endif
+// ---- end lazytensor/core/config.hpp ----
 // ---- begin lazytensor/tensor/tensor.hpp ----
 // lazy::Tensor<T>: a cheap handle, like torch::Tensor. Copies share one tensor object that
 // points at the graph node holding the current value; in-place ops rebind that node.
@@ -102,6 +131,7 @@
 #include <string>
 
 // ---- begin lazytensor/core/clock.hpp ----
+
 // The clock the metrics time with. Every read of a small statement takes two timings, so
 // the clock is on the hot path: steady_clock costs ~24 ns a reading through the vDSO on
 // the development VM, the x86 time-stamp counter ~10 ns. The counter is used where the
@@ -127,12 +157,7 @@ class MetricClock {
   using Ticks = std::int64_t;
 
   /// The current reading.
-  static Ticks now() noexcept {
-#ifdef LAZYTENSOR_DETAIL_TSC
-    if (state().tsc) return static_cast<Ticks>(__rdtsc());
-#endif
-    return steady_ticks();
-  }
+  static Ticks now() noexcept;
 
   /// Nanoseconds between readings `t0` and `t1` (0 if `t1` is earlier: counters of
   /// different cores may disagree by a few ticks).
@@ -149,55 +174,74 @@ class MetricClock {
     double ns_per_tick = 1.0;
   };
 
-  static Ticks steady_ticks() noexcept {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(
-               std::chrono::steady_clock::now().time_since_epoch())
-        .count();
-  }
+  static Ticks steady_ticks() noexcept;
 
-  static const State& state() noexcept {
-    static const State s = calibrate();
-    return s;
-  }
+  static const State& state() noexcept;
 
   // The counter's rate against steady_clock over ~200 us, once per process. Each end is a
   // steady_clock reading bracketed by two counter readings close together (a thread
   // preempted in between tries again), so the rate is good to ~0.05%.
-  static State calibrate() noexcept {
-    State s;
-#ifdef LAZYTENSOR_DETAIL_TSC
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (__get_cpuid(0x80000000u, &a, &b, &c, &d) == 0 || a < 0x80000007u) return s;
-    __get_cpuid(0x80000007u, &a, &b, &c, &d);
-    if (!(d & (1u << 8))) return s;  // no invariant TSC
-    struct Pair {
-      Ticks steady;
-      double tsc;
-    };
-    auto pair = []() -> std::optional<Pair> {
-      for (int attempt = 0; attempt < 100; ++attempt) {
-        const auto c0 = __rdtsc();
-        const Ticks t = steady_ticks();
-        const auto c1 = __rdtsc();
-        if (c1 > c0 && c1 - c0 < 20'000)
-          return Pair{t, 0.5 * (static_cast<double>(c0) + static_cast<double>(c1))};
-      }
-      return std::nullopt;
-    };
-    const auto p0 = pair();
-    if (!p0) return s;
-    while (steady_ticks() - p0->steady < 200'000) {
-    }
-    const auto p1 = pair();
-    if (!p1 || p1->tsc <= p0->tsc) return s;
-    s.tsc = true;
-    s.ns_per_tick = static_cast<double>(p1->steady - p0->steady) / (p1->tsc - p0->tsc);
-#endif
-    return s;
-  }
+  static State calibrate() noexcept;
 };
 
 }  // namespace lazy::core
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::core {
+
+LAZYTENSOR_INLINE auto MetricClock::now() noexcept -> Ticks {
+#ifdef LAZYTENSOR_DETAIL_TSC
+  if (state().tsc) return static_cast<Ticks>(__rdtsc());
+#endif
+  return steady_ticks();
+}
+
+LAZYTENSOR_INLINE auto MetricClock::steady_ticks() noexcept -> Ticks {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+LAZYTENSOR_INLINE auto MetricClock::state() noexcept -> const State& {
+  static const State s = calibrate();
+  return s;
+}
+
+LAZYTENSOR_INLINE auto MetricClock::calibrate() noexcept -> State {
+  State s;
+#ifdef LAZYTENSOR_DETAIL_TSC
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__get_cpuid(0x80000000u, &a, &b, &c, &d) == 0 || a < 0x80000007u) return s;
+  __get_cpuid(0x80000007u, &a, &b, &c, &d);
+  if (!(d & (1u << 8))) return s;  // no invariant TSC
+  struct Pair {
+    Ticks steady;
+    double tsc;
+  };
+  auto pair = []() -> std::optional<Pair> {
+    for (int attempt = 0; attempt < 100; ++attempt) {
+      const auto c0 = __rdtsc();
+      const Ticks t = steady_ticks();
+      const auto c1 = __rdtsc();
+      if (c1 > c0 && c1 - c0 < 20'000)
+        return Pair{t, 0.5 * (static_cast<double>(c0) + static_cast<double>(c1))};
+    }
+    return std::nullopt;
+  };
+  const auto p0 = pair();
+  if (!p0) return s;
+  while (steady_ticks() - p0->steady < 200'000) {
+  }
+  const auto p1 = pair();
+  if (!p1 || p1->tsc <= p0->tsc) return s;
+  s.tsc = true;
+  s.ns_per_tick = static_cast<double>(p1->steady - p0->steady) / (p1->tsc - p0->tsc);
+#endif
+  return s;
+}
+
+}  // namespace lazy::core
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/core/clock.hpp ----
 
 namespace lazy::core {
@@ -219,31 +263,9 @@ struct MetricData {
 /// a summary taken while another thread records may see that sample in part.
 class Metric {
  public:
-  void record(double ns) {
-    double lo = min_.load(std::memory_order_relaxed);
-    while (ns < lo && !min_.compare_exchange_weak(lo, ns, std::memory_order_relaxed)) {
-    }
-    double hi = max_.load(std::memory_order_relaxed);
-    while (ns > hi && !max_.compare_exchange_weak(hi, ns, std::memory_order_relaxed)) {
-    }
-    total_.fetch_add(ns, std::memory_order_relaxed);
-    count_.fetch_add(1, std::memory_order_release);
-  }
-  MetricData data() const {
-    MetricData d;
-    d.count = count_.load(std::memory_order_acquire);
-    if (d.count == 0) return d;
-    d.total_ns = total_.load(std::memory_order_relaxed);
-    d.min_ns = min_.load(std::memory_order_relaxed);
-    d.max_ns = max_.load(std::memory_order_relaxed);
-    return d;
-  }
-  void reset() {
-    count_.store(0, std::memory_order_relaxed);
-    total_.store(0, std::memory_order_relaxed);
-    min_.store(kNone, std::memory_order_relaxed);
-    max_.store(-kNone, std::memory_order_relaxed);
-  }
+  void record(double ns);
+  MetricData data() const;
+  void reset();
 
  private:
   static constexpr double kNone = std::numeric_limits<double>::infinity();
@@ -254,35 +276,16 @@ class Metric {
 /// The registry of every counter and metric.
 class Registry {
  public:
-  static Registry& get() {
-    // Never destroyed: devices' executor threads may still record into it while static
-    // objects are destroyed at exit (their destruction order is not ours to choose).
-    static Registry* r = new Registry;
-    return *r;
-  }
-  Counter& counter(const std::string& name) {
-    std::lock_guard lock(mu_);
-    auto& p = counters_[name];
-    if (!p) p = std::make_unique<Counter>();
-    return *p;
-  }
-  Metric& metric(const std::string& name) {
-    std::lock_guard lock(mu_);
-    auto& p = metrics_[name];
-    if (!p) p = std::make_unique<Metric>();
-    return *p;
-  }
+  static Registry& get();
+  Counter& counter(const std::string& name);
+  Metric& metric(const std::string& name);
   template <class F>
   void for_each(F&& f) const {
     std::lock_guard lock(mu_);
     for (auto& [n, c] : counters_) f(n, c.get(), static_cast<const Metric*>(nullptr));
     for (auto& [n, m] : metrics_) f(n, static_cast<const Counter*>(nullptr), m.get());
   }
-  void reset() {
-    std::lock_guard lock(mu_);
-    for (auto& [n, c] : counters_) c->value.store(0);
-    for (auto& [n, m] : metrics_) m->reset();
-  }
+  void reset();
 
  private:
   mutable std::mutex mu_;
@@ -299,7 +302,7 @@ class ScopedTimer {
   explicit ScopedTimer(Metric& m) : m_(m), t0_(MetricClock::now()) {}
   /// Timing from `t0`, a reading the caller already has.
   ScopedTimer(Metric& m, MetricClock::Ticks t0) : m_(m), t0_(t0) {}
-  ~ScopedTimer() { m_.record(MetricClock::to_ns(t0_, MetricClock::now())); }
+  ~ScopedTimer();
 
  private:
   Metric& m_;
@@ -307,6 +310,69 @@ class ScopedTimer {
 };
 
 }  // namespace lazy::core
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::core {
+
+LAZYTENSOR_INLINE void Metric::record(double ns) {
+  double lo = min_.load(std::memory_order_relaxed);
+  while (ns < lo && !min_.compare_exchange_weak(lo, ns, std::memory_order_relaxed)) {
+  }
+  double hi = max_.load(std::memory_order_relaxed);
+  while (ns > hi && !max_.compare_exchange_weak(hi, ns, std::memory_order_relaxed)) {
+  }
+  total_.fetch_add(ns, std::memory_order_relaxed);
+  count_.fetch_add(1, std::memory_order_release);
+}
+
+LAZYTENSOR_INLINE MetricData Metric::data() const {
+  MetricData d;
+  d.count = count_.load(std::memory_order_acquire);
+  if (d.count == 0) return d;
+  d.total_ns = total_.load(std::memory_order_relaxed);
+  d.min_ns = min_.load(std::memory_order_relaxed);
+  d.max_ns = max_.load(std::memory_order_relaxed);
+  return d;
+}
+
+LAZYTENSOR_INLINE void Metric::reset() {
+  count_.store(0, std::memory_order_relaxed);
+  total_.store(0, std::memory_order_relaxed);
+  min_.store(kNone, std::memory_order_relaxed);
+  max_.store(-kNone, std::memory_order_relaxed);
+}
+
+LAZYTENSOR_INLINE Registry& Registry::get() {
+  // Never destroyed: devices' executor threads may still record into it while static
+  // objects are destroyed at exit (their destruction order is not ours to choose).
+  static Registry* r = new Registry;
+  return *r;
+}
+
+LAZYTENSOR_INLINE Counter& Registry::counter(const std::string& name) {
+  std::lock_guard lock(mu_);
+  auto& p = counters_[name];
+  if (!p) p = std::make_unique<Counter>();
+  return *p;
+}
+
+LAZYTENSOR_INLINE Metric& Registry::metric(const std::string& name) {
+  std::lock_guard lock(mu_);
+  auto& p = metrics_[name];
+  if (!p) p = std::make_unique<Metric>();
+  return *p;
+}
+
+LAZYTENSOR_INLINE void Registry::reset() {
+  std::lock_guard lock(mu_);
+  for (auto& [n, c] : counters_) c->value.store(0);
+  for (auto& [n, m] : metrics_) m->reset();
+}
+
+LAZYTENSOR_INLINE ScopedTimer::~ScopedTimer() { m_.record(MetricClock::to_ns(t0_, MetricClock::now())); }
+
+}  // namespace lazy::core
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/core/counters.hpp ----
 // ---- begin lazytensor/expr/dual.hpp ----
 // Gradient kernels of element-wise expressions, derived at compile time.
@@ -513,8 +579,22 @@ namespace lazy::core {
 /// The whole number in environment variable `name`, or nullopt when it is unset or empty.
 /// Throws Error naming the variable, `what` it counts and an `example` when the value is
 /// not a whole number >= `min`.
-inline std::optional<long long> env_integer(const char* name, long long min, const char* what,
-                                            const char* example) {
+std::optional<long long> env_integer(const char* name, long long min, const char* what,
+                                            const char* example);
+
+/// The on/off switch in environment variable `name`: true for 1/on/true, false for
+/// 0/off/false, nullopt when unset or empty. Throws Error naming the variable otherwise.
+std::optional<bool> env_switch(const char* name);
+
+}  // namespace lazy::core
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::core {
+
+LAZYTENSOR_INLINE std::optional<long long> env_integer(const char* name,
+    long long min,
+    const char* what,
+    const char* example) {
   const char* env = std::getenv(name);
   if (!env || !*env) return std::nullopt;
   char* end = nullptr;
@@ -526,9 +606,7 @@ inline std::optional<long long> env_integer(const char* name, long long min, con
   return v;
 }
 
-/// The on/off switch in environment variable `name`: true for 1/on/true, false for
-/// 0/off/false, nullopt when unset or empty. Throws Error naming the variable otherwise.
-inline std::optional<bool> env_switch(const char* name) {
+LAZYTENSOR_INLINE std::optional<bool> env_switch(const char* name) {
   const char* env = std::getenv(name);
   if (!env || !*env) return std::nullopt;
   const std::string v = env;
@@ -539,6 +617,7 @@ inline std::optional<bool> env_switch(const char* name) {
 }
 
 }  // namespace lazy::core
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/core/env.hpp ----
 
 namespace lazy {
@@ -568,22 +647,10 @@ inline std::size_t buffer_alignment(std::size_t bytes) {
   return bytes >= kHugePageBytes ? kHugePageBytes : kBufferAlign;
 }
 
-inline bool huge_pages_wanted() {
-  static const bool wanted = core::env_switch("LAZYTENSOR_HUGE_PAGES").value_or(true);
-  return wanted;
-}
+bool huge_pages_wanted();
 
 /// Memory for a buffer of `bytes` bytes (see the file comment for large ones).
-inline void* allocate_buffer_memory(std::size_t bytes) {
-  void* p = ::operator new(bytes, std::align_val_t(buffer_alignment(bytes)));
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  // Only whole huge pages inside the block: the advice must not reach memory we do not own.
-  // A refusal (THP disabled, old kernel) only loses the speed-up, so the result is ignored.
-  const std::size_t whole = bytes / kHugePageBytes * kHugePageBytes;
-  if (whole > 0 && huge_pages_wanted()) (void)::madvise(p, whole, MADV_HUGEPAGE);
-#endif
-  return p;
-}
+void* allocate_buffer_memory(std::size_t bytes);
 
 inline void free_buffer_memory(void* p, std::size_t bytes) {
   ::operator delete(p, std::align_val_t(buffer_alignment(bytes)));
@@ -596,8 +663,7 @@ class BufferPool;
 /// A block of aligned memory. Returned to its pool when the last reference goes.
 class Buffer {
  public:
-  Buffer(void* p, std::size_t bytes, std::shared_ptr<BufferPool> pool)
-      : data_(p), bytes_(bytes), pool_(std::move(pool)) {}
+  Buffer(void* p, std::size_t bytes, std::shared_ptr<BufferPool> pool);
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
   ~Buffer();
@@ -622,7 +688,85 @@ struct PoolStats {
 /// Default bound of a pool's cached bytes: a quarter of the physical memory (4 GiB where
 /// it cannot be read), or LAZYTENSOR_POOL_CACHE_BYTES (a whole number of bytes; 0 caches
 /// nothing). A malformed value is an Error naming it.
-inline std::size_t default_pool_cache_bytes() {
+std::size_t default_pool_cache_bytes();
+
+/// Free lists keyed by exact padded size. Thread-safe.
+///
+/// A steady loop asks for the same sizes every step and finds them here. A program whose
+/// shapes keep changing would leave a list behind for every size it ever used, so the
+/// cached bytes are bounded (cache_limit()): past the bound, the lists of the sizes used
+/// least recently go back to the system first.
+class BufferPool : public std::enable_shared_from_this<BufferPool> {
+ public:
+  /// A pool caching at most `cache_limit` bytes of freed buffers.
+  explicit BufferPool(std::size_t cache_limit = default_pool_cache_bytes());
+  ~BufferPool();
+
+  /// A buffer of at least `bytes` (already padded) bytes.
+  std::shared_ptr<Buffer> acquire(std::size_t bytes);
+
+  /// Takes back a buffer's memory: cached for reuse, or (past the cache limit) returned
+  /// to the system along with the lists of the sizes used least recently.
+  void release(void* p, std::size_t bytes);
+
+  /// Returns every cached block to the system (what torch.cuda.empty_cache does).
+  void empty_cache();
+
+  /// Most bytes of freed buffers kept for reuse.
+  std::size_t cache_limit() const;
+  /// Changes the bound on cached bytes, returning what no longer fits to the system.
+  void set_cache_limit(std::size_t bytes);
+
+  PoolStats stats() const;
+
+ private:
+  struct SizeList {
+    std::vector<void*> blocks;
+    std::uint64_t used = 0;  // tick of the last acquire or release of this size
+  };
+
+  // Frees blocks until the cached bytes fit `limit`: whole lists of the least recently
+  // used sizes first (the size just released is the most recent, so it goes last), and
+  // drops the entries of sizes with no block left. Called with mu_ held: freeing under
+  // the lock means a release (a destructor) never allocates. Eviction happens only while
+  // shapes change, so the linear search for the oldest size costs a steady loop nothing.
+  void evict_beyond(std::size_t limit);
+
+  mutable std::mutex mu_;
+  std::unordered_map<std::size_t, SizeList> free_;
+  std::size_t limit_;
+  std::uint64_t tick_ = 0;
+  PoolStats stats_;
+};
+
+}  // namespace lazy
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::detail {
+
+LAZYTENSOR_INLINE bool huge_pages_wanted() {
+  static const bool wanted = core::env_switch("LAZYTENSOR_HUGE_PAGES").value_or(true);
+  return wanted;
+}
+
+LAZYTENSOR_INLINE void* allocate_buffer_memory(std::size_t bytes) {
+  void* p = ::operator new(bytes, std::align_val_t(buffer_alignment(bytes)));
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  // Only whole huge pages inside the block: the advice must not reach memory we do not own.
+  // A refusal (THP disabled, old kernel) only loses the speed-up, so the result is ignored.
+  const std::size_t whole = bytes / kHugePageBytes * kHugePageBytes;
+  if (whole > 0 && huge_pages_wanted()) (void)::madvise(p, whole, MADV_HUGEPAGE);
+#endif
+  return p;
+}
+
+}  // namespace lazy::detail
+namespace lazy {
+
+LAZYTENSOR_INLINE Buffer::Buffer(void* p, std::size_t bytes, std::shared_ptr<BufferPool> pool)
+    : data_(p), bytes_(bytes), pool_(std::move(pool)) {}
+
+LAZYTENSOR_INLINE std::size_t default_pool_cache_bytes() {
   static const std::size_t bytes = [] {
     if (const auto v = core::env_integer("LAZYTENSOR_POOL_CACHE_BYTES", 0, "bytes", "1073741824"))
       return static_cast<std::size_t>(*v);
@@ -636,131 +780,100 @@ inline std::size_t default_pool_cache_bytes() {
   return bytes;
 }
 
-/// Free lists keyed by exact padded size. Thread-safe.
-///
-/// A steady loop asks for the same sizes every step and finds them here. A program whose
-/// shapes keep changing would leave a list behind for every size it ever used, so the
-/// cached bytes are bounded (cache_limit()): past the bound, the lists of the sizes used
-/// least recently go back to the system first.
-class BufferPool : public std::enable_shared_from_this<BufferPool> {
- public:
-  /// A pool caching at most `cache_limit` bytes of freed buffers.
-  explicit BufferPool(std::size_t cache_limit = default_pool_cache_bytes()) : limit_(cache_limit) {}
-  ~BufferPool() { empty_cache(); }
+LAZYTENSOR_INLINE BufferPool::BufferPool(std::size_t cache_limit) : limit_(cache_limit) {}
 
-  /// A buffer of at least `bytes` (already padded) bytes.
-  std::shared_ptr<Buffer> acquire(std::size_t bytes) {
-    void* p = nullptr;
-    {
-      std::lock_guard lock(mu_);
-      auto it = free_.find(bytes);
-      if (it != free_.end() && !it->second.blocks.empty()) {
-        p = it->second.blocks.back();
-        it->second.blocks.pop_back();
-        it->second.used = ++tick_;
-        stats_.reuses++;
-        stats_.cached_bytes -= static_cast<std::int64_t>(bytes);
-      } else {
-        stats_.fresh_allocations++;
-        stats_.fresh_bytes += static_cast<std::int64_t>(bytes);
-      }
-    }
-    if (!p) {
-      p = detail::allocate_buffer_memory(bytes);
-    }
-    return std::make_shared<Buffer>(p, bytes, shared_from_this());
-  }
+LAZYTENSOR_INLINE BufferPool::~BufferPool() { empty_cache(); }
 
-  /// Takes back a buffer's memory: cached for reuse, or (past the cache limit) returned
-  /// to the system along with the lists of the sizes used least recently.
-  void release(void* p, std::size_t bytes) {
-    {
-      std::lock_guard lock(mu_);
-      if (bytes <= limit_) {
-        SizeList& list = free_[bytes];
-        list.blocks.push_back(p);
-        list.used = ++tick_;
-        stats_.cached_bytes += static_cast<std::int64_t>(bytes);
-        evict_beyond(limit_);
-        return;
-      }
-    }
-    detail::free_buffer_memory(p, bytes);  // larger than the whole cache
-  }
-
-  /// Returns every cached block to the system (what torch.cuda.empty_cache does).
-  void empty_cache() {
-    std::unordered_map<std::size_t, SizeList> lists;
-    {
-      std::lock_guard lock(mu_);
-      lists.swap(free_);
-      stats_.cached_bytes = 0;
-    }
-    for (auto& [bytes, list] : lists)
-      for (void* p : list.blocks) detail::free_buffer_memory(p, bytes);
-  }
-
-  /// Most bytes of freed buffers kept for reuse.
-  std::size_t cache_limit() const {
+LAZYTENSOR_INLINE std::shared_ptr<Buffer> BufferPool::acquire(std::size_t bytes) {
+  void* p = nullptr;
+  {
     std::lock_guard lock(mu_);
-    return limit_;
-  }
-  /// Changes the bound on cached bytes, returning what no longer fits to the system.
-  void set_cache_limit(std::size_t bytes) {
-    std::lock_guard lock(mu_);
-    limit_ = bytes;
-    evict_beyond(limit_);
-  }
-
-  PoolStats stats() const {
-    std::lock_guard lock(mu_);
-    return stats_;
-  }
-
- private:
-  struct SizeList {
-    std::vector<void*> blocks;
-    std::uint64_t used = 0;  // tick of the last acquire or release of this size
-  };
-
-  // Frees blocks until the cached bytes fit `limit`: whole lists of the least recently
-  // used sizes first (the size just released is the most recent, so it goes last), and
-  // drops the entries of sizes with no block left. Called with mu_ held: freeing under
-  // the lock means a release (a destructor) never allocates. Eviction happens only while
-  // shapes change, so the linear search for the oldest size costs a steady loop nothing.
-  void evict_beyond(std::size_t limit) {
-    static auto& evictions = core::counter("PoolEvictedBytes");
-    while (stats_.cached_bytes > static_cast<std::int64_t>(limit)) {
-      auto victim = free_.end();
-      for (auto it = free_.begin(); it != free_.end();) {
-        if (it->second.blocks.empty()) {
-          it = free_.erase(it);
-          continue;
-        }
-        if (victim == free_.end() || it->second.used < victim->second.used) victim = it;
-        ++it;
-      }
-      if (victim == free_.end()) break;
-      const std::size_t bytes = victim->first;
-      std::vector<void*>& blocks = victim->second.blocks;
-      while (!blocks.empty() && stats_.cached_bytes > static_cast<std::int64_t>(limit)) {
-        detail::free_buffer_memory(blocks.back(), bytes);
-        blocks.pop_back();
-        stats_.cached_bytes -= static_cast<std::int64_t>(bytes);
-        evictions.add(static_cast<std::int64_t>(bytes));
-      }
-      if (blocks.empty()) free_.erase(victim);
+    auto it = free_.find(bytes);
+    if (it != free_.end() && !it->second.blocks.empty()) {
+      p = it->second.blocks.back();
+      it->second.blocks.pop_back();
+      it->second.used = ++tick_;
+      stats_.reuses++;
+      stats_.cached_bytes -= static_cast<std::int64_t>(bytes);
+    } else {
+      stats_.fresh_allocations++;
+      stats_.fresh_bytes += static_cast<std::int64_t>(bytes);
     }
   }
+  if (!p) {
+    p = detail::allocate_buffer_memory(bytes);
+  }
+  return std::make_shared<Buffer>(p, bytes, shared_from_this());
+}
 
-  mutable std::mutex mu_;
-  std::unordered_map<std::size_t, SizeList> free_;
-  std::size_t limit_;
-  std::uint64_t tick_ = 0;
-  PoolStats stats_;
-};
+LAZYTENSOR_INLINE void BufferPool::release(void* p, std::size_t bytes) {
+  {
+    std::lock_guard lock(mu_);
+    if (bytes <= limit_) {
+      SizeList& list = free_[bytes];
+      list.blocks.push_back(p);
+      list.used = ++tick_;
+      stats_.cached_bytes += static_cast<std::int64_t>(bytes);
+      evict_beyond(limit_);
+      return;
+    }
+  }
+  detail::free_buffer_memory(p, bytes);  // larger than the whole cache
+}
 
-inline Buffer::~Buffer() {
+LAZYTENSOR_INLINE void BufferPool::empty_cache() {
+  std::unordered_map<std::size_t, SizeList> lists;
+  {
+    std::lock_guard lock(mu_);
+    lists.swap(free_);
+    stats_.cached_bytes = 0;
+  }
+  for (auto& [bytes, list] : lists)
+    for (void* p : list.blocks) detail::free_buffer_memory(p, bytes);
+}
+
+LAZYTENSOR_INLINE std::size_t BufferPool::cache_limit() const {
+  std::lock_guard lock(mu_);
+  return limit_;
+}
+
+LAZYTENSOR_INLINE void BufferPool::set_cache_limit(std::size_t bytes) {
+  std::lock_guard lock(mu_);
+  limit_ = bytes;
+  evict_beyond(limit_);
+}
+
+LAZYTENSOR_INLINE PoolStats BufferPool::stats() const {
+  std::lock_guard lock(mu_);
+  return stats_;
+}
+
+LAZYTENSOR_INLINE void BufferPool::evict_beyond(std::size_t limit) {
+  static auto& evictions = core::counter("PoolEvictedBytes");
+  while (stats_.cached_bytes > static_cast<std::int64_t>(limit)) {
+    auto victim = free_.end();
+    for (auto it = free_.begin(); it != free_.end();) {
+      if (it->second.blocks.empty()) {
+        it = free_.erase(it);
+        continue;
+      }
+      if (victim == free_.end() || it->second.used < victim->second.used) victim = it;
+      ++it;
+    }
+    if (victim == free_.end()) break;
+    const std::size_t bytes = victim->first;
+    std::vector<void*>& blocks = victim->second.blocks;
+    while (!blocks.empty() && stats_.cached_bytes > static_cast<std::int64_t>(limit)) {
+      detail::free_buffer_memory(blocks.back(), bytes);
+      blocks.pop_back();
+      stats_.cached_bytes -= static_cast<std::int64_t>(bytes);
+      evictions.add(static_cast<std::int64_t>(bytes));
+    }
+    if (blocks.empty()) free_.erase(victim);
+  }
+}
+
+LAZYTENSOR_INLINE  Buffer::~Buffer() {
   if (pool_) {
     pool_->release(data_, bytes_);
   } else {
@@ -769,6 +882,7 @@ inline Buffer::~Buffer() {
 }
 
 }  // namespace lazy
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/core/buffer.hpp ----
 // ---- begin lazytensor/core/dtype.hpp ----
 // Element types and PyTorch's type promotion rules.
@@ -872,17 +986,7 @@ constexpr std::size_t dtype_size(DType d) {
 }
 
 /// PyTorch-style name ("float32", "int64", ...).
-inline std::string dtype_name(DType d) {
-  switch (d) {
-    case DType::Bool: return "bool";
-    case DType::Int32: return "int32";
-    case DType::Int64: return "int64";
-    case DType::BFloat16: return "bfloat16";
-    case DType::Float32: return "float32";
-    case DType::Float64: return "float64";
-  }
-  return "?";
-}
+std::string dtype_name(DType d);
 
 template <class T>
 inline constexpr bool is_floating_v =
@@ -925,6 +1029,24 @@ template <Element T>
 using compute_t = std::conditional_t<std::is_same_v<T, bfloat16>, float, T>;
 
 }  // namespace lazy
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy {
+
+LAZYTENSOR_INLINE std::string dtype_name(DType d) {
+  switch (d) {
+    case DType::Bool: return "bool";
+    case DType::Int32: return "int32";
+    case DType::Int64: return "int64";
+    case DType::BFloat16: return "bfloat16";
+    case DType::Float32: return "float32";
+    case DType::Float64: return "float64";
+  }
+  return "?";
+}
+
+}  // namespace lazy
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/core/dtype.hpp ----
 // ---- begin lazytensor/core/shape.hpp ----
 // Shapes (rank 0..8, row-major) and NumPy broadcasting.
@@ -948,9 +1070,9 @@ class Shape {
  public:
   Shape() = default;
   /// Builds a shape from its sizes; throws ShapeError on negative sizes or rank > 8.
-  Shape(std::initializer_list<std::int64_t> dims) { assign(dims.begin(), dims.end()); }
-  explicit Shape(std::span<const std::int64_t> dims) { assign(dims.begin(), dims.end()); }
-  explicit Shape(const std::vector<std::int64_t>& dims) { assign(dims.begin(), dims.end()); }
+  Shape(std::initializer_list<std::int64_t> dims);
+  explicit Shape(std::span<const std::int64_t> dims);
+  explicit Shape(const std::vector<std::int64_t>& dims);
 
   int rank() const { return rank_; }
   std::int64_t operator[](int i) const { return dims_[i]; }
@@ -959,11 +1081,7 @@ class Shape {
   const std::int64_t* end() const { return dims_.data() + rank_; }
 
   /// Number of elements (1 for rank 0).
-  std::int64_t numel() const {
-    std::int64_t n = 1;
-    for (int i = 0; i < rank_; ++i) n *= dims_[i];
-    return n;
-  }
+  std::int64_t numel() const;
 
   /// Size of dimension d, negative d counting from the back.
   std::int64_t size(int d) const;
@@ -971,21 +1089,10 @@ class Shape {
   std::vector<std::int64_t> vec() const { return {begin(), end()}; }
 
   /// Appends a dimension.
-  void push_back(std::int64_t d) {
-    if (rank_ == kMaxRank) throw ShapeError("rank exceeds the maximum of 8");
-    dims_[rank_++] = d;
-  }
+  void push_back(std::int64_t d);
 
   /// "(2, 3)" as PyTorch prints sizes; "()" for a scalar.
-  std::string str() const {
-    std::string s = "(";
-    for (int i = 0; i < rank_; ++i) {
-      if (i) s += ", ";
-      s += std::to_string(dims_[i]);
-    }
-    if (rank_ == 1) s += ",";
-    return s + ")";
-  }
+  std::string str() const;
 
   friend bool operator==(const Shape& a, const Shape& b) {
     return a.rank_ == b.rank_ && std::equal(a.begin(), a.end(), b.begin());
@@ -1012,7 +1119,52 @@ class Shape {
 
 /// Normalizes a possibly negative dimension index for a tensor of the given rank; `op` names
 /// the caller in the error. A rank-0 tensor accepts -1 and 0 as PyTorch does.
-inline int normalize_dim(std::int64_t dim, int rank, const char* op) {
+int normalize_dim(std::int64_t dim, int rank, const char* op);
+
+inline std::int64_t Shape::size(int d) const { return dims_[normalize_dim(d, rank_, "size")]; }
+
+/// Row-major strides of a shape, in elements.
+std::array<std::int64_t, kMaxRank> contiguous_strides(const Shape& s);
+
+/// NumPy broadcast of two shapes; throws ShapeError naming both shapes and the op.
+Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op);
+
+/// True when `from` broadcasts to `to` (NumPy rules, `to` unchanged).
+bool broadcastable_to(const Shape& from, const Shape& to);
+
+}  // namespace lazy
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy {
+
+LAZYTENSOR_INLINE Shape::Shape(std::initializer_list<std::int64_t> dims) { assign(dims.begin(), dims.end()); }
+
+LAZYTENSOR_INLINE Shape::Shape(std::span<const std::int64_t> dims) { assign(dims.begin(), dims.end()); }
+
+LAZYTENSOR_INLINE Shape::Shape(const std::vector<std::int64_t>& dims) { assign(dims.begin(), dims.end()); }
+
+LAZYTENSOR_INLINE std::int64_t Shape::numel() const {
+  std::int64_t n = 1;
+  for (int i = 0; i < rank_; ++i) n *= dims_[i];
+  return n;
+}
+
+LAZYTENSOR_INLINE void Shape::push_back(std::int64_t d) {
+  if (rank_ == kMaxRank) throw ShapeError("rank exceeds the maximum of 8");
+  dims_[rank_++] = d;
+}
+
+LAZYTENSOR_INLINE std::string Shape::str() const {
+  std::string s = "(";
+  for (int i = 0; i < rank_; ++i) {
+    if (i) s += ", ";
+    s += std::to_string(dims_[i]);
+  }
+  if (rank_ == 1) s += ",";
+  return s + ")";
+}
+
+LAZYTENSOR_INLINE int normalize_dim(std::int64_t dim, int rank, const char* op) {
   const int r = std::max(rank, 1);
   if (dim < -r || dim >= r) {
     throw ShapeError(std::string(op) + ": dimension out of range (expected to be in range of [" +
@@ -1022,10 +1174,7 @@ inline int normalize_dim(std::int64_t dim, int rank, const char* op) {
   return static_cast<int>(dim < 0 ? dim + r : dim);
 }
 
-inline std::int64_t Shape::size(int d) const { return dims_[normalize_dim(d, rank_, "size")]; }
-
-/// Row-major strides of a shape, in elements.
-inline std::array<std::int64_t, kMaxRank> contiguous_strides(const Shape& s) {
+LAZYTENSOR_INLINE std::array<std::int64_t, kMaxRank> contiguous_strides(const Shape& s) {
   std::array<std::int64_t, kMaxRank> st{};
   std::int64_t acc = 1;
   for (int i = s.rank() - 1; i >= 0; --i) {
@@ -1035,8 +1184,7 @@ inline std::array<std::int64_t, kMaxRank> contiguous_strides(const Shape& s) {
   return st;
 }
 
-/// NumPy broadcast of two shapes; throws ShapeError naming both shapes and the op.
-inline Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {
+LAZYTENSOR_INLINE Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {
   if (a == b) return a;
   const int r = std::max(a.rank(), b.rank());
   Shape out;
@@ -1053,8 +1201,7 @@ inline Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {
   return out;
 }
 
-/// True when `from` broadcasts to `to` (NumPy rules, `to` unchanged).
-inline bool broadcastable_to(const Shape& from, const Shape& to) {
+LAZYTENSOR_INLINE bool broadcastable_to(const Shape& from, const Shape& to) {
   if (from.rank() > to.rank()) return false;
   const int off = to.rank() - from.rank();
   for (int i = 0; i < from.rank(); ++i) {
@@ -1064,6 +1211,7 @@ inline bool broadcastable_to(const Shape& from, const Shape& to) {
 }
 
 }  // namespace lazy
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/core/shape.hpp ----
 
 namespace lazy::graph {
@@ -1083,9 +1231,7 @@ struct ExecContext {
 /// A value in the pending graph of one device.
 class Node {
  public:
-  Node(NodeKind kind, DType dtype, Shape shape, Device* device, std::vector<NodePtr> inputs = {})
-      : kind_(kind), dtype_(dtype), shape_(shape), device_(device), inputs_(std::move(inputs)),
-        id_(next_id()) {}
+  Node(NodeKind kind, DType dtype, Shape shape, Device* device, std::vector<NodePtr> inputs = {});
   virtual ~Node() { release_chain(inputs_); }
   Node(const Node&) = delete;
   Node& operator=(const Node&) = delete;
@@ -1121,31 +1267,18 @@ class Node {
   virtual std::string describe() const { return op_name(); }
   /// Hash of everything that determines the kernel's code and layout, but not its data
   /// (cached: a node's structure never changes).
-  std::uint64_t hash() const {
-    if (!hash_valid_) {
-      hash_ = structural_hash();
-      hash_valid_ = true;
-    }
-    return hash_;
-  }
+  std::uint64_t hash() const;
   /// Computes the structural hash (override to add kernel parameters).
   virtual std::uint64_t structural_hash() const;
   /// Estimated cost per output element (1 = one add), used to decide threading.
   virtual double cost_per_element() const { return 1.0; }
 
   /// Computes the value into a buffer. Called once, after every input is materialized.
-  void run(ExecContext& ctx) {
-    compute(ctx);
-    finish();
-  }
+  void run(ExecContext& ctx);
 
   /// Ends a run from outside: the value is `buf` (or, without one, it lived only in a fused
   /// group's scratch and nothing can read it), and the inputs are released.
-  void finish_with(std::shared_ptr<Buffer> buf) {
-    if (buf) set_buffer(std::move(buf));
-    else set_state(State::Ready);
-    finish();
-  }
+  void finish_with(std::shared_ptr<Buffer> buf);
 
   /// Planner hook, called once per plan before execution, while the plan holds one extra
   /// reference to every node in it: a node may take over (defer) a producer's work, e.g. an
@@ -1156,10 +1289,7 @@ class Node {
   void set_deferred(bool d) { deferred_ = d; }
 
   /// Makes this node a materialized value holding `buf` (used by data nodes and views).
-  void set_buffer(std::shared_ptr<Buffer> buf) {
-    buffer_ = std::move(buf);
-    set_state(State::Ready);
-  }
+  void set_buffer(std::shared_ptr<Buffer> buf);
 
   /// The planner's scratch: this node's position in the plan being built (valid while
   /// `plan_epoch` matches the planner's epoch). Touched by the planning thread only.
@@ -1174,10 +1304,7 @@ class Node {
   /// Donation to a fused group: takes the buffer of materialized `n` when exactly
   /// `holders` references to it exist (all held by the group's members, which read it at
   /// the positions they write) and no view shares the buffer. Else null.
-  static std::shared_ptr<Buffer> take_buffer(const NodePtr& n, long holders) {
-    if (!n->materialized() || !n->buffer_ || n.use_count() != holders || n->buffer_.use_count() != 1) return nullptr;
-    return std::move(n->buffer_);
-  }
+  static std::shared_ptr<Buffer> take_buffer(const NodePtr& n, long holders);
 
  protected:
   virtual void compute(ExecContext& ctx) = 0;
@@ -1192,28 +1319,9 @@ class Node {
   /// Drops input references without recursion: a long pending chain (`a = a + 1` repeated
   /// 10^5 times, never computed) would otherwise be freed by nested destructor calls and
   /// overflow the stack. The outermost call drains a worklist; nested ones append to it.
-  static void release_chain(std::vector<NodePtr>& inputs) noexcept {
-    thread_local std::vector<NodePtr>* worklist = nullptr;
-    if (worklist) {
-      for (auto& p : inputs) worklist->push_back(std::move(p));
-      inputs.clear();
-      return;
-    }
-    std::vector<NodePtr> work = std::move(inputs);
-    inputs.clear();
-    worklist = &work;
-    while (!work.empty()) {
-      NodePtr n = std::move(work.back());
-      work.pop_back();
-      n.reset();  // a node destroyed here appends its own inputs to `work`
-    }
-    worklist = nullptr;
-  }
+  static void release_chain(std::vector<NodePtr>& inputs) noexcept;
 
-  static std::uint64_t next_id() {
-    static std::atomic<std::uint64_t> n{0};
-    return ++n;
-  }
+  static std::uint64_t next_id();
 
   NodeKind kind_;
   DType dtype_;
@@ -1231,10 +1339,7 @@ class Node {
 /// A value that already exists (factories, reads from host memory, computed results).
 class DataNode final : public Node {
  public:
-  DataNode(DType dtype, Shape shape, Device* device, std::shared_ptr<Buffer> buf)
-      : Node(NodeKind::Data, dtype, shape, device) {
-    set_buffer(std::move(buf));
-  }
+  DataNode(DType dtype, Shape shape, Device* device, std::shared_ptr<Buffer> buf);
   std::string op_name() const override { return "data"; }
 
  protected:
@@ -1246,13 +1351,81 @@ inline std::uint64_t hash_combine(std::uint64_t seed, std::uint64_t v) {
   return seed ^ (v + 0x9e3779b97f4a7c15ull + (seed << 6) + (seed >> 2));
 }
 
-inline std::uint64_t hash_shape(const Shape& s) {
+std::uint64_t hash_shape(const Shape& s);
+
+}  // namespace lazy::graph
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::graph {
+
+LAZYTENSOR_INLINE Node::Node(NodeKind kind, DType dtype, Shape shape, Device* device, std::vector<NodePtr> inputs)
+    : kind_(kind), dtype_(dtype), shape_(shape), device_(device), inputs_(std::move(inputs)),
+      id_(next_id()) {}
+
+LAZYTENSOR_INLINE std::uint64_t Node::hash() const {
+  if (!hash_valid_) {
+    hash_ = structural_hash();
+    hash_valid_ = true;
+  }
+  return hash_;
+}
+
+LAZYTENSOR_INLINE void Node::run(ExecContext& ctx) {
+  compute(ctx);
+  finish();
+}
+
+LAZYTENSOR_INLINE void Node::finish_with(std::shared_ptr<Buffer> buf) {
+  if (buf) set_buffer(std::move(buf));
+  else set_state(State::Ready);
+  finish();
+}
+
+LAZYTENSOR_INLINE void Node::set_buffer(std::shared_ptr<Buffer> buf) {
+  buffer_ = std::move(buf);
+  set_state(State::Ready);
+}
+
+LAZYTENSOR_INLINE std::shared_ptr<Buffer> Node::take_buffer(const NodePtr& n, long holders) {
+  if (!n->materialized() || !n->buffer_ || n.use_count() != holders || n->buffer_.use_count() != 1) return nullptr;
+  return std::move(n->buffer_);
+}
+
+LAZYTENSOR_INLINE void Node::release_chain(std::vector<NodePtr>& inputs) noexcept {
+  thread_local std::vector<NodePtr>* worklist = nullptr;
+  if (worklist) {
+    for (auto& p : inputs) worklist->push_back(std::move(p));
+    inputs.clear();
+    return;
+  }
+  std::vector<NodePtr> work = std::move(inputs);
+  inputs.clear();
+  worklist = &work;
+  while (!work.empty()) {
+    NodePtr n = std::move(work.back());
+    work.pop_back();
+    n.reset();  // a node destroyed here appends its own inputs to `work`
+  }
+  worklist = nullptr;
+}
+
+LAZYTENSOR_INLINE std::uint64_t Node::next_id() {
+  static std::atomic<std::uint64_t> n{0};
+  return ++n;
+}
+
+LAZYTENSOR_INLINE DataNode::DataNode(DType dtype, Shape shape, Device* device, std::shared_ptr<Buffer> buf)
+    : Node(NodeKind::Data, dtype, shape, device) {
+  set_buffer(std::move(buf));
+}
+
+LAZYTENSOR_INLINE std::uint64_t hash_shape(const Shape& s) {
   std::uint64_t h = static_cast<std::uint64_t>(s.rank());
   for (auto d : s) h = hash_combine(h, static_cast<std::uint64_t>(d));
   return h;
 }
 
-inline std::uint64_t Node::structural_hash() const {
+LAZYTENSOR_INLINE std::uint64_t Node::structural_hash() const {
   std::uint64_t h = hash_combine(static_cast<std::uint64_t>(kind_), static_cast<std::uint64_t>(dtype_));
   h = hash_combine(h, hash_shape(shape_));
   for (const auto& in : inputs_) {
@@ -1262,7 +1435,7 @@ inline std::uint64_t Node::structural_hash() const {
   return hash_combine(h, std::hash<std::string>{}(op_name()));
 }
 
-inline std::shared_ptr<Buffer> Node::try_donate(std::size_t i) {
+LAZYTENSOR_INLINE std::shared_ptr<Buffer> Node::try_donate(std::size_t i) {
   const NodePtr& in = inputs_[i];
   if (in->dtype() != dtype_ || in->numel() != numel()) return nullptr;
   long holders = 0;
@@ -1271,6 +1444,7 @@ inline std::shared_ptr<Buffer> Node::try_donate(std::size_t i) {
 }
 
 }  // namespace lazy::graph
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/graph/node.hpp ----
 
 namespace lazy::graph {
@@ -1309,13 +1483,7 @@ class GradFn {
 
  protected:
   /// Raises the libtorch error for a second backward through a freed graph.
-  void check_not_released() const {
-    if (released_) {
-      throw Error("Trying to backward through the graph a second time (or directly access saved tensors after "
-                  "they have already been freed) in " + name() +
-                  ". Specify retain_graph=true if you need to backward through the graph a second time.");
-    }
-  }
+  void check_not_released() const;
 
  private:
   bool released_ = false;
@@ -1368,6 +1536,18 @@ class NoGradGuard : public autograd::AutoGradMode {
   NoGradGuard() : AutoGradMode(false) {}
 };
 }  // namespace lazy
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::autograd {
+LAZYTENSOR_INLINE void GradFn::check_not_released() const {
+  if (released_) {
+    throw Error("Trying to backward through the graph a second time (or directly access saved tensors after "
+                "they have already been freed) in " + name() +
+                ". Specify retain_graph=true if you need to backward through the graph a second time.");
+  }
+}
+}  // namespace lazy::autograd
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/autograd/function.hpp ----
 // ---- begin lazytensor/expr/functors.hpp ----
 // Element-wise op functors. Each one says how it types its result (PyTorch promotion) and
@@ -2282,15 +2462,24 @@ struct Layout {
 
   bool flat() const { return ndim == 1; }
   std::int64_t inner() const { return size[ndim - 1]; }
-  bool any_splat() const {
-    for (char s : splat)
-      if (s) return true;
-    return false;
-  }
+  bool any_splat() const;
 };
 
 /// Layout for writing `out` from inputs of the given shapes (each broadcastable to out).
-inline Layout make_layout(const Shape& out, const std::vector<Shape>& inputs) {
+Layout make_layout(const Shape& out, const std::vector<Shape>& inputs);
+
+}  // namespace lazy::expr
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::expr {
+
+LAZYTENSOR_INLINE bool Layout::any_splat() const {
+  for (char s : splat)
+    if (s) return true;
+  return false;
+}
+
+LAZYTENSOR_INLINE Layout make_layout(const Shape& out, const std::vector<Shape>& inputs) {
   const int r = out.rank();
   const std::size_t n = inputs.size();
   // The common case first: every input has the output's shape or is one element.
@@ -2363,6 +2552,7 @@ inline Layout make_layout(const Shape& out, const std::vector<Shape>& inputs) {
 }
 
 }  // namespace lazy::expr
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/expr/layout.hpp ----
 
 namespace lazy::expr {
@@ -2889,6 +3079,7 @@ std::string kernel_text(const KGrad<K, Tg>& k) {
 #include <vector>
 
 // ---- begin lazytensor/core/thread_pool.hpp ----
+
 // Fork-join worker pool: a kernel splits its work into tasks, the calling thread takes part,
 // and the call returns when every task is done. Nested calls run inline.
 //
@@ -2917,8 +3108,8 @@ namespace lazy {
 class ThreadPool {
  public:
   /// `threads` counts the caller: 1 means no worker threads at all.
-  explicit ThreadPool(int threads) { resize(threads); }
-  ~ThreadPool() { stop(); }
+  explicit ThreadPool(int threads);
+  ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
@@ -2926,15 +3117,7 @@ class ThreadPool {
   int size() const { return threads_; }
 
   /// Changes the thread count; must not be called while a loop runs.
-  void resize(int threads) {
-    stop();
-    threads_ = std::max(1, threads);
-    stopping_.store(false);
-    // Workers start from the generation current now, not when they first run: a loop
-    // submitted before a new worker got scheduled must not be skipped by it.
-    const std::uint64_t start = generation_.load();
-    for (int i = 1; i < threads_; ++i) workers_.emplace_back([this, start] { worker_loop(start); });
-  }
+  void resize(int threads);
 
   /// Runs fn(task) for task in [0, tasks); returns when all have run. The first exception
   /// thrown by a task is re-thrown here after the others finished.
@@ -2956,108 +3139,23 @@ class ThreadPool {
     void (*call)(void*, std::int64_t) = nullptr;
   };
 
-  void run_job(std::int64_t tasks, TaskRef job) {
-    std::lock_guard submit(submit_mu_);
-    bool wake = false;
-    {
-      std::lock_guard lock(mu_);
-      job_ = job;
-      tasks_ = tasks;
-      next_.store(0);
-      pending_.store(tasks);
-      error_ = nullptr;
-      generation_.fetch_add(1, std::memory_order_release);
-      wake = sleepers_ > 0;
-    }
-    if (wake) cv_.notify_all();
-    in_worker() = true;
-    drain();
-    in_worker() = false;
-    for (int spin = 0; spin < kSpin && !finished(); ++spin) pause();
-    std::unique_lock lock(mu_);
-    done_cv_.wait(lock, [&] { return finished(); });
-    job_ = {};
-    if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
-  }
+  void run_job(std::int64_t tasks, TaskRef job);
 
   static constexpr int kSpin = 2000;  // some tens of microseconds of pause instructions
 
-  static void pause() {
-#if defined(__SSE2__)
-    _mm_pause();
-#else
-    std::this_thread::yield();
-#endif
-  }
+  static void pause();
 
-  static bool& in_worker() {
-    thread_local bool flag = false;
-    return flag;
-  }
+  static bool& in_worker();
 
   bool finished() const {
     return pending_.load(std::memory_order_acquire) == 0 && active_.load(std::memory_order_acquire) == 0;
   }
 
-  void drain() {
-    TaskRef job;
-    std::int64_t tasks;
-    {
-      std::lock_guard lock(mu_);
-      if (!job_.fn) return;
-      job = job_;
-      tasks = tasks_;
-      active_.fetch_add(1);  // the submitter may not return while we hold its job
-    }
-    std::int64_t done = 0;
-    for (std::int64_t t; (t = next_.fetch_add(1)) < tasks;) {
-      try {
-        job.call(job.fn, t);
-      } catch (...) {
-        std::lock_guard lock(mu_);
-        if (!error_) error_ = std::current_exception();
-      }
-      ++done;
-    }
-    std::lock_guard lock(mu_);
-    pending_.fetch_sub(done, std::memory_order_acq_rel);
-    active_.fetch_sub(1, std::memory_order_acq_rel);
-    if (finished()) done_cv_.notify_all();
-  }
+  void drain();
 
-  void worker_loop(std::uint64_t seen) {
-    in_worker() = true;
-    for (;;) {
-      bool ready = false;
-      for (int spin = 0; spin < kSpin; ++spin) {
-        if (stopping_.load(std::memory_order_acquire)) return;
-        if (generation_.load(std::memory_order_acquire) != seen) {
-          ready = true;
-          break;
-        }
-        pause();
-      }
-      if (!ready) {
-        std::unique_lock lock(mu_);
-        ++sleepers_;
-        cv_.wait(lock, [&] { return stopping_.load() || generation_.load() != seen; });
-        --sleepers_;
-        if (stopping_.load()) return;
-      }
-      seen = generation_.load(std::memory_order_acquire);
-      drain();
-    }
-  }
+  void worker_loop(std::uint64_t seen);
 
-  void stop() {
-    {
-      std::lock_guard lock(mu_);
-      stopping_.store(true);
-    }
-    cv_.notify_all();
-    for (auto& w : workers_) w.join();
-    workers_.clear();
-  }
+  void stop();
 
   int threads_ = 1;
   std::vector<std::thread> workers_;
@@ -3076,6 +3174,123 @@ class ThreadPool {
 };
 
 }  // namespace lazy
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy {
+
+LAZYTENSOR_INLINE ThreadPool::ThreadPool(int threads) { resize(threads); }
+
+LAZYTENSOR_INLINE ThreadPool::~ThreadPool() { stop(); }
+
+LAZYTENSOR_INLINE void ThreadPool::resize(int threads) {
+  stop();
+  threads_ = std::max(1, threads);
+  stopping_.store(false);
+  // Workers start from the generation current now, not when they first run: a loop
+  // submitted before a new worker got scheduled must not be skipped by it.
+  const std::uint64_t start = generation_.load();
+  for (int i = 1; i < threads_; ++i) workers_.emplace_back([this, start] { worker_loop(start); });
+}
+
+LAZYTENSOR_INLINE void ThreadPool::run_job(std::int64_t tasks, TaskRef job) {
+  std::lock_guard submit(submit_mu_);
+  bool wake = false;
+  {
+    std::lock_guard lock(mu_);
+    job_ = job;
+    tasks_ = tasks;
+    next_.store(0);
+    pending_.store(tasks);
+    error_ = nullptr;
+    generation_.fetch_add(1, std::memory_order_release);
+    wake = sleepers_ > 0;
+  }
+  if (wake) cv_.notify_all();
+  in_worker() = true;
+  drain();
+  in_worker() = false;
+  for (int spin = 0; spin < kSpin && !finished(); ++spin) pause();
+  std::unique_lock lock(mu_);
+  done_cv_.wait(lock, [&] { return finished(); });
+  job_ = {};
+  if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+}
+
+LAZYTENSOR_INLINE void ThreadPool::pause() {
+#if defined(__SSE2__)
+  _mm_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+LAZYTENSOR_INLINE bool& ThreadPool::in_worker() {
+  thread_local bool flag = false;
+  return flag;
+}
+
+LAZYTENSOR_INLINE void ThreadPool::drain() {
+  TaskRef job;
+  std::int64_t tasks;
+  {
+    std::lock_guard lock(mu_);
+    if (!job_.fn) return;
+    job = job_;
+    tasks = tasks_;
+    active_.fetch_add(1);  // the submitter may not return while we hold its job
+  }
+  std::int64_t done = 0;
+  for (std::int64_t t; (t = next_.fetch_add(1)) < tasks;) {
+    try {
+      job.call(job.fn, t);
+    } catch (...) {
+      std::lock_guard lock(mu_);
+      if (!error_) error_ = std::current_exception();
+    }
+    ++done;
+  }
+  std::lock_guard lock(mu_);
+  pending_.fetch_sub(done, std::memory_order_acq_rel);
+  active_.fetch_sub(1, std::memory_order_acq_rel);
+  if (finished()) done_cv_.notify_all();
+}
+
+LAZYTENSOR_INLINE void ThreadPool::worker_loop(std::uint64_t seen) {
+  in_worker() = true;
+  for (;;) {
+    bool ready = false;
+    for (int spin = 0; spin < kSpin; ++spin) {
+      if (stopping_.load(std::memory_order_acquire)) return;
+      if (generation_.load(std::memory_order_acquire) != seen) {
+        ready = true;
+        break;
+      }
+      pause();
+    }
+    if (!ready) {
+      std::unique_lock lock(mu_);
+      ++sleepers_;
+      cv_.wait(lock, [&] { return stopping_.load() || generation_.load() != seen; });
+      --sleepers_;
+      if (stopping_.load()) return;
+    }
+    seen = generation_.load(std::memory_order_acquire);
+    drain();
+  }
+}
+
+LAZYTENSOR_INLINE void ThreadPool::stop() {
+  {
+    std::lock_guard lock(mu_);
+    stopping_.store(true);
+  }
+  cv_.notify_all();
+  for (auto& w : workers_) w.join();
+  workers_.clear();
+}
+
+}  // namespace lazy
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/core/thread_pool.hpp ----
 // ---- begin lazytensor/graph/plan_cache.hpp ----
 // A device's cache of execution plans, by structural hash, bounded like PyTorch/XLA's
@@ -3100,10 +3315,7 @@ inline constexpr std::size_t kDefaultPlanCacheSize = 1024;
 
 /// The plan cache capacity: LAZYTENSOR_PLAN_CACHE_SIZE (a whole number >= 1), else
 /// kDefaultPlanCacheSize. A malformed value is an Error naming it.
-inline std::size_t env_plan_cache_size() {
-  const auto v = core::env_integer("LAZYTENSOR_PLAN_CACHE_SIZE", 1, "plans", "1024");
-  return v ? static_cast<std::size_t>(*v) : kDefaultPlanCacheSize;
-}
+std::size_t env_plan_cache_size();
 
 /// Plans by structural hash, at most capacity() of them, least recently used evicted
 /// first. Used by the device's tracing thread only (not synchronized).
@@ -3112,54 +3324,26 @@ class PlanCache {
   using PlanPtr = std::shared_ptr<const Plan>;
 
   /// An empty cache holding at most `capacity` plans (at least one).
-  explicit PlanCache(std::size_t capacity = env_plan_cache_size())
-      : capacity_(capacity ? capacity : 1) {}
+  explicit PlanCache(std::size_t capacity = env_plan_cache_size());
 
   /// The plan stored under `hash` (now the most recently used), or null.
-  PlanPtr find(std::uint64_t hash) {
-    const auto it = index_.find(hash);
-    if (it == index_.end()) return nullptr;
-    order_.splice(order_.begin(), order_, it->second);  // no allocation on a hit
-    return it->second->second;
-  }
+  PlanPtr find(std::uint64_t hash);
 
   /// Stores `plan` under `hash` (replacing a plan stored there), evicting the least
   /// recently used plans beyond capacity().
-  void insert(std::uint64_t hash, PlanPtr plan) {
-    if (const auto it = index_.find(hash); it != index_.end()) {
-      it->second->second = std::move(plan);
-      order_.splice(order_.begin(), order_, it->second);
-      return;
-    }
-    order_.emplace_front(hash, std::move(plan));
-    index_.emplace(hash, order_.begin());
-    trim();
-  }
+  void insert(std::uint64_t hash, PlanPtr plan);
 
   /// Plans stored.
   std::size_t size() const { return index_.size(); }
   /// Most plans kept.
   std::size_t capacity() const { return capacity_; }
   /// Changes the capacity (at least one), evicting what no longer fits.
-  void set_capacity(std::size_t capacity) {
-    capacity_ = capacity ? capacity : 1;
-    trim();
-  }
+  void set_capacity(std::size_t capacity);
   /// Drops every plan.
-  void clear() {
-    index_.clear();
-    order_.clear();
-  }
+  void clear();
 
  private:
-  void trim() {
-    static auto& evictions = core::counter("PlanCacheEvictions");
-    while (index_.size() > capacity_) {
-      index_.erase(order_.back().first);
-      order_.pop_back();
-      evictions.add();
-    }
-  }
+  void trim();
 
   std::size_t capacity_;
   std::list<std::pair<std::uint64_t, PlanPtr>> order_;  // most recently used first
@@ -3167,6 +3351,57 @@ class PlanCache {
 };
 
 }  // namespace lazy::graph
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::graph {
+
+LAZYTENSOR_INLINE std::size_t env_plan_cache_size() {
+  const auto v = core::env_integer("LAZYTENSOR_PLAN_CACHE_SIZE", 1, "plans", "1024");
+  return v ? static_cast<std::size_t>(*v) : kDefaultPlanCacheSize;
+}
+
+LAZYTENSOR_INLINE PlanCache::PlanCache(std::size_t capacity)
+    : capacity_(capacity ? capacity : 1) {}
+
+LAZYTENSOR_INLINE auto PlanCache::find(std::uint64_t hash) -> PlanPtr {
+  const auto it = index_.find(hash);
+  if (it == index_.end()) return nullptr;
+  order_.splice(order_.begin(), order_, it->second);  // no allocation on a hit
+  return it->second->second;
+}
+
+LAZYTENSOR_INLINE void PlanCache::insert(std::uint64_t hash, PlanPtr plan) {
+  if (const auto it = index_.find(hash); it != index_.end()) {
+    it->second->second = std::move(plan);
+    order_.splice(order_.begin(), order_, it->second);
+    return;
+  }
+  order_.emplace_front(hash, std::move(plan));
+  index_.emplace(hash, order_.begin());
+  trim();
+}
+
+LAZYTENSOR_INLINE void PlanCache::set_capacity(std::size_t capacity) {
+  capacity_ = capacity ? capacity : 1;
+  trim();
+}
+
+LAZYTENSOR_INLINE void PlanCache::clear() {
+  index_.clear();
+  order_.clear();
+}
+
+LAZYTENSOR_INLINE void PlanCache::trim() {
+  static auto& evictions = core::counter("PlanCacheEvictions");
+  while (index_.size() > capacity_) {
+    index_.erase(order_.back().first);
+    order_.pop_back();
+    evictions.add();
+  }
+}
+
+}  // namespace lazy::graph
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/graph/plan_cache.hpp ----
 // ---- begin lazytensor/graph/tensor_impl.hpp ----
 // The object every copy of a Tensor handle shares. In-place ops rebind `node`, so all
@@ -3193,10 +3428,7 @@ struct TensorImpl {
   std::unique_ptr<autograd::AutogradMeta> autograd;
 
   /// The autograd state, created on first use.
-  autograd::AutogradMeta& autograd_meta() {
-    if (!autograd) autograd = std::make_unique<autograd::AutogradMeta>();
-    return *autograd;
-  }
+  autograd::AutogradMeta& autograd_meta();
   /// True when gradients flow into this tensor.
   bool requires_grad() const { return autograd && autograd->requires_grad; }
 
@@ -3211,18 +3443,8 @@ struct TensorImpl {
 /// outlives its device (a static tensor at exit) still finds the registry.
 class HandleRegistry {
  public:
-  void add(TensorImpl* impl) {
-    std::lock_guard lock(mu_);
-    impl->registry_slot = live_.size();
-    live_.push_back(impl);
-  }
-  void remove(TensorImpl* impl) {
-    std::lock_guard lock(mu_);
-    TensorImpl* last = live_.back();
-    live_[impl->registry_slot] = last;
-    last->registry_slot = impl->registry_slot;
-    live_.pop_back();
-  }
+  void add(TensorImpl* impl);
+  void remove(TensorImpl* impl);
   /// Calls f(impl) for every live handle; handles cannot be destroyed meanwhile.
   template <class F>
   void for_each(F&& f) {
@@ -3240,6 +3462,31 @@ inline TensorImpl::~TensorImpl() {
 }
 
 }  // namespace lazy::graph
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::graph {
+
+LAZYTENSOR_INLINE autograd::AutogradMeta& TensorImpl::autograd_meta() {
+  if (!autograd) autograd = std::make_unique<autograd::AutogradMeta>();
+  return *autograd;
+}
+
+LAZYTENSOR_INLINE void HandleRegistry::add(TensorImpl* impl) {
+  std::lock_guard lock(mu_);
+  impl->registry_slot = live_.size();
+  live_.push_back(impl);
+}
+
+LAZYTENSOR_INLINE void HandleRegistry::remove(TensorImpl* impl) {
+  std::lock_guard lock(mu_);
+  TensorImpl* last = live_.back();
+  live_[impl->registry_slot] = last;
+  last->registry_slot = impl->registry_slot;
+  live_.pop_back();
+}
+
+}  // namespace lazy::graph
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/graph/tensor_impl.hpp ----
 
 namespace lazy::graph {
@@ -3253,9 +3500,8 @@ struct RngState {
 /// One execution device (a CPU "core group" with its own pool and graph).
 class Device {
  public:
-  Device(int index, int threads)
-      : index_(index), pool_(std::make_shared<BufferPool>()), threads_(threads) {}
-  ~Device() { stop_executor(); }
+  Device(int index, int threads);
+  ~Device();
   Device(const Device&) = delete;
   Device& operator=(const Device&) = delete;
 
@@ -3265,71 +3511,25 @@ class Device {
 
   ThreadPool& threads() { return threads_; }
   /// Changes the number of threads kernels use, once the steps in flight have finished.
-  void set_num_threads(int n) {
-    wait_idle();
-    threads_.resize(n);
-  }
+  void set_num_threads(int n);
   BufferPool& pool() { return *pool_; }
 
   // ---- the trace ----------------------------------------------------------------------
 
   /// Records a new pending node, in creation order.
-  void trace(const NodePtr& n) {
-    std::lock_guard lock(mu_);
-    // Statements read and dropped before the next one (`sum(x).item()` in a loop) leave
-    // their entry dead at the back: reuse it at once. A dead entry holds the node's memory
-    // (weak references keep make_shared's block), so waiting for the next pruning would
-    // cycle a fresh block through the cache on every statement.
-    while (!trace_.empty() && trace_.back().expired()) trace_.pop_back();
-    if (trace_.size() >= prune_at_) prune_trace();
-    trace_.push_back(n);
-  }
+  void trace(const NodePtr& n);
   /// Number of entries in the trace, dropped nodes not yet pruned included (for tests).
-  std::size_t trace_size() {
-    std::lock_guard lock(mu_);
-    return trace_.size();
-  }
+  std::size_t trace_size();
   /// Takes the trace (the caller puts back what it does not run, see keep_traced).
-  std::vector<std::weak_ptr<Node>> take_trace() {
-    std::lock_guard lock(mu_);
-    prune_at_ = kMinPruneAt;  // a large step must not leave a high threshold behind
-    return std::exchange(trace_, {});
-  }
+  std::vector<std::weak_ptr<Node>> take_trace();
   /// Returns nodes (in creation order) to the trace, which stays in creation order: the
   /// planner relies on producers coming before their consumers.
-  void keep_traced(std::vector<std::weak_ptr<Node>> older) {
-    if (older.empty()) return;
-    std::lock_guard lock(mu_);
-    if (newest_id(older) < oldest_id(trace_)) {
-      // The common case (a step's unneeded nodes, older than anything traced since).
-      older.insert(older.end(), trace_.begin(), trace_.end());
-      trace_ = std::move(older);
-    } else {
-      // Errors return nodes out of order: a failed step's, then the next step's (newer, but
-      // returned later), or a failed read's, still traced. Merge by id, once each.
-      older.insert(older.end(), trace_.begin(), trace_.end());
-      std::vector<std::pair<std::uint64_t, std::weak_ptr<Node>>> live;
-      for (auto& w : older)
-        if (auto n = w.lock()) live.emplace_back(n->id(), std::move(w));
-      std::sort(live.begin(), live.end(),
-                [](const auto& a, const auto& b) { return a.first < b.first; });
-      trace_.clear();
-      for (std::size_t i = 0; i < live.size(); ++i)
-        if (i == 0 || live[i].first != live[i - 1].first)
-          trace_.push_back(std::move(live[i].second));
-    }
-    rearm_pruning();
-  }
+  void keep_traced(std::vector<std::weak_ptr<Node>> older);
 
   /// Registers a handle, so mark_step can find the pending values that are still wanted
   /// (once per handle; it leaves the registry when destroyed). A handle registered with
   /// another device moves here (a module moved by to(device)).
-  void register_handle(const std::shared_ptr<TensorImpl>& impl) {
-    if (impl->registry == handles_) return;
-    if (impl->registry) impl->registry->remove(impl.get());
-    impl->registry = handles_;
-    handles_->add(impl.get());
-  }
+  void register_handle(const std::shared_ptr<TensorImpl>& impl);
   /// Calls f(node) for the node of every live handle whose value is still being traced.
   template <class F>
   void for_each_pending_root(F&& f) {
@@ -3341,25 +3541,11 @@ class Device {
   // ---- execution ----------------------------------------------------------------------
 
   /// Runs `job` on the executor thread after the jobs before it.
-  void enqueue(std::function<void()> job) {
-    {
-      std::lock_guard lock(exec_mu_);
-      if (!executor_.joinable()) executor_ = std::thread([this] { executor_loop(); });
-      jobs_.push_back(std::move(job));
-      outstanding_.fetch_add(1, std::memory_order_relaxed);
-    }
-    exec_cv_.notify_all();
-  }
+  void enqueue(std::function<void()> job);
   /// Blocks until every enqueued job has finished.
   void wait_idle() { wait_below(1); }
   /// Blocks until fewer than `n` enqueued jobs are unfinished (running or waiting).
-  void wait_below(std::int64_t n) {
-    // Every read and eager op asks; the executor is usually idle by then. The acquire load
-    // pairs with the release decrement, so a finished job's writes are visible.
-    if (outstanding_.load(std::memory_order_acquire) < n) return;
-    std::unique_lock lock(exec_mu_);
-    idle_cv_.wait(lock, [&] { return outstanding_.load(std::memory_order_relaxed) < n; });
-  }
+  void wait_below(std::int64_t n);
   /// True when jobs are enqueued or running.
   bool busy() { return outstanding_.load(std::memory_order_acquire) != 0; }
   /// Whether mark_step runs plans on the executor thread (default, LAZYTENSOR_ASYNC=0 turns
@@ -3387,74 +3573,22 @@ class Device {
   RngState& rng() { return rng_; }
   bool& eager() { return eager_; }
 
-  void add_step_closure(std::function<void()> f) {
-    std::lock_guard lock(mu_);
-    closures_.push_back(std::move(f));
-  }
-  std::vector<std::function<void()>> take_step_closures() {
-    std::lock_guard lock(mu_);
-    return std::exchange(closures_, {});
-  }
+  void add_step_closure(std::function<void()> f);
+  std::vector<std::function<void()>> take_step_closures();
 
   /// Stores an execution error to be re-thrown at the next read or sync.
-  void store_error(std::exception_ptr e) {
-    std::lock_guard lock(mu_);
-    if (!error_) error_ = e;
-    has_error_.store(true, std::memory_order_release);
-    failures_.fetch_add(1, std::memory_order_release);
-  }
+  void store_error(std::exception_ptr e);
   /// How many execution errors were ever stored: a queued step compares it with the
   /// count when it was queued, to learn that a step ahead of it failed.
   std::uint64_t failures() const { return failures_.load(std::memory_order_acquire); }
   /// Re-throws (once) a stored execution error.
-  void rethrow_stored_error() {
-    // Every read asks, and almost never finds one: no lock then. A store this load misses
-    // raced with the caller, as if it came after the check. A caller that waited for the
-    // step (wait_below) sees its error: the step stores it before the executor's release
-    // of the job count.
-    if (!has_error_.load(std::memory_order_acquire)) return;
-    std::exception_ptr e;
-    {
-      std::lock_guard lock(mu_);
-      e = std::exchange(error_, nullptr);
-      has_error_.store(false, std::memory_order_relaxed);
-    }
-    if (e) std::rethrow_exception(e);
-  }
+  void rethrow_stored_error();
 
  private:
-  void executor_loop() {
-    for (;;) {
-      std::function<void()> job;
-      {
-        std::unique_lock lock(exec_mu_);
-        exec_cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
-        if (jobs_.empty()) return;  // stopping, nothing left
-        job = std::move(jobs_.front());
-        jobs_.pop_front();
-      }
-      job();  // jobs catch their own errors (store_error)
-      job = nullptr;
-      {
-        std::lock_guard lock(exec_mu_);
-        outstanding_.fetch_sub(1, std::memory_order_release);
-      }
-      idle_cv_.notify_all();
-    }
-  }
+  void executor_loop();
   // At destruction (process exit): steps not started yet are dropped (nothing can read
   // their results any more), the running one finishes.
-  void stop_executor() {
-    std::deque<std::function<void()>> dropped;
-    {
-      std::lock_guard lock(exec_mu_);
-      stop_ = true;
-      dropped.swap(jobs_);
-      outstanding_.fetch_sub(static_cast<std::int64_t>(dropped.size()), std::memory_order_release);
-    }
-    exec_cv_.notify_all();
-    if (executor_.joinable()) executor_.join();
-  }
+  void stop_executor();
 
   // A program that only reads values (item(), to_vector()) and never calls mark_step
   // keeps tracing: without pruning, the entries of its dropped nodes would pile up, and
@@ -3463,20 +3597,9 @@ class Device {
   // per node and the trace at most twice the nodes still alive.
   // Ids of the newest and oldest live nodes of a list in creation order (0 and the
   // maximum when none is alive).
-  static std::uint64_t newest_id(const std::vector<std::weak_ptr<Node>>& v) {
-    for (auto it = v.rbegin(); it != v.rend(); ++it)
-      if (const auto n = it->lock()) return n->id();
-    return 0;
-  }
-  static std::uint64_t oldest_id(const std::vector<std::weak_ptr<Node>>& v) {
-    for (const auto& w : v)
-      if (const auto n = w.lock()) return n->id();
-    return std::numeric_limits<std::uint64_t>::max();
-  }
-  void prune_trace() {
-    std::erase_if(trace_, [](const std::weak_ptr<Node>& w) { return w.expired(); });
-    rearm_pruning();
-  }
+  static std::uint64_t newest_id(const std::vector<std::weak_ptr<Node>>& v);
+  static std::uint64_t oldest_id(const std::vector<std::weak_ptr<Node>>& v);
+  void prune_trace();
   // The next pruning comes when the trace has doubled from now.
   void rearm_pruning() { prune_at_ = std::max(kMinPruneAt, 2 * trace_.size()); }
 
@@ -3512,36 +3635,16 @@ class Device {
 };
 
 /// Threads a device uses by default: LAZYTENSOR_NUM_THREADS, else the hardware threads.
-inline int default_device_threads() {
-  if (const char* env = std::getenv("LAZYTENSOR_NUM_THREADS")) {
-    const int n = std::atoi(env);
-    if (n > 0) return n;
-  }
-  return std::max(1u, std::thread::hardware_concurrency());
-}
+int default_device_threads();
 
 /// All devices of this process. Created on first use; never destroyed before exit.
 class DeviceRegistry {
  public:
-  static DeviceRegistry& get() {
-    static DeviceRegistry r;
-    return r;
-  }
+  static DeviceRegistry& get();
   /// Device `index`, created on first use.
-  Device& device(int index) {
-    if (index < 0) throw DeviceError("device index must be >= 0, got " + std::to_string(index));
-    std::lock_guard lock(mu_);
-    while (static_cast<int>(devices_.size()) <= index) {
-      devices_.push_back(std::make_unique<Device>(static_cast<int>(devices_.size()), default_device_threads()));
-    }
-    return *devices_[index];
-  }
+  Device& device(int index);
   /// Number of devices created so far (at least 1).
-  int count() {
-    device(0);
-    std::lock_guard lock(mu_);
-    return static_cast<int>(devices_.size());
-  }
+  int count();
 
  private:
   std::mutex mu_;
@@ -3549,10 +3652,7 @@ class DeviceRegistry {
 };
 
 /// Index of this thread's current device (replicas bind their thread to their device).
-inline int& current_device_index() {
-  thread_local int index = 0;
-  return index;
-}
+int& current_device_index();
 
 /// This thread's current device.
 inline Device& current_device() { return DeviceRegistry::get().device(current_device_index()); }
@@ -3560,13 +3660,215 @@ inline Device& current_device() { return DeviceRegistry::get().device(current_de
 /// Points an existing handle at `node` (a parameter moved or reloaded in place); the
 /// handle's registration follows the node's device, so that device's mark_step sees the
 /// handle's later pending values.
-inline void rebind(const std::shared_ptr<TensorImpl>& impl, NodePtr node) {
+void rebind(const std::shared_ptr<TensorImpl>& impl, NodePtr node);
+
+}  // namespace lazy::graph
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::graph {
+
+LAZYTENSOR_INLINE Device::Device(int index, int threads)
+    : index_(index), pool_(std::make_shared<BufferPool>()), threads_(threads) {}
+
+LAZYTENSOR_INLINE Device::~Device() { stop_executor(); }
+
+LAZYTENSOR_INLINE void Device::set_num_threads(int n) {
+  wait_idle();
+  threads_.resize(n);
+}
+
+LAZYTENSOR_INLINE void Device::trace(const NodePtr& n) {
+  std::lock_guard lock(mu_);
+  // Statements read and dropped before the next one (`sum(x).item()` in a loop) leave
+  // their entry dead at the back: reuse it at once. A dead entry holds the node's memory
+  // (weak references keep make_shared's block), so waiting for the next pruning would
+  // cycle a fresh block through the cache on every statement.
+  while (!trace_.empty() && trace_.back().expired()) trace_.pop_back();
+  if (trace_.size() >= prune_at_) prune_trace();
+  trace_.push_back(n);
+}
+
+LAZYTENSOR_INLINE std::size_t Device::trace_size() {
+  std::lock_guard lock(mu_);
+  return trace_.size();
+}
+
+LAZYTENSOR_INLINE std::vector<std::weak_ptr<Node>> Device::take_trace() {
+  std::lock_guard lock(mu_);
+  prune_at_ = kMinPruneAt;  // a large step must not leave a high threshold behind
+  return std::exchange(trace_, {});
+}
+
+LAZYTENSOR_INLINE void Device::keep_traced(std::vector<std::weak_ptr<Node>> older) {
+  if (older.empty()) return;
+  std::lock_guard lock(mu_);
+  if (newest_id(older) < oldest_id(trace_)) {
+    // The common case (a step's unneeded nodes, older than anything traced since).
+    older.insert(older.end(), trace_.begin(), trace_.end());
+    trace_ = std::move(older);
+  } else {
+    // Errors return nodes out of order: a failed step's, then the next step's (newer, but
+    // returned later), or a failed read's, still traced. Merge by id, once each.
+    older.insert(older.end(), trace_.begin(), trace_.end());
+    std::vector<std::pair<std::uint64_t, std::weak_ptr<Node>>> live;
+    for (auto& w : older)
+      if (auto n = w.lock()) live.emplace_back(n->id(), std::move(w));
+    std::sort(live.begin(), live.end(),
+              [](const auto& a, const auto& b) { return a.first < b.first; });
+    trace_.clear();
+    for (std::size_t i = 0; i < live.size(); ++i)
+      if (i == 0 || live[i].first != live[i - 1].first)
+        trace_.push_back(std::move(live[i].second));
+  }
+  rearm_pruning();
+}
+
+LAZYTENSOR_INLINE void Device::register_handle(const std::shared_ptr<TensorImpl>& impl) {
+  if (impl->registry == handles_) return;
+  if (impl->registry) impl->registry->remove(impl.get());
+  impl->registry = handles_;
+  handles_->add(impl.get());
+}
+
+LAZYTENSOR_INLINE void Device::enqueue(std::function<void()> job) {
+  {
+    std::lock_guard lock(exec_mu_);
+    if (!executor_.joinable()) executor_ = std::thread([this] { executor_loop(); });
+    jobs_.push_back(std::move(job));
+    outstanding_.fetch_add(1, std::memory_order_relaxed);
+  }
+  exec_cv_.notify_all();
+}
+
+LAZYTENSOR_INLINE void Device::wait_below(std::int64_t n) {
+  // Every read and eager op asks; the executor is usually idle by then. The acquire load
+  // pairs with the release decrement, so a finished job's writes are visible.
+  if (outstanding_.load(std::memory_order_acquire) < n) return;
+  std::unique_lock lock(exec_mu_);
+  idle_cv_.wait(lock, [&] { return outstanding_.load(std::memory_order_relaxed) < n; });
+}
+
+LAZYTENSOR_INLINE void Device::add_step_closure(std::function<void()> f) {
+  std::lock_guard lock(mu_);
+  closures_.push_back(std::move(f));
+}
+
+LAZYTENSOR_INLINE std::vector<std::function<void()>> Device::take_step_closures() {
+  std::lock_guard lock(mu_);
+  return std::exchange(closures_, {});
+}
+
+LAZYTENSOR_INLINE void Device::store_error(std::exception_ptr e) {
+  std::lock_guard lock(mu_);
+  if (!error_) error_ = e;
+  has_error_.store(true, std::memory_order_release);
+  failures_.fetch_add(1, std::memory_order_release);
+}
+
+LAZYTENSOR_INLINE void Device::rethrow_stored_error() {
+  // Every read asks, and almost never finds one: no lock then. A store this load misses
+  // raced with the caller, as if it came after the check. A caller that waited for the
+  // step (wait_below) sees its error: the step stores it before the executor's release
+  // of the job count.
+  if (!has_error_.load(std::memory_order_acquire)) return;
+  std::exception_ptr e;
+  {
+    std::lock_guard lock(mu_);
+    e = std::exchange(error_, nullptr);
+    has_error_.store(false, std::memory_order_relaxed);
+  }
+  if (e) std::rethrow_exception(e);
+}
+
+LAZYTENSOR_INLINE void Device::executor_loop() {
+  for (;;) {
+    std::function<void()> job;
+    {
+      std::unique_lock lock(exec_mu_);
+      exec_cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
+      if (jobs_.empty()) return;  // stopping, nothing left
+      job = std::move(jobs_.front());
+      jobs_.pop_front();
+    }
+    job();  // jobs catch their own errors (store_error)
+    job = nullptr;
+    {
+      std::lock_guard lock(exec_mu_);
+      outstanding_.fetch_sub(1, std::memory_order_release);
+    }
+    idle_cv_.notify_all();
+  }
+}
+
+LAZYTENSOR_INLINE void Device::stop_executor() {
+  std::deque<std::function<void()>> dropped;
+  {
+    std::lock_guard lock(exec_mu_);
+    stop_ = true;
+    dropped.swap(jobs_);
+    outstanding_.fetch_sub(static_cast<std::int64_t>(dropped.size()), std::memory_order_release);
+  }
+  exec_cv_.notify_all();
+  if (executor_.joinable()) executor_.join();
+}
+
+LAZYTENSOR_INLINE std::uint64_t Device::newest_id(const std::vector<std::weak_ptr<Node>>& v) {
+  for (auto it = v.rbegin(); it != v.rend(); ++it)
+    if (const auto n = it->lock()) return n->id();
+  return 0;
+}
+
+LAZYTENSOR_INLINE std::uint64_t Device::oldest_id(const std::vector<std::weak_ptr<Node>>& v) {
+  for (const auto& w : v)
+    if (const auto n = w.lock()) return n->id();
+  return std::numeric_limits<std::uint64_t>::max();
+}
+
+LAZYTENSOR_INLINE void Device::prune_trace() {
+  std::erase_if(trace_, [](const std::weak_ptr<Node>& w) { return w.expired(); });
+  rearm_pruning();
+}
+
+LAZYTENSOR_INLINE int default_device_threads() {
+  if (const char* env = std::getenv("LAZYTENSOR_NUM_THREADS")) {
+    const int n = std::atoi(env);
+    if (n > 0) return n;
+  }
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+LAZYTENSOR_INLINE DeviceRegistry& DeviceRegistry::get() {
+  static DeviceRegistry r;
+  return r;
+}
+
+LAZYTENSOR_INLINE Device& DeviceRegistry::device(int index) {
+  if (index < 0) throw DeviceError("device index must be >= 0, got " + std::to_string(index));
+  std::lock_guard lock(mu_);
+  while (static_cast<int>(devices_.size()) <= index) {
+    devices_.push_back(std::make_unique<Device>(static_cast<int>(devices_.size()), default_device_threads()));
+  }
+  return *devices_[index];
+}
+
+LAZYTENSOR_INLINE int DeviceRegistry::count() {
+  device(0);
+  std::lock_guard lock(mu_);
+  return static_cast<int>(devices_.size());
+}
+
+LAZYTENSOR_INLINE int& current_device_index() {
+  thread_local int index = 0;
+  return index;
+}
+
+LAZYTENSOR_INLINE void rebind(const std::shared_ptr<TensorImpl>& impl, NodePtr node) {
   Device* dev = node->device();
   impl->node = std::move(node);
   dev->register_handle(impl);
 }
 
-inline std::shared_ptr<Buffer> Node::allocate_output(ExecContext& ctx, bool allow_donation) {
+LAZYTENSOR_INLINE std::shared_ptr<Buffer> Node::allocate_output(ExecContext& ctx, bool allow_donation) {
   if (allow_donation) {
     for (std::size_t i = 0; i < inputs_.size(); ++i) {
       if (auto b = try_donate(i)) {
@@ -3580,6 +3882,7 @@ inline std::shared_ptr<Buffer> Node::allocate_output(ExecContext& ctx, bool allo
 }
 
 }  // namespace lazy::graph
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/graph/device.hpp ----
 // ---- begin lazytensor/graph/parallel.hpp ----
 // When and how a kernel is split across a device's workers.
@@ -3597,21 +3900,34 @@ inline constexpr double kParallelCostThreshold = 1 << 18;
 
 /// Number of tasks for `n` items of `cost` each: 1 below the threshold, else a few per
 /// thread (slack for a noisy, shared machine), never tasks smaller than `min_items`.
-inline std::int64_t task_count(const ThreadPool& pool, std::int64_t n, double cost, std::int64_t min_items = 4096) {
+std::int64_t task_count(const ThreadPool& pool, std::int64_t n, double cost, std::int64_t min_items = 4096);
+
+/// Splits [0, n) into `tasks` ranges whose starts are multiples of `align`.
+std::pair<std::int64_t, std::int64_t> task_range(std::int64_t n, std::int64_t tasks, std::int64_t t,
+                                                        std::int64_t align = 1);
+
+}  // namespace lazy::graph
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::graph {
+
+LAZYTENSOR_INLINE std::int64_t task_count(const ThreadPool& pool, std::int64_t n, double cost, std::int64_t min_items) {
   if (pool.size() <= 1 || cost * static_cast<double>(n) < kParallelCostThreshold) return 1;
   const std::int64_t by_size = std::max<std::int64_t>(1, n / std::max<std::int64_t>(1, min_items));
   return std::min<std::int64_t>(by_size, 4 * pool.size());
 }
 
-/// Splits [0, n) into `tasks` ranges whose starts are multiples of `align`.
-inline std::pair<std::int64_t, std::int64_t> task_range(std::int64_t n, std::int64_t tasks, std::int64_t t,
-                                                        std::int64_t align = 1) {
+LAZYTENSOR_INLINE std::pair<std::int64_t, std::int64_t> task_range(std::int64_t n,
+    std::int64_t tasks,
+    std::int64_t t,
+    std::int64_t align) {
   const std::int64_t units = (n + align - 1) / align;
   const std::int64_t b = units * t / tasks * align, e = units * (t + 1) / tasks * align;
   return {std::min(b, n), std::min(e, n)};
 }
 
 }  // namespace lazy::graph
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/graph/parallel.hpp ----
 
 namespace lazy::graph {
@@ -3637,8 +3953,8 @@ class RowProducer {
   /// begin_rows / end_rows around a scope, end_rows also when the scope throws.
   class Session {
    public:
-    Session(RowProducer& p, ExecContext& ctx) : p_(p) { p_.begin_rows(ctx); }
-    ~Session() { p_.end_rows(); }
+    Session(RowProducer& p, ExecContext& ctx);
+    ~Session();
     Session(const Session&) = delete;
     Session& operator=(const Session&) = delete;
 
@@ -3714,14 +4030,7 @@ class CompiledKernel final : public ElementwiseKernel {
 class ElementwiseNode final : public Node {
  public:
   ElementwiseNode(std::unique_ptr<ElementwiseKernel> kernel, bool can_stream, DType dtype, Shape shape,
-                  Device* device, std::vector<NodePtr> inputs)
-      : Node(NodeKind::Elementwise, dtype, shape, device, std::move(inputs)), kernel_(std::move(kernel)),
-        can_stream_(can_stream) {
-    std::vector<Shape> shapes;
-    shapes.reserve(this->inputs().size());
-    for (const auto& in : this->inputs()) shapes.push_back(in->shape());
-    layout_ = expr::make_layout(shape, shapes);
-  }
+                  Device* device, std::vector<NodePtr> inputs);
 
   std::string op_name() const override { return "fused"; }
   std::string describe() const override { return kernel_->text(); }
@@ -3734,99 +4043,19 @@ class ElementwiseNode final : public Node {
   /// True when the kernel can write its output with non-temporal stores.
   bool can_stream() const { return can_stream_; }
 
-  void fuse_producers() override {
-    // Take over a GEMM producer that nothing else reads: it then runs in row blocks, each
-    // followed at once by this epilogue while the block is still in cache.
-    fused_slot_ = -1;
-    const auto& ins = inputs();
-    for (std::size_t i = 0; i < ins.size(); ++i) {
-      if (ins[i]->kind() != NodeKind::Gemm) continue;
-      auto* rp = dynamic_cast<RowProducer*>(ins[i].get());
-      if (!rp || !ins[i]->pending() || ins[i]->dtype() != dtype() || !(ins[i]->shape() == shape()) ||
-          shape().rank() < 1 || !(layout_.flat() || layout_.inner() == shape()[shape().rank() - 1]))
-        continue;
-      long holders = 0;
-      for (const auto& p : ins) holders += (p == ins[i]);
-      if (ins[i].use_count() != holders + 1) continue;  // + 1: the plan's reference
-      ins[i]->set_deferred(true);
-      fused_slot_ = static_cast<int>(i);
-      return;
-    }
-  }
+  void fuse_producers() override;
 
  protected:
-  void compute(ExecContext& ctx) override {
-    const auto& ins = inputs();
-    std::vector<const void*> ptrs(ins.size());
-    for (std::size_t i = 0; i < ins.size(); ++i) {
-      ptrs[i] = static_cast<int>(i) == fused_slot_ ? nullptr : ins[i]->buffer()->data();
-    }
-    auto buf = allocate_output(ctx, fused_slot_ < 0);
-    void* out = buf->data();
-    if (fused_slot_ >= 0) {
-      ptrs[fused_slot_] = out;  // the epilogue reads the GEMM block in place
-      run_with_producer(ctx, ptrs, out);
-    } else {
-      run(ctx, ptrs, out);
-    }
-    set_buffer(std::move(buf));
-  }
+  void compute(ExecContext& ctx) override;
 
-  void finish() override {
-    fused_slot_ = -1;
-    Node::finish();
-  }
+  void finish() override;
 
  private:
-  void run(ExecContext& ctx, const std::vector<const void*>& ptrs, void* out) const {
-    const std::int64_t n = numel();
-    if (n == 0) return;
-    auto& pool = ctx.device.threads();
-    const double cost = kernel_->cost();
-    const std::int64_t tasks = task_count(pool, n, cost);
-    if (layout_.flat()) {
-      const bool contig = !layout_.any_splat();
-      const bool stream = can_stream_ && contig &&
-                          n * static_cast<std::int64_t>(dtype_size(dtype())) >= expr::kStreamingStoreBytes;
-      pool.parallel_for(tasks, [&](std::int64_t t) {
-        auto [b, e] = task_range(n, tasks, t, kPadElements);
-        kernel_->flat(ptrs.data(), layout_.splat.data(), out, b, e, contig, stream);
-        if (stream) expr::store_fence();
-      });
-    } else {
-      const std::int64_t rows = n / layout_.inner();
-      const std::int64_t rtasks = std::min(tasks, rows);
-      pool.parallel_for(rtasks, [&](std::int64_t t) {
-        auto [r0, r1] = task_range(rows, rtasks, t);
-        kernel_->rows(ptrs.data(), layout_, out, r0, r1);
-      });
-    }
-  }
+  void run(ExecContext& ctx, const std::vector<const void*>& ptrs, void* out) const;
 
   // The producer's row blocks (fixed by the shapes, not by the thread count), each
   // followed at once by the epilogue while it is still in cache.
-  void run_with_producer(ExecContext& ctx, const std::vector<const void*>& ptrs, void* out) {
-    auto* producer = dynamic_cast<RowProducer*>(inputs()[fused_slot_].get());
-    const std::int64_t cols = shape()[shape().rank() - 1];
-    const std::int64_t rows = cols ? numel() / cols : 0;
-    if (rows == 0) return;
-    auto& pool = ctx.device.threads();
-    const std::int64_t block = std::max<std::int64_t>(1, producer->row_block());
-    const std::int64_t blocks = (rows + block - 1) / block;
-    const std::int64_t tasks = std::min(blocks, std::max<std::int64_t>(1, task_count(pool, numel(), producer_cost())));
-    const bool contig = !layout_.any_splat();
-    RowProducer::Session session(*producer, ctx);
-    pool.parallel_for(tasks, [&](std::int64_t t) {
-      auto [b0, b1] = task_range(blocks, tasks, t);
-      for (std::int64_t b = b0; b < b1; ++b) {
-        const std::int64_t r0 = b * block, r1 = std::min(rows, r0 + block);
-        producer->produce_rows(out, r0, r1);
-        if (layout_.flat()) kernel_->flat(ptrs.data(), layout_.splat.data(), out, r0 * cols, r1 * cols, contig, false);
-        else kernel_->rows(ptrs.data(), layout_, out, r0, r1);  // inner == cols (fuse_producers)
-      }
-    });
-    inputs()[fused_slot_]->set_deferred(false);
-  }
+  void run_with_producer(ExecContext& ctx, const std::vector<const void*>& ptrs, void* out);
 
   double producer_cost() const { return inputs()[fused_slot_]->cost_per_element(); }
 
@@ -3846,6 +4075,120 @@ NodePtr elementwise_node(K k, const Shape& shape, Device* device, std::vector<No
 }
 
 }  // namespace lazy::graph
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::graph {
+
+LAZYTENSOR_INLINE RowProducer::Session::Session(RowProducer& p, ExecContext& ctx) : p_(p) { p_.begin_rows(ctx); }
+
+LAZYTENSOR_INLINE RowProducer::Session::~Session() { p_.end_rows(); }
+
+LAZYTENSOR_INLINE ElementwiseNode::ElementwiseNode(std::unique_ptr<ElementwiseKernel> kernel,
+  bool can_stream,
+  DType dtype,
+  Shape shape,
+  Device* device,
+  std::vector<NodePtr> inputs)
+    : Node(NodeKind::Elementwise, dtype, shape, device, std::move(inputs)), kernel_(std::move(kernel)),
+      can_stream_(can_stream) {
+  std::vector<Shape> shapes;
+  shapes.reserve(this->inputs().size());
+  for (const auto& in : this->inputs()) shapes.push_back(in->shape());
+  layout_ = expr::make_layout(shape, shapes);
+}
+
+LAZYTENSOR_INLINE void ElementwiseNode::fuse_producers() {
+  // Take over a GEMM producer that nothing else reads: it then runs in row blocks, each
+  // followed at once by this epilogue while the block is still in cache.
+  fused_slot_ = -1;
+  const auto& ins = inputs();
+  for (std::size_t i = 0; i < ins.size(); ++i) {
+    if (ins[i]->kind() != NodeKind::Gemm) continue;
+    auto* rp = dynamic_cast<RowProducer*>(ins[i].get());
+    if (!rp || !ins[i]->pending() || ins[i]->dtype() != dtype() || !(ins[i]->shape() == shape()) ||
+        shape().rank() < 1 || !(layout_.flat() || layout_.inner() == shape()[shape().rank() - 1]))
+      continue;
+    long holders = 0;
+    for (const auto& p : ins) holders += (p == ins[i]);
+    if (ins[i].use_count() != holders + 1) continue;  // + 1: the plan's reference
+    ins[i]->set_deferred(true);
+    fused_slot_ = static_cast<int>(i);
+    return;
+  }
+}
+
+LAZYTENSOR_INLINE void ElementwiseNode::compute(ExecContext& ctx) {
+  const auto& ins = inputs();
+  std::vector<const void*> ptrs(ins.size());
+  for (std::size_t i = 0; i < ins.size(); ++i) {
+    ptrs[i] = static_cast<int>(i) == fused_slot_ ? nullptr : ins[i]->buffer()->data();
+  }
+  auto buf = allocate_output(ctx, fused_slot_ < 0);
+  void* out = buf->data();
+  if (fused_slot_ >= 0) {
+    ptrs[fused_slot_] = out;  // the epilogue reads the GEMM block in place
+    run_with_producer(ctx, ptrs, out);
+  } else {
+    run(ctx, ptrs, out);
+  }
+  set_buffer(std::move(buf));
+}
+
+LAZYTENSOR_INLINE void ElementwiseNode::finish() {
+  fused_slot_ = -1;
+  Node::finish();
+}
+
+LAZYTENSOR_INLINE void ElementwiseNode::run(ExecContext& ctx, const std::vector<const void*>& ptrs, void* out) const {
+  const std::int64_t n = numel();
+  if (n == 0) return;
+  auto& pool = ctx.device.threads();
+  const double cost = kernel_->cost();
+  const std::int64_t tasks = task_count(pool, n, cost);
+  if (layout_.flat()) {
+    const bool contig = !layout_.any_splat();
+    const bool stream = can_stream_ && contig &&
+                        n * static_cast<std::int64_t>(dtype_size(dtype())) >= expr::kStreamingStoreBytes;
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      auto [b, e] = task_range(n, tasks, t, kPadElements);
+      kernel_->flat(ptrs.data(), layout_.splat.data(), out, b, e, contig, stream);
+      if (stream) expr::store_fence();
+    });
+  } else {
+    const std::int64_t rows = n / layout_.inner();
+    const std::int64_t rtasks = std::min(tasks, rows);
+    pool.parallel_for(rtasks, [&](std::int64_t t) {
+      auto [r0, r1] = task_range(rows, rtasks, t);
+      kernel_->rows(ptrs.data(), layout_, out, r0, r1);
+    });
+  }
+}
+
+LAZYTENSOR_INLINE void ElementwiseNode::run_with_producer(ExecContext& ctx, const std::vector<const void*>& ptrs, void* out) {
+  auto* producer = dynamic_cast<RowProducer*>(inputs()[fused_slot_].get());
+  const std::int64_t cols = shape()[shape().rank() - 1];
+  const std::int64_t rows = cols ? numel() / cols : 0;
+  if (rows == 0) return;
+  auto& pool = ctx.device.threads();
+  const std::int64_t block = std::max<std::int64_t>(1, producer->row_block());
+  const std::int64_t blocks = (rows + block - 1) / block;
+  const std::int64_t tasks = std::min(blocks, std::max<std::int64_t>(1, task_count(pool, numel(), producer_cost())));
+  const bool contig = !layout_.any_splat();
+  RowProducer::Session session(*producer, ctx);
+  pool.parallel_for(tasks, [&](std::int64_t t) {
+    auto [b0, b1] = task_range(blocks, tasks, t);
+    for (std::int64_t b = b0; b < b1; ++b) {
+      const std::int64_t r0 = b * block, r1 = std::min(rows, r0 + block);
+      producer->produce_rows(out, r0, r1);
+      if (layout_.flat()) kernel_->flat(ptrs.data(), layout_.splat.data(), out, r0 * cols, r1 * cols, contig, false);
+      else kernel_->rows(ptrs.data(), layout_, out, r0, r1);  // inner == cols (fuse_producers)
+    }
+  });
+  inputs()[fused_slot_]->set_deferred(false);
+}
+
+}  // namespace lazy::graph
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/graph/elementwise_node.hpp ----
 // ---- begin lazytensor/graph/reduction_node.hpp ----
 // Reductions fused with their element-wise child: the child expression is evaluated inside
@@ -4125,14 +4468,8 @@ using InputPointers = core::SmallVector<const void*, 8>;
 
 /// Per input, 1 when it is a single element broadcast over a child of `child_numel`
 /// elements (the kernel then reads that element for every index).
-inline core::SmallVector<char, 8> splat_flags(const std::vector<NodePtr>& inputs,
-                                              std::int64_t child_numel) {
-  core::SmallVector<char, 8> flags;
-  flags.resize(inputs.size());
-  for (std::size_t i = 0; i < inputs.size(); ++i)
-    flags[i] = inputs[i]->numel() == 1 && child_numel != 1 ? 1 : 0;
-  return flags;
-}
+core::SmallVector<char, 8> splat_flags(const std::vector<NodePtr>& inputs,
+                                              std::int64_t child_numel);
 
 template <class R, class S, bool C, class Ev>
 S reduce_range(const Ev& ev, std::int64_t b, std::int64_t len) {
@@ -4340,6 +4677,21 @@ class ArgReductionNode final : public Node {
 };
 
 }  // namespace lazy::graph
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::graph::detail {
+
+LAZYTENSOR_INLINE core::SmallVector<char, 8> splat_flags(const std::vector<NodePtr>& inputs,
+    std::int64_t child_numel) {
+  core::SmallVector<char, 8> flags;
+  flags.resize(inputs.size());
+  for (std::size_t i = 0; i < inputs.size(); ++i)
+    flags[i] = inputs[i]->numel() == 1 && child_numel != 1 ? 1 : 0;
+  return flags;
+}
+
+}  // namespace lazy::graph::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/graph/reduction_node.hpp ----
 // ---- begin lazytensor/graph/submit.hpp ----
 // Adding nodes to a device's pending graph.
@@ -4351,7 +4703,7 @@ class ArgReductionNode final : public Node {
 
 // ---- begin lazytensor/graph/executor.hpp ----
 // Running plans: a step's collection (what mark_step computes), plan lookup in the cache,
-// the execution of single nodes and of fused element-wise groups (chunk-interleaved), the
+// the execution of single nodes and of fused element-wise groups (fused_group.hpp), the
 // hand-off to the device's executor thread, and the synchronous path used by reads and
 // eager mode. Errors inside a plan return its unrun nodes to the trace (they stay pending)
 // and are stored on the device, to be re-thrown at the next read or sync.
@@ -4362,6 +4714,19 @@ class ArgReductionNode final : public Node {
 #include <span>
 #include <unordered_set>
 #include <utility>
+#include <vector>
+
+// ---- begin lazytensor/graph/fused_group.hpp ----
+// Running a fused element-wise group (a PlanStep with several members): every chunk of
+// kFusionChunk elements goes through each member in order, so intermediates stay in cache.
+// Members needed outside the group are written whole, the others only to a per-task
+// scratch chunk; a reduction ending the group reduces each chunk to a partial.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
 #include <vector>
 
 // ---- begin lazytensor/core/vectorizer_barrier.hpp ----
@@ -4461,14 +4826,54 @@ inline constexpr std::int64_t kFusionMemoryBytes = expr::kStreamingStoreBytes;
 
 namespace planner {
 
-inline std::uint64_t next_epoch() {
+std::uint64_t next_epoch();
+
+/// Numbers the nodes (plan_slot) for this planning pass.
+std::uint64_t number(const std::vector<NodePtr>& nodes);
+
+inline std::int32_t slot_of(const NodePtr& n, std::uint64_t epoch) {
+  return n->plan_epoch == epoch ? n->plan_slot : -1;
+}
+
+/// An element-wise node that can run chunk by chunk with others: flat layout (every input
+/// has the output's shape or one element), not running a GEMM producer's epilogue.
+const ElementwiseNode* chunkable(const NodePtr& n);
+
+/// A reduction that can end a group of `numel`-element chunks: it reduces every element
+/// of a child with that many elements, each input having them all or one.
+ChunkReduction* chunk_reduction(const NodePtr& n, std::int64_t numel);
+
+/// Signature (see the file comment) of `nodes`, numbered with `epoch`; `outside[i]` is
+/// true when something outside the step refers to node i.
+std::vector<std::uint64_t> signature(const std::vector<NodePtr>& nodes, std::uint64_t epoch,
+                                            std::vector<std::uint8_t>& outside);
+
+std::uint64_t fold(const std::vector<std::uint64_t>& sig);
+
+/// Groups `nodes` into steps (see the file comment). Several groups (one per element
+/// count) may be open at once, so statements of different sizes interleaved in the
+/// program (activations and weight gradients of a backward pass) still fuse by size. A
+/// group's step is emitted when it closes: when a node outside it reads it, or at the end.
+/// So every consumer comes after its producers: a non-member reading a group closes the
+/// group first, and a member reading anything else reads a single step or a closed group
+/// emitted earlier.
+std::shared_ptr<Plan> build(const std::vector<NodePtr>& nodes, std::uint64_t epoch,
+                                   const std::vector<std::uint8_t>& outside);
+
+}  // namespace planner
+
+}  // namespace lazy::graph
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::graph::planner {
+
+LAZYTENSOR_INLINE std::uint64_t next_epoch() {
   thread_local std::uint64_t epoch = 0;
   // Mix in the thread so that two planners (devices in different threads) never share one.
   return (++epoch << 8) ^ reinterpret_cast<std::uintptr_t>(&epoch);
 }
 
-/// Numbers the nodes (plan_slot) for this planning pass.
-inline std::uint64_t number(const std::vector<NodePtr>& nodes) {
+LAZYTENSOR_INLINE std::uint64_t number(const std::vector<NodePtr>& nodes) {
   const std::uint64_t epoch = next_epoch();
   for (std::size_t i = 0; i < nodes.size(); ++i) {
     nodes[i]->plan_slot = static_cast<std::int32_t>(i);
@@ -4477,22 +4882,14 @@ inline std::uint64_t number(const std::vector<NodePtr>& nodes) {
   return epoch;
 }
 
-inline std::int32_t slot_of(const NodePtr& n, std::uint64_t epoch) {
-  return n->plan_epoch == epoch ? n->plan_slot : -1;
-}
-
-/// An element-wise node that can run chunk by chunk with others: flat layout (every input
-/// has the output's shape or one element), not running a GEMM producer's epilogue.
-inline const ElementwiseNode* chunkable(const NodePtr& n) {
+LAZYTENSOR_INLINE const ElementwiseNode* chunkable(const NodePtr& n) {
   if (n->kind() != NodeKind::Elementwise) return nullptr;
   const auto* e = static_cast<const ElementwiseNode*>(n.get());
   if (!e->layout().flat() || e->takes_producer() || n->numel() == 0) return nullptr;
   return e;
 }
 
-/// A reduction that can end a group of `numel`-element chunks: it reduces every element
-/// of a child with that many elements, each input having them all or one.
-inline ChunkReduction* chunk_reduction(const NodePtr& n, std::int64_t numel) {
+LAZYTENSOR_INLINE ChunkReduction* chunk_reduction(const NodePtr& n, std::int64_t numel) {
   if (n->kind() != NodeKind::Reduction || n->numel() != 1) return nullptr;
   auto* r = dynamic_cast<ChunkReduction*>(n.get());
   if (!r || !r->reduces_all()) return nullptr;
@@ -4504,10 +4901,9 @@ inline ChunkReduction* chunk_reduction(const NodePtr& n, std::int64_t numel) {
   return reads_chunk ? r : nullptr;
 }
 
-/// Signature (see the file comment) of `nodes`, numbered with `epoch`; `outside[i]` is
-/// true when something outside the step refers to node i.
-inline std::vector<std::uint64_t> signature(const std::vector<NodePtr>& nodes, std::uint64_t epoch,
-                                            std::vector<std::uint8_t>& outside) {
+LAZYTENSOR_INLINE std::vector<std::uint64_t> signature(const std::vector<NodePtr>& nodes,
+    std::uint64_t epoch,
+    std::vector<std::uint8_t>& outside) {
   core::SmallVector<std::int32_t, 32> refs;  // a read of a few statements allocates nothing here
   refs.assign(nodes.size(), 0);
   for (const auto& n : nodes)
@@ -4530,21 +4926,15 @@ inline std::vector<std::uint64_t> signature(const std::vector<NodePtr>& nodes, s
   return sig;
 }
 
-inline std::uint64_t fold(const std::vector<std::uint64_t>& sig) {
+LAZYTENSOR_INLINE std::uint64_t fold(const std::vector<std::uint64_t>& sig) {
   std::uint64_t h = sig.size();
   for (auto v : sig) h = hash_combine(h, v);
   return h;
 }
 
-/// Groups `nodes` into steps (see the file comment). Several groups (one per element
-/// count) may be open at once, so statements of different sizes interleaved in the
-/// program (activations and weight gradients of a backward pass) still fuse by size. A
-/// group's step is emitted when it closes: when a node outside it reads it, or at the end.
-/// So every consumer comes after its producers: a non-member reading a group closes the
-/// group first, and a member reading anything else reads a single step or a closed group
-/// emitted earlier.
-inline std::shared_ptr<Plan> build(const std::vector<NodePtr>& nodes, std::uint64_t epoch,
-                                   const std::vector<std::uint8_t>& outside) {
+LAZYTENSOR_INLINE std::shared_ptr<Plan> build(const std::vector<NodePtr>& nodes,
+    std::uint64_t epoch,
+    const std::vector<std::uint8_t>& outside) {
   auto plan = std::make_shared<Plan>();
   plan->num_nodes = nodes.size();
   const std::size_t n = nodes.size();
@@ -4661,10 +5051,391 @@ inline std::shared_ptr<Plan> build(const std::vector<NodePtr>& nodes, std::uint6
   return plan;
 }
 
-}  // namespace planner
-
-}  // namespace lazy::graph
+}  // namespace lazy::graph::planner
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/graph/plan.hpp ----
+
+namespace lazy::graph::detail {
+
+/// The members of a fused group, seen in the step's node list through the plan's
+/// positions (no copies of the node references: a group of 100 tiny statements would pay
+/// 200 atomic reference-count updates for them).
+class GroupMembers {
+ public:
+  GroupMembers(std::span<const NodePtr> nodes, const PlanStep& st) : nodes_(nodes), pos_(st.members) {}
+  std::size_t size() const { return pos_.size(); }
+  const NodePtr& operator[](std::size_t j) const { return nodes_[static_cast<std::size_t>(pos_[j])]; }
+
+ private:
+  std::span<const NodePtr> nodes_;
+  const std::vector<std::int32_t>& pos_;
+};
+
+/// An input from outside a fused group that a whole member may take over (donation): how
+/// many references the members hold, and the last member reading it.
+struct DonorCandidate {
+  const NodePtr* node;
+  long holders;
+  std::size_t last_reader;
+};
+
+/// The group's outside inputs, in member order (see group_output).
+std::vector<DonorCandidate> donor_candidates(const PlanStep& st, const GroupMembers& members);
+
+/// The whole output buffer of group member `j`: the buffer of an outside input of the
+/// group it may overwrite (donation), else one from the pool. An input can be donated when
+/// it has the member's dtype and size, only group members hold it, and no member after `j`
+/// reads it: within a chunk, members run in order, so every read of that chunk of the
+/// input happens before `j` writes it (a chain of in-place updates ends in its first
+/// input's buffer).
+std::shared_ptr<Buffer> group_output(ExecContext& ctx, const std::vector<DonorCandidate>& donors,
+                                     const NodePtr& me, std::size_t j);
+
+/// Bytes per element a group reads from outside buffers, each buffer counted once, when
+/// they reach `least` bytes over its `n` elements; else 0.
+template <class Input>
+std::int64_t outside_bytes(const std::vector<Input>& in, std::int64_t n, std::int64_t least) {
+  std::size_t upper = 0;  // counting a buffer read twice twice: enough to rule out most groups
+  for (const Input& x : in)
+    if (x.src < 0) upper += x.esz;
+  if (n * static_cast<std::int64_t>(upper) < least) return 0;
+  std::size_t bytes = 0;
+  for (std::size_t i = 0; i < in.size(); ++i) {
+    const Input& x = in[i];
+    if (x.src >= 0 || x.esz == 0) continue;
+    const bool seen =
+        std::any_of(in.begin(), in.begin() + static_cast<std::ptrdiff_t>(i),
+                    [&](const Input& y) { return y.src < 0 && y.esz != 0 && y.base == x.base; });
+    if (!seen) bytes += x.esz;
+  }
+  const std::int64_t total = n * static_cast<std::int64_t>(bytes);
+  return total < least ? 0 : total;
+}
+
+/// One run of a fused group. The bookkeeping is in flat arrays (no allocation per member):
+/// a step of 100 tiny statements is one group. A reduction ending the group reduces each
+/// chunk to a partial (one per chunk, so the result does not depend on the task split).
+class GroupRun {
+ public:
+  GroupRun(ExecContext& ctx, const PlanStep& st, const GroupMembers& members);
+  /// Runs every chunk (over the device's threads) and hands the members their outputs.
+  void run();
+
+ private:
+  struct Member {
+    const ElementwiseNode* ew;  // null for the reduction ending the group
+    const ElementwiseKernel* kernel;
+    const char* splat;
+    bool contig;
+    std::size_t esz, scratch_off, first_in, num_in;
+  };
+  struct Input {
+    const std::byte* base;  // an outside input's buffer, or null (a member's output)
+    std::size_t esz;        // bytes per element, 0 for a broadcast single element
+    std::int32_t src;       // the producing member, or -1
+  };
+
+  void describe_members();
+  void allocate_outputs();
+  void choose_slices();
+  void choose_streams();
+  void run_task(std::int64_t t);
+  void finish();
+
+  ExecContext& ctx_;
+  const PlanStep& st_;
+  const GroupMembers& members_;
+  std::size_t k_;
+  std::int64_t n_;
+  std::vector<Member> mem_;
+  std::vector<Input> in_;
+  ChunkReduction* reduction_ = nullptr;
+  std::size_t per_task_ = 0;  // scratch bytes per task
+  double cost_ = 0;
+  std::vector<std::shared_ptr<Buffer>> out_;
+  std::vector<std::byte*> out_ptr_;
+  std::int64_t chunks_ = 0, tasks_ = 0, slice_ = 0;
+  std::size_t partial_bytes_ = 0;
+  std::shared_ptr<Buffer> partials_, scratch_;
+  std::vector<std::uint8_t> stream_, copy_out_, slice_long_;
+  bool any_stream_ = false;
+};
+
+/// Runs a fused group (see GroupRun).
+inline void run_group(ExecContext& ctx, const PlanStep& st, const GroupMembers& members) {
+  GroupRun(ctx, st, members).run();
+}
+
+}  // namespace lazy::graph::detail
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::graph::detail {
+
+LAZYTENSOR_INLINE std::vector<DonorCandidate> donor_candidates(const PlanStep& st, const GroupMembers& members) {
+  std::vector<DonorCandidate> c;
+  for (std::size_t m = 0; m < members.size(); ++m) {
+    const auto& ins = members[m]->inputs();
+    for (std::size_t q = 0; q < ins.size(); ++q) {
+      if (st.sources[m][q] >= 0) continue;
+      auto it = std::find_if(c.begin(), c.end(), [&](const DonorCandidate& d) { return *d.node == ins[q]; });
+      if (it == c.end()) {
+        c.push_back({&ins[q], 1, m});
+      } else {
+        ++it->holders;
+        it->last_reader = m;
+      }
+    }
+  }
+  return c;
+}
+
+LAZYTENSOR_INLINE std::shared_ptr<Buffer> group_output(ExecContext& ctx, const std::vector<DonorCandidate>& donors,
+                                                       const NodePtr& me, std::size_t j) {
+  for (const auto& d : donors) {
+    const NodePtr& x = *d.node;
+    if (d.last_reader > j || x->dtype() != me->dtype() || x->numel() != me->numel()) continue;
+    if (auto b = Node::take_buffer(x, d.holders)) {
+      static auto& donated = core::counter("DonatedBuffers");
+      donated.add();
+      return b;
+    }
+  }
+  return ctx.device.pool().acquire(padded_bytes(me->numel(), dtype_size(me->dtype())));
+}
+
+LAZYTENSOR_INLINE GroupRun::GroupRun(ExecContext& ctx, const PlanStep& st, const GroupMembers& members)
+    : ctx_(ctx), st_(st), members_(members), k_(members.size()), n_(members[0]->numel()) {}
+
+LAZYTENSOR_INLINE void GroupRun::run() {
+  describe_members();
+  allocate_outputs();
+  choose_slices();
+  choose_streams();
+  ctx_.device.threads().parallel_for(tasks_, [this](std::int64_t t) { run_task(t); });
+  finish();
+}
+
+// The members' kernels and where each reads its inputs; the scratch each non-whole member
+// needs per task.
+LAZYTENSOR_INLINE void GroupRun::describe_members() {
+  mem_.resize(k_);
+  in_.reserve(k_ * 2);
+  for (std::size_t j = 0; j < k_; ++j) {
+    Member& m = mem_[j];
+    m.ew = nullptr;
+    m.kernel = nullptr;
+    m.splat = nullptr;
+    m.contig = true;
+    if (members_[j]->kind() == NodeKind::Elementwise) {
+      m.ew = static_cast<const ElementwiseNode*>(members_[j].get());
+      m.kernel = &m.ew->kernel();
+      m.splat = m.ew->layout().splat.data();
+      m.contig = !m.ew->layout().any_splat();
+      cost_ += m.ew->kernel().cost();
+    } else {
+      reduction_ = dynamic_cast<ChunkReduction*>(members_[j].get());  // the last member (plan.hpp)
+      cost_ += members_[j]->cost_per_element();
+    }
+    m.esz = dtype_size(members_[j]->dtype());
+    m.scratch_off = 0;
+    m.first_in = in_.size();
+    const auto& ins = members_[j]->inputs();
+    m.num_in = ins.size();
+    for (std::size_t q = 0; q < ins.size(); ++q) {
+      // Read every outside input's address before any output is allocated: a donated
+      // input's buffer moves to the output (same memory).
+      const std::int32_t src = st_.sources[j][q];
+      in_.push_back({src < 0 ? static_cast<const std::byte*>(ins[q]->buffer()->data()) : nullptr,
+                     ins[q]->numel() == 1 && n_ != 1 ? 0 : dtype_size(ins[q]->dtype()), src});
+    }
+    if (!st_.whole[j] && m.ew) {
+      m.scratch_off = per_task_;
+      per_task_ += padded_bytes(kFusionChunk, m.esz);
+    }
+  }
+}
+
+// Whole outputs (members needed outside the group), donated or from the pool, and the
+// reduction's partials.
+LAZYTENSOR_INLINE void GroupRun::allocate_outputs() {
+  out_.resize(k_);
+  out_ptr_.assign(k_, nullptr);
+  const auto donors = donor_candidates(st_, members_);
+  for (std::size_t j = 0; j < k_; ++j) {
+    if (!st_.whole[j] || !mem_[j].ew) continue;
+    out_[j] = group_output(ctx_, donors, members_[j], j);
+    out_ptr_[j] = static_cast<std::byte*>(out_[j]->data());
+  }
+  chunks_ = (n_ + kFusionChunk - 1) / kFusionChunk;
+  tasks_ = std::max<std::int64_t>(1, std::min(chunks_, task_count(ctx_.device.threads(), n_, cost_)));
+  partial_bytes_ = reduction_ ? reduction_->partial_bytes() : 0;
+  if (reduction_) partials_ = ctx_.device.pool().acquire(padded_bytes(chunks_, partial_bytes_));
+}
+
+// Groups reading more than L2 holds run each chunk in slices, every member over a slice
+// before the next: member by member over a whole chunk, only one member's inputs stream
+// from memory at a time, and the loads missing the cache are too sparse in the
+// instruction stream to keep enough of them in flight. Shorter slices for inputs from
+// memory than for inputs from the last-level cache, where the kernel calls per slice
+// cost more than the loads gain (measured, docs/architecture.md).
+LAZYTENSOR_INLINE void GroupRun::choose_slices() {
+  const std::int64_t reads = outside_bytes(in_, n_, kFusionSliceBytes);
+  slice_ = reads == 0                    ? kFusionChunk
+           : reads >= kFusionMemoryBytes ? kFusionMemorySlice
+                                         : kFusionSlice;
+  if (slice_ < kFusionChunk) {
+    static auto& sliced = core::counter("SlicedGroups");
+    sliced.add();
+  }
+}
+
+// Whole outputs too large for the cache that no later member reads are streamed (as a
+// single statement does): the cache keeps the chunk's inputs instead.
+// A sliced group streams the ones a later member reads too: the member writes its slice
+// to scratch, where the readers find it in cache, and the slice is then copied out with
+// non-temporal stores. Stored through the cache instead, each output line would first be
+// read from memory (two extra streams for t1, t2 in `t1 = a*b + c; t2 = relu(t1)*d;
+// y = t2 - 0.5*a` with all three kept).
+LAZYTENSOR_INLINE void GroupRun::choose_streams() {
+  stream_.assign(k_, 0);
+  copy_out_.assign(k_, 0);
+  for (std::size_t j = 0; j < k_; ++j) {
+    if (!out_ptr_[j] || !mem_[j].ew->can_stream() || !mem_[j].contig ||
+        n_ * static_cast<std::int64_t>(mem_[j].esz) < expr::kStreamingStoreBytes)
+      continue;
+    bool read_later = false;
+    for (std::size_t i = j + 1; i < k_; ++i)
+      for (std::size_t q = 0; q < mem_[i].num_in; ++q)
+        read_later = read_later || in_[mem_[i].first_in + q].src == static_cast<std::int32_t>(j);
+    stream_[j] = read_later ? 0 : 1;
+    copy_out_[j] = read_later && slice_ < kFusionChunk ? 1 : 0;
+    any_stream_ = any_stream_ || stream_[j] || copy_out_[j];
+    if (copy_out_[j]) {
+      mem_[j].scratch_off = per_task_;
+      per_task_ += padded_bytes(kFusionChunk, mem_[j].esz);
+    }
+  }
+  if (per_task_) scratch_ = ctx_.device.pool().acquire(per_task_ * static_cast<std::size_t>(tasks_));
+  // In a sliced group a member's scratch holds one slice (at its start), not a chunk: the
+  // scratch of two members a chunk long fills L1 and, cycling through it, evicts the lines
+  // the hardware prefetcher brought in for the outside inputs (hand-written loop nest of
+  // the three statements at 2^24 floats: 12.5 ms with chunk-long scratch, 8.4 ms with
+  // slice-long, 7.8 ms the single statement). The reduction ending a group reads its
+  // inputs over the whole chunk, so the members it reads keep chunk-long scratch.
+  slice_long_.assign(k_, 0);
+  if (slice_ < kFusionChunk) {
+    for (std::size_t j = 0; j < k_; ++j) slice_long_[j] = mem_[j].ew && (!out_ptr_[j] || copy_out_[j]) ? 1 : 0;
+    if (reduction_)
+      for (std::size_t q = 0; q < mem_[k_ - 1].num_in; ++q)
+        if (const std::int32_t src = in_[mem_[k_ - 1].first_in + q].src; src >= 0)
+          slice_long_[static_cast<std::size_t>(src)] = 0;
+  }
+}
+
+// The chunks of task `t`, slice by slice through every member.
+LAZYTENSOR_INLINE void GroupRun::run_task(std::int64_t t) {
+  const std::size_t k = k_;
+  const std::int64_t n = n_, slice = slice_;
+  auto [c0, c1] = task_range(chunks_, tasks_, t);
+  std::byte* mine =
+      scratch_ ? static_cast<std::byte*>(scratch_->data()) + per_task_ * static_cast<std::size_t>(t) : nullptr;
+  // Where each input (flat, in `in_` order) and each member's output is found: at
+  // base + i * esz for element i of the group (outside buffers, whole outputs), of the
+  // chunk (chunk-long scratch), or of the slice (slice-long scratch and broadcast
+  // elements: esz 0, one place).
+  struct Place {
+    std::byte* base;
+    std::size_t esz;
+    bool in_chunk;
+    std::byte* at_chunk(std::size_t b) const { return base + (in_chunk ? 0 : b * esz); }
+  };
+  auto output_place = [&](std::size_t p) -> Place {
+    if (!mem_[p].ew) return {nullptr, 0, false};  // the reduction: no element-wise output
+    if (out_ptr_[p] && !copy_out_[p]) return {out_ptr_[p], mem_[p].esz, false};
+    return {mine + mem_[p].scratch_off, slice_long_[p] ? 0 : mem_[p].esz, true};
+  };
+  std::vector<Place> in_place(in_.size()), out_place(k);
+  for (std::size_t i = 0; i < in_.size(); ++i)  // outside buffers are only read
+    in_place[i] = in_[i].src < 0 ? Place{const_cast<std::byte*>(in_[i].base), in_[i].esz, false}
+                                 : output_place(static_cast<std::size_t>(in_[i].src));
+  for (std::size_t j = 0; j < k; ++j) out_place[j] = output_place(j);
+  // The pointers for the first slice of the chunk starting at element `b`; kernels run
+  // over [0, slice length).
+  std::vector<const void*> ptrs(in_.size());
+  std::vector<void*> outs(k);
+  auto point = [&](std::size_t b) {
+    for (std::size_t i = 0; i < in_.size(); ++i) ptrs[i] = in_place[i].at_chunk(b);
+    for (std::size_t j = 0; j < k; ++j) outs[j] = out_place[j].at_chunk(b);
+  };
+  // From one slice to the next every pointer moves by the slice's bytes, slice-long
+  // scratch and broadcast elements by none: a chunk's pointers are placed once and then
+  // only advanced. The bookkeeping between kernel calls is what a sliced group costs over
+  // a single statement, so the slice loop does no more than call and advance (with
+  // scalar additions: see hide_from_vectorizer).
+  std::vector<std::size_t> step(in_.size() + k);  // bytes per slice: the inputs, then the outputs
+  for (std::size_t i = 0; i < in_.size(); ++i) step[i] = in_place[i].esz * static_cast<std::size_t>(slice);
+  for (std::size_t j = 0; j < k; ++j) step[in_.size() + j] = out_place[j].esz * static_cast<std::size_t>(slice);
+  struct Call {
+    const ElementwiseKernel* kernel;
+    const void* const* in;
+    const char* splat;
+    void* const* out;
+    std::byte* copy_base;  // the whole output a slice in scratch is copied to, or null
+    std::size_t esz;
+    bool contig, stream;
+  };
+  std::vector<Call> calls;
+  calls.reserve(k);
+  for (std::size_t j = 0; j < k; ++j)
+    if (mem_[j].ew)
+      calls.push_back({mem_[j].kernel, ptrs.data() + mem_[j].first_in, mem_[j].splat, outs.data() + j,
+                       copy_out_[j] ? out_ptr_[j] : nullptr, mem_[j].esz, mem_[j].contig, stream_[j] != 0});
+  for (std::int64_t c = c0; c < c1; ++c) {
+    const std::int64_t b = c * kFusionChunk, len = std::min(kFusionChunk, n - b);
+    const auto ub = static_cast<std::size_t>(b);
+    point(ub);
+    for (std::int64_t s0 = 0;;) {
+      const std::int64_t m = std::min(slice, len - s0);
+      for (const Call& call : calls) {
+        call.kernel->flat(call.in, call.splat, *call.out, 0, m, call.contig, call.stream);
+        if (call.copy_base)
+          expr::stream_copy(call.copy_base + (ub + static_cast<std::size_t>(s0)) * call.esz, *call.out,
+                            static_cast<std::size_t>(m) * call.esz);
+      }
+      if ((s0 += slice) >= len) break;  // no pointer moves past the chunk's last slice
+      for (std::size_t i = 0; i < ptrs.size(); ++i) {
+        const std::byte* p = static_cast<const std::byte*>(ptrs[i]) + step[i];
+        core::hide_from_vectorizer(p);
+        ptrs[i] = p;
+      }
+      for (std::size_t j = 0; j < k; ++j) {
+        std::byte* p = static_cast<std::byte*>(outs[j]) + step[ptrs.size() + j];
+        core::hide_from_vectorizer(p);
+        outs[j] = p;
+      }
+    }
+    if (reduction_) {  // the last member, over the whole chunk: one partial, as unfused
+      point(ub);       // the slices moved the pointers on
+      reduction_->reduce_chunk(ptrs.data() + mem_[k - 1].first_in, len,
+                               static_cast<std::byte*>(partials_->data()) +
+                                   static_cast<std::size_t>(c) * partial_bytes_);
+    }
+  }
+  if (any_stream_) expr::store_fence();
+}
+
+LAZYTENSOR_INLINE void GroupRun::finish() {
+  for (std::size_t j = 0; j < k_; ++j) {
+    if (mem_[j].ew)
+      members_[j]->finish_with(std::move(out_[j]));
+    else
+      reduction_->finish_partials(ctx_, partials_->data(), chunks_);
+  }
+}
+
+}  // namespace lazy::graph::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/graph/fused_group.hpp ----
 
 namespace lazy::graph {
 
@@ -4676,19 +5447,7 @@ namespace detail {
 class SeenNodes {
  public:
   /// Adds `n`; false when it was already there.
-  bool insert(const Node* n) {
-    if (set_.empty()) {
-      for (std::size_t i = 0; i < count_; ++i) {
-        if (inline_[i] == n) return false;
-      }
-      if (count_ < kInline) {
-        inline_[count_++] = n;
-        return true;
-      }
-      set_.insert(inline_, inline_ + count_);
-    }
-    return set_.insert(n).second;
-  }
+  bool insert(const Node* n);
 
  private:
   static constexpr std::size_t kInline = 16;
@@ -4701,7 +5460,87 @@ class SeenNodes {
 
 /// Pending nodes reachable from `roots`, producers before consumers (iterative DFS, so a
 /// long chain of statements cannot overflow the stack).
-inline std::vector<NodePtr> topological_order(std::span<const NodePtr> roots) {
+std::vector<NodePtr> topological_order(std::span<const NodePtr> roots);
+
+/// Lets the step's element-wise nodes take over their GEMM producers (epilogue fusion).
+/// Called on every step before planning and execution: it decides on this step's nodes.
+void prepare(std::span<const NodePtr> nodes);
+
+/// The plan for `nodes` (in creation order), from the device's cache or newly built.
+/// `step`: planning a mark_step (reads and eager ops do not count toward the re-planning
+/// warning). `done`: receives the clock reading that ended PlanTime, for a caller that
+/// runs the plan at once and can start ExecuteTime from it.
+std::shared_ptr<const Plan> plan_for(Device& dev, const std::vector<NodePtr>& nodes,
+                                            bool step, core::MetricClock::Ticks* done = nullptr);
+
+/// Puts the nodes of a step that did not run (or did not finish) back to pending and into
+/// the trace, for a later step or read: nothing is lost when a step fails or is refused.
+void return_to_trace(Device& device, std::span<const NodePtr> nodes);
+
+/// Runs `plan` over `nodes` (positions as planned). The plan's reference to each node is
+/// dropped as it runs, so donation sees the true holders. On an error, the nodes not run
+/// go back to pending (and to the device's trace) and the exception propagates.
+/// `started`: when ExecuteTime starts (default: now).
+void run_plan(Device& device, const Plan& plan, std::span<NodePtr> nodes,
+                     const core::MetricClock::Ticks* started = nullptr);
+
+/// Plans and runs `nodes` on the calling thread (the caller has waited for the queued
+/// plans: execute does).
+void execute_now(Device& device, std::vector<NodePtr> nodes);
+
+/// True when `node` is pending and every input of it is materialized: its plan would be
+/// the node alone.
+bool runs_alone(const NodePtr& node);
+
+/// The plan of one node run alone: a single step at position 0.
+const Plan& single_node_plan();
+
+/// Materializes every pending node reachable from `roots` on `device`, now, on the
+/// calling thread.
+void execute(Device& device, std::span<const NodePtr> roots);
+
+/// The nodes a step computes: every pending node of the trace that a live handle reaches,
+/// in creation order. The rest (alive, but reachable only from expressions or dropped
+/// values' consumers) stays traced for later steps.
+std::vector<NodePtr> collect_step(Device& dev);
+
+/// run_plan for a step nobody waits on: its error is stored on the device, to surface at
+/// the next read or sync.
+void run_plan_storing_error(Device& dev, const Plan& plan, std::vector<NodePtr>& nodes);
+
+/// Runs a step: plans the collected nodes now (overlapping the previous step's
+/// execution), hands the plan to the executor thread (or, with async off, runs it here),
+/// then waits for the previous step. The plan is queued behind the running step before
+/// that wait, so the executor goes from one step to the next without waiting for this
+/// thread to wake (two thread wake-ups, 15-50 us each on a VM). Errors of an asynchronous
+/// step are stored. A step cheaper than the hand-off (kInlineStepWork), or any step of a
+/// device set to inline_steps, runs here once the queue is empty, its errors stored as if
+/// it had run on the executor.
+void run_step(Device& dev, std::vector<NodePtr> nodes);
+
+}  // namespace lazy::graph
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::graph::detail {
+
+LAZYTENSOR_INLINE bool SeenNodes::insert(const Node* n) {
+  if (set_.empty()) {
+    for (std::size_t i = 0; i < count_; ++i) {
+      if (inline_[i] == n) return false;
+    }
+    if (count_ < kInline) {
+      inline_[count_++] = n;
+      return true;
+    }
+    set_.insert(inline_, inline_ + count_);
+  }
+  return set_.insert(n).second;
+}
+
+}  // namespace lazy::graph::detail
+namespace lazy::graph {
+
+LAZYTENSOR_INLINE std::vector<NodePtr> topological_order(std::span<const NodePtr> roots) {
   std::vector<NodePtr> order;
   detail::SeenNodes seen;
   struct Frame {
@@ -4740,338 +5579,15 @@ inline std::vector<NodePtr> topological_order(std::span<const NodePtr> roots) {
   return order;
 }
 
-namespace detail {
-
-/// The members of a fused group, seen in the step's node list through the plan's
-/// positions (no copies of the node references: a group of 100 tiny statements would pay
-/// 200 atomic reference-count updates for them).
-class GroupMembers {
- public:
-  GroupMembers(std::span<const NodePtr> nodes, const PlanStep& st)
-      : nodes_(nodes), pos_(st.members) {}
-  std::size_t size() const { return pos_.size(); }
-  const NodePtr& operator[](std::size_t j) const {
-    return nodes_[static_cast<std::size_t>(pos_[j])];
-  }
-
- private:
-  std::span<const NodePtr> nodes_;
-  const std::vector<std::int32_t>& pos_;
-};
-
-/// An input from outside a fused group that a whole member may take over (donation): how
-/// many references the members hold, and the last member reading it.
-struct DonorCandidate {
-  const NodePtr* node;
-  long holders;
-  std::size_t last_reader;
-};
-
-/// The group's outside inputs, in member order (see group_output).
-inline std::vector<DonorCandidate> donor_candidates(const PlanStep& st,
-                                                    const GroupMembers& members) {
-  std::vector<DonorCandidate> c;
-  for (std::size_t m = 0; m < members.size(); ++m) {
-    const auto& ins = members[m]->inputs();
-    for (std::size_t q = 0; q < ins.size(); ++q) {
-      if (st.sources[m][q] >= 0) continue;
-      auto it = std::find_if(c.begin(), c.end(), [&](const DonorCandidate& d) { return *d.node == ins[q]; });
-      if (it == c.end()) {
-        c.push_back({&ins[q], 1, m});
-      } else {
-        ++it->holders;
-        it->last_reader = m;
-      }
-    }
-  }
-  return c;
-}
-
-/// The whole output buffer of group member `j`: the buffer of an outside input of the
-/// group it may overwrite (donation), else one from the pool. An input can be donated when
-/// it has the member's dtype and size, only group members hold it, and no member after `j`
-/// reads it: within a chunk, members run in order, so every read of that chunk of the
-/// input happens before `j` writes it (a chain of in-place updates ends in its first
-/// input's buffer).
-inline std::shared_ptr<Buffer> group_output(ExecContext& ctx, const std::vector<DonorCandidate>& donors,
-                                            const NodePtr& me, std::size_t j) {
-  for (const auto& d : donors) {
-    const NodePtr& x = *d.node;
-    if (d.last_reader > j || x->dtype() != me->dtype() || x->numel() != me->numel()) continue;
-    if (auto b = Node::take_buffer(x, d.holders)) {
-      static auto& donated = core::counter("DonatedBuffers");
-      donated.add();
-      return b;
-    }
-  }
-  return ctx.device.pool().acquire(padded_bytes(me->numel(), dtype_size(me->dtype())));
-}
-
-/// Bytes per element a group reads from outside buffers, each buffer counted once, when
-/// they reach `least` bytes over its `n` elements; else 0.
-template <class Input>
-std::int64_t outside_bytes(const std::vector<Input>& in, std::int64_t n, std::int64_t least) {
-  std::size_t upper = 0;  // counting a buffer read twice twice: enough to rule out most groups
-  for (const Input& x : in)
-    if (x.src < 0) upper += x.esz;
-  if (n * static_cast<std::int64_t>(upper) < least) return 0;
-  std::size_t bytes = 0;
-  for (std::size_t i = 0; i < in.size(); ++i) {
-    const Input& x = in[i];
-    if (x.src >= 0 || x.esz == 0) continue;
-    const bool seen =
-        std::any_of(in.begin(), in.begin() + static_cast<std::ptrdiff_t>(i),
-                    [&](const Input& y) { return y.src < 0 && y.esz != 0 && y.base == x.base; });
-    if (!seen) bytes += x.esz;
-  }
-  const std::int64_t total = n * static_cast<std::int64_t>(bytes);
-  return total < least ? 0 : total;
-}
-
-/// Runs a fused group: every chunk of kFusionChunk elements goes through each member in
-/// order; members needed outside the group are written whole, the others only to a
-/// per-task scratch chunk. A reduction ending the group reduces each chunk to a partial
-/// (one per chunk, so the result does not depend on the task split). The bookkeeping is
-/// in flat arrays (no allocation per member): a step of 100 tiny statements is one group.
-inline void run_group(ExecContext& ctx, const PlanStep& st, const GroupMembers& members) {
-  const std::size_t k = members.size();
-  const std::int64_t n = members[0]->numel();
-  struct Member {
-    const ElementwiseNode* ew;  // null for the reduction ending the group
-    const ElementwiseKernel* kernel;
-    const char* splat;
-    bool contig;
-    std::size_t esz, scratch_off, first_in, num_in;
-  };
-  struct Input {
-    const std::byte* base;  // an outside input's buffer, or null (a member's output)
-    std::size_t esz;        // bytes per element, 0 for a broadcast single element
-    std::int32_t src;       // the producing member, or -1
-  };
-  std::vector<Member> mem(k);
-  std::vector<Input> in;
-  in.reserve(k * 2);
-  ChunkReduction* reduction = nullptr;
-  std::size_t per_task = 0;
-  double cost = 0;
-  for (std::size_t j = 0; j < k; ++j) {
-    Member& m = mem[j];
-    m.ew = nullptr;
-    m.kernel = nullptr;
-    m.splat = nullptr;
-    m.contig = true;
-    if (members[j]->kind() == NodeKind::Elementwise) {
-      m.ew = static_cast<const ElementwiseNode*>(members[j].get());
-      m.kernel = &m.ew->kernel();
-      m.splat = m.ew->layout().splat.data();
-      m.contig = !m.ew->layout().any_splat();
-      cost += m.ew->kernel().cost();
-    } else {
-      reduction = dynamic_cast<ChunkReduction*>(members[j].get());  // the last member (plan.hpp)
-      cost += members[j]->cost_per_element();
-    }
-    m.esz = dtype_size(members[j]->dtype());
-    m.scratch_off = 0;
-    m.first_in = in.size();
-    const auto& ins = members[j]->inputs();
-    m.num_in = ins.size();
-    for (std::size_t q = 0; q < ins.size(); ++q) {
-      // Read every outside input's address before any output is allocated: a donated
-      // input's buffer moves to the output (same memory).
-      const std::int32_t src = st.sources[j][q];
-      in.push_back({src < 0 ? static_cast<const std::byte*>(ins[q]->buffer()->data()) : nullptr,
-                    ins[q]->numel() == 1 && n != 1 ? 0 : dtype_size(ins[q]->dtype()), src});
-    }
-    if (!st.whole[j] && m.ew) {
-      m.scratch_off = per_task;
-      per_task += padded_bytes(kFusionChunk, m.esz);
-    }
-  }
-  std::vector<std::shared_ptr<Buffer>> out(k);
-  std::vector<std::byte*> out_ptr(k, nullptr);
-  const auto donors = donor_candidates(st, members);
-  for (std::size_t j = 0; j < k; ++j) {
-    if (!st.whole[j] || !mem[j].ew) continue;
-    out[j] = group_output(ctx, donors, members[j], j);
-    out_ptr[j] = static_cast<std::byte*>(out[j]->data());
-  }
-  auto& pool = ctx.device.threads();
-  const std::int64_t chunks = (n + kFusionChunk - 1) / kFusionChunk;
-  const std::int64_t tasks = std::max<std::int64_t>(1, std::min(chunks, task_count(pool, n, cost)));
-  const std::size_t partial_bytes = reduction ? reduction->partial_bytes() : 0;
-  std::shared_ptr<Buffer> partials =
-      reduction ? ctx.device.pool().acquire(padded_bytes(chunks, partial_bytes)) : nullptr;
-  // Whole outputs too large for the cache that no later member reads are streamed (as a
-  // single statement does): the cache keeps the chunk's inputs instead.
-  // A sliced group (below) streams the ones a later member reads too: the member writes
-  // its slice to scratch, where the readers find it in cache, and the slice is then
-  // copied out with non-temporal stores. Stored through the cache instead, each output
-  // line would first be read from memory (two extra streams for t1, t2 in
-  // `t1 = a*b + c; t2 = relu(t1)*d; y = t2 - 0.5*a` with all three kept).
-  // Groups reading more than L2 holds run each chunk in slices, every member over a slice
-  // before the next: member by member over a whole chunk, only one member's inputs stream
-  // from memory at a time, and the loads missing the cache are too sparse in the
-  // instruction stream to keep enough of them in flight. Shorter slices for inputs from
-  // memory than for inputs from the last-level cache, where the kernel calls per slice
-  // cost more than the loads gain (measured, docs/architecture.md).
-  const std::int64_t reads = outside_bytes(in, n, kFusionSliceBytes);
-  const std::int64_t slice = reads == 0                    ? kFusionChunk
-                             : reads >= kFusionMemoryBytes ? kFusionMemorySlice
-                                                           : kFusionSlice;
-  if (slice < kFusionChunk) {
-    static auto& sliced = core::counter("SlicedGroups");
-    sliced.add();
-  }
-  std::vector<std::uint8_t> stream(k, 0), copy_out(k, 0);
-  bool any_stream = false;
-  for (std::size_t j = 0; j < k; ++j) {
-    if (!out_ptr[j] || !mem[j].ew->can_stream() || !mem[j].contig ||
-        n * static_cast<std::int64_t>(mem[j].esz) < expr::kStreamingStoreBytes)
-      continue;
-    bool read_later = false;
-    for (std::size_t i = j + 1; i < k; ++i)
-      for (std::size_t q = 0; q < mem[i].num_in; ++q)
-        read_later = read_later || in[mem[i].first_in + q].src == static_cast<std::int32_t>(j);
-    stream[j] = read_later ? 0 : 1;
-    copy_out[j] = read_later && slice < kFusionChunk ? 1 : 0;
-    any_stream = any_stream || stream[j] || copy_out[j];
-    if (copy_out[j]) {
-      mem[j].scratch_off = per_task;
-      per_task += padded_bytes(kFusionChunk, mem[j].esz);
-    }
-  }
-  std::shared_ptr<Buffer> scratch =
-      per_task ? ctx.device.pool().acquire(per_task * static_cast<std::size_t>(tasks)) : nullptr;
-  // In a sliced group a member's scratch holds one slice (at its start), not a chunk: the
-  // scratch of two members a chunk long fills L1 and, cycling through it, evicts the lines
-  // the hardware prefetcher brought in for the outside inputs (hand-written loop nest of
-  // the three statements at 2^24 floats: 12.5 ms with chunk-long scratch, 8.4 ms with
-  // slice-long, 7.8 ms the single statement). The reduction ending a group reads its
-  // inputs over the whole chunk, so the members it reads keep chunk-long scratch.
-  std::vector<std::uint8_t> slice_long(k, 0);
-  if (slice < kFusionChunk) {
-    for (std::size_t j = 0; j < k; ++j)
-      slice_long[j] = mem[j].ew && (!out_ptr[j] || copy_out[j]) ? 1 : 0;
-    if (reduction)
-      for (std::size_t q = 0; q < mem[k - 1].num_in; ++q)
-        if (const std::int32_t src = in[mem[k - 1].first_in + q].src; src >= 0)
-          slice_long[static_cast<std::size_t>(src)] = 0;
-  }
-  pool.parallel_for(tasks, [&](std::int64_t t) {
-    auto [c0, c1] = task_range(chunks, tasks, t);
-    std::byte* mine =
-        scratch ? static_cast<std::byte*>(scratch->data()) + per_task * static_cast<std::size_t>(t)
-                : nullptr;
-    // Where each input (flat, in `in` order) and each member's output is found: at
-    // base + i * esz for element i of the group (outside buffers, whole outputs), of the
-    // chunk (chunk-long scratch), or of the slice (slice-long scratch and broadcast
-    // elements: esz 0, one place).
-    struct Place {
-      std::byte* base;
-      std::size_t esz;
-      bool in_chunk;
-      std::byte* at_chunk(std::size_t b) const { return base + (in_chunk ? 0 : b * esz); }
-    };
-    auto output_place = [&](std::size_t p) -> Place {
-      if (!mem[p].ew) return {nullptr, 0, false};  // the reduction: no element-wise output
-      if (out_ptr[p] && !copy_out[p]) return {out_ptr[p], mem[p].esz, false};
-      return {mine + mem[p].scratch_off, slice_long[p] ? 0 : mem[p].esz, true};
-    };
-    std::vector<Place> in_place(in.size()), out_place(k);
-    for (std::size_t i = 0; i < in.size(); ++i)  // outside buffers are only read
-      in_place[i] = in[i].src < 0 ? Place{const_cast<std::byte*>(in[i].base), in[i].esz, false}
-                                  : output_place(static_cast<std::size_t>(in[i].src));
-    for (std::size_t j = 0; j < k; ++j) out_place[j] = output_place(j);
-    // The pointers for the first slice of the chunk starting at element `b`; kernels run
-    // over [0, slice length).
-    std::vector<const void*> ptrs(in.size());
-    std::vector<void*> outs(k);
-    auto point = [&](std::size_t b) {
-      for (std::size_t i = 0; i < in.size(); ++i) ptrs[i] = in_place[i].at_chunk(b);
-      for (std::size_t j = 0; j < k; ++j) outs[j] = out_place[j].at_chunk(b);
-    };
-    // From one slice to the next every pointer moves by the slice's bytes, slice-long
-    // scratch and broadcast elements by none: a chunk's pointers are placed once and then
-    // only advanced. The bookkeeping between kernel calls is what a sliced group costs over
-    // a single statement, so the slice loop does no more than call and advance (with
-    // scalar additions: see hide_from_vectorizer).
-    std::vector<std::size_t> step(in.size() + k);  // bytes per slice: the inputs, then the outputs
-    for (std::size_t i = 0; i < in.size(); ++i)
-      step[i] = in_place[i].esz * static_cast<std::size_t>(slice);
-    for (std::size_t j = 0; j < k; ++j)
-      step[in.size() + j] = out_place[j].esz * static_cast<std::size_t>(slice);
-    struct Call {
-      const ElementwiseKernel* kernel;
-      const void* const* in;
-      const char* splat;
-      void* const* out;
-      std::byte* copy_base;  // the whole output a slice in scratch is copied to, or null
-      std::size_t esz;
-      bool contig, stream;
-    };
-    std::vector<Call> calls;
-    calls.reserve(k);
-    for (std::size_t j = 0; j < k; ++j)
-      if (mem[j].ew)
-        calls.push_back({mem[j].kernel, ptrs.data() + mem[j].first_in, mem[j].splat,
-                         outs.data() + j, copy_out[j] ? out_ptr[j] : nullptr, mem[j].esz,
-                         mem[j].contig, stream[j] != 0});
-    for (std::int64_t c = c0; c < c1; ++c) {
-      const std::int64_t b = c * kFusionChunk, len = std::min(kFusionChunk, n - b);
-      const auto ub = static_cast<std::size_t>(b);
-      point(ub);
-      for (std::int64_t s0 = 0;;) {
-        const std::int64_t m = std::min(slice, len - s0);
-        for (const Call& call : calls) {
-          call.kernel->flat(call.in, call.splat, *call.out, 0, m, call.contig, call.stream);
-          if (call.copy_base)
-            expr::stream_copy(call.copy_base + (ub + static_cast<std::size_t>(s0)) * call.esz,
-                              *call.out, static_cast<std::size_t>(m) * call.esz);
-        }
-        if ((s0 += slice) >= len) break;  // no pointer moves past the chunk's last slice
-        for (std::size_t i = 0; i < ptrs.size(); ++i) {
-          const std::byte* p = static_cast<const std::byte*>(ptrs[i]) + step[i];
-          core::hide_from_vectorizer(p);
-          ptrs[i] = p;
-        }
-        for (std::size_t j = 0; j < k; ++j) {
-          std::byte* p = static_cast<std::byte*>(outs[j]) + step[ptrs.size() + j];
-          core::hide_from_vectorizer(p);
-          outs[j] = p;
-        }
-      }
-      if (reduction) {  // the last member, over the whole chunk: one partial, as unfused
-        point(ub);      // the slices moved the pointers on
-        reduction->reduce_chunk(ptrs.data() + mem[k - 1].first_in, len,
-                                static_cast<std::byte*>(partials->data()) +
-                                    static_cast<std::size_t>(c) * partial_bytes);
-      }
-    }
-    if (any_stream) expr::store_fence();
-  });
-  for (std::size_t j = 0; j < k; ++j) {
-    if (mem[j].ew)
-      members[j]->finish_with(std::move(out[j]));
-    else
-      reduction->finish_partials(ctx, partials->data(), chunks);
-  }
-}
-
-}  // namespace detail
-
-/// Lets the step's element-wise nodes take over their GEMM producers (epilogue fusion).
-/// Called on every step before planning and execution: it decides on this step's nodes.
-inline void prepare(std::span<const NodePtr> nodes) {
+LAZYTENSOR_INLINE void prepare(std::span<const NodePtr> nodes) {
   for (const auto& n : nodes) n->set_deferred(false);  // decisions of an earlier look (dumps) are redone
   for (const auto& n : nodes) n->fuse_producers();
 }
 
-/// The plan for `nodes` (in creation order), from the device's cache or newly built.
-/// `step`: planning a mark_step (reads and eager ops do not count toward the re-planning
-/// warning). `done`: receives the clock reading that ended PlanTime, for a caller that
-/// runs the plan at once and can start ExecuteTime from it.
-inline std::shared_ptr<const Plan> plan_for(Device& dev, const std::vector<NodePtr>& nodes,
-                                            bool step, core::MetricClock::Ticks* done = nullptr) {
+LAZYTENSOR_INLINE std::shared_ptr<const Plan> plan_for(Device& dev,
+    const std::vector<NodePtr>& nodes,
+    bool step,
+    core::MetricClock::Ticks* done) {
   static auto& cached = core::counter("CachedPlan");
   static auto& uncached = core::counter("UncachedPlan");
   static auto& plan_time = core::metric("PlanTime");
@@ -5122,9 +5638,7 @@ inline std::shared_ptr<const Plan> plan_for(Device& dev, const std::vector<NodeP
   return plan;
 }
 
-/// Puts the nodes of a step that did not run (or did not finish) back to pending and into
-/// the trace, for a later step or read: nothing is lost when a step fails or is refused.
-inline void return_to_trace(Device& device, std::span<const NodePtr> nodes) {
+LAZYTENSOR_INLINE void return_to_trace(Device& device, std::span<const NodePtr> nodes) {
   std::vector<std::weak_ptr<Node>> back;
   for (const auto& n : nodes) {
     if (!n || n->materialized()) continue;
@@ -5135,12 +5649,10 @@ inline void return_to_trace(Device& device, std::span<const NodePtr> nodes) {
   device.keep_traced(std::move(back));
 }
 
-/// Runs `plan` over `nodes` (positions as planned). The plan's reference to each node is
-/// dropped as it runs, so donation sees the true holders. On an error, the nodes not run
-/// go back to pending (and to the device's trace) and the exception propagates.
-/// `started`: when ExecuteTime starts (default: now).
-inline void run_plan(Device& device, const Plan& plan, std::span<NodePtr> nodes,
-                     const core::MetricClock::Ticks* started = nullptr) {
+LAZYTENSOR_INLINE void run_plan(Device& device,
+    const Plan& plan,
+    std::span<NodePtr> nodes,
+    const core::MetricClock::Ticks* started) {
   static auto& execute_time = core::metric("ExecuteTime");
   static auto& kernels = core::counter("KernelsRun");
   static auto& fused = core::counter("FusedNodes");
@@ -5173,9 +5685,7 @@ inline void run_plan(Device& device, const Plan& plan, std::span<NodePtr> nodes,
   kernels.add(ran);
 }
 
-/// Plans and runs `nodes` on the calling thread (the caller has waited for the queued
-/// plans: execute does).
-inline void execute_now(Device& device, std::vector<NodePtr> nodes) {
+LAZYTENSOR_INLINE void execute_now(Device& device, std::vector<NodePtr> nodes) {
   if (nodes.empty()) return;
   prepare(nodes);
   // One clock reading ends PlanTime and starts ExecuteTime.
@@ -5185,17 +5695,14 @@ inline void execute_now(Device& device, std::vector<NodePtr> nodes) {
   run_plan(device, *plan, nodes, &planned);
 }
 
-/// True when `node` is pending and every input of it is materialized: its plan would be
-/// the node alone.
-inline bool runs_alone(const NodePtr& node) {
+LAZYTENSOR_INLINE bool runs_alone(const NodePtr& node) {
   if (!node || !node->pending()) return false;
   for (const auto& in : node->inputs())
     if (!in->materialized()) return false;
   return true;
 }
 
-/// The plan of one node run alone: a single step at position 0.
-inline const Plan& single_node_plan() {
+LAZYTENSOR_INLINE const Plan& single_node_plan() {
   static const Plan plan = [] {
     Plan p;
     p.steps.resize(1);
@@ -5206,9 +5713,7 @@ inline const Plan& single_node_plan() {
   return plan;
 }
 
-/// Materializes every pending node reachable from `roots` on `device`, now, on the
-/// calling thread.
-inline void execute(Device& device, std::span<const NodePtr> roots) {
+LAZYTENSOR_INLINE void execute(Device& device, std::span<const NodePtr> roots) {
   device.wait_idle();
   if (roots.size() == 1 && runs_alone(roots[0])) {
     // An eager op, or the read of a statement over materialized values: nothing to order,
@@ -5223,10 +5728,7 @@ inline void execute(Device& device, std::span<const NodePtr> roots) {
   execute_now(device, topological_order(roots));
 }
 
-/// The nodes a step computes: every pending node of the trace that a live handle reaches,
-/// in creation order. The rest (alive, but reachable only from expressions or dropped
-/// values' consumers) stays traced for later steps.
-inline std::vector<NodePtr> collect_step(Device& dev) {
+LAZYTENSOR_INLINE std::vector<NodePtr> collect_step(Device& dev) {
   auto trace = dev.take_trace();
   std::vector<NodePtr> alive;
   alive.reserve(trace.size());
@@ -5254,9 +5756,7 @@ inline std::vector<NodePtr> collect_step(Device& dev) {
   return run;
 }
 
-/// run_plan for a step nobody waits on: its error is stored on the device, to surface at
-/// the next read or sync.
-inline void run_plan_storing_error(Device& dev, const Plan& plan, std::vector<NodePtr>& nodes) {
+LAZYTENSOR_INLINE void run_plan_storing_error(Device& dev, const Plan& plan, std::vector<NodePtr>& nodes) {
   try {
     run_plan(dev, plan, nodes);
   } catch (...) {
@@ -5264,15 +5764,7 @@ inline void run_plan_storing_error(Device& dev, const Plan& plan, std::vector<No
   }
 }
 
-/// Runs a step: plans the collected nodes now (overlapping the previous step's
-/// execution), hands the plan to the executor thread (or, with async off, runs it here),
-/// then waits for the previous step. The plan is queued behind the running step before
-/// that wait, so the executor goes from one step to the next without waiting for this
-/// thread to wake (two thread wake-ups, 15-50 us each on a VM). Errors of an asynchronous
-/// step are stored. A step cheaper than the hand-off (kInlineStepWork), or any step of a
-/// device set to inline_steps, runs here once the queue is empty, its errors stored as if
-/// it had run on the executor.
-inline void run_step(Device& dev, std::vector<NodePtr> nodes) {
+LAZYTENSOR_INLINE void run_step(Device& dev, std::vector<NodePtr> nodes) {
   if (nodes.empty()) return;
   prepare(nodes);
   auto plan = plan_for(dev, nodes, true);
@@ -5315,13 +5807,24 @@ inline void run_step(Device& dev, std::vector<NodePtr> nodes) {
 }
 
 }  // namespace lazy::graph
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/graph/executor.hpp ----
 
 namespace lazy::graph {
 
 /// The device shared by `inputs`; throws DeviceError when they differ. With no inputs,
 /// the current device.
-inline Device& common_device(const std::vector<NodePtr>& inputs, const char* op) {
+Device& common_device(const std::vector<NodePtr>& inputs, const char* op);
+
+/// Adds a node to its device's pending graph; in eager mode it runs at once.
+NodePtr submit(NodePtr node);
+
+}  // namespace lazy::graph
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::graph {
+
+LAZYTENSOR_INLINE Device& common_device(const std::vector<NodePtr>& inputs, const char* op) {
   Device* d = inputs.empty() ? &current_device() : inputs.front()->device();
   for (const auto& in : inputs) {
     if (in->device() != d) {
@@ -5332,8 +5835,7 @@ inline Device& common_device(const std::vector<NodePtr>& inputs, const char* op)
   return *d;
 }
 
-/// Adds a node to its device's pending graph; in eager mode it runs at once.
-inline NodePtr submit(NodePtr node) {
+LAZYTENSOR_INLINE NodePtr submit(NodePtr node) {
   Device& dev = *node->device();
   if (dev.eager())
     execute(dev, std::span(&node, 1));
@@ -5342,6 +5844,7 @@ inline NodePtr submit(NodePtr node) {
 }
 
 }  // namespace lazy::graph
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/graph/submit.hpp ----
 
 namespace lazy::autograd {
@@ -5443,11 +5946,7 @@ inline GradOpsTable& grad_ops_table() {
   return table;
 }
 
-[[noreturn]] inline void missing_grad_op(const char* what, DType d, DType to) {
-  throw DTypeError(std::string("autograd: no ") + what + " for gradients of dtype " + dtype_name(d) +
-                   (d == to ? std::string() : " to " + dtype_name(to)) +
-                   " was compiled into this program (only floating point tensors have gradients)");
-}
+[[noreturn]] void missing_grad_op(const char* what, DType d, DType to);
 }  // namespace detail
 
 /// Makes the gradient operations of dtype T available to code that sees T at run time only.
@@ -5480,7 +5979,24 @@ void register_grad_cast() {
 }
 
 /// `g` converted to dtype `to`.
-inline graph::NodePtr cast_node(const graph::NodePtr& g, DType to) {
+graph::NodePtr cast_node(const graph::NodePtr& g, DType to);
+
+/// a + b for two gradients of one shape (b converted to a's dtype).
+graph::NodePtr add_nodes(const graph::NodePtr& a, const graph::NodePtr& b);
+
+/// sum_to_shape_of for a gradient whose dtype is known at run time only.
+graph::NodePtr sum_to_shape(const graph::NodePtr& g, const Shape& to);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace detail {
+[[noreturn]] LAZYTENSOR_INLINE void missing_grad_op(const char* what, DType d, DType to) {
+  throw DTypeError(std::string("autograd: no ") + what + " for gradients of dtype " + dtype_name(d) +
+                   (d == to ? std::string() : " to " + dtype_name(to)) +
+                   " was compiled into this program (only floating point tensors have gradients)");
+}
+}  // namespace detail
+
+LAZYTENSOR_INLINE graph::NodePtr cast_node(const graph::NodePtr& g, DType to) {
   if (g->dtype() == to) return g;
   auto f = detail::grad_ops_table()
                .cast[static_cast<int>(g->dtype())][static_cast<int>(to)]
@@ -5489,20 +6005,19 @@ inline graph::NodePtr cast_node(const graph::NodePtr& g, DType to) {
   return f(g);
 }
 
-/// a + b for two gradients of one shape (b converted to a's dtype).
-inline graph::NodePtr add_nodes(const graph::NodePtr& a, const graph::NodePtr& b) {
+LAZYTENSOR_INLINE graph::NodePtr add_nodes(const graph::NodePtr& a, const graph::NodePtr& b) {
   auto f = detail::grad_ops_table().add[static_cast<int>(a->dtype())].load(std::memory_order_acquire);
   if (!f) detail::missing_grad_op("addition", a->dtype(), a->dtype());
   return f(a, cast_node(b, a->dtype()));
 }
 
-/// sum_to_shape_of for a gradient whose dtype is known at run time only.
-inline graph::NodePtr sum_to_shape(const graph::NodePtr& g, const Shape& to) {
+LAZYTENSOR_INLINE graph::NodePtr sum_to_shape(const graph::NodePtr& g, const Shape& to) {
   if (g->shape() == to) return g;
   auto f = detail::grad_ops_table().sum_to[static_cast<int>(g->dtype())].load(std::memory_order_acquire);
   if (!f) detail::missing_grad_op("broadcast reduction", g->dtype(), g->dtype());
   return f(g, to);
 }
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::autograd
 // ---- end lazytensor/autograd/node_ops.hpp ----
@@ -5510,7 +6025,40 @@ inline graph::NodePtr sum_to_shape(const graph::NodePtr& g, const Shape& to) {
 namespace lazy::autograd {
 
 /// Adds `grad` into the `.grad()` of `impl` (creating it on first use).
-inline void accumulate_into(graph::TensorImpl& impl, graph::NodePtr grad) {
+void accumulate_into(graph::TensorImpl& impl, graph::NodePtr grad);
+
+/// The gradient sink of a leaf tensor.
+class AccumulateGrad final : public GradFn {
+ public:
+  explicit AccumulateGrad(std::shared_ptr<graph::TensorImpl> leaf);
+  std::string name() const override { return "AccumulateGrad"; }
+  std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override {
+    accumulate_into(*leaf_, grad);
+    return {};
+  }
+  /// Nothing is saved: a leaf can receive gradients from any number of backward passes.
+  void release_saved() override {}
+  const std::shared_ptr<graph::TensorImpl>& leaf() const { return leaf_; }
+
+ private:
+  std::shared_ptr<graph::TensorImpl> leaf_;
+};
+
+/// Where gradients for the tensor object `impl` go when it is read now: its grad_fn, its
+/// leaf accumulator (created on first use), or nowhere (nullptr) when it does not require
+/// grad or grad mode is off.
+GradFnPtr edge_of(const std::shared_ptr<graph::TensorImpl>& impl);
+
+/// True when any of `edges` leads somewhere.
+bool any_edge(const std::vector<GradFnPtr>& edges);
+
+/// Makes `fn` (its `next` edges set) the producer of `impl`'s value when any edge is live;
+/// returns whether it did. With no live edge nothing changes: an in-place update under
+/// no_grad keeps the tensor's own state.
+bool attach_grad_fn(graph::TensorImpl& impl, GradFnPtr fn);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE void accumulate_into(graph::TensorImpl& impl, graph::NodePtr grad) {
   const graph::NodePtr& value = impl.node;
   if (!(grad->shape() == value->shape())) {
     throw ShapeError("autograd: gradient of shape " + grad->shape().str() + " for a tensor of shape " +
@@ -5528,31 +6076,13 @@ inline void accumulate_into(graph::TensorImpl& impl, graph::NodePtr grad) {
   }
 }
 
-/// The gradient sink of a leaf tensor.
-class AccumulateGrad final : public GradFn {
- public:
-  explicit AccumulateGrad(std::shared_ptr<graph::TensorImpl> leaf) : leaf_(std::move(leaf)) {
-    dtype = leaf_->node->dtype();
-    shape = leaf_->node->shape();
-    device = leaf_->node->device();
-  }
-  std::string name() const override { return "AccumulateGrad"; }
-  std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override {
-    accumulate_into(*leaf_, grad);
-    return {};
-  }
-  /// Nothing is saved: a leaf can receive gradients from any number of backward passes.
-  void release_saved() override {}
-  const std::shared_ptr<graph::TensorImpl>& leaf() const { return leaf_; }
+LAZYTENSOR_INLINE AccumulateGrad::AccumulateGrad(std::shared_ptr<graph::TensorImpl> leaf) : leaf_(std::move(leaf)) {
+  dtype = leaf_->node->dtype();
+  shape = leaf_->node->shape();
+  device = leaf_->node->device();
+}
 
- private:
-  std::shared_ptr<graph::TensorImpl> leaf_;
-};
-
-/// Where gradients for the tensor object `impl` go when it is read now: its grad_fn, its
-/// leaf accumulator (created on first use), or nowhere (nullptr) when it does not require
-/// grad or grad mode is off.
-inline GradFnPtr edge_of(const std::shared_ptr<graph::TensorImpl>& impl) {
+LAZYTENSOR_INLINE GradFnPtr edge_of(const std::shared_ptr<graph::TensorImpl>& impl) {
   if (!impl || !impl->requires_grad() || !is_grad_enabled()) return nullptr;
   auto& meta = *impl->autograd;
   if (meta.grad_fn) return meta.grad_fn;
@@ -5564,17 +6094,13 @@ inline GradFnPtr edge_of(const std::shared_ptr<graph::TensorImpl>& impl) {
   return acc;
 }
 
-/// True when any of `edges` leads somewhere.
-inline bool any_edge(const std::vector<GradFnPtr>& edges) {
+LAZYTENSOR_INLINE bool any_edge(const std::vector<GradFnPtr>& edges) {
   for (const auto& e : edges)
     if (e) return true;
   return false;
 }
 
-/// Makes `fn` (its `next` edges set) the producer of `impl`'s value when any edge is live;
-/// returns whether it did. With no live edge nothing changes: an in-place update under
-/// no_grad keeps the tensor's own state.
-inline bool attach_grad_fn(graph::TensorImpl& impl, GradFnPtr fn) {
+LAZYTENSOR_INLINE bool attach_grad_fn(graph::TensorImpl& impl, GradFnPtr fn) {
   if (!fn || !any_edge(fn->next)) return false;
   fn->dtype = impl.node->dtype();
   fn->shape = impl.node->shape();
@@ -5584,6 +6110,7 @@ inline bool attach_grad_fn(graph::TensorImpl& impl, GradFnPtr fn) {
   meta.grad_fn = std::move(fn);
   return true;
 }
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::autograd
 // ---- end lazytensor/autograd/accumulate.hpp ----
@@ -5601,7 +6128,10 @@ struct BackwardRequest {
 
 /// Runs a backward pass; returns one gradient per captured function (nullptr when none
 /// reached it).
-inline std::vector<graph::NodePtr> run_backward(const BackwardRequest& req) {
+std::vector<graph::NodePtr> run_backward(const BackwardRequest& req);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE std::vector<graph::NodePtr> run_backward(const BackwardRequest& req) {
   AutoGradMode no_grad(false);  // gradients of gradients are not recorded
   // Dependency counts over the graph reachable from the roots.
   std::unordered_map<GradFn*, int> deps;
@@ -5670,6 +6200,7 @@ inline std::vector<graph::NodePtr> run_backward(const BackwardRequest& req) {
   }
   return out;
 }
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::autograd
 // ---- end lazytensor/autograd/engine.hpp ----
@@ -5701,22 +6232,9 @@ class ElementwiseGradFnBase : public GradFn {
  public:
   explicit ElementwiseGradFnBase(std::vector<graph::NodePtr> inputs) : inputs_(std::move(inputs)) {}
 
-  std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override {
-    check_not_released();
-    std::vector<graph::NodePtr> grads(next.size());
-    for (std::size_t s = 0; s < next.size(); ++s) {
-      if (!next[s]) continue;
-      graph::NodePtr g = gradient_kernel(static_cast<int>(s), grad);
-      g = sum_to_shape(g, inputs_[s]->shape());
-      grads[s] = cast_node(g, inputs_[s]->dtype());
-    }
-    return grads;
-  }
+  std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override;
 
-  void release_saved() override {
-    inputs_.clear();
-    GradFn::release_saved();
-  }
+  void release_saved() override;
 
  protected:
   /// A pending node computing grad * d(output)/d(input `slot`), in the output's shape.
@@ -5788,6 +6306,25 @@ class ElementwiseGradFn final : public ElementwiseGradFnBase {
   K kernel_;
 };
 
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE std::vector<graph::NodePtr> ElementwiseGradFnBase::apply(const graph::NodePtr& grad) {
+  check_not_released();
+  std::vector<graph::NodePtr> grads(next.size());
+  for (std::size_t s = 0; s < next.size(); ++s) {
+    if (!next[s]) continue;
+    graph::NodePtr g = gradient_kernel(static_cast<int>(s), grad);
+    g = sum_to_shape(g, inputs_[s]->shape());
+    grads[s] = cast_node(g, inputs_[s]->dtype());
+  }
+  return grads;
+}
+
+LAZYTENSOR_INLINE void ElementwiseGradFnBase::release_saved() {
+  inputs_.clear();
+  GradFn::release_saved();
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
 }  // namespace lazy::autograd
 // ---- end lazytensor/autograd/elementwise_grad.hpp ----
 
@@ -5824,7 +6361,14 @@ NodePtr make_elementwise(const E& e) {
 /// Materializes `node` (and what it needs). A value a step is computing is waited for;
 /// a pending one is computed now. Returns true when this read had to compute it (an
 /// implicit sync). Re-throws a stored execution error.
-inline bool materialize(const NodePtr& node) {
+bool materialize(const NodePtr& node);
+
+}  // namespace lazy::graph
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::graph {
+
+LAZYTENSOR_INLINE bool materialize(const NodePtr& node) {
   Device& dev = *node->device();
   if (!node->materialized() && !node->pending()) dev.wait_idle();
   dev.rethrow_stored_error();
@@ -5834,6 +6378,7 @@ inline bool materialize(const NodePtr& node) {
 }
 
 }  // namespace lazy::graph
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/graph/builders.hpp ----
 
 namespace lazy {
@@ -6267,26 +6812,34 @@ class AnyTensor {
 
   /// Copies the values (row-major, dtype_size(dtype()) bytes each) to `dst`. Materializes
   /// (an implicit sync when pending).
-  void copy_bytes_to(void* dst) const {
-    visit([&](const auto& t) {
-      if (t.numel() > 0) std::memcpy(dst, t.data(), static_cast<std::size_t>(t.numel()) * dtype_size(dtype()));
-    });
-  }
+  void copy_bytes_to(void* dst) const;
 
   /// The shared tensor object.
   const std::shared_ptr<graph::TensorImpl>& impl() const { return impl_; }
 
  private:
-  const graph::NodePtr& node() const {
-    if (!impl_) throw Error("use of an undefined tensor (default-constructed lazy::AnyTensor)");
-    return impl_->node;
-  }
+  const graph::NodePtr& node() const;
   std::shared_ptr<graph::TensorImpl> impl_;
 };
 
 /// A materialized tensor of run-time dtype `dtype` and `shape` holding a copy of `bytes`
 /// (numel * dtype_size(dtype) bytes), on `dev`.
-inline AnyTensor from_bytes(DType dtype, const Shape& shape, const void* bytes, Device dev = device()) {
+AnyTensor from_bytes(DType dtype, const Shape& shape, const void* bytes, Device dev = device());
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE void AnyTensor::copy_bytes_to(void* dst) const {
+  visit([&](const auto& t) {
+    if (t.numel() > 0) std::memcpy(dst, t.data(), static_cast<std::size_t>(t.numel()) * dtype_size(dtype()));
+  });
+}
+
+LAZYTENSOR_INLINE const graph::NodePtr& AnyTensor::node() const {
+  if (!impl_) throw Error("use of an undefined tensor (default-constructed lazy::AnyTensor)");
+  return impl_->node;
+}
+
+LAZYTENSOR_INLINE AnyTensor from_bytes(DType dtype, const Shape& shape, const void* bytes,
+                                       Device dev) {
   graph::Device& d = dev.engine();
   const std::size_t n = static_cast<std::size_t>(shape.numel()) * dtype_size(dtype);
   auto buf = d.pool().acquire(padded_bytes(shape.numel(), dtype_size(dtype)));
@@ -6302,6 +6855,7 @@ inline AnyTensor from_bytes(DType dtype, const Shape& shape, const void* bytes, 
   }
   return Tensor<double>(node);
 }
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy
 // ---- end lazytensor/any_tensor.hpp ----
@@ -6397,14 +6951,8 @@ class FunctionGradFn final : public GradFn {
   using Backward = std::function<std::vector<graph::NodePtr>(const graph::NodePtr&)>;
   FunctionGradFn(std::string name, Backward f) : name_(std::move(name)), f_(std::move(f)) {}
   std::string name() const override { return name_; }
-  std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override {
-    check_not_released();
-    return f_(grad);
-  }
-  void release_saved() override {
-    f_ = nullptr;
-    GradFn::release_saved();
-  }
+  std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override;
+  void release_saved() override;
 
  private:
   std::string name_;
@@ -6475,6 +7023,18 @@ template <class... Ts>
 bool any_requires_grad(const Ts&... ts) {
   return is_grad_enabled() && (false || ... || ts.requires_grad());
 }
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE std::vector<graph::NodePtr> FunctionGradFn::apply(const graph::NodePtr& grad) {
+  check_not_released();
+  return f_(grad);
+}
+
+LAZYTENSOR_INLINE void FunctionGradFn::release_saved() {
+  f_ = nullptr;
+  GradFn::release_saved();
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::autograd
 // ---- end lazytensor/autograd/record.hpp ----
@@ -6591,15 +7151,7 @@ class HostTensor {
 };
 
 /// (n, s0, s1, ...): the shape of a batch of n samples of shape s.
-inline Shape batch_shape(std::size_t n, const Shape& s) {
-  if (s.rank() >= kMaxRank) {
-    throw ShapeError("cannot batch samples of shape " + s.str() + ": a batch would have rank " +
-                     std::to_string(s.rank() + 1) + ", the maximum is " + std::to_string(kMaxRank));
-  }
-  Shape out{static_cast<std::int64_t>(n)};
-  for (const auto d : s) out.push_back(d);
-  return out;
-}
+Shape batch_shape(std::size_t n, const Shape& s);
 
 /// Stacks equally shaped tensors into [n, ...] on the current device, on the host.
 template <Element T, class Get>
@@ -6638,6 +7190,18 @@ Example<Data, Target> collate(const std::vector<Example<Data, Target>>& examples
           stack_on_host<T>(
               n, [&](std::size_t i) -> const Target& { return examples[i].target; }, "target")};
 }
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE Shape batch_shape(std::size_t n, const Shape& s) {
+  if (s.rank() >= kMaxRank) {
+    throw ShapeError("cannot batch samples of shape " + s.str() + ": a batch would have rank " +
+                     std::to_string(s.rank() + 1) + ", the maximum is " + std::to_string(kMaxRank));
+  }
+  Shape out{static_cast<std::int64_t>(n)};
+  for (const auto d : s) out.push_back(d);
+  return out;
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace detail
 }  // namespace lazy::data
@@ -6777,6 +7341,7 @@ class MapDataset : public DatasetBase<MapDataset<D, F>> {
 #include <utility>
 #include <vector>
 
+
 namespace lazy::data {
 
 namespace detail {
@@ -6790,13 +7355,7 @@ constexpr std::uint64_t splitmix64(std::uint64_t x) {
 }
 
 /// A uniform integer in [0, bound), bound > 0, by rejection (no modulo bias).
-inline std::uint64_t uniform_below(std::mt19937_64& gen, std::uint64_t bound) {
-  const std::uint64_t threshold = (0 - bound) % bound;  // (2^64 - bound) mod bound
-  for (;;) {
-    const std::uint64_t r = gen();
-    if (r >= threshold) return r % bound;
-  }
-}
+std::uint64_t uniform_below(std::mt19937_64& gen, std::uint64_t bound);
 
 }  // namespace detail
 
@@ -6806,8 +7365,23 @@ constexpr std::uint64_t shuffle_seed(std::uint64_t seed, std::uint64_t epoch) {
 }
 
 /// A permutation of 0..n-1, a fixed function of (n, seed, epoch) (see the file comment).
-inline std::vector<std::size_t> permutation(std::size_t n, std::uint64_t seed,
-                                            std::uint64_t epoch) {
+std::vector<std::size_t> permutation(std::size_t n, std::uint64_t seed, std::uint64_t epoch);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace detail {
+
+LAZYTENSOR_INLINE std::uint64_t uniform_below(std::mt19937_64& gen, std::uint64_t bound) {
+  const std::uint64_t threshold = (0 - bound) % bound;  // (2^64 - bound) mod bound
+  for (;;) {
+    const std::uint64_t r = gen();
+    if (r >= threshold) return r % bound;
+  }
+}
+
+}  // namespace detail
+
+LAZYTENSOR_INLINE std::vector<std::size_t> permutation(std::size_t n, std::uint64_t seed,
+                                                       std::uint64_t epoch) {
   std::vector<std::size_t> p(n);
   std::iota(p.begin(), p.end(), std::size_t{0});
   std::mt19937_64 gen(shuffle_seed(seed, epoch));
@@ -6817,6 +7391,7 @@ inline std::vector<std::size_t> permutation(std::size_t n, std::uint64_t seed,
   }
   return p;
 }
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::data
 // ---- end lazytensor/data/shuffle.hpp ----
@@ -6843,11 +7418,7 @@ class Sampler {
 /// 0, 1, ..., n-1.
 class SequentialSampler final : public Sampler {
  public:
-  std::vector<std::size_t> indices(std::size_t n) const override {
-    std::vector<std::size_t> v(n);
-    std::iota(v.begin(), v.end(), std::size_t{0});
-    return v;
-  }
+  std::vector<std::size_t> indices(std::size_t n) const override;
   std::size_t size(std::size_t n) const override { return n; }
 };
 
@@ -6875,40 +7446,13 @@ class DistributedSampler final : public Sampler {
  public:
   /// IndexError when num_replicas is 0 or rank is not in [0, num_replicas).
   DistributedSampler(std::size_t num_replicas, std::size_t rank, bool shuffle = true,
-                     std::uint64_t seed = 0, bool drop_last = false)
-      : num_replicas_(num_replicas),
-        rank_(rank),
-        shuffle_(shuffle),
-        seed_(seed),
-        drop_last_(drop_last) {
-    if (num_replicas == 0)
-      throw IndexError("DistributedSampler: num_replicas must be at least 1, got 0");
-    if (rank >= num_replicas) {
-      throw IndexError("DistributedSampler: invalid rank " + std::to_string(rank) +
-                       ", rank should be in the interval [0, " + std::to_string(num_replicas - 1) +
-                       "]");
-    }
-  }
+                     std::uint64_t seed = 0, bool drop_last = false);
 
   std::size_t size(std::size_t n) const override {
     return drop_last_ ? n / num_replicas_ : (n + num_replicas_ - 1) / num_replicas_;
   }
 
-  std::vector<std::size_t> indices(std::size_t n) const override {
-    std::vector<std::size_t> all =
-        shuffle_ ? permutation(n, seed_, epoch()) : SequentialSampler().indices(n);
-    const std::size_t total = size(n) * num_replicas_;
-    // Padding repeats the list from its start, cyclically when it must grow more than twice.
-    for (std::size_t k = 0; all.size() < total; ++k) {
-      const std::size_t repeat = all[k % n];
-      all.push_back(repeat);
-    }
-    all.resize(total);
-    std::vector<std::size_t> mine;
-    mine.reserve(size(n));
-    for (std::size_t i = rank_; i < total; i += num_replicas_) mine.push_back(all[i]);
-    return mine;
-  }
+  std::vector<std::size_t> indices(std::size_t n) const override;
 
   std::size_t num_replicas() const { return num_replicas_; }
   std::size_t rank() const { return rank_; }
@@ -6922,6 +7466,47 @@ class DistributedSampler final : public Sampler {
   std::uint64_t seed_;
   bool drop_last_;
 };
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE std::vector<std::size_t> SequentialSampler::indices(std::size_t n) const {
+  std::vector<std::size_t> v(n);
+  std::iota(v.begin(), v.end(), std::size_t{0});
+  return v;
+}
+
+LAZYTENSOR_INLINE DistributedSampler::DistributedSampler(std::size_t num_replicas, std::size_t rank,
+                                                         bool shuffle, std::uint64_t seed,
+                                                         bool drop_last)
+    : num_replicas_(num_replicas),
+      rank_(rank),
+      shuffle_(shuffle),
+      seed_(seed),
+      drop_last_(drop_last) {
+  if (num_replicas == 0)
+    throw IndexError("DistributedSampler: num_replicas must be at least 1, got 0");
+  if (rank >= num_replicas) {
+    throw IndexError("DistributedSampler: invalid rank " + std::to_string(rank) +
+                     ", rank should be in the interval [0, " + std::to_string(num_replicas - 1) +
+                     "]");
+  }
+}
+
+LAZYTENSOR_INLINE std::vector<std::size_t> DistributedSampler::indices(std::size_t n) const {
+  std::vector<std::size_t> all =
+      shuffle_ ? permutation(n, seed_, epoch()) : SequentialSampler().indices(n);
+  const std::size_t total = size(n) * num_replicas_;
+  // Padding repeats the list from its start, cyclically when it must grow more than twice.
+  for (std::size_t k = 0; all.size() < total; ++k) {
+    const std::size_t repeat = all[k % n];
+    all.push_back(repeat);
+  }
+  all.resize(total);
+  std::vector<std::size_t> mine;
+  mine.reserve(size(n));
+  for (std::size_t i = rank_; i < total; i += num_replicas_) mine.push_back(all[i]);
+  return mine;
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::data
 // ---- end lazytensor/data/sampler.hpp ----
@@ -7285,38 +7870,16 @@ inline std::string os_reason(int err) {
 }
 
 /// An IoError "<what> '<path>': <reason of errno>".
-inline IoError os_error(const std::string& what, const std::string& path, int err = errno) {
-  return IoError(what + " '" + path + "': " + os_reason(err));
-}
+IoError os_error(const std::string& what, const std::string& path, int err = errno);
 
 /// The directory part of `path` ("." when it has none), for temp files and directory fsync.
-inline std::string parent_dir(const std::string& path) {
-  const auto slash = path.find_last_of('/');
-  if (slash == std::string::npos) return ".";
-  if (slash == 0) return "/";
-  return path.substr(0, slash);
-}
+std::string parent_dir(const std::string& path);
 
 /// A file opened for reading, with its size taken once at open.
 class ReadFile {
  public:
   /// Opens `path`; IoError when it cannot be opened or is not a regular file.
-  explicit ReadFile(std::string path) : path_(std::move(path)) {
-    do fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
-    while (fd_ < 0 && errno == EINTR);
-    if (fd_ < 0) throw os_error("cannot open", path_);
-    struct stat st {};
-    if (::fstat(fd_, &st) != 0) {
-      const int err = errno;
-      ::close(fd_);
-      throw os_error("cannot stat", path_, err);
-    }
-    if (!S_ISREG(st.st_mode)) {
-      ::close(fd_);
-      throw IoError("cannot read '" + path_ + "': not a regular file");
-    }
-    size_ = static_cast<std::uint64_t>(st.st_size);
-  }
+  explicit ReadFile(std::string path);
   ReadFile(const ReadFile&) = delete;
   ReadFile& operator=(const ReadFile&) = delete;
   ~ReadFile() { ::close(fd_); }
@@ -7326,32 +7889,11 @@ class ReadFile {
   std::uint64_t size() const { return size_; }
 
   /// Reads up to `n` bytes at the current position; fewer only at end of file.
-  std::size_t read(void* dst, std::size_t n) {
-    std::size_t done = 0;
-    while (done < n) {
-      const ::ssize_t r = ::read(fd_, static_cast<char*>(dst) + done, n - done);
-      if (r < 0 && errno == EINTR) continue;
-      if (r < 0) throw os_error("cannot read", path_);
-      if (r == 0) break;
-      done += static_cast<std::size_t>(r);
-    }
-    return done;
-  }
+  std::size_t read(void* dst, std::size_t n);
 
   /// Reads up to `n` bytes at byte `offset` (the position is not moved); fewer only at end
   /// of file.
-  std::size_t read_at(void* dst, std::size_t n, std::uint64_t offset) {
-    std::size_t done = 0;
-    while (done < n) {
-      const ::ssize_t r = ::pread(fd_, static_cast<char*>(dst) + done, n - done,
-                                  static_cast<::off_t>(offset + done));
-      if (r < 0 && errno == EINTR) continue;
-      if (r < 0) throw os_error("cannot read", path_);
-      if (r == 0) break;
-      done += static_cast<std::size_t>(r);
-    }
-    return done;
-  }
+  std::size_t read_at(void* dst, std::size_t n, std::uint64_t offset);
 
  private:
   std::string path_;
@@ -7366,27 +7908,7 @@ class ReadFile {
 class AtomicFileWriter {
  public:
   /// Creates the temporary file; IoError when the directory refuses it.
-  explicit AtomicFileWriter(std::string path) : path_(std::move(path)) {
-    const auto slash = path_.find_last_of('/');
-    const std::string dir = slash == std::string::npos ? std::string() : path_.substr(0, slash + 1);
-    const std::string base = slash == std::string::npos ? path_ : path_.substr(slash + 1);
-    if (base.empty())
-      throw IoError("cannot write '" + path_ + "': the path names a directory, not a file");
-    // A hidden name unique to this process, call and moment; O_EXCL makes a clash an error
-    // we retry rather than a file we clobber. 0666 lets the umask decide, as for any file.
-    static std::atomic<std::uint64_t> counter{0};
-    for (int attempt = 0;; ++attempt) {
-      const auto stamp =
-          static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
-      tmp_ = dir + "." + base + ".tmp." + std::to_string(::getpid()) + "." +
-             std::to_string(counter.fetch_add(1)) + "." + std::to_string(stamp % 1000000007u);
-      do fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-      while (fd_ < 0 && errno == EINTR);
-      if (fd_ >= 0) break;
-      if (errno != EEXIST || attempt == 16)
-        throw os_error("cannot create a temporary file next to", path_);
-    }
-  }
+  explicit AtomicFileWriter(std::string path);
   AtomicFileWriter(const AtomicFileWriter&) = delete;
   AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;
   ~AtomicFileWriter() { discard(); }
@@ -7395,52 +7917,137 @@ class AtomicFileWriter {
   const std::string& temp_path() const { return tmp_; }
 
   /// Appends `n` bytes; IoError (and the temporary file removed) on failure.
-  void write(const void* src, std::size_t n) {
-    std::size_t done = 0;
-    while (done < n) {
-      const ::ssize_t r = ::write(fd_, static_cast<const char*>(src) + done, n - done);
-      if (r < 0 && errno == EINTR) continue;
-      if (r < 0) fail("cannot write");
-      done += static_cast<std::size_t>(r);
-    }
-  }
+  void write(const void* src, std::size_t n);
 
   /// Makes the written bytes the content of the target path (fsync, rename, directory fsync).
-  void commit() {
-    if (::fsync(fd_) != 0) fail("cannot flush (fsync)");
-    const int fd = std::exchange(fd_, -1);
-    if (::close(fd) != 0) fail("cannot close");
-    if (::rename(tmp_.c_str(), path_.c_str()) != 0) fail("cannot rename the temporary file over");
-    tmp_.clear();  // it is the target now
-    // The rename is durable only once the directory entry is on disk. The data is already
-    // safe and the target replaced, so a directory that cannot be opened (some filesystems)
-    // is not an error; a failing fsync is.
-    const std::string dir = parent_dir(path_);
-    const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dfd >= 0) {
-      const int rc = ::fsync(dfd);
-      const int err = errno;
-      ::close(dfd);
-      if (rc != 0 && err != EINVAL && err != EROFS)
-        throw os_error("cannot flush (fsync) the directory of", path_, err);
-    }
-  }
+  void commit();
 
  private:
-  [[noreturn]] void fail(const std::string& what) {
-    const int err = errno;
-    discard();
-    throw os_error(what, path_, err);
-  }
-  void discard() noexcept {
-    if (fd_ >= 0) ::close(std::exchange(fd_, -1));
-    if (!tmp_.empty()) ::unlink(std::exchange(tmp_, std::string()).c_str());
-  }
+  [[noreturn]] void fail(const std::string& what);
+  void discard() noexcept;
 
   std::string path_;
   std::string tmp_;
   int fd_ = -1;
 };
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE IoError os_error(const std::string& what, const std::string& path, int err) {
+  return IoError(what + " '" + path + "': " + os_reason(err));
+}
+
+LAZYTENSOR_INLINE std::string parent_dir(const std::string& path) {
+  const auto slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  if (slash == 0) return "/";
+  return path.substr(0, slash);
+}
+
+LAZYTENSOR_INLINE ReadFile::ReadFile(std::string path) : path_(std::move(path)) {
+  do fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+  while (fd_ < 0 && errno == EINTR);
+  if (fd_ < 0) throw os_error("cannot open", path_);
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0) {
+    const int err = errno;
+    ::close(fd_);
+    throw os_error("cannot stat", path_, err);
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd_);
+    throw IoError("cannot read '" + path_ + "': not a regular file");
+  }
+  size_ = static_cast<std::uint64_t>(st.st_size);
+}
+
+LAZYTENSOR_INLINE std::size_t ReadFile::read(void* dst, std::size_t n) {
+  std::size_t done = 0;
+  while (done < n) {
+    const ::ssize_t r = ::read(fd_, static_cast<char*>(dst) + done, n - done);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) throw os_error("cannot read", path_);
+    if (r == 0) break;
+    done += static_cast<std::size_t>(r);
+  }
+  return done;
+}
+
+LAZYTENSOR_INLINE std::size_t ReadFile::read_at(void* dst, std::size_t n, std::uint64_t offset) {
+  std::size_t done = 0;
+  while (done < n) {
+    const ::ssize_t r = ::pread(fd_, static_cast<char*>(dst) + done, n - done,
+                                static_cast<::off_t>(offset + done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) throw os_error("cannot read", path_);
+    if (r == 0) break;
+    done += static_cast<std::size_t>(r);
+  }
+  return done;
+}
+
+LAZYTENSOR_INLINE AtomicFileWriter::AtomicFileWriter(std::string path) : path_(std::move(path)) {
+  const auto slash = path_.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? std::string() : path_.substr(0, slash + 1);
+  const std::string base = slash == std::string::npos ? path_ : path_.substr(slash + 1);
+  if (base.empty())
+    throw IoError("cannot write '" + path_ + "': the path names a directory, not a file");
+  // A hidden name unique to this process, call and moment; O_EXCL makes a clash an error
+  // we retry rather than a file we clobber. 0666 lets the umask decide, as for any file.
+  static std::atomic<std::uint64_t> counter{0};
+  for (int attempt = 0;; ++attempt) {
+    const auto stamp =
+        static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+    tmp_ = dir + "." + base + ".tmp." + std::to_string(::getpid()) + "." +
+           std::to_string(counter.fetch_add(1)) + "." + std::to_string(stamp % 1000000007u);
+    do fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    while (fd_ < 0 && errno == EINTR);
+    if (fd_ >= 0) break;
+    if (errno != EEXIST || attempt == 16)
+      throw os_error("cannot create a temporary file next to", path_);
+  }
+}
+
+LAZYTENSOR_INLINE void AtomicFileWriter::write(const void* src, std::size_t n) {
+  std::size_t done = 0;
+  while (done < n) {
+    const ::ssize_t r = ::write(fd_, static_cast<const char*>(src) + done, n - done);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) fail("cannot write");
+    done += static_cast<std::size_t>(r);
+  }
+}
+
+LAZYTENSOR_INLINE void AtomicFileWriter::commit() {
+  if (::fsync(fd_) != 0) fail("cannot flush (fsync)");
+  const int fd = std::exchange(fd_, -1);
+  if (::close(fd) != 0) fail("cannot close");
+  if (::rename(tmp_.c_str(), path_.c_str()) != 0) fail("cannot rename the temporary file over");
+  tmp_.clear();  // it is the target now
+  // The rename is durable only once the directory entry is on disk. The data is already
+  // safe and the target replaced, so a directory that cannot be opened (some filesystems)
+  // is not an error; a failing fsync is.
+  const std::string dir = parent_dir(path_);
+  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    const int rc = ::fsync(dfd);
+    const int err = errno;
+    ::close(dfd);
+    if (rc != 0 && err != EINVAL && err != EROFS)
+      throw os_error("cannot flush (fsync) the directory of", path_, err);
+  }
+}
+
+LAZYTENSOR_INLINE void AtomicFileWriter::fail(const std::string& what) {
+  const int err = errno;
+  discard();
+  throw os_error(what, path_, err);
+}
+
+LAZYTENSOR_INLINE void AtomicFileWriter::discard() noexcept {
+  if (fd_ >= 0) ::close(std::exchange(fd_, -1));
+  if (!tmp_.empty()) ::unlink(std::exchange(tmp_, std::string()).c_str());
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::io::detail
 // ---- end lazytensor/io/file.hpp ----
@@ -7452,7 +8059,9 @@ class AtomicFileWriter {
 #define LAZYTENSOR_WITH_ZLIB 0
 #endif
 #endif
-#if LAZYTENSOR_WITH_ZLIB
+// Only the definitions use zlib: a TU that just declares them (LAZYTENSOR_COMPILED) needs no
+// <zlib.h>.
+#if LAZYTENSOR_WITH_ZLIB && LAZYTENSOR_HEADER_DEFINITIONS
 #include <zlib.h>
 #endif
 
@@ -7463,40 +8072,15 @@ struct IdxArray {
   std::vector<std::int64_t> dims;  ///< the dimensions, outermost first
   std::vector<std::uint8_t> data;  ///< the elements, row-major
   /// Number of elements.
-  std::int64_t numel() const {
-    std::int64_t n = 1;
-    for (const auto d : dims) n *= d;
-    return n;
-  }
+  std::int64_t numel() const;
 };
 
 namespace detail {
 
 /// The IDX name of an element type code, or nullptr for an unknown code.
-inline const char* idx_type_name(unsigned code) {
-  switch (code) {
-    case 0x08:
-      return "unsigned byte";
-    case 0x09:
-      return "signed byte";
-    case 0x0B:
-      return "int16";
-    case 0x0C:
-      return "int32";
-    case 0x0D:
-      return "float32";
-    case 0x0E:
-      return "float64";
-    default:
-      return nullptr;
-  }
-}
+const char* idx_type_name(unsigned code);
 
-inline std::string hex_byte(unsigned b) {
-  char s[8];
-  std::snprintf(s, sizeof s, "%02x", b & 0xFFu);
-  return s;
-}
+std::string hex_byte(unsigned b);
 
 /// Bytes of an uncompressed file, read sequentially.
 class RawSource {
@@ -7508,58 +8092,23 @@ class RawSource {
   io::detail::ReadFile& f_;
 };
 
-#if LAZYTENSOR_WITH_ZLIB
+#if LAZYTENSOR_WITH_ZLIB && LAZYTENSOR_HEADER_DEFINITIONS
 /// The decompressed bytes of a gzip file (one or more concatenated members, as gzip -c
 /// writes them). Corrupt or truncated compressed data, and anything after the last member
 /// that is not another member, raise FormatError.
 class GzipSource {
  public:
-  explicit GzipSource(io::detail::ReadFile& f) : f_(f), in_(1 << 16) {
-    if (inflateInit2(&zs_, 16 + MAX_WBITS) != Z_OK)
-      throw std::bad_alloc();  // the only failure left: memory
-  }
+  explicit GzipSource(io::detail::ReadFile& f);
   GzipSource(const GzipSource&) = delete;
   GzipSource& operator=(const GzipSource&) = delete;
   ~GzipSource() { inflateEnd(&zs_); }
 
   /// Up to n decompressed bytes; fewer only at the clean end of the stream.
-  std::size_t read(void* dst, std::size_t n) {
-    auto* out = static_cast<Bytef*>(dst);
-    std::size_t done = 0;
-    while (done < n) {
-      if (zs_.avail_in == 0 && !eof_) refill();
-      if (member_done_) {
-        if (zs_.avail_in == 0) break;  // clean end of the last member
-        if (zs_.next_in[0] != 0x1f)
-          fail("data after the end of the gzip stream is not another gzip member");
-        if (inflateReset(&zs_) != Z_OK) fail("cannot restart for the next gzip member");
-        member_done_ = false;
-      }
-      if (zs_.avail_in == 0)
-        fail("truncated gzip stream (the compressed data ends before its end-of-stream marker)");
-      const auto room = static_cast<uInt>(std::min<std::size_t>(n - done, UINT_MAX));
-      zs_.next_out = out + done;
-      zs_.avail_out = room;
-      const int rc = inflate(&zs_, Z_NO_FLUSH);
-      done += room - zs_.avail_out;
-      if (rc == Z_STREAM_END)
-        member_done_ = true;
-      else if (rc == Z_MEM_ERROR)
-        throw std::bad_alloc();
-      else if (rc != Z_OK && rc != Z_BUF_ERROR)
-        fail(std::string("corrupt gzip data (") + (zs_.msg ? zs_.msg : "inflate error") + ")");
-    }
-    return done;
-  }
+  std::size_t read(void* dst, std::size_t n);
 
  private:
-  void refill() {
-    const std::size_t got = f_.read(in_.data(), in_.size());
-    zs_.next_in = in_.data();
-    zs_.avail_in = static_cast<uInt>(got);
-    eof_ = got == 0;
-  }
-  [[noreturn]] void fail(const std::string& what) { throw FormatError(f_.path() + ": " + what); }
+  void refill();
+  [[noreturn]] void fail(const std::string& what);
 
   io::detail::ReadFile& f_;
   std::vector<Bytef> in_;
@@ -7572,9 +8121,7 @@ class GzipSource {
 /// Parses an IDX stream. `file_size` is the exact size of an uncompressed file (checked
 /// before allocating); for a compressed stream it is unknown and `reserve_cap` bounds the
 /// memory reserved up front (the rest grows with the data actually decompressed).
-[[noreturn]] inline void idx_fail(const std::string& path, const std::string& what) {
-  throw FormatError(path + ": " + what);
-}
+[[noreturn]] void idx_fail(const std::string& path, const std::string& what);
 
 template <class Source>
 IdxArray parse_idx(Source& src, const std::string& path, std::optional<std::uint64_t> file_size,
@@ -7668,7 +8215,96 @@ IdxArray parse_idx(Source& src, const std::string& path, std::optional<std::uint
 /// Reads an IDX file of unsigned bytes, raw or gzip-compressed. IoError when the file
 /// cannot be opened or read; FormatError naming the file and what was expected vs found
 /// for anything malformed (magic, element type, dimensions, size, compressed data).
-inline IdxArray read_idx(const std::string& path) {
+IdxArray read_idx(const std::string& path);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE std::int64_t IdxArray::numel() const {
+  std::int64_t n = 1;
+  for (const auto d : dims) n *= d;
+  return n;
+}
+
+namespace detail {
+
+LAZYTENSOR_INLINE const char* idx_type_name(unsigned code) {
+  switch (code) {
+    case 0x08:
+      return "unsigned byte";
+    case 0x09:
+      return "signed byte";
+    case 0x0B:
+      return "int16";
+    case 0x0C:
+      return "int32";
+    case 0x0D:
+      return "float32";
+    case 0x0E:
+      return "float64";
+    default:
+      return nullptr;
+  }
+}
+
+LAZYTENSOR_INLINE std::string hex_byte(unsigned b) {
+  char s[8];
+  std::snprintf(s, sizeof s, "%02x", b & 0xFFu);
+  return s;
+}
+
+#if LAZYTENSOR_WITH_ZLIB
+LAZYTENSOR_INLINE GzipSource::GzipSource(io::detail::ReadFile& f) : f_(f), in_(1 << 16) {
+  if (inflateInit2(&zs_, 16 + MAX_WBITS) != Z_OK)
+    throw std::bad_alloc();  // the only failure left: memory
+}
+
+LAZYTENSOR_INLINE std::size_t GzipSource::read(void* dst, std::size_t n) {
+  auto* out = static_cast<Bytef*>(dst);
+  std::size_t done = 0;
+  while (done < n) {
+    if (zs_.avail_in == 0 && !eof_) refill();
+    if (member_done_) {
+      if (zs_.avail_in == 0) break;  // clean end of the last member
+      if (zs_.next_in[0] != 0x1f)
+        fail("data after the end of the gzip stream is not another gzip member");
+      if (inflateReset(&zs_) != Z_OK) fail("cannot restart for the next gzip member");
+      member_done_ = false;
+    }
+    if (zs_.avail_in == 0)
+      fail("truncated gzip stream (the compressed data ends before its end-of-stream marker)");
+    const auto room = static_cast<uInt>(std::min<std::size_t>(n - done, UINT_MAX));
+    zs_.next_out = out + done;
+    zs_.avail_out = room;
+    const int rc = inflate(&zs_, Z_NO_FLUSH);
+    done += room - zs_.avail_out;
+    if (rc == Z_STREAM_END)
+      member_done_ = true;
+    else if (rc == Z_MEM_ERROR)
+      throw std::bad_alloc();
+    else if (rc != Z_OK && rc != Z_BUF_ERROR)
+      fail(std::string("corrupt gzip data (") + (zs_.msg ? zs_.msg : "inflate error") + ")");
+  }
+  return done;
+}
+
+LAZYTENSOR_INLINE void GzipSource::refill() {
+  const std::size_t got = f_.read(in_.data(), in_.size());
+  zs_.next_in = in_.data();
+  zs_.avail_in = static_cast<uInt>(got);
+  eof_ = got == 0;
+}
+
+LAZYTENSOR_INLINE void GzipSource::fail(const std::string& what) {
+  throw FormatError(f_.path() + ": " + what);
+}
+#endif  // LAZYTENSOR_WITH_ZLIB
+
+LAZYTENSOR_INLINE void idx_fail(const std::string& path, const std::string& what) {
+  throw FormatError(path + ": " + what);
+}
+
+}  // namespace detail
+
+LAZYTENSOR_INLINE IdxArray read_idx(const std::string& path) {
   io::detail::ReadFile file(path);
   unsigned char magic[2] = {0, 0};
   const bool gzip = file.read_at(magic, 2, 0) == 2 && magic[0] == 0x1f && magic[1] == 0x8b;
@@ -7688,6 +8324,7 @@ inline IdxArray read_idx(const std::string& path) {
   detail::RawSource src(file);
   return detail::parse_idx(src, path, file.size(), 0);
 }
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::data
 // ---- end lazytensor/data/idx.hpp ----
@@ -7724,22 +8361,9 @@ namespace lazy::data::transforms {
 class Normalize {
  public:
   /// One mean and stddev for every channel.
-  Normalize(double mean, double stddev)
-      : Normalize(std::vector<double>{mean}, std::vector<double>{stddev}) {}
+  Normalize(double mean, double stddev);
   /// Per-channel means and standard deviations (equal, non-zero counts; stddev non-zero).
-  Normalize(const std::vector<double>& mean, const std::vector<double>& stddev) {
-    if (mean.empty() || mean.size() != stddev.size()) {
-      throw ShapeError(
-          "Normalize: expected as many means as standard deviations (at least one), got " +
-          std::to_string(mean.size()) + " and " + std::to_string(stddev.size()));
-    }
-    for (std::size_t c = 0; c < mean.size(); ++c) {
-      if (stddev[c] == 0)
-        throw Error("Normalize: stddev of channel " + std::to_string(c) + " is 0");
-      mean_.push_back(static_cast<float>(mean[c]));
-      stddev_.push_back(static_cast<float>(stddev[c]));
-    }
-  }
+  Normalize(const std::vector<double>& mean, const std::vector<double>& stddev);
 
   /// Number of channels (1 when one mean applies to everything).
   std::size_t channels() const { return mean_.size(); }
@@ -7747,32 +8371,10 @@ class Normalize {
   float operator()(float x, std::size_t c) const { return (x - mean_[c]) / stddev_[c]; }
 
   /// Checks that data with `channels` channels can be normalized; ShapeError otherwise.
-  void check_channels(std::int64_t channels, const Shape& shape) const {
-    if (mean_.size() != 1 && static_cast<std::int64_t>(mean_.size()) != channels) {
-      throw ShapeError("Normalize: " + std::to_string(mean_.size()) +
-                       " channel means for data of shape " + shape.str() + ", which has " +
-                       std::to_string(channels) + " channels");
-    }
-  }
+  void check_channels(std::int64_t channels, const Shape& shape) const;
 
   /// x normalized, channels along `channel_dim` (a new tensor on x's device).
-  Tensor<float> apply(const Tensor<float>& x, int channel_dim) const {
-    const Shape& s = x.shape();
-    const std::int64_t channels = channel_dim < s.rank() ? s[channel_dim] : 1;
-    check_channels(channels, s);
-    std::int64_t inner = 1;
-    for (int d = channel_dim + 1; d < s.rank(); ++d) inner *= s[d];
-    const float* src = x.data();
-    detail::HostTensor<float> out(s, x.device());
-    float* dst = out.data();
-    const std::int64_t n = x.numel();
-    for (std::int64_t i = 0; i < n; ++i) {
-      const auto c =
-          mean_.size() == 1 ? std::size_t{0} : static_cast<std::size_t>((i / inner) % channels);
-      dst[i] = (*this)(src[i], c);
-    }
-    return std::move(out).finish();
-  }
+  Tensor<float> apply(const Tensor<float>& x, int channel_dim) const;
 
   /// Normalizes an example's data (channels along dimension 0).
   template <class Target>
@@ -7794,6 +8396,52 @@ class Normalize {
   std::vector<float> mean_, stddev_;
 };
 
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE Normalize::Normalize(double mean, double stddev)
+    : Normalize(std::vector<double>{mean}, std::vector<double>{stddev}) {}
+
+LAZYTENSOR_INLINE Normalize::Normalize(const std::vector<double>& mean,
+                                       const std::vector<double>& stddev) {
+  if (mean.empty() || mean.size() != stddev.size()) {
+    throw ShapeError(
+        "Normalize: expected as many means as standard deviations (at least one), got " +
+        std::to_string(mean.size()) + " and " + std::to_string(stddev.size()));
+  }
+  for (std::size_t c = 0; c < mean.size(); ++c) {
+    if (stddev[c] == 0)
+      throw Error("Normalize: stddev of channel " + std::to_string(c) + " is 0");
+    mean_.push_back(static_cast<float>(mean[c]));
+    stddev_.push_back(static_cast<float>(stddev[c]));
+  }
+}
+
+LAZYTENSOR_INLINE void Normalize::check_channels(std::int64_t channels, const Shape& shape) const {
+  if (mean_.size() != 1 && static_cast<std::int64_t>(mean_.size()) != channels) {
+    throw ShapeError("Normalize: " + std::to_string(mean_.size()) +
+                     " channel means for data of shape " + shape.str() + ", which has " +
+                     std::to_string(channels) + " channels");
+  }
+}
+
+LAZYTENSOR_INLINE Tensor<float> Normalize::apply(const Tensor<float>& x, int channel_dim) const {
+  const Shape& s = x.shape();
+  const std::int64_t channels = channel_dim < s.rank() ? s[channel_dim] : 1;
+  check_channels(channels, s);
+  std::int64_t inner = 1;
+  for (int d = channel_dim + 1; d < s.rank(); ++d) inner *= s[d];
+  const float* src = x.data();
+  detail::HostTensor<float> out(s, x.device());
+  float* dst = out.data();
+  const std::int64_t n = x.numel();
+  for (std::int64_t i = 0; i < n; ++i) {
+    const auto c =
+        mean_.size() == 1 ? std::size_t{0} : static_cast<std::size_t>((i / inner) % channels);
+    dst[i] = (*this)(src[i], c);
+  }
+  return std::move(out).finish();
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
 }  // namespace lazy::data::transforms
 // ---- end lazytensor/data/transforms.hpp ----
 
@@ -7812,34 +8460,7 @@ class MNIST : public DatasetBase<MNIST> {
 
   /// Loads the split; IoError when a file is missing, FormatError when one is malformed or
   /// the two disagree (image count vs label count, labels outside 0..9).
-  explicit MNIST(const std::string& root, Mode mode = Mode::Train) : mode_(mode) {
-    const std::string prefix = root + "/" + (mode == Mode::Train ? "train" : "t10k");
-    auto s = std::make_shared<Storage>();
-    const std::string images_path = find(prefix + "-images-idx3-ubyte");
-    const std::string labels_path = find(prefix + "-labels-idx1-ubyte");
-    s->images = read_idx(images_path);
-    s->labels = read_idx(labels_path);
-    if (s->images.dims.size() != 3) {
-      throw FormatError(images_path + ": expected 3 dimensions (images x rows x columns), found " +
-                        std::to_string(s->images.dims.size()));
-    }
-    if (s->labels.dims.size() != 1) {
-      throw FormatError(labels_path + ": expected 1 dimension (labels), found " +
-                        std::to_string(s->labels.dims.size()));
-    }
-    if (s->images.dims[0] != s->labels.dims[0]) {
-      throw FormatError(images_path + " holds " + std::to_string(s->images.dims[0]) +
-                        " images but " + labels_path + " holds " +
-                        std::to_string(s->labels.dims[0]) + " labels");
-    }
-    for (std::size_t i = 0; i < s->labels.data.size(); ++i) {
-      if (s->labels.data[i] > 9) {
-        throw FormatError(labels_path + ": label " + std::to_string(i) + " is " +
-                          std::to_string(s->labels.data[i]) + ", expected 0 to 9");
-      }
-    }
-    storage_ = std::move(s);
-  }
+  explicit MNIST(const std::string& root, Mode mode = Mode::Train);
 
   /// Number of images.
   std::size_t size() const { return storage_->labels.data.size(); }
@@ -7853,26 +8474,13 @@ class MNIST : public DatasetBase<MNIST> {
   const std::vector<std::uint8_t>& labels() const { return storage_->labels.data; }
 
   /// Image `index` as float [1, H, W] in [0, 1] and its label as a 0-d int64 tensor.
-  Example<> get(std::size_t index) const {
-    const std::vector<std::size_t> one{index};
-    return {convert(one, identity_table(), Shape{1, rows(), cols()}), labels_of(one, Shape{})};
-  }
+  Example<> get(std::size_t index) const;
   /// Images `indices` as float [B, 1, H, W] in [0, 1] and labels as int64 [B].
-  Example<> get_batch(const std::vector<std::size_t>& indices) const {
-    return {convert(indices, identity_table(), batch_image_shape(indices.size())),
-            labels_of(indices, Shape{static_cast<std::int64_t>(indices.size())})};
-  }
+  Example<> get_batch(const std::vector<std::size_t>& indices) const;
   /// get_batch with `normalize` folded into the byte-to-float conversion (one table lookup
   /// per pixel; the values equal normalizing the [0, 1] floats afterwards, bit for bit).
   Example<> get_batch(const std::vector<std::size_t>& indices,
-                      const transforms::Normalize& normalize) const {
-    const Shape shape = batch_image_shape(indices.size());
-    normalize.check_channels(1, shape);
-    Table t;
-    for (int p = 0; p < 256; ++p) t[static_cast<std::size_t>(p)] = normalize(to_unit(p), 0);
-    return {convert(indices, t, shape),
-            labels_of(indices, Shape{static_cast<std::int64_t>(indices.size())})};
-  }
+                      const transforms::Normalize& normalize) const;
 
  private:
   struct Storage {
@@ -7882,55 +8490,21 @@ class MNIST : public DatasetBase<MNIST> {
 
   // As libtorch: the byte converted to float, then divided by 255.
   static float to_unit(int p) { return static_cast<float>(p) / 255.0f; }
-  static const Table& identity_table() {
-    static const Table t = [] {
-      Table r;
-      for (int p = 0; p < 256; ++p) r[static_cast<std::size_t>(p)] = to_unit(p);
-      return r;
-    }();
-    return t;
-  }
+  static const Table& identity_table();
 
-  static std::string find(const std::string& base) {
-    struct stat st {};
-    if (::stat(base.c_str(), &st) == 0) return base;
-    if (::stat((base + ".gz").c_str(), &st) == 0) return base + ".gz";
-    throw IoError("MNIST: neither '" + base + "' nor '" + base + ".gz' exists");
-  }
+  static std::string find(const std::string& base);
 
   Shape batch_image_shape(std::size_t n) const {
     return Shape{static_cast<std::int64_t>(n), 1, rows(), cols()};
   }
 
-  void check(std::size_t index) const {
-    if (index >= size()) {
-      throw IndexError("MNIST: index " + std::to_string(index) +
-                       " is out of range for a dataset of " + std::to_string(size()) + " images");
-    }
-  }
+  void check(std::size_t index) const;
 
   Tensor<float> convert(const std::vector<std::size_t>& indices, const Table& table,
-                        const Shape& shape) const {
-    for (const auto i : indices) check(i);
-    const auto per = static_cast<std::size_t>(rows() * cols());
-    detail::HostTensor<float> out(shape);
-    float* dst = out.data();
-    const std::uint8_t* src = storage_->images.data.data();
-    for (const auto i : indices) {
-      const std::uint8_t* img = src + i * per;
-      for (std::size_t k = 0; k < per; ++k) dst[k] = table[img[k]];
-      dst += per;
-    }
-    return std::move(out).finish();
-  }
+                        const Shape& shape) const;
 
   Tensor<std::int64_t> labels_of(const std::vector<std::size_t>& indices,
-                                 const Shape& shape) const {
-    detail::HostTensor<std::int64_t> out(shape);
-    for (std::size_t b = 0; b < indices.size(); ++b)
-      out.data()[b] = storage_->labels.data[indices[b]];
-    return std::move(out).finish();
-  }
+                                 const Shape& shape) const;
 
   std::shared_ptr<const Storage> storage_;
   Mode mode_;
@@ -7940,6 +8514,103 @@ namespace datasets {
 /// libtorch's spelling: torch::data::datasets::MNIST.
 using lazy::data::MNIST;
 }  // namespace datasets
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE MNIST::MNIST(const std::string& root, Mode mode) : mode_(mode) {
+  const std::string prefix = root + "/" + (mode == Mode::Train ? "train" : "t10k");
+  auto s = std::make_shared<Storage>();
+  const std::string images_path = find(prefix + "-images-idx3-ubyte");
+  const std::string labels_path = find(prefix + "-labels-idx1-ubyte");
+  s->images = read_idx(images_path);
+  s->labels = read_idx(labels_path);
+  if (s->images.dims.size() != 3) {
+    throw FormatError(images_path + ": expected 3 dimensions (images x rows x columns), found " +
+                      std::to_string(s->images.dims.size()));
+  }
+  if (s->labels.dims.size() != 1) {
+    throw FormatError(labels_path + ": expected 1 dimension (labels), found " +
+                      std::to_string(s->labels.dims.size()));
+  }
+  if (s->images.dims[0] != s->labels.dims[0]) {
+    throw FormatError(images_path + " holds " + std::to_string(s->images.dims[0]) +
+                      " images but " + labels_path + " holds " +
+                      std::to_string(s->labels.dims[0]) + " labels");
+  }
+  for (std::size_t i = 0; i < s->labels.data.size(); ++i) {
+    if (s->labels.data[i] > 9) {
+      throw FormatError(labels_path + ": label " + std::to_string(i) + " is " +
+                        std::to_string(s->labels.data[i]) + ", expected 0 to 9");
+    }
+  }
+  storage_ = std::move(s);
+}
+
+LAZYTENSOR_INLINE Example<> MNIST::get(std::size_t index) const {
+  const std::vector<std::size_t> one{index};
+  return {convert(one, identity_table(), Shape{1, rows(), cols()}), labels_of(one, Shape{})};
+}
+
+LAZYTENSOR_INLINE Example<> MNIST::get_batch(const std::vector<std::size_t>& indices) const {
+  return {convert(indices, identity_table(), batch_image_shape(indices.size())),
+          labels_of(indices, Shape{static_cast<std::int64_t>(indices.size())})};
+}
+
+LAZYTENSOR_INLINE Example<> MNIST::get_batch(const std::vector<std::size_t>& indices,
+                                             const transforms::Normalize& normalize) const {
+  const Shape shape = batch_image_shape(indices.size());
+  normalize.check_channels(1, shape);
+  Table t;
+  for (int p = 0; p < 256; ++p) t[static_cast<std::size_t>(p)] = normalize(to_unit(p), 0);
+  return {convert(indices, t, shape),
+          labels_of(indices, Shape{static_cast<std::int64_t>(indices.size())})};
+}
+
+LAZYTENSOR_INLINE const MNIST::Table& MNIST::identity_table() {
+  static const Table t = [] {
+    Table r;
+    for (int p = 0; p < 256; ++p) r[static_cast<std::size_t>(p)] = to_unit(p);
+    return r;
+  }();
+  return t;
+}
+
+LAZYTENSOR_INLINE std::string MNIST::find(const std::string& base) {
+  struct stat st {};
+  if (::stat(base.c_str(), &st) == 0) return base;
+  if (::stat((base + ".gz").c_str(), &st) == 0) return base + ".gz";
+  throw IoError("MNIST: neither '" + base + "' nor '" + base + ".gz' exists");
+}
+
+LAZYTENSOR_INLINE void MNIST::check(std::size_t index) const {
+  if (index >= size()) {
+    throw IndexError("MNIST: index " + std::to_string(index) +
+                     " is out of range for a dataset of " + std::to_string(size()) + " images");
+  }
+}
+
+LAZYTENSOR_INLINE Tensor<float> MNIST::convert(const std::vector<std::size_t>& indices,
+                                               const Table& table, const Shape& shape) const {
+  for (const auto i : indices) check(i);
+  const auto per = static_cast<std::size_t>(rows() * cols());
+  detail::HostTensor<float> out(shape);
+  float* dst = out.data();
+  const std::uint8_t* src = storage_->images.data.data();
+  for (const auto i : indices) {
+    const std::uint8_t* img = src + i * per;
+    for (std::size_t k = 0; k < per; ++k) dst[k] = table[img[k]];
+    dst += per;
+  }
+  return std::move(out).finish();
+}
+
+LAZYTENSOR_INLINE Tensor<std::int64_t> MNIST::labels_of(const std::vector<std::size_t>& indices,
+                                                        const Shape& shape) const {
+  detail::HostTensor<std::int64_t> out(shape);
+  for (std::size_t b = 0; b < indices.size(); ++b)
+    out.data()[b] = storage_->labels.data[indices[b]];
+  return std::move(out).finish();
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::data
 // ---- end lazytensor/data/mnist.hpp ----
@@ -8103,7 +8774,45 @@ struct Fusion {
   std::unordered_map<const graph::Node*, bool> scratch_only;
 };
 
-inline Fusion plan_fusion(const std::vector<graph::NodePtr>& order) {
+Fusion plan_fusion(const std::vector<graph::NodePtr>& order);
+
+std::vector<graph::NodePtr> with_inputs(const std::vector<graph::NodePtr>& roots, Fusion* fusion);
+
+std::string type_str(const graph::Node& n);
+}  // namespace detail
+
+/// The graph that computes `tensors`, one node per line in execution order:
+/// `%3 = float32(4, 4) fused(add(%0, %1)) <- %1, %2`. Materialized inputs show as data.
+/// Fusion shows at the end of a line: `{group 0}` for members of a chunk-interleaved group
+/// (`{group 0, scratch}` when the value is never written whole), `{in row blocks of %5}`
+/// for a GEMM that its epilogue %5 runs block by block.
+std::string graph_text(const std::vector<graph::NodePtr>& roots);
+
+/// The graph as text for tensors given directly: graph_text(y, z).
+template <class... Ts>
+std::string graph_text(const Ts&... tensors)
+  requires(sizeof...(Ts) > 0 && (HasNode<Ts> && ...))
+{
+  return graph_text(detail::roots_of(tensors...));
+}
+
+/// The graph in Graphviz DOT; render with `dot -Tpng`. Fused groups are clusters
+/// ("fused group N"); scratch-only members are dotted; a GEMM run in row blocks by its
+/// epilogue is linked to it by a bold edge.
+std::string graph_dot(const std::vector<graph::NodePtr>& roots);
+
+/// DOT for tensors given directly.
+template <class... Ts>
+std::string graph_dot(const Ts&... tensors)
+  requires(sizeof...(Ts) > 0 && (HasNode<Ts> && ...))
+{
+  return graph_dot(detail::roots_of(tensors...));
+}
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace detail {
+
+LAZYTENSOR_INLINE Fusion plan_fusion(const std::vector<graph::NodePtr>& order) {
   Fusion f;
   if (order.empty()) return f;
   graph::prepare(order);  // decisions redone by the real step's planning
@@ -8124,7 +8833,7 @@ inline Fusion plan_fusion(const std::vector<graph::NodePtr>& order) {
   return f;
 }
 
-inline std::vector<graph::NodePtr> with_inputs(const std::vector<graph::NodePtr>& roots, Fusion* fusion) {
+LAZYTENSOR_INLINE std::vector<graph::NodePtr> with_inputs(const std::vector<graph::NodePtr>& roots, Fusion* fusion) {
   // Steps in flight finish first: a dump looks at values, not at a graph being executed.
   for (const auto& r : roots)
     if (r) r->device()->wait_idle();
@@ -8148,15 +8857,11 @@ inline std::vector<graph::NodePtr> with_inputs(const std::vector<graph::NodePtr>
   return all;
 }
 
-inline std::string type_str(const graph::Node& n) { return dtype_name(n.dtype()) + n.shape().str(); }
+LAZYTENSOR_INLINE std::string type_str(const graph::Node& n) { return dtype_name(n.dtype()) + n.shape().str(); }
+
 }  // namespace detail
 
-/// The graph that computes `tensors`, one node per line in execution order:
-/// `%3 = float32(4, 4) fused(add(%0, %1)) <- %1, %2`. Materialized inputs show as data.
-/// Fusion shows at the end of a line: `{group 0}` for members of a chunk-interleaved group
-/// (`{group 0, scratch}` when the value is never written whole), `{in row blocks of %5}`
-/// for a GEMM that its epilogue %5 runs block by block.
-inline std::string graph_text(const std::vector<graph::NodePtr>& roots) {
+LAZYTENSOR_INLINE std::string graph_text(const std::vector<graph::NodePtr>& roots) {
   detail::Fusion fusion;
   auto nodes = detail::with_inputs(roots, &fusion);
   std::unordered_map<const graph::Node*, int> id;
@@ -8189,18 +8894,7 @@ inline std::string graph_text(const std::vector<graph::NodePtr>& roots) {
   return os.str();
 }
 
-/// The graph as text for tensors given directly: graph_text(y, z).
-template <class... Ts>
-std::string graph_text(const Ts&... tensors)
-  requires(sizeof...(Ts) > 0 && (HasNode<Ts> && ...))
-{
-  return graph_text(detail::roots_of(tensors...));
-}
-
-/// The graph in Graphviz DOT; render with `dot -Tpng`. Fused groups are clusters
-/// ("fused group N"); scratch-only members are dotted; a GEMM run in row blocks by its
-/// epilogue is linked to it by a bold edge.
-inline std::string graph_dot(const std::vector<graph::NodePtr>& roots) {
+LAZYTENSOR_INLINE std::string graph_dot(const std::vector<graph::NodePtr>& roots) {
   detail::Fusion fusion;
   auto nodes = detail::with_inputs(roots, &fusion);
   std::unordered_map<const graph::Node*, int> id;
@@ -8228,14 +8922,7 @@ inline std::string graph_dot(const std::vector<graph::NodePtr>& roots) {
   os << "}\n";
   return os.str();
 }
-
-/// DOT for tensors given directly.
-template <class... Ts>
-std::string graph_dot(const Ts&... tensors)
-  requires(sizeof...(Ts) > 0 && (HasNode<Ts> && ...))
-{
-  return graph_dot(detail::roots_of(tensors...));
-}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::debug
 // ---- end lazytensor/debug/graph_dump.hpp ----
@@ -8380,23 +9067,7 @@ namespace lazy {
 enum class ReduceOp { Sum, Mul, And, Or, Min, Max };
 
 /// Lower-case name ("sum", "mul", ...).
-inline std::string reduce_op_name(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::Sum:
-      return "sum";
-    case ReduceOp::Mul:
-      return "mul";
-    case ReduceOp::And:
-      return "and";
-    case ReduceOp::Or:
-      return "or";
-    case ReduceOp::Min:
-      return "min";
-    case ReduceOp::Max:
-      return "max";
-  }
-  return "?";
-}
+std::string reduce_op_name(ReduceOp op);
 
 namespace dist::detail {
 
@@ -8548,6 +9219,28 @@ void reduce_span(ReduceOp op, T* out, const T* const* in, int n, std::int64_t le
 
 }  // namespace dist::detail
 }  // namespace lazy
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy {
+LAZYTENSOR_INLINE std::string reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum:
+      return "sum";
+    case ReduceOp::Mul:
+      return "mul";
+    case ReduceOp::And:
+      return "and";
+    case ReduceOp::Or:
+      return "or";
+    case ReduceOp::Min:
+      return "min";
+    case ReduceOp::Max:
+      return "max";
+  }
+  return "?";
+}
+}  // namespace lazy
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/dist/reduce_op.hpp ----
 
 namespace lazy::dist {
@@ -8558,22 +9251,77 @@ using Groups = std::vector<std::vector<int>>;
 namespace detail {
 
 /// "[0, 1, 2]".
-inline std::string list_str(const std::vector<int>& v) {
+std::string list_str(const std::vector<int>& v);
+
+std::string groups_str(const Groups& g);
+
+/// The group of `ordinal` in `groups` (validated: a partition of [0, world) into lists of
+/// equal size). Throws CollectiveError naming the problem.
+std::vector<int> resolve_group(const Groups& groups, int world, int ordinal, const char* op);
+
+/// What a collective is.
+enum class CollectiveKind : std::uint8_t {
+  AllReduce,
+  AllGather,
+  ReduceScatter,
+  AllToAll,
+  Broadcast,
+  Barrier,
+  Rendezvous,
+  MeshReduce,
+  BroadcastObject
+};
+
+const char* kind_name(CollectiveKind k);
+
+/// Everything replicas must agree on for one collective (data sizes of host-side payloads
+/// excepted: those may differ).
+struct Signature {
+  CollectiveKind kind = CollectiveKind::Barrier;
+  ReduceOp op = ReduceOp::Sum;         ///< reductions only
+  DType dtype = DType::Float32;        ///< tensor collectives only
+  int tensors = 0;                     ///< number of tensors (coalesced all_reduce: several)
+  Shape shape;                         ///< the first tensor's shape
+  std::uint64_t shapes_hash = 0;       ///< every tensor's shape
+  std::int64_t params[3] = {0, 0, 0};  ///< dim, scatter/split/concat dims and counts, src
+  double scale = 1.0;
+  std::shared_ptr<const std::vector<int>> group;  ///< this replica's group, in data order
+  std::string tag;                                ///< host collectives: name, tag or value type
+
+  friend bool operator==(const Signature& a, const Signature& b) {
+    return a.kind == b.kind && a.op == b.op && a.dtype == b.dtype && a.tensors == b.tensors &&
+           a.shape == b.shape && a.shapes_hash == b.shapes_hash && a.params[0] == b.params[0] &&
+           a.params[1] == b.params[1] && a.params[2] == b.params[2] &&
+           std::bit_cast<std::uint64_t>(a.scale) == std::bit_cast<std::uint64_t>(b.scale) &&
+           a.tag == b.tag && (a.group == b.group || (a.group && b.group && *a.group == *b.group));
+  }
+
+  /// "all_reduce(op=sum, dtype=float32, shape=(4,), scale=1, group=[0, 1])".
+  std::string str() const;
+};
+
+/// Hash of a list of shapes (order-sensitive).
+std::uint64_t shapes_hash(const std::vector<Shape>& shapes);
+
+}  // namespace detail
+}  // namespace lazy::dist
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::dist::detail {
+LAZYTENSOR_INLINE std::string list_str(const std::vector<int>& v) {
   std::string s = "[";
   for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
   return s + "]";
 }
 
-inline std::string groups_str(const Groups& g) {
+LAZYTENSOR_INLINE std::string groups_str(const Groups& g) {
   std::string s = "[";
   for (std::size_t i = 0; i < g.size(); ++i) s += (i ? ", " : "") + list_str(g[i]);
   return s + "]";
 }
 
-/// The group of `ordinal` in `groups` (validated: a partition of [0, world) into lists of
-/// equal size). Throws CollectiveError naming the problem.
-inline std::vector<int> resolve_group(const Groups& groups, int world, int ordinal,
-                                      const char* op) {
+LAZYTENSOR_INLINE std::vector<int> resolve_group(const Groups& groups, int world, int ordinal,
+                                                 const char* op) {
   if (groups.empty()) {
     std::vector<int> all(static_cast<std::size_t>(world));
     for (int i = 0; i < world; ++i) all[static_cast<std::size_t>(i)] = i;
@@ -8610,20 +9358,7 @@ inline std::vector<int> resolve_group(const Groups& groups, int world, int ordin
   return *mine;
 }
 
-/// What a collective is.
-enum class CollectiveKind : std::uint8_t {
-  AllReduce,
-  AllGather,
-  ReduceScatter,
-  AllToAll,
-  Broadcast,
-  Barrier,
-  Rendezvous,
-  MeshReduce,
-  BroadcastObject
-};
-
-inline const char* kind_name(CollectiveKind k) {
+LAZYTENSOR_INLINE const char* kind_name(CollectiveKind k) {
   switch (k) {
     case CollectiveKind::AllReduce:
       return "all_reduce";
@@ -8647,82 +9382,57 @@ inline const char* kind_name(CollectiveKind k) {
   return "?";
 }
 
-/// Everything replicas must agree on for one collective (data sizes of host-side payloads
-/// excepted: those may differ).
-struct Signature {
-  CollectiveKind kind = CollectiveKind::Barrier;
-  ReduceOp op = ReduceOp::Sum;         ///< reductions only
-  DType dtype = DType::Float32;        ///< tensor collectives only
-  int tensors = 0;                     ///< number of tensors (coalesced all_reduce: several)
-  Shape shape;                         ///< the first tensor's shape
-  std::uint64_t shapes_hash = 0;       ///< every tensor's shape
-  std::int64_t params[3] = {0, 0, 0};  ///< dim, scatter/split/concat dims and counts, src
-  double scale = 1.0;
-  std::shared_ptr<const std::vector<int>> group;  ///< this replica's group, in data order
-  std::string tag;                                ///< host collectives: name, tag or value type
-
-  friend bool operator==(const Signature& a, const Signature& b) {
-    return a.kind == b.kind && a.op == b.op && a.dtype == b.dtype && a.tensors == b.tensors &&
-           a.shape == b.shape && a.shapes_hash == b.shapes_hash && a.params[0] == b.params[0] &&
-           a.params[1] == b.params[1] && a.params[2] == b.params[2] &&
-           std::bit_cast<std::uint64_t>(a.scale) == std::bit_cast<std::uint64_t>(b.scale) &&
-           a.tag == b.tag && (a.group == b.group || (a.group && b.group && *a.group == *b.group));
+LAZYTENSOR_INLINE std::string Signature::str() const {
+  std::string s = std::string(kind_name(kind)) + "(";
+  auto num = [](double v) {
+    std::string t = std::to_string(v);
+    t.erase(t.find_last_not_of('0') + 1);
+    if (!t.empty() && t.back() == '.') t.pop_back();
+    return t;
+  };
+  switch (kind) {
+    case CollectiveKind::AllReduce:
+    case CollectiveKind::ReduceScatter:
+      s += "op=" + reduce_op_name(op) + ", ";
+      break;
+    default:
+      break;
   }
-
-  /// "all_reduce(op=sum, dtype=float32, shape=(4,), scale=1, group=[0, 1])".
-  std::string str() const {
-    std::string s = std::string(kind_name(kind)) + "(";
-    auto num = [](double v) {
-      std::string t = std::to_string(v);
-      t.erase(t.find_last_not_of('0') + 1);
-      if (!t.empty() && t.back() == '.') t.pop_back();
-      return t;
-    };
-    switch (kind) {
-      case CollectiveKind::AllReduce:
-      case CollectiveKind::ReduceScatter:
-        s += "op=" + reduce_op_name(op) + ", ";
-        break;
-      default:
-        break;
-    }
-    if (tensors > 0) {
-      s += "dtype=" + dtype_name(dtype) + ", ";
-      s += tensors == 1 ? "shape=" + shape.str()
-                        : std::to_string(tensors) + " tensors, first shape=" + shape.str();
-      s += ", ";
-    }
-    switch (kind) {
-      case CollectiveKind::AllReduce:
-        s += "scale=" + num(scale) + ", ";
-        break;
-      case CollectiveKind::AllGather:
-        s += "dim=" + std::to_string(params[0]) + ", ";
-        break;
-      case CollectiveKind::ReduceScatter:
-        s += "scale=" + num(scale) + ", scatter_dim=" + std::to_string(params[0]) +
-             ", shard_count=" + std::to_string(params[1]) + ", ";
-        break;
-      case CollectiveKind::AllToAll:
-        s += "split_dimension=" + std::to_string(params[0]) +
-             ", concat_dimension=" + std::to_string(params[1]) +
-             ", split_count=" + std::to_string(params[2]) + ", ";
-        break;
-      case CollectiveKind::Broadcast:
-      case CollectiveKind::BroadcastObject:
-        s += "src=" + std::to_string(params[0]) + ", ";
-        break;
-      default:
-        break;
-    }
-    if (!tag.empty()) s += "'" + tag + "', ";
-    s += "group=" + (group ? list_str(*group) : std::string("[]"));
-    return s + ")";
+  if (tensors > 0) {
+    s += "dtype=" + dtype_name(dtype) + ", ";
+    s += tensors == 1 ? "shape=" + shape.str()
+                      : std::to_string(tensors) + " tensors, first shape=" + shape.str();
+    s += ", ";
   }
-};
+  switch (kind) {
+    case CollectiveKind::AllReduce:
+      s += "scale=" + num(scale) + ", ";
+      break;
+    case CollectiveKind::AllGather:
+      s += "dim=" + std::to_string(params[0]) + ", ";
+      break;
+    case CollectiveKind::ReduceScatter:
+      s += "scale=" + num(scale) + ", scatter_dim=" + std::to_string(params[0]) +
+           ", shard_count=" + std::to_string(params[1]) + ", ";
+      break;
+    case CollectiveKind::AllToAll:
+      s += "split_dimension=" + std::to_string(params[0]) +
+           ", concat_dimension=" + std::to_string(params[1]) +
+           ", split_count=" + std::to_string(params[2]) + ", ";
+      break;
+    case CollectiveKind::Broadcast:
+    case CollectiveKind::BroadcastObject:
+      s += "src=" + std::to_string(params[0]) + ", ";
+      break;
+    default:
+      break;
+  }
+  if (!tag.empty()) s += "'" + tag + "', ";
+  s += "group=" + (group ? list_str(*group) : std::string("[]"));
+  return s + ")";
+}
 
-/// Hash of a list of shapes (order-sensitive).
-inline std::uint64_t shapes_hash(const std::vector<Shape>& shapes) {
+LAZYTENSOR_INLINE std::uint64_t shapes_hash(const std::vector<Shape>& shapes) {
   std::uint64_t h = 1469598103934665603ull;
   auto mix = [&](std::uint64_t v) { h = (h ^ v) * 1099511628211ull; };
   for (const auto& s : shapes) {
@@ -8731,9 +9441,8 @@ inline std::uint64_t shapes_hash(const std::vector<Shape>& shapes) {
   }
   return h;
 }
-
-}  // namespace detail
-}  // namespace lazy::dist
+}  // namespace lazy::dist::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/dist/signature.hpp ----
 // ---- begin lazytensor/dist/world.hpp ----
 // The world of replicas: where this process's replicas sit among all of them, which ones
@@ -8764,18 +9473,7 @@ namespace detail {
 
 /// Default collective timeout: LAZYTENSOR_COLLECTIVE_TIMEOUT (seconds, may be fractional),
 /// else 300 s. A malformed value is an error when a collective first needs it.
-inline std::chrono::milliseconds env_collective_timeout() {
-  const char* env = std::getenv("LAZYTENSOR_COLLECTIVE_TIMEOUT");
-  if (!env || !*env) return std::chrono::seconds(300);
-  char* end = nullptr;
-  const double s = std::strtod(env, &end);
-  if (end == env || *end != '\0' || !(s > 0) || s > 1e9) {
-    throw Error(std::string("LAZYTENSOR_COLLECTIVE_TIMEOUT='") + env +
-                "' is not a number of seconds > 0 (expected e.g. 300 or 0.5)");
-  }
-  return std::chrono::milliseconds(
-      std::max<std::int64_t>(1, static_cast<std::int64_t>(s * 1000.0)));
-}
+std::chrono::milliseconds env_collective_timeout();
 
 /// The timeout in milliseconds; 0 means "not read from the environment yet".
 inline std::atomic<std::int64_t>& timeout_ms() {
@@ -8794,26 +9492,11 @@ inline void cpu_relax() {
 }  // namespace detail
 
 /// How long a replica waits in a collective for the others before CollectiveTimeout.
-inline std::chrono::milliseconds collective_timeout() {
-  auto& ms = detail::timeout_ms();
-  std::int64_t v = ms.load(std::memory_order_relaxed);
-  if (v == 0) {
-    v = detail::env_collective_timeout().count();
-    std::int64_t expected = 0;
-    if (!ms.compare_exchange_strong(expected, v)) v = expected;  // set_collective_timeout won
-  }
-  return std::chrono::milliseconds(v);
-}
+std::chrono::milliseconds collective_timeout();
 
 /// Sets the collective timeout for every replica of this process (default 300 s, or
 /// LAZYTENSOR_COLLECTIVE_TIMEOUT seconds). Takes effect at the next wait.
-inline void set_collective_timeout(std::chrono::milliseconds t) {
-  if (t.count() <= 0) {
-    throw Error("set_collective_timeout: the timeout must be > 0 ms, got " +
-                std::to_string(t.count()) + " ms");
-  }
-  detail::timeout_ms().store(t.count());
-}
+void set_collective_timeout(std::chrono::milliseconds t);
 
 namespace detail {
 
@@ -8837,12 +9520,7 @@ struct WorldLayout {
 class Event {
  public:
   /// Wakes the sleepers, if any (cheap when nobody sleeps).
-  void notify() {
-    if (sleepers_.fetch_add(0, std::memory_order_acq_rel) > 0) {
-      std::lock_guard lock(mu_);
-      cv_.notify_all();
-    }
-  }
+  void notify();
   /// Sleeps until pred() holds or `deadline` passes; returns pred().
   template <class Pred>
   bool wait_until(Pred&& pred, std::chrono::steady_clock::time_point deadline) {
@@ -8882,11 +9560,7 @@ struct WaitBudget {
 /// of 8% more samples/s than spinning 20 us and sleeping (5 alternating runs, 1.5-19%). When
 /// replicas outnumber the hardware threads, waiting would only steal time from the replica being
 /// waited for (it may not be running at all), so the budget is a short spin and no yielding.
-inline WaitBudget wait_budget(int replicas) {
-  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  if (replicas <= hw) return {std::chrono::microseconds(20), std::chrono::milliseconds(2)};
-  return {std::chrono::microseconds(1), std::chrono::nanoseconds(0)};
-}
+WaitBudget wait_budget(int replicas);
 
 /// Waits within `budget` (spinning, then yielding) until pred() holds (true) or the budget
 /// is spent (false).
@@ -8911,10 +9585,7 @@ bool spin_until(Pred&& pred, WaitBudget budget) {
 /// Shared state of one world: replica lifecycle, abort flag and first failure, the event.
 class WorldState {
  public:
-  explicit WorldState(WorldLayout layout)
-      : layout_(layout),
-        exited_(static_cast<std::size_t>(layout.world_size)),
-        wait_(wait_budget(layout.process_replicas)) {}
+  explicit WorldState(WorldLayout layout);
 
   const WorldLayout& layout() const { return layout_; }
   Event& event() { return event_; }
@@ -8926,54 +9597,21 @@ class WorldState {
 
   /// Records that replica `ordinal` failed with `e`; the first failure is kept (and
   /// re-thrown by spawn) and aborts the world. Returns true for the first failure.
-  bool fail(int ordinal, std::exception_ptr e) {
-    bool first = false;
-    {
-      std::lock_guard lock(mu_);
-      if (!error_) {
-        error_ = e;
-        failed_ordinal_ = ordinal;
-        failure_ = describe(e);
-        first = true;
-      }
-    }
-    aborted_.store(true, std::memory_order_release);
-    event_.notify();
-    return first;
-  }
+  bool fail(int ordinal, std::exception_ptr e);
   /// The first failure (null when none).
-  std::exception_ptr first_error() const {
-    std::lock_guard lock(mu_);
-    return error_;
-  }
+  std::exception_ptr first_error() const;
   /// "replica 2 failed: <what>", for ReplicaAborted messages.
-  std::string abort_reason() const {
-    std::lock_guard lock(mu_);
-    if (!error_) return "the world was aborted";
-    if (failed_ordinal_ < 0) return "spawn failed: " + failure_;
-    return "replica " + std::to_string(failed_ordinal_) + " failed: " + failure_;
-  }
+  std::string abort_reason() const;
 
   /// Marks replica `ordinal` as gone (its function returned or threw): collectives that
   /// wait for it fail at once instead of timing out.
-  void mark_exited(int ordinal) {
-    exited_[static_cast<std::size_t>(ordinal)].store(true, std::memory_order_release);
-    event_.notify();
-  }
+  void mark_exited(int ordinal);
   bool exited(int ordinal) const {
     return exited_[static_cast<std::size_t>(ordinal)].load(std::memory_order_acquire);
   }
 
  private:
-  static std::string describe(const std::exception_ptr& e) {
-    try {
-      std::rethrow_exception(e);
-    } catch (const std::exception& ex) {
-      return ex.what();
-    } catch (...) {
-      return "an exception not derived from std::exception";
-    }
-  }
+  static std::string describe(const std::exception_ptr& e);
 
   WorldLayout layout_;
   std::vector<std::atomic<bool>> exited_;
@@ -8988,6 +9626,107 @@ class WorldState {
 
 }  // namespace detail
 }  // namespace lazy::dist
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::dist::detail {
+LAZYTENSOR_INLINE std::chrono::milliseconds env_collective_timeout() {
+  const char* env = std::getenv("LAZYTENSOR_COLLECTIVE_TIMEOUT");
+  if (!env || !*env) return std::chrono::seconds(300);
+  char* end = nullptr;
+  const double s = std::strtod(env, &end);
+  if (end == env || *end != '\0' || !(s > 0) || s > 1e9) {
+    throw Error(std::string("LAZYTENSOR_COLLECTIVE_TIMEOUT='") + env +
+                "' is not a number of seconds > 0 (expected e.g. 300 or 0.5)");
+  }
+  return std::chrono::milliseconds(
+      std::max<std::int64_t>(1, static_cast<std::int64_t>(s * 1000.0)));
+}
+}  // namespace lazy::dist::detail
+
+namespace lazy::dist {
+LAZYTENSOR_INLINE std::chrono::milliseconds collective_timeout() {
+  auto& ms = detail::timeout_ms();
+  std::int64_t v = ms.load(std::memory_order_relaxed);
+  if (v == 0) {
+    v = detail::env_collective_timeout().count();
+    std::int64_t expected = 0;
+    if (!ms.compare_exchange_strong(expected, v)) v = expected;  // set_collective_timeout won
+  }
+  return std::chrono::milliseconds(v);
+}
+
+LAZYTENSOR_INLINE void set_collective_timeout(std::chrono::milliseconds t) {
+  if (t.count() <= 0) {
+    throw Error("set_collective_timeout: the timeout must be > 0 ms, got " +
+                std::to_string(t.count()) + " ms");
+  }
+  detail::timeout_ms().store(t.count());
+}
+}  // namespace lazy::dist
+
+namespace lazy::dist::detail {
+LAZYTENSOR_INLINE void Event::notify() {
+  if (sleepers_.fetch_add(0, std::memory_order_acq_rel) > 0) {
+    std::lock_guard lock(mu_);
+    cv_.notify_all();
+  }
+}
+
+LAZYTENSOR_INLINE WaitBudget wait_budget(int replicas) {
+  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (replicas <= hw) return {std::chrono::microseconds(20), std::chrono::milliseconds(2)};
+  return {std::chrono::microseconds(1), std::chrono::nanoseconds(0)};
+}
+
+LAZYTENSOR_INLINE WorldState::WorldState(WorldLayout layout)
+    : layout_(layout),
+      exited_(static_cast<std::size_t>(layout.world_size)),
+      wait_(wait_budget(layout.process_replicas)) {}
+
+LAZYTENSOR_INLINE bool WorldState::fail(int ordinal, std::exception_ptr e) {
+  bool first = false;
+  {
+    std::lock_guard lock(mu_);
+    if (!error_) {
+      error_ = e;
+      failed_ordinal_ = ordinal;
+      failure_ = describe(e);
+      first = true;
+    }
+  }
+  aborted_.store(true, std::memory_order_release);
+  event_.notify();
+  return first;
+}
+
+LAZYTENSOR_INLINE std::exception_ptr WorldState::first_error() const {
+  std::lock_guard lock(mu_);
+  return error_;
+}
+
+LAZYTENSOR_INLINE std::string WorldState::abort_reason() const {
+  std::lock_guard lock(mu_);
+  if (!error_) return "the world was aborted";
+  if (failed_ordinal_ < 0) return "spawn failed: " + failure_;
+  return "replica " + std::to_string(failed_ordinal_) + " failed: " + failure_;
+}
+
+LAZYTENSOR_INLINE void WorldState::mark_exited(int ordinal) {
+  exited_[static_cast<std::size_t>(ordinal)].store(true, std::memory_order_release);
+  event_.notify();
+}
+
+LAZYTENSOR_INLINE std::string WorldState::describe(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& ex) {
+    return ex.what();
+  } catch (...) {
+    return "an exception not derived from std::exception";
+  }
+}
+}  // namespace lazy::dist::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/dist/world.hpp ----
 
 namespace lazy::dist::detail {
@@ -9008,23 +9747,13 @@ struct Share {
   std::vector<std::byte> staging;                ///< copies of small messages
 
   /// A staging area of at least `n` bytes (allocated once, then reused).
-  std::byte* stage(std::size_t n) {
-    if (staging.size() < n) staging.resize(std::max(n, kInlineBytes));
-    return staging.data();
-  }
+  std::byte* stage(std::size_t n);
 };
 
 /// One group's exchange: its members (sorted global ordinals), their slots, the round state.
 class GroupComm {
  public:
-  GroupComm(std::shared_ptr<WorldState> world, std::vector<int> members)
-      : world_(std::move(world)),
-        members_(std::move(members)),
-        slot_of_(static_cast<std::size_t>(world_->layout().world_size), -1),
-        slots_(std::make_unique<Slot[]>(members_.size())) {
-    for (std::size_t i = 0; i < members_.size(); ++i)
-      slot_of_[static_cast<std::size_t>(members_[i])] = static_cast<int>(i);
-  }
+  GroupComm(std::shared_ptr<WorldState> world, std::vector<int> members);
 
   int size() const { return static_cast<int>(members_.size()); }
   /// Members, sorted by ordinal (slot i belongs to members()[i]).
@@ -9091,186 +9820,34 @@ class GroupComm {
     alignas(64) Share round[2];
   };
 
-  std::string prefix(int me, std::uint64_t s, const Signature& sig) const {
-    return "replica " + std::to_string(members_[static_cast<std::size_t>(me)]) + ": " + sig.str() +
-           " (collective #" + std::to_string(s) + " of group " + list_str(members_) + "): ";
-  }
+  std::string prefix(int me, std::uint64_t s, const Signature& sig) const;
 
-  bool all_arrived(std::uint64_t s) const {
-    for (std::size_t j = 0; j < members_.size(); ++j) {
-      if (slots_[j].arrived.load(std::memory_order_acquire) < s) return false;
-    }
-    return true;
-  }
+  bool all_arrived(std::uint64_t s) const;
   /// A member that has not arrived at round s and whose replica has exited, else -1.
-  int exited_partner(std::uint64_t s) const {
-    for (std::size_t j = 0; j < members_.size(); ++j) {
-      if (slots_[j].arrived.load(std::memory_order_acquire) < s && world_->exited(members_[j]))
-        return members_[j];
-    }
-    return -1;
-  }
-  std::string missing(std::uint64_t s) const {
-    std::string m;
-    for (std::size_t j = 0; j < members_.size(); ++j) {
-      const std::uint64_t a = slots_[j].arrived.load(std::memory_order_acquire);
-      if (a >= s) continue;
-      if (!m.empty()) m += ", ";
-      m += "replica " + std::to_string(members_[j]) +
-           (a ? " (last joined collective #" + std::to_string(a) + ")" : " (joined none yet)");
-    }
-    return m;
-  }
+  int exited_partner(std::uint64_t s) const;
+  std::string missing(std::uint64_t s) const;
 
   void await_start(int me, std::uint64_t s, const Signature& sig,
-                   std::chrono::milliseconds timeout) {
-    WorldState& w = *world_;
-    if (!spin_until([&] { return all_arrived(s); }, w.wait())) {
-      const auto deadline = std::chrono::steady_clock::now() + timeout;
-      for (;;) {
-        if (all_arrived(s)) break;
-        if (state_.load(std::memory_order_acquire) & kBroken) break;  // start() reports it
-        const int gone = exited_partner(s);
-        if (w.aborted()) {
-          if (withdraw(me, s, sig, Failure::Aborted, "aborted because " + w.abort_reason())) break;
-        } else if (gone >= 0) {
-          if (withdraw(me, s, sig, Failure::Exited,
-                       "replica " + std::to_string(gone) +
-                           " exited (its function returned) without joining this collective")) {
-            break;
-          }
-        } else if (std::chrono::steady_clock::now() >= deadline) {
-          const double secs = static_cast<double>(timeout.count()) / 1000.0;
-          std::string t = std::to_string(secs);
-          t.erase(t.find_last_not_of('0') + 1);
-          if (t.back() == '.') t.pop_back();
-          if (withdraw(me, s, sig, Failure::Timeout,
-                       "timed out after " + t + " s waiting for " + missing(s) +
-                           " (set the limit with lazy::dist::set_collective_timeout or "
-                           "LAZYTENSOR_COLLECTIVE_TIMEOUT seconds)")) {
-            break;
-          }
-        }
-        w.event().wait_until(
-            [&] {
-              return all_arrived(s) || (state_.load(std::memory_order_acquire) & kBroken) ||
-                     w.aborted() || exited_partner(s) >= 0;
-            },
-            deadline);
-      }
-    }
-    start(me, s, sig);
-  }
+                   std::chrono::milliseconds timeout);
 
-  void start(int me, std::uint64_t s, const Signature& sig) {
-    std::uint64_t expected = s - 1;
-    if (state_.compare_exchange_strong(expected, s, std::memory_order_acq_rel)) return;
-    if ((expected & ~kBroken) >= s) return;  // another member started it
-    throw_broken(me, s, sig);
-  }
+  void start(int me, std::uint64_t s, const Signature& sig);
 
   /// Gives up on round s unless it already started. Returns true when it had started (the
   /// caller must take part); otherwise marks the group broken and throws.
   bool withdraw(int me, std::uint64_t s, const Signature& sig, Failure why,
-                const std::string& reason) {
-    std::unique_lock lock(broken_mu_);
-    std::uint64_t expected = s - 1;
-    if (state_.compare_exchange_strong(expected, (s - 1) | kBroken, std::memory_order_acq_rel)) {
-      broken_kind_ = why;
-      broken_reason_ =
-          "replica " + std::to_string(members_[static_cast<std::size_t>(me)]) + " " + reason;
-      lock.unlock();
-      world_->event().notify();
-      raise(why, prefix(me, s, sig) + reason);
-    }
-    if ((expected & ~kBroken) >= s) return true;
-    lock.unlock();
-    throw_broken(me, s, sig);
-  }
+                const std::string& reason);
 
-  [[noreturn]] void throw_broken(int me, std::uint64_t s, const Signature& sig) {
-    std::lock_guard lock(broken_mu_);
-    const std::string msg =
-        prefix(me, s, sig) + "the group can no longer be used: " + broken_reason_;
-    raise(broken_kind_, msg);
-  }
+  [[noreturn]] void throw_broken(int me, std::uint64_t s, const Signature& sig);
 
-  [[noreturn]] static void raise(Failure why, const std::string& msg) {
-    switch (why) {
-      case Failure::Timeout:
-        throw CollectiveTimeout(msg);
-      case Failure::Aborted:
-        throw ReplicaAborted(msg);
-      case Failure::Exited:
-        break;
-    }
-    throw CollectiveError(msg);
-  }
+  [[noreturn]] static void raise(Failure why, const std::string& msg);
 
   /// Throws CollectiveMismatch (on every member: they all see the same signatures) when
   /// the members' signatures differ, naming the replicas that diverged from the majority.
-  void check_signatures(const Round& round, int me, std::uint64_t s) const {
-    const int n = size();
-    bool same = true;
-    for (int j = 1; j < n && same; ++j) same = round[j].sig == round[0].sig;
-    if (same) return;
-    // Classes of equal signatures; the largest (ties: the one holding the lowest ordinal)
-    // is the reference, every other class diverged.
-    std::vector<int> cls(static_cast<std::size_t>(n), -1);
-    std::vector<std::vector<int>> classes;
-    for (int j = 0; j < n; ++j) {
-      if (cls[static_cast<std::size_t>(j)] >= 0) continue;
-      cls[static_cast<std::size_t>(j)] = static_cast<int>(classes.size());
-      classes.push_back({j});
-      for (int k = j + 1; k < n; ++k) {
-        if (cls[static_cast<std::size_t>(k)] < 0 && round[k].sig == round[j].sig) {
-          cls[static_cast<std::size_t>(k)] = cls[static_cast<std::size_t>(j)];
-          classes.back().push_back(k);
-        }
-      }
-    }
-    std::size_t ref = 0;
-    for (std::size_t c = 1; c < classes.size(); ++c) {
-      if (classes[c].size() > classes[ref].size()) ref = c;
-    }
-    auto who = [&](const std::vector<int>& slots) {
-      std::string w = slots.size() == 1 ? "replica " : "replicas ";
-      for (std::size_t i = 0; i < slots.size(); ++i) {
-        w += (i ? ", " : "") + std::to_string(members_[static_cast<std::size_t>(slots[i])]);
-      }
-      return w;
-    };
-    std::string msg = "replica " + std::to_string(members_[static_cast<std::size_t>(me)]) +
-                      ": collective mismatch at collective #" + std::to_string(s) + " of group " +
-                      list_str(members_) + ": ";
-    for (std::size_t c = 0; c < classes.size(); ++c) {
-      if (c == ref) continue;
-      msg += who(classes[c]) + " issued " + round[classes[c].front()].sig.str() + "; ";
-    }
-    msg += who(classes[ref]) + " issued " + round[classes[ref].front()].sig.str();
-    throw CollectiveMismatch(msg);
-  }
+  void check_signatures(const Round& round, int me, std::uint64_t s) const;
 
   /// Step 5: this member is done reading; wait until every member is, then drop the
   /// references this member shared.
-  void finish(int me, std::uint64_t s) {
-    Slot& slot = slots_[static_cast<std::size_t>(me)];
-    slot.done.store(s, std::memory_order_seq_cst);
-    WorldState& w = *world_;
-    w.event().notify();
-    auto all_done = [&] {
-      for (std::size_t j = 0; j < members_.size(); ++j) {
-        if (slots_[j].done.load(std::memory_order_acquire) < s) return false;
-      }
-      return true;
-    };
-    bool ready = spin_until(all_done, w.wait());
-    while (!ready) {
-      ready = w.event().wait_until(all_done,
-                                   std::chrono::steady_clock::now() + std::chrono::seconds(1));
-    }
-    slot.round[s & 1].buffers.clear();
-  }
+  void finish(int me, std::uint64_t s);
 
   std::shared_ptr<WorldState> world_;
   std::vector<int> members_;
@@ -9283,6 +9860,202 @@ class GroupComm {
 };
 
 }  // namespace lazy::dist::detail
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::dist::detail {
+LAZYTENSOR_INLINE std::byte* Share::stage(std::size_t n) {
+  if (staging.size() < n) staging.resize(std::max(n, kInlineBytes));
+  return staging.data();
+}
+
+LAZYTENSOR_INLINE GroupComm::GroupComm(std::shared_ptr<WorldState> world, std::vector<int> members)
+    : world_(std::move(world)),
+      members_(std::move(members)),
+      slot_of_(static_cast<std::size_t>(world_->layout().world_size), -1),
+      slots_(std::make_unique<Slot[]>(members_.size())) {
+  for (std::size_t i = 0; i < members_.size(); ++i)
+    slot_of_[static_cast<std::size_t>(members_[i])] = static_cast<int>(i);
+}
+
+LAZYTENSOR_INLINE std::string GroupComm::prefix(int me, std::uint64_t s,
+                                                const Signature& sig) const {
+  return "replica " + std::to_string(members_[static_cast<std::size_t>(me)]) + ": " + sig.str() +
+         " (collective #" + std::to_string(s) + " of group " + list_str(members_) + "): ";
+}
+
+LAZYTENSOR_INLINE bool GroupComm::all_arrived(std::uint64_t s) const {
+  for (std::size_t j = 0; j < members_.size(); ++j) {
+    if (slots_[j].arrived.load(std::memory_order_acquire) < s) return false;
+  }
+  return true;
+}
+
+LAZYTENSOR_INLINE int GroupComm::exited_partner(std::uint64_t s) const {
+  for (std::size_t j = 0; j < members_.size(); ++j) {
+    if (slots_[j].arrived.load(std::memory_order_acquire) < s && world_->exited(members_[j]))
+      return members_[j];
+  }
+  return -1;
+}
+
+LAZYTENSOR_INLINE std::string GroupComm::missing(std::uint64_t s) const {
+  std::string m;
+  for (std::size_t j = 0; j < members_.size(); ++j) {
+    const std::uint64_t a = slots_[j].arrived.load(std::memory_order_acquire);
+    if (a >= s) continue;
+    if (!m.empty()) m += ", ";
+    m += "replica " + std::to_string(members_[j]) +
+         (a ? " (last joined collective #" + std::to_string(a) + ")" : " (joined none yet)");
+  }
+  return m;
+}
+
+LAZYTENSOR_INLINE void GroupComm::await_start(int me, std::uint64_t s, const Signature& sig,
+                                              std::chrono::milliseconds timeout) {
+  WorldState& w = *world_;
+  if (!spin_until([&] { return all_arrived(s); }, w.wait())) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (;;) {
+      if (all_arrived(s)) break;
+      if (state_.load(std::memory_order_acquire) & kBroken) break;  // start() reports it
+      const int gone = exited_partner(s);
+      if (w.aborted()) {
+        if (withdraw(me, s, sig, Failure::Aborted, "aborted because " + w.abort_reason())) break;
+      } else if (gone >= 0) {
+        if (withdraw(me, s, sig, Failure::Exited,
+                     "replica " + std::to_string(gone) +
+                         " exited (its function returned) without joining this collective")) {
+          break;
+        }
+      } else if (std::chrono::steady_clock::now() >= deadline) {
+        const double secs = static_cast<double>(timeout.count()) / 1000.0;
+        std::string t = std::to_string(secs);
+        t.erase(t.find_last_not_of('0') + 1);
+        if (t.back() == '.') t.pop_back();
+        if (withdraw(me, s, sig, Failure::Timeout,
+                     "timed out after " + t + " s waiting for " + missing(s) +
+                         " (set the limit with lazy::dist::set_collective_timeout or "
+                         "LAZYTENSOR_COLLECTIVE_TIMEOUT seconds)")) {
+          break;
+        }
+      }
+      w.event().wait_until(
+          [&] {
+            return all_arrived(s) || (state_.load(std::memory_order_acquire) & kBroken) ||
+                   w.aborted() || exited_partner(s) >= 0;
+          },
+          deadline);
+    }
+  }
+  start(me, s, sig);
+}
+
+LAZYTENSOR_INLINE void GroupComm::start(int me, std::uint64_t s, const Signature& sig) {
+  std::uint64_t expected = s - 1;
+  if (state_.compare_exchange_strong(expected, s, std::memory_order_acq_rel)) return;
+  if ((expected & ~kBroken) >= s) return;  // another member started it
+  throw_broken(me, s, sig);
+}
+
+LAZYTENSOR_INLINE bool GroupComm::withdraw(int me, std::uint64_t s, const Signature& sig,
+                                           Failure why, const std::string& reason) {
+  std::unique_lock lock(broken_mu_);
+  std::uint64_t expected = s - 1;
+  if (state_.compare_exchange_strong(expected, (s - 1) | kBroken, std::memory_order_acq_rel)) {
+    broken_kind_ = why;
+    broken_reason_ =
+        "replica " + std::to_string(members_[static_cast<std::size_t>(me)]) + " " + reason;
+    lock.unlock();
+    world_->event().notify();
+    raise(why, prefix(me, s, sig) + reason);
+  }
+  if ((expected & ~kBroken) >= s) return true;
+  lock.unlock();
+  throw_broken(me, s, sig);
+}
+
+LAZYTENSOR_INLINE void GroupComm::throw_broken(int me, std::uint64_t s, const Signature& sig) {
+  std::lock_guard lock(broken_mu_);
+  const std::string msg =
+      prefix(me, s, sig) + "the group can no longer be used: " + broken_reason_;
+  raise(broken_kind_, msg);
+}
+
+LAZYTENSOR_INLINE void GroupComm::raise(Failure why, const std::string& msg) {
+  switch (why) {
+    case Failure::Timeout:
+      throw CollectiveTimeout(msg);
+    case Failure::Aborted:
+      throw ReplicaAborted(msg);
+    case Failure::Exited:
+      break;
+  }
+  throw CollectiveError(msg);
+}
+
+LAZYTENSOR_INLINE void GroupComm::check_signatures(const Round& round, int me,
+                                                   std::uint64_t s) const {
+  const int n = size();
+  bool same = true;
+  for (int j = 1; j < n && same; ++j) same = round[j].sig == round[0].sig;
+  if (same) return;
+  // Classes of equal signatures; the largest (ties: the one holding the lowest ordinal)
+  // is the reference, every other class diverged.
+  std::vector<int> cls(static_cast<std::size_t>(n), -1);
+  std::vector<std::vector<int>> classes;
+  for (int j = 0; j < n; ++j) {
+    if (cls[static_cast<std::size_t>(j)] >= 0) continue;
+    cls[static_cast<std::size_t>(j)] = static_cast<int>(classes.size());
+    classes.push_back({j});
+    for (int k = j + 1; k < n; ++k) {
+      if (cls[static_cast<std::size_t>(k)] < 0 && round[k].sig == round[j].sig) {
+        cls[static_cast<std::size_t>(k)] = cls[static_cast<std::size_t>(j)];
+        classes.back().push_back(k);
+      }
+    }
+  }
+  std::size_t ref = 0;
+  for (std::size_t c = 1; c < classes.size(); ++c) {
+    if (classes[c].size() > classes[ref].size()) ref = c;
+  }
+  auto who = [&](const std::vector<int>& slots) {
+    std::string w = slots.size() == 1 ? "replica " : "replicas ";
+    for (std::size_t i = 0; i < slots.size(); ++i) {
+      w += (i ? ", " : "") + std::to_string(members_[static_cast<std::size_t>(slots[i])]);
+    }
+    return w;
+  };
+  std::string msg = "replica " + std::to_string(members_[static_cast<std::size_t>(me)]) +
+                    ": collective mismatch at collective #" + std::to_string(s) + " of group " +
+                    list_str(members_) + ": ";
+  for (std::size_t c = 0; c < classes.size(); ++c) {
+    if (c == ref) continue;
+    msg += who(classes[c]) + " issued " + round[classes[c].front()].sig.str() + "; ";
+  }
+  msg += who(classes[ref]) + " issued " + round[classes[ref].front()].sig.str();
+  throw CollectiveMismatch(msg);
+}
+
+LAZYTENSOR_INLINE void GroupComm::finish(int me, std::uint64_t s) {
+  Slot& slot = slots_[static_cast<std::size_t>(me)];
+  slot.done.store(s, std::memory_order_seq_cst);
+  WorldState& w = *world_;
+  w.event().notify();
+  auto all_done = [&] {
+    for (std::size_t j = 0; j < members_.size(); ++j) {
+      if (slots_[j].done.load(std::memory_order_acquire) < s) return false;
+    }
+    return true;
+  };
+  bool ready = spin_until(all_done, w.wait());
+  while (!ready) {
+    ready = w.event().wait_until(all_done,
+                                 std::chrono::steady_clock::now() + std::chrono::seconds(1));
+  }
+  slot.round[s & 1].buffers.clear();
+}
+}  // namespace lazy::dist::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/dist/group_comm.hpp ----
 
 namespace lazy::dist::detail {
@@ -9290,16 +10063,11 @@ namespace lazy::dist::detail {
 /// A world of replicas (threads backend): its shared state and its groups' exchanges.
 class World {
  public:
-  explicit World(WorldLayout layout) : state_(std::make_shared<WorldState>(layout)) {}
+  explicit World(WorldLayout layout);
   WorldState& state() { return *state_; }
 
   /// The exchange of the group with these members (sorted), created on first use.
-  std::shared_ptr<GroupComm> comm(const std::vector<int>& members) {
-    std::lock_guard lock(mu_);
-    auto& c = comms_[members];
-    if (!c) c = std::make_shared<GroupComm>(state_, members);
-    return c;
-  }
+  std::shared_ptr<GroupComm> comm(const std::vector<int>& members);
 
  private:
   std::shared_ptr<WorldState> state_;
@@ -9327,11 +10095,7 @@ struct ReplicaContext {
   Channel* world_channel = nullptr;                     ///< its channel (cached)
   std::shared_ptr<graph::TensorImpl> last;  ///< last traced exchange, registered with the device
 
-  Channel& channel(const std::vector<int>& sorted_members) {
-    auto& ch = channels[sorted_members];
-    if (!ch.comm) ch.comm = world->comm(sorted_members);
-    return ch;
-  }
+  Channel& channel(const std::vector<int>& sorted_members);
 };
 
 /// This thread's replica context (null outside spawn: a world of one).
@@ -9354,7 +10118,69 @@ struct CollectiveCall {
 
 /// Captures a collective whose group is `group` (ordinals in data order, containing this
 /// replica): takes the group's next sequence number.
-inline CollectiveCall capture(Signature sig, std::shared_ptr<const std::vector<int>> group) {
+CollectiveCall capture(Signature sig, std::shared_ptr<const std::vector<int>> group);
+
+/// World size and this thread's ordinal.
+inline int world_size_now() {
+  ReplicaContext* ctx = current_context();
+  return ctx ? ctx->world->state().layout().world_size : 1;
+}
+inline int ordinal_now() {
+  ReplicaContext* ctx = current_context();
+  return ctx ? ctx->ordinal : 0;
+}
+
+/// The group of this replica for `groups`, validated (no sequence number taken yet).
+std::shared_ptr<const std::vector<int>> group_of(const Groups& groups, const char* op);
+
+/// Captures a host-side collective among `replicas` (empty: everyone), which must hold
+/// this replica and no ordinal twice; they take part in ascending ordinal order.
+CollectiveCall capture_among(Signature sig, std::vector<int> replicas, const char* op);
+
+/// The replica's last traced exchange when it is still pending (the next one runs after it).
+inline graph::NodePtr pending_predecessor() {
+  ReplicaContext* ctx = current_context();
+  if (!ctx || !ctx->last || !ctx->last->node || ctx->last->node->materialized()) return nullptr;
+  return ctx->last->node;
+}
+
+/// Makes `exchange` the replica's last traced collective (see the file comment).
+void remember(const graph::NodePtr& exchange);
+
+/// Runs this replica's pending collectives (and what they need): host-side collectives and
+/// a replica's exit do this first, so every replica executes its collectives in program
+/// order.
+inline void flush_pending() {
+  if (graph::NodePtr n = pending_predecessor()) graph::materialize(n);
+}
+
+/// A replica's exit: runs its pending collectives, waits for its device's steps and
+/// re-throws an error one of them stored, so that no failure (a collective mismatch seen by
+/// a step that ran inline or on the executor) ends unseen with its replica.
+void finish_replica();
+
+}  // namespace lazy::dist::detail
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::dist::detail {
+LAZYTENSOR_INLINE World::World(WorldLayout layout) : state_(std::make_shared<WorldState>(layout)) {}
+
+LAZYTENSOR_INLINE std::shared_ptr<GroupComm> World::comm(const std::vector<int>& members) {
+  std::lock_guard lock(mu_);
+  auto& c = comms_[members];
+  if (!c) c = std::make_shared<GroupComm>(state_, members);
+  return c;
+}
+
+LAZYTENSOR_INLINE ReplicaContext::Channel& ReplicaContext::channel(
+    const std::vector<int>& sorted_members) {
+  auto& ch = channels[sorted_members];
+  if (!ch.comm) ch.comm = world->comm(sorted_members);
+  return ch;
+}
+
+LAZYTENSOR_INLINE CollectiveCall capture(Signature sig,
+                                         std::shared_ptr<const std::vector<int>> group) {
   ReplicaContext* ctx = current_context();
   const int me = ctx ? ctx->ordinal : 0;
   CollectiveCall call;
@@ -9379,18 +10205,8 @@ inline CollectiveCall capture(Signature sig, std::shared_ptr<const std::vector<i
   return call;
 }
 
-/// World size and this thread's ordinal.
-inline int world_size_now() {
-  ReplicaContext* ctx = current_context();
-  return ctx ? ctx->world->state().layout().world_size : 1;
-}
-inline int ordinal_now() {
-  ReplicaContext* ctx = current_context();
-  return ctx ? ctx->ordinal : 0;
-}
-
-/// The group of this replica for `groups`, validated (no sequence number taken yet).
-inline std::shared_ptr<const std::vector<int>> group_of(const Groups& groups, const char* op) {
+LAZYTENSOR_INLINE std::shared_ptr<const std::vector<int>> group_of(const Groups& groups,
+                                                                   const char* op) {
   ReplicaContext* ctx = current_context();
   if (!groups.empty() || !ctx) {
     return std::make_shared<const std::vector<int>>(
@@ -9406,9 +10222,8 @@ inline std::shared_ptr<const std::vector<int>> group_of(const Groups& groups, co
   return ctx->world_group;
 }
 
-/// Captures a host-side collective among `replicas` (empty: everyone), which must hold
-/// this replica and no ordinal twice; they take part in ascending ordinal order.
-inline CollectiveCall capture_among(Signature sig, std::vector<int> replicas, const char* op) {
+LAZYTENSOR_INLINE CollectiveCall capture_among(Signature sig, std::vector<int> replicas,
+                                               const char* op) {
   if (replicas.empty()) return capture(std::move(sig), group_of({}, op));
   const int world = world_size_now(), me = ordinal_now();
   std::sort(replicas.begin(), replicas.end());
@@ -9430,15 +10245,7 @@ inline CollectiveCall capture_among(Signature sig, std::vector<int> replicas, co
   return capture(std::move(sig), std::make_shared<const std::vector<int>>(std::move(replicas)));
 }
 
-/// The replica's last traced exchange when it is still pending (the next one runs after it).
-inline graph::NodePtr pending_predecessor() {
-  ReplicaContext* ctx = current_context();
-  if (!ctx || !ctx->last || !ctx->last->node || ctx->last->node->materialized()) return nullptr;
-  return ctx->last->node;
-}
-
-/// Makes `exchange` the replica's last traced collective (see the file comment).
-inline void remember(const graph::NodePtr& exchange) {
+LAZYTENSOR_INLINE void remember(const graph::NodePtr& exchange) {
   ReplicaContext* ctx = current_context();
   if (!ctx) return;
   if (!ctx->last) {
@@ -9449,34 +10256,20 @@ inline void remember(const graph::NodePtr& exchange) {
   }
 }
 
-/// Runs this replica's pending collectives (and what they need): host-side collectives and
-/// a replica's exit do this first, so every replica executes its collectives in program
-/// order.
-inline void flush_pending() {
-  if (graph::NodePtr n = pending_predecessor()) graph::materialize(n);
-}
-
-/// A replica's exit: runs its pending collectives, waits for its device's steps and
-/// re-throws an error one of them stored, so that no failure (a collective mismatch seen by
-/// a step that ran inline or on the executor) ends unseen with its replica.
-inline void finish_replica() {
+LAZYTENSOR_INLINE void finish_replica() {
   flush_pending();
   graph::Device& dev = graph::current_device();
   dev.wait_idle();
   dev.rethrow_stored_error();
 }
-
 }  // namespace lazy::dist::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/dist/context.hpp ----
 
 namespace lazy::dist::detail {
 
 /// The shared empty value of every exchange node.
-inline const std::shared_ptr<Buffer>& token_buffer() {
-  static const std::shared_ptr<Buffer> tok = std::make_shared<Buffer>(
-      ::operator new(kBufferAlign, std::align_val_t(kBufferAlign)), kBufferAlign, nullptr);
-  return tok;
-}
+const std::shared_ptr<Buffer>& token_buffer();
 
 /// One round of a group exchange, computing every output of a collective (one per input).
 class ExchangeNode : public graph::Node {
@@ -9484,18 +10277,10 @@ class ExchangeNode : public graph::Node {
   /// `data` are the collective's inputs; `after` (may be null) is the replica's previous
   /// pending exchange, which must run first.
   ExchangeNode(CollectiveCall call, std::vector<graph::NodePtr> data, const graph::NodePtr& after,
-               graph::Device* device)
-      : Node(graph::NodeKind::Collective, DType::Bool, Shape{0}, device,
-             with_after(std::move(data), after)),
-        call_(std::move(call)),
-        data_count_(inputs().size() - (after ? 1 : 0)),
-        outputs_(data_count_),
-        results_(data_count_) {}
+               graph::Device* device);
 
   std::string op_name() const override { return kind_name(call_.sig.kind); }
-  std::string describe() const override {
-    return call_.sig.str() + (call_.comm ? " #" + std::to_string(call_.seq) : std::string());
-  }
+  std::string describe() const override;
   double cost_per_element() const override { return 0; }
 
   /// Lets the exchange drop output `i` at once when its result node is gone.
@@ -9508,28 +10293,8 @@ class ExchangeNode : public graph::Node {
   const CollectiveCall& call() const { return call_; }
 
  protected:
-  void compute(graph::ExecContext& ctx) final {
-    std::vector<std::shared_ptr<Buffer>> outs;
-    try {
-      outs = run(ctx);
-    } catch (...) {
-      // Done for good: the exchange never runs again (its group has moved on); the
-      // error goes to whoever reads a result.
-      failure_ = std::current_exception();
-      set_buffer(token_buffer());
-      finish();
-      throw;
-    }
-    for (std::size_t i = 0; i < outs.size(); ++i) {
-      if (results_[i].expired()) outs[i].reset();
-    }
-    outputs_ = std::move(outs);
-    set_buffer(token_buffer());
-  }
-  void finish() override {
-    Node::finish();
-    call_.comm.reset();
-  }
+  void compute(graph::ExecContext& ctx) final;
+  void finish() override;
 
   /// Runs the exchange; returns one buffer per output.
   virtual std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext& ctx) = 0;
@@ -9547,10 +10312,7 @@ class ExchangeNode : public graph::Node {
 
  private:
   static std::vector<graph::NodePtr> with_after(std::vector<graph::NodePtr> data,
-                                                const graph::NodePtr& after) {
-    if (after) data.push_back(after);
-    return data;
-  }
+                                                const graph::NodePtr& after);
 
   CollectiveCall call_;
   std::size_t data_count_;
@@ -9562,8 +10324,7 @@ class ExchangeNode : public graph::Node {
 /// Output `index` of an exchange.
 class ResultNode final : public graph::Node {
  public:
-  ResultNode(const std::shared_ptr<ExchangeNode>& ex, std::size_t index, DType dtype, Shape shape)
-      : Node(graph::NodeKind::Collective, dtype, shape, ex->device(), {ex}), index_(index) {}
+  ResultNode(const std::shared_ptr<ExchangeNode>& ex, std::size_t index, DType dtype, Shape shape);
   std::string op_name() const override {
     return kind_name(static_cast<const ExchangeNode&>(*inputs()[0]).call().sig.kind);
   }
@@ -9586,35 +10347,12 @@ struct OutputSpec {
 
 /// The device a collective's nodes go to: inside spawn, the replica's own device (its
 /// inputs must live there); outside, the inputs' common device.
-inline graph::Device& collective_device(const std::vector<graph::NodePtr>& inputs, const char* op) {
-  if (!current_context()) return graph::common_device(inputs, op);
-  graph::Device& dev = graph::current_device();
-  for (const auto& in : inputs) {
-    if (in->device() != &dev) {
-      throw DeviceError(std::string(op) + ": replica " + std::to_string(ordinal_now()) +
-                        " expected its tensors on its own device " + dev.str() + ", found one on " +
-                        in->device()->str());
-    }
-  }
-  return dev;
-}
+graph::Device& collective_device(const std::vector<graph::NodePtr>& inputs, const char* op);
 
 /// Submits an exchange and its result nodes (in this order, so eager mode works); returns
 /// the result nodes.
-inline std::vector<graph::NodePtr> submit_exchange(const std::shared_ptr<ExchangeNode>& ex,
-                                                   const std::vector<OutputSpec>& outs) {
-  std::vector<graph::NodePtr> results;
-  results.reserve(outs.size());
-  for (std::size_t i = 0; i < outs.size(); ++i) {
-    auto r = std::make_shared<ResultNode>(ex, i, outs[i].dtype, outs[i].shape);
-    ex->watch(i, r);
-    results.push_back(std::move(r));
-  }
-  if (ex->call().comm) remember(ex);
-  graph::submit(ex);
-  for (auto& r : results) graph::submit(r);
-  return results;
-}
+std::vector<graph::NodePtr> submit_exchange(const std::shared_ptr<ExchangeNode>& ex,
+                                            const std::vector<OutputSpec>& outs);
 
 /// Up to 16 pointers without allocating (one per group member).
 template <class T>
@@ -9633,6 +10371,92 @@ class PtrList {
 };
 
 }  // namespace lazy::dist::detail
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::dist::detail {
+LAZYTENSOR_INLINE const std::shared_ptr<Buffer>& token_buffer() {
+  static const std::shared_ptr<Buffer> tok = std::make_shared<Buffer>(
+      ::operator new(kBufferAlign, std::align_val_t(kBufferAlign)), kBufferAlign, nullptr);
+  return tok;
+}
+
+LAZYTENSOR_INLINE ExchangeNode::ExchangeNode(CollectiveCall call, std::vector<graph::NodePtr> data,
+                                             const graph::NodePtr& after, graph::Device* device)
+    : Node(graph::NodeKind::Collective, DType::Bool, Shape{0}, device,
+           with_after(std::move(data), after)),
+      call_(std::move(call)),
+      data_count_(inputs().size() - (after ? 1 : 0)),
+      outputs_(data_count_),
+      results_(data_count_) {}
+
+LAZYTENSOR_INLINE std::string ExchangeNode::describe() const {
+  return call_.sig.str() + (call_.comm ? " #" + std::to_string(call_.seq) : std::string());
+}
+
+LAZYTENSOR_INLINE void ExchangeNode::compute(graph::ExecContext& ctx) {
+  std::vector<std::shared_ptr<Buffer>> outs;
+  try {
+    outs = run(ctx);
+  } catch (...) {
+    // Done for good: the exchange never runs again (its group has moved on); the
+    // error goes to whoever reads a result.
+    failure_ = std::current_exception();
+    set_buffer(token_buffer());
+    finish();
+    throw;
+  }
+  for (std::size_t i = 0; i < outs.size(); ++i) {
+    if (results_[i].expired()) outs[i].reset();
+  }
+  outputs_ = std::move(outs);
+  set_buffer(token_buffer());
+}
+
+LAZYTENSOR_INLINE void ExchangeNode::finish() {
+  Node::finish();
+  call_.comm.reset();
+}
+
+LAZYTENSOR_INLINE std::vector<graph::NodePtr> ExchangeNode::with_after(
+    std::vector<graph::NodePtr> data, const graph::NodePtr& after) {
+  if (after) data.push_back(after);
+  return data;
+}
+
+LAZYTENSOR_INLINE ResultNode::ResultNode(const std::shared_ptr<ExchangeNode>& ex, std::size_t index,
+                                         DType dtype, Shape shape)
+    : Node(graph::NodeKind::Collective, dtype, shape, ex->device(), {ex}), index_(index) {}
+
+LAZYTENSOR_INLINE graph::Device& collective_device(const std::vector<graph::NodePtr>& inputs,
+                                                   const char* op) {
+  if (!current_context()) return graph::common_device(inputs, op);
+  graph::Device& dev = graph::current_device();
+  for (const auto& in : inputs) {
+    if (in->device() != &dev) {
+      throw DeviceError(std::string(op) + ": replica " + std::to_string(ordinal_now()) +
+                        " expected its tensors on its own device " + dev.str() + ", found one on " +
+                        in->device()->str());
+    }
+  }
+  return dev;
+}
+
+LAZYTENSOR_INLINE std::vector<graph::NodePtr> submit_exchange(
+    const std::shared_ptr<ExchangeNode>& ex, const std::vector<OutputSpec>& outs) {
+  std::vector<graph::NodePtr> results;
+  results.reserve(outs.size());
+  for (std::size_t i = 0; i < outs.size(); ++i) {
+    auto r = std::make_shared<ResultNode>(ex, i, outs[i].dtype, outs[i].shape);
+    ex->watch(i, r);
+    results.push_back(std::move(r));
+  }
+  if (ex->call().comm) remember(ex);
+  graph::submit(ex);
+  for (auto& r : results) graph::submit(r);
+  return results;
+}
+}  // namespace lazy::dist::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/dist/collective_node.hpp ----
 // ---- begin lazytensor/dist/exchanges.hpp ----
 // The exchange kernels of the tensor collectives (threads backend).
@@ -9662,49 +10486,13 @@ namespace lazy::dist::detail {
 
 /// Copies a `shape` block of `es`-byte elements between two strided layouts (strides in
 /// elements), one memcpy per run of the longest suffix contiguous in both.
-inline void copy_block(std::byte* dst, const std::array<std::int64_t, kMaxRank>& dstr,
-                       const std::byte* src, const std::array<std::int64_t, kMaxRank>& sstr,
-                       const Shape& shape, std::size_t es) {
-  if (shape.numel() == 0) return;
-  std::int64_t run = 1;
-  int d0 = shape.rank();
-  while (d0 > 0 && sstr[d0 - 1] == run && dstr[d0 - 1] == run) run *= shape[--d0];
-  std::int64_t count = 1;
-  for (int d = 0; d < d0; ++d) count *= shape[d];
-  std::array<std::int64_t, kMaxRank> idx{};
-  std::int64_t so = 0, dof = 0;
-  const std::size_t run_bytes = static_cast<std::size_t>(run) * es;
-  for (std::int64_t it = 0; it < count; ++it) {
-    std::memcpy(dst + dof * static_cast<std::int64_t>(es), src + so * static_cast<std::int64_t>(es),
-                run_bytes);
-    for (int d = d0 - 1; d >= 0; --d) {
-      so += sstr[d];
-      dof += dstr[d];
-      if (++idx[d] < shape[d]) break;
-      so -= sstr[d] * shape[d];
-      dof -= dstr[d] * shape[d];
-      idx[d] = 0;
-    }
-  }
-}
+void copy_block(std::byte* dst, const std::array<std::int64_t, kMaxRank>& dstr,
+                const std::byte* src, const std::array<std::int64_t, kMaxRank>& sstr,
+                const Shape& shape, std::size_t es);
 
 /// Publishes this member's inputs: copies into the slot when `copied`, else pointers.
-inline void publish_inputs(Share& s, const std::vector<const std::byte*>& in,
-                           const std::vector<std::size_t>& nbytes, bool copied) {
-  s.data.resize(in.size());
-  if (!copied) {
-    for (std::size_t i = 0; i < in.size(); ++i) s.data[i] = in[i];
-    return;
-  }
-  std::size_t total = 0;
-  for (auto b : nbytes) total += align64(b);
-  std::byte* st = s.stage(total);
-  for (std::size_t i = 0; i < in.size(); ++i) {
-    if (nbytes[i]) std::memcpy(st, in[i], nbytes[i]);
-    s.data[i] = st;
-    st += align64(nbytes[i]);
-  }
-}
+void publish_inputs(Share& s, const std::vector<const std::byte*>& in,
+                    const std::vector<std::size_t>& nbytes, bool copied);
 
 /// all_reduce of one or several tensors of type T (coalesced: one round for all of them).
 template <Element T>
@@ -9812,53 +10600,10 @@ class AllReduceExchange final : public ExchangeNode {
 class AllGatherExchange final : public ExchangeNode {
  public:
   AllGatherExchange(CollectiveCall call, graph::NodePtr in, const graph::NodePtr& after,
-                    graph::Device* device, int dim)
-      : ExchangeNode(std::move(call), {std::move(in)}, after, device), dim_(dim) {}
+                    graph::Device* device, int dim);
 
  protected:
-  std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext& ctx) override {
-    const CollectiveCall& c = call();
-    const std::int64_t numel = data(0)->numel();
-    if (c.size() == 1) return {data(0)->buffer()};
-    const Shape& s = data(0)->shape();
-    const std::size_t es = dtype_size(data(0)->dtype());
-    const int n = c.size();
-    std::int64_t outer = 1, inner = 1;  // input as [outer, inner], output as [outer, n * inner]
-    for (int d = 0; d < s.rank(); ++d) (d < dim_ ? outer : inner) *= s[d];
-    const std::size_t nbytes = static_cast<std::size_t>(numel) * es;
-    const bool copied = align64(nbytes) <= kInlineBytes;
-    const bool leader = c.slot == 0;
-    std::vector<std::shared_ptr<Buffer>> outs(1);
-    if (copied || leader) outs[0] = allocate(ctx, numel * n, es);
-    const std::byte* own = bytes(0);
-    auto copy_rank = [&](std::byte* out, const std::byte* src, int q) {
-      const auto row = static_cast<std::size_t>(inner) * es;
-      for (std::int64_t o = 0; o < outer; ++o) {
-        std::memcpy(out + (static_cast<std::size_t>(o) * static_cast<std::size_t>(n) +
-                           static_cast<std::size_t>(q)) *
-                              row,
-                    src + static_cast<std::size_t>(o) * row, row);
-      }
-    };
-    c.comm->exchange(
-        c.slot, c.seq, c.sig,
-        [&](Share& sh) {
-          publish_inputs(sh, {own}, {nbytes}, copied);
-          if (!copied && leader) sh.buffers = outs;
-        },
-        [&](const GroupComm::Round& r) {
-          if (!copied && !leader) outs = r[0].buffers;
-          auto* out = static_cast<std::byte*>(outs[0]->data());
-          if (!copied) {
-            copy_rank(out, own, c.rank);  // each member writes its own block of the shared output
-            return;
-          }
-          for (int q = 0; q < n; ++q)
-            copy_rank(out, r[c.slot_of_rank[static_cast<std::size_t>(q)]].data[0], q);
-        },
-        !copied);
-    return outs;
-  }
+  std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext& ctx) override;
 
  private:
   int dim_;
@@ -9927,40 +10672,10 @@ class ReduceScatterExchange final : public ExchangeNode {
 class AllToAllExchange final : public ExchangeNode {
  public:
   AllToAllExchange(CollectiveCall call, graph::NodePtr in, const graph::NodePtr& after,
-                   graph::Device* device, int split, int concat)
-      : ExchangeNode(std::move(call), {std::move(in)}, after, device),
-        split_(split),
-        concat_(concat) {}
+                   graph::Device* device, int split, int concat);
 
  protected:
-  std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext& ctx) override {
-    const CollectiveCall& c = call();
-    const int n = c.size();
-    if (n == 1) return {data(0)->buffer()};
-    const Shape& s = data(0)->shape();
-    const std::size_t es = dtype_size(data(0)->dtype());
-    Shape chunk = s;
-    chunk[split_] = s[split_] / n;
-    Shape out_shape = chunk;
-    out_shape[concat_] = chunk[concat_] * n;
-    const auto sstr = contiguous_strides(s), ostr = contiguous_strides(out_shape);
-    std::vector<std::shared_ptr<Buffer>> outs{allocate(ctx, out_shape.numel(), es)};
-    auto* out = static_cast<std::byte*>(outs[0]->data());
-    const std::size_t nbytes = static_cast<std::size_t>(s.numel()) * es;
-    const bool copied = align64(nbytes) <= kInlineBytes;
-    const auto ses = static_cast<std::int64_t>(es);
-    c.comm->exchange(
-        c.slot, c.seq, c.sig, [&](Share& sh) { publish_inputs(sh, {bytes(0)}, {nbytes}, copied); },
-        [&](const GroupComm::Round& r) {
-          for (int q = 0; q < n; ++q) {
-            const std::byte* src = r[c.slot_of_rank[static_cast<std::size_t>(q)]].data[0] +
-                                   c.rank * chunk[split_] * sstr[split_] * ses;
-            copy_block(out + q * chunk[concat_] * ostr[concat_] * ses, ostr, src, sstr, chunk, es);
-          }
-        },
-        !copied);
-    return outs;
-  }
+  std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext& ctx) override;
 
  private:
   int split_, concat_;
@@ -9970,29 +10685,170 @@ class AllToAllExchange final : public ExchangeNode {
 class BroadcastExchange final : public ExchangeNode {
  public:
   BroadcastExchange(CollectiveCall call, graph::NodePtr in, const graph::NodePtr& after,
-                    graph::Device* device, int src_slot)
-      : ExchangeNode(std::move(call), {std::move(in)}, after, device), src_slot_(src_slot) {}
+                    graph::Device* device, int src_slot);
 
  protected:
-  std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext&) override {
-    const CollectiveCall& c = call();
-    if (c.size() == 1) return {data(0)->buffer()};
-    std::vector<std::shared_ptr<Buffer>> outs(1);
-    c.comm->exchange(
-        c.slot, c.seq, c.sig,
-        [&](Share& sh) {
-          if (c.slot == src_slot_) sh.buffers = {data(0)->buffer()};
-        },
-        [&](const GroupComm::Round& r) { outs[0] = r[src_slot_].buffers[0]; },
-        true);  // the source's share holds its buffer until everyone took it
-    return outs;
-  }
+  std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext&) override;
 
  private:
   int src_slot_;
 };
 
 }  // namespace lazy::dist::detail
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::dist::detail {
+LAZYTENSOR_INLINE void copy_block(std::byte* dst, const std::array<std::int64_t, kMaxRank>& dstr,
+                                  const std::byte* src,
+                                  const std::array<std::int64_t, kMaxRank>& sstr,
+                                  const Shape& shape, std::size_t es) {
+  if (shape.numel() == 0) return;
+  std::int64_t run = 1;
+  int d0 = shape.rank();
+  while (d0 > 0 && sstr[d0 - 1] == run && dstr[d0 - 1] == run) run *= shape[--d0];
+  std::int64_t count = 1;
+  for (int d = 0; d < d0; ++d) count *= shape[d];
+  std::array<std::int64_t, kMaxRank> idx{};
+  std::int64_t so = 0, dof = 0;
+  const std::size_t run_bytes = static_cast<std::size_t>(run) * es;
+  for (std::int64_t it = 0; it < count; ++it) {
+    std::memcpy(dst + dof * static_cast<std::int64_t>(es), src + so * static_cast<std::int64_t>(es),
+                run_bytes);
+    for (int d = d0 - 1; d >= 0; --d) {
+      so += sstr[d];
+      dof += dstr[d];
+      if (++idx[d] < shape[d]) break;
+      so -= sstr[d] * shape[d];
+      dof -= dstr[d] * shape[d];
+      idx[d] = 0;
+    }
+  }
+}
+
+LAZYTENSOR_INLINE void publish_inputs(Share& s, const std::vector<const std::byte*>& in,
+                                      const std::vector<std::size_t>& nbytes, bool copied) {
+  s.data.resize(in.size());
+  if (!copied) {
+    for (std::size_t i = 0; i < in.size(); ++i) s.data[i] = in[i];
+    return;
+  }
+  std::size_t total = 0;
+  for (auto b : nbytes) total += align64(b);
+  std::byte* st = s.stage(total);
+  for (std::size_t i = 0; i < in.size(); ++i) {
+    if (nbytes[i]) std::memcpy(st, in[i], nbytes[i]);
+    s.data[i] = st;
+    st += align64(nbytes[i]);
+  }
+}
+
+LAZYTENSOR_INLINE AllGatherExchange::AllGatherExchange(CollectiveCall call, graph::NodePtr in,
+                                                       const graph::NodePtr& after,
+                                                       graph::Device* device, int dim)
+    : ExchangeNode(std::move(call), {std::move(in)}, after, device), dim_(dim) {}
+
+LAZYTENSOR_INLINE std::vector<std::shared_ptr<Buffer>> AllGatherExchange::run(
+    graph::ExecContext& ctx) {
+  const CollectiveCall& c = call();
+  const std::int64_t numel = data(0)->numel();
+  if (c.size() == 1) return {data(0)->buffer()};
+  const Shape& s = data(0)->shape();
+  const std::size_t es = dtype_size(data(0)->dtype());
+  const int n = c.size();
+  std::int64_t outer = 1, inner = 1;  // input as [outer, inner], output as [outer, n * inner]
+  for (int d = 0; d < s.rank(); ++d) (d < dim_ ? outer : inner) *= s[d];
+  const std::size_t nbytes = static_cast<std::size_t>(numel) * es;
+  const bool copied = align64(nbytes) <= kInlineBytes;
+  const bool leader = c.slot == 0;
+  std::vector<std::shared_ptr<Buffer>> outs(1);
+  if (copied || leader) outs[0] = allocate(ctx, numel * n, es);
+  const std::byte* own = bytes(0);
+  auto copy_rank = [&](std::byte* out, const std::byte* src, int q) {
+    const auto row = static_cast<std::size_t>(inner) * es;
+    for (std::int64_t o = 0; o < outer; ++o) {
+      std::memcpy(out + (static_cast<std::size_t>(o) * static_cast<std::size_t>(n) +
+                         static_cast<std::size_t>(q)) *
+                            row,
+                  src + static_cast<std::size_t>(o) * row, row);
+    }
+  };
+  c.comm->exchange(
+      c.slot, c.seq, c.sig,
+      [&](Share& sh) {
+        publish_inputs(sh, {own}, {nbytes}, copied);
+        if (!copied && leader) sh.buffers = outs;
+      },
+      [&](const GroupComm::Round& r) {
+        if (!copied && !leader) outs = r[0].buffers;
+        auto* out = static_cast<std::byte*>(outs[0]->data());
+        if (!copied) {
+          copy_rank(out, own, c.rank);  // each member writes its own block of the shared output
+          return;
+        }
+        for (int q = 0; q < n; ++q)
+          copy_rank(out, r[c.slot_of_rank[static_cast<std::size_t>(q)]].data[0], q);
+      },
+      !copied);
+  return outs;
+}
+
+LAZYTENSOR_INLINE AllToAllExchange::AllToAllExchange(CollectiveCall call, graph::NodePtr in,
+                                                     const graph::NodePtr& after,
+                                                     graph::Device* device, int split, int concat)
+    : ExchangeNode(std::move(call), {std::move(in)}, after, device),
+      split_(split),
+      concat_(concat) {}
+
+LAZYTENSOR_INLINE std::vector<std::shared_ptr<Buffer>> AllToAllExchange::run(
+    graph::ExecContext& ctx) {
+  const CollectiveCall& c = call();
+  const int n = c.size();
+  if (n == 1) return {data(0)->buffer()};
+  const Shape& s = data(0)->shape();
+  const std::size_t es = dtype_size(data(0)->dtype());
+  Shape chunk = s;
+  chunk[split_] = s[split_] / n;
+  Shape out_shape = chunk;
+  out_shape[concat_] = chunk[concat_] * n;
+  const auto sstr = contiguous_strides(s), ostr = contiguous_strides(out_shape);
+  std::vector<std::shared_ptr<Buffer>> outs{allocate(ctx, out_shape.numel(), es)};
+  auto* out = static_cast<std::byte*>(outs[0]->data());
+  const std::size_t nbytes = static_cast<std::size_t>(s.numel()) * es;
+  const bool copied = align64(nbytes) <= kInlineBytes;
+  const auto ses = static_cast<std::int64_t>(es);
+  c.comm->exchange(
+      c.slot, c.seq, c.sig, [&](Share& sh) { publish_inputs(sh, {bytes(0)}, {nbytes}, copied); },
+      [&](const GroupComm::Round& r) {
+        for (int q = 0; q < n; ++q) {
+          const std::byte* src = r[c.slot_of_rank[static_cast<std::size_t>(q)]].data[0] +
+                                 c.rank * chunk[split_] * sstr[split_] * ses;
+          copy_block(out + q * chunk[concat_] * ostr[concat_] * ses, ostr, src, sstr, chunk, es);
+        }
+      },
+      !copied);
+  return outs;
+}
+
+LAZYTENSOR_INLINE BroadcastExchange::BroadcastExchange(CollectiveCall call, graph::NodePtr in,
+                                                       const graph::NodePtr& after,
+                                                       graph::Device* device, int src_slot)
+    : ExchangeNode(std::move(call), {std::move(in)}, after, device), src_slot_(src_slot) {}
+
+LAZYTENSOR_INLINE std::vector<std::shared_ptr<Buffer>> BroadcastExchange::run(graph::ExecContext&) {
+  const CollectiveCall& c = call();
+  if (c.size() == 1) return {data(0)->buffer()};
+  std::vector<std::shared_ptr<Buffer>> outs(1);
+  c.comm->exchange(
+      c.slot, c.seq, c.sig,
+      [&](Share& sh) {
+        if (c.slot == src_slot_) sh.buffers = {data(0)->buffer()};
+      },
+      [&](const GroupComm::Round& r) { outs[0] = r[src_slot_].buffers[0]; },
+      true);  // the source's share holds its buffer until everyone took it
+  return outs;
+}
+}  // namespace lazy::dist::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/dist/exchanges.hpp ----
 
 namespace lazy::dist {
@@ -10296,63 +11152,22 @@ std::string type_tag() {
 
 /// Runs a host round: every member publishes `mine`; returns the payloads of the members
 /// in ascending ordinal order (only the source's when `src_slot` >= 0).
-inline std::vector<std::string> host_exchange(const CollectiveCall& c, std::string_view mine,
-                                              int src_slot = -1) {
-  if (!c.comm) return {std::string(mine)};
-  std::vector<std::string> out;
-  c.comm->exchange(
-      c.slot, c.seq, c.sig,
-      [&](Share& s) {
-        s.data.assign(1, reinterpret_cast<const std::byte*>(mine.data()));
-        s.bytes.assign(1, mine.size());
-      },
-      [&](const GroupComm::Round& r) {
-        auto payload = [&](int slot) {
-          const Share& s = r[slot];
-          return std::string(reinterpret_cast<const char*>(s.data[0]), s.bytes[0]);
-        };
-        if (src_slot >= 0) {
-          out.push_back(payload(src_slot));
-          return;
-        }
-        for (int j = 0; j < c.comm->size(); ++j)
-          out.push_back(payload(j));  // slots: ascending ordinals
-      },
-      true);
-  return out;
-}
+std::vector<std::string> host_exchange(const CollectiveCall& c, std::string_view mine,
+                                       int src_slot = -1);
 
-inline Signature host_signature(CollectiveKind kind, std::string tag) {
-  Signature sig;
-  sig.kind = kind;
-  sig.tag = std::move(tag);
-  return sig;
-}
+Signature host_signature(CollectiveKind kind, std::string tag);
 
 }  // namespace detail
 
 /// Blocks until every replica reached a barrier with the same `name` (as xm.rendezvous(tag)
 /// without payload). A different name on some replica is a CollectiveMismatch.
-inline void barrier(const std::string& name = "") {
-  detail::flush_pending();
-  auto call = detail::capture(detail::host_signature(detail::CollectiveKind::Barrier, name),
-                              detail::group_of({}, "barrier"));
-  if (!call.comm) return;
-  call.comm->exchange(
-      call.slot, call.seq, call.sig, [](detail::Share&) {}, [](const detail::GroupComm::Round&) {},
-      false);
-}
+void barrier(const std::string& name = "");
 
 /// Exchanges a payload with the other replicas (xm.rendezvous(tag, payload, replicas)):
 /// returns every participant's payload in ascending ordinal order. `replicas` (default:
 /// all) lists the participants; each of them must call it with the same tag.
-inline std::vector<std::string> rendezvous(const std::string& tag, std::string_view payload = {},
-                                           std::vector<int> replicas = {}) {
-  detail::flush_pending();
-  auto call = detail::capture_among(detail::host_signature(detail::CollectiveKind::Rendezvous, tag),
-                                    std::move(replicas), "rendezvous");
-  return detail::host_exchange(call, payload);
-}
+std::vector<std::string> rendezvous(const std::string& tag, std::string_view payload = {},
+                                    std::vector<int> replicas = {});
 
 /// Gathers every replica's `data` and returns reduce_fn(values), values in ordinal order
 /// (xm.mesh_reduce). Every replica gets the same list, so a deterministic reduce_fn gives
@@ -10393,6 +11208,64 @@ T broadcast_object(const T& obj, int src = 0) {
 }
 
 }  // namespace lazy::dist
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::dist::detail {
+LAZYTENSOR_INLINE std::vector<std::string> host_exchange(const CollectiveCall& c,
+                                                         std::string_view mine, int src_slot) {
+  if (!c.comm) return {std::string(mine)};
+  std::vector<std::string> out;
+  c.comm->exchange(
+      c.slot, c.seq, c.sig,
+      [&](Share& s) {
+        s.data.assign(1, reinterpret_cast<const std::byte*>(mine.data()));
+        s.bytes.assign(1, mine.size());
+      },
+      [&](const GroupComm::Round& r) {
+        auto payload = [&](int slot) {
+          const Share& s = r[slot];
+          return std::string(reinterpret_cast<const char*>(s.data[0]), s.bytes[0]);
+        };
+        if (src_slot >= 0) {
+          out.push_back(payload(src_slot));
+          return;
+        }
+        for (int j = 0; j < c.comm->size(); ++j)
+          out.push_back(payload(j));  // slots: ascending ordinals
+      },
+      true);
+  return out;
+}
+
+LAZYTENSOR_INLINE Signature host_signature(CollectiveKind kind, std::string tag) {
+  Signature sig;
+  sig.kind = kind;
+  sig.tag = std::move(tag);
+  return sig;
+}
+}  // namespace lazy::dist::detail
+
+namespace lazy::dist {
+LAZYTENSOR_INLINE void barrier(const std::string& name) {
+  detail::flush_pending();
+  auto call = detail::capture(detail::host_signature(detail::CollectiveKind::Barrier, name),
+                              detail::group_of({}, "barrier"));
+  if (!call.comm) return;
+  call.comm->exchange(
+      call.slot, call.seq, call.sig, [](detail::Share&) {}, [](const detail::GroupComm::Round&) {},
+      false);
+}
+
+LAZYTENSOR_INLINE std::vector<std::string> rendezvous(const std::string& tag,
+                                                      std::string_view payload,
+                                                      std::vector<int> replicas) {
+  detail::flush_pending();
+  auto call = detail::capture_among(detail::host_signature(detail::CollectiveKind::Rendezvous, tag),
+                                    std::move(replicas), "rendezvous");
+  return detail::host_exchange(call, payload);
+}
+}  // namespace lazy::dist
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/dist/host_collectives.hpp ----
 // ---- begin lazytensor/dist/optimizer_step.hpp ----
 // optimizer_step: data-parallel training's gradient averaging, as torch_xla's
@@ -10427,30 +11300,13 @@ T broadcast_object(const T& obj, int src = 0) {
 namespace lazy {
 
 /// Number of devices of this process (LAZYTENSOR_NUM_DEVICES, default 1).
-inline int device_count() {
-  static const int n = [] {
-    const char* env = std::getenv("LAZYTENSOR_NUM_DEVICES");
-    const int v = env ? std::atoi(env) : 1;
-    return v > 0 ? v : 1;
-  }();
-  return n;
-}
+int device_count();
 
 /// Every device of this process.
-inline std::vector<Device> devices() {
-  std::vector<Device> d;
-  for (int i = 0; i < device_count(); ++i) d.emplace_back(i);
-  return d;
-}
+std::vector<Device> devices();
 
 /// Device `index` (DeviceError when out of range).
-inline Device device(int index) {
-  if (index < 0 || index >= device_count()) {
-    throw DeviceError("device index " + std::to_string(index) + " out of range: this process has " +
-                      std::to_string(device_count()) + " device(s)");
-  }
-  return Device(index);
-}
+Device device(int index);
 
 /// Makes `d` this thread's current device.
 inline void set_device(const Device& d) { graph::current_device_index() = d.index(); }
@@ -10464,41 +11320,19 @@ inline void set_device(const Device& d) { graph::current_device_index() = d.inde
 /// value (item(), to_vector(), ...) or wait_device_ops() waits for it; the next mark_step
 /// waits for the previous one; an error surfaces at the next read or sync.
 /// (LAZYTENSOR_ASYNC=0 runs steps on the calling thread.)
-inline void mark_step() {
-  static auto& steps = core::counter("MarkStep");
-  graph::Device& dev = graph::current_device();
-  steps.add();
-  dev.rethrow_stored_error();
-  graph::run_step(dev, graph::collect_step(dev));
-  // A new step draws fresh random numbers, as XLA's seed advance after mark_step.
-  auto& rng = dev.rng();
-  rng.seed = graph::hash_combine(rng.seed, 0x9e3779b97f4a7c15ull);
-  rng.offset = 0;
-  // Closures run once the step has executed (as torch_xla's synchronous step closures), so
-  // they see its values; without closures mark_step returns at once.
-  auto closures = dev.take_step_closures();
-  if (!closures.empty()) dev.wait_idle();
-  for (auto& f : closures) f();
-}
+void mark_step();
 
 /// Alias of mark_step(), as torch_xla.sync().
 inline void sync() { mark_step(); }
 
 /// Waits for every step enqueued on the current device (xm.wait_device_ops), then
 /// re-throws an error a step stored.
-inline void wait_device_ops() {
-  auto& dev = graph::current_device();
-  dev.wait_idle();
-  dev.rethrow_stored_error();
-}
+void wait_device_ops();
 
 /// Sets how many threads the current device's kernels use (as torch::set_num_threads; the
 /// default is LAZYTENSOR_NUM_THREADS, else the hardware threads). Waits for the steps in
 /// flight first. Error when `n` < 1.
-inline void set_num_threads(int n) {
-  if (n < 1) throw Error("set_num_threads: expected at least 1 thread, got " + std::to_string(n));
-  graph::current_device().set_num_threads(n);
-}
+void set_num_threads(int n);
 
 /// The number of threads the current device's kernels use (as torch::get_num_threads).
 inline int get_num_threads() { return graph::current_device().threads().size(); }
@@ -10535,15 +11369,74 @@ auto compile(F f) {
 }
 
 /// Seeds the current device's random stream (torch.manual_seed / xm.set_rng_state).
-inline void set_rng_state(std::uint64_t seed) {
-  auto& rng = graph::current_device().rng();
-  rng.seed = seed;
-  rng.offset = 0;
-}
+void set_rng_state(std::uint64_t seed);
 /// The current device's seed.
 inline std::uint64_t get_rng_state() { return graph::current_device().rng().seed; }
 
 }  // namespace lazy
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy {
+
+LAZYTENSOR_INLINE int device_count() {
+  static const int n = [] {
+    const char* env = std::getenv("LAZYTENSOR_NUM_DEVICES");
+    const int v = env ? std::atoi(env) : 1;
+    return v > 0 ? v : 1;
+  }();
+  return n;
+}
+
+LAZYTENSOR_INLINE std::vector<Device> devices() {
+  std::vector<Device> d;
+  for (int i = 0; i < device_count(); ++i) d.emplace_back(i);
+  return d;
+}
+
+LAZYTENSOR_INLINE Device device(int index) {
+  if (index < 0 || index >= device_count()) {
+    throw DeviceError("device index " + std::to_string(index) + " out of range: this process has " +
+                      std::to_string(device_count()) + " device(s)");
+  }
+  return Device(index);
+}
+
+LAZYTENSOR_INLINE void mark_step() {
+  static auto& steps = core::counter("MarkStep");
+  graph::Device& dev = graph::current_device();
+  steps.add();
+  dev.rethrow_stored_error();
+  graph::run_step(dev, graph::collect_step(dev));
+  // A new step draws fresh random numbers, as XLA's seed advance after mark_step.
+  auto& rng = dev.rng();
+  rng.seed = graph::hash_combine(rng.seed, 0x9e3779b97f4a7c15ull);
+  rng.offset = 0;
+  // Closures run once the step has executed (as torch_xla's synchronous step closures), so
+  // they see its values; without closures mark_step returns at once.
+  auto closures = dev.take_step_closures();
+  if (!closures.empty()) dev.wait_idle();
+  for (auto& f : closures) f();
+}
+
+LAZYTENSOR_INLINE void wait_device_ops() {
+  auto& dev = graph::current_device();
+  dev.wait_idle();
+  dev.rethrow_stored_error();
+}
+
+LAZYTENSOR_INLINE void set_num_threads(int n) {
+  if (n < 1) throw Error("set_num_threads: expected at least 1 thread, got " + std::to_string(n));
+  graph::current_device().set_num_threads(n);
+}
+
+LAZYTENSOR_INLINE void set_rng_state(std::uint64_t seed) {
+  auto& rng = graph::current_device().rng();
+  rng.seed = seed;
+  rng.offset = 0;
+}
+
+}  // namespace lazy
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/tensor/device.hpp ----
 // ---- begin lazytensor/optim/optimizer.hpp ----
 // Optimizer base, as torch::optim::Optimizer: parameter groups with their own options,
@@ -10741,28 +11634,15 @@ class StateDict {
   using Item = std::pair<std::string, AnyTensor>;
 
   /// Adds `name`; Error when the name is already present.
-  void insert(const std::string& name, AnyTensor t) {
-    if (index_.count(name)) throw Error("StateDict: duplicate key '" + name + "'");
-    index_.emplace(name, items_.size());
-    items_.emplace_back(name, std::move(t));
-  }
+  void insert(const std::string& name, AnyTensor t);
   /// Adds or replaces `name`.
-  void insert_or_assign(const std::string& name, AnyTensor t) {
-    if (auto it = index_.find(name); it != index_.end()) items_[it->second].second = std::move(t);
-    else insert(name, std::move(t));
-  }
+  void insert_or_assign(const std::string& name, AnyTensor t);
   /// True when `name` is present.
   bool contains(const std::string& name) const { return index_.count(name) != 0; }
   /// The tensor stored under `name`, or nullptr.
-  const AnyTensor* find(const std::string& name) const {
-    auto it = index_.find(name);
-    return it == index_.end() ? nullptr : &items_[it->second].second;
-  }
+  const AnyTensor* find(const std::string& name) const;
   /// The tensor stored under `name`; Error naming the key when it is missing.
-  const AnyTensor& at(const std::string& name) const {
-    if (const AnyTensor* t = find(name)) return *t;
-    throw Error("StateDict: missing key '" + name + "'");
-  }
+  const AnyTensor& at(const std::string& name) const;
   /// Every (name, tensor) pair in insertion order.
   const std::vector<Item>& items() const { return items_; }
   std::vector<Item>::const_iterator begin() const { return items_.begin(); }
@@ -10770,11 +11650,7 @@ class StateDict {
   std::size_t size() const { return items_.size(); }
   bool empty() const { return items_.empty(); }
   /// The keys in insertion order.
-  std::vector<std::string> keys() const {
-    std::vector<std::string> k;
-    for (const auto& [n, t] : items_) k.push_back(n);
-    return k;
-  }
+  std::vector<std::string> keys() const;
 
   /// Free-form string metadata (hyper-parameters, format versions, ...).
   std::map<std::string, std::string>& metadata() { return metadata_; }
@@ -10786,6 +11662,35 @@ class StateDict {
   std::map<std::string, std::string> metadata_;
 };
 
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE void StateDict::insert(const std::string& name, AnyTensor t) {
+  if (index_.count(name)) throw Error("StateDict: duplicate key '" + name + "'");
+  index_.emplace(name, items_.size());
+  items_.emplace_back(name, std::move(t));
+}
+
+LAZYTENSOR_INLINE void StateDict::insert_or_assign(const std::string& name, AnyTensor t) {
+  if (auto it = index_.find(name); it != index_.end()) items_[it->second].second = std::move(t);
+  else insert(name, std::move(t));
+}
+
+LAZYTENSOR_INLINE const AnyTensor* StateDict::find(const std::string& name) const {
+  auto it = index_.find(name);
+  return it == index_.end() ? nullptr : &items_[it->second].second;
+}
+
+LAZYTENSOR_INLINE const AnyTensor& StateDict::at(const std::string& name) const {
+  if (const AnyTensor* t = find(name)) return *t;
+  throw Error("StateDict: missing key '" + name + "'");
+}
+
+LAZYTENSOR_INLINE std::vector<std::string> StateDict::keys() const {
+  std::vector<std::string> k;
+  for (const auto& [n, t] : items_) k.push_back(n);
+  return k;
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
 }  // namespace lazy
 // ---- end lazytensor/state_dict.hpp ----
 
@@ -10793,24 +11698,9 @@ namespace lazy::optim {
 
 namespace detail {
 /// Option `name` of a saved group as a number (Error when missing or malformed).
-inline double parse_option(const std::map<std::string, std::string>& opts, const std::string& name) {
-  auto it = opts.find(name);
-  if (it == opts.end()) throw Error("Optimizer::load_state_dict: missing option '" + name + "'");
-  double v = 0;
-  const char* b = it->second.data();
-  const char* e = b + it->second.size();
-  auto [p, ec] = std::from_chars(b, e, v);
-  if (ec != std::errc() || p != e) {
-    throw Error("Optimizer::load_state_dict: option '" + name + "' is not a number: '" + it->second + "'");
-  }
-  return v;
-}
+double parse_option(const std::map<std::string, std::string>& opts, const std::string& name);
 /// The shortest text that reads back as exactly `v`.
-inline std::string format_option(double v) {
-  char buf[64];
-  auto [p, ec] = std::to_chars(buf, buf + sizeof buf, v);
-  return std::string(buf, p);
-}
+std::string format_option(double v);
 }  // namespace detail
 
 /// Per-parameter optimizer state: named tensors plus a step count.
@@ -10828,18 +11718,7 @@ class Optimizer {
   virtual void step() = 0;
 
   /// Clears the gradients of every parameter: undefined (libtorch's default) or zero.
-  void zero_grad(bool set_to_none = true) {
-    for (std::size_t g = 0; g < num_param_groups(); ++g) {
-      for (auto& p : params(g)) {
-        if (set_to_none || !p.grad().defined()) {
-          p.set_grad(Tensor<float>());
-        } else {
-          NoGradGuard guard;
-          p.grad().zero_();
-        }
-      }
-    }
-  }
+  void zero_grad(bool set_to_none = true);
 
   /// Number of parameter groups.
   virtual std::size_t num_param_groups() const = 0;
@@ -10849,82 +11728,16 @@ class Optimizer {
   virtual double lr(std::size_t g = 0) const = 0;
   virtual void set_lr(double lr, std::size_t g) = 0;
   /// Sets the learning rate of every group.
-  void set_lr(double lr) {
-    for (std::size_t g = 0; g < num_param_groups(); ++g) set_lr(lr, g);
-  }
+  void set_lr(double lr);
 
   /// State tensors as "state.<i>.<name>" (i counts parameters across groups in order),
   /// step counts as "state.<i>.step", and every group's options in the metadata
   /// ("param_groups.<g>.<option>").
-  StateDict state_dict() const {
-    StateDict sd;
-    std::size_t i = 0;
-    for (std::size_t g = 0; g < num_param_groups(); ++g) {
-      for (std::size_t k = 0; k < const_params(g).size(); ++k, ++i) {
-        auto it = state_.find(key(g, k));
-        if (it == state_.end()) continue;
-        for (const auto& [name, t] : it->second.tensors) sd.insert("state." + std::to_string(i) + "." + name, t.detach());
-        sd.insert("state." + std::to_string(i) + ".step", scalar_step(it->second.step));
-      }
-      for (const auto& [name, v] : options_of(g)) sd.metadata()["param_groups." + std::to_string(g) + "." + name] = v;
-    }
-    sd.metadata()["optimizer"] = type_name();
-    return sd;
-  }
+  StateDict state_dict() const;
 
   /// Restores state and options saved by state_dict() of the same kind of optimizer over
   /// parameters of the same shapes. Checks everything before changing anything.
-  void load_state_dict(const StateDict& sd) {
-    if (auto it = sd.metadata().find("optimizer"); it == sd.metadata().end() || it->second != type_name()) {
-      throw Error("Optimizer::load_state_dict: expected a state dict of a " + type_name() + " optimizer, found " +
-                  (it == sd.metadata().end() ? std::string("none") : it->second));
-    }
-    std::map<std::pair<std::size_t, std::size_t>, ParamState> loaded;
-    std::size_t i = 0, total = 0;
-    for (std::size_t g = 0; g < num_param_groups(); ++g) total += const_params(g).size();
-    for (const auto& [name, t] : sd) {
-      if (name.rfind("state.", 0) != 0) throw Error("Optimizer::load_state_dict: unexpected key '" + name + "'");
-      const auto dot = name.find('.', 6);
-      std::size_t idx = 0;
-      auto [p, ec] = std::from_chars(name.data() + 6, name.data() + (dot == std::string::npos ? name.size() : dot), idx);
-      if (ec != std::errc() || dot == std::string::npos || idx >= total) {
-        throw Error("Optimizer::load_state_dict: key '" + name + "' does not name one of the " + std::to_string(total) +
-                    " parameters");
-      }
-      (void)p;
-    }
-    for (std::size_t g = 0; g < num_param_groups(); ++g) {
-      for (std::size_t k = 0; k < const_params(g).size(); ++k, ++i) {
-        const std::string prefix = "state." + std::to_string(i) + ".";
-        ParamState st;
-        bool any = false;
-        for (const auto& [name, t] : sd) {
-          if (name.rfind(prefix, 0) != 0) continue;
-          any = true;
-          const std::string field = name.substr(prefix.size());
-          if (field == "step") {
-            st.step = t.as<std::int64_t>().item();
-            continue;
-          }
-          Tensor<float> v = t.as<float>();
-          if (!(v.shape() == const_params(g)[k].shape())) {
-            throw ShapeError("Optimizer::load_state_dict: '" + name + "' has shape " + v.shape().str() +
-                             ", the parameter has shape " + const_params(g)[k].shape().str());
-          }
-          st.tensors[field] = v.to(const_params(g)[k].device());
-        }
-        if (any) loaded[key(g, k)] = std::move(st);
-      }
-    }
-    for (std::size_t g = 0; g < num_param_groups(); ++g) {
-      std::map<std::string, std::string> opts;
-      const std::string prefix = "param_groups." + std::to_string(g) + ".";
-      for (const auto& [k, v] : sd.metadata())
-        if (k.rfind(prefix, 0) == 0) opts[k.substr(prefix.size())] = v;
-      set_options_of(g, opts);
-    }
-    state_ = std::move(loaded);
-  }
+  void load_state_dict(const StateDict& sd);
 
  protected:
   /// "SGD", "Adam", ...
@@ -10935,14 +11748,11 @@ class Optimizer {
   virtual void set_options_of(std::size_t g, const std::map<std::string, std::string>& opts) = 0;
 
   /// State of parameter k of group g.
-  ParamState& state(std::size_t g, std::size_t k) { return state_[key(g, k)]; }
+  ParamState& state(std::size_t g, std::size_t k);
 
  private:
   static std::pair<std::size_t, std::size_t> key(std::size_t g, std::size_t k) { return {g, k}; }
-  static AnyTensor scalar_step(std::int64_t s) {
-    std::vector<std::int64_t> v{s};
-    return from_vector<std::int64_t>(v, Shape{});
-  }
+  static AnyTensor scalar_step(std::int64_t s);
 
   std::map<std::pair<std::size_t, std::size_t>, ParamState> state_;
 };
@@ -10987,6 +11797,123 @@ class OptimizerWithOptions : public Optimizer {
   std::vector<ParamGroup> groups_;
 };
 
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace detail {
+
+LAZYTENSOR_INLINE double parse_option(const std::map<std::string, std::string>& opts, const std::string& name) {
+  auto it = opts.find(name);
+  if (it == opts.end()) throw Error("Optimizer::load_state_dict: missing option '" + name + "'");
+  double v = 0;
+  const char* b = it->second.data();
+  const char* e = b + it->second.size();
+  auto [p, ec] = std::from_chars(b, e, v);
+  if (ec != std::errc() || p != e) {
+    throw Error("Optimizer::load_state_dict: option '" + name + "' is not a number: '" + it->second + "'");
+  }
+  return v;
+}
+
+LAZYTENSOR_INLINE std::string format_option(double v) {
+  char buf[64];
+  auto [p, ec] = std::to_chars(buf, buf + sizeof buf, v);
+  return std::string(buf, p);
+}
+
+}  // namespace detail
+
+LAZYTENSOR_INLINE void Optimizer::zero_grad(bool set_to_none) {
+  for (std::size_t g = 0; g < num_param_groups(); ++g) {
+    for (auto& p : params(g)) {
+      if (set_to_none || !p.grad().defined()) {
+        p.set_grad(Tensor<float>());
+      } else {
+        NoGradGuard guard;
+        p.grad().zero_();
+      }
+    }
+  }
+}
+
+LAZYTENSOR_INLINE void Optimizer::set_lr(double lr) {
+  for (std::size_t g = 0; g < num_param_groups(); ++g) set_lr(lr, g);
+}
+
+LAZYTENSOR_INLINE StateDict Optimizer::state_dict() const {
+  StateDict sd;
+  std::size_t i = 0;
+  for (std::size_t g = 0; g < num_param_groups(); ++g) {
+    for (std::size_t k = 0; k < const_params(g).size(); ++k, ++i) {
+      auto it = state_.find(key(g, k));
+      if (it == state_.end()) continue;
+      for (const auto& [name, t] : it->second.tensors) sd.insert("state." + std::to_string(i) + "." + name, t.detach());
+      sd.insert("state." + std::to_string(i) + ".step", scalar_step(it->second.step));
+    }
+    for (const auto& [name, v] : options_of(g)) sd.metadata()["param_groups." + std::to_string(g) + "." + name] = v;
+  }
+  sd.metadata()["optimizer"] = type_name();
+  return sd;
+}
+
+LAZYTENSOR_INLINE void Optimizer::load_state_dict(const StateDict& sd) {
+  if (auto it = sd.metadata().find("optimizer"); it == sd.metadata().end() || it->second != type_name()) {
+    throw Error("Optimizer::load_state_dict: expected a state dict of a " + type_name() + " optimizer, found " +
+                (it == sd.metadata().end() ? std::string("none") : it->second));
+  }
+  std::map<std::pair<std::size_t, std::size_t>, ParamState> loaded;
+  std::size_t i = 0, total = 0;
+  for (std::size_t g = 0; g < num_param_groups(); ++g) total += const_params(g).size();
+  for (const auto& [name, t] : sd) {
+    if (name.rfind("state.", 0) != 0) throw Error("Optimizer::load_state_dict: unexpected key '" + name + "'");
+    const auto dot = name.find('.', 6);
+    std::size_t idx = 0;
+    auto [p, ec] = std::from_chars(name.data() + 6, name.data() + (dot == std::string::npos ? name.size() : dot), idx);
+    if (ec != std::errc() || dot == std::string::npos || idx >= total) {
+      throw Error("Optimizer::load_state_dict: key '" + name + "' does not name one of the " + std::to_string(total) +
+                  " parameters");
+    }
+    (void)p;
+  }
+  for (std::size_t g = 0; g < num_param_groups(); ++g) {
+    for (std::size_t k = 0; k < const_params(g).size(); ++k, ++i) {
+      const std::string prefix = "state." + std::to_string(i) + ".";
+      ParamState st;
+      bool any = false;
+      for (const auto& [name, t] : sd) {
+        if (name.rfind(prefix, 0) != 0) continue;
+        any = true;
+        const std::string field = name.substr(prefix.size());
+        if (field == "step") {
+          st.step = t.as<std::int64_t>().item();
+          continue;
+        }
+        Tensor<float> v = t.as<float>();
+        if (!(v.shape() == const_params(g)[k].shape())) {
+          throw ShapeError("Optimizer::load_state_dict: '" + name + "' has shape " + v.shape().str() +
+                           ", the parameter has shape " + const_params(g)[k].shape().str());
+        }
+        st.tensors[field] = v.to(const_params(g)[k].device());
+      }
+      if (any) loaded[key(g, k)] = std::move(st);
+    }
+  }
+  for (std::size_t g = 0; g < num_param_groups(); ++g) {
+    std::map<std::string, std::string> opts;
+    const std::string prefix = "param_groups." + std::to_string(g) + ".";
+    for (const auto& [k, v] : sd.metadata())
+      if (k.rfind(prefix, 0) == 0) opts[k.substr(prefix.size())] = v;
+    set_options_of(g, opts);
+  }
+  state_ = std::move(loaded);
+}
+
+LAZYTENSOR_INLINE ParamState& Optimizer::state(std::size_t g, std::size_t k) { return state_[key(g, k)]; }
+
+LAZYTENSOR_INLINE AnyTensor Optimizer::scalar_step(std::int64_t s) {
+  std::vector<std::int64_t> v{s};
+  return from_vector<std::int64_t>(v, Shape{});
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
 }  // namespace lazy::optim
 // ---- end lazytensor/optim/optimizer.hpp ----
 
@@ -11006,16 +11933,38 @@ inline std::size_t gradient_bucket_bytes() {
 
 /// Sets the bucket size of optimizer_step for the whole process (every replica must use the
 /// same buckets; set it before spawn). Error when `bytes` is 0.
-inline void set_gradient_bucket_bytes(std::size_t bytes) {
-  if (bytes == 0) throw Error("set_gradient_bucket_bytes: the bucket size must be > 0 bytes");
-  detail::bucket_bytes_setting().store(bytes, std::memory_order_relaxed);
-}
+void set_gradient_bucket_bytes(std::size_t bytes);
 
 /// All-reduces the gradient of every parameter of `optimizer` that has one to the mean over
 /// this replica's group (sum times 1 / group size), in place (each parameter's .grad() then
 /// holds the mean), in coalesced buckets (see the file comment), as xm.reduce_gradients.
 /// Nothing is exchanged in a group of one. Lazy: the exchanges run at the next mark_step.
-inline void reduce_gradients(optim::Optimizer& optimizer, const Groups& groups = {}) {
+void reduce_gradients(optim::Optimizer& optimizer, const Groups& groups = {});
+
+/// One data-parallel optimizer step, as xm.optimizer_step(optimizer, barrier, groups):
+/// reduce_gradients (the mean of every gradient over this replica's group, in coalesced
+/// buckets), then `optimizer.step()`.
+///
+/// **It does not run anything unless `barrier` is true.** Like everything else in a step,
+/// the all-reduces and the update are traced lazily and execute at the next mark_step,
+/// which the training loop usually gets from MpDeviceLoader (it calls mark_step as it hands
+/// out batches). `barrier = true` calls lazy::mark_step() right after the update, which is
+/// what a loop that does not iterate an MpDeviceLoader needs (PyTorch/XLA users were often
+/// surprised that `barrier` means "sync the step", not "wait for the other replicas").
+/// Every replica of a group must call it with the same parameters having gradients (in the
+/// same order and shapes), or the exchange raises CollectiveMismatch.
+void optimizer_step(optim::Optimizer& optimizer, bool barrier = false, const Groups& groups = {});
+
+}  // namespace lazy::dist
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::dist {
+LAZYTENSOR_INLINE void set_gradient_bucket_bytes(std::size_t bytes) {
+  if (bytes == 0) throw Error("set_gradient_bucket_bytes: the bucket size must be > 0 bytes");
+  detail::bucket_bytes_setting().store(bytes, std::memory_order_relaxed);
+}
+
+LAZYTENSOR_INLINE void reduce_gradients(optim::Optimizer& optimizer, const Groups& groups) {
   const auto group = detail::group_of(groups, "optimizer_step");
   if (group->size() == 1) return;
   const AllReduceOptions opts{.scale = 1.0 / static_cast<double>(group->size()), .groups = groups};
@@ -11041,26 +11990,14 @@ inline void reduce_gradients(optim::Optimizer& optimizer, const Groups& groups =
   flush();
 }
 
-/// One data-parallel optimizer step, as xm.optimizer_step(optimizer, barrier, groups):
-/// reduce_gradients (the mean of every gradient over this replica's group, in coalesced
-/// buckets), then `optimizer.step()`.
-///
-/// **It does not run anything unless `barrier` is true.** Like everything else in a step,
-/// the all-reduces and the update are traced lazily and execute at the next mark_step,
-/// which the training loop usually gets from MpDeviceLoader (it calls mark_step as it hands
-/// out batches). `barrier = true` calls lazy::mark_step() right after the update, which is
-/// what a loop that does not iterate an MpDeviceLoader needs (PyTorch/XLA users were often
-/// surprised that `barrier` means "sync the step", not "wait for the other replicas").
-/// Every replica of a group must call it with the same parameters having gradients (in the
-/// same order and shapes), or the exchange raises CollectiveMismatch.
-inline void optimizer_step(optim::Optimizer& optimizer, bool barrier = false,
-                           const Groups& groups = {}) {
+LAZYTENSOR_INLINE void optimizer_step(optim::Optimizer& optimizer, bool barrier,
+                                      const Groups& groups) {
   reduce_gradients(optimizer, groups);
   optimizer.step();
   if (barrier) mark_step();
 }
-
 }  // namespace lazy::dist
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/dist/optimizer_step.hpp ----
 // ---- begin lazytensor/dist/parallel_loader.hpp ----
 // ParallelLoader, its per-device loaders and MpDeviceLoader, as torch_xla's
@@ -11157,7 +12094,7 @@ inline constexpr bool passes_unchanged_v =
 // other for nested batch types.
 template <Element T>
 Tensor<T> to_device(Tensor<T> t, graph::Device& dev);
-inline AnyTensor to_device(const AnyTensor& t, graph::Device& dev);
+AnyTensor to_device(const AnyTensor& t, graph::Device& dev);
 template <class D, class T>
 data::Example<D, T> to_device(data::Example<D, T> e, graph::Device& dev);
 template <class X>
@@ -11184,10 +12121,6 @@ Tensor<T> to_device(Tensor<T> t, graph::Device& dev) {
   if (node->device() == &dev) return t;
   return Tensor<T>(lazy::detail::data_node<T>(node->template data<T>(), t.shape(),
                                               Device(dev.index())));
-}
-inline AnyTensor to_device(const AnyTensor& t, graph::Device& dev) {
-  if (!t.defined()) return t;
-  return t.visit([&](const auto& typed) { return AnyTensor(to_device(typed, dev)); });
 }
 template <class D, class T>
 data::Example<D, T> to_device(data::Example<D, T> e, graph::Device& dev) {
@@ -11386,17 +12319,7 @@ class LoaderPass {
 };
 
 /// Rejects options torch_xla would reject (or that would stall the pipeline).
-inline void check_options(const ParallelLoaderOptions& o, const char* who) {
-  const std::string w(who);
-  if (o.batchdim < 0) throw Error(w + ": batchdim must be >= 0, got " + std::to_string(o.batchdim));
-  auto positive = [&](std::size_t v, const char* name) {
-    if (v == 0) throw Error(w + ": " + name + " must be at least 1, got 0");
-  };
-  positive(o.batches_per_execution, "batches_per_execution");
-  positive(o.loader_prefetch_size, "loader_prefetch_size");
-  positive(o.device_prefetch_size, "device_prefetch_size");
-  positive(o.host_to_device_transfer_threads, "host_to_device_transfer_threads");
-}
+void check_options(const ParallelLoaderOptions& o, const char* who);
 
 }  // namespace detail
 
@@ -11619,6 +12542,27 @@ class MpDeviceLoader {
 };
 
 }  // namespace lazy::dist
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::dist::detail {
+LAZYTENSOR_INLINE AnyTensor to_device(const AnyTensor& t, graph::Device& dev) {
+  if (!t.defined()) return t;
+  return t.visit([&](const auto& typed) { return AnyTensor(to_device(typed, dev)); });
+}
+
+LAZYTENSOR_INLINE void check_options(const ParallelLoaderOptions& o, const char* who) {
+  const std::string w(who);
+  if (o.batchdim < 0) throw Error(w + ": batchdim must be >= 0, got " + std::to_string(o.batchdim));
+  auto positive = [&](std::size_t v, const char* name) {
+    if (v == 0) throw Error(w + ": " + name + " must be at least 1, got 0");
+  };
+  positive(o.batches_per_execution, "batches_per_execution");
+  positive(o.loader_prefetch_size, "loader_prefetch_size");
+  positive(o.device_prefetch_size, "device_prefetch_size");
+  positive(o.host_to_device_transfer_threads, "host_to_device_transfer_threads");
+}
+}  // namespace lazy::dist::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/dist/parallel_loader.hpp ----
 // ---- begin lazytensor/dist/runtime.hpp ----
 // Runtime queries, as torch_xla.runtime (xr.*). Inside spawn they describe the world of
@@ -11750,26 +12694,8 @@ inline bool replica_steps_inline(int n) {
 /// step mode back.
 class ReplicaDevices {
  public:
-  explicit ReplicaDevices(int n) {
-    const int per = replica_threads(n);
-    const bool in_line = replica_steps_inline(n);
-    const int existing = graph::DeviceRegistry::get().count();
-    for (int i = 0; i < n; ++i) {
-      graph::Device& dev = graph::DeviceRegistry::get().device(i);
-      ThreadPool& pool = dev.threads();
-      if (i < existing) old_.push_back(pool.size());
-      if (pool.size() != per) pool.resize(per);
-      old_inline_.push_back(dev.inline_steps());
-      dev.inline_steps() = in_line;
-    }
-  }
-  ~ReplicaDevices() {
-    for (std::size_t i = 0; i < old_inline_.size(); ++i) {
-      graph::Device& dev = graph::DeviceRegistry::get().device(static_cast<int>(i));
-      dev.inline_steps() = old_inline_[i] != 0;
-      if (i < old_.size() && dev.threads().size() != old_[i]) dev.threads().resize(old_[i]);
-    }
-  }
+  explicit ReplicaDevices(int n);
+  ~ReplicaDevices();
   ReplicaDevices(const ReplicaDevices&) = delete;
   ReplicaDevices& operator=(const ReplicaDevices&) = delete;
 
@@ -11844,6 +12770,32 @@ auto spawn(F&& fn, int nprocs) {
 }
 
 }  // namespace lazy::dist
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::dist::detail {
+LAZYTENSOR_INLINE ReplicaDevices::ReplicaDevices(int n) {
+  const int per = replica_threads(n);
+  const bool in_line = replica_steps_inline(n);
+  const int existing = graph::DeviceRegistry::get().count();
+  for (int i = 0; i < n; ++i) {
+    graph::Device& dev = graph::DeviceRegistry::get().device(i);
+    ThreadPool& pool = dev.threads();
+    if (i < existing) old_.push_back(pool.size());
+    if (pool.size() != per) pool.resize(per);
+    old_inline_.push_back(dev.inline_steps());
+    dev.inline_steps() = in_line;
+  }
+}
+
+LAZYTENSOR_INLINE ReplicaDevices::~ReplicaDevices() {
+  for (std::size_t i = 0; i < old_inline_.size(); ++i) {
+    graph::Device& dev = graph::DeviceRegistry::get().device(static_cast<int>(i));
+    dev.inline_steps() = old_inline_[i] != 0;
+    if (i < old_.size() && dev.threads().size() != old_[i]) dev.threads().resize(old_[i]);
+  }
+}
+}  // namespace lazy::dist::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/dist/spawn.hpp ----
 // ---- end lazytensor/dist.hpp ----
 // ---- begin lazytensor/fwd.hpp ----
@@ -11941,7 +12893,59 @@ namespace lazy::io::detail {
 
 /// Length of the valid UTF-8 sequence starting at s[i], or 0 when it is invalid (overlong
 /// forms, surrogates and code points above U+10FFFF are invalid, as RFC 3629 says).
-inline std::size_t utf8_sequence_length(std::string_view s, std::size_t i) {
+std::size_t utf8_sequence_length(std::string_view s, std::size_t i);
+
+/// True when `s` is valid UTF-8.
+bool valid_utf8(std::string_view s);
+
+/// Appends `s` as a JSON string literal: quotes, backslashes and control characters are
+/// escaped (the short forms where JSON has them), everything else is copied as is.
+void append_json_string(std::string& out, std::string_view s);
+
+/// A read position in a JSON text. Every method throws FormatError("<where>: <what> at
+/// byte <pos>") on anything that is not exactly what was asked for.
+class JsonCursor {
+ public:
+  JsonCursor(std::string_view text, std::string where) : s_(text), where_(std::move(where)) {}
+
+  std::size_t pos() const { return i_; }
+  bool at_end() const { return i_ >= s_.size(); }
+
+  /// Skips JSON whitespace (space, tab, line feed, carriage return).
+  void skip_ws();
+  /// The next non-whitespace character (or '\0' at the end), without consuming it.
+  char peek();
+  /// Consumes `c` (after whitespace), else FormatError.
+  void expect(char c);
+  /// Consumes `c` when it comes next.
+  bool accept(char c);
+
+  /// Reads a string literal, decoding escapes (\uXXXX with surrogate pairs) to UTF-8.
+  std::string string();
+
+  /// Reads a non-negative integer literal that fits in 64 bits. Signs, fractions,
+  /// exponents and leading zeros are rejected: sizes and offsets are whole numbers.
+  std::uint64_t uint64();
+
+  /// Throws FormatError naming the position.
+  [[noreturn]] void fail(const std::string& what) const;
+
+  /// A short quote of the text at the cursor, for messages.
+  std::string found() const;
+
+ private:
+  static int hex_value(char c);
+  std::uint32_t hex4();
+  static void append_utf8(std::string& out, std::uint32_t cp);
+  void escape(std::string& out);
+
+  std::string_view s_;
+  std::string where_;
+  std::size_t i_ = 0;
+};
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE std::size_t utf8_sequence_length(std::string_view s, std::size_t i) {
   const auto b = [&](std::size_t k) { return static_cast<unsigned char>(s[i + k]); };
   const unsigned char c = b(0);
   if (c < 0x80) return 1;
@@ -11966,8 +12970,7 @@ inline std::size_t utf8_sequence_length(std::string_view s, std::size_t i) {
   return n;
 }
 
-/// True when `s` is valid UTF-8.
-inline bool valid_utf8(std::string_view s) {
+LAZYTENSOR_INLINE bool valid_utf8(std::string_view s) {
   for (std::size_t i = 0; i < s.size();) {
     const std::size_t n = utf8_sequence_length(s, i);
     if (n == 0) return false;
@@ -11976,9 +12979,7 @@ inline bool valid_utf8(std::string_view s) {
   return true;
 }
 
-/// Appends `s` as a JSON string literal: quotes, backslashes and control characters are
-/// escaped (the short forms where JSON has them), everything else is copied as is.
-inline void append_json_string(std::string& out, std::string_view s) {
+LAZYTENSOR_INLINE void append_json_string(std::string& out, std::string_view s) {
   static constexpr char hex[] = "0123456789abcdef";
   out += '"';
   for (const char ch : s) {
@@ -12018,188 +13019,171 @@ inline void append_json_string(std::string& out, std::string_view s) {
   out += '"';
 }
 
-/// A read position in a JSON text. Every method throws FormatError("<where>: <what> at
-/// byte <pos>") on anything that is not exactly what was asked for.
-class JsonCursor {
- public:
-  JsonCursor(std::string_view text, std::string where) : s_(text), where_(std::move(where)) {}
+LAZYTENSOR_INLINE void JsonCursor::skip_ws() {
+  while (i_ < s_.size() && (s_[i_] == ' ' || s_[i_] == '\t' || s_[i_] == '\n' || s_[i_] == '\r'))
+    ++i_;
+}
 
-  std::size_t pos() const { return i_; }
-  bool at_end() const { return i_ >= s_.size(); }
+LAZYTENSOR_INLINE char JsonCursor::peek() {
+  skip_ws();
+  return at_end() ? '\0' : s_[i_];
+}
 
-  /// Skips JSON whitespace (space, tab, line feed, carriage return).
-  void skip_ws() {
-    while (i_ < s_.size() && (s_[i_] == ' ' || s_[i_] == '\t' || s_[i_] == '\n' || s_[i_] == '\r'))
+LAZYTENSOR_INLINE void JsonCursor::expect(char c) {
+  if (peek() != c) fail(std::string("expected '") + c + "', found " + found());
+  ++i_;
+}
+
+LAZYTENSOR_INLINE bool JsonCursor::accept(char c) {
+  if (peek() != c) return false;
+  ++i_;
+  return true;
+}
+
+LAZYTENSOR_INLINE std::string JsonCursor::string() {
+  if (peek() != '"') fail("expected a string, found " + found());
+  ++i_;
+  std::string out;
+  for (;;) {
+    if (at_end()) fail("unterminated string");
+    const auto c = static_cast<unsigned char>(s_[i_]);
+    if (c == '"') {
       ++i_;
+      return out;
+    }
+    if (c < 0x20) fail("unescaped control character in a string");
+    if (c == '\\') {
+      escape(out);
+      continue;
+    }
+    const std::size_t n = utf8_sequence_length(s_, i_);
+    if (n == 0) fail("invalid UTF-8 in a string");
+    out.append(s_.substr(i_, n));
+    i_ += n;
   }
-  /// The next non-whitespace character (or '\0' at the end), without consuming it.
-  char peek() {
-    skip_ws();
-    return at_end() ? '\0' : s_[i_];
-  }
-  /// Consumes `c` (after whitespace), else FormatError.
-  void expect(char c) {
-    if (peek() != c) fail(std::string("expected '") + c + "', found " + found());
+}
+
+LAZYTENSOR_INLINE std::uint64_t JsonCursor::uint64() {
+  peek();
+  const std::size_t start = i_;
+  if (at_end() || s_[i_] < '0' || s_[i_] > '9')
+    fail("expected a non-negative integer, found " + found());
+  if (s_[i_] == '0' && i_ + 1 < s_.size() && s_[i_ + 1] >= '0' && s_[i_ + 1] <= '9')
+    fail("leading zero in a number");
+  std::uint64_t v = 0;
+  while (i_ < s_.size() && s_[i_] >= '0' && s_[i_] <= '9') {
+    const auto d = static_cast<std::uint64_t>(s_[i_] - '0');
+    if (v > (UINT64_MAX - d) / 10) {
+      i_ = start;
+      fail("integer does not fit in 64 bits");
+    }
+    v = v * 10 + d;
     ++i_;
   }
-  /// Consumes `c` when it comes next.
-  bool accept(char c) {
-    if (peek() != c) return false;
-    ++i_;
-    return true;
-  }
+  if (i_ < s_.size() && (s_[i_] == '.' || s_[i_] == 'e' || s_[i_] == 'E'))
+    fail("expected an integer, found a fraction or exponent");
+  return v;
+}
 
-  /// Reads a string literal, decoding escapes (\uXXXX with surrogate pairs) to UTF-8.
-  std::string string() {
-    if (peek() != '"') fail("expected a string, found " + found());
-    ++i_;
-    std::string out;
-    for (;;) {
-      if (at_end()) fail("unterminated string");
-      const auto c = static_cast<unsigned char>(s_[i_]);
-      if (c == '"') {
-        ++i_;
-        return out;
-      }
-      if (c < 0x20) fail("unescaped control character in a string");
-      if (c == '\\') {
-        escape(out);
-        continue;
-      }
-      const std::size_t n = utf8_sequence_length(s_, i_);
-      if (n == 0) fail("invalid UTF-8 in a string");
-      out.append(s_.substr(i_, n));
-      i_ += n;
-    }
-  }
+LAZYTENSOR_INLINE void JsonCursor::fail(const std::string& what) const {
+  throw FormatError(where_ + ": " + what + " at byte " + std::to_string(i_) + " of the header");
+}
 
-  /// Reads a non-negative integer literal that fits in 64 bits. Signs, fractions,
-  /// exponents and leading zeros are rejected: sizes and offsets are whole numbers.
-  std::uint64_t uint64() {
-    peek();
-    const std::size_t start = i_;
-    if (at_end() || s_[i_] < '0' || s_[i_] > '9')
-      fail("expected a non-negative integer, found " + found());
-    if (s_[i_] == '0' && i_ + 1 < s_.size() && s_[i_ + 1] >= '0' && s_[i_ + 1] <= '9')
-      fail("leading zero in a number");
-    std::uint64_t v = 0;
-    while (i_ < s_.size() && s_[i_] >= '0' && s_[i_] <= '9') {
-      const auto d = static_cast<std::uint64_t>(s_[i_] - '0');
-      if (v > (UINT64_MAX - d) / 10) {
-        i_ = start;
-        fail("integer does not fit in 64 bits");
-      }
-      v = v * 10 + d;
-      ++i_;
-    }
-    if (i_ < s_.size() && (s_[i_] == '.' || s_[i_] == 'e' || s_[i_] == 'E'))
-      fail("expected an integer, found a fraction or exponent");
-    return v;
+LAZYTENSOR_INLINE std::string JsonCursor::found() const {
+  if (at_end()) return "the end of the header";
+  std::string q;
+  for (std::size_t k = i_; k < s_.size() && k < i_ + 12; ++k) {
+    const auto c = static_cast<unsigned char>(s_[k]);
+    q += (c >= 0x20 && c < 0x7F) ? static_cast<char>(c) : '?';
   }
+  return "'" + q + "'";
+}
 
-  /// Throws FormatError naming the position.
-  [[noreturn]] void fail(const std::string& what) const {
-    throw FormatError(where_ + ": " + what + " at byte " + std::to_string(i_) + " of the header");
-  }
+LAZYTENSOR_INLINE int JsonCursor::hex_value(char c) {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+  return -1;
+}
 
-  /// A short quote of the text at the cursor, for messages.
-  std::string found() const {
-    if (at_end()) return "the end of the header";
-    std::string q;
-    for (std::size_t k = i_; k < s_.size() && k < i_ + 12; ++k) {
-      const auto c = static_cast<unsigned char>(s_[k]);
-      q += (c >= 0x20 && c < 0x7F) ? static_cast<char>(c) : '?';
-    }
-    return "'" + q + "'";
+LAZYTENSOR_INLINE std::uint32_t JsonCursor::hex4() {
+  if (i_ + 4 > s_.size()) fail("truncated \\u escape");
+  std::uint32_t v = 0;
+  for (int k = 0; k < 4; ++k) {
+    const int h = hex_value(s_[i_ + static_cast<std::size_t>(k)]);
+    if (h < 0) fail("invalid hex digit in a \\u escape");
+    v = v * 16 + static_cast<std::uint32_t>(h);
   }
+  i_ += 4;
+  return v;
+}
 
- private:
-  static int hex_value(char c) {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
-    return -1;
+LAZYTENSOR_INLINE void JsonCursor::append_utf8(std::string& out, std::uint32_t cp) {
+  if (cp < 0x80) {
+    out += static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    out += static_cast<char>(0xC0 | (cp >> 6));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else if (cp < 0x10000) {
+    out += static_cast<char>(0xE0 | (cp >> 12));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else {
+    out += static_cast<char>(0xF0 | (cp >> 18));
+    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
   }
-  std::uint32_t hex4() {
-    if (i_ + 4 > s_.size()) fail("truncated \\u escape");
-    std::uint32_t v = 0;
-    for (int k = 0; k < 4; ++k) {
-      const int h = hex_value(s_[i_ + static_cast<std::size_t>(k)]);
-      if (h < 0) fail("invalid hex digit in a \\u escape");
-      v = v * 16 + static_cast<std::uint32_t>(h);
-    }
-    i_ += 4;
-    return v;
-  }
-  static void append_utf8(std::string& out, std::uint32_t cp) {
-    if (cp < 0x80) {
-      out += static_cast<char>(cp);
-    } else if (cp < 0x800) {
-      out += static_cast<char>(0xC0 | (cp >> 6));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    } else if (cp < 0x10000) {
-      out += static_cast<char>(0xE0 | (cp >> 12));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    } else {
-      out += static_cast<char>(0xF0 | (cp >> 18));
-      out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    }
-  }
-  void escape(std::string& out) {
-    ++i_;  // the backslash
-    if (at_end()) fail("truncated escape");
-    const char e = s_[i_++];
-    switch (e) {
-      case '"':
-        out += '"';
-        return;
-      case '\\':
-        out += '\\';
-        return;
-      case '/':
-        out += '/';
-        return;
-      case 'b':
-        out += '\b';
-        return;
-      case 'f':
-        out += '\f';
-        return;
-      case 'n':
-        out += '\n';
-        return;
-      case 'r':
-        out += '\r';
-        return;
-      case 't':
-        out += '\t';
-        return;
-      case 'u':
-        break;
-      default:
-        --i_;
-        fail("invalid escape");
-    }
-    std::uint32_t cp = hex4();
-    if (cp >= 0xDC00 && cp <= 0xDFFF) fail("unpaired low surrogate in a \\u escape");
-    if (cp >= 0xD800 && cp <= 0xDBFF) {
-      if (i_ + 2 > s_.size() || s_[i_] != '\\' || s_[i_ + 1] != 'u')
-        fail("unpaired high surrogate in a \\u escape");
-      i_ += 2;
-      const std::uint32_t lo = hex4();
-      if (lo < 0xDC00 || lo > 0xDFFF) fail("unpaired high surrogate in a \\u escape");
-      cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
-    }
-    append_utf8(out, cp);
-  }
+}
 
-  std::string_view s_;
-  std::string where_;
-  std::size_t i_ = 0;
-};
+LAZYTENSOR_INLINE void JsonCursor::escape(std::string& out) {
+  ++i_;  // the backslash
+  if (at_end()) fail("truncated escape");
+  const char e = s_[i_++];
+  switch (e) {
+    case '"':
+      out += '"';
+      return;
+    case '\\':
+      out += '\\';
+      return;
+    case '/':
+      out += '/';
+      return;
+    case 'b':
+      out += '\b';
+      return;
+    case 'f':
+      out += '\f';
+      return;
+    case 'n':
+      out += '\n';
+      return;
+    case 'r':
+      out += '\r';
+      return;
+    case 't':
+      out += '\t';
+      return;
+    case 'u':
+      break;
+    default:
+      --i_;
+      fail("invalid escape");
+  }
+  std::uint32_t cp = hex4();
+  if (cp >= 0xDC00 && cp <= 0xDFFF) fail("unpaired low surrogate in a \\u escape");
+  if (cp >= 0xD800 && cp <= 0xDBFF) {
+    if (i_ + 2 > s_.size() || s_[i_] != '\\' || s_[i_ + 1] != 'u')
+      fail("unpaired high surrogate in a \\u escape");
+    i_ += 2;
+    const std::uint32_t lo = hex4();
+    if (lo < 0xDC00 || lo > 0xDFFF) fail("unpaired high surrogate in a \\u escape");
+    cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+  }
+  append_utf8(out, cp);
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::io::detail
 // ---- end lazytensor/io/json.hpp ----
@@ -12216,7 +13200,65 @@ static_assert(
 inline constexpr std::uint64_t kMaxSafetensorsHeader = 100'000'000;
 
 /// safetensors' name of a dtype.
-inline const char* safetensors_dtype_name(DType d) {
+const char* safetensors_dtype_name(DType d);
+
+/// One tensor as the header describes it.
+struct SafetensorsEntry {
+  std::string name;
+  DType dtype = DType::Float32;
+  Shape shape;
+  std::uint64_t begin = 0;  ///< data_offsets, relative to the data buffer
+  std::uint64_t end = 0;
+};
+
+/// A parsed header: tensors in header order, and the metadata.
+struct SafetensorsHeader {
+  std::vector<SafetensorsEntry> tensors;
+  std::map<std::string, std::string> metadata;
+};
+
+void parse_tensor_entry(JsonCursor& cur, SafetensorsEntry& e);
+
+/// Parses a header strictly; FormatError("<path>: ...") on anything malformed.
+SafetensorsHeader parse_safetensors_header(std::string_view text, const std::string& path);
+
+/// Checks that the tensors tile a data buffer of `buffer_bytes` exactly: each tensor's
+/// byte range matches its shape and dtype, ranges neither overlap nor leave gaps, and the
+/// last one ends where the file ends. FormatError("<path>: ...") otherwise.
+void check_safetensors_layout(const SafetensorsHeader& h, std::uint64_t buffer_bytes,
+                              const std::string& path);
+
+/// A typed handle on a materialized node of run-time dtype.
+AnyTensor wrap_node(const graph::NodePtr& node);
+
+/// The header text (padded to 8 bytes) for `sd`, whose tensors are laid out in `order`.
+std::string safetensors_header(const StateDict& sd, const std::vector<std::size_t>& order);
+
+/// Rejects what the format cannot store (before anything is written).
+void check_saveable(const StateDict& sd, const std::string& path);
+
+}  // namespace detail
+
+/// Writes `sd` (tensors and metadata) to `path` as a safetensors file. Each tensor is
+/// materialized and written in turn (the file is never assembled in memory), into a
+/// temporary file in the same directory that is fsynced and renamed over `path`: a failure
+/// leaves any previous file intact and no temporary file behind. Disk errors raise IoError;
+/// an error computing a pending tensor propagates as is. Data are laid out by decreasing
+/// element size (so each tensor is aligned to its element size, as the reference writer
+/// does); the header lists tensors in the state dict's order.
+void save_file(const StateDict& sd, const std::string& path);
+
+/// Reads a safetensors file into a state dict (tensors in header order, materialized on
+/// `dev`; the "__metadata__" entries in metadata()). IoError when the file cannot be read;
+/// FormatError naming the file and the problem when it is not a valid safetensors file of
+/// dtypes lazytensor holds (BOOL, I32, I64, BF16, F32, F64). Nothing is allocated for a
+/// tensor before the whole header has been checked against the file's size.
+StateDict load(const std::string& path, Device dev = device());
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace detail {
+
+LAZYTENSOR_INLINE const char* safetensors_dtype_name(DType d) {
   switch (d) {
     case DType::Bool:
       return "BOOL";
@@ -12234,22 +13276,7 @@ inline const char* safetensors_dtype_name(DType d) {
   return "?";
 }
 
-/// One tensor as the header describes it.
-struct SafetensorsEntry {
-  std::string name;
-  DType dtype = DType::Float32;
-  Shape shape;
-  std::uint64_t begin = 0;  ///< data_offsets, relative to the data buffer
-  std::uint64_t end = 0;
-};
-
-/// A parsed header: tensors in header order, and the metadata.
-struct SafetensorsHeader {
-  std::vector<SafetensorsEntry> tensors;
-  std::map<std::string, std::string> metadata;
-};
-
-inline void parse_tensor_entry(JsonCursor& cur, SafetensorsEntry& e) {
+LAZYTENSOR_INLINE void parse_tensor_entry(JsonCursor& cur, SafetensorsEntry& e) {
   const std::string ctx = "tensor '" + e.name + "': ";
   bool have_dtype = false, have_shape = false, have_offsets = false;
   cur.expect('{');
@@ -12310,8 +13337,8 @@ inline void parse_tensor_entry(JsonCursor& cur, SafetensorsEntry& e) {
   if (!have_offsets) cur.fail(ctx + "missing 'data_offsets'");
 }
 
-/// Parses a header strictly; FormatError("<path>: ...") on anything malformed.
-inline SafetensorsHeader parse_safetensors_header(std::string_view text, const std::string& path) {
+LAZYTENSOR_INLINE SafetensorsHeader parse_safetensors_header(std::string_view text,
+                                                             const std::string& path) {
   SafetensorsHeader h;
   JsonCursor cur(text, path);
   if (text.empty() || text.front() != '{')
@@ -12353,11 +13380,9 @@ inline SafetensorsHeader parse_safetensors_header(std::string_view text, const s
   return h;
 }
 
-/// Checks that the tensors tile a data buffer of `buffer_bytes` exactly: each tensor's
-/// byte range matches its shape and dtype, ranges neither overlap nor leave gaps, and the
-/// last one ends where the file ends. FormatError("<path>: ...") otherwise.
-inline void check_safetensors_layout(const SafetensorsHeader& h, std::uint64_t buffer_bytes,
-                                     const std::string& path) {
+LAZYTENSOR_INLINE void check_safetensors_layout(const SafetensorsHeader& h,
+                                                std::uint64_t buffer_bytes,
+                                                const std::string& path) {
   const auto& ts = h.tensors;
   const auto fail = [&](const std::string& what) { throw FormatError(path + ": " + what); };
   for (const auto& e : ts) {
@@ -12420,8 +13445,7 @@ inline void check_safetensors_layout(const SafetensorsHeader& h, std::uint64_t b
   }
 }
 
-/// A typed handle on a materialized node of run-time dtype.
-inline AnyTensor wrap_node(const graph::NodePtr& node) {
+LAZYTENSOR_INLINE AnyTensor wrap_node(const graph::NodePtr& node) {
   switch (node->dtype()) {
     case DType::Bool:
       return Tensor<bool>(node);
@@ -12439,8 +13463,8 @@ inline AnyTensor wrap_node(const graph::NodePtr& node) {
   return Tensor<double>(node);
 }
 
-/// The header text (padded to 8 bytes) for `sd`, whose tensors are laid out in `order`.
-inline std::string safetensors_header(const StateDict& sd, const std::vector<std::size_t>& order) {
+LAZYTENSOR_INLINE std::string safetensors_header(const StateDict& sd,
+                                                 const std::vector<std::size_t>& order) {
   const auto& items = sd.items();
   std::vector<std::uint64_t> begin(items.size());
   std::uint64_t pos = 0;
@@ -12483,8 +13507,7 @@ inline std::string safetensors_header(const StateDict& sd, const std::vector<std
   return h;
 }
 
-/// Rejects what the format cannot store (before anything is written).
-inline void check_saveable(const StateDict& sd, const std::string& path) {
+LAZYTENSOR_INLINE void check_saveable(const StateDict& sd, const std::string& path) {
   for (const auto& [name, t] : sd) {
     if (!t.defined()) throw Error("cannot save '" + path + "': tensor '" + name + "' is undefined");
     if (name == "__metadata__") {
@@ -12505,14 +13528,7 @@ inline void check_saveable(const StateDict& sd, const std::string& path) {
 
 }  // namespace detail
 
-/// Writes `sd` (tensors and metadata) to `path` as a safetensors file. Each tensor is
-/// materialized and written in turn (the file is never assembled in memory), into a
-/// temporary file in the same directory that is fsynced and renamed over `path`: a failure
-/// leaves any previous file intact and no temporary file behind. Disk errors raise IoError;
-/// an error computing a pending tensor propagates as is. Data are laid out by decreasing
-/// element size (so each tensor is aligned to its element size, as the reference writer
-/// does); the header lists tensors in the state dict's order.
-inline void save_file(const StateDict& sd, const std::string& path) {
+LAZYTENSOR_INLINE void save_file(const StateDict& sd, const std::string& path) {
   detail::check_saveable(sd, path);
   const auto& items = sd.items();
   std::vector<std::size_t> order(items.size());
@@ -12541,12 +13557,7 @@ inline void save_file(const StateDict& sd, const std::string& path) {
   out.commit();
 }
 
-/// Reads a safetensors file into a state dict (tensors in header order, materialized on
-/// `dev`; the "__metadata__" entries in metadata()). IoError when the file cannot be read;
-/// FormatError naming the file and the problem when it is not a valid safetensors file of
-/// dtypes lazytensor holds (BOOL, I32, I64, BF16, F32, F64). Nothing is allocated for a
-/// tensor before the whole header has been checked against the file's size.
-inline StateDict load(const std::string& path, Device dev = device()) {
+LAZYTENSOR_INLINE StateDict load(const std::string& path, Device dev) {
   detail::ReadFile file(path);
   const std::uint64_t size = file.size();
   if (size < 8) {
@@ -12599,6 +13610,7 @@ inline StateDict load(const std::string& path, Device dev = device()) {
   sd.metadata() = header.metadata;
   return sd;
 }
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::io
 // ---- end lazytensor/io/safetensors.hpp ----
@@ -12625,7 +13637,30 @@ namespace lazy::io {
 namespace detail {
 
 /// Runs every pending tensor of `sd`, one execution per device.
-inline void materialize_all(const StateDict& sd) {
+void materialize_all(const StateDict& sd);
+
+std::string message_of(const std::exception_ptr& e);
+
+}  // namespace detail
+
+/// Saves `sd` to `path` as a safetensors file (see save_file), as xm.save(data, path,
+/// master_only, global_master):
+///  - `master_only` (default): only the master replica writes: the local master (local
+///    ordinal 0, one per host) or, with `global_master`, global ordinal 0 only. Otherwise
+///    every replica writes (give each its own path; replicas writing one path replace the
+///    file atomically in turn, the last rename wins).
+///  - Every replica materializes the pending tensors of `sd` first (a sync), then all
+///    replicas rendezvous after the write: the file is complete when save returns on any of
+///    them (see the file comment for failures). Every replica must call it (it is a
+///    collective of the whole world).
+/// Outside spawn it just writes.
+void save(const StateDict& sd, const std::string& path, bool master_only = true,
+          bool global_master = false);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace detail {
+
+LAZYTENSOR_INLINE void materialize_all(const StateDict& sd) {
   std::vector<std::pair<graph::Device*, std::vector<graph::NodePtr>>> pending;
   for (const auto& [name, t] : sd) {
     if (!t.defined() || t.impl()->node->materialized()) continue;
@@ -12641,7 +13676,7 @@ inline void materialize_all(const StateDict& sd) {
   }
 }
 
-inline std::string message_of(const std::exception_ptr& e) {
+LAZYTENSOR_INLINE std::string message_of(const std::exception_ptr& e) {
   try {
     std::rethrow_exception(e);
   } catch (const std::exception& ex) {
@@ -12653,19 +13688,8 @@ inline std::string message_of(const std::exception_ptr& e) {
 
 }  // namespace detail
 
-/// Saves `sd` to `path` as a safetensors file (see save_file), as xm.save(data, path,
-/// master_only, global_master):
-///  - `master_only` (default): only the master replica writes: the local master (local
-///    ordinal 0, one per host) or, with `global_master`, global ordinal 0 only. Otherwise
-///    every replica writes (give each its own path; replicas writing one path replace the
-///    file atomically in turn, the last rename wins).
-///  - Every replica materializes the pending tensors of `sd` first (a sync), then all
-///    replicas rendezvous after the write: the file is complete when save returns on any of
-///    them (see the file comment for failures). Every replica must call it (it is a
-///    collective of the whole world).
-/// Outside spawn it just writes.
-inline void save(const StateDict& sd, const std::string& path, bool master_only = true,
-                 bool global_master = false) {
+LAZYTENSOR_INLINE void save(const StateDict& sd, const std::string& path, bool master_only,
+                            bool global_master) {
   const bool writer = !master_only || dist::is_master_ordinal(!global_master);
   std::exception_ptr error;
   try {
@@ -12689,6 +13713,7 @@ inline void save(const StateDict& sd, const std::string& path, bool master_only 
     }
   }
 }
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::io
 // ---- end lazytensor/io/save.hpp ----
@@ -13208,27 +14233,9 @@ struct Odometer {
   std::int64_t a = 0, b = 0;
 
   /// Positions the multi-index at linear position `lin` (row-major over `size`).
-  void seek(std::int64_t lin) {
-    a = b = 0;
-    for (int d = rank - 1; d >= 0; --d) {
-      idx[d] = lin % size[d];
-      lin /= size[d];
-      a += idx[d] * stride_a[d];
-      b += idx[d] * stride_b[d];
-    }
-  }
+  void seek(std::int64_t lin);
   /// Advances by one position (carry from the last dim).
-  void next() {
-    for (int d = rank - 1; d >= 0; --d) {
-      ++idx[d];
-      a += stride_a[d];
-      b += stride_b[d];
-      if (idx[d] < size[d]) return;
-      a -= stride_a[d] * size[d];
-      b -= stride_b[d] * size[d];
-      idx[d] = 0;
-    }
-  }
+  void next();
 };
 
 /// Fills `segs` equal-length output segments of `len` elements each, segment s copied from
@@ -13263,8 +14270,7 @@ inline const std::byte* bytes_of(const NodePtr& n) { return static_cast<const st
 /// costs nothing and the donation rule (buffer use_count == 1) keeps shared data safe.
 class ViewNode final : public Node {
  public:
-  ViewNode(std::string op, NodePtr in, Shape shape)
-      : Node(NodeKind::View, in->dtype(), shape, in->device(), {in}), op_(std::move(op)) {}
+  ViewNode(std::string op, NodePtr in, Shape shape);
 
   std::string op_name() const override { return op_; }
   std::string describe() const override { return op_ + "(%0) -> " + shape().str(); }
@@ -13294,83 +14300,24 @@ class PermuteNode : public Node {
     bool keeps_order() const { return rank <= 1; }
   };
 
-  static Shape permuted_shape(const Shape& in, const std::vector<int>& perm) {
-    Shape out;
-    for (int p : perm) out.push_back(in[p]);
-    return out;
-  }
+  static Shape permuted_shape(const Shape& in, const std::vector<int>& perm);
 
-  static Plan make_plan(const Shape& in, const std::vector<int>& perm) {
-    Plan p;
-    if (in.numel() <= 1) return p;
-    const auto ics = contiguous_strides(in);
-    std::vector<std::int64_t> sz, st;
-    for (int d : perm) {
-      if (in[d] == 1) continue;
-      sz.push_back(in[d]);
-      st.push_back(ics[d]);
-    }
-    // Merge output dim i into i + 1 while the input is contiguous across the pair.
-    std::vector<std::int64_t> csz{sz.back()}, cst{st.back()};
-    for (int i = static_cast<int>(sz.size()) - 2; i >= 0; --i) {
-      if (st[i] == cst.front() * csz.front()) {
-        csz.front() *= sz[i];
-      } else {
-        csz.insert(csz.begin(), sz[i]);
-        cst.insert(cst.begin(), st[i]);
-      }
-    }
-    p.rank = static_cast<int>(csz.size());
-    std::int64_t acc = 1;
-    for (int i = p.rank - 1; i >= 0; --i) {
-      p.size[i] = csz[i];
-      p.istride[i] = cst[i];
-      p.ostride[i] = acc;
-      acc *= csz[i];
-      if (cst[i] == 1) p.q = i;
-    }
-    return p;
-  }
+  static Plan make_plan(const Shape& in, const std::vector<int>& perm);
 
-  PermuteNode(NodePtr in, std::vector<int> perm, std::string op)
-      : Node(NodeKind::Copy, in->dtype(), permuted_shape(in->shape(), perm), in->device(), {in}),
-        perm_(std::move(perm)), op_(std::move(op)), plan_(make_plan(in->shape(), perm_)) {}
+  PermuteNode(NodePtr in, std::vector<int> perm, std::string op);
 
   /// out dim i reads input dim perm()[i].
   const std::vector<int>& perm() const { return perm_; }
   /// True when the permutation swaps the last two dims and keeps the others: a matmul can
   /// then read the input with a transposed layout instead of waiting for this copy.
-  bool swaps_last_two() const {
-    const int r = static_cast<int>(perm_.size());
-    if (r < 2 || perm_[r - 2] != r - 1 || perm_[r - 1] != r - 2) return false;
-    for (int i = 0; i + 2 < r; ++i)
-      if (perm_[i] != i) return false;
-    return true;
-  }
+  bool swaps_last_two() const;
 
   std::string op_name() const override { return op_; }
-  std::string describe() const override {
-    std::string s = op_ + "(%0, dims=[";
-    for (std::size_t i = 0; i < perm_.size(); ++i) s += (i ? ", " : "") + std::to_string(perm_[i]);
-    return s + "])";
-  }
-  std::uint64_t structural_hash() const override {
-    std::uint64_t h = Node::structural_hash();
-    for (int p : perm_) h = hash_combine(h, static_cast<std::uint64_t>(p));
-    return h;
-  }
+  std::string describe() const override;
+  std::uint64_t structural_hash() const override;
 
  protected:
-  void compute(ExecContext& ctx) override {
-    const std::byte* src = copy_kernels::bytes_of(inputs()[0]);
-    auto buf = allocate_output(ctx, false);  // reads elsewhere than it writes
-    auto* dst = static_cast<std::byte*>(buf->data());
-    const std::int64_t n = numel();
-    if (n > 0) {
-      copy_kernels::with_elem_size(dtype_size(dtype()), [&](auto nb) { run<decltype(nb)::value>(ctx, dst, src, n); });
-    }
-    set_buffer(std::move(buf));
-  }
+  void compute(ExecContext& ctx) override;
 
  private:
   static constexpr std::int64_t kTile = 32;
@@ -13460,19 +14407,14 @@ class PermuteNode : public Node {
 /// the source with a transposed layout and this copy never runs.
 class TransposeNode final : public PermuteNode, public TransposeOfLastTwo {
  public:
-  explicit TransposeNode(NodePtr in) : PermuteNode(in, last_two(in->shape().rank()), "transpose") {}
+  explicit TransposeNode(NodePtr in);
 
   /// The node whose last two dims this value swaps (null once this node has run: a
   /// computed node keeps no inputs).
   const NodePtr& transpose_source() const override { return inputs().empty() ? none_ : inputs()[0]; }
 
   /// The identity permutation with the last two entries swapped.
-  static std::vector<int> last_two(int rank) {
-    std::vector<int> p(static_cast<std::size_t>(rank));
-    for (int i = 0; i < rank; ++i) p[i] = i;
-    if (rank >= 2) std::swap(p[rank - 2], p[rank - 1]);
-    return p;
-  }
+  static std::vector<int> last_two(int rank);
 
  private:
   NodePtr none_;
@@ -13481,46 +14423,15 @@ class TransposeNode final : public PermuteNode, public TransposeOfLastTwo {
 /// Copies a strided range of one dim: out[.., k, ..] = in[.., start + k * step, ..].
 class SliceNode final : public Node {
  public:
-  SliceNode(std::string op, NodePtr in, int dim, std::int64_t start, std::int64_t step, Shape out)
-      : Node(NodeKind::Copy, in->dtype(), out, in->device(), {in}), op_(std::move(op)), dim_(dim), start_(start),
-        step_(step) {}
+  SliceNode(std::string op, NodePtr in, int dim, std::int64_t start, std::int64_t step, Shape out);
 
   std::string op_name() const override { return op_; }
-  std::string describe() const override {
-    return op_ + "(%0, dim=" + std::to_string(dim_) + ", start=" + std::to_string(start_) +
-           ", step=" + std::to_string(step_) + ")";
-  }
+  std::string describe() const override;
   // The offsets are part of the kernel's layout, not data: they belong in the hash.
-  std::uint64_t structural_hash() const override {
-    return hash_combine(hash_combine(hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_)),
-                                     static_cast<std::uint64_t>(start_)),
-                        static_cast<std::uint64_t>(step_));
-  }
+  std::uint64_t structural_hash() const override;
 
  protected:
-  void compute(ExecContext& ctx) override {
-    const Shape& is = inputs()[0]->shape();
-    const std::byte* src = copy_kernels::bytes_of(inputs()[0]);
-    auto buf = allocate_output(ctx, false);
-    auto* dst = static_cast<std::byte*>(buf->data());
-    std::int64_t outer = 1, inner = 1;
-    for (int d = 0; d < dim_; ++d) outer *= is[d];
-    for (int d = dim_ + 1; d < is.rank(); ++d) inner *= is[d];
-    const std::int64_t dsize = is[dim_], len = shape()[dim_];
-    const std::int64_t start = start_, step = step_;
-    copy_kernels::with_elem_size(dtype_size(dtype()), [&](auto nb) {
-      constexpr std::size_t N = decltype(nb)::value;
-      if (step == 1) {  // one contiguous run per outer index
-        copy_kernels::copy_segments<N>(ctx.device.threads(), dst, src, outer, len * inner,
-                                       [&](std::int64_t o) { return (o * dsize + start) * inner; });
-      } else {
-        copy_kernels::copy_segments<N>(ctx.device.threads(), dst, src, outer * len, inner, [&](std::int64_t s) {
-          return ((s / len) * dsize + start + (s % len) * step) * inner;
-        });
-      }
-    });
-    set_buffer(std::move(buf));
-  }
+  void compute(ExecContext& ctx) override;
 
  private:
   std::string op_;
@@ -13534,47 +14445,13 @@ class SliceNode final : public Node {
 class CatNode final : public Node {
  public:
   CatNode(std::string op, DType dtype, std::vector<NodePtr> ins, Shape out, Device* dev, std::int64_t outer,
-          std::vector<std::int64_t> widths)
-      : Node(NodeKind::Copy, dtype, out, dev, std::move(ins)), op_(std::move(op)), outer_(outer),
-        widths_(std::move(widths)) {}
+          std::vector<std::int64_t> widths);
 
   std::string op_name() const override { return op_; }
-  std::uint64_t structural_hash() const override {
-    std::uint64_t h = hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(outer_));
-    for (auto w : widths_) h = hash_combine(h, static_cast<std::uint64_t>(w));
-    return h;
-  }
+  std::uint64_t structural_hash() const override;
 
  protected:
-  void compute(ExecContext& ctx) override {
-    const std::size_t k = inputs().size();
-    std::vector<const std::byte*> srcs(k);
-    for (std::size_t i = 0; i < k; ++i) srcs[i] = copy_kernels::bytes_of(inputs()[i]);
-    auto buf = allocate_output(ctx, false);
-    auto* dst = static_cast<std::byte*>(buf->data());
-    std::vector<std::int64_t> pre(k + 1, 0);  // start of each input inside an output row
-    for (std::size_t i = 0; i < k; ++i) pre[i + 1] = pre[i] + widths_[i];
-    const std::int64_t W = pre[k], n = outer_ * W;
-    auto& pool = ctx.device.threads();
-    if (n > 0) {
-      copy_kernels::with_elem_size(dtype_size(dtype()), [&](auto nb) {
-        constexpr std::size_t N = decltype(nb)::value;
-        const std::int64_t tasks = task_count(pool, n, 1.0);
-        // Split the output evenly, whatever the sizes of the pieces.
-        pool.parallel_for(tasks, [&](std::int64_t t) {
-          auto [b, e] = task_range(n, tasks, t);
-          while (b < e) {
-            const std::int64_t o = b / W, w = b % W;
-            const auto i = static_cast<std::size_t>(std::upper_bound(pre.begin() + 1, pre.end(), w) - pre.begin() - 1);
-            const std::int64_t off = w - pre[i], c = std::min(widths_[i] - off, e - b);
-            std::memcpy(dst + b * N, srcs[i] + (o * widths_[i] + off) * N, static_cast<std::size_t>(c) * N);
-            b += c;
-          }
-        });
-      });
-    }
-    set_buffer(std::move(buf));
-  }
+  void compute(ExecContext& ctx) override;
 
  private:
   std::string op_;
@@ -13738,6 +14615,207 @@ class OneHotNode final : public Node {
 };
 
 }  // namespace lazy::graph
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::graph::copy_kernels {
+
+LAZYTENSOR_INLINE void Odometer::seek(std::int64_t lin) {
+  a = b = 0;
+  for (int d = rank - 1; d >= 0; --d) {
+    idx[d] = lin % size[d];
+    lin /= size[d];
+    a += idx[d] * stride_a[d];
+    b += idx[d] * stride_b[d];
+  }
+}
+
+LAZYTENSOR_INLINE void Odometer::next() {
+  for (int d = rank - 1; d >= 0; --d) {
+    ++idx[d];
+    a += stride_a[d];
+    b += stride_b[d];
+    if (idx[d] < size[d]) return;
+    a -= stride_a[d] * size[d];
+    b -= stride_b[d] * size[d];
+    idx[d] = 0;
+  }
+}
+
+}  // namespace lazy::graph::copy_kernels
+namespace lazy::graph {
+
+LAZYTENSOR_INLINE ViewNode::ViewNode(std::string op, NodePtr in, Shape shape)
+    : Node(NodeKind::View, in->dtype(), shape, in->device(), {in}), op_(std::move(op)) {}
+
+LAZYTENSOR_INLINE Shape PermuteNode::permuted_shape(const Shape& in, const std::vector<int>& perm) {
+  Shape out;
+  for (int p : perm) out.push_back(in[p]);
+  return out;
+}
+
+LAZYTENSOR_INLINE auto PermuteNode::make_plan(const Shape& in, const std::vector<int>& perm) -> Plan {
+  Plan p;
+  if (in.numel() <= 1) return p;
+  const auto ics = contiguous_strides(in);
+  std::vector<std::int64_t> sz, st;
+  for (int d : perm) {
+    if (in[d] == 1) continue;
+    sz.push_back(in[d]);
+    st.push_back(ics[d]);
+  }
+  // Merge output dim i into i + 1 while the input is contiguous across the pair.
+  std::vector<std::int64_t> csz{sz.back()}, cst{st.back()};
+  for (int i = static_cast<int>(sz.size()) - 2; i >= 0; --i) {
+    if (st[i] == cst.front() * csz.front()) {
+      csz.front() *= sz[i];
+    } else {
+      csz.insert(csz.begin(), sz[i]);
+      cst.insert(cst.begin(), st[i]);
+    }
+  }
+  p.rank = static_cast<int>(csz.size());
+  std::int64_t acc = 1;
+  for (int i = p.rank - 1; i >= 0; --i) {
+    p.size[i] = csz[i];
+    p.istride[i] = cst[i];
+    p.ostride[i] = acc;
+    acc *= csz[i];
+    if (cst[i] == 1) p.q = i;
+  }
+  return p;
+}
+
+LAZYTENSOR_INLINE PermuteNode::PermuteNode(NodePtr in, std::vector<int> perm, std::string op)
+    : Node(NodeKind::Copy, in->dtype(), permuted_shape(in->shape(), perm), in->device(), {in}),
+      perm_(std::move(perm)), op_(std::move(op)), plan_(make_plan(in->shape(), perm_)) {}
+
+LAZYTENSOR_INLINE bool PermuteNode::swaps_last_two() const {
+  const int r = static_cast<int>(perm_.size());
+  if (r < 2 || perm_[r - 2] != r - 1 || perm_[r - 1] != r - 2) return false;
+  for (int i = 0; i + 2 < r; ++i)
+    if (perm_[i] != i) return false;
+  return true;
+}
+
+LAZYTENSOR_INLINE std::string PermuteNode::describe() const {
+  std::string s = op_ + "(%0, dims=[";
+  for (std::size_t i = 0; i < perm_.size(); ++i) s += (i ? ", " : "") + std::to_string(perm_[i]);
+  return s + "])";
+}
+
+LAZYTENSOR_INLINE std::uint64_t PermuteNode::structural_hash() const {
+  std::uint64_t h = Node::structural_hash();
+  for (int p : perm_) h = hash_combine(h, static_cast<std::uint64_t>(p));
+  return h;
+}
+
+LAZYTENSOR_INLINE void PermuteNode::compute(ExecContext& ctx) {
+  const std::byte* src = copy_kernels::bytes_of(inputs()[0]);
+  auto buf = allocate_output(ctx, false);  // reads elsewhere than it writes
+  auto* dst = static_cast<std::byte*>(buf->data());
+  const std::int64_t n = numel();
+  if (n > 0) {
+    copy_kernels::with_elem_size(dtype_size(dtype()), [&](auto nb) { run<decltype(nb)::value>(ctx, dst, src, n); });
+  }
+  set_buffer(std::move(buf));
+}
+
+LAZYTENSOR_INLINE TransposeNode::TransposeNode(NodePtr in) : PermuteNode(in, last_two(in->shape().rank()), "transpose") {}
+
+LAZYTENSOR_INLINE std::vector<int> TransposeNode::last_two(int rank) {
+  std::vector<int> p(static_cast<std::size_t>(rank));
+  for (int i = 0; i < rank; ++i) p[i] = i;
+  if (rank >= 2) std::swap(p[rank - 2], p[rank - 1]);
+  return p;
+}
+
+LAZYTENSOR_INLINE SliceNode::SliceNode(std::string op, NodePtr in, int dim, std::int64_t start, std::int64_t step, Shape out)
+    : Node(NodeKind::Copy, in->dtype(), out, in->device(), {in}), op_(std::move(op)), dim_(dim), start_(start),
+      step_(step) {}
+
+LAZYTENSOR_INLINE std::string SliceNode::describe() const {
+  return op_ + "(%0, dim=" + std::to_string(dim_) + ", start=" + std::to_string(start_) +
+         ", step=" + std::to_string(step_) + ")";
+}
+
+LAZYTENSOR_INLINE std::uint64_t SliceNode::structural_hash() const {
+  return hash_combine(hash_combine(hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_)),
+                                   static_cast<std::uint64_t>(start_)),
+                      static_cast<std::uint64_t>(step_));
+}
+
+LAZYTENSOR_INLINE void SliceNode::compute(ExecContext& ctx) {
+  const Shape& is = inputs()[0]->shape();
+  const std::byte* src = copy_kernels::bytes_of(inputs()[0]);
+  auto buf = allocate_output(ctx, false);
+  auto* dst = static_cast<std::byte*>(buf->data());
+  std::int64_t outer = 1, inner = 1;
+  for (int d = 0; d < dim_; ++d) outer *= is[d];
+  for (int d = dim_ + 1; d < is.rank(); ++d) inner *= is[d];
+  const std::int64_t dsize = is[dim_], len = shape()[dim_];
+  const std::int64_t start = start_, step = step_;
+  copy_kernels::with_elem_size(dtype_size(dtype()), [&](auto nb) {
+    constexpr std::size_t N = decltype(nb)::value;
+    if (step == 1) {  // one contiguous run per outer index
+      copy_kernels::copy_segments<N>(ctx.device.threads(), dst, src, outer, len * inner,
+                                     [&](std::int64_t o) { return (o * dsize + start) * inner; });
+    } else {
+      copy_kernels::copy_segments<N>(ctx.device.threads(), dst, src, outer * len, inner, [&](std::int64_t s) {
+        return ((s / len) * dsize + start + (s % len) * step) * inner;
+      });
+    }
+  });
+  set_buffer(std::move(buf));
+}
+
+LAZYTENSOR_INLINE CatNode::CatNode(std::string op,
+  DType dtype,
+  std::vector<NodePtr> ins,
+  Shape out,
+  Device* dev,
+  std::int64_t outer,
+  std::vector<std::int64_t> widths)
+    : Node(NodeKind::Copy, dtype, out, dev, std::move(ins)), op_(std::move(op)), outer_(outer),
+      widths_(std::move(widths)) {}
+
+LAZYTENSOR_INLINE std::uint64_t CatNode::structural_hash() const {
+  std::uint64_t h = hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(outer_));
+  for (auto w : widths_) h = hash_combine(h, static_cast<std::uint64_t>(w));
+  return h;
+}
+
+LAZYTENSOR_INLINE void CatNode::compute(ExecContext& ctx) {
+  const std::size_t k = inputs().size();
+  std::vector<const std::byte*> srcs(k);
+  for (std::size_t i = 0; i < k; ++i) srcs[i] = copy_kernels::bytes_of(inputs()[i]);
+  auto buf = allocate_output(ctx, false);
+  auto* dst = static_cast<std::byte*>(buf->data());
+  std::vector<std::int64_t> pre(k + 1, 0);  // start of each input inside an output row
+  for (std::size_t i = 0; i < k; ++i) pre[i + 1] = pre[i] + widths_[i];
+  const std::int64_t W = pre[k], n = outer_ * W;
+  auto& pool = ctx.device.threads();
+  if (n > 0) {
+    copy_kernels::with_elem_size(dtype_size(dtype()), [&](auto nb) {
+      constexpr std::size_t N = decltype(nb)::value;
+      const std::int64_t tasks = task_count(pool, n, 1.0);
+      // Split the output evenly, whatever the sizes of the pieces.
+      pool.parallel_for(tasks, [&](std::int64_t t) {
+        auto [b, e] = task_range(n, tasks, t);
+        while (b < e) {
+          const std::int64_t o = b / W, w = b % W;
+          const auto i = static_cast<std::size_t>(std::upper_bound(pre.begin() + 1, pre.end(), w) - pre.begin() - 1);
+          const std::int64_t off = w - pre[i], c = std::min(widths_[i] - off, e - b);
+          std::memcpy(dst + b * N, srcs[i] + (o * widths_[i] + off) * N, static_cast<std::size_t>(c) * N);
+          b += c;
+        }
+      });
+    });
+  }
+  set_buffer(std::move(buf));
+}
+
+}  // namespace lazy::graph
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/graph/shape_nodes.hpp ----
 // ---- begin lazytensor/graph/shape_backward.hpp ----
 // Kernels that only backward passes need: the adjoints of slicing, index_select and gather
@@ -13932,11 +15010,7 @@ auto as_tensor(const X& x) {
   else return Tensor<T>(x.to_leaf().node);
 }
 
-inline std::string list_str(std::span<const std::int64_t> v) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
-  return s + "]";
-}
+std::string list_str(std::span<const std::int64_t> v);
 inline std::string list_str(const Shape& s) { return list_str(std::span<const std::int64_t>(s.begin(), s.end())); }
 inline std::span<const std::int64_t> span_of(const Shape& s) { return {s.begin(), static_cast<std::size_t>(s.rank())}; }
 
@@ -13955,41 +15029,7 @@ Tensor<T> view_of(const Tensor<T>& t, const Shape& shape, const char* op) {
 }
 
 /// Resolves a size list with at most one -1 against `numel` (torch's infer_size).
-inline Shape infer_shape(std::span<const std::int64_t> sizes, std::int64_t numel, const char* op) {
-  if (sizes.size() > static_cast<std::size_t>(kMaxRank)) {
-    throw ShapeError(std::string(op) + ": shape " + list_str(sizes) + " has rank " + std::to_string(sizes.size()) +
-                     ", expected at most " + std::to_string(kMaxRank));
-  }
-  int infer = -1;
-  std::int64_t known = 1;
-  for (std::size_t i = 0; i < sizes.size(); ++i) {
-    if (sizes[i] == -1) {
-      if (infer >= 0) throw ShapeError(std::string(op) + ": only one dimension can be inferred (-1), got " + list_str(sizes));
-      infer = static_cast<int>(i);
-    } else if (sizes[i] < 0) {
-      throw ShapeError(std::string(op) + ": invalid shape dimension " + std::to_string(sizes[i]) + " in " +
-                       list_str(sizes) + " (expected sizes >= 0, or -1 once)");
-    } else {
-      known *= sizes[i];
-    }
-  }
-  std::vector<std::int64_t> out(sizes.begin(), sizes.end());
-  if (infer >= 0) {
-    if (known == 0) {
-      throw ShapeError(std::string(op) + ": cannot reshape a tensor of " + std::to_string(numel) + " elements into shape " +
-                       list_str(sizes) + " because the unspecified dimension size -1 can be any value and is ambiguous");
-    }
-    if (numel % known != 0) {
-      throw ShapeError(std::string(op) + ": shape " + list_str(sizes) + " is invalid for input of size " +
-                       std::to_string(numel));
-    }
-    out[infer] = numel / known;
-  } else if (known != numel) {
-    throw ShapeError(std::string(op) + ": shape " + list_str(sizes) + " is invalid for input of size " +
-                     std::to_string(numel) + " (expected " + std::to_string(known) + " elements)");
-  }
-  return Shape(out);
-}
+Shape infer_shape(std::span<const std::int64_t> sizes, std::int64_t numel, const char* op);
 
 template <expr::ExprLike X>
 auto reshape_impl(const X& x, std::span<const std::int64_t> sizes, const char* op) {
@@ -14550,6 +15590,54 @@ Tensor<std::int64_t> one_hot(const Tensor<I>& index, std::int64_t num_classes = 
 }
 
 }  // namespace lazy
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::detail::shape_ops {
+
+LAZYTENSOR_INLINE std::string list_str(std::span<const std::int64_t> v) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "]";
+}
+
+LAZYTENSOR_INLINE Shape infer_shape(std::span<const std::int64_t> sizes, std::int64_t numel, const char* op) {
+  if (sizes.size() > static_cast<std::size_t>(kMaxRank)) {
+    throw ShapeError(std::string(op) + ": shape " + list_str(sizes) + " has rank " + std::to_string(sizes.size()) +
+                     ", expected at most " + std::to_string(kMaxRank));
+  }
+  int infer = -1;
+  std::int64_t known = 1;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    if (sizes[i] == -1) {
+      if (infer >= 0) throw ShapeError(std::string(op) + ": only one dimension can be inferred (-1), got " + list_str(sizes));
+      infer = static_cast<int>(i);
+    } else if (sizes[i] < 0) {
+      throw ShapeError(std::string(op) + ": invalid shape dimension " + std::to_string(sizes[i]) + " in " +
+                       list_str(sizes) + " (expected sizes >= 0, or -1 once)");
+    } else {
+      known *= sizes[i];
+    }
+  }
+  std::vector<std::int64_t> out(sizes.begin(), sizes.end());
+  if (infer >= 0) {
+    if (known == 0) {
+      throw ShapeError(std::string(op) + ": cannot reshape a tensor of " + std::to_string(numel) + " elements into shape " +
+                       list_str(sizes) + " because the unspecified dimension size -1 can be any value and is ambiguous");
+    }
+    if (numel % known != 0) {
+      throw ShapeError(std::string(op) + ": shape " + list_str(sizes) + " is invalid for input of size " +
+                       std::to_string(numel));
+    }
+    out[infer] = numel / known;
+  } else if (known != numel) {
+    throw ShapeError(std::string(op) + ": shape " + list_str(sizes) + " is invalid for input of size " +
+                     std::to_string(numel) + " (expected " + std::to_string(known) + " elements)");
+  }
+  return Shape(out);
+}
+
+}  // namespace lazy::detail::shape_ops
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/ops/shape.hpp ----
 
 namespace lazy {
@@ -14560,58 +15648,12 @@ namespace detail {
 using DimList = core::SmallVector<int, 8>;
 
 /// Normalized, sorted, de-duplicated reduction dims; empty `dims` means all.
-inline DimList reduce_dims(const Shape& s, const std::vector<std::int64_t>& dims, const char* op) {
-  DimList d;
-  if (dims.empty()) {
-    for (int i = 0; i < s.rank(); ++i) d.push_back(i);
-    return d;
-  }
-  for (auto x : dims) {
-    const int n = normalize_dim(x, s.rank(), op);
-    if (std::find(d.begin(), d.end(), n) != d.end()) {
-      throw ShapeError(std::string(op) + ": dim " + std::to_string(n) + " appears multiple times in the list of dims");
-    }
-    d.push_back(n);
-  }
-  std::sort(d.begin(), d.end());
-  if (s.rank() == 0) d.resize(0);
-  return d;
-}
+DimList reduce_dims(const Shape& s, const std::vector<std::int64_t>& dims, const char* op);
 
-inline Shape reduced_shape(const Shape& s, const DimList& dims, bool keepdim) {
-  Shape out;
-  for (int i = 0; i < s.rank(); ++i) {
-    const bool r = std::find(dims.begin(), dims.end(), i) != dims.end();
-    if (!r) out.push_back(s[i]);
-    else if (keepdim) out.push_back(1);
-  }
-  return out;
-}
+Shape reduced_shape(const Shape& s, const DimList& dims, bool keepdim);
 
 /// [outer, R, inner] when the reduced dims of size > 1 are adjacent; false otherwise.
-inline bool geometry(const Shape& s, const DimList& dims, graph::ReduceGeometry& g) {
-  int lo = -1, hi = -1;
-  for (int d : dims)
-    if (s[d] != 1) {
-      if (lo < 0) lo = d;
-      hi = d;
-    }
-  g = {};
-  if (lo < 0) {  // nothing of size > 1 is reduced
-    g.outer = s.numel();
-    return true;
-  }
-  for (int i = lo; i <= hi; ++i) {
-    const bool r = std::find(dims.begin(), dims.end(), i) != dims.end();
-    if (!r && s[i] != 1) return false;
-  }
-  for (int i = 0; i < s.rank(); ++i) {
-    if (i < lo) g.outer *= s[i];
-    else if (i > hi) g.inner *= s[i];
-    else g.extent *= s[i];
-  }
-  return true;
-}
+bool geometry(const Shape& s, const DimList& dims, graph::ReduceGeometry& g);
 
 template <class E>
 bool flat_child(const E& e, const std::vector<graph::NodePtr>& inputs) {
@@ -14891,6 +15933,64 @@ auto norm(const X& x, double p = 2, const Dims& dims = {}, bool keepdim = false)
 }
 
 }  // namespace lazy
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::detail {
+
+LAZYTENSOR_INLINE DimList reduce_dims(const Shape& s, const std::vector<std::int64_t>& dims, const char* op) {
+  DimList d;
+  if (dims.empty()) {
+    for (int i = 0; i < s.rank(); ++i) d.push_back(i);
+    return d;
+  }
+  for (auto x : dims) {
+    const int n = normalize_dim(x, s.rank(), op);
+    if (std::find(d.begin(), d.end(), n) != d.end()) {
+      throw ShapeError(std::string(op) + ": dim " + std::to_string(n) + " appears multiple times in the list of dims");
+    }
+    d.push_back(n);
+  }
+  std::sort(d.begin(), d.end());
+  if (s.rank() == 0) d.resize(0);
+  return d;
+}
+
+LAZYTENSOR_INLINE Shape reduced_shape(const Shape& s, const DimList& dims, bool keepdim) {
+  Shape out;
+  for (int i = 0; i < s.rank(); ++i) {
+    const bool r = std::find(dims.begin(), dims.end(), i) != dims.end();
+    if (!r) out.push_back(s[i]);
+    else if (keepdim) out.push_back(1);
+  }
+  return out;
+}
+
+LAZYTENSOR_INLINE bool geometry(const Shape& s, const DimList& dims, graph::ReduceGeometry& g) {
+  int lo = -1, hi = -1;
+  for (int d : dims)
+    if (s[d] != 1) {
+      if (lo < 0) lo = d;
+      hi = d;
+    }
+  g = {};
+  if (lo < 0) {  // nothing of size > 1 is reduced
+    g.outer = s.numel();
+    return true;
+  }
+  for (int i = lo; i <= hi; ++i) {
+    const bool r = std::find(dims.begin(), dims.end(), i) != dims.end();
+    if (!r && s[i] != 1) return false;
+  }
+  for (int i = 0; i < s.rank(); ++i) {
+    if (i < lo) g.outer *= s[i];
+    else if (i > hi) g.inner *= s[i];
+    else g.extent *= s[i];
+  }
+  return true;
+}
+
+}  // namespace lazy::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/ops/reduction.hpp ----
 // ---- begin lazytensor/ops/softmax.hpp ----
 // softmax and log_softmax as fused row kernels: one pass for the max, one for the sum of
@@ -15228,19 +16328,9 @@ class Module : public std::enable_shared_from_this<Module> {
 
   /// Registers a parameter under `name` (marked requires_grad unless told otherwise) and
   /// returns a handle sharing it.
-  Tensor<float> register_parameter(const std::string& name, Tensor<float> t, bool requires_grad = true) {
-    check_name(name);
-    if (!t.defined()) throw Error(name_ + ".register_parameter: parameter '" + name + "' is undefined");
-    if (requires_grad && !t.requires_grad()) t.requires_grad_();
-    params_.emplace_back(name, t);
-    return t;
-  }
+  Tensor<float> register_parameter(const std::string& name, Tensor<float> t, bool requires_grad = true);
   /// Registers a buffer (saved in state_dict, not a parameter) and returns a handle.
-  AnyTensor register_buffer(const std::string& name, AnyTensor t) {
-    check_name(name);
-    buffers_.emplace_back(name, t);
-    return t;
-  }
+  AnyTensor register_buffer(const std::string& name, AnyTensor t);
   /// Registers a submodule; returns it.
   template <class M>
   std::shared_ptr<M> register_module(const std::string& name, std::shared_ptr<M> m) {
@@ -15259,183 +16349,54 @@ class Module : public std::enable_shared_from_this<Module> {
   }
 
   /// Every parameter of this module and (recursively) its submodules, in registration order.
-  std::vector<Tensor<float>> parameters(bool recurse = true) const {
-    std::vector<Tensor<float>> out;
-    for (auto& [n, p] : named_parameters(recurse)) out.push_back(p);
-    return out;
-  }
+  std::vector<Tensor<float>> parameters(bool recurse = true) const;
   /// Parameters with dotted names ("fc1.weight").
-  std::vector<std::pair<std::string, Tensor<float>>> named_parameters(bool recurse = true) const {
-    std::vector<std::pair<std::string, Tensor<float>>> out;
-    collect_params("", recurse, out);
-    return out;
-  }
+  std::vector<std::pair<std::string, Tensor<float>>> named_parameters(bool recurse = true) const;
   /// Buffers with dotted names.
-  std::vector<std::pair<std::string, AnyTensor>> named_buffers(bool recurse = true) const {
-    std::vector<std::pair<std::string, AnyTensor>> out;
-    collect_buffers("", recurse, out);
-    return out;
-  }
+  std::vector<std::pair<std::string, AnyTensor>> named_buffers(bool recurse = true) const;
   /// Direct submodules with their names.
   const std::vector<std::pair<std::string, std::shared_ptr<Module>>>& named_children() const { return children_; }
   /// This module and every descendant, depth first.
-  std::vector<std::shared_ptr<const Module>> modules() const {
-    std::vector<std::shared_ptr<const Module>> out{shared_from_this()};
-    for (auto& [n, c] : children_)
-      for (auto& m : c->modules()) out.push_back(m);
-    return out;
-  }
+  std::vector<std::shared_ptr<const Module>> modules() const;
 
   /// Parameters and buffers by dotted name.
-  StateDict state_dict() const {
-    StateDict sd;
-    collect_state("", sd);
-    return sd;
-  }
+  StateDict state_dict() const;
 
   /// Replaces parameters and buffers with the entries of `sd`. With `strict`, a missing or
   /// unexpected key is an Error; a shape or dtype mismatch is always an error. Nothing is
   /// changed when any check fails. The values are shared, not copied.
-  void load_state_dict(const StateDict& sd, bool strict = true) {
-    std::vector<std::pair<std::shared_ptr<graph::TensorImpl>, AnyTensor>> plan;
-    std::vector<std::string> missing;
-    auto match = [&](const std::string& key, const std::shared_ptr<graph::TensorImpl>& impl) {
-      const AnyTensor* src = sd.find(key);
-      if (!src) {
-        missing.push_back(key);
-        return;
-      }
-      const auto& cur = impl->node;
-      if (src->dtype() != cur->dtype()) {
-        throw DTypeError("load_state_dict: '" + key + "' has dtype " + dtype_name(src->dtype()) +
-                         " in the state dict, expected " + dtype_name(cur->dtype()));
-      }
-      if (!(src->shape() == cur->shape())) {
-        throw ShapeError("load_state_dict: size mismatch for '" + key + "': copying a param with shape " +
-                         src->shape().str() + " from the state dict, the shape in the current model is " +
-                         cur->shape().str());
-      }
-      plan.emplace_back(impl, *src);
-    };
-    std::vector<std::string> own;
-    for (auto& [n, p] : named_parameters()) {
-      match(n, p.impl());
-      own.push_back(n);
-    }
-    for (auto& [n, b] : named_buffers()) {
-      match(n, b.impl());
-      own.push_back(n);
-    }
-    if (strict) {
-      std::vector<std::string> unexpected;
-      for (const auto& k : sd.keys())
-        if (std::find(own.begin(), own.end(), k) == own.end()) unexpected.push_back(k);
-      if (!missing.empty() || !unexpected.empty()) {
-        throw Error("load_state_dict: error(s) in loading state_dict for " + name_ + ": missing key(s): " +
-                    join(missing) + "; unexpected key(s): " + join(unexpected));
-      }
-    }
-    for (auto& [impl, src] : plan) {
-      const Device here(impl->node->device()->index());
-      graph::rebind(impl,
-                    src.device() == here ? src.impl()->node : on_device(src, here).impl()->node);
-    }
-  }
+  void load_state_dict(const StateDict& sd, bool strict = true);
 
   /// Training mode (dropout active, batch norm uses batch statistics), recursively.
-  virtual void train(bool on = true) {
-    training_ = on;
-    for (auto& [n, c] : children_) c->train(on);
-  }
+  virtual void train(bool on = true);
   /// Evaluation mode: train(false).
   void eval() { train(false); }
   /// True in training mode.
   bool is_training() const { return training_; }
 
   /// Moves every parameter and buffer to `dev` (their gradients are dropped).
-  void to(const Device& dev) {
-    for (auto& [n, p] : named_parameters()) {
-      if (p.device() == dev) continue;
-      graph::rebind(p.impl(), p.detach().to(dev).node());
-      p.set_grad(Tensor<float>());
-    }
-    for (auto& [n, b] : named_buffers()) {
-      if (b.device() == dev) continue;
-      graph::rebind(b.impl(), on_device(b, dev).impl()->node);
-    }
-  }
+  void to(const Device& dev);
 
   /// Clears the gradients: undefined (set_to_none, libtorch's default) or zero.
-  void zero_grad(bool set_to_none = true) {
-    for (auto& p : parameters()) {
-      if (set_to_none || !p.grad().defined()) {
-        p.set_grad(Tensor<float>());
-      } else {
-        NoGradGuard guard;
-        p.grad().zero_();
-      }
-    }
-  }
+  void zero_grad(bool set_to_none = true);
 
   /// Prints the module tree as PyTorch does.
   virtual void pretty_print(std::ostream& os) const { os << name_; }
 
   /// The module tree as text.
-  std::string str() const {
-    std::ostringstream os;
-    print_tree(os, 0);
-    return os.str();
-  }
+  std::string str() const;
 
  private:
-  void check_name(const std::string& n) const {
-    if (n.empty() || n.find('.') != std::string::npos) {
-      throw Error(name_ + ": invalid name '" + n + "' (names must be non-empty and contain no '.')");
-    }
-    for (auto& [k, v] : params_)
-      if (k == n) throw Error(name_ + ": '" + n + "' is already registered");
-    for (auto& [k, v] : buffers_)
-      if (k == n) throw Error(name_ + ": '" + n + "' is already registered");
-    for (auto& [k, v] : children_)
-      if (k == n) throw Error(name_ + ": '" + n + "' is already registered");
-  }
+  void check_name(const std::string& n) const;
   void collect_params(const std::string& prefix, bool recurse,
-                      std::vector<std::pair<std::string, Tensor<float>>>& out) const {
-    for (auto& [n, p] : params_) out.emplace_back(prefix + n, p);
-    if (recurse)
-      for (auto& [n, c] : children_) c->collect_params(prefix + n + ".", true, out);
-  }
+                      std::vector<std::pair<std::string, Tensor<float>>>& out) const;
   void collect_buffers(const std::string& prefix, bool recurse,
-                       std::vector<std::pair<std::string, AnyTensor>>& out) const {
-    for (auto& [n, b] : buffers_) out.emplace_back(prefix + n, b);
-    if (recurse)
-      for (auto& [n, c] : children_) c->collect_buffers(prefix + n + ".", true, out);
-  }
+                       std::vector<std::pair<std::string, AnyTensor>>& out) const;
   // Module by module, parameters then buffers, as torch orders its state dicts.
-  void collect_state(const std::string& prefix, StateDict& sd) const {
-    for (auto& [n, p] : params_) sd.insert(prefix + n, p.detach());
-    for (auto& [n, b] : buffers_) sd.insert(prefix + n, b);
-    for (auto& [n, c] : children_) c->collect_state(prefix + n + ".", sd);
-  }
-  void print_tree(std::ostream& os, int indent) const {
-    pretty_print(os);
-    if (children_.empty()) return;
-    os << "(\n";
-    for (auto& [n, c] : children_) {
-      os << std::string(static_cast<std::size_t>(indent + 2), ' ') << "(" << n << "): ";
-      c->print_tree(os, indent + 2);
-      os << "\n";
-    }
-    os << std::string(static_cast<std::size_t>(indent), ' ') << ")";
-  }
-  static AnyTensor on_device(const AnyTensor& t, const Device& dev) {
-    return t.visit([&](const auto& typed) { return AnyTensor(typed.to(dev)); });
-  }
-  static std::string join(const std::vector<std::string>& v) {
-    std::string s;
-    for (const auto& x : v) s += (s.empty() ? "'" : ", '") + x + "'";
-    return s.empty() ? "none" : s;
-  }
+  void collect_state(const std::string& prefix, StateDict& sd) const;
+  void print_tree(std::ostream& os, int indent) const;
+  static AnyTensor on_device(const AnyTensor& t, const Device& dev);
+  static std::string join(const std::vector<std::string>& v);
 
   std::string name_;
   bool training_ = true;
@@ -15484,6 +16445,187 @@ class ModuleHolder {
   std::shared_ptr<Impl> impl_;
 };
 
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE Tensor<float> Module::register_parameter(const std::string& name, Tensor<float> t, bool requires_grad) {
+  check_name(name);
+  if (!t.defined()) throw Error(name_ + ".register_parameter: parameter '" + name + "' is undefined");
+  if (requires_grad && !t.requires_grad()) t.requires_grad_();
+  params_.emplace_back(name, t);
+  return t;
+}
+
+LAZYTENSOR_INLINE AnyTensor Module::register_buffer(const std::string& name, AnyTensor t) {
+  check_name(name);
+  buffers_.emplace_back(name, t);
+  return t;
+}
+
+LAZYTENSOR_INLINE std::vector<Tensor<float>> Module::parameters(bool recurse) const {
+  std::vector<Tensor<float>> out;
+  for (auto& [n, p] : named_parameters(recurse)) out.push_back(p);
+  return out;
+}
+
+LAZYTENSOR_INLINE std::vector<std::pair<std::string, Tensor<float>>> Module::named_parameters(bool recurse) const {
+  std::vector<std::pair<std::string, Tensor<float>>> out;
+  collect_params("", recurse, out);
+  return out;
+}
+
+LAZYTENSOR_INLINE std::vector<std::pair<std::string, AnyTensor>> Module::named_buffers(bool recurse) const {
+  std::vector<std::pair<std::string, AnyTensor>> out;
+  collect_buffers("", recurse, out);
+  return out;
+}
+
+LAZYTENSOR_INLINE std::vector<std::shared_ptr<const Module>> Module::modules() const {
+  std::vector<std::shared_ptr<const Module>> out{shared_from_this()};
+  for (auto& [n, c] : children_)
+    for (auto& m : c->modules()) out.push_back(m);
+  return out;
+}
+
+LAZYTENSOR_INLINE StateDict Module::state_dict() const {
+  StateDict sd;
+  collect_state("", sd);
+  return sd;
+}
+
+LAZYTENSOR_INLINE void Module::load_state_dict(const StateDict& sd, bool strict) {
+  std::vector<std::pair<std::shared_ptr<graph::TensorImpl>, AnyTensor>> plan;
+  std::vector<std::string> missing;
+  auto match = [&](const std::string& key, const std::shared_ptr<graph::TensorImpl>& impl) {
+    const AnyTensor* src = sd.find(key);
+    if (!src) {
+      missing.push_back(key);
+      return;
+    }
+    const auto& cur = impl->node;
+    if (src->dtype() != cur->dtype()) {
+      throw DTypeError("load_state_dict: '" + key + "' has dtype " + dtype_name(src->dtype()) +
+                       " in the state dict, expected " + dtype_name(cur->dtype()));
+    }
+    if (!(src->shape() == cur->shape())) {
+      throw ShapeError("load_state_dict: size mismatch for '" + key + "': copying a param with shape " +
+                       src->shape().str() + " from the state dict, the shape in the current model is " +
+                       cur->shape().str());
+    }
+    plan.emplace_back(impl, *src);
+  };
+  std::vector<std::string> own;
+  for (auto& [n, p] : named_parameters()) {
+    match(n, p.impl());
+    own.push_back(n);
+  }
+  for (auto& [n, b] : named_buffers()) {
+    match(n, b.impl());
+    own.push_back(n);
+  }
+  if (strict) {
+    std::vector<std::string> unexpected;
+    for (const auto& k : sd.keys())
+      if (std::find(own.begin(), own.end(), k) == own.end()) unexpected.push_back(k);
+    if (!missing.empty() || !unexpected.empty()) {
+      throw Error("load_state_dict: error(s) in loading state_dict for " + name_ + ": missing key(s): " +
+                  join(missing) + "; unexpected key(s): " + join(unexpected));
+    }
+  }
+  for (auto& [impl, src] : plan) {
+    const Device here(impl->node->device()->index());
+    graph::rebind(impl,
+                  src.device() == here ? src.impl()->node : on_device(src, here).impl()->node);
+  }
+}
+
+LAZYTENSOR_INLINE void Module::train(bool on) {
+  training_ = on;
+  for (auto& [n, c] : children_) c->train(on);
+}
+
+LAZYTENSOR_INLINE void Module::to(const Device& dev) {
+  for (auto& [n, p] : named_parameters()) {
+    if (p.device() == dev) continue;
+    graph::rebind(p.impl(), p.detach().to(dev).node());
+    p.set_grad(Tensor<float>());
+  }
+  for (auto& [n, b] : named_buffers()) {
+    if (b.device() == dev) continue;
+    graph::rebind(b.impl(), on_device(b, dev).impl()->node);
+  }
+}
+
+LAZYTENSOR_INLINE void Module::zero_grad(bool set_to_none) {
+  for (auto& p : parameters()) {
+    if (set_to_none || !p.grad().defined()) {
+      p.set_grad(Tensor<float>());
+    } else {
+      NoGradGuard guard;
+      p.grad().zero_();
+    }
+  }
+}
+
+LAZYTENSOR_INLINE std::string Module::str() const {
+  std::ostringstream os;
+  print_tree(os, 0);
+  return os.str();
+}
+
+LAZYTENSOR_INLINE void Module::check_name(const std::string& n) const {
+  if (n.empty() || n.find('.') != std::string::npos) {
+    throw Error(name_ + ": invalid name '" + n + "' (names must be non-empty and contain no '.')");
+  }
+  for (auto& [k, v] : params_)
+    if (k == n) throw Error(name_ + ": '" + n + "' is already registered");
+  for (auto& [k, v] : buffers_)
+    if (k == n) throw Error(name_ + ": '" + n + "' is already registered");
+  for (auto& [k, v] : children_)
+    if (k == n) throw Error(name_ + ": '" + n + "' is already registered");
+}
+
+LAZYTENSOR_INLINE void Module::collect_params(const std::string& prefix, bool recurse,
+                                              std::vector<std::pair<std::string, Tensor<float>>>& out) const {
+  for (auto& [n, p] : params_) out.emplace_back(prefix + n, p);
+  if (recurse)
+    for (auto& [n, c] : children_) c->collect_params(prefix + n + ".", true, out);
+}
+
+LAZYTENSOR_INLINE void Module::collect_buffers(const std::string& prefix, bool recurse,
+                                               std::vector<std::pair<std::string, AnyTensor>>& out) const {
+  for (auto& [n, b] : buffers_) out.emplace_back(prefix + n, b);
+  if (recurse)
+    for (auto& [n, c] : children_) c->collect_buffers(prefix + n + ".", true, out);
+}
+
+LAZYTENSOR_INLINE void Module::collect_state(const std::string& prefix, StateDict& sd) const {
+  for (auto& [n, p] : params_) sd.insert(prefix + n, p.detach());
+  for (auto& [n, b] : buffers_) sd.insert(prefix + n, b);
+  for (auto& [n, c] : children_) c->collect_state(prefix + n + ".", sd);
+}
+
+LAZYTENSOR_INLINE void Module::print_tree(std::ostream& os, int indent) const {
+  pretty_print(os);
+  if (children_.empty()) return;
+  os << "(\n";
+  for (auto& [n, c] : children_) {
+    os << std::string(static_cast<std::size_t>(indent + 2), ' ') << "(" << n << "): ";
+    c->print_tree(os, indent + 2);
+    os << "\n";
+  }
+  os << std::string(static_cast<std::size_t>(indent), ' ') << ")";
+}
+
+LAZYTENSOR_INLINE AnyTensor Module::on_device(const AnyTensor& t, const Device& dev) {
+  return t.visit([&](const auto& typed) { return AnyTensor(typed.to(dev)); });
+}
+
+LAZYTENSOR_INLINE std::string Module::join(const std::vector<std::string>& v) {
+  std::string s;
+  for (const auto& x : v) s += (s.empty() ? "'" : ", '") + x + "'";
+  return s.empty() ? "none" : s;
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
 }  // namespace lazy::nn
 
 /// Declares `Name` as the holder of `NameImpl` (libtorch's TORCH_MODULE).
@@ -15521,9 +16663,7 @@ class FlattenImpl : public Module {
       : Module("Flatten"), start_(start_dim), end_(end_dim) {}
   template <class = void>
   Tensor<float> forward(const Tensor<float>& x) const { return flatten(x, start_, end_); }
-  void pretty_print(std::ostream& os) const override {
-    os << "Flatten(start_dim=" << start_ << ", end_dim=" << end_ << ")";
-  }
+  void pretty_print(std::ostream& os) const override;
 
  private:
   std::int64_t start_, end_;
@@ -15534,17 +16674,27 @@ LAZY_MODULE(Flatten);
 /// the identity in eval mode.
 class DropoutImpl : public Module {
  public:
-  explicit DropoutImpl(double p = 0.5) : Module("Dropout"), p_(p) {
-    if (p < 0 || p > 1) throw Error("Dropout: probability has to be between 0 and 1, but got " + std::to_string(p));
-  }
+  explicit DropoutImpl(double p = 0.5);
   template <class = void>
   Tensor<float> forward(const Tensor<float>& x) const { return functional::dropout(x, p_, is_training()); }
-  void pretty_print(std::ostream& os) const override { os << "Dropout(p=" << p_ << ")"; }
+  void pretty_print(std::ostream& os) const override;
 
  private:
   double p_;
 };
 LAZY_MODULE(Dropout);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE void FlattenImpl::pretty_print(std::ostream& os) const {
+  os << "Flatten(start_dim=" << start_ << ", end_dim=" << end_ << ")";
+}
+
+LAZYTENSOR_INLINE DropoutImpl::DropoutImpl(double p) : Module("Dropout"), p_(p) {
+  if (p < 0 || p > 1) throw Error("Dropout: probability has to be between 0 and 1, but got " + std::to_string(p));
+}
+
+LAZYTENSOR_INLINE void DropoutImpl::pretty_print(std::ostream& os) const { os << "Dropout(p=" << p_ << ")"; }
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::nn
 // ---- end lazytensor/nn/activation.hpp ----
@@ -15580,28 +16730,11 @@ enum class FanMode { FanIn, FanOut };
 enum class Nonlinearity { Linear, Sigmoid, Tanh, ReLU, LeakyReLU };
 
 /// torch.nn.init.calculate_gain.
-inline double calculate_gain(Nonlinearity nl, double param = 0.01) {
-  switch (nl) {
-    case Nonlinearity::Linear:
-    case Nonlinearity::Sigmoid: return 1.0;
-    case Nonlinearity::Tanh: return 5.0 / 3.0;
-    case Nonlinearity::ReLU: return std::sqrt(2.0);
-    case Nonlinearity::LeakyReLU: return std::sqrt(2.0 / (1.0 + param * param));
-  }
-  return 1.0;
-}
+double calculate_gain(Nonlinearity nl, double param = 0.01);
 
 /// (fan_in, fan_out) of a weight: dim 1 and dim 0 sizes times the receptive field (the
 /// product of the remaining dims), as torch computes them.
-inline std::pair<double, double> fans(const Shape& s) {
-  if (s.rank() < 2) {
-    throw ShapeError("init: fan in and fan out can not be computed for a tensor with fewer than 2 dimensions (shape " +
-                     s.str() + ")");
-  }
-  double field = 1;
-  for (int i = 2; i < s.rank(); ++i) field *= static_cast<double>(s[i]);
-  return {static_cast<double>(s[1]) * field, static_cast<double>(s[0]) * field};
-}
+std::pair<double, double> fans(const Shape& s);
 
 /// Fills with U(a, b).
 template <class = void>
@@ -15661,6 +16794,29 @@ Tensor<float>& kaiming_normal_(Tensor<float>& t, double a = 0, FanMode mode = Fa
   const double fan = mode == FanMode::FanIn ? in : out;
   return normal_(t, 0, calculate_gain(nl, a) / std::sqrt(fan));
 }
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE double calculate_gain(Nonlinearity nl, double param) {
+  switch (nl) {
+    case Nonlinearity::Linear:
+    case Nonlinearity::Sigmoid: return 1.0;
+    case Nonlinearity::Tanh: return 5.0 / 3.0;
+    case Nonlinearity::ReLU: return std::sqrt(2.0);
+    case Nonlinearity::LeakyReLU: return std::sqrt(2.0 / (1.0 + param * param));
+  }
+  return 1.0;
+}
+
+LAZYTENSOR_INLINE std::pair<double, double> fans(const Shape& s) {
+  if (s.rank() < 2) {
+    throw ShapeError("init: fan in and fan out can not be computed for a tensor with fewer than 2 dimensions (shape " +
+                     s.str() + ")");
+  }
+  double field = 1;
+  for (int i = 2; i < s.rank(); ++i) field *= static_cast<double>(s[i]);
+  return {static_cast<double>(s[1]) * field, static_cast<double>(s[0]) * field};
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::nn::init
 // ---- end lazytensor/nn/init.hpp ----
@@ -15748,10 +16904,7 @@ struct Window2d {
 
   /// Fills oh/ow (torch's floor formula, no ceil_mode); the caller validated that the
   /// dilated kernel fits the padded input.
-  void set_output_size() {
-    oh = (h + 2 * ph - dh * (kh - 1) - 1) / sh + 1;
-    ow = (w + 2 * pw - dw * (kw - 1) - 1) / sw + 1;
-  }
+  void set_output_size();
   /// Output columns [first, last) whose kernel column j reads inside the plane.
   std::pair<std::int64_t, std::int64_t> valid_columns(std::int64_t j) const {
     return valid_range(pw - j * dw, w, sw, ow);
@@ -15761,27 +16914,15 @@ struct Window2d {
     return valid_range(ph - i * dh, h, sh, oh);
   }
   /// Folds every field into a structural hash.
-  std::uint64_t hash(std::uint64_t seed) const {
-    for (std::int64_t v : {kh, kw, sh, sw, ph, pw, dh, dw, h, w})
-      seed = hash_combine(seed, static_cast<std::uint64_t>(v));
-    return seed;
-  }
+  std::uint64_t hash(std::uint64_t seed) const;
   /// "kernel=(3, 3), stride=(1, 1), padding=(1, 1), dilation=(1, 1)", for graph dumps.
-  std::string str() const {
-    return "kernel=" + Size2(kh, kw).str() + ", stride=" + Size2(sh, sw).str() +
-           ", padding=" + Size2(ph, pw).str() + ", dilation=" + Size2(dh, dw).str();
-  }
+  std::string str() const;
 
  private:
   // Outputs o in [0, count) with 0 <= o * stride - shift < size.
   static std::pair<std::int64_t, std::int64_t> valid_range(std::int64_t shift, std::int64_t size,
                                                            std::int64_t stride,
-                                                           std::int64_t count) {
-    const std::int64_t first = shift <= 0 ? 0 : (shift + stride - 1) / stride;
-    const std::int64_t top = size - 1 + shift;  // o * stride <= top
-    const std::int64_t last = top < 0 ? 0 : std::min(count, top / stride + 1);
-    return {std::min(first, last), last};
-  }
+                                                           std::int64_t count);
 };
 
 }  // namespace graph
@@ -15794,7 +16935,53 @@ inline std::string plane_str(std::int64_t a, std::int64_t b) {
 }
 
 /// ShapeError unless x is [N, C, H, W] with C, H, W > 0 (N may be 0).
-inline void check_nchw(const Shape& s, const char* op, const char* what) {
+void check_nchw(const Shape& s, const char* op, const char* what);
+
+/// ShapeError unless stride and dilation are positive and padding is not negative.
+void check_window_args(const char* op, Size2 stride, Size2 padding, Size2 dilation);
+
+/// The geometry of a kernel sliding over the planes of `image` ([N, C, H, W]), validated:
+/// the dilated kernel must fit the padded input.
+graph::Window2d window_over(const char* op, const Shape& image, Size2 kernel, Size2 stride,
+                                   Size2 padding, Size2 dilation);
+
+}  // namespace detail
+
+}  // namespace lazy
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::graph {
+
+LAZYTENSOR_INLINE void Window2d::set_output_size() {
+  oh = (h + 2 * ph - dh * (kh - 1) - 1) / sh + 1;
+  ow = (w + 2 * pw - dw * (kw - 1) - 1) / sw + 1;
+}
+
+LAZYTENSOR_INLINE std::uint64_t Window2d::hash(std::uint64_t seed) const {
+  for (std::int64_t v : {kh, kw, sh, sw, ph, pw, dh, dw, h, w})
+    seed = hash_combine(seed, static_cast<std::uint64_t>(v));
+  return seed;
+}
+
+LAZYTENSOR_INLINE std::string Window2d::str() const {
+  return "kernel=" + Size2(kh, kw).str() + ", stride=" + Size2(sh, sw).str() +
+         ", padding=" + Size2(ph, pw).str() + ", dilation=" + Size2(dh, dw).str();
+}
+
+LAZYTENSOR_INLINE std::pair<std::int64_t, std::int64_t> Window2d::valid_range(std::int64_t shift,
+  std::int64_t size,
+  std::int64_t stride,
+  std::int64_t count) {
+  const std::int64_t first = shift <= 0 ? 0 : (shift + stride - 1) / stride;
+  const std::int64_t top = size - 1 + shift;  // o * stride <= top
+  const std::int64_t last = top < 0 ? 0 : std::min(count, top / stride + 1);
+  return {std::min(first, last), last};
+}
+
+}  // namespace lazy::graph
+namespace lazy::detail {
+
+LAZYTENSOR_INLINE void check_nchw(const Shape& s, const char* op, const char* what) {
   if (s.rank() != 4) {
     throw ShapeError(std::string(op) + ": expected a 4-D " + what + " [N, C, H, W], got shape " +
                      s.str() + " (rank " + std::to_string(s.rank()) + ")");
@@ -15805,8 +16992,7 @@ inline void check_nchw(const Shape& s, const char* op, const char* what) {
   }
 }
 
-/// ShapeError unless stride and dilation are positive and padding is not negative.
-inline void check_window_args(const char* op, Size2 stride, Size2 padding, Size2 dilation) {
+LAZYTENSOR_INLINE void check_window_args(const char* op, Size2 stride, Size2 padding, Size2 dilation) {
   if (stride.h <= 0 || stride.w <= 0) {
     throw ShapeError(std::string(op) + ": expected a positive stride, got " + stride.str());
   }
@@ -15818,10 +17004,12 @@ inline void check_window_args(const char* op, Size2 stride, Size2 padding, Size2
   }
 }
 
-/// The geometry of a kernel sliding over the planes of `image` ([N, C, H, W]), validated:
-/// the dilated kernel must fit the padded input.
-inline graph::Window2d window_over(const char* op, const Shape& image, Size2 kernel, Size2 stride,
-                                   Size2 padding, Size2 dilation) {
+LAZYTENSOR_INLINE graph::Window2d window_over(const char* op,
+    const Shape& image,
+    Size2 kernel,
+    Size2 stride,
+    Size2 padding,
+    Size2 dilation) {
   if (kernel.h <= 0 || kernel.w <= 0) {
     throw ShapeError(std::string(op) + ": expected a positive kernel size, got " + kernel.str());
   }
@@ -15840,9 +17028,8 @@ inline graph::Window2d window_over(const char* op, const Shape& image, Size2 ker
   return g;
 }
 
-}  // namespace detail
-
-}  // namespace lazy
+}  // namespace lazy::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/ops/window.hpp ----
 
 namespace lazy::graph {
@@ -16598,11 +17785,7 @@ Tensor<T> gemm(const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std
   return c;
 }
 
-[[noreturn]] inline void matmul_mismatch(const Shape& a, const Shape& b, std::int64_t ka, std::int64_t kb) {
-  throw ShapeError("matmul: mat1 and mat2 shapes cannot be multiplied (" + a.str() + " and " + b.str() +
-                   "): expected the contracted sizes to match, found " + std::to_string(ka) + " and " +
-                   std::to_string(kb));
-}
+[[noreturn]] void matmul_mismatch(const Shape& a, const Shape& b, std::int64_t ka, std::int64_t kb);
 
 }  // namespace detail
 
@@ -16701,6 +17884,18 @@ auto linear(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& b)
 }
 
 }  // namespace lazy
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::detail {
+
+LAZYTENSOR_INLINE void matmul_mismatch(const Shape& a, const Shape& b, std::int64_t ka, std::int64_t kb) {
+  throw ShapeError("matmul: mat1 and mat2 shapes cannot be multiplied (" + a.str() + " and " + b.str() +
+                   "): expected the contracted sizes to match, found " + std::to_string(ka) + " and " +
+                   std::to_string(kb));
+}
+
+}  // namespace lazy::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/ops/matmul.hpp ----
 
 namespace lazy {
@@ -16965,15 +18160,7 @@ class Conv2dImpl : public Module {
 
   /// PyTorch's repr: `Conv2d(1, 32, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1))`
   /// (padding, dilation and bias shown only when not the default).
-  void pretty_print(std::ostream& os) const override {
-    const auto& o = options;
-    os << "Conv2d(" << o.in_channels() << ", " << o.out_channels()
-       << ", kernel_size=" << o.kernel_size().str() << ", stride=" << o.stride().str();
-    if (!(o.padding() == Size2(0))) os << ", padding=" << o.padding().str();
-    if (!(o.dilation() == Size2(1))) os << ", dilation=" << o.dilation().str();
-    if (!o.bias()) os << ", bias=False";
-    os << ")";
-  }
+  void pretty_print(std::ostream& os) const override;
 
   /// The options the layer was built with.
   const Conv2dOptions options;
@@ -16983,6 +18170,18 @@ class Conv2dImpl : public Module {
   Tensor<float> bias;
 };
 LAZY_MODULE(Conv2d);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE void Conv2dImpl::pretty_print(std::ostream& os) const {
+  const auto& o = options;
+  os << "Conv2d(" << o.in_channels() << ", " << o.out_channels()
+     << ", kernel_size=" << o.kernel_size().str() << ", stride=" << o.stride().str();
+  if (!(o.padding() == Size2(0))) os << ", padding=" << o.padding().str();
+  if (!(o.dilation() == Size2(1))) os << ", dilation=" << o.dilation().str();
+  if (!o.bias()) os << ", bias=False";
+  os << ")";
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::nn
 // ---- end lazytensor/nn/conv.hpp ----
@@ -17016,7 +18215,7 @@ class EmbeddingImpl : public Module {
     out.push_back(d_);
     return reshape(index_select(weight, 0, reshape(indices, Shape{indices.numel()})), out);
   }
-  void pretty_print(std::ostream& os) const override { os << "Embedding(" << n_ << ", " << d_ << ")"; }
+  void pretty_print(std::ostream& os) const override;
 
   Tensor<float> weight;
 
@@ -17024,6 +18223,12 @@ class EmbeddingImpl : public Module {
   std::int64_t n_, d_;
 };
 LAZY_MODULE(Embedding);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE void EmbeddingImpl::pretty_print(std::ostream& os) const {
+  os << "Embedding(" << n_ << ", " << d_ << ")";
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::nn
 // ---- end lazytensor/nn/embedding.hpp ----
@@ -17066,10 +18271,7 @@ class LinearImpl : public Module {
     return linear(x, weight);
   }
 
-  void pretty_print(std::ostream& os) const override {
-    os << "Linear(in_features=" << in_ << ", out_features=" << out_ << ", bias=" << (bias.defined() ? "True" : "False")
-       << ")";
-  }
+  void pretty_print(std::ostream& os) const override;
 
   Tensor<float> weight;
   Tensor<float> bias;
@@ -17078,6 +18280,13 @@ class LinearImpl : public Module {
   std::int64_t in_, out_;
 };
 LAZY_MODULE(Linear);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE void LinearImpl::pretty_print(std::ostream& os) const {
+  os << "Linear(in_features=" << in_ << ", out_features=" << out_ << ", bias=" << (bias.defined() ? "True" : "False")
+     << ")";
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::nn
 // ---- end lazytensor/nn/linear.hpp ----
@@ -17106,7 +18315,7 @@ class LayerNormImpl : public Module {
   }
   template <class = void>
   Tensor<float> forward(const Tensor<float>& x) const { return functional::layer_norm(x, shape_, weight, bias, eps_); }
-  void pretty_print(std::ostream& os) const override { os << "LayerNorm(" << shape_.str() << ", eps=" << eps_ << ")"; }
+  void pretty_print(std::ostream& os) const override;
 
   Tensor<float> weight, bias;
 
@@ -17197,6 +18406,12 @@ using BatchNorm1dImpl = BatchNormImpl<1>;
 using BatchNorm2dImpl = BatchNormImpl<2>;
 LAZY_MODULE(BatchNorm1d);
 LAZY_MODULE(BatchNorm2d);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE void LayerNormImpl::pretty_print(std::ostream& os) const {
+  os << "LayerNorm(" << shape_.str() << ", eps=" << eps_ << ")";
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::nn
 // ---- end lazytensor/nn/normalization.hpp ----
@@ -17298,15 +18513,8 @@ void argmax_row(const T* plane, const Window2d& g, std::int64_t oy, std::int64_t
 
 /// torch's divisor of window (oy, ox): kh * kw clipped to the padded plane when padding
 /// counts, else the number of taps inside the plane.
-inline std::int64_t avg_divisor(const Window2d& g, std::int64_t oy, std::int64_t ox,
-                                bool count_include_pad) {
-  const std::int64_t ys = oy * g.sh - g.ph, xs = ox * g.sw - g.pw;
-  if (!count_include_pad) {
-    return (std::min(ys + g.kh, g.h) - std::max<std::int64_t>(ys, 0)) *
-           (std::min(xs + g.kw, g.w) - std::max<std::int64_t>(xs, 0));
-  }
-  return (std::min(ys + g.kh, g.h + g.ph) - ys) * (std::min(xs + g.kw, g.w + g.pw) - xs);
-}
+std::int64_t avg_divisor(const Window2d& g, std::int64_t oy, std::int64_t ox,
+                                bool count_include_pad);
 
 /// Runs planes(p0, p1) on the device's workers, each task owning whole planes.
 template <class F>
@@ -17326,22 +18534,9 @@ void for_planes(ExecContext& ctx, std::int64_t planes, std::int64_t elements, do
 class PoolNode : public Node {
  public:
   PoolNode(DType dtype, Shape shape, Device* device, std::vector<NodePtr> inputs, const Window2d& g,
-           bool max, bool count_include_pad)
-      : Node(NodeKind::Reduction, dtype, shape, device, std::move(inputs)),
-        g_(g),
-        max_(max),
-        count_include_pad_(count_include_pad) {}
-  std::uint64_t structural_hash() const override {
-    return hash_combine(g_.hash(Node::structural_hash()),
-                        (max_ ? 1u : 0u) | (count_include_pad_ ? 2u : 0u));
-  }
-  std::string describe() const override {
-    return op_name() + "(%0, " + g_.str() +
-           (max_                 ? ""
-            : count_include_pad_ ? ", count_include_pad"
-                                 : "") +
-           ")";
-  }
+           bool max, bool count_include_pad);
+  std::uint64_t structural_hash() const override;
+  std::string describe() const override;
   /// Work per element of the pooled output: one window.
   double window_cost() const { return static_cast<double>(g_.kh * g_.kw); }
 
@@ -17467,21 +18662,8 @@ namespace detail {
 /// Validated geometry of a pooling window over x ([N, C, H, W]); stride defaults to the
 /// kernel, and padding may be at most half the kernel (torch's rule, which also keeps
 /// every window overlapping the input).
-inline graph::Window2d pool_window(const char* op, const Shape& x, Size2 kernel,
-                                   const std::optional<Size2>& stride, Size2 padding) {
-  check_nchw(x, op, "input");
-  if (kernel.h <= 0 || kernel.w <= 0) {
-    throw ShapeError(std::string(op) + ": expected a positive kernel size, got " + kernel.str());
-  }
-  const Size2 s = stride.value_or(kernel);
-  check_window_args(op, s, padding, 1);
-  if (padding.h > kernel.h / 2 || padding.w > kernel.w / 2) {
-    throw ShapeError(std::string(op) +
-                     ": padding should be at most half of the kernel size, got padding " +
-                     padding.str() + " for kernel " + kernel.str());
-  }
-  return window_over(op, x, kernel, s, padding, 1);
-}
+graph::Window2d pool_window(const char* op, const Shape& x, Size2 kernel,
+                                   const std::optional<Size2>& stride, Size2 padding);
 
 /// Runs the pool on float or double tensors; bfloat16 goes through float (exact for max,
 /// one rounding for the average).
@@ -17547,6 +18729,74 @@ Tensor<expr::value_t<X>> avg_pool2d(const X& input, Size2 kernel_size,
 }
 
 }  // namespace lazy
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::graph::pool_kernels {
+
+LAZYTENSOR_INLINE std::int64_t avg_divisor(const Window2d& g,
+    std::int64_t oy,
+    std::int64_t ox,
+    bool count_include_pad) {
+  const std::int64_t ys = oy * g.sh - g.ph, xs = ox * g.sw - g.pw;
+  if (!count_include_pad) {
+    return (std::min(ys + g.kh, g.h) - std::max<std::int64_t>(ys, 0)) *
+           (std::min(xs + g.kw, g.w) - std::max<std::int64_t>(xs, 0));
+  }
+  return (std::min(ys + g.kh, g.h + g.ph) - ys) * (std::min(xs + g.kw, g.w + g.pw) - xs);
+}
+
+}  // namespace lazy::graph::pool_kernels
+namespace lazy::graph {
+
+LAZYTENSOR_INLINE PoolNode::PoolNode(DType dtype,
+  Shape shape,
+  Device* device,
+  std::vector<NodePtr> inputs,
+  const Window2d& g,
+  bool max,
+  bool count_include_pad)
+    : Node(NodeKind::Reduction, dtype, shape, device, std::move(inputs)),
+      g_(g),
+      max_(max),
+      count_include_pad_(count_include_pad) {}
+
+LAZYTENSOR_INLINE std::uint64_t PoolNode::structural_hash() const {
+  return hash_combine(g_.hash(Node::structural_hash()),
+                      (max_ ? 1u : 0u) | (count_include_pad_ ? 2u : 0u));
+}
+
+LAZYTENSOR_INLINE std::string PoolNode::describe() const {
+  return op_name() + "(%0, " + g_.str() +
+         (max_                 ? ""
+          : count_include_pad_ ? ", count_include_pad"
+                               : "") +
+         ")";
+}
+
+}  // namespace lazy::graph
+namespace lazy::detail {
+
+LAZYTENSOR_INLINE graph::Window2d pool_window(const char* op,
+    const Shape& x,
+    Size2 kernel,
+    const std::optional<Size2>& stride,
+    Size2 padding) {
+  check_nchw(x, op, "input");
+  if (kernel.h <= 0 || kernel.w <= 0) {
+    throw ShapeError(std::string(op) + ": expected a positive kernel size, got " + kernel.str());
+  }
+  const Size2 s = stride.value_or(kernel);
+  check_window_args(op, s, padding, 1);
+  if (padding.h > kernel.h / 2 || padding.w > kernel.w / 2) {
+    throw ShapeError(std::string(op) +
+                     ": padding should be at most half of the kernel size, got padding " +
+                     padding.str() + " for kernel " + kernel.str());
+  }
+  return window_over(op, x, kernel, s, padding, 1);
+}
+
+}  // namespace lazy::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/ops/pool.hpp ----
 
 namespace lazy::nn {
@@ -17555,20 +18805,10 @@ namespace detail {
 
 /// ShapeError unless the kernel and stride are positive and 0 <= padding <= kernel / 2
 /// (torch's rule: every window must overlap the input).
-inline void check_pool_options(const char* layer, Size2 kernel, Size2 stride, Size2 padding) {
-  if (kernel.h <= 0 || kernel.w <= 0) {
-    throw ShapeError(std::string(layer) + ": expected a positive kernel_size, got " + kernel.str());
-  }
-  lazy::detail::check_window_args(layer, stride, padding, 1);
-  if (padding.h > kernel.h / 2 || padding.w > kernel.w / 2) {
-    throw ShapeError(std::string(layer) +
-                     ": padding should be at most half of the kernel size, got padding " +
-                     padding.str() + " for kernel_size " + kernel.str());
-  }
-}
+void check_pool_options(const char* layer, Size2 kernel, Size2 stride, Size2 padding);
 
 /// A size as PyTorch prints a pooling argument: `2` when square, `(2, 3)` otherwise.
-inline std::string pool_size_str(Size2 s) { return s.h == s.w ? std::to_string(s.h) : s.str(); }
+std::string pool_size_str(Size2 s);
 
 }  // namespace detail
 
@@ -17605,11 +18845,7 @@ class MaxPool2dImpl : public Module {
   explicit MaxPool2dImpl(Size2 kernel_size) : MaxPool2dImpl(MaxPool2dOptions(kernel_size)) {}
   /// ShapeError for a non-positive kernel size or stride, or a padding outside
   /// [0, kernel / 2].
-  explicit MaxPool2dImpl(const MaxPool2dOptions& options_)
-      : Module("MaxPool2d"), options(options_) {
-    detail::check_pool_options("MaxPool2d", options.kernel_size(), options.stride(),
-                               options.padding());
-  }
+  explicit MaxPool2dImpl(const MaxPool2dOptions& options_);
   /// ShapeError (from max_pool2d) unless x is [N, C, H, W] with a plane no smaller than the
   /// kernel once padded.
   template <class = void>
@@ -17618,12 +18854,7 @@ class MaxPool2dImpl : public Module {
   }
   /// PyTorch's repr: `MaxPool2d(kernel_size=2, stride=2, padding=0, dilation=1,
   /// ceil_mode=False)`.
-  void pretty_print(std::ostream& os) const override {
-    os << "MaxPool2d(kernel_size=" << detail::pool_size_str(options.kernel_size())
-       << ", stride=" << detail::pool_size_str(options.stride())
-       << ", padding=" << detail::pool_size_str(options.padding())
-       << ", dilation=1, ceil_mode=False)";
-  }
+  void pretty_print(std::ostream& os) const override;
 
   /// The options the layer was built with.
   const MaxPool2dOptions options;
@@ -17637,11 +18868,7 @@ class AvgPool2dImpl : public Module {
   explicit AvgPool2dImpl(Size2 kernel_size) : AvgPool2dImpl(AvgPool2dOptions(kernel_size)) {}
   /// ShapeError for a non-positive kernel size or stride, or a padding outside
   /// [0, kernel / 2].
-  explicit AvgPool2dImpl(const AvgPool2dOptions& options_)
-      : Module("AvgPool2d"), options(options_) {
-    detail::check_pool_options("AvgPool2d", options.kernel_size(), options.stride(),
-                               options.padding());
-  }
+  explicit AvgPool2dImpl(const AvgPool2dOptions& options_);
   /// ShapeError (from avg_pool2d) unless x is [N, C, H, W] with a plane no smaller than the
   /// kernel once padded.
   template <class = void>
@@ -17651,18 +18878,59 @@ class AvgPool2dImpl : public Module {
   }
   /// PyTorch's repr: `AvgPool2d(kernel_size=2, stride=2, padding=0)` (plus
   /// `count_include_pad=False` when set).
-  void pretty_print(std::ostream& os) const override {
-    os << "AvgPool2d(kernel_size=" << detail::pool_size_str(options.kernel_size())
-       << ", stride=" << detail::pool_size_str(options.stride())
-       << ", padding=" << detail::pool_size_str(options.padding());
-    if (!options.count_include_pad()) os << ", count_include_pad=False";
-    os << ")";
-  }
+  void pretty_print(std::ostream& os) const override;
 
   /// The options the layer was built with.
   const AvgPool2dOptions options;
 };
 LAZY_MODULE(AvgPool2d);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace detail {
+
+LAZYTENSOR_INLINE void check_pool_options(const char* layer, Size2 kernel, Size2 stride, Size2 padding) {
+  if (kernel.h <= 0 || kernel.w <= 0) {
+    throw ShapeError(std::string(layer) + ": expected a positive kernel_size, got " + kernel.str());
+  }
+  lazy::detail::check_window_args(layer, stride, padding, 1);
+  if (padding.h > kernel.h / 2 || padding.w > kernel.w / 2) {
+    throw ShapeError(std::string(layer) +
+                     ": padding should be at most half of the kernel size, got padding " +
+                     padding.str() + " for kernel_size " + kernel.str());
+  }
+}
+
+LAZYTENSOR_INLINE std::string pool_size_str(Size2 s) { return s.h == s.w ? std::to_string(s.h) : s.str(); }
+
+}  // namespace detail
+
+LAZYTENSOR_INLINE MaxPool2dImpl::MaxPool2dImpl(const MaxPool2dOptions& options_)
+    : Module("MaxPool2d"), options(options_) {
+  detail::check_pool_options("MaxPool2d", options.kernel_size(), options.stride(),
+                             options.padding());
+}
+
+LAZYTENSOR_INLINE void MaxPool2dImpl::pretty_print(std::ostream& os) const {
+  os << "MaxPool2d(kernel_size=" << detail::pool_size_str(options.kernel_size())
+     << ", stride=" << detail::pool_size_str(options.stride())
+     << ", padding=" << detail::pool_size_str(options.padding())
+     << ", dilation=1, ceil_mode=False)";
+}
+
+LAZYTENSOR_INLINE AvgPool2dImpl::AvgPool2dImpl(const AvgPool2dOptions& options_)
+    : Module("AvgPool2d"), options(options_) {
+  detail::check_pool_options("AvgPool2d", options.kernel_size(), options.stride(),
+                             options.padding());
+}
+
+LAZYTENSOR_INLINE void AvgPool2dImpl::pretty_print(std::ostream& os) const {
+  os << "AvgPool2d(kernel_size=" << detail::pool_size_str(options.kernel_size())
+     << ", stride=" << detail::pool_size_str(options.stride())
+     << ", padding=" << detail::pool_size_str(options.padding());
+  if (!options.count_include_pad()) os << ", count_include_pad=False";
+  os << ")";
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::nn
 // ---- end lazytensor/nn/pooling.hpp ----
@@ -17697,11 +18965,7 @@ class SequentialImpl : public Module {
   }
 
   /// Applies every module in order.
-  Tensor<float> forward(const Tensor<float>& x) const {
-    Tensor<float> y = x;
-    for (const auto& f : steps_) y = f(y);
-    return y;
-  }
+  Tensor<float> forward(const Tensor<float>& x) const;
   /// Number of modules.
   std::size_t size() const { return steps_.size(); }
 
@@ -17709,6 +18973,14 @@ class SequentialImpl : public Module {
   std::vector<std::function<Tensor<float>(const Tensor<float>&)>> steps_;
 };
 LAZY_MODULE(Sequential);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE Tensor<float> SequentialImpl::forward(const Tensor<float>& x) const {
+  Tensor<float> y = x;
+  for (const auto& f : steps_) y = f(y);
+  return y;
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::nn
 // ---- end lazytensor/nn/sequential.hpp ----
@@ -17739,22 +19011,8 @@ struct AdamOptions {
   LAZY_ARG(bool, amsgrad) = false;
 
  public:
-  std::map<std::string, std::string> to_map() const {
-    return {{"lr", detail::format_option(lr_)},
-            {"beta1", detail::format_option(std::get<0>(betas_))},
-            {"beta2", detail::format_option(std::get<1>(betas_))},
-            {"eps", detail::format_option(eps_)},
-            {"weight_decay", detail::format_option(weight_decay_)},
-            {"amsgrad", amsgrad_ ? "1" : "0"}};
-  }
-  static AdamOptions from_map(const std::map<std::string, std::string>& m) {
-    AdamOptions o(detail::parse_option(m, "lr"));
-    o.betas(Betas(detail::parse_option(m, "beta1"), detail::parse_option(m, "beta2")))
-        .eps(detail::parse_option(m, "eps"))
-        .weight_decay(detail::parse_option(m, "weight_decay"))
-        .amsgrad(detail::parse_option(m, "amsgrad") != 0);
-    return o;
-  }
+  std::map<std::string, std::string> to_map() const;
+  static AdamOptions from_map(const std::map<std::string, std::string>& m);
 };
 /// AdamW's options: Adam's, with weight_decay 1e-2 by default (as torch). The fluent
 /// setters return AdamOptions&, which AdamW takes as well.
@@ -17847,6 +19105,26 @@ using Adam = AdamBase<AdamOptions, false>;
 /// torch.optim.AdamW.
 using AdamW = AdamBase<AdamOptions, true>;
 
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE std::map<std::string, std::string> AdamOptions::to_map() const {
+  return {{"lr", detail::format_option(lr_)},
+          {"beta1", detail::format_option(std::get<0>(betas_))},
+          {"beta2", detail::format_option(std::get<1>(betas_))},
+          {"eps", detail::format_option(eps_)},
+          {"weight_decay", detail::format_option(weight_decay_)},
+          {"amsgrad", amsgrad_ ? "1" : "0"}};
+}
+
+LAZYTENSOR_INLINE AdamOptions AdamOptions::from_map(const std::map<std::string, std::string>& m) {
+  AdamOptions o(detail::parse_option(m, "lr"));
+  o.betas(Betas(detail::parse_option(m, "beta1"), detail::parse_option(m, "beta2")))
+      .eps(detail::parse_option(m, "eps"))
+      .weight_decay(detail::parse_option(m, "weight_decay"))
+      .amsgrad(detail::parse_option(m, "amsgrad") != 0);
+  return o;
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
 }  // namespace lazy::optim
 // ---- end lazytensor/optim/adam.hpp ----
 // ---- begin lazytensor/optim/lr_scheduler.hpp ----
@@ -17867,9 +19145,7 @@ namespace lazy::optim {
 /// Base of the schedulers: remembers the base rates and counts steps.
 class LRScheduler {
  public:
-  explicit LRScheduler(Optimizer& opt) : opt_(opt) {
-    for (std::size_t g = 0; g < opt.num_param_groups(); ++g) base_.push_back(opt.lr(g));
-  }
+  explicit LRScheduler(Optimizer& opt);
   virtual ~LRScheduler() = default;
   /// Advances one step (one epoch, usually) and sets the new rates.
   void step() {
@@ -17877,19 +19153,13 @@ class LRScheduler {
     apply();
   }
   /// The rates set last.
-  std::vector<double> get_last_lr() const {
-    std::vector<double> v;
-    for (std::size_t g = 0; g < opt_.num_param_groups(); ++g) v.push_back(opt_.lr(g));
-    return v;
-  }
+  std::vector<double> get_last_lr() const;
   /// Steps taken so far.
   std::int64_t last_epoch() const { return count_; }
 
  protected:
   virtual double rate(double base, std::int64_t step) const = 0;
-  void apply() {
-    for (std::size_t g = 0; g < base_.size(); ++g) opt_.set_lr(rate(base_[g], count_), g);
-  }
+  void apply();
 
  private:
   Optimizer& opt_;
@@ -17900,14 +19170,10 @@ class LRScheduler {
 /// lr = base * gamma^(floor(step / step_size)).
 class StepLR : public LRScheduler {
  public:
-  StepLR(Optimizer& opt, std::int64_t step_size, double gamma = 0.1) : LRScheduler(opt), size_(step_size), gamma_(gamma) {
-    if (step_size <= 0) throw Error("StepLR: step_size must be positive, got " + std::to_string(step_size));
-  }
+  StepLR(Optimizer& opt, std::int64_t step_size, double gamma = 0.1);
 
  protected:
-  double rate(double base, std::int64_t s) const override {
-    return base * std::pow(gamma_, static_cast<double>(s / size_));
-  }
+  double rate(double base, std::int64_t s) const override;
 
  private:
   std::int64_t size_;
@@ -17917,14 +19183,10 @@ class StepLR : public LRScheduler {
 /// lr = eta_min + (base - eta_min) (1 + cos(pi step / T_max)) / 2.
 class CosineAnnealingLR : public LRScheduler {
  public:
-  CosineAnnealingLR(Optimizer& opt, std::int64_t T_max, double eta_min = 0) : LRScheduler(opt), T_(T_max), min_(eta_min) {
-    if (T_max <= 0) throw Error("CosineAnnealingLR: T_max must be positive, got " + std::to_string(T_max));
-  }
+  CosineAnnealingLR(Optimizer& opt, std::int64_t T_max, double eta_min = 0);
 
  protected:
-  double rate(double base, std::int64_t s) const override {
-    return min_ + (base - min_) * (1 + std::cos(std::numbers::pi * static_cast<double>(s) / static_cast<double>(T_))) / 2;
-  }
+  double rate(double base, std::int64_t s) const override;
 
  private:
   std::int64_t T_;
@@ -17935,27 +19197,65 @@ class CosineAnnealingLR : public LRScheduler {
 /// total_iters steps and staying there.
 class LinearLR : public LRScheduler {
  public:
-  LinearLR(Optimizer& opt, double start_factor = 1.0 / 3, double end_factor = 1.0, std::int64_t total_iters = 5)
-      : LRScheduler(opt), start_(start_factor), end_(end_factor), total_(total_iters) {
-    if (start_factor <= 0 || start_factor > 1 || end_factor < 0 || end_factor > 1) {
-      throw Error("LinearLR: expected 0 < start_factor <= 1 and 0 <= end_factor <= 1, got " +
-                  std::to_string(start_factor) + " and " + std::to_string(end_factor));
-    }
-    if (total_iters <= 0) throw Error("LinearLR: total_iters must be positive, got " + std::to_string(total_iters));
-    // As torch, the first rate applies from construction on.
-    for (std::size_t g = 0; g < opt.num_param_groups(); ++g) opt.set_lr(opt.lr(g) * start_factor, g);
-  }
+  LinearLR(Optimizer& opt, double start_factor = 1.0 / 3, double end_factor = 1.0, std::int64_t total_iters = 5);
 
  protected:
-  double rate(double base, std::int64_t s) const override {
-    const double f = s >= total_ ? end_ : start_ + (end_ - start_) * static_cast<double>(s) / static_cast<double>(total_);
-    return base * f;
-  }
+  double rate(double base, std::int64_t s) const override;
 
  private:
   double start_, end_;
   std::int64_t total_;
 };
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE LRScheduler::LRScheduler(Optimizer& opt) : opt_(opt) {
+  for (std::size_t g = 0; g < opt.num_param_groups(); ++g) base_.push_back(opt.lr(g));
+}
+
+LAZYTENSOR_INLINE std::vector<double> LRScheduler::get_last_lr() const {
+  std::vector<double> v;
+  for (std::size_t g = 0; g < opt_.num_param_groups(); ++g) v.push_back(opt_.lr(g));
+  return v;
+}
+
+LAZYTENSOR_INLINE void LRScheduler::apply() {
+  for (std::size_t g = 0; g < base_.size(); ++g) opt_.set_lr(rate(base_[g], count_), g);
+}
+
+LAZYTENSOR_INLINE StepLR::StepLR(Optimizer& opt, std::int64_t step_size, double gamma)
+    : LRScheduler(opt), size_(step_size), gamma_(gamma) {
+  if (step_size <= 0) throw Error("StepLR: step_size must be positive, got " + std::to_string(step_size));
+}
+
+LAZYTENSOR_INLINE double StepLR::rate(double base, std::int64_t s) const {
+  return base * std::pow(gamma_, static_cast<double>(s / size_));
+}
+
+LAZYTENSOR_INLINE CosineAnnealingLR::CosineAnnealingLR(Optimizer& opt, std::int64_t T_max, double eta_min)
+    : LRScheduler(opt), T_(T_max), min_(eta_min) {
+  if (T_max <= 0) throw Error("CosineAnnealingLR: T_max must be positive, got " + std::to_string(T_max));
+}
+
+LAZYTENSOR_INLINE double CosineAnnealingLR::rate(double base, std::int64_t s) const {
+  return min_ + (base - min_) * (1 + std::cos(std::numbers::pi * static_cast<double>(s) / static_cast<double>(T_))) / 2;
+}
+
+LAZYTENSOR_INLINE LinearLR::LinearLR(Optimizer& opt, double start_factor, double end_factor, std::int64_t total_iters)
+    : LRScheduler(opt), start_(start_factor), end_(end_factor), total_(total_iters) {
+  if (start_factor <= 0 || start_factor > 1 || end_factor < 0 || end_factor > 1) {
+    throw Error("LinearLR: expected 0 < start_factor <= 1 and 0 <= end_factor <= 1, got " +
+                std::to_string(start_factor) + " and " + std::to_string(end_factor));
+  }
+  if (total_iters <= 0) throw Error("LinearLR: total_iters must be positive, got " + std::to_string(total_iters));
+  // As torch, the first rate applies from construction on.
+  for (std::size_t g = 0; g < opt.num_param_groups(); ++g) opt.set_lr(opt.lr(g) * start_factor, g);
+}
+
+LAZYTENSOR_INLINE double LinearLR::rate(double base, std::int64_t s) const {
+  const double f = s >= total_ ? end_ : start_ + (end_ - start_) * static_cast<double>(s) / static_cast<double>(total_);
+  return base * f;
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::optim
 // ---- end lazytensor/optim/lr_scheduler.hpp ----
@@ -17978,21 +19278,8 @@ struct SGDOptions {
   LAZY_ARG(bool, nesterov) = false;
 
  public:
-  std::map<std::string, std::string> to_map() const {
-    return {{"lr", detail::format_option(lr_)},
-            {"momentum", detail::format_option(momentum_)},
-            {"dampening", detail::format_option(dampening_)},
-            {"weight_decay", detail::format_option(weight_decay_)},
-            {"nesterov", nesterov_ ? "1" : "0"}};
-  }
-  static SGDOptions from_map(const std::map<std::string, std::string>& m) {
-    SGDOptions o(detail::parse_option(m, "lr"));
-    o.momentum(detail::parse_option(m, "momentum"))
-        .dampening(detail::parse_option(m, "dampening"))
-        .weight_decay(detail::parse_option(m, "weight_decay"))
-        .nesterov(detail::parse_option(m, "nesterov") != 0);
-    return o;
-  }
+  std::map<std::string, std::string> to_map() const;
+  static SGDOptions from_map(const std::map<std::string, std::string>& m);
 };
 
 /// Stochastic gradient descent (`optim::SGD`). Per parameter: buf = momentum * buf +
@@ -18060,6 +19347,25 @@ class BasicSGD : public OptimizerWithOptions<SGDOptions> {
 /// Stochastic gradient descent, as torch.optim.SGD.
 using SGD = BasicSGD<>;
 
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE std::map<std::string, std::string> SGDOptions::to_map() const {
+  return {{"lr", detail::format_option(lr_)},
+          {"momentum", detail::format_option(momentum_)},
+          {"dampening", detail::format_option(dampening_)},
+          {"weight_decay", detail::format_option(weight_decay_)},
+          {"nesterov", nesterov_ ? "1" : "0"}};
+}
+
+LAZYTENSOR_INLINE SGDOptions SGDOptions::from_map(const std::map<std::string, std::string>& m) {
+  SGDOptions o(detail::parse_option(m, "lr"));
+  o.momentum(detail::parse_option(m, "momentum"))
+      .dampening(detail::parse_option(m, "dampening"))
+      .weight_decay(detail::parse_option(m, "weight_decay"))
+      .nesterov(detail::parse_option(m, "nesterov") != 0);
+  return o;
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
 }  // namespace lazy::optim
 // ---- end lazytensor/optim/sgd.hpp ----
 // ---- end lazytensor/optim.hpp ----
@@ -18097,7 +19403,29 @@ inline void settle() { graph::current_device().wait_idle(); }
 }  // namespace detail
 
 /// Value of counter `name` (0 when it never fired), as met.counter_value.
-inline std::int64_t counter_value(const std::string& name) {
+std::int64_t counter_value(const std::string& name);
+
+/// Summary of metric `name` (count, total, min, max in ns), if it was ever recorded.
+std::optional<core::MetricData> metric_data(const std::string& name);
+
+/// Names of the counters that fired.
+std::vector<std::string> counter_names();
+
+/// Resets every counter and metric to zero.
+void clear_metrics();
+
+namespace detail {
+std::string fmt_ns(double ns);
+}  // namespace detail
+
+/// Every metric and counter, plus the buffer pool of device 0, in PyTorch/XLA's format.
+std::string metrics_report();
+
+/// One line: steps, syncs, kernels, time executing and bytes allocated.
+std::string short_metrics_report();
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE std::int64_t counter_value(const std::string& name) {
   detail::settle();
   std::int64_t v = 0;
   core::Registry::get().for_each([&](const std::string& n, const core::Counter* c, const core::Metric*) {
@@ -18106,8 +19434,7 @@ inline std::int64_t counter_value(const std::string& name) {
   return v;
 }
 
-/// Summary of metric `name` (count, total, min, max in ns), if it was ever recorded.
-inline std::optional<core::MetricData> metric_data(const std::string& name) {
+LAZYTENSOR_INLINE std::optional<core::MetricData> metric_data(const std::string& name) {
   detail::settle();
   std::optional<core::MetricData> r;
   core::Registry::get().for_each([&](const std::string& n, const core::Counter*, const core::Metric* m) {
@@ -18116,8 +19443,7 @@ inline std::optional<core::MetricData> metric_data(const std::string& name) {
   return r;
 }
 
-/// Names of the counters that fired.
-inline std::vector<std::string> counter_names() {
+LAZYTENSOR_INLINE std::vector<std::string> counter_names() {
   detail::settle();
   std::vector<std::string> names;
   core::Registry::get().for_each([&](const std::string& n, const core::Counter* c, const core::Metric*) {
@@ -18126,14 +19452,13 @@ inline std::vector<std::string> counter_names() {
   return names;
 }
 
-/// Resets every counter and metric to zero.
-inline void clear_metrics() {
+LAZYTENSOR_INLINE void clear_metrics() {
   detail::settle();
   core::Registry::get().reset();
 }
 
 namespace detail {
-inline std::string fmt_ns(double ns) {
+LAZYTENSOR_INLINE std::string fmt_ns(double ns) {
   std::ostringstream os;
   os << std::fixed << std::setprecision(3);
   if (ns >= 1e9) os << ns / 1e9 << "s";
@@ -18144,8 +19469,7 @@ inline std::string fmt_ns(double ns) {
 }
 }  // namespace detail
 
-/// Every metric and counter, plus the buffer pool of device 0, in PyTorch/XLA's format.
-inline std::string metrics_report() {
+LAZYTENSOR_INLINE std::string metrics_report() {
   detail::settle();
   std::ostringstream os;
   core::Registry::get().for_each([&](const std::string& n, const core::Counter*, const core::Metric* m) {
@@ -18166,8 +19490,7 @@ inline std::string metrics_report() {
   return os.str();
 }
 
-/// One line: steps, syncs, kernels, time executing and bytes allocated.
-inline std::string short_metrics_report() {
+LAZYTENSOR_INLINE std::string short_metrics_report() {
   std::ostringstream os;
   auto exec = metric_data("ExecuteTime");
   os << "MarkStep=" << counter_value("MarkStep") << " ImplicitSync=" << counter_value("ImplicitSync")
@@ -18176,6 +19499,7 @@ inline std::string short_metrics_report() {
      << " BytesAllocated=" << graph::current_device().pool().stats().fresh_bytes;
   return os.str();
 }
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::debug
 // ---- end lazytensor/debug/metrics.hpp ----

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include <lazytensor/autograd/node_ops.hpp>
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/expr/dual.hpp>
 
 namespace lazy::autograd {
@@ -20,22 +21,9 @@ class ElementwiseGradFnBase : public GradFn {
  public:
   explicit ElementwiseGradFnBase(std::vector<graph::NodePtr> inputs) : inputs_(std::move(inputs)) {}
 
-  std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override {
-    check_not_released();
-    std::vector<graph::NodePtr> grads(next.size());
-    for (std::size_t s = 0; s < next.size(); ++s) {
-      if (!next[s]) continue;
-      graph::NodePtr g = gradient_kernel(static_cast<int>(s), grad);
-      g = sum_to_shape(g, inputs_[s]->shape());
-      grads[s] = cast_node(g, inputs_[s]->dtype());
-    }
-    return grads;
-  }
+  std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override;
 
-  void release_saved() override {
-    inputs_.clear();
-    GradFn::release_saved();
-  }
+  void release_saved() override;
 
  protected:
   /// A pending node computing grad * d(output)/d(input `slot`), in the output's shape.
@@ -106,5 +94,24 @@ class ElementwiseGradFn final : public ElementwiseGradFnBase {
 
   K kernel_;
 };
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE std::vector<graph::NodePtr> ElementwiseGradFnBase::apply(const graph::NodePtr& grad) {
+  check_not_released();
+  std::vector<graph::NodePtr> grads(next.size());
+  for (std::size_t s = 0; s < next.size(); ++s) {
+    if (!next[s]) continue;
+    graph::NodePtr g = gradient_kernel(static_cast<int>(s), grad);
+    g = sum_to_shape(g, inputs_[s]->shape());
+    grads[s] = cast_node(g, inputs_[s]->dtype());
+  }
+  return grads;
+}
+
+LAZYTENSOR_INLINE void ElementwiseGradFnBase::release_saved() {
+  inputs_.clear();
+  GradFn::release_saved();
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::autograd

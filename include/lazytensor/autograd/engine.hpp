@@ -13,6 +13,7 @@
 #include <vector>
 
 #include <lazytensor/autograd/accumulate.hpp>
+#include <lazytensor/core/config.hpp>
 
 namespace lazy::autograd {
 
@@ -27,7 +28,10 @@ struct BackwardRequest {
 
 /// Runs a backward pass; returns one gradient per captured function (nullptr when none
 /// reached it).
-inline std::vector<graph::NodePtr> run_backward(const BackwardRequest& req) {
+std::vector<graph::NodePtr> run_backward(const BackwardRequest& req);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE std::vector<graph::NodePtr> run_backward(const BackwardRequest& req) {
   AutoGradMode no_grad(false);  // gradients of gradients are not recorded
   // Dependency counts over the graph reachable from the roots.
   std::unordered_map<GradFn*, int> deps;
@@ -96,5 +100,6 @@ inline std::vector<graph::NodePtr> run_backward(const BackwardRequest& req) {
   }
   return out;
 }
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::autograd

@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/core/error.hpp>
 #include <lazytensor/graph/node.hpp>
 
@@ -52,13 +53,7 @@ class GradFn {
 
  protected:
   /// Raises the libtorch error for a second backward through a freed graph.
-  void check_not_released() const {
-    if (released_) {
-      throw Error("Trying to backward through the graph a second time (or directly access saved tensors after "
-                  "they have already been freed) in " + name() +
-                  ". Specify retain_graph=true if you need to backward through the graph a second time.");
-    }
-  }
+  void check_not_released() const;
 
  private:
   bool released_ = false;
@@ -111,3 +106,15 @@ class NoGradGuard : public autograd::AutoGradMode {
   NoGradGuard() : AutoGradMode(false) {}
 };
 }  // namespace lazy
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::autograd {
+LAZYTENSOR_INLINE void GradFn::check_not_released() const {
+  if (released_) {
+    throw Error("Trying to backward through the graph a second time (or directly access saved tensors after "
+                "they have already been freed) in " + name() +
+                ". Specify retain_graph=true if you need to backward through the graph a second time.");
+  }
+}
+}  // namespace lazy::autograd
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

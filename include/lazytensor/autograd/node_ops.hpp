@@ -12,6 +12,7 @@
 #include <type_traits>
 #include <vector>
 
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/graph/elementwise_node.hpp>
 #include <lazytensor/graph/reduction_node.hpp>
 #include <lazytensor/graph/submit.hpp>
@@ -115,11 +116,7 @@ inline GradOpsTable& grad_ops_table() {
   return table;
 }
 
-[[noreturn]] inline void missing_grad_op(const char* what, DType d, DType to) {
-  throw DTypeError(std::string("autograd: no ") + what + " for gradients of dtype " + dtype_name(d) +
-                   (d == to ? std::string() : " to " + dtype_name(to)) +
-                   " was compiled into this program (only floating point tensors have gradients)");
-}
+[[noreturn]] void missing_grad_op(const char* what, DType d, DType to);
 }  // namespace detail
 
 /// Makes the gradient operations of dtype T available to code that sees T at run time only.
@@ -152,7 +149,24 @@ void register_grad_cast() {
 }
 
 /// `g` converted to dtype `to`.
-inline graph::NodePtr cast_node(const graph::NodePtr& g, DType to) {
+graph::NodePtr cast_node(const graph::NodePtr& g, DType to);
+
+/// a + b for two gradients of one shape (b converted to a's dtype).
+graph::NodePtr add_nodes(const graph::NodePtr& a, const graph::NodePtr& b);
+
+/// sum_to_shape_of for a gradient whose dtype is known at run time only.
+graph::NodePtr sum_to_shape(const graph::NodePtr& g, const Shape& to);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace detail {
+[[noreturn]] LAZYTENSOR_INLINE void missing_grad_op(const char* what, DType d, DType to) {
+  throw DTypeError(std::string("autograd: no ") + what + " for gradients of dtype " + dtype_name(d) +
+                   (d == to ? std::string() : " to " + dtype_name(to)) +
+                   " was compiled into this program (only floating point tensors have gradients)");
+}
+}  // namespace detail
+
+LAZYTENSOR_INLINE graph::NodePtr cast_node(const graph::NodePtr& g, DType to) {
   if (g->dtype() == to) return g;
   auto f = detail::grad_ops_table()
                .cast[static_cast<int>(g->dtype())][static_cast<int>(to)]
@@ -161,19 +175,18 @@ inline graph::NodePtr cast_node(const graph::NodePtr& g, DType to) {
   return f(g);
 }
 
-/// a + b for two gradients of one shape (b converted to a's dtype).
-inline graph::NodePtr add_nodes(const graph::NodePtr& a, const graph::NodePtr& b) {
+LAZYTENSOR_INLINE graph::NodePtr add_nodes(const graph::NodePtr& a, const graph::NodePtr& b) {
   auto f = detail::grad_ops_table().add[static_cast<int>(a->dtype())].load(std::memory_order_acquire);
   if (!f) detail::missing_grad_op("addition", a->dtype(), a->dtype());
   return f(a, cast_node(b, a->dtype()));
 }
 
-/// sum_to_shape_of for a gradient whose dtype is known at run time only.
-inline graph::NodePtr sum_to_shape(const graph::NodePtr& g, const Shape& to) {
+LAZYTENSOR_INLINE graph::NodePtr sum_to_shape(const graph::NodePtr& g, const Shape& to) {
   if (g->shape() == to) return g;
   auto f = detail::grad_ops_table().sum_to[static_cast<int>(g->dtype())].load(std::memory_order_acquire);
   if (!f) detail::missing_grad_op("broadcast reduction", g->dtype(), g->dtype());
   return f(g, to);
 }
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::autograd

@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/tensor/tensor.hpp>
 
 namespace lazy::autograd {
@@ -20,14 +21,8 @@ class FunctionGradFn final : public GradFn {
   using Backward = std::function<std::vector<graph::NodePtr>(const graph::NodePtr&)>;
   FunctionGradFn(std::string name, Backward f) : name_(std::move(name)), f_(std::move(f)) {}
   std::string name() const override { return name_; }
-  std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override {
-    check_not_released();
-    return f_(grad);
-  }
-  void release_saved() override {
-    f_ = nullptr;
-    GradFn::release_saved();
-  }
+  std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override;
+  void release_saved() override;
 
  private:
   std::string name_;
@@ -98,5 +93,17 @@ template <class... Ts>
 bool any_requires_grad(const Ts&... ts) {
   return is_grad_enabled() && (false || ... || ts.requires_grad());
 }
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE std::vector<graph::NodePtr> FunctionGradFn::apply(const graph::NodePtr& grad) {
+  check_not_released();
+  return f_(grad);
+}
+
+LAZYTENSOR_INLINE void FunctionGradFn::release_saved() {
+  f_ = nullptr;
+  GradFn::release_saved();
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::autograd

@@ -27,6 +27,7 @@
 
 #include <lazytensor/core/counters.hpp>
 #include <lazytensor/core/env.hpp>
+#include <lazytensor/core/config.hpp>
 
 namespace lazy {
 
@@ -55,22 +56,10 @@ inline std::size_t buffer_alignment(std::size_t bytes) {
   return bytes >= kHugePageBytes ? kHugePageBytes : kBufferAlign;
 }
 
-inline bool huge_pages_wanted() {
-  static const bool wanted = core::env_switch("LAZYTENSOR_HUGE_PAGES").value_or(true);
-  return wanted;
-}
+bool huge_pages_wanted();
 
 /// Memory for a buffer of `bytes` bytes (see the file comment for large ones).
-inline void* allocate_buffer_memory(std::size_t bytes) {
-  void* p = ::operator new(bytes, std::align_val_t(buffer_alignment(bytes)));
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  // Only whole huge pages inside the block: the advice must not reach memory we do not own.
-  // A refusal (THP disabled, old kernel) only loses the speed-up, so the result is ignored.
-  const std::size_t whole = bytes / kHugePageBytes * kHugePageBytes;
-  if (whole > 0 && huge_pages_wanted()) (void)::madvise(p, whole, MADV_HUGEPAGE);
-#endif
-  return p;
-}
+void* allocate_buffer_memory(std::size_t bytes);
 
 inline void free_buffer_memory(void* p, std::size_t bytes) {
   ::operator delete(p, std::align_val_t(buffer_alignment(bytes)));
@@ -83,8 +72,7 @@ class BufferPool;
 /// A block of aligned memory. Returned to its pool when the last reference goes.
 class Buffer {
  public:
-  Buffer(void* p, std::size_t bytes, std::shared_ptr<BufferPool> pool)
-      : data_(p), bytes_(bytes), pool_(std::move(pool)) {}
+  Buffer(void* p, std::size_t bytes, std::shared_ptr<BufferPool> pool);
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
   ~Buffer();
@@ -109,7 +97,85 @@ struct PoolStats {
 /// Default bound of a pool's cached bytes: a quarter of the physical memory (4 GiB where
 /// it cannot be read), or LAZYTENSOR_POOL_CACHE_BYTES (a whole number of bytes; 0 caches
 /// nothing). A malformed value is an Error naming it.
-inline std::size_t default_pool_cache_bytes() {
+std::size_t default_pool_cache_bytes();
+
+/// Free lists keyed by exact padded size. Thread-safe.
+///
+/// A steady loop asks for the same sizes every step and finds them here. A program whose
+/// shapes keep changing would leave a list behind for every size it ever used, so the
+/// cached bytes are bounded (cache_limit()): past the bound, the lists of the sizes used
+/// least recently go back to the system first.
+class BufferPool : public std::enable_shared_from_this<BufferPool> {
+ public:
+  /// A pool caching at most `cache_limit` bytes of freed buffers.
+  explicit BufferPool(std::size_t cache_limit = default_pool_cache_bytes());
+  ~BufferPool();
+
+  /// A buffer of at least `bytes` (already padded) bytes.
+  std::shared_ptr<Buffer> acquire(std::size_t bytes);
+
+  /// Takes back a buffer's memory: cached for reuse, or (past the cache limit) returned
+  /// to the system along with the lists of the sizes used least recently.
+  void release(void* p, std::size_t bytes);
+
+  /// Returns every cached block to the system (what torch.cuda.empty_cache does).
+  void empty_cache();
+
+  /// Most bytes of freed buffers kept for reuse.
+  std::size_t cache_limit() const;
+  /// Changes the bound on cached bytes, returning what no longer fits to the system.
+  void set_cache_limit(std::size_t bytes);
+
+  PoolStats stats() const;
+
+ private:
+  struct SizeList {
+    std::vector<void*> blocks;
+    std::uint64_t used = 0;  // tick of the last acquire or release of this size
+  };
+
+  // Frees blocks until the cached bytes fit `limit`: whole lists of the least recently
+  // used sizes first (the size just released is the most recent, so it goes last), and
+  // drops the entries of sizes with no block left. Called with mu_ held: freeing under
+  // the lock means a release (a destructor) never allocates. Eviction happens only while
+  // shapes change, so the linear search for the oldest size costs a steady loop nothing.
+  void evict_beyond(std::size_t limit);
+
+  mutable std::mutex mu_;
+  std::unordered_map<std::size_t, SizeList> free_;
+  std::size_t limit_;
+  std::uint64_t tick_ = 0;
+  PoolStats stats_;
+};
+
+}  // namespace lazy
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::detail {
+
+LAZYTENSOR_INLINE bool huge_pages_wanted() {
+  static const bool wanted = core::env_switch("LAZYTENSOR_HUGE_PAGES").value_or(true);
+  return wanted;
+}
+
+LAZYTENSOR_INLINE void* allocate_buffer_memory(std::size_t bytes) {
+  void* p = ::operator new(bytes, std::align_val_t(buffer_alignment(bytes)));
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  // Only whole huge pages inside the block: the advice must not reach memory we do not own.
+  // A refusal (THP disabled, old kernel) only loses the speed-up, so the result is ignored.
+  const std::size_t whole = bytes / kHugePageBytes * kHugePageBytes;
+  if (whole > 0 && huge_pages_wanted()) (void)::madvise(p, whole, MADV_HUGEPAGE);
+#endif
+  return p;
+}
+
+}  // namespace lazy::detail
+namespace lazy {
+
+LAZYTENSOR_INLINE Buffer::Buffer(void* p, std::size_t bytes, std::shared_ptr<BufferPool> pool)
+    : data_(p), bytes_(bytes), pool_(std::move(pool)) {}
+
+LAZYTENSOR_INLINE std::size_t default_pool_cache_bytes() {
   static const std::size_t bytes = [] {
     if (const auto v = core::env_integer("LAZYTENSOR_POOL_CACHE_BYTES", 0, "bytes", "1073741824"))
       return static_cast<std::size_t>(*v);
@@ -123,131 +189,100 @@ inline std::size_t default_pool_cache_bytes() {
   return bytes;
 }
 
-/// Free lists keyed by exact padded size. Thread-safe.
-///
-/// A steady loop asks for the same sizes every step and finds them here. A program whose
-/// shapes keep changing would leave a list behind for every size it ever used, so the
-/// cached bytes are bounded (cache_limit()): past the bound, the lists of the sizes used
-/// least recently go back to the system first.
-class BufferPool : public std::enable_shared_from_this<BufferPool> {
- public:
-  /// A pool caching at most `cache_limit` bytes of freed buffers.
-  explicit BufferPool(std::size_t cache_limit = default_pool_cache_bytes()) : limit_(cache_limit) {}
-  ~BufferPool() { empty_cache(); }
+LAZYTENSOR_INLINE BufferPool::BufferPool(std::size_t cache_limit) : limit_(cache_limit) {}
 
-  /// A buffer of at least `bytes` (already padded) bytes.
-  std::shared_ptr<Buffer> acquire(std::size_t bytes) {
-    void* p = nullptr;
-    {
-      std::lock_guard lock(mu_);
-      auto it = free_.find(bytes);
-      if (it != free_.end() && !it->second.blocks.empty()) {
-        p = it->second.blocks.back();
-        it->second.blocks.pop_back();
-        it->second.used = ++tick_;
-        stats_.reuses++;
-        stats_.cached_bytes -= static_cast<std::int64_t>(bytes);
-      } else {
-        stats_.fresh_allocations++;
-        stats_.fresh_bytes += static_cast<std::int64_t>(bytes);
-      }
-    }
-    if (!p) {
-      p = detail::allocate_buffer_memory(bytes);
-    }
-    return std::make_shared<Buffer>(p, bytes, shared_from_this());
-  }
+LAZYTENSOR_INLINE BufferPool::~BufferPool() { empty_cache(); }
 
-  /// Takes back a buffer's memory: cached for reuse, or (past the cache limit) returned
-  /// to the system along with the lists of the sizes used least recently.
-  void release(void* p, std::size_t bytes) {
-    {
-      std::lock_guard lock(mu_);
-      if (bytes <= limit_) {
-        SizeList& list = free_[bytes];
-        list.blocks.push_back(p);
-        list.used = ++tick_;
-        stats_.cached_bytes += static_cast<std::int64_t>(bytes);
-        evict_beyond(limit_);
-        return;
-      }
-    }
-    detail::free_buffer_memory(p, bytes);  // larger than the whole cache
-  }
-
-  /// Returns every cached block to the system (what torch.cuda.empty_cache does).
-  void empty_cache() {
-    std::unordered_map<std::size_t, SizeList> lists;
-    {
-      std::lock_guard lock(mu_);
-      lists.swap(free_);
-      stats_.cached_bytes = 0;
-    }
-    for (auto& [bytes, list] : lists)
-      for (void* p : list.blocks) detail::free_buffer_memory(p, bytes);
-  }
-
-  /// Most bytes of freed buffers kept for reuse.
-  std::size_t cache_limit() const {
+LAZYTENSOR_INLINE std::shared_ptr<Buffer> BufferPool::acquire(std::size_t bytes) {
+  void* p = nullptr;
+  {
     std::lock_guard lock(mu_);
-    return limit_;
-  }
-  /// Changes the bound on cached bytes, returning what no longer fits to the system.
-  void set_cache_limit(std::size_t bytes) {
-    std::lock_guard lock(mu_);
-    limit_ = bytes;
-    evict_beyond(limit_);
-  }
-
-  PoolStats stats() const {
-    std::lock_guard lock(mu_);
-    return stats_;
-  }
-
- private:
-  struct SizeList {
-    std::vector<void*> blocks;
-    std::uint64_t used = 0;  // tick of the last acquire or release of this size
-  };
-
-  // Frees blocks until the cached bytes fit `limit`: whole lists of the least recently
-  // used sizes first (the size just released is the most recent, so it goes last), and
-  // drops the entries of sizes with no block left. Called with mu_ held: freeing under
-  // the lock means a release (a destructor) never allocates. Eviction happens only while
-  // shapes change, so the linear search for the oldest size costs a steady loop nothing.
-  void evict_beyond(std::size_t limit) {
-    static auto& evictions = core::counter("PoolEvictedBytes");
-    while (stats_.cached_bytes > static_cast<std::int64_t>(limit)) {
-      auto victim = free_.end();
-      for (auto it = free_.begin(); it != free_.end();) {
-        if (it->second.blocks.empty()) {
-          it = free_.erase(it);
-          continue;
-        }
-        if (victim == free_.end() || it->second.used < victim->second.used) victim = it;
-        ++it;
-      }
-      if (victim == free_.end()) break;
-      const std::size_t bytes = victim->first;
-      std::vector<void*>& blocks = victim->second.blocks;
-      while (!blocks.empty() && stats_.cached_bytes > static_cast<std::int64_t>(limit)) {
-        detail::free_buffer_memory(blocks.back(), bytes);
-        blocks.pop_back();
-        stats_.cached_bytes -= static_cast<std::int64_t>(bytes);
-        evictions.add(static_cast<std::int64_t>(bytes));
-      }
-      if (blocks.empty()) free_.erase(victim);
+    auto it = free_.find(bytes);
+    if (it != free_.end() && !it->second.blocks.empty()) {
+      p = it->second.blocks.back();
+      it->second.blocks.pop_back();
+      it->second.used = ++tick_;
+      stats_.reuses++;
+      stats_.cached_bytes -= static_cast<std::int64_t>(bytes);
+    } else {
+      stats_.fresh_allocations++;
+      stats_.fresh_bytes += static_cast<std::int64_t>(bytes);
     }
   }
+  if (!p) {
+    p = detail::allocate_buffer_memory(bytes);
+  }
+  return std::make_shared<Buffer>(p, bytes, shared_from_this());
+}
 
-  mutable std::mutex mu_;
-  std::unordered_map<std::size_t, SizeList> free_;
-  std::size_t limit_;
-  std::uint64_t tick_ = 0;
-  PoolStats stats_;
-};
+LAZYTENSOR_INLINE void BufferPool::release(void* p, std::size_t bytes) {
+  {
+    std::lock_guard lock(mu_);
+    if (bytes <= limit_) {
+      SizeList& list = free_[bytes];
+      list.blocks.push_back(p);
+      list.used = ++tick_;
+      stats_.cached_bytes += static_cast<std::int64_t>(bytes);
+      evict_beyond(limit_);
+      return;
+    }
+  }
+  detail::free_buffer_memory(p, bytes);  // larger than the whole cache
+}
 
-inline Buffer::~Buffer() {
+LAZYTENSOR_INLINE void BufferPool::empty_cache() {
+  std::unordered_map<std::size_t, SizeList> lists;
+  {
+    std::lock_guard lock(mu_);
+    lists.swap(free_);
+    stats_.cached_bytes = 0;
+  }
+  for (auto& [bytes, list] : lists)
+    for (void* p : list.blocks) detail::free_buffer_memory(p, bytes);
+}
+
+LAZYTENSOR_INLINE std::size_t BufferPool::cache_limit() const {
+  std::lock_guard lock(mu_);
+  return limit_;
+}
+
+LAZYTENSOR_INLINE void BufferPool::set_cache_limit(std::size_t bytes) {
+  std::lock_guard lock(mu_);
+  limit_ = bytes;
+  evict_beyond(limit_);
+}
+
+LAZYTENSOR_INLINE PoolStats BufferPool::stats() const {
+  std::lock_guard lock(mu_);
+  return stats_;
+}
+
+LAZYTENSOR_INLINE void BufferPool::evict_beyond(std::size_t limit) {
+  static auto& evictions = core::counter("PoolEvictedBytes");
+  while (stats_.cached_bytes > static_cast<std::int64_t>(limit)) {
+    auto victim = free_.end();
+    for (auto it = free_.begin(); it != free_.end();) {
+      if (it->second.blocks.empty()) {
+        it = free_.erase(it);
+        continue;
+      }
+      if (victim == free_.end() || it->second.used < victim->second.used) victim = it;
+      ++it;
+    }
+    if (victim == free_.end()) break;
+    const std::size_t bytes = victim->first;
+    std::vector<void*>& blocks = victim->second.blocks;
+    while (!blocks.empty() && stats_.cached_bytes > static_cast<std::int64_t>(limit)) {
+      detail::free_buffer_memory(blocks.back(), bytes);
+      blocks.pop_back();
+      stats_.cached_bytes -= static_cast<std::int64_t>(bytes);
+      evictions.add(static_cast<std::int64_t>(bytes));
+    }
+    if (blocks.empty()) free_.erase(victim);
+  }
+}
+
+LAZYTENSOR_INLINE  Buffer::~Buffer() {
   if (pool_) {
     pool_->release(data_, bytes_);
   } else {
@@ -256,3 +291,4 @@ inline Buffer::~Buffer() {
 }
 
 }  // namespace lazy
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

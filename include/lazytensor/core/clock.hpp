@@ -1,4 +1,6 @@
 #pragma once
+
+#include <lazytensor/core/config.hpp>
 // The clock the metrics time with. Every read of a small statement takes two timings, so
 // the clock is on the hot path: steady_clock costs ~24 ns a reading through the vDSO on
 // the development VM, the x86 time-stamp counter ~10 ns. The counter is used where the
@@ -24,12 +26,7 @@ class MetricClock {
   using Ticks = std::int64_t;
 
   /// The current reading.
-  static Ticks now() noexcept {
-#ifdef LAZYTENSOR_DETAIL_TSC
-    if (state().tsc) return static_cast<Ticks>(__rdtsc());
-#endif
-    return steady_ticks();
-  }
+  static Ticks now() noexcept;
 
   /// Nanoseconds between readings `t0` and `t1` (0 if `t1` is earlier: counters of
   /// different cores may disagree by a few ticks).
@@ -46,52 +43,71 @@ class MetricClock {
     double ns_per_tick = 1.0;
   };
 
-  static Ticks steady_ticks() noexcept {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(
-               std::chrono::steady_clock::now().time_since_epoch())
-        .count();
-  }
+  static Ticks steady_ticks() noexcept;
 
-  static const State& state() noexcept {
-    static const State s = calibrate();
-    return s;
-  }
+  static const State& state() noexcept;
 
   // The counter's rate against steady_clock over ~200 us, once per process. Each end is a
   // steady_clock reading bracketed by two counter readings close together (a thread
   // preempted in between tries again), so the rate is good to ~0.05%.
-  static State calibrate() noexcept {
-    State s;
-#ifdef LAZYTENSOR_DETAIL_TSC
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (__get_cpuid(0x80000000u, &a, &b, &c, &d) == 0 || a < 0x80000007u) return s;
-    __get_cpuid(0x80000007u, &a, &b, &c, &d);
-    if (!(d & (1u << 8))) return s;  // no invariant TSC
-    struct Pair {
-      Ticks steady;
-      double tsc;
-    };
-    auto pair = []() -> std::optional<Pair> {
-      for (int attempt = 0; attempt < 100; ++attempt) {
-        const auto c0 = __rdtsc();
-        const Ticks t = steady_ticks();
-        const auto c1 = __rdtsc();
-        if (c1 > c0 && c1 - c0 < 20'000)
-          return Pair{t, 0.5 * (static_cast<double>(c0) + static_cast<double>(c1))};
-      }
-      return std::nullopt;
-    };
-    const auto p0 = pair();
-    if (!p0) return s;
-    while (steady_ticks() - p0->steady < 200'000) {
-    }
-    const auto p1 = pair();
-    if (!p1 || p1->tsc <= p0->tsc) return s;
-    s.tsc = true;
-    s.ns_per_tick = static_cast<double>(p1->steady - p0->steady) / (p1->tsc - p0->tsc);
-#endif
-    return s;
-  }
+  static State calibrate() noexcept;
 };
 
 }  // namespace lazy::core
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::core {
+
+LAZYTENSOR_INLINE auto MetricClock::now() noexcept -> Ticks {
+#ifdef LAZYTENSOR_DETAIL_TSC
+  if (state().tsc) return static_cast<Ticks>(__rdtsc());
+#endif
+  return steady_ticks();
+}
+
+LAZYTENSOR_INLINE auto MetricClock::steady_ticks() noexcept -> Ticks {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+LAZYTENSOR_INLINE auto MetricClock::state() noexcept -> const State& {
+  static const State s = calibrate();
+  return s;
+}
+
+LAZYTENSOR_INLINE auto MetricClock::calibrate() noexcept -> State {
+  State s;
+#ifdef LAZYTENSOR_DETAIL_TSC
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__get_cpuid(0x80000000u, &a, &b, &c, &d) == 0 || a < 0x80000007u) return s;
+  __get_cpuid(0x80000007u, &a, &b, &c, &d);
+  if (!(d & (1u << 8))) return s;  // no invariant TSC
+  struct Pair {
+    Ticks steady;
+    double tsc;
+  };
+  auto pair = []() -> std::optional<Pair> {
+    for (int attempt = 0; attempt < 100; ++attempt) {
+      const auto c0 = __rdtsc();
+      const Ticks t = steady_ticks();
+      const auto c1 = __rdtsc();
+      if (c1 > c0 && c1 - c0 < 20'000)
+        return Pair{t, 0.5 * (static_cast<double>(c0) + static_cast<double>(c1))};
+    }
+    return std::nullopt;
+  };
+  const auto p0 = pair();
+  if (!p0) return s;
+  while (steady_ticks() - p0->steady < 200'000) {
+  }
+  const auto p1 = pair();
+  if (!p1 || p1->tsc <= p0->tsc) return s;
+  s.tsc = true;
+  s.ns_per_tick = static_cast<double>(p1->steady - p0->steady) / (p1->tsc - p0->tsc);
+#endif
+  return s;
+}
+
+}  // namespace lazy::core
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

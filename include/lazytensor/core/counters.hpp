@@ -12,6 +12,7 @@
 #include <string>
 
 #include <lazytensor/core/clock.hpp>
+#include <lazytensor/core/config.hpp>
 
 namespace lazy::core {
 
@@ -32,31 +33,9 @@ struct MetricData {
 /// a summary taken while another thread records may see that sample in part.
 class Metric {
  public:
-  void record(double ns) {
-    double lo = min_.load(std::memory_order_relaxed);
-    while (ns < lo && !min_.compare_exchange_weak(lo, ns, std::memory_order_relaxed)) {
-    }
-    double hi = max_.load(std::memory_order_relaxed);
-    while (ns > hi && !max_.compare_exchange_weak(hi, ns, std::memory_order_relaxed)) {
-    }
-    total_.fetch_add(ns, std::memory_order_relaxed);
-    count_.fetch_add(1, std::memory_order_release);
-  }
-  MetricData data() const {
-    MetricData d;
-    d.count = count_.load(std::memory_order_acquire);
-    if (d.count == 0) return d;
-    d.total_ns = total_.load(std::memory_order_relaxed);
-    d.min_ns = min_.load(std::memory_order_relaxed);
-    d.max_ns = max_.load(std::memory_order_relaxed);
-    return d;
-  }
-  void reset() {
-    count_.store(0, std::memory_order_relaxed);
-    total_.store(0, std::memory_order_relaxed);
-    min_.store(kNone, std::memory_order_relaxed);
-    max_.store(-kNone, std::memory_order_relaxed);
-  }
+  void record(double ns);
+  MetricData data() const;
+  void reset();
 
  private:
   static constexpr double kNone = std::numeric_limits<double>::infinity();
@@ -67,35 +46,16 @@ class Metric {
 /// The registry of every counter and metric.
 class Registry {
  public:
-  static Registry& get() {
-    // Never destroyed: devices' executor threads may still record into it while static
-    // objects are destroyed at exit (their destruction order is not ours to choose).
-    static Registry* r = new Registry;
-    return *r;
-  }
-  Counter& counter(const std::string& name) {
-    std::lock_guard lock(mu_);
-    auto& p = counters_[name];
-    if (!p) p = std::make_unique<Counter>();
-    return *p;
-  }
-  Metric& metric(const std::string& name) {
-    std::lock_guard lock(mu_);
-    auto& p = metrics_[name];
-    if (!p) p = std::make_unique<Metric>();
-    return *p;
-  }
+  static Registry& get();
+  Counter& counter(const std::string& name);
+  Metric& metric(const std::string& name);
   template <class F>
   void for_each(F&& f) const {
     std::lock_guard lock(mu_);
     for (auto& [n, c] : counters_) f(n, c.get(), static_cast<const Metric*>(nullptr));
     for (auto& [n, m] : metrics_) f(n, static_cast<const Counter*>(nullptr), m.get());
   }
-  void reset() {
-    std::lock_guard lock(mu_);
-    for (auto& [n, c] : counters_) c->value.store(0);
-    for (auto& [n, m] : metrics_) m->reset();
-  }
+  void reset();
 
  private:
   mutable std::mutex mu_;
@@ -112,7 +72,7 @@ class ScopedTimer {
   explicit ScopedTimer(Metric& m) : m_(m), t0_(MetricClock::now()) {}
   /// Timing from `t0`, a reading the caller already has.
   ScopedTimer(Metric& m, MetricClock::Ticks t0) : m_(m), t0_(t0) {}
-  ~ScopedTimer() { m_.record(MetricClock::to_ns(t0_, MetricClock::now())); }
+  ~ScopedTimer();
 
  private:
   Metric& m_;
@@ -120,3 +80,66 @@ class ScopedTimer {
 };
 
 }  // namespace lazy::core
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::core {
+
+LAZYTENSOR_INLINE void Metric::record(double ns) {
+  double lo = min_.load(std::memory_order_relaxed);
+  while (ns < lo && !min_.compare_exchange_weak(lo, ns, std::memory_order_relaxed)) {
+  }
+  double hi = max_.load(std::memory_order_relaxed);
+  while (ns > hi && !max_.compare_exchange_weak(hi, ns, std::memory_order_relaxed)) {
+  }
+  total_.fetch_add(ns, std::memory_order_relaxed);
+  count_.fetch_add(1, std::memory_order_release);
+}
+
+LAZYTENSOR_INLINE MetricData Metric::data() const {
+  MetricData d;
+  d.count = count_.load(std::memory_order_acquire);
+  if (d.count == 0) return d;
+  d.total_ns = total_.load(std::memory_order_relaxed);
+  d.min_ns = min_.load(std::memory_order_relaxed);
+  d.max_ns = max_.load(std::memory_order_relaxed);
+  return d;
+}
+
+LAZYTENSOR_INLINE void Metric::reset() {
+  count_.store(0, std::memory_order_relaxed);
+  total_.store(0, std::memory_order_relaxed);
+  min_.store(kNone, std::memory_order_relaxed);
+  max_.store(-kNone, std::memory_order_relaxed);
+}
+
+LAZYTENSOR_INLINE Registry& Registry::get() {
+  // Never destroyed: devices' executor threads may still record into it while static
+  // objects are destroyed at exit (their destruction order is not ours to choose).
+  static Registry* r = new Registry;
+  return *r;
+}
+
+LAZYTENSOR_INLINE Counter& Registry::counter(const std::string& name) {
+  std::lock_guard lock(mu_);
+  auto& p = counters_[name];
+  if (!p) p = std::make_unique<Counter>();
+  return *p;
+}
+
+LAZYTENSOR_INLINE Metric& Registry::metric(const std::string& name) {
+  std::lock_guard lock(mu_);
+  auto& p = metrics_[name];
+  if (!p) p = std::make_unique<Metric>();
+  return *p;
+}
+
+LAZYTENSOR_INLINE void Registry::reset() {
+  std::lock_guard lock(mu_);
+  for (auto& [n, c] : counters_) c->value.store(0);
+  for (auto& [n, m] : metrics_) m->reset();
+}
+
+LAZYTENSOR_INLINE ScopedTimer::~ScopedTimer() { m_.record(MetricClock::to_ns(t0_, MetricClock::now())); }
+
+}  // namespace lazy::core
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

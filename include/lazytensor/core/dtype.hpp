@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include <lazytensor/core/bfloat16.hpp>
+#include <lazytensor/core/config.hpp>
 
 namespace lazy {
 
@@ -52,17 +53,7 @@ constexpr std::size_t dtype_size(DType d) {
 }
 
 /// PyTorch-style name ("float32", "int64", ...).
-inline std::string dtype_name(DType d) {
-  switch (d) {
-    case DType::Bool: return "bool";
-    case DType::Int32: return "int32";
-    case DType::Int64: return "int64";
-    case DType::BFloat16: return "bfloat16";
-    case DType::Float32: return "float32";
-    case DType::Float64: return "float64";
-  }
-  return "?";
-}
+std::string dtype_name(DType d);
 
 template <class T>
 inline constexpr bool is_floating_v =
@@ -105,3 +96,21 @@ template <Element T>
 using compute_t = std::conditional_t<std::is_same_v<T, bfloat16>, float, T>;
 
 }  // namespace lazy
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy {
+
+LAZYTENSOR_INLINE std::string dtype_name(DType d) {
+  switch (d) {
+    case DType::Bool: return "bool";
+    case DType::Int32: return "int32";
+    case DType::Int64: return "int64";
+    case DType::BFloat16: return "bfloat16";
+    case DType::Float32: return "float32";
+    case DType::Float64: return "float64";
+  }
+  return "?";
+}
+
+}  // namespace lazy
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

@@ -7,14 +7,29 @@
 #include <string>
 
 #include <lazytensor/core/error.hpp>
+#include <lazytensor/core/config.hpp>
 
 namespace lazy::core {
 
 /// The whole number in environment variable `name`, or nullopt when it is unset or empty.
 /// Throws Error naming the variable, `what` it counts and an `example` when the value is
 /// not a whole number >= `min`.
-inline std::optional<long long> env_integer(const char* name, long long min, const char* what,
-                                            const char* example) {
+std::optional<long long> env_integer(const char* name, long long min, const char* what,
+                                            const char* example);
+
+/// The on/off switch in environment variable `name`: true for 1/on/true, false for
+/// 0/off/false, nullopt when unset or empty. Throws Error naming the variable otherwise.
+std::optional<bool> env_switch(const char* name);
+
+}  // namespace lazy::core
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::core {
+
+LAZYTENSOR_INLINE std::optional<long long> env_integer(const char* name,
+    long long min,
+    const char* what,
+    const char* example) {
   const char* env = std::getenv(name);
   if (!env || !*env) return std::nullopt;
   char* end = nullptr;
@@ -26,9 +41,7 @@ inline std::optional<long long> env_integer(const char* name, long long min, con
   return v;
 }
 
-/// The on/off switch in environment variable `name`: true for 1/on/true, false for
-/// 0/off/false, nullopt when unset or empty. Throws Error naming the variable otherwise.
-inline std::optional<bool> env_switch(const char* name) {
+LAZYTENSOR_INLINE std::optional<bool> env_switch(const char* name) {
   const char* env = std::getenv(name);
   if (!env || !*env) return std::nullopt;
   const std::string v = env;
@@ -39,3 +52,4 @@ inline std::optional<bool> env_switch(const char* name) {
 }
 
 }  // namespace lazy::core
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include <lazytensor/core/error.hpp>
+#include <lazytensor/core/config.hpp>
 
 namespace lazy {
 
@@ -21,9 +22,9 @@ class Shape {
  public:
   Shape() = default;
   /// Builds a shape from its sizes; throws ShapeError on negative sizes or rank > 8.
-  Shape(std::initializer_list<std::int64_t> dims) { assign(dims.begin(), dims.end()); }
-  explicit Shape(std::span<const std::int64_t> dims) { assign(dims.begin(), dims.end()); }
-  explicit Shape(const std::vector<std::int64_t>& dims) { assign(dims.begin(), dims.end()); }
+  Shape(std::initializer_list<std::int64_t> dims);
+  explicit Shape(std::span<const std::int64_t> dims);
+  explicit Shape(const std::vector<std::int64_t>& dims);
 
   int rank() const { return rank_; }
   std::int64_t operator[](int i) const { return dims_[i]; }
@@ -32,11 +33,7 @@ class Shape {
   const std::int64_t* end() const { return dims_.data() + rank_; }
 
   /// Number of elements (1 for rank 0).
-  std::int64_t numel() const {
-    std::int64_t n = 1;
-    for (int i = 0; i < rank_; ++i) n *= dims_[i];
-    return n;
-  }
+  std::int64_t numel() const;
 
   /// Size of dimension d, negative d counting from the back.
   std::int64_t size(int d) const;
@@ -44,21 +41,10 @@ class Shape {
   std::vector<std::int64_t> vec() const { return {begin(), end()}; }
 
   /// Appends a dimension.
-  void push_back(std::int64_t d) {
-    if (rank_ == kMaxRank) throw ShapeError("rank exceeds the maximum of 8");
-    dims_[rank_++] = d;
-  }
+  void push_back(std::int64_t d);
 
   /// "(2, 3)" as PyTorch prints sizes; "()" for a scalar.
-  std::string str() const {
-    std::string s = "(";
-    for (int i = 0; i < rank_; ++i) {
-      if (i) s += ", ";
-      s += std::to_string(dims_[i]);
-    }
-    if (rank_ == 1) s += ",";
-    return s + ")";
-  }
+  std::string str() const;
 
   friend bool operator==(const Shape& a, const Shape& b) {
     return a.rank_ == b.rank_ && std::equal(a.begin(), a.end(), b.begin());
@@ -85,7 +71,52 @@ class Shape {
 
 /// Normalizes a possibly negative dimension index for a tensor of the given rank; `op` names
 /// the caller in the error. A rank-0 tensor accepts -1 and 0 as PyTorch does.
-inline int normalize_dim(std::int64_t dim, int rank, const char* op) {
+int normalize_dim(std::int64_t dim, int rank, const char* op);
+
+inline std::int64_t Shape::size(int d) const { return dims_[normalize_dim(d, rank_, "size")]; }
+
+/// Row-major strides of a shape, in elements.
+std::array<std::int64_t, kMaxRank> contiguous_strides(const Shape& s);
+
+/// NumPy broadcast of two shapes; throws ShapeError naming both shapes and the op.
+Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op);
+
+/// True when `from` broadcasts to `to` (NumPy rules, `to` unchanged).
+bool broadcastable_to(const Shape& from, const Shape& to);
+
+}  // namespace lazy
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy {
+
+LAZYTENSOR_INLINE Shape::Shape(std::initializer_list<std::int64_t> dims) { assign(dims.begin(), dims.end()); }
+
+LAZYTENSOR_INLINE Shape::Shape(std::span<const std::int64_t> dims) { assign(dims.begin(), dims.end()); }
+
+LAZYTENSOR_INLINE Shape::Shape(const std::vector<std::int64_t>& dims) { assign(dims.begin(), dims.end()); }
+
+LAZYTENSOR_INLINE std::int64_t Shape::numel() const {
+  std::int64_t n = 1;
+  for (int i = 0; i < rank_; ++i) n *= dims_[i];
+  return n;
+}
+
+LAZYTENSOR_INLINE void Shape::push_back(std::int64_t d) {
+  if (rank_ == kMaxRank) throw ShapeError("rank exceeds the maximum of 8");
+  dims_[rank_++] = d;
+}
+
+LAZYTENSOR_INLINE std::string Shape::str() const {
+  std::string s = "(";
+  for (int i = 0; i < rank_; ++i) {
+    if (i) s += ", ";
+    s += std::to_string(dims_[i]);
+  }
+  if (rank_ == 1) s += ",";
+  return s + ")";
+}
+
+LAZYTENSOR_INLINE int normalize_dim(std::int64_t dim, int rank, const char* op) {
   const int r = std::max(rank, 1);
   if (dim < -r || dim >= r) {
     throw ShapeError(std::string(op) + ": dimension out of range (expected to be in range of [" +
@@ -95,10 +126,7 @@ inline int normalize_dim(std::int64_t dim, int rank, const char* op) {
   return static_cast<int>(dim < 0 ? dim + r : dim);
 }
 
-inline std::int64_t Shape::size(int d) const { return dims_[normalize_dim(d, rank_, "size")]; }
-
-/// Row-major strides of a shape, in elements.
-inline std::array<std::int64_t, kMaxRank> contiguous_strides(const Shape& s) {
+LAZYTENSOR_INLINE std::array<std::int64_t, kMaxRank> contiguous_strides(const Shape& s) {
   std::array<std::int64_t, kMaxRank> st{};
   std::int64_t acc = 1;
   for (int i = s.rank() - 1; i >= 0; --i) {
@@ -108,8 +136,7 @@ inline std::array<std::int64_t, kMaxRank> contiguous_strides(const Shape& s) {
   return st;
 }
 
-/// NumPy broadcast of two shapes; throws ShapeError naming both shapes and the op.
-inline Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {
+LAZYTENSOR_INLINE Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {
   if (a == b) return a;
   const int r = std::max(a.rank(), b.rank());
   Shape out;
@@ -126,8 +153,7 @@ inline Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {
   return out;
 }
 
-/// True when `from` broadcasts to `to` (NumPy rules, `to` unchanged).
-inline bool broadcastable_to(const Shape& from, const Shape& to) {
+LAZYTENSOR_INLINE bool broadcastable_to(const Shape& from, const Shape& to) {
   if (from.rank() > to.rank()) return false;
   const int off = to.rank() - from.rank();
   for (int i = 0; i < from.rank(); ++i) {
@@ -137,3 +163,4 @@ inline bool broadcastable_to(const Shape& from, const Shape& to) {
 }
 
 }  // namespace lazy
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/core/error.hpp>
 #include <lazytensor/tensor/tensor.hpp>
 
@@ -59,15 +60,7 @@ class HostTensor {
 };
 
 /// (n, s0, s1, ...): the shape of a batch of n samples of shape s.
-inline Shape batch_shape(std::size_t n, const Shape& s) {
-  if (s.rank() >= kMaxRank) {
-    throw ShapeError("cannot batch samples of shape " + s.str() + ": a batch would have rank " +
-                     std::to_string(s.rank() + 1) + ", the maximum is " + std::to_string(kMaxRank));
-  }
-  Shape out{static_cast<std::int64_t>(n)};
-  for (const auto d : s) out.push_back(d);
-  return out;
-}
+Shape batch_shape(std::size_t n, const Shape& s);
 
 /// Stacks equally shaped tensors into [n, ...] on the current device, on the host.
 template <Element T, class Get>
@@ -106,6 +99,18 @@ Example<Data, Target> collate(const std::vector<Example<Data, Target>>& examples
           stack_on_host<T>(
               n, [&](std::size_t i) -> const Target& { return examples[i].target; }, "target")};
 }
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE Shape batch_shape(std::size_t n, const Shape& s) {
+  if (s.rank() >= kMaxRank) {
+    throw ShapeError("cannot batch samples of shape " + s.str() + ": a batch would have rank " +
+                     std::to_string(s.rank() + 1) + ", the maximum is " + std::to_string(kMaxRank));
+  }
+  Shape out{static_cast<std::int64_t>(n)};
+  for (const auto d : s) out.push_back(d);
+  return out;
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace detail
 }  // namespace lazy::data

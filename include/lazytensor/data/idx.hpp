@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/core/error.hpp>
 #include <lazytensor/core/shape.hpp>
 #include <lazytensor/io/file.hpp>
@@ -35,7 +36,9 @@
 #define LAZYTENSOR_WITH_ZLIB 0
 #endif
 #endif
-#if LAZYTENSOR_WITH_ZLIB
+// Only the definitions use zlib: a TU that just declares them (LAZYTENSOR_COMPILED) needs no
+// <zlib.h>.
+#if LAZYTENSOR_WITH_ZLIB && LAZYTENSOR_HEADER_DEFINITIONS
 #include <zlib.h>
 #endif
 
@@ -46,40 +49,15 @@ struct IdxArray {
   std::vector<std::int64_t> dims;  ///< the dimensions, outermost first
   std::vector<std::uint8_t> data;  ///< the elements, row-major
   /// Number of elements.
-  std::int64_t numel() const {
-    std::int64_t n = 1;
-    for (const auto d : dims) n *= d;
-    return n;
-  }
+  std::int64_t numel() const;
 };
 
 namespace detail {
 
 /// The IDX name of an element type code, or nullptr for an unknown code.
-inline const char* idx_type_name(unsigned code) {
-  switch (code) {
-    case 0x08:
-      return "unsigned byte";
-    case 0x09:
-      return "signed byte";
-    case 0x0B:
-      return "int16";
-    case 0x0C:
-      return "int32";
-    case 0x0D:
-      return "float32";
-    case 0x0E:
-      return "float64";
-    default:
-      return nullptr;
-  }
-}
+const char* idx_type_name(unsigned code);
 
-inline std::string hex_byte(unsigned b) {
-  char s[8];
-  std::snprintf(s, sizeof s, "%02x", b & 0xFFu);
-  return s;
-}
+std::string hex_byte(unsigned b);
 
 /// Bytes of an uncompressed file, read sequentially.
 class RawSource {
@@ -91,58 +69,23 @@ class RawSource {
   io::detail::ReadFile& f_;
 };
 
-#if LAZYTENSOR_WITH_ZLIB
+#if LAZYTENSOR_WITH_ZLIB && LAZYTENSOR_HEADER_DEFINITIONS
 /// The decompressed bytes of a gzip file (one or more concatenated members, as gzip -c
 /// writes them). Corrupt or truncated compressed data, and anything after the last member
 /// that is not another member, raise FormatError.
 class GzipSource {
  public:
-  explicit GzipSource(io::detail::ReadFile& f) : f_(f), in_(1 << 16) {
-    if (inflateInit2(&zs_, 16 + MAX_WBITS) != Z_OK)
-      throw std::bad_alloc();  // the only failure left: memory
-  }
+  explicit GzipSource(io::detail::ReadFile& f);
   GzipSource(const GzipSource&) = delete;
   GzipSource& operator=(const GzipSource&) = delete;
   ~GzipSource() { inflateEnd(&zs_); }
 
   /// Up to n decompressed bytes; fewer only at the clean end of the stream.
-  std::size_t read(void* dst, std::size_t n) {
-    auto* out = static_cast<Bytef*>(dst);
-    std::size_t done = 0;
-    while (done < n) {
-      if (zs_.avail_in == 0 && !eof_) refill();
-      if (member_done_) {
-        if (zs_.avail_in == 0) break;  // clean end of the last member
-        if (zs_.next_in[0] != 0x1f)
-          fail("data after the end of the gzip stream is not another gzip member");
-        if (inflateReset(&zs_) != Z_OK) fail("cannot restart for the next gzip member");
-        member_done_ = false;
-      }
-      if (zs_.avail_in == 0)
-        fail("truncated gzip stream (the compressed data ends before its end-of-stream marker)");
-      const auto room = static_cast<uInt>(std::min<std::size_t>(n - done, UINT_MAX));
-      zs_.next_out = out + done;
-      zs_.avail_out = room;
-      const int rc = inflate(&zs_, Z_NO_FLUSH);
-      done += room - zs_.avail_out;
-      if (rc == Z_STREAM_END)
-        member_done_ = true;
-      else if (rc == Z_MEM_ERROR)
-        throw std::bad_alloc();
-      else if (rc != Z_OK && rc != Z_BUF_ERROR)
-        fail(std::string("corrupt gzip data (") + (zs_.msg ? zs_.msg : "inflate error") + ")");
-    }
-    return done;
-  }
+  std::size_t read(void* dst, std::size_t n);
 
  private:
-  void refill() {
-    const std::size_t got = f_.read(in_.data(), in_.size());
-    zs_.next_in = in_.data();
-    zs_.avail_in = static_cast<uInt>(got);
-    eof_ = got == 0;
-  }
-  [[noreturn]] void fail(const std::string& what) { throw FormatError(f_.path() + ": " + what); }
+  void refill();
+  [[noreturn]] void fail(const std::string& what);
 
   io::detail::ReadFile& f_;
   std::vector<Bytef> in_;
@@ -155,9 +98,7 @@ class GzipSource {
 /// Parses an IDX stream. `file_size` is the exact size of an uncompressed file (checked
 /// before allocating); for a compressed stream it is unknown and `reserve_cap` bounds the
 /// memory reserved up front (the rest grows with the data actually decompressed).
-[[noreturn]] inline void idx_fail(const std::string& path, const std::string& what) {
-  throw FormatError(path + ": " + what);
-}
+[[noreturn]] void idx_fail(const std::string& path, const std::string& what);
 
 template <class Source>
 IdxArray parse_idx(Source& src, const std::string& path, std::optional<std::uint64_t> file_size,
@@ -251,7 +192,96 @@ IdxArray parse_idx(Source& src, const std::string& path, std::optional<std::uint
 /// Reads an IDX file of unsigned bytes, raw or gzip-compressed. IoError when the file
 /// cannot be opened or read; FormatError naming the file and what was expected vs found
 /// for anything malformed (magic, element type, dimensions, size, compressed data).
-inline IdxArray read_idx(const std::string& path) {
+IdxArray read_idx(const std::string& path);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE std::int64_t IdxArray::numel() const {
+  std::int64_t n = 1;
+  for (const auto d : dims) n *= d;
+  return n;
+}
+
+namespace detail {
+
+LAZYTENSOR_INLINE const char* idx_type_name(unsigned code) {
+  switch (code) {
+    case 0x08:
+      return "unsigned byte";
+    case 0x09:
+      return "signed byte";
+    case 0x0B:
+      return "int16";
+    case 0x0C:
+      return "int32";
+    case 0x0D:
+      return "float32";
+    case 0x0E:
+      return "float64";
+    default:
+      return nullptr;
+  }
+}
+
+LAZYTENSOR_INLINE std::string hex_byte(unsigned b) {
+  char s[8];
+  std::snprintf(s, sizeof s, "%02x", b & 0xFFu);
+  return s;
+}
+
+#if LAZYTENSOR_WITH_ZLIB
+LAZYTENSOR_INLINE GzipSource::GzipSource(io::detail::ReadFile& f) : f_(f), in_(1 << 16) {
+  if (inflateInit2(&zs_, 16 + MAX_WBITS) != Z_OK)
+    throw std::bad_alloc();  // the only failure left: memory
+}
+
+LAZYTENSOR_INLINE std::size_t GzipSource::read(void* dst, std::size_t n) {
+  auto* out = static_cast<Bytef*>(dst);
+  std::size_t done = 0;
+  while (done < n) {
+    if (zs_.avail_in == 0 && !eof_) refill();
+    if (member_done_) {
+      if (zs_.avail_in == 0) break;  // clean end of the last member
+      if (zs_.next_in[0] != 0x1f)
+        fail("data after the end of the gzip stream is not another gzip member");
+      if (inflateReset(&zs_) != Z_OK) fail("cannot restart for the next gzip member");
+      member_done_ = false;
+    }
+    if (zs_.avail_in == 0)
+      fail("truncated gzip stream (the compressed data ends before its end-of-stream marker)");
+    const auto room = static_cast<uInt>(std::min<std::size_t>(n - done, UINT_MAX));
+    zs_.next_out = out + done;
+    zs_.avail_out = room;
+    const int rc = inflate(&zs_, Z_NO_FLUSH);
+    done += room - zs_.avail_out;
+    if (rc == Z_STREAM_END)
+      member_done_ = true;
+    else if (rc == Z_MEM_ERROR)
+      throw std::bad_alloc();
+    else if (rc != Z_OK && rc != Z_BUF_ERROR)
+      fail(std::string("corrupt gzip data (") + (zs_.msg ? zs_.msg : "inflate error") + ")");
+  }
+  return done;
+}
+
+LAZYTENSOR_INLINE void GzipSource::refill() {
+  const std::size_t got = f_.read(in_.data(), in_.size());
+  zs_.next_in = in_.data();
+  zs_.avail_in = static_cast<uInt>(got);
+  eof_ = got == 0;
+}
+
+LAZYTENSOR_INLINE void GzipSource::fail(const std::string& what) {
+  throw FormatError(f_.path() + ": " + what);
+}
+#endif  // LAZYTENSOR_WITH_ZLIB
+
+LAZYTENSOR_INLINE void idx_fail(const std::string& path, const std::string& what) {
+  throw FormatError(path + ": " + what);
+}
+
+}  // namespace detail
+
+LAZYTENSOR_INLINE IdxArray read_idx(const std::string& path) {
   io::detail::ReadFile file(path);
   unsigned char magic[2] = {0, 0};
   const bool gzip = file.read_at(magic, 2, 0) == 2 && magic[0] == 0x1f && magic[1] == 0x8b;
@@ -271,5 +301,6 @@ inline IdxArray read_idx(const std::string& path) {
   detail::RawSource src(file);
   return detail::parse_idx(src, path, file.size(), 0);
 }
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::data

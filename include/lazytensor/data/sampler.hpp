@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/core/error.hpp>
 #include <lazytensor/data/shuffle.hpp>
 
@@ -33,11 +34,7 @@ class Sampler {
 /// 0, 1, ..., n-1.
 class SequentialSampler final : public Sampler {
  public:
-  std::vector<std::size_t> indices(std::size_t n) const override {
-    std::vector<std::size_t> v(n);
-    std::iota(v.begin(), v.end(), std::size_t{0});
-    return v;
-  }
+  std::vector<std::size_t> indices(std::size_t n) const override;
   std::size_t size(std::size_t n) const override { return n; }
 };
 
@@ -65,40 +62,13 @@ class DistributedSampler final : public Sampler {
  public:
   /// IndexError when num_replicas is 0 or rank is not in [0, num_replicas).
   DistributedSampler(std::size_t num_replicas, std::size_t rank, bool shuffle = true,
-                     std::uint64_t seed = 0, bool drop_last = false)
-      : num_replicas_(num_replicas),
-        rank_(rank),
-        shuffle_(shuffle),
-        seed_(seed),
-        drop_last_(drop_last) {
-    if (num_replicas == 0)
-      throw IndexError("DistributedSampler: num_replicas must be at least 1, got 0");
-    if (rank >= num_replicas) {
-      throw IndexError("DistributedSampler: invalid rank " + std::to_string(rank) +
-                       ", rank should be in the interval [0, " + std::to_string(num_replicas - 1) +
-                       "]");
-    }
-  }
+                     std::uint64_t seed = 0, bool drop_last = false);
 
   std::size_t size(std::size_t n) const override {
     return drop_last_ ? n / num_replicas_ : (n + num_replicas_ - 1) / num_replicas_;
   }
 
-  std::vector<std::size_t> indices(std::size_t n) const override {
-    std::vector<std::size_t> all =
-        shuffle_ ? permutation(n, seed_, epoch()) : SequentialSampler().indices(n);
-    const std::size_t total = size(n) * num_replicas_;
-    // Padding repeats the list from its start, cyclically when it must grow more than twice.
-    for (std::size_t k = 0; all.size() < total; ++k) {
-      const std::size_t repeat = all[k % n];
-      all.push_back(repeat);
-    }
-    all.resize(total);
-    std::vector<std::size_t> mine;
-    mine.reserve(size(n));
-    for (std::size_t i = rank_; i < total; i += num_replicas_) mine.push_back(all[i]);
-    return mine;
-  }
+  std::vector<std::size_t> indices(std::size_t n) const override;
 
   std::size_t num_replicas() const { return num_replicas_; }
   std::size_t rank() const { return rank_; }
@@ -112,5 +82,46 @@ class DistributedSampler final : public Sampler {
   std::uint64_t seed_;
   bool drop_last_;
 };
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE std::vector<std::size_t> SequentialSampler::indices(std::size_t n) const {
+  std::vector<std::size_t> v(n);
+  std::iota(v.begin(), v.end(), std::size_t{0});
+  return v;
+}
+
+LAZYTENSOR_INLINE DistributedSampler::DistributedSampler(std::size_t num_replicas, std::size_t rank,
+                                                         bool shuffle, std::uint64_t seed,
+                                                         bool drop_last)
+    : num_replicas_(num_replicas),
+      rank_(rank),
+      shuffle_(shuffle),
+      seed_(seed),
+      drop_last_(drop_last) {
+  if (num_replicas == 0)
+    throw IndexError("DistributedSampler: num_replicas must be at least 1, got 0");
+  if (rank >= num_replicas) {
+    throw IndexError("DistributedSampler: invalid rank " + std::to_string(rank) +
+                     ", rank should be in the interval [0, " + std::to_string(num_replicas - 1) +
+                     "]");
+  }
+}
+
+LAZYTENSOR_INLINE std::vector<std::size_t> DistributedSampler::indices(std::size_t n) const {
+  std::vector<std::size_t> all =
+      shuffle_ ? permutation(n, seed_, epoch()) : SequentialSampler().indices(n);
+  const std::size_t total = size(n) * num_replicas_;
+  // Padding repeats the list from its start, cyclically when it must grow more than twice.
+  for (std::size_t k = 0; all.size() < total; ++k) {
+    const std::size_t repeat = all[k % n];
+    all.push_back(repeat);
+  }
+  all.resize(total);
+  std::vector<std::size_t> mine;
+  mine.reserve(size(n));
+  for (std::size_t i = rank_; i < total; i += num_replicas_) mine.push_back(all[i]);
+  return mine;
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::data

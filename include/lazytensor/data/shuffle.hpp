@@ -18,6 +18,8 @@
 #include <utility>
 #include <vector>
 
+#include <lazytensor/core/config.hpp>
+
 namespace lazy::data {
 
 namespace detail {
@@ -31,13 +33,7 @@ constexpr std::uint64_t splitmix64(std::uint64_t x) {
 }
 
 /// A uniform integer in [0, bound), bound > 0, by rejection (no modulo bias).
-inline std::uint64_t uniform_below(std::mt19937_64& gen, std::uint64_t bound) {
-  const std::uint64_t threshold = (0 - bound) % bound;  // (2^64 - bound) mod bound
-  for (;;) {
-    const std::uint64_t r = gen();
-    if (r >= threshold) return r % bound;
-  }
-}
+std::uint64_t uniform_below(std::mt19937_64& gen, std::uint64_t bound);
 
 }  // namespace detail
 
@@ -47,8 +43,23 @@ constexpr std::uint64_t shuffle_seed(std::uint64_t seed, std::uint64_t epoch) {
 }
 
 /// A permutation of 0..n-1, a fixed function of (n, seed, epoch) (see the file comment).
-inline std::vector<std::size_t> permutation(std::size_t n, std::uint64_t seed,
-                                            std::uint64_t epoch) {
+std::vector<std::size_t> permutation(std::size_t n, std::uint64_t seed, std::uint64_t epoch);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace detail {
+
+LAZYTENSOR_INLINE std::uint64_t uniform_below(std::mt19937_64& gen, std::uint64_t bound) {
+  const std::uint64_t threshold = (0 - bound) % bound;  // (2^64 - bound) mod bound
+  for (;;) {
+    const std::uint64_t r = gen();
+    if (r >= threshold) return r % bound;
+  }
+}
+
+}  // namespace detail
+
+LAZYTENSOR_INLINE std::vector<std::size_t> permutation(std::size_t n, std::uint64_t seed,
+                                                       std::uint64_t epoch) {
   std::vector<std::size_t> p(n);
   std::iota(p.begin(), p.end(), std::size_t{0});
   std::mt19937_64 gen(shuffle_seed(seed, epoch));
@@ -58,5 +69,6 @@ inline std::vector<std::size_t> permutation(std::size_t n, std::uint64_t seed,
   }
   return p;
 }
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::data

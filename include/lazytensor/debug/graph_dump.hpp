@@ -11,6 +11,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/graph/executor.hpp>
 #include <lazytensor/tensor/tensor.hpp>
 
@@ -33,7 +34,45 @@ struct Fusion {
   std::unordered_map<const graph::Node*, bool> scratch_only;
 };
 
-inline Fusion plan_fusion(const std::vector<graph::NodePtr>& order) {
+Fusion plan_fusion(const std::vector<graph::NodePtr>& order);
+
+std::vector<graph::NodePtr> with_inputs(const std::vector<graph::NodePtr>& roots, Fusion* fusion);
+
+std::string type_str(const graph::Node& n);
+}  // namespace detail
+
+/// The graph that computes `tensors`, one node per line in execution order:
+/// `%3 = float32(4, 4) fused(add(%0, %1)) <- %1, %2`. Materialized inputs show as data.
+/// Fusion shows at the end of a line: `{group 0}` for members of a chunk-interleaved group
+/// (`{group 0, scratch}` when the value is never written whole), `{in row blocks of %5}`
+/// for a GEMM that its epilogue %5 runs block by block.
+std::string graph_text(const std::vector<graph::NodePtr>& roots);
+
+/// The graph as text for tensors given directly: graph_text(y, z).
+template <class... Ts>
+std::string graph_text(const Ts&... tensors)
+  requires(sizeof...(Ts) > 0 && (HasNode<Ts> && ...))
+{
+  return graph_text(detail::roots_of(tensors...));
+}
+
+/// The graph in Graphviz DOT; render with `dot -Tpng`. Fused groups are clusters
+/// ("fused group N"); scratch-only members are dotted; a GEMM run in row blocks by its
+/// epilogue is linked to it by a bold edge.
+std::string graph_dot(const std::vector<graph::NodePtr>& roots);
+
+/// DOT for tensors given directly.
+template <class... Ts>
+std::string graph_dot(const Ts&... tensors)
+  requires(sizeof...(Ts) > 0 && (HasNode<Ts> && ...))
+{
+  return graph_dot(detail::roots_of(tensors...));
+}
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace detail {
+
+LAZYTENSOR_INLINE Fusion plan_fusion(const std::vector<graph::NodePtr>& order) {
   Fusion f;
   if (order.empty()) return f;
   graph::prepare(order);  // decisions redone by the real step's planning
@@ -54,7 +93,7 @@ inline Fusion plan_fusion(const std::vector<graph::NodePtr>& order) {
   return f;
 }
 
-inline std::vector<graph::NodePtr> with_inputs(const std::vector<graph::NodePtr>& roots, Fusion* fusion) {
+LAZYTENSOR_INLINE std::vector<graph::NodePtr> with_inputs(const std::vector<graph::NodePtr>& roots, Fusion* fusion) {
   // Steps in flight finish first: a dump looks at values, not at a graph being executed.
   for (const auto& r : roots)
     if (r) r->device()->wait_idle();
@@ -78,15 +117,11 @@ inline std::vector<graph::NodePtr> with_inputs(const std::vector<graph::NodePtr>
   return all;
 }
 
-inline std::string type_str(const graph::Node& n) { return dtype_name(n.dtype()) + n.shape().str(); }
+LAZYTENSOR_INLINE std::string type_str(const graph::Node& n) { return dtype_name(n.dtype()) + n.shape().str(); }
+
 }  // namespace detail
 
-/// The graph that computes `tensors`, one node per line in execution order:
-/// `%3 = float32(4, 4) fused(add(%0, %1)) <- %1, %2`. Materialized inputs show as data.
-/// Fusion shows at the end of a line: `{group 0}` for members of a chunk-interleaved group
-/// (`{group 0, scratch}` when the value is never written whole), `{in row blocks of %5}`
-/// for a GEMM that its epilogue %5 runs block by block.
-inline std::string graph_text(const std::vector<graph::NodePtr>& roots) {
+LAZYTENSOR_INLINE std::string graph_text(const std::vector<graph::NodePtr>& roots) {
   detail::Fusion fusion;
   auto nodes = detail::with_inputs(roots, &fusion);
   std::unordered_map<const graph::Node*, int> id;
@@ -119,18 +154,7 @@ inline std::string graph_text(const std::vector<graph::NodePtr>& roots) {
   return os.str();
 }
 
-/// The graph as text for tensors given directly: graph_text(y, z).
-template <class... Ts>
-std::string graph_text(const Ts&... tensors)
-  requires(sizeof...(Ts) > 0 && (HasNode<Ts> && ...))
-{
-  return graph_text(detail::roots_of(tensors...));
-}
-
-/// The graph in Graphviz DOT; render with `dot -Tpng`. Fused groups are clusters
-/// ("fused group N"); scratch-only members are dotted; a GEMM run in row blocks by its
-/// epilogue is linked to it by a bold edge.
-inline std::string graph_dot(const std::vector<graph::NodePtr>& roots) {
+LAZYTENSOR_INLINE std::string graph_dot(const std::vector<graph::NodePtr>& roots) {
   detail::Fusion fusion;
   auto nodes = detail::with_inputs(roots, &fusion);
   std::unordered_map<const graph::Node*, int> id;
@@ -158,13 +182,6 @@ inline std::string graph_dot(const std::vector<graph::NodePtr>& roots) {
   os << "}\n";
   return os.str();
 }
-
-/// DOT for tensors given directly.
-template <class... Ts>
-std::string graph_dot(const Ts&... tensors)
-  requires(sizeof...(Ts) > 0 && (HasNode<Ts> && ...))
-{
-  return graph_dot(detail::roots_of(tensors...));
-}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::debug

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/core/counters.hpp>
 #include <lazytensor/graph/device.hpp>
 
@@ -23,7 +24,29 @@ inline void settle() { graph::current_device().wait_idle(); }
 }  // namespace detail
 
 /// Value of counter `name` (0 when it never fired), as met.counter_value.
-inline std::int64_t counter_value(const std::string& name) {
+std::int64_t counter_value(const std::string& name);
+
+/// Summary of metric `name` (count, total, min, max in ns), if it was ever recorded.
+std::optional<core::MetricData> metric_data(const std::string& name);
+
+/// Names of the counters that fired.
+std::vector<std::string> counter_names();
+
+/// Resets every counter and metric to zero.
+void clear_metrics();
+
+namespace detail {
+std::string fmt_ns(double ns);
+}  // namespace detail
+
+/// Every metric and counter, plus the buffer pool of device 0, in PyTorch/XLA's format.
+std::string metrics_report();
+
+/// One line: steps, syncs, kernels, time executing and bytes allocated.
+std::string short_metrics_report();
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE std::int64_t counter_value(const std::string& name) {
   detail::settle();
   std::int64_t v = 0;
   core::Registry::get().for_each([&](const std::string& n, const core::Counter* c, const core::Metric*) {
@@ -32,8 +55,7 @@ inline std::int64_t counter_value(const std::string& name) {
   return v;
 }
 
-/// Summary of metric `name` (count, total, min, max in ns), if it was ever recorded.
-inline std::optional<core::MetricData> metric_data(const std::string& name) {
+LAZYTENSOR_INLINE std::optional<core::MetricData> metric_data(const std::string& name) {
   detail::settle();
   std::optional<core::MetricData> r;
   core::Registry::get().for_each([&](const std::string& n, const core::Counter*, const core::Metric* m) {
@@ -42,8 +64,7 @@ inline std::optional<core::MetricData> metric_data(const std::string& name) {
   return r;
 }
 
-/// Names of the counters that fired.
-inline std::vector<std::string> counter_names() {
+LAZYTENSOR_INLINE std::vector<std::string> counter_names() {
   detail::settle();
   std::vector<std::string> names;
   core::Registry::get().for_each([&](const std::string& n, const core::Counter* c, const core::Metric*) {
@@ -52,14 +73,13 @@ inline std::vector<std::string> counter_names() {
   return names;
 }
 
-/// Resets every counter and metric to zero.
-inline void clear_metrics() {
+LAZYTENSOR_INLINE void clear_metrics() {
   detail::settle();
   core::Registry::get().reset();
 }
 
 namespace detail {
-inline std::string fmt_ns(double ns) {
+LAZYTENSOR_INLINE std::string fmt_ns(double ns) {
   std::ostringstream os;
   os << std::fixed << std::setprecision(3);
   if (ns >= 1e9) os << ns / 1e9 << "s";
@@ -70,8 +90,7 @@ inline std::string fmt_ns(double ns) {
 }
 }  // namespace detail
 
-/// Every metric and counter, plus the buffer pool of device 0, in PyTorch/XLA's format.
-inline std::string metrics_report() {
+LAZYTENSOR_INLINE std::string metrics_report() {
   detail::settle();
   std::ostringstream os;
   core::Registry::get().for_each([&](const std::string& n, const core::Counter*, const core::Metric* m) {
@@ -92,8 +111,7 @@ inline std::string metrics_report() {
   return os.str();
 }
 
-/// One line: steps, syncs, kernels, time executing and bytes allocated.
-inline std::string short_metrics_report() {
+LAZYTENSOR_INLINE std::string short_metrics_report() {
   std::ostringstream os;
   auto exec = metric_data("ExecuteTime");
   os << "MarkStep=" << counter_value("MarkStep") << " ImplicitSync=" << counter_value("ImplicitSync")
@@ -102,5 +120,6 @@ inline std::string short_metrics_report() {
      << " BytesAllocated=" << graph::current_device().pool().stats().fresh_bytes;
   return os.str();
 }
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::debug

@@ -17,17 +17,14 @@
 #include <utility>
 #include <vector>
 
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/dist/context.hpp>
 #include <lazytensor/graph/builders.hpp>
 
 namespace lazy::dist::detail {
 
 /// The shared empty value of every exchange node.
-inline const std::shared_ptr<Buffer>& token_buffer() {
-  static const std::shared_ptr<Buffer> tok = std::make_shared<Buffer>(
-      ::operator new(kBufferAlign, std::align_val_t(kBufferAlign)), kBufferAlign, nullptr);
-  return tok;
-}
+const std::shared_ptr<Buffer>& token_buffer();
 
 /// One round of a group exchange, computing every output of a collective (one per input).
 class ExchangeNode : public graph::Node {
@@ -35,18 +32,10 @@ class ExchangeNode : public graph::Node {
   /// `data` are the collective's inputs; `after` (may be null) is the replica's previous
   /// pending exchange, which must run first.
   ExchangeNode(CollectiveCall call, std::vector<graph::NodePtr> data, const graph::NodePtr& after,
-               graph::Device* device)
-      : Node(graph::NodeKind::Collective, DType::Bool, Shape{0}, device,
-             with_after(std::move(data), after)),
-        call_(std::move(call)),
-        data_count_(inputs().size() - (after ? 1 : 0)),
-        outputs_(data_count_),
-        results_(data_count_) {}
+               graph::Device* device);
 
   std::string op_name() const override { return kind_name(call_.sig.kind); }
-  std::string describe() const override {
-    return call_.sig.str() + (call_.comm ? " #" + std::to_string(call_.seq) : std::string());
-  }
+  std::string describe() const override;
   double cost_per_element() const override { return 0; }
 
   /// Lets the exchange drop output `i` at once when its result node is gone.
@@ -59,28 +48,8 @@ class ExchangeNode : public graph::Node {
   const CollectiveCall& call() const { return call_; }
 
  protected:
-  void compute(graph::ExecContext& ctx) final {
-    std::vector<std::shared_ptr<Buffer>> outs;
-    try {
-      outs = run(ctx);
-    } catch (...) {
-      // Done for good: the exchange never runs again (its group has moved on); the
-      // error goes to whoever reads a result.
-      failure_ = std::current_exception();
-      set_buffer(token_buffer());
-      finish();
-      throw;
-    }
-    for (std::size_t i = 0; i < outs.size(); ++i) {
-      if (results_[i].expired()) outs[i].reset();
-    }
-    outputs_ = std::move(outs);
-    set_buffer(token_buffer());
-  }
-  void finish() override {
-    Node::finish();
-    call_.comm.reset();
-  }
+  void compute(graph::ExecContext& ctx) final;
+  void finish() override;
 
   /// Runs the exchange; returns one buffer per output.
   virtual std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext& ctx) = 0;
@@ -98,10 +67,7 @@ class ExchangeNode : public graph::Node {
 
  private:
   static std::vector<graph::NodePtr> with_after(std::vector<graph::NodePtr> data,
-                                                const graph::NodePtr& after) {
-    if (after) data.push_back(after);
-    return data;
-  }
+                                                const graph::NodePtr& after);
 
   CollectiveCall call_;
   std::size_t data_count_;
@@ -113,8 +79,7 @@ class ExchangeNode : public graph::Node {
 /// Output `index` of an exchange.
 class ResultNode final : public graph::Node {
  public:
-  ResultNode(const std::shared_ptr<ExchangeNode>& ex, std::size_t index, DType dtype, Shape shape)
-      : Node(graph::NodeKind::Collective, dtype, shape, ex->device(), {ex}), index_(index) {}
+  ResultNode(const std::shared_ptr<ExchangeNode>& ex, std::size_t index, DType dtype, Shape shape);
   std::string op_name() const override {
     return kind_name(static_cast<const ExchangeNode&>(*inputs()[0]).call().sig.kind);
   }
@@ -137,35 +102,12 @@ struct OutputSpec {
 
 /// The device a collective's nodes go to: inside spawn, the replica's own device (its
 /// inputs must live there); outside, the inputs' common device.
-inline graph::Device& collective_device(const std::vector<graph::NodePtr>& inputs, const char* op) {
-  if (!current_context()) return graph::common_device(inputs, op);
-  graph::Device& dev = graph::current_device();
-  for (const auto& in : inputs) {
-    if (in->device() != &dev) {
-      throw DeviceError(std::string(op) + ": replica " + std::to_string(ordinal_now()) +
-                        " expected its tensors on its own device " + dev.str() + ", found one on " +
-                        in->device()->str());
-    }
-  }
-  return dev;
-}
+graph::Device& collective_device(const std::vector<graph::NodePtr>& inputs, const char* op);
 
 /// Submits an exchange and its result nodes (in this order, so eager mode works); returns
 /// the result nodes.
-inline std::vector<graph::NodePtr> submit_exchange(const std::shared_ptr<ExchangeNode>& ex,
-                                                   const std::vector<OutputSpec>& outs) {
-  std::vector<graph::NodePtr> results;
-  results.reserve(outs.size());
-  for (std::size_t i = 0; i < outs.size(); ++i) {
-    auto r = std::make_shared<ResultNode>(ex, i, outs[i].dtype, outs[i].shape);
-    ex->watch(i, r);
-    results.push_back(std::move(r));
-  }
-  if (ex->call().comm) remember(ex);
-  graph::submit(ex);
-  for (auto& r : results) graph::submit(r);
-  return results;
-}
+std::vector<graph::NodePtr> submit_exchange(const std::shared_ptr<ExchangeNode>& ex,
+                                            const std::vector<OutputSpec>& outs);
 
 /// Up to 16 pointers without allocating (one per group member).
 template <class T>
@@ -184,3 +126,89 @@ class PtrList {
 };
 
 }  // namespace lazy::dist::detail
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::dist::detail {
+LAZYTENSOR_INLINE const std::shared_ptr<Buffer>& token_buffer() {
+  static const std::shared_ptr<Buffer> tok = std::make_shared<Buffer>(
+      ::operator new(kBufferAlign, std::align_val_t(kBufferAlign)), kBufferAlign, nullptr);
+  return tok;
+}
+
+LAZYTENSOR_INLINE ExchangeNode::ExchangeNode(CollectiveCall call, std::vector<graph::NodePtr> data,
+                                             const graph::NodePtr& after, graph::Device* device)
+    : Node(graph::NodeKind::Collective, DType::Bool, Shape{0}, device,
+           with_after(std::move(data), after)),
+      call_(std::move(call)),
+      data_count_(inputs().size() - (after ? 1 : 0)),
+      outputs_(data_count_),
+      results_(data_count_) {}
+
+LAZYTENSOR_INLINE std::string ExchangeNode::describe() const {
+  return call_.sig.str() + (call_.comm ? " #" + std::to_string(call_.seq) : std::string());
+}
+
+LAZYTENSOR_INLINE void ExchangeNode::compute(graph::ExecContext& ctx) {
+  std::vector<std::shared_ptr<Buffer>> outs;
+  try {
+    outs = run(ctx);
+  } catch (...) {
+    // Done for good: the exchange never runs again (its group has moved on); the
+    // error goes to whoever reads a result.
+    failure_ = std::current_exception();
+    set_buffer(token_buffer());
+    finish();
+    throw;
+  }
+  for (std::size_t i = 0; i < outs.size(); ++i) {
+    if (results_[i].expired()) outs[i].reset();
+  }
+  outputs_ = std::move(outs);
+  set_buffer(token_buffer());
+}
+
+LAZYTENSOR_INLINE void ExchangeNode::finish() {
+  Node::finish();
+  call_.comm.reset();
+}
+
+LAZYTENSOR_INLINE std::vector<graph::NodePtr> ExchangeNode::with_after(
+    std::vector<graph::NodePtr> data, const graph::NodePtr& after) {
+  if (after) data.push_back(after);
+  return data;
+}
+
+LAZYTENSOR_INLINE ResultNode::ResultNode(const std::shared_ptr<ExchangeNode>& ex, std::size_t index,
+                                         DType dtype, Shape shape)
+    : Node(graph::NodeKind::Collective, dtype, shape, ex->device(), {ex}), index_(index) {}
+
+LAZYTENSOR_INLINE graph::Device& collective_device(const std::vector<graph::NodePtr>& inputs,
+                                                   const char* op) {
+  if (!current_context()) return graph::common_device(inputs, op);
+  graph::Device& dev = graph::current_device();
+  for (const auto& in : inputs) {
+    if (in->device() != &dev) {
+      throw DeviceError(std::string(op) + ": replica " + std::to_string(ordinal_now()) +
+                        " expected its tensors on its own device " + dev.str() + ", found one on " +
+                        in->device()->str());
+    }
+  }
+  return dev;
+}
+
+LAZYTENSOR_INLINE std::vector<graph::NodePtr> submit_exchange(
+    const std::shared_ptr<ExchangeNode>& ex, const std::vector<OutputSpec>& outs) {
+  std::vector<graph::NodePtr> results;
+  results.reserve(outs.size());
+  for (std::size_t i = 0; i < outs.size(); ++i) {
+    auto r = std::make_shared<ResultNode>(ex, i, outs[i].dtype, outs[i].shape);
+    ex->watch(i, r);
+    results.push_back(std::move(r));
+  }
+  if (ex->call().comm) remember(ex);
+  graph::submit(ex);
+  for (auto& r : results) graph::submit(r);
+  return results;
+}
+}  // namespace lazy::dist::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

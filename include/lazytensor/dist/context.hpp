@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/dist/group_comm.hpp>
 #include <lazytensor/dist/signature.hpp>
 #include <lazytensor/dist/world.hpp>
@@ -30,16 +31,11 @@ namespace lazy::dist::detail {
 /// A world of replicas (threads backend): its shared state and its groups' exchanges.
 class World {
  public:
-  explicit World(WorldLayout layout) : state_(std::make_shared<WorldState>(layout)) {}
+  explicit World(WorldLayout layout);
   WorldState& state() { return *state_; }
 
   /// The exchange of the group with these members (sorted), created on first use.
-  std::shared_ptr<GroupComm> comm(const std::vector<int>& members) {
-    std::lock_guard lock(mu_);
-    auto& c = comms_[members];
-    if (!c) c = std::make_shared<GroupComm>(state_, members);
-    return c;
-  }
+  std::shared_ptr<GroupComm> comm(const std::vector<int>& members);
 
  private:
   std::shared_ptr<WorldState> state_;
@@ -67,11 +63,7 @@ struct ReplicaContext {
   Channel* world_channel = nullptr;                     ///< its channel (cached)
   std::shared_ptr<graph::TensorImpl> last;  ///< last traced exchange, registered with the device
 
-  Channel& channel(const std::vector<int>& sorted_members) {
-    auto& ch = channels[sorted_members];
-    if (!ch.comm) ch.comm = world->comm(sorted_members);
-    return ch;
-  }
+  Channel& channel(const std::vector<int>& sorted_members);
 };
 
 /// This thread's replica context (null outside spawn: a world of one).
@@ -94,7 +86,69 @@ struct CollectiveCall {
 
 /// Captures a collective whose group is `group` (ordinals in data order, containing this
 /// replica): takes the group's next sequence number.
-inline CollectiveCall capture(Signature sig, std::shared_ptr<const std::vector<int>> group) {
+CollectiveCall capture(Signature sig, std::shared_ptr<const std::vector<int>> group);
+
+/// World size and this thread's ordinal.
+inline int world_size_now() {
+  ReplicaContext* ctx = current_context();
+  return ctx ? ctx->world->state().layout().world_size : 1;
+}
+inline int ordinal_now() {
+  ReplicaContext* ctx = current_context();
+  return ctx ? ctx->ordinal : 0;
+}
+
+/// The group of this replica for `groups`, validated (no sequence number taken yet).
+std::shared_ptr<const std::vector<int>> group_of(const Groups& groups, const char* op);
+
+/// Captures a host-side collective among `replicas` (empty: everyone), which must hold
+/// this replica and no ordinal twice; they take part in ascending ordinal order.
+CollectiveCall capture_among(Signature sig, std::vector<int> replicas, const char* op);
+
+/// The replica's last traced exchange when it is still pending (the next one runs after it).
+inline graph::NodePtr pending_predecessor() {
+  ReplicaContext* ctx = current_context();
+  if (!ctx || !ctx->last || !ctx->last->node || ctx->last->node->materialized()) return nullptr;
+  return ctx->last->node;
+}
+
+/// Makes `exchange` the replica's last traced collective (see the file comment).
+void remember(const graph::NodePtr& exchange);
+
+/// Runs this replica's pending collectives (and what they need): host-side collectives and
+/// a replica's exit do this first, so every replica executes its collectives in program
+/// order.
+inline void flush_pending() {
+  if (graph::NodePtr n = pending_predecessor()) graph::materialize(n);
+}
+
+/// A replica's exit: runs its pending collectives, waits for its device's steps and
+/// re-throws an error one of them stored, so that no failure (a collective mismatch seen by
+/// a step that ran inline or on the executor) ends unseen with its replica.
+void finish_replica();
+
+}  // namespace lazy::dist::detail
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::dist::detail {
+LAZYTENSOR_INLINE World::World(WorldLayout layout) : state_(std::make_shared<WorldState>(layout)) {}
+
+LAZYTENSOR_INLINE std::shared_ptr<GroupComm> World::comm(const std::vector<int>& members) {
+  std::lock_guard lock(mu_);
+  auto& c = comms_[members];
+  if (!c) c = std::make_shared<GroupComm>(state_, members);
+  return c;
+}
+
+LAZYTENSOR_INLINE ReplicaContext::Channel& ReplicaContext::channel(
+    const std::vector<int>& sorted_members) {
+  auto& ch = channels[sorted_members];
+  if (!ch.comm) ch.comm = world->comm(sorted_members);
+  return ch;
+}
+
+LAZYTENSOR_INLINE CollectiveCall capture(Signature sig,
+                                         std::shared_ptr<const std::vector<int>> group) {
   ReplicaContext* ctx = current_context();
   const int me = ctx ? ctx->ordinal : 0;
   CollectiveCall call;
@@ -119,18 +173,8 @@ inline CollectiveCall capture(Signature sig, std::shared_ptr<const std::vector<i
   return call;
 }
 
-/// World size and this thread's ordinal.
-inline int world_size_now() {
-  ReplicaContext* ctx = current_context();
-  return ctx ? ctx->world->state().layout().world_size : 1;
-}
-inline int ordinal_now() {
-  ReplicaContext* ctx = current_context();
-  return ctx ? ctx->ordinal : 0;
-}
-
-/// The group of this replica for `groups`, validated (no sequence number taken yet).
-inline std::shared_ptr<const std::vector<int>> group_of(const Groups& groups, const char* op) {
+LAZYTENSOR_INLINE std::shared_ptr<const std::vector<int>> group_of(const Groups& groups,
+                                                                   const char* op) {
   ReplicaContext* ctx = current_context();
   if (!groups.empty() || !ctx) {
     return std::make_shared<const std::vector<int>>(
@@ -146,9 +190,8 @@ inline std::shared_ptr<const std::vector<int>> group_of(const Groups& groups, co
   return ctx->world_group;
 }
 
-/// Captures a host-side collective among `replicas` (empty: everyone), which must hold
-/// this replica and no ordinal twice; they take part in ascending ordinal order.
-inline CollectiveCall capture_among(Signature sig, std::vector<int> replicas, const char* op) {
+LAZYTENSOR_INLINE CollectiveCall capture_among(Signature sig, std::vector<int> replicas,
+                                               const char* op) {
   if (replicas.empty()) return capture(std::move(sig), group_of({}, op));
   const int world = world_size_now(), me = ordinal_now();
   std::sort(replicas.begin(), replicas.end());
@@ -170,15 +213,7 @@ inline CollectiveCall capture_among(Signature sig, std::vector<int> replicas, co
   return capture(std::move(sig), std::make_shared<const std::vector<int>>(std::move(replicas)));
 }
 
-/// The replica's last traced exchange when it is still pending (the next one runs after it).
-inline graph::NodePtr pending_predecessor() {
-  ReplicaContext* ctx = current_context();
-  if (!ctx || !ctx->last || !ctx->last->node || ctx->last->node->materialized()) return nullptr;
-  return ctx->last->node;
-}
-
-/// Makes `exchange` the replica's last traced collective (see the file comment).
-inline void remember(const graph::NodePtr& exchange) {
+LAZYTENSOR_INLINE void remember(const graph::NodePtr& exchange) {
   ReplicaContext* ctx = current_context();
   if (!ctx) return;
   if (!ctx->last) {
@@ -189,21 +224,11 @@ inline void remember(const graph::NodePtr& exchange) {
   }
 }
 
-/// Runs this replica's pending collectives (and what they need): host-side collectives and
-/// a replica's exit do this first, so every replica executes its collectives in program
-/// order.
-inline void flush_pending() {
-  if (graph::NodePtr n = pending_predecessor()) graph::materialize(n);
-}
-
-/// A replica's exit: runs its pending collectives, waits for its device's steps and
-/// re-throws an error one of them stored, so that no failure (a collective mismatch seen by
-/// a step that ran inline or on the executor) ends unseen with its replica.
-inline void finish_replica() {
+LAZYTENSOR_INLINE void finish_replica() {
   flush_pending();
   graph::Device& dev = graph::current_device();
   dev.wait_idle();
   dev.rethrow_stored_error();
 }
-
 }  // namespace lazy::dist::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/dist/collective_node.hpp>
 #include <lazytensor/dist/reduce_op.hpp>
 #include <lazytensor/graph/parallel.hpp>
@@ -29,49 +30,13 @@ namespace lazy::dist::detail {
 
 /// Copies a `shape` block of `es`-byte elements between two strided layouts (strides in
 /// elements), one memcpy per run of the longest suffix contiguous in both.
-inline void copy_block(std::byte* dst, const std::array<std::int64_t, kMaxRank>& dstr,
-                       const std::byte* src, const std::array<std::int64_t, kMaxRank>& sstr,
-                       const Shape& shape, std::size_t es) {
-  if (shape.numel() == 0) return;
-  std::int64_t run = 1;
-  int d0 = shape.rank();
-  while (d0 > 0 && sstr[d0 - 1] == run && dstr[d0 - 1] == run) run *= shape[--d0];
-  std::int64_t count = 1;
-  for (int d = 0; d < d0; ++d) count *= shape[d];
-  std::array<std::int64_t, kMaxRank> idx{};
-  std::int64_t so = 0, dof = 0;
-  const std::size_t run_bytes = static_cast<std::size_t>(run) * es;
-  for (std::int64_t it = 0; it < count; ++it) {
-    std::memcpy(dst + dof * static_cast<std::int64_t>(es), src + so * static_cast<std::int64_t>(es),
-                run_bytes);
-    for (int d = d0 - 1; d >= 0; --d) {
-      so += sstr[d];
-      dof += dstr[d];
-      if (++idx[d] < shape[d]) break;
-      so -= sstr[d] * shape[d];
-      dof -= dstr[d] * shape[d];
-      idx[d] = 0;
-    }
-  }
-}
+void copy_block(std::byte* dst, const std::array<std::int64_t, kMaxRank>& dstr,
+                const std::byte* src, const std::array<std::int64_t, kMaxRank>& sstr,
+                const Shape& shape, std::size_t es);
 
 /// Publishes this member's inputs: copies into the slot when `copied`, else pointers.
-inline void publish_inputs(Share& s, const std::vector<const std::byte*>& in,
-                           const std::vector<std::size_t>& nbytes, bool copied) {
-  s.data.resize(in.size());
-  if (!copied) {
-    for (std::size_t i = 0; i < in.size(); ++i) s.data[i] = in[i];
-    return;
-  }
-  std::size_t total = 0;
-  for (auto b : nbytes) total += align64(b);
-  std::byte* st = s.stage(total);
-  for (std::size_t i = 0; i < in.size(); ++i) {
-    if (nbytes[i]) std::memcpy(st, in[i], nbytes[i]);
-    s.data[i] = st;
-    st += align64(nbytes[i]);
-  }
-}
+void publish_inputs(Share& s, const std::vector<const std::byte*>& in,
+                    const std::vector<std::size_t>& nbytes, bool copied);
 
 /// all_reduce of one or several tensors of type T (coalesced: one round for all of them).
 template <Element T>
@@ -179,53 +144,10 @@ class AllReduceExchange final : public ExchangeNode {
 class AllGatherExchange final : public ExchangeNode {
  public:
   AllGatherExchange(CollectiveCall call, graph::NodePtr in, const graph::NodePtr& after,
-                    graph::Device* device, int dim)
-      : ExchangeNode(std::move(call), {std::move(in)}, after, device), dim_(dim) {}
+                    graph::Device* device, int dim);
 
  protected:
-  std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext& ctx) override {
-    const CollectiveCall& c = call();
-    const std::int64_t numel = data(0)->numel();
-    if (c.size() == 1) return {data(0)->buffer()};
-    const Shape& s = data(0)->shape();
-    const std::size_t es = dtype_size(data(0)->dtype());
-    const int n = c.size();
-    std::int64_t outer = 1, inner = 1;  // input as [outer, inner], output as [outer, n * inner]
-    for (int d = 0; d < s.rank(); ++d) (d < dim_ ? outer : inner) *= s[d];
-    const std::size_t nbytes = static_cast<std::size_t>(numel) * es;
-    const bool copied = align64(nbytes) <= kInlineBytes;
-    const bool leader = c.slot == 0;
-    std::vector<std::shared_ptr<Buffer>> outs(1);
-    if (copied || leader) outs[0] = allocate(ctx, numel * n, es);
-    const std::byte* own = bytes(0);
-    auto copy_rank = [&](std::byte* out, const std::byte* src, int q) {
-      const auto row = static_cast<std::size_t>(inner) * es;
-      for (std::int64_t o = 0; o < outer; ++o) {
-        std::memcpy(out + (static_cast<std::size_t>(o) * static_cast<std::size_t>(n) +
-                           static_cast<std::size_t>(q)) *
-                              row,
-                    src + static_cast<std::size_t>(o) * row, row);
-      }
-    };
-    c.comm->exchange(
-        c.slot, c.seq, c.sig,
-        [&](Share& sh) {
-          publish_inputs(sh, {own}, {nbytes}, copied);
-          if (!copied && leader) sh.buffers = outs;
-        },
-        [&](const GroupComm::Round& r) {
-          if (!copied && !leader) outs = r[0].buffers;
-          auto* out = static_cast<std::byte*>(outs[0]->data());
-          if (!copied) {
-            copy_rank(out, own, c.rank);  // each member writes its own block of the shared output
-            return;
-          }
-          for (int q = 0; q < n; ++q)
-            copy_rank(out, r[c.slot_of_rank[static_cast<std::size_t>(q)]].data[0], q);
-        },
-        !copied);
-    return outs;
-  }
+  std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext& ctx) override;
 
  private:
   int dim_;
@@ -294,40 +216,10 @@ class ReduceScatterExchange final : public ExchangeNode {
 class AllToAllExchange final : public ExchangeNode {
  public:
   AllToAllExchange(CollectiveCall call, graph::NodePtr in, const graph::NodePtr& after,
-                   graph::Device* device, int split, int concat)
-      : ExchangeNode(std::move(call), {std::move(in)}, after, device),
-        split_(split),
-        concat_(concat) {}
+                   graph::Device* device, int split, int concat);
 
  protected:
-  std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext& ctx) override {
-    const CollectiveCall& c = call();
-    const int n = c.size();
-    if (n == 1) return {data(0)->buffer()};
-    const Shape& s = data(0)->shape();
-    const std::size_t es = dtype_size(data(0)->dtype());
-    Shape chunk = s;
-    chunk[split_] = s[split_] / n;
-    Shape out_shape = chunk;
-    out_shape[concat_] = chunk[concat_] * n;
-    const auto sstr = contiguous_strides(s), ostr = contiguous_strides(out_shape);
-    std::vector<std::shared_ptr<Buffer>> outs{allocate(ctx, out_shape.numel(), es)};
-    auto* out = static_cast<std::byte*>(outs[0]->data());
-    const std::size_t nbytes = static_cast<std::size_t>(s.numel()) * es;
-    const bool copied = align64(nbytes) <= kInlineBytes;
-    const auto ses = static_cast<std::int64_t>(es);
-    c.comm->exchange(
-        c.slot, c.seq, c.sig, [&](Share& sh) { publish_inputs(sh, {bytes(0)}, {nbytes}, copied); },
-        [&](const GroupComm::Round& r) {
-          for (int q = 0; q < n; ++q) {
-            const std::byte* src = r[c.slot_of_rank[static_cast<std::size_t>(q)]].data[0] +
-                                   c.rank * chunk[split_] * sstr[split_] * ses;
-            copy_block(out + q * chunk[concat_] * ostr[concat_] * ses, ostr, src, sstr, chunk, es);
-          }
-        },
-        !copied);
-    return outs;
-  }
+  std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext& ctx) override;
 
  private:
   int split_, concat_;
@@ -337,26 +229,167 @@ class AllToAllExchange final : public ExchangeNode {
 class BroadcastExchange final : public ExchangeNode {
  public:
   BroadcastExchange(CollectiveCall call, graph::NodePtr in, const graph::NodePtr& after,
-                    graph::Device* device, int src_slot)
-      : ExchangeNode(std::move(call), {std::move(in)}, after, device), src_slot_(src_slot) {}
+                    graph::Device* device, int src_slot);
 
  protected:
-  std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext&) override {
-    const CollectiveCall& c = call();
-    if (c.size() == 1) return {data(0)->buffer()};
-    std::vector<std::shared_ptr<Buffer>> outs(1);
-    c.comm->exchange(
-        c.slot, c.seq, c.sig,
-        [&](Share& sh) {
-          if (c.slot == src_slot_) sh.buffers = {data(0)->buffer()};
-        },
-        [&](const GroupComm::Round& r) { outs[0] = r[src_slot_].buffers[0]; },
-        true);  // the source's share holds its buffer until everyone took it
-    return outs;
-  }
+  std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext&) override;
 
  private:
   int src_slot_;
 };
 
 }  // namespace lazy::dist::detail
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::dist::detail {
+LAZYTENSOR_INLINE void copy_block(std::byte* dst, const std::array<std::int64_t, kMaxRank>& dstr,
+                                  const std::byte* src,
+                                  const std::array<std::int64_t, kMaxRank>& sstr,
+                                  const Shape& shape, std::size_t es) {
+  if (shape.numel() == 0) return;
+  std::int64_t run = 1;
+  int d0 = shape.rank();
+  while (d0 > 0 && sstr[d0 - 1] == run && dstr[d0 - 1] == run) run *= shape[--d0];
+  std::int64_t count = 1;
+  for (int d = 0; d < d0; ++d) count *= shape[d];
+  std::array<std::int64_t, kMaxRank> idx{};
+  std::int64_t so = 0, dof = 0;
+  const std::size_t run_bytes = static_cast<std::size_t>(run) * es;
+  for (std::int64_t it = 0; it < count; ++it) {
+    std::memcpy(dst + dof * static_cast<std::int64_t>(es), src + so * static_cast<std::int64_t>(es),
+                run_bytes);
+    for (int d = d0 - 1; d >= 0; --d) {
+      so += sstr[d];
+      dof += dstr[d];
+      if (++idx[d] < shape[d]) break;
+      so -= sstr[d] * shape[d];
+      dof -= dstr[d] * shape[d];
+      idx[d] = 0;
+    }
+  }
+}
+
+LAZYTENSOR_INLINE void publish_inputs(Share& s, const std::vector<const std::byte*>& in,
+                                      const std::vector<std::size_t>& nbytes, bool copied) {
+  s.data.resize(in.size());
+  if (!copied) {
+    for (std::size_t i = 0; i < in.size(); ++i) s.data[i] = in[i];
+    return;
+  }
+  std::size_t total = 0;
+  for (auto b : nbytes) total += align64(b);
+  std::byte* st = s.stage(total);
+  for (std::size_t i = 0; i < in.size(); ++i) {
+    if (nbytes[i]) std::memcpy(st, in[i], nbytes[i]);
+    s.data[i] = st;
+    st += align64(nbytes[i]);
+  }
+}
+
+LAZYTENSOR_INLINE AllGatherExchange::AllGatherExchange(CollectiveCall call, graph::NodePtr in,
+                                                       const graph::NodePtr& after,
+                                                       graph::Device* device, int dim)
+    : ExchangeNode(std::move(call), {std::move(in)}, after, device), dim_(dim) {}
+
+LAZYTENSOR_INLINE std::vector<std::shared_ptr<Buffer>> AllGatherExchange::run(
+    graph::ExecContext& ctx) {
+  const CollectiveCall& c = call();
+  const std::int64_t numel = data(0)->numel();
+  if (c.size() == 1) return {data(0)->buffer()};
+  const Shape& s = data(0)->shape();
+  const std::size_t es = dtype_size(data(0)->dtype());
+  const int n = c.size();
+  std::int64_t outer = 1, inner = 1;  // input as [outer, inner], output as [outer, n * inner]
+  for (int d = 0; d < s.rank(); ++d) (d < dim_ ? outer : inner) *= s[d];
+  const std::size_t nbytes = static_cast<std::size_t>(numel) * es;
+  const bool copied = align64(nbytes) <= kInlineBytes;
+  const bool leader = c.slot == 0;
+  std::vector<std::shared_ptr<Buffer>> outs(1);
+  if (copied || leader) outs[0] = allocate(ctx, numel * n, es);
+  const std::byte* own = bytes(0);
+  auto copy_rank = [&](std::byte* out, const std::byte* src, int q) {
+    const auto row = static_cast<std::size_t>(inner) * es;
+    for (std::int64_t o = 0; o < outer; ++o) {
+      std::memcpy(out + (static_cast<std::size_t>(o) * static_cast<std::size_t>(n) +
+                         static_cast<std::size_t>(q)) *
+                            row,
+                  src + static_cast<std::size_t>(o) * row, row);
+    }
+  };
+  c.comm->exchange(
+      c.slot, c.seq, c.sig,
+      [&](Share& sh) {
+        publish_inputs(sh, {own}, {nbytes}, copied);
+        if (!copied && leader) sh.buffers = outs;
+      },
+      [&](const GroupComm::Round& r) {
+        if (!copied && !leader) outs = r[0].buffers;
+        auto* out = static_cast<std::byte*>(outs[0]->data());
+        if (!copied) {
+          copy_rank(out, own, c.rank);  // each member writes its own block of the shared output
+          return;
+        }
+        for (int q = 0; q < n; ++q)
+          copy_rank(out, r[c.slot_of_rank[static_cast<std::size_t>(q)]].data[0], q);
+      },
+      !copied);
+  return outs;
+}
+
+LAZYTENSOR_INLINE AllToAllExchange::AllToAllExchange(CollectiveCall call, graph::NodePtr in,
+                                                     const graph::NodePtr& after,
+                                                     graph::Device* device, int split, int concat)
+    : ExchangeNode(std::move(call), {std::move(in)}, after, device),
+      split_(split),
+      concat_(concat) {}
+
+LAZYTENSOR_INLINE std::vector<std::shared_ptr<Buffer>> AllToAllExchange::run(
+    graph::ExecContext& ctx) {
+  const CollectiveCall& c = call();
+  const int n = c.size();
+  if (n == 1) return {data(0)->buffer()};
+  const Shape& s = data(0)->shape();
+  const std::size_t es = dtype_size(data(0)->dtype());
+  Shape chunk = s;
+  chunk[split_] = s[split_] / n;
+  Shape out_shape = chunk;
+  out_shape[concat_] = chunk[concat_] * n;
+  const auto sstr = contiguous_strides(s), ostr = contiguous_strides(out_shape);
+  std::vector<std::shared_ptr<Buffer>> outs{allocate(ctx, out_shape.numel(), es)};
+  auto* out = static_cast<std::byte*>(outs[0]->data());
+  const std::size_t nbytes = static_cast<std::size_t>(s.numel()) * es;
+  const bool copied = align64(nbytes) <= kInlineBytes;
+  const auto ses = static_cast<std::int64_t>(es);
+  c.comm->exchange(
+      c.slot, c.seq, c.sig, [&](Share& sh) { publish_inputs(sh, {bytes(0)}, {nbytes}, copied); },
+      [&](const GroupComm::Round& r) {
+        for (int q = 0; q < n; ++q) {
+          const std::byte* src = r[c.slot_of_rank[static_cast<std::size_t>(q)]].data[0] +
+                                 c.rank * chunk[split_] * sstr[split_] * ses;
+          copy_block(out + q * chunk[concat_] * ostr[concat_] * ses, ostr, src, sstr, chunk, es);
+        }
+      },
+      !copied);
+  return outs;
+}
+
+LAZYTENSOR_INLINE BroadcastExchange::BroadcastExchange(CollectiveCall call, graph::NodePtr in,
+                                                       const graph::NodePtr& after,
+                                                       graph::Device* device, int src_slot)
+    : ExchangeNode(std::move(call), {std::move(in)}, after, device), src_slot_(src_slot) {}
+
+LAZYTENSOR_INLINE std::vector<std::shared_ptr<Buffer>> BroadcastExchange::run(graph::ExecContext&) {
+  const CollectiveCall& c = call();
+  if (c.size() == 1) return {data(0)->buffer()};
+  std::vector<std::shared_ptr<Buffer>> outs(1);
+  c.comm->exchange(
+      c.slot, c.seq, c.sig,
+      [&](Share& sh) {
+        if (c.slot == src_slot_) sh.buffers = {data(0)->buffer()};
+      },
+      [&](const GroupComm::Round& r) { outs[0] = r[src_slot_].buffers[0]; },
+      true);  // the source's share holds its buffer until everyone took it
+  return outs;
+}
+}  // namespace lazy::dist::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include <lazytensor/core/buffer.hpp>
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/core/error.hpp>
 #include <lazytensor/dist/signature.hpp>
 #include <lazytensor/dist/world.hpp>
@@ -54,23 +55,13 @@ struct Share {
   std::vector<std::byte> staging;                ///< copies of small messages
 
   /// A staging area of at least `n` bytes (allocated once, then reused).
-  std::byte* stage(std::size_t n) {
-    if (staging.size() < n) staging.resize(std::max(n, kInlineBytes));
-    return staging.data();
-  }
+  std::byte* stage(std::size_t n);
 };
 
 /// One group's exchange: its members (sorted global ordinals), their slots, the round state.
 class GroupComm {
  public:
-  GroupComm(std::shared_ptr<WorldState> world, std::vector<int> members)
-      : world_(std::move(world)),
-        members_(std::move(members)),
-        slot_of_(static_cast<std::size_t>(world_->layout().world_size), -1),
-        slots_(std::make_unique<Slot[]>(members_.size())) {
-    for (std::size_t i = 0; i < members_.size(); ++i)
-      slot_of_[static_cast<std::size_t>(members_[i])] = static_cast<int>(i);
-  }
+  GroupComm(std::shared_ptr<WorldState> world, std::vector<int> members);
 
   int size() const { return static_cast<int>(members_.size()); }
   /// Members, sorted by ordinal (slot i belongs to members()[i]).
@@ -137,186 +128,34 @@ class GroupComm {
     alignas(64) Share round[2];
   };
 
-  std::string prefix(int me, std::uint64_t s, const Signature& sig) const {
-    return "replica " + std::to_string(members_[static_cast<std::size_t>(me)]) + ": " + sig.str() +
-           " (collective #" + std::to_string(s) + " of group " + list_str(members_) + "): ";
-  }
+  std::string prefix(int me, std::uint64_t s, const Signature& sig) const;
 
-  bool all_arrived(std::uint64_t s) const {
-    for (std::size_t j = 0; j < members_.size(); ++j) {
-      if (slots_[j].arrived.load(std::memory_order_acquire) < s) return false;
-    }
-    return true;
-  }
+  bool all_arrived(std::uint64_t s) const;
   /// A member that has not arrived at round s and whose replica has exited, else -1.
-  int exited_partner(std::uint64_t s) const {
-    for (std::size_t j = 0; j < members_.size(); ++j) {
-      if (slots_[j].arrived.load(std::memory_order_acquire) < s && world_->exited(members_[j]))
-        return members_[j];
-    }
-    return -1;
-  }
-  std::string missing(std::uint64_t s) const {
-    std::string m;
-    for (std::size_t j = 0; j < members_.size(); ++j) {
-      const std::uint64_t a = slots_[j].arrived.load(std::memory_order_acquire);
-      if (a >= s) continue;
-      if (!m.empty()) m += ", ";
-      m += "replica " + std::to_string(members_[j]) +
-           (a ? " (last joined collective #" + std::to_string(a) + ")" : " (joined none yet)");
-    }
-    return m;
-  }
+  int exited_partner(std::uint64_t s) const;
+  std::string missing(std::uint64_t s) const;
 
   void await_start(int me, std::uint64_t s, const Signature& sig,
-                   std::chrono::milliseconds timeout) {
-    WorldState& w = *world_;
-    if (!spin_until([&] { return all_arrived(s); }, w.wait())) {
-      const auto deadline = std::chrono::steady_clock::now() + timeout;
-      for (;;) {
-        if (all_arrived(s)) break;
-        if (state_.load(std::memory_order_acquire) & kBroken) break;  // start() reports it
-        const int gone = exited_partner(s);
-        if (w.aborted()) {
-          if (withdraw(me, s, sig, Failure::Aborted, "aborted because " + w.abort_reason())) break;
-        } else if (gone >= 0) {
-          if (withdraw(me, s, sig, Failure::Exited,
-                       "replica " + std::to_string(gone) +
-                           " exited (its function returned) without joining this collective")) {
-            break;
-          }
-        } else if (std::chrono::steady_clock::now() >= deadline) {
-          const double secs = static_cast<double>(timeout.count()) / 1000.0;
-          std::string t = std::to_string(secs);
-          t.erase(t.find_last_not_of('0') + 1);
-          if (t.back() == '.') t.pop_back();
-          if (withdraw(me, s, sig, Failure::Timeout,
-                       "timed out after " + t + " s waiting for " + missing(s) +
-                           " (set the limit with lazy::dist::set_collective_timeout or "
-                           "LAZYTENSOR_COLLECTIVE_TIMEOUT seconds)")) {
-            break;
-          }
-        }
-        w.event().wait_until(
-            [&] {
-              return all_arrived(s) || (state_.load(std::memory_order_acquire) & kBroken) ||
-                     w.aborted() || exited_partner(s) >= 0;
-            },
-            deadline);
-      }
-    }
-    start(me, s, sig);
-  }
+                   std::chrono::milliseconds timeout);
 
-  void start(int me, std::uint64_t s, const Signature& sig) {
-    std::uint64_t expected = s - 1;
-    if (state_.compare_exchange_strong(expected, s, std::memory_order_acq_rel)) return;
-    if ((expected & ~kBroken) >= s) return;  // another member started it
-    throw_broken(me, s, sig);
-  }
+  void start(int me, std::uint64_t s, const Signature& sig);
 
   /// Gives up on round s unless it already started. Returns true when it had started (the
   /// caller must take part); otherwise marks the group broken and throws.
   bool withdraw(int me, std::uint64_t s, const Signature& sig, Failure why,
-                const std::string& reason) {
-    std::unique_lock lock(broken_mu_);
-    std::uint64_t expected = s - 1;
-    if (state_.compare_exchange_strong(expected, (s - 1) | kBroken, std::memory_order_acq_rel)) {
-      broken_kind_ = why;
-      broken_reason_ =
-          "replica " + std::to_string(members_[static_cast<std::size_t>(me)]) + " " + reason;
-      lock.unlock();
-      world_->event().notify();
-      raise(why, prefix(me, s, sig) + reason);
-    }
-    if ((expected & ~kBroken) >= s) return true;
-    lock.unlock();
-    throw_broken(me, s, sig);
-  }
+                const std::string& reason);
 
-  [[noreturn]] void throw_broken(int me, std::uint64_t s, const Signature& sig) {
-    std::lock_guard lock(broken_mu_);
-    const std::string msg =
-        prefix(me, s, sig) + "the group can no longer be used: " + broken_reason_;
-    raise(broken_kind_, msg);
-  }
+  [[noreturn]] void throw_broken(int me, std::uint64_t s, const Signature& sig);
 
-  [[noreturn]] static void raise(Failure why, const std::string& msg) {
-    switch (why) {
-      case Failure::Timeout:
-        throw CollectiveTimeout(msg);
-      case Failure::Aborted:
-        throw ReplicaAborted(msg);
-      case Failure::Exited:
-        break;
-    }
-    throw CollectiveError(msg);
-  }
+  [[noreturn]] static void raise(Failure why, const std::string& msg);
 
   /// Throws CollectiveMismatch (on every member: they all see the same signatures) when
   /// the members' signatures differ, naming the replicas that diverged from the majority.
-  void check_signatures(const Round& round, int me, std::uint64_t s) const {
-    const int n = size();
-    bool same = true;
-    for (int j = 1; j < n && same; ++j) same = round[j].sig == round[0].sig;
-    if (same) return;
-    // Classes of equal signatures; the largest (ties: the one holding the lowest ordinal)
-    // is the reference, every other class diverged.
-    std::vector<int> cls(static_cast<std::size_t>(n), -1);
-    std::vector<std::vector<int>> classes;
-    for (int j = 0; j < n; ++j) {
-      if (cls[static_cast<std::size_t>(j)] >= 0) continue;
-      cls[static_cast<std::size_t>(j)] = static_cast<int>(classes.size());
-      classes.push_back({j});
-      for (int k = j + 1; k < n; ++k) {
-        if (cls[static_cast<std::size_t>(k)] < 0 && round[k].sig == round[j].sig) {
-          cls[static_cast<std::size_t>(k)] = cls[static_cast<std::size_t>(j)];
-          classes.back().push_back(k);
-        }
-      }
-    }
-    std::size_t ref = 0;
-    for (std::size_t c = 1; c < classes.size(); ++c) {
-      if (classes[c].size() > classes[ref].size()) ref = c;
-    }
-    auto who = [&](const std::vector<int>& slots) {
-      std::string w = slots.size() == 1 ? "replica " : "replicas ";
-      for (std::size_t i = 0; i < slots.size(); ++i) {
-        w += (i ? ", " : "") + std::to_string(members_[static_cast<std::size_t>(slots[i])]);
-      }
-      return w;
-    };
-    std::string msg = "replica " + std::to_string(members_[static_cast<std::size_t>(me)]) +
-                      ": collective mismatch at collective #" + std::to_string(s) + " of group " +
-                      list_str(members_) + ": ";
-    for (std::size_t c = 0; c < classes.size(); ++c) {
-      if (c == ref) continue;
-      msg += who(classes[c]) + " issued " + round[classes[c].front()].sig.str() + "; ";
-    }
-    msg += who(classes[ref]) + " issued " + round[classes[ref].front()].sig.str();
-    throw CollectiveMismatch(msg);
-  }
+  void check_signatures(const Round& round, int me, std::uint64_t s) const;
 
   /// Step 5: this member is done reading; wait until every member is, then drop the
   /// references this member shared.
-  void finish(int me, std::uint64_t s) {
-    Slot& slot = slots_[static_cast<std::size_t>(me)];
-    slot.done.store(s, std::memory_order_seq_cst);
-    WorldState& w = *world_;
-    w.event().notify();
-    auto all_done = [&] {
-      for (std::size_t j = 0; j < members_.size(); ++j) {
-        if (slots_[j].done.load(std::memory_order_acquire) < s) return false;
-      }
-      return true;
-    };
-    bool ready = spin_until(all_done, w.wait());
-    while (!ready) {
-      ready = w.event().wait_until(all_done,
-                                   std::chrono::steady_clock::now() + std::chrono::seconds(1));
-    }
-    slot.round[s & 1].buffers.clear();
-  }
+  void finish(int me, std::uint64_t s);
 
   std::shared_ptr<WorldState> world_;
   std::vector<int> members_;
@@ -329,3 +168,199 @@ class GroupComm {
 };
 
 }  // namespace lazy::dist::detail
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::dist::detail {
+LAZYTENSOR_INLINE std::byte* Share::stage(std::size_t n) {
+  if (staging.size() < n) staging.resize(std::max(n, kInlineBytes));
+  return staging.data();
+}
+
+LAZYTENSOR_INLINE GroupComm::GroupComm(std::shared_ptr<WorldState> world, std::vector<int> members)
+    : world_(std::move(world)),
+      members_(std::move(members)),
+      slot_of_(static_cast<std::size_t>(world_->layout().world_size), -1),
+      slots_(std::make_unique<Slot[]>(members_.size())) {
+  for (std::size_t i = 0; i < members_.size(); ++i)
+    slot_of_[static_cast<std::size_t>(members_[i])] = static_cast<int>(i);
+}
+
+LAZYTENSOR_INLINE std::string GroupComm::prefix(int me, std::uint64_t s,
+                                                const Signature& sig) const {
+  return "replica " + std::to_string(members_[static_cast<std::size_t>(me)]) + ": " + sig.str() +
+         " (collective #" + std::to_string(s) + " of group " + list_str(members_) + "): ";
+}
+
+LAZYTENSOR_INLINE bool GroupComm::all_arrived(std::uint64_t s) const {
+  for (std::size_t j = 0; j < members_.size(); ++j) {
+    if (slots_[j].arrived.load(std::memory_order_acquire) < s) return false;
+  }
+  return true;
+}
+
+LAZYTENSOR_INLINE int GroupComm::exited_partner(std::uint64_t s) const {
+  for (std::size_t j = 0; j < members_.size(); ++j) {
+    if (slots_[j].arrived.load(std::memory_order_acquire) < s && world_->exited(members_[j]))
+      return members_[j];
+  }
+  return -1;
+}
+
+LAZYTENSOR_INLINE std::string GroupComm::missing(std::uint64_t s) const {
+  std::string m;
+  for (std::size_t j = 0; j < members_.size(); ++j) {
+    const std::uint64_t a = slots_[j].arrived.load(std::memory_order_acquire);
+    if (a >= s) continue;
+    if (!m.empty()) m += ", ";
+    m += "replica " + std::to_string(members_[j]) +
+         (a ? " (last joined collective #" + std::to_string(a) + ")" : " (joined none yet)");
+  }
+  return m;
+}
+
+LAZYTENSOR_INLINE void GroupComm::await_start(int me, std::uint64_t s, const Signature& sig,
+                                              std::chrono::milliseconds timeout) {
+  WorldState& w = *world_;
+  if (!spin_until([&] { return all_arrived(s); }, w.wait())) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (;;) {
+      if (all_arrived(s)) break;
+      if (state_.load(std::memory_order_acquire) & kBroken) break;  // start() reports it
+      const int gone = exited_partner(s);
+      if (w.aborted()) {
+        if (withdraw(me, s, sig, Failure::Aborted, "aborted because " + w.abort_reason())) break;
+      } else if (gone >= 0) {
+        if (withdraw(me, s, sig, Failure::Exited,
+                     "replica " + std::to_string(gone) +
+                         " exited (its function returned) without joining this collective")) {
+          break;
+        }
+      } else if (std::chrono::steady_clock::now() >= deadline) {
+        const double secs = static_cast<double>(timeout.count()) / 1000.0;
+        std::string t = std::to_string(secs);
+        t.erase(t.find_last_not_of('0') + 1);
+        if (t.back() == '.') t.pop_back();
+        if (withdraw(me, s, sig, Failure::Timeout,
+                     "timed out after " + t + " s waiting for " + missing(s) +
+                         " (set the limit with lazy::dist::set_collective_timeout or "
+                         "LAZYTENSOR_COLLECTIVE_TIMEOUT seconds)")) {
+          break;
+        }
+      }
+      w.event().wait_until(
+          [&] {
+            return all_arrived(s) || (state_.load(std::memory_order_acquire) & kBroken) ||
+                   w.aborted() || exited_partner(s) >= 0;
+          },
+          deadline);
+    }
+  }
+  start(me, s, sig);
+}
+
+LAZYTENSOR_INLINE void GroupComm::start(int me, std::uint64_t s, const Signature& sig) {
+  std::uint64_t expected = s - 1;
+  if (state_.compare_exchange_strong(expected, s, std::memory_order_acq_rel)) return;
+  if ((expected & ~kBroken) >= s) return;  // another member started it
+  throw_broken(me, s, sig);
+}
+
+LAZYTENSOR_INLINE bool GroupComm::withdraw(int me, std::uint64_t s, const Signature& sig,
+                                           Failure why, const std::string& reason) {
+  std::unique_lock lock(broken_mu_);
+  std::uint64_t expected = s - 1;
+  if (state_.compare_exchange_strong(expected, (s - 1) | kBroken, std::memory_order_acq_rel)) {
+    broken_kind_ = why;
+    broken_reason_ =
+        "replica " + std::to_string(members_[static_cast<std::size_t>(me)]) + " " + reason;
+    lock.unlock();
+    world_->event().notify();
+    raise(why, prefix(me, s, sig) + reason);
+  }
+  if ((expected & ~kBroken) >= s) return true;
+  lock.unlock();
+  throw_broken(me, s, sig);
+}
+
+LAZYTENSOR_INLINE void GroupComm::throw_broken(int me, std::uint64_t s, const Signature& sig) {
+  std::lock_guard lock(broken_mu_);
+  const std::string msg =
+      prefix(me, s, sig) + "the group can no longer be used: " + broken_reason_;
+  raise(broken_kind_, msg);
+}
+
+LAZYTENSOR_INLINE void GroupComm::raise(Failure why, const std::string& msg) {
+  switch (why) {
+    case Failure::Timeout:
+      throw CollectiveTimeout(msg);
+    case Failure::Aborted:
+      throw ReplicaAborted(msg);
+    case Failure::Exited:
+      break;
+  }
+  throw CollectiveError(msg);
+}
+
+LAZYTENSOR_INLINE void GroupComm::check_signatures(const Round& round, int me,
+                                                   std::uint64_t s) const {
+  const int n = size();
+  bool same = true;
+  for (int j = 1; j < n && same; ++j) same = round[j].sig == round[0].sig;
+  if (same) return;
+  // Classes of equal signatures; the largest (ties: the one holding the lowest ordinal)
+  // is the reference, every other class diverged.
+  std::vector<int> cls(static_cast<std::size_t>(n), -1);
+  std::vector<std::vector<int>> classes;
+  for (int j = 0; j < n; ++j) {
+    if (cls[static_cast<std::size_t>(j)] >= 0) continue;
+    cls[static_cast<std::size_t>(j)] = static_cast<int>(classes.size());
+    classes.push_back({j});
+    for (int k = j + 1; k < n; ++k) {
+      if (cls[static_cast<std::size_t>(k)] < 0 && round[k].sig == round[j].sig) {
+        cls[static_cast<std::size_t>(k)] = cls[static_cast<std::size_t>(j)];
+        classes.back().push_back(k);
+      }
+    }
+  }
+  std::size_t ref = 0;
+  for (std::size_t c = 1; c < classes.size(); ++c) {
+    if (classes[c].size() > classes[ref].size()) ref = c;
+  }
+  auto who = [&](const std::vector<int>& slots) {
+    std::string w = slots.size() == 1 ? "replica " : "replicas ";
+    for (std::size_t i = 0; i < slots.size(); ++i) {
+      w += (i ? ", " : "") + std::to_string(members_[static_cast<std::size_t>(slots[i])]);
+    }
+    return w;
+  };
+  std::string msg = "replica " + std::to_string(members_[static_cast<std::size_t>(me)]) +
+                    ": collective mismatch at collective #" + std::to_string(s) + " of group " +
+                    list_str(members_) + ": ";
+  for (std::size_t c = 0; c < classes.size(); ++c) {
+    if (c == ref) continue;
+    msg += who(classes[c]) + " issued " + round[classes[c].front()].sig.str() + "; ";
+  }
+  msg += who(classes[ref]) + " issued " + round[classes[ref].front()].sig.str();
+  throw CollectiveMismatch(msg);
+}
+
+LAZYTENSOR_INLINE void GroupComm::finish(int me, std::uint64_t s) {
+  Slot& slot = slots_[static_cast<std::size_t>(me)];
+  slot.done.store(s, std::memory_order_seq_cst);
+  WorldState& w = *world_;
+  w.event().notify();
+  auto all_done = [&] {
+    for (std::size_t j = 0; j < members_.size(); ++j) {
+      if (slots_[j].done.load(std::memory_order_acquire) < s) return false;
+    }
+    return true;
+  };
+  bool ready = spin_until(all_done, w.wait());
+  while (!ready) {
+    ready = w.event().wait_until(all_done,
+                                 std::chrono::steady_clock::now() + std::chrono::seconds(1));
+  }
+  slot.round[s & 1].buffers.clear();
+}
+}  // namespace lazy::dist::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

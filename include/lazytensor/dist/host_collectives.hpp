@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/dist/context.hpp>
 
 namespace lazy::dist {
@@ -75,63 +76,22 @@ std::string type_tag() {
 
 /// Runs a host round: every member publishes `mine`; returns the payloads of the members
 /// in ascending ordinal order (only the source's when `src_slot` >= 0).
-inline std::vector<std::string> host_exchange(const CollectiveCall& c, std::string_view mine,
-                                              int src_slot = -1) {
-  if (!c.comm) return {std::string(mine)};
-  std::vector<std::string> out;
-  c.comm->exchange(
-      c.slot, c.seq, c.sig,
-      [&](Share& s) {
-        s.data.assign(1, reinterpret_cast<const std::byte*>(mine.data()));
-        s.bytes.assign(1, mine.size());
-      },
-      [&](const GroupComm::Round& r) {
-        auto payload = [&](int slot) {
-          const Share& s = r[slot];
-          return std::string(reinterpret_cast<const char*>(s.data[0]), s.bytes[0]);
-        };
-        if (src_slot >= 0) {
-          out.push_back(payload(src_slot));
-          return;
-        }
-        for (int j = 0; j < c.comm->size(); ++j)
-          out.push_back(payload(j));  // slots: ascending ordinals
-      },
-      true);
-  return out;
-}
+std::vector<std::string> host_exchange(const CollectiveCall& c, std::string_view mine,
+                                       int src_slot = -1);
 
-inline Signature host_signature(CollectiveKind kind, std::string tag) {
-  Signature sig;
-  sig.kind = kind;
-  sig.tag = std::move(tag);
-  return sig;
-}
+Signature host_signature(CollectiveKind kind, std::string tag);
 
 }  // namespace detail
 
 /// Blocks until every replica reached a barrier with the same `name` (as xm.rendezvous(tag)
 /// without payload). A different name on some replica is a CollectiveMismatch.
-inline void barrier(const std::string& name = "") {
-  detail::flush_pending();
-  auto call = detail::capture(detail::host_signature(detail::CollectiveKind::Barrier, name),
-                              detail::group_of({}, "barrier"));
-  if (!call.comm) return;
-  call.comm->exchange(
-      call.slot, call.seq, call.sig, [](detail::Share&) {}, [](const detail::GroupComm::Round&) {},
-      false);
-}
+void barrier(const std::string& name = "");
 
 /// Exchanges a payload with the other replicas (xm.rendezvous(tag, payload, replicas)):
 /// returns every participant's payload in ascending ordinal order. `replicas` (default:
 /// all) lists the participants; each of them must call it with the same tag.
-inline std::vector<std::string> rendezvous(const std::string& tag, std::string_view payload = {},
-                                           std::vector<int> replicas = {}) {
-  detail::flush_pending();
-  auto call = detail::capture_among(detail::host_signature(detail::CollectiveKind::Rendezvous, tag),
-                                    std::move(replicas), "rendezvous");
-  return detail::host_exchange(call, payload);
-}
+std::vector<std::string> rendezvous(const std::string& tag, std::string_view payload = {},
+                                    std::vector<int> replicas = {});
 
 /// Gathers every replica's `data` and returns reduce_fn(values), values in ordinal order
 /// (xm.mesh_reduce). Every replica gets the same list, so a deterministic reduce_fn gives
@@ -172,3 +132,61 @@ T broadcast_object(const T& obj, int src = 0) {
 }
 
 }  // namespace lazy::dist
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::dist::detail {
+LAZYTENSOR_INLINE std::vector<std::string> host_exchange(const CollectiveCall& c,
+                                                         std::string_view mine, int src_slot) {
+  if (!c.comm) return {std::string(mine)};
+  std::vector<std::string> out;
+  c.comm->exchange(
+      c.slot, c.seq, c.sig,
+      [&](Share& s) {
+        s.data.assign(1, reinterpret_cast<const std::byte*>(mine.data()));
+        s.bytes.assign(1, mine.size());
+      },
+      [&](const GroupComm::Round& r) {
+        auto payload = [&](int slot) {
+          const Share& s = r[slot];
+          return std::string(reinterpret_cast<const char*>(s.data[0]), s.bytes[0]);
+        };
+        if (src_slot >= 0) {
+          out.push_back(payload(src_slot));
+          return;
+        }
+        for (int j = 0; j < c.comm->size(); ++j)
+          out.push_back(payload(j));  // slots: ascending ordinals
+      },
+      true);
+  return out;
+}
+
+LAZYTENSOR_INLINE Signature host_signature(CollectiveKind kind, std::string tag) {
+  Signature sig;
+  sig.kind = kind;
+  sig.tag = std::move(tag);
+  return sig;
+}
+}  // namespace lazy::dist::detail
+
+namespace lazy::dist {
+LAZYTENSOR_INLINE void barrier(const std::string& name) {
+  detail::flush_pending();
+  auto call = detail::capture(detail::host_signature(detail::CollectiveKind::Barrier, name),
+                              detail::group_of({}, "barrier"));
+  if (!call.comm) return;
+  call.comm->exchange(
+      call.slot, call.seq, call.sig, [](detail::Share&) {}, [](const detail::GroupComm::Round&) {},
+      false);
+}
+
+LAZYTENSOR_INLINE std::vector<std::string> rendezvous(const std::string& tag,
+                                                      std::string_view payload,
+                                                      std::vector<int> replicas) {
+  detail::flush_pending();
+  auto call = detail::capture_among(detail::host_signature(detail::CollectiveKind::Rendezvous, tag),
+                                    std::move(replicas), "rendezvous");
+  return detail::host_exchange(call, payload);
+}
+}  // namespace lazy::dist
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

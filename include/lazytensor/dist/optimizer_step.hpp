@@ -17,6 +17,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/tensor/device.hpp>
 #include <lazytensor/dist/collectives.hpp>
 #include <lazytensor/optim/optimizer.hpp>
@@ -37,16 +38,38 @@ inline std::size_t gradient_bucket_bytes() {
 
 /// Sets the bucket size of optimizer_step for the whole process (every replica must use the
 /// same buckets; set it before spawn). Error when `bytes` is 0.
-inline void set_gradient_bucket_bytes(std::size_t bytes) {
-  if (bytes == 0) throw Error("set_gradient_bucket_bytes: the bucket size must be > 0 bytes");
-  detail::bucket_bytes_setting().store(bytes, std::memory_order_relaxed);
-}
+void set_gradient_bucket_bytes(std::size_t bytes);
 
 /// All-reduces the gradient of every parameter of `optimizer` that has one to the mean over
 /// this replica's group (sum times 1 / group size), in place (each parameter's .grad() then
 /// holds the mean), in coalesced buckets (see the file comment), as xm.reduce_gradients.
 /// Nothing is exchanged in a group of one. Lazy: the exchanges run at the next mark_step.
-inline void reduce_gradients(optim::Optimizer& optimizer, const Groups& groups = {}) {
+void reduce_gradients(optim::Optimizer& optimizer, const Groups& groups = {});
+
+/// One data-parallel optimizer step, as xm.optimizer_step(optimizer, barrier, groups):
+/// reduce_gradients (the mean of every gradient over this replica's group, in coalesced
+/// buckets), then `optimizer.step()`.
+///
+/// **It does not run anything unless `barrier` is true.** Like everything else in a step,
+/// the all-reduces and the update are traced lazily and execute at the next mark_step,
+/// which the training loop usually gets from MpDeviceLoader (it calls mark_step as it hands
+/// out batches). `barrier = true` calls lazy::mark_step() right after the update, which is
+/// what a loop that does not iterate an MpDeviceLoader needs (PyTorch/XLA users were often
+/// surprised that `barrier` means "sync the step", not "wait for the other replicas").
+/// Every replica of a group must call it with the same parameters having gradients (in the
+/// same order and shapes), or the exchange raises CollectiveMismatch.
+void optimizer_step(optim::Optimizer& optimizer, bool barrier = false, const Groups& groups = {});
+
+}  // namespace lazy::dist
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::dist {
+LAZYTENSOR_INLINE void set_gradient_bucket_bytes(std::size_t bytes) {
+  if (bytes == 0) throw Error("set_gradient_bucket_bytes: the bucket size must be > 0 bytes");
+  detail::bucket_bytes_setting().store(bytes, std::memory_order_relaxed);
+}
+
+LAZYTENSOR_INLINE void reduce_gradients(optim::Optimizer& optimizer, const Groups& groups) {
   const auto group = detail::group_of(groups, "optimizer_step");
   if (group->size() == 1) return;
   const AllReduceOptions opts{.scale = 1.0 / static_cast<double>(group->size()), .groups = groups};
@@ -72,23 +95,11 @@ inline void reduce_gradients(optim::Optimizer& optimizer, const Groups& groups =
   flush();
 }
 
-/// One data-parallel optimizer step, as xm.optimizer_step(optimizer, barrier, groups):
-/// reduce_gradients (the mean of every gradient over this replica's group, in coalesced
-/// buckets), then `optimizer.step()`.
-///
-/// **It does not run anything unless `barrier` is true.** Like everything else in a step,
-/// the all-reduces and the update are traced lazily and execute at the next mark_step,
-/// which the training loop usually gets from MpDeviceLoader (it calls mark_step as it hands
-/// out batches). `barrier = true` calls lazy::mark_step() right after the update, which is
-/// what a loop that does not iterate an MpDeviceLoader needs (PyTorch/XLA users were often
-/// surprised that `barrier` means "sync the step", not "wait for the other replicas").
-/// Every replica of a group must call it with the same parameters having gradients (in the
-/// same order and shapes), or the exchange raises CollectiveMismatch.
-inline void optimizer_step(optim::Optimizer& optimizer, bool barrier = false,
-                           const Groups& groups = {}) {
+LAZYTENSOR_INLINE void optimizer_step(optim::Optimizer& optimizer, bool barrier,
+                                      const Groups& groups) {
   reduce_gradients(optimizer, groups);
   optimizer.step();
   if (barrier) mark_step();
 }
-
 }  // namespace lazy::dist
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

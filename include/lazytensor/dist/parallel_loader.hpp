@@ -62,6 +62,7 @@
 #include <vector>
 
 #include <lazytensor/any_tensor.hpp>
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/core/error.hpp>
 #include <lazytensor/data/data_loader.hpp>
 #include <lazytensor/data/example.hpp>
@@ -98,7 +99,7 @@ inline constexpr bool passes_unchanged_v =
 // other for nested batch types.
 template <Element T>
 Tensor<T> to_device(Tensor<T> t, graph::Device& dev);
-inline AnyTensor to_device(const AnyTensor& t, graph::Device& dev);
+AnyTensor to_device(const AnyTensor& t, graph::Device& dev);
 template <class D, class T>
 data::Example<D, T> to_device(data::Example<D, T> e, graph::Device& dev);
 template <class X>
@@ -125,10 +126,6 @@ Tensor<T> to_device(Tensor<T> t, graph::Device& dev) {
   if (node->device() == &dev) return t;
   return Tensor<T>(lazy::detail::data_node<T>(node->template data<T>(), t.shape(),
                                               Device(dev.index())));
-}
-inline AnyTensor to_device(const AnyTensor& t, graph::Device& dev) {
-  if (!t.defined()) return t;
-  return t.visit([&](const auto& typed) { return AnyTensor(to_device(typed, dev)); });
 }
 template <class D, class T>
 data::Example<D, T> to_device(data::Example<D, T> e, graph::Device& dev) {
@@ -327,17 +324,7 @@ class LoaderPass {
 };
 
 /// Rejects options torch_xla would reject (or that would stall the pipeline).
-inline void check_options(const ParallelLoaderOptions& o, const char* who) {
-  const std::string w(who);
-  if (o.batchdim < 0) throw Error(w + ": batchdim must be >= 0, got " + std::to_string(o.batchdim));
-  auto positive = [&](std::size_t v, const char* name) {
-    if (v == 0) throw Error(w + ": " + name + " must be at least 1, got 0");
-  };
-  positive(o.batches_per_execution, "batches_per_execution");
-  positive(o.loader_prefetch_size, "loader_prefetch_size");
-  positive(o.device_prefetch_size, "device_prefetch_size");
-  positive(o.host_to_device_transfer_threads, "host_to_device_transfer_threads");
-}
+void check_options(const ParallelLoaderOptions& o, const char* who);
 
 }  // namespace detail
 
@@ -560,3 +547,24 @@ class MpDeviceLoader {
 };
 
 }  // namespace lazy::dist
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::dist::detail {
+LAZYTENSOR_INLINE AnyTensor to_device(const AnyTensor& t, graph::Device& dev) {
+  if (!t.defined()) return t;
+  return t.visit([&](const auto& typed) { return AnyTensor(to_device(typed, dev)); });
+}
+
+LAZYTENSOR_INLINE void check_options(const ParallelLoaderOptions& o, const char* who) {
+  const std::string w(who);
+  if (o.batchdim < 0) throw Error(w + ": batchdim must be >= 0, got " + std::to_string(o.batchdim));
+  auto positive = [&](std::size_t v, const char* name) {
+    if (v == 0) throw Error(w + ": " + name + " must be at least 1, got 0");
+  };
+  positive(o.batches_per_execution, "batches_per_execution");
+  positive(o.loader_prefetch_size, "loader_prefetch_size");
+  positive(o.device_prefetch_size, "device_prefetch_size");
+  positive(o.host_to_device_transfer_threads, "host_to_device_transfer_threads");
+}
+}  // namespace lazy::dist::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

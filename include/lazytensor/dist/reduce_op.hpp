@@ -20,6 +20,7 @@
 #include <string>
 #include <type_traits>
 
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/core/dtype.hpp>
 #include <lazytensor/core/error.hpp>
 #include <lazytensor/expr/evaluator.hpp>
@@ -30,23 +31,7 @@ namespace lazy {
 enum class ReduceOp { Sum, Mul, And, Or, Min, Max };
 
 /// Lower-case name ("sum", "mul", ...).
-inline std::string reduce_op_name(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::Sum:
-      return "sum";
-    case ReduceOp::Mul:
-      return "mul";
-    case ReduceOp::And:
-      return "and";
-    case ReduceOp::Or:
-      return "or";
-    case ReduceOp::Min:
-      return "min";
-    case ReduceOp::Max:
-      return "max";
-  }
-  return "?";
-}
+std::string reduce_op_name(ReduceOp op);
 
 namespace dist::detail {
 
@@ -198,3 +183,25 @@ void reduce_span(ReduceOp op, T* out, const T* const* in, int n, std::int64_t le
 
 }  // namespace dist::detail
 }  // namespace lazy
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy {
+LAZYTENSOR_INLINE std::string reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum:
+      return "sum";
+    case ReduceOp::Mul:
+      return "mul";
+    case ReduceOp::And:
+      return "and";
+    case ReduceOp::Or:
+      return "or";
+    case ReduceOp::Min:
+      return "min";
+    case ReduceOp::Max:
+      return "max";
+  }
+  return "?";
+}
+}  // namespace lazy
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

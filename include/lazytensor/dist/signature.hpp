@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/core/dtype.hpp>
 #include <lazytensor/core/error.hpp>
 #include <lazytensor/core/shape.hpp>
@@ -29,22 +30,77 @@ using Groups = std::vector<std::vector<int>>;
 namespace detail {
 
 /// "[0, 1, 2]".
-inline std::string list_str(const std::vector<int>& v) {
+std::string list_str(const std::vector<int>& v);
+
+std::string groups_str(const Groups& g);
+
+/// The group of `ordinal` in `groups` (validated: a partition of [0, world) into lists of
+/// equal size). Throws CollectiveError naming the problem.
+std::vector<int> resolve_group(const Groups& groups, int world, int ordinal, const char* op);
+
+/// What a collective is.
+enum class CollectiveKind : std::uint8_t {
+  AllReduce,
+  AllGather,
+  ReduceScatter,
+  AllToAll,
+  Broadcast,
+  Barrier,
+  Rendezvous,
+  MeshReduce,
+  BroadcastObject
+};
+
+const char* kind_name(CollectiveKind k);
+
+/// Everything replicas must agree on for one collective (data sizes of host-side payloads
+/// excepted: those may differ).
+struct Signature {
+  CollectiveKind kind = CollectiveKind::Barrier;
+  ReduceOp op = ReduceOp::Sum;         ///< reductions only
+  DType dtype = DType::Float32;        ///< tensor collectives only
+  int tensors = 0;                     ///< number of tensors (coalesced all_reduce: several)
+  Shape shape;                         ///< the first tensor's shape
+  std::uint64_t shapes_hash = 0;       ///< every tensor's shape
+  std::int64_t params[3] = {0, 0, 0};  ///< dim, scatter/split/concat dims and counts, src
+  double scale = 1.0;
+  std::shared_ptr<const std::vector<int>> group;  ///< this replica's group, in data order
+  std::string tag;                                ///< host collectives: name, tag or value type
+
+  friend bool operator==(const Signature& a, const Signature& b) {
+    return a.kind == b.kind && a.op == b.op && a.dtype == b.dtype && a.tensors == b.tensors &&
+           a.shape == b.shape && a.shapes_hash == b.shapes_hash && a.params[0] == b.params[0] &&
+           a.params[1] == b.params[1] && a.params[2] == b.params[2] &&
+           std::bit_cast<std::uint64_t>(a.scale) == std::bit_cast<std::uint64_t>(b.scale) &&
+           a.tag == b.tag && (a.group == b.group || (a.group && b.group && *a.group == *b.group));
+  }
+
+  /// "all_reduce(op=sum, dtype=float32, shape=(4,), scale=1, group=[0, 1])".
+  std::string str() const;
+};
+
+/// Hash of a list of shapes (order-sensitive).
+std::uint64_t shapes_hash(const std::vector<Shape>& shapes);
+
+}  // namespace detail
+}  // namespace lazy::dist
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::dist::detail {
+LAZYTENSOR_INLINE std::string list_str(const std::vector<int>& v) {
   std::string s = "[";
   for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
   return s + "]";
 }
 
-inline std::string groups_str(const Groups& g) {
+LAZYTENSOR_INLINE std::string groups_str(const Groups& g) {
   std::string s = "[";
   for (std::size_t i = 0; i < g.size(); ++i) s += (i ? ", " : "") + list_str(g[i]);
   return s + "]";
 }
 
-/// The group of `ordinal` in `groups` (validated: a partition of [0, world) into lists of
-/// equal size). Throws CollectiveError naming the problem.
-inline std::vector<int> resolve_group(const Groups& groups, int world, int ordinal,
-                                      const char* op) {
+LAZYTENSOR_INLINE std::vector<int> resolve_group(const Groups& groups, int world, int ordinal,
+                                                 const char* op) {
   if (groups.empty()) {
     std::vector<int> all(static_cast<std::size_t>(world));
     for (int i = 0; i < world; ++i) all[static_cast<std::size_t>(i)] = i;
@@ -81,20 +137,7 @@ inline std::vector<int> resolve_group(const Groups& groups, int world, int ordin
   return *mine;
 }
 
-/// What a collective is.
-enum class CollectiveKind : std::uint8_t {
-  AllReduce,
-  AllGather,
-  ReduceScatter,
-  AllToAll,
-  Broadcast,
-  Barrier,
-  Rendezvous,
-  MeshReduce,
-  BroadcastObject
-};
-
-inline const char* kind_name(CollectiveKind k) {
+LAZYTENSOR_INLINE const char* kind_name(CollectiveKind k) {
   switch (k) {
     case CollectiveKind::AllReduce:
       return "all_reduce";
@@ -118,82 +161,57 @@ inline const char* kind_name(CollectiveKind k) {
   return "?";
 }
 
-/// Everything replicas must agree on for one collective (data sizes of host-side payloads
-/// excepted: those may differ).
-struct Signature {
-  CollectiveKind kind = CollectiveKind::Barrier;
-  ReduceOp op = ReduceOp::Sum;         ///< reductions only
-  DType dtype = DType::Float32;        ///< tensor collectives only
-  int tensors = 0;                     ///< number of tensors (coalesced all_reduce: several)
-  Shape shape;                         ///< the first tensor's shape
-  std::uint64_t shapes_hash = 0;       ///< every tensor's shape
-  std::int64_t params[3] = {0, 0, 0};  ///< dim, scatter/split/concat dims and counts, src
-  double scale = 1.0;
-  std::shared_ptr<const std::vector<int>> group;  ///< this replica's group, in data order
-  std::string tag;                                ///< host collectives: name, tag or value type
-
-  friend bool operator==(const Signature& a, const Signature& b) {
-    return a.kind == b.kind && a.op == b.op && a.dtype == b.dtype && a.tensors == b.tensors &&
-           a.shape == b.shape && a.shapes_hash == b.shapes_hash && a.params[0] == b.params[0] &&
-           a.params[1] == b.params[1] && a.params[2] == b.params[2] &&
-           std::bit_cast<std::uint64_t>(a.scale) == std::bit_cast<std::uint64_t>(b.scale) &&
-           a.tag == b.tag && (a.group == b.group || (a.group && b.group && *a.group == *b.group));
+LAZYTENSOR_INLINE std::string Signature::str() const {
+  std::string s = std::string(kind_name(kind)) + "(";
+  auto num = [](double v) {
+    std::string t = std::to_string(v);
+    t.erase(t.find_last_not_of('0') + 1);
+    if (!t.empty() && t.back() == '.') t.pop_back();
+    return t;
+  };
+  switch (kind) {
+    case CollectiveKind::AllReduce:
+    case CollectiveKind::ReduceScatter:
+      s += "op=" + reduce_op_name(op) + ", ";
+      break;
+    default:
+      break;
   }
-
-  /// "all_reduce(op=sum, dtype=float32, shape=(4,), scale=1, group=[0, 1])".
-  std::string str() const {
-    std::string s = std::string(kind_name(kind)) + "(";
-    auto num = [](double v) {
-      std::string t = std::to_string(v);
-      t.erase(t.find_last_not_of('0') + 1);
-      if (!t.empty() && t.back() == '.') t.pop_back();
-      return t;
-    };
-    switch (kind) {
-      case CollectiveKind::AllReduce:
-      case CollectiveKind::ReduceScatter:
-        s += "op=" + reduce_op_name(op) + ", ";
-        break;
-      default:
-        break;
-    }
-    if (tensors > 0) {
-      s += "dtype=" + dtype_name(dtype) + ", ";
-      s += tensors == 1 ? "shape=" + shape.str()
-                        : std::to_string(tensors) + " tensors, first shape=" + shape.str();
-      s += ", ";
-    }
-    switch (kind) {
-      case CollectiveKind::AllReduce:
-        s += "scale=" + num(scale) + ", ";
-        break;
-      case CollectiveKind::AllGather:
-        s += "dim=" + std::to_string(params[0]) + ", ";
-        break;
-      case CollectiveKind::ReduceScatter:
-        s += "scale=" + num(scale) + ", scatter_dim=" + std::to_string(params[0]) +
-             ", shard_count=" + std::to_string(params[1]) + ", ";
-        break;
-      case CollectiveKind::AllToAll:
-        s += "split_dimension=" + std::to_string(params[0]) +
-             ", concat_dimension=" + std::to_string(params[1]) +
-             ", split_count=" + std::to_string(params[2]) + ", ";
-        break;
-      case CollectiveKind::Broadcast:
-      case CollectiveKind::BroadcastObject:
-        s += "src=" + std::to_string(params[0]) + ", ";
-        break;
-      default:
-        break;
-    }
-    if (!tag.empty()) s += "'" + tag + "', ";
-    s += "group=" + (group ? list_str(*group) : std::string("[]"));
-    return s + ")";
+  if (tensors > 0) {
+    s += "dtype=" + dtype_name(dtype) + ", ";
+    s += tensors == 1 ? "shape=" + shape.str()
+                      : std::to_string(tensors) + " tensors, first shape=" + shape.str();
+    s += ", ";
   }
-};
+  switch (kind) {
+    case CollectiveKind::AllReduce:
+      s += "scale=" + num(scale) + ", ";
+      break;
+    case CollectiveKind::AllGather:
+      s += "dim=" + std::to_string(params[0]) + ", ";
+      break;
+    case CollectiveKind::ReduceScatter:
+      s += "scale=" + num(scale) + ", scatter_dim=" + std::to_string(params[0]) +
+           ", shard_count=" + std::to_string(params[1]) + ", ";
+      break;
+    case CollectiveKind::AllToAll:
+      s += "split_dimension=" + std::to_string(params[0]) +
+           ", concat_dimension=" + std::to_string(params[1]) +
+           ", split_count=" + std::to_string(params[2]) + ", ";
+      break;
+    case CollectiveKind::Broadcast:
+    case CollectiveKind::BroadcastObject:
+      s += "src=" + std::to_string(params[0]) + ", ";
+      break;
+    default:
+      break;
+  }
+  if (!tag.empty()) s += "'" + tag + "', ";
+  s += "group=" + (group ? list_str(*group) : std::string("[]"));
+  return s + ")";
+}
 
-/// Hash of a list of shapes (order-sensitive).
-inline std::uint64_t shapes_hash(const std::vector<Shape>& shapes) {
+LAZYTENSOR_INLINE std::uint64_t shapes_hash(const std::vector<Shape>& shapes) {
   std::uint64_t h = 1469598103934665603ull;
   auto mix = [&](std::uint64_t v) { h = (h ^ v) * 1099511628211ull; };
   for (const auto& s : shapes) {
@@ -202,6 +220,5 @@ inline std::uint64_t shapes_hash(const std::vector<Shape>& shapes) {
   }
   return h;
 }
-
-}  // namespace detail
-}  // namespace lazy::dist
+}  // namespace lazy::dist::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

@@ -30,6 +30,7 @@
 #include <utility>
 #include <vector>
 
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/dist/context.hpp>
 #include <lazytensor/graph/device.hpp>
 
@@ -64,26 +65,8 @@ inline bool replica_steps_inline(int n) {
 /// step mode back.
 class ReplicaDevices {
  public:
-  explicit ReplicaDevices(int n) {
-    const int per = replica_threads(n);
-    const bool in_line = replica_steps_inline(n);
-    const int existing = graph::DeviceRegistry::get().count();
-    for (int i = 0; i < n; ++i) {
-      graph::Device& dev = graph::DeviceRegistry::get().device(i);
-      ThreadPool& pool = dev.threads();
-      if (i < existing) old_.push_back(pool.size());
-      if (pool.size() != per) pool.resize(per);
-      old_inline_.push_back(dev.inline_steps());
-      dev.inline_steps() = in_line;
-    }
-  }
-  ~ReplicaDevices() {
-    for (std::size_t i = 0; i < old_inline_.size(); ++i) {
-      graph::Device& dev = graph::DeviceRegistry::get().device(static_cast<int>(i));
-      dev.inline_steps() = old_inline_[i] != 0;
-      if (i < old_.size() && dev.threads().size() != old_[i]) dev.threads().resize(old_[i]);
-    }
-  }
+  explicit ReplicaDevices(int n);
+  ~ReplicaDevices();
   ReplicaDevices(const ReplicaDevices&) = delete;
   ReplicaDevices& operator=(const ReplicaDevices&) = delete;
 
@@ -158,3 +141,29 @@ auto spawn(F&& fn, int nprocs) {
 }
 
 }  // namespace lazy::dist
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::dist::detail {
+LAZYTENSOR_INLINE ReplicaDevices::ReplicaDevices(int n) {
+  const int per = replica_threads(n);
+  const bool in_line = replica_steps_inline(n);
+  const int existing = graph::DeviceRegistry::get().count();
+  for (int i = 0; i < n; ++i) {
+    graph::Device& dev = graph::DeviceRegistry::get().device(i);
+    ThreadPool& pool = dev.threads();
+    if (i < existing) old_.push_back(pool.size());
+    if (pool.size() != per) pool.resize(per);
+    old_inline_.push_back(dev.inline_steps());
+    dev.inline_steps() = in_line;
+  }
+}
+
+LAZYTENSOR_INLINE ReplicaDevices::~ReplicaDevices() {
+  for (std::size_t i = 0; i < old_inline_.size(); ++i) {
+    graph::Device& dev = graph::DeviceRegistry::get().device(static_cast<int>(i));
+    dev.inline_steps() = old_inline_[i] != 0;
+    if (i < old_.size() && dev.threads().size() != old_[i]) dev.threads().resize(old_[i]);
+  }
+}
+}  // namespace lazy::dist::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

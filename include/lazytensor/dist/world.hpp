@@ -20,6 +20,7 @@
 #include <immintrin.h>
 #endif
 
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/core/error.hpp>
 
 namespace lazy::dist {
@@ -28,18 +29,7 @@ namespace detail {
 
 /// Default collective timeout: LAZYTENSOR_COLLECTIVE_TIMEOUT (seconds, may be fractional),
 /// else 300 s. A malformed value is an error when a collective first needs it.
-inline std::chrono::milliseconds env_collective_timeout() {
-  const char* env = std::getenv("LAZYTENSOR_COLLECTIVE_TIMEOUT");
-  if (!env || !*env) return std::chrono::seconds(300);
-  char* end = nullptr;
-  const double s = std::strtod(env, &end);
-  if (end == env || *end != '\0' || !(s > 0) || s > 1e9) {
-    throw Error(std::string("LAZYTENSOR_COLLECTIVE_TIMEOUT='") + env +
-                "' is not a number of seconds > 0 (expected e.g. 300 or 0.5)");
-  }
-  return std::chrono::milliseconds(
-      std::max<std::int64_t>(1, static_cast<std::int64_t>(s * 1000.0)));
-}
+std::chrono::milliseconds env_collective_timeout();
 
 /// The timeout in milliseconds; 0 means "not read from the environment yet".
 inline std::atomic<std::int64_t>& timeout_ms() {
@@ -58,26 +48,11 @@ inline void cpu_relax() {
 }  // namespace detail
 
 /// How long a replica waits in a collective for the others before CollectiveTimeout.
-inline std::chrono::milliseconds collective_timeout() {
-  auto& ms = detail::timeout_ms();
-  std::int64_t v = ms.load(std::memory_order_relaxed);
-  if (v == 0) {
-    v = detail::env_collective_timeout().count();
-    std::int64_t expected = 0;
-    if (!ms.compare_exchange_strong(expected, v)) v = expected;  // set_collective_timeout won
-  }
-  return std::chrono::milliseconds(v);
-}
+std::chrono::milliseconds collective_timeout();
 
 /// Sets the collective timeout for every replica of this process (default 300 s, or
 /// LAZYTENSOR_COLLECTIVE_TIMEOUT seconds). Takes effect at the next wait.
-inline void set_collective_timeout(std::chrono::milliseconds t) {
-  if (t.count() <= 0) {
-    throw Error("set_collective_timeout: the timeout must be > 0 ms, got " +
-                std::to_string(t.count()) + " ms");
-  }
-  detail::timeout_ms().store(t.count());
-}
+void set_collective_timeout(std::chrono::milliseconds t);
 
 namespace detail {
 
@@ -101,12 +76,7 @@ struct WorldLayout {
 class Event {
  public:
   /// Wakes the sleepers, if any (cheap when nobody sleeps).
-  void notify() {
-    if (sleepers_.fetch_add(0, std::memory_order_acq_rel) > 0) {
-      std::lock_guard lock(mu_);
-      cv_.notify_all();
-    }
-  }
+  void notify();
   /// Sleeps until pred() holds or `deadline` passes; returns pred().
   template <class Pred>
   bool wait_until(Pred&& pred, std::chrono::steady_clock::time_point deadline) {
@@ -146,11 +116,7 @@ struct WaitBudget {
 /// of 8% more samples/s than spinning 20 us and sleeping (5 alternating runs, 1.5-19%). When
 /// replicas outnumber the hardware threads, waiting would only steal time from the replica being
 /// waited for (it may not be running at all), so the budget is a short spin and no yielding.
-inline WaitBudget wait_budget(int replicas) {
-  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  if (replicas <= hw) return {std::chrono::microseconds(20), std::chrono::milliseconds(2)};
-  return {std::chrono::microseconds(1), std::chrono::nanoseconds(0)};
-}
+WaitBudget wait_budget(int replicas);
 
 /// Waits within `budget` (spinning, then yielding) until pred() holds (true) or the budget
 /// is spent (false).
@@ -175,10 +141,7 @@ bool spin_until(Pred&& pred, WaitBudget budget) {
 /// Shared state of one world: replica lifecycle, abort flag and first failure, the event.
 class WorldState {
  public:
-  explicit WorldState(WorldLayout layout)
-      : layout_(layout),
-        exited_(static_cast<std::size_t>(layout.world_size)),
-        wait_(wait_budget(layout.process_replicas)) {}
+  explicit WorldState(WorldLayout layout);
 
   const WorldLayout& layout() const { return layout_; }
   Event& event() { return event_; }
@@ -190,54 +153,21 @@ class WorldState {
 
   /// Records that replica `ordinal` failed with `e`; the first failure is kept (and
   /// re-thrown by spawn) and aborts the world. Returns true for the first failure.
-  bool fail(int ordinal, std::exception_ptr e) {
-    bool first = false;
-    {
-      std::lock_guard lock(mu_);
-      if (!error_) {
-        error_ = e;
-        failed_ordinal_ = ordinal;
-        failure_ = describe(e);
-        first = true;
-      }
-    }
-    aborted_.store(true, std::memory_order_release);
-    event_.notify();
-    return first;
-  }
+  bool fail(int ordinal, std::exception_ptr e);
   /// The first failure (null when none).
-  std::exception_ptr first_error() const {
-    std::lock_guard lock(mu_);
-    return error_;
-  }
+  std::exception_ptr first_error() const;
   /// "replica 2 failed: <what>", for ReplicaAborted messages.
-  std::string abort_reason() const {
-    std::lock_guard lock(mu_);
-    if (!error_) return "the world was aborted";
-    if (failed_ordinal_ < 0) return "spawn failed: " + failure_;
-    return "replica " + std::to_string(failed_ordinal_) + " failed: " + failure_;
-  }
+  std::string abort_reason() const;
 
   /// Marks replica `ordinal` as gone (its function returned or threw): collectives that
   /// wait for it fail at once instead of timing out.
-  void mark_exited(int ordinal) {
-    exited_[static_cast<std::size_t>(ordinal)].store(true, std::memory_order_release);
-    event_.notify();
-  }
+  void mark_exited(int ordinal);
   bool exited(int ordinal) const {
     return exited_[static_cast<std::size_t>(ordinal)].load(std::memory_order_acquire);
   }
 
  private:
-  static std::string describe(const std::exception_ptr& e) {
-    try {
-      std::rethrow_exception(e);
-    } catch (const std::exception& ex) {
-      return ex.what();
-    } catch (...) {
-      return "an exception not derived from std::exception";
-    }
-  }
+  static std::string describe(const std::exception_ptr& e);
 
   WorldLayout layout_;
   std::vector<std::atomic<bool>> exited_;
@@ -252,3 +182,104 @@ class WorldState {
 
 }  // namespace detail
 }  // namespace lazy::dist
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::dist::detail {
+LAZYTENSOR_INLINE std::chrono::milliseconds env_collective_timeout() {
+  const char* env = std::getenv("LAZYTENSOR_COLLECTIVE_TIMEOUT");
+  if (!env || !*env) return std::chrono::seconds(300);
+  char* end = nullptr;
+  const double s = std::strtod(env, &end);
+  if (end == env || *end != '\0' || !(s > 0) || s > 1e9) {
+    throw Error(std::string("LAZYTENSOR_COLLECTIVE_TIMEOUT='") + env +
+                "' is not a number of seconds > 0 (expected e.g. 300 or 0.5)");
+  }
+  return std::chrono::milliseconds(
+      std::max<std::int64_t>(1, static_cast<std::int64_t>(s * 1000.0)));
+}
+}  // namespace lazy::dist::detail
+
+namespace lazy::dist {
+LAZYTENSOR_INLINE std::chrono::milliseconds collective_timeout() {
+  auto& ms = detail::timeout_ms();
+  std::int64_t v = ms.load(std::memory_order_relaxed);
+  if (v == 0) {
+    v = detail::env_collective_timeout().count();
+    std::int64_t expected = 0;
+    if (!ms.compare_exchange_strong(expected, v)) v = expected;  // set_collective_timeout won
+  }
+  return std::chrono::milliseconds(v);
+}
+
+LAZYTENSOR_INLINE void set_collective_timeout(std::chrono::milliseconds t) {
+  if (t.count() <= 0) {
+    throw Error("set_collective_timeout: the timeout must be > 0 ms, got " +
+                std::to_string(t.count()) + " ms");
+  }
+  detail::timeout_ms().store(t.count());
+}
+}  // namespace lazy::dist
+
+namespace lazy::dist::detail {
+LAZYTENSOR_INLINE void Event::notify() {
+  if (sleepers_.fetch_add(0, std::memory_order_acq_rel) > 0) {
+    std::lock_guard lock(mu_);
+    cv_.notify_all();
+  }
+}
+
+LAZYTENSOR_INLINE WaitBudget wait_budget(int replicas) {
+  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (replicas <= hw) return {std::chrono::microseconds(20), std::chrono::milliseconds(2)};
+  return {std::chrono::microseconds(1), std::chrono::nanoseconds(0)};
+}
+
+LAZYTENSOR_INLINE WorldState::WorldState(WorldLayout layout)
+    : layout_(layout),
+      exited_(static_cast<std::size_t>(layout.world_size)),
+      wait_(wait_budget(layout.process_replicas)) {}
+
+LAZYTENSOR_INLINE bool WorldState::fail(int ordinal, std::exception_ptr e) {
+  bool first = false;
+  {
+    std::lock_guard lock(mu_);
+    if (!error_) {
+      error_ = e;
+      failed_ordinal_ = ordinal;
+      failure_ = describe(e);
+      first = true;
+    }
+  }
+  aborted_.store(true, std::memory_order_release);
+  event_.notify();
+  return first;
+}
+
+LAZYTENSOR_INLINE std::exception_ptr WorldState::first_error() const {
+  std::lock_guard lock(mu_);
+  return error_;
+}
+
+LAZYTENSOR_INLINE std::string WorldState::abort_reason() const {
+  std::lock_guard lock(mu_);
+  if (!error_) return "the world was aborted";
+  if (failed_ordinal_ < 0) return "spawn failed: " + failure_;
+  return "replica " + std::to_string(failed_ordinal_) + " failed: " + failure_;
+}
+
+LAZYTENSOR_INLINE void WorldState::mark_exited(int ordinal) {
+  exited_[static_cast<std::size_t>(ordinal)].store(true, std::memory_order_release);
+  event_.notify();
+}
+
+LAZYTENSOR_INLINE std::string WorldState::describe(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& ex) {
+    return ex.what();
+  } catch (...) {
+    return "an exception not derived from std::exception";
+  }
+}
+}  // namespace lazy::dist::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

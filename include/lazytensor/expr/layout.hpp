@@ -10,6 +10,7 @@
 
 #include <lazytensor/core/shape.hpp>
 #include <lazytensor/core/small_vector.hpp>
+#include <lazytensor/core/config.hpp>
 
 namespace lazy::expr {
 
@@ -23,15 +24,24 @@ struct Layout {
 
   bool flat() const { return ndim == 1; }
   std::int64_t inner() const { return size[ndim - 1]; }
-  bool any_splat() const {
-    for (char s : splat)
-      if (s) return true;
-    return false;
-  }
+  bool any_splat() const;
 };
 
 /// Layout for writing `out` from inputs of the given shapes (each broadcastable to out).
-inline Layout make_layout(const Shape& out, const std::vector<Shape>& inputs) {
+Layout make_layout(const Shape& out, const std::vector<Shape>& inputs);
+
+}  // namespace lazy::expr
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::expr {
+
+LAZYTENSOR_INLINE bool Layout::any_splat() const {
+  for (char s : splat)
+    if (s) return true;
+  return false;
+}
+
+LAZYTENSOR_INLINE Layout make_layout(const Shape& out, const std::vector<Shape>& inputs) {
   const int r = out.rank();
   const std::size_t n = inputs.size();
   // The common case first: every input has the output's shape or is one element.
@@ -104,3 +114,4 @@ inline Layout make_layout(const Shape& out, const std::vector<Shape>& inputs) {
 }
 
 }  // namespace lazy::expr
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

@@ -10,6 +10,7 @@
 #include <lazytensor/autograd/elementwise_grad.hpp>
 #include <lazytensor/graph/elementwise_node.hpp>
 #include <lazytensor/graph/submit.hpp>
+#include <lazytensor/core/config.hpp>
 
 namespace lazy::graph {
 
@@ -44,7 +45,14 @@ NodePtr make_elementwise(const E& e) {
 /// Materializes `node` (and what it needs). A value a step is computing is waited for;
 /// a pending one is computed now. Returns true when this read had to compute it (an
 /// implicit sync). Re-throws a stored execution error.
-inline bool materialize(const NodePtr& node) {
+bool materialize(const NodePtr& node);
+
+}  // namespace lazy::graph
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::graph {
+
+LAZYTENSOR_INLINE bool materialize(const NodePtr& node) {
   Device& dev = *node->device();
   if (!node->materialized() && !node->pending()) dev.wait_idle();
   dev.rethrow_stored_error();
@@ -54,3 +62,4 @@ inline bool materialize(const NodePtr& node) {
 }
 
 }  // namespace lazy::graph
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

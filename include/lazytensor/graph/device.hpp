@@ -30,6 +30,7 @@
 #include <lazytensor/core/thread_pool.hpp>
 #include <lazytensor/graph/plan_cache.hpp>
 #include <lazytensor/graph/tensor_impl.hpp>
+#include <lazytensor/core/config.hpp>
 
 namespace lazy::graph {
 
@@ -42,9 +43,8 @@ struct RngState {
 /// One execution device (a CPU "core group" with its own pool and graph).
 class Device {
  public:
-  Device(int index, int threads)
-      : index_(index), pool_(std::make_shared<BufferPool>()), threads_(threads) {}
-  ~Device() { stop_executor(); }
+  Device(int index, int threads);
+  ~Device();
   Device(const Device&) = delete;
   Device& operator=(const Device&) = delete;
 
@@ -54,71 +54,25 @@ class Device {
 
   ThreadPool& threads() { return threads_; }
   /// Changes the number of threads kernels use, once the steps in flight have finished.
-  void set_num_threads(int n) {
-    wait_idle();
-    threads_.resize(n);
-  }
+  void set_num_threads(int n);
   BufferPool& pool() { return *pool_; }
 
   // ---- the trace ----------------------------------------------------------------------
 
   /// Records a new pending node, in creation order.
-  void trace(const NodePtr& n) {
-    std::lock_guard lock(mu_);
-    // Statements read and dropped before the next one (`sum(x).item()` in a loop) leave
-    // their entry dead at the back: reuse it at once. A dead entry holds the node's memory
-    // (weak references keep make_shared's block), so waiting for the next pruning would
-    // cycle a fresh block through the cache on every statement.
-    while (!trace_.empty() && trace_.back().expired()) trace_.pop_back();
-    if (trace_.size() >= prune_at_) prune_trace();
-    trace_.push_back(n);
-  }
+  void trace(const NodePtr& n);
   /// Number of entries in the trace, dropped nodes not yet pruned included (for tests).
-  std::size_t trace_size() {
-    std::lock_guard lock(mu_);
-    return trace_.size();
-  }
+  std::size_t trace_size();
   /// Takes the trace (the caller puts back what it does not run, see keep_traced).
-  std::vector<std::weak_ptr<Node>> take_trace() {
-    std::lock_guard lock(mu_);
-    prune_at_ = kMinPruneAt;  // a large step must not leave a high threshold behind
-    return std::exchange(trace_, {});
-  }
+  std::vector<std::weak_ptr<Node>> take_trace();
   /// Returns nodes (in creation order) to the trace, which stays in creation order: the
   /// planner relies on producers coming before their consumers.
-  void keep_traced(std::vector<std::weak_ptr<Node>> older) {
-    if (older.empty()) return;
-    std::lock_guard lock(mu_);
-    if (newest_id(older) < oldest_id(trace_)) {
-      // The common case (a step's unneeded nodes, older than anything traced since).
-      older.insert(older.end(), trace_.begin(), trace_.end());
-      trace_ = std::move(older);
-    } else {
-      // Errors return nodes out of order: a failed step's, then the next step's (newer, but
-      // returned later), or a failed read's, still traced. Merge by id, once each.
-      older.insert(older.end(), trace_.begin(), trace_.end());
-      std::vector<std::pair<std::uint64_t, std::weak_ptr<Node>>> live;
-      for (auto& w : older)
-        if (auto n = w.lock()) live.emplace_back(n->id(), std::move(w));
-      std::sort(live.begin(), live.end(),
-                [](const auto& a, const auto& b) { return a.first < b.first; });
-      trace_.clear();
-      for (std::size_t i = 0; i < live.size(); ++i)
-        if (i == 0 || live[i].first != live[i - 1].first)
-          trace_.push_back(std::move(live[i].second));
-    }
-    rearm_pruning();
-  }
+  void keep_traced(std::vector<std::weak_ptr<Node>> older);
 
   /// Registers a handle, so mark_step can find the pending values that are still wanted
   /// (once per handle; it leaves the registry when destroyed). A handle registered with
   /// another device moves here (a module moved by to(device)).
-  void register_handle(const std::shared_ptr<TensorImpl>& impl) {
-    if (impl->registry == handles_) return;
-    if (impl->registry) impl->registry->remove(impl.get());
-    impl->registry = handles_;
-    handles_->add(impl.get());
-  }
+  void register_handle(const std::shared_ptr<TensorImpl>& impl);
   /// Calls f(node) for the node of every live handle whose value is still being traced.
   template <class F>
   void for_each_pending_root(F&& f) {
@@ -130,25 +84,11 @@ class Device {
   // ---- execution ----------------------------------------------------------------------
 
   /// Runs `job` on the executor thread after the jobs before it.
-  void enqueue(std::function<void()> job) {
-    {
-      std::lock_guard lock(exec_mu_);
-      if (!executor_.joinable()) executor_ = std::thread([this] { executor_loop(); });
-      jobs_.push_back(std::move(job));
-      outstanding_.fetch_add(1, std::memory_order_relaxed);
-    }
-    exec_cv_.notify_all();
-  }
+  void enqueue(std::function<void()> job);
   /// Blocks until every enqueued job has finished.
   void wait_idle() { wait_below(1); }
   /// Blocks until fewer than `n` enqueued jobs are unfinished (running or waiting).
-  void wait_below(std::int64_t n) {
-    // Every read and eager op asks; the executor is usually idle by then. The acquire load
-    // pairs with the release decrement, so a finished job's writes are visible.
-    if (outstanding_.load(std::memory_order_acquire) < n) return;
-    std::unique_lock lock(exec_mu_);
-    idle_cv_.wait(lock, [&] { return outstanding_.load(std::memory_order_relaxed) < n; });
-  }
+  void wait_below(std::int64_t n);
   /// True when jobs are enqueued or running.
   bool busy() { return outstanding_.load(std::memory_order_acquire) != 0; }
   /// Whether mark_step runs plans on the executor thread (default, LAZYTENSOR_ASYNC=0 turns
@@ -176,74 +116,22 @@ class Device {
   RngState& rng() { return rng_; }
   bool& eager() { return eager_; }
 
-  void add_step_closure(std::function<void()> f) {
-    std::lock_guard lock(mu_);
-    closures_.push_back(std::move(f));
-  }
-  std::vector<std::function<void()>> take_step_closures() {
-    std::lock_guard lock(mu_);
-    return std::exchange(closures_, {});
-  }
+  void add_step_closure(std::function<void()> f);
+  std::vector<std::function<void()>> take_step_closures();
 
   /// Stores an execution error to be re-thrown at the next read or sync.
-  void store_error(std::exception_ptr e) {
-    std::lock_guard lock(mu_);
-    if (!error_) error_ = e;
-    has_error_.store(true, std::memory_order_release);
-    failures_.fetch_add(1, std::memory_order_release);
-  }
+  void store_error(std::exception_ptr e);
   /// How many execution errors were ever stored: a queued step compares it with the
   /// count when it was queued, to learn that a step ahead of it failed.
   std::uint64_t failures() const { return failures_.load(std::memory_order_acquire); }
   /// Re-throws (once) a stored execution error.
-  void rethrow_stored_error() {
-    // Every read asks, and almost never finds one: no lock then. A store this load misses
-    // raced with the caller, as if it came after the check. A caller that waited for the
-    // step (wait_below) sees its error: the step stores it before the executor's release
-    // of the job count.
-    if (!has_error_.load(std::memory_order_acquire)) return;
-    std::exception_ptr e;
-    {
-      std::lock_guard lock(mu_);
-      e = std::exchange(error_, nullptr);
-      has_error_.store(false, std::memory_order_relaxed);
-    }
-    if (e) std::rethrow_exception(e);
-  }
+  void rethrow_stored_error();
 
  private:
-  void executor_loop() {
-    for (;;) {
-      std::function<void()> job;
-      {
-        std::unique_lock lock(exec_mu_);
-        exec_cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
-        if (jobs_.empty()) return;  // stopping, nothing left
-        job = std::move(jobs_.front());
-        jobs_.pop_front();
-      }
-      job();  // jobs catch their own errors (store_error)
-      job = nullptr;
-      {
-        std::lock_guard lock(exec_mu_);
-        outstanding_.fetch_sub(1, std::memory_order_release);
-      }
-      idle_cv_.notify_all();
-    }
-  }
+  void executor_loop();
   // At destruction (process exit): steps not started yet are dropped (nothing can read
   // their results any more), the running one finishes.
-  void stop_executor() {
-    std::deque<std::function<void()>> dropped;
-    {
-      std::lock_guard lock(exec_mu_);
-      stop_ = true;
-      dropped.swap(jobs_);
-      outstanding_.fetch_sub(static_cast<std::int64_t>(dropped.size()), std::memory_order_release);
-    }
-    exec_cv_.notify_all();
-    if (executor_.joinable()) executor_.join();
-  }
+  void stop_executor();
 
   // A program that only reads values (item(), to_vector()) and never calls mark_step
   // keeps tracing: without pruning, the entries of its dropped nodes would pile up, and
@@ -252,20 +140,9 @@ class Device {
   // per node and the trace at most twice the nodes still alive.
   // Ids of the newest and oldest live nodes of a list in creation order (0 and the
   // maximum when none is alive).
-  static std::uint64_t newest_id(const std::vector<std::weak_ptr<Node>>& v) {
-    for (auto it = v.rbegin(); it != v.rend(); ++it)
-      if (const auto n = it->lock()) return n->id();
-    return 0;
-  }
-  static std::uint64_t oldest_id(const std::vector<std::weak_ptr<Node>>& v) {
-    for (const auto& w : v)
-      if (const auto n = w.lock()) return n->id();
-    return std::numeric_limits<std::uint64_t>::max();
-  }
-  void prune_trace() {
-    std::erase_if(trace_, [](const std::weak_ptr<Node>& w) { return w.expired(); });
-    rearm_pruning();
-  }
+  static std::uint64_t newest_id(const std::vector<std::weak_ptr<Node>>& v);
+  static std::uint64_t oldest_id(const std::vector<std::weak_ptr<Node>>& v);
+  void prune_trace();
   // The next pruning comes when the trace has doubled from now.
   void rearm_pruning() { prune_at_ = std::max(kMinPruneAt, 2 * trace_.size()); }
 
@@ -301,36 +178,16 @@ class Device {
 };
 
 /// Threads a device uses by default: LAZYTENSOR_NUM_THREADS, else the hardware threads.
-inline int default_device_threads() {
-  if (const char* env = std::getenv("LAZYTENSOR_NUM_THREADS")) {
-    const int n = std::atoi(env);
-    if (n > 0) return n;
-  }
-  return std::max(1u, std::thread::hardware_concurrency());
-}
+int default_device_threads();
 
 /// All devices of this process. Created on first use; never destroyed before exit.
 class DeviceRegistry {
  public:
-  static DeviceRegistry& get() {
-    static DeviceRegistry r;
-    return r;
-  }
+  static DeviceRegistry& get();
   /// Device `index`, created on first use.
-  Device& device(int index) {
-    if (index < 0) throw DeviceError("device index must be >= 0, got " + std::to_string(index));
-    std::lock_guard lock(mu_);
-    while (static_cast<int>(devices_.size()) <= index) {
-      devices_.push_back(std::make_unique<Device>(static_cast<int>(devices_.size()), default_device_threads()));
-    }
-    return *devices_[index];
-  }
+  Device& device(int index);
   /// Number of devices created so far (at least 1).
-  int count() {
-    device(0);
-    std::lock_guard lock(mu_);
-    return static_cast<int>(devices_.size());
-  }
+  int count();
 
  private:
   std::mutex mu_;
@@ -338,10 +195,7 @@ class DeviceRegistry {
 };
 
 /// Index of this thread's current device (replicas bind their thread to their device).
-inline int& current_device_index() {
-  thread_local int index = 0;
-  return index;
-}
+int& current_device_index();
 
 /// This thread's current device.
 inline Device& current_device() { return DeviceRegistry::get().device(current_device_index()); }
@@ -349,13 +203,215 @@ inline Device& current_device() { return DeviceRegistry::get().device(current_de
 /// Points an existing handle at `node` (a parameter moved or reloaded in place); the
 /// handle's registration follows the node's device, so that device's mark_step sees the
 /// handle's later pending values.
-inline void rebind(const std::shared_ptr<TensorImpl>& impl, NodePtr node) {
+void rebind(const std::shared_ptr<TensorImpl>& impl, NodePtr node);
+
+}  // namespace lazy::graph
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::graph {
+
+LAZYTENSOR_INLINE Device::Device(int index, int threads)
+    : index_(index), pool_(std::make_shared<BufferPool>()), threads_(threads) {}
+
+LAZYTENSOR_INLINE Device::~Device() { stop_executor(); }
+
+LAZYTENSOR_INLINE void Device::set_num_threads(int n) {
+  wait_idle();
+  threads_.resize(n);
+}
+
+LAZYTENSOR_INLINE void Device::trace(const NodePtr& n) {
+  std::lock_guard lock(mu_);
+  // Statements read and dropped before the next one (`sum(x).item()` in a loop) leave
+  // their entry dead at the back: reuse it at once. A dead entry holds the node's memory
+  // (weak references keep make_shared's block), so waiting for the next pruning would
+  // cycle a fresh block through the cache on every statement.
+  while (!trace_.empty() && trace_.back().expired()) trace_.pop_back();
+  if (trace_.size() >= prune_at_) prune_trace();
+  trace_.push_back(n);
+}
+
+LAZYTENSOR_INLINE std::size_t Device::trace_size() {
+  std::lock_guard lock(mu_);
+  return trace_.size();
+}
+
+LAZYTENSOR_INLINE std::vector<std::weak_ptr<Node>> Device::take_trace() {
+  std::lock_guard lock(mu_);
+  prune_at_ = kMinPruneAt;  // a large step must not leave a high threshold behind
+  return std::exchange(trace_, {});
+}
+
+LAZYTENSOR_INLINE void Device::keep_traced(std::vector<std::weak_ptr<Node>> older) {
+  if (older.empty()) return;
+  std::lock_guard lock(mu_);
+  if (newest_id(older) < oldest_id(trace_)) {
+    // The common case (a step's unneeded nodes, older than anything traced since).
+    older.insert(older.end(), trace_.begin(), trace_.end());
+    trace_ = std::move(older);
+  } else {
+    // Errors return nodes out of order: a failed step's, then the next step's (newer, but
+    // returned later), or a failed read's, still traced. Merge by id, once each.
+    older.insert(older.end(), trace_.begin(), trace_.end());
+    std::vector<std::pair<std::uint64_t, std::weak_ptr<Node>>> live;
+    for (auto& w : older)
+      if (auto n = w.lock()) live.emplace_back(n->id(), std::move(w));
+    std::sort(live.begin(), live.end(),
+              [](const auto& a, const auto& b) { return a.first < b.first; });
+    trace_.clear();
+    for (std::size_t i = 0; i < live.size(); ++i)
+      if (i == 0 || live[i].first != live[i - 1].first)
+        trace_.push_back(std::move(live[i].second));
+  }
+  rearm_pruning();
+}
+
+LAZYTENSOR_INLINE void Device::register_handle(const std::shared_ptr<TensorImpl>& impl) {
+  if (impl->registry == handles_) return;
+  if (impl->registry) impl->registry->remove(impl.get());
+  impl->registry = handles_;
+  handles_->add(impl.get());
+}
+
+LAZYTENSOR_INLINE void Device::enqueue(std::function<void()> job) {
+  {
+    std::lock_guard lock(exec_mu_);
+    if (!executor_.joinable()) executor_ = std::thread([this] { executor_loop(); });
+    jobs_.push_back(std::move(job));
+    outstanding_.fetch_add(1, std::memory_order_relaxed);
+  }
+  exec_cv_.notify_all();
+}
+
+LAZYTENSOR_INLINE void Device::wait_below(std::int64_t n) {
+  // Every read and eager op asks; the executor is usually idle by then. The acquire load
+  // pairs with the release decrement, so a finished job's writes are visible.
+  if (outstanding_.load(std::memory_order_acquire) < n) return;
+  std::unique_lock lock(exec_mu_);
+  idle_cv_.wait(lock, [&] { return outstanding_.load(std::memory_order_relaxed) < n; });
+}
+
+LAZYTENSOR_INLINE void Device::add_step_closure(std::function<void()> f) {
+  std::lock_guard lock(mu_);
+  closures_.push_back(std::move(f));
+}
+
+LAZYTENSOR_INLINE std::vector<std::function<void()>> Device::take_step_closures() {
+  std::lock_guard lock(mu_);
+  return std::exchange(closures_, {});
+}
+
+LAZYTENSOR_INLINE void Device::store_error(std::exception_ptr e) {
+  std::lock_guard lock(mu_);
+  if (!error_) error_ = e;
+  has_error_.store(true, std::memory_order_release);
+  failures_.fetch_add(1, std::memory_order_release);
+}
+
+LAZYTENSOR_INLINE void Device::rethrow_stored_error() {
+  // Every read asks, and almost never finds one: no lock then. A store this load misses
+  // raced with the caller, as if it came after the check. A caller that waited for the
+  // step (wait_below) sees its error: the step stores it before the executor's release
+  // of the job count.
+  if (!has_error_.load(std::memory_order_acquire)) return;
+  std::exception_ptr e;
+  {
+    std::lock_guard lock(mu_);
+    e = std::exchange(error_, nullptr);
+    has_error_.store(false, std::memory_order_relaxed);
+  }
+  if (e) std::rethrow_exception(e);
+}
+
+LAZYTENSOR_INLINE void Device::executor_loop() {
+  for (;;) {
+    std::function<void()> job;
+    {
+      std::unique_lock lock(exec_mu_);
+      exec_cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
+      if (jobs_.empty()) return;  // stopping, nothing left
+      job = std::move(jobs_.front());
+      jobs_.pop_front();
+    }
+    job();  // jobs catch their own errors (store_error)
+    job = nullptr;
+    {
+      std::lock_guard lock(exec_mu_);
+      outstanding_.fetch_sub(1, std::memory_order_release);
+    }
+    idle_cv_.notify_all();
+  }
+}
+
+LAZYTENSOR_INLINE void Device::stop_executor() {
+  std::deque<std::function<void()>> dropped;
+  {
+    std::lock_guard lock(exec_mu_);
+    stop_ = true;
+    dropped.swap(jobs_);
+    outstanding_.fetch_sub(static_cast<std::int64_t>(dropped.size()), std::memory_order_release);
+  }
+  exec_cv_.notify_all();
+  if (executor_.joinable()) executor_.join();
+}
+
+LAZYTENSOR_INLINE std::uint64_t Device::newest_id(const std::vector<std::weak_ptr<Node>>& v) {
+  for (auto it = v.rbegin(); it != v.rend(); ++it)
+    if (const auto n = it->lock()) return n->id();
+  return 0;
+}
+
+LAZYTENSOR_INLINE std::uint64_t Device::oldest_id(const std::vector<std::weak_ptr<Node>>& v) {
+  for (const auto& w : v)
+    if (const auto n = w.lock()) return n->id();
+  return std::numeric_limits<std::uint64_t>::max();
+}
+
+LAZYTENSOR_INLINE void Device::prune_trace() {
+  std::erase_if(trace_, [](const std::weak_ptr<Node>& w) { return w.expired(); });
+  rearm_pruning();
+}
+
+LAZYTENSOR_INLINE int default_device_threads() {
+  if (const char* env = std::getenv("LAZYTENSOR_NUM_THREADS")) {
+    const int n = std::atoi(env);
+    if (n > 0) return n;
+  }
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+LAZYTENSOR_INLINE DeviceRegistry& DeviceRegistry::get() {
+  static DeviceRegistry r;
+  return r;
+}
+
+LAZYTENSOR_INLINE Device& DeviceRegistry::device(int index) {
+  if (index < 0) throw DeviceError("device index must be >= 0, got " + std::to_string(index));
+  std::lock_guard lock(mu_);
+  while (static_cast<int>(devices_.size()) <= index) {
+    devices_.push_back(std::make_unique<Device>(static_cast<int>(devices_.size()), default_device_threads()));
+  }
+  return *devices_[index];
+}
+
+LAZYTENSOR_INLINE int DeviceRegistry::count() {
+  device(0);
+  std::lock_guard lock(mu_);
+  return static_cast<int>(devices_.size());
+}
+
+LAZYTENSOR_INLINE int& current_device_index() {
+  thread_local int index = 0;
+  return index;
+}
+
+LAZYTENSOR_INLINE void rebind(const std::shared_ptr<TensorImpl>& impl, NodePtr node) {
   Device* dev = node->device();
   impl->node = std::move(node);
   dev->register_handle(impl);
 }
 
-inline std::shared_ptr<Buffer> Node::allocate_output(ExecContext& ctx, bool allow_donation) {
+LAZYTENSOR_INLINE std::shared_ptr<Buffer> Node::allocate_output(ExecContext& ctx, bool allow_donation) {
   if (allow_donation) {
     for (std::size_t i = 0; i < inputs_.size(); ++i) {
       if (auto b = try_donate(i)) {
@@ -369,3 +425,4 @@ inline std::shared_ptr<Buffer> Node::allocate_output(ExecContext& ctx, bool allo
 }
 
 }  // namespace lazy::graph
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

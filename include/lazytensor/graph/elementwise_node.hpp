@@ -20,6 +20,7 @@
 #include <lazytensor/expr/layout.hpp>
 #include <lazytensor/graph/device.hpp>
 #include <lazytensor/graph/parallel.hpp>
+#include <lazytensor/core/config.hpp>
 
 namespace lazy::graph {
 
@@ -44,8 +45,8 @@ class RowProducer {
   /// begin_rows / end_rows around a scope, end_rows also when the scope throws.
   class Session {
    public:
-    Session(RowProducer& p, ExecContext& ctx) : p_(p) { p_.begin_rows(ctx); }
-    ~Session() { p_.end_rows(); }
+    Session(RowProducer& p, ExecContext& ctx);
+    ~Session();
     Session(const Session&) = delete;
     Session& operator=(const Session&) = delete;
 
@@ -121,14 +122,7 @@ class CompiledKernel final : public ElementwiseKernel {
 class ElementwiseNode final : public Node {
  public:
   ElementwiseNode(std::unique_ptr<ElementwiseKernel> kernel, bool can_stream, DType dtype, Shape shape,
-                  Device* device, std::vector<NodePtr> inputs)
-      : Node(NodeKind::Elementwise, dtype, shape, device, std::move(inputs)), kernel_(std::move(kernel)),
-        can_stream_(can_stream) {
-    std::vector<Shape> shapes;
-    shapes.reserve(this->inputs().size());
-    for (const auto& in : this->inputs()) shapes.push_back(in->shape());
-    layout_ = expr::make_layout(shape, shapes);
-  }
+                  Device* device, std::vector<NodePtr> inputs);
 
   std::string op_name() const override { return "fused"; }
   std::string describe() const override { return kernel_->text(); }
@@ -141,99 +135,19 @@ class ElementwiseNode final : public Node {
   /// True when the kernel can write its output with non-temporal stores.
   bool can_stream() const { return can_stream_; }
 
-  void fuse_producers() override {
-    // Take over a GEMM producer that nothing else reads: it then runs in row blocks, each
-    // followed at once by this epilogue while the block is still in cache.
-    fused_slot_ = -1;
-    const auto& ins = inputs();
-    for (std::size_t i = 0; i < ins.size(); ++i) {
-      if (ins[i]->kind() != NodeKind::Gemm) continue;
-      auto* rp = dynamic_cast<RowProducer*>(ins[i].get());
-      if (!rp || !ins[i]->pending() || ins[i]->dtype() != dtype() || !(ins[i]->shape() == shape()) ||
-          shape().rank() < 1 || !(layout_.flat() || layout_.inner() == shape()[shape().rank() - 1]))
-        continue;
-      long holders = 0;
-      for (const auto& p : ins) holders += (p == ins[i]);
-      if (ins[i].use_count() != holders + 1) continue;  // + 1: the plan's reference
-      ins[i]->set_deferred(true);
-      fused_slot_ = static_cast<int>(i);
-      return;
-    }
-  }
+  void fuse_producers() override;
 
  protected:
-  void compute(ExecContext& ctx) override {
-    const auto& ins = inputs();
-    std::vector<const void*> ptrs(ins.size());
-    for (std::size_t i = 0; i < ins.size(); ++i) {
-      ptrs[i] = static_cast<int>(i) == fused_slot_ ? nullptr : ins[i]->buffer()->data();
-    }
-    auto buf = allocate_output(ctx, fused_slot_ < 0);
-    void* out = buf->data();
-    if (fused_slot_ >= 0) {
-      ptrs[fused_slot_] = out;  // the epilogue reads the GEMM block in place
-      run_with_producer(ctx, ptrs, out);
-    } else {
-      run(ctx, ptrs, out);
-    }
-    set_buffer(std::move(buf));
-  }
+  void compute(ExecContext& ctx) override;
 
-  void finish() override {
-    fused_slot_ = -1;
-    Node::finish();
-  }
+  void finish() override;
 
  private:
-  void run(ExecContext& ctx, const std::vector<const void*>& ptrs, void* out) const {
-    const std::int64_t n = numel();
-    if (n == 0) return;
-    auto& pool = ctx.device.threads();
-    const double cost = kernel_->cost();
-    const std::int64_t tasks = task_count(pool, n, cost);
-    if (layout_.flat()) {
-      const bool contig = !layout_.any_splat();
-      const bool stream = can_stream_ && contig &&
-                          n * static_cast<std::int64_t>(dtype_size(dtype())) >= expr::kStreamingStoreBytes;
-      pool.parallel_for(tasks, [&](std::int64_t t) {
-        auto [b, e] = task_range(n, tasks, t, kPadElements);
-        kernel_->flat(ptrs.data(), layout_.splat.data(), out, b, e, contig, stream);
-        if (stream) expr::store_fence();
-      });
-    } else {
-      const std::int64_t rows = n / layout_.inner();
-      const std::int64_t rtasks = std::min(tasks, rows);
-      pool.parallel_for(rtasks, [&](std::int64_t t) {
-        auto [r0, r1] = task_range(rows, rtasks, t);
-        kernel_->rows(ptrs.data(), layout_, out, r0, r1);
-      });
-    }
-  }
+  void run(ExecContext& ctx, const std::vector<const void*>& ptrs, void* out) const;
 
   // The producer's row blocks (fixed by the shapes, not by the thread count), each
   // followed at once by the epilogue while it is still in cache.
-  void run_with_producer(ExecContext& ctx, const std::vector<const void*>& ptrs, void* out) {
-    auto* producer = dynamic_cast<RowProducer*>(inputs()[fused_slot_].get());
-    const std::int64_t cols = shape()[shape().rank() - 1];
-    const std::int64_t rows = cols ? numel() / cols : 0;
-    if (rows == 0) return;
-    auto& pool = ctx.device.threads();
-    const std::int64_t block = std::max<std::int64_t>(1, producer->row_block());
-    const std::int64_t blocks = (rows + block - 1) / block;
-    const std::int64_t tasks = std::min(blocks, std::max<std::int64_t>(1, task_count(pool, numel(), producer_cost())));
-    const bool contig = !layout_.any_splat();
-    RowProducer::Session session(*producer, ctx);
-    pool.parallel_for(tasks, [&](std::int64_t t) {
-      auto [b0, b1] = task_range(blocks, tasks, t);
-      for (std::int64_t b = b0; b < b1; ++b) {
-        const std::int64_t r0 = b * block, r1 = std::min(rows, r0 + block);
-        producer->produce_rows(out, r0, r1);
-        if (layout_.flat()) kernel_->flat(ptrs.data(), layout_.splat.data(), out, r0 * cols, r1 * cols, contig, false);
-        else kernel_->rows(ptrs.data(), layout_, out, r0, r1);  // inner == cols (fuse_producers)
-      }
-    });
-    inputs()[fused_slot_]->set_deferred(false);
-  }
+  void run_with_producer(ExecContext& ctx, const std::vector<const void*>& ptrs, void* out);
 
   double producer_cost() const { return inputs()[fused_slot_]->cost_per_element(); }
 
@@ -253,3 +167,117 @@ NodePtr elementwise_node(K k, const Shape& shape, Device* device, std::vector<No
 }
 
 }  // namespace lazy::graph
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::graph {
+
+LAZYTENSOR_INLINE RowProducer::Session::Session(RowProducer& p, ExecContext& ctx) : p_(p) { p_.begin_rows(ctx); }
+
+LAZYTENSOR_INLINE RowProducer::Session::~Session() { p_.end_rows(); }
+
+LAZYTENSOR_INLINE ElementwiseNode::ElementwiseNode(std::unique_ptr<ElementwiseKernel> kernel,
+  bool can_stream,
+  DType dtype,
+  Shape shape,
+  Device* device,
+  std::vector<NodePtr> inputs)
+    : Node(NodeKind::Elementwise, dtype, shape, device, std::move(inputs)), kernel_(std::move(kernel)),
+      can_stream_(can_stream) {
+  std::vector<Shape> shapes;
+  shapes.reserve(this->inputs().size());
+  for (const auto& in : this->inputs()) shapes.push_back(in->shape());
+  layout_ = expr::make_layout(shape, shapes);
+}
+
+LAZYTENSOR_INLINE void ElementwiseNode::fuse_producers() {
+  // Take over a GEMM producer that nothing else reads: it then runs in row blocks, each
+  // followed at once by this epilogue while the block is still in cache.
+  fused_slot_ = -1;
+  const auto& ins = inputs();
+  for (std::size_t i = 0; i < ins.size(); ++i) {
+    if (ins[i]->kind() != NodeKind::Gemm) continue;
+    auto* rp = dynamic_cast<RowProducer*>(ins[i].get());
+    if (!rp || !ins[i]->pending() || ins[i]->dtype() != dtype() || !(ins[i]->shape() == shape()) ||
+        shape().rank() < 1 || !(layout_.flat() || layout_.inner() == shape()[shape().rank() - 1]))
+      continue;
+    long holders = 0;
+    for (const auto& p : ins) holders += (p == ins[i]);
+    if (ins[i].use_count() != holders + 1) continue;  // + 1: the plan's reference
+    ins[i]->set_deferred(true);
+    fused_slot_ = static_cast<int>(i);
+    return;
+  }
+}
+
+LAZYTENSOR_INLINE void ElementwiseNode::compute(ExecContext& ctx) {
+  const auto& ins = inputs();
+  std::vector<const void*> ptrs(ins.size());
+  for (std::size_t i = 0; i < ins.size(); ++i) {
+    ptrs[i] = static_cast<int>(i) == fused_slot_ ? nullptr : ins[i]->buffer()->data();
+  }
+  auto buf = allocate_output(ctx, fused_slot_ < 0);
+  void* out = buf->data();
+  if (fused_slot_ >= 0) {
+    ptrs[fused_slot_] = out;  // the epilogue reads the GEMM block in place
+    run_with_producer(ctx, ptrs, out);
+  } else {
+    run(ctx, ptrs, out);
+  }
+  set_buffer(std::move(buf));
+}
+
+LAZYTENSOR_INLINE void ElementwiseNode::finish() {
+  fused_slot_ = -1;
+  Node::finish();
+}
+
+LAZYTENSOR_INLINE void ElementwiseNode::run(ExecContext& ctx, const std::vector<const void*>& ptrs, void* out) const {
+  const std::int64_t n = numel();
+  if (n == 0) return;
+  auto& pool = ctx.device.threads();
+  const double cost = kernel_->cost();
+  const std::int64_t tasks = task_count(pool, n, cost);
+  if (layout_.flat()) {
+    const bool contig = !layout_.any_splat();
+    const bool stream = can_stream_ && contig &&
+                        n * static_cast<std::int64_t>(dtype_size(dtype())) >= expr::kStreamingStoreBytes;
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      auto [b, e] = task_range(n, tasks, t, kPadElements);
+      kernel_->flat(ptrs.data(), layout_.splat.data(), out, b, e, contig, stream);
+      if (stream) expr::store_fence();
+    });
+  } else {
+    const std::int64_t rows = n / layout_.inner();
+    const std::int64_t rtasks = std::min(tasks, rows);
+    pool.parallel_for(rtasks, [&](std::int64_t t) {
+      auto [r0, r1] = task_range(rows, rtasks, t);
+      kernel_->rows(ptrs.data(), layout_, out, r0, r1);
+    });
+  }
+}
+
+LAZYTENSOR_INLINE void ElementwiseNode::run_with_producer(ExecContext& ctx, const std::vector<const void*>& ptrs, void* out) {
+  auto* producer = dynamic_cast<RowProducer*>(inputs()[fused_slot_].get());
+  const std::int64_t cols = shape()[shape().rank() - 1];
+  const std::int64_t rows = cols ? numel() / cols : 0;
+  if (rows == 0) return;
+  auto& pool = ctx.device.threads();
+  const std::int64_t block = std::max<std::int64_t>(1, producer->row_block());
+  const std::int64_t blocks = (rows + block - 1) / block;
+  const std::int64_t tasks = std::min(blocks, std::max<std::int64_t>(1, task_count(pool, numel(), producer_cost())));
+  const bool contig = !layout_.any_splat();
+  RowProducer::Session session(*producer, ctx);
+  pool.parallel_for(tasks, [&](std::int64_t t) {
+    auto [b0, b1] = task_range(blocks, tasks, t);
+    for (std::int64_t b = b0; b < b1; ++b) {
+      const std::int64_t r0 = b * block, r1 = std::min(rows, r0 + block);
+      producer->produce_rows(out, r0, r1);
+      if (layout_.flat()) kernel_->flat(ptrs.data(), layout_.splat.data(), out, r0 * cols, r1 * cols, contig, false);
+      else kernel_->rows(ptrs.data(), layout_, out, r0, r1);  // inner == cols (fuse_producers)
+    }
+  });
+  inputs()[fused_slot_]->set_deferred(false);
+}
+
+}  // namespace lazy::graph
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

@@ -11,6 +11,7 @@
 #include <lazytensor/core/buffer.hpp>
 #include <lazytensor/core/dtype.hpp>
 #include <lazytensor/core/shape.hpp>
+#include <lazytensor/core/config.hpp>
 
 namespace lazy::graph {
 
@@ -29,9 +30,7 @@ struct ExecContext {
 /// A value in the pending graph of one device.
 class Node {
  public:
-  Node(NodeKind kind, DType dtype, Shape shape, Device* device, std::vector<NodePtr> inputs = {})
-      : kind_(kind), dtype_(dtype), shape_(shape), device_(device), inputs_(std::move(inputs)),
-        id_(next_id()) {}
+  Node(NodeKind kind, DType dtype, Shape shape, Device* device, std::vector<NodePtr> inputs = {});
   virtual ~Node() { release_chain(inputs_); }
   Node(const Node&) = delete;
   Node& operator=(const Node&) = delete;
@@ -67,31 +66,18 @@ class Node {
   virtual std::string describe() const { return op_name(); }
   /// Hash of everything that determines the kernel's code and layout, but not its data
   /// (cached: a node's structure never changes).
-  std::uint64_t hash() const {
-    if (!hash_valid_) {
-      hash_ = structural_hash();
-      hash_valid_ = true;
-    }
-    return hash_;
-  }
+  std::uint64_t hash() const;
   /// Computes the structural hash (override to add kernel parameters).
   virtual std::uint64_t structural_hash() const;
   /// Estimated cost per output element (1 = one add), used to decide threading.
   virtual double cost_per_element() const { return 1.0; }
 
   /// Computes the value into a buffer. Called once, after every input is materialized.
-  void run(ExecContext& ctx) {
-    compute(ctx);
-    finish();
-  }
+  void run(ExecContext& ctx);
 
   /// Ends a run from outside: the value is `buf` (or, without one, it lived only in a fused
   /// group's scratch and nothing can read it), and the inputs are released.
-  void finish_with(std::shared_ptr<Buffer> buf) {
-    if (buf) set_buffer(std::move(buf));
-    else set_state(State::Ready);
-    finish();
-  }
+  void finish_with(std::shared_ptr<Buffer> buf);
 
   /// Planner hook, called once per plan before execution, while the plan holds one extra
   /// reference to every node in it: a node may take over (defer) a producer's work, e.g. an
@@ -102,10 +88,7 @@ class Node {
   void set_deferred(bool d) { deferred_ = d; }
 
   /// Makes this node a materialized value holding `buf` (used by data nodes and views).
-  void set_buffer(std::shared_ptr<Buffer> buf) {
-    buffer_ = std::move(buf);
-    set_state(State::Ready);
-  }
+  void set_buffer(std::shared_ptr<Buffer> buf);
 
   /// The planner's scratch: this node's position in the plan being built (valid while
   /// `plan_epoch` matches the planner's epoch). Touched by the planning thread only.
@@ -120,10 +103,7 @@ class Node {
   /// Donation to a fused group: takes the buffer of materialized `n` when exactly
   /// `holders` references to it exist (all held by the group's members, which read it at
   /// the positions they write) and no view shares the buffer. Else null.
-  static std::shared_ptr<Buffer> take_buffer(const NodePtr& n, long holders) {
-    if (!n->materialized() || !n->buffer_ || n.use_count() != holders || n->buffer_.use_count() != 1) return nullptr;
-    return std::move(n->buffer_);
-  }
+  static std::shared_ptr<Buffer> take_buffer(const NodePtr& n, long holders);
 
  protected:
   virtual void compute(ExecContext& ctx) = 0;
@@ -138,28 +118,9 @@ class Node {
   /// Drops input references without recursion: a long pending chain (`a = a + 1` repeated
   /// 10^5 times, never computed) would otherwise be freed by nested destructor calls and
   /// overflow the stack. The outermost call drains a worklist; nested ones append to it.
-  static void release_chain(std::vector<NodePtr>& inputs) noexcept {
-    thread_local std::vector<NodePtr>* worklist = nullptr;
-    if (worklist) {
-      for (auto& p : inputs) worklist->push_back(std::move(p));
-      inputs.clear();
-      return;
-    }
-    std::vector<NodePtr> work = std::move(inputs);
-    inputs.clear();
-    worklist = &work;
-    while (!work.empty()) {
-      NodePtr n = std::move(work.back());
-      work.pop_back();
-      n.reset();  // a node destroyed here appends its own inputs to `work`
-    }
-    worklist = nullptr;
-  }
+  static void release_chain(std::vector<NodePtr>& inputs) noexcept;
 
-  static std::uint64_t next_id() {
-    static std::atomic<std::uint64_t> n{0};
-    return ++n;
-  }
+  static std::uint64_t next_id();
 
   NodeKind kind_;
   DType dtype_;
@@ -177,10 +138,7 @@ class Node {
 /// A value that already exists (factories, reads from host memory, computed results).
 class DataNode final : public Node {
  public:
-  DataNode(DType dtype, Shape shape, Device* device, std::shared_ptr<Buffer> buf)
-      : Node(NodeKind::Data, dtype, shape, device) {
-    set_buffer(std::move(buf));
-  }
+  DataNode(DType dtype, Shape shape, Device* device, std::shared_ptr<Buffer> buf);
   std::string op_name() const override { return "data"; }
 
  protected:
@@ -192,13 +150,81 @@ inline std::uint64_t hash_combine(std::uint64_t seed, std::uint64_t v) {
   return seed ^ (v + 0x9e3779b97f4a7c15ull + (seed << 6) + (seed >> 2));
 }
 
-inline std::uint64_t hash_shape(const Shape& s) {
+std::uint64_t hash_shape(const Shape& s);
+
+}  // namespace lazy::graph
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::graph {
+
+LAZYTENSOR_INLINE Node::Node(NodeKind kind, DType dtype, Shape shape, Device* device, std::vector<NodePtr> inputs)
+    : kind_(kind), dtype_(dtype), shape_(shape), device_(device), inputs_(std::move(inputs)),
+      id_(next_id()) {}
+
+LAZYTENSOR_INLINE std::uint64_t Node::hash() const {
+  if (!hash_valid_) {
+    hash_ = structural_hash();
+    hash_valid_ = true;
+  }
+  return hash_;
+}
+
+LAZYTENSOR_INLINE void Node::run(ExecContext& ctx) {
+  compute(ctx);
+  finish();
+}
+
+LAZYTENSOR_INLINE void Node::finish_with(std::shared_ptr<Buffer> buf) {
+  if (buf) set_buffer(std::move(buf));
+  else set_state(State::Ready);
+  finish();
+}
+
+LAZYTENSOR_INLINE void Node::set_buffer(std::shared_ptr<Buffer> buf) {
+  buffer_ = std::move(buf);
+  set_state(State::Ready);
+}
+
+LAZYTENSOR_INLINE std::shared_ptr<Buffer> Node::take_buffer(const NodePtr& n, long holders) {
+  if (!n->materialized() || !n->buffer_ || n.use_count() != holders || n->buffer_.use_count() != 1) return nullptr;
+  return std::move(n->buffer_);
+}
+
+LAZYTENSOR_INLINE void Node::release_chain(std::vector<NodePtr>& inputs) noexcept {
+  thread_local std::vector<NodePtr>* worklist = nullptr;
+  if (worklist) {
+    for (auto& p : inputs) worklist->push_back(std::move(p));
+    inputs.clear();
+    return;
+  }
+  std::vector<NodePtr> work = std::move(inputs);
+  inputs.clear();
+  worklist = &work;
+  while (!work.empty()) {
+    NodePtr n = std::move(work.back());
+    work.pop_back();
+    n.reset();  // a node destroyed here appends its own inputs to `work`
+  }
+  worklist = nullptr;
+}
+
+LAZYTENSOR_INLINE std::uint64_t Node::next_id() {
+  static std::atomic<std::uint64_t> n{0};
+  return ++n;
+}
+
+LAZYTENSOR_INLINE DataNode::DataNode(DType dtype, Shape shape, Device* device, std::shared_ptr<Buffer> buf)
+    : Node(NodeKind::Data, dtype, shape, device) {
+  set_buffer(std::move(buf));
+}
+
+LAZYTENSOR_INLINE std::uint64_t hash_shape(const Shape& s) {
   std::uint64_t h = static_cast<std::uint64_t>(s.rank());
   for (auto d : s) h = hash_combine(h, static_cast<std::uint64_t>(d));
   return h;
 }
 
-inline std::uint64_t Node::structural_hash() const {
+LAZYTENSOR_INLINE std::uint64_t Node::structural_hash() const {
   std::uint64_t h = hash_combine(static_cast<std::uint64_t>(kind_), static_cast<std::uint64_t>(dtype_));
   h = hash_combine(h, hash_shape(shape_));
   for (const auto& in : inputs_) {
@@ -208,7 +234,7 @@ inline std::uint64_t Node::structural_hash() const {
   return hash_combine(h, std::hash<std::string>{}(op_name()));
 }
 
-inline std::shared_ptr<Buffer> Node::try_donate(std::size_t i) {
+LAZYTENSOR_INLINE std::shared_ptr<Buffer> Node::try_donate(std::size_t i) {
   const NodePtr& in = inputs_[i];
   if (in->dtype() != dtype_ || in->numel() != numel()) return nullptr;
   long holders = 0;
@@ -217,3 +243,4 @@ inline std::shared_ptr<Buffer> Node::try_donate(std::size_t i) {
 }
 
 }  // namespace lazy::graph
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

@@ -26,6 +26,7 @@
 #include <lazytensor/graph/chunk_reduction.hpp>
 #include <lazytensor/graph/device.hpp>
 #include <lazytensor/graph/elementwise_node.hpp>
+#include <lazytensor/core/config.hpp>
 
 namespace lazy::graph {
 
@@ -75,14 +76,54 @@ inline constexpr std::int64_t kFusionMemoryBytes = expr::kStreamingStoreBytes;
 
 namespace planner {
 
-inline std::uint64_t next_epoch() {
+std::uint64_t next_epoch();
+
+/// Numbers the nodes (plan_slot) for this planning pass.
+std::uint64_t number(const std::vector<NodePtr>& nodes);
+
+inline std::int32_t slot_of(const NodePtr& n, std::uint64_t epoch) {
+  return n->plan_epoch == epoch ? n->plan_slot : -1;
+}
+
+/// An element-wise node that can run chunk by chunk with others: flat layout (every input
+/// has the output's shape or one element), not running a GEMM producer's epilogue.
+const ElementwiseNode* chunkable(const NodePtr& n);
+
+/// A reduction that can end a group of `numel`-element chunks: it reduces every element
+/// of a child with that many elements, each input having them all or one.
+ChunkReduction* chunk_reduction(const NodePtr& n, std::int64_t numel);
+
+/// Signature (see the file comment) of `nodes`, numbered with `epoch`; `outside[i]` is
+/// true when something outside the step refers to node i.
+std::vector<std::uint64_t> signature(const std::vector<NodePtr>& nodes, std::uint64_t epoch,
+                                            std::vector<std::uint8_t>& outside);
+
+std::uint64_t fold(const std::vector<std::uint64_t>& sig);
+
+/// Groups `nodes` into steps (see the file comment). Several groups (one per element
+/// count) may be open at once, so statements of different sizes interleaved in the
+/// program (activations and weight gradients of a backward pass) still fuse by size. A
+/// group's step is emitted when it closes: when a node outside it reads it, or at the end.
+/// So every consumer comes after its producers: a non-member reading a group closes the
+/// group first, and a member reading anything else reads a single step or a closed group
+/// emitted earlier.
+std::shared_ptr<Plan> build(const std::vector<NodePtr>& nodes, std::uint64_t epoch,
+                                   const std::vector<std::uint8_t>& outside);
+
+}  // namespace planner
+
+}  // namespace lazy::graph
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::graph::planner {
+
+LAZYTENSOR_INLINE std::uint64_t next_epoch() {
   thread_local std::uint64_t epoch = 0;
   // Mix in the thread so that two planners (devices in different threads) never share one.
   return (++epoch << 8) ^ reinterpret_cast<std::uintptr_t>(&epoch);
 }
 
-/// Numbers the nodes (plan_slot) for this planning pass.
-inline std::uint64_t number(const std::vector<NodePtr>& nodes) {
+LAZYTENSOR_INLINE std::uint64_t number(const std::vector<NodePtr>& nodes) {
   const std::uint64_t epoch = next_epoch();
   for (std::size_t i = 0; i < nodes.size(); ++i) {
     nodes[i]->plan_slot = static_cast<std::int32_t>(i);
@@ -91,22 +132,14 @@ inline std::uint64_t number(const std::vector<NodePtr>& nodes) {
   return epoch;
 }
 
-inline std::int32_t slot_of(const NodePtr& n, std::uint64_t epoch) {
-  return n->plan_epoch == epoch ? n->plan_slot : -1;
-}
-
-/// An element-wise node that can run chunk by chunk with others: flat layout (every input
-/// has the output's shape or one element), not running a GEMM producer's epilogue.
-inline const ElementwiseNode* chunkable(const NodePtr& n) {
+LAZYTENSOR_INLINE const ElementwiseNode* chunkable(const NodePtr& n) {
   if (n->kind() != NodeKind::Elementwise) return nullptr;
   const auto* e = static_cast<const ElementwiseNode*>(n.get());
   if (!e->layout().flat() || e->takes_producer() || n->numel() == 0) return nullptr;
   return e;
 }
 
-/// A reduction that can end a group of `numel`-element chunks: it reduces every element
-/// of a child with that many elements, each input having them all or one.
-inline ChunkReduction* chunk_reduction(const NodePtr& n, std::int64_t numel) {
+LAZYTENSOR_INLINE ChunkReduction* chunk_reduction(const NodePtr& n, std::int64_t numel) {
   if (n->kind() != NodeKind::Reduction || n->numel() != 1) return nullptr;
   auto* r = dynamic_cast<ChunkReduction*>(n.get());
   if (!r || !r->reduces_all()) return nullptr;
@@ -118,10 +151,9 @@ inline ChunkReduction* chunk_reduction(const NodePtr& n, std::int64_t numel) {
   return reads_chunk ? r : nullptr;
 }
 
-/// Signature (see the file comment) of `nodes`, numbered with `epoch`; `outside[i]` is
-/// true when something outside the step refers to node i.
-inline std::vector<std::uint64_t> signature(const std::vector<NodePtr>& nodes, std::uint64_t epoch,
-                                            std::vector<std::uint8_t>& outside) {
+LAZYTENSOR_INLINE std::vector<std::uint64_t> signature(const std::vector<NodePtr>& nodes,
+    std::uint64_t epoch,
+    std::vector<std::uint8_t>& outside) {
   core::SmallVector<std::int32_t, 32> refs;  // a read of a few statements allocates nothing here
   refs.assign(nodes.size(), 0);
   for (const auto& n : nodes)
@@ -144,21 +176,15 @@ inline std::vector<std::uint64_t> signature(const std::vector<NodePtr>& nodes, s
   return sig;
 }
 
-inline std::uint64_t fold(const std::vector<std::uint64_t>& sig) {
+LAZYTENSOR_INLINE std::uint64_t fold(const std::vector<std::uint64_t>& sig) {
   std::uint64_t h = sig.size();
   for (auto v : sig) h = hash_combine(h, v);
   return h;
 }
 
-/// Groups `nodes` into steps (see the file comment). Several groups (one per element
-/// count) may be open at once, so statements of different sizes interleaved in the
-/// program (activations and weight gradients of a backward pass) still fuse by size. A
-/// group's step is emitted when it closes: when a node outside it reads it, or at the end.
-/// So every consumer comes after its producers: a non-member reading a group closes the
-/// group first, and a member reading anything else reads a single step or a closed group
-/// emitted earlier.
-inline std::shared_ptr<Plan> build(const std::vector<NodePtr>& nodes, std::uint64_t epoch,
-                                   const std::vector<std::uint8_t>& outside) {
+LAZYTENSOR_INLINE std::shared_ptr<Plan> build(const std::vector<NodePtr>& nodes,
+    std::uint64_t epoch,
+    const std::vector<std::uint8_t>& outside) {
   auto plan = std::make_shared<Plan>();
   plan->num_nodes = nodes.size();
   const std::size_t n = nodes.size();
@@ -275,6 +301,5 @@ inline std::shared_ptr<Plan> build(const std::vector<NodePtr>& nodes, std::uint6
   return plan;
 }
 
-}  // namespace planner
-
-}  // namespace lazy::graph
+}  // namespace lazy::graph::planner
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

@@ -22,6 +22,7 @@
 #include <lazytensor/graph/device.hpp>
 #include <lazytensor/graph/parallel.hpp>
 #include <lazytensor/expr/reduce_ops.hpp>
+#include <lazytensor/core/config.hpp>
 
 namespace lazy::graph {
 
@@ -97,14 +98,8 @@ using InputPointers = core::SmallVector<const void*, 8>;
 
 /// Per input, 1 when it is a single element broadcast over a child of `child_numel`
 /// elements (the kernel then reads that element for every index).
-inline core::SmallVector<char, 8> splat_flags(const std::vector<NodePtr>& inputs,
-                                              std::int64_t child_numel) {
-  core::SmallVector<char, 8> flags;
-  flags.resize(inputs.size());
-  for (std::size_t i = 0; i < inputs.size(); ++i)
-    flags[i] = inputs[i]->numel() == 1 && child_numel != 1 ? 1 : 0;
-  return flags;
-}
+core::SmallVector<char, 8> splat_flags(const std::vector<NodePtr>& inputs,
+                                              std::int64_t child_numel);
 
 template <class R, class S, bool C, class Ev>
 S reduce_range(const Ev& ev, std::int64_t b, std::int64_t len) {
@@ -312,3 +307,18 @@ class ArgReductionNode final : public Node {
 };
 
 }  // namespace lazy::graph
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::graph::detail {
+
+LAZYTENSOR_INLINE core::SmallVector<char, 8> splat_flags(const std::vector<NodePtr>& inputs,
+    std::int64_t child_numel) {
+  core::SmallVector<char, 8> flags;
+  flags.resize(inputs.size());
+  for (std::size_t i = 0; i < inputs.size(); ++i)
+    flags[i] = inputs[i]->numel() == 1 && child_numel != 1 ? 1 : 0;
+  return flags;
+}
+
+}  // namespace lazy::graph::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

@@ -24,6 +24,7 @@
 #include <lazytensor/graph/node.hpp>
 #include <lazytensor/graph/parallel.hpp>
 #include <lazytensor/graph/transpose_hint.hpp>
+#include <lazytensor/core/config.hpp>
 
 namespace lazy::graph {
 
@@ -55,27 +56,9 @@ struct Odometer {
   std::int64_t a = 0, b = 0;
 
   /// Positions the multi-index at linear position `lin` (row-major over `size`).
-  void seek(std::int64_t lin) {
-    a = b = 0;
-    for (int d = rank - 1; d >= 0; --d) {
-      idx[d] = lin % size[d];
-      lin /= size[d];
-      a += idx[d] * stride_a[d];
-      b += idx[d] * stride_b[d];
-    }
-  }
+  void seek(std::int64_t lin);
   /// Advances by one position (carry from the last dim).
-  void next() {
-    for (int d = rank - 1; d >= 0; --d) {
-      ++idx[d];
-      a += stride_a[d];
-      b += stride_b[d];
-      if (idx[d] < size[d]) return;
-      a -= stride_a[d] * size[d];
-      b -= stride_b[d] * size[d];
-      idx[d] = 0;
-    }
-  }
+  void next();
 };
 
 /// Fills `segs` equal-length output segments of `len` elements each, segment s copied from
@@ -110,8 +93,7 @@ inline const std::byte* bytes_of(const NodePtr& n) { return static_cast<const st
 /// costs nothing and the donation rule (buffer use_count == 1) keeps shared data safe.
 class ViewNode final : public Node {
  public:
-  ViewNode(std::string op, NodePtr in, Shape shape)
-      : Node(NodeKind::View, in->dtype(), shape, in->device(), {in}), op_(std::move(op)) {}
+  ViewNode(std::string op, NodePtr in, Shape shape);
 
   std::string op_name() const override { return op_; }
   std::string describe() const override { return op_ + "(%0) -> " + shape().str(); }
@@ -141,83 +123,24 @@ class PermuteNode : public Node {
     bool keeps_order() const { return rank <= 1; }
   };
 
-  static Shape permuted_shape(const Shape& in, const std::vector<int>& perm) {
-    Shape out;
-    for (int p : perm) out.push_back(in[p]);
-    return out;
-  }
+  static Shape permuted_shape(const Shape& in, const std::vector<int>& perm);
 
-  static Plan make_plan(const Shape& in, const std::vector<int>& perm) {
-    Plan p;
-    if (in.numel() <= 1) return p;
-    const auto ics = contiguous_strides(in);
-    std::vector<std::int64_t> sz, st;
-    for (int d : perm) {
-      if (in[d] == 1) continue;
-      sz.push_back(in[d]);
-      st.push_back(ics[d]);
-    }
-    // Merge output dim i into i + 1 while the input is contiguous across the pair.
-    std::vector<std::int64_t> csz{sz.back()}, cst{st.back()};
-    for (int i = static_cast<int>(sz.size()) - 2; i >= 0; --i) {
-      if (st[i] == cst.front() * csz.front()) {
-        csz.front() *= sz[i];
-      } else {
-        csz.insert(csz.begin(), sz[i]);
-        cst.insert(cst.begin(), st[i]);
-      }
-    }
-    p.rank = static_cast<int>(csz.size());
-    std::int64_t acc = 1;
-    for (int i = p.rank - 1; i >= 0; --i) {
-      p.size[i] = csz[i];
-      p.istride[i] = cst[i];
-      p.ostride[i] = acc;
-      acc *= csz[i];
-      if (cst[i] == 1) p.q = i;
-    }
-    return p;
-  }
+  static Plan make_plan(const Shape& in, const std::vector<int>& perm);
 
-  PermuteNode(NodePtr in, std::vector<int> perm, std::string op)
-      : Node(NodeKind::Copy, in->dtype(), permuted_shape(in->shape(), perm), in->device(), {in}),
-        perm_(std::move(perm)), op_(std::move(op)), plan_(make_plan(in->shape(), perm_)) {}
+  PermuteNode(NodePtr in, std::vector<int> perm, std::string op);
 
   /// out dim i reads input dim perm()[i].
   const std::vector<int>& perm() const { return perm_; }
   /// True when the permutation swaps the last two dims and keeps the others: a matmul can
   /// then read the input with a transposed layout instead of waiting for this copy.
-  bool swaps_last_two() const {
-    const int r = static_cast<int>(perm_.size());
-    if (r < 2 || perm_[r - 2] != r - 1 || perm_[r - 1] != r - 2) return false;
-    for (int i = 0; i + 2 < r; ++i)
-      if (perm_[i] != i) return false;
-    return true;
-  }
+  bool swaps_last_two() const;
 
   std::string op_name() const override { return op_; }
-  std::string describe() const override {
-    std::string s = op_ + "(%0, dims=[";
-    for (std::size_t i = 0; i < perm_.size(); ++i) s += (i ? ", " : "") + std::to_string(perm_[i]);
-    return s + "])";
-  }
-  std::uint64_t structural_hash() const override {
-    std::uint64_t h = Node::structural_hash();
-    for (int p : perm_) h = hash_combine(h, static_cast<std::uint64_t>(p));
-    return h;
-  }
+  std::string describe() const override;
+  std::uint64_t structural_hash() const override;
 
  protected:
-  void compute(ExecContext& ctx) override {
-    const std::byte* src = copy_kernels::bytes_of(inputs()[0]);
-    auto buf = allocate_output(ctx, false);  // reads elsewhere than it writes
-    auto* dst = static_cast<std::byte*>(buf->data());
-    const std::int64_t n = numel();
-    if (n > 0) {
-      copy_kernels::with_elem_size(dtype_size(dtype()), [&](auto nb) { run<decltype(nb)::value>(ctx, dst, src, n); });
-    }
-    set_buffer(std::move(buf));
-  }
+  void compute(ExecContext& ctx) override;
 
  private:
   static constexpr std::int64_t kTile = 32;
@@ -307,19 +230,14 @@ class PermuteNode : public Node {
 /// the source with a transposed layout and this copy never runs.
 class TransposeNode final : public PermuteNode, public TransposeOfLastTwo {
  public:
-  explicit TransposeNode(NodePtr in) : PermuteNode(in, last_two(in->shape().rank()), "transpose") {}
+  explicit TransposeNode(NodePtr in);
 
   /// The node whose last two dims this value swaps (null once this node has run: a
   /// computed node keeps no inputs).
   const NodePtr& transpose_source() const override { return inputs().empty() ? none_ : inputs()[0]; }
 
   /// The identity permutation with the last two entries swapped.
-  static std::vector<int> last_two(int rank) {
-    std::vector<int> p(static_cast<std::size_t>(rank));
-    for (int i = 0; i < rank; ++i) p[i] = i;
-    if (rank >= 2) std::swap(p[rank - 2], p[rank - 1]);
-    return p;
-  }
+  static std::vector<int> last_two(int rank);
 
  private:
   NodePtr none_;
@@ -328,46 +246,15 @@ class TransposeNode final : public PermuteNode, public TransposeOfLastTwo {
 /// Copies a strided range of one dim: out[.., k, ..] = in[.., start + k * step, ..].
 class SliceNode final : public Node {
  public:
-  SliceNode(std::string op, NodePtr in, int dim, std::int64_t start, std::int64_t step, Shape out)
-      : Node(NodeKind::Copy, in->dtype(), out, in->device(), {in}), op_(std::move(op)), dim_(dim), start_(start),
-        step_(step) {}
+  SliceNode(std::string op, NodePtr in, int dim, std::int64_t start, std::int64_t step, Shape out);
 
   std::string op_name() const override { return op_; }
-  std::string describe() const override {
-    return op_ + "(%0, dim=" + std::to_string(dim_) + ", start=" + std::to_string(start_) +
-           ", step=" + std::to_string(step_) + ")";
-  }
+  std::string describe() const override;
   // The offsets are part of the kernel's layout, not data: they belong in the hash.
-  std::uint64_t structural_hash() const override {
-    return hash_combine(hash_combine(hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_)),
-                                     static_cast<std::uint64_t>(start_)),
-                        static_cast<std::uint64_t>(step_));
-  }
+  std::uint64_t structural_hash() const override;
 
  protected:
-  void compute(ExecContext& ctx) override {
-    const Shape& is = inputs()[0]->shape();
-    const std::byte* src = copy_kernels::bytes_of(inputs()[0]);
-    auto buf = allocate_output(ctx, false);
-    auto* dst = static_cast<std::byte*>(buf->data());
-    std::int64_t outer = 1, inner = 1;
-    for (int d = 0; d < dim_; ++d) outer *= is[d];
-    for (int d = dim_ + 1; d < is.rank(); ++d) inner *= is[d];
-    const std::int64_t dsize = is[dim_], len = shape()[dim_];
-    const std::int64_t start = start_, step = step_;
-    copy_kernels::with_elem_size(dtype_size(dtype()), [&](auto nb) {
-      constexpr std::size_t N = decltype(nb)::value;
-      if (step == 1) {  // one contiguous run per outer index
-        copy_kernels::copy_segments<N>(ctx.device.threads(), dst, src, outer, len * inner,
-                                       [&](std::int64_t o) { return (o * dsize + start) * inner; });
-      } else {
-        copy_kernels::copy_segments<N>(ctx.device.threads(), dst, src, outer * len, inner, [&](std::int64_t s) {
-          return ((s / len) * dsize + start + (s % len) * step) * inner;
-        });
-      }
-    });
-    set_buffer(std::move(buf));
-  }
+  void compute(ExecContext& ctx) override;
 
  private:
   std::string op_;
@@ -381,47 +268,13 @@ class SliceNode final : public Node {
 class CatNode final : public Node {
  public:
   CatNode(std::string op, DType dtype, std::vector<NodePtr> ins, Shape out, Device* dev, std::int64_t outer,
-          std::vector<std::int64_t> widths)
-      : Node(NodeKind::Copy, dtype, out, dev, std::move(ins)), op_(std::move(op)), outer_(outer),
-        widths_(std::move(widths)) {}
+          std::vector<std::int64_t> widths);
 
   std::string op_name() const override { return op_; }
-  std::uint64_t structural_hash() const override {
-    std::uint64_t h = hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(outer_));
-    for (auto w : widths_) h = hash_combine(h, static_cast<std::uint64_t>(w));
-    return h;
-  }
+  std::uint64_t structural_hash() const override;
 
  protected:
-  void compute(ExecContext& ctx) override {
-    const std::size_t k = inputs().size();
-    std::vector<const std::byte*> srcs(k);
-    for (std::size_t i = 0; i < k; ++i) srcs[i] = copy_kernels::bytes_of(inputs()[i]);
-    auto buf = allocate_output(ctx, false);
-    auto* dst = static_cast<std::byte*>(buf->data());
-    std::vector<std::int64_t> pre(k + 1, 0);  // start of each input inside an output row
-    for (std::size_t i = 0; i < k; ++i) pre[i + 1] = pre[i] + widths_[i];
-    const std::int64_t W = pre[k], n = outer_ * W;
-    auto& pool = ctx.device.threads();
-    if (n > 0) {
-      copy_kernels::with_elem_size(dtype_size(dtype()), [&](auto nb) {
-        constexpr std::size_t N = decltype(nb)::value;
-        const std::int64_t tasks = task_count(pool, n, 1.0);
-        // Split the output evenly, whatever the sizes of the pieces.
-        pool.parallel_for(tasks, [&](std::int64_t t) {
-          auto [b, e] = task_range(n, tasks, t);
-          while (b < e) {
-            const std::int64_t o = b / W, w = b % W;
-            const auto i = static_cast<std::size_t>(std::upper_bound(pre.begin() + 1, pre.end(), w) - pre.begin() - 1);
-            const std::int64_t off = w - pre[i], c = std::min(widths_[i] - off, e - b);
-            std::memcpy(dst + b * N, srcs[i] + (o * widths_[i] + off) * N, static_cast<std::size_t>(c) * N);
-            b += c;
-          }
-        });
-      });
-    }
-    set_buffer(std::move(buf));
-  }
+  void compute(ExecContext& ctx) override;
 
  private:
   std::string op_;
@@ -585,3 +438,204 @@ class OneHotNode final : public Node {
 };
 
 }  // namespace lazy::graph
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::graph::copy_kernels {
+
+LAZYTENSOR_INLINE void Odometer::seek(std::int64_t lin) {
+  a = b = 0;
+  for (int d = rank - 1; d >= 0; --d) {
+    idx[d] = lin % size[d];
+    lin /= size[d];
+    a += idx[d] * stride_a[d];
+    b += idx[d] * stride_b[d];
+  }
+}
+
+LAZYTENSOR_INLINE void Odometer::next() {
+  for (int d = rank - 1; d >= 0; --d) {
+    ++idx[d];
+    a += stride_a[d];
+    b += stride_b[d];
+    if (idx[d] < size[d]) return;
+    a -= stride_a[d] * size[d];
+    b -= stride_b[d] * size[d];
+    idx[d] = 0;
+  }
+}
+
+}  // namespace lazy::graph::copy_kernels
+namespace lazy::graph {
+
+LAZYTENSOR_INLINE ViewNode::ViewNode(std::string op, NodePtr in, Shape shape)
+    : Node(NodeKind::View, in->dtype(), shape, in->device(), {in}), op_(std::move(op)) {}
+
+LAZYTENSOR_INLINE Shape PermuteNode::permuted_shape(const Shape& in, const std::vector<int>& perm) {
+  Shape out;
+  for (int p : perm) out.push_back(in[p]);
+  return out;
+}
+
+LAZYTENSOR_INLINE auto PermuteNode::make_plan(const Shape& in, const std::vector<int>& perm) -> Plan {
+  Plan p;
+  if (in.numel() <= 1) return p;
+  const auto ics = contiguous_strides(in);
+  std::vector<std::int64_t> sz, st;
+  for (int d : perm) {
+    if (in[d] == 1) continue;
+    sz.push_back(in[d]);
+    st.push_back(ics[d]);
+  }
+  // Merge output dim i into i + 1 while the input is contiguous across the pair.
+  std::vector<std::int64_t> csz{sz.back()}, cst{st.back()};
+  for (int i = static_cast<int>(sz.size()) - 2; i >= 0; --i) {
+    if (st[i] == cst.front() * csz.front()) {
+      csz.front() *= sz[i];
+    } else {
+      csz.insert(csz.begin(), sz[i]);
+      cst.insert(cst.begin(), st[i]);
+    }
+  }
+  p.rank = static_cast<int>(csz.size());
+  std::int64_t acc = 1;
+  for (int i = p.rank - 1; i >= 0; --i) {
+    p.size[i] = csz[i];
+    p.istride[i] = cst[i];
+    p.ostride[i] = acc;
+    acc *= csz[i];
+    if (cst[i] == 1) p.q = i;
+  }
+  return p;
+}
+
+LAZYTENSOR_INLINE PermuteNode::PermuteNode(NodePtr in, std::vector<int> perm, std::string op)
+    : Node(NodeKind::Copy, in->dtype(), permuted_shape(in->shape(), perm), in->device(), {in}),
+      perm_(std::move(perm)), op_(std::move(op)), plan_(make_plan(in->shape(), perm_)) {}
+
+LAZYTENSOR_INLINE bool PermuteNode::swaps_last_two() const {
+  const int r = static_cast<int>(perm_.size());
+  if (r < 2 || perm_[r - 2] != r - 1 || perm_[r - 1] != r - 2) return false;
+  for (int i = 0; i + 2 < r; ++i)
+    if (perm_[i] != i) return false;
+  return true;
+}
+
+LAZYTENSOR_INLINE std::string PermuteNode::describe() const {
+  std::string s = op_ + "(%0, dims=[";
+  for (std::size_t i = 0; i < perm_.size(); ++i) s += (i ? ", " : "") + std::to_string(perm_[i]);
+  return s + "])";
+}
+
+LAZYTENSOR_INLINE std::uint64_t PermuteNode::structural_hash() const {
+  std::uint64_t h = Node::structural_hash();
+  for (int p : perm_) h = hash_combine(h, static_cast<std::uint64_t>(p));
+  return h;
+}
+
+LAZYTENSOR_INLINE void PermuteNode::compute(ExecContext& ctx) {
+  const std::byte* src = copy_kernels::bytes_of(inputs()[0]);
+  auto buf = allocate_output(ctx, false);  // reads elsewhere than it writes
+  auto* dst = static_cast<std::byte*>(buf->data());
+  const std::int64_t n = numel();
+  if (n > 0) {
+    copy_kernels::with_elem_size(dtype_size(dtype()), [&](auto nb) { run<decltype(nb)::value>(ctx, dst, src, n); });
+  }
+  set_buffer(std::move(buf));
+}
+
+LAZYTENSOR_INLINE TransposeNode::TransposeNode(NodePtr in) : PermuteNode(in, last_two(in->shape().rank()), "transpose") {}
+
+LAZYTENSOR_INLINE std::vector<int> TransposeNode::last_two(int rank) {
+  std::vector<int> p(static_cast<std::size_t>(rank));
+  for (int i = 0; i < rank; ++i) p[i] = i;
+  if (rank >= 2) std::swap(p[rank - 2], p[rank - 1]);
+  return p;
+}
+
+LAZYTENSOR_INLINE SliceNode::SliceNode(std::string op, NodePtr in, int dim, std::int64_t start, std::int64_t step, Shape out)
+    : Node(NodeKind::Copy, in->dtype(), out, in->device(), {in}), op_(std::move(op)), dim_(dim), start_(start),
+      step_(step) {}
+
+LAZYTENSOR_INLINE std::string SliceNode::describe() const {
+  return op_ + "(%0, dim=" + std::to_string(dim_) + ", start=" + std::to_string(start_) +
+         ", step=" + std::to_string(step_) + ")";
+}
+
+LAZYTENSOR_INLINE std::uint64_t SliceNode::structural_hash() const {
+  return hash_combine(hash_combine(hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_)),
+                                   static_cast<std::uint64_t>(start_)),
+                      static_cast<std::uint64_t>(step_));
+}
+
+LAZYTENSOR_INLINE void SliceNode::compute(ExecContext& ctx) {
+  const Shape& is = inputs()[0]->shape();
+  const std::byte* src = copy_kernels::bytes_of(inputs()[0]);
+  auto buf = allocate_output(ctx, false);
+  auto* dst = static_cast<std::byte*>(buf->data());
+  std::int64_t outer = 1, inner = 1;
+  for (int d = 0; d < dim_; ++d) outer *= is[d];
+  for (int d = dim_ + 1; d < is.rank(); ++d) inner *= is[d];
+  const std::int64_t dsize = is[dim_], len = shape()[dim_];
+  const std::int64_t start = start_, step = step_;
+  copy_kernels::with_elem_size(dtype_size(dtype()), [&](auto nb) {
+    constexpr std::size_t N = decltype(nb)::value;
+    if (step == 1) {  // one contiguous run per outer index
+      copy_kernels::copy_segments<N>(ctx.device.threads(), dst, src, outer, len * inner,
+                                     [&](std::int64_t o) { return (o * dsize + start) * inner; });
+    } else {
+      copy_kernels::copy_segments<N>(ctx.device.threads(), dst, src, outer * len, inner, [&](std::int64_t s) {
+        return ((s / len) * dsize + start + (s % len) * step) * inner;
+      });
+    }
+  });
+  set_buffer(std::move(buf));
+}
+
+LAZYTENSOR_INLINE CatNode::CatNode(std::string op,
+  DType dtype,
+  std::vector<NodePtr> ins,
+  Shape out,
+  Device* dev,
+  std::int64_t outer,
+  std::vector<std::int64_t> widths)
+    : Node(NodeKind::Copy, dtype, out, dev, std::move(ins)), op_(std::move(op)), outer_(outer),
+      widths_(std::move(widths)) {}
+
+LAZYTENSOR_INLINE std::uint64_t CatNode::structural_hash() const {
+  std::uint64_t h = hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(outer_));
+  for (auto w : widths_) h = hash_combine(h, static_cast<std::uint64_t>(w));
+  return h;
+}
+
+LAZYTENSOR_INLINE void CatNode::compute(ExecContext& ctx) {
+  const std::size_t k = inputs().size();
+  std::vector<const std::byte*> srcs(k);
+  for (std::size_t i = 0; i < k; ++i) srcs[i] = copy_kernels::bytes_of(inputs()[i]);
+  auto buf = allocate_output(ctx, false);
+  auto* dst = static_cast<std::byte*>(buf->data());
+  std::vector<std::int64_t> pre(k + 1, 0);  // start of each input inside an output row
+  for (std::size_t i = 0; i < k; ++i) pre[i + 1] = pre[i] + widths_[i];
+  const std::int64_t W = pre[k], n = outer_ * W;
+  auto& pool = ctx.device.threads();
+  if (n > 0) {
+    copy_kernels::with_elem_size(dtype_size(dtype()), [&](auto nb) {
+      constexpr std::size_t N = decltype(nb)::value;
+      const std::int64_t tasks = task_count(pool, n, 1.0);
+      // Split the output evenly, whatever the sizes of the pieces.
+      pool.parallel_for(tasks, [&](std::int64_t t) {
+        auto [b, e] = task_range(n, tasks, t);
+        while (b < e) {
+          const std::int64_t o = b / W, w = b % W;
+          const auto i = static_cast<std::size_t>(std::upper_bound(pre.begin() + 1, pre.end(), w) - pre.begin() - 1);
+          const std::int64_t off = w - pre[i], c = std::min(widths_[i] - off, e - b);
+          std::memcpy(dst + b * N, srcs[i] + (o * widths_[i] + off) * N, static_cast<std::size_t>(c) * N);
+          b += c;
+        }
+      });
+    });
+  }
+  set_buffer(std::move(buf));
+}
+
+}  // namespace lazy::graph
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

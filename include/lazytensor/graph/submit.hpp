@@ -7,12 +7,23 @@
 #include <vector>
 
 #include <lazytensor/graph/executor.hpp>
+#include <lazytensor/core/config.hpp>
 
 namespace lazy::graph {
 
 /// The device shared by `inputs`; throws DeviceError when they differ. With no inputs,
 /// the current device.
-inline Device& common_device(const std::vector<NodePtr>& inputs, const char* op) {
+Device& common_device(const std::vector<NodePtr>& inputs, const char* op);
+
+/// Adds a node to its device's pending graph; in eager mode it runs at once.
+NodePtr submit(NodePtr node);
+
+}  // namespace lazy::graph
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::graph {
+
+LAZYTENSOR_INLINE Device& common_device(const std::vector<NodePtr>& inputs, const char* op) {
   Device* d = inputs.empty() ? &current_device() : inputs.front()->device();
   for (const auto& in : inputs) {
     if (in->device() != d) {
@@ -23,8 +34,7 @@ inline Device& common_device(const std::vector<NodePtr>& inputs, const char* op)
   return *d;
 }
 
-/// Adds a node to its device's pending graph; in eager mode it runs at once.
-inline NodePtr submit(NodePtr node) {
+LAZYTENSOR_INLINE NodePtr submit(NodePtr node) {
   Device& dev = *node->device();
   if (dev.eager())
     execute(dev, std::span(&node, 1));
@@ -33,3 +43,4 @@ inline NodePtr submit(NodePtr node) {
 }
 
 }  // namespace lazy::graph
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

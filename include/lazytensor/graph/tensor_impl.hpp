@@ -9,6 +9,7 @@
 
 #include <lazytensor/autograd/function.hpp>
 #include <lazytensor/graph/node.hpp>
+#include <lazytensor/core/config.hpp>
 
 namespace lazy::graph {
 
@@ -25,10 +26,7 @@ struct TensorImpl {
   std::unique_ptr<autograd::AutogradMeta> autograd;
 
   /// The autograd state, created on first use.
-  autograd::AutogradMeta& autograd_meta() {
-    if (!autograd) autograd = std::make_unique<autograd::AutogradMeta>();
-    return *autograd;
-  }
+  autograd::AutogradMeta& autograd_meta();
   /// True when gradients flow into this tensor.
   bool requires_grad() const { return autograd && autograd->requires_grad; }
 
@@ -43,18 +41,8 @@ struct TensorImpl {
 /// outlives its device (a static tensor at exit) still finds the registry.
 class HandleRegistry {
  public:
-  void add(TensorImpl* impl) {
-    std::lock_guard lock(mu_);
-    impl->registry_slot = live_.size();
-    live_.push_back(impl);
-  }
-  void remove(TensorImpl* impl) {
-    std::lock_guard lock(mu_);
-    TensorImpl* last = live_.back();
-    live_[impl->registry_slot] = last;
-    last->registry_slot = impl->registry_slot;
-    live_.pop_back();
-  }
+  void add(TensorImpl* impl);
+  void remove(TensorImpl* impl);
   /// Calls f(impl) for every live handle; handles cannot be destroyed meanwhile.
   template <class F>
   void for_each(F&& f) {
@@ -72,3 +60,28 @@ inline TensorImpl::~TensorImpl() {
 }
 
 }  // namespace lazy::graph
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::graph {
+
+LAZYTENSOR_INLINE autograd::AutogradMeta& TensorImpl::autograd_meta() {
+  if (!autograd) autograd = std::make_unique<autograd::AutogradMeta>();
+  return *autograd;
+}
+
+LAZYTENSOR_INLINE void HandleRegistry::add(TensorImpl* impl) {
+  std::lock_guard lock(mu_);
+  impl->registry_slot = live_.size();
+  live_.push_back(impl);
+}
+
+LAZYTENSOR_INLINE void HandleRegistry::remove(TensorImpl* impl) {
+  std::lock_guard lock(mu_);
+  TensorImpl* last = live_.back();
+  live_[impl->registry_slot] = last;
+  last->registry_slot = impl->registry_slot;
+  live_.pop_back();
+}
+
+}  // namespace lazy::graph
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

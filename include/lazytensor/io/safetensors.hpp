@@ -28,6 +28,7 @@
 #include <vector>
 
 #include <lazytensor/any_tensor.hpp>
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/core/error.hpp>
 #include <lazytensor/io/file.hpp>
 #include <lazytensor/io/json.hpp>
@@ -45,7 +46,65 @@ static_assert(
 inline constexpr std::uint64_t kMaxSafetensorsHeader = 100'000'000;
 
 /// safetensors' name of a dtype.
-inline const char* safetensors_dtype_name(DType d) {
+const char* safetensors_dtype_name(DType d);
+
+/// One tensor as the header describes it.
+struct SafetensorsEntry {
+  std::string name;
+  DType dtype = DType::Float32;
+  Shape shape;
+  std::uint64_t begin = 0;  ///< data_offsets, relative to the data buffer
+  std::uint64_t end = 0;
+};
+
+/// A parsed header: tensors in header order, and the metadata.
+struct SafetensorsHeader {
+  std::vector<SafetensorsEntry> tensors;
+  std::map<std::string, std::string> metadata;
+};
+
+void parse_tensor_entry(JsonCursor& cur, SafetensorsEntry& e);
+
+/// Parses a header strictly; FormatError("<path>: ...") on anything malformed.
+SafetensorsHeader parse_safetensors_header(std::string_view text, const std::string& path);
+
+/// Checks that the tensors tile a data buffer of `buffer_bytes` exactly: each tensor's
+/// byte range matches its shape and dtype, ranges neither overlap nor leave gaps, and the
+/// last one ends where the file ends. FormatError("<path>: ...") otherwise.
+void check_safetensors_layout(const SafetensorsHeader& h, std::uint64_t buffer_bytes,
+                              const std::string& path);
+
+/// A typed handle on a materialized node of run-time dtype.
+AnyTensor wrap_node(const graph::NodePtr& node);
+
+/// The header text (padded to 8 bytes) for `sd`, whose tensors are laid out in `order`.
+std::string safetensors_header(const StateDict& sd, const std::vector<std::size_t>& order);
+
+/// Rejects what the format cannot store (before anything is written).
+void check_saveable(const StateDict& sd, const std::string& path);
+
+}  // namespace detail
+
+/// Writes `sd` (tensors and metadata) to `path` as a safetensors file. Each tensor is
+/// materialized and written in turn (the file is never assembled in memory), into a
+/// temporary file in the same directory that is fsynced and renamed over `path`: a failure
+/// leaves any previous file intact and no temporary file behind. Disk errors raise IoError;
+/// an error computing a pending tensor propagates as is. Data are laid out by decreasing
+/// element size (so each tensor is aligned to its element size, as the reference writer
+/// does); the header lists tensors in the state dict's order.
+void save_file(const StateDict& sd, const std::string& path);
+
+/// Reads a safetensors file into a state dict (tensors in header order, materialized on
+/// `dev`; the "__metadata__" entries in metadata()). IoError when the file cannot be read;
+/// FormatError naming the file and the problem when it is not a valid safetensors file of
+/// dtypes lazytensor holds (BOOL, I32, I64, BF16, F32, F64). Nothing is allocated for a
+/// tensor before the whole header has been checked against the file's size.
+StateDict load(const std::string& path, Device dev = device());
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace detail {
+
+LAZYTENSOR_INLINE const char* safetensors_dtype_name(DType d) {
   switch (d) {
     case DType::Bool:
       return "BOOL";
@@ -63,22 +122,7 @@ inline const char* safetensors_dtype_name(DType d) {
   return "?";
 }
 
-/// One tensor as the header describes it.
-struct SafetensorsEntry {
-  std::string name;
-  DType dtype = DType::Float32;
-  Shape shape;
-  std::uint64_t begin = 0;  ///< data_offsets, relative to the data buffer
-  std::uint64_t end = 0;
-};
-
-/// A parsed header: tensors in header order, and the metadata.
-struct SafetensorsHeader {
-  std::vector<SafetensorsEntry> tensors;
-  std::map<std::string, std::string> metadata;
-};
-
-inline void parse_tensor_entry(JsonCursor& cur, SafetensorsEntry& e) {
+LAZYTENSOR_INLINE void parse_tensor_entry(JsonCursor& cur, SafetensorsEntry& e) {
   const std::string ctx = "tensor '" + e.name + "': ";
   bool have_dtype = false, have_shape = false, have_offsets = false;
   cur.expect('{');
@@ -139,8 +183,8 @@ inline void parse_tensor_entry(JsonCursor& cur, SafetensorsEntry& e) {
   if (!have_offsets) cur.fail(ctx + "missing 'data_offsets'");
 }
 
-/// Parses a header strictly; FormatError("<path>: ...") on anything malformed.
-inline SafetensorsHeader parse_safetensors_header(std::string_view text, const std::string& path) {
+LAZYTENSOR_INLINE SafetensorsHeader parse_safetensors_header(std::string_view text,
+                                                             const std::string& path) {
   SafetensorsHeader h;
   JsonCursor cur(text, path);
   if (text.empty() || text.front() != '{')
@@ -182,11 +226,9 @@ inline SafetensorsHeader parse_safetensors_header(std::string_view text, const s
   return h;
 }
 
-/// Checks that the tensors tile a data buffer of `buffer_bytes` exactly: each tensor's
-/// byte range matches its shape and dtype, ranges neither overlap nor leave gaps, and the
-/// last one ends where the file ends. FormatError("<path>: ...") otherwise.
-inline void check_safetensors_layout(const SafetensorsHeader& h, std::uint64_t buffer_bytes,
-                                     const std::string& path) {
+LAZYTENSOR_INLINE void check_safetensors_layout(const SafetensorsHeader& h,
+                                                std::uint64_t buffer_bytes,
+                                                const std::string& path) {
   const auto& ts = h.tensors;
   const auto fail = [&](const std::string& what) { throw FormatError(path + ": " + what); };
   for (const auto& e : ts) {
@@ -249,8 +291,7 @@ inline void check_safetensors_layout(const SafetensorsHeader& h, std::uint64_t b
   }
 }
 
-/// A typed handle on a materialized node of run-time dtype.
-inline AnyTensor wrap_node(const graph::NodePtr& node) {
+LAZYTENSOR_INLINE AnyTensor wrap_node(const graph::NodePtr& node) {
   switch (node->dtype()) {
     case DType::Bool:
       return Tensor<bool>(node);
@@ -268,8 +309,8 @@ inline AnyTensor wrap_node(const graph::NodePtr& node) {
   return Tensor<double>(node);
 }
 
-/// The header text (padded to 8 bytes) for `sd`, whose tensors are laid out in `order`.
-inline std::string safetensors_header(const StateDict& sd, const std::vector<std::size_t>& order) {
+LAZYTENSOR_INLINE std::string safetensors_header(const StateDict& sd,
+                                                 const std::vector<std::size_t>& order) {
   const auto& items = sd.items();
   std::vector<std::uint64_t> begin(items.size());
   std::uint64_t pos = 0;
@@ -312,8 +353,7 @@ inline std::string safetensors_header(const StateDict& sd, const std::vector<std
   return h;
 }
 
-/// Rejects what the format cannot store (before anything is written).
-inline void check_saveable(const StateDict& sd, const std::string& path) {
+LAZYTENSOR_INLINE void check_saveable(const StateDict& sd, const std::string& path) {
   for (const auto& [name, t] : sd) {
     if (!t.defined()) throw Error("cannot save '" + path + "': tensor '" + name + "' is undefined");
     if (name == "__metadata__") {
@@ -334,14 +374,7 @@ inline void check_saveable(const StateDict& sd, const std::string& path) {
 
 }  // namespace detail
 
-/// Writes `sd` (tensors and metadata) to `path` as a safetensors file. Each tensor is
-/// materialized and written in turn (the file is never assembled in memory), into a
-/// temporary file in the same directory that is fsynced and renamed over `path`: a failure
-/// leaves any previous file intact and no temporary file behind. Disk errors raise IoError;
-/// an error computing a pending tensor propagates as is. Data are laid out by decreasing
-/// element size (so each tensor is aligned to its element size, as the reference writer
-/// does); the header lists tensors in the state dict's order.
-inline void save_file(const StateDict& sd, const std::string& path) {
+LAZYTENSOR_INLINE void save_file(const StateDict& sd, const std::string& path) {
   detail::check_saveable(sd, path);
   const auto& items = sd.items();
   std::vector<std::size_t> order(items.size());
@@ -370,12 +403,7 @@ inline void save_file(const StateDict& sd, const std::string& path) {
   out.commit();
 }
 
-/// Reads a safetensors file into a state dict (tensors in header order, materialized on
-/// `dev`; the "__metadata__" entries in metadata()). IoError when the file cannot be read;
-/// FormatError naming the file and the problem when it is not a valid safetensors file of
-/// dtypes lazytensor holds (BOOL, I32, I64, BF16, F32, F64). Nothing is allocated for a
-/// tensor before the whole header has been checked against the file's size.
-inline StateDict load(const std::string& path, Device dev = device()) {
+LAZYTENSOR_INLINE StateDict load(const std::string& path, Device dev) {
   detail::ReadFile file(path);
   const std::uint64_t size = file.size();
   if (size < 8) {
@@ -428,5 +456,6 @@ inline StateDict load(const std::string& path, Device dev = device()) {
   sd.metadata() = header.metadata;
   return sd;
 }
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::io

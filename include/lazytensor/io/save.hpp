@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/dist/host_collectives.hpp>
 #include <lazytensor/dist/runtime.hpp>
 #include <lazytensor/graph/executor.hpp>
@@ -25,7 +26,30 @@ namespace lazy::io {
 namespace detail {
 
 /// Runs every pending tensor of `sd`, one execution per device.
-inline void materialize_all(const StateDict& sd) {
+void materialize_all(const StateDict& sd);
+
+std::string message_of(const std::exception_ptr& e);
+
+}  // namespace detail
+
+/// Saves `sd` to `path` as a safetensors file (see save_file), as xm.save(data, path,
+/// master_only, global_master):
+///  - `master_only` (default): only the master replica writes: the local master (local
+///    ordinal 0, one per host) or, with `global_master`, global ordinal 0 only. Otherwise
+///    every replica writes (give each its own path; replicas writing one path replace the
+///    file atomically in turn, the last rename wins).
+///  - Every replica materializes the pending tensors of `sd` first (a sync), then all
+///    replicas rendezvous after the write: the file is complete when save returns on any of
+///    them (see the file comment for failures). Every replica must call it (it is a
+///    collective of the whole world).
+/// Outside spawn it just writes.
+void save(const StateDict& sd, const std::string& path, bool master_only = true,
+          bool global_master = false);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace detail {
+
+LAZYTENSOR_INLINE void materialize_all(const StateDict& sd) {
   std::vector<std::pair<graph::Device*, std::vector<graph::NodePtr>>> pending;
   for (const auto& [name, t] : sd) {
     if (!t.defined() || t.impl()->node->materialized()) continue;
@@ -41,7 +65,7 @@ inline void materialize_all(const StateDict& sd) {
   }
 }
 
-inline std::string message_of(const std::exception_ptr& e) {
+LAZYTENSOR_INLINE std::string message_of(const std::exception_ptr& e) {
   try {
     std::rethrow_exception(e);
   } catch (const std::exception& ex) {
@@ -53,19 +77,8 @@ inline std::string message_of(const std::exception_ptr& e) {
 
 }  // namespace detail
 
-/// Saves `sd` to `path` as a safetensors file (see save_file), as xm.save(data, path,
-/// master_only, global_master):
-///  - `master_only` (default): only the master replica writes: the local master (local
-///    ordinal 0, one per host) or, with `global_master`, global ordinal 0 only. Otherwise
-///    every replica writes (give each its own path; replicas writing one path replace the
-///    file atomically in turn, the last rename wins).
-///  - Every replica materializes the pending tensors of `sd` first (a sync), then all
-///    replicas rendezvous after the write: the file is complete when save returns on any of
-///    them (see the file comment for failures). Every replica must call it (it is a
-///    collective of the whole world).
-/// Outside spawn it just writes.
-inline void save(const StateDict& sd, const std::string& path, bool master_only = true,
-                 bool global_master = false) {
+LAZYTENSOR_INLINE void save(const StateDict& sd, const std::string& path, bool master_only,
+                            bool global_master) {
   const bool writer = !master_only || dist::is_master_ordinal(!global_master);
   std::exception_ptr error;
   try {
@@ -89,5 +102,6 @@ inline void save(const StateDict& sd, const std::string& path, bool master_only 
     }
   }
 }
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::io

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <string>
 
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/nn/functional.hpp>
 #include <lazytensor/nn/module.hpp>
 
@@ -34,9 +35,7 @@ class FlattenImpl : public Module {
       : Module("Flatten"), start_(start_dim), end_(end_dim) {}
   template <class = void>
   Tensor<float> forward(const Tensor<float>& x) const { return flatten(x, start_, end_); }
-  void pretty_print(std::ostream& os) const override {
-    os << "Flatten(start_dim=" << start_ << ", end_dim=" << end_ << ")";
-  }
+  void pretty_print(std::ostream& os) const override;
 
  private:
   std::int64_t start_, end_;
@@ -47,16 +46,26 @@ LAZY_MODULE(Flatten);
 /// the identity in eval mode.
 class DropoutImpl : public Module {
  public:
-  explicit DropoutImpl(double p = 0.5) : Module("Dropout"), p_(p) {
-    if (p < 0 || p > 1) throw Error("Dropout: probability has to be between 0 and 1, but got " + std::to_string(p));
-  }
+  explicit DropoutImpl(double p = 0.5);
   template <class = void>
   Tensor<float> forward(const Tensor<float>& x) const { return functional::dropout(x, p_, is_training()); }
-  void pretty_print(std::ostream& os) const override { os << "Dropout(p=" << p_ << ")"; }
+  void pretty_print(std::ostream& os) const override;
 
  private:
   double p_;
 };
 LAZY_MODULE(Dropout);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE void FlattenImpl::pretty_print(std::ostream& os) const {
+  os << "Flatten(start_dim=" << start_ << ", end_dim=" << end_ << ")";
+}
+
+LAZYTENSOR_INLINE DropoutImpl::DropoutImpl(double p) : Module("Dropout"), p_(p) {
+  if (p < 0 || p > 1) throw Error("Dropout: probability has to be between 0 and 1, but got " + std::to_string(p));
+}
+
+LAZYTENSOR_INLINE void DropoutImpl::pretty_print(std::ostream& os) const { os << "Dropout(p=" << p_ << ")"; }
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::nn

@@ -14,6 +14,7 @@
 #include <string>
 
 #include <lazytensor/core/arg.hpp>
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/nn/init.hpp>
 #include <lazytensor/nn/module.hpp>
 #include <lazytensor/ops/conv.hpp>
@@ -84,15 +85,7 @@ class Conv2dImpl : public Module {
 
   /// PyTorch's repr: `Conv2d(1, 32, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1))`
   /// (padding, dilation and bias shown only when not the default).
-  void pretty_print(std::ostream& os) const override {
-    const auto& o = options;
-    os << "Conv2d(" << o.in_channels() << ", " << o.out_channels()
-       << ", kernel_size=" << o.kernel_size().str() << ", stride=" << o.stride().str();
-    if (!(o.padding() == Size2(0))) os << ", padding=" << o.padding().str();
-    if (!(o.dilation() == Size2(1))) os << ", dilation=" << o.dilation().str();
-    if (!o.bias()) os << ", bias=False";
-    os << ")";
-  }
+  void pretty_print(std::ostream& os) const override;
 
   /// The options the layer was built with.
   const Conv2dOptions options;
@@ -102,5 +95,17 @@ class Conv2dImpl : public Module {
   Tensor<float> bias;
 };
 LAZY_MODULE(Conv2d);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE void Conv2dImpl::pretty_print(std::ostream& os) const {
+  const auto& o = options;
+  os << "Conv2d(" << o.in_channels() << ", " << o.out_channels()
+     << ", kernel_size=" << o.kernel_size().str() << ", stride=" << o.stride().str();
+  if (!(o.padding() == Size2(0))) os << ", padding=" << o.padding().str();
+  if (!(o.dilation() == Size2(1))) os << ", dilation=" << o.dilation().str();
+  if (!o.bias()) os << ", bias=False";
+  os << ")";
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::nn

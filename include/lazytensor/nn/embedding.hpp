@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <string>
 
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/nn/init.hpp>
 #include <lazytensor/nn/module.hpp>
 #include <lazytensor/ops/shape.hpp>
@@ -31,7 +32,7 @@ class EmbeddingImpl : public Module {
     out.push_back(d_);
     return reshape(index_select(weight, 0, reshape(indices, Shape{indices.numel()})), out);
   }
-  void pretty_print(std::ostream& os) const override { os << "Embedding(" << n_ << ", " << d_ << ")"; }
+  void pretty_print(std::ostream& os) const override;
 
   Tensor<float> weight;
 
@@ -39,5 +40,11 @@ class EmbeddingImpl : public Module {
   std::int64_t n_, d_;
 };
 LAZY_MODULE(Embedding);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE void EmbeddingImpl::pretty_print(std::ostream& os) const {
+  os << "Embedding(" << n_ << ", " << d_ << ")";
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::nn

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/ops/random.hpp>
 #include <lazytensor/ops/factories.hpp>
 #include <lazytensor/tensor/tensor.hpp>
@@ -18,28 +19,11 @@ enum class FanMode { FanIn, FanOut };
 enum class Nonlinearity { Linear, Sigmoid, Tanh, ReLU, LeakyReLU };
 
 /// torch.nn.init.calculate_gain.
-inline double calculate_gain(Nonlinearity nl, double param = 0.01) {
-  switch (nl) {
-    case Nonlinearity::Linear:
-    case Nonlinearity::Sigmoid: return 1.0;
-    case Nonlinearity::Tanh: return 5.0 / 3.0;
-    case Nonlinearity::ReLU: return std::sqrt(2.0);
-    case Nonlinearity::LeakyReLU: return std::sqrt(2.0 / (1.0 + param * param));
-  }
-  return 1.0;
-}
+double calculate_gain(Nonlinearity nl, double param = 0.01);
 
 /// (fan_in, fan_out) of a weight: dim 1 and dim 0 sizes times the receptive field (the
 /// product of the remaining dims), as torch computes them.
-inline std::pair<double, double> fans(const Shape& s) {
-  if (s.rank() < 2) {
-    throw ShapeError("init: fan in and fan out can not be computed for a tensor with fewer than 2 dimensions (shape " +
-                     s.str() + ")");
-  }
-  double field = 1;
-  for (int i = 2; i < s.rank(); ++i) field *= static_cast<double>(s[i]);
-  return {static_cast<double>(s[1]) * field, static_cast<double>(s[0]) * field};
-}
+std::pair<double, double> fans(const Shape& s);
 
 /// Fills with U(a, b).
 template <class = void>
@@ -99,5 +83,28 @@ Tensor<float>& kaiming_normal_(Tensor<float>& t, double a = 0, FanMode mode = Fa
   const double fan = mode == FanMode::FanIn ? in : out;
   return normal_(t, 0, calculate_gain(nl, a) / std::sqrt(fan));
 }
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE double calculate_gain(Nonlinearity nl, double param) {
+  switch (nl) {
+    case Nonlinearity::Linear:
+    case Nonlinearity::Sigmoid: return 1.0;
+    case Nonlinearity::Tanh: return 5.0 / 3.0;
+    case Nonlinearity::ReLU: return std::sqrt(2.0);
+    case Nonlinearity::LeakyReLU: return std::sqrt(2.0 / (1.0 + param * param));
+  }
+  return 1.0;
+}
+
+LAZYTENSOR_INLINE std::pair<double, double> fans(const Shape& s) {
+  if (s.rank() < 2) {
+    throw ShapeError("init: fan in and fan out can not be computed for a tensor with fewer than 2 dimensions (shape " +
+                     s.str() + ")");
+  }
+  double field = 1;
+  for (int i = 2; i < s.rank(); ++i) field *= static_cast<double>(s[i]);
+  return {static_cast<double>(s[1]) * field, static_cast<double>(s[0]) * field};
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::nn::init

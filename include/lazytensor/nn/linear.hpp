@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/nn/init.hpp>
 #include <lazytensor/nn/module.hpp>
 #include <lazytensor/ops/matmul.hpp>
@@ -40,10 +41,7 @@ class LinearImpl : public Module {
     return linear(x, weight);
   }
 
-  void pretty_print(std::ostream& os) const override {
-    os << "Linear(in_features=" << in_ << ", out_features=" << out_ << ", bias=" << (bias.defined() ? "True" : "False")
-       << ")";
-  }
+  void pretty_print(std::ostream& os) const override;
 
   Tensor<float> weight;
   Tensor<float> bias;
@@ -52,5 +50,12 @@ class LinearImpl : public Module {
   std::int64_t in_, out_;
 };
 LAZY_MODULE(Linear);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE void LinearImpl::pretty_print(std::ostream& os) const {
+  os << "Linear(in_features=" << in_ << ", out_features=" << out_ << ", bias=" << (bias.defined() ? "True" : "False")
+     << ")";
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::nn

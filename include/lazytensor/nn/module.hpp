@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/state_dict.hpp>
 #include <lazytensor/ops/factories.hpp>
 #include <lazytensor/tensor/tensor.hpp>
@@ -37,19 +38,9 @@ class Module : public std::enable_shared_from_this<Module> {
 
   /// Registers a parameter under `name` (marked requires_grad unless told otherwise) and
   /// returns a handle sharing it.
-  Tensor<float> register_parameter(const std::string& name, Tensor<float> t, bool requires_grad = true) {
-    check_name(name);
-    if (!t.defined()) throw Error(name_ + ".register_parameter: parameter '" + name + "' is undefined");
-    if (requires_grad && !t.requires_grad()) t.requires_grad_();
-    params_.emplace_back(name, t);
-    return t;
-  }
+  Tensor<float> register_parameter(const std::string& name, Tensor<float> t, bool requires_grad = true);
   /// Registers a buffer (saved in state_dict, not a parameter) and returns a handle.
-  AnyTensor register_buffer(const std::string& name, AnyTensor t) {
-    check_name(name);
-    buffers_.emplace_back(name, t);
-    return t;
-  }
+  AnyTensor register_buffer(const std::string& name, AnyTensor t);
   /// Registers a submodule; returns it.
   template <class M>
   std::shared_ptr<M> register_module(const std::string& name, std::shared_ptr<M> m) {
@@ -68,183 +59,54 @@ class Module : public std::enable_shared_from_this<Module> {
   }
 
   /// Every parameter of this module and (recursively) its submodules, in registration order.
-  std::vector<Tensor<float>> parameters(bool recurse = true) const {
-    std::vector<Tensor<float>> out;
-    for (auto& [n, p] : named_parameters(recurse)) out.push_back(p);
-    return out;
-  }
+  std::vector<Tensor<float>> parameters(bool recurse = true) const;
   /// Parameters with dotted names ("fc1.weight").
-  std::vector<std::pair<std::string, Tensor<float>>> named_parameters(bool recurse = true) const {
-    std::vector<std::pair<std::string, Tensor<float>>> out;
-    collect_params("", recurse, out);
-    return out;
-  }
+  std::vector<std::pair<std::string, Tensor<float>>> named_parameters(bool recurse = true) const;
   /// Buffers with dotted names.
-  std::vector<std::pair<std::string, AnyTensor>> named_buffers(bool recurse = true) const {
-    std::vector<std::pair<std::string, AnyTensor>> out;
-    collect_buffers("", recurse, out);
-    return out;
-  }
+  std::vector<std::pair<std::string, AnyTensor>> named_buffers(bool recurse = true) const;
   /// Direct submodules with their names.
   const std::vector<std::pair<std::string, std::shared_ptr<Module>>>& named_children() const { return children_; }
   /// This module and every descendant, depth first.
-  std::vector<std::shared_ptr<const Module>> modules() const {
-    std::vector<std::shared_ptr<const Module>> out{shared_from_this()};
-    for (auto& [n, c] : children_)
-      for (auto& m : c->modules()) out.push_back(m);
-    return out;
-  }
+  std::vector<std::shared_ptr<const Module>> modules() const;
 
   /// Parameters and buffers by dotted name.
-  StateDict state_dict() const {
-    StateDict sd;
-    collect_state("", sd);
-    return sd;
-  }
+  StateDict state_dict() const;
 
   /// Replaces parameters and buffers with the entries of `sd`. With `strict`, a missing or
   /// unexpected key is an Error; a shape or dtype mismatch is always an error. Nothing is
   /// changed when any check fails. The values are shared, not copied.
-  void load_state_dict(const StateDict& sd, bool strict = true) {
-    std::vector<std::pair<std::shared_ptr<graph::TensorImpl>, AnyTensor>> plan;
-    std::vector<std::string> missing;
-    auto match = [&](const std::string& key, const std::shared_ptr<graph::TensorImpl>& impl) {
-      const AnyTensor* src = sd.find(key);
-      if (!src) {
-        missing.push_back(key);
-        return;
-      }
-      const auto& cur = impl->node;
-      if (src->dtype() != cur->dtype()) {
-        throw DTypeError("load_state_dict: '" + key + "' has dtype " + dtype_name(src->dtype()) +
-                         " in the state dict, expected " + dtype_name(cur->dtype()));
-      }
-      if (!(src->shape() == cur->shape())) {
-        throw ShapeError("load_state_dict: size mismatch for '" + key + "': copying a param with shape " +
-                         src->shape().str() + " from the state dict, the shape in the current model is " +
-                         cur->shape().str());
-      }
-      plan.emplace_back(impl, *src);
-    };
-    std::vector<std::string> own;
-    for (auto& [n, p] : named_parameters()) {
-      match(n, p.impl());
-      own.push_back(n);
-    }
-    for (auto& [n, b] : named_buffers()) {
-      match(n, b.impl());
-      own.push_back(n);
-    }
-    if (strict) {
-      std::vector<std::string> unexpected;
-      for (const auto& k : sd.keys())
-        if (std::find(own.begin(), own.end(), k) == own.end()) unexpected.push_back(k);
-      if (!missing.empty() || !unexpected.empty()) {
-        throw Error("load_state_dict: error(s) in loading state_dict for " + name_ + ": missing key(s): " +
-                    join(missing) + "; unexpected key(s): " + join(unexpected));
-      }
-    }
-    for (auto& [impl, src] : plan) {
-      const Device here(impl->node->device()->index());
-      graph::rebind(impl,
-                    src.device() == here ? src.impl()->node : on_device(src, here).impl()->node);
-    }
-  }
+  void load_state_dict(const StateDict& sd, bool strict = true);
 
   /// Training mode (dropout active, batch norm uses batch statistics), recursively.
-  virtual void train(bool on = true) {
-    training_ = on;
-    for (auto& [n, c] : children_) c->train(on);
-  }
+  virtual void train(bool on = true);
   /// Evaluation mode: train(false).
   void eval() { train(false); }
   /// True in training mode.
   bool is_training() const { return training_; }
 
   /// Moves every parameter and buffer to `dev` (their gradients are dropped).
-  void to(const Device& dev) {
-    for (auto& [n, p] : named_parameters()) {
-      if (p.device() == dev) continue;
-      graph::rebind(p.impl(), p.detach().to(dev).node());
-      p.set_grad(Tensor<float>());
-    }
-    for (auto& [n, b] : named_buffers()) {
-      if (b.device() == dev) continue;
-      graph::rebind(b.impl(), on_device(b, dev).impl()->node);
-    }
-  }
+  void to(const Device& dev);
 
   /// Clears the gradients: undefined (set_to_none, libtorch's default) or zero.
-  void zero_grad(bool set_to_none = true) {
-    for (auto& p : parameters()) {
-      if (set_to_none || !p.grad().defined()) {
-        p.set_grad(Tensor<float>());
-      } else {
-        NoGradGuard guard;
-        p.grad().zero_();
-      }
-    }
-  }
+  void zero_grad(bool set_to_none = true);
 
   /// Prints the module tree as PyTorch does.
   virtual void pretty_print(std::ostream& os) const { os << name_; }
 
   /// The module tree as text.
-  std::string str() const {
-    std::ostringstream os;
-    print_tree(os, 0);
-    return os.str();
-  }
+  std::string str() const;
 
  private:
-  void check_name(const std::string& n) const {
-    if (n.empty() || n.find('.') != std::string::npos) {
-      throw Error(name_ + ": invalid name '" + n + "' (names must be non-empty and contain no '.')");
-    }
-    for (auto& [k, v] : params_)
-      if (k == n) throw Error(name_ + ": '" + n + "' is already registered");
-    for (auto& [k, v] : buffers_)
-      if (k == n) throw Error(name_ + ": '" + n + "' is already registered");
-    for (auto& [k, v] : children_)
-      if (k == n) throw Error(name_ + ": '" + n + "' is already registered");
-  }
+  void check_name(const std::string& n) const;
   void collect_params(const std::string& prefix, bool recurse,
-                      std::vector<std::pair<std::string, Tensor<float>>>& out) const {
-    for (auto& [n, p] : params_) out.emplace_back(prefix + n, p);
-    if (recurse)
-      for (auto& [n, c] : children_) c->collect_params(prefix + n + ".", true, out);
-  }
+                      std::vector<std::pair<std::string, Tensor<float>>>& out) const;
   void collect_buffers(const std::string& prefix, bool recurse,
-                       std::vector<std::pair<std::string, AnyTensor>>& out) const {
-    for (auto& [n, b] : buffers_) out.emplace_back(prefix + n, b);
-    if (recurse)
-      for (auto& [n, c] : children_) c->collect_buffers(prefix + n + ".", true, out);
-  }
+                       std::vector<std::pair<std::string, AnyTensor>>& out) const;
   // Module by module, parameters then buffers, as torch orders its state dicts.
-  void collect_state(const std::string& prefix, StateDict& sd) const {
-    for (auto& [n, p] : params_) sd.insert(prefix + n, p.detach());
-    for (auto& [n, b] : buffers_) sd.insert(prefix + n, b);
-    for (auto& [n, c] : children_) c->collect_state(prefix + n + ".", sd);
-  }
-  void print_tree(std::ostream& os, int indent) const {
-    pretty_print(os);
-    if (children_.empty()) return;
-    os << "(\n";
-    for (auto& [n, c] : children_) {
-      os << std::string(static_cast<std::size_t>(indent + 2), ' ') << "(" << n << "): ";
-      c->print_tree(os, indent + 2);
-      os << "\n";
-    }
-    os << std::string(static_cast<std::size_t>(indent), ' ') << ")";
-  }
-  static AnyTensor on_device(const AnyTensor& t, const Device& dev) {
-    return t.visit([&](const auto& typed) { return AnyTensor(typed.to(dev)); });
-  }
-  static std::string join(const std::vector<std::string>& v) {
-    std::string s;
-    for (const auto& x : v) s += (s.empty() ? "'" : ", '") + x + "'";
-    return s.empty() ? "none" : s;
-  }
+  void collect_state(const std::string& prefix, StateDict& sd) const;
+  void print_tree(std::ostream& os, int indent) const;
+  static AnyTensor on_device(const AnyTensor& t, const Device& dev);
+  static std::string join(const std::vector<std::string>& v);
 
   std::string name_;
   bool training_ = true;
@@ -292,6 +154,187 @@ class ModuleHolder {
  private:
   std::shared_ptr<Impl> impl_;
 };
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE Tensor<float> Module::register_parameter(const std::string& name, Tensor<float> t, bool requires_grad) {
+  check_name(name);
+  if (!t.defined()) throw Error(name_ + ".register_parameter: parameter '" + name + "' is undefined");
+  if (requires_grad && !t.requires_grad()) t.requires_grad_();
+  params_.emplace_back(name, t);
+  return t;
+}
+
+LAZYTENSOR_INLINE AnyTensor Module::register_buffer(const std::string& name, AnyTensor t) {
+  check_name(name);
+  buffers_.emplace_back(name, t);
+  return t;
+}
+
+LAZYTENSOR_INLINE std::vector<Tensor<float>> Module::parameters(bool recurse) const {
+  std::vector<Tensor<float>> out;
+  for (auto& [n, p] : named_parameters(recurse)) out.push_back(p);
+  return out;
+}
+
+LAZYTENSOR_INLINE std::vector<std::pair<std::string, Tensor<float>>> Module::named_parameters(bool recurse) const {
+  std::vector<std::pair<std::string, Tensor<float>>> out;
+  collect_params("", recurse, out);
+  return out;
+}
+
+LAZYTENSOR_INLINE std::vector<std::pair<std::string, AnyTensor>> Module::named_buffers(bool recurse) const {
+  std::vector<std::pair<std::string, AnyTensor>> out;
+  collect_buffers("", recurse, out);
+  return out;
+}
+
+LAZYTENSOR_INLINE std::vector<std::shared_ptr<const Module>> Module::modules() const {
+  std::vector<std::shared_ptr<const Module>> out{shared_from_this()};
+  for (auto& [n, c] : children_)
+    for (auto& m : c->modules()) out.push_back(m);
+  return out;
+}
+
+LAZYTENSOR_INLINE StateDict Module::state_dict() const {
+  StateDict sd;
+  collect_state("", sd);
+  return sd;
+}
+
+LAZYTENSOR_INLINE void Module::load_state_dict(const StateDict& sd, bool strict) {
+  std::vector<std::pair<std::shared_ptr<graph::TensorImpl>, AnyTensor>> plan;
+  std::vector<std::string> missing;
+  auto match = [&](const std::string& key, const std::shared_ptr<graph::TensorImpl>& impl) {
+    const AnyTensor* src = sd.find(key);
+    if (!src) {
+      missing.push_back(key);
+      return;
+    }
+    const auto& cur = impl->node;
+    if (src->dtype() != cur->dtype()) {
+      throw DTypeError("load_state_dict: '" + key + "' has dtype " + dtype_name(src->dtype()) +
+                       " in the state dict, expected " + dtype_name(cur->dtype()));
+    }
+    if (!(src->shape() == cur->shape())) {
+      throw ShapeError("load_state_dict: size mismatch for '" + key + "': copying a param with shape " +
+                       src->shape().str() + " from the state dict, the shape in the current model is " +
+                       cur->shape().str());
+    }
+    plan.emplace_back(impl, *src);
+  };
+  std::vector<std::string> own;
+  for (auto& [n, p] : named_parameters()) {
+    match(n, p.impl());
+    own.push_back(n);
+  }
+  for (auto& [n, b] : named_buffers()) {
+    match(n, b.impl());
+    own.push_back(n);
+  }
+  if (strict) {
+    std::vector<std::string> unexpected;
+    for (const auto& k : sd.keys())
+      if (std::find(own.begin(), own.end(), k) == own.end()) unexpected.push_back(k);
+    if (!missing.empty() || !unexpected.empty()) {
+      throw Error("load_state_dict: error(s) in loading state_dict for " + name_ + ": missing key(s): " +
+                  join(missing) + "; unexpected key(s): " + join(unexpected));
+    }
+  }
+  for (auto& [impl, src] : plan) {
+    const Device here(impl->node->device()->index());
+    graph::rebind(impl,
+                  src.device() == here ? src.impl()->node : on_device(src, here).impl()->node);
+  }
+}
+
+LAZYTENSOR_INLINE void Module::train(bool on) {
+  training_ = on;
+  for (auto& [n, c] : children_) c->train(on);
+}
+
+LAZYTENSOR_INLINE void Module::to(const Device& dev) {
+  for (auto& [n, p] : named_parameters()) {
+    if (p.device() == dev) continue;
+    graph::rebind(p.impl(), p.detach().to(dev).node());
+    p.set_grad(Tensor<float>());
+  }
+  for (auto& [n, b] : named_buffers()) {
+    if (b.device() == dev) continue;
+    graph::rebind(b.impl(), on_device(b, dev).impl()->node);
+  }
+}
+
+LAZYTENSOR_INLINE void Module::zero_grad(bool set_to_none) {
+  for (auto& p : parameters()) {
+    if (set_to_none || !p.grad().defined()) {
+      p.set_grad(Tensor<float>());
+    } else {
+      NoGradGuard guard;
+      p.grad().zero_();
+    }
+  }
+}
+
+LAZYTENSOR_INLINE std::string Module::str() const {
+  std::ostringstream os;
+  print_tree(os, 0);
+  return os.str();
+}
+
+LAZYTENSOR_INLINE void Module::check_name(const std::string& n) const {
+  if (n.empty() || n.find('.') != std::string::npos) {
+    throw Error(name_ + ": invalid name '" + n + "' (names must be non-empty and contain no '.')");
+  }
+  for (auto& [k, v] : params_)
+    if (k == n) throw Error(name_ + ": '" + n + "' is already registered");
+  for (auto& [k, v] : buffers_)
+    if (k == n) throw Error(name_ + ": '" + n + "' is already registered");
+  for (auto& [k, v] : children_)
+    if (k == n) throw Error(name_ + ": '" + n + "' is already registered");
+}
+
+LAZYTENSOR_INLINE void Module::collect_params(const std::string& prefix, bool recurse,
+                                              std::vector<std::pair<std::string, Tensor<float>>>& out) const {
+  for (auto& [n, p] : params_) out.emplace_back(prefix + n, p);
+  if (recurse)
+    for (auto& [n, c] : children_) c->collect_params(prefix + n + ".", true, out);
+}
+
+LAZYTENSOR_INLINE void Module::collect_buffers(const std::string& prefix, bool recurse,
+                                               std::vector<std::pair<std::string, AnyTensor>>& out) const {
+  for (auto& [n, b] : buffers_) out.emplace_back(prefix + n, b);
+  if (recurse)
+    for (auto& [n, c] : children_) c->collect_buffers(prefix + n + ".", true, out);
+}
+
+LAZYTENSOR_INLINE void Module::collect_state(const std::string& prefix, StateDict& sd) const {
+  for (auto& [n, p] : params_) sd.insert(prefix + n, p.detach());
+  for (auto& [n, b] : buffers_) sd.insert(prefix + n, b);
+  for (auto& [n, c] : children_) c->collect_state(prefix + n + ".", sd);
+}
+
+LAZYTENSOR_INLINE void Module::print_tree(std::ostream& os, int indent) const {
+  pretty_print(os);
+  if (children_.empty()) return;
+  os << "(\n";
+  for (auto& [n, c] : children_) {
+    os << std::string(static_cast<std::size_t>(indent + 2), ' ') << "(" << n << "): ";
+    c->print_tree(os, indent + 2);
+    os << "\n";
+  }
+  os << std::string(static_cast<std::size_t>(indent), ' ') << ")";
+}
+
+LAZYTENSOR_INLINE AnyTensor Module::on_device(const AnyTensor& t, const Device& dev) {
+  return t.visit([&](const auto& typed) { return AnyTensor(typed.to(dev)); });
+}
+
+LAZYTENSOR_INLINE std::string Module::join(const std::vector<std::string>& v) {
+  std::string s;
+  for (const auto& x : v) s += (s.empty() ? "'" : ", '") + x + "'";
+  return s.empty() ? "none" : s;
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::nn
 

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/nn/functional.hpp>
 #include <lazytensor/nn/init.hpp>
 #include <lazytensor/nn/module.hpp>
@@ -26,7 +27,7 @@ class LayerNormImpl : public Module {
   }
   template <class = void>
   Tensor<float> forward(const Tensor<float>& x) const { return functional::layer_norm(x, shape_, weight, bias, eps_); }
-  void pretty_print(std::ostream& os) const override { os << "LayerNorm(" << shape_.str() << ", eps=" << eps_ << ")"; }
+  void pretty_print(std::ostream& os) const override;
 
   Tensor<float> weight, bias;
 
@@ -117,5 +118,11 @@ using BatchNorm1dImpl = BatchNormImpl<1>;
 using BatchNorm2dImpl = BatchNormImpl<2>;
 LAZY_MODULE(BatchNorm1d);
 LAZY_MODULE(BatchNorm2d);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE void LayerNormImpl::pretty_print(std::ostream& os) const {
+  os << "LayerNorm(" << shape_.str() << ", eps=" << eps_ << ")";
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::nn

@@ -10,6 +10,7 @@
 #include <string>
 
 #include <lazytensor/core/arg.hpp>
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/nn/module.hpp>
 #include <lazytensor/ops/pool.hpp>
 #include <lazytensor/ops/window.hpp>
@@ -20,20 +21,10 @@ namespace detail {
 
 /// ShapeError unless the kernel and stride are positive and 0 <= padding <= kernel / 2
 /// (torch's rule: every window must overlap the input).
-inline void check_pool_options(const char* layer, Size2 kernel, Size2 stride, Size2 padding) {
-  if (kernel.h <= 0 || kernel.w <= 0) {
-    throw ShapeError(std::string(layer) + ": expected a positive kernel_size, got " + kernel.str());
-  }
-  lazy::detail::check_window_args(layer, stride, padding, 1);
-  if (padding.h > kernel.h / 2 || padding.w > kernel.w / 2) {
-    throw ShapeError(std::string(layer) +
-                     ": padding should be at most half of the kernel size, got padding " +
-                     padding.str() + " for kernel_size " + kernel.str());
-  }
-}
+void check_pool_options(const char* layer, Size2 kernel, Size2 stride, Size2 padding);
 
 /// A size as PyTorch prints a pooling argument: `2` when square, `(2, 3)` otherwise.
-inline std::string pool_size_str(Size2 s) { return s.h == s.w ? std::to_string(s.h) : s.str(); }
+std::string pool_size_str(Size2 s);
 
 }  // namespace detail
 
@@ -70,11 +61,7 @@ class MaxPool2dImpl : public Module {
   explicit MaxPool2dImpl(Size2 kernel_size) : MaxPool2dImpl(MaxPool2dOptions(kernel_size)) {}
   /// ShapeError for a non-positive kernel size or stride, or a padding outside
   /// [0, kernel / 2].
-  explicit MaxPool2dImpl(const MaxPool2dOptions& options_)
-      : Module("MaxPool2d"), options(options_) {
-    detail::check_pool_options("MaxPool2d", options.kernel_size(), options.stride(),
-                               options.padding());
-  }
+  explicit MaxPool2dImpl(const MaxPool2dOptions& options_);
   /// ShapeError (from max_pool2d) unless x is [N, C, H, W] with a plane no smaller than the
   /// kernel once padded.
   template <class = void>
@@ -83,12 +70,7 @@ class MaxPool2dImpl : public Module {
   }
   /// PyTorch's repr: `MaxPool2d(kernel_size=2, stride=2, padding=0, dilation=1,
   /// ceil_mode=False)`.
-  void pretty_print(std::ostream& os) const override {
-    os << "MaxPool2d(kernel_size=" << detail::pool_size_str(options.kernel_size())
-       << ", stride=" << detail::pool_size_str(options.stride())
-       << ", padding=" << detail::pool_size_str(options.padding())
-       << ", dilation=1, ceil_mode=False)";
-  }
+  void pretty_print(std::ostream& os) const override;
 
   /// The options the layer was built with.
   const MaxPool2dOptions options;
@@ -102,11 +84,7 @@ class AvgPool2dImpl : public Module {
   explicit AvgPool2dImpl(Size2 kernel_size) : AvgPool2dImpl(AvgPool2dOptions(kernel_size)) {}
   /// ShapeError for a non-positive kernel size or stride, or a padding outside
   /// [0, kernel / 2].
-  explicit AvgPool2dImpl(const AvgPool2dOptions& options_)
-      : Module("AvgPool2d"), options(options_) {
-    detail::check_pool_options("AvgPool2d", options.kernel_size(), options.stride(),
-                               options.padding());
-  }
+  explicit AvgPool2dImpl(const AvgPool2dOptions& options_);
   /// ShapeError (from avg_pool2d) unless x is [N, C, H, W] with a plane no smaller than the
   /// kernel once padded.
   template <class = void>
@@ -116,17 +94,58 @@ class AvgPool2dImpl : public Module {
   }
   /// PyTorch's repr: `AvgPool2d(kernel_size=2, stride=2, padding=0)` (plus
   /// `count_include_pad=False` when set).
-  void pretty_print(std::ostream& os) const override {
-    os << "AvgPool2d(kernel_size=" << detail::pool_size_str(options.kernel_size())
-       << ", stride=" << detail::pool_size_str(options.stride())
-       << ", padding=" << detail::pool_size_str(options.padding());
-    if (!options.count_include_pad()) os << ", count_include_pad=False";
-    os << ")";
-  }
+  void pretty_print(std::ostream& os) const override;
 
   /// The options the layer was built with.
   const AvgPool2dOptions options;
 };
 LAZY_MODULE(AvgPool2d);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace detail {
+
+LAZYTENSOR_INLINE void check_pool_options(const char* layer, Size2 kernel, Size2 stride, Size2 padding) {
+  if (kernel.h <= 0 || kernel.w <= 0) {
+    throw ShapeError(std::string(layer) + ": expected a positive kernel_size, got " + kernel.str());
+  }
+  lazy::detail::check_window_args(layer, stride, padding, 1);
+  if (padding.h > kernel.h / 2 || padding.w > kernel.w / 2) {
+    throw ShapeError(std::string(layer) +
+                     ": padding should be at most half of the kernel size, got padding " +
+                     padding.str() + " for kernel_size " + kernel.str());
+  }
+}
+
+LAZYTENSOR_INLINE std::string pool_size_str(Size2 s) { return s.h == s.w ? std::to_string(s.h) : s.str(); }
+
+}  // namespace detail
+
+LAZYTENSOR_INLINE MaxPool2dImpl::MaxPool2dImpl(const MaxPool2dOptions& options_)
+    : Module("MaxPool2d"), options(options_) {
+  detail::check_pool_options("MaxPool2d", options.kernel_size(), options.stride(),
+                             options.padding());
+}
+
+LAZYTENSOR_INLINE void MaxPool2dImpl::pretty_print(std::ostream& os) const {
+  os << "MaxPool2d(kernel_size=" << detail::pool_size_str(options.kernel_size())
+     << ", stride=" << detail::pool_size_str(options.stride())
+     << ", padding=" << detail::pool_size_str(options.padding())
+     << ", dilation=1, ceil_mode=False)";
+}
+
+LAZYTENSOR_INLINE AvgPool2dImpl::AvgPool2dImpl(const AvgPool2dOptions& options_)
+    : Module("AvgPool2d"), options(options_) {
+  detail::check_pool_options("AvgPool2d", options.kernel_size(), options.stride(),
+                             options.padding());
+}
+
+LAZYTENSOR_INLINE void AvgPool2dImpl::pretty_print(std::ostream& os) const {
+  os << "AvgPool2d(kernel_size=" << detail::pool_size_str(options.kernel_size())
+     << ", stride=" << detail::pool_size_str(options.stride())
+     << ", padding=" << detail::pool_size_str(options.padding());
+  if (!options.count_include_pad()) os << ", count_include_pad=False";
+  os << ")";
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::nn

@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/nn/module.hpp>
 
 namespace lazy::nn {
@@ -30,11 +31,7 @@ class SequentialImpl : public Module {
   }
 
   /// Applies every module in order.
-  Tensor<float> forward(const Tensor<float>& x) const {
-    Tensor<float> y = x;
-    for (const auto& f : steps_) y = f(y);
-    return y;
-  }
+  Tensor<float> forward(const Tensor<float>& x) const;
   /// Number of modules.
   std::size_t size() const { return steps_.size(); }
 
@@ -42,5 +39,13 @@ class SequentialImpl : public Module {
   std::vector<std::function<Tensor<float>(const Tensor<float>&)>> steps_;
 };
 LAZY_MODULE(Sequential);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE Tensor<float> SequentialImpl::forward(const Tensor<float>& x) const {
+  Tensor<float> y = x;
+  for (const auto& f : steps_) y = f(y);
+  return y;
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::nn

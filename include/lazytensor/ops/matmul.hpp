@@ -24,6 +24,7 @@
 #include <lazytensor/ops/reduction.hpp>
 #include <lazytensor/ops/shape.hpp>
 #include <lazytensor/tensor/tensor.hpp>
+#include <lazytensor/core/config.hpp>
 
 namespace lazy {
 
@@ -261,11 +262,7 @@ Tensor<T> gemm(const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std
   return c;
 }
 
-[[noreturn]] inline void matmul_mismatch(const Shape& a, const Shape& b, std::int64_t ka, std::int64_t kb) {
-  throw ShapeError("matmul: mat1 and mat2 shapes cannot be multiplied (" + a.str() + " and " + b.str() +
-                   "): expected the contracted sizes to match, found " + std::to_string(ka) + " and " +
-                   std::to_string(kb));
-}
+[[noreturn]] void matmul_mismatch(const Shape& a, const Shape& b, std::int64_t ka, std::int64_t kb);
 
 }  // namespace detail
 
@@ -364,3 +361,15 @@ auto linear(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& b)
 }
 
 }  // namespace lazy
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::detail {
+
+LAZYTENSOR_INLINE void matmul_mismatch(const Shape& a, const Shape& b, std::int64_t ka, std::int64_t kb) {
+  throw ShapeError("matmul: mat1 and mat2 shapes cannot be multiplied (" + a.str() + " and " + b.str() +
+                   "): expected the contracted sizes to match, found " + std::to_string(ka) + " and " +
+                   std::to_string(kb));
+}
+
+}  // namespace lazy::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

@@ -26,6 +26,7 @@
 #include <lazytensor/ops/shape.hpp>
 #include <lazytensor/ops/window.hpp>
 #include <lazytensor/tensor/tensor.hpp>
+#include <lazytensor/core/config.hpp>
 
 namespace lazy {
 
@@ -91,15 +92,8 @@ void argmax_row(const T* plane, const Window2d& g, std::int64_t oy, std::int64_t
 
 /// torch's divisor of window (oy, ox): kh * kw clipped to the padded plane when padding
 /// counts, else the number of taps inside the plane.
-inline std::int64_t avg_divisor(const Window2d& g, std::int64_t oy, std::int64_t ox,
-                                bool count_include_pad) {
-  const std::int64_t ys = oy * g.sh - g.ph, xs = ox * g.sw - g.pw;
-  if (!count_include_pad) {
-    return (std::min(ys + g.kh, g.h) - std::max<std::int64_t>(ys, 0)) *
-           (std::min(xs + g.kw, g.w) - std::max<std::int64_t>(xs, 0));
-  }
-  return (std::min(ys + g.kh, g.h + g.ph) - ys) * (std::min(xs + g.kw, g.w + g.pw) - xs);
-}
+std::int64_t avg_divisor(const Window2d& g, std::int64_t oy, std::int64_t ox,
+                                bool count_include_pad);
 
 /// Runs planes(p0, p1) on the device's workers, each task owning whole planes.
 template <class F>
@@ -119,22 +113,9 @@ void for_planes(ExecContext& ctx, std::int64_t planes, std::int64_t elements, do
 class PoolNode : public Node {
  public:
   PoolNode(DType dtype, Shape shape, Device* device, std::vector<NodePtr> inputs, const Window2d& g,
-           bool max, bool count_include_pad)
-      : Node(NodeKind::Reduction, dtype, shape, device, std::move(inputs)),
-        g_(g),
-        max_(max),
-        count_include_pad_(count_include_pad) {}
-  std::uint64_t structural_hash() const override {
-    return hash_combine(g_.hash(Node::structural_hash()),
-                        (max_ ? 1u : 0u) | (count_include_pad_ ? 2u : 0u));
-  }
-  std::string describe() const override {
-    return op_name() + "(%0, " + g_.str() +
-           (max_                 ? ""
-            : count_include_pad_ ? ", count_include_pad"
-                                 : "") +
-           ")";
-  }
+           bool max, bool count_include_pad);
+  std::uint64_t structural_hash() const override;
+  std::string describe() const override;
   /// Work per element of the pooled output: one window.
   double window_cost() const { return static_cast<double>(g_.kh * g_.kw); }
 
@@ -260,21 +241,8 @@ namespace detail {
 /// Validated geometry of a pooling window over x ([N, C, H, W]); stride defaults to the
 /// kernel, and padding may be at most half the kernel (torch's rule, which also keeps
 /// every window overlapping the input).
-inline graph::Window2d pool_window(const char* op, const Shape& x, Size2 kernel,
-                                   const std::optional<Size2>& stride, Size2 padding) {
-  check_nchw(x, op, "input");
-  if (kernel.h <= 0 || kernel.w <= 0) {
-    throw ShapeError(std::string(op) + ": expected a positive kernel size, got " + kernel.str());
-  }
-  const Size2 s = stride.value_or(kernel);
-  check_window_args(op, s, padding, 1);
-  if (padding.h > kernel.h / 2 || padding.w > kernel.w / 2) {
-    throw ShapeError(std::string(op) +
-                     ": padding should be at most half of the kernel size, got padding " +
-                     padding.str() + " for kernel " + kernel.str());
-  }
-  return window_over(op, x, kernel, s, padding, 1);
-}
+graph::Window2d pool_window(const char* op, const Shape& x, Size2 kernel,
+                                   const std::optional<Size2>& stride, Size2 padding);
 
 /// Runs the pool on float or double tensors; bfloat16 goes through float (exact for max,
 /// one rounding for the average).
@@ -340,3 +308,71 @@ Tensor<expr::value_t<X>> avg_pool2d(const X& input, Size2 kernel_size,
 }
 
 }  // namespace lazy
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::graph::pool_kernels {
+
+LAZYTENSOR_INLINE std::int64_t avg_divisor(const Window2d& g,
+    std::int64_t oy,
+    std::int64_t ox,
+    bool count_include_pad) {
+  const std::int64_t ys = oy * g.sh - g.ph, xs = ox * g.sw - g.pw;
+  if (!count_include_pad) {
+    return (std::min(ys + g.kh, g.h) - std::max<std::int64_t>(ys, 0)) *
+           (std::min(xs + g.kw, g.w) - std::max<std::int64_t>(xs, 0));
+  }
+  return (std::min(ys + g.kh, g.h + g.ph) - ys) * (std::min(xs + g.kw, g.w + g.pw) - xs);
+}
+
+}  // namespace lazy::graph::pool_kernels
+namespace lazy::graph {
+
+LAZYTENSOR_INLINE PoolNode::PoolNode(DType dtype,
+  Shape shape,
+  Device* device,
+  std::vector<NodePtr> inputs,
+  const Window2d& g,
+  bool max,
+  bool count_include_pad)
+    : Node(NodeKind::Reduction, dtype, shape, device, std::move(inputs)),
+      g_(g),
+      max_(max),
+      count_include_pad_(count_include_pad) {}
+
+LAZYTENSOR_INLINE std::uint64_t PoolNode::structural_hash() const {
+  return hash_combine(g_.hash(Node::structural_hash()),
+                      (max_ ? 1u : 0u) | (count_include_pad_ ? 2u : 0u));
+}
+
+LAZYTENSOR_INLINE std::string PoolNode::describe() const {
+  return op_name() + "(%0, " + g_.str() +
+         (max_                 ? ""
+          : count_include_pad_ ? ", count_include_pad"
+                               : "") +
+         ")";
+}
+
+}  // namespace lazy::graph
+namespace lazy::detail {
+
+LAZYTENSOR_INLINE graph::Window2d pool_window(const char* op,
+    const Shape& x,
+    Size2 kernel,
+    const std::optional<Size2>& stride,
+    Size2 padding) {
+  check_nchw(x, op, "input");
+  if (kernel.h <= 0 || kernel.w <= 0) {
+    throw ShapeError(std::string(op) + ": expected a positive kernel size, got " + kernel.str());
+  }
+  const Size2 s = stride.value_or(kernel);
+  check_window_args(op, s, padding, 1);
+  if (padding.h > kernel.h / 2 || padding.w > kernel.w / 2) {
+    throw ShapeError(std::string(op) +
+                     ": padding should be at most half of the kernel size, got padding " +
+                     padding.str() + " for kernel " + kernel.str());
+  }
+  return window_over(op, x, kernel, s, padding, 1);
+}
+
+}  // namespace lazy::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

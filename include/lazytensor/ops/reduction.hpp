@@ -16,6 +16,7 @@
 #include <lazytensor/graph/reduction_node.hpp>
 #include <lazytensor/ops/shape.hpp>
 #include <lazytensor/tensor/tensor.hpp>
+#include <lazytensor/core/config.hpp>
 
 namespace lazy {
 
@@ -25,58 +26,12 @@ namespace detail {
 using DimList = core::SmallVector<int, 8>;
 
 /// Normalized, sorted, de-duplicated reduction dims; empty `dims` means all.
-inline DimList reduce_dims(const Shape& s, const std::vector<std::int64_t>& dims, const char* op) {
-  DimList d;
-  if (dims.empty()) {
-    for (int i = 0; i < s.rank(); ++i) d.push_back(i);
-    return d;
-  }
-  for (auto x : dims) {
-    const int n = normalize_dim(x, s.rank(), op);
-    if (std::find(d.begin(), d.end(), n) != d.end()) {
-      throw ShapeError(std::string(op) + ": dim " + std::to_string(n) + " appears multiple times in the list of dims");
-    }
-    d.push_back(n);
-  }
-  std::sort(d.begin(), d.end());
-  if (s.rank() == 0) d.resize(0);
-  return d;
-}
+DimList reduce_dims(const Shape& s, const std::vector<std::int64_t>& dims, const char* op);
 
-inline Shape reduced_shape(const Shape& s, const DimList& dims, bool keepdim) {
-  Shape out;
-  for (int i = 0; i < s.rank(); ++i) {
-    const bool r = std::find(dims.begin(), dims.end(), i) != dims.end();
-    if (!r) out.push_back(s[i]);
-    else if (keepdim) out.push_back(1);
-  }
-  return out;
-}
+Shape reduced_shape(const Shape& s, const DimList& dims, bool keepdim);
 
 /// [outer, R, inner] when the reduced dims of size > 1 are adjacent; false otherwise.
-inline bool geometry(const Shape& s, const DimList& dims, graph::ReduceGeometry& g) {
-  int lo = -1, hi = -1;
-  for (int d : dims)
-    if (s[d] != 1) {
-      if (lo < 0) lo = d;
-      hi = d;
-    }
-  g = {};
-  if (lo < 0) {  // nothing of size > 1 is reduced
-    g.outer = s.numel();
-    return true;
-  }
-  for (int i = lo; i <= hi; ++i) {
-    const bool r = std::find(dims.begin(), dims.end(), i) != dims.end();
-    if (!r && s[i] != 1) return false;
-  }
-  for (int i = 0; i < s.rank(); ++i) {
-    if (i < lo) g.outer *= s[i];
-    else if (i > hi) g.inner *= s[i];
-    else g.extent *= s[i];
-  }
-  return true;
-}
+bool geometry(const Shape& s, const DimList& dims, graph::ReduceGeometry& g);
 
 template <class E>
 bool flat_child(const E& e, const std::vector<graph::NodePtr>& inputs) {
@@ -356,3 +311,61 @@ auto norm(const X& x, double p = 2, const Dims& dims = {}, bool keepdim = false)
 }
 
 }  // namespace lazy
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::detail {
+
+LAZYTENSOR_INLINE DimList reduce_dims(const Shape& s, const std::vector<std::int64_t>& dims, const char* op) {
+  DimList d;
+  if (dims.empty()) {
+    for (int i = 0; i < s.rank(); ++i) d.push_back(i);
+    return d;
+  }
+  for (auto x : dims) {
+    const int n = normalize_dim(x, s.rank(), op);
+    if (std::find(d.begin(), d.end(), n) != d.end()) {
+      throw ShapeError(std::string(op) + ": dim " + std::to_string(n) + " appears multiple times in the list of dims");
+    }
+    d.push_back(n);
+  }
+  std::sort(d.begin(), d.end());
+  if (s.rank() == 0) d.resize(0);
+  return d;
+}
+
+LAZYTENSOR_INLINE Shape reduced_shape(const Shape& s, const DimList& dims, bool keepdim) {
+  Shape out;
+  for (int i = 0; i < s.rank(); ++i) {
+    const bool r = std::find(dims.begin(), dims.end(), i) != dims.end();
+    if (!r) out.push_back(s[i]);
+    else if (keepdim) out.push_back(1);
+  }
+  return out;
+}
+
+LAZYTENSOR_INLINE bool geometry(const Shape& s, const DimList& dims, graph::ReduceGeometry& g) {
+  int lo = -1, hi = -1;
+  for (int d : dims)
+    if (s[d] != 1) {
+      if (lo < 0) lo = d;
+      hi = d;
+    }
+  g = {};
+  if (lo < 0) {  // nothing of size > 1 is reduced
+    g.outer = s.numel();
+    return true;
+  }
+  for (int i = lo; i <= hi; ++i) {
+    const bool r = std::find(dims.begin(), dims.end(), i) != dims.end();
+    if (!r && s[i] != 1) return false;
+  }
+  for (int i = 0; i < s.rank(); ++i) {
+    if (i < lo) g.outer *= s[i];
+    else if (i > hi) g.inner *= s[i];
+    else g.extent *= s[i];
+  }
+  return true;
+}
+
+}  // namespace lazy::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

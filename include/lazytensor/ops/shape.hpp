@@ -26,6 +26,7 @@
 #include <lazytensor/graph/transpose_hint.hpp>
 #include <lazytensor/graph/shape_backward.hpp>
 #include <lazytensor/tensor/tensor.hpp>
+#include <lazytensor/core/config.hpp>
 
 namespace lazy {
 
@@ -41,11 +42,7 @@ auto as_tensor(const X& x) {
   else return Tensor<T>(x.to_leaf().node);
 }
 
-inline std::string list_str(std::span<const std::int64_t> v) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
-  return s + "]";
-}
+std::string list_str(std::span<const std::int64_t> v);
 inline std::string list_str(const Shape& s) { return list_str(std::span<const std::int64_t>(s.begin(), s.end())); }
 inline std::span<const std::int64_t> span_of(const Shape& s) { return {s.begin(), static_cast<std::size_t>(s.rank())}; }
 
@@ -64,41 +61,7 @@ Tensor<T> view_of(const Tensor<T>& t, const Shape& shape, const char* op) {
 }
 
 /// Resolves a size list with at most one -1 against `numel` (torch's infer_size).
-inline Shape infer_shape(std::span<const std::int64_t> sizes, std::int64_t numel, const char* op) {
-  if (sizes.size() > static_cast<std::size_t>(kMaxRank)) {
-    throw ShapeError(std::string(op) + ": shape " + list_str(sizes) + " has rank " + std::to_string(sizes.size()) +
-                     ", expected at most " + std::to_string(kMaxRank));
-  }
-  int infer = -1;
-  std::int64_t known = 1;
-  for (std::size_t i = 0; i < sizes.size(); ++i) {
-    if (sizes[i] == -1) {
-      if (infer >= 0) throw ShapeError(std::string(op) + ": only one dimension can be inferred (-1), got " + list_str(sizes));
-      infer = static_cast<int>(i);
-    } else if (sizes[i] < 0) {
-      throw ShapeError(std::string(op) + ": invalid shape dimension " + std::to_string(sizes[i]) + " in " +
-                       list_str(sizes) + " (expected sizes >= 0, or -1 once)");
-    } else {
-      known *= sizes[i];
-    }
-  }
-  std::vector<std::int64_t> out(sizes.begin(), sizes.end());
-  if (infer >= 0) {
-    if (known == 0) {
-      throw ShapeError(std::string(op) + ": cannot reshape a tensor of " + std::to_string(numel) + " elements into shape " +
-                       list_str(sizes) + " because the unspecified dimension size -1 can be any value and is ambiguous");
-    }
-    if (numel % known != 0) {
-      throw ShapeError(std::string(op) + ": shape " + list_str(sizes) + " is invalid for input of size " +
-                       std::to_string(numel));
-    }
-    out[infer] = numel / known;
-  } else if (known != numel) {
-    throw ShapeError(std::string(op) + ": shape " + list_str(sizes) + " is invalid for input of size " +
-                     std::to_string(numel) + " (expected " + std::to_string(known) + " elements)");
-  }
-  return Shape(out);
-}
+Shape infer_shape(std::span<const std::int64_t> sizes, std::int64_t numel, const char* op);
 
 template <expr::ExprLike X>
 auto reshape_impl(const X& x, std::span<const std::int64_t> sizes, const char* op) {
@@ -659,3 +622,51 @@ Tensor<std::int64_t> one_hot(const Tensor<I>& index, std::int64_t num_classes = 
 }
 
 }  // namespace lazy
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::detail::shape_ops {
+
+LAZYTENSOR_INLINE std::string list_str(std::span<const std::int64_t> v) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "]";
+}
+
+LAZYTENSOR_INLINE Shape infer_shape(std::span<const std::int64_t> sizes, std::int64_t numel, const char* op) {
+  if (sizes.size() > static_cast<std::size_t>(kMaxRank)) {
+    throw ShapeError(std::string(op) + ": shape " + list_str(sizes) + " has rank " + std::to_string(sizes.size()) +
+                     ", expected at most " + std::to_string(kMaxRank));
+  }
+  int infer = -1;
+  std::int64_t known = 1;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    if (sizes[i] == -1) {
+      if (infer >= 0) throw ShapeError(std::string(op) + ": only one dimension can be inferred (-1), got " + list_str(sizes));
+      infer = static_cast<int>(i);
+    } else if (sizes[i] < 0) {
+      throw ShapeError(std::string(op) + ": invalid shape dimension " + std::to_string(sizes[i]) + " in " +
+                       list_str(sizes) + " (expected sizes >= 0, or -1 once)");
+    } else {
+      known *= sizes[i];
+    }
+  }
+  std::vector<std::int64_t> out(sizes.begin(), sizes.end());
+  if (infer >= 0) {
+    if (known == 0) {
+      throw ShapeError(std::string(op) + ": cannot reshape a tensor of " + std::to_string(numel) + " elements into shape " +
+                       list_str(sizes) + " because the unspecified dimension size -1 can be any value and is ambiguous");
+    }
+    if (numel % known != 0) {
+      throw ShapeError(std::string(op) + ": shape " + list_str(sizes) + " is invalid for input of size " +
+                       std::to_string(numel));
+    }
+    out[infer] = numel / known;
+  } else if (known != numel) {
+    throw ShapeError(std::string(op) + ": shape " + list_str(sizes) + " is invalid for input of size " +
+                     std::to_string(numel) + " (expected " + std::to_string(known) + " elements)");
+  }
+  return Shape(out);
+}
+
+}  // namespace lazy::detail::shape_ops
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

@@ -10,6 +10,7 @@
 #include <lazytensor/core/error.hpp>
 #include <lazytensor/core/shape.hpp>
 #include <lazytensor/graph/node.hpp>
+#include <lazytensor/core/config.hpp>
 
 namespace lazy {
 
@@ -42,10 +43,7 @@ struct Window2d {
 
   /// Fills oh/ow (torch's floor formula, no ceil_mode); the caller validated that the
   /// dilated kernel fits the padded input.
-  void set_output_size() {
-    oh = (h + 2 * ph - dh * (kh - 1) - 1) / sh + 1;
-    ow = (w + 2 * pw - dw * (kw - 1) - 1) / sw + 1;
-  }
+  void set_output_size();
   /// Output columns [first, last) whose kernel column j reads inside the plane.
   std::pair<std::int64_t, std::int64_t> valid_columns(std::int64_t j) const {
     return valid_range(pw - j * dw, w, sw, ow);
@@ -55,27 +53,15 @@ struct Window2d {
     return valid_range(ph - i * dh, h, sh, oh);
   }
   /// Folds every field into a structural hash.
-  std::uint64_t hash(std::uint64_t seed) const {
-    for (std::int64_t v : {kh, kw, sh, sw, ph, pw, dh, dw, h, w})
-      seed = hash_combine(seed, static_cast<std::uint64_t>(v));
-    return seed;
-  }
+  std::uint64_t hash(std::uint64_t seed) const;
   /// "kernel=(3, 3), stride=(1, 1), padding=(1, 1), dilation=(1, 1)", for graph dumps.
-  std::string str() const {
-    return "kernel=" + Size2(kh, kw).str() + ", stride=" + Size2(sh, sw).str() +
-           ", padding=" + Size2(ph, pw).str() + ", dilation=" + Size2(dh, dw).str();
-  }
+  std::string str() const;
 
  private:
   // Outputs o in [0, count) with 0 <= o * stride - shift < size.
   static std::pair<std::int64_t, std::int64_t> valid_range(std::int64_t shift, std::int64_t size,
                                                            std::int64_t stride,
-                                                           std::int64_t count) {
-    const std::int64_t first = shift <= 0 ? 0 : (shift + stride - 1) / stride;
-    const std::int64_t top = size - 1 + shift;  // o * stride <= top
-    const std::int64_t last = top < 0 ? 0 : std::min(count, top / stride + 1);
-    return {std::min(first, last), last};
-  }
+                                                           std::int64_t count);
 };
 
 }  // namespace graph
@@ -88,7 +74,53 @@ inline std::string plane_str(std::int64_t a, std::int64_t b) {
 }
 
 /// ShapeError unless x is [N, C, H, W] with C, H, W > 0 (N may be 0).
-inline void check_nchw(const Shape& s, const char* op, const char* what) {
+void check_nchw(const Shape& s, const char* op, const char* what);
+
+/// ShapeError unless stride and dilation are positive and padding is not negative.
+void check_window_args(const char* op, Size2 stride, Size2 padding, Size2 dilation);
+
+/// The geometry of a kernel sliding over the planes of `image` ([N, C, H, W]), validated:
+/// the dilated kernel must fit the padded input.
+graph::Window2d window_over(const char* op, const Shape& image, Size2 kernel, Size2 stride,
+                                   Size2 padding, Size2 dilation);
+
+}  // namespace detail
+
+}  // namespace lazy
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::graph {
+
+LAZYTENSOR_INLINE void Window2d::set_output_size() {
+  oh = (h + 2 * ph - dh * (kh - 1) - 1) / sh + 1;
+  ow = (w + 2 * pw - dw * (kw - 1) - 1) / sw + 1;
+}
+
+LAZYTENSOR_INLINE std::uint64_t Window2d::hash(std::uint64_t seed) const {
+  for (std::int64_t v : {kh, kw, sh, sw, ph, pw, dh, dw, h, w})
+    seed = hash_combine(seed, static_cast<std::uint64_t>(v));
+  return seed;
+}
+
+LAZYTENSOR_INLINE std::string Window2d::str() const {
+  return "kernel=" + Size2(kh, kw).str() + ", stride=" + Size2(sh, sw).str() +
+         ", padding=" + Size2(ph, pw).str() + ", dilation=" + Size2(dh, dw).str();
+}
+
+LAZYTENSOR_INLINE std::pair<std::int64_t, std::int64_t> Window2d::valid_range(std::int64_t shift,
+  std::int64_t size,
+  std::int64_t stride,
+  std::int64_t count) {
+  const std::int64_t first = shift <= 0 ? 0 : (shift + stride - 1) / stride;
+  const std::int64_t top = size - 1 + shift;  // o * stride <= top
+  const std::int64_t last = top < 0 ? 0 : std::min(count, top / stride + 1);
+  return {std::min(first, last), last};
+}
+
+}  // namespace lazy::graph
+namespace lazy::detail {
+
+LAZYTENSOR_INLINE void check_nchw(const Shape& s, const char* op, const char* what) {
   if (s.rank() != 4) {
     throw ShapeError(std::string(op) + ": expected a 4-D " + what + " [N, C, H, W], got shape " +
                      s.str() + " (rank " + std::to_string(s.rank()) + ")");
@@ -99,8 +131,7 @@ inline void check_nchw(const Shape& s, const char* op, const char* what) {
   }
 }
 
-/// ShapeError unless stride and dilation are positive and padding is not negative.
-inline void check_window_args(const char* op, Size2 stride, Size2 padding, Size2 dilation) {
+LAZYTENSOR_INLINE void check_window_args(const char* op, Size2 stride, Size2 padding, Size2 dilation) {
   if (stride.h <= 0 || stride.w <= 0) {
     throw ShapeError(std::string(op) + ": expected a positive stride, got " + stride.str());
   }
@@ -112,10 +143,12 @@ inline void check_window_args(const char* op, Size2 stride, Size2 padding, Size2
   }
 }
 
-/// The geometry of a kernel sliding over the planes of `image` ([N, C, H, W]), validated:
-/// the dilated kernel must fit the padded input.
-inline graph::Window2d window_over(const char* op, const Shape& image, Size2 kernel, Size2 stride,
-                                   Size2 padding, Size2 dilation) {
+LAZYTENSOR_INLINE graph::Window2d window_over(const char* op,
+    const Shape& image,
+    Size2 kernel,
+    Size2 stride,
+    Size2 padding,
+    Size2 dilation) {
   if (kernel.h <= 0 || kernel.w <= 0) {
     throw ShapeError(std::string(op) + ": expected a positive kernel size, got " + kernel.str());
   }
@@ -134,6 +167,5 @@ inline graph::Window2d window_over(const char* op, const Shape& image, Size2 ker
   return g;
 }
 
-}  // namespace detail
-
-}  // namespace lazy
+}  // namespace lazy::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

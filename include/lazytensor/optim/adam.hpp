@@ -7,6 +7,7 @@
 #include <tuple>
 #include <vector>
 
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/optim/optimizer.hpp>
 
 namespace lazy::optim {
@@ -22,22 +23,8 @@ struct AdamOptions {
   LAZY_ARG(bool, amsgrad) = false;
 
  public:
-  std::map<std::string, std::string> to_map() const {
-    return {{"lr", detail::format_option(lr_)},
-            {"beta1", detail::format_option(std::get<0>(betas_))},
-            {"beta2", detail::format_option(std::get<1>(betas_))},
-            {"eps", detail::format_option(eps_)},
-            {"weight_decay", detail::format_option(weight_decay_)},
-            {"amsgrad", amsgrad_ ? "1" : "0"}};
-  }
-  static AdamOptions from_map(const std::map<std::string, std::string>& m) {
-    AdamOptions o(detail::parse_option(m, "lr"));
-    o.betas(Betas(detail::parse_option(m, "beta1"), detail::parse_option(m, "beta2")))
-        .eps(detail::parse_option(m, "eps"))
-        .weight_decay(detail::parse_option(m, "weight_decay"))
-        .amsgrad(detail::parse_option(m, "amsgrad") != 0);
-    return o;
-  }
+  std::map<std::string, std::string> to_map() const;
+  static AdamOptions from_map(const std::map<std::string, std::string>& m);
 };
 /// AdamW's options: Adam's, with weight_decay 1e-2 by default (as torch). The fluent
 /// setters return AdamOptions&, which AdamW takes as well.
@@ -129,5 +116,25 @@ using Adam = AdamBase<AdamOptions, false>;
 /// AdamW (decoupled weight decay: p *= 1 - lr * weight_decay with the step), as
 /// torch.optim.AdamW.
 using AdamW = AdamBase<AdamOptions, true>;
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE std::map<std::string, std::string> AdamOptions::to_map() const {
+  return {{"lr", detail::format_option(lr_)},
+          {"beta1", detail::format_option(std::get<0>(betas_))},
+          {"beta2", detail::format_option(std::get<1>(betas_))},
+          {"eps", detail::format_option(eps_)},
+          {"weight_decay", detail::format_option(weight_decay_)},
+          {"amsgrad", amsgrad_ ? "1" : "0"}};
+}
+
+LAZYTENSOR_INLINE AdamOptions AdamOptions::from_map(const std::map<std::string, std::string>& m) {
+  AdamOptions o(detail::parse_option(m, "lr"));
+  o.betas(Betas(detail::parse_option(m, "beta1"), detail::parse_option(m, "beta2")))
+      .eps(detail::parse_option(m, "eps"))
+      .weight_decay(detail::parse_option(m, "weight_decay"))
+      .amsgrad(detail::parse_option(m, "amsgrad") != 0);
+  return o;
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::optim

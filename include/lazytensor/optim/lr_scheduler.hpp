@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/optim/optimizer.hpp>
 
 namespace lazy::optim {
@@ -17,9 +18,7 @@ namespace lazy::optim {
 /// Base of the schedulers: remembers the base rates and counts steps.
 class LRScheduler {
  public:
-  explicit LRScheduler(Optimizer& opt) : opt_(opt) {
-    for (std::size_t g = 0; g < opt.num_param_groups(); ++g) base_.push_back(opt.lr(g));
-  }
+  explicit LRScheduler(Optimizer& opt);
   virtual ~LRScheduler() = default;
   /// Advances one step (one epoch, usually) and sets the new rates.
   void step() {
@@ -27,19 +26,13 @@ class LRScheduler {
     apply();
   }
   /// The rates set last.
-  std::vector<double> get_last_lr() const {
-    std::vector<double> v;
-    for (std::size_t g = 0; g < opt_.num_param_groups(); ++g) v.push_back(opt_.lr(g));
-    return v;
-  }
+  std::vector<double> get_last_lr() const;
   /// Steps taken so far.
   std::int64_t last_epoch() const { return count_; }
 
  protected:
   virtual double rate(double base, std::int64_t step) const = 0;
-  void apply() {
-    for (std::size_t g = 0; g < base_.size(); ++g) opt_.set_lr(rate(base_[g], count_), g);
-  }
+  void apply();
 
  private:
   Optimizer& opt_;
@@ -50,14 +43,10 @@ class LRScheduler {
 /// lr = base * gamma^(floor(step / step_size)).
 class StepLR : public LRScheduler {
  public:
-  StepLR(Optimizer& opt, std::int64_t step_size, double gamma = 0.1) : LRScheduler(opt), size_(step_size), gamma_(gamma) {
-    if (step_size <= 0) throw Error("StepLR: step_size must be positive, got " + std::to_string(step_size));
-  }
+  StepLR(Optimizer& opt, std::int64_t step_size, double gamma = 0.1);
 
  protected:
-  double rate(double base, std::int64_t s) const override {
-    return base * std::pow(gamma_, static_cast<double>(s / size_));
-  }
+  double rate(double base, std::int64_t s) const override;
 
  private:
   std::int64_t size_;
@@ -67,14 +56,10 @@ class StepLR : public LRScheduler {
 /// lr = eta_min + (base - eta_min) (1 + cos(pi step / T_max)) / 2.
 class CosineAnnealingLR : public LRScheduler {
  public:
-  CosineAnnealingLR(Optimizer& opt, std::int64_t T_max, double eta_min = 0) : LRScheduler(opt), T_(T_max), min_(eta_min) {
-    if (T_max <= 0) throw Error("CosineAnnealingLR: T_max must be positive, got " + std::to_string(T_max));
-  }
+  CosineAnnealingLR(Optimizer& opt, std::int64_t T_max, double eta_min = 0);
 
  protected:
-  double rate(double base, std::int64_t s) const override {
-    return min_ + (base - min_) * (1 + std::cos(std::numbers::pi * static_cast<double>(s) / static_cast<double>(T_))) / 2;
-  }
+  double rate(double base, std::int64_t s) const override;
 
  private:
   std::int64_t T_;
@@ -85,26 +70,64 @@ class CosineAnnealingLR : public LRScheduler {
 /// total_iters steps and staying there.
 class LinearLR : public LRScheduler {
  public:
-  LinearLR(Optimizer& opt, double start_factor = 1.0 / 3, double end_factor = 1.0, std::int64_t total_iters = 5)
-      : LRScheduler(opt), start_(start_factor), end_(end_factor), total_(total_iters) {
-    if (start_factor <= 0 || start_factor > 1 || end_factor < 0 || end_factor > 1) {
-      throw Error("LinearLR: expected 0 < start_factor <= 1 and 0 <= end_factor <= 1, got " +
-                  std::to_string(start_factor) + " and " + std::to_string(end_factor));
-    }
-    if (total_iters <= 0) throw Error("LinearLR: total_iters must be positive, got " + std::to_string(total_iters));
-    // As torch, the first rate applies from construction on.
-    for (std::size_t g = 0; g < opt.num_param_groups(); ++g) opt.set_lr(opt.lr(g) * start_factor, g);
-  }
+  LinearLR(Optimizer& opt, double start_factor = 1.0 / 3, double end_factor = 1.0, std::int64_t total_iters = 5);
 
  protected:
-  double rate(double base, std::int64_t s) const override {
-    const double f = s >= total_ ? end_ : start_ + (end_ - start_) * static_cast<double>(s) / static_cast<double>(total_);
-    return base * f;
-  }
+  double rate(double base, std::int64_t s) const override;
 
  private:
   double start_, end_;
   std::int64_t total_;
 };
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE LRScheduler::LRScheduler(Optimizer& opt) : opt_(opt) {
+  for (std::size_t g = 0; g < opt.num_param_groups(); ++g) base_.push_back(opt.lr(g));
+}
+
+LAZYTENSOR_INLINE std::vector<double> LRScheduler::get_last_lr() const {
+  std::vector<double> v;
+  for (std::size_t g = 0; g < opt_.num_param_groups(); ++g) v.push_back(opt_.lr(g));
+  return v;
+}
+
+LAZYTENSOR_INLINE void LRScheduler::apply() {
+  for (std::size_t g = 0; g < base_.size(); ++g) opt_.set_lr(rate(base_[g], count_), g);
+}
+
+LAZYTENSOR_INLINE StepLR::StepLR(Optimizer& opt, std::int64_t step_size, double gamma)
+    : LRScheduler(opt), size_(step_size), gamma_(gamma) {
+  if (step_size <= 0) throw Error("StepLR: step_size must be positive, got " + std::to_string(step_size));
+}
+
+LAZYTENSOR_INLINE double StepLR::rate(double base, std::int64_t s) const {
+  return base * std::pow(gamma_, static_cast<double>(s / size_));
+}
+
+LAZYTENSOR_INLINE CosineAnnealingLR::CosineAnnealingLR(Optimizer& opt, std::int64_t T_max, double eta_min)
+    : LRScheduler(opt), T_(T_max), min_(eta_min) {
+  if (T_max <= 0) throw Error("CosineAnnealingLR: T_max must be positive, got " + std::to_string(T_max));
+}
+
+LAZYTENSOR_INLINE double CosineAnnealingLR::rate(double base, std::int64_t s) const {
+  return min_ + (base - min_) * (1 + std::cos(std::numbers::pi * static_cast<double>(s) / static_cast<double>(T_))) / 2;
+}
+
+LAZYTENSOR_INLINE LinearLR::LinearLR(Optimizer& opt, double start_factor, double end_factor, std::int64_t total_iters)
+    : LRScheduler(opt), start_(start_factor), end_(end_factor), total_(total_iters) {
+  if (start_factor <= 0 || start_factor > 1 || end_factor < 0 || end_factor > 1) {
+    throw Error("LinearLR: expected 0 < start_factor <= 1 and 0 <= end_factor <= 1, got " +
+                std::to_string(start_factor) + " and " + std::to_string(end_factor));
+  }
+  if (total_iters <= 0) throw Error("LinearLR: total_iters must be positive, got " + std::to_string(total_iters));
+  // As torch, the first rate applies from construction on.
+  for (std::size_t g = 0; g < opt.num_param_groups(); ++g) opt.set_lr(opt.lr(g) * start_factor, g);
+}
+
+LAZYTENSOR_INLINE double LinearLR::rate(double base, std::int64_t s) const {
+  const double f = s >= total_ ? end_ : start_ + (end_ - start_) * static_cast<double>(s) / static_cast<double>(total_);
+  return base * f;
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::optim

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include <lazytensor/core/arg.hpp>
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/ops/factories.hpp>
 #include <lazytensor/state_dict.hpp>
 #include <lazytensor/tensor/tensor.hpp>
@@ -22,24 +23,9 @@ namespace lazy::optim {
 
 namespace detail {
 /// Option `name` of a saved group as a number (Error when missing or malformed).
-inline double parse_option(const std::map<std::string, std::string>& opts, const std::string& name) {
-  auto it = opts.find(name);
-  if (it == opts.end()) throw Error("Optimizer::load_state_dict: missing option '" + name + "'");
-  double v = 0;
-  const char* b = it->second.data();
-  const char* e = b + it->second.size();
-  auto [p, ec] = std::from_chars(b, e, v);
-  if (ec != std::errc() || p != e) {
-    throw Error("Optimizer::load_state_dict: option '" + name + "' is not a number: '" + it->second + "'");
-  }
-  return v;
-}
+double parse_option(const std::map<std::string, std::string>& opts, const std::string& name);
 /// The shortest text that reads back as exactly `v`.
-inline std::string format_option(double v) {
-  char buf[64];
-  auto [p, ec] = std::to_chars(buf, buf + sizeof buf, v);
-  return std::string(buf, p);
-}
+std::string format_option(double v);
 }  // namespace detail
 
 /// Per-parameter optimizer state: named tensors plus a step count.
@@ -57,18 +43,7 @@ class Optimizer {
   virtual void step() = 0;
 
   /// Clears the gradients of every parameter: undefined (libtorch's default) or zero.
-  void zero_grad(bool set_to_none = true) {
-    for (std::size_t g = 0; g < num_param_groups(); ++g) {
-      for (auto& p : params(g)) {
-        if (set_to_none || !p.grad().defined()) {
-          p.set_grad(Tensor<float>());
-        } else {
-          NoGradGuard guard;
-          p.grad().zero_();
-        }
-      }
-    }
-  }
+  void zero_grad(bool set_to_none = true);
 
   /// Number of parameter groups.
   virtual std::size_t num_param_groups() const = 0;
@@ -78,82 +53,16 @@ class Optimizer {
   virtual double lr(std::size_t g = 0) const = 0;
   virtual void set_lr(double lr, std::size_t g) = 0;
   /// Sets the learning rate of every group.
-  void set_lr(double lr) {
-    for (std::size_t g = 0; g < num_param_groups(); ++g) set_lr(lr, g);
-  }
+  void set_lr(double lr);
 
   /// State tensors as "state.<i>.<name>" (i counts parameters across groups in order),
   /// step counts as "state.<i>.step", and every group's options in the metadata
   /// ("param_groups.<g>.<option>").
-  StateDict state_dict() const {
-    StateDict sd;
-    std::size_t i = 0;
-    for (std::size_t g = 0; g < num_param_groups(); ++g) {
-      for (std::size_t k = 0; k < const_params(g).size(); ++k, ++i) {
-        auto it = state_.find(key(g, k));
-        if (it == state_.end()) continue;
-        for (const auto& [name, t] : it->second.tensors) sd.insert("state." + std::to_string(i) + "." + name, t.detach());
-        sd.insert("state." + std::to_string(i) + ".step", scalar_step(it->second.step));
-      }
-      for (const auto& [name, v] : options_of(g)) sd.metadata()["param_groups." + std::to_string(g) + "." + name] = v;
-    }
-    sd.metadata()["optimizer"] = type_name();
-    return sd;
-  }
+  StateDict state_dict() const;
 
   /// Restores state and options saved by state_dict() of the same kind of optimizer over
   /// parameters of the same shapes. Checks everything before changing anything.
-  void load_state_dict(const StateDict& sd) {
-    if (auto it = sd.metadata().find("optimizer"); it == sd.metadata().end() || it->second != type_name()) {
-      throw Error("Optimizer::load_state_dict: expected a state dict of a " + type_name() + " optimizer, found " +
-                  (it == sd.metadata().end() ? std::string("none") : it->second));
-    }
-    std::map<std::pair<std::size_t, std::size_t>, ParamState> loaded;
-    std::size_t i = 0, total = 0;
-    for (std::size_t g = 0; g < num_param_groups(); ++g) total += const_params(g).size();
-    for (const auto& [name, t] : sd) {
-      if (name.rfind("state.", 0) != 0) throw Error("Optimizer::load_state_dict: unexpected key '" + name + "'");
-      const auto dot = name.find('.', 6);
-      std::size_t idx = 0;
-      auto [p, ec] = std::from_chars(name.data() + 6, name.data() + (dot == std::string::npos ? name.size() : dot), idx);
-      if (ec != std::errc() || dot == std::string::npos || idx >= total) {
-        throw Error("Optimizer::load_state_dict: key '" + name + "' does not name one of the " + std::to_string(total) +
-                    " parameters");
-      }
-      (void)p;
-    }
-    for (std::size_t g = 0; g < num_param_groups(); ++g) {
-      for (std::size_t k = 0; k < const_params(g).size(); ++k, ++i) {
-        const std::string prefix = "state." + std::to_string(i) + ".";
-        ParamState st;
-        bool any = false;
-        for (const auto& [name, t] : sd) {
-          if (name.rfind(prefix, 0) != 0) continue;
-          any = true;
-          const std::string field = name.substr(prefix.size());
-          if (field == "step") {
-            st.step = t.as<std::int64_t>().item();
-            continue;
-          }
-          Tensor<float> v = t.as<float>();
-          if (!(v.shape() == const_params(g)[k].shape())) {
-            throw ShapeError("Optimizer::load_state_dict: '" + name + "' has shape " + v.shape().str() +
-                             ", the parameter has shape " + const_params(g)[k].shape().str());
-          }
-          st.tensors[field] = v.to(const_params(g)[k].device());
-        }
-        if (any) loaded[key(g, k)] = std::move(st);
-      }
-    }
-    for (std::size_t g = 0; g < num_param_groups(); ++g) {
-      std::map<std::string, std::string> opts;
-      const std::string prefix = "param_groups." + std::to_string(g) + ".";
-      for (const auto& [k, v] : sd.metadata())
-        if (k.rfind(prefix, 0) == 0) opts[k.substr(prefix.size())] = v;
-      set_options_of(g, opts);
-    }
-    state_ = std::move(loaded);
-  }
+  void load_state_dict(const StateDict& sd);
 
  protected:
   /// "SGD", "Adam", ...
@@ -164,14 +73,11 @@ class Optimizer {
   virtual void set_options_of(std::size_t g, const std::map<std::string, std::string>& opts) = 0;
 
   /// State of parameter k of group g.
-  ParamState& state(std::size_t g, std::size_t k) { return state_[key(g, k)]; }
+  ParamState& state(std::size_t g, std::size_t k);
 
  private:
   static std::pair<std::size_t, std::size_t> key(std::size_t g, std::size_t k) { return {g, k}; }
-  static AnyTensor scalar_step(std::int64_t s) {
-    std::vector<std::int64_t> v{s};
-    return from_vector<std::int64_t>(v, Shape{});
-  }
+  static AnyTensor scalar_step(std::int64_t s);
 
   std::map<std::pair<std::size_t, std::size_t>, ParamState> state_;
 };
@@ -215,5 +121,122 @@ class OptimizerWithOptions : public Optimizer {
 
   std::vector<ParamGroup> groups_;
 };
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace detail {
+
+LAZYTENSOR_INLINE double parse_option(const std::map<std::string, std::string>& opts, const std::string& name) {
+  auto it = opts.find(name);
+  if (it == opts.end()) throw Error("Optimizer::load_state_dict: missing option '" + name + "'");
+  double v = 0;
+  const char* b = it->second.data();
+  const char* e = b + it->second.size();
+  auto [p, ec] = std::from_chars(b, e, v);
+  if (ec != std::errc() || p != e) {
+    throw Error("Optimizer::load_state_dict: option '" + name + "' is not a number: '" + it->second + "'");
+  }
+  return v;
+}
+
+LAZYTENSOR_INLINE std::string format_option(double v) {
+  char buf[64];
+  auto [p, ec] = std::to_chars(buf, buf + sizeof buf, v);
+  return std::string(buf, p);
+}
+
+}  // namespace detail
+
+LAZYTENSOR_INLINE void Optimizer::zero_grad(bool set_to_none) {
+  for (std::size_t g = 0; g < num_param_groups(); ++g) {
+    for (auto& p : params(g)) {
+      if (set_to_none || !p.grad().defined()) {
+        p.set_grad(Tensor<float>());
+      } else {
+        NoGradGuard guard;
+        p.grad().zero_();
+      }
+    }
+  }
+}
+
+LAZYTENSOR_INLINE void Optimizer::set_lr(double lr) {
+  for (std::size_t g = 0; g < num_param_groups(); ++g) set_lr(lr, g);
+}
+
+LAZYTENSOR_INLINE StateDict Optimizer::state_dict() const {
+  StateDict sd;
+  std::size_t i = 0;
+  for (std::size_t g = 0; g < num_param_groups(); ++g) {
+    for (std::size_t k = 0; k < const_params(g).size(); ++k, ++i) {
+      auto it = state_.find(key(g, k));
+      if (it == state_.end()) continue;
+      for (const auto& [name, t] : it->second.tensors) sd.insert("state." + std::to_string(i) + "." + name, t.detach());
+      sd.insert("state." + std::to_string(i) + ".step", scalar_step(it->second.step));
+    }
+    for (const auto& [name, v] : options_of(g)) sd.metadata()["param_groups." + std::to_string(g) + "." + name] = v;
+  }
+  sd.metadata()["optimizer"] = type_name();
+  return sd;
+}
+
+LAZYTENSOR_INLINE void Optimizer::load_state_dict(const StateDict& sd) {
+  if (auto it = sd.metadata().find("optimizer"); it == sd.metadata().end() || it->second != type_name()) {
+    throw Error("Optimizer::load_state_dict: expected a state dict of a " + type_name() + " optimizer, found " +
+                (it == sd.metadata().end() ? std::string("none") : it->second));
+  }
+  std::map<std::pair<std::size_t, std::size_t>, ParamState> loaded;
+  std::size_t i = 0, total = 0;
+  for (std::size_t g = 0; g < num_param_groups(); ++g) total += const_params(g).size();
+  for (const auto& [name, t] : sd) {
+    if (name.rfind("state.", 0) != 0) throw Error("Optimizer::load_state_dict: unexpected key '" + name + "'");
+    const auto dot = name.find('.', 6);
+    std::size_t idx = 0;
+    auto [p, ec] = std::from_chars(name.data() + 6, name.data() + (dot == std::string::npos ? name.size() : dot), idx);
+    if (ec != std::errc() || dot == std::string::npos || idx >= total) {
+      throw Error("Optimizer::load_state_dict: key '" + name + "' does not name one of the " + std::to_string(total) +
+                  " parameters");
+    }
+    (void)p;
+  }
+  for (std::size_t g = 0; g < num_param_groups(); ++g) {
+    for (std::size_t k = 0; k < const_params(g).size(); ++k, ++i) {
+      const std::string prefix = "state." + std::to_string(i) + ".";
+      ParamState st;
+      bool any = false;
+      for (const auto& [name, t] : sd) {
+        if (name.rfind(prefix, 0) != 0) continue;
+        any = true;
+        const std::string field = name.substr(prefix.size());
+        if (field == "step") {
+          st.step = t.as<std::int64_t>().item();
+          continue;
+        }
+        Tensor<float> v = t.as<float>();
+        if (!(v.shape() == const_params(g)[k].shape())) {
+          throw ShapeError("Optimizer::load_state_dict: '" + name + "' has shape " + v.shape().str() +
+                           ", the parameter has shape " + const_params(g)[k].shape().str());
+        }
+        st.tensors[field] = v.to(const_params(g)[k].device());
+      }
+      if (any) loaded[key(g, k)] = std::move(st);
+    }
+  }
+  for (std::size_t g = 0; g < num_param_groups(); ++g) {
+    std::map<std::string, std::string> opts;
+    const std::string prefix = "param_groups." + std::to_string(g) + ".";
+    for (const auto& [k, v] : sd.metadata())
+      if (k.rfind(prefix, 0) == 0) opts[k.substr(prefix.size())] = v;
+    set_options_of(g, opts);
+  }
+  state_ = std::move(loaded);
+}
+
+LAZYTENSOR_INLINE ParamState& Optimizer::state(std::size_t g, std::size_t k) { return state_[key(g, k)]; }
+
+LAZYTENSOR_INLINE AnyTensor Optimizer::scalar_step(std::int64_t s) {
+  std::vector<std::int64_t> v{s};
+  return from_vector<std::int64_t>(v, Shape{});
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::optim

@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/optim/optimizer.hpp>
 
 namespace lazy::optim {
@@ -18,21 +19,8 @@ struct SGDOptions {
   LAZY_ARG(bool, nesterov) = false;
 
  public:
-  std::map<std::string, std::string> to_map() const {
-    return {{"lr", detail::format_option(lr_)},
-            {"momentum", detail::format_option(momentum_)},
-            {"dampening", detail::format_option(dampening_)},
-            {"weight_decay", detail::format_option(weight_decay_)},
-            {"nesterov", nesterov_ ? "1" : "0"}};
-  }
-  static SGDOptions from_map(const std::map<std::string, std::string>& m) {
-    SGDOptions o(detail::parse_option(m, "lr"));
-    o.momentum(detail::parse_option(m, "momentum"))
-        .dampening(detail::parse_option(m, "dampening"))
-        .weight_decay(detail::parse_option(m, "weight_decay"))
-        .nesterov(detail::parse_option(m, "nesterov") != 0);
-    return o;
-  }
+  std::map<std::string, std::string> to_map() const;
+  static SGDOptions from_map(const std::map<std::string, std::string>& m);
 };
 
 /// Stochastic gradient descent (`optim::SGD`). Per parameter: buf = momentum * buf +
@@ -99,5 +87,24 @@ class BasicSGD : public OptimizerWithOptions<SGDOptions> {
 
 /// Stochastic gradient descent, as torch.optim.SGD.
 using SGD = BasicSGD<>;
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE std::map<std::string, std::string> SGDOptions::to_map() const {
+  return {{"lr", detail::format_option(lr_)},
+          {"momentum", detail::format_option(momentum_)},
+          {"dampening", detail::format_option(dampening_)},
+          {"weight_decay", detail::format_option(weight_decay_)},
+          {"nesterov", nesterov_ ? "1" : "0"}};
+}
+
+LAZYTENSOR_INLINE SGDOptions SGDOptions::from_map(const std::map<std::string, std::string>& m) {
+  SGDOptions o(detail::parse_option(m, "lr"));
+  o.momentum(detail::parse_option(m, "momentum"))
+      .dampening(detail::parse_option(m, "dampening"))
+      .weight_decay(detail::parse_option(m, "weight_decay"))
+      .nesterov(detail::parse_option(m, "nesterov") != 0);
+  return o;
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::optim

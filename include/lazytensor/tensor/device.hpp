@@ -11,34 +11,18 @@
 #include <lazytensor/core/counters.hpp>
 #include <lazytensor/graph/executor.hpp>
 #include <lazytensor/tensor/tensor.hpp>
+#include <lazytensor/core/config.hpp>
 
 namespace lazy {
 
 /// Number of devices of this process (LAZYTENSOR_NUM_DEVICES, default 1).
-inline int device_count() {
-  static const int n = [] {
-    const char* env = std::getenv("LAZYTENSOR_NUM_DEVICES");
-    const int v = env ? std::atoi(env) : 1;
-    return v > 0 ? v : 1;
-  }();
-  return n;
-}
+int device_count();
 
 /// Every device of this process.
-inline std::vector<Device> devices() {
-  std::vector<Device> d;
-  for (int i = 0; i < device_count(); ++i) d.emplace_back(i);
-  return d;
-}
+std::vector<Device> devices();
 
 /// Device `index` (DeviceError when out of range).
-inline Device device(int index) {
-  if (index < 0 || index >= device_count()) {
-    throw DeviceError("device index " + std::to_string(index) + " out of range: this process has " +
-                      std::to_string(device_count()) + " device(s)");
-  }
-  return Device(index);
-}
+Device device(int index);
 
 /// Makes `d` this thread's current device.
 inline void set_device(const Device& d) { graph::current_device_index() = d.index(); }
@@ -52,41 +36,19 @@ inline void set_device(const Device& d) { graph::current_device_index() = d.inde
 /// value (item(), to_vector(), ...) or wait_device_ops() waits for it; the next mark_step
 /// waits for the previous one; an error surfaces at the next read or sync.
 /// (LAZYTENSOR_ASYNC=0 runs steps on the calling thread.)
-inline void mark_step() {
-  static auto& steps = core::counter("MarkStep");
-  graph::Device& dev = graph::current_device();
-  steps.add();
-  dev.rethrow_stored_error();
-  graph::run_step(dev, graph::collect_step(dev));
-  // A new step draws fresh random numbers, as XLA's seed advance after mark_step.
-  auto& rng = dev.rng();
-  rng.seed = graph::hash_combine(rng.seed, 0x9e3779b97f4a7c15ull);
-  rng.offset = 0;
-  // Closures run once the step has executed (as torch_xla's synchronous step closures), so
-  // they see its values; without closures mark_step returns at once.
-  auto closures = dev.take_step_closures();
-  if (!closures.empty()) dev.wait_idle();
-  for (auto& f : closures) f();
-}
+void mark_step();
 
 /// Alias of mark_step(), as torch_xla.sync().
 inline void sync() { mark_step(); }
 
 /// Waits for every step enqueued on the current device (xm.wait_device_ops), then
 /// re-throws an error a step stored.
-inline void wait_device_ops() {
-  auto& dev = graph::current_device();
-  dev.wait_idle();
-  dev.rethrow_stored_error();
-}
+void wait_device_ops();
 
 /// Sets how many threads the current device's kernels use (as torch::set_num_threads; the
 /// default is LAZYTENSOR_NUM_THREADS, else the hardware threads). Waits for the steps in
 /// flight first. Error when `n` < 1.
-inline void set_num_threads(int n) {
-  if (n < 1) throw Error("set_num_threads: expected at least 1 thread, got " + std::to_string(n));
-  graph::current_device().set_num_threads(n);
-}
+void set_num_threads(int n);
 
 /// The number of threads the current device's kernels use (as torch::get_num_threads).
 inline int get_num_threads() { return graph::current_device().threads().size(); }
@@ -123,12 +85,71 @@ auto compile(F f) {
 }
 
 /// Seeds the current device's random stream (torch.manual_seed / xm.set_rng_state).
-inline void set_rng_state(std::uint64_t seed) {
-  auto& rng = graph::current_device().rng();
-  rng.seed = seed;
-  rng.offset = 0;
-}
+void set_rng_state(std::uint64_t seed);
 /// The current device's seed.
 inline std::uint64_t get_rng_state() { return graph::current_device().rng().seed; }
 
 }  // namespace lazy
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy {
+
+LAZYTENSOR_INLINE int device_count() {
+  static const int n = [] {
+    const char* env = std::getenv("LAZYTENSOR_NUM_DEVICES");
+    const int v = env ? std::atoi(env) : 1;
+    return v > 0 ? v : 1;
+  }();
+  return n;
+}
+
+LAZYTENSOR_INLINE std::vector<Device> devices() {
+  std::vector<Device> d;
+  for (int i = 0; i < device_count(); ++i) d.emplace_back(i);
+  return d;
+}
+
+LAZYTENSOR_INLINE Device device(int index) {
+  if (index < 0 || index >= device_count()) {
+    throw DeviceError("device index " + std::to_string(index) + " out of range: this process has " +
+                      std::to_string(device_count()) + " device(s)");
+  }
+  return Device(index);
+}
+
+LAZYTENSOR_INLINE void mark_step() {
+  static auto& steps = core::counter("MarkStep");
+  graph::Device& dev = graph::current_device();
+  steps.add();
+  dev.rethrow_stored_error();
+  graph::run_step(dev, graph::collect_step(dev));
+  // A new step draws fresh random numbers, as XLA's seed advance after mark_step.
+  auto& rng = dev.rng();
+  rng.seed = graph::hash_combine(rng.seed, 0x9e3779b97f4a7c15ull);
+  rng.offset = 0;
+  // Closures run once the step has executed (as torch_xla's synchronous step closures), so
+  // they see its values; without closures mark_step returns at once.
+  auto closures = dev.take_step_closures();
+  if (!closures.empty()) dev.wait_idle();
+  for (auto& f : closures) f();
+}
+
+LAZYTENSOR_INLINE void wait_device_ops() {
+  auto& dev = graph::current_device();
+  dev.wait_idle();
+  dev.rethrow_stored_error();
+}
+
+LAZYTENSOR_INLINE void set_num_threads(int n) {
+  if (n < 1) throw Error("set_num_threads: expected at least 1 thread, got " + std::to_string(n));
+  graph::current_device().set_num_threads(n);
+}
+
+LAZYTENSOR_INLINE void set_rng_state(std::uint64_t seed) {
+  auto& rng = graph::current_device().rng();
+  rng.seed = seed;
+  rng.offset = 0;
+}
+
+}  // namespace lazy
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
