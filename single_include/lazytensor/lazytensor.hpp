@@ -4824,14 +4824,14 @@ inline constexpr std::int64_t kFusionMemorySlice = 128;
 /// cache: the size from which outputs are stored non-temporally, for the same reason.
 inline constexpr std::int64_t kFusionMemoryBytes = expr::kStreamingStoreBytes;
 
-namespace planner {
+namespace detail {
 
-std::uint64_t next_epoch();
+std::uint64_t next_plan_epoch();
 
 /// Numbers the nodes (plan_slot) for this planning pass.
-std::uint64_t number(const std::vector<NodePtr>& nodes);
+std::uint64_t number_nodes(const std::vector<NodePtr>& nodes);
 
-inline std::int32_t slot_of(const NodePtr& n, std::uint64_t epoch) {
+inline std::int32_t plan_slot_of(const NodePtr& n, std::uint64_t epoch) {
   return n->plan_epoch == epoch ? n->plan_slot : -1;
 }
 
@@ -4845,10 +4845,10 @@ ChunkReduction* chunk_reduction(const NodePtr& n, std::int64_t numel);
 
 /// Signature (see the file comment) of `nodes`, numbered with `epoch`; `outside[i]` is
 /// true when something outside the step refers to node i.
-std::vector<std::uint64_t> signature(const std::vector<NodePtr>& nodes, std::uint64_t epoch,
-                                            std::vector<std::uint8_t>& outside);
+std::vector<std::uint64_t> plan_signature(const std::vector<NodePtr>& nodes, std::uint64_t epoch,
+                                          std::vector<std::uint8_t>& outside);
 
-std::uint64_t fold(const std::vector<std::uint64_t>& sig);
+std::uint64_t fold_signature(const std::vector<std::uint64_t>& sig);
 
 /// Groups `nodes` into steps (see the file comment). Several groups (one per element
 /// count) may be open at once, so statements of different sizes interleaved in the
@@ -4857,24 +4857,24 @@ std::uint64_t fold(const std::vector<std::uint64_t>& sig);
 /// So every consumer comes after its producers: a non-member reading a group closes the
 /// group first, and a member reading anything else reads a single step or a closed group
 /// emitted earlier.
-std::shared_ptr<Plan> build(const std::vector<NodePtr>& nodes, std::uint64_t epoch,
-                                   const std::vector<std::uint8_t>& outside);
+std::shared_ptr<Plan> build_plan(const std::vector<NodePtr>& nodes, std::uint64_t epoch,
+                                 const std::vector<std::uint8_t>& outside);
 
-}  // namespace planner
+}  // namespace detail
 
 }  // namespace lazy::graph
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
-namespace lazy::graph::planner {
+namespace lazy::graph::detail {
 
-LAZYTENSOR_INLINE std::uint64_t next_epoch() {
+LAZYTENSOR_INLINE std::uint64_t next_plan_epoch() {
   thread_local std::uint64_t epoch = 0;
   // Mix in the thread so that two planners (devices in different threads) never share one.
   return (++epoch << 8) ^ reinterpret_cast<std::uintptr_t>(&epoch);
 }
 
-LAZYTENSOR_INLINE std::uint64_t number(const std::vector<NodePtr>& nodes) {
-  const std::uint64_t epoch = next_epoch();
+LAZYTENSOR_INLINE std::uint64_t number_nodes(const std::vector<NodePtr>& nodes) {
+  const std::uint64_t epoch = next_plan_epoch();
   for (std::size_t i = 0; i < nodes.size(); ++i) {
     nodes[i]->plan_slot = static_cast<std::int32_t>(i);
     nodes[i]->plan_epoch = epoch;
@@ -4901,14 +4901,14 @@ LAZYTENSOR_INLINE ChunkReduction* chunk_reduction(const NodePtr& n, std::int64_t
   return reads_chunk ? r : nullptr;
 }
 
-LAZYTENSOR_INLINE std::vector<std::uint64_t> signature(const std::vector<NodePtr>& nodes,
+LAZYTENSOR_INLINE std::vector<std::uint64_t> plan_signature(const std::vector<NodePtr>& nodes,
     std::uint64_t epoch,
     std::vector<std::uint8_t>& outside) {
   core::SmallVector<std::int32_t, 32> refs;  // a read of a few statements allocates nothing here
   refs.assign(nodes.size(), 0);
   for (const auto& n : nodes)
     for (const auto& in : n->inputs()) {
-      const std::int32_t s = slot_of(in, epoch);
+      const std::int32_t s = plan_slot_of(in, epoch);
       if (s >= 0) ++refs[static_cast<std::size_t>(s)];
     }
   std::vector<std::uint64_t> sig;
@@ -4920,19 +4920,19 @@ LAZYTENSOR_INLINE std::vector<std::uint64_t> signature(const std::vector<NodePtr
     outside[i] = n.use_count() > 1 + refs[i] ? 1 : 0;
     sig.push_back(n->hash());
     std::uint64_t wiring = outside[i];
-    for (const auto& in : n->inputs()) wiring = hash_combine(wiring, static_cast<std::uint64_t>(slot_of(in, epoch) + 1));
+    for (const auto& in : n->inputs()) wiring = hash_combine(wiring, static_cast<std::uint64_t>(plan_slot_of(in, epoch) + 1));
     sig.push_back(wiring);
   }
   return sig;
 }
 
-LAZYTENSOR_INLINE std::uint64_t fold(const std::vector<std::uint64_t>& sig) {
+LAZYTENSOR_INLINE std::uint64_t fold_signature(const std::vector<std::uint64_t>& sig) {
   std::uint64_t h = sig.size();
   for (auto v : sig) h = hash_combine(h, v);
   return h;
 }
 
-LAZYTENSOR_INLINE std::shared_ptr<Plan> build(const std::vector<NodePtr>& nodes,
+LAZYTENSOR_INLINE std::shared_ptr<Plan> build_plan(const std::vector<NodePtr>& nodes,
     std::uint64_t epoch,
     const std::vector<std::uint8_t>& outside) {
   auto plan = std::make_shared<Plan>();
@@ -4967,7 +4967,7 @@ LAZYTENSOR_INLINE std::shared_ptr<Plan> build(const std::vector<NodePtr>& nodes,
   // Closes every open group `node` reads, except `keep`.
   auto close_read = [&](const NodePtr& node, std::int32_t keep) {
     for (const auto& in : node->inputs()) {
-      const std::int32_t s = slot_of(in, epoch);
+      const std::int32_t s = plan_slot_of(in, epoch);
       if (s < 0) continue;
       const std::int32_t u = unit[static_cast<std::size_t>(s)];
       if (u != keep && is_open(u)) close_unit(u);
@@ -4976,7 +4976,7 @@ LAZYTENSOR_INLINE std::shared_ptr<Plan> build(const std::vector<NodePtr>& nodes,
   auto add_member = [&](Open& g, std::size_t i) {
     std::vector<std::int32_t> src;
     for (const auto& in : nodes[i]->inputs()) {
-      const std::int32_t s = slot_of(in, epoch);
+      const std::int32_t s = plan_slot_of(in, epoch);
       std::int32_t m = -1;
       if (s >= 0 && unit[static_cast<std::size_t>(s)] == g.unit)
         m = static_cast<std::int32_t>(std::find(g.st.members.begin(), g.st.members.end(), s) - g.st.members.begin());
@@ -5003,7 +5003,7 @@ LAZYTENSOR_INLINE std::shared_ptr<Plan> build(const std::vector<NodePtr>& nodes,
     // A reduction of everything an open group computes ends that group.
     bool ended = false;
     for (const auto& in : node->inputs()) {
-      const std::int32_t s = slot_of(in, epoch);
+      const std::int32_t s = plan_slot_of(in, epoch);
       if (s < 0) continue;
       const std::int32_t u = unit[static_cast<std::size_t>(s)];
       Open* g = nullptr;
@@ -5039,7 +5039,7 @@ LAZYTENSOR_INLINE std::shared_ptr<Plan> build(const std::vector<NodePtr>& nodes,
   std::vector<std::uint8_t> whole(outside.begin(), outside.end());
   for (std::size_t i = 0; i < n; ++i)
     for (const auto& in : nodes[i]->inputs()) {
-      const std::int32_t s = slot_of(in, epoch);
+      const std::int32_t s = plan_slot_of(in, epoch);
       if (s >= 0 && unit[static_cast<std::size_t>(s)] != unit[i]) whole[static_cast<std::size_t>(s)] = 1;
     }
   for (auto& st : plan->steps) {
@@ -5051,7 +5051,7 @@ LAZYTENSOR_INLINE std::shared_ptr<Plan> build(const std::vector<NodePtr>& nodes,
   return plan;
 }
 
-}  // namespace lazy::graph::planner
+}  // namespace lazy::graph::detail
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/graph/plan.hpp ----
 
@@ -5592,10 +5592,10 @@ LAZYTENSOR_INLINE std::shared_ptr<const Plan> plan_for(Device& dev,
   static auto& uncached = core::counter("UncachedPlan");
   static auto& plan_time = core::metric("PlanTime");
   const auto t0 = core::MetricClock::now();
-  const std::uint64_t epoch = planner::number(nodes);
+  const std::uint64_t epoch = detail::number_nodes(nodes);
   std::vector<std::uint8_t> outside;
-  auto sig = planner::signature(nodes, epoch, outside);
-  const std::uint64_t h = planner::fold(sig);
+  auto sig = detail::plan_signature(nodes, epoch, outside);
+  const std::uint64_t h = detail::fold_signature(sig);
   auto& cache = dev.plan_cache();
   auto& stats = dev.plan_stats();
   if (step) ++stats.steps;
@@ -5604,7 +5604,7 @@ LAZYTENSOR_INLINE std::shared_ptr<const Plan> plan_for(Device& dev,
     plan = std::move(hit);
     cached.add();
   } else {
-    auto built = planner::build(nodes, epoch, outside);
+    auto built = detail::build_plan(nodes, epoch, outside);
     built->hash = h;
     built->signature = sig;
     plan = built;
@@ -5735,16 +5735,16 @@ LAZYTENSOR_INLINE std::vector<NodePtr> collect_step(Device& dev) {
   for (auto& w : trace)
     if (auto n = w.lock(); n && n->pending()) alive.push_back(std::move(n));
   if (alive.empty()) return {};
-  const std::uint64_t epoch = planner::number(alive);
+  const std::uint64_t epoch = detail::number_nodes(alive);
   std::vector<std::uint8_t> needed(alive.size(), 0);
   dev.for_each_pending_root([&](const NodePtr& r) {
-    if (const std::int32_t s = planner::slot_of(r, epoch); s >= 0) needed[static_cast<std::size_t>(s)] = 1;
+    if (const std::int32_t s = detail::plan_slot_of(r, epoch); s >= 0) needed[static_cast<std::size_t>(s)] = 1;
   });
   // Consumers are newer than their inputs: one sweep from the newest marks everything needed.
   for (std::size_t i = alive.size(); i-- > 0;) {
     if (!needed[i]) continue;
     for (const auto& in : alive[i]->inputs())
-      if (const std::int32_t s = planner::slot_of(in, epoch); s >= 0) needed[static_cast<std::size_t>(s)] = 1;
+      if (const std::int32_t s = detail::plan_slot_of(in, epoch); s >= 0) needed[static_cast<std::size_t>(s)] = 1;
   }
   std::vector<NodePtr> run;
   std::vector<std::weak_ptr<Node>> keep;
@@ -8816,10 +8816,10 @@ LAZYTENSOR_INLINE Fusion plan_fusion(const std::vector<graph::NodePtr>& order) {
   Fusion f;
   if (order.empty()) return f;
   graph::prepare(order);  // decisions redone by the real step's planning
-  const std::uint64_t epoch = graph::planner::number(order);
+  const std::uint64_t epoch = graph::detail::number_nodes(order);
   std::vector<std::uint8_t> outside;
-  graph::planner::signature(order, epoch, outside);
-  auto plan = graph::planner::build(order, epoch, outside);
+  graph::detail::plan_signature(order, epoch, outside);
+  auto plan = graph::detail::build_plan(order, epoch, outside);
   int g = 0;
   for (const auto& st : plan->steps) {
     if (st.kind != graph::PlanStep::Kind::Group) continue;
@@ -13746,17 +13746,28 @@ LAZYTENSOR_INLINE void save(const StateDict& sd, const std::string& path, bool m
 // offset + i / P, where P is how many elements one 128-bit Philox output yields (4 for
 // 32-bit draws, 2 for 64-bit draws): in the 4 * B words of a block of B consecutive
 // counters, element j of the block reads word j (32-bit draws) or words 2j, 2j + 1. The
-// values are computed lazily, at mark_step, by a RandomNode, always a whole block at a time
-// (block k holds the call's elements k * B * P ..), so a vectorized distribution gives
-// every element the same bits whichever task computes it. set_rng_state / manual_seed restart the
-// stream; mark_step advances the seed.
+// values are computed lazily, at mark_step, by a RandomNode (graph/random_node.hpp, with
+// Philox and the distributions), always a whole block at a time (block k holds the call's
+// elements k * B * P ..), so a vectorized distribution gives every element the same bits
+// whichever task computes it. set_rng_state / manual_seed restart the stream; mark_step
+// advances the seed.
 
-#include <algorithm>
-#include <array>
-#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+// ---- begin lazytensor/graph/random_node.hpp ----
+// RandomNode, the kernel of every random tensor: Philox4x32-10 (a counter-based generator,
+// so element i's value is a pure function of the seed and i, whatever the thread count) and
+// the distributions that turn its output words into elements (uniform, normal, integers,
+// Bernoulli). ops/random.hpp describes the streams and reserves the counters.
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
 #include <numbers>
 #include <string>
 #include <type_traits>
@@ -13809,16 +13820,17 @@ constexpr PhiloxCounter philox_block(std::uint64_t c, const PhiloxKey& key) {
 
 namespace graph {
 
-namespace random_dist {
+namespace detail {
 
-// A distribution turns the 4 * kBlock words of one block of counters into P * kBlock
-// elements (P = per_counter). fill(words, j0, cnt, out, i) writes elements [j0, j0 + cnt)
-// of the block to out[0..cnt); `i` is the global index of out[0] (for distributions that
-// read an input element-wise). A distribution that vectorizes computes the whole block
-// and keeps the part asked for, so no element's bits depend on where a task starts.
+// A distribution turns the 4 * kRandomBlock words of one block of counters into
+// P * kRandomBlock elements (P = per_counter). fill(words, j0, cnt, out, i) writes elements
+// [j0, j0 + cnt) of the block to out[0..cnt); `i` is the global index of out[0] (for
+// distributions that read an input element-wise). A distribution that vectorizes computes
+// the whole block and keeps the part asked for, so no element's bits depend on where a task
+// starts.
 
 /// Counters per block.
-inline constexpr int kBlock = 16;
+inline constexpr int kRandomBlock = 16;
 
 /// Uniform 24-bit float in [0, 1): exact, never 1.
 inline float unit_float(std::uint32_t x) { return static_cast<float>(x >> 8) * 0x1p-24f; }
@@ -13830,7 +13842,7 @@ inline double unit_double(std::uint32_t hi, std::uint32_t lo) {
 
 /// torch.rand: uniform in [0, 1).
 template <Element T>
-struct Uniform {
+struct UniformDist {
   static constexpr const char* name = "rand";
   static constexpr int per_counter = std::is_same_v<T, double> ? 2 : 4;
   static constexpr double cost = 2;
@@ -13856,7 +13868,7 @@ struct Uniform {
 /// r sin t), r = sqrt(-2 log u1), t = 2 pi u2. u1 is in (0, 1], so log(0) cannot happen.
 /// Vectorized with xsimd over a whole block; bfloat16 computes in float and rounds.
 template <Element T>
-struct Normal {
+struct NormalDist {
   static constexpr const char* name = "randn";
   static constexpr int per_counter = std::is_same_v<T, double> ? 2 : 4;
   static constexpr double cost = 6;
@@ -13865,7 +13877,7 @@ struct Normal {
   void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t) const {
     using S = std::conditional_t<std::is_same_v<T, double>, double, float>;
     using V = xsimd::batch<S>;
-    constexpr int kPairs = kBlock * per_counter / 2;
+    constexpr int kPairs = kRandomBlock * per_counter / 2;
     static_assert(kPairs % V::size == 0, "a block is a whole number of SIMD batches");
     alignas(64) S u1[kPairs], u2[kPairs], z[2 * kPairs];
     for (int m = 0; m < kPairs; ++m) {
@@ -13895,7 +13907,7 @@ struct Normal {
 /// torch.randint: integers in [low, high). A 64-bit draw modulo the range: the bias is at
 /// most range / 2^64, far below anything a test can see.
 template <Element T>
-struct RandInt {
+struct RandIntDist {
   static constexpr const char* name = "randint";
   static constexpr int per_counter = 2;
   static constexpr double cost = 3;
@@ -13917,7 +13929,7 @@ struct RandInt {
 
 /// torch.bernoulli with one probability: 1 with probability p, else 0.
 template <Element T>
-struct Bernoulli {
+struct BernoulliDist {
   static constexpr const char* name = "bernoulli";
   static constexpr int per_counter = 4;
   static constexpr double cost = 2;
@@ -13933,7 +13945,7 @@ struct Bernoulli {
 /// torch.bernoulli(probs): element i is 1 with probability probs[i]. Probabilities outside
 /// [0, 1] (or NaN) raise lazy::Error when the kernel runs.
 template <Element T>
-struct BernoulliTensor {
+struct BernoulliTensorDist {
   static constexpr const char* name = "bernoulli";
   static constexpr int per_counter = 4;
   static constexpr double cost = 3;
@@ -13952,7 +13964,7 @@ struct BernoulliTensor {
   }
 };
 
-}  // namespace random_dist
+}  // namespace detail
 
 /// A tensor of random values drawn from distribution D with counters offset.. of `seed`.
 template <Element T, class D>
@@ -13984,7 +13996,7 @@ class RandomNode final : public Node {
     auto buf = allocate_output(ctx, false);
     T* out = static_cast<T*>(buf->data());
     const std::int64_t n = numel();
-    constexpr std::int64_t E = std::int64_t{random_dist::kBlock} * D::per_counter;  // elements per block
+    constexpr std::int64_t E = std::int64_t{detail::kRandomBlock} * D::per_counter;  // elements per block
     const auto key = ops::philox_key(seed_);
     auto& pool = ctx.device.threads();
     const std::int64_t tasks = task_count(pool, n, D::cost);
@@ -13992,11 +14004,11 @@ class RandomNode final : public Node {
       // Tasks start on block boundaries (no block computed twice), but the values depend
       // only on the element index either way.
       auto [b, e] = task_range(n, tasks, t, E);
-      std::uint32_t words[4 * random_dist::kBlock];
+      std::uint32_t words[4 * detail::kRandomBlock];
       for (std::int64_t i = b; i < e;) {
         const std::int64_t blk = i / E;
-        const std::uint64_t c0 = offset_ + static_cast<std::uint64_t>(blk) * random_dist::kBlock;
-        for (int c = 0; c < random_dist::kBlock; ++c) {
+        const std::uint64_t c0 = offset_ + static_cast<std::uint64_t>(blk) * detail::kRandomBlock;
+        for (int c = 0; c < detail::kRandomBlock; ++c) {
           const auto r = ops::philox_block(c0 + static_cast<std::uint64_t>(c), key);
           for (int k = 0; k < 4; ++k) words[4 * c + k] = r[k];
         }
@@ -14016,7 +14028,12 @@ class RandomNode final : public Node {
 
 }  // namespace graph
 
-namespace detail::random_ops {
+}  // namespace lazy
+// ---- end lazytensor/graph/random_node.hpp ----
+
+namespace lazy {
+
+namespace detail {
 
 /// Reserves the counters of `n` elements from the device stream and builds the node.
 template <Element T, class D>
@@ -14037,7 +14054,7 @@ constexpr std::int64_t exact_integer_limit() {
   else return std::int64_t{1} << 53;
 }
 
-}  // namespace detail::random_ops
+}  // namespace detail
 
 /// Seeds the current device's random stream; alias of set_rng_state (torch.manual_seed).
 inline void manual_seed(std::uint64_t seed) { set_rng_state(seed); }
@@ -14047,14 +14064,14 @@ inline void manual_seed(std::uint64_t seed) { set_rng_state(seed); }
 template <Element T>
   requires is_floating_v<T>
 Tensor<T> rand(const Shape& shape, Device dev = device()) {
-  return detail::random_ops::make_random<T>(graph::random_dist::Uniform<T>{}, shape, dev);
+  return detail::make_random<T>(graph::detail::UniformDist<T>{}, shape, dev);
 }
 
 /// Standard normal values (torch.randn). T: float, double or bfloat16.
 template <Element T>
   requires is_floating_v<T>
 Tensor<T> randn(const Shape& shape, Device dev = device()) {
-  return detail::random_ops::make_random<T>(graph::random_dist::Normal<T>{}, shape, dev);
+  return detail::make_random<T>(graph::detail::NormalDist<T>{}, shape, dev);
 }
 
 /// rand with t's shape and device.
@@ -14085,7 +14102,7 @@ Tensor<T> randint(std::int64_t low, std::int64_t high, const Shape& shape, Devic
                   dtype_name(dtype_of<T>()));
     }
   } else {
-    constexpr std::int64_t lim = detail::random_ops::exact_integer_limit<T>();
+    constexpr std::int64_t lim = detail::exact_integer_limit<T>();
     if (low < -lim || high > lim) {
       throw Error("randint: range [" + std::to_string(low) + ", " + std::to_string(high) + ") is not exactly " +
                   "representable in " + dtype_name(dtype_of<T>()) + " (expected bounds within +-" +
@@ -14093,7 +14110,7 @@ Tensor<T> randint(std::int64_t low, std::int64_t high, const Shape& shape, Devic
     }
   }
   const std::uint64_t range = static_cast<std::uint64_t>(high) - static_cast<std::uint64_t>(low);
-  return detail::random_ops::make_random<T>(graph::random_dist::RandInt<T>{low, range}, shape, dev);
+  return detail::make_random<T>(graph::detail::RandIntDist<T>{low, range}, shape, dev);
 }
 
 /// Integers uniform in [0, high) (torch.randint(high, size)).
@@ -14110,7 +14127,7 @@ Tensor<T> bernoulli(double p, const Shape& shape, Device dev = device()) {
   if (!(p >= 0.0 && p <= 1.0)) {
     throw Error("bernoulli: expected 0 <= p <= 1, got p=" + std::to_string(p));
   }
-  return detail::random_ops::make_random<T>(graph::random_dist::Bernoulli<T>{p}, shape, dev);
+  return detail::make_random<T>(graph::detail::BernoulliDist<T>{p}, shape, dev);
 }
 
 /// Element i is 1 with probability probs[i], else 0 (torch.bernoulli(probs)); the result
@@ -14125,7 +14142,7 @@ auto bernoulli(const X& probs) {
     else if constexpr (expr::is_expr_node<X>::value) return Tensor<T>(probs);
     else return Tensor<T>(probs.to_leaf().node);
   }();
-  return detail::random_ops::make_random<T>(graph::random_dist::BernoulliTensor<T>{}, p.shape(), p.device(),
+  return detail::make_random<T>(graph::detail::BernoulliTensorDist<T>{}, p.shape(), p.device(),
                                             {p.node()});
 }
 
@@ -14150,673 +14167,22 @@ auto bernoulli(const X& probs) {
 // narrow/slice, cat/stack, index_select, gather and one_hot build the copy nodes of
 // graph/shape_nodes.hpp; expand is a broadcasting element-wise node. Each op records its
 // backward (graph/shape_backward.hpp holds the scatter kernels those need).
+//
+// This header includes the four that hold them: ops/reshape.hpp (views, permutations,
+// expand), ops/slice.hpp (slicing, cat/stack), ops/indexing.hpp (index_select, gather,
+// one_hot), and ops/shape_helpers.hpp (what they share).
+
+// ---- begin lazytensor/ops/indexing.hpp ----
+// Indexing by tensors: index_select, gather and one_hot. The index may still be pending, so
+// its values are checked by the kernels (graph/shape_nodes.hpp), which raise IndexError at
+// the mark_step or read that runs them; the gradients are scatter-adds (graph/shape_backward.hpp).
 
 #include <algorithm>
-#include <array>
-#include <cstddef>
 #include <cstdint>
-#include <cstring>
-#include <initializer_list>
-#include <limits>
 #include <memory>
-#include <span>
 #include <string>
-#include <type_traits>
-#include <utility>
 #include <vector>
 
-// ---- begin lazytensor/graph/shape_nodes.hpp ----
-// The runtime nodes of the shape ops (ops/shape.hpp): views share their input's buffer;
-// permutes, slices, cat, index_select, gather and one_hot copy bytes with one kernel per
-// element size (1, 2, 4, 8 bytes), which serves every dtype and keeps the code small (the
-// element copy is a constant-size memcpy: one load and one store, valid whatever type wrote
-// the buffer). Index values may live in tensors that are still pending, so they are checked
-// inside the kernel, which throws lazy::IndexError out of the mark_step or read that ran it.
-
-#include <algorithm>
-#include <array>
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <memory>
-#include <span>
-#include <string>
-#include <type_traits>
-#include <utility>
-#include <vector>
-
-// ---- begin lazytensor/graph/transpose_hint.hpp ----
-// A node that is the transpose of its input's last two dimensions can say so, so that a
-// GEMM reads the source with a transposed layout instead of waiting for the copy.
-
-
-namespace lazy::graph {
-
-/// Implemented by nodes whose value is `source()` with its last two dimensions swapped.
-class TransposeOfLastTwo {
- public:
-  virtual ~TransposeOfLastTwo() = default;
-  virtual const NodePtr& transpose_source() const = 0;
-};
-
-}  // namespace lazy::graph
-// ---- end lazytensor/graph/transpose_hint.hpp ----
-
-namespace lazy::graph {
-
-namespace copy_kernels {
-
-/// Copies one element of N bytes (see the file comment for why memcpy).
-template <std::size_t N>
-inline void copy_elem(std::byte* dst, const std::byte* src) {
-  std::memcpy(dst, src, N);
-}
-
-/// Calls f(std::integral_constant<std::size_t, N>{}) for an element size of N bytes, so a
-/// kernel is instantiated once per size instead of once per dtype.
-template <class F>
-void with_elem_size(std::size_t bytes, F&& f) {
-  switch (bytes) {
-    case 1: f(std::integral_constant<std::size_t, 1>{}); break;
-    case 2: f(std::integral_constant<std::size_t, 2>{}); break;
-    case 4: f(std::integral_constant<std::size_t, 4>{}); break;
-    default: f(std::integral_constant<std::size_t, 8>{}); break;
-  }
-}
-
-/// A multi-index over `rank` dims (last fastest) that tracks two linear offsets, `a` and
-/// `b`, with their own strides: typically an input offset and an output offset.
-struct Odometer {
-  int rank = 0;
-  std::array<std::int64_t, kMaxRank> size{}, stride_a{}, stride_b{}, idx{};
-  std::int64_t a = 0, b = 0;
-
-  /// Positions the multi-index at linear position `lin` (row-major over `size`).
-  void seek(std::int64_t lin);
-  /// Advances by one position (carry from the last dim).
-  void next();
-};
-
-/// Fills `segs` equal-length output segments of `len` elements each, segment s copied from
-/// the contiguous input run starting at element `src_off(s)`. The split across threads is
-/// over output elements, not segments, so one huge segment and a million tiny ones both
-/// balance.
-template <std::size_t N, class SrcOff>
-void copy_segments(ThreadPool& pool, std::byte* dst, const std::byte* src, std::int64_t segs, std::int64_t len,
-                   const SrcOff& src_off) {
-  const std::int64_t n = segs * len;
-  if (n == 0) return;
-  const std::int64_t tasks = task_count(pool, n, 1.0);
-  pool.parallel_for(tasks, [&](std::int64_t t) {
-    auto [b, e] = task_range(n, tasks, t);
-    if (len == 1) {  // gathers of single elements: no variable-size memcpy per element
-      for (std::int64_t f = b; f < e; ++f) copy_elem<N>(dst + f * N, src + src_off(f) * N);
-      return;
-    }
-    while (b < e) {
-      const std::int64_t s = b / len, k = b % len, c = std::min(len - k, e - b);
-      std::memcpy(dst + b * N, src + (src_off(s) + k) * N, static_cast<std::size_t>(c) * N);
-      b += c;
-    }
-  });
-}
-
-inline const std::byte* bytes_of(const NodePtr& n) { return static_cast<const std::byte*>(n->buffer()->data()); }
-
-}  // namespace copy_kernels
-
-/// A view: same bytes, another shape. Its kernel only shares the input's buffer, so it
-/// costs nothing and the donation rule (buffer use_count == 1) keeps shared data safe.
-class ViewNode final : public Node {
- public:
-  ViewNode(std::string op, NodePtr in, Shape shape);
-
-  std::string op_name() const override { return op_; }
-  std::string describe() const override { return op_ + "(%0) -> " + shape().str(); }
-  double cost_per_element() const override { return 0; }
-
- protected:
-  void compute(ExecContext&) override { set_buffer(inputs()[0]->buffer()); }
-
- private:
-  std::string op_;
-};
-
-/// Output = input with its dimensions permuted (out dim i = input dim perm[i]).
-/// The permutation is first simplified: size-1 dims are dropped and output dims that are
-/// adjacent in the input too are merged. What remains always has one output dim `q` that
-/// reads the input contiguously; when q is the last dim the kernel copies rows (memcpy),
-/// otherwise it copies 32x32 tiles of the (q, last) plane, so both the reads and the writes
-/// stay within a few cache lines (a batched, cache-blocked 2-D transpose).
-class PermuteNode : public Node {
- public:
-  /// Simplified iteration space of a permutation (see the class comment).
-  struct Plan {
-    int rank = 0;
-    std::array<std::int64_t, kMaxRank> size{}, istride{}, ostride{};
-    int q = -1;  ///< the output dim with input stride 1
-    /// True when the permutation only moves size-1 dims: the bytes are already in order.
-    bool keeps_order() const { return rank <= 1; }
-  };
-
-  static Shape permuted_shape(const Shape& in, const std::vector<int>& perm);
-
-  static Plan make_plan(const Shape& in, const std::vector<int>& perm);
-
-  PermuteNode(NodePtr in, std::vector<int> perm, std::string op);
-
-  /// out dim i reads input dim perm()[i].
-  const std::vector<int>& perm() const { return perm_; }
-  /// True when the permutation swaps the last two dims and keeps the others: a matmul can
-  /// then read the input with a transposed layout instead of waiting for this copy.
-  bool swaps_last_two() const;
-
-  std::string op_name() const override { return op_; }
-  std::string describe() const override;
-  std::uint64_t structural_hash() const override;
-
- protected:
-  void compute(ExecContext& ctx) override;
-
- private:
-  static constexpr std::int64_t kTile = 32;
-
-  template <std::size_t N>
-  void run(ExecContext& ctx, std::byte* dst, const std::byte* src, std::int64_t n) const {
-    using copy_kernels::Odometer;
-    auto& pool = ctx.device.threads();
-    const Plan& p = plan_;
-    if (p.keeps_order()) {  // only reachable when a caller builds the node directly
-      std::memcpy(dst, src, static_cast<std::size_t>(n) * N);
-      return;
-    }
-    const int last = p.rank - 1;
-    if (p.q == last) {
-      // Rows: the innermost output dim is contiguous in the input.
-      Odometer od;
-      od.rank = last;
-      for (int d = 0; d < last; ++d) {
-        od.size[d] = p.size[d];
-        od.stride_a[d] = p.istride[d];
-        od.stride_b[d] = p.ostride[d];
-      }
-      const std::int64_t inner = p.size[last], rows = n / inner;
-      const std::int64_t tasks = std::min(rows, task_count(pool, n, 1.0));
-      pool.parallel_for(tasks, [&](std::int64_t t) {
-        auto [r0, r1] = task_range(rows, tasks, t);
-        Odometer o = od;
-        o.seek(r0);
-        for (std::int64_t r = r0; r < r1; ++r, o.next()) {
-          std::memcpy(dst + o.b * N, src + o.a * N, static_cast<std::size_t>(inner) * N);
-        }
-      });
-      return;
-    }
-    // Tiles of the (q, last) plane; every other dim is iterated by an odometer.
-    const int q = p.q;
-    Odometer od;
-    for (int d = 0; d < p.rank; ++d) {
-      if (d == q || d == last) continue;
-      od.size[od.rank] = p.size[d];
-      od.stride_a[od.rank] = p.istride[d];
-      od.stride_b[od.rank] = p.ostride[d];
-      ++od.rank;
-    }
-    const std::int64_t rows = p.size[q], cols = p.size[last];
-    const std::int64_t ostq = p.ostride[q], isl = p.istride[last];
-    const std::int64_t row_tiles = (rows + kTile - 1) / kTile;
-    const std::int64_t units = n / (rows * cols) * row_tiles;
-    const std::int64_t tasks = std::min(units, task_count(pool, n, 1.0));
-    pool.parallel_for(tasks, [&](std::int64_t t) {
-      auto [u0, u1] = task_range(units, tasks, t);
-      Odometer o = od;
-      alignas(64) std::byte tile[kTile * kTile * N];
-      std::int64_t at = -1;
-      for (std::int64_t u = u0; u < u1; ++u) {
-        const std::int64_t outer = u / row_tiles;
-        if (outer != at) {
-          o.seek(outer);
-          at = outer;
-        }
-        const std::int64_t i0 = u % row_tiles * kTile, in_ = std::min(rows - i0, kTile);
-        for (std::int64_t j0 = 0; j0 < cols; j0 += kTile) {
-          const std::int64_t jn = std::min(cols - j0, kTile);
-          // Stage the tile: jn contiguous input runs into a 32x32 scratch, then write the
-          // output rows from it. Reading the strided side straight from the source would
-          // keep 32 lines alive that, for power-of-two strides, all map to one cache set.
-          for (std::int64_t j = 0; j < jn; ++j) {
-            std::memcpy(tile + j * kTile * N, src + (o.a + i0 + (j0 + j) * isl) * N, static_cast<std::size_t>(in_) * N);
-          }
-          for (std::int64_t i = 0; i < in_; ++i) {
-            std::byte* out = dst + (o.b + (i0 + i) * ostq + j0) * N;
-            for (std::int64_t j = 0; j < jn; ++j) copy_kernels::copy_elem<N>(out + j * N, tile + (j * kTile + i) * N);
-          }
-        }
-      }
-    });
-  }
-
-  std::vector<int> perm_;
-  std::string op_;
-  Plan plan_;
-};
-
-/// A permutation that swaps the last two dims (op_name "transpose"). It advertises its
-/// source through TransposeOfLastTwo, so a GEMM consuming it while it is still pending reads
-/// the source with a transposed layout and this copy never runs.
-class TransposeNode final : public PermuteNode, public TransposeOfLastTwo {
- public:
-  explicit TransposeNode(NodePtr in);
-
-  /// The node whose last two dims this value swaps (null once this node has run: a
-  /// computed node keeps no inputs).
-  const NodePtr& transpose_source() const override { return inputs().empty() ? none_ : inputs()[0]; }
-
-  /// The identity permutation with the last two entries swapped.
-  static std::vector<int> last_two(int rank);
-
- private:
-  NodePtr none_;
-};
-
-/// Copies a strided range of one dim: out[.., k, ..] = in[.., start + k * step, ..].
-class SliceNode final : public Node {
- public:
-  SliceNode(std::string op, NodePtr in, int dim, std::int64_t start, std::int64_t step, Shape out);
-
-  std::string op_name() const override { return op_; }
-  std::string describe() const override;
-  // The offsets are part of the kernel's layout, not data: they belong in the hash.
-  std::uint64_t structural_hash() const override;
-
- protected:
-  void compute(ExecContext& ctx) override;
-
- private:
-  std::string op_;
-  int dim_;
-  std::int64_t start_, step_;
-};
-
-/// Concatenation: the output, viewed as [outer, sum of widths], is row o = the inputs' rows o
-/// side by side (input i viewed as [outer, widths[i]]). cat and stack differ only in how
-/// they compute outer and the widths.
-class CatNode final : public Node {
- public:
-  CatNode(std::string op, DType dtype, std::vector<NodePtr> ins, Shape out, Device* dev, std::int64_t outer,
-          std::vector<std::int64_t> widths);
-
-  std::string op_name() const override { return op_; }
-  std::uint64_t structural_hash() const override;
-
- protected:
-  void compute(ExecContext& ctx) override;
-
- private:
-  std::string op_;
-  std::int64_t outer_;
-  std::vector<std::int64_t> widths_;
-};
-
-/// out[.., k, ..] = in[.., index[k], ..] along `dim` (index 1-D, values checked here).
-template <IndexElement I>
-class IndexSelectNode final : public Node {
- public:
-  IndexSelectNode(NodePtr in, NodePtr index, int dim, Shape out)
-      : Node(NodeKind::Copy, in->dtype(), out, in->device(), {in, index}), dim_(dim) {}
-
-  std::string op_name() const override { return "index_select"; }
-  std::string describe() const override { return "index_select(%0, dim=" + std::to_string(dim_) + ", %1)"; }
-  std::uint64_t structural_hash() const override {
-    return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
-  }
-
- protected:
-  void compute(ExecContext& ctx) override {
-    const Shape& is = inputs()[0]->shape();
-    const std::byte* src = copy_kernels::bytes_of(inputs()[0]);
-    const I* idx = inputs()[1]->template data<I>();
-    const std::int64_t K = inputs()[1]->numel();
-    std::int64_t outer = 1, inner = 1;
-    const std::int64_t dsize = is.rank() ? is[dim_] : 1;
-    for (int d = 0; d < dim_; ++d) outer *= is[d];
-    for (int d = dim_ + 1; d < is.rank(); ++d) inner *= is[d];
-    // Check every index before writing anything: K values, cheap next to the copy.
-    for (std::int64_t k = 0; k < K; ++k) {
-      if (idx[k] < 0 || idx[k] >= dsize) {
-        throw IndexError("index_select: index " + std::to_string(idx[k]) + " (position " + std::to_string(k) +
-                         ") is out of range for dimension " + std::to_string(dim_) + " with size " +
-                         std::to_string(dsize) + " (expected 0 <= index < " + std::to_string(dsize) + ")");
-      }
-    }
-    auto buf = allocate_output(ctx, false);
-    auto* dst = static_cast<std::byte*>(buf->data());
-    copy_kernels::with_elem_size(dtype_size(dtype()), [&](auto nb) {
-      constexpr std::size_t N = decltype(nb)::value;
-      copy_kernels::copy_segments<N>(ctx.device.threads(), dst, src, outer * K, inner, [&](std::int64_t s) {
-        return ((s / K) * dsize + static_cast<std::int64_t>(idx[s % K])) * inner;
-      });
-    });
-    set_buffer(std::move(buf));
-  }
-
- private:
-  int dim_;
-};
-
-/// torch.gather: out[i][j][k] = in[index[i][j][k]][j][k] for dim 0 (likewise for others);
-/// the output has the index's shape, index values are checked while they are read.
-template <IndexElement I>
-class GatherNode final : public Node {
- public:
-  GatherNode(NodePtr in, NodePtr index, int dim)
-      : Node(NodeKind::Copy, in->dtype(), index->shape(), in->device(), {in, index}), dim_(dim) {}
-
-  std::string op_name() const override { return "gather"; }
-  std::string describe() const override { return "gather(%0, dim=" + std::to_string(dim_) + ", %1)"; }
-  double cost_per_element() const override { return 2; }
-  std::uint64_t structural_hash() const override {
-    return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
-  }
-
- protected:
-  void compute(ExecContext& ctx) override {
-    // A 0-d tensor is handled as a 1-D tensor of one element.
-    Shape ts = inputs()[0]->shape(), xs = shape();
-    if (ts.rank() == 0) ts = Shape{1};
-    if (xs.rank() == 0) xs = Shape{1};
-    const std::byte* src = copy_kernels::bytes_of(inputs()[0]);
-    const I* idx = inputs()[1]->template data<I>();
-    auto buf = allocate_output(ctx, false);
-    auto* dst = static_cast<std::byte*>(buf->data());
-    const int R = xs.rank(), dim = dim_;
-    const std::int64_t n = numel(), last = xs[R - 1], dsize = ts[dim];
-    if (n > 0) {
-      const auto tst = contiguous_strides(ts), xst = contiguous_strides(xs);
-      copy_kernels::Odometer od;  // a: input offset without `dim`; b: index offset
-      od.rank = R - 1;
-      for (int d = 0; d + 1 < R; ++d) {
-        od.size[d] = xs[d];
-        od.stride_a[d] = d == dim ? 0 : tst[d];
-        od.stride_b[d] = xst[d];
-      }
-      const std::int64_t dstride = tst[dim], rows = n / last;
-      auto& pool = ctx.device.threads();
-      const std::int64_t tasks = std::min(rows, task_count(pool, n, 2.0));
-      copy_kernels::with_elem_size(dtype_size(dtype()), [&](auto nb) {
-        constexpr std::size_t N = decltype(nb)::value;
-        pool.parallel_for(tasks, [&](std::int64_t t) {
-          auto [r0, r1] = task_range(rows, tasks, t);
-          copy_kernels::Odometer o = od;
-          o.seek(r0);
-          for (std::int64_t r = r0; r < r1; ++r, o.next()) {
-            for (std::int64_t j = 0; j < last; ++j) {
-              const auto k = static_cast<std::int64_t>(idx[o.b + j]);
-              if (k < 0 || k >= dsize) {
-                throw IndexError("gather: index " + std::to_string(k) + " is out of bounds for dimension " +
-                                 std::to_string(dim_) + " with size " + std::to_string(dsize) +
-                                 " (expected 0 <= index < " + std::to_string(dsize) + ")");
-              }
-              const std::int64_t at = dim == R - 1 ? o.a + k : o.a + j + k * dstride;
-              copy_kernels::copy_elem<N>(dst + (o.b + j) * N, src + at * N);
-            }
-          }
-        });
-      });
-    }
-    set_buffer(std::move(buf));
-  }
-
- private:
-  int dim_;
-};
-
-/// torch.nn.functional.one_hot: out[..., c] = (index[...] == c), as int64.
-template <IndexElement I>
-class OneHotNode final : public Node {
- public:
-  OneHotNode(NodePtr index, std::int64_t classes, Shape out)
-      : Node(NodeKind::Copy, DType::Int64, out, index->device(), {index}), classes_(classes) {}
-
-  std::string op_name() const override { return "one_hot"; }
-  std::string describe() const override { return "one_hot(%0, num_classes=" + std::to_string(classes_) + ")"; }
-
- protected:
-  void compute(ExecContext& ctx) override {
-    const I* idx = inputs()[0]->template data<I>();
-    const std::int64_t m = inputs()[0]->numel(), C = classes_;
-    auto buf = allocate_output(ctx, false);
-    auto* out = static_cast<std::int64_t*>(buf->data());
-    auto& pool = ctx.device.threads();
-    const std::int64_t tasks = std::max<std::int64_t>(1, std::min(m, task_count(pool, m * C, 1.0)));
-    if (m > 0) {
-      pool.parallel_for(tasks, [&](std::int64_t t) {
-        auto [b, e] = task_range(m, tasks, t);
-        if (C > 0) std::fill(out + b * C, out + e * C, std::int64_t{0});
-        for (std::int64_t i = b; i < e; ++i) {
-          const auto v = static_cast<std::int64_t>(idx[i]);
-          if (v < 0) {
-            throw IndexError("one_hot: class values must be non-negative, found " + std::to_string(v));
-          }
-          if (v >= C) {
-            throw IndexError("one_hot: class values must be smaller than num_classes (" + std::to_string(C) +
-                             "), found " + std::to_string(v));
-          }
-          out[i * C + v] = 1;
-        }
-      });
-    }
-    set_buffer(std::move(buf));
-  }
-
- private:
-  std::int64_t classes_;
-};
-
-}  // namespace lazy::graph
-
-#if LAZYTENSOR_HEADER_DEFINITIONS
-namespace lazy::graph::copy_kernels {
-
-LAZYTENSOR_INLINE void Odometer::seek(std::int64_t lin) {
-  a = b = 0;
-  for (int d = rank - 1; d >= 0; --d) {
-    idx[d] = lin % size[d];
-    lin /= size[d];
-    a += idx[d] * stride_a[d];
-    b += idx[d] * stride_b[d];
-  }
-}
-
-LAZYTENSOR_INLINE void Odometer::next() {
-  for (int d = rank - 1; d >= 0; --d) {
-    ++idx[d];
-    a += stride_a[d];
-    b += stride_b[d];
-    if (idx[d] < size[d]) return;
-    a -= stride_a[d] * size[d];
-    b -= stride_b[d] * size[d];
-    idx[d] = 0;
-  }
-}
-
-}  // namespace lazy::graph::copy_kernels
-namespace lazy::graph {
-
-LAZYTENSOR_INLINE ViewNode::ViewNode(std::string op, NodePtr in, Shape shape)
-    : Node(NodeKind::View, in->dtype(), shape, in->device(), {in}), op_(std::move(op)) {}
-
-LAZYTENSOR_INLINE Shape PermuteNode::permuted_shape(const Shape& in, const std::vector<int>& perm) {
-  Shape out;
-  for (int p : perm) out.push_back(in[p]);
-  return out;
-}
-
-LAZYTENSOR_INLINE auto PermuteNode::make_plan(const Shape& in, const std::vector<int>& perm) -> Plan {
-  Plan p;
-  if (in.numel() <= 1) return p;
-  const auto ics = contiguous_strides(in);
-  std::vector<std::int64_t> sz, st;
-  for (int d : perm) {
-    if (in[d] == 1) continue;
-    sz.push_back(in[d]);
-    st.push_back(ics[d]);
-  }
-  // Merge output dim i into i + 1 while the input is contiguous across the pair.
-  std::vector<std::int64_t> csz{sz.back()}, cst{st.back()};
-  for (int i = static_cast<int>(sz.size()) - 2; i >= 0; --i) {
-    if (st[i] == cst.front() * csz.front()) {
-      csz.front() *= sz[i];
-    } else {
-      csz.insert(csz.begin(), sz[i]);
-      cst.insert(cst.begin(), st[i]);
-    }
-  }
-  p.rank = static_cast<int>(csz.size());
-  std::int64_t acc = 1;
-  for (int i = p.rank - 1; i >= 0; --i) {
-    p.size[i] = csz[i];
-    p.istride[i] = cst[i];
-    p.ostride[i] = acc;
-    acc *= csz[i];
-    if (cst[i] == 1) p.q = i;
-  }
-  return p;
-}
-
-LAZYTENSOR_INLINE PermuteNode::PermuteNode(NodePtr in, std::vector<int> perm, std::string op)
-    : Node(NodeKind::Copy, in->dtype(), permuted_shape(in->shape(), perm), in->device(), {in}),
-      perm_(std::move(perm)), op_(std::move(op)), plan_(make_plan(in->shape(), perm_)) {}
-
-LAZYTENSOR_INLINE bool PermuteNode::swaps_last_two() const {
-  const int r = static_cast<int>(perm_.size());
-  if (r < 2 || perm_[r - 2] != r - 1 || perm_[r - 1] != r - 2) return false;
-  for (int i = 0; i + 2 < r; ++i)
-    if (perm_[i] != i) return false;
-  return true;
-}
-
-LAZYTENSOR_INLINE std::string PermuteNode::describe() const {
-  std::string s = op_ + "(%0, dims=[";
-  for (std::size_t i = 0; i < perm_.size(); ++i) s += (i ? ", " : "") + std::to_string(perm_[i]);
-  return s + "])";
-}
-
-LAZYTENSOR_INLINE std::uint64_t PermuteNode::structural_hash() const {
-  std::uint64_t h = Node::structural_hash();
-  for (int p : perm_) h = hash_combine(h, static_cast<std::uint64_t>(p));
-  return h;
-}
-
-LAZYTENSOR_INLINE void PermuteNode::compute(ExecContext& ctx) {
-  const std::byte* src = copy_kernels::bytes_of(inputs()[0]);
-  auto buf = allocate_output(ctx, false);  // reads elsewhere than it writes
-  auto* dst = static_cast<std::byte*>(buf->data());
-  const std::int64_t n = numel();
-  if (n > 0) {
-    copy_kernels::with_elem_size(dtype_size(dtype()), [&](auto nb) { run<decltype(nb)::value>(ctx, dst, src, n); });
-  }
-  set_buffer(std::move(buf));
-}
-
-LAZYTENSOR_INLINE TransposeNode::TransposeNode(NodePtr in) : PermuteNode(in, last_two(in->shape().rank()), "transpose") {}
-
-LAZYTENSOR_INLINE std::vector<int> TransposeNode::last_two(int rank) {
-  std::vector<int> p(static_cast<std::size_t>(rank));
-  for (int i = 0; i < rank; ++i) p[i] = i;
-  if (rank >= 2) std::swap(p[rank - 2], p[rank - 1]);
-  return p;
-}
-
-LAZYTENSOR_INLINE SliceNode::SliceNode(std::string op, NodePtr in, int dim, std::int64_t start, std::int64_t step, Shape out)
-    : Node(NodeKind::Copy, in->dtype(), out, in->device(), {in}), op_(std::move(op)), dim_(dim), start_(start),
-      step_(step) {}
-
-LAZYTENSOR_INLINE std::string SliceNode::describe() const {
-  return op_ + "(%0, dim=" + std::to_string(dim_) + ", start=" + std::to_string(start_) +
-         ", step=" + std::to_string(step_) + ")";
-}
-
-LAZYTENSOR_INLINE std::uint64_t SliceNode::structural_hash() const {
-  return hash_combine(hash_combine(hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_)),
-                                   static_cast<std::uint64_t>(start_)),
-                      static_cast<std::uint64_t>(step_));
-}
-
-LAZYTENSOR_INLINE void SliceNode::compute(ExecContext& ctx) {
-  const Shape& is = inputs()[0]->shape();
-  const std::byte* src = copy_kernels::bytes_of(inputs()[0]);
-  auto buf = allocate_output(ctx, false);
-  auto* dst = static_cast<std::byte*>(buf->data());
-  std::int64_t outer = 1, inner = 1;
-  for (int d = 0; d < dim_; ++d) outer *= is[d];
-  for (int d = dim_ + 1; d < is.rank(); ++d) inner *= is[d];
-  const std::int64_t dsize = is[dim_], len = shape()[dim_];
-  const std::int64_t start = start_, step = step_;
-  copy_kernels::with_elem_size(dtype_size(dtype()), [&](auto nb) {
-    constexpr std::size_t N = decltype(nb)::value;
-    if (step == 1) {  // one contiguous run per outer index
-      copy_kernels::copy_segments<N>(ctx.device.threads(), dst, src, outer, len * inner,
-                                     [&](std::int64_t o) { return (o * dsize + start) * inner; });
-    } else {
-      copy_kernels::copy_segments<N>(ctx.device.threads(), dst, src, outer * len, inner, [&](std::int64_t s) {
-        return ((s / len) * dsize + start + (s % len) * step) * inner;
-      });
-    }
-  });
-  set_buffer(std::move(buf));
-}
-
-LAZYTENSOR_INLINE CatNode::CatNode(std::string op,
-  DType dtype,
-  std::vector<NodePtr> ins,
-  Shape out,
-  Device* dev,
-  std::int64_t outer,
-  std::vector<std::int64_t> widths)
-    : Node(NodeKind::Copy, dtype, out, dev, std::move(ins)), op_(std::move(op)), outer_(outer),
-      widths_(std::move(widths)) {}
-
-LAZYTENSOR_INLINE std::uint64_t CatNode::structural_hash() const {
-  std::uint64_t h = hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(outer_));
-  for (auto w : widths_) h = hash_combine(h, static_cast<std::uint64_t>(w));
-  return h;
-}
-
-LAZYTENSOR_INLINE void CatNode::compute(ExecContext& ctx) {
-  const std::size_t k = inputs().size();
-  std::vector<const std::byte*> srcs(k);
-  for (std::size_t i = 0; i < k; ++i) srcs[i] = copy_kernels::bytes_of(inputs()[i]);
-  auto buf = allocate_output(ctx, false);
-  auto* dst = static_cast<std::byte*>(buf->data());
-  std::vector<std::int64_t> pre(k + 1, 0);  // start of each input inside an output row
-  for (std::size_t i = 0; i < k; ++i) pre[i + 1] = pre[i] + widths_[i];
-  const std::int64_t W = pre[k], n = outer_ * W;
-  auto& pool = ctx.device.threads();
-  if (n > 0) {
-    copy_kernels::with_elem_size(dtype_size(dtype()), [&](auto nb) {
-      constexpr std::size_t N = decltype(nb)::value;
-      const std::int64_t tasks = task_count(pool, n, 1.0);
-      // Split the output evenly, whatever the sizes of the pieces.
-      pool.parallel_for(tasks, [&](std::int64_t t) {
-        auto [b, e] = task_range(n, tasks, t);
-        while (b < e) {
-          const std::int64_t o = b / W, w = b % W;
-          const auto i = static_cast<std::size_t>(std::upper_bound(pre.begin() + 1, pre.end(), w) - pre.begin() - 1);
-          const std::int64_t off = w - pre[i], c = std::min(widths_[i] - off, e - b);
-          std::memcpy(dst + b * N, srcs[i] + (o * widths_[i] + off) * N, static_cast<std::size_t>(c) * N);
-          b += c;
-        }
-      });
-    });
-  }
-  set_buffer(std::move(buf));
-}
-
-}  // namespace lazy::graph
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
-// ---- end lazytensor/graph/shape_nodes.hpp ----
 // ---- begin lazytensor/graph/shape_backward.hpp ----
 // Kernels that only backward passes need: the adjoints of slicing, index_select and gather
 // (write or add a gradient into a zero tensor of the input's shape). Accumulation order is
@@ -14995,10 +14361,674 @@ class ScatterAddNode final : public Node {
 
 }  // namespace lazy::graph
 // ---- end lazytensor/graph/shape_backward.hpp ----
+// ---- begin lazytensor/graph/shape_nodes.hpp ----
+// The runtime nodes of the shape ops (ops/shape.hpp): views share their input's buffer;
+// permutes, slices, cat, index_select, gather and one_hot copy bytes with one kernel per
+// element size (1, 2, 4, 8 bytes), which serves every dtype and keeps the code small (the
+// element copy is a constant-size memcpy: one load and one store, valid whatever type wrote
+// the buffer). Index values may live in tensors that are still pending, so they are checked
+// inside the kernel, which throws lazy::IndexError out of the mark_step or read that ran it.
 
-namespace lazy {
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
-namespace detail::shape_ops {
+// ---- begin lazytensor/graph/transpose_hint.hpp ----
+// A node that is the transpose of its input's last two dimensions can say so, so that a
+// GEMM reads the source with a transposed layout instead of waiting for the copy.
+
+
+namespace lazy::graph {
+
+/// Implemented by nodes whose value is `source()` with its last two dimensions swapped.
+class TransposeOfLastTwo {
+ public:
+  virtual ~TransposeOfLastTwo() = default;
+  virtual const NodePtr& transpose_source() const = 0;
+};
+
+}  // namespace lazy::graph
+// ---- end lazytensor/graph/transpose_hint.hpp ----
+
+namespace lazy::graph {
+
+namespace detail {
+
+/// Copies one element of N bytes (see the file comment for why memcpy).
+template <std::size_t N>
+inline void copy_elem(std::byte* dst, const std::byte* src) {
+  std::memcpy(dst, src, N);
+}
+
+/// Calls f(std::integral_constant<std::size_t, N>{}) for an element size of N bytes, so a
+/// kernel is instantiated once per size instead of once per dtype.
+template <class F>
+void with_elem_size(std::size_t bytes, F&& f) {
+  switch (bytes) {
+    case 1: f(std::integral_constant<std::size_t, 1>{}); break;
+    case 2: f(std::integral_constant<std::size_t, 2>{}); break;
+    case 4: f(std::integral_constant<std::size_t, 4>{}); break;
+    default: f(std::integral_constant<std::size_t, 8>{}); break;
+  }
+}
+
+/// A multi-index over `rank` dims (last fastest) that tracks two linear offsets, `a` and
+/// `b`, with their own strides: typically an input offset and an output offset.
+struct Odometer {
+  int rank = 0;
+  std::array<std::int64_t, kMaxRank> size{}, stride_a{}, stride_b{}, idx{};
+  std::int64_t a = 0, b = 0;
+
+  /// Positions the multi-index at linear position `lin` (row-major over `size`).
+  void seek(std::int64_t lin);
+  /// Advances by one position (carry from the last dim).
+  void next();
+};
+
+/// Fills `segs` equal-length output segments of `len` elements each, segment s copied from
+/// the contiguous input run starting at element `src_off(s)`. The split across threads is
+/// over output elements, not segments, so one huge segment and a million tiny ones both
+/// balance.
+template <std::size_t N, class SrcOff>
+void copy_segments(ThreadPool& pool, std::byte* dst, const std::byte* src, std::int64_t segs, std::int64_t len,
+                   const SrcOff& src_off) {
+  const std::int64_t n = segs * len;
+  if (n == 0) return;
+  const std::int64_t tasks = task_count(pool, n, 1.0);
+  pool.parallel_for(tasks, [&](std::int64_t t) {
+    auto [b, e] = task_range(n, tasks, t);
+    if (len == 1) {  // gathers of single elements: no variable-size memcpy per element
+      for (std::int64_t f = b; f < e; ++f) copy_elem<N>(dst + f * N, src + src_off(f) * N);
+      return;
+    }
+    while (b < e) {
+      const std::int64_t s = b / len, k = b % len, c = std::min(len - k, e - b);
+      std::memcpy(dst + b * N, src + (src_off(s) + k) * N, static_cast<std::size_t>(c) * N);
+      b += c;
+    }
+  });
+}
+
+inline const std::byte* bytes_of(const NodePtr& n) { return static_cast<const std::byte*>(n->buffer()->data()); }
+
+}  // namespace detail
+
+/// A view: same bytes, another shape. Its kernel only shares the input's buffer, so it
+/// costs nothing and the donation rule (buffer use_count == 1) keeps shared data safe.
+class ViewNode final : public Node {
+ public:
+  ViewNode(std::string op, NodePtr in, Shape shape);
+
+  std::string op_name() const override { return op_; }
+  std::string describe() const override { return op_ + "(%0) -> " + shape().str(); }
+  double cost_per_element() const override { return 0; }
+
+ protected:
+  void compute(ExecContext&) override { set_buffer(inputs()[0]->buffer()); }
+
+ private:
+  std::string op_;
+};
+
+/// Output = input with its dimensions permuted (out dim i = input dim perm[i]).
+/// The permutation is first simplified: size-1 dims are dropped and output dims that are
+/// adjacent in the input too are merged. What remains always has one output dim `q` that
+/// reads the input contiguously; when q is the last dim the kernel copies rows (memcpy),
+/// otherwise it copies 32x32 tiles of the (q, last) plane, so both the reads and the writes
+/// stay within a few cache lines (a batched, cache-blocked 2-D transpose).
+class PermuteNode : public Node {
+ public:
+  /// Simplified iteration space of a permutation (see the class comment).
+  struct Plan {
+    int rank = 0;
+    std::array<std::int64_t, kMaxRank> size{}, istride{}, ostride{};
+    int q = -1;  ///< the output dim with input stride 1
+    /// True when the permutation only moves size-1 dims: the bytes are already in order.
+    bool keeps_order() const { return rank <= 1; }
+  };
+
+  static Shape permuted_shape(const Shape& in, const std::vector<int>& perm);
+
+  static Plan make_plan(const Shape& in, const std::vector<int>& perm);
+
+  PermuteNode(NodePtr in, std::vector<int> perm, std::string op);
+
+  /// out dim i reads input dim perm()[i].
+  const std::vector<int>& perm() const { return perm_; }
+  /// True when the permutation swaps the last two dims and keeps the others: a matmul can
+  /// then read the input with a transposed layout instead of waiting for this copy.
+  bool swaps_last_two() const;
+
+  std::string op_name() const override { return op_; }
+  std::string describe() const override;
+  std::uint64_t structural_hash() const override;
+
+ protected:
+  void compute(ExecContext& ctx) override;
+
+ private:
+  static constexpr std::int64_t kTile = 32;
+
+  template <std::size_t N>
+  void run(ExecContext& ctx, std::byte* dst, const std::byte* src, std::int64_t n) const {
+    using detail::Odometer;
+    auto& pool = ctx.device.threads();
+    const Plan& p = plan_;
+    if (p.keeps_order()) {  // only reachable when a caller builds the node directly
+      std::memcpy(dst, src, static_cast<std::size_t>(n) * N);
+      return;
+    }
+    const int last = p.rank - 1;
+    if (p.q == last) {
+      // Rows: the innermost output dim is contiguous in the input.
+      Odometer od;
+      od.rank = last;
+      for (int d = 0; d < last; ++d) {
+        od.size[d] = p.size[d];
+        od.stride_a[d] = p.istride[d];
+        od.stride_b[d] = p.ostride[d];
+      }
+      const std::int64_t inner = p.size[last], rows = n / inner;
+      const std::int64_t tasks = std::min(rows, task_count(pool, n, 1.0));
+      pool.parallel_for(tasks, [&](std::int64_t t) {
+        auto [r0, r1] = task_range(rows, tasks, t);
+        Odometer o = od;
+        o.seek(r0);
+        for (std::int64_t r = r0; r < r1; ++r, o.next()) {
+          std::memcpy(dst + o.b * N, src + o.a * N, static_cast<std::size_t>(inner) * N);
+        }
+      });
+      return;
+    }
+    // Tiles of the (q, last) plane; every other dim is iterated by an odometer.
+    const int q = p.q;
+    Odometer od;
+    for (int d = 0; d < p.rank; ++d) {
+      if (d == q || d == last) continue;
+      od.size[od.rank] = p.size[d];
+      od.stride_a[od.rank] = p.istride[d];
+      od.stride_b[od.rank] = p.ostride[d];
+      ++od.rank;
+    }
+    const std::int64_t rows = p.size[q], cols = p.size[last];
+    const std::int64_t ostq = p.ostride[q], isl = p.istride[last];
+    const std::int64_t row_tiles = (rows + kTile - 1) / kTile;
+    const std::int64_t units = n / (rows * cols) * row_tiles;
+    const std::int64_t tasks = std::min(units, task_count(pool, n, 1.0));
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      auto [u0, u1] = task_range(units, tasks, t);
+      Odometer o = od;
+      alignas(64) std::byte tile[kTile * kTile * N];
+      std::int64_t at = -1;
+      for (std::int64_t u = u0; u < u1; ++u) {
+        const std::int64_t outer = u / row_tiles;
+        if (outer != at) {
+          o.seek(outer);
+          at = outer;
+        }
+        const std::int64_t i0 = u % row_tiles * kTile, in_ = std::min(rows - i0, kTile);
+        for (std::int64_t j0 = 0; j0 < cols; j0 += kTile) {
+          const std::int64_t jn = std::min(cols - j0, kTile);
+          // Stage the tile: jn contiguous input runs into a 32x32 scratch, then write the
+          // output rows from it. Reading the strided side straight from the source would
+          // keep 32 lines alive that, for power-of-two strides, all map to one cache set.
+          for (std::int64_t j = 0; j < jn; ++j) {
+            std::memcpy(tile + j * kTile * N, src + (o.a + i0 + (j0 + j) * isl) * N, static_cast<std::size_t>(in_) * N);
+          }
+          for (std::int64_t i = 0; i < in_; ++i) {
+            std::byte* out = dst + (o.b + (i0 + i) * ostq + j0) * N;
+            for (std::int64_t j = 0; j < jn; ++j) detail::copy_elem<N>(out + j * N, tile + (j * kTile + i) * N);
+          }
+        }
+      }
+    });
+  }
+
+  std::vector<int> perm_;
+  std::string op_;
+  Plan plan_;
+};
+
+/// A permutation that swaps the last two dims (op_name "transpose"). It advertises its
+/// source through TransposeOfLastTwo, so a GEMM consuming it while it is still pending reads
+/// the source with a transposed layout and this copy never runs.
+class TransposeNode final : public PermuteNode, public TransposeOfLastTwo {
+ public:
+  explicit TransposeNode(NodePtr in);
+
+  /// The node whose last two dims this value swaps (null once this node has run: a
+  /// computed node keeps no inputs).
+  const NodePtr& transpose_source() const override { return inputs().empty() ? none_ : inputs()[0]; }
+
+  /// The identity permutation with the last two entries swapped.
+  static std::vector<int> last_two(int rank);
+
+ private:
+  NodePtr none_;
+};
+
+/// Copies a strided range of one dim: out[.., k, ..] = in[.., start + k * step, ..].
+class SliceNode final : public Node {
+ public:
+  SliceNode(std::string op, NodePtr in, int dim, std::int64_t start, std::int64_t step, Shape out);
+
+  std::string op_name() const override { return op_; }
+  std::string describe() const override;
+  // The offsets are part of the kernel's layout, not data: they belong in the hash.
+  std::uint64_t structural_hash() const override;
+
+ protected:
+  void compute(ExecContext& ctx) override;
+
+ private:
+  std::string op_;
+  int dim_;
+  std::int64_t start_, step_;
+};
+
+/// Concatenation: the output, viewed as [outer, sum of widths], is row o = the inputs' rows o
+/// side by side (input i viewed as [outer, widths[i]]). cat and stack differ only in how
+/// they compute outer and the widths.
+class CatNode final : public Node {
+ public:
+  CatNode(std::string op, DType dtype, std::vector<NodePtr> ins, Shape out, Device* dev, std::int64_t outer,
+          std::vector<std::int64_t> widths);
+
+  std::string op_name() const override { return op_; }
+  std::uint64_t structural_hash() const override;
+
+ protected:
+  void compute(ExecContext& ctx) override;
+
+ private:
+  std::string op_;
+  std::int64_t outer_;
+  std::vector<std::int64_t> widths_;
+};
+
+/// out[.., k, ..] = in[.., index[k], ..] along `dim` (index 1-D, values checked here).
+template <IndexElement I>
+class IndexSelectNode final : public Node {
+ public:
+  IndexSelectNode(NodePtr in, NodePtr index, int dim, Shape out)
+      : Node(NodeKind::Copy, in->dtype(), out, in->device(), {in, index}), dim_(dim) {}
+
+  std::string op_name() const override { return "index_select"; }
+  std::string describe() const override { return "index_select(%0, dim=" + std::to_string(dim_) + ", %1)"; }
+  std::uint64_t structural_hash() const override {
+    return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
+  }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    const Shape& is = inputs()[0]->shape();
+    const std::byte* src = detail::bytes_of(inputs()[0]);
+    const I* idx = inputs()[1]->template data<I>();
+    const std::int64_t K = inputs()[1]->numel();
+    std::int64_t outer = 1, inner = 1;
+    const std::int64_t dsize = is.rank() ? is[dim_] : 1;
+    for (int d = 0; d < dim_; ++d) outer *= is[d];
+    for (int d = dim_ + 1; d < is.rank(); ++d) inner *= is[d];
+    // Check every index before writing anything: K values, cheap next to the copy.
+    for (std::int64_t k = 0; k < K; ++k) {
+      if (idx[k] < 0 || idx[k] >= dsize) {
+        throw IndexError("index_select: index " + std::to_string(idx[k]) + " (position " + std::to_string(k) +
+                         ") is out of range for dimension " + std::to_string(dim_) + " with size " +
+                         std::to_string(dsize) + " (expected 0 <= index < " + std::to_string(dsize) + ")");
+      }
+    }
+    auto buf = allocate_output(ctx, false);
+    auto* dst = static_cast<std::byte*>(buf->data());
+    detail::with_elem_size(dtype_size(dtype()), [&](auto nb) {
+      constexpr std::size_t N = decltype(nb)::value;
+      detail::copy_segments<N>(ctx.device.threads(), dst, src, outer * K, inner, [&](std::int64_t s) {
+        return ((s / K) * dsize + static_cast<std::int64_t>(idx[s % K])) * inner;
+      });
+    });
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  int dim_;
+};
+
+/// torch.gather: out[i][j][k] = in[index[i][j][k]][j][k] for dim 0 (likewise for others);
+/// the output has the index's shape, index values are checked while they are read.
+template <IndexElement I>
+class GatherNode final : public Node {
+ public:
+  GatherNode(NodePtr in, NodePtr index, int dim)
+      : Node(NodeKind::Copy, in->dtype(), index->shape(), in->device(), {in, index}), dim_(dim) {}
+
+  std::string op_name() const override { return "gather"; }
+  std::string describe() const override { return "gather(%0, dim=" + std::to_string(dim_) + ", %1)"; }
+  double cost_per_element() const override { return 2; }
+  std::uint64_t structural_hash() const override {
+    return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
+  }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    // A 0-d tensor is handled as a 1-D tensor of one element.
+    Shape ts = inputs()[0]->shape(), xs = shape();
+    if (ts.rank() == 0) ts = Shape{1};
+    if (xs.rank() == 0) xs = Shape{1};
+    const std::byte* src = detail::bytes_of(inputs()[0]);
+    const I* idx = inputs()[1]->template data<I>();
+    auto buf = allocate_output(ctx, false);
+    auto* dst = static_cast<std::byte*>(buf->data());
+    const int R = xs.rank(), dim = dim_;
+    const std::int64_t n = numel(), last = xs[R - 1], dsize = ts[dim];
+    if (n > 0) {
+      const auto tst = contiguous_strides(ts), xst = contiguous_strides(xs);
+      detail::Odometer od;  // a: input offset without `dim`; b: index offset
+      od.rank = R - 1;
+      for (int d = 0; d + 1 < R; ++d) {
+        od.size[d] = xs[d];
+        od.stride_a[d] = d == dim ? 0 : tst[d];
+        od.stride_b[d] = xst[d];
+      }
+      const std::int64_t dstride = tst[dim], rows = n / last;
+      auto& pool = ctx.device.threads();
+      const std::int64_t tasks = std::min(rows, task_count(pool, n, 2.0));
+      detail::with_elem_size(dtype_size(dtype()), [&](auto nb) {
+        constexpr std::size_t N = decltype(nb)::value;
+        pool.parallel_for(tasks, [&](std::int64_t t) {
+          auto [r0, r1] = task_range(rows, tasks, t);
+          detail::Odometer o = od;
+          o.seek(r0);
+          for (std::int64_t r = r0; r < r1; ++r, o.next()) {
+            for (std::int64_t j = 0; j < last; ++j) {
+              const auto k = static_cast<std::int64_t>(idx[o.b + j]);
+              if (k < 0 || k >= dsize) {
+                throw IndexError("gather: index " + std::to_string(k) + " is out of bounds for dimension " +
+                                 std::to_string(dim_) + " with size " + std::to_string(dsize) +
+                                 " (expected 0 <= index < " + std::to_string(dsize) + ")");
+              }
+              const std::int64_t at = dim == R - 1 ? o.a + k : o.a + j + k * dstride;
+              detail::copy_elem<N>(dst + (o.b + j) * N, src + at * N);
+            }
+          }
+        });
+      });
+    }
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  int dim_;
+};
+
+/// torch.nn.functional.one_hot: out[..., c] = (index[...] == c), as int64.
+template <IndexElement I>
+class OneHotNode final : public Node {
+ public:
+  OneHotNode(NodePtr index, std::int64_t classes, Shape out)
+      : Node(NodeKind::Copy, DType::Int64, out, index->device(), {index}), classes_(classes) {}
+
+  std::string op_name() const override { return "one_hot"; }
+  std::string describe() const override { return "one_hot(%0, num_classes=" + std::to_string(classes_) + ")"; }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    const I* idx = inputs()[0]->template data<I>();
+    const std::int64_t m = inputs()[0]->numel(), C = classes_;
+    auto buf = allocate_output(ctx, false);
+    auto* out = static_cast<std::int64_t*>(buf->data());
+    auto& pool = ctx.device.threads();
+    const std::int64_t tasks = std::max<std::int64_t>(1, std::min(m, task_count(pool, m * C, 1.0)));
+    if (m > 0) {
+      pool.parallel_for(tasks, [&](std::int64_t t) {
+        auto [b, e] = task_range(m, tasks, t);
+        if (C > 0) std::fill(out + b * C, out + e * C, std::int64_t{0});
+        for (std::int64_t i = b; i < e; ++i) {
+          const auto v = static_cast<std::int64_t>(idx[i]);
+          if (v < 0) {
+            throw IndexError("one_hot: class values must be non-negative, found " + std::to_string(v));
+          }
+          if (v >= C) {
+            throw IndexError("one_hot: class values must be smaller than num_classes (" + std::to_string(C) +
+                             "), found " + std::to_string(v));
+          }
+          out[i * C + v] = 1;
+        }
+      });
+    }
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  std::int64_t classes_;
+};
+
+}  // namespace lazy::graph
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::graph::detail {
+
+LAZYTENSOR_INLINE void Odometer::seek(std::int64_t lin) {
+  a = b = 0;
+  for (int d = rank - 1; d >= 0; --d) {
+    idx[d] = lin % size[d];
+    lin /= size[d];
+    a += idx[d] * stride_a[d];
+    b += idx[d] * stride_b[d];
+  }
+}
+
+LAZYTENSOR_INLINE void Odometer::next() {
+  for (int d = rank - 1; d >= 0; --d) {
+    ++idx[d];
+    a += stride_a[d];
+    b += stride_b[d];
+    if (idx[d] < size[d]) return;
+    a -= stride_a[d] * size[d];
+    b -= stride_b[d] * size[d];
+    idx[d] = 0;
+  }
+}
+
+}  // namespace lazy::graph::detail
+namespace lazy::graph {
+
+LAZYTENSOR_INLINE ViewNode::ViewNode(std::string op, NodePtr in, Shape shape)
+    : Node(NodeKind::View, in->dtype(), shape, in->device(), {in}), op_(std::move(op)) {}
+
+LAZYTENSOR_INLINE Shape PermuteNode::permuted_shape(const Shape& in, const std::vector<int>& perm) {
+  Shape out;
+  for (int p : perm) out.push_back(in[p]);
+  return out;
+}
+
+LAZYTENSOR_INLINE auto PermuteNode::make_plan(const Shape& in, const std::vector<int>& perm) -> Plan {
+  Plan p;
+  if (in.numel() <= 1) return p;
+  const auto ics = contiguous_strides(in);
+  std::vector<std::int64_t> sz, st;
+  for (int d : perm) {
+    if (in[d] == 1) continue;
+    sz.push_back(in[d]);
+    st.push_back(ics[d]);
+  }
+  // Merge output dim i into i + 1 while the input is contiguous across the pair.
+  std::vector<std::int64_t> csz{sz.back()}, cst{st.back()};
+  for (int i = static_cast<int>(sz.size()) - 2; i >= 0; --i) {
+    if (st[i] == cst.front() * csz.front()) {
+      csz.front() *= sz[i];
+    } else {
+      csz.insert(csz.begin(), sz[i]);
+      cst.insert(cst.begin(), st[i]);
+    }
+  }
+  p.rank = static_cast<int>(csz.size());
+  std::int64_t acc = 1;
+  for (int i = p.rank - 1; i >= 0; --i) {
+    p.size[i] = csz[i];
+    p.istride[i] = cst[i];
+    p.ostride[i] = acc;
+    acc *= csz[i];
+    if (cst[i] == 1) p.q = i;
+  }
+  return p;
+}
+
+LAZYTENSOR_INLINE PermuteNode::PermuteNode(NodePtr in, std::vector<int> perm, std::string op)
+    : Node(NodeKind::Copy, in->dtype(), permuted_shape(in->shape(), perm), in->device(), {in}),
+      perm_(std::move(perm)), op_(std::move(op)), plan_(make_plan(in->shape(), perm_)) {}
+
+LAZYTENSOR_INLINE bool PermuteNode::swaps_last_two() const {
+  const int r = static_cast<int>(perm_.size());
+  if (r < 2 || perm_[r - 2] != r - 1 || perm_[r - 1] != r - 2) return false;
+  for (int i = 0; i + 2 < r; ++i)
+    if (perm_[i] != i) return false;
+  return true;
+}
+
+LAZYTENSOR_INLINE std::string PermuteNode::describe() const {
+  std::string s = op_ + "(%0, dims=[";
+  for (std::size_t i = 0; i < perm_.size(); ++i) s += (i ? ", " : "") + std::to_string(perm_[i]);
+  return s + "])";
+}
+
+LAZYTENSOR_INLINE std::uint64_t PermuteNode::structural_hash() const {
+  std::uint64_t h = Node::structural_hash();
+  for (int p : perm_) h = hash_combine(h, static_cast<std::uint64_t>(p));
+  return h;
+}
+
+LAZYTENSOR_INLINE void PermuteNode::compute(ExecContext& ctx) {
+  const std::byte* src = detail::bytes_of(inputs()[0]);
+  auto buf = allocate_output(ctx, false);  // reads elsewhere than it writes
+  auto* dst = static_cast<std::byte*>(buf->data());
+  const std::int64_t n = numel();
+  if (n > 0) {
+    detail::with_elem_size(dtype_size(dtype()), [&](auto nb) { run<decltype(nb)::value>(ctx, dst, src, n); });
+  }
+  set_buffer(std::move(buf));
+}
+
+LAZYTENSOR_INLINE TransposeNode::TransposeNode(NodePtr in) : PermuteNode(in, last_two(in->shape().rank()), "transpose") {}
+
+LAZYTENSOR_INLINE std::vector<int> TransposeNode::last_two(int rank) {
+  std::vector<int> p(static_cast<std::size_t>(rank));
+  for (int i = 0; i < rank; ++i) p[i] = i;
+  if (rank >= 2) std::swap(p[rank - 2], p[rank - 1]);
+  return p;
+}
+
+LAZYTENSOR_INLINE SliceNode::SliceNode(std::string op, NodePtr in, int dim, std::int64_t start, std::int64_t step, Shape out)
+    : Node(NodeKind::Copy, in->dtype(), out, in->device(), {in}), op_(std::move(op)), dim_(dim), start_(start),
+      step_(step) {}
+
+LAZYTENSOR_INLINE std::string SliceNode::describe() const {
+  return op_ + "(%0, dim=" + std::to_string(dim_) + ", start=" + std::to_string(start_) +
+         ", step=" + std::to_string(step_) + ")";
+}
+
+LAZYTENSOR_INLINE std::uint64_t SliceNode::structural_hash() const {
+  return hash_combine(hash_combine(hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_)),
+                                   static_cast<std::uint64_t>(start_)),
+                      static_cast<std::uint64_t>(step_));
+}
+
+LAZYTENSOR_INLINE void SliceNode::compute(ExecContext& ctx) {
+  const Shape& is = inputs()[0]->shape();
+  const std::byte* src = detail::bytes_of(inputs()[0]);
+  auto buf = allocate_output(ctx, false);
+  auto* dst = static_cast<std::byte*>(buf->data());
+  std::int64_t outer = 1, inner = 1;
+  for (int d = 0; d < dim_; ++d) outer *= is[d];
+  for (int d = dim_ + 1; d < is.rank(); ++d) inner *= is[d];
+  const std::int64_t dsize = is[dim_], len = shape()[dim_];
+  const std::int64_t start = start_, step = step_;
+  detail::with_elem_size(dtype_size(dtype()), [&](auto nb) {
+    constexpr std::size_t N = decltype(nb)::value;
+    if (step == 1) {  // one contiguous run per outer index
+      detail::copy_segments<N>(ctx.device.threads(), dst, src, outer, len * inner,
+                               [&](std::int64_t o) { return (o * dsize + start) * inner; });
+    } else {
+      detail::copy_segments<N>(ctx.device.threads(), dst, src, outer * len, inner, [&](std::int64_t s) {
+        return ((s / len) * dsize + start + (s % len) * step) * inner;
+      });
+    }
+  });
+  set_buffer(std::move(buf));
+}
+
+LAZYTENSOR_INLINE CatNode::CatNode(std::string op,
+  DType dtype,
+  std::vector<NodePtr> ins,
+  Shape out,
+  Device* dev,
+  std::int64_t outer,
+  std::vector<std::int64_t> widths)
+    : Node(NodeKind::Copy, dtype, out, dev, std::move(ins)), op_(std::move(op)), outer_(outer),
+      widths_(std::move(widths)) {}
+
+LAZYTENSOR_INLINE std::uint64_t CatNode::structural_hash() const {
+  std::uint64_t h = hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(outer_));
+  for (auto w : widths_) h = hash_combine(h, static_cast<std::uint64_t>(w));
+  return h;
+}
+
+LAZYTENSOR_INLINE void CatNode::compute(ExecContext& ctx) {
+  const std::size_t k = inputs().size();
+  std::vector<const std::byte*> srcs(k);
+  for (std::size_t i = 0; i < k; ++i) srcs[i] = detail::bytes_of(inputs()[i]);
+  auto buf = allocate_output(ctx, false);
+  auto* dst = static_cast<std::byte*>(buf->data());
+  std::vector<std::int64_t> pre(k + 1, 0);  // start of each input inside an output row
+  for (std::size_t i = 0; i < k; ++i) pre[i + 1] = pre[i] + widths_[i];
+  const std::int64_t W = pre[k], n = outer_ * W;
+  auto& pool = ctx.device.threads();
+  if (n > 0) {
+    detail::with_elem_size(dtype_size(dtype()), [&](auto nb) {
+      constexpr std::size_t N = decltype(nb)::value;
+      const std::int64_t tasks = task_count(pool, n, 1.0);
+      // Split the output evenly, whatever the sizes of the pieces.
+      pool.parallel_for(tasks, [&](std::int64_t t) {
+        auto [b, e] = task_range(n, tasks, t);
+        while (b < e) {
+          const std::int64_t o = b / W, w = b % W;
+          const auto i = static_cast<std::size_t>(std::upper_bound(pre.begin() + 1, pre.end(), w) - pre.begin() - 1);
+          const std::int64_t off = w - pre[i], c = std::min(widths_[i] - off, e - b);
+          std::memcpy(dst + b * N, srcs[i] + (o * widths_[i] + off) * N, static_cast<std::size_t>(c) * N);
+          b += c;
+        }
+      });
+    });
+  }
+  set_buffer(std::move(buf));
+}
+
+}  // namespace lazy::graph
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/graph/shape_nodes.hpp ----
+// ---- begin lazytensor/ops/shape_helpers.hpp ----
+// The helpers the shape ops share (ops/reshape.hpp, slice.hpp, indexing.hpp, and conv and
+// pool for as_tensor): an operand as a tensor, size lists, views and permuted copies with
+// their backward, expand's broadcast, and the autograd records of slices and tensor lists.
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace lazy::detail {
 
 /// An operand as a tensor: a Tensor as is (the handle is copied), an expression evaluated
 /// into a pending node.
@@ -15140,357 +15170,58 @@ std::vector<graph::NodePtr> nodes_of(const std::vector<Tensor<T>>& ts) {
   return v;
 }
 
-}  // namespace detail::shape_ops
+}  // namespace lazy::detail
 
-// ---- views ------------------------------------------------------------------------------
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::detail {
 
-/// A view of `x` with shape `sizes` (one entry may be -1: inferred). Shares x's buffer;
-/// ShapeError if the element count differs. An expression is evaluated first.
-template <expr::ExprLike X>
-auto reshape(const X& x, std::initializer_list<std::int64_t> sizes) {
-  return detail::shape_ops::reshape_impl(x, {sizes.begin(), sizes.size()}, "reshape");
-}
-/// reshape with the sizes in a vector.
-template <expr::ExprLike X>
-auto reshape(const X& x, const std::vector<std::int64_t>& sizes) {
-  return detail::shape_ops::reshape_impl(x, sizes, "reshape");
-}
-/// reshape to a Shape.
-template <expr::ExprLike X>
-auto reshape(const X& x, const Shape& shape) {
-  return detail::shape_ops::reshape_impl(x, detail::shape_ops::span_of(shape), "reshape");
+LAZYTENSOR_INLINE std::string list_str(std::span<const std::int64_t> v) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "]";
 }
 
-/// Same as reshape (tensors are always contiguous here, so view never fails where reshape
-/// would copy).
-template <expr::ExprLike X>
-auto view(const X& x, std::initializer_list<std::int64_t> sizes) {
-  return detail::shape_ops::reshape_impl(x, {sizes.begin(), sizes.size()}, "view");
-}
-/// view with the sizes in a vector.
-template <expr::ExprLike X>
-auto view(const X& x, const std::vector<std::int64_t>& sizes) {
-  return detail::shape_ops::reshape_impl(x, sizes, "view");
-}
-/// view as a Shape.
-template <expr::ExprLike X>
-auto view(const X& x, const Shape& shape) {
-  return detail::shape_ops::reshape_impl(x, detail::shape_ops::span_of(shape), "view");
-}
-
-/// Merges dims start_dim..end_dim (inclusive, negative counts from the back) into one, as a
-/// view. A 0-d tensor becomes 1-D with one element, as in torch.
-template <expr::ExprLike X>
-auto flatten(const X& x, std::int64_t start_dim = 0, std::int64_t end_dim = -1) {
-  auto t = detail::shape_ops::as_tensor(x);
-  const Shape& s = t.shape();
-  const int a = normalize_dim(start_dim, s.rank(), "flatten"), b = normalize_dim(end_dim, s.rank(), "flatten");
-  if (a > b) {
-    throw ShapeError("flatten: start_dim (" + std::to_string(start_dim) + ", i.e. " + std::to_string(a) +
-                     ") cannot come after end_dim (" + std::to_string(end_dim) + ", i.e. " + std::to_string(b) + ")");
+LAZYTENSOR_INLINE Shape infer_shape(std::span<const std::int64_t> sizes, std::int64_t numel, const char* op) {
+  if (sizes.size() > static_cast<std::size_t>(kMaxRank)) {
+    throw ShapeError(std::string(op) + ": shape " + list_str(sizes) + " has rank " + std::to_string(sizes.size()) +
+                     ", expected at most " + std::to_string(kMaxRank));
   }
-  if (s.rank() == 0) return detail::shape_ops::view_of(t, Shape{1}, "flatten");
-  Shape out;
-  std::int64_t merged = 1;
-  for (int i = 0; i < s.rank(); ++i) {
-    if (i < a || i > b) {
-      out.push_back(s[i]);
+  int infer = -1;
+  std::int64_t known = 1;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    if (sizes[i] == -1) {
+      if (infer >= 0) throw ShapeError(std::string(op) + ": only one dimension can be inferred (-1), got " + list_str(sizes));
+      infer = static_cast<int>(i);
+    } else if (sizes[i] < 0) {
+      throw ShapeError(std::string(op) + ": invalid shape dimension " + std::to_string(sizes[i]) + " in " +
+                       list_str(sizes) + " (expected sizes >= 0, or -1 once)");
     } else {
-      merged *= s[i];
-      if (i == b) out.push_back(merged);
+      known *= sizes[i];
     }
   }
-  return detail::shape_ops::view_of(t, out, "flatten");
-}
-
-/// Removes every dim of size 1 (a view).
-template <expr::ExprLike X>
-auto squeeze(const X& x) {
-  auto t = detail::shape_ops::as_tensor(x);
-  Shape out;
-  for (auto d : t.shape())
-    if (d != 1) out.push_back(d);
-  return detail::shape_ops::view_of(t, out, "squeeze");
-}
-
-/// Removes dim `dim` if its size is 1; otherwise returns x unchanged, as torch does.
-template <expr::ExprLike X>
-auto squeeze(const X& x, std::int64_t dim) {
-  auto t = detail::shape_ops::as_tensor(x);
-  const Shape& s = t.shape();
-  const int d = normalize_dim(dim, s.rank(), "squeeze");
-  if (s.rank() == 0 || s[d] != 1) return t;
-  Shape out;
-  for (int i = 0; i < s.rank(); ++i)
-    if (i != d) out.push_back(s[i]);
-  return detail::shape_ops::view_of(t, out, "squeeze");
-}
-
-/// Inserts a dim of size 1 at position `dim` (in [-rank-1, rank]), as a view.
-template <expr::ExprLike X>
-auto unsqueeze(const X& x, std::int64_t dim) {
-  auto t = detail::shape_ops::as_tensor(x);
-  const Shape& s = t.shape();
-  if (s.rank() >= kMaxRank) {
-    throw ShapeError("unsqueeze: the result would have rank " + std::to_string(s.rank() + 1) +
-                     ", expected at most " + std::to_string(kMaxRank) + " (input shape " + s.str() + ")");
-  }
-  const int d = normalize_dim(dim, s.rank() + 1, "unsqueeze");
-  Shape out;
-  for (int i = 0; i < s.rank(); ++i) {
-    if (i == d) out.push_back(1);
-    out.push_back(s[i]);
-  }
-  if (d == s.rank()) out.push_back(1);
-  return detail::shape_ops::view_of(t, out, "unsqueeze");
-}
-
-// ---- permutations -------------------------------------------------------------------------
-
-/// Reorders the dims: out dim i is x's dim dims[i] (a permutation of 0..rank-1; negative
-/// entries count from the back). A copy, unless only size-1 dims move (then a view).
-template <expr::ExprLike X>
-auto permute(const X& x, const std::vector<std::int64_t>& dims) {
-  auto t = detail::shape_ops::as_tensor(x);
-  const int r = t.dim();
-  if (static_cast<int>(dims.size()) != r) {
-    throw ShapeError("permute: number of dims don't match: the tensor has " + std::to_string(r) +
-                     " dims (shape " + t.shape().str() + "), the permutation " +
-                     detail::shape_ops::list_str(dims) + " has " + std::to_string(dims.size()));
-  }
-  std::vector<int> perm;
-  std::vector<char> seen(static_cast<std::size_t>(r), 0);
-  for (auto d : dims) {
-    const int n = normalize_dim(d, r, "permute");
-    if (seen[n]) {
-      throw ShapeError("permute: repeated dim " + std::to_string(n) + " in the permutation " +
-                       detail::shape_ops::list_str(dims) + " (expected each of 0.." + std::to_string(r - 1) +
-                       " exactly once)");
+  std::vector<std::int64_t> out(sizes.begin(), sizes.end());
+  if (infer >= 0) {
+    if (known == 0) {
+      throw ShapeError(std::string(op) + ": cannot reshape a tensor of " + std::to_string(numel) + " elements into shape " +
+                       list_str(sizes) + " because the unspecified dimension size -1 can be any value and is ambiguous");
     }
-    seen[n] = 1;
-    perm.push_back(n);
-  }
-  return detail::shape_ops::permute_impl(t, std::move(perm), "permute");
-}
-/// permute with a braced list: permute(x, {2, 0, 1}).
-template <expr::ExprLike X>
-auto permute(const X& x, std::initializer_list<std::int64_t> dims) {
-  return permute(x, std::vector<std::int64_t>(dims));
-}
-
-/// Swaps dims d0 and d1 (a copy; for the last two dims a pending TransposeNode that a
-/// matmul reads through without running it).
-template <expr::ExprLike X>
-auto transpose(const X& x, std::int64_t d0, std::int64_t d1) {
-  auto t = detail::shape_ops::as_tensor(x);
-  const int r = t.dim();
-  const int a = normalize_dim(d0, r, "transpose"), b = normalize_dim(d1, r, "transpose");
-  if (a == b || r == 0) return t;
-  std::vector<int> perm(static_cast<std::size_t>(r));
-  for (int i = 0; i < r; ++i) perm[i] = i;
-  std::swap(perm[a], perm[b]);
-  return detail::shape_ops::permute_impl(t, std::move(perm), "transpose");
-}
-
-/// torch's t(): the transpose of a 2-D tensor; 0-D and 1-D tensors are returned as is.
-/// ShapeError for rank > 2.
-template <expr::ExprLike X>
-auto transpose(const X& x) {
-  auto t = detail::shape_ops::as_tensor(x);
-  if (t.dim() > 2) {
-    throw ShapeError("transpose: t() expects a tensor with <= 2 dimensions, but got shape " + t.shape().str() +
-                     " (" + std::to_string(t.dim()) + "-D)");
-  }
-  if (t.dim() < 2) return t;
-  return transpose(t, 0, 1);
-}
-
-// ---- expand -------------------------------------------------------------------------------
-
-/// Broadcasts x to `sizes` (torch.expand): new dims are prepended, a size-1 dim may grow,
-/// -1 keeps a size. Materialized lazily by a broadcasting element-wise node.
-template <expr::ExprLike X>
-auto expand(const X& x, std::initializer_list<std::int64_t> sizes) {
-  return detail::shape_ops::expand_impl(x, {sizes.begin(), sizes.size()});
-}
-/// expand with the sizes in a vector.
-template <expr::ExprLike X>
-auto expand(const X& x, const std::vector<std::int64_t>& sizes) {
-  return detail::shape_ops::expand_impl(x, sizes);
-}
-/// expand to a Shape.
-template <expr::ExprLike X>
-auto expand(const X& x, const Shape& shape) {
-  return detail::shape_ops::expand_impl(x, detail::shape_ops::span_of(shape));
-}
-
-// ---- slicing ------------------------------------------------------------------------------
-
-/// Elements start, start + step, ... below end along `dim` (torch slicing x[start:end:step]):
-/// negative start/end count from the back, both are clamped to [0, size]; step must be > 0.
-/// A copy (buffers never start at an offset), except a full-range slice which is x itself.
-template <expr::ExprLike X>
-auto slice(const X& x, std::int64_t dim, std::int64_t start = 0,
-           std::int64_t end = std::numeric_limits<std::int64_t>::max(), std::int64_t step = 1) {
-  auto t = detail::shape_ops::as_tensor(x);
-  using T = typename decltype(t)::value_type;
-  const Shape& s = t.shape();
-  if (s.rank() == 0) throw ShapeError("slice: cannot be applied to a 0-dim tensor (expected rank >= 1)");
-  if (step <= 0) throw ShapeError("slice: step must be greater than zero, got " + std::to_string(step));
-  const int d = normalize_dim(dim, s.rank(), "slice");
-  const std::int64_t size = s[d];
-  if (start < 0) start += size;
-  if (end < 0) end += size;
-  start = std::clamp<std::int64_t>(start, 0, size);
-  end = std::clamp<std::int64_t>(end, start, size);
-  const std::int64_t len = (end - start + step - 1) / step;
-  if (start == 0 && len == size && (step == 1 || size <= 1)) return t;
-  Shape out = s;
-  out[d] = len;
-  Tensor<T> r(graph::submit(std::make_shared<graph::SliceNode>("slice", t.node(), d, start, step, out)));
-  detail::shape_ops::record_slice(r, t, d, start, step);
-  return r;
-}
-
-/// `length` elements from `start` along `dim` (torch.narrow). start may be negative
-/// (counting from the back); ShapeError if the range does not fit.
-template <expr::ExprLike X>
-auto narrow(const X& x, std::int64_t dim, std::int64_t start, std::int64_t length) {
-  auto t = detail::shape_ops::as_tensor(x);
-  using T = typename decltype(t)::value_type;
-  const Shape& s = t.shape();
-  if (s.rank() == 0) throw ShapeError("narrow: cannot be applied to a 0-dim tensor (expected rank >= 1)");
-  const int d = normalize_dim(dim, s.rank(), "narrow");
-  const std::int64_t size = s[d];
-  if (start < -size || start > size) {
-    throw ShapeError("narrow: start out of range (expected to be in range of [" + std::to_string(-size) + ", " +
-                     std::to_string(size) + "], but got " + std::to_string(start) + ")");
-  }
-  if (start < 0) start += size;
-  if (length < 0) throw ShapeError("narrow: length must be non-negative, got " + std::to_string(length));
-  if (start > size - length) {
-    throw ShapeError("narrow: start (" + std::to_string(start) + ") + length (" + std::to_string(length) +
-                     ") exceeds dimension size (" + std::to_string(size) + ") of dimension " + std::to_string(d));
-  }
-  if (start == 0 && length == size) return t;
-  Shape out = s;
-  out[d] = length;
-  Tensor<T> r(graph::submit(std::make_shared<graph::SliceNode>("narrow", t.node(), d, start, 1, out)));
-  detail::shape_ops::record_slice(r, t, d, start, 1);
-  return r;
-}
-
-// ---- cat / stack ----------------------------------------------------------------------------
-
-/// Concatenates along `dim` (torch.cat). The tensors need the same rank and equal sizes
-/// except in `dim` (ShapeError), and the same device (DeviceError). As in torch, 1-D empty
-/// tensors (shape (0,)) are skipped whatever their rank.
-template <Element T>
-Tensor<T> cat(const std::vector<Tensor<T>>& tensors, std::int64_t dim = 0) {
-  if (tensors.empty()) throw ShapeError("cat: expected a non-empty list of tensors, got an empty list");
-  std::vector<Tensor<T>> ts;
-  for (const auto& t : tensors)
-    if (!(t.dim() == 1 && t.numel() == 0)) ts.push_back(t);
-  if (ts.empty()) return tensors.front();
-  const Shape& ref = ts.front().shape();
-  const int r = ref.rank();
-  if (r == 0) throw ShapeError("cat: zero-dimensional tensor (at position 0) cannot be concatenated (expected rank >= 1)");
-  const int d = normalize_dim(dim, r, "cat");
-  for (std::size_t i = 1; i < ts.size(); ++i) {
-    const Shape& s = ts[i].shape();
-    if (s.rank() != r) {
-      throw ShapeError("cat: tensors must have the same number of dimensions: expected " + std::to_string(r) +
-                       " (shape " + ref.str() + "), got " + std::to_string(s.rank()) + " (shape " + s.str() +
-                       ") for tensor " + std::to_string(i));
+    if (numel % known != 0) {
+      throw ShapeError(std::string(op) + ": shape " + list_str(sizes) + " is invalid for input of size " +
+                       std::to_string(numel));
     }
-    for (int k = 0; k < r; ++k) {
-      if (k != d && s[k] != ref[k]) {
-        throw ShapeError("cat: sizes of tensors must match except in dimension " + std::to_string(d) +
-                         ": expected size " + std::to_string(ref[k]) + " but got size " + std::to_string(s[k]) +
-                         " in dimension " + std::to_string(k) + " for tensor " + std::to_string(i) + " (shapes " +
-                         ref.str() + " and " + s.str() + ")");
-      }
-    }
+    out[infer] = numel / known;
+  } else if (known != numel) {
+    throw ShapeError(std::string(op) + ": shape " + list_str(sizes) + " is invalid for input of size " +
+                     std::to_string(numel) + " (expected " + std::to_string(known) + " elements)");
   }
-  auto nodes = detail::shape_ops::nodes_of(ts);
-  graph::Device& dev = graph::common_device(nodes, "cat");
-  if (ts.size() == 1) return ts.front();
-  std::int64_t outer = 1, inner = 1, total = 0;
-  for (int k = 0; k < d; ++k) outer *= ref[k];
-  for (int k = d + 1; k < r; ++k) inner *= ref[k];
-  std::vector<std::int64_t> widths;
-  for (const auto& t : ts) {
-    widths.push_back(t.shape()[d] * inner);
-    total += t.shape()[d];
-  }
-  Shape out = ref;
-  out[d] = total;
-  Tensor<T> result(graph::submit(
-      std::make_shared<graph::CatNode>("cat", dtype_of<T>(), std::move(nodes), out, &dev, outer, std::move(widths))));
-  std::vector<std::int64_t> sizes;
-  for (const auto& t : ts) sizes.push_back(t.shape()[d]);
-  autograd::record(result, "CatBackward0", detail::shape_ops::edges_of(ts), [sizes, d](const Tensor<T>& g) {
-    std::vector<graph::NodePtr> gs;
-    std::int64_t off = 0;
-    for (auto len : sizes) {
-      gs.push_back(narrow(g, d, off, len).node());
-      off += len;
-    }
-    return gs;
-  });
-  return result;
-}
-/// cat with a braced list: cat({a, b}, 1).
-template <Element T>
-Tensor<T> cat(std::initializer_list<Tensor<T>> tensors, std::int64_t dim = 0) {
-  return cat(std::vector<Tensor<T>>(tensors), dim);
+  return Shape(out);
 }
 
-/// Stacks equal-shaped tensors along a new dim `dim` (in [-rank-1, rank]) (torch.stack).
-template <Element T>
-Tensor<T> stack(const std::vector<Tensor<T>>& tensors, std::int64_t dim = 0) {
-  if (tensors.empty()) throw ShapeError("stack: expected a non-empty list of tensors, got an empty list");
-  const Shape& ref = tensors.front().shape();
-  for (std::size_t i = 1; i < tensors.size(); ++i) {
-    if (!(tensors[i].shape() == ref)) {
-      throw ShapeError("stack: expected each tensor to be equal size, but got " + ref.str() + " at entry 0 and " +
-                       tensors[i].shape().str() + " at entry " + std::to_string(i));
-    }
-  }
-  if (ref.rank() >= kMaxRank) {
-    throw ShapeError("stack: the result would have rank " + std::to_string(ref.rank() + 1) + ", expected at most " +
-                     std::to_string(kMaxRank));
-  }
-  const int d = normalize_dim(dim, ref.rank() + 1, "stack");
-  auto nodes = detail::shape_ops::nodes_of(tensors);
-  graph::Device& dev = graph::common_device(nodes, "stack");
-  if (tensors.size() == 1) return unsqueeze(tensors.front(), d);
-  std::int64_t outer = 1, inner = 1;
-  for (int k = 0; k < d; ++k) outer *= ref[k];
-  for (int k = d; k < ref.rank(); ++k) inner *= ref[k];
-  Shape out;
-  for (int k = 0; k <= ref.rank(); ++k) {
-    if (k == d) out.push_back(static_cast<std::int64_t>(tensors.size()));
-    if (k < ref.rank()) out.push_back(ref[k]);
-  }
-  std::vector<std::int64_t> widths(tensors.size(), inner);
-  Tensor<T> r(graph::submit(
-      std::make_shared<graph::CatNode>("stack", dtype_of<T>(), std::move(nodes), out, &dev, outer, std::move(widths))));
-  autograd::record(r, "StackBackward0", detail::shape_ops::edges_of(tensors),
-                   [n = tensors.size(), d, ref](const Tensor<T>& g) {
-                     std::vector<graph::NodePtr> gs;
-                     for (std::size_t i = 0; i < n; ++i) {
-                       gs.push_back(reshape(narrow(g, d, static_cast<std::int64_t>(i), 1), ref).node());
-                     }
-                     return gs;
-                   });
-  return r;
-}
-/// stack with a braced list: stack({a, b}, 0).
-template <Element T>
-Tensor<T> stack(std::initializer_list<Tensor<T>> tensors, std::int64_t dim = 0) {
-  return stack(std::vector<Tensor<T>>(tensors), dim);
-}
+}  // namespace lazy::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/ops/shape_helpers.hpp ----
+
+namespace lazy {
 
 // ---- indexing ---------------------------------------------------------------------------
 
@@ -15499,7 +15230,7 @@ Tensor<T> stack(std::initializer_list<Tensor<T>> tensors, std::int64_t dim = 0) 
 /// runs (at the next mark_step or read), since the index may still be pending here.
 template <expr::ExprLike X, IndexElement I>
 auto index_select(const X& x, std::int64_t dim, const Tensor<I>& index) {
-  auto t = detail::shape_ops::as_tensor(x);
+  auto t = detail::as_tensor(x);
   using T = typename decltype(t)::value_type;
   const Shape& s = t.shape();
   if (index.dim() > 1) {
@@ -15532,7 +15263,7 @@ auto index_select(const X& x, std::int64_t dim, const Tensor<I>& index) {
 /// result has index's shape. Out-of-range values raise IndexError when the kernel runs.
 template <expr::ExprLike X, IndexElement I>
 auto gather(const X& x, std::int64_t dim, const Tensor<I>& index) {
-  auto t = detail::shape_ops::as_tensor(x);
+  auto t = detail::as_tensor(x);
   using T = typename decltype(t)::value_type;
   const Shape& s = t.shape();
   const Shape& is = index.shape();
@@ -15590,54 +15321,395 @@ Tensor<std::int64_t> one_hot(const Tensor<I>& index, std::int64_t num_classes = 
 }
 
 }  // namespace lazy
+// ---- end lazytensor/ops/indexing.hpp ----
+// ---- begin lazytensor/ops/reshape.hpp ----
+// The shape ops that keep the elements: views (reshape/view, flatten, squeeze, unsqueeze),
+// which share the input's buffer, so a view of a pending value is pending and nothing is
+// copied; permutations (permute, transpose), copies unless only size-1 dims move; and
+// expand, a broadcasting element-wise node.
 
-#if LAZYTENSOR_HEADER_DEFINITIONS
-namespace lazy::detail::shape_ops {
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <utility>
+#include <vector>
 
-LAZYTENSOR_INLINE std::string list_str(std::span<const std::int64_t> v) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
-  return s + "]";
+
+namespace lazy {
+
+// ---- views ------------------------------------------------------------------------------
+
+/// A view of `x` with shape `sizes` (one entry may be -1: inferred). Shares x's buffer;
+/// ShapeError if the element count differs. An expression is evaluated first.
+template <expr::ExprLike X>
+auto reshape(const X& x, std::initializer_list<std::int64_t> sizes) {
+  return detail::reshape_impl(x, {sizes.begin(), sizes.size()}, "reshape");
+}
+/// reshape with the sizes in a vector.
+template <expr::ExprLike X>
+auto reshape(const X& x, const std::vector<std::int64_t>& sizes) {
+  return detail::reshape_impl(x, sizes, "reshape");
+}
+/// reshape to a Shape.
+template <expr::ExprLike X>
+auto reshape(const X& x, const Shape& shape) {
+  return detail::reshape_impl(x, detail::span_of(shape), "reshape");
 }
 
-LAZYTENSOR_INLINE Shape infer_shape(std::span<const std::int64_t> sizes, std::int64_t numel, const char* op) {
-  if (sizes.size() > static_cast<std::size_t>(kMaxRank)) {
-    throw ShapeError(std::string(op) + ": shape " + list_str(sizes) + " has rank " + std::to_string(sizes.size()) +
-                     ", expected at most " + std::to_string(kMaxRank));
+/// Same as reshape (tensors are always contiguous here, so view never fails where reshape
+/// would copy).
+template <expr::ExprLike X>
+auto view(const X& x, std::initializer_list<std::int64_t> sizes) {
+  return detail::reshape_impl(x, {sizes.begin(), sizes.size()}, "view");
+}
+/// view with the sizes in a vector.
+template <expr::ExprLike X>
+auto view(const X& x, const std::vector<std::int64_t>& sizes) {
+  return detail::reshape_impl(x, sizes, "view");
+}
+/// view as a Shape.
+template <expr::ExprLike X>
+auto view(const X& x, const Shape& shape) {
+  return detail::reshape_impl(x, detail::span_of(shape), "view");
+}
+
+/// Merges dims start_dim..end_dim (inclusive, negative counts from the back) into one, as a
+/// view. A 0-d tensor becomes 1-D with one element, as in torch.
+template <expr::ExprLike X>
+auto flatten(const X& x, std::int64_t start_dim = 0, std::int64_t end_dim = -1) {
+  auto t = detail::as_tensor(x);
+  const Shape& s = t.shape();
+  const int a = normalize_dim(start_dim, s.rank(), "flatten"), b = normalize_dim(end_dim, s.rank(), "flatten");
+  if (a > b) {
+    throw ShapeError("flatten: start_dim (" + std::to_string(start_dim) + ", i.e. " + std::to_string(a) +
+                     ") cannot come after end_dim (" + std::to_string(end_dim) + ", i.e. " + std::to_string(b) + ")");
   }
-  int infer = -1;
-  std::int64_t known = 1;
-  for (std::size_t i = 0; i < sizes.size(); ++i) {
-    if (sizes[i] == -1) {
-      if (infer >= 0) throw ShapeError(std::string(op) + ": only one dimension can be inferred (-1), got " + list_str(sizes));
-      infer = static_cast<int>(i);
-    } else if (sizes[i] < 0) {
-      throw ShapeError(std::string(op) + ": invalid shape dimension " + std::to_string(sizes[i]) + " in " +
-                       list_str(sizes) + " (expected sizes >= 0, or -1 once)");
+  if (s.rank() == 0) return detail::view_of(t, Shape{1}, "flatten");
+  Shape out;
+  std::int64_t merged = 1;
+  for (int i = 0; i < s.rank(); ++i) {
+    if (i < a || i > b) {
+      out.push_back(s[i]);
     } else {
-      known *= sizes[i];
+      merged *= s[i];
+      if (i == b) out.push_back(merged);
     }
   }
-  std::vector<std::int64_t> out(sizes.begin(), sizes.end());
-  if (infer >= 0) {
-    if (known == 0) {
-      throw ShapeError(std::string(op) + ": cannot reshape a tensor of " + std::to_string(numel) + " elements into shape " +
-                       list_str(sizes) + " because the unspecified dimension size -1 can be any value and is ambiguous");
-    }
-    if (numel % known != 0) {
-      throw ShapeError(std::string(op) + ": shape " + list_str(sizes) + " is invalid for input of size " +
-                       std::to_string(numel));
-    }
-    out[infer] = numel / known;
-  } else if (known != numel) {
-    throw ShapeError(std::string(op) + ": shape " + list_str(sizes) + " is invalid for input of size " +
-                     std::to_string(numel) + " (expected " + std::to_string(known) + " elements)");
-  }
-  return Shape(out);
+  return detail::view_of(t, out, "flatten");
 }
 
-}  // namespace lazy::detail::shape_ops
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+/// Removes every dim of size 1 (a view).
+template <expr::ExprLike X>
+auto squeeze(const X& x) {
+  auto t = detail::as_tensor(x);
+  Shape out;
+  for (auto d : t.shape())
+    if (d != 1) out.push_back(d);
+  return detail::view_of(t, out, "squeeze");
+}
+
+/// Removes dim `dim` if its size is 1; otherwise returns x unchanged, as torch does.
+template <expr::ExprLike X>
+auto squeeze(const X& x, std::int64_t dim) {
+  auto t = detail::as_tensor(x);
+  const Shape& s = t.shape();
+  const int d = normalize_dim(dim, s.rank(), "squeeze");
+  if (s.rank() == 0 || s[d] != 1) return t;
+  Shape out;
+  for (int i = 0; i < s.rank(); ++i)
+    if (i != d) out.push_back(s[i]);
+  return detail::view_of(t, out, "squeeze");
+}
+
+/// Inserts a dim of size 1 at position `dim` (in [-rank-1, rank]), as a view.
+template <expr::ExprLike X>
+auto unsqueeze(const X& x, std::int64_t dim) {
+  auto t = detail::as_tensor(x);
+  const Shape& s = t.shape();
+  if (s.rank() >= kMaxRank) {
+    throw ShapeError("unsqueeze: the result would have rank " + std::to_string(s.rank() + 1) +
+                     ", expected at most " + std::to_string(kMaxRank) + " (input shape " + s.str() + ")");
+  }
+  const int d = normalize_dim(dim, s.rank() + 1, "unsqueeze");
+  Shape out;
+  for (int i = 0; i < s.rank(); ++i) {
+    if (i == d) out.push_back(1);
+    out.push_back(s[i]);
+  }
+  if (d == s.rank()) out.push_back(1);
+  return detail::view_of(t, out, "unsqueeze");
+}
+
+// ---- permutations -------------------------------------------------------------------------
+
+/// Reorders the dims: out dim i is x's dim dims[i] (a permutation of 0..rank-1; negative
+/// entries count from the back). A copy, unless only size-1 dims move (then a view).
+template <expr::ExprLike X>
+auto permute(const X& x, const std::vector<std::int64_t>& dims) {
+  auto t = detail::as_tensor(x);
+  const int r = t.dim();
+  if (static_cast<int>(dims.size()) != r) {
+    throw ShapeError("permute: number of dims don't match: the tensor has " + std::to_string(r) +
+                     " dims (shape " + t.shape().str() + "), the permutation " +
+                     detail::list_str(dims) + " has " + std::to_string(dims.size()));
+  }
+  std::vector<int> perm;
+  std::vector<char> seen(static_cast<std::size_t>(r), 0);
+  for (auto d : dims) {
+    const int n = normalize_dim(d, r, "permute");
+    if (seen[n]) {
+      throw ShapeError("permute: repeated dim " + std::to_string(n) + " in the permutation " +
+                       detail::list_str(dims) + " (expected each of 0.." + std::to_string(r - 1) +
+                       " exactly once)");
+    }
+    seen[n] = 1;
+    perm.push_back(n);
+  }
+  return detail::permute_impl(t, std::move(perm), "permute");
+}
+/// permute with a braced list: permute(x, {2, 0, 1}).
+template <expr::ExprLike X>
+auto permute(const X& x, std::initializer_list<std::int64_t> dims) {
+  return permute(x, std::vector<std::int64_t>(dims));
+}
+
+/// Swaps dims d0 and d1 (a copy; for the last two dims a pending TransposeNode that a
+/// matmul reads through without running it).
+template <expr::ExprLike X>
+auto transpose(const X& x, std::int64_t d0, std::int64_t d1) {
+  auto t = detail::as_tensor(x);
+  const int r = t.dim();
+  const int a = normalize_dim(d0, r, "transpose"), b = normalize_dim(d1, r, "transpose");
+  if (a == b || r == 0) return t;
+  std::vector<int> perm(static_cast<std::size_t>(r));
+  for (int i = 0; i < r; ++i) perm[i] = i;
+  std::swap(perm[a], perm[b]);
+  return detail::permute_impl(t, std::move(perm), "transpose");
+}
+
+/// torch's t(): the transpose of a 2-D tensor; 0-D and 1-D tensors are returned as is.
+/// ShapeError for rank > 2.
+template <expr::ExprLike X>
+auto transpose(const X& x) {
+  auto t = detail::as_tensor(x);
+  if (t.dim() > 2) {
+    throw ShapeError("transpose: t() expects a tensor with <= 2 dimensions, but got shape " + t.shape().str() +
+                     " (" + std::to_string(t.dim()) + "-D)");
+  }
+  if (t.dim() < 2) return t;
+  return transpose(t, 0, 1);
+}
+
+// ---- expand -------------------------------------------------------------------------------
+
+/// Broadcasts x to `sizes` (torch.expand): new dims are prepended, a size-1 dim may grow,
+/// -1 keeps a size. Materialized lazily by a broadcasting element-wise node.
+template <expr::ExprLike X>
+auto expand(const X& x, std::initializer_list<std::int64_t> sizes) {
+  return detail::expand_impl(x, {sizes.begin(), sizes.size()});
+}
+/// expand with the sizes in a vector.
+template <expr::ExprLike X>
+auto expand(const X& x, const std::vector<std::int64_t>& sizes) {
+  return detail::expand_impl(x, sizes);
+}
+/// expand to a Shape.
+template <expr::ExprLike X>
+auto expand(const X& x, const Shape& shape) {
+  return detail::expand_impl(x, detail::span_of(shape));
+}
+
+}  // namespace lazy
+// ---- end lazytensor/ops/reshape.hpp ----
+// ---- begin lazytensor/ops/slice.hpp ----
+// Slicing (slice, narrow) and joining (cat, stack): copy nodes of graph/shape_nodes.hpp, each
+// recording its backward (a slice's gradient lands in zeros of the input's shape, a join's is
+// narrowed back into the pieces).
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <limits>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+
+namespace lazy {
+
+// ---- slicing ------------------------------------------------------------------------------
+
+/// Elements start, start + step, ... below end along `dim` (torch slicing x[start:end:step]):
+/// negative start/end count from the back, both are clamped to [0, size]; step must be > 0.
+/// A copy (buffers never start at an offset), except a full-range slice which is x itself.
+template <expr::ExprLike X>
+auto slice(const X& x, std::int64_t dim, std::int64_t start = 0,
+           std::int64_t end = std::numeric_limits<std::int64_t>::max(), std::int64_t step = 1) {
+  auto t = detail::as_tensor(x);
+  using T = typename decltype(t)::value_type;
+  const Shape& s = t.shape();
+  if (s.rank() == 0) throw ShapeError("slice: cannot be applied to a 0-dim tensor (expected rank >= 1)");
+  if (step <= 0) throw ShapeError("slice: step must be greater than zero, got " + std::to_string(step));
+  const int d = normalize_dim(dim, s.rank(), "slice");
+  const std::int64_t size = s[d];
+  if (start < 0) start += size;
+  if (end < 0) end += size;
+  start = std::clamp<std::int64_t>(start, 0, size);
+  end = std::clamp<std::int64_t>(end, start, size);
+  const std::int64_t len = (end - start + step - 1) / step;
+  if (start == 0 && len == size && (step == 1 || size <= 1)) return t;
+  Shape out = s;
+  out[d] = len;
+  Tensor<T> r(graph::submit(std::make_shared<graph::SliceNode>("slice", t.node(), d, start, step, out)));
+  detail::record_slice(r, t, d, start, step);
+  return r;
+}
+
+/// `length` elements from `start` along `dim` (torch.narrow). start may be negative
+/// (counting from the back); ShapeError if the range does not fit.
+template <expr::ExprLike X>
+auto narrow(const X& x, std::int64_t dim, std::int64_t start, std::int64_t length) {
+  auto t = detail::as_tensor(x);
+  using T = typename decltype(t)::value_type;
+  const Shape& s = t.shape();
+  if (s.rank() == 0) throw ShapeError("narrow: cannot be applied to a 0-dim tensor (expected rank >= 1)");
+  const int d = normalize_dim(dim, s.rank(), "narrow");
+  const std::int64_t size = s[d];
+  if (start < -size || start > size) {
+    throw ShapeError("narrow: start out of range (expected to be in range of [" + std::to_string(-size) + ", " +
+                     std::to_string(size) + "], but got " + std::to_string(start) + ")");
+  }
+  if (start < 0) start += size;
+  if (length < 0) throw ShapeError("narrow: length must be non-negative, got " + std::to_string(length));
+  if (start > size - length) {
+    throw ShapeError("narrow: start (" + std::to_string(start) + ") + length (" + std::to_string(length) +
+                     ") exceeds dimension size (" + std::to_string(size) + ") of dimension " + std::to_string(d));
+  }
+  if (start == 0 && length == size) return t;
+  Shape out = s;
+  out[d] = length;
+  Tensor<T> r(graph::submit(std::make_shared<graph::SliceNode>("narrow", t.node(), d, start, 1, out)));
+  detail::record_slice(r, t, d, start, 1);
+  return r;
+}
+
+// ---- cat / stack ----------------------------------------------------------------------------
+
+/// Concatenates along `dim` (torch.cat). The tensors need the same rank and equal sizes
+/// except in `dim` (ShapeError), and the same device (DeviceError). As in torch, 1-D empty
+/// tensors (shape (0,)) are skipped whatever their rank.
+template <Element T>
+Tensor<T> cat(const std::vector<Tensor<T>>& tensors, std::int64_t dim = 0) {
+  if (tensors.empty()) throw ShapeError("cat: expected a non-empty list of tensors, got an empty list");
+  std::vector<Tensor<T>> ts;
+  for (const auto& t : tensors)
+    if (!(t.dim() == 1 && t.numel() == 0)) ts.push_back(t);
+  if (ts.empty()) return tensors.front();
+  const Shape& ref = ts.front().shape();
+  const int r = ref.rank();
+  if (r == 0) throw ShapeError("cat: zero-dimensional tensor (at position 0) cannot be concatenated (expected rank >= 1)");
+  const int d = normalize_dim(dim, r, "cat");
+  for (std::size_t i = 1; i < ts.size(); ++i) {
+    const Shape& s = ts[i].shape();
+    if (s.rank() != r) {
+      throw ShapeError("cat: tensors must have the same number of dimensions: expected " + std::to_string(r) +
+                       " (shape " + ref.str() + "), got " + std::to_string(s.rank()) + " (shape " + s.str() +
+                       ") for tensor " + std::to_string(i));
+    }
+    for (int k = 0; k < r; ++k) {
+      if (k != d && s[k] != ref[k]) {
+        throw ShapeError("cat: sizes of tensors must match except in dimension " + std::to_string(d) +
+                         ": expected size " + std::to_string(ref[k]) + " but got size " + std::to_string(s[k]) +
+                         " in dimension " + std::to_string(k) + " for tensor " + std::to_string(i) + " (shapes " +
+                         ref.str() + " and " + s.str() + ")");
+      }
+    }
+  }
+  auto nodes = detail::nodes_of(ts);
+  graph::Device& dev = graph::common_device(nodes, "cat");
+  if (ts.size() == 1) return ts.front();
+  std::int64_t outer = 1, inner = 1, total = 0;
+  for (int k = 0; k < d; ++k) outer *= ref[k];
+  for (int k = d + 1; k < r; ++k) inner *= ref[k];
+  std::vector<std::int64_t> widths;
+  for (const auto& t : ts) {
+    widths.push_back(t.shape()[d] * inner);
+    total += t.shape()[d];
+  }
+  Shape out = ref;
+  out[d] = total;
+  Tensor<T> result(graph::submit(
+      std::make_shared<graph::CatNode>("cat", dtype_of<T>(), std::move(nodes), out, &dev, outer, std::move(widths))));
+  std::vector<std::int64_t> sizes;
+  for (const auto& t : ts) sizes.push_back(t.shape()[d]);
+  autograd::record(result, "CatBackward0", detail::edges_of(ts), [sizes, d](const Tensor<T>& g) {
+    std::vector<graph::NodePtr> gs;
+    std::int64_t off = 0;
+    for (auto len : sizes) {
+      gs.push_back(narrow(g, d, off, len).node());
+      off += len;
+    }
+    return gs;
+  });
+  return result;
+}
+/// cat with a braced list: cat({a, b}, 1).
+template <Element T>
+Tensor<T> cat(std::initializer_list<Tensor<T>> tensors, std::int64_t dim = 0) {
+  return cat(std::vector<Tensor<T>>(tensors), dim);
+}
+
+/// Stacks equal-shaped tensors along a new dim `dim` (in [-rank-1, rank]) (torch.stack).
+template <Element T>
+Tensor<T> stack(const std::vector<Tensor<T>>& tensors, std::int64_t dim = 0) {
+  if (tensors.empty()) throw ShapeError("stack: expected a non-empty list of tensors, got an empty list");
+  const Shape& ref = tensors.front().shape();
+  for (std::size_t i = 1; i < tensors.size(); ++i) {
+    if (!(tensors[i].shape() == ref)) {
+      throw ShapeError("stack: expected each tensor to be equal size, but got " + ref.str() + " at entry 0 and " +
+                       tensors[i].shape().str() + " at entry " + std::to_string(i));
+    }
+  }
+  if (ref.rank() >= kMaxRank) {
+    throw ShapeError("stack: the result would have rank " + std::to_string(ref.rank() + 1) + ", expected at most " +
+                     std::to_string(kMaxRank));
+  }
+  const int d = normalize_dim(dim, ref.rank() + 1, "stack");
+  auto nodes = detail::nodes_of(tensors);
+  graph::Device& dev = graph::common_device(nodes, "stack");
+  if (tensors.size() == 1) return unsqueeze(tensors.front(), d);
+  std::int64_t outer = 1, inner = 1;
+  for (int k = 0; k < d; ++k) outer *= ref[k];
+  for (int k = d; k < ref.rank(); ++k) inner *= ref[k];
+  Shape out;
+  for (int k = 0; k <= ref.rank(); ++k) {
+    if (k == d) out.push_back(static_cast<std::int64_t>(tensors.size()));
+    if (k < ref.rank()) out.push_back(ref[k]);
+  }
+  std::vector<std::int64_t> widths(tensors.size(), inner);
+  Tensor<T> r(graph::submit(
+      std::make_shared<graph::CatNode>("stack", dtype_of<T>(), std::move(nodes), out, &dev, outer, std::move(widths))));
+  autograd::record(r, "StackBackward0", detail::edges_of(tensors),
+                   [n = tensors.size(), d, ref](const Tensor<T>& g) {
+                     std::vector<graph::NodePtr> gs;
+                     for (std::size_t i = 0; i < n; ++i) {
+                       gs.push_back(reshape(narrow(g, d, static_cast<std::int64_t>(i), 1), ref).node());
+                     }
+                     return gs;
+                   });
+  return r;
+}
+/// stack with a braced list: stack({a, b}, 0).
+template <Element T>
+Tensor<T> stack(std::initializer_list<Tensor<T>> tensors, std::int64_t dim = 0) {
+  return stack(std::vector<Tensor<T>>(tensors), dim);
+}
+
+}  // namespace lazy
+// ---- end lazytensor/ops/slice.hpp ----
 // ---- end lazytensor/ops/shape.hpp ----
 
 namespace lazy {
@@ -15993,8 +16065,18 @@ LAZYTENSOR_INLINE bool geometry(const Shape& s, const DimList& dims, graph::Redu
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/ops/reduction.hpp ----
 // ---- begin lazytensor/ops/softmax.hpp ----
-// softmax and log_softmax as fused row kernels: one pass for the max, one for the sum of
-// exponentials, one to write; the row stays in cache between passes.
+// softmax and log_softmax (stable, along one dim) and their derivative rules; the fused row
+// kernels are SoftmaxNode's (graph/softmax_node.hpp).
+
+#include <cstdint>
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+// ---- begin lazytensor/graph/softmax_node.hpp ----
+// SoftmaxNode, the kernel of softmax and log_softmax: fused row kernels (one pass for the
+// max, one for the sum of exponentials, one to write; the row stays in cache between
+// passes), vectorized when the reduced dim is the last, strided otherwise.
 
 #include <algorithm>
 #include <cmath>
@@ -16005,9 +16087,7 @@ LAZYTENSOR_INLINE bool geometry(const Shape& s, const DimList& dims, graph::Redu
 #include <xsimd/xsimd.hpp>
 
 
-namespace lazy {
-
-namespace graph {
+namespace lazy::graph {
 
 /// softmax (or log_softmax) of a [outer, R, inner] view over R.
 template <class T, bool Log>
@@ -16100,7 +16180,10 @@ class SoftmaxNode final : public Node {
   std::int64_t outer_, extent_, inner_;
 };
 
-}  // namespace graph
+}  // namespace lazy::graph
+// ---- end lazytensor/graph/softmax_node.hpp ----
+
+namespace lazy {
 
 namespace detail {
 template <bool Log, class X>
@@ -16842,7 +16925,7 @@ LAZYTENSOR_INLINE std::pair<double, double> fans(const Shape& s) {
 #include <type_traits>
 #include <vector>
 
-// ---- begin lazytensor/ops/im2col.hpp ----
+// ---- begin lazytensor/graph/im2col.hpp ----
 // The kernels behind conv2d: im2col, its adjoint col2im (Caffe's layout), and the weight
 // gradient (ConvWeightGradNode, at the end).
 //
@@ -16863,9 +16946,11 @@ LAZYTENSOR_INLINE std::pair<double, double> fans(const Shape& s) {
 
 #include <Eigen/Core>
 
-// ---- begin lazytensor/ops/window.hpp ----
-// Geometry shared by convolution and pooling: a 2-D window sliding over [H, W] planes, and
-// the (height, width) size pairs their arguments take (libtorch's ExpandingArray<2>).
+// ---- begin lazytensor/graph/window.hpp ----
+// The geometry of a 2-D window sliding over [H, W] planes (Window2d), which the pooling and
+// im2col kernels run over, and the (height, width) size pairs it is printed with (Size2,
+// also the argument type of conv and pool: libtorch's ExpandingArray<2>). Argument checks
+// that build a Window2d from user arguments are in ops/window.hpp.
 
 #include <algorithm>
 #include <cstdint>
@@ -16927,26 +17012,6 @@ struct Window2d {
 
 }  // namespace graph
 
-namespace detail {
-
-/// "(a x b)", as torch prints plane sizes in conv/pool errors.
-inline std::string plane_str(std::int64_t a, std::int64_t b) {
-  return "(" + std::to_string(a) + " x " + std::to_string(b) + ")";
-}
-
-/// ShapeError unless x is [N, C, H, W] with C, H, W > 0 (N may be 0).
-void check_nchw(const Shape& s, const char* op, const char* what);
-
-/// ShapeError unless stride and dilation are positive and padding is not negative.
-void check_window_args(const char* op, Size2 stride, Size2 padding, Size2 dilation);
-
-/// The geometry of a kernel sliding over the planes of `image` ([N, C, H, W]), validated:
-/// the dilated kernel must fit the padded input.
-graph::Window2d window_over(const char* op, const Shape& image, Size2 kernel, Size2 stride,
-                                   Size2 padding, Size2 dilation);
-
-}  // namespace detail
-
 }  // namespace lazy
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
@@ -16979,62 +17044,12 @@ LAZYTENSOR_INLINE std::pair<std::int64_t, std::int64_t> Window2d::valid_range(st
 }
 
 }  // namespace lazy::graph
-namespace lazy::detail {
-
-LAZYTENSOR_INLINE void check_nchw(const Shape& s, const char* op, const char* what) {
-  if (s.rank() != 4) {
-    throw ShapeError(std::string(op) + ": expected a 4-D " + what + " [N, C, H, W], got shape " +
-                     s.str() + " (rank " + std::to_string(s.rank()) + ")");
-  }
-  if (s[1] == 0 || s[2] == 0 || s[3] == 0) {
-    throw ShapeError(std::string(op) + ": expected non-zero channels, height and width in the " +
-                     what + " [N, C, H, W], got shape " + s.str());
-  }
-}
-
-LAZYTENSOR_INLINE void check_window_args(const char* op, Size2 stride, Size2 padding, Size2 dilation) {
-  if (stride.h <= 0 || stride.w <= 0) {
-    throw ShapeError(std::string(op) + ": expected a positive stride, got " + stride.str());
-  }
-  if (dilation.h <= 0 || dilation.w <= 0) {
-    throw ShapeError(std::string(op) + ": expected a positive dilation, got " + dilation.str());
-  }
-  if (padding.h < 0 || padding.w < 0) {
-    throw ShapeError(std::string(op) + ": expected a non-negative padding, got " + padding.str());
-  }
-}
-
-LAZYTENSOR_INLINE graph::Window2d window_over(const char* op,
-    const Shape& image,
-    Size2 kernel,
-    Size2 stride,
-    Size2 padding,
-    Size2 dilation) {
-  if (kernel.h <= 0 || kernel.w <= 0) {
-    throw ShapeError(std::string(op) + ": expected a positive kernel size, got " + kernel.str());
-  }
-  check_window_args(op, stride, padding, dilation);
-  graph::Window2d g{kernel.h,   kernel.w,   stride.h, stride.w, padding.h, padding.w,
-                    dilation.h, dilation.w, image[2], image[3], 0,         0};
-  const std::int64_t eh = g.dh * (g.kh - 1) + 1, ew = g.dw * (g.kw - 1) + 1;
-  if (g.h + 2 * g.ph < eh || g.w + 2 * g.pw < ew) {
-    throw ShapeError(std::string(op) +
-                     ": kernel size can't be greater than the padded input size: padded input " +
-                     plane_str(g.h + 2 * g.ph, g.w + 2 * g.pw) + " (input " + image.str() +
-                     ", padding " + padding.str() + "), dilated kernel " + plane_str(eh, ew) +
-                     " (kernel " + kernel.str() + ", dilation " + dilation.str() + ")");
-  }
-  g.set_output_size();
-  return g;
-}
-
-}  // namespace lazy::detail
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
-// ---- end lazytensor/ops/window.hpp ----
+// ---- end lazytensor/graph/window.hpp ----
 
 namespace lazy::graph {
 
-namespace conv_kernels {
+namespace detail {
 
 /// The kh*kw column rows of one channel plane `x` (h x w) into `rows` ([kh*kw, oh*ow]).
 template <class T>
@@ -17093,7 +17108,7 @@ inline std::int64_t plane_tasks(ThreadPool& pool, std::int64_t planes, std::int6
   return std::max<std::int64_t>(1, std::min(planes, task_count(pool, planes * per_plane, cost)));
 }
 
-}  // namespace conv_kernels
+}  // namespace detail
 
 /// Columns [N, C*kh*kw, OH*OW] of images [N, C, H, W] (see the header comment).
 template <class T>
@@ -17118,11 +17133,11 @@ class Im2colNode final : public Node {
     T* cols = static_cast<T*>(buf->data());
     const std::int64_t in_plane = g_.h * g_.w, out_plane = g_.kh * g_.kw * g_.oh * g_.ow;
     auto& pool = ctx.device.threads();
-    const std::int64_t tasks = conv_kernels::plane_tasks(pool, planes, out_plane, 1.0);
+    const std::int64_t tasks = detail::plane_tasks(pool, planes, out_plane, 1.0);
     pool.parallel_for(tasks, [&](std::int64_t t) {
       auto [p0, p1] = task_range(planes, tasks, t);
       for (std::int64_t p = p0; p < p1; ++p)
-        conv_kernels::im2col_plane(x + p * in_plane, cols + p * out_plane, g_);
+        detail::im2col_plane(x + p * in_plane, cols + p * out_plane, g_);
     });
     set_buffer(std::move(buf));
   }
@@ -17157,13 +17172,13 @@ class Col2imNode final : public Node {
     const std::int64_t in_plane = g_.kh * g_.kw * g_.oh * g_.ow, out_plane = g_.h * g_.w;
     auto& pool = ctx.device.threads();
     const std::int64_t tasks =
-        conv_kernels::plane_tasks(pool, planes, out_plane, cost_per_element());
+        detail::plane_tasks(pool, planes, out_plane, cost_per_element());
     pool.parallel_for(tasks, [&](std::int64_t t) {
       auto [p0, p1] = task_range(planes, tasks, t);
       for (std::int64_t p = p0; p < p1; ++p) {
         T* plane = x + p * out_plane;
         std::fill(plane, plane + out_plane, T(0));
-        conv_kernels::col2im_plane(cols + p * in_plane, plane, g_);
+        detail::col2im_plane(cols + p * in_plane, plane, g_);
       }
     });
     set_buffer(std::move(buf));
@@ -17227,14 +17242,28 @@ class ConvWeightGradNode final : public Node {
 };
 
 }  // namespace lazy::graph
-// ---- end lazytensor/ops/im2col.hpp ----
+// ---- end lazytensor/graph/im2col.hpp ----
 // ---- begin lazytensor/ops/matmul.hpp ----
-// matmul, linear, bmm: the packed GEMM kernel (ops/gemm_kernel.hpp) for float and double
-// products of at least a register tile, Eigen GEMM on maps of the buffers otherwise.
-// Transposes are layouts (a pending transpose of the last two dims is read through, never
-// copied), and a GEMM that feeds only an element-wise expression runs in row blocks with
-// that expression applied to each block while it is in cache (see
-// ElementwiseNode::fuse_producers).
+// matmul, linear, bmm, and the GEMM's derivative rule, over GemmNode (graph/matmul_node.hpp):
+// the packed GEMM kernel (graph/gemm_kernel.hpp) for float and double products of at least a
+// register tile, Eigen GEMM on maps of the buffers otherwise. Transposes are layouts (a
+// pending transpose of the last two dims is read through, never copied), and a GEMM that
+// feeds only an element-wise expression runs in row blocks with that expression applied to
+// each block while it is in cache (see ElementwiseNode::fuse_producers).
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+// ---- begin lazytensor/graph/matmul_node.hpp ----
+// GemmNode, the node behind matmul, linear and bmm: a batch of row-major products, on the
+// packed kernel (graph/gemm_kernel.hpp) for float and double products of at least a register
+// tile and on Eigen otherwise, produced in row blocks so that an element-wise consumer can
+// run on each block while it is in cache (RowProducer, ElementwiseNode::fuse_producers).
 
 #include <algorithm>
 #include <cstdint>
@@ -17243,11 +17272,10 @@ class ConvWeightGradNode final : public Node {
 #include <string>
 #include <type_traits>
 #include <utility>
-#include <vector>
 
 #include <Eigen/Core>
 
-// ---- begin lazytensor/ops/gemm_kernel.hpp ----
+// ---- begin lazytensor/graph/gemm_kernel.hpp ----
 // The packed GEMM for float and double: the right-hand side is packed once per product
 // into panels two SIMD registers wide and shared by every row block and thread; each row
 // block packs a few rows of the left-hand side at a time and runs a register-tiled
@@ -17547,11 +17575,9 @@ struct PackedGemm {
 }  // namespace lazy::detail
 
 #undef LAZYTENSOR_UNROLL
-// ---- end lazytensor/ops/gemm_kernel.hpp ----
+// ---- end lazytensor/graph/gemm_kernel.hpp ----
 
-namespace lazy {
-
-namespace graph {
+namespace lazy::graph {
 
 /// C[b] = op(A[b]) * op(B[b]) for a batch of row-major matrices; op is identity or
 /// transpose. A batch count of 1 on either side broadcasts.
@@ -17706,7 +17732,10 @@ class GemmNode final : public Node, public RowProducer {
   std::shared_ptr<Buffer> packed_b_;  ///< op(B) packed, between begin_rows and end_rows
 };
 
-}  // namespace graph
+}  // namespace lazy::graph
+// ---- end lazytensor/graph/matmul_node.hpp ----
+
+namespace lazy {
 
 namespace detail {
 
@@ -17897,6 +17926,92 @@ LAZYTENSOR_INLINE void matmul_mismatch(const Shape& a, const Shape& b, std::int6
 }  // namespace lazy::detail
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/ops/matmul.hpp ----
+// ---- begin lazytensor/ops/window.hpp ----
+// Argument checks shared by convolution and pooling: an NCHW input, positive strides and
+// dilations, and the validated geometry (graph::Window2d) of a kernel over the input's
+// planes. Window2d and the Size2 argument pairs are in graph/window.hpp.
+
+#include <cstdint>
+#include <string>
+
+
+namespace lazy {
+
+namespace detail {
+
+/// "(a x b)", as torch prints plane sizes in conv/pool errors.
+inline std::string plane_str(std::int64_t a, std::int64_t b) {
+  return "(" + std::to_string(a) + " x " + std::to_string(b) + ")";
+}
+
+/// ShapeError unless x is [N, C, H, W] with C, H, W > 0 (N may be 0).
+void check_nchw(const Shape& s, const char* op, const char* what);
+
+/// ShapeError unless stride and dilation are positive and padding is not negative.
+void check_window_args(const char* op, Size2 stride, Size2 padding, Size2 dilation);
+
+/// The geometry of a kernel sliding over the planes of `image` ([N, C, H, W]), validated:
+/// the dilated kernel must fit the padded input.
+graph::Window2d window_over(const char* op, const Shape& image, Size2 kernel, Size2 stride,
+                                   Size2 padding, Size2 dilation);
+
+}  // namespace detail
+
+}  // namespace lazy
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::detail {
+
+LAZYTENSOR_INLINE void check_nchw(const Shape& s, const char* op, const char* what) {
+  if (s.rank() != 4) {
+    throw ShapeError(std::string(op) + ": expected a 4-D " + what + " [N, C, H, W], got shape " +
+                     s.str() + " (rank " + std::to_string(s.rank()) + ")");
+  }
+  if (s[1] == 0 || s[2] == 0 || s[3] == 0) {
+    throw ShapeError(std::string(op) + ": expected non-zero channels, height and width in the " +
+                     what + " [N, C, H, W], got shape " + s.str());
+  }
+}
+
+LAZYTENSOR_INLINE void check_window_args(const char* op, Size2 stride, Size2 padding, Size2 dilation) {
+  if (stride.h <= 0 || stride.w <= 0) {
+    throw ShapeError(std::string(op) + ": expected a positive stride, got " + stride.str());
+  }
+  if (dilation.h <= 0 || dilation.w <= 0) {
+    throw ShapeError(std::string(op) + ": expected a positive dilation, got " + dilation.str());
+  }
+  if (padding.h < 0 || padding.w < 0) {
+    throw ShapeError(std::string(op) + ": expected a non-negative padding, got " + padding.str());
+  }
+}
+
+LAZYTENSOR_INLINE graph::Window2d window_over(const char* op,
+    const Shape& image,
+    Size2 kernel,
+    Size2 stride,
+    Size2 padding,
+    Size2 dilation) {
+  if (kernel.h <= 0 || kernel.w <= 0) {
+    throw ShapeError(std::string(op) + ": expected a positive kernel size, got " + kernel.str());
+  }
+  check_window_args(op, stride, padding, dilation);
+  graph::Window2d g{kernel.h,   kernel.w,   stride.h, stride.w, padding.h, padding.w,
+                    dilation.h, dilation.w, image[2], image[3], 0,         0};
+  const std::int64_t eh = g.dh * (g.kh - 1) + 1, ew = g.dw * (g.kw - 1) + 1;
+  if (g.h + 2 * g.ph < eh || g.w + 2 * g.pw < ew) {
+    throw ShapeError(std::string(op) +
+                     ": kernel size can't be greater than the padded input size: padded input " +
+                     plane_str(g.h + 2 * g.ph, g.w + 2 * g.pw) + " (input " + image.str() +
+                     ", padding " + padding.str() + "), dilated kernel " + plane_str(eh, ew) +
+                     " (kernel " + kernel.str() + ", dilation " + dilation.str() + ")");
+  }
+  g.set_output_size();
+  return g;
+}
+
+}  // namespace lazy::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/ops/window.hpp ----
 
 namespace lazy {
 
@@ -18028,7 +18143,7 @@ Tensor<expr::value_t<X>> conv2d(const X& input, const Tensor<expr::value_t<X>>& 
     throw DTypeError("conv2d: expected a floating tensor (float, double or bfloat16), got " +
                      dtype_name(dtype_of<T>()));
   } else {
-    Tensor<T> x = detail::shape_ops::as_tensor(input);
+    Tensor<T> x = detail::as_tensor(input);
     if constexpr (std::is_same_v<T, bfloat16>) {
       Tensor<float> xf = cast<float>(x), wf = cast<float>(weight), bf;
       if (bias.defined()) bf = cast<float>(bias);
@@ -18427,7 +18542,8 @@ LAZYTENSOR_INLINE void LayerNormImpl::pretty_print(std::ostream& os) const {
 #include <string>
 
 // ---- begin lazytensor/ops/pool.hpp ----
-// max_pool2d and avg_pool2d (torch::nn::functional), forward and backward kernels.
+// max_pool2d and avg_pool2d (torch::nn::functional) and their derivative rules; the forward
+// and backward kernels are in graph/pool_node.hpp.
 //
 // Every kernel works on whole (n, c) planes, one task owning a plane, one output row at a
 // time, in a fixed order, so results never depend on the thread count. Forward kernels and
@@ -18438,22 +18554,29 @@ LAZYTENSOR_INLINE void LayerNormImpl::pretty_print(std::ostream& os) const {
 // value is the forward's maximum. Padding is -inf for max pooling (padded taps are
 // skipped) and zeros for average pooling.
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
 
+// ---- begin lazytensor/graph/pool_node.hpp ----
+// The kernels of max_pool2d and avg_pool2d, forward and backward (PoolNode and its two
+// subclasses), with the per-row window loops they share. Every kernel works on whole (n, c)
+// planes, one task owning a plane, one output row at a time, in a fixed order, so results
+// never depend on the thread count (ops/pool.hpp describes the rules they follow).
 
-namespace lazy {
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <vector>
 
-namespace graph {
 
-namespace pool_kernels {
+namespace lazy::graph {
+
+namespace detail {
 
 /// Calls f(base, x0, x1) for each tap (i, j) of the windows of output row oy, in row-major
 /// tap order, skipping taps in the padding: output columns [x0, x1) read the input at
@@ -18475,7 +18598,7 @@ void for_each_tap(const Window2d& g, std::int64_t oy, F&& f) {
 /// never a candidate (it acts as -inf); padding <= kernel / 2 keeps every window
 /// overlapping the plane.
 template <class T>
-void max_row(const T* plane, const Window2d& g, std::int64_t oy, T* best) {
+void pool_max_row(const T* plane, const Window2d& g, std::int64_t oy, T* best) {
   std::fill(best, best + g.ow, -std::numeric_limits<T>::infinity());
   for_each_tap(g, oy, [&](std::int64_t base, std::int64_t x0, std::int64_t x1) {
     for (std::int64_t ox = x0; ox < x1; ++ox) {
@@ -18488,7 +18611,7 @@ void max_row(const T* plane, const Window2d& g, std::int64_t oy, T* best) {
 /// Where each window of output row oy has its maximum (an offset into the plane): the first
 /// maximum in row-major tap order, or the first NaN (torch's rule).
 template <class T>
-void argmax_row(const T* plane, const Window2d& g, std::int64_t oy, std::int64_t* at) {
+void pool_argmax_row(const T* plane, const Window2d& g, std::int64_t oy, std::int64_t* at) {
   const std::int64_t ys = oy * g.sh - g.ph;
   const std::int64_t y0 = std::max<std::int64_t>(ys, 0), y1 = std::min(ys + g.kh, g.h);
   for (std::int64_t ox = 0; ox < g.ow; ++ox) {
@@ -18514,7 +18637,7 @@ void argmax_row(const T* plane, const Window2d& g, std::int64_t oy, std::int64_t
 /// torch's divisor of window (oy, ox): kh * kw clipped to the padded plane when padding
 /// counts, else the number of taps inside the plane.
 std::int64_t avg_divisor(const Window2d& g, std::int64_t oy, std::int64_t ox,
-                                bool count_include_pad);
+                         bool count_include_pad);
 
 /// Runs planes(p0, p1) on the device's workers, each task owning whole planes.
 template <class F>
@@ -18528,7 +18651,7 @@ void for_planes(ExecContext& ctx, std::int64_t planes, std::int64_t elements, do
   });
 }
 
-}  // namespace pool_kernels
+}  // namespace detail
 
 /// Base of the pooling kernels: the window geometry, the mode, and their hash.
 class PoolNode : public Node {
@@ -18564,19 +18687,19 @@ class Pool2dNode final : public PoolNode {
     auto buf = allocate_output(ctx, false);
     T* y = static_cast<T*>(buf->data());
     const std::int64_t in_plane = g_.h * g_.w, out_plane = g_.oh * g_.ow;
-    pool_kernels::for_planes(ctx, shape()[0] * shape()[1], numel(), cost_per_element(),
-                             [&](std::int64_t p0, std::int64_t p1) {
-                               for (std::int64_t p = p0; p < p1; ++p) {
-                                 for (std::int64_t oy = 0; oy < g_.oh; ++oy) {
-                                   T* row = y + p * out_plane + oy * g_.ow;
-                                   if (max_) {
-                                     pool_kernels::max_row(x + p * in_plane, g_, oy, row);
-                                   } else {
-                                     average_row(x + p * in_plane, oy, row);
-                                   }
-                                 }
-                               }
-                             });
+    detail::for_planes(ctx, shape()[0] * shape()[1], numel(), cost_per_element(),
+                       [&](std::int64_t p0, std::int64_t p1) {
+                         for (std::int64_t p = p0; p < p1; ++p) {
+                           for (std::int64_t oy = 0; oy < g_.oh; ++oy) {
+                             T* row = y + p * out_plane + oy * g_.ow;
+                             if (max_) {
+                               detail::pool_max_row(x + p * in_plane, g_, oy, row);
+                             } else {
+                               average_row(x + p * in_plane, oy, row);
+                             }
+                           }
+                         }
+                       });
     set_buffer(std::move(buf));
   }
 
@@ -18584,11 +18707,11 @@ class Pool2dNode final : public PoolNode {
   // Window sums in row-major tap order, then the divisions.
   void average_row(const T* plane, std::int64_t oy, T* out) const {
     std::fill(out, out + g_.ow, T(0));
-    pool_kernels::for_each_tap(g_, oy, [&](std::int64_t base, std::int64_t x0, std::int64_t x1) {
+    detail::for_each_tap(g_, oy, [&](std::int64_t base, std::int64_t x0, std::int64_t x1) {
       for (std::int64_t ox = x0; ox < x1; ++ox) out[ox] += plane[base + ox * g_.sw];
     });
     for (std::int64_t ox = 0; ox < g_.ow; ++ox) {
-      out[ox] /= static_cast<T>(pool_kernels::avg_divisor(g_, oy, ox, count_include_pad_));
+      out[ox] /= static_cast<T>(detail::avg_divisor(g_, oy, ox, count_include_pad_));
     }
   }
 };
@@ -18623,7 +18746,7 @@ class Pool2dBackwardNode final : public PoolNode {
     const std::int64_t in_plane = g_.h * g_.w, out_plane = g_.oh * g_.ow;
     // Each plane adds its output rows in order, each row's windows in tap order: a fixed
     // accumulation order per element.
-    pool_kernels::for_planes(
+    detail::for_planes(
         ctx, shape()[0] * shape()[1], numel(), cost_per_element(),
         [&](std::int64_t p0, std::int64_t p1) {
           std::vector<T> scratch(static_cast<std::size_t>(g_.ow));
@@ -18634,20 +18757,20 @@ class Pool2dBackwardNode final : public PoolNode {
             for (std::int64_t oy = 0; oy < g_.oh; ++oy) {
               const T* g = gy + p * out_plane + oy * g_.ow;
               if (max_) {
-                pool_kernels::argmax_row(x + p * in_plane, g_, oy, at.data());
+                detail::pool_argmax_row(x + p * in_plane, g_, oy, at.data());
                 for (std::int64_t ox = 0; ox < g_.ow; ++ox) d[at[ox]] += g[ox];
                 continue;
               }
               T* share = scratch.data();
               for (std::int64_t ox = 0; ox < g_.ow; ++ox) {
                 share[ox] = g[ox] / static_cast<T>(
-                                        pool_kernels::avg_divisor(g_, oy, ox, count_include_pad_));
+                                        detail::avg_divisor(g_, oy, ox, count_include_pad_));
               }
-              pool_kernels::for_each_tap(g_, oy,
-                                         [&](std::int64_t base, std::int64_t x0, std::int64_t x1) {
-                                           for (std::int64_t ox = x0; ox < x1; ++ox)
-                                             d[base + ox * g_.sw] += share[ox];
-                                         });
+              detail::for_each_tap(g_, oy,
+                                   [&](std::int64_t base, std::int64_t x0, std::int64_t x1) {
+                                     for (std::int64_t ox = x0; ox < x1; ++ox)
+                                       d[base + ox * g_.sw] += share[ox];
+                                   });
             }
           }
         });
@@ -18655,7 +18778,56 @@ class Pool2dBackwardNode final : public PoolNode {
   }
 };
 
-}  // namespace graph
+}  // namespace lazy::graph
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::graph::detail {
+
+LAZYTENSOR_INLINE std::int64_t avg_divisor(const Window2d& g,
+    std::int64_t oy,
+    std::int64_t ox,
+    bool count_include_pad) {
+  const std::int64_t ys = oy * g.sh - g.ph, xs = ox * g.sw - g.pw;
+  if (!count_include_pad) {
+    return (std::min(ys + g.kh, g.h) - std::max<std::int64_t>(ys, 0)) *
+           (std::min(xs + g.kw, g.w) - std::max<std::int64_t>(xs, 0));
+  }
+  return (std::min(ys + g.kh, g.h + g.ph) - ys) * (std::min(xs + g.kw, g.w + g.pw) - xs);
+}
+
+}  // namespace lazy::graph::detail
+namespace lazy::graph {
+
+LAZYTENSOR_INLINE PoolNode::PoolNode(DType dtype,
+  Shape shape,
+  Device* device,
+  std::vector<NodePtr> inputs,
+  const Window2d& g,
+  bool max,
+  bool count_include_pad)
+    : Node(NodeKind::Reduction, dtype, shape, device, std::move(inputs)),
+      g_(g),
+      max_(max),
+      count_include_pad_(count_include_pad) {}
+
+LAZYTENSOR_INLINE std::uint64_t PoolNode::structural_hash() const {
+  return hash_combine(g_.hash(Node::structural_hash()),
+                      (max_ ? 1u : 0u) | (count_include_pad_ ? 2u : 0u));
+}
+
+LAZYTENSOR_INLINE std::string PoolNode::describe() const {
+  return op_name() + "(%0, " + g_.str() +
+         (max_                 ? ""
+          : count_include_pad_ ? ", count_include_pad"
+                               : "") +
+         ")";
+}
+
+}  // namespace lazy::graph
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/graph/pool_node.hpp ----
+
+namespace lazy {
 
 namespace detail {
 
@@ -18706,7 +18878,7 @@ template <expr::ExprLike X>
 Tensor<expr::value_t<X>> max_pool2d(const X& input, Size2 kernel_size,
                                     std::optional<Size2> stride = std::nullopt, Size2 padding = 0) {
   using T = expr::value_t<X>;
-  Tensor<T> x = detail::shape_ops::as_tensor(input);
+  Tensor<T> x = detail::as_tensor(input);
   const auto g = detail::pool_window("max_pool2d", x.shape(), kernel_size, stride, padding);
   return detail::pool_dispatch(x, "max_pool2d",
                                [&](const auto& t) { return detail::pool2d(t, g, true, false); });
@@ -18721,7 +18893,7 @@ Tensor<expr::value_t<X>> avg_pool2d(const X& input, Size2 kernel_size,
                                     std::optional<Size2> stride = std::nullopt, Size2 padding = 0,
                                     bool count_include_pad = true) {
   using T = expr::value_t<X>;
-  Tensor<T> x = detail::shape_ops::as_tensor(input);
+  Tensor<T> x = detail::as_tensor(input);
   const auto g = detail::pool_window("avg_pool2d", x.shape(), kernel_size, stride, padding);
   return detail::pool_dispatch(x, "avg_pool2d", [&](const auto& t) {
     return detail::pool2d(t, g, false, count_include_pad);
@@ -18731,49 +18903,6 @@ Tensor<expr::value_t<X>> avg_pool2d(const X& input, Size2 kernel_size,
 }  // namespace lazy
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
-namespace lazy::graph::pool_kernels {
-
-LAZYTENSOR_INLINE std::int64_t avg_divisor(const Window2d& g,
-    std::int64_t oy,
-    std::int64_t ox,
-    bool count_include_pad) {
-  const std::int64_t ys = oy * g.sh - g.ph, xs = ox * g.sw - g.pw;
-  if (!count_include_pad) {
-    return (std::min(ys + g.kh, g.h) - std::max<std::int64_t>(ys, 0)) *
-           (std::min(xs + g.kw, g.w) - std::max<std::int64_t>(xs, 0));
-  }
-  return (std::min(ys + g.kh, g.h + g.ph) - ys) * (std::min(xs + g.kw, g.w + g.pw) - xs);
-}
-
-}  // namespace lazy::graph::pool_kernels
-namespace lazy::graph {
-
-LAZYTENSOR_INLINE PoolNode::PoolNode(DType dtype,
-  Shape shape,
-  Device* device,
-  std::vector<NodePtr> inputs,
-  const Window2d& g,
-  bool max,
-  bool count_include_pad)
-    : Node(NodeKind::Reduction, dtype, shape, device, std::move(inputs)),
-      g_(g),
-      max_(max),
-      count_include_pad_(count_include_pad) {}
-
-LAZYTENSOR_INLINE std::uint64_t PoolNode::structural_hash() const {
-  return hash_combine(g_.hash(Node::structural_hash()),
-                      (max_ ? 1u : 0u) | (count_include_pad_ ? 2u : 0u));
-}
-
-LAZYTENSOR_INLINE std::string PoolNode::describe() const {
-  return op_name() + "(%0, " + g_.str() +
-         (max_                 ? ""
-          : count_include_pad_ ? ", count_include_pad"
-                               : "") +
-         ")";
-}
-
-}  // namespace lazy::graph
 namespace lazy::detail {
 
 LAZYTENSOR_INLINE graph::Window2d pool_window(const char* op,

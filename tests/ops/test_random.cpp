@@ -1,5 +1,6 @@
-// Random tensors (include/lazytensor/ops/random.hpp): Philox known answers, the counter
-// layout, determinism across thread counts, laziness and distribution statistics.
+// Random tensors (include/lazytensor/ops/random.hpp, graph/random_node.hpp): Philox known
+// answers, the counter layout, determinism across thread counts, laziness and distribution
+// statistics.
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -76,10 +76,10 @@ LAZYTENSOR_INLINE Fusion plan_fusion(const std::vector<graph::NodePtr>& order) {
   Fusion f;
   if (order.empty()) return f;
   graph::prepare(order);  // decisions redone by the real step's planning
-  const std::uint64_t epoch = graph::planner::number(order);
+  const std::uint64_t epoch = graph::detail::number_nodes(order);
   std::vector<std::uint8_t> outside;
-  graph::planner::signature(order, epoch, outside);
-  auto plan = graph::planner::build(order, epoch, outside);
+  graph::detail::plan_signature(order, epoch, outside);
+  auto plan = graph::detail::build_plan(order, epoch, outside);
   int g = 0;
   for (const auto& st : plan->steps) {
     if (st.kind != graph::PlanStep::Kind::Group) continue;

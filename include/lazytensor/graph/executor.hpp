@@ -174,10 +174,10 @@ LAZYTENSOR_INLINE std::shared_ptr<const Plan> plan_for(Device& dev,
   static auto& uncached = core::counter("UncachedPlan");
   static auto& plan_time = core::metric("PlanTime");
   const auto t0 = core::MetricClock::now();
-  const std::uint64_t epoch = planner::number(nodes);
+  const std::uint64_t epoch = detail::number_nodes(nodes);
   std::vector<std::uint8_t> outside;
-  auto sig = planner::signature(nodes, epoch, outside);
-  const std::uint64_t h = planner::fold(sig);
+  auto sig = detail::plan_signature(nodes, epoch, outside);
+  const std::uint64_t h = detail::fold_signature(sig);
   auto& cache = dev.plan_cache();
   auto& stats = dev.plan_stats();
   if (step) ++stats.steps;
@@ -186,7 +186,7 @@ LAZYTENSOR_INLINE std::shared_ptr<const Plan> plan_for(Device& dev,
     plan = std::move(hit);
     cached.add();
   } else {
-    auto built = planner::build(nodes, epoch, outside);
+    auto built = detail::build_plan(nodes, epoch, outside);
     built->hash = h;
     built->signature = sig;
     plan = built;
@@ -317,16 +317,16 @@ LAZYTENSOR_INLINE std::vector<NodePtr> collect_step(Device& dev) {
   for (auto& w : trace)
     if (auto n = w.lock(); n && n->pending()) alive.push_back(std::move(n));
   if (alive.empty()) return {};
-  const std::uint64_t epoch = planner::number(alive);
+  const std::uint64_t epoch = detail::number_nodes(alive);
   std::vector<std::uint8_t> needed(alive.size(), 0);
   dev.for_each_pending_root([&](const NodePtr& r) {
-    if (const std::int32_t s = planner::slot_of(r, epoch); s >= 0) needed[static_cast<std::size_t>(s)] = 1;
+    if (const std::int32_t s = detail::plan_slot_of(r, epoch); s >= 0) needed[static_cast<std::size_t>(s)] = 1;
   });
   // Consumers are newer than their inputs: one sweep from the newest marks everything needed.
   for (std::size_t i = alive.size(); i-- > 0;) {
     if (!needed[i]) continue;
     for (const auto& in : alive[i]->inputs())
-      if (const std::int32_t s = planner::slot_of(in, epoch); s >= 0) needed[static_cast<std::size_t>(s)] = 1;
+      if (const std::int32_t s = detail::plan_slot_of(in, epoch); s >= 0) needed[static_cast<std::size_t>(s)] = 1;
   }
   std::vector<NodePtr> run;
   std::vector<std::weak_ptr<Node>> keep;

@@ -74,14 +74,14 @@ inline constexpr std::int64_t kFusionMemorySlice = 128;
 /// cache: the size from which outputs are stored non-temporally, for the same reason.
 inline constexpr std::int64_t kFusionMemoryBytes = expr::kStreamingStoreBytes;
 
-namespace planner {
+namespace detail {
 
-std::uint64_t next_epoch();
+std::uint64_t next_plan_epoch();
 
 /// Numbers the nodes (plan_slot) for this planning pass.
-std::uint64_t number(const std::vector<NodePtr>& nodes);
+std::uint64_t number_nodes(const std::vector<NodePtr>& nodes);
 
-inline std::int32_t slot_of(const NodePtr& n, std::uint64_t epoch) {
+inline std::int32_t plan_slot_of(const NodePtr& n, std::uint64_t epoch) {
   return n->plan_epoch == epoch ? n->plan_slot : -1;
 }
 
@@ -95,10 +95,10 @@ ChunkReduction* chunk_reduction(const NodePtr& n, std::int64_t numel);
 
 /// Signature (see the file comment) of `nodes`, numbered with `epoch`; `outside[i]` is
 /// true when something outside the step refers to node i.
-std::vector<std::uint64_t> signature(const std::vector<NodePtr>& nodes, std::uint64_t epoch,
-                                            std::vector<std::uint8_t>& outside);
+std::vector<std::uint64_t> plan_signature(const std::vector<NodePtr>& nodes, std::uint64_t epoch,
+                                          std::vector<std::uint8_t>& outside);
 
-std::uint64_t fold(const std::vector<std::uint64_t>& sig);
+std::uint64_t fold_signature(const std::vector<std::uint64_t>& sig);
 
 /// Groups `nodes` into steps (see the file comment). Several groups (one per element
 /// count) may be open at once, so statements of different sizes interleaved in the
@@ -107,24 +107,24 @@ std::uint64_t fold(const std::vector<std::uint64_t>& sig);
 /// So every consumer comes after its producers: a non-member reading a group closes the
 /// group first, and a member reading anything else reads a single step or a closed group
 /// emitted earlier.
-std::shared_ptr<Plan> build(const std::vector<NodePtr>& nodes, std::uint64_t epoch,
-                                   const std::vector<std::uint8_t>& outside);
+std::shared_ptr<Plan> build_plan(const std::vector<NodePtr>& nodes, std::uint64_t epoch,
+                                 const std::vector<std::uint8_t>& outside);
 
-}  // namespace planner
+}  // namespace detail
 
 }  // namespace lazy::graph
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
-namespace lazy::graph::planner {
+namespace lazy::graph::detail {
 
-LAZYTENSOR_INLINE std::uint64_t next_epoch() {
+LAZYTENSOR_INLINE std::uint64_t next_plan_epoch() {
   thread_local std::uint64_t epoch = 0;
   // Mix in the thread so that two planners (devices in different threads) never share one.
   return (++epoch << 8) ^ reinterpret_cast<std::uintptr_t>(&epoch);
 }
 
-LAZYTENSOR_INLINE std::uint64_t number(const std::vector<NodePtr>& nodes) {
-  const std::uint64_t epoch = next_epoch();
+LAZYTENSOR_INLINE std::uint64_t number_nodes(const std::vector<NodePtr>& nodes) {
+  const std::uint64_t epoch = next_plan_epoch();
   for (std::size_t i = 0; i < nodes.size(); ++i) {
     nodes[i]->plan_slot = static_cast<std::int32_t>(i);
     nodes[i]->plan_epoch = epoch;
@@ -151,14 +151,14 @@ LAZYTENSOR_INLINE ChunkReduction* chunk_reduction(const NodePtr& n, std::int64_t
   return reads_chunk ? r : nullptr;
 }
 
-LAZYTENSOR_INLINE std::vector<std::uint64_t> signature(const std::vector<NodePtr>& nodes,
+LAZYTENSOR_INLINE std::vector<std::uint64_t> plan_signature(const std::vector<NodePtr>& nodes,
     std::uint64_t epoch,
     std::vector<std::uint8_t>& outside) {
   core::SmallVector<std::int32_t, 32> refs;  // a read of a few statements allocates nothing here
   refs.assign(nodes.size(), 0);
   for (const auto& n : nodes)
     for (const auto& in : n->inputs()) {
-      const std::int32_t s = slot_of(in, epoch);
+      const std::int32_t s = plan_slot_of(in, epoch);
       if (s >= 0) ++refs[static_cast<std::size_t>(s)];
     }
   std::vector<std::uint64_t> sig;
@@ -170,19 +170,19 @@ LAZYTENSOR_INLINE std::vector<std::uint64_t> signature(const std::vector<NodePtr
     outside[i] = n.use_count() > 1 + refs[i] ? 1 : 0;
     sig.push_back(n->hash());
     std::uint64_t wiring = outside[i];
-    for (const auto& in : n->inputs()) wiring = hash_combine(wiring, static_cast<std::uint64_t>(slot_of(in, epoch) + 1));
+    for (const auto& in : n->inputs()) wiring = hash_combine(wiring, static_cast<std::uint64_t>(plan_slot_of(in, epoch) + 1));
     sig.push_back(wiring);
   }
   return sig;
 }
 
-LAZYTENSOR_INLINE std::uint64_t fold(const std::vector<std::uint64_t>& sig) {
+LAZYTENSOR_INLINE std::uint64_t fold_signature(const std::vector<std::uint64_t>& sig) {
   std::uint64_t h = sig.size();
   for (auto v : sig) h = hash_combine(h, v);
   return h;
 }
 
-LAZYTENSOR_INLINE std::shared_ptr<Plan> build(const std::vector<NodePtr>& nodes,
+LAZYTENSOR_INLINE std::shared_ptr<Plan> build_plan(const std::vector<NodePtr>& nodes,
     std::uint64_t epoch,
     const std::vector<std::uint8_t>& outside) {
   auto plan = std::make_shared<Plan>();
@@ -217,7 +217,7 @@ LAZYTENSOR_INLINE std::shared_ptr<Plan> build(const std::vector<NodePtr>& nodes,
   // Closes every open group `node` reads, except `keep`.
   auto close_read = [&](const NodePtr& node, std::int32_t keep) {
     for (const auto& in : node->inputs()) {
-      const std::int32_t s = slot_of(in, epoch);
+      const std::int32_t s = plan_slot_of(in, epoch);
       if (s < 0) continue;
       const std::int32_t u = unit[static_cast<std::size_t>(s)];
       if (u != keep && is_open(u)) close_unit(u);
@@ -226,7 +226,7 @@ LAZYTENSOR_INLINE std::shared_ptr<Plan> build(const std::vector<NodePtr>& nodes,
   auto add_member = [&](Open& g, std::size_t i) {
     std::vector<std::int32_t> src;
     for (const auto& in : nodes[i]->inputs()) {
-      const std::int32_t s = slot_of(in, epoch);
+      const std::int32_t s = plan_slot_of(in, epoch);
       std::int32_t m = -1;
       if (s >= 0 && unit[static_cast<std::size_t>(s)] == g.unit)
         m = static_cast<std::int32_t>(std::find(g.st.members.begin(), g.st.members.end(), s) - g.st.members.begin());
@@ -253,7 +253,7 @@ LAZYTENSOR_INLINE std::shared_ptr<Plan> build(const std::vector<NodePtr>& nodes,
     // A reduction of everything an open group computes ends that group.
     bool ended = false;
     for (const auto& in : node->inputs()) {
-      const std::int32_t s = slot_of(in, epoch);
+      const std::int32_t s = plan_slot_of(in, epoch);
       if (s < 0) continue;
       const std::int32_t u = unit[static_cast<std::size_t>(s)];
       Open* g = nullptr;
@@ -289,7 +289,7 @@ LAZYTENSOR_INLINE std::shared_ptr<Plan> build(const std::vector<NodePtr>& nodes,
   std::vector<std::uint8_t> whole(outside.begin(), outside.end());
   for (std::size_t i = 0; i < n; ++i)
     for (const auto& in : nodes[i]->inputs()) {
-      const std::int32_t s = slot_of(in, epoch);
+      const std::int32_t s = plan_slot_of(in, epoch);
       if (s >= 0 && unit[static_cast<std::size_t>(s)] != unit[i]) whole[static_cast<std::size_t>(s)] = 1;
     }
   for (auto& st : plan->steps) {
@@ -301,5 +301,5 @@ LAZYTENSOR_INLINE std::shared_ptr<Plan> build(const std::vector<NodePtr>& nodes,
   return plan;
 }
 
-}  // namespace lazy::graph::planner
+}  // namespace lazy::graph::detail
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS

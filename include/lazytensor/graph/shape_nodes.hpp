@@ -28,7 +28,7 @@
 
 namespace lazy::graph {
 
-namespace copy_kernels {
+namespace detail {
 
 /// Copies one element of N bytes (see the file comment for why memcpy).
 template <std::size_t N>
@@ -87,7 +87,7 @@ void copy_segments(ThreadPool& pool, std::byte* dst, const std::byte* src, std::
 
 inline const std::byte* bytes_of(const NodePtr& n) { return static_cast<const std::byte*>(n->buffer()->data()); }
 
-}  // namespace copy_kernels
+}  // namespace detail
 
 /// A view: same bytes, another shape. Its kernel only shares the input's buffer, so it
 /// costs nothing and the donation rule (buffer use_count == 1) keeps shared data safe.
@@ -147,7 +147,7 @@ class PermuteNode : public Node {
 
   template <std::size_t N>
   void run(ExecContext& ctx, std::byte* dst, const std::byte* src, std::int64_t n) const {
-    using copy_kernels::Odometer;
+    using detail::Odometer;
     auto& pool = ctx.device.threads();
     const Plan& p = plan_;
     if (p.keeps_order()) {  // only reachable when a caller builds the node directly
@@ -213,7 +213,7 @@ class PermuteNode : public Node {
           }
           for (std::int64_t i = 0; i < in_; ++i) {
             std::byte* out = dst + (o.b + (i0 + i) * ostq + j0) * N;
-            for (std::int64_t j = 0; j < jn; ++j) copy_kernels::copy_elem<N>(out + j * N, tile + (j * kTile + i) * N);
+            for (std::int64_t j = 0; j < jn; ++j) detail::copy_elem<N>(out + j * N, tile + (j * kTile + i) * N);
           }
         }
       }
@@ -298,7 +298,7 @@ class IndexSelectNode final : public Node {
  protected:
   void compute(ExecContext& ctx) override {
     const Shape& is = inputs()[0]->shape();
-    const std::byte* src = copy_kernels::bytes_of(inputs()[0]);
+    const std::byte* src = detail::bytes_of(inputs()[0]);
     const I* idx = inputs()[1]->template data<I>();
     const std::int64_t K = inputs()[1]->numel();
     std::int64_t outer = 1, inner = 1;
@@ -315,9 +315,9 @@ class IndexSelectNode final : public Node {
     }
     auto buf = allocate_output(ctx, false);
     auto* dst = static_cast<std::byte*>(buf->data());
-    copy_kernels::with_elem_size(dtype_size(dtype()), [&](auto nb) {
+    detail::with_elem_size(dtype_size(dtype()), [&](auto nb) {
       constexpr std::size_t N = decltype(nb)::value;
-      copy_kernels::copy_segments<N>(ctx.device.threads(), dst, src, outer * K, inner, [&](std::int64_t s) {
+      detail::copy_segments<N>(ctx.device.threads(), dst, src, outer * K, inner, [&](std::int64_t s) {
         return ((s / K) * dsize + static_cast<std::int64_t>(idx[s % K])) * inner;
       });
     });
@@ -349,7 +349,7 @@ class GatherNode final : public Node {
     Shape ts = inputs()[0]->shape(), xs = shape();
     if (ts.rank() == 0) ts = Shape{1};
     if (xs.rank() == 0) xs = Shape{1};
-    const std::byte* src = copy_kernels::bytes_of(inputs()[0]);
+    const std::byte* src = detail::bytes_of(inputs()[0]);
     const I* idx = inputs()[1]->template data<I>();
     auto buf = allocate_output(ctx, false);
     auto* dst = static_cast<std::byte*>(buf->data());
@@ -357,7 +357,7 @@ class GatherNode final : public Node {
     const std::int64_t n = numel(), last = xs[R - 1], dsize = ts[dim];
     if (n > 0) {
       const auto tst = contiguous_strides(ts), xst = contiguous_strides(xs);
-      copy_kernels::Odometer od;  // a: input offset without `dim`; b: index offset
+      detail::Odometer od;  // a: input offset without `dim`; b: index offset
       od.rank = R - 1;
       for (int d = 0; d + 1 < R; ++d) {
         od.size[d] = xs[d];
@@ -367,11 +367,11 @@ class GatherNode final : public Node {
       const std::int64_t dstride = tst[dim], rows = n / last;
       auto& pool = ctx.device.threads();
       const std::int64_t tasks = std::min(rows, task_count(pool, n, 2.0));
-      copy_kernels::with_elem_size(dtype_size(dtype()), [&](auto nb) {
+      detail::with_elem_size(dtype_size(dtype()), [&](auto nb) {
         constexpr std::size_t N = decltype(nb)::value;
         pool.parallel_for(tasks, [&](std::int64_t t) {
           auto [r0, r1] = task_range(rows, tasks, t);
-          copy_kernels::Odometer o = od;
+          detail::Odometer o = od;
           o.seek(r0);
           for (std::int64_t r = r0; r < r1; ++r, o.next()) {
             for (std::int64_t j = 0; j < last; ++j) {
@@ -382,7 +382,7 @@ class GatherNode final : public Node {
                                  " (expected 0 <= index < " + std::to_string(dsize) + ")");
               }
               const std::int64_t at = dim == R - 1 ? o.a + k : o.a + j + k * dstride;
-              copy_kernels::copy_elem<N>(dst + (o.b + j) * N, src + at * N);
+              detail::copy_elem<N>(dst + (o.b + j) * N, src + at * N);
             }
           }
         });
@@ -440,7 +440,7 @@ class OneHotNode final : public Node {
 }  // namespace lazy::graph
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
-namespace lazy::graph::copy_kernels {
+namespace lazy::graph::detail {
 
 LAZYTENSOR_INLINE void Odometer::seek(std::int64_t lin) {
   a = b = 0;
@@ -464,7 +464,7 @@ LAZYTENSOR_INLINE void Odometer::next() {
   }
 }
 
-}  // namespace lazy::graph::copy_kernels
+}  // namespace lazy::graph::detail
 namespace lazy::graph {
 
 LAZYTENSOR_INLINE ViewNode::ViewNode(std::string op, NodePtr in, Shape shape)
@@ -533,12 +533,12 @@ LAZYTENSOR_INLINE std::uint64_t PermuteNode::structural_hash() const {
 }
 
 LAZYTENSOR_INLINE void PermuteNode::compute(ExecContext& ctx) {
-  const std::byte* src = copy_kernels::bytes_of(inputs()[0]);
+  const std::byte* src = detail::bytes_of(inputs()[0]);
   auto buf = allocate_output(ctx, false);  // reads elsewhere than it writes
   auto* dst = static_cast<std::byte*>(buf->data());
   const std::int64_t n = numel();
   if (n > 0) {
-    copy_kernels::with_elem_size(dtype_size(dtype()), [&](auto nb) { run<decltype(nb)::value>(ctx, dst, src, n); });
+    detail::with_elem_size(dtype_size(dtype()), [&](auto nb) { run<decltype(nb)::value>(ctx, dst, src, n); });
   }
   set_buffer(std::move(buf));
 }
@@ -569,7 +569,7 @@ LAZYTENSOR_INLINE std::uint64_t SliceNode::structural_hash() const {
 
 LAZYTENSOR_INLINE void SliceNode::compute(ExecContext& ctx) {
   const Shape& is = inputs()[0]->shape();
-  const std::byte* src = copy_kernels::bytes_of(inputs()[0]);
+  const std::byte* src = detail::bytes_of(inputs()[0]);
   auto buf = allocate_output(ctx, false);
   auto* dst = static_cast<std::byte*>(buf->data());
   std::int64_t outer = 1, inner = 1;
@@ -577,13 +577,13 @@ LAZYTENSOR_INLINE void SliceNode::compute(ExecContext& ctx) {
   for (int d = dim_ + 1; d < is.rank(); ++d) inner *= is[d];
   const std::int64_t dsize = is[dim_], len = shape()[dim_];
   const std::int64_t start = start_, step = step_;
-  copy_kernels::with_elem_size(dtype_size(dtype()), [&](auto nb) {
+  detail::with_elem_size(dtype_size(dtype()), [&](auto nb) {
     constexpr std::size_t N = decltype(nb)::value;
     if (step == 1) {  // one contiguous run per outer index
-      copy_kernels::copy_segments<N>(ctx.device.threads(), dst, src, outer, len * inner,
-                                     [&](std::int64_t o) { return (o * dsize + start) * inner; });
+      detail::copy_segments<N>(ctx.device.threads(), dst, src, outer, len * inner,
+                               [&](std::int64_t o) { return (o * dsize + start) * inner; });
     } else {
-      copy_kernels::copy_segments<N>(ctx.device.threads(), dst, src, outer * len, inner, [&](std::int64_t s) {
+      detail::copy_segments<N>(ctx.device.threads(), dst, src, outer * len, inner, [&](std::int64_t s) {
         return ((s / len) * dsize + start + (s % len) * step) * inner;
       });
     }
@@ -610,7 +610,7 @@ LAZYTENSOR_INLINE std::uint64_t CatNode::structural_hash() const {
 LAZYTENSOR_INLINE void CatNode::compute(ExecContext& ctx) {
   const std::size_t k = inputs().size();
   std::vector<const std::byte*> srcs(k);
-  for (std::size_t i = 0; i < k; ++i) srcs[i] = copy_kernels::bytes_of(inputs()[i]);
+  for (std::size_t i = 0; i < k; ++i) srcs[i] = detail::bytes_of(inputs()[i]);
   auto buf = allocate_output(ctx, false);
   auto* dst = static_cast<std::byte*>(buf->data());
   std::vector<std::int64_t> pre(k + 1, 0);  // start of each input inside an output row
@@ -618,7 +618,7 @@ LAZYTENSOR_INLINE void CatNode::compute(ExecContext& ctx) {
   const std::int64_t W = pre[k], n = outer_ * W;
   auto& pool = ctx.device.threads();
   if (n > 0) {
-    copy_kernels::with_elem_size(dtype_size(dtype()), [&](auto nb) {
+    detail::with_elem_size(dtype_size(dtype()), [&](auto nb) {
       constexpr std::size_t N = decltype(nb)::value;
       const std::int64_t tasks = task_count(pool, n, 1.0);
       // Split the output evenly, whatever the sizes of the pieces.

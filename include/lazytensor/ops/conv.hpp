@@ -21,8 +21,8 @@
 #include <vector>
 
 #include <lazytensor/autograd/record.hpp>
+#include <lazytensor/graph/im2col.hpp>
 #include <lazytensor/ops/factories.hpp>
-#include <lazytensor/ops/im2col.hpp>
 #include <lazytensor/ops/matmul.hpp>
 #include <lazytensor/ops/shape.hpp>
 #include <lazytensor/ops/window.hpp>
@@ -158,7 +158,7 @@ Tensor<expr::value_t<X>> conv2d(const X& input, const Tensor<expr::value_t<X>>& 
     throw DTypeError("conv2d: expected a floating tensor (float, double or bfloat16), got " +
                      dtype_name(dtype_of<T>()));
   } else {
-    Tensor<T> x = detail::shape_ops::as_tensor(input);
+    Tensor<T> x = detail::as_tensor(input);
     if constexpr (std::is_same_v<T, bfloat16>) {
       Tensor<float> xf = cast<float>(x), wf = cast<float>(weight), bf;
       if (bias.defined()) bf = cast<float>(bias);

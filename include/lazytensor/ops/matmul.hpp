@@ -1,189 +1,28 @@
 #pragma once
-// matmul, linear, bmm: the packed GEMM kernel (ops/gemm_kernel.hpp) for float and double
-// products of at least a register tile, Eigen GEMM on maps of the buffers otherwise.
-// Transposes are layouts (a pending transpose of the last two dims is read through, never
-// copied), and a GEMM that feeds only an element-wise expression runs in row blocks with
-// that expression applied to each block while it is in cache (see
-// ElementwiseNode::fuse_producers).
+// matmul, linear, bmm, and the GEMM's derivative rule, over GemmNode (graph/matmul_node.hpp):
+// the packed GEMM kernel (graph/gemm_kernel.hpp) for float and double products of at least a
+// register tile, Eigen GEMM on maps of the buffers otherwise. Transposes are layouts (a
+// pending transpose of the last two dims is read through, never copied), and a GEMM that
+// feeds only an element-wise expression runs in row blocks with that expression applied to
+// each block while it is in cache (see ElementwiseNode::fuse_producers).
 
 #include <algorithm>
 #include <cstdint>
 #include <memory>
-#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
-#include <Eigen/Core>
-
 #include <lazytensor/autograd/record.hpp>
-#include <lazytensor/graph/elementwise_node.hpp>
+#include <lazytensor/graph/matmul_node.hpp>
 #include <lazytensor/graph/transpose_hint.hpp>
-#include <lazytensor/ops/gemm_kernel.hpp>
 #include <lazytensor/ops/reduction.hpp>
 #include <lazytensor/ops/shape.hpp>
 #include <lazytensor/tensor/tensor.hpp>
 #include <lazytensor/core/config.hpp>
 
 namespace lazy {
-
-namespace graph {
-
-/// C[b] = op(A[b]) * op(B[b]) for a batch of row-major matrices; op is identity or
-/// transpose. A batch count of 1 on either side broadcasts.
-template <Element T>
-class GemmNode final : public Node, public RowProducer {
- public:
-  struct Operand {
-    NodePtr node;
-    bool transposed;  ///< the node holds [.., cols, rows] and is read transposed
-  };
-
-  GemmNode(Operand a, Operand b, std::int64_t batch_a, std::int64_t batch_b, std::int64_t m, std::int64_t k,
-           std::int64_t n, Shape out_shape, Device* device)
-      : Node(NodeKind::Gemm, dtype_of<T>(), out_shape, device, {a.node, b.node}), ta_(a.transposed),
-        tb_(b.transposed), batch_a_(batch_a), batch_b_(batch_b), m_(m), k_(k), n_(n) {}
-
-  std::string op_name() const override { return "matmul"; }
-  std::string describe() const override {
-    return std::string("matmul(%0") + (ta_ ? "^T" : "") + ", %1" + (tb_ ? "^T" : "") + ") [" + std::to_string(m_) +
-           "x" + std::to_string(k_) + "] x [" + std::to_string(k_) + "x" + std::to_string(n_) + "]";
-  }
-  double cost_per_element() const override { return 2.0 * static_cast<double>(k_); }
-  std::uint64_t structural_hash() const override {
-    return hash_combine(Node::structural_hash(), (ta_ ? 1u : 0u) | (tb_ ? 2u : 0u));
-  }
-
-  /// Rows per block. Eigen's blocking (and so the order of its k-sums) depends on the rows
-  /// of a call, so blocks are fixed by the shapes alone; each Eigen call re-packs the
-  /// right-hand side, so its blocks are as tall as the epilogue's cache allows (128 rows).
-  /// The packed kernel's sums do not depend on the blocks and it packs the right-hand side
-  /// once, so its blocks are shorter (64 rows: even splits of common batches over threads).
-  /// A small product is one block.
-  std::int64_t row_block() const override {
-    const std::int64_t rows = m_ * std::max(batch_a_, batch_b_);
-    if (rows * n_ * k_ <= (std::int64_t(1) << 16)) return std::max<std::int64_t>(rows, 1);
-    return packed() ? 64 : 128;
-  }
-
-  /// Packs the right-hand side of every batch for the packed kernel (nothing for Eigen).
-  void begin_rows(ExecContext& ctx) override {
-    if (!packed()) return;
-    if constexpr (kHasPackedKernel) {
-      const std::int64_t size = Kernel::packed_size(k_, n_);
-      const std::int64_t panels = Kernel::panels(n_), jobs = batch_b_ * panels;
-      packed_b_ = ctx.device.pool().acquire(padded_bytes(batch_b_ * size, sizeof(T)));
-      T* out = static_cast<T*>(packed_b_->data());
-      const T* b = inputs()[1]->template data<T>();
-      auto& pool = ctx.device.threads();
-      const std::int64_t tasks = std::min(jobs, task_count(pool, batch_b_ * k_ * n_, 1.0));
-      pool.parallel_for(tasks, [&](std::int64_t t) {
-        auto [q0, q1] = task_range(jobs, tasks, t);
-        // One call per batch the task's panels fall in (pack_b reads rows across them).
-        for (std::int64_t q = q0; q < q1;) {
-          const std::int64_t bi = q / panels, p = q % panels, count = std::min(q1 - q, panels - p);
-          Kernel::pack_b(b + bi * k_ * n_, tb_, k_, n_, out + bi * size, p, p + count);
-          q += count;
-        }
-      });
-    }
-  }
-  void end_rows() override { packed_b_.reset(); }
-
-  void produce_rows(void* out, std::int64_t r0, std::int64_t r1) override {
-    T* c = static_cast<T*>(out);
-    const T* a = inputs()[0]->template data<T>();
-    const T* b = inputs()[1]->template data<T>();
-    const std::int64_t block = row_block();
-    const bool use_packed = packed();
-    if (use_packed && !packed_b_)
-      throw std::logic_error("matmul: rows produced outside begin_rows/end_rows");
-    // Rows of the output run over (batch, m); a range may span several batches. Calls are
-    // cut at block boundaries and batch ends only (see row_block).
-    while (r0 < r1) {
-      const std::int64_t bi = r0 / m_, row = r0 % m_;
-      const std::int64_t rows = std::min({r1 - r0, m_ - row, (r0 / block + 1) * block - r0});
-      const T* ab = a + (batch_a_ == 1 ? 0 : bi) * m_ * k_;
-      if constexpr (kHasPackedKernel) {
-        if (use_packed) {
-          const T* pb = static_cast<const T*>(packed_b_->data()) +
-                        (batch_b_ == 1 ? 0 : bi) * Kernel::packed_size(k_, n_);
-          Kernel::multiply(ab, ta_, m_, k_, n_, pb, c + r0 * n_, row, rows);
-          r0 += rows;
-          continue;
-        }
-      }
-      gemm_block(ab, b + (batch_b_ == 1 ? 0 : bi) * k_ * n_, c + r0 * n_, row, rows);
-      r0 += rows;
-    }
-  }
-
- protected:
-  void compute(ExecContext& ctx) override {
-    auto buf = allocate_output(ctx, false);
-    auto& pool = ctx.device.threads();
-    const std::int64_t rows = m_ * std::max(batch_a_, batch_b_);
-    if (n_ == 0 || rows == 0) {
-      set_buffer(std::move(buf));
-      return;
-    }
-    if (k_ == 0) {
-      std::fill_n(static_cast<T*>(buf->data()), rows * n_, T(0));
-      set_buffer(std::move(buf));
-      return;
-    }
-    // Whole blocks per task (row_block): the same GEMM calls whatever the thread count.
-    const std::int64_t block = row_block(), blocks = (rows + block - 1) / block;
-    const std::int64_t tasks =
-        std::max<std::int64_t>(1, std::min<std::int64_t>(task_count(pool, rows * n_, cost_per_element()), blocks));
-    void* out = buf->data();
-    {
-      RowProducer::Session session(*this, ctx);
-      pool.parallel_for(tasks, [&](std::int64_t t) {
-        auto [b0, b1] = task_range(blocks, tasks, t);
-        produce_rows(out, b0 * block, std::min(rows, b1 * block));
-      });
-    }
-    set_buffer(std::move(buf));
-  }
-
- private:
-  static constexpr bool kHasPackedKernel = std::is_same_v<T, float> || std::is_same_v<T, double>;
-  using Kernel = lazy::detail::PackedGemm<std::conditional_t<kHasPackedKernel, T, float>>;
-
-  /// True when this product runs on the packed kernel (decided by dtype and shapes only).
-  bool packed() const {
-    if constexpr (kHasPackedKernel)
-      return k_ > 0 && Kernel::suits(m_ * std::max(batch_a_, batch_b_), n_);
-    else
-      return false;
-  }
-
-  using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  using CMap = Eigen::Map<const Mat>;
-
-  // Rows [row, row + rows) of op(A) * op(B) for one batch, into c (already offset).
-  void gemm_block(const T* a, const T* b, T* c, std::int64_t row, std::int64_t rows) const {
-    Eigen::Map<Mat> C(c, rows, n_);
-    if (k_ == 0) {
-      C.setZero();
-      return;
-    }
-    auto run = [&](const auto& A) {
-      if (tb_) C.noalias() = A * CMap(b, n_, k_).transpose();
-      else C.noalias() = A * CMap(b, k_, n_);
-    };
-    if (ta_) run(CMap(a, k_, m_).middleCols(row, rows).transpose());
-    else run(CMap(a, m_, k_).middleRows(row, rows));
-  }
-
-  bool ta_, tb_;
-  std::int64_t batch_a_, batch_b_, m_, k_, n_;
-  std::shared_ptr<Buffer> packed_b_;  ///< op(B) packed, between begin_rows and end_rows
-};
-
-}  // namespace graph
 
 namespace detail {
 

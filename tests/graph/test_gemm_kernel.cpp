@@ -1,4 +1,4 @@
-// Tests of ops/gemm_kernel.hpp: the packed GEMM against a long double triple loop, for
+// Tests of graph/gemm_kernel.hpp: the packed GEMM against a long double triple loop, for
 // every transpose combination, tile edges and depths split into several blocks; its
 // results must not depend on how the rows are split (the determinism matmul relies on).
 
@@ -16,7 +16,7 @@
 #include <gtest/gtest.h>
 #include <xsimd/xsimd.hpp>
 
-#include <lazytensor/ops/gemm_kernel.hpp>
+#include <lazytensor/graph/gemm_kernel.hpp>
 
 #include "testing/helpers.hpp"
 

@@ -21,11 +21,11 @@
 
 #include <lazytensor/graph/device.hpp>
 #include <lazytensor/graph/parallel.hpp>
-#include <lazytensor/ops/window.hpp>
+#include <lazytensor/graph/window.hpp>
 
 namespace lazy::graph {
 
-namespace conv_kernels {
+namespace detail {
 
 /// The kh*kw column rows of one channel plane `x` (h x w) into `rows` ([kh*kw, oh*ow]).
 template <class T>
@@ -84,7 +84,7 @@ inline std::int64_t plane_tasks(ThreadPool& pool, std::int64_t planes, std::int6
   return std::max<std::int64_t>(1, std::min(planes, task_count(pool, planes * per_plane, cost)));
 }
 
-}  // namespace conv_kernels
+}  // namespace detail
 
 /// Columns [N, C*kh*kw, OH*OW] of images [N, C, H, W] (see the header comment).
 template <class T>
@@ -109,11 +109,11 @@ class Im2colNode final : public Node {
     T* cols = static_cast<T*>(buf->data());
     const std::int64_t in_plane = g_.h * g_.w, out_plane = g_.kh * g_.kw * g_.oh * g_.ow;
     auto& pool = ctx.device.threads();
-    const std::int64_t tasks = conv_kernels::plane_tasks(pool, planes, out_plane, 1.0);
+    const std::int64_t tasks = detail::plane_tasks(pool, planes, out_plane, 1.0);
     pool.parallel_for(tasks, [&](std::int64_t t) {
       auto [p0, p1] = task_range(planes, tasks, t);
       for (std::int64_t p = p0; p < p1; ++p)
-        conv_kernels::im2col_plane(x + p * in_plane, cols + p * out_plane, g_);
+        detail::im2col_plane(x + p * in_plane, cols + p * out_plane, g_);
     });
     set_buffer(std::move(buf));
   }
@@ -148,13 +148,13 @@ class Col2imNode final : public Node {
     const std::int64_t in_plane = g_.kh * g_.kw * g_.oh * g_.ow, out_plane = g_.h * g_.w;
     auto& pool = ctx.device.threads();
     const std::int64_t tasks =
-        conv_kernels::plane_tasks(pool, planes, out_plane, cost_per_element());
+        detail::plane_tasks(pool, planes, out_plane, cost_per_element());
     pool.parallel_for(tasks, [&](std::int64_t t) {
       auto [p0, p1] = task_range(planes, tasks, t);
       for (std::int64_t p = p0; p < p1; ++p) {
         T* plane = x + p * out_plane;
         std::fill(plane, plane + out_plane, T(0));
-        conv_kernels::col2im_plane(cols + p * in_plane, plane, g_);
+        detail::col2im_plane(cols + p * in_plane, plane, g_);
       }
     });
     set_buffer(std::move(buf));
