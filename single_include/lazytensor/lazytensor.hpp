@@ -14365,9 +14365,9 @@ class ScatterAddNode final : public Node {
 // The runtime nodes of the shape ops (ops/shape.hpp): views share their input's buffer;
 // permutes, slices, cat, index_select, gather and one_hot copy bytes with one kernel per
 // element size (1, 2, 4, 8 bytes), which serves every dtype and keeps the code small (the
-// element copy is a constant-size memcpy: one load and one store, valid whatever type wrote
-// the buffer). Index values may live in tensors that are still pending, so they are checked
-// inside the kernel, which throws lazy::IndexError out of the mark_step or read that ran it.
+// byte-copy helpers are in graph/byte_copy.hpp). Index values may live in tensors that are
+// still pending, so they are checked inside the kernel, which throws lazy::IndexError out of
+// the mark_step or read that ran it.
 
 #include <algorithm>
 #include <array>
@@ -14382,26 +14382,20 @@ class ScatterAddNode final : public Node {
 #include <utility>
 #include <vector>
 
-// ---- begin lazytensor/graph/transpose_hint.hpp ----
-// A node that is the transpose of its input's last two dimensions can say so, so that a
-// GEMM reads the source with a transposed layout instead of waiting for the copy.
+// ---- begin lazytensor/graph/byte_copy.hpp ----
+// The byte-copy helpers of the copy nodes (graph/shape_nodes.hpp): one kernel per element
+// size (1, 2, 4, 8 bytes) serves every dtype and keeps the code small. The element copy is a
+// constant-size memcpy: one load and one store, valid whatever type wrote the buffer.
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 
-namespace lazy::graph {
-
-/// Implemented by nodes whose value is `source()` with its last two dimensions swapped.
-class TransposeOfLastTwo {
- public:
-  virtual ~TransposeOfLastTwo() = default;
-  virtual const NodePtr& transpose_source() const = 0;
-};
-
-}  // namespace lazy::graph
-// ---- end lazytensor/graph/transpose_hint.hpp ----
-
-namespace lazy::graph {
-
-namespace detail {
+namespace lazy::graph::detail {
 
 /// Copies one element of N bytes (see the file comment for why memcpy).
 template <std::size_t N>
@@ -14460,7 +14454,54 @@ void copy_segments(ThreadPool& pool, std::byte* dst, const std::byte* src, std::
 
 inline const std::byte* bytes_of(const NodePtr& n) { return static_cast<const std::byte*>(n->buffer()->data()); }
 
-}  // namespace detail
+}  // namespace lazy::graph::detail
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::graph::detail {
+
+LAZYTENSOR_INLINE void Odometer::seek(std::int64_t lin) {
+  a = b = 0;
+  for (int d = rank - 1; d >= 0; --d) {
+    idx[d] = lin % size[d];
+    lin /= size[d];
+    a += idx[d] * stride_a[d];
+    b += idx[d] * stride_b[d];
+  }
+}
+
+LAZYTENSOR_INLINE void Odometer::next() {
+  for (int d = rank - 1; d >= 0; --d) {
+    ++idx[d];
+    a += stride_a[d];
+    b += stride_b[d];
+    if (idx[d] < size[d]) return;
+    a -= stride_a[d] * size[d];
+    b -= stride_b[d] * size[d];
+    idx[d] = 0;
+  }
+}
+
+}  // namespace lazy::graph::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/graph/byte_copy.hpp ----
+// ---- begin lazytensor/graph/transpose_hint.hpp ----
+// A node that is the transpose of its input's last two dimensions can say so, so that a
+// GEMM reads the source with a transposed layout instead of waiting for the copy.
+
+
+namespace lazy::graph {
+
+/// Implemented by nodes whose value is `source()` with its last two dimensions swapped.
+class TransposeOfLastTwo {
+ public:
+  virtual ~TransposeOfLastTwo() = default;
+  virtual const NodePtr& transpose_source() const = 0;
+};
+
+}  // namespace lazy::graph
+// ---- end lazytensor/graph/transpose_hint.hpp ----
+
+namespace lazy::graph {
 
 /// A view: same bytes, another shape. Its kernel only shares the input's buffer, so it
 /// costs nothing and the donation rule (buffer use_count == 1) keeps shared data safe.
@@ -14813,31 +14854,6 @@ class OneHotNode final : public Node {
 }  // namespace lazy::graph
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
-namespace lazy::graph::detail {
-
-LAZYTENSOR_INLINE void Odometer::seek(std::int64_t lin) {
-  a = b = 0;
-  for (int d = rank - 1; d >= 0; --d) {
-    idx[d] = lin % size[d];
-    lin /= size[d];
-    a += idx[d] * stride_a[d];
-    b += idx[d] * stride_b[d];
-  }
-}
-
-LAZYTENSOR_INLINE void Odometer::next() {
-  for (int d = rank - 1; d >= 0; --d) {
-    ++idx[d];
-    a += stride_a[d];
-    b += stride_b[d];
-    if (idx[d] < size[d]) return;
-    a -= stride_a[d] * size[d];
-    b -= stride_b[d] * size[d];
-    idx[d] = 0;
-  }
-}
-
-}  // namespace lazy::graph::detail
 namespace lazy::graph {
 
 LAZYTENSOR_INLINE ViewNode::ViewNode(std::string op, NodePtr in, Shape shape)
