@@ -83,7 +83,7 @@ run_sanitized() {
   # the trade saves ~10 min of CI. TSan keeps -O1 (its concurrent tests wait on each other, and
   # -O0 would stretch their races' timing).
   local opt=-O0
-  [ "$kind" = thread ] && opt=-O1
+  if [ "$kind" = thread ]; then opt=-O1; fi
   cmake -S . -B "$dir" \
     -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=$opt" \
