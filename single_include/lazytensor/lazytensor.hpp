@@ -449,8 +449,10 @@ LAZYTENSOR_INLINE ScopedTimer::~ScopedTimer() { m_.record(MetricClock::to_ns(t0_
 // Error hierarchy. Every failure reachable from the public API is one of these, with a
 // message that says what was expected, what was found, and where.
 
+#include <exception>
 #include <stdexcept>
 #include <string>
+
 
 namespace lazy {
 
@@ -526,7 +528,30 @@ class IoError : public Error {
   using Error::Error;
 };
 
+namespace detail {
+
+/// The message of a caught exception: what() of a std::exception, else a placeholder.
+std::string exception_message(const std::exception_ptr& e);
+
+}  // namespace detail
+
 }  // namespace lazy
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::detail {
+
+LAZYTENSOR_INLINE std::string exception_message(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& ex) {
+    return ex.what();
+  } catch (...) {
+    return "an exception not derived from std::exception";
+  }
+}
+
+}  // namespace lazy::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/core/error.hpp ----
 // ---- begin lazytensor/graph/node.hpp ----
 // Runtime graph nodes. A node is a type-erased kernel plus its inputs; once computed it
@@ -873,7 +898,7 @@ LAZYTENSOR_INLINE void BufferPool::evict_beyond(std::size_t limit) {
   }
 }
 
-LAZYTENSOR_INLINE  Buffer::~Buffer() {
+LAZYTENSOR_INLINE Buffer::~Buffer() {
   if (pool_) {
     pool_->release(data_, bytes_);
   } else {
@@ -1070,9 +1095,9 @@ class Shape {
  public:
   Shape() = default;
   /// Builds a shape from its sizes; throws ShapeError on negative sizes or rank > 8.
-  Shape(std::initializer_list<std::int64_t> dims);
-  explicit Shape(std::span<const std::int64_t> dims);
-  explicit Shape(const std::vector<std::int64_t>& dims);
+  Shape(std::initializer_list<std::int64_t> dims) { assign(dims.begin(), dims.end()); }
+  explicit Shape(std::span<const std::int64_t> dims) { assign(dims.begin(), dims.end()); }
+  explicit Shape(const std::vector<std::int64_t>& dims) { assign(dims.begin(), dims.end()); }
 
   int rank() const { return rank_; }
   std::int64_t operator[](int i) const { return dims_[i]; }
@@ -1081,7 +1106,11 @@ class Shape {
   const std::int64_t* end() const { return dims_.data() + rank_; }
 
   /// Number of elements (1 for rank 0).
-  std::int64_t numel() const;
+  std::int64_t numel() const {
+    std::int64_t n = 1;
+    for (int i = 0; i < rank_; ++i) n *= dims_[i];
+    return n;
+  }
 
   /// Size of dimension d, negative d counting from the back.
   std::int64_t size(int d) const;
@@ -1089,7 +1118,10 @@ class Shape {
   std::vector<std::int64_t> vec() const { return {begin(), end()}; }
 
   /// Appends a dimension.
-  void push_back(std::int64_t d);
+  void push_back(std::int64_t d) {
+    if (rank_ == kMaxRank) throw ShapeError("rank exceeds the maximum of 8");
+    dims_[rank_++] = d;
+  }
 
   /// "(2, 3)" as PyTorch prints sizes; "()" for a scalar.
   std::string str() const;
@@ -1136,23 +1168,6 @@ bool broadcastable_to(const Shape& from, const Shape& to);
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace lazy {
-
-LAZYTENSOR_INLINE Shape::Shape(std::initializer_list<std::int64_t> dims) { assign(dims.begin(), dims.end()); }
-
-LAZYTENSOR_INLINE Shape::Shape(std::span<const std::int64_t> dims) { assign(dims.begin(), dims.end()); }
-
-LAZYTENSOR_INLINE Shape::Shape(const std::vector<std::int64_t>& dims) { assign(dims.begin(), dims.end()); }
-
-LAZYTENSOR_INLINE std::int64_t Shape::numel() const {
-  std::int64_t n = 1;
-  for (int i = 0; i < rank_; ++i) n *= dims_[i];
-  return n;
-}
-
-LAZYTENSOR_INLINE void Shape::push_back(std::int64_t d) {
-  if (rank_ == kMaxRank) throw ShapeError("rank exceeds the maximum of 8");
-  dims_[rank_++] = d;
-}
 
 LAZYTENSOR_INLINE std::string Shape::str() const {
   std::string s = "(";
@@ -2462,7 +2477,11 @@ struct Layout {
 
   bool flat() const { return ndim == 1; }
   std::int64_t inner() const { return size[ndim - 1]; }
-  bool any_splat() const;
+  bool any_splat() const {
+    for (char s : splat)
+      if (s) return true;
+    return false;
+  }
 };
 
 /// Layout for writing `out` from inputs of the given shapes (each broadcastable to out).
@@ -2472,12 +2491,6 @@ Layout make_layout(const Shape& out, const std::vector<Shape>& inputs);
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace lazy::expr {
-
-LAZYTENSOR_INLINE bool Layout::any_splat() const {
-  for (char s : splat)
-    if (s) return true;
-  return false;
-}
 
 LAZYTENSOR_INLINE Layout make_layout(const Shape& out, const std::vector<Shape>& inputs) {
   const int r = out.rank();
@@ -3143,9 +3156,18 @@ class ThreadPool {
 
   static constexpr int kSpin = 2000;  // some tens of microseconds of pause instructions
 
-  static void pause();
+  static void pause() {
+#if defined(__SSE2__)
+    _mm_pause();
+#else
+    std::this_thread::yield();
+#endif
+  }
 
-  static bool& in_worker();
+  static bool& in_worker() {
+    thread_local bool flag = false;
+    return flag;
+  }
 
   bool finished() const {
     return pending_.load(std::memory_order_acquire) == 0 && active_.load(std::memory_order_acquire) == 0;
@@ -3214,19 +3236,6 @@ LAZYTENSOR_INLINE void ThreadPool::run_job(std::int64_t tasks, TaskRef job) {
   done_cv_.wait(lock, [&] { return finished(); });
   job_ = {};
   if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
-}
-
-LAZYTENSOR_INLINE void ThreadPool::pause() {
-#if defined(__SSE2__)
-  _mm_pause();
-#else
-  std::this_thread::yield();
-#endif
-}
-
-LAZYTENSOR_INLINE bool& ThreadPool::in_worker() {
-  thread_local bool flag = false;
-  return flag;
 }
 
 LAZYTENSOR_INLINE void ThreadPool::drain() {
@@ -3900,34 +3909,21 @@ inline constexpr double kParallelCostThreshold = 1 << 18;
 
 /// Number of tasks for `n` items of `cost` each: 1 below the threshold, else a few per
 /// thread (slack for a noisy, shared machine), never tasks smaller than `min_items`.
-std::int64_t task_count(const ThreadPool& pool, std::int64_t n, double cost, std::int64_t min_items = 4096);
-
-/// Splits [0, n) into `tasks` ranges whose starts are multiples of `align`.
-std::pair<std::int64_t, std::int64_t> task_range(std::int64_t n, std::int64_t tasks, std::int64_t t,
-                                                        std::int64_t align = 1);
-
-}  // namespace lazy::graph
-
-#if LAZYTENSOR_HEADER_DEFINITIONS
-namespace lazy::graph {
-
-LAZYTENSOR_INLINE std::int64_t task_count(const ThreadPool& pool, std::int64_t n, double cost, std::int64_t min_items) {
+inline std::int64_t task_count(const ThreadPool& pool, std::int64_t n, double cost, std::int64_t min_items = 4096) {
   if (pool.size() <= 1 || cost * static_cast<double>(n) < kParallelCostThreshold) return 1;
   const std::int64_t by_size = std::max<std::int64_t>(1, n / std::max<std::int64_t>(1, min_items));
   return std::min<std::int64_t>(by_size, 4 * pool.size());
 }
 
-LAZYTENSOR_INLINE std::pair<std::int64_t, std::int64_t> task_range(std::int64_t n,
-    std::int64_t tasks,
-    std::int64_t t,
-    std::int64_t align) {
+/// Splits [0, n) into `tasks` ranges whose starts are multiples of `align`.
+inline std::pair<std::int64_t, std::int64_t> task_range(std::int64_t n, std::int64_t tasks, std::int64_t t,
+                                                        std::int64_t align = 1) {
   const std::int64_t units = (n + align - 1) / align;
   const std::int64_t b = units * t / tasks * align, e = units * (t + 1) / tasks * align;
   return {std::min(b, n), std::min(e, n)};
 }
 
 }  // namespace lazy::graph
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/graph/parallel.hpp ----
 
 namespace lazy::graph {
@@ -9611,8 +9607,6 @@ class WorldState {
   }
 
  private:
-  static std::string describe(const std::exception_ptr& e);
-
   WorldLayout layout_;
   std::vector<std::atomic<bool>> exited_;
   WaitBudget wait_;
@@ -9690,7 +9684,7 @@ LAZYTENSOR_INLINE bool WorldState::fail(int ordinal, std::exception_ptr e) {
     if (!error_) {
       error_ = e;
       failed_ordinal_ = ordinal;
-      failure_ = describe(e);
+      failure_ = lazy::detail::exception_message(e);
       first = true;
     }
   }
@@ -9714,16 +9708,6 @@ LAZYTENSOR_INLINE std::string WorldState::abort_reason() const {
 LAZYTENSOR_INLINE void WorldState::mark_exited(int ordinal) {
   exited_[static_cast<std::size_t>(ordinal)].store(true, std::memory_order_release);
   event_.notify();
-}
-
-LAZYTENSOR_INLINE std::string WorldState::describe(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& ex) {
-    return ex.what();
-  } catch (...) {
-    return "an exception not derived from std::exception";
-  }
 }
 }  // namespace lazy::dist::detail
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
@@ -13639,7 +13623,6 @@ namespace detail {
 /// Runs every pending tensor of `sd`, one execution per device.
 void materialize_all(const StateDict& sd);
 
-std::string message_of(const std::exception_ptr& e);
 
 }  // namespace detail
 
@@ -13676,16 +13659,6 @@ LAZYTENSOR_INLINE void materialize_all(const StateDict& sd) {
   }
 }
 
-LAZYTENSOR_INLINE std::string message_of(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& ex) {
-    return ex.what();
-  } catch (...) {
-    return "an exception not derived from std::exception";
-  }
-}
-
 }  // namespace detail
 
 LAZYTENSOR_INLINE void save(const StateDict& sd, const std::string& path, bool master_only,
@@ -13703,7 +13676,7 @@ LAZYTENSOR_INLINE void save(const StateDict& sd, const std::string& path, bool m
     return;
   }
   // Every replica reaches the rendezvous, failed or not; each says how it went ("" = ok).
-  const std::string mine = error ? "!" + detail::message_of(error) : std::string();
+  const std::string mine = error ? "!" + lazy::detail::exception_message(error) : std::string();
   const std::vector<std::string> all = dist::rendezvous("lazy::io::save", mine);
   if (error) std::rethrow_exception(error);
   for (std::size_t q = 0; q < all.size(); ++q) {

@@ -282,7 +282,7 @@ LAZYTENSOR_INLINE void BufferPool::evict_beyond(std::size_t limit) {
   }
 }
 
-LAZYTENSOR_INLINE  Buffer::~Buffer() {
+LAZYTENSOR_INLINE Buffer::~Buffer() {
   if (pool_) {
     pool_->release(data_, bytes_);
   } else {

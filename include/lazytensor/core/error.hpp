@@ -2,8 +2,11 @@
 // Error hierarchy. Every failure reachable from the public API is one of these, with a
 // message that says what was expected, what was found, and where.
 
+#include <exception>
 #include <stdexcept>
 #include <string>
+
+#include <lazytensor/core/config.hpp>
 
 namespace lazy {
 
@@ -79,4 +82,27 @@ class IoError : public Error {
   using Error::Error;
 };
 
+namespace detail {
+
+/// The message of a caught exception: what() of a std::exception, else a placeholder.
+std::string exception_message(const std::exception_ptr& e);
+
+}  // namespace detail
+
 }  // namespace lazy
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::detail {
+
+LAZYTENSOR_INLINE std::string exception_message(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& ex) {
+    return ex.what();
+  } catch (...) {
+    return "an exception not derived from std::exception";
+  }
+}
+
+}  // namespace lazy::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

@@ -22,9 +22,9 @@ class Shape {
  public:
   Shape() = default;
   /// Builds a shape from its sizes; throws ShapeError on negative sizes or rank > 8.
-  Shape(std::initializer_list<std::int64_t> dims);
-  explicit Shape(std::span<const std::int64_t> dims);
-  explicit Shape(const std::vector<std::int64_t>& dims);
+  Shape(std::initializer_list<std::int64_t> dims) { assign(dims.begin(), dims.end()); }
+  explicit Shape(std::span<const std::int64_t> dims) { assign(dims.begin(), dims.end()); }
+  explicit Shape(const std::vector<std::int64_t>& dims) { assign(dims.begin(), dims.end()); }
 
   int rank() const { return rank_; }
   std::int64_t operator[](int i) const { return dims_[i]; }
@@ -33,7 +33,11 @@ class Shape {
   const std::int64_t* end() const { return dims_.data() + rank_; }
 
   /// Number of elements (1 for rank 0).
-  std::int64_t numel() const;
+  std::int64_t numel() const {
+    std::int64_t n = 1;
+    for (int i = 0; i < rank_; ++i) n *= dims_[i];
+    return n;
+  }
 
   /// Size of dimension d, negative d counting from the back.
   std::int64_t size(int d) const;
@@ -41,7 +45,10 @@ class Shape {
   std::vector<std::int64_t> vec() const { return {begin(), end()}; }
 
   /// Appends a dimension.
-  void push_back(std::int64_t d);
+  void push_back(std::int64_t d) {
+    if (rank_ == kMaxRank) throw ShapeError("rank exceeds the maximum of 8");
+    dims_[rank_++] = d;
+  }
 
   /// "(2, 3)" as PyTorch prints sizes; "()" for a scalar.
   std::string str() const;
@@ -88,23 +95,6 @@ bool broadcastable_to(const Shape& from, const Shape& to);
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace lazy {
-
-LAZYTENSOR_INLINE Shape::Shape(std::initializer_list<std::int64_t> dims) { assign(dims.begin(), dims.end()); }
-
-LAZYTENSOR_INLINE Shape::Shape(std::span<const std::int64_t> dims) { assign(dims.begin(), dims.end()); }
-
-LAZYTENSOR_INLINE Shape::Shape(const std::vector<std::int64_t>& dims) { assign(dims.begin(), dims.end()); }
-
-LAZYTENSOR_INLINE std::int64_t Shape::numel() const {
-  std::int64_t n = 1;
-  for (int i = 0; i < rank_; ++i) n *= dims_[i];
-  return n;
-}
-
-LAZYTENSOR_INLINE void Shape::push_back(std::int64_t d) {
-  if (rank_ == kMaxRank) throw ShapeError("rank exceeds the maximum of 8");
-  dims_[rank_++] = d;
-}
 
 LAZYTENSOR_INLINE std::string Shape::str() const {
   std::string s = "(";

@@ -64,9 +64,18 @@ class ThreadPool {
 
   static constexpr int kSpin = 2000;  // some tens of microseconds of pause instructions
 
-  static void pause();
+  static void pause() {
+#if defined(__SSE2__)
+    _mm_pause();
+#else
+    std::this_thread::yield();
+#endif
+  }
 
-  static bool& in_worker();
+  static bool& in_worker() {
+    thread_local bool flag = false;
+    return flag;
+  }
 
   bool finished() const {
     return pending_.load(std::memory_order_acquire) == 0 && active_.load(std::memory_order_acquire) == 0;
@@ -135,19 +144,6 @@ LAZYTENSOR_INLINE void ThreadPool::run_job(std::int64_t tasks, TaskRef job) {
   done_cv_.wait(lock, [&] { return finished(); });
   job_ = {};
   if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
-}
-
-LAZYTENSOR_INLINE void ThreadPool::pause() {
-#if defined(__SSE2__)
-  _mm_pause();
-#else
-  std::this_thread::yield();
-#endif
-}
-
-LAZYTENSOR_INLINE bool& ThreadPool::in_worker() {
-  thread_local bool flag = false;
-  return flag;
 }
 
 LAZYTENSOR_INLINE void ThreadPool::drain() {

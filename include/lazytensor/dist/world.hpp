@@ -167,8 +167,6 @@ class WorldState {
   }
 
  private:
-  static std::string describe(const std::exception_ptr& e);
-
   WorldLayout layout_;
   std::vector<std::atomic<bool>> exited_;
   WaitBudget wait_;
@@ -246,7 +244,7 @@ LAZYTENSOR_INLINE bool WorldState::fail(int ordinal, std::exception_ptr e) {
     if (!error_) {
       error_ = e;
       failed_ordinal_ = ordinal;
-      failure_ = describe(e);
+      failure_ = lazy::detail::exception_message(e);
       first = true;
     }
   }
@@ -270,16 +268,6 @@ LAZYTENSOR_INLINE std::string WorldState::abort_reason() const {
 LAZYTENSOR_INLINE void WorldState::mark_exited(int ordinal) {
   exited_[static_cast<std::size_t>(ordinal)].store(true, std::memory_order_release);
   event_.notify();
-}
-
-LAZYTENSOR_INLINE std::string WorldState::describe(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& ex) {
-    return ex.what();
-  } catch (...) {
-    return "an exception not derived from std::exception";
-  }
 }
 }  // namespace lazy::dist::detail
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS

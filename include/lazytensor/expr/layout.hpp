@@ -24,7 +24,11 @@ struct Layout {
 
   bool flat() const { return ndim == 1; }
   std::int64_t inner() const { return size[ndim - 1]; }
-  bool any_splat() const;
+  bool any_splat() const {
+    for (char s : splat)
+      if (s) return true;
+    return false;
+  }
 };
 
 /// Layout for writing `out` from inputs of the given shapes (each broadcastable to out).
@@ -34,12 +38,6 @@ Layout make_layout(const Shape& out, const std::vector<Shape>& inputs);
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace lazy::expr {
-
-LAZYTENSOR_INLINE bool Layout::any_splat() const {
-  for (char s : splat)
-    if (s) return true;
-  return false;
-}
 
 LAZYTENSOR_INLINE Layout make_layout(const Shape& out, const std::vector<Shape>& inputs) {
   const int r = out.rank();

@@ -28,7 +28,6 @@ namespace detail {
 /// Runs every pending tensor of `sd`, one execution per device.
 void materialize_all(const StateDict& sd);
 
-std::string message_of(const std::exception_ptr& e);
 
 }  // namespace detail
 
@@ -65,16 +64,6 @@ LAZYTENSOR_INLINE void materialize_all(const StateDict& sd) {
   }
 }
 
-LAZYTENSOR_INLINE std::string message_of(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& ex) {
-    return ex.what();
-  } catch (...) {
-    return "an exception not derived from std::exception";
-  }
-}
-
 }  // namespace detail
 
 LAZYTENSOR_INLINE void save(const StateDict& sd, const std::string& path, bool master_only,
@@ -92,7 +81,7 @@ LAZYTENSOR_INLINE void save(const StateDict& sd, const std::string& path, bool m
     return;
   }
   // Every replica reaches the rendezvous, failed or not; each says how it went ("" = ok).
-  const std::string mine = error ? "!" + detail::message_of(error) : std::string();
+  const std::string mine = error ? "!" + lazy::detail::exception_message(error) : std::string();
   const std::vector<std::string> all = dist::rendezvous("lazy::io::save", mine);
   if (error) std::rethrow_exception(error);
   for (std::size_t q = 0; q < all.size(); ++q) {
