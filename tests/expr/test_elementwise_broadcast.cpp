@@ -38,7 +38,10 @@ const std::vector<std::pair<Shape, Shape>>& small_broadcast_cases() {
 
 template <class T, class... Ops>
 void run_small_broadcasts() {
-  for (const auto& [a, b] : small_broadcast_cases()) {
+  // Not a structured binding: Clang 14 cannot capture one in a lambda.
+  for (const auto& shapes : small_broadcast_cases()) {
+    const Shape& a = shapes.first;
+    const Shape& b = shapes.second;
     (
         [&] {
           if constexpr (Ops::template supports<T>) run_broadcast<Ops, T>(a, b);

@@ -98,6 +98,32 @@ TEST_F(Fusion, ThreeStatementsFusedEqualUnfusedBitwise) {
   }
 }
 
+TEST_F(Fusion, LongChainsRunInGroupsOfAtMostTheMemberLimit) {
+  // 200 dependent statements on a chunk and a half: groups of kMaxGroupMembers (64), so
+  // 4 kernel runs, every statement fused, and values equal to the statements run one by one.
+  constexpr int kStatements = 200;
+  const std::int64_t n = 4096 + 2048 + 3;
+  lazy::set_rng_state(99);
+  Tensor<float> x = lazy::randn<float>({n});
+  lazy::mark_step();
+  const auto x0 = x.to_vector();
+  const auto runs_before = counter("KernelsRun");
+  const auto fused_before = counter("FusedNodes");
+  Tensor<float> y = x;
+  for (int i = 0; i < kStatements; ++i) y = y * 0.5f + x;
+  lazy::mark_step();
+  const auto fused = y.to_vector();
+  EXPECT_EQ(counter("FusedNodes") - fused_before, kStatements);
+  EXPECT_EQ(counter("KernelsRun") - runs_before, (kStatements + 63) / 64);
+  std::vector<float> ref = x0;  // a scalar loop: each statement rounds to float once
+  for (int i = 0; i < kStatements; ++i)
+    for (std::size_t j = 0; j < ref.size(); ++j) {
+      const float half = ref[j] * 0.5f;
+      ref[j] = half + x0[j];
+    }
+  EXPECT_TRUE(bitwise_equal(fused, ref));
+}
+
 TEST_F(Fusion, LargeGroupsStreamTheirOutputsWithTheSameBits) {
   // Whole outputs of at least 32 MiB are written with non-temporal stores (y), except
   // those a later member reads (t1 when kept): same bits as unfused either way.

@@ -211,8 +211,9 @@ LAZYTENSOR_INLINE void GroupRun::describe_members() {
                      ins[q]->numel() == 1 && n_ != 1 ? 0 : dtype_size(ins[q]->dtype()), src});
     }
     if (!st_.whole[j] && m.ew) {
+      // A chunk, or the whole tensor when it is shorter.
       m.scratch_off = per_task_;
-      per_task_ += padded_bytes(kFusionChunk, m.esz);
+      per_task_ += padded_bytes(std::min(kFusionChunk, n_), m.esz);
     }
   }
 }
