@@ -4808,6 +4808,13 @@ inline constexpr double kInlineStepWork = 1 << 14;
 /// floats.
 inline constexpr std::int64_t kFusionChunk = 4096;
 
+/// Members a fused group holds at most; the next statement starts a new group. Each
+/// member a later one reads in the group keeps a chunk of scratch per task (16 KiB of
+/// floats): 64 of them already fill a core's L2, so a longer group gains no locality and
+/// would hold scratch in proportion to its length (a chain of 100000 statements asked for
+/// 1.6 GB).
+inline constexpr std::size_t kMaxGroupMembers = 64;
+
 /// Elements of the slices a group reading more than kFusionSliceBytes runs its chunks in
 /// (each member over one slice, then the next slice: see run_group).
 inline constexpr std::int64_t kFusionSlice = 256;
@@ -4935,6 +4942,7 @@ LAZYTENSOR_INLINE std::shared_ptr<Plan> build_plan(const std::vector<NodePtr>& n
   plan->num_nodes = nodes.size();
   const std::size_t n = nodes.size();
   std::vector<std::int32_t> unit(n, -1);  // the step (group or single) each node runs in
+  std::vector<std::int32_t> member_of(n, -1);  // a grouped node's index among its group's members
   std::int32_t next_unit = 0;
   struct Open {
     PlanStep st;
@@ -4974,10 +4982,10 @@ LAZYTENSOR_INLINE std::shared_ptr<Plan> build_plan(const std::vector<NodePtr>& n
     for (const auto& in : nodes[i]->inputs()) {
       const std::int32_t s = plan_slot_of(in, epoch);
       std::int32_t m = -1;
-      if (s >= 0 && unit[static_cast<std::size_t>(s)] == g.unit)
-        m = static_cast<std::int32_t>(std::find(g.st.members.begin(), g.st.members.end(), s) - g.st.members.begin());
+      if (s >= 0 && unit[static_cast<std::size_t>(s)] == g.unit) m = member_of[static_cast<std::size_t>(s)];
       src.push_back(m);
     }
+    member_of[i] = static_cast<std::int32_t>(g.st.members.size());
     g.st.members.push_back(static_cast<std::int32_t>(i));
     g.st.sources.push_back(std::move(src));
     unit[i] = g.unit;
@@ -4987,6 +4995,10 @@ LAZYTENSOR_INLINE std::shared_ptr<Plan> build_plan(const std::vector<NodePtr>& n
     const NodePtr& node = nodes[i];
     if (chunkable(node)) {
       Open* g = open_with(node->numel());
+      if (g && g->st.members.size() >= kMaxGroupMembers) {
+        close_unit(g->unit);
+        g = nullptr;
+      }
       close_read(node, g ? g->unit : -1);
       g = open_with(node->numel());  // closing others moved the vector
       if (!g) {
@@ -5245,8 +5257,9 @@ LAZYTENSOR_INLINE void GroupRun::describe_members() {
                      ins[q]->numel() == 1 && n_ != 1 ? 0 : dtype_size(ins[q]->dtype()), src});
     }
     if (!st_.whole[j] && m.ew) {
+      // A chunk, or the whole tensor when it is shorter.
       m.scratch_off = per_task_;
-      per_task_ += padded_bytes(kFusionChunk, m.esz);
+      per_task_ += padded_bytes(std::min(kFusionChunk, n_), m.esz);
     }
   }
 }
