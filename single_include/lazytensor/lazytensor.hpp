@@ -144,8 +144,9 @@
 #include <optional>
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+// The counter is read with the compiler's builtin: <x86intrin.h>, which declares __rdtsc,
+// adds every intrinsic header of the target to each translation unit for one instruction.
 #include <cpuid.h>
-#include <x86intrin.h>
 #define LAZYTENSOR_DETAIL_TSC 1
 #endif
 
@@ -191,7 +192,7 @@ namespace lazy::core {
 
 LAZYTENSOR_INLINE auto MetricClock::now() noexcept -> Ticks {
 #ifdef LAZYTENSOR_DETAIL_TSC
-  if (state().tsc) return static_cast<Ticks>(__rdtsc());
+  if (state().tsc) return static_cast<Ticks>(__builtin_ia32_rdtsc());
 #endif
   return steady_ticks();
 }
@@ -220,9 +221,9 @@ LAZYTENSOR_INLINE auto MetricClock::calibrate() noexcept -> State {
   };
   auto pair = []() -> std::optional<Pair> {
     for (int attempt = 0; attempt < 100; ++attempt) {
-      const auto c0 = __rdtsc();
+      const auto c0 = __builtin_ia32_rdtsc();
       const Ticks t = steady_ticks();
-      const auto c1 = __rdtsc();
+      const auto c1 = __builtin_ia32_rdtsc();
       if (c1 > c0 && c1 - c0 < 20'000)
         return Pair{t, 0.5 * (static_cast<double>(c0) + static_cast<double>(c1))};
     }
@@ -389,7 +390,6 @@ LAZYTENSOR_INLINE ScopedTimer::~ScopedTimer() { m_.record(MetricClock::to_ns(t0_
 #include <cstdint>
 #include <string>
 #include <tuple>
-#include <utility>
 
 // ---- begin lazytensor/expr/evaluator.hpp ----
 // Evaluators: built per kernel run from a kernel-form expression and the input pointers.
@@ -2658,23 +2658,63 @@ struct Eval<S, Scalar<T>> {
   }
 };
 
-template <class S, class Op, class... C>
-struct Eval<S, KExpr<Op, C...>> {
+// An op node's evaluator holds its children as named members, one specialization per arity
+// (every op has one, two or three operands): through std::tuple and std::apply each node
+// and method instantiated five layers of library templates (apply, __apply_impl, invoke,
+// ...), a third of the compile time of a small program's kernels, and calls nested as deep
+// at -O0 (the sanitizer builds).
+template <class S, class Op, class C0>
+struct Eval<S, KExpr<Op, C0>> {
   static constexpr bool simd = simd_lane_v<S>;
-  std::tuple<Eval<S, C>...> children;
+  Eval<S, C0> c0;
 
-  Eval(const KExpr<Op, C...>& k, const void* const* ptrs, const char* splats)
-      : children(std::apply([&](const auto&... ch) { return std::tuple<Eval<S, C>...>{Eval<S, C>(ch, ptrs, splats)...}; },
-                            k.children)) {}
-  void seek(const std::int64_t* offsets) {
-    std::apply([&](auto&... ch) { (ch.seek(offsets), ...); }, children);
-  }
-  S coeff(std::int64_t i) const {
-    return std::apply([&](const auto&... ch) { return Op::apply(ch.coeff(i)...); }, children);
-  }
+  Eval(const KExpr<Op, C0>& k, const void* const* ptrs, const char* splats) : c0(std::get<0>(k.children), ptrs, splats) {}
+  void seek(const std::int64_t* offsets) { c0.seek(offsets); }
+  S coeff(std::int64_t i) const { return Op::apply(c0.coeff(i)); }
   template <bool Contig>
   batch_t<S> packet(std::int64_t i) const {
-    return std::apply([&](const auto&... ch) { return Op::apply(ch.template packet<Contig>(i)...); }, children);
+    return Op::apply(c0.template packet<Contig>(i));
+  }
+};
+
+template <class S, class Op, class C0, class C1>
+struct Eval<S, KExpr<Op, C0, C1>> {
+  static constexpr bool simd = simd_lane_v<S>;
+  Eval<S, C0> c0;
+  Eval<S, C1> c1;
+
+  Eval(const KExpr<Op, C0, C1>& k, const void* const* ptrs, const char* splats)
+      : c0(std::get<0>(k.children), ptrs, splats), c1(std::get<1>(k.children), ptrs, splats) {}
+  void seek(const std::int64_t* offsets) {
+    c0.seek(offsets);
+    c1.seek(offsets);
+  }
+  S coeff(std::int64_t i) const { return Op::apply(c0.coeff(i), c1.coeff(i)); }
+  template <bool Contig>
+  batch_t<S> packet(std::int64_t i) const {
+    return Op::apply(c0.template packet<Contig>(i), c1.template packet<Contig>(i));
+  }
+};
+
+template <class S, class Op, class C0, class C1, class C2>
+struct Eval<S, KExpr<Op, C0, C1, C2>> {
+  static constexpr bool simd = simd_lane_v<S>;
+  Eval<S, C0> c0;
+  Eval<S, C1> c1;
+  Eval<S, C2> c2;
+
+  Eval(const KExpr<Op, C0, C1, C2>& k, const void* const* ptrs, const char* splats)
+      : c0(std::get<0>(k.children), ptrs, splats), c1(std::get<1>(k.children), ptrs, splats),
+        c2(std::get<2>(k.children), ptrs, splats) {}
+  void seek(const std::int64_t* offsets) {
+    c0.seek(offsets);
+    c1.seek(offsets);
+    c2.seek(offsets);
+  }
+  S coeff(std::int64_t i) const { return Op::apply(c0.coeff(i), c1.coeff(i), c2.coeff(i)); }
+  template <bool Contig>
+  batch_t<S> packet(std::int64_t i) const {
+    return Op::apply(c0.template packet<Contig>(i), c1.template packet<Contig>(i), c2.template packet<Contig>(i));
   }
 };
 
@@ -2972,50 +3012,96 @@ struct DualEval<S, Scalar<T>> {
   }
 };
 
-template <class S, class Op, class... C>
-struct DualEval<S, KExpr<Op, C...>> {
-  std::tuple<DualEval<S, C>...> children;
+// Op nodes hold their children as named members, one specialization per arity (as Eval
+// does, evaluator.hpp: std::tuple and std::apply cost a third of a small program's kernel
+// compile time). The tangent sums d<I>(operands..., y) * tangent_I over the operands that
+// depend on the target, in operand order.
+template <class S, class Op, class C0>
+struct DualEval<S, KExpr<Op, C0>> {
+  DualEval<S, C0> c0;
   bool active;
 
-  DualEval(const KExpr<Op, C...>& k, const void* const* ptrs, const char* splats, int target)
-      : children(std::apply(
-            [&](const auto&... ch) { return std::tuple<DualEval<S, C>...>{DualEval<S, C>(ch, ptrs, splats, target)...}; },
-            k.children)),
-        active(std::apply([](const auto&... ch) { return (false || ... || ch.active); }, children)) {}
-
-  void seek(const std::int64_t* offsets) {
-    std::apply([&](auto&... ch) { (ch.seek(offsets), ...); }, children);
-  }
-  Dual<S> coeff(std::int64_t i) const {
-    return combine<S>(std::apply([&](const auto&... ch) { return std::make_tuple(ch.coeff(i)...); }, children));
-  }
+  DualEval(const KExpr<Op, C0>& k, const void* const* ptrs, const char* splats, int target)
+      : c0(std::get<0>(k.children), ptrs, splats, target), active(c0.active) {}
+  void seek(const std::int64_t* offsets) { c0.seek(offsets); }
+  Dual<S> coeff(std::int64_t i) const { return combine(c0.coeff(i)); }
   template <bool Contig>
   Dual<batch_t<S>> packet(std::int64_t i) const {
-    return combine<batch_t<S>>(
-        std::apply([&](const auto&... ch) { return std::make_tuple(ch.template packet<Contig>(i)...); }, children));
+    return combine(c0.template packet<Contig>(i));
   }
 
  private:
-  static constexpr std::size_t N = sizeof...(C);
-
-  template <class V, class Tup>
-  Dual<V> combine(const Tup& d) const {
-    return combine_impl<V>(d, std::make_index_sequence<N>{});
+  template <class V>
+  Dual<V> combine(const Dual<V>& a) const {
+    const V y = Op::apply(a.v);
+    V t(0);
+    if (active && c0.active) t = t + Op::template d<0>(a.v, y) * a.t;
+    return {y, t};
   }
-  template <class V, class Tup, std::size_t... I>
-  Dual<V> combine_impl(const Tup& d, std::index_sequence<I...>) const {
-    const auto vals = std::tie(std::get<I>(d).v...);
-    const V y = Op::apply(std::get<I>(d).v...);
+};
+
+template <class S, class Op, class C0, class C1>
+struct DualEval<S, KExpr<Op, C0, C1>> {
+  DualEval<S, C0> c0;
+  DualEval<S, C1> c1;
+  bool active;
+
+  DualEval(const KExpr<Op, C0, C1>& k, const void* const* ptrs, const char* splats, int target)
+      : c0(std::get<0>(k.children), ptrs, splats, target), c1(std::get<1>(k.children), ptrs, splats, target),
+        active(c0.active || c1.active) {}
+  void seek(const std::int64_t* offsets) {
+    c0.seek(offsets);
+    c1.seek(offsets);
+  }
+  Dual<S> coeff(std::int64_t i) const { return combine(c0.coeff(i), c1.coeff(i)); }
+  template <bool Contig>
+  Dual<batch_t<S>> packet(std::int64_t i) const {
+    return combine(c0.template packet<Contig>(i), c1.template packet<Contig>(i));
+  }
+
+ private:
+  template <class V>
+  Dual<V> combine(const Dual<V>& a, const Dual<V>& b) const {
+    const V y = Op::apply(a.v, b.v);
     V t(0);
     if (active) {
-      // Sum of d<I>(operands..., y) * tangent_I over the operands that depend on the target.
-      auto partial = [&]<int J>(std::integral_constant<int, J>) {
-        return std::apply([&](const auto&... v) { return Op::template d<J>(v..., y); }, vals);
-      };
-      ((t = std::get<I>(children).active
-                ? t + partial(std::integral_constant<int, static_cast<int>(I)>{}) * std::get<I>(d).t
-                : t),
-       ...);
+      if (c0.active) t = t + Op::template d<0>(a.v, b.v, y) * a.t;
+      if (c1.active) t = t + Op::template d<1>(a.v, b.v, y) * b.t;
+    }
+    return {y, t};
+  }
+};
+
+template <class S, class Op, class C0, class C1, class C2>
+struct DualEval<S, KExpr<Op, C0, C1, C2>> {
+  DualEval<S, C0> c0;
+  DualEval<S, C1> c1;
+  DualEval<S, C2> c2;
+  bool active;
+
+  DualEval(const KExpr<Op, C0, C1, C2>& k, const void* const* ptrs, const char* splats, int target)
+      : c0(std::get<0>(k.children), ptrs, splats, target), c1(std::get<1>(k.children), ptrs, splats, target),
+        c2(std::get<2>(k.children), ptrs, splats, target), active(c0.active || c1.active || c2.active) {}
+  void seek(const std::int64_t* offsets) {
+    c0.seek(offsets);
+    c1.seek(offsets);
+    c2.seek(offsets);
+  }
+  Dual<S> coeff(std::int64_t i) const { return combine(c0.coeff(i), c1.coeff(i), c2.coeff(i)); }
+  template <bool Contig>
+  Dual<batch_t<S>> packet(std::int64_t i) const {
+    return combine(c0.template packet<Contig>(i), c1.template packet<Contig>(i), c2.template packet<Contig>(i));
+  }
+
+ private:
+  template <class V>
+  Dual<V> combine(const Dual<V>& a, const Dual<V>& b, const Dual<V>& c) const {
+    const V y = Op::apply(a.v, b.v, c.v);
+    V t(0);
+    if (active) {
+      if (c0.active) t = t + Op::template d<0>(a.v, b.v, c.v, y) * a.t;
+      if (c1.active) t = t + Op::template d<1>(a.v, b.v, c.v, y) * b.t;
+      if (c2.active) t = t + Op::template d<2>(a.v, b.v, c.v, y) * c.t;
     }
     return {y, t};
   }

@@ -13,8 +13,9 @@
 #include <optional>
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+// The counter is read with the compiler's builtin: <x86intrin.h>, which declares __rdtsc,
+// adds every intrinsic header of the target to each translation unit for one instruction.
 #include <cpuid.h>
-#include <x86intrin.h>
 #define LAZYTENSOR_DETAIL_TSC 1
 #endif
 
@@ -60,7 +61,7 @@ namespace lazy::core {
 
 LAZYTENSOR_INLINE auto MetricClock::now() noexcept -> Ticks {
 #ifdef LAZYTENSOR_DETAIL_TSC
-  if (state().tsc) return static_cast<Ticks>(__rdtsc());
+  if (state().tsc) return static_cast<Ticks>(__builtin_ia32_rdtsc());
 #endif
   return steady_ticks();
 }
@@ -89,9 +90,9 @@ LAZYTENSOR_INLINE auto MetricClock::calibrate() noexcept -> State {
   };
   auto pair = []() -> std::optional<Pair> {
     for (int attempt = 0; attempt < 100; ++attempt) {
-      const auto c0 = __rdtsc();
+      const auto c0 = __builtin_ia32_rdtsc();
       const Ticks t = steady_ticks();
-      const auto c1 = __rdtsc();
+      const auto c1 = __builtin_ia32_rdtsc();
       if (c1 > c0 && c1 - c0 < 20'000)
         return Pair{t, 0.5 * (static_cast<double>(c0) + static_cast<double>(c1))};
     }

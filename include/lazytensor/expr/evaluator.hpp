@@ -105,23 +105,63 @@ struct Eval<S, Scalar<T>> {
   }
 };
 
-template <class S, class Op, class... C>
-struct Eval<S, KExpr<Op, C...>> {
+// An op node's evaluator holds its children as named members, one specialization per arity
+// (every op has one, two or three operands): through std::tuple and std::apply each node
+// and method instantiated five layers of library templates (apply, __apply_impl, invoke,
+// ...), a third of the compile time of a small program's kernels, and calls nested as deep
+// at -O0 (the sanitizer builds).
+template <class S, class Op, class C0>
+struct Eval<S, KExpr<Op, C0>> {
   static constexpr bool simd = simd_lane_v<S>;
-  std::tuple<Eval<S, C>...> children;
+  Eval<S, C0> c0;
 
-  Eval(const KExpr<Op, C...>& k, const void* const* ptrs, const char* splats)
-      : children(std::apply([&](const auto&... ch) { return std::tuple<Eval<S, C>...>{Eval<S, C>(ch, ptrs, splats)...}; },
-                            k.children)) {}
-  void seek(const std::int64_t* offsets) {
-    std::apply([&](auto&... ch) { (ch.seek(offsets), ...); }, children);
-  }
-  S coeff(std::int64_t i) const {
-    return std::apply([&](const auto&... ch) { return Op::apply(ch.coeff(i)...); }, children);
-  }
+  Eval(const KExpr<Op, C0>& k, const void* const* ptrs, const char* splats) : c0(std::get<0>(k.children), ptrs, splats) {}
+  void seek(const std::int64_t* offsets) { c0.seek(offsets); }
+  S coeff(std::int64_t i) const { return Op::apply(c0.coeff(i)); }
   template <bool Contig>
   batch_t<S> packet(std::int64_t i) const {
-    return std::apply([&](const auto&... ch) { return Op::apply(ch.template packet<Contig>(i)...); }, children);
+    return Op::apply(c0.template packet<Contig>(i));
+  }
+};
+
+template <class S, class Op, class C0, class C1>
+struct Eval<S, KExpr<Op, C0, C1>> {
+  static constexpr bool simd = simd_lane_v<S>;
+  Eval<S, C0> c0;
+  Eval<S, C1> c1;
+
+  Eval(const KExpr<Op, C0, C1>& k, const void* const* ptrs, const char* splats)
+      : c0(std::get<0>(k.children), ptrs, splats), c1(std::get<1>(k.children), ptrs, splats) {}
+  void seek(const std::int64_t* offsets) {
+    c0.seek(offsets);
+    c1.seek(offsets);
+  }
+  S coeff(std::int64_t i) const { return Op::apply(c0.coeff(i), c1.coeff(i)); }
+  template <bool Contig>
+  batch_t<S> packet(std::int64_t i) const {
+    return Op::apply(c0.template packet<Contig>(i), c1.template packet<Contig>(i));
+  }
+};
+
+template <class S, class Op, class C0, class C1, class C2>
+struct Eval<S, KExpr<Op, C0, C1, C2>> {
+  static constexpr bool simd = simd_lane_v<S>;
+  Eval<S, C0> c0;
+  Eval<S, C1> c1;
+  Eval<S, C2> c2;
+
+  Eval(const KExpr<Op, C0, C1, C2>& k, const void* const* ptrs, const char* splats)
+      : c0(std::get<0>(k.children), ptrs, splats), c1(std::get<1>(k.children), ptrs, splats),
+        c2(std::get<2>(k.children), ptrs, splats) {}
+  void seek(const std::int64_t* offsets) {
+    c0.seek(offsets);
+    c1.seek(offsets);
+    c2.seek(offsets);
+  }
+  S coeff(std::int64_t i) const { return Op::apply(c0.coeff(i), c1.coeff(i), c2.coeff(i)); }
+  template <bool Contig>
+  batch_t<S> packet(std::int64_t i) const {
+    return Op::apply(c0.template packet<Contig>(i), c1.template packet<Contig>(i), c2.template packet<Contig>(i));
   }
 };
 
