@@ -37,10 +37,13 @@ done
 
 ensure_packages cmake g++ make libeigen3-dev libxsimd-dev libgtest-dev libbenchmark-dev ccache \
   zlib1g-dev dataset-fashion-mnist
-if [ "$mode" != normal ]; then
-  # The sanitizer builds use Clang (see run_sanitized); its sanitizer runtimes are a package of their own.
-  ensure_packages clang libclang-rt-14-dev
-fi
+case "$mode:${SANITIZER_CXX:-clang++}" in
+  normal:*) ;;
+  *:clang*)
+    # The sanitizer builds use Clang (see run_sanitized); its sanitizer runtimes are a
+    # package of their own (libclang-rt-dev: the one of Debian's default Clang).
+    ensure_packages clang libclang-rt-dev ;;
+esac
 
 # --------------------------------------------------------------------------------------------
 run_default() {
@@ -96,6 +99,14 @@ run_sanitized() {
   local san_cxx="${SANITIZER_CXX:-}"
   if [ -z "$san_cxx" ]; then
     if command -v clang++ >/dev/null 2>&1; then san_cxx=clang++; else san_cxx=g++; fi
+  fi
+  # A build folder configured with another compiler starts over: CMake would reset its cache
+  # itself, dropping this command's other -D options (and with them the sanitizers).
+  local cached
+  cached="$(sed -n 's/^CMAKE_CXX_COMPILER:[A-Z]*=//p' "$dir/CMakeCache.txt" 2>/dev/null || true)"
+  if [ -n "$cached" ] && [ "$cached" != "$(command -v "$san_cxx" || echo "$san_cxx")" ]; then
+    echo "note: $dir was configured with $cached; configuring it again for $san_cxx"
+    rm -rf "$dir/CMakeCache.txt" "$dir/CMakeFiles"
   fi
   cmake -S . -B "$dir" \
     "-DCMAKE_CXX_COMPILER=$san_cxx" \

@@ -4894,7 +4894,8 @@ inline constexpr double kInlineStepWork = 1 << 14;
 /// floats.
 inline constexpr std::int64_t kFusionChunk = 4096;
 
-/// Members a fused group holds at most; the next statement starts a new group. Each
+/// Element-wise members a fused group holds at most (a reduction ending a full group is
+/// one more, with no scratch); the next statement starts a new group. Each
 /// member a later one reads in the group keeps a chunk of scratch per task (16 KiB of
 /// floats): 64 of them already fill a core's L2, so a longer group gains no locality and
 /// would hold scratch in proportion to its length (a chain of 100000 statements asked for
@@ -5152,8 +5153,8 @@ LAZYTENSOR_INLINE std::shared_ptr<Plan> build_plan(const std::vector<NodePtr>& n
 namespace lazy::graph::detail {
 
 /// The members of a fused group, seen in the step's node list through the plan's
-/// positions (no copies of the node references: a group of 100 tiny statements would pay
-/// 200 atomic reference-count updates for them).
+/// positions (no copies of the node references: a group of 64 tiny statements would pay
+/// 128 atomic reference-count updates for them).
 class GroupMembers {
  public:
   GroupMembers(std::span<const NodePtr> nodes, const PlanStep& st) : nodes_(nodes), pos_(st.members) {}
@@ -5207,7 +5208,7 @@ std::int64_t outside_bytes(const std::vector<Input>& in, std::int64_t n, std::in
 }
 
 /// One run of a fused group. The bookkeeping is in flat arrays (no allocation per member):
-/// a step of 100 tiny statements is one group. A reduction ending the group reduces each
+/// a step of 100 tiny statements is two groups of a few allocations each. A reduction ending the group reduces each
 /// chunk to a partial (one per chunk, so the result does not depend on the task split).
 class GroupRun {
  public:

@@ -21,6 +21,7 @@
 #include <string>
 #include <thread>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "testing/helpers.hpp"
@@ -98,30 +99,40 @@ TEST_F(Fusion, ThreeStatementsFusedEqualUnfusedBitwise) {
   }
 }
 
-TEST_F(Fusion, LongChainsRunInGroupsOfAtMostTheMemberLimit) {
-  // 200 dependent statements on a chunk and a half: groups of kMaxGroupMembers (64), so
-  // 4 kernel runs, every statement fused, and values equal to the statements run one by one.
-  constexpr int kStatements = 200;
-  const std::int64_t n = 4096 + 2048 + 3;
-  lazy::set_rng_state(99);
-  Tensor<float> x = lazy::randn<float>({n});
-  lazy::mark_step();
-  const auto x0 = x.to_vector();
+// A chain of `statements` dependent statements y = y * 0.5 + x on a chunk and a half, run
+// by one mark_step: returns the values and the kernel runs (a group counts as one run).
+std::pair<std::vector<float>, std::int64_t> run_chain(const Tensor<float>& x, int statements) {
   const auto runs_before = counter("KernelsRun");
   const auto fused_before = counter("FusedNodes");
   Tensor<float> y = x;
-  for (int i = 0; i < kStatements; ++i) y = y * 0.5f + x;
+  for (int i = 0; i < statements; ++i) y = y * 0.5f + x;
   lazy::mark_step();
-  const auto fused = y.to_vector();
-  EXPECT_EQ(counter("FusedNodes") - fused_before, kStatements);
-  EXPECT_EQ(counter("KernelsRun") - runs_before, (kStatements + 63) / 64);
-  std::vector<float> ref = x0;  // a scalar loop: each statement rounds to float once
-  for (int i = 0; i < kStatements; ++i)
-    for (std::size_t j = 0; j < ref.size(); ++j) {
-      const float half = ref[j] * 0.5f;
-      ref[j] = half + x0[j];
-    }
-  EXPECT_TRUE(bitwise_equal(fused, ref));
+  lazy::wait_device_ops();  // the counters are added when the step has run
+  auto values = y.to_vector();
+  // Groups of the limit, then the rest; a group of one runs as a single kernel, unfused.
+  const int limit = static_cast<int>(lazy::graph::kMaxGroupMembers);
+  const int rest = statements % limit;
+  EXPECT_EQ(counter("FusedNodes") - fused_before, statements - rest + (rest > 1 ? rest : 0));
+  return {std::move(values), counter("KernelsRun") - runs_before};
+}
+
+TEST_F(Fusion, LongChainsRunInGroupsOfAtMostTheMemberLimit) {
+  const int limit = static_cast<int>(lazy::graph::kMaxGroupMembers);
+  lazy::set_rng_state(99);
+  Tensor<float> x = lazy::randn<float>({4096 + 2048 + 3});
+  lazy::mark_step();
+  const auto x0 = x.to_vector();
+  for (const int statements : {limit, limit + 1, 200}) {
+    const auto [values, runs] = run_chain(x, statements);
+    EXPECT_EQ(runs, (statements + limit - 1) / limit) << statements << " statements";
+    std::vector<float> ref = x0;  // a scalar loop: each statement rounds to float once
+    for (int i = 0; i < statements; ++i)
+      for (std::size_t j = 0; j < ref.size(); ++j) {
+        const float half = ref[j] * 0.5f;
+        ref[j] = half + x0[j];
+      }
+    EXPECT_TRUE(bitwise_equal(values, ref)) << statements << " statements";
+  }
 }
 
 TEST_F(Fusion, LargeGroupsStreamTheirOutputsWithTheSameBits) {

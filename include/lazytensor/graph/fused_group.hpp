@@ -20,8 +20,8 @@
 namespace lazy::graph::detail {
 
 /// The members of a fused group, seen in the step's node list through the plan's
-/// positions (no copies of the node references: a group of 100 tiny statements would pay
-/// 200 atomic reference-count updates for them).
+/// positions (no copies of the node references: a group of 64 tiny statements would pay
+/// 128 atomic reference-count updates for them).
 class GroupMembers {
  public:
   GroupMembers(std::span<const NodePtr> nodes, const PlanStep& st) : nodes_(nodes), pos_(st.members) {}
@@ -75,7 +75,7 @@ std::int64_t outside_bytes(const std::vector<Input>& in, std::int64_t n, std::in
 }
 
 /// One run of a fused group. The bookkeeping is in flat arrays (no allocation per member):
-/// a step of 100 tiny statements is one group. A reduction ending the group reduces each
+/// a step of 100 tiny statements is two groups of a few allocations each. A reduction ending the group reduces each
 /// chunk to a partial (one per chunk, so the result does not depend on the task split).
 class GroupRun {
  public:

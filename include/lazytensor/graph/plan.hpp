@@ -62,7 +62,8 @@ inline constexpr double kInlineStepWork = 1 << 14;
 /// floats.
 inline constexpr std::int64_t kFusionChunk = 4096;
 
-/// Members a fused group holds at most; the next statement starts a new group. Each
+/// Element-wise members a fused group holds at most (a reduction ending a full group is
+/// one more, with no scratch); the next statement starts a new group. Each
 /// member a later one reads in the group keeps a chunk of scratch per task (16 KiB of
 /// floats): 64 of them already fill a core's L2, so a longer group gains no locality and
 /// would hold scratch in proportion to its length (a chain of 100000 statements asked for
