@@ -4,3 +4,14 @@
 // only declare these parts. See include/lazytensor/core/config.hpp.
 #define LAZYTENSOR_BUILDING_RUNTIME
 #include <lazytensor/lazytensor.hpp>
+
+// The per-dtype templates that user TUs declare `extern template` (core/config.hpp), defined
+// here after every header, so that each definition sees everything it calls.
+LAZYTENSOR_FOR_FLOATING(LAZYTENSOR_NODE_OPS_INSTANCES, )
+LAZYTENSOR_FOR_ELEMENT(LAZYTENSOR_SHAPE_HELPERS_INSTANCES, )
+LAZYTENSOR_FOR_FLOATING(LAZYTENSOR_REDUCTION_INSTANCES, )
+LAZYTENSOR_FOR_FLOATING(LAZYTENSOR_RANDOM_INSTANCES, )
+LAZYTENSOR_EIGEN_GEMM_INSTANCES(, float)
+LAZYTENSOR_EIGEN_GEMM_INSTANCES(, double)
+LAZYTENSOR_EIGEN_GEMM_INSTANCES(, std::int32_t)
+LAZYTENSOR_EIGEN_GEMM_INSTANCES(, std::int64_t)

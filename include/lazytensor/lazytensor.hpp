@@ -9,6 +9,7 @@
 #include <lazytensor/data.hpp>
 #include <lazytensor/debug/graph_dump.hpp>
 #include <lazytensor/dist.hpp>
+#include <lazytensor/eigen.hpp>
 #include <lazytensor/fwd.hpp>
 #include <lazytensor/io.hpp>
 #include <lazytensor/nn.hpp>

@@ -48,6 +48,25 @@
 #define LAZYTENSOR_HEADER_DEFINITIONS 1
 #define LAZYTENSOR_INLINE inline
 #endif
+
+// The templates that depend on a dtype only (not on an expression): the typed autograd
+// helpers, a tensor's sum, views and permutes, random draws. Header-only, every TU that uses
+// one instantiates it again. With the compiled runtime the library instantiates them once:
+// each header keeps a list macro, LAZYTENSOR_<NAME>_INSTANCES(P, T), that names its per-dtype
+// templates with prefix P. The header expands it with P = extern (user TUs, and the library
+// before its definitions), src/compiled.cpp with P empty at its end, after every header: one
+// list, so the declarations and the definitions cannot disagree.
+#if defined(LAZYTENSOR_BUILDING_RUNTIME) || defined(LAZYTENSOR_COMPILED)
+#define LAZYTENSOR_EXPLICIT_INSTANTIATION 1
+#else
+#define LAZYTENSOR_EXPLICIT_INSTANTIATION 0
+#endif
+
+// X(P, T) for each floating dtype (the dtypes that have gradients) ...
+#define LAZYTENSOR_FOR_FLOATING(X, P) X(P, float) X(P, double) X(P, lazy::bfloat16)
+// ... and for every element type.
+#define LAZYTENSOR_FOR_ELEMENT(X, P) \
+  X(P, bool) X(P, std::int32_t) X(P, std::int64_t) LAZYTENSOR_FOR_FLOATING(X, P)
 // ---- end lazytensor/core/config.hpp ----
 // ---- begin lazytensor/tensor/tensor.hpp ----
 // lazy::Tensor<T>: a cheap handle, like torch::Tensor. Copies share one tensor object that
@@ -62,8 +81,6 @@
 #include <string>
 #include <type_traits>
 #include <vector>
-
-#include <Eigen/Core>
 
 // ---- begin lazytensor/autograd/engine.hpp ----
 // The backward pass: walks the GradFn graph from the roots in dependency order, summing
@@ -6116,6 +6133,23 @@ LAZYTENSOR_INLINE graph::NodePtr sum_to_shape(const graph::NodePtr& g, const Sha
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::autograd
+
+// Per-dtype templates the compiled runtime instantiates once (core/config.hpp).
+#define LAZYTENSOR_NODE_OPS_INSTANCES(P, T)                                                                     \
+  P template lazy::graph::NodePtr lazy::autograd::add_nodes_of<T>(const lazy::graph::NodePtr&,                  \
+                                                                  const lazy::graph::NodePtr&);                 \
+  P template lazy::graph::NodePtr lazy::autograd::full_node_of<T>(const lazy::Shape&, lazy::graph::Device*, double); \
+  P template lazy::graph::NodePtr lazy::autograd::sum_to_shape_of<T>(const lazy::graph::NodePtr&, const lazy::Shape&); \
+  P template void lazy::autograd::register_grad_dtype<T>();                                                       \
+  P template lazy::graph::NodePtr lazy::autograd::cast_node_to<T, float>(const lazy::graph::NodePtr&);            \
+  P template lazy::graph::NodePtr lazy::autograd::cast_node_to<T, double>(const lazy::graph::NodePtr&);           \
+  P template lazy::graph::NodePtr lazy::autograd::cast_node_to<T, lazy::bfloat16>(const lazy::graph::NodePtr&);   \
+  P template void lazy::autograd::register_grad_cast<T, float>();                                                 \
+  P template void lazy::autograd::register_grad_cast<T, double>();                                                \
+  P template void lazy::autograd::register_grad_cast<T, lazy::bfloat16>();
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_FOR_FLOATING(LAZYTENSOR_NODE_OPS_INSTANCES, extern)
+#endif
 // ---- end lazytensor/autograd/node_ops.hpp ----
 
 namespace lazy::autograd {
@@ -6479,6 +6513,14 @@ LAZYTENSOR_INLINE bool materialize(const NodePtr& node) {
 
 namespace lazy {
 
+namespace detail {
+/// The Eigen view behind Tensor::eigen(), defined by <lazytensor/eigen.hpp>.
+template <class T, class Unused>
+struct EigenView {
+  static_assert(sizeof(Unused*) == 0, "Tensor::eigen() needs #include <lazytensor/eigen.hpp>");
+};
+}  // namespace detail
+
 /// A user-facing device handle: which engine device a tensor lives on.
 class Device {
  public:
@@ -6588,14 +6630,13 @@ class Tensor {
   /// A row-major Eigen view of the values: rank 2 as is, rank 1 as a column, rank 0 as
   /// 1x1, higher ranks as (numel / last dim) x last dim. Valid while this handle keeps the
   /// value (until it is modified or destroyed). Materializes (an implicit sync).
+  /// Needs <lazytensor/eigen.hpp> (the umbrella includes it), so that programs that never
+  /// view a tensor through Eigen do not parse it.
+  template <class Unused = void>
   auto eigen() const
     requires(!std::is_same_v<T, bfloat16>)
   {
-    using M = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-    const Shape& s = shape();
-    const std::int64_t cols = s.rank() == 0 ? 1 : s.rank() == 1 ? 1 : s[s.rank() - 1];
-    const std::int64_t rows = cols == 0 ? 0 : numel() / cols;
-    return Eigen::Map<const M>(data(), static_cast<Eigen::Index>(rows), static_cast<Eigen::Index>(cols));
+    return detail::EigenView<T, Unused>::map(*this);
   }
 
   /// Pointer to the materialized values (row-major, padded). Materializes.
@@ -11563,8 +11604,6 @@ LAZYTENSOR_INLINE void set_rng_state(std::uint64_t seed) {
 #include <string>
 #include <vector>
 
-#include <Eigen/Core>
-
 
 namespace lazy {
 
@@ -11626,14 +11665,6 @@ Tensor<T> from_vector(const std::vector<T>& data, const Shape& shape, Device dev
 template <Element T>
 Tensor<T> from_vector(const std::vector<T>& data) {
   return from_vector<T>(data, Shape{static_cast<std::int64_t>(data.size())}, device());
-}
-
-/// A 2-D tensor copied from an Eigen matrix or expression (any storage order).
-template <class Derived>
-auto from_eigen(const Eigen::DenseBase<Derived>& m, Device dev = device()) {
-  using T = typename Derived::Scalar;
-  const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> rm = m;
-  return Tensor<T>(detail::data_node<T>(rm.data(), Shape{rm.rows(), rm.cols()}, dev));
 }
 
 /// A 1-D tensor from a list: tensor<float>({1, 2, 3}).
@@ -12882,6 +12913,3293 @@ LAZYTENSOR_INLINE ReplicaDevices::~ReplicaDevices() {
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/dist/spawn.hpp ----
 // ---- end lazytensor/dist.hpp ----
+// ---- begin lazytensor/eigen.hpp ----
+// lazytensor with Eigen: lazy::from_eigen(matrix) and tensor.eigen(), a row-major
+// Eigen::Map of a tensor's values. Apart from <lazytensor/tensor.hpp> so that only programs
+// that use Eigen parse it.
+
+// ---- begin lazytensor/ops/eigen.hpp ----
+// Eigen interop: a tensor from an Eigen matrix (from_eigen) and a tensor viewed as one
+// (Tensor::eigen()). Kept apart from the factories so that only programs that use Eigen
+// parse it.
+
+#include <cstdint>
+#include <type_traits>
+
+#include <Eigen/Core>
+
+
+namespace lazy {
+
+namespace detail {
+template <class T>
+struct EigenView<T, void> {
+  static auto map(const Tensor<T>& t) {
+    using M = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+    const Shape& s = t.shape();
+    const std::int64_t cols = s.rank() <= 1 ? 1 : s[s.rank() - 1];
+    const std::int64_t rows = cols == 0 ? 0 : t.numel() / cols;
+    return Eigen::Map<const M>(t.data(), static_cast<Eigen::Index>(rows), static_cast<Eigen::Index>(cols));
+  }
+};
+}  // namespace detail
+
+/// A 2-D tensor copied from an Eigen matrix or expression (any storage order).
+template <class Derived>
+auto from_eigen(const Eigen::DenseBase<Derived>& m, Device dev = device()) {
+  using T = typename Derived::Scalar;
+  const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> rm = m;
+  return Tensor<T>(detail::data_node<T>(rm.data(), Shape{rm.rows(), rm.cols()}, dev));
+}
+
+}  // namespace lazy
+// ---- end lazytensor/ops/eigen.hpp ----
+// ---- begin lazytensor/tensor.hpp ----
+// lazytensor's core module: what a program that computes with tensors includes.
+//
+//   Tensor<T> and Device, element-wise expressions (operators and functions), factories
+//   (zeros/ones/full/from_vector/arange/..., randn/rand/randint/...), reductions, matmul and
+//   linear, mark_step/sync and the other step controls, and the metrics report.
+//
+// Shape ops, softmax, convolution and pooling are in <lazytensor/ops/...>; the frontend
+// modules (nn, optim, data, io, dist) have one header each; <lazytensor/lazytensor.hpp>
+// includes everything, <lazytensor/fwd.hpp> only declares.
+
+// ---- begin lazytensor/debug/metrics.hpp ----
+// Counters and metrics, named like PyTorch/XLA's (torch_xla.debug.metrics).
+//
+// Steps run asynchronously; every function here first waits for the steps issued on the
+// calling thread's device, so that what it reports includes everything issued so far
+// (other devices are not waited for: a replica must not wait on another's collectives).
+
+#include <cstdint>
+#include <iomanip>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+
+namespace lazy::debug {
+
+namespace detail {
+/// Waits for the steps in flight on the current device (see the file comment).
+inline void settle() { graph::current_device().wait_idle(); }
+}  // namespace detail
+
+/// Value of counter `name` (0 when it never fired), as met.counter_value.
+std::int64_t counter_value(const std::string& name);
+
+/// Summary of metric `name` (count, total, min, max in ns), if it was ever recorded.
+std::optional<core::MetricData> metric_data(const std::string& name);
+
+/// Names of the counters that fired.
+std::vector<std::string> counter_names();
+
+/// Resets every counter and metric to zero.
+void clear_metrics();
+
+namespace detail {
+std::string fmt_ns(double ns);
+}  // namespace detail
+
+/// Every metric and counter, plus the buffer pool of device 0, in PyTorch/XLA's format.
+std::string metrics_report();
+
+/// One line: steps, syncs, kernels, time executing and bytes allocated.
+std::string short_metrics_report();
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE std::int64_t counter_value(const std::string& name) {
+  detail::settle();
+  std::int64_t v = 0;
+  core::Registry::get().for_each([&](const std::string& n, const core::Counter* c, const core::Metric*) {
+    if (c && n == name) v = c->value.load();
+  });
+  return v;
+}
+
+LAZYTENSOR_INLINE std::optional<core::MetricData> metric_data(const std::string& name) {
+  detail::settle();
+  std::optional<core::MetricData> r;
+  core::Registry::get().for_each([&](const std::string& n, const core::Counter*, const core::Metric* m) {
+    if (m && n == name && m->data().count) r = m->data();
+  });
+  return r;
+}
+
+LAZYTENSOR_INLINE std::vector<std::string> counter_names() {
+  detail::settle();
+  std::vector<std::string> names;
+  core::Registry::get().for_each([&](const std::string& n, const core::Counter* c, const core::Metric*) {
+    if (c && c->value.load()) names.push_back(n);
+  });
+  return names;
+}
+
+LAZYTENSOR_INLINE void clear_metrics() {
+  detail::settle();
+  core::Registry::get().reset();
+}
+
+namespace detail {
+LAZYTENSOR_INLINE std::string fmt_ns(double ns) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(3);
+  if (ns >= 1e9) os << ns / 1e9 << "s";
+  else if (ns >= 1e6) os << ns / 1e6 << "ms";
+  else if (ns >= 1e3) os << ns / 1e3 << "us";
+  else os << ns << "ns";
+  return os.str();
+}
+}  // namespace detail
+
+LAZYTENSOR_INLINE std::string metrics_report() {
+  detail::settle();
+  std::ostringstream os;
+  core::Registry::get().for_each([&](const std::string& n, const core::Counter*, const core::Metric* m) {
+    if (!m) return;
+    auto d = m->data();
+    if (!d.count) return;
+    os << "Metric: " << n << "\n  TotalSamples: " << d.count << "\n  Accumulator: " << detail::fmt_ns(d.total_ns)
+       << "\n  Mean: " << detail::fmt_ns(d.total_ns / static_cast<double>(d.count))
+       << "\n  Min: " << detail::fmt_ns(d.min_ns) << "\n  Max: " << detail::fmt_ns(d.max_ns) << "\n";
+  });
+  core::Registry::get().for_each([&](const std::string& n, const core::Counter* c, const core::Metric*) {
+    if (c && c->value.load()) os << "Counter: " << n << "\n  Value: " << c->value.load() << "\n";
+  });
+  auto ps = graph::current_device().pool().stats();
+  os << "Counter: BytesAllocated\n  Value: " << ps.fresh_bytes << "\n";
+  os << "Counter: FreshAllocations\n  Value: " << ps.fresh_allocations << "\n";
+  os << "Counter: PoolReuses\n  Value: " << ps.reuses << "\n";
+  return os.str();
+}
+
+LAZYTENSOR_INLINE std::string short_metrics_report() {
+  std::ostringstream os;
+  auto exec = metric_data("ExecuteTime");
+  os << "MarkStep=" << counter_value("MarkStep") << " ImplicitSync=" << counter_value("ImplicitSync")
+     << " KernelsRun=" << counter_value("KernelsRun")
+     << " ExecuteTime=" << detail::fmt_ns(exec ? exec->total_ns : 0)
+     << " BytesAllocated=" << graph::current_device().pool().stats().fresh_bytes;
+  return os.str();
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+}  // namespace lazy::debug
+// ---- end lazytensor/debug/metrics.hpp ----
+// ---- begin lazytensor/ops/matmul.hpp ----
+// matmul, linear, bmm, and the GEMM's derivative rule, over GemmNode (graph/matmul_node.hpp):
+// the packed GEMM kernel (graph/gemm_kernel.hpp) for float and double products of at least a
+// register tile, Eigen GEMM on maps of the buffers otherwise. Transposes are layouts (a
+// pending transpose of the last two dims is read through, never copied), and a GEMM that
+// feeds only an element-wise expression runs in row blocks with that expression applied to
+// each block while it is in cache (see ElementwiseNode::fuse_producers).
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+// ---- begin lazytensor/graph/matmul_node.hpp ----
+// GemmNode, the node behind matmul, linear and bmm: a batch of row-major products, on the
+// packed kernel (graph/gemm_kernel.hpp) for float and double products of at least a register
+// tile and on Eigen otherwise, produced in row blocks so that an element-wise consumer can
+// run on each block while it is in cache (RowProducer, ElementwiseNode::fuse_producers).
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+// ---- begin lazytensor/graph/eigen_gemm.hpp ----
+// The products that do not run on the packed kernel (integer dtypes, products thinner than a
+// register tile), on Eigen's GEMM over maps of the buffers.
+//
+// A function template of its own, declared here and defined only where the runtime is
+// defined: header-only, the headers define it; with the compiled runtime the library
+// instantiates it for the four GEMM dtypes (core/config.hpp), so a user TU neither
+// instantiates it nor parses Eigen.
+
+#include <cstdint>
+
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+#include <Eigen/Core>
+#endif
+
+namespace lazy::graph::detail {
+
+/// Rows [row, row + rows) of op(A) * op(B) into c (row-major, n columns, already offset to
+/// the first row), with A stored m x k (k x m when `ta`) and B k x n (n x k when `tb`).
+/// T: float, double, int32 or int64.
+template <class T>
+void eigen_gemm_rows(const T* a, const T* b, T* c, bool ta, bool tb, std::int64_t m, std::int64_t k,
+                     std::int64_t n, std::int64_t row, std::int64_t rows);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+template <class T>
+void eigen_gemm_rows(const T* a, const T* b, T* c, bool ta, bool tb, std::int64_t m, std::int64_t k,
+                     std::int64_t n, std::int64_t row, std::int64_t rows) {
+  using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  using CMap = Eigen::Map<const Mat>;
+  Eigen::Map<Mat> C(c, rows, n);
+  if (k == 0) {
+    C.setZero();
+    return;
+  }
+  auto run = [&](const auto& A) {
+    if (tb) C.noalias() = A * CMap(b, n, k).transpose();
+    else C.noalias() = A * CMap(b, k, n);
+  };
+  if (ta) run(CMap(a, k, m).middleCols(row, rows).transpose());
+  else run(CMap(a, m, k).middleRows(row, rows));
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+}  // namespace lazy::graph::detail
+
+// Instantiated once in the compiled runtime (core/config.hpp).
+#define LAZYTENSOR_EIGEN_GEMM_INSTANCES(P, T)                                                             \
+  P template void lazy::graph::detail::eigen_gemm_rows<T>(const T*, const T*, T*, bool, bool, std::int64_t, \
+                                                          std::int64_t, std::int64_t, std::int64_t, std::int64_t);
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_EIGEN_GEMM_INSTANCES(extern, float)
+LAZYTENSOR_EIGEN_GEMM_INSTANCES(extern, double)
+LAZYTENSOR_EIGEN_GEMM_INSTANCES(extern, std::int32_t)
+LAZYTENSOR_EIGEN_GEMM_INSTANCES(extern, std::int64_t)
+#endif
+// ---- end lazytensor/graph/eigen_gemm.hpp ----
+// ---- begin lazytensor/graph/gemm_kernel.hpp ----
+// The packed GEMM for float and double: the right-hand side is packed once per product
+// into panels two SIMD registers wide and shared by every row block and thread; each row
+// block packs a few rows of the left-hand side at a time and runs a register-tiled
+// micro-kernel over all panels. Eigen's GEMM (the other dtypes, thin products) re-packs
+// the right-hand side on every call and, on the AVX-512 machine we measure, runs at 60-70%
+// of this kernel's rate (docs/architecture.md, "GEMM").
+//
+// Determinism: every output element is one FMA chain over k in order, split at depth
+// blocks fixed by k alone, so the bits depend on the shapes only (not on row blocks,
+// threads or which tile an element falls in).
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <xsimd/xsimd.hpp>
+
+// Full unrolling keeps the accumulator tile in registers at -O2 too.
+#if defined(__clang__)
+#define LAZYTENSOR_UNROLL _Pragma("unroll")
+#elif defined(__GNUC__)
+#define LAZYTENSOR_UNROLL _Pragma("GCC unroll 16")
+#else
+#define LAZYTENSOR_UNROLL
+#endif
+
+namespace lazy::detail {
+
+/// Packed GEMM kernel for T = float or double (see the file comment).
+template <class T>
+struct PackedGemm {
+  using batch = xsimd::batch<T>;
+  static constexpr int kLanes = static_cast<int>(batch::size);
+  /// Rows of the register tile: 8 x 2 accumulators need the 32 registers of AVX-512;
+  /// 16-register instruction sets (SSE2, AVX2) take 4 x 2.
+  static constexpr int kTileRows = XSIMD_WITH_AVX512F ? 8 : 4;
+  /// Columns of the register tile (and of a packed panel): two registers.
+  static constexpr int kTileCols = 2 * kLanes;
+
+  /// True when the shapes suit the kernel: narrower or shorter products waste most of a
+  /// tile on padding and go to Eigen (a decision made from the shapes alone).
+  static bool suits(std::int64_t rows, std::int64_t n) { return n >= kLanes && rows >= kTileRows; }
+
+  /// Depth of one pass over k: short enough that a packed row panel stays in L1.
+  static std::int64_t depth_block(std::int64_t k) { return k <= 1024 ? k : 512; }
+
+  /// Panels of kTileCols columns covering n columns.
+  static std::int64_t panels(std::int64_t n) { return (n + kTileCols - 1) / kTileCols; }
+
+  /// Elements of op(B) packed (k x n, columns padded to whole panels).
+  static std::int64_t packed_size(std::int64_t k, std::int64_t n) {
+    return k * panels(n) * kTileCols;
+  }
+
+  /// Packs panels [p0, p1) of op(B) (k x n; stored k x n, or n x k when `transposed`) into
+  /// `out` (packed_size elements, aligned): panel p holds columns [p*kTileCols, ...) as k
+  /// rows of kTileCols contiguous values, zero past n.
+  static void pack_b(const T* b, bool transposed, std::int64_t k, std::int64_t n, T* out,
+                     std::int64_t p0, std::int64_t p1) {
+    if (!transposed) {
+      // Row by row of B across the range's panels, so each source row is read once, front
+      // to back. Panel by panel, every 128-byte read jumps a whole row ahead, which the
+      // prefetcher follows poorly (256 x 784 from memory: 75 us against 46 us).
+      const std::int64_t full = std::min(p1, n / kTileCols);  // panels without padding
+      for (std::int64_t kk = 0; kk < k; ++kk) {
+        const T* src = b + kk * n;
+        for (std::int64_t p = p0; p < full; ++p) {
+          T* row = out + (p * k + kk) * kTileCols;
+          batch::load_unaligned(src + p * kTileCols).store_aligned(row);
+          batch::load_unaligned(src + p * kTileCols + kLanes).store_aligned(row + kLanes);
+        }
+        for (std::int64_t p = std::max(p0, full); p < p1; ++p) {
+          const std::int64_t cols = std::min<std::int64_t>(kTileCols, n - p * kTileCols);
+          T* row = out + (p * k + kk) * kTileCols;
+          for (std::int64_t j = 0; j < kTileCols; ++j)
+            row[j] = j < cols ? src[p * kTileCols + j] : T(0);
+        }
+      }
+      return;
+    }
+    for (std::int64_t p = p0; p < p1; ++p) {
+      const std::int64_t j0 = p * kTileCols, cols = std::min<std::int64_t>(kTileCols, n - j0);
+      T* dst = out + p * k * kTileCols;
+      // Stored [n, k]: 16 k-values of each column at a time, so each source line is read
+      // once while the destination rows are still in cache (16 x 16 register transposes
+      // where available).
+      for (std::int64_t k0 = 0; k0 < k; k0 += 16) {
+        const std::int64_t k1 = std::min<std::int64_t>(k, k0 + 16);
+        if (transpose_16x16(b + j0 * k + k0, k, dst + k0 * kTileCols, cols, k1 - k0)) continue;
+        for (std::int64_t j = 0; j < kTileCols; ++j) {
+          if (j < cols) {
+            const T* src = b + (j0 + j) * k;
+            for (std::int64_t kk = k0; kk < k1; ++kk) dst[kk * kTileCols + j] = src[kk];
+          } else {
+            for (std::int64_t kk = k0; kk < k1; ++kk) dst[kk * kTileCols + j] = T(0);
+          }
+        }
+      }
+    }
+  }
+
+  /// Rows [r0, r0 + rows) of op(A) * op(B) into c (row-major, n columns, already offset
+  /// to row r0). op(A) is m x k, stored m x k or, when `a_transposed`, k x m. `packed_b`
+  /// comes from pack_b.
+  static void multiply(const T* a, bool a_transposed, std::int64_t m, std::int64_t k,
+                       std::int64_t n, const T* packed_b, T* c, std::int64_t r0,
+                       std::int64_t rows) {
+    const std::int64_t kc = depth_block(k), np = panels(n);
+    const std::int64_t tiles = (rows + kTileRows - 1) / kTileRows;
+    alignas(64) T tile[kTileRows * kTileCols] = {};
+    thread_local std::vector<T, xsimd::aligned_allocator<T, 64>> packed_a;
+    if (static_cast<std::int64_t>(packed_a.size()) < tiles * kTileRows * kc)
+      packed_a.resize(tiles * kTileRows * kc);
+    for (std::int64_t k0 = 0; k0 < k; k0 += kc) {
+      const std::int64_t kb = std::min(kc, k - k0);
+      const bool accumulate = k0 > 0;
+      // All rows of the block packed first; then each panel of op(B) (k x 2 registers) is
+      // loaded into L2 once and used by every tile of rows, instead of all of op(B) once
+      // per tile.
+      for (std::int64_t t = 0; t < tiles; ++t)
+        pack_a(a, a_transposed, m, k, r0 + t * kTileRows,
+               std::min<std::int64_t>(kTileRows, rows - t * kTileRows), k0, kb,
+               packed_a.data() + t * kTileRows * kb);
+      for (std::int64_t p = 0; p < np; ++p) {
+        const std::int64_t j0 = p * kTileCols, tc = std::min<std::int64_t>(kTileCols, n - j0);
+        const T* bp = packed_b + p * k * kTileCols + k0 * kTileCols;
+        for (std::int64_t t = 0; t < tiles; ++t) {
+          const std::int64_t i0 = t * kTileRows, tr = std::min<std::int64_t>(kTileRows, rows - i0);
+          const T* ap = packed_a.data() + t * kTileRows * kb;
+          T* cp = c + i0 * n + j0;
+          if (tr == kTileRows && tc == kTileCols) {
+            micro(ap, bp, kb, cp, n, accumulate);
+            continue;
+          }
+          // An edge tile runs the same arithmetic on a full tile in registers' image.
+          if (accumulate)
+            for (std::int64_t i = 0; i < tr; ++i) std::copy_n(cp + i * n, tc, tile + i * kTileCols);
+          micro(ap, bp, kb, tile, kTileCols, accumulate);
+          for (std::int64_t i = 0; i < tr; ++i) std::copy_n(tile + i * kTileCols, tc, cp + i * n);
+        }
+      }
+    }
+  }
+
+ private:
+  // dst[kk * kTileCols + j] = src[j * ld + kk] for a whole panel (cols == kTileCols = 32)
+  // and 16 k-values, with AVX-512 float registers; false (nothing written) otherwise.
+  static bool transpose_16x16([[maybe_unused]] const T* src, [[maybe_unused]] std::int64_t ld,
+                              [[maybe_unused]] T* dst, std::int64_t cols, std::int64_t depth) {
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, float> && kTileCols == 32) {
+      if (cols != kTileCols || depth != 16) return false;
+      for (int half = 0; half < 2; ++half) {
+        __m512 r[16], t[16];
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + (half * 16 + i) * ld);
+        // Pairs of rows interleaved, then pairs of pairs: lane L of u[4i + q] then holds
+        // column 4L + q of rows 4i .. 4i + 3.
+        for (int i = 0; i < 8; ++i) {
+          t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+          t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+        }
+        auto pd = [](__m512 x) { return _mm512_castps_pd(x); };
+        for (int i = 0; i < 4; ++i) {
+          r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
+          r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
+          r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
+          r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
+        }
+        // Gather lane L of the four row groups into output row 4L + q.
+        for (int q = 0; q < 4; ++q) {
+          const __m512 v0 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0x88),
+                       w0 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0xDD);
+          const __m512 v1 = _mm512_shuffle_f32x4(r[8 + q], r[12 + q], 0x88),
+                       w1 = _mm512_shuffle_f32x4(r[8 + q], r[12 + q], 0xDD);
+          _mm512_store_ps(dst + (0 + q) * kTileCols + half * 16,
+                          _mm512_shuffle_f32x4(v0, v1, 0x88));
+          _mm512_store_ps(dst + (8 + q) * kTileCols + half * 16,
+                          _mm512_shuffle_f32x4(v0, v1, 0xDD));
+          _mm512_store_ps(dst + (4 + q) * kTileCols + half * 16,
+                          _mm512_shuffle_f32x4(w0, w1, 0x88));
+          _mm512_store_ps(dst + (12 + q) * kTileCols + half * 16,
+                          _mm512_shuffle_f32x4(w0, w1, 0xDD));
+        }
+      }
+      return true;
+    }
+#endif
+    (void)cols;
+    (void)depth;
+    return false;
+  }
+
+  // out[kk * 8 + i] = src[i * ld + kk] for 8 rows and the first multiple of 8 of `depth`
+  // k-values, by 8 x 8 register transposes where float AVX registers exist (the tile of
+  // AVX-512 has 8 rows). Returns how many k-values it packed (0: none).
+  static std::int64_t transpose_rows_8([[maybe_unused]] const T* src,
+                                       [[maybe_unused]] std::int64_t ld,
+                                       [[maybe_unused]] std::int64_t depth,
+                                       [[maybe_unused]] T* out) {
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, float> && kTileRows == 8) {
+      const std::int64_t whole = depth / 8 * 8;
+      for (std::int64_t kk = 0; kk < whole; kk += 8) {
+        __m256 r[8], t[8];
+        for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ld + kk);
+        // Interleave pairs of rows, then pairs of pairs: r[c] then holds k-value c of rows
+        // 0-3 in its low half and k-value c + 4 in its high half (rows 4-7 in r[c + 4]).
+        for (int i = 0; i < 4; ++i) {
+          t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+          t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+        }
+        for (int h = 0; h < 2; ++h) {
+          r[4 * h + 0] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0x44);
+          r[4 * h + 1] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0xEE);
+          r[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0x44);
+          r[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0xEE);
+        }
+        for (int c = 0; c < 4; ++c) {
+          _mm256_store_ps(out + (kk + c) * 8, _mm256_permute2f128_ps(r[c], r[4 + c], 0x20));
+          _mm256_store_ps(out + (kk + c + 4) * 8, _mm256_permute2f128_ps(r[c], r[4 + c], 0x31));
+        }
+      }
+      return whole;
+    }
+#endif
+    return 0;
+  }
+
+  // Rows [row, row + tr) and depth [k0, k0 + kb) of op(A), k-major in tiles of kTileRows
+  // (zero past tr).
+  static void pack_a(const T* a, bool transposed, std::int64_t m, std::int64_t k, std::int64_t row,
+                     std::int64_t tr, std::int64_t k0, std::int64_t kb, T* out) {
+    if (transposed) {
+      for (std::int64_t kk = 0; kk < kb; ++kk) {
+        const T* src = a + (k0 + kk) * m + row;
+        T* dst = out + kk * kTileRows;
+        // A fixed-length copy: one vector move, not a library call (an element loop
+        // compiles to kTileRows scalar moves, src and dst may alias as far as GCC knows).
+        if (tr == kTileRows) {
+          std::memcpy(dst, src, sizeof(T) * kTileRows);
+        } else {
+          for (int i = 0; i < kTileRows; ++i) dst[i] = i < tr ? src[i] : T(0);
+        }
+      }
+      return;
+    }
+    std::int64_t done = 0;
+    if (tr == kTileRows) done = transpose_rows_8(a + row * k + k0, k, kb, out);
+    for (std::int64_t i = 0; i < kTileRows; ++i) {
+      if (i < tr) {
+        const T* src = a + (row + i) * k + k0;
+        for (std::int64_t kk = done; kk < kb; ++kk) out[kk * kTileRows + i] = src[kk];
+      } else {
+        for (std::int64_t kk = 0; kk < kb; ++kk) out[kk * kTileRows + i] = T(0);
+      }
+    }
+  }
+
+  // One kTileRows x kTileCols tile: c (row stride ldc) = [c +] ap * bp over kb.
+  static void micro(const T* __restrict ap, const T* __restrict bp, std::int64_t kb, T* c,
+                    std::int64_t ldc, bool accumulate) {
+    batch acc[kTileRows][2];
+    LAZYTENSOR_UNROLL
+    for (int i = 0; i < kTileRows; ++i) {
+      if (accumulate) {
+        acc[i][0] = batch::load_unaligned(c + i * ldc);
+        acc[i][1] = batch::load_unaligned(c + i * ldc + kLanes);
+      } else {
+        acc[i][0] = batch(T(0));
+        acc[i][1] = batch(T(0));
+      }
+    }
+    for (std::int64_t kk = 0; kk < kb; ++kk) {
+      const batch b0 = batch::load_aligned(bp + kk * kTileCols);
+      const batch b1 = batch::load_aligned(bp + kk * kTileCols + kLanes);
+      LAZYTENSOR_UNROLL
+      for (int i = 0; i < kTileRows; ++i) {
+        const batch av(ap[kk * kTileRows + i]);
+        acc[i][0] = xsimd::fma(av, b0, acc[i][0]);
+        acc[i][1] = xsimd::fma(av, b1, acc[i][1]);
+      }
+    }
+    LAZYTENSOR_UNROLL
+    for (int i = 0; i < kTileRows; ++i) {
+      acc[i][0].store_unaligned(c + i * ldc);
+      acc[i][1].store_unaligned(c + i * ldc + kLanes);
+    }
+  }
+};
+
+}  // namespace lazy::detail
+
+#undef LAZYTENSOR_UNROLL
+// ---- end lazytensor/graph/gemm_kernel.hpp ----
+
+namespace lazy::graph {
+
+/// C[b] = op(A[b]) * op(B[b]) for a batch of row-major matrices; op is identity or
+/// transpose. A batch count of 1 on either side broadcasts.
+template <Element T>
+class GemmNode final : public Node, public RowProducer {
+ public:
+  struct Operand {
+    NodePtr node;
+    bool transposed;  ///< the node holds [.., cols, rows] and is read transposed
+  };
+
+  GemmNode(Operand a, Operand b, std::int64_t batch_a, std::int64_t batch_b, std::int64_t m, std::int64_t k,
+           std::int64_t n, Shape out_shape, Device* device)
+      : Node(NodeKind::Gemm, dtype_of<T>(), out_shape, device, {a.node, b.node}), ta_(a.transposed),
+        tb_(b.transposed), batch_a_(batch_a), batch_b_(batch_b), m_(m), k_(k), n_(n) {}
+
+  std::string op_name() const override { return "matmul"; }
+  std::string describe() const override {
+    return std::string("matmul(%0") + (ta_ ? "^T" : "") + ", %1" + (tb_ ? "^T" : "") + ") [" + std::to_string(m_) +
+           "x" + std::to_string(k_) + "] x [" + std::to_string(k_) + "x" + std::to_string(n_) + "]";
+  }
+  double cost_per_element() const override { return 2.0 * static_cast<double>(k_); }
+  std::uint64_t structural_hash() const override {
+    return hash_combine(Node::structural_hash(), (ta_ ? 1u : 0u) | (tb_ ? 2u : 0u));
+  }
+
+  /// Rows per block. Eigen's blocking (and so the order of its k-sums) depends on the rows
+  /// of a call, so blocks are fixed by the shapes alone; each Eigen call re-packs the
+  /// right-hand side, so its blocks are as tall as the epilogue's cache allows (128 rows).
+  /// The packed kernel's sums do not depend on the blocks and it packs the right-hand side
+  /// once, so its blocks are shorter (64 rows: even splits of common batches over threads).
+  /// A small product is one block.
+  std::int64_t row_block() const override {
+    const std::int64_t rows = m_ * std::max(batch_a_, batch_b_);
+    if (rows * n_ * k_ <= (std::int64_t(1) << 16)) return std::max<std::int64_t>(rows, 1);
+    return packed() ? 64 : 128;
+  }
+
+  /// Packs the right-hand side of every batch for the packed kernel (nothing for Eigen).
+  void begin_rows(ExecContext& ctx) override {
+    if (!packed()) return;
+    if constexpr (kHasPackedKernel) {
+      const std::int64_t size = Kernel::packed_size(k_, n_);
+      const std::int64_t panels = Kernel::panels(n_), jobs = batch_b_ * panels;
+      packed_b_ = ctx.device.pool().acquire(padded_bytes(batch_b_ * size, sizeof(T)));
+      T* out = static_cast<T*>(packed_b_->data());
+      const T* b = inputs()[1]->template data<T>();
+      auto& pool = ctx.device.threads();
+      const std::int64_t tasks = std::min(jobs, task_count(pool, batch_b_ * k_ * n_, 1.0));
+      pool.parallel_for(tasks, [&](std::int64_t t) {
+        auto [q0, q1] = task_range(jobs, tasks, t);
+        // One call per batch the task's panels fall in (pack_b reads rows across them).
+        for (std::int64_t q = q0; q < q1;) {
+          const std::int64_t bi = q / panels, p = q % panels, count = std::min(q1 - q, panels - p);
+          Kernel::pack_b(b + bi * k_ * n_, tb_, k_, n_, out + bi * size, p, p + count);
+          q += count;
+        }
+      });
+    }
+  }
+  void end_rows() override { packed_b_.reset(); }
+
+  void produce_rows(void* out, std::int64_t r0, std::int64_t r1) override {
+    T* c = static_cast<T*>(out);
+    const T* a = inputs()[0]->template data<T>();
+    const T* b = inputs()[1]->template data<T>();
+    const std::int64_t block = row_block();
+    const bool use_packed = packed();
+    if (use_packed && !packed_b_)
+      throw std::logic_error("matmul: rows produced outside begin_rows/end_rows");
+    // Rows of the output run over (batch, m); a range may span several batches. Calls are
+    // cut at block boundaries and batch ends only (see row_block).
+    while (r0 < r1) {
+      const std::int64_t bi = r0 / m_, row = r0 % m_;
+      const std::int64_t rows = std::min({r1 - r0, m_ - row, (r0 / block + 1) * block - r0});
+      const T* ab = a + (batch_a_ == 1 ? 0 : bi) * m_ * k_;
+      if constexpr (kHasPackedKernel) {
+        if (use_packed) {
+          const T* pb = static_cast<const T*>(packed_b_->data()) +
+                        (batch_b_ == 1 ? 0 : bi) * Kernel::packed_size(k_, n_);
+          Kernel::multiply(ab, ta_, m_, k_, n_, pb, c + r0 * n_, row, rows);
+          r0 += rows;
+          continue;
+        }
+      }
+      gemm_block(ab, b + (batch_b_ == 1 ? 0 : bi) * k_ * n_, c + r0 * n_, row, rows);
+      r0 += rows;
+    }
+  }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    auto buf = allocate_output(ctx, false);
+    auto& pool = ctx.device.threads();
+    const std::int64_t rows = m_ * std::max(batch_a_, batch_b_);
+    if (n_ == 0 || rows == 0) {
+      set_buffer(std::move(buf));
+      return;
+    }
+    if (k_ == 0) {
+      std::fill_n(static_cast<T*>(buf->data()), rows * n_, T(0));
+      set_buffer(std::move(buf));
+      return;
+    }
+    // Whole blocks per task (row_block): the same GEMM calls whatever the thread count.
+    const std::int64_t block = row_block(), blocks = (rows + block - 1) / block;
+    const std::int64_t tasks =
+        std::max<std::int64_t>(1, std::min<std::int64_t>(task_count(pool, rows * n_, cost_per_element()), blocks));
+    void* out = buf->data();
+    {
+      RowProducer::Session session(*this, ctx);
+      pool.parallel_for(tasks, [&](std::int64_t t) {
+        auto [b0, b1] = task_range(blocks, tasks, t);
+        produce_rows(out, b0 * block, std::min(rows, b1 * block));
+      });
+    }
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  static constexpr bool kHasPackedKernel = std::is_same_v<T, float> || std::is_same_v<T, double>;
+  using Kernel = lazy::detail::PackedGemm<std::conditional_t<kHasPackedKernel, T, float>>;
+
+  /// True when this product runs on the packed kernel (decided by dtype and shapes only).
+  bool packed() const {
+    if constexpr (kHasPackedKernel)
+      return k_ > 0 && Kernel::suits(m_ * std::max(batch_a_, batch_b_), n_);
+    else
+      return false;
+  }
+
+  // Rows [row, row + rows) of op(A) * op(B) for one batch, into c (already offset).
+  void gemm_block(const T* a, const T* b, T* c, std::int64_t row, std::int64_t rows) const {
+    if constexpr (std::is_same_v<T, bool> || std::is_same_v<T, bfloat16>) {
+      throw DTypeError("matmul: no product of " + dtype_name(dtype_of<T>()) + " values");  // ops/matmul.hpp refuses first
+    } else {
+      detail::eigen_gemm_rows(a, b, c, ta_, tb_, m_, k_, n_, row, rows);
+    }
+  }
+
+  bool ta_, tb_;
+  std::int64_t batch_a_, batch_b_, m_, k_, n_;
+  std::shared_ptr<Buffer> packed_b_;  ///< op(B) packed, between begin_rows and end_rows
+};
+
+}  // namespace lazy::graph
+// ---- end lazytensor/graph/matmul_node.hpp ----
+// ---- begin lazytensor/graph/transpose_hint.hpp ----
+// A node that is the transpose of its input's last two dimensions can say so, so that a
+// GEMM reads the source with a transposed layout instead of waiting for the copy.
+
+
+namespace lazy::graph {
+
+/// Implemented by nodes whose value is `source()` with its last two dimensions swapped.
+class TransposeOfLastTwo {
+ public:
+  virtual ~TransposeOfLastTwo() = default;
+  virtual const NodePtr& transpose_source() const = 0;
+};
+
+}  // namespace lazy::graph
+// ---- end lazytensor/graph/transpose_hint.hpp ----
+// ---- begin lazytensor/ops/reduction.hpp ----
+// Reductions: sum mean prod max min amax amin argmax argmin any all logsumexp norm.
+// Each takes a tensor or an element-wise expression (fused into the reduction loop) and
+// returns a pending tensor.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+// ---- begin lazytensor/ops/shape.hpp ----
+// Shape ops, all lazy: views (reshape/view, flatten, squeeze, unsqueeze) share the input's
+// buffer, so a view of a pending value is pending and nothing is copied; transpose/permute,
+// narrow/slice, cat/stack, index_select, gather and one_hot build the copy nodes of
+// graph/shape_nodes.hpp; expand is a broadcasting element-wise node. Each op records its
+// backward (graph/shape_backward.hpp holds the scatter kernels those need).
+//
+// This header includes the four that hold them: ops/reshape.hpp (views, permutations,
+// expand), ops/slice.hpp (slicing, cat/stack), ops/indexing.hpp (index_select, gather,
+// one_hot), and ops/shape_helpers.hpp (what they share).
+
+// ---- begin lazytensor/ops/indexing.hpp ----
+// Indexing by tensors: index_select, gather and one_hot. The index may still be pending, so
+// its values are checked by the kernels (graph/shape_nodes.hpp), which raise IndexError at
+// the mark_step or read that runs them; the gradients are scatter-adds (graph/shape_backward.hpp).
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+// ---- begin lazytensor/graph/shape_backward.hpp ----
+// Kernels that only backward passes need: the adjoints of slicing, index_select and gather
+// (write or add a gradient into a zero tensor of the input's shape). Accumulation order is
+// fixed (by index position), and work is split only where no two tasks touch the same
+// output element, so results do not depend on the thread count.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+
+namespace lazy::graph {
+
+/// The gradient of a slice: zeros of the input's shape with `g` at the sliced positions.
+template <Element T>
+class SliceBackwardNode final : public Node {
+ public:
+  SliceBackwardNode(NodePtr g, Shape in_shape, int dim, std::int64_t start, std::int64_t step)
+      : Node(NodeKind::Copy, dtype_of<T>(), in_shape, g->device(), {g}), dim_(dim), start_(start), step_(step) {}
+  std::string op_name() const override { return "slice_backward"; }
+  std::uint64_t structural_hash() const override {
+    return hash_combine(hash_combine(hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_)),
+                                     static_cast<std::uint64_t>(start_)),
+                        static_cast<std::uint64_t>(step_));
+  }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    const T* g = inputs()[0]->template data<T>();
+    const Shape& gs = inputs()[0]->shape();
+    auto buf = allocate_output(ctx, false);
+    T* out = static_cast<T*>(buf->data());
+    const Shape& s = shape();
+    std::int64_t outer = 1, inner = 1;
+    for (int d = 0; d < dim_; ++d) outer *= s[d];
+    for (int d = dim_ + 1; d < s.rank(); ++d) inner *= s[d];
+    const std::int64_t dsize = s[dim_], len = gs[dim_];
+    auto& pool = ctx.device.threads();
+    const std::int64_t tasks = std::max<std::int64_t>(1, std::min(outer, task_count(pool, numel(), 1.0)));
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      auto [o0, o1] = task_range(outer, tasks, t);
+      for (std::int64_t o = o0; o < o1; ++o) {
+        T* row = out + o * dsize * inner;
+        std::fill(row, row + dsize * inner, T(0));
+        for (std::int64_t k = 0; k < len; ++k) {
+          std::memcpy(row + (start_ + k * step_) * inner, g + (o * len + k) * inner,
+                      static_cast<std::size_t>(inner) * sizeof(T));
+        }
+      }
+    });
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  int dim_;
+  std::int64_t start_, step_;
+};
+
+/// index_add into zeros: out[.., index[k], ..] += g[.., k, ..] along `dim` (the gradient of
+/// index_select; embeddings). Tasks split the (outer, inner) plane, each adding over k in
+/// order.
+template <Element T, IndexElement I>
+class IndexAddNode final : public Node {
+ public:
+  IndexAddNode(NodePtr g, NodePtr index, Shape in_shape, int dim)
+      : Node(NodeKind::Copy, dtype_of<T>(), in_shape, g->device(), {g, index}), dim_(dim) {}
+  std::string op_name() const override { return "index_add"; }
+  std::uint64_t structural_hash() const override {
+    return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
+  }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    const T* g = inputs()[0]->template data<T>();
+    const I* idx = inputs()[1]->template data<I>();
+    const std::int64_t K = inputs()[1]->numel();
+    auto buf = allocate_output(ctx, false);
+    T* out = static_cast<T*>(buf->data());
+    const Shape& s = shape();
+    std::int64_t outer = 1, inner = 1;
+    for (int d = 0; d < dim_; ++d) outer *= s[d];
+    for (int d = dim_ + 1; d < s.rank(); ++d) inner *= s[d];
+    const std::int64_t dsize = s.rank() ? s[dim_] : 1;
+    for (std::int64_t k = 0; k < K; ++k) {
+      if (idx[k] < 0 || idx[k] >= dsize) {
+        throw IndexError("index_add: index " + std::to_string(idx[k]) + " is out of range for dimension " +
+                         std::to_string(dim_) + " with size " + std::to_string(dsize));
+      }
+    }
+    using C = compute_t<T>;
+    constexpr std::int64_t kCols = 256;
+    const std::int64_t chunks = (inner + kCols - 1) / kCols, units = outer * chunks;
+    auto& pool = ctx.device.threads();
+    const std::int64_t tasks = std::max<std::int64_t>(1, std::min(units, task_count(pool, numel() + K * inner, 1.0)));
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      auto [u0, u1] = task_range(units, tasks, t);
+      for (std::int64_t u = u0; u < u1; ++u) {
+        const std::int64_t o = u / chunks, j0 = (u % chunks) * kCols, j1 = std::min(inner, j0 + kCols);
+        T* base = out + o * dsize * inner;
+        for (std::int64_t r = 0; r < dsize; ++r) std::fill(base + r * inner + j0, base + r * inner + j1, T(0));
+        for (std::int64_t k = 0; k < K; ++k) {
+          T* dst = base + static_cast<std::int64_t>(idx[k]) * inner;
+          const T* src = g + (o * K + k) * inner;
+          for (std::int64_t j = j0; j < j1; ++j) dst[j] = static_cast<T>(static_cast<C>(dst[j]) + static_cast<C>(src[j]));
+        }
+      }
+    });
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  int dim_;
+};
+
+/// scatter_add into zeros: out[.., index[p], ..] += g[p] along `dim` for every position p of
+/// the index (the gradient of gather). Positions that differ outside `dim` never collide,
+/// so tasks split the index's outermost other dimension.
+template <Element T, IndexElement I>
+class ScatterAddNode final : public Node {
+ public:
+  ScatterAddNode(NodePtr g, NodePtr index, Shape in_shape, int dim)
+      : Node(NodeKind::Copy, dtype_of<T>(), in_shape, g->device(), {g, index}), dim_(dim) {}
+  std::string op_name() const override { return "scatter_add"; }
+  std::uint64_t structural_hash() const override {
+    return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
+  }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    const T* g = inputs()[0]->template data<T>();
+    const I* idx = inputs()[1]->template data<I>();
+    Shape xs = inputs()[1]->shape(), ts = shape();
+    if (xs.rank() == 0) xs = Shape{1};
+    if (ts.rank() == 0) ts = Shape{1};
+    auto buf = allocate_output(ctx, false);
+    T* out = static_cast<T*>(buf->data());
+    std::fill(out, out + numel(), T(0));
+    const int R = xs.rank();
+    const std::int64_t n = xs.numel(), dsize = ts[dim_];
+    const auto xst = contiguous_strides(xs), tst = contiguous_strides(ts);
+    // Split over the outermost dim other than `dim` (all of it in one task when none).
+    const int split = dim_ == 0 ? (R > 1 ? 1 : -1) : 0;
+    const std::int64_t parts = split < 0 ? 1 : xs[split];
+    auto& pool = ctx.device.threads();
+    const std::int64_t tasks = std::max<std::int64_t>(1, std::min(parts, task_count(pool, n, 2.0)));
+    using C = compute_t<T>;
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      auto [p0, p1] = task_range(parts, tasks, t);
+      for (std::int64_t p = 0; p < n; ++p) {
+        // Coordinates of p in the index; the target replaces coordinate `dim`.
+        std::int64_t rem = p, at = 0, part = 0;
+        for (int d = 0; d < R; ++d) {
+          const std::int64_t c = rem / xst[d];
+          rem %= xst[d];
+          if (d == split) part = c;
+          if (d != dim_) at += c * tst[d];
+        }
+        if (split >= 0 && (part < p0 || part >= p1)) continue;
+        if (split < 0 && t != 0) continue;
+        const auto k = static_cast<std::int64_t>(idx[p]);
+        if (k < 0 || k >= dsize) {
+          throw IndexError("scatter_add: index " + std::to_string(k) + " is out of bounds for dimension " +
+                           std::to_string(dim_) + " with size " + std::to_string(dsize));
+        }
+        T& dst = out[at + k * tst[dim_]];
+        dst = static_cast<T>(static_cast<C>(dst) + static_cast<C>(g[p]));
+      }
+    });
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  int dim_;
+};
+
+}  // namespace lazy::graph
+// ---- end lazytensor/graph/shape_backward.hpp ----
+// ---- begin lazytensor/graph/shape_nodes.hpp ----
+// The runtime nodes of the shape ops (ops/shape.hpp): views share their input's buffer;
+// permutes, slices, cat, index_select, gather and one_hot copy bytes with one kernel per
+// element size (1, 2, 4, 8 bytes), which serves every dtype and keeps the code small (the
+// byte-copy helpers are in graph/byte_copy.hpp). Index values may live in tensors that are
+// still pending, so they are checked inside the kernel, which throws lazy::IndexError out of
+// the mark_step or read that ran it.
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+// ---- begin lazytensor/graph/byte_copy.hpp ----
+// The byte-copy helpers of the copy nodes (graph/shape_nodes.hpp): one kernel per element
+// size (1, 2, 4, 8 bytes) serves every dtype and keeps the code small. The element copy is a
+// constant-size memcpy: one load and one store, valid whatever type wrote the buffer.
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+
+namespace lazy::graph::detail {
+
+/// Copies one element of N bytes (see the file comment for why memcpy).
+template <std::size_t N>
+inline void copy_elem(std::byte* dst, const std::byte* src) {
+  std::memcpy(dst, src, N);
+}
+
+/// Calls f(std::integral_constant<std::size_t, N>{}) for an element size of N bytes, so a
+/// kernel is instantiated once per size instead of once per dtype.
+template <class F>
+void with_elem_size(std::size_t bytes, F&& f) {
+  switch (bytes) {
+    case 1: f(std::integral_constant<std::size_t, 1>{}); break;
+    case 2: f(std::integral_constant<std::size_t, 2>{}); break;
+    case 4: f(std::integral_constant<std::size_t, 4>{}); break;
+    default: f(std::integral_constant<std::size_t, 8>{}); break;
+  }
+}
+
+/// A multi-index over `rank` dims (last fastest) that tracks two linear offsets, `a` and
+/// `b`, with their own strides: typically an input offset and an output offset.
+struct Odometer {
+  int rank = 0;
+  std::array<std::int64_t, kMaxRank> size{}, stride_a{}, stride_b{}, idx{};
+  std::int64_t a = 0, b = 0;
+
+  /// Positions the multi-index at linear position `lin` (row-major over `size`).
+  void seek(std::int64_t lin);
+  /// Advances by one position (carry from the last dim).
+  void next();
+};
+
+/// Fills `segs` equal-length output segments of `len` elements each, segment s copied from
+/// the contiguous input run starting at element `src_off(s)`. The split across threads is
+/// over output elements, not segments, so one huge segment and a million tiny ones both
+/// balance.
+template <std::size_t N, class SrcOff>
+void copy_segments(ThreadPool& pool, std::byte* dst, const std::byte* src, std::int64_t segs, std::int64_t len,
+                   const SrcOff& src_off) {
+  const std::int64_t n = segs * len;
+  if (n == 0) return;
+  const std::int64_t tasks = task_count(pool, n, 1.0);
+  pool.parallel_for(tasks, [&](std::int64_t t) {
+    auto [b, e] = task_range(n, tasks, t);
+    if (len == 1) {  // gathers of single elements: no variable-size memcpy per element
+      for (std::int64_t f = b; f < e; ++f) copy_elem<N>(dst + f * N, src + src_off(f) * N);
+      return;
+    }
+    while (b < e) {
+      const std::int64_t s = b / len, k = b % len, c = std::min(len - k, e - b);
+      std::memcpy(dst + b * N, src + (src_off(s) + k) * N, static_cast<std::size_t>(c) * N);
+      b += c;
+    }
+  });
+}
+
+inline const std::byte* bytes_of(const NodePtr& n) { return static_cast<const std::byte*>(n->buffer()->data()); }
+
+}  // namespace lazy::graph::detail
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::graph::detail {
+
+LAZYTENSOR_INLINE void Odometer::seek(std::int64_t lin) {
+  a = b = 0;
+  for (int d = rank - 1; d >= 0; --d) {
+    idx[d] = lin % size[d];
+    lin /= size[d];
+    a += idx[d] * stride_a[d];
+    b += idx[d] * stride_b[d];
+  }
+}
+
+LAZYTENSOR_INLINE void Odometer::next() {
+  for (int d = rank - 1; d >= 0; --d) {
+    ++idx[d];
+    a += stride_a[d];
+    b += stride_b[d];
+    if (idx[d] < size[d]) return;
+    a -= stride_a[d] * size[d];
+    b -= stride_b[d] * size[d];
+    idx[d] = 0;
+  }
+}
+
+}  // namespace lazy::graph::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/graph/byte_copy.hpp ----
+
+namespace lazy::graph {
+
+/// A view: same bytes, another shape. Its kernel only shares the input's buffer, so it
+/// costs nothing and the donation rule (buffer use_count == 1) keeps shared data safe.
+class ViewNode final : public Node {
+ public:
+  ViewNode(std::string op, NodePtr in, Shape shape);
+
+  std::string op_name() const override { return op_; }
+  std::string describe() const override { return op_ + "(%0) -> " + shape().str(); }
+  double cost_per_element() const override { return 0; }
+
+ protected:
+  void compute(ExecContext&) override { set_buffer(inputs()[0]->buffer()); }
+
+ private:
+  std::string op_;
+};
+
+/// Output = input with its dimensions permuted (out dim i = input dim perm[i]).
+/// The permutation is first simplified: size-1 dims are dropped and output dims that are
+/// adjacent in the input too are merged. What remains always has one output dim `q` that
+/// reads the input contiguously; when q is the last dim the kernel copies rows (memcpy),
+/// otherwise it copies 32x32 tiles of the (q, last) plane, so both the reads and the writes
+/// stay within a few cache lines (a batched, cache-blocked 2-D transpose).
+class PermuteNode : public Node {
+ public:
+  /// Simplified iteration space of a permutation (see the class comment).
+  struct Plan {
+    int rank = 0;
+    std::array<std::int64_t, kMaxRank> size{}, istride{}, ostride{};
+    int q = -1;  ///< the output dim with input stride 1
+    /// True when the permutation only moves size-1 dims: the bytes are already in order.
+    bool keeps_order() const { return rank <= 1; }
+  };
+
+  static Shape permuted_shape(const Shape& in, const std::vector<int>& perm);
+
+  static Plan make_plan(const Shape& in, const std::vector<int>& perm);
+
+  PermuteNode(NodePtr in, std::vector<int> perm, std::string op);
+
+  /// out dim i reads input dim perm()[i].
+  const std::vector<int>& perm() const { return perm_; }
+  /// True when the permutation swaps the last two dims and keeps the others: a matmul can
+  /// then read the input with a transposed layout instead of waiting for this copy.
+  bool swaps_last_two() const;
+
+  std::string op_name() const override { return op_; }
+  std::string describe() const override;
+  std::uint64_t structural_hash() const override;
+
+ protected:
+  void compute(ExecContext& ctx) override;
+
+ private:
+  static constexpr std::int64_t kTile = 32;
+
+  template <std::size_t N>
+  void run(ExecContext& ctx, std::byte* dst, const std::byte* src, std::int64_t n) const {
+    using detail::Odometer;
+    auto& pool = ctx.device.threads();
+    const Plan& p = plan_;
+    if (p.keeps_order()) {  // only reachable when a caller builds the node directly
+      std::memcpy(dst, src, static_cast<std::size_t>(n) * N);
+      return;
+    }
+    const int last = p.rank - 1;
+    if (p.q == last) {
+      // Rows: the innermost output dim is contiguous in the input.
+      Odometer od;
+      od.rank = last;
+      for (int d = 0; d < last; ++d) {
+        od.size[d] = p.size[d];
+        od.stride_a[d] = p.istride[d];
+        od.stride_b[d] = p.ostride[d];
+      }
+      const std::int64_t inner = p.size[last], rows = n / inner;
+      const std::int64_t tasks = std::min(rows, task_count(pool, n, 1.0));
+      pool.parallel_for(tasks, [&](std::int64_t t) {
+        auto [r0, r1] = task_range(rows, tasks, t);
+        Odometer o = od;
+        o.seek(r0);
+        for (std::int64_t r = r0; r < r1; ++r, o.next()) {
+          std::memcpy(dst + o.b * N, src + o.a * N, static_cast<std::size_t>(inner) * N);
+        }
+      });
+      return;
+    }
+    // Tiles of the (q, last) plane; every other dim is iterated by an odometer.
+    const int q = p.q;
+    Odometer od;
+    for (int d = 0; d < p.rank; ++d) {
+      if (d == q || d == last) continue;
+      od.size[od.rank] = p.size[d];
+      od.stride_a[od.rank] = p.istride[d];
+      od.stride_b[od.rank] = p.ostride[d];
+      ++od.rank;
+    }
+    const std::int64_t rows = p.size[q], cols = p.size[last];
+    const std::int64_t ostq = p.ostride[q], isl = p.istride[last];
+    const std::int64_t row_tiles = (rows + kTile - 1) / kTile;
+    const std::int64_t units = n / (rows * cols) * row_tiles;
+    const std::int64_t tasks = std::min(units, task_count(pool, n, 1.0));
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      auto [u0, u1] = task_range(units, tasks, t);
+      Odometer o = od;
+      alignas(64) std::byte tile[kTile * kTile * N];
+      std::int64_t at = -1;
+      for (std::int64_t u = u0; u < u1; ++u) {
+        const std::int64_t outer = u / row_tiles;
+        if (outer != at) {
+          o.seek(outer);
+          at = outer;
+        }
+        const std::int64_t i0 = u % row_tiles * kTile, in_ = std::min(rows - i0, kTile);
+        for (std::int64_t j0 = 0; j0 < cols; j0 += kTile) {
+          const std::int64_t jn = std::min(cols - j0, kTile);
+          // Stage the tile: jn contiguous input runs into a 32x32 scratch, then write the
+          // output rows from it. Reading the strided side straight from the source would
+          // keep 32 lines alive that, for power-of-two strides, all map to one cache set.
+          for (std::int64_t j = 0; j < jn; ++j) {
+            std::memcpy(tile + j * kTile * N, src + (o.a + i0 + (j0 + j) * isl) * N, static_cast<std::size_t>(in_) * N);
+          }
+          for (std::int64_t i = 0; i < in_; ++i) {
+            std::byte* out = dst + (o.b + (i0 + i) * ostq + j0) * N;
+            for (std::int64_t j = 0; j < jn; ++j) detail::copy_elem<N>(out + j * N, tile + (j * kTile + i) * N);
+          }
+        }
+      }
+    });
+  }
+
+  std::vector<int> perm_;
+  std::string op_;
+  Plan plan_;
+};
+
+/// A permutation that swaps the last two dims (op_name "transpose"). It advertises its
+/// source through TransposeOfLastTwo, so a GEMM consuming it while it is still pending reads
+/// the source with a transposed layout and this copy never runs.
+class TransposeNode final : public PermuteNode, public TransposeOfLastTwo {
+ public:
+  explicit TransposeNode(NodePtr in);
+
+  /// The node whose last two dims this value swaps (null once this node has run: a
+  /// computed node keeps no inputs).
+  const NodePtr& transpose_source() const override { return inputs().empty() ? none_ : inputs()[0]; }
+
+  /// The identity permutation with the last two entries swapped.
+  static std::vector<int> last_two(int rank);
+
+ private:
+  NodePtr none_;
+};
+
+/// Copies a strided range of one dim: out[.., k, ..] = in[.., start + k * step, ..].
+class SliceNode final : public Node {
+ public:
+  SliceNode(std::string op, NodePtr in, int dim, std::int64_t start, std::int64_t step, Shape out);
+
+  std::string op_name() const override { return op_; }
+  std::string describe() const override;
+  // The offsets are part of the kernel's layout, not data: they belong in the hash.
+  std::uint64_t structural_hash() const override;
+
+ protected:
+  void compute(ExecContext& ctx) override;
+
+ private:
+  std::string op_;
+  int dim_;
+  std::int64_t start_, step_;
+};
+
+/// Concatenation: the output, viewed as [outer, sum of widths], is row o = the inputs' rows o
+/// side by side (input i viewed as [outer, widths[i]]). cat and stack differ only in how
+/// they compute outer and the widths.
+class CatNode final : public Node {
+ public:
+  CatNode(std::string op, DType dtype, std::vector<NodePtr> ins, Shape out, Device* dev, std::int64_t outer,
+          std::vector<std::int64_t> widths);
+
+  std::string op_name() const override { return op_; }
+  std::uint64_t structural_hash() const override;
+
+ protected:
+  void compute(ExecContext& ctx) override;
+
+ private:
+  std::string op_;
+  std::int64_t outer_;
+  std::vector<std::int64_t> widths_;
+};
+
+/// out[.., k, ..] = in[.., index[k], ..] along `dim` (index 1-D, values checked here).
+template <IndexElement I>
+class IndexSelectNode final : public Node {
+ public:
+  IndexSelectNode(NodePtr in, NodePtr index, int dim, Shape out)
+      : Node(NodeKind::Copy, in->dtype(), out, in->device(), {in, index}), dim_(dim) {}
+
+  std::string op_name() const override { return "index_select"; }
+  std::string describe() const override { return "index_select(%0, dim=" + std::to_string(dim_) + ", %1)"; }
+  std::uint64_t structural_hash() const override {
+    return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
+  }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    const Shape& is = inputs()[0]->shape();
+    const std::byte* src = detail::bytes_of(inputs()[0]);
+    const I* idx = inputs()[1]->template data<I>();
+    const std::int64_t K = inputs()[1]->numel();
+    std::int64_t outer = 1, inner = 1;
+    const std::int64_t dsize = is.rank() ? is[dim_] : 1;
+    for (int d = 0; d < dim_; ++d) outer *= is[d];
+    for (int d = dim_ + 1; d < is.rank(); ++d) inner *= is[d];
+    // Check every index before writing anything: K values, cheap next to the copy.
+    for (std::int64_t k = 0; k < K; ++k) {
+      if (idx[k] < 0 || idx[k] >= dsize) {
+        throw IndexError("index_select: index " + std::to_string(idx[k]) + " (position " + std::to_string(k) +
+                         ") is out of range for dimension " + std::to_string(dim_) + " with size " +
+                         std::to_string(dsize) + " (expected 0 <= index < " + std::to_string(dsize) + ")");
+      }
+    }
+    auto buf = allocate_output(ctx, false);
+    auto* dst = static_cast<std::byte*>(buf->data());
+    detail::with_elem_size(dtype_size(dtype()), [&](auto nb) {
+      constexpr std::size_t N = decltype(nb)::value;
+      detail::copy_segments<N>(ctx.device.threads(), dst, src, outer * K, inner, [&](std::int64_t s) {
+        return ((s / K) * dsize + static_cast<std::int64_t>(idx[s % K])) * inner;
+      });
+    });
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  int dim_;
+};
+
+/// torch.gather: out[i][j][k] = in[index[i][j][k]][j][k] for dim 0 (likewise for others);
+/// the output has the index's shape, index values are checked while they are read.
+template <IndexElement I>
+class GatherNode final : public Node {
+ public:
+  GatherNode(NodePtr in, NodePtr index, int dim)
+      : Node(NodeKind::Copy, in->dtype(), index->shape(), in->device(), {in, index}), dim_(dim) {}
+
+  std::string op_name() const override { return "gather"; }
+  std::string describe() const override { return "gather(%0, dim=" + std::to_string(dim_) + ", %1)"; }
+  double cost_per_element() const override { return 2; }
+  std::uint64_t structural_hash() const override {
+    return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
+  }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    // A 0-d tensor is handled as a 1-D tensor of one element.
+    Shape ts = inputs()[0]->shape(), xs = shape();
+    if (ts.rank() == 0) ts = Shape{1};
+    if (xs.rank() == 0) xs = Shape{1};
+    const std::byte* src = detail::bytes_of(inputs()[0]);
+    const I* idx = inputs()[1]->template data<I>();
+    auto buf = allocate_output(ctx, false);
+    auto* dst = static_cast<std::byte*>(buf->data());
+    const int R = xs.rank(), dim = dim_;
+    const std::int64_t n = numel(), last = xs[R - 1], dsize = ts[dim];
+    if (n > 0) {
+      const auto tst = contiguous_strides(ts), xst = contiguous_strides(xs);
+      detail::Odometer od;  // a: input offset without `dim`; b: index offset
+      od.rank = R - 1;
+      for (int d = 0; d + 1 < R; ++d) {
+        od.size[d] = xs[d];
+        od.stride_a[d] = d == dim ? 0 : tst[d];
+        od.stride_b[d] = xst[d];
+      }
+      const std::int64_t dstride = tst[dim], rows = n / last;
+      auto& pool = ctx.device.threads();
+      const std::int64_t tasks = std::min(rows, task_count(pool, n, 2.0));
+      detail::with_elem_size(dtype_size(dtype()), [&](auto nb) {
+        constexpr std::size_t N = decltype(nb)::value;
+        pool.parallel_for(tasks, [&](std::int64_t t) {
+          auto [r0, r1] = task_range(rows, tasks, t);
+          detail::Odometer o = od;
+          o.seek(r0);
+          for (std::int64_t r = r0; r < r1; ++r, o.next()) {
+            for (std::int64_t j = 0; j < last; ++j) {
+              const auto k = static_cast<std::int64_t>(idx[o.b + j]);
+              if (k < 0 || k >= dsize) {
+                throw IndexError("gather: index " + std::to_string(k) + " is out of bounds for dimension " +
+                                 std::to_string(dim_) + " with size " + std::to_string(dsize) +
+                                 " (expected 0 <= index < " + std::to_string(dsize) + ")");
+              }
+              const std::int64_t at = dim == R - 1 ? o.a + k : o.a + j + k * dstride;
+              detail::copy_elem<N>(dst + (o.b + j) * N, src + at * N);
+            }
+          }
+        });
+      });
+    }
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  int dim_;
+};
+
+/// torch.nn.functional.one_hot: out[..., c] = (index[...] == c), as int64.
+template <IndexElement I>
+class OneHotNode final : public Node {
+ public:
+  OneHotNode(NodePtr index, std::int64_t classes, Shape out)
+      : Node(NodeKind::Copy, DType::Int64, out, index->device(), {index}), classes_(classes) {}
+
+  std::string op_name() const override { return "one_hot"; }
+  std::string describe() const override { return "one_hot(%0, num_classes=" + std::to_string(classes_) + ")"; }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    const I* idx = inputs()[0]->template data<I>();
+    const std::int64_t m = inputs()[0]->numel(), C = classes_;
+    auto buf = allocate_output(ctx, false);
+    auto* out = static_cast<std::int64_t*>(buf->data());
+    auto& pool = ctx.device.threads();
+    const std::int64_t tasks = std::max<std::int64_t>(1, std::min(m, task_count(pool, m * C, 1.0)));
+    if (m > 0) {
+      pool.parallel_for(tasks, [&](std::int64_t t) {
+        auto [b, e] = task_range(m, tasks, t);
+        if (C > 0) std::fill(out + b * C, out + e * C, std::int64_t{0});
+        for (std::int64_t i = b; i < e; ++i) {
+          const auto v = static_cast<std::int64_t>(idx[i]);
+          if (v < 0) {
+            throw IndexError("one_hot: class values must be non-negative, found " + std::to_string(v));
+          }
+          if (v >= C) {
+            throw IndexError("one_hot: class values must be smaller than num_classes (" + std::to_string(C) +
+                             "), found " + std::to_string(v));
+          }
+          out[i * C + v] = 1;
+        }
+      });
+    }
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  std::int64_t classes_;
+};
+
+}  // namespace lazy::graph
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::graph {
+
+LAZYTENSOR_INLINE ViewNode::ViewNode(std::string op, NodePtr in, Shape shape)
+    : Node(NodeKind::View, in->dtype(), shape, in->device(), {in}), op_(std::move(op)) {}
+
+LAZYTENSOR_INLINE Shape PermuteNode::permuted_shape(const Shape& in, const std::vector<int>& perm) {
+  Shape out;
+  for (int p : perm) out.push_back(in[p]);
+  return out;
+}
+
+LAZYTENSOR_INLINE auto PermuteNode::make_plan(const Shape& in, const std::vector<int>& perm) -> Plan {
+  Plan p;
+  if (in.numel() <= 1) return p;
+  const auto ics = contiguous_strides(in);
+  std::vector<std::int64_t> sz, st;
+  for (int d : perm) {
+    if (in[d] == 1) continue;
+    sz.push_back(in[d]);
+    st.push_back(ics[d]);
+  }
+  // Merge output dim i into i + 1 while the input is contiguous across the pair.
+  std::vector<std::int64_t> csz{sz.back()}, cst{st.back()};
+  for (int i = static_cast<int>(sz.size()) - 2; i >= 0; --i) {
+    if (st[i] == cst.front() * csz.front()) {
+      csz.front() *= sz[i];
+    } else {
+      csz.insert(csz.begin(), sz[i]);
+      cst.insert(cst.begin(), st[i]);
+    }
+  }
+  p.rank = static_cast<int>(csz.size());
+  std::int64_t acc = 1;
+  for (int i = p.rank - 1; i >= 0; --i) {
+    p.size[i] = csz[i];
+    p.istride[i] = cst[i];
+    p.ostride[i] = acc;
+    acc *= csz[i];
+    if (cst[i] == 1) p.q = i;
+  }
+  return p;
+}
+
+LAZYTENSOR_INLINE PermuteNode::PermuteNode(NodePtr in, std::vector<int> perm, std::string op)
+    : Node(NodeKind::Copy, in->dtype(), permuted_shape(in->shape(), perm), in->device(), {in}),
+      perm_(std::move(perm)), op_(std::move(op)), plan_(make_plan(in->shape(), perm_)) {}
+
+LAZYTENSOR_INLINE bool PermuteNode::swaps_last_two() const {
+  const int r = static_cast<int>(perm_.size());
+  if (r < 2 || perm_[r - 2] != r - 1 || perm_[r - 1] != r - 2) return false;
+  for (int i = 0; i + 2 < r; ++i)
+    if (perm_[i] != i) return false;
+  return true;
+}
+
+LAZYTENSOR_INLINE std::string PermuteNode::describe() const {
+  std::string s = op_ + "(%0, dims=[";
+  for (std::size_t i = 0; i < perm_.size(); ++i) s += (i ? ", " : "") + std::to_string(perm_[i]);
+  return s + "])";
+}
+
+LAZYTENSOR_INLINE std::uint64_t PermuteNode::structural_hash() const {
+  std::uint64_t h = Node::structural_hash();
+  for (int p : perm_) h = hash_combine(h, static_cast<std::uint64_t>(p));
+  return h;
+}
+
+LAZYTENSOR_INLINE void PermuteNode::compute(ExecContext& ctx) {
+  const std::byte* src = detail::bytes_of(inputs()[0]);
+  auto buf = allocate_output(ctx, false);  // reads elsewhere than it writes
+  auto* dst = static_cast<std::byte*>(buf->data());
+  const std::int64_t n = numel();
+  if (n > 0) {
+    detail::with_elem_size(dtype_size(dtype()), [&](auto nb) { run<decltype(nb)::value>(ctx, dst, src, n); });
+  }
+  set_buffer(std::move(buf));
+}
+
+LAZYTENSOR_INLINE TransposeNode::TransposeNode(NodePtr in) : PermuteNode(in, last_two(in->shape().rank()), "transpose") {}
+
+LAZYTENSOR_INLINE std::vector<int> TransposeNode::last_two(int rank) {
+  std::vector<int> p(static_cast<std::size_t>(rank));
+  for (int i = 0; i < rank; ++i) p[i] = i;
+  if (rank >= 2) std::swap(p[rank - 2], p[rank - 1]);
+  return p;
+}
+
+LAZYTENSOR_INLINE SliceNode::SliceNode(std::string op, NodePtr in, int dim, std::int64_t start, std::int64_t step, Shape out)
+    : Node(NodeKind::Copy, in->dtype(), out, in->device(), {in}), op_(std::move(op)), dim_(dim), start_(start),
+      step_(step) {}
+
+LAZYTENSOR_INLINE std::string SliceNode::describe() const {
+  return op_ + "(%0, dim=" + std::to_string(dim_) + ", start=" + std::to_string(start_) +
+         ", step=" + std::to_string(step_) + ")";
+}
+
+LAZYTENSOR_INLINE std::uint64_t SliceNode::structural_hash() const {
+  return hash_combine(hash_combine(hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_)),
+                                   static_cast<std::uint64_t>(start_)),
+                      static_cast<std::uint64_t>(step_));
+}
+
+LAZYTENSOR_INLINE void SliceNode::compute(ExecContext& ctx) {
+  const Shape& is = inputs()[0]->shape();
+  const std::byte* src = detail::bytes_of(inputs()[0]);
+  auto buf = allocate_output(ctx, false);
+  auto* dst = static_cast<std::byte*>(buf->data());
+  std::int64_t outer = 1, inner = 1;
+  for (int d = 0; d < dim_; ++d) outer *= is[d];
+  for (int d = dim_ + 1; d < is.rank(); ++d) inner *= is[d];
+  const std::int64_t dsize = is[dim_], len = shape()[dim_];
+  const std::int64_t start = start_, step = step_;
+  detail::with_elem_size(dtype_size(dtype()), [&](auto nb) {
+    constexpr std::size_t N = decltype(nb)::value;
+    if (step == 1) {  // one contiguous run per outer index
+      detail::copy_segments<N>(ctx.device.threads(), dst, src, outer, len * inner,
+                               [&](std::int64_t o) { return (o * dsize + start) * inner; });
+    } else {
+      detail::copy_segments<N>(ctx.device.threads(), dst, src, outer * len, inner, [&](std::int64_t s) {
+        return ((s / len) * dsize + start + (s % len) * step) * inner;
+      });
+    }
+  });
+  set_buffer(std::move(buf));
+}
+
+LAZYTENSOR_INLINE CatNode::CatNode(std::string op,
+  DType dtype,
+  std::vector<NodePtr> ins,
+  Shape out,
+  Device* dev,
+  std::int64_t outer,
+  std::vector<std::int64_t> widths)
+    : Node(NodeKind::Copy, dtype, out, dev, std::move(ins)), op_(std::move(op)), outer_(outer),
+      widths_(std::move(widths)) {}
+
+LAZYTENSOR_INLINE std::uint64_t CatNode::structural_hash() const {
+  std::uint64_t h = hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(outer_));
+  for (auto w : widths_) h = hash_combine(h, static_cast<std::uint64_t>(w));
+  return h;
+}
+
+LAZYTENSOR_INLINE void CatNode::compute(ExecContext& ctx) {
+  const std::size_t k = inputs().size();
+  std::vector<const std::byte*> srcs(k);
+  for (std::size_t i = 0; i < k; ++i) srcs[i] = detail::bytes_of(inputs()[i]);
+  auto buf = allocate_output(ctx, false);
+  auto* dst = static_cast<std::byte*>(buf->data());
+  std::vector<std::int64_t> pre(k + 1, 0);  // start of each input inside an output row
+  for (std::size_t i = 0; i < k; ++i) pre[i + 1] = pre[i] + widths_[i];
+  const std::int64_t W = pre[k], n = outer_ * W;
+  auto& pool = ctx.device.threads();
+  if (n > 0) {
+    detail::with_elem_size(dtype_size(dtype()), [&](auto nb) {
+      constexpr std::size_t N = decltype(nb)::value;
+      const std::int64_t tasks = task_count(pool, n, 1.0);
+      // Split the output evenly, whatever the sizes of the pieces.
+      pool.parallel_for(tasks, [&](std::int64_t t) {
+        auto [b, e] = task_range(n, tasks, t);
+        while (b < e) {
+          const std::int64_t o = b / W, w = b % W;
+          const auto i = static_cast<std::size_t>(std::upper_bound(pre.begin() + 1, pre.end(), w) - pre.begin() - 1);
+          const std::int64_t off = w - pre[i], c = std::min(widths_[i] - off, e - b);
+          std::memcpy(dst + b * N, srcs[i] + (o * widths_[i] + off) * N, static_cast<std::size_t>(c) * N);
+          b += c;
+        }
+      });
+    });
+  }
+  set_buffer(std::move(buf));
+}
+
+}  // namespace lazy::graph
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/graph/shape_nodes.hpp ----
+// ---- begin lazytensor/ops/shape_helpers.hpp ----
+// The helpers the shape ops share (ops/reshape.hpp, slice.hpp, indexing.hpp, and conv and
+// pool for as_tensor): an operand as a tensor, size lists, views and permuted copies with
+// their backward, expand's broadcast, and the autograd records of slices and tensor lists.
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace lazy::detail {
+
+/// An operand as a tensor: a Tensor as is (the handle is copied), an expression evaluated
+/// into a pending node.
+template <expr::ExprLike X>
+auto as_tensor(const X& x) {
+  using T = expr::value_t<X>;
+  if constexpr (std::is_same_v<X, Tensor<T>>) return x;
+  else if constexpr (expr::is_expr_node<X>::value) return Tensor<T>(x);
+  else return Tensor<T>(x.to_leaf().node);
+}
+
+std::string list_str(std::span<const std::int64_t> v);
+inline std::string list_str(const Shape& s) { return list_str(std::span<const std::int64_t>(s.begin(), s.end())); }
+inline std::span<const std::int64_t> span_of(const Shape& s) { return {s.begin(), static_cast<std::size_t>(s.rank())}; }
+
+/// A view of t with `shape` (same numel), or t's own node when the shape does not change.
+/// A view of a pending view is made a view of that view's source, so chains stay short.
+template <Element T>
+Tensor<T> view_of(const Tensor<T>& t, const Shape& shape, const char* op) {
+  graph::NodePtr src = t.node();
+  if (src->shape() == shape) return t;
+  if (src->pending() && dynamic_cast<graph::ViewNode*>(src.get())) src = src->inputs()[0];
+  Tensor<T> r(graph::submit(std::make_shared<graph::ViewNode>(op, std::move(src), shape)));
+  autograd::record(r, "ViewBackward0", {autograd::edge_of(t.impl())}, [in = t.shape()](const Tensor<T>& g) {
+    return std::vector<graph::NodePtr>{view_of(g, in, "view").node()};
+  });
+  return r;
+}
+
+/// Resolves a size list with at most one -1 against `numel` (torch's infer_size).
+Shape infer_shape(std::span<const std::int64_t> sizes, std::int64_t numel, const char* op);
+
+template <expr::ExprLike X>
+auto reshape_impl(const X& x, std::span<const std::int64_t> sizes, const char* op) {
+  auto t = as_tensor(x);
+  return view_of(t, infer_shape(sizes, t.numel(), op), op);
+}
+
+/// A permuted copy, or a view when only size-1 dims move (the bytes are then in order).
+template <Element T>
+Tensor<T> permute_impl(const Tensor<T>& t, std::vector<int> perm, const char* op) {
+  const graph::NodePtr& n = t.node();
+  bool identity = true;
+  for (std::size_t i = 0; i < perm.size(); ++i) identity = identity && perm[i] == static_cast<int>(i);
+  if (identity) return t;
+  if (graph::PermuteNode::make_plan(n->shape(), perm).keeps_order()) {
+    return view_of(t, graph::PermuteNode::permuted_shape(n->shape(), perm), op);
+  }
+  std::vector<int> inverse(perm.size());
+  for (std::size_t i = 0; i < perm.size(); ++i) inverse[static_cast<std::size_t>(perm[i])] = static_cast<int>(i);
+  const bool swap_last_two = perm == graph::TransposeNode::last_two(static_cast<int>(perm.size()));
+  graph::NodePtr source;  // transpose(transpose(s)) is s: no node, no copy
+  if (swap_last_two && n->pending()) {
+    if (auto* tr = dynamic_cast<graph::TransposeOfLastTwo*>(n.get()))
+      source = tr->transpose_source();
+  }
+  Tensor<T> r =
+      source ? Tensor<T>(source)
+      : swap_last_two
+          ? Tensor<T>(graph::submit(std::make_shared<graph::TransposeNode>(n)))
+          : Tensor<T>(graph::submit(std::make_shared<graph::PermuteNode>(n, std::move(perm), op)));
+  autograd::record(r, "PermuteBackward0", {autograd::edge_of(t.impl())}, [inverse](const Tensor<T>& g) {
+    return std::vector<graph::NodePtr>{permute_impl(g, inverse, "permute").node()};
+  });
+  return r;
+}
+
+template <expr::ExprLike X>
+auto expand_impl(const X& x, std::span<const std::int64_t> sizes) {
+  using T = expr::value_t<X>;
+  Tensor<T> t = as_tensor(x);
+  const Shape& s = t.shape();
+  const int r = s.rank();
+  const auto k = static_cast<int>(sizes.size());
+  if (k < r) {
+    throw ShapeError("expand: the number of sizes provided (" + std::to_string(k) +
+                     ") must be greater or equal to the number of dimensions in the tensor (" + std::to_string(r) +
+                     "); target sizes " + list_str(sizes) + ", tensor sizes " + list_str(s));
+  }
+  if (k > kMaxRank) {
+    throw ShapeError("expand: target sizes " + list_str(sizes) + " have rank " + std::to_string(k) +
+                     ", expected at most " + std::to_string(kMaxRank));
+  }
+  Shape out;
+  for (int i = 0; i < k; ++i) {
+    const std::int64_t v = sizes[i];
+    if (i < k - r) {
+      if (v < 0) {
+        throw ShapeError("expand: the expanded size of the tensor (" + std::to_string(v) +
+                         ") isn't allowed in a leading, non-existing dimension " + std::to_string(i) +
+                         "; target sizes " + list_str(sizes) + ", tensor sizes " + list_str(s));
+      }
+      out.push_back(v);
+      continue;
+    }
+    const std::int64_t d = s[i - (k - r)];
+    if (v == -1) {
+      out.push_back(d);
+    } else if (v < 0 || (v != d && d != 1)) {
+      throw ShapeError("expand: the expanded size of the tensor (" + std::to_string(v) +
+                       ") must match the existing size (" + std::to_string(d) + ") at non-singleton dimension " +
+                       std::to_string(i) + "; target sizes " + list_str(sizes) + ", tensor sizes " + list_str(s));
+    } else {
+      out.push_back(v);
+    }
+  }
+  if (out == s) return t;
+  // The element-wise node broadcasts its leaves to `out`: a splat per expanded dim (and
+  // its gradient sums back over them).
+  return evaluate_as<T>(expr::make<ops::Identity>(t), out);
+}
+
+/// Records the backward of a slice of `t` (the gradient lands in zeros of t's shape).
+template <Element T>
+void record_slice(Tensor<T>& r, const Tensor<T>& t, int d, std::int64_t start, std::int64_t step) {
+  if constexpr (is_floating_v<T>) {
+    autograd::record(r, "SliceBackward0", {autograd::edge_of(t.impl())},
+                     [in = t.shape(), d, start, step](const Tensor<T>& g) {
+                       return std::vector<graph::NodePtr>{graph::submit(
+                           std::make_shared<graph::SliceBackwardNode<T>>(g.node(), in, d, start, step))};
+                     });
+  }
+}
+
+/// Autograd edges of a list of tensors.
+template <Element T>
+std::vector<autograd::GradFnPtr> edges_of(const std::vector<Tensor<T>>& ts) {
+  std::vector<autograd::GradFnPtr> e;
+  e.reserve(ts.size());
+  for (const auto& t : ts) e.push_back(autograd::edge_of(t.impl()));
+  return e;
+}
+
+template <Element T>
+std::vector<graph::NodePtr> nodes_of(const std::vector<Tensor<T>>& ts) {
+  std::vector<graph::NodePtr> v;
+  v.reserve(ts.size());
+  for (const auto& t : ts) v.push_back(t.node());
+  return v;
+}
+
+}  // namespace lazy::detail
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::detail {
+
+LAZYTENSOR_INLINE std::string list_str(std::span<const std::int64_t> v) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "]";
+}
+
+LAZYTENSOR_INLINE Shape infer_shape(std::span<const std::int64_t> sizes, std::int64_t numel, const char* op) {
+  if (sizes.size() > static_cast<std::size_t>(kMaxRank)) {
+    throw ShapeError(std::string(op) + ": shape " + list_str(sizes) + " has rank " + std::to_string(sizes.size()) +
+                     ", expected at most " + std::to_string(kMaxRank));
+  }
+  int infer = -1;
+  std::int64_t known = 1;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    if (sizes[i] == -1) {
+      if (infer >= 0) throw ShapeError(std::string(op) + ": only one dimension can be inferred (-1), got " + list_str(sizes));
+      infer = static_cast<int>(i);
+    } else if (sizes[i] < 0) {
+      throw ShapeError(std::string(op) + ": invalid shape dimension " + std::to_string(sizes[i]) + " in " +
+                       list_str(sizes) + " (expected sizes >= 0, or -1 once)");
+    } else {
+      known *= sizes[i];
+    }
+  }
+  std::vector<std::int64_t> out(sizes.begin(), sizes.end());
+  if (infer >= 0) {
+    if (known == 0) {
+      throw ShapeError(std::string(op) + ": cannot reshape a tensor of " + std::to_string(numel) + " elements into shape " +
+                       list_str(sizes) + " because the unspecified dimension size -1 can be any value and is ambiguous");
+    }
+    if (numel % known != 0) {
+      throw ShapeError(std::string(op) + ": shape " + list_str(sizes) + " is invalid for input of size " +
+                       std::to_string(numel));
+    }
+    out[infer] = numel / known;
+  } else if (known != numel) {
+    throw ShapeError(std::string(op) + ": shape " + list_str(sizes) + " is invalid for input of size " +
+                     std::to_string(numel) + " (expected " + std::to_string(known) + " elements)");
+  }
+  return Shape(out);
+}
+
+}  // namespace lazy::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+// Per-dtype templates the compiled runtime instantiates once (core/config.hpp).
+#define LAZYTENSOR_SHAPE_HELPERS_INSTANCES(P, T)                                                         \
+  P template lazy::Tensor<T> lazy::detail::view_of<T>(const lazy::Tensor<T>&, const lazy::Shape&, const char*); \
+  P template lazy::Tensor<T> lazy::detail::permute_impl<T>(const lazy::Tensor<T>&, std::vector<int>, const char*);
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_FOR_ELEMENT(LAZYTENSOR_SHAPE_HELPERS_INSTANCES, extern)
+#endif
+// ---- end lazytensor/ops/shape_helpers.hpp ----
+
+namespace lazy {
+
+// ---- indexing ---------------------------------------------------------------------------
+
+/// The slices of x at positions `index` (1-D, int32 or int64) along `dim`
+/// (torch.index_select). Index values outside [0, size) raise IndexError when the kernel
+/// runs (at the next mark_step or read), since the index may still be pending here.
+template <expr::ExprLike X, IndexElement I>
+auto index_select(const X& x, std::int64_t dim, const Tensor<I>& index) {
+  auto t = detail::as_tensor(x);
+  using T = typename decltype(t)::value_type;
+  const Shape& s = t.shape();
+  if (index.dim() > 1) {
+    throw ShapeError("index_select: index must be a 1-D tensor (or 0-D), got shape " + index.shape().str());
+  }
+  const int d = normalize_dim(dim, s.rank(), "index_select");
+  Shape out = s;
+  if (s.rank() == 0) {
+    if (index.numel() != 1) {
+      throw ShapeError("index_select: a 0-dim input takes an index of exactly one element, got shape " +
+                       index.shape().str());
+    }
+  } else {
+    out[d] = index.numel();
+  }
+  graph::common_device({t.node(), index.node()}, "index_select");
+  Tensor<T> r(graph::submit(std::make_shared<graph::IndexSelectNode<I>>(t.node(), index.node(), d, out)));
+  if constexpr (is_floating_v<T>) {
+    autograd::record(r, "IndexSelectBackward0", {autograd::edge_of(t.impl())},
+                     [in = s, d, idx = index.detach()](const Tensor<T>& g) {
+                       return std::vector<graph::NodePtr>{
+                           graph::submit(std::make_shared<graph::IndexAddNode<T, I>>(g.node(), idx.node(), in, d))};
+                     });
+  }
+  return r;
+}
+
+/// torch.gather: out[i][j][k] = x[index[i][j][k]][j][k] for dim 0 (likewise for the other
+/// dims). index has x's rank and index.size(d) <= x.size(d) for d != dim (ShapeError); the
+/// result has index's shape. Out-of-range values raise IndexError when the kernel runs.
+template <expr::ExprLike X, IndexElement I>
+auto gather(const X& x, std::int64_t dim, const Tensor<I>& index) {
+  auto t = detail::as_tensor(x);
+  using T = typename decltype(t)::value_type;
+  const Shape& s = t.shape();
+  const Shape& is = index.shape();
+  if (is.rank() != s.rank()) {
+    throw ShapeError("gather: index tensor must have the same number of dimensions as the input: expected " +
+                     std::to_string(s.rank()) + " (input shape " + s.str() + "), got " + std::to_string(is.rank()) +
+                     " (index shape " + is.str() + ")");
+  }
+  const int d = normalize_dim(dim, s.rank(), "gather");
+  for (int k = 0; k < s.rank(); ++k) {
+    if (k != d && is[k] > s[k]) {
+      throw ShapeError("gather: size of index (" + std::to_string(is[k]) + ") must not exceed the input's size (" +
+                       std::to_string(s[k]) + ") in dimension " + std::to_string(k) + " (index shape " + is.str() +
+                       ", input shape " + s.str() + ", gather dim " + std::to_string(d) + ")");
+    }
+  }
+  graph::common_device({t.node(), index.node()}, "gather");
+  Tensor<T> r(graph::submit(std::make_shared<graph::GatherNode<I>>(t.node(), index.node(), d)));
+  if constexpr (is_floating_v<T>) {
+    autograd::record(r, "GatherBackward0", {autograd::edge_of(t.impl())},
+                     [in = s, d, idx = index.detach()](const Tensor<T>& g) {
+                       return std::vector<graph::NodePtr>{
+                           graph::submit(std::make_shared<graph::ScatterAddNode<T, I>>(g.node(), idx.node(), in, d))};
+                     });
+  }
+  return r;
+}
+
+/// torch.nn.functional.one_hot: int64 tensor of shape index.shape + (num_classes,) with a 1
+/// at each index value. num_classes = -1 means max(index) + 1, which needs the values now:
+/// that form materializes `index` (an implicit sync of just what index needs). Values < 0
+/// or >= num_classes raise IndexError (when the kernel runs, for an explicit num_classes).
+template <IndexElement I>
+Tensor<std::int64_t> one_hot(const Tensor<I>& index, std::int64_t num_classes = -1) {
+  if (num_classes < -1) {
+    throw ShapeError("one_hot: num_classes must be -1 (infer) or >= 0, got " + std::to_string(num_classes));
+  }
+  if (index.dim() >= kMaxRank) {
+    throw ShapeError("one_hot: the result would have rank " + std::to_string(index.dim() + 1) +
+                     ", expected at most " + std::to_string(kMaxRank) + " (index shape " + index.shape().str() + ")");
+  }
+  if (num_classes == -1) {
+    if (index.numel() == 0) {
+      throw ShapeError("one_hot: cannot infer the number of classes from an empty index tensor (shape " +
+                       index.shape().str() + "); pass num_classes");
+    }
+    const I* p = index.data();
+    const auto [lo, hi] = std::minmax_element(p, p + index.numel());
+    if (*lo < 0) throw IndexError("one_hot: class values must be non-negative, found " + std::to_string(*lo));
+    num_classes = static_cast<std::int64_t>(*hi) + 1;
+  }
+  Shape out = index.shape();
+  out.push_back(num_classes);
+  return Tensor<std::int64_t>(graph::submit(std::make_shared<graph::OneHotNode<I>>(index.node(), num_classes, out)));
+}
+
+}  // namespace lazy
+// ---- end lazytensor/ops/indexing.hpp ----
+// ---- begin lazytensor/ops/reshape.hpp ----
+// The shape ops that keep the elements: views (reshape/view, flatten, squeeze, unsqueeze),
+// which share the input's buffer, so a view of a pending value is pending and nothing is
+// copied; permutations (permute, transpose), copies unless only size-1 dims move; and
+// expand, a broadcasting element-wise node.
+
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <utility>
+#include <vector>
+
+
+namespace lazy {
+
+// ---- views ------------------------------------------------------------------------------
+
+/// A view of `x` with shape `sizes` (one entry may be -1: inferred). Shares x's buffer;
+/// ShapeError if the element count differs. An expression is evaluated first.
+template <expr::ExprLike X>
+auto reshape(const X& x, std::initializer_list<std::int64_t> sizes) {
+  return detail::reshape_impl(x, {sizes.begin(), sizes.size()}, "reshape");
+}
+/// reshape with the sizes in a vector.
+template <expr::ExprLike X>
+auto reshape(const X& x, const std::vector<std::int64_t>& sizes) {
+  return detail::reshape_impl(x, sizes, "reshape");
+}
+/// reshape to a Shape.
+template <expr::ExprLike X>
+auto reshape(const X& x, const Shape& shape) {
+  return detail::reshape_impl(x, detail::span_of(shape), "reshape");
+}
+
+/// Same as reshape (tensors are always contiguous here, so view never fails where reshape
+/// would copy).
+template <expr::ExprLike X>
+auto view(const X& x, std::initializer_list<std::int64_t> sizes) {
+  return detail::reshape_impl(x, {sizes.begin(), sizes.size()}, "view");
+}
+/// view with the sizes in a vector.
+template <expr::ExprLike X>
+auto view(const X& x, const std::vector<std::int64_t>& sizes) {
+  return detail::reshape_impl(x, sizes, "view");
+}
+/// view as a Shape.
+template <expr::ExprLike X>
+auto view(const X& x, const Shape& shape) {
+  return detail::reshape_impl(x, detail::span_of(shape), "view");
+}
+
+/// Merges dims start_dim..end_dim (inclusive, negative counts from the back) into one, as a
+/// view. A 0-d tensor becomes 1-D with one element, as in torch.
+template <expr::ExprLike X>
+auto flatten(const X& x, std::int64_t start_dim = 0, std::int64_t end_dim = -1) {
+  auto t = detail::as_tensor(x);
+  const Shape& s = t.shape();
+  const int a = normalize_dim(start_dim, s.rank(), "flatten"), b = normalize_dim(end_dim, s.rank(), "flatten");
+  if (a > b) {
+    throw ShapeError("flatten: start_dim (" + std::to_string(start_dim) + ", i.e. " + std::to_string(a) +
+                     ") cannot come after end_dim (" + std::to_string(end_dim) + ", i.e. " + std::to_string(b) + ")");
+  }
+  if (s.rank() == 0) return detail::view_of(t, Shape{1}, "flatten");
+  Shape out;
+  std::int64_t merged = 1;
+  for (int i = 0; i < s.rank(); ++i) {
+    if (i < a || i > b) {
+      out.push_back(s[i]);
+    } else {
+      merged *= s[i];
+      if (i == b) out.push_back(merged);
+    }
+  }
+  return detail::view_of(t, out, "flatten");
+}
+
+/// Removes every dim of size 1 (a view).
+template <expr::ExprLike X>
+auto squeeze(const X& x) {
+  auto t = detail::as_tensor(x);
+  Shape out;
+  for (auto d : t.shape())
+    if (d != 1) out.push_back(d);
+  return detail::view_of(t, out, "squeeze");
+}
+
+/// Removes dim `dim` if its size is 1; otherwise returns x unchanged, as torch does.
+template <expr::ExprLike X>
+auto squeeze(const X& x, std::int64_t dim) {
+  auto t = detail::as_tensor(x);
+  const Shape& s = t.shape();
+  const int d = normalize_dim(dim, s.rank(), "squeeze");
+  if (s.rank() == 0 || s[d] != 1) return t;
+  Shape out;
+  for (int i = 0; i < s.rank(); ++i)
+    if (i != d) out.push_back(s[i]);
+  return detail::view_of(t, out, "squeeze");
+}
+
+/// Inserts a dim of size 1 at position `dim` (in [-rank-1, rank]), as a view.
+template <expr::ExprLike X>
+auto unsqueeze(const X& x, std::int64_t dim) {
+  auto t = detail::as_tensor(x);
+  const Shape& s = t.shape();
+  if (s.rank() >= kMaxRank) {
+    throw ShapeError("unsqueeze: the result would have rank " + std::to_string(s.rank() + 1) +
+                     ", expected at most " + std::to_string(kMaxRank) + " (input shape " + s.str() + ")");
+  }
+  const int d = normalize_dim(dim, s.rank() + 1, "unsqueeze");
+  Shape out;
+  for (int i = 0; i < s.rank(); ++i) {
+    if (i == d) out.push_back(1);
+    out.push_back(s[i]);
+  }
+  if (d == s.rank()) out.push_back(1);
+  return detail::view_of(t, out, "unsqueeze");
+}
+
+// ---- permutations -------------------------------------------------------------------------
+
+/// Reorders the dims: out dim i is x's dim dims[i] (a permutation of 0..rank-1; negative
+/// entries count from the back). A copy, unless only size-1 dims move (then a view).
+template <expr::ExprLike X>
+auto permute(const X& x, const std::vector<std::int64_t>& dims) {
+  auto t = detail::as_tensor(x);
+  const int r = t.dim();
+  if (static_cast<int>(dims.size()) != r) {
+    throw ShapeError("permute: number of dims don't match: the tensor has " + std::to_string(r) +
+                     " dims (shape " + t.shape().str() + "), the permutation " +
+                     detail::list_str(dims) + " has " + std::to_string(dims.size()));
+  }
+  std::vector<int> perm;
+  std::vector<char> seen(static_cast<std::size_t>(r), 0);
+  for (auto d : dims) {
+    const int n = normalize_dim(d, r, "permute");
+    if (seen[n]) {
+      throw ShapeError("permute: repeated dim " + std::to_string(n) + " in the permutation " +
+                       detail::list_str(dims) + " (expected each of 0.." + std::to_string(r - 1) +
+                       " exactly once)");
+    }
+    seen[n] = 1;
+    perm.push_back(n);
+  }
+  return detail::permute_impl(t, std::move(perm), "permute");
+}
+/// permute with a braced list: permute(x, {2, 0, 1}).
+template <expr::ExprLike X>
+auto permute(const X& x, std::initializer_list<std::int64_t> dims) {
+  return permute(x, std::vector<std::int64_t>(dims));
+}
+
+/// Swaps dims d0 and d1 (a copy; for the last two dims a pending TransposeNode that a
+/// matmul reads through without running it).
+template <expr::ExprLike X>
+auto transpose(const X& x, std::int64_t d0, std::int64_t d1) {
+  auto t = detail::as_tensor(x);
+  const int r = t.dim();
+  const int a = normalize_dim(d0, r, "transpose"), b = normalize_dim(d1, r, "transpose");
+  if (a == b || r == 0) return t;
+  std::vector<int> perm(static_cast<std::size_t>(r));
+  for (int i = 0; i < r; ++i) perm[i] = i;
+  std::swap(perm[a], perm[b]);
+  return detail::permute_impl(t, std::move(perm), "transpose");
+}
+
+/// torch's t(): the transpose of a 2-D tensor; 0-D and 1-D tensors are returned as is.
+/// ShapeError for rank > 2.
+template <expr::ExprLike X>
+auto transpose(const X& x) {
+  auto t = detail::as_tensor(x);
+  if (t.dim() > 2) {
+    throw ShapeError("transpose: t() expects a tensor with <= 2 dimensions, but got shape " + t.shape().str() +
+                     " (" + std::to_string(t.dim()) + "-D)");
+  }
+  if (t.dim() < 2) return t;
+  return transpose(t, 0, 1);
+}
+
+// ---- expand -------------------------------------------------------------------------------
+
+/// Broadcasts x to `sizes` (torch.expand): new dims are prepended, a size-1 dim may grow,
+/// -1 keeps a size. Materialized lazily by a broadcasting element-wise node.
+template <expr::ExprLike X>
+auto expand(const X& x, std::initializer_list<std::int64_t> sizes) {
+  return detail::expand_impl(x, {sizes.begin(), sizes.size()});
+}
+/// expand with the sizes in a vector.
+template <expr::ExprLike X>
+auto expand(const X& x, const std::vector<std::int64_t>& sizes) {
+  return detail::expand_impl(x, sizes);
+}
+/// expand to a Shape.
+template <expr::ExprLike X>
+auto expand(const X& x, const Shape& shape) {
+  return detail::expand_impl(x, detail::span_of(shape));
+}
+
+}  // namespace lazy
+// ---- end lazytensor/ops/reshape.hpp ----
+// ---- begin lazytensor/ops/slice.hpp ----
+// Slicing (slice, narrow) and joining (cat, stack): copy nodes of graph/shape_nodes.hpp, each
+// recording its backward (a slice's gradient lands in zeros of the input's shape, a join's is
+// narrowed back into the pieces).
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <limits>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+
+namespace lazy {
+
+// ---- slicing ------------------------------------------------------------------------------
+
+/// Elements start, start + step, ... below end along `dim` (torch slicing x[start:end:step]):
+/// negative start/end count from the back, both are clamped to [0, size]; step must be > 0.
+/// A copy (buffers never start at an offset), except a full-range slice which is x itself.
+template <expr::ExprLike X>
+auto slice(const X& x, std::int64_t dim, std::int64_t start = 0,
+           std::int64_t end = std::numeric_limits<std::int64_t>::max(), std::int64_t step = 1) {
+  auto t = detail::as_tensor(x);
+  using T = typename decltype(t)::value_type;
+  const Shape& s = t.shape();
+  if (s.rank() == 0) throw ShapeError("slice: cannot be applied to a 0-dim tensor (expected rank >= 1)");
+  if (step <= 0) throw ShapeError("slice: step must be greater than zero, got " + std::to_string(step));
+  const int d = normalize_dim(dim, s.rank(), "slice");
+  const std::int64_t size = s[d];
+  if (start < 0) start += size;
+  if (end < 0) end += size;
+  start = std::clamp<std::int64_t>(start, 0, size);
+  end = std::clamp<std::int64_t>(end, start, size);
+  const std::int64_t len = (end - start + step - 1) / step;
+  if (start == 0 && len == size && (step == 1 || size <= 1)) return t;
+  Shape out = s;
+  out[d] = len;
+  Tensor<T> r(graph::submit(std::make_shared<graph::SliceNode>("slice", t.node(), d, start, step, out)));
+  detail::record_slice(r, t, d, start, step);
+  return r;
+}
+
+/// `length` elements from `start` along `dim` (torch.narrow). start may be negative
+/// (counting from the back); ShapeError if the range does not fit.
+template <expr::ExprLike X>
+auto narrow(const X& x, std::int64_t dim, std::int64_t start, std::int64_t length) {
+  auto t = detail::as_tensor(x);
+  using T = typename decltype(t)::value_type;
+  const Shape& s = t.shape();
+  if (s.rank() == 0) throw ShapeError("narrow: cannot be applied to a 0-dim tensor (expected rank >= 1)");
+  const int d = normalize_dim(dim, s.rank(), "narrow");
+  const std::int64_t size = s[d];
+  if (start < -size || start > size) {
+    throw ShapeError("narrow: start out of range (expected to be in range of [" + std::to_string(-size) + ", " +
+                     std::to_string(size) + "], but got " + std::to_string(start) + ")");
+  }
+  if (start < 0) start += size;
+  if (length < 0) throw ShapeError("narrow: length must be non-negative, got " + std::to_string(length));
+  if (start > size - length) {
+    throw ShapeError("narrow: start (" + std::to_string(start) + ") + length (" + std::to_string(length) +
+                     ") exceeds dimension size (" + std::to_string(size) + ") of dimension " + std::to_string(d));
+  }
+  if (start == 0 && length == size) return t;
+  Shape out = s;
+  out[d] = length;
+  Tensor<T> r(graph::submit(std::make_shared<graph::SliceNode>("narrow", t.node(), d, start, 1, out)));
+  detail::record_slice(r, t, d, start, 1);
+  return r;
+}
+
+// ---- cat / stack ----------------------------------------------------------------------------
+
+/// Concatenates along `dim` (torch.cat). The tensors need the same rank and equal sizes
+/// except in `dim` (ShapeError), and the same device (DeviceError). As in torch, 1-D empty
+/// tensors (shape (0,)) are skipped whatever their rank.
+template <Element T>
+Tensor<T> cat(const std::vector<Tensor<T>>& tensors, std::int64_t dim = 0) {
+  if (tensors.empty()) throw ShapeError("cat: expected a non-empty list of tensors, got an empty list");
+  std::vector<Tensor<T>> ts;
+  for (const auto& t : tensors)
+    if (!(t.dim() == 1 && t.numel() == 0)) ts.push_back(t);
+  if (ts.empty()) return tensors.front();
+  const Shape& ref = ts.front().shape();
+  const int r = ref.rank();
+  if (r == 0) throw ShapeError("cat: zero-dimensional tensor (at position 0) cannot be concatenated (expected rank >= 1)");
+  const int d = normalize_dim(dim, r, "cat");
+  for (std::size_t i = 1; i < ts.size(); ++i) {
+    const Shape& s = ts[i].shape();
+    if (s.rank() != r) {
+      throw ShapeError("cat: tensors must have the same number of dimensions: expected " + std::to_string(r) +
+                       " (shape " + ref.str() + "), got " + std::to_string(s.rank()) + " (shape " + s.str() +
+                       ") for tensor " + std::to_string(i));
+    }
+    for (int k = 0; k < r; ++k) {
+      if (k != d && s[k] != ref[k]) {
+        throw ShapeError("cat: sizes of tensors must match except in dimension " + std::to_string(d) +
+                         ": expected size " + std::to_string(ref[k]) + " but got size " + std::to_string(s[k]) +
+                         " in dimension " + std::to_string(k) + " for tensor " + std::to_string(i) + " (shapes " +
+                         ref.str() + " and " + s.str() + ")");
+      }
+    }
+  }
+  auto nodes = detail::nodes_of(ts);
+  graph::Device& dev = graph::common_device(nodes, "cat");
+  if (ts.size() == 1) return ts.front();
+  std::int64_t outer = 1, inner = 1, total = 0;
+  for (int k = 0; k < d; ++k) outer *= ref[k];
+  for (int k = d + 1; k < r; ++k) inner *= ref[k];
+  std::vector<std::int64_t> widths;
+  for (const auto& t : ts) {
+    widths.push_back(t.shape()[d] * inner);
+    total += t.shape()[d];
+  }
+  Shape out = ref;
+  out[d] = total;
+  Tensor<T> result(graph::submit(
+      std::make_shared<graph::CatNode>("cat", dtype_of<T>(), std::move(nodes), out, &dev, outer, std::move(widths))));
+  std::vector<std::int64_t> sizes;
+  for (const auto& t : ts) sizes.push_back(t.shape()[d]);
+  autograd::record(result, "CatBackward0", detail::edges_of(ts), [sizes, d](const Tensor<T>& g) {
+    std::vector<graph::NodePtr> gs;
+    std::int64_t off = 0;
+    for (auto len : sizes) {
+      gs.push_back(narrow(g, d, off, len).node());
+      off += len;
+    }
+    return gs;
+  });
+  return result;
+}
+/// cat with a braced list: cat({a, b}, 1).
+template <Element T>
+Tensor<T> cat(std::initializer_list<Tensor<T>> tensors, std::int64_t dim = 0) {
+  return cat(std::vector<Tensor<T>>(tensors), dim);
+}
+
+/// Stacks equal-shaped tensors along a new dim `dim` (in [-rank-1, rank]) (torch.stack).
+template <Element T>
+Tensor<T> stack(const std::vector<Tensor<T>>& tensors, std::int64_t dim = 0) {
+  if (tensors.empty()) throw ShapeError("stack: expected a non-empty list of tensors, got an empty list");
+  const Shape& ref = tensors.front().shape();
+  for (std::size_t i = 1; i < tensors.size(); ++i) {
+    if (!(tensors[i].shape() == ref)) {
+      throw ShapeError("stack: expected each tensor to be equal size, but got " + ref.str() + " at entry 0 and " +
+                       tensors[i].shape().str() + " at entry " + std::to_string(i));
+    }
+  }
+  if (ref.rank() >= kMaxRank) {
+    throw ShapeError("stack: the result would have rank " + std::to_string(ref.rank() + 1) + ", expected at most " +
+                     std::to_string(kMaxRank));
+  }
+  const int d = normalize_dim(dim, ref.rank() + 1, "stack");
+  auto nodes = detail::nodes_of(tensors);
+  graph::Device& dev = graph::common_device(nodes, "stack");
+  if (tensors.size() == 1) return unsqueeze(tensors.front(), d);
+  std::int64_t outer = 1, inner = 1;
+  for (int k = 0; k < d; ++k) outer *= ref[k];
+  for (int k = d; k < ref.rank(); ++k) inner *= ref[k];
+  Shape out;
+  for (int k = 0; k <= ref.rank(); ++k) {
+    if (k == d) out.push_back(static_cast<std::int64_t>(tensors.size()));
+    if (k < ref.rank()) out.push_back(ref[k]);
+  }
+  std::vector<std::int64_t> widths(tensors.size(), inner);
+  Tensor<T> r(graph::submit(
+      std::make_shared<graph::CatNode>("stack", dtype_of<T>(), std::move(nodes), out, &dev, outer, std::move(widths))));
+  autograd::record(r, "StackBackward0", detail::edges_of(tensors),
+                   [n = tensors.size(), d, ref](const Tensor<T>& g) {
+                     std::vector<graph::NodePtr> gs;
+                     for (std::size_t i = 0; i < n; ++i) {
+                       gs.push_back(reshape(narrow(g, d, static_cast<std::int64_t>(i), 1), ref).node());
+                     }
+                     return gs;
+                   });
+  return r;
+}
+/// stack with a braced list: stack({a, b}, 0).
+template <Element T>
+Tensor<T> stack(std::initializer_list<Tensor<T>> tensors, std::int64_t dim = 0) {
+  return stack(std::vector<Tensor<T>>(tensors), dim);
+}
+
+}  // namespace lazy
+// ---- end lazytensor/ops/slice.hpp ----
+// ---- end lazytensor/ops/shape.hpp ----
+
+namespace lazy {
+
+namespace detail {
+
+/// Reduction dims (at most one per dim of a shape, so they stay inline).
+using DimList = core::SmallVector<int, 8>;
+
+/// Normalized, sorted, de-duplicated reduction dims; empty `dims` means all.
+DimList reduce_dims(const Shape& s, const std::vector<std::int64_t>& dims, const char* op);
+
+Shape reduced_shape(const Shape& s, const DimList& dims, bool keepdim);
+
+/// [outer, R, inner] when the reduced dims of size > 1 are adjacent; false otherwise.
+bool geometry(const Shape& s, const DimList& dims, graph::ReduceGeometry& g);
+
+template <class E>
+bool flat_child(const E& e, const std::vector<graph::NodePtr>& inputs) {
+  for (const auto& in : inputs)
+    if (!(in->shape() == e.shape()) && in->numel() != 1) return false;
+  return true;
+}
+
+/// Builds the node for reducing the operand `x` (flat kernel form) with reducer R.
+template <class R, class Tout, class X>
+graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims, bool keepdim, double scale_kind,
+                              const char* op) {
+  const Shape& s = x.shape();
+  auto rd = reduce_dims(s, dims, op);
+  graph::ReduceGeometry g;
+  if (!geometry(s, rd, g)) {
+    // Reduced dims are not adjacent: move them to the back first (one copy), then reduce.
+    using V = expr::value_t<X>;
+    Tensor<V> t = [&] {
+      if constexpr (expr::is_expr_node<X>::value) return Tensor<V>(x);
+      else return x;
+    }();
+    std::vector<std::int64_t> perm;
+    for (int i = 0; i < s.rank(); ++i)
+      if (std::find(rd.begin(), rd.end(), i) == rd.end()) perm.push_back(i);
+    for (int d : rd) perm.push_back(d);
+    Tensor<V> p = permute(t, perm);
+    std::vector<std::int64_t> back;
+    for (std::size_t i = 0; i < rd.size(); ++i) back.push_back(s.rank() - static_cast<std::int64_t>(rd.size() + 0) + static_cast<std::int64_t>(i));
+    auto node = reduction_node<R, Tout>(p, back, false, scale_kind, op);
+    if (!keepdim) return node;
+    return reshape(Tensor<Tout>(node), reduced_shape(s, rd, true)).node();
+  }
+  const Shape out = reduced_shape(s, rd, keepdim);
+  const double scale = scale_kind == 0 ? 1.0 : (g.extent ? 1.0 / static_cast<double>(g.extent) : std::nan(""));
+  std::vector<graph::NodePtr> inputs;
+  inputs.reserve(expr::leaf_count_v<decltype(expr::operand(x))>);
+  auto k = expr::to_kernel(expr::operand(x), inputs);
+  using K = decltype(k);
+  if constexpr (expr::is_expr_node<X>::value) {
+    if (!flat_child(x, inputs)) {
+      // A broadcast inside the child: materialize it once, then reduce the result.
+      return reduction_node<R, Tout>(Tensor<typename X::value_type>(x), dims, keepdim, scale_kind, op);
+    }
+  }
+  using S = expr::lane_combine<expr::kernel_lane_t<K>, expr::lane_of<Tout>>;
+  graph::Device& dev = graph::common_device(inputs, op);
+  return graph::submit(std::make_shared<graph::ReductionNode<K, R, S, Tout>>(std::move(k), out, g, scale, &dev,
+                                                                            std::move(inputs), s));
+}
+
+template <class R, class X>
+auto reduce(const X& x, const std::vector<std::int64_t>& dims, bool keepdim, const char* op) {
+  using T = typename R::template result<expr::value_t<X>>;
+  return Tensor<T>(reduction_node<R, T>(x, dims, keepdim, 0, op));
+}
+
+template <class X>
+void require_nonempty(const X& x, const std::vector<std::int64_t>& dims, const char* op) {
+  const Shape& s = x.shape();
+  auto rd = reduce_dims(s, dims, op);
+  for (int d : rd)
+    if (s[d] == 0) {
+      throw ShapeError(std::string(op) + ": expected a non-empty dimension to reduce, got size 0 in dim " +
+                       std::to_string(d) + " of shape " + s.str());
+    }
+  if (s.numel() == 0 && rd.empty()) throw ShapeError(std::string(op) + ": cannot reduce a tensor with no elements");
+}
+
+/// The reduced shape with kept (size-1) dims, for broadcasting a gradient back.
+template <class X>
+Shape keep_shape(const X& x, const std::vector<std::int64_t>& dims, const char* op) {
+  return reduced_shape(x.shape(), reduce_dims(x.shape(), dims, op), true);
+}
+
+/// sum / mean backward: the gradient, scaled, broadcast back over the reduced dims.
+template <class T, class X>
+void record_sum(Tensor<T>& r, const X& x, const std::vector<std::int64_t>& dims, bool mean) {
+  using V = expr::value_t<X>;
+  if constexpr (is_floating_v<T> && is_floating_v<V>) {
+    if (!autograd::is_grad_enabled()) return;
+    auto e = autograd::operand_edge(x);
+    if (!e) return;
+    const Shape in = x.shape(), keep = keep_shape(x, dims, "sum");
+    const double scale = mean && keep.numel() ? static_cast<double>(keep.numel()) / static_cast<double>(in.numel()) : 1.0;
+    autograd::record(r, mean ? "MeanBackward0" : "SumBackward0", {e}, [in, keep, scale](const Tensor<T>& g) {
+      Tensor<T> gk = reshape(g, keep);
+      return std::vector<graph::NodePtr>{
+          (scale == 1.0 ? evaluate_as<V>(cast<V>(gk), in) : evaluate_as<V>(cast<V>(gk * scale), in)).node()};
+    });
+  }
+}
+
+/// amax / amin backward: the gradient goes to the extreme elements, split evenly among ties.
+template <class T, class X>
+void record_extreme(Tensor<T>& r, const X& x, const std::vector<std::int64_t>& dims, const char* name) {
+  if constexpr (is_floating_v<T>) {
+    if (!autograd::is_grad_enabled()) return;
+    auto e = autograd::operand_edge(x);
+    if (!e) return;
+    const Shape in = x.shape(), keep = keep_shape(x, dims, name);
+    autograd::record(r, name, {e}, [x = autograd::saved(x), in, keep, dims, y = r.detach()](const Tensor<T>& g) {
+      Tensor<T> hit = cast<T>(x == reshape(y, keep));
+      Tensor<T> count = sum(hit, dims, true);
+      return std::vector<graph::NodePtr>{evaluate_as<T>(hit * (reshape(g, keep) / count), in).node()};
+    });
+  }
+}
+
+}  // namespace detail
+
+using Dims = std::vector<std::int64_t>;
+
+/// Sum over `dims` (all when empty); integers sum to int64.
+template <expr::ExprLike X>
+auto sum(const X& x, const Dims& dims = {}, bool keepdim = false) {
+  auto r = detail::reduce<ops::reduce::Sum>(x, dims, keepdim, "sum");
+  detail::record_sum(r, x, dims, false);
+  return r;
+}
+/// Product over `dims`.
+template <expr::ExprLike X>
+auto prod(const X& x, const Dims& dims = {}, bool keepdim = false) {
+  auto r = detail::reduce<ops::reduce::Prod>(x, dims, keepdim, "prod");
+  using T = typename decltype(r)::value_type;
+  if constexpr (is_floating_v<T>) {
+    if (auto e = autograd::is_grad_enabled() ? autograd::operand_edge(x) : nullptr) {
+      // d prod / d x_i = product of the others: prod / x_i without zeros; with one zero in
+      // the slice only that element gets the product of the rest; with more, nothing.
+      const Shape in = x.shape(), keep = detail::keep_shape(x, dims, "prod");
+      autograd::record(r, "ProdBackward0", {e}, [x = autograd::saved(x), in, keep, dims](const Tensor<T>& g) {
+        Tensor<T> v = cast<T>(x);
+        Tensor<T> zeros = sum(cast<T>(v == 0), dims, true);
+        Tensor<T> others = detail::reduce<ops::reduce::Prod>(where(v == 0, 1, v), dims, true, "prod");
+        Tensor<T> gk = reshape(g, keep);
+        return std::vector<graph::NodePtr>{
+            evaluate_as<T>(gk * where(zeros == 0, others / v, where((zeros == 1) & (v == 0), others, 0)), in).node()};
+      });
+    }
+  }
+  return r;
+}
+/// Mean over `dims`; floating types only (DTypeError otherwise, as torch.mean).
+template <expr::ExprLike X>
+auto mean(const X& x, const Dims& dims = {}, bool keepdim = false) {
+  using T = expr::value_t<X>;
+  if constexpr (!is_floating_v<T>) {
+    throw DTypeError("mean(): could not infer output dtype. Input dtype must be floating point, got " +
+                     dtype_name(dtype_of<T>()));
+    return Tensor<float>();
+  } else {
+    Tensor<T> r(detail::reduction_node<ops::reduce::Sum, T>(x, dims, keepdim, 1, "mean"));
+    detail::record_sum(r, x, dims, true);
+    return r;
+  }
+}
+/// Largest value over `dims` (NaN-propagating).
+template <expr::ExprLike X>
+auto amax(const X& x, const Dims& dims = {}, bool keepdim = false) {
+  detail::require_nonempty(x, dims, "amax");
+  auto r = detail::reduce<ops::reduce::Max>(x, dims, keepdim, "amax");
+  detail::record_extreme(r, x, dims, "AmaxBackward0");
+  return r;
+}
+/// Smallest value over `dims` (NaN-propagating).
+template <expr::ExprLike X>
+auto amin(const X& x, const Dims& dims = {}, bool keepdim = false) {
+  detail::require_nonempty(x, dims, "amin");
+  auto r = detail::reduce<ops::reduce::Min>(x, dims, keepdim, "amin");
+  detail::record_extreme(r, x, dims, "AminBackward0");
+  return r;
+}
+/// Largest value: all elements, or along `dim` (values only; see argmax for indices).
+template <expr::ExprLike X>
+auto max(const X& x) {
+  return amax(x);
+}
+template <expr::ExprLike X>
+auto max(const X& x, std::int64_t dim, bool keepdim = false) {
+  return amax(x, {dim}, keepdim);
+}
+/// Smallest value: all elements, or along `dim`.
+template <expr::ExprLike X>
+auto min(const X& x) {
+  return amin(x);
+}
+template <expr::ExprLike X>
+auto min(const X& x, std::int64_t dim, bool keepdim = false) {
+  return amin(x, {dim}, keepdim);
+}
+/// True where any element over `dims` is non-zero.
+template <expr::ExprLike X>
+Tensor<bool> any(const X& x, const Dims& dims = {}, bool keepdim = false) {
+  return Tensor<bool>(detail::reduction_node<ops::reduce::Any, bool>(x != 0, dims, keepdim, 0, "any"));
+}
+/// True where every element over `dims` is non-zero.
+template <expr::ExprLike X>
+Tensor<bool> all(const X& x, const Dims& dims = {}, bool keepdim = false) {
+  return Tensor<bool>(detail::reduction_node<ops::reduce::All, bool>(x != 0, dims, keepdim, 0, "all"));
+}
+
+namespace detail {
+template <bool IsMax, class X>
+Tensor<std::int64_t> arg_reduce(const X& x, std::optional<std::int64_t> dim, bool keepdim, const char* op) {
+  if (!dim) {
+    // Over the flattened tensor.
+    using V = expr::value_t<X>;
+    Tensor<V> t = [&] {
+      if constexpr (expr::is_expr_node<X>::value) return Tensor<V>(x);
+      else return x;
+    }();
+    Tensor<V> flat = reshape(t, Shape{t.numel()});
+    auto r = arg_reduce<IsMax>(flat, 0, false, op);
+    if (!keepdim) return r;
+    Shape ones;
+    for (int i = 0; i < t.dim(); ++i) ones.push_back(1);
+    return reshape(r, ones);
+  }
+  require_nonempty(x, {*dim}, op);
+  const Shape& s = x.shape();
+  auto rd = reduce_dims(s, {*dim}, op);
+  graph::ReduceGeometry g;
+  geometry(s, rd, g);  // a single dim is always adjacent to itself
+  std::vector<graph::NodePtr> inputs;
+  inputs.reserve(expr::leaf_count_v<decltype(expr::operand(x))>);
+  auto k = expr::to_kernel(expr::operand(x), inputs);
+  if constexpr (expr::is_expr_node<X>::value) {
+    if (!flat_child(x, inputs)) return arg_reduce<IsMax>(Tensor<typename X::value_type>(x), dim, keepdim, op);
+  }
+  using K = decltype(k);
+  graph::Device& dev = graph::common_device(inputs, op);
+  return Tensor<std::int64_t>(graph::submit(std::make_shared<graph::ArgReductionNode<K, expr::kernel_lane_t<K>, IsMax>>(
+      std::move(k), reduced_shape(s, rd, keepdim), g, &dev, std::move(inputs), s)));
+}
+}  // namespace detail
+
+/// Index of the largest value (first occurrence), over all elements or along `dim`.
+template <expr::ExprLike X>
+Tensor<std::int64_t> argmax(const X& x, std::optional<std::int64_t> dim = std::nullopt, bool keepdim = false) {
+  return detail::arg_reduce<true>(x, dim, keepdim, "argmax");
+}
+/// Index of the smallest value (first occurrence), over all elements or along `dim`.
+template <expr::ExprLike X>
+Tensor<std::int64_t> argmin(const X& x, std::optional<std::int64_t> dim = std::nullopt, bool keepdim = false) {
+  return detail::arg_reduce<false>(x, dim, keepdim, "argmin");
+}
+
+/// log(sum(exp(x))) over `dims`, computed stably (the max is subtracted first).
+template <expr::ExprLike X>
+auto logsumexp(const X& x, const Dims& dims = {}, bool keepdim = false) {
+  using T = to_floating_t<expr::value_t<X>>;
+  Tensor<T> t = cast<T>(x);
+  // amax has no identity: over an empty slice the result is log(0) = -inf, as in torch.
+  bool empty = false;
+  for (int d : detail::reduce_dims(t.shape(), dims, "logsumexp")) empty = empty || t.shape()[d] == 0;
+  Tensor<T> m = empty ? sum(t, dims, true) : amax(t, dims, true);
+  // An all -inf (or inf) slice would give inf - inf: shift by 0 there instead.
+  // The shift only keeps exp in range; it is a constant for autograd (its terms cancel).
+  Tensor<T> shift = where(abs(m) == std::numeric_limits<float>::infinity(), 0, m.detach());
+  Tensor<T> s = sum(exp(t - shift), dims, true);
+  Tensor<T> r = log(s) + shift;
+  if (keepdim) return r;
+  return reshape(r, detail::reduced_shape(t.shape(), detail::reduce_dims(t.shape(), dims, "logsumexp"), false));
+}
+
+/// p-norm over `dims` (p = 2 by default; p = inf is the max of |x|).
+template <expr::ExprLike X>
+auto norm(const X& x, double p = 2, const Dims& dims = {}, bool keepdim = false) {
+  using T = to_floating_t<expr::value_t<X>>;
+  // bfloat16 computes in float and rounds once (else the sum and 1/p round to bf16 first).
+  using C = compute_t<T>;
+  if (p == 2) return Tensor<T>(cast<T>(sqrt(sum(cast<C>(x) * cast<C>(x), dims, keepdim))));
+  if (p == 1) return Tensor<T>(sum(abs(cast<T>(x)), dims, keepdim));
+  if (std::isinf(p) && p > 0) return Tensor<T>(amax(abs(cast<T>(x)), dims, keepdim));
+  if (p == 0) return Tensor<T>(cast<T>(sum(cast<T>(x) != 0, dims, keepdim)));
+  return Tensor<T>(cast<T>(pow(sum(pow(abs(cast<C>(x)), p), dims, keepdim), 1.0 / p)));
+}
+
+}  // namespace lazy
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::detail {
+
+LAZYTENSOR_INLINE DimList reduce_dims(const Shape& s, const std::vector<std::int64_t>& dims, const char* op) {
+  DimList d;
+  if (dims.empty()) {
+    for (int i = 0; i < s.rank(); ++i) d.push_back(i);
+    return d;
+  }
+  for (auto x : dims) {
+    const int n = normalize_dim(x, s.rank(), op);
+    if (std::find(d.begin(), d.end(), n) != d.end()) {
+      throw ShapeError(std::string(op) + ": dim " + std::to_string(n) + " appears multiple times in the list of dims");
+    }
+    d.push_back(n);
+  }
+  std::sort(d.begin(), d.end());
+  if (s.rank() == 0) d.resize(0);
+  return d;
+}
+
+LAZYTENSOR_INLINE Shape reduced_shape(const Shape& s, const DimList& dims, bool keepdim) {
+  Shape out;
+  for (int i = 0; i < s.rank(); ++i) {
+    const bool r = std::find(dims.begin(), dims.end(), i) != dims.end();
+    if (!r) out.push_back(s[i]);
+    else if (keepdim) out.push_back(1);
+  }
+  return out;
+}
+
+LAZYTENSOR_INLINE bool geometry(const Shape& s, const DimList& dims, graph::ReduceGeometry& g) {
+  int lo = -1, hi = -1;
+  for (int d : dims)
+    if (s[d] != 1) {
+      if (lo < 0) lo = d;
+      hi = d;
+    }
+  g = {};
+  if (lo < 0) {  // nothing of size > 1 is reduced
+    g.outer = s.numel();
+    return true;
+  }
+  for (int i = lo; i <= hi; ++i) {
+    const bool r = std::find(dims.begin(), dims.end(), i) != dims.end();
+    if (!r && s[i] != 1) return false;
+  }
+  for (int i = 0; i < s.rank(); ++i) {
+    if (i < lo) g.outer *= s[i];
+    else if (i > hi) g.inner *= s[i];
+    else g.extent *= s[i];
+  }
+  return true;
+}
+
+}  // namespace lazy::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+// Per-dtype templates the compiled runtime instantiates once (core/config.hpp): the
+// reductions of a tensor (not of an expression) and their backward records.
+#define LAZYTENSOR_REDUCTION_INSTANCES(P, T)                                                                  \
+  P template lazy::graph::NodePtr lazy::detail::reduction_node<lazy::ops::reduce::Sum, T, lazy::Tensor<T>>(    \
+      const lazy::Tensor<T>&, const std::vector<std::int64_t>&, bool, double, const char*);                   \
+  P template lazy::graph::NodePtr lazy::detail::reduction_node<lazy::ops::reduce::Max, T, lazy::Tensor<T>>(    \
+      const lazy::Tensor<T>&, const std::vector<std::int64_t>&, bool, double, const char*);                   \
+  P template lazy::graph::NodePtr lazy::detail::reduction_node<lazy::ops::reduce::Min, T, lazy::Tensor<T>>(    \
+      const lazy::Tensor<T>&, const std::vector<std::int64_t>&, bool, double, const char*);                   \
+  P template void lazy::detail::record_sum<T, lazy::Tensor<T>>(lazy::Tensor<T>&, const lazy::Tensor<T>&,      \
+                                                               const std::vector<std::int64_t>&, bool);       \
+  P template void lazy::detail::record_extreme<T, lazy::Tensor<T>>(lazy::Tensor<T>&, const lazy::Tensor<T>&,  \
+                                                                   const std::vector<std::int64_t>&, const char*);
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_FOR_FLOATING(LAZYTENSOR_REDUCTION_INSTANCES, extern)
+#endif
+// ---- end lazytensor/ops/reduction.hpp ----
+
+namespace lazy {
+
+namespace detail {
+
+/// The operand as a GEMM reads it: through a pending transpose when there is one.
+template <Element T>
+typename graph::GemmNode<T>::Operand gemm_operand(const Tensor<T>& t) {
+  const auto& n = t.node();
+  if (n->pending()) {
+    // Only a 2-D source: batched GEMMs may stack batch rows, which a transposed read breaks.
+    if (auto* tr = dynamic_cast<graph::TransposeOfLastTwo*>(n.get()); tr && tr->transpose_source()->shape().rank() == 2)
+      return {tr->transpose_source(), true};
+  }
+  return {n, false};
+}
+
+template <Element T>
+Tensor<T> gemm(const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std::int64_t batch_b,
+               std::int64_t m, std::int64_t k, std::int64_t n, const Shape& out);
+
+/// Backward of C[b] = A[b] B[b] with A viewed as [batch_a, m, k], B as [batch_b, k, n] (a
+/// batch of 1 broadcasts): dA = dC B^T, dB = A^T dC, summed over broadcast batches. When a
+/// side is shared by every batch, the batches are stacked into one GEMM instead.
+/// `b_transposed`: B is the transpose of a stored [n, k] matrix (linear's weight), so dB is
+/// computed as dB^T = dC^T A in that matrix's layout; the transpose's own backward then
+/// folds away (transpose of a transpose) instead of copying the gradient.
+template <Element T>
+void record_gemm(Tensor<T>& c, const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a,
+                 std::int64_t batch_b, std::int64_t m, std::int64_t k, std::int64_t n,
+                 bool b_transposed) {
+  auto ea = autograd::edge_of(a.impl()), eb = autograd::edge_of(b.impl());
+  if (!ea && !eb) return;
+  autograd::record(c, "MmBackward0", {ea, eb},
+                   [a = a.detach(), b = b.detach(), batch_a, batch_b, m, k, n,
+                    need_a = ea != nullptr, need_b = eb != nullptr,
+                    b_transposed](const Tensor<T>& g) {
+                     const std::int64_t B = std::max(batch_a, batch_b);
+                     std::vector<graph::NodePtr> grads(2);
+                     if (need_a) {
+                       // dA[b] = dC[b] B[b]^T: [B*m, n] x [n, k] stacked when B is shared.
+                       Tensor<T> da = batch_b == 1 ? gemm(g, transpose(reshape(b, Shape{k, n}), 0, 1), 1, 1, B * m, n, k, Shape{B, m, k})
+                                                   : gemm(g, transpose(reshape(b, Shape{B, k, n}), 1, 2), B, B, m, n, k, Shape{B, m, k});
+                       if (batch_a == 1 && B > 1) da = sum(da, {0});
+                       grads[0] = reshape(da, a.shape()).node();
+                     }
+                     if (need_b) {
+                       Tensor<T> db;
+                       if (batch_b == 1 && b_transposed) {  // dB^T = dC^T A over the stacked rows
+                         db = transpose(
+                             gemm(transpose(reshape(g, Shape{B * m, n}), 0, 1),
+                                  reshape(a, Shape{B * m, k}), 1, 1, n, B * m, k, Shape{n, k}),
+                             0, 1);
+                       } else if (batch_a == 1) {  // A shared: dB[b] = A^T dC[b]
+                         db = gemm(transpose(reshape(a, Shape{m, k}), 0, 1), g, 1, B, k, m, n, Shape{B, k, n});
+                       } else if (batch_b == 1) {  // B shared: one GEMM over the stacked batches
+                         db = gemm(transpose(reshape(a, Shape{B * m, k}), 0, 1), reshape(g, Shape{B * m, n}), 1, 1, k,
+                                   B * m, n, Shape{k, n});
+                       } else {
+                         db = gemm(transpose(reshape(a, Shape{B, m, k}), 1, 2), g, B, B, k, m, n, Shape{B, k, n});
+                       }
+                       if (batch_b == 1 && B > 1 && batch_a == 1) db = sum(db, {0});
+                       grads[1] = reshape(db, b.shape()).node();
+                     }
+                     return grads;
+                   });
+}
+
+template <Element T>
+Tensor<T> gemm(const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std::int64_t batch_b,
+               std::int64_t m, std::int64_t k, std::int64_t n, const Shape& out) {
+  auto oa = gemm_operand(a), ob = gemm_operand(b);
+  graph::Device& dev = graph::common_device({oa.node, ob.node}, "matmul");
+  Tensor<T> c(graph::submit(std::make_shared<graph::GemmNode<T>>(oa, ob, batch_a, batch_b, m, k, n, out, &dev)));
+  if constexpr (is_floating_v<T>) {
+    if (autograd::is_grad_enabled()) record_gemm(c, a, b, batch_a, batch_b, m, k, n, ob.transposed);
+  }
+  return c;
+}
+
+[[noreturn]] void matmul_mismatch(const Shape& a, const Shape& b, std::int64_t ka, std::int64_t kb);
+
+}  // namespace detail
+
+/// Matrix product with torch.matmul's rules: 1-D x 1-D is a dot product, 2-D x 2-D a matrix
+/// product, 1-D operands gain and lose a dimension, and leading (batch) dims broadcast.
+template <Element T>
+Tensor<T> matmul(const Tensor<T>& a, const Tensor<T>& b) {
+  if constexpr (!std::is_same_v<T, float> && !std::is_same_v<T, double> && !std::is_same_v<T, std::int32_t> &&
+                !std::is_same_v<T, std::int64_t>) {
+    throw DTypeError("matmul: expected float, double, int32 or int64 operands, got " + dtype_name(dtype_of<T>()));
+  } else {
+    const Shape& sa = a.shape();
+    const Shape& sb = b.shape();
+    if (sa.rank() == 0 || sb.rank() == 0) {
+      throw ShapeError("matmul: both arguments need at least 1 dimension, got " + sa.str() + " and " + sb.str());
+    }
+    if (sa.rank() == 1 && sb.rank() == 1) {
+      if (sa[0] != sb[0]) detail::matmul_mismatch(sa, sb, sa[0], sb[0]);
+      return detail::gemm(reshape(a, Shape{1, sa[0]}), reshape(b, Shape{sb[0], 1}), 1, 1, 1, sa[0], 1, Shape{});
+    }
+    if (sb.rank() == 1) {  // [.., m, k] x [k]
+      const std::int64_t k = sa[sa.rank() - 1];
+      if (k != sb[0]) detail::matmul_mismatch(sa, sb, k, sb[0]);
+      Shape out;
+      for (int i = 0; i + 1 < sa.rank(); ++i) out.push_back(sa[i]);
+      const std::int64_t m = k ? a.numel() / k : out.numel();
+      return detail::gemm(reshape(a, Shape{m, k}), reshape(b, Shape{k, 1}), 1, 1, m, k, 1, out);
+    }
+    if (sa.rank() == 1) {  // [k] x [.., k, n]
+      const std::int64_t k = sb[sb.rank() - 2], n = sb[sb.rank() - 1];
+      if (k != sa[0]) detail::matmul_mismatch(sa, sb, sa[0], k);
+      Shape out;
+      for (int i = 0; i + 2 < sb.rank(); ++i) out.push_back(sb[i]);
+      out.push_back(n);
+      std::int64_t batch = 1;  // not numel / (k * n): k or n may be 0
+      for (int i = 0; i + 2 < sb.rank(); ++i) batch *= sb[i];
+      return detail::gemm(reshape(a, Shape{1, k}), b, 1, batch, 1, k, n, out);
+    }
+    const std::int64_t m = sa[sa.rank() - 2], k = sa[sa.rank() - 1];
+    const std::int64_t kb = sb[sb.rank() - 2], n = sb[sb.rank() - 1];
+    if (k != kb) detail::matmul_mismatch(sa, sb, k, kb);
+    Shape ba, bb;
+    for (int i = 0; i + 2 < sa.rank(); ++i) ba.push_back(sa[i]);
+    for (int i = 0; i + 2 < sb.rank(); ++i) bb.push_back(sb[i]);
+    const Shape batch = broadcast_shapes(ba, bb, "matmul");
+    Shape out = batch;
+    out.push_back(m);
+    out.push_back(n);
+    if (bb.numel() == 1 && sb.rank() == 2) {
+      // [.., m, k] x [k, n]: one GEMM with all batch rows stacked (m' = batch * m).
+      return detail::gemm(a, b, 1, 1, ba.numel() * m, k, n, out);
+    }
+    Shape fa = batch, fb = batch;
+    fa.push_back(m);
+    fa.push_back(k);
+    fb.push_back(k);
+    fb.push_back(n);
+    Tensor<T> ea = (ba == batch) ? a : expand(a, fa);
+    Tensor<T> eb = (bb == batch) ? b : expand(b, fb);
+    return detail::gemm(ea, eb, batch.numel(), batch.numel(), m, k, n, out);
+  }
+}
+
+/// Batched matrix product of [b, m, k] and [b, k, n] (no broadcasting, as torch.bmm).
+template <Element T>
+Tensor<T> bmm(const Tensor<T>& a, const Tensor<T>& b) {
+  if (a.dim() != 3 || b.dim() != 3 || a.size(0) != b.size(0)) {
+    throw ShapeError("bmm: expected 3-D tensors with equal batch sizes, got " + a.shape().str() + " and " +
+                     b.shape().str());
+  }
+  return matmul(a, b);
+}
+
+/// x @ w^T (torch.nn.functional.linear without bias); w is [out_features, in_features].
+template <Element T>
+Tensor<T> linear(const Tensor<T>& x, const Tensor<T>& w) {
+  if (w.dim() != 2 || x.dim() < 1 || x.size(-1) != w.size(1)) {
+    throw ShapeError("linear: expected input [..., " + std::to_string(w.dim() == 2 ? w.size(1) : -1) +
+                     "] and weight [out_features, in_features], got input " + x.shape().str() + " and weight " +
+                     w.shape().str());
+  }
+  return matmul(x, transpose(w, 0, 1));
+}
+
+/// x @ w^T + b. Returns an expression (as `a + b` does), so a following element-wise op
+/// such as relu joins the bias in one epilogue that runs on the GEMM's row blocks.
+/// (The return type is spelled out so that naming a call does not compile the GEMM: a
+/// deduced type would instantiate this body wherever a call is merely written.)
+template <Element T>
+auto linear(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& b)
+    -> decltype(std::declval<const Tensor<T>&>() + std::declval<const Tensor<T>&>()) {
+  if (b.dim() != 1 || b.size(0) != w.size(0)) {
+    throw ShapeError("linear: expected bias of shape (" + std::to_string(w.size(0)) + ",), got " + b.shape().str());
+  }
+  return linear(x, w) + b;
+}
+
+}  // namespace lazy
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::detail {
+
+LAZYTENSOR_INLINE void matmul_mismatch(const Shape& a, const Shape& b, std::int64_t ka, std::int64_t kb) {
+  throw ShapeError("matmul: mat1 and mat2 shapes cannot be multiplied (" + a.str() + " and " + b.str() +
+                   "): expected the contracted sizes to match, found " + std::to_string(ka) + " and " +
+                   std::to_string(kb));
+}
+
+}  // namespace lazy::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/ops/matmul.hpp ----
+// ---- begin lazytensor/ops/random.hpp ----
+// Random tensors from a counter-based generator (Philox4x32-10, Salmon et al., "Parallel
+// Random Numbers: As Easy as 1, 2, 3", SC'11). A counter-based generator needs no state
+// per thread: the value of element i is a pure function of (seed, counter(i)), so results
+// are identical whatever the thread count and however the work is chunked.
+//
+// Streams: each call reserves a block of counters from its device's RngState at creation
+// time (offset .. offset + blocks) and captures the seed; element i uses counter
+// offset + i / P, where P is how many elements one 128-bit Philox output yields (4 for
+// 32-bit draws, 2 for 64-bit draws): in the 4 * B words of a block of B consecutive
+// counters, element j of the block reads word j (32-bit draws) or words 2j, 2j + 1. The
+// values are computed lazily, at mark_step, by a RandomNode (graph/random_node.hpp, with
+// Philox and the distributions), always a whole block at a time (block k holds the call's
+// elements k * B * P ..), so a vectorized distribution gives every element the same bits
+// whichever task computes it. set_rng_state / manual_seed restart the stream; mark_step
+// advances the seed.
+
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+// ---- begin lazytensor/graph/random_node.hpp ----
+// RandomNode, the kernel of every random tensor: Philox4x32-10 (a counter-based generator,
+// so element i's value is a pure function of the seed and i, whatever the thread count) and
+// the distributions that turn its output words into elements (uniform, normal, integers,
+// Bernoulli). ops/random.hpp describes the streams and reserves the counters.
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <numbers>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <xsimd/xsimd.hpp>
+
+
+namespace lazy {
+
+namespace ops {
+
+/// 128-bit Philox counter (four 32-bit words, word 0 least significant).
+using PhiloxCounter = std::array<std::uint32_t, 4>;
+/// 64-bit Philox key (two 32-bit words).
+using PhiloxKey = std::array<std::uint32_t, 2>;
+
+/// The Philox4x32-10 bijection of `counter` under `key`: ten rounds of two 32x32->64-bit
+/// multiplies, with the key bumped by the Weyl constants between rounds. Matches the
+/// Random123 known-answer vectors (e.g. counter 0, key 0 -> 6627e8d5 e169c58d bc57ac4c
+/// 9b00dbd8).
+constexpr PhiloxCounter philox4x32_10(PhiloxCounter ctr, PhiloxKey key) {
+  constexpr std::uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;  // round multipliers
+  constexpr std::uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;  // Weyl key increments
+  for (int r = 0; r < 10; ++r) {
+    if (r > 0) {
+      key[0] += kW0;
+      key[1] += kW1;
+    }
+    const std::uint64_t p0 = std::uint64_t{kM0} * ctr[0];
+    const std::uint64_t p1 = std::uint64_t{kM1} * ctr[2];
+    const auto hi0 = static_cast<std::uint32_t>(p0 >> 32), lo0 = static_cast<std::uint32_t>(p0);
+    const auto hi1 = static_cast<std::uint32_t>(p1 >> 32), lo1 = static_cast<std::uint32_t>(p1);
+    ctr = {hi1 ^ ctr[1] ^ key[0], lo1, hi0 ^ ctr[3] ^ key[1], lo0};
+  }
+  return ctr;
+}
+
+/// The key of a 64-bit seed: its low and high words.
+constexpr PhiloxKey philox_key(std::uint64_t seed) {
+  return {static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32)};
+}
+
+/// Philox output for 64-bit counter value `c` (the upper 64 counter bits are zero).
+constexpr PhiloxCounter philox_block(std::uint64_t c, const PhiloxKey& key) {
+  return philox4x32_10({static_cast<std::uint32_t>(c), static_cast<std::uint32_t>(c >> 32), 0u, 0u}, key);
+}
+
+}  // namespace ops
+
+namespace graph {
+
+namespace detail {
+
+// A distribution turns the 4 * kRandomBlock words of one block of counters into
+// P * kRandomBlock elements (P = per_counter). fill(words, j0, cnt, out, i) writes elements
+// [j0, j0 + cnt) of the block to out[0..cnt); `i` is the global index of out[0] (for
+// distributions that read an input element-wise). A distribution that vectorizes computes
+// the whole block and keeps the part asked for, so no element's bits depend on where a task
+// starts.
+
+/// Counters per block.
+inline constexpr int kRandomBlock = 16;
+
+/// Uniform 24-bit float in [0, 1): exact, never 1.
+inline float unit_float(std::uint32_t x) { return static_cast<float>(x >> 8) * 0x1p-24f; }
+inline std::uint64_t word64(std::uint32_t hi, std::uint32_t lo) { return (std::uint64_t{hi} << 32) | lo; }
+/// Uniform 53-bit double in [0, 1).
+inline double unit_double(std::uint32_t hi, std::uint32_t lo) {
+  return static_cast<double>(word64(hi, lo) >> 11) * 0x1p-53;
+}
+
+/// torch.rand: uniform in [0, 1).
+template <Element T>
+struct UniformDist {
+  static constexpr const char* name = "rand";
+  static constexpr int per_counter = std::is_same_v<T, double> ? 2 : 4;
+  static constexpr double cost = 2;
+  std::string params() const { return ""; }
+  void bind(const std::vector<NodePtr>&) {}
+  void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t) const {
+    for (int k = 0; k < cnt; ++k) {
+      const int j = j0 + k;
+      if constexpr (std::is_same_v<T, double>) {
+        out[k] = unit_double(w[2 * j], w[2 * j + 1]);
+      } else if constexpr (std::is_same_v<T, bfloat16>) {
+        // 8 random bits: k / 256 is exact in bfloat16, whereas rounding a 24-bit float
+        // could round up to 1.0 and break the [0, 1) contract.
+        out[k] = bfloat16(static_cast<float>(w[j] >> 24) * 0x1p-8f);
+      } else {
+        out[k] = unit_float(w[j]);
+      }
+    }
+  }
+};
+
+/// torch.randn: standard normal by Box-Muller on pairs of uniforms (u1, u2) -> (r cos t,
+/// r sin t), r = sqrt(-2 log u1), t = 2 pi u2. u1 is in (0, 1], so log(0) cannot happen.
+/// Vectorized with xsimd over a whole block; bfloat16 computes in float and rounds.
+template <Element T>
+struct NormalDist {
+  static constexpr const char* name = "randn";
+  static constexpr int per_counter = std::is_same_v<T, double> ? 2 : 4;
+  static constexpr double cost = 6;
+  std::string params() const { return ""; }
+  void bind(const std::vector<NodePtr>&) {}
+  void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t) const {
+    using S = std::conditional_t<std::is_same_v<T, double>, double, float>;
+    using V = xsimd::batch<S>;
+    constexpr int kPairs = kRandomBlock * per_counter / 2;
+    static_assert(kPairs % V::size == 0, "a block is a whole number of SIMD batches");
+    alignas(64) S u1[kPairs], u2[kPairs], z[2 * kPairs];
+    for (int m = 0; m < kPairs; ++m) {
+      if constexpr (std::is_same_v<S, double>) {
+        u1[m] = static_cast<double>((word64(w[4 * m], w[4 * m + 1]) >> 11) + 1) * 0x1p-53;
+        u2[m] = unit_double(w[4 * m + 2], w[4 * m + 3]);
+      } else {
+        u1[m] = static_cast<float>((w[2 * m] >> 8) + 1) * 0x1p-24f;
+        u2[m] = unit_float(w[2 * m + 1]);
+      }
+    }
+    for (int m = 0; m < kPairs; m += static_cast<int>(V::size)) {
+      const V r = xsimd::sqrt(V(S(-2)) * xsimd::log(V::load_aligned(u1 + m)));
+      const auto [sn, cs] = xsimd::sincos(V(S(2) * std::numbers::pi_v<S>) * V::load_aligned(u2 + m));
+      alignas(64) S c[V::size], s[V::size];
+      (r * cs).store_aligned(c);
+      (r * sn).store_aligned(s);
+      for (std::size_t l = 0; l < V::size; ++l) {
+        z[2 * (m + static_cast<int>(l))] = c[l];
+        z[2 * (m + static_cast<int>(l)) + 1] = s[l];
+      }
+    }
+    for (int k = 0; k < cnt; ++k) out[k] = static_cast<T>(z[j0 + k]);
+  }
+};
+
+/// torch.randint: integers in [low, high). A 64-bit draw modulo the range: the bias is at
+/// most range / 2^64, far below anything a test can see.
+template <Element T>
+struct RandIntDist {
+  static constexpr const char* name = "randint";
+  static constexpr int per_counter = 2;
+  static constexpr double cost = 3;
+  std::int64_t low;
+  std::uint64_t range;
+  std::string params() const {
+    return "low=" + std::to_string(low) + ", high=" + std::to_string(static_cast<std::int64_t>(static_cast<std::uint64_t>(low) + range));
+  }
+  void bind(const std::vector<NodePtr>&) {}
+  void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t) const {
+    for (int k = 0; k < cnt; ++k) {
+      const int j = j0 + k;
+      // Unsigned arithmetic: low + v may pass through values outside int64 mid-way.
+      const std::uint64_t v = static_cast<std::uint64_t>(low) + word64(w[2 * j], w[2 * j + 1]) % range;
+      out[k] = static_cast<T>(static_cast<std::int64_t>(v));
+    }
+  }
+};
+
+/// torch.bernoulli with one probability: 1 with probability p, else 0.
+template <Element T>
+struct BernoulliDist {
+  static constexpr const char* name = "bernoulli";
+  static constexpr int per_counter = 4;
+  static constexpr double cost = 2;
+  double p;
+  std::string params() const { return "p=" + std::to_string(p); }
+  void bind(const std::vector<NodePtr>&) {}
+  void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t) const {
+    // u = x / 2^32 in [0, 1): p = 0 never fires, p = 1 always does.
+    for (int k = 0; k < cnt; ++k) out[k] = static_cast<T>(static_cast<double>(w[j0 + k]) * 0x1p-32 < p);
+  }
+};
+
+/// torch.bernoulli(probs): element i is 1 with probability probs[i]. Probabilities outside
+/// [0, 1] (or NaN) raise lazy::Error when the kernel runs.
+template <Element T>
+struct BernoulliTensorDist {
+  static constexpr const char* name = "bernoulli";
+  static constexpr int per_counter = 4;
+  static constexpr double cost = 3;
+  const T* probs = nullptr;
+  std::string params() const { return "p=%0"; }
+  void bind(const std::vector<NodePtr>& ins) { probs = ins[0]->template data<T>(); }
+  void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t i) const {
+    for (int k = 0; k < cnt; ++k) {
+      const double p = static_cast<double>(static_cast<compute_t<T>>(probs[i + k]));
+      if (!(p >= 0.0 && p <= 1.0)) {
+        throw Error("bernoulli: expected every probability in [0, 1], found " + std::to_string(p) + " at element " +
+                    std::to_string(i + k));
+      }
+      out[k] = static_cast<T>(static_cast<double>(w[j0 + k]) * 0x1p-32 < p);
+    }
+  }
+};
+
+}  // namespace detail
+
+/// A tensor of random values drawn from distribution D with counters offset.. of `seed`.
+template <Element T, class D>
+class RandomNode final : public Node {
+ public:
+  RandomNode(D dist, Shape shape, Device* device, std::uint64_t seed, std::uint64_t offset,
+             std::vector<NodePtr> inputs = {})
+      : Node(NodeKind::Random, dtype_of<T>(), shape, device, std::move(inputs)), dist_(dist), seed_(seed),
+        offset_(offset) {}
+
+  std::string op_name() const override { return D::name; }
+  std::string describe() const override {
+    const std::string p = dist_.params();
+    return std::string(D::name) + "(" + p + (p.empty() ? "" : ", ") + "offset=" + std::to_string(offset_) + ")";
+  }
+  double cost_per_element() const override { return D::cost; }
+  /// Shape, dtype and distribution only: a new seed or offset every step must not make the
+  /// plan look new (the values are data, as a learning rate is).
+  std::uint64_t structural_hash() const override { return Node::structural_hash(); }
+
+  std::uint64_t seed() const { return seed_; }
+  std::uint64_t offset() const { return offset_; }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    D d = dist_;
+    d.bind(inputs());  // input pointers first (house rule)
+    // No donation: bernoulli(probs) may throw half-way, and must leave its input intact.
+    auto buf = allocate_output(ctx, false);
+    T* out = static_cast<T*>(buf->data());
+    const std::int64_t n = numel();
+    constexpr std::int64_t E = std::int64_t{detail::kRandomBlock} * D::per_counter;  // elements per block
+    const auto key = ops::philox_key(seed_);
+    auto& pool = ctx.device.threads();
+    const std::int64_t tasks = task_count(pool, n, D::cost);
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      // Tasks start on block boundaries (no block computed twice), but the values depend
+      // only on the element index either way.
+      auto [b, e] = task_range(n, tasks, t, E);
+      std::uint32_t words[4 * detail::kRandomBlock];
+      for (std::int64_t i = b; i < e;) {
+        const std::int64_t blk = i / E;
+        const std::uint64_t c0 = offset_ + static_cast<std::uint64_t>(blk) * detail::kRandomBlock;
+        for (int c = 0; c < detail::kRandomBlock; ++c) {
+          const auto r = ops::philox_block(c0 + static_cast<std::uint64_t>(c), key);
+          for (int k = 0; k < 4; ++k) words[4 * c + k] = r[k];
+        }
+        const int j0 = static_cast<int>(i - blk * E);
+        const int cnt = static_cast<int>(std::min<std::int64_t>(E - j0, e - i));
+        d.fill(words, j0, cnt, out + i, i);
+        i += cnt;
+      }
+    });
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  D dist_;
+  std::uint64_t seed_, offset_;
+};
+
+}  // namespace graph
+
+}  // namespace lazy
+// ---- end lazytensor/graph/random_node.hpp ----
+
+namespace lazy {
+
+namespace detail {
+
+/// Reserves the counters of `n` elements from the device stream and builds the node.
+template <Element T, class D>
+Tensor<T> make_random(D dist, const Shape& shape, const Device& dev, std::vector<graph::NodePtr> inputs = {}) {
+  graph::Device& eng = dev.engine();
+  auto& rng = eng.rng();
+  const auto blocks = static_cast<std::uint64_t>((shape.numel() + D::per_counter - 1) / D::per_counter);
+  const std::uint64_t offset = rng.offset;
+  rng.offset += blocks;
+  return Tensor<T>(graph::submit(
+      std::make_shared<graph::RandomNode<T, D>>(dist, shape, &eng, rng.seed, offset, std::move(inputs))));
+}
+
+template <class T>
+constexpr std::int64_t exact_integer_limit() {
+  if constexpr (std::is_same_v<T, bfloat16>) return std::int64_t{1} << 8;
+  else if constexpr (std::is_same_v<T, float>) return std::int64_t{1} << 24;
+  else return std::int64_t{1} << 53;
+}
+
+}  // namespace detail
+
+/// Seeds the current device's random stream; alias of set_rng_state (torch.manual_seed).
+inline void manual_seed(std::uint64_t seed) { set_rng_state(seed); }
+
+/// Uniform values in [0, 1) (torch.rand). T: float, double or bfloat16. Lazy: drawn when
+/// the tensor is materialized, identical whatever the thread count.
+template <Element T>
+  requires is_floating_v<T>
+Tensor<T> rand(const Shape& shape, Device dev = device()) {
+  return detail::make_random<T>(graph::detail::UniformDist<T>{}, shape, dev);
+}
+
+/// Standard normal values (torch.randn). T: float, double or bfloat16.
+template <Element T>
+  requires is_floating_v<T>
+Tensor<T> randn(const Shape& shape, Device dev = device()) {
+  return detail::make_random<T>(graph::detail::NormalDist<T>{}, shape, dev);
+}
+
+/// rand with t's shape and device.
+template <Element T>
+  requires is_floating_v<T>
+Tensor<T> rand_like(const Tensor<T>& t) {
+  return rand<T>(t.shape(), t.device());
+}
+/// randn with t's shape and device.
+template <Element T>
+  requires is_floating_v<T>
+Tensor<T> randn_like(const Tensor<T>& t) {
+  return randn<T>(t.shape(), t.device());
+}
+
+/// Integers uniform in [low, high) (torch.randint), stored as T (int32, int64, float,
+/// double or bfloat16; default int64). lazy::Error when low >= high or when a bound does
+/// not fit T (exactly, for floating T).
+template <Element T = std::int64_t>
+  requires(!std::is_same_v<T, bool>)
+Tensor<T> randint(std::int64_t low, std::int64_t high, const Shape& shape, Device dev = device()) {
+  if (low >= high) {
+    throw Error("randint: expected low < high, got low=" + std::to_string(low) + ", high=" + std::to_string(high));
+  }
+  if constexpr (is_integral_v<T>) {
+    if (low < std::numeric_limits<T>::min() || high - 1 > std::numeric_limits<T>::max()) {
+      throw Error("randint: range [" + std::to_string(low) + ", " + std::to_string(high) + ") does not fit " +
+                  dtype_name(dtype_of<T>()));
+    }
+  } else {
+    constexpr std::int64_t lim = detail::exact_integer_limit<T>();
+    if (low < -lim || high > lim) {
+      throw Error("randint: range [" + std::to_string(low) + ", " + std::to_string(high) + ") is not exactly " +
+                  "representable in " + dtype_name(dtype_of<T>()) + " (expected bounds within +-" +
+                  std::to_string(lim) + ")");
+    }
+  }
+  const std::uint64_t range = static_cast<std::uint64_t>(high) - static_cast<std::uint64_t>(low);
+  return detail::make_random<T>(graph::detail::RandIntDist<T>{low, range}, shape, dev);
+}
+
+/// Integers uniform in [0, high) (torch.randint(high, size)).
+template <Element T = std::int64_t>
+  requires(!std::is_same_v<T, bool>)
+Tensor<T> randint(std::int64_t high, const Shape& shape, Device dev = device()) {
+  return randint<T>(0, high, shape, dev);
+}
+
+/// 1 with probability p, else 0, for every element (torch.empty(shape).bernoulli_(p)).
+/// T: any element type (bool gives true/false). lazy::Error unless 0 <= p <= 1.
+template <Element T>
+Tensor<T> bernoulli(double p, const Shape& shape, Device dev = device()) {
+  if (!(p >= 0.0 && p <= 1.0)) {
+    throw Error("bernoulli: expected 0 <= p <= 1, got p=" + std::to_string(p));
+  }
+  return detail::make_random<T>(graph::detail::BernoulliDist<T>{p}, shape, dev);
+}
+
+/// Element i is 1 with probability probs[i], else 0 (torch.bernoulli(probs)); the result
+/// has probs' shape, dtype and device. probs: a floating tensor or expression; values
+/// outside [0, 1] raise lazy::Error when the kernel runs (next mark_step or read).
+template <expr::ExprLike X>
+  requires is_floating_v<expr::value_t<X>>
+auto bernoulli(const X& probs) {
+  using T = expr::value_t<X>;
+  Tensor<T> p = [&] {
+    if constexpr (std::is_same_v<X, Tensor<T>>) return probs;
+    else if constexpr (expr::is_expr_node<X>::value) return Tensor<T>(probs);
+    else return Tensor<T>(probs.to_leaf().node);
+  }();
+  return detail::make_random<T>(graph::detail::BernoulliTensorDist<T>{}, p.shape(), p.device(),
+                                            {p.node()});
+}
+
+}  // namespace lazy
+
+// Per-dtype templates the compiled runtime instantiates once (core/config.hpp).
+#define LAZYTENSOR_RANDOM_INSTANCES(P, T)                                                                   \
+  P template lazy::Tensor<T> lazy::detail::make_random<T, lazy::graph::detail::UniformDist<T>>(              \
+      lazy::graph::detail::UniformDist<T>, const lazy::Shape&, const lazy::Device&, std::vector<lazy::graph::NodePtr>); \
+  P template lazy::Tensor<T> lazy::detail::make_random<T, lazy::graph::detail::NormalDist<T>>(               \
+      lazy::graph::detail::NormalDist<T>, const lazy::Shape&, const lazy::Device&, std::vector<lazy::graph::NodePtr>);
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_FOR_FLOATING(LAZYTENSOR_RANDOM_INSTANCES, extern)
+#endif
+// ---- end lazytensor/ops/random.hpp ----
+// ---- end lazytensor/tensor.hpp ----
+// ---- end lazytensor/eigen.hpp ----
 // ---- begin lazytensor/fwd.hpp ----
 // Declarations of lazytensor's user-facing types, for a user's own headers: a header that
 // only names `lazy::Tensor<float>` in a signature includes this (as nlohmann's json_fwd.hpp)
@@ -13808,2351 +17126,6 @@ LAZYTENSOR_INLINE void save(const StateDict& sd, const std::string& path, bool m
 #include <string>
 #include <type_traits>
 
-// ---- begin lazytensor/ops/random.hpp ----
-// Random tensors from a counter-based generator (Philox4x32-10, Salmon et al., "Parallel
-// Random Numbers: As Easy as 1, 2, 3", SC'11). A counter-based generator needs no state
-// per thread: the value of element i is a pure function of (seed, counter(i)), so results
-// are identical whatever the thread count and however the work is chunked.
-//
-// Streams: each call reserves a block of counters from its device's RngState at creation
-// time (offset .. offset + blocks) and captures the seed; element i uses counter
-// offset + i / P, where P is how many elements one 128-bit Philox output yields (4 for
-// 32-bit draws, 2 for 64-bit draws): in the 4 * B words of a block of B consecutive
-// counters, element j of the block reads word j (32-bit draws) or words 2j, 2j + 1. The
-// values are computed lazily, at mark_step, by a RandomNode (graph/random_node.hpp, with
-// Philox and the distributions), always a whole block at a time (block k holds the call's
-// elements k * B * P ..), so a vectorized distribution gives every element the same bits
-// whichever task computes it. set_rng_state / manual_seed restart the stream; mark_step
-// advances the seed.
-
-#include <cstdint>
-#include <limits>
-#include <memory>
-#include <string>
-#include <type_traits>
-#include <vector>
-
-// ---- begin lazytensor/graph/random_node.hpp ----
-// RandomNode, the kernel of every random tensor: Philox4x32-10 (a counter-based generator,
-// so element i's value is a pure function of the seed and i, whatever the thread count) and
-// the distributions that turn its output words into elements (uniform, normal, integers,
-// Bernoulli). ops/random.hpp describes the streams and reserves the counters.
-
-#include <algorithm>
-#include <array>
-#include <cstdint>
-#include <numbers>
-#include <string>
-#include <type_traits>
-#include <vector>
-
-#include <xsimd/xsimd.hpp>
-
-
-namespace lazy {
-
-namespace ops {
-
-/// 128-bit Philox counter (four 32-bit words, word 0 least significant).
-using PhiloxCounter = std::array<std::uint32_t, 4>;
-/// 64-bit Philox key (two 32-bit words).
-using PhiloxKey = std::array<std::uint32_t, 2>;
-
-/// The Philox4x32-10 bijection of `counter` under `key`: ten rounds of two 32x32->64-bit
-/// multiplies, with the key bumped by the Weyl constants between rounds. Matches the
-/// Random123 known-answer vectors (e.g. counter 0, key 0 -> 6627e8d5 e169c58d bc57ac4c
-/// 9b00dbd8).
-constexpr PhiloxCounter philox4x32_10(PhiloxCounter ctr, PhiloxKey key) {
-  constexpr std::uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;  // round multipliers
-  constexpr std::uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;  // Weyl key increments
-  for (int r = 0; r < 10; ++r) {
-    if (r > 0) {
-      key[0] += kW0;
-      key[1] += kW1;
-    }
-    const std::uint64_t p0 = std::uint64_t{kM0} * ctr[0];
-    const std::uint64_t p1 = std::uint64_t{kM1} * ctr[2];
-    const auto hi0 = static_cast<std::uint32_t>(p0 >> 32), lo0 = static_cast<std::uint32_t>(p0);
-    const auto hi1 = static_cast<std::uint32_t>(p1 >> 32), lo1 = static_cast<std::uint32_t>(p1);
-    ctr = {hi1 ^ ctr[1] ^ key[0], lo1, hi0 ^ ctr[3] ^ key[1], lo0};
-  }
-  return ctr;
-}
-
-/// The key of a 64-bit seed: its low and high words.
-constexpr PhiloxKey philox_key(std::uint64_t seed) {
-  return {static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32)};
-}
-
-/// Philox output for 64-bit counter value `c` (the upper 64 counter bits are zero).
-constexpr PhiloxCounter philox_block(std::uint64_t c, const PhiloxKey& key) {
-  return philox4x32_10({static_cast<std::uint32_t>(c), static_cast<std::uint32_t>(c >> 32), 0u, 0u}, key);
-}
-
-}  // namespace ops
-
-namespace graph {
-
-namespace detail {
-
-// A distribution turns the 4 * kRandomBlock words of one block of counters into
-// P * kRandomBlock elements (P = per_counter). fill(words, j0, cnt, out, i) writes elements
-// [j0, j0 + cnt) of the block to out[0..cnt); `i` is the global index of out[0] (for
-// distributions that read an input element-wise). A distribution that vectorizes computes
-// the whole block and keeps the part asked for, so no element's bits depend on where a task
-// starts.
-
-/// Counters per block.
-inline constexpr int kRandomBlock = 16;
-
-/// Uniform 24-bit float in [0, 1): exact, never 1.
-inline float unit_float(std::uint32_t x) { return static_cast<float>(x >> 8) * 0x1p-24f; }
-inline std::uint64_t word64(std::uint32_t hi, std::uint32_t lo) { return (std::uint64_t{hi} << 32) | lo; }
-/// Uniform 53-bit double in [0, 1).
-inline double unit_double(std::uint32_t hi, std::uint32_t lo) {
-  return static_cast<double>(word64(hi, lo) >> 11) * 0x1p-53;
-}
-
-/// torch.rand: uniform in [0, 1).
-template <Element T>
-struct UniformDist {
-  static constexpr const char* name = "rand";
-  static constexpr int per_counter = std::is_same_v<T, double> ? 2 : 4;
-  static constexpr double cost = 2;
-  std::string params() const { return ""; }
-  void bind(const std::vector<NodePtr>&) {}
-  void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t) const {
-    for (int k = 0; k < cnt; ++k) {
-      const int j = j0 + k;
-      if constexpr (std::is_same_v<T, double>) {
-        out[k] = unit_double(w[2 * j], w[2 * j + 1]);
-      } else if constexpr (std::is_same_v<T, bfloat16>) {
-        // 8 random bits: k / 256 is exact in bfloat16, whereas rounding a 24-bit float
-        // could round up to 1.0 and break the [0, 1) contract.
-        out[k] = bfloat16(static_cast<float>(w[j] >> 24) * 0x1p-8f);
-      } else {
-        out[k] = unit_float(w[j]);
-      }
-    }
-  }
-};
-
-/// torch.randn: standard normal by Box-Muller on pairs of uniforms (u1, u2) -> (r cos t,
-/// r sin t), r = sqrt(-2 log u1), t = 2 pi u2. u1 is in (0, 1], so log(0) cannot happen.
-/// Vectorized with xsimd over a whole block; bfloat16 computes in float and rounds.
-template <Element T>
-struct NormalDist {
-  static constexpr const char* name = "randn";
-  static constexpr int per_counter = std::is_same_v<T, double> ? 2 : 4;
-  static constexpr double cost = 6;
-  std::string params() const { return ""; }
-  void bind(const std::vector<NodePtr>&) {}
-  void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t) const {
-    using S = std::conditional_t<std::is_same_v<T, double>, double, float>;
-    using V = xsimd::batch<S>;
-    constexpr int kPairs = kRandomBlock * per_counter / 2;
-    static_assert(kPairs % V::size == 0, "a block is a whole number of SIMD batches");
-    alignas(64) S u1[kPairs], u2[kPairs], z[2 * kPairs];
-    for (int m = 0; m < kPairs; ++m) {
-      if constexpr (std::is_same_v<S, double>) {
-        u1[m] = static_cast<double>((word64(w[4 * m], w[4 * m + 1]) >> 11) + 1) * 0x1p-53;
-        u2[m] = unit_double(w[4 * m + 2], w[4 * m + 3]);
-      } else {
-        u1[m] = static_cast<float>((w[2 * m] >> 8) + 1) * 0x1p-24f;
-        u2[m] = unit_float(w[2 * m + 1]);
-      }
-    }
-    for (int m = 0; m < kPairs; m += static_cast<int>(V::size)) {
-      const V r = xsimd::sqrt(V(S(-2)) * xsimd::log(V::load_aligned(u1 + m)));
-      const auto [sn, cs] = xsimd::sincos(V(S(2) * std::numbers::pi_v<S>) * V::load_aligned(u2 + m));
-      alignas(64) S c[V::size], s[V::size];
-      (r * cs).store_aligned(c);
-      (r * sn).store_aligned(s);
-      for (std::size_t l = 0; l < V::size; ++l) {
-        z[2 * (m + static_cast<int>(l))] = c[l];
-        z[2 * (m + static_cast<int>(l)) + 1] = s[l];
-      }
-    }
-    for (int k = 0; k < cnt; ++k) out[k] = static_cast<T>(z[j0 + k]);
-  }
-};
-
-/// torch.randint: integers in [low, high). A 64-bit draw modulo the range: the bias is at
-/// most range / 2^64, far below anything a test can see.
-template <Element T>
-struct RandIntDist {
-  static constexpr const char* name = "randint";
-  static constexpr int per_counter = 2;
-  static constexpr double cost = 3;
-  std::int64_t low;
-  std::uint64_t range;
-  std::string params() const {
-    return "low=" + std::to_string(low) + ", high=" + std::to_string(static_cast<std::int64_t>(static_cast<std::uint64_t>(low) + range));
-  }
-  void bind(const std::vector<NodePtr>&) {}
-  void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t) const {
-    for (int k = 0; k < cnt; ++k) {
-      const int j = j0 + k;
-      // Unsigned arithmetic: low + v may pass through values outside int64 mid-way.
-      const std::uint64_t v = static_cast<std::uint64_t>(low) + word64(w[2 * j], w[2 * j + 1]) % range;
-      out[k] = static_cast<T>(static_cast<std::int64_t>(v));
-    }
-  }
-};
-
-/// torch.bernoulli with one probability: 1 with probability p, else 0.
-template <Element T>
-struct BernoulliDist {
-  static constexpr const char* name = "bernoulli";
-  static constexpr int per_counter = 4;
-  static constexpr double cost = 2;
-  double p;
-  std::string params() const { return "p=" + std::to_string(p); }
-  void bind(const std::vector<NodePtr>&) {}
-  void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t) const {
-    // u = x / 2^32 in [0, 1): p = 0 never fires, p = 1 always does.
-    for (int k = 0; k < cnt; ++k) out[k] = static_cast<T>(static_cast<double>(w[j0 + k]) * 0x1p-32 < p);
-  }
-};
-
-/// torch.bernoulli(probs): element i is 1 with probability probs[i]. Probabilities outside
-/// [0, 1] (or NaN) raise lazy::Error when the kernel runs.
-template <Element T>
-struct BernoulliTensorDist {
-  static constexpr const char* name = "bernoulli";
-  static constexpr int per_counter = 4;
-  static constexpr double cost = 3;
-  const T* probs = nullptr;
-  std::string params() const { return "p=%0"; }
-  void bind(const std::vector<NodePtr>& ins) { probs = ins[0]->template data<T>(); }
-  void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t i) const {
-    for (int k = 0; k < cnt; ++k) {
-      const double p = static_cast<double>(static_cast<compute_t<T>>(probs[i + k]));
-      if (!(p >= 0.0 && p <= 1.0)) {
-        throw Error("bernoulli: expected every probability in [0, 1], found " + std::to_string(p) + " at element " +
-                    std::to_string(i + k));
-      }
-      out[k] = static_cast<T>(static_cast<double>(w[j0 + k]) * 0x1p-32 < p);
-    }
-  }
-};
-
-}  // namespace detail
-
-/// A tensor of random values drawn from distribution D with counters offset.. of `seed`.
-template <Element T, class D>
-class RandomNode final : public Node {
- public:
-  RandomNode(D dist, Shape shape, Device* device, std::uint64_t seed, std::uint64_t offset,
-             std::vector<NodePtr> inputs = {})
-      : Node(NodeKind::Random, dtype_of<T>(), shape, device, std::move(inputs)), dist_(dist), seed_(seed),
-        offset_(offset) {}
-
-  std::string op_name() const override { return D::name; }
-  std::string describe() const override {
-    const std::string p = dist_.params();
-    return std::string(D::name) + "(" + p + (p.empty() ? "" : ", ") + "offset=" + std::to_string(offset_) + ")";
-  }
-  double cost_per_element() const override { return D::cost; }
-  /// Shape, dtype and distribution only: a new seed or offset every step must not make the
-  /// plan look new (the values are data, as a learning rate is).
-  std::uint64_t structural_hash() const override { return Node::structural_hash(); }
-
-  std::uint64_t seed() const { return seed_; }
-  std::uint64_t offset() const { return offset_; }
-
- protected:
-  void compute(ExecContext& ctx) override {
-    D d = dist_;
-    d.bind(inputs());  // input pointers first (house rule)
-    // No donation: bernoulli(probs) may throw half-way, and must leave its input intact.
-    auto buf = allocate_output(ctx, false);
-    T* out = static_cast<T*>(buf->data());
-    const std::int64_t n = numel();
-    constexpr std::int64_t E = std::int64_t{detail::kRandomBlock} * D::per_counter;  // elements per block
-    const auto key = ops::philox_key(seed_);
-    auto& pool = ctx.device.threads();
-    const std::int64_t tasks = task_count(pool, n, D::cost);
-    pool.parallel_for(tasks, [&](std::int64_t t) {
-      // Tasks start on block boundaries (no block computed twice), but the values depend
-      // only on the element index either way.
-      auto [b, e] = task_range(n, tasks, t, E);
-      std::uint32_t words[4 * detail::kRandomBlock];
-      for (std::int64_t i = b; i < e;) {
-        const std::int64_t blk = i / E;
-        const std::uint64_t c0 = offset_ + static_cast<std::uint64_t>(blk) * detail::kRandomBlock;
-        for (int c = 0; c < detail::kRandomBlock; ++c) {
-          const auto r = ops::philox_block(c0 + static_cast<std::uint64_t>(c), key);
-          for (int k = 0; k < 4; ++k) words[4 * c + k] = r[k];
-        }
-        const int j0 = static_cast<int>(i - blk * E);
-        const int cnt = static_cast<int>(std::min<std::int64_t>(E - j0, e - i));
-        d.fill(words, j0, cnt, out + i, i);
-        i += cnt;
-      }
-    });
-    set_buffer(std::move(buf));
-  }
-
- private:
-  D dist_;
-  std::uint64_t seed_, offset_;
-};
-
-}  // namespace graph
-
-}  // namespace lazy
-// ---- end lazytensor/graph/random_node.hpp ----
-
-namespace lazy {
-
-namespace detail {
-
-/// Reserves the counters of `n` elements from the device stream and builds the node.
-template <Element T, class D>
-Tensor<T> make_random(D dist, const Shape& shape, const Device& dev, std::vector<graph::NodePtr> inputs = {}) {
-  graph::Device& eng = dev.engine();
-  auto& rng = eng.rng();
-  const auto blocks = static_cast<std::uint64_t>((shape.numel() + D::per_counter - 1) / D::per_counter);
-  const std::uint64_t offset = rng.offset;
-  rng.offset += blocks;
-  return Tensor<T>(graph::submit(
-      std::make_shared<graph::RandomNode<T, D>>(dist, shape, &eng, rng.seed, offset, std::move(inputs))));
-}
-
-template <class T>
-constexpr std::int64_t exact_integer_limit() {
-  if constexpr (std::is_same_v<T, bfloat16>) return std::int64_t{1} << 8;
-  else if constexpr (std::is_same_v<T, float>) return std::int64_t{1} << 24;
-  else return std::int64_t{1} << 53;
-}
-
-}  // namespace detail
-
-/// Seeds the current device's random stream; alias of set_rng_state (torch.manual_seed).
-inline void manual_seed(std::uint64_t seed) { set_rng_state(seed); }
-
-/// Uniform values in [0, 1) (torch.rand). T: float, double or bfloat16. Lazy: drawn when
-/// the tensor is materialized, identical whatever the thread count.
-template <Element T>
-  requires is_floating_v<T>
-Tensor<T> rand(const Shape& shape, Device dev = device()) {
-  return detail::make_random<T>(graph::detail::UniformDist<T>{}, shape, dev);
-}
-
-/// Standard normal values (torch.randn). T: float, double or bfloat16.
-template <Element T>
-  requires is_floating_v<T>
-Tensor<T> randn(const Shape& shape, Device dev = device()) {
-  return detail::make_random<T>(graph::detail::NormalDist<T>{}, shape, dev);
-}
-
-/// rand with t's shape and device.
-template <Element T>
-  requires is_floating_v<T>
-Tensor<T> rand_like(const Tensor<T>& t) {
-  return rand<T>(t.shape(), t.device());
-}
-/// randn with t's shape and device.
-template <Element T>
-  requires is_floating_v<T>
-Tensor<T> randn_like(const Tensor<T>& t) {
-  return randn<T>(t.shape(), t.device());
-}
-
-/// Integers uniform in [low, high) (torch.randint), stored as T (int32, int64, float,
-/// double or bfloat16; default int64). lazy::Error when low >= high or when a bound does
-/// not fit T (exactly, for floating T).
-template <Element T = std::int64_t>
-  requires(!std::is_same_v<T, bool>)
-Tensor<T> randint(std::int64_t low, std::int64_t high, const Shape& shape, Device dev = device()) {
-  if (low >= high) {
-    throw Error("randint: expected low < high, got low=" + std::to_string(low) + ", high=" + std::to_string(high));
-  }
-  if constexpr (is_integral_v<T>) {
-    if (low < std::numeric_limits<T>::min() || high - 1 > std::numeric_limits<T>::max()) {
-      throw Error("randint: range [" + std::to_string(low) + ", " + std::to_string(high) + ") does not fit " +
-                  dtype_name(dtype_of<T>()));
-    }
-  } else {
-    constexpr std::int64_t lim = detail::exact_integer_limit<T>();
-    if (low < -lim || high > lim) {
-      throw Error("randint: range [" + std::to_string(low) + ", " + std::to_string(high) + ") is not exactly " +
-                  "representable in " + dtype_name(dtype_of<T>()) + " (expected bounds within +-" +
-                  std::to_string(lim) + ")");
-    }
-  }
-  const std::uint64_t range = static_cast<std::uint64_t>(high) - static_cast<std::uint64_t>(low);
-  return detail::make_random<T>(graph::detail::RandIntDist<T>{low, range}, shape, dev);
-}
-
-/// Integers uniform in [0, high) (torch.randint(high, size)).
-template <Element T = std::int64_t>
-  requires(!std::is_same_v<T, bool>)
-Tensor<T> randint(std::int64_t high, const Shape& shape, Device dev = device()) {
-  return randint<T>(0, high, shape, dev);
-}
-
-/// 1 with probability p, else 0, for every element (torch.empty(shape).bernoulli_(p)).
-/// T: any element type (bool gives true/false). lazy::Error unless 0 <= p <= 1.
-template <Element T>
-Tensor<T> bernoulli(double p, const Shape& shape, Device dev = device()) {
-  if (!(p >= 0.0 && p <= 1.0)) {
-    throw Error("bernoulli: expected 0 <= p <= 1, got p=" + std::to_string(p));
-  }
-  return detail::make_random<T>(graph::detail::BernoulliDist<T>{p}, shape, dev);
-}
-
-/// Element i is 1 with probability probs[i], else 0 (torch.bernoulli(probs)); the result
-/// has probs' shape, dtype and device. probs: a floating tensor or expression; values
-/// outside [0, 1] raise lazy::Error when the kernel runs (next mark_step or read).
-template <expr::ExprLike X>
-  requires is_floating_v<expr::value_t<X>>
-auto bernoulli(const X& probs) {
-  using T = expr::value_t<X>;
-  Tensor<T> p = [&] {
-    if constexpr (std::is_same_v<X, Tensor<T>>) return probs;
-    else if constexpr (expr::is_expr_node<X>::value) return Tensor<T>(probs);
-    else return Tensor<T>(probs.to_leaf().node);
-  }();
-  return detail::make_random<T>(graph::detail::BernoulliTensorDist<T>{}, p.shape(), p.device(),
-                                            {p.node()});
-}
-
-}  // namespace lazy
-// ---- end lazytensor/ops/random.hpp ----
-// ---- begin lazytensor/ops/reduction.hpp ----
-// Reductions: sum mean prod max min amax amin argmax argmin any all logsumexp norm.
-// Each takes a tensor or an element-wise expression (fused into the reduction loop) and
-// returns a pending tensor.
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <limits>
-#include <optional>
-#include <string>
-#include <vector>
-
-// ---- begin lazytensor/ops/shape.hpp ----
-// Shape ops, all lazy: views (reshape/view, flatten, squeeze, unsqueeze) share the input's
-// buffer, so a view of a pending value is pending and nothing is copied; transpose/permute,
-// narrow/slice, cat/stack, index_select, gather and one_hot build the copy nodes of
-// graph/shape_nodes.hpp; expand is a broadcasting element-wise node. Each op records its
-// backward (graph/shape_backward.hpp holds the scatter kernels those need).
-//
-// This header includes the four that hold them: ops/reshape.hpp (views, permutations,
-// expand), ops/slice.hpp (slicing, cat/stack), ops/indexing.hpp (index_select, gather,
-// one_hot), and ops/shape_helpers.hpp (what they share).
-
-// ---- begin lazytensor/ops/indexing.hpp ----
-// Indexing by tensors: index_select, gather and one_hot. The index may still be pending, so
-// its values are checked by the kernels (graph/shape_nodes.hpp), which raise IndexError at
-// the mark_step or read that runs them; the gradients are scatter-adds (graph/shape_backward.hpp).
-
-#include <algorithm>
-#include <cstdint>
-#include <memory>
-#include <string>
-#include <vector>
-
-// ---- begin lazytensor/graph/shape_backward.hpp ----
-// Kernels that only backward passes need: the adjoints of slicing, index_select and gather
-// (write or add a gradient into a zero tensor of the input's shape). Accumulation order is
-// fixed (by index position), and work is split only where no two tasks touch the same
-// output element, so results do not depend on the thread count.
-
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
-#include <string>
-
-
-namespace lazy::graph {
-
-/// The gradient of a slice: zeros of the input's shape with `g` at the sliced positions.
-template <Element T>
-class SliceBackwardNode final : public Node {
- public:
-  SliceBackwardNode(NodePtr g, Shape in_shape, int dim, std::int64_t start, std::int64_t step)
-      : Node(NodeKind::Copy, dtype_of<T>(), in_shape, g->device(), {g}), dim_(dim), start_(start), step_(step) {}
-  std::string op_name() const override { return "slice_backward"; }
-  std::uint64_t structural_hash() const override {
-    return hash_combine(hash_combine(hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_)),
-                                     static_cast<std::uint64_t>(start_)),
-                        static_cast<std::uint64_t>(step_));
-  }
-
- protected:
-  void compute(ExecContext& ctx) override {
-    const T* g = inputs()[0]->template data<T>();
-    const Shape& gs = inputs()[0]->shape();
-    auto buf = allocate_output(ctx, false);
-    T* out = static_cast<T*>(buf->data());
-    const Shape& s = shape();
-    std::int64_t outer = 1, inner = 1;
-    for (int d = 0; d < dim_; ++d) outer *= s[d];
-    for (int d = dim_ + 1; d < s.rank(); ++d) inner *= s[d];
-    const std::int64_t dsize = s[dim_], len = gs[dim_];
-    auto& pool = ctx.device.threads();
-    const std::int64_t tasks = std::max<std::int64_t>(1, std::min(outer, task_count(pool, numel(), 1.0)));
-    pool.parallel_for(tasks, [&](std::int64_t t) {
-      auto [o0, o1] = task_range(outer, tasks, t);
-      for (std::int64_t o = o0; o < o1; ++o) {
-        T* row = out + o * dsize * inner;
-        std::fill(row, row + dsize * inner, T(0));
-        for (std::int64_t k = 0; k < len; ++k) {
-          std::memcpy(row + (start_ + k * step_) * inner, g + (o * len + k) * inner,
-                      static_cast<std::size_t>(inner) * sizeof(T));
-        }
-      }
-    });
-    set_buffer(std::move(buf));
-  }
-
- private:
-  int dim_;
-  std::int64_t start_, step_;
-};
-
-/// index_add into zeros: out[.., index[k], ..] += g[.., k, ..] along `dim` (the gradient of
-/// index_select; embeddings). Tasks split the (outer, inner) plane, each adding over k in
-/// order.
-template <Element T, IndexElement I>
-class IndexAddNode final : public Node {
- public:
-  IndexAddNode(NodePtr g, NodePtr index, Shape in_shape, int dim)
-      : Node(NodeKind::Copy, dtype_of<T>(), in_shape, g->device(), {g, index}), dim_(dim) {}
-  std::string op_name() const override { return "index_add"; }
-  std::uint64_t structural_hash() const override {
-    return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
-  }
-
- protected:
-  void compute(ExecContext& ctx) override {
-    const T* g = inputs()[0]->template data<T>();
-    const I* idx = inputs()[1]->template data<I>();
-    const std::int64_t K = inputs()[1]->numel();
-    auto buf = allocate_output(ctx, false);
-    T* out = static_cast<T*>(buf->data());
-    const Shape& s = shape();
-    std::int64_t outer = 1, inner = 1;
-    for (int d = 0; d < dim_; ++d) outer *= s[d];
-    for (int d = dim_ + 1; d < s.rank(); ++d) inner *= s[d];
-    const std::int64_t dsize = s.rank() ? s[dim_] : 1;
-    for (std::int64_t k = 0; k < K; ++k) {
-      if (idx[k] < 0 || idx[k] >= dsize) {
-        throw IndexError("index_add: index " + std::to_string(idx[k]) + " is out of range for dimension " +
-                         std::to_string(dim_) + " with size " + std::to_string(dsize));
-      }
-    }
-    using C = compute_t<T>;
-    constexpr std::int64_t kCols = 256;
-    const std::int64_t chunks = (inner + kCols - 1) / kCols, units = outer * chunks;
-    auto& pool = ctx.device.threads();
-    const std::int64_t tasks = std::max<std::int64_t>(1, std::min(units, task_count(pool, numel() + K * inner, 1.0)));
-    pool.parallel_for(tasks, [&](std::int64_t t) {
-      auto [u0, u1] = task_range(units, tasks, t);
-      for (std::int64_t u = u0; u < u1; ++u) {
-        const std::int64_t o = u / chunks, j0 = (u % chunks) * kCols, j1 = std::min(inner, j0 + kCols);
-        T* base = out + o * dsize * inner;
-        for (std::int64_t r = 0; r < dsize; ++r) std::fill(base + r * inner + j0, base + r * inner + j1, T(0));
-        for (std::int64_t k = 0; k < K; ++k) {
-          T* dst = base + static_cast<std::int64_t>(idx[k]) * inner;
-          const T* src = g + (o * K + k) * inner;
-          for (std::int64_t j = j0; j < j1; ++j) dst[j] = static_cast<T>(static_cast<C>(dst[j]) + static_cast<C>(src[j]));
-        }
-      }
-    });
-    set_buffer(std::move(buf));
-  }
-
- private:
-  int dim_;
-};
-
-/// scatter_add into zeros: out[.., index[p], ..] += g[p] along `dim` for every position p of
-/// the index (the gradient of gather). Positions that differ outside `dim` never collide,
-/// so tasks split the index's outermost other dimension.
-template <Element T, IndexElement I>
-class ScatterAddNode final : public Node {
- public:
-  ScatterAddNode(NodePtr g, NodePtr index, Shape in_shape, int dim)
-      : Node(NodeKind::Copy, dtype_of<T>(), in_shape, g->device(), {g, index}), dim_(dim) {}
-  std::string op_name() const override { return "scatter_add"; }
-  std::uint64_t structural_hash() const override {
-    return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
-  }
-
- protected:
-  void compute(ExecContext& ctx) override {
-    const T* g = inputs()[0]->template data<T>();
-    const I* idx = inputs()[1]->template data<I>();
-    Shape xs = inputs()[1]->shape(), ts = shape();
-    if (xs.rank() == 0) xs = Shape{1};
-    if (ts.rank() == 0) ts = Shape{1};
-    auto buf = allocate_output(ctx, false);
-    T* out = static_cast<T*>(buf->data());
-    std::fill(out, out + numel(), T(0));
-    const int R = xs.rank();
-    const std::int64_t n = xs.numel(), dsize = ts[dim_];
-    const auto xst = contiguous_strides(xs), tst = contiguous_strides(ts);
-    // Split over the outermost dim other than `dim` (all of it in one task when none).
-    const int split = dim_ == 0 ? (R > 1 ? 1 : -1) : 0;
-    const std::int64_t parts = split < 0 ? 1 : xs[split];
-    auto& pool = ctx.device.threads();
-    const std::int64_t tasks = std::max<std::int64_t>(1, std::min(parts, task_count(pool, n, 2.0)));
-    using C = compute_t<T>;
-    pool.parallel_for(tasks, [&](std::int64_t t) {
-      auto [p0, p1] = task_range(parts, tasks, t);
-      for (std::int64_t p = 0; p < n; ++p) {
-        // Coordinates of p in the index; the target replaces coordinate `dim`.
-        std::int64_t rem = p, at = 0, part = 0;
-        for (int d = 0; d < R; ++d) {
-          const std::int64_t c = rem / xst[d];
-          rem %= xst[d];
-          if (d == split) part = c;
-          if (d != dim_) at += c * tst[d];
-        }
-        if (split >= 0 && (part < p0 || part >= p1)) continue;
-        if (split < 0 && t != 0) continue;
-        const auto k = static_cast<std::int64_t>(idx[p]);
-        if (k < 0 || k >= dsize) {
-          throw IndexError("scatter_add: index " + std::to_string(k) + " is out of bounds for dimension " +
-                           std::to_string(dim_) + " with size " + std::to_string(dsize));
-        }
-        T& dst = out[at + k * tst[dim_]];
-        dst = static_cast<T>(static_cast<C>(dst) + static_cast<C>(g[p]));
-      }
-    });
-    set_buffer(std::move(buf));
-  }
-
- private:
-  int dim_;
-};
-
-}  // namespace lazy::graph
-// ---- end lazytensor/graph/shape_backward.hpp ----
-// ---- begin lazytensor/graph/shape_nodes.hpp ----
-// The runtime nodes of the shape ops (ops/shape.hpp): views share their input's buffer;
-// permutes, slices, cat, index_select, gather and one_hot copy bytes with one kernel per
-// element size (1, 2, 4, 8 bytes), which serves every dtype and keeps the code small (the
-// byte-copy helpers are in graph/byte_copy.hpp). Index values may live in tensors that are
-// still pending, so they are checked inside the kernel, which throws lazy::IndexError out of
-// the mark_step or read that ran it.
-
-#include <algorithm>
-#include <array>
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <memory>
-#include <span>
-#include <string>
-#include <type_traits>
-#include <utility>
-#include <vector>
-
-// ---- begin lazytensor/graph/byte_copy.hpp ----
-// The byte-copy helpers of the copy nodes (graph/shape_nodes.hpp): one kernel per element
-// size (1, 2, 4, 8 bytes) serves every dtype and keeps the code small. The element copy is a
-// constant-size memcpy: one load and one store, valid whatever type wrote the buffer.
-
-#include <algorithm>
-#include <array>
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
-#include <type_traits>
-
-
-namespace lazy::graph::detail {
-
-/// Copies one element of N bytes (see the file comment for why memcpy).
-template <std::size_t N>
-inline void copy_elem(std::byte* dst, const std::byte* src) {
-  std::memcpy(dst, src, N);
-}
-
-/// Calls f(std::integral_constant<std::size_t, N>{}) for an element size of N bytes, so a
-/// kernel is instantiated once per size instead of once per dtype.
-template <class F>
-void with_elem_size(std::size_t bytes, F&& f) {
-  switch (bytes) {
-    case 1: f(std::integral_constant<std::size_t, 1>{}); break;
-    case 2: f(std::integral_constant<std::size_t, 2>{}); break;
-    case 4: f(std::integral_constant<std::size_t, 4>{}); break;
-    default: f(std::integral_constant<std::size_t, 8>{}); break;
-  }
-}
-
-/// A multi-index over `rank` dims (last fastest) that tracks two linear offsets, `a` and
-/// `b`, with their own strides: typically an input offset and an output offset.
-struct Odometer {
-  int rank = 0;
-  std::array<std::int64_t, kMaxRank> size{}, stride_a{}, stride_b{}, idx{};
-  std::int64_t a = 0, b = 0;
-
-  /// Positions the multi-index at linear position `lin` (row-major over `size`).
-  void seek(std::int64_t lin);
-  /// Advances by one position (carry from the last dim).
-  void next();
-};
-
-/// Fills `segs` equal-length output segments of `len` elements each, segment s copied from
-/// the contiguous input run starting at element `src_off(s)`. The split across threads is
-/// over output elements, not segments, so one huge segment and a million tiny ones both
-/// balance.
-template <std::size_t N, class SrcOff>
-void copy_segments(ThreadPool& pool, std::byte* dst, const std::byte* src, std::int64_t segs, std::int64_t len,
-                   const SrcOff& src_off) {
-  const std::int64_t n = segs * len;
-  if (n == 0) return;
-  const std::int64_t tasks = task_count(pool, n, 1.0);
-  pool.parallel_for(tasks, [&](std::int64_t t) {
-    auto [b, e] = task_range(n, tasks, t);
-    if (len == 1) {  // gathers of single elements: no variable-size memcpy per element
-      for (std::int64_t f = b; f < e; ++f) copy_elem<N>(dst + f * N, src + src_off(f) * N);
-      return;
-    }
-    while (b < e) {
-      const std::int64_t s = b / len, k = b % len, c = std::min(len - k, e - b);
-      std::memcpy(dst + b * N, src + (src_off(s) + k) * N, static_cast<std::size_t>(c) * N);
-      b += c;
-    }
-  });
-}
-
-inline const std::byte* bytes_of(const NodePtr& n) { return static_cast<const std::byte*>(n->buffer()->data()); }
-
-}  // namespace lazy::graph::detail
-
-#if LAZYTENSOR_HEADER_DEFINITIONS
-namespace lazy::graph::detail {
-
-LAZYTENSOR_INLINE void Odometer::seek(std::int64_t lin) {
-  a = b = 0;
-  for (int d = rank - 1; d >= 0; --d) {
-    idx[d] = lin % size[d];
-    lin /= size[d];
-    a += idx[d] * stride_a[d];
-    b += idx[d] * stride_b[d];
-  }
-}
-
-LAZYTENSOR_INLINE void Odometer::next() {
-  for (int d = rank - 1; d >= 0; --d) {
-    ++idx[d];
-    a += stride_a[d];
-    b += stride_b[d];
-    if (idx[d] < size[d]) return;
-    a -= stride_a[d] * size[d];
-    b -= stride_b[d] * size[d];
-    idx[d] = 0;
-  }
-}
-
-}  // namespace lazy::graph::detail
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
-// ---- end lazytensor/graph/byte_copy.hpp ----
-// ---- begin lazytensor/graph/transpose_hint.hpp ----
-// A node that is the transpose of its input's last two dimensions can say so, so that a
-// GEMM reads the source with a transposed layout instead of waiting for the copy.
-
-
-namespace lazy::graph {
-
-/// Implemented by nodes whose value is `source()` with its last two dimensions swapped.
-class TransposeOfLastTwo {
- public:
-  virtual ~TransposeOfLastTwo() = default;
-  virtual const NodePtr& transpose_source() const = 0;
-};
-
-}  // namespace lazy::graph
-// ---- end lazytensor/graph/transpose_hint.hpp ----
-
-namespace lazy::graph {
-
-/// A view: same bytes, another shape. Its kernel only shares the input's buffer, so it
-/// costs nothing and the donation rule (buffer use_count == 1) keeps shared data safe.
-class ViewNode final : public Node {
- public:
-  ViewNode(std::string op, NodePtr in, Shape shape);
-
-  std::string op_name() const override { return op_; }
-  std::string describe() const override { return op_ + "(%0) -> " + shape().str(); }
-  double cost_per_element() const override { return 0; }
-
- protected:
-  void compute(ExecContext&) override { set_buffer(inputs()[0]->buffer()); }
-
- private:
-  std::string op_;
-};
-
-/// Output = input with its dimensions permuted (out dim i = input dim perm[i]).
-/// The permutation is first simplified: size-1 dims are dropped and output dims that are
-/// adjacent in the input too are merged. What remains always has one output dim `q` that
-/// reads the input contiguously; when q is the last dim the kernel copies rows (memcpy),
-/// otherwise it copies 32x32 tiles of the (q, last) plane, so both the reads and the writes
-/// stay within a few cache lines (a batched, cache-blocked 2-D transpose).
-class PermuteNode : public Node {
- public:
-  /// Simplified iteration space of a permutation (see the class comment).
-  struct Plan {
-    int rank = 0;
-    std::array<std::int64_t, kMaxRank> size{}, istride{}, ostride{};
-    int q = -1;  ///< the output dim with input stride 1
-    /// True when the permutation only moves size-1 dims: the bytes are already in order.
-    bool keeps_order() const { return rank <= 1; }
-  };
-
-  static Shape permuted_shape(const Shape& in, const std::vector<int>& perm);
-
-  static Plan make_plan(const Shape& in, const std::vector<int>& perm);
-
-  PermuteNode(NodePtr in, std::vector<int> perm, std::string op);
-
-  /// out dim i reads input dim perm()[i].
-  const std::vector<int>& perm() const { return perm_; }
-  /// True when the permutation swaps the last two dims and keeps the others: a matmul can
-  /// then read the input with a transposed layout instead of waiting for this copy.
-  bool swaps_last_two() const;
-
-  std::string op_name() const override { return op_; }
-  std::string describe() const override;
-  std::uint64_t structural_hash() const override;
-
- protected:
-  void compute(ExecContext& ctx) override;
-
- private:
-  static constexpr std::int64_t kTile = 32;
-
-  template <std::size_t N>
-  void run(ExecContext& ctx, std::byte* dst, const std::byte* src, std::int64_t n) const {
-    using detail::Odometer;
-    auto& pool = ctx.device.threads();
-    const Plan& p = plan_;
-    if (p.keeps_order()) {  // only reachable when a caller builds the node directly
-      std::memcpy(dst, src, static_cast<std::size_t>(n) * N);
-      return;
-    }
-    const int last = p.rank - 1;
-    if (p.q == last) {
-      // Rows: the innermost output dim is contiguous in the input.
-      Odometer od;
-      od.rank = last;
-      for (int d = 0; d < last; ++d) {
-        od.size[d] = p.size[d];
-        od.stride_a[d] = p.istride[d];
-        od.stride_b[d] = p.ostride[d];
-      }
-      const std::int64_t inner = p.size[last], rows = n / inner;
-      const std::int64_t tasks = std::min(rows, task_count(pool, n, 1.0));
-      pool.parallel_for(tasks, [&](std::int64_t t) {
-        auto [r0, r1] = task_range(rows, tasks, t);
-        Odometer o = od;
-        o.seek(r0);
-        for (std::int64_t r = r0; r < r1; ++r, o.next()) {
-          std::memcpy(dst + o.b * N, src + o.a * N, static_cast<std::size_t>(inner) * N);
-        }
-      });
-      return;
-    }
-    // Tiles of the (q, last) plane; every other dim is iterated by an odometer.
-    const int q = p.q;
-    Odometer od;
-    for (int d = 0; d < p.rank; ++d) {
-      if (d == q || d == last) continue;
-      od.size[od.rank] = p.size[d];
-      od.stride_a[od.rank] = p.istride[d];
-      od.stride_b[od.rank] = p.ostride[d];
-      ++od.rank;
-    }
-    const std::int64_t rows = p.size[q], cols = p.size[last];
-    const std::int64_t ostq = p.ostride[q], isl = p.istride[last];
-    const std::int64_t row_tiles = (rows + kTile - 1) / kTile;
-    const std::int64_t units = n / (rows * cols) * row_tiles;
-    const std::int64_t tasks = std::min(units, task_count(pool, n, 1.0));
-    pool.parallel_for(tasks, [&](std::int64_t t) {
-      auto [u0, u1] = task_range(units, tasks, t);
-      Odometer o = od;
-      alignas(64) std::byte tile[kTile * kTile * N];
-      std::int64_t at = -1;
-      for (std::int64_t u = u0; u < u1; ++u) {
-        const std::int64_t outer = u / row_tiles;
-        if (outer != at) {
-          o.seek(outer);
-          at = outer;
-        }
-        const std::int64_t i0 = u % row_tiles * kTile, in_ = std::min(rows - i0, kTile);
-        for (std::int64_t j0 = 0; j0 < cols; j0 += kTile) {
-          const std::int64_t jn = std::min(cols - j0, kTile);
-          // Stage the tile: jn contiguous input runs into a 32x32 scratch, then write the
-          // output rows from it. Reading the strided side straight from the source would
-          // keep 32 lines alive that, for power-of-two strides, all map to one cache set.
-          for (std::int64_t j = 0; j < jn; ++j) {
-            std::memcpy(tile + j * kTile * N, src + (o.a + i0 + (j0 + j) * isl) * N, static_cast<std::size_t>(in_) * N);
-          }
-          for (std::int64_t i = 0; i < in_; ++i) {
-            std::byte* out = dst + (o.b + (i0 + i) * ostq + j0) * N;
-            for (std::int64_t j = 0; j < jn; ++j) detail::copy_elem<N>(out + j * N, tile + (j * kTile + i) * N);
-          }
-        }
-      }
-    });
-  }
-
-  std::vector<int> perm_;
-  std::string op_;
-  Plan plan_;
-};
-
-/// A permutation that swaps the last two dims (op_name "transpose"). It advertises its
-/// source through TransposeOfLastTwo, so a GEMM consuming it while it is still pending reads
-/// the source with a transposed layout and this copy never runs.
-class TransposeNode final : public PermuteNode, public TransposeOfLastTwo {
- public:
-  explicit TransposeNode(NodePtr in);
-
-  /// The node whose last two dims this value swaps (null once this node has run: a
-  /// computed node keeps no inputs).
-  const NodePtr& transpose_source() const override { return inputs().empty() ? none_ : inputs()[0]; }
-
-  /// The identity permutation with the last two entries swapped.
-  static std::vector<int> last_two(int rank);
-
- private:
-  NodePtr none_;
-};
-
-/// Copies a strided range of one dim: out[.., k, ..] = in[.., start + k * step, ..].
-class SliceNode final : public Node {
- public:
-  SliceNode(std::string op, NodePtr in, int dim, std::int64_t start, std::int64_t step, Shape out);
-
-  std::string op_name() const override { return op_; }
-  std::string describe() const override;
-  // The offsets are part of the kernel's layout, not data: they belong in the hash.
-  std::uint64_t structural_hash() const override;
-
- protected:
-  void compute(ExecContext& ctx) override;
-
- private:
-  std::string op_;
-  int dim_;
-  std::int64_t start_, step_;
-};
-
-/// Concatenation: the output, viewed as [outer, sum of widths], is row o = the inputs' rows o
-/// side by side (input i viewed as [outer, widths[i]]). cat and stack differ only in how
-/// they compute outer and the widths.
-class CatNode final : public Node {
- public:
-  CatNode(std::string op, DType dtype, std::vector<NodePtr> ins, Shape out, Device* dev, std::int64_t outer,
-          std::vector<std::int64_t> widths);
-
-  std::string op_name() const override { return op_; }
-  std::uint64_t structural_hash() const override;
-
- protected:
-  void compute(ExecContext& ctx) override;
-
- private:
-  std::string op_;
-  std::int64_t outer_;
-  std::vector<std::int64_t> widths_;
-};
-
-/// out[.., k, ..] = in[.., index[k], ..] along `dim` (index 1-D, values checked here).
-template <IndexElement I>
-class IndexSelectNode final : public Node {
- public:
-  IndexSelectNode(NodePtr in, NodePtr index, int dim, Shape out)
-      : Node(NodeKind::Copy, in->dtype(), out, in->device(), {in, index}), dim_(dim) {}
-
-  std::string op_name() const override { return "index_select"; }
-  std::string describe() const override { return "index_select(%0, dim=" + std::to_string(dim_) + ", %1)"; }
-  std::uint64_t structural_hash() const override {
-    return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
-  }
-
- protected:
-  void compute(ExecContext& ctx) override {
-    const Shape& is = inputs()[0]->shape();
-    const std::byte* src = detail::bytes_of(inputs()[0]);
-    const I* idx = inputs()[1]->template data<I>();
-    const std::int64_t K = inputs()[1]->numel();
-    std::int64_t outer = 1, inner = 1;
-    const std::int64_t dsize = is.rank() ? is[dim_] : 1;
-    for (int d = 0; d < dim_; ++d) outer *= is[d];
-    for (int d = dim_ + 1; d < is.rank(); ++d) inner *= is[d];
-    // Check every index before writing anything: K values, cheap next to the copy.
-    for (std::int64_t k = 0; k < K; ++k) {
-      if (idx[k] < 0 || idx[k] >= dsize) {
-        throw IndexError("index_select: index " + std::to_string(idx[k]) + " (position " + std::to_string(k) +
-                         ") is out of range for dimension " + std::to_string(dim_) + " with size " +
-                         std::to_string(dsize) + " (expected 0 <= index < " + std::to_string(dsize) + ")");
-      }
-    }
-    auto buf = allocate_output(ctx, false);
-    auto* dst = static_cast<std::byte*>(buf->data());
-    detail::with_elem_size(dtype_size(dtype()), [&](auto nb) {
-      constexpr std::size_t N = decltype(nb)::value;
-      detail::copy_segments<N>(ctx.device.threads(), dst, src, outer * K, inner, [&](std::int64_t s) {
-        return ((s / K) * dsize + static_cast<std::int64_t>(idx[s % K])) * inner;
-      });
-    });
-    set_buffer(std::move(buf));
-  }
-
- private:
-  int dim_;
-};
-
-/// torch.gather: out[i][j][k] = in[index[i][j][k]][j][k] for dim 0 (likewise for others);
-/// the output has the index's shape, index values are checked while they are read.
-template <IndexElement I>
-class GatherNode final : public Node {
- public:
-  GatherNode(NodePtr in, NodePtr index, int dim)
-      : Node(NodeKind::Copy, in->dtype(), index->shape(), in->device(), {in, index}), dim_(dim) {}
-
-  std::string op_name() const override { return "gather"; }
-  std::string describe() const override { return "gather(%0, dim=" + std::to_string(dim_) + ", %1)"; }
-  double cost_per_element() const override { return 2; }
-  std::uint64_t structural_hash() const override {
-    return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
-  }
-
- protected:
-  void compute(ExecContext& ctx) override {
-    // A 0-d tensor is handled as a 1-D tensor of one element.
-    Shape ts = inputs()[0]->shape(), xs = shape();
-    if (ts.rank() == 0) ts = Shape{1};
-    if (xs.rank() == 0) xs = Shape{1};
-    const std::byte* src = detail::bytes_of(inputs()[0]);
-    const I* idx = inputs()[1]->template data<I>();
-    auto buf = allocate_output(ctx, false);
-    auto* dst = static_cast<std::byte*>(buf->data());
-    const int R = xs.rank(), dim = dim_;
-    const std::int64_t n = numel(), last = xs[R - 1], dsize = ts[dim];
-    if (n > 0) {
-      const auto tst = contiguous_strides(ts), xst = contiguous_strides(xs);
-      detail::Odometer od;  // a: input offset without `dim`; b: index offset
-      od.rank = R - 1;
-      for (int d = 0; d + 1 < R; ++d) {
-        od.size[d] = xs[d];
-        od.stride_a[d] = d == dim ? 0 : tst[d];
-        od.stride_b[d] = xst[d];
-      }
-      const std::int64_t dstride = tst[dim], rows = n / last;
-      auto& pool = ctx.device.threads();
-      const std::int64_t tasks = std::min(rows, task_count(pool, n, 2.0));
-      detail::with_elem_size(dtype_size(dtype()), [&](auto nb) {
-        constexpr std::size_t N = decltype(nb)::value;
-        pool.parallel_for(tasks, [&](std::int64_t t) {
-          auto [r0, r1] = task_range(rows, tasks, t);
-          detail::Odometer o = od;
-          o.seek(r0);
-          for (std::int64_t r = r0; r < r1; ++r, o.next()) {
-            for (std::int64_t j = 0; j < last; ++j) {
-              const auto k = static_cast<std::int64_t>(idx[o.b + j]);
-              if (k < 0 || k >= dsize) {
-                throw IndexError("gather: index " + std::to_string(k) + " is out of bounds for dimension " +
-                                 std::to_string(dim_) + " with size " + std::to_string(dsize) +
-                                 " (expected 0 <= index < " + std::to_string(dsize) + ")");
-              }
-              const std::int64_t at = dim == R - 1 ? o.a + k : o.a + j + k * dstride;
-              detail::copy_elem<N>(dst + (o.b + j) * N, src + at * N);
-            }
-          }
-        });
-      });
-    }
-    set_buffer(std::move(buf));
-  }
-
- private:
-  int dim_;
-};
-
-/// torch.nn.functional.one_hot: out[..., c] = (index[...] == c), as int64.
-template <IndexElement I>
-class OneHotNode final : public Node {
- public:
-  OneHotNode(NodePtr index, std::int64_t classes, Shape out)
-      : Node(NodeKind::Copy, DType::Int64, out, index->device(), {index}), classes_(classes) {}
-
-  std::string op_name() const override { return "one_hot"; }
-  std::string describe() const override { return "one_hot(%0, num_classes=" + std::to_string(classes_) + ")"; }
-
- protected:
-  void compute(ExecContext& ctx) override {
-    const I* idx = inputs()[0]->template data<I>();
-    const std::int64_t m = inputs()[0]->numel(), C = classes_;
-    auto buf = allocate_output(ctx, false);
-    auto* out = static_cast<std::int64_t*>(buf->data());
-    auto& pool = ctx.device.threads();
-    const std::int64_t tasks = std::max<std::int64_t>(1, std::min(m, task_count(pool, m * C, 1.0)));
-    if (m > 0) {
-      pool.parallel_for(tasks, [&](std::int64_t t) {
-        auto [b, e] = task_range(m, tasks, t);
-        if (C > 0) std::fill(out + b * C, out + e * C, std::int64_t{0});
-        for (std::int64_t i = b; i < e; ++i) {
-          const auto v = static_cast<std::int64_t>(idx[i]);
-          if (v < 0) {
-            throw IndexError("one_hot: class values must be non-negative, found " + std::to_string(v));
-          }
-          if (v >= C) {
-            throw IndexError("one_hot: class values must be smaller than num_classes (" + std::to_string(C) +
-                             "), found " + std::to_string(v));
-          }
-          out[i * C + v] = 1;
-        }
-      });
-    }
-    set_buffer(std::move(buf));
-  }
-
- private:
-  std::int64_t classes_;
-};
-
-}  // namespace lazy::graph
-
-#if LAZYTENSOR_HEADER_DEFINITIONS
-namespace lazy::graph {
-
-LAZYTENSOR_INLINE ViewNode::ViewNode(std::string op, NodePtr in, Shape shape)
-    : Node(NodeKind::View, in->dtype(), shape, in->device(), {in}), op_(std::move(op)) {}
-
-LAZYTENSOR_INLINE Shape PermuteNode::permuted_shape(const Shape& in, const std::vector<int>& perm) {
-  Shape out;
-  for (int p : perm) out.push_back(in[p]);
-  return out;
-}
-
-LAZYTENSOR_INLINE auto PermuteNode::make_plan(const Shape& in, const std::vector<int>& perm) -> Plan {
-  Plan p;
-  if (in.numel() <= 1) return p;
-  const auto ics = contiguous_strides(in);
-  std::vector<std::int64_t> sz, st;
-  for (int d : perm) {
-    if (in[d] == 1) continue;
-    sz.push_back(in[d]);
-    st.push_back(ics[d]);
-  }
-  // Merge output dim i into i + 1 while the input is contiguous across the pair.
-  std::vector<std::int64_t> csz{sz.back()}, cst{st.back()};
-  for (int i = static_cast<int>(sz.size()) - 2; i >= 0; --i) {
-    if (st[i] == cst.front() * csz.front()) {
-      csz.front() *= sz[i];
-    } else {
-      csz.insert(csz.begin(), sz[i]);
-      cst.insert(cst.begin(), st[i]);
-    }
-  }
-  p.rank = static_cast<int>(csz.size());
-  std::int64_t acc = 1;
-  for (int i = p.rank - 1; i >= 0; --i) {
-    p.size[i] = csz[i];
-    p.istride[i] = cst[i];
-    p.ostride[i] = acc;
-    acc *= csz[i];
-    if (cst[i] == 1) p.q = i;
-  }
-  return p;
-}
-
-LAZYTENSOR_INLINE PermuteNode::PermuteNode(NodePtr in, std::vector<int> perm, std::string op)
-    : Node(NodeKind::Copy, in->dtype(), permuted_shape(in->shape(), perm), in->device(), {in}),
-      perm_(std::move(perm)), op_(std::move(op)), plan_(make_plan(in->shape(), perm_)) {}
-
-LAZYTENSOR_INLINE bool PermuteNode::swaps_last_two() const {
-  const int r = static_cast<int>(perm_.size());
-  if (r < 2 || perm_[r - 2] != r - 1 || perm_[r - 1] != r - 2) return false;
-  for (int i = 0; i + 2 < r; ++i)
-    if (perm_[i] != i) return false;
-  return true;
-}
-
-LAZYTENSOR_INLINE std::string PermuteNode::describe() const {
-  std::string s = op_ + "(%0, dims=[";
-  for (std::size_t i = 0; i < perm_.size(); ++i) s += (i ? ", " : "") + std::to_string(perm_[i]);
-  return s + "])";
-}
-
-LAZYTENSOR_INLINE std::uint64_t PermuteNode::structural_hash() const {
-  std::uint64_t h = Node::structural_hash();
-  for (int p : perm_) h = hash_combine(h, static_cast<std::uint64_t>(p));
-  return h;
-}
-
-LAZYTENSOR_INLINE void PermuteNode::compute(ExecContext& ctx) {
-  const std::byte* src = detail::bytes_of(inputs()[0]);
-  auto buf = allocate_output(ctx, false);  // reads elsewhere than it writes
-  auto* dst = static_cast<std::byte*>(buf->data());
-  const std::int64_t n = numel();
-  if (n > 0) {
-    detail::with_elem_size(dtype_size(dtype()), [&](auto nb) { run<decltype(nb)::value>(ctx, dst, src, n); });
-  }
-  set_buffer(std::move(buf));
-}
-
-LAZYTENSOR_INLINE TransposeNode::TransposeNode(NodePtr in) : PermuteNode(in, last_two(in->shape().rank()), "transpose") {}
-
-LAZYTENSOR_INLINE std::vector<int> TransposeNode::last_two(int rank) {
-  std::vector<int> p(static_cast<std::size_t>(rank));
-  for (int i = 0; i < rank; ++i) p[i] = i;
-  if (rank >= 2) std::swap(p[rank - 2], p[rank - 1]);
-  return p;
-}
-
-LAZYTENSOR_INLINE SliceNode::SliceNode(std::string op, NodePtr in, int dim, std::int64_t start, std::int64_t step, Shape out)
-    : Node(NodeKind::Copy, in->dtype(), out, in->device(), {in}), op_(std::move(op)), dim_(dim), start_(start),
-      step_(step) {}
-
-LAZYTENSOR_INLINE std::string SliceNode::describe() const {
-  return op_ + "(%0, dim=" + std::to_string(dim_) + ", start=" + std::to_string(start_) +
-         ", step=" + std::to_string(step_) + ")";
-}
-
-LAZYTENSOR_INLINE std::uint64_t SliceNode::structural_hash() const {
-  return hash_combine(hash_combine(hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_)),
-                                   static_cast<std::uint64_t>(start_)),
-                      static_cast<std::uint64_t>(step_));
-}
-
-LAZYTENSOR_INLINE void SliceNode::compute(ExecContext& ctx) {
-  const Shape& is = inputs()[0]->shape();
-  const std::byte* src = detail::bytes_of(inputs()[0]);
-  auto buf = allocate_output(ctx, false);
-  auto* dst = static_cast<std::byte*>(buf->data());
-  std::int64_t outer = 1, inner = 1;
-  for (int d = 0; d < dim_; ++d) outer *= is[d];
-  for (int d = dim_ + 1; d < is.rank(); ++d) inner *= is[d];
-  const std::int64_t dsize = is[dim_], len = shape()[dim_];
-  const std::int64_t start = start_, step = step_;
-  detail::with_elem_size(dtype_size(dtype()), [&](auto nb) {
-    constexpr std::size_t N = decltype(nb)::value;
-    if (step == 1) {  // one contiguous run per outer index
-      detail::copy_segments<N>(ctx.device.threads(), dst, src, outer, len * inner,
-                               [&](std::int64_t o) { return (o * dsize + start) * inner; });
-    } else {
-      detail::copy_segments<N>(ctx.device.threads(), dst, src, outer * len, inner, [&](std::int64_t s) {
-        return ((s / len) * dsize + start + (s % len) * step) * inner;
-      });
-    }
-  });
-  set_buffer(std::move(buf));
-}
-
-LAZYTENSOR_INLINE CatNode::CatNode(std::string op,
-  DType dtype,
-  std::vector<NodePtr> ins,
-  Shape out,
-  Device* dev,
-  std::int64_t outer,
-  std::vector<std::int64_t> widths)
-    : Node(NodeKind::Copy, dtype, out, dev, std::move(ins)), op_(std::move(op)), outer_(outer),
-      widths_(std::move(widths)) {}
-
-LAZYTENSOR_INLINE std::uint64_t CatNode::structural_hash() const {
-  std::uint64_t h = hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(outer_));
-  for (auto w : widths_) h = hash_combine(h, static_cast<std::uint64_t>(w));
-  return h;
-}
-
-LAZYTENSOR_INLINE void CatNode::compute(ExecContext& ctx) {
-  const std::size_t k = inputs().size();
-  std::vector<const std::byte*> srcs(k);
-  for (std::size_t i = 0; i < k; ++i) srcs[i] = detail::bytes_of(inputs()[i]);
-  auto buf = allocate_output(ctx, false);
-  auto* dst = static_cast<std::byte*>(buf->data());
-  std::vector<std::int64_t> pre(k + 1, 0);  // start of each input inside an output row
-  for (std::size_t i = 0; i < k; ++i) pre[i + 1] = pre[i] + widths_[i];
-  const std::int64_t W = pre[k], n = outer_ * W;
-  auto& pool = ctx.device.threads();
-  if (n > 0) {
-    detail::with_elem_size(dtype_size(dtype()), [&](auto nb) {
-      constexpr std::size_t N = decltype(nb)::value;
-      const std::int64_t tasks = task_count(pool, n, 1.0);
-      // Split the output evenly, whatever the sizes of the pieces.
-      pool.parallel_for(tasks, [&](std::int64_t t) {
-        auto [b, e] = task_range(n, tasks, t);
-        while (b < e) {
-          const std::int64_t o = b / W, w = b % W;
-          const auto i = static_cast<std::size_t>(std::upper_bound(pre.begin() + 1, pre.end(), w) - pre.begin() - 1);
-          const std::int64_t off = w - pre[i], c = std::min(widths_[i] - off, e - b);
-          std::memcpy(dst + b * N, srcs[i] + (o * widths_[i] + off) * N, static_cast<std::size_t>(c) * N);
-          b += c;
-        }
-      });
-    });
-  }
-  set_buffer(std::move(buf));
-}
-
-}  // namespace lazy::graph
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
-// ---- end lazytensor/graph/shape_nodes.hpp ----
-// ---- begin lazytensor/ops/shape_helpers.hpp ----
-// The helpers the shape ops share (ops/reshape.hpp, slice.hpp, indexing.hpp, and conv and
-// pool for as_tensor): an operand as a tensor, size lists, views and permuted copies with
-// their backward, expand's broadcast, and the autograd records of slices and tensor lists.
-
-#include <cstddef>
-#include <cstdint>
-#include <memory>
-#include <span>
-#include <string>
-#include <type_traits>
-#include <utility>
-#include <vector>
-
-
-namespace lazy::detail {
-
-/// An operand as a tensor: a Tensor as is (the handle is copied), an expression evaluated
-/// into a pending node.
-template <expr::ExprLike X>
-auto as_tensor(const X& x) {
-  using T = expr::value_t<X>;
-  if constexpr (std::is_same_v<X, Tensor<T>>) return x;
-  else if constexpr (expr::is_expr_node<X>::value) return Tensor<T>(x);
-  else return Tensor<T>(x.to_leaf().node);
-}
-
-std::string list_str(std::span<const std::int64_t> v);
-inline std::string list_str(const Shape& s) { return list_str(std::span<const std::int64_t>(s.begin(), s.end())); }
-inline std::span<const std::int64_t> span_of(const Shape& s) { return {s.begin(), static_cast<std::size_t>(s.rank())}; }
-
-/// A view of t with `shape` (same numel), or t's own node when the shape does not change.
-/// A view of a pending view is made a view of that view's source, so chains stay short.
-template <Element T>
-Tensor<T> view_of(const Tensor<T>& t, const Shape& shape, const char* op) {
-  graph::NodePtr src = t.node();
-  if (src->shape() == shape) return t;
-  if (src->pending() && dynamic_cast<graph::ViewNode*>(src.get())) src = src->inputs()[0];
-  Tensor<T> r(graph::submit(std::make_shared<graph::ViewNode>(op, std::move(src), shape)));
-  autograd::record(r, "ViewBackward0", {autograd::edge_of(t.impl())}, [in = t.shape()](const Tensor<T>& g) {
-    return std::vector<graph::NodePtr>{view_of(g, in, "view").node()};
-  });
-  return r;
-}
-
-/// Resolves a size list with at most one -1 against `numel` (torch's infer_size).
-Shape infer_shape(std::span<const std::int64_t> sizes, std::int64_t numel, const char* op);
-
-template <expr::ExprLike X>
-auto reshape_impl(const X& x, std::span<const std::int64_t> sizes, const char* op) {
-  auto t = as_tensor(x);
-  return view_of(t, infer_shape(sizes, t.numel(), op), op);
-}
-
-/// A permuted copy, or a view when only size-1 dims move (the bytes are then in order).
-template <Element T>
-Tensor<T> permute_impl(const Tensor<T>& t, std::vector<int> perm, const char* op) {
-  const graph::NodePtr& n = t.node();
-  bool identity = true;
-  for (std::size_t i = 0; i < perm.size(); ++i) identity = identity && perm[i] == static_cast<int>(i);
-  if (identity) return t;
-  if (graph::PermuteNode::make_plan(n->shape(), perm).keeps_order()) {
-    return view_of(t, graph::PermuteNode::permuted_shape(n->shape(), perm), op);
-  }
-  std::vector<int> inverse(perm.size());
-  for (std::size_t i = 0; i < perm.size(); ++i) inverse[static_cast<std::size_t>(perm[i])] = static_cast<int>(i);
-  const bool swap_last_two = perm == graph::TransposeNode::last_two(static_cast<int>(perm.size()));
-  graph::NodePtr source;  // transpose(transpose(s)) is s: no node, no copy
-  if (swap_last_two && n->pending()) {
-    if (auto* tr = dynamic_cast<graph::TransposeOfLastTwo*>(n.get()))
-      source = tr->transpose_source();
-  }
-  Tensor<T> r =
-      source ? Tensor<T>(source)
-      : swap_last_two
-          ? Tensor<T>(graph::submit(std::make_shared<graph::TransposeNode>(n)))
-          : Tensor<T>(graph::submit(std::make_shared<graph::PermuteNode>(n, std::move(perm), op)));
-  autograd::record(r, "PermuteBackward0", {autograd::edge_of(t.impl())}, [inverse](const Tensor<T>& g) {
-    return std::vector<graph::NodePtr>{permute_impl(g, inverse, "permute").node()};
-  });
-  return r;
-}
-
-template <expr::ExprLike X>
-auto expand_impl(const X& x, std::span<const std::int64_t> sizes) {
-  using T = expr::value_t<X>;
-  Tensor<T> t = as_tensor(x);
-  const Shape& s = t.shape();
-  const int r = s.rank();
-  const auto k = static_cast<int>(sizes.size());
-  if (k < r) {
-    throw ShapeError("expand: the number of sizes provided (" + std::to_string(k) +
-                     ") must be greater or equal to the number of dimensions in the tensor (" + std::to_string(r) +
-                     "); target sizes " + list_str(sizes) + ", tensor sizes " + list_str(s));
-  }
-  if (k > kMaxRank) {
-    throw ShapeError("expand: target sizes " + list_str(sizes) + " have rank " + std::to_string(k) +
-                     ", expected at most " + std::to_string(kMaxRank));
-  }
-  Shape out;
-  for (int i = 0; i < k; ++i) {
-    const std::int64_t v = sizes[i];
-    if (i < k - r) {
-      if (v < 0) {
-        throw ShapeError("expand: the expanded size of the tensor (" + std::to_string(v) +
-                         ") isn't allowed in a leading, non-existing dimension " + std::to_string(i) +
-                         "; target sizes " + list_str(sizes) + ", tensor sizes " + list_str(s));
-      }
-      out.push_back(v);
-      continue;
-    }
-    const std::int64_t d = s[i - (k - r)];
-    if (v == -1) {
-      out.push_back(d);
-    } else if (v < 0 || (v != d && d != 1)) {
-      throw ShapeError("expand: the expanded size of the tensor (" + std::to_string(v) +
-                       ") must match the existing size (" + std::to_string(d) + ") at non-singleton dimension " +
-                       std::to_string(i) + "; target sizes " + list_str(sizes) + ", tensor sizes " + list_str(s));
-    } else {
-      out.push_back(v);
-    }
-  }
-  if (out == s) return t;
-  // The element-wise node broadcasts its leaves to `out`: a splat per expanded dim (and
-  // its gradient sums back over them).
-  return evaluate_as<T>(expr::make<ops::Identity>(t), out);
-}
-
-/// Records the backward of a slice of `t` (the gradient lands in zeros of t's shape).
-template <Element T>
-void record_slice(Tensor<T>& r, const Tensor<T>& t, int d, std::int64_t start, std::int64_t step) {
-  if constexpr (is_floating_v<T>) {
-    autograd::record(r, "SliceBackward0", {autograd::edge_of(t.impl())},
-                     [in = t.shape(), d, start, step](const Tensor<T>& g) {
-                       return std::vector<graph::NodePtr>{graph::submit(
-                           std::make_shared<graph::SliceBackwardNode<T>>(g.node(), in, d, start, step))};
-                     });
-  }
-}
-
-/// Autograd edges of a list of tensors.
-template <Element T>
-std::vector<autograd::GradFnPtr> edges_of(const std::vector<Tensor<T>>& ts) {
-  std::vector<autograd::GradFnPtr> e;
-  e.reserve(ts.size());
-  for (const auto& t : ts) e.push_back(autograd::edge_of(t.impl()));
-  return e;
-}
-
-template <Element T>
-std::vector<graph::NodePtr> nodes_of(const std::vector<Tensor<T>>& ts) {
-  std::vector<graph::NodePtr> v;
-  v.reserve(ts.size());
-  for (const auto& t : ts) v.push_back(t.node());
-  return v;
-}
-
-}  // namespace lazy::detail
-
-#if LAZYTENSOR_HEADER_DEFINITIONS
-namespace lazy::detail {
-
-LAZYTENSOR_INLINE std::string list_str(std::span<const std::int64_t> v) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
-  return s + "]";
-}
-
-LAZYTENSOR_INLINE Shape infer_shape(std::span<const std::int64_t> sizes, std::int64_t numel, const char* op) {
-  if (sizes.size() > static_cast<std::size_t>(kMaxRank)) {
-    throw ShapeError(std::string(op) + ": shape " + list_str(sizes) + " has rank " + std::to_string(sizes.size()) +
-                     ", expected at most " + std::to_string(kMaxRank));
-  }
-  int infer = -1;
-  std::int64_t known = 1;
-  for (std::size_t i = 0; i < sizes.size(); ++i) {
-    if (sizes[i] == -1) {
-      if (infer >= 0) throw ShapeError(std::string(op) + ": only one dimension can be inferred (-1), got " + list_str(sizes));
-      infer = static_cast<int>(i);
-    } else if (sizes[i] < 0) {
-      throw ShapeError(std::string(op) + ": invalid shape dimension " + std::to_string(sizes[i]) + " in " +
-                       list_str(sizes) + " (expected sizes >= 0, or -1 once)");
-    } else {
-      known *= sizes[i];
-    }
-  }
-  std::vector<std::int64_t> out(sizes.begin(), sizes.end());
-  if (infer >= 0) {
-    if (known == 0) {
-      throw ShapeError(std::string(op) + ": cannot reshape a tensor of " + std::to_string(numel) + " elements into shape " +
-                       list_str(sizes) + " because the unspecified dimension size -1 can be any value and is ambiguous");
-    }
-    if (numel % known != 0) {
-      throw ShapeError(std::string(op) + ": shape " + list_str(sizes) + " is invalid for input of size " +
-                       std::to_string(numel));
-    }
-    out[infer] = numel / known;
-  } else if (known != numel) {
-    throw ShapeError(std::string(op) + ": shape " + list_str(sizes) + " is invalid for input of size " +
-                     std::to_string(numel) + " (expected " + std::to_string(known) + " elements)");
-  }
-  return Shape(out);
-}
-
-}  // namespace lazy::detail
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
-// ---- end lazytensor/ops/shape_helpers.hpp ----
-
-namespace lazy {
-
-// ---- indexing ---------------------------------------------------------------------------
-
-/// The slices of x at positions `index` (1-D, int32 or int64) along `dim`
-/// (torch.index_select). Index values outside [0, size) raise IndexError when the kernel
-/// runs (at the next mark_step or read), since the index may still be pending here.
-template <expr::ExprLike X, IndexElement I>
-auto index_select(const X& x, std::int64_t dim, const Tensor<I>& index) {
-  auto t = detail::as_tensor(x);
-  using T = typename decltype(t)::value_type;
-  const Shape& s = t.shape();
-  if (index.dim() > 1) {
-    throw ShapeError("index_select: index must be a 1-D tensor (or 0-D), got shape " + index.shape().str());
-  }
-  const int d = normalize_dim(dim, s.rank(), "index_select");
-  Shape out = s;
-  if (s.rank() == 0) {
-    if (index.numel() != 1) {
-      throw ShapeError("index_select: a 0-dim input takes an index of exactly one element, got shape " +
-                       index.shape().str());
-    }
-  } else {
-    out[d] = index.numel();
-  }
-  graph::common_device({t.node(), index.node()}, "index_select");
-  Tensor<T> r(graph::submit(std::make_shared<graph::IndexSelectNode<I>>(t.node(), index.node(), d, out)));
-  if constexpr (is_floating_v<T>) {
-    autograd::record(r, "IndexSelectBackward0", {autograd::edge_of(t.impl())},
-                     [in = s, d, idx = index.detach()](const Tensor<T>& g) {
-                       return std::vector<graph::NodePtr>{
-                           graph::submit(std::make_shared<graph::IndexAddNode<T, I>>(g.node(), idx.node(), in, d))};
-                     });
-  }
-  return r;
-}
-
-/// torch.gather: out[i][j][k] = x[index[i][j][k]][j][k] for dim 0 (likewise for the other
-/// dims). index has x's rank and index.size(d) <= x.size(d) for d != dim (ShapeError); the
-/// result has index's shape. Out-of-range values raise IndexError when the kernel runs.
-template <expr::ExprLike X, IndexElement I>
-auto gather(const X& x, std::int64_t dim, const Tensor<I>& index) {
-  auto t = detail::as_tensor(x);
-  using T = typename decltype(t)::value_type;
-  const Shape& s = t.shape();
-  const Shape& is = index.shape();
-  if (is.rank() != s.rank()) {
-    throw ShapeError("gather: index tensor must have the same number of dimensions as the input: expected " +
-                     std::to_string(s.rank()) + " (input shape " + s.str() + "), got " + std::to_string(is.rank()) +
-                     " (index shape " + is.str() + ")");
-  }
-  const int d = normalize_dim(dim, s.rank(), "gather");
-  for (int k = 0; k < s.rank(); ++k) {
-    if (k != d && is[k] > s[k]) {
-      throw ShapeError("gather: size of index (" + std::to_string(is[k]) + ") must not exceed the input's size (" +
-                       std::to_string(s[k]) + ") in dimension " + std::to_string(k) + " (index shape " + is.str() +
-                       ", input shape " + s.str() + ", gather dim " + std::to_string(d) + ")");
-    }
-  }
-  graph::common_device({t.node(), index.node()}, "gather");
-  Tensor<T> r(graph::submit(std::make_shared<graph::GatherNode<I>>(t.node(), index.node(), d)));
-  if constexpr (is_floating_v<T>) {
-    autograd::record(r, "GatherBackward0", {autograd::edge_of(t.impl())},
-                     [in = s, d, idx = index.detach()](const Tensor<T>& g) {
-                       return std::vector<graph::NodePtr>{
-                           graph::submit(std::make_shared<graph::ScatterAddNode<T, I>>(g.node(), idx.node(), in, d))};
-                     });
-  }
-  return r;
-}
-
-/// torch.nn.functional.one_hot: int64 tensor of shape index.shape + (num_classes,) with a 1
-/// at each index value. num_classes = -1 means max(index) + 1, which needs the values now:
-/// that form materializes `index` (an implicit sync of just what index needs). Values < 0
-/// or >= num_classes raise IndexError (when the kernel runs, for an explicit num_classes).
-template <IndexElement I>
-Tensor<std::int64_t> one_hot(const Tensor<I>& index, std::int64_t num_classes = -1) {
-  if (num_classes < -1) {
-    throw ShapeError("one_hot: num_classes must be -1 (infer) or >= 0, got " + std::to_string(num_classes));
-  }
-  if (index.dim() >= kMaxRank) {
-    throw ShapeError("one_hot: the result would have rank " + std::to_string(index.dim() + 1) +
-                     ", expected at most " + std::to_string(kMaxRank) + " (index shape " + index.shape().str() + ")");
-  }
-  if (num_classes == -1) {
-    if (index.numel() == 0) {
-      throw ShapeError("one_hot: cannot infer the number of classes from an empty index tensor (shape " +
-                       index.shape().str() + "); pass num_classes");
-    }
-    const I* p = index.data();
-    const auto [lo, hi] = std::minmax_element(p, p + index.numel());
-    if (*lo < 0) throw IndexError("one_hot: class values must be non-negative, found " + std::to_string(*lo));
-    num_classes = static_cast<std::int64_t>(*hi) + 1;
-  }
-  Shape out = index.shape();
-  out.push_back(num_classes);
-  return Tensor<std::int64_t>(graph::submit(std::make_shared<graph::OneHotNode<I>>(index.node(), num_classes, out)));
-}
-
-}  // namespace lazy
-// ---- end lazytensor/ops/indexing.hpp ----
-// ---- begin lazytensor/ops/reshape.hpp ----
-// The shape ops that keep the elements: views (reshape/view, flatten, squeeze, unsqueeze),
-// which share the input's buffer, so a view of a pending value is pending and nothing is
-// copied; permutations (permute, transpose), copies unless only size-1 dims move; and
-// expand, a broadcasting element-wise node.
-
-#include <cstddef>
-#include <cstdint>
-#include <initializer_list>
-#include <string>
-#include <utility>
-#include <vector>
-
-
-namespace lazy {
-
-// ---- views ------------------------------------------------------------------------------
-
-/// A view of `x` with shape `sizes` (one entry may be -1: inferred). Shares x's buffer;
-/// ShapeError if the element count differs. An expression is evaluated first.
-template <expr::ExprLike X>
-auto reshape(const X& x, std::initializer_list<std::int64_t> sizes) {
-  return detail::reshape_impl(x, {sizes.begin(), sizes.size()}, "reshape");
-}
-/// reshape with the sizes in a vector.
-template <expr::ExprLike X>
-auto reshape(const X& x, const std::vector<std::int64_t>& sizes) {
-  return detail::reshape_impl(x, sizes, "reshape");
-}
-/// reshape to a Shape.
-template <expr::ExprLike X>
-auto reshape(const X& x, const Shape& shape) {
-  return detail::reshape_impl(x, detail::span_of(shape), "reshape");
-}
-
-/// Same as reshape (tensors are always contiguous here, so view never fails where reshape
-/// would copy).
-template <expr::ExprLike X>
-auto view(const X& x, std::initializer_list<std::int64_t> sizes) {
-  return detail::reshape_impl(x, {sizes.begin(), sizes.size()}, "view");
-}
-/// view with the sizes in a vector.
-template <expr::ExprLike X>
-auto view(const X& x, const std::vector<std::int64_t>& sizes) {
-  return detail::reshape_impl(x, sizes, "view");
-}
-/// view as a Shape.
-template <expr::ExprLike X>
-auto view(const X& x, const Shape& shape) {
-  return detail::reshape_impl(x, detail::span_of(shape), "view");
-}
-
-/// Merges dims start_dim..end_dim (inclusive, negative counts from the back) into one, as a
-/// view. A 0-d tensor becomes 1-D with one element, as in torch.
-template <expr::ExprLike X>
-auto flatten(const X& x, std::int64_t start_dim = 0, std::int64_t end_dim = -1) {
-  auto t = detail::as_tensor(x);
-  const Shape& s = t.shape();
-  const int a = normalize_dim(start_dim, s.rank(), "flatten"), b = normalize_dim(end_dim, s.rank(), "flatten");
-  if (a > b) {
-    throw ShapeError("flatten: start_dim (" + std::to_string(start_dim) + ", i.e. " + std::to_string(a) +
-                     ") cannot come after end_dim (" + std::to_string(end_dim) + ", i.e. " + std::to_string(b) + ")");
-  }
-  if (s.rank() == 0) return detail::view_of(t, Shape{1}, "flatten");
-  Shape out;
-  std::int64_t merged = 1;
-  for (int i = 0; i < s.rank(); ++i) {
-    if (i < a || i > b) {
-      out.push_back(s[i]);
-    } else {
-      merged *= s[i];
-      if (i == b) out.push_back(merged);
-    }
-  }
-  return detail::view_of(t, out, "flatten");
-}
-
-/// Removes every dim of size 1 (a view).
-template <expr::ExprLike X>
-auto squeeze(const X& x) {
-  auto t = detail::as_tensor(x);
-  Shape out;
-  for (auto d : t.shape())
-    if (d != 1) out.push_back(d);
-  return detail::view_of(t, out, "squeeze");
-}
-
-/// Removes dim `dim` if its size is 1; otherwise returns x unchanged, as torch does.
-template <expr::ExprLike X>
-auto squeeze(const X& x, std::int64_t dim) {
-  auto t = detail::as_tensor(x);
-  const Shape& s = t.shape();
-  const int d = normalize_dim(dim, s.rank(), "squeeze");
-  if (s.rank() == 0 || s[d] != 1) return t;
-  Shape out;
-  for (int i = 0; i < s.rank(); ++i)
-    if (i != d) out.push_back(s[i]);
-  return detail::view_of(t, out, "squeeze");
-}
-
-/// Inserts a dim of size 1 at position `dim` (in [-rank-1, rank]), as a view.
-template <expr::ExprLike X>
-auto unsqueeze(const X& x, std::int64_t dim) {
-  auto t = detail::as_tensor(x);
-  const Shape& s = t.shape();
-  if (s.rank() >= kMaxRank) {
-    throw ShapeError("unsqueeze: the result would have rank " + std::to_string(s.rank() + 1) +
-                     ", expected at most " + std::to_string(kMaxRank) + " (input shape " + s.str() + ")");
-  }
-  const int d = normalize_dim(dim, s.rank() + 1, "unsqueeze");
-  Shape out;
-  for (int i = 0; i < s.rank(); ++i) {
-    if (i == d) out.push_back(1);
-    out.push_back(s[i]);
-  }
-  if (d == s.rank()) out.push_back(1);
-  return detail::view_of(t, out, "unsqueeze");
-}
-
-// ---- permutations -------------------------------------------------------------------------
-
-/// Reorders the dims: out dim i is x's dim dims[i] (a permutation of 0..rank-1; negative
-/// entries count from the back). A copy, unless only size-1 dims move (then a view).
-template <expr::ExprLike X>
-auto permute(const X& x, const std::vector<std::int64_t>& dims) {
-  auto t = detail::as_tensor(x);
-  const int r = t.dim();
-  if (static_cast<int>(dims.size()) != r) {
-    throw ShapeError("permute: number of dims don't match: the tensor has " + std::to_string(r) +
-                     " dims (shape " + t.shape().str() + "), the permutation " +
-                     detail::list_str(dims) + " has " + std::to_string(dims.size()));
-  }
-  std::vector<int> perm;
-  std::vector<char> seen(static_cast<std::size_t>(r), 0);
-  for (auto d : dims) {
-    const int n = normalize_dim(d, r, "permute");
-    if (seen[n]) {
-      throw ShapeError("permute: repeated dim " + std::to_string(n) + " in the permutation " +
-                       detail::list_str(dims) + " (expected each of 0.." + std::to_string(r - 1) +
-                       " exactly once)");
-    }
-    seen[n] = 1;
-    perm.push_back(n);
-  }
-  return detail::permute_impl(t, std::move(perm), "permute");
-}
-/// permute with a braced list: permute(x, {2, 0, 1}).
-template <expr::ExprLike X>
-auto permute(const X& x, std::initializer_list<std::int64_t> dims) {
-  return permute(x, std::vector<std::int64_t>(dims));
-}
-
-/// Swaps dims d0 and d1 (a copy; for the last two dims a pending TransposeNode that a
-/// matmul reads through without running it).
-template <expr::ExprLike X>
-auto transpose(const X& x, std::int64_t d0, std::int64_t d1) {
-  auto t = detail::as_tensor(x);
-  const int r = t.dim();
-  const int a = normalize_dim(d0, r, "transpose"), b = normalize_dim(d1, r, "transpose");
-  if (a == b || r == 0) return t;
-  std::vector<int> perm(static_cast<std::size_t>(r));
-  for (int i = 0; i < r; ++i) perm[i] = i;
-  std::swap(perm[a], perm[b]);
-  return detail::permute_impl(t, std::move(perm), "transpose");
-}
-
-/// torch's t(): the transpose of a 2-D tensor; 0-D and 1-D tensors are returned as is.
-/// ShapeError for rank > 2.
-template <expr::ExprLike X>
-auto transpose(const X& x) {
-  auto t = detail::as_tensor(x);
-  if (t.dim() > 2) {
-    throw ShapeError("transpose: t() expects a tensor with <= 2 dimensions, but got shape " + t.shape().str() +
-                     " (" + std::to_string(t.dim()) + "-D)");
-  }
-  if (t.dim() < 2) return t;
-  return transpose(t, 0, 1);
-}
-
-// ---- expand -------------------------------------------------------------------------------
-
-/// Broadcasts x to `sizes` (torch.expand): new dims are prepended, a size-1 dim may grow,
-/// -1 keeps a size. Materialized lazily by a broadcasting element-wise node.
-template <expr::ExprLike X>
-auto expand(const X& x, std::initializer_list<std::int64_t> sizes) {
-  return detail::expand_impl(x, {sizes.begin(), sizes.size()});
-}
-/// expand with the sizes in a vector.
-template <expr::ExprLike X>
-auto expand(const X& x, const std::vector<std::int64_t>& sizes) {
-  return detail::expand_impl(x, sizes);
-}
-/// expand to a Shape.
-template <expr::ExprLike X>
-auto expand(const X& x, const Shape& shape) {
-  return detail::expand_impl(x, detail::span_of(shape));
-}
-
-}  // namespace lazy
-// ---- end lazytensor/ops/reshape.hpp ----
-// ---- begin lazytensor/ops/slice.hpp ----
-// Slicing (slice, narrow) and joining (cat, stack): copy nodes of graph/shape_nodes.hpp, each
-// recording its backward (a slice's gradient lands in zeros of the input's shape, a join's is
-// narrowed back into the pieces).
-
-#include <algorithm>
-#include <cstddef>
-#include <cstdint>
-#include <initializer_list>
-#include <limits>
-#include <memory>
-#include <string>
-#include <utility>
-#include <vector>
-
-
-namespace lazy {
-
-// ---- slicing ------------------------------------------------------------------------------
-
-/// Elements start, start + step, ... below end along `dim` (torch slicing x[start:end:step]):
-/// negative start/end count from the back, both are clamped to [0, size]; step must be > 0.
-/// A copy (buffers never start at an offset), except a full-range slice which is x itself.
-template <expr::ExprLike X>
-auto slice(const X& x, std::int64_t dim, std::int64_t start = 0,
-           std::int64_t end = std::numeric_limits<std::int64_t>::max(), std::int64_t step = 1) {
-  auto t = detail::as_tensor(x);
-  using T = typename decltype(t)::value_type;
-  const Shape& s = t.shape();
-  if (s.rank() == 0) throw ShapeError("slice: cannot be applied to a 0-dim tensor (expected rank >= 1)");
-  if (step <= 0) throw ShapeError("slice: step must be greater than zero, got " + std::to_string(step));
-  const int d = normalize_dim(dim, s.rank(), "slice");
-  const std::int64_t size = s[d];
-  if (start < 0) start += size;
-  if (end < 0) end += size;
-  start = std::clamp<std::int64_t>(start, 0, size);
-  end = std::clamp<std::int64_t>(end, start, size);
-  const std::int64_t len = (end - start + step - 1) / step;
-  if (start == 0 && len == size && (step == 1 || size <= 1)) return t;
-  Shape out = s;
-  out[d] = len;
-  Tensor<T> r(graph::submit(std::make_shared<graph::SliceNode>("slice", t.node(), d, start, step, out)));
-  detail::record_slice(r, t, d, start, step);
-  return r;
-}
-
-/// `length` elements from `start` along `dim` (torch.narrow). start may be negative
-/// (counting from the back); ShapeError if the range does not fit.
-template <expr::ExprLike X>
-auto narrow(const X& x, std::int64_t dim, std::int64_t start, std::int64_t length) {
-  auto t = detail::as_tensor(x);
-  using T = typename decltype(t)::value_type;
-  const Shape& s = t.shape();
-  if (s.rank() == 0) throw ShapeError("narrow: cannot be applied to a 0-dim tensor (expected rank >= 1)");
-  const int d = normalize_dim(dim, s.rank(), "narrow");
-  const std::int64_t size = s[d];
-  if (start < -size || start > size) {
-    throw ShapeError("narrow: start out of range (expected to be in range of [" + std::to_string(-size) + ", " +
-                     std::to_string(size) + "], but got " + std::to_string(start) + ")");
-  }
-  if (start < 0) start += size;
-  if (length < 0) throw ShapeError("narrow: length must be non-negative, got " + std::to_string(length));
-  if (start > size - length) {
-    throw ShapeError("narrow: start (" + std::to_string(start) + ") + length (" + std::to_string(length) +
-                     ") exceeds dimension size (" + std::to_string(size) + ") of dimension " + std::to_string(d));
-  }
-  if (start == 0 && length == size) return t;
-  Shape out = s;
-  out[d] = length;
-  Tensor<T> r(graph::submit(std::make_shared<graph::SliceNode>("narrow", t.node(), d, start, 1, out)));
-  detail::record_slice(r, t, d, start, 1);
-  return r;
-}
-
-// ---- cat / stack ----------------------------------------------------------------------------
-
-/// Concatenates along `dim` (torch.cat). The tensors need the same rank and equal sizes
-/// except in `dim` (ShapeError), and the same device (DeviceError). As in torch, 1-D empty
-/// tensors (shape (0,)) are skipped whatever their rank.
-template <Element T>
-Tensor<T> cat(const std::vector<Tensor<T>>& tensors, std::int64_t dim = 0) {
-  if (tensors.empty()) throw ShapeError("cat: expected a non-empty list of tensors, got an empty list");
-  std::vector<Tensor<T>> ts;
-  for (const auto& t : tensors)
-    if (!(t.dim() == 1 && t.numel() == 0)) ts.push_back(t);
-  if (ts.empty()) return tensors.front();
-  const Shape& ref = ts.front().shape();
-  const int r = ref.rank();
-  if (r == 0) throw ShapeError("cat: zero-dimensional tensor (at position 0) cannot be concatenated (expected rank >= 1)");
-  const int d = normalize_dim(dim, r, "cat");
-  for (std::size_t i = 1; i < ts.size(); ++i) {
-    const Shape& s = ts[i].shape();
-    if (s.rank() != r) {
-      throw ShapeError("cat: tensors must have the same number of dimensions: expected " + std::to_string(r) +
-                       " (shape " + ref.str() + "), got " + std::to_string(s.rank()) + " (shape " + s.str() +
-                       ") for tensor " + std::to_string(i));
-    }
-    for (int k = 0; k < r; ++k) {
-      if (k != d && s[k] != ref[k]) {
-        throw ShapeError("cat: sizes of tensors must match except in dimension " + std::to_string(d) +
-                         ": expected size " + std::to_string(ref[k]) + " but got size " + std::to_string(s[k]) +
-                         " in dimension " + std::to_string(k) + " for tensor " + std::to_string(i) + " (shapes " +
-                         ref.str() + " and " + s.str() + ")");
-      }
-    }
-  }
-  auto nodes = detail::nodes_of(ts);
-  graph::Device& dev = graph::common_device(nodes, "cat");
-  if (ts.size() == 1) return ts.front();
-  std::int64_t outer = 1, inner = 1, total = 0;
-  for (int k = 0; k < d; ++k) outer *= ref[k];
-  for (int k = d + 1; k < r; ++k) inner *= ref[k];
-  std::vector<std::int64_t> widths;
-  for (const auto& t : ts) {
-    widths.push_back(t.shape()[d] * inner);
-    total += t.shape()[d];
-  }
-  Shape out = ref;
-  out[d] = total;
-  Tensor<T> result(graph::submit(
-      std::make_shared<graph::CatNode>("cat", dtype_of<T>(), std::move(nodes), out, &dev, outer, std::move(widths))));
-  std::vector<std::int64_t> sizes;
-  for (const auto& t : ts) sizes.push_back(t.shape()[d]);
-  autograd::record(result, "CatBackward0", detail::edges_of(ts), [sizes, d](const Tensor<T>& g) {
-    std::vector<graph::NodePtr> gs;
-    std::int64_t off = 0;
-    for (auto len : sizes) {
-      gs.push_back(narrow(g, d, off, len).node());
-      off += len;
-    }
-    return gs;
-  });
-  return result;
-}
-/// cat with a braced list: cat({a, b}, 1).
-template <Element T>
-Tensor<T> cat(std::initializer_list<Tensor<T>> tensors, std::int64_t dim = 0) {
-  return cat(std::vector<Tensor<T>>(tensors), dim);
-}
-
-/// Stacks equal-shaped tensors along a new dim `dim` (in [-rank-1, rank]) (torch.stack).
-template <Element T>
-Tensor<T> stack(const std::vector<Tensor<T>>& tensors, std::int64_t dim = 0) {
-  if (tensors.empty()) throw ShapeError("stack: expected a non-empty list of tensors, got an empty list");
-  const Shape& ref = tensors.front().shape();
-  for (std::size_t i = 1; i < tensors.size(); ++i) {
-    if (!(tensors[i].shape() == ref)) {
-      throw ShapeError("stack: expected each tensor to be equal size, but got " + ref.str() + " at entry 0 and " +
-                       tensors[i].shape().str() + " at entry " + std::to_string(i));
-    }
-  }
-  if (ref.rank() >= kMaxRank) {
-    throw ShapeError("stack: the result would have rank " + std::to_string(ref.rank() + 1) + ", expected at most " +
-                     std::to_string(kMaxRank));
-  }
-  const int d = normalize_dim(dim, ref.rank() + 1, "stack");
-  auto nodes = detail::nodes_of(tensors);
-  graph::Device& dev = graph::common_device(nodes, "stack");
-  if (tensors.size() == 1) return unsqueeze(tensors.front(), d);
-  std::int64_t outer = 1, inner = 1;
-  for (int k = 0; k < d; ++k) outer *= ref[k];
-  for (int k = d; k < ref.rank(); ++k) inner *= ref[k];
-  Shape out;
-  for (int k = 0; k <= ref.rank(); ++k) {
-    if (k == d) out.push_back(static_cast<std::int64_t>(tensors.size()));
-    if (k < ref.rank()) out.push_back(ref[k]);
-  }
-  std::vector<std::int64_t> widths(tensors.size(), inner);
-  Tensor<T> r(graph::submit(
-      std::make_shared<graph::CatNode>("stack", dtype_of<T>(), std::move(nodes), out, &dev, outer, std::move(widths))));
-  autograd::record(r, "StackBackward0", detail::edges_of(tensors),
-                   [n = tensors.size(), d, ref](const Tensor<T>& g) {
-                     std::vector<graph::NodePtr> gs;
-                     for (std::size_t i = 0; i < n; ++i) {
-                       gs.push_back(reshape(narrow(g, d, static_cast<std::int64_t>(i), 1), ref).node());
-                     }
-                     return gs;
-                   });
-  return r;
-}
-/// stack with a braced list: stack({a, b}, 0).
-template <Element T>
-Tensor<T> stack(std::initializer_list<Tensor<T>> tensors, std::int64_t dim = 0) {
-  return stack(std::vector<Tensor<T>>(tensors), dim);
-}
-
-}  // namespace lazy
-// ---- end lazytensor/ops/slice.hpp ----
-// ---- end lazytensor/ops/shape.hpp ----
-
-namespace lazy {
-
-namespace detail {
-
-/// Reduction dims (at most one per dim of a shape, so they stay inline).
-using DimList = core::SmallVector<int, 8>;
-
-/// Normalized, sorted, de-duplicated reduction dims; empty `dims` means all.
-DimList reduce_dims(const Shape& s, const std::vector<std::int64_t>& dims, const char* op);
-
-Shape reduced_shape(const Shape& s, const DimList& dims, bool keepdim);
-
-/// [outer, R, inner] when the reduced dims of size > 1 are adjacent; false otherwise.
-bool geometry(const Shape& s, const DimList& dims, graph::ReduceGeometry& g);
-
-template <class E>
-bool flat_child(const E& e, const std::vector<graph::NodePtr>& inputs) {
-  for (const auto& in : inputs)
-    if (!(in->shape() == e.shape()) && in->numel() != 1) return false;
-  return true;
-}
-
-/// Builds the node for reducing the operand `x` (flat kernel form) with reducer R.
-template <class R, class Tout, class X>
-graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims, bool keepdim, double scale_kind,
-                              const char* op) {
-  const Shape& s = x.shape();
-  auto rd = reduce_dims(s, dims, op);
-  graph::ReduceGeometry g;
-  if (!geometry(s, rd, g)) {
-    // Reduced dims are not adjacent: move them to the back first (one copy), then reduce.
-    using V = expr::value_t<X>;
-    Tensor<V> t = [&] {
-      if constexpr (expr::is_expr_node<X>::value) return Tensor<V>(x);
-      else return x;
-    }();
-    std::vector<std::int64_t> perm;
-    for (int i = 0; i < s.rank(); ++i)
-      if (std::find(rd.begin(), rd.end(), i) == rd.end()) perm.push_back(i);
-    for (int d : rd) perm.push_back(d);
-    Tensor<V> p = permute(t, perm);
-    std::vector<std::int64_t> back;
-    for (std::size_t i = 0; i < rd.size(); ++i) back.push_back(s.rank() - static_cast<std::int64_t>(rd.size() + 0) + static_cast<std::int64_t>(i));
-    auto node = reduction_node<R, Tout>(p, back, false, scale_kind, op);
-    if (!keepdim) return node;
-    return reshape(Tensor<Tout>(node), reduced_shape(s, rd, true)).node();
-  }
-  const Shape out = reduced_shape(s, rd, keepdim);
-  const double scale = scale_kind == 0 ? 1.0 : (g.extent ? 1.0 / static_cast<double>(g.extent) : std::nan(""));
-  std::vector<graph::NodePtr> inputs;
-  inputs.reserve(expr::leaf_count_v<decltype(expr::operand(x))>);
-  auto k = expr::to_kernel(expr::operand(x), inputs);
-  using K = decltype(k);
-  if constexpr (expr::is_expr_node<X>::value) {
-    if (!flat_child(x, inputs)) {
-      // A broadcast inside the child: materialize it once, then reduce the result.
-      return reduction_node<R, Tout>(Tensor<typename X::value_type>(x), dims, keepdim, scale_kind, op);
-    }
-  }
-  using S = expr::lane_combine<expr::kernel_lane_t<K>, expr::lane_of<Tout>>;
-  graph::Device& dev = graph::common_device(inputs, op);
-  return graph::submit(std::make_shared<graph::ReductionNode<K, R, S, Tout>>(std::move(k), out, g, scale, &dev,
-                                                                            std::move(inputs), s));
-}
-
-template <class R, class X>
-auto reduce(const X& x, const std::vector<std::int64_t>& dims, bool keepdim, const char* op) {
-  using T = typename R::template result<expr::value_t<X>>;
-  return Tensor<T>(reduction_node<R, T>(x, dims, keepdim, 0, op));
-}
-
-template <class X>
-void require_nonempty(const X& x, const std::vector<std::int64_t>& dims, const char* op) {
-  const Shape& s = x.shape();
-  auto rd = reduce_dims(s, dims, op);
-  for (int d : rd)
-    if (s[d] == 0) {
-      throw ShapeError(std::string(op) + ": expected a non-empty dimension to reduce, got size 0 in dim " +
-                       std::to_string(d) + " of shape " + s.str());
-    }
-  if (s.numel() == 0 && rd.empty()) throw ShapeError(std::string(op) + ": cannot reduce a tensor with no elements");
-}
-
-/// The reduced shape with kept (size-1) dims, for broadcasting a gradient back.
-template <class X>
-Shape keep_shape(const X& x, const std::vector<std::int64_t>& dims, const char* op) {
-  return reduced_shape(x.shape(), reduce_dims(x.shape(), dims, op), true);
-}
-
-/// sum / mean backward: the gradient, scaled, broadcast back over the reduced dims.
-template <class T, class X>
-void record_sum(Tensor<T>& r, const X& x, const std::vector<std::int64_t>& dims, bool mean) {
-  using V = expr::value_t<X>;
-  if constexpr (is_floating_v<T> && is_floating_v<V>) {
-    if (!autograd::is_grad_enabled()) return;
-    auto e = autograd::operand_edge(x);
-    if (!e) return;
-    const Shape in = x.shape(), keep = keep_shape(x, dims, "sum");
-    const double scale = mean && keep.numel() ? static_cast<double>(keep.numel()) / static_cast<double>(in.numel()) : 1.0;
-    autograd::record(r, mean ? "MeanBackward0" : "SumBackward0", {e}, [in, keep, scale](const Tensor<T>& g) {
-      Tensor<T> gk = reshape(g, keep);
-      return std::vector<graph::NodePtr>{
-          (scale == 1.0 ? evaluate_as<V>(cast<V>(gk), in) : evaluate_as<V>(cast<V>(gk * scale), in)).node()};
-    });
-  }
-}
-
-/// amax / amin backward: the gradient goes to the extreme elements, split evenly among ties.
-template <class T, class X>
-void record_extreme(Tensor<T>& r, const X& x, const std::vector<std::int64_t>& dims, const char* name) {
-  if constexpr (is_floating_v<T>) {
-    if (!autograd::is_grad_enabled()) return;
-    auto e = autograd::operand_edge(x);
-    if (!e) return;
-    const Shape in = x.shape(), keep = keep_shape(x, dims, name);
-    autograd::record(r, name, {e}, [x = autograd::saved(x), in, keep, dims, y = r.detach()](const Tensor<T>& g) {
-      Tensor<T> hit = cast<T>(x == reshape(y, keep));
-      Tensor<T> count = sum(hit, dims, true);
-      return std::vector<graph::NodePtr>{evaluate_as<T>(hit * (reshape(g, keep) / count), in).node()};
-    });
-  }
-}
-
-}  // namespace detail
-
-using Dims = std::vector<std::int64_t>;
-
-/// Sum over `dims` (all when empty); integers sum to int64.
-template <expr::ExprLike X>
-auto sum(const X& x, const Dims& dims = {}, bool keepdim = false) {
-  auto r = detail::reduce<ops::reduce::Sum>(x, dims, keepdim, "sum");
-  detail::record_sum(r, x, dims, false);
-  return r;
-}
-/// Product over `dims`.
-template <expr::ExprLike X>
-auto prod(const X& x, const Dims& dims = {}, bool keepdim = false) {
-  auto r = detail::reduce<ops::reduce::Prod>(x, dims, keepdim, "prod");
-  using T = typename decltype(r)::value_type;
-  if constexpr (is_floating_v<T>) {
-    if (auto e = autograd::is_grad_enabled() ? autograd::operand_edge(x) : nullptr) {
-      // d prod / d x_i = product of the others: prod / x_i without zeros; with one zero in
-      // the slice only that element gets the product of the rest; with more, nothing.
-      const Shape in = x.shape(), keep = detail::keep_shape(x, dims, "prod");
-      autograd::record(r, "ProdBackward0", {e}, [x = autograd::saved(x), in, keep, dims](const Tensor<T>& g) {
-        Tensor<T> v = cast<T>(x);
-        Tensor<T> zeros = sum(cast<T>(v == 0), dims, true);
-        Tensor<T> others = detail::reduce<ops::reduce::Prod>(where(v == 0, 1, v), dims, true, "prod");
-        Tensor<T> gk = reshape(g, keep);
-        return std::vector<graph::NodePtr>{
-            evaluate_as<T>(gk * where(zeros == 0, others / v, where((zeros == 1) & (v == 0), others, 0)), in).node()};
-      });
-    }
-  }
-  return r;
-}
-/// Mean over `dims`; floating types only (DTypeError otherwise, as torch.mean).
-template <expr::ExprLike X>
-auto mean(const X& x, const Dims& dims = {}, bool keepdim = false) {
-  using T = expr::value_t<X>;
-  if constexpr (!is_floating_v<T>) {
-    throw DTypeError("mean(): could not infer output dtype. Input dtype must be floating point, got " +
-                     dtype_name(dtype_of<T>()));
-    return Tensor<float>();
-  } else {
-    Tensor<T> r(detail::reduction_node<ops::reduce::Sum, T>(x, dims, keepdim, 1, "mean"));
-    detail::record_sum(r, x, dims, true);
-    return r;
-  }
-}
-/// Largest value over `dims` (NaN-propagating).
-template <expr::ExprLike X>
-auto amax(const X& x, const Dims& dims = {}, bool keepdim = false) {
-  detail::require_nonempty(x, dims, "amax");
-  auto r = detail::reduce<ops::reduce::Max>(x, dims, keepdim, "amax");
-  detail::record_extreme(r, x, dims, "AmaxBackward0");
-  return r;
-}
-/// Smallest value over `dims` (NaN-propagating).
-template <expr::ExprLike X>
-auto amin(const X& x, const Dims& dims = {}, bool keepdim = false) {
-  detail::require_nonempty(x, dims, "amin");
-  auto r = detail::reduce<ops::reduce::Min>(x, dims, keepdim, "amin");
-  detail::record_extreme(r, x, dims, "AminBackward0");
-  return r;
-}
-/// Largest value: all elements, or along `dim` (values only; see argmax for indices).
-template <expr::ExprLike X>
-auto max(const X& x) {
-  return amax(x);
-}
-template <expr::ExprLike X>
-auto max(const X& x, std::int64_t dim, bool keepdim = false) {
-  return amax(x, {dim}, keepdim);
-}
-/// Smallest value: all elements, or along `dim`.
-template <expr::ExprLike X>
-auto min(const X& x) {
-  return amin(x);
-}
-template <expr::ExprLike X>
-auto min(const X& x, std::int64_t dim, bool keepdim = false) {
-  return amin(x, {dim}, keepdim);
-}
-/// True where any element over `dims` is non-zero.
-template <expr::ExprLike X>
-Tensor<bool> any(const X& x, const Dims& dims = {}, bool keepdim = false) {
-  return Tensor<bool>(detail::reduction_node<ops::reduce::Any, bool>(x != 0, dims, keepdim, 0, "any"));
-}
-/// True where every element over `dims` is non-zero.
-template <expr::ExprLike X>
-Tensor<bool> all(const X& x, const Dims& dims = {}, bool keepdim = false) {
-  return Tensor<bool>(detail::reduction_node<ops::reduce::All, bool>(x != 0, dims, keepdim, 0, "all"));
-}
-
-namespace detail {
-template <bool IsMax, class X>
-Tensor<std::int64_t> arg_reduce(const X& x, std::optional<std::int64_t> dim, bool keepdim, const char* op) {
-  if (!dim) {
-    // Over the flattened tensor.
-    using V = expr::value_t<X>;
-    Tensor<V> t = [&] {
-      if constexpr (expr::is_expr_node<X>::value) return Tensor<V>(x);
-      else return x;
-    }();
-    Tensor<V> flat = reshape(t, Shape{t.numel()});
-    auto r = arg_reduce<IsMax>(flat, 0, false, op);
-    if (!keepdim) return r;
-    Shape ones;
-    for (int i = 0; i < t.dim(); ++i) ones.push_back(1);
-    return reshape(r, ones);
-  }
-  require_nonempty(x, {*dim}, op);
-  const Shape& s = x.shape();
-  auto rd = reduce_dims(s, {*dim}, op);
-  graph::ReduceGeometry g;
-  geometry(s, rd, g);  // a single dim is always adjacent to itself
-  std::vector<graph::NodePtr> inputs;
-  inputs.reserve(expr::leaf_count_v<decltype(expr::operand(x))>);
-  auto k = expr::to_kernel(expr::operand(x), inputs);
-  if constexpr (expr::is_expr_node<X>::value) {
-    if (!flat_child(x, inputs)) return arg_reduce<IsMax>(Tensor<typename X::value_type>(x), dim, keepdim, op);
-  }
-  using K = decltype(k);
-  graph::Device& dev = graph::common_device(inputs, op);
-  return Tensor<std::int64_t>(graph::submit(std::make_shared<graph::ArgReductionNode<K, expr::kernel_lane_t<K>, IsMax>>(
-      std::move(k), reduced_shape(s, rd, keepdim), g, &dev, std::move(inputs), s)));
-}
-}  // namespace detail
-
-/// Index of the largest value (first occurrence), over all elements or along `dim`.
-template <expr::ExprLike X>
-Tensor<std::int64_t> argmax(const X& x, std::optional<std::int64_t> dim = std::nullopt, bool keepdim = false) {
-  return detail::arg_reduce<true>(x, dim, keepdim, "argmax");
-}
-/// Index of the smallest value (first occurrence), over all elements or along `dim`.
-template <expr::ExprLike X>
-Tensor<std::int64_t> argmin(const X& x, std::optional<std::int64_t> dim = std::nullopt, bool keepdim = false) {
-  return detail::arg_reduce<false>(x, dim, keepdim, "argmin");
-}
-
-/// log(sum(exp(x))) over `dims`, computed stably (the max is subtracted first).
-template <expr::ExprLike X>
-auto logsumexp(const X& x, const Dims& dims = {}, bool keepdim = false) {
-  using T = to_floating_t<expr::value_t<X>>;
-  Tensor<T> t = cast<T>(x);
-  // amax has no identity: over an empty slice the result is log(0) = -inf, as in torch.
-  bool empty = false;
-  for (int d : detail::reduce_dims(t.shape(), dims, "logsumexp")) empty = empty || t.shape()[d] == 0;
-  Tensor<T> m = empty ? sum(t, dims, true) : amax(t, dims, true);
-  // An all -inf (or inf) slice would give inf - inf: shift by 0 there instead.
-  // The shift only keeps exp in range; it is a constant for autograd (its terms cancel).
-  Tensor<T> shift = where(abs(m) == std::numeric_limits<float>::infinity(), 0, m.detach());
-  Tensor<T> s = sum(exp(t - shift), dims, true);
-  Tensor<T> r = log(s) + shift;
-  if (keepdim) return r;
-  return reshape(r, detail::reduced_shape(t.shape(), detail::reduce_dims(t.shape(), dims, "logsumexp"), false));
-}
-
-/// p-norm over `dims` (p = 2 by default; p = inf is the max of |x|).
-template <expr::ExprLike X>
-auto norm(const X& x, double p = 2, const Dims& dims = {}, bool keepdim = false) {
-  using T = to_floating_t<expr::value_t<X>>;
-  // bfloat16 computes in float and rounds once (else the sum and 1/p round to bf16 first).
-  using C = compute_t<T>;
-  if (p == 2) return Tensor<T>(cast<T>(sqrt(sum(cast<C>(x) * cast<C>(x), dims, keepdim))));
-  if (p == 1) return Tensor<T>(sum(abs(cast<T>(x)), dims, keepdim));
-  if (std::isinf(p) && p > 0) return Tensor<T>(amax(abs(cast<T>(x)), dims, keepdim));
-  if (p == 0) return Tensor<T>(cast<T>(sum(cast<T>(x) != 0, dims, keepdim)));
-  return Tensor<T>(cast<T>(pow(sum(pow(abs(cast<C>(x)), p), dims, keepdim), 1.0 / p)));
-}
-
-}  // namespace lazy
-
-#if LAZYTENSOR_HEADER_DEFINITIONS
-namespace lazy::detail {
-
-LAZYTENSOR_INLINE DimList reduce_dims(const Shape& s, const std::vector<std::int64_t>& dims, const char* op) {
-  DimList d;
-  if (dims.empty()) {
-    for (int i = 0; i < s.rank(); ++i) d.push_back(i);
-    return d;
-  }
-  for (auto x : dims) {
-    const int n = normalize_dim(x, s.rank(), op);
-    if (std::find(d.begin(), d.end(), n) != d.end()) {
-      throw ShapeError(std::string(op) + ": dim " + std::to_string(n) + " appears multiple times in the list of dims");
-    }
-    d.push_back(n);
-  }
-  std::sort(d.begin(), d.end());
-  if (s.rank() == 0) d.resize(0);
-  return d;
-}
-
-LAZYTENSOR_INLINE Shape reduced_shape(const Shape& s, const DimList& dims, bool keepdim) {
-  Shape out;
-  for (int i = 0; i < s.rank(); ++i) {
-    const bool r = std::find(dims.begin(), dims.end(), i) != dims.end();
-    if (!r) out.push_back(s[i]);
-    else if (keepdim) out.push_back(1);
-  }
-  return out;
-}
-
-LAZYTENSOR_INLINE bool geometry(const Shape& s, const DimList& dims, graph::ReduceGeometry& g) {
-  int lo = -1, hi = -1;
-  for (int d : dims)
-    if (s[d] != 1) {
-      if (lo < 0) lo = d;
-      hi = d;
-    }
-  g = {};
-  if (lo < 0) {  // nothing of size > 1 is reduced
-    g.outer = s.numel();
-    return true;
-  }
-  for (int i = lo; i <= hi; ++i) {
-    const bool r = std::find(dims.begin(), dims.end(), i) != dims.end();
-    if (!r && s[i] != 1) return false;
-  }
-  for (int i = 0; i < s.rank(); ++i) {
-    if (i < lo) g.outer *= s[i];
-    else if (i > hi) g.inner *= s[i];
-    else g.extent *= s[i];
-  }
-  return true;
-}
-
-}  // namespace lazy::detail
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
-// ---- end lazytensor/ops/reduction.hpp ----
 // ---- begin lazytensor/ops/softmax.hpp ----
 // softmax and log_softmax (stable, along one dim) and their derivative rules; the fused row
 // kernels are SoftmaxNode's (graph/softmax_node.hpp).
@@ -17332,689 +18305,6 @@ class ConvWeightGradNode final : public Node {
 
 }  // namespace lazy::graph
 // ---- end lazytensor/graph/im2col.hpp ----
-// ---- begin lazytensor/ops/matmul.hpp ----
-// matmul, linear, bmm, and the GEMM's derivative rule, over GemmNode (graph/matmul_node.hpp):
-// the packed GEMM kernel (graph/gemm_kernel.hpp) for float and double products of at least a
-// register tile, Eigen GEMM on maps of the buffers otherwise. Transposes are layouts (a
-// pending transpose of the last two dims is read through, never copied), and a GEMM that
-// feeds only an element-wise expression runs in row blocks with that expression applied to
-// each block while it is in cache (see ElementwiseNode::fuse_producers).
-
-#include <algorithm>
-#include <cstdint>
-#include <memory>
-#include <string>
-#include <type_traits>
-#include <utility>
-#include <vector>
-
-// ---- begin lazytensor/graph/matmul_node.hpp ----
-// GemmNode, the node behind matmul, linear and bmm: a batch of row-major products, on the
-// packed kernel (graph/gemm_kernel.hpp) for float and double products of at least a register
-// tile and on Eigen otherwise, produced in row blocks so that an element-wise consumer can
-// run on each block while it is in cache (RowProducer, ElementwiseNode::fuse_producers).
-
-#include <algorithm>
-#include <cstdint>
-#include <memory>
-#include <stdexcept>
-#include <string>
-#include <type_traits>
-#include <utility>
-
-#include <Eigen/Core>
-
-// ---- begin lazytensor/graph/gemm_kernel.hpp ----
-// The packed GEMM for float and double: the right-hand side is packed once per product
-// into panels two SIMD registers wide and shared by every row block and thread; each row
-// block packs a few rows of the left-hand side at a time and runs a register-tiled
-// micro-kernel over all panels. Eigen's GEMM (the other dtypes, thin products) re-packs
-// the right-hand side on every call and, on the AVX-512 machine we measure, runs at 60-70%
-// of this kernel's rate (docs/architecture.md, "GEMM").
-//
-// Determinism: every output element is one FMA chain over k in order, split at depth
-// blocks fixed by k alone, so the bits depend on the shapes only (not on row blocks,
-// threads or which tile an element falls in).
-
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
-#include <type_traits>
-#include <vector>
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
-#include <xsimd/xsimd.hpp>
-
-// Full unrolling keeps the accumulator tile in registers at -O2 too.
-#if defined(__clang__)
-#define LAZYTENSOR_UNROLL _Pragma("unroll")
-#elif defined(__GNUC__)
-#define LAZYTENSOR_UNROLL _Pragma("GCC unroll 16")
-#else
-#define LAZYTENSOR_UNROLL
-#endif
-
-namespace lazy::detail {
-
-/// Packed GEMM kernel for T = float or double (see the file comment).
-template <class T>
-struct PackedGemm {
-  using batch = xsimd::batch<T>;
-  static constexpr int kLanes = static_cast<int>(batch::size);
-  /// Rows of the register tile: 8 x 2 accumulators need the 32 registers of AVX-512;
-  /// 16-register instruction sets (SSE2, AVX2) take 4 x 2.
-  static constexpr int kTileRows = XSIMD_WITH_AVX512F ? 8 : 4;
-  /// Columns of the register tile (and of a packed panel): two registers.
-  static constexpr int kTileCols = 2 * kLanes;
-
-  /// True when the shapes suit the kernel: narrower or shorter products waste most of a
-  /// tile on padding and go to Eigen (a decision made from the shapes alone).
-  static bool suits(std::int64_t rows, std::int64_t n) { return n >= kLanes && rows >= kTileRows; }
-
-  /// Depth of one pass over k: short enough that a packed row panel stays in L1.
-  static std::int64_t depth_block(std::int64_t k) { return k <= 1024 ? k : 512; }
-
-  /// Panels of kTileCols columns covering n columns.
-  static std::int64_t panels(std::int64_t n) { return (n + kTileCols - 1) / kTileCols; }
-
-  /// Elements of op(B) packed (k x n, columns padded to whole panels).
-  static std::int64_t packed_size(std::int64_t k, std::int64_t n) {
-    return k * panels(n) * kTileCols;
-  }
-
-  /// Packs panels [p0, p1) of op(B) (k x n; stored k x n, or n x k when `transposed`) into
-  /// `out` (packed_size elements, aligned): panel p holds columns [p*kTileCols, ...) as k
-  /// rows of kTileCols contiguous values, zero past n.
-  static void pack_b(const T* b, bool transposed, std::int64_t k, std::int64_t n, T* out,
-                     std::int64_t p0, std::int64_t p1) {
-    if (!transposed) {
-      // Row by row of B across the range's panels, so each source row is read once, front
-      // to back. Panel by panel, every 128-byte read jumps a whole row ahead, which the
-      // prefetcher follows poorly (256 x 784 from memory: 75 us against 46 us).
-      const std::int64_t full = std::min(p1, n / kTileCols);  // panels without padding
-      for (std::int64_t kk = 0; kk < k; ++kk) {
-        const T* src = b + kk * n;
-        for (std::int64_t p = p0; p < full; ++p) {
-          T* row = out + (p * k + kk) * kTileCols;
-          batch::load_unaligned(src + p * kTileCols).store_aligned(row);
-          batch::load_unaligned(src + p * kTileCols + kLanes).store_aligned(row + kLanes);
-        }
-        for (std::int64_t p = std::max(p0, full); p < p1; ++p) {
-          const std::int64_t cols = std::min<std::int64_t>(kTileCols, n - p * kTileCols);
-          T* row = out + (p * k + kk) * kTileCols;
-          for (std::int64_t j = 0; j < kTileCols; ++j)
-            row[j] = j < cols ? src[p * kTileCols + j] : T(0);
-        }
-      }
-      return;
-    }
-    for (std::int64_t p = p0; p < p1; ++p) {
-      const std::int64_t j0 = p * kTileCols, cols = std::min<std::int64_t>(kTileCols, n - j0);
-      T* dst = out + p * k * kTileCols;
-      // Stored [n, k]: 16 k-values of each column at a time, so each source line is read
-      // once while the destination rows are still in cache (16 x 16 register transposes
-      // where available).
-      for (std::int64_t k0 = 0; k0 < k; k0 += 16) {
-        const std::int64_t k1 = std::min<std::int64_t>(k, k0 + 16);
-        if (transpose_16x16(b + j0 * k + k0, k, dst + k0 * kTileCols, cols, k1 - k0)) continue;
-        for (std::int64_t j = 0; j < kTileCols; ++j) {
-          if (j < cols) {
-            const T* src = b + (j0 + j) * k;
-            for (std::int64_t kk = k0; kk < k1; ++kk) dst[kk * kTileCols + j] = src[kk];
-          } else {
-            for (std::int64_t kk = k0; kk < k1; ++kk) dst[kk * kTileCols + j] = T(0);
-          }
-        }
-      }
-    }
-  }
-
-  /// Rows [r0, r0 + rows) of op(A) * op(B) into c (row-major, n columns, already offset
-  /// to row r0). op(A) is m x k, stored m x k or, when `a_transposed`, k x m. `packed_b`
-  /// comes from pack_b.
-  static void multiply(const T* a, bool a_transposed, std::int64_t m, std::int64_t k,
-                       std::int64_t n, const T* packed_b, T* c, std::int64_t r0,
-                       std::int64_t rows) {
-    const std::int64_t kc = depth_block(k), np = panels(n);
-    const std::int64_t tiles = (rows + kTileRows - 1) / kTileRows;
-    alignas(64) T tile[kTileRows * kTileCols] = {};
-    thread_local std::vector<T, xsimd::aligned_allocator<T, 64>> packed_a;
-    if (static_cast<std::int64_t>(packed_a.size()) < tiles * kTileRows * kc)
-      packed_a.resize(tiles * kTileRows * kc);
-    for (std::int64_t k0 = 0; k0 < k; k0 += kc) {
-      const std::int64_t kb = std::min(kc, k - k0);
-      const bool accumulate = k0 > 0;
-      // All rows of the block packed first; then each panel of op(B) (k x 2 registers) is
-      // loaded into L2 once and used by every tile of rows, instead of all of op(B) once
-      // per tile.
-      for (std::int64_t t = 0; t < tiles; ++t)
-        pack_a(a, a_transposed, m, k, r0 + t * kTileRows,
-               std::min<std::int64_t>(kTileRows, rows - t * kTileRows), k0, kb,
-               packed_a.data() + t * kTileRows * kb);
-      for (std::int64_t p = 0; p < np; ++p) {
-        const std::int64_t j0 = p * kTileCols, tc = std::min<std::int64_t>(kTileCols, n - j0);
-        const T* bp = packed_b + p * k * kTileCols + k0 * kTileCols;
-        for (std::int64_t t = 0; t < tiles; ++t) {
-          const std::int64_t i0 = t * kTileRows, tr = std::min<std::int64_t>(kTileRows, rows - i0);
-          const T* ap = packed_a.data() + t * kTileRows * kb;
-          T* cp = c + i0 * n + j0;
-          if (tr == kTileRows && tc == kTileCols) {
-            micro(ap, bp, kb, cp, n, accumulate);
-            continue;
-          }
-          // An edge tile runs the same arithmetic on a full tile in registers' image.
-          if (accumulate)
-            for (std::int64_t i = 0; i < tr; ++i) std::copy_n(cp + i * n, tc, tile + i * kTileCols);
-          micro(ap, bp, kb, tile, kTileCols, accumulate);
-          for (std::int64_t i = 0; i < tr; ++i) std::copy_n(tile + i * kTileCols, tc, cp + i * n);
-        }
-      }
-    }
-  }
-
- private:
-  // dst[kk * kTileCols + j] = src[j * ld + kk] for a whole panel (cols == kTileCols = 32)
-  // and 16 k-values, with AVX-512 float registers; false (nothing written) otherwise.
-  static bool transpose_16x16([[maybe_unused]] const T* src, [[maybe_unused]] std::int64_t ld,
-                              [[maybe_unused]] T* dst, std::int64_t cols, std::int64_t depth) {
-#if defined(__AVX512F__)
-    if constexpr (std::is_same_v<T, float> && kTileCols == 32) {
-      if (cols != kTileCols || depth != 16) return false;
-      for (int half = 0; half < 2; ++half) {
-        __m512 r[16], t[16];
-        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + (half * 16 + i) * ld);
-        // Pairs of rows interleaved, then pairs of pairs: lane L of u[4i + q] then holds
-        // column 4L + q of rows 4i .. 4i + 3.
-        for (int i = 0; i < 8; ++i) {
-          t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-          t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-        }
-        auto pd = [](__m512 x) { return _mm512_castps_pd(x); };
-        for (int i = 0; i < 4; ++i) {
-          r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
-          r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
-          r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
-          r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
-        }
-        // Gather lane L of the four row groups into output row 4L + q.
-        for (int q = 0; q < 4; ++q) {
-          const __m512 v0 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0x88),
-                       w0 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0xDD);
-          const __m512 v1 = _mm512_shuffle_f32x4(r[8 + q], r[12 + q], 0x88),
-                       w1 = _mm512_shuffle_f32x4(r[8 + q], r[12 + q], 0xDD);
-          _mm512_store_ps(dst + (0 + q) * kTileCols + half * 16,
-                          _mm512_shuffle_f32x4(v0, v1, 0x88));
-          _mm512_store_ps(dst + (8 + q) * kTileCols + half * 16,
-                          _mm512_shuffle_f32x4(v0, v1, 0xDD));
-          _mm512_store_ps(dst + (4 + q) * kTileCols + half * 16,
-                          _mm512_shuffle_f32x4(w0, w1, 0x88));
-          _mm512_store_ps(dst + (12 + q) * kTileCols + half * 16,
-                          _mm512_shuffle_f32x4(w0, w1, 0xDD));
-        }
-      }
-      return true;
-    }
-#endif
-    (void)cols;
-    (void)depth;
-    return false;
-  }
-
-  // out[kk * 8 + i] = src[i * ld + kk] for 8 rows and the first multiple of 8 of `depth`
-  // k-values, by 8 x 8 register transposes where float AVX registers exist (the tile of
-  // AVX-512 has 8 rows). Returns how many k-values it packed (0: none).
-  static std::int64_t transpose_rows_8([[maybe_unused]] const T* src,
-                                       [[maybe_unused]] std::int64_t ld,
-                                       [[maybe_unused]] std::int64_t depth,
-                                       [[maybe_unused]] T* out) {
-#if defined(__AVX512F__)
-    if constexpr (std::is_same_v<T, float> && kTileRows == 8) {
-      const std::int64_t whole = depth / 8 * 8;
-      for (std::int64_t kk = 0; kk < whole; kk += 8) {
-        __m256 r[8], t[8];
-        for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ld + kk);
-        // Interleave pairs of rows, then pairs of pairs: r[c] then holds k-value c of rows
-        // 0-3 in its low half and k-value c + 4 in its high half (rows 4-7 in r[c + 4]).
-        for (int i = 0; i < 4; ++i) {
-          t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-          t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-        }
-        for (int h = 0; h < 2; ++h) {
-          r[4 * h + 0] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0x44);
-          r[4 * h + 1] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0xEE);
-          r[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0x44);
-          r[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0xEE);
-        }
-        for (int c = 0; c < 4; ++c) {
-          _mm256_store_ps(out + (kk + c) * 8, _mm256_permute2f128_ps(r[c], r[4 + c], 0x20));
-          _mm256_store_ps(out + (kk + c + 4) * 8, _mm256_permute2f128_ps(r[c], r[4 + c], 0x31));
-        }
-      }
-      return whole;
-    }
-#endif
-    return 0;
-  }
-
-  // Rows [row, row + tr) and depth [k0, k0 + kb) of op(A), k-major in tiles of kTileRows
-  // (zero past tr).
-  static void pack_a(const T* a, bool transposed, std::int64_t m, std::int64_t k, std::int64_t row,
-                     std::int64_t tr, std::int64_t k0, std::int64_t kb, T* out) {
-    if (transposed) {
-      for (std::int64_t kk = 0; kk < kb; ++kk) {
-        const T* src = a + (k0 + kk) * m + row;
-        T* dst = out + kk * kTileRows;
-        // A fixed-length copy: one vector move, not a library call (an element loop
-        // compiles to kTileRows scalar moves, src and dst may alias as far as GCC knows).
-        if (tr == kTileRows) {
-          std::memcpy(dst, src, sizeof(T) * kTileRows);
-        } else {
-          for (int i = 0; i < kTileRows; ++i) dst[i] = i < tr ? src[i] : T(0);
-        }
-      }
-      return;
-    }
-    std::int64_t done = 0;
-    if (tr == kTileRows) done = transpose_rows_8(a + row * k + k0, k, kb, out);
-    for (std::int64_t i = 0; i < kTileRows; ++i) {
-      if (i < tr) {
-        const T* src = a + (row + i) * k + k0;
-        for (std::int64_t kk = done; kk < kb; ++kk) out[kk * kTileRows + i] = src[kk];
-      } else {
-        for (std::int64_t kk = 0; kk < kb; ++kk) out[kk * kTileRows + i] = T(0);
-      }
-    }
-  }
-
-  // One kTileRows x kTileCols tile: c (row stride ldc) = [c +] ap * bp over kb.
-  static void micro(const T* __restrict ap, const T* __restrict bp, std::int64_t kb, T* c,
-                    std::int64_t ldc, bool accumulate) {
-    batch acc[kTileRows][2];
-    LAZYTENSOR_UNROLL
-    for (int i = 0; i < kTileRows; ++i) {
-      if (accumulate) {
-        acc[i][0] = batch::load_unaligned(c + i * ldc);
-        acc[i][1] = batch::load_unaligned(c + i * ldc + kLanes);
-      } else {
-        acc[i][0] = batch(T(0));
-        acc[i][1] = batch(T(0));
-      }
-    }
-    for (std::int64_t kk = 0; kk < kb; ++kk) {
-      const batch b0 = batch::load_aligned(bp + kk * kTileCols);
-      const batch b1 = batch::load_aligned(bp + kk * kTileCols + kLanes);
-      LAZYTENSOR_UNROLL
-      for (int i = 0; i < kTileRows; ++i) {
-        const batch av(ap[kk * kTileRows + i]);
-        acc[i][0] = xsimd::fma(av, b0, acc[i][0]);
-        acc[i][1] = xsimd::fma(av, b1, acc[i][1]);
-      }
-    }
-    LAZYTENSOR_UNROLL
-    for (int i = 0; i < kTileRows; ++i) {
-      acc[i][0].store_unaligned(c + i * ldc);
-      acc[i][1].store_unaligned(c + i * ldc + kLanes);
-    }
-  }
-};
-
-}  // namespace lazy::detail
-
-#undef LAZYTENSOR_UNROLL
-// ---- end lazytensor/graph/gemm_kernel.hpp ----
-
-namespace lazy::graph {
-
-/// C[b] = op(A[b]) * op(B[b]) for a batch of row-major matrices; op is identity or
-/// transpose. A batch count of 1 on either side broadcasts.
-template <Element T>
-class GemmNode final : public Node, public RowProducer {
- public:
-  struct Operand {
-    NodePtr node;
-    bool transposed;  ///< the node holds [.., cols, rows] and is read transposed
-  };
-
-  GemmNode(Operand a, Operand b, std::int64_t batch_a, std::int64_t batch_b, std::int64_t m, std::int64_t k,
-           std::int64_t n, Shape out_shape, Device* device)
-      : Node(NodeKind::Gemm, dtype_of<T>(), out_shape, device, {a.node, b.node}), ta_(a.transposed),
-        tb_(b.transposed), batch_a_(batch_a), batch_b_(batch_b), m_(m), k_(k), n_(n) {}
-
-  std::string op_name() const override { return "matmul"; }
-  std::string describe() const override {
-    return std::string("matmul(%0") + (ta_ ? "^T" : "") + ", %1" + (tb_ ? "^T" : "") + ") [" + std::to_string(m_) +
-           "x" + std::to_string(k_) + "] x [" + std::to_string(k_) + "x" + std::to_string(n_) + "]";
-  }
-  double cost_per_element() const override { return 2.0 * static_cast<double>(k_); }
-  std::uint64_t structural_hash() const override {
-    return hash_combine(Node::structural_hash(), (ta_ ? 1u : 0u) | (tb_ ? 2u : 0u));
-  }
-
-  /// Rows per block. Eigen's blocking (and so the order of its k-sums) depends on the rows
-  /// of a call, so blocks are fixed by the shapes alone; each Eigen call re-packs the
-  /// right-hand side, so its blocks are as tall as the epilogue's cache allows (128 rows).
-  /// The packed kernel's sums do not depend on the blocks and it packs the right-hand side
-  /// once, so its blocks are shorter (64 rows: even splits of common batches over threads).
-  /// A small product is one block.
-  std::int64_t row_block() const override {
-    const std::int64_t rows = m_ * std::max(batch_a_, batch_b_);
-    if (rows * n_ * k_ <= (std::int64_t(1) << 16)) return std::max<std::int64_t>(rows, 1);
-    return packed() ? 64 : 128;
-  }
-
-  /// Packs the right-hand side of every batch for the packed kernel (nothing for Eigen).
-  void begin_rows(ExecContext& ctx) override {
-    if (!packed()) return;
-    if constexpr (kHasPackedKernel) {
-      const std::int64_t size = Kernel::packed_size(k_, n_);
-      const std::int64_t panels = Kernel::panels(n_), jobs = batch_b_ * panels;
-      packed_b_ = ctx.device.pool().acquire(padded_bytes(batch_b_ * size, sizeof(T)));
-      T* out = static_cast<T*>(packed_b_->data());
-      const T* b = inputs()[1]->template data<T>();
-      auto& pool = ctx.device.threads();
-      const std::int64_t tasks = std::min(jobs, task_count(pool, batch_b_ * k_ * n_, 1.0));
-      pool.parallel_for(tasks, [&](std::int64_t t) {
-        auto [q0, q1] = task_range(jobs, tasks, t);
-        // One call per batch the task's panels fall in (pack_b reads rows across them).
-        for (std::int64_t q = q0; q < q1;) {
-          const std::int64_t bi = q / panels, p = q % panels, count = std::min(q1 - q, panels - p);
-          Kernel::pack_b(b + bi * k_ * n_, tb_, k_, n_, out + bi * size, p, p + count);
-          q += count;
-        }
-      });
-    }
-  }
-  void end_rows() override { packed_b_.reset(); }
-
-  void produce_rows(void* out, std::int64_t r0, std::int64_t r1) override {
-    T* c = static_cast<T*>(out);
-    const T* a = inputs()[0]->template data<T>();
-    const T* b = inputs()[1]->template data<T>();
-    const std::int64_t block = row_block();
-    const bool use_packed = packed();
-    if (use_packed && !packed_b_)
-      throw std::logic_error("matmul: rows produced outside begin_rows/end_rows");
-    // Rows of the output run over (batch, m); a range may span several batches. Calls are
-    // cut at block boundaries and batch ends only (see row_block).
-    while (r0 < r1) {
-      const std::int64_t bi = r0 / m_, row = r0 % m_;
-      const std::int64_t rows = std::min({r1 - r0, m_ - row, (r0 / block + 1) * block - r0});
-      const T* ab = a + (batch_a_ == 1 ? 0 : bi) * m_ * k_;
-      if constexpr (kHasPackedKernel) {
-        if (use_packed) {
-          const T* pb = static_cast<const T*>(packed_b_->data()) +
-                        (batch_b_ == 1 ? 0 : bi) * Kernel::packed_size(k_, n_);
-          Kernel::multiply(ab, ta_, m_, k_, n_, pb, c + r0 * n_, row, rows);
-          r0 += rows;
-          continue;
-        }
-      }
-      gemm_block(ab, b + (batch_b_ == 1 ? 0 : bi) * k_ * n_, c + r0 * n_, row, rows);
-      r0 += rows;
-    }
-  }
-
- protected:
-  void compute(ExecContext& ctx) override {
-    auto buf = allocate_output(ctx, false);
-    auto& pool = ctx.device.threads();
-    const std::int64_t rows = m_ * std::max(batch_a_, batch_b_);
-    if (n_ == 0 || rows == 0) {
-      set_buffer(std::move(buf));
-      return;
-    }
-    if (k_ == 0) {
-      std::fill_n(static_cast<T*>(buf->data()), rows * n_, T(0));
-      set_buffer(std::move(buf));
-      return;
-    }
-    // Whole blocks per task (row_block): the same GEMM calls whatever the thread count.
-    const std::int64_t block = row_block(), blocks = (rows + block - 1) / block;
-    const std::int64_t tasks =
-        std::max<std::int64_t>(1, std::min<std::int64_t>(task_count(pool, rows * n_, cost_per_element()), blocks));
-    void* out = buf->data();
-    {
-      RowProducer::Session session(*this, ctx);
-      pool.parallel_for(tasks, [&](std::int64_t t) {
-        auto [b0, b1] = task_range(blocks, tasks, t);
-        produce_rows(out, b0 * block, std::min(rows, b1 * block));
-      });
-    }
-    set_buffer(std::move(buf));
-  }
-
- private:
-  static constexpr bool kHasPackedKernel = std::is_same_v<T, float> || std::is_same_v<T, double>;
-  using Kernel = lazy::detail::PackedGemm<std::conditional_t<kHasPackedKernel, T, float>>;
-
-  /// True when this product runs on the packed kernel (decided by dtype and shapes only).
-  bool packed() const {
-    if constexpr (kHasPackedKernel)
-      return k_ > 0 && Kernel::suits(m_ * std::max(batch_a_, batch_b_), n_);
-    else
-      return false;
-  }
-
-  using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  using CMap = Eigen::Map<const Mat>;
-
-  // Rows [row, row + rows) of op(A) * op(B) for one batch, into c (already offset).
-  void gemm_block(const T* a, const T* b, T* c, std::int64_t row, std::int64_t rows) const {
-    Eigen::Map<Mat> C(c, rows, n_);
-    if (k_ == 0) {
-      C.setZero();
-      return;
-    }
-    auto run = [&](const auto& A) {
-      if (tb_) C.noalias() = A * CMap(b, n_, k_).transpose();
-      else C.noalias() = A * CMap(b, k_, n_);
-    };
-    if (ta_) run(CMap(a, k_, m_).middleCols(row, rows).transpose());
-    else run(CMap(a, m_, k_).middleRows(row, rows));
-  }
-
-  bool ta_, tb_;
-  std::int64_t batch_a_, batch_b_, m_, k_, n_;
-  std::shared_ptr<Buffer> packed_b_;  ///< op(B) packed, between begin_rows and end_rows
-};
-
-}  // namespace lazy::graph
-// ---- end lazytensor/graph/matmul_node.hpp ----
-
-namespace lazy {
-
-namespace detail {
-
-/// The operand as a GEMM reads it: through a pending transpose when there is one.
-template <Element T>
-typename graph::GemmNode<T>::Operand gemm_operand(const Tensor<T>& t) {
-  const auto& n = t.node();
-  if (n->pending()) {
-    // Only a 2-D source: batched GEMMs may stack batch rows, which a transposed read breaks.
-    if (auto* tr = dynamic_cast<graph::TransposeOfLastTwo*>(n.get()); tr && tr->transpose_source()->shape().rank() == 2)
-      return {tr->transpose_source(), true};
-  }
-  return {n, false};
-}
-
-template <Element T>
-Tensor<T> gemm(const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std::int64_t batch_b,
-               std::int64_t m, std::int64_t k, std::int64_t n, const Shape& out);
-
-/// Backward of C[b] = A[b] B[b] with A viewed as [batch_a, m, k], B as [batch_b, k, n] (a
-/// batch of 1 broadcasts): dA = dC B^T, dB = A^T dC, summed over broadcast batches. When a
-/// side is shared by every batch, the batches are stacked into one GEMM instead.
-/// `b_transposed`: B is the transpose of a stored [n, k] matrix (linear's weight), so dB is
-/// computed as dB^T = dC^T A in that matrix's layout; the transpose's own backward then
-/// folds away (transpose of a transpose) instead of copying the gradient.
-template <Element T>
-void record_gemm(Tensor<T>& c, const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a,
-                 std::int64_t batch_b, std::int64_t m, std::int64_t k, std::int64_t n,
-                 bool b_transposed) {
-  auto ea = autograd::edge_of(a.impl()), eb = autograd::edge_of(b.impl());
-  if (!ea && !eb) return;
-  autograd::record(c, "MmBackward0", {ea, eb},
-                   [a = a.detach(), b = b.detach(), batch_a, batch_b, m, k, n,
-                    need_a = ea != nullptr, need_b = eb != nullptr,
-                    b_transposed](const Tensor<T>& g) {
-                     const std::int64_t B = std::max(batch_a, batch_b);
-                     std::vector<graph::NodePtr> grads(2);
-                     if (need_a) {
-                       // dA[b] = dC[b] B[b]^T: [B*m, n] x [n, k] stacked when B is shared.
-                       Tensor<T> da = batch_b == 1 ? gemm(g, transpose(reshape(b, Shape{k, n}), 0, 1), 1, 1, B * m, n, k, Shape{B, m, k})
-                                                   : gemm(g, transpose(reshape(b, Shape{B, k, n}), 1, 2), B, B, m, n, k, Shape{B, m, k});
-                       if (batch_a == 1 && B > 1) da = sum(da, {0});
-                       grads[0] = reshape(da, a.shape()).node();
-                     }
-                     if (need_b) {
-                       Tensor<T> db;
-                       if (batch_b == 1 && b_transposed) {  // dB^T = dC^T A over the stacked rows
-                         db = transpose(
-                             gemm(transpose(reshape(g, Shape{B * m, n}), 0, 1),
-                                  reshape(a, Shape{B * m, k}), 1, 1, n, B * m, k, Shape{n, k}),
-                             0, 1);
-                       } else if (batch_a == 1) {  // A shared: dB[b] = A^T dC[b]
-                         db = gemm(transpose(reshape(a, Shape{m, k}), 0, 1), g, 1, B, k, m, n, Shape{B, k, n});
-                       } else if (batch_b == 1) {  // B shared: one GEMM over the stacked batches
-                         db = gemm(transpose(reshape(a, Shape{B * m, k}), 0, 1), reshape(g, Shape{B * m, n}), 1, 1, k,
-                                   B * m, n, Shape{k, n});
-                       } else {
-                         db = gemm(transpose(reshape(a, Shape{B, m, k}), 1, 2), g, B, B, k, m, n, Shape{B, k, n});
-                       }
-                       if (batch_b == 1 && B > 1 && batch_a == 1) db = sum(db, {0});
-                       grads[1] = reshape(db, b.shape()).node();
-                     }
-                     return grads;
-                   });
-}
-
-template <Element T>
-Tensor<T> gemm(const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std::int64_t batch_b,
-               std::int64_t m, std::int64_t k, std::int64_t n, const Shape& out) {
-  auto oa = gemm_operand(a), ob = gemm_operand(b);
-  graph::Device& dev = graph::common_device({oa.node, ob.node}, "matmul");
-  Tensor<T> c(graph::submit(std::make_shared<graph::GemmNode<T>>(oa, ob, batch_a, batch_b, m, k, n, out, &dev)));
-  if constexpr (is_floating_v<T>) {
-    if (autograd::is_grad_enabled()) record_gemm(c, a, b, batch_a, batch_b, m, k, n, ob.transposed);
-  }
-  return c;
-}
-
-[[noreturn]] void matmul_mismatch(const Shape& a, const Shape& b, std::int64_t ka, std::int64_t kb);
-
-}  // namespace detail
-
-/// Matrix product with torch.matmul's rules: 1-D x 1-D is a dot product, 2-D x 2-D a matrix
-/// product, 1-D operands gain and lose a dimension, and leading (batch) dims broadcast.
-template <Element T>
-Tensor<T> matmul(const Tensor<T>& a, const Tensor<T>& b) {
-  if constexpr (!std::is_same_v<T, float> && !std::is_same_v<T, double> && !std::is_same_v<T, std::int32_t> &&
-                !std::is_same_v<T, std::int64_t>) {
-    throw DTypeError("matmul: expected float, double, int32 or int64 operands, got " + dtype_name(dtype_of<T>()));
-  } else {
-    const Shape& sa = a.shape();
-    const Shape& sb = b.shape();
-    if (sa.rank() == 0 || sb.rank() == 0) {
-      throw ShapeError("matmul: both arguments need at least 1 dimension, got " + sa.str() + " and " + sb.str());
-    }
-    if (sa.rank() == 1 && sb.rank() == 1) {
-      if (sa[0] != sb[0]) detail::matmul_mismatch(sa, sb, sa[0], sb[0]);
-      return detail::gemm(reshape(a, Shape{1, sa[0]}), reshape(b, Shape{sb[0], 1}), 1, 1, 1, sa[0], 1, Shape{});
-    }
-    if (sb.rank() == 1) {  // [.., m, k] x [k]
-      const std::int64_t k = sa[sa.rank() - 1];
-      if (k != sb[0]) detail::matmul_mismatch(sa, sb, k, sb[0]);
-      Shape out;
-      for (int i = 0; i + 1 < sa.rank(); ++i) out.push_back(sa[i]);
-      const std::int64_t m = k ? a.numel() / k : out.numel();
-      return detail::gemm(reshape(a, Shape{m, k}), reshape(b, Shape{k, 1}), 1, 1, m, k, 1, out);
-    }
-    if (sa.rank() == 1) {  // [k] x [.., k, n]
-      const std::int64_t k = sb[sb.rank() - 2], n = sb[sb.rank() - 1];
-      if (k != sa[0]) detail::matmul_mismatch(sa, sb, sa[0], k);
-      Shape out;
-      for (int i = 0; i + 2 < sb.rank(); ++i) out.push_back(sb[i]);
-      out.push_back(n);
-      std::int64_t batch = 1;  // not numel / (k * n): k or n may be 0
-      for (int i = 0; i + 2 < sb.rank(); ++i) batch *= sb[i];
-      return detail::gemm(reshape(a, Shape{1, k}), b, 1, batch, 1, k, n, out);
-    }
-    const std::int64_t m = sa[sa.rank() - 2], k = sa[sa.rank() - 1];
-    const std::int64_t kb = sb[sb.rank() - 2], n = sb[sb.rank() - 1];
-    if (k != kb) detail::matmul_mismatch(sa, sb, k, kb);
-    Shape ba, bb;
-    for (int i = 0; i + 2 < sa.rank(); ++i) ba.push_back(sa[i]);
-    for (int i = 0; i + 2 < sb.rank(); ++i) bb.push_back(sb[i]);
-    const Shape batch = broadcast_shapes(ba, bb, "matmul");
-    Shape out = batch;
-    out.push_back(m);
-    out.push_back(n);
-    if (bb.numel() == 1 && sb.rank() == 2) {
-      // [.., m, k] x [k, n]: one GEMM with all batch rows stacked (m' = batch * m).
-      return detail::gemm(a, b, 1, 1, ba.numel() * m, k, n, out);
-    }
-    Shape fa = batch, fb = batch;
-    fa.push_back(m);
-    fa.push_back(k);
-    fb.push_back(k);
-    fb.push_back(n);
-    Tensor<T> ea = (ba == batch) ? a : expand(a, fa);
-    Tensor<T> eb = (bb == batch) ? b : expand(b, fb);
-    return detail::gemm(ea, eb, batch.numel(), batch.numel(), m, k, n, out);
-  }
-}
-
-/// Batched matrix product of [b, m, k] and [b, k, n] (no broadcasting, as torch.bmm).
-template <Element T>
-Tensor<T> bmm(const Tensor<T>& a, const Tensor<T>& b) {
-  if (a.dim() != 3 || b.dim() != 3 || a.size(0) != b.size(0)) {
-    throw ShapeError("bmm: expected 3-D tensors with equal batch sizes, got " + a.shape().str() + " and " +
-                     b.shape().str());
-  }
-  return matmul(a, b);
-}
-
-/// x @ w^T (torch.nn.functional.linear without bias); w is [out_features, in_features].
-template <Element T>
-Tensor<T> linear(const Tensor<T>& x, const Tensor<T>& w) {
-  if (w.dim() != 2 || x.dim() < 1 || x.size(-1) != w.size(1)) {
-    throw ShapeError("linear: expected input [..., " + std::to_string(w.dim() == 2 ? w.size(1) : -1) +
-                     "] and weight [out_features, in_features], got input " + x.shape().str() + " and weight " +
-                     w.shape().str());
-  }
-  return matmul(x, transpose(w, 0, 1));
-}
-
-/// x @ w^T + b. Returns an expression (as `a + b` does), so a following element-wise op
-/// such as relu joins the bias in one epilogue that runs on the GEMM's row blocks.
-/// (The return type is spelled out so that naming a call does not compile the GEMM: a
-/// deduced type would instantiate this body wherever a call is merely written.)
-template <Element T>
-auto linear(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& b)
-    -> decltype(std::declval<const Tensor<T>&>() + std::declval<const Tensor<T>&>()) {
-  if (b.dim() != 1 || b.size(0) != w.size(0)) {
-    throw ShapeError("linear: expected bias of shape (" + std::to_string(w.size(0)) + ",), got " + b.shape().str());
-  }
-  return linear(x, w) + b;
-}
-
-}  // namespace lazy
-
-#if LAZYTENSOR_HEADER_DEFINITIONS
-namespace lazy::detail {
-
-LAZYTENSOR_INLINE void matmul_mismatch(const Shape& a, const Shape& b, std::int64_t ka, std::int64_t kb) {
-  throw ShapeError("matmul: mat1 and mat2 shapes cannot be multiplied (" + a.str() + " and " + b.str() +
-                   "): expected the contracted sizes to match, found " + std::to_string(ka) + " and " +
-                   std::to_string(kb));
-}
-
-}  // namespace lazy::detail
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
-// ---- end lazytensor/ops/matmul.hpp ----
 // ---- begin lazytensor/ops/window.hpp ----
 // Argument checks shared by convolution and pooling: an NCHW input, positive strides and
 // dilations, and the validated geometry (graph::Window2d) of a kernel over the input's
@@ -19587,139 +19877,4 @@ LAZYTENSOR_INLINE SGDOptions SGDOptions::from_map(const std::map<std::string, st
 }  // namespace lazy::optim
 // ---- end lazytensor/optim/sgd.hpp ----
 // ---- end lazytensor/optim.hpp ----
-// ---- begin lazytensor/tensor.hpp ----
-// lazytensor's core module: what a program that computes with tensors includes.
-//
-//   Tensor<T> and Device, element-wise expressions (operators and functions), factories
-//   (zeros/ones/full/from_vector/arange/..., randn/rand/randint/...), reductions, matmul and
-//   linear, mark_step/sync and the other step controls, and the metrics report.
-//
-// Shape ops, softmax, convolution and pooling are in <lazytensor/ops/...>; the frontend
-// modules (nn, optim, data, io, dist) have one header each; <lazytensor/lazytensor.hpp>
-// includes everything, <lazytensor/fwd.hpp> only declares.
-
-// ---- begin lazytensor/debug/metrics.hpp ----
-// Counters and metrics, named like PyTorch/XLA's (torch_xla.debug.metrics).
-//
-// Steps run asynchronously; every function here first waits for the steps issued on the
-// calling thread's device, so that what it reports includes everything issued so far
-// (other devices are not waited for: a replica must not wait on another's collectives).
-
-#include <cstdint>
-#include <iomanip>
-#include <optional>
-#include <sstream>
-#include <string>
-#include <vector>
-
-
-namespace lazy::debug {
-
-namespace detail {
-/// Waits for the steps in flight on the current device (see the file comment).
-inline void settle() { graph::current_device().wait_idle(); }
-}  // namespace detail
-
-/// Value of counter `name` (0 when it never fired), as met.counter_value.
-std::int64_t counter_value(const std::string& name);
-
-/// Summary of metric `name` (count, total, min, max in ns), if it was ever recorded.
-std::optional<core::MetricData> metric_data(const std::string& name);
-
-/// Names of the counters that fired.
-std::vector<std::string> counter_names();
-
-/// Resets every counter and metric to zero.
-void clear_metrics();
-
-namespace detail {
-std::string fmt_ns(double ns);
-}  // namespace detail
-
-/// Every metric and counter, plus the buffer pool of device 0, in PyTorch/XLA's format.
-std::string metrics_report();
-
-/// One line: steps, syncs, kernels, time executing and bytes allocated.
-std::string short_metrics_report();
-
-#if LAZYTENSOR_HEADER_DEFINITIONS
-LAZYTENSOR_INLINE std::int64_t counter_value(const std::string& name) {
-  detail::settle();
-  std::int64_t v = 0;
-  core::Registry::get().for_each([&](const std::string& n, const core::Counter* c, const core::Metric*) {
-    if (c && n == name) v = c->value.load();
-  });
-  return v;
-}
-
-LAZYTENSOR_INLINE std::optional<core::MetricData> metric_data(const std::string& name) {
-  detail::settle();
-  std::optional<core::MetricData> r;
-  core::Registry::get().for_each([&](const std::string& n, const core::Counter*, const core::Metric* m) {
-    if (m && n == name && m->data().count) r = m->data();
-  });
-  return r;
-}
-
-LAZYTENSOR_INLINE std::vector<std::string> counter_names() {
-  detail::settle();
-  std::vector<std::string> names;
-  core::Registry::get().for_each([&](const std::string& n, const core::Counter* c, const core::Metric*) {
-    if (c && c->value.load()) names.push_back(n);
-  });
-  return names;
-}
-
-LAZYTENSOR_INLINE void clear_metrics() {
-  detail::settle();
-  core::Registry::get().reset();
-}
-
-namespace detail {
-LAZYTENSOR_INLINE std::string fmt_ns(double ns) {
-  std::ostringstream os;
-  os << std::fixed << std::setprecision(3);
-  if (ns >= 1e9) os << ns / 1e9 << "s";
-  else if (ns >= 1e6) os << ns / 1e6 << "ms";
-  else if (ns >= 1e3) os << ns / 1e3 << "us";
-  else os << ns << "ns";
-  return os.str();
-}
-}  // namespace detail
-
-LAZYTENSOR_INLINE std::string metrics_report() {
-  detail::settle();
-  std::ostringstream os;
-  core::Registry::get().for_each([&](const std::string& n, const core::Counter*, const core::Metric* m) {
-    if (!m) return;
-    auto d = m->data();
-    if (!d.count) return;
-    os << "Metric: " << n << "\n  TotalSamples: " << d.count << "\n  Accumulator: " << detail::fmt_ns(d.total_ns)
-       << "\n  Mean: " << detail::fmt_ns(d.total_ns / static_cast<double>(d.count))
-       << "\n  Min: " << detail::fmt_ns(d.min_ns) << "\n  Max: " << detail::fmt_ns(d.max_ns) << "\n";
-  });
-  core::Registry::get().for_each([&](const std::string& n, const core::Counter* c, const core::Metric*) {
-    if (c && c->value.load()) os << "Counter: " << n << "\n  Value: " << c->value.load() << "\n";
-  });
-  auto ps = graph::current_device().pool().stats();
-  os << "Counter: BytesAllocated\n  Value: " << ps.fresh_bytes << "\n";
-  os << "Counter: FreshAllocations\n  Value: " << ps.fresh_allocations << "\n";
-  os << "Counter: PoolReuses\n  Value: " << ps.reuses << "\n";
-  return os.str();
-}
-
-LAZYTENSOR_INLINE std::string short_metrics_report() {
-  std::ostringstream os;
-  auto exec = metric_data("ExecuteTime");
-  os << "MarkStep=" << counter_value("MarkStep") << " ImplicitSync=" << counter_value("ImplicitSync")
-     << " KernelsRun=" << counter_value("KernelsRun")
-     << " ExecuteTime=" << detail::fmt_ns(exec ? exec->total_ns : 0)
-     << " BytesAllocated=" << graph::current_device().pool().stats().fresh_bytes;
-  return os.str();
-}
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
-
-}  // namespace lazy::debug
-// ---- end lazytensor/debug/metrics.hpp ----
-// ---- end lazytensor/tensor.hpp ----
 // ---- end lazytensor/lazytensor.hpp ----

@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <lazytensor/tensor.hpp>
+#include <lazytensor/eigen.hpp>
 #include <lazytensor/ops/factories.hpp>
 
 namespace {

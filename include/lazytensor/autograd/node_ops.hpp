@@ -190,3 +190,20 @@ LAZYTENSOR_INLINE graph::NodePtr sum_to_shape(const graph::NodePtr& g, const Sha
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::autograd
+
+// Per-dtype templates the compiled runtime instantiates once (core/config.hpp).
+#define LAZYTENSOR_NODE_OPS_INSTANCES(P, T)                                                                     \
+  P template lazy::graph::NodePtr lazy::autograd::add_nodes_of<T>(const lazy::graph::NodePtr&,                  \
+                                                                  const lazy::graph::NodePtr&);                 \
+  P template lazy::graph::NodePtr lazy::autograd::full_node_of<T>(const lazy::Shape&, lazy::graph::Device*, double); \
+  P template lazy::graph::NodePtr lazy::autograd::sum_to_shape_of<T>(const lazy::graph::NodePtr&, const lazy::Shape&); \
+  P template void lazy::autograd::register_grad_dtype<T>();                                                       \
+  P template lazy::graph::NodePtr lazy::autograd::cast_node_to<T, float>(const lazy::graph::NodePtr&);            \
+  P template lazy::graph::NodePtr lazy::autograd::cast_node_to<T, double>(const lazy::graph::NodePtr&);           \
+  P template lazy::graph::NodePtr lazy::autograd::cast_node_to<T, lazy::bfloat16>(const lazy::graph::NodePtr&);   \
+  P template void lazy::autograd::register_grad_cast<T, float>();                                                 \
+  P template void lazy::autograd::register_grad_cast<T, double>();                                                \
+  P template void lazy::autograd::register_grad_cast<T, lazy::bfloat16>();
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_FOR_FLOATING(LAZYTENSOR_NODE_OPS_INSTANCES, extern)
+#endif

@@ -26,3 +26,22 @@
 #define LAZYTENSOR_HEADER_DEFINITIONS 1
 #define LAZYTENSOR_INLINE inline
 #endif
+
+// The templates that depend on a dtype only (not on an expression): the typed autograd
+// helpers, a tensor's sum, views and permutes, random draws. Header-only, every TU that uses
+// one instantiates it again. With the compiled runtime the library instantiates them once:
+// each header keeps a list macro, LAZYTENSOR_<NAME>_INSTANCES(P, T), that names its per-dtype
+// templates with prefix P. The header expands it with P = extern (user TUs, and the library
+// before its definitions), src/compiled.cpp with P empty at its end, after every header: one
+// list, so the declarations and the definitions cannot disagree.
+#if defined(LAZYTENSOR_BUILDING_RUNTIME) || defined(LAZYTENSOR_COMPILED)
+#define LAZYTENSOR_EXPLICIT_INSTANTIATION 1
+#else
+#define LAZYTENSOR_EXPLICIT_INSTANTIATION 0
+#endif
+
+// X(P, T) for each floating dtype (the dtypes that have gradients) ...
+#define LAZYTENSOR_FOR_FLOATING(X, P) X(P, float) X(P, double) X(P, lazy::bfloat16)
+// ... and for every element type.
+#define LAZYTENSOR_FOR_ELEMENT(X, P) \
+  X(P, bool) X(P, std::int32_t) X(P, std::int64_t) LAZYTENSOR_FOR_FLOATING(X, P)

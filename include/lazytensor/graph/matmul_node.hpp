@@ -12,8 +12,7 @@
 #include <type_traits>
 #include <utility>
 
-#include <Eigen/Core>
-
+#include <lazytensor/graph/eigen_gemm.hpp>
 #include <lazytensor/graph/elementwise_node.hpp>
 #include <lazytensor/graph/gemm_kernel.hpp>
 
@@ -149,22 +148,13 @@ class GemmNode final : public Node, public RowProducer {
       return false;
   }
 
-  using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  using CMap = Eigen::Map<const Mat>;
-
   // Rows [row, row + rows) of op(A) * op(B) for one batch, into c (already offset).
   void gemm_block(const T* a, const T* b, T* c, std::int64_t row, std::int64_t rows) const {
-    Eigen::Map<Mat> C(c, rows, n_);
-    if (k_ == 0) {
-      C.setZero();
-      return;
+    if constexpr (std::is_same_v<T, bool> || std::is_same_v<T, bfloat16>) {
+      throw DTypeError("matmul: no product of " + dtype_name(dtype_of<T>()) + " values");  // ops/matmul.hpp refuses first
+    } else {
+      detail::eigen_gemm_rows(a, b, c, ta_, tb_, m_, k_, n_, row, rows);
     }
-    auto run = [&](const auto& A) {
-      if (tb_) C.noalias() = A * CMap(b, n_, k_).transpose();
-      else C.noalias() = A * CMap(b, k_, n_);
-    };
-    if (ta_) run(CMap(a, k_, m_).middleCols(row, rows).transpose());
-    else run(CMap(a, m_, k_).middleRows(row, rows));
   }
 
   bool ta_, tb_;

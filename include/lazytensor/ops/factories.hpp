@@ -7,8 +7,6 @@
 #include <string>
 #include <vector>
 
-#include <Eigen/Core>
-
 #include <lazytensor/tensor/tensor.hpp>
 
 namespace lazy {
@@ -71,14 +69,6 @@ Tensor<T> from_vector(const std::vector<T>& data, const Shape& shape, Device dev
 template <Element T>
 Tensor<T> from_vector(const std::vector<T>& data) {
   return from_vector<T>(data, Shape{static_cast<std::int64_t>(data.size())}, device());
-}
-
-/// A 2-D tensor copied from an Eigen matrix or expression (any storage order).
-template <class Derived>
-auto from_eigen(const Eigen::DenseBase<Derived>& m, Device dev = device()) {
-  using T = typename Derived::Scalar;
-  const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> rm = m;
-  return Tensor<T>(detail::data_node<T>(rm.data(), Shape{rm.rows(), rm.cols()}, dev));
 }
 
 /// A 1-D tensor from a list: tensor<float>({1, 2, 3}).

@@ -22,6 +22,7 @@
 #include <type_traits>
 #include <vector>
 
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/graph/builders.hpp>
 #include <lazytensor/graph/random_node.hpp>
 #include <lazytensor/tensor/device.hpp>
@@ -143,3 +144,13 @@ auto bernoulli(const X& probs) {
 }
 
 }  // namespace lazy
+
+// Per-dtype templates the compiled runtime instantiates once (core/config.hpp).
+#define LAZYTENSOR_RANDOM_INSTANCES(P, T)                                                                   \
+  P template lazy::Tensor<T> lazy::detail::make_random<T, lazy::graph::detail::UniformDist<T>>(              \
+      lazy::graph::detail::UniformDist<T>, const lazy::Shape&, const lazy::Device&, std::vector<lazy::graph::NodePtr>); \
+  P template lazy::Tensor<T> lazy::detail::make_random<T, lazy::graph::detail::NormalDist<T>>(               \
+      lazy::graph::detail::NormalDist<T>, const lazy::Shape&, const lazy::Device&, std::vector<lazy::graph::NodePtr>);
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_FOR_FLOATING(LAZYTENSOR_RANDOM_INSTANCES, extern)
+#endif

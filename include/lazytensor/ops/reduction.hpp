@@ -369,3 +369,20 @@ LAZYTENSOR_INLINE bool geometry(const Shape& s, const DimList& dims, graph::Redu
 
 }  // namespace lazy::detail
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+// Per-dtype templates the compiled runtime instantiates once (core/config.hpp): the
+// reductions of a tensor (not of an expression) and their backward records.
+#define LAZYTENSOR_REDUCTION_INSTANCES(P, T)                                                                  \
+  P template lazy::graph::NodePtr lazy::detail::reduction_node<lazy::ops::reduce::Sum, T, lazy::Tensor<T>>(    \
+      const lazy::Tensor<T>&, const std::vector<std::int64_t>&, bool, double, const char*);                   \
+  P template lazy::graph::NodePtr lazy::detail::reduction_node<lazy::ops::reduce::Max, T, lazy::Tensor<T>>(    \
+      const lazy::Tensor<T>&, const std::vector<std::int64_t>&, bool, double, const char*);                   \
+  P template lazy::graph::NodePtr lazy::detail::reduction_node<lazy::ops::reduce::Min, T, lazy::Tensor<T>>(    \
+      const lazy::Tensor<T>&, const std::vector<std::int64_t>&, bool, double, const char*);                   \
+  P template void lazy::detail::record_sum<T, lazy::Tensor<T>>(lazy::Tensor<T>&, const lazy::Tensor<T>&,      \
+                                                               const std::vector<std::int64_t>&, bool);       \
+  P template void lazy::detail::record_extreme<T, lazy::Tensor<T>>(lazy::Tensor<T>&, const lazy::Tensor<T>&,  \
+                                                                   const std::vector<std::int64_t>&, const char*);
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_FOR_FLOATING(LAZYTENSOR_REDUCTION_INSTANCES, extern)
+#endif

@@ -211,3 +211,11 @@ LAZYTENSOR_INLINE Shape infer_shape(std::span<const std::int64_t> sizes, std::in
 
 }  // namespace lazy::detail
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+// Per-dtype templates the compiled runtime instantiates once (core/config.hpp).
+#define LAZYTENSOR_SHAPE_HELPERS_INSTANCES(P, T)                                                         \
+  P template lazy::Tensor<T> lazy::detail::view_of<T>(const lazy::Tensor<T>&, const lazy::Shape&, const char*); \
+  P template lazy::Tensor<T> lazy::detail::permute_impl<T>(const lazy::Tensor<T>&, std::vector<int>, const char*);
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_FOR_ELEMENT(LAZYTENSOR_SHAPE_HELPERS_INSTANCES, extern)
+#endif

@@ -12,14 +12,20 @@
 #include <type_traits>
 #include <vector>
 
-#include <Eigen/Core>
-
 #include <lazytensor/autograd/engine.hpp>
 #include <lazytensor/core/counters.hpp>
 #include <lazytensor/expr/expr.hpp>
 #include <lazytensor/graph/builders.hpp>
 
 namespace lazy {
+
+namespace detail {
+/// The Eigen view behind Tensor::eigen(), defined by <lazytensor/eigen.hpp>.
+template <class T, class Unused>
+struct EigenView {
+  static_assert(sizeof(Unused*) == 0, "Tensor::eigen() needs #include <lazytensor/eigen.hpp>");
+};
+}  // namespace detail
 
 /// A user-facing device handle: which engine device a tensor lives on.
 class Device {
@@ -130,14 +136,13 @@ class Tensor {
   /// A row-major Eigen view of the values: rank 2 as is, rank 1 as a column, rank 0 as
   /// 1x1, higher ranks as (numel / last dim) x last dim. Valid while this handle keeps the
   /// value (until it is modified or destroyed). Materializes (an implicit sync).
+  /// Needs <lazytensor/eigen.hpp> (the umbrella includes it), so that programs that never
+  /// view a tensor through Eigen do not parse it.
+  template <class Unused = void>
   auto eigen() const
     requires(!std::is_same_v<T, bfloat16>)
   {
-    using M = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-    const Shape& s = shape();
-    const std::int64_t cols = s.rank() == 0 ? 1 : s.rank() == 1 ? 1 : s[s.rank() - 1];
-    const std::int64_t rows = cols == 0 ? 0 : numel() / cols;
-    return Eigen::Map<const M>(data(), static_cast<Eigen::Index>(rows), static_cast<Eigen::Index>(cols));
+    return detail::EigenView<T, Unused>::map(*this);
   }
 
   /// Pointer to the materialized values (row-major, padded). Materializes.
