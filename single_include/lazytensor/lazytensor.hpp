@@ -56,6 +56,13 @@
 // templates with prefix P. The header expands it with P = extern (user TUs, and the library
 // before its definitions), src/compiled.cpp with P empty at its end, after every header: one
 // list, so the declarations and the definitions cannot disagree.
+//
+// The frontend (nn, optim) lists the templates whose arguments the library fixes: the
+// `template <class = void>` functions and layers (at void), the losses and layers over a
+// dtype (at the floating dtypes), the optimizers (class templates at their one argument).
+// Their member templates are defined outside the class: one defined in the class is
+// inline, and GCC, optimizing, instantiates an inline function in every TU that calls it
+// (to inline it) even when an `extern template` declares it.
 #if defined(LAZYTENSOR_BUILDING_RUNTIME) || defined(LAZYTENSOR_COMPILED)
 #define LAZYTENSOR_EXPLICIT_INSTANTIATION 1
 #else
@@ -17436,6 +17443,35 @@ Tensor<F> layer_norm(const detail::Arg<F>& x, const Shape& normalized, const det
 
 }  // namespace functional
 }  // namespace lazy::nn
+
+// Instantiated once in the compiled runtime (core/config.hpp): the losses and functional
+// layers at the dtypes the library fixes (the float-only ones, and the floating dtypes with
+// either index dtype).
+#define LAZYTENSOR_NN_FUNCTIONAL_INSTANCES(P, T)                                                                   \
+  P template lazy::Tensor<T> lazy::nn::functional::detail::reduce<T>(const lazy::Tensor<T>&, lazy::nn::Reduction); \
+  P template lazy::Tensor<T> lazy::nn::functional::cross_entropy<std::int32_t, T>(                                 \
+      const lazy::nn::functional::detail::Arg<T>&, const lazy::Tensor<std::int32_t>&,                               \
+      lazy::nn::functional::CrossEntropyOptions);                                                                  \
+  P template lazy::Tensor<T> lazy::nn::functional::cross_entropy<std::int64_t, T>(                                 \
+      const lazy::nn::functional::detail::Arg<T>&, const lazy::Tensor<std::int64_t>&,                               \
+      lazy::nn::functional::CrossEntropyOptions);                                                                  \
+  P template lazy::Tensor<T> lazy::nn::functional::layer_norm<T>(                                                  \
+      const lazy::nn::functional::detail::Arg<T>&, const lazy::Shape&, const lazy::nn::functional::detail::Arg<T>&, \
+      const lazy::nn::functional::detail::Arg<T>&, double);
+#define LAZYTENSOR_NN_FUNCTIONAL_FLOAT_INSTANCES(P)                                                                 \
+  P template lazy::Tensor<float> lazy::nn::functional::nll_loss<std::int32_t>(                                     \
+      const lazy::Tensor<float>&, const lazy::Tensor<std::int32_t>&, lazy::nn::Reduction);                         \
+  P template lazy::Tensor<float> lazy::nn::functional::nll_loss<std::int64_t>(                                     \
+      const lazy::Tensor<float>&, const lazy::Tensor<std::int64_t>&, lazy::nn::Reduction);                         \
+  P template lazy::Tensor<float> lazy::nn::functional::mse_loss<void>(const lazy::Tensor<float>&,                  \
+                                                                      const lazy::Tensor<float>&, lazy::nn::Reduction); \
+  P template lazy::Tensor<float> lazy::nn::functional::binary_cross_entropy_with_logits<void>(                     \
+      const lazy::Tensor<float>&, const lazy::Tensor<float>&, lazy::nn::Reduction);                                \
+  P template lazy::Tensor<float> lazy::nn::functional::dropout<void>(const lazy::Tensor<float>&, double, bool);
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_FOR_FLOATING(LAZYTENSOR_NN_FUNCTIONAL_INSTANCES, extern)
+LAZYTENSOR_NN_FUNCTIONAL_FLOAT_INSTANCES(extern)
+#endif
 // ---- end lazytensor/nn/functional.hpp ----
 // ---- begin lazytensor/nn/module.hpp ----
 // nn::Module, as libtorch's torch::nn::Module: a tree of modules owning named parameters
@@ -17789,9 +17825,13 @@ namespace lazy::nn {
    public:                                                                                     \
     NAME##Impl() : Module(#NAME) {}                                                            \
     template <class = void>                                                                    \
-    Tensor<float> forward(const Tensor<float>& x) const { return Tensor<float>(lazy::FN(x)); } \
+    Tensor<float> forward(const Tensor<float>& x) const;                                       \
     void pretty_print(std::ostream& os) const override { os << #NAME "()"; }                   \
   };                                                                                           \
+  template <class>                                                                             \
+  Tensor<float> NAME##Impl::forward(const Tensor<float>& x) const {                            \
+    return Tensor<float>(lazy::FN(x));                                                         \
+  }                                                                                            \
   LAZY_MODULE(NAME)
 
 LAZY_ACTIVATION(ReLU, relu);
@@ -17807,12 +17847,17 @@ class FlattenImpl : public Module {
   explicit FlattenImpl(std::int64_t start_dim = 1, std::int64_t end_dim = -1)
       : Module("Flatten"), start_(start_dim), end_(end_dim) {}
   template <class = void>
-  Tensor<float> forward(const Tensor<float>& x) const { return flatten(x, start_, end_); }
+  Tensor<float> forward(const Tensor<float>& x) const;
   void pretty_print(std::ostream& os) const override;
 
  private:
   std::int64_t start_, end_;
 };
+// (Outside the class, so not inline: see core/config.hpp.)
+template <class>
+Tensor<float> FlattenImpl::forward(const Tensor<float>& x) const {
+  return flatten(x, start_, end_);
+}
 LAZY_MODULE(Flatten);
 
 /// Zeroes inputs with probability p during training (scaling the rest by 1 / (1 - p));
@@ -17821,12 +17866,16 @@ class DropoutImpl : public Module {
  public:
   explicit DropoutImpl(double p = 0.5);
   template <class = void>
-  Tensor<float> forward(const Tensor<float>& x) const { return functional::dropout(x, p_, is_training()); }
+  Tensor<float> forward(const Tensor<float>& x) const;
   void pretty_print(std::ostream& os) const override;
 
  private:
   double p_;
 };
+template <class>
+Tensor<float> DropoutImpl::forward(const Tensor<float>& x) const {
+  return functional::dropout(x, p_, is_training());
+}
 LAZY_MODULE(Dropout);
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
@@ -17842,6 +17891,19 @@ LAZYTENSOR_INLINE void DropoutImpl::pretty_print(std::ostream& os) const { os <<
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::nn
+
+// Instantiated once in the compiled runtime (core/config.hpp).
+#define LAZYTENSOR_NN_ACTIVATION_INSTANCES(P)                                                      \
+  P template lazy::Tensor<float> lazy::nn::ReLUImpl::forward<void>(const lazy::Tensor<float>&) const;    \
+  P template lazy::Tensor<float> lazy::nn::GELUImpl::forward<void>(const lazy::Tensor<float>&) const;    \
+  P template lazy::Tensor<float> lazy::nn::TanhImpl::forward<void>(const lazy::Tensor<float>&) const;    \
+  P template lazy::Tensor<float> lazy::nn::SigmoidImpl::forward<void>(const lazy::Tensor<float>&) const; \
+  P template lazy::Tensor<float> lazy::nn::SiLUImpl::forward<void>(const lazy::Tensor<float>&) const;    \
+  P template lazy::Tensor<float> lazy::nn::FlattenImpl::forward<void>(const lazy::Tensor<float>&) const; \
+  P template lazy::Tensor<float> lazy::nn::DropoutImpl::forward<void>(const lazy::Tensor<float>&) const;
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_NN_ACTIVATION_INSTANCES(extern)
+#endif
 // ---- end lazytensor/nn/activation.hpp ----
 // ---- begin lazytensor/nn/conv.hpp ----
 // nn::Conv2d, as torch::nn::Conv2d: a 2-D convolution layer over the functional
@@ -17964,6 +18026,23 @@ LAZYTENSOR_INLINE std::pair<double, double> fans(const Shape& s) {
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::nn::init
+
+// Instantiated once in the compiled runtime (core/config.hpp).
+#define LAZYTENSOR_NN_INIT_INSTANCES(P)                                                                           \
+  P template lazy::Tensor<float>& lazy::nn::init::uniform_<void>(lazy::Tensor<float>&, double, double);            \
+  P template lazy::Tensor<float>& lazy::nn::init::normal_<void>(lazy::Tensor<float>&, double, double);             \
+  P template lazy::Tensor<float>& lazy::nn::init::constant_<void>(lazy::Tensor<float>&, double);                   \
+  P template lazy::Tensor<float>& lazy::nn::init::zeros_<void>(lazy::Tensor<float>&);                              \
+  P template lazy::Tensor<float>& lazy::nn::init::ones_<void>(lazy::Tensor<float>&);                               \
+  P template lazy::Tensor<float>& lazy::nn::init::xavier_uniform_<void>(lazy::Tensor<float>&, double);             \
+  P template lazy::Tensor<float>& lazy::nn::init::xavier_normal_<void>(lazy::Tensor<float>&, double);              \
+  P template lazy::Tensor<float>& lazy::nn::init::kaiming_uniform_<void>(                                          \
+      lazy::Tensor<float>&, double, lazy::nn::init::FanMode, lazy::nn::init::Nonlinearity);                        \
+  P template lazy::Tensor<float>& lazy::nn::init::kaiming_normal_<void>(                                           \
+      lazy::Tensor<float>&, double, lazy::nn::init::FanMode, lazy::nn::init::Nonlinearity);
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_NN_INIT_INSTANCES(extern)
+#endif
 // ---- end lazytensor/nn/init.hpp ----
 // ---- begin lazytensor/ops/conv.hpp ----
 // conv2d as im2col + one batched GEMM (torch::nn::functional::conv2d), and unfold/fold
@@ -18615,42 +18694,17 @@ class Conv2dImpl : public Module {
  public:
   /// Conv2d(in_channels, out_channels, kernel_size) with default options.
   template <class = void>
-  Conv2dImpl(std::int64_t in_channels, std::int64_t out_channels, Size2 kernel_size)
-      : Conv2dImpl(Conv2dOptions(in_channels, out_channels, kernel_size)) {}
+  Conv2dImpl(std::int64_t in_channels, std::int64_t out_channels, Size2 kernel_size);
 
   /// ShapeError for non-positive channels, kernel size, stride or dilation, or a negative
   /// padding.
   template <class = void>
-  explicit Conv2dImpl(const Conv2dOptions& options_) : Module("Conv2d"), options(options_) {
-    const auto& o = options;
-    if (o.in_channels() <= 0 || o.out_channels() <= 0) {
-      throw ShapeError("Conv2d: expected positive in_channels and out_channels, got " +
-                       std::to_string(o.in_channels()) + " and " +
-                       std::to_string(o.out_channels()));
-    }
-    if (o.kernel_size().h <= 0 || o.kernel_size().w <= 0) {
-      throw ShapeError("Conv2d: expected a positive kernel_size, got " + o.kernel_size().str());
-    }
-    lazy::detail::check_window_args("Conv2d", o.stride(), o.padding(), o.dilation());
-
-    weight = register_parameter("weight", empty<float>({o.out_channels(), o.in_channels(),
-                                                        o.kernel_size().h, o.kernel_size().w}));
-    init::kaiming_uniform_(weight, std::sqrt(5.0));
-    if (o.bias()) {
-      bias = register_parameter("bias", empty<float>({o.out_channels()}));
-      const double fan_in =
-          static_cast<double>(o.in_channels() * o.kernel_size().h * o.kernel_size().w);
-      const double bound = 1.0 / std::sqrt(fan_in);
-      init::uniform_(bias, -bound, bound);
-    }
-  }
+  explicit Conv2dImpl(const Conv2dOptions& options_);
 
   /// x [N, in_channels, H, W] -> [N, out_channels, OH, OW]; ShapeError (from conv2d) for
   /// another rank or channel count, or an input smaller than the dilated kernel.
   template <class = void>
-  Tensor<float> forward(const Tensor<float>& x) const {
-    return conv2d(x, weight, bias, options.stride(), options.padding(), options.dilation());
-  }
+  Tensor<float> forward(const Tensor<float>& x) const;
 
   /// PyTorch's repr: `Conv2d(1, 32, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1))`
   /// (padding, dilation and bias shown only when not the default).
@@ -18665,6 +18719,41 @@ class Conv2dImpl : public Module {
 };
 LAZY_MODULE(Conv2d);
 
+// (Outside the class, so not inline: see core/config.hpp.)
+template <class>
+Conv2dImpl::Conv2dImpl(std::int64_t in_channels, std::int64_t out_channels, Size2 kernel_size)
+    : Conv2dImpl(Conv2dOptions(in_channels, out_channels, kernel_size)) {}
+
+template <class>
+Conv2dImpl::Conv2dImpl(const Conv2dOptions& options_) : Module("Conv2d"), options(options_) {
+  const auto& o = options;
+  if (o.in_channels() <= 0 || o.out_channels() <= 0) {
+    throw ShapeError("Conv2d: expected positive in_channels and out_channels, got " +
+                     std::to_string(o.in_channels()) + " and " +
+                     std::to_string(o.out_channels()));
+  }
+  if (o.kernel_size().h <= 0 || o.kernel_size().w <= 0) {
+    throw ShapeError("Conv2d: expected a positive kernel_size, got " + o.kernel_size().str());
+  }
+  lazy::detail::check_window_args("Conv2d", o.stride(), o.padding(), o.dilation());
+
+  weight = register_parameter("weight", empty<float>({o.out_channels(), o.in_channels(),
+                                                      o.kernel_size().h, o.kernel_size().w}));
+  init::kaiming_uniform_(weight, std::sqrt(5.0));
+  if (o.bias()) {
+    bias = register_parameter("bias", empty<float>({o.out_channels()}));
+    const double fan_in =
+        static_cast<double>(o.in_channels() * o.kernel_size().h * o.kernel_size().w);
+    const double bound = 1.0 / std::sqrt(fan_in);
+    init::uniform_(bias, -bound, bound);
+  }
+}
+
+template <class>
+Tensor<float> Conv2dImpl::forward(const Tensor<float>& x) const {
+  return conv2d(x, weight, bias, options.stride(), options.padding(), options.dilation());
+}
+
 #if LAZYTENSOR_HEADER_DEFINITIONS
 LAZYTENSOR_INLINE void Conv2dImpl::pretty_print(std::ostream& os) const {
   const auto& o = options;
@@ -18678,6 +18767,15 @@ LAZYTENSOR_INLINE void Conv2dImpl::pretty_print(std::ostream& os) const {
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::nn
+
+// Instantiated once in the compiled runtime (core/config.hpp).
+#define LAZYTENSOR_NN_CONV_INSTANCES(P)                                                     \
+  P template lazy::nn::Conv2dImpl::Conv2dImpl(std::int64_t, std::int64_t, lazy::Size2);    \
+  P template lazy::nn::Conv2dImpl::Conv2dImpl(const lazy::nn::Conv2dOptions&);             \
+  P template lazy::Tensor<float> lazy::nn::Conv2dImpl::forward<void>(const lazy::Tensor<float>&) const;
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_NN_CONV_INSTANCES(extern)
+#endif
 // ---- end lazytensor/nn/conv.hpp ----
 // ---- begin lazytensor/nn/embedding.hpp ----
 // nn::Embedding: a lookup table of num_embeddings vectors (initialized N(0, 1) as torch).
@@ -18692,23 +18790,11 @@ namespace lazy::nn {
 class EmbeddingImpl : public Module {
  public:
   template <class = void>
-  EmbeddingImpl(std::int64_t num_embeddings, std::int64_t embedding_dim)
-      : Module("Embedding"), n_(num_embeddings), d_(embedding_dim) {
-    if (num_embeddings <= 0 || embedding_dim <= 0) {
-      throw ShapeError("Embedding: expected positive sizes, got " + std::to_string(num_embeddings) + " and " +
-                       std::to_string(embedding_dim));
-    }
-    weight = register_parameter("weight", empty<float>({num_embeddings, embedding_dim}));
-    init::normal_(weight);
-  }
+  EmbeddingImpl(std::int64_t num_embeddings, std::int64_t embedding_dim);
   /// indices of any shape -> indices.shape + [embedding_dim]. Out-of-range indices raise
   /// IndexError when computed.
   template <IndexElement I>
-  Tensor<float> forward(const Tensor<I>& indices) const {
-    Shape out = indices.shape();
-    out.push_back(d_);
-    return reshape(index_select(weight, 0, reshape(indices, Shape{indices.numel()})), out);
-  }
+  Tensor<float> forward(const Tensor<I>& indices) const;
   void pretty_print(std::ostream& os) const override;
 
   Tensor<float> weight;
@@ -18718,6 +18804,25 @@ class EmbeddingImpl : public Module {
 };
 LAZY_MODULE(Embedding);
 
+// (Outside the class, so not inline: see core/config.hpp.)
+template <class>
+EmbeddingImpl::EmbeddingImpl(std::int64_t num_embeddings, std::int64_t embedding_dim)
+    : Module("Embedding"), n_(num_embeddings), d_(embedding_dim) {
+  if (num_embeddings <= 0 || embedding_dim <= 0) {
+    throw ShapeError("Embedding: expected positive sizes, got " + std::to_string(num_embeddings) + " and " +
+                     std::to_string(embedding_dim));
+  }
+  weight = register_parameter("weight", empty<float>({num_embeddings, embedding_dim}));
+  init::normal_(weight);
+}
+
+template <IndexElement I>
+Tensor<float> EmbeddingImpl::forward(const Tensor<I>& indices) const {
+  Shape out = indices.shape();
+  out.push_back(d_);
+  return reshape(index_select(weight, 0, reshape(indices, Shape{indices.numel()})), out);
+}
+
 #if LAZYTENSOR_HEADER_DEFINITIONS
 LAZYTENSOR_INLINE void EmbeddingImpl::pretty_print(std::ostream& os) const {
   os << "Embedding(" << n_ << ", " << d_ << ")";
@@ -18725,6 +18830,17 @@ LAZYTENSOR_INLINE void EmbeddingImpl::pretty_print(std::ostream& os) const {
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::nn
+
+// Instantiated once in the compiled runtime (core/config.hpp).
+#define LAZYTENSOR_NN_EMBEDDING_INSTANCES(P)                                                                       \
+  P template lazy::nn::EmbeddingImpl::EmbeddingImpl(std::int64_t, std::int64_t);                                 \
+  P template lazy::Tensor<float> lazy::nn::EmbeddingImpl::forward<std::int32_t>(const lazy::Tensor<std::int32_t>&) \
+      const;                                                                                                     \
+  P template lazy::Tensor<float> lazy::nn::EmbeddingImpl::forward<std::int64_t>(const lazy::Tensor<std::int64_t>&) \
+      const;
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_NN_EMBEDDING_INSTANCES(extern)
+#endif
 // ---- end lazytensor/nn/embedding.hpp ----
 // ---- begin lazytensor/nn/linear.hpp ----
 // nn::Linear: y = x W^T + b, initialized as PyTorch does (kaiming uniform with a = sqrt(5),
@@ -18742,28 +18858,12 @@ class LinearImpl : public Module {
  public:
   /// in_features -> out_features, with a bias unless `bias` is false.
   template <class = void>
-  LinearImpl(std::int64_t in_features, std::int64_t out_features, bool bias = true)
-      : Module("Linear"), in_(in_features), out_(out_features) {
-    if (in_features <= 0 || out_features <= 0) {
-      throw ShapeError("Linear: expected positive in_features and out_features, got " + std::to_string(in_features) +
-                       " and " + std::to_string(out_features));
-    }
-    weight = register_parameter("weight", empty<float>({out_features, in_features}));
-    init::kaiming_uniform_(weight, std::sqrt(5.0));
-    if (bias) {
-      this->bias = register_parameter("bias", empty<float>({out_features}));
-      const double bound = 1.0 / std::sqrt(static_cast<double>(in_features));
-      init::uniform_(this->bias, -bound, bound);
-    }
-  }
+  LinearImpl(std::int64_t in_features, std::int64_t out_features, bool bias = true);
 
   /// x [..., in_features] -> [..., out_features]; bias and a following element-wise op
   /// run on the GEMM's row blocks.
   template <class = void>
-  Tensor<float> forward(const Tensor<float>& x) const {
-    if (bias.defined()) return linear(x, weight, bias);
-    return linear(x, weight);
-  }
+  Tensor<float> forward(const Tensor<float>& x) const;
 
   void pretty_print(std::ostream& os) const override;
 
@@ -18775,6 +18875,29 @@ class LinearImpl : public Module {
 };
 LAZY_MODULE(Linear);
 
+// (Outside the class, so not inline: see core/config.hpp.)
+template <class>
+LinearImpl::LinearImpl(std::int64_t in_features, std::int64_t out_features, bool bias)
+    : Module("Linear"), in_(in_features), out_(out_features) {
+  if (in_features <= 0 || out_features <= 0) {
+    throw ShapeError("Linear: expected positive in_features and out_features, got " + std::to_string(in_features) +
+                     " and " + std::to_string(out_features));
+  }
+  weight = register_parameter("weight", empty<float>({out_features, in_features}));
+  init::kaiming_uniform_(weight, std::sqrt(5.0));
+  if (bias) {
+    this->bias = register_parameter("bias", empty<float>({out_features}));
+    const double bound = 1.0 / std::sqrt(static_cast<double>(in_features));
+    init::uniform_(this->bias, -bound, bound);
+  }
+}
+
+template <class>
+Tensor<float> LinearImpl::forward(const Tensor<float>& x) const {
+  if (bias.defined()) return linear(x, weight, bias);
+  return linear(x, weight);
+}
+
 #if LAZYTENSOR_HEADER_DEFINITIONS
 LAZYTENSOR_INLINE void LinearImpl::pretty_print(std::ostream& os) const {
   os << "Linear(in_features=" << in_ << ", out_features=" << out_ << ", bias=" << (bias.defined() ? "True" : "False")
@@ -18783,6 +18906,14 @@ LAZYTENSOR_INLINE void LinearImpl::pretty_print(std::ostream& os) const {
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::nn
+
+// Instantiated once in the compiled runtime (core/config.hpp).
+#define LAZYTENSOR_NN_LINEAR_INSTANCES(P)                                          \
+  P template lazy::nn::LinearImpl::LinearImpl(std::int64_t, std::int64_t, bool); \
+  P template lazy::Tensor<float> lazy::nn::LinearImpl::forward<void>(const lazy::Tensor<float>&) const;
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_NN_LINEAR_INSTANCES(extern)
+#endif
 // ---- end lazytensor/nn/linear.hpp ----
 // ---- begin lazytensor/nn/normalization.hpp ----
 // LayerNorm and BatchNorm1d/2d, as torch.nn. Batch norm keeps running statistics as
@@ -18800,15 +18931,9 @@ namespace lazy::nn {
 class LayerNormImpl : public Module {
  public:
   template <class = void>
-  explicit LayerNormImpl(Shape normalized_shape, double eps = 1e-5, bool elementwise_affine = true)
-      : Module("LayerNorm"), shape_(normalized_shape), eps_(eps) {
-    if (elementwise_affine) {
-      weight = register_parameter("weight", ones<float>(normalized_shape));
-      bias = register_parameter("bias", zeros<float>(normalized_shape));
-    }
-  }
+  explicit LayerNormImpl(Shape normalized_shape, double eps = 1e-5, bool elementwise_affine = true);
   template <class = void>
-  Tensor<float> forward(const Tensor<float>& x) const { return functional::layer_norm(x, shape_, weight, bias, eps_); }
+  Tensor<float> forward(const Tensor<float>& x) const;
   void pretty_print(std::ostream& os) const override;
 
   Tensor<float> weight, bias;
@@ -18819,68 +18944,33 @@ class LayerNormImpl : public Module {
 };
 LAZY_MODULE(LayerNorm);
 
+// (Outside the class, so not inline: see core/config.hpp.)
+template <class>
+LayerNormImpl::LayerNormImpl(Shape normalized_shape, double eps, bool elementwise_affine)
+    : Module("LayerNorm"), shape_(normalized_shape), eps_(eps) {
+  if (elementwise_affine) {
+    weight = register_parameter("weight", ones<float>(normalized_shape));
+    bias = register_parameter("bias", zeros<float>(normalized_shape));
+  }
+}
+
+template <class>
+Tensor<float> LayerNormImpl::forward(const Tensor<float>& x) const {
+  return functional::layer_norm(x, shape_, weight, bias, eps_);
+}
+
 /// Batch normalization over the channel dim 1 of [N, C] or [N, C, L] (Rank 1) or
 /// [N, C, H, W] (Rank 2) inputs.
 template <int Rank>
 class BatchNormImpl : public Module {
  public:
   explicit BatchNormImpl(std::int64_t num_features, double eps = 1e-5, double momentum = 0.1, bool affine = true,
-                         bool track_running_stats = true)
-      : Module(Rank == 1 ? "BatchNorm1d" : "BatchNorm2d"), c_(num_features), eps_(eps), momentum_(momentum) {
-    if (affine) {
-      weight = register_parameter("weight", ones<float>({num_features}));
-      bias = register_parameter("bias", zeros<float>({num_features}));
-    }
-    if (track_running_stats) {
-      running_mean = zeros<float>({num_features});
-      running_var = ones<float>({num_features});
-      num_batches_tracked = zeros<std::int64_t>({});
-      register_buffer("running_mean", running_mean);
-      register_buffer("running_var", running_var);
-      register_buffer("num_batches_tracked", num_batches_tracked);
-    }
-  }
+                         bool track_running_stats = true);
 
   /// (F is float: the input is a template-dependent type so that this body, which calls
   /// deduced-type reductions, is compiled only where a batch norm runs.)
   template <class F = float>
-  Tensor<F> forward(const functional::detail::Arg<F>& x) {
-    const int r = x.dim();
-    const bool ok = Rank == 1 ? (r == 2 || r == 3) : r == 4;
-    if (!ok || x.size(1) != c_) {
-      throw ShapeError(name() + ": expected input of shape " +
-                       (Rank == 1 ? "(N, " + std::to_string(c_) + ") or (N, " + std::to_string(c_) + ", L)"
-                                  : "(N, " + std::to_string(c_) + ", H, W)") +
-                       ", got " + x.shape().str());
-    }
-    std::vector<std::int64_t> dims{0};
-    for (int d = 2; d < r; ++d) dims.push_back(d);
-    Shape stat;  // [1, C, 1, ...]
-    for (int d = 0; d < r; ++d) stat.push_back(d == 1 ? c_ : 1);
-    Tensor<F> y;
-    if (is_training() || !running_mean.defined()) {
-      const std::int64_t count = x.numel() / c_;
-      if (is_training() && count <= 1) {
-        throw Error(name() + ": expected more than 1 value per channel when training, got input " + x.shape().str());
-      }
-      Tensor<F> mu = mean(x, dims, true);
-      Tensor<F> xc = x - mu;
-      Tensor<F> var = mean(xc * xc, dims, true);
-      y = xc * rsqrt(var + static_cast<float>(eps_));
-      if (is_training() && running_mean.defined()) {
-        NoGradGuard guard;
-        const auto m = static_cast<float>(momentum_);
-        const float unbias = static_cast<float>(count) / static_cast<float>(count - 1);
-        running_mean.copy_(running_mean * (1 - m) + reshape(mu, Shape{c_}) * m);
-        running_var.copy_(running_var * (1 - m) + reshape(var, Shape{c_}) * (m * unbias));
-        num_batches_tracked.add_(1);
-      }
-    } else {
-      y = (x - reshape(running_mean, stat)) * rsqrt(reshape(running_var, stat) + static_cast<float>(eps_));
-    }
-    if (weight.defined()) y = y * reshape(weight, stat) + reshape(bias, stat);
-    return y;
-  }
+  Tensor<F> forward(const functional::detail::Arg<F>& x);
 
   void pretty_print(std::ostream& os) const override {
     os << name() << "(" << c_ << ", eps=" << eps_ << ", momentum=" << momentum_
@@ -18896,6 +18986,65 @@ class BatchNormImpl : public Module {
   double eps_, momentum_;
 };
 
+// (Outside the class, so not inline: see core/config.hpp.)
+template <int Rank>
+BatchNormImpl<Rank>::BatchNormImpl(std::int64_t num_features, double eps, double momentum, bool affine,
+                                   bool track_running_stats)
+    : Module(Rank == 1 ? "BatchNorm1d" : "BatchNorm2d"), c_(num_features), eps_(eps), momentum_(momentum) {
+  if (affine) {
+    weight = register_parameter("weight", ones<float>({num_features}));
+    bias = register_parameter("bias", zeros<float>({num_features}));
+  }
+  if (track_running_stats) {
+    running_mean = zeros<float>({num_features});
+    running_var = ones<float>({num_features});
+    num_batches_tracked = zeros<std::int64_t>({});
+    register_buffer("running_mean", running_mean);
+    register_buffer("running_var", running_var);
+    register_buffer("num_batches_tracked", num_batches_tracked);
+  }
+}
+
+template <int Rank>
+template <class F>
+Tensor<F> BatchNormImpl<Rank>::forward(const functional::detail::Arg<F>& x) {
+  const int r = x.dim();
+  const bool ok = Rank == 1 ? (r == 2 || r == 3) : r == 4;
+  if (!ok || x.size(1) != c_) {
+    throw ShapeError(name() + ": expected input of shape " +
+                     (Rank == 1 ? "(N, " + std::to_string(c_) + ") or (N, " + std::to_string(c_) + ", L)"
+                                : "(N, " + std::to_string(c_) + ", H, W)") +
+                     ", got " + x.shape().str());
+  }
+  std::vector<std::int64_t> dims{0};
+  for (int d = 2; d < r; ++d) dims.push_back(d);
+  Shape stat;  // [1, C, 1, ...]
+  for (int d = 0; d < r; ++d) stat.push_back(d == 1 ? c_ : 1);
+  Tensor<F> y;
+  if (is_training() || !running_mean.defined()) {
+    const std::int64_t count = x.numel() / c_;
+    if (is_training() && count <= 1) {
+      throw Error(name() + ": expected more than 1 value per channel when training, got input " + x.shape().str());
+    }
+    Tensor<F> mu = mean(x, dims, true);
+    Tensor<F> xc = x - mu;
+    Tensor<F> var = mean(xc * xc, dims, true);
+    y = xc * rsqrt(var + static_cast<float>(eps_));
+    if (is_training() && running_mean.defined()) {
+      NoGradGuard guard;
+      const auto m = static_cast<float>(momentum_);
+      const float unbias = static_cast<float>(count) / static_cast<float>(count - 1);
+      running_mean.copy_(running_mean * (1 - m) + reshape(mu, Shape{c_}) * m);
+      running_var.copy_(running_var * (1 - m) + reshape(var, Shape{c_}) * (m * unbias));
+      num_batches_tracked.add_(1);
+    }
+  } else {
+    y = (x - reshape(running_mean, stat)) * rsqrt(reshape(running_var, stat) + static_cast<float>(eps_));
+  }
+  if (weight.defined()) y = y * reshape(weight, stat) + reshape(bias, stat);
+  return y;
+}
+
 using BatchNorm1dImpl = BatchNormImpl<1>;
 using BatchNorm2dImpl = BatchNormImpl<2>;
 LAZY_MODULE(BatchNorm1d);
@@ -18908,6 +19057,20 @@ LAZYTENSOR_INLINE void LayerNormImpl::pretty_print(std::ostream& os) const {
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::nn
+
+// Instantiated once in the compiled runtime (core/config.hpp).
+#define LAZYTENSOR_NN_NORMALIZATION_INSTANCES(P)                                                                 \
+  P template lazy::nn::LayerNormImpl::LayerNormImpl(lazy::Shape, double, bool);                                  \
+  P template lazy::Tensor<float> lazy::nn::LayerNormImpl::forward<void>(const lazy::Tensor<float>&) const;       \
+  P template class lazy::nn::BatchNormImpl<1>;                                                                   \
+  P template class lazy::nn::BatchNormImpl<2>;                                                                   \
+  P template lazy::Tensor<float> lazy::nn::BatchNormImpl<1>::forward<float>(                                     \
+      const lazy::nn::functional::detail::Arg<float>&);                                                          \
+  P template lazy::Tensor<float> lazy::nn::BatchNormImpl<2>::forward<float>(                                     \
+      const lazy::nn::functional::detail::Arg<float>&);
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_NN_NORMALIZATION_INSTANCES(extern)
+#endif
 // ---- end lazytensor/nn/normalization.hpp ----
 // ---- begin lazytensor/nn/pooling.hpp ----
 // nn::MaxPool2d and nn::AvgPool2d, as torch::nn: parameter-free layers over the functional
@@ -19357,9 +19520,7 @@ class MaxPool2dImpl : public Module {
   /// ShapeError (from max_pool2d) unless x is [N, C, H, W] with a plane no smaller than the
   /// kernel once padded.
   template <class = void>
-  Tensor<float> forward(const Tensor<float>& x) const {
-    return max_pool2d(x, options.kernel_size(), options.stride(), options.padding());
-  }
+  Tensor<float> forward(const Tensor<float>& x) const;
   /// PyTorch's repr: `MaxPool2d(kernel_size=2, stride=2, padding=0, dilation=1,
   /// ceil_mode=False)`.
   void pretty_print(std::ostream& os) const override;
@@ -19380,10 +19541,7 @@ class AvgPool2dImpl : public Module {
   /// ShapeError (from avg_pool2d) unless x is [N, C, H, W] with a plane no smaller than the
   /// kernel once padded.
   template <class = void>
-  Tensor<float> forward(const Tensor<float>& x) const {
-    return avg_pool2d(x, options.kernel_size(), options.stride(), options.padding(),
-                      options.count_include_pad());
-  }
+  Tensor<float> forward(const Tensor<float>& x) const;
   /// PyTorch's repr: `AvgPool2d(kernel_size=2, stride=2, padding=0)` (plus
   /// `count_include_pad=False` when set).
   void pretty_print(std::ostream& os) const override;
@@ -19392,6 +19550,18 @@ class AvgPool2dImpl : public Module {
   const AvgPool2dOptions options;
 };
 LAZY_MODULE(AvgPool2d);
+
+// (Outside the classes, so not inline: see core/config.hpp.)
+template <class>
+Tensor<float> MaxPool2dImpl::forward(const Tensor<float>& x) const {
+  return max_pool2d(x, options.kernel_size(), options.stride(), options.padding());
+}
+
+template <class>
+Tensor<float> AvgPool2dImpl::forward(const Tensor<float>& x) const {
+  return avg_pool2d(x, options.kernel_size(), options.stride(), options.padding(),
+                    options.count_include_pad());
+}
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace detail {
@@ -19441,6 +19611,14 @@ LAZYTENSOR_INLINE void AvgPool2dImpl::pretty_print(std::ostream& os) const {
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::nn
+
+// Instantiated once in the compiled runtime (core/config.hpp).
+#define LAZYTENSOR_NN_POOLING_INSTANCES(P)                                                                    \
+  P template lazy::Tensor<float> lazy::nn::MaxPool2dImpl::forward<void>(const lazy::Tensor<float>&) const; \
+  P template lazy::Tensor<float> lazy::nn::AvgPool2dImpl::forward<void>(const lazy::Tensor<float>&) const;
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_NN_POOLING_INSTANCES(extern)
+#endif
 // ---- end lazytensor/nn/pooling.hpp ----
 // ---- begin lazytensor/nn/sequential.hpp ----
 // nn::Sequential: modules applied in order, registered as "0", "1", ...
@@ -19466,11 +19644,7 @@ class SequentialImpl : public Module {
 
   /// Appends a module (a holder such as nn::Linear) whose forward maps a float tensor to one.
   template <class H>
-  void push_back(H holder) {
-    auto impl = holder.ptr();
-    register_module(std::to_string(steps_.size()), impl);
-    steps_.emplace_back([impl](const Tensor<float>& x) { return Tensor<float>(impl->forward(x)); });
-  }
+  void push_back(H holder);
 
   /// Applies every module in order.
   Tensor<float> forward(const Tensor<float>& x) const;
@@ -19482,6 +19656,15 @@ class SequentialImpl : public Module {
 };
 LAZY_MODULE(Sequential);
 
+// (Outside the class, so not inline: see core/config.hpp. The library's own layers are
+// instantiated in the compiled runtime, LAZYTENSOR_NN_SEQUENTIAL_INSTANCES in nn.hpp.)
+template <class H>
+void SequentialImpl::push_back(H holder) {
+  auto impl = holder.ptr();
+  register_module(std::to_string(steps_.size()), impl);
+  steps_.emplace_back([impl](const Tensor<float>& x) { return Tensor<float>(impl->forward(x)); });
+}
+
 #if LAZYTENSOR_HEADER_DEFINITIONS
 LAZYTENSOR_INLINE Tensor<float> SequentialImpl::forward(const Tensor<float>& x) const {
   Tensor<float> y = x;
@@ -19492,6 +19675,28 @@ LAZYTENSOR_INLINE Tensor<float> SequentialImpl::forward(const Tensor<float>& x) 
 
 }  // namespace lazy::nn
 // ---- end lazytensor/nn/sequential.hpp ----
+
+// Sequential::push_back of the library's own float -> float layers, instantiated once in the
+// compiled runtime (core/config.hpp).
+#define LAZYTENSOR_NN_SEQUENTIAL_INSTANCES(P)                                  \
+  P template void lazy::nn::SequentialImpl::push_back(lazy::nn::Linear);      \
+  P template void lazy::nn::SequentialImpl::push_back(lazy::nn::Conv2d);      \
+  P template void lazy::nn::SequentialImpl::push_back(lazy::nn::MaxPool2d);   \
+  P template void lazy::nn::SequentialImpl::push_back(lazy::nn::AvgPool2d);   \
+  P template void lazy::nn::SequentialImpl::push_back(lazy::nn::ReLU);        \
+  P template void lazy::nn::SequentialImpl::push_back(lazy::nn::GELU);        \
+  P template void lazy::nn::SequentialImpl::push_back(lazy::nn::Tanh);        \
+  P template void lazy::nn::SequentialImpl::push_back(lazy::nn::Sigmoid);     \
+  P template void lazy::nn::SequentialImpl::push_back(lazy::nn::SiLU);        \
+  P template void lazy::nn::SequentialImpl::push_back(lazy::nn::Flatten);     \
+  P template void lazy::nn::SequentialImpl::push_back(lazy::nn::Dropout);     \
+  P template void lazy::nn::SequentialImpl::push_back(lazy::nn::LayerNorm);   \
+  P template void lazy::nn::SequentialImpl::push_back(lazy::nn::BatchNorm1d); \
+  P template void lazy::nn::SequentialImpl::push_back(lazy::nn::BatchNorm2d); \
+  P template void lazy::nn::SequentialImpl::push_back(lazy::nn::Sequential);
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_NN_SEQUENTIAL_INSTANCES(extern)
+#endif
 // ---- end lazytensor/nn.hpp ----
 // ---- begin lazytensor/optim.hpp ----
 // lazy::optim: optimizers and learning-rate schedulers (torch::optim).
@@ -19542,48 +19747,7 @@ class AdamBase : public OptimizerWithOptions<Options> {
     for (const auto& g : this->groups_) validate(g.options);
   }
 
-  void step() override {
-    NoGradGuard guard;
-    for (std::size_t gi = 0; gi < this->groups_.size(); ++gi) {
-      const AdamOptions& o = this->groups_[gi].options;
-      const double lr = o.lr(), b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas()), wd = o.weight_decay();
-      auto& ps = this->groups_[gi].params;
-      for (std::size_t k = 0; k < ps.size(); ++k) {
-        Tensor<float>& p = ps[k];
-        const Tensor<float> grad = p.grad();
-        if (!grad.defined()) continue;
-        ParamState& st = this->state(gi, k);
-        const std::int64_t t = ++st.step;
-        const Tensor<float> g = !Decoupled && wd != 0 ? Tensor<float>(grad + static_cast<float>(wd) * p) : grad;
-        auto init = [&](const char* name) -> Tensor<float>& {
-          auto it = st.tensors.find(name);
-          if (it == st.tensors.end()) it = st.tensors.emplace(name, zeros<float>(p.shape(), p.device())).first;
-          return it->second;
-        };
-        Tensor<float>& m = init("exp_avg");
-        Tensor<float>& v = init("exp_avg_sq");
-        m.copy_(m * static_cast<float>(b1) + g * static_cast<float>(1 - b1));
-        v.copy_(v * static_cast<float>(b2) + g * g * static_cast<float>(1 - b2));
-        // p -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps), rearranged so that no scalar
-        // drifts to exactly 1 as the bias corrections vanish:
-        // lr sqrt(bc2) / bc1 * m / (sqrt(v) + eps sqrt(bc2)).
-        const double bc1 = 1 - std::pow(b1, static_cast<double>(t));
-        const double sbc2 = std::sqrt(1 - std::pow(b2, static_cast<double>(t)));
-        const auto step_size = static_cast<float>(lr * sbc2 / bc1), eps = static_cast<float>(o.eps() * sbc2);
-        const Tensor<float>* vmax = &v;
-        if (o.amsgrad()) {
-          Tensor<float>& mx = init("max_exp_avg_sq");
-          mx.copy_(maximum(mx, v));
-          vmax = &mx;
-        }
-        if (Decoupled && wd != 0) {
-          p.copy_(p * static_cast<float>(1 - lr * wd) - step_size * m / (sqrt(*vmax) + eps));
-        } else {
-          p.sub_(step_size * m / (sqrt(*vmax) + eps));
-        }
-      }
-    }
-  }
+  void step() override;
 
  protected:
   std::string type_name() const override { return Decoupled ? "AdamW" : "Adam"; }
@@ -19594,16 +19758,64 @@ class AdamBase : public OptimizerWithOptions<Options> {
     if constexpr (Decoupled) return AdamWOptions();
     else return Options();
   }
-  void validate(const AdamOptions& o) const {
-    const double b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
-    const std::string n = type_name();
-    if (o.lr() < 0) throw Error(n + ": invalid learning rate " + std::to_string(o.lr()));
-    if (o.eps() < 0) throw Error(n + ": invalid epsilon value " + std::to_string(o.eps()));
-    if (b1 < 0 || b1 >= 1) throw Error(n + ": invalid beta parameter at index 0: " + std::to_string(b1));
-    if (b2 < 0 || b2 >= 1) throw Error(n + ": invalid beta parameter at index 1: " + std::to_string(b2));
-    if (o.weight_decay() < 0) throw Error(n + ": invalid weight_decay value " + std::to_string(o.weight_decay()));
-  }
+  void validate(const AdamOptions& o) const;
 };
+
+// (Outside the class, so not inline: see core/config.hpp.)
+template <class Options, bool Decoupled>
+void AdamBase<Options, Decoupled>::step() {
+  NoGradGuard guard;
+  for (std::size_t gi = 0; gi < this->groups_.size(); ++gi) {
+    const AdamOptions& o = this->groups_[gi].options;
+    const double lr = o.lr(), b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas()), wd = o.weight_decay();
+    auto& ps = this->groups_[gi].params;
+    for (std::size_t k = 0; k < ps.size(); ++k) {
+      Tensor<float>& p = ps[k];
+      const Tensor<float> grad = p.grad();
+      if (!grad.defined()) continue;
+      ParamState& st = this->state(gi, k);
+      const std::int64_t t = ++st.step;
+      const Tensor<float> g = !Decoupled && wd != 0 ? Tensor<float>(grad + static_cast<float>(wd) * p) : grad;
+      auto init = [&](const char* name) -> Tensor<float>& {
+        auto it = st.tensors.find(name);
+        if (it == st.tensors.end()) it = st.tensors.emplace(name, zeros<float>(p.shape(), p.device())).first;
+        return it->second;
+      };
+      Tensor<float>& m = init("exp_avg");
+      Tensor<float>& v = init("exp_avg_sq");
+      m.copy_(m * static_cast<float>(b1) + g * static_cast<float>(1 - b1));
+      v.copy_(v * static_cast<float>(b2) + g * g * static_cast<float>(1 - b2));
+      // p -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps), rearranged so that no scalar
+      // drifts to exactly 1 as the bias corrections vanish:
+      // lr sqrt(bc2) / bc1 * m / (sqrt(v) + eps sqrt(bc2)).
+      const double bc1 = 1 - std::pow(b1, static_cast<double>(t));
+      const double sbc2 = std::sqrt(1 - std::pow(b2, static_cast<double>(t)));
+      const auto step_size = static_cast<float>(lr * sbc2 / bc1), eps = static_cast<float>(o.eps() * sbc2);
+      const Tensor<float>* vmax = &v;
+      if (o.amsgrad()) {
+        Tensor<float>& mx = init("max_exp_avg_sq");
+        mx.copy_(maximum(mx, v));
+        vmax = &mx;
+      }
+      if (Decoupled && wd != 0) {
+        p.copy_(p * static_cast<float>(1 - lr * wd) - step_size * m / (sqrt(*vmax) + eps));
+      } else {
+        p.sub_(step_size * m / (sqrt(*vmax) + eps));
+      }
+    }
+  }
+}
+
+template <class Options, bool Decoupled>
+void AdamBase<Options, Decoupled>::validate(const AdamOptions& o) const {
+  const double b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
+  const std::string n = type_name();
+  if (o.lr() < 0) throw Error(n + ": invalid learning rate " + std::to_string(o.lr()));
+  if (o.eps() < 0) throw Error(n + ": invalid epsilon value " + std::to_string(o.eps()));
+  if (b1 < 0 || b1 >= 1) throw Error(n + ": invalid beta parameter at index 0: " + std::to_string(b1));
+  if (b2 < 0 || b2 >= 1) throw Error(n + ": invalid beta parameter at index 1: " + std::to_string(b2));
+  if (o.weight_decay() < 0) throw Error(n + ": invalid weight_decay value " + std::to_string(o.weight_decay()));
+}
 
 /// Adam (L2 weight decay added to the gradient), as torch.optim.Adam. A class template
 /// under the name: its step is compiled only into programs that use it.
@@ -19634,6 +19846,15 @@ LAZYTENSOR_INLINE AdamOptions AdamOptions::from_map(const std::map<std::string, 
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::optim
+
+// Instantiated once in the compiled runtime (core/config.hpp).
+#define LAZYTENSOR_OPTIM_ADAM_INSTANCES(P)                                          \
+  P template class lazy::optim::OptimizerWithOptions<lazy::optim::AdamOptions>; \
+  P template class lazy::optim::AdamBase<lazy::optim::AdamOptions, false>;      \
+  P template class lazy::optim::AdamBase<lazy::optim::AdamOptions, true>;
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_OPTIM_ADAM_INSTANCES(extern)
+#endif
 // ---- end lazytensor/optim/adam.hpp ----
 // ---- begin lazytensor/optim/lr_scheduler.hpp ----
 // Learning-rate schedulers, as torch.optim.lr_scheduler: each step() sets every group's
@@ -19803,54 +20024,61 @@ class BasicSGD : public OptimizerWithOptions<SGDOptions> {
   }
   BasicSGD(std::vector<ParamGroup> groups) : OptimizerWithOptions(std::move(groups)) { validate(); }
 
-  void step() override {
-    NoGradGuard guard;
-    for (std::size_t gi = 0; gi < groups_.size(); ++gi) {
-      const SGDOptions& o = groups_[gi].options;
-      const auto lr = static_cast<float>(o.lr()), mom = static_cast<float>(o.momentum()),
-                 damp = static_cast<float>(o.dampening()), wd = static_cast<float>(o.weight_decay());
-      auto& ps = groups_[gi].params;
-      for (std::size_t k = 0; k < ps.size(); ++k) {
-        Tensor<float>& p = ps[k];
-        const Tensor<float> grad = p.grad();
-        if (!grad.defined()) continue;
-        const Tensor<float> g = wd != 0 ? Tensor<float>(grad + wd * p) : grad;
-        if (mom == 0) {
-          p.sub_(g * lr);
-          continue;
-        }
-        ParamState& st = state(gi, k);
-        auto it = st.tensors.find("momentum_buffer");
-        if (it == st.tensors.end()) {
-          it = st.tensors.emplace("momentum_buffer", Tensor<float>(g * 1.0f)).first;
-        } else {
-          it->second.copy_(it->second * mom + g * (1 - damp));
-        }
-        const Tensor<float>& buf = it->second;
-        if (o.nesterov()) p.sub_((g + buf * mom) * lr);
-        else p.sub_(buf * lr);
-        ++st.step;
-      }
-    }
-  }
+  void step() override;
 
  protected:
   std::string type_name() const override { return "SGD"; }
   std::string type_name_of() const override { return "SGD"; }
 
  private:
-  void validate() const {
-    for (const auto& g : groups_) {
-      const auto& o = g.options;
-      if (o.lr() < 0) throw Error("SGD: invalid learning rate " + std::to_string(o.lr()));
-      if (o.momentum() < 0) throw Error("SGD: invalid momentum value " + std::to_string(o.momentum()));
-      if (o.weight_decay() < 0) throw Error("SGD: invalid weight_decay value " + std::to_string(o.weight_decay()));
-      if (o.nesterov() && (o.momentum() <= 0 || o.dampening() != 0)) {
-        throw Error("SGD: Nesterov momentum requires a momentum and zero dampening");
+  void validate() const;
+};
+
+// (Outside the class, so not inline: see core/config.hpp.)
+template <class V>
+void BasicSGD<V>::step() {
+  NoGradGuard guard;
+  for (std::size_t gi = 0; gi < groups_.size(); ++gi) {
+    const SGDOptions& o = groups_[gi].options;
+    const auto lr = static_cast<float>(o.lr()), mom = static_cast<float>(o.momentum()),
+               damp = static_cast<float>(o.dampening()), wd = static_cast<float>(o.weight_decay());
+    auto& ps = groups_[gi].params;
+    for (std::size_t k = 0; k < ps.size(); ++k) {
+      Tensor<float>& p = ps[k];
+      const Tensor<float> grad = p.grad();
+      if (!grad.defined()) continue;
+      const Tensor<float> g = wd != 0 ? Tensor<float>(grad + wd * p) : grad;
+      if (mom == 0) {
+        p.sub_(g * lr);
+        continue;
       }
+      ParamState& st = state(gi, k);
+      auto it = st.tensors.find("momentum_buffer");
+      if (it == st.tensors.end()) {
+        it = st.tensors.emplace("momentum_buffer", Tensor<float>(g * 1.0f)).first;
+      } else {
+        it->second.copy_(it->second * mom + g * (1 - damp));
+      }
+      const Tensor<float>& buf = it->second;
+      if (o.nesterov()) p.sub_((g + buf * mom) * lr);
+      else p.sub_(buf * lr);
+      ++st.step;
     }
   }
-};
+}
+
+template <class V>
+void BasicSGD<V>::validate() const {
+  for (const auto& g : groups_) {
+    const auto& o = g.options;
+    if (o.lr() < 0) throw Error("SGD: invalid learning rate " + std::to_string(o.lr()));
+    if (o.momentum() < 0) throw Error("SGD: invalid momentum value " + std::to_string(o.momentum()));
+    if (o.weight_decay() < 0) throw Error("SGD: invalid weight_decay value " + std::to_string(o.weight_decay()));
+    if (o.nesterov() && (o.momentum() <= 0 || o.dampening() != 0)) {
+      throw Error("SGD: Nesterov momentum requires a momentum and zero dampening");
+    }
+  }
+}
 
 /// Stochastic gradient descent, as torch.optim.SGD.
 using SGD = BasicSGD<>;
@@ -19875,6 +20103,14 @@ LAZYTENSOR_INLINE SGDOptions SGDOptions::from_map(const std::map<std::string, st
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::optim
+
+// Instantiated once in the compiled runtime (core/config.hpp).
+#define LAZYTENSOR_OPTIM_SGD_INSTANCES(P)                                         \
+  P template class lazy::optim::OptimizerWithOptions<lazy::optim::SGDOptions>; \
+  P template class lazy::optim::BasicSGD<void>;
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_OPTIM_SGD_INSTANCES(extern)
+#endif
 // ---- end lazytensor/optim/sgd.hpp ----
 // ---- end lazytensor/optim.hpp ----
 // ---- end lazytensor/lazytensor.hpp ----

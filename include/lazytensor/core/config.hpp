@@ -34,6 +34,13 @@
 // templates with prefix P. The header expands it with P = extern (user TUs, and the library
 // before its definitions), src/compiled.cpp with P empty at its end, after every header: one
 // list, so the declarations and the definitions cannot disagree.
+//
+// The frontend (nn, optim) lists the templates whose arguments the library fixes: the
+// `template <class = void>` functions and layers (at void), the losses and layers over a
+// dtype (at the floating dtypes), the optimizers (class templates at their one argument).
+// Their member templates are defined outside the class: one defined in the class is
+// inline, and GCC, optimizing, instantiates an inline function in every TU that calls it
+// (to inline it) even when an `extern template` declares it.
 #if defined(LAZYTENSOR_BUILDING_RUNTIME) || defined(LAZYTENSOR_COMPILED)
 #define LAZYTENSOR_EXPLICIT_INSTANTIATION 1
 #else

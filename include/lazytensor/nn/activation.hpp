@@ -16,9 +16,13 @@ namespace lazy::nn {
    public:                                                                                     \
     NAME##Impl() : Module(#NAME) {}                                                            \
     template <class = void>                                                                    \
-    Tensor<float> forward(const Tensor<float>& x) const { return Tensor<float>(lazy::FN(x)); } \
+    Tensor<float> forward(const Tensor<float>& x) const;                                       \
     void pretty_print(std::ostream& os) const override { os << #NAME "()"; }                   \
   };                                                                                           \
+  template <class>                                                                             \
+  Tensor<float> NAME##Impl::forward(const Tensor<float>& x) const {                            \
+    return Tensor<float>(lazy::FN(x));                                                         \
+  }                                                                                            \
   LAZY_MODULE(NAME)
 
 LAZY_ACTIVATION(ReLU, relu);
@@ -34,12 +38,17 @@ class FlattenImpl : public Module {
   explicit FlattenImpl(std::int64_t start_dim = 1, std::int64_t end_dim = -1)
       : Module("Flatten"), start_(start_dim), end_(end_dim) {}
   template <class = void>
-  Tensor<float> forward(const Tensor<float>& x) const { return flatten(x, start_, end_); }
+  Tensor<float> forward(const Tensor<float>& x) const;
   void pretty_print(std::ostream& os) const override;
 
  private:
   std::int64_t start_, end_;
 };
+// (Outside the class, so not inline: see core/config.hpp.)
+template <class>
+Tensor<float> FlattenImpl::forward(const Tensor<float>& x) const {
+  return flatten(x, start_, end_);
+}
 LAZY_MODULE(Flatten);
 
 /// Zeroes inputs with probability p during training (scaling the rest by 1 / (1 - p));
@@ -48,12 +57,16 @@ class DropoutImpl : public Module {
  public:
   explicit DropoutImpl(double p = 0.5);
   template <class = void>
-  Tensor<float> forward(const Tensor<float>& x) const { return functional::dropout(x, p_, is_training()); }
+  Tensor<float> forward(const Tensor<float>& x) const;
   void pretty_print(std::ostream& os) const override;
 
  private:
   double p_;
 };
+template <class>
+Tensor<float> DropoutImpl::forward(const Tensor<float>& x) const {
+  return functional::dropout(x, p_, is_training());
+}
 LAZY_MODULE(Dropout);
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
@@ -69,3 +82,16 @@ LAZYTENSOR_INLINE void DropoutImpl::pretty_print(std::ostream& os) const { os <<
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::nn
+
+// Instantiated once in the compiled runtime (core/config.hpp).
+#define LAZYTENSOR_NN_ACTIVATION_INSTANCES(P)                                                      \
+  P template lazy::Tensor<float> lazy::nn::ReLUImpl::forward<void>(const lazy::Tensor<float>&) const;    \
+  P template lazy::Tensor<float> lazy::nn::GELUImpl::forward<void>(const lazy::Tensor<float>&) const;    \
+  P template lazy::Tensor<float> lazy::nn::TanhImpl::forward<void>(const lazy::Tensor<float>&) const;    \
+  P template lazy::Tensor<float> lazy::nn::SigmoidImpl::forward<void>(const lazy::Tensor<float>&) const; \
+  P template lazy::Tensor<float> lazy::nn::SiLUImpl::forward<void>(const lazy::Tensor<float>&) const;    \
+  P template lazy::Tensor<float> lazy::nn::FlattenImpl::forward<void>(const lazy::Tensor<float>&) const; \
+  P template lazy::Tensor<float> lazy::nn::DropoutImpl::forward<void>(const lazy::Tensor<float>&) const;
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_NN_ACTIVATION_INSTANCES(extern)
+#endif

@@ -46,42 +46,17 @@ class Conv2dImpl : public Module {
  public:
   /// Conv2d(in_channels, out_channels, kernel_size) with default options.
   template <class = void>
-  Conv2dImpl(std::int64_t in_channels, std::int64_t out_channels, Size2 kernel_size)
-      : Conv2dImpl(Conv2dOptions(in_channels, out_channels, kernel_size)) {}
+  Conv2dImpl(std::int64_t in_channels, std::int64_t out_channels, Size2 kernel_size);
 
   /// ShapeError for non-positive channels, kernel size, stride or dilation, or a negative
   /// padding.
   template <class = void>
-  explicit Conv2dImpl(const Conv2dOptions& options_) : Module("Conv2d"), options(options_) {
-    const auto& o = options;
-    if (o.in_channels() <= 0 || o.out_channels() <= 0) {
-      throw ShapeError("Conv2d: expected positive in_channels and out_channels, got " +
-                       std::to_string(o.in_channels()) + " and " +
-                       std::to_string(o.out_channels()));
-    }
-    if (o.kernel_size().h <= 0 || o.kernel_size().w <= 0) {
-      throw ShapeError("Conv2d: expected a positive kernel_size, got " + o.kernel_size().str());
-    }
-    lazy::detail::check_window_args("Conv2d", o.stride(), o.padding(), o.dilation());
-
-    weight = register_parameter("weight", empty<float>({o.out_channels(), o.in_channels(),
-                                                        o.kernel_size().h, o.kernel_size().w}));
-    init::kaiming_uniform_(weight, std::sqrt(5.0));
-    if (o.bias()) {
-      bias = register_parameter("bias", empty<float>({o.out_channels()}));
-      const double fan_in =
-          static_cast<double>(o.in_channels() * o.kernel_size().h * o.kernel_size().w);
-      const double bound = 1.0 / std::sqrt(fan_in);
-      init::uniform_(bias, -bound, bound);
-    }
-  }
+  explicit Conv2dImpl(const Conv2dOptions& options_);
 
   /// x [N, in_channels, H, W] -> [N, out_channels, OH, OW]; ShapeError (from conv2d) for
   /// another rank or channel count, or an input smaller than the dilated kernel.
   template <class = void>
-  Tensor<float> forward(const Tensor<float>& x) const {
-    return conv2d(x, weight, bias, options.stride(), options.padding(), options.dilation());
-  }
+  Tensor<float> forward(const Tensor<float>& x) const;
 
   /// PyTorch's repr: `Conv2d(1, 32, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1))`
   /// (padding, dilation and bias shown only when not the default).
@@ -96,6 +71,41 @@ class Conv2dImpl : public Module {
 };
 LAZY_MODULE(Conv2d);
 
+// (Outside the class, so not inline: see core/config.hpp.)
+template <class>
+Conv2dImpl::Conv2dImpl(std::int64_t in_channels, std::int64_t out_channels, Size2 kernel_size)
+    : Conv2dImpl(Conv2dOptions(in_channels, out_channels, kernel_size)) {}
+
+template <class>
+Conv2dImpl::Conv2dImpl(const Conv2dOptions& options_) : Module("Conv2d"), options(options_) {
+  const auto& o = options;
+  if (o.in_channels() <= 0 || o.out_channels() <= 0) {
+    throw ShapeError("Conv2d: expected positive in_channels and out_channels, got " +
+                     std::to_string(o.in_channels()) + " and " +
+                     std::to_string(o.out_channels()));
+  }
+  if (o.kernel_size().h <= 0 || o.kernel_size().w <= 0) {
+    throw ShapeError("Conv2d: expected a positive kernel_size, got " + o.kernel_size().str());
+  }
+  lazy::detail::check_window_args("Conv2d", o.stride(), o.padding(), o.dilation());
+
+  weight = register_parameter("weight", empty<float>({o.out_channels(), o.in_channels(),
+                                                      o.kernel_size().h, o.kernel_size().w}));
+  init::kaiming_uniform_(weight, std::sqrt(5.0));
+  if (o.bias()) {
+    bias = register_parameter("bias", empty<float>({o.out_channels()}));
+    const double fan_in =
+        static_cast<double>(o.in_channels() * o.kernel_size().h * o.kernel_size().w);
+    const double bound = 1.0 / std::sqrt(fan_in);
+    init::uniform_(bias, -bound, bound);
+  }
+}
+
+template <class>
+Tensor<float> Conv2dImpl::forward(const Tensor<float>& x) const {
+  return conv2d(x, weight, bias, options.stride(), options.padding(), options.dilation());
+}
+
 #if LAZYTENSOR_HEADER_DEFINITIONS
 LAZYTENSOR_INLINE void Conv2dImpl::pretty_print(std::ostream& os) const {
   const auto& o = options;
@@ -109,3 +119,12 @@ LAZYTENSOR_INLINE void Conv2dImpl::pretty_print(std::ostream& os) const {
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::nn
+
+// Instantiated once in the compiled runtime (core/config.hpp).
+#define LAZYTENSOR_NN_CONV_INSTANCES(P)                                                     \
+  P template lazy::nn::Conv2dImpl::Conv2dImpl(std::int64_t, std::int64_t, lazy::Size2);    \
+  P template lazy::nn::Conv2dImpl::Conv2dImpl(const lazy::nn::Conv2dOptions&);             \
+  P template lazy::Tensor<float> lazy::nn::Conv2dImpl::forward<void>(const lazy::Tensor<float>&) const;
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_NN_CONV_INSTANCES(extern)
+#endif

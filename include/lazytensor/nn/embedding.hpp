@@ -15,23 +15,11 @@ namespace lazy::nn {
 class EmbeddingImpl : public Module {
  public:
   template <class = void>
-  EmbeddingImpl(std::int64_t num_embeddings, std::int64_t embedding_dim)
-      : Module("Embedding"), n_(num_embeddings), d_(embedding_dim) {
-    if (num_embeddings <= 0 || embedding_dim <= 0) {
-      throw ShapeError("Embedding: expected positive sizes, got " + std::to_string(num_embeddings) + " and " +
-                       std::to_string(embedding_dim));
-    }
-    weight = register_parameter("weight", empty<float>({num_embeddings, embedding_dim}));
-    init::normal_(weight);
-  }
+  EmbeddingImpl(std::int64_t num_embeddings, std::int64_t embedding_dim);
   /// indices of any shape -> indices.shape + [embedding_dim]. Out-of-range indices raise
   /// IndexError when computed.
   template <IndexElement I>
-  Tensor<float> forward(const Tensor<I>& indices) const {
-    Shape out = indices.shape();
-    out.push_back(d_);
-    return reshape(index_select(weight, 0, reshape(indices, Shape{indices.numel()})), out);
-  }
+  Tensor<float> forward(const Tensor<I>& indices) const;
   void pretty_print(std::ostream& os) const override;
 
   Tensor<float> weight;
@@ -41,6 +29,25 @@ class EmbeddingImpl : public Module {
 };
 LAZY_MODULE(Embedding);
 
+// (Outside the class, so not inline: see core/config.hpp.)
+template <class>
+EmbeddingImpl::EmbeddingImpl(std::int64_t num_embeddings, std::int64_t embedding_dim)
+    : Module("Embedding"), n_(num_embeddings), d_(embedding_dim) {
+  if (num_embeddings <= 0 || embedding_dim <= 0) {
+    throw ShapeError("Embedding: expected positive sizes, got " + std::to_string(num_embeddings) + " and " +
+                     std::to_string(embedding_dim));
+  }
+  weight = register_parameter("weight", empty<float>({num_embeddings, embedding_dim}));
+  init::normal_(weight);
+}
+
+template <IndexElement I>
+Tensor<float> EmbeddingImpl::forward(const Tensor<I>& indices) const {
+  Shape out = indices.shape();
+  out.push_back(d_);
+  return reshape(index_select(weight, 0, reshape(indices, Shape{indices.numel()})), out);
+}
+
 #if LAZYTENSOR_HEADER_DEFINITIONS
 LAZYTENSOR_INLINE void EmbeddingImpl::pretty_print(std::ostream& os) const {
   os << "Embedding(" << n_ << ", " << d_ << ")";
@@ -48,3 +55,14 @@ LAZYTENSOR_INLINE void EmbeddingImpl::pretty_print(std::ostream& os) const {
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::nn
+
+// Instantiated once in the compiled runtime (core/config.hpp).
+#define LAZYTENSOR_NN_EMBEDDING_INSTANCES(P)                                                                       \
+  P template lazy::nn::EmbeddingImpl::EmbeddingImpl(std::int64_t, std::int64_t);                                 \
+  P template lazy::Tensor<float> lazy::nn::EmbeddingImpl::forward<std::int32_t>(const lazy::Tensor<std::int32_t>&) \
+      const;                                                                                                     \
+  P template lazy::Tensor<float> lazy::nn::EmbeddingImpl::forward<std::int64_t>(const lazy::Tensor<std::int64_t>&) \
+      const;
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_NN_EMBEDDING_INSTANCES(extern)
+#endif

@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include <lazytensor/autograd/record.hpp>
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/ops/random.hpp>
 #include <lazytensor/ops/reduction.hpp>
 #include <lazytensor/ops/shape.hpp>
@@ -156,3 +157,32 @@ Tensor<F> layer_norm(const detail::Arg<F>& x, const Shape& normalized, const det
 
 }  // namespace functional
 }  // namespace lazy::nn
+
+// Instantiated once in the compiled runtime (core/config.hpp): the losses and functional
+// layers at the dtypes the library fixes (the float-only ones, and the floating dtypes with
+// either index dtype).
+#define LAZYTENSOR_NN_FUNCTIONAL_INSTANCES(P, T)                                                                   \
+  P template lazy::Tensor<T> lazy::nn::functional::detail::reduce<T>(const lazy::Tensor<T>&, lazy::nn::Reduction); \
+  P template lazy::Tensor<T> lazy::nn::functional::cross_entropy<std::int32_t, T>(                                 \
+      const lazy::nn::functional::detail::Arg<T>&, const lazy::Tensor<std::int32_t>&,                               \
+      lazy::nn::functional::CrossEntropyOptions);                                                                  \
+  P template lazy::Tensor<T> lazy::nn::functional::cross_entropy<std::int64_t, T>(                                 \
+      const lazy::nn::functional::detail::Arg<T>&, const lazy::Tensor<std::int64_t>&,                               \
+      lazy::nn::functional::CrossEntropyOptions);                                                                  \
+  P template lazy::Tensor<T> lazy::nn::functional::layer_norm<T>(                                                  \
+      const lazy::nn::functional::detail::Arg<T>&, const lazy::Shape&, const lazy::nn::functional::detail::Arg<T>&, \
+      const lazy::nn::functional::detail::Arg<T>&, double);
+#define LAZYTENSOR_NN_FUNCTIONAL_FLOAT_INSTANCES(P)                                                                 \
+  P template lazy::Tensor<float> lazy::nn::functional::nll_loss<std::int32_t>(                                     \
+      const lazy::Tensor<float>&, const lazy::Tensor<std::int32_t>&, lazy::nn::Reduction);                         \
+  P template lazy::Tensor<float> lazy::nn::functional::nll_loss<std::int64_t>(                                     \
+      const lazy::Tensor<float>&, const lazy::Tensor<std::int64_t>&, lazy::nn::Reduction);                         \
+  P template lazy::Tensor<float> lazy::nn::functional::mse_loss<void>(const lazy::Tensor<float>&,                  \
+                                                                      const lazy::Tensor<float>&, lazy::nn::Reduction); \
+  P template lazy::Tensor<float> lazy::nn::functional::binary_cross_entropy_with_logits<void>(                     \
+      const lazy::Tensor<float>&, const lazy::Tensor<float>&, lazy::nn::Reduction);                                \
+  P template lazy::Tensor<float> lazy::nn::functional::dropout<void>(const lazy::Tensor<float>&, double, bool);
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_FOR_FLOATING(LAZYTENSOR_NN_FUNCTIONAL_INSTANCES, extern)
+LAZYTENSOR_NN_FUNCTIONAL_FLOAT_INSTANCES(extern)
+#endif

@@ -108,3 +108,20 @@ LAZYTENSOR_INLINE std::pair<double, double> fans(const Shape& s) {
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::nn::init
+
+// Instantiated once in the compiled runtime (core/config.hpp).
+#define LAZYTENSOR_NN_INIT_INSTANCES(P)                                                                           \
+  P template lazy::Tensor<float>& lazy::nn::init::uniform_<void>(lazy::Tensor<float>&, double, double);            \
+  P template lazy::Tensor<float>& lazy::nn::init::normal_<void>(lazy::Tensor<float>&, double, double);             \
+  P template lazy::Tensor<float>& lazy::nn::init::constant_<void>(lazy::Tensor<float>&, double);                   \
+  P template lazy::Tensor<float>& lazy::nn::init::zeros_<void>(lazy::Tensor<float>&);                              \
+  P template lazy::Tensor<float>& lazy::nn::init::ones_<void>(lazy::Tensor<float>&);                               \
+  P template lazy::Tensor<float>& lazy::nn::init::xavier_uniform_<void>(lazy::Tensor<float>&, double);             \
+  P template lazy::Tensor<float>& lazy::nn::init::xavier_normal_<void>(lazy::Tensor<float>&, double);              \
+  P template lazy::Tensor<float>& lazy::nn::init::kaiming_uniform_<void>(                                          \
+      lazy::Tensor<float>&, double, lazy::nn::init::FanMode, lazy::nn::init::Nonlinearity);                        \
+  P template lazy::Tensor<float>& lazy::nn::init::kaiming_normal_<void>(                                           \
+      lazy::Tensor<float>&, double, lazy::nn::init::FanMode, lazy::nn::init::Nonlinearity);
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_NN_INIT_INSTANCES(extern)
+#endif

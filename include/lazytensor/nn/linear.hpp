@@ -18,28 +18,12 @@ class LinearImpl : public Module {
  public:
   /// in_features -> out_features, with a bias unless `bias` is false.
   template <class = void>
-  LinearImpl(std::int64_t in_features, std::int64_t out_features, bool bias = true)
-      : Module("Linear"), in_(in_features), out_(out_features) {
-    if (in_features <= 0 || out_features <= 0) {
-      throw ShapeError("Linear: expected positive in_features and out_features, got " + std::to_string(in_features) +
-                       " and " + std::to_string(out_features));
-    }
-    weight = register_parameter("weight", empty<float>({out_features, in_features}));
-    init::kaiming_uniform_(weight, std::sqrt(5.0));
-    if (bias) {
-      this->bias = register_parameter("bias", empty<float>({out_features}));
-      const double bound = 1.0 / std::sqrt(static_cast<double>(in_features));
-      init::uniform_(this->bias, -bound, bound);
-    }
-  }
+  LinearImpl(std::int64_t in_features, std::int64_t out_features, bool bias = true);
 
   /// x [..., in_features] -> [..., out_features]; bias and a following element-wise op
   /// run on the GEMM's row blocks.
   template <class = void>
-  Tensor<float> forward(const Tensor<float>& x) const {
-    if (bias.defined()) return linear(x, weight, bias);
-    return linear(x, weight);
-  }
+  Tensor<float> forward(const Tensor<float>& x) const;
 
   void pretty_print(std::ostream& os) const override;
 
@@ -51,6 +35,29 @@ class LinearImpl : public Module {
 };
 LAZY_MODULE(Linear);
 
+// (Outside the class, so not inline: see core/config.hpp.)
+template <class>
+LinearImpl::LinearImpl(std::int64_t in_features, std::int64_t out_features, bool bias)
+    : Module("Linear"), in_(in_features), out_(out_features) {
+  if (in_features <= 0 || out_features <= 0) {
+    throw ShapeError("Linear: expected positive in_features and out_features, got " + std::to_string(in_features) +
+                     " and " + std::to_string(out_features));
+  }
+  weight = register_parameter("weight", empty<float>({out_features, in_features}));
+  init::kaiming_uniform_(weight, std::sqrt(5.0));
+  if (bias) {
+    this->bias = register_parameter("bias", empty<float>({out_features}));
+    const double bound = 1.0 / std::sqrt(static_cast<double>(in_features));
+    init::uniform_(this->bias, -bound, bound);
+  }
+}
+
+template <class>
+Tensor<float> LinearImpl::forward(const Tensor<float>& x) const {
+  if (bias.defined()) return linear(x, weight, bias);
+  return linear(x, weight);
+}
+
 #if LAZYTENSOR_HEADER_DEFINITIONS
 LAZYTENSOR_INLINE void LinearImpl::pretty_print(std::ostream& os) const {
   os << "Linear(in_features=" << in_ << ", out_features=" << out_ << ", bias=" << (bias.defined() ? "True" : "False")
@@ -59,3 +66,11 @@ LAZYTENSOR_INLINE void LinearImpl::pretty_print(std::ostream& os) const {
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::nn
+
+// Instantiated once in the compiled runtime (core/config.hpp).
+#define LAZYTENSOR_NN_LINEAR_INSTANCES(P)                                          \
+  P template lazy::nn::LinearImpl::LinearImpl(std::int64_t, std::int64_t, bool); \
+  P template lazy::Tensor<float> lazy::nn::LinearImpl::forward<void>(const lazy::Tensor<float>&) const;
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_NN_LINEAR_INSTANCES(extern)
+#endif

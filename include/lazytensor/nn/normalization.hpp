@@ -18,15 +18,9 @@ namespace lazy::nn {
 class LayerNormImpl : public Module {
  public:
   template <class = void>
-  explicit LayerNormImpl(Shape normalized_shape, double eps = 1e-5, bool elementwise_affine = true)
-      : Module("LayerNorm"), shape_(normalized_shape), eps_(eps) {
-    if (elementwise_affine) {
-      weight = register_parameter("weight", ones<float>(normalized_shape));
-      bias = register_parameter("bias", zeros<float>(normalized_shape));
-    }
-  }
+  explicit LayerNormImpl(Shape normalized_shape, double eps = 1e-5, bool elementwise_affine = true);
   template <class = void>
-  Tensor<float> forward(const Tensor<float>& x) const { return functional::layer_norm(x, shape_, weight, bias, eps_); }
+  Tensor<float> forward(const Tensor<float>& x) const;
   void pretty_print(std::ostream& os) const override;
 
   Tensor<float> weight, bias;
@@ -37,68 +31,33 @@ class LayerNormImpl : public Module {
 };
 LAZY_MODULE(LayerNorm);
 
+// (Outside the class, so not inline: see core/config.hpp.)
+template <class>
+LayerNormImpl::LayerNormImpl(Shape normalized_shape, double eps, bool elementwise_affine)
+    : Module("LayerNorm"), shape_(normalized_shape), eps_(eps) {
+  if (elementwise_affine) {
+    weight = register_parameter("weight", ones<float>(normalized_shape));
+    bias = register_parameter("bias", zeros<float>(normalized_shape));
+  }
+}
+
+template <class>
+Tensor<float> LayerNormImpl::forward(const Tensor<float>& x) const {
+  return functional::layer_norm(x, shape_, weight, bias, eps_);
+}
+
 /// Batch normalization over the channel dim 1 of [N, C] or [N, C, L] (Rank 1) or
 /// [N, C, H, W] (Rank 2) inputs.
 template <int Rank>
 class BatchNormImpl : public Module {
  public:
   explicit BatchNormImpl(std::int64_t num_features, double eps = 1e-5, double momentum = 0.1, bool affine = true,
-                         bool track_running_stats = true)
-      : Module(Rank == 1 ? "BatchNorm1d" : "BatchNorm2d"), c_(num_features), eps_(eps), momentum_(momentum) {
-    if (affine) {
-      weight = register_parameter("weight", ones<float>({num_features}));
-      bias = register_parameter("bias", zeros<float>({num_features}));
-    }
-    if (track_running_stats) {
-      running_mean = zeros<float>({num_features});
-      running_var = ones<float>({num_features});
-      num_batches_tracked = zeros<std::int64_t>({});
-      register_buffer("running_mean", running_mean);
-      register_buffer("running_var", running_var);
-      register_buffer("num_batches_tracked", num_batches_tracked);
-    }
-  }
+                         bool track_running_stats = true);
 
   /// (F is float: the input is a template-dependent type so that this body, which calls
   /// deduced-type reductions, is compiled only where a batch norm runs.)
   template <class F = float>
-  Tensor<F> forward(const functional::detail::Arg<F>& x) {
-    const int r = x.dim();
-    const bool ok = Rank == 1 ? (r == 2 || r == 3) : r == 4;
-    if (!ok || x.size(1) != c_) {
-      throw ShapeError(name() + ": expected input of shape " +
-                       (Rank == 1 ? "(N, " + std::to_string(c_) + ") or (N, " + std::to_string(c_) + ", L)"
-                                  : "(N, " + std::to_string(c_) + ", H, W)") +
-                       ", got " + x.shape().str());
-    }
-    std::vector<std::int64_t> dims{0};
-    for (int d = 2; d < r; ++d) dims.push_back(d);
-    Shape stat;  // [1, C, 1, ...]
-    for (int d = 0; d < r; ++d) stat.push_back(d == 1 ? c_ : 1);
-    Tensor<F> y;
-    if (is_training() || !running_mean.defined()) {
-      const std::int64_t count = x.numel() / c_;
-      if (is_training() && count <= 1) {
-        throw Error(name() + ": expected more than 1 value per channel when training, got input " + x.shape().str());
-      }
-      Tensor<F> mu = mean(x, dims, true);
-      Tensor<F> xc = x - mu;
-      Tensor<F> var = mean(xc * xc, dims, true);
-      y = xc * rsqrt(var + static_cast<float>(eps_));
-      if (is_training() && running_mean.defined()) {
-        NoGradGuard guard;
-        const auto m = static_cast<float>(momentum_);
-        const float unbias = static_cast<float>(count) / static_cast<float>(count - 1);
-        running_mean.copy_(running_mean * (1 - m) + reshape(mu, Shape{c_}) * m);
-        running_var.copy_(running_var * (1 - m) + reshape(var, Shape{c_}) * (m * unbias));
-        num_batches_tracked.add_(1);
-      }
-    } else {
-      y = (x - reshape(running_mean, stat)) * rsqrt(reshape(running_var, stat) + static_cast<float>(eps_));
-    }
-    if (weight.defined()) y = y * reshape(weight, stat) + reshape(bias, stat);
-    return y;
-  }
+  Tensor<F> forward(const functional::detail::Arg<F>& x);
 
   void pretty_print(std::ostream& os) const override {
     os << name() << "(" << c_ << ", eps=" << eps_ << ", momentum=" << momentum_
@@ -114,6 +73,65 @@ class BatchNormImpl : public Module {
   double eps_, momentum_;
 };
 
+// (Outside the class, so not inline: see core/config.hpp.)
+template <int Rank>
+BatchNormImpl<Rank>::BatchNormImpl(std::int64_t num_features, double eps, double momentum, bool affine,
+                                   bool track_running_stats)
+    : Module(Rank == 1 ? "BatchNorm1d" : "BatchNorm2d"), c_(num_features), eps_(eps), momentum_(momentum) {
+  if (affine) {
+    weight = register_parameter("weight", ones<float>({num_features}));
+    bias = register_parameter("bias", zeros<float>({num_features}));
+  }
+  if (track_running_stats) {
+    running_mean = zeros<float>({num_features});
+    running_var = ones<float>({num_features});
+    num_batches_tracked = zeros<std::int64_t>({});
+    register_buffer("running_mean", running_mean);
+    register_buffer("running_var", running_var);
+    register_buffer("num_batches_tracked", num_batches_tracked);
+  }
+}
+
+template <int Rank>
+template <class F>
+Tensor<F> BatchNormImpl<Rank>::forward(const functional::detail::Arg<F>& x) {
+  const int r = x.dim();
+  const bool ok = Rank == 1 ? (r == 2 || r == 3) : r == 4;
+  if (!ok || x.size(1) != c_) {
+    throw ShapeError(name() + ": expected input of shape " +
+                     (Rank == 1 ? "(N, " + std::to_string(c_) + ") or (N, " + std::to_string(c_) + ", L)"
+                                : "(N, " + std::to_string(c_) + ", H, W)") +
+                     ", got " + x.shape().str());
+  }
+  std::vector<std::int64_t> dims{0};
+  for (int d = 2; d < r; ++d) dims.push_back(d);
+  Shape stat;  // [1, C, 1, ...]
+  for (int d = 0; d < r; ++d) stat.push_back(d == 1 ? c_ : 1);
+  Tensor<F> y;
+  if (is_training() || !running_mean.defined()) {
+    const std::int64_t count = x.numel() / c_;
+    if (is_training() && count <= 1) {
+      throw Error(name() + ": expected more than 1 value per channel when training, got input " + x.shape().str());
+    }
+    Tensor<F> mu = mean(x, dims, true);
+    Tensor<F> xc = x - mu;
+    Tensor<F> var = mean(xc * xc, dims, true);
+    y = xc * rsqrt(var + static_cast<float>(eps_));
+    if (is_training() && running_mean.defined()) {
+      NoGradGuard guard;
+      const auto m = static_cast<float>(momentum_);
+      const float unbias = static_cast<float>(count) / static_cast<float>(count - 1);
+      running_mean.copy_(running_mean * (1 - m) + reshape(mu, Shape{c_}) * m);
+      running_var.copy_(running_var * (1 - m) + reshape(var, Shape{c_}) * (m * unbias));
+      num_batches_tracked.add_(1);
+    }
+  } else {
+    y = (x - reshape(running_mean, stat)) * rsqrt(reshape(running_var, stat) + static_cast<float>(eps_));
+  }
+  if (weight.defined()) y = y * reshape(weight, stat) + reshape(bias, stat);
+  return y;
+}
+
 using BatchNorm1dImpl = BatchNormImpl<1>;
 using BatchNorm2dImpl = BatchNormImpl<2>;
 LAZY_MODULE(BatchNorm1d);
@@ -126,3 +144,17 @@ LAZYTENSOR_INLINE void LayerNormImpl::pretty_print(std::ostream& os) const {
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::nn
+
+// Instantiated once in the compiled runtime (core/config.hpp).
+#define LAZYTENSOR_NN_NORMALIZATION_INSTANCES(P)                                                                 \
+  P template lazy::nn::LayerNormImpl::LayerNormImpl(lazy::Shape, double, bool);                                  \
+  P template lazy::Tensor<float> lazy::nn::LayerNormImpl::forward<void>(const lazy::Tensor<float>&) const;       \
+  P template class lazy::nn::BatchNormImpl<1>;                                                                   \
+  P template class lazy::nn::BatchNormImpl<2>;                                                                   \
+  P template lazy::Tensor<float> lazy::nn::BatchNormImpl<1>::forward<float>(                                     \
+      const lazy::nn::functional::detail::Arg<float>&);                                                          \
+  P template lazy::Tensor<float> lazy::nn::BatchNormImpl<2>::forward<float>(                                     \
+      const lazy::nn::functional::detail::Arg<float>&);
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_NN_NORMALIZATION_INSTANCES(extern)
+#endif

@@ -65,9 +65,7 @@ class MaxPool2dImpl : public Module {
   /// ShapeError (from max_pool2d) unless x is [N, C, H, W] with a plane no smaller than the
   /// kernel once padded.
   template <class = void>
-  Tensor<float> forward(const Tensor<float>& x) const {
-    return max_pool2d(x, options.kernel_size(), options.stride(), options.padding());
-  }
+  Tensor<float> forward(const Tensor<float>& x) const;
   /// PyTorch's repr: `MaxPool2d(kernel_size=2, stride=2, padding=0, dilation=1,
   /// ceil_mode=False)`.
   void pretty_print(std::ostream& os) const override;
@@ -88,10 +86,7 @@ class AvgPool2dImpl : public Module {
   /// ShapeError (from avg_pool2d) unless x is [N, C, H, W] with a plane no smaller than the
   /// kernel once padded.
   template <class = void>
-  Tensor<float> forward(const Tensor<float>& x) const {
-    return avg_pool2d(x, options.kernel_size(), options.stride(), options.padding(),
-                      options.count_include_pad());
-  }
+  Tensor<float> forward(const Tensor<float>& x) const;
   /// PyTorch's repr: `AvgPool2d(kernel_size=2, stride=2, padding=0)` (plus
   /// `count_include_pad=False` when set).
   void pretty_print(std::ostream& os) const override;
@@ -100,6 +95,18 @@ class AvgPool2dImpl : public Module {
   const AvgPool2dOptions options;
 };
 LAZY_MODULE(AvgPool2d);
+
+// (Outside the classes, so not inline: see core/config.hpp.)
+template <class>
+Tensor<float> MaxPool2dImpl::forward(const Tensor<float>& x) const {
+  return max_pool2d(x, options.kernel_size(), options.stride(), options.padding());
+}
+
+template <class>
+Tensor<float> AvgPool2dImpl::forward(const Tensor<float>& x) const {
+  return avg_pool2d(x, options.kernel_size(), options.stride(), options.padding(),
+                    options.count_include_pad());
+}
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace detail {
@@ -149,3 +156,11 @@ LAZYTENSOR_INLINE void AvgPool2dImpl::pretty_print(std::ostream& os) const {
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::nn
+
+// Instantiated once in the compiled runtime (core/config.hpp).
+#define LAZYTENSOR_NN_POOLING_INSTANCES(P)                                                                    \
+  P template lazy::Tensor<float> lazy::nn::MaxPool2dImpl::forward<void>(const lazy::Tensor<float>&) const; \
+  P template lazy::Tensor<float> lazy::nn::AvgPool2dImpl::forward<void>(const lazy::Tensor<float>&) const;
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_NN_POOLING_INSTANCES(extern)
+#endif

@@ -24,11 +24,7 @@ class SequentialImpl : public Module {
 
   /// Appends a module (a holder such as nn::Linear) whose forward maps a float tensor to one.
   template <class H>
-  void push_back(H holder) {
-    auto impl = holder.ptr();
-    register_module(std::to_string(steps_.size()), impl);
-    steps_.emplace_back([impl](const Tensor<float>& x) { return Tensor<float>(impl->forward(x)); });
-  }
+  void push_back(H holder);
 
   /// Applies every module in order.
   Tensor<float> forward(const Tensor<float>& x) const;
@@ -39,6 +35,15 @@ class SequentialImpl : public Module {
   std::vector<std::function<Tensor<float>(const Tensor<float>&)>> steps_;
 };
 LAZY_MODULE(Sequential);
+
+// (Outside the class, so not inline: see core/config.hpp. The library's own layers are
+// instantiated in the compiled runtime, LAZYTENSOR_NN_SEQUENTIAL_INSTANCES in nn.hpp.)
+template <class H>
+void SequentialImpl::push_back(H holder) {
+  auto impl = holder.ptr();
+  register_module(std::to_string(steps_.size()), impl);
+  steps_.emplace_back([impl](const Tensor<float>& x) { return Tensor<float>(impl->forward(x)); });
+}
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 LAZYTENSOR_INLINE Tensor<float> SequentialImpl::forward(const Tensor<float>& x) const {

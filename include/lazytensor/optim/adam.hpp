@@ -46,48 +46,7 @@ class AdamBase : public OptimizerWithOptions<Options> {
     for (const auto& g : this->groups_) validate(g.options);
   }
 
-  void step() override {
-    NoGradGuard guard;
-    for (std::size_t gi = 0; gi < this->groups_.size(); ++gi) {
-      const AdamOptions& o = this->groups_[gi].options;
-      const double lr = o.lr(), b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas()), wd = o.weight_decay();
-      auto& ps = this->groups_[gi].params;
-      for (std::size_t k = 0; k < ps.size(); ++k) {
-        Tensor<float>& p = ps[k];
-        const Tensor<float> grad = p.grad();
-        if (!grad.defined()) continue;
-        ParamState& st = this->state(gi, k);
-        const std::int64_t t = ++st.step;
-        const Tensor<float> g = !Decoupled && wd != 0 ? Tensor<float>(grad + static_cast<float>(wd) * p) : grad;
-        auto init = [&](const char* name) -> Tensor<float>& {
-          auto it = st.tensors.find(name);
-          if (it == st.tensors.end()) it = st.tensors.emplace(name, zeros<float>(p.shape(), p.device())).first;
-          return it->second;
-        };
-        Tensor<float>& m = init("exp_avg");
-        Tensor<float>& v = init("exp_avg_sq");
-        m.copy_(m * static_cast<float>(b1) + g * static_cast<float>(1 - b1));
-        v.copy_(v * static_cast<float>(b2) + g * g * static_cast<float>(1 - b2));
-        // p -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps), rearranged so that no scalar
-        // drifts to exactly 1 as the bias corrections vanish:
-        // lr sqrt(bc2) / bc1 * m / (sqrt(v) + eps sqrt(bc2)).
-        const double bc1 = 1 - std::pow(b1, static_cast<double>(t));
-        const double sbc2 = std::sqrt(1 - std::pow(b2, static_cast<double>(t)));
-        const auto step_size = static_cast<float>(lr * sbc2 / bc1), eps = static_cast<float>(o.eps() * sbc2);
-        const Tensor<float>* vmax = &v;
-        if (o.amsgrad()) {
-          Tensor<float>& mx = init("max_exp_avg_sq");
-          mx.copy_(maximum(mx, v));
-          vmax = &mx;
-        }
-        if (Decoupled && wd != 0) {
-          p.copy_(p * static_cast<float>(1 - lr * wd) - step_size * m / (sqrt(*vmax) + eps));
-        } else {
-          p.sub_(step_size * m / (sqrt(*vmax) + eps));
-        }
-      }
-    }
-  }
+  void step() override;
 
  protected:
   std::string type_name() const override { return Decoupled ? "AdamW" : "Adam"; }
@@ -98,16 +57,64 @@ class AdamBase : public OptimizerWithOptions<Options> {
     if constexpr (Decoupled) return AdamWOptions();
     else return Options();
   }
-  void validate(const AdamOptions& o) const {
-    const double b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
-    const std::string n = type_name();
-    if (o.lr() < 0) throw Error(n + ": invalid learning rate " + std::to_string(o.lr()));
-    if (o.eps() < 0) throw Error(n + ": invalid epsilon value " + std::to_string(o.eps()));
-    if (b1 < 0 || b1 >= 1) throw Error(n + ": invalid beta parameter at index 0: " + std::to_string(b1));
-    if (b2 < 0 || b2 >= 1) throw Error(n + ": invalid beta parameter at index 1: " + std::to_string(b2));
-    if (o.weight_decay() < 0) throw Error(n + ": invalid weight_decay value " + std::to_string(o.weight_decay()));
-  }
+  void validate(const AdamOptions& o) const;
 };
+
+// (Outside the class, so not inline: see core/config.hpp.)
+template <class Options, bool Decoupled>
+void AdamBase<Options, Decoupled>::step() {
+  NoGradGuard guard;
+  for (std::size_t gi = 0; gi < this->groups_.size(); ++gi) {
+    const AdamOptions& o = this->groups_[gi].options;
+    const double lr = o.lr(), b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas()), wd = o.weight_decay();
+    auto& ps = this->groups_[gi].params;
+    for (std::size_t k = 0; k < ps.size(); ++k) {
+      Tensor<float>& p = ps[k];
+      const Tensor<float> grad = p.grad();
+      if (!grad.defined()) continue;
+      ParamState& st = this->state(gi, k);
+      const std::int64_t t = ++st.step;
+      const Tensor<float> g = !Decoupled && wd != 0 ? Tensor<float>(grad + static_cast<float>(wd) * p) : grad;
+      auto init = [&](const char* name) -> Tensor<float>& {
+        auto it = st.tensors.find(name);
+        if (it == st.tensors.end()) it = st.tensors.emplace(name, zeros<float>(p.shape(), p.device())).first;
+        return it->second;
+      };
+      Tensor<float>& m = init("exp_avg");
+      Tensor<float>& v = init("exp_avg_sq");
+      m.copy_(m * static_cast<float>(b1) + g * static_cast<float>(1 - b1));
+      v.copy_(v * static_cast<float>(b2) + g * g * static_cast<float>(1 - b2));
+      // p -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps), rearranged so that no scalar
+      // drifts to exactly 1 as the bias corrections vanish:
+      // lr sqrt(bc2) / bc1 * m / (sqrt(v) + eps sqrt(bc2)).
+      const double bc1 = 1 - std::pow(b1, static_cast<double>(t));
+      const double sbc2 = std::sqrt(1 - std::pow(b2, static_cast<double>(t)));
+      const auto step_size = static_cast<float>(lr * sbc2 / bc1), eps = static_cast<float>(o.eps() * sbc2);
+      const Tensor<float>* vmax = &v;
+      if (o.amsgrad()) {
+        Tensor<float>& mx = init("max_exp_avg_sq");
+        mx.copy_(maximum(mx, v));
+        vmax = &mx;
+      }
+      if (Decoupled && wd != 0) {
+        p.copy_(p * static_cast<float>(1 - lr * wd) - step_size * m / (sqrt(*vmax) + eps));
+      } else {
+        p.sub_(step_size * m / (sqrt(*vmax) + eps));
+      }
+    }
+  }
+}
+
+template <class Options, bool Decoupled>
+void AdamBase<Options, Decoupled>::validate(const AdamOptions& o) const {
+  const double b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
+  const std::string n = type_name();
+  if (o.lr() < 0) throw Error(n + ": invalid learning rate " + std::to_string(o.lr()));
+  if (o.eps() < 0) throw Error(n + ": invalid epsilon value " + std::to_string(o.eps()));
+  if (b1 < 0 || b1 >= 1) throw Error(n + ": invalid beta parameter at index 0: " + std::to_string(b1));
+  if (b2 < 0 || b2 >= 1) throw Error(n + ": invalid beta parameter at index 1: " + std::to_string(b2));
+  if (o.weight_decay() < 0) throw Error(n + ": invalid weight_decay value " + std::to_string(o.weight_decay()));
+}
 
 /// Adam (L2 weight decay added to the gradient), as torch.optim.Adam. A class template
 /// under the name: its step is compiled only into programs that use it.
@@ -138,3 +145,12 @@ LAZYTENSOR_INLINE AdamOptions AdamOptions::from_map(const std::map<std::string, 
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::optim
+
+// Instantiated once in the compiled runtime (core/config.hpp).
+#define LAZYTENSOR_OPTIM_ADAM_INSTANCES(P)                                          \
+  P template class lazy::optim::OptimizerWithOptions<lazy::optim::AdamOptions>; \
+  P template class lazy::optim::AdamBase<lazy::optim::AdamOptions, false>;      \
+  P template class lazy::optim::AdamBase<lazy::optim::AdamOptions, true>;
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_OPTIM_ADAM_INSTANCES(extern)
+#endif
