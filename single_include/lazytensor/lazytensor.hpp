@@ -111,35 +111,165 @@
 #include <string>
 #include <vector>
 
-// ---- begin lazytensor/autograd/node_ops.hpp ----
-// The few operations autograd performs on gradients (a GradFn receives and returns graph
-// nodes): sum a broadcast gradient back to an input's shape, convert dtype, add two
-// gradients, make a constant. All build pending nodes. Each exists typed (instantiated for
-// the dtypes a program uses) and, where the dtype is a run-time value, behind a table that
-// the typed code fills.
+// ---- begin lazytensor/autograd/function.hpp ----
+// The autograd graph, as in libtorch: every value computed from tensors that require grad
+// records a GradFn that maps the gradient of its output to the gradients of its inputs,
+// and points (`next`) at the functions that receive those. Leaves end in AccumulateGrad,
+// which adds into the leaf's `.grad()`. Gradients are graph nodes too, so a backward pass
+// only builds pending work; it runs at the next mark_step with the forward and the update.
+//
+// This header only needs the graph layer: tensors, expressions and ops include it.
 
-#include <algorithm>
-#include <atomic>
 #include <memory>
+#include <mutex>
 #include <string>
-#include <type_traits>
+#include <utility>
 #include <vector>
 
-// ---- begin lazytensor/graph/elementwise_node.hpp ----
-// The graph node of a fused element-wise kernel: one expression, one output, one pass.
-//
-// Split as Eigen splits expressions from evaluators: ElementwiseNode (not a template) owns
-// the graph-side logic — layout, threading, GEMM epilogue fusion, donation — once for all
-// kernels; a CompiledKernel<K, Tout> holds the kernel-form expression and only the loops
-// that must be compiled per expression. That keeps each expression's cost in code (and
-// compile time) to its SIMD loops, and gives the planner one interface to run any
-// element-wise kernel over a range of elements.
+// ---- begin lazytensor/core/error.hpp ----
+// Error hierarchy. Every failure reachable from the public API is one of these, with a
+// message that says what was expected, what was found, and where.
 
+#include <exception>
+#include <stdexcept>
+#include <string>
+
+
+namespace lazy {
+
+/// Base of every lazytensor error.
+class Error : public std::runtime_error {
+ public:
+  explicit Error(const std::string& what) : std::runtime_error(what) {}
+};
+
+/// Incompatible or invalid shapes, out-of-range dimensions.
+class ShapeError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// An op was given a dtype it does not support.
+class DTypeError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// An index value (gather, index_select, one_hot, ...) is out of range.
+class IndexError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// Tensors on different devices, or an unknown device.
+class DeviceError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// Invalid sharding annotation.
+class ShardingError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// Base of collective failures.
+class CollectiveError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// Replicas issued different collectives at the same sequence number.
+class CollectiveMismatch : public CollectiveError {
+ public:
+  using CollectiveError::CollectiveError;
+};
+
+/// A participant did not arrive in time.
+class CollectiveTimeout : public CollectiveError {
+ public:
+  using CollectiveError::CollectiveError;
+};
+
+/// Another replica failed; this one was woken up to stop.
+class ReplicaAborted : public CollectiveError {
+ public:
+  using CollectiveError::CollectiveError;
+};
+
+/// Malformed or truncated file contents.
+class FormatError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// The operating system refused a file operation.
+class IoError : public Error {
+ public:
+  using Error::Error;
+};
+
+namespace detail {
+
+/// The message of a caught exception: what() of a std::exception, else a placeholder.
+std::string exception_message(const std::exception_ptr& e);
+
+}  // namespace detail
+
+}  // namespace lazy
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::detail {
+
+LAZYTENSOR_INLINE std::string exception_message(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& ex) {
+    return ex.what();
+  } catch (...) {
+    return "an exception not derived from std::exception";
+  }
+}
+
+}  // namespace lazy::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/core/error.hpp ----
+// ---- begin lazytensor/graph/node.hpp ----
+// Runtime graph nodes. A node is a type-erased kernel plus its inputs; once computed it
+// keeps only its buffer and drops its inputs, so the graph behind it can be freed.
+
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
-#include <typeinfo>
 #include <vector>
+
+// ---- begin lazytensor/core/buffer.hpp ----
+// Device memory: 64-byte aligned buffers padded to whole SIMD batches, recycled by a
+// per-device pool so that a steady training loop stops touching the allocator.
+//
+// Large buffers (2 MiB and up) start on a 2 MiB boundary and ask Linux for transparent huge
+// pages. Why: a kernel streaming 2^24 floats from DRAM walks 16k 4-KiB pages per array, and
+// the TLB misses (doubly expensive under a hypervisor) cost 25-40% of the bandwidth on the
+// development machine (20 -> 26-29 GB/s for sum((a - b)^2)). Most distributions leave THP in
+// "madvise" mode, so without the hint the kernel never uses them. LAZYTENSOR_HUGE_PAGES=0
+// turns the hint off.
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
 
 // ---- begin lazytensor/core/counters.hpp ----
 // Process-wide counters and timing metrics, named like PyTorch/XLA's. The lower layers
@@ -399,221 +529,6 @@ LAZYTENSOR_INLINE ScopedTimer::~ScopedTimer() { m_.record(MetricClock::to_ns(t0_
 }  // namespace lazy::core
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/core/counters.hpp ----
-// ---- begin lazytensor/expr/dual.hpp ----
-// Gradient kernels of element-wise expressions, derived at compile time.
-//
-// The gradient of y = f(leaves...) with respect to one leaf is g * dy/dleaf, element by
-// element. DualEval evaluates f on dual numbers (value, tangent) with the tangent seeded
-// at the target leaf: each op combines its operands' tangents through its declared local
-// derivatives (functors.hpp, d<I>), so the chain rule over the expression's type yields
-// one fused kernel that recomputes the forward values it needs and never writes an
-// intermediate. A leaf that appears twice (x * x) is one input slot, so its tangent
-// counts both uses. Subtrees without the target skip their tangent arithmetic (a
-// loop-invariant branch).
-
-#include <cstdint>
-#include <string>
-#include <tuple>
-
-// ---- begin lazytensor/expr/evaluator.hpp ----
-// Evaluators: built per kernel run from a kernel-form expression and the input pointers.
-// They carry what nodes do not: pointers, the splat flags, the lane type S, and the
-// scalar (coeff) and SIMD (packet) access paths. Eigen's split, in short.
-
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
-#include <tuple>
-#include <type_traits>
-#include <vector>
-
-#include <xsimd/xsimd.hpp>
-
-// ---- begin lazytensor/expr/kernel_form.hpp ----
-// The kernel form of an expression: the same tree with every tensor leaf replaced by the
-// index of a node input. A graph node stores this form, so it holds no handle of its own
-// beyond its input list (buffer donation counts references on that list).
-
-#include <cstddef>
-#include <cstdint>
-#include <memory>
-#include <string>
-#include <tuple>
-#include <type_traits>
-#include <vector>
-
-// ---- begin lazytensor/expr/expr.hpp ----
-// Expression nodes. They are thin: an op type and its operands. Leaves hold the graph node
-// of a tensor's value at the time the expression was built (so `auto e = a + 1; a += 5;`
-// keeps meaning the old `a`), scalars hold their value, and the shape is broadcast once,
-// at construction, where a mismatch is reported against the line that built it.
-
-#include <concepts>
-#include <cstdint>
-#include <tuple>
-#include <type_traits>
-#include <utility>
-
-// ---- begin lazytensor/autograd/function.hpp ----
-// The autograd graph, as in libtorch: every value computed from tensors that require grad
-// records a GradFn that maps the gradient of its output to the gradients of its inputs,
-// and points (`next`) at the functions that receive those. Leaves end in AccumulateGrad,
-// which adds into the leaf's `.grad()`. Gradients are graph nodes too, so a backward pass
-// only builds pending work; it runs at the next mark_step with the forward and the update.
-//
-// This header only needs the graph layer: tensors, expressions and ops include it.
-
-#include <memory>
-#include <mutex>
-#include <string>
-#include <utility>
-#include <vector>
-
-// ---- begin lazytensor/core/error.hpp ----
-// Error hierarchy. Every failure reachable from the public API is one of these, with a
-// message that says what was expected, what was found, and where.
-
-#include <exception>
-#include <stdexcept>
-#include <string>
-
-
-namespace lazy {
-
-/// Base of every lazytensor error.
-class Error : public std::runtime_error {
- public:
-  explicit Error(const std::string& what) : std::runtime_error(what) {}
-};
-
-/// Incompatible or invalid shapes, out-of-range dimensions.
-class ShapeError : public Error {
- public:
-  using Error::Error;
-};
-
-/// An op was given a dtype it does not support.
-class DTypeError : public Error {
- public:
-  using Error::Error;
-};
-
-/// An index value (gather, index_select, one_hot, ...) is out of range.
-class IndexError : public Error {
- public:
-  using Error::Error;
-};
-
-/// Tensors on different devices, or an unknown device.
-class DeviceError : public Error {
- public:
-  using Error::Error;
-};
-
-/// Invalid sharding annotation.
-class ShardingError : public Error {
- public:
-  using Error::Error;
-};
-
-/// Base of collective failures.
-class CollectiveError : public Error {
- public:
-  using Error::Error;
-};
-
-/// Replicas issued different collectives at the same sequence number.
-class CollectiveMismatch : public CollectiveError {
- public:
-  using CollectiveError::CollectiveError;
-};
-
-/// A participant did not arrive in time.
-class CollectiveTimeout : public CollectiveError {
- public:
-  using CollectiveError::CollectiveError;
-};
-
-/// Another replica failed; this one was woken up to stop.
-class ReplicaAborted : public CollectiveError {
- public:
-  using CollectiveError::CollectiveError;
-};
-
-/// Malformed or truncated file contents.
-class FormatError : public Error {
- public:
-  using Error::Error;
-};
-
-/// The operating system refused a file operation.
-class IoError : public Error {
- public:
-  using Error::Error;
-};
-
-namespace detail {
-
-/// The message of a caught exception: what() of a std::exception, else a placeholder.
-std::string exception_message(const std::exception_ptr& e);
-
-}  // namespace detail
-
-}  // namespace lazy
-
-#if LAZYTENSOR_HEADER_DEFINITIONS
-namespace lazy::detail {
-
-LAZYTENSOR_INLINE std::string exception_message(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& ex) {
-    return ex.what();
-  } catch (...) {
-    return "an exception not derived from std::exception";
-  }
-}
-
-}  // namespace lazy::detail
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
-// ---- end lazytensor/core/error.hpp ----
-// ---- begin lazytensor/graph/node.hpp ----
-// Runtime graph nodes. A node is a type-erased kernel plus its inputs; once computed it
-// keeps only its buffer and drops its inputs, so the graph behind it can be freed.
-
-#include <atomic>
-#include <cstdint>
-#include <memory>
-#include <string>
-#include <vector>
-
-// ---- begin lazytensor/core/buffer.hpp ----
-// Device memory: 64-byte aligned buffers padded to whole SIMD batches, recycled by a
-// per-device pool so that a steady training loop stops touching the allocator.
-//
-// Large buffers (2 MiB and up) start on a 2 MiB boundary and ask Linux for transparent huge
-// pages. Why: a kernel streaming 2^24 floats from DRAM walks 16k 4-KiB pages per array, and
-// the TLB misses (doubly expensive under a hypervisor) cost 25-40% of the bandwidth on the
-// development machine (20 -> 26-29 GB/s for sum((a - b)^2)). Most distributions leave THP in
-// "madvise" mode, so without the hint the kernel never uses them. LAZYTENSOR_HUGE_PAGES=0
-// turns the hint off.
-
-#include <atomic>
-#include <cstddef>
-#include <cstdint>
-#include <cstdlib>
-#include <memory>
-#include <mutex>
-#include <new>
-#include <unordered_map>
-#include <utility>
-#include <vector>
-
-#if defined(__linux__)
-#include <sys/mman.h>
-#include <unistd.h>
-#endif
-
 // ---- begin lazytensor/core/env.hpp ----
 // Reading settings from the environment (LAZYTENSOR_*): a malformed value is an error
 // naming the variable, never silently replaced by a default.
@@ -1485,10 +1400,111 @@ LAZYTENSOR_INLINE std::shared_ptr<Buffer> Node::try_donate(std::size_t i) {
 }  // namespace lazy::graph
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/graph/node.hpp ----
+// ---- begin lazytensor/graph/tensor_impl.hpp ----
+// The object every copy of a Tensor handle shares. In-place ops rebind `node`, so all
+// copies see the new value (functionalization, as in libtorch/XLA).
+
+#include <cstddef>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+
+namespace lazy::autograd {
+class GradFn;
+}  // namespace lazy::autograd
 
 namespace lazy::graph {
+
+class HandleRegistry;
 struct TensorImpl;
+
+/// Per-tensor autograd state, allocated only for tensors that take part in autograd. Plain
+/// data held by the tensor object; autograd/ (which calls it autograd::AutogradMeta) gives
+/// it its meaning.
+struct AutogradState {
+  bool requires_grad = false;
+  /// The function that produced this value (nullptr for leaves).
+  std::shared_ptr<autograd::GradFn> grad_fn;
+  /// A leaf's AccumulateGrad, shared by every expression that reads the leaf.
+  std::weak_ptr<autograd::GradFn> accumulator;
+  /// The accumulated gradient (leaves, or non-leaves with retain_grad()), as a tensor
+  /// object of its own so that `p.grad()` handles can update it in place.
+  std::shared_ptr<TensorImpl> grad;
+  bool retains_grad = false;
+};
+
+/// Shared state behind a tensor handle.
+struct TensorImpl {
+  explicit TensorImpl(NodePtr n) : node(std::move(n)) {}
+  ~TensorImpl();
+  TensorImpl(const TensorImpl&) = delete;
+  TensorImpl& operator=(const TensorImpl&) = delete;
+  NodePtr node;
+  /// Autograd state; null for tensors that never took part in autograd.
+  std::unique_ptr<AutogradState> autograd;
+
+  /// The autograd state, created on first use.
+  AutogradState& autograd_meta();
+  /// True when gradients flow into this tensor.
+  bool requires_grad() const { return autograd && autograd->requires_grad; }
+
+  /// The registry listing this handle (Device::register_handle), and its slot there.
+  std::shared_ptr<HandleRegistry> registry;
+  std::size_t registry_slot = 0;
+};
+
+/// The live handles of a device, so mark_step can find the pending values still wanted.
+/// A handle adds itself when registered and removes itself when destroyed (O(1) each), so
+/// a step looks at live handles only. Shared by the device and its handles: a handle that
+/// outlives its device (a static tensor at exit) still finds the registry.
+class HandleRegistry {
+ public:
+  void add(TensorImpl* impl);
+  void remove(TensorImpl* impl);
+  /// Calls f(impl) for every live handle; handles cannot be destroyed meanwhile.
+  template <class F>
+  void for_each(F&& f) {
+    std::lock_guard lock(mu_);
+    for (TensorImpl* impl : live_) f(*impl);
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<TensorImpl*> live_;
+};
+
+inline TensorImpl::~TensorImpl() {
+  if (registry) registry->remove(this);
 }
+
+}  // namespace lazy::graph
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::graph {
+
+LAZYTENSOR_INLINE AutogradState& TensorImpl::autograd_meta() {
+  if (!autograd) autograd = std::make_unique<AutogradState>();
+  return *autograd;
+}
+
+LAZYTENSOR_INLINE void HandleRegistry::add(TensorImpl* impl) {
+  std::lock_guard lock(mu_);
+  impl->registry_slot = live_.size();
+  live_.push_back(impl);
+}
+
+LAZYTENSOR_INLINE void HandleRegistry::remove(TensorImpl* impl) {
+  std::lock_guard lock(mu_);
+  TensorImpl* last = live_.back();
+  live_[impl->registry_slot] = last;
+  last->registry_slot = impl->registry_slot;
+  live_.pop_back();
+}
+
+}  // namespace lazy::graph
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/graph/tensor_impl.hpp ----
 
 namespace lazy::autograd {
 
@@ -1528,18 +1544,8 @@ class GradFn {
   bool released_ = false;
 };
 
-/// Per-tensor autograd state, allocated only for tensors that take part in autograd.
-struct AutogradMeta {
-  bool requires_grad = false;
-  /// The function that produced this value (nullptr for leaves).
-  GradFnPtr grad_fn;
-  /// A leaf's AccumulateGrad, shared by every expression that reads the leaf.
-  std::weak_ptr<GradFn> accumulator;
-  /// The accumulated gradient (leaves, or non-leaves with retain_grad()), as a tensor
-  /// object of its own so that `p.grad()` handles can update it in place.
-  std::shared_ptr<graph::TensorImpl> grad;
-  bool retains_grad = false;
-};
+/// Per-tensor autograd state (defined with the tensor object it belongs to).
+using AutogradMeta = graph::AutogradState;
 
 // ---- grad mode -------------------------------------------------------------------------
 
@@ -1588,6 +1594,92 @@ LAZYTENSOR_INLINE void GradFn::check_not_released() const {
 }  // namespace lazy::autograd
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/autograd/function.hpp ----
+// ---- begin lazytensor/autograd/node_ops.hpp ----
+// The few operations autograd performs on gradients (a GradFn receives and returns graph
+// nodes): sum a broadcast gradient back to an input's shape, convert dtype, add two
+// gradients, make a constant. All build pending nodes. Each exists typed (instantiated for
+// the dtypes a program uses) and, where the dtype is a run-time value, behind a table that
+// the typed code fills.
+
+#include <algorithm>
+#include <atomic>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+// ---- begin lazytensor/graph/elementwise_node.hpp ----
+// The graph node of a fused element-wise kernel: one expression, one output, one pass.
+//
+// Split as Eigen splits expressions from evaluators: ElementwiseNode (not a template) owns
+// the graph-side logic — layout, threading, GEMM epilogue fusion, donation — once for all
+// kernels; a CompiledKernel<K, Tout> holds the kernel-form expression and only the loops
+// that must be compiled per expression. That keeps each expression's cost in code (and
+// compile time) to its SIMD loops, and gives the planner one interface to run any
+// element-wise kernel over a range of elements.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <typeinfo>
+#include <vector>
+
+// ---- begin lazytensor/expr/dual.hpp ----
+// Gradient kernels of element-wise expressions, derived at compile time.
+//
+// The gradient of y = f(leaves...) with respect to one leaf is g * dy/dleaf, element by
+// element. DualEval evaluates f on dual numbers (value, tangent) with the tangent seeded
+// at the target leaf: each op combines its operands' tangents through its declared local
+// derivatives (functors.hpp, d<I>), so the chain rule over the expression's type yields
+// one fused kernel that recomputes the forward values it needs and never writes an
+// intermediate. A leaf that appears twice (x * x) is one input slot, so its tangent
+// counts both uses. Subtrees without the target skip their tangent arithmetic (a
+// loop-invariant branch).
+
+#include <cstdint>
+#include <string>
+#include <tuple>
+
+// ---- begin lazytensor/expr/evaluator.hpp ----
+// Evaluators: built per kernel run from a kernel-form expression and the input pointers.
+// They carry what nodes do not: pointers, the splat flags, the lane type S, and the
+// scalar (coeff) and SIMD (packet) access paths. Eigen's split, in short.
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include <xsimd/xsimd.hpp>
+
+// ---- begin lazytensor/expr/kernel_form.hpp ----
+// The kernel form of an expression: the same tree with every tensor leaf replaced by the
+// index of a node input. A graph node stores this form, so it holds no handle of its own
+// beyond its input list (buffer donation counts references on that list).
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+// ---- begin lazytensor/expr/expr.hpp ----
+// Expression nodes. They are thin: an op type and its operands. Leaves hold the graph node
+// of a tensor's value at the time the expression was built (so `auto e = a + 1; a += 5;`
+// keeps meaning the old `a`), scalars hold their value, and the shape is broadcast once,
+// at construction, where a mismatch is reported against the line that built it.
+
+#include <concepts>
+#include <cstdint>
+#include <memory>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
 // ---- begin lazytensor/expr/functors.hpp ----
 // Element-wise op functors. Each one says how it types its result (PyTorch promotion) and
 // computes on a value `V` that is either a scalar or an xsimd batch of the kernel's lane
@@ -1844,6 +1936,17 @@ struct Cast {
 }  // namespace lazy::ops
 // ---- end lazytensor/expr/functors.hpp ----
 
+// What an operand refers to, declared here: the expression layer sits below the graph and
+// autograd layers that define these classes, and only holds and compares pointers to them.
+namespace lazy::graph {
+class Node;
+using NodePtr = std::shared_ptr<Node>;
+}  // namespace lazy::graph
+namespace lazy::autograd {
+class GradFn;
+using GradFnPtr = std::shared_ptr<GradFn>;
+}  // namespace lazy::autograd
+
 namespace lazy {
 
 namespace expr {
@@ -1855,7 +1958,12 @@ struct Leaf {
   using value_type = T;
   graph::NodePtr node;
   autograd::GradFnPtr grad;
-  const Shape& shape() const { return node->shape(); }
+  /// The node's shape. A template only so that Node (graph/node.hpp, a higher layer) is
+  /// complete where it is called, not here.
+  template <class N = graph::Node>
+  const Shape& shape() const {
+    return static_cast<const N&>(*node).shape();
+  }
 };
 
 /// A C++ number converted to the type it takes in the expression.
@@ -3522,91 +3630,6 @@ LAZYTENSOR_INLINE void PlanCache::trim() {
 }  // namespace lazy::graph
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/graph/plan_cache.hpp ----
-// ---- begin lazytensor/graph/tensor_impl.hpp ----
-// The object every copy of a Tensor handle shares. In-place ops rebind `node`, so all
-// copies see the new value (functionalization, as in libtorch/XLA).
-
-#include <cstddef>
-#include <memory>
-#include <mutex>
-#include <vector>
-
-
-namespace lazy::graph {
-
-class HandleRegistry;
-
-/// Shared state behind a tensor handle.
-struct TensorImpl {
-  explicit TensorImpl(NodePtr n) : node(std::move(n)) {}
-  ~TensorImpl();
-  TensorImpl(const TensorImpl&) = delete;
-  TensorImpl& operator=(const TensorImpl&) = delete;
-  NodePtr node;
-  /// Autograd state; null for tensors that never took part in autograd.
-  std::unique_ptr<autograd::AutogradMeta> autograd;
-
-  /// The autograd state, created on first use.
-  autograd::AutogradMeta& autograd_meta();
-  /// True when gradients flow into this tensor.
-  bool requires_grad() const { return autograd && autograd->requires_grad; }
-
-  /// The registry listing this handle (Device::register_handle), and its slot there.
-  std::shared_ptr<HandleRegistry> registry;
-  std::size_t registry_slot = 0;
-};
-
-/// The live handles of a device, so mark_step can find the pending values still wanted.
-/// A handle adds itself when registered and removes itself when destroyed (O(1) each), so
-/// a step looks at live handles only. Shared by the device and its handles: a handle that
-/// outlives its device (a static tensor at exit) still finds the registry.
-class HandleRegistry {
- public:
-  void add(TensorImpl* impl);
-  void remove(TensorImpl* impl);
-  /// Calls f(impl) for every live handle; handles cannot be destroyed meanwhile.
-  template <class F>
-  void for_each(F&& f) {
-    std::lock_guard lock(mu_);
-    for (TensorImpl* impl : live_) f(*impl);
-  }
-
- private:
-  std::mutex mu_;
-  std::vector<TensorImpl*> live_;
-};
-
-inline TensorImpl::~TensorImpl() {
-  if (registry) registry->remove(this);
-}
-
-}  // namespace lazy::graph
-
-#if LAZYTENSOR_HEADER_DEFINITIONS
-namespace lazy::graph {
-
-LAZYTENSOR_INLINE autograd::AutogradMeta& TensorImpl::autograd_meta() {
-  if (!autograd) autograd = std::make_unique<autograd::AutogradMeta>();
-  return *autograd;
-}
-
-LAZYTENSOR_INLINE void HandleRegistry::add(TensorImpl* impl) {
-  std::lock_guard lock(mu_);
-  impl->registry_slot = live_.size();
-  live_.push_back(impl);
-}
-
-LAZYTENSOR_INLINE void HandleRegistry::remove(TensorImpl* impl) {
-  std::lock_guard lock(mu_);
-  TensorImpl* last = live_.back();
-  live_[impl->registry_slot] = last;
-  last->registry_slot = impl->registry_slot;
-  live_.pop_back();
-}
-
-}  // namespace lazy::graph
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
-// ---- end lazytensor/graph/tensor_impl.hpp ----
 
 namespace lazy::graph {
 
@@ -5939,6 +5962,11 @@ Device& common_device(const std::vector<NodePtr>& inputs, const char* op);
 /// Adds a node to its device's pending graph; in eager mode it runs at once.
 NodePtr submit(NodePtr node);
 
+/// Materializes `node` (and what it needs). A value a step is computing is waited for;
+/// a pending one is computed now. Returns true when this read had to compute it (an
+/// implicit sync). Re-throws a stored execution error.
+bool materialize(const NodePtr& node);
+
 }  // namespace lazy::graph
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
@@ -5961,6 +5989,15 @@ LAZYTENSOR_INLINE NodePtr submit(NodePtr node) {
     execute(dev, std::span(&node, 1));
   else dev.trace(node);
   return node;
+}
+
+LAZYTENSOR_INLINE bool materialize(const NodePtr& node) {
+  Device& dev = *node->device();
+  if (!node->materialized() && !node->pending()) dev.wait_idle();
+  dev.rethrow_stored_error();
+  if (node->materialized()) return false;
+  execute(dev, std::span(&node, 1));
+  return true;
 }
 
 }  // namespace lazy::graph
@@ -6341,12 +6378,11 @@ LAZYTENSOR_INLINE std::vector<graph::NodePtr> run_backward(const BackwardRequest
 
 }  // namespace lazy::autograd
 // ---- end lazytensor/autograd/engine.hpp ----
-// ---- begin lazytensor/graph/builders.hpp ----
-// Turning expressions into pending graph nodes.
+// ---- begin lazytensor/tensor/make_elementwise.hpp ----
+// Turning an expression into a pending graph node, with its backward function when a leaf
+// requires grad: what `Tensor<T> t = expr;` and the in-place operators do.
 
 #include <memory>
-#include <span>
-#include <string>
 #include <vector>
 
 // ---- begin lazytensor/autograd/elementwise_grad.hpp ----
@@ -6465,21 +6501,21 @@ LAZYTENSOR_INLINE void ElementwiseGradFnBase::release_saved() {
 }  // namespace lazy::autograd
 // ---- end lazytensor/autograd/elementwise_grad.hpp ----
 
-namespace lazy::graph {
+namespace lazy::detail {
 
 /// A pending node evaluating expression `e` into a tensor of type Tout and shape `shape`
 /// (the expression's own shape, or one it broadcasts to). With `grad_fn`, also returns
 /// the backward function (its `next` edges set) when a leaf of `e` requires grad.
 template <Element Tout, class E>
-NodePtr make_elementwise(const E& e, const Shape& shape, autograd::GradFnPtr* grad_fn = nullptr) {
-  std::vector<NodePtr> inputs;
+graph::NodePtr make_elementwise(const E& e, const Shape& shape, autograd::GradFnPtr* grad_fn = nullptr) {
+  std::vector<graph::NodePtr> inputs;
   std::vector<autograd::GradFnPtr> edges;
   // History is recorded where the expression is evaluated, if grad mode is on there.
   if (grad_fn && !autograd::is_grad_enabled()) grad_fn = nullptr;
   inputs.reserve(expr::leaf_count_v<E>);
   if (grad_fn) edges.reserve(expr::leaf_count_v<E>);
   auto k = expr::to_kernel(e, inputs, grad_fn ? &edges : nullptr);
-  Device& dev = common_device(inputs, E::op_type::name);
+  graph::Device& dev = graph::common_device(inputs, E::op_type::name);
   if constexpr (is_floating_v<Tout>) {
     if (grad_fn && autograd::any_edge(edges)) {
       auto fn = std::make_shared<autograd::ElementwiseGradFn<decltype(k), Tout>>(k, inputs);
@@ -6487,36 +6523,11 @@ NodePtr make_elementwise(const E& e, const Shape& shape, autograd::GradFnPtr* gr
       *grad_fn = std::move(fn);
     }
   }
-  return submit(elementwise_node<Tout>(std::move(k), shape, &dev, std::move(inputs)));
+  return graph::submit(graph::elementwise_node<Tout>(std::move(k), shape, &dev, std::move(inputs)));
 }
 
-template <Element Tout, class E>
-NodePtr make_elementwise(const E& e) {
-  return make_elementwise<Tout>(e, e.shape());
-}
-
-/// Materializes `node` (and what it needs). A value a step is computing is waited for;
-/// a pending one is computed now. Returns true when this read had to compute it (an
-/// implicit sync). Re-throws a stored execution error.
-bool materialize(const NodePtr& node);
-
-}  // namespace lazy::graph
-
-#if LAZYTENSOR_HEADER_DEFINITIONS
-namespace lazy::graph {
-
-LAZYTENSOR_INLINE bool materialize(const NodePtr& node) {
-  Device& dev = *node->device();
-  if (!node->materialized() && !node->pending()) dev.wait_idle();
-  dev.rethrow_stored_error();
-  if (node->materialized()) return false;
-  execute(dev, std::span(&node, 1));
-  return true;
-}
-
-}  // namespace lazy::graph
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
-// ---- end lazytensor/graph/builders.hpp ----
+}  // namespace lazy::detail
+// ---- end lazytensor/tensor/make_elementwise.hpp ----
 
 namespace lazy {
 
@@ -6591,7 +6602,7 @@ class Tensor {
   template <class Op, class... C>
   Tensor(const Expr<Op, C...>& e) {  // NOLINT: implicit, as `Tensor<float> y = a + b;`
     autograd::GradFnPtr fn;
-    *this = Tensor(graph::make_elementwise<T>(e, e.shape(), &fn));
+    *this = Tensor(detail::make_elementwise<T>(e, e.shape(), &fn));
     autograd::attach_grad_fn(*impl_, std::move(fn));
   }
 
@@ -6837,7 +6848,7 @@ class Tensor {
     }
     check_inplace(op);
     autograd::GradFnPtr fn;
-    impl_->node = graph::make_elementwise<T>(e, shape(), &fn);
+    impl_->node = detail::make_elementwise<T>(e, shape(), &fn);
     autograd::attach_grad_fn(*impl_, std::move(fn));
     return *this;
   }
@@ -6892,7 +6903,7 @@ std::ostream& operator<<(std::ostream& os, const Tensor<T>& t) {
 template <Element T, class E>
 Tensor<T> evaluate_as(const E& e, const Shape& shape) {
   autograd::GradFnPtr fn;
-  Tensor<T> t(graph::make_elementwise<T>(e, shape, &fn));
+  Tensor<T> t(detail::make_elementwise<T>(e, shape, &fn));
   autograd::attach_grad_fn(*t.impl(), std::move(fn));
   return t;
 }

@@ -4,8 +4,8 @@
 # split, see LAYER_OF_FILE), and may include headers of its own layer or lower ones only
 # (docs/architecture.md, "Layers and folders"). The module headers at the top level
 # (tensor.hpp, nn.hpp, ..., lazytensor.hpp) are entry points and may include anything.
-# Fails on any include that points up, except the crossings listed in KNOWN_CROSSINGS, which
-# the architecture document names and which must shrink, not grow.
+# Fails on any include that points up. (A type a lower layer must name, it declares ahead:
+# expr/expr.hpp declares graph::Node and autograd::GradFn.)
 cmake_minimum_required(VERSION 3.20)
 set(LAYERS core expr graph autograd_node tensor autograd_api ops io_format frontend dist io_save debug)
 set(LAYER_OF_FOLDER_core core)
@@ -27,13 +27,6 @@ set(LAYER_OF_FILE_io/save.hpp io_save)
 set(LAYER_OF_FILE_any_tensor.hpp tensor)
 set(LAYER_OF_FILE_state_dict.hpp tensor)
 set(LAYER_OF_FILE_fwd.hpp core)
-# Today's crossings (header -> included header), each named in docs/architecture.md.
-set(KNOWN_CROSSINGS
-  "expr/expr.hpp -> graph/node.hpp"
-  "expr/expr.hpp -> autograd/function.hpp"
-  "graph/builders.hpp -> autograd/accumulate.hpp"
-  "graph/builders.hpp -> autograd/elementwise_grad.hpp"
-  "graph/tensor_impl.hpp -> autograd/function.hpp")
 
 function(layer_of rel out)
   if(DEFINED LAYER_OF_FILE_${rel})
@@ -51,7 +44,6 @@ endfunction()
 
 file(GLOB_RECURSE headers RELATIVE "${INCLUDE_DIR}/lazytensor" "${INCLUDE_DIR}/lazytensor/*.hpp")
 set(errors "")
-set(seen_crossings "")
 set(n 0)
 foreach(rel IN LISTS headers)
   layer_of("${rel}" from)
@@ -70,22 +62,12 @@ foreach(rel IN LISTS headers)
     endif()
     list(FIND LAYERS "${to}" to_rank)
     if(to_rank GREATER from_rank)
-      set(crossing "${rel} -> ${target}")
-      if(crossing IN_LIST KNOWN_CROSSINGS)
-        list(APPEND seen_crossings "${crossing}")
-      else()
-        list(APPEND errors "${crossing} (layer ${from} includes the higher layer ${to})")
-      endif()
+      list(APPEND errors "${rel} -> ${target} (layer ${from} includes the higher layer ${to})")
     endif()
   endforeach()
-endforeach()
-foreach(crossing IN LISTS KNOWN_CROSSINGS)
-  if(NOT crossing IN_LIST seen_crossings)
-    list(APPEND errors "'${crossing}' is gone: remove it from KNOWN_CROSSINGS (and docs/architecture.md)")
-  endif()
 endforeach()
 if(errors)
   list(JOIN errors "\n  " shown)
   message(FATAL_ERROR "include layering:\n  ${shown}")
 endif()
-message(STATUS "${n} includes checked, none points up a layer (known crossings: ${seen_crossings})")
+message(STATUS "${n} includes checked, none points up a layer")

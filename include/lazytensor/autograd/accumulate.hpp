@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include <lazytensor/autograd/function.hpp>
 #include <lazytensor/autograd/node_ops.hpp>
 #include <lazytensor/core/config.hpp>
 #include <lazytensor/graph/tensor_impl.hpp>

@@ -16,10 +16,7 @@
 #include <lazytensor/core/config.hpp>
 #include <lazytensor/core/error.hpp>
 #include <lazytensor/graph/node.hpp>
-
-namespace lazy::graph {
-struct TensorImpl;
-}
+#include <lazytensor/graph/tensor_impl.hpp>
 
 namespace lazy::autograd {
 
@@ -59,18 +56,8 @@ class GradFn {
   bool released_ = false;
 };
 
-/// Per-tensor autograd state, allocated only for tensors that take part in autograd.
-struct AutogradMeta {
-  bool requires_grad = false;
-  /// The function that produced this value (nullptr for leaves).
-  GradFnPtr grad_fn;
-  /// A leaf's AccumulateGrad, shared by every expression that reads the leaf.
-  std::weak_ptr<GradFn> accumulator;
-  /// The accumulated gradient (leaves, or non-leaves with retain_grad()), as a tensor
-  /// object of its own so that `p.grad()` handles can update it in place.
-  std::shared_ptr<graph::TensorImpl> grad;
-  bool retains_grad = false;
-};
+/// Per-tensor autograd state (defined with the tensor object it belongs to).
+using AutogradMeta = graph::AutogradState;
 
 // ---- grad mode -------------------------------------------------------------------------
 

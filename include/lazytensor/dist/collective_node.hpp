@@ -19,7 +19,7 @@
 
 #include <lazytensor/core/config.hpp>
 #include <lazytensor/dist/context.hpp>
-#include <lazytensor/graph/builders.hpp>
+#include <lazytensor/graph/submit.hpp>
 
 namespace lazy::dist::detail {
 

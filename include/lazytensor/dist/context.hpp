@@ -23,7 +23,7 @@
 #include <lazytensor/dist/group_comm.hpp>
 #include <lazytensor/dist/signature.hpp>
 #include <lazytensor/dist/world.hpp>
-#include <lazytensor/graph/builders.hpp>
+#include <lazytensor/graph/submit.hpp>
 #include <lazytensor/graph/tensor_impl.hpp>
 
 namespace lazy::dist::detail {

@@ -6,15 +6,25 @@
 
 #include <concepts>
 #include <cstdint>
+#include <memory>
 #include <tuple>
 #include <type_traits>
 #include <utility>
 
-#include <lazytensor/autograd/function.hpp>
 #include <lazytensor/core/dtype.hpp>
 #include <lazytensor/core/shape.hpp>
 #include <lazytensor/expr/functors.hpp>
-#include <lazytensor/graph/node.hpp>
+
+// What an operand refers to, declared here: the expression layer sits below the graph and
+// autograd layers that define these classes, and only holds and compares pointers to them.
+namespace lazy::graph {
+class Node;
+using NodePtr = std::shared_ptr<Node>;
+}  // namespace lazy::graph
+namespace lazy::autograd {
+class GradFn;
+using GradFnPtr = std::shared_ptr<GradFn>;
+}  // namespace lazy::autograd
 
 namespace lazy {
 
@@ -27,7 +37,12 @@ struct Leaf {
   using value_type = T;
   graph::NodePtr node;
   autograd::GradFnPtr grad;
-  const Shape& shape() const { return node->shape(); }
+  /// The node's shape. A template only so that Node (graph/node.hpp, a higher layer) is
+  /// complete where it is called, not here.
+  template <class N = graph::Node>
+  const Shape& shape() const {
+    return static_cast<const N&>(*node).shape();
+  }
 };
 
 /// A C++ number converted to the type it takes in the expression.

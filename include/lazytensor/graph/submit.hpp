@@ -18,6 +18,11 @@ Device& common_device(const std::vector<NodePtr>& inputs, const char* op);
 /// Adds a node to its device's pending graph; in eager mode it runs at once.
 NodePtr submit(NodePtr node);
 
+/// Materializes `node` (and what it needs). A value a step is computing is waited for;
+/// a pending one is computed now. Returns true when this read had to compute it (an
+/// implicit sync). Re-throws a stored execution error.
+bool materialize(const NodePtr& node);
+
 }  // namespace lazy::graph
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
@@ -40,6 +45,15 @@ LAZYTENSOR_INLINE NodePtr submit(NodePtr node) {
     execute(dev, std::span(&node, 1));
   else dev.trace(node);
   return node;
+}
+
+LAZYTENSOR_INLINE bool materialize(const NodePtr& node) {
+  Device& dev = *node->device();
+  if (!node->materialized() && !node->pending()) dev.wait_idle();
+  dev.rethrow_stored_error();
+  if (node->materialized()) return false;
+  execute(dev, std::span(&node, 1));
+  return true;
 }
 
 }  // namespace lazy::graph

@@ -7,13 +7,32 @@
 #include <mutex>
 #include <vector>
 
-#include <lazytensor/autograd/function.hpp>
 #include <lazytensor/graph/node.hpp>
 #include <lazytensor/core/config.hpp>
+
+namespace lazy::autograd {
+class GradFn;
+}  // namespace lazy::autograd
 
 namespace lazy::graph {
 
 class HandleRegistry;
+struct TensorImpl;
+
+/// Per-tensor autograd state, allocated only for tensors that take part in autograd. Plain
+/// data held by the tensor object; autograd/ (which calls it autograd::AutogradMeta) gives
+/// it its meaning.
+struct AutogradState {
+  bool requires_grad = false;
+  /// The function that produced this value (nullptr for leaves).
+  std::shared_ptr<autograd::GradFn> grad_fn;
+  /// A leaf's AccumulateGrad, shared by every expression that reads the leaf.
+  std::weak_ptr<autograd::GradFn> accumulator;
+  /// The accumulated gradient (leaves, or non-leaves with retain_grad()), as a tensor
+  /// object of its own so that `p.grad()` handles can update it in place.
+  std::shared_ptr<TensorImpl> grad;
+  bool retains_grad = false;
+};
 
 /// Shared state behind a tensor handle.
 struct TensorImpl {
@@ -23,10 +42,10 @@ struct TensorImpl {
   TensorImpl& operator=(const TensorImpl&) = delete;
   NodePtr node;
   /// Autograd state; null for tensors that never took part in autograd.
-  std::unique_ptr<autograd::AutogradMeta> autograd;
+  std::unique_ptr<AutogradState> autograd;
 
   /// The autograd state, created on first use.
-  autograd::AutogradMeta& autograd_meta();
+  AutogradState& autograd_meta();
   /// True when gradients flow into this tensor.
   bool requires_grad() const { return autograd && autograd->requires_grad; }
 
@@ -64,8 +83,8 @@ inline TensorImpl::~TensorImpl() {
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace lazy::graph {
 
-LAZYTENSOR_INLINE autograd::AutogradMeta& TensorImpl::autograd_meta() {
-  if (!autograd) autograd = std::make_unique<autograd::AutogradMeta>();
+LAZYTENSOR_INLINE AutogradState& TensorImpl::autograd_meta() {
+  if (!autograd) autograd = std::make_unique<AutogradState>();
   return *autograd;
 }
 

@@ -23,7 +23,7 @@
 #include <vector>
 
 #include <lazytensor/core/config.hpp>
-#include <lazytensor/graph/builders.hpp>
+#include <lazytensor/graph/submit.hpp>
 #include <lazytensor/graph/random_node.hpp>
 #include <lazytensor/tensor/device.hpp>
 #include <lazytensor/tensor/tensor.hpp>

@@ -15,7 +15,7 @@
 #include <lazytensor/autograd/engine.hpp>
 #include <lazytensor/core/counters.hpp>
 #include <lazytensor/expr/expr.hpp>
-#include <lazytensor/graph/builders.hpp>
+#include <lazytensor/tensor/make_elementwise.hpp>
 
 namespace lazy {
 
@@ -90,7 +90,7 @@ class Tensor {
   template <class Op, class... C>
   Tensor(const Expr<Op, C...>& e) {  // NOLINT: implicit, as `Tensor<float> y = a + b;`
     autograd::GradFnPtr fn;
-    *this = Tensor(graph::make_elementwise<T>(e, e.shape(), &fn));
+    *this = Tensor(detail::make_elementwise<T>(e, e.shape(), &fn));
     autograd::attach_grad_fn(*impl_, std::move(fn));
   }
 
@@ -336,7 +336,7 @@ class Tensor {
     }
     check_inplace(op);
     autograd::GradFnPtr fn;
-    impl_->node = graph::make_elementwise<T>(e, shape(), &fn);
+    impl_->node = detail::make_elementwise<T>(e, shape(), &fn);
     autograd::attach_grad_fn(*impl_, std::move(fn));
     return *this;
   }
@@ -391,7 +391,7 @@ std::ostream& operator<<(std::ostream& os, const Tensor<T>& t) {
 template <Element T, class E>
 Tensor<T> evaluate_as(const E& e, const Shape& shape) {
   autograd::GradFnPtr fn;
-  Tensor<T> t(graph::make_elementwise<T>(e, shape, &fn));
+  Tensor<T> t(detail::make_elementwise<T>(e, shape, &fn));
   autograd::attach_grad_fn(*t.impl(), std::move(fn));
   return t;
 }

@@ -1,0 +1,38 @@
+#pragma once
+// Turning an expression into a pending graph node, with its backward function when a leaf
+// requires grad: what `Tensor<T> t = expr;` and the in-place operators do.
+
+#include <memory>
+#include <vector>
+
+#include <lazytensor/autograd/accumulate.hpp>
+#include <lazytensor/autograd/elementwise_grad.hpp>
+#include <lazytensor/graph/elementwise_node.hpp>
+#include <lazytensor/graph/submit.hpp>
+
+namespace lazy::detail {
+
+/// A pending node evaluating expression `e` into a tensor of type Tout and shape `shape`
+/// (the expression's own shape, or one it broadcasts to). With `grad_fn`, also returns
+/// the backward function (its `next` edges set) when a leaf of `e` requires grad.
+template <Element Tout, class E>
+graph::NodePtr make_elementwise(const E& e, const Shape& shape, autograd::GradFnPtr* grad_fn = nullptr) {
+  std::vector<graph::NodePtr> inputs;
+  std::vector<autograd::GradFnPtr> edges;
+  // History is recorded where the expression is evaluated, if grad mode is on there.
+  if (grad_fn && !autograd::is_grad_enabled()) grad_fn = nullptr;
+  inputs.reserve(expr::leaf_count_v<E>);
+  if (grad_fn) edges.reserve(expr::leaf_count_v<E>);
+  auto k = expr::to_kernel(e, inputs, grad_fn ? &edges : nullptr);
+  graph::Device& dev = graph::common_device(inputs, E::op_type::name);
+  if constexpr (is_floating_v<Tout>) {
+    if (grad_fn && autograd::any_edge(edges)) {
+      auto fn = std::make_shared<autograd::ElementwiseGradFn<decltype(k), Tout>>(k, inputs);
+      fn->next = std::move(edges);
+      *grad_fn = std::move(fn);
+    }
+  }
+  return graph::submit(graph::elementwise_node<Tout>(std::move(k), shape, &dev, std::move(inputs)));
+}
+
+}  // namespace lazy::detail
