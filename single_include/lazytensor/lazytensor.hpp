@@ -13138,7 +13138,7 @@ LAZYTENSOR_INLINE std::string short_metrics_report() {
 
 // ---- begin lazytensor/graph/eigen_gemm.hpp ----
 // The products that do not run on the packed kernel (integer dtypes, products thinner than a
-// register tile), on Eigen's GEMM over maps of the buffers.
+// register tile; the convolution's weight gradient), on Eigen's GEMM over maps of the buffers.
 //
 // A function template of its own, declared here and defined only where the runtime is
 // defined: header-only, the headers define it; with the compiled runtime the library
@@ -13181,13 +13181,38 @@ void eigen_gemm_rows(const T* a, const T* b, T* c, bool ta, bool tb, std::int64_
 }
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
+/// D += G * C^T for row-major G [rows x inner], C [cols x inner] (both dense) and D
+/// [rows x cols] with row stride `ldd` (a block of columns of a wider matrix). T: float or
+/// double. The convolution's weight gradient, image by image.
+template <class T>
+void eigen_gemm_add_nt(const T* g, const T* c, T* d, std::int64_t rows, std::int64_t cols, std::int64_t inner,
+                       std::int64_t ldd);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+template <class T>
+void eigen_gemm_add_nt(const T* g, const T* c, T* d, std::int64_t rows, std::int64_t cols, std::int64_t inner,
+                       std::int64_t ldd) {
+  using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  using Stride = Eigen::OuterStride<>;
+  Eigen::Map<Mat, 0, Stride> D(d, rows, cols, Stride(ldd));
+  Eigen::Map<const Mat> G(g, rows, inner);
+  Eigen::Map<const Mat> C(c, cols, inner);
+  D.noalias() += G * C.transpose();
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
 }  // namespace lazy::graph::detail
 
 // Instantiated once in the compiled runtime (core/config.hpp).
 #define LAZYTENSOR_EIGEN_GEMM_INSTANCES(P, T)                                                             \
   P template void lazy::graph::detail::eigen_gemm_rows<T>(const T*, const T*, T*, bool, bool, std::int64_t, \
                                                           std::int64_t, std::int64_t, std::int64_t, std::int64_t);
+#define LAZYTENSOR_EIGEN_GEMM_ADD_NT_INSTANCES(P, T)                                                        \
+  P template void lazy::graph::detail::eigen_gemm_add_nt<T>(const T*, const T*, T*, std::int64_t, std::int64_t, \
+                                                            std::int64_t, std::int64_t);
 #if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_EIGEN_GEMM_ADD_NT_INSTANCES(extern, float)
+LAZYTENSOR_EIGEN_GEMM_ADD_NT_INSTANCES(extern, double)
 LAZYTENSOR_EIGEN_GEMM_INSTANCES(extern, float)
 LAZYTENSOR_EIGEN_GEMM_INSTANCES(extern, double)
 LAZYTENSOR_EIGEN_GEMM_INSTANCES(extern, std::int32_t)
@@ -16212,8 +16237,13 @@ auto bernoulli(const X& probs) {
       lazy::graph::detail::UniformDist<T>, const lazy::Shape&, const lazy::Device&, std::vector<lazy::graph::NodePtr>); \
   P template lazy::Tensor<T> lazy::detail::make_random<T, lazy::graph::detail::NormalDist<T>>(               \
       lazy::graph::detail::NormalDist<T>, const lazy::Shape&, const lazy::Device&, std::vector<lazy::graph::NodePtr>);
+#define LAZYTENSOR_RANDINT_INSTANCES(P, T)                                                                  \
+  P template lazy::Tensor<T> lazy::detail::make_random<T, lazy::graph::detail::RandIntDist<T>>(              \
+      lazy::graph::detail::RandIntDist<T>, const lazy::Shape&, const lazy::Device&, std::vector<lazy::graph::NodePtr>);
 #if LAZYTENSOR_EXPLICIT_INSTANTIATION
 LAZYTENSOR_FOR_FLOATING(LAZYTENSOR_RANDOM_INSTANCES, extern)
+LAZYTENSOR_RANDINT_INSTANCES(extern, std::int32_t)
+LAZYTENSOR_RANDINT_INSTANCES(extern, std::int64_t)
 #endif
 // ---- end lazytensor/ops/random.hpp ----
 // ---- end lazytensor/tensor.hpp ----
@@ -18096,8 +18126,6 @@ LAZYTENSOR_NN_INIT_INSTANCES(extern)
 #include <string>
 #include <type_traits>
 
-#include <Eigen/Core>
-
 // ---- begin lazytensor/graph/window.hpp ----
 // The geometry of a 2-D window sliding over [H, W] planes (Window2d), which the pooling and
 // im2col kernels run over, and the (height, width) size pairs it is printed with (Size2,
@@ -18370,8 +18398,6 @@ class ConvWeightGradNode final : public Node {
                        L = inputs()[0]->shape()[2];
     auto buf = allocate_output(ctx, false);
     T* out = static_cast<T*>(buf->data());
-    using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-    using Stride = Eigen::OuterStride<>;
     const std::int64_t blocks = (K + kBlock - 1) / kBlock;
     auto& pool = ctx.device.threads();
     const std::int64_t tasks =
@@ -18380,12 +18406,9 @@ class ConvWeightGradNode final : public Node {
       auto [b0, b1] = task_range(blocks, tasks, t);
       for (std::int64_t blk = b0; blk < b1; ++blk) {
         const std::int64_t k0 = blk * kBlock, k1 = std::min(K, k0 + kBlock);
-        Eigen::Map<Mat, 0, Stride> D(out + k0, O, k1 - k0, Stride(K));
-        D.setZero();
+        for (std::int64_t o = 0; o < O; ++o) std::fill(out + o * K + k0, out + o * K + k1, T(0));
         for (std::int64_t n = 0; n < N; ++n) {
-          Eigen::Map<const Mat> G(g + n * O * L, O, L);
-          Eigen::Map<const Mat> Cn(cols + (n * K + k0) * L, k1 - k0, L);
-          D.noalias() += G * Cn.transpose();
+          detail::eigen_gemm_add_nt(g + n * O * L, cols + (n * K + k0) * L, out + k0, O, k1 - k0, L, K);
         }
       }
     });

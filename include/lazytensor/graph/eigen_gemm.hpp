@@ -1,6 +1,6 @@
 #pragma once
 // The products that do not run on the packed kernel (integer dtypes, products thinner than a
-// register tile), on Eigen's GEMM over maps of the buffers.
+// register tile; the convolution's weight gradient), on Eigen's GEMM over maps of the buffers.
 //
 // A function template of its own, declared here and defined only where the runtime is
 // defined: header-only, the headers define it; with the compiled runtime the library
@@ -45,13 +45,38 @@ void eigen_gemm_rows(const T* a, const T* b, T* c, bool ta, bool tb, std::int64_
 }
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
+/// D += G * C^T for row-major G [rows x inner], C [cols x inner] (both dense) and D
+/// [rows x cols] with row stride `ldd` (a block of columns of a wider matrix). T: float or
+/// double. The convolution's weight gradient, image by image.
+template <class T>
+void eigen_gemm_add_nt(const T* g, const T* c, T* d, std::int64_t rows, std::int64_t cols, std::int64_t inner,
+                       std::int64_t ldd);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+template <class T>
+void eigen_gemm_add_nt(const T* g, const T* c, T* d, std::int64_t rows, std::int64_t cols, std::int64_t inner,
+                       std::int64_t ldd) {
+  using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  using Stride = Eigen::OuterStride<>;
+  Eigen::Map<Mat, 0, Stride> D(d, rows, cols, Stride(ldd));
+  Eigen::Map<const Mat> G(g, rows, inner);
+  Eigen::Map<const Mat> C(c, cols, inner);
+  D.noalias() += G * C.transpose();
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
 }  // namespace lazy::graph::detail
 
 // Instantiated once in the compiled runtime (core/config.hpp).
 #define LAZYTENSOR_EIGEN_GEMM_INSTANCES(P, T)                                                             \
   P template void lazy::graph::detail::eigen_gemm_rows<T>(const T*, const T*, T*, bool, bool, std::int64_t, \
                                                           std::int64_t, std::int64_t, std::int64_t, std::int64_t);
+#define LAZYTENSOR_EIGEN_GEMM_ADD_NT_INSTANCES(P, T)                                                        \
+  P template void lazy::graph::detail::eigen_gemm_add_nt<T>(const T*, const T*, T*, std::int64_t, std::int64_t, \
+                                                            std::int64_t, std::int64_t);
 #if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_EIGEN_GEMM_ADD_NT_INSTANCES(extern, float)
+LAZYTENSOR_EIGEN_GEMM_ADD_NT_INSTANCES(extern, double)
 LAZYTENSOR_EIGEN_GEMM_INSTANCES(extern, float)
 LAZYTENSOR_EIGEN_GEMM_INSTANCES(extern, double)
 LAZYTENSOR_EIGEN_GEMM_INSTANCES(extern, std::int32_t)

@@ -17,9 +17,8 @@
 #include <string>
 #include <type_traits>
 
-#include <Eigen/Core>
-
 #include <lazytensor/graph/device.hpp>
+#include <lazytensor/graph/eigen_gemm.hpp>
 #include <lazytensor/graph/parallel.hpp>
 #include <lazytensor/graph/window.hpp>
 
@@ -194,8 +193,6 @@ class ConvWeightGradNode final : public Node {
                        L = inputs()[0]->shape()[2];
     auto buf = allocate_output(ctx, false);
     T* out = static_cast<T*>(buf->data());
-    using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-    using Stride = Eigen::OuterStride<>;
     const std::int64_t blocks = (K + kBlock - 1) / kBlock;
     auto& pool = ctx.device.threads();
     const std::int64_t tasks =
@@ -204,12 +201,9 @@ class ConvWeightGradNode final : public Node {
       auto [b0, b1] = task_range(blocks, tasks, t);
       for (std::int64_t blk = b0; blk < b1; ++blk) {
         const std::int64_t k0 = blk * kBlock, k1 = std::min(K, k0 + kBlock);
-        Eigen::Map<Mat, 0, Stride> D(out + k0, O, k1 - k0, Stride(K));
-        D.setZero();
+        for (std::int64_t o = 0; o < O; ++o) std::fill(out + o * K + k0, out + o * K + k1, T(0));
         for (std::int64_t n = 0; n < N; ++n) {
-          Eigen::Map<const Mat> G(g + n * O * L, O, L);
-          Eigen::Map<const Mat> Cn(cols + (n * K + k0) * L, k1 - k0, L);
-          D.noalias() += G * Cn.transpose();
+          detail::eigen_gemm_add_nt(g + n * O * L, cols + (n * K + k0) * L, out + k0, O, k1 - k0, L, K);
         }
       }
     });

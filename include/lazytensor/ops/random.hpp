@@ -151,6 +151,11 @@ auto bernoulli(const X& probs) {
       lazy::graph::detail::UniformDist<T>, const lazy::Shape&, const lazy::Device&, std::vector<lazy::graph::NodePtr>); \
   P template lazy::Tensor<T> lazy::detail::make_random<T, lazy::graph::detail::NormalDist<T>>(               \
       lazy::graph::detail::NormalDist<T>, const lazy::Shape&, const lazy::Device&, std::vector<lazy::graph::NodePtr>);
+#define LAZYTENSOR_RANDINT_INSTANCES(P, T)                                                                  \
+  P template lazy::Tensor<T> lazy::detail::make_random<T, lazy::graph::detail::RandIntDist<T>>(              \
+      lazy::graph::detail::RandIntDist<T>, const lazy::Shape&, const lazy::Device&, std::vector<lazy::graph::NodePtr>);
 #if LAZYTENSOR_EXPLICIT_INSTANTIATION
 LAZYTENSOR_FOR_FLOATING(LAZYTENSOR_RANDOM_INSTANCES, extern)
+LAZYTENSOR_RANDINT_INSTANCES(extern, std::int32_t)
+LAZYTENSOR_RANDINT_INSTANCES(extern, std::int64_t)
 #endif

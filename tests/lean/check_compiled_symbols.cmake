@@ -1,0 +1,53 @@
+# cmake -DNM=<nm> -DOBJECTS=<object files> -P check_compiled_symbols.cmake
+#
+# Fails when the float-only program, built against lazytensor::compiled, defines one of the
+# library's own per-dtype templates: the compiled runtime instantiates those once, and the
+# headers declare them `extern template` (LAZYTENSOR_<NAME>_INSTANCES, core/config.hpp). A
+# template that slips out of its header's list, or a member template moved back into its
+# class (inline, so GCC instantiates it to inline it), shows up here. The program's own
+# statements (their kernels, backward functions and nodes) are expected and allowed.
+set(library_templates
+  "lazy::autograd::(add_nodes_of|sum_to_shape_of|cast_node_to|full_node_of|register_grad_dtype|register_grad_cast)<"
+  "lazy::detail::(view_of|permute_impl|record_sum|record_extreme|make_random)<"
+  "lazy::detail::reduction_node<[^<>]*, lazy::Tensor<"
+  "lazy::graph::detail::eigen_gemm_rows<"
+  "lazy::nn::[A-Za-z0-9_]+Impl::forward"
+  "lazy::nn::functional::"
+  "lazy::nn::init::"
+  "lazy::optim::[A-Za-z0-9_<>:, ]*::step")
+string(REPLACE "|" ";" objects "${OBJECTS}")
+set(bad "")
+set(count 0)
+foreach(obj IN LISTS objects)
+  execute_process(COMMAND "${NM}" -C --defined-only "${obj}" OUTPUT_VARIABLE text RESULT_VARIABLE rc)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "${NM} failed on ${obj}")
+  endif()
+  string(REPLACE ";" "," text "${text}")
+  string(REPLACE "\n" ";" lines "${text}")
+  foreach(line IN LISTS lines)
+    math(EXPR count "${count} + 1")
+    # "<address> <type> <name>": functions only (code: T, t, W, w), up to the parameter list.
+    if(NOT line MATCHES "^[0-9a-f]* *[TtWw] ")
+      continue()
+    endif()
+    string(REGEX REPLACE "^[0-9a-f]* *[A-Za-z] " "" name "${line}")
+    string(REGEX REPLACE "\\(.*" "" name "${name}")
+    foreach(pattern IN LISTS library_templates)
+      if(name MATCHES "${pattern}")
+        list(APPEND bad "${name}")
+        break()
+      endif()
+    endforeach()
+  endforeach()
+endforeach()
+if(count LESS 50)
+  message(FATAL_ERROR "only ${count} symbols read from ${OBJECTS}: is this the float-only program?")
+endif()
+if(bad)
+  list(REMOVE_DUPLICATES bad)
+  list(LENGTH bad n)
+  list(JOIN bad "\n  " shown)
+  message(FATAL_ERROR "with lazytensor::compiled, the float-only program still instantiates ${n} of the library's own templates:\n  ${shown}")
+endif()
+message(STATUS "float-only program (compiled runtime): ${count} symbols, none of the library's per-dtype templates")
