@@ -5,32 +5,20 @@
 # Function parameters of type double (a learning rate, a cost) are fine; template arguments
 # are what select kernels, so only the part of each demangled name before its parameter list
 # is searched.
-string(REPLACE "|" ";" objects "${OBJECTS}")
+include("${CMAKE_CURRENT_LIST_DIR}/symbols.cmake")
+lean_read_symbols("${OBJECTS}" entries count)
 set(bad "")
-set(count 0)
-foreach(obj IN LISTS objects)
-  execute_process(COMMAND "${NM}" -C --defined-only "${obj}" OUTPUT_VARIABLE text RESULT_VARIABLE rc)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "${NM} failed on ${obj}")
+foreach(entry IN LISTS entries)
+  string(REGEX REPLACE "^[A-Za-z] " "" name "${entry}")
+  # Expression builders take a scalar operand as written (`x * 0.5`) and turn it into the
+  # tensor's dtype: a builder with a double operand is no double kernel. Without inlining
+  # (the sanitizer builds' -O1) they are symbols of their own.
+  if(name MATCHES "^(auto )?lazy::(expr::make|operator)")
+    continue()
   endif()
-  string(REPLACE ";" "," text "${text}")
-  string(REPLACE "\n" ";" lines "${text}")
-  foreach(line IN LISTS lines)
-    math(EXPR count "${count} + 1")
-    # "<address> <type> <name>": keep the name up to its parameter list.
-    string(REGEX REPLACE "^[0-9a-f]* *[A-Za-z] " "" name "${line}")
-    string(REPLACE "decltype(auto) " "" name "${name}")
-    string(REGEX REPLACE "\\(.*" "" name "${name}")
-    # Expression builders take a scalar operand as written (`x * 0.5`) and turn it into the
-    # tensor's dtype: a builder with a double operand is no double kernel. Without inlining
-    # (the sanitizer builds' -O1) they are symbols of their own.
-    if(name MATCHES "^(auto )?lazy::(expr::make|operator)")
-      continue()
-    endif()
-    if(name MATCHES "lazy::" AND name MATCHES "bfloat16|[<,] ?double ?[,>]")
-      list(APPEND bad "${name}")
-    endif()
-  endforeach()
+  if(name MATCHES "lazy::" AND name MATCHES "bfloat16|[<,] ?double ?[,>]")
+    list(APPEND bad "${name}")
+  endif()
 endforeach()
 if(count LESS 100)
   message(FATAL_ERROR "only ${count} symbols read from ${OBJECTS}: is this the float-only program?")

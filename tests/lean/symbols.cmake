@@ -1,0 +1,27 @@
+# lean_read_symbols(<objects> <names-var> <count-var>): the symbols the objects define (nm -C
+# --defined-only, with ${NM}), each as "<type> <name>" with its name cut at the parameter
+# list (template arguments select kernels; parameters do not), and how many lines were read.
+# Shared by check_symbols.cmake and check_compiled_symbols.cmake.
+function(lean_read_symbols objects names_var count_var)
+  string(REPLACE "|" ";" objects "${objects}")
+  set(names "")
+  set(count 0)
+  foreach(obj IN LISTS objects)
+    execute_process(COMMAND "${NM}" -C --defined-only "${obj}" OUTPUT_VARIABLE text RESULT_VARIABLE rc)
+    if(NOT rc EQUAL 0)
+      message(FATAL_ERROR "${NM} failed on ${obj}")
+    endif()
+    string(REPLACE ";" "," text "${text}")
+    string(REPLACE "\n" ";" lines "${text}")
+    foreach(line IN LISTS lines)
+      math(EXPR count "${count} + 1")
+      # "<address> <type> <name>" -> "<type> <name up to its parameter list>"
+      string(REGEX REPLACE "^[0-9a-f]* *([A-Za-z]) " "\\1 " entry "${line}")
+      string(REPLACE "decltype(auto) " "" entry "${entry}")
+      string(REGEX REPLACE "\\(.*" "" entry "${entry}")
+      list(APPEND names "${entry}")
+    endforeach()
+  endforeach()
+  set(${names_var} "${names}" PARENT_SCOPE)
+  set(${count_var} "${count}" PARENT_SCOPE)
+endfunction()
