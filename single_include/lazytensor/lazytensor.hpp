@@ -1029,11 +1029,18 @@ namespace lazy {
 /// Maximum tensor rank.
 inline constexpr int kMaxRank = 8;
 
+/// The largest product of a shape's non-zero sizes (2^60). Every shape keeps its non-zero
+/// sizes' product at or below it, so an element count, any stride and any byte size (of
+/// elements up to 8 bytes, padded) fits in int64 however it is multiplied, even for a
+/// zero-sized shape whose other sizes are huge.
+inline constexpr std::int64_t kMaxElements = std::int64_t{1} << 60;
+
 /// A tensor's dimensions. Value type, fixed capacity, no allocation.
 class Shape {
  public:
   Shape() = default;
-  /// Builds a shape from its sizes; throws ShapeError on negative sizes or rank > 8.
+  /// Builds a shape from its sizes; throws ShapeError on negative sizes, rank > 8, or sizes
+  /// whose non-zero product exceeds kMaxElements.
   Shape(std::initializer_list<std::int64_t> dims) { assign(dims.begin(), dims.end()); }
   explicit Shape(std::span<const std::int64_t> dims) { assign(dims.begin(), dims.end()); }
   explicit Shape(const std::vector<std::int64_t>& dims) { assign(dims.begin(), dims.end()); }
@@ -1056,10 +1063,23 @@ class Shape {
 
   std::vector<std::int64_t> vec() const { return {begin(), end()}; }
 
-  /// Appends a dimension.
+  /// Appends a dimension (checked as the constructors check).
   void push_back(std::int64_t d) {
     if (rank_ == kMaxRank) throw ShapeError("rank exceeds the maximum of 8");
+    if (d < 0) throw ShapeError("negative dimension " + std::to_string(d) + " in shape");
     dims_[rank_++] = d;
+    check_size();
+  }
+
+  /// Throws ShapeError when the product of the non-zero sizes exceeds kMaxElements. The
+  /// constructors and push_back call it; code that grows a size through operator[] (cat,
+  /// index_select) calls it after.
+  void check_size() const {
+    std::int64_t p = 1;
+    for (int i = 0; i < rank_; ++i) {
+      if (dims_[i] == 0) continue;
+      if (__builtin_mul_overflow(p, dims_[i], &p) || p > kMaxElements) too_large();
+    }
   }
 
   /// "(2, 3)" as PyTorch prints sizes; "()" for a scalar.
@@ -1082,7 +1102,10 @@ class Shape {
       if (*first < 0) throw ShapeError("negative dimension " + std::to_string(*first) + " in shape");
       dims_[i] = *first;
     }
+    check_size();
   }
+
+  [[noreturn]] void too_large() const;
 
   std::array<std::int64_t, kMaxRank> dims_{};
   int rank_ = 0;
@@ -1107,6 +1130,10 @@ bool broadcastable_to(const Shape& from, const Shape& to);
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace lazy {
+
+LAZYTENSOR_INLINE void Shape::too_large() const {
+  throw ShapeError("shape " + str() + " has too many elements (the product of its non-zero sizes exceeds 2^60)");
+}
 
 LAZYTENSOR_INLINE std::string Shape::str() const {
   std::string s = "(";
@@ -1141,7 +1168,7 @@ LAZYTENSOR_INLINE std::array<std::int64_t, kMaxRank> contiguous_strides(const Sh
 LAZYTENSOR_INLINE Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {
   if (a == b) return a;
   const int r = std::max(a.rank(), b.rank());
-  Shape out;
+  std::array<std::int64_t, kMaxRank> out{};
   for (int i = 0; i < r; ++i) {
     const int ia = i - (r - a.rank()), ib = i - (r - b.rank());
     const std::int64_t da = ia >= 0 ? a[ia] : 1, db = ib >= 0 ? b[ib] : 1;
@@ -1150,9 +1177,9 @@ LAZYTENSOR_INLINE Shape broadcast_shapes(const Shape& a, const Shape& b, const c
                        " are not broadcastable (dimension " + std::to_string(i) + ": " +
                        std::to_string(da) + " vs " + std::to_string(db) + ")");
     }
-    out.push_back(da == 1 ? db : da);
+    out[i] = da == 1 ? db : da;
   }
-  return out;
+  return Shape(std::span<const std::int64_t>(out.data(), static_cast<std::size_t>(r)));  // checks the size once
 }
 
 LAZYTENSOR_INLINE bool broadcastable_to(const Shape& from, const Shape& to) {
@@ -14790,6 +14817,7 @@ auto index_select(const X& x, std::int64_t dim, const Tensor<I>& index) {
     }
   } else {
     out[d] = index.numel();
+    out.check_size();
   }
   graph::common_device({t.node(), index.node()}, "index_select");
   Tensor<T> r(graph::submit(std::make_shared<graph::IndexSelectNode<I>>(t.node(), index.node(), d, out)));
@@ -15182,10 +15210,11 @@ Tensor<T> cat(const std::vector<Tensor<T>>& tensors, std::int64_t dim = 0) {
   std::vector<std::int64_t> widths;
   for (const auto& t : ts) {
     widths.push_back(t.shape()[d] * inner);
-    total += t.shape()[d];
+    if (__builtin_add_overflow(total, t.shape()[d], &total)) total = kMaxElements + 1;  // too_large below
   }
   Shape out = ref;
   out[d] = total;
+  out.check_size();
   Tensor<T> result(graph::submit(
       std::make_shared<graph::CatNode>("cat", dtype_of<T>(), std::move(nodes), out, &dev, outer, std::move(widths))));
   std::vector<std::int64_t> sizes;
@@ -16760,7 +16789,11 @@ LAZYTENSOR_INLINE void parse_tensor_entry(JsonCursor& cur, SafetensorsEntry& e) 
             const std::uint64_t d = cur.uint64();
             if (d > static_cast<std::uint64_t>(INT64_MAX))
               cur.fail(ctx + "dimension " + std::to_string(d) + " is too large");
-            e.shape.push_back(static_cast<std::int64_t>(d));
+            try {
+              e.shape.push_back(static_cast<std::int64_t>(d));
+            } catch (const ShapeError& err) {
+              cur.fail(ctx + err.what());
+            }
             if (cur.accept(']')) break;
             cur.expect(',');
           }

@@ -93,6 +93,45 @@ TEST(Shape, NegativeDimensionsRejected) {
   }
 }
 
+// Every shape keeps the product of its non-zero sizes at or below 2^60 (kMaxElements), so no
+// element count, stride or byte size computed from it can overflow int64.
+TEST(Shape, ElementCountLimit) {
+  constexpr std::int64_t k60 = std::int64_t{1} << 60;
+  EXPECT_EQ(lazy::kMaxElements, k60);
+  EXPECT_EQ(Shape({k60}).numel(), k60);                              // at the limit
+  EXPECT_EQ(Shape({std::int64_t{1} << 30, std::int64_t{1} << 30}).numel(), k60);
+  EXPECT_EQ(Shape({k60, 0}).numel(), 0);                             // zero-sized at the limit
+  EXPECT_EQ(Shape({0, k60, 1}).numel(), 0);
+  // One past it, however the sizes are arranged, and products that overflow int64 itself.
+  const std::vector<std::vector<std::int64_t>> too_large = {
+      {k60 + 1},
+      {k60, 2},
+      {2, k60},
+      {std::int64_t{1} << 62, 2, 0},  // the zero comes after the overflow
+      {0, INT64_MAX, INT64_MAX},      // ... or before it
+      {std::int64_t{1} << 31, std::int64_t{1} << 31, 0, 2},
+      {3, 5, 7, 11, 13, 17, 19, 23 * std::int64_t{1} << 45},
+  };
+  for (const auto& dims : too_large) {
+    try {
+      Shape s(dims);
+      ADD_FAILURE() << "accepted " << s.str();
+    } catch (const ShapeError& e) {
+      EXPECT_NE(std::string(e.what()).find("2^60"), std::string::npos) << e.what();
+    }
+  }
+  // push_back checks as the constructors do.
+  Shape grown{std::int64_t{1} << 40, 0};
+  EXPECT_THROW(grown.push_back(std::int64_t{1} << 21), ShapeError);
+  Shape neg{2};
+  EXPECT_THROW(neg.push_back(-1), ShapeError);
+  // A broadcast of two valid shapes can exceed it.
+  EXPECT_THROW(lazy::broadcast_shapes(Shape({std::int64_t{1} << 40, 1}), Shape({1, std::int64_t{1} << 40}), "add"),
+               ShapeError);
+  EXPECT_EQ(lazy::broadcast_shapes(Shape({std::int64_t{1} << 30, 1}), Shape({1, std::int64_t{1} << 30}), "add"),
+            Shape({std::int64_t{1} << 30, std::int64_t{1} << 30}));
+}
+
 TEST(Shape, NormalizeDimRanges) {
   for (int rank = 1; rank <= 8; ++rank) {
     for (int d = -rank; d < rank; ++d) {

@@ -311,6 +311,11 @@ TEST(Safetensors, MalformedHeadersAreFormatErrors) {
       {"shape product overflows", one_tensor("F32", "[4294967296,4294967296,2]", "[0,8]", 8)},
       {"byte count overflows", one_tensor("F64", "[4611686018427387904]", "[0,8]", 8)},
       {"huge tensor claimed", one_tensor("F32", "[1099511627776]", "[0,4398046511104]", 8)},
+      // Zero-sized, but the other sizes multiply past 2^63 (before the zero, or after it).
+      {"zero-sized, sizes overflow before the zero", one_tensor("BOOL", "[4611686018427387904,2,0]", "[0,0]", 0)},
+      {"zero-sized, sizes overflow after the zero",
+       one_tensor("BOOL", "[0,9223372036854775807,9223372036854775807]", "[0,0]", 0)},
+      {"zero-sized, sizes past 2^60", one_tensor("F32", "[0,1073741824,2147483648]", "[0,0]", 0)},
       {"shape/offset mismatch", one_tensor("F32", "[3]", "[0,8]", 8)},
       {"offsets reversed", one_tensor("F32", "[0]", "[8,0]", 8)},
       {"offsets beyond the buffer", one_tensor("F32", "[2]", "[0,8]", 4)},

@@ -451,6 +451,15 @@ std::vector<T> ref_cat(const std::vector<std::vector<T>>& ins, std::int64_t oute
   return r;
 }
 
+// cat adds sizes: tensors that are each valid (zero-sized here, so nothing is allocated) can
+// add up to a shape past the element limit, which is a ShapeError, not an overflow.
+TEST(ShapeOpsLimits, CatPastTheElementLimitIsAShapeError) {
+  const std::int64_t big = std::int64_t{1} << 59;
+  std::vector<lazy::Tensor<float>> parts(3, lazy::zeros<float>({0, big}));
+  EXPECT_EQ(lazy::cat({parts[0], parts[1]}, 1).shape(), lazy::Shape({0, 2 * big}));  // 2^60: at the limit
+  EXPECT_THROW(lazy::cat(parts, 1), lazy::ShapeError);
+}
+
 TYPED_TEST(ShapeOps, CatEveryDimAllSizes) {
   using T = TypeParam;
   for (auto n : kSizes) {

@@ -17,11 +17,18 @@ namespace lazy {
 /// Maximum tensor rank.
 inline constexpr int kMaxRank = 8;
 
+/// The largest product of a shape's non-zero sizes (2^60). Every shape keeps its non-zero
+/// sizes' product at or below it, so an element count, any stride and any byte size (of
+/// elements up to 8 bytes, padded) fits in int64 however it is multiplied, even for a
+/// zero-sized shape whose other sizes are huge.
+inline constexpr std::int64_t kMaxElements = std::int64_t{1} << 60;
+
 /// A tensor's dimensions. Value type, fixed capacity, no allocation.
 class Shape {
  public:
   Shape() = default;
-  /// Builds a shape from its sizes; throws ShapeError on negative sizes or rank > 8.
+  /// Builds a shape from its sizes; throws ShapeError on negative sizes, rank > 8, or sizes
+  /// whose non-zero product exceeds kMaxElements.
   Shape(std::initializer_list<std::int64_t> dims) { assign(dims.begin(), dims.end()); }
   explicit Shape(std::span<const std::int64_t> dims) { assign(dims.begin(), dims.end()); }
   explicit Shape(const std::vector<std::int64_t>& dims) { assign(dims.begin(), dims.end()); }
@@ -44,10 +51,23 @@ class Shape {
 
   std::vector<std::int64_t> vec() const { return {begin(), end()}; }
 
-  /// Appends a dimension.
+  /// Appends a dimension (checked as the constructors check).
   void push_back(std::int64_t d) {
     if (rank_ == kMaxRank) throw ShapeError("rank exceeds the maximum of 8");
+    if (d < 0) throw ShapeError("negative dimension " + std::to_string(d) + " in shape");
     dims_[rank_++] = d;
+    check_size();
+  }
+
+  /// Throws ShapeError when the product of the non-zero sizes exceeds kMaxElements. The
+  /// constructors and push_back call it; code that grows a size through operator[] (cat,
+  /// index_select) calls it after.
+  void check_size() const {
+    std::int64_t p = 1;
+    for (int i = 0; i < rank_; ++i) {
+      if (dims_[i] == 0) continue;
+      if (__builtin_mul_overflow(p, dims_[i], &p) || p > kMaxElements) too_large();
+    }
   }
 
   /// "(2, 3)" as PyTorch prints sizes; "()" for a scalar.
@@ -70,7 +90,10 @@ class Shape {
       if (*first < 0) throw ShapeError("negative dimension " + std::to_string(*first) + " in shape");
       dims_[i] = *first;
     }
+    check_size();
   }
+
+  [[noreturn]] void too_large() const;
 
   std::array<std::int64_t, kMaxRank> dims_{};
   int rank_ = 0;
@@ -95,6 +118,10 @@ bool broadcastable_to(const Shape& from, const Shape& to);
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace lazy {
+
+LAZYTENSOR_INLINE void Shape::too_large() const {
+  throw ShapeError("shape " + str() + " has too many elements (the product of its non-zero sizes exceeds 2^60)");
+}
 
 LAZYTENSOR_INLINE std::string Shape::str() const {
   std::string s = "(";
@@ -129,7 +156,7 @@ LAZYTENSOR_INLINE std::array<std::int64_t, kMaxRank> contiguous_strides(const Sh
 LAZYTENSOR_INLINE Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {
   if (a == b) return a;
   const int r = std::max(a.rank(), b.rank());
-  Shape out;
+  std::array<std::int64_t, kMaxRank> out{};
   for (int i = 0; i < r; ++i) {
     const int ia = i - (r - a.rank()), ib = i - (r - b.rank());
     const std::int64_t da = ia >= 0 ? a[ia] : 1, db = ib >= 0 ? b[ib] : 1;
@@ -138,9 +165,9 @@ LAZYTENSOR_INLINE Shape broadcast_shapes(const Shape& a, const Shape& b, const c
                        " are not broadcastable (dimension " + std::to_string(i) + ": " +
                        std::to_string(da) + " vs " + std::to_string(db) + ")");
     }
-    out.push_back(da == 1 ? db : da);
+    out[i] = da == 1 ? db : da;
   }
-  return out;
+  return Shape(std::span<const std::int64_t>(out.data(), static_cast<std::size_t>(r)));  // checks the size once
 }
 
 LAZYTENSOR_INLINE bool broadcastable_to(const Shape& from, const Shape& to) {

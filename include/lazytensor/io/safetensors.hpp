@@ -156,7 +156,11 @@ LAZYTENSOR_INLINE void parse_tensor_entry(JsonCursor& cur, SafetensorsEntry& e) 
             const std::uint64_t d = cur.uint64();
             if (d > static_cast<std::uint64_t>(INT64_MAX))
               cur.fail(ctx + "dimension " + std::to_string(d) + " is too large");
-            e.shape.push_back(static_cast<std::int64_t>(d));
+            try {
+              e.shape.push_back(static_cast<std::int64_t>(d));
+            } catch (const ShapeError& err) {
+              cur.fail(ctx + err.what());
+            }
             if (cur.accept(']')) break;
             cur.expect(',');
           }

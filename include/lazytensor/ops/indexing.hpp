@@ -40,6 +40,7 @@ auto index_select(const X& x, std::int64_t dim, const Tensor<I>& index) {
     }
   } else {
     out[d] = index.numel();
+    out.check_size();
   }
   graph::common_device({t.node(), index.node()}, "index_select");
   Tensor<T> r(graph::submit(std::make_shared<graph::IndexSelectNode<I>>(t.node(), index.node(), d, out)));

@@ -119,10 +119,11 @@ Tensor<T> cat(const std::vector<Tensor<T>>& tensors, std::int64_t dim = 0) {
   std::vector<std::int64_t> widths;
   for (const auto& t : ts) {
     widths.push_back(t.shape()[d] * inner);
-    total += t.shape()[d];
+    if (__builtin_add_overflow(total, t.shape()[d], &total)) total = kMaxElements + 1;  // too_large below
   }
   Shape out = ref;
   out[d] = total;
+  out.check_size();
   Tensor<T> result(graph::submit(
       std::make_shared<graph::CatNode>("cat", dtype_of<T>(), std::move(nodes), out, &dev, outer, std::move(widths))));
   std::vector<std::int64_t> sizes;
