@@ -8347,9 +8347,10 @@ IdxArray parse_idx(Source& src, const std::string& path, std::optional<std::uint
                             (std::uint64_t{p[2]} << 8) | p[3];
     if (v == 0) idx_fail(path, "dimension " + std::to_string(d) + " is 0, expected > 0");
     dims_text += (d ? " x " : "") + std::to_string(v);
-    // 2^62 bounds every later sum and the allocation arithmetic far from overflow.
-    if (__builtin_mul_overflow(numel, v, &numel) || numel > (std::uint64_t{1} << 62)) {
-      idx_fail(path, "the dimensions describe more than 2^62 elements (corrupt header?)");
+    // The bound of every shape (core/shape.hpp), which keeps later sums and the allocation
+    // arithmetic far from overflow.
+    if (__builtin_mul_overflow(numel, v, &numel) || numel > static_cast<std::uint64_t>(kMaxElements)) {
+      idx_fail(path, "the dimensions describe more than 2^60 elements (corrupt header?)");
     }
     a.dims.push_back(static_cast<std::int64_t>(v));
   }
