@@ -30,6 +30,7 @@ class CollectiveTimeout;
 class ReplicaAborted;
 class FormatError;
 class IoError;
+class OutOfMemoryError;
 
 namespace nn {
 class Module;

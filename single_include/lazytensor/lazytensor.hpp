@@ -209,6 +209,13 @@ class IoError : public Error {
   using Error::Error;
 };
 
+/// Memory for a buffer could not be had: more than the machine holds, or the allocator
+/// refused (torch.OutOfMemoryError). Names the size asked for.
+class OutOfMemoryError : public Error {
+ public:
+  using Error::Error;
+};
+
 namespace detail {
 
 /// The message of a caught exception: what() of a std::exception, else a placeholder.
@@ -258,7 +265,9 @@ LAZYTENSOR_INLINE std::string exception_message(const std::exception_ptr& e) {
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -613,8 +622,20 @@ inline std::size_t buffer_alignment(std::size_t bytes) {
 
 bool huge_pages_wanted();
 
-/// Memory for a buffer of `bytes` bytes (see the file comment for large ones).
+/// Memory for a buffer of `bytes` bytes (see the file comment for large ones). Throws
+/// OutOfMemoryError naming the size when it cannot be had (never std::bad_alloc).
 void* allocate_buffer_memory(std::size_t bytes);
+
+/// The machine's physical memory in bytes (0 when unknown).
+std::uint64_t physical_memory_bytes();
+
+/// Throws OutOfMemoryError naming `what` and the size when `bytes` exceeds the machine's
+/// physical memory: a request that can never be met fails at once, before a reader spends
+/// time on data it could not hold (a sparse file's apparent size, a header's claim).
+void check_fits_in_memory(std::uint64_t bytes, const std::string& what);
+
+/// "1.5 GiB", "12 MiB", "512 bytes": a size for a message.
+std::string byte_size_text(std::uint64_t bytes);
 
 inline void free_buffer_memory(void* p, std::size_t bytes) {
   ::operator delete(p, std::align_val_t(buffer_alignment(bytes)));
@@ -713,8 +734,38 @@ LAZYTENSOR_INLINE bool huge_pages_wanted() {
   return wanted;
 }
 
+LAZYTENSOR_INLINE std::uint64_t physical_memory_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page) : 0;
+}
+
+LAZYTENSOR_INLINE std::string byte_size_text(std::uint64_t bytes) {
+  const char* units[] = {"bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  double v = static_cast<double>(bytes);
+  int u = 0;
+  while (v >= 1024 && u < 6) v /= 1024, ++u;
+  char text[32];
+  if (u == 0) std::snprintf(text, sizeof text, "%llu bytes", static_cast<unsigned long long>(bytes));
+  else std::snprintf(text, sizeof text, "%.1f %s", v, units[u]);
+  return text;
+}
+
+LAZYTENSOR_INLINE void check_fits_in_memory(std::uint64_t bytes, const std::string& what) {
+  const std::uint64_t have = physical_memory_bytes();
+  if (have && bytes > have) {
+    throw OutOfMemoryError(what + " needs " + byte_size_text(bytes) + " (" + std::to_string(bytes) +
+                           " bytes), more than this machine's memory (" + byte_size_text(have) + ")");
+  }
+}
+
 LAZYTENSOR_INLINE void* allocate_buffer_memory(std::size_t bytes) {
-  void* p = ::operator new(bytes, std::align_val_t(buffer_alignment(bytes)));
+  void* p = nullptr;
+  try {
+    p = ::operator new(bytes, std::align_val_t(buffer_alignment(bytes)));
+  } catch (const std::bad_alloc&) {
+    throw OutOfMemoryError("cannot allocate a buffer of " + byte_size_text(bytes) + " (" + std::to_string(bytes) +
+                           " bytes)");
+  }
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   // Only whole huge pages inside the block: the advice must not reach memory we do not own.
   // A refusal (THP disabled, old kernel) only loses the speed-up, so the result is ignored.
@@ -8301,13 +8352,13 @@ class GzipSource {
 #endif
 
 /// Parses an IDX stream. `file_size` is the exact size of an uncompressed file (checked
-/// before allocating); for a compressed stream it is unknown and `reserve_cap` bounds the
-/// memory reserved up front (the rest grows with the data actually decompressed).
+/// before allocating); for a compressed stream it is unknown. Either way the data buffer
+/// grows with the bytes actually read (geometrically, so at most about twice what arrived),
+/// never from the header's claim alone.
 [[noreturn]] void idx_fail(const std::string& path, const std::string& what);
 
 template <class Source>
-IdxArray parse_idx(Source& src, const std::string& path, std::optional<std::uint64_t> file_size,
-                   std::uint64_t reserve_cap) {
+IdxArray parse_idx(Source& src, const std::string& path, std::optional<std::uint64_t> file_size) {
   unsigned char head[4];
   const std::size_t got = src.read(head, 4);
   if (got < 4) {
@@ -8366,23 +8417,25 @@ IdxArray parse_idx(Source& src, const std::string& path, std::optional<std::uint
       idx_fail(path, "corrupt: " + std::to_string(*file_size - expected) +
                          " extra bytes after the data (" + promise + ")");
     }
-    a.data.resize(static_cast<std::size_t>(numel));
-    if (src.read(a.data.data(), a.data.size()) != a.data.size())
-      idx_fail(path, "the file shrank while being read");
-    return a;
+    // A size the machine cannot hold fails now (a sparse file can claim any size).
+    lazy::detail::check_fits_in_memory(numel, path + ": the data (" + promise + ")");
   }
-  a.data.reserve(static_cast<std::size_t>(std::min(numel, reserve_cap)));
   constexpr std::size_t kChunk = std::size_t{1} << 20;
   std::size_t have = 0;
-  while (have < numel) {
-    const std::size_t want =
-        static_cast<std::size_t>(std::min<std::uint64_t>(kChunk, numel - have));
-    a.data.resize(have + want);
-    const std::size_t g = src.read(a.data.data() + have, want);
-    have += g;
-    if (g < want)
-      idx_fail(path,
-               "truncated: " + promise + ", the decompressed data holds " + std::to_string(have));
+  try {
+    while (have < numel) {
+      const std::size_t want = static_cast<std::size_t>(std::min<std::uint64_t>(kChunk, numel - have));
+      a.data.resize(have + want);
+      const std::size_t g = src.read(a.data.data() + have, want);
+      have += g;
+      if (g < want) {
+        if (file_size) idx_fail(path, "the file shrank while being read");
+        idx_fail(path, "truncated: " + promise + ", the decompressed data holds " + std::to_string(have));
+      }
+    }
+  } catch (const std::bad_alloc&) {
+    throw OutOfMemoryError(path + ": out of memory after reading " + lazy::detail::byte_size_text(have) +
+                           " of the data (" + promise + ")");
   }
   std::uint64_t extra = 0;
   unsigned char sink[4096];
@@ -8436,8 +8489,8 @@ LAZYTENSOR_INLINE std::string hex_byte(unsigned b) {
 
 #if LAZYTENSOR_WITH_ZLIB
 LAZYTENSOR_INLINE GzipSource::GzipSource(io::detail::ReadFile& f) : f_(f), in_(1 << 16) {
-  if (inflateInit2(&zs_, 16 + MAX_WBITS) != Z_OK)
-    throw std::bad_alloc();  // the only failure left: memory
+  if (inflateInit2(&zs_, 16 + MAX_WBITS) != Z_OK)  // the only failure left: memory
+    throw OutOfMemoryError("cannot allocate zlib's inflate state");
 }
 
 LAZYTENSOR_INLINE std::size_t GzipSource::read(void* dst, std::size_t n) {
@@ -8462,7 +8515,7 @@ LAZYTENSOR_INLINE std::size_t GzipSource::read(void* dst, std::size_t n) {
     if (rc == Z_STREAM_END)
       member_done_ = true;
     else if (rc == Z_MEM_ERROR)
-      throw std::bad_alloc();
+      throw OutOfMemoryError("zlib ran out of memory while inflating");
     else if (rc != Z_OK && rc != Z_BUF_ERROR)
       fail(std::string("corrupt gzip data (") + (zs_.msg ? zs_.msg : "inflate error") + ")");
   }
@@ -8494,10 +8547,7 @@ LAZYTENSOR_INLINE IdxArray read_idx(const std::string& path) {
   if (gzip) {
 #if LAZYTENSOR_WITH_ZLIB
     detail::GzipSource src(file);
-    // Deflate expands at most ~1032:1, so a file cannot hold more than this: reserving it
-    // is safe however large the header claims the data to be.
-    const std::uint64_t cap = file.size() * 1032 + (1u << 20);
-    return detail::parse_idx(src, path, std::nullopt, cap);
+    return detail::parse_idx(src, path, std::nullopt);
 #else
     throw IoError(path +
                   ": the file is gzip-compressed, but lazytensor was compiled without zlib "
@@ -8505,7 +8555,7 @@ LAZYTENSOR_INLINE IdxArray read_idx(const std::string& path) {
 #endif
   }
   detail::RawSource src(file);
-  return detail::parse_idx(src, path, file.size(), 0);
+  return detail::parse_idx(src, path, file.size());
 }
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
@@ -16309,6 +16359,7 @@ class CollectiveTimeout;
 class ReplicaAborted;
 class FormatError;
 class IoError;
+class OutOfMemoryError;
 
 namespace nn {
 class Module;
@@ -17070,6 +17121,9 @@ LAZYTENSOR_INLINE StateDict load(const std::string& path, Device dev) {
   const std::uint64_t data_start = 8 + n;
   detail::check_safetensors_layout(header, size - data_start, path);
 
+  // The data is read whole into buffers: a file whose data the machine cannot hold (a sparse
+  // file's apparent size, consistent with its header) fails at once, naming the size.
+  lazy::detail::check_fits_in_memory(size - data_start, path + ": the tensors' data");
   StateDict sd;
   graph::Device& engine = dev.engine();
   for (const auto& e : header.tensors) {

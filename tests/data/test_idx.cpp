@@ -194,6 +194,45 @@ TEST(Idx, CorruptGzipIsAFormatError) {
   expect_format_error(write_file("extra.gz", extra), "extra decompressed bytes");
 }
 
+// A gzip file whose header claims far more than it holds: the buffer grows with the data
+// that arrives, so the read ends in FormatError (truncated) with memory near the 32 MiB that
+// arrived. Reserving from the compressed size (x1032, deflate's largest ratio) asked for
+// ~35 GB here: std::bad_alloc on a 24 GiB machine.
+TEST(Idx, GzipClaimFarBeyondItsDataIsAFormatError) {
+  Bytes data(std::size_t{32} << 20);
+  std::uint64_t x = 88172645463325252ull;  // xorshift: incompressible bytes
+  for (auto& b : data) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    b = static_cast<std::uint8_t>(x >> 24);
+  }
+  expect_format_error(write_file("claim.gz", gzip(idx_bytes({1u << 30, 1u << 30}, data))),
+                      "2^60 bytes claimed, 32 MiB present");
+}
+
+// A sparse file: a consistent header and an apparent size twice this machine's memory, next
+// to nothing on disk. The reader refuses at once with OutOfMemoryError naming the file and
+// the size, instead of asking the allocator for it (std::bad_alloc) or reading zeros.
+TEST(Idx, FileLargerThanMemoryIsAnOutOfMemoryError) {
+  const std::uint64_t memory = lazy::detail::physical_memory_bytes();
+  ASSERT_GT(memory, 0u);
+  const std::uint32_t rows = 1u << 20;
+  const auto cols = static_cast<std::uint32_t>(2 * memory / rows + 1);
+  const std::string path = write_file("sparse", idx_bytes({rows, cols}, {}));
+  ASSERT_EQ(::truncate(path.c_str(), static_cast<off_t>(12 + std::uint64_t{rows} * cols)), 0);
+  try {
+    read_idx(path);
+    ADD_FAILURE() << "read a file larger than memory";
+  } catch (const lazy::OutOfMemoryError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find(path), std::string::npos) << m;
+    EXPECT_NE(m.find(std::to_string(std::uint64_t{rows} * cols) + " bytes"), std::string::npos) << m;
+    EXPECT_NE(m.find("more than this machine's memory"), std::string::npos) << m;
+  }
+  ::unlink(path.c_str());
+}
+
 TEST(Idx, RandomDamageNeverCrashes) {
   // Whatever is flipped, the reader returns an array or raises FormatError (ASan-checked).
   const Bytes gz = gzip(idx_bytes({4, 8}, pattern(32)));

@@ -351,6 +351,29 @@ TEST(Safetensors, MalformedHeadersAreFormatErrors) {
   for (const auto& c : cases) expect_format_error(c.file, c.what);
 }
 
+// A sparse file: a consistent header and data twice this machine's memory, next to nothing
+// on disk. load refuses at once with OutOfMemoryError naming the file and the size, instead
+// of asking the allocator for it (std::bad_alloc).
+TEST(Safetensors, FileLargerThanMemoryIsAnOutOfMemoryError) {
+  const std::uint64_t memory = lazy::detail::physical_memory_bytes();
+  ASSERT_GT(memory, 0u);
+  const std::uint64_t n = memory / 2 + 1, bytes = 4 * n;  // floats: 2x memory and a bit
+  const std::string header = R"({"t":{"dtype":"F32","shape":[)" + std::to_string(n) +
+                             R"(],"data_offsets":[0,)" + std::to_string(bytes) + "]}}";
+  const std::string p = write_bytes("sparse.safetensors", file_of(header, {}));
+  ASSERT_EQ(::truncate(p.c_str(), static_cast<off_t>(8 + header.size() + bytes)), 0);
+  try {
+    lazy::io::load(p);
+    ADD_FAILURE() << "loaded a file larger than memory";
+  } catch (const lazy::OutOfMemoryError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find(p), std::string::npos) << m;
+    EXPECT_NE(m.find(std::to_string(bytes) + " bytes"), std::string::npos) << m;
+    EXPECT_NE(m.find("more than this machine's memory"), std::string::npos) << m;
+  }
+  ::unlink(p.c_str());
+}
+
 TEST(Safetensors, TruncatedAtEveryByteIsAFormatError) {
   const std::string p = path_of("full.safetensors");
   StateDict sd;

@@ -12,7 +12,9 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -26,6 +28,7 @@
 #endif
 
 #include <lazytensor/core/counters.hpp>
+#include <lazytensor/core/error.hpp>
 #include <lazytensor/core/env.hpp>
 #include <lazytensor/core/config.hpp>
 
@@ -58,8 +61,20 @@ inline std::size_t buffer_alignment(std::size_t bytes) {
 
 bool huge_pages_wanted();
 
-/// Memory for a buffer of `bytes` bytes (see the file comment for large ones).
+/// Memory for a buffer of `bytes` bytes (see the file comment for large ones). Throws
+/// OutOfMemoryError naming the size when it cannot be had (never std::bad_alloc).
 void* allocate_buffer_memory(std::size_t bytes);
+
+/// The machine's physical memory in bytes (0 when unknown).
+std::uint64_t physical_memory_bytes();
+
+/// Throws OutOfMemoryError naming `what` and the size when `bytes` exceeds the machine's
+/// physical memory: a request that can never be met fails at once, before a reader spends
+/// time on data it could not hold (a sparse file's apparent size, a header's claim).
+void check_fits_in_memory(std::uint64_t bytes, const std::string& what);
+
+/// "1.5 GiB", "12 MiB", "512 bytes": a size for a message.
+std::string byte_size_text(std::uint64_t bytes);
 
 inline void free_buffer_memory(void* p, std::size_t bytes) {
   ::operator delete(p, std::align_val_t(buffer_alignment(bytes)));
@@ -158,8 +173,38 @@ LAZYTENSOR_INLINE bool huge_pages_wanted() {
   return wanted;
 }
 
+LAZYTENSOR_INLINE std::uint64_t physical_memory_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page) : 0;
+}
+
+LAZYTENSOR_INLINE std::string byte_size_text(std::uint64_t bytes) {
+  const char* units[] = {"bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  double v = static_cast<double>(bytes);
+  int u = 0;
+  while (v >= 1024 && u < 6) v /= 1024, ++u;
+  char text[32];
+  if (u == 0) std::snprintf(text, sizeof text, "%llu bytes", static_cast<unsigned long long>(bytes));
+  else std::snprintf(text, sizeof text, "%.1f %s", v, units[u]);
+  return text;
+}
+
+LAZYTENSOR_INLINE void check_fits_in_memory(std::uint64_t bytes, const std::string& what) {
+  const std::uint64_t have = physical_memory_bytes();
+  if (have && bytes > have) {
+    throw OutOfMemoryError(what + " needs " + byte_size_text(bytes) + " (" + std::to_string(bytes) +
+                           " bytes), more than this machine's memory (" + byte_size_text(have) + ")");
+  }
+}
+
 LAZYTENSOR_INLINE void* allocate_buffer_memory(std::size_t bytes) {
-  void* p = ::operator new(bytes, std::align_val_t(buffer_alignment(bytes)));
+  void* p = nullptr;
+  try {
+    p = ::operator new(bytes, std::align_val_t(buffer_alignment(bytes)));
+  } catch (const std::bad_alloc&) {
+    throw OutOfMemoryError("cannot allocate a buffer of " + byte_size_text(bytes) + " (" + std::to_string(bytes) +
+                           " bytes)");
+  }
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   // Only whole huge pages inside the block: the advice must not reach memory we do not own.
   // A refusal (THP disabled, old kernel) only loses the speed-up, so the result is ignored.

@@ -82,6 +82,13 @@ class IoError : public Error {
   using Error::Error;
 };
 
+/// Memory for a buffer could not be had: more than the machine holds, or the allocator
+/// refused (torch.OutOfMemoryError). Names the size asked for.
+class OutOfMemoryError : public Error {
+ public:
+  using Error::Error;
+};
+
 namespace detail {
 
 /// The message of a caught exception: what() of a std::exception, else a placeholder.

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include <lazytensor/core/buffer.hpp>
 #include <lazytensor/core/config.hpp>
 #include <lazytensor/core/error.hpp>
 #include <lazytensor/core/shape.hpp>
@@ -96,13 +97,13 @@ class GzipSource {
 #endif
 
 /// Parses an IDX stream. `file_size` is the exact size of an uncompressed file (checked
-/// before allocating); for a compressed stream it is unknown and `reserve_cap` bounds the
-/// memory reserved up front (the rest grows with the data actually decompressed).
+/// before allocating); for a compressed stream it is unknown. Either way the data buffer
+/// grows with the bytes actually read (geometrically, so at most about twice what arrived),
+/// never from the header's claim alone.
 [[noreturn]] void idx_fail(const std::string& path, const std::string& what);
 
 template <class Source>
-IdxArray parse_idx(Source& src, const std::string& path, std::optional<std::uint64_t> file_size,
-                   std::uint64_t reserve_cap) {
+IdxArray parse_idx(Source& src, const std::string& path, std::optional<std::uint64_t> file_size) {
   unsigned char head[4];
   const std::size_t got = src.read(head, 4);
   if (got < 4) {
@@ -161,23 +162,25 @@ IdxArray parse_idx(Source& src, const std::string& path, std::optional<std::uint
       idx_fail(path, "corrupt: " + std::to_string(*file_size - expected) +
                          " extra bytes after the data (" + promise + ")");
     }
-    a.data.resize(static_cast<std::size_t>(numel));
-    if (src.read(a.data.data(), a.data.size()) != a.data.size())
-      idx_fail(path, "the file shrank while being read");
-    return a;
+    // A size the machine cannot hold fails now (a sparse file can claim any size).
+    lazy::detail::check_fits_in_memory(numel, path + ": the data (" + promise + ")");
   }
-  a.data.reserve(static_cast<std::size_t>(std::min(numel, reserve_cap)));
   constexpr std::size_t kChunk = std::size_t{1} << 20;
   std::size_t have = 0;
-  while (have < numel) {
-    const std::size_t want =
-        static_cast<std::size_t>(std::min<std::uint64_t>(kChunk, numel - have));
-    a.data.resize(have + want);
-    const std::size_t g = src.read(a.data.data() + have, want);
-    have += g;
-    if (g < want)
-      idx_fail(path,
-               "truncated: " + promise + ", the decompressed data holds " + std::to_string(have));
+  try {
+    while (have < numel) {
+      const std::size_t want = static_cast<std::size_t>(std::min<std::uint64_t>(kChunk, numel - have));
+      a.data.resize(have + want);
+      const std::size_t g = src.read(a.data.data() + have, want);
+      have += g;
+      if (g < want) {
+        if (file_size) idx_fail(path, "the file shrank while being read");
+        idx_fail(path, "truncated: " + promise + ", the decompressed data holds " + std::to_string(have));
+      }
+    }
+  } catch (const std::bad_alloc&) {
+    throw OutOfMemoryError(path + ": out of memory after reading " + lazy::detail::byte_size_text(have) +
+                           " of the data (" + promise + ")");
   }
   std::uint64_t extra = 0;
   unsigned char sink[4096];
@@ -231,8 +234,8 @@ LAZYTENSOR_INLINE std::string hex_byte(unsigned b) {
 
 #if LAZYTENSOR_WITH_ZLIB
 LAZYTENSOR_INLINE GzipSource::GzipSource(io::detail::ReadFile& f) : f_(f), in_(1 << 16) {
-  if (inflateInit2(&zs_, 16 + MAX_WBITS) != Z_OK)
-    throw std::bad_alloc();  // the only failure left: memory
+  if (inflateInit2(&zs_, 16 + MAX_WBITS) != Z_OK)  // the only failure left: memory
+    throw OutOfMemoryError("cannot allocate zlib's inflate state");
 }
 
 LAZYTENSOR_INLINE std::size_t GzipSource::read(void* dst, std::size_t n) {
@@ -257,7 +260,7 @@ LAZYTENSOR_INLINE std::size_t GzipSource::read(void* dst, std::size_t n) {
     if (rc == Z_STREAM_END)
       member_done_ = true;
     else if (rc == Z_MEM_ERROR)
-      throw std::bad_alloc();
+      throw OutOfMemoryError("zlib ran out of memory while inflating");
     else if (rc != Z_OK && rc != Z_BUF_ERROR)
       fail(std::string("corrupt gzip data (") + (zs_.msg ? zs_.msg : "inflate error") + ")");
   }
@@ -289,10 +292,7 @@ LAZYTENSOR_INLINE IdxArray read_idx(const std::string& path) {
   if (gzip) {
 #if LAZYTENSOR_WITH_ZLIB
     detail::GzipSource src(file);
-    // Deflate expands at most ~1032:1, so a file cannot hold more than this: reserving it
-    // is safe however large the header claims the data to be.
-    const std::uint64_t cap = file.size() * 1032 + (1u << 20);
-    return detail::parse_idx(src, path, std::nullopt, cap);
+    return detail::parse_idx(src, path, std::nullopt);
 #else
     throw IoError(path +
                   ": the file is gzip-compressed, but lazytensor was compiled without zlib "
@@ -300,7 +300,7 @@ LAZYTENSOR_INLINE IdxArray read_idx(const std::string& path) {
 #endif
   }
   detail::RawSource src(file);
-  return detail::parse_idx(src, path, file.size(), 0);
+  return detail::parse_idx(src, path, file.size());
 }
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include <lazytensor/any_tensor.hpp>
+#include <lazytensor/core/buffer.hpp>
 #include <lazytensor/core/config.hpp>
 #include <lazytensor/core/error.hpp>
 #include <lazytensor/io/file.hpp>
@@ -436,6 +437,9 @@ LAZYTENSOR_INLINE StateDict load(const std::string& path, Device dev) {
   const std::uint64_t data_start = 8 + n;
   detail::check_safetensors_layout(header, size - data_start, path);
 
+  // The data is read whole into buffers: a file whose data the machine cannot hold (a sparse
+  // file's apparent size, consistent with its header) fails at once, naming the size.
+  lazy::detail::check_fits_in_memory(size - data_start, path + ": the tensors' data");
   StateDict sd;
   graph::Device& engine = dev.engine();
   for (const auto& e : header.tensors) {
