@@ -12,7 +12,7 @@ file). Peers that are not installed (libtorch: Debian's libtorch-dev) are listed
   python3 scripts/compile_report.py [--runs N] [--cxx g++] [--no-write] [--baseline DIR]
 
 The `*_compiled` rows build the same programs against the compiled runtime
-(lazytensor::compiled: -DLAZYTENSOR_COMPILED, linked with src/compiled.cpp's object, which is
+(lazytensor::compiled: -DLAZYTENSOR_COMPILED, linked with src/compiled*.cpp's objects, which are
 built once beforehand and not timed).
 
 --baseline DIR adds the lazytensor rows compiled against another checkout's include/ (an
@@ -94,8 +94,8 @@ def command(name, src, exe, cxx, root=ROOT, runtime=None):
     if name == "eigen":
         return base + eigen_include() + [str(src), "-o", str(exe)]
     lazy = ["-I" + str(root / "include")] + eigen_include()
-    if runtime:  # the compiled runtime's object (zlib: its IDX reader)
-        return base + lazy + ["-DLAZYTENSOR_COMPILED", str(src), str(runtime), "-o", str(exe), "-lz"]
+    if runtime:  # the compiled runtime's objects (zlib: its IDX reader)
+        return base + lazy + ["-DLAZYTENSOR_COMPILED", str(src)] + [str(r) for r in runtime] + ["-o", str(exe), "-lz"]
     libs = ["-lz"] if name == "fashion_mnist" else []
     return base + lazy + [str(src), "-o", str(exe)] + libs
 
@@ -180,11 +180,14 @@ def main():
                 LABELS[n + "@baseline"] = LABELS[n].replace("lazytensor,", "baseline,", 1) + " (baseline)"
         runtime = None
         if any(n in COMPILED for n in jobs):
-            runtime = tmp / "compiled.o"
+            runtime = []
             print("building the compiled runtime (not timed)", file=sys.stderr)
-            subprocess.run([args.cxx, "-std=c++20", "-O2", "-march=native", "-pthread", "-c",
-                            "-I" + str(ROOT / "include")] + eigen_include() +
-                           [str(ROOT / "src" / "compiled.cpp"), "-o", str(runtime)], check=True)
+            for unit in ("compiled", "compiled_frontend"):
+                obj = tmp / (unit + ".o")
+                subprocess.run([args.cxx, "-std=c++20", "-O2", "-march=native", "-pthread", "-c"] +
+                               ["-I" + str(ROOT / "include")] + eigen_include() +
+                               [str(ROOT / "src" / (unit + ".cpp")), "-o", str(obj)], check=True)
+                runtime.append(obj)
         runnable = list(jobs)
         names = names + [j for j in jobs if j.endswith("@baseline")]
         samples = {n: [] for n in runnable}
