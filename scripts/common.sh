@@ -13,8 +13,9 @@ export CCACHE_SLOPPINESS="${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_f
 # Parallelism for builds and ctest (override with JOBS=N).
 JOBS="${JOBS:-$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2)}"
 
+# A heading, with the time since the script started (the CI log then shows each stage's cost).
 section() {
-  printf '\n\033[1;34m==== %s ====\033[0m\n' "$*"
+  printf '\n\033[1;34m==== %s (at %dm%02ds) ====\033[0m\n' "$*" $((SECONDS / 60)) $((SECONDS % 60))
 }
 
 die() {
