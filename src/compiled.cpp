@@ -5,6 +5,10 @@
 #define LAZYTENSOR_BUILDING_RUNTIME
 #include <lazytensor/lazytensor.hpp>
 
+// The instruction set this library's kernels were compiled for; user TUs refer to the symbol
+// named after theirs (core/config.hpp), so a program built for another one does not link.
+extern "C" const char LAZYTENSOR_ISA_SYMBOL(LAZYTENSOR_ISA) = 1;
+
 // The per-dtype templates that user TUs declare `extern template` (core/config.hpp), defined
 // here after every header, so that each definition sees everything it calls.
 LAZYTENSOR_FOR_FLOATING(LAZYTENSOR_NODE_OPS_INSTANCES, )

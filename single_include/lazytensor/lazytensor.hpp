@@ -54,8 +54,9 @@
 // one instantiates it again. With the compiled runtime the library instantiates them once:
 // each header keeps a list macro, LAZYTENSOR_<NAME>_INSTANCES(P, T), that names its per-dtype
 // templates with prefix P. The header expands it with P = extern (user TUs, and the library
-// before its definitions), src/compiled.cpp with P empty at its end, after every header: one
-// list, so the declarations and the definitions cannot disagree.
+// before its definitions), src/compiled.cpp (core, graph, ops) or src/compiled_frontend.cpp
+// (nn, optim) with P empty at its end, after every header: one list, so the declarations and
+// the definitions cannot disagree.
 //
 // The frontend (nn, optim) lists the templates whose arguments the library fixes: the
 // `template <class = void>` functions and layers (at void), the losses and layers over a
@@ -74,6 +75,36 @@
 // ... and for every element type.
 #define LAZYTENSOR_FOR_ELEMENT(X, P) \
   X(P, bool) X(P, std::int32_t) X(P, std::int64_t) LAZYTENSOR_FOR_FLOATING(X, P)
+
+// The instruction set the kernels are compiled for (xsimd and the GEMM kernel choose theirs
+// from the compiler's flags), coarsely: what a mismatch would change.
+#if defined(__AVX512F__)
+#define LAZYTENSOR_ISA avx512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LAZYTENSOR_ISA avx2_fma
+#elif defined(__AVX__)
+#define LAZYTENSOR_ISA avx
+#else
+#define LAZYTENSOR_ISA sse
+#endif
+#define LAZYTENSOR_ISA_SYMBOL_(isa) lazytensor_compiled_for_##isa
+#define LAZYTENSOR_ISA_SYMBOL(isa) LAZYTENSOR_ISA_SYMBOL_(isa)
+
+// lazytensor::compiled holds kernels too (its per-dtype templates: nn layers, reductions,
+// random draws, GEMM), compiled for the instruction set of the build that made it. A program
+// built for another one would run those at the library's (slower, or unsupported by the CPU)
+// while its own run at its own: the library defines a symbol named after its instruction set
+// and every user TU refers to the one named after its own, so a mismatch is a link error
+// naming both sides ("undefined reference to lazytensor_compiled_for_avx2_fma"). Build the
+// package with the flags of the programs that use it (or use it header-only).
+#if defined(LAZYTENSOR_BUILDING_RUNTIME)
+extern "C" const char LAZYTENSOR_ISA_SYMBOL(LAZYTENSOR_ISA);
+#elif defined(LAZYTENSOR_COMPILED) && (defined(__GNUC__) || defined(__clang__))
+extern "C" const char LAZYTENSOR_ISA_SYMBOL(LAZYTENSOR_ISA);
+namespace lazy::detail {
+[[gnu::used]] inline const char* const compiled_isa_check = &LAZYTENSOR_ISA_SYMBOL(LAZYTENSOR_ISA);
+}  // namespace lazy::detail
+#endif
 // ---- end lazytensor/core/config.hpp ----
 // ---- begin lazytensor/tensor/tensor.hpp ----
 // lazy::Tensor<T>: a cheap handle, like torch::Tensor. Copies share one tensor object that
@@ -277,6 +308,8 @@ LAZYTENSOR_INLINE std::string exception_message(const std::exception_ptr& e) {
 
 #if defined(__linux__)
 #include <sys/mman.h>
+#endif
+#if defined(__unix__) || defined(__APPLE__)
 #include <unistd.h>
 #endif
 
@@ -735,8 +768,12 @@ LAZYTENSOR_INLINE bool huge_pages_wanted() {
 }
 
 LAZYTENSOR_INLINE std::uint64_t physical_memory_bytes() {
+#if defined(_SC_PHYS_PAGES) && defined(_SC_PAGESIZE)
   const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
   return pages > 0 && page > 0 ? static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page) : 0;
+#else
+  return 0;
+#endif
 }
 
 LAZYTENSOR_INLINE std::string byte_size_text(std::uint64_t bytes) {
@@ -818,7 +855,12 @@ LAZYTENSOR_INLINE std::shared_ptr<Buffer> BufferPool::acquire(std::size_t bytes)
   if (!p) {
     p = detail::allocate_buffer_memory(bytes);
   }
-  return std::make_shared<Buffer>(p, bytes, shared_from_this());
+  try {
+    return std::make_shared<Buffer>(p, bytes, shared_from_this());
+  } catch (const std::bad_alloc&) {
+    ::operator delete(p, std::align_val_t(detail::buffer_alignment(bytes)));
+    throw OutOfMemoryError("cannot allocate a buffer's control block");
+  }
 }
 
 LAZYTENSOR_INLINE void BufferPool::release(void* p, std::size_t bytes) {
@@ -1081,9 +1123,9 @@ namespace lazy {
 inline constexpr int kMaxRank = 8;
 
 /// The largest product of a shape's non-zero sizes (2^60). Every shape keeps its non-zero
-/// sizes' product at or below it, so an element count, any stride and any byte size (of
-/// elements up to 8 bytes, padded) fits in int64 however it is multiplied, even for a
-/// zero-sized shape whose other sizes are huge.
+/// sizes' product at or below it, so an element count and any stride fit in int64, and any
+/// byte size (elements up to 8 bytes, padded) in std::size_t, however they are multiplied,
+/// even for a zero-sized shape whose other sizes are huge.
 inline constexpr std::int64_t kMaxElements = std::int64_t{1} << 60;
 
 /// A tensor's dimensions. Value type, fixed capacity, no allocation.
@@ -1118,8 +1160,10 @@ class Shape {
   void push_back(std::int64_t d) {
     if (rank_ == kMaxRank) throw ShapeError("rank exceeds the maximum of 8");
     if (d < 0) throw ShapeError("negative dimension " + std::to_string(d) + " in shape");
-    dims_[rank_++] = d;
-    check_size();
+    Shape grown = *this;  // checked before this shape changes: a refused size leaves it intact
+    grown.dims_[grown.rank_++] = d;
+    grown.check_size();
+    *this = grown;
   }
 
   /// Throws ShapeError when the product of the non-zero sizes exceeds kMaxElements. The
@@ -8419,6 +8463,12 @@ IdxArray parse_idx(Source& src, const std::string& path, std::optional<std::uint
     }
     // A size the machine cannot hold fails now (a sparse file can claim any size).
     lazy::detail::check_fits_in_memory(numel, path + ": the data (" + promise + ")");
+    try {
+      a.data.reserve(static_cast<std::size_t>(numel));  // the size is known: one allocation
+    } catch (const std::bad_alloc&) {
+      throw OutOfMemoryError(path + ": cannot allocate " + lazy::detail::byte_size_text(numel) + " for the data (" +
+                             promise + ")");
+    }
   }
   constexpr std::size_t kChunk = std::size_t{1} << 20;
   std::size_t have = 0;
@@ -11171,7 +11221,10 @@ Tensor<T> all_gather(const Tensor<T>& t, std::int64_t dim = 0, const Groups& gro
   auto group = detail::group_of(groups, "all_gather");
   const auto n = static_cast<std::int64_t>(group->size());
   Shape out = t.dim() == 0 ? Shape{n} : t.shape();
-  if (t.dim() > 0) out[d] *= n;
+  if (t.dim() > 0) {
+    out[d] *= n;  // <= 2^60 * replicas: no overflow; the bound is checked next
+    out.check_size();
+  }
   detail::Signature sig = detail::tensor_signature(detail::CollectiveKind::AllGather, t);
   sig.params[0] = d;
   auto call = detail::capture(std::move(sig), std::move(group));
@@ -11252,6 +11305,7 @@ Tensor<T> all_to_all(const Tensor<T>& t, std::int64_t split_dimension,
   Shape out = t.shape();
   out[sd] /= n;
   out[cd] *= n;
+  out.check_size();
   detail::Signature sig = detail::tensor_signature(detail::CollectiveKind::AllToAll, t);
   sig.params[0] = sd;
   sig.params[1] = cd;
@@ -14810,8 +14864,10 @@ LAZYTENSOR_INLINE Shape infer_shape(std::span<const std::int64_t> sizes, std::in
     } else if (sizes[i] < 0) {
       throw ShapeError(std::string(op) + ": invalid shape dimension " + std::to_string(sizes[i]) + " in " +
                        list_str(sizes) + " (expected sizes >= 0, or -1 once)");
-    } else {
-      known *= sizes[i];
+    } else if (__builtin_mul_overflow(known, sizes[i], &known)) {
+      // Past int64, so past the shape bound too (a later zero does not bring it back).
+      throw ShapeError(std::string(op) + ": the sizes " + list_str(sizes) +
+                       " describe more elements than a shape may hold (2^60)");
     }
   }
   std::vector<std::int64_t> out(sizes.begin(), sizes.end());

@@ -7,6 +7,7 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
@@ -220,7 +221,13 @@ TEST(Idx, FileLargerThanMemoryIsAnOutOfMemoryError) {
   const std::uint32_t rows = 1u << 20;
   const auto cols = static_cast<std::uint32_t>(2 * memory / rows + 1);
   const std::string path = write_file("sparse", idx_bytes({rows, cols}, {}));
-  ASSERT_EQ(::truncate(path.c_str(), static_cast<off_t>(12 + std::uint64_t{rows} * cols)), 0);
+  struct Unlink {
+    std::string p;
+    ~Unlink() { ::unlink(p.c_str()); }
+  } cleanup{path};
+  if (::truncate(path.c_str(), static_cast<off_t>(12 + std::uint64_t{rows} * cols)) != 0) {
+    GTEST_SKIP() << "this file system cannot hold a sparse file of twice the memory (errno " << errno << ")";
+  }
   try {
     read_idx(path);
     ADD_FAILURE() << "read a file larger than memory";
@@ -230,7 +237,6 @@ TEST(Idx, FileLargerThanMemoryIsAnOutOfMemoryError) {
     EXPECT_NE(m.find(std::to_string(std::uint64_t{rows} * cols) + " bytes"), std::string::npos) << m;
     EXPECT_NE(m.find("more than this machine's memory"), std::string::npos) << m;
   }
-  ::unlink(path.c_str());
 }
 
 TEST(Idx, RandomDamageNeverCrashes) {

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
@@ -361,7 +362,13 @@ TEST(Safetensors, FileLargerThanMemoryIsAnOutOfMemoryError) {
   const std::string header = R"({"t":{"dtype":"F32","shape":[)" + std::to_string(n) +
                              R"(],"data_offsets":[0,)" + std::to_string(bytes) + "]}}";
   const std::string p = write_bytes("sparse.safetensors", file_of(header, {}));
-  ASSERT_EQ(::truncate(p.c_str(), static_cast<off_t>(8 + header.size() + bytes)), 0);
+  struct Unlink {
+    std::string p;
+    ~Unlink() { ::unlink(p.c_str()); }
+  } cleanup{p};
+  if (::truncate(p.c_str(), static_cast<off_t>(8 + header.size() + bytes)) != 0) {
+    GTEST_SKIP() << "this file system cannot hold a sparse file of twice the memory (errno " << errno << ")";
+  }
   try {
     lazy::io::load(p);
     ADD_FAILURE() << "loaded a file larger than memory";
@@ -371,7 +378,6 @@ TEST(Safetensors, FileLargerThanMemoryIsAnOutOfMemoryError) {
     EXPECT_NE(m.find(std::to_string(bytes) + " bytes"), std::string::npos) << m;
     EXPECT_NE(m.find("more than this machine's memory"), std::string::npos) << m;
   }
-  ::unlink(p.c_str());
 }
 
 TEST(Safetensors, TruncatedAtEveryByteIsAFormatError) {

@@ -10,8 +10,11 @@ set(library_templates
   "lazy::autograd::(add_nodes_of|sum_to_shape_of|cast_node_to|full_node_of|register_grad_dtype|register_grad_cast)<"
   "lazy::detail::(view_of|permute_impl|record_sum|record_extreme|make_random)<"
   "lazy::detail::reduction_node<[^<>]*, lazy::Tensor<"
-  "lazy::graph::detail::eigen_gemm_rows<"
+  "lazy::graph::detail::eigen_gemm_(rows|add_nt)<"
   "lazy::nn::[A-Za-z0-9_]+Impl::forward"
+  "lazy::nn::([A-Za-z0-9_]+)Impl::[A-Za-z0-9_]+Impl<"
+  "lazy::nn::SequentialImpl::push_back<"
+  "lazy::optim::[A-Za-z0-9_<>:, ]*::validate"
   "lazy::nn::functional::"
   "lazy::nn::init::"
   "lazy::optim::[A-Za-z0-9_<>:, ]*::step")

@@ -24,6 +24,8 @@
 
 #if defined(__linux__)
 #include <sys/mman.h>
+#endif
+#if defined(__unix__) || defined(__APPLE__)
 #include <unistd.h>
 #endif
 
@@ -174,8 +176,12 @@ LAZYTENSOR_INLINE bool huge_pages_wanted() {
 }
 
 LAZYTENSOR_INLINE std::uint64_t physical_memory_bytes() {
+#if defined(_SC_PHYS_PAGES) && defined(_SC_PAGESIZE)
   const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
   return pages > 0 && page > 0 ? static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page) : 0;
+#else
+  return 0;
+#endif
 }
 
 LAZYTENSOR_INLINE std::string byte_size_text(std::uint64_t bytes) {
@@ -257,7 +263,12 @@ LAZYTENSOR_INLINE std::shared_ptr<Buffer> BufferPool::acquire(std::size_t bytes)
   if (!p) {
     p = detail::allocate_buffer_memory(bytes);
   }
-  return std::make_shared<Buffer>(p, bytes, shared_from_this());
+  try {
+    return std::make_shared<Buffer>(p, bytes, shared_from_this());
+  } catch (const std::bad_alloc&) {
+    ::operator delete(p, std::align_val_t(detail::buffer_alignment(bytes)));
+    throw OutOfMemoryError("cannot allocate a buffer's control block");
+  }
 }
 
 LAZYTENSOR_INLINE void BufferPool::release(void* p, std::size_t bytes) {

@@ -32,8 +32,9 @@
 // one instantiates it again. With the compiled runtime the library instantiates them once:
 // each header keeps a list macro, LAZYTENSOR_<NAME>_INSTANCES(P, T), that names its per-dtype
 // templates with prefix P. The header expands it with P = extern (user TUs, and the library
-// before its definitions), src/compiled.cpp with P empty at its end, after every header: one
-// list, so the declarations and the definitions cannot disagree.
+// before its definitions), src/compiled.cpp (core, graph, ops) or src/compiled_frontend.cpp
+// (nn, optim) with P empty at its end, after every header: one list, so the declarations and
+// the definitions cannot disagree.
 //
 // The frontend (nn, optim) lists the templates whose arguments the library fixes: the
 // `template <class = void>` functions and layers (at void), the losses and layers over a
@@ -52,3 +53,33 @@
 // ... and for every element type.
 #define LAZYTENSOR_FOR_ELEMENT(X, P) \
   X(P, bool) X(P, std::int32_t) X(P, std::int64_t) LAZYTENSOR_FOR_FLOATING(X, P)
+
+// The instruction set the kernels are compiled for (xsimd and the GEMM kernel choose theirs
+// from the compiler's flags), coarsely: what a mismatch would change.
+#if defined(__AVX512F__)
+#define LAZYTENSOR_ISA avx512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LAZYTENSOR_ISA avx2_fma
+#elif defined(__AVX__)
+#define LAZYTENSOR_ISA avx
+#else
+#define LAZYTENSOR_ISA sse
+#endif
+#define LAZYTENSOR_ISA_SYMBOL_(isa) lazytensor_compiled_for_##isa
+#define LAZYTENSOR_ISA_SYMBOL(isa) LAZYTENSOR_ISA_SYMBOL_(isa)
+
+// lazytensor::compiled holds kernels too (its per-dtype templates: nn layers, reductions,
+// random draws, GEMM), compiled for the instruction set of the build that made it. A program
+// built for another one would run those at the library's (slower, or unsupported by the CPU)
+// while its own run at its own: the library defines a symbol named after its instruction set
+// and every user TU refers to the one named after its own, so a mismatch is a link error
+// naming both sides ("undefined reference to lazytensor_compiled_for_avx2_fma"). Build the
+// package with the flags of the programs that use it (or use it header-only).
+#if defined(LAZYTENSOR_BUILDING_RUNTIME)
+extern "C" const char LAZYTENSOR_ISA_SYMBOL(LAZYTENSOR_ISA);
+#elif defined(LAZYTENSOR_COMPILED) && (defined(__GNUC__) || defined(__clang__))
+extern "C" const char LAZYTENSOR_ISA_SYMBOL(LAZYTENSOR_ISA);
+namespace lazy::detail {
+[[gnu::used]] inline const char* const compiled_isa_check = &LAZYTENSOR_ISA_SYMBOL(LAZYTENSOR_ISA);
+}  // namespace lazy::detail
+#endif

@@ -18,9 +18,9 @@ namespace lazy {
 inline constexpr int kMaxRank = 8;
 
 /// The largest product of a shape's non-zero sizes (2^60). Every shape keeps its non-zero
-/// sizes' product at or below it, so an element count, any stride and any byte size (of
-/// elements up to 8 bytes, padded) fits in int64 however it is multiplied, even for a
-/// zero-sized shape whose other sizes are huge.
+/// sizes' product at or below it, so an element count and any stride fit in int64, and any
+/// byte size (elements up to 8 bytes, padded) in std::size_t, however they are multiplied,
+/// even for a zero-sized shape whose other sizes are huge.
 inline constexpr std::int64_t kMaxElements = std::int64_t{1} << 60;
 
 /// A tensor's dimensions. Value type, fixed capacity, no allocation.
@@ -55,8 +55,10 @@ class Shape {
   void push_back(std::int64_t d) {
     if (rank_ == kMaxRank) throw ShapeError("rank exceeds the maximum of 8");
     if (d < 0) throw ShapeError("negative dimension " + std::to_string(d) + " in shape");
-    dims_[rank_++] = d;
-    check_size();
+    Shape grown = *this;  // checked before this shape changes: a refused size leaves it intact
+    grown.dims_[grown.rank_++] = d;
+    grown.check_size();
+    *this = grown;
   }
 
   /// Throws ShapeError when the product of the non-zero sizes exceeds kMaxElements. The

@@ -164,6 +164,12 @@ IdxArray parse_idx(Source& src, const std::string& path, std::optional<std::uint
     }
     // A size the machine cannot hold fails now (a sparse file can claim any size).
     lazy::detail::check_fits_in_memory(numel, path + ": the data (" + promise + ")");
+    try {
+      a.data.reserve(static_cast<std::size_t>(numel));  // the size is known: one allocation
+    } catch (const std::bad_alloc&) {
+      throw OutOfMemoryError(path + ": cannot allocate " + lazy::detail::byte_size_text(numel) + " for the data (" +
+                             promise + ")");
+    }
   }
   constexpr std::size_t kChunk = std::size_t{1} << 20;
   std::size_t have = 0;

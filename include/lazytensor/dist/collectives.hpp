@@ -117,7 +117,10 @@ Tensor<T> all_gather(const Tensor<T>& t, std::int64_t dim = 0, const Groups& gro
   auto group = detail::group_of(groups, "all_gather");
   const auto n = static_cast<std::int64_t>(group->size());
   Shape out = t.dim() == 0 ? Shape{n} : t.shape();
-  if (t.dim() > 0) out[d] *= n;
+  if (t.dim() > 0) {
+    out[d] *= n;  // <= 2^60 * replicas: no overflow; the bound is checked next
+    out.check_size();
+  }
   detail::Signature sig = detail::tensor_signature(detail::CollectiveKind::AllGather, t);
   sig.params[0] = d;
   auto call = detail::capture(std::move(sig), std::move(group));
@@ -198,6 +201,7 @@ Tensor<T> all_to_all(const Tensor<T>& t, std::int64_t split_dimension,
   Shape out = t.shape();
   out[sd] /= n;
   out[cd] *= n;
+  out.check_size();
   detail::Signature sig = detail::tensor_signature(detail::CollectiveKind::AllToAll, t);
   sig.params[0] = sd;
   sig.params[1] = cd;

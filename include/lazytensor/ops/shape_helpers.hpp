@@ -187,8 +187,10 @@ LAZYTENSOR_INLINE Shape infer_shape(std::span<const std::int64_t> sizes, std::in
     } else if (sizes[i] < 0) {
       throw ShapeError(std::string(op) + ": invalid shape dimension " + std::to_string(sizes[i]) + " in " +
                        list_str(sizes) + " (expected sizes >= 0, or -1 once)");
-    } else {
-      known *= sizes[i];
+    } else if (__builtin_mul_overflow(known, sizes[i], &known)) {
+      // Past int64, so past the shape bound too (a later zero does not bring it back).
+      throw ShapeError(std::string(op) + ": the sizes " + list_str(sizes) +
+                       " describe more elements than a shape may hold (2^60)");
     }
   }
   std::vector<std::int64_t> out(sizes.begin(), sizes.end());
