@@ -158,7 +158,9 @@ run_package_consumers() {
 
   section "package: install + find_package consumer"
   cmake --install "${BUILD_DIR:-build}" --prefix "$tmp/prefix"
-  cmake -S tests/package -B "$tmp/pkg-find" "${common[@]}" \
+  # The installed library comes from the Release build above, compiled with -march=native:
+  # its consumer must use the same instruction set (core/config.hpp; a mismatch does not link).
+  cmake -S tests/package -B "$tmp/pkg-find" "${common[@]}" -DCMAKE_CXX_FLAGS=-march=native \
     "-DCMAKE_PREFIX_PATH=$tmp/prefix" -DCMAKE_FIND_PACKAGE_NO_PACKAGE_REGISTRY=ON
   grep -q "^lazytensor_DIR:PATH=$tmp/prefix/" "$tmp/pkg-find/CMakeCache.txt" \
     || die "find_package(lazytensor) did not pick up the freshly installed package"
