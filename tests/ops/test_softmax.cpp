@@ -22,8 +22,6 @@ using lazy_tests::random_values;
 using lazy::Shape;
 using lazy::Tensor;
 
-constexpr double kInf = std::numeric_limits<double>::infinity();
-
 /// Reference softmax / log_softmax of `x` (shape s) along dim d, in long double.
 template <class T>
 std::vector<long double> reference(const std::vector<T>& x, const Shape& s, int d, bool log) {
