@@ -97,10 +97,10 @@
 // and every user TU refers to the one named after its own, so a mismatch is a link error
 // naming both sides ("undefined reference to lazytensor_compiled_for_avx2_fma"). Build the
 // package with the flags of the programs that use it (or use it header-only).
-#if defined(LAZYTENSOR_BUILDING_RUNTIME)
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
 extern "C" const char LAZYTENSOR_ISA_SYMBOL(LAZYTENSOR_ISA);
-#elif defined(LAZYTENSOR_COMPILED) && (defined(__GNUC__) || defined(__clang__))
-extern "C" const char LAZYTENSOR_ISA_SYMBOL(LAZYTENSOR_ISA);
+#endif
+#if defined(LAZYTENSOR_COMPILED) && !defined(LAZYTENSOR_BUILDING_RUNTIME) && (defined(__GNUC__) || defined(__clang__))
 namespace lazy::detail {
 [[gnu::used]] inline const char* const compiled_isa_check = &LAZYTENSOR_ISA_SYMBOL(LAZYTENSOR_ISA);
 }  // namespace lazy::detail
@@ -667,7 +667,7 @@ std::uint64_t physical_memory_bytes();
 /// time on data it could not hold (a sparse file's apparent size, a header's claim).
 void check_fits_in_memory(std::uint64_t bytes, const std::string& what);
 
-/// "1.5 GiB", "12 MiB", "512 bytes": a size for a message.
+/// A size for a message: "512 bytes", "1.5 GiB (1610612736 bytes)".
 std::string byte_size_text(std::uint64_t bytes);
 
 inline void free_buffer_memory(void* p, std::size_t bytes) {
@@ -781,17 +781,18 @@ LAZYTENSOR_INLINE std::string byte_size_text(std::uint64_t bytes) {
   double v = static_cast<double>(bytes);
   int u = 0;
   while (v >= 1024 && u < 6) v /= 1024, ++u;
-  char text[32];
-  if (u == 0) std::snprintf(text, sizeof text, "%llu bytes", static_cast<unsigned long long>(bytes));
-  else std::snprintf(text, sizeof text, "%.1f %s", v, units[u]);
+  char text[64];
+  const auto exact = static_cast<unsigned long long>(bytes);
+  if (u == 0) std::snprintf(text, sizeof text, "%llu bytes", exact);
+  else std::snprintf(text, sizeof text, "%.1f %s (%llu bytes)", v, units[u], exact);
   return text;
 }
 
 LAZYTENSOR_INLINE void check_fits_in_memory(std::uint64_t bytes, const std::string& what) {
   const std::uint64_t have = physical_memory_bytes();
   if (have && bytes > have) {
-    throw OutOfMemoryError(what + " needs " + byte_size_text(bytes) + " (" + std::to_string(bytes) +
-                           " bytes), more than this machine's memory (" + byte_size_text(have) + ")");
+    throw OutOfMemoryError(what + " needs " + byte_size_text(bytes) + ", more than this machine's memory (" +
+                           byte_size_text(have) + ")");
   }
 }
 
@@ -800,8 +801,7 @@ LAZYTENSOR_INLINE void* allocate_buffer_memory(std::size_t bytes) {
   try {
     p = ::operator new(bytes, std::align_val_t(buffer_alignment(bytes)));
   } catch (const std::bad_alloc&) {
-    throw OutOfMemoryError("cannot allocate a buffer of " + byte_size_text(bytes) + " (" + std::to_string(bytes) +
-                           " bytes)");
+    throw OutOfMemoryError("cannot allocate a buffer of " + byte_size_text(bytes));
   }
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   // Only whole huge pages inside the block: the advice must not reach memory we do not own.
@@ -858,7 +858,7 @@ LAZYTENSOR_INLINE std::shared_ptr<Buffer> BufferPool::acquire(std::size_t bytes)
   try {
     return std::make_shared<Buffer>(p, bytes, shared_from_this());
   } catch (const std::bad_alloc&) {
-    ::operator delete(p, std::align_val_t(detail::buffer_alignment(bytes)));
+    detail::free_buffer_memory(p, bytes);
     throw OutOfMemoryError("cannot allocate a buffer's control block");
   }
 }

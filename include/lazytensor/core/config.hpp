@@ -75,10 +75,10 @@
 // and every user TU refers to the one named after its own, so a mismatch is a link error
 // naming both sides ("undefined reference to lazytensor_compiled_for_avx2_fma"). Build the
 // package with the flags of the programs that use it (or use it header-only).
-#if defined(LAZYTENSOR_BUILDING_RUNTIME)
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
 extern "C" const char LAZYTENSOR_ISA_SYMBOL(LAZYTENSOR_ISA);
-#elif defined(LAZYTENSOR_COMPILED) && (defined(__GNUC__) || defined(__clang__))
-extern "C" const char LAZYTENSOR_ISA_SYMBOL(LAZYTENSOR_ISA);
+#endif
+#if defined(LAZYTENSOR_COMPILED) && !defined(LAZYTENSOR_BUILDING_RUNTIME) && (defined(__GNUC__) || defined(__clang__))
 namespace lazy::detail {
 [[gnu::used]] inline const char* const compiled_isa_check = &LAZYTENSOR_ISA_SYMBOL(LAZYTENSOR_ISA);
 }  // namespace lazy::detail
