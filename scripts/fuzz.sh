@@ -2,6 +2,7 @@
 # Runs the file readers' fuzz harnesses (tests/fuzz/) for longer than CI does.
 #
 #   scripts/fuzz.sh [SECONDS] [NAME...]     each harness for SECONDS (default 600), one per core
+#   FUZZ_RUNS=N scripts/fuzz.sh ...         ... or until it has run N inputs, if sooner
 #
 # Builds them in $FUZZ_BUILD_DIR (default build-fuzz: Clang, ASan+UBSan, libFuzzer). Each
 # starts from its seed corpus and keeps what it finds in <build>/tests/fuzz/found_<name>, so a
@@ -15,6 +16,10 @@ names=("$@")
 [ ${#names[@]} -gt 0 ] || names=(safetensors_json safetensors_bytes safetensors_file idx_raw idx_gzip)
 dir=${FUZZ_BUILD_DIR:-$root/build-fuzz}
 jobs=${JOBS:-$(nproc)}
+max_runs=${FUZZ_RUNS:--1}
+# The harnesses that read files write each input to a temporary file: in memory, they run
+# about 5x faster than on disk.
+if [ -z "${TMPDIR:-}" ] && [ -d /dev/shm ] && [ -w /dev/shm ]; then export TMPDIR=/dev/shm; fi
 cmake -S "$root" -B "$dir" -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -DLAZYTENSOR_NATIVE=OFF -DLAZYTENSOR_SANITIZE=address,undefined \
   -DLAZYTENSOR_BUILD_TESTS=ON -DLAZYTENSOR_BUILD_EXAMPLES=OFF -DLAZYTENSOR_BUILD_BENCHMARKS=OFF >/dev/null
@@ -27,7 +32,7 @@ status=0
 run_one() {
   local name=$1 log="$fuzz/fuzz_$name.log"
   mkdir -p "$fuzz/found_$name"
-  "$fuzz/fuzz_$name" -max_total_time="$seconds" -rss_limit_mb=2048 -timeout=10 -print_final_stats=1 \
+  "$fuzz/fuzz_$name" -max_total_time="$seconds" -runs="$max_runs" -rss_limit_mb=2048 -timeout=10 -print_final_stats=1 \
     "-artifact_prefix=$fuzz/crash_${name}_" "$fuzz/found_$name" "$root/tests/fuzz/corpus/$name" >"$log" 2>&1
 }
 for name in "${names[@]}"; do

@@ -41,10 +41,19 @@ class StateDict {
   std::map<std::string, std::string>& metadata() { return metadata_; }
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
 
+  /// The safetensors dtype to write a tensor as, by name, when it is not its own dtype's:
+  /// io::load records here each tensor it widened (an F16 tensor loaded as float maps to
+  /// "F16", a U8 one loaded as int32 to "U8"), so saving the dict writes the file's dtypes
+  /// back. Set an entry to store a float tensor as "F16", or an int32 one as "U8", "I8",
+  /// "I16" or "U16" (int64 as "U32"); save raises FormatError for values that do not fit.
+  std::map<std::string, std::string>& stored_dtypes() { return stored_dtypes_; }
+  const std::map<std::string, std::string>& stored_dtypes() const { return stored_dtypes_; }
+
  private:
   std::vector<Item> items_;
   std::map<std::string, std::size_t> index_;
   std::map<std::string, std::string> metadata_;
+  std::map<std::string, std::string> stored_dtypes_;
 };
 
 #if LAZYTENSOR_HEADER_DEFINITIONS

@@ -8538,7 +8538,9 @@ LAZYTENSOR_INLINE std::string hex_byte(unsigned b) {
 }
 
 #if LAZYTENSOR_WITH_ZLIB
-LAZYTENSOR_INLINE GzipSource::GzipSource(io::detail::ReadFile& f) : f_(f), in_(1 << 16) {
+LAZYTENSOR_INLINE GzipSource::GzipSource(io::detail::ReadFile& f)
+    // The input buffer is never larger than the file: a small file costs a small buffer.
+    : f_(f), in_(static_cast<std::size_t>(std::min<std::uint64_t>(1 << 16, f.size() + 1))) {
   if (inflateInit2(&zs_, 16 + MAX_WBITS) != Z_OK)  // the only failure left: memory
     throw OutOfMemoryError("cannot allocate zlib's inflate state");
 }
@@ -11921,10 +11923,19 @@ class StateDict {
   std::map<std::string, std::string>& metadata() { return metadata_; }
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
 
+  /// The safetensors dtype to write a tensor as, by name, when it is not its own dtype's:
+  /// io::load records here each tensor it widened (an F16 tensor loaded as float maps to
+  /// "F16", a U8 one loaded as int32 to "U8"), so saving the dict writes the file's dtypes
+  /// back. Set an entry to store a float tensor as "F16", or an int32 one as "U8", "I8",
+  /// "I16" or "U16" (int64 as "U32"); save raises FormatError for values that do not fit.
+  std::map<std::string, std::string>& stored_dtypes() { return stored_dtypes_; }
+  const std::map<std::string, std::string>& stored_dtypes() const { return stored_dtypes_; }
+
  private:
   std::vector<Item> items_;
   std::map<std::string, std::size_t> index_;
   std::map<std::string, std::string> metadata_;
+  std::map<std::string, std::string> stored_dtypes_;
 };
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
@@ -16774,6 +16785,241 @@ LAZYTENSOR_INLINE void JsonCursor::escape(std::string& out) {
 
 }  // namespace lazy::io::detail
 // ---- end lazytensor/io/json.hpp ----
+// ---- begin lazytensor/io/stored_dtype.hpp ----
+// The dtypes a safetensors file may hold, and the conversions between those lazytensor has
+// no tensor type for and the one that holds each of them exactly: F16 is read into float,
+// U8/I8/I16/U16 into int32, U32 into int64. A state dict remembers the stored dtype of such
+// a tensor (StateDict::stored_dtypes) so that saving it writes the file's dtype back.
+//
+// Conversions run on chunks of raw bytes: the reader widens what it reads into the tensor's
+// buffer, the writer narrows into a small staging buffer, so neither holds a second copy of
+// a tensor.
+
+#include <bit>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <string_view>
+
+
+namespace lazy::io::detail {
+
+/// One safetensors dtype: its name in the header, its element size, and the lazytensor dtype
+/// that holds its values (the same dtype when `native`).
+struct StoredDType {
+  enum class Kind : std::uint8_t { Bool, U8, I8, I16, U16, F16, BF16, I32, U32, F32, F64, I64 };
+  Kind kind;
+  const char* name;
+  std::size_t size;
+  DType holds;
+  bool native;
+};
+
+/// The stored dtype named `name` (as in a safetensors header), or nullptr when lazytensor
+/// cannot load it; then `why` says why (unknown, or known without a dtype that holds it).
+const StoredDType* find_stored_dtype(std::string_view name, std::string* why = nullptr);
+
+/// The native stored dtype of `d` (F32 for float, ...).
+const StoredDType& native_stored_dtype(DType d);
+
+/// Half-precision (IEEE binary16) bits to float: exact, NaN payloads kept.
+float half_to_float(std::uint16_t h);
+
+/// float to half-precision bits, rounded to nearest even; overflow gives infinity, NaN
+/// payloads are kept where they fit (half -> float -> half is the identity on every pattern).
+std::uint16_t float_to_half(float f);
+
+/// Widens `n` elements of stored dtype `s` at `src` into `s.holds` elements at `dst`.
+void widen(const StoredDType& s, const void* src, void* dst, std::size_t n);
+
+/// Narrows `n` elements of dtype `s.holds` at `src` into stored dtype `s` at `dst`. Integers
+/// must fit (callers check first with `find_out_of_range`); floats round to nearest even.
+void narrow(const StoredDType& s, const void* src, void* dst, std::size_t n);
+
+/// The index of the first of `n` elements of `s.holds` at `src` that `s` cannot represent,
+/// or `n` when all fit (floats always fit: they round). `value` receives its text.
+std::size_t find_out_of_range(const StoredDType& s, const void* src, std::size_t n,
+                              std::string* value);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+
+namespace stored_dtype_table {
+using K = StoredDType::Kind;
+inline constexpr StoredDType kAll[] = {
+    {K::Bool, "BOOL", 1, DType::Bool, true},      {K::U8, "U8", 1, DType::Int32, false},
+    {K::I8, "I8", 1, DType::Int32, false},        {K::I16, "I16", 2, DType::Int32, false},
+    {K::U16, "U16", 2, DType::Int32, false},      {K::F16, "F16", 2, DType::Float32, false},
+    {K::BF16, "BF16", 2, DType::BFloat16, true},  {K::I32, "I32", 4, DType::Int32, true},
+    {K::U32, "U32", 4, DType::Int64, false},      {K::F32, "F32", 4, DType::Float32, true},
+    {K::F64, "F64", 8, DType::Float64, true},     {K::I64, "I64", 8, DType::Int64, true},
+};
+}  // namespace stored_dtype_table
+
+LAZYTENSOR_INLINE const StoredDType* find_stored_dtype(std::string_view name, std::string* why) {
+  for (const StoredDType& s : stored_dtype_table::kAll) {
+    if (name == s.name) return &s;
+  }
+  if (why) {
+    if (name == "U64") {
+      *why = "unsupported dtype 'U64': lazytensor's widest integer is int64, which cannot hold "
+             "every unsigned 64-bit value";
+    } else if (name.substr(0, 2) == "F8" || name.substr(0, 2) == "F6" || name == "F4") {
+      *why = "unsupported dtype '" + std::string(name) +
+             "': lazytensor has no 8-bit or smaller floating-point dtype (convert the tensor "
+             "to F16, BF16 or F32 before saving)";
+    } else if (name == "C64") {
+      *why = "unsupported dtype 'C64': lazytensor has no complex dtype";
+    } else {
+      std::string list;
+      for (const StoredDType& s : stored_dtype_table::kAll) list += (list.empty() ? "" : ", ") + std::string(s.name);
+      *why = "unknown dtype '" + std::string(name) + "' (expected one of " + list + ")";
+    }
+  }
+  return nullptr;
+}
+
+LAZYTENSOR_INLINE const StoredDType& native_stored_dtype(DType d) {
+  for (const StoredDType& s : stored_dtype_table::kAll) {
+    if (s.native && s.holds == d) return s;
+  }
+  throw Error("no safetensors dtype for " + dtype_name(d));
+}
+
+LAZYTENSOR_INLINE float half_to_float(std::uint16_t h) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  const std::uint32_t exp = (h >> 10) & 0x1Fu;
+  std::uint32_t mant = h & 0x3FFu;
+  std::uint32_t bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (mant << 13);  // infinity, or NaN with its payload
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);  // rebias 15 -> 127
+  } else if (mant == 0) {
+    bits = sign;
+  } else {
+    // Subnormal mant * 2^-24: normalise so the leading one becomes float's implicit bit.
+    std::uint32_t e = 113;
+    while (!(mant & 0x400u)) mant <<= 1, --e;
+    bits = sign | (e << 23) | ((mant & 0x3FFu) << 13);
+  }
+  return std::bit_cast<float>(bits);
+}
+
+LAZYTENSOR_INLINE std::uint16_t float_to_half(float f) {
+  std::uint32_t x = std::bit_cast<std::uint32_t>(f);
+  const auto sign = static_cast<std::uint16_t>((x >> 16) & 0x8000u);
+  x &= 0x7FFFFFFFu;
+  if (x >= 0x7F800000u) {
+    if (x == 0x7F800000u) return sign | 0x7C00u;
+    const auto payload = static_cast<std::uint16_t>((x >> 13) & 0x3FFu);
+    return sign | 0x7C00u | (payload ? payload : 0x200u);  // a NaN stays a NaN
+  }
+  if (x >= 0x477FF000u) return sign | 0x7C00u;  // >= 65520 rounds past 65504, the largest
+  if (x >= 0x38800000u) {                        // normal in half: >= 2^-14
+    std::uint32_t r = x - 0x38000000u;           // rebias 127 -> 15
+    r += 0x0FFFu + ((r >> 13) & 1u);             // round to nearest even on the dropped 13 bits
+    return sign | static_cast<std::uint16_t>(r >> 13);
+  }
+  if (x <= 0x33000000u) return sign;  // <= 2^-25: half the smallest subnormal ties to 0
+  // Subnormal in half: the value in units of 2^-24, rounded to nearest even.
+  const std::uint32_t exp = x >> 23;  // 102 .. 112 here
+  const std::uint32_t m = (x & 0x7FFFFFu) | 0x800000u;
+  const std::uint32_t shift = 126 - exp;  // value = m * 2^(exp - 150) = (m >> shift) * 2^-24
+  std::uint32_t q = m >> shift;
+  const std::uint32_t rem = m & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+  if (rem > halfway || (rem == halfway && (q & 1u))) ++q;
+  return sign | static_cast<std::uint16_t>(q);
+}
+
+namespace stored_dtype_impl {
+template <class From, class To>
+void convert(const void* src, void* dst, std::size_t n) {
+  const auto* s = static_cast<const unsigned char*>(src);
+  auto* d = static_cast<unsigned char*>(dst);
+  for (std::size_t i = 0; i < n; ++i) {
+    From v;
+    std::memcpy(&v, s + i * sizeof(From), sizeof(From));
+    const To w = static_cast<To>(v);
+    std::memcpy(d + i * sizeof(To), &w, sizeof(To));
+  }
+}
+
+template <class Stored, class Held>
+std::size_t first_out_of_range(const void* src, std::size_t n, std::string* value) {
+  const auto* s = static_cast<const unsigned char*>(src);
+  for (std::size_t i = 0; i < n; ++i) {
+    Held v;
+    std::memcpy(&v, s + i * sizeof(Held), sizeof(Held));
+    if (v < static_cast<Held>(std::numeric_limits<Stored>::min()) ||
+        v > static_cast<Held>(std::numeric_limits<Stored>::max())) {
+      if (value) *value = std::to_string(v);
+      return i;
+    }
+  }
+  return n;
+}
+}  // namespace stored_dtype_impl
+
+LAZYTENSOR_INLINE void widen(const StoredDType& s, const void* src, void* dst, std::size_t n) {
+  using namespace stored_dtype_impl;
+  using K = StoredDType::Kind;
+  switch (s.kind) {
+    case K::U8: return convert<std::uint8_t, std::int32_t>(src, dst, n);
+    case K::I8: return convert<std::int8_t, std::int32_t>(src, dst, n);
+    case K::I16: return convert<std::int16_t, std::int32_t>(src, dst, n);
+    case K::U16: return convert<std::uint16_t, std::int32_t>(src, dst, n);
+    case K::U32: return convert<std::uint32_t, std::int64_t>(src, dst, n);
+    case K::F16: {
+      const auto* p = static_cast<const unsigned char*>(src);
+      auto* d = static_cast<float*>(dst);
+      for (std::size_t i = 0; i < n; ++i) d[i] = half_to_float(static_cast<std::uint16_t>(p[2 * i] | (p[2 * i + 1] << 8)));
+      return;
+    }
+    default: std::memcpy(dst, src, n * s.size); return;
+  }
+}
+
+LAZYTENSOR_INLINE void narrow(const StoredDType& s, const void* src, void* dst, std::size_t n) {
+  using namespace stored_dtype_impl;
+  using K = StoredDType::Kind;
+  switch (s.kind) {
+    case K::U8: return convert<std::int32_t, std::uint8_t>(src, dst, n);
+    case K::I8: return convert<std::int32_t, std::int8_t>(src, dst, n);
+    case K::I16: return convert<std::int32_t, std::int16_t>(src, dst, n);
+    case K::U16: return convert<std::int32_t, std::uint16_t>(src, dst, n);
+    case K::U32: return convert<std::int64_t, std::uint32_t>(src, dst, n);
+    case K::F16: {
+      const auto* p = static_cast<const float*>(src);
+      auto* d = static_cast<unsigned char*>(dst);
+      for (std::size_t i = 0; i < n; ++i) {
+        const std::uint16_t h = float_to_half(p[i]);
+        d[2 * i] = static_cast<unsigned char>(h), d[2 * i + 1] = static_cast<unsigned char>(h >> 8);
+      }
+      return;
+    }
+    default: std::memcpy(dst, src, n * s.size); return;
+  }
+}
+
+LAZYTENSOR_INLINE std::size_t find_out_of_range(const StoredDType& s, const void* src,
+                                                std::size_t n, std::string* value) {
+  using namespace stored_dtype_impl;
+  using K = StoredDType::Kind;
+  switch (s.kind) {
+    case K::U8: return first_out_of_range<std::uint8_t, std::int32_t>(src, n, value);
+    case K::I8: return first_out_of_range<std::int8_t, std::int32_t>(src, n, value);
+    case K::I16: return first_out_of_range<std::int16_t, std::int32_t>(src, n, value);
+    case K::U16: return first_out_of_range<std::uint16_t, std::int32_t>(src, n, value);
+    case K::U32: return first_out_of_range<std::uint32_t, std::int64_t>(src, n, value);
+    default: return n;
+  }
+}
+
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+}  // namespace lazy::io::detail
+// ---- end lazytensor/io/stored_dtype.hpp ----
 
 namespace lazy::io {
 
@@ -16786,13 +17032,11 @@ static_assert(
 /// Largest header accepted (and written): the limit of the reference implementation.
 inline constexpr std::uint64_t kMaxSafetensorsHeader = 100'000'000;
 
-/// safetensors' name of a dtype.
-const char* safetensors_dtype_name(DType d);
-
 /// One tensor as the header describes it.
 struct SafetensorsEntry {
   std::string name;
-  DType dtype = DType::Float32;
+  const StoredDType* stored = nullptr;  ///< as in the file
+  DType dtype = DType::Float32;  ///< the dtype that holds it in memory
   Shape shape;
   std::uint64_t begin = 0;  ///< data_offsets, relative to the data buffer
   std::uint64_t end = 0;
@@ -16818,11 +17062,15 @@ void check_safetensors_layout(const SafetensorsHeader& h, std::uint64_t buffer_b
 /// A typed handle on a materialized node of run-time dtype.
 AnyTensor wrap_node(const graph::NodePtr& node);
 
-/// The header text (padded to 8 bytes) for `sd`, whose tensors are laid out in `order`.
-std::string safetensors_header(const StateDict& sd, const std::vector<std::size_t>& order);
+/// The header text (padded to 8 bytes) for `sd`, whose tensors are stored as `stored` and
+/// laid out in `order`.
+std::string safetensors_header(const StateDict& sd, const std::vector<const StoredDType*>& stored,
+                               const std::vector<std::size_t>& order);
 
-/// Rejects what the format cannot store (before anything is written).
-void check_saveable(const StateDict& sd, const std::string& path);
+/// Rejects what the format cannot store (before anything is written) and returns the dtype
+/// each tensor is stored as: its own, or its entry in sd.stored_dtypes(), which must name a
+/// tensor of the dict, a dtype that the tensor's dtype holds, and values that fit.
+std::vector<const StoredDType*> check_saveable(const StateDict& sd, const std::string& path);
 
 }  // namespace detail
 
@@ -16837,31 +17085,16 @@ void save_file(const StateDict& sd, const std::string& path);
 
 /// Reads a safetensors file into a state dict (tensors in header order, materialized on
 /// `dev`; the "__metadata__" entries in metadata()). IoError when the file cannot be read;
-/// FormatError naming the file and the problem when it is not a valid safetensors file of
-/// dtypes lazytensor holds (BOOL, I32, I64, BF16, F32, F64). Nothing is allocated for a
-/// tensor before the whole header has been checked against the file's size.
+/// FormatError naming the file and the problem when it is not a valid safetensors file.
+/// BOOL, I32, I64, BF16, F32 and F64 load as they are; F16 loads into float, U8, I8, I16 and
+/// U16 into int32, U32 into int64 (all exact), each such tensor's file dtype recorded in
+/// stored_dtypes() so that save_file writes it back; U64 and the 8-bit-or-smaller float
+/// dtypes raise FormatError naming the dtype. Nothing is allocated for a tensor before the
+/// whole header has been checked against the file's size.
 StateDict load(const std::string& path, Device dev = device());
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace detail {
-
-LAZYTENSOR_INLINE const char* safetensors_dtype_name(DType d) {
-  switch (d) {
-    case DType::Bool:
-      return "BOOL";
-    case DType::Int32:
-      return "I32";
-    case DType::Int64:
-      return "I64";
-    case DType::BFloat16:
-      return "BF16";
-    case DType::Float32:
-      return "F32";
-    case DType::Float64:
-      return "F64";
-  }
-  return "?";
-}
 
 LAZYTENSOR_INLINE void parse_tensor_entry(JsonCursor& cur, SafetensorsEntry& e) {
   const std::string ctx = "tensor '" + e.name + "': ";
@@ -16875,15 +17108,10 @@ LAZYTENSOR_INLINE void parse_tensor_entry(JsonCursor& cur, SafetensorsEntry& e) 
         if (have_dtype) cur.fail(ctx + "duplicate key 'dtype'");
         have_dtype = true;
         const std::string name = cur.string();
-        bool known = false;
-        for (DType d : {DType::Bool, DType::Int32, DType::Int64, DType::BFloat16, DType::Float32,
-                        DType::Float64}) {
-          if (name == safetensors_dtype_name(d)) e.dtype = d, known = true;
-        }
-        if (!known) {
-          cur.fail(ctx + "unsupported dtype '" + name +
-                   "' (expected one of BOOL, I32, I64, BF16, F32, F64)");
-        }
+        std::string why;
+        e.stored = find_stored_dtype(name, &why);
+        if (!e.stored) cur.fail(ctx + why);
+        e.dtype = e.stored->holds;
       } else if (key == "shape") {
         if (have_shape) cur.fail(ctx + "duplicate key 'shape'");
         have_shape = true;
@@ -16989,13 +17217,13 @@ LAZYTENSOR_INLINE void check_safetensors_layout(const SafetensorsHeader& h,
       }
     }
     std::uint64_t nbytes = 0;
-    if (__builtin_mul_overflow(numel, static_cast<std::uint64_t>(dtype_size(e.dtype)), &nbytes)) {
+    if (__builtin_mul_overflow(numel, static_cast<std::uint64_t>(e.stored->size), &nbytes)) {
       fail("tensor '" + e.name + "': shape " + e.shape.str() +
            " has more bytes than 64 bits can count");
     }
     if (e.end - e.begin != nbytes) {
       fail("tensor '" + e.name + "': shape " + e.shape.str() + " of " +
-           safetensors_dtype_name(e.dtype) + " needs " + std::to_string(nbytes) +
+           e.stored->name + " needs " + std::to_string(nbytes) +
            " bytes, but data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
            "] hold " + std::to_string(e.end - e.begin));
     }
@@ -17055,14 +17283,17 @@ LAZYTENSOR_INLINE AnyTensor wrap_node(const graph::NodePtr& node) {
 }
 
 LAZYTENSOR_INLINE std::string safetensors_header(const StateDict& sd,
+                                                 const std::vector<const StoredDType*>& stored,
                                                  const std::vector<std::size_t>& order) {
   const auto& items = sd.items();
+  const auto stored_bytes = [&](std::size_t k) {
+    return static_cast<std::uint64_t>(items[k].second.numel()) * stored[k]->size;
+  };
   std::vector<std::uint64_t> begin(items.size());
   std::uint64_t pos = 0;
   for (const std::size_t k : order) {
     begin[k] = pos;
-    pos +=
-        static_cast<std::uint64_t>(items[k].second.numel()) * dtype_size(items[k].second.dtype());
+    pos += stored_bytes(k);
   }
   std::string h = "{";
   if (!sd.metadata().empty()) {
@@ -17083,51 +17314,79 @@ LAZYTENSOR_INLINE std::string safetensors_header(const StateDict& sd,
     if (h.size() > 1) h += ',';
     append_json_string(h, items[k].first);
     h += ":{\"dtype\":\"";
-    h += safetensors_dtype_name(t.dtype());
+    h += stored[k]->name;
     h += "\",\"shape\":[";
     for (int d = 0; d < t.shape().rank(); ++d) {
       if (d) h += ',';
       h += std::to_string(t.shape()[d]);
     }
-    const std::uint64_t nbytes = static_cast<std::uint64_t>(t.numel()) * dtype_size(t.dtype());
     h += "],\"data_offsets\":[" + std::to_string(begin[k]) + "," +
-         std::to_string(begin[k] + nbytes) + "]}";
+         std::to_string(begin[k] + stored_bytes(k)) + "]}";
   }
   h += '}';
   h.append((8 - h.size() % 8) % 8, ' ');  // the data then starts 8-byte aligned
   return h;
 }
 
-LAZYTENSOR_INLINE void check_saveable(const StateDict& sd, const std::string& path) {
+LAZYTENSOR_INLINE std::vector<const StoredDType*> check_saveable(const StateDict& sd,
+                                                                 const std::string& path) {
+  const std::string cannot = "cannot save '" + path + "': ";
   for (const auto& [name, t] : sd) {
-    if (!t.defined()) throw Error("cannot save '" + path + "': tensor '" + name + "' is undefined");
-    if (name == "__metadata__") {
-      throw FormatError("cannot save '" + path +
-                        "': '__metadata__' is reserved by safetensors, not a tensor name");
-    }
+    if (!t.defined()) throw Error(cannot + "tensor '" + name + "' is undefined");
+    if (name == "__metadata__")
+      throw FormatError(cannot + "'__metadata__' is reserved by safetensors, not a tensor name");
     if (!valid_utf8(name))
-      throw FormatError("cannot save '" + path + "': tensor name '" + name +
-                        "' is not valid UTF-8");
+      throw FormatError(cannot + "tensor name '" + name + "' is not valid UTF-8");
   }
   for (const auto& [k, v] : sd.metadata()) {
-    if (!valid_utf8(k) || !valid_utf8(v)) {
-      throw FormatError("cannot save '" + path + "': metadata entry '" + k +
-                        "' is not valid UTF-8");
+    if (!valid_utf8(k) || !valid_utf8(v))
+      throw FormatError(cannot + "metadata entry '" + k + "' is not valid UTF-8");
+  }
+  for (const auto& [name, dtype_in_file] : sd.stored_dtypes()) {
+    if (!sd.contains(name)) {
+      throw FormatError(cannot + "stored_dtypes names '" + name +
+                        "', which is not a tensor of the state dict");
     }
   }
+  std::vector<const StoredDType*> stored;
+  for (const auto& [name, t] : sd) {
+    const auto it = sd.stored_dtypes().find(name);
+    if (it == sd.stored_dtypes().end()) {
+      stored.push_back(&native_stored_dtype(t.dtype()));
+      continue;
+    }
+    std::string why;
+    const StoredDType* s = find_stored_dtype(it->second, &why);
+    if (!s) throw FormatError(cannot + "stored_dtypes['" + name + "']: " + why);
+    if (s->holds != t.dtype()) {
+      throw FormatError(cannot + "tensor '" + name + "' is " + dtype_name(t.dtype()) +
+                        ", but stored_dtypes asks for " + s->name + ", which is held in " +
+                        dtype_name(s->holds));
+    }
+    std::string value;
+    const auto n = static_cast<std::size_t>(t.numel());
+    std::size_t bad = n;
+    if (!s->native && n != 0)
+      t.visit([&](const auto& typed) { bad = find_out_of_range(*s, typed.data(), n, &value); });
+    if (bad != n) {
+      throw FormatError(cannot + "tensor '" + name + "': element " + std::to_string(bad) + " is " +
+                        value + ", which " + s->name + " (its stored dtype) cannot hold");
+    }
+    stored.push_back(s);
+  }
+  return stored;
 }
 
 }  // namespace detail
 
 LAZYTENSOR_INLINE void save_file(const StateDict& sd, const std::string& path) {
-  detail::check_saveable(sd, path);
+  const std::vector<const detail::StoredDType*> stored = detail::check_saveable(sd, path);
   const auto& items = sd.items();
   std::vector<std::size_t> order(items.size());
   std::iota(order.begin(), order.end(), std::size_t{0});
-  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
-    return dtype_size(items[a].second.dtype()) > dtype_size(items[b].second.dtype());
-  });
-  const std::string header = detail::safetensors_header(sd, order);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](std::size_t a, std::size_t b) { return stored[a]->size > stored[b]->size; });
+  const std::string header = detail::safetensors_header(sd, stored, order);
   if (header.size() > detail::kMaxSafetensorsHeader) {
     throw FormatError("cannot save '" + path + "': the header would take " +
                       std::to_string(header.size()) + " bytes, more than safetensors' limit of " +
@@ -17139,11 +17398,23 @@ LAZYTENSOR_INLINE void save_file(const StateDict& sd, const std::string& path) {
     len[i] = static_cast<unsigned char>(static_cast<std::uint64_t>(header.size()) >> (8 * i));
   out.write(len, sizeof len);
   out.write(header.data(), header.size());
+  std::vector<unsigned char> staging;  // narrowed chunks of tensors stored in another dtype
   for (const std::size_t k : order) {
     const AnyTensor& t = items[k].second;
-    const auto nbytes = static_cast<std::size_t>(t.numel()) * dtype_size(t.dtype());
-    if (nbytes == 0) continue;
-    t.visit([&](const auto& typed) { out.write(typed.data(), nbytes); });
+    const auto n = static_cast<std::size_t>(t.numel());
+    if (n == 0) continue;
+    const detail::StoredDType& s = *stored[k];
+    t.visit([&](const auto& typed) {
+      if (s.native) return out.write(typed.data(), n * s.size);
+      constexpr std::size_t kChunk = 1 << 16;  // elements per narrowed write
+      staging.resize(std::min(n, kChunk) * s.size);
+      const auto* src = reinterpret_cast<const unsigned char*>(typed.data());
+      for (std::size_t i = 0; i < n; i += kChunk) {
+        const std::size_t m = std::min(kChunk, n - i);
+        detail::narrow(s, src + i * dtype_size(t.dtype()), staging.data(), m);
+        out.write(staging.data(), m * s.size);
+      }
+    });
   }
   out.commit();
 }
@@ -17179,14 +17450,33 @@ LAZYTENSOR_INLINE StateDict load(const std::string& path, Device dev) {
 
   // The data is read whole into buffers: a file whose data the machine cannot hold (a sparse
   // file's apparent size, consistent with its header) fails at once, naming the size.
-  lazy::detail::check_fits_in_memory(size - data_start, path + ": the tensors' data");
+  std::uint64_t held_bytes = 0;  // wider than the file's data when dtypes are widened
+  for (const auto& e : header.tensors)
+    held_bytes += (e.end - e.begin) / e.stored->size * dtype_size(e.dtype);
+  lazy::detail::check_fits_in_memory(held_bytes, path + ": the tensors' data");
   StateDict sd;
   graph::Device& engine = dev.engine();
+  std::vector<unsigned char> staging;  // chunks of tensors stored in a dtype we widen
   for (const auto& e : header.tensors) {
     const std::size_t nbytes = static_cast<std::size_t>(e.end - e.begin);
+    const std::size_t n = nbytes / e.stored->size;
     auto buf = engine.pool().acquire(padded_bytes(e.shape.numel(), dtype_size(e.dtype)));
-    if (file.read_at(buf->data(), nbytes, data_start + e.begin) != nbytes) {
-      throw FormatError(path + ": file shrank while reading tensor '" + e.name + "'");
+    const auto shrank = [&] {
+      return FormatError(path + ": file shrank while reading tensor '" + e.name + "'");
+    };
+    if (e.stored->native) {
+      if (file.read_at(buf->data(), nbytes, data_start + e.begin) != nbytes) throw shrank();
+    } else {
+      constexpr std::size_t kChunk = 1 << 16;  // elements per widened read
+      staging.resize(std::min(n, kChunk) * e.stored->size);
+      auto* dst = static_cast<unsigned char*>(buf->data());
+      for (std::size_t i = 0; i < n; i += kChunk) {
+        const std::size_t m = std::min(kChunk, n - i), bytes = m * e.stored->size;
+        if (file.read_at(staging.data(), bytes, data_start + e.begin + i * e.stored->size) != bytes)
+          throw shrank();
+        detail::widen(*e.stored, staging.data(), dst + i * dtype_size(e.dtype), m);
+      }
+      sd.stored_dtypes()[e.name] = e.stored->name;
     }
     if (e.dtype == DType::Bool) {
       // A byte other than 0/1 read as bool is undefined behaviour; such a file is corrupt.

@@ -239,7 +239,9 @@ LAZYTENSOR_INLINE std::string hex_byte(unsigned b) {
 }
 
 #if LAZYTENSOR_WITH_ZLIB
-LAZYTENSOR_INLINE GzipSource::GzipSource(io::detail::ReadFile& f) : f_(f), in_(1 << 16) {
+LAZYTENSOR_INLINE GzipSource::GzipSource(io::detail::ReadFile& f)
+    // The input buffer is never larger than the file: a small file costs a small buffer.
+    : f_(f), in_(static_cast<std::size_t>(std::min<std::uint64_t>(1 << 16, f.size() + 1))) {
   if (inflateInit2(&zs_, 16 + MAX_WBITS) != Z_OK)  // the only failure left: memory
     throw OutOfMemoryError("cannot allocate zlib's inflate state");
 }

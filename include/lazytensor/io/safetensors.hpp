@@ -33,6 +33,7 @@
 #include <lazytensor/core/error.hpp>
 #include <lazytensor/io/file.hpp>
 #include <lazytensor/io/json.hpp>
+#include <lazytensor/io/stored_dtype.hpp>
 #include <lazytensor/state_dict.hpp>
 
 namespace lazy::io {
@@ -46,13 +47,11 @@ static_assert(
 /// Largest header accepted (and written): the limit of the reference implementation.
 inline constexpr std::uint64_t kMaxSafetensorsHeader = 100'000'000;
 
-/// safetensors' name of a dtype.
-const char* safetensors_dtype_name(DType d);
-
 /// One tensor as the header describes it.
 struct SafetensorsEntry {
   std::string name;
-  DType dtype = DType::Float32;
+  const StoredDType* stored = nullptr;  ///< as in the file
+  DType dtype = DType::Float32;  ///< the dtype that holds it in memory
   Shape shape;
   std::uint64_t begin = 0;  ///< data_offsets, relative to the data buffer
   std::uint64_t end = 0;
@@ -78,11 +77,15 @@ void check_safetensors_layout(const SafetensorsHeader& h, std::uint64_t buffer_b
 /// A typed handle on a materialized node of run-time dtype.
 AnyTensor wrap_node(const graph::NodePtr& node);
 
-/// The header text (padded to 8 bytes) for `sd`, whose tensors are laid out in `order`.
-std::string safetensors_header(const StateDict& sd, const std::vector<std::size_t>& order);
+/// The header text (padded to 8 bytes) for `sd`, whose tensors are stored as `stored` and
+/// laid out in `order`.
+std::string safetensors_header(const StateDict& sd, const std::vector<const StoredDType*>& stored,
+                               const std::vector<std::size_t>& order);
 
-/// Rejects what the format cannot store (before anything is written).
-void check_saveable(const StateDict& sd, const std::string& path);
+/// Rejects what the format cannot store (before anything is written) and returns the dtype
+/// each tensor is stored as: its own, or its entry in sd.stored_dtypes(), which must name a
+/// tensor of the dict, a dtype that the tensor's dtype holds, and values that fit.
+std::vector<const StoredDType*> check_saveable(const StateDict& sd, const std::string& path);
 
 }  // namespace detail
 
@@ -97,31 +100,16 @@ void save_file(const StateDict& sd, const std::string& path);
 
 /// Reads a safetensors file into a state dict (tensors in header order, materialized on
 /// `dev`; the "__metadata__" entries in metadata()). IoError when the file cannot be read;
-/// FormatError naming the file and the problem when it is not a valid safetensors file of
-/// dtypes lazytensor holds (BOOL, I32, I64, BF16, F32, F64). Nothing is allocated for a
-/// tensor before the whole header has been checked against the file's size.
+/// FormatError naming the file and the problem when it is not a valid safetensors file.
+/// BOOL, I32, I64, BF16, F32 and F64 load as they are; F16 loads into float, U8, I8, I16 and
+/// U16 into int32, U32 into int64 (all exact), each such tensor's file dtype recorded in
+/// stored_dtypes() so that save_file writes it back; U64 and the 8-bit-or-smaller float
+/// dtypes raise FormatError naming the dtype. Nothing is allocated for a tensor before the
+/// whole header has been checked against the file's size.
 StateDict load(const std::string& path, Device dev = device());
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace detail {
-
-LAZYTENSOR_INLINE const char* safetensors_dtype_name(DType d) {
-  switch (d) {
-    case DType::Bool:
-      return "BOOL";
-    case DType::Int32:
-      return "I32";
-    case DType::Int64:
-      return "I64";
-    case DType::BFloat16:
-      return "BF16";
-    case DType::Float32:
-      return "F32";
-    case DType::Float64:
-      return "F64";
-  }
-  return "?";
-}
 
 LAZYTENSOR_INLINE void parse_tensor_entry(JsonCursor& cur, SafetensorsEntry& e) {
   const std::string ctx = "tensor '" + e.name + "': ";
@@ -135,15 +123,10 @@ LAZYTENSOR_INLINE void parse_tensor_entry(JsonCursor& cur, SafetensorsEntry& e) 
         if (have_dtype) cur.fail(ctx + "duplicate key 'dtype'");
         have_dtype = true;
         const std::string name = cur.string();
-        bool known = false;
-        for (DType d : {DType::Bool, DType::Int32, DType::Int64, DType::BFloat16, DType::Float32,
-                        DType::Float64}) {
-          if (name == safetensors_dtype_name(d)) e.dtype = d, known = true;
-        }
-        if (!known) {
-          cur.fail(ctx + "unsupported dtype '" + name +
-                   "' (expected one of BOOL, I32, I64, BF16, F32, F64)");
-        }
+        std::string why;
+        e.stored = find_stored_dtype(name, &why);
+        if (!e.stored) cur.fail(ctx + why);
+        e.dtype = e.stored->holds;
       } else if (key == "shape") {
         if (have_shape) cur.fail(ctx + "duplicate key 'shape'");
         have_shape = true;
@@ -249,13 +232,13 @@ LAZYTENSOR_INLINE void check_safetensors_layout(const SafetensorsHeader& h,
       }
     }
     std::uint64_t nbytes = 0;
-    if (__builtin_mul_overflow(numel, static_cast<std::uint64_t>(dtype_size(e.dtype)), &nbytes)) {
+    if (__builtin_mul_overflow(numel, static_cast<std::uint64_t>(e.stored->size), &nbytes)) {
       fail("tensor '" + e.name + "': shape " + e.shape.str() +
            " has more bytes than 64 bits can count");
     }
     if (e.end - e.begin != nbytes) {
       fail("tensor '" + e.name + "': shape " + e.shape.str() + " of " +
-           safetensors_dtype_name(e.dtype) + " needs " + std::to_string(nbytes) +
+           e.stored->name + " needs " + std::to_string(nbytes) +
            " bytes, but data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
            "] hold " + std::to_string(e.end - e.begin));
     }
@@ -315,14 +298,17 @@ LAZYTENSOR_INLINE AnyTensor wrap_node(const graph::NodePtr& node) {
 }
 
 LAZYTENSOR_INLINE std::string safetensors_header(const StateDict& sd,
+                                                 const std::vector<const StoredDType*>& stored,
                                                  const std::vector<std::size_t>& order) {
   const auto& items = sd.items();
+  const auto stored_bytes = [&](std::size_t k) {
+    return static_cast<std::uint64_t>(items[k].second.numel()) * stored[k]->size;
+  };
   std::vector<std::uint64_t> begin(items.size());
   std::uint64_t pos = 0;
   for (const std::size_t k : order) {
     begin[k] = pos;
-    pos +=
-        static_cast<std::uint64_t>(items[k].second.numel()) * dtype_size(items[k].second.dtype());
+    pos += stored_bytes(k);
   }
   std::string h = "{";
   if (!sd.metadata().empty()) {
@@ -343,51 +329,79 @@ LAZYTENSOR_INLINE std::string safetensors_header(const StateDict& sd,
     if (h.size() > 1) h += ',';
     append_json_string(h, items[k].first);
     h += ":{\"dtype\":\"";
-    h += safetensors_dtype_name(t.dtype());
+    h += stored[k]->name;
     h += "\",\"shape\":[";
     for (int d = 0; d < t.shape().rank(); ++d) {
       if (d) h += ',';
       h += std::to_string(t.shape()[d]);
     }
-    const std::uint64_t nbytes = static_cast<std::uint64_t>(t.numel()) * dtype_size(t.dtype());
     h += "],\"data_offsets\":[" + std::to_string(begin[k]) + "," +
-         std::to_string(begin[k] + nbytes) + "]}";
+         std::to_string(begin[k] + stored_bytes(k)) + "]}";
   }
   h += '}';
   h.append((8 - h.size() % 8) % 8, ' ');  // the data then starts 8-byte aligned
   return h;
 }
 
-LAZYTENSOR_INLINE void check_saveable(const StateDict& sd, const std::string& path) {
+LAZYTENSOR_INLINE std::vector<const StoredDType*> check_saveable(const StateDict& sd,
+                                                                 const std::string& path) {
+  const std::string cannot = "cannot save '" + path + "': ";
   for (const auto& [name, t] : sd) {
-    if (!t.defined()) throw Error("cannot save '" + path + "': tensor '" + name + "' is undefined");
-    if (name == "__metadata__") {
-      throw FormatError("cannot save '" + path +
-                        "': '__metadata__' is reserved by safetensors, not a tensor name");
-    }
+    if (!t.defined()) throw Error(cannot + "tensor '" + name + "' is undefined");
+    if (name == "__metadata__")
+      throw FormatError(cannot + "'__metadata__' is reserved by safetensors, not a tensor name");
     if (!valid_utf8(name))
-      throw FormatError("cannot save '" + path + "': tensor name '" + name +
-                        "' is not valid UTF-8");
+      throw FormatError(cannot + "tensor name '" + name + "' is not valid UTF-8");
   }
   for (const auto& [k, v] : sd.metadata()) {
-    if (!valid_utf8(k) || !valid_utf8(v)) {
-      throw FormatError("cannot save '" + path + "': metadata entry '" + k +
-                        "' is not valid UTF-8");
+    if (!valid_utf8(k) || !valid_utf8(v))
+      throw FormatError(cannot + "metadata entry '" + k + "' is not valid UTF-8");
+  }
+  for (const auto& [name, dtype_in_file] : sd.stored_dtypes()) {
+    if (!sd.contains(name)) {
+      throw FormatError(cannot + "stored_dtypes names '" + name +
+                        "', which is not a tensor of the state dict");
     }
   }
+  std::vector<const StoredDType*> stored;
+  for (const auto& [name, t] : sd) {
+    const auto it = sd.stored_dtypes().find(name);
+    if (it == sd.stored_dtypes().end()) {
+      stored.push_back(&native_stored_dtype(t.dtype()));
+      continue;
+    }
+    std::string why;
+    const StoredDType* s = find_stored_dtype(it->second, &why);
+    if (!s) throw FormatError(cannot + "stored_dtypes['" + name + "']: " + why);
+    if (s->holds != t.dtype()) {
+      throw FormatError(cannot + "tensor '" + name + "' is " + dtype_name(t.dtype()) +
+                        ", but stored_dtypes asks for " + s->name + ", which is held in " +
+                        dtype_name(s->holds));
+    }
+    std::string value;
+    const auto n = static_cast<std::size_t>(t.numel());
+    std::size_t bad = n;
+    if (!s->native && n != 0)
+      t.visit([&](const auto& typed) { bad = find_out_of_range(*s, typed.data(), n, &value); });
+    if (bad != n) {
+      throw FormatError(cannot + "tensor '" + name + "': element " + std::to_string(bad) + " is " +
+                        value + ", which " + s->name + " (its stored dtype) cannot hold");
+    }
+    stored.push_back(s);
+  }
+  return stored;
 }
 
 }  // namespace detail
 
 LAZYTENSOR_INLINE void save_file(const StateDict& sd, const std::string& path) {
-  detail::check_saveable(sd, path);
+  const std::vector<const detail::StoredDType*> stored = detail::check_saveable(sd, path);
   const auto& items = sd.items();
   std::vector<std::size_t> order(items.size());
   std::iota(order.begin(), order.end(), std::size_t{0});
-  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
-    return dtype_size(items[a].second.dtype()) > dtype_size(items[b].second.dtype());
-  });
-  const std::string header = detail::safetensors_header(sd, order);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](std::size_t a, std::size_t b) { return stored[a]->size > stored[b]->size; });
+  const std::string header = detail::safetensors_header(sd, stored, order);
   if (header.size() > detail::kMaxSafetensorsHeader) {
     throw FormatError("cannot save '" + path + "': the header would take " +
                       std::to_string(header.size()) + " bytes, more than safetensors' limit of " +
@@ -399,11 +413,23 @@ LAZYTENSOR_INLINE void save_file(const StateDict& sd, const std::string& path) {
     len[i] = static_cast<unsigned char>(static_cast<std::uint64_t>(header.size()) >> (8 * i));
   out.write(len, sizeof len);
   out.write(header.data(), header.size());
+  std::vector<unsigned char> staging;  // narrowed chunks of tensors stored in another dtype
   for (const std::size_t k : order) {
     const AnyTensor& t = items[k].second;
-    const auto nbytes = static_cast<std::size_t>(t.numel()) * dtype_size(t.dtype());
-    if (nbytes == 0) continue;
-    t.visit([&](const auto& typed) { out.write(typed.data(), nbytes); });
+    const auto n = static_cast<std::size_t>(t.numel());
+    if (n == 0) continue;
+    const detail::StoredDType& s = *stored[k];
+    t.visit([&](const auto& typed) {
+      if (s.native) return out.write(typed.data(), n * s.size);
+      constexpr std::size_t kChunk = 1 << 16;  // elements per narrowed write
+      staging.resize(std::min(n, kChunk) * s.size);
+      const auto* src = reinterpret_cast<const unsigned char*>(typed.data());
+      for (std::size_t i = 0; i < n; i += kChunk) {
+        const std::size_t m = std::min(kChunk, n - i);
+        detail::narrow(s, src + i * dtype_size(t.dtype()), staging.data(), m);
+        out.write(staging.data(), m * s.size);
+      }
+    });
   }
   out.commit();
 }
@@ -439,14 +465,33 @@ LAZYTENSOR_INLINE StateDict load(const std::string& path, Device dev) {
 
   // The data is read whole into buffers: a file whose data the machine cannot hold (a sparse
   // file's apparent size, consistent with its header) fails at once, naming the size.
-  lazy::detail::check_fits_in_memory(size - data_start, path + ": the tensors' data");
+  std::uint64_t held_bytes = 0;  // wider than the file's data when dtypes are widened
+  for (const auto& e : header.tensors)
+    held_bytes += (e.end - e.begin) / e.stored->size * dtype_size(e.dtype);
+  lazy::detail::check_fits_in_memory(held_bytes, path + ": the tensors' data");
   StateDict sd;
   graph::Device& engine = dev.engine();
+  std::vector<unsigned char> staging;  // chunks of tensors stored in a dtype we widen
   for (const auto& e : header.tensors) {
     const std::size_t nbytes = static_cast<std::size_t>(e.end - e.begin);
+    const std::size_t n = nbytes / e.stored->size;
     auto buf = engine.pool().acquire(padded_bytes(e.shape.numel(), dtype_size(e.dtype)));
-    if (file.read_at(buf->data(), nbytes, data_start + e.begin) != nbytes) {
-      throw FormatError(path + ": file shrank while reading tensor '" + e.name + "'");
+    const auto shrank = [&] {
+      return FormatError(path + ": file shrank while reading tensor '" + e.name + "'");
+    };
+    if (e.stored->native) {
+      if (file.read_at(buf->data(), nbytes, data_start + e.begin) != nbytes) throw shrank();
+    } else {
+      constexpr std::size_t kChunk = 1 << 16;  // elements per widened read
+      staging.resize(std::min(n, kChunk) * e.stored->size);
+      auto* dst = static_cast<unsigned char*>(buf->data());
+      for (std::size_t i = 0; i < n; i += kChunk) {
+        const std::size_t m = std::min(kChunk, n - i), bytes = m * e.stored->size;
+        if (file.read_at(staging.data(), bytes, data_start + e.begin + i * e.stored->size) != bytes)
+          throw shrank();
+        detail::widen(*e.stored, staging.data(), dst + i * dtype_size(e.dtype), m);
+      }
+      sd.stored_dtypes()[e.name] = e.stored->name;
     }
     if (e.dtype == DType::Bool) {
       // A byte other than 0/1 read as bool is undefined behaviour; such a file is corrupt.
