@@ -7,6 +7,11 @@
 //                        barrier = true) per step (one all_reduce bucket of 0.9 MiB, then
 //                        the update, then mark_step)
 //
+//   BM_Replicas_Strategy/R   the same step through lazy::train::ReplicaStrategy: its
+//                        optimizer_step(opt, closure) (closure = forward_backward) then
+//                        mark_step. Strategy/Lazy is what the strategy layer costs (target:
+//                        within 3%).
+//
 //   BM_Replicas_Independent/R   reference: the same R replicas each training alone
 //                        (opt.step(), no exchange): what the machine gives R independent
 //                        single-thread trainings, i.e. the ceiling of the data-parallel run
@@ -30,6 +35,7 @@
 #include <sstream>
 
 #include <lazytensor/dist.hpp>
+#include <lazytensor/train.hpp>
 
 namespace {
 
@@ -45,6 +51,14 @@ constexpr int kWarmupSteps = 3;
 lazy::Tensor<float> replica_step(LazyMlp& m) {
   lazy::Tensor<float> loss = m.forward_backward();
   lazy::dist::optimizer_step(m.opt, /*barrier=*/true);
+  return loss;
+}
+
+/// The same step through the strategy layer (stateless: one object serves every replica).
+lazy::Tensor<float> strategy_step(LazyMlp& m) {
+  static lazy::train::ReplicaStrategy strategy(2);
+  lazy::Tensor<float> loss = strategy.optimizer_step(m.opt, [&] { return m.forward_backward(); });
+  lazy::mark_step();
   return loss;
 }
 
@@ -127,11 +141,13 @@ void run_replicas(benchmark::State& state, Step step) {
 }
 
 void BM_Replicas_Lazy(benchmark::State& state) { run_replicas(state, replica_step); }
+void BM_Replicas_Strategy(benchmark::State& state) { run_replicas(state, strategy_step); }
 void BM_Replicas_Independent(benchmark::State& state) { run_replicas(state, independent_step); }
 
 }  // namespace
 
 BENCHMARK(BM_Replicas_Lazy)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Replicas_Strategy)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Replicas_Independent)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 
 int main(int argc, char** argv) {

@@ -79,7 +79,8 @@ FAMILY_NOTES = {
                "worker; see bench_mlp_step.cpp).",
     "Replicas": "Global samples/s (R x 256 per step); each replica has 1 device thread. Independent: the same R "
                 "replicas training alone (no gradient exchange), the machine's ceiling for R single-thread trainings; "
-                "lazy/Independent is the data-parallel run's efficiency against it.",
+                "lazy/Independent is the data-parallel run's efficiency against it. Strategy: the Lazy step through "
+                "lazy::train::ReplicaStrategy (optimizer_step with a closure).",
     "AllReduce": "Bus bandwidth as nccl-tests defines it (busbw = algbw * 2(n-1)/n = algbw for n = 2); Memcpy is "
                  "one memcpy of the same size on one thread; lazy/Memcpy is busbw / memcpy bandwidth.",
 }
@@ -345,6 +346,11 @@ def targets(results: list[Result]) -> str:
         if i1 and i2:
             rows.append(["reference: 2 independent replicas / 1 (the machine's ceiling)",
                          f"{i2.throughput('samples/s') / i1.throughput('samples/s'):.2f}x", "info", ""])
+        s2 = find(results, "Replicas", "Strategy", 2)
+        if s2:
+            ratio = two.seconds / s2.seconds
+            rows.append(["ReplicaStrategy.optimizer_step vs dist::optimizer_step, 2 replicas (samples/s)",
+                         f"{ratio:.3f}x", ">= 0.97x", "PASS" if ratio >= 0.97 else "**MISS**"])
     elif any(r.family == "Replicas" for r in results):
         rows.append(["data-parallel MLP: 2 replicas / 1 replica (global samples/s)", "not measured", ">= 1.8x", "?"])
 

@@ -42,4 +42,10 @@ namespace optim {
 class Optimizer;
 }  // namespace optim
 
+namespace train {
+class Strategy;
+class SingleDeviceStrategy;
+class ReplicaStrategy;
+}  // namespace train
+
 }  // namespace lazy

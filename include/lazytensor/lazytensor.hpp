@@ -20,3 +20,4 @@
 #include <lazytensor/optim.hpp>
 #include <lazytensor/state_dict.hpp>
 #include <lazytensor/tensor.hpp>
+#include <lazytensor/train.hpp>

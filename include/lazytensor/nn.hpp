@@ -12,6 +12,7 @@
 #include <lazytensor/nn/normalization.hpp>
 #include <lazytensor/nn/pooling.hpp>
 #include <lazytensor/nn/sequential.hpp>
+#include <lazytensor/nn/utils/clip_grad.hpp>
 
 // Sequential::push_back of the library's own float -> float layers, instantiated once in the
 // compiled runtime (core/config.hpp).

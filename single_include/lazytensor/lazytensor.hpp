@@ -16438,6 +16438,12 @@ namespace optim {
 class Optimizer;
 }  // namespace optim
 
+namespace train {
+class Strategy;
+class SingleDeviceStrategy;
+class ReplicaStrategy;
+}  // namespace train
+
 }  // namespace lazy
 // ---- end lazytensor/fwd.hpp ----
 // ---- begin lazytensor/io.hpp ----
@@ -20143,6 +20149,106 @@ LAZYTENSOR_INLINE Tensor<float> SequentialImpl::forward(const Tensor<float>& x) 
 
 }  // namespace lazy::nn
 // ---- end lazytensor/nn/sequential.hpp ----
+// ---- begin lazytensor/nn/utils/clip_grad.hpp ----
+// Gradient clipping, as torch.nn.utils: clip_grad_norm_ scales every gradient by one factor
+// so that their total norm is at most max_norm; clip_grad_value_ clamps each element.
+// Both update the gradients in place (every handle on a gradient sees it) and stay lazy:
+// the total norm is a pending 0-dim tensor, computed with the step at the next mark_step.
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+
+namespace lazy::nn::utils {
+
+/// Scales the gradients of `parameters` (those that have one) in place by
+/// min(1, max_norm / (total_norm + 1e-6)), where total_norm is the `norm_type`-norm of all
+/// gradients together (`norm_type` >= 1, or infinity for the largest magnitude). Returns
+/// total_norm before clipping (0 when no parameter has a gradient). With
+/// `error_if_nonfinite`, a NaN or infinite total norm raises lazy::Error (this reads the
+/// norm, so it syncs).
+Tensor<float> clip_grad_norm_(const std::vector<Tensor<float>>& parameters, double max_norm,
+                              double norm_type = 2.0, bool error_if_nonfinite = false);
+/// The same for one parameter.
+Tensor<float> clip_grad_norm_(const Tensor<float>& parameter, double max_norm, double norm_type = 2.0,
+                              bool error_if_nonfinite = false);
+
+/// Clamps every gradient element of `parameters` into [-clip_value, clip_value], in place
+/// (`clip_value` >= 0).
+void clip_grad_value_(const std::vector<Tensor<float>>& parameters, double clip_value);
+/// The same for one parameter.
+void clip_grad_value_(const Tensor<float>& parameter, double clip_value);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE Tensor<float> clip_grad_norm_(const std::vector<Tensor<float>>& parameters, double max_norm,
+                                                double norm_type, bool error_if_nonfinite) {
+  const bool inf = std::isinf(norm_type) && norm_type > 0;
+  if (!(norm_type >= 1.0) && !inf) {
+    throw Error("clip_grad_norm_: norm_type must be >= 1 or infinity, got " + std::to_string(norm_type));
+  }
+  if (!(max_norm >= 0.0)) throw Error("clip_grad_norm_: max_norm must be >= 0, got " + std::to_string(max_norm));
+  NoGradGuard no_grad;
+  std::vector<Tensor<float>> grads;
+  for (const auto& p : parameters) {
+    if (p.defined() && p.grad().defined()) grads.push_back(p.grad());
+  }
+  if (grads.empty()) return zeros<float>(Shape{});
+  // One partial per gradient (sum of |g|^p, or max |g|), then one combination.
+  Tensor<float> acc;
+  for (const auto& g : grads) {
+    Tensor<float> part;
+    if (inf) part = amax(abs(g));
+    else if (norm_type == 2.0) part = sum(g * g);
+    else if (norm_type == 1.0) part = sum(abs(g));
+    else part = sum(pow(abs(g), static_cast<float>(norm_type)));
+    if (!acc.defined()) acc = part;
+    else if (inf) acc = maximum(acc, part);
+    else acc = acc + part;
+  }
+  Tensor<float> total;
+  if (inf || norm_type == 1.0) total = acc;
+  else if (norm_type == 2.0) total = sqrt(acc);
+  else total = pow(acc, static_cast<float>(1.0 / norm_type));
+  if (error_if_nonfinite) {
+    const float v = total.item();
+    if (!std::isfinite(v)) {
+      throw Error("clip_grad_norm_: the total norm of order " + std::to_string(norm_type) +
+                  " of the gradients is non-finite (" + std::to_string(v) +
+                  "), so it cannot be clipped; pass error_if_nonfinite = false to clip anyway");
+    }
+  }
+  const Tensor<float> coef = minimum(static_cast<float>(max_norm) / (total + 1e-6f), 1.0f);
+  for (auto& g : grads) g.mul_(coef);
+  return total;
+}
+
+LAZYTENSOR_INLINE Tensor<float> clip_grad_norm_(const Tensor<float>& parameter, double max_norm, double norm_type,
+                                                bool error_if_nonfinite) {
+  return clip_grad_norm_(std::vector<Tensor<float>>{parameter}, max_norm, norm_type, error_if_nonfinite);
+}
+
+LAZYTENSOR_INLINE void clip_grad_value_(const std::vector<Tensor<float>>& parameters, double clip_value) {
+  if (!(clip_value >= 0.0)) {
+    throw Error("clip_grad_value_: clip_value must be >= 0, got " + std::to_string(clip_value));
+  }
+  NoGradGuard no_grad;
+  const auto c = static_cast<float>(clip_value);
+  for (const auto& p : parameters) {
+    if (!p.defined()) continue;
+    Tensor<float> g = p.grad();
+    if (g.defined()) g.copy_(clamp(g, -c, c));
+  }
+}
+
+LAZYTENSOR_INLINE void clip_grad_value_(const Tensor<float>& parameter, double clip_value) {
+  clip_grad_value_(std::vector<Tensor<float>>{parameter}, clip_value);
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+}  // namespace lazy::nn::utils
+// ---- end lazytensor/nn/utils/clip_grad.hpp ----
 
 // Sequential::push_back of the library's own float -> float layers, instantiated once in the
 // compiled runtime (core/config.hpp).
@@ -20581,4 +20687,396 @@ LAZYTENSOR_OPTIM_SGD_INSTANCES(extern)
 #endif
 // ---- end lazytensor/optim/sgd.hpp ----
 // ---- end lazytensor/optim.hpp ----
+// ---- begin lazytensor/train.hpp ----
+// lazy::train: Lightning's layer over lazytensor's devices and replicas. Strategies say
+// where a model runs and how replicas talk (Strategy, SingleDeviceStrategy,
+// ReplicaStrategy: the analogue of XLAStrategy / DDPSpawnStrategy on thread replicas); a
+// training loop written against them runs unchanged on one device or on many.
+
+// ---- begin lazytensor/train/replica.hpp ----
+// train::ReplicaStrategy: data-parallel replicas as threads, each with its own device, the
+// analogue of Lightning's XLAStrategy and DDPSpawnStrategy. launch() is dist::spawn; the
+// loader of each replica is an MpDeviceLoader; the optimizer step averages the gradients
+// over the world (dist::optimizer_step); setup() makes every replica start from rank 0's
+// parameters and buffers (DDP's module-state broadcast).
+
+#include <functional>
+
+// ---- begin lazytensor/train/strategy.hpp ----
+// train::Strategy, Lightning's Strategy: where a model runs and how its replicas talk.
+// The Trainer (and a hand-written loop) call these methods, never lazy::dist directly, so
+// the same loop runs on one device or on replicas.
+//
+// A strategy object is shared by the replicas launch() starts: every replica calls its
+// methods from its own thread, and whatever depends on the replica (rank, device) is read
+// from the replica's runtime, never stored in the object. Methods that exchange data are
+// collectives: every replica must call them in the same order (a replica that skips one is
+// a CollectiveMismatch on the others, as in lazy::dist; never a hang).
+
+#include <algorithm>
+#include <cctype>
+#include <cstdint>
+#include <exception>
+#include <filesystem>
+#include <functional>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace lazy::train {
+
+namespace detail {
+
+/// A reduction named as Lightning names it ("mean"/"avg", "sum", "max", "min", "product";
+/// any case): the dist op, and whether it is a mean.
+struct ParsedReduceOp {
+  ReduceOp op;
+  bool mean;
+};
+ParsedReduceOp parse_reduce_op(std::string_view name);
+
+template <class B>
+struct is_tensor : std::false_type {};
+template <Element T>
+struct is_tensor<Tensor<T>> : std::true_type {};
+
+/// Tensors moved to `dev`; containers element by element; anything else unchanged.
+template <class B>
+B to_device(const B& b, const Device& dev) {
+  if constexpr (is_tensor<B>::value) {
+    return b.defined() ? b.to(dev) : b;
+  } else if constexpr (requires { std::tuple_size<B>::value; }) {
+    return std::apply([&](const auto&... xs) { return B{to_device(xs, dev)...}; }, b);
+  } else if constexpr (requires(B& out) { b.begin(); b.end(); out.push_back(*b.begin()); }) {
+    B out;
+    for (const auto& x : b) out.push_back(to_device(x, dev));
+    return out;
+  } else {
+    return b;
+  }
+}
+
+}  // namespace detail
+
+/// Lightning's Strategy: the device, the launch of replicas, and the collectives a training
+/// loop needs. Subclasses: SingleDeviceStrategy, ReplicaStrategy.
+class Strategy {
+ public:
+  virtual ~Strategy() = default;
+
+  // ---- where and how many --------------------------------------------------------------
+
+  /// The device this replica computes on.
+  virtual Device root_device() const = 0;
+  /// Replicas launch() starts (1 for a single device).
+  virtual int num_processes() const = 0;
+  /// Whether collectives span replicas (false: they return their input, as Lightning's
+  /// SingleDeviceStrategy does; all_gather then adds no dimension).
+  virtual bool is_distributed() const = 0;
+  /// Replicas in the world (1 outside launch).
+  int world_size() const { return runtime::world_size(); }
+  /// This replica's rank in the world (0 outside launch).
+  int global_rank() const { return runtime::global_ordinal(); }
+  /// This replica's rank on its host.
+  int local_rank() const { return runtime::local_ordinal(); }
+  /// True on global rank 0, the replica that writes checkpoints and logs.
+  bool is_global_zero() const { return global_rank() == 0; }
+
+  // ---- set-up ----------------------------------------------------------------------------
+
+  /// Prepares the replica's environment (called by launch() on every replica first).
+  virtual void setup_environment() {}
+  /// Prepares `model` for training on this replica: moves it to root_device() (and, with
+  /// replicas, makes every replica's parameters and buffers rank 0's).
+  virtual void setup(nn::Module& model) { model_to_device(model); }
+  /// Moves every parameter and buffer of `model` to root_device().
+  virtual void model_to_device(nn::Module& model) { model.to(root_device()); }
+  /// `batch` with its tensors on root_device(): a tensor, or a pair, tuple, array or vector
+  /// of them (nested); anything else is returned as is.
+  template <class Batch>
+  Batch batch_to_device(const Batch& batch) const {
+    return detail::to_device(batch, root_device());
+  }
+  /// The loader wrapped for this replica's device (torch_xla's MpDeviceLoader: batches
+  /// arrive on root_device(), and a mark_step runs as each is handed out). `loader` must
+  /// outlive the result.
+  template <class Loader>
+  dist::MpDeviceLoader<Loader> process_dataloader(Loader& loader) const {
+    return dist::MpDeviceLoader<Loader>(loader, root_device());
+  }
+
+  // ---- a training step -------------------------------------------------------------------
+
+  /// Backpropagates `loss` (a one-element tensor) into the parameters' gradients.
+  virtual void backward(const Tensor<float>& loss, optim::Optimizer* optimizer = nullptr);
+  /// Runs `closure` (forward and backward, returning the loss; may be empty), then the
+  /// optimizer's step: with replicas, the gradients are first averaged over the world
+  /// (dist::optimizer_step). Returns the closure's loss (undefined without a closure).
+  virtual Tensor<float> optimizer_step(optim::Optimizer& optimizer,
+                                       const std::function<Tensor<float>()>& closure = {});
+
+  // ---- collectives -----------------------------------------------------------------------
+
+  /// `t` reduced over the world by `op`: "mean" (or "avg"), "sum", "max", "min" or
+  /// "product" (any case). Every replica gets the same value. A mean needs a floating dtype.
+  template <Element T>
+  Tensor<T> reduce(const Tensor<T>& t, std::string_view op = "mean") const;
+
+  /// Every replica's `t` stacked along a new first dimension: shape (world_size, ...), in
+  /// rank order (a single device returns `t` itself, as Lightning's). With `sync_grads` the
+  /// result is differentiable: the gradient reaching `t` is the sum over replicas of the
+  /// gradient of its slice (the backward pass then runs a collective on every replica).
+  template <Element T>
+  Tensor<T> all_gather(const Tensor<T>& t, bool sync_grads = false) const;
+
+  /// Rank `src`'s `obj` on every replica: a string, a vector of trivially copyable values,
+  /// or a trivially copyable struct.
+  template <class O>
+  O broadcast(O obj, int src = 0) const;
+
+  /// Waits for every replica to reach a barrier of the same `name`; a replica at a barrier
+  /// of another name makes every one raise CollectiveMismatch naming both.
+  void barrier(std::string_view name = "") const;
+
+  /// One decision for the whole world: true when every replica decided true (`all`), or
+  /// when any did (`!all`). Use it for anything that stops or skips work on every replica.
+  bool reduce_boolean_decision(bool decision, bool all = true) const;
+
+  // ---- checkpoints -----------------------------------------------------------------------
+
+  /// Writes `checkpoint` to `path` (a safetensors file) from global rank zero only, after
+  /// every replica has computed its pending tensors; returns on every replica once the file
+  /// is complete. Every replica must call it (never from a rank-0-only branch). The file is
+  /// written to a temporary and renamed: a crash leaves the old file or the new one.
+  virtual void save_checkpoint(const StateDict& checkpoint, const std::string& path);
+  /// Removes the file at `path` (global rank zero does; a missing file is not an error).
+  virtual void remove_checkpoint(const std::string& path);
+
+  // ---- life cycle ------------------------------------------------------------------------
+
+  /// Called on a replica whose launched function throws `e`, before launch() re-throws it
+  /// (every replica that fails calls it, from its own thread).
+  virtual void on_exception(const std::exception& e) { (void)e; }
+  /// Releases what setup took (called by the Trainer at the end of a run).
+  virtual void teardown() {}
+
+  /// Runs `fn(*this)` on every replica (each on its own thread and device with replicas,
+  /// on the calling thread otherwise) and returns global rank 0's result. When a replica
+  /// throws, on_exception runs there, every other replica leaves its collectives with an
+  /// error, and the first exception is re-thrown here (DDPSpawnStrategy's spawn).
+  template <class F>
+  auto launch(F fn);
+};
+
+// ---- templates ----------------------------------------------------------------------------
+
+template <Element T>
+Tensor<T> Strategy::reduce(const Tensor<T>& t, std::string_view op) const {
+  const detail::ParsedReduceOp r = detail::parse_reduce_op(op);
+  if (r.mean && !is_floating_v<T>) {
+    throw DTypeError("Strategy::reduce: op \"" + std::string(op) + "\" needs a floating tensor, found " +
+                     dtype_name(dtype_of<T>()) + " (use \"sum\")");
+  }
+  if (!is_distributed()) return t;
+  const double scale = r.mean ? 1.0 / world_size() : 1.0;
+  return dist::all_reduce(r.op, t, {.scale = scale});
+}
+
+template <Element T>
+Tensor<T> Strategy::all_gather(const Tensor<T>& t, bool sync_grads) const {
+  if (!is_distributed()) return t;
+  const Tensor<T> row = unsqueeze(t.detach(), 0);
+  Tensor<T> gathered = dist::all_gather(row, 0);
+  if constexpr (is_floating_v<T>) {
+    if (sync_grads && autograd::any_requires_grad(t)) {
+      const int n = world_size();
+      const Shape shape = t.shape();
+      autograd::record(gathered, "AllGatherBackward", {autograd::edge_of(t.impl())},
+                       [n, shape](const Tensor<T>& g) -> std::vector<graph::NodePtr> {
+                         // Each replica's slice of every replica's gradient, summed.
+                         const Tensor<T> mine = dist::reduce_scatter(ReduceOp::Sum, g, 1.0, 0, n);
+                         return {Tensor<T>(reshape(mine, shape)).node()};
+                       });
+    }
+  }
+  return gathered;
+}
+
+template <class O>
+O Strategy::broadcast(O obj, int src) const {
+  if (src < 0 || src >= world_size()) {
+    throw Error("Strategy::broadcast: src must be a rank in [0, " + std::to_string(world_size()) + "), got " +
+                std::to_string(src));
+  }
+  if (!is_distributed()) return obj;
+  return dist::broadcast_object(obj, src);
+}
+
+template <class F>
+auto Strategy::launch(F fn) {
+  auto body = [this, &fn]() {
+    try {
+      setup_environment();
+      return fn(*this);
+    } catch (const std::exception& e) {
+      on_exception(e);
+      throw;
+    }
+  };
+  if (is_distributed()) return dist::spawn([&](int) { return body(); }, num_processes());
+  // One device: run here, with root_device() as this thread's device for the duration.
+  struct Restore {
+    Device prev = device();
+    ~Restore() { set_device(prev); }
+  } restore;
+  set_device(root_device());
+  return body();
+}
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace detail {
+
+LAZYTENSOR_INLINE ParsedReduceOp parse_reduce_op(std::string_view name) {
+  std::string s(name);
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  if (s == "mean" || s == "avg") return {ReduceOp::Sum, true};
+  if (s == "sum") return {ReduceOp::Sum, false};
+  if (s == "max") return {ReduceOp::Max, false};
+  if (s == "min") return {ReduceOp::Min, false};
+  if (s == "product") return {ReduceOp::Mul, false};
+  throw Error("Strategy::reduce: unknown op \"" + std::string(name) +
+              "\" (expected \"mean\", \"avg\", \"sum\", \"max\", \"min\" or \"product\")");
+}
+
+}  // namespace detail
+
+LAZYTENSOR_INLINE void Strategy::backward(const Tensor<float>& loss, optim::Optimizer* optimizer) {
+  (void)optimizer;
+  loss.backward();
+}
+
+LAZYTENSOR_INLINE Tensor<float> Strategy::optimizer_step(optim::Optimizer& optimizer,
+                                                         const std::function<Tensor<float>()>& closure) {
+  Tensor<float> loss = closure ? closure() : Tensor<float>();
+  optimizer.step();
+  return loss;
+}
+
+LAZYTENSOR_INLINE void Strategy::barrier(std::string_view name) const {
+  if (is_distributed()) dist::barrier(std::string(name));
+}
+
+LAZYTENSOR_INLINE bool Strategy::reduce_boolean_decision(bool decision, bool all) const {
+  if (!is_distributed()) return decision;
+  const auto votes = dist::mesh_reduce(all ? "reduce_boolean_decision(all)" : "reduce_boolean_decision(any)",
+                                       static_cast<std::uint8_t>(decision),
+                                       [](const std::vector<std::uint8_t>& v) { return v; });
+  return all ? std::all_of(votes.begin(), votes.end(), [](std::uint8_t v) { return v != 0; })
+             : std::any_of(votes.begin(), votes.end(), [](std::uint8_t v) { return v != 0; });
+}
+
+LAZYTENSOR_INLINE void Strategy::save_checkpoint(const StateDict& checkpoint, const std::string& path) {
+  // io::save is xm.save: every replica materializes, global rank 0 writes atomically, all
+  // meet after the write, and a failure anywhere is raised everywhere.
+  io::save(checkpoint, path, /*master_only=*/true, /*global_master=*/true);
+}
+
+LAZYTENSOR_INLINE void Strategy::remove_checkpoint(const std::string& path) {
+  if (!is_global_zero()) return;
+  std::error_code ec;
+  std::filesystem::remove(path, ec);
+  if (ec) throw IoError("remove_checkpoint: cannot remove '" + path + "': " + ec.message());
+}
+
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+}  // namespace lazy::train
+// ---- end lazytensor/train/strategy.hpp ----
+
+namespace lazy::train {
+
+/// Data-parallel training on `devices` thread replicas (XLAStrategy / DDPSpawnStrategy).
+class ReplicaStrategy : public Strategy {
+ public:
+  /// `devices` replicas (>= 1), on devices 0 .. devices-1.
+  explicit ReplicaStrategy(int devices);
+
+  /// The replica's own device (inside launch(); the calling thread's outside).
+  Device root_device() const override { return lazy::device(); }
+  int num_processes() const override { return devices_; }
+  bool is_distributed() const override { return true; }
+
+  /// Moves `model` to the replica's device, then sync_module_states.
+  void setup(nn::Module& model) override;
+  /// Replaces every parameter and buffer of `model` with rank 0's value (a collective).
+  void sync_module_states(nn::Module& model) const;
+  /// The closure, then dist::optimizer_step: gradients averaged over the world, then the
+  /// optimizer's step (lazy: it runs at the next mark_step, which the loader issues).
+  Tensor<float> optimizer_step(optim::Optimizer& optimizer,
+                               const std::function<Tensor<float>()>& closure = {}) override;
+
+ private:
+  int devices_;
+};
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE ReplicaStrategy::ReplicaStrategy(int devices) : devices_(devices) {
+  if (devices < 1) throw Error("ReplicaStrategy: devices must be >= 1, got " + std::to_string(devices));
+}
+
+LAZYTENSOR_INLINE void ReplicaStrategy::setup(nn::Module& model) {
+  model_to_device(model);
+  sync_module_states(model);
+}
+
+LAZYTENSOR_INLINE void ReplicaStrategy::sync_module_states(nn::Module& model) const {
+  const StateDict mine = model.state_dict();
+  StateDict rank0;
+  for (const auto& [name, t] : mine) {
+    t.visit([&, &name = name](const auto& typed) { rank0.insert(name, dist::broadcast(typed, 0)); });
+  }
+  model.load_state_dict(rank0);
+}
+
+LAZYTENSOR_INLINE Tensor<float> ReplicaStrategy::optimizer_step(optim::Optimizer& optimizer,
+                                                                const std::function<Tensor<float>()>& closure) {
+  Tensor<float> loss = closure ? closure() : Tensor<float>();
+  dist::optimizer_step(optimizer);
+  return loss;
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+}  // namespace lazy::train
+// ---- end lazytensor/train/replica.hpp ----
+// ---- begin lazytensor/train/single_device.hpp ----
+// train::SingleDeviceStrategy, Lightning's: one replica on one device. Collectives return
+// their input (a world of one), launch() runs on the calling thread with the strategy's
+// device as the thread's device.
+
+#include <string>
+
+
+namespace lazy::train {
+
+/// Training on one device (Lightning's SingleDeviceStrategy).
+class SingleDeviceStrategy : public Strategy {
+ public:
+  /// On `device` (default: the calling thread's device).
+  explicit SingleDeviceStrategy(Device device = lazy::device()) : device_(device) {}
+
+  Device root_device() const override { return device_; }
+  int num_processes() const override { return 1; }
+  bool is_distributed() const override { return false; }
+
+ private:
+  Device device_;
+};
+
+}  // namespace lazy::train
+// ---- end lazytensor/train/single_device.hpp ----
+// ---- end lazytensor/train.hpp ----
 // ---- end lazytensor/lazytensor.hpp ----
