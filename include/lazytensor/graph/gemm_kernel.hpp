@@ -39,8 +39,10 @@ struct PackedGemm {
   using batch = xsimd::batch<T>;
   static constexpr int kLanes = static_cast<int>(batch::size);
   /// Rows of the register tile: 8 x 2 accumulators need the 32 registers of AVX-512;
-  /// 16-register instruction sets (SSE2, AVX2) take 4 x 2.
-  static constexpr int kTileRows = XSIMD_WITH_AVX512F ? 8 : 4;
+  /// 16-register instruction sets (SSE2, AVX2) take 6 x 2: twelve accumulators, two B
+  /// registers and one broadcast (BLIS's Haswell/Zen shape), eight FMAs per three loads
+  /// and broadcasts where 4 x 2 had eight per six.
+  static constexpr int kTileRows = XSIMD_WITH_AVX512F ? 8 : 6;
   /// Columns of the register tile (and of a packed panel): two registers.
   static constexpr int kTileCols = 2 * kLanes;
 
