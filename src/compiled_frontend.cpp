@@ -1,6 +1,7 @@
 // lazytensor::compiled, second translation unit: the frontend's templates whose arguments the
-// library fixes (nn layers, losses, initializers, Sequential::push_back, optimizers; their
-// lists are in the nn/ and optim/ headers, core/config.hpp explains them), instantiated once.
+// library fixes (nn layers, losses, initializers, Sequential::push_back, optimizers,
+// gradient clipping, ReplicaStrategy; their lists are in the nn/, optim/ and train/ headers,
+// core/config.hpp explains them), instantiated once.
 // Apart from src/compiled.cpp so that the two compile in parallel. It is built as a user's
 // TU is (LAZYTENSOR_COMPILED): it sees the runtime as declarations, which src/compiled.cpp
 // defines, and the `extern template` declarations its definitions follow.
@@ -21,3 +22,5 @@ LAZYTENSOR_NN_NORMALIZATION_INSTANCES()
 LAZYTENSOR_NN_SEQUENTIAL_INSTANCES()
 LAZYTENSOR_OPTIM_SGD_INSTANCES()
 LAZYTENSOR_OPTIM_ADAM_INSTANCES()
+LAZYTENSOR_NN_CLIP_GRAD_INSTANCES()
+LAZYTENSOR_TRAIN_REPLICA_INSTANCES()

@@ -45,7 +45,9 @@ class Optimizer;
 namespace train {
 class Strategy;
 class SingleDeviceStrategy;
-class ReplicaStrategy;
+template <class>
+class BasicReplicaStrategy;
+using ReplicaStrategy = BasicReplicaStrategy<void>;
 }  // namespace train
 
 }  // namespace lazy

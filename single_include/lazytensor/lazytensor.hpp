@@ -16443,7 +16443,9 @@ class Optimizer;
 namespace train {
 class Strategy;
 class SingleDeviceStrategy;
-class ReplicaStrategy;
+template <class>
+class BasicReplicaStrategy;
+using ReplicaStrategy = BasicReplicaStrategy<void>;
 }  // namespace train
 
 }  // namespace lazy
@@ -20156,6 +20158,8 @@ LAZYTENSOR_INLINE Tensor<float> SequentialImpl::forward(const Tensor<float>& x) 
 // so that their total norm is at most max_norm; clip_grad_value_ clamps each element.
 // Both update the gradients in place (every handle on a gradient sees it) and stay lazy:
 // the total norm is a pending 0-dim tensor, computed with the step at the next mark_step.
+// Templates over the gradients' dtype, so that their bodies (reductions with deduced types)
+// are compiled only in programs that clip; lazytensor::compiled instantiates float once.
 
 #include <cmath>
 #include <limits>
@@ -20171,85 +20175,109 @@ namespace lazy::nn::utils {
 /// total_norm before clipping (0 when no parameter has a gradient). With
 /// `error_if_nonfinite`, a NaN or infinite total norm raises lazy::Error (this reads the
 /// norm, so it syncs).
-Tensor<float> clip_grad_norm_(const std::vector<Tensor<float>>& parameters, double max_norm,
-                              double norm_type = 2.0, bool error_if_nonfinite = false);
+template <Element T = float>
+  requires is_floating_v<T>
+Tensor<T> clip_grad_norm_(const std::vector<Tensor<T>>& parameters, double max_norm, double norm_type = 2.0,
+                          bool error_if_nonfinite = false);
 /// The same for one parameter.
-Tensor<float> clip_grad_norm_(const Tensor<float>& parameter, double max_norm, double norm_type = 2.0,
-                              bool error_if_nonfinite = false);
+template <Element T>
+  requires is_floating_v<T>
+Tensor<T> clip_grad_norm_(const Tensor<T>& parameter, double max_norm, double norm_type = 2.0,
+                          bool error_if_nonfinite = false);
 
 /// Clamps every gradient element of `parameters` into [-clip_value, clip_value], in place
 /// (`clip_value` >= 0).
-void clip_grad_value_(const std::vector<Tensor<float>>& parameters, double clip_value);
+template <Element T = float>
+  requires is_floating_v<T>
+void clip_grad_value_(const std::vector<Tensor<T>>& parameters, double clip_value);
 /// The same for one parameter.
-void clip_grad_value_(const Tensor<float>& parameter, double clip_value);
+template <Element T>
+  requires is_floating_v<T>
+void clip_grad_value_(const Tensor<T>& parameter, double clip_value);
 
-#if LAZYTENSOR_HEADER_DEFINITIONS
-LAZYTENSOR_INLINE Tensor<float> clip_grad_norm_(const std::vector<Tensor<float>>& parameters, double max_norm,
-                                                double norm_type, bool error_if_nonfinite) {
+template <Element T>
+  requires is_floating_v<T>
+Tensor<T> clip_grad_norm_(const std::vector<Tensor<T>>& parameters, double max_norm, double norm_type,
+                          bool error_if_nonfinite) {
   const bool inf = std::isinf(norm_type) && norm_type > 0;
   if (!(norm_type >= 1.0) && !inf) {
     throw Error("clip_grad_norm_: norm_type must be >= 1 or infinity, got " + std::to_string(norm_type));
   }
   if (!(max_norm >= 0.0)) throw Error("clip_grad_norm_: max_norm must be >= 0, got " + std::to_string(max_norm));
   NoGradGuard no_grad;
-  std::vector<Tensor<float>> grads;
+  std::vector<Tensor<T>> grads;
   for (const auto& p : parameters) {
     if (p.defined() && p.grad().defined()) grads.push_back(p.grad());
   }
-  if (grads.empty()) return zeros<float>(Shape{});
+  if (grads.empty()) return zeros<T>(Shape{});
   // One partial per gradient (sum of |g|^p, or max |g|), then one combination.
-  Tensor<float> acc;
+  Tensor<T> acc;
   for (const auto& g : grads) {
-    Tensor<float> part;
+    Tensor<T> part;
     if (inf) part = amax(abs(g));
     else if (norm_type == 2.0) part = sum(g * g);
     else if (norm_type == 1.0) part = sum(abs(g));
-    else part = sum(pow(abs(g), static_cast<float>(norm_type)));
+    else part = sum(pow(abs(g), static_cast<T>(norm_type)));
     if (!acc.defined()) acc = part;
     else if (inf) acc = maximum(acc, part);
     else acc = acc + part;
   }
-  Tensor<float> total;
+  Tensor<T> total;
   if (inf || norm_type == 1.0) total = acc;
   else if (norm_type == 2.0) total = sqrt(acc);
-  else total = pow(acc, static_cast<float>(1.0 / norm_type));
+  else total = pow(acc, static_cast<T>(1.0 / norm_type));
   if (error_if_nonfinite) {
-    const float v = total.item();
+    const auto v = static_cast<double>(total.item());
     if (!std::isfinite(v)) {
       throw Error("clip_grad_norm_: the total norm of order " + std::to_string(norm_type) +
                   " of the gradients is non-finite (" + std::to_string(v) +
                   "), so it cannot be clipped; pass error_if_nonfinite = false to clip anyway");
     }
   }
-  const Tensor<float> coef = minimum(static_cast<float>(max_norm) / (total + 1e-6f), 1.0f);
+  const Tensor<T> coef = minimum(static_cast<T>(max_norm) / (total + static_cast<T>(1e-6)), static_cast<T>(1));
   for (auto& g : grads) g.mul_(coef);
   return total;
 }
 
-LAZYTENSOR_INLINE Tensor<float> clip_grad_norm_(const Tensor<float>& parameter, double max_norm, double norm_type,
-                                                bool error_if_nonfinite) {
-  return clip_grad_norm_(std::vector<Tensor<float>>{parameter}, max_norm, norm_type, error_if_nonfinite);
+template <Element T>
+  requires is_floating_v<T>
+Tensor<T> clip_grad_norm_(const Tensor<T>& parameter, double max_norm, double norm_type, bool error_if_nonfinite) {
+  return clip_grad_norm_(std::vector<Tensor<T>>{parameter}, max_norm, norm_type, error_if_nonfinite);
 }
 
-LAZYTENSOR_INLINE void clip_grad_value_(const std::vector<Tensor<float>>& parameters, double clip_value) {
+template <Element T>
+  requires is_floating_v<T>
+void clip_grad_value_(const std::vector<Tensor<T>>& parameters, double clip_value) {
   if (!(clip_value >= 0.0)) {
     throw Error("clip_grad_value_: clip_value must be >= 0, got " + std::to_string(clip_value));
   }
   NoGradGuard no_grad;
-  const auto c = static_cast<float>(clip_value);
+  const auto c = static_cast<T>(clip_value);
   for (const auto& p : parameters) {
     if (!p.defined()) continue;
-    Tensor<float> g = p.grad();
+    Tensor<T> g = p.grad();
     if (g.defined()) g.copy_(clamp(g, -c, c));
   }
 }
 
-LAZYTENSOR_INLINE void clip_grad_value_(const Tensor<float>& parameter, double clip_value) {
-  clip_grad_value_(std::vector<Tensor<float>>{parameter}, clip_value);
+template <Element T>
+  requires is_floating_v<T>
+void clip_grad_value_(const Tensor<T>& parameter, double clip_value) {
+  clip_grad_value_(std::vector<Tensor<T>>{parameter}, clip_value);
 }
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::nn::utils
+
+#define LAZYTENSOR_NN_CLIP_GRAD_INSTANCES(P)                                                                    \
+  P template lazy::Tensor<float> lazy::nn::utils::clip_grad_norm_<float>(const std::vector<lazy::Tensor<float>>&, \
+                                                                         double, double, bool);                \
+  P template lazy::Tensor<float> lazy::nn::utils::clip_grad_norm_<float>(const lazy::Tensor<float>&, double,     \
+                                                                         double, bool);                        \
+  P template void lazy::nn::utils::clip_grad_value_<float>(const std::vector<lazy::Tensor<float>>&, double);   \
+  P template void lazy::nn::utils::clip_grad_value_<float>(const lazy::Tensor<float>&, double);
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_NN_CLIP_GRAD_INSTANCES(extern)
+#endif
 // ---- end lazytensor/nn/utils/clip_grad.hpp ----
 
 // Sequential::push_back of the library's own float -> float layers, instantiated once in the
@@ -20715,11 +20743,13 @@ LAZYTENSOR_OPTIM_SGD_INSTANCES(extern)
 // collectives: every replica must call them in the same order (a replica that skips one is
 // a CollectiveMismatch on the others, as in lazy::dist; never a hang).
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cctype>
 #include <cstdint>
+#include <cerrno>
 #include <exception>
-#include <filesystem>
 #include <functional>
 #include <string>
 #include <string_view>
@@ -20846,6 +20876,8 @@ class Strategy {
 
   /// One decision for the whole world: true when every replica decided true (`all`), or
   /// when any did (`!all`). Use it for anything that stops or skips work on every replica.
+  /// (A template only so that programs that never call it do not compile its exchange.)
+  template <class = void>
   bool reduce_boolean_decision(bool decision, bool all = true) const;
 
   // ---- checkpoints -----------------------------------------------------------------------
@@ -20918,6 +20950,16 @@ O Strategy::broadcast(O obj, int src) const {
   return dist::broadcast_object(obj, src);
 }
 
+template <class>
+bool Strategy::reduce_boolean_decision(bool decision, bool all) const {
+  if (!is_distributed()) return decision;
+  const auto votes = dist::mesh_reduce(all ? "reduce_boolean_decision(all)" : "reduce_boolean_decision(any)",
+                                       static_cast<std::uint8_t>(decision),
+                                       [](const std::vector<std::uint8_t>& v) { return v; });
+  return all ? std::all_of(votes.begin(), votes.end(), [](std::uint8_t v) { return v != 0; })
+             : std::any_of(votes.begin(), votes.end(), [](std::uint8_t v) { return v != 0; });
+}
+
 template <class F>
 auto Strategy::launch(F fn) {
   auto body = [this, &fn]() {
@@ -20972,14 +21014,6 @@ LAZYTENSOR_INLINE void Strategy::barrier(std::string_view name) const {
   if (is_distributed()) dist::barrier(std::string(name));
 }
 
-LAZYTENSOR_INLINE bool Strategy::reduce_boolean_decision(bool decision, bool all) const {
-  if (!is_distributed()) return decision;
-  const auto votes = dist::mesh_reduce(all ? "reduce_boolean_decision(all)" : "reduce_boolean_decision(any)",
-                                       static_cast<std::uint8_t>(decision),
-                                       [](const std::vector<std::uint8_t>& v) { return v; });
-  return all ? std::all_of(votes.begin(), votes.end(), [](std::uint8_t v) { return v != 0; })
-             : std::any_of(votes.begin(), votes.end(), [](std::uint8_t v) { return v != 0; });
-}
 
 LAZYTENSOR_INLINE void Strategy::save_checkpoint(const StateDict& checkpoint, const std::string& path) {
   // io::save is xm.save: every replica materializes, global rank 0 writes atomically, all
@@ -20989,9 +21023,8 @@ LAZYTENSOR_INLINE void Strategy::save_checkpoint(const StateDict& checkpoint, co
 
 LAZYTENSOR_INLINE void Strategy::remove_checkpoint(const std::string& path) {
   if (!is_global_zero()) return;
-  std::error_code ec;
-  std::filesystem::remove(path, ec);
-  if (ec) throw IoError("remove_checkpoint: cannot remove '" + path + "': " + ec.message());
+  if (::unlink(path.c_str()) != 0 && errno != ENOENT)
+    throw io::detail::os_error("remove_checkpoint: cannot remove", path);
 }
 
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
@@ -21002,10 +21035,13 @@ LAZYTENSOR_INLINE void Strategy::remove_checkpoint(const std::string& path) {
 namespace lazy::train {
 
 /// Data-parallel training on `devices` thread replicas (XLAStrategy / DDPSpawnStrategy).
-class ReplicaStrategy : public Strategy {
+/// A class template (the parameter is unused; use ReplicaStrategy) so that a program that
+/// never constructs one compiles none of its exchanges.
+template <class = void>
+class BasicReplicaStrategy : public Strategy {
  public:
   /// `devices` replicas (>= 1), on devices 0 .. devices-1.
-  explicit ReplicaStrategy(int devices);
+  explicit BasicReplicaStrategy(int devices);
 
   /// The replica's own device (inside launch(); the calling thread's outside).
   Device root_device() const override { return lazy::device(); }
@@ -21025,17 +21061,23 @@ class ReplicaStrategy : public Strategy {
   int devices_;
 };
 
-#if LAZYTENSOR_HEADER_DEFINITIONS
-LAZYTENSOR_INLINE ReplicaStrategy::ReplicaStrategy(int devices) : devices_(devices) {
+/// Data-parallel replicas as threads (see BasicReplicaStrategy).
+using ReplicaStrategy = BasicReplicaStrategy<>;
+
+// (Members outside the class, so not inline: see core/config.hpp.)
+template <class V>
+BasicReplicaStrategy<V>::BasicReplicaStrategy(int devices) : devices_(devices) {
   if (devices < 1) throw Error("ReplicaStrategy: devices must be >= 1, got " + std::to_string(devices));
 }
 
-LAZYTENSOR_INLINE void ReplicaStrategy::setup(nn::Module& model) {
+template <class V>
+void BasicReplicaStrategy<V>::setup(nn::Module& model) {
   model_to_device(model);
   sync_module_states(model);
 }
 
-LAZYTENSOR_INLINE void ReplicaStrategy::sync_module_states(nn::Module& model) const {
+template <class V>
+void BasicReplicaStrategy<V>::sync_module_states(nn::Module& model) const {
   const StateDict mine = model.state_dict();
   StateDict rank0;
   for (const auto& [name, t] : mine) {
@@ -21044,15 +21086,22 @@ LAZYTENSOR_INLINE void ReplicaStrategy::sync_module_states(nn::Module& model) co
   model.load_state_dict(rank0);
 }
 
-LAZYTENSOR_INLINE Tensor<float> ReplicaStrategy::optimizer_step(optim::Optimizer& optimizer,
-                                                                const std::function<Tensor<float>()>& closure) {
+template <class V>
+Tensor<float> BasicReplicaStrategy<V>::optimizer_step(optim::Optimizer& optimizer,
+                                                      const std::function<Tensor<float>()>& closure) {
   Tensor<float> loss = closure ? closure() : Tensor<float>();
   dist::optimizer_step(optimizer);
   return loss;
 }
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::train
+
+#define LAZYTENSOR_TRAIN_REPLICA_INSTANCES(P) \
+  P template class lazy::train::BasicReplicaStrategy<void>; \
+  P template bool lazy::train::Strategy::reduce_boolean_decision<void>(bool, bool) const;
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_TRAIN_REPLICA_INSTANCES(extern)
+#endif
 // ---- end lazytensor/train/replica.hpp ----
 // ---- begin lazytensor/train/single_device.hpp ----
 // train::SingleDeviceStrategy, Lightning's: one replica on one device. Collectives return

@@ -179,7 +179,7 @@ TEST(Strategy, BarrierNamesThatDifferRaise) {
 // A strategy that counts on_exception calls.
 class CountingStrategy : public train::ReplicaStrategy {
  public:
-  using ReplicaStrategy::ReplicaStrategy;
+  using BasicReplicaStrategy::BasicReplicaStrategy;  // the base's constructor (ReplicaStrategy is an alias)
   void on_exception(const std::exception& e) override {
     ++calls;
     // The failing replica sees its own error; the others see the abort, which names it.

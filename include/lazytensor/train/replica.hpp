@@ -14,10 +14,13 @@
 namespace lazy::train {
 
 /// Data-parallel training on `devices` thread replicas (XLAStrategy / DDPSpawnStrategy).
-class ReplicaStrategy : public Strategy {
+/// A class template (the parameter is unused; use ReplicaStrategy) so that a program that
+/// never constructs one compiles none of its exchanges.
+template <class = void>
+class BasicReplicaStrategy : public Strategy {
  public:
   /// `devices` replicas (>= 1), on devices 0 .. devices-1.
-  explicit ReplicaStrategy(int devices);
+  explicit BasicReplicaStrategy(int devices);
 
   /// The replica's own device (inside launch(); the calling thread's outside).
   Device root_device() const override { return lazy::device(); }
@@ -37,17 +40,23 @@ class ReplicaStrategy : public Strategy {
   int devices_;
 };
 
-#if LAZYTENSOR_HEADER_DEFINITIONS
-LAZYTENSOR_INLINE ReplicaStrategy::ReplicaStrategy(int devices) : devices_(devices) {
+/// Data-parallel replicas as threads (see BasicReplicaStrategy).
+using ReplicaStrategy = BasicReplicaStrategy<>;
+
+// (Members outside the class, so not inline: see core/config.hpp.)
+template <class V>
+BasicReplicaStrategy<V>::BasicReplicaStrategy(int devices) : devices_(devices) {
   if (devices < 1) throw Error("ReplicaStrategy: devices must be >= 1, got " + std::to_string(devices));
 }
 
-LAZYTENSOR_INLINE void ReplicaStrategy::setup(nn::Module& model) {
+template <class V>
+void BasicReplicaStrategy<V>::setup(nn::Module& model) {
   model_to_device(model);
   sync_module_states(model);
 }
 
-LAZYTENSOR_INLINE void ReplicaStrategy::sync_module_states(nn::Module& model) const {
+template <class V>
+void BasicReplicaStrategy<V>::sync_module_states(nn::Module& model) const {
   const StateDict mine = model.state_dict();
   StateDict rank0;
   for (const auto& [name, t] : mine) {
@@ -56,12 +65,19 @@ LAZYTENSOR_INLINE void ReplicaStrategy::sync_module_states(nn::Module& model) co
   model.load_state_dict(rank0);
 }
 
-LAZYTENSOR_INLINE Tensor<float> ReplicaStrategy::optimizer_step(optim::Optimizer& optimizer,
-                                                                const std::function<Tensor<float>()>& closure) {
+template <class V>
+Tensor<float> BasicReplicaStrategy<V>::optimizer_step(optim::Optimizer& optimizer,
+                                                      const std::function<Tensor<float>()>& closure) {
   Tensor<float> loss = closure ? closure() : Tensor<float>();
   dist::optimizer_step(optimizer);
   return loss;
 }
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::train
+
+#define LAZYTENSOR_TRAIN_REPLICA_INSTANCES(P) \
+  P template class lazy::train::BasicReplicaStrategy<void>; \
+  P template bool lazy::train::Strategy::reduce_boolean_decision<void>(bool, bool) const;
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_TRAIN_REPLICA_INSTANCES(extern)
+#endif

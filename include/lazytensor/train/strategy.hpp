@@ -9,11 +9,13 @@
 // collectives: every replica must call them in the same order (a replica that skips one is
 // a CollectiveMismatch on the others, as in lazy::dist; never a hang).
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cctype>
 #include <cstdint>
+#include <cerrno>
 #include <exception>
-#include <filesystem>
 #include <functional>
 #include <string>
 #include <string_view>
@@ -30,6 +32,7 @@
 #include <lazytensor/dist/parallel_loader.hpp>
 #include <lazytensor/dist/runtime.hpp>
 #include <lazytensor/dist/spawn.hpp>
+#include <lazytensor/io/file.hpp>
 #include <lazytensor/io/save.hpp>
 #include <lazytensor/nn/module.hpp>
 #include <lazytensor/ops/reshape.hpp>
@@ -154,6 +157,8 @@ class Strategy {
 
   /// One decision for the whole world: true when every replica decided true (`all`), or
   /// when any did (`!all`). Use it for anything that stops or skips work on every replica.
+  /// (A template only so that programs that never call it do not compile its exchange.)
+  template <class = void>
   bool reduce_boolean_decision(bool decision, bool all = true) const;
 
   // ---- checkpoints -----------------------------------------------------------------------
@@ -226,6 +231,16 @@ O Strategy::broadcast(O obj, int src) const {
   return dist::broadcast_object(obj, src);
 }
 
+template <class>
+bool Strategy::reduce_boolean_decision(bool decision, bool all) const {
+  if (!is_distributed()) return decision;
+  const auto votes = dist::mesh_reduce(all ? "reduce_boolean_decision(all)" : "reduce_boolean_decision(any)",
+                                       static_cast<std::uint8_t>(decision),
+                                       [](const std::vector<std::uint8_t>& v) { return v; });
+  return all ? std::all_of(votes.begin(), votes.end(), [](std::uint8_t v) { return v != 0; })
+             : std::any_of(votes.begin(), votes.end(), [](std::uint8_t v) { return v != 0; });
+}
+
 template <class F>
 auto Strategy::launch(F fn) {
   auto body = [this, &fn]() {
@@ -280,14 +295,6 @@ LAZYTENSOR_INLINE void Strategy::barrier(std::string_view name) const {
   if (is_distributed()) dist::barrier(std::string(name));
 }
 
-LAZYTENSOR_INLINE bool Strategy::reduce_boolean_decision(bool decision, bool all) const {
-  if (!is_distributed()) return decision;
-  const auto votes = dist::mesh_reduce(all ? "reduce_boolean_decision(all)" : "reduce_boolean_decision(any)",
-                                       static_cast<std::uint8_t>(decision),
-                                       [](const std::vector<std::uint8_t>& v) { return v; });
-  return all ? std::all_of(votes.begin(), votes.end(), [](std::uint8_t v) { return v != 0; })
-             : std::any_of(votes.begin(), votes.end(), [](std::uint8_t v) { return v != 0; });
-}
 
 LAZYTENSOR_INLINE void Strategy::save_checkpoint(const StateDict& checkpoint, const std::string& path) {
   // io::save is xm.save: every replica materializes, global rank 0 writes atomically, all
@@ -297,9 +304,8 @@ LAZYTENSOR_INLINE void Strategy::save_checkpoint(const StateDict& checkpoint, co
 
 LAZYTENSOR_INLINE void Strategy::remove_checkpoint(const std::string& path) {
   if (!is_global_zero()) return;
-  std::error_code ec;
-  std::filesystem::remove(path, ec);
-  if (ec) throw IoError("remove_checkpoint: cannot remove '" + path + "': " + ec.message());
+  if (::unlink(path.c_str()) != 0 && errno != ENOENT)
+    throw io::detail::os_error("remove_checkpoint: cannot remove", path);
 }
 
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
