@@ -16833,6 +16833,10 @@ const StoredDType* find_stored_dtype(std::string_view name, std::string* why = n
 /// The native stored dtype of `d` (F32 for float, ...).
 const StoredDType& native_stored_dtype(DType d);
 
+/// Elements converted per step when a tensor is read or written in another dtype: the
+/// staging buffer holds at most this many, never a second copy of the tensor.
+inline constexpr std::size_t kConvertChunk = std::size_t{1} << 16;
+
 /// Half-precision (IEEE binary16) bits to float: exact, NaN payloads kept.
 float half_to_float(std::uint16_t h);
 
@@ -17416,7 +17420,7 @@ LAZYTENSOR_INLINE void save_file(const StateDict& sd, const std::string& path) {
     const detail::StoredDType& s = *stored[k];
     t.visit([&](const auto& typed) {
       if (s.native) return out.write(typed.data(), n * s.size);
-      constexpr std::size_t kChunk = 1 << 16;  // elements per narrowed write
+      constexpr std::size_t kChunk = detail::kConvertChunk;
       staging.resize(std::min(n, kChunk) * s.size);
       const auto* src = reinterpret_cast<const unsigned char*>(typed.data());
       for (std::size_t i = 0; i < n; i += kChunk) {
@@ -17477,7 +17481,7 @@ LAZYTENSOR_INLINE StateDict load(const std::string& path, Device dev) {
     if (e.stored->native) {
       if (file.read_at(buf->data(), nbytes, data_start + e.begin) != nbytes) throw shrank();
     } else {
-      constexpr std::size_t kChunk = 1 << 16;  // elements per widened read
+      constexpr std::size_t kChunk = detail::kConvertChunk;
       staging.resize(std::min(n, kChunk) * e.stored->size);
       auto* dst = static_cast<unsigned char*>(buf->data());
       for (std::size_t i = 0; i < n; i += kChunk) {

@@ -421,7 +421,7 @@ LAZYTENSOR_INLINE void save_file(const StateDict& sd, const std::string& path) {
     const detail::StoredDType& s = *stored[k];
     t.visit([&](const auto& typed) {
       if (s.native) return out.write(typed.data(), n * s.size);
-      constexpr std::size_t kChunk = 1 << 16;  // elements per narrowed write
+      constexpr std::size_t kChunk = detail::kConvertChunk;
       staging.resize(std::min(n, kChunk) * s.size);
       const auto* src = reinterpret_cast<const unsigned char*>(typed.data());
       for (std::size_t i = 0; i < n; i += kChunk) {
@@ -482,7 +482,7 @@ LAZYTENSOR_INLINE StateDict load(const std::string& path, Device dev) {
     if (e.stored->native) {
       if (file.read_at(buf->data(), nbytes, data_start + e.begin) != nbytes) throw shrank();
     } else {
-      constexpr std::size_t kChunk = 1 << 16;  // elements per widened read
+      constexpr std::size_t kChunk = detail::kConvertChunk;
       staging.resize(std::min(n, kChunk) * e.stored->size);
       auto* dst = static_cast<unsigned char*>(buf->data());
       for (std::size_t i = 0; i < n; i += kChunk) {

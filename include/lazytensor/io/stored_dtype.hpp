@@ -39,6 +39,10 @@ const StoredDType* find_stored_dtype(std::string_view name, std::string* why = n
 /// The native stored dtype of `d` (F32 for float, ...).
 const StoredDType& native_stored_dtype(DType d);
 
+/// Elements converted per step when a tensor is read or written in another dtype: the
+/// staging buffer holds at most this many, never a second copy of the tensor.
+inline constexpr std::size_t kConvertChunk = std::size_t{1} << 16;
+
 /// Half-precision (IEEE binary16) bits to float: exact, NaN payloads kept.
 float half_to_float(std::uint16_t h);
 
