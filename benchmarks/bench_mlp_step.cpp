@@ -3,6 +3,8 @@
 //
 //   BM_MlpStep_Lazy/T        lazy::nn::Sequential + optim::SGD: zero_grad, forward, backward,
 //                            step, mark_step; T device threads (the executor counts as one)
+//   BM_MlpStep_LazyBF16Mixed/T  the same under precision "bf16-mixed" (autocast: the
+//                            forward's products in bfloat16, float accumulation)
 //   BM_MlpStep_Torch/T       the same model and optimizer in libtorch (LAZYTENSOR_HAVE_TORCH):
 //                            T intra-op threads, T OpenBLAS threads, 1 inter-op thread
 //   BM_MlpStep_TorchBlasOnly/T  libtorch with 1 intra-op thread and T OpenBLAS threads. With
@@ -195,11 +197,12 @@ void set_counters(benchmark::State& state) {
 
 struct LazyStep {
   LazyMlp m{Problem::get(), 0, kBatch};
+  bool bf16_mixed = false;
 
   /// One step, materialized by its mark_step (which may return before the step ran: the
   /// device's executor thread runs it while the next one is traced).
   lazy::Tensor<float> step() {
-    lazy::Tensor<float> loss = m.forward_backward();
+    lazy::Tensor<float> loss = m.forward_backward(bf16_mixed);
     m.opt.step();
     lazy::mark_step();
     return loss;
@@ -312,13 +315,13 @@ bool passes_self_check(benchmark::State& state) {
 
 // ---- benchmarks ------------------------------------------------------------------------------
 
-void BM_MlpStep_Lazy(benchmark::State& state) {
+void run_lazy(benchmark::State& state, bool bf16_mixed) {
   if (!passes_self_check(state)) return;
-  settle(__func__);
   const int threads = static_cast<int>(state.range(0));
   bench::DeviceThreads device_threads(threads);
   EigenThreads eigen(1);  // lazytensor splits its GEMMs over its own workers
   LazyStep m;
+  m.bf16_mixed = bf16_mixed;
   for (int i = 0; i < kWarmupSteps; ++i) m.step();
   lazy::wait_device_ops();
   // Steady state: no new pages (minor faults) and no fresh pool allocations per step.
@@ -340,6 +343,18 @@ void BM_MlpStep_Lazy(benchmark::State& state) {
   state.counters["minflt_per_step"] = (minor_faults() - faults0) / steps;
   state.counters["fresh_allocs_per_step"] = static_cast<double>(pool.stats().fresh_allocations - fresh0) / steps;
   set_counters(state);
+}
+
+void BM_MlpStep_Lazy(benchmark::State& state) {
+  settle(__func__);
+  run_lazy(state, false);
+}
+
+/// The same step under precision "bf16-mixed" (autocast: the forward's products in bfloat16
+/// with float accumulation), against BM_MlpStep_Lazy.
+void BM_MlpStep_LazyBF16Mixed(benchmark::State& state) {
+  settle(__func__);
+  run_lazy(state, true);
 }
 
 #ifdef LAZYTENSOR_HAVE_TORCH
@@ -414,6 +429,7 @@ void BM_MlpStep_GemmBound(benchmark::State& state) {
 }  // namespace
 
 BENCHMARK(BM_MlpStep_Lazy)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_MlpStep_LazyBF16Mixed)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 #ifdef LAZYTENSOR_HAVE_TORCH
 BENCHMARK(BM_MlpStep_Torch)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MlpStep_TorchBlasOnly)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);

@@ -114,16 +114,21 @@ struct LazyMlp {
     auto params = model->parameters();  // W1, b1, W2, b2, W3, b3
     lazy::NoGradGuard no_grad;
     for (int l = 0; l < 3; ++l) {
-      params[2 * l].copy_(lazy::from_vector<float>(p.w[l], lazy::Shape{kWidth[l + 1], kWidth[l]}));
-      params[2 * l + 1].copy_(lazy::from_vector<float>(p.b[l], lazy::Shape{kWidth[l + 1]}));
+      params[2 * l].as<float>().copy_(lazy::from_vector<float>(p.w[l], lazy::Shape{kWidth[l + 1], kWidth[l]}));
+      params[2 * l + 1].as<float>().copy_(lazy::from_vector<float>(p.b[l], lazy::Shape{kWidth[l + 1]}));
     }
     lazy::mark_step();
   }
 
-  /// zero_grad, forward, loss, backward: the step up to the update (traced, not run).
-  lazy::Tensor<float> forward_backward() {
+  /// zero_grad, forward, loss, backward: the step up to the update (traced, not run). With
+  /// `bf16_mixed`, the forward runs under autocast (precision "bf16-mixed").
+  lazy::Tensor<float> forward_backward(bool bf16_mixed = false) {
     opt.zero_grad();
-    lazy::Tensor<float> loss = lazy::nn::functional::cross_entropy(model(x), y);
+    lazy::Tensor<float> loss;
+    {
+      lazy::AutocastGuard autocast(bf16_mixed);
+      loss = lazy::nn::functional::cross_entropy(model(x), y);
+    }
     loss.backward();
     return loss;
   }
@@ -132,7 +137,7 @@ struct LazyMlp {
   std::vector<float> flat_parameters() {
     std::vector<float> out;
     for (auto& p : model->parameters()) {
-      const auto v = p.to_vector();
+      const auto v = p.as<float>().to_vector();
       out.insert(out.end(), v.begin(), v.end());
     }
     return out;

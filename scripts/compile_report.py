@@ -182,7 +182,7 @@ def main():
         if any(n in COMPILED for n in jobs):
             runtime = []
             print("building the compiled runtime (not timed)", file=sys.stderr)
-            for unit in ("compiled", "compiled_frontend"):
+            for unit in ("compiled", "compiled_frontend", "compiled_nn_wide"):
                 obj = tmp / (unit + ".o")
                 subprocess.run([args.cxx, "-std=c++20", "-O2", "-march=native", "-pthread", "-c"] +
                                ["-I" + str(ROOT / "include")] + eigen_include() +

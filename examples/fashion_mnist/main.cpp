@@ -5,7 +5,8 @@
 // mark_step the device loader issues for each batch.
 //
 //   fashion_mnist [--model mlp|cnn] [--epochs N] [--replicas N] [--batch-size N] [--lr X]
-//                 [--weight-decay X] [--seed N] [--data DIR] [--save PATH]
+//                 [--weight-decay X] [--precision 32|bf16-mixed] [--seed N] [--data DIR]
+//                 [--save PATH]
 //
 //   --model       mlp: 784-256-128-10 perceptron (default); cnn: two 3x3 conv + max-pool
 //                 blocks (32 and 64 channels) and two linear layers.
@@ -17,6 +18,9 @@
 //   --lr          peak learning rate (default: 0.05 for the MLP, 0.03 for the CNN, times
 //                 sqrt(N) for N replicas, as the global batch is N times larger); cosine decay
 //                 to 0 over the run.
+//   --precision   32 (float, default) or bf16-mixed: float weights, with the products of
+//                 the forward pass (linear, conv) in bfloat16 under autocast, as Lightning's
+//                 precision="bf16-mixed".
 //   --data        directory of the IDX files (default /usr/share/datasets/fashion-mnist, where
 //                 Debian's dataset-fashion-mnist package installs them).
 //   --save PATH   writes the trained weights as a safetensors file (replica 0 writes).
@@ -56,6 +60,7 @@
 #include <lazytensor/lazytensor.hpp>
 #include <lazytensor/nn.hpp>
 #include <lazytensor/optim.hpp>
+#include <lazytensor/train.hpp>
 
 namespace nn = lazy::nn;
 using lazy::Tensor;
@@ -69,6 +74,7 @@ struct Args {
   std::size_t batch_size = 64;
   double lr = -1;  // per-model default, scaled by the replica count
   double weight_decay = 5e-4;
+  std::string precision = "32-true";
   std::uint64_t seed = 1;
   std::string data = "/usr/share/datasets/fashion-mnist";
   std::string save;
@@ -79,7 +85,7 @@ struct Args {
   std::cerr
       << "usage: " << prog
       << " [--model mlp|cnn] [--epochs N] [--replicas N] [--batch-size N (per replica)] [--lr X]"
-         " [--weight-decay X] [--seed N] [--data DIR] [--save PATH]\n";
+         " [--weight-decay X] [--precision 32|bf16-mixed] [--seed N] [--data DIR] [--save PATH]\n";
   std::exit(2);
 }
 
@@ -116,6 +122,7 @@ Args parse(int argc, char** argv) {
       else if (k == "--batch-size") a.batch_size = number<std::size_t>(v);
       else if (k == "--lr") a.lr = number<double>(v);
       else if (k == "--weight-decay") a.weight_decay = number<double>(v);
+      else if (k == "--precision") a.precision = v;
       else if (k == "--seed") a.seed = number<std::uint64_t>(v);
       else if (k == "--data") a.data = v;
       else if (k == "--save") a.save = v;
@@ -127,6 +134,9 @@ Args parse(int argc, char** argv) {
   }
   if (a.model != "mlp" && a.model != "cnn")
     usage(argv[0], "--model must be mlp or cnn, got " + a.model);
+  if (a.precision == "32" || a.precision == "bf16") a.precision = a.precision == "32" ? "32-true" : "bf16-mixed";
+  if (a.precision != "32-true" && a.precision != "bf16-mixed")
+    usage(argv[0], "--precision must be 32 or bf16-mixed, got " + a.precision);
   if (a.epochs < 1 || a.batch_size < 1)
     usage(argv[0], "--epochs and --batch-size must be positive");
   a.replicas =
@@ -224,6 +234,7 @@ double run_replica(const Args& args, const TrainSet& train, const TestSet& test)
   lazy::dist::MpDeviceLoader test_batches(*test_loader, lazy::device());
 
   nn::Sequential model = args.model == "mlp" ? mlp() : cnn();
+  const auto precision = lazy::train::make_precision(args.precision);
   lazy::optim::SGD opt(model->parameters(),
                        lazy::optim::SGDOptions(args.lr).momentum(0.9).nesterov(true).weight_decay(
                            args.weight_decay));
@@ -233,8 +244,8 @@ double run_replica(const Args& args, const TrainSet& train, const TestSet& test)
   lazy::optim::CosineAnnealingLR schedule(opt, static_cast<std::int64_t>(args.epochs * steps));
   if (master) {
     std::cout << model->str() << "\n";
-    std::printf("%d replica%s, %zu samples per step (%zu per replica), lr %g\n", world,
-                world == 1 ? "" : "s", args.batch_size * R, args.batch_size, args.lr);
+    std::printf("%d replica%s, %zu samples per step (%zu per replica), lr %g, precision %s\n", world,
+                world == 1 ? "" : "s", args.batch_size * R, args.batch_size, args.lr, args.precision.c_str());
     std::fflush(stdout);
   }
 
@@ -271,7 +282,11 @@ double run_replica(const Args& args, const TrainSet& train, const TestSet& test)
     for (auto& batch : train_batches) {
       if (reported.defined()) report();
       opt.zero_grad();
-      Tensor<float> loss = nn::functional::cross_entropy(model(batch.data), batch.target);
+      Tensor<float> loss;
+      {
+        const lazy::train::PrecisionContext autocast = precision->forward_context();
+        loss = nn::functional::cross_entropy(model(batch.data), batch.target);
+      }
       loss.backward();
       lazy::dist::optimizer_step(opt);  // gradient mean over the replicas, then the update
       schedule.step();
@@ -288,6 +303,7 @@ double run_replica(const Args& args, const TrainSet& train, const TestSet& test)
     Tensor<std::int64_t> correct = lazy::zeros<std::int64_t>({});
     std::int64_t total = 0;
     for (auto& batch : test_batches) {
+      const lazy::train::PrecisionContext autocast = precision->forward_context();
       correct += lazy::sum(lazy::argmax(model(batch.data), 1) == batch.target);
       total += batch.target.numel();
     }

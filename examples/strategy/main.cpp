@@ -1,10 +1,14 @@
 // strategy: one training loop, written once against lazy::train::Strategy, run on one device
-// or on data-parallel replicas — Lightning's Strategy layer.
+// or on data-parallel replicas, in any precision — Lightning's Strategy, Accelerator and
+// precision plugins.
 //
-//   strategy [--devices N]     N = 1: SingleDeviceStrategy; N > 1: ReplicaStrategy(N)
+//   strategy [--devices N] [--precision P]
+//     --devices N     N = 1: SingleDeviceStrategy; N > 1: ReplicaStrategy(N) (default 2)
+//     --precision P   32-true (default), 64-true, bf16-mixed or bf16-true
 //
-// Fits a linear model y = x w + b to synthetic data. The loop only talks to the strategy:
-// setup (rank 0's initial weights everywhere), process_dataloader (each replica's shard,
+// Fits a linear model y = x w + b to synthetic data. The loop only talks to the accelerator
+// and its strategy: setup (the model in the plugin's dtype, rank 0's initial weights
+// everywhere), training_step (the forward in the plugin's context), process_dataloader (each replica's shard,
 // on its device), optimizer_step (gradients averaged over replicas), reduce (the epoch's
 // mean loss), reduce_boolean_decision (an early stop every replica agrees on) and
 // save_checkpoint (rank 0 writes, after everyone synced). Prints one line per epoch and,
@@ -42,11 +46,15 @@ lazy::data::TensorDataset<float, float> make_dataset() {
   return lazy::data::TensorDataset<float, float>(x, y);
 }
 
-// The training loop: the same code for every strategy.
-double fit(train::Strategy& s, const lazy::data::TensorDataset<float, float>& dataset) {
+// The training loop: the same code for every strategy; T is the precision plugin's
+// parameter dtype (float for 32-true and bf16-mixed).
+template <class T>
+double fit(train::Accelerator& acc, const lazy::data::TensorDataset<float, float>& dataset) {
+  train::Strategy& s = acc.strategy();
+  const train::Precision& precision = acc.precision_plugin();
   lazy::manual_seed(7 + static_cast<std::uint64_t>(s.global_rank()));  // replicas start apart...
   nn::Linear model(kFeatures, 1);
-  s.setup(*model.ptr());  // ...until setup gives every replica rank 0's weights
+  acc.setup(*model.ptr());  // ...until setup gives every replica rank 0's weights (in T)
   lazy::optim::SGD optimizer(model->parameters(), lazy::optim::SGDOptions(0.1).momentum(0.9));
   auto loader = lazy::data::make_data_loader(
       dataset,
@@ -59,14 +67,15 @@ double fit(train::Strategy& s, const lazy::data::TensorDataset<float, float>& da
     Tensor<float> total = lazy::zeros<float>(Shape{});
     double batches = 0;
     for (auto& batch : device_loader) {
-      optimizer.zero_grad();
-      const Tensor<float> loss = s.optimizer_step(optimizer, [&] {
-        Tensor<float> l = nn::functional::mse_loss(model->forward(batch.data), batch.target);
-        s.backward(l, &optimizer);
-        nn::utils::clip_grad_norm_(model->parameters(), 5.0);
+      acc.optimizer_zero_grad(optimizer);
+      const lazy::AnyTensor loss = acc.optimizer_step(optimizer, [&] {
+        const Tensor<T> x = precision.convert_input(batch.data), y = precision.convert_input(batch.target);
+        const Tensor<T> l = acc.training_step([&] { return nn::functional::mse_loss(model->forward(x), y); });
+        acc.backward(l, &optimizer);
+        acc.clip_gradients(optimizer, 5.0, "norm");
         return l;
       });
-      total = total + loss.detach();
+      total = total + precision.convert_output(loss).as<float>().detach();
       batches += 1;
     }
     const float mean_loss = s.reduce(Tensor<float>(total / static_cast<float>(batches)), "mean").item();
@@ -78,7 +87,7 @@ double fit(train::Strategy& s, const lazy::data::TensorDataset<float, float>& da
   checkpoint.metadata()["world_size"] = std::to_string(s.world_size());
   const std::string path = (std::filesystem::temp_directory_path() / "lazytensor_strategy_example.safetensors").string();
   s.save_checkpoint(checkpoint, path);  // every replica calls it; rank 0 writes
-  const auto w = model->weight.to_vector();
+  const auto w = precision.convert_output(model->weight).as<float>().to_vector();
   double err = 0;
   for (int j = 0; j < kFeatures; ++j) err += std::pow(w[static_cast<std::size_t>(j)] - true_weight(j), 2);
   s.remove_checkpoint(path);
@@ -89,12 +98,15 @@ double fit(train::Strategy& s, const lazy::data::TensorDataset<float, float>& da
 
 int main(int argc, char** argv) {
   int devices = 2;
+  std::string precision = "32-true";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--devices" && i + 1 < argc) {
       devices = std::atoi(argv[++i]);
+    } else if (a == "--precision" && i + 1 < argc) {
+      precision = argv[++i];
     } else {
-      std::fprintf(stderr, "usage: strategy [--devices N]\n");
+      std::fprintf(stderr, "usage: strategy [--devices N] [--precision 32-true|64-true|bf16-mixed|bf16-true]\n");
       return a == "--help" || a == "-h" ? 0 : 2;
     }
   }
@@ -103,7 +115,15 @@ int main(int argc, char** argv) {
     std::unique_ptr<train::Strategy> strategy;
     if (devices == 1) strategy = std::make_unique<train::SingleDeviceStrategy>();
     else strategy = std::make_unique<train::ReplicaStrategy>(devices);
-    const double err = strategy->launch([&](train::Strategy& s) { return fit(s, dataset); });
+    train::CPUAccelerator acc(*strategy, train::make_precision(precision));
+    const double err = strategy->launch([&](train::Strategy&) {
+      switch (acc.precision_plugin().param_dtype()) {
+        case lazy::DType::Float64: return fit<double>(acc, dataset);
+        case lazy::DType::BFloat16: return fit<lazy::bfloat16>(acc, dataset);
+        default: return fit<float>(acc, dataset);
+      }
+    });
+    std::printf("precision=%s\n", acc.precision_plugin().name().c_str());
     std::printf("weight_error=%.6f\n", err);
     return err < 0.05 ? 0 : 1;
   } catch (const std::exception& e) {

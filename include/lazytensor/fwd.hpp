@@ -18,6 +18,8 @@ struct Size2;
 
 enum class ReduceOp;
 
+class AutocastGuard;
+
 class Error;
 class ShapeError;
 class DTypeError;
@@ -48,6 +50,12 @@ class SingleDeviceStrategy;
 template <class>
 class BasicReplicaStrategy;
 using ReplicaStrategy = BasicReplicaStrategy<void>;
+class Precision;
+class DoublePrecision;
+class HalfPrecision;
+class MixedPrecision;
+class Accelerator;
+class CPUAccelerator;
 }  // namespace train
 
 }  // namespace lazy

@@ -13,7 +13,9 @@ int main() {
   std::cout << lazy::sum(y).item() << "\n";
 
   lazy::nn::Linear fc(64, 10);
-  lazy::optim::SGD opt(fc->parameters(), lazy::optim::SGDOptions(0.1).momentum(0.9));
+  // BasicSGD<float>: the float update only (optim::SGD also compiles bfloat16's and double's,
+  // for modules converted at run time).
+  lazy::optim::BasicSGD<float> opt(fc->parameters(), lazy::optim::SGDOptions(0.1).momentum(0.9));
   auto target = lazy::randint<std::int64_t>(0, 10, {64});
   auto loss = lazy::nn::functional::cross_entropy(fc(y), target);
   opt.zero_grad();

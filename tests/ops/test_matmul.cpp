@@ -561,9 +561,10 @@ TEST(Matmul, ShapeErrors) {
   EXPECT_THROW(lazy::matmul(lazy::scalar_tensor(1.0), lazy::scalar_tensor(2.0)), lazy::ShapeError);
 }
 
+// bfloat16 operands multiply in float (tests/ops/test_autocast.cpp checks the values); bool
+// has no product.
 TEST(Matmul, DTypeErrors) {
   EXPECT_THROW(lazy::matmul(lazy::ones<bool>({2, 2}), lazy::ones<bool>({2, 2})), lazy::DTypeError);
-  EXPECT_THROW(lazy::matmul(lazy::ones<lazy::bfloat16>({2, 2}), lazy::ones<lazy::bfloat16>({2, 2})), lazy::DTypeError);
   EXPECT_THROW(lazy::matmul(lazy::ones<bool>({3}), lazy::ones<bool>({3})), lazy::DTypeError);
 }
 

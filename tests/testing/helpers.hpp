@@ -3,6 +3,7 @@
 // (tests/CMakeLists.txt), so a helper used by two files lives here, once.
 
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <type_traits>
 #include <vector>
@@ -26,6 +27,13 @@ template <class T>
 double num(T v) {
   if constexpr (std::is_same_v<T, lazy::bfloat16>) return static_cast<double>(static_cast<float>(v));
   else return static_cast<double>(v);
+}
+
+/// True when float `f` is exactly a bfloat16 value (its low 16 bits are zero).
+inline bool representable_in_bf16(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return (u & 0xffffu) == 0;
 }
 
 /// The sizes every numerical test covers (DESIGN.md section 11).

@@ -33,7 +33,8 @@
 // each header keeps a list macro, LAZYTENSOR_<NAME>_INSTANCES(P, T), that names its per-dtype
 // templates with prefix P. The header expands it with P = extern (user TUs, and the library
 // before its definitions), src/compiled.cpp (core, graph, ops) or src/compiled_frontend.cpp
-// (nn, optim) with P empty at its end, after every header: one list, so the declarations and
+// and src/compiled_nn_wide.cpp (nn, optim, train) with P empty at its end, after every
+// header: one list, so the declarations and
 // the definitions cannot disagree.
 //
 // The frontend (nn, optim) lists the templates whose arguments the library fixes: the

@@ -58,6 +58,10 @@ std::string dtype_name(DType d);
 template <class T>
 inline constexpr bool is_floating_v =
     std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, bfloat16>;
+/// Constrains templates to bfloat16, float and double.
+template <class T>
+concept FloatingElement = Element<T> && is_floating_v<T>;
+
 template <class T>
 inline constexpr bool is_integral_v = std::is_same_v<T, std::int32_t> || std::is_same_v<T, std::int64_t>;
 

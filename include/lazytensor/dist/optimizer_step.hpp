@@ -44,6 +44,8 @@ void set_gradient_bucket_bytes(std::size_t bytes);
 /// this replica's group (sum times 1 / group size), in place (each parameter's .grad() then
 /// holds the mean), in coalesced buckets (see the file comment), as xm.reduce_gradients.
 /// Nothing is exchanged in a group of one. Lazy: the exchanges run at the next mark_step.
+/// (A template only so that programs that never call it compile no exchange of any dtype.)
+template <class = void>
 void reduce_gradients(optim::Optimizer& optimizer, const Groups& groups = {});
 
 /// One data-parallel optimizer step, as xm.optimizer_step(optimizer, barrier, groups):
@@ -58,6 +60,7 @@ void reduce_gradients(optim::Optimizer& optimizer, const Groups& groups = {});
 /// surprised that `barrier` means "sync the step", not "wait for the other replicas").
 /// Every replica of a group must call it with the same parameters having gradients (in the
 /// same order and shapes), or the exchange raises CollectiveMismatch.
+template <class = void>
 void optimizer_step(optim::Optimizer& optimizer, bool barrier = false, const Groups& groups = {});
 
 }  // namespace lazy::dist
@@ -68,38 +71,64 @@ LAZYTENSOR_INLINE void set_gradient_bucket_bytes(std::size_t bytes) {
   if (bytes == 0) throw Error("set_gradient_bucket_bytes: the bucket size must be > 0 bytes");
   detail::bucket_bytes_setting().store(bytes, std::memory_order_relaxed);
 }
+}  // namespace lazy::dist
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
-LAZYTENSOR_INLINE void reduce_gradients(optim::Optimizer& optimizer, const Groups& groups) {
+namespace lazy::dist {
+// (Templates: outside the HEADER_DEFINITIONS block, instantiated once in lazytensor::compiled.)
+template <class>
+void reduce_gradients(optim::Optimizer& optimizer, const Groups& groups) {
   const auto group = detail::group_of(groups, "optimizer_step");
   if (group->size() == 1) return;
   const AllReduceOptions opts{.scale = 1.0 / static_cast<double>(group->size()), .groups = groups};
   const std::size_t cap = gradient_bucket_bytes();
   std::unordered_set<const graph::TensorImpl*> seen;  // a parameter listed twice is reduced once
-  std::vector<Tensor<float>> bucket;
-  std::size_t bytes = 0;
-  auto flush = [&] {
+  // One bucket per dtype (a module converted with to(dtype) has bfloat16 or double
+  // gradients); every replica fills and flushes them in the same order.
+  struct Buckets {
+    std::vector<Tensor<float>> f32;
+    std::vector<Tensor<double>> f64;
+    std::vector<Tensor<bfloat16>> bf16;
+    std::size_t bytes[3] = {0, 0, 0};
+  } b;
+  auto flush = [&](auto& bucket, std::size_t& bytes) {
     if (!bucket.empty()) all_reduce_(ReduceOp::Sum, bucket, opts);
     bucket.clear();
     bytes = 0;
   };
+  auto add = [&](auto& bucket, std::size_t& bytes, auto grad) {
+    const std::size_t nbytes = static_cast<std::size_t>(grad.numel()) * sizeof(typename decltype(grad)::value_type);
+    if (!bucket.empty() && bytes + nbytes > cap) flush(bucket, bytes);
+    bucket.push_back(std::move(grad));
+    bytes += nbytes;
+  };
   for (std::size_t g = 0; g < optimizer.num_param_groups(); ++g) {
     for (const auto& p : optimizer.params(g)) {
-      Tensor<float> grad = p.grad();  // shares the gradient object: all_reduce_ rebinds it
+      const AnyTensor grad = p.grad();  // shares the gradient object: all_reduce_ rebinds it
       if (!grad.defined() || !seen.insert(p.impl().get()).second) continue;
-      const std::size_t nbytes = static_cast<std::size_t>(grad.numel()) * sizeof(float);
-      if (!bucket.empty() && bytes + nbytes > cap) flush();
-      bucket.push_back(std::move(grad));
-      bytes += nbytes;
+      switch (grad.dtype()) {
+        case DType::Float64: add(b.f64, b.bytes[1], grad.as<double>()); break;
+        case DType::BFloat16: add(b.bf16, b.bytes[2], grad.as<bfloat16>()); break;
+        default: add(b.f32, b.bytes[0], grad.as<float>()); break;
+      }
     }
   }
-  flush();
+  flush(b.f32, b.bytes[0]);
+  flush(b.f64, b.bytes[1]);
+  flush(b.bf16, b.bytes[2]);
 }
 
-LAZYTENSOR_INLINE void optimizer_step(optim::Optimizer& optimizer, bool barrier,
-                                      const Groups& groups) {
+template <class>
+void optimizer_step(optim::Optimizer& optimizer, bool barrier, const Groups& groups) {
   reduce_gradients(optimizer, groups);
   optimizer.step();
   if (barrier) mark_step();
 }
 }  // namespace lazy::dist
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+#define LAZYTENSOR_DIST_OPTIMIZER_STEP_INSTANCES(P)                                                              \
+  P template void lazy::dist::reduce_gradients<void>(lazy::optim::Optimizer&, const lazy::dist::Groups&);        \
+  P template void lazy::dist::optimizer_step<void>(lazy::optim::Optimizer&, bool, const lazy::dist::Groups&);
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_DIST_OPTIMIZER_STEP_INSTANCES(extern)
+#endif

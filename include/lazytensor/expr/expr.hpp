@@ -104,6 +104,11 @@ struct is_expr_node : std::false_type {};
 template <class Op, class... C>
 struct is_expr_node<Expr<Op, C...>> : std::true_type {};
 
+/// A pending expression (`relu(a + b)`), not yet a tensor: layers and losses accept one
+/// where they accept a tensor.
+template <class X>
+concept Pending = is_expr_node<std::remove_cvref_t<X>>::value;
+
 /// Anything usable as a tensor operand: an Expr, or a handle with `to_leaf()` (Tensor).
 template <class X>
 concept ExprLike = is_expr_node<std::remove_cvref_t<X>>::value || requires(const X& x) {

@@ -15,13 +15,18 @@ namespace lazy::nn {
   class NAME##Impl : public Module {                                                           \
    public:                                                                                     \
     NAME##Impl() : Module(#NAME) {}                                                            \
-    template <class = void>                                                                    \
-    Tensor<float> forward(const Tensor<float>& x) const;                                       \
+    template <FloatingElement T>                                                               \
+    Tensor<T> forward(const Tensor<T>& x) const;                                               \
+    /** The same on a pending expression. */                                                   \
+    template <expr::Pending E>                                                                 \
+    auto forward(const E& x) const {                                                           \
+      return forward(lazy::eval(x));                                                           \
+    }                                                                                          \
     void pretty_print(std::ostream& os) const override { os << #NAME "()"; }                   \
   };                                                                                           \
-  template <class>                                                                             \
-  Tensor<float> NAME##Impl::forward(const Tensor<float>& x) const {                            \
-    return Tensor<float>(lazy::FN(x));                                                         \
+  template <FloatingElement T>                                                                 \
+  Tensor<T> NAME##Impl::forward(const Tensor<T>& x) const {                                    \
+    return Tensor<T>(lazy::FN(x));                                                             \
   }                                                                                            \
   LAZY_MODULE(NAME)
 
@@ -37,16 +42,21 @@ class FlattenImpl : public Module {
  public:
   explicit FlattenImpl(std::int64_t start_dim = 1, std::int64_t end_dim = -1)
       : Module("Flatten"), start_(start_dim), end_(end_dim) {}
-  template <class = void>
-  Tensor<float> forward(const Tensor<float>& x) const;
+  template <FloatingElement T>
+  Tensor<T> forward(const Tensor<T>& x) const;
+  /// The same on a pending expression.
+  template <expr::Pending E>
+  auto forward(const E& x) const {
+    return forward(lazy::eval(x));
+  }
   void pretty_print(std::ostream& os) const override;
 
  private:
   std::int64_t start_, end_;
 };
 // (Outside the class, so not inline: see core/config.hpp.)
-template <class>
-Tensor<float> FlattenImpl::forward(const Tensor<float>& x) const {
+template <FloatingElement T>
+Tensor<T> FlattenImpl::forward(const Tensor<T>& x) const {
   return flatten(x, start_, end_);
 }
 LAZY_MODULE(Flatten);
@@ -56,15 +66,20 @@ LAZY_MODULE(Flatten);
 class DropoutImpl : public Module {
  public:
   explicit DropoutImpl(double p = 0.5);
-  template <class = void>
-  Tensor<float> forward(const Tensor<float>& x) const;
+  template <FloatingElement T>
+  Tensor<T> forward(const Tensor<T>& x) const;
+  /// The same on a pending expression.
+  template <expr::Pending E>
+  auto forward(const E& x) const {
+    return forward(lazy::eval(x));
+  }
   void pretty_print(std::ostream& os) const override;
 
  private:
   double p_;
 };
-template <class>
-Tensor<float> DropoutImpl::forward(const Tensor<float>& x) const {
+template <FloatingElement T>
+Tensor<T> DropoutImpl::forward(const Tensor<T>& x) const {
   return functional::dropout(x, p_, is_training());
 }
 LAZY_MODULE(Dropout);
@@ -84,14 +99,14 @@ LAZYTENSOR_INLINE void DropoutImpl::pretty_print(std::ostream& os) const { os <<
 }  // namespace lazy::nn
 
 // Instantiated once in the compiled runtime (core/config.hpp).
-#define LAZYTENSOR_NN_ACTIVATION_INSTANCES(P)                                                      \
-  P template lazy::Tensor<float> lazy::nn::ReLUImpl::forward<void>(const lazy::Tensor<float>&) const;    \
-  P template lazy::Tensor<float> lazy::nn::GELUImpl::forward<void>(const lazy::Tensor<float>&) const;    \
-  P template lazy::Tensor<float> lazy::nn::TanhImpl::forward<void>(const lazy::Tensor<float>&) const;    \
-  P template lazy::Tensor<float> lazy::nn::SigmoidImpl::forward<void>(const lazy::Tensor<float>&) const; \
-  P template lazy::Tensor<float> lazy::nn::SiLUImpl::forward<void>(const lazy::Tensor<float>&) const;    \
-  P template lazy::Tensor<float> lazy::nn::FlattenImpl::forward<void>(const lazy::Tensor<float>&) const; \
-  P template lazy::Tensor<float> lazy::nn::DropoutImpl::forward<void>(const lazy::Tensor<float>&) const;
+#define LAZYTENSOR_NN_ACTIVATION_INSTANCES(P, T)                                                     \
+  P template lazy::Tensor<T> lazy::nn::ReLUImpl::forward<T>(const lazy::Tensor<T>&) const;    \
+  P template lazy::Tensor<T> lazy::nn::GELUImpl::forward<T>(const lazy::Tensor<T>&) const;    \
+  P template lazy::Tensor<T> lazy::nn::TanhImpl::forward<T>(const lazy::Tensor<T>&) const;    \
+  P template lazy::Tensor<T> lazy::nn::SigmoidImpl::forward<T>(const lazy::Tensor<T>&) const; \
+  P template lazy::Tensor<T> lazy::nn::SiLUImpl::forward<T>(const lazy::Tensor<T>&) const;    \
+  P template lazy::Tensor<T> lazy::nn::FlattenImpl::forward<T>(const lazy::Tensor<T>&) const; \
+  P template lazy::Tensor<T> lazy::nn::DropoutImpl::forward<T>(const lazy::Tensor<T>&) const;
 #if LAZYTENSOR_EXPLICIT_INSTANTIATION
-LAZYTENSOR_NN_ACTIVATION_INSTANCES(extern)
+LAZYTENSOR_FOR_FLOATING(LAZYTENSOR_NN_ACTIVATION_INSTANCES, extern)
 #endif

@@ -55,8 +55,13 @@ class Conv2dImpl : public Module {
 
   /// x [N, in_channels, H, W] -> [N, out_channels, OH, OW]; ShapeError (from conv2d) for
   /// another rank or channel count, or an input smaller than the dilated kernel.
-  template <class = void>
-  Tensor<float> forward(const Tensor<float>& x) const;
+  template <FloatingElement T>
+  Tensor<T> forward(const Tensor<T>& x) const;
+  /// The same on a pending expression.
+  template <expr::Pending E>
+  auto forward(const E& x) const {
+    return forward(lazy::eval(x));
+  }
 
   /// PyTorch's repr: `Conv2d(1, 32, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1))`
   /// (padding, dilation and bias shown only when not the default).
@@ -101,9 +106,10 @@ Conv2dImpl::Conv2dImpl(const Conv2dOptions& options_) : Module("Conv2d"), option
   }
 }
 
-template <class>
-Tensor<float> Conv2dImpl::forward(const Tensor<float>& x) const {
-  return conv2d(x, weight, bias, options.stride(), options.padding(), options.dilation());
+template <FloatingElement T>
+Tensor<T> Conv2dImpl::forward(const Tensor<T>& x) const {
+  return conv2d(x, detail::param_as<T>(weight, *this), detail::param_as<T>(bias, *this), options.stride(),
+                options.padding(), options.dilation());
 }
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
@@ -123,8 +129,10 @@ LAZYTENSOR_INLINE void Conv2dImpl::pretty_print(std::ostream& os) const {
 // Instantiated once in the compiled runtime (core/config.hpp).
 #define LAZYTENSOR_NN_CONV_INSTANCES(P)                                                     \
   P template lazy::nn::Conv2dImpl::Conv2dImpl(std::int64_t, std::int64_t, lazy::Size2);    \
-  P template lazy::nn::Conv2dImpl::Conv2dImpl(const lazy::nn::Conv2dOptions&);             \
-  P template lazy::Tensor<float> lazy::nn::Conv2dImpl::forward<void>(const lazy::Tensor<float>&) const;
+  P template lazy::nn::Conv2dImpl::Conv2dImpl(const lazy::nn::Conv2dOptions&);
+#define LAZYTENSOR_NN_CONV_FORWARD_INSTANCES(P, T) \
+  P template lazy::Tensor<T> lazy::nn::Conv2dImpl::forward<T>(const lazy::Tensor<T>&) const;
 #if LAZYTENSOR_EXPLICIT_INSTANTIATION
 LAZYTENSOR_NN_CONV_INSTANCES(extern)
+LAZYTENSOR_FOR_FLOATING(LAZYTENSOR_NN_CONV_FORWARD_INSTANCES, extern)
 #endif

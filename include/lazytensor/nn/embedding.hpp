@@ -18,8 +18,8 @@ class EmbeddingImpl : public Module {
   EmbeddingImpl(std::int64_t num_embeddings, std::int64_t embedding_dim);
   /// indices of any shape -> indices.shape + [embedding_dim]. Out-of-range indices raise
   /// IndexError when computed.
-  template <IndexElement I>
-  Tensor<float> forward(const Tensor<I>& indices) const;
+  template <FloatingElement T = float, IndexElement I>
+  Tensor<T> forward(const Tensor<I>& indices) const;
   void pretty_print(std::ostream& os) const override;
 
   Tensor<float> weight;
@@ -41,11 +41,11 @@ EmbeddingImpl::EmbeddingImpl(std::int64_t num_embeddings, std::int64_t embedding
   init::normal_(weight);
 }
 
-template <IndexElement I>
-Tensor<float> EmbeddingImpl::forward(const Tensor<I>& indices) const {
+template <FloatingElement T, IndexElement I>
+Tensor<T> EmbeddingImpl::forward(const Tensor<I>& indices) const {
   Shape out = indices.shape();
   out.push_back(d_);
-  return reshape(index_select(weight, 0, reshape(indices, Shape{indices.numel()})), out);
+  return reshape(index_select(detail::param_as<T>(weight, *this), 0, reshape(indices, Shape{indices.numel()})), out);
 }
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
@@ -57,12 +57,14 @@ LAZYTENSOR_INLINE void EmbeddingImpl::pretty_print(std::ostream& os) const {
 }  // namespace lazy::nn
 
 // Instantiated once in the compiled runtime (core/config.hpp).
-#define LAZYTENSOR_NN_EMBEDDING_INSTANCES(P)                                                                       \
-  P template lazy::nn::EmbeddingImpl::EmbeddingImpl(std::int64_t, std::int64_t);                                 \
-  P template lazy::Tensor<float> lazy::nn::EmbeddingImpl::forward<std::int32_t>(const lazy::Tensor<std::int32_t>&) \
+#define LAZYTENSOR_NN_EMBEDDING_INSTANCES(P) \
+  P template lazy::nn::EmbeddingImpl::EmbeddingImpl(std::int64_t, std::int64_t);
+#define LAZYTENSOR_NN_EMBEDDING_FORWARD_INSTANCES(P, T)                                                           \
+  P template lazy::Tensor<T> lazy::nn::EmbeddingImpl::forward<T, std::int32_t>(const lazy::Tensor<std::int32_t>&) \
       const;                                                                                                     \
-  P template lazy::Tensor<float> lazy::nn::EmbeddingImpl::forward<std::int64_t>(const lazy::Tensor<std::int64_t>&) \
+  P template lazy::Tensor<T> lazy::nn::EmbeddingImpl::forward<T, std::int64_t>(const lazy::Tensor<std::int64_t>&) \
       const;
 #if LAZYTENSOR_EXPLICIT_INSTANTIATION
 LAZYTENSOR_NN_EMBEDDING_INSTANCES(extern)
+LAZYTENSOR_FOR_FLOATING(LAZYTENSOR_NN_EMBEDDING_FORWARD_INSTANCES, extern)
 #endif

@@ -1,5 +1,6 @@
 #pragma once
-// torch.nn.functional: losses and the functional forms of layers, on float tensors.
+// torch.nn.functional: losses and the functional forms of layers, in bfloat16, float or
+// double (the input's dtype). Each takes a tensor or a pending expression.
 
 #include <cmath>
 #include <cstdint>
@@ -31,11 +32,17 @@ Tensor<T> reduce(const Tensor<T>& per_sample, Reduction r) {
   return per_sample;
 }
 
-/// Tensor<T> in a non-deduced context. A function taking it is a template whose body is
-/// compiled only where it is called (T defaults to float), and arguments such as
-/// expressions still convert: headers that merely declare losses cost nothing to include.
+/// Tensor<T> in a non-deduced context: T comes from another argument, and expressions
+/// still convert.
 template <class T>
 using Arg = std::type_identity_t<Tensor<T>>;
+
+/// A pending expression evaluated into a tensor; a tensor as it is.
+template <class X>
+decltype(auto) as_tensor(const X& x) {
+  if constexpr (expr::Pending<X>) return lazy::eval(x);
+  else return (x);
+}
 
 template <Element T, IndexElement I>
 void check_targets(const Tensor<T>& input, const Tensor<I>& target, const char* op) {
@@ -60,8 +67,8 @@ struct CrossEntropyOptions {
 /// F.cross_entropy). Its backward is one fused kernel, (softmax(x) - smoothed one-hot) * g,
 /// rather than the composition of log_softmax, gather and the reduction. Class indices
 /// outside [0, C) raise IndexError when the loss is computed.
-template <IndexElement I, class F = float>
-Tensor<F> cross_entropy(const detail::Arg<F>& input, const Tensor<I>& target, CrossEntropyOptions opt = {}) {
+template <IndexElement I, FloatingElement F>
+Tensor<F> cross_entropy(const Tensor<F>& input, const Tensor<I>& target, CrossEntropyOptions opt = {}) {
   detail::check_targets(input, target, "cross_entropy");
   if (opt.label_smoothing < 0 || opt.label_smoothing > 1) {
     throw Error("cross_entropy: label_smoothing must be in [0, 1], got " + std::to_string(opt.label_smoothing));
@@ -91,51 +98,77 @@ Tensor<F> cross_entropy(const detail::Arg<F>& input, const Tensor<I>& target, Cr
   return loss;
 }
 
+/// cross_entropy of a pending expression.
+template <expr::Pending E, IndexElement I>
+auto cross_entropy(const E& input, const Tensor<I>& target, CrossEntropyOptions opt = {}) {
+  return cross_entropy(lazy::eval(input), target, opt);
+}
+
 /// Negative log likelihood of log-probabilities `input` [N, C] at class indices `target`.
-template <IndexElement I>
-Tensor<float> nll_loss(const Tensor<float>& input, const Tensor<I>& target, Reduction r = Reduction::Mean) {
+template <IndexElement I, FloatingElement F>
+Tensor<F> nll_loss(const Tensor<F>& input, const Tensor<I>& target, Reduction r = Reduction::Mean) {
   detail::check_targets(input, target, "nll_loss");
   const std::int64_t n = input.size(0);
-  Tensor<float> picked = reshape(gather(input, 1, reshape(target, Shape{n, 1})), Shape{n});
-  return detail::reduce(Tensor<float>(-picked), r);
+  Tensor<F> picked = reshape(gather(input, 1, reshape(target, Shape{n, 1})), Shape{n});
+  return detail::reduce(Tensor<F>(-picked), r);
+}
+/// nll_loss of a pending expression.
+template <expr::Pending E, IndexElement I>
+auto nll_loss(const E& input, const Tensor<I>& target, Reduction r = Reduction::Mean) {
+  return nll_loss(lazy::eval(input), target, r);
 }
 
 /// Mean squared error (torch's F.mse_loss).
-template <class = void>
-Tensor<float> mse_loss(const Tensor<float>& input, const Tensor<float>& target, Reduction r = Reduction::Mean) {
+template <FloatingElement F>
+Tensor<F> mse_loss(const Tensor<F>& input, const detail::Arg<F>& target, Reduction r = Reduction::Mean) {
   if (!(input.shape() == target.shape())) {
     throw ShapeError("mse_loss: input " + input.shape().str() + " and target " + target.shape().str() +
                      " must have the same shape");
   }
-  Tensor<float> d = (input - target) * (input - target);
+  Tensor<F> d = (input - target) * (input - target);
   return detail::reduce(d, r);
+}
+/// mse_loss of a pending expression.
+template <expr::Pending E, class Y>
+auto mse_loss(const E& input, const Y& target, Reduction r = Reduction::Mean) {
+  return mse_loss(lazy::eval(input), detail::as_tensor(target), r);
 }
 
 /// Binary cross entropy on logits, computed stably: max(x, 0) - x * y + log(1 + e^-|x|).
-template <class = void>
-Tensor<float> binary_cross_entropy_with_logits(const Tensor<float>& input, const Tensor<float>& target,
-                                                      Reduction r = Reduction::Mean) {
+template <FloatingElement F>
+Tensor<F> binary_cross_entropy_with_logits(const Tensor<F>& input, const detail::Arg<F>& target,
+                                           Reduction r = Reduction::Mean) {
   if (!(input.shape() == target.shape())) {
     throw ShapeError("binary_cross_entropy_with_logits: input " + input.shape().str() + " and target " +
                      target.shape().str() + " must have the same shape");
   }
-  Tensor<float> l = relu(input) - input * target + log1p(exp(-abs(input)));
+  Tensor<F> l = relu(input) - input * target + log1p(exp(-abs(input)));
   return detail::reduce(l, r);
+}
+/// binary_cross_entropy_with_logits of a pending expression.
+template <expr::Pending E, class Y>
+auto binary_cross_entropy_with_logits(const E& input, const Y& target, Reduction r = Reduction::Mean) {
+  return binary_cross_entropy_with_logits(lazy::eval(input), detail::as_tensor(target), r);
 }
 
 /// Zeroes elements with probability p and scales the rest by 1 / (1 - p) in training.
-template <class = void>
-Tensor<float> dropout(const Tensor<float>& x, double p = 0.5, bool training = true) {
+template <FloatingElement F>
+Tensor<F> dropout(const Tensor<F>& x, double p = 0.5, bool training = true) {
   if (p < 0 || p > 1) throw Error("dropout: probability has to be between 0 and 1, but got " + std::to_string(p));
   if (!training || p == 0) return x;
-  if (p == 1) return Tensor<float>(x * 0.0f);
-  return Tensor<float>(x * bernoulli<float>(1 - p, x.shape(), x.device()) * static_cast<float>(1 / (1 - p)));
+  if (p == 1) return Tensor<F>(x * 0.0f);
+  return Tensor<F>(x * bernoulli<F>(1 - p, x.shape(), x.device()) * static_cast<compute_t<F>>(1 / (1 - p)));
+}
+/// dropout of a pending expression.
+template <expr::Pending E>
+auto dropout(const E& x, double p = 0.5, bool training = true) {
+  return dropout(lazy::eval(x), p, training);
 }
 
 /// Normalizes over the trailing dims `normalized` (torch's F.layer_norm); weight and bias
 /// (optional: undefined tensors) have the normalized shape.
-template <class F = float>
-Tensor<F> layer_norm(const detail::Arg<F>& x, const Shape& normalized, const detail::Arg<F>& weight,
+template <FloatingElement F>
+Tensor<F> layer_norm(const Tensor<F>& x, const Shape& normalized, const detail::Arg<F>& weight,
                      const detail::Arg<F>& bias, double eps = 1e-5) {
   const int k = normalized.rank(), r = x.dim();
   bool ok = k >= 1 && k <= r;
@@ -154,35 +187,37 @@ Tensor<F> layer_norm(const detail::Arg<F>& x, const Shape& normalized, const det
   if (bias.defined()) y = y + bias;
   return y;
 }
+/// layer_norm of a pending expression.
+template <expr::Pending E>
+auto layer_norm(const E& x, const Shape& normalized, const detail::Arg<typename E::value_type>& weight,
+                const detail::Arg<typename E::value_type>& bias, double eps = 1e-5) {
+  return layer_norm(lazy::eval(x), normalized, weight, bias, eps);
+}
 
 }  // namespace functional
 }  // namespace lazy::nn
 
 // Instantiated once in the compiled runtime (core/config.hpp): the losses and functional
-// layers at the dtypes the library fixes (the float-only ones, and the floating dtypes with
-// either index dtype).
+// layers at every floating dtype, with either index dtype.
 #define LAZYTENSOR_NN_FUNCTIONAL_INSTANCES(P, T)                                                                   \
   P template lazy::Tensor<T> lazy::nn::functional::detail::reduce<T>(const lazy::Tensor<T>&, lazy::nn::Reduction); \
   P template lazy::Tensor<T> lazy::nn::functional::cross_entropy<std::int32_t, T>(                                 \
-      const lazy::nn::functional::detail::Arg<T>&, const lazy::Tensor<std::int32_t>&,                               \
-      lazy::nn::functional::CrossEntropyOptions);                                                                  \
+      const lazy::Tensor<T>&, const lazy::Tensor<std::int32_t>&, lazy::nn::functional::CrossEntropyOptions);       \
   P template lazy::Tensor<T> lazy::nn::functional::cross_entropy<std::int64_t, T>(                                 \
-      const lazy::nn::functional::detail::Arg<T>&, const lazy::Tensor<std::int64_t>&,                               \
-      lazy::nn::functional::CrossEntropyOptions);                                                                  \
+      const lazy::Tensor<T>&, const lazy::Tensor<std::int64_t>&, lazy::nn::functional::CrossEntropyOptions);       \
+  P template lazy::Tensor<T> lazy::nn::functional::nll_loss<std::int32_t, T>(                                      \
+      const lazy::Tensor<T>&, const lazy::Tensor<std::int32_t>&, lazy::nn::Reduction);                             \
+  P template lazy::Tensor<T> lazy::nn::functional::nll_loss<std::int64_t, T>(                                      \
+      const lazy::Tensor<T>&, const lazy::Tensor<std::int64_t>&, lazy::nn::Reduction);                             \
+  P template lazy::Tensor<T> lazy::nn::functional::mse_loss<T>(const lazy::Tensor<T>&,                             \
+                                                                const lazy::nn::functional::detail::Arg<T>&,         \
+                                                                lazy::nn::Reduction);                               \
+  P template lazy::Tensor<T> lazy::nn::functional::binary_cross_entropy_with_logits<T>(                            \
+      const lazy::Tensor<T>&, const lazy::nn::functional::detail::Arg<T>&, lazy::nn::Reduction);                   \
+  P template lazy::Tensor<T> lazy::nn::functional::dropout<T>(const lazy::Tensor<T>&, double, bool);               \
   P template lazy::Tensor<T> lazy::nn::functional::layer_norm<T>(                                                  \
-      const lazy::nn::functional::detail::Arg<T>&, const lazy::Shape&, const lazy::nn::functional::detail::Arg<T>&, \
+      const lazy::Tensor<T>&, const lazy::Shape&, const lazy::nn::functional::detail::Arg<T>&,                     \
       const lazy::nn::functional::detail::Arg<T>&, double);
-#define LAZYTENSOR_NN_FUNCTIONAL_FLOAT_INSTANCES(P)                                                                 \
-  P template lazy::Tensor<float> lazy::nn::functional::nll_loss<std::int32_t>(                                     \
-      const lazy::Tensor<float>&, const lazy::Tensor<std::int32_t>&, lazy::nn::Reduction);                         \
-  P template lazy::Tensor<float> lazy::nn::functional::nll_loss<std::int64_t>(                                     \
-      const lazy::Tensor<float>&, const lazy::Tensor<std::int64_t>&, lazy::nn::Reduction);                         \
-  P template lazy::Tensor<float> lazy::nn::functional::mse_loss<void>(const lazy::Tensor<float>&,                  \
-                                                                      const lazy::Tensor<float>&, lazy::nn::Reduction); \
-  P template lazy::Tensor<float> lazy::nn::functional::binary_cross_entropy_with_logits<void>(                     \
-      const lazy::Tensor<float>&, const lazy::Tensor<float>&, lazy::nn::Reduction);                                \
-  P template lazy::Tensor<float> lazy::nn::functional::dropout<void>(const lazy::Tensor<float>&, double, bool);
 #if LAZYTENSOR_EXPLICIT_INSTANTIATION
 LAZYTENSOR_FOR_FLOATING(LAZYTENSOR_NN_FUNCTIONAL_INSTANCES, extern)
-LAZYTENSOR_NN_FUNCTIONAL_FLOAT_INSTANCES(extern)
 #endif

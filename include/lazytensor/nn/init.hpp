@@ -1,10 +1,11 @@
 #pragma once
-// Parameter initializers, as torch.nn.init: each fills a tensor in place (without recording
-// history) from the current device's random stream.
+// Parameter initializers, as torch.nn.init: each fills a floating tensor in place (without
+// recording history) from the current device's random stream.
 
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include <lazytensor/core/config.hpp>
 #include <lazytensor/ops/random.hpp>
@@ -26,49 +27,56 @@ double calculate_gain(Nonlinearity nl, double param = 0.01);
 std::pair<double, double> fans(const Shape& s);
 
 /// Fills with U(a, b).
-template <class = void>
-Tensor<float>& uniform_(Tensor<float>& t, double a = 0, double b = 1) {
+template <FloatingElement T>
+Tensor<T>& uniform_(Tensor<T>& t, double a = 0, double b = 1) {
   NoGradGuard guard;
-  t.copy_(rand<float>(t.shape(), t.device()) * static_cast<float>(b - a) + static_cast<float>(a));
+  // Drawn in float (the stream every dtype shares); double scales in double.
+  if constexpr (std::is_same_v<T, double>)
+    t.copy_(cast<double>(rand<float>(t.shape(), t.device())) * (b - a) + a);
+  else
+    t.copy_(rand<float>(t.shape(), t.device()) * static_cast<float>(b - a) + static_cast<float>(a));
   return t;
 }
 /// Fills with N(mean, std^2).
-template <class = void>
-Tensor<float>& normal_(Tensor<float>& t, double mean = 0, double std = 1) {
+template <FloatingElement T>
+Tensor<T>& normal_(Tensor<T>& t, double mean = 0, double std = 1) {
   NoGradGuard guard;
-  t.copy_(randn<float>(t.shape(), t.device()) * static_cast<float>(std) + static_cast<float>(mean));
+  if constexpr (std::is_same_v<T, double>)
+    t.copy_(cast<double>(randn<float>(t.shape(), t.device())) * std + mean);
+  else
+    t.copy_(randn<float>(t.shape(), t.device()) * static_cast<float>(std) + static_cast<float>(mean));
   return t;
 }
 /// Fills with `value`.
-template <class = void>
-Tensor<float>& constant_(Tensor<float>& t, double value) {
+template <FloatingElement T>
+Tensor<T>& constant_(Tensor<T>& t, double value) {
   NoGradGuard guard;
   t.fill_(value);
   return t;
 }
 /// Fills with zeros.
-template <class = void>
-Tensor<float>& zeros_(Tensor<float>& t) { return constant_(t, 0); }
+template <FloatingElement T>
+Tensor<T>& zeros_(Tensor<T>& t) { return constant_(t, 0); }
 /// Fills with ones.
-template <class = void>
-Tensor<float>& ones_(Tensor<float>& t) { return constant_(t, 1); }
+template <FloatingElement T>
+Tensor<T>& ones_(Tensor<T>& t) { return constant_(t, 1); }
 
 /// Glorot uniform: U(-a, a), a = gain * sqrt(6 / (fan_in + fan_out)).
-template <class = void>
-Tensor<float>& xavier_uniform_(Tensor<float>& t, double gain = 1) {
+template <FloatingElement T>
+Tensor<T>& xavier_uniform_(Tensor<T>& t, double gain = 1) {
   auto [in, out] = fans(t.shape());
   const double a = gain * std::sqrt(6.0 / (in + out));
   return uniform_(t, -a, a);
 }
 /// Glorot normal: N(0, std^2), std = gain * sqrt(2 / (fan_in + fan_out)).
-template <class = void>
-Tensor<float>& xavier_normal_(Tensor<float>& t, double gain = 1) {
+template <FloatingElement T>
+Tensor<T>& xavier_normal_(Tensor<T>& t, double gain = 1) {
   auto [in, out] = fans(t.shape());
   return normal_(t, 0, gain * std::sqrt(2.0 / (in + out)));
 }
 /// He uniform: U(-b, b), b = gain(nl, a) * sqrt(3 / fan).
-template <class = void>
-Tensor<float>& kaiming_uniform_(Tensor<float>& t, double a = 0, FanMode mode = FanMode::FanIn,
+template <FloatingElement T>
+Tensor<T>& kaiming_uniform_(Tensor<T>& t, double a = 0, FanMode mode = FanMode::FanIn,
                                        Nonlinearity nl = Nonlinearity::LeakyReLU) {
   auto [in, out] = fans(t.shape());
   const double fan = mode == FanMode::FanIn ? in : out;
@@ -76,8 +84,8 @@ Tensor<float>& kaiming_uniform_(Tensor<float>& t, double a = 0, FanMode mode = F
   return uniform_(t, -bound, bound);
 }
 /// He normal: N(0, std^2), std = gain(nl, a) / sqrt(fan).
-template <class = void>
-Tensor<float>& kaiming_normal_(Tensor<float>& t, double a = 0, FanMode mode = FanMode::FanIn,
+template <FloatingElement T>
+Tensor<T>& kaiming_normal_(Tensor<T>& t, double a = 0, FanMode mode = FanMode::FanIn,
                                       Nonlinearity nl = Nonlinearity::LeakyReLU) {
   auto [in, out] = fans(t.shape());
   const double fan = mode == FanMode::FanIn ? in : out;
@@ -111,16 +119,16 @@ LAZYTENSOR_INLINE std::pair<double, double> fans(const Shape& s) {
 
 // Instantiated once in the compiled runtime (core/config.hpp).
 #define LAZYTENSOR_NN_INIT_INSTANCES(P)                                                                           \
-  P template lazy::Tensor<float>& lazy::nn::init::uniform_<void>(lazy::Tensor<float>&, double, double);            \
-  P template lazy::Tensor<float>& lazy::nn::init::normal_<void>(lazy::Tensor<float>&, double, double);             \
-  P template lazy::Tensor<float>& lazy::nn::init::constant_<void>(lazy::Tensor<float>&, double);                   \
-  P template lazy::Tensor<float>& lazy::nn::init::zeros_<void>(lazy::Tensor<float>&);                              \
-  P template lazy::Tensor<float>& lazy::nn::init::ones_<void>(lazy::Tensor<float>&);                               \
-  P template lazy::Tensor<float>& lazy::nn::init::xavier_uniform_<void>(lazy::Tensor<float>&, double);             \
-  P template lazy::Tensor<float>& lazy::nn::init::xavier_normal_<void>(lazy::Tensor<float>&, double);              \
-  P template lazy::Tensor<float>& lazy::nn::init::kaiming_uniform_<void>(                                          \
+  P template lazy::Tensor<float>& lazy::nn::init::uniform_<float>(lazy::Tensor<float>&, double, double);            \
+  P template lazy::Tensor<float>& lazy::nn::init::normal_<float>(lazy::Tensor<float>&, double, double);             \
+  P template lazy::Tensor<float>& lazy::nn::init::constant_<float>(lazy::Tensor<float>&, double);                   \
+  P template lazy::Tensor<float>& lazy::nn::init::zeros_<float>(lazy::Tensor<float>&);                              \
+  P template lazy::Tensor<float>& lazy::nn::init::ones_<float>(lazy::Tensor<float>&);                               \
+  P template lazy::Tensor<float>& lazy::nn::init::xavier_uniform_<float>(lazy::Tensor<float>&, double);             \
+  P template lazy::Tensor<float>& lazy::nn::init::xavier_normal_<float>(lazy::Tensor<float>&, double);              \
+  P template lazy::Tensor<float>& lazy::nn::init::kaiming_uniform_<float>(                                          \
       lazy::Tensor<float>&, double, lazy::nn::init::FanMode, lazy::nn::init::Nonlinearity);                        \
-  P template lazy::Tensor<float>& lazy::nn::init::kaiming_normal_<void>(                                           \
+  P template lazy::Tensor<float>& lazy::nn::init::kaiming_normal_<float>(                                           \
       lazy::Tensor<float>&, double, lazy::nn::init::FanMode, lazy::nn::init::Nonlinearity);
 #if LAZYTENSOR_EXPLICIT_INSTANTIATION
 LAZYTENSOR_NN_INIT_INSTANCES(extern)

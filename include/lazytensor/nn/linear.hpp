@@ -20,10 +20,15 @@ class LinearImpl : public Module {
   template <class = void>
   LinearImpl(std::int64_t in_features, std::int64_t out_features, bool bias = true);
 
-  /// x [..., in_features] -> [..., out_features]; bias and a following element-wise op
-  /// run on the GEMM's row blocks.
-  template <class = void>
-  Tensor<float> forward(const Tensor<float>& x) const;
+  /// x [..., in_features] -> [..., out_features], in x's dtype (the layer's, after
+  /// to(dtype)); bias and a following element-wise op run on the GEMM's row blocks.
+  template <FloatingElement T>
+  Tensor<T> forward(const Tensor<T>& x) const;
+  /// The same on a pending expression.
+  template <expr::Pending E>
+  auto forward(const E& x) const {
+    return forward(lazy::eval(x));
+  }
 
   void pretty_print(std::ostream& os) const override;
 
@@ -52,10 +57,11 @@ LinearImpl::LinearImpl(std::int64_t in_features, std::int64_t out_features, bool
   }
 }
 
-template <class>
-Tensor<float> LinearImpl::forward(const Tensor<float>& x) const {
-  if (bias.defined()) return linear(x, weight, bias);
-  return linear(x, weight);
+template <FloatingElement T>
+Tensor<T> LinearImpl::forward(const Tensor<T>& x) const {
+  const Tensor<T> w = detail::param_as<T>(weight, *this);
+  if (bias.defined()) return linear(x, w, detail::param_as<T>(bias, *this));
+  return linear(x, w);
 }
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
@@ -69,8 +75,10 @@ LAZYTENSOR_INLINE void LinearImpl::pretty_print(std::ostream& os) const {
 
 // Instantiated once in the compiled runtime (core/config.hpp).
 #define LAZYTENSOR_NN_LINEAR_INSTANCES(P)                                          \
-  P template lazy::nn::LinearImpl::LinearImpl(std::int64_t, std::int64_t, bool); \
-  P template lazy::Tensor<float> lazy::nn::LinearImpl::forward<void>(const lazy::Tensor<float>&) const;
+  P template lazy::nn::LinearImpl::LinearImpl(std::int64_t, std::int64_t, bool);
+#define LAZYTENSOR_NN_LINEAR_FORWARD_INSTANCES(P, T) \
+  P template lazy::Tensor<T> lazy::nn::LinearImpl::forward<T>(const lazy::Tensor<T>&) const;
 #if LAZYTENSOR_EXPLICIT_INSTANTIATION
 LAZYTENSOR_NN_LINEAR_INSTANCES(extern)
+LAZYTENSOR_FOR_FLOATING(LAZYTENSOR_NN_LINEAR_FORWARD_INSTANCES, extern)
 #endif

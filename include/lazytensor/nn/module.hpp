@@ -1,12 +1,17 @@
 #pragma once
 // nn::Module, as libtorch's torch::nn::Module: a tree of modules owning named parameters
-// (float tensors that require grad) and buffers (running statistics and the like), with
-// state_dict / load_state_dict, train / eval, to(device) and zero_grad. Module handles
-// (nn::Linear, ...) are shared pointers to the *Impl classes, like libtorch's ModuleHolder.
+// (floating tensors that require grad) and buffers (running statistics and the like), with
+// state_dict / load_state_dict, train / eval, to(device), to(dtype) and zero_grad. Module
+// handles (nn::Linear, ...) are shared pointers to the *Impl classes, like libtorch's
+// ModuleHolder.
 //
 // Parameters and buffers are tensor handles shared with the owning module's members: an
-// optimizer's in-place update, load_state_dict or to(device) rebinds the shared tensor
-// object, so every handle sees it.
+// optimizer's in-place update, load_state_dict, to(device) or to(dtype) rebinds the shared
+// tensor object, so every handle sees it. Layers are built in float (libtorch's default
+// dtype) and their forward runs in the dtype of its input, so a module converted with
+// to(DType::Float64) computes in double. After such a conversion a member typed for the old
+// dtype (`Tensor<float> weight`) raises DTypeError when used; the module's own views
+// (`param<double>(weight)`, parameters()) follow the conversion.
 
 #include <algorithm>
 #include <memory>
@@ -38,7 +43,12 @@ class Module : public std::enable_shared_from_this<Module> {
 
   /// Registers a parameter under `name` (marked requires_grad unless told otherwise) and
   /// returns a handle sharing it.
-  Tensor<float> register_parameter(const std::string& name, Tensor<float> t, bool requires_grad = true);
+  template <Element T>
+  Tensor<T> register_parameter(const std::string& name, Tensor<T> t, bool requires_grad = true) {
+    add_parameter(name, t);
+    if (requires_grad && !t.requires_grad()) t.requires_grad_();
+    return t;
+  }
   /// Registers a buffer (saved in state_dict, not a parameter) and returns a handle.
   AnyTensor register_buffer(const std::string& name, AnyTensor t);
   /// Registers a submodule; returns it.
@@ -58,10 +68,11 @@ class Module : public std::enable_shared_from_this<Module> {
     return holder;
   }
 
-  /// Every parameter of this module and (recursively) its submodules, in registration order.
-  std::vector<Tensor<float>> parameters(bool recurse = true) const;
+  /// Every parameter of this module and (recursively) its submodules, in registration order,
+  /// whatever their dtype (each converts to its typed handle: `Tensor<float> w = ps[0];`).
+  std::vector<AnyTensor> parameters(bool recurse = true) const;
   /// Parameters with dotted names ("fc1.weight").
-  std::vector<std::pair<std::string, Tensor<float>>> named_parameters(bool recurse = true) const;
+  std::vector<std::pair<std::string, AnyTensor>> named_parameters(bool recurse = true) const;
   /// Buffers with dotted names.
   std::vector<std::pair<std::string, AnyTensor>> named_buffers(bool recurse = true) const;
   /// Direct submodules with their names.
@@ -86,6 +97,15 @@ class Module : public std::enable_shared_from_this<Module> {
 
   /// Moves every parameter and buffer to `dev` (their gradients are dropped).
   void to(const Device& dev);
+  /// Converts every floating parameter and buffer to `dtype`, a floating dtype (integer
+  /// buffers such as num_batches_tracked keep theirs; gradients are dropped), as libtorch's
+  /// Module::to(dtype). DTypeError for an integral or bool dtype.
+  void to(DType dtype);
+  /// Both: to(dtype), then to(dev).
+  void to(const Device& dev, DType dtype) {
+    to(dtype);
+    to(dev);
+  }
 
   /// Clears the gradients: undefined (set_to_none, libtorch's default) or zero.
   void zero_grad(bool set_to_none = true);
@@ -97,9 +117,10 @@ class Module : public std::enable_shared_from_this<Module> {
   std::string str() const;
 
  private:
+  void add_parameter(const std::string& name, AnyTensor t);
   void check_name(const std::string& n) const;
   void collect_params(const std::string& prefix, bool recurse,
-                      std::vector<std::pair<std::string, Tensor<float>>>& out) const;
+                      std::vector<std::pair<std::string, AnyTensor>>& out) const;
   void collect_buffers(const std::string& prefix, bool recurse,
                        std::vector<std::pair<std::string, AnyTensor>>& out) const;
   // Module by module, parameters then buffers, as torch orders its state dicts.
@@ -110,10 +131,26 @@ class Module : public std::enable_shared_from_this<Module> {
 
   std::string name_;
   bool training_ = true;
-  std::vector<std::pair<std::string, Tensor<float>>> params_;
+  std::vector<std::pair<std::string, AnyTensor>> params_;
   std::vector<std::pair<std::string, AnyTensor>> buffers_;
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
 };
+
+namespace detail {
+/// A layer's parameter or buffer `p` as Tensor<T>, the dtype of the input the layer is
+/// applied to (an undefined one stays undefined). DTypeError naming both dtypes when the
+/// layer holds another, as libtorch's "expected scalar type Double but found Float".
+template <Element T, Element U>
+Tensor<T> param_as(const Tensor<U>& p, const Module& layer) {
+  if (!p.defined()) return Tensor<T>();
+  const DType held = p.impl()->node->dtype();
+  if (held != dtype_of<T>()) {
+    throw DTypeError(layer.name() + ": expected an input of the module's dtype " + dtype_name(held) + ", got " +
+                     dtype_name(dtype_of<T>()) + " (convert one of them: module->to(dtype) or x.to(dtype))");
+  }
+  return Tensor<T>::from_impl(p.impl());
+}
+}  // namespace detail
 
 /// A shared handle on a module implementation, as libtorch's ModuleHolder: `nn::Linear fc(4, 2);`
 /// constructs a LinearImpl; `nn::Linear fc{nullptr};` is empty; `fc->weight`, `fc(x)`.
@@ -156,12 +193,10 @@ class ModuleHolder {
 };
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
-LAZYTENSOR_INLINE Tensor<float> Module::register_parameter(const std::string& name, Tensor<float> t, bool requires_grad) {
+LAZYTENSOR_INLINE void Module::add_parameter(const std::string& name, AnyTensor t) {
   check_name(name);
   if (!t.defined()) throw Error(name_ + ".register_parameter: parameter '" + name + "' is undefined");
-  if (requires_grad && !t.requires_grad()) t.requires_grad_();
   params_.emplace_back(name, t);
-  return t;
 }
 
 LAZYTENSOR_INLINE AnyTensor Module::register_buffer(const std::string& name, AnyTensor t) {
@@ -170,14 +205,14 @@ LAZYTENSOR_INLINE AnyTensor Module::register_buffer(const std::string& name, Any
   return t;
 }
 
-LAZYTENSOR_INLINE std::vector<Tensor<float>> Module::parameters(bool recurse) const {
-  std::vector<Tensor<float>> out;
+LAZYTENSOR_INLINE std::vector<AnyTensor> Module::parameters(bool recurse) const {
+  std::vector<AnyTensor> out;
   for (auto& [n, p] : named_parameters(recurse)) out.push_back(p);
   return out;
 }
 
-LAZYTENSOR_INLINE std::vector<std::pair<std::string, Tensor<float>>> Module::named_parameters(bool recurse) const {
-  std::vector<std::pair<std::string, Tensor<float>>> out;
+LAZYTENSOR_INLINE std::vector<std::pair<std::string, AnyTensor>> Module::named_parameters(bool recurse) const {
+  std::vector<std::pair<std::string, AnyTensor>> out;
   collect_params("", recurse, out);
   return out;
 }
@@ -255,8 +290,8 @@ LAZYTENSOR_INLINE void Module::train(bool on) {
 LAZYTENSOR_INLINE void Module::to(const Device& dev) {
   for (auto& [n, p] : named_parameters()) {
     if (p.device() == dev) continue;
-    graph::rebind(p.impl(), p.detach().to(dev).node());
-    p.set_grad(Tensor<float>());
+    graph::rebind(p.impl(), p.detach().to(dev).impl()->node);
+    p.set_grad(AnyTensor());
   }
   for (auto& [n, b] : named_buffers()) {
     if (b.device() == dev) continue;
@@ -264,10 +299,27 @@ LAZYTENSOR_INLINE void Module::to(const Device& dev) {
   }
 }
 
+LAZYTENSOR_INLINE void Module::to(DType dtype) {
+  if (dtype != DType::BFloat16 && dtype != DType::Float32 && dtype != DType::Float64) {
+    throw DTypeError(name_ + ".to: expected a floating dtype (bfloat16, float32 or float64), got " + dtype_name(dtype));
+  }
+  for (auto& [n, p] : named_parameters()) {
+    if (p.dtype() == dtype || !p.is_floating_point()) continue;
+    p.set_grad(AnyTensor());
+    // requires_grad stays set (it lives in the shared object); the typed ops that use the
+    // parameter make the new dtype's gradient operations known when they record.
+    graph::rebind(p.impl(), p.to(dtype).impl()->node);
+  }
+  for (auto& [n, b] : named_buffers()) {
+    if (b.dtype() == dtype || !b.is_floating_point()) continue;
+    graph::rebind(b.impl(), b.to(dtype).impl()->node);
+  }
+}
+
 LAZYTENSOR_INLINE void Module::zero_grad(bool set_to_none) {
   for (auto& p : parameters()) {
     if (set_to_none || !p.grad().defined()) {
-      p.set_grad(Tensor<float>());
+      p.set_grad(AnyTensor());
     } else {
       NoGradGuard guard;
       p.grad().zero_();
@@ -294,7 +346,7 @@ LAZYTENSOR_INLINE void Module::check_name(const std::string& n) const {
 }
 
 LAZYTENSOR_INLINE void Module::collect_params(const std::string& prefix, bool recurse,
-                                              std::vector<std::pair<std::string, Tensor<float>>>& out) const {
+                                              std::vector<std::pair<std::string, AnyTensor>>& out) const {
   for (auto& [n, p] : params_) out.emplace_back(prefix + n, p);
   if (recurse)
     for (auto& [n, c] : children_) c->collect_params(prefix + n + ".", true, out);

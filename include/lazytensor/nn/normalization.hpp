@@ -19,8 +19,13 @@ class LayerNormImpl : public Module {
  public:
   template <class = void>
   explicit LayerNormImpl(Shape normalized_shape, double eps = 1e-5, bool elementwise_affine = true);
-  template <class = void>
-  Tensor<float> forward(const Tensor<float>& x) const;
+  template <FloatingElement T>
+  Tensor<T> forward(const Tensor<T>& x) const;
+  /// The same on a pending expression.
+  template <expr::Pending E>
+  auto forward(const E& x) const {
+    return forward(lazy::eval(x));
+  }
   void pretty_print(std::ostream& os) const override;
 
   Tensor<float> weight, bias;
@@ -41,9 +46,10 @@ LayerNormImpl::LayerNormImpl(Shape normalized_shape, double eps, bool elementwis
   }
 }
 
-template <class>
-Tensor<float> LayerNormImpl::forward(const Tensor<float>& x) const {
-  return functional::layer_norm(x, shape_, weight, bias, eps_);
+template <FloatingElement T>
+Tensor<T> LayerNormImpl::forward(const Tensor<T>& x) const {
+  return functional::layer_norm<T>(x, shape_, detail::param_as<T>(weight, *this), detail::param_as<T>(bias, *this),
+                                   eps_);
 }
 
 /// Batch normalization over the channel dim 1 of [N, C] or [N, C, L] (Rank 1) or
@@ -56,8 +62,13 @@ class BatchNormImpl : public Module {
 
   /// (F is float: the input is a template-dependent type so that this body, which calls
   /// deduced-type reductions, is compiled only where a batch norm runs.)
-  template <class F = float>
-  Tensor<F> forward(const functional::detail::Arg<F>& x);
+  template <FloatingElement T>
+  Tensor<T> forward(const Tensor<T>& x);
+  /// The same on a pending expression.
+  template <expr::Pending E>
+  auto forward(const E& x) {
+    return forward(lazy::eval(x));
+  }
 
   void pretty_print(std::ostream& os) const override {
     os << name() << "(" << c_ << ", eps=" << eps_ << ", momentum=" << momentum_
@@ -93,8 +104,9 @@ BatchNormImpl<Rank>::BatchNormImpl(std::int64_t num_features, double eps, double
 }
 
 template <int Rank>
-template <class F>
-Tensor<F> BatchNormImpl<Rank>::forward(const functional::detail::Arg<F>& x) {
+template <FloatingElement T>
+Tensor<T> BatchNormImpl<Rank>::forward(const Tensor<T>& x) {
+  using F = T;
   const int r = x.dim();
   const bool ok = Rank == 1 ? (r == 2 || r == 3) : r == 4;
   if (!ok || x.size(1) != c_) {
@@ -116,19 +128,23 @@ Tensor<F> BatchNormImpl<Rank>::forward(const functional::detail::Arg<F>& x) {
     Tensor<F> mu = mean(x, dims, true);
     Tensor<F> xc = x - mu;
     Tensor<F> var = mean(xc * xc, dims, true);
-    y = xc * rsqrt(var + static_cast<float>(eps_));
+    y = xc * rsqrt(var + static_cast<compute_t<F>>(eps_));
     if (is_training() && running_mean.defined()) {
       NoGradGuard guard;
-      const auto m = static_cast<float>(momentum_);
-      const float unbias = static_cast<float>(count) / static_cast<float>(count - 1);
-      running_mean.copy_(running_mean * (1 - m) + reshape(mu, Shape{c_}) * m);
-      running_var.copy_(running_var * (1 - m) + reshape(var, Shape{c_}) * (m * unbias));
+      Tensor<F> rm = detail::param_as<F>(running_mean, *this), rv = detail::param_as<F>(running_var, *this);
+      const auto m = static_cast<compute_t<F>>(momentum_);
+      const auto unbias = static_cast<compute_t<F>>(count) / static_cast<compute_t<F>>(count - 1);
+      rm.copy_(rm * (1 - m) + reshape(mu, Shape{c_}) * m);
+      rv.copy_(rv * (1 - m) + reshape(var, Shape{c_}) * (m * unbias));
       num_batches_tracked.add_(1);
     }
   } else {
-    y = (x - reshape(running_mean, stat)) * rsqrt(reshape(running_var, stat) + static_cast<float>(eps_));
+    y = (x - reshape(detail::param_as<F>(running_mean, *this), stat)) *
+        rsqrt(reshape(detail::param_as<F>(running_var, *this), stat) + static_cast<compute_t<F>>(eps_));
   }
-  if (weight.defined()) y = y * reshape(weight, stat) + reshape(bias, stat);
+  if (weight.defined()) {
+    y = y * reshape(detail::param_as<F>(weight, *this), stat) + reshape(detail::param_as<F>(bias, *this), stat);
+  }
   return y;
 }
 
@@ -146,15 +162,15 @@ LAZYTENSOR_INLINE void LayerNormImpl::pretty_print(std::ostream& os) const {
 }  // namespace lazy::nn
 
 // Instantiated once in the compiled runtime (core/config.hpp).
-#define LAZYTENSOR_NN_NORMALIZATION_INSTANCES(P)                                                                 \
-  P template lazy::nn::LayerNormImpl::LayerNormImpl(lazy::Shape, double, bool);                                  \
-  P template lazy::Tensor<float> lazy::nn::LayerNormImpl::forward<void>(const lazy::Tensor<float>&) const;       \
-  P template class lazy::nn::BatchNormImpl<1>;                                                                   \
-  P template class lazy::nn::BatchNormImpl<2>;                                                                   \
-  P template lazy::Tensor<float> lazy::nn::BatchNormImpl<1>::forward<float>(                                     \
-      const lazy::nn::functional::detail::Arg<float>&);                                                          \
-  P template lazy::Tensor<float> lazy::nn::BatchNormImpl<2>::forward<float>(                                     \
-      const lazy::nn::functional::detail::Arg<float>&);
+#define LAZYTENSOR_NN_NORMALIZATION_INSTANCES(P)                                \
+  P template lazy::nn::LayerNormImpl::LayerNormImpl(lazy::Shape, double, bool); \
+  P template class lazy::nn::BatchNormImpl<1>;                                  \
+  P template class lazy::nn::BatchNormImpl<2>;
+#define LAZYTENSOR_NN_NORMALIZATION_FORWARD_INSTANCES(P, T)                                             \
+  P template lazy::Tensor<T> lazy::nn::LayerNormImpl::forward<T>(const lazy::Tensor<T>&) const;        \
+  P template lazy::Tensor<T> lazy::nn::BatchNormImpl<1>::forward<T>(const lazy::Tensor<T>&);           \
+  P template lazy::Tensor<T> lazy::nn::BatchNormImpl<2>::forward<T>(const lazy::Tensor<T>&);
 #if LAZYTENSOR_EXPLICIT_INSTANTIATION
 LAZYTENSOR_NN_NORMALIZATION_INSTANCES(extern)
+LAZYTENSOR_FOR_FLOATING(LAZYTENSOR_NN_NORMALIZATION_FORWARD_INSTANCES, extern)
 #endif

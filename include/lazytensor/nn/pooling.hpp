@@ -64,8 +64,13 @@ class MaxPool2dImpl : public Module {
   explicit MaxPool2dImpl(const MaxPool2dOptions& options_);
   /// ShapeError (from max_pool2d) unless x is [N, C, H, W] with a plane no smaller than the
   /// kernel once padded.
-  template <class = void>
-  Tensor<float> forward(const Tensor<float>& x) const;
+  template <FloatingElement T>
+  Tensor<T> forward(const Tensor<T>& x) const;
+  /// The same on a pending expression.
+  template <expr::Pending E>
+  auto forward(const E& x) const {
+    return forward(lazy::eval(x));
+  }
   /// PyTorch's repr: `MaxPool2d(kernel_size=2, stride=2, padding=0, dilation=1,
   /// ceil_mode=False)`.
   void pretty_print(std::ostream& os) const override;
@@ -85,8 +90,13 @@ class AvgPool2dImpl : public Module {
   explicit AvgPool2dImpl(const AvgPool2dOptions& options_);
   /// ShapeError (from avg_pool2d) unless x is [N, C, H, W] with a plane no smaller than the
   /// kernel once padded.
-  template <class = void>
-  Tensor<float> forward(const Tensor<float>& x) const;
+  template <FloatingElement T>
+  Tensor<T> forward(const Tensor<T>& x) const;
+  /// The same on a pending expression.
+  template <expr::Pending E>
+  auto forward(const E& x) const {
+    return forward(lazy::eval(x));
+  }
   /// PyTorch's repr: `AvgPool2d(kernel_size=2, stride=2, padding=0)` (plus
   /// `count_include_pad=False` when set).
   void pretty_print(std::ostream& os) const override;
@@ -97,13 +107,13 @@ class AvgPool2dImpl : public Module {
 LAZY_MODULE(AvgPool2d);
 
 // (Outside the classes, so not inline: see core/config.hpp.)
-template <class>
-Tensor<float> MaxPool2dImpl::forward(const Tensor<float>& x) const {
+template <FloatingElement T>
+Tensor<T> MaxPool2dImpl::forward(const Tensor<T>& x) const {
   return max_pool2d(x, options.kernel_size(), options.stride(), options.padding());
 }
 
-template <class>
-Tensor<float> AvgPool2dImpl::forward(const Tensor<float>& x) const {
+template <FloatingElement T>
+Tensor<T> AvgPool2dImpl::forward(const Tensor<T>& x) const {
   return avg_pool2d(x, options.kernel_size(), options.stride(), options.padding(),
                     options.count_include_pad());
 }
@@ -158,9 +168,9 @@ LAZYTENSOR_INLINE void AvgPool2dImpl::pretty_print(std::ostream& os) const {
 }  // namespace lazy::nn
 
 // Instantiated once in the compiled runtime (core/config.hpp).
-#define LAZYTENSOR_NN_POOLING_INSTANCES(P)                                                                    \
-  P template lazy::Tensor<float> lazy::nn::MaxPool2dImpl::forward<void>(const lazy::Tensor<float>&) const; \
-  P template lazy::Tensor<float> lazy::nn::AvgPool2dImpl::forward<void>(const lazy::Tensor<float>&) const;
+#define LAZYTENSOR_NN_POOLING_INSTANCES(P, T)                                                                   \
+  P template lazy::Tensor<T> lazy::nn::MaxPool2dImpl::forward<T>(const lazy::Tensor<T>&) const; \
+  P template lazy::Tensor<T> lazy::nn::AvgPool2dImpl::forward<T>(const lazy::Tensor<T>&) const;
 #if LAZYTENSOR_EXPLICIT_INSTANTIATION
-LAZYTENSOR_NN_POOLING_INSTANCES(extern)
+LAZYTENSOR_FOR_FLOATING(LAZYTENSOR_NN_POOLING_INSTANCES, extern)
 #endif

@@ -4,6 +4,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -12,7 +13,7 @@
 
 namespace lazy::nn {
 
-/// A chain of float -> float modules.
+/// A chain of modules, each mapping a tensor to one of the same dtype.
 class SequentialImpl : public Module {
  public:
   SequentialImpl() : Module("Sequential") {}
@@ -22,17 +23,42 @@ class SequentialImpl : public Module {
     (push_back(std::move(modules)), ...);
   }
 
-  /// Appends a module (a holder such as nn::Linear) whose forward maps a float tensor to one.
+  /// Appends a module (a holder such as nn::Linear) whose forward maps a tensor to one of
+  /// the same dtype. A module with a float-only forward raises DTypeError when the chain
+  /// runs in another dtype.
   template <class H>
   void push_back(H holder);
 
-  /// Applies every module in order.
-  Tensor<float> forward(const Tensor<float>& x) const;
+  /// Applies every module in order, in x's dtype.
+  template <FloatingElement T>
+  Tensor<T> forward(const Tensor<T>& x) const {
+    Tensor<T> y = x;
+    for (const auto& s : steps_) y = std::get<std::function<Tensor<T>(const Tensor<T>&)>>(s)(y);
+    return y;
+  }
+  /// The same on a pending expression.
+  template <expr::Pending E>
+  auto forward(const E& x) const {
+    return forward(lazy::eval(x));
+  }
   /// Number of modules.
   std::size_t size() const { return steps_.size(); }
 
  private:
-  std::vector<std::function<Tensor<float>(const Tensor<float>&)>> steps_;
+  template <class T>
+  using Step = std::function<Tensor<T>(const Tensor<T>&)>;
+  template <class T, class Impl>
+  static Step<T> step_of(const std::shared_ptr<Impl>& impl) {
+    if constexpr (requires(const Tensor<T>& x) { impl->forward(x); }) {
+      return [impl](const Tensor<T>& x) { return Tensor<T>(impl->forward(x)); };
+    } else {
+      return [impl](const Tensor<T>&) -> Tensor<T> {
+        throw DTypeError(impl->name() + " in Sequential has no forward for " + dtype_name(dtype_of<T>()) +
+                         " tensors");
+      };
+    }
+  }
+  std::vector<std::tuple<Step<float>, Step<double>, Step<bfloat16>>> steps_;
 };
 LAZY_MODULE(Sequential);
 
@@ -42,15 +68,7 @@ template <class H>
 void SequentialImpl::push_back(H holder) {
   auto impl = holder.ptr();
   register_module(std::to_string(steps_.size()), impl);
-  steps_.emplace_back([impl](const Tensor<float>& x) { return Tensor<float>(impl->forward(x)); });
+  steps_.emplace_back(step_of<float>(impl), step_of<double>(impl), step_of<bfloat16>(impl));
 }
-
-#if LAZYTENSOR_HEADER_DEFINITIONS
-LAZYTENSOR_INLINE Tensor<float> SequentialImpl::forward(const Tensor<float>& x) const {
-  Tensor<float> y = x;
-  for (const auto& f : steps_) y = f(y);
-  return y;
-}
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::nn

@@ -146,7 +146,8 @@ Tensor<T> conv2d_impl(const Tensor<T>& x, const Tensor<T>& weight, const Tensor<
 /// 2-D convolution (torch::nn::functional::conv2d with groups = 1): input [N, C, H, W],
 /// weight [O, C, kH, kW], optional bias [O] (pass `{}` for none); returns
 /// [N, O, OH, OW] with OH = (H + 2 * padding.h - dilation.h * (kH - 1) - 1) / stride.h + 1.
-/// Padding is zeros. float and double; bfloat16 is computed in float and rounded once.
+/// Padding is zeros. float and double; bfloat16 is computed in float and rounded once, as
+/// are float operands under autocast (AutocastGuard).
 /// ShapeError for ranks other than 4, a channel or bias size mismatch, a non-positive
 /// stride or dilation, negative padding, or a dilated kernel larger than the padded input.
 template <expr::ExprLike X>
@@ -165,6 +166,15 @@ Tensor<expr::value_t<X>> conv2d(const X& input, const Tensor<expr::value_t<X>>& 
       return Tensor<bfloat16>(
           cast<bfloat16>(detail::conv2d_impl(xf, wf, bf, stride, padding, dilation)));
     } else {
+      if constexpr (std::is_same_v<T, float>) {
+        if (is_autocast_enabled()) {
+          AutocastGuard off(false);
+          Tensor<float> br;
+          if (bias.defined()) br = detail::round_to_bf16(bias);
+          return detail::round_to_bf16(detail::conv2d_impl(detail::round_to_bf16(x), detail::round_to_bf16(weight),
+                                                           br, stride, padding, dilation));
+        }
+      }
       return detail::conv2d_impl(x, weight, bias, stride, padding, dilation);
     }
   }

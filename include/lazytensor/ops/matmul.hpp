@@ -15,6 +15,8 @@
 #include <vector>
 
 #include <lazytensor/autograd/record.hpp>
+#include <lazytensor/core/autocast.hpp>
+#include <lazytensor/graph/convert_node.hpp>
 #include <lazytensor/graph/matmul_node.hpp>
 #include <lazytensor/graph/transpose_hint.hpp>
 #include <lazytensor/ops/reduction.hpp>
@@ -103,16 +105,30 @@ Tensor<T> gemm(const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std
 
 [[noreturn]] void matmul_mismatch(const Shape& a, const Shape& b, std::int64_t ka, std::int64_t kb);
 
+/// x rounded to bfloat16 and held as float (autocast's operands and results); the gradient
+/// is rounded the same way, as the backward of torch's casts rounds it.
+Tensor<float> round_to_bf16(const Tensor<float>& x);
+
 }  // namespace detail
 
 /// Matrix product with torch.matmul's rules: 1-D x 1-D is a dot product, 2-D x 2-D a matrix
 /// product, 1-D operands gain and lose a dimension, and leading (batch) dims broadcast.
+/// bfloat16 operands multiply in float and the result is rounded once (as a bfloat16 GEMM
+/// with float accumulation); under autocast (AutocastGuard) float operands do the same.
 template <Element T>
 Tensor<T> matmul(const Tensor<T>& a, const Tensor<T>& b) {
-  if constexpr (!std::is_same_v<T, float> && !std::is_same_v<T, double> && !std::is_same_v<T, std::int32_t> &&
-                !std::is_same_v<T, std::int64_t>) {
-    throw DTypeError("matmul: expected float, double, int32 or int64 operands, got " + dtype_name(dtype_of<T>()));
+  if constexpr (std::is_same_v<T, bfloat16>) {
+    return Tensor<bfloat16>(cast<bfloat16>(matmul(Tensor<float>(cast<float>(a)), Tensor<float>(cast<float>(b)))));
+  } else if constexpr (!std::is_same_v<T, float> && !std::is_same_v<T, double> && !std::is_same_v<T, std::int32_t> &&
+                       !std::is_same_v<T, std::int64_t>) {
+    throw DTypeError("matmul: expected floating, int32 or int64 operands, got " + dtype_name(dtype_of<T>()));
   } else {
+    if constexpr (std::is_same_v<T, float>) {
+      if (is_autocast_enabled()) {
+        AutocastGuard off(false);
+        return detail::round_to_bf16(matmul(detail::round_to_bf16(a), detail::round_to_bf16(b)));
+      }
+    }
     const Shape& sa = a.shape();
     const Shape& sb = b.shape();
     if (sa.rank() == 0 || sb.rank() == 0) {
@@ -183,6 +199,12 @@ Tensor<T> linear(const Tensor<T>& x, const Tensor<T>& w) {
                      "] and weight [out_features, in_features], got input " + x.shape().str() + " and weight " +
                      w.shape().str());
   }
+  if constexpr (std::is_same_v<T, float>) {
+    if (is_autocast_enabled()) {  // w rounded before the transpose, which the GEMM reads through
+      AutocastGuard off(false);
+      return detail::round_to_bf16(matmul(detail::round_to_bf16(x), transpose(detail::round_to_bf16(w), 0, 1)));
+    }
+  }
   return matmul(x, transpose(w, 0, 1));
 }
 
@@ -203,6 +225,18 @@ auto linear(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& b)
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace lazy::detail {
+LAZYTENSOR_INLINE Tensor<float> round_to_bf16(const Tensor<float>& x) {
+  Tensor<float> y(graph::submit(std::make_shared<graph::RoundToBFloat16Node>(x.node())));
+  if (autograd::is_grad_enabled()) {
+    if (auto edge = autograd::edge_of(x.impl())) {
+      autograd::record(y, "RoundToBFloat16Backward", {edge}, [](const Tensor<float>& g) {
+        return std::vector<graph::NodePtr>{graph::submit(std::make_shared<graph::RoundToBFloat16Node>(g.node()))};
+      });
+    }
+  }
+  return y;
+}
+
 
 LAZYTENSOR_INLINE void matmul_mismatch(const Shape& a, const Shape& b, std::int64_t ka, std::int64_t kb) {
   throw ShapeError("matmul: mat1 and mat2 shapes cannot be multiplied (" + a.str() + " and " + b.str() +

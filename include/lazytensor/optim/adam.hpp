@@ -40,8 +40,12 @@ class AdamBase : public OptimizerWithOptions<Options> {
  public:
   using typename Base::ParamGroup;
   /// One group of parameters (AdamW's default options decay weights by 1e-2, as torch's).
-  AdamBase(std::vector<Tensor<float>> params, Options options = default_options())
+  AdamBase(std::vector<AnyTensor> params, Options options = default_options())
       : AdamBase(std::vector<ParamGroup>{ParamGroup{std::move(params), options}}) {}
+  /// Parameters of one dtype.
+  template <FloatingElement T>
+  AdamBase(const std::vector<Tensor<T>>& params, Options options = default_options())
+      : AdamBase(std::vector<AnyTensor>(params.begin(), params.end()), options) {}
   AdamBase(std::vector<ParamGroup> groups) : Base(std::move(groups)) {
     for (const auto& g : this->groups_) validate(g.options);
   }
@@ -58,6 +62,8 @@ class AdamBase : public OptimizerWithOptions<Options> {
     else return Options();
   }
   void validate(const AdamOptions& o) const;
+  template <FloatingElement T>
+  void update(Tensor<T> p, ParamState& st, const AdamOptions& o);
 };
 
 // (Outside the class, so not inline: see core/config.hpp.)
@@ -66,42 +72,47 @@ void AdamBase<Options, Decoupled>::step() {
   NoGradGuard guard;
   for (std::size_t gi = 0; gi < this->groups_.size(); ++gi) {
     const AdamOptions& o = this->groups_[gi].options;
-    const double lr = o.lr(), b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas()), wd = o.weight_decay();
     auto& ps = this->groups_[gi].params;
     for (std::size_t k = 0; k < ps.size(); ++k) {
-      Tensor<float>& p = ps[k];
-      const Tensor<float> grad = p.grad();
-      if (!grad.defined()) continue;
-      ParamState& st = this->state(gi, k);
-      const std::int64_t t = ++st.step;
-      const Tensor<float> g = !Decoupled && wd != 0 ? Tensor<float>(grad + static_cast<float>(wd) * p) : grad;
-      auto init = [&](const char* name) -> Tensor<float>& {
-        auto it = st.tensors.find(name);
-        if (it == st.tensors.end()) it = st.tensors.emplace(name, zeros<float>(p.shape(), p.device())).first;
-        return it->second;
-      };
-      Tensor<float>& m = init("exp_avg");
-      Tensor<float>& v = init("exp_avg_sq");
-      m.copy_(m * static_cast<float>(b1) + g * static_cast<float>(1 - b1));
-      v.copy_(v * static_cast<float>(b2) + g * g * static_cast<float>(1 - b2));
-      // p -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps), rearranged so that no scalar
-      // drifts to exactly 1 as the bias corrections vanish:
-      // lr sqrt(bc2) / bc1 * m / (sqrt(v) + eps sqrt(bc2)).
-      const double bc1 = 1 - std::pow(b1, static_cast<double>(t));
-      const double sbc2 = std::sqrt(1 - std::pow(b2, static_cast<double>(t)));
-      const auto step_size = static_cast<float>(lr * sbc2 / bc1), eps = static_cast<float>(o.eps() * sbc2);
-      const Tensor<float>* vmax = &v;
-      if (o.amsgrad()) {
-        Tensor<float>& mx = init("max_exp_avg_sq");
-        mx.copy_(maximum(mx, v));
-        vmax = &mx;
-      }
-      if (Decoupled && wd != 0) {
-        p.copy_(p * static_cast<float>(1 - lr * wd) - step_size * m / (sqrt(*vmax) + eps));
-      } else {
-        p.sub_(step_size * m / (sqrt(*vmax) + eps));
-      }
+      if (!ps[k].grad().defined()) continue;
+      detail::visit_floating(ps[k], type_name().c_str(), [&](auto p) { update(p, this->state(gi, k), o); });
     }
+  }
+}
+
+template <class Options, bool Decoupled>
+template <FloatingElement T>
+void AdamBase<Options, Decoupled>::update(Tensor<T> p, ParamState& st, const AdamOptions& o) {
+  using C = compute_t<T>;  // scalars in the dtype's arithmetic: float for float and bfloat16
+  const double lr = o.lr(), b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas()), wd = o.weight_decay();
+  const Tensor<T> grad = p.grad();
+  const std::int64_t t = ++st.step;
+  const Tensor<T> g = !Decoupled && wd != 0 ? Tensor<T>(grad + static_cast<C>(wd) * p) : grad;
+  auto init = [&](const char* name) -> Tensor<T> {
+    auto it = st.tensors.find(name);
+    if (it == st.tensors.end()) it = st.tensors.emplace(name, zeros<T>(p.shape(), p.device())).first;
+    return it->second.as<T>();  // shares the state tensor: copy_ below updates it
+  };
+  Tensor<T> m = init("exp_avg");
+  Tensor<T> v = init("exp_avg_sq");
+  m.copy_(m * static_cast<C>(b1) + g * static_cast<C>(1 - b1));
+  v.copy_(v * static_cast<C>(b2) + g * g * static_cast<C>(1 - b2));
+  // p -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps), rearranged so that no scalar
+  // drifts to exactly 1 as the bias corrections vanish:
+  // lr sqrt(bc2) / bc1 * m / (sqrt(v) + eps sqrt(bc2)).
+  const double bc1 = 1 - std::pow(b1, static_cast<double>(t));
+  const double sbc2 = std::sqrt(1 - std::pow(b2, static_cast<double>(t)));
+  const auto step_size = static_cast<C>(lr * sbc2 / bc1), eps = static_cast<C>(o.eps() * sbc2);
+  Tensor<T> vmax = v;
+  if (o.amsgrad()) {
+    Tensor<T> mx = init("max_exp_avg_sq");
+    mx.copy_(maximum(mx, v));
+    vmax = mx;
+  }
+  if (Decoupled && wd != 0) {
+    p.copy_(p * static_cast<C>(1 - lr * wd) - step_size * m / (sqrt(vmax) + eps));
+  } else {
+    p.sub_(step_size * m / (sqrt(vmax) + eps));
   }
 }
 

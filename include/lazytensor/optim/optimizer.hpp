@@ -1,6 +1,8 @@
 #pragma once
 // Optimizer base, as torch::optim::Optimizer: parameter groups with their own options,
-// zero_grad, step, and state_dict / load_state_dict. An update is built from lazy
+// zero_grad, step, and state_dict / load_state_dict. Parameters may be bfloat16, float or
+// double (a module converted with to(dtype)); each is updated, and its state kept, in its
+// own dtype. An update is built from lazy
 // expressions under NoGradGuard, so the whole training step (forward, backward, update)
 // materializes at one mark_step; each state tensor is updated in place (buffer donation
 // makes that free), and the learning rate is a scalar in the kernel, so changing it never
@@ -13,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include <lazytensor/any_tensor.hpp>
 #include <lazytensor/core/arg.hpp>
 #include <lazytensor/core/config.hpp>
 #include <lazytensor/ops/factories.hpp>
@@ -28,11 +31,27 @@ double parse_option(const std::map<std::string, std::string>& opts, const std::s
 std::string format_option(double v);
 }  // namespace detail
 
-/// Per-parameter optimizer state: named tensors plus a step count.
+/// Per-parameter optimizer state: named tensors (of the parameter's dtype) plus a step count.
 struct ParamState {
-  std::map<std::string, Tensor<float>> tensors;
+  std::map<std::string, AnyTensor> tensors;
   std::int64_t step = 0;
 };
+
+namespace detail {
+/// Calls f(Tensor<T>) with the parameter's typed handle (T: bfloat16, float or double);
+/// DTypeError for an integral or bool parameter.
+template <class F>
+decltype(auto) visit_floating(const AnyTensor& p, const char* who, F&& f) {
+  switch (p.dtype()) {
+    case DType::Float32: return f(p.as<float>());
+    case DType::Float64: return f(p.as<double>());
+    case DType::BFloat16: return f(p.as<bfloat16>());
+    default: break;
+  }
+  throw DTypeError(std::string(who) + ": expected floating parameters (bfloat16, float32 or float64), got " +
+                   dtype_name(p.dtype()));
+}
+}  // namespace detail
 
 /// Base of every optimizer. `Options` is the optimizer's options type (with lr()).
 class Optimizer {
@@ -48,7 +67,7 @@ class Optimizer {
   /// Number of parameter groups.
   virtual std::size_t num_param_groups() const = 0;
   /// The parameters of group `g`.
-  virtual std::vector<Tensor<float>>& params(std::size_t g) = 0;
+  virtual std::vector<AnyTensor>& params(std::size_t g) = 0;
   /// Learning rate of group `g` (what schedulers read and write).
   virtual double lr(std::size_t g = 0) const = 0;
   virtual void set_lr(double lr, std::size_t g) = 0;
@@ -67,7 +86,7 @@ class Optimizer {
  protected:
   /// "SGD", "Adam", ...
   virtual std::string type_name() const = 0;
-  virtual const std::vector<Tensor<float>>& const_params(std::size_t g) const = 0;
+  virtual const std::vector<AnyTensor>& const_params(std::size_t g) const = 0;
   /// Options of group g as strings, and back (Error on a missing or malformed value).
   virtual std::map<std::string, std::string> options_of(std::size_t g) const = 0;
   virtual void set_options_of(std::size_t g, const std::map<std::string, std::string>& opts) = 0;
@@ -88,7 +107,7 @@ class OptimizerWithOptions : public Optimizer {
  public:
   /// A group of parameters sharing options.
   struct ParamGroup {
-    std::vector<Tensor<float>> params;
+    std::vector<AnyTensor> params;
     Options options;
   };
 
@@ -96,13 +115,17 @@ class OptimizerWithOptions : public Optimizer {
     for (auto& g : groups_) {
       for (auto& p : g.params) {
         if (!p.defined()) throw Error(type_name_of() + ": got an undefined parameter");
+        if (!p.is_floating_point()) {
+          throw DTypeError(type_name_of() + ": can only optimize floating parameters, got one of dtype " +
+                           dtype_name(p.dtype()));
+        }
         if (!p.requires_grad()) p.requires_grad_();
       }
     }
   }
 
   std::size_t num_param_groups() const override { return groups_.size(); }
-  std::vector<Tensor<float>>& params(std::size_t g) override { return groups_.at(g).params; }
+  std::vector<AnyTensor>& params(std::size_t g) override { return groups_.at(g).params; }
   double lr(std::size_t g = 0) const override { return groups_.at(g).options.lr(); }
   void set_lr(double lr, std::size_t g) override { groups_.at(g).options.lr(lr); }
   using Optimizer::set_lr;
@@ -112,7 +135,7 @@ class OptimizerWithOptions : public Optimizer {
   void add_param_group(ParamGroup g) { groups_.push_back(std::move(g)); }
 
  protected:
-  const std::vector<Tensor<float>>& const_params(std::size_t g) const override { return groups_.at(g).params; }
+  const std::vector<AnyTensor>& const_params(std::size_t g) const override { return groups_.at(g).params; }
   std::map<std::string, std::string> options_of(std::size_t g) const override { return groups_.at(g).options.to_map(); }
   void set_options_of(std::size_t g, const std::map<std::string, std::string>& opts) override {
     groups_.at(g).options = Options::from_map(opts);
@@ -150,7 +173,7 @@ LAZYTENSOR_INLINE void Optimizer::zero_grad(bool set_to_none) {
   for (std::size_t g = 0; g < num_param_groups(); ++g) {
     for (auto& p : params(g)) {
       if (set_to_none || !p.grad().defined()) {
-        p.set_grad(Tensor<float>());
+        p.set_grad(AnyTensor());
       } else {
         NoGradGuard guard;
         p.grad().zero_();
@@ -211,12 +234,16 @@ LAZYTENSOR_INLINE void Optimizer::load_state_dict(const StateDict& sd) {
           st.step = t.as<std::int64_t>().item();
           continue;
         }
-        Tensor<float> v = t.as<float>();
-        if (!(v.shape() == const_params(g)[k].shape())) {
-          throw ShapeError("Optimizer::load_state_dict: '" + name + "' has shape " + v.shape().str() +
-                           ", the parameter has shape " + const_params(g)[k].shape().str());
+        const AnyTensor& param = const_params(g)[k];
+        if (!(t.shape() == param.shape())) {
+          throw ShapeError("Optimizer::load_state_dict: '" + name + "' has shape " + t.shape().str() +
+                           ", the parameter has shape " + param.shape().str());
         }
-        st.tensors[field] = v.to(const_params(g)[k].device());
+        if (t.dtype() != param.dtype()) {
+          throw DTypeError("Optimizer::load_state_dict: '" + name + "' has dtype " + dtype_name(t.dtype()) +
+                           ", the parameter has dtype " + dtype_name(param.dtype()));
+        }
+        st.tensors[field] = t.to(param.device());
       }
       if (any) loaded[key(g, k)] = std::move(st);
     }

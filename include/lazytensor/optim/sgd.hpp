@@ -2,6 +2,7 @@
 // SGD with momentum, dampening, Nesterov and weight decay, as torch.optim.SGD.
 
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <lazytensor/core/config.hpp>
@@ -25,15 +26,23 @@ struct SGDOptions {
 
 /// Stochastic gradient descent (`optim::SGD`). Per parameter: buf = momentum * buf +
 /// (1 - dampening) * g (g itself at the first step), then p -= lr * (nesterov ? g + momentum
-/// * buf : buf), with g = grad + weight_decay * p. A class template (the parameter is unused)
-/// so that its step is compiled only into programs that construct one.
-template <class = void>
+/// * buf : buf), with g = grad + weight_decay * p. A class template so that its step is
+/// compiled only into programs that construct one. `SGD` (`Only` = void) updates parameters
+/// of every floating dtype, which a module converted at run time (Module::to, a precision
+/// plugin) may hold, so its step compiles the bfloat16 and double updates too;
+/// `BasicSGD<float>` takes float parameters only (DTypeError for others) and compiles the
+/// float update alone: a header-only float program's lighter choice.
+template <class Only = void>
 class BasicSGD : public OptimizerWithOptions<SGDOptions> {
  public:
-  BasicSGD(std::vector<Tensor<float>> params, SGDOptions options)
+  BasicSGD(std::vector<AnyTensor> params, SGDOptions options)
       : OptimizerWithOptions({ParamGroup{std::move(params), options}}) {
     validate();
   }
+  /// Parameters of one dtype.
+  template <FloatingElement T>
+  BasicSGD(const std::vector<Tensor<T>>& params, SGDOptions options)
+      : BasicSGD(std::vector<AnyTensor>(params.begin(), params.end()), options) {}
   BasicSGD(std::vector<ParamGroup> groups) : OptimizerWithOptions(std::move(groups)) { validate(); }
 
   void step() override;
@@ -44,6 +53,8 @@ class BasicSGD : public OptimizerWithOptions<SGDOptions> {
 
  private:
   void validate() const;
+  template <FloatingElement T>
+  void update(Tensor<T> p, ParamState& st, const SGDOptions& o);
 };
 
 // (Outside the class, so not inline: see core/config.hpp.)
@@ -52,36 +63,52 @@ void BasicSGD<V>::step() {
   NoGradGuard guard;
   for (std::size_t gi = 0; gi < groups_.size(); ++gi) {
     const SGDOptions& o = groups_[gi].options;
-    const auto lr = static_cast<float>(o.lr()), mom = static_cast<float>(o.momentum()),
-               damp = static_cast<float>(o.dampening()), wd = static_cast<float>(o.weight_decay());
     auto& ps = groups_[gi].params;
     for (std::size_t k = 0; k < ps.size(); ++k) {
-      Tensor<float>& p = ps[k];
-      const Tensor<float> grad = p.grad();
-      if (!grad.defined()) continue;
-      const Tensor<float> g = wd != 0 ? Tensor<float>(grad + wd * p) : grad;
-      if (mom == 0) {
-        p.sub_(g * lr);
-        continue;
-      }
-      ParamState& st = state(gi, k);
-      auto it = st.tensors.find("momentum_buffer");
-      if (it == st.tensors.end()) {
-        it = st.tensors.emplace("momentum_buffer", Tensor<float>(g * 1.0f)).first;
-      } else {
-        it->second.copy_(it->second * mom + g * (1 - damp));
-      }
-      const Tensor<float>& buf = it->second;
-      if (o.nesterov()) p.sub_((g + buf * mom) * lr);
-      else p.sub_(buf * lr);
-      ++st.step;
+      if (!ps[k].grad().defined()) continue;
+      if constexpr (std::is_void_v<V>) detail::visit_floating(ps[k], "SGD", [&](auto p) { update(p, state(gi, k), o); });
+      else update(ps[k].as<V>(), state(gi, k), o);
     }
   }
 }
 
 template <class V>
+template <FloatingElement T>
+void BasicSGD<V>::update(Tensor<T> p, ParamState& st, const SGDOptions& o) {
+  using C = compute_t<T>;  // scalars in the dtype's arithmetic: float for float and bfloat16
+  const auto lr = static_cast<C>(o.lr()), mom = static_cast<C>(o.momentum()), damp = static_cast<C>(o.dampening()),
+             wd = static_cast<C>(o.weight_decay());
+  const Tensor<T> grad = p.grad();
+  const Tensor<T> g = wd != 0 ? Tensor<T>(grad + wd * p) : grad;
+  if (mom == 0) {
+    p.sub_(g * lr);
+    return;
+  }
+  auto it = st.tensors.find("momentum_buffer");
+  Tensor<T> buf;
+  if (it == st.tensors.end()) {
+    buf = Tensor<T>(g * C(1));
+    st.tensors.emplace("momentum_buffer", buf);
+  } else {
+    buf = it->second.as<T>();
+    buf.copy_(buf * mom + g * (1 - damp));
+  }
+  if (o.nesterov()) p.sub_((g + buf * mom) * lr);
+  else p.sub_(buf * lr);
+  ++st.step;
+}
+
+template <class V>
 void BasicSGD<V>::validate() const {
   for (const auto& g : groups_) {
+    if constexpr (!std::is_void_v<V>) {
+      for (const auto& p : g.params) {
+        if (p.dtype() != dtype_of<V>()) {
+          throw DTypeError("BasicSGD<" + dtype_name(dtype_of<V>()) + ">: got a parameter of dtype " +
+                           dtype_name(p.dtype()) + " (optim::SGD takes every floating dtype)");
+        }
+      }
+    }
     const auto& o = g.options;
     if (o.lr() < 0) throw Error("SGD: invalid learning rate " + std::to_string(o.lr()));
     if (o.momentum() < 0) throw Error("SGD: invalid momentum value " + std::to_string(o.momentum()));
@@ -119,7 +146,8 @@ LAZYTENSOR_INLINE SGDOptions SGDOptions::from_map(const std::map<std::string, st
 // Instantiated once in the compiled runtime (core/config.hpp).
 #define LAZYTENSOR_OPTIM_SGD_INSTANCES(P)                                         \
   P template class lazy::optim::OptimizerWithOptions<lazy::optim::SGDOptions>; \
-  P template class lazy::optim::BasicSGD<void>;
+  P template class lazy::optim::BasicSGD<void>;                                 \
+  P template class lazy::optim::BasicSGD<float>;
 #if LAZYTENSOR_EXPLICIT_INSTANTIATION
 LAZYTENSOR_OPTIM_SGD_INSTANCES(extern)
 #endif

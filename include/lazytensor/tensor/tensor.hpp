@@ -49,6 +49,9 @@ inline std::ostream& operator<<(std::ostream& os, const Device& d) { return os <
 inline Device device() { return Device(graph::current_device_index()); }
 
 namespace detail {
+/// Raised when a Tensor<T> handle's object now holds another dtype (Module::to(dtype)).
+[[noreturn]] void retyped_handle(DType handle, DType held);
+
 /// A materialized node holding a copy of `n` host values.
 template <Element T>
 graph::NodePtr data_node(const T* src, const Shape& shape, const Device& dev) {
@@ -255,6 +258,10 @@ class Tensor {
   /// The graph node holding the current value.
   const graph::NodePtr& node() const {
     if (!impl_) throw Error("use of an undefined tensor (default-constructed lazy::Tensor)");
+    // A module converted with to(dtype) rebinds its parameters to another element type;
+    // a handle typed for the old one must not read the new bytes as T.
+    if (impl_->node && impl_->node->dtype() != dtype_of<T>()) [[unlikely]]
+      detail::retyped_handle(dtype_of<T>(), impl_->node->dtype());
     return impl_->node;
   }
   /// The shared tensor object (every copy of this handle has the same one).
@@ -401,5 +408,12 @@ template <class Op, class... C>
 auto eval(const Expr<Op, C...>& e) {
   return Tensor<typename Expr<Op, C...>::value_type>(e);
 }
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE void detail::retyped_handle(DType handle, DType held) {
+  throw DTypeError("this Tensor<" + dtype_name(handle) + "> handle's tensor now holds " + dtype_name(held) +
+                   " (its module was converted with to(dtype)); view it as AnyTensor(t).as<T>() of the new type");
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy

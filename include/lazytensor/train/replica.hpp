@@ -27,14 +27,15 @@ class BasicReplicaStrategy : public Strategy {
   int num_processes() const override { return devices_; }
   bool is_distributed() const override { return true; }
 
-  /// Moves `model` to the replica's device, then sync_module_states.
+  /// Converts `model` to the precision plugin's dtype, moves it to the replica's device,
+  /// then sync_module_states.
   void setup(nn::Module& model) override;
   /// Replaces every parameter and buffer of `model` with rank 0's value (a collective).
   void sync_module_states(nn::Module& model) const;
   /// The closure, then dist::optimizer_step: gradients averaged over the world, then the
   /// optimizer's step (lazy: it runs at the next mark_step, which the loader issues).
-  Tensor<float> optimizer_step(optim::Optimizer& optimizer,
-                               const std::function<Tensor<float>()>& closure = {}) override;
+  AnyTensor optimizer_step(optim::Optimizer& optimizer,
+                               const std::function<AnyTensor()>& closure = {}) override;
 
  private:
   int devices_;
@@ -51,6 +52,7 @@ BasicReplicaStrategy<V>::BasicReplicaStrategy(int devices) : devices_(devices) {
 
 template <class V>
 void BasicReplicaStrategy<V>::setup(nn::Module& model) {
+  precision_plugin().convert_module(model);
   model_to_device(model);
   sync_module_states(model);
 }
@@ -66,9 +68,9 @@ void BasicReplicaStrategy<V>::sync_module_states(nn::Module& model) const {
 }
 
 template <class V>
-Tensor<float> BasicReplicaStrategy<V>::optimizer_step(optim::Optimizer& optimizer,
-                                                      const std::function<Tensor<float>()>& closure) {
-  Tensor<float> loss = closure ? closure() : Tensor<float>();
+AnyTensor BasicReplicaStrategy<V>::optimizer_step(optim::Optimizer& optimizer,
+                                                      const std::function<AnyTensor()>& closure) {
+  AnyTensor loss = closure ? closure() : AnyTensor();
   dist::optimizer_step(optimizer);
   return loss;
 }

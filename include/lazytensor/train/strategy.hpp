@@ -17,6 +17,7 @@
 #include <cerrno>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -39,6 +40,7 @@
 #include <lazytensor/optim/optimizer.hpp>
 #include <lazytensor/state_dict.hpp>
 #include <lazytensor/tensor/device.hpp>
+#include <lazytensor/train/precision.hpp>
 
 namespace lazy::train {
 
@@ -103,9 +105,20 @@ class Strategy {
 
   /// Prepares the replica's environment (called by launch() on every replica first).
   virtual void setup_environment() {}
-  /// Prepares `model` for training on this replica: moves it to root_device() (and, with
-  /// replicas, makes every replica's parameters and buffers rank 0's).
-  virtual void setup(nn::Module& model) { model_to_device(model); }
+  /// Prepares `model` for training on this replica: converts it to the precision plugin's
+  /// dtype, moves it to root_device() (and, with replicas, makes every replica's parameters
+  /// and buffers rank 0's).
+  virtual void setup(nn::Module& model) {
+    precision_plugin().convert_module(model);
+    model_to_device(model);
+  }
+  /// The precision plugin (default_precision() unless set).
+  Precision& precision_plugin() const { return *precision_; }
+  /// Replaces the precision plugin (before setup; every replica shares it).
+  void set_precision_plugin(std::shared_ptr<Precision> plugin) {
+    if (!plugin) throw Error("Strategy::set_precision_plugin: the plugin is empty");
+    precision_ = std::move(plugin);
+  }
   /// Moves every parameter and buffer of `model` to root_device().
   virtual void model_to_device(nn::Module& model) { model.to(root_device()); }
   /// `batch` with its tensors on root_device(): a tensor, or a pair, tuple, array or vector
@@ -124,13 +137,14 @@ class Strategy {
 
   // ---- a training step -------------------------------------------------------------------
 
-  /// Backpropagates `loss` (a one-element tensor) into the parameters' gradients.
-  virtual void backward(const Tensor<float>& loss, optim::Optimizer* optimizer = nullptr);
+  /// Backpropagates `loss` (a one-element tensor) into the parameters' gradients, through
+  /// the precision plugin.
+  virtual void backward(const AnyTensor& loss, optim::Optimizer* optimizer = nullptr);
   /// Runs `closure` (forward and backward, returning the loss; may be empty), then the
   /// optimizer's step: with replicas, the gradients are first averaged over the world
   /// (dist::optimizer_step). Returns the closure's loss (undefined without a closure).
-  virtual Tensor<float> optimizer_step(optim::Optimizer& optimizer,
-                                       const std::function<Tensor<float>()>& closure = {});
+  virtual AnyTensor optimizer_step(optim::Optimizer& optimizer,
+                                       const std::function<AnyTensor()>& closure = {});
 
   // ---- collectives -----------------------------------------------------------------------
 
@@ -185,6 +199,9 @@ class Strategy {
   /// error, and the first exception is re-thrown here (DDPSpawnStrategy's spawn).
   template <class F>
   auto launch(F fn);
+
+ private:
+  std::shared_ptr<Precision> precision_ = default_precision();
 };
 
 // ---- templates ----------------------------------------------------------------------------
@@ -279,14 +296,14 @@ LAZYTENSOR_INLINE ParsedReduceOp parse_reduce_op(std::string_view name) {
 
 }  // namespace detail
 
-LAZYTENSOR_INLINE void Strategy::backward(const Tensor<float>& loss, optim::Optimizer* optimizer) {
+LAZYTENSOR_INLINE void Strategy::backward(const AnyTensor& loss, optim::Optimizer* optimizer) {
   (void)optimizer;
-  loss.backward();
+  precision_plugin().backward(loss);
 }
 
-LAZYTENSOR_INLINE Tensor<float> Strategy::optimizer_step(optim::Optimizer& optimizer,
-                                                         const std::function<Tensor<float>()>& closure) {
-  Tensor<float> loss = closure ? closure() : Tensor<float>();
+LAZYTENSOR_INLINE AnyTensor Strategy::optimizer_step(optim::Optimizer& optimizer,
+                                                         const std::function<AnyTensor()>& closure) {
+  AnyTensor loss = closure ? closure() : AnyTensor();
   optimizer.step();
   return loss;
 }

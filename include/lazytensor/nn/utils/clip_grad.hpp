@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include <lazytensor/any_tensor.hpp>
 #include <lazytensor/core/config.hpp>
 #include <lazytensor/core/error.hpp>
 #include <lazytensor/ops/factories.hpp>
@@ -35,6 +36,12 @@ template <Element T>
 Tensor<T> clip_grad_norm_(const Tensor<T>& parameter, double max_norm, double norm_type = 2.0,
                           bool error_if_nonfinite = false);
 
+/// The same for parameters of a run-time dtype (Module::parameters()): the gradients must
+/// share one dtype (DTypeError naming two that differ), in which the norm is returned.
+template <class = void>
+AnyTensor clip_grad_norm_(const std::vector<AnyTensor>& parameters, double max_norm, double norm_type = 2.0,
+                          bool error_if_nonfinite = false);
+
 /// Clamps every gradient element of `parameters` into [-clip_value, clip_value], in place
 /// (`clip_value` >= 0).
 template <Element T = float>
@@ -44,6 +51,9 @@ void clip_grad_value_(const std::vector<Tensor<T>>& parameters, double clip_valu
 template <Element T>
   requires is_floating_v<T>
 void clip_grad_value_(const Tensor<T>& parameter, double clip_value);
+/// The same for parameters of a run-time dtype (Module::parameters()).
+template <class = void>
+void clip_grad_value_(const std::vector<AnyTensor>& parameters, double clip_value);
 
 template <Element T>
   requires is_floating_v<T>
@@ -116,6 +126,48 @@ void clip_grad_value_(const Tensor<T>& parameter, double clip_value) {
   clip_grad_value_(std::vector<Tensor<T>>{parameter}, clip_value);
 }
 
+template <class>
+AnyTensor clip_grad_norm_(const std::vector<AnyTensor>& parameters, double max_norm, double norm_type,
+                          bool error_if_nonfinite) {
+  const AnyTensor* first = nullptr;
+  for (const auto& p : parameters) {
+    if (!p.defined() || !p.grad().defined()) continue;
+    if (!first) first = &p;
+    else if (p.dtype() != first->dtype()) {
+      throw DTypeError("clip_grad_norm_: gradients of dtypes " + dtype_name(first->dtype()) + " and " +
+                       dtype_name(p.dtype()) + " in one call; clip each dtype's parameters separately");
+    }
+  }
+  auto run = [&](auto tag) -> AnyTensor {
+    using T = decltype(tag);
+    std::vector<Tensor<T>> typed;
+    for (const auto& p : parameters)
+      if (p.defined() && p.dtype() == dtype_of<T>()) typed.push_back(p.as<T>());
+    return clip_grad_norm_<T>(typed, max_norm, norm_type, error_if_nonfinite);
+  };
+  switch (first ? first->dtype() : DType::Float32) {
+    case DType::Float64: return run(double{});
+    case DType::BFloat16: return run(bfloat16{});
+    default: return run(float{});
+  }
+}
+
+template <class>
+void clip_grad_value_(const std::vector<AnyTensor>& parameters, double clip_value) {
+  if (!(clip_value >= 0.0)) {
+    throw Error("clip_grad_value_: clip_value must be >= 0, got " + std::to_string(clip_value));
+  }
+  for (const auto& p : parameters) {
+    if (!p.defined()) continue;
+    switch (p.dtype()) {
+      case DType::Float64: clip_grad_value_(p.as<double>(), clip_value); break;
+      case DType::BFloat16: clip_grad_value_(p.as<bfloat16>(), clip_value); break;
+      case DType::Float32: clip_grad_value_(p.as<float>(), clip_value); break;
+      default: break;  // integral tensors have no gradients
+    }
+  }
+}
+
 }  // namespace lazy::nn::utils
 
 #define LAZYTENSOR_NN_CLIP_GRAD_INSTANCES(P)                                                                    \
@@ -124,7 +176,10 @@ void clip_grad_value_(const Tensor<T>& parameter, double clip_value) {
   P template lazy::Tensor<float> lazy::nn::utils::clip_grad_norm_<float>(const lazy::Tensor<float>&, double,     \
                                                                          double, bool);                        \
   P template void lazy::nn::utils::clip_grad_value_<float>(const std::vector<lazy::Tensor<float>>&, double);   \
-  P template void lazy::nn::utils::clip_grad_value_<float>(const lazy::Tensor<float>&, double);
+  P template void lazy::nn::utils::clip_grad_value_<float>(const lazy::Tensor<float>&, double);               \
+  P template lazy::AnyTensor lazy::nn::utils::clip_grad_norm_<void>(const std::vector<lazy::AnyTensor>&, double, \
+                                                                    double, bool);                            \
+  P template void lazy::nn::utils::clip_grad_value_<void>(const std::vector<lazy::AnyTensor>&, double);
 #if LAZYTENSOR_EXPLICIT_INSTANTIATION
 LAZYTENSOR_NN_CLIP_GRAD_INSTANCES(extern)
 #endif
