@@ -20893,7 +20893,7 @@ AnyTensor clip_grad_norm_(const std::vector<AnyTensor>& parameters, double max_n
     using T = decltype(tag);
     std::vector<Tensor<T>> typed;
     for (const auto& p : parameters)
-      if (p.defined() && p.dtype() == dtype_of<T>()) typed.push_back(p.as<T>());
+      if (p.defined() && p.dtype() == dtype_of<T>()) typed.push_back(p.template as<T>());
     return clip_grad_norm_<T>(typed, max_norm, norm_type, error_if_nonfinite);
   };
   switch (first ? first->dtype() : DType::Float32) {
@@ -21052,7 +21052,7 @@ void AdamBase<Options, Decoupled>::update(Tensor<T> p, ParamState& st, const Ada
   auto init = [&](const char* name) -> Tensor<T> {
     auto it = st.tensors.find(name);
     if (it == st.tensors.end()) it = st.tensors.emplace(name, zeros<T>(p.shape(), p.device())).first;
-    return it->second.as<T>();  // shares the state tensor: copy_ below updates it
+    return it->second.template as<T>();  // shares the state tensor: copy_ below updates it
   };
   Tensor<T> m = init("exp_avg");
   Tensor<T> v = init("exp_avg_sq");
@@ -21326,7 +21326,7 @@ void BasicSGD<V>::step() {
     for (std::size_t k = 0; k < ps.size(); ++k) {
       if (!ps[k].grad().defined()) continue;
       if constexpr (std::is_void_v<V>) detail::visit_floating(ps[k], "SGD", [&](auto p) { update(p, state(gi, k), o); });
-      else update(ps[k].as<V>(), state(gi, k), o);
+      else update(ps[k].template as<V>(), state(gi, k), o);
     }
   }
 }
@@ -21349,7 +21349,7 @@ void BasicSGD<V>::update(Tensor<T> p, ParamState& st, const SGDOptions& o) {
     buf = Tensor<T>(g * C(1));
     st.tensors.emplace("momentum_buffer", buf);
   } else {
-    buf = it->second.as<T>();
+    buf = it->second.template as<T>();
     buf.copy_(buf * mom + g * (1 - damp));
   }
   if (o.nesterov()) p.sub_((g + buf * mom) * lr);

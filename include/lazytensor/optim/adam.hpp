@@ -91,7 +91,7 @@ void AdamBase<Options, Decoupled>::update(Tensor<T> p, ParamState& st, const Ada
   auto init = [&](const char* name) -> Tensor<T> {
     auto it = st.tensors.find(name);
     if (it == st.tensors.end()) it = st.tensors.emplace(name, zeros<T>(p.shape(), p.device())).first;
-    return it->second.as<T>();  // shares the state tensor: copy_ below updates it
+    return it->second.template as<T>();  // shares the state tensor: copy_ below updates it
   };
   Tensor<T> m = init("exp_avg");
   Tensor<T> v = init("exp_avg_sq");

@@ -67,7 +67,7 @@ void BasicSGD<V>::step() {
     for (std::size_t k = 0; k < ps.size(); ++k) {
       if (!ps[k].grad().defined()) continue;
       if constexpr (std::is_void_v<V>) detail::visit_floating(ps[k], "SGD", [&](auto p) { update(p, state(gi, k), o); });
-      else update(ps[k].as<V>(), state(gi, k), o);
+      else update(ps[k].template as<V>(), state(gi, k), o);
     }
   }
 }
@@ -90,7 +90,7 @@ void BasicSGD<V>::update(Tensor<T> p, ParamState& st, const SGDOptions& o) {
     buf = Tensor<T>(g * C(1));
     st.tensors.emplace("momentum_buffer", buf);
   } else {
-    buf = it->second.as<T>();
+    buf = it->second.template as<T>();
     buf.copy_(buf * mom + g * (1 - damp));
   }
   if (o.nesterov()) p.sub_((g + buf * mom) * lr);

@@ -142,7 +142,7 @@ AnyTensor clip_grad_norm_(const std::vector<AnyTensor>& parameters, double max_n
     using T = decltype(tag);
     std::vector<Tensor<T>> typed;
     for (const auto& p : parameters)
-      if (p.defined() && p.dtype() == dtype_of<T>()) typed.push_back(p.as<T>());
+      if (p.defined() && p.dtype() == dtype_of<T>()) typed.push_back(p.template as<T>());
     return clip_grad_norm_<T>(typed, max_norm, norm_type, error_if_nonfinite);
   };
   switch (first ? first->dtype() : DType::Float32) {
