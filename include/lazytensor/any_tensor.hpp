@@ -54,10 +54,7 @@ class AnyTensor {
   }
 
   /// True for bfloat16, float and double.
-  bool is_floating_point() const {
-    const DType d = dtype();
-    return d == DType::BFloat16 || d == DType::Float32 || d == DType::Float64;
-  }
+  bool is_floating_point() const { return is_floating(dtype()); }
 
   // ---- autograd, as Tensor<T> (libtorch names) -------------------------------------
 
@@ -168,10 +165,7 @@ LAZYTENSOR_INLINE AnyTensor& AnyTensor::requires_grad_(bool on) {
 
 LAZYTENSOR_INLINE AnyTensor AnyTensor::to(DType target) const {
   if (dtype() == target) return *this;
-  if (!graph::detail::is_floating_dtype(dtype()) || !graph::detail::is_floating_dtype(target)) {
-    throw DTypeError("AnyTensor::to: converts between floating dtypes (bfloat16, float32, float64), got " +
-                     dtype_name(dtype()) + " to " + dtype_name(target));
-  }
+  // ConvertNode raises DTypeError unless both dtypes are floating.
   graph::NodePtr n = graph::submit(std::make_shared<graph::ConvertNode>(node(), target));
   switch (target) {
     case DType::BFloat16: return Tensor<bfloat16>(n);

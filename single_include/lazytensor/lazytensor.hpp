@@ -1365,6 +1365,9 @@ std::string dtype_name(DType d);
 template <class T>
 inline constexpr bool is_floating_v =
     std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, bfloat16>;
+/// True for the floating dtypes (bfloat16, float32, float64): is_floating_v at run time.
+constexpr bool is_floating(DType d) { return d == DType::BFloat16 || d == DType::Float32 || d == DType::Float64; }
+
 /// Constrains templates to bfloat16, float and double.
 template <class T>
 concept FloatingElement = Element<T> && is_floating_v<T>;
@@ -2397,8 +2400,6 @@ class RoundToBFloat16Node final : public Node {
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace detail {
-inline bool is_floating_dtype(DType d) { return d == DType::BFloat16 || d == DType::Float32 || d == DType::Float64; }
-
 // Elements [b, e) of src (dtype `from`) into dst (dtype `to`), both floating. Plain loops in
 // one function: no per-dtype template to compile into every program that includes this.
 inline void convert_elements(DType from, DType to, const void* src, void* dst, std::int64_t b, std::int64_t e) {
@@ -2425,7 +2426,7 @@ inline void convert_elements(DType from, DType to, const void* src, void* dst, s
 
 LAZYTENSOR_INLINE ConvertNode::ConvertNode(NodePtr in, DType to)
     : Node(NodeKind::Copy, to, in->shape(), in->device(), {in}) {
-  if (!detail::is_floating_dtype(in->dtype()) || !detail::is_floating_dtype(to)) {
+  if (!is_floating(in->dtype()) || !is_floating(to)) {
     throw DTypeError("convert: converts between floating dtypes (bfloat16, float32, float64), got " +
                      dtype_name(in->dtype()) + " to " + dtype_name(to));
   }
@@ -7220,10 +7221,7 @@ class AnyTensor {
   }
 
   /// True for bfloat16, float and double.
-  bool is_floating_point() const {
-    const DType d = dtype();
-    return d == DType::BFloat16 || d == DType::Float32 || d == DType::Float64;
-  }
+  bool is_floating_point() const { return is_floating(dtype()); }
 
   // ---- autograd, as Tensor<T> (libtorch names) -------------------------------------
 
@@ -7334,10 +7332,7 @@ LAZYTENSOR_INLINE AnyTensor& AnyTensor::requires_grad_(bool on) {
 
 LAZYTENSOR_INLINE AnyTensor AnyTensor::to(DType target) const {
   if (dtype() == target) return *this;
-  if (!graph::detail::is_floating_dtype(dtype()) || !graph::detail::is_floating_dtype(target)) {
-    throw DTypeError("AnyTensor::to: converts between floating dtypes (bfloat16, float32, float64), got " +
-                     dtype_name(dtype()) + " to " + dtype_name(target));
-  }
+  // ConvertNode raises DTypeError unless both dtypes are floating.
   graph::NodePtr n = graph::submit(std::make_shared<graph::ConvertNode>(node(), target));
   switch (target) {
     case DType::BFloat16: return Tensor<bfloat16>(n);
@@ -18711,7 +18706,7 @@ LAZYTENSOR_INLINE void Module::to(const Device& dev) {
 }
 
 LAZYTENSOR_INLINE void Module::to(DType dtype) {
-  if (dtype != DType::BFloat16 && dtype != DType::Float32 && dtype != DType::Float64) {
+  if (!is_floating(dtype)) {
     throw DTypeError(name_ + ".to: expected a floating dtype (bfloat16, float32 or float64), got " + dtype_name(dtype));
   }
   for (auto& [n, p] : named_parameters()) {

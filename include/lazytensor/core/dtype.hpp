@@ -58,6 +58,9 @@ std::string dtype_name(DType d);
 template <class T>
 inline constexpr bool is_floating_v =
     std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, bfloat16>;
+/// True for the floating dtypes (bfloat16, float32, float64): is_floating_v at run time.
+constexpr bool is_floating(DType d) { return d == DType::BFloat16 || d == DType::Float32 || d == DType::Float64; }
+
 /// Constrains templates to bfloat16, float and double.
 template <class T>
 concept FloatingElement = Element<T> && is_floating_v<T>;

@@ -46,8 +46,6 @@ class RoundToBFloat16Node final : public Node {
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace detail {
-inline bool is_floating_dtype(DType d) { return d == DType::BFloat16 || d == DType::Float32 || d == DType::Float64; }
-
 // Elements [b, e) of src (dtype `from`) into dst (dtype `to`), both floating. Plain loops in
 // one function: no per-dtype template to compile into every program that includes this.
 inline void convert_elements(DType from, DType to, const void* src, void* dst, std::int64_t b, std::int64_t e) {
@@ -74,7 +72,7 @@ inline void convert_elements(DType from, DType to, const void* src, void* dst, s
 
 LAZYTENSOR_INLINE ConvertNode::ConvertNode(NodePtr in, DType to)
     : Node(NodeKind::Copy, to, in->shape(), in->device(), {in}) {
-  if (!detail::is_floating_dtype(in->dtype()) || !detail::is_floating_dtype(to)) {
+  if (!is_floating(in->dtype()) || !is_floating(to)) {
     throw DTypeError("convert: converts between floating dtypes (bfloat16, float32, float64), got " +
                      dtype_name(in->dtype()) + " to " + dtype_name(to));
   }

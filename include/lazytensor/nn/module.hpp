@@ -300,7 +300,7 @@ LAZYTENSOR_INLINE void Module::to(const Device& dev) {
 }
 
 LAZYTENSOR_INLINE void Module::to(DType dtype) {
-  if (dtype != DType::BFloat16 && dtype != DType::Float32 && dtype != DType::Float64) {
+  if (!is_floating(dtype)) {
     throw DTypeError(name_ + ".to: expected a floating dtype (bfloat16, float32 or float64), got " + dtype_name(dtype));
   }
   for (auto& [n, p] : named_parameters()) {
