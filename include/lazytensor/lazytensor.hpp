@@ -18,6 +18,7 @@
 #include <lazytensor/ops/shape.hpp>
 #include <lazytensor/ops/softmax.hpp>
 #include <lazytensor/optim.hpp>
+#include <lazytensor/spmd.hpp>
 #include <lazytensor/state_dict.hpp>
 #include <lazytensor/tensor.hpp>
 #include <lazytensor/train.hpp>

@@ -7,7 +7,7 @@
 # Fails on any include that points up. (A type a lower layer must name, it declares ahead:
 # expr/expr.hpp declares graph::Node and autograd::GradFn.)
 cmake_minimum_required(VERSION 3.20)
-set(LAYERS core expr graph autograd_node tensor autograd_api ops io_format frontend dist io_save train debug)
+set(LAYERS core expr graph autograd_node tensor autograd_api ops io_format frontend dist spmd io_save train debug)
 set(LAYER_OF_FOLDER_core core)
 set(LAYER_OF_FOLDER_expr expr)
 set(LAYER_OF_FOLDER_graph graph)
@@ -19,6 +19,7 @@ set(LAYER_OF_FOLDER_nn frontend)
 set(LAYER_OF_FOLDER_optim frontend)
 set(LAYER_OF_FOLDER_data frontend)
 set(LAYER_OF_FOLDER_dist dist)
+set(LAYER_OF_FOLDER_spmd spmd)
 set(LAYER_OF_FOLDER_train train)
 set(LAYER_OF_FOLDER_debug debug)
 # Files whose layer is not their folder's.

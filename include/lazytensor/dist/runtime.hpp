@@ -22,6 +22,10 @@ inline const dist::detail::WorldLayout* layout() {
 }
 }  // namespace detail
 
+/// Devices of every process taking part (xr.global_runtime_device_count()): what SPMD
+/// meshes are laid over. Today one process, so lazy::device_count().
+inline int global_runtime_device_count() { return device_count(); }
+
 /// Number of replicas in the world (xr.world_size()); 1 outside spawn.
 inline int world_size() {
   auto* l = detail::layout();

@@ -121,8 +121,15 @@ class CompiledKernel final : public ElementwiseKernel {
 /// Evaluates an element-wise kernel into a tensor.
 class ElementwiseNode final : public Node {
  public:
-  ElementwiseNode(std::unique_ptr<ElementwiseKernel> kernel, bool can_stream, DType dtype, Shape shape,
+  ElementwiseNode(std::shared_ptr<const ElementwiseKernel> kernel, bool can_stream, DType dtype, Shape shape,
                   Device* device, std::vector<NodePtr> inputs);
+
+  /// The same kernel over other inputs, of `shape`, on `device` (not yet submitted): the
+  /// SPMD partitioner runs one per shard. The kernel is shared: it holds only the
+  /// expression's form and scalars, never data.
+  NodePtr with_inputs(Shape shape, Device* device, std::vector<NodePtr> inputs) const {
+    return std::make_shared<ElementwiseNode>(kernel_, can_stream_, dtype(), shape, device, std::move(inputs));
+  }
 
   std::string op_name() const override { return "fused"; }
   std::string describe() const override { return kernel_->text(); }
@@ -151,7 +158,7 @@ class ElementwiseNode final : public Node {
 
   double producer_cost() const { return inputs()[fused_slot_]->cost_per_element(); }
 
-  std::unique_ptr<ElementwiseKernel> kernel_;
+  std::shared_ptr<const ElementwiseKernel> kernel_;
   bool can_stream_;
   expr::Layout layout_;
   int fused_slot_ = -1;
@@ -162,7 +169,7 @@ class ElementwiseNode final : public Node {
 template <Element Tout, class K>
 NodePtr elementwise_node(K k, const Shape& shape, Device* device, std::vector<NodePtr> inputs) {
   using CK = CompiledKernel<K, Tout>;
-  return std::make_shared<ElementwiseNode>(std::make_unique<CK>(std::move(k)), CK::can_stream, dtype_of<Tout>(),
+  return std::make_shared<ElementwiseNode>(std::make_shared<const CK>(std::move(k)), CK::can_stream, dtype_of<Tout>(),
                                            shape, device, std::move(inputs));
 }
 
@@ -175,7 +182,7 @@ LAZYTENSOR_INLINE RowProducer::Session::Session(RowProducer& p, ExecContext& ctx
 
 LAZYTENSOR_INLINE RowProducer::Session::~Session() { p_.end_rows(); }
 
-LAZYTENSOR_INLINE ElementwiseNode::ElementwiseNode(std::unique_ptr<ElementwiseKernel> kernel,
+LAZYTENSOR_INLINE ElementwiseNode::ElementwiseNode(std::shared_ptr<const ElementwiseKernel> kernel,
   bool can_stream,
   DType dtype,
   Shape shape,

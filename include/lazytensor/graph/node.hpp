@@ -20,7 +20,9 @@ class Node;
 using NodePtr = std::shared_ptr<Node>;
 
 /// What a node's kernel does, for the planner and for graph dumps.
-enum class NodeKind { Data, Elementwise, Reduction, Gemm, View, Copy, Random, Host, Collective };
+/// `Sharded`: the whole value of a tensor sharded over a mesh (lazy::spmd), whose pieces are
+/// nodes on the mesh's devices; it is never traced or planned, only read (which gathers).
+enum class NodeKind { Data, Elementwise, Reduction, Gemm, View, Copy, Random, Host, Collective, Sharded };
 
 /// Execution context handed to a kernel.
 struct ExecContext {

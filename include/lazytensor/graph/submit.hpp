@@ -1,6 +1,7 @@
 #pragma once
 // Adding nodes to a device's pending graph.
 
+#include <atomic>
 #include <memory>
 #include <span>
 #include <string>
@@ -15,8 +16,31 @@ namespace lazy::graph {
 /// the current device.
 Device& common_device(const std::vector<NodePtr>& inputs, const char* op);
 
-/// Adds a node to its device's pending graph; in eager mode it runs at once.
+/// Rewrites a node that reads a sharded value (NodeKind::Sharded) into per-device pieces.
+/// lazy::spmd installs it (use_spmd); without it no node can read a sharded value.
+using PartitionHook = NodePtr (*)(NodePtr node);
+
+/// The installed partitioner (null outside SPMD mode). Atomic: installed once, read by
+/// every submit.
+inline std::atomic<PartitionHook>& partition_hook() {
+  static std::atomic<PartitionHook> hook{nullptr};
+  return hook;
+}
+
+/// Whether mark_step steps every device of the process instead of the current one (SPMD
+/// mode: one program thread drives all devices).
+inline std::atomic<bool>& step_every_device() {
+  static std::atomic<bool> on{false};
+  return on;
+}
+
+/// Adds a node to its device's pending graph; in eager mode it runs at once. A node that
+/// reads a sharded value goes to the partitioner instead, which returns the node that
+/// stands for the result (callers use the returned node, never the one they passed).
 NodePtr submit(NodePtr node);
+
+/// submit without the partitioner: for the partitioner's own nodes.
+NodePtr submit_unpartitioned(NodePtr node);
 
 /// Materializes `node` (and what it needs). A value a step is computing is waited for;
 /// a pending one is computed now. Returns true when this read had to compute it (an
@@ -40,6 +64,14 @@ LAZYTENSOR_INLINE Device& common_device(const std::vector<NodePtr>& inputs, cons
 }
 
 LAZYTENSOR_INLINE NodePtr submit(NodePtr node) {
+  if (PartitionHook hook = partition_hook().load(std::memory_order_acquire)) {
+    for (const auto& in : node->inputs())
+      if (in->kind() == NodeKind::Sharded) return hook(std::move(node));
+  }
+  return submit_unpartitioned(std::move(node));
+}
+
+LAZYTENSOR_INLINE NodePtr submit_unpartitioned(NodePtr node) {
   Device& dev = *node->device();
   if (dev.eager())
     execute(dev, std::span(&node, 1));

@@ -27,8 +27,8 @@ Device device(int index);
 /// Makes `d` this thread's current device.
 inline void set_device(const Device& d) { graph::current_device_index() = d.index(); }
 
-/// Materializes every pending value that a live tensor handle on the current device can
-/// reach, then runs the step closures and advances the device's random stream. A node
+/// Materializes every pending value that a live tensor handle on the current device (in
+/// SPMD mode, lazy::spmd::use_spmd: on every device) can reach, then runs the step closures and advances the device's random stream. A node
 /// that no handle reaches is never computed.
 ///
 /// Asynchronous: the step is planned here and handed to the device's executor thread, and
@@ -42,7 +42,7 @@ void mark_step();
 inline void sync() { mark_step(); }
 
 /// Waits for every step enqueued on the current device (xm.wait_device_ops), then
-/// re-throws an error a step stored.
+/// re-throws an error a step stored. In SPMD mode: on every device.
 void wait_device_ops();
 
 /// Sets how many threads the current device's kernels use (as torch::set_num_threads; the
@@ -117,16 +117,32 @@ LAZYTENSOR_INLINE Device device(int index) {
   return Device(index);
 }
 
+namespace detail {
+/// One device's share of a step: its pending values, then a fresh random stream (as XLA's
+/// seed advance after mark_step).
+inline void step_device(graph::Device& dev) {
+  graph::run_step(dev, graph::collect_step(dev));
+  auto& rng = dev.rng();
+  rng.seed = graph::hash_combine(rng.seed, 0x9e3779b97f4a7c15ull);
+  rng.offset = 0;
+}
+}  // namespace detail
+
 LAZYTENSOR_INLINE void mark_step() {
   static auto& steps = core::counter("MarkStep");
   graph::Device& dev = graph::current_device();
   steps.add();
-  dev.rethrow_stored_error();
-  graph::run_step(dev, graph::collect_step(dev));
-  // A new step draws fresh random numbers, as XLA's seed advance after mark_step.
-  auto& rng = dev.rng();
-  rng.seed = graph::hash_combine(rng.seed, 0x9e3779b97f4a7c15ull);
-  rng.offset = 0;
+  if (graph::step_every_device().load(std::memory_order_acquire)) {
+    // SPMD: this thread drives every device. Each device's step is handed to its own
+    // executor, so the shards of a statement compute in parallel.
+    auto& registry = graph::DeviceRegistry::get();
+    const int n = device_count();
+    for (int i = 0; i < n; ++i) registry.device(i).rethrow_stored_error();
+    for (int i = 0; i < n; ++i) detail::step_device(registry.device(i));
+  } else {
+    dev.rethrow_stored_error();
+    detail::step_device(dev);
+  }
   // Closures run once the step has executed (as torch_xla's synchronous step closures), so
   // they see its values; without closures mark_step returns at once.
   auto closures = dev.take_step_closures();
@@ -135,6 +151,12 @@ LAZYTENSOR_INLINE void mark_step() {
 }
 
 LAZYTENSOR_INLINE void wait_device_ops() {
+  if (graph::step_every_device().load(std::memory_order_acquire)) {
+    auto& registry = graph::DeviceRegistry::get();
+    for (int i = 0; i < device_count(); ++i) registry.device(i).wait_idle();
+    for (int i = 0; i < device_count(); ++i) registry.device(i).rethrow_stored_error();
+    return;
+  }
   auto& dev = graph::current_device();
   dev.wait_idle();
   dev.rethrow_stored_error();

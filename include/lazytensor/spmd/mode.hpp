@@ -1,0 +1,48 @@
+#pragma once
+// SPMD mode (torch_xla's xr.use_spmd()): one program thread drives every device; tensors
+// annotated with a sharding live as pieces on the mesh's devices.
+
+#include <lazytensor/core/config.hpp>
+
+namespace lazy::spmd {
+
+/// Turns SPMD mode on for the process, for good (call it before creating tensors, as in
+/// torch_xla). From then on: graph::submit hands nodes reading sharded values to the
+/// partitioner; lazy::mark_step() and wait_device_ops() step and wait for every device; and,
+/// with several devices, each device's kernels use an equal share of the threads (as spawn
+/// gives replicas). Error inside spawn (replicas and SPMD are two different programs).
+void use_spmd();
+
+/// Whether use_spmd() was called.
+bool is_spmd();
+
+}  // namespace lazy::spmd
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+#include <algorithm>
+
+#include <lazytensor/dist/context.hpp>
+#include <lazytensor/spmd/partitioner.hpp>
+#include <lazytensor/tensor/device.hpp>
+
+namespace lazy::spmd {
+
+LAZYTENSOR_INLINE void use_spmd() {
+  if (dist::detail::current_context())
+    throw Error("use_spmd: called inside spawn; SPMD mode drives every device from one program thread");
+  if (is_spmd()) return;
+  const int n = device_count();
+  if (n > 1) {
+    const int threads = std::max(1, graph::default_device_threads() / n);
+    for (int i = 0; i < n; ++i) graph::DeviceRegistry::get().device(i).set_num_threads(threads);
+  }
+  graph::partition_hook().store(&detail::partition, std::memory_order_release);
+  graph::step_every_device().store(true, std::memory_order_release);
+}
+
+LAZYTENSOR_INLINE bool is_spmd() {
+  return graph::partition_hook().load(std::memory_order_acquire) != nullptr;
+}
+
+}  // namespace lazy::spmd
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

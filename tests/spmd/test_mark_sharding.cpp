@@ -1,0 +1,136 @@
+// mark_sharding over every 4-device mesh shape and every spec form: each device's piece is
+// the block a scalar loop cuts from the value, the pieces cover the tensor exactly once per
+// replica group, and reading the tensor gathers it bitwise.
+
+#include <gtest/gtest.h>
+
+#include <lazytensor/spmd.hpp>
+
+#include "testing/spmd.hpp"
+
+namespace spmd = lazy::spmd;
+
+namespace {
+
+// Meshes of the four devices in every shape the issue names.
+std::vector<spmd::Mesh> meshes() {
+  return {spmd::Mesh({0, 1, 2, 3}, {4}, {"x"}), spmd::Mesh({0, 1, 2, 3}, {2, 2}, {"x", "y"}),
+          spmd::Mesh({0, 1, 2, 3}, {1, 4}, {"x", "y"}), spmd::Mesh({3, 2, 1, 0}, {4, 1}, {"x", "y"})};
+}
+
+// Every spec form on a 2-D tensor of an (8, 8) shape, valid on each mesh above.
+std::vector<spmd::PartitionSpec> specs(const spmd::Mesh& m) {
+  std::vector<spmd::PartitionSpec> r = {{}, {0}, {std::nullopt, 0}, {"x"}, {std::nullopt, "x"}};
+  if (m.rank() == 2) {
+    r.push_back({0, 1});
+    r.push_back({1, 0});
+    r.push_back({"y", std::nullopt});
+    r.push_back({{"x", "y"}});
+    r.push_back({std::nullopt, {"y", "x"}});
+  }
+  return r;
+}
+
+}  // namespace
+
+TEST(SpmdMarkSharding, PiecesAreTheBlocksAndCoverEachReplicaGroupOnce) {
+  const auto values = lazy_tests::random_values<double>(64, 1);
+  for (const auto& mesh : meshes()) {
+    for (const auto& spec : specs(mesh)) {
+      auto t = lazy::from_vector<double>(values, {8, 8});
+      spmd::mark_sharding(t, mesh, spec);
+      const auto sharding = spmd::resolve_sharding(mesh, spec, lazy::Shape{8, 8});
+      const auto shards = spmd::local_shards(t);
+      ASSERT_EQ(shards.size(), 4u);
+      // Coverage: every element is held by (4 / number of blocks) devices.
+      std::int64_t blocks = sharding.parts(0) * sharding.parts(1);
+      std::vector<int> hits(64, 0);
+      for (std::size_t p = 0; p < shards.size(); ++p) {
+        const auto& s = shards[p];
+        EXPECT_EQ(s.device.index(), mesh.device_ids()[p]);
+        EXPECT_EQ(s.data.device().index(), mesh.device_ids()[p]);
+        const auto [r0, r1] = s.index[0];
+        const auto [c0, c1] = s.index[1];
+        ASSERT_EQ(s.data.shape(), (lazy::Shape{r1 - r0, c1 - c0}));
+        const auto got = s.data.to_vector();
+        for (auto r = r0; r < r1; ++r) {
+          for (auto c = c0; c < c1; ++c) {
+            ++hits[static_cast<std::size_t>(r * 8 + c)];
+            EXPECT_EQ(got[static_cast<std::size_t>((r - r0) * (c1 - c0) + (c - c0))],
+                      values[static_cast<std::size_t>(r * 8 + c)]);
+          }
+        }
+      }
+      for (int h : hits) EXPECT_EQ(h, 4 / blocks) << mesh.str() << " " << sharding.str();
+      // Reading gathers the whole value, bitwise.
+      EXPECT_EQ(t.to_vector(), values) << sharding.str();
+      EXPECT_EQ(spmd::sharding_spec(t), sharding.str());
+    }
+  }
+}
+
+TEST(SpmdMarkSharding, AnnotatesTheTensorObjectAndClears) {
+  spmd::Mesh mesh({0, 1, 2, 3}, {4}, {"data"});
+  auto t = lazy::arange<float>(0, 16);
+  auto alias = t;
+  auto& same = spmd::mark_sharding(t, mesh, {"data"});
+  EXPECT_EQ(&same, &t);
+  EXPECT_EQ(spmd::sharding_spec(alias), "{devices=[4]0,1,2,3}");
+  EXPECT_EQ(spmd::sharding_spec(lazy::arange<float>(0, 4)), "");
+  spmd::clear_sharding(alias);
+  EXPECT_EQ(spmd::sharding_spec(t), "");
+  std::vector<float> expect(16);
+  for (int i = 0; i < 16; ++i) expect[static_cast<std::size_t>(i)] = static_cast<float>(i);
+  EXPECT_EQ(t.to_vector(), expect);
+  EXPECT_EQ(t.device().index(), 0);
+  // Updating a piece's handle leaves the sharded tensor alone.
+  spmd::mark_sharding(t, mesh, {0});
+  auto pieces = spmd::local_shards(t);
+  pieces[0].data.add_(100.0f);
+  EXPECT_EQ(t.to_vector(), expect);
+}
+
+TEST(SpmdMarkSharding, ErrorsOfTheAnnotation) {
+  spmd::Mesh mesh({0, 1, 2, 3}, {4}, {"x"});
+  auto t = lazy::zeros<float>({6, 4});
+  try {
+    spmd::mark_sharding(t, mesh, {"x"});
+    FAIL() << "expected a ShardingError";
+  } catch (const lazy::ShardingError& e) {
+    EXPECT_STREQ(e.what(), "dimension 0 of shape (6, 4) must be divisible by 4 (mesh axis \"x\")");
+  }
+  // The failed annotation left the tensor as it was.
+  EXPECT_EQ(spmd::sharding_spec(t), "");
+  EXPECT_THROW(spmd::mark_sharding(t, mesh, {std::nullopt, std::nullopt, 0}), lazy::ShardingError);
+}
+
+TEST(SpmdMarkSharding, VisualizeShowsWhoHoldsWhat) {
+  spmd::Mesh mesh({0, 1, 2, 3}, {2, 2}, {"x", "y"});
+  auto t = lazy::zeros<float>({4, 4});
+  spmd::mark_sharding(t, mesh, {"x", "y"});
+  EXPECT_EQ(spmd::visualize_tensor_sharding(t),
+            "tensor of shape (4, 4), {devices=[2,2]0,1,2,3}\n"
+            "+-------+-------+\n"
+            "| CPU 0 | CPU 1 |\n"
+            "+-------+-------+\n"
+            "| CPU 2 | CPU 3 |\n"
+            "+-------+-------+\n");
+  auto v = lazy::zeros<float>({8});
+  spmd::mark_sharding(v, mesh, {"y"});
+  EXPECT_EQ(spmd::visualize_tensor_sharding(v),
+            "tensor of shape (8,), {devices=[2,2]0,2,1,3 last_tile_dim_replicate}\n"
+            "+---------+---------+\n"
+            "| CPU 0,2 | CPU 1,3 |\n"
+            "+---------+---------+\n");
+  auto c = lazy::zeros<float>({2, 2, 2});
+  spmd::mark_sharding(c, mesh, {std::nullopt, std::nullopt, "x"});
+  const auto text = spmd::visualize_tensor_sharding(c);
+  EXPECT_NE(text.find("[0:2, 0:2, 0:1] -> CPU 0,1"), std::string::npos) << text;
+  EXPECT_NE(text.find("[0:2, 0:2, 1:2] -> CPU 2,3"), std::string::npos) << text;
+}
+
+TEST(SpmdMarkSharding, NeedsSpmdModeOnlyOnce) {
+  EXPECT_TRUE(spmd::is_spmd());
+  spmd::use_spmd();  // idempotent
+  EXPECT_TRUE(spmd::is_spmd());
+}
