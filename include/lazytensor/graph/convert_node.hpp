@@ -26,6 +26,10 @@ class ConvertNode final : public Node {
 
   std::string op_name() const override { return "convert"; }
   std::string describe() const override { return "convert(%0) -> " + dtype_name(dtype()); }
+  std::optional<BlockRule> block_rule() const override { return aligned_block_rule(shape(), inputs()); }
+  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
+    return std::make_shared<ConvertNode>(std::move(inputs[0]), dtype());
+  }
 
  protected:
   void compute(ExecContext& ctx) override;
@@ -39,6 +43,10 @@ class RoundToBFloat16Node final : public Node {
   explicit RoundToBFloat16Node(NodePtr in);
 
   std::string op_name() const override { return "round_bf16"; }
+  std::optional<BlockRule> block_rule() const override { return aligned_block_rule(shape(), inputs()); }
+  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
+    return std::make_shared<RoundToBFloat16Node>(std::move(inputs[0]));
+  }
 
  protected:
   void compute(ExecContext& ctx) override;

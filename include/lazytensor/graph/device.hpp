@@ -99,6 +99,10 @@ class Device {
   /// it for replicas that fill every core: the executor would only compete with the
   /// replica's own thread for a core, and each hand-off costs two thread wake-ups.
   bool& inline_steps() { return inline_steps_; }
+  /// Whether an asynchronous device hands every step to its executor, however small. SPMD
+  /// mode sets it: one thread steps every device, and a step holding a collective must not
+  /// run on that thread, where it would wait for peers whose steps are not handed out yet.
+  bool& queue_every_step() { return queue_every_step_; }
   /// Whether the user chose the step mode (LAZYTENSOR_ASYNC set): spawn then leaves it.
   static bool async_from_env() { return core::env_switch("LAZYTENSOR_ASYNC").has_value(); }
 
@@ -160,6 +164,7 @@ class Device {
   bool eager_ = false;
   bool async_ = default_async();
   bool inline_steps_ = false;
+  bool queue_every_step_ = false;
   std::vector<std::function<void()>> closures_;
   std::atomic<std::uint64_t> failures_{0};
   std::exception_ptr error_;

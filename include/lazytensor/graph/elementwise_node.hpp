@@ -124,10 +124,11 @@ class ElementwiseNode final : public Node {
   ElementwiseNode(std::shared_ptr<const ElementwiseKernel> kernel, bool can_stream, DType dtype, Shape shape,
                   Device* device, std::vector<NodePtr> inputs);
 
-  /// The same kernel over other inputs, of `shape`, on `device` (not yet submitted): the
-  /// SPMD partitioner runs one per shard. The kernel is shared: it holds only the
-  /// expression's form and scalars, never data.
-  NodePtr with_inputs(Shape shape, Device* device, std::vector<NodePtr> inputs) const {
+  /// Element-wise: every output dimension splits; inputs aligned right (NumPy).
+  std::optional<BlockRule> block_rule() const override { return aligned_block_rule(shape(), inputs()); }
+  /// The same kernel over other inputs (the SPMD partitioner runs one per shard). The
+  /// kernel is shared: it holds only the expression's form and scalars, never data.
+  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device* device) const override {
     return std::make_shared<ElementwiseNode>(kernel_, can_stream_, dtype(), shape, device, std::move(inputs));
   }
 

@@ -350,7 +350,8 @@ LAZYTENSOR_INLINE void run_step(Device& dev, std::vector<NodePtr> nodes) {
   if (nodes.empty()) return;
   prepare(nodes);
   auto plan = plan_for(dev, nodes, true);
-  const bool queue = dev.async() && !dev.inline_steps() && plan->work >= kInlineStepWork;
+  const bool queue =
+      dev.async() && (dev.queue_every_step() || (!dev.inline_steps() && plan->work >= kInlineStepWork));
   if (queue)
     dev.wait_below(2);
   else

@@ -18,20 +18,53 @@
 
 namespace lazy::graph {
 
+/// An operand as a GEMM reads it.
+struct GemmOperand {
+  NodePtr node;
+  bool transposed;  ///< the node holds [.., cols, rows] and is read transposed
+};
+
+/// What the SPMD partitioner needs of a product: its operands' layouts and sizes, and the
+/// same product over blocks.
+class BlockGemm {
+ public:
+  virtual ~BlockGemm() = default;
+  virtual bool a_transposed() const = 0;
+  virtual bool b_transposed() const = 0;
+  virtual std::int64_t batch_a() const = 0;
+  virtual std::int64_t batch_b() const = 0;
+  virtual std::int64_t rows() const = 0;
+  virtual std::int64_t depth() const = 0;
+  virtual std::int64_t cols() const = 0;
+  /// The product of [m, k] and [k, n] blocks, of shape `out` (m x n elements), on
+  /// `device`, not submitted.
+  virtual NodePtr with_operands(GemmOperand a, GemmOperand b, std::int64_t m, std::int64_t k, std::int64_t n,
+                                Shape out, Device* device) const = 0;
+};
+
 /// C[b] = op(A[b]) * op(B[b]) for a batch of row-major matrices; op is identity or
 /// transpose. A batch count of 1 on either side broadcasts.
 template <Element T>
-class GemmNode final : public Node, public RowProducer {
+class GemmNode final : public Node, public RowProducer, public BlockGemm {
  public:
-  struct Operand {
-    NodePtr node;
-    bool transposed;  ///< the node holds [.., cols, rows] and is read transposed
-  };
+  using Operand = GemmOperand;
 
   GemmNode(Operand a, Operand b, std::int64_t batch_a, std::int64_t batch_b, std::int64_t m, std::int64_t k,
            std::int64_t n, Shape out_shape, Device* device)
       : Node(NodeKind::Gemm, dtype_of<T>(), out_shape, device, {a.node, b.node}), ta_(a.transposed),
         tb_(b.transposed), batch_a_(batch_a), batch_b_(batch_b), m_(m), k_(k), n_(n) {}
+
+  bool a_transposed() const override { return ta_; }
+  bool b_transposed() const override { return tb_; }
+  std::int64_t batch_a() const override { return batch_a_; }
+  std::int64_t batch_b() const override { return batch_b_; }
+  std::int64_t rows() const override { return m_; }
+  std::int64_t depth() const override { return k_; }
+  std::int64_t cols() const override { return n_; }
+  NodePtr with_operands(GemmOperand a, GemmOperand b, std::int64_t m, std::int64_t k, std::int64_t n, Shape out,
+                        Device* device) const override {
+    return std::make_shared<GemmNode>(std::move(a), std::move(b), 1, 1, m, k, n, out, device);
+  }
 
   std::string op_name() const override { return "matmul"; }
   std::string describe() const override {

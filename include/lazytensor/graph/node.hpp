@@ -2,9 +2,11 @@
 // Runtime graph nodes. A node is a type-erased kernel plus its inputs; once computed it
 // keeps only its buffer and drops its inputs, so the graph behind it can be freed.
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -27,6 +29,17 @@ enum class NodeKind { Data, Elementwise, Reduction, Gemm, View, Copy, Random, Ho
 /// Execution context handed to a kernel.
 struct ExecContext {
   Device& device;
+};
+
+/// How a node computes block by block (read by the SPMD partitioner, lazy::spmd): for each
+/// output dimension, whether a block along it can be computed alone (`splittable`), and for
+/// each input the dimension of that input that has the output dimension's size and is cut
+/// into the same blocks (`input_dim[input][output dim]`, -1: every block reads that input
+/// whole along it, e.g. a broadcast). An input dimension no splittable output dimension
+/// names must be whole in every block.
+struct BlockRule {
+  std::vector<bool> splittable;
+  std::vector<std::vector<int>> input_dim;
 };
 
 /// A value in the pending graph of one device.
@@ -73,6 +86,16 @@ class Node {
   virtual std::uint64_t structural_hash() const;
   /// Estimated cost per output element (1 = one add), used to decide threading.
   virtual double cost_per_element() const { return 1.0; }
+
+  /// The node's block rule, or nullopt when it has none (the partitioner then gathers).
+  virtual std::optional<BlockRule> block_rule() const { return std::nullopt; }
+  /// The same kernel over `inputs` (blocks of this node's inputs as its block rule cuts
+  /// them), producing `shape` on `device`, not yet submitted. Null without a block rule.
+  virtual std::shared_ptr<Node> with_inputs(std::vector<std::shared_ptr<Node>> inputs, Shape shape,
+                                            Device* device) const {
+    (void)inputs, (void)shape, (void)device;
+    return nullptr;
+  }
 
   /// Computes the value into a buffer. Called once, after every input is materialized.
   void run(ExecContext& ctx);
@@ -147,6 +170,11 @@ class DataNode final : public Node {
   void compute(ExecContext&) override {}
 };
 
+/// The block rule of an op whose output dimension o reads dimension o - (rank - input rank)
+/// of each input (dimensions aligned right, NumPy broadcasting), a size-1 input dimension
+/// being read whole: element-wise kernels, conversions.
+BlockRule aligned_block_rule(const Shape& out, const std::vector<NodePtr>& inputs);
+
 /// Combines hashes (boost::hash_combine's mixing).
 inline std::uint64_t hash_combine(std::uint64_t seed, std::uint64_t v) {
   return seed ^ (v + 0x9e3779b97f4a7c15ull + (seed << 6) + (seed >> 2));
@@ -218,6 +246,19 @@ LAZYTENSOR_INLINE std::uint64_t Node::next_id() {
 LAZYTENSOR_INLINE DataNode::DataNode(DType dtype, Shape shape, Device* device, std::shared_ptr<Buffer> buf)
     : Node(NodeKind::Data, dtype, shape, device) {
   set_buffer(std::move(buf));
+}
+
+LAZYTENSOR_INLINE BlockRule aligned_block_rule(const Shape& out, const std::vector<NodePtr>& inputs) {
+  const int rank = out.rank();
+  BlockRule r{std::vector<bool>(static_cast<std::size_t>(rank), true), {}};
+  for (const auto& in : inputs) {
+    const int off = rank - in->shape().rank();
+    std::vector<int> map(static_cast<std::size_t>(rank), -1);
+    for (int o = std::max(off, 0); o < rank; ++o)
+      if (in->shape()[o - off] == out[o]) map[static_cast<std::size_t>(o)] = o - off;
+    r.input_dim.push_back(std::move(map));
+  }
+  return r;
 }
 
 LAZYTENSOR_INLINE std::uint64_t hash_shape(const Shape& s) {

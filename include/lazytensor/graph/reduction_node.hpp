@@ -115,9 +115,24 @@ S reduce_range(const Ev& ev, std::int64_t b, std::int64_t len) {
 
 }  // namespace detail
 
+/// What the SPMD partitioner needs of a reduction: the child it reduces (viewed as
+/// [outer, extent, inner]) and the same reduction over a block of it.
+class BlockReduction {
+ public:
+  virtual ~BlockReduction() = default;
+  virtual const Shape& child_shape() const = 0;
+  virtual ReduceGeometry geometry() const = 0;
+  /// The reduction's name ("sum", "prod", "max", "min", "any", "all").
+  virtual const char* reduce_name() const = 0;
+  /// The same kernel and scale over `inputs` (blocks of this node's inputs, of `child`
+  /// shape or single elements), producing `out` on `device`, not yet submitted.
+  virtual NodePtr with_block(std::vector<NodePtr> inputs, Shape out, ReduceGeometry g, Shape child,
+                             Device* device) const = 0;
+};
+
 /// Reduces kernel-form expression K (with lane S) by R into Tout, scaling by `scale`.
 template <class K, class R, class S, Element Tout>
-class ReductionNode final : public Node, public ChunkReduction {
+class ReductionNode final : public Node, public ChunkReduction, public BlockReduction {
  public:
   ReductionNode(K kernel, Shape out_shape, ReduceGeometry g, double scale, Device* device,
                 std::vector<NodePtr> inputs, Shape child_shape)
@@ -139,6 +154,14 @@ class ReductionNode final : public Node, public ChunkReduction {
     std::uint64_t h = hash_combine(Node::structural_hash(), kernel_hash);
     h = hash_combine(h, hash_shape(child_shape_));
     return hash_combine(h, static_cast<std::uint64_t>(g_.extent));
+  }
+
+  const Shape& child_shape() const override { return child_shape_; }
+  ReduceGeometry geometry() const override { return g_; }
+  const char* reduce_name() const override { return R::name; }
+  NodePtr with_block(std::vector<NodePtr> inputs, Shape out, ReduceGeometry g, Shape child,
+                     Device* device) const override {
+    return std::make_shared<ReductionNode>(kernel_, out, g, scale_, device, std::move(inputs), child);
   }
 
   bool reduces_all() const override { return g_.outer == 1 && g_.inner == 1; }

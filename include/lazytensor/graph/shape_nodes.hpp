@@ -79,6 +79,10 @@ class PermuteNode : public Node {
   std::string describe() const override;
   std::uint64_t structural_hash() const override;
 
+  /// Every output dimension splits, reading the input dimension it moves.
+  std::optional<BlockRule> block_rule() const override;
+  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device* device) const override;
+
  protected:
   void compute(ExecContext& ctx) override;
 
@@ -175,6 +179,7 @@ class TransposeNode final : public PermuteNode, public TransposeOfLastTwo {
   /// The node whose last two dims this value swaps (null once this node has run: a
   /// computed node keeps no inputs).
   const NodePtr& transpose_source() const override { return inputs().empty() ? none_ : inputs()[0]; }
+  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device* device) const override;
 
   /// The identity permutation with the last two entries swapped.
   static std::vector<int> last_two(int rank);
@@ -278,6 +283,23 @@ class GatherNode final : public Node {
 
   std::string op_name() const override { return "gather"; }
   std::string describe() const override { return "gather(%0, dim=" + std::to_string(dim_) + ", %1)"; }
+
+  /// Blocks along the other dimensions where input and index have the same size.
+  std::optional<BlockRule> block_rule() const override {
+    const Shape& in = inputs()[0]->shape();
+    const int rank = shape().rank();
+    BlockRule r{std::vector<bool>(static_cast<std::size_t>(rank), false),
+                {std::vector<int>(static_cast<std::size_t>(rank), -1), std::vector<int>(static_cast<std::size_t>(rank), -1)}};
+    for (int o = 0; o < rank; ++o) {
+      if (o == dim_ || in[o] != shape()[o]) continue;
+      r.splittable[static_cast<std::size_t>(o)] = true;
+      r.input_dim[0][static_cast<std::size_t>(o)] = r.input_dim[1][static_cast<std::size_t>(o)] = o;
+    }
+    return r;
+  }
+  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
+    return std::make_shared<GatherNode>(std::move(inputs[0]), std::move(inputs[1]), dim_);
+  }
   double cost_per_element() const override { return 2; }
   std::uint64_t structural_hash() const override {
     return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
@@ -344,6 +366,18 @@ class OneHotNode final : public Node {
 
   std::string op_name() const override { return "one_hot"; }
   std::string describe() const override { return "one_hot(%0, num_classes=" + std::to_string(classes_) + ")"; }
+
+  /// Blocks along the index's dimensions; the classes stay whole.
+  std::optional<BlockRule> block_rule() const override {
+    const int rank = shape().rank();
+    BlockRule r{std::vector<bool>(static_cast<std::size_t>(rank), true), {std::vector<int>(static_cast<std::size_t>(rank), -1)}};
+    r.splittable.back() = false;
+    for (int o = 0; o + 1 < rank; ++o) r.input_dim[0][static_cast<std::size_t>(o)] = o;
+    return r;
+  }
+  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
+    return std::make_shared<OneHotNode>(std::move(inputs[0]), classes_, shape);
+  }
 
  protected:
   void compute(ExecContext& ctx) override {
@@ -459,6 +493,20 @@ LAZYTENSOR_INLINE void PermuteNode::compute(ExecContext& ctx) {
 }
 
 LAZYTENSOR_INLINE TransposeNode::TransposeNode(NodePtr in) : PermuteNode(in, last_two(in->shape().rank()), "transpose") {}
+
+LAZYTENSOR_INLINE std::optional<BlockRule> PermuteNode::block_rule() const {
+  BlockRule r{std::vector<bool>(perm_.size(), true), {std::vector<int>(perm_.begin(), perm_.end())}};
+  return r;
+}
+
+LAZYTENSOR_INLINE NodePtr PermuteNode::with_inputs(std::vector<NodePtr> inputs, Shape, Device* device) const {
+  (void)device;  // the input's device: a piece and its permute live on the same device
+  return std::make_shared<PermuteNode>(std::move(inputs[0]), perm_, op_);
+}
+
+LAZYTENSOR_INLINE NodePtr TransposeNode::with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const {
+  return std::make_shared<TransposeNode>(std::move(inputs[0]));
+}
 
 LAZYTENSOR_INLINE std::vector<int> TransposeNode::last_two(int rank) {
   std::vector<int> p(static_cast<std::size_t>(rank));

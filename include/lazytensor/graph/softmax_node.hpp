@@ -26,6 +26,22 @@ class SoftmaxNode final : public Node {
 
   std::string op_name() const override { return Log ? "log_softmax" : "softmax"; }
   std::string describe() const override { return op_name() + "(%0, dim=" + std::to_string(dim_) + ")"; }
+
+  /// Blocks along every dimension but the one normalized.
+  std::optional<BlockRule> block_rule() const override {
+    const int rank = shape().rank();
+    BlockRule r{std::vector<bool>(static_cast<std::size_t>(rank), true), {std::vector<int>(static_cast<std::size_t>(rank))}};
+    for (int o = 0; o < rank; ++o) r.input_dim[0][static_cast<std::size_t>(o)] = o;
+    r.splittable[static_cast<std::size_t>(dim_)] = false;
+    r.input_dim[0][static_cast<std::size_t>(dim_)] = -1;
+    return r;
+  }
+  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
+    std::int64_t outer = 1, inner = 1;
+    for (int d = 0; d < dim_; ++d) outer *= shape[d];
+    for (int d = dim_ + 1; d < shape.rank(); ++d) inner *= shape[d];
+    return std::make_shared<SoftmaxNode>(std::move(inputs[0]), dim_, outer, extent_, inner);
+  }
   double cost_per_element() const override { return 12; }
 
  protected:

@@ -42,6 +42,11 @@ NodePtr submit(NodePtr node);
 /// submit without the partitioner: for the partitioner's own nodes.
 NodePtr submit_unpartitioned(NodePtr node);
 
+/// Hands the pending values of every device to its executor, as a mark_step of each
+/// without its random-stream advance: before reading values that several devices compute
+/// together (SPMD pieces), where a collective on one device waits for its peers.
+void step_all_devices();
+
 /// Materializes `node` (and what it needs). A value a step is computing is waited for;
 /// a pending one is computed now. Returns true when this read had to compute it (an
 /// implicit sync). Re-throws a stored execution error.
@@ -77,6 +82,12 @@ LAZYTENSOR_INLINE NodePtr submit_unpartitioned(NodePtr node) {
     execute(dev, std::span(&node, 1));
   else dev.trace(node);
   return node;
+}
+
+LAZYTENSOR_INLINE void step_all_devices() {
+  auto& registry = DeviceRegistry::get();
+  const int n = registry.count();
+  for (int i = 0; i < n; ++i) run_step(registry.device(i), collect_step(registry.device(i)));
 }
 
 LAZYTENSOR_INLINE bool materialize(const NodePtr& node) {

@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include <lazytensor/any_tensor.hpp>
 #include <lazytensor/spmd/mode.hpp>
 #include <lazytensor/spmd/sharded_node.hpp>
 #include <lazytensor/tensor/tensor.hpp>
@@ -47,6 +48,12 @@ std::string visualize(const graph::NodePtr& value);
 /// resolve_sharding). A sharded tensor is resharded.
 template <Element T>
 Tensor<T>& mark_sharding(Tensor<T>& t, const Mesh& mesh, const PartitionSpec& spec) {
+  detail::mark_node(*t.impl(), mesh, spec);
+  return t;
+}
+
+/// mark_sharding of a tensor of any dtype (a module's parameters()).
+inline AnyTensor& mark_sharding(AnyTensor& t, const Mesh& mesh, const PartitionSpec& spec) {
   detail::mark_node(*t.impl(), mesh, spec);
   return t;
 }
@@ -116,6 +123,14 @@ LAZYTENSOR_INLINE void clear_node(graph::TensorImpl& impl) {
 LAZYTENSOR_INLINE std::vector<Piece> pieces_of(const graph::NodePtr& value) {
   std::vector<Piece> r;
   if (const ShardedNode* s = as_sharded(value)) {
+    // A piece read alone must not wait in a collective for peers nobody runs: hand every
+    // device its pending work first.
+    for (int p = 0; p < s->num_shards(); ++p) {
+      if (s->shard(p)->pending()) {
+        graph::step_all_devices();
+        break;
+      }
+    }
     const auto& ids = s->sharding().mesh.device_ids();
     for (int p = 0; p < s->num_shards(); ++p)
       r.push_back({s->shard(p), ids[static_cast<std::size_t>(p)], s->sharding().block(p, value->shape())});

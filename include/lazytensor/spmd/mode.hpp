@@ -8,9 +8,11 @@ namespace lazy::spmd {
 
 /// Turns SPMD mode on for the process, for good (call it before creating tensors, as in
 /// torch_xla). From then on: graph::submit hands nodes reading sharded values to the
-/// partitioner; lazy::mark_step() and wait_device_ops() step and wait for every device; and,
-/// with several devices, each device's kernels use an equal share of the threads (as spawn
-/// gives replicas). Error inside spawn (replicas and SPMD are two different programs).
+/// partitioner; lazy::mark_step() and wait_device_ops() step and wait for every device,
+/// each step running on its device's executor (LAZYTENSOR_ASYNC=0 does not apply: a step
+/// holding a collective waits there for its peers); and, with several devices, each
+/// device's kernels use an equal share of the threads (as spawn gives replicas). Error
+/// inside spawn (replicas and SPMD are two different programs).
 void use_spmd();
 
 /// Whether use_spmd() was called.
@@ -32,9 +34,14 @@ LAZYTENSOR_INLINE void use_spmd() {
     throw Error("use_spmd: called inside spawn; SPMD mode drives every device from one program thread");
   if (is_spmd()) return;
   const int n = device_count();
-  if (n > 1) {
-    const int threads = std::max(1, graph::default_device_threads() / n);
-    for (int i = 0; i < n; ++i) graph::DeviceRegistry::get().device(i).set_num_threads(threads);
+  const int threads = std::max(1, graph::default_device_threads() / n);
+  for (int i = 0; i < n; ++i) {
+    graph::Device& dev = graph::DeviceRegistry::get().device(i);
+    if (n > 1) dev.set_num_threads(threads);
+    // Each device's steps run on its own executor, every one of them: a step holding a
+    // collective waits there for its peers, never on the program thread.
+    dev.async() = true;
+    dev.queue_every_step() = true;
   }
   graph::partition_hook().store(&detail::partition, std::memory_order_release);
   graph::step_every_device().store(true, std::memory_order_release);

@@ -1,11 +1,22 @@
 #pragma once
 // The SPMD partitioner: graph::submit hands it every node that reads a sharded value, and
-// it returns the node standing for the result. Element-wise kernels run shard-wise, one
-// node per mesh device on that device's graph; operands sharded otherwise (or not at all)
-// are split to the result's sharding first. Other ops read the gathered value and run
-// whole on the tensor's device (a synchronous gather, counted as SpmdGathers).
+// it returns the node standing for the result. Nodes with a block rule (element-wise,
+// permutes, softmax, gather, one_hot, conversions) run block-wise, one node per mesh device
+// on that device's graph; views keep their input's blocks when the elements stay in order;
+// reductions and 2-D products run on blocks, and where the reduced or contracted dimension
+// is split, the partial results are all-reduced among the devices that share the rest of
+// the block. Operands sharded otherwise (or not at all) are split to the chosen blocks
+// first. Other ops read the gathered value and run whole on the tensor's device (a
+// synchronous gather, counted as SpmdGathers).
+
+#include <functional>
 
 #include <lazytensor/graph/elementwise_node.hpp>
+#include <lazytensor/graph/matmul_node.hpp>
+#include <lazytensor/graph/reduction_node.hpp>
+#include <lazytensor/graph/transpose_hint.hpp>
+#include <lazytensor/spmd/collective.hpp>
+#include <lazytensor/graph/shape_nodes.hpp>
 #include <lazytensor/spmd/sharded_node.hpp>
 
 namespace lazy::spmd::detail {
@@ -13,9 +24,50 @@ namespace lazy::spmd::detail {
 /// The partition hook (graph::PartitionHook).
 graph::NodePtr partition(graph::NodePtr node);
 
-/// An element-wise node run shard-wise, or null when no sharded operand can lead (every
-/// sharded operand is broadcast along a split dimension).
-graph::NodePtr partition_elementwise(const graph::ElementwiseNode& node);
+/// A node with a block rule run block-wise, or null when no sharded operand can lead (each
+/// is split along a dimension the rule cannot split).
+graph::NodePtr partition_blockwise(const graph::Node& node, const graph::BlockRule& rule);
+
+/// A reduction run on blocks (partial results all-reduced where a reduced dimension is
+/// split), or null when its operands do not allow it.
+graph::NodePtr partition_reduction(const graph::Node& node, const graph::BlockReduction& r);
+
+/// A 2-D product run on blocks: rows of A and columns of B stay split; a split contracted
+/// dimension gives partial products, all-reduced. Null for batched products.
+graph::NodePtr partition_gemm(const graph::Node& node, const graph::BlockGemm& g);
+
+/// Per mesh position, the pieces of `inputs` for blocks of `target` over a logical shape:
+/// `logical_of[i][d]` is the logical dimension that cuts dimension d of input i (-1: whole).
+/// An input already cut that way contributes its pieces; others are computed and split
+/// (SpmdTransfers).
+std::vector<std::vector<graph::NodePtr>> pieces_for(const std::vector<graph::NodePtr>& inputs,
+                                                    const std::vector<std::vector<int>>& logical_of,
+                                                    const Sharding& target, const Shape& logical);
+
+/// A copy of small unsharded `value` on `dev` without computing it: materialized values
+/// share their buffer, pending views and nodes with a block rule (a backward's seed
+/// reshaped and scaled) are traced again on `dev` over copies of their inputs. Null when
+/// something on the way has no such form or the value is large (then it is computed and
+/// split, which waits for its device).
+graph::NodePtr replicate_small(const graph::NodePtr& value, graph::Device& dev, int depth = 0);
+
+/// All-reduces `shards` (one per mesh position) among the positions that differ only along
+/// mesh axes `axes`, each group combining in the order of `rank_in_group(position)`.
+void reduce_partials(std::vector<graph::NodePtr>& shards, const Mesh& mesh, const std::vector<int>& axes,
+                     const std::function<std::int64_t(int)>& rank_in_group, Combine op);
+
+/// A transpose of the last two dimensions, piece by piece; a piece that is itself a
+/// pending transpose gives its source (as the unsharded op does), so a GEMM reads it
+/// through. Null when the input is not sharded.
+graph::NodePtr partition_transpose(const graph::TransposeNode& node);
+
+/// A view of a sharded value run on each piece, or null when the view would mix blocks.
+graph::NodePtr partition_view(const graph::ViewNode& node);
+
+/// The [start, length) runs of row-major linear indices that block `ranges` of `shape`
+/// covers, in order; false when there are more than `limit`.
+bool block_runs(const Shape& shape, const Ranges& ranges, std::size_t limit,
+                std::vector<std::pair<std::int64_t, std::int64_t>>& runs);
 
 /// `node` run whole: every sharded input is gathered (materialized) first.
 graph::NodePtr run_gathered(graph::NodePtr node);
@@ -23,14 +75,25 @@ graph::NodePtr run_gathered(graph::NodePtr node);
 }  // namespace lazy::spmd::detail
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
+#include <algorithm>
+#include <map>
+
 #include <lazytensor/graph/submit.hpp>
 
 namespace lazy::spmd::detail {
 
 LAZYTENSOR_INLINE graph::NodePtr partition(graph::NodePtr node) {
-  if (node->kind() == graph::NodeKind::Elementwise) {
-    if (auto* ew = dynamic_cast<const graph::ElementwiseNode*>(node.get()))
-      if (auto r = partition_elementwise(*ew)) return r;
+  if (auto* tr = dynamic_cast<const graph::TransposeNode*>(node.get())) {
+    if (auto r = partition_transpose(*tr)) return r;
+  }
+  if (auto* view = dynamic_cast<const graph::ViewNode*>(node.get())) {
+    if (auto r = partition_view(*view)) return r;
+  } else if (auto* red = dynamic_cast<const graph::BlockReduction*>(node.get())) {
+    if (auto r = partition_reduction(*node, *red)) return r;
+  } else if (auto* gemm = dynamic_cast<const graph::BlockGemm*>(node.get())) {
+    if (auto r = partition_gemm(*node, *gemm)) return r;
+  } else if (auto rule = node->block_rule()) {
+    if (auto r = partition_blockwise(*node, *rule)) return r;
   }
   return run_gathered(std::move(node));
 }
@@ -41,67 +104,388 @@ LAZYTENSOR_INLINE graph::NodePtr run_gathered(graph::NodePtr node) {
   return graph::submit_unpartitioned(std::move(node));
 }
 
-LAZYTENSOR_INLINE graph::NodePtr partition_elementwise(const graph::ElementwiseNode& node) {
+LAZYTENSOR_INLINE graph::NodePtr partition_blockwise(const graph::Node& node, const graph::BlockRule& rule) {
   const Shape& out = node.shape();
   const int rank = out.rank();
   const auto& ins = node.inputs();
-  // The lead: the largest sharded operand that is not broadcast along a split dimension
-  // (moving the others costs less).
+  // The output dimension that cuts input dimension d of input i the same way, or -1.
+  auto cut_by = [&](std::size_t i, int d) {
+    for (int o = 0; o < rank; ++o)
+      if (rule.splittable[static_cast<std::size_t>(o)] && rule.input_dim[i][static_cast<std::size_t>(o)] == d) return o;
+    return -1;
+  };
+  // The lead: the largest sharded operand whose split dimensions the rule can cut (moving
+  // the others costs less). The result takes its blocks.
   const ShardedNode* lead = nullptr;
-  for (const auto& in : ins) {
-    const ShardedNode* s = as_sharded(in);
-    if (!s) continue;
-    const int off = rank - in->shape().rank();
+  Sharding target{Mesh({0}, {1}), {}};
+  for (std::size_t i = 0; i < ins.size(); ++i) {
+    const ShardedNode* s = as_sharded(ins[i]);
+    if (!s || (lead && s->numel() <= lead->numel())) continue;
+    Sharding t{s->sharding().mesh, std::vector<std::vector<int>>(static_cast<std::size_t>(rank))};
     bool ok = true;
-    for (int j = 0; j < in->shape().rank(); ++j)
-      ok = ok && (s->sharding().parts(j) == 1 || in->shape()[j] == out[j + off]);
-    if (ok && (!lead || in->numel() > lead->numel())) lead = s;
+    for (int d = 0; ok && d < s->shape().rank(); ++d) {
+      const int o = cut_by(i, d);
+      if (o >= 0) t.dims[static_cast<std::size_t>(o)] = s->sharding().dims[static_cast<std::size_t>(d)];
+      else ok = s->sharding().parts(d) == 1;
+    }
+    if (!ok) continue;
+    lead = s;
+    target = std::move(t);
   }
   if (!lead) return nullptr;
-  Sharding target{lead->sharding().mesh, std::vector<std::vector<int>>(static_cast<std::size_t>(rank))};
-  {
-    const int off = rank - lead->shape().rank();
-    for (int j = 0; j < lead->shape().rank(); ++j)
-      if (lead->shape()[j] == out[j + off])
-        target.dims[static_cast<std::size_t>(j + off)] = lead->sharding().dims[static_cast<std::size_t>(j)];
-  }
   const Mesh& mesh = target.mesh;
   const int n = mesh.size();
-  std::vector<std::vector<graph::NodePtr>> pieces(static_cast<std::size_t>(n));
-  for (const auto& in : ins) {
-    const int off = rank - in->shape().rank();
-    const ShardedNode* s = as_sharded(in);
-    bool local = s && s->sharding().mesh == mesh;
-    for (int j = 0; local && j < in->shape().rank(); ++j) {
-      const auto& want = target.dims[static_cast<std::size_t>(j + off)];
-      local = in->shape()[j] == out[j + off] ? s->sharding().dims[static_cast<std::size_t>(j)] == want
-                                              : s->sharding().parts(j) == 1;
-    }
-    if (local) {
-      for (int p = 0; p < n; ++p) pieces[static_cast<std::size_t>(p)].push_back(s->shard(p));
-      continue;
-    }
-    // Split this operand to the target's blocks (size-1 broadcast dimensions stay whole).
-    static auto& transfers = core::counter("SpmdTransfers");
-    transfers.add();
-    graph::materialize(in);
-    for (int p = 0; p < n; ++p) {
-      const auto block = target.block(p, out);
-      Ranges ranges;
-      for (int j = 0; j < in->shape().rank(); ++j)
-        ranges.push_back(in->shape()[j] == out[j + off] ? block[static_cast<std::size_t>(j + off)]
-                                                         : std::pair<std::int64_t, std::int64_t>{0, in->shape()[j]});
-      pieces[static_cast<std::size_t>(p)].push_back(
-          block_of(in, ranges, mesh_device(mesh.device_ids()[static_cast<std::size_t>(p)])));
-    }
+  std::vector<std::vector<int>> logical_of;
+  for (std::size_t i = 0; i < ins.size(); ++i) {
+    std::vector<int> map;
+    for (int d = 0; d < ins[i]->shape().rank(); ++d) map.push_back(cut_by(i, d));
+    logical_of.push_back(std::move(map));
   }
+  auto pieces = pieces_for(ins, logical_of, target, out);
   const Shape block = target.block_shape(out);
   std::vector<graph::NodePtr> shards;
   shards.reserve(static_cast<std::size_t>(n));
   for (int p = 0; p < n; ++p) {
     graph::Device& dev = mesh_device(mesh.device_ids()[static_cast<std::size_t>(p)]);
-    shards.push_back(graph::submit_unpartitioned(node.with_inputs(block, &dev, std::move(pieces[static_cast<std::size_t>(p)]))));
+    auto piece = node.with_inputs(std::move(pieces[static_cast<std::size_t>(p)]), block, &dev);
+    if (!piece) return nullptr;
+    shards.push_back(graph::submit_unpartitioned(std::move(piece)));
   }
+  return std::make_shared<ShardedNode>(std::move(target), std::move(shards), node.dtype(), out, node.device());
+}
+
+LAZYTENSOR_INLINE std::vector<std::vector<graph::NodePtr>> pieces_for(const std::vector<graph::NodePtr>& ins,
+                                                                         const std::vector<std::vector<int>>& logical_of,
+                                                                         const Sharding& target, const Shape& logical) {
+  const Mesh& mesh = target.mesh;
+  const int n = mesh.size();
+  std::vector<std::vector<graph::NodePtr>> pieces(static_cast<std::size_t>(n));
+  for (std::size_t i = 0; i < ins.size(); ++i) {
+    const auto& in = ins[i];
+    const ShardedNode* s = as_sharded(in);
+    bool local = s && s->sharding().mesh == mesh;
+    for (int d = 0; local && d < in->shape().rank(); ++d) {
+      const int l = logical_of[i][static_cast<std::size_t>(d)];
+      local = l >= 0 ? s->sharding().dims[static_cast<std::size_t>(d)] == target.dims[static_cast<std::size_t>(l)]
+                     : s->sharding().parts(d) == 1;
+    }
+    if (local) {
+      for (int p = 0; p < n; ++p) pieces[static_cast<std::size_t>(p)].push_back(s->shard(p));
+      continue;
+    }
+    if (!s && in->pending()) {
+      // A small pending value every block reads whole: trace it again on each device.
+      bool whole = true;
+      for (int d = 0; whole && d < in->shape().rank(); ++d) {
+        const int l = logical_of[i][static_cast<std::size_t>(d)];
+        whole = l < 0 || target.parts(l) == 1;
+      }
+      std::vector<graph::NodePtr> copies;
+      for (int p = 0; whole && p < n; ++p) {
+        auto c = replicate_small(in, mesh_device(mesh.device_ids()[static_cast<std::size_t>(p)]));
+        if (!c) break;
+        copies.push_back(std::move(c));
+      }
+      if (static_cast<int>(copies.size()) == n) {
+        for (int p = 0; p < n; ++p) pieces[static_cast<std::size_t>(p)].push_back(std::move(copies[static_cast<std::size_t>(p)]));
+        continue;
+      }
+    }
+    static auto& transfers = core::counter("SpmdTransfers");
+    transfers.add();
+    graph::materialize(in);
+    for (int p = 0; p < n; ++p) {
+      const auto block = target.block(p, logical);
+      Ranges ranges;
+      for (int d = 0; d < in->shape().rank(); ++d) {
+        const int l = logical_of[i][static_cast<std::size_t>(d)];
+        ranges.push_back(l >= 0 ? block[static_cast<std::size_t>(l)] : std::pair<std::int64_t, std::int64_t>{0, in->shape()[d]});
+      }
+      pieces[static_cast<std::size_t>(p)].push_back(
+          block_of(in, ranges, mesh_device(mesh.device_ids()[static_cast<std::size_t>(p)])));
+    }
+  }
+  return pieces;
+}
+
+LAZYTENSOR_INLINE graph::NodePtr replicate_small(const graph::NodePtr& value, graph::Device& dev, int depth) {
+  constexpr std::int64_t kMaxElements = 4096;
+  constexpr int kMaxDepth = 8;
+  if (value->materialized()) return std::make_shared<graph::DataNode>(value->dtype(), value->shape(), &dev, value->buffer());
+  if (!value->pending() || depth > kMaxDepth || value->numel() > kMaxElements) return nullptr;
+  std::vector<graph::NodePtr> inputs;
+  for (const auto& in : value->inputs()) {
+    if (in->kind() == graph::NodeKind::Sharded) return nullptr;
+    auto c = replicate_small(in, dev, depth + 1);
+    if (!c) return nullptr;
+    inputs.push_back(std::move(c));
+  }
+  if (auto* view = dynamic_cast<const graph::ViewNode*>(value.get()))
+    return graph::submit_unpartitioned(std::make_shared<graph::ViewNode>(view->op_name(), inputs[0], view->shape()));
+  if (!value->block_rule()) return nullptr;
+  auto copy = value->with_inputs(std::move(inputs), value->shape(), &dev);
+  return copy ? graph::submit_unpartitioned(std::move(copy)) : nullptr;
+}
+
+LAZYTENSOR_INLINE void reduce_partials(std::vector<graph::NodePtr>& shards, const Mesh& mesh, const std::vector<int>& axes,
+                                       const std::function<std::int64_t(int)>& rank_in_group, Combine op) {
+  std::map<std::vector<std::int64_t>, std::vector<int>> groups;
+  for (int p = 0; p < mesh.size(); ++p) {
+    auto key = mesh.coordinates(p);
+    for (int a : axes) key[static_cast<std::size_t>(a)] = 0;
+    groups[key].push_back(p);
+  }
+  for (auto& [key, members] : groups) {
+    std::sort(members.begin(), members.end(), [&](int x, int y) { return rank_in_group(x) < rank_in_group(y); });
+    std::vector<graph::NodePtr> in;
+    for (int p : members) in.push_back(shards[static_cast<std::size_t>(p)]);
+    auto out = all_reduce(in, op);
+    for (std::size_t i = 0; i < members.size(); ++i) shards[static_cast<std::size_t>(members[i])] = std::move(out[i]);
+  }
+}
+
+namespace {
+// How partial results of a named reduction combine (false: they cannot).
+inline bool combine_of(const char* name, Combine& op) {
+  const std::string n = name;
+  if (n == "sum") op = Combine::Sum;
+  else if (n == "prod") op = Combine::Prod;
+  else if (n == "max" || n == "any") op = Combine::Max;
+  else if (n == "min" || n == "all") op = Combine::Min;
+  else return false;
+  return true;
+}
+// Mesh axes used by dimensions [d0, d1) of a sharding.
+inline std::vector<int> axes_of(const Sharding& s, int d0, int d1) {
+  std::vector<int> axes;
+  for (int d = d0; d < d1; ++d)
+    for (int a : s.dims[static_cast<std::size_t>(d)]) axes.push_back(a);
+  return axes;
+}
+}  // namespace
+
+LAZYTENSOR_INLINE graph::NodePtr partition_reduction(const graph::Node& node, const graph::BlockReduction& r) {
+  const Shape& child = r.child_shape();
+  const graph::ReduceGeometry g = r.geometry();
+  const int rank = child.rank();
+  // The reduced dimensions [a, b) of the child: outer = prod(child[0, a)), extent = prod(child[a, b)).
+  int a = 0, b = 0;
+  std::int64_t prefix = 1;
+  while (a < rank && prefix < g.outer) prefix *= child[a++];
+  if (prefix != g.outer) return nullptr;
+  b = a;
+  std::int64_t extent = 1;
+  while (b < rank && extent < g.extent) extent *= child[b++];
+  if (extent != g.extent) return nullptr;
+  Combine op;
+  if (!combine_of(r.reduce_name(), op)) return nullptr;
+  const auto& ins = node.inputs();
+  // Inputs are of the child's shape or single elements (read whole).
+  const ShardedNode* lead = nullptr;
+  std::vector<std::vector<int>> logical_of;
+  for (const auto& in : ins) {
+    std::vector<int> map(static_cast<std::size_t>(in->shape().rank()), -1);
+    if (in->shape() == child) {
+      for (int d = 0; d < rank; ++d) map[static_cast<std::size_t>(d)] = d;
+      if (const ShardedNode* s = as_sharded(in); s && (!lead || s->numel() > lead->numel())) lead = s;
+    } else if (in->numel() != 1) {
+      return nullptr;
+    }
+    logical_of.push_back(std::move(map));
+  }
+  if (!lead) return nullptr;
+  Sharding target = lead->sharding();
+  const Shape& out = node.shape();
+  // Output dimension of each kept child dimension.
+  std::vector<std::vector<int>> out_dims(static_cast<std::size_t>(out.rank()));
+  if (out.rank() == rank) {  // keepdim
+    for (int d = 0; d < rank; ++d)
+      if (d < a || d >= b) out_dims[static_cast<std::size_t>(d)] = target.dims[static_cast<std::size_t>(d)];
+  } else if (out.rank() == rank - (b - a)) {
+    for (int d = 0; d < a; ++d) out_dims[static_cast<std::size_t>(d)] = target.dims[static_cast<std::size_t>(d)];
+    for (int d = b; d < rank; ++d) out_dims[static_cast<std::size_t>(d - (b - a))] = target.dims[static_cast<std::size_t>(d)];
+  } else {
+    return nullptr;
+  }
+  auto pieces = pieces_for(ins, logical_of, target, child);
+  const Shape child_block = target.block_shape(child);
+  graph::ReduceGeometry local;
+  local.outer = local.extent = local.inner = 1;
+  for (int d = 0; d < rank; ++d) (d < a ? local.outer : d < b ? local.extent : local.inner) *= child_block[d];
+  Sharding result{target.mesh, std::move(out_dims)};
+  const Shape out_block = result.block_shape(out);
+  const Mesh& mesh = target.mesh;
+  std::vector<graph::NodePtr> shards;
+  for (int p = 0; p < mesh.size(); ++p) {
+    graph::Device& dev = mesh_device(mesh.device_ids()[static_cast<std::size_t>(p)]);
+    shards.push_back(graph::submit_unpartitioned(
+        r.with_block(std::move(pieces[static_cast<std::size_t>(p)]), out_block, local, child_block, &dev)));
+  }
+  const auto axes = axes_of(target, a, b);
+  if (!axes.empty()) {
+    // Partial results, combined in the order of their blocks along the reduced dimensions.
+    reduce_partials(shards, mesh, axes, [&](int p) {
+      std::int64_t idx = 0;
+      for (int d = a; d < b; ++d) idx = idx * target.parts(d) + target.part_of(p, d);
+      return idx;
+    }, op);
+  }
+  return std::make_shared<ShardedNode>(std::move(result), std::move(shards), node.dtype(), out, node.device());
+}
+
+LAZYTENSOR_INLINE graph::NodePtr partition_gemm(const graph::Node& node, const graph::BlockGemm& gm) {
+  const auto& ins = node.inputs();
+  const Shape& out = node.shape();
+  const std::int64_t m = gm.rows(), k = gm.depth(), n = gm.cols();
+  // Single products of 2-D operands; the result may carry leading size-1 dimensions (the
+  // backward's [1, m, k]).
+  bool single = gm.batch_a() == 1 && gm.batch_b() == 1 && out.rank() >= 2 && out[out.rank() - 2] == m &&
+                out[out.rank() - 1] == n && ins[0]->shape().rank() == 2 && ins[1]->shape().rank() == 2;
+  for (int d = 0; single && d + 2 < out.rank(); ++d) single = out[d] == 1;
+  if (!single) return nullptr;
+  const bool ta = gm.a_transposed(), tb = gm.b_transposed();
+  // Logical dimensions: 0 = m, 1 = k, 2 = n; each operand's stored dimensions map onto them.
+  const std::vector<std::vector<int>> logical_of = {ta ? std::vector<int>{1, 0} : std::vector<int>{0, 1},
+                                                    tb ? std::vector<int>{2, 1} : std::vector<int>{1, 2}};
+  const Shape logical{m, k, n};
+  // The blocks: the larger sharded operand's split dimensions first, then the other's where
+  // they use mesh axes not taken yet.
+  std::vector<std::size_t> order = {0, 1};
+  if (ins[1]->numel() > ins[0]->numel()) std::swap(order[0], order[1]);
+  const Mesh* mesh = nullptr;
+  for (auto i : order)
+    if (const ShardedNode* s = as_sharded(ins[i]); s && !mesh) mesh = &s->sharding().mesh;
+  if (!mesh) return nullptr;
+  Sharding target{*mesh, std::vector<std::vector<int>>(3)};
+  std::vector<bool> used(static_cast<std::size_t>(mesh->rank()), false);
+  for (auto i : order) {
+    const ShardedNode* s = as_sharded(ins[i]);
+    if (!s || !(s->sharding().mesh == *mesh)) continue;
+    for (int d = 0; d < 2; ++d) {
+      const auto& axes = s->sharding().dims[static_cast<std::size_t>(d)];
+      auto& slot = target.dims[static_cast<std::size_t>(logical_of[i][static_cast<std::size_t>(d)])];
+      bool free = slot.empty();
+      for (int ax : axes) free = free && !used[static_cast<std::size_t>(ax)];
+      if (!free) continue;
+      slot = axes;
+      for (int ax : axes) used[static_cast<std::size_t>(ax)] = true;
+    }
+  }
+  auto pieces = pieces_for(ins, logical_of, target, logical);
+  const Shape block = target.block_shape(logical);
+  Sharding result{*mesh, std::vector<std::vector<int>>(static_cast<std::size_t>(out.rank()))};
+  result.dims[static_cast<std::size_t>(out.rank() - 2)] = target.dims[0];
+  result.dims[static_cast<std::size_t>(out.rank() - 1)] = target.dims[2];
+  const Shape out_block = result.block_shape(out);
+  // A pending transpose of a 2-D piece is read through, as matmul does unsharded.
+  auto operand = [](graph::NodePtr p, bool transposed) {
+    if (p->pending()) {
+      if (auto* tr = dynamic_cast<graph::TransposeOfLastTwo*>(p.get()); tr && tr->transpose_source()->shape().rank() == 2)
+        return graph::GemmOperand{tr->transpose_source(), !transposed};
+    }
+    return graph::GemmOperand{std::move(p), transposed};
+  };
+  std::vector<graph::NodePtr> shards;
+  for (int p = 0; p < mesh->size(); ++p) {
+    graph::Device& dev = mesh_device(mesh->device_ids()[static_cast<std::size_t>(p)]);
+    auto& pc = pieces[static_cast<std::size_t>(p)];
+    shards.push_back(graph::submit_unpartitioned(
+        gm.with_operands(operand(pc[0], ta), operand(pc[1], tb), block[0], block[1], block[2], out_block, &dev)));
+  }
+  if (!target.dims[1].empty()) {
+    // Partial products over k blocks, combined in k order.
+    reduce_partials(shards, *mesh, target.dims[1], [&](int p) { return target.part_of(p, 1); }, Combine::Sum);
+  }
+  return std::make_shared<ShardedNode>(std::move(result), std::move(shards), node.dtype(), out, node.device());
+}
+
+LAZYTENSOR_INLINE graph::NodePtr partition_transpose(const graph::TransposeNode& node) {
+  const ShardedNode* s = as_sharded(node.inputs()[0]);
+  if (!s) return nullptr;
+  const int rank = node.shape().rank();
+  Sharding result = s->sharding();
+  std::swap(result.dims[static_cast<std::size_t>(rank - 2)], result.dims[static_cast<std::size_t>(rank - 1)]);
+  std::vector<graph::NodePtr> shards;
+  for (int p = 0; p < s->num_shards(); ++p) {
+    const graph::NodePtr& piece = s->shard(p);
+    if (piece->pending()) {
+      if (auto* tr = dynamic_cast<graph::TransposeOfLastTwo*>(piece.get())) {
+        shards.push_back(tr->transpose_source());
+        continue;
+      }
+    }
+    shards.push_back(graph::submit_unpartitioned(std::make_shared<graph::TransposeNode>(piece)));
+  }
+  return std::make_shared<ShardedNode>(std::move(result), std::move(shards), node.dtype(), node.shape(), node.device());
+}
+
+LAZYTENSOR_INLINE bool block_runs(const Shape& shape, const Ranges& ranges, std::size_t limit,
+                                  std::vector<std::pair<std::int64_t, std::int64_t>>& runs) {
+  runs.clear();
+  const int rank = shape.rank();
+  if (rank == 0) {
+    runs.emplace_back(0, 1);
+    return true;
+  }
+  for (const auto& [b0, b1] : ranges)
+    if (b1 <= b0) return true;
+  // Innermost dimensions the block covers whole merge into one run with the first
+  // partial dimension (from the inside).
+  int inner = rank - 1;
+  std::int64_t run = ranges[static_cast<std::size_t>(inner)].second - ranges[static_cast<std::size_t>(inner)].first;
+  while (inner > 0 && ranges[static_cast<std::size_t>(inner)].first == 0 &&
+         ranges[static_cast<std::size_t>(inner)].second == shape[inner]) {
+    --inner;
+    run *= ranges[static_cast<std::size_t>(inner)].second - ranges[static_cast<std::size_t>(inner)].first;
+  }
+  std::vector<std::int64_t> stride(static_cast<std::size_t>(rank), 1);
+  for (int d = rank - 1; d-- > 0;) stride[static_cast<std::size_t>(d)] = stride[static_cast<std::size_t>(d) + 1] * shape[d + 1];
+  std::vector<std::int64_t> c(static_cast<std::size_t>(inner));
+  for (int d = 0; d < inner; ++d) c[static_cast<std::size_t>(d)] = ranges[static_cast<std::size_t>(d)].first;
+  for (;;) {
+    if (runs.size() == limit) return false;
+    std::int64_t start = ranges[static_cast<std::size_t>(inner)].first * stride[static_cast<std::size_t>(inner)];
+    for (int d = 0; d < inner; ++d) start += c[static_cast<std::size_t>(d)] * stride[static_cast<std::size_t>(d)];
+    if (!runs.empty() && runs.back().first + runs.back().second == start) runs.back().second += run;
+    else runs.emplace_back(start, run);
+    int d = inner - 1;
+    for (; d >= 0; --d) {
+      if (++c[static_cast<std::size_t>(d)] < ranges[static_cast<std::size_t>(d)].second) break;
+      c[static_cast<std::size_t>(d)] = ranges[static_cast<std::size_t>(d)].first;
+    }
+    if (d < 0) return true;
+  }
+}
+
+LAZYTENSOR_INLINE graph::NodePtr partition_view(const graph::ViewNode& node) {
+  const ShardedNode* s = as_sharded(node.inputs()[0]);
+  if (!s) return nullptr;
+  const Shape& in = s->shape();
+  const Shape& out = node.shape();
+  // Candidate: each split input dimension moves to the output dimension that starts at the
+  // same linear offset; the element runs of every block must then agree.
+  Sharding target{s->sharding().mesh, std::vector<std::vector<int>>(static_cast<std::size_t>(out.rank()))};
+  for (int d = 0; d < in.rank(); ++d) {
+    const std::int64_t parts = s->sharding().parts(d);
+    if (parts == 1) continue;
+    std::int64_t prefix_in = 1, prefix_out = 1;
+    for (int k = 0; k < d; ++k) prefix_in *= in[k];
+    int o = 0;
+    while (o < out.rank() && (prefix_out < prefix_in || out[o] == 1)) prefix_out *= out[o++];
+    if (o == out.rank() || prefix_out != prefix_in || out[o] % parts != 0) return nullptr;
+    target.dims[static_cast<std::size_t>(o)] = s->sharding().dims[static_cast<std::size_t>(d)];
+  }
+  constexpr std::size_t kMaxRuns = 4096;
+  std::vector<std::pair<std::int64_t, std::int64_t>> a, b;
+  for (int p = 0; p < s->num_shards(); ++p) {
+    if (!block_runs(in, s->sharding().block(p, in), kMaxRuns, a) || !block_runs(out, target.block(p, out), kMaxRuns, b) ||
+        a != b)
+      return nullptr;
+  }
+  const Shape block = target.block_shape(out);
+  std::vector<graph::NodePtr> shards;
+  for (int p = 0; p < s->num_shards(); ++p)
+    shards.push_back(graph::submit_unpartitioned(std::make_shared<graph::ViewNode>(node.op_name(), s->shard(p), block)));
   return std::make_shared<ShardedNode>(std::move(target), std::move(shards), node.dtype(), out, node.device());
 }
 

@@ -105,6 +105,14 @@ LAZYTENSOR_INLINE void ShardedNode::compute(graph::ExecContext& ctx) {
   for (int d = 0; d < global.rank(); ++d) blocks *= sharding_.parts(d);
   std::vector<bool> done(static_cast<std::size_t>(blocks), false);
   const std::size_t esize = dtype_size(dtype());
+  // Pieces may wait for each other in collectives: hand every device its work before
+  // waiting for any piece.
+  for (const auto& s : shards_) {
+    if (s->node->pending()) {
+      graph::step_all_devices();
+      break;
+    }
+  }
   for (int p = 0; p < num_shards(); ++p) {
     std::int64_t b = 0;
     for (int d = 0; d < global.rank(); ++d) b = b * sharding_.parts(d) + sharding_.part_of(p, d);

@@ -1,0 +1,217 @@
+#pragma once
+// The collectives the partitioner inserts: an all-reduce among the devices of a group (the
+// partial results of a product or reduction split along its contracted dimension). One
+// node per member, each on its member's graph; when the member's executor runs it, it
+// publishes its input, waits for the group, and combines every input in group order, so
+// every member holds the same bits.
+
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <lazytensor/core/buffer.hpp>
+#include <lazytensor/graph/device.hpp>
+#include <lazytensor/graph/node.hpp>
+
+namespace lazy::spmd {
+
+/// How partial results combine.
+enum class Combine { Sum, Prod, Max, Min };
+
+namespace detail {
+
+/// One round of an all-reduce: the group's inputs, published as members arrive.
+class ReduceRound {
+ public:
+  ReduceRound(Combine op, std::vector<graph::Device*> members);
+  /// Member `slot` publishes `in` and waits for every member; returns the combination of all
+  /// inputs in slot order as a new buffer of `dev`. CollectiveError when a member's device
+  /// fails before arriving (its step stopped), CollectiveTimeout after dist's timeout.
+  std::shared_ptr<Buffer> run(int slot, std::shared_ptr<Buffer> in, DType dtype, std::int64_t numel, graph::Device& dev);
+  Combine op() const { return op_; }
+  int size() const { return static_cast<int>(members_.size()); }
+
+ private:
+  Combine op_;
+  std::vector<graph::Device*> members_;
+  std::vector<std::uint64_t> failures_;  // each member device's failure count when traced
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int arrived_ = 0, done_ = 0;
+  std::vector<std::shared_ptr<Buffer>> inputs_;
+};
+
+/// Combines `n` arrays of `numel` elements of `dtype` into `out`, in order.
+void combine(Combine op, DType dtype, const std::vector<const void*>& in, void* out, std::int64_t numel);
+
+}  // namespace detail
+
+/// A member's part of an all-reduce (NodeKind::Collective): its value is the group's
+/// combination. Takes the device's previous SPMD collective as an extra input, so each
+/// device meets its collectives in program order.
+class AllReduceNode final : public graph::Node {
+ public:
+  AllReduceNode(graph::NodePtr in, std::shared_ptr<detail::ReduceRound> round, int slot, graph::NodePtr previous);
+  std::string op_name() const override { return "spmd_all_reduce"; }
+  std::string describe() const override;
+  std::uint64_t structural_hash() const override;
+
+ protected:
+  void compute(graph::ExecContext& ctx) override;
+
+ private:
+  std::shared_ptr<detail::ReduceRound> round_;
+  int slot_;
+};
+
+/// Submits an all-reduce over `pieces` (one per member, each on its own device, in the
+/// group's combining order) and returns the members' results in the same order. Counted
+/// as SpmdAllReduces and SpmdAllReduceBytes (each member's input).
+std::vector<graph::NodePtr> all_reduce(const std::vector<graph::NodePtr>& pieces, Combine op);
+
+}  // namespace lazy::spmd
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+#include <chrono>
+#include <map>
+
+#include <lazytensor/core/bfloat16.hpp>
+#include <lazytensor/core/counters.hpp>
+#include <lazytensor/dist/world.hpp>
+#include <lazytensor/graph/submit.hpp>
+
+namespace lazy::spmd {
+namespace detail {
+
+LAZYTENSOR_INLINE ReduceRound::ReduceRound(Combine op, std::vector<graph::Device*> members)
+    : op_(op), members_(std::move(members)), inputs_(members_.size()) {
+  for (auto* d : members_) failures_.push_back(d->failures());
+}
+
+LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::run(int slot, std::shared_ptr<Buffer> in, DType dtype,
+                                                           std::int64_t numel, graph::Device& dev) {
+  const int n = size();
+  std::unique_lock lock(mu_);
+  inputs_[static_cast<std::size_t>(slot)] = std::move(in);
+  if (++arrived_ == n) cv_.notify_all();
+  const auto deadline = std::chrono::steady_clock::now() + dist::collective_timeout();
+  while (arrived_ < n) {
+    cv_.wait_for(lock, std::chrono::milliseconds(2));
+    for (std::size_t m = 0; m < members_.size() && arrived_ < n; ++m) {
+      if (!inputs_[m] && members_[m]->failures() != failures_[m])
+        throw CollectiveError("SPMD all-reduce: " + members_[m]->str() +
+                              " failed before reaching it (its step stopped; the error surfaces there)");
+    }
+    if (arrived_ < n && std::chrono::steady_clock::now() > deadline)
+      throw CollectiveTimeout("SPMD all-reduce: waited longer than the collective timeout for " +
+                              std::to_string(n - arrived_) + " of " + std::to_string(n) + " devices");
+  }
+  std::vector<std::shared_ptr<Buffer>> held = inputs_;  // the inputs stay alive while read
+  lock.unlock();
+  auto out = dev.pool().acquire(padded_bytes(numel, dtype_size(dtype)));
+  std::vector<const void*> ptrs;
+  for (const auto& b : held) ptrs.push_back(b->data());
+  combine(op_, dtype, ptrs, out->data(), numel);
+  held.clear();
+  lock.lock();
+  if (++done_ == n) inputs_.clear();  // the last reader lets the inputs go
+  return out;
+}
+
+namespace {
+template <class T, class Acc>
+void combine_as(Combine op, const std::vector<const void*>& in, void* out, std::int64_t numel) {
+  T* o = static_cast<T*>(out);
+  for (std::int64_t i = 0; i < numel; ++i) {
+    Acc acc = static_cast<Acc>(static_cast<const T*>(in[0])[i]);
+    for (std::size_t k = 1; k < in.size(); ++k) {
+      const Acc v = static_cast<Acc>(static_cast<const T*>(in[k])[i]);
+      switch (op) {
+        case Combine::Sum: acc = static_cast<Acc>(acc + v); break;
+        case Combine::Prod: acc = static_cast<Acc>(acc * v); break;
+        // NaN propagates, as the reductions' max/min do.
+        case Combine::Max: acc = (v > acc || v != v) && acc == acc ? v : acc; break;
+        case Combine::Min: acc = (v < acc || v != v) && acc == acc ? v : acc; break;
+      }
+    }
+    o[i] = static_cast<T>(acc);
+  }
+}
+}  // namespace
+
+LAZYTENSOR_INLINE void combine(Combine op, DType dtype, const std::vector<const void*>& in, void* out, std::int64_t numel) {
+  switch (dtype) {
+    case DType::Float32: return combine_as<float, float>(op, in, out, numel);
+    case DType::Float64: return combine_as<double, double>(op, in, out, numel);
+    case DType::BFloat16: return combine_as<bfloat16, float>(op, in, out, numel);
+    case DType::Int32: return combine_as<std::int32_t, std::int64_t>(op, in, out, numel);
+    case DType::Int64: return combine_as<std::int64_t, std::int64_t>(op, in, out, numel);
+    case DType::Bool: {
+      // Sum and Max act as or, Prod and Min as and (torch.distributed's bool semantics).
+      auto* o = static_cast<bool*>(out);
+      const bool any = op == Combine::Sum || op == Combine::Max;
+      for (std::int64_t i = 0; i < numel; ++i) {
+        bool acc = static_cast<const bool*>(in[0])[i];
+        for (std::size_t k = 1; k < in.size(); ++k) {
+          const bool v = static_cast<const bool*>(in[k])[i];
+          acc = any ? (acc || v) : (acc && v);
+        }
+        o[i] = acc;
+      }
+      return;
+    }
+  }
+}
+
+}  // namespace detail
+
+LAZYTENSOR_INLINE AllReduceNode::AllReduceNode(graph::NodePtr in, std::shared_ptr<detail::ReduceRound> round, int slot,
+                                               graph::NodePtr previous)
+    : Node(graph::NodeKind::Collective, in->dtype(), in->shape(), in->device(),
+           previous ? std::vector<graph::NodePtr>{in, previous} : std::vector<graph::NodePtr>{in}),
+      round_(std::move(round)), slot_(slot) {}
+
+LAZYTENSOR_INLINE std::string AllReduceNode::describe() const {
+  static const char* names[] = {"sum", "prod", "max", "min"};
+  return std::string("spmd_all_reduce(%0, ") + names[static_cast<int>(round_->op())] + ", group of " +
+         std::to_string(round_->size()) + ")";
+}
+
+LAZYTENSOR_INLINE std::uint64_t AllReduceNode::structural_hash() const {
+  return graph::hash_combine(graph::hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(round_->op())),
+                             static_cast<std::uint64_t>(round_->size() * 64 + slot_));
+}
+
+LAZYTENSOR_INLINE void AllReduceNode::compute(graph::ExecContext& ctx) {
+  set_buffer(round_->run(slot_, inputs()[0]->buffer(), dtype(), numel(), ctx.device));
+}
+
+LAZYTENSOR_INLINE std::vector<graph::NodePtr> all_reduce(const std::vector<graph::NodePtr>& pieces, Combine op) {
+  static auto& count = core::counter("SpmdAllReduces");
+  static auto& bytes = core::counter("SpmdAllReduceBytes");
+  // Each device's last collective, so that its collectives run in program order (traced
+  // by the program thread only).
+  static std::map<const graph::Device*, std::weak_ptr<graph::Node>> last;
+  count.add();
+  std::vector<graph::Device*> members;
+  for (const auto& p : pieces) members.push_back(p->device());
+  auto round = std::make_shared<detail::ReduceRound>(op, members);
+  std::vector<graph::NodePtr> out;
+  for (std::size_t i = 0; i < pieces.size(); ++i) {
+    bytes.add(pieces[i]->numel() * static_cast<std::int64_t>(dtype_size(pieces[i]->dtype())));
+    auto& prev = last[members[i]];
+    graph::NodePtr before = prev.lock();
+    if (before && !before->pending()) before.reset();
+    auto node = graph::submit_unpartitioned(
+        std::make_shared<AllReduceNode>(pieces[i], round, static_cast<int>(i), std::move(before)));
+    prev = node;
+    out.push_back(std::move(node));
+  }
+  return out;
+}
+
+}  // namespace lazy::spmd
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
