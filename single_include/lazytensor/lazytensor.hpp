@@ -1301,9 +1301,11 @@ LAZYTENSOR_INLINE void PlanCache::trim() {
 // Runtime graph nodes. A node is a type-erased kernel plus its inputs; once computed it
 // keeps only its buffer and drops its inputs, so the graph behind it can be freed.
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -1621,11 +1623,24 @@ class Node;
 using NodePtr = std::shared_ptr<Node>;
 
 /// What a node's kernel does, for the planner and for graph dumps.
-enum class NodeKind { Data, Elementwise, Reduction, Gemm, View, Copy, Random, Host, Collective };
+/// `Sharded`: the whole value of a tensor sharded over a mesh (lazy::spmd), whose pieces are
+/// nodes on the mesh's devices; it is never traced or planned, only read (which gathers).
+enum class NodeKind { Data, Elementwise, Reduction, Gemm, View, Copy, Random, Host, Collective, Sharded };
 
 /// Execution context handed to a kernel.
 struct ExecContext {
   Device& device;
+};
+
+/// How a node computes block by block (read by the SPMD partitioner, lazy::spmd): for each
+/// output dimension, whether a block along it can be computed alone (`splittable`), and for
+/// each input the dimension of that input that has the output dimension's size and is cut
+/// into the same blocks (`input_dim[input][output dim]`, -1: every block reads that input
+/// whole along it, e.g. a broadcast). An input dimension no splittable output dimension
+/// names must be whole in every block.
+struct BlockRule {
+  std::vector<bool> splittable;
+  std::vector<std::vector<int>> input_dim;
 };
 
 /// A value in the pending graph of one device.
@@ -1672,6 +1687,16 @@ class Node {
   virtual std::uint64_t structural_hash() const;
   /// Estimated cost per output element (1 = one add), used to decide threading.
   virtual double cost_per_element() const { return 1.0; }
+
+  /// The node's block rule, or nullopt when it has none (the partitioner then gathers).
+  virtual std::optional<BlockRule> block_rule() const { return std::nullopt; }
+  /// The same kernel over `inputs` (blocks of this node's inputs as its block rule cuts
+  /// them), producing `shape` on `device`, not yet submitted. Null without a block rule.
+  virtual std::shared_ptr<Node> with_inputs(std::vector<std::shared_ptr<Node>> inputs, Shape shape,
+                                            Device* device) const {
+    (void)inputs, (void)shape, (void)device;
+    return nullptr;
+  }
 
   /// Computes the value into a buffer. Called once, after every input is materialized.
   void run(ExecContext& ctx);
@@ -1746,6 +1771,11 @@ class DataNode final : public Node {
   void compute(ExecContext&) override {}
 };
 
+/// The block rule of an op whose output dimension o reads dimension o - (rank - input rank)
+/// of each input (dimensions aligned right, NumPy broadcasting), a size-1 input dimension
+/// being read whole: element-wise kernels, conversions.
+BlockRule aligned_block_rule(const Shape& out, const std::vector<NodePtr>& inputs);
+
 /// Combines hashes (boost::hash_combine's mixing).
 inline std::uint64_t hash_combine(std::uint64_t seed, std::uint64_t v) {
   return seed ^ (v + 0x9e3779b97f4a7c15ull + (seed << 6) + (seed >> 2));
@@ -1817,6 +1847,19 @@ LAZYTENSOR_INLINE std::uint64_t Node::next_id() {
 LAZYTENSOR_INLINE DataNode::DataNode(DType dtype, Shape shape, Device* device, std::shared_ptr<Buffer> buf)
     : Node(NodeKind::Data, dtype, shape, device) {
   set_buffer(std::move(buf));
+}
+
+LAZYTENSOR_INLINE BlockRule aligned_block_rule(const Shape& out, const std::vector<NodePtr>& inputs) {
+  const int rank = out.rank();
+  BlockRule r{std::vector<bool>(static_cast<std::size_t>(rank), true), {}};
+  for (const auto& in : inputs) {
+    const int off = rank - in->shape().rank();
+    std::vector<int> map(static_cast<std::size_t>(rank), -1);
+    for (int o = std::max(off, 0); o < rank; ++o)
+      if (in->shape()[o - off] == out[o]) map[static_cast<std::size_t>(o)] = o - off;
+    r.input_dim.push_back(std::move(map));
+  }
+  return r;
 }
 
 LAZYTENSOR_INLINE std::uint64_t hash_shape(const Shape& s) {
@@ -2010,6 +2053,10 @@ class Device {
   /// it for replicas that fill every core: the executor would only compete with the
   /// replica's own thread for a core, and each hand-off costs two thread wake-ups.
   bool& inline_steps() { return inline_steps_; }
+  /// Whether an asynchronous device hands every step to its executor, however small. SPMD
+  /// mode sets it: one thread steps every device, and a step holding a collective must not
+  /// run on that thread, where it would wait for peers whose steps are not handed out yet.
+  bool& queue_every_step() { return queue_every_step_; }
   /// Whether the user chose the step mode (LAZYTENSOR_ASYNC set): spawn then leaves it.
   static bool async_from_env() { return core::env_switch("LAZYTENSOR_ASYNC").has_value(); }
 
@@ -2071,6 +2118,7 @@ class Device {
   bool eager_ = false;
   bool async_ = default_async();
   bool inline_steps_ = false;
+  bool queue_every_step_ = false;
   std::vector<std::function<void()>> closures_;
   std::atomic<std::uint64_t> failures_{0};
   std::exception_ptr error_;
@@ -2380,6 +2428,10 @@ class ConvertNode final : public Node {
 
   std::string op_name() const override { return "convert"; }
   std::string describe() const override { return "convert(%0) -> " + dtype_name(dtype()); }
+  std::optional<BlockRule> block_rule() const override { return aligned_block_rule(shape(), inputs()); }
+  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
+    return std::make_shared<ConvertNode>(std::move(inputs[0]), dtype());
+  }
 
  protected:
   void compute(ExecContext& ctx) override;
@@ -2393,6 +2445,10 @@ class RoundToBFloat16Node final : public Node {
   explicit RoundToBFloat16Node(NodePtr in);
 
   std::string op_name() const override { return "round_bf16"; }
+  std::optional<BlockRule> block_rule() const override { return aligned_block_rule(shape(), inputs()); }
+  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
+    return std::make_shared<RoundToBFloat16Node>(std::move(inputs[0]));
+  }
 
  protected:
   void compute(ExecContext& ctx) override;
@@ -2474,6 +2530,7 @@ LAZYTENSOR_INLINE void RoundToBFloat16Node::compute(ExecContext& ctx) {
 // ---- begin lazytensor/graph/submit.hpp ----
 // Adding nodes to a device's pending graph.
 
+#include <atomic>
 #include <memory>
 #include <span>
 #include <string>
@@ -4372,8 +4429,16 @@ class CompiledKernel final : public ElementwiseKernel {
 /// Evaluates an element-wise kernel into a tensor.
 class ElementwiseNode final : public Node {
  public:
-  ElementwiseNode(std::unique_ptr<ElementwiseKernel> kernel, bool can_stream, DType dtype, Shape shape,
+  ElementwiseNode(std::shared_ptr<const ElementwiseKernel> kernel, bool can_stream, DType dtype, Shape shape,
                   Device* device, std::vector<NodePtr> inputs);
+
+  /// Element-wise: every output dimension splits; inputs aligned right (NumPy).
+  std::optional<BlockRule> block_rule() const override { return aligned_block_rule(shape(), inputs()); }
+  /// The same kernel over other inputs (the SPMD partitioner runs one per shard). The
+  /// kernel is shared: it holds only the expression's form and scalars, never data.
+  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device* device) const override {
+    return std::make_shared<ElementwiseNode>(kernel_, can_stream_, dtype(), shape, device, std::move(inputs));
+  }
 
   std::string op_name() const override { return "fused"; }
   std::string describe() const override { return kernel_->text(); }
@@ -4402,7 +4467,7 @@ class ElementwiseNode final : public Node {
 
   double producer_cost() const { return inputs()[fused_slot_]->cost_per_element(); }
 
-  std::unique_ptr<ElementwiseKernel> kernel_;
+  std::shared_ptr<const ElementwiseKernel> kernel_;
   bool can_stream_;
   expr::Layout layout_;
   int fused_slot_ = -1;
@@ -4413,7 +4478,7 @@ class ElementwiseNode final : public Node {
 template <Element Tout, class K>
 NodePtr elementwise_node(K k, const Shape& shape, Device* device, std::vector<NodePtr> inputs) {
   using CK = CompiledKernel<K, Tout>;
-  return std::make_shared<ElementwiseNode>(std::make_unique<CK>(std::move(k)), CK::can_stream, dtype_of<Tout>(),
+  return std::make_shared<ElementwiseNode>(std::make_shared<const CK>(std::move(k)), CK::can_stream, dtype_of<Tout>(),
                                            shape, device, std::move(inputs));
 }
 
@@ -4426,7 +4491,7 @@ LAZYTENSOR_INLINE RowProducer::Session::Session(RowProducer& p, ExecContext& ctx
 
 LAZYTENSOR_INLINE RowProducer::Session::~Session() { p_.end_rows(); }
 
-LAZYTENSOR_INLINE ElementwiseNode::ElementwiseNode(std::unique_ptr<ElementwiseKernel> kernel,
+LAZYTENSOR_INLINE ElementwiseNode::ElementwiseNode(std::shared_ptr<const ElementwiseKernel> kernel,
   bool can_stream,
   DType dtype,
   Shape shape,
@@ -5538,7 +5603,8 @@ LAZYTENSOR_INLINE void run_step(Device& dev, std::vector<NodePtr> nodes) {
   if (nodes.empty()) return;
   prepare(nodes);
   auto plan = plan_for(dev, nodes, true);
-  const bool queue = dev.async() && !dev.inline_steps() && plan->work >= kInlineStepWork;
+  const bool queue =
+      dev.async() && (dev.queue_every_step() || (!dev.inline_steps() && plan->work >= kInlineStepWork));
   if (queue)
     dev.wait_below(2);
   else
@@ -5586,8 +5652,36 @@ namespace lazy::graph {
 /// the current device.
 Device& common_device(const std::vector<NodePtr>& inputs, const char* op);
 
-/// Adds a node to its device's pending graph; in eager mode it runs at once.
+/// Rewrites a node that reads a sharded value (NodeKind::Sharded) into per-device pieces.
+/// lazy::spmd installs it (use_spmd); without it no node can read a sharded value.
+using PartitionHook = NodePtr (*)(NodePtr node);
+
+/// The installed partitioner (null outside SPMD mode). Atomic: installed once, read by
+/// every submit.
+inline std::atomic<PartitionHook>& partition_hook() {
+  static std::atomic<PartitionHook> hook{nullptr};
+  return hook;
+}
+
+/// Whether mark_step steps every device of the process instead of the current one (SPMD
+/// mode: one program thread drives all devices).
+inline std::atomic<bool>& step_every_device() {
+  static std::atomic<bool> on{false};
+  return on;
+}
+
+/// Adds a node to its device's pending graph; in eager mode it runs at once. A node that
+/// reads a sharded value goes to the partitioner instead, which returns the node that
+/// stands for the result (callers use the returned node, never the one they passed).
 NodePtr submit(NodePtr node);
+
+/// submit without the partitioner: for the partitioner's own nodes.
+NodePtr submit_unpartitioned(NodePtr node);
+
+/// Hands the pending values of every device to its executor, as a mark_step of each
+/// without its random-stream advance: before reading values that several devices compute
+/// together (SPMD pieces), where a collective on one device waits for its peers.
+void step_all_devices();
 
 /// Materializes `node` (and what it needs). A value a step is computing is waited for;
 /// a pending one is computed now. Returns true when this read had to compute it (an
@@ -5611,11 +5705,25 @@ LAZYTENSOR_INLINE Device& common_device(const std::vector<NodePtr>& inputs, cons
 }
 
 LAZYTENSOR_INLINE NodePtr submit(NodePtr node) {
+  if (PartitionHook hook = partition_hook().load(std::memory_order_acquire)) {
+    for (const auto& in : node->inputs())
+      if (in->kind() == NodeKind::Sharded) return hook(std::move(node));
+  }
+  return submit_unpartitioned(std::move(node));
+}
+
+LAZYTENSOR_INLINE NodePtr submit_unpartitioned(NodePtr node) {
   Device& dev = *node->device();
   if (dev.eager())
     execute(dev, std::span(&node, 1));
   else dev.trace(node);
   return node;
+}
+
+LAZYTENSOR_INLINE void step_all_devices() {
+  auto& registry = DeviceRegistry::get();
+  const int n = registry.count();
+  for (int i = 0; i < n; ++i) run_step(registry.device(i), collect_step(registry.device(i)));
 }
 
 LAZYTENSOR_INLINE bool materialize(const NodePtr& node) {
@@ -6043,9 +6151,24 @@ S reduce_range(const Ev& ev, std::int64_t b, std::int64_t len) {
 
 }  // namespace detail
 
+/// What the SPMD partitioner needs of a reduction: the child it reduces (viewed as
+/// [outer, extent, inner]) and the same reduction over a block of it.
+class BlockReduction {
+ public:
+  virtual ~BlockReduction() = default;
+  virtual const Shape& child_shape() const = 0;
+  virtual ReduceGeometry geometry() const = 0;
+  /// The reduction's name ("sum", "prod", "max", "min", "any", "all").
+  virtual const char* reduce_name() const = 0;
+  /// The same kernel and scale over `inputs` (blocks of this node's inputs, of `child`
+  /// shape or single elements), producing `out` on `device`, not yet submitted.
+  virtual NodePtr with_block(std::vector<NodePtr> inputs, Shape out, ReduceGeometry g, Shape child,
+                             Device* device) const = 0;
+};
+
 /// Reduces kernel-form expression K (with lane S) by R into Tout, scaling by `scale`.
 template <class K, class R, class S, Element Tout>
-class ReductionNode final : public Node, public ChunkReduction {
+class ReductionNode final : public Node, public ChunkReduction, public BlockReduction {
  public:
   ReductionNode(K kernel, Shape out_shape, ReduceGeometry g, double scale, Device* device,
                 std::vector<NodePtr> inputs, Shape child_shape)
@@ -6067,6 +6190,14 @@ class ReductionNode final : public Node, public ChunkReduction {
     std::uint64_t h = hash_combine(Node::structural_hash(), kernel_hash);
     h = hash_combine(h, hash_shape(child_shape_));
     return hash_combine(h, static_cast<std::uint64_t>(g_.extent));
+  }
+
+  const Shape& child_shape() const override { return child_shape_; }
+  ReduceGeometry geometry() const override { return g_; }
+  const char* reduce_name() const override { return R::name; }
+  NodePtr with_block(std::vector<NodePtr> inputs, Shape out, ReduceGeometry g, Shape child,
+                     Device* device) const override {
+    return std::make_shared<ReductionNode>(kernel_, out, g, scale_, device, std::move(inputs), child);
   }
 
   bool reduces_all() const override { return g_.outer == 1 && g_.inner == 1; }
@@ -11857,8 +11988,8 @@ Device device(int index);
 /// Makes `d` this thread's current device.
 inline void set_device(const Device& d) { graph::current_device_index() = d.index(); }
 
-/// Materializes every pending value that a live tensor handle on the current device can
-/// reach, then runs the step closures and advances the device's random stream. A node
+/// Materializes every pending value that a live tensor handle on the current device (in
+/// SPMD mode, lazy::spmd::use_spmd: on every device) can reach, then runs the step closures and advances the device's random stream. A node
 /// that no handle reaches is never computed.
 ///
 /// Asynchronous: the step is planned here and handed to the device's executor thread, and
@@ -11872,7 +12003,7 @@ void mark_step();
 inline void sync() { mark_step(); }
 
 /// Waits for every step enqueued on the current device (xm.wait_device_ops), then
-/// re-throws an error a step stored.
+/// re-throws an error a step stored. In SPMD mode: on every device.
 void wait_device_ops();
 
 /// Sets how many threads the current device's kernels use (as torch::set_num_threads; the
@@ -11947,16 +12078,32 @@ LAZYTENSOR_INLINE Device device(int index) {
   return Device(index);
 }
 
+namespace detail {
+/// One device's share of a step: its pending values, then a fresh random stream (as XLA's
+/// seed advance after mark_step).
+inline void step_device(graph::Device& dev) {
+  graph::run_step(dev, graph::collect_step(dev));
+  auto& rng = dev.rng();
+  rng.seed = graph::hash_combine(rng.seed, 0x9e3779b97f4a7c15ull);
+  rng.offset = 0;
+}
+}  // namespace detail
+
 LAZYTENSOR_INLINE void mark_step() {
   static auto& steps = core::counter("MarkStep");
   graph::Device& dev = graph::current_device();
   steps.add();
-  dev.rethrow_stored_error();
-  graph::run_step(dev, graph::collect_step(dev));
-  // A new step draws fresh random numbers, as XLA's seed advance after mark_step.
-  auto& rng = dev.rng();
-  rng.seed = graph::hash_combine(rng.seed, 0x9e3779b97f4a7c15ull);
-  rng.offset = 0;
+  if (graph::step_every_device().load(std::memory_order_acquire)) {
+    // SPMD: this thread drives every device. Each device's step is handed to its own
+    // executor, so the shards of a statement compute in parallel.
+    auto& registry = graph::DeviceRegistry::get();
+    const int n = device_count();
+    for (int i = 0; i < n; ++i) registry.device(i).rethrow_stored_error();
+    for (int i = 0; i < n; ++i) detail::step_device(registry.device(i));
+  } else {
+    dev.rethrow_stored_error();
+    detail::step_device(dev);
+  }
   // Closures run once the step has executed (as torch_xla's synchronous step closures), so
   // they see its values; without closures mark_step returns at once.
   auto closures = dev.take_step_closures();
@@ -11965,6 +12112,12 @@ LAZYTENSOR_INLINE void mark_step() {
 }
 
 LAZYTENSOR_INLINE void wait_device_ops() {
+  if (graph::step_every_device().load(std::memory_order_acquire)) {
+    auto& registry = graph::DeviceRegistry::get();
+    for (int i = 0; i < device_count(); ++i) registry.device(i).wait_idle();
+    for (int i = 0; i < device_count(); ++i) registry.device(i).rethrow_stored_error();
+    return;
+  }
   auto& dev = graph::current_device();
   dev.wait_idle();
   dev.rethrow_stored_error();
@@ -13186,6 +13339,10 @@ inline const dist::detail::WorldLayout* layout() {
 }
 }  // namespace detail
 
+/// Devices of every process taking part (xr.global_runtime_device_count()): what SPMD
+/// meshes are laid over. Today one process, so lazy::device_count().
+inline int global_runtime_device_count() { return device_count(); }
+
 /// Number of replicas in the world (xr.world_size()); 1 outside spawn.
 inline int world_size() {
   auto* l = detail::layout();
@@ -14039,20 +14196,53 @@ struct PackedGemm {
 
 namespace lazy::graph {
 
+/// An operand as a GEMM reads it.
+struct GemmOperand {
+  NodePtr node;
+  bool transposed;  ///< the node holds [.., cols, rows] and is read transposed
+};
+
+/// What the SPMD partitioner needs of a product: its operands' layouts and sizes, and the
+/// same product over blocks.
+class BlockGemm {
+ public:
+  virtual ~BlockGemm() = default;
+  virtual bool a_transposed() const = 0;
+  virtual bool b_transposed() const = 0;
+  virtual std::int64_t batch_a() const = 0;
+  virtual std::int64_t batch_b() const = 0;
+  virtual std::int64_t rows() const = 0;
+  virtual std::int64_t depth() const = 0;
+  virtual std::int64_t cols() const = 0;
+  /// The product of [m, k] and [k, n] blocks, of shape `out` (m x n elements), on
+  /// `device`, not submitted.
+  virtual NodePtr with_operands(GemmOperand a, GemmOperand b, std::int64_t m, std::int64_t k, std::int64_t n,
+                                Shape out, Device* device) const = 0;
+};
+
 /// C[b] = op(A[b]) * op(B[b]) for a batch of row-major matrices; op is identity or
 /// transpose. A batch count of 1 on either side broadcasts.
 template <Element T>
-class GemmNode final : public Node, public RowProducer {
+class GemmNode final : public Node, public RowProducer, public BlockGemm {
  public:
-  struct Operand {
-    NodePtr node;
-    bool transposed;  ///< the node holds [.., cols, rows] and is read transposed
-  };
+  using Operand = GemmOperand;
 
   GemmNode(Operand a, Operand b, std::int64_t batch_a, std::int64_t batch_b, std::int64_t m, std::int64_t k,
            std::int64_t n, Shape out_shape, Device* device)
       : Node(NodeKind::Gemm, dtype_of<T>(), out_shape, device, {a.node, b.node}), ta_(a.transposed),
         tb_(b.transposed), batch_a_(batch_a), batch_b_(batch_b), m_(m), k_(k), n_(n) {}
+
+  bool a_transposed() const override { return ta_; }
+  bool b_transposed() const override { return tb_; }
+  std::int64_t batch_a() const override { return batch_a_; }
+  std::int64_t batch_b() const override { return batch_b_; }
+  std::int64_t rows() const override { return m_; }
+  std::int64_t depth() const override { return k_; }
+  std::int64_t cols() const override { return n_; }
+  NodePtr with_operands(GemmOperand a, GemmOperand b, std::int64_t m, std::int64_t k, std::int64_t n, Shape out,
+                        Device* device) const override {
+    return std::make_shared<GemmNode>(std::move(a), std::move(b), 1, 1, m, k, n, out, device);
+  }
 
   std::string op_name() const override { return "matmul"; }
   std::string describe() const override {
@@ -14590,6 +14780,10 @@ class PermuteNode : public Node {
   std::string describe() const override;
   std::uint64_t structural_hash() const override;
 
+  /// Every output dimension splits, reading the input dimension it moves.
+  std::optional<BlockRule> block_rule() const override;
+  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device* device) const override;
+
  protected:
   void compute(ExecContext& ctx) override;
 
@@ -14686,6 +14880,7 @@ class TransposeNode final : public PermuteNode, public TransposeOfLastTwo {
   /// The node whose last two dims this value swaps (null once this node has run: a
   /// computed node keeps no inputs).
   const NodePtr& transpose_source() const override { return inputs().empty() ? none_ : inputs()[0]; }
+  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device* device) const override;
 
   /// The identity permutation with the last two entries swapped.
   static std::vector<int> last_two(int rank);
@@ -14789,6 +14984,23 @@ class GatherNode final : public Node {
 
   std::string op_name() const override { return "gather"; }
   std::string describe() const override { return "gather(%0, dim=" + std::to_string(dim_) + ", %1)"; }
+
+  /// Blocks along the other dimensions where input and index have the same size.
+  std::optional<BlockRule> block_rule() const override {
+    const Shape& in = inputs()[0]->shape();
+    const int rank = shape().rank();
+    BlockRule r{std::vector<bool>(static_cast<std::size_t>(rank), false),
+                {std::vector<int>(static_cast<std::size_t>(rank), -1), std::vector<int>(static_cast<std::size_t>(rank), -1)}};
+    for (int o = 0; o < rank; ++o) {
+      if (o == dim_ || in[o] != shape()[o]) continue;
+      r.splittable[static_cast<std::size_t>(o)] = true;
+      r.input_dim[0][static_cast<std::size_t>(o)] = r.input_dim[1][static_cast<std::size_t>(o)] = o;
+    }
+    return r;
+  }
+  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
+    return std::make_shared<GatherNode>(std::move(inputs[0]), std::move(inputs[1]), dim_);
+  }
   double cost_per_element() const override { return 2; }
   std::uint64_t structural_hash() const override {
     return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
@@ -14855,6 +15067,18 @@ class OneHotNode final : public Node {
 
   std::string op_name() const override { return "one_hot"; }
   std::string describe() const override { return "one_hot(%0, num_classes=" + std::to_string(classes_) + ")"; }
+
+  /// Blocks along the index's dimensions; the classes stay whole.
+  std::optional<BlockRule> block_rule() const override {
+    const int rank = shape().rank();
+    BlockRule r{std::vector<bool>(static_cast<std::size_t>(rank), true), {std::vector<int>(static_cast<std::size_t>(rank), -1)}};
+    r.splittable.back() = false;
+    for (int o = 0; o + 1 < rank; ++o) r.input_dim[0][static_cast<std::size_t>(o)] = o;
+    return r;
+  }
+  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
+    return std::make_shared<OneHotNode>(std::move(inputs[0]), classes_, shape);
+  }
 
  protected:
   void compute(ExecContext& ctx) override {
@@ -14970,6 +15194,20 @@ LAZYTENSOR_INLINE void PermuteNode::compute(ExecContext& ctx) {
 }
 
 LAZYTENSOR_INLINE TransposeNode::TransposeNode(NodePtr in) : PermuteNode(in, last_two(in->shape().rank()), "transpose") {}
+
+LAZYTENSOR_INLINE std::optional<BlockRule> PermuteNode::block_rule() const {
+  BlockRule r{std::vector<bool>(perm_.size(), true), {std::vector<int>(perm_.begin(), perm_.end())}};
+  return r;
+}
+
+LAZYTENSOR_INLINE NodePtr PermuteNode::with_inputs(std::vector<NodePtr> inputs, Shape, Device* device) const {
+  (void)device;  // the input's device: a piece and its permute live on the same device
+  return std::make_shared<PermuteNode>(std::move(inputs[0]), perm_, op_);
+}
+
+LAZYTENSOR_INLINE NodePtr TransposeNode::with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const {
+  return std::make_shared<TransposeNode>(std::move(inputs[0]));
+}
 
 LAZYTENSOR_INLINE std::vector<int> TransposeNode::last_two(int rank) {
   std::vector<int> p(static_cast<std::size_t>(rank));
@@ -18069,6 +18307,22 @@ class SoftmaxNode final : public Node {
 
   std::string op_name() const override { return Log ? "log_softmax" : "softmax"; }
   std::string describe() const override { return op_name() + "(%0, dim=" + std::to_string(dim_) + ")"; }
+
+  /// Blocks along every dimension but the one normalized.
+  std::optional<BlockRule> block_rule() const override {
+    const int rank = shape().rank();
+    BlockRule r{std::vector<bool>(static_cast<std::size_t>(rank), true), {std::vector<int>(static_cast<std::size_t>(rank))}};
+    for (int o = 0; o < rank; ++o) r.input_dim[0][static_cast<std::size_t>(o)] = o;
+    r.splittable[static_cast<std::size_t>(dim_)] = false;
+    r.input_dim[0][static_cast<std::size_t>(dim_)] = -1;
+    return r;
+  }
+  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
+    std::int64_t outer = 1, inner = 1;
+    for (int d = 0; d < dim_; ++d) outer *= shape[d];
+    for (int d = dim_ + 1; d < shape.rank(); ++d) inner *= shape[d];
+    return std::make_shared<SoftmaxNode>(std::move(inputs[0]), dim_, outer, extent_, inner);
+  }
   double cost_per_element() const override { return 12; }
 
  protected:
@@ -21407,6 +21661,1641 @@ LAZYTENSOR_OPTIM_SGD_INSTANCES(extern)
 #endif
 // ---- end lazytensor/optim/sgd.hpp ----
 // ---- end lazytensor/optim.hpp ----
+// ---- begin lazytensor/spmd.hpp ----
+// lazy::spmd: sharding meshes, PyTorch/XLA's SPMD (torch_xla.distributed.spmd). One program
+// thread drives every device: use_spmd(), a Mesh (or HybridMesh), mark_sharding with a
+// partition spec, then ordinary tensor code; the partitioner runs each sharded statement
+// as one node per device, and reading a sharded tensor gathers it.
+
+// ---- begin lazytensor/spmd/mark_sharding.hpp ----
+// Annotating tensors with a sharding (mark_sharding, clear_sharding) and looking at the
+// result: local_shards, sharding_spec, visualize_tensor_sharding.
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+// ---- begin lazytensor/spmd/mode.hpp ----
+// SPMD mode (torch_xla's xr.use_spmd()): one program thread drives every device; tensors
+// annotated with a sharding live as pieces on the mesh's devices.
+
+// ---- begin lazytensor/spmd/partitioner.hpp ----
+// The SPMD partitioner: graph::submit hands it every node that reads a sharded value, and
+// it returns the node standing for the result. Nodes with a block rule (element-wise,
+// permutes, softmax, gather, one_hot, conversions) run block-wise, one node per mesh device
+// on that device's graph; views keep their input's blocks when the elements stay in order;
+// reductions and 2-D products run on blocks, and where the reduced or contracted dimension
+// is split, the partial results are all-reduced among the devices that share the rest of
+// the block. Operands sharded otherwise (or not at all) are split to the chosen blocks
+// first. Other ops read the gathered value and run whole on the tensor's device (a
+// synchronous gather, counted as SpmdGathers).
+
+#include <functional>
+
+// ---- begin lazytensor/spmd/collective.hpp ----
+// The collectives the partitioner inserts: an all-reduce among the devices of a group (the
+// partial results of a product or reduction split along its contracted dimension). One
+// node per member, each on its member's graph; when the member's executor runs it, it
+// publishes its input, waits for the group, and combines every input in group order, so
+// every member holds the same bits.
+
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+
+namespace lazy::spmd {
+
+/// How partial results combine.
+enum class Combine { Sum, Prod, Max, Min };
+
+namespace detail {
+
+/// One round of an all-reduce: the group's inputs, published as members arrive.
+class ReduceRound {
+ public:
+  ReduceRound(Combine op, std::vector<graph::Device*> members);
+  /// Member `slot` publishes `in` and waits for every member; returns the combination of all
+  /// inputs in slot order as a new buffer of `dev`. CollectiveError when a member's device
+  /// fails before arriving (its step stopped), CollectiveTimeout after dist's timeout.
+  std::shared_ptr<Buffer> run(int slot, std::shared_ptr<Buffer> in, DType dtype, std::int64_t numel, graph::Device& dev);
+  Combine op() const { return op_; }
+  int size() const { return static_cast<int>(members_.size()); }
+
+ private:
+  Combine op_;
+  std::vector<graph::Device*> members_;
+  std::vector<std::uint64_t> failures_;  // each member device's failure count when traced
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int arrived_ = 0, done_ = 0;
+  std::vector<std::shared_ptr<Buffer>> inputs_;
+};
+
+/// Combines `n` arrays of `numel` elements of `dtype` into `out`, in order.
+void combine(Combine op, DType dtype, const std::vector<const void*>& in, void* out, std::int64_t numel);
+
+}  // namespace detail
+
+/// A member's part of an all-reduce (NodeKind::Collective): its value is the group's
+/// combination. Takes the device's previous SPMD collective as an extra input, so each
+/// device meets its collectives in program order.
+class AllReduceNode final : public graph::Node {
+ public:
+  AllReduceNode(graph::NodePtr in, std::shared_ptr<detail::ReduceRound> round, int slot, graph::NodePtr previous);
+  std::string op_name() const override { return "spmd_all_reduce"; }
+  std::string describe() const override;
+  std::uint64_t structural_hash() const override;
+
+ protected:
+  void compute(graph::ExecContext& ctx) override;
+
+ private:
+  std::shared_ptr<detail::ReduceRound> round_;
+  int slot_;
+};
+
+/// Submits an all-reduce over `pieces` (one per member, each on its own device, in the
+/// group's combining order) and returns the members' results in the same order. Counted
+/// as SpmdAllReduces and SpmdAllReduceBytes (each member's input).
+std::vector<graph::NodePtr> all_reduce(const std::vector<graph::NodePtr>& pieces, Combine op);
+
+}  // namespace lazy::spmd
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+#include <chrono>
+#include <map>
+
+
+namespace lazy::spmd {
+namespace detail {
+
+LAZYTENSOR_INLINE ReduceRound::ReduceRound(Combine op, std::vector<graph::Device*> members)
+    : op_(op), members_(std::move(members)), inputs_(members_.size()) {
+  for (auto* d : members_) failures_.push_back(d->failures());
+}
+
+LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::run(int slot, std::shared_ptr<Buffer> in, DType dtype,
+                                                           std::int64_t numel, graph::Device& dev) {
+  const int n = size();
+  std::unique_lock lock(mu_);
+  inputs_[static_cast<std::size_t>(slot)] = std::move(in);
+  if (++arrived_ == n) cv_.notify_all();
+  const auto deadline = std::chrono::steady_clock::now() + dist::collective_timeout();
+  while (arrived_ < n) {
+    cv_.wait_for(lock, std::chrono::milliseconds(2));
+    for (std::size_t m = 0; m < members_.size() && arrived_ < n; ++m) {
+      if (!inputs_[m] && members_[m]->failures() != failures_[m])
+        throw CollectiveError("SPMD all-reduce: " + members_[m]->str() +
+                              " failed before reaching it (its step stopped; the error surfaces there)");
+    }
+    if (arrived_ < n && std::chrono::steady_clock::now() > deadline)
+      throw CollectiveTimeout("SPMD all-reduce: waited longer than the collective timeout for " +
+                              std::to_string(n - arrived_) + " of " + std::to_string(n) + " devices");
+  }
+  std::vector<std::shared_ptr<Buffer>> held = inputs_;  // the inputs stay alive while read
+  lock.unlock();
+  auto out = dev.pool().acquire(padded_bytes(numel, dtype_size(dtype)));
+  std::vector<const void*> ptrs;
+  for (const auto& b : held) ptrs.push_back(b->data());
+  combine(op_, dtype, ptrs, out->data(), numel);
+  held.clear();
+  lock.lock();
+  if (++done_ == n) inputs_.clear();  // the last reader lets the inputs go
+  return out;
+}
+
+namespace {
+template <class T, class Acc>
+void combine_as(Combine op, const std::vector<const void*>& in, void* out, std::int64_t numel) {
+  T* o = static_cast<T*>(out);
+  for (std::int64_t i = 0; i < numel; ++i) {
+    Acc acc = static_cast<Acc>(static_cast<const T*>(in[0])[i]);
+    for (std::size_t k = 1; k < in.size(); ++k) {
+      const Acc v = static_cast<Acc>(static_cast<const T*>(in[k])[i]);
+      switch (op) {
+        case Combine::Sum: acc = static_cast<Acc>(acc + v); break;
+        case Combine::Prod: acc = static_cast<Acc>(acc * v); break;
+        // NaN propagates, as the reductions' max/min do.
+        case Combine::Max: acc = (v > acc || v != v) && acc == acc ? v : acc; break;
+        case Combine::Min: acc = (v < acc || v != v) && acc == acc ? v : acc; break;
+      }
+    }
+    o[i] = static_cast<T>(acc);
+  }
+}
+}  // namespace
+
+LAZYTENSOR_INLINE void combine(Combine op, DType dtype, const std::vector<const void*>& in, void* out, std::int64_t numel) {
+  switch (dtype) {
+    case DType::Float32: return combine_as<float, float>(op, in, out, numel);
+    case DType::Float64: return combine_as<double, double>(op, in, out, numel);
+    case DType::BFloat16: return combine_as<bfloat16, float>(op, in, out, numel);
+    case DType::Int32: return combine_as<std::int32_t, std::int64_t>(op, in, out, numel);
+    case DType::Int64: return combine_as<std::int64_t, std::int64_t>(op, in, out, numel);
+    case DType::Bool: {
+      // Sum and Max act as or, Prod and Min as and (torch.distributed's bool semantics).
+      auto* o = static_cast<bool*>(out);
+      const bool any = op == Combine::Sum || op == Combine::Max;
+      for (std::int64_t i = 0; i < numel; ++i) {
+        bool acc = static_cast<const bool*>(in[0])[i];
+        for (std::size_t k = 1; k < in.size(); ++k) {
+          const bool v = static_cast<const bool*>(in[k])[i];
+          acc = any ? (acc || v) : (acc && v);
+        }
+        o[i] = acc;
+      }
+      return;
+    }
+  }
+}
+
+}  // namespace detail
+
+LAZYTENSOR_INLINE AllReduceNode::AllReduceNode(graph::NodePtr in, std::shared_ptr<detail::ReduceRound> round, int slot,
+                                               graph::NodePtr previous)
+    : Node(graph::NodeKind::Collective, in->dtype(), in->shape(), in->device(),
+           previous ? std::vector<graph::NodePtr>{in, previous} : std::vector<graph::NodePtr>{in}),
+      round_(std::move(round)), slot_(slot) {}
+
+LAZYTENSOR_INLINE std::string AllReduceNode::describe() const {
+  static const char* names[] = {"sum", "prod", "max", "min"};
+  return std::string("spmd_all_reduce(%0, ") + names[static_cast<int>(round_->op())] + ", group of " +
+         std::to_string(round_->size()) + ")";
+}
+
+LAZYTENSOR_INLINE std::uint64_t AllReduceNode::structural_hash() const {
+  return graph::hash_combine(graph::hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(round_->op())),
+                             static_cast<std::uint64_t>(round_->size() * 64 + slot_));
+}
+
+LAZYTENSOR_INLINE void AllReduceNode::compute(graph::ExecContext& ctx) {
+  set_buffer(round_->run(slot_, inputs()[0]->buffer(), dtype(), numel(), ctx.device));
+}
+
+LAZYTENSOR_INLINE std::vector<graph::NodePtr> all_reduce(const std::vector<graph::NodePtr>& pieces, Combine op) {
+  static auto& count = core::counter("SpmdAllReduces");
+  static auto& bytes = core::counter("SpmdAllReduceBytes");
+  // Each device's last collective, so that its collectives run in program order (traced
+  // by the program thread only).
+  static std::map<const graph::Device*, std::weak_ptr<graph::Node>> last;
+  count.add();
+  std::vector<graph::Device*> members;
+  for (const auto& p : pieces) members.push_back(p->device());
+  auto round = std::make_shared<detail::ReduceRound>(op, members);
+  std::vector<graph::NodePtr> out;
+  for (std::size_t i = 0; i < pieces.size(); ++i) {
+    bytes.add(pieces[i]->numel() * static_cast<std::int64_t>(dtype_size(pieces[i]->dtype())));
+    auto& prev = last[members[i]];
+    graph::NodePtr before = prev.lock();
+    if (before && !before->pending()) before.reset();
+    auto node = graph::submit_unpartitioned(
+        std::make_shared<AllReduceNode>(pieces[i], round, static_cast<int>(i), std::move(before)));
+    prev = node;
+    out.push_back(std::move(node));
+  }
+  return out;
+}
+
+}  // namespace lazy::spmd
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/spmd/collective.hpp ----
+// ---- begin lazytensor/spmd/sharded_node.hpp ----
+// The value of a sharded tensor: one piece per mesh device, each a node on its own device
+// (computed by that device's steps), and the whole value, gathered only when read.
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+// ---- begin lazytensor/spmd/sharding.hpp ----
+// Partition specs (how a tensor's dimensions map onto mesh axes) and the resolved sharding
+// of one tensor: which block of it each device of the mesh holds.
+
+#include <cstdint>
+#include <initializer_list>
+#include <optional>
+#include <string>
+#include <utility>
+#include <variant>
+#include <vector>
+
+// ---- begin lazytensor/spmd/mesh.hpp ----
+// Meshes: the logical arrangement of devices that shardings name (torch_xla's Mesh and
+// HybridMesh), and the process's global mesh.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+
+namespace lazy::spmd {
+
+/// The device ids of a mesh arranged in its shape (what torch_xla's get_logical_mesh
+/// returns as a numpy array): `device_ids` row-major in `shape`.
+struct LogicalMesh {
+  std::vector<std::int64_t> shape;
+  std::vector<int> device_ids;
+  /// The id at mesh coordinates `coords` (one per axis).
+  int at(const std::vector<std::int64_t>& coords) const;
+};
+
+/// A logical n-d array of devices (torch_xla.distributed.spmd.Mesh). `device_ids` are laid
+/// out row-major in `mesh_shape`; axes may be named (`axis_names`, one per axis, distinct),
+/// else each is named by its index ("0", "1", ...). A partition spec refers to the axes by
+/// index or name. Error (lazy::Error, naming the values) when the shape's product is not
+/// the number of ids, an id repeats or names no device of this process, or names repeat.
+class Mesh {
+ public:
+  Mesh(std::vector<int> device_ids, std::vector<std::int64_t> mesh_shape, std::vector<std::string> axis_names = {});
+
+  /// The axes in order, as (name, size).
+  std::vector<std::pair<std::string, std::int64_t>> shape() const;
+  /// The ids in mesh order (row-major over the axes).
+  const std::vector<int>& device_ids() const { return ids_; }
+  /// The size of each axis.
+  const std::vector<std::int64_t>& mesh_shape() const { return shape_; }
+  /// Each axis's name (the index as text for unnamed axes).
+  const std::vector<std::string>& axis_names() const { return names_; }
+  /// The ids arranged in the mesh's shape.
+  LogicalMesh get_logical_mesh() const { return {shape_, ids_}; }
+  /// Number of devices.
+  int size() const { return static_cast<int>(ids_.size()); }
+  /// Number of axes.
+  int rank() const { return static_cast<int>(shape_.size()); }
+
+  /// The coordinates of the device at mesh position `position` (row-major).
+  std::vector<std::int64_t> coordinates(int position) const;
+  /// The mesh position of device `device_id`, or -1.
+  int position_of(int device_id) const;
+  /// Text such as `Mesh(shape=("data": 2, "model": 2), devices=[0, 1, 2, 3])`.
+  std::string str() const;
+
+  friend bool operator==(const Mesh& a, const Mesh& b) {
+    return a.ids_ == b.ids_ && a.shape_ == b.shape_ && a.names_ == b.names_;
+  }
+
+ private:
+  std::vector<int> ids_;
+  std::vector<std::int64_t> shape_;
+  std::vector<std::string> names_;
+};
+
+/// A mesh for devices grouped in slices (torch_xla's HybridMesh): the mesh's axis i has
+/// size `dcn_mesh_shape[i] * ici_mesh_shape[i]`, the DCN part outer. Device ids follow
+/// the slices: slice s (the row-major index of the DCN coordinates) holds ids
+/// [s * S, (s + 1) * S), S the product of `ici_mesh_shape`, laid out row-major over the
+/// ICI coordinates. Every device of the process takes part; Error when the shapes'
+/// ranks differ or their products do not make the device count.
+class HybridMesh : public Mesh {
+ public:
+  HybridMesh(std::vector<std::int64_t> ici_mesh_shape, std::vector<std::int64_t> dcn_mesh_shape,
+             std::vector<std::string> axis_names = {});
+};
+
+/// Sets the mesh that APIs taking no mesh use (torch_xla's set_global_mesh).
+void set_global_mesh(const Mesh& mesh);
+/// The global mesh, if one was set.
+std::optional<Mesh> get_global_mesh();
+
+namespace detail {
+/// The device ids a HybridMesh lays out (see HybridMesh).
+std::vector<int> hybrid_device_ids(const std::vector<std::int64_t>& ici, const std::vector<std::int64_t>& dcn);
+/// The elementwise product of the two shapes.
+std::vector<std::int64_t> hybrid_shape(const std::vector<std::int64_t>& ici, const std::vector<std::int64_t>& dcn);
+/// "(6, 4)": a shape as JAX's messages print it.
+std::string tuple_text(const std::vector<std::int64_t>& sizes);
+}  // namespace detail
+
+}  // namespace lazy::spmd
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+#include <algorithm>
+#include <mutex>
+#include <set>
+
+namespace lazy::spmd {
+
+LAZYTENSOR_INLINE int LogicalMesh::at(const std::vector<std::int64_t>& coords) const {
+  if (coords.size() != shape.size())
+    throw Error("LogicalMesh::at: expected " + std::to_string(shape.size()) + " coordinates, got " +
+                std::to_string(coords.size()));
+  std::int64_t p = 0;
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    if (coords[i] < 0 || coords[i] >= shape[i])
+      throw Error("LogicalMesh::at: coordinate " + std::to_string(coords[i]) + " out of range for axis " +
+                  std::to_string(i) + " of size " + std::to_string(shape[i]));
+    p = p * shape[i] + coords[i];
+  }
+  return device_ids[static_cast<std::size_t>(p)];
+}
+
+LAZYTENSOR_INLINE std::string detail::tuple_text(const std::vector<std::int64_t>& sizes) {
+  std::string s = "(";
+  for (std::size_t i = 0; i < sizes.size(); ++i) s += (i ? ", " : "") + std::to_string(sizes[i]);
+  if (sizes.size() == 1) s += ",";
+  return s + ")";
+}
+
+LAZYTENSOR_INLINE Mesh::Mesh(std::vector<int> device_ids, std::vector<std::int64_t> mesh_shape,
+                             std::vector<std::string> axis_names)
+    : ids_(std::move(device_ids)), shape_(std::move(mesh_shape)), names_(std::move(axis_names)) {
+  if (shape_.empty()) throw Error("Mesh: expected at least one mesh axis, got an empty mesh shape");
+  std::int64_t product = 1;
+  for (auto s : shape_) {
+    if (s < 1) throw Error("Mesh: mesh shape " + detail::tuple_text(shape_) + " has a size below 1");
+    product *= s;
+  }
+  if (product != static_cast<std::int64_t>(ids_.size()))
+    throw Error("Mesh: mesh shape " + detail::tuple_text(shape_) + " holds " + std::to_string(product) +
+                " devices, but " + std::to_string(ids_.size()) + " device ids were given");
+  const int available = device_count();
+  std::set<int> seen;
+  for (int id : ids_) {
+    if (id < 0 || id >= available)
+      throw Error("Mesh: device id " + std::to_string(id) + " names no device of this process (it has " +
+                  std::to_string(available) + ": ids 0.." + std::to_string(available - 1) +
+                  "; LAZYTENSOR_NUM_DEVICES sets the count)");
+    if (!seen.insert(id).second) throw Error("Mesh: device id " + std::to_string(id) + " appears twice");
+  }
+  if (names_.empty()) {
+    for (std::size_t i = 0; i < shape_.size(); ++i) names_.push_back(std::to_string(i));
+  } else if (names_.size() != shape_.size()) {
+    throw Error("Mesh: " + std::to_string(names_.size()) + " axis names given for a mesh of " +
+                std::to_string(shape_.size()) + " axes " + detail::tuple_text(shape_));
+  }
+  std::set<std::string> names;
+  for (const auto& n : names_)
+    if (!names.insert(n).second) throw Error("Mesh: axis name \"" + n + "\" appears twice");
+}
+
+LAZYTENSOR_INLINE std::vector<std::pair<std::string, std::int64_t>> Mesh::shape() const {
+  std::vector<std::pair<std::string, std::int64_t>> r;
+  for (std::size_t i = 0; i < shape_.size(); ++i) r.emplace_back(names_[i], shape_[i]);
+  return r;
+}
+
+LAZYTENSOR_INLINE std::vector<std::int64_t> Mesh::coordinates(int position) const {
+  std::vector<std::int64_t> c(shape_.size());
+  std::int64_t p = position;
+  for (std::size_t i = shape_.size(); i-- > 0;) {
+    c[i] = p % shape_[i];
+    p /= shape_[i];
+  }
+  return c;
+}
+
+LAZYTENSOR_INLINE int Mesh::position_of(int device_id) const {
+  auto it = std::find(ids_.begin(), ids_.end(), device_id);
+  return it == ids_.end() ? -1 : static_cast<int>(it - ids_.begin());
+}
+
+LAZYTENSOR_INLINE std::string Mesh::str() const {
+  std::string s = "Mesh(shape=(";
+  for (std::size_t i = 0; i < shape_.size(); ++i)
+    s += (i ? ", \"" : "\"") + names_[i] + "\": " + std::to_string(shape_[i]);
+  s += "), devices=[";
+  for (std::size_t i = 0; i < ids_.size(); ++i) s += (i ? ", " : "") + std::to_string(ids_[i]);
+  return s + "])";
+}
+
+LAZYTENSOR_INLINE std::vector<std::int64_t> detail::hybrid_shape(const std::vector<std::int64_t>& ici,
+                                                                  const std::vector<std::int64_t>& dcn) {
+  if (ici.size() != dcn.size())
+    throw Error("HybridMesh: ici_mesh_shape " + tuple_text(ici) + " and dcn_mesh_shape " + tuple_text(dcn) +
+                " must have the same number of axes");
+  std::vector<std::int64_t> s(ici.size());
+  for (std::size_t i = 0; i < ici.size(); ++i) {
+    if (ici[i] < 1 || dcn[i] < 1)
+      throw Error("HybridMesh: sizes must be at least 1, got ici " + tuple_text(ici) + ", dcn " + tuple_text(dcn));
+    s[i] = ici[i] * dcn[i];
+  }
+  return s;
+}
+
+LAZYTENSOR_INLINE std::vector<int> detail::hybrid_device_ids(const std::vector<std::int64_t>& ici,
+                                                            const std::vector<std::int64_t>& dcn) {
+  const auto shape = hybrid_shape(ici, dcn);
+  std::int64_t total = 1, per_slice = 1;
+  for (auto s : shape) total *= s;
+  for (auto s : ici) per_slice *= s;
+  if (total != device_count())
+    throw Error("HybridMesh: ici " + tuple_text(ici) + " times dcn " + tuple_text(dcn) + " makes " +
+                std::to_string(total) + " devices, but this process has " + std::to_string(device_count()));
+  std::vector<int> ids(static_cast<std::size_t>(total));
+  const std::size_t rank = shape.size();
+  std::vector<std::int64_t> c(rank, 0);
+  for (std::int64_t p = 0; p < total; ++p) {
+    // Mesh coordinate c[i] = dcn coordinate * ici[i] + ici coordinate.
+    std::int64_t slice = 0, within = 0;
+    for (std::size_t i = 0; i < rank; ++i) {
+      slice = slice * dcn[i] + c[i] / ici[i];
+      within = within * ici[i] + c[i] % ici[i];
+    }
+    ids[static_cast<std::size_t>(p)] = static_cast<int>(slice * per_slice + within);
+    for (std::size_t i = rank; i-- > 0;) {
+      if (++c[i] < shape[i]) break;
+      c[i] = 0;
+    }
+  }
+  return ids;
+}
+
+LAZYTENSOR_INLINE HybridMesh::HybridMesh(std::vector<std::int64_t> ici_mesh_shape, std::vector<std::int64_t> dcn_mesh_shape,
+                                         std::vector<std::string> axis_names)
+    : Mesh(detail::hybrid_device_ids(ici_mesh_shape, dcn_mesh_shape), detail::hybrid_shape(ici_mesh_shape, dcn_mesh_shape),
+           std::move(axis_names)) {}
+
+namespace detail {
+struct GlobalMesh {
+  std::mutex mu;
+  std::optional<Mesh> mesh;
+};
+inline GlobalMesh& global_mesh() {
+  static GlobalMesh g;
+  return g;
+}
+}  // namespace detail
+
+LAZYTENSOR_INLINE void set_global_mesh(const Mesh& mesh) {
+  auto& g = detail::global_mesh();
+  std::lock_guard lock(g.mu);
+  g.mesh = mesh;
+}
+
+LAZYTENSOR_INLINE std::optional<Mesh> get_global_mesh() {
+  auto& g = detail::global_mesh();
+  std::lock_guard lock(g.mu);
+  return g.mesh;
+}
+
+}  // namespace lazy::spmd
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/spmd/mesh.hpp ----
+
+namespace lazy::spmd {
+
+/// One mesh axis in a partition spec: its index (`0`) or its name (`"data"`).
+class AxisRef {
+ public:
+  AxisRef(int index) : ref_(index) {}
+  AxisRef(const char* name) : ref_(std::string(name)) {}
+  AxisRef(std::string name) : ref_(std::move(name)) {}
+  const std::variant<int, std::string>& ref() const { return ref_; }
+
+ private:
+  std::variant<int, std::string> ref_;
+};
+
+/// One entry of a partition spec, for one tensor dimension: replicated (`std::nullopt`),
+/// one mesh axis (`0`, `"data"`), or a braced list of axes (`{"x", "y"}`) that shards the
+/// dimension over all of them, the first major.
+class PartitionEntry {
+ public:
+  PartitionEntry(std::nullopt_t) {}
+  PartitionEntry(int axis) : axes_{AxisRef(axis)} {}
+  PartitionEntry(const char* axis) : axes_{AxisRef(axis)} {}
+  PartitionEntry(std::string axis) : axes_{AxisRef(std::move(axis))} {}
+  PartitionEntry(std::initializer_list<AxisRef> axes) : axes_(axes) {}
+  /// The axes, major first (empty: replicated).
+  const std::vector<AxisRef>& axes() const { return axes_; }
+
+ private:
+  std::vector<AxisRef> axes_;
+};
+
+/// A partition spec: one entry per tensor dimension (`{0, std::nullopt}`, `{"data"}`).
+/// Shorter specs are padded with replicated entries; mesh axes it leaves out replicate.
+using PartitionSpec = std::vector<PartitionEntry>;
+
+/// The resolved sharding of a tensor of a given shape: for each dimension, the mesh axes
+/// (indices, major first) that split it. Devices whose coordinates differ only along
+/// unused axes hold the same block (replicas).
+struct Sharding {
+  Mesh mesh;
+  std::vector<std::vector<int>> dims;
+
+  /// Number of blocks along dimension `d` (the product of its axes' sizes).
+  std::int64_t parts(int d) const;
+  /// True when no dimension is split.
+  bool replicated() const;
+  /// The block index along dimension `d` of the device at mesh position `position`.
+  std::int64_t part_of(int position, int d) const;
+  /// The [begin, end) range of every dimension of `global` that mesh position `position`
+  /// holds.
+  std::vector<std::pair<std::int64_t, std::int64_t>> block(int position, const Shape& global) const;
+  /// The shape of the block every device holds.
+  Shape block_shape(const Shape& global) const;
+  /// The sharding as torch_xla's _get_xla_sharding_spec prints it (XLA's HloSharding
+  /// text): `{replicated}`, `{devices=[2,1]0,1}`, or with replication along unused axes
+  /// `{devices=[2,1,2]0,1,2,3 last_tile_dim_replicate}`.
+  std::string str() const;
+
+  friend bool operator==(const Sharding&, const Sharding&) = default;
+};
+
+/// Resolves `spec` on `mesh` for a tensor of shape `shape`. ShardingError, naming the
+/// offender, for: a spec longer than the rank, an unknown axis name or index, an axis used
+/// twice, and a dimension not divisible by its axes' sizes (JAX's message:
+/// `dimension 0 of shape (6, 4) must be divisible by 4 (mesh axis "x")`).
+Sharding resolve_sharding(const Mesh& mesh, const PartitionSpec& spec, const Shape& shape);
+
+/// A mesh and a partition spec, resolved against each tensor it is applied to (torch_xla's
+/// ShardingSpec; `minibatch` marks specs for per-process batches of a global batch, which
+/// in one process is the batch itself).
+class ShardingSpec {
+ public:
+  ShardingSpec(Mesh mesh, PartitionSpec spec, bool minibatch = false)
+      : mesh_(std::move(mesh)), spec_(std::move(spec)), minibatch_(minibatch) {}
+  const Mesh& mesh() const { return mesh_; }
+  const PartitionSpec& partition_spec() const { return spec_; }
+  bool minibatch() const { return minibatch_; }
+  /// The sharding of a tensor of `shape` (ShardingError as resolve_sharding).
+  Sharding resolve(const Shape& shape) const { return resolve_sharding(mesh_, spec_, shape); }
+
+ private:
+  Mesh mesh_;
+  PartitionSpec spec_;
+  bool minibatch_;
+};
+
+}  // namespace lazy::spmd
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::spmd {
+
+LAZYTENSOR_INLINE std::int64_t Sharding::parts(int d) const {
+  std::int64_t n = 1;
+  for (int a : dims[static_cast<std::size_t>(d)]) n *= mesh.mesh_shape()[static_cast<std::size_t>(a)];
+  return n;
+}
+
+LAZYTENSOR_INLINE bool Sharding::replicated() const {
+  for (std::size_t d = 0; d < dims.size(); ++d)
+    if (parts(static_cast<int>(d)) > 1) return false;
+  return true;
+}
+
+LAZYTENSOR_INLINE std::int64_t Sharding::part_of(int position, int d) const {
+  const auto c = mesh.coordinates(position);
+  std::int64_t idx = 0;
+  for (int a : dims[static_cast<std::size_t>(d)])
+    idx = idx * mesh.mesh_shape()[static_cast<std::size_t>(a)] + c[static_cast<std::size_t>(a)];
+  return idx;
+}
+
+LAZYTENSOR_INLINE std::vector<std::pair<std::int64_t, std::int64_t>> Sharding::block(int position,
+                                                                                      const Shape& global) const {
+  std::vector<std::pair<std::int64_t, std::int64_t>> r(static_cast<std::size_t>(global.rank()));
+  for (int d = 0; d < global.rank(); ++d) {
+    const std::int64_t n = parts(d), size = global[d] / n, i = part_of(position, d);
+    r[static_cast<std::size_t>(d)] = {i * size, (i + 1) * size};
+  }
+  return r;
+}
+
+LAZYTENSOR_INLINE Shape Sharding::block_shape(const Shape& global) const {
+  Shape s = global;
+  for (int d = 0; d < global.rank(); ++d) s[d] = global[d] / parts(d);
+  return s;
+}
+
+LAZYTENSOR_INLINE std::string Sharding::str() const {
+  if (replicated()) return "{replicated}";
+  const int rank = static_cast<int>(dims.size());
+  // Tile dimensions: the parts of each tensor dimension, then the replicas (mesh axes no
+  // dimension uses) as a last tile dimension when there are several.
+  std::vector<bool> used(static_cast<std::size_t>(mesh.rank()), false);
+  for (const auto& axes : dims)
+    for (int a : axes) used[static_cast<std::size_t>(a)] = true;
+  std::int64_t replicas = 1;
+  for (int a = 0; a < mesh.rank(); ++a)
+    if (!used[static_cast<std::size_t>(a)]) replicas *= mesh.mesh_shape()[static_cast<std::size_t>(a)];
+  std::vector<std::int64_t> tile;
+  for (int d = 0; d < rank; ++d) tile.push_back(parts(d));
+  if (replicas > 1) tile.push_back(replicas);
+  std::int64_t tiles = 1;
+  for (auto t : tile) tiles *= t;
+  std::vector<int> order(static_cast<std::size_t>(tiles), -1);
+  for (int p = 0; p < mesh.size(); ++p) {
+    const auto c = mesh.coordinates(p);
+    std::int64_t idx = 0;
+    for (int d = 0; d < rank; ++d) idx = idx * parts(d) + part_of(p, d);
+    if (replicas > 1) {
+      std::int64_t r = 0;
+      for (int a = 0; a < mesh.rank(); ++a)
+        if (!used[static_cast<std::size_t>(a)]) r = r * mesh.mesh_shape()[static_cast<std::size_t>(a)] + c[static_cast<std::size_t>(a)];
+      idx = idx * replicas + r;
+    }
+    order[static_cast<std::size_t>(idx)] = mesh.device_ids()[static_cast<std::size_t>(p)];
+  }
+  std::string s = "{devices=[";
+  for (std::size_t i = 0; i < tile.size(); ++i) s += (i ? "," : "") + std::to_string(tile[i]);
+  s += "]";
+  for (std::size_t i = 0; i < order.size(); ++i) s += (i ? "," : "") + std::to_string(order[i]);
+  if (replicas > 1) s += " last_tile_dim_replicate";
+  return s + "}";
+}
+
+LAZYTENSOR_INLINE Sharding resolve_sharding(const Mesh& mesh, const PartitionSpec& spec, const Shape& shape) {
+  const int rank = shape.rank();
+  if (static_cast<int>(spec.size()) > rank)
+    throw ShardingError("partition spec has " + std::to_string(spec.size()) + " entries, but the tensor of shape " +
+                        detail::tuple_text(shape.vec()) + " has rank " + std::to_string(rank));
+  Sharding s{mesh, std::vector<std::vector<int>>(static_cast<std::size_t>(rank))};
+  std::vector<bool> used(static_cast<std::size_t>(mesh.rank()), false);
+  auto axis_text = [&](int a) { return "\"" + mesh.axis_names()[static_cast<std::size_t>(a)] + "\""; };
+  for (std::size_t d = 0; d < spec.size(); ++d) {
+    for (const auto& ref : spec[d].axes()) {
+      int a = -1;
+      if (const int* i = std::get_if<int>(&ref.ref())) {
+        if (*i < 0 || *i >= mesh.rank())
+          throw ShardingError("partition spec entry " + std::to_string(d) + ": mesh axis " + std::to_string(*i) +
+                              " out of range for a mesh of " + std::to_string(mesh.rank()) + " axes");
+        a = *i;
+      } else {
+        const auto& name = std::get<std::string>(ref.ref());
+        for (int k = 0; k < mesh.rank(); ++k)
+          if (mesh.axis_names()[static_cast<std::size_t>(k)] == name) a = k;
+        if (a < 0) {
+          std::string names;
+          for (int k = 0; k < mesh.rank(); ++k) names += (k ? ", " : "") + axis_text(k);
+          throw ShardingError("partition spec entry " + std::to_string(d) + ": the mesh has no axis named \"" + name +
+                              "\" (its axes: " + names + ")");
+        }
+      }
+      if (used[static_cast<std::size_t>(a)])
+        throw ShardingError("mesh axis " + axis_text(a) + " is used twice in the partition spec");
+      used[static_cast<std::size_t>(a)] = true;
+      s.dims[d].push_back(a);
+    }
+    const std::int64_t n = s.parts(static_cast<int>(d));
+    if (shape[static_cast<int>(d)] % n != 0) {
+      std::string axes;
+      for (std::size_t k = 0; k < s.dims[d].size(); ++k) axes += (k ? ", " : "") + axis_text(s.dims[d][k]);
+      throw ShardingError("dimension " + std::to_string(d) + " of shape " + detail::tuple_text(shape.vec()) +
+                          " must be divisible by " + std::to_string(n) + " (mesh " +
+                          (s.dims[d].size() == 1 ? "axis " : "axes ") + axes + ")");
+    }
+  }
+  return s;
+}
+
+}  // namespace lazy::spmd
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/spmd/sharding.hpp ----
+
+namespace lazy::spmd {
+
+/// The whole value of a tensor sharded over a mesh (NodeKind::Sharded). It holds one piece
+/// per mesh position (devices holding the same block hold equal pieces), each behind a
+/// handle registered with its device, so every device's mark_step computes its piece. The
+/// node itself is never traced or planned: graph::submit hands every node reading it to
+/// the partitioner, and reading it (item(), to_vector(), a partitioner fallback) gathers
+/// the blocks into one buffer on the tensor's device.
+class ShardedNode final : public graph::Node {
+ public:
+  ShardedNode(Sharding sharding, std::vector<graph::NodePtr> pieces, DType dtype, Shape shape,
+              graph::Device* device);
+
+  const Sharding& sharding() const { return sharding_; }
+  /// The piece at mesh position `position` (on device `mesh.device_ids()[position]`).
+  const graph::NodePtr& shard(int position) const { return shards_[static_cast<std::size_t>(position)]->node; }
+  int num_shards() const { return static_cast<int>(shards_.size()); }
+
+  std::string op_name() const override { return "sharded"; }
+  std::string describe() const override { return sharding_.str(); }
+
+ protected:
+  /// The gather: each distinct block once, from the first position holding it.
+  void compute(graph::ExecContext& ctx) override;
+
+ private:
+  Sharding sharding_;
+  std::vector<std::shared_ptr<graph::TensorImpl>> shards_;
+};
+
+/// `n` as a sharded node, or null.
+inline const ShardedNode* as_sharded(const graph::NodePtr& n) {
+  return n && n->kind() == graph::NodeKind::Sharded ? static_cast<const ShardedNode*>(n.get()) : nullptr;
+}
+
+/// The engine device of a mesh device id.
+inline graph::Device& mesh_device(int id) { return graph::DeviceRegistry::get().device(id); }
+
+namespace detail {
+
+/// A [begin, end) range per dimension.
+using Ranges = std::vector<std::pair<std::int64_t, std::int64_t>>;
+
+/// Copies a box of `box` elements per dimension between two row-major arrays of `esize`-byte
+/// elements: from `src` (shape `src_shape`) starting at `src_at` to `dst` (shape
+/// `dst_shape`) starting at `dst_at`, innermost runs by memcpy.
+void copy_box(const std::byte* src, const Shape& src_shape, const std::vector<std::int64_t>& src_at, std::byte* dst,
+              const Shape& dst_shape, const std::vector<std::int64_t>& dst_at, const std::vector<std::int64_t>& box,
+              std::size_t esize);
+
+/// The block `ranges` of materialized `value`, as data on `dev`. The whole value shares its
+/// buffer (buffers are immutable; donation needs a sole holder), a proper block is copied.
+graph::NodePtr block_of(const graph::NodePtr& value, const Ranges& ranges, graph::Device& dev);
+
+/// Splits `value` (materialized here; a sharded value is gathered first) over `sharding`.
+/// Counted as SpmdTransfers / SpmdTransferBytes (bytes copied to other devices).
+graph::NodePtr shard_value(const graph::NodePtr& value, const Sharding& sharding);
+
+}  // namespace detail
+}  // namespace lazy::spmd
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+#include <cstring>
+
+
+namespace lazy::spmd {
+
+LAZYTENSOR_INLINE ShardedNode::ShardedNode(Sharding sharding, std::vector<graph::NodePtr> pieces, DType dtype, Shape shape,
+                                           graph::Device* device)
+    : Node(graph::NodeKind::Sharded, dtype, shape, device), sharding_(std::move(sharding)) {
+  shards_.reserve(pieces.size());
+  for (auto& p : pieces) {
+    graph::Device* dev = p->device();
+    auto impl = std::make_shared<graph::TensorImpl>(std::move(p));
+    dev->register_handle(impl);
+    shards_.push_back(std::move(impl));
+  }
+}
+
+LAZYTENSOR_INLINE void ShardedNode::compute(graph::ExecContext& ctx) {
+  static auto& gathers = core::counter("SpmdGathers");
+  gathers.add();
+  auto buf = allocate_output(ctx, false);
+  const Shape global = shape();
+  std::int64_t blocks = 1;
+  for (int d = 0; d < global.rank(); ++d) blocks *= sharding_.parts(d);
+  std::vector<bool> done(static_cast<std::size_t>(blocks), false);
+  const std::size_t esize = dtype_size(dtype());
+  // Pieces may wait for each other in collectives: hand every device its work before
+  // waiting for any piece.
+  for (const auto& s : shards_) {
+    if (s->node->pending()) {
+      graph::step_all_devices();
+      break;
+    }
+  }
+  for (int p = 0; p < num_shards(); ++p) {
+    std::int64_t b = 0;
+    for (int d = 0; d < global.rank(); ++d) b = b * sharding_.parts(d) + sharding_.part_of(p, d);
+    if (done[static_cast<std::size_t>(b)]) continue;
+    done[static_cast<std::size_t>(b)] = true;
+    const graph::NodePtr& piece = shard(p);
+    graph::materialize(piece);
+    const auto ranges = sharding_.block(p, global);
+    std::vector<std::int64_t> at, box;
+    for (const auto& [b0, b1] : ranges) {
+      at.push_back(b0);
+      box.push_back(b1 - b0);
+    }
+    detail::copy_box(static_cast<const std::byte*>(piece->buffer()->data()), piece->shape(),
+                     std::vector<std::int64_t>(at.size(), 0), static_cast<std::byte*>(buf->data()), global, at, box,
+                     esize);
+  }
+  set_buffer(std::move(buf));
+}
+
+LAZYTENSOR_INLINE void detail::copy_box(const std::byte* src, const Shape& src_shape, const std::vector<std::int64_t>& src_at,
+                                        std::byte* dst, const Shape& dst_shape, const std::vector<std::int64_t>& dst_at,
+                                        const std::vector<std::int64_t>& box, std::size_t esize) {
+  const int rank = src_shape.rank();
+  for (auto b : box)
+    if (b == 0) return;
+  if (rank == 0) {
+    std::memcpy(dst, src, esize);
+    return;
+  }
+  // Row-major strides in elements.
+  std::vector<std::int64_t> ss(static_cast<std::size_t>(rank), 1), ds(static_cast<std::size_t>(rank), 1);
+  for (int d = rank - 1; d-- > 0;) {
+    ss[static_cast<std::size_t>(d)] = ss[static_cast<std::size_t>(d) + 1] * src_shape[d + 1];
+    ds[static_cast<std::size_t>(d)] = ds[static_cast<std::size_t>(d) + 1] * dst_shape[d + 1];
+  }
+  const std::size_t run = static_cast<std::size_t>(box.back()) * esize;
+  std::vector<std::int64_t> c(static_cast<std::size_t>(rank), 0);  // the last entry stays 0
+  for (;;) {
+    std::int64_t so = 0, d_o = 0;
+    for (int d = 0; d < rank; ++d) {
+      so += (src_at[static_cast<std::size_t>(d)] + c[static_cast<std::size_t>(d)]) * ss[static_cast<std::size_t>(d)];
+      d_o += (dst_at[static_cast<std::size_t>(d)] + c[static_cast<std::size_t>(d)]) * ds[static_cast<std::size_t>(d)];
+    }
+    std::memcpy(dst + static_cast<std::size_t>(d_o) * esize, src + static_cast<std::size_t>(so) * esize, run);
+    int d = rank - 2;
+    for (; d >= 0; --d) {
+      if (++c[static_cast<std::size_t>(d)] < box[static_cast<std::size_t>(d)]) break;
+      c[static_cast<std::size_t>(d)] = 0;
+    }
+    if (d < 0) return;
+  }
+}
+
+LAZYTENSOR_INLINE graph::NodePtr detail::block_of(const graph::NodePtr& value, const Ranges& ranges, graph::Device& dev) {
+  const Shape& global = value->shape();
+  bool whole = true;
+  std::vector<std::int64_t> at, box;
+  for (int d = 0; d < global.rank(); ++d) {
+    const auto [b0, b1] = ranges[static_cast<std::size_t>(d)];
+    whole = whole && b0 == 0 && b1 == global[d];
+    at.push_back(b0);
+    box.push_back(b1 - b0);
+  }
+  if (whole) return std::make_shared<graph::DataNode>(value->dtype(), global, &dev, value->buffer());
+  const Shape shape(box);
+  const std::size_t esize = dtype_size(value->dtype());
+  auto buf = dev.pool().acquire(padded_bytes(shape.numel(), esize));
+  copy_box(static_cast<const std::byte*>(value->buffer()->data()), global, at, static_cast<std::byte*>(buf->data()),
+           shape, std::vector<std::int64_t>(at.size(), 0), box, esize);
+  static auto& bytes = core::counter("SpmdTransferBytes");
+  bytes.add(static_cast<std::int64_t>(shape.numel() * static_cast<std::int64_t>(esize)));
+  return std::make_shared<graph::DataNode>(value->dtype(), shape, &dev, std::move(buf));
+}
+
+LAZYTENSOR_INLINE graph::NodePtr detail::shard_value(const graph::NodePtr& value, const Sharding& sharding) {
+  static auto& transfers = core::counter("SpmdTransfers");
+  transfers.add();
+  graph::materialize(value);
+  std::vector<graph::NodePtr> pieces;
+  for (int p = 0; p < sharding.mesh.size(); ++p)
+    pieces.push_back(block_of(value, sharding.block(p, value->shape()),
+                              mesh_device(sharding.mesh.device_ids()[static_cast<std::size_t>(p)])));
+  return std::make_shared<ShardedNode>(sharding, std::move(pieces), value->dtype(), value->shape(), value->device());
+}
+
+}  // namespace lazy::spmd
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/spmd/sharded_node.hpp ----
+
+namespace lazy::spmd::detail {
+
+/// The partition hook (graph::PartitionHook).
+graph::NodePtr partition(graph::NodePtr node);
+
+/// A node with a block rule run block-wise, or null when no sharded operand can lead (each
+/// is split along a dimension the rule cannot split).
+graph::NodePtr partition_blockwise(const graph::Node& node, const graph::BlockRule& rule);
+
+/// A reduction run on blocks (partial results all-reduced where a reduced dimension is
+/// split), or null when its operands do not allow it.
+graph::NodePtr partition_reduction(const graph::Node& node, const graph::BlockReduction& r);
+
+/// A 2-D product run on blocks: rows of A and columns of B stay split; a split contracted
+/// dimension gives partial products, all-reduced. Null for batched products.
+graph::NodePtr partition_gemm(const graph::Node& node, const graph::BlockGemm& g);
+
+/// Per mesh position, the pieces of `inputs` for blocks of `target` over a logical shape:
+/// `logical_of[i][d]` is the logical dimension that cuts dimension d of input i (-1: whole).
+/// An input already cut that way contributes its pieces; others are computed and split
+/// (SpmdTransfers).
+std::vector<std::vector<graph::NodePtr>> pieces_for(const std::vector<graph::NodePtr>& inputs,
+                                                    const std::vector<std::vector<int>>& logical_of,
+                                                    const Sharding& target, const Shape& logical);
+
+/// A copy of small unsharded `value` on `dev` without computing it: materialized values
+/// share their buffer, pending views and nodes with a block rule (a backward's seed
+/// reshaped and scaled) are traced again on `dev` over copies of their inputs. Null when
+/// something on the way has no such form or the value is large (then it is computed and
+/// split, which waits for its device).
+graph::NodePtr replicate_small(const graph::NodePtr& value, graph::Device& dev, int depth = 0);
+
+/// All-reduces `shards` (one per mesh position) among the positions that differ only along
+/// mesh axes `axes`, each group combining in the order of `rank_in_group(position)`.
+void reduce_partials(std::vector<graph::NodePtr>& shards, const Mesh& mesh, const std::vector<int>& axes,
+                     const std::function<std::int64_t(int)>& rank_in_group, Combine op);
+
+/// A transpose of the last two dimensions, piece by piece; a piece that is itself a
+/// pending transpose gives its source (as the unsharded op does), so a GEMM reads it
+/// through. Null when the input is not sharded.
+graph::NodePtr partition_transpose(const graph::TransposeNode& node);
+
+/// A view of a sharded value run on each piece, or null when the view would mix blocks.
+graph::NodePtr partition_view(const graph::ViewNode& node);
+
+/// The [start, length) runs of row-major linear indices that block `ranges` of `shape`
+/// covers, in order; false when there are more than `limit`.
+bool block_runs(const Shape& shape, const Ranges& ranges, std::size_t limit,
+                std::vector<std::pair<std::int64_t, std::int64_t>>& runs);
+
+/// `node` run whole: every sharded input is gathered (materialized) first.
+graph::NodePtr run_gathered(graph::NodePtr node);
+
+}  // namespace lazy::spmd::detail
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+#include <algorithm>
+#include <map>
+
+
+namespace lazy::spmd::detail {
+
+LAZYTENSOR_INLINE graph::NodePtr partition(graph::NodePtr node) {
+  if (auto* tr = dynamic_cast<const graph::TransposeNode*>(node.get())) {
+    if (auto r = partition_transpose(*tr)) return r;
+  }
+  if (auto* view = dynamic_cast<const graph::ViewNode*>(node.get())) {
+    if (auto r = partition_view(*view)) return r;
+  } else if (auto* red = dynamic_cast<const graph::BlockReduction*>(node.get())) {
+    if (auto r = partition_reduction(*node, *red)) return r;
+  } else if (auto* gemm = dynamic_cast<const graph::BlockGemm*>(node.get())) {
+    if (auto r = partition_gemm(*node, *gemm)) return r;
+  } else if (auto rule = node->block_rule()) {
+    if (auto r = partition_blockwise(*node, *rule)) return r;
+  }
+  return run_gathered(std::move(node));
+}
+
+LAZYTENSOR_INLINE graph::NodePtr run_gathered(graph::NodePtr node) {
+  for (const auto& in : node->inputs())
+    if (in->kind() == graph::NodeKind::Sharded) graph::materialize(in);
+  return graph::submit_unpartitioned(std::move(node));
+}
+
+LAZYTENSOR_INLINE graph::NodePtr partition_blockwise(const graph::Node& node, const graph::BlockRule& rule) {
+  const Shape& out = node.shape();
+  const int rank = out.rank();
+  const auto& ins = node.inputs();
+  // The output dimension that cuts input dimension d of input i the same way, or -1.
+  auto cut_by = [&](std::size_t i, int d) {
+    for (int o = 0; o < rank; ++o)
+      if (rule.splittable[static_cast<std::size_t>(o)] && rule.input_dim[i][static_cast<std::size_t>(o)] == d) return o;
+    return -1;
+  };
+  // The lead: the largest sharded operand whose split dimensions the rule can cut (moving
+  // the others costs less). The result takes its blocks.
+  const ShardedNode* lead = nullptr;
+  Sharding target{Mesh({0}, {1}), {}};
+  for (std::size_t i = 0; i < ins.size(); ++i) {
+    const ShardedNode* s = as_sharded(ins[i]);
+    if (!s || (lead && s->numel() <= lead->numel())) continue;
+    Sharding t{s->sharding().mesh, std::vector<std::vector<int>>(static_cast<std::size_t>(rank))};
+    bool ok = true;
+    for (int d = 0; ok && d < s->shape().rank(); ++d) {
+      const int o = cut_by(i, d);
+      if (o >= 0) t.dims[static_cast<std::size_t>(o)] = s->sharding().dims[static_cast<std::size_t>(d)];
+      else ok = s->sharding().parts(d) == 1;
+    }
+    if (!ok) continue;
+    lead = s;
+    target = std::move(t);
+  }
+  if (!lead) return nullptr;
+  const Mesh& mesh = target.mesh;
+  const int n = mesh.size();
+  std::vector<std::vector<int>> logical_of;
+  for (std::size_t i = 0; i < ins.size(); ++i) {
+    std::vector<int> map;
+    for (int d = 0; d < ins[i]->shape().rank(); ++d) map.push_back(cut_by(i, d));
+    logical_of.push_back(std::move(map));
+  }
+  auto pieces = pieces_for(ins, logical_of, target, out);
+  const Shape block = target.block_shape(out);
+  std::vector<graph::NodePtr> shards;
+  shards.reserve(static_cast<std::size_t>(n));
+  for (int p = 0; p < n; ++p) {
+    graph::Device& dev = mesh_device(mesh.device_ids()[static_cast<std::size_t>(p)]);
+    auto piece = node.with_inputs(std::move(pieces[static_cast<std::size_t>(p)]), block, &dev);
+    if (!piece) return nullptr;
+    shards.push_back(graph::submit_unpartitioned(std::move(piece)));
+  }
+  return std::make_shared<ShardedNode>(std::move(target), std::move(shards), node.dtype(), out, node.device());
+}
+
+LAZYTENSOR_INLINE std::vector<std::vector<graph::NodePtr>> pieces_for(const std::vector<graph::NodePtr>& ins,
+                                                                         const std::vector<std::vector<int>>& logical_of,
+                                                                         const Sharding& target, const Shape& logical) {
+  const Mesh& mesh = target.mesh;
+  const int n = mesh.size();
+  std::vector<std::vector<graph::NodePtr>> pieces(static_cast<std::size_t>(n));
+  for (std::size_t i = 0; i < ins.size(); ++i) {
+    const auto& in = ins[i];
+    const ShardedNode* s = as_sharded(in);
+    bool local = s && s->sharding().mesh == mesh;
+    for (int d = 0; local && d < in->shape().rank(); ++d) {
+      const int l = logical_of[i][static_cast<std::size_t>(d)];
+      local = l >= 0 ? s->sharding().dims[static_cast<std::size_t>(d)] == target.dims[static_cast<std::size_t>(l)]
+                     : s->sharding().parts(d) == 1;
+    }
+    if (local) {
+      for (int p = 0; p < n; ++p) pieces[static_cast<std::size_t>(p)].push_back(s->shard(p));
+      continue;
+    }
+    if (!s && in->pending()) {
+      // A small pending value every block reads whole: trace it again on each device.
+      bool whole = true;
+      for (int d = 0; whole && d < in->shape().rank(); ++d) {
+        const int l = logical_of[i][static_cast<std::size_t>(d)];
+        whole = l < 0 || target.parts(l) == 1;
+      }
+      std::vector<graph::NodePtr> copies;
+      for (int p = 0; whole && p < n; ++p) {
+        auto c = replicate_small(in, mesh_device(mesh.device_ids()[static_cast<std::size_t>(p)]));
+        if (!c) break;
+        copies.push_back(std::move(c));
+      }
+      if (static_cast<int>(copies.size()) == n) {
+        for (int p = 0; p < n; ++p) pieces[static_cast<std::size_t>(p)].push_back(std::move(copies[static_cast<std::size_t>(p)]));
+        continue;
+      }
+    }
+    static auto& transfers = core::counter("SpmdTransfers");
+    transfers.add();
+    graph::materialize(in);
+    for (int p = 0; p < n; ++p) {
+      const auto block = target.block(p, logical);
+      Ranges ranges;
+      for (int d = 0; d < in->shape().rank(); ++d) {
+        const int l = logical_of[i][static_cast<std::size_t>(d)];
+        ranges.push_back(l >= 0 ? block[static_cast<std::size_t>(l)] : std::pair<std::int64_t, std::int64_t>{0, in->shape()[d]});
+      }
+      pieces[static_cast<std::size_t>(p)].push_back(
+          block_of(in, ranges, mesh_device(mesh.device_ids()[static_cast<std::size_t>(p)])));
+    }
+  }
+  return pieces;
+}
+
+LAZYTENSOR_INLINE graph::NodePtr replicate_small(const graph::NodePtr& value, graph::Device& dev, int depth) {
+  constexpr std::int64_t kMaxElements = 4096;
+  constexpr int kMaxDepth = 8;
+  if (value->materialized()) return std::make_shared<graph::DataNode>(value->dtype(), value->shape(), &dev, value->buffer());
+  if (!value->pending() || depth > kMaxDepth || value->numel() > kMaxElements) return nullptr;
+  std::vector<graph::NodePtr> inputs;
+  for (const auto& in : value->inputs()) {
+    if (in->kind() == graph::NodeKind::Sharded) return nullptr;
+    auto c = replicate_small(in, dev, depth + 1);
+    if (!c) return nullptr;
+    inputs.push_back(std::move(c));
+  }
+  if (auto* view = dynamic_cast<const graph::ViewNode*>(value.get()))
+    return graph::submit_unpartitioned(std::make_shared<graph::ViewNode>(view->op_name(), inputs[0], view->shape()));
+  if (!value->block_rule()) return nullptr;
+  auto copy = value->with_inputs(std::move(inputs), value->shape(), &dev);
+  return copy ? graph::submit_unpartitioned(std::move(copy)) : nullptr;
+}
+
+LAZYTENSOR_INLINE void reduce_partials(std::vector<graph::NodePtr>& shards, const Mesh& mesh, const std::vector<int>& axes,
+                                       const std::function<std::int64_t(int)>& rank_in_group, Combine op) {
+  std::map<std::vector<std::int64_t>, std::vector<int>> groups;
+  for (int p = 0; p < mesh.size(); ++p) {
+    auto key = mesh.coordinates(p);
+    for (int a : axes) key[static_cast<std::size_t>(a)] = 0;
+    groups[key].push_back(p);
+  }
+  for (auto& [key, members] : groups) {
+    std::sort(members.begin(), members.end(), [&](int x, int y) { return rank_in_group(x) < rank_in_group(y); });
+    std::vector<graph::NodePtr> in;
+    for (int p : members) in.push_back(shards[static_cast<std::size_t>(p)]);
+    auto out = all_reduce(in, op);
+    for (std::size_t i = 0; i < members.size(); ++i) shards[static_cast<std::size_t>(members[i])] = std::move(out[i]);
+  }
+}
+
+namespace {
+// How partial results of a named reduction combine (false: they cannot).
+inline bool combine_of(const char* name, Combine& op) {
+  const std::string n = name;
+  if (n == "sum") op = Combine::Sum;
+  else if (n == "prod") op = Combine::Prod;
+  else if (n == "max" || n == "any") op = Combine::Max;
+  else if (n == "min" || n == "all") op = Combine::Min;
+  else return false;
+  return true;
+}
+// Mesh axes used by dimensions [d0, d1) of a sharding.
+inline std::vector<int> axes_of(const Sharding& s, int d0, int d1) {
+  std::vector<int> axes;
+  for (int d = d0; d < d1; ++d)
+    for (int a : s.dims[static_cast<std::size_t>(d)]) axes.push_back(a);
+  return axes;
+}
+}  // namespace
+
+LAZYTENSOR_INLINE graph::NodePtr partition_reduction(const graph::Node& node, const graph::BlockReduction& r) {
+  const Shape& child = r.child_shape();
+  const graph::ReduceGeometry g = r.geometry();
+  const int rank = child.rank();
+  // The reduced dimensions [a, b) of the child: outer = prod(child[0, a)), extent = prod(child[a, b)).
+  int a = 0, b = 0;
+  std::int64_t prefix = 1;
+  while (a < rank && prefix < g.outer) prefix *= child[a++];
+  if (prefix != g.outer) return nullptr;
+  b = a;
+  std::int64_t extent = 1;
+  while (b < rank && extent < g.extent) extent *= child[b++];
+  if (extent != g.extent) return nullptr;
+  Combine op;
+  if (!combine_of(r.reduce_name(), op)) return nullptr;
+  const auto& ins = node.inputs();
+  // Inputs are of the child's shape or single elements (read whole).
+  const ShardedNode* lead = nullptr;
+  std::vector<std::vector<int>> logical_of;
+  for (const auto& in : ins) {
+    std::vector<int> map(static_cast<std::size_t>(in->shape().rank()), -1);
+    if (in->shape() == child) {
+      for (int d = 0; d < rank; ++d) map[static_cast<std::size_t>(d)] = d;
+      if (const ShardedNode* s = as_sharded(in); s && (!lead || s->numel() > lead->numel())) lead = s;
+    } else if (in->numel() != 1) {
+      return nullptr;
+    }
+    logical_of.push_back(std::move(map));
+  }
+  if (!lead) return nullptr;
+  Sharding target = lead->sharding();
+  const Shape& out = node.shape();
+  // Output dimension of each kept child dimension.
+  std::vector<std::vector<int>> out_dims(static_cast<std::size_t>(out.rank()));
+  if (out.rank() == rank) {  // keepdim
+    for (int d = 0; d < rank; ++d)
+      if (d < a || d >= b) out_dims[static_cast<std::size_t>(d)] = target.dims[static_cast<std::size_t>(d)];
+  } else if (out.rank() == rank - (b - a)) {
+    for (int d = 0; d < a; ++d) out_dims[static_cast<std::size_t>(d)] = target.dims[static_cast<std::size_t>(d)];
+    for (int d = b; d < rank; ++d) out_dims[static_cast<std::size_t>(d - (b - a))] = target.dims[static_cast<std::size_t>(d)];
+  } else {
+    return nullptr;
+  }
+  auto pieces = pieces_for(ins, logical_of, target, child);
+  const Shape child_block = target.block_shape(child);
+  graph::ReduceGeometry local;
+  local.outer = local.extent = local.inner = 1;
+  for (int d = 0; d < rank; ++d) (d < a ? local.outer : d < b ? local.extent : local.inner) *= child_block[d];
+  Sharding result{target.mesh, std::move(out_dims)};
+  const Shape out_block = result.block_shape(out);
+  const Mesh& mesh = target.mesh;
+  std::vector<graph::NodePtr> shards;
+  for (int p = 0; p < mesh.size(); ++p) {
+    graph::Device& dev = mesh_device(mesh.device_ids()[static_cast<std::size_t>(p)]);
+    shards.push_back(graph::submit_unpartitioned(
+        r.with_block(std::move(pieces[static_cast<std::size_t>(p)]), out_block, local, child_block, &dev)));
+  }
+  const auto axes = axes_of(target, a, b);
+  if (!axes.empty()) {
+    // Partial results, combined in the order of their blocks along the reduced dimensions.
+    reduce_partials(shards, mesh, axes, [&](int p) {
+      std::int64_t idx = 0;
+      for (int d = a; d < b; ++d) idx = idx * target.parts(d) + target.part_of(p, d);
+      return idx;
+    }, op);
+  }
+  return std::make_shared<ShardedNode>(std::move(result), std::move(shards), node.dtype(), out, node.device());
+}
+
+LAZYTENSOR_INLINE graph::NodePtr partition_gemm(const graph::Node& node, const graph::BlockGemm& gm) {
+  const auto& ins = node.inputs();
+  const Shape& out = node.shape();
+  const std::int64_t m = gm.rows(), k = gm.depth(), n = gm.cols();
+  // Single products of 2-D operands; the result may carry leading size-1 dimensions (the
+  // backward's [1, m, k]).
+  bool single = gm.batch_a() == 1 && gm.batch_b() == 1 && out.rank() >= 2 && out[out.rank() - 2] == m &&
+                out[out.rank() - 1] == n && ins[0]->shape().rank() == 2 && ins[1]->shape().rank() == 2;
+  for (int d = 0; single && d + 2 < out.rank(); ++d) single = out[d] == 1;
+  if (!single) return nullptr;
+  const bool ta = gm.a_transposed(), tb = gm.b_transposed();
+  // Logical dimensions: 0 = m, 1 = k, 2 = n; each operand's stored dimensions map onto them.
+  const std::vector<std::vector<int>> logical_of = {ta ? std::vector<int>{1, 0} : std::vector<int>{0, 1},
+                                                    tb ? std::vector<int>{2, 1} : std::vector<int>{1, 2}};
+  const Shape logical{m, k, n};
+  // The blocks: the larger sharded operand's split dimensions first, then the other's where
+  // they use mesh axes not taken yet.
+  std::vector<std::size_t> order = {0, 1};
+  if (ins[1]->numel() > ins[0]->numel()) std::swap(order[0], order[1]);
+  const Mesh* mesh = nullptr;
+  for (auto i : order)
+    if (const ShardedNode* s = as_sharded(ins[i]); s && !mesh) mesh = &s->sharding().mesh;
+  if (!mesh) return nullptr;
+  Sharding target{*mesh, std::vector<std::vector<int>>(3)};
+  std::vector<bool> used(static_cast<std::size_t>(mesh->rank()), false);
+  for (auto i : order) {
+    const ShardedNode* s = as_sharded(ins[i]);
+    if (!s || !(s->sharding().mesh == *mesh)) continue;
+    for (int d = 0; d < 2; ++d) {
+      const auto& axes = s->sharding().dims[static_cast<std::size_t>(d)];
+      auto& slot = target.dims[static_cast<std::size_t>(logical_of[i][static_cast<std::size_t>(d)])];
+      bool free = slot.empty();
+      for (int ax : axes) free = free && !used[static_cast<std::size_t>(ax)];
+      if (!free) continue;
+      slot = axes;
+      for (int ax : axes) used[static_cast<std::size_t>(ax)] = true;
+    }
+  }
+  auto pieces = pieces_for(ins, logical_of, target, logical);
+  const Shape block = target.block_shape(logical);
+  Sharding result{*mesh, std::vector<std::vector<int>>(static_cast<std::size_t>(out.rank()))};
+  result.dims[static_cast<std::size_t>(out.rank() - 2)] = target.dims[0];
+  result.dims[static_cast<std::size_t>(out.rank() - 1)] = target.dims[2];
+  const Shape out_block = result.block_shape(out);
+  // A pending transpose of a 2-D piece is read through, as matmul does unsharded.
+  auto operand = [](graph::NodePtr p, bool transposed) {
+    if (p->pending()) {
+      if (auto* tr = dynamic_cast<graph::TransposeOfLastTwo*>(p.get()); tr && tr->transpose_source()->shape().rank() == 2)
+        return graph::GemmOperand{tr->transpose_source(), !transposed};
+    }
+    return graph::GemmOperand{std::move(p), transposed};
+  };
+  std::vector<graph::NodePtr> shards;
+  for (int p = 0; p < mesh->size(); ++p) {
+    graph::Device& dev = mesh_device(mesh->device_ids()[static_cast<std::size_t>(p)]);
+    auto& pc = pieces[static_cast<std::size_t>(p)];
+    shards.push_back(graph::submit_unpartitioned(
+        gm.with_operands(operand(pc[0], ta), operand(pc[1], tb), block[0], block[1], block[2], out_block, &dev)));
+  }
+  if (!target.dims[1].empty()) {
+    // Partial products over k blocks, combined in k order.
+    reduce_partials(shards, *mesh, target.dims[1], [&](int p) { return target.part_of(p, 1); }, Combine::Sum);
+  }
+  return std::make_shared<ShardedNode>(std::move(result), std::move(shards), node.dtype(), out, node.device());
+}
+
+LAZYTENSOR_INLINE graph::NodePtr partition_transpose(const graph::TransposeNode& node) {
+  const ShardedNode* s = as_sharded(node.inputs()[0]);
+  if (!s) return nullptr;
+  const int rank = node.shape().rank();
+  Sharding result = s->sharding();
+  std::swap(result.dims[static_cast<std::size_t>(rank - 2)], result.dims[static_cast<std::size_t>(rank - 1)]);
+  std::vector<graph::NodePtr> shards;
+  for (int p = 0; p < s->num_shards(); ++p) {
+    const graph::NodePtr& piece = s->shard(p);
+    if (piece->pending()) {
+      if (auto* tr = dynamic_cast<graph::TransposeOfLastTwo*>(piece.get())) {
+        shards.push_back(tr->transpose_source());
+        continue;
+      }
+    }
+    shards.push_back(graph::submit_unpartitioned(std::make_shared<graph::TransposeNode>(piece)));
+  }
+  return std::make_shared<ShardedNode>(std::move(result), std::move(shards), node.dtype(), node.shape(), node.device());
+}
+
+LAZYTENSOR_INLINE bool block_runs(const Shape& shape, const Ranges& ranges, std::size_t limit,
+                                  std::vector<std::pair<std::int64_t, std::int64_t>>& runs) {
+  runs.clear();
+  const int rank = shape.rank();
+  if (rank == 0) {
+    runs.emplace_back(0, 1);
+    return true;
+  }
+  for (const auto& [b0, b1] : ranges)
+    if (b1 <= b0) return true;
+  // Innermost dimensions the block covers whole merge into one run with the first
+  // partial dimension (from the inside).
+  int inner = rank - 1;
+  std::int64_t run = ranges[static_cast<std::size_t>(inner)].second - ranges[static_cast<std::size_t>(inner)].first;
+  while (inner > 0 && ranges[static_cast<std::size_t>(inner)].first == 0 &&
+         ranges[static_cast<std::size_t>(inner)].second == shape[inner]) {
+    --inner;
+    run *= ranges[static_cast<std::size_t>(inner)].second - ranges[static_cast<std::size_t>(inner)].first;
+  }
+  std::vector<std::int64_t> stride(static_cast<std::size_t>(rank), 1);
+  for (int d = rank - 1; d-- > 0;) stride[static_cast<std::size_t>(d)] = stride[static_cast<std::size_t>(d) + 1] * shape[d + 1];
+  std::vector<std::int64_t> c(static_cast<std::size_t>(inner));
+  for (int d = 0; d < inner; ++d) c[static_cast<std::size_t>(d)] = ranges[static_cast<std::size_t>(d)].first;
+  for (;;) {
+    if (runs.size() == limit) return false;
+    std::int64_t start = ranges[static_cast<std::size_t>(inner)].first * stride[static_cast<std::size_t>(inner)];
+    for (int d = 0; d < inner; ++d) start += c[static_cast<std::size_t>(d)] * stride[static_cast<std::size_t>(d)];
+    if (!runs.empty() && runs.back().first + runs.back().second == start) runs.back().second += run;
+    else runs.emplace_back(start, run);
+    int d = inner - 1;
+    for (; d >= 0; --d) {
+      if (++c[static_cast<std::size_t>(d)] < ranges[static_cast<std::size_t>(d)].second) break;
+      c[static_cast<std::size_t>(d)] = ranges[static_cast<std::size_t>(d)].first;
+    }
+    if (d < 0) return true;
+  }
+}
+
+LAZYTENSOR_INLINE graph::NodePtr partition_view(const graph::ViewNode& node) {
+  const ShardedNode* s = as_sharded(node.inputs()[0]);
+  if (!s) return nullptr;
+  const Shape& in = s->shape();
+  const Shape& out = node.shape();
+  // Candidate: each split input dimension moves to the output dimension that starts at the
+  // same linear offset; the element runs of every block must then agree.
+  Sharding target{s->sharding().mesh, std::vector<std::vector<int>>(static_cast<std::size_t>(out.rank()))};
+  for (int d = 0; d < in.rank(); ++d) {
+    const std::int64_t parts = s->sharding().parts(d);
+    if (parts == 1) continue;
+    std::int64_t prefix_in = 1, prefix_out = 1;
+    for (int k = 0; k < d; ++k) prefix_in *= in[k];
+    int o = 0;
+    while (o < out.rank() && (prefix_out < prefix_in || out[o] == 1)) prefix_out *= out[o++];
+    if (o == out.rank() || prefix_out != prefix_in || out[o] % parts != 0) return nullptr;
+    target.dims[static_cast<std::size_t>(o)] = s->sharding().dims[static_cast<std::size_t>(d)];
+  }
+  constexpr std::size_t kMaxRuns = 4096;
+  std::vector<std::pair<std::int64_t, std::int64_t>> a, b;
+  for (int p = 0; p < s->num_shards(); ++p) {
+    if (!block_runs(in, s->sharding().block(p, in), kMaxRuns, a) || !block_runs(out, target.block(p, out), kMaxRuns, b) ||
+        a != b)
+      return nullptr;
+  }
+  const Shape block = target.block_shape(out);
+  std::vector<graph::NodePtr> shards;
+  for (int p = 0; p < s->num_shards(); ++p)
+    shards.push_back(graph::submit_unpartitioned(std::make_shared<graph::ViewNode>(node.op_name(), s->shard(p), block)));
+  return std::make_shared<ShardedNode>(std::move(target), std::move(shards), node.dtype(), out, node.device());
+}
+
+}  // namespace lazy::spmd::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/spmd/partitioner.hpp ----
+
+namespace lazy::spmd {
+
+/// Turns SPMD mode on for the process, for good (call it before creating tensors, as in
+/// torch_xla). From then on: graph::submit hands nodes reading sharded values to the
+/// partitioner; lazy::mark_step() and wait_device_ops() step and wait for every device,
+/// each step running on its device's executor (LAZYTENSOR_ASYNC=0 does not apply: a step
+/// holding a collective waits there for its peers); and, with several devices, each
+/// device's kernels use an equal share of the threads (as spawn gives replicas). Error
+/// inside spawn (replicas and SPMD are two different programs).
+void use_spmd();
+
+/// Whether use_spmd() was called.
+bool is_spmd();
+
+}  // namespace lazy::spmd
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+#include <algorithm>
+
+
+namespace lazy::spmd {
+
+LAZYTENSOR_INLINE void use_spmd() {
+  if (dist::detail::current_context())
+    throw Error("use_spmd: called inside spawn; SPMD mode drives every device from one program thread");
+  if (is_spmd()) return;
+  const int n = device_count();
+  const int threads = std::max(1, graph::default_device_threads() / n);
+  for (int i = 0; i < n; ++i) {
+    graph::Device& dev = graph::DeviceRegistry::get().device(i);
+    if (n > 1) dev.set_num_threads(threads);
+    // Each device's steps run on its own executor, every one of them: a step holding a
+    // collective waits there for its peers, never on the program thread.
+    dev.async() = true;
+    dev.queue_every_step() = true;
+  }
+  graph::partition_hook().store(&detail::partition, std::memory_order_release);
+  graph::step_every_device().store(true, std::memory_order_release);
+}
+
+LAZYTENSOR_INLINE bool is_spmd() {
+  return graph::partition_hook().load(std::memory_order_acquire) != nullptr;
+}
+
+}  // namespace lazy::spmd
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/spmd/mode.hpp ----
+
+namespace lazy::spmd {
+
+/// One device's piece of a tensor (torch_xla's XLAShard): its value (a tensor of the
+/// block's shape on `device`), the device, and the block's [begin, end) range per
+/// dimension.
+template <Element T>
+struct Shard {
+  Tensor<T> data;
+  Device device;
+  std::vector<std::pair<std::int64_t, std::int64_t>> index;
+};
+
+namespace detail {
+/// The tensor object's value split over `sharding` (resolved for its shape), rebinding it:
+/// every handle sees the sharded value. Error outside SPMD mode.
+void mark_node(graph::TensorImpl& impl, const Mesh& mesh, const PartitionSpec& spec);
+/// The tensor object's value gathered into one node on its device.
+void clear_node(graph::TensorImpl& impl);
+/// For each mesh position (one entry for an unsharded value): node, device id, block.
+struct Piece {
+  graph::NodePtr node;
+  int device;
+  Ranges index;
+};
+std::vector<Piece> pieces_of(const graph::NodePtr& value);
+std::string spec_text(const graph::NodePtr& value);
+std::string visualize(const graph::NodePtr& value);
+}  // namespace detail
+
+/// Shards `t` over `mesh` as `spec` says (torch_xla's xs.mark_sharding), in place: the
+/// tensor object is rebound, so every handle sees it, and `t` is returned. The current
+/// value is computed and each device's block copied to it (a replicated block shares the
+/// buffer). Error outside SPMD mode; ShardingError for a spec that does not fit (see
+/// resolve_sharding). A sharded tensor is resharded.
+template <Element T>
+Tensor<T>& mark_sharding(Tensor<T>& t, const Mesh& mesh, const PartitionSpec& spec) {
+  detail::mark_node(*t.impl(), mesh, spec);
+  return t;
+}
+
+/// mark_sharding of a tensor of any dtype (a module's parameters()).
+inline AnyTensor& mark_sharding(AnyTensor& t, const Mesh& mesh, const PartitionSpec& spec) {
+  detail::mark_node(*t.impl(), mesh, spec);
+  return t;
+}
+
+/// mark_sharding with a ShardingSpec's mesh and spec.
+template <Element T>
+Tensor<T>& mark_sharding(Tensor<T>& t, const ShardingSpec& spec) {
+  return mark_sharding(t, spec.mesh(), spec.partition_spec());
+}
+
+/// Makes `t` whole again (torch_xla's clear_sharding): the value is gathered onto the
+/// tensor's device, unsharded. A tensor that is not sharded is left as it is.
+template <Element T>
+Tensor<T>& clear_sharding(Tensor<T>& t) {
+  detail::clear_node(*t.impl());
+  return t;
+}
+
+/// The pieces of `t`, one per mesh device in mesh order (a tensor that is not sharded:
+/// one piece, the whole tensor on its device). Each `data` is a new handle on the piece's
+/// value: updating it leaves `t` alone. Reading a piece computes only that piece.
+template <Element T>
+std::vector<Shard<T>> local_shards(const Tensor<T>& t) {
+  std::vector<Shard<T>> r;
+  for (auto& p : detail::pieces_of(t.node())) r.push_back({Tensor<T>(std::move(p.node)), Device(p.device), std::move(p.index)});
+  return r;
+}
+
+/// The sharding as XLA's text (torch_xla's _get_xla_sharding_spec): `{devices=[2,1]0,1}`,
+/// `{replicated}`; an empty string for a tensor that is not sharded.
+template <Element T>
+std::string sharding_spec(const Tensor<T>& t) {
+  return detail::spec_text(t.node());
+}
+
+/// A text table of which device holds which block of `t` (torch_xla's
+/// visualize_tensor_sharding): a grid for 1-D and 2-D tensors, one line per block
+/// otherwise.
+template <Element T>
+std::string visualize_tensor_sharding(const Tensor<T>& t) {
+  return detail::visualize(t.node());
+}
+
+}  // namespace lazy::spmd
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+#include <algorithm>
+#include <map>
+
+namespace lazy::spmd::detail {
+
+LAZYTENSOR_INLINE void mark_node(graph::TensorImpl& impl, const Mesh& mesh, const PartitionSpec& spec) {
+  if (!is_spmd())
+    throw Error("mark_sharding: SPMD mode is off; call lazy::spmd::use_spmd() before creating tensors");
+  const Sharding sharding = resolve_sharding(mesh, spec, impl.node->shape());
+  if (const ShardedNode* s = as_sharded(impl.node); s && s->sharding() == sharding) return;
+  impl.node = shard_value(impl.node, sharding);
+}
+
+LAZYTENSOR_INLINE void clear_node(graph::TensorImpl& impl) {
+  if (!as_sharded(impl.node)) return;
+  graph::materialize(impl.node);
+  const graph::NodePtr& n = impl.node;
+  impl.node = std::make_shared<graph::DataNode>(n->dtype(), n->shape(), n->device(), n->buffer());
+}
+
+LAZYTENSOR_INLINE std::vector<Piece> pieces_of(const graph::NodePtr& value) {
+  std::vector<Piece> r;
+  if (const ShardedNode* s = as_sharded(value)) {
+    // A piece read alone must not wait in a collective for peers nobody runs: hand every
+    // device its pending work first.
+    for (int p = 0; p < s->num_shards(); ++p) {
+      if (s->shard(p)->pending()) {
+        graph::step_all_devices();
+        break;
+      }
+    }
+    const auto& ids = s->sharding().mesh.device_ids();
+    for (int p = 0; p < s->num_shards(); ++p)
+      r.push_back({s->shard(p), ids[static_cast<std::size_t>(p)], s->sharding().block(p, value->shape())});
+    return r;
+  }
+  Ranges whole;
+  for (auto d : value->shape()) whole.emplace_back(0, d);
+  r.push_back({value, value->device()->index(), std::move(whole)});
+  return r;
+}
+
+LAZYTENSOR_INLINE std::string spec_text(const graph::NodePtr& value) {
+  const ShardedNode* s = as_sharded(value);
+  return s ? s->sharding().str() : std::string();
+}
+
+LAZYTENSOR_INLINE std::string visualize(const graph::NodePtr& value) {
+  const Shape& shape = value->shape();
+  // Devices per block, blocks keyed by their ranges (replicas share a cell).
+  std::map<Ranges, std::vector<int>> cells;
+  for (auto& p : pieces_of(value)) cells[p.index].push_back(p.device);
+  auto range_text = [](const Ranges& r) {
+    std::string s = "[";
+    for (std::size_t i = 0; i < r.size(); ++i)
+      s += (i ? ", " : "") + std::to_string(r[i].first) + ":" + std::to_string(r[i].second);
+    return s + "]";
+  };
+  auto devices_text = [](const std::vector<int>& ids) {
+    std::string s = "CPU ";
+    for (std::size_t i = 0; i < ids.size(); ++i) s += (i ? "," : "") + std::to_string(ids[i]);
+    return s;
+  };
+  std::string out = "tensor of shape " + detail::tuple_text(shape.vec()) + ", " +
+                    (as_sharded(value) ? as_sharded(value)->sharding().str() : std::string("not sharded")) + "\n";
+  if (shape.rank() == 0 || shape.rank() > 2) {
+    for (const auto& [r, ids] : cells) out += "  " + range_text(r) + " -> " + devices_text(ids) + "\n";
+    return out;
+  }
+  // A grid: rows are blocks of dimension 0, columns blocks of dimension 1.
+  std::vector<std::pair<std::int64_t, std::int64_t>> rows, cols;
+  for (const auto& [r, ids] : cells) {
+    if (std::find(rows.begin(), rows.end(), r[0]) == rows.end()) rows.push_back(r[0]);
+    if (shape.rank() == 2 && std::find(cols.begin(), cols.end(), r[1]) == cols.end()) cols.push_back(r[1]);
+  }
+  if (shape.rank() == 1) {  // one row of cells along the only dimension
+    cols = rows;
+    rows = {{0, 1}};
+  }
+  std::sort(rows.begin(), rows.end());
+  std::sort(cols.begin(), cols.end());
+  std::vector<std::vector<std::string>> text(rows.size(), std::vector<std::string>(cols.size()));
+  std::size_t width = 0;
+  for (const auto& [r, ids] : cells) {
+    const auto row = shape.rank() == 1 ? std::pair<std::int64_t, std::int64_t>{0, 1} : r[0];
+    const auto col = shape.rank() == 1 ? r[0] : r[1];
+    const auto i = static_cast<std::size_t>(std::find(rows.begin(), rows.end(), row) - rows.begin());
+    const auto j = static_cast<std::size_t>(std::find(cols.begin(), cols.end(), col) - cols.begin());
+    text[i][j] = devices_text(ids);
+    width = std::max(width, text[i][j].size());
+  }
+  std::string line = "+";
+  for (std::size_t j = 0; j < cols.size(); ++j) line += std::string(width + 2, '-') + "+";
+  out += line + "\n";
+  for (const auto& row : text) {
+    out += "|";
+    for (const auto& cell : row) out += " " + cell + std::string(width - cell.size(), ' ') + " |";
+    out += "\n" + line + "\n";
+  }
+  return out;
+}
+
+}  // namespace lazy::spmd::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/spmd/mark_sharding.hpp ----
+// ---- end lazytensor/spmd.hpp ----
 // ---- begin lazytensor/train.hpp ----
 // lazy::train: Lightning's layer over lazytensor's devices and replicas. Strategies say
 // where a model runs and how replicas talk (Strategy, SingleDeviceStrategy,

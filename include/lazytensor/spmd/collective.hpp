@@ -15,6 +15,10 @@
 #include <lazytensor/core/buffer.hpp>
 #include <lazytensor/graph/device.hpp>
 #include <lazytensor/graph/node.hpp>
+#include <lazytensor/core/bfloat16.hpp>
+#include <lazytensor/core/counters.hpp>
+#include <lazytensor/dist/world.hpp>
+#include <lazytensor/graph/submit.hpp>
 
 namespace lazy::spmd {
 
@@ -78,10 +82,6 @@ std::vector<graph::NodePtr> all_reduce(const std::vector<graph::NodePtr>& pieces
 #include <chrono>
 #include <map>
 
-#include <lazytensor/core/bfloat16.hpp>
-#include <lazytensor/core/counters.hpp>
-#include <lazytensor/dist/world.hpp>
-#include <lazytensor/graph/submit.hpp>
 
 namespace lazy::spmd {
 namespace detail {

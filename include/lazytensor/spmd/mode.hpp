@@ -3,6 +3,9 @@
 // annotated with a sharding live as pieces on the mesh's devices.
 
 #include <lazytensor/core/config.hpp>
+#include <lazytensor/dist/context.hpp>
+#include <lazytensor/spmd/partitioner.hpp>
+#include <lazytensor/tensor/device.hpp>
 
 namespace lazy::spmd {
 
@@ -23,9 +26,6 @@ bool is_spmd();
 #if LAZYTENSOR_HEADER_DEFINITIONS
 #include <algorithm>
 
-#include <lazytensor/dist/context.hpp>
-#include <lazytensor/spmd/partitioner.hpp>
-#include <lazytensor/tensor/device.hpp>
 
 namespace lazy::spmd {
 

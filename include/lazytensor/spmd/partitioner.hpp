@@ -18,6 +18,7 @@
 #include <lazytensor/spmd/collective.hpp>
 #include <lazytensor/graph/shape_nodes.hpp>
 #include <lazytensor/spmd/sharded_node.hpp>
+#include <lazytensor/graph/submit.hpp>
 
 namespace lazy::spmd::detail {
 
@@ -78,7 +79,6 @@ graph::NodePtr run_gathered(graph::NodePtr node);
 #include <algorithm>
 #include <map>
 
-#include <lazytensor/graph/submit.hpp>
 
 namespace lazy::spmd::detail {
 

@@ -14,6 +14,8 @@
 #include <lazytensor/graph/node.hpp>
 #include <lazytensor/graph/tensor_impl.hpp>
 #include <lazytensor/spmd/sharding.hpp>
+#include <lazytensor/core/counters.hpp>
+#include <lazytensor/graph/submit.hpp>
 
 namespace lazy::spmd {
 
@@ -79,8 +81,6 @@ graph::NodePtr shard_value(const graph::NodePtr& value, const Sharding& sharding
 #if LAZYTENSOR_HEADER_DEFINITIONS
 #include <cstring>
 
-#include <lazytensor/core/counters.hpp>
-#include <lazytensor/graph/submit.hpp>
 
 namespace lazy::spmd {
 
