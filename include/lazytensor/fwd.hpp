@@ -44,6 +44,12 @@ namespace optim {
 class Optimizer;
 }  // namespace optim
 
+namespace spmd {
+class Mesh;
+class HybridMesh;
+class ShardingSpec;
+}  // namespace spmd
+
 namespace train {
 class Strategy;
 class SingleDeviceStrategy;

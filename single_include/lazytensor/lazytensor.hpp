@@ -12799,6 +12799,7 @@ LAZYTENSOR_DIST_OPTIMIZER_STEP_INSTANCES(extern)
 // must not be used by anyone else while a pass runs.
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <cstddef>
@@ -12816,6 +12817,10 @@ LAZYTENSOR_DIST_OPTIMIZER_STEP_INSTANCES(extern)
 #include <vector>
 
 
+namespace lazy::spmd {
+class ShardingSpec;  // spmd/sharding.hpp (a layer above): loaders only pass it on
+}  // namespace lazy::spmd
+
 namespace lazy::dist {
 
 /// Options of ParallelLoader and MpDeviceLoader (torch_xla's keyword arguments).
@@ -12831,7 +12836,27 @@ struct ParallelLoaderOptions {
   std::size_t device_prefetch_size = 4;
   /// Threads copying host batches into each device.
   std::size_t host_to_device_transfer_threads = 1;
+  /// SPMD (lazy::spmd): every tensor of a batch is sharded so by the transfer thread, so
+  /// batches arrive sharded (torch_xla's input_sharding). Needs spmd::use_spmd().
+  std::shared_ptr<const spmd::ShardingSpec> input_sharding;
 };
+
+namespace detail {
+/// Shards a tensor object as a ShardingSpec says; installed by spmd::use_spmd (the spmd
+/// layer sits above this one).
+using InputShardingHook = void (*)(graph::TensorImpl& tensor, const spmd::ShardingSpec& spec);
+inline std::atomic<InputShardingHook>& input_sharding_hook() {
+  static std::atomic<InputShardingHook> hook{nullptr};
+  return hook;
+}
+/// The sharding the calling transfer thread applies to the batch it copies (null: none).
+inline const spmd::ShardingSpec*& current_input_sharding() {
+  thread_local const spmd::ShardingSpec* spec = nullptr;
+  return spec;
+}
+/// Applies the current input sharding to `t`, if any.
+void shard_input(graph::TensorImpl& t);
+}  // namespace detail
 
 namespace detail {
 
@@ -12871,9 +12896,11 @@ Tensor<T> to_device(Tensor<T> t, graph::Device& dev) {
                 "; the loader copies batches on background threads and cannot run graph nodes "
                 "there: the dataset must return materialized tensors (built from host data)");
   }
-  if (node->device() == &dev) return t;
-  return Tensor<T>(lazy::detail::data_node<T>(node->template data<T>(), t.shape(),
-                                              Device(dev.index())));
+  Tensor<T> copy = node->device() == &dev ? t
+                                           : Tensor<T>(lazy::detail::data_node<T>(node->template data<T>(), t.shape(),
+                                                                                  Device(dev.index())));
+  if (current_input_sharding()) shard_input(*copy.impl());
+  return copy;
 }
 template <class D, class T>
 data::Example<D, T> to_device(data::Example<D, T> e, graph::Device& dev) {
@@ -13047,7 +13074,10 @@ class LoaderPass {
       room_cv_.notify_all();  // room in the host queue
       Slot slot;
       try {
+        // With input_sharding, to_device also shards every tensor it copies.
+        current_input_sharding() = options_.input_sharding.get();
         slot.batch.emplace(to_device(std::move(item.second), *q.device));
+        current_input_sharding() = nullptr;
       } catch (...) {
         slot.error = std::current_exception();
       }
@@ -13185,7 +13215,7 @@ class ParallelLoader {
       : ParallelLoader(loader, std::move(devices),
                        ParallelLoaderOptions{batchdim, batches_per_execution, loader_prefetch_size,
                                              device_prefetch_size,
-                                             host_to_device_transfer_threads}) {}
+                                             host_to_device_transfer_threads, nullptr}) {}
 
   /// The same with named options: `ParallelLoader(loader, devs, {.device_prefetch_size = 2})`.
   ParallelLoader(Loader& loader, std::vector<Device> devices, const ParallelLoaderOptions& options)
@@ -13262,7 +13292,7 @@ class MpDeviceLoader {
       : MpDeviceLoader(loader, device,
                        ParallelLoaderOptions{batchdim, batches_per_execution, loader_prefetch_size,
                                              device_prefetch_size,
-                                             host_to_device_transfer_threads}) {}
+                                             host_to_device_transfer_threads, nullptr}) {}
   /// The same with named options.
   MpDeviceLoader(Loader& loader, Device device, const ParallelLoaderOptions& options)
       : loader_(loader), device_(device), options_(options) {
@@ -13300,7 +13330,13 @@ class MpDeviceLoader {
 namespace lazy::dist::detail {
 LAZYTENSOR_INLINE AnyTensor to_device(const AnyTensor& t, graph::Device& dev) {
   if (!t.defined()) return t;
-  return t.visit([&](const auto& typed) { return AnyTensor(to_device(typed, dev)); });
+  return t.visit([&](const auto& typed) { return AnyTensor(to_device(typed, dev)); });  // shards too
+}
+
+LAZYTENSOR_INLINE void shard_input(graph::TensorImpl& t) {
+  InputShardingHook hook = input_sharding_hook().load(std::memory_order_acquire);
+  if (!hook) throw Error("ParallelLoader: input_sharding needs SPMD mode; call lazy::spmd::use_spmd() first");
+  hook(t, *current_input_sharding());
 }
 
 LAZYTENSOR_INLINE void check_options(const ParallelLoaderOptions& o, const char* who) {
@@ -17082,6 +17118,12 @@ class ModuleHolder;
 namespace optim {
 class Optimizer;
 }  // namespace optim
+
+namespace spmd {
+class Mesh;
+class HybridMesh;
+class ShardingSpec;
+}  // namespace spmd
 
 namespace train {
 class Strategy;
@@ -21680,241 +21722,6 @@ LAZYTENSOR_OPTIM_SGD_INSTANCES(extern)
 // SPMD mode (torch_xla's xr.use_spmd()): one program thread drives every device; tensors
 // annotated with a sharding live as pieces on the mesh's devices.
 
-// ---- begin lazytensor/spmd/partitioner.hpp ----
-// The SPMD partitioner: graph::submit hands it every node that reads a sharded value, and
-// it returns the node standing for the result. Nodes with a block rule (element-wise,
-// permutes, softmax, gather, one_hot, conversions) run block-wise, one node per mesh device
-// on that device's graph; views keep their input's blocks when the elements stay in order;
-// reductions and 2-D products run on blocks, and where the reduced or contracted dimension
-// is split, the partial results are all-reduced among the devices that share the rest of
-// the block. Operands sharded otherwise (or not at all) are split to the chosen blocks
-// first. Other ops read the gathered value and run whole on the tensor's device (a
-// synchronous gather, counted as SpmdGathers).
-
-#include <functional>
-
-// ---- begin lazytensor/spmd/collective.hpp ----
-// The collectives the partitioner inserts: an all-reduce among the devices of a group (the
-// partial results of a product or reduction split along its contracted dimension). One
-// node per member, each on its member's graph; when the member's executor runs it, it
-// publishes its input, waits for the group, and combines every input in group order, so
-// every member holds the same bits.
-
-#include <condition_variable>
-#include <cstdint>
-#include <memory>
-#include <mutex>
-#include <string>
-#include <vector>
-
-
-namespace lazy::spmd {
-
-/// How partial results combine.
-enum class Combine { Sum, Prod, Max, Min };
-
-namespace detail {
-
-/// One round of an all-reduce: the group's inputs, published as members arrive.
-class ReduceRound {
- public:
-  ReduceRound(Combine op, std::vector<graph::Device*> members);
-  /// Member `slot` publishes `in` and waits for every member; returns the combination of all
-  /// inputs in slot order as a new buffer of `dev`. CollectiveError when a member's device
-  /// fails before arriving (its step stopped), CollectiveTimeout after dist's timeout.
-  std::shared_ptr<Buffer> run(int slot, std::shared_ptr<Buffer> in, DType dtype, std::int64_t numel, graph::Device& dev);
-  Combine op() const { return op_; }
-  int size() const { return static_cast<int>(members_.size()); }
-
- private:
-  Combine op_;
-  std::vector<graph::Device*> members_;
-  std::vector<std::uint64_t> failures_;  // each member device's failure count when traced
-  std::mutex mu_;
-  std::condition_variable cv_;
-  int arrived_ = 0, done_ = 0;
-  std::vector<std::shared_ptr<Buffer>> inputs_;
-};
-
-/// Combines `n` arrays of `numel` elements of `dtype` into `out`, in order.
-void combine(Combine op, DType dtype, const std::vector<const void*>& in, void* out, std::int64_t numel);
-
-}  // namespace detail
-
-/// A member's part of an all-reduce (NodeKind::Collective): its value is the group's
-/// combination. Takes the device's previous SPMD collective as an extra input, so each
-/// device meets its collectives in program order.
-class AllReduceNode final : public graph::Node {
- public:
-  AllReduceNode(graph::NodePtr in, std::shared_ptr<detail::ReduceRound> round, int slot, graph::NodePtr previous);
-  std::string op_name() const override { return "spmd_all_reduce"; }
-  std::string describe() const override;
-  std::uint64_t structural_hash() const override;
-
- protected:
-  void compute(graph::ExecContext& ctx) override;
-
- private:
-  std::shared_ptr<detail::ReduceRound> round_;
-  int slot_;
-};
-
-/// Submits an all-reduce over `pieces` (one per member, each on its own device, in the
-/// group's combining order) and returns the members' results in the same order. Counted
-/// as SpmdAllReduces and SpmdAllReduceBytes (each member's input).
-std::vector<graph::NodePtr> all_reduce(const std::vector<graph::NodePtr>& pieces, Combine op);
-
-}  // namespace lazy::spmd
-
-#if LAZYTENSOR_HEADER_DEFINITIONS
-#include <chrono>
-#include <map>
-
-
-namespace lazy::spmd {
-namespace detail {
-
-LAZYTENSOR_INLINE ReduceRound::ReduceRound(Combine op, std::vector<graph::Device*> members)
-    : op_(op), members_(std::move(members)), inputs_(members_.size()) {
-  for (auto* d : members_) failures_.push_back(d->failures());
-}
-
-LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::run(int slot, std::shared_ptr<Buffer> in, DType dtype,
-                                                           std::int64_t numel, graph::Device& dev) {
-  const int n = size();
-  std::unique_lock lock(mu_);
-  inputs_[static_cast<std::size_t>(slot)] = std::move(in);
-  if (++arrived_ == n) cv_.notify_all();
-  const auto deadline = std::chrono::steady_clock::now() + dist::collective_timeout();
-  while (arrived_ < n) {
-    cv_.wait_for(lock, std::chrono::milliseconds(2));
-    for (std::size_t m = 0; m < members_.size() && arrived_ < n; ++m) {
-      if (!inputs_[m] && members_[m]->failures() != failures_[m])
-        throw CollectiveError("SPMD all-reduce: " + members_[m]->str() +
-                              " failed before reaching it (its step stopped; the error surfaces there)");
-    }
-    if (arrived_ < n && std::chrono::steady_clock::now() > deadline)
-      throw CollectiveTimeout("SPMD all-reduce: waited longer than the collective timeout for " +
-                              std::to_string(n - arrived_) + " of " + std::to_string(n) + " devices");
-  }
-  std::vector<std::shared_ptr<Buffer>> held = inputs_;  // the inputs stay alive while read
-  lock.unlock();
-  auto out = dev.pool().acquire(padded_bytes(numel, dtype_size(dtype)));
-  std::vector<const void*> ptrs;
-  for (const auto& b : held) ptrs.push_back(b->data());
-  combine(op_, dtype, ptrs, out->data(), numel);
-  held.clear();
-  lock.lock();
-  if (++done_ == n) inputs_.clear();  // the last reader lets the inputs go
-  return out;
-}
-
-namespace {
-template <class T, class Acc>
-void combine_as(Combine op, const std::vector<const void*>& in, void* out, std::int64_t numel) {
-  T* o = static_cast<T*>(out);
-  for (std::int64_t i = 0; i < numel; ++i) {
-    Acc acc = static_cast<Acc>(static_cast<const T*>(in[0])[i]);
-    for (std::size_t k = 1; k < in.size(); ++k) {
-      const Acc v = static_cast<Acc>(static_cast<const T*>(in[k])[i]);
-      switch (op) {
-        case Combine::Sum: acc = static_cast<Acc>(acc + v); break;
-        case Combine::Prod: acc = static_cast<Acc>(acc * v); break;
-        // NaN propagates, as the reductions' max/min do.
-        case Combine::Max: acc = (v > acc || v != v) && acc == acc ? v : acc; break;
-        case Combine::Min: acc = (v < acc || v != v) && acc == acc ? v : acc; break;
-      }
-    }
-    o[i] = static_cast<T>(acc);
-  }
-}
-}  // namespace
-
-LAZYTENSOR_INLINE void combine(Combine op, DType dtype, const std::vector<const void*>& in, void* out, std::int64_t numel) {
-  switch (dtype) {
-    case DType::Float32: return combine_as<float, float>(op, in, out, numel);
-    case DType::Float64: return combine_as<double, double>(op, in, out, numel);
-    case DType::BFloat16: return combine_as<bfloat16, float>(op, in, out, numel);
-    case DType::Int32: return combine_as<std::int32_t, std::int64_t>(op, in, out, numel);
-    case DType::Int64: return combine_as<std::int64_t, std::int64_t>(op, in, out, numel);
-    case DType::Bool: {
-      // Sum and Max act as or, Prod and Min as and (torch.distributed's bool semantics).
-      auto* o = static_cast<bool*>(out);
-      const bool any = op == Combine::Sum || op == Combine::Max;
-      for (std::int64_t i = 0; i < numel; ++i) {
-        bool acc = static_cast<const bool*>(in[0])[i];
-        for (std::size_t k = 1; k < in.size(); ++k) {
-          const bool v = static_cast<const bool*>(in[k])[i];
-          acc = any ? (acc || v) : (acc && v);
-        }
-        o[i] = acc;
-      }
-      return;
-    }
-  }
-}
-
-}  // namespace detail
-
-LAZYTENSOR_INLINE AllReduceNode::AllReduceNode(graph::NodePtr in, std::shared_ptr<detail::ReduceRound> round, int slot,
-                                               graph::NodePtr previous)
-    : Node(graph::NodeKind::Collective, in->dtype(), in->shape(), in->device(),
-           previous ? std::vector<graph::NodePtr>{in, previous} : std::vector<graph::NodePtr>{in}),
-      round_(std::move(round)), slot_(slot) {}
-
-LAZYTENSOR_INLINE std::string AllReduceNode::describe() const {
-  static const char* names[] = {"sum", "prod", "max", "min"};
-  return std::string("spmd_all_reduce(%0, ") + names[static_cast<int>(round_->op())] + ", group of " +
-         std::to_string(round_->size()) + ")";
-}
-
-LAZYTENSOR_INLINE std::uint64_t AllReduceNode::structural_hash() const {
-  return graph::hash_combine(graph::hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(round_->op())),
-                             static_cast<std::uint64_t>(round_->size() * 64 + slot_));
-}
-
-LAZYTENSOR_INLINE void AllReduceNode::compute(graph::ExecContext& ctx) {
-  set_buffer(round_->run(slot_, inputs()[0]->buffer(), dtype(), numel(), ctx.device));
-}
-
-LAZYTENSOR_INLINE std::vector<graph::NodePtr> all_reduce(const std::vector<graph::NodePtr>& pieces, Combine op) {
-  static auto& count = core::counter("SpmdAllReduces");
-  static auto& bytes = core::counter("SpmdAllReduceBytes");
-  // Each device's last collective, so that its collectives run in program order (traced
-  // by the program thread only).
-  static std::map<const graph::Device*, std::weak_ptr<graph::Node>> last;
-  count.add();
-  std::vector<graph::Device*> members;
-  for (const auto& p : pieces) members.push_back(p->device());
-  auto round = std::make_shared<detail::ReduceRound>(op, members);
-  std::vector<graph::NodePtr> out;
-  for (std::size_t i = 0; i < pieces.size(); ++i) {
-    bytes.add(pieces[i]->numel() * static_cast<std::int64_t>(dtype_size(pieces[i]->dtype())));
-    auto& prev = last[members[i]];
-    graph::NodePtr before = prev.lock();
-    if (before && !before->pending()) before.reset();
-    auto node = graph::submit_unpartitioned(
-        std::make_shared<AllReduceNode>(pieces[i], round, static_cast<int>(i), std::move(before)));
-    prev = node;
-    out.push_back(std::move(node));
-  }
-  return out;
-}
-
-}  // namespace lazy::spmd
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
-// ---- end lazytensor/spmd/collective.hpp ----
-// ---- begin lazytensor/spmd/sharded_node.hpp ----
-// The value of a sharded tensor: one piece per mesh device, each a node on its own device
-// (computed by that device's steps), and the whole value, gathered only when read.
-
-#include <cstddef>
-#include <cstdint>
-#include <memory>
-#include <string>
-#include <utility>
-#include <vector>
-
 // ---- begin lazytensor/spmd/sharding.hpp ----
 // Partition specs (how a tensor's dimensions map onto mesh axes) and the resolved sharding
 // of one tensor: which block of it each device of the mesh holds.
@@ -22042,7 +21849,10 @@ LAZYTENSOR_INLINE int LogicalMesh::at(const std::vector<std::int64_t>& coords) c
 
 LAZYTENSOR_INLINE std::string detail::tuple_text(const std::vector<std::int64_t>& sizes) {
   std::string s = "(";
-  for (std::size_t i = 0; i < sizes.size(); ++i) s += (i ? ", " : "") + std::to_string(sizes[i]);
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(sizes[i]);
+  }
   if (sizes.size() == 1) s += ",";
   return s + ")";
 }
@@ -22102,10 +21912,15 @@ LAZYTENSOR_INLINE int Mesh::position_of(int device_id) const {
 
 LAZYTENSOR_INLINE std::string Mesh::str() const {
   std::string s = "Mesh(shape=(";
-  for (std::size_t i = 0; i < shape_.size(); ++i)
-    s += (i ? ", \"" : "\"") + names_[i] + "\": " + std::to_string(shape_[i]);
+  for (std::size_t i = 0; i < shape_.size(); ++i) {
+    if (i) s += ", ";
+    s += "\"" + names_[i] + "\": " + std::to_string(shape_[i]);
+  }
   s += "), devices=[";
-  for (std::size_t i = 0; i < ids_.size(); ++i) s += (i ? ", " : "") + std::to_string(ids_[i]);
+  for (std::size_t i = 0; i < ids_.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(ids_[i]);
+  }
   return s + "])";
 }
 
@@ -22340,9 +22155,15 @@ LAZYTENSOR_INLINE std::string Sharding::str() const {
     order[static_cast<std::size_t>(idx)] = mesh.device_ids()[static_cast<std::size_t>(p)];
   }
   std::string s = "{devices=[";
-  for (std::size_t i = 0; i < tile.size(); ++i) s += (i ? "," : "") + std::to_string(tile[i]);
+  for (std::size_t i = 0; i < tile.size(); ++i) {
+    if (i) s += ",";
+    s += std::to_string(tile[i]);
+  }
   s += "]";
-  for (std::size_t i = 0; i < order.size(); ++i) s += (i ? "," : "") + std::to_string(order[i]);
+  for (std::size_t i = 0; i < order.size(); ++i) {
+    if (i) s += ",";
+    s += std::to_string(order[i]);
+  }
   if (replicas > 1) s += " last_tile_dim_replicate";
   return s + "}";
 }
@@ -22369,7 +22190,10 @@ LAZYTENSOR_INLINE Sharding resolve_sharding(const Mesh& mesh, const PartitionSpe
           if (mesh.axis_names()[static_cast<std::size_t>(k)] == name) a = k;
         if (a < 0) {
           std::string names;
-          for (int k = 0; k < mesh.rank(); ++k) names += (k ? ", " : "") + axis_text(k);
+          for (int k = 0; k < mesh.rank(); ++k) {
+            if (k) names += ", ";
+            names += axis_text(k);
+          }
           throw ShardingError("partition spec entry " + std::to_string(d) + ": the mesh has no axis named \"" + name +
                               "\" (its axes: " + names + ")");
         }
@@ -22382,7 +22206,10 @@ LAZYTENSOR_INLINE Sharding resolve_sharding(const Mesh& mesh, const PartitionSpe
     const std::int64_t n = s.parts(static_cast<int>(d));
     if (shape[static_cast<int>(d)] % n != 0) {
       std::string axes;
-      for (std::size_t k = 0; k < s.dims[d].size(); ++k) axes += (k ? ", " : "") + axis_text(s.dims[d][k]);
+      for (std::size_t k = 0; k < s.dims[d].size(); ++k) {
+        if (k) axes += ", ";
+        axes += axis_text(s.dims[d][k]);
+      }
       throw ShardingError("dimension " + std::to_string(d) + " of shape " + detail::tuple_text(shape.vec()) +
                           " must be divisible by " + std::to_string(n) + " (mesh " +
                           (s.dims[d].size() == 1 ? "axis " : "axes ") + axes + ")");
@@ -22394,6 +22221,270 @@ LAZYTENSOR_INLINE Sharding resolve_sharding(const Mesh& mesh, const PartitionSpe
 }  // namespace lazy::spmd
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/spmd/sharding.hpp ----
+// ---- begin lazytensor/spmd/partitioner.hpp ----
+// The SPMD partitioner: graph::submit hands it every node that reads a sharded value, and
+// it returns the node standing for the result. Nodes with a block rule (element-wise,
+// permutes, softmax, gather, one_hot, conversions) run block-wise, one node per mesh device
+// on that device's graph; views keep their input's blocks when the elements stay in order;
+// reductions and 2-D products run on blocks, and where the reduced or contracted dimension
+// is split, the partial results are all-reduced among the devices that share the rest of
+// the block. Operands sharded otherwise (or not at all) are split to the chosen blocks
+// first. Other ops read the gathered value and run whole on the tensor's device (a
+// synchronous gather, counted as SpmdGathers).
+
+#include <functional>
+
+// ---- begin lazytensor/spmd/collective.hpp ----
+// The collectives the partitioner inserts: an all-reduce among the devices of a group (the
+// partial results of a product or reduction split along its contracted dimension). One
+// node per member, each on its member's graph; when the member's executor runs it, it
+// publishes its input, waits for the group, and combines every input in group order, so
+// every member holds the same bits.
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+
+namespace lazy::spmd {
+
+/// How partial results combine.
+enum class Combine { Sum, Prod, Max, Min };
+
+namespace detail {
+
+/// One round of an all-reduce: the group's inputs, published as members arrive.
+class ReduceRound {
+ public:
+  ReduceRound(Combine op, std::vector<graph::Device*> members);
+  /// Member `slot` publishes `in` and waits for every member; returns the combination of all
+  /// inputs in slot order as a new buffer of `dev`. CollectiveError when a member's device
+  /// fails before arriving (its step stopped), CollectiveTimeout after dist's timeout.
+  std::shared_ptr<Buffer> run(int slot, std::shared_ptr<Buffer> in, DType dtype, std::int64_t numel, graph::Device& dev);
+  Combine op() const { return op_; }
+  int size() const { return static_cast<int>(members_.size()); }
+
+ private:
+  Combine op_;
+  std::vector<graph::Device*> members_;
+  std::vector<std::uint64_t> failures_;  // each member device's failure count when traced
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int arrived_ = 0, done_ = 0;
+  std::atomic<int> arrived_fast_{0};  // arrived_, readable without the lock (spinning)
+  std::vector<std::shared_ptr<Buffer>> inputs_;
+};
+
+/// Combines `n` arrays of `numel` elements of `dtype` into `out`, in order.
+void combine(Combine op, DType dtype, const std::vector<const void*>& in, void* out, std::int64_t numel);
+
+}  // namespace detail
+
+/// A member's part of an all-reduce (NodeKind::Collective): its value is the group's
+/// combination. Takes the device's previous SPMD collective as an extra input, so each
+/// device meets its collectives in program order.
+class AllReduceNode final : public graph::Node {
+ public:
+  AllReduceNode(graph::NodePtr in, std::shared_ptr<detail::ReduceRound> round, int slot, graph::NodePtr previous);
+  std::string op_name() const override { return "spmd_all_reduce"; }
+  std::string describe() const override;
+  std::uint64_t structural_hash() const override;
+
+ protected:
+  void compute(graph::ExecContext& ctx) override;
+
+ private:
+  std::shared_ptr<detail::ReduceRound> round_;
+  int slot_;
+};
+
+/// Submits an all-reduce over `pieces` (one per member, each on its own device, in the
+/// group's combining order) and returns the members' results in the same order. Counted
+/// as SpmdAllReduces and SpmdAllReduceBytes (each member's input).
+std::vector<graph::NodePtr> all_reduce(const std::vector<graph::NodePtr>& pieces, Combine op);
+
+}  // namespace lazy::spmd
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+#include <chrono>
+#include <map>
+#include <thread>
+
+
+namespace lazy::spmd {
+namespace detail {
+
+LAZYTENSOR_INLINE ReduceRound::ReduceRound(Combine op, std::vector<graph::Device*> members)
+    : op_(op), members_(std::move(members)), inputs_(members_.size()) {
+  for (auto* d : members_) failures_.push_back(d->failures());
+}
+
+LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::run(int slot, std::shared_ptr<Buffer> in, DType dtype,
+                                                           std::int64_t numel, graph::Device& dev) {
+  const int n = size();
+  std::unique_lock lock(mu_);
+  inputs_[static_cast<std::size_t>(slot)] = std::move(in);
+  if (++arrived_ == n) cv_.notify_all();
+  arrived_fast_.store(arrived_, std::memory_order_release);
+  if (arrived_ < n) {
+    // Members of a step arrive close together: spin, then yield, before sleeping (a
+    // sleeping waiter's wake-up costs tens of microseconds on a VM; dist waits alike).
+    lock.unlock();
+    const auto start = std::chrono::steady_clock::now();
+    for (int spins = 0; arrived_fast_.load(std::memory_order_acquire) < n; ++spins) {
+      if (spins < 2000) continue;
+      if (std::chrono::steady_clock::now() - start > std::chrono::milliseconds(2)) break;
+      std::this_thread::yield();
+    }
+    lock.lock();
+  }
+  const auto deadline = std::chrono::steady_clock::now() + dist::collective_timeout();
+  while (arrived_ < n) {
+    cv_.wait_for(lock, std::chrono::milliseconds(2));
+    for (std::size_t m = 0; m < members_.size() && arrived_ < n; ++m) {
+      if (!inputs_[m] && members_[m]->failures() != failures_[m])
+        throw CollectiveError("SPMD all-reduce: " + members_[m]->str() +
+                              " failed before reaching it (its step stopped; the error surfaces there)");
+    }
+    if (arrived_ < n && std::chrono::steady_clock::now() > deadline)
+      throw CollectiveTimeout("SPMD all-reduce: waited longer than the collective timeout for " +
+                              std::to_string(n - arrived_) + " of " + std::to_string(n) + " devices");
+  }
+  std::vector<std::shared_ptr<Buffer>> held = inputs_;  // the inputs stay alive while read
+  lock.unlock();
+  auto out = dev.pool().acquire(padded_bytes(numel, dtype_size(dtype)));
+  std::vector<const void*> ptrs;
+  for (const auto& b : held) ptrs.push_back(b->data());
+  combine(op_, dtype, ptrs, out->data(), numel);
+  held.clear();
+  lock.lock();
+  if (++done_ == n) inputs_.clear();  // the last reader lets the inputs go
+  return out;
+}
+
+template <class T, class Acc>
+void combine_as(Combine op, const std::vector<const void*>& in, void* out, std::int64_t numel) {
+  T* o = static_cast<T*>(out);
+  for (std::int64_t i = 0; i < numel; ++i) {
+    Acc acc = static_cast<Acc>(static_cast<const T*>(in[0])[i]);
+    for (std::size_t k = 1; k < in.size(); ++k) {
+      const Acc v = static_cast<Acc>(static_cast<const T*>(in[k])[i]);
+      switch (op) {
+        case Combine::Sum: acc = static_cast<Acc>(acc + v); break;
+        case Combine::Prod: acc = static_cast<Acc>(acc * v); break;
+        // NaN propagates, as the reductions' max/min do.
+        case Combine::Max: acc = (v > acc || v != v) && acc == acc ? v : acc; break;
+        case Combine::Min: acc = (v < acc || v != v) && acc == acc ? v : acc; break;
+      }
+    }
+    o[i] = static_cast<T>(acc);
+  }
+}
+
+template <class T>
+void sum_into(const std::vector<const void*>& in, void* out, std::int64_t numel) {
+  // Member after member into the output: the inner loop vectorizes; the order of the
+  // additions is the same as element by element in group order.
+  T* o = static_cast<T*>(out);
+  const T* a = static_cast<const T*>(in[0]);
+  for (std::int64_t i = 0; i < numel; ++i) o[i] = a[i];
+  for (std::size_t k = 1; k < in.size(); ++k) {
+    const T* b = static_cast<const T*>(in[k]);
+    for (std::int64_t i = 0; i < numel; ++i) o[i] += b[i];
+  }
+}
+
+LAZYTENSOR_INLINE void combine(Combine op, DType dtype, const std::vector<const void*>& in, void* out, std::int64_t numel) {
+  if (op == Combine::Sum && dtype == DType::Float32) return sum_into<float>(in, out, numel);
+  if (op == Combine::Sum && dtype == DType::Float64) return sum_into<double>(in, out, numel);
+  switch (dtype) {
+    case DType::Float32: return combine_as<float, float>(op, in, out, numel);
+    case DType::Float64: return combine_as<double, double>(op, in, out, numel);
+    case DType::BFloat16: return combine_as<bfloat16, float>(op, in, out, numel);
+    case DType::Int32: return combine_as<std::int32_t, std::int64_t>(op, in, out, numel);
+    case DType::Int64: return combine_as<std::int64_t, std::int64_t>(op, in, out, numel);
+    case DType::Bool: {
+      // Sum and Max act as or, Prod and Min as and (torch.distributed's bool semantics).
+      auto* o = static_cast<bool*>(out);
+      const bool any = op == Combine::Sum || op == Combine::Max;
+      for (std::int64_t i = 0; i < numel; ++i) {
+        bool acc = static_cast<const bool*>(in[0])[i];
+        for (std::size_t k = 1; k < in.size(); ++k) {
+          const bool v = static_cast<const bool*>(in[k])[i];
+          acc = any ? (acc || v) : (acc && v);
+        }
+        o[i] = acc;
+      }
+      return;
+    }
+  }
+}
+
+}  // namespace detail
+
+LAZYTENSOR_INLINE AllReduceNode::AllReduceNode(graph::NodePtr in, std::shared_ptr<detail::ReduceRound> round, int slot,
+                                               graph::NodePtr previous)
+    : Node(graph::NodeKind::Collective, in->dtype(), in->shape(), in->device(),
+           previous ? std::vector<graph::NodePtr>{in, previous} : std::vector<graph::NodePtr>{in}),
+      round_(std::move(round)), slot_(slot) {}
+
+LAZYTENSOR_INLINE std::string AllReduceNode::describe() const {
+  static const char* names[] = {"sum", "prod", "max", "min"};
+  return std::string("spmd_all_reduce(%0, ") + names[static_cast<int>(round_->op())] + ", group of " +
+         std::to_string(round_->size()) + ")";
+}
+
+LAZYTENSOR_INLINE std::uint64_t AllReduceNode::structural_hash() const {
+  return graph::hash_combine(graph::hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(round_->op())),
+                             static_cast<std::uint64_t>(round_->size() * 64 + slot_));
+}
+
+LAZYTENSOR_INLINE void AllReduceNode::compute(graph::ExecContext& ctx) {
+  set_buffer(round_->run(slot_, inputs()[0]->buffer(), dtype(), numel(), ctx.device));
+}
+
+LAZYTENSOR_INLINE std::vector<graph::NodePtr> all_reduce(const std::vector<graph::NodePtr>& pieces, Combine op) {
+  static auto& count = core::counter("SpmdAllReduces");
+  static auto& bytes = core::counter("SpmdAllReduceBytes");
+  // Each device's last collective, so that its collectives run in program order (traced
+  // by the program thread only).
+  static std::map<const graph::Device*, std::weak_ptr<graph::Node>> last;
+  count.add();
+  std::vector<graph::Device*> members;
+  for (const auto& p : pieces) members.push_back(p->device());
+  auto round = std::make_shared<detail::ReduceRound>(op, members);
+  std::vector<graph::NodePtr> out;
+  for (std::size_t i = 0; i < pieces.size(); ++i) {
+    bytes.add(pieces[i]->numel() * static_cast<std::int64_t>(dtype_size(pieces[i]->dtype())));
+    auto& prev = last[members[i]];
+    graph::NodePtr before = prev.lock();
+    if (before && !before->pending()) before.reset();
+    auto node = graph::submit_unpartitioned(
+        std::make_shared<AllReduceNode>(pieces[i], round, static_cast<int>(i), std::move(before)));
+    prev = node;
+    out.push_back(std::move(node));
+  }
+  return out;
+}
+
+}  // namespace lazy::spmd
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/spmd/collective.hpp ----
+// ---- begin lazytensor/spmd/sharded_node.hpp ----
+// The value of a sharded tensor: one piece per mesh device, each a node on its own device
+// (computed by that device's steps), and the whole value, gathered only when read.
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
 
 namespace lazy::spmd {
 
@@ -22805,7 +22896,6 @@ LAZYTENSOR_INLINE void reduce_partials(std::vector<graph::NodePtr>& shards, cons
   }
 }
 
-namespace {
 // How partial results of a named reduction combine (false: they cannot).
 inline bool combine_of(const char* name, Combine& op) {
   const std::string n = name;
@@ -22823,7 +22913,6 @@ inline std::vector<int> axes_of(const Sharding& s, int d0, int d1) {
     for (int a : s.dims[static_cast<std::size_t>(d)]) axes.push_back(a);
   return axes;
 }
-}  // namespace
 
 LAZYTENSOR_INLINE graph::NodePtr partition_reduction(const graph::Node& node, const graph::BlockReduction& r) {
   const Shape& child = r.child_shape();
@@ -23068,6 +23157,11 @@ void use_spmd();
 /// Whether use_spmd() was called.
 bool is_spmd();
 
+namespace detail {
+/// The loaders' input_sharding (dist::ParallelLoaderOptions): shards a batch's tensor.
+void shard_loader_input(graph::TensorImpl& t, const ShardingSpec& spec);
+}  // namespace detail
+
 }  // namespace lazy::spmd
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
@@ -23090,6 +23184,7 @@ LAZYTENSOR_INLINE void use_spmd() {
     dev.async() = true;
     dev.queue_every_step() = true;
   }
+  dist::detail::input_sharding_hook().store(&detail::shard_loader_input, std::memory_order_release);
   graph::partition_hook().store(&detail::partition, std::memory_order_release);
   graph::step_every_device().store(true, std::memory_order_release);
 }
@@ -23203,6 +23298,10 @@ LAZYTENSOR_INLINE void mark_node(graph::TensorImpl& impl, const Mesh& mesh, cons
   impl.node = shard_value(impl.node, sharding);
 }
 
+LAZYTENSOR_INLINE void shard_loader_input(graph::TensorImpl& t, const ShardingSpec& spec) {
+  mark_node(t, spec.mesh(), spec.partition_spec());
+}
+
 LAZYTENSOR_INLINE void clear_node(graph::TensorImpl& impl) {
   if (!as_sharded(impl.node)) return;
   graph::materialize(impl.node);
@@ -23244,13 +23343,18 @@ LAZYTENSOR_INLINE std::string visualize(const graph::NodePtr& value) {
   for (auto& p : pieces_of(value)) cells[p.index].push_back(p.device);
   auto range_text = [](const Ranges& r) {
     std::string s = "[";
-    for (std::size_t i = 0; i < r.size(); ++i)
-      s += (i ? ", " : "") + std::to_string(r[i].first) + ":" + std::to_string(r[i].second);
+    for (std::size_t i = 0; i < r.size(); ++i) {
+      if (i) s += ", ";
+      s += std::to_string(r[i].first) + ":" + std::to_string(r[i].second);
+    }
     return s + "]";
   };
   auto devices_text = [](const std::vector<int>& ids) {
     std::string s = "CPU ";
-    for (std::size_t i = 0; i < ids.size(); ++i) s += (i ? "," : "") + std::to_string(ids[i]);
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      if (i) s += ",";
+      s += std::to_string(ids[i]);
+    }
     return s;
   };
   std::string out = "tensor of shape " + detail::tuple_text(shape.vec()) + ", " +

@@ -134,3 +134,49 @@ TEST(SpmdMarkSharding, NeedsSpmdModeOnlyOnce) {
   spmd::use_spmd();  // idempotent
   EXPECT_TRUE(spmd::is_spmd());
 }
+
+TEST(SpmdMarkSharding, LoadersDeliverBatchesAlreadySharded) {
+  spmd::Mesh mesh({0, 1, 2, 3}, {4}, {"data"});
+  const auto x = lazy_tests::random_values<float>(16 * 3, 5);
+  std::vector<std::int64_t> y(16);
+  for (int i = 0; i < 16; ++i) y[static_cast<std::size_t>(i)] = i;
+  lazy::data::TensorDataset<float, std::int64_t> ds(lazy::from_vector<float>(x, {16, 3}),
+                                                    lazy::from_vector<std::int64_t>(y, {16}));
+  auto loader = lazy::data::make_data_loader(ds, {.batch_size = 8});
+  lazy::dist::ParallelLoaderOptions options;
+  options.input_sharding = std::make_shared<const spmd::ShardingSpec>(mesh, spmd::PartitionSpec{"data"});
+  lazy::dist::MpDeviceLoader batches(*loader, lazy::device(0), options);
+  std::size_t seen = 0;
+  for (auto& batch : batches) {
+    EXPECT_EQ(spmd::sharding_spec(batch.data), "{devices=[4,1]0,1,2,3}");
+    EXPECT_EQ(spmd::sharding_spec(batch.target), "{devices=[4]0,1,2,3}");
+    const auto rows = batch.data.to_vector();
+    EXPECT_EQ(rows, std::vector<float>(x.begin() + static_cast<std::ptrdiff_t>(seen * 3),
+                                       x.begin() + static_cast<std::ptrdiff_t>((seen + 8) * 3)));
+    EXPECT_EQ(spmd::local_shards(batch.target)[1].data.to_vector(),
+              (std::vector<std::int64_t>{static_cast<std::int64_t>(seen) + 2, static_cast<std::int64_t>(seen) + 3}));
+    seen += 8;
+  }
+  EXPECT_EQ(seen, 16u);
+}
+
+TEST(SpmdMarkSharding, SavingWritesTheWholeTensorAndLoadingReshards) {
+  spmd::Mesh mesh({0, 1, 2, 3}, {2, 2}, {"x", "y"});
+  const auto values = lazy_tests::random_values<double>(32, 9);
+  auto t = lazy::from_vector<double>(values, {4, 8});
+  spmd::mark_sharding(t, mesh, {"x", "y"});
+  lazy::StateDict sd;
+  sd.insert("w", t);
+  const std::string path = ::testing::TempDir() + "spmd_save.safetensors";
+  lazy::io::save_file(sd, path);
+  auto loaded = lazy::io::load(path);
+  lazy::Tensor<double> w = loaded.at("w");
+  EXPECT_EQ(w.shape(), (lazy::Shape{4, 8}));
+  EXPECT_EQ(w.to_vector(), values);
+  // Reloaded into another sharding.
+  spmd::mark_sharding(w, mesh, {std::nullopt, {"y", "x"}});
+  EXPECT_EQ(spmd::local_shards(w)[1].data.to_vector(),
+            (std::vector<double>{values[4], values[5], values[12], values[13], values[20], values[21], values[28],
+                                 values[29]}));
+  std::remove(path.c_str());
+}

@@ -45,6 +45,7 @@
 // must not be used by anyone else while a pass runs.
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <cstddef>
@@ -68,6 +69,10 @@
 #include <lazytensor/data/example.hpp>
 #include <lazytensor/tensor/device.hpp>
 
+namespace lazy::spmd {
+class ShardingSpec;  // spmd/sharding.hpp (a layer above): loaders only pass it on
+}  // namespace lazy::spmd
+
 namespace lazy::dist {
 
 /// Options of ParallelLoader and MpDeviceLoader (torch_xla's keyword arguments).
@@ -83,7 +88,27 @@ struct ParallelLoaderOptions {
   std::size_t device_prefetch_size = 4;
   /// Threads copying host batches into each device.
   std::size_t host_to_device_transfer_threads = 1;
+  /// SPMD (lazy::spmd): every tensor of a batch is sharded so by the transfer thread, so
+  /// batches arrive sharded (torch_xla's input_sharding). Needs spmd::use_spmd().
+  std::shared_ptr<const spmd::ShardingSpec> input_sharding;
 };
+
+namespace detail {
+/// Shards a tensor object as a ShardingSpec says; installed by spmd::use_spmd (the spmd
+/// layer sits above this one).
+using InputShardingHook = void (*)(graph::TensorImpl& tensor, const spmd::ShardingSpec& spec);
+inline std::atomic<InputShardingHook>& input_sharding_hook() {
+  static std::atomic<InputShardingHook> hook{nullptr};
+  return hook;
+}
+/// The sharding the calling transfer thread applies to the batch it copies (null: none).
+inline const spmd::ShardingSpec*& current_input_sharding() {
+  thread_local const spmd::ShardingSpec* spec = nullptr;
+  return spec;
+}
+/// Applies the current input sharding to `t`, if any.
+void shard_input(graph::TensorImpl& t);
+}  // namespace detail
 
 namespace detail {
 
@@ -123,9 +148,11 @@ Tensor<T> to_device(Tensor<T> t, graph::Device& dev) {
                 "; the loader copies batches on background threads and cannot run graph nodes "
                 "there: the dataset must return materialized tensors (built from host data)");
   }
-  if (node->device() == &dev) return t;
-  return Tensor<T>(lazy::detail::data_node<T>(node->template data<T>(), t.shape(),
-                                              Device(dev.index())));
+  Tensor<T> copy = node->device() == &dev ? t
+                                           : Tensor<T>(lazy::detail::data_node<T>(node->template data<T>(), t.shape(),
+                                                                                  Device(dev.index())));
+  if (current_input_sharding()) shard_input(*copy.impl());
+  return copy;
 }
 template <class D, class T>
 data::Example<D, T> to_device(data::Example<D, T> e, graph::Device& dev) {
@@ -299,7 +326,10 @@ class LoaderPass {
       room_cv_.notify_all();  // room in the host queue
       Slot slot;
       try {
+        // With input_sharding, to_device also shards every tensor it copies.
+        current_input_sharding() = options_.input_sharding.get();
         slot.batch.emplace(to_device(std::move(item.second), *q.device));
+        current_input_sharding() = nullptr;
       } catch (...) {
         slot.error = std::current_exception();
       }
@@ -437,7 +467,7 @@ class ParallelLoader {
       : ParallelLoader(loader, std::move(devices),
                        ParallelLoaderOptions{batchdim, batches_per_execution, loader_prefetch_size,
                                              device_prefetch_size,
-                                             host_to_device_transfer_threads}) {}
+                                             host_to_device_transfer_threads, nullptr}) {}
 
   /// The same with named options: `ParallelLoader(loader, devs, {.device_prefetch_size = 2})`.
   ParallelLoader(Loader& loader, std::vector<Device> devices, const ParallelLoaderOptions& options)
@@ -514,7 +544,7 @@ class MpDeviceLoader {
       : MpDeviceLoader(loader, device,
                        ParallelLoaderOptions{batchdim, batches_per_execution, loader_prefetch_size,
                                              device_prefetch_size,
-                                             host_to_device_transfer_threads}) {}
+                                             host_to_device_transfer_threads, nullptr}) {}
   /// The same with named options.
   MpDeviceLoader(Loader& loader, Device device, const ParallelLoaderOptions& options)
       : loader_(loader), device_(device), options_(options) {
@@ -552,7 +582,13 @@ class MpDeviceLoader {
 namespace lazy::dist::detail {
 LAZYTENSOR_INLINE AnyTensor to_device(const AnyTensor& t, graph::Device& dev) {
   if (!t.defined()) return t;
-  return t.visit([&](const auto& typed) { return AnyTensor(to_device(typed, dev)); });
+  return t.visit([&](const auto& typed) { return AnyTensor(to_device(typed, dev)); });  // shards too
+}
+
+LAZYTENSOR_INLINE void shard_input(graph::TensorImpl& t) {
+  InputShardingHook hook = input_sharding_hook().load(std::memory_order_acquire);
+  if (!hook) throw Error("ParallelLoader: input_sharding needs SPMD mode; call lazy::spmd::use_spmd() first");
+  hook(t, *current_input_sharding());
 }
 
 LAZYTENSOR_INLINE void check_options(const ParallelLoaderOptions& o, const char* who) {

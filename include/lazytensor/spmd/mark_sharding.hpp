@@ -113,6 +113,10 @@ LAZYTENSOR_INLINE void mark_node(graph::TensorImpl& impl, const Mesh& mesh, cons
   impl.node = shard_value(impl.node, sharding);
 }
 
+LAZYTENSOR_INLINE void shard_loader_input(graph::TensorImpl& t, const ShardingSpec& spec) {
+  mark_node(t, spec.mesh(), spec.partition_spec());
+}
+
 LAZYTENSOR_INLINE void clear_node(graph::TensorImpl& impl) {
   if (!as_sharded(impl.node)) return;
   graph::materialize(impl.node);
@@ -154,13 +158,18 @@ LAZYTENSOR_INLINE std::string visualize(const graph::NodePtr& value) {
   for (auto& p : pieces_of(value)) cells[p.index].push_back(p.device);
   auto range_text = [](const Ranges& r) {
     std::string s = "[";
-    for (std::size_t i = 0; i < r.size(); ++i)
-      s += (i ? ", " : "") + std::to_string(r[i].first) + ":" + std::to_string(r[i].second);
+    for (std::size_t i = 0; i < r.size(); ++i) {
+      if (i) s += ", ";
+      s += std::to_string(r[i].first) + ":" + std::to_string(r[i].second);
+    }
     return s + "]";
   };
   auto devices_text = [](const std::vector<int>& ids) {
     std::string s = "CPU ";
-    for (std::size_t i = 0; i < ids.size(); ++i) s += (i ? "," : "") + std::to_string(ids[i]);
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      if (i) s += ",";
+      s += std::to_string(ids[i]);
+    }
     return s;
   };
   std::string out = "tensor of shape " + detail::tuple_text(shape.vec()) + ", " +

@@ -116,7 +116,10 @@ LAZYTENSOR_INLINE int LogicalMesh::at(const std::vector<std::int64_t>& coords) c
 
 LAZYTENSOR_INLINE std::string detail::tuple_text(const std::vector<std::int64_t>& sizes) {
   std::string s = "(";
-  for (std::size_t i = 0; i < sizes.size(); ++i) s += (i ? ", " : "") + std::to_string(sizes[i]);
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(sizes[i]);
+  }
   if (sizes.size() == 1) s += ",";
   return s + ")";
 }
@@ -176,10 +179,15 @@ LAZYTENSOR_INLINE int Mesh::position_of(int device_id) const {
 
 LAZYTENSOR_INLINE std::string Mesh::str() const {
   std::string s = "Mesh(shape=(";
-  for (std::size_t i = 0; i < shape_.size(); ++i)
-    s += (i ? ", \"" : "\"") + names_[i] + "\": " + std::to_string(shape_[i]);
+  for (std::size_t i = 0; i < shape_.size(); ++i) {
+    if (i) s += ", ";
+    s += "\"" + names_[i] + "\": " + std::to_string(shape_[i]);
+  }
   s += "), devices=[";
-  for (std::size_t i = 0; i < ids_.size(); ++i) s += (i ? ", " : "") + std::to_string(ids_[i]);
+  for (std::size_t i = 0; i < ids_.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(ids_[i]);
+  }
   return s + "])";
 }
 

@@ -4,6 +4,8 @@
 
 #include <lazytensor/core/config.hpp>
 #include <lazytensor/dist/context.hpp>
+#include <lazytensor/dist/parallel_loader.hpp>
+#include <lazytensor/spmd/sharding.hpp>
 #include <lazytensor/spmd/partitioner.hpp>
 #include <lazytensor/tensor/device.hpp>
 
@@ -20,6 +22,11 @@ void use_spmd();
 
 /// Whether use_spmd() was called.
 bool is_spmd();
+
+namespace detail {
+/// The loaders' input_sharding (dist::ParallelLoaderOptions): shards a batch's tensor.
+void shard_loader_input(graph::TensorImpl& t, const ShardingSpec& spec);
+}  // namespace detail
 
 }  // namespace lazy::spmd
 
@@ -43,6 +50,7 @@ LAZYTENSOR_INLINE void use_spmd() {
     dev.async() = true;
     dev.queue_every_step() = true;
   }
+  dist::detail::input_sharding_hook().store(&detail::shard_loader_input, std::memory_order_release);
   graph::partition_hook().store(&detail::partition, std::memory_order_release);
   graph::step_every_device().store(true, std::memory_order_release);
 }

@@ -244,7 +244,6 @@ LAZYTENSOR_INLINE void reduce_partials(std::vector<graph::NodePtr>& shards, cons
   }
 }
 
-namespace {
 // How partial results of a named reduction combine (false: they cannot).
 inline bool combine_of(const char* name, Combine& op) {
   const std::string n = name;
@@ -262,7 +261,6 @@ inline std::vector<int> axes_of(const Sharding& s, int d0, int d1) {
     for (int a : s.dims[static_cast<std::size_t>(d)]) axes.push_back(a);
   return axes;
 }
-}  // namespace
 
 LAZYTENSOR_INLINE graph::NodePtr partition_reduction(const graph::Node& node, const graph::BlockReduction& r) {
   const Shape& child = r.child_shape();

@@ -170,9 +170,15 @@ LAZYTENSOR_INLINE std::string Sharding::str() const {
     order[static_cast<std::size_t>(idx)] = mesh.device_ids()[static_cast<std::size_t>(p)];
   }
   std::string s = "{devices=[";
-  for (std::size_t i = 0; i < tile.size(); ++i) s += (i ? "," : "") + std::to_string(tile[i]);
+  for (std::size_t i = 0; i < tile.size(); ++i) {
+    if (i) s += ",";
+    s += std::to_string(tile[i]);
+  }
   s += "]";
-  for (std::size_t i = 0; i < order.size(); ++i) s += (i ? "," : "") + std::to_string(order[i]);
+  for (std::size_t i = 0; i < order.size(); ++i) {
+    if (i) s += ",";
+    s += std::to_string(order[i]);
+  }
   if (replicas > 1) s += " last_tile_dim_replicate";
   return s + "}";
 }
@@ -199,7 +205,10 @@ LAZYTENSOR_INLINE Sharding resolve_sharding(const Mesh& mesh, const PartitionSpe
           if (mesh.axis_names()[static_cast<std::size_t>(k)] == name) a = k;
         if (a < 0) {
           std::string names;
-          for (int k = 0; k < mesh.rank(); ++k) names += (k ? ", " : "") + axis_text(k);
+          for (int k = 0; k < mesh.rank(); ++k) {
+            if (k) names += ", ";
+            names += axis_text(k);
+          }
           throw ShardingError("partition spec entry " + std::to_string(d) + ": the mesh has no axis named \"" + name +
                               "\" (its axes: " + names + ")");
         }
@@ -212,7 +221,10 @@ LAZYTENSOR_INLINE Sharding resolve_sharding(const Mesh& mesh, const PartitionSpe
     const std::int64_t n = s.parts(static_cast<int>(d));
     if (shape[static_cast<int>(d)] % n != 0) {
       std::string axes;
-      for (std::size_t k = 0; k < s.dims[d].size(); ++k) axes += (k ? ", " : "") + axis_text(s.dims[d][k]);
+      for (std::size_t k = 0; k < s.dims[d].size(); ++k) {
+        if (k) axes += ", ";
+        axes += axis_text(s.dims[d][k]);
+      }
       throw ShardingError("dimension " + std::to_string(d) + " of shape " + detail::tuple_text(shape.vec()) +
                           " must be divisible by " + std::to_string(n) + " (mesh " +
                           (s.dims[d].size() == 1 ? "axis " : "axes ") + axes + ")");
