@@ -22247,6 +22247,7 @@ LAZYTENSOR_INLINE Sharding resolve_sharding(const Mesh& mesh, const PartitionSpe
 #include <memory>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 
@@ -22276,6 +22277,7 @@ class ReduceRound {
   std::condition_variable cv_;
   int arrived_ = 0, done_ = 0;
   std::atomic<int> arrived_fast_{0};  // arrived_, readable without the lock (spinning)
+  std::atomic<int> done_fast_{0};     // members done reading, likewise
   std::vector<std::shared_ptr<Buffer>> inputs_;
 };
 
@@ -22354,15 +22356,25 @@ LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::run(int slot, std::shared
       throw CollectiveTimeout("SPMD all-reduce: waited longer than the collective timeout for " +
                               std::to_string(n - arrived_) + " of " + std::to_string(n) + " devices");
   }
-  std::vector<std::shared_ptr<Buffer>> held = inputs_;  // the inputs stay alive while read
+  std::vector<const void*> ptrs;
+  for (const auto& b : inputs_) ptrs.push_back(b->data());
   lock.unlock();
   auto out = dev.pool().acquire(padded_bytes(numel, dtype_size(dtype)));
-  std::vector<const void*> ptrs;
-  for (const auto& b : held) ptrs.push_back(b->data());
   combine(op_, dtype, ptrs, out->data(), numel);
-  held.clear();
+  // Every member lets go of its own input only once all have read it, on its own thread:
+  // a buffer whose last reference another device dropped could be donated (overwritten)
+  // here with nothing ordering that device's reads before the write.
   lock.lock();
-  if (++done_ == n) inputs_.clear();  // the last reader lets the inputs go
+  if (++done_ == n) cv_.notify_all();
+  done_fast_.store(done_, std::memory_order_release);
+  if (done_ < n) {
+    lock.unlock();
+    for (int spins = 0; done_fast_.load(std::memory_order_acquire) < n; ++spins) {
+      if (spins >= 2000) std::this_thread::yield();
+    }
+    lock.lock();
+  }
+  inputs_[static_cast<std::size_t>(slot)].reset();
   return out;
 }
 
@@ -22374,8 +22386,19 @@ void combine_as(Combine op, const std::vector<const void*>& in, void* out, std::
     for (std::size_t k = 1; k < in.size(); ++k) {
       const Acc v = static_cast<Acc>(static_cast<const T*>(in[k])[i]);
       switch (op) {
-        case Combine::Sum: acc = static_cast<Acc>(acc + v); break;
-        case Combine::Prod: acc = static_cast<Acc>(acc * v); break;
+        // Integers wrap (as dist's reductions): computed unsigned, where overflow is defined.
+        case Combine::Sum:
+          if constexpr (std::is_integral_v<Acc>)
+            acc = static_cast<Acc>(static_cast<std::uint64_t>(acc) + static_cast<std::uint64_t>(v));
+          else
+            acc = static_cast<Acc>(acc + v);
+          break;
+        case Combine::Prod:
+          if constexpr (std::is_integral_v<Acc>)
+            acc = static_cast<Acc>(static_cast<std::uint64_t>(acc) * static_cast<std::uint64_t>(v));
+          else
+            acc = static_cast<Acc>(acc * v);
+          break;
         // NaN propagates, as the reductions' max/min do.
         case Combine::Max: acc = (v > acc || v != v) && acc == acc ? v : acc; break;
         case Combine::Min: acc = (v < acc || v != v) && acc == acc ? v : acc; break;
@@ -22536,8 +22559,11 @@ void copy_box(const std::byte* src, const Shape& src_shape, const std::vector<st
               const Shape& dst_shape, const std::vector<std::int64_t>& dst_at, const std::vector<std::int64_t>& box,
               std::size_t esize);
 
-/// The block `ranges` of materialized `value`, as data on `dev`. The whole value shares its
-/// buffer (buffers are immutable; donation needs a sole holder), a proper block is copied.
+/// The block `ranges` of materialized `value`, as data on `dev`, copied into `dev`'s pool.
+/// The whole value on its own device shares the buffer (buffers are immutable; donation
+/// needs a sole holder). Devices never share a buffer: when the other device's reference is
+/// the last, this device could donate it while the other's reads are unordered with the
+/// write (shared_ptr's use_count is a relaxed read).
 graph::NodePtr block_of(const graph::NodePtr& value, const Ranges& ranges, graph::Device& dev);
 
 /// Splits `value` (materialized here; a sharded value is gathered first) over `sharding`.
@@ -22646,7 +22672,8 @@ LAZYTENSOR_INLINE graph::NodePtr detail::block_of(const graph::NodePtr& value, c
     at.push_back(b0);
     box.push_back(b1 - b0);
   }
-  if (whole) return std::make_shared<graph::DataNode>(value->dtype(), global, &dev, value->buffer());
+  if (whole && value->device() == &dev)
+    return std::make_shared<graph::DataNode>(value->dtype(), global, &dev, value->buffer());
   const Shape shape(box);
   const std::size_t esize = dtype_size(value->dtype());
   auto buf = dev.pool().acquire(padded_bytes(shape.numel(), esize));
@@ -22863,7 +22890,11 @@ LAZYTENSOR_INLINE std::vector<std::vector<graph::NodePtr>> pieces_for(const std:
 LAZYTENSOR_INLINE graph::NodePtr replicate_small(const graph::NodePtr& value, graph::Device& dev, int depth) {
   constexpr std::int64_t kMaxElements = 4096;
   constexpr int kMaxDepth = 8;
-  if (value->materialized()) return std::make_shared<graph::DataNode>(value->dtype(), value->shape(), &dev, value->buffer());
+  if (value->materialized()) {
+    Ranges whole;
+    for (auto d : value->shape()) whole.emplace_back(0, d);
+    return block_of(value, whole, dev);
+  }
   if (!value->pending() || depth > kMaxDepth || value->numel() > kMaxElements) return nullptr;
   std::vector<graph::NodePtr> inputs;
   for (const auto& in : value->inputs()) {

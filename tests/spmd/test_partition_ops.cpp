@@ -172,3 +172,15 @@ TEST(SpmdLoss, CrossEntropyForwardAndBackwardOnShardedBatches) {
     EXPECT_EQ(sm.to_vector(), lazy::softmax(ref.detach(), 1).to_vector());
   }
 }
+
+TEST(SpmdReduction, IntegerAndBoolReductionsCombineExactly) {
+  spmd::Mesh mesh({0, 1, 2, 3}, {2, 2}, {"x", "y"});
+  std::vector<std::int32_t> v(64);
+  for (int i = 0; i < 64; ++i) v[static_cast<std::size_t>(i)] = (i * 37) % 101 - 50;
+  auto t = lazy::from_vector<std::int32_t>(v, {8, 8});
+  const auto want_sum = lazy::sum(t, {1}).to_vector();
+  const auto want_max = lazy::amax(t, {0}).to_vector();
+  spmd::mark_sharding(t, mesh, {"x", "y"});
+  EXPECT_EQ(lazy::sum(t, {1}).to_vector(), want_sum);  // int64 partial sums, all-reduced
+  EXPECT_EQ(lazy::amax(t, {0}).to_vector(), want_max);
+}

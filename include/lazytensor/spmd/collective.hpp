@@ -11,6 +11,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <lazytensor/core/buffer.hpp>
@@ -47,6 +48,7 @@ class ReduceRound {
   std::condition_variable cv_;
   int arrived_ = 0, done_ = 0;
   std::atomic<int> arrived_fast_{0};  // arrived_, readable without the lock (spinning)
+  std::atomic<int> done_fast_{0};     // members done reading, likewise
   std::vector<std::shared_ptr<Buffer>> inputs_;
 };
 
@@ -125,15 +127,25 @@ LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::run(int slot, std::shared
       throw CollectiveTimeout("SPMD all-reduce: waited longer than the collective timeout for " +
                               std::to_string(n - arrived_) + " of " + std::to_string(n) + " devices");
   }
-  std::vector<std::shared_ptr<Buffer>> held = inputs_;  // the inputs stay alive while read
+  std::vector<const void*> ptrs;
+  for (const auto& b : inputs_) ptrs.push_back(b->data());
   lock.unlock();
   auto out = dev.pool().acquire(padded_bytes(numel, dtype_size(dtype)));
-  std::vector<const void*> ptrs;
-  for (const auto& b : held) ptrs.push_back(b->data());
   combine(op_, dtype, ptrs, out->data(), numel);
-  held.clear();
+  // Every member lets go of its own input only once all have read it, on its own thread:
+  // a buffer whose last reference another device dropped could be donated (overwritten)
+  // here with nothing ordering that device's reads before the write.
   lock.lock();
-  if (++done_ == n) inputs_.clear();  // the last reader lets the inputs go
+  if (++done_ == n) cv_.notify_all();
+  done_fast_.store(done_, std::memory_order_release);
+  if (done_ < n) {
+    lock.unlock();
+    for (int spins = 0; done_fast_.load(std::memory_order_acquire) < n; ++spins) {
+      if (spins >= 2000) std::this_thread::yield();
+    }
+    lock.lock();
+  }
+  inputs_[static_cast<std::size_t>(slot)].reset();
   return out;
 }
 
@@ -145,8 +157,19 @@ void combine_as(Combine op, const std::vector<const void*>& in, void* out, std::
     for (std::size_t k = 1; k < in.size(); ++k) {
       const Acc v = static_cast<Acc>(static_cast<const T*>(in[k])[i]);
       switch (op) {
-        case Combine::Sum: acc = static_cast<Acc>(acc + v); break;
-        case Combine::Prod: acc = static_cast<Acc>(acc * v); break;
+        // Integers wrap (as dist's reductions): computed unsigned, where overflow is defined.
+        case Combine::Sum:
+          if constexpr (std::is_integral_v<Acc>)
+            acc = static_cast<Acc>(static_cast<std::uint64_t>(acc) + static_cast<std::uint64_t>(v));
+          else
+            acc = static_cast<Acc>(acc + v);
+          break;
+        case Combine::Prod:
+          if constexpr (std::is_integral_v<Acc>)
+            acc = static_cast<Acc>(static_cast<std::uint64_t>(acc) * static_cast<std::uint64_t>(v));
+          else
+            acc = static_cast<Acc>(acc * v);
+          break;
         // NaN propagates, as the reductions' max/min do.
         case Combine::Max: acc = (v > acc || v != v) && acc == acc ? v : acc; break;
         case Combine::Min: acc = (v < acc || v != v) && acc == acc ? v : acc; break;

@@ -211,7 +211,11 @@ LAZYTENSOR_INLINE std::vector<std::vector<graph::NodePtr>> pieces_for(const std:
 LAZYTENSOR_INLINE graph::NodePtr replicate_small(const graph::NodePtr& value, graph::Device& dev, int depth) {
   constexpr std::int64_t kMaxElements = 4096;
   constexpr int kMaxDepth = 8;
-  if (value->materialized()) return std::make_shared<graph::DataNode>(value->dtype(), value->shape(), &dev, value->buffer());
+  if (value->materialized()) {
+    Ranges whole;
+    for (auto d : value->shape()) whole.emplace_back(0, d);
+    return block_of(value, whole, dev);
+  }
   if (!value->pending() || depth > kMaxDepth || value->numel() > kMaxElements) return nullptr;
   std::vector<graph::NodePtr> inputs;
   for (const auto& in : value->inputs()) {

@@ -67,8 +67,11 @@ void copy_box(const std::byte* src, const Shape& src_shape, const std::vector<st
               const Shape& dst_shape, const std::vector<std::int64_t>& dst_at, const std::vector<std::int64_t>& box,
               std::size_t esize);
 
-/// The block `ranges` of materialized `value`, as data on `dev`. The whole value shares its
-/// buffer (buffers are immutable; donation needs a sole holder), a proper block is copied.
+/// The block `ranges` of materialized `value`, as data on `dev`, copied into `dev`'s pool.
+/// The whole value on its own device shares the buffer (buffers are immutable; donation
+/// needs a sole holder). Devices never share a buffer: when the other device's reference is
+/// the last, this device could donate it while the other's reads are unordered with the
+/// write (shared_ptr's use_count is a relaxed read).
 graph::NodePtr block_of(const graph::NodePtr& value, const Ranges& ranges, graph::Device& dev);
 
 /// Splits `value` (materialized here; a sharded value is gathered first) over `sharding`.
@@ -177,7 +180,8 @@ LAZYTENSOR_INLINE graph::NodePtr detail::block_of(const graph::NodePtr& value, c
     at.push_back(b0);
     box.push_back(b1 - b0);
   }
-  if (whole) return std::make_shared<graph::DataNode>(value->dtype(), global, &dev, value->buffer());
+  if (whole && value->device() == &dev)
+    return std::make_shared<graph::DataNode>(value->dtype(), global, &dev, value->buffer());
   const Shape shape(box);
   const std::size_t esize = dtype_size(value->dtype());
   auto buf = dev.pool().acquire(padded_bytes(shape.numel(), esize));
