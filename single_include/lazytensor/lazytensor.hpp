@@ -12838,7 +12838,7 @@ struct ParallelLoaderOptions {
   std::size_t host_to_device_transfer_threads = 1;
   /// SPMD (lazy::spmd): every tensor of a batch is sharded so by the transfer thread, so
   /// batches arrive sharded (torch_xla's input_sharding). Needs spmd::use_spmd().
-  std::shared_ptr<const spmd::ShardingSpec> input_sharding;
+  std::shared_ptr<const spmd::ShardingSpec> input_sharding = nullptr;
 };
 
 namespace detail {

@@ -184,6 +184,17 @@ std::vector<double> train_in(train::Accelerator& acc, int begin, int end) {
   return out;
 }
 
+// Trains with the strategy's own precision plugin (set before launch: the strategy object
+// is shared by the replica threads, so they must not replace its plugin).
+std::vector<double> train_with_plugin(train::Strategy& strategy, int begin, int end) {
+  train::CPUAccelerator acc(strategy);
+  switch (acc.precision_plugin().param_dtype()) {
+    case DType::Float64: return train_in<double>(acc, begin, end);
+    case DType::BFloat16: return train_in<lazy::bfloat16>(acc, begin, end);
+    default: return train_in<float>(acc, begin, end);
+  }
+}
+
 std::vector<double> train_with(train::Strategy& strategy, const std::string& precision, int begin, int end) {
   train::CPUAccelerator acc(strategy, train::make_precision(precision));
   switch (acc.precision_plugin().param_dtype()) {
@@ -215,9 +226,10 @@ TEST(Precision, DoubleOnTwoReplicasEqualsTheFullBatch) {
   Watchdog dog;
   const auto want = reference_parameters();
   train::ReplicaStrategy strategy(2);
+  strategy.set_precision_plugin(train::make_precision("64-true"));
   const auto got = strategy.launch([](train::Strategy& s) {
     const int half = kRows / 2, r = s.global_rank();
-    const auto mine = train_with(s, "64-true", r * half, (r + 1) * half);
+    const auto mine = train_with_plugin(s, r * half, (r + 1) * half);
     // Every replica ends with the same parameters.
     const Tensor<double> t = lazy::from_vector<double>(mine, Shape{static_cast<std::int64_t>(mine.size())});
     const auto all = s.all_gather(t).to_vector();
