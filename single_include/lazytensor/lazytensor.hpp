@@ -22233,6 +22233,7 @@ LAZYTENSOR_INLINE Sharding resolve_sharding(const Mesh& mesh, const PartitionSpe
 // synchronous gather, counted as SpmdGathers).
 
 #include <functional>
+#include <optional>
 
 // ---- begin lazytensor/spmd/collective.hpp ----
 // The collectives the partitioner inserts: an all-reduce among the devices of a group (the
@@ -22526,6 +22527,9 @@ class ShardedNode final : public graph::Node {
   /// The piece at mesh position `position` (on device `mesh.device_ids()[position]`).
   const graph::NodePtr& shard(int position) const { return shards_[static_cast<std::size_t>(position)]->node; }
   int num_shards() const { return static_cast<int>(shards_.size()); }
+  /// Hands every device its pending work when a piece is still pending: pieces may wait
+  /// for each other in collectives, so none is waited for before all are handed out.
+  void hand_out_pieces() const;
 
   std::string op_name() const override { return "sharded"; }
   std::string describe() const override { return sharding_.str(); }
@@ -22591,6 +22595,15 @@ LAZYTENSOR_INLINE ShardedNode::ShardedNode(Sharding sharding, std::vector<graph:
   }
 }
 
+LAZYTENSOR_INLINE void ShardedNode::hand_out_pieces() const {
+  for (const auto& s : shards_) {
+    if (s->node->pending()) {
+      graph::step_all_devices();
+      return;
+    }
+  }
+}
+
 LAZYTENSOR_INLINE void ShardedNode::compute(graph::ExecContext& ctx) {
   static auto& gathers = core::counter("SpmdGathers");
   gathers.add();
@@ -22600,14 +22613,7 @@ LAZYTENSOR_INLINE void ShardedNode::compute(graph::ExecContext& ctx) {
   for (int d = 0; d < global.rank(); ++d) blocks *= sharding_.parts(d);
   std::vector<bool> done(static_cast<std::size_t>(blocks), false);
   const std::size_t esize = dtype_size(dtype());
-  // Pieces may wait for each other in collectives: hand every device its work before
-  // waiting for any piece.
-  for (const auto& s : shards_) {
-    if (s->node->pending()) {
-      graph::step_all_devices();
-      break;
-    }
-  }
+  hand_out_pieces();
   for (int p = 0; p < num_shards(); ++p) {
     std::int64_t b = 0;
     for (int d = 0; d < global.rank(); ++d) b = b * sharding_.parts(d) + sharding_.part_of(p, d);
@@ -22796,7 +22802,7 @@ LAZYTENSOR_INLINE graph::NodePtr partition_blockwise(const graph::Node& node, co
   // The lead: the largest sharded operand whose split dimensions the rule can cut (moving
   // the others costs less). The result takes its blocks.
   const ShardedNode* lead = nullptr;
-  Sharding target{Mesh({0}, {1}), {}};
+  std::optional<Sharding> lead_blocks;  // no placeholder mesh built on every call
   for (std::size_t i = 0; i < ins.size(); ++i) {
     const ShardedNode* s = as_sharded(ins[i]);
     if (!s || (lead && s->numel() <= lead->numel())) continue;
@@ -22809,9 +22815,10 @@ LAZYTENSOR_INLINE graph::NodePtr partition_blockwise(const graph::Node& node, co
     }
     if (!ok) continue;
     lead = s;
-    target = std::move(t);
+    lead_blocks = std::move(t);
   }
   if (!lead) return nullptr;
+  Sharding target = std::move(*lead_blocks);
   const Mesh& mesh = target.mesh;
   const int n = mesh.size();
   std::vector<std::vector<int>> logical_of;
@@ -23343,14 +23350,7 @@ LAZYTENSOR_INLINE void clear_node(graph::TensorImpl& impl) {
 LAZYTENSOR_INLINE std::vector<Piece> pieces_of(const graph::NodePtr& value) {
   std::vector<Piece> r;
   if (const ShardedNode* s = as_sharded(value)) {
-    // A piece read alone must not wait in a collective for peers nobody runs: hand every
-    // device its pending work first.
-    for (int p = 0; p < s->num_shards(); ++p) {
-      if (s->shard(p)->pending()) {
-        graph::step_all_devices();
-        break;
-      }
-    }
+    s->hand_out_pieces();  // a piece read alone must not wait for peers nobody runs
     const auto& ids = s->sharding().mesh.device_ids();
     for (int p = 0; p < s->num_shards(); ++p)
       r.push_back({s->shard(p), ids[static_cast<std::size_t>(p)], s->sharding().block(p, value->shape())});

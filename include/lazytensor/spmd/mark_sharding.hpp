@@ -127,14 +127,7 @@ LAZYTENSOR_INLINE void clear_node(graph::TensorImpl& impl) {
 LAZYTENSOR_INLINE std::vector<Piece> pieces_of(const graph::NodePtr& value) {
   std::vector<Piece> r;
   if (const ShardedNode* s = as_sharded(value)) {
-    // A piece read alone must not wait in a collective for peers nobody runs: hand every
-    // device its pending work first.
-    for (int p = 0; p < s->num_shards(); ++p) {
-      if (s->shard(p)->pending()) {
-        graph::step_all_devices();
-        break;
-      }
-    }
+    s->hand_out_pieces();  // a piece read alone must not wait for peers nobody runs
     const auto& ids = s->sharding().mesh.device_ids();
     for (int p = 0; p < s->num_shards(); ++p)
       r.push_back({s->shard(p), ids[static_cast<std::size_t>(p)], s->sharding().block(p, value->shape())});

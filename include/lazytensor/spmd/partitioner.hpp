@@ -10,6 +10,7 @@
 // synchronous gather, counted as SpmdGathers).
 
 #include <functional>
+#include <optional>
 
 #include <lazytensor/graph/elementwise_node.hpp>
 #include <lazytensor/graph/matmul_node.hpp>
@@ -117,7 +118,7 @@ LAZYTENSOR_INLINE graph::NodePtr partition_blockwise(const graph::Node& node, co
   // The lead: the largest sharded operand whose split dimensions the rule can cut (moving
   // the others costs less). The result takes its blocks.
   const ShardedNode* lead = nullptr;
-  Sharding target{Mesh({0}, {1}), {}};
+  std::optional<Sharding> lead_blocks;  // no placeholder mesh built on every call
   for (std::size_t i = 0; i < ins.size(); ++i) {
     const ShardedNode* s = as_sharded(ins[i]);
     if (!s || (lead && s->numel() <= lead->numel())) continue;
@@ -130,9 +131,10 @@ LAZYTENSOR_INLINE graph::NodePtr partition_blockwise(const graph::Node& node, co
     }
     if (!ok) continue;
     lead = s;
-    target = std::move(t);
+    lead_blocks = std::move(t);
   }
   if (!lead) return nullptr;
+  Sharding target = std::move(*lead_blocks);
   const Mesh& mesh = target.mesh;
   const int n = mesh.size();
   std::vector<std::vector<int>> logical_of;

@@ -34,6 +34,9 @@ class ShardedNode final : public graph::Node {
   /// The piece at mesh position `position` (on device `mesh.device_ids()[position]`).
   const graph::NodePtr& shard(int position) const { return shards_[static_cast<std::size_t>(position)]->node; }
   int num_shards() const { return static_cast<int>(shards_.size()); }
+  /// Hands every device its pending work when a piece is still pending: pieces may wait
+  /// for each other in collectives, so none is waited for before all are handed out.
+  void hand_out_pieces() const;
 
   std::string op_name() const override { return "sharded"; }
   std::string describe() const override { return sharding_.str(); }
@@ -99,6 +102,15 @@ LAZYTENSOR_INLINE ShardedNode::ShardedNode(Sharding sharding, std::vector<graph:
   }
 }
 
+LAZYTENSOR_INLINE void ShardedNode::hand_out_pieces() const {
+  for (const auto& s : shards_) {
+    if (s->node->pending()) {
+      graph::step_all_devices();
+      return;
+    }
+  }
+}
+
 LAZYTENSOR_INLINE void ShardedNode::compute(graph::ExecContext& ctx) {
   static auto& gathers = core::counter("SpmdGathers");
   gathers.add();
@@ -108,14 +120,7 @@ LAZYTENSOR_INLINE void ShardedNode::compute(graph::ExecContext& ctx) {
   for (int d = 0; d < global.rank(); ++d) blocks *= sharding_.parts(d);
   std::vector<bool> done(static_cast<std::size_t>(blocks), false);
   const std::size_t esize = dtype_size(dtype());
-  // Pieces may wait for each other in collectives: hand every device its work before
-  // waiting for any piece.
-  for (const auto& s : shards_) {
-    if (s->node->pending()) {
-      graph::step_all_devices();
-      break;
-    }
-  }
+  hand_out_pieces();
   for (int p = 0; p < num_shards(); ++p) {
     std::int64_t b = 0;
     for (int d = 0; d < global.rank(); ++d) b = b * sharding_.parts(d) + sharding_.part_of(p, d);
