@@ -97,9 +97,18 @@ class Buffer {
   void* data() const { return data_; }
   std::size_t bytes() const { return bytes_; }
 
+  /// Marks a buffer handed to other devices' executors (a collective's shared output, a
+  /// broadcast source). Such a buffer is never donated: its readers on other devices are
+  /// not ordered with a donating write (a reference count seen at 1 is a relaxed read).
+  /// Set before the buffer is published, so every later reader sees it.
+  void mark_shared() noexcept { shared_.store(true, std::memory_order_relaxed); }
+  /// Whether mark_shared() was called.
+  bool shared() const noexcept { return shared_.load(std::memory_order_relaxed); }
+
  private:
   void* data_;
   std::size_t bytes_;
+  std::atomic<bool> shared_{false};
   std::shared_ptr<BufferPool> pool_;
 };
 

@@ -5,12 +5,12 @@
 // member computes its whole output from the copies: one synchronization. Larger ones are
 // read in place:
 //  - all_reduce: member i reduces slice i of the result, reading every member's input in
-//    rank order, into one output buffer shared by the whole group (buffers are immutable
-//    and never donated while shared, so sharing is safe); nothing is gathered afterwards
+//    rank order, into one output buffer shared by the whole group (marked shared, so never
+//    donated: no device overwrites what another may still read); nothing is gathered afterwards
 //    and the result is bitwise identical everywhere by construction;
 //  - all_gather: each member copies its input into its block of a shared output;
 //  - reduce_scatter, all_to_all: each member reads its part of every input;
-//  - broadcast: every member's output is the source's buffer (no copy at all).
+//  - broadcast: every member's output is the source's buffer (no copy at all; marked shared).
 
 #include <algorithm>
 #include <array>
@@ -82,7 +82,10 @@ class AllReduceExchange final : public ExchangeNode {
         c.slot, c.seq, c.sig,
         [&](Share& s) {
           publish_inputs(s, in, nbytes, copied);
-          if (!copied && leader) s.buffers = outs;
+          if (!copied && leader) {
+            for (auto& b : outs) b->mark_shared();
+            s.buffers = outs;
+          }
         },
         [&](const GroupComm::Round& r) {
           if (!copied && !leader) outs = r[0].buffers;
@@ -320,7 +323,10 @@ LAZYTENSOR_INLINE std::vector<std::shared_ptr<Buffer>> AllGatherExchange::run(
       c.slot, c.seq, c.sig,
       [&](Share& sh) {
         publish_inputs(sh, {own}, {nbytes}, copied);
-        if (!copied && leader) sh.buffers = outs;
+        if (!copied && leader) {
+          outs[0]->mark_shared();
+          sh.buffers = outs;
+        }
       },
       [&](const GroupComm::Round& r) {
         if (!copied && !leader) outs = r[0].buffers;
@@ -385,7 +391,10 @@ LAZYTENSOR_INLINE std::vector<std::shared_ptr<Buffer>> BroadcastExchange::run(gr
   c.comm->exchange(
       c.slot, c.seq, c.sig,
       [&](Share& sh) {
-        if (c.slot == src_slot_) sh.buffers = {data(0)->buffer()};
+        if (c.slot == src_slot_) {
+          data(0)->buffer()->mark_shared();
+          sh.buffers = {data(0)->buffer()};
+        }
       },
       [&](const GroupComm::Round& r) { outs[0] = r[src_slot_].buffers[0]; },
       true);  // the source's share holds its buffer until everyone took it

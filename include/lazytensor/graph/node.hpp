@@ -216,7 +216,9 @@ LAZYTENSOR_INLINE void Node::set_buffer(std::shared_ptr<Buffer> buf) {
 }
 
 LAZYTENSOR_INLINE std::shared_ptr<Buffer> Node::take_buffer(const NodePtr& n, long holders) {
-  if (!n->materialized() || !n->buffer_ || n.use_count() != holders || n->buffer_.use_count() != 1) return nullptr;
+  if (!n->materialized() || !n->buffer_ || n.use_count() != holders || n->buffer_.use_count() != 1 ||
+      n->buffer_->shared())
+    return nullptr;
   return std::move(n->buffer_);
 }
 
