@@ -1,6 +1,6 @@
 // lazytensor::compiled, second translation unit: the frontend's templates whose arguments the
 // library fixes (nn layers, losses, initializers, Sequential::push_back, optimizers,
-// gradient clipping, ReplicaStrategy; their lists are in the nn/, optim/ and train/ headers,
+// gradient clipping, ReplicaStrategy, SpmdStrategy; their lists are in the nn/, optim/ and train/ headers,
 // core/config.hpp explains them), instantiated once. The layers and losses in double and
 // bfloat16 are in src/compiled_nn_wide.cpp, so that the three compile in parallel.
 // Apart from src/compiled.cpp so that the two compile in parallel. It is built as a user's
@@ -29,4 +29,5 @@ LAZYTENSOR_OPTIM_SGD_INSTANCES()
 LAZYTENSOR_OPTIM_ADAM_INSTANCES()
 LAZYTENSOR_NN_CLIP_GRAD_INSTANCES()
 LAZYTENSOR_TRAIN_REPLICA_INSTANCES()
+LAZYTENSOR_TRAIN_SPMD_INSTANCES()
 LAZYTENSOR_TRAIN_ACCELERATOR_INSTANCES()

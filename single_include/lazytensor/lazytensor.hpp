@@ -23454,7 +23454,8 @@ LAZYTENSOR_INLINE std::string visualize(const graph::NodePtr& value) {
 // ---- begin lazytensor/train.hpp ----
 // lazy::train: Lightning's layer over lazytensor's devices and replicas. Strategies say
 // where a model runs and how replicas talk (Strategy, SingleDeviceStrategy,
-// ReplicaStrategy: the analogue of XLAStrategy / DDPSpawnStrategy on thread replicas);
+// ReplicaStrategy: the analogue of XLAStrategy / DDPSpawnStrategy on thread replicas;
+// SpmdStrategy: one program thread over a sharded device mesh);
 // precision plugins say in which dtype it computes ("32-true", "64-true", "bf16-mixed",
 // "bf16-true"); the Accelerator joins both for each step. A training loop written against
 // them runs unchanged on one device or on many, in any precision.
@@ -23644,16 +23645,20 @@ struct is_tensor : std::false_type {};
 template <Element T>
 struct is_tensor<Tensor<T>> : std::true_type {};
 
-/// Tensors moved to `dev`; containers element by element; anything else unchanged.
-template <class B>
-B to_device(const B& b, const Device& dev) {
+/// Tensors moved to `dev` and passed to `place` (a strategy's place_input); containers
+/// element by element; anything else unchanged.
+template <class B, class Place>
+B to_device(const B& b, const Device& dev, const Place& place) {
   if constexpr (is_tensor<B>::value) {
-    return b.defined() ? b.to(dev) : b;
+    if (!b.defined()) return b;
+    AnyTensor moved(b.to(dev));
+    place(moved);
+    return moved.template as<typename B::value_type>();
   } else if constexpr (requires { std::tuple_size<B>::value; }) {
-    return std::apply([&](const auto&... xs) { return B{to_device(xs, dev)...}; }, b);
+    return std::apply([&](const auto&... xs) { return B{to_device(xs, dev, place)...}; }, b);
   } else if constexpr (requires(B& out) { b.begin(); b.end(); out.push_back(*b.begin()); }) {
     B out;
-    for (const auto& x : b) out.push_back(to_device(x, dev));
+    for (const auto& x : b) out.push_back(to_device(x, dev, place));
     return out;
   } else {
     return b;
@@ -23663,7 +23668,7 @@ B to_device(const B& b, const Device& dev) {
 }  // namespace detail
 
 /// Lightning's Strategy: the device, the launch of replicas, and the collectives a training
-/// loop needs. Subclasses: SingleDeviceStrategy, ReplicaStrategy.
+/// loop needs. Subclasses: SingleDeviceStrategy, ReplicaStrategy, SpmdStrategy.
 class Strategy {
  public:
   virtual ~Strategy() = default;
@@ -23710,15 +23715,21 @@ class Strategy {
   /// of them (nested); anything else is returned as is.
   template <class Batch>
   Batch batch_to_device(const Batch& batch) const {
-    return detail::to_device(batch, root_device());
+    return detail::to_device(batch, root_device(), [this](AnyTensor& t) { place_input(t); });
   }
   /// The loader wrapped for this replica's device (torch_xla's MpDeviceLoader: batches
-  /// arrive on root_device(), and a mark_step runs as each is handed out). `loader` must
-  /// outlive the result.
+  /// arrive on root_device(), and a mark_step runs as each is handed out), with
+  /// loader_options(). `loader` must outlive the result.
   template <class Loader>
   dist::MpDeviceLoader<Loader> process_dataloader(Loader& loader) const {
-    return dist::MpDeviceLoader<Loader>(loader, root_device());
+    return dist::MpDeviceLoader<Loader>(loader, root_device(), loader_options());
   }
+  /// The options process_dataloader gives its loader (defaults; SpmdStrategy adds the
+  /// input sharding).
+  virtual dist::ParallelLoaderOptions loader_options() const { return {}; }
+  /// Lays out one input tensor already on root_device() (batch_to_device calls it for
+  /// every tensor of a batch; SpmdStrategy shards it over the mesh). Default: nothing.
+  virtual void place_input(AnyTensor& t) const { (void)t; }
 
   // ---- a training step -------------------------------------------------------------------
 
@@ -24162,5 +24173,160 @@ class SingleDeviceStrategy : public Strategy {
 
 }  // namespace lazy::train
 // ---- end lazytensor/train/single_device.hpp ----
+// ---- begin lazytensor/train/spmd_strategy.hpp ----
+// train::SpmdStrategy: one program thread drives a mesh of devices (lazy::spmd, PyTorch/XLA's
+// SPMD). Unlike ReplicaStrategy there is one replica: launch() runs on the calling thread,
+// world_size() is 1 and the collectives return their input. The parallelism is in the
+// tensors instead: setup() shards each parameter as the strategy's parameter sharding says
+// (replicated by default: data parallel), process_dataloader and batch_to_device shard each
+// input along its batch dimension over the mesh's first axis, and the partitioner turns
+// every statement into one node per device, adding the all-reduces the gradients need.
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+
+
+namespace lazy::train {
+
+/// For one parameter (its name in the module, its value): the partition spec over the
+/// strategy's mesh (an empty spec replicates it).
+using ParameterSharding = std::function<spmd::PartitionSpec(const std::string& name, const AnyTensor& parameter)>;
+
+/// A parameter sharding that splits each parameter's first dimension over `mesh`'s axis
+/// `axis` (ZeRO-3 / FSDP style: every device holds 1/n of each weight), replicating the
+/// parameters whose first dimension the axis does not divide (and scalars). ShardingError
+/// when the mesh has no such axis.
+ParameterSharding fully_sharded(const spmd::Mesh& mesh, const std::string& axis);
+
+/// Training on a device mesh from one program thread (lazy::spmd). A class template (the
+/// parameter is unused; use SpmdStrategy) so that a program that never constructs one
+/// compiles none of it.
+template <class = void>
+class BasicSpmdStrategy : public Strategy {
+ public:
+  /// Over `mesh` (its first axis is the data axis inputs are split over). Each parameter
+  /// is sharded as `parameter_sharding` says (empty: every parameter replicated, i.e. data
+  /// parallel).
+  /// `input_spec` overrides the inputs' partition spec (default: dimension 0 over the
+  /// mesh's first axis, the rest replicated).
+  explicit BasicSpmdStrategy(spmd::Mesh mesh, ParameterSharding parameter_sharding = {},
+                             std::optional<spmd::PartitionSpec> input_spec = std::nullopt);
+
+  /// The mesh.
+  const spmd::Mesh& mesh() const { return mesh_; }
+  /// The partition spec of every input tensor.
+  const spmd::PartitionSpec& input_spec() const { return input_->partition_spec(); }
+
+  /// The mesh's first device: the device a sharded tensor's whole value belongs to.
+  Device root_device() const override { return Device(mesh_.device_ids().front()); }
+  int num_processes() const override { return 1; }
+  bool is_distributed() const override { return false; }
+
+  /// Turns SPMD mode on (spmd::use_spmd; it then holds for the process).
+  void setup_environment() override;
+  /// Converts `model` to the precision plugin's dtype, moves it to root_device(), then
+  /// shards (or replicates) each parameter as the parameter sharding says. ShardingError names the
+  /// parameter whose spec does not fit.
+  void setup(nn::Module& model) override;
+  /// Inputs shard as input_spec() says, as the loader hands them out.
+  dist::ParallelLoaderOptions loader_options() const override;
+  /// Shards `t` as input_spec() says (a scalar, or a tensor the spec does not fit, is
+  /// left whole: the partitioner replicates it where needed).
+  void place_input(AnyTensor& t) const override;
+
+ private:
+  spmd::Mesh mesh_;
+  ParameterSharding parameter_sharding_;
+  std::shared_ptr<const spmd::ShardingSpec> input_;
+};
+
+/// Training on a device mesh from one program thread (see BasicSpmdStrategy).
+using SpmdStrategy = BasicSpmdStrategy<>;
+
+// (Members outside the class, so not inline: see core/config.hpp.)
+template <class V>
+BasicSpmdStrategy<V>::BasicSpmdStrategy(spmd::Mesh mesh, ParameterSharding parameter_sharding,
+                                        std::optional<spmd::PartitionSpec> input_spec)
+    : mesh_(std::move(mesh)), parameter_sharding_(std::move(parameter_sharding)) {
+  if (!input_spec) input_spec = spmd::PartitionSpec{spmd::PartitionEntry(0)};
+  input_ = std::make_shared<const spmd::ShardingSpec>(mesh_, std::move(*input_spec));
+}
+
+template <class V>
+void BasicSpmdStrategy<V>::setup_environment() {
+  spmd::use_spmd();
+}
+
+template <class V>
+void BasicSpmdStrategy<V>::setup(nn::Module& model) {
+  setup_environment();  // setup() may run outside launch()
+  precision_plugin().convert_module(model);
+  model_to_device(model);
+  for (auto& [name, p] : model.named_parameters()) {
+    // Replicated by default: every device gets its copy once, here, not at every step.
+    spmd::PartitionSpec spec = parameter_sharding_ ? parameter_sharding_(name, p) : spmd::PartitionSpec{};
+    try {
+      spmd::mark_sharding(p, mesh_, spec);
+    } catch (const ShardingError& e) {
+      throw ShardingError("SpmdStrategy::setup: parameter \"" + name + "\": " + e.what());
+    }
+  }
+}
+
+template <class V>
+dist::ParallelLoaderOptions BasicSpmdStrategy<V>::loader_options() const {
+  dist::ParallelLoaderOptions o;
+  o.input_sharding = input_;
+  return o;
+}
+
+template <class V>
+void BasicSpmdStrategy<V>::place_input(AnyTensor& t) const {
+  if (t.shape().rank() == 0) return;
+  const spmd::PartitionSpec& spec = input_->partition_spec();
+  try {
+    (void)spmd::resolve_sharding(mesh_, spec, t.shape());
+  } catch (const ShardingError&) {
+    return;  // e.g. a last batch the data axis does not divide: left whole
+  }
+  spmd::mark_sharding(t, mesh_, spec);
+}
+
+}  // namespace lazy::train
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::train {
+
+LAZYTENSOR_INLINE ParameterSharding fully_sharded(const spmd::Mesh& mesh, const std::string& axis) {
+  const auto& names = mesh.axis_names();
+  const auto it = std::find(names.begin(), names.end(), axis);
+  if (it == names.end()) {
+    std::string known;
+    for (const auto& n : names) {
+      if (!known.empty()) known += ", ";
+      known += "\"" + n + "\"";
+    }
+    throw ShardingError("fully_sharded: the mesh has no axis \"" + axis + "\" (its axes: " + known + ")");
+  }
+  const std::int64_t size = mesh.mesh_shape()[static_cast<std::size_t>(it - names.begin())];
+  return [axis, size](const std::string&, const AnyTensor& p) -> spmd::PartitionSpec {
+    if (p.shape().rank() == 0 || p.shape()[0] % size != 0) return {};
+    return {spmd::PartitionEntry(axis)};
+  };
+}
+
+}  // namespace lazy::train
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+#define LAZYTENSOR_TRAIN_SPMD_INSTANCES(P) P template class lazy::train::BasicSpmdStrategy<void>;
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_TRAIN_SPMD_INSTANCES(extern)
+#endif
+// ---- end lazytensor/train/spmd_strategy.hpp ----
 // ---- end lazytensor/train.hpp ----
 // ---- end lazytensor/lazytensor.hpp ----

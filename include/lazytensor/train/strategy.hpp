@@ -59,16 +59,20 @@ struct is_tensor : std::false_type {};
 template <Element T>
 struct is_tensor<Tensor<T>> : std::true_type {};
 
-/// Tensors moved to `dev`; containers element by element; anything else unchanged.
-template <class B>
-B to_device(const B& b, const Device& dev) {
+/// Tensors moved to `dev` and passed to `place` (a strategy's place_input); containers
+/// element by element; anything else unchanged.
+template <class B, class Place>
+B to_device(const B& b, const Device& dev, const Place& place) {
   if constexpr (is_tensor<B>::value) {
-    return b.defined() ? b.to(dev) : b;
+    if (!b.defined()) return b;
+    AnyTensor moved(b.to(dev));
+    place(moved);
+    return moved.template as<typename B::value_type>();
   } else if constexpr (requires { std::tuple_size<B>::value; }) {
-    return std::apply([&](const auto&... xs) { return B{to_device(xs, dev)...}; }, b);
+    return std::apply([&](const auto&... xs) { return B{to_device(xs, dev, place)...}; }, b);
   } else if constexpr (requires(B& out) { b.begin(); b.end(); out.push_back(*b.begin()); }) {
     B out;
-    for (const auto& x : b) out.push_back(to_device(x, dev));
+    for (const auto& x : b) out.push_back(to_device(x, dev, place));
     return out;
   } else {
     return b;
@@ -78,7 +82,7 @@ B to_device(const B& b, const Device& dev) {
 }  // namespace detail
 
 /// Lightning's Strategy: the device, the launch of replicas, and the collectives a training
-/// loop needs. Subclasses: SingleDeviceStrategy, ReplicaStrategy.
+/// loop needs. Subclasses: SingleDeviceStrategy, ReplicaStrategy, SpmdStrategy.
 class Strategy {
  public:
   virtual ~Strategy() = default;
@@ -125,15 +129,21 @@ class Strategy {
   /// of them (nested); anything else is returned as is.
   template <class Batch>
   Batch batch_to_device(const Batch& batch) const {
-    return detail::to_device(batch, root_device());
+    return detail::to_device(batch, root_device(), [this](AnyTensor& t) { place_input(t); });
   }
   /// The loader wrapped for this replica's device (torch_xla's MpDeviceLoader: batches
-  /// arrive on root_device(), and a mark_step runs as each is handed out). `loader` must
-  /// outlive the result.
+  /// arrive on root_device(), and a mark_step runs as each is handed out), with
+  /// loader_options(). `loader` must outlive the result.
   template <class Loader>
   dist::MpDeviceLoader<Loader> process_dataloader(Loader& loader) const {
-    return dist::MpDeviceLoader<Loader>(loader, root_device());
+    return dist::MpDeviceLoader<Loader>(loader, root_device(), loader_options());
   }
+  /// The options process_dataloader gives its loader (defaults; SpmdStrategy adds the
+  /// input sharding).
+  virtual dist::ParallelLoaderOptions loader_options() const { return {}; }
+  /// Lays out one input tensor already on root_device() (batch_to_device calls it for
+  /// every tensor of a batch; SpmdStrategy shards it over the mesh). Default: nothing.
+  virtual void place_input(AnyTensor& t) const { (void)t; }
 
   // ---- a training step -------------------------------------------------------------------
 
