@@ -8536,6 +8536,7 @@ make_data_loader(D&& dataset, S sampler, DataLoaderOptions options = {}) {
 // call is checked and turned into an IoError naming the file and the OS reason, partial
 // reads/writes and EINTR are retried, and writes replace their target atomically.
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -8548,6 +8549,7 @@ make_data_loader(D&& dataset, S sampler, DataLoaderOptions options = {}) {
 #include <string>
 #include <system_error>
 #include <utility>
+#include <vector>
 
 
 namespace lazy::io::detail {
@@ -8562,6 +8564,17 @@ IoError os_error(const std::string& what, const std::string& path, int err = err
 
 /// The directory part of `path` ("." when it has none), for temp files and directory fsync.
 std::string parent_dir(const std::string& path);
+
+/// Creates directory `path` and its missing parents (mkdir -p); IoError naming the first
+/// one that cannot be created.
+void make_directories(const std::string& path);
+
+/// The names in directory `path` (without "." and ".."), or nothing when it does not exist;
+/// IoError when it exists but cannot be read.
+std::vector<std::string> list_directory(const std::string& path);
+
+/// Whether `path` names an existing file or directory.
+bool path_exists(const std::string& path);
 
 /// A file opened for reading, with its size taken once at open.
 class ReadFile {
@@ -8629,6 +8642,40 @@ LAZYTENSOR_INLINE std::string parent_dir(const std::string& path) {
   if (slash == std::string::npos) return ".";
   if (slash == 0) return "/";
   return path.substr(0, slash);
+}
+
+LAZYTENSOR_INLINE void make_directories(const std::string& path) {
+  if (path.empty()) return;
+  std::size_t pos = 0;
+  while (pos != std::string::npos) {
+    pos = path.find('/', pos + 1);
+    const std::string part = path.substr(0, pos);
+    if (part.empty() || part == "/") continue;
+    if (::mkdir(part.c_str(), 0777) != 0 && errno != EEXIST) throw os_error("cannot create directory", part);
+  }
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
+    throw IoError("cannot create directory '" + path + "': a file of that name exists");
+}
+
+LAZYTENSOR_INLINE std::vector<std::string> list_directory(const std::string& path) {
+  std::vector<std::string> names;
+  DIR* d = ::opendir(path.c_str());
+  if (!d) {
+    if (errno == ENOENT) return names;
+    throw os_error("cannot list directory", path);
+  }
+  while (const dirent* e = ::readdir(d)) {
+    const std::string n = e->d_name;
+    if (n != "." && n != "..") names.push_back(n);
+  }
+  ::closedir(d);
+  return names;
+}
+
+LAZYTENSOR_INLINE bool path_exists(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0;
 }
 
 LAZYTENSOR_INLINE ReadFile::ReadFile(std::string path) : path_(std::move(path)) {
@@ -12465,6 +12512,8 @@ class Optimizer {
   virtual void set_lr(double lr, std::size_t g) = 0;
   /// Sets the learning rate of every group.
   void set_lr(double lr);
+  /// The optimizer's kind: "SGD", "Adam", ... (what LearningRateMonitor names it by).
+  std::string name() const { return type_name(); }
 
   /// State tensors as "state.<i>.<name>" (i counts parameters across groups in order),
   /// step counts as "state.<i>.step", and every group's options in the metadata
@@ -21467,6 +21516,12 @@ class LRScheduler {
   std::vector<double> get_last_lr() const;
   /// Steps taken so far.
   std::int64_t last_epoch() const { return count_; }
+  /// Continues from `steps` steps taken (a resumed run): sets the rates of that step.
+  void set_last_epoch(std::int64_t steps) {
+    if (steps < 0) throw Error("LRScheduler::set_last_epoch: steps must be >= 0, got " + std::to_string(steps));
+    count_ = steps;
+    apply();
+  }
 
  protected:
   virtual double rate(double base, std::int64_t step) const = 0;
@@ -23458,7 +23513,9 @@ LAZYTENSOR_INLINE std::string visualize(const graph::NodePtr& value) {
 // SpmdStrategy: one program thread over a sharded device mesh);
 // precision plugins say in which dtype it computes ("32-true", "64-true", "bf16-mixed",
 // "bf16-true"); the Accelerator joins both for each step. A training loop written against
-// them runs unchanged on one device or on many, in any precision.
+// them runs unchanged on one device or on many, in any precision. On top, Lightning's
+// Trainer runs a LightningModule's loops with callbacks (ModelCheckpoint, EarlyStopping,
+// ProgressBar, LearningRateMonitor), a logger (CSVLogger) and resumable checkpoints.
 
 // ---- begin lazytensor/train/accelerator.hpp ----
 // train::Accelerator, Lightning 1.3's Accelerator: the object a training loop calls for each
@@ -23654,6 +23711,8 @@ B to_device(const B& b, const Device& dev, const Place& place) {
     AnyTensor moved(b.to(dev));
     place(moved);
     return moved.template as<typename B::value_type>();
+  } else if constexpr (requires { b.data; b.target; }) {  // data::Example
+    return B{to_device(b.data, dev, place), to_device(b.target, dev, place)};
   } else if constexpr (requires { std::tuple_size<B>::value; }) {
     return std::apply([&](const auto&... xs) { return B{to_device(xs, dev, place)...}; }, b);
   } else if constexpr (requires(B& out) { b.begin(); b.end(); out.push_back(*b.begin()); }) {
@@ -24064,6 +24123,762 @@ LAZYTENSOR_INLINE std::unique_ptr<Accelerator> make_accelerator(std::string_view
 LAZYTENSOR_TRAIN_ACCELERATOR_INSTANCES(extern)
 #endif
 // ---- end lazytensor/train/accelerator.hpp ----
+// ---- begin lazytensor/train/callback.hpp ----
+// train::Callback, Lightning's: code that the Trainer calls at fixed points of its loops
+// (the hooks below, with Lightning's names and order), and whose state a checkpoint keeps.
+//
+// With replicas every replica runs the hooks of its own copy (clone()), so a callback may
+// call the strategy's collectives (ModelCheckpoint saves, EarlyStopping agrees on a stop):
+// the user's object is global rank zero's copy, which holds the state after fit. A
+// callback that does not override clone() is shared, and the Trainer calls its hooks on
+// global rank zero only.
+
+#include <cstdint>
+#include <exception>
+#include <map>
+#include <memory>
+#include <string>
+
+namespace lazy::train {
+
+class Trainer;
+class LightningModuleBase;
+
+/// Base of the Trainer's callbacks.
+class Callback {
+ public:
+  virtual ~Callback() = default;
+
+  /// This replica's copy (nullptr: shared, hooks on global rank zero only).
+  virtual std::shared_ptr<Callback> clone() const { return nullptr; }
+  /// Key of the callback's state in a checkpoint (Lightning's state_key): unique among a
+  /// Trainer's callbacks.
+  virtual std::string state_key() const { return "Callback"; }
+  /// The callback's state, saved in every checkpoint's metadata.
+  virtual std::map<std::string, std::string> state_dict() const { return {}; }
+  /// Restores what state_dict() returned (resuming a fit).
+  virtual void load_state_dict(const std::map<std::string, std::string>& state) { (void)state; }
+
+  virtual void on_fit_start(Trainer& trainer, LightningModuleBase& module) { (void)trainer, (void)module; }
+  virtual void on_fit_end(Trainer& trainer, LightningModuleBase& module) { (void)trainer, (void)module; }
+  virtual void on_sanity_check_start(Trainer& trainer, LightningModuleBase& module) { (void)trainer, (void)module; }
+  virtual void on_sanity_check_end(Trainer& trainer, LightningModuleBase& module) { (void)trainer, (void)module; }
+  virtual void on_train_start(Trainer& trainer, LightningModuleBase& module) { (void)trainer, (void)module; }
+  virtual void on_train_end(Trainer& trainer, LightningModuleBase& module) { (void)trainer, (void)module; }
+  virtual void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) { (void)trainer, (void)module; }
+  virtual void on_train_epoch_end(Trainer& trainer, LightningModuleBase& module) { (void)trainer, (void)module; }
+  virtual void on_train_batch_start(Trainer& trainer, LightningModuleBase& module, std::int64_t batch_idx) {
+    (void)trainer, (void)module, (void)batch_idx;
+  }
+  /// After the batch's step (and, every accumulate_grad_batches batches, the optimizer
+  /// step).
+  virtual void on_train_batch_end(Trainer& trainer, LightningModuleBase& module, std::int64_t batch_idx) {
+    (void)trainer, (void)module, (void)batch_idx;
+  }
+  virtual void on_validation_start(Trainer& trainer, LightningModuleBase& module) { (void)trainer, (void)module; }
+  virtual void on_validation_epoch_start(Trainer& trainer, LightningModuleBase& module) { (void)trainer, (void)module; }
+  virtual void on_validation_batch_end(Trainer& trainer, LightningModuleBase& module, std::int64_t batch_idx) {
+    (void)trainer, (void)module, (void)batch_idx;
+  }
+  /// After the validation epoch's values are in trainer.callback_metrics().
+  virtual void on_validation_epoch_end(Trainer& trainer, LightningModuleBase& module) { (void)trainer, (void)module; }
+  virtual void on_validation_end(Trainer& trainer, LightningModuleBase& module) { (void)trainer, (void)module; }
+  virtual void on_test_start(Trainer& trainer, LightningModuleBase& module) { (void)trainer, (void)module; }
+  virtual void on_test_epoch_end(Trainer& trainer, LightningModuleBase& module) { (void)trainer, (void)module; }
+  virtual void on_test_end(Trainer& trainer, LightningModuleBase& module) { (void)trainer, (void)module; }
+  virtual void on_predict_start(Trainer& trainer, LightningModuleBase& module) { (void)trainer, (void)module; }
+  virtual void on_predict_end(Trainer& trainer, LightningModuleBase& module) { (void)trainer, (void)module; }
+  /// When the run fails with `e` on this replica (before the error leaves fit).
+  virtual void on_exception(Trainer& trainer, LightningModuleBase& module, const std::exception& e) {
+    (void)trainer, (void)module, (void)e;
+  }
+};
+
+}  // namespace lazy::train
+// ---- end lazytensor/train/callback.hpp ----
+// ---- begin lazytensor/train/csv_logger.hpp ----
+// train::CSVLogger, Lightning's: metrics to `<save_dir>/<name>/version_<N>/metrics.csv` (one
+// row per log_metrics call, a column per key, "step" among them, empty cells for keys a row
+// lacks) and hyper-parameters to hparams.yaml next to it. Rows are buffered and the whole
+// file is rewritten atomically every flush_logs_every_n_steps rows and at save/finalize,
+// so a killed run leaves a complete CSV of what was flushed.
+
+#include <algorithm>
+#include <cctype>
+#include <charconv>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+// ---- begin lazytensor/train/logger.hpp ----
+// train::Logger, Lightning's: where the Trainer sends logged metrics and hyper-parameters.
+// The Trainer calls a logger from global rank zero only (Lightning's rank_zero_only), so
+// one object serves every replica.
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+
+namespace lazy::train {
+
+/// Base of the Trainer's loggers.
+class Logger {
+ public:
+  virtual ~Logger() = default;
+
+  /// The experiment's name ("lightning_logs").
+  virtual std::string name() const = 0;
+  /// The run's version ("version_3" is written as its number, 3).
+  virtual std::string version() const = 0;
+  /// The directory this run writes to (empty when the logger writes no files).
+  virtual std::string log_dir() const { return {}; }
+  /// The parent of the experiments' directories (the Trainer puts checkpoints in
+  /// `log_dir()/checkpoints` when no dirpath is given).
+  virtual std::string save_dir() const { return {}; }
+
+  /// One row of metrics at optimizer step `step`.
+  virtual void log_metrics(const std::map<std::string, double>& metrics, std::int64_t step) = 0;
+  /// The run's hyper-parameters.
+  virtual void log_hyperparams(const std::map<std::string, std::string>& params) = 0;
+  /// Writes what is buffered.
+  virtual void save() {}
+  /// The run ended: "success", "failed" or "interrupted".
+  virtual void finalize(const std::string& status) {
+    (void)status;
+    save();
+  }
+};
+
+}  // namespace lazy::train
+// ---- end lazytensor/train/logger.hpp ----
+
+namespace lazy::train {
+
+/// Metrics in a CSV file, hyper-parameters in a YAML file (Lightning's CSVLogger).
+class CSVLogger : public Logger {
+ public:
+  /// Under `save_dir`/`name`; `version` (default: one more than the largest version_N
+  /// there, 0 for the first) names the run's directory, which is created now (so two
+  /// loggers made one after the other get different versions).
+  explicit CSVLogger(std::string save_dir, std::string name = "lightning_logs",
+                     std::optional<int> version = std::nullopt, std::int64_t flush_logs_every_n_steps = 100);
+
+  std::string name() const override { return name_; }
+  std::string version() const override { return std::to_string(version_); }
+  std::string save_dir() const override { return save_dir_; }
+  /// `save_dir/name/version_N`.
+  std::string log_dir() const override { return log_dir_; }
+
+  void log_metrics(const std::map<std::string, double>& metrics, std::int64_t step) override;
+  void log_hyperparams(const std::map<std::string, std::string>& params) override;
+  /// Rewrites metrics.csv (and hparams.yaml) with everything logged so far.
+  void save() override;
+
+  /// The rows logged so far (key -> value, "step" included).
+  std::vector<std::map<std::string, double>> rows() const;
+
+ private:
+  std::string save_dir_, name_, log_dir_;
+  int version_ = 0;
+  std::int64_t flush_every_;
+  mutable std::mutex mu_;
+  std::vector<std::string> columns_;  // in order of first appearance
+  std::vector<std::map<std::string, double>> rows_;
+  std::map<std::string, std::string> hparams_;
+  std::int64_t unflushed_ = 0;
+};
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+
+LAZYTENSOR_INLINE CSVLogger::CSVLogger(std::string save_dir, std::string name, std::optional<int> version,
+                                       std::int64_t flush_logs_every_n_steps)
+    : save_dir_(std::move(save_dir)), name_(std::move(name)), flush_every_(flush_logs_every_n_steps) {
+  if (flush_every_ < 1)
+    throw Error("CSVLogger: flush_logs_every_n_steps must be >= 1, got " + std::to_string(flush_every_));
+  const std::string root = save_dir_ + "/" + name_;
+  if (version) {
+    if (*version < 0) throw Error("CSVLogger: version must be >= 0, got " + std::to_string(*version));
+    version_ = *version;
+  } else {
+    int next = 0;
+    for (const auto& entry : io::detail::list_directory(root)) {
+      if (entry.rfind("version_", 0) != 0) continue;
+      int v = 0;
+      const char* b = entry.data() + 8;
+      const char* e = entry.data() + entry.size();
+      auto [p, ec] = std::from_chars(b, e, v);
+      if (ec == std::errc() && p == e && v >= next) next = v + 1;
+    }
+    version_ = next;
+  }
+  log_dir_ = root + "/version_" + std::to_string(version_);
+  io::detail::make_directories(log_dir_);
+}
+
+LAZYTENSOR_INLINE void CSVLogger::log_metrics(const std::map<std::string, double>& metrics, std::int64_t step) {
+  bool flush = false;
+  {
+    std::lock_guard lock(mu_);
+    std::map<std::string, double> row = metrics;
+    row["step"] = static_cast<double>(step);
+    for (const auto& [k, v] : metrics) {
+      (void)v;
+      if (std::find(columns_.begin(), columns_.end(), k) == columns_.end()) columns_.push_back(k);
+    }
+    if (std::find(columns_.begin(), columns_.end(), "step") == columns_.end()) columns_.push_back("step");
+    rows_.push_back(std::move(row));
+    flush = ++unflushed_ >= flush_every_;
+  }
+  if (flush) save();
+}
+
+LAZYTENSOR_INLINE void CSVLogger::log_hyperparams(const std::map<std::string, std::string>& params) {
+  {
+    std::lock_guard lock(mu_);
+    for (const auto& [k, v] : params) hparams_[k] = v;
+  }
+  save();
+}
+
+LAZYTENSOR_INLINE std::vector<std::map<std::string, double>> CSVLogger::rows() const {
+  std::lock_guard lock(mu_);
+  return rows_;
+}
+
+LAZYTENSOR_INLINE void CSVLogger::save() {
+  std::lock_guard lock(mu_);
+  io::detail::make_directories(log_dir_);
+  std::string csv;
+  for (std::size_t c = 0; c < columns_.size(); ++c) {
+    if (c) csv += ',';
+    csv += columns_[c];
+  }
+  csv += '\n';
+  char buf[32];
+  for (const auto& row : rows_) {
+    for (std::size_t c = 0; c < columns_.size(); ++c) {
+      if (c) csv += ',';
+      const auto it = row.find(columns_[c]);
+      if (it == row.end()) continue;
+      // Shortest text that reads back as the same double.
+      const auto r = std::to_chars(buf, buf + sizeof buf, it->second);
+      csv.append(buf, r.ptr);
+    }
+    csv += '\n';
+  }
+  if (!columns_.empty()) {
+    io::detail::AtomicFileWriter out(log_dir_ + "/metrics.csv");
+    out.write(csv.data(), csv.size());
+    out.commit();
+  }
+  std::string yaml;
+  for (const auto& [k, v] : hparams_) {
+    yaml += k + ": ";
+    // Quoted (YAML double-quoted style) unless plainly safe.
+    bool plain = !v.empty();
+    for (const char ch : v) plain = plain && (std::isalnum(static_cast<unsigned char>(ch)) || ch == '.' || ch == '_' || ch == '-');
+    if (plain) {
+      yaml += v;
+    } else {
+      yaml += '"';
+      for (const char ch : v) {
+        if (ch == '"' || ch == '\\') yaml += '\\';
+        if (ch == '\n') {
+          yaml += "\\n";
+          continue;
+        }
+        yaml += ch;
+      }
+      yaml += '"';
+    }
+    yaml += '\n';
+  }
+  io::detail::AtomicFileWriter out(log_dir_ + "/hparams.yaml");
+  out.write(yaml.data(), yaml.size());
+  out.commit();
+  unflushed_ = 0;
+}
+
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+}  // namespace lazy::train
+// ---- end lazytensor/train/csv_logger.hpp ----
+// ---- begin lazytensor/train/default_callbacks.hpp ----
+// What a Trainer adds on its own, as Lightning's does: a ModelCheckpoint (saving each
+// epoch's end) unless checkpointing is off or one is given, a ProgressBar unless it is off
+// or one is given, and a CSVLogger under default_root_dir when `logger` is true.
+
+#include <memory>
+#include <vector>
+
+// ---- begin lazytensor/train/model_checkpoint.hpp ----
+// train::ModelCheckpoint, Lightning's: saves the run (Trainer::save_checkpoint) every
+// every_n_epochs epochs or every_n_train_steps optimizer steps, keeps the save_top_k best by
+// a monitored value (or the latest ones without a monitor), and with save_last also writes
+// last.safetensors each time. Files are named from the `filename` template
+// ("{epoch}-{step}" gives "epoch=3-step=1200.safetensors"; "{val_loss:.2f}" a monitored
+// value). Every replica calls the hooks; global rank zero's choice of file is broadcast, so
+// the replicas agree even on values they did not sync, and only rank zero writes.
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+
+// ---- begin lazytensor/train/trainer.hpp ----
+// train::Trainer, Lightning's: it runs a LightningModule's training, validation, test and
+// prediction loops on a strategy, with callbacks, a logger and checkpoints. This header
+// holds the Trainer object and its options; train/loops.hpp holds the loops (fit, validate,
+// test, predict), and train/default_callbacks.hpp what the Trainer adds on its own (a
+// ModelCheckpoint, a progress bar, a CSVLogger). Include <lazytensor/train.hpp>.
+//
+// One Trainer serves every replica the strategy launches: whatever belongs to a replica (its
+// module, optimizer, callbacks' copies, logged values, progress) lives in a per-replica run
+// that the accessors find from the calling thread's rank, as Strategy does. After a fit the
+// accessors show global rank zero's run.
+
+#include <charconv>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <variant>
+#include <vector>
+
+// ---- begin lazytensor/train/lightning_module.hpp ----
+// train::LightningModule, Lightning's: an nn::Module that also says how it trains. The
+// Trainer calls training_step for every batch, validation_step / test_step /
+// predict_step in its evaluation loops, configure_optimizers once per fit, and the hooks
+// around epochs and batches; the steps report numbers with log().
+//
+// C++ needs the batch's type: a module derives from LightningModule<Batch>, where Batch is
+// what its loader yields (data::Example<Tensor<float>, Tensor<std::int64_t>> for a
+// TensorDataset or MNIST loader). The Trainer, callbacks and loggers see the non-template
+// base, LightningModuleBase.
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+
+// ---- begin lazytensor/train/metrics.hpp ----
+// What LightningModule::log records, and how the Trainer reads it (Lightning's logger
+// connector and result collection).
+//
+// A logged value stays a tensor on the replica's device: the step's last value, and for
+// epoch-level keys a running weighted sum, both updated lazily inside the step's graph. So
+// logging costs no synchronization; values are read only at the points where something
+// needs numbers: every log_every_n_steps steps (the logger), at the end of a loop's epoch
+// (callbacks, logger), and by the progress bar on rank zero (its local values). The reads
+// at fixed points are collectives when the strategy is distributed: the replicas first
+// compare the keys they logged (different keys raise an Error naming them, on every
+// replica), then reduce the sync_dist values in key order.
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+
+namespace lazy::train {
+
+/// The arguments of Lightning's self.log.
+struct LogOptions {
+  /// Also shown by the progress bar.
+  bool prog_bar = false;
+  /// Record the value of every step (default: true in training_step, false in the
+  /// evaluation steps).
+  std::optional<bool> on_step = std::nullopt;
+  /// Aggregate over the epoch with reduce_fx (default: false in training_step, true in the
+  /// evaluation steps).
+  std::optional<bool> on_epoch = std::nullopt;
+  /// Reduce the value over the replicas (with reduce_fx) when it is read.
+  bool sync_dist = false;
+  /// How the epoch aggregate (and sync_dist) combines values: "mean" (weighted by
+  /// batch_size), "sum", "max" or "min".
+  std::string reduce_fx = "mean";
+  /// Send the value to the logger (false: only progress bar and callbacks see it).
+  bool logger = true;
+  /// Weight of this value in the epoch mean (default 1).
+  std::optional<double> batch_size = std::nullopt;
+  /// Logged by rank zero only: left out of the replicas' key comparison.
+  bool rank_zero_only = false;
+};
+
+namespace detail {
+
+/// Where a run stands (what LightningModule::current_epoch / global_step read).
+struct Progress {
+  std::int64_t epoch = 0;
+  std::int64_t global_step = 0;
+};
+
+/// The loop whose steps are logging.
+enum class Loop { Train, Validate, Test, Sanity, Predict };
+
+/// The values read at one point: for the logger, the progress bar, and callbacks.
+struct MetricValues {
+  std::map<std::string, double> logged;
+  std::map<std::string, double> progress_bar;
+  std::map<std::string, double> callback;
+};
+
+/// The values logged in the current loop, kept lazily (see the file comment).
+class MetricStore {
+ public:
+  explicit MetricStore(const Strategy& strategy) : strategy_(&strategy) {}
+
+  /// Starts an epoch of `loop`: forgets what that loop's previous epoch logged (a
+  /// validation inside a training epoch keeps the training values apart).
+  void start_epoch(Loop loop);
+  /// Makes `loop` the one logging (after a nested loop ends), keeping its values.
+  void set_loop(Loop loop) { loop_ = loop; }
+  /// The loop logging now.
+  Loop loop() const { return loop_; }
+
+  /// Records `value` under `name` (see LightningModule::log).
+  void log(const std::string& name, const AnyTensor& value, const LogOptions& options);
+  /// Records a host number.
+  void log(const std::string& name, double value, const LogOptions& options);
+
+  /// The step-level values (on_step keys, their last values). With `sync` this is a
+  /// collective: every replica must call it at the same point (see the file comment);
+  /// without, it reads this replica's values (the progress bar).
+  MetricValues read_step(bool sync);
+  /// Ends the loop's epoch: the epoch aggregates and the last step values synced and read
+  /// (the step values go to callbacks only), a collective when distributed. The sanity
+  /// loop's values are not kept.
+  MetricValues end_epoch();
+
+  /// Everything read so far that callbacks may monitor (epoch values under their names,
+  /// step values under theirs), Lightning's trainer.callback_metrics.
+  const std::map<std::string, double>& callback_metrics() const { return callback_; }
+  /// What the progress bar shows last.
+  const std::map<std::string, double>& progress_bar_metrics() const { return progress_bar_; }
+  /// What the logger got last.
+  const std::map<std::string, double>& logged_metrics() const { return logged_; }
+  /// Replaces the callback metrics (a resumed run restores what callbacks monitored).
+  void set_callback_metrics(std::map<std::string, double> m) { callback_ = std::move(m); }
+
+ private:
+  struct Entry {
+    LogOptions options;
+    bool on_step = false, on_epoch = false;
+    Tensor<double> last;  // the step's value
+    Tensor<double> acc;   // the epoch's running sum (times weights), max or min
+    double weight = 0;    // sum of the weights (mean)
+    bool stepped = false; // logged since the last step read
+  };
+  void check_keys(const char* where) const;
+  Tensor<double> synced(const Entry& e, const Tensor<double>& v) const;
+
+  const Strategy* strategy_;
+  Loop loop_ = Loop::Train;
+  std::map<std::string, Entry>& entries() { return entries_[static_cast<int>(loop_)]; }
+  const std::map<std::string, Entry>& entries() const { return entries_[static_cast<int>(loop_)]; }
+  std::map<std::string, Entry> entries_[5];  // per Loop
+  std::map<std::string, double> callback_, progress_bar_, logged_;
+};
+
+}  // namespace detail
+}  // namespace lazy::train
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::train::detail {
+
+LAZYTENSOR_INLINE void MetricStore::start_epoch(Loop loop) {
+  loop_ = loop;
+  entries().clear();
+}
+
+LAZYTENSOR_INLINE void MetricStore::log(const std::string& name, double value, const LogOptions& options) {
+  log(name, AnyTensor(scalar_tensor<double>(value)), options);
+}
+
+LAZYTENSOR_INLINE void MetricStore::log(const std::string& name, const AnyTensor& value, const LogOptions& options) {
+  if (name.empty()) throw Error("LightningModule::log: the name is empty");
+  if (!value.defined()) throw Error("LightningModule::log: \"" + name + "\" is an undefined tensor");
+  if (!value.is_floating_point()) {
+    throw DTypeError("LightningModule::log: \"" + name + "\" must be a floating tensor, found " +
+                     dtype_name(value.dtype()));
+  }
+  if (value.numel() != 1) {
+    throw ShapeError("LightningModule::log: \"" + name + "\" must hold one element, found shape " +
+                     value.shape().str());
+  }
+  const std::string& fx = options.reduce_fx;
+  if (fx != "mean" && fx != "sum" && fx != "max" && fx != "min") {
+    throw Error("LightningModule::log: reduce_fx of \"" + name + "\" must be \"mean\", \"sum\", \"max\" or \"min\", got \"" +
+                fx + "\"");
+  }
+  if (options.batch_size && !(*options.batch_size > 0)) {
+    throw Error("LightningModule::log: batch_size of \"" + name + "\" must be > 0, got " +
+                std::to_string(*options.batch_size));
+  }
+  const bool training = loop_ == Loop::Train;
+  const bool on_step = options.on_step.value_or(training);
+  const bool on_epoch = options.on_epoch.value_or(!training);
+  if (!on_step && !on_epoch) {
+    throw Error("LightningModule::log: \"" + name + "\" has on_step and on_epoch both false: it would go nowhere");
+  }
+  // The value leaves autograd and becomes one double on the device.
+  const Tensor<double> v = reshape(value.to(DType::Float64).as<double>().detach(), Shape{});
+  auto [it, fresh] = entries().try_emplace(name);
+  Entry& e = it->second;
+  if (!fresh && (e.options.reduce_fx != fx || e.on_step != on_step || e.on_epoch != on_epoch ||
+                 e.options.sync_dist != options.sync_dist)) {
+    throw Error("LightningModule::log: \"" + name +
+                "\" was logged with other options earlier in this epoch (reduce_fx, on_step, on_epoch and "
+                "sync_dist must stay the same)");
+  }
+  e.options = options;
+  e.on_step = on_step;
+  e.on_epoch = on_epoch;
+  e.last = v;
+  e.stepped = true;
+  if (!on_epoch) return;
+  const double w = options.batch_size.value_or(1.0);
+  if (fresh) {
+    e.acc = fx == "mean" ? Tensor<double>(v * w) : v;
+  } else if (fx == "mean") {
+    e.acc = e.acc + v * w;
+  } else if (fx == "sum") {
+    e.acc = e.acc + v;
+  } else if (fx == "max") {
+    e.acc = maximum(e.acc, v);
+  } else {
+    e.acc = minimum(e.acc, v);
+  }
+  e.weight += w;
+}
+
+LAZYTENSOR_INLINE void MetricStore::check_keys(const char* where) const {
+  if (!strategy_->is_distributed()) return;
+  std::string keys;
+  for (const auto& [name, e] : entries()) {
+    if (e.options.rank_zero_only) continue;
+    if (!keys.empty()) keys += ", ";
+    keys += name;
+  }
+  const auto all = dist::mesh_reduce(std::string("LightningModule::log keys (") + where + ")", keys,
+                                     [](const std::vector<std::string>& v) { return v; });
+  bool same = true;
+  for (const auto& k : all) same = same && k == all.front();
+  if (same) return;
+  std::string msg = "LightningModule::log: the replicas logged different keys (" + std::string(where) +
+                    "; every replica must log the same ones, or mark a key rank_zero_only):";
+  for (std::size_t r = 0; r < all.size(); ++r) msg += " rank " + std::to_string(r) + ": [" + all[r] + "];";
+  msg.pop_back();
+  throw Error(msg);
+}
+
+LAZYTENSOR_INLINE Tensor<double> MetricStore::synced(const Entry& e, const Tensor<double>& v) const {
+  if (!e.options.sync_dist || !strategy_->is_distributed()) return v;
+  return strategy_->reduce(v, e.options.reduce_fx);
+}
+
+LAZYTENSOR_INLINE MetricValues MetricStore::read_step(bool sync) {
+  if (sync) check_keys("at a step");
+  MetricValues out;
+  std::vector<std::pair<const std::string*, Tensor<double>>> values;
+  for (auto& [name, e] : entries()) {
+    if (!e.on_step || !e.stepped) continue;
+    values.emplace_back(&name, sync ? synced(e, e.last) : e.last);
+  }
+  for (auto& [name, t] : values) {
+    const Entry& e = entries().at(*name);
+    const double x = t.item();
+    const std::string key = e.on_epoch ? *name + "_step" : *name;
+    if (e.options.logger) out.logged[key] = x;
+    if (e.options.prog_bar) out.progress_bar[key] = x;
+    out.callback[key] = x;
+    if (!e.on_epoch) out.callback[*name] = x;
+  }
+  if (sync) {
+    for (auto& [name, e] : entries()) e.stepped = false;
+    if (loop_ != Loop::Sanity) {
+      for (const auto& [k, x] : out.logged) logged_[k] = x;
+      for (const auto& [k, x] : out.callback) callback_[k] = x;
+    }
+  }
+  if (loop_ != Loop::Sanity)
+    for (const auto& [k, x] : out.progress_bar) progress_bar_[k] = x;
+  return out;
+}
+
+LAZYTENSOR_INLINE MetricValues MetricStore::end_epoch() {
+  check_keys("at the end of an epoch");
+  MetricValues out;
+  for (auto& [name, e] : entries()) {
+    if (e.on_step) {
+      // The last step value, for callbacks (the logger got its own at the read points).
+      const double x = synced(e, e.last).item();
+      out.callback[e.on_epoch ? name + "_step" : name] = x;
+    }
+    if (!e.on_epoch) continue;
+    Tensor<double> agg = e.options.reduce_fx == "mean" ? Tensor<double>(e.acc / e.weight) : e.acc;
+    const double x = synced(e, agg).item();
+    const std::string key = e.on_step ? name + "_epoch" : name;
+    if (e.options.logger) out.logged[key] = x;
+    if (e.options.prog_bar) out.progress_bar[key] = x;
+    out.callback[key] = x;
+    out.callback[name] = x;
+  }
+  if (loop_ != Loop::Sanity) {
+    for (const auto& [k, x] : out.logged) logged_[k] = x;
+    for (const auto& [k, x] : out.callback) callback_[k] = x;
+    for (const auto& [k, x] : out.progress_bar) progress_bar_[k] = x;
+  }
+  entries().clear();
+  return out;
+}
+
+}  // namespace lazy::train::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/train/metrics.hpp ----
+
+namespace lazy::train {
+
+class Trainer;
+
+/// What configure_optimizers returns: the optimizer, and optionally a learning-rate
+/// scheduler stepped every `frequency` epochs (`interval` "epoch") or optimizer steps
+/// ("step"), as Lightning's lr_scheduler config dict.
+struct OptimizerConfig {
+  std::shared_ptr<optim::Optimizer> optimizer;
+  std::shared_ptr<optim::LRScheduler> lr_scheduler = nullptr;
+  std::string interval = "epoch";
+  std::int64_t frequency = 1;
+};
+
+namespace detail {
+/// Thrown by the default evaluation steps; the Trainer turns it into an Error naming the
+/// loop that needs the step.
+struct StepNotOverridden {
+  const char* step;
+};
+}  // namespace detail
+
+/// The part of a LightningModule that does not depend on the batch type: optimizers,
+/// hooks, logging, and where the run stands.
+class LightningModuleBase : public nn::Module {
+ public:
+  /// `name` is what printing shows.
+  explicit LightningModuleBase(std::string name = "LightningModule") : nn::Module(std::move(name)) {}
+
+  /// The optimizer (and scheduler) over this module's parameters. Called once per fit,
+  /// after the strategy's setup, so the parameters are already on their device and dtype.
+  virtual OptimizerConfig configure_optimizers() = 0;
+
+  // ---- hooks (Lightning's names; each runs on every replica) ----------------------------
+
+  virtual void on_fit_start() {}
+  virtual void on_fit_end() {}
+  virtual void on_train_start() {}
+  virtual void on_train_end() {}
+  virtual void on_train_epoch_start() {}
+  virtual void on_train_epoch_end() {}
+  virtual void on_train_batch_start(std::int64_t batch_idx) { (void)batch_idx; }
+  virtual void on_train_batch_end(std::int64_t batch_idx) { (void)batch_idx; }
+  virtual void on_validation_epoch_start() {}
+  virtual void on_validation_epoch_end() {}
+  virtual void on_test_epoch_start() {}
+  virtual void on_test_epoch_end() {}
+  /// Called before each optimizer step, after the gradients of its batches are complete.
+  virtual void on_before_optimizer_step(optim::Optimizer& optimizer) { (void)optimizer; }
+  /// Adds entries to a checkpoint being saved (tensors, or metadata strings).
+  virtual void on_save_checkpoint(StateDict& checkpoint) { (void)checkpoint; }
+  /// Reads back what on_save_checkpoint added.
+  virtual void on_load_checkpoint(const StateDict& checkpoint) { (void)checkpoint; }
+
+  // ---- logging ---------------------------------------------------------------------------
+
+  /// Records a one-element floating tensor (Lightning's self.log). Inside training_step
+  /// it is kept per step by default (`on_step`), in the evaluation steps averaged over the
+  /// epoch (`on_epoch`); see LogOptions. The value stays on the device: nothing is read
+  /// until a logger, the progress bar or a callback needs it. Error outside a Trainer's
+  /// loop, for a non-floating tensor, or one of more than one element.
+  void log(const std::string& name, const AnyTensor& value, const LogOptions& options = {}) {
+    metrics().log(name, value, options);
+  }
+  /// log() of a host number.
+  void log(const std::string& name, double value, const LogOptions& options = {}) {
+    metrics().log(name, value, options);
+  }
+  /// log() of each entry.
+  void log_dict(const std::map<std::string, AnyTensor>& values, const LogOptions& options = {}) {
+    for (const auto& [name, v] : values) log(name, v, options);
+  }
+
+  // ---- where the run stands --------------------------------------------------------------
+
+  /// The Trainer running this module (Error outside fit/validate/test/predict).
+  Trainer& trainer() const {
+    if (!trainer_) throw Error("LightningModule::trainer(): the module is not attached to a Trainer");
+    return *trainer_;
+  }
+  /// The current epoch (0-based), as the Trainer's.
+  std::int64_t current_epoch() const { return progress_ ? progress_->epoch : 0; }
+  /// Optimizer steps taken so far, as the Trainer's.
+  std::int64_t global_step() const { return progress_ ? progress_->global_step : 0; }
+
+  /// Hyper-parameters (Lightning's save_hyperparameters): written by the logger to
+  /// hparams.yaml and into every checkpoint's metadata.
+  std::map<std::string, std::string> hparams;
+
+ private:
+  friend class Trainer;
+  detail::MetricStore& metrics() const {
+    if (!metrics_) throw Error("LightningModule::log: called outside a Trainer's loop");
+    return *metrics_;
+  }
+  Trainer* trainer_ = nullptr;
+  detail::MetricStore* metrics_ = nullptr;
+  const detail::Progress* progress_ = nullptr;
+};
+
+/// A LightningModule over batches of type `Batch`.
+template <class Batch>
+class LightningModule : public LightningModuleBase {
+ public:
+  using batch_type = Batch;
+  using LightningModuleBase::LightningModuleBase;
+
+  /// The loss of one training batch (a one-element floating tensor); the Trainer runs its
+  /// backward pass and the optimizer step.
+  virtual AnyTensor training_step(const Batch& batch, std::int64_t batch_idx) = 0;
+  /// One validation batch: log what to monitor. Needed when fit gets a validation loader
+  /// or validate() runs.
+  virtual void validation_step(const Batch& batch, std::int64_t batch_idx) {
+    (void)batch, (void)batch_idx;
+    throw detail::StepNotOverridden{"validation_step"};
+  }
+  /// One test batch (Trainer::test).
+  virtual void test_step(const Batch& batch, std::int64_t batch_idx) {
+    (void)batch, (void)batch_idx;
+    throw detail::StepNotOverridden{"test_step"};
+  }
+  /// The prediction for one batch (Trainer::predict collects them).
+  virtual AnyTensor predict_step(const Batch& batch, std::int64_t batch_idx) {
+    (void)batch, (void)batch_idx;
+    throw detail::StepNotOverridden{"predict_step"};
+  }
+};
+
+}  // namespace lazy::train
+// ---- end lazytensor/train/lightning_module.hpp ----
 // ---- begin lazytensor/train/replica.hpp ----
 // train::ReplicaStrategy: data-parallel replicas as threads, each with its own device, the
 // analogue of Lightning's XLAStrategy and DDPSpawnStrategy. launch() is dist::spawn; the
@@ -24328,5 +25143,1754 @@ LAZYTENSOR_INLINE ParameterSharding fully_sharded(const spmd::Mesh& mesh, const 
 LAZYTENSOR_TRAIN_SPMD_INSTANCES(extern)
 #endif
 // ---- end lazytensor/train/spmd_strategy.hpp ----
+
+namespace lazy::train {
+
+/// A number of batches (an integer) or a fraction of the loader's batches (a double in
+/// [0, 1]), as Lightning's limit_*_batches and val_check_interval.
+class BatchCount {
+ public:
+  /// `n` batches (>= 0).
+  BatchCount(int n) : BatchCount(static_cast<std::int64_t>(n)) {}  // NOLINT: implicit, as Lightning's int
+  /// `n` batches (>= 0).
+  BatchCount(std::int64_t n) : count_(n) {  // NOLINT
+    if (n < 0) throw Error("Trainer: a batch count must be >= 0, got " + std::to_string(n));
+  }
+  /// A fraction of the loader's batches, in [0, 1].
+  BatchCount(double fraction) : fraction_(fraction) {  // NOLINT: implicit, as Lightning's float
+    if (!(fraction >= 0.0 && fraction <= 1.0))
+      throw Error("Trainer: a fraction of batches must be in [0, 1], got " + std::to_string(fraction));
+  }
+  /// How many of `total` batches (a fraction rounds down, as int(total * f)).
+  std::int64_t of(std::int64_t total) const {
+    if (count_) return std::min(*count_, total);
+    return static_cast<std::int64_t>(static_cast<double>(total) * fraction_);
+  }
+  /// Whether this is a fraction.
+  bool is_fraction() const { return !count_.has_value(); }
+
+ private:
+  std::optional<std::int64_t> count_;
+  double fraction_ = 1.0;
+};
+
+/// Lightning's Trainer arguments, in the order of its signature (so designated initializers
+/// read as a Lightning call: `Trainer({.devices = 2, .max_epochs = 3})`).
+struct TrainerOptions {
+  /// "cpu" or "auto" (lazytensor's devices are CPU executors).
+  std::string accelerator = "auto";
+  /// "auto" (replicas when devices > 1), "single" / "single_device", "replica" (also
+  /// "ddp", "ddp_spawn", "xla": thread replicas), "spmd" (one program over a 1-D "data"
+  /// mesh of the devices), or a Strategy object.
+  std::variant<std::string, std::shared_ptr<Strategy>> strategy = std::string("auto");
+  /// How many devices (replicas, or mesh devices with "spmd"); nullopt: all of them for
+  /// "replica" / "spmd", one otherwise.
+  std::optional<int> devices = std::nullopt;
+  /// "32-true" (also "32"), "64-true" ("64"), "bf16-mixed", "bf16-true" ("bf16"); empty:
+  /// the strategy's plugin (default_precision(), which LAZYTENSOR_USE_BF16 changes).
+  std::string precision = "";
+  /// true: a CSVLogger under default_root_dir; false: none; or a Logger.
+  std::variant<bool, std::shared_ptr<Logger>> logger = true;
+  /// Added to the defaults (a ModelCheckpoint and a progress bar, unless disabled or
+  /// given here).
+  std::vector<std::shared_ptr<Callback>> callbacks = {};
+  /// true: one training and one validation batch, no checkpoints or logger; a number n:
+  /// n batches of each.
+  std::variant<bool, std::int64_t> fast_dev_run = false;
+  /// Epochs to train (default: 1000 when neither max_steps nor max_time is given, else
+  /// unbounded).
+  std::optional<std::int64_t> max_epochs = std::nullopt;
+  /// Epochs trained even when a callback asks to stop earlier.
+  std::int64_t min_epochs = 0;
+  /// Optimizer steps to take at most (-1: no limit).
+  std::int64_t max_steps = -1;
+  /// Wall time after which training stops (checked every batch on one replica; with
+  /// replicas at every log_every_n_steps point and epoch end, where they meet anyway).
+  std::optional<std::chrono::duration<double>> max_time = std::nullopt;
+  BatchCount limit_train_batches = 1.0;
+  BatchCount limit_val_batches = 1.0;
+  BatchCount limit_test_batches = 1.0;
+  BatchCount limit_predict_batches = 1.0;
+  /// Validate every this many training batches (an integer), or this fraction of an
+  /// epoch (a double; 1.0 = at its end).
+  BatchCount val_check_interval = 1.0;
+  /// Validate every this many epochs.
+  std::int64_t check_val_every_n_epoch = 1;
+  /// Validation batches run before training to catch errors early (-1: all).
+  std::int64_t num_sanity_val_steps = 2;
+  /// The logger gets the step values every this many optimizer steps.
+  std::int64_t log_every_n_steps = 50;
+  /// Add a ModelCheckpoint (saving the last epoch) when the callbacks have none.
+  bool enable_checkpointing = true;
+  /// Add a progress bar (on global rank zero) when the callbacks have none.
+  bool enable_progress_bar = true;
+  /// Sum the gradients of this many batches before each optimizer step (each loss scaled
+  /// by 1/k, so k batches of n equal one batch of k*n).
+  std::int64_t accumulate_grad_batches = 1;
+  /// Clip the gradients before each optimizer step (0 or nullopt: no clipping).
+  std::optional<double> gradient_clip_val = std::nullopt;
+  /// "norm" (total 2-norm) or "value" (element-wise).
+  std::string gradient_clip_algorithm = "norm";
+  /// Reseed every replica's random stream at the start of each epoch from the run's seed,
+  /// the epoch and the rank, so a resumed run repeats the uninterrupted one bitwise.
+  bool deterministic = false;
+  /// With replicas, give each replica its share of a data::DataLoader's samples (a
+  /// DistributedSampler over the loader's dataset, shuffled when the loader shuffles).
+  bool use_distributed_sampler = true;
+  /// Where the default logger and checkpoints go.
+  std::string default_root_dir = ".";
+};
+
+namespace detail {
+
+/// What the Trainer keeps for one replica.
+struct ReplicaRun {
+  explicit ReplicaRun(const Strategy& s) : metrics(s) {}
+  LightningModuleBase* module = nullptr;
+  Progress progress;
+  MetricStore metrics;
+  std::vector<std::shared_ptr<Callback>> callbacks;  // this replica's copies
+  std::vector<bool> shared_callback;                 // no copy: hooks on rank zero only
+  OptimizerConfig optim;
+  bool should_stop = false;
+  Loop stage = Loop::Train;
+  bool running = false;                 // inside a loop
+  std::int64_t num_training_batches = 0;
+  std::int64_t num_val_batches = 0;
+  std::int64_t epoch_batches_done = 0;  // training batches finished in the current epoch
+  bool epoch_finished = false;          // its batches and scheduler step are done
+  std::int64_t resume_batches = 0;      // batches to skip in the first resumed epoch
+  std::int64_t samples = 0;             // training samples seen in this fit
+  std::uint64_t seed = 0;               // the run's seed (deterministic reseeding)
+  std::chrono::steady_clock::time_point started;
+};
+
+/// The default callbacks and logger (defined in train/default_callbacks.hpp).
+void add_default_callbacks(std::vector<std::shared_ptr<Callback>>& callbacks, const TrainerOptions& options,
+                           bool checkpointing, bool progress_bar);
+std::shared_ptr<Logger> make_default_logger(const TrainerOptions& options);
+/// The strategy an option names.
+std::shared_ptr<Strategy> make_strategy(const TrainerOptions& options);
+/// The checkpoint "last" names: the last one a ModelCheckpoint among `callbacks` wrote (or
+/// would write) (defined in train/model_checkpoint.hpp); empty when there is none.
+std::string last_checkpoint_path(const std::vector<std::shared_ptr<Callback>>& callbacks);
+/// Text of a double that reads back as the same double.
+std::string double_text(double x);
+/// The double `text` holds (Error naming `what` otherwise).
+double parse_double(const std::string& text, const std::string& what);
+/// The integer `text` holds (Error naming `what` otherwise).
+std::int64_t parse_int(const std::string& text, const std::string& what);
+/// The unsigned 64-bit integer `text` holds (Error naming `what` otherwise).
+std::uint64_t parse_uint64(const std::string& text, const std::string& what);
+
+}  // namespace detail
+
+/// Lightning's Trainer (see the file comment; the loops are in train/loops.hpp).
+class Trainer {
+ public:
+  /// Checks the options and builds the strategy, precision plugin, logger and callbacks.
+  explicit Trainer(TrainerOptions options = {});
+
+  // ---- the loops (train/loops.hpp) -------------------------------------------------------
+
+  /// Trains `module` on `train` (validating on `val` when given). `ckpt_path` resumes from
+  /// a checkpoint file, or "last" (the last checkpoint of the run's ModelCheckpoint).
+  /// With replicas, global rank zero trains `module` and every other replica a
+  /// default-constructed module of the same type (its parameters made rank zero's by the
+  /// strategy), each on its share of the loader's samples.
+  template <class M, class TrainLoader, class ValLoader>
+    requires(!std::is_convertible_v<ValLoader&, std::string>)  // fit(m, train, "last") is a ckpt_path
+  void fit(M& module, TrainLoader& train, ValLoader& val, const std::string& ckpt_path = "");
+  /// fit without validation.
+  template <class M, class TrainLoader>
+  void fit(M& module, TrainLoader& train, const std::string& ckpt_path = "");
+  /// One validation epoch; returns the epoch's values (Lightning's list of one dict).
+  template <class M, class Loader>
+  std::vector<std::map<std::string, double>> validate(M& module, Loader& val, const std::string& ckpt_path = "");
+  /// One test epoch; returns its values.
+  template <class M, class Loader>
+  std::vector<std::map<std::string, double>> test(M& module, Loader& data, const std::string& ckpt_path = "");
+  /// predict_step over every batch; global rank zero's predictions in order.
+  template <class M, class Loader>
+  std::vector<AnyTensor> predict(M& module, Loader& data, const std::string& ckpt_path = "");
+
+  // ---- state (of the calling replica; of global rank zero outside the loops) -----------
+
+  const TrainerOptions& options() const { return options_; }
+  /// The strategy (shared by the replicas).
+  Strategy& strategy() const { return *strategy_; }
+  /// The logger, or nullptr.
+  const std::shared_ptr<Logger>& logger() const { return logger_; }
+  /// This replica's callbacks (defaults included).
+  const std::vector<std::shared_ptr<Callback>>& callbacks() const { return run().callbacks; }
+  /// The module being run.
+  LightningModuleBase& lightning_module() const;
+  /// The current epoch (0-based).
+  std::int64_t current_epoch() const { return run().progress.epoch; }
+  /// Optimizer steps taken.
+  std::int64_t global_step() const { return run().progress.global_step; }
+  /// The epoch limit in force.
+  std::int64_t max_epochs() const { return max_epochs_; }
+  std::int64_t min_epochs() const { return options_.min_epochs; }
+  std::int64_t max_steps() const { return options_.max_steps; }
+  /// Training batches of the current epoch (after limits).
+  std::int64_t num_training_batches() const { return run().num_training_batches; }
+  /// Validation batches of the current validation epoch (after limits).
+  std::int64_t num_val_batches() const { return run().num_val_batches; }
+  /// Training samples seen in this fit on this replica (the first dimension of a batch's
+  /// first tensor, summed).
+  std::int64_t samples_seen() const { return run().samples; }
+  /// Seconds since this fit started.
+  double elapsed_seconds() const;
+  /// Whether a stop was requested (training ends after this epoch's or step's checks,
+  /// once min_epochs are done). Set by callbacks (EarlyStopping) or the module.
+  bool should_stop() const { return run().should_stop; }
+  void set_should_stop(bool stop) { run().should_stop = stop; }
+  bool sanity_checking() const { return run().running && run().stage == detail::Loop::Sanity; }
+  bool training() const { return run().running && run().stage == detail::Loop::Train; }
+  bool validating() const { return run().running && run().stage == detail::Loop::Validate; }
+  bool testing() const { return run().running && run().stage == detail::Loop::Test; }
+  bool predicting() const { return run().running && run().stage == detail::Loop::Predict; }
+  /// Values callbacks can monitor (epoch values by name, step values by name or name_step).
+  const std::map<std::string, double>& callback_metrics() const { return run().metrics.callback_metrics(); }
+  /// What the logger got last.
+  const std::map<std::string, double>& logged_metrics() const { return run().metrics.logged_metrics(); }
+  /// What the progress bar shows.
+  const std::map<std::string, double>& progress_bar_metrics() const { return run().metrics.progress_bar_metrics(); }
+  /// Step-level values of this replica as they are now (no synchronization; the
+  /// progress bar reads them on global rank zero).
+  std::map<std::string, double> read_local_step_metrics() { return run().metrics.read_step(false).progress_bar; }
+  /// The optimizer configure_optimizers returned.
+  optim::Optimizer& optimizer() const;
+  /// Its learning-rate scheduler, or nullptr.
+  optim::LRScheduler* lr_scheduler() const { return run().optim.lr_scheduler.get(); }
+  /// When it steps: "epoch" or "step".
+  const std::string& lr_scheduler_interval() const { return run().optim.interval; }
+  bool is_global_zero() const { return strategy_->is_global_zero(); }
+  int world_size() const { return strategy_->world_size(); }
+  int global_rank() const { return strategy_->global_rank(); }
+  /// default_root_dir.
+  const std::string& default_root_dir() const { return options_.default_root_dir; }
+  /// The logger's directory, or default_root_dir without a logger that writes files.
+  std::string log_dir() const;
+  /// Whether fast_dev_run is on.
+  bool fast_dev_run() const { return fast_dev_run_ > 0; }
+
+  // ---- checkpoints -----------------------------------------------------------------------
+
+  /// Saves the run to `path` (a collective: every replica calls it): the module's state
+  /// dict ("state_dict.*"), the optimizer's ("optimizer.*"), and in the metadata the
+  /// epoch and step to resume at, the scheduler's step, every callback's state, the
+  /// hyper-parameters, the monitored values and the random state. Written by global rank
+  /// zero through a temporary file, fsync and rename.
+  void save_checkpoint(const std::string& path);
+  /// The checkpoint of the current run as a StateDict (what save_checkpoint writes).
+  StateDict dump_checkpoint();
+  /// Restores a checkpoint into the current run (module, optimizer, scheduler, progress,
+  /// callbacks, values). Called by the loops for ckpt_path.
+  void restore_checkpoint(const StateDict& checkpoint, bool restore_training_state);
+
+ private:
+  template <class M, class TrainLoader, class ValLoader>
+  void fit_impl(M& module, TrainLoader& train, ValLoader* val, const std::string& ckpt_path);
+  template <class M, class Loader, class Run>
+  auto launch_replicas(M& module, Run run_fn);
+  template <class M, class Loader>
+  std::map<std::string, double> eval_epoch(M& module, Loader& data, detail::Loop loop, std::int64_t limit);
+  template <class F>
+  void each_callback(F f);
+  std::string resolve_ckpt_path(const std::string& ckpt_path) const;
+  void begin_replica(LightningModuleBase& module);
+  void log_to_logger(const std::map<std::string, double>& values);
+  void call_on_exception(const std::exception& e);
+  bool time_is_up() const;
+
+  detail::ReplicaRun& run() const;
+
+  TrainerOptions options_;
+  std::shared_ptr<Strategy> strategy_;
+  std::shared_ptr<Logger> logger_;
+  std::vector<std::shared_ptr<Callback>> callbacks_;
+  std::int64_t max_epochs_ = 1000;
+  std::int64_t fast_dev_run_ = 0;
+  mutable std::vector<std::unique_ptr<detail::ReplicaRun>> runs_;
+};
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace detail {
+
+LAZYTENSOR_INLINE std::string double_text(double x) {
+  char buf[32];
+  const auto r = std::to_chars(buf, buf + sizeof buf, x);
+  return std::string(buf, r.ptr);
+}
+
+LAZYTENSOR_INLINE double parse_double(const std::string& text, const std::string& what) {
+  double v = 0;
+  const auto r = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (r.ec != std::errc() || r.ptr != text.data() + text.size())
+    throw Error(what + ": expected a number, found \"" + text + "\"");
+  return v;
+}
+
+LAZYTENSOR_INLINE std::int64_t parse_int(const std::string& text, const std::string& what) {
+  std::int64_t v = 0;
+  const auto r = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (r.ec != std::errc() || r.ptr != text.data() + text.size())
+    throw Error(what + ": expected an integer, found \"" + text + "\"");
+  return v;
+}
+
+LAZYTENSOR_INLINE std::uint64_t parse_uint64(const std::string& text, const std::string& what) {
+  std::uint64_t v = 0;
+  const auto r = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (r.ec != std::errc() || r.ptr != text.data() + text.size())
+    throw Error(what + ": expected an unsigned integer, found \"" + text + "\"");
+  return v;
+}
+
+LAZYTENSOR_INLINE std::shared_ptr<Strategy> make_strategy(const TrainerOptions& o) {
+  if (const auto* given = std::get_if<std::shared_ptr<Strategy>>(&o.strategy)) {
+    if (!*given) throw Error("Trainer: the strategy object is empty");
+    return *given;
+  }
+  std::string name = std::get<std::string>(o.strategy);
+  if (o.devices && *o.devices < 1) throw Error("Trainer: devices must be >= 1, got " + std::to_string(*o.devices));
+  if (name == "auto") name = o.devices.value_or(1) > 1 ? "replica" : "single";
+  if (name == "single" || name == "single_device") {
+    if (o.devices.value_or(1) != 1)
+      throw Error("Trainer: strategy \"" + name + "\" runs on one device, got devices = " + std::to_string(*o.devices));
+    return std::make_shared<SingleDeviceStrategy>(lazy::device());
+  }
+  const int n = o.devices.value_or(device_count());
+  if (name == "replica" || name == "ddp" || name == "ddp_spawn" || name == "xla") return std::make_shared<ReplicaStrategy>(n);
+  if (name == "spmd") {
+    std::vector<int> ids(static_cast<std::size_t>(n));
+    for (int i = 0; i < n; ++i) ids[static_cast<std::size_t>(i)] = i;
+    return std::make_shared<SpmdStrategy>(spmd::Mesh(ids, {n}, {"data"}));
+  }
+  throw Error("Trainer: unknown strategy \"" + name +
+              "\" (expected \"auto\", \"single\", \"single_device\", \"replica\", \"ddp\", \"ddp_spawn\", \"xla\" or \"spmd\")");
+}
+
+}  // namespace detail
+
+LAZYTENSOR_INLINE Trainer::Trainer(TrainerOptions options) : options_(std::move(options)) {
+  TrainerOptions& o = options_;
+  auto at_least = [](std::int64_t v, std::int64_t lo, const char* name) {
+    if (v < lo) throw Error(std::string("Trainer: ") + name + " must be >= " + std::to_string(lo) + ", got " + std::to_string(v));
+  };
+  if (const auto* on = std::get_if<bool>(&o.fast_dev_run)) {
+    fast_dev_run_ = *on ? 1 : 0;
+  } else {
+    fast_dev_run_ = std::get<std::int64_t>(o.fast_dev_run);
+    at_least(fast_dev_run_, 0, "fast_dev_run");
+  }
+  at_least(o.min_epochs, 0, "min_epochs");
+  at_least(o.max_steps, -1, "max_steps");
+  at_least(o.check_val_every_n_epoch, 1, "check_val_every_n_epoch");
+  at_least(o.num_sanity_val_steps, -1, "num_sanity_val_steps");
+  at_least(o.log_every_n_steps, 1, "log_every_n_steps");
+  at_least(o.accumulate_grad_batches, 1, "accumulate_grad_batches");
+  if (o.max_epochs) {
+    at_least(*o.max_epochs, -1, "max_epochs");
+    max_epochs_ = *o.max_epochs;
+  } else {
+    max_epochs_ = (o.max_steps == -1 && !o.max_time) ? 1000 : -1;
+  }
+  if (o.max_time && !(o.max_time->count() >= 0))
+    throw Error("Trainer: max_time must be >= 0 seconds, got " + std::to_string(o.max_time->count()));
+  if (o.gradient_clip_val && !(*o.gradient_clip_val >= 0))
+    throw Error("Trainer: gradient_clip_val must be >= 0, got " + std::to_string(*o.gradient_clip_val));
+  if (o.gradient_clip_algorithm != "norm" && o.gradient_clip_algorithm != "value")
+    throw Error("Trainer: gradient_clip_algorithm must be \"norm\" or \"value\", got \"" + o.gradient_clip_algorithm + "\"");
+  if (fast_dev_run_ > 0) {
+    // Lightning's fast_dev_run: n batches of each loop, one epoch, nothing written.
+    max_epochs_ = 1;
+    o.limit_train_batches = fast_dev_run_;
+    o.limit_val_batches = fast_dev_run_;
+    o.limit_test_batches = fast_dev_run_;
+    o.limit_predict_batches = fast_dev_run_;
+    o.val_check_interval = 1.0;
+    o.num_sanity_val_steps = 0;
+    o.max_steps = fast_dev_run_;
+  }
+  strategy_ = detail::make_strategy(o);
+  (void)make_accelerator(o.accelerator, *strategy_);  // checks the name
+  if (!o.precision.empty()) strategy_->set_precision_plugin(make_precision(o.precision));
+  if (const auto* l = std::get_if<std::shared_ptr<Logger>>(&o.logger)) {
+    logger_ = *l;
+  } else if (std::get<bool>(o.logger) && fast_dev_run_ == 0) {
+    logger_ = detail::make_default_logger(o);
+  }
+  callbacks_ = o.callbacks;
+  for (const auto& c : callbacks_)
+    if (!c) throw Error("Trainer: a callback is empty");
+  detail::add_default_callbacks(callbacks_, o, o.enable_checkpointing && fast_dev_run_ == 0, o.enable_progress_bar);
+  runs_.push_back(std::make_unique<detail::ReplicaRun>(*strategy_));
+  runs_.back()->callbacks = callbacks_;
+  runs_.back()->shared_callback.assign(callbacks_.size(), false);
+}
+
+LAZYTENSOR_INLINE detail::ReplicaRun& Trainer::run() const {
+  const auto r = static_cast<std::size_t>(strategy_->global_rank());
+  if (r >= runs_.size()) throw Error("Trainer: no run for rank " + std::to_string(r));
+  return *runs_[r];
+}
+
+LAZYTENSOR_INLINE LightningModuleBase& Trainer::lightning_module() const {
+  if (!run().module) throw Error("Trainer::lightning_module: no module is attached (outside fit/validate/test/predict)");
+  return *run().module;
+}
+
+LAZYTENSOR_INLINE optim::Optimizer& Trainer::optimizer() const {
+  if (!run().optim.optimizer) throw Error("Trainer::optimizer: no optimizer (configure_optimizers runs in fit)");
+  return *run().optim.optimizer;
+}
+
+LAZYTENSOR_INLINE double Trainer::elapsed_seconds() const {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - run().started).count();
+}
+
+LAZYTENSOR_INLINE bool Trainer::time_is_up() const {
+  return options_.max_time && elapsed_seconds() >= options_.max_time->count();
+}
+
+LAZYTENSOR_INLINE std::string Trainer::log_dir() const {
+  if (logger_ && !logger_->log_dir().empty()) return logger_->log_dir();
+  return options_.default_root_dir;
+}
+
+LAZYTENSOR_INLINE void Trainer::log_to_logger(const std::map<std::string, double>& values) {
+  if (!logger_ || values.empty() || !is_global_zero()) return;
+  std::map<std::string, double> row = values;
+  row["epoch"] = static_cast<double>(current_epoch());
+  logger_->log_metrics(row, global_step());
+}
+
+LAZYTENSOR_INLINE void Trainer::begin_replica(LightningModuleBase& module) {
+  detail::ReplicaRun& r = run();
+  r.module = &module;
+  module.trainer_ = this;
+  module.metrics_ = &r.metrics;
+  module.progress_ = &r.progress;
+}
+
+LAZYTENSOR_INLINE void Trainer::call_on_exception(const std::exception& e) {
+  detail::ReplicaRun& r = run();
+  if (!r.module) return;
+  for (std::size_t i = 0; i < r.callbacks.size(); ++i) {
+    if (r.shared_callback[i] && !is_global_zero()) continue;
+    try {
+      r.callbacks[i]->on_exception(*this, *r.module, e);
+    } catch (...) {
+      // The first error is the one reported.
+    }
+  }
+  if (logger_ && is_global_zero()) {
+    try {
+      logger_->finalize("failed");
+    } catch (...) {
+    }
+  }
+}
+
+LAZYTENSOR_INLINE std::string Trainer::resolve_ckpt_path(const std::string& ckpt_path) const {
+  if (ckpt_path != "last") return ckpt_path;
+  const std::string last = detail::last_checkpoint_path(run().callbacks);
+  if (last.empty()) throw Error("Trainer: ckpt_path \"last\" needs a ModelCheckpoint with save_last");
+  if (!io::detail::path_exists(last)) throw Error("Trainer: ckpt_path \"last\": there is no checkpoint at '" + last + "' yet");
+  return last;
+}
+
+LAZYTENSOR_INLINE StateDict Trainer::dump_checkpoint() {
+  detail::ReplicaRun& r = run();
+  LightningModuleBase& m = lightning_module();
+  StateDict sd;
+  for (const auto& [name, t] : m.state_dict()) sd.insert("state_dict." + name, t);
+  auto& meta = sd.metadata();
+  meta["lazytensor.checkpoint"] = "trainer 1";
+  if (r.optim.optimizer) {
+    const StateDict osd = r.optim.optimizer->state_dict();
+    for (const auto& [name, t] : osd) sd.insert("optimizer." + name, t);
+    for (const auto& [k, v] : osd.metadata()) meta["optimizer." + k] = v;
+  }
+  if (r.optim.lr_scheduler) meta["lr_scheduler.last_epoch"] = std::to_string(r.optim.lr_scheduler->last_epoch());
+  // Where a resumed run starts: after a finished epoch, the next one.
+  const bool epoch_done = r.epoch_finished;
+  meta["epoch"] = std::to_string(r.progress.epoch + (epoch_done ? 1 : 0));
+  meta["batch"] = std::to_string(epoch_done ? 0 : r.epoch_batches_done);
+  meta["global_step"] = std::to_string(r.progress.global_step);
+  meta["seed"] = std::to_string(r.seed);
+  const std::uint64_t rng = get_rng_state();
+  if (strategy_->is_distributed()) {
+    const auto all = dist::mesh_reduce("Trainer checkpoint rng_state", rng,
+                                       [](const std::vector<std::uint64_t>& v) { return v; });
+    for (std::size_t i = 0; i < all.size(); ++i) meta["rng_state." + std::to_string(i)] = std::to_string(all[i]);
+  } else {
+    meta["rng_state.0"] = std::to_string(rng);
+  }
+  for (std::size_t i = 0; i < r.callbacks.size(); ++i) {
+    const std::string key = "callbacks." + r.callbacks[i]->state_key() + ".";
+    for (const auto& [k, v] : r.callbacks[i]->state_dict()) meta[key + k] = v;
+  }
+  for (const auto& [k, v] : m.hparams) meta["hparams." + k] = v;
+  for (const auto& [k, v] : r.metrics.callback_metrics()) meta["callback_metrics." + k] = detail::double_text(v);
+  m.on_save_checkpoint(sd);
+  return sd;
+}
+
+LAZYTENSOR_INLINE void Trainer::save_checkpoint(const std::string& path) {
+  strategy_->save_checkpoint(dump_checkpoint(), path);
+}
+
+LAZYTENSOR_INLINE void Trainer::restore_checkpoint(const StateDict& ckpt, bool training_state) {
+  detail::ReplicaRun& r = run();
+  LightningModuleBase& m = lightning_module();
+  const auto& meta = ckpt.metadata();
+  if (!meta.count("lazytensor.checkpoint"))
+    throw Error("Trainer: the file is not a Trainer checkpoint (no \"lazytensor.checkpoint\" metadata)");
+  auto strip = [&](const std::string& prefix, bool with_metadata) {
+    StateDict out;
+    for (const auto& [name, t] : ckpt)
+      if (name.rfind(prefix, 0) == 0) out.insert(name.substr(prefix.size()), t);
+    if (with_metadata)
+      for (const auto& [k, v] : meta)
+        if (k.rfind(prefix, 0) == 0) out.metadata()[k.substr(prefix.size())] = v;
+    return out;
+  };
+  auto number = [&](const std::string& key) {
+    const auto it = meta.find(key);
+    if (it == meta.end()) throw Error("Trainer: the checkpoint has no \"" + key + "\" entry");
+    return detail::parse_int(it->second, "Trainer: checkpoint entry \"" + key + "\"");
+  };
+  m.load_state_dict(strip("state_dict.", false));
+  if (training_state) {
+    if (r.optim.optimizer) r.optim.optimizer->load_state_dict(strip("optimizer.", true));
+    if (r.optim.lr_scheduler) r.optim.lr_scheduler->set_last_epoch(number("lr_scheduler.last_epoch"));
+    r.progress.epoch = number("epoch");
+    r.resume_batches = number("batch");
+    r.progress.global_step = number("global_step");
+    if (!meta.count("seed")) throw Error("Trainer: the checkpoint has no \"seed\" entry");
+    r.seed = detail::parse_uint64(meta.at("seed"), "Trainer: checkpoint entry \"seed\"");
+    for (auto& cb : r.callbacks) {
+      const std::string prefix = "callbacks." + cb->state_key() + ".";
+      std::map<std::string, std::string> state;
+      for (const auto& [k, v] : meta)
+        if (k.rfind(prefix, 0) == 0) state[k.substr(prefix.size())] = v;
+      cb->load_state_dict(state);
+    }
+    std::map<std::string, double> monitored;
+    for (const auto& [k, v] : meta)
+      if (k.rfind("callback_metrics.", 0) == 0) monitored[k.substr(17)] = detail::parse_double(v, "Trainer: checkpoint entry \"" + k + "\"");
+    r.metrics.set_callback_metrics(std::move(monitored));
+  }
+  m.on_load_checkpoint(ckpt);
+}
+
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+}  // namespace lazy::train
+// ---- end lazytensor/train/trainer.hpp ----
+
+namespace lazy::train {
+
+/// ModelCheckpoint's arguments, in Lightning's order.
+struct ModelCheckpointOptions {
+  /// Directory of the files (default: `trainer.log_dir()/checkpoints`).
+  std::string dirpath = "";
+  /// File name template without extension (default "{epoch}-{step}").
+  std::string filename = "";
+  /// The callback metric to rank checkpoints by (none: the latest ones are kept).
+  std::optional<std::string> monitor = std::nullopt;
+  /// Print each save on global rank zero.
+  bool verbose = false;
+  /// Also write `last.safetensors` at every save (what ckpt_path "last" resumes).
+  bool save_last = false;
+  /// How many files to keep: k best (by monitor; without one, only 1 is valid: the
+  /// latest), -1 all, 0 none (only last).
+  std::int64_t save_top_k = 1;
+  /// "min" or "max": which monitored values are better.
+  std::string mode = "min";
+  /// "{epoch}" gives "epoch=3" (true) or "3" (false).
+  bool auto_insert_metric_name = true;
+  /// Save every this many optimizer steps (0: off).
+  std::int64_t every_n_train_steps = 0;
+  /// Save every this many epochs (default 1 unless every_n_train_steps is set; 0: off).
+  std::optional<std::int64_t> every_n_epochs = std::nullopt;
+  /// Save at the end of the training epoch (true) or after validation (false); default:
+  /// after validation in epochs that validate.
+  std::optional<bool> save_on_train_epoch_end = std::nullopt;
+};
+
+/// Lightning's ModelCheckpoint (see the file comment).
+class ModelCheckpoint : public Callback {
+ public:
+  /// ".safetensors".
+  static constexpr const char* kFileExtension = ".safetensors";
+  /// "last".
+  static constexpr const char* kLastName = "last";
+
+  /// Checks the options (Error for an invalid mode, save_top_k, intervals, or save_top_k
+  /// other than -1, 0, 1 without a monitor).
+  explicit ModelCheckpoint(ModelCheckpointOptions options = {});
+
+  std::shared_ptr<Callback> clone() const override { return std::make_shared<ModelCheckpoint>(*this); }
+  std::string state_key() const override;
+  std::map<std::string, std::string> state_dict() const override;
+  void load_state_dict(const std::map<std::string, std::string>& state) override;
+
+  void on_fit_start(Trainer& trainer, LightningModuleBase& module) override;
+  void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
+  void on_train_batch_end(Trainer& trainer, LightningModuleBase& module, std::int64_t batch_idx) override;
+  void on_validation_end(Trainer& trainer, LightningModuleBase& module) override;
+  void on_train_epoch_end(Trainer& trainer, LightningModuleBase& module) override;
+
+  const ModelCheckpointOptions& options() const { return options_; }
+  /// The directory files go to (resolved at fit start).
+  const std::string& dirpath() const { return dirpath_; }
+  /// The best file so far ("" before the first save).
+  const std::string& best_model_path() const { return best_model_path_; }
+  /// Its monitored value (nullopt without a monitor or before a save).
+  std::optional<double> best_model_score() const { return best_model_score_; }
+  /// The kept files and their monitored values.
+  const std::map<std::string, double>& best_k_models() const { return best_k_; }
+  /// The last file written as "last" ("" before).
+  const std::string& last_model_path() const { return last_model_path_; }
+  /// The file name the template gives for `metrics` (with epoch and step), without the
+  /// directory.
+  std::string format_checkpoint_name(const std::map<std::string, double>& metrics) const;
+
+  /// Saves now if nothing was saved at this step (what the hooks call).
+  void save_checkpoint(Trainer& trainer);
+
+ private:
+  bool better(double a, double b) const { return options_.mode == "min" ? a < b : a > b; }
+  std::string worst_kept() const;
+
+  ModelCheckpointOptions options_;
+  std::int64_t every_n_epochs_ = 1;
+  std::string dirpath_;
+  std::string best_model_path_, last_model_path_;
+  std::optional<double> best_model_score_;
+  std::map<std::string, double> best_k_;
+  std::int64_t last_saved_step_ = -1;
+  bool validated_this_epoch_ = false;
+};
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+
+LAZYTENSOR_INLINE ModelCheckpoint::ModelCheckpoint(ModelCheckpointOptions options) : options_(std::move(options)) {
+  const auto& o = options_;
+  if (o.mode != "min" && o.mode != "max")
+    throw Error("ModelCheckpoint: mode must be \"min\" or \"max\", got \"" + o.mode + "\"");
+  if (o.save_top_k < -1) throw Error("ModelCheckpoint: save_top_k must be >= -1, got " + std::to_string(o.save_top_k));
+  if (!o.monitor && o.save_top_k > 1) {
+    throw Error("ModelCheckpoint: save_top_k = " + std::to_string(o.save_top_k) +
+                " needs a monitor to rank the files by (without one use 1, -1 or 0)");
+  }
+  if (o.every_n_train_steps < 0)
+    throw Error("ModelCheckpoint: every_n_train_steps must be >= 0, got " + std::to_string(o.every_n_train_steps));
+  every_n_epochs_ = o.every_n_epochs.value_or(o.every_n_train_steps > 0 ? 0 : 1);
+  if (every_n_epochs_ < 0) throw Error("ModelCheckpoint: every_n_epochs must be >= 0, got " + std::to_string(every_n_epochs_));
+  dirpath_ = o.dirpath;
+}
+
+LAZYTENSOR_INLINE std::string ModelCheckpoint::state_key() const {
+  return "ModelCheckpoint{monitor=" + options_.monitor.value_or("") + ",mode=" + options_.mode +
+         ",every_n_train_steps=" + std::to_string(options_.every_n_train_steps) +
+         ",every_n_epochs=" + std::to_string(every_n_epochs_) + "}";
+}
+
+LAZYTENSOR_INLINE std::map<std::string, std::string> ModelCheckpoint::state_dict() const {
+  std::map<std::string, std::string> s;
+  s["dirpath"] = dirpath_;
+  s["best_model_path"] = best_model_path_;
+  s["last_model_path"] = last_model_path_;
+  if (best_model_score_) s["best_model_score"] = detail::double_text(*best_model_score_);
+  int i = 0;
+  for (const auto& [path, score] : best_k_) {
+    s["best_k." + std::to_string(i) + ".path"] = path;
+    s["best_k." + std::to_string(i) + ".score"] = detail::double_text(score);
+    ++i;
+  }
+  s["last_saved_step"] = std::to_string(last_saved_step_);
+  return s;
+}
+
+LAZYTENSOR_INLINE void ModelCheckpoint::load_state_dict(const std::map<std::string, std::string>& s) {
+  const auto get = [&](const std::string& k) {
+    const auto it = s.find(k);
+    return it == s.end() ? std::string() : it->second;
+  };
+  // Lightning's rule: the ranking carries over only into the same directory.
+  if (get("dirpath") != dirpath_ && !dirpath_.empty()) return;
+  if (dirpath_.empty()) dirpath_ = get("dirpath");
+  best_model_path_ = get("best_model_path");
+  last_model_path_ = get("last_model_path");
+  best_model_score_.reset();
+  if (!get("best_model_score").empty()) best_model_score_ = detail::parse_double(get("best_model_score"), "ModelCheckpoint state");
+  best_k_.clear();
+  for (int i = 0; s.count("best_k." + std::to_string(i) + ".path"); ++i) {
+    best_k_[get("best_k." + std::to_string(i) + ".path")] =
+        detail::parse_double(get("best_k." + std::to_string(i) + ".score"), "ModelCheckpoint state");
+  }
+  if (!get("last_saved_step").empty()) last_saved_step_ = detail::parse_int(get("last_saved_step"), "ModelCheckpoint state");
+}
+
+LAZYTENSOR_INLINE void ModelCheckpoint::on_fit_start(Trainer& trainer, LightningModuleBase&) {
+  if (dirpath_.empty()) dirpath_ = trainer.log_dir() + "/checkpoints";
+  if (trainer.is_global_zero()) io::detail::make_directories(dirpath_);
+}
+
+LAZYTENSOR_INLINE void ModelCheckpoint::on_train_epoch_start(Trainer&, LightningModuleBase&) {
+  validated_this_epoch_ = false;
+}
+
+LAZYTENSOR_INLINE void ModelCheckpoint::on_train_batch_end(Trainer& trainer, LightningModuleBase&, std::int64_t) {
+  const std::int64_t n = options_.every_n_train_steps;
+  if (n > 0 && trainer.global_step() > 0 && trainer.global_step() % n == 0) save_checkpoint(trainer);
+}
+
+LAZYTENSOR_INLINE void ModelCheckpoint::on_validation_end(Trainer& trainer, LightningModuleBase&) {
+  if (trainer.sanity_checking()) return;
+  validated_this_epoch_ = true;
+  if (options_.save_on_train_epoch_end.value_or(false)) return;
+  if (every_n_epochs_ > 0 && (trainer.current_epoch() + 1) % every_n_epochs_ == 0) save_checkpoint(trainer);
+}
+
+LAZYTENSOR_INLINE void ModelCheckpoint::on_train_epoch_end(Trainer& trainer, LightningModuleBase&) {
+  if (!options_.save_on_train_epoch_end.value_or(!validated_this_epoch_)) return;
+  if (every_n_epochs_ > 0 && (trainer.current_epoch() + 1) % every_n_epochs_ == 0) save_checkpoint(trainer);
+}
+
+LAZYTENSOR_INLINE std::string ModelCheckpoint::format_checkpoint_name(const std::map<std::string, double>& metrics) const {
+  const std::string& tpl = options_.filename.empty() ? std::string("{epoch}-{step}") : options_.filename;
+  std::string out;
+  for (std::size_t i = 0; i < tpl.size();) {
+    if (tpl[i] != '{') {
+      out += tpl[i++];
+      continue;
+    }
+    const auto close = tpl.find('}', i);
+    if (close == std::string::npos) throw Error("ModelCheckpoint: unclosed '{' in filename \"" + tpl + "\"");
+    const std::string field = tpl.substr(i + 1, close - i - 1);
+    const auto colon = field.find(':');
+    const std::string name = field.substr(0, colon);
+    const auto it = metrics.find(name);
+    if (it == metrics.end()) {
+      std::string known;
+      for (const auto& [k, v] : metrics) known += (known.empty() ? "" : ", ") + k;
+      throw Error("ModelCheckpoint: filename \"" + tpl + "\" names \"" + name + "\", which is not among the metrics (" +
+                  known + ")");
+    }
+    std::string value;
+    if (colon != std::string::npos) {
+      char buf[64];
+      const std::string fmt = "%" + field.substr(colon + 1);
+      std::snprintf(buf, sizeof buf, fmt.c_str(), it->second);
+      value = buf;
+    } else if (name == "epoch" || name == "step" || it->second == std::floor(it->second)) {
+      value = std::to_string(static_cast<std::int64_t>(it->second));
+    } else {
+      value = detail::double_text(it->second);
+    }
+    if (options_.auto_insert_metric_name) out += name + "=";
+    out += value;
+    i = close + 1;
+  }
+  return out;
+}
+
+LAZYTENSOR_INLINE std::string ModelCheckpoint::worst_kept() const {
+  std::string worst;
+  for (const auto& [path, score] : best_k_)
+    if (worst.empty() || better(best_k_.at(worst), score)) worst = path;
+  return worst;
+}
+
+LAZYTENSOR_INLINE void ModelCheckpoint::save_checkpoint(Trainer& trainer) {
+  if (trainer.fast_dev_run() || trainer.sanity_checking()) return;
+  if (trainer.global_step() == last_saved_step_) return;
+  last_saved_step_ = trainer.global_step();
+  std::map<std::string, double> metrics = trainer.callback_metrics();
+  metrics["epoch"] = static_cast<double>(trainer.current_epoch());
+  metrics["step"] = static_cast<double>(trainer.global_step());
+  // Decide on this replica, then take rank zero's decision everywhere.
+  std::string save_path, remove_path;
+  double score = 0;
+  if (options_.monitor) {
+    const auto it = metrics.find(*options_.monitor);
+    if (it == metrics.end()) {
+      std::string known;
+      for (const auto& [k, v] : metrics) known += (known.empty() ? "" : ", ") + k;
+      throw Error("ModelCheckpoint: the monitored value \"" + *options_.monitor + "\" was not logged (callback metrics: " +
+                  known + ")");
+    }
+    score = it->second;
+  }
+  const std::string file = dirpath_ + "/" + format_checkpoint_name(metrics) + kFileExtension;
+  const std::int64_t k = options_.save_top_k;
+  if (k == -1) {
+    save_path = file;
+  } else if (k > 0) {
+    if (!options_.monitor) {
+      save_path = file;
+      if (!best_model_path_.empty() && best_model_path_ != file) remove_path = best_model_path_;
+    } else if (!std::isnan(score) && (static_cast<std::int64_t>(best_k_.size()) < k || better(score, best_k_.at(worst_kept())))) {
+      save_path = file;
+      if (static_cast<std::int64_t>(best_k_.size()) >= k) remove_path = worst_kept();
+    }
+  }
+  struct Decision {
+    char save[512];
+    char remove[512];
+    double score;
+  } d{};
+  if (save_path.size() >= sizeof d.save || remove_path.size() >= sizeof d.remove)
+    throw Error("ModelCheckpoint: a checkpoint path is longer than 511 bytes: " + save_path);
+  std::snprintf(d.save, sizeof d.save, "%s", save_path.c_str());
+  std::snprintf(d.remove, sizeof d.remove, "%s", remove_path.c_str());
+  d.score = score;
+  d = trainer.strategy().broadcast(d, 0);
+  save_path = d.save;
+  remove_path = d.remove;
+  score = d.score;
+  if (!save_path.empty()) {
+    if (k == -1 || options_.monitor) best_k_[save_path] = score;
+    if (!remove_path.empty()) best_k_.erase(remove_path);
+    if (!options_.monitor) {
+      best_model_path_ = save_path;
+    } else {
+      std::string best;
+      for (const auto& [path, s] : best_k_)
+        if (best.empty() || better(s, best_k_.at(best))) best = path;
+      best_model_path_ = best;
+      best_model_score_ = best_k_.at(best);
+    }
+  }
+  const std::string last = dirpath_ + "/" + kLastName + kFileExtension;
+  if (options_.save_last) last_model_path_ = last;
+  // The state above is what these files hold (best paths included), as Lightning's.
+  if (!save_path.empty()) {
+    trainer.save_checkpoint(save_path);
+    if (options_.verbose && trainer.is_global_zero())
+      std::fprintf(stderr, "Epoch %lld, global step %lld: saved %s\n", static_cast<long long>(trainer.current_epoch()),
+                   static_cast<long long>(trainer.global_step()), save_path.c_str());
+  }
+  if (options_.save_last) trainer.save_checkpoint(last);
+  if (!remove_path.empty() && remove_path != save_path) trainer.strategy().remove_checkpoint(remove_path);
+}
+
+namespace detail {
+LAZYTENSOR_INLINE std::string last_checkpoint_path(const std::vector<std::shared_ptr<Callback>>& callbacks) {
+  for (const auto& c : callbacks) {
+    const auto* mc = dynamic_cast<const ModelCheckpoint*>(c.get());
+    if (!mc || !mc->options().save_last) continue;
+    if (!mc->last_model_path().empty()) return mc->last_model_path();
+    if (!mc->dirpath().empty()) return mc->dirpath() + "/" + ModelCheckpoint::kLastName + ModelCheckpoint::kFileExtension;
+  }
+  return {};
+}
+}  // namespace detail
+
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+}  // namespace lazy::train
+// ---- end lazytensor/train/model_checkpoint.hpp ----
+// ---- begin lazytensor/train/progress_bar.hpp ----
+// train::ProgressBar (Lightning's TQDMProgressBar): on global rank zero, a line per training
+// epoch with the batch count, the prog_bar values, samples per second and the time left.
+// On a terminal it is redrawn in place every refresh_rate batches; elsewhere (a log file,
+// CI) a plain line is printed every refresh_rate batches and at the end of the epoch.
+// Reading the values synchronizes with the device, which is why refresh_rate defaults to
+// more than one batch: a lazy step runs while the next one is being traced.
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <string>
+
+
+namespace lazy::train {
+
+/// The Trainer's progress bar (see the file comment).
+class ProgressBar : public Callback {
+ public:
+  /// Refreshed every `refresh_rate` batches (0 disables it), written to `out` (stderr by
+  /// default, so that stdout stays the program's).
+  explicit ProgressBar(std::int64_t refresh_rate = 20, std::FILE* out = stderr);
+
+  std::shared_ptr<Callback> clone() const override { return std::make_shared<ProgressBar>(*this); }
+  std::string state_key() const override { return "ProgressBar"; }
+
+  void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
+  void on_train_batch_end(Trainer& trainer, LightningModuleBase& module, std::int64_t batch_idx) override;
+  void on_train_epoch_end(Trainer& trainer, LightningModuleBase& module) override;
+  void on_validation_end(Trainer& trainer, LightningModuleBase& module) override;
+
+  /// Whether the bar is redrawn in place (the stream is a terminal).
+  bool interactive() const { return interactive_; }
+  /// The text of the current line (without the redraw controls).
+  const std::string& last_line() const { return line_; }
+
+ private:
+  void draw(Trainer& trainer, std::int64_t done, bool final);
+
+  std::int64_t refresh_rate_;
+  std::FILE* out_;
+  bool interactive_;
+  std::string line_;
+  std::chrono::steady_clock::time_point epoch_start_;
+  std::int64_t epoch_samples_start_ = 0;
+  std::int64_t done_ = 0;
+};
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+
+LAZYTENSOR_INLINE ProgressBar::ProgressBar(std::int64_t refresh_rate, std::FILE* out)
+    : refresh_rate_(refresh_rate), out_(out), interactive_(out && ::isatty(::fileno(out)) == 1) {
+  if (refresh_rate < 0) throw Error("ProgressBar: refresh_rate must be >= 0, got " + std::to_string(refresh_rate));
+  if (!out) throw Error("ProgressBar: the output stream is null");
+}
+
+LAZYTENSOR_INLINE void ProgressBar::on_train_epoch_start(Trainer& trainer, LightningModuleBase&) {
+  epoch_start_ = std::chrono::steady_clock::now();
+  epoch_samples_start_ = trainer.samples_seen();
+  done_ = 0;
+}
+
+LAZYTENSOR_INLINE void ProgressBar::draw(Trainer& trainer, std::int64_t done, bool final) {
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - epoch_start_).count();
+  const std::int64_t total = trainer.num_training_batches();
+  std::string s = "Epoch " + std::to_string(trainer.current_epoch()) + ": " + std::to_string(done);
+  if (total >= 0) s += "/" + std::to_string(total);
+  const auto& shown = final ? trainer.progress_bar_metrics() : trainer.read_local_step_metrics();
+  for (const auto& [k, v] : shown) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, " %s=%.4g", k.c_str(), v);
+    s += buf;
+  }
+  if (secs > 0) {
+    char buf[96];
+    const double rate = static_cast<double>(trainer.samples_seen() - epoch_samples_start_) / secs;
+    std::snprintf(buf, sizeof buf, " [%.0f samples/s", rate);
+    s += buf;
+    if (!final && total > done && done > 0) {
+      const auto left = static_cast<long long>(secs / static_cast<double>(done) * static_cast<double>(total - done));
+      std::snprintf(buf, sizeof buf, ", ETA %lld:%02lld", left / 60, left % 60);
+      s += buf;
+    } else {
+      std::snprintf(buf, sizeof buf, ", %.1fs", secs);
+      s += buf;
+    }
+    s += "]";
+  }
+  line_ = s;
+  if (interactive_) {
+    std::fprintf(out_, "\r%s\033[K%s", s.c_str(), final ? "\n" : "");
+  } else {
+    std::fprintf(out_, "%s\n", s.c_str());
+  }
+  std::fflush(out_);
+}
+
+LAZYTENSOR_INLINE void ProgressBar::on_train_batch_end(Trainer& trainer, LightningModuleBase&, std::int64_t batch_idx) {
+  done_ = batch_idx + 1;
+  if (refresh_rate_ == 0 || !trainer.is_global_zero()) return;
+  if (done_ % refresh_rate_ == 0 && done_ != trainer.num_training_batches()) draw(trainer, done_, false);
+}
+
+LAZYTENSOR_INLINE void ProgressBar::on_train_epoch_end(Trainer& trainer, LightningModuleBase&) {
+  if (refresh_rate_ == 0 || !trainer.is_global_zero()) return;
+  draw(trainer, done_, true);
+}
+
+LAZYTENSOR_INLINE void ProgressBar::on_validation_end(Trainer& trainer, LightningModuleBase&) {
+  if (refresh_rate_ == 0 || !trainer.is_global_zero() || trainer.sanity_checking() || !interactive_) return;
+  std::fprintf(out_, "\r%s (validated)\033[K", line_.c_str());
+  std::fflush(out_);
+}
+
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+}  // namespace lazy::train
+// ---- end lazytensor/train/progress_bar.hpp ----
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::train::detail {
+
+LAZYTENSOR_INLINE void add_default_callbacks(std::vector<std::shared_ptr<Callback>>& callbacks,
+                                             const TrainerOptions& options, bool checkpointing, bool progress_bar) {
+  (void)options;
+  bool has_checkpoint = false, has_bar = false;
+  for (const auto& c : callbacks) {
+    has_checkpoint = has_checkpoint || dynamic_cast<const ModelCheckpoint*>(c.get());
+    has_bar = has_bar || dynamic_cast<const ProgressBar*>(c.get());
+  }
+  if (checkpointing && !has_checkpoint) callbacks.push_back(std::make_shared<ModelCheckpoint>());
+  if (progress_bar && !has_bar) callbacks.push_back(std::make_shared<ProgressBar>());
+}
+
+LAZYTENSOR_INLINE std::shared_ptr<Logger> make_default_logger(const TrainerOptions& options) {
+  return std::make_shared<CSVLogger>(options.default_root_dir);
+}
+
+}  // namespace lazy::train::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/train/default_callbacks.hpp ----
+// ---- begin lazytensor/train/early_stopping.hpp ----
+// train::EarlyStopping, Lightning's: stops training when a monitored value stops improving
+// for `patience` checks (by more than min_delta), reaches stopping_threshold, passes
+// divergence_threshold, or (check_finite) is NaN or infinite. A check runs after each
+// validation, or at the end of each training epoch when there is none; the replicas agree
+// on the stop (it holds when any of them decided it), so they all leave together.
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+
+
+namespace lazy::train {
+
+/// EarlyStopping's arguments, in Lightning's order.
+struct EarlyStoppingOptions {
+  /// The callback metric to watch.
+  std::string monitor = "";
+  /// An improvement must beat the best value by more than this.
+  double min_delta = 0.0;
+  /// Checks without improvement before stopping.
+  std::int64_t patience = 3;
+  /// Print why training stops (global rank zero).
+  bool verbose = false;
+  /// "min" or "max": which values are better.
+  std::string mode = "min";
+  /// Error when the monitored value was not logged (false: skip the check).
+  bool strict = true;
+  /// Stop on a NaN or infinite value.
+  bool check_finite = true;
+  /// Stop once the value is at least this good.
+  std::optional<double> stopping_threshold = std::nullopt;
+  /// Stop once the value is worse than this.
+  std::optional<double> divergence_threshold = std::nullopt;
+  /// Check at the end of the training epoch (true) or after validation (false); default:
+  /// after validation in epochs that validate.
+  std::optional<bool> check_on_train_epoch_end = std::nullopt;
+};
+
+/// Lightning's EarlyStopping (see the file comment).
+class EarlyStopping : public Callback {
+ public:
+  /// Error for an empty monitor, an invalid mode, or a negative patience or min_delta.
+  explicit EarlyStopping(EarlyStoppingOptions options);
+
+  std::shared_ptr<Callback> clone() const override { return std::make_shared<EarlyStopping>(*this); }
+  std::string state_key() const override { return "EarlyStopping{monitor=" + options_.monitor + ",mode=" + options_.mode + "}"; }
+  std::map<std::string, std::string> state_dict() const override;
+  void load_state_dict(const std::map<std::string, std::string>& state) override;
+
+  void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
+  void on_validation_end(Trainer& trainer, LightningModuleBase& module) override;
+  void on_train_epoch_end(Trainer& trainer, LightningModuleBase& module) override;
+
+  const EarlyStoppingOptions& options() const { return options_; }
+  /// Checks in a row without improvement.
+  std::int64_t wait_count() const { return wait_count_; }
+  /// The best value so far (+inf / -inf before the first check).
+  double best_score() const { return best_score_; }
+  /// The epoch training stopped in (0 when it did not).
+  std::int64_t stopped_epoch() const { return stopped_epoch_; }
+  /// Why it stopped ("" when it did not).
+  const std::string& stopping_reason() const { return reason_; }
+
+  /// Evaluates `current` against the criteria: (stop, reason). Updates best and wait.
+  std::pair<bool, std::string> evaluate(double current);
+
+ private:
+  void check(Trainer& trainer);
+  bool better(double a, double b) const { return options_.mode == "min" ? a < b : a > b; }
+
+  EarlyStoppingOptions options_;
+  std::int64_t wait_count_ = 0;
+  std::int64_t stopped_epoch_ = 0;
+  double best_score_;
+  std::string reason_;
+  bool validated_this_epoch_ = false;
+};
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+
+LAZYTENSOR_INLINE EarlyStopping::EarlyStopping(EarlyStoppingOptions options) : options_(std::move(options)) {
+  if (options_.monitor.empty()) throw Error("EarlyStopping: monitor names no metric");
+  if (options_.mode != "min" && options_.mode != "max")
+    throw Error("EarlyStopping: mode must be \"min\" or \"max\", got \"" + options_.mode + "\"");
+  if (options_.patience < 0) throw Error("EarlyStopping: patience must be >= 0, got " + std::to_string(options_.patience));
+  if (!(options_.min_delta >= 0)) throw Error("EarlyStopping: min_delta must be >= 0, got " + std::to_string(options_.min_delta));
+  best_score_ = options_.mode == "min" ? std::numeric_limits<double>::infinity() : -std::numeric_limits<double>::infinity();
+}
+
+LAZYTENSOR_INLINE std::map<std::string, std::string> EarlyStopping::state_dict() const {
+  return {{"wait_count", std::to_string(wait_count_)},
+          {"stopped_epoch", std::to_string(stopped_epoch_)},
+          {"best_score", detail::double_text(best_score_)},
+          {"patience", std::to_string(options_.patience)}};
+}
+
+LAZYTENSOR_INLINE void EarlyStopping::load_state_dict(const std::map<std::string, std::string>& s) {
+  if (s.empty()) return;
+  const auto get = [&](const char* k) {
+    const auto it = s.find(k);
+    if (it == s.end()) throw Error(std::string("EarlyStopping::load_state_dict: missing \"") + k + "\"");
+    return it->second;
+  };
+  wait_count_ = detail::parse_int(get("wait_count"), "EarlyStopping state");
+  stopped_epoch_ = detail::parse_int(get("stopped_epoch"), "EarlyStopping state");
+  best_score_ = detail::parse_double(get("best_score"), "EarlyStopping state");
+}
+
+LAZYTENSOR_INLINE std::pair<bool, std::string> EarlyStopping::evaluate(double current) {
+  const auto& o = options_;
+  const auto text = [](double v) { return detail::double_text(v); };
+  if (o.check_finite && !std::isfinite(current)) {
+    return {true, "Monitored metric " + o.monitor + " = " + text(current) + " is not finite. Previous best value was " +
+                      text(best_score_) + ". Signaling Trainer to stop."};
+  }
+  if (o.stopping_threshold && (current == *o.stopping_threshold || better(current, *o.stopping_threshold))) {
+    return {true, "Stopping threshold reached: " + o.monitor + " = " + text(current) + " reached " +
+                      text(*o.stopping_threshold) + ". Signaling Trainer to stop."};
+  }
+  if (o.divergence_threshold && better(*o.divergence_threshold, current)) {
+    return {true, "Divergence threshold reached: " + o.monitor + " = " + text(current) + " is worse than " +
+                      text(*o.divergence_threshold) + ". Signaling Trainer to stop."};
+  }
+  const double shifted = o.mode == "min" ? current + o.min_delta : current - o.min_delta;
+  if (better(shifted, best_score_)) {
+    best_score_ = current;
+    wait_count_ = 0;
+    return {false, ""};
+  }
+  ++wait_count_;
+  if (wait_count_ >= o.patience) {
+    return {true, "Monitored metric " + o.monitor + " did not improve in the last " + std::to_string(wait_count_) +
+                      " records. Best score: " + text(best_score_) + ". Signaling Trainer to stop."};
+  }
+  return {false, ""};
+}
+
+LAZYTENSOR_INLINE void EarlyStopping::check(Trainer& trainer) {
+  if (trainer.sanity_checking() || trainer.fast_dev_run()) return;
+  const auto& metrics = trainer.callback_metrics();
+  const auto it = metrics.find(options_.monitor);
+  bool stop = false;
+  std::string why;
+  if (it == metrics.end()) {
+    if (options_.strict) {
+      std::string known;
+      for (const auto& [k, v] : metrics) known += (known.empty() ? "" : ", ") + k;
+      throw Error("EarlyStopping: the monitored value \"" + options_.monitor + "\" was not logged (callback metrics: " +
+                  known + ")");
+    }
+  } else {
+    std::tie(stop, why) = evaluate(it->second);
+  }
+  // A stop decided on any replica stops every one of them.
+  const bool any = trainer.strategy().reduce_boolean_decision(stop, false);
+  if (any) {
+    trainer.set_should_stop(true);
+    stopped_epoch_ = trainer.current_epoch();
+    reason_ = why.empty() ? std::string("another replica signaled a stop") : why;
+    if (options_.verbose && trainer.is_global_zero()) std::fprintf(stderr, "EarlyStopping: %s\n", reason_.c_str());
+  }
+}
+
+LAZYTENSOR_INLINE void EarlyStopping::on_train_epoch_start(Trainer&, LightningModuleBase&) { validated_this_epoch_ = false; }
+
+LAZYTENSOR_INLINE void EarlyStopping::on_validation_end(Trainer& trainer, LightningModuleBase&) {
+  if (trainer.sanity_checking()) return;
+  validated_this_epoch_ = true;
+  if (!options_.check_on_train_epoch_end.value_or(false)) check(trainer);
+}
+
+LAZYTENSOR_INLINE void EarlyStopping::on_train_epoch_end(Trainer& trainer, LightningModuleBase&) {
+  if (options_.check_on_train_epoch_end.value_or(!validated_this_epoch_)) check(trainer);
+}
+
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+}  // namespace lazy::train
+// ---- end lazytensor/train/early_stopping.hpp ----
+// ---- begin lazytensor/train/loops.hpp ----
+// The Trainer's loops: fit (sanity check, training epochs with validation, checkpoints and
+// stops), validate, test and predict, in Lightning's order of hooks. Every replica runs the
+// same loop on its own module, optimizer, callbacks' copies and share of the data; every
+// decision that changes what replicas do next (stop, validate, save) is taken at the same
+// point on all of them from values they agree on.
+
+#include <chrono>
+#include <cstdint>
+#include <exception>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <typeinfo>
+#include <utility>
+#include <vector>
+
+
+namespace lazy::train {
+namespace detail {
+
+template <class L>
+inline constexpr bool is_data_loader_v = false;
+template <class D>
+inline constexpr bool is_data_loader_v<data::DataLoader<D>> = true;
+
+/// The loader one replica iterates: the given one, or (with replicas) a loader over the
+/// same dataset whose DistributedSampler gives this replica its share.
+template <class L>
+class ReplicaLoader {
+ public:
+  ReplicaLoader(L& loader, const Strategy& s, bool distribute) : loader_(&loader) {
+    if (!distribute || !s.is_distributed()) return;
+    if constexpr (is_data_loader_v<L>) {
+      data::DataLoaderOptions o = loader.options();
+      const bool shuffle = o.shuffle || (loader.sampler() && dynamic_cast<data::RandomSampler*>(loader.sampler()));
+      o.shuffle = false;
+      o.device = s.root_device();
+      own_ = data::make_data_loader(loader.dataset(),
+                                    data::DistributedSampler(static_cast<std::size_t>(s.world_size()),
+                                                             static_cast<std::size_t>(s.global_rank()), shuffle, o.seed),
+                                    o);
+      loader_ = own_.get();
+    } else if (s.global_rank() != 0) {
+      throw Error("Trainer: with replicas and use_distributed_sampler, the loader must be a lazy::data::DataLoader "
+                  "(each replica gets its share of its dataset); set use_distributed_sampler = false to give every "
+                  "replica the whole loader");
+    }
+  }
+  L& get() { return *loader_; }
+
+ private:
+  L* loader_;
+  std::unique_ptr<L> own_;
+};
+
+/// Batches in an epoch of `loader` (-1 when it cannot say).
+template <class L>
+std::int64_t loader_batches(L& loader) {
+  if constexpr (requires { loader.size(); }) {
+    return static_cast<std::int64_t>(loader.size());
+  } else {
+    return -1;
+  }
+}
+
+/// The number of samples in `batch`: the first dimension of its first tensor (1 for a
+/// scalar or a batch without tensors).
+template <class B>
+std::int64_t batch_size_of(const B& b) {
+  if constexpr (is_tensor<B>::value) {
+    return b.defined() && b.dim() > 0 ? b.shape()[0] : 1;
+  } else if constexpr (requires { b.data; b.target; }) {
+    return batch_size_of(b.data);
+  } else if constexpr (requires { std::get<0>(b); }) {
+    return batch_size_of(std::get<0>(b));
+  } else if constexpr (requires { b.empty(); b.front(); }) {
+    return b.empty() ? 1 : batch_size_of(b.front());
+  } else {
+    return 1;
+  }
+}
+
+/// `loss` (a one-element floating tensor from training_step) checked and scaled by `f`.
+inline AnyTensor checked_loss(const AnyTensor& loss, double f) {
+  if (!loss.defined()) throw Error("Trainer: training_step returned an undefined tensor (return the loss)");
+  if (!loss.is_floating_point())
+    throw DTypeError("Trainer: training_step must return a floating loss, found " + dtype_name(loss.dtype()));
+  if (loss.numel() != 1)
+    throw ShapeError("Trainer: training_step must return a one-element loss, found shape " + loss.shape().str());
+  if (f == 1.0) return loss;
+  switch (loss.dtype()) {
+    case DType::BFloat16: return Tensor<bfloat16>(loss.as<bfloat16>() * bfloat16(static_cast<float>(f)));
+    case DType::Float32: return Tensor<float>(loss.as<float>() * static_cast<float>(f));
+    default: return Tensor<double>(loss.as<double>() * f);
+  }
+}
+
+/// Seed of epoch `epoch` on rank `rank` from the run's seed (splitmix64 of the three).
+inline std::uint64_t epoch_seed(std::uint64_t seed, std::int64_t epoch, int rank) {
+  std::uint64_t z = seed ^ (static_cast<std::uint64_t>(epoch) * 0x9E3779B97F4A7C15ull) ^
+                    (static_cast<std::uint64_t>(rank) << 48);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+/// Runs a user step, turning a missing override into an Error naming it.
+template <class F>
+decltype(auto) user_step(F&& f) {
+  try {
+    return std::forward<F>(f)();
+  } catch (const StepNotOverridden& missing) {
+    throw Error(std::string("Trainer: the LightningModule does not override ") + missing.step +
+                " (needed by this loop)");
+  }
+}
+
+}  // namespace detail
+
+template <class F>
+void Trainer::each_callback(F f) {
+  detail::ReplicaRun& r = run();
+  for (std::size_t i = 0; i < r.callbacks.size(); ++i) {
+    if (r.shared_callback[i] && !is_global_zero()) continue;
+    f(*r.callbacks[i]);
+  }
+}
+
+template <class M, class Loader, class Run>
+auto Trainer::launch_replicas(M& module, Run run_fn) {
+  static_assert(std::is_base_of_v<LightningModuleBase, M>, "Trainer: the module must derive from LightningModule<Batch>");
+  const int n = strategy_->num_processes();
+  runs_.clear();
+  for (int i = 0; i < n; ++i) runs_.push_back(std::make_unique<detail::ReplicaRun>(*strategy_));
+  return strategy_->launch([&](Strategy& s) {
+    detail::ReplicaRun& r = run();
+    const bool zero = s.global_rank() == 0;
+    std::shared_ptr<M> own;
+    M* m = &module;
+    if (!zero) {
+      if constexpr (std::is_default_constructible_v<M>) {
+        own = std::make_shared<M>();
+        own->hparams = module.hparams;
+        m = own.get();
+      } else {
+        throw Error(std::string("Trainer: with replicas every replica trains its own module, so the module type (") +
+                    typeid(M).name() + ") must be default-constructible");
+      }
+    }
+    for (const auto& cb : callbacks_) {
+      std::shared_ptr<Callback> copy = zero ? nullptr : cb->clone();
+      r.callbacks.push_back(copy ? copy : cb);
+      r.shared_callback.push_back(!zero && !copy);
+    }
+    begin_replica(*m);
+    r.running = true;
+    struct Detach {
+      M* m;
+      detail::ReplicaRun* r;
+      ~Detach() {
+        m->metrics_ = nullptr;
+        r->running = false;
+      }
+    } detach{m, &r};
+    try {
+      return run_fn(s, *m, r);
+    } catch (const std::exception& e) {
+      call_on_exception(e);
+      throw;
+    }
+  });
+}
+
+template <class M, class Loader>
+std::map<std::string, double> Trainer::eval_epoch(M& m, Loader& data, detail::Loop loop, std::int64_t limit) {
+  detail::ReplicaRun& r = run();
+  const detail::Loop outer = r.stage;
+  r.stage = loop;
+  r.metrics.start_epoch(loop);
+  auto acc = make_accelerator(options_.accelerator, *strategy_);
+  const bool validating = loop == detail::Loop::Validate || loop == detail::Loop::Sanity;
+  if (validating) {
+    r.num_val_batches = limit;
+    each_callback([&](Callback& c) { c.on_validation_epoch_start(*this, m); });
+    m.on_validation_epoch_start();
+  } else {
+    m.on_test_epoch_start();
+  }
+  m.eval();
+  std::int64_t idx = 0;
+  if (limit != 0) {
+    for (auto& batch : data) {
+      if (limit >= 0 && idx >= limit) break;
+      if (validating) {
+        acc->validation_step([&] { detail::user_step([&] { m.validation_step(batch, idx); }); });
+        each_callback([&](Callback& c) { c.on_validation_batch_end(*this, m, idx); });
+      } else {
+        acc->test_step([&] { detail::user_step([&] { m.test_step(batch, idx); }); });
+      }
+      ++idx;
+    }
+  }
+  if (validating) {
+    m.on_validation_epoch_end();
+  } else {
+    m.on_test_epoch_end();
+  }
+  const detail::MetricValues values = r.metrics.end_epoch();
+  if (loop != detail::Loop::Sanity) log_to_logger(values.logged);
+  if (validating) {
+    each_callback([&](Callback& c) { c.on_validation_epoch_end(*this, m); });
+  } else {
+    each_callback([&](Callback& c) { c.on_test_epoch_end(*this, m); });
+  }
+  m.train();
+  r.stage = outer;
+  r.metrics.set_loop(outer);
+  return values.callback;
+}
+
+template <class M, class TrainLoader, class ValLoader>
+  requires(!std::is_convertible_v<ValLoader&, std::string>)
+void Trainer::fit(M& module, TrainLoader& train, ValLoader& val, const std::string& ckpt_path) {
+  fit_impl(module, train, &val, ckpt_path);
+}
+
+template <class M, class TrainLoader>
+void Trainer::fit(M& module, TrainLoader& train, const std::string& ckpt_path) {
+  fit_impl(module, train, static_cast<TrainLoader*>(nullptr), ckpt_path);
+}
+
+template <class M, class TrainLoader, class ValLoader>
+void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std::string& ckpt_path) {
+  const TrainerOptions& o = options_;
+  launch_replicas<M, TrainLoader>(module, [&](Strategy& s, M& m, detail::ReplicaRun& r) {
+    auto acc = make_accelerator(o.accelerator, s);
+    acc->setup(m);
+    r.optim = m.configure_optimizers();
+    if (!r.optim.optimizer) throw Error("Trainer: configure_optimizers returned no optimizer");
+    if (r.optim.interval != "epoch" && r.optim.interval != "step")
+      throw Error("Trainer: the scheduler's interval must be \"epoch\" or \"step\", got \"" + r.optim.interval + "\"");
+    if (r.optim.frequency < 1)
+      throw Error("Trainer: the scheduler's frequency must be >= 1, got " + std::to_string(r.optim.frequency));
+    optim::Optimizer& opt = *r.optim.optimizer;
+    optim::LRScheduler* sched = r.optim.lr_scheduler.get();
+
+    detail::ReplicaLoader<TrainLoader> train_local(train, s, o.use_distributed_sampler);
+    auto train_batches = s.process_dataloader(train_local.get());
+    std::optional<detail::ReplicaLoader<ValLoader>> val_local;
+    std::unique_ptr<dist::MpDeviceLoader<ValLoader>> val_device;
+    if (val) {
+      val_local.emplace(*val, s, o.use_distributed_sampler);
+      val_device = std::make_unique<dist::MpDeviceLoader<ValLoader>>(val_local->get(), s.root_device(), s.loader_options());
+    }
+
+    r.seed = get_rng_state();
+    std::optional<std::uint64_t> rng_after_restore;
+    if (!ckpt_path.empty()) {
+      const StateDict ckpt = io::load(resolve_ckpt_path(ckpt_path), s.root_device());
+      restore_checkpoint(ckpt, true);
+      const auto it = ckpt.metadata().find("rng_state." + std::to_string(s.global_rank()));
+      if (it != ckpt.metadata().end())
+        rng_after_restore = detail::parse_uint64(it->second, "Trainer: checkpoint rng_state");
+    }
+    r.started = std::chrono::steady_clock::now();
+    if (logger_ && is_global_zero() && !m.hparams.empty()) logger_->log_hyperparams(m.hparams);
+
+    each_callback([&](Callback& c) { c.on_fit_start(*this, m); });
+    m.on_fit_start();
+
+    const std::int64_t val_total = val ? detail::loader_batches(*val_device) : 0;
+    const std::int64_t val_limit = val ? (val_total < 0 ? -1 : o.limit_val_batches.of(val_total)) : 0;
+    auto validate_now = [&] {
+      each_callback([&](Callback& c) { c.on_validation_start(*this, m); });
+      eval_epoch(m, *val_device, detail::Loop::Validate, val_limit);
+      each_callback([&](Callback& c) { c.on_validation_end(*this, m); });
+    };
+    if (val && o.num_sanity_val_steps != 0 && val_limit != 0) {
+      const std::int64_t steps = o.num_sanity_val_steps < 0 ? val_limit
+                                 : val_limit < 0            ? o.num_sanity_val_steps
+                                                            : std::min(o.num_sanity_val_steps, val_limit);
+      each_callback([&](Callback& c) { c.on_sanity_check_start(*this, m); });
+      eval_epoch(m, *val_device, detail::Loop::Sanity, steps);
+      each_callback([&](Callback& c) { c.on_sanity_check_end(*this, m); });
+    }
+
+    m.train();
+    r.stage = detail::Loop::Train;
+    each_callback([&](Callback& c) { c.on_train_start(*this, m); });
+    m.on_train_start();
+    acc->on_train_start();
+    if (rng_after_restore && !o.deterministic) set_rng_state(*rng_after_restore);
+
+    const std::int64_t k = o.accumulate_grad_batches;
+    const double clip = o.gradient_clip_val.value_or(0.0);
+    bool stop = false;
+    while (!stop) {
+      const std::int64_t epoch = r.progress.epoch;
+      if (max_epochs_ >= 0 && epoch >= max_epochs_) break;
+      if (o.max_steps >= 0 && r.progress.global_step >= o.max_steps) break;
+      train_local.get().set_epoch(static_cast<std::uint64_t>(epoch));
+      if (o.deterministic) set_rng_state(detail::epoch_seed(r.seed, epoch, s.global_rank()));
+      const std::int64_t total = detail::loader_batches(train_batches);
+      r.num_training_batches = total < 0 ? -1 : o.limit_train_batches.of(total);
+      r.epoch_batches_done = 0;
+      r.epoch_finished = false;
+      r.metrics.start_epoch(detail::Loop::Train);
+      each_callback([&](Callback& c) { c.on_train_epoch_start(*this, m); });
+      m.on_train_epoch_start();
+      const bool val_this_epoch = val && val_limit != 0 && (epoch + 1) % o.check_val_every_n_epoch == 0;
+      std::int64_t val_every = 0;  // batches between validations inside the epoch
+      if (val_this_epoch) {
+        if (!o.val_check_interval.is_fraction()) {
+          val_every = o.val_check_interval.of(std::numeric_limits<std::int64_t>::max());
+        } else if (r.num_training_batches > 0) {
+          val_every = std::max<std::int64_t>(1, o.val_check_interval.of(r.num_training_batches));
+        }
+      }
+      std::int64_t idx = 0;
+      bool finished = false;
+      for (auto& batch : train_batches) {
+        if (r.num_training_batches >= 0 && idx >= r.num_training_batches) break;
+        if (idx < r.resume_batches) {
+          ++idx;
+          continue;
+        }
+        each_callback([&](Callback& c) { c.on_train_batch_start(*this, m, idx); });
+        m.on_train_batch_start(idx);
+        const AnyTensor loss =
+            detail::checked_loss(acc->training_step([&] { return m.training_step(batch, idx); }), 1.0 / static_cast<double>(k));
+        r.samples += detail::batch_size_of(batch);
+        acc->backward(loss, &opt);
+        const bool last = r.num_training_batches >= 0 && idx + 1 == r.num_training_batches;
+        const bool step_now = (idx + 1) % k == 0 || last;
+        if (step_now) {
+          m.on_before_optimizer_step(opt);
+          if (clip > 0) acc->clip_gradients(opt, clip, o.gradient_clip_algorithm);
+          acc->optimizer_step(opt);
+          acc->optimizer_zero_grad(opt);
+          ++r.progress.global_step;
+          if (sched && r.optim.interval == "step" && r.progress.global_step % r.optim.frequency == 0) sched->step();
+        }
+        r.epoch_batches_done = idx + 1;
+        const bool read_point = step_now && r.progress.global_step % o.log_every_n_steps == 0;
+        if (read_point) log_to_logger(r.metrics.read_step(true).logged);
+        each_callback([&](Callback& c) { c.on_train_batch_end(*this, m, idx); });
+        m.on_train_batch_end(idx);
+        ++idx;
+        if (val_every > 0 && idx % val_every == 0 && !last) {
+          validate_now();
+          m.train();
+        }
+        if (o.max_steps >= 0 && r.progress.global_step >= o.max_steps) {
+          stop = true;
+          break;
+        }
+        // With replicas a stop is agreed on where they meet anyway (a read point, the end
+        // of the epoch); alone, it is checked every batch.
+        if (!s.is_distributed()) {
+          if (time_is_up()) {
+            stop = true;
+            break;
+          }
+          if (r.should_stop && epoch + 1 >= o.min_epochs) break;
+        } else if (read_point && o.max_time && s.reduce_boolean_decision(time_is_up(), false)) {
+          stop = true;
+          break;
+        }
+      }
+      finished = r.num_training_batches < 0 || idx >= r.num_training_batches;
+      r.resume_batches = 0;
+      if (finished) {
+        r.epoch_batches_done = std::max<std::int64_t>(idx, r.num_training_batches);
+        if (r.num_training_batches < 0) r.num_training_batches = idx;
+        if (sched && r.optim.interval == "epoch" && (epoch + 1) % r.optim.frequency == 0) sched->step();
+        r.epoch_finished = true;  // a checkpoint from here on resumes at the next epoch
+        if (val_this_epoch) {
+          validate_now();
+          m.train();
+        }
+      }
+      r.stage = detail::Loop::Train;
+      r.metrics.set_loop(detail::Loop::Train);
+      log_to_logger(r.metrics.end_epoch().logged);
+      each_callback([&](Callback& c) { c.on_train_epoch_end(*this, m); });
+      m.on_train_epoch_end();
+      acc->on_train_epoch_end();
+      if (s.is_distributed()) {
+        r.should_stop = s.reduce_boolean_decision(r.should_stop, false);
+        if (o.max_time && s.reduce_boolean_decision(time_is_up(), false)) stop = true;
+      } else if (time_is_up()) {
+        stop = true;
+      }
+      ++r.progress.epoch;
+      r.epoch_batches_done = 0;
+      r.epoch_finished = false;
+      if (r.should_stop && r.progress.epoch >= o.min_epochs) stop = true;
+    }
+    each_callback([&](Callback& c) { c.on_train_end(*this, m); });
+    m.on_train_end();
+    acc->on_train_end();
+    each_callback([&](Callback& c) { c.on_fit_end(*this, m); });
+    m.on_fit_end();
+    if (logger_ && is_global_zero()) logger_->finalize("success");
+    return 0;
+  });
+}
+
+template <class M, class Loader>
+std::vector<std::map<std::string, double>> Trainer::validate(M& module, Loader& val, const std::string& ckpt_path) {
+  return launch_replicas<M, Loader>(module, [&](Strategy& s, M& m, detail::ReplicaRun& r) {
+    make_accelerator(options_.accelerator, s)->setup(m);
+    if (!ckpt_path.empty()) restore_checkpoint(io::load(resolve_ckpt_path(ckpt_path), s.root_device()), false);
+    detail::ReplicaLoader<Loader> local(val, s, options_.use_distributed_sampler);
+    auto batches = s.process_dataloader(local.get());
+    const std::int64_t total = detail::loader_batches(batches);
+    r.stage = detail::Loop::Validate;
+    each_callback([&](Callback& c) { c.on_validation_start(*this, m); });
+    auto values = eval_epoch(m, batches, detail::Loop::Validate, total < 0 ? -1 : options_.limit_val_batches.of(total));
+    each_callback([&](Callback& c) { c.on_validation_end(*this, m); });
+    if (logger_ && is_global_zero()) logger_->save();
+    return std::vector<std::map<std::string, double>>{values};
+  });
+}
+
+template <class M, class Loader>
+std::vector<std::map<std::string, double>> Trainer::test(M& module, Loader& data, const std::string& ckpt_path) {
+  return launch_replicas<M, Loader>(module, [&](Strategy& s, M& m, detail::ReplicaRun& r) {
+    make_accelerator(options_.accelerator, s)->setup(m);
+    if (!ckpt_path.empty()) restore_checkpoint(io::load(resolve_ckpt_path(ckpt_path), s.root_device()), false);
+    detail::ReplicaLoader<Loader> local(data, s, options_.use_distributed_sampler);
+    auto batches = s.process_dataloader(local.get());
+    const std::int64_t total = detail::loader_batches(batches);
+    r.stage = detail::Loop::Test;
+    each_callback([&](Callback& c) { c.on_test_start(*this, m); });
+    auto values = eval_epoch(m, batches, detail::Loop::Test, total < 0 ? -1 : options_.limit_test_batches.of(total));
+    each_callback([&](Callback& c) { c.on_test_end(*this, m); });
+    if (logger_ && is_global_zero()) logger_->save();
+    return std::vector<std::map<std::string, double>>{values};
+  });
+}
+
+template <class M, class Loader>
+std::vector<AnyTensor> Trainer::predict(M& module, Loader& data, const std::string& ckpt_path) {
+  return launch_replicas<M, Loader>(module, [&](Strategy& s, M& m, detail::ReplicaRun& r) {
+    auto acc = make_accelerator(options_.accelerator, s);
+    acc->setup(m);
+    if (!ckpt_path.empty()) restore_checkpoint(io::load(resolve_ckpt_path(ckpt_path), s.root_device()), false);
+    detail::ReplicaLoader<Loader> local(data, s, options_.use_distributed_sampler);
+    auto batches = s.process_dataloader(local.get());
+    const std::int64_t total = detail::loader_batches(batches);
+    const std::int64_t limit = total < 0 ? -1 : options_.limit_predict_batches.of(total);
+    r.stage = detail::Loop::Predict;
+    r.metrics.start_epoch(detail::Loop::Predict);
+    each_callback([&](Callback& c) { c.on_predict_start(*this, m); });
+    m.eval();
+    std::vector<AnyTensor> out;
+    std::int64_t idx = 0;
+    for (auto& batch : batches) {
+      if (limit >= 0 && idx >= limit) break;
+      out.push_back(acc->predict_step([&] { return detail::user_step([&] { return m.predict_step(batch, idx); }); }));
+      ++idx;
+    }
+    lazy::mark_step();
+    each_callback([&](Callback& c) { c.on_predict_end(*this, m); });
+    m.train();
+    return out;
+  });
+}
+
+}  // namespace lazy::train
+// ---- end lazytensor/train/loops.hpp ----
+// ---- begin lazytensor/train/lr_monitor.hpp ----
+// train::LearningRateMonitor, Lightning's: sends the optimizer's learning rate(s) to the
+// logger, as "lr-<Optimizer>" ("lr-<Optimizer>/pg<i>" with several parameter groups), at
+// the start of every epoch ("epoch") or at every logging step ("step"; default: both as
+// the scheduler's interval says).
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+
+
+namespace lazy::train {
+
+/// Lightning's LearningRateMonitor (see the file comment).
+class LearningRateMonitor : public Callback {
+ public:
+  /// `logging_interval`: "epoch", "step", or nullopt (the scheduler's interval; "epoch"
+  /// without a scheduler).
+  explicit LearningRateMonitor(std::optional<std::string> logging_interval = std::nullopt);
+
+  std::shared_ptr<Callback> clone() const override { return std::make_shared<LearningRateMonitor>(*this); }
+  std::string state_key() const override { return "LearningRateMonitor"; }
+
+  void on_fit_start(Trainer& trainer, LightningModuleBase& module) override;
+  void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
+  void on_train_batch_end(Trainer& trainer, LightningModuleBase& module, std::int64_t batch_idx) override;
+
+  /// The rates as logged: name -> rate.
+  static std::map<std::string, double> rates(const optim::Optimizer& optimizer);
+
+ private:
+  std::string interval(const Trainer& trainer) const;
+  void log(Trainer& trainer);
+
+  std::optional<std::string> interval_;
+  std::int64_t last_step_ = -1;
+};
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+
+LAZYTENSOR_INLINE LearningRateMonitor::LearningRateMonitor(std::optional<std::string> logging_interval)
+    : interval_(std::move(logging_interval)) {
+  if (interval_ && *interval_ != "epoch" && *interval_ != "step")
+    throw Error("LearningRateMonitor: logging_interval must be \"epoch\" or \"step\", got \"" + *interval_ + "\"");
+}
+
+LAZYTENSOR_INLINE std::map<std::string, double> LearningRateMonitor::rates(const optim::Optimizer& optimizer) {
+  std::map<std::string, double> out;
+  const std::size_t groups = optimizer.num_param_groups();
+  for (std::size_t g = 0; g < groups; ++g) {
+    std::string key = "lr-" + optimizer.name();
+    if (groups > 1) key += "/pg" + std::to_string(g + 1);
+    out[key] = optimizer.lr(g);
+  }
+  return out;
+}
+
+LAZYTENSOR_INLINE std::string LearningRateMonitor::interval(const Trainer& trainer) const {
+  if (interval_) return *interval_;
+  return trainer.lr_scheduler() ? trainer.lr_scheduler_interval() : std::string("epoch");
+}
+
+LAZYTENSOR_INLINE void LearningRateMonitor::on_fit_start(Trainer& trainer, LightningModuleBase&) {
+  if (!trainer.logger())
+    throw Error("LearningRateMonitor: the Trainer has no logger to send the learning rates to (logger = false)");
+}
+
+LAZYTENSOR_INLINE void LearningRateMonitor::log(Trainer& trainer) {
+  if (!trainer.is_global_zero() || !trainer.logger()) return;
+  trainer.logger()->log_metrics(rates(trainer.optimizer()), trainer.global_step());
+}
+
+LAZYTENSOR_INLINE void LearningRateMonitor::on_train_epoch_start(Trainer& trainer, LightningModuleBase&) {
+  if (interval(trainer) == "epoch") log(trainer);
+}
+
+LAZYTENSOR_INLINE void LearningRateMonitor::on_train_batch_end(Trainer& trainer, LightningModuleBase&, std::int64_t) {
+  if (interval(trainer) != "step" || trainer.global_step() == last_step_) return;
+  if (trainer.global_step() % trainer.options().log_every_n_steps != 0) return;
+  last_step_ = trainer.global_step();
+  log(trainer);
+}
+
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+}  // namespace lazy::train
+// ---- end lazytensor/train/lr_monitor.hpp ----
 // ---- end lazytensor/train.hpp ----
 // ---- end lazytensor/lazytensor.hpp ----

@@ -3,6 +3,7 @@
 // call is checked and turned into an IoError naming the file and the OS reason, partial
 // reads/writes and EINTR are retried, and writes replace their target atomically.
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -15,6 +16,7 @@
 #include <string>
 #include <system_error>
 #include <utility>
+#include <vector>
 
 #include <lazytensor/core/config.hpp>
 #include <lazytensor/core/error.hpp>
@@ -31,6 +33,17 @@ IoError os_error(const std::string& what, const std::string& path, int err = err
 
 /// The directory part of `path` ("." when it has none), for temp files and directory fsync.
 std::string parent_dir(const std::string& path);
+
+/// Creates directory `path` and its missing parents (mkdir -p); IoError naming the first
+/// one that cannot be created.
+void make_directories(const std::string& path);
+
+/// The names in directory `path` (without "." and ".."), or nothing when it does not exist;
+/// IoError when it exists but cannot be read.
+std::vector<std::string> list_directory(const std::string& path);
+
+/// Whether `path` names an existing file or directory.
+bool path_exists(const std::string& path);
 
 /// A file opened for reading, with its size taken once at open.
 class ReadFile {
@@ -98,6 +111,40 @@ LAZYTENSOR_INLINE std::string parent_dir(const std::string& path) {
   if (slash == std::string::npos) return ".";
   if (slash == 0) return "/";
   return path.substr(0, slash);
+}
+
+LAZYTENSOR_INLINE void make_directories(const std::string& path) {
+  if (path.empty()) return;
+  std::size_t pos = 0;
+  while (pos != std::string::npos) {
+    pos = path.find('/', pos + 1);
+    const std::string part = path.substr(0, pos);
+    if (part.empty() || part == "/") continue;
+    if (::mkdir(part.c_str(), 0777) != 0 && errno != EEXIST) throw os_error("cannot create directory", part);
+  }
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
+    throw IoError("cannot create directory '" + path + "': a file of that name exists");
+}
+
+LAZYTENSOR_INLINE std::vector<std::string> list_directory(const std::string& path) {
+  std::vector<std::string> names;
+  DIR* d = ::opendir(path.c_str());
+  if (!d) {
+    if (errno == ENOENT) return names;
+    throw os_error("cannot list directory", path);
+  }
+  while (const dirent* e = ::readdir(d)) {
+    const std::string n = e->d_name;
+    if (n != "." && n != "..") names.push_back(n);
+  }
+  ::closedir(d);
+  return names;
+}
+
+LAZYTENSOR_INLINE bool path_exists(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0;
 }
 
 LAZYTENSOR_INLINE ReadFile::ReadFile(std::string path) : path_(std::move(path)) {

@@ -29,6 +29,12 @@ class LRScheduler {
   std::vector<double> get_last_lr() const;
   /// Steps taken so far.
   std::int64_t last_epoch() const { return count_; }
+  /// Continues from `steps` steps taken (a resumed run): sets the rates of that step.
+  void set_last_epoch(std::int64_t steps) {
+    if (steps < 0) throw Error("LRScheduler::set_last_epoch: steps must be >= 0, got " + std::to_string(steps));
+    count_ = steps;
+    apply();
+  }
 
  protected:
   virtual double rate(double base, std::int64_t step) const = 0;

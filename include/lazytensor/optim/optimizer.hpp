@@ -73,6 +73,8 @@ class Optimizer {
   virtual void set_lr(double lr, std::size_t g) = 0;
   /// Sets the learning rate of every group.
   void set_lr(double lr);
+  /// The optimizer's kind: "SGD", "Adam", ... (what LearningRateMonitor names it by).
+  std::string name() const { return type_name(); }
 
   /// State tensors as "state.<i>.<name>" (i counts parameters across groups in order),
   /// step counts as "state.<i>.step", and every group's options in the metadata

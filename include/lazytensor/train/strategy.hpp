@@ -68,6 +68,8 @@ B to_device(const B& b, const Device& dev, const Place& place) {
     AnyTensor moved(b.to(dev));
     place(moved);
     return moved.template as<typename B::value_type>();
+  } else if constexpr (requires { b.data; b.target; }) {  // data::Example
+    return B{to_device(b.data, dev, place), to_device(b.target, dev, place)};
   } else if constexpr (requires { std::tuple_size<B>::value; }) {
     return std::apply([&](const auto&... xs) { return B{to_device(xs, dev, place)...}; }, b);
   } else if constexpr (requires(B& out) { b.begin(); b.end(); out.push_back(*b.begin()); }) {

@@ -1,0 +1,327 @@
+#pragma once
+// train::ModelCheckpoint, Lightning's: saves the run (Trainer::save_checkpoint) every
+// every_n_epochs epochs or every_n_train_steps optimizer steps, keeps the save_top_k best by
+// a monitored value (or the latest ones without a monitor), and with save_last also writes
+// last.safetensors each time. Files are named from the `filename` template
+// ("{epoch}-{step}" gives "epoch=3-step=1200.safetensors"; "{val_loss:.2f}" a monitored
+// value). Every replica calls the hooks; global rank zero's choice of file is broadcast, so
+// the replicas agree even on values they did not sync, and only rank zero writes.
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include <lazytensor/core/config.hpp>
+#include <lazytensor/core/error.hpp>
+#include <lazytensor/io/file.hpp>
+#include <lazytensor/train/callback.hpp>
+#include <lazytensor/train/trainer.hpp>
+
+namespace lazy::train {
+
+/// ModelCheckpoint's arguments, in Lightning's order.
+struct ModelCheckpointOptions {
+  /// Directory of the files (default: `trainer.log_dir()/checkpoints`).
+  std::string dirpath = "";
+  /// File name template without extension (default "{epoch}-{step}").
+  std::string filename = "";
+  /// The callback metric to rank checkpoints by (none: the latest ones are kept).
+  std::optional<std::string> monitor = std::nullopt;
+  /// Print each save on global rank zero.
+  bool verbose = false;
+  /// Also write `last.safetensors` at every save (what ckpt_path "last" resumes).
+  bool save_last = false;
+  /// How many files to keep: k best (by monitor; without one, only 1 is valid: the
+  /// latest), -1 all, 0 none (only last).
+  std::int64_t save_top_k = 1;
+  /// "min" or "max": which monitored values are better.
+  std::string mode = "min";
+  /// "{epoch}" gives "epoch=3" (true) or "3" (false).
+  bool auto_insert_metric_name = true;
+  /// Save every this many optimizer steps (0: off).
+  std::int64_t every_n_train_steps = 0;
+  /// Save every this many epochs (default 1 unless every_n_train_steps is set; 0: off).
+  std::optional<std::int64_t> every_n_epochs = std::nullopt;
+  /// Save at the end of the training epoch (true) or after validation (false); default:
+  /// after validation in epochs that validate.
+  std::optional<bool> save_on_train_epoch_end = std::nullopt;
+};
+
+/// Lightning's ModelCheckpoint (see the file comment).
+class ModelCheckpoint : public Callback {
+ public:
+  /// ".safetensors".
+  static constexpr const char* kFileExtension = ".safetensors";
+  /// "last".
+  static constexpr const char* kLastName = "last";
+
+  /// Checks the options (Error for an invalid mode, save_top_k, intervals, or save_top_k
+  /// other than -1, 0, 1 without a monitor).
+  explicit ModelCheckpoint(ModelCheckpointOptions options = {});
+
+  std::shared_ptr<Callback> clone() const override { return std::make_shared<ModelCheckpoint>(*this); }
+  std::string state_key() const override;
+  std::map<std::string, std::string> state_dict() const override;
+  void load_state_dict(const std::map<std::string, std::string>& state) override;
+
+  void on_fit_start(Trainer& trainer, LightningModuleBase& module) override;
+  void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
+  void on_train_batch_end(Trainer& trainer, LightningModuleBase& module, std::int64_t batch_idx) override;
+  void on_validation_end(Trainer& trainer, LightningModuleBase& module) override;
+  void on_train_epoch_end(Trainer& trainer, LightningModuleBase& module) override;
+
+  const ModelCheckpointOptions& options() const { return options_; }
+  /// The directory files go to (resolved at fit start).
+  const std::string& dirpath() const { return dirpath_; }
+  /// The best file so far ("" before the first save).
+  const std::string& best_model_path() const { return best_model_path_; }
+  /// Its monitored value (nullopt without a monitor or before a save).
+  std::optional<double> best_model_score() const { return best_model_score_; }
+  /// The kept files and their monitored values.
+  const std::map<std::string, double>& best_k_models() const { return best_k_; }
+  /// The last file written as "last" ("" before).
+  const std::string& last_model_path() const { return last_model_path_; }
+  /// The file name the template gives for `metrics` (with epoch and step), without the
+  /// directory.
+  std::string format_checkpoint_name(const std::map<std::string, double>& metrics) const;
+
+  /// Saves now if nothing was saved at this step (what the hooks call).
+  void save_checkpoint(Trainer& trainer);
+
+ private:
+  bool better(double a, double b) const { return options_.mode == "min" ? a < b : a > b; }
+  std::string worst_kept() const;
+
+  ModelCheckpointOptions options_;
+  std::int64_t every_n_epochs_ = 1;
+  std::string dirpath_;
+  std::string best_model_path_, last_model_path_;
+  std::optional<double> best_model_score_;
+  std::map<std::string, double> best_k_;
+  std::int64_t last_saved_step_ = -1;
+  bool validated_this_epoch_ = false;
+};
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+
+LAZYTENSOR_INLINE ModelCheckpoint::ModelCheckpoint(ModelCheckpointOptions options) : options_(std::move(options)) {
+  const auto& o = options_;
+  if (o.mode != "min" && o.mode != "max")
+    throw Error("ModelCheckpoint: mode must be \"min\" or \"max\", got \"" + o.mode + "\"");
+  if (o.save_top_k < -1) throw Error("ModelCheckpoint: save_top_k must be >= -1, got " + std::to_string(o.save_top_k));
+  if (!o.monitor && o.save_top_k > 1) {
+    throw Error("ModelCheckpoint: save_top_k = " + std::to_string(o.save_top_k) +
+                " needs a monitor to rank the files by (without one use 1, -1 or 0)");
+  }
+  if (o.every_n_train_steps < 0)
+    throw Error("ModelCheckpoint: every_n_train_steps must be >= 0, got " + std::to_string(o.every_n_train_steps));
+  every_n_epochs_ = o.every_n_epochs.value_or(o.every_n_train_steps > 0 ? 0 : 1);
+  if (every_n_epochs_ < 0) throw Error("ModelCheckpoint: every_n_epochs must be >= 0, got " + std::to_string(every_n_epochs_));
+  dirpath_ = o.dirpath;
+}
+
+LAZYTENSOR_INLINE std::string ModelCheckpoint::state_key() const {
+  return "ModelCheckpoint{monitor=" + options_.monitor.value_or("") + ",mode=" + options_.mode +
+         ",every_n_train_steps=" + std::to_string(options_.every_n_train_steps) +
+         ",every_n_epochs=" + std::to_string(every_n_epochs_) + "}";
+}
+
+LAZYTENSOR_INLINE std::map<std::string, std::string> ModelCheckpoint::state_dict() const {
+  std::map<std::string, std::string> s;
+  s["dirpath"] = dirpath_;
+  s["best_model_path"] = best_model_path_;
+  s["last_model_path"] = last_model_path_;
+  if (best_model_score_) s["best_model_score"] = detail::double_text(*best_model_score_);
+  int i = 0;
+  for (const auto& [path, score] : best_k_) {
+    s["best_k." + std::to_string(i) + ".path"] = path;
+    s["best_k." + std::to_string(i) + ".score"] = detail::double_text(score);
+    ++i;
+  }
+  s["last_saved_step"] = std::to_string(last_saved_step_);
+  return s;
+}
+
+LAZYTENSOR_INLINE void ModelCheckpoint::load_state_dict(const std::map<std::string, std::string>& s) {
+  const auto get = [&](const std::string& k) {
+    const auto it = s.find(k);
+    return it == s.end() ? std::string() : it->second;
+  };
+  // Lightning's rule: the ranking carries over only into the same directory.
+  if (get("dirpath") != dirpath_ && !dirpath_.empty()) return;
+  if (dirpath_.empty()) dirpath_ = get("dirpath");
+  best_model_path_ = get("best_model_path");
+  last_model_path_ = get("last_model_path");
+  best_model_score_.reset();
+  if (!get("best_model_score").empty()) best_model_score_ = detail::parse_double(get("best_model_score"), "ModelCheckpoint state");
+  best_k_.clear();
+  for (int i = 0; s.count("best_k." + std::to_string(i) + ".path"); ++i) {
+    best_k_[get("best_k." + std::to_string(i) + ".path")] =
+        detail::parse_double(get("best_k." + std::to_string(i) + ".score"), "ModelCheckpoint state");
+  }
+  if (!get("last_saved_step").empty()) last_saved_step_ = detail::parse_int(get("last_saved_step"), "ModelCheckpoint state");
+}
+
+LAZYTENSOR_INLINE void ModelCheckpoint::on_fit_start(Trainer& trainer, LightningModuleBase&) {
+  if (dirpath_.empty()) dirpath_ = trainer.log_dir() + "/checkpoints";
+  if (trainer.is_global_zero()) io::detail::make_directories(dirpath_);
+}
+
+LAZYTENSOR_INLINE void ModelCheckpoint::on_train_epoch_start(Trainer&, LightningModuleBase&) {
+  validated_this_epoch_ = false;
+}
+
+LAZYTENSOR_INLINE void ModelCheckpoint::on_train_batch_end(Trainer& trainer, LightningModuleBase&, std::int64_t) {
+  const std::int64_t n = options_.every_n_train_steps;
+  if (n > 0 && trainer.global_step() > 0 && trainer.global_step() % n == 0) save_checkpoint(trainer);
+}
+
+LAZYTENSOR_INLINE void ModelCheckpoint::on_validation_end(Trainer& trainer, LightningModuleBase&) {
+  if (trainer.sanity_checking()) return;
+  validated_this_epoch_ = true;
+  if (options_.save_on_train_epoch_end.value_or(false)) return;
+  if (every_n_epochs_ > 0 && (trainer.current_epoch() + 1) % every_n_epochs_ == 0) save_checkpoint(trainer);
+}
+
+LAZYTENSOR_INLINE void ModelCheckpoint::on_train_epoch_end(Trainer& trainer, LightningModuleBase&) {
+  if (!options_.save_on_train_epoch_end.value_or(!validated_this_epoch_)) return;
+  if (every_n_epochs_ > 0 && (trainer.current_epoch() + 1) % every_n_epochs_ == 0) save_checkpoint(trainer);
+}
+
+LAZYTENSOR_INLINE std::string ModelCheckpoint::format_checkpoint_name(const std::map<std::string, double>& metrics) const {
+  const std::string& tpl = options_.filename.empty() ? std::string("{epoch}-{step}") : options_.filename;
+  std::string out;
+  for (std::size_t i = 0; i < tpl.size();) {
+    if (tpl[i] != '{') {
+      out += tpl[i++];
+      continue;
+    }
+    const auto close = tpl.find('}', i);
+    if (close == std::string::npos) throw Error("ModelCheckpoint: unclosed '{' in filename \"" + tpl + "\"");
+    const std::string field = tpl.substr(i + 1, close - i - 1);
+    const auto colon = field.find(':');
+    const std::string name = field.substr(0, colon);
+    const auto it = metrics.find(name);
+    if (it == metrics.end()) {
+      std::string known;
+      for (const auto& [k, v] : metrics) known += (known.empty() ? "" : ", ") + k;
+      throw Error("ModelCheckpoint: filename \"" + tpl + "\" names \"" + name + "\", which is not among the metrics (" +
+                  known + ")");
+    }
+    std::string value;
+    if (colon != std::string::npos) {
+      char buf[64];
+      const std::string fmt = "%" + field.substr(colon + 1);
+      std::snprintf(buf, sizeof buf, fmt.c_str(), it->second);
+      value = buf;
+    } else if (name == "epoch" || name == "step" || it->second == std::floor(it->second)) {
+      value = std::to_string(static_cast<std::int64_t>(it->second));
+    } else {
+      value = detail::double_text(it->second);
+    }
+    if (options_.auto_insert_metric_name) out += name + "=";
+    out += value;
+    i = close + 1;
+  }
+  return out;
+}
+
+LAZYTENSOR_INLINE std::string ModelCheckpoint::worst_kept() const {
+  std::string worst;
+  for (const auto& [path, score] : best_k_)
+    if (worst.empty() || better(best_k_.at(worst), score)) worst = path;
+  return worst;
+}
+
+LAZYTENSOR_INLINE void ModelCheckpoint::save_checkpoint(Trainer& trainer) {
+  if (trainer.fast_dev_run() || trainer.sanity_checking()) return;
+  if (trainer.global_step() == last_saved_step_) return;
+  last_saved_step_ = trainer.global_step();
+  std::map<std::string, double> metrics = trainer.callback_metrics();
+  metrics["epoch"] = static_cast<double>(trainer.current_epoch());
+  metrics["step"] = static_cast<double>(trainer.global_step());
+  // Decide on this replica, then take rank zero's decision everywhere.
+  std::string save_path, remove_path;
+  double score = 0;
+  if (options_.monitor) {
+    const auto it = metrics.find(*options_.monitor);
+    if (it == metrics.end()) {
+      std::string known;
+      for (const auto& [k, v] : metrics) known += (known.empty() ? "" : ", ") + k;
+      throw Error("ModelCheckpoint: the monitored value \"" + *options_.monitor + "\" was not logged (callback metrics: " +
+                  known + ")");
+    }
+    score = it->second;
+  }
+  const std::string file = dirpath_ + "/" + format_checkpoint_name(metrics) + kFileExtension;
+  const std::int64_t k = options_.save_top_k;
+  if (k == -1) {
+    save_path = file;
+  } else if (k > 0) {
+    if (!options_.monitor) {
+      save_path = file;
+      if (!best_model_path_.empty() && best_model_path_ != file) remove_path = best_model_path_;
+    } else if (!std::isnan(score) && (static_cast<std::int64_t>(best_k_.size()) < k || better(score, best_k_.at(worst_kept())))) {
+      save_path = file;
+      if (static_cast<std::int64_t>(best_k_.size()) >= k) remove_path = worst_kept();
+    }
+  }
+  struct Decision {
+    char save[512];
+    char remove[512];
+    double score;
+  } d{};
+  if (save_path.size() >= sizeof d.save || remove_path.size() >= sizeof d.remove)
+    throw Error("ModelCheckpoint: a checkpoint path is longer than 511 bytes: " + save_path);
+  std::snprintf(d.save, sizeof d.save, "%s", save_path.c_str());
+  std::snprintf(d.remove, sizeof d.remove, "%s", remove_path.c_str());
+  d.score = score;
+  d = trainer.strategy().broadcast(d, 0);
+  save_path = d.save;
+  remove_path = d.remove;
+  score = d.score;
+  if (!save_path.empty()) {
+    if (k == -1 || options_.monitor) best_k_[save_path] = score;
+    if (!remove_path.empty()) best_k_.erase(remove_path);
+    if (!options_.monitor) {
+      best_model_path_ = save_path;
+    } else {
+      std::string best;
+      for (const auto& [path, s] : best_k_)
+        if (best.empty() || better(s, best_k_.at(best))) best = path;
+      best_model_path_ = best;
+      best_model_score_ = best_k_.at(best);
+    }
+  }
+  const std::string last = dirpath_ + "/" + kLastName + kFileExtension;
+  if (options_.save_last) last_model_path_ = last;
+  // The state above is what these files hold (best paths included), as Lightning's.
+  if (!save_path.empty()) {
+    trainer.save_checkpoint(save_path);
+    if (options_.verbose && trainer.is_global_zero())
+      std::fprintf(stderr, "Epoch %lld, global step %lld: saved %s\n", static_cast<long long>(trainer.current_epoch()),
+                   static_cast<long long>(trainer.global_step()), save_path.c_str());
+  }
+  if (options_.save_last) trainer.save_checkpoint(last);
+  if (!remove_path.empty() && remove_path != save_path) trainer.strategy().remove_checkpoint(remove_path);
+}
+
+namespace detail {
+LAZYTENSOR_INLINE std::string last_checkpoint_path(const std::vector<std::shared_ptr<Callback>>& callbacks) {
+  for (const auto& c : callbacks) {
+    const auto* mc = dynamic_cast<const ModelCheckpoint*>(c.get());
+    if (!mc || !mc->options().save_last) continue;
+    if (!mc->last_model_path().empty()) return mc->last_model_path();
+    if (!mc->dirpath().empty()) return mc->dirpath() + "/" + ModelCheckpoint::kLastName + ModelCheckpoint::kFileExtension;
+  }
+  return {};
+}
+}  // namespace detail
+
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+}  // namespace lazy::train

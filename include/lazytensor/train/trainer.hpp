@@ -1,0 +1,587 @@
+#pragma once
+// train::Trainer, Lightning's: it runs a LightningModule's training, validation, test and
+// prediction loops on a strategy, with callbacks, a logger and checkpoints. This header
+// holds the Trainer object and its options; train/loops.hpp holds the loops (fit, validate,
+// test, predict), and train/default_callbacks.hpp what the Trainer adds on its own (a
+// ModelCheckpoint, a progress bar, a CSVLogger). Include <lazytensor/train.hpp>.
+//
+// One Trainer serves every replica the strategy launches: whatever belongs to a replica (its
+// module, optimizer, callbacks' copies, logged values, progress) lives in a per-replica run
+// that the accessors find from the calling thread's rank, as Strategy does. After a fit the
+// accessors show global rank zero's run.
+
+#include <charconv>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <variant>
+#include <vector>
+
+#include <lazytensor/core/config.hpp>
+#include <lazytensor/core/error.hpp>
+#include <lazytensor/dist/runtime.hpp>
+#include <lazytensor/state_dict.hpp>
+#include <lazytensor/io/safetensors.hpp>
+#include <lazytensor/spmd/mesh.hpp>
+#include <lazytensor/train/accelerator.hpp>
+#include <lazytensor/train/callback.hpp>
+#include <lazytensor/train/lightning_module.hpp>
+#include <lazytensor/train/logger.hpp>
+#include <lazytensor/train/metrics.hpp>
+#include <lazytensor/train/precision.hpp>
+#include <lazytensor/train/replica.hpp>
+#include <lazytensor/train/single_device.hpp>
+#include <lazytensor/train/spmd_strategy.hpp>
+#include <lazytensor/train/strategy.hpp>
+
+namespace lazy::train {
+
+/// A number of batches (an integer) or a fraction of the loader's batches (a double in
+/// [0, 1]), as Lightning's limit_*_batches and val_check_interval.
+class BatchCount {
+ public:
+  /// `n` batches (>= 0).
+  BatchCount(int n) : BatchCount(static_cast<std::int64_t>(n)) {}  // NOLINT: implicit, as Lightning's int
+  /// `n` batches (>= 0).
+  BatchCount(std::int64_t n) : count_(n) {  // NOLINT
+    if (n < 0) throw Error("Trainer: a batch count must be >= 0, got " + std::to_string(n));
+  }
+  /// A fraction of the loader's batches, in [0, 1].
+  BatchCount(double fraction) : fraction_(fraction) {  // NOLINT: implicit, as Lightning's float
+    if (!(fraction >= 0.0 && fraction <= 1.0))
+      throw Error("Trainer: a fraction of batches must be in [0, 1], got " + std::to_string(fraction));
+  }
+  /// How many of `total` batches (a fraction rounds down, as int(total * f)).
+  std::int64_t of(std::int64_t total) const {
+    if (count_) return std::min(*count_, total);
+    return static_cast<std::int64_t>(static_cast<double>(total) * fraction_);
+  }
+  /// Whether this is a fraction.
+  bool is_fraction() const { return !count_.has_value(); }
+
+ private:
+  std::optional<std::int64_t> count_;
+  double fraction_ = 1.0;
+};
+
+/// Lightning's Trainer arguments, in the order of its signature (so designated initializers
+/// read as a Lightning call: `Trainer({.devices = 2, .max_epochs = 3})`).
+struct TrainerOptions {
+  /// "cpu" or "auto" (lazytensor's devices are CPU executors).
+  std::string accelerator = "auto";
+  /// "auto" (replicas when devices > 1), "single" / "single_device", "replica" (also
+  /// "ddp", "ddp_spawn", "xla": thread replicas), "spmd" (one program over a 1-D "data"
+  /// mesh of the devices), or a Strategy object.
+  std::variant<std::string, std::shared_ptr<Strategy>> strategy = std::string("auto");
+  /// How many devices (replicas, or mesh devices with "spmd"); nullopt: all of them for
+  /// "replica" / "spmd", one otherwise.
+  std::optional<int> devices = std::nullopt;
+  /// "32-true" (also "32"), "64-true" ("64"), "bf16-mixed", "bf16-true" ("bf16"); empty:
+  /// the strategy's plugin (default_precision(), which LAZYTENSOR_USE_BF16 changes).
+  std::string precision = "";
+  /// true: a CSVLogger under default_root_dir; false: none; or a Logger.
+  std::variant<bool, std::shared_ptr<Logger>> logger = true;
+  /// Added to the defaults (a ModelCheckpoint and a progress bar, unless disabled or
+  /// given here).
+  std::vector<std::shared_ptr<Callback>> callbacks = {};
+  /// true: one training and one validation batch, no checkpoints or logger; a number n:
+  /// n batches of each.
+  std::variant<bool, std::int64_t> fast_dev_run = false;
+  /// Epochs to train (default: 1000 when neither max_steps nor max_time is given, else
+  /// unbounded).
+  std::optional<std::int64_t> max_epochs = std::nullopt;
+  /// Epochs trained even when a callback asks to stop earlier.
+  std::int64_t min_epochs = 0;
+  /// Optimizer steps to take at most (-1: no limit).
+  std::int64_t max_steps = -1;
+  /// Wall time after which training stops (checked every batch on one replica; with
+  /// replicas at every log_every_n_steps point and epoch end, where they meet anyway).
+  std::optional<std::chrono::duration<double>> max_time = std::nullopt;
+  BatchCount limit_train_batches = 1.0;
+  BatchCount limit_val_batches = 1.0;
+  BatchCount limit_test_batches = 1.0;
+  BatchCount limit_predict_batches = 1.0;
+  /// Validate every this many training batches (an integer), or this fraction of an
+  /// epoch (a double; 1.0 = at its end).
+  BatchCount val_check_interval = 1.0;
+  /// Validate every this many epochs.
+  std::int64_t check_val_every_n_epoch = 1;
+  /// Validation batches run before training to catch errors early (-1: all).
+  std::int64_t num_sanity_val_steps = 2;
+  /// The logger gets the step values every this many optimizer steps.
+  std::int64_t log_every_n_steps = 50;
+  /// Add a ModelCheckpoint (saving the last epoch) when the callbacks have none.
+  bool enable_checkpointing = true;
+  /// Add a progress bar (on global rank zero) when the callbacks have none.
+  bool enable_progress_bar = true;
+  /// Sum the gradients of this many batches before each optimizer step (each loss scaled
+  /// by 1/k, so k batches of n equal one batch of k*n).
+  std::int64_t accumulate_grad_batches = 1;
+  /// Clip the gradients before each optimizer step (0 or nullopt: no clipping).
+  std::optional<double> gradient_clip_val = std::nullopt;
+  /// "norm" (total 2-norm) or "value" (element-wise).
+  std::string gradient_clip_algorithm = "norm";
+  /// Reseed every replica's random stream at the start of each epoch from the run's seed,
+  /// the epoch and the rank, so a resumed run repeats the uninterrupted one bitwise.
+  bool deterministic = false;
+  /// With replicas, give each replica its share of a data::DataLoader's samples (a
+  /// DistributedSampler over the loader's dataset, shuffled when the loader shuffles).
+  bool use_distributed_sampler = true;
+  /// Where the default logger and checkpoints go.
+  std::string default_root_dir = ".";
+};
+
+namespace detail {
+
+/// What the Trainer keeps for one replica.
+struct ReplicaRun {
+  explicit ReplicaRun(const Strategy& s) : metrics(s) {}
+  LightningModuleBase* module = nullptr;
+  Progress progress;
+  MetricStore metrics;
+  std::vector<std::shared_ptr<Callback>> callbacks;  // this replica's copies
+  std::vector<bool> shared_callback;                 // no copy: hooks on rank zero only
+  OptimizerConfig optim;
+  bool should_stop = false;
+  Loop stage = Loop::Train;
+  bool running = false;                 // inside a loop
+  std::int64_t num_training_batches = 0;
+  std::int64_t num_val_batches = 0;
+  std::int64_t epoch_batches_done = 0;  // training batches finished in the current epoch
+  bool epoch_finished = false;          // its batches and scheduler step are done
+  std::int64_t resume_batches = 0;      // batches to skip in the first resumed epoch
+  std::int64_t samples = 0;             // training samples seen in this fit
+  std::uint64_t seed = 0;               // the run's seed (deterministic reseeding)
+  std::chrono::steady_clock::time_point started;
+};
+
+/// The default callbacks and logger (defined in train/default_callbacks.hpp).
+void add_default_callbacks(std::vector<std::shared_ptr<Callback>>& callbacks, const TrainerOptions& options,
+                           bool checkpointing, bool progress_bar);
+std::shared_ptr<Logger> make_default_logger(const TrainerOptions& options);
+/// The strategy an option names.
+std::shared_ptr<Strategy> make_strategy(const TrainerOptions& options);
+/// The checkpoint "last" names: the last one a ModelCheckpoint among `callbacks` wrote (or
+/// would write) (defined in train/model_checkpoint.hpp); empty when there is none.
+std::string last_checkpoint_path(const std::vector<std::shared_ptr<Callback>>& callbacks);
+/// Text of a double that reads back as the same double.
+std::string double_text(double x);
+/// The double `text` holds (Error naming `what` otherwise).
+double parse_double(const std::string& text, const std::string& what);
+/// The integer `text` holds (Error naming `what` otherwise).
+std::int64_t parse_int(const std::string& text, const std::string& what);
+/// The unsigned 64-bit integer `text` holds (Error naming `what` otherwise).
+std::uint64_t parse_uint64(const std::string& text, const std::string& what);
+
+}  // namespace detail
+
+/// Lightning's Trainer (see the file comment; the loops are in train/loops.hpp).
+class Trainer {
+ public:
+  /// Checks the options and builds the strategy, precision plugin, logger and callbacks.
+  explicit Trainer(TrainerOptions options = {});
+
+  // ---- the loops (train/loops.hpp) -------------------------------------------------------
+
+  /// Trains `module` on `train` (validating on `val` when given). `ckpt_path` resumes from
+  /// a checkpoint file, or "last" (the last checkpoint of the run's ModelCheckpoint).
+  /// With replicas, global rank zero trains `module` and every other replica a
+  /// default-constructed module of the same type (its parameters made rank zero's by the
+  /// strategy), each on its share of the loader's samples.
+  template <class M, class TrainLoader, class ValLoader>
+    requires(!std::is_convertible_v<ValLoader&, std::string>)  // fit(m, train, "last") is a ckpt_path
+  void fit(M& module, TrainLoader& train, ValLoader& val, const std::string& ckpt_path = "");
+  /// fit without validation.
+  template <class M, class TrainLoader>
+  void fit(M& module, TrainLoader& train, const std::string& ckpt_path = "");
+  /// One validation epoch; returns the epoch's values (Lightning's list of one dict).
+  template <class M, class Loader>
+  std::vector<std::map<std::string, double>> validate(M& module, Loader& val, const std::string& ckpt_path = "");
+  /// One test epoch; returns its values.
+  template <class M, class Loader>
+  std::vector<std::map<std::string, double>> test(M& module, Loader& data, const std::string& ckpt_path = "");
+  /// predict_step over every batch; global rank zero's predictions in order.
+  template <class M, class Loader>
+  std::vector<AnyTensor> predict(M& module, Loader& data, const std::string& ckpt_path = "");
+
+  // ---- state (of the calling replica; of global rank zero outside the loops) -----------
+
+  const TrainerOptions& options() const { return options_; }
+  /// The strategy (shared by the replicas).
+  Strategy& strategy() const { return *strategy_; }
+  /// The logger, or nullptr.
+  const std::shared_ptr<Logger>& logger() const { return logger_; }
+  /// This replica's callbacks (defaults included).
+  const std::vector<std::shared_ptr<Callback>>& callbacks() const { return run().callbacks; }
+  /// The module being run.
+  LightningModuleBase& lightning_module() const;
+  /// The current epoch (0-based).
+  std::int64_t current_epoch() const { return run().progress.epoch; }
+  /// Optimizer steps taken.
+  std::int64_t global_step() const { return run().progress.global_step; }
+  /// The epoch limit in force.
+  std::int64_t max_epochs() const { return max_epochs_; }
+  std::int64_t min_epochs() const { return options_.min_epochs; }
+  std::int64_t max_steps() const { return options_.max_steps; }
+  /// Training batches of the current epoch (after limits).
+  std::int64_t num_training_batches() const { return run().num_training_batches; }
+  /// Validation batches of the current validation epoch (after limits).
+  std::int64_t num_val_batches() const { return run().num_val_batches; }
+  /// Training samples seen in this fit on this replica (the first dimension of a batch's
+  /// first tensor, summed).
+  std::int64_t samples_seen() const { return run().samples; }
+  /// Seconds since this fit started.
+  double elapsed_seconds() const;
+  /// Whether a stop was requested (training ends after this epoch's or step's checks,
+  /// once min_epochs are done). Set by callbacks (EarlyStopping) or the module.
+  bool should_stop() const { return run().should_stop; }
+  void set_should_stop(bool stop) { run().should_stop = stop; }
+  bool sanity_checking() const { return run().running && run().stage == detail::Loop::Sanity; }
+  bool training() const { return run().running && run().stage == detail::Loop::Train; }
+  bool validating() const { return run().running && run().stage == detail::Loop::Validate; }
+  bool testing() const { return run().running && run().stage == detail::Loop::Test; }
+  bool predicting() const { return run().running && run().stage == detail::Loop::Predict; }
+  /// Values callbacks can monitor (epoch values by name, step values by name or name_step).
+  const std::map<std::string, double>& callback_metrics() const { return run().metrics.callback_metrics(); }
+  /// What the logger got last.
+  const std::map<std::string, double>& logged_metrics() const { return run().metrics.logged_metrics(); }
+  /// What the progress bar shows.
+  const std::map<std::string, double>& progress_bar_metrics() const { return run().metrics.progress_bar_metrics(); }
+  /// Step-level values of this replica as they are now (no synchronization; the
+  /// progress bar reads them on global rank zero).
+  std::map<std::string, double> read_local_step_metrics() { return run().metrics.read_step(false).progress_bar; }
+  /// The optimizer configure_optimizers returned.
+  optim::Optimizer& optimizer() const;
+  /// Its learning-rate scheduler, or nullptr.
+  optim::LRScheduler* lr_scheduler() const { return run().optim.lr_scheduler.get(); }
+  /// When it steps: "epoch" or "step".
+  const std::string& lr_scheduler_interval() const { return run().optim.interval; }
+  bool is_global_zero() const { return strategy_->is_global_zero(); }
+  int world_size() const { return strategy_->world_size(); }
+  int global_rank() const { return strategy_->global_rank(); }
+  /// default_root_dir.
+  const std::string& default_root_dir() const { return options_.default_root_dir; }
+  /// The logger's directory, or default_root_dir without a logger that writes files.
+  std::string log_dir() const;
+  /// Whether fast_dev_run is on.
+  bool fast_dev_run() const { return fast_dev_run_ > 0; }
+
+  // ---- checkpoints -----------------------------------------------------------------------
+
+  /// Saves the run to `path` (a collective: every replica calls it): the module's state
+  /// dict ("state_dict.*"), the optimizer's ("optimizer.*"), and in the metadata the
+  /// epoch and step to resume at, the scheduler's step, every callback's state, the
+  /// hyper-parameters, the monitored values and the random state. Written by global rank
+  /// zero through a temporary file, fsync and rename.
+  void save_checkpoint(const std::string& path);
+  /// The checkpoint of the current run as a StateDict (what save_checkpoint writes).
+  StateDict dump_checkpoint();
+  /// Restores a checkpoint into the current run (module, optimizer, scheduler, progress,
+  /// callbacks, values). Called by the loops for ckpt_path.
+  void restore_checkpoint(const StateDict& checkpoint, bool restore_training_state);
+
+ private:
+  template <class M, class TrainLoader, class ValLoader>
+  void fit_impl(M& module, TrainLoader& train, ValLoader* val, const std::string& ckpt_path);
+  template <class M, class Loader, class Run>
+  auto launch_replicas(M& module, Run run_fn);
+  template <class M, class Loader>
+  std::map<std::string, double> eval_epoch(M& module, Loader& data, detail::Loop loop, std::int64_t limit);
+  template <class F>
+  void each_callback(F f);
+  std::string resolve_ckpt_path(const std::string& ckpt_path) const;
+  void begin_replica(LightningModuleBase& module);
+  void log_to_logger(const std::map<std::string, double>& values);
+  void call_on_exception(const std::exception& e);
+  bool time_is_up() const;
+
+  detail::ReplicaRun& run() const;
+
+  TrainerOptions options_;
+  std::shared_ptr<Strategy> strategy_;
+  std::shared_ptr<Logger> logger_;
+  std::vector<std::shared_ptr<Callback>> callbacks_;
+  std::int64_t max_epochs_ = 1000;
+  std::int64_t fast_dev_run_ = 0;
+  mutable std::vector<std::unique_ptr<detail::ReplicaRun>> runs_;
+};
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace detail {
+
+LAZYTENSOR_INLINE std::string double_text(double x) {
+  char buf[32];
+  const auto r = std::to_chars(buf, buf + sizeof buf, x);
+  return std::string(buf, r.ptr);
+}
+
+LAZYTENSOR_INLINE double parse_double(const std::string& text, const std::string& what) {
+  double v = 0;
+  const auto r = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (r.ec != std::errc() || r.ptr != text.data() + text.size())
+    throw Error(what + ": expected a number, found \"" + text + "\"");
+  return v;
+}
+
+LAZYTENSOR_INLINE std::int64_t parse_int(const std::string& text, const std::string& what) {
+  std::int64_t v = 0;
+  const auto r = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (r.ec != std::errc() || r.ptr != text.data() + text.size())
+    throw Error(what + ": expected an integer, found \"" + text + "\"");
+  return v;
+}
+
+LAZYTENSOR_INLINE std::uint64_t parse_uint64(const std::string& text, const std::string& what) {
+  std::uint64_t v = 0;
+  const auto r = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (r.ec != std::errc() || r.ptr != text.data() + text.size())
+    throw Error(what + ": expected an unsigned integer, found \"" + text + "\"");
+  return v;
+}
+
+LAZYTENSOR_INLINE std::shared_ptr<Strategy> make_strategy(const TrainerOptions& o) {
+  if (const auto* given = std::get_if<std::shared_ptr<Strategy>>(&o.strategy)) {
+    if (!*given) throw Error("Trainer: the strategy object is empty");
+    return *given;
+  }
+  std::string name = std::get<std::string>(o.strategy);
+  if (o.devices && *o.devices < 1) throw Error("Trainer: devices must be >= 1, got " + std::to_string(*o.devices));
+  if (name == "auto") name = o.devices.value_or(1) > 1 ? "replica" : "single";
+  if (name == "single" || name == "single_device") {
+    if (o.devices.value_or(1) != 1)
+      throw Error("Trainer: strategy \"" + name + "\" runs on one device, got devices = " + std::to_string(*o.devices));
+    return std::make_shared<SingleDeviceStrategy>(lazy::device());
+  }
+  const int n = o.devices.value_or(device_count());
+  if (name == "replica" || name == "ddp" || name == "ddp_spawn" || name == "xla") return std::make_shared<ReplicaStrategy>(n);
+  if (name == "spmd") {
+    std::vector<int> ids(static_cast<std::size_t>(n));
+    for (int i = 0; i < n; ++i) ids[static_cast<std::size_t>(i)] = i;
+    return std::make_shared<SpmdStrategy>(spmd::Mesh(ids, {n}, {"data"}));
+  }
+  throw Error("Trainer: unknown strategy \"" + name +
+              "\" (expected \"auto\", \"single\", \"single_device\", \"replica\", \"ddp\", \"ddp_spawn\", \"xla\" or \"spmd\")");
+}
+
+}  // namespace detail
+
+LAZYTENSOR_INLINE Trainer::Trainer(TrainerOptions options) : options_(std::move(options)) {
+  TrainerOptions& o = options_;
+  auto at_least = [](std::int64_t v, std::int64_t lo, const char* name) {
+    if (v < lo) throw Error(std::string("Trainer: ") + name + " must be >= " + std::to_string(lo) + ", got " + std::to_string(v));
+  };
+  if (const auto* on = std::get_if<bool>(&o.fast_dev_run)) {
+    fast_dev_run_ = *on ? 1 : 0;
+  } else {
+    fast_dev_run_ = std::get<std::int64_t>(o.fast_dev_run);
+    at_least(fast_dev_run_, 0, "fast_dev_run");
+  }
+  at_least(o.min_epochs, 0, "min_epochs");
+  at_least(o.max_steps, -1, "max_steps");
+  at_least(o.check_val_every_n_epoch, 1, "check_val_every_n_epoch");
+  at_least(o.num_sanity_val_steps, -1, "num_sanity_val_steps");
+  at_least(o.log_every_n_steps, 1, "log_every_n_steps");
+  at_least(o.accumulate_grad_batches, 1, "accumulate_grad_batches");
+  if (o.max_epochs) {
+    at_least(*o.max_epochs, -1, "max_epochs");
+    max_epochs_ = *o.max_epochs;
+  } else {
+    max_epochs_ = (o.max_steps == -1 && !o.max_time) ? 1000 : -1;
+  }
+  if (o.max_time && !(o.max_time->count() >= 0))
+    throw Error("Trainer: max_time must be >= 0 seconds, got " + std::to_string(o.max_time->count()));
+  if (o.gradient_clip_val && !(*o.gradient_clip_val >= 0))
+    throw Error("Trainer: gradient_clip_val must be >= 0, got " + std::to_string(*o.gradient_clip_val));
+  if (o.gradient_clip_algorithm != "norm" && o.gradient_clip_algorithm != "value")
+    throw Error("Trainer: gradient_clip_algorithm must be \"norm\" or \"value\", got \"" + o.gradient_clip_algorithm + "\"");
+  if (fast_dev_run_ > 0) {
+    // Lightning's fast_dev_run: n batches of each loop, one epoch, nothing written.
+    max_epochs_ = 1;
+    o.limit_train_batches = fast_dev_run_;
+    o.limit_val_batches = fast_dev_run_;
+    o.limit_test_batches = fast_dev_run_;
+    o.limit_predict_batches = fast_dev_run_;
+    o.val_check_interval = 1.0;
+    o.num_sanity_val_steps = 0;
+    o.max_steps = fast_dev_run_;
+  }
+  strategy_ = detail::make_strategy(o);
+  (void)make_accelerator(o.accelerator, *strategy_);  // checks the name
+  if (!o.precision.empty()) strategy_->set_precision_plugin(make_precision(o.precision));
+  if (const auto* l = std::get_if<std::shared_ptr<Logger>>(&o.logger)) {
+    logger_ = *l;
+  } else if (std::get<bool>(o.logger) && fast_dev_run_ == 0) {
+    logger_ = detail::make_default_logger(o);
+  }
+  callbacks_ = o.callbacks;
+  for (const auto& c : callbacks_)
+    if (!c) throw Error("Trainer: a callback is empty");
+  detail::add_default_callbacks(callbacks_, o, o.enable_checkpointing && fast_dev_run_ == 0, o.enable_progress_bar);
+  runs_.push_back(std::make_unique<detail::ReplicaRun>(*strategy_));
+  runs_.back()->callbacks = callbacks_;
+  runs_.back()->shared_callback.assign(callbacks_.size(), false);
+}
+
+LAZYTENSOR_INLINE detail::ReplicaRun& Trainer::run() const {
+  const auto r = static_cast<std::size_t>(strategy_->global_rank());
+  if (r >= runs_.size()) throw Error("Trainer: no run for rank " + std::to_string(r));
+  return *runs_[r];
+}
+
+LAZYTENSOR_INLINE LightningModuleBase& Trainer::lightning_module() const {
+  if (!run().module) throw Error("Trainer::lightning_module: no module is attached (outside fit/validate/test/predict)");
+  return *run().module;
+}
+
+LAZYTENSOR_INLINE optim::Optimizer& Trainer::optimizer() const {
+  if (!run().optim.optimizer) throw Error("Trainer::optimizer: no optimizer (configure_optimizers runs in fit)");
+  return *run().optim.optimizer;
+}
+
+LAZYTENSOR_INLINE double Trainer::elapsed_seconds() const {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - run().started).count();
+}
+
+LAZYTENSOR_INLINE bool Trainer::time_is_up() const {
+  return options_.max_time && elapsed_seconds() >= options_.max_time->count();
+}
+
+LAZYTENSOR_INLINE std::string Trainer::log_dir() const {
+  if (logger_ && !logger_->log_dir().empty()) return logger_->log_dir();
+  return options_.default_root_dir;
+}
+
+LAZYTENSOR_INLINE void Trainer::log_to_logger(const std::map<std::string, double>& values) {
+  if (!logger_ || values.empty() || !is_global_zero()) return;
+  std::map<std::string, double> row = values;
+  row["epoch"] = static_cast<double>(current_epoch());
+  logger_->log_metrics(row, global_step());
+}
+
+LAZYTENSOR_INLINE void Trainer::begin_replica(LightningModuleBase& module) {
+  detail::ReplicaRun& r = run();
+  r.module = &module;
+  module.trainer_ = this;
+  module.metrics_ = &r.metrics;
+  module.progress_ = &r.progress;
+}
+
+LAZYTENSOR_INLINE void Trainer::call_on_exception(const std::exception& e) {
+  detail::ReplicaRun& r = run();
+  if (!r.module) return;
+  for (std::size_t i = 0; i < r.callbacks.size(); ++i) {
+    if (r.shared_callback[i] && !is_global_zero()) continue;
+    try {
+      r.callbacks[i]->on_exception(*this, *r.module, e);
+    } catch (...) {
+      // The first error is the one reported.
+    }
+  }
+  if (logger_ && is_global_zero()) {
+    try {
+      logger_->finalize("failed");
+    } catch (...) {
+    }
+  }
+}
+
+LAZYTENSOR_INLINE std::string Trainer::resolve_ckpt_path(const std::string& ckpt_path) const {
+  if (ckpt_path != "last") return ckpt_path;
+  const std::string last = detail::last_checkpoint_path(run().callbacks);
+  if (last.empty()) throw Error("Trainer: ckpt_path \"last\" needs a ModelCheckpoint with save_last");
+  if (!io::detail::path_exists(last)) throw Error("Trainer: ckpt_path \"last\": there is no checkpoint at '" + last + "' yet");
+  return last;
+}
+
+LAZYTENSOR_INLINE StateDict Trainer::dump_checkpoint() {
+  detail::ReplicaRun& r = run();
+  LightningModuleBase& m = lightning_module();
+  StateDict sd;
+  for (const auto& [name, t] : m.state_dict()) sd.insert("state_dict." + name, t);
+  auto& meta = sd.metadata();
+  meta["lazytensor.checkpoint"] = "trainer 1";
+  if (r.optim.optimizer) {
+    const StateDict osd = r.optim.optimizer->state_dict();
+    for (const auto& [name, t] : osd) sd.insert("optimizer." + name, t);
+    for (const auto& [k, v] : osd.metadata()) meta["optimizer." + k] = v;
+  }
+  if (r.optim.lr_scheduler) meta["lr_scheduler.last_epoch"] = std::to_string(r.optim.lr_scheduler->last_epoch());
+  // Where a resumed run starts: after a finished epoch, the next one.
+  const bool epoch_done = r.epoch_finished;
+  meta["epoch"] = std::to_string(r.progress.epoch + (epoch_done ? 1 : 0));
+  meta["batch"] = std::to_string(epoch_done ? 0 : r.epoch_batches_done);
+  meta["global_step"] = std::to_string(r.progress.global_step);
+  meta["seed"] = std::to_string(r.seed);
+  const std::uint64_t rng = get_rng_state();
+  if (strategy_->is_distributed()) {
+    const auto all = dist::mesh_reduce("Trainer checkpoint rng_state", rng,
+                                       [](const std::vector<std::uint64_t>& v) { return v; });
+    for (std::size_t i = 0; i < all.size(); ++i) meta["rng_state." + std::to_string(i)] = std::to_string(all[i]);
+  } else {
+    meta["rng_state.0"] = std::to_string(rng);
+  }
+  for (std::size_t i = 0; i < r.callbacks.size(); ++i) {
+    const std::string key = "callbacks." + r.callbacks[i]->state_key() + ".";
+    for (const auto& [k, v] : r.callbacks[i]->state_dict()) meta[key + k] = v;
+  }
+  for (const auto& [k, v] : m.hparams) meta["hparams." + k] = v;
+  for (const auto& [k, v] : r.metrics.callback_metrics()) meta["callback_metrics." + k] = detail::double_text(v);
+  m.on_save_checkpoint(sd);
+  return sd;
+}
+
+LAZYTENSOR_INLINE void Trainer::save_checkpoint(const std::string& path) {
+  strategy_->save_checkpoint(dump_checkpoint(), path);
+}
+
+LAZYTENSOR_INLINE void Trainer::restore_checkpoint(const StateDict& ckpt, bool training_state) {
+  detail::ReplicaRun& r = run();
+  LightningModuleBase& m = lightning_module();
+  const auto& meta = ckpt.metadata();
+  if (!meta.count("lazytensor.checkpoint"))
+    throw Error("Trainer: the file is not a Trainer checkpoint (no \"lazytensor.checkpoint\" metadata)");
+  auto strip = [&](const std::string& prefix, bool with_metadata) {
+    StateDict out;
+    for (const auto& [name, t] : ckpt)
+      if (name.rfind(prefix, 0) == 0) out.insert(name.substr(prefix.size()), t);
+    if (with_metadata)
+      for (const auto& [k, v] : meta)
+        if (k.rfind(prefix, 0) == 0) out.metadata()[k.substr(prefix.size())] = v;
+    return out;
+  };
+  auto number = [&](const std::string& key) {
+    const auto it = meta.find(key);
+    if (it == meta.end()) throw Error("Trainer: the checkpoint has no \"" + key + "\" entry");
+    return detail::parse_int(it->second, "Trainer: checkpoint entry \"" + key + "\"");
+  };
+  m.load_state_dict(strip("state_dict.", false));
+  if (training_state) {
+    if (r.optim.optimizer) r.optim.optimizer->load_state_dict(strip("optimizer.", true));
+    if (r.optim.lr_scheduler) r.optim.lr_scheduler->set_last_epoch(number("lr_scheduler.last_epoch"));
+    r.progress.epoch = number("epoch");
+    r.resume_batches = number("batch");
+    r.progress.global_step = number("global_step");
+    if (!meta.count("seed")) throw Error("Trainer: the checkpoint has no \"seed\" entry");
+    r.seed = detail::parse_uint64(meta.at("seed"), "Trainer: checkpoint entry \"seed\"");
+    for (auto& cb : r.callbacks) {
+      const std::string prefix = "callbacks." + cb->state_key() + ".";
+      std::map<std::string, std::string> state;
+      for (const auto& [k, v] : meta)
+        if (k.rfind(prefix, 0) == 0) state[k.substr(prefix.size())] = v;
+      cb->load_state_dict(state);
+    }
+    std::map<std::string, double> monitored;
+    for (const auto& [k, v] : meta)
+      if (k.rfind("callback_metrics.", 0) == 0) monitored[k.substr(17)] = detail::parse_double(v, "Trainer: checkpoint entry \"" + k + "\"");
+    r.metrics.set_callback_metrics(std::move(monitored));
+  }
+  m.on_load_checkpoint(ckpt);
+}
+
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+}  // namespace lazy::train

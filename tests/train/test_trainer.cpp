@@ -1,0 +1,215 @@
+// train::Trainer's loop on one device against a hand-written loop and Lightning's meaning
+// of its arguments: the same updates as the hand loop, gradient accumulation equal to a
+// larger batch, batch limits, max_steps, validation cadence, sanity steps, fast_dev_run,
+// logged values (step, epoch mean) and the errors of bad arguments.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "trainer_testing.hpp"
+
+namespace {
+
+using namespace trainer_testing;
+namespace train = lazy::train;
+namespace nn = lazy::nn;
+
+TEST(Trainer, FitTakesTheSameStepsAsAHandWrittenLoop) {
+  auto ds = make_dataset(64);
+  auto loader = lazy::data::make_data_loader(ds, {.batch_size = 8});
+  Classifier module;
+  train::Trainer trainer(quiet({.max_epochs = 2}));
+  trainer.fit(module, *loader);
+  EXPECT_EQ(trainer.global_step(), 16);
+  EXPECT_EQ(trainer.current_epoch(), 2);
+  EXPECT_EQ(module.record.train_steps, 16);
+
+  // The reference: the same model, data and optimizer in a plain loop.
+  Classifier ref;
+  lazy::optim::SGD opt(ref.parameters(), lazy::optim::SGDOptions(0.1).momentum(0.9));
+  std::vector<double> ref_losses;
+  for (int epoch = 0; epoch < 2; ++epoch) {
+    loader->set_epoch(static_cast<std::uint64_t>(epoch));
+    for (auto& b : *loader) {
+      opt.zero_grad();
+      auto loss = nn::functional::cross_entropy(ref.forward(b.data), b.target);
+      loss.backward();
+      opt.step();
+      lazy::mark_step();
+      ref_losses.push_back(loss.item());
+    }
+  }
+  const auto got = module.losses();
+  ASSERT_EQ(got.size(), ref_losses.size());
+  for (std::size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], ref_losses[i], 1e-6) << "step " << i;
+  const auto w = weights(module), wr = weights(ref);
+  for (std::size_t p = 0; p < w.size(); ++p)
+    for (std::size_t i = 0; i < w[p].size(); ++i) EXPECT_NEAR(w[p][i], wr[p][i], 1e-5) << "parameter " << p;
+  EXPECT_NE(ref_losses.front(), ref_losses.back());
+}
+
+TEST(Trainer, AccumulatingKBatchesEqualsOneBatchKTimesLarger) {
+  auto ds = make_dataset(64);
+  auto small = lazy::data::make_data_loader(ds, {.batch_size = 4});
+  auto large = lazy::data::make_data_loader(ds, {.batch_size = 16});
+  Classifier a, b;
+  train::Trainer(quiet({.max_epochs = 1, .accumulate_grad_batches = 4})).fit(a, *small);
+  train::Trainer tb(quiet({.max_epochs = 1}));
+  tb.fit(b, *large);
+  EXPECT_EQ(tb.global_step(), 4);
+  const auto wa = weights(a), wb = weights(b);
+  for (std::size_t p = 0; p < wa.size(); ++p)
+    for (std::size_t i = 0; i < wa[p].size(); ++i) EXPECT_NEAR(wa[p][i], wb[p][i], 2e-5) << "parameter " << p;
+}
+
+TEST(Trainer, BatchLimitsAndMaxSteps) {
+  auto ds = make_dataset(64);
+  auto loader = lazy::data::make_data_loader(ds, {.batch_size = 8});  // 8 batches
+  {
+    Classifier m;
+    train::Trainer t(quiet({.max_epochs = 2, .limit_train_batches = 3}));
+    t.fit(m, *loader);
+    EXPECT_EQ(t.global_step(), 6);
+  }
+  {
+    Classifier m;
+    train::Trainer t(quiet({.max_epochs = 1, .limit_train_batches = 0.5}));
+    t.fit(m, *loader);
+    EXPECT_EQ(t.global_step(), 4);
+  }
+  {
+    Classifier m;
+    train::Trainer t(quiet({.max_steps = 11}));
+    t.fit(m, *loader);
+    EXPECT_EQ(t.global_step(), 11);
+    EXPECT_EQ(m.record.train_steps, 11);
+    EXPECT_EQ(t.current_epoch(), 2) << "stopped inside the second epoch, which still ends";
+  }
+}
+
+TEST(Trainer, ValidationCadenceAndSanitySteps) {
+  auto ds = make_dataset(64);
+  auto train_loader = lazy::data::make_data_loader(ds, {.batch_size = 8});  // 8 batches
+  auto val_loader = lazy::data::make_data_loader(make_dataset(24, 5), {.batch_size = 8});  // 3 batches
+  {
+    Classifier m;
+    train::TrainerOptions o = quiet({.max_epochs = 3});
+    o.num_sanity_val_steps = 2;
+    train::Trainer t(o);
+    t.fit(m, *train_loader, *val_loader);
+    EXPECT_EQ(m.record.val_steps, 2 + 3 * 3) << "two sanity steps, then every epoch's 3 batches";
+    EXPECT_TRUE(t.callback_metrics().count("val_loss"));
+  }
+  {
+    Classifier m;
+    train::TrainerOptions o = quiet({.max_epochs = 2, .val_check_interval = 2});
+    train::Trainer t(o);
+    t.fit(m, *train_loader, *val_loader);
+    EXPECT_EQ(m.record.val_steps, 2 * 4 * 3) << "after batches 2, 4, 6 and at the end of each epoch";
+  }
+  {
+    Classifier m;
+    train::Trainer t(quiet({.max_epochs = 4, .check_val_every_n_epoch = 2}));
+    t.fit(m, *train_loader, *val_loader);
+    EXPECT_EQ(m.record.val_steps, 2 * 3);
+  }
+  {
+    Classifier m;
+    train::Trainer t(quiet({.max_epochs = 1, .limit_val_batches = 1}));
+    t.fit(m, *train_loader, *val_loader);
+    EXPECT_EQ(m.record.val_steps, 1);
+  }
+}
+
+TEST(Trainer, FastDevRunRunsOneBatchOfEachAndWritesNothing) {
+  const std::string dir = temp_dir("fast_dev_run");
+  auto loader = lazy::data::make_data_loader(make_dataset(64), {.batch_size = 8});
+  Classifier m;
+  train::TrainerOptions o;
+  o.fast_dev_run = true;
+  o.enable_progress_bar = false;
+  o.default_root_dir = dir;
+  train::Trainer t(o);
+  t.fit(m, *loader, *loader);
+  EXPECT_EQ(m.record.train_steps, 1);
+  EXPECT_EQ(m.record.val_steps, 1);
+  EXPECT_EQ(t.logger(), nullptr);
+  EXPECT_TRUE(lazy::io::detail::list_directory(dir).empty());
+}
+
+TEST(Trainer, EpochValuesAreTheMeanOfTheStepValues) {
+  auto loader = lazy::data::make_data_loader(make_dataset(64), {.batch_size = 8});
+  Classifier m;
+  train::Trainer t(quiet({.max_epochs = 1}));
+  t.fit(m, *loader);
+  const auto losses = m.losses();
+  double mean = 0;
+  for (double l : losses) mean += l / static_cast<double>(losses.size());
+  const auto& cm = t.callback_metrics();
+  ASSERT_TRUE(cm.count("train_loss_epoch"));
+  EXPECT_NEAR(cm.at("train_loss_epoch"), mean, 1e-6);
+  EXPECT_NEAR(cm.at("train_loss"), mean, 1e-6) << "the bare name is the epoch value once the epoch ends";
+  ASSERT_TRUE(cm.count("train_loss_step"));
+  EXPECT_NEAR(cm.at("train_loss_step"), losses.back(), 1e-6);
+  EXPECT_NEAR(t.progress_bar_metrics().at("train_loss_epoch"), mean, 1e-6);
+}
+
+TEST(Trainer, TestValidateAndPredictRunTheirSteps) {
+  auto loader = lazy::data::make_data_loader(make_dataset(24, 5), {.batch_size = 8});
+  Classifier m;
+  train::Trainer t(quiet());
+  const auto v = t.validate(m, *loader);
+  ASSERT_EQ(v.size(), 1u);
+  EXPECT_TRUE(v[0].count("val_loss"));
+  const auto r = t.test(m, *loader);
+  EXPECT_EQ(m.record.test_steps, 3);
+  // test_loss is the mean of the batch losses (equal batches): the loss of the whole set.
+  auto all = make_dataset(24, 5);
+  auto whole = lazy::data::make_data_loader(all, {.batch_size = 24});
+  double ref = 0;
+  for (auto& b : *whole) ref = nn::functional::cross_entropy(m.forward(b.data), b.target).item();
+  EXPECT_NEAR(r[0].at("test_loss"), ref, 1e-5);
+  const auto preds = t.predict(m, *loader);
+  ASSERT_EQ(preds.size(), 3u);
+  EXPECT_EQ(preds[0].shape(), lazy::Shape({8}));
+}
+
+TEST(Trainer, BadArgumentsAreErrorsNamingThem) {
+  auto message = [](auto&& f) {
+    try {
+      f();
+    } catch (const lazy::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message([] { train::Trainer({.strategy = std::string("tpu_spawn")}); }).find("tpu_spawn"), std::string::npos);
+  EXPECT_NE(message([] { train::Trainer({.max_steps = -2}); }).find("max_steps"), std::string::npos);
+  EXPECT_NE(message([] { train::Trainer({.accumulate_grad_batches = 0}); }).find("accumulate_grad_batches"),
+            std::string::npos);
+  EXPECT_NE(message([] { train::Trainer({.gradient_clip_algorithm = "l1"}); }).find("\"l1\""), std::string::npos);
+  EXPECT_NE(message([] { train::Trainer({.limit_train_batches = 1.5}); }).find("[0, 1]"), std::string::npos);
+  EXPECT_NE(message([] { train::Trainer({.accelerator = "gpu"}); }).find("gpu"), std::string::npos);
+  // A module without a validation_step given a validation loader.
+  struct NoVal : train::LightningModule<Batch> {
+    NoVal() { w = register_parameter("w", lazy::zeros<float>({6, 3})); }
+    lazy::AnyTensor training_step(const Batch& b, std::int64_t) override {
+      return nn::functional::cross_entropy(lazy::Tensor<float>(lazy::matmul(b.data, w)), b.target);
+    }
+    train::OptimizerConfig configure_optimizers() override {
+      return {std::make_shared<lazy::optim::SGD>(parameters(), lazy::optim::SGDOptions(0.1))};
+    }
+    lazy::Tensor<float> w;
+  };
+  auto loader = lazy::data::make_data_loader(make_dataset(16), {.batch_size = 8});
+  NoVal nv;
+  EXPECT_NE(message([&] { train::Trainer(quiet({.max_epochs = 1})).fit(nv, *loader, *loader); }).find("validation_step"),
+            std::string::npos);
+  EXPECT_NE(message([&] { nv.log("x", 1.0); }).find("outside"), std::string::npos);
+}
+
+}  // namespace
