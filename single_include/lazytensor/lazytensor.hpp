@@ -25396,6 +25396,9 @@ class Trainer {
   template <class M, class Loader, class Run>
   auto launch_replicas(M& module, Run run_fn);
   template <class M, class Loader>
+  std::vector<std::map<std::string, double>> evaluate(M& module, Loader& data, const std::string& ckpt_path,
+                                                      detail::Loop loop);
+  template <class M, class Loader>
   std::map<std::string, double> eval_epoch(M& module, Loader& data, detail::Loop loop, std::int64_t limit);
   template <class F>
   void each_callback(F f);
@@ -25433,20 +25436,22 @@ LAZYTENSOR_INLINE double parse_double(const std::string& text, const std::string
   return v;
 }
 
-LAZYTENSOR_INLINE std::int64_t parse_int(const std::string& text, const std::string& what) {
-  std::int64_t v = 0;
+/// The integer of type T that `text` holds.
+template <class T>
+T parse_integer(const std::string& text, const std::string& what) {
+  T v = 0;
   const auto r = std::from_chars(text.data(), text.data() + text.size(), v);
   if (r.ec != std::errc() || r.ptr != text.data() + text.size())
     throw Error(what + ": expected an integer, found \"" + text + "\"");
   return v;
 }
 
+LAZYTENSOR_INLINE std::int64_t parse_int(const std::string& text, const std::string& what) {
+  return parse_integer<std::int64_t>(text, what);
+}
+
 LAZYTENSOR_INLINE std::uint64_t parse_uint64(const std::string& text, const std::string& what) {
-  std::uint64_t v = 0;
-  const auto r = std::from_chars(text.data(), text.data() + text.size(), v);
-  if (r.ec != std::errc() || r.ptr != text.data() + text.size())
-    throw Error(what + ": expected an unsigned integer, found \"" + text + "\"");
-  return v;
+  return parse_integer<std::uint64_t>(text, what);
 }
 
 LAZYTENSOR_INLINE std::shared_ptr<Strategy> make_strategy(const TrainerOptions& o) {
@@ -26740,37 +26745,33 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
 }
 
 template <class M, class Loader>
-std::vector<std::map<std::string, double>> Trainer::validate(M& module, Loader& val, const std::string& ckpt_path) {
-  return launch_replicas<M, Loader>(module, [&](Strategy& s, M& m, detail::ReplicaRun& r) {
-    make_accelerator(options_.accelerator, s)->setup(m);
-    if (!ckpt_path.empty()) restore_checkpoint(io::load(resolve_ckpt_path(ckpt_path), s.root_device()), false);
-    detail::ReplicaLoader<Loader> local(val, s, options_.use_distributed_sampler);
-    auto batches = s.process_dataloader(local.get());
-    const std::int64_t total = detail::loader_batches(batches);
-    r.stage = detail::Loop::Validate;
-    each_callback([&](Callback& c) { c.on_validation_start(*this, m); });
-    auto values = eval_epoch(m, batches, detail::Loop::Validate, total < 0 ? -1 : options_.limit_val_batches.of(total));
-    each_callback([&](Callback& c) { c.on_validation_end(*this, m); });
-    if (logger_ && is_global_zero()) logger_->save();
-    return std::vector<std::map<std::string, double>>{values};
-  });
-}
-
-template <class M, class Loader>
-std::vector<std::map<std::string, double>> Trainer::test(M& module, Loader& data, const std::string& ckpt_path) {
+std::vector<std::map<std::string, double>> Trainer::evaluate(M& module, Loader& data, const std::string& ckpt_path,
+                                                             detail::Loop loop) {
+  const bool validating = loop == detail::Loop::Validate;
+  const BatchCount& limit = validating ? options_.limit_val_batches : options_.limit_test_batches;
   return launch_replicas<M, Loader>(module, [&](Strategy& s, M& m, detail::ReplicaRun& r) {
     make_accelerator(options_.accelerator, s)->setup(m);
     if (!ckpt_path.empty()) restore_checkpoint(io::load(resolve_ckpt_path(ckpt_path), s.root_device()), false);
     detail::ReplicaLoader<Loader> local(data, s, options_.use_distributed_sampler);
     auto batches = s.process_dataloader(local.get());
     const std::int64_t total = detail::loader_batches(batches);
-    r.stage = detail::Loop::Test;
-    each_callback([&](Callback& c) { c.on_test_start(*this, m); });
-    auto values = eval_epoch(m, batches, detail::Loop::Test, total < 0 ? -1 : options_.limit_test_batches.of(total));
-    each_callback([&](Callback& c) { c.on_test_end(*this, m); });
+    r.stage = loop;
+    each_callback([&](Callback& c) { validating ? c.on_validation_start(*this, m) : c.on_test_start(*this, m); });
+    auto values = eval_epoch(m, batches, loop, total < 0 ? -1 : limit.of(total));
+    each_callback([&](Callback& c) { validating ? c.on_validation_end(*this, m) : c.on_test_end(*this, m); });
     if (logger_ && is_global_zero()) logger_->save();
     return std::vector<std::map<std::string, double>>{values};
   });
+}
+
+template <class M, class Loader>
+std::vector<std::map<std::string, double>> Trainer::validate(M& module, Loader& val, const std::string& ckpt_path) {
+  return evaluate(module, val, ckpt_path, detail::Loop::Validate);
+}
+
+template <class M, class Loader>
+std::vector<std::map<std::string, double>> Trainer::test(M& module, Loader& data, const std::string& ckpt_path) {
+  return evaluate(module, data, ckpt_path, detail::Loop::Test);
 }
 
 template <class M, class Loader>

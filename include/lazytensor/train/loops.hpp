@@ -417,37 +417,33 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
 }
 
 template <class M, class Loader>
-std::vector<std::map<std::string, double>> Trainer::validate(M& module, Loader& val, const std::string& ckpt_path) {
-  return launch_replicas<M, Loader>(module, [&](Strategy& s, M& m, detail::ReplicaRun& r) {
-    make_accelerator(options_.accelerator, s)->setup(m);
-    if (!ckpt_path.empty()) restore_checkpoint(io::load(resolve_ckpt_path(ckpt_path), s.root_device()), false);
-    detail::ReplicaLoader<Loader> local(val, s, options_.use_distributed_sampler);
-    auto batches = s.process_dataloader(local.get());
-    const std::int64_t total = detail::loader_batches(batches);
-    r.stage = detail::Loop::Validate;
-    each_callback([&](Callback& c) { c.on_validation_start(*this, m); });
-    auto values = eval_epoch(m, batches, detail::Loop::Validate, total < 0 ? -1 : options_.limit_val_batches.of(total));
-    each_callback([&](Callback& c) { c.on_validation_end(*this, m); });
-    if (logger_ && is_global_zero()) logger_->save();
-    return std::vector<std::map<std::string, double>>{values};
-  });
-}
-
-template <class M, class Loader>
-std::vector<std::map<std::string, double>> Trainer::test(M& module, Loader& data, const std::string& ckpt_path) {
+std::vector<std::map<std::string, double>> Trainer::evaluate(M& module, Loader& data, const std::string& ckpt_path,
+                                                             detail::Loop loop) {
+  const bool validating = loop == detail::Loop::Validate;
+  const BatchCount& limit = validating ? options_.limit_val_batches : options_.limit_test_batches;
   return launch_replicas<M, Loader>(module, [&](Strategy& s, M& m, detail::ReplicaRun& r) {
     make_accelerator(options_.accelerator, s)->setup(m);
     if (!ckpt_path.empty()) restore_checkpoint(io::load(resolve_ckpt_path(ckpt_path), s.root_device()), false);
     detail::ReplicaLoader<Loader> local(data, s, options_.use_distributed_sampler);
     auto batches = s.process_dataloader(local.get());
     const std::int64_t total = detail::loader_batches(batches);
-    r.stage = detail::Loop::Test;
-    each_callback([&](Callback& c) { c.on_test_start(*this, m); });
-    auto values = eval_epoch(m, batches, detail::Loop::Test, total < 0 ? -1 : options_.limit_test_batches.of(total));
-    each_callback([&](Callback& c) { c.on_test_end(*this, m); });
+    r.stage = loop;
+    each_callback([&](Callback& c) { validating ? c.on_validation_start(*this, m) : c.on_test_start(*this, m); });
+    auto values = eval_epoch(m, batches, loop, total < 0 ? -1 : limit.of(total));
+    each_callback([&](Callback& c) { validating ? c.on_validation_end(*this, m) : c.on_test_end(*this, m); });
     if (logger_ && is_global_zero()) logger_->save();
     return std::vector<std::map<std::string, double>>{values};
   });
+}
+
+template <class M, class Loader>
+std::vector<std::map<std::string, double>> Trainer::validate(M& module, Loader& val, const std::string& ckpt_path) {
+  return evaluate(module, val, ckpt_path, detail::Loop::Validate);
+}
+
+template <class M, class Loader>
+std::vector<std::map<std::string, double>> Trainer::test(M& module, Loader& data, const std::string& ckpt_path) {
+  return evaluate(module, data, ckpt_path, detail::Loop::Test);
 }
 
 template <class M, class Loader>

@@ -290,6 +290,9 @@ class Trainer {
   template <class M, class Loader, class Run>
   auto launch_replicas(M& module, Run run_fn);
   template <class M, class Loader>
+  std::vector<std::map<std::string, double>> evaluate(M& module, Loader& data, const std::string& ckpt_path,
+                                                      detail::Loop loop);
+  template <class M, class Loader>
   std::map<std::string, double> eval_epoch(M& module, Loader& data, detail::Loop loop, std::int64_t limit);
   template <class F>
   void each_callback(F f);
@@ -327,20 +330,22 @@ LAZYTENSOR_INLINE double parse_double(const std::string& text, const std::string
   return v;
 }
 
-LAZYTENSOR_INLINE std::int64_t parse_int(const std::string& text, const std::string& what) {
-  std::int64_t v = 0;
+/// The integer of type T that `text` holds.
+template <class T>
+T parse_integer(const std::string& text, const std::string& what) {
+  T v = 0;
   const auto r = std::from_chars(text.data(), text.data() + text.size(), v);
   if (r.ec != std::errc() || r.ptr != text.data() + text.size())
     throw Error(what + ": expected an integer, found \"" + text + "\"");
   return v;
 }
 
+LAZYTENSOR_INLINE std::int64_t parse_int(const std::string& text, const std::string& what) {
+  return parse_integer<std::int64_t>(text, what);
+}
+
 LAZYTENSOR_INLINE std::uint64_t parse_uint64(const std::string& text, const std::string& what) {
-  std::uint64_t v = 0;
-  const auto r = std::from_chars(text.data(), text.data() + text.size(), v);
-  if (r.ec != std::errc() || r.ptr != text.data() + text.size())
-    throw Error(what + ": expected an unsigned integer, found \"" + text + "\"");
-  return v;
+  return parse_integer<std::uint64_t>(text, what);
 }
 
 LAZYTENSOR_INLINE std::shared_ptr<Strategy> make_strategy(const TrainerOptions& o) {
