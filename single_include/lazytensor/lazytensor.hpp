@@ -24504,7 +24504,8 @@ struct LogOptions {
   /// Aggregate over the epoch with reduce_fx (default: false in training_step, true in the
   /// evaluation steps).
   std::optional<bool> on_epoch = std::nullopt;
-  /// Reduce the value over the replicas (with reduce_fx) when it is read.
+  /// Reduce the value over the replicas (with reduce_fx) when it is read; an epoch mean
+  /// is then weighted over all replicas' values (a replica with more samples counts more).
   bool sync_dist = false;
   /// How the epoch aggregate (and sync_dist) combines values: "mean" (weighted by
   /// batch_size), "sum", "max" or "min".
@@ -24694,7 +24695,8 @@ LAZYTENSOR_INLINE MetricValues MetricStore::read_step(bool sync) {
   MetricValues out;
   std::vector<std::pair<const std::string*, Tensor<double>>> values;
   for (auto& [name, e] : entries()) {
-    if (!e.on_step || !e.stepped) continue;
+    // The logger gets what was logged since its last read; a local read shows every value.
+    if (!e.on_step || (sync && !e.stepped)) continue;
     values.emplace_back(&name, sync ? synced(e, e.last) : e.last);
   }
   for (auto& [name, t] : values) {
@@ -24728,8 +24730,18 @@ LAZYTENSOR_INLINE MetricValues MetricStore::end_epoch() {
       out.callback[e.on_epoch ? name + "_step" : name] = x;
     }
     if (!e.on_epoch) continue;
-    Tensor<double> agg = e.options.reduce_fx == "mean" ? Tensor<double>(e.acc / e.weight) : e.acc;
-    const double x = synced(e, agg).item();
+    double x = 0;
+    if (e.options.reduce_fx != "mean") {
+      x = synced(e, e.acc).item();
+    } else if (e.options.sync_dist && strategy_->is_distributed()) {
+      // The weighted mean over every replica's values: sums of values and of weights, so
+      // replicas with different numbers of samples count by their samples.
+      const Tensor<double> num = strategy_->reduce(e.acc, "sum");
+      const Tensor<double> den = strategy_->reduce(scalar_tensor<double>(e.weight), "sum");
+      x = num.item() / den.item();
+    } else {
+      x = e.acc.item() / e.weight;
+    }
     const std::string key = e.on_step ? name + "_epoch" : name;
     if (e.options.logger) out.logged[key] = x;
     if (e.options.prog_bar) out.progress_bar[key] = x;
@@ -25261,6 +25273,7 @@ struct ReplicaRun {
   bool epoch_finished = false;          // its batches and scheduler step are done
   std::int64_t resume_batches = 0;      // batches to skip in the first resumed epoch
   std::int64_t samples = 0;             // training samples seen in this fit
+  std::int64_t estimated_stepping_batches = -1;
   std::uint64_t seed = 0;               // the run's seed (deterministic reseeding)
   std::chrono::steady_clock::time_point started;
 };
@@ -25340,6 +25353,10 @@ class Trainer {
   /// Training samples seen in this fit on this replica (the first dimension of a batch's
   /// first tensor, summed).
   std::int64_t samples_seen() const { return run().samples; }
+  /// The optimizer steps the fit will take (Lightning's estimated_stepping_batches: the
+  /// epochs' batches after limits and accumulation, capped by max_steps; -1 when a loader
+  /// cannot say its length and no max_steps bounds it). Known from configure_optimizers on.
+  std::int64_t estimated_stepping_batches() const { return run().estimated_stepping_batches; }
   /// Seconds since this fit started.
   double elapsed_seconds() const;
   /// Whether a stop was requested (training ends after this epoch's or step's checks,
@@ -26050,7 +26067,7 @@ class ProgressBar : public Callback {
   std::FILE* out_;
   bool interactive_;
   std::string line_;
-  std::chrono::steady_clock::time_point epoch_start_;
+  std::chrono::steady_clock::time_point epoch_start_, last_batch_end_;
   std::int64_t epoch_samples_start_ = 0;
   std::int64_t done_ = 0;
 };
@@ -26064,13 +26081,15 @@ LAZYTENSOR_INLINE ProgressBar::ProgressBar(std::int64_t refresh_rate, std::FILE*
 }
 
 LAZYTENSOR_INLINE void ProgressBar::on_train_epoch_start(Trainer& trainer, LightningModuleBase&) {
-  epoch_start_ = std::chrono::steady_clock::now();
+  epoch_start_ = last_batch_end_ = std::chrono::steady_clock::now();
   epoch_samples_start_ = trainer.samples_seen();
   done_ = 0;
 }
 
 LAZYTENSOR_INLINE void ProgressBar::draw(Trainer& trainer, std::int64_t done, bool final) {
-  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - epoch_start_).count();
+  // The epoch's last line is timed at its last batch (validation excluded).
+  const auto until = final ? last_batch_end_ : std::chrono::steady_clock::now();
+  const double secs = std::chrono::duration<double>(until - epoch_start_).count();
   const std::int64_t total = trainer.num_training_batches();
   std::string s = "Epoch " + std::to_string(trainer.current_epoch()) + ": " + std::to_string(done);
   if (total >= 0) s += "/" + std::to_string(total);
@@ -26082,7 +26101,9 @@ LAZYTENSOR_INLINE void ProgressBar::draw(Trainer& trainer, std::int64_t done, bo
   }
   if (secs > 0) {
     char buf[96];
-    const double rate = static_cast<double>(trainer.samples_seen() - epoch_samples_start_) / secs;
+    // Every replica sees its share: the world's rate is the world size times this one's.
+    const double rate = static_cast<double>(trainer.samples_seen() - epoch_samples_start_) *
+                        static_cast<double>(trainer.world_size()) / secs;
     std::snprintf(buf, sizeof buf, " [%.0f samples/s", rate);
     s += buf;
     if (!final && total > done && done > 0) {
@@ -26106,6 +26127,7 @@ LAZYTENSOR_INLINE void ProgressBar::draw(Trainer& trainer, std::int64_t done, bo
 
 LAZYTENSOR_INLINE void ProgressBar::on_train_batch_end(Trainer& trainer, LightningModuleBase&, std::int64_t batch_idx) {
   done_ = batch_idx + 1;
+  last_batch_end_ = std::chrono::steady_clock::now();
   if (refresh_rate_ == 0 || !trainer.is_global_zero()) return;
   if (done_ % refresh_rate_ == 0 && done_ != trainer.num_training_batches()) draw(trainer, done_, false);
 }
@@ -26361,22 +26383,43 @@ inline constexpr bool is_data_loader_v = false;
 template <class D>
 inline constexpr bool is_data_loader_v<data::DataLoader<D>> = true;
 
+/// Replica `rank`'s share of an evaluation set: rank, rank + R, rank + 2R, ... Unlike a
+/// DistributedSampler it does not pad the shares to one size, so every sample is evaluated
+/// exactly once (evaluation loops have no per-batch collectives that would need equal
+/// batch counts).
+class ShardSampler final : public data::Sampler {
+ public:
+  ShardSampler(std::size_t replicas, std::size_t rank) : replicas_(replicas), rank_(rank) {}
+  std::vector<std::size_t> indices(std::size_t n) const override {
+    std::vector<std::size_t> mine;
+    for (std::size_t i = rank_; i < n; i += replicas_) mine.push_back(i);
+    return mine;
+  }
+  std::size_t size(std::size_t n) const override { return n > rank_ ? (n - rank_ + replicas_ - 1) / replicas_ : 0; }
+
+ private:
+  std::size_t replicas_, rank_;
+};
+
 /// The loader one replica iterates: the given one, or (with replicas) a loader over the
-/// same dataset whose DistributedSampler gives this replica its share.
+/// same dataset whose sampler gives this replica its share: a DistributedSampler for
+/// training (equal shares, so the replicas' steps pair up), a ShardSampler for evaluation.
 template <class L>
 class ReplicaLoader {
  public:
-  ReplicaLoader(L& loader, const Strategy& s, bool distribute) : loader_(&loader) {
+  ReplicaLoader(L& loader, const Strategy& s, bool distribute, bool training = true) : loader_(&loader) {
     if (!distribute || !s.is_distributed()) return;
     if constexpr (is_data_loader_v<L>) {
       data::DataLoaderOptions o = loader.options();
       const bool shuffle = o.shuffle || (loader.sampler() && dynamic_cast<data::RandomSampler*>(loader.sampler()));
       o.shuffle = false;
       o.device = s.root_device();
-      own_ = data::make_data_loader(loader.dataset(),
-                                    data::DistributedSampler(static_cast<std::size_t>(s.world_size()),
-                                                             static_cast<std::size_t>(s.global_rank()), shuffle, o.seed),
-                                    o);
+      const auto world = static_cast<std::size_t>(s.world_size()), rank = static_cast<std::size_t>(s.global_rank());
+      if (training) {
+        own_ = data::make_data_loader(loader.dataset(), data::DistributedSampler(world, rank, shuffle, o.seed), o);
+      } else {
+        own_ = data::make_data_loader(loader.dataset(), ShardSampler(world, rank), o);
+      }
       loader_ = own_.get();
     } else if (s.global_rank() != 0) {
       throw Error("Trainer: with replicas and use_distributed_sampler, the loader must be a lazy::data::DataLoader "
@@ -26468,8 +26511,23 @@ template <class M, class Loader, class Run>
 auto Trainer::launch_replicas(M& module, Run run_fn) {
   static_assert(std::is_base_of_v<LightningModuleBase, M>, "Trainer: the module must derive from LightningModule<Batch>");
   const int n = strategy_->num_processes();
+  // A new run continues where the last one stopped (test() after fit() logs at fit's step).
+  std::vector<std::pair<detail::Progress, std::map<std::string, double>>> kept;
+  for (const auto& r : runs_) kept.emplace_back(r->progress, r->metrics.callback_metrics());
   runs_.clear();
-  for (int i = 0; i < n; ++i) runs_.push_back(std::make_unique<detail::ReplicaRun>(*strategy_));
+  for (int i = 0; i < n; ++i) {
+    runs_.push_back(std::make_unique<detail::ReplicaRun>(*strategy_));
+    if (static_cast<std::size_t>(i) < kept.size()) {
+      runs_.back()->progress = kept[static_cast<std::size_t>(i)].first;
+      runs_.back()->metrics.set_callback_metrics(kept[static_cast<std::size_t>(i)].second);
+    }
+    // Copies made here, before any replica runs a hook that changes the originals.
+    for (const auto& cb : callbacks_) {
+      std::shared_ptr<Callback> copy = i == 0 ? nullptr : cb->clone();
+      runs_.back()->callbacks.push_back(copy ? copy : cb);
+      runs_.back()->shared_callback.push_back(i != 0 && !copy);
+    }
+  }
   return strategy_->launch([&](Strategy& s) {
     detail::ReplicaRun& r = run();
     const bool zero = s.global_rank() == 0;
@@ -26484,11 +26542,6 @@ auto Trainer::launch_replicas(M& module, Run run_fn) {
         throw Error(std::string("Trainer: with replicas every replica trains its own module, so the module type (") +
                     typeid(M).name() + ") must be default-constructible");
       }
-    }
-    for (const auto& cb : callbacks_) {
-      std::shared_ptr<Callback> copy = zero ? nullptr : cb->clone();
-      r.callbacks.push_back(copy ? copy : cb);
-      r.shared_callback.push_back(!zero && !copy);
     }
     begin_replica(*m);
     r.running = true;
@@ -26573,6 +26626,24 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
   launch_replicas<M, TrainLoader>(module, [&](Strategy& s, M& m, detail::ReplicaRun& r) {
     auto acc = make_accelerator(o.accelerator, s);
     acc->setup(m);
+    // The loaders come first, so configure_optimizers can size a schedule by
+    // trainer().estimated_stepping_batches().
+    detail::ReplicaLoader<TrainLoader> train_local(train, s, o.use_distributed_sampler);
+    auto train_batches = s.process_dataloader(train_local.get());
+    std::optional<detail::ReplicaLoader<ValLoader>> val_local;
+    std::unique_ptr<dist::MpDeviceLoader<ValLoader>> val_device;
+    if (val) {
+      val_local.emplace(*val, s, o.use_distributed_sampler, false);
+      val_device = std::make_unique<dist::MpDeviceLoader<ValLoader>>(val_local->get(), s.root_device(), s.loader_options());
+    }
+    {
+      const std::int64_t total = detail::loader_batches(train_batches);
+      const std::int64_t per_epoch = total < 0 ? -1 : (o.limit_train_batches.of(total) + o.accumulate_grad_batches - 1) /
+                                                           o.accumulate_grad_batches;
+      std::int64_t est = (per_epoch < 0 || max_epochs_ < 0) ? -1 : per_epoch * max_epochs_;
+      if (o.max_steps >= 0) est = est < 0 ? o.max_steps : std::min(est, o.max_steps);
+      r.estimated_stepping_batches = est;
+    }
     r.optim = m.configure_optimizers();
     if (!r.optim.optimizer) throw Error("Trainer: configure_optimizers returned no optimizer");
     if (r.optim.interval != "epoch" && r.optim.interval != "step")
@@ -26582,14 +26653,6 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
     optim::Optimizer& opt = *r.optim.optimizer;
     optim::LRScheduler* sched = r.optim.lr_scheduler.get();
 
-    detail::ReplicaLoader<TrainLoader> train_local(train, s, o.use_distributed_sampler);
-    auto train_batches = s.process_dataloader(train_local.get());
-    std::optional<detail::ReplicaLoader<ValLoader>> val_local;
-    std::unique_ptr<dist::MpDeviceLoader<ValLoader>> val_device;
-    if (val) {
-      val_local.emplace(*val, s, o.use_distributed_sampler);
-      val_device = std::make_unique<dist::MpDeviceLoader<ValLoader>>(val_local->get(), s.root_device(), s.loader_options());
-    }
 
     r.seed = get_rng_state();
     std::optional<std::uint64_t> rng_after_restore;
@@ -26752,7 +26815,7 @@ std::vector<std::map<std::string, double>> Trainer::evaluate(M& module, Loader& 
   return launch_replicas<M, Loader>(module, [&](Strategy& s, M& m, detail::ReplicaRun& r) {
     make_accelerator(options_.accelerator, s)->setup(m);
     if (!ckpt_path.empty()) restore_checkpoint(io::load(resolve_ckpt_path(ckpt_path), s.root_device()), false);
-    detail::ReplicaLoader<Loader> local(data, s, options_.use_distributed_sampler);
+    detail::ReplicaLoader<Loader> local(data, s, options_.use_distributed_sampler, false);
     auto batches = s.process_dataloader(local.get());
     const std::int64_t total = detail::loader_batches(batches);
     r.stage = loop;

@@ -74,6 +74,7 @@ TEST(Trainer, BatchLimitsAndMaxSteps) {
     train::Trainer t(quiet({.max_epochs = 2, .limit_train_batches = 3}));
     t.fit(m, *loader);
     EXPECT_EQ(t.global_step(), 6);
+    EXPECT_EQ(t.estimated_stepping_batches(), 6);
   }
   {
     Classifier m;
@@ -85,6 +86,7 @@ TEST(Trainer, BatchLimitsAndMaxSteps) {
     Classifier m;
     train::Trainer t(quiet({.max_steps = 11}));
     t.fit(m, *loader);
+    EXPECT_EQ(t.estimated_stepping_batches(), 11);
     EXPECT_EQ(t.global_step(), 11);
     EXPECT_EQ(m.record.train_steps, 11);
     EXPECT_EQ(t.current_epoch(), 2) << "stopped inside the second epoch, which still ends";

@@ -108,6 +108,28 @@ TEST(TrainerReplicas, CheckpointsFollowRankZerosChoice) {
   EXPECT_EQ(ck->best_model_path(), dir + "/epoch=2.safetensors");
 }
 
+/// Logs the test loss weighted by the batch's samples, synced over the replicas.
+class WeightedTest : public Classifier {
+ public:
+  void test_step(const Batch& b, std::int64_t) override {
+    log("test_loss", nn::functional::cross_entropy(forward(b.data), b.target),
+        {.sync_dist = true, .batch_size = static_cast<double>(b.target.numel())});
+  }
+};
+
+TEST(TrainerReplicas, EvaluationCountsEverySampleOnceWhenReplicasGetUnequalShares) {
+  // 25 samples over 2 replicas: shares of 13 and 12, in batches of 4.
+  auto data = make_dataset(25, 9);
+  auto loader = lazy::data::make_data_loader(data, {.batch_size = 4});
+  WeightedTest m;
+  const auto got = train::Trainer(quiet({.strategy = std::string("replica"), .devices = 2})).test(m, *loader);
+  auto whole = lazy::data::make_data_loader(data, {.batch_size = 25});
+  double want = 0;
+  for (auto& b : *whole) want = nn::functional::cross_entropy(m.forward(b.data), b.target).item();
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_NEAR(got[0].at("test_loss"), want, 1e-5);
+}
+
 /// Fails on rank 1 at its third batch.
 class FailsOnRankOne : public Classifier {
  public:

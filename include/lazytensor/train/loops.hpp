@@ -33,22 +33,43 @@ inline constexpr bool is_data_loader_v = false;
 template <class D>
 inline constexpr bool is_data_loader_v<data::DataLoader<D>> = true;
 
+/// Replica `rank`'s share of an evaluation set: rank, rank + R, rank + 2R, ... Unlike a
+/// DistributedSampler it does not pad the shares to one size, so every sample is evaluated
+/// exactly once (evaluation loops have no per-batch collectives that would need equal
+/// batch counts).
+class ShardSampler final : public data::Sampler {
+ public:
+  ShardSampler(std::size_t replicas, std::size_t rank) : replicas_(replicas), rank_(rank) {}
+  std::vector<std::size_t> indices(std::size_t n) const override {
+    std::vector<std::size_t> mine;
+    for (std::size_t i = rank_; i < n; i += replicas_) mine.push_back(i);
+    return mine;
+  }
+  std::size_t size(std::size_t n) const override { return n > rank_ ? (n - rank_ + replicas_ - 1) / replicas_ : 0; }
+
+ private:
+  std::size_t replicas_, rank_;
+};
+
 /// The loader one replica iterates: the given one, or (with replicas) a loader over the
-/// same dataset whose DistributedSampler gives this replica its share.
+/// same dataset whose sampler gives this replica its share: a DistributedSampler for
+/// training (equal shares, so the replicas' steps pair up), a ShardSampler for evaluation.
 template <class L>
 class ReplicaLoader {
  public:
-  ReplicaLoader(L& loader, const Strategy& s, bool distribute) : loader_(&loader) {
+  ReplicaLoader(L& loader, const Strategy& s, bool distribute, bool training = true) : loader_(&loader) {
     if (!distribute || !s.is_distributed()) return;
     if constexpr (is_data_loader_v<L>) {
       data::DataLoaderOptions o = loader.options();
       const bool shuffle = o.shuffle || (loader.sampler() && dynamic_cast<data::RandomSampler*>(loader.sampler()));
       o.shuffle = false;
       o.device = s.root_device();
-      own_ = data::make_data_loader(loader.dataset(),
-                                    data::DistributedSampler(static_cast<std::size_t>(s.world_size()),
-                                                             static_cast<std::size_t>(s.global_rank()), shuffle, o.seed),
-                                    o);
+      const auto world = static_cast<std::size_t>(s.world_size()), rank = static_cast<std::size_t>(s.global_rank());
+      if (training) {
+        own_ = data::make_data_loader(loader.dataset(), data::DistributedSampler(world, rank, shuffle, o.seed), o);
+      } else {
+        own_ = data::make_data_loader(loader.dataset(), ShardSampler(world, rank), o);
+      }
       loader_ = own_.get();
     } else if (s.global_rank() != 0) {
       throw Error("Trainer: with replicas and use_distributed_sampler, the loader must be a lazy::data::DataLoader "
@@ -140,8 +161,23 @@ template <class M, class Loader, class Run>
 auto Trainer::launch_replicas(M& module, Run run_fn) {
   static_assert(std::is_base_of_v<LightningModuleBase, M>, "Trainer: the module must derive from LightningModule<Batch>");
   const int n = strategy_->num_processes();
+  // A new run continues where the last one stopped (test() after fit() logs at fit's step).
+  std::vector<std::pair<detail::Progress, std::map<std::string, double>>> kept;
+  for (const auto& r : runs_) kept.emplace_back(r->progress, r->metrics.callback_metrics());
   runs_.clear();
-  for (int i = 0; i < n; ++i) runs_.push_back(std::make_unique<detail::ReplicaRun>(*strategy_));
+  for (int i = 0; i < n; ++i) {
+    runs_.push_back(std::make_unique<detail::ReplicaRun>(*strategy_));
+    if (static_cast<std::size_t>(i) < kept.size()) {
+      runs_.back()->progress = kept[static_cast<std::size_t>(i)].first;
+      runs_.back()->metrics.set_callback_metrics(kept[static_cast<std::size_t>(i)].second);
+    }
+    // Copies made here, before any replica runs a hook that changes the originals.
+    for (const auto& cb : callbacks_) {
+      std::shared_ptr<Callback> copy = i == 0 ? nullptr : cb->clone();
+      runs_.back()->callbacks.push_back(copy ? copy : cb);
+      runs_.back()->shared_callback.push_back(i != 0 && !copy);
+    }
+  }
   return strategy_->launch([&](Strategy& s) {
     detail::ReplicaRun& r = run();
     const bool zero = s.global_rank() == 0;
@@ -156,11 +192,6 @@ auto Trainer::launch_replicas(M& module, Run run_fn) {
         throw Error(std::string("Trainer: with replicas every replica trains its own module, so the module type (") +
                     typeid(M).name() + ") must be default-constructible");
       }
-    }
-    for (const auto& cb : callbacks_) {
-      std::shared_ptr<Callback> copy = zero ? nullptr : cb->clone();
-      r.callbacks.push_back(copy ? copy : cb);
-      r.shared_callback.push_back(!zero && !copy);
     }
     begin_replica(*m);
     r.running = true;
@@ -245,6 +276,24 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
   launch_replicas<M, TrainLoader>(module, [&](Strategy& s, M& m, detail::ReplicaRun& r) {
     auto acc = make_accelerator(o.accelerator, s);
     acc->setup(m);
+    // The loaders come first, so configure_optimizers can size a schedule by
+    // trainer().estimated_stepping_batches().
+    detail::ReplicaLoader<TrainLoader> train_local(train, s, o.use_distributed_sampler);
+    auto train_batches = s.process_dataloader(train_local.get());
+    std::optional<detail::ReplicaLoader<ValLoader>> val_local;
+    std::unique_ptr<dist::MpDeviceLoader<ValLoader>> val_device;
+    if (val) {
+      val_local.emplace(*val, s, o.use_distributed_sampler, false);
+      val_device = std::make_unique<dist::MpDeviceLoader<ValLoader>>(val_local->get(), s.root_device(), s.loader_options());
+    }
+    {
+      const std::int64_t total = detail::loader_batches(train_batches);
+      const std::int64_t per_epoch = total < 0 ? -1 : (o.limit_train_batches.of(total) + o.accumulate_grad_batches - 1) /
+                                                           o.accumulate_grad_batches;
+      std::int64_t est = (per_epoch < 0 || max_epochs_ < 0) ? -1 : per_epoch * max_epochs_;
+      if (o.max_steps >= 0) est = est < 0 ? o.max_steps : std::min(est, o.max_steps);
+      r.estimated_stepping_batches = est;
+    }
     r.optim = m.configure_optimizers();
     if (!r.optim.optimizer) throw Error("Trainer: configure_optimizers returned no optimizer");
     if (r.optim.interval != "epoch" && r.optim.interval != "step")
@@ -254,14 +303,6 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
     optim::Optimizer& opt = *r.optim.optimizer;
     optim::LRScheduler* sched = r.optim.lr_scheduler.get();
 
-    detail::ReplicaLoader<TrainLoader> train_local(train, s, o.use_distributed_sampler);
-    auto train_batches = s.process_dataloader(train_local.get());
-    std::optional<detail::ReplicaLoader<ValLoader>> val_local;
-    std::unique_ptr<dist::MpDeviceLoader<ValLoader>> val_device;
-    if (val) {
-      val_local.emplace(*val, s, o.use_distributed_sampler);
-      val_device = std::make_unique<dist::MpDeviceLoader<ValLoader>>(val_local->get(), s.root_device(), s.loader_options());
-    }
 
     r.seed = get_rng_state();
     std::optional<std::uint64_t> rng_after_restore;
@@ -424,7 +465,7 @@ std::vector<std::map<std::string, double>> Trainer::evaluate(M& module, Loader& 
   return launch_replicas<M, Loader>(module, [&](Strategy& s, M& m, detail::ReplicaRun& r) {
     make_accelerator(options_.accelerator, s)->setup(m);
     if (!ckpt_path.empty()) restore_checkpoint(io::load(resolve_ckpt_path(ckpt_path), s.root_device()), false);
-    detail::ReplicaLoader<Loader> local(data, s, options_.use_distributed_sampler);
+    detail::ReplicaLoader<Loader> local(data, s, options_.use_distributed_sampler, false);
     auto batches = s.process_dataloader(local.get());
     const std::int64_t total = detail::loader_batches(batches);
     r.stage = loop;

@@ -38,7 +38,8 @@ struct LogOptions {
   /// Aggregate over the epoch with reduce_fx (default: false in training_step, true in the
   /// evaluation steps).
   std::optional<bool> on_epoch = std::nullopt;
-  /// Reduce the value over the replicas (with reduce_fx) when it is read.
+  /// Reduce the value over the replicas (with reduce_fx) when it is read; an epoch mean
+  /// is then weighted over all replicas' values (a replica with more samples counts more).
   bool sync_dist = false;
   /// How the epoch aggregate (and sync_dist) combines values: "mean" (weighted by
   /// batch_size), "sum", "max" or "min".
@@ -228,7 +229,8 @@ LAZYTENSOR_INLINE MetricValues MetricStore::read_step(bool sync) {
   MetricValues out;
   std::vector<std::pair<const std::string*, Tensor<double>>> values;
   for (auto& [name, e] : entries()) {
-    if (!e.on_step || !e.stepped) continue;
+    // The logger gets what was logged since its last read; a local read shows every value.
+    if (!e.on_step || (sync && !e.stepped)) continue;
     values.emplace_back(&name, sync ? synced(e, e.last) : e.last);
   }
   for (auto& [name, t] : values) {
@@ -262,8 +264,18 @@ LAZYTENSOR_INLINE MetricValues MetricStore::end_epoch() {
       out.callback[e.on_epoch ? name + "_step" : name] = x;
     }
     if (!e.on_epoch) continue;
-    Tensor<double> agg = e.options.reduce_fx == "mean" ? Tensor<double>(e.acc / e.weight) : e.acc;
-    const double x = synced(e, agg).item();
+    double x = 0;
+    if (e.options.reduce_fx != "mean") {
+      x = synced(e, e.acc).item();
+    } else if (e.options.sync_dist && strategy_->is_distributed()) {
+      // The weighted mean over every replica's values: sums of values and of weights, so
+      // replicas with different numbers of samples count by their samples.
+      const Tensor<double> num = strategy_->reduce(e.acc, "sum");
+      const Tensor<double> den = strategy_->reduce(scalar_tensor<double>(e.weight), "sum");
+      x = num.item() / den.item();
+    } else {
+      x = e.acc.item() / e.weight;
+    }
     const std::string key = e.on_step ? name + "_epoch" : name;
     if (e.options.logger) out.logged[key] = x;
     if (e.options.prog_bar) out.progress_bar[key] = x;

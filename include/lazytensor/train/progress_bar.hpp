@@ -49,7 +49,7 @@ class ProgressBar : public Callback {
   std::FILE* out_;
   bool interactive_;
   std::string line_;
-  std::chrono::steady_clock::time_point epoch_start_;
+  std::chrono::steady_clock::time_point epoch_start_, last_batch_end_;
   std::int64_t epoch_samples_start_ = 0;
   std::int64_t done_ = 0;
 };
@@ -63,13 +63,15 @@ LAZYTENSOR_INLINE ProgressBar::ProgressBar(std::int64_t refresh_rate, std::FILE*
 }
 
 LAZYTENSOR_INLINE void ProgressBar::on_train_epoch_start(Trainer& trainer, LightningModuleBase&) {
-  epoch_start_ = std::chrono::steady_clock::now();
+  epoch_start_ = last_batch_end_ = std::chrono::steady_clock::now();
   epoch_samples_start_ = trainer.samples_seen();
   done_ = 0;
 }
 
 LAZYTENSOR_INLINE void ProgressBar::draw(Trainer& trainer, std::int64_t done, bool final) {
-  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - epoch_start_).count();
+  // The epoch's last line is timed at its last batch (validation excluded).
+  const auto until = final ? last_batch_end_ : std::chrono::steady_clock::now();
+  const double secs = std::chrono::duration<double>(until - epoch_start_).count();
   const std::int64_t total = trainer.num_training_batches();
   std::string s = "Epoch " + std::to_string(trainer.current_epoch()) + ": " + std::to_string(done);
   if (total >= 0) s += "/" + std::to_string(total);
@@ -81,7 +83,9 @@ LAZYTENSOR_INLINE void ProgressBar::draw(Trainer& trainer, std::int64_t done, bo
   }
   if (secs > 0) {
     char buf[96];
-    const double rate = static_cast<double>(trainer.samples_seen() - epoch_samples_start_) / secs;
+    // Every replica sees its share: the world's rate is the world size times this one's.
+    const double rate = static_cast<double>(trainer.samples_seen() - epoch_samples_start_) *
+                        static_cast<double>(trainer.world_size()) / secs;
     std::snprintf(buf, sizeof buf, " [%.0f samples/s", rate);
     s += buf;
     if (!final && total > done && done > 0) {
@@ -105,6 +109,7 @@ LAZYTENSOR_INLINE void ProgressBar::draw(Trainer& trainer, std::int64_t done, bo
 
 LAZYTENSOR_INLINE void ProgressBar::on_train_batch_end(Trainer& trainer, LightningModuleBase&, std::int64_t batch_idx) {
   done_ = batch_idx + 1;
+  last_batch_end_ = std::chrono::steady_clock::now();
   if (refresh_rate_ == 0 || !trainer.is_global_zero()) return;
   if (done_ % refresh_rate_ == 0 && done_ != trainer.num_training_batches()) draw(trainer, done_, false);
 }

@@ -155,6 +155,7 @@ struct ReplicaRun {
   bool epoch_finished = false;          // its batches and scheduler step are done
   std::int64_t resume_batches = 0;      // batches to skip in the first resumed epoch
   std::int64_t samples = 0;             // training samples seen in this fit
+  std::int64_t estimated_stepping_batches = -1;
   std::uint64_t seed = 0;               // the run's seed (deterministic reseeding)
   std::chrono::steady_clock::time_point started;
 };
@@ -234,6 +235,10 @@ class Trainer {
   /// Training samples seen in this fit on this replica (the first dimension of a batch's
   /// first tensor, summed).
   std::int64_t samples_seen() const { return run().samples; }
+  /// The optimizer steps the fit will take (Lightning's estimated_stepping_batches: the
+  /// epochs' batches after limits and accumulation, capped by max_steps; -1 when a loader
+  /// cannot say its length and no max_steps bounds it). Known from configure_optimizers on.
+  std::int64_t estimated_stepping_batches() const { return run().estimated_stepping_batches; }
   /// Seconds since this fit started.
   double elapsed_seconds() const;
   /// Whether a stop was requested (training ends after this epoch's or step's checks,
