@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <memory>
 #include <string>
@@ -178,6 +180,81 @@ TEST(Trainer, TestValidateAndPredictRunTheirSteps) {
   const auto preds = t.predict(m, *loader);
   ASSERT_EQ(preds.size(), 3u);
   EXPECT_EQ(preds[0].shape(), lazy::Shape({8}));
+}
+
+TEST(Trainer, GradientClippingMatchesClippingByHand) {
+  auto loader = lazy::data::make_data_loader(make_dataset(64), {.batch_size = 8});
+  for (const std::string algorithm : {"norm", "value"}) {
+    Classifier module;
+    train::TrainerOptions o = quiet({.max_epochs = 1, .gradient_clip_val = 0.05});
+    o.gradient_clip_algorithm = algorithm;
+    train::Trainer(o).fit(module, *loader);
+
+    Classifier ref;
+    lazy::optim::SGD opt(ref.parameters(), lazy::optim::SGDOptions(0.1).momentum(0.9));
+    for (auto& b : *loader) {
+      opt.zero_grad();
+      nn::functional::cross_entropy(ref.forward(b.data), b.target).backward();
+      if (algorithm == "norm") {
+        nn::utils::clip_grad_norm_(ref.parameters(), 0.05);
+      } else {
+        nn::utils::clip_grad_value_(ref.parameters(), 0.05);
+      }
+      opt.step();
+      lazy::mark_step();
+    }
+    Classifier unclipped;
+    train::Trainer(quiet({.max_epochs = 1})).fit(unclipped, *loader);
+    const auto w = weights(module), wr = weights(ref), wu = weights(unclipped);
+    double moved = 0;
+    for (std::size_t p = 0; p < w.size(); ++p) {
+      for (std::size_t i = 0; i < w[p].size(); ++i) {
+        EXPECT_NEAR(w[p][i], wr[p][i], 1e-5) << algorithm << " parameter " << p;
+        moved = std::max(moved, static_cast<double>(std::fabs(w[p][i] - wu[p][i])));
+      }
+    }
+    EXPECT_GT(moved, 1e-4) << algorithm << ": clipping at 0.05 must change the run";
+  }
+}
+
+TEST(Trainer, MaxTimeStopsTraining) {
+  auto loader = lazy::data::make_data_loader(make_dataset(64), {.batch_size = 8});
+  {  // Already up after the first batch.
+    Classifier m;
+    train::Trainer t(quiet({.max_epochs = 3, .max_time = std::chrono::duration<double>(0)}));
+    t.fit(m, *loader);
+    EXPECT_EQ(t.global_step(), 1);
+  }
+  {  // With replicas it is agreed on at the logging points (every 2 steps here).
+    Classifier m;
+    train::Trainer t(quiet({.strategy = std::string("replica"), .devices = 2, .max_epochs = 3,
+                            .max_time = std::chrono::duration<double>(0), .log_every_n_steps = 2}));
+    t.fit(m, *loader);
+    EXPECT_EQ(t.global_step(), 2);
+  }
+  {  // An hour is never up here.
+    Classifier m;
+    train::Trainer t(quiet({.max_epochs = 2, .max_time = std::chrono::hours(1)}));
+    t.fit(m, *loader);
+    EXPECT_EQ(t.global_step(), 16);
+  }
+}
+
+TEST(Trainer, PrecisionOptionSetsTheStrategysPlugin) {
+  auto loader = lazy::data::make_data_loader(make_dataset(64), {.batch_size = 8});
+  Classifier mixed, full;
+  train::Trainer tm(quiet({.precision = "bf16-mixed", .max_epochs = 1}));
+  tm.fit(mixed, *loader);
+  EXPECT_EQ(tm.strategy().precision_plugin().name(), "bf16-mixed");
+  train::Trainer(quiet({.precision = "32", .max_epochs = 1})).fit(full, *loader);
+  const auto a = mixed.losses(), b = full.losses();
+  ASSERT_EQ(a.size(), b.size());
+  double diff = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    EXPECT_NEAR(a[i], b[i], 0.05) << "bfloat16 products stay close to float";
+    diff = std::max(diff, std::fabs(a[i] - b[i]));
+  }
+  EXPECT_GT(diff, 0.0) << "the products really ran in bfloat16";
 }
 
 TEST(Trainer, BadArgumentsAreErrorsNamingThem) {
