@@ -1,4 +1,4 @@
-// train::SpmdStrategy (include/lazytensor/train/spmd_strategy.hpp). Its tests live with the
+// lazy::train::SpmdStrategy (include/lazytensor/train/spmd_strategy.hpp). Its tests live with the
 // SPMD tests because SPMD mode, once on, holds for the whole process (the train tests spawn
 // replicas, which SPMD mode forbids). A strategy-driven loop, data parallel and fully
 // sharded, gives the losses and weights of the same loop on one device (double, <= 1e-12
@@ -17,7 +17,7 @@
 
 namespace spmd = lazy::spmd;
 namespace nn = lazy::nn;
-namespace train = lazy::train;
+
 
 namespace {
 
@@ -28,8 +28,8 @@ struct StrategyRun {
 };
 
 // Four SGD steps of a two-layer MLP in double, written only against the Strategy API.
-StrategyRun run_with(train::Strategy& strategy) {
-  return strategy.launch([](train::Strategy& s) {
+StrategyRun run_with(lazy::train::Strategy& strategy) {
+  return strategy.launch([](lazy::train::Strategy& s) {
     lazy::set_rng_state(11);
     nn::Sequential model(nn::Linear(8, 16), nn::ReLU(), nn::Linear(16, 4));
     s.setup(*model);
@@ -68,8 +68,8 @@ void expect_same_run(const StrategyRun& got, const StrategyRun& want, const char
 }
 
 StrategyRun single_device_reference() {
-  train::SingleDeviceStrategy single(lazy::Device(0));
-  single.set_precision_plugin(train::make_precision("64-true"));
+  lazy::train::SingleDeviceStrategy single(lazy::Device(0));
+  single.set_precision_plugin(lazy::train::make_precision("64-true"));
   return run_with(single);
 }
 
@@ -77,8 +77,8 @@ StrategyRun single_device_reference() {
 
 TEST(SpmdStrategy, DataParallelMatchesOneDevice) {
   const StrategyRun want = single_device_reference();
-  train::SpmdStrategy strategy(spmd::Mesh({0, 1, 2, 3}, {4}, {"data"}));
-  strategy.set_precision_plugin(train::make_precision("64-true"));
+  lazy::train::SpmdStrategy strategy(spmd::Mesh({0, 1, 2, 3}, {4}, {"data"}));
+  strategy.set_precision_plugin(lazy::train::make_precision("64-true"));
   const StrategyRun got = run_with(strategy);
   expect_same_run(got, want, "data parallel");
   for (const auto& s : got.specs) EXPECT_EQ(s, "{replicated}");
@@ -88,8 +88,8 @@ TEST(SpmdStrategy, DataParallelMatchesOneDevice) {
 TEST(SpmdStrategy, FullyShardedSplitsEveryDivisibleParameterAndMatchesOneDevice) {
   const StrategyRun want = single_device_reference();
   const spmd::Mesh mesh({0, 1, 2, 3}, {2, 2}, {"data", "fsdp"});
-  train::SpmdStrategy strategy(mesh, train::fully_sharded(mesh, "fsdp"));
-  strategy.set_precision_plugin(train::make_precision("64-true"));
+  lazy::train::SpmdStrategy strategy(mesh, lazy::train::fully_sharded(mesh, "fsdp"));
+  strategy.set_precision_plugin(lazy::train::make_precision("64-true"));
   const StrategyRun got = run_with(strategy);
   expect_same_run(got, want, "fully sharded");
   // fc1.weight [16, 8], fc1.bias [16], fc2.weight [4, 16], fc2.bias [4]: dimension 0 over
@@ -101,12 +101,12 @@ TEST(SpmdStrategy, FullyShardedSplitsEveryDivisibleParameterAndMatchesOneDevice)
 
 TEST(SpmdStrategy, FullyShardedReplicatesWhatTheAxisDoesNotDivide) {
   const spmd::Mesh mesh({0, 1, 2, 3}, {4}, {"fsdp"});
-  const auto rule = train::fully_sharded(mesh, "fsdp");
+  const auto rule = lazy::train::fully_sharded(mesh, "fsdp");
   EXPECT_EQ(rule("w", lazy::zeros<double>({8, 3})).size(), 1u);
   EXPECT_TRUE(rule("w", lazy::zeros<double>({6, 4})).empty());
   EXPECT_TRUE(rule("s", lazy::zeros<double>({})).empty());
   try {
-    (void)train::fully_sharded(mesh, "model");
+    (void)lazy::train::fully_sharded(mesh, "model");
     FAIL() << "an unknown axis must raise";
   } catch (const lazy::ShardingError& e) {
     EXPECT_NE(std::string(e.what()).find("\"model\""), std::string::npos) << e.what();
@@ -117,7 +117,7 @@ TEST(SpmdStrategy, FullyShardedReplicatesWhatTheAxisDoesNotDivide) {
 TEST(SpmdStrategy, AParameterSpecThatDoesNotFitNamesTheParameter) {
   const spmd::Mesh mesh({0, 1, 2, 3}, {4}, {"data"});
   // Every parameter split along dimension 0 over 4 devices: fc2.weight [3, 16] does not fit.
-  train::SpmdStrategy strategy(mesh, [](const std::string&, const lazy::AnyTensor&) {
+  lazy::train::SpmdStrategy strategy(mesh, [](const std::string&, const lazy::AnyTensor&) {
     return spmd::PartitionSpec{"data"};
   });
   nn::Sequential model(nn::Linear(16, 8), nn::Linear(8, 3));
@@ -132,7 +132,7 @@ TEST(SpmdStrategy, AParameterSpecThatDoesNotFitNamesTheParameter) {
 
 TEST(SpmdStrategy, InputsArriveShardedOverTheDataAxis) {
   const spmd::Mesh mesh({0, 1, 2, 3}, {2, 2}, {"data", "model"});
-  train::SpmdStrategy strategy(mesh);
+  lazy::train::SpmdStrategy strategy(mesh);
   std::vector<float> x(48);
   for (std::size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i);
   std::vector<std::int64_t> y(16);
@@ -164,11 +164,11 @@ TEST(SpmdStrategy, InputsArriveShardedOverTheDataAxis) {
 }
 
 TEST(SpmdStrategy, StrategyMethodsKeepTheirOneReplicaMeaning) {
-  train::SpmdStrategy strategy(spmd::Mesh({2, 3, 0, 1}, {4}, {"data"}));
+  lazy::train::SpmdStrategy strategy(spmd::Mesh({2, 3, 0, 1}, {4}, {"data"}));
   EXPECT_EQ(strategy.root_device(), lazy::Device(2));
   EXPECT_FALSE(strategy.is_distributed());
   EXPECT_EQ(strategy.num_processes(), 1);
-  const auto seen = strategy.launch([](train::Strategy& s) {
+  const auto seen = strategy.launch([](lazy::train::Strategy& s) {
     const auto t = lazy::from_vector<double>({1.0, 2.0}, {2});
     EXPECT_EQ(s.reduce(t, "sum").to_vector(), (std::vector<double>{1.0, 2.0}));
     EXPECT_EQ(s.all_gather(t).shape(), lazy::Shape({2}));
@@ -183,8 +183,8 @@ TEST(SpmdStrategy, StrategyMethodsKeepTheirOneReplicaMeaning) {
 
 TEST(SpmdStrategy, ACheckpointOfAShardedModelHoldsTheWholeParameters) {
   const spmd::Mesh mesh({0, 1, 2, 3}, {4}, {"fsdp"});
-  train::SpmdStrategy strategy(mesh, train::fully_sharded(mesh, "fsdp"));
-  strategy.set_precision_plugin(train::make_precision("64-true"));
+  lazy::train::SpmdStrategy strategy(mesh, lazy::train::fully_sharded(mesh, "fsdp"));
+  strategy.set_precision_plugin(lazy::train::make_precision("64-true"));
   lazy::set_rng_state(5);
   nn::Linear sharded(8, 4);
   lazy::set_rng_state(5);
