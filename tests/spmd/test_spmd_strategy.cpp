@@ -56,17 +56,6 @@ StrategyRun run_with(lazy::train::Strategy& strategy) {
   });
 }
 
-void expect_same_run(const StrategyRun& got, const StrategyRun& want, const char* what) {
-  ASSERT_EQ(got.losses.size(), want.losses.size());
-  for (std::size_t i = 0; i < got.losses.size(); ++i)
-    EXPECT_NEAR(got.losses[i], want.losses[i], 1e-12 * std::abs(want.losses[i])) << what << " step " << i;
-  ASSERT_EQ(got.weights.size(), want.weights.size());
-  for (std::size_t p = 0; p < got.weights.size(); ++p)
-    for (std::size_t i = 0; i < got.weights[p].size(); ++i)
-      EXPECT_NEAR(got.weights[p][i], want.weights[p][i], 1e-12 * std::max(1.0, std::abs(want.weights[p][i])))
-          << what << " parameter " << p << " element " << i;
-}
-
 StrategyRun single_device_reference() {
   lazy::train::SingleDeviceStrategy single(lazy::Device(0));
   single.set_precision_plugin(lazy::train::make_precision("64-true"));
@@ -80,7 +69,7 @@ TEST(SpmdStrategy, DataParallelMatchesOneDevice) {
   lazy::train::SpmdStrategy strategy(spmd::Mesh({0, 1, 2, 3}, {4}, {"data"}));
   strategy.set_precision_plugin(lazy::train::make_precision("64-true"));
   const StrategyRun got = run_with(strategy);
-  expect_same_run(got, want, "data parallel");
+  lazy_tests::expect_same_run(got, want, "data parallel");
   for (const auto& s : got.specs) EXPECT_EQ(s, "{replicated}");
   EXPECT_NE(want.losses.front(), want.losses.back()) << "the reference must train";
 }
@@ -91,7 +80,7 @@ TEST(SpmdStrategy, FullyShardedSplitsEveryDivisibleParameterAndMatchesOneDevice)
   lazy::train::SpmdStrategy strategy(mesh, lazy::train::fully_sharded(mesh, "fsdp"));
   strategy.set_precision_plugin(lazy::train::make_precision("64-true"));
   const StrategyRun got = run_with(strategy);
-  expect_same_run(got, want, "fully sharded");
+  lazy_tests::expect_same_run(got, want, "fully sharded");
   // fc1.weight [16, 8], fc1.bias [16], fc2.weight [4, 16], fc2.bias [4]: dimension 0 over
   // "fsdp" (2 devices), replicated over "data".
   ASSERT_EQ(got.specs.size(), 4u);

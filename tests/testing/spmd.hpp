@@ -2,6 +2,10 @@
 // Shared by the SPMD tests (tests/spmd): SPMD mode holds for the whole process, so it is
 // turned on once, at start-up, by including this header.
 
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include <lazytensor/spmd.hpp>
@@ -18,6 +22,20 @@ inline std::int64_t counter_value(const char* name) { return lazy::core::counter
 /// A double tensor of `shape` with values uniform in [-1, 1) from `seed`.
 inline lazy::Tensor<double> random_tensor(const lazy::Shape& shape, unsigned seed) {
   return lazy::from_vector<double>(random_values<double>(shape.numel(), seed), shape);
+}
+
+/// Expects two training runs (any struct with `losses` and per-parameter `weights`) to agree
+/// within 1e-12, relative (weights: relative above 1, absolute below).
+template <class Run>
+void expect_same_run(const Run& got, const Run& want, const char* what) {
+  ASSERT_EQ(got.losses.size(), want.losses.size());
+  for (std::size_t i = 0; i < got.losses.size(); ++i)
+    EXPECT_NEAR(got.losses[i], want.losses[i], 1e-12 * std::abs(want.losses[i])) << what << " step " << i;
+  ASSERT_EQ(got.weights.size(), want.weights.size());
+  for (std::size_t p = 0; p < got.weights.size(); ++p)
+    for (std::size_t i = 0; i < got.weights[p].size(); ++i)
+      EXPECT_NEAR(got.weights[p][i], want.weights[p][i], 1e-12 * std::max(1.0, std::abs(want.weights[p][i])))
+          << what << " parameter " << p << " element " << i;
 }
 
 }  // namespace lazy_tests

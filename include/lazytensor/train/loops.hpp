@@ -148,15 +148,6 @@ decltype(auto) user_step(F&& f) {
 
 }  // namespace detail
 
-template <class F>
-void Trainer::each_callback(F f) {
-  detail::ReplicaRun& r = run();
-  for (std::size_t i = 0; i < r.callbacks.size(); ++i) {
-    if (r.shared_callback[i] && !is_global_zero()) continue;
-    f(*r.callbacks[i]);
-  }
-}
-
 template <class M, class Loader, class Run>
 auto Trainer::launch_replicas(M& module, Run run_fn) {
   static_assert(std::is_base_of_v<LightningModuleBase, M>, "Trainer: the module must derive from LightningModule<Batch>");

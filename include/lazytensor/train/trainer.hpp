@@ -318,6 +318,15 @@ class Trainer {
   mutable std::vector<std::unique_ptr<detail::ReplicaRun>> runs_;
 };
 
+template <class F>
+void Trainer::each_callback(F f) {
+  detail::ReplicaRun& r = run();
+  for (std::size_t i = 0; i < r.callbacks.size(); ++i) {
+    if (r.shared_callback[i] && !is_global_zero()) continue;
+    f(*r.callbacks[i]);
+  }
+}
+
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace detail {
 
@@ -483,14 +492,13 @@ LAZYTENSOR_INLINE void Trainer::begin_replica(LightningModuleBase& module) {
 LAZYTENSOR_INLINE void Trainer::call_on_exception(const std::exception& e) {
   detail::ReplicaRun& r = run();
   if (!r.module) return;
-  for (std::size_t i = 0; i < r.callbacks.size(); ++i) {
-    if (r.shared_callback[i] && !is_global_zero()) continue;
+  each_callback([&](Callback& c) {
     try {
-      r.callbacks[i]->on_exception(*this, *r.module, e);
+      c.on_exception(*this, *r.module, e);
     } catch (...) {
       // The first error is the one reported.
     }
-  }
+  });
   if (logger_ && is_global_zero()) {
     try {
       logger_->finalize("failed");
