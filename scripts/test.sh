@@ -36,6 +36,7 @@ while [ $# -gt 0 ]; do
 done
 
 ensure_packages cmake g++ make libeigen3-dev libxsimd-dev libgtest-dev libbenchmark-dev ccache \
+  libopenmpi-dev openmpi-bin \
   zlib1g-dev dataset-fashion-mnist
 case "$mode:${SANITIZER_CXX:-clang++}" in
   normal:*) ;;
@@ -149,6 +150,18 @@ run_single_header_smoke() {
     -I single_include $eigen_inc "$src" -o "$tmp/single_header_smoke"
   "$tmp/single_header_smoke"
   echo "single header smoke test: OK"
+  # The MPI backend from the single header: mpicxx, LAZYTENSOR_WITH_MPI, 2 processes.
+  if command -v mpicxx >/dev/null 2>&1 && command -v mpirun >/dev/null 2>&1; then
+    section "single header: MPI smoke test (mpirun -np 2)"
+    local mpicxx=(mpicxx)
+    command -v ccache >/dev/null 2>&1 && mpicxx=(ccache mpicxx)
+    # shellcheck disable=SC2086
+    "${mpicxx[@]}" -std=c++20 -O1 -Wall -Wextra -pthread -DLAZYTENSOR_WITH_MPI=1 \
+      -I single_include $eigen_inc tests/single_header/mpi_main.cpp -o "$tmp/single_header_mpi"
+    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+      mpirun -np 2 --oversubscribe "$tmp/single_header_mpi"
+    echo "single header MPI smoke test: OK"
+  fi
 }
 
 run_package_consumers() {

@@ -9748,6 +9748,12 @@ LAZYTENSOR_INLINE std::string graph_dot(const std::vector<graph::NodePtr>& roots
 // every member arrived at s + 1, i.e. finished reading round s, so copied (inline) data
 // needs no step 5 and a small collective costs one synchronization.
 //
+// Across processes (MPI, process_world.hpp) the slots of members in other processes are
+// filled by this process's leader (its lowest member of the group): it waits for its local
+// members to arrive, sends their shares to the other processes, receives theirs, and only
+// then marks the remote members arrived, so the round starts with every share in place.
+// In-place work is then split among the local members only (local_count, local_index).
+//
 // Waiting: spin, then yield, then sleep on the world's event (world.hpp, wait_budget).
 // Only step 2 gives up (abort, a partner that exited, timeout); once a round started
 // every member is inside it doing bounded memory work, so steps 4-5 never give up (giving
@@ -9760,7 +9766,51 @@ LAZYTENSOR_INLINE std::string graph_dot(const std::vector<graph::NodePtr>& roots
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
+#include <vector>
+
+// ---- begin lazytensor/dist/process_world.hpp ----
+// The processes of a replica world (MPI, built with LAZYTENSOR_WITH_MPI: the CMake target
+// lazytensor::mpi). Every process of `mpirun -np P` calls spawn(fn, n); together they form
+// one world of P x n replicas, ordinal = process index * n + local index.
+//
+// Hierarchical: replicas inside a process meet through shared memory (group_comm.hpp) as
+// in the threads backend, and one thread per process and group (the group's lowest local
+// member, its "leader") talks MPI. In a round that spans processes the leader waits for
+// its local members, sends their shares (signature and data) to the other processes of the
+// group as one package, receives theirs into the group's slots of the remote members, and
+// only then lets the round start. Every process then holds every member's data, so the
+// exchange kernels and the signature check run unchanged, and the result is the same fold
+// in group order as in one process: bitwise the threads world's.
+//
+// What a program pays: without LAZYTENSOR_WITH_MPI this header declares nothing but the
+// queries' single-process answers; <mpi.h> is included only with it.
+//
+// Failure: a replica's exit is announced to every other process (with its exception when
+// it failed) on a control communicator that a watcher thread per process reads, so a failure
+// in one process aborts every other one's collectives at once, and a partner that exited
+// without joining a round ends it with a CollectiveError. A process that died or never
+// arrives ends a round with CollectiveTimeout (collective_timeout()); mpirun then ends the
+// job. Every spawn works on its own duplicates of MPI_COMM_WORLD, so nothing a failed
+// spawn left in flight can reach the next one.
+
+#include <chrono>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <string>
+#include <vector>
+
+// ---- begin lazytensor/dist/share.hpp ----
+// What one member of a replica group shares in one round of its exchange: its signature and
+// where its data is. Inside a process the members read each other's shares directly; across
+// processes (MPI) a process's shares travel as one package and are rebuilt on the other
+// side, so the exchange kernels read a remote member exactly as a local one.
+
+#include <algorithm>
+#include <cstddef>
+#include <memory>
 #include <vector>
 
 // ---- begin lazytensor/dist/signature.hpp ----
@@ -10187,6 +10237,42 @@ LAZYTENSOR_INLINE std::uint64_t shapes_hash(const std::vector<Shape>& shapes) {
 }  // namespace lazy::dist::detail
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/dist/signature.hpp ----
+
+namespace lazy::dist::detail {
+
+/// Messages up to this many bytes per member are copied into the slot (one synchronization);
+/// larger ones are read in place from the members' buffers (two synchronizations).
+inline constexpr std::size_t kInlineBytes = std::size_t{16} << 10;
+
+/// Rounds `n` up to a multiple of 64 (offsets inside a slot's staging area).
+constexpr std::size_t align64(std::size_t n) { return (n + 63) / 64 * 64; }
+
+/// What one member shares in one round.
+struct Share {
+  Signature sig;
+  std::vector<const std::byte*> data;            ///< per tensor or payload: where its bytes are
+  std::vector<std::size_t> bytes;                ///< size of each data entry
+  std::vector<std::shared_ptr<Buffer>> buffers;  ///< shared outputs, broadcast source
+  /// Buffers that hold `data` (tensor inputs): another process may be sent them straight
+  /// from there; entries without one are copied into the package first.
+  std::vector<std::shared_ptr<Buffer>> keep;
+  std::vector<std::byte> staging;  ///< copies of small messages; a remote member's data
+
+  /// A staging area of at least `n` bytes (allocated once, then reused).
+  std::byte* stage(std::size_t n);
+};
+
+}  // namespace lazy::dist::detail
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::dist::detail {
+LAZYTENSOR_INLINE std::byte* Share::stage(std::size_t n) {
+  if (staging.size() < n) staging.resize(std::max(n, kInlineBytes));
+  return staging.data();
+}
+}  // namespace lazy::dist::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/dist/share.hpp ----
 // ---- begin lazytensor/dist/world.hpp ----
 // The world of replicas: where this process's replicas sit among all of them, which ones
 // are still running, the shared abort flag, the collective timeout, and the one event every
@@ -10203,6 +10289,7 @@ LAZYTENSOR_INLINE std::uint64_t shapes_hash(const std::vector<Shape>& shapes) {
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #if defined(__SSE2__)
@@ -10213,6 +10300,8 @@ LAZYTENSOR_INLINE std::uint64_t shapes_hash(const std::vector<Shape>& shapes) {
 namespace lazy::dist {
 
 namespace detail {
+
+class ProcessWorld;  // process_world.hpp: the other processes of an MPI world
 
 /// Default collective timeout: LAZYTENSOR_COLLECTIVE_TIMEOUT (seconds, may be fractional),
 /// else 300 s. A malformed value is an error when a collective first needs it.
@@ -10332,6 +10421,9 @@ class WorldState {
 
   const WorldLayout& layout() const { return layout_; }
   Event& event() { return event_; }
+  /// The other processes of an MPI world (null when the world is this process alone).
+  const std::shared_ptr<ProcessWorld>& processes() const { return processes_; }
+  void set_processes(std::shared_ptr<ProcessWorld> p) { processes_ = std::move(p); }
   /// How waiters wait before sleeping (see wait_budget).
   WaitBudget wait() const { return wait_; }
 
@@ -10355,6 +10447,7 @@ class WorldState {
 
  private:
   WorldLayout layout_;
+  std::shared_ptr<ProcessWorld> processes_;
   std::vector<std::atomic<bool>> exited_;
   WaitBudget wait_;
   Event event_;
@@ -10422,7 +10515,7 @@ LAZYTENSOR_INLINE WaitBudget wait_budget(int replicas) {
 LAZYTENSOR_INLINE WorldState::WorldState(WorldLayout layout)
     : layout_(layout),
       exited_(static_cast<std::size_t>(layout.world_size)),
-      wait_(wait_budget(layout.process_replicas)) {}
+      wait_(wait_budget(layout.host_replicas)) {}
 
 LAZYTENSOR_INLINE bool WorldState::fail(int ordinal, std::exception_ptr e) {
   bool first = false;
@@ -10460,26 +10553,849 @@ LAZYTENSOR_INLINE void WorldState::mark_exited(int ordinal) {
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/dist/world.hpp ----
 
+#ifndef LAZYTENSOR_WITH_MPI
+#define LAZYTENSOR_WITH_MPI 0
+#endif
+
+#if LAZYTENSOR_WITH_MPI
+#if defined(LAZYTENSOR_COMPILED) && !defined(LAZYTENSOR_BUILDING_RUNTIME)
+#error "lazytensor::mpi is header-only: link lazytensor::mpi without lazytensor::compiled"
+#endif
+// The C API is all lazytensor uses: skip the deprecated C++ bindings (and their cost).
+#ifndef OMPI_SKIP_MPICXX
+#define OMPI_SKIP_MPICXX 1
+#endif
+#ifndef MPICH_SKIP_MPICXX
+#define MPICH_SKIP_MPICXX 1
+#endif
+#include <mpi.h>
+
+#include <atomic>
+#include <mutex>
+#include <thread>
+#endif
+
 namespace lazy::dist::detail {
 
-/// Messages up to this many bytes per member are copied into the slot (one synchronization);
-/// larger ones are read in place from the members' buffers (two synchronizations).
-inline constexpr std::size_t kInlineBytes = std::size_t{16} << 10;
-
-/// Rounds `n` up to a multiple of 64 (offsets inside a slot's staging area).
-constexpr std::size_t align64(std::size_t n) { return (n + 63) / 64 * 64; }
-
-/// What one member shares in one round.
-struct Share {
-  Signature sig;
-  std::vector<const std::byte*> data;            ///< per tensor or payload: where its bytes are
-  std::vector<std::size_t> bytes;                ///< payload sizes (host collectives)
-  std::vector<std::shared_ptr<Buffer>> buffers;  ///< shared outputs, broadcast source
-  std::vector<std::byte> staging;                ///< copies of small messages
-
-  /// A staging area of at least `n` bytes (allocated once, then reused).
-  std::byte* stage(std::size_t n);
+/// Where this process sits among the processes (0 of 1 without MPI).
+struct ProcessPlace {
+  int index = 0;       ///< MPI rank in MPI_COMM_WORLD
+  int count = 1;       ///< processes
+  int host_index = 0;  ///< rank among the processes on this host
+  int host_count = 1;  ///< processes on this host
 };
+
+/// This process's place. With MPI, when an MPI launcher started the process (or the program
+/// initialised MPI), initialises MPI on first use (see Mpi); otherwise a process of one.
+ProcessPlace process_place();
+
+#if LAZYTENSOR_WITH_MPI
+
+/// The MPI library, initialised on first use unless the program did (with
+/// MPI_THREAD_MULTIPLE: replica threads of different groups talk MPI at the same time), and
+/// finalised at exit if initialised here.
+class Mpi {
+ public:
+  static Mpi& get();
+  const ProcessPlace& place() const { return place_; }
+  /// MPI_THREAD_MULTIPLE granted (a world of several processes needs it).
+  bool multiple() const { return provided_ >= MPI_THREAD_MULTIPLE; }
+  int provided() const { return provided_; }
+  ~Mpi();
+
+ private:
+  Mpi();
+  bool owned_ = false;
+  int provided_ = 0;
+  ProcessPlace place_;
+};
+
+/// Throws the error class for an MPI error code, naming the call.
+void mpi_check(int rc, const char* what);
+
+/// The processes of one spawn: their communicators, the exit notices, the watcher thread.
+class ProcessWorld {
+ public:
+  /// Joins the other processes' spawn(fn, replicas) (collective over MPI_COMM_WORLD, gives
+  /// up after the collective timeout) and checks that every process asked for as many
+  /// replicas. Null when the program runs as one process.
+  static std::shared_ptr<ProcessWorld> join(int replicas);
+  ~ProcessWorld();
+  ProcessWorld(const ProcessWorld&) = delete;
+  ProcessWorld& operator=(const ProcessWorld&) = delete;
+
+  int index() const { return place_.index; }
+  int count() const { return place_.count; }
+  int replicas() const { return replicas_; }
+  /// The world layout: P x n replicas, this process's offset, the replicas of its host.
+  WorldLayout layout() const;
+  MPI_Comm data_comm() const { return data_; }
+  /// Largest tag usable on the data communicator.
+  int tag_bound() const { return tag_ub_; }
+
+  /// Starts the watcher thread, which applies other processes' exit notices to `w`.
+  void watch(WorldState& w);
+  /// Tells every other process that local replica `ordinal` exited (failed with `e` when
+  /// not null).
+  void announce_exit(int ordinal, const std::exception_ptr& e);
+  /// After every local replica exited: waits (at most the collective timeout) for the
+  /// other processes' notices, then stops the watcher and settles abandoned transfers.
+  void finish();
+
+  /// Requests a failed round left in flight, with what their buffers need to outlive them.
+  void abandon(std::vector<MPI_Request> requests, std::vector<std::shared_ptr<void>> keep);
+
+ private:
+  ProcessWorld(int replicas, ProcessPlace place, MPI_Comm data, MPI_Comm ctl);
+  void run_watcher();
+  void apply_notice(const std::vector<char>& msg, int source);
+  void settle(bool final_pass);
+
+  int replicas_;
+  ProcessPlace place_;
+  MPI_Comm data_, ctl_;
+  int tag_ub_ = 32767;
+  WorldState* world_ = nullptr;
+  std::thread watcher_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int> local_exited_{0};
+  std::mutex mu_;  // guards the lists below
+  struct Pending {
+    std::vector<MPI_Request> requests;
+    std::vector<std::shared_ptr<void>> keep;
+  };
+  std::vector<Pending> outbox_;     // exit notices in flight
+  std::vector<Pending> abandoned_;  // failed rounds' transfers
+};
+
+/// One group's link to the other processes holding members: sends this process's shares
+/// of a round, receives theirs.
+class ProcessLink {
+ public:
+  /// `members`: the group (sorted ordinals); `local[slot]`: whether a member lives here.
+  ProcessLink(std::shared_ptr<ProcessWorld> pw, const std::vector<int>& members);
+
+  /// Starts round s: sends the shares of the local slots to every peer process.
+  void begin(std::uint64_t s, const std::vector<Share*>& local, const std::vector<int>& ordinals);
+  /// Makes progress; true once every peer's package arrived into `remote` (indexed by slot)
+  /// and every send completed.
+  bool progress(const std::vector<Share*>& slot_share, const std::vector<int>& slot_of_ordinal);
+  /// The peers not heard from yet in this round ("process 1 (replicas 2, 3)").
+  std::string waiting_for() const;
+  /// Whether every member of process `p` has delivered this round.
+  bool delivered_by_owner(int ordinal) const;
+  /// Gives up on the round: cancels receives, hands what is in flight to the ProcessWorld.
+  void abandon();
+
+ private:
+  struct Peer {
+    int process = 0;
+    std::vector<int> ordinals;  ///< its members of the group
+    std::shared_ptr<std::vector<std::byte>> header[2], bulk[2];
+    bool got_header = false;
+    std::vector<MPI_Request> recvs;
+  };
+  std::shared_ptr<ProcessWorld> pw_;
+  std::uint64_t hash_ = 0;
+  int tag_ = 1;
+  std::uint64_t round_ = 0;
+  std::vector<Peer> peers_;
+  std::vector<MPI_Request> sends_;
+  std::shared_ptr<std::vector<std::byte>> out_[2];
+  std::vector<std::shared_ptr<void>> out_keep_;
+};
+
+#else  // !LAZYTENSOR_WITH_MPI
+
+/// Without MPI a world is one process: spawn never builds one of these.
+class ProcessWorld {
+ public:
+  static std::shared_ptr<ProcessWorld> join(int) { return nullptr; }
+  WorldLayout layout() const { return {}; }
+  void watch(WorldState&) {}
+  void announce_exit(int, const std::exception_ptr&) {}
+  void finish() {}
+};
+
+class ProcessLink {};
+
+#endif  // LAZYTENSOR_WITH_MPI
+
+}  // namespace lazy::dist::detail
+
+#if LAZYTENSOR_HEADER_DEFINITIONS && !LAZYTENSOR_WITH_MPI
+namespace lazy::dist::detail {
+LAZYTENSOR_INLINE ProcessPlace process_place() { return {}; }
+}  // namespace lazy::dist::detail
+#endif
+
+// The MPI backend's definitions (empty without MPI or without header definitions).
+// ---- begin lazytensor/dist/process_world_impl.hpp ----
+// Definitions of process_world.hpp's MPI backend (included at its end; empty unless the
+// headers define the runtime and LAZYTENSOR_WITH_MPI is set).
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <utility>
+
+
+#if LAZYTENSOR_HEADER_DEFINITIONS && LAZYTENSOR_WITH_MPI
+namespace lazy::dist::detail {
+
+/// Tag of exit notices on the control communicator.
+inline constexpr int kExitTag = 1;
+/// Data entries at least this large, held by a buffer, are sent from where they are
+/// (no copy into the package).
+inline constexpr std::size_t kDirectBytes = std::size_t{64} << 10;
+/// Largest piece of one MPI message (counts are ints).
+inline constexpr std::size_t kMaxPiece = std::size_t{1} << 30;
+inline constexpr std::uint64_t kPackageMagic = 0x314950544c5a414cULL;  // "LAZLTPI1"
+
+/// Appends plain values to a byte package.
+struct PackWriter {
+  std::vector<std::byte>& out;
+  template <class V>
+  void put(const V& v) {
+    const auto at = out.size();
+    out.resize(at + sizeof(V));
+    std::memcpy(out.data() + at, &v, sizeof(V));
+  }
+  void put_bytes(const void* p, std::size_t n) {
+    const auto at = out.size();
+    out.resize(at + n);
+    if (n) std::memcpy(out.data() + at, p, n);
+  }
+  void pad64() { out.resize(align64(out.size())); }
+};
+
+/// Reads them back, bounds-checked: a malformed package is a CollectiveError naming its
+/// sender.
+struct PackReader {
+  const std::byte* p;
+  const std::byte* end;
+  int from;
+  void need(std::size_t n) const {
+    if (static_cast<std::size_t>(end - p) < n) {
+      throw CollectiveError("malformed collective package from process " + std::to_string(from) +
+                            " (truncated)");
+    }
+  }
+  template <class V>
+  V get() {
+    need(sizeof(V));
+    V v;
+    std::memcpy(&v, p, sizeof(V));
+    p += sizeof(V);
+    return v;
+  }
+};
+
+inline void put_signature(PackWriter& w, const Signature& s) {
+  w.put(static_cast<std::uint8_t>(s.kind));
+  w.put(static_cast<std::uint8_t>(s.op));
+  w.put(static_cast<std::uint8_t>(s.dtype));
+  w.put(static_cast<std::int32_t>(s.tensors));
+  w.put(static_cast<std::int32_t>(s.shape.rank()));
+  for (int d = 0; d < s.shape.rank(); ++d) w.put(s.shape[d]);
+  w.put(s.shapes_hash);
+  for (auto p : s.params) w.put(p);
+  w.put(s.scale);
+  const std::uint32_t g = s.group ? static_cast<std::uint32_t>(s.group->size()) : 0;
+  w.put(g);
+  for (std::uint32_t i = 0; i < g; ++i) w.put(static_cast<std::int32_t>((*s.group)[i]));
+  w.put(static_cast<std::uint64_t>(s.tag.size()));
+  w.put_bytes(s.tag.data(), s.tag.size());
+}
+
+inline Signature get_signature(PackReader& r) {
+  Signature s;
+  s.kind = static_cast<CollectiveKind>(r.get<std::uint8_t>());
+  s.op = static_cast<ReduceOp>(r.get<std::uint8_t>());
+  s.dtype = static_cast<DType>(r.get<std::uint8_t>());
+  s.tensors = r.get<std::int32_t>();
+  const auto rank = r.get<std::int32_t>();
+  if (rank < 0 || rank > kMaxRank) r.need(std::numeric_limits<std::size_t>::max());
+  for (int d = 0; d < rank; ++d) s.shape.push_back(r.get<std::int64_t>());
+  s.shapes_hash = r.get<std::uint64_t>();
+  for (auto& p : s.params) p = r.get<std::int64_t>();
+  s.scale = r.get<double>();
+  const auto g = r.get<std::uint32_t>();
+  r.need(std::size_t{g} * 4);
+  auto group = std::make_shared<std::vector<int>>(g);
+  for (std::uint32_t i = 0; i < g; ++i) (*group)[i] = r.get<std::int32_t>();
+  if (g) s.group = std::move(group);
+  const auto n = r.get<std::uint64_t>();
+  r.need(n);
+  s.tag.assign(reinterpret_cast<const char*>(r.p), n);
+  r.p += n;
+  return s;
+}
+
+LAZYTENSOR_INLINE void mpi_check(int rc, const char* what) {
+  if (rc == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, text, &len);
+  throw CollectiveError(std::string(what) + " failed: " + std::string(text, len));
+}
+
+LAZYTENSOR_INLINE Mpi::Mpi() {
+  int ready = 0;
+  MPI_Initialized(&ready);
+  if (!ready) {
+    mpi_check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided_),
+              "MPI_Init_thread");
+    owned_ = true;
+  } else {
+    MPI_Query_thread(&provided_);
+  }
+  MPI_Comm_rank(MPI_COMM_WORLD, &place_.index);
+  MPI_Comm_size(MPI_COMM_WORLD, &place_.count);
+}
+
+LAZYTENSOR_INLINE Mpi::~Mpi() {
+  int done = 0;
+  MPI_Finalized(&done);
+  if (owned_ && !done) MPI_Finalize();
+}
+
+LAZYTENSOR_INLINE Mpi& Mpi::get() {
+  static Mpi mpi;
+  return mpi;
+}
+
+/// Whether this process was started by an MPI launcher (mpirun/mpiexec, srun) or the program
+/// initialised MPI itself. A program linking lazytensor::mpi but started on its own then
+/// stays a process of one and never initialises MPI (no singleton MPI job is started).
+inline bool mpi_launched() {
+  int ready = 0;
+  MPI_Initialized(&ready);
+  if (ready) return true;
+  for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE",
+                        "MPI_LOCALNRANKS", "MV2_COMM_WORLD_SIZE"}) {
+    if (std::getenv(v)) return true;
+  }
+  return false;
+}
+
+LAZYTENSOR_INLINE ProcessPlace process_place() {
+  static const bool launched = mpi_launched();
+  return launched ? Mpi::get().place() : ProcessPlace{};
+}
+
+/// Memory of requests that could not be settled (a peer died): kept for the rest of the
+/// program, since MPI may still write into it or read from it.
+inline std::vector<std::shared_ptr<void>>& leaked_keep() {
+  static auto* keep = new std::vector<std::shared_ptr<void>>();
+  return *keep;
+}
+
+/// Waits for `reqs` until `deadline`; false on timeout (the requests stay pending).
+inline bool wait_all_until(std::vector<MPI_Request>& reqs,
+                           std::chrono::steady_clock::time_point deadline) {
+  for (int i = 0;; ++i) {
+    int flag = 0;
+    mpi_check(MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &flag, MPI_STATUSES_IGNORE),
+              "MPI_Testall");
+    if (flag) return true;
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    if (i > 1000) std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+}
+
+LAZYTENSOR_INLINE std::shared_ptr<ProcessWorld> ProcessWorld::join(int replicas) {
+  if (process_place().count == 1) return nullptr;
+  Mpi& mpi = Mpi::get();
+  const ProcessPlace place = mpi.place();
+  if (!mpi.multiple()) {
+    throw Error("spawn: MPI was initialised with thread level " + std::to_string(mpi.provided()) +
+                "; a world of several processes needs MPI_THREAD_MULTIPLE (initialise MPI "
+                "with MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...) or let lazytensor do it)");
+  }
+  const auto timeout = collective_timeout();
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  // The handles live on the heap: a join that times out leaves MPI writing into them.
+  auto comms = std::make_shared<std::array<MPI_Comm, 2>>();
+  std::vector<MPI_Request> reqs(2);
+  mpi_check(MPI_Comm_idup(MPI_COMM_WORLD, &(*comms)[0], &reqs[0]), "MPI_Comm_idup");
+  mpi_check(MPI_Comm_idup(MPI_COMM_WORLD, &(*comms)[1], &reqs[1]), "MPI_Comm_idup");
+  if (!wait_all_until(reqs, deadline)) {
+    leaked_keep().push_back(comms);
+    throw CollectiveTimeout("spawn: process " + std::to_string(place.index) + " waited " +
+                            std::to_string(timeout.count() / 1000) +
+                            " s for the other processes to call spawn (every process of the "
+                            "MPI job must call it, in the same order)");
+  }
+  MPI_Comm data = (*comms)[0], ctl = (*comms)[1];
+  MPI_Comm_set_errhandler(data, MPI_ERRORS_RETURN);
+  MPI_Comm_set_errhandler(ctl, MPI_ERRORS_RETURN);
+  auto counts = std::make_shared<std::vector<int>>(static_cast<std::size_t>(place.count) + 1);
+  (*counts)[0] = replicas;
+  std::vector<MPI_Request> gather(1);
+  mpi_check(MPI_Iallgather(counts->data(), 1, MPI_INT, counts->data() + 1, 1, MPI_INT, data,
+                           &gather[0]),
+            "MPI_Iallgather");
+  if (!wait_all_until(gather, deadline)) {
+    leaked_keep().push_back(counts);
+    throw CollectiveTimeout("spawn: timed out exchanging replica counts between processes");
+  }
+  auto pw = std::shared_ptr<ProcessWorld>(new ProcessWorld(replicas, place, data, ctl));
+  for (int p = 0; p < place.count; ++p) {
+    const int theirs = (*counts)[static_cast<std::size_t>(p) + 1];
+    if (theirs != replicas) {
+      throw Error("spawn: every process must spawn the same number of replicas; process " +
+                  std::to_string(place.index) + " asked for " + std::to_string(replicas) +
+                  ", process " + std::to_string(p) + " for " + std::to_string(theirs));
+    }
+  }
+  // Processes sharing this host (collective, but every process is here now).
+  MPI_Comm host = MPI_COMM_NULL;
+  mpi_check(MPI_Comm_split_type(data, MPI_COMM_TYPE_SHARED, place.index, MPI_INFO_NULL, &host),
+            "MPI_Comm_split_type");
+  MPI_Comm_rank(host, &pw->place_.host_index);
+  MPI_Comm_size(host, &pw->place_.host_count);
+  MPI_Comm_free(&host);
+  return pw;
+}
+
+LAZYTENSOR_INLINE ProcessWorld::ProcessWorld(int replicas, ProcessPlace place, MPI_Comm data,
+                                             MPI_Comm ctl)
+    : replicas_(replicas), place_(place), data_(data), ctl_(ctl) {
+  void* value = nullptr;
+  int flag = 0;
+  MPI_Comm_get_attr(data_, MPI_TAG_UB, &value, &flag);
+  if (flag && value) tag_ub_ = *static_cast<int*>(value);
+}
+
+LAZYTENSOR_INLINE ProcessWorld::~ProcessWorld() {
+  if (watcher_.joinable()) {
+    stop_.store(true);
+    watcher_.join();
+  }
+  // A world kept alive past main (a tensor holding a collective's node) may end after MPI
+  // did: nothing is left to free then.
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) return;
+  settle(true);
+  MPI_Comm_free(&data_);
+  MPI_Comm_free(&ctl_);
+}
+
+LAZYTENSOR_INLINE WorldLayout ProcessWorld::layout() const {
+  WorldLayout l;
+  l.world_size = place_.count * replicas_;
+  l.process_offset = place_.index * replicas_;
+  l.process_replicas = replicas_;
+  l.host_offset = place_.host_index * replicas_;
+  l.host_replicas = place_.host_count * replicas_;
+  return l;
+}
+
+LAZYTENSOR_INLINE void ProcessWorld::watch(WorldState& w) {
+  world_ = &w;
+  watcher_ = std::thread([this] { run_watcher(); });
+}
+
+/// Error classes an exit notice carries, so the other processes re-throw the same class.
+enum class ErrorClass : std::uint8_t { None, Error, Collective, Mismatch, Timeout, Aborted, Other };
+
+inline std::pair<ErrorClass, std::string> classify(const std::exception_ptr& e) {
+  if (!e) return {ErrorClass::None, {}};
+  try {
+    std::rethrow_exception(e);
+  } catch (const CollectiveMismatch& x) {
+    return {ErrorClass::Mismatch, x.what()};
+  } catch (const CollectiveTimeout& x) {
+    return {ErrorClass::Timeout, x.what()};
+  } catch (const ReplicaAborted& x) {
+    return {ErrorClass::Aborted, x.what()};
+  } catch (const CollectiveError& x) {
+    return {ErrorClass::Collective, x.what()};
+  } catch (const Error& x) {
+    return {ErrorClass::Error, x.what()};
+  } catch (const std::exception& x) {
+    return {ErrorClass::Other, x.what()};
+  } catch (...) {
+    return {ErrorClass::Other, "unknown exception"};
+  }
+}
+
+inline std::exception_ptr rebuild(ErrorClass c, const std::string& msg) {
+  switch (c) {
+    case ErrorClass::Mismatch:
+      return std::make_exception_ptr(CollectiveMismatch(msg));
+    case ErrorClass::Timeout:
+      return std::make_exception_ptr(CollectiveTimeout(msg));
+    case ErrorClass::Aborted:
+      return std::make_exception_ptr(ReplicaAborted(msg));
+    case ErrorClass::Collective:
+      return std::make_exception_ptr(CollectiveError(msg));
+    default:
+      return std::make_exception_ptr(Error(msg));
+  }
+}
+
+LAZYTENSOR_INLINE void ProcessWorld::announce_exit(int ordinal, const std::exception_ptr& e) {
+  auto [cls, what] = classify(e);
+  if (cls == ErrorClass::Error || cls == ErrorClass::Other) {
+    what = "replica " + std::to_string(ordinal) + " (process " + std::to_string(place_.index) +
+           ") failed: " + what;
+  }
+  auto msg = std::make_shared<std::vector<std::byte>>();
+  PackWriter w{*msg};
+  w.put(static_cast<std::int32_t>(ordinal));
+  w.put(static_cast<std::uint8_t>(cls));
+  w.put_bytes(what.data(), what.size());
+  Pending p;
+  for (int q = 0; q < place_.count; ++q) {
+    if (q == place_.index) continue;
+    MPI_Request r = MPI_REQUEST_NULL;
+    MPI_Isend(msg->data(), static_cast<int>(msg->size()), MPI_BYTE, q, kExitTag, ctl_, &r);
+    p.requests.push_back(r);
+  }
+  p.keep.push_back(msg);
+  {
+    std::lock_guard lock(mu_);
+    outbox_.push_back(std::move(p));
+  }
+  local_exited_.fetch_add(1);
+}
+
+LAZYTENSOR_INLINE void ProcessWorld::apply_notice(const std::vector<char>& msg, int source) {
+  PackReader r{reinterpret_cast<const std::byte*>(msg.data()),
+               reinterpret_cast<const std::byte*>(msg.data() + msg.size()), source};
+  const int ordinal = r.get<std::int32_t>();
+  const auto cls = static_cast<ErrorClass>(r.get<std::uint8_t>());
+  const std::string what(reinterpret_cast<const char*>(r.p), static_cast<std::size_t>(r.end - r.p));
+  if (ordinal < 0 || ordinal >= place_.count * replicas_) return;
+  if (cls != ErrorClass::None) world_->fail(ordinal, rebuild(cls, what));
+  world_->mark_exited(ordinal);
+}
+
+LAZYTENSOR_INLINE void ProcessWorld::run_watcher() {
+  const int expected = (place_.count - 1) * replicas_;
+  int received = 0;
+  std::chrono::steady_clock::time_point stopped{};
+  std::vector<char> buf;
+  for (;;) {
+    for (;;) {
+      int flag = 0;
+      MPI_Message m;
+      MPI_Status st;
+      if (MPI_Improbe(MPI_ANY_SOURCE, kExitTag, ctl_, &flag, &m, &st) != MPI_SUCCESS || !flag)
+        break;
+      int count = 0;
+      MPI_Get_count(&st, MPI_BYTE, &count);
+      buf.resize(static_cast<std::size_t>(std::max(count, 0)));
+      MPI_Mrecv(buf.data(), count, MPI_BYTE, &m, MPI_STATUS_IGNORE);
+      try {
+        apply_notice(buf, st.MPI_SOURCE);
+      } catch (const Error&) {  // malformed: ignore it rather than end the watcher
+      }
+      ++received;
+    }
+    settle(false);
+    if (stop_.load()) {
+      const auto now = std::chrono::steady_clock::now();
+      if (stopped == std::chrono::steady_clock::time_point{}) stopped = now;
+      bool sent;
+      {
+        std::lock_guard lock(mu_);
+        sent = outbox_.empty();
+      }
+      if (received >= expected && sent) break;
+      // A process that died sends nothing more: give up after the collective timeout.
+      if (now - stopped > collective_timeout()) break;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+}
+
+LAZYTENSOR_INLINE void ProcessWorld::finish() {
+  stop_.store(true);
+  if (watcher_.joinable()) watcher_.join();
+  settle(true);
+}
+
+LAZYTENSOR_INLINE void ProcessWorld::abandon(std::vector<MPI_Request> requests,
+                                             std::vector<std::shared_ptr<void>> keep) {
+  std::lock_guard lock(mu_);
+  abandoned_.push_back({std::move(requests), std::move(keep)});
+}
+
+LAZYTENSOR_INLINE void ProcessWorld::settle(bool final_pass) {
+  std::lock_guard lock(mu_);
+  for (auto* list : {&outbox_, &abandoned_}) {
+    for (auto it = list->begin(); it != list->end();) {
+      int flag = 0;
+      MPI_Testall(static_cast<int>(it->requests.size()), it->requests.data(), &flag,
+                  MPI_STATUSES_IGNORE);
+      if (!flag && final_pass) {
+        // A peer that is gone never completes these: cancel, wait a little, and otherwise
+        // keep their memory for the rest of the program.
+        for (auto& r : it->requests) {
+          if (r != MPI_REQUEST_NULL) MPI_Cancel(&r);
+        }
+        flag = wait_all_until(it->requests,
+                              std::chrono::steady_clock::now() + std::chrono::milliseconds(500));
+        if (!flag) {
+          for (auto& r : it->requests) {
+            if (r != MPI_REQUEST_NULL) MPI_Request_free(&r);
+          }
+          for (auto& k : it->keep) leaked_keep().push_back(std::move(k));
+          flag = 1;
+        }
+      }
+      it = flag ? list->erase(it) : it + 1;
+    }
+  }
+}
+
+LAZYTENSOR_INLINE ProcessLink::ProcessLink(std::shared_ptr<ProcessWorld> pw,
+                                           const std::vector<int>& members)
+    : pw_(std::move(pw)) {
+  const int n = pw_->replicas();
+  std::uint64_t h = 1469598103934665603ULL;  // FNV-1a of the members
+  for (int m : members) {
+    h = (h ^ static_cast<std::uint64_t>(m)) * 1099511628211ULL;
+    const int p = m / n;
+    if (p == pw_->index()) continue;
+    if (peers_.empty() || peers_.back().process != p) peers_.push_back(Peer{p, {}, {}, {}, {}, {}});
+    peers_.back().ordinals.push_back(m);
+  }
+  hash_ = h;
+  // Tag 0 is left unused; different groups that hash alike still check the group hash in
+  // every package and fail loudly rather than mix their data.
+  tag_ = 1 + static_cast<int>(h % static_cast<std::uint64_t>(std::max(1, pw_->tag_bound() - 1)));
+}
+
+LAZYTENSOR_INLINE void ProcessLink::begin(std::uint64_t s, const std::vector<Share*>& local,
+                                          const std::vector<int>& ordinals) {
+  round_ = s;
+  auto& out = out_[s & 1];
+  if (!out) out = std::make_shared<std::vector<std::byte>>();
+  out->clear();
+  PackWriter w{*out};
+  w.put(kPackageMagic);
+  w.put(hash_);
+  w.put(s);
+  w.put(static_cast<std::uint32_t>(local.size()));
+  std::vector<std::pair<const std::byte*, std::size_t>> direct, packed;
+  out_keep_.clear();
+  for (std::size_t i = 0; i < local.size(); ++i) {
+    const Share& sh = *local[i];
+    w.put(static_cast<std::int32_t>(ordinals[i]));
+    put_signature(w, sh.sig);
+    w.put(static_cast<std::uint32_t>(sh.data.size()));
+    for (std::size_t j = 0; j < sh.data.size(); ++j) {
+      const std::size_t size = j < sh.bytes.size() ? sh.bytes[j] : 0;
+      const bool dir = size >= kDirectBytes && !sh.keep.empty();
+      w.put(static_cast<std::uint64_t>(size));
+      w.put(static_cast<std::uint8_t>(dir));
+      (dir ? direct : packed).emplace_back(sh.data[j], size);
+    }
+    for (const auto& k : sh.keep) out_keep_.push_back(k);
+  }
+  w.pad64();
+  for (const auto& [p, size] : packed) {
+    w.put_bytes(p, size);
+    w.pad64();
+  }
+  if (out->size() > static_cast<std::size_t>(std::numeric_limits<int>::max())) {
+    throw CollectiveError("a collective's host payloads exceed 2 GiB in one round");
+  }
+  MPI_Comm comm = pw_->data_comm();
+  sends_.clear();
+  for (auto& peer : peers_) {
+    MPI_Request r = MPI_REQUEST_NULL;
+    mpi_check(MPI_Isend(out->data(), static_cast<int>(out->size()), MPI_BYTE, peer.process, tag_,
+                        comm, &r),
+              "MPI_Isend");
+    sends_.push_back(r);
+    for (const auto& [p, size] : direct) {
+      for (std::size_t at = 0; at < size; at += kMaxPiece) {
+        const auto piece = static_cast<int>(std::min(kMaxPiece, size - at));
+        mpi_check(MPI_Isend(p + at, piece, MPI_BYTE, peer.process, tag_, comm, &r), "MPI_Isend");
+        sends_.push_back(r);
+      }
+    }
+    peer.got_header = false;
+    peer.recvs.clear();
+  }
+}
+
+LAZYTENSOR_INLINE bool ProcessLink::progress(const std::vector<Share*>& slot_share,
+                                             const std::vector<int>& slot_of_ordinal) {
+  MPI_Comm comm = pw_->data_comm();
+  bool done = true;
+  for (auto& peer : peers_) {
+    if (!peer.got_header) {
+      int flag = 0;
+      MPI_Message m;
+      MPI_Status st;
+      mpi_check(MPI_Improbe(peer.process, tag_, comm, &flag, &m, &st), "MPI_Improbe");
+      if (!flag) {
+        done = false;
+        continue;
+      }
+      int count = 0;
+      MPI_Get_count(&st, MPI_BYTE, &count);
+      auto& hb = peer.header[round_ & 1];
+      if (!hb) hb = std::make_shared<std::vector<std::byte>>();
+      hb->resize(static_cast<std::size_t>(std::max(count, 0)));
+      mpi_check(MPI_Mrecv(hb->data(), count, MPI_BYTE, &m, MPI_STATUS_IGNORE), "MPI_Mrecv");
+      peer.got_header = true;
+      PackReader r{hb->data(), hb->data() + hb->size(), peer.process};
+      if (r.get<std::uint64_t>() != kPackageMagic || r.get<std::uint64_t>() != hash_) {
+        throw CollectiveError("process " + std::to_string(peer.process) +
+                              " sent a package of another group on this group's tag");
+      }
+      const auto seq = r.get<std::uint64_t>();
+      if (seq != round_) {
+        throw CollectiveError("process " + std::to_string(peer.process) + " sent collective #" +
+                              std::to_string(seq) + " of this group where #" +
+                              std::to_string(round_) + " was expected");
+      }
+      const auto nshares = r.get<std::uint32_t>();
+      struct Entry {
+        Share* share;
+        std::size_t index, size;
+        bool direct;
+      };
+      std::vector<Entry> entries;
+      for (std::uint32_t i = 0; i < nshares; ++i) {
+        const int ordinal = r.get<std::int32_t>();
+        if (ordinal < 0 || static_cast<std::size_t>(ordinal) >= slot_of_ordinal.size() ||
+            slot_of_ordinal[static_cast<std::size_t>(ordinal)] < 0 ||
+            std::find(peer.ordinals.begin(), peer.ordinals.end(), ordinal) ==
+                peer.ordinals.end()) {
+          throw CollectiveError("process " + std::to_string(peer.process) +
+                                " sent a share of replica " + std::to_string(ordinal) +
+                                ", which is not its member of this group");
+        }
+        Share& sh = *slot_share[static_cast<std::size_t>(slot_of_ordinal[static_cast<std::size_t>(ordinal)])];
+        sh.sig = get_signature(r);
+        const auto nd = r.get<std::uint32_t>();
+        sh.data.assign(nd, nullptr);
+        sh.bytes.assign(nd, 0);
+        sh.buffers.clear();
+        sh.keep.clear();
+        for (std::uint32_t j = 0; j < nd; ++j) {
+          const auto size = static_cast<std::size_t>(r.get<std::uint64_t>());
+          const bool dir = r.get<std::uint8_t>() != 0;
+          sh.bytes[j] = size;
+          entries.push_back({&sh, j, size, dir});
+        }
+      }
+      std::size_t at = align64(static_cast<std::size_t>(r.p - hb->data())), bulk = 0;
+      for (auto& e : entries) {
+        if (e.direct) {
+          bulk += align64(e.size);
+          continue;
+        }
+        if (hb->size() < at + e.size) r.need(std::numeric_limits<std::size_t>::max());
+        e.share->data[e.index] = hb->data() + at;
+        at += align64(e.size);
+      }
+      auto& bb = peer.bulk[round_ & 1];
+      if (!bb) bb = std::make_shared<std::vector<std::byte>>();
+      if (bb->size() < bulk) bb->resize(bulk);
+      std::size_t off = 0;
+      for (auto& e : entries) {
+        if (!e.direct) continue;
+        std::byte* dst = bb->data() + off;
+        e.share->data[e.index] = dst;
+        for (std::size_t b = 0; b < e.size; b += kMaxPiece) {
+          MPI_Request req = MPI_REQUEST_NULL;
+          const auto piece = static_cast<int>(std::min(kMaxPiece, e.size - b));
+          mpi_check(MPI_Irecv(dst + b, piece, MPI_BYTE, peer.process, tag_, comm, &req),
+                    "MPI_Irecv");
+          peer.recvs.push_back(req);
+        }
+        off += align64(e.size);
+      }
+    }
+    if (!peer.recvs.empty()) {
+      int flag = 0;
+      mpi_check(MPI_Testall(static_cast<int>(peer.recvs.size()), peer.recvs.data(), &flag,
+                            MPI_STATUSES_IGNORE),
+                "MPI_Testall");
+      if (!flag) {
+        done = false;
+      } else {
+        peer.recvs.clear();
+      }
+    }
+  }
+  if (!sends_.empty()) {
+    int flag = 0;
+    mpi_check(MPI_Testall(static_cast<int>(sends_.size()), sends_.data(), &flag,
+                          MPI_STATUSES_IGNORE),
+              "MPI_Testall");
+    if (!flag) {
+      done = false;
+    } else {
+      sends_.clear();
+      out_keep_.clear();
+    }
+  }
+  return done;
+}
+
+LAZYTENSOR_INLINE std::string ProcessLink::waiting_for() const {
+  std::string w;
+  for (const auto& peer : peers_) {
+    if (peer.got_header && peer.recvs.empty()) continue;
+    if (!w.empty()) w += ", ";
+    w += "process " + std::to_string(peer.process) + " (replica" +
+         (peer.ordinals.size() > 1 ? "s " : " ") + list_str(peer.ordinals).substr(1);
+    w.back() = ')';
+  }
+  return w.empty() ? "the other processes' sends to complete" : w;
+}
+
+LAZYTENSOR_INLINE bool ProcessLink::delivered_by_owner(int ordinal) const {
+  for (const auto& peer : peers_) {
+    if (std::find(peer.ordinals.begin(), peer.ordinals.end(), ordinal) != peer.ordinals.end())
+      return peer.got_header;
+  }
+  return true;
+}
+
+LAZYTENSOR_INLINE void ProcessLink::abandon() {
+  std::vector<MPI_Request> reqs;
+  std::vector<std::shared_ptr<void>> keep;
+  for (auto& peer : peers_) {
+    for (auto& r : peer.recvs) {
+      if (r != MPI_REQUEST_NULL) MPI_Cancel(&r);
+      reqs.push_back(r);
+    }
+    peer.recvs.clear();
+    for (auto& b : peer.header) keep.push_back(b);
+    for (auto& b : peer.bulk) keep.push_back(b);
+  }
+  for (auto r : sends_) reqs.push_back(r);
+  sends_.clear();
+  for (auto& b : out_) keep.push_back(b);
+  for (auto& k : out_keep_) keep.push_back(std::move(k));
+  out_keep_.clear();
+  pw_->abandon(std::move(reqs), std::move(keep));
+}
+
+}  // namespace lazy::dist::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS && LAZYTENSOR_WITH_MPI
+// ---- end lazytensor/dist/process_world_impl.hpp ----
+// ---- end lazytensor/dist/process_world.hpp ----
+
+namespace lazy::dist::detail {
+
+/// "timed out after 2.5 s waiting for <whom> (set the limit with ...)".
+std::string timed_out(std::chrono::milliseconds timeout, const std::string& whom);
 
 /// One group's exchange: its members (sorted global ordinals), their slots, the round state.
 class GroupComm {
@@ -10492,6 +11408,13 @@ class GroupComm {
   /// Slot of replica `ordinal` (-1 when not a member).
   int slot_of(int ordinal) const { return slot_of_[static_cast<std::size_t>(ordinal)]; }
   WorldState& world() { return *world_; }
+  /// Whether the group has members in other processes.
+  bool spans_processes() const { return local_count_ < size(); }
+  /// Members in this process, and the slot of the lowest one (it leads in-place rounds).
+  int local_count() const { return local_count_; }
+  int leader() const { return leader_; }
+  /// Position of `slot` among the local members (-1 for a remote member).
+  int local_index(int slot) const { return local_index_[static_cast<std::size_t>(slot)]; }
 
   /// Read access to every member's share of round s.
   class Round {
@@ -10522,9 +11445,14 @@ class GroupComm {
     Slot& slot = slots_[static_cast<std::size_t>(me)];
     Share& mine = slot.round[s & 1];
     mine.sig = sig;
+    mine.data.clear();
+    mine.bytes.clear();
+    mine.buffers.clear();
+    mine.keep.clear();
     publish(mine);
     slot.arrived.store(s, std::memory_order_seq_cst);
     w.event().notify();
+    if (spans_processes() && me == leader_) cross_process(me, s, sig, timeout);
     await_start(me, s, sig, timeout);
     const Round round(*this, s);
     check_signatures(round, me, s);
@@ -10563,6 +11491,10 @@ class GroupComm {
 
   void start(int me, std::uint64_t s, const Signature& sig);
 
+  /// The leader's part of a round that spans processes (see the file comment).
+  void cross_process(int me, std::uint64_t s, const Signature& sig,
+                     std::chrono::milliseconds timeout);
+
   /// Gives up on round s unless it already started. Returns true when it had started (the
   /// caller must take part); otherwise marks the group broken and throws.
   bool withdraw(int me, std::uint64_t s, const Signature& sig, Failure why,
@@ -10584,6 +11516,10 @@ class GroupComm {
   std::vector<int> members_;
   std::vector<int> slot_of_;
   std::unique_ptr<Slot[]> slots_;
+  std::vector<int> local_index_;
+  int local_count_ = 0;
+  int leader_ = 0;
+  std::unique_ptr<ProcessLink> link_;  // with members in other processes
   std::atomic<std::uint64_t> state_{0};  ///< last started round, | kBroken once unusable
   std::mutex broken_mu_;
   Failure broken_kind_ = Failure::Timeout;  // guarded by broken_mu_
@@ -10594,18 +11530,24 @@ class GroupComm {
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace lazy::dist::detail {
-LAZYTENSOR_INLINE std::byte* Share::stage(std::size_t n) {
-  if (staging.size() < n) staging.resize(std::max(n, kInlineBytes));
-  return staging.data();
-}
-
 LAZYTENSOR_INLINE GroupComm::GroupComm(std::shared_ptr<WorldState> world, std::vector<int> members)
     : world_(std::move(world)),
       members_(std::move(members)),
       slot_of_(static_cast<std::size_t>(world_->layout().world_size), -1),
-      slots_(std::make_unique<Slot[]>(members_.size())) {
-  for (std::size_t i = 0; i < members_.size(); ++i)
-    slot_of_[static_cast<std::size_t>(members_[i])] = static_cast<int>(i);
+      slots_(std::make_unique<Slot[]>(members_.size())),
+      local_index_(members_.size(), -1) {
+  const WorldLayout& l = world_->layout();
+  for (std::size_t i = 0; i < members_.size(); ++i) {
+    const int m = members_[i];
+    slot_of_[static_cast<std::size_t>(m)] = static_cast<int>(i);
+    if (m >= l.process_offset && m < l.process_offset + l.process_replicas) {
+      if (local_count_ == 0) leader_ = static_cast<int>(i);
+      local_index_[i] = local_count_++;
+    }
+  }
+#if LAZYTENSOR_WITH_MPI
+  if (spans_processes()) link_ = std::make_unique<ProcessLink>(world_->processes(), members_);
+#endif
 }
 
 LAZYTENSOR_INLINE std::string GroupComm::prefix(int me, std::uint64_t s,
@@ -10623,6 +11565,7 @@ LAZYTENSOR_INLINE bool GroupComm::all_arrived(std::uint64_t s) const {
 
 LAZYTENSOR_INLINE int GroupComm::exited_partner(std::uint64_t s) const {
   for (std::size_t j = 0; j < members_.size(); ++j) {
+    if (local_index_[j] < 0) continue;  // remote members: the leader's concern
     if (slots_[j].arrived.load(std::memory_order_acquire) < s && world_->exited(members_[j]))
       return members_[j];
   }
@@ -10659,14 +11602,7 @@ LAZYTENSOR_INLINE void GroupComm::await_start(int me, std::uint64_t s, const Sig
           break;
         }
       } else if (std::chrono::steady_clock::now() >= deadline) {
-        const double secs = static_cast<double>(timeout.count()) / 1000.0;
-        std::string t = std::to_string(secs);
-        t.erase(t.find_last_not_of('0') + 1);
-        if (t.back() == '.') t.pop_back();
-        if (withdraw(me, s, sig, Failure::Timeout,
-                     "timed out after " + t + " s waiting for " + missing(s) +
-                         " (set the limit with lazy::dist::set_collective_timeout or "
-                         "LAZYTENSOR_COLLECTIVE_TIMEOUT seconds)")) {
+        if (withdraw(me, s, sig, Failure::Timeout, timed_out(timeout, missing(s)))) {
           break;
         }
       }
@@ -10679,6 +11615,114 @@ LAZYTENSOR_INLINE void GroupComm::await_start(int me, std::uint64_t s, const Sig
     }
   }
   start(me, s, sig);
+}
+
+LAZYTENSOR_INLINE std::string timed_out(std::chrono::milliseconds timeout,
+                                         const std::string& whom) {
+  std::string t = std::to_string(static_cast<double>(timeout.count()) / 1000.0);
+  t.erase(t.find_last_not_of('0') + 1);
+  if (t.back() == '.') t.pop_back();
+  return "timed out after " + t + " s waiting for " + whom +
+         " (set the limit with lazy::dist::set_collective_timeout or "
+         "LAZYTENSOR_COLLECTIVE_TIMEOUT seconds)";
+}
+
+LAZYTENSOR_INLINE void GroupComm::cross_process(int me, std::uint64_t s, const Signature& sig,
+                                                std::chrono::milliseconds timeout) {
+#if LAZYTENSOR_WITH_MPI
+  WorldState& w = *world_;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const std::size_t n = members_.size();
+  auto locals_arrived = [&] {
+    for (std::size_t j = 0; j < n; ++j) {
+      if (local_index_[j] >= 0 && slots_[j].arrived.load(std::memory_order_acquire) < s)
+        return false;
+    }
+    return true;
+  };
+  // 1. This process's members (withdraw() throws: nobody can start before the leader).
+  if (!spin_until(locals_arrived, w.wait())) {
+    while (!locals_arrived()) {
+      if (state_.load(std::memory_order_acquire) & kBroken) throw_broken(me, s, sig);
+      const int gone = exited_partner(s);
+      if (w.aborted()) {
+        withdraw(me, s, sig, Failure::Aborted, "aborted because " + w.abort_reason());
+      } else if (gone >= 0) {
+        withdraw(me, s, sig, Failure::Exited,
+                 "replica " + std::to_string(gone) +
+                     " exited (its function returned) without joining this collective");
+      } else if (std::chrono::steady_clock::now() >= deadline) {
+        withdraw(me, s, sig, Failure::Timeout, timed_out(timeout, missing(s)));
+      }
+      w.event().wait_until(
+          [&] {
+            return locals_arrived() || (state_.load(std::memory_order_acquire) & kBroken) ||
+                   w.aborted() || exited_partner(s) >= 0;
+          },
+          deadline);
+    }
+  }
+  // 2. Their shares out, the other processes' in.
+  std::vector<Share*> by_slot(n), local;
+  std::vector<int> ordinals;
+  for (std::size_t j = 0; j < n; ++j) {
+    by_slot[j] = &slots_[j].round[s & 1];
+    if (local_index_[j] < 0) continue;
+    local.push_back(by_slot[j]);
+    ordinals.push_back(members_[j]);
+  }
+  auto give_up = [&](Failure why, const std::string& reason) {
+    link_->abandon();
+    withdraw(me, s, sig, why, reason);
+  };
+  try {
+    link_->begin(s, local, ordinals);
+  } catch (const std::exception& e) {
+    give_up(Failure::Exited, e.what());
+  }
+  const auto polite = std::chrono::steady_clock::now() + w.wait().spin + w.wait().yield;
+  // A remote partner seen exited before its package arrived: its package may still be on
+  // the way (exit notices travel on another communicator), so wait a moment before failing.
+  std::chrono::steady_clock::time_point gone_since{};
+  for (int i = 0;; ++i) {
+    bool done = false;
+    try {
+      done = link_->progress(by_slot, slot_of_);
+    } catch (const std::exception& e) {
+      give_up(Failure::Exited, e.what());
+    }
+    if (done) break;
+    if ((i & 15) != 15) continue;
+    const auto now = std::chrono::steady_clock::now();
+    if (w.aborted()) give_up(Failure::Aborted, "aborted because " + w.abort_reason());
+    int gone = -1;
+    for (std::size_t j = 0; j < n && gone < 0; ++j) {
+      if (local_index_[j] < 0 && w.exited(members_[j]) && !link_->delivered_by_owner(members_[j]))
+        gone = members_[j];
+    }
+    if (gone < 0) {
+      gone_since = {};
+    } else if (gone_since == std::chrono::steady_clock::time_point{}) {
+      gone_since = now;
+    } else if (now - gone_since > std::chrono::milliseconds(250)) {
+      give_up(Failure::Exited, "replica " + std::to_string(gone) +
+                                   " exited (its function returned) without joining this "
+                                   "collective");
+    }
+    if (now >= deadline) give_up(Failure::Timeout, timed_out(timeout, link_->waiting_for()));
+    if (now > polite) std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+  // 3. The remote members' shares are in their slots: they count as arrived (and, having
+  //    nothing of theirs to read in place, as done).
+  for (std::size_t j = 0; j < n; ++j) {
+    if (local_index_[j] >= 0) continue;
+    slots_[j].done.store(s, std::memory_order_release);
+    slots_[j].arrived.store(s, std::memory_order_seq_cst);
+  }
+  w.event().notify();
+#else
+  (void)me, (void)s, (void)sig, (void)timeout;
+#endif
 }
 
 LAZYTENSOR_INLINE void GroupComm::start(int me, std::uint64_t s, const Signature& sig) {
@@ -10784,6 +11828,7 @@ LAZYTENSOR_INLINE void GroupComm::finish(int me, std::uint64_t s) {
                                  std::chrono::steady_clock::now() + std::chrono::seconds(1));
   }
   slot.round[s & 1].buffers.clear();
+  slot.round[s & 1].keep.clear();
 }
 }  // namespace lazy::dist::detail
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
@@ -11022,6 +12067,9 @@ class ExchangeNode : public graph::Node {
     return std::move(outputs_[i]);
   }
   const CollectiveCall& call() const { return call_; }
+  /// The collective's inputs (the extra program-order input excluded).
+  std::size_t data_count() const { return data_count_; }
+  const graph::NodePtr& data(std::size_t i) const { return inputs()[i]; }
 
  protected:
   void compute(graph::ExecContext& ctx) final;
@@ -11030,8 +12078,6 @@ class ExchangeNode : public graph::Node {
   /// Runs the exchange; returns one buffer per output.
   virtual std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext& ctx) = 0;
 
-  std::size_t data_count() const { return data_count_; }
-  const graph::NodePtr& data(std::size_t i) const { return inputs()[i]; }
   const std::byte* bytes(std::size_t i) const {
     return static_cast<const std::byte*>(inputs()[i]->buffer()->data());
   }
@@ -11221,9 +12267,11 @@ void copy_block(std::byte* dst, const std::array<std::int64_t, kMaxRank>& dstr,
                 const std::byte* src, const std::array<std::int64_t, kMaxRank>& sstr,
                 const Shape& shape, std::size_t es);
 
-/// Publishes this member's inputs: copies into the slot when `copied`, else pointers.
+/// Publishes this member's inputs: copies into the slot when `copied`, else pointers (and,
+/// when the group spans processes, the buffers holding them, so they can be sent from there).
 void publish_inputs(Share& s, const std::vector<const std::byte*>& in,
-                    const std::vector<std::size_t>& nbytes, bool copied);
+                    const std::vector<std::size_t>& nbytes, bool copied,
+                    const CollectiveCall& c, const ExchangeNode& node);
 
 /// all_reduce of one or several tensors of type T (coalesced: one round for all of them).
 template <Element T>
@@ -11261,21 +12309,21 @@ class AllReduceExchange final : public ExchangeNode {
       staged += align64(nbytes[i]);
     }
     const bool copied = staged <= kInlineBytes;
-    const bool leader = c.slot == 0;
+    const bool leader = c.slot == c.comm->leader();
     if (copied || leader) {
       for (std::size_t i = 0; i < k; ++i) outs[i] = allocate(ctx, data(i)->numel(), sizeof(T));
     }
     c.comm->exchange(
         c.slot, c.seq, c.sig,
         [&](Share& s) {
-          publish_inputs(s, in, nbytes, copied);
+          publish_inputs(s, in, nbytes, copied, c, *this);
           if (!copied && leader) {
             for (auto& b : outs) b->mark_shared();
             s.buffers = outs;
           }
         },
         [&](const GroupComm::Round& r) {
-          if (!copied && !leader) outs = r[0].buffers;
+          if (!copied && !leader) outs = r[c.comm->leader()].buffers;
           reduce(ctx, r, outs, offs, copied);
         },
         !copied);
@@ -11284,7 +12332,8 @@ class AllReduceExchange final : public ExchangeNode {
 
  private:
   /// Reduces elements [b, e) of the end-to-end layout (all of it when `whole`, else this
-  /// member's slice), split across the device's workers.
+  /// member's slice of the local members' share of the work), split across the device's
+  /// workers.
   void reduce(graph::ExecContext& ctx, const GroupComm::Round& r,
               const std::vector<std::shared_ptr<Buffer>>& outs,
               const std::vector<std::int64_t>& offs, bool whole) const {
@@ -11294,7 +12343,8 @@ class AllReduceExchange final : public ExchangeNode {
     // (no structured bindings: clang 14 cannot capture them in the lambda below)
     const std::pair<std::int64_t, std::int64_t> range =
         whole ? std::pair<std::int64_t, std::int64_t>{0, total}
-              : graph::task_range(total, n, c.slot, 16);
+              : graph::task_range(total, c.comm->local_count(),
+                                  c.comm->local_index(c.slot), 16);
     const std::int64_t b = range.first, e = range.second;
     if (b >= e) return;
     ThreadPool& pool = ctx.device.threads();
@@ -11384,7 +12434,8 @@ class ReduceScatterExchange final : public ExchangeNode {
     const std::size_t nbytes = static_cast<std::size_t>(numel) * sizeof(T);
     const bool copied = align64(nbytes) <= kInlineBytes;
     c.comm->exchange(
-        c.slot, c.seq, c.sig, [&](Share& sh) { publish_inputs(sh, {bytes(0)}, {nbytes}, copied); },
+        c.slot, c.seq, c.sig,
+        [&](Share& sh) { publish_inputs(sh, {bytes(0)}, {nbytes}, copied, c, *this); },
         [&](const GroupComm::Round& r) {
           reduce_from([&](int q) {
             return reinterpret_cast<const T*>(
@@ -11460,10 +12511,15 @@ LAZYTENSOR_INLINE void copy_block(std::byte* dst, const std::array<std::int64_t,
 }
 
 LAZYTENSOR_INLINE void publish_inputs(Share& s, const std::vector<const std::byte*>& in,
-                                      const std::vector<std::size_t>& nbytes, bool copied) {
+                                      const std::vector<std::size_t>& nbytes, bool copied,
+                                      const CollectiveCall& c, const ExchangeNode& node) {
   s.data.resize(in.size());
+  s.bytes = nbytes;
   if (!copied) {
     for (std::size_t i = 0; i < in.size(); ++i) s.data[i] = in[i];
+    if (c.comm->spans_processes()) {
+      for (std::size_t i = 0; i < node.data_count(); ++i) s.keep.push_back(node.data(i)->buffer());
+    }
     return;
   }
   std::size_t total = 0;
@@ -11493,7 +12549,7 @@ LAZYTENSOR_INLINE std::vector<std::shared_ptr<Buffer>> AllGatherExchange::run(
   for (int d = 0; d < s.rank(); ++d) (d < dim_ ? outer : inner) *= s[d];
   const std::size_t nbytes = static_cast<std::size_t>(numel) * es;
   const bool copied = align64(nbytes) <= kInlineBytes;
-  const bool leader = c.slot == 0;
+  const bool leader = c.slot == c.comm->leader();
   std::vector<std::shared_ptr<Buffer>> outs(1);
   if (copied || leader) outs[0] = allocate(ctx, numel * n, es);
   const std::byte* own = bytes(0);
@@ -11509,17 +12565,24 @@ LAZYTENSOR_INLINE std::vector<std::shared_ptr<Buffer>> AllGatherExchange::run(
   c.comm->exchange(
       c.slot, c.seq, c.sig,
       [&](Share& sh) {
-        publish_inputs(sh, {own}, {nbytes}, copied);
+        publish_inputs(sh, {own}, {nbytes}, copied, c, *this);
         if (!copied && leader) {
           outs[0]->mark_shared();
           sh.buffers = outs;
         }
       },
       [&](const GroupComm::Round& r) {
-        if (!copied && !leader) outs = r[0].buffers;
+        if (!copied && !leader) outs = r[c.comm->leader()].buffers;
         auto* out = static_cast<std::byte*>(outs[0]->data());
         if (!copied) {
           copy_rank(out, own, c.rank);  // each member writes its own block of the shared output
+          // ... and the local members share the blocks of members in other processes.
+          const int locals = c.comm->local_count(), mine = c.comm->local_index(c.slot);
+          for (int q = 0, k = 0; q < n; ++q) {
+            const int slot = c.slot_of_rank[static_cast<std::size_t>(q)];
+            if (c.comm->local_index(slot) >= 0) continue;
+            if (k++ % locals == mine) copy_rank(out, r[slot].data[0], q);
+          }
           return;
         }
         for (int q = 0; q < n; ++q)
@@ -11554,7 +12617,8 @@ LAZYTENSOR_INLINE std::vector<std::shared_ptr<Buffer>> AllToAllExchange::run(
   const bool copied = align64(nbytes) <= kInlineBytes;
   const auto ses = static_cast<std::int64_t>(es);
   c.comm->exchange(
-      c.slot, c.seq, c.sig, [&](Share& sh) { publish_inputs(sh, {bytes(0)}, {nbytes}, copied); },
+      c.slot, c.seq, c.sig,
+      [&](Share& sh) { publish_inputs(sh, {bytes(0)}, {nbytes}, copied, c, *this); },
       [&](const GroupComm::Round& r) {
         for (int q = 0; q < n; ++q) {
           const std::byte* src = r[c.slot_of_rank[static_cast<std::size_t>(q)]].data[0] +
@@ -11571,19 +12635,34 @@ LAZYTENSOR_INLINE BroadcastExchange::BroadcastExchange(CollectiveCall call, grap
                                                        graph::Device* device, int src_slot)
     : ExchangeNode(std::move(call), {std::move(in)}, after, device), src_slot_(src_slot) {}
 
-LAZYTENSOR_INLINE std::vector<std::shared_ptr<Buffer>> BroadcastExchange::run(graph::ExecContext&) {
+LAZYTENSOR_INLINE std::vector<std::shared_ptr<Buffer>> BroadcastExchange::run(
+    graph::ExecContext& ctx) {
   const CollectiveCall& c = call();
   if (c.size() == 1) return {data(0)->buffer()};
   std::vector<std::shared_ptr<Buffer>> outs(1);
+  const std::size_t es = dtype_size(data(0)->dtype());
+  const std::size_t nbytes = static_cast<std::size_t>(data(0)->numel()) * es;
   c.comm->exchange(
       c.slot, c.seq, c.sig,
       [&](Share& sh) {
-        if (c.slot == src_slot_) {
-          data(0)->buffer()->mark_shared();
-          sh.buffers = {data(0)->buffer()};
+        if (c.slot != src_slot_) return;
+        data(0)->buffer()->mark_shared();
+        sh.buffers = {data(0)->buffer()};
+        if (c.comm->spans_processes()) {  // other processes get the bytes
+          sh.data = {bytes(0)};
+          sh.bytes = {nbytes};
+          sh.keep = {data(0)->buffer()};
         }
       },
-      [&](const GroupComm::Round& r) { outs[0] = r[src_slot_].buffers[0]; },
+      [&](const GroupComm::Round& r) {
+        const Share& src = r[src_slot_];
+        if (!src.buffers.empty()) {
+          outs[0] = src.buffers[0];
+          return;
+        }
+        outs[0] = allocate(ctx, data(0)->numel(), es);  // the source is in another process
+        if (nbytes) std::memcpy(outs[0]->data(), src.data[0], nbytes);
+      },
       true);  // the source's share holds its buffer until everyone took it
   return outs;
 }
@@ -13429,8 +14508,10 @@ LAZYTENSOR_INLINE void check_options(const ParallelLoaderOptions& o, const char*
 // Each replica plays the role of a torch_xla process: it has one device of its own, so
 // local_process_count() and local_device_count() count the replicas on this host and
 // addressable_device_count() is 1. The threads backend runs every replica in one process;
-// an MPI backend places several processes (each with replica threads) in one world, and
-// ordinals follow the world layout (global ordinal = process offset + local index).
+// under MPI (lazytensor::mpi) several processes, each with replica threads, form one world,
+// and ordinals follow the world layout: global ordinal = process_index() * replicas per
+// process + local index. process_index() and process_count() are the operating-system
+// processes (MPI ranks), as torch_xla.runtime's.
 
 #include <string>
 
@@ -13444,8 +14525,23 @@ inline const dist::detail::WorldLayout* layout() {
 }
 }  // namespace detail
 
+/// Index of this operating-system process among those of the job (xr.process_index()):
+/// its MPI rank under lazytensor::mpi, else 0.
+inline int process_index() {
+  auto* l = detail::layout();
+  if (l) return l->process_offset / l->process_replicas;
+  return dist::detail::process_place().index;
+}
+/// Number of operating-system processes in the job (xr.process_count()): the MPI world's
+/// size under lazytensor::mpi, else 1.
+inline int process_count() {
+  auto* l = detail::layout();
+  if (l) return l->world_size / l->process_replicas;
+  return dist::detail::process_place().count;
+}
+
 /// Devices of every process taking part (xr.global_runtime_device_count()): what SPMD
-/// meshes are laid over. Today one process, so lazy::device_count().
+/// meshes are laid over. SPMD drives the devices of one process, so lazy::device_count().
 inline int global_runtime_device_count() { return device_count(); }
 
 /// Number of replicas in the world (xr.world_size()); 1 outside spawn.
@@ -13511,6 +14607,12 @@ inline bool is_master_ordinal(bool local = true) {
 // entering one later) gets ReplicaAborted, and spawn re-throws that first exception once
 // every replica thread has finished. A replica busy in its own code notices the abort at
 // its next collective, so spawn returns as soon as every replica reached one (or ended).
+//
+// Under MPI (lazytensor::mpi, `mpirun -np P`), every process calls spawn(fn, n) and they
+// form one world of P x n replicas (process_world.hpp): replica i of process p has ordinal
+// p * n + i and still runs on local device i. Worker threads are shared out among the
+// replicas of the whole host, a failure anywhere aborts every process's replicas, and each
+// process's spawn re-throws the first failure it learned of.
 
 #include <algorithm>
 #include <cstdint>
@@ -13534,7 +14636,7 @@ inline std::mutex& spawn_mutex() {
   return m;
 }
 
-/// Worker threads of each replica's device.
+/// Worker threads of each replica's device, for `nprocs` replicas on the host.
 inline int replica_threads(int nprocs) {
   return std::max(1, graph::default_device_threads() / nprocs);
 }
@@ -13556,7 +14658,8 @@ inline bool replica_steps_inline(int n) {
 /// step mode back.
 class ReplicaDevices {
  public:
-  explicit ReplicaDevices(int n);
+  /// `n` replica devices here, `host` replicas on the host (every process on it).
+  ReplicaDevices(int n, int host);
   ~ReplicaDevices();
   ReplicaDevices(const ReplicaDevices&) = delete;
   ReplicaDevices& operator=(const ReplicaDevices&) = delete;
@@ -13572,15 +14675,18 @@ void run_replica(const std::shared_ptr<World>& world, int local, Body& body) {
   graph::current_device_index() = local;
   ReplicaContext ctx(world, local);
   current_context() = &ctx;
+  std::exception_ptr error;
   try {
     body(local);
     finish_replica();
   } catch (...) {
-    world->state().fail(ctx.ordinal, std::current_exception());
+    error = std::current_exception();
+    world->state().fail(ctx.ordinal, error);
   }
   ctx.last.reset();
   current_context() = nullptr;
   world->state().mark_exited(ctx.ordinal);
+  if (auto& procs = world->state().processes()) procs->announce_exit(ctx.ordinal, error);
 }
 
 struct NoResult {};
@@ -13602,10 +14708,14 @@ auto spawn(F&& fn, int nprocs) {
   std::unique_lock guard(detail::spawn_mutex(), std::try_to_lock);
   if (!guard.owns_lock()) throw Error("spawn: another spawn is already running in this process");
 
+  auto processes = detail::ProcessWorld::join(nprocs);  // null: this process is the world
   detail::WorldLayout layout;
   layout.world_size = layout.process_replicas = layout.host_replicas = nprocs;
+  if (processes) layout = processes->layout();
   auto world = std::make_shared<detail::World>(layout);
-  detail::ReplicaDevices devices(nprocs);
+  world->state().set_processes(processes);
+  detail::ReplicaDevices devices(nprocs, layout.host_replicas);
+  if (processes) processes->watch(world->state());
   std::conditional_t<std::is_void_v<R>, detail::NoResult, std::optional<R>> result;
   auto body = [&](int i) {
     if constexpr (std::is_void_v<R>) {
@@ -13624,9 +14734,11 @@ auto spawn(F&& fn, int nprocs) {
   } catch (...) {  // could not start a thread: stop the others
     world->state().fail(-1, std::current_exception());
     for (auto& t : threads) t.join();
+    if (processes) processes->finish();
     throw;
   }
   for (auto& t : threads) t.join();
+  if (processes) processes->finish();
   if (auto e = world->state().first_error()) std::rethrow_exception(e);
   if constexpr (!std::is_void_v<R>) return std::move(*result);
 }
@@ -13635,9 +14747,9 @@ auto spawn(F&& fn, int nprocs) {
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace lazy::dist::detail {
-LAZYTENSOR_INLINE ReplicaDevices::ReplicaDevices(int n) {
-  const int per = replica_threads(n);
-  const bool in_line = replica_steps_inline(n);
+LAZYTENSOR_INLINE ReplicaDevices::ReplicaDevices(int n, int host) {
+  const int per = replica_threads(host);
+  const bool in_line = replica_steps_inline(host);
   const int existing = graph::DeviceRegistry::get().count();
   for (int i = 0; i < n; ++i) {
     graph::Device& dev = graph::DeviceRegistry::get().device(i);
@@ -25564,8 +26676,10 @@ LAZYTENSOR_INLINE Trainer::Trainer(TrainerOptions options) : options_(std::move(
 }
 
 LAZYTENSOR_INLINE detail::ReplicaRun& Trainer::run() const {
-  const auto r = static_cast<std::size_t>(strategy_->global_rank());
-  if (r >= runs_.size()) throw Error("Trainer: no run for rank " + std::to_string(r));
+  // One run per replica of this process (under MPI the other processes hold the others').
+  const auto* ctx = dist::detail::current_context();
+  const auto r = static_cast<std::size_t>(ctx ? ctx->local : 0);
+  if (r >= runs_.size()) throw Error("Trainer: no run for rank " + std::to_string(strategy_->global_rank()));
   return *runs_[r];
 }
 
@@ -26520,11 +27634,13 @@ auto Trainer::launch_replicas(M& module, Run run_fn) {
       runs_.back()->progress = kept[static_cast<std::size_t>(i)].first;
       runs_.back()->metrics.set_callback_metrics(kept[static_cast<std::size_t>(i)].second);
     }
-    // Copies made here, before any replica runs a hook that changes the originals.
+    // Copies made here, before any replica runs a hook that changes the originals. Global
+    // rank zero (replica 0 of process 0) keeps them.
+    const bool global_zero = i == 0 && runtime::process_index() == 0;
     for (const auto& cb : callbacks_) {
-      std::shared_ptr<Callback> copy = i == 0 ? nullptr : cb->clone();
+      std::shared_ptr<Callback> copy = global_zero ? nullptr : cb->clone();
       runs_.back()->callbacks.push_back(copy ? copy : cb);
-      runs_.back()->shared_callback.push_back(i != 0 && !copy);
+      runs_.back()->shared_callback.push_back(!global_zero && !copy);
     }
   }
   return strategy_->launch([&](Strategy& s) {

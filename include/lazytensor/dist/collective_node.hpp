@@ -46,6 +46,9 @@ class ExchangeNode : public graph::Node {
     return std::move(outputs_[i]);
   }
   const CollectiveCall& call() const { return call_; }
+  /// The collective's inputs (the extra program-order input excluded).
+  std::size_t data_count() const { return data_count_; }
+  const graph::NodePtr& data(std::size_t i) const { return inputs()[i]; }
 
  protected:
   void compute(graph::ExecContext& ctx) final;
@@ -54,8 +57,6 @@ class ExchangeNode : public graph::Node {
   /// Runs the exchange; returns one buffer per output.
   virtual std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext& ctx) = 0;
 
-  std::size_t data_count() const { return data_count_; }
-  const graph::NodePtr& data(std::size_t i) const { return inputs()[i]; }
   const std::byte* bytes(std::size_t i) const {
     return static_cast<const std::byte*>(inputs()[i]->buffer()->data());
   }

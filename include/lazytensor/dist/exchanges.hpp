@@ -34,9 +34,11 @@ void copy_block(std::byte* dst, const std::array<std::int64_t, kMaxRank>& dstr,
                 const std::byte* src, const std::array<std::int64_t, kMaxRank>& sstr,
                 const Shape& shape, std::size_t es);
 
-/// Publishes this member's inputs: copies into the slot when `copied`, else pointers.
+/// Publishes this member's inputs: copies into the slot when `copied`, else pointers (and,
+/// when the group spans processes, the buffers holding them, so they can be sent from there).
 void publish_inputs(Share& s, const std::vector<const std::byte*>& in,
-                    const std::vector<std::size_t>& nbytes, bool copied);
+                    const std::vector<std::size_t>& nbytes, bool copied,
+                    const CollectiveCall& c, const ExchangeNode& node);
 
 /// all_reduce of one or several tensors of type T (coalesced: one round for all of them).
 template <Element T>
@@ -74,21 +76,21 @@ class AllReduceExchange final : public ExchangeNode {
       staged += align64(nbytes[i]);
     }
     const bool copied = staged <= kInlineBytes;
-    const bool leader = c.slot == 0;
+    const bool leader = c.slot == c.comm->leader();
     if (copied || leader) {
       for (std::size_t i = 0; i < k; ++i) outs[i] = allocate(ctx, data(i)->numel(), sizeof(T));
     }
     c.comm->exchange(
         c.slot, c.seq, c.sig,
         [&](Share& s) {
-          publish_inputs(s, in, nbytes, copied);
+          publish_inputs(s, in, nbytes, copied, c, *this);
           if (!copied && leader) {
             for (auto& b : outs) b->mark_shared();
             s.buffers = outs;
           }
         },
         [&](const GroupComm::Round& r) {
-          if (!copied && !leader) outs = r[0].buffers;
+          if (!copied && !leader) outs = r[c.comm->leader()].buffers;
           reduce(ctx, r, outs, offs, copied);
         },
         !copied);
@@ -97,7 +99,8 @@ class AllReduceExchange final : public ExchangeNode {
 
  private:
   /// Reduces elements [b, e) of the end-to-end layout (all of it when `whole`, else this
-  /// member's slice), split across the device's workers.
+  /// member's slice of the local members' share of the work), split across the device's
+  /// workers.
   void reduce(graph::ExecContext& ctx, const GroupComm::Round& r,
               const std::vector<std::shared_ptr<Buffer>>& outs,
               const std::vector<std::int64_t>& offs, bool whole) const {
@@ -107,7 +110,8 @@ class AllReduceExchange final : public ExchangeNode {
     // (no structured bindings: clang 14 cannot capture them in the lambda below)
     const std::pair<std::int64_t, std::int64_t> range =
         whole ? std::pair<std::int64_t, std::int64_t>{0, total}
-              : graph::task_range(total, n, c.slot, 16);
+              : graph::task_range(total, c.comm->local_count(),
+                                  c.comm->local_index(c.slot), 16);
     const std::int64_t b = range.first, e = range.second;
     if (b >= e) return;
     ThreadPool& pool = ctx.device.threads();
@@ -197,7 +201,8 @@ class ReduceScatterExchange final : public ExchangeNode {
     const std::size_t nbytes = static_cast<std::size_t>(numel) * sizeof(T);
     const bool copied = align64(nbytes) <= kInlineBytes;
     c.comm->exchange(
-        c.slot, c.seq, c.sig, [&](Share& sh) { publish_inputs(sh, {bytes(0)}, {nbytes}, copied); },
+        c.slot, c.seq, c.sig,
+        [&](Share& sh) { publish_inputs(sh, {bytes(0)}, {nbytes}, copied, c, *this); },
         [&](const GroupComm::Round& r) {
           reduce_from([&](int q) {
             return reinterpret_cast<const T*>(
@@ -273,10 +278,15 @@ LAZYTENSOR_INLINE void copy_block(std::byte* dst, const std::array<std::int64_t,
 }
 
 LAZYTENSOR_INLINE void publish_inputs(Share& s, const std::vector<const std::byte*>& in,
-                                      const std::vector<std::size_t>& nbytes, bool copied) {
+                                      const std::vector<std::size_t>& nbytes, bool copied,
+                                      const CollectiveCall& c, const ExchangeNode& node) {
   s.data.resize(in.size());
+  s.bytes = nbytes;
   if (!copied) {
     for (std::size_t i = 0; i < in.size(); ++i) s.data[i] = in[i];
+    if (c.comm->spans_processes()) {
+      for (std::size_t i = 0; i < node.data_count(); ++i) s.keep.push_back(node.data(i)->buffer());
+    }
     return;
   }
   std::size_t total = 0;
@@ -306,7 +316,7 @@ LAZYTENSOR_INLINE std::vector<std::shared_ptr<Buffer>> AllGatherExchange::run(
   for (int d = 0; d < s.rank(); ++d) (d < dim_ ? outer : inner) *= s[d];
   const std::size_t nbytes = static_cast<std::size_t>(numel) * es;
   const bool copied = align64(nbytes) <= kInlineBytes;
-  const bool leader = c.slot == 0;
+  const bool leader = c.slot == c.comm->leader();
   std::vector<std::shared_ptr<Buffer>> outs(1);
   if (copied || leader) outs[0] = allocate(ctx, numel * n, es);
   const std::byte* own = bytes(0);
@@ -322,17 +332,24 @@ LAZYTENSOR_INLINE std::vector<std::shared_ptr<Buffer>> AllGatherExchange::run(
   c.comm->exchange(
       c.slot, c.seq, c.sig,
       [&](Share& sh) {
-        publish_inputs(sh, {own}, {nbytes}, copied);
+        publish_inputs(sh, {own}, {nbytes}, copied, c, *this);
         if (!copied && leader) {
           outs[0]->mark_shared();
           sh.buffers = outs;
         }
       },
       [&](const GroupComm::Round& r) {
-        if (!copied && !leader) outs = r[0].buffers;
+        if (!copied && !leader) outs = r[c.comm->leader()].buffers;
         auto* out = static_cast<std::byte*>(outs[0]->data());
         if (!copied) {
           copy_rank(out, own, c.rank);  // each member writes its own block of the shared output
+          // ... and the local members share the blocks of members in other processes.
+          const int locals = c.comm->local_count(), mine = c.comm->local_index(c.slot);
+          for (int q = 0, k = 0; q < n; ++q) {
+            const int slot = c.slot_of_rank[static_cast<std::size_t>(q)];
+            if (c.comm->local_index(slot) >= 0) continue;
+            if (k++ % locals == mine) copy_rank(out, r[slot].data[0], q);
+          }
           return;
         }
         for (int q = 0; q < n; ++q)
@@ -367,7 +384,8 @@ LAZYTENSOR_INLINE std::vector<std::shared_ptr<Buffer>> AllToAllExchange::run(
   const bool copied = align64(nbytes) <= kInlineBytes;
   const auto ses = static_cast<std::int64_t>(es);
   c.comm->exchange(
-      c.slot, c.seq, c.sig, [&](Share& sh) { publish_inputs(sh, {bytes(0)}, {nbytes}, copied); },
+      c.slot, c.seq, c.sig,
+      [&](Share& sh) { publish_inputs(sh, {bytes(0)}, {nbytes}, copied, c, *this); },
       [&](const GroupComm::Round& r) {
         for (int q = 0; q < n; ++q) {
           const std::byte* src = r[c.slot_of_rank[static_cast<std::size_t>(q)]].data[0] +
@@ -384,19 +402,34 @@ LAZYTENSOR_INLINE BroadcastExchange::BroadcastExchange(CollectiveCall call, grap
                                                        graph::Device* device, int src_slot)
     : ExchangeNode(std::move(call), {std::move(in)}, after, device), src_slot_(src_slot) {}
 
-LAZYTENSOR_INLINE std::vector<std::shared_ptr<Buffer>> BroadcastExchange::run(graph::ExecContext&) {
+LAZYTENSOR_INLINE std::vector<std::shared_ptr<Buffer>> BroadcastExchange::run(
+    graph::ExecContext& ctx) {
   const CollectiveCall& c = call();
   if (c.size() == 1) return {data(0)->buffer()};
   std::vector<std::shared_ptr<Buffer>> outs(1);
+  const std::size_t es = dtype_size(data(0)->dtype());
+  const std::size_t nbytes = static_cast<std::size_t>(data(0)->numel()) * es;
   c.comm->exchange(
       c.slot, c.seq, c.sig,
       [&](Share& sh) {
-        if (c.slot == src_slot_) {
-          data(0)->buffer()->mark_shared();
-          sh.buffers = {data(0)->buffer()};
+        if (c.slot != src_slot_) return;
+        data(0)->buffer()->mark_shared();
+        sh.buffers = {data(0)->buffer()};
+        if (c.comm->spans_processes()) {  // other processes get the bytes
+          sh.data = {bytes(0)};
+          sh.bytes = {nbytes};
+          sh.keep = {data(0)->buffer()};
         }
       },
-      [&](const GroupComm::Round& r) { outs[0] = r[src_slot_].buffers[0]; },
+      [&](const GroupComm::Round& r) {
+        const Share& src = r[src_slot_];
+        if (!src.buffers.empty()) {
+          outs[0] = src.buffers[0];
+          return;
+        }
+        outs[0] = allocate(ctx, data(0)->numel(), es);  // the source is in another process
+        if (nbytes) std::memcpy(outs[0]->data(), src.data[0], nbytes);
+      },
       true);  // the source's share holds its buffer until everyone took it
   return outs;
 }

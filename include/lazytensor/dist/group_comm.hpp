@@ -16,6 +16,12 @@
 // every member arrived at s + 1, i.e. finished reading round s, so copied (inline) data
 // needs no step 5 and a small collective costs one synchronization.
 //
+// Across processes (MPI, process_world.hpp) the slots of members in other processes are
+// filled by this process's leader (its lowest member of the group): it waits for its local
+// members to arrive, sends their shares to the other processes, receives theirs, and only
+// then marks the remote members arrived, so the round starts with every share in place.
+// In-place work is then split among the local members only (local_count, local_index).
+//
 // Waiting: spin, then yield, then sleep on the world's event (world.hpp, wait_budget).
 // Only step 2 gives up (abort, a partner that exited, timeout); once a round started
 // every member is inside it doing bounded memory work, so steps 4-5 never give up (giving
@@ -28,35 +34,21 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
-#include <lazytensor/core/buffer.hpp>
 #include <lazytensor/core/config.hpp>
 #include <lazytensor/core/error.hpp>
+#include <lazytensor/dist/process_world.hpp>
+#include <lazytensor/dist/share.hpp>
 #include <lazytensor/dist/signature.hpp>
 #include <lazytensor/dist/world.hpp>
 
 namespace lazy::dist::detail {
 
-/// Messages up to this many bytes per member are copied into the slot (one synchronization);
-/// larger ones are read in place from the members' buffers (two synchronizations).
-inline constexpr std::size_t kInlineBytes = std::size_t{16} << 10;
-
-/// Rounds `n` up to a multiple of 64 (offsets inside a slot's staging area).
-constexpr std::size_t align64(std::size_t n) { return (n + 63) / 64 * 64; }
-
-/// What one member shares in one round.
-struct Share {
-  Signature sig;
-  std::vector<const std::byte*> data;            ///< per tensor or payload: where its bytes are
-  std::vector<std::size_t> bytes;                ///< payload sizes (host collectives)
-  std::vector<std::shared_ptr<Buffer>> buffers;  ///< shared outputs, broadcast source
-  std::vector<std::byte> staging;                ///< copies of small messages
-
-  /// A staging area of at least `n` bytes (allocated once, then reused).
-  std::byte* stage(std::size_t n);
-};
+/// "timed out after 2.5 s waiting for <whom> (set the limit with ...)".
+std::string timed_out(std::chrono::milliseconds timeout, const std::string& whom);
 
 /// One group's exchange: its members (sorted global ordinals), their slots, the round state.
 class GroupComm {
@@ -69,6 +61,13 @@ class GroupComm {
   /// Slot of replica `ordinal` (-1 when not a member).
   int slot_of(int ordinal) const { return slot_of_[static_cast<std::size_t>(ordinal)]; }
   WorldState& world() { return *world_; }
+  /// Whether the group has members in other processes.
+  bool spans_processes() const { return local_count_ < size(); }
+  /// Members in this process, and the slot of the lowest one (it leads in-place rounds).
+  int local_count() const { return local_count_; }
+  int leader() const { return leader_; }
+  /// Position of `slot` among the local members (-1 for a remote member).
+  int local_index(int slot) const { return local_index_[static_cast<std::size_t>(slot)]; }
 
   /// Read access to every member's share of round s.
   class Round {
@@ -99,9 +98,14 @@ class GroupComm {
     Slot& slot = slots_[static_cast<std::size_t>(me)];
     Share& mine = slot.round[s & 1];
     mine.sig = sig;
+    mine.data.clear();
+    mine.bytes.clear();
+    mine.buffers.clear();
+    mine.keep.clear();
     publish(mine);
     slot.arrived.store(s, std::memory_order_seq_cst);
     w.event().notify();
+    if (spans_processes() && me == leader_) cross_process(me, s, sig, timeout);
     await_start(me, s, sig, timeout);
     const Round round(*this, s);
     check_signatures(round, me, s);
@@ -140,6 +144,10 @@ class GroupComm {
 
   void start(int me, std::uint64_t s, const Signature& sig);
 
+  /// The leader's part of a round that spans processes (see the file comment).
+  void cross_process(int me, std::uint64_t s, const Signature& sig,
+                     std::chrono::milliseconds timeout);
+
   /// Gives up on round s unless it already started. Returns true when it had started (the
   /// caller must take part); otherwise marks the group broken and throws.
   bool withdraw(int me, std::uint64_t s, const Signature& sig, Failure why,
@@ -161,6 +169,10 @@ class GroupComm {
   std::vector<int> members_;
   std::vector<int> slot_of_;
   std::unique_ptr<Slot[]> slots_;
+  std::vector<int> local_index_;
+  int local_count_ = 0;
+  int leader_ = 0;
+  std::unique_ptr<ProcessLink> link_;  // with members in other processes
   std::atomic<std::uint64_t> state_{0};  ///< last started round, | kBroken once unusable
   std::mutex broken_mu_;
   Failure broken_kind_ = Failure::Timeout;  // guarded by broken_mu_
@@ -171,18 +183,24 @@ class GroupComm {
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace lazy::dist::detail {
-LAZYTENSOR_INLINE std::byte* Share::stage(std::size_t n) {
-  if (staging.size() < n) staging.resize(std::max(n, kInlineBytes));
-  return staging.data();
-}
-
 LAZYTENSOR_INLINE GroupComm::GroupComm(std::shared_ptr<WorldState> world, std::vector<int> members)
     : world_(std::move(world)),
       members_(std::move(members)),
       slot_of_(static_cast<std::size_t>(world_->layout().world_size), -1),
-      slots_(std::make_unique<Slot[]>(members_.size())) {
-  for (std::size_t i = 0; i < members_.size(); ++i)
-    slot_of_[static_cast<std::size_t>(members_[i])] = static_cast<int>(i);
+      slots_(std::make_unique<Slot[]>(members_.size())),
+      local_index_(members_.size(), -1) {
+  const WorldLayout& l = world_->layout();
+  for (std::size_t i = 0; i < members_.size(); ++i) {
+    const int m = members_[i];
+    slot_of_[static_cast<std::size_t>(m)] = static_cast<int>(i);
+    if (m >= l.process_offset && m < l.process_offset + l.process_replicas) {
+      if (local_count_ == 0) leader_ = static_cast<int>(i);
+      local_index_[i] = local_count_++;
+    }
+  }
+#if LAZYTENSOR_WITH_MPI
+  if (spans_processes()) link_ = std::make_unique<ProcessLink>(world_->processes(), members_);
+#endif
 }
 
 LAZYTENSOR_INLINE std::string GroupComm::prefix(int me, std::uint64_t s,
@@ -200,6 +218,7 @@ LAZYTENSOR_INLINE bool GroupComm::all_arrived(std::uint64_t s) const {
 
 LAZYTENSOR_INLINE int GroupComm::exited_partner(std::uint64_t s) const {
   for (std::size_t j = 0; j < members_.size(); ++j) {
+    if (local_index_[j] < 0) continue;  // remote members: the leader's concern
     if (slots_[j].arrived.load(std::memory_order_acquire) < s && world_->exited(members_[j]))
       return members_[j];
   }
@@ -236,14 +255,7 @@ LAZYTENSOR_INLINE void GroupComm::await_start(int me, std::uint64_t s, const Sig
           break;
         }
       } else if (std::chrono::steady_clock::now() >= deadline) {
-        const double secs = static_cast<double>(timeout.count()) / 1000.0;
-        std::string t = std::to_string(secs);
-        t.erase(t.find_last_not_of('0') + 1);
-        if (t.back() == '.') t.pop_back();
-        if (withdraw(me, s, sig, Failure::Timeout,
-                     "timed out after " + t + " s waiting for " + missing(s) +
-                         " (set the limit with lazy::dist::set_collective_timeout or "
-                         "LAZYTENSOR_COLLECTIVE_TIMEOUT seconds)")) {
+        if (withdraw(me, s, sig, Failure::Timeout, timed_out(timeout, missing(s)))) {
           break;
         }
       }
@@ -256,6 +268,114 @@ LAZYTENSOR_INLINE void GroupComm::await_start(int me, std::uint64_t s, const Sig
     }
   }
   start(me, s, sig);
+}
+
+LAZYTENSOR_INLINE std::string timed_out(std::chrono::milliseconds timeout,
+                                         const std::string& whom) {
+  std::string t = std::to_string(static_cast<double>(timeout.count()) / 1000.0);
+  t.erase(t.find_last_not_of('0') + 1);
+  if (t.back() == '.') t.pop_back();
+  return "timed out after " + t + " s waiting for " + whom +
+         " (set the limit with lazy::dist::set_collective_timeout or "
+         "LAZYTENSOR_COLLECTIVE_TIMEOUT seconds)";
+}
+
+LAZYTENSOR_INLINE void GroupComm::cross_process(int me, std::uint64_t s, const Signature& sig,
+                                                std::chrono::milliseconds timeout) {
+#if LAZYTENSOR_WITH_MPI
+  WorldState& w = *world_;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const std::size_t n = members_.size();
+  auto locals_arrived = [&] {
+    for (std::size_t j = 0; j < n; ++j) {
+      if (local_index_[j] >= 0 && slots_[j].arrived.load(std::memory_order_acquire) < s)
+        return false;
+    }
+    return true;
+  };
+  // 1. This process's members (withdraw() throws: nobody can start before the leader).
+  if (!spin_until(locals_arrived, w.wait())) {
+    while (!locals_arrived()) {
+      if (state_.load(std::memory_order_acquire) & kBroken) throw_broken(me, s, sig);
+      const int gone = exited_partner(s);
+      if (w.aborted()) {
+        withdraw(me, s, sig, Failure::Aborted, "aborted because " + w.abort_reason());
+      } else if (gone >= 0) {
+        withdraw(me, s, sig, Failure::Exited,
+                 "replica " + std::to_string(gone) +
+                     " exited (its function returned) without joining this collective");
+      } else if (std::chrono::steady_clock::now() >= deadline) {
+        withdraw(me, s, sig, Failure::Timeout, timed_out(timeout, missing(s)));
+      }
+      w.event().wait_until(
+          [&] {
+            return locals_arrived() || (state_.load(std::memory_order_acquire) & kBroken) ||
+                   w.aborted() || exited_partner(s) >= 0;
+          },
+          deadline);
+    }
+  }
+  // 2. Their shares out, the other processes' in.
+  std::vector<Share*> by_slot(n), local;
+  std::vector<int> ordinals;
+  for (std::size_t j = 0; j < n; ++j) {
+    by_slot[j] = &slots_[j].round[s & 1];
+    if (local_index_[j] < 0) continue;
+    local.push_back(by_slot[j]);
+    ordinals.push_back(members_[j]);
+  }
+  auto give_up = [&](Failure why, const std::string& reason) {
+    link_->abandon();
+    withdraw(me, s, sig, why, reason);
+  };
+  try {
+    link_->begin(s, local, ordinals);
+  } catch (const std::exception& e) {
+    give_up(Failure::Exited, e.what());
+  }
+  const auto polite = std::chrono::steady_clock::now() + w.wait().spin + w.wait().yield;
+  // A remote partner seen exited before its package arrived: its package may still be on
+  // the way (exit notices travel on another communicator), so wait a moment before failing.
+  std::chrono::steady_clock::time_point gone_since{};
+  for (int i = 0;; ++i) {
+    bool done = false;
+    try {
+      done = link_->progress(by_slot, slot_of_);
+    } catch (const std::exception& e) {
+      give_up(Failure::Exited, e.what());
+    }
+    if (done) break;
+    if ((i & 15) != 15) continue;
+    const auto now = std::chrono::steady_clock::now();
+    if (w.aborted()) give_up(Failure::Aborted, "aborted because " + w.abort_reason());
+    int gone = -1;
+    for (std::size_t j = 0; j < n && gone < 0; ++j) {
+      if (local_index_[j] < 0 && w.exited(members_[j]) && !link_->delivered_by_owner(members_[j]))
+        gone = members_[j];
+    }
+    if (gone < 0) {
+      gone_since = {};
+    } else if (gone_since == std::chrono::steady_clock::time_point{}) {
+      gone_since = now;
+    } else if (now - gone_since > std::chrono::milliseconds(250)) {
+      give_up(Failure::Exited, "replica " + std::to_string(gone) +
+                                   " exited (its function returned) without joining this "
+                                   "collective");
+    }
+    if (now >= deadline) give_up(Failure::Timeout, timed_out(timeout, link_->waiting_for()));
+    if (now > polite) std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+  // 3. The remote members' shares are in their slots: they count as arrived (and, having
+  //    nothing of theirs to read in place, as done).
+  for (std::size_t j = 0; j < n; ++j) {
+    if (local_index_[j] >= 0) continue;
+    slots_[j].done.store(s, std::memory_order_release);
+    slots_[j].arrived.store(s, std::memory_order_seq_cst);
+  }
+  w.event().notify();
+#else
+  (void)me, (void)s, (void)sig, (void)timeout;
+#endif
 }
 
 LAZYTENSOR_INLINE void GroupComm::start(int me, std::uint64_t s, const Signature& sig) {
@@ -361,6 +481,7 @@ LAZYTENSOR_INLINE void GroupComm::finish(int me, std::uint64_t s) {
                                  std::chrono::steady_clock::now() + std::chrono::seconds(1));
   }
   slot.round[s & 1].buffers.clear();
+  slot.round[s & 1].keep.clear();
 }
 }  // namespace lazy::dist::detail
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS

@@ -5,8 +5,10 @@
 // Each replica plays the role of a torch_xla process: it has one device of its own, so
 // local_process_count() and local_device_count() count the replicas on this host and
 // addressable_device_count() is 1. The threads backend runs every replica in one process;
-// an MPI backend places several processes (each with replica threads) in one world, and
-// ordinals follow the world layout (global ordinal = process offset + local index).
+// under MPI (lazytensor::mpi) several processes, each with replica threads, form one world,
+// and ordinals follow the world layout: global ordinal = process_index() * replicas per
+// process + local index. process_index() and process_count() are the operating-system
+// processes (MPI ranks), as torch_xla.runtime's.
 
 #include <string>
 
@@ -22,8 +24,23 @@ inline const dist::detail::WorldLayout* layout() {
 }
 }  // namespace detail
 
+/// Index of this operating-system process among those of the job (xr.process_index()):
+/// its MPI rank under lazytensor::mpi, else 0.
+inline int process_index() {
+  auto* l = detail::layout();
+  if (l) return l->process_offset / l->process_replicas;
+  return dist::detail::process_place().index;
+}
+/// Number of operating-system processes in the job (xr.process_count()): the MPI world's
+/// size under lazytensor::mpi, else 1.
+inline int process_count() {
+  auto* l = detail::layout();
+  if (l) return l->world_size / l->process_replicas;
+  return dist::detail::process_place().count;
+}
+
 /// Devices of every process taking part (xr.global_runtime_device_count()): what SPMD
-/// meshes are laid over. Today one process, so lazy::device_count().
+/// meshes are laid over. SPMD drives the devices of one process, so lazy::device_count().
 inline int global_runtime_device_count() { return device_count(); }
 
 /// Number of replicas in the world (xr.world_size()); 1 outside spawn.

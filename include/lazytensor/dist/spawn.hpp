@@ -17,6 +17,12 @@
 // entering one later) gets ReplicaAborted, and spawn re-throws that first exception once
 // every replica thread has finished. A replica busy in its own code notices the abort at
 // its next collective, so spawn returns as soon as every replica reached one (or ended).
+//
+// Under MPI (lazytensor::mpi, `mpirun -np P`), every process calls spawn(fn, n) and they
+// form one world of P x n replicas (process_world.hpp): replica i of process p has ordinal
+// p * n + i and still runs on local device i. Worker threads are shared out among the
+// replicas of the whole host, a failure anywhere aborts every process's replicas, and each
+// process's spawn re-throws the first failure it learned of.
 
 #include <algorithm>
 #include <cstdint>
@@ -43,7 +49,7 @@ inline std::mutex& spawn_mutex() {
   return m;
 }
 
-/// Worker threads of each replica's device.
+/// Worker threads of each replica's device, for `nprocs` replicas on the host.
 inline int replica_threads(int nprocs) {
   return std::max(1, graph::default_device_threads() / nprocs);
 }
@@ -65,7 +71,8 @@ inline bool replica_steps_inline(int n) {
 /// step mode back.
 class ReplicaDevices {
  public:
-  explicit ReplicaDevices(int n);
+  /// `n` replica devices here, `host` replicas on the host (every process on it).
+  ReplicaDevices(int n, int host);
   ~ReplicaDevices();
   ReplicaDevices(const ReplicaDevices&) = delete;
   ReplicaDevices& operator=(const ReplicaDevices&) = delete;
@@ -81,15 +88,18 @@ void run_replica(const std::shared_ptr<World>& world, int local, Body& body) {
   graph::current_device_index() = local;
   ReplicaContext ctx(world, local);
   current_context() = &ctx;
+  std::exception_ptr error;
   try {
     body(local);
     finish_replica();
   } catch (...) {
-    world->state().fail(ctx.ordinal, std::current_exception());
+    error = std::current_exception();
+    world->state().fail(ctx.ordinal, error);
   }
   ctx.last.reset();
   current_context() = nullptr;
   world->state().mark_exited(ctx.ordinal);
+  if (auto& procs = world->state().processes()) procs->announce_exit(ctx.ordinal, error);
 }
 
 struct NoResult {};
@@ -111,10 +121,14 @@ auto spawn(F&& fn, int nprocs) {
   std::unique_lock guard(detail::spawn_mutex(), std::try_to_lock);
   if (!guard.owns_lock()) throw Error("spawn: another spawn is already running in this process");
 
+  auto processes = detail::ProcessWorld::join(nprocs);  // null: this process is the world
   detail::WorldLayout layout;
   layout.world_size = layout.process_replicas = layout.host_replicas = nprocs;
+  if (processes) layout = processes->layout();
   auto world = std::make_shared<detail::World>(layout);
-  detail::ReplicaDevices devices(nprocs);
+  world->state().set_processes(processes);
+  detail::ReplicaDevices devices(nprocs, layout.host_replicas);
+  if (processes) processes->watch(world->state());
   std::conditional_t<std::is_void_v<R>, detail::NoResult, std::optional<R>> result;
   auto body = [&](int i) {
     if constexpr (std::is_void_v<R>) {
@@ -133,9 +147,11 @@ auto spawn(F&& fn, int nprocs) {
   } catch (...) {  // could not start a thread: stop the others
     world->state().fail(-1, std::current_exception());
     for (auto& t : threads) t.join();
+    if (processes) processes->finish();
     throw;
   }
   for (auto& t : threads) t.join();
+  if (processes) processes->finish();
   if (auto e = world->state().first_error()) std::rethrow_exception(e);
   if constexpr (!std::is_void_v<R>) return std::move(*result);
 }
@@ -144,9 +160,9 @@ auto spawn(F&& fn, int nprocs) {
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace lazy::dist::detail {
-LAZYTENSOR_INLINE ReplicaDevices::ReplicaDevices(int n) {
-  const int per = replica_threads(n);
-  const bool in_line = replica_steps_inline(n);
+LAZYTENSOR_INLINE ReplicaDevices::ReplicaDevices(int n, int host) {
+  const int per = replica_threads(host);
+  const bool in_line = replica_steps_inline(host);
   const int existing = graph::DeviceRegistry::get().count();
   for (int i = 0; i < n; ++i) {
     graph::Device& dev = graph::DeviceRegistry::get().device(i);

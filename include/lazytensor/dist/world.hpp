@@ -14,6 +14,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #if defined(__SSE2__)
@@ -26,6 +27,8 @@
 namespace lazy::dist {
 
 namespace detail {
+
+class ProcessWorld;  // process_world.hpp: the other processes of an MPI world
 
 /// Default collective timeout: LAZYTENSOR_COLLECTIVE_TIMEOUT (seconds, may be fractional),
 /// else 300 s. A malformed value is an error when a collective first needs it.
@@ -145,6 +148,9 @@ class WorldState {
 
   const WorldLayout& layout() const { return layout_; }
   Event& event() { return event_; }
+  /// The other processes of an MPI world (null when the world is this process alone).
+  const std::shared_ptr<ProcessWorld>& processes() const { return processes_; }
+  void set_processes(std::shared_ptr<ProcessWorld> p) { processes_ = std::move(p); }
   /// How waiters wait before sleeping (see wait_budget).
   WaitBudget wait() const { return wait_; }
 
@@ -168,6 +174,7 @@ class WorldState {
 
  private:
   WorldLayout layout_;
+  std::shared_ptr<ProcessWorld> processes_;
   std::vector<std::atomic<bool>> exited_;
   WaitBudget wait_;
   Event event_;
@@ -235,7 +242,7 @@ LAZYTENSOR_INLINE WaitBudget wait_budget(int replicas) {
 LAZYTENSOR_INLINE WorldState::WorldState(WorldLayout layout)
     : layout_(layout),
       exited_(static_cast<std::size_t>(layout.world_size)),
-      wait_(wait_budget(layout.process_replicas)) {}
+      wait_(wait_budget(layout.host_replicas)) {}
 
 LAZYTENSOR_INLINE bool WorldState::fail(int ordinal, std::exception_ptr e) {
   bool first = false;

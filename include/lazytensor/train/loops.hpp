@@ -162,11 +162,13 @@ auto Trainer::launch_replicas(M& module, Run run_fn) {
       runs_.back()->progress = kept[static_cast<std::size_t>(i)].first;
       runs_.back()->metrics.set_callback_metrics(kept[static_cast<std::size_t>(i)].second);
     }
-    // Copies made here, before any replica runs a hook that changes the originals.
+    // Copies made here, before any replica runs a hook that changes the originals. Global
+    // rank zero (replica 0 of process 0) keeps them.
+    const bool global_zero = i == 0 && runtime::process_index() == 0;
     for (const auto& cb : callbacks_) {
-      std::shared_ptr<Callback> copy = i == 0 ? nullptr : cb->clone();
+      std::shared_ptr<Callback> copy = global_zero ? nullptr : cb->clone();
       runs_.back()->callbacks.push_back(copy ? copy : cb);
-      runs_.back()->shared_callback.push_back(i != 0 && !copy);
+      runs_.back()->shared_callback.push_back(!global_zero && !copy);
     }
   }
   return strategy_->launch([&](Strategy& s) {

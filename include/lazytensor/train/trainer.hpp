@@ -446,8 +446,10 @@ LAZYTENSOR_INLINE Trainer::Trainer(TrainerOptions options) : options_(std::move(
 }
 
 LAZYTENSOR_INLINE detail::ReplicaRun& Trainer::run() const {
-  const auto r = static_cast<std::size_t>(strategy_->global_rank());
-  if (r >= runs_.size()) throw Error("Trainer: no run for rank " + std::to_string(r));
+  // One run per replica of this process (under MPI the other processes hold the others').
+  const auto* ctx = dist::detail::current_context();
+  const auto r = static_cast<std::size_t>(ctx ? ctx->local : 0);
+  if (r >= runs_.size()) throw Error("Trainer: no run for rank " + std::to_string(strategy_->global_rank()));
   return *runs_[r];
 }
 

@@ -1,0 +1,214 @@
+#pragma once
+// The processes of a replica world (MPI, built with LAZYTENSOR_WITH_MPI: the CMake target
+// lazytensor::mpi). Every process of `mpirun -np P` calls spawn(fn, n); together they form
+// one world of P x n replicas, ordinal = process index * n + local index.
+//
+// Hierarchical: replicas inside a process meet through shared memory (group_comm.hpp) as
+// in the threads backend, and one thread per process and group (the group's lowest local
+// member, its "leader") talks MPI. In a round that spans processes the leader waits for
+// its local members, sends their shares (signature and data) to the other processes of the
+// group as one package, receives theirs into the group's slots of the remote members, and
+// only then lets the round start. Every process then holds every member's data, so the
+// exchange kernels and the signature check run unchanged, and the result is the same fold
+// in group order as in one process: bitwise the threads world's.
+//
+// What a program pays: without LAZYTENSOR_WITH_MPI this header declares nothing but the
+// queries' single-process answers; <mpi.h> is included only with it.
+//
+// Failure: a replica's exit is announced to every other process (with its exception when
+// it failed) on a control communicator that a watcher thread per process reads, so a failure
+// in one process aborts every other one's collectives at once, and a partner that exited
+// without joining a round ends it with a CollectiveError. A process that died or never
+// arrives ends a round with CollectiveTimeout (collective_timeout()); mpirun then ends the
+// job. Every spawn works on its own duplicates of MPI_COMM_WORLD, so nothing a failed
+// spawn left in flight can reach the next one.
+
+#include <chrono>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <lazytensor/core/config.hpp>
+#include <lazytensor/dist/share.hpp>
+#include <lazytensor/dist/world.hpp>
+
+#ifndef LAZYTENSOR_WITH_MPI
+#define LAZYTENSOR_WITH_MPI 0
+#endif
+
+#if LAZYTENSOR_WITH_MPI
+#if defined(LAZYTENSOR_COMPILED) && !defined(LAZYTENSOR_BUILDING_RUNTIME)
+#error "lazytensor::mpi is header-only: link lazytensor::mpi without lazytensor::compiled"
+#endif
+// The C API is all lazytensor uses: skip the deprecated C++ bindings (and their cost).
+#ifndef OMPI_SKIP_MPICXX
+#define OMPI_SKIP_MPICXX 1
+#endif
+#ifndef MPICH_SKIP_MPICXX
+#define MPICH_SKIP_MPICXX 1
+#endif
+#include <mpi.h>
+
+#include <atomic>
+#include <mutex>
+#include <thread>
+#endif
+
+namespace lazy::dist::detail {
+
+/// Where this process sits among the processes (0 of 1 without MPI).
+struct ProcessPlace {
+  int index = 0;       ///< MPI rank in MPI_COMM_WORLD
+  int count = 1;       ///< processes
+  int host_index = 0;  ///< rank among the processes on this host
+  int host_count = 1;  ///< processes on this host
+};
+
+/// This process's place. With MPI, when an MPI launcher started the process (or the program
+/// initialised MPI), initialises MPI on first use (see Mpi); otherwise a process of one.
+ProcessPlace process_place();
+
+#if LAZYTENSOR_WITH_MPI
+
+/// The MPI library, initialised on first use unless the program did (with
+/// MPI_THREAD_MULTIPLE: replica threads of different groups talk MPI at the same time), and
+/// finalised at exit if initialised here.
+class Mpi {
+ public:
+  static Mpi& get();
+  const ProcessPlace& place() const { return place_; }
+  /// MPI_THREAD_MULTIPLE granted (a world of several processes needs it).
+  bool multiple() const { return provided_ >= MPI_THREAD_MULTIPLE; }
+  int provided() const { return provided_; }
+  ~Mpi();
+
+ private:
+  Mpi();
+  bool owned_ = false;
+  int provided_ = 0;
+  ProcessPlace place_;
+};
+
+/// Throws the error class for an MPI error code, naming the call.
+void mpi_check(int rc, const char* what);
+
+/// The processes of one spawn: their communicators, the exit notices, the watcher thread.
+class ProcessWorld {
+ public:
+  /// Joins the other processes' spawn(fn, replicas) (collective over MPI_COMM_WORLD, gives
+  /// up after the collective timeout) and checks that every process asked for as many
+  /// replicas. Null when the program runs as one process.
+  static std::shared_ptr<ProcessWorld> join(int replicas);
+  ~ProcessWorld();
+  ProcessWorld(const ProcessWorld&) = delete;
+  ProcessWorld& operator=(const ProcessWorld&) = delete;
+
+  int index() const { return place_.index; }
+  int count() const { return place_.count; }
+  int replicas() const { return replicas_; }
+  /// The world layout: P x n replicas, this process's offset, the replicas of its host.
+  WorldLayout layout() const;
+  MPI_Comm data_comm() const { return data_; }
+  /// Largest tag usable on the data communicator.
+  int tag_bound() const { return tag_ub_; }
+
+  /// Starts the watcher thread, which applies other processes' exit notices to `w`.
+  void watch(WorldState& w);
+  /// Tells every other process that local replica `ordinal` exited (failed with `e` when
+  /// not null).
+  void announce_exit(int ordinal, const std::exception_ptr& e);
+  /// After every local replica exited: waits (at most the collective timeout) for the
+  /// other processes' notices, then stops the watcher and settles abandoned transfers.
+  void finish();
+
+  /// Requests a failed round left in flight, with what their buffers need to outlive them.
+  void abandon(std::vector<MPI_Request> requests, std::vector<std::shared_ptr<void>> keep);
+
+ private:
+  ProcessWorld(int replicas, ProcessPlace place, MPI_Comm data, MPI_Comm ctl);
+  void run_watcher();
+  void apply_notice(const std::vector<char>& msg, int source);
+  void settle(bool final_pass);
+
+  int replicas_;
+  ProcessPlace place_;
+  MPI_Comm data_, ctl_;
+  int tag_ub_ = 32767;
+  WorldState* world_ = nullptr;
+  std::thread watcher_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int> local_exited_{0};
+  std::mutex mu_;  // guards the lists below
+  struct Pending {
+    std::vector<MPI_Request> requests;
+    std::vector<std::shared_ptr<void>> keep;
+  };
+  std::vector<Pending> outbox_;     // exit notices in flight
+  std::vector<Pending> abandoned_;  // failed rounds' transfers
+};
+
+/// One group's link to the other processes holding members: sends this process's shares
+/// of a round, receives theirs.
+class ProcessLink {
+ public:
+  /// `members`: the group (sorted ordinals); `local[slot]`: whether a member lives here.
+  ProcessLink(std::shared_ptr<ProcessWorld> pw, const std::vector<int>& members);
+
+  /// Starts round s: sends the shares of the local slots to every peer process.
+  void begin(std::uint64_t s, const std::vector<Share*>& local, const std::vector<int>& ordinals);
+  /// Makes progress; true once every peer's package arrived into `remote` (indexed by slot)
+  /// and every send completed.
+  bool progress(const std::vector<Share*>& slot_share, const std::vector<int>& slot_of_ordinal);
+  /// The peers not heard from yet in this round ("process 1 (replicas 2, 3)").
+  std::string waiting_for() const;
+  /// Whether every member of process `p` has delivered this round.
+  bool delivered_by_owner(int ordinal) const;
+  /// Gives up on the round: cancels receives, hands what is in flight to the ProcessWorld.
+  void abandon();
+
+ private:
+  struct Peer {
+    int process = 0;
+    std::vector<int> ordinals;  ///< its members of the group
+    std::shared_ptr<std::vector<std::byte>> header[2], bulk[2];
+    bool got_header = false;
+    std::vector<MPI_Request> recvs;
+  };
+  std::shared_ptr<ProcessWorld> pw_;
+  std::uint64_t hash_ = 0;
+  int tag_ = 1;
+  std::uint64_t round_ = 0;
+  std::vector<Peer> peers_;
+  std::vector<MPI_Request> sends_;
+  std::shared_ptr<std::vector<std::byte>> out_[2];
+  std::vector<std::shared_ptr<void>> out_keep_;
+};
+
+#else  // !LAZYTENSOR_WITH_MPI
+
+/// Without MPI a world is one process: spawn never builds one of these.
+class ProcessWorld {
+ public:
+  static std::shared_ptr<ProcessWorld> join(int) { return nullptr; }
+  WorldLayout layout() const { return {}; }
+  void watch(WorldState&) {}
+  void announce_exit(int, const std::exception_ptr&) {}
+  void finish() {}
+};
+
+class ProcessLink {};
+
+#endif  // LAZYTENSOR_WITH_MPI
+
+}  // namespace lazy::dist::detail
+
+#if LAZYTENSOR_HEADER_DEFINITIONS && !LAZYTENSOR_WITH_MPI
+namespace lazy::dist::detail {
+LAZYTENSOR_INLINE ProcessPlace process_place() { return {}; }
+}  // namespace lazy::dist::detail
+#endif
+
+// The MPI backend's definitions (empty without MPI or without header definitions).
+#include <lazytensor/dist/process_world_impl.hpp>

@@ -1,0 +1,660 @@
+#pragma once
+// Definitions of process_world.hpp's MPI backend (included at its end; empty unless the
+// headers define the runtime and LAZYTENSOR_WITH_MPI is set).
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <utility>
+
+#include <lazytensor/core/error.hpp>
+
+#if LAZYTENSOR_HEADER_DEFINITIONS && LAZYTENSOR_WITH_MPI
+namespace lazy::dist::detail {
+
+/// Tag of exit notices on the control communicator.
+inline constexpr int kExitTag = 1;
+/// Data entries at least this large, held by a buffer, are sent from where they are
+/// (no copy into the package).
+inline constexpr std::size_t kDirectBytes = std::size_t{64} << 10;
+/// Largest piece of one MPI message (counts are ints).
+inline constexpr std::size_t kMaxPiece = std::size_t{1} << 30;
+inline constexpr std::uint64_t kPackageMagic = 0x314950544c5a414cULL;  // "LAZLTPI1"
+
+/// Appends plain values to a byte package.
+struct PackWriter {
+  std::vector<std::byte>& out;
+  template <class V>
+  void put(const V& v) {
+    const auto at = out.size();
+    out.resize(at + sizeof(V));
+    std::memcpy(out.data() + at, &v, sizeof(V));
+  }
+  void put_bytes(const void* p, std::size_t n) {
+    const auto at = out.size();
+    out.resize(at + n);
+    if (n) std::memcpy(out.data() + at, p, n);
+  }
+  void pad64() { out.resize(align64(out.size())); }
+};
+
+/// Reads them back, bounds-checked: a malformed package is a CollectiveError naming its
+/// sender.
+struct PackReader {
+  const std::byte* p;
+  const std::byte* end;
+  int from;
+  void need(std::size_t n) const {
+    if (static_cast<std::size_t>(end - p) < n) {
+      throw CollectiveError("malformed collective package from process " + std::to_string(from) +
+                            " (truncated)");
+    }
+  }
+  template <class V>
+  V get() {
+    need(sizeof(V));
+    V v;
+    std::memcpy(&v, p, sizeof(V));
+    p += sizeof(V);
+    return v;
+  }
+};
+
+inline void put_signature(PackWriter& w, const Signature& s) {
+  w.put(static_cast<std::uint8_t>(s.kind));
+  w.put(static_cast<std::uint8_t>(s.op));
+  w.put(static_cast<std::uint8_t>(s.dtype));
+  w.put(static_cast<std::int32_t>(s.tensors));
+  w.put(static_cast<std::int32_t>(s.shape.rank()));
+  for (int d = 0; d < s.shape.rank(); ++d) w.put(s.shape[d]);
+  w.put(s.shapes_hash);
+  for (auto p : s.params) w.put(p);
+  w.put(s.scale);
+  const std::uint32_t g = s.group ? static_cast<std::uint32_t>(s.group->size()) : 0;
+  w.put(g);
+  for (std::uint32_t i = 0; i < g; ++i) w.put(static_cast<std::int32_t>((*s.group)[i]));
+  w.put(static_cast<std::uint64_t>(s.tag.size()));
+  w.put_bytes(s.tag.data(), s.tag.size());
+}
+
+inline Signature get_signature(PackReader& r) {
+  Signature s;
+  s.kind = static_cast<CollectiveKind>(r.get<std::uint8_t>());
+  s.op = static_cast<ReduceOp>(r.get<std::uint8_t>());
+  s.dtype = static_cast<DType>(r.get<std::uint8_t>());
+  s.tensors = r.get<std::int32_t>();
+  const auto rank = r.get<std::int32_t>();
+  if (rank < 0 || rank > kMaxRank) r.need(std::numeric_limits<std::size_t>::max());
+  for (int d = 0; d < rank; ++d) s.shape.push_back(r.get<std::int64_t>());
+  s.shapes_hash = r.get<std::uint64_t>();
+  for (auto& p : s.params) p = r.get<std::int64_t>();
+  s.scale = r.get<double>();
+  const auto g = r.get<std::uint32_t>();
+  r.need(std::size_t{g} * 4);
+  auto group = std::make_shared<std::vector<int>>(g);
+  for (std::uint32_t i = 0; i < g; ++i) (*group)[i] = r.get<std::int32_t>();
+  if (g) s.group = std::move(group);
+  const auto n = r.get<std::uint64_t>();
+  r.need(n);
+  s.tag.assign(reinterpret_cast<const char*>(r.p), n);
+  r.p += n;
+  return s;
+}
+
+LAZYTENSOR_INLINE void mpi_check(int rc, const char* what) {
+  if (rc == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, text, &len);
+  throw CollectiveError(std::string(what) + " failed: " + std::string(text, len));
+}
+
+LAZYTENSOR_INLINE Mpi::Mpi() {
+  int ready = 0;
+  MPI_Initialized(&ready);
+  if (!ready) {
+    mpi_check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided_),
+              "MPI_Init_thread");
+    owned_ = true;
+  } else {
+    MPI_Query_thread(&provided_);
+  }
+  MPI_Comm_rank(MPI_COMM_WORLD, &place_.index);
+  MPI_Comm_size(MPI_COMM_WORLD, &place_.count);
+}
+
+LAZYTENSOR_INLINE Mpi::~Mpi() {
+  int done = 0;
+  MPI_Finalized(&done);
+  if (owned_ && !done) MPI_Finalize();
+}
+
+LAZYTENSOR_INLINE Mpi& Mpi::get() {
+  static Mpi mpi;
+  return mpi;
+}
+
+/// Whether this process was started by an MPI launcher (mpirun/mpiexec, srun) or the program
+/// initialised MPI itself. A program linking lazytensor::mpi but started on its own then
+/// stays a process of one and never initialises MPI (no singleton MPI job is started).
+inline bool mpi_launched() {
+  int ready = 0;
+  MPI_Initialized(&ready);
+  if (ready) return true;
+  for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE",
+                        "MPI_LOCALNRANKS", "MV2_COMM_WORLD_SIZE"}) {
+    if (std::getenv(v)) return true;
+  }
+  return false;
+}
+
+LAZYTENSOR_INLINE ProcessPlace process_place() {
+  static const bool launched = mpi_launched();
+  return launched ? Mpi::get().place() : ProcessPlace{};
+}
+
+/// Memory of requests that could not be settled (a peer died): kept for the rest of the
+/// program, since MPI may still write into it or read from it.
+inline std::vector<std::shared_ptr<void>>& leaked_keep() {
+  static auto* keep = new std::vector<std::shared_ptr<void>>();
+  return *keep;
+}
+
+/// Waits for `reqs` until `deadline`; false on timeout (the requests stay pending).
+inline bool wait_all_until(std::vector<MPI_Request>& reqs,
+                           std::chrono::steady_clock::time_point deadline) {
+  for (int i = 0;; ++i) {
+    int flag = 0;
+    mpi_check(MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &flag, MPI_STATUSES_IGNORE),
+              "MPI_Testall");
+    if (flag) return true;
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    if (i > 1000) std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+}
+
+LAZYTENSOR_INLINE std::shared_ptr<ProcessWorld> ProcessWorld::join(int replicas) {
+  if (process_place().count == 1) return nullptr;
+  Mpi& mpi = Mpi::get();
+  const ProcessPlace place = mpi.place();
+  if (!mpi.multiple()) {
+    throw Error("spawn: MPI was initialised with thread level " + std::to_string(mpi.provided()) +
+                "; a world of several processes needs MPI_THREAD_MULTIPLE (initialise MPI "
+                "with MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...) or let lazytensor do it)");
+  }
+  const auto timeout = collective_timeout();
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  // The handles live on the heap: a join that times out leaves MPI writing into them.
+  auto comms = std::make_shared<std::array<MPI_Comm, 2>>();
+  std::vector<MPI_Request> reqs(2);
+  mpi_check(MPI_Comm_idup(MPI_COMM_WORLD, &(*comms)[0], &reqs[0]), "MPI_Comm_idup");
+  mpi_check(MPI_Comm_idup(MPI_COMM_WORLD, &(*comms)[1], &reqs[1]), "MPI_Comm_idup");
+  if (!wait_all_until(reqs, deadline)) {
+    leaked_keep().push_back(comms);
+    throw CollectiveTimeout("spawn: process " + std::to_string(place.index) + " waited " +
+                            std::to_string(timeout.count() / 1000) +
+                            " s for the other processes to call spawn (every process of the "
+                            "MPI job must call it, in the same order)");
+  }
+  MPI_Comm data = (*comms)[0], ctl = (*comms)[1];
+  MPI_Comm_set_errhandler(data, MPI_ERRORS_RETURN);
+  MPI_Comm_set_errhandler(ctl, MPI_ERRORS_RETURN);
+  auto counts = std::make_shared<std::vector<int>>(static_cast<std::size_t>(place.count) + 1);
+  (*counts)[0] = replicas;
+  std::vector<MPI_Request> gather(1);
+  mpi_check(MPI_Iallgather(counts->data(), 1, MPI_INT, counts->data() + 1, 1, MPI_INT, data,
+                           &gather[0]),
+            "MPI_Iallgather");
+  if (!wait_all_until(gather, deadline)) {
+    leaked_keep().push_back(counts);
+    throw CollectiveTimeout("spawn: timed out exchanging replica counts between processes");
+  }
+  auto pw = std::shared_ptr<ProcessWorld>(new ProcessWorld(replicas, place, data, ctl));
+  for (int p = 0; p < place.count; ++p) {
+    const int theirs = (*counts)[static_cast<std::size_t>(p) + 1];
+    if (theirs != replicas) {
+      throw Error("spawn: every process must spawn the same number of replicas; process " +
+                  std::to_string(place.index) + " asked for " + std::to_string(replicas) +
+                  ", process " + std::to_string(p) + " for " + std::to_string(theirs));
+    }
+  }
+  // Processes sharing this host (collective, but every process is here now).
+  MPI_Comm host = MPI_COMM_NULL;
+  mpi_check(MPI_Comm_split_type(data, MPI_COMM_TYPE_SHARED, place.index, MPI_INFO_NULL, &host),
+            "MPI_Comm_split_type");
+  MPI_Comm_rank(host, &pw->place_.host_index);
+  MPI_Comm_size(host, &pw->place_.host_count);
+  MPI_Comm_free(&host);
+  return pw;
+}
+
+LAZYTENSOR_INLINE ProcessWorld::ProcessWorld(int replicas, ProcessPlace place, MPI_Comm data,
+                                             MPI_Comm ctl)
+    : replicas_(replicas), place_(place), data_(data), ctl_(ctl) {
+  void* value = nullptr;
+  int flag = 0;
+  MPI_Comm_get_attr(data_, MPI_TAG_UB, &value, &flag);
+  if (flag && value) tag_ub_ = *static_cast<int*>(value);
+}
+
+LAZYTENSOR_INLINE ProcessWorld::~ProcessWorld() {
+  if (watcher_.joinable()) {
+    stop_.store(true);
+    watcher_.join();
+  }
+  // A world kept alive past main (a tensor holding a collective's node) may end after MPI
+  // did: nothing is left to free then.
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) return;
+  settle(true);
+  MPI_Comm_free(&data_);
+  MPI_Comm_free(&ctl_);
+}
+
+LAZYTENSOR_INLINE WorldLayout ProcessWorld::layout() const {
+  WorldLayout l;
+  l.world_size = place_.count * replicas_;
+  l.process_offset = place_.index * replicas_;
+  l.process_replicas = replicas_;
+  l.host_offset = place_.host_index * replicas_;
+  l.host_replicas = place_.host_count * replicas_;
+  return l;
+}
+
+LAZYTENSOR_INLINE void ProcessWorld::watch(WorldState& w) {
+  world_ = &w;
+  watcher_ = std::thread([this] { run_watcher(); });
+}
+
+/// Error classes an exit notice carries, so the other processes re-throw the same class.
+enum class ErrorClass : std::uint8_t { None, Error, Collective, Mismatch, Timeout, Aborted, Other };
+
+inline std::pair<ErrorClass, std::string> classify(const std::exception_ptr& e) {
+  if (!e) return {ErrorClass::None, {}};
+  try {
+    std::rethrow_exception(e);
+  } catch (const CollectiveMismatch& x) {
+    return {ErrorClass::Mismatch, x.what()};
+  } catch (const CollectiveTimeout& x) {
+    return {ErrorClass::Timeout, x.what()};
+  } catch (const ReplicaAborted& x) {
+    return {ErrorClass::Aborted, x.what()};
+  } catch (const CollectiveError& x) {
+    return {ErrorClass::Collective, x.what()};
+  } catch (const Error& x) {
+    return {ErrorClass::Error, x.what()};
+  } catch (const std::exception& x) {
+    return {ErrorClass::Other, x.what()};
+  } catch (...) {
+    return {ErrorClass::Other, "unknown exception"};
+  }
+}
+
+inline std::exception_ptr rebuild(ErrorClass c, const std::string& msg) {
+  switch (c) {
+    case ErrorClass::Mismatch:
+      return std::make_exception_ptr(CollectiveMismatch(msg));
+    case ErrorClass::Timeout:
+      return std::make_exception_ptr(CollectiveTimeout(msg));
+    case ErrorClass::Aborted:
+      return std::make_exception_ptr(ReplicaAborted(msg));
+    case ErrorClass::Collective:
+      return std::make_exception_ptr(CollectiveError(msg));
+    default:
+      return std::make_exception_ptr(Error(msg));
+  }
+}
+
+LAZYTENSOR_INLINE void ProcessWorld::announce_exit(int ordinal, const std::exception_ptr& e) {
+  auto [cls, what] = classify(e);
+  if (cls == ErrorClass::Error || cls == ErrorClass::Other) {
+    what = "replica " + std::to_string(ordinal) + " (process " + std::to_string(place_.index) +
+           ") failed: " + what;
+  }
+  auto msg = std::make_shared<std::vector<std::byte>>();
+  PackWriter w{*msg};
+  w.put(static_cast<std::int32_t>(ordinal));
+  w.put(static_cast<std::uint8_t>(cls));
+  w.put_bytes(what.data(), what.size());
+  Pending p;
+  for (int q = 0; q < place_.count; ++q) {
+    if (q == place_.index) continue;
+    MPI_Request r = MPI_REQUEST_NULL;
+    MPI_Isend(msg->data(), static_cast<int>(msg->size()), MPI_BYTE, q, kExitTag, ctl_, &r);
+    p.requests.push_back(r);
+  }
+  p.keep.push_back(msg);
+  {
+    std::lock_guard lock(mu_);
+    outbox_.push_back(std::move(p));
+  }
+  local_exited_.fetch_add(1);
+}
+
+LAZYTENSOR_INLINE void ProcessWorld::apply_notice(const std::vector<char>& msg, int source) {
+  PackReader r{reinterpret_cast<const std::byte*>(msg.data()),
+               reinterpret_cast<const std::byte*>(msg.data() + msg.size()), source};
+  const int ordinal = r.get<std::int32_t>();
+  const auto cls = static_cast<ErrorClass>(r.get<std::uint8_t>());
+  const std::string what(reinterpret_cast<const char*>(r.p), static_cast<std::size_t>(r.end - r.p));
+  if (ordinal < 0 || ordinal >= place_.count * replicas_) return;
+  if (cls != ErrorClass::None) world_->fail(ordinal, rebuild(cls, what));
+  world_->mark_exited(ordinal);
+}
+
+LAZYTENSOR_INLINE void ProcessWorld::run_watcher() {
+  const int expected = (place_.count - 1) * replicas_;
+  int received = 0;
+  std::chrono::steady_clock::time_point stopped{};
+  std::vector<char> buf;
+  for (;;) {
+    for (;;) {
+      int flag = 0;
+      MPI_Message m;
+      MPI_Status st;
+      if (MPI_Improbe(MPI_ANY_SOURCE, kExitTag, ctl_, &flag, &m, &st) != MPI_SUCCESS || !flag)
+        break;
+      int count = 0;
+      MPI_Get_count(&st, MPI_BYTE, &count);
+      buf.resize(static_cast<std::size_t>(std::max(count, 0)));
+      MPI_Mrecv(buf.data(), count, MPI_BYTE, &m, MPI_STATUS_IGNORE);
+      try {
+        apply_notice(buf, st.MPI_SOURCE);
+      } catch (const Error&) {  // malformed: ignore it rather than end the watcher
+      }
+      ++received;
+    }
+    settle(false);
+    if (stop_.load()) {
+      const auto now = std::chrono::steady_clock::now();
+      if (stopped == std::chrono::steady_clock::time_point{}) stopped = now;
+      bool sent;
+      {
+        std::lock_guard lock(mu_);
+        sent = outbox_.empty();
+      }
+      if (received >= expected && sent) break;
+      // A process that died sends nothing more: give up after the collective timeout.
+      if (now - stopped > collective_timeout()) break;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+}
+
+LAZYTENSOR_INLINE void ProcessWorld::finish() {
+  stop_.store(true);
+  if (watcher_.joinable()) watcher_.join();
+  settle(true);
+}
+
+LAZYTENSOR_INLINE void ProcessWorld::abandon(std::vector<MPI_Request> requests,
+                                             std::vector<std::shared_ptr<void>> keep) {
+  std::lock_guard lock(mu_);
+  abandoned_.push_back({std::move(requests), std::move(keep)});
+}
+
+LAZYTENSOR_INLINE void ProcessWorld::settle(bool final_pass) {
+  std::lock_guard lock(mu_);
+  for (auto* list : {&outbox_, &abandoned_}) {
+    for (auto it = list->begin(); it != list->end();) {
+      int flag = 0;
+      MPI_Testall(static_cast<int>(it->requests.size()), it->requests.data(), &flag,
+                  MPI_STATUSES_IGNORE);
+      if (!flag && final_pass) {
+        // A peer that is gone never completes these: cancel, wait a little, and otherwise
+        // keep their memory for the rest of the program.
+        for (auto& r : it->requests) {
+          if (r != MPI_REQUEST_NULL) MPI_Cancel(&r);
+        }
+        flag = wait_all_until(it->requests,
+                              std::chrono::steady_clock::now() + std::chrono::milliseconds(500));
+        if (!flag) {
+          for (auto& r : it->requests) {
+            if (r != MPI_REQUEST_NULL) MPI_Request_free(&r);
+          }
+          for (auto& k : it->keep) leaked_keep().push_back(std::move(k));
+          flag = 1;
+        }
+      }
+      it = flag ? list->erase(it) : it + 1;
+    }
+  }
+}
+
+LAZYTENSOR_INLINE ProcessLink::ProcessLink(std::shared_ptr<ProcessWorld> pw,
+                                           const std::vector<int>& members)
+    : pw_(std::move(pw)) {
+  const int n = pw_->replicas();
+  std::uint64_t h = 1469598103934665603ULL;  // FNV-1a of the members
+  for (int m : members) {
+    h = (h ^ static_cast<std::uint64_t>(m)) * 1099511628211ULL;
+    const int p = m / n;
+    if (p == pw_->index()) continue;
+    if (peers_.empty() || peers_.back().process != p) peers_.push_back(Peer{p, {}, {}, {}, {}, {}});
+    peers_.back().ordinals.push_back(m);
+  }
+  hash_ = h;
+  // Tag 0 is left unused; different groups that hash alike still check the group hash in
+  // every package and fail loudly rather than mix their data.
+  tag_ = 1 + static_cast<int>(h % static_cast<std::uint64_t>(std::max(1, pw_->tag_bound() - 1)));
+}
+
+LAZYTENSOR_INLINE void ProcessLink::begin(std::uint64_t s, const std::vector<Share*>& local,
+                                          const std::vector<int>& ordinals) {
+  round_ = s;
+  auto& out = out_[s & 1];
+  if (!out) out = std::make_shared<std::vector<std::byte>>();
+  out->clear();
+  PackWriter w{*out};
+  w.put(kPackageMagic);
+  w.put(hash_);
+  w.put(s);
+  w.put(static_cast<std::uint32_t>(local.size()));
+  std::vector<std::pair<const std::byte*, std::size_t>> direct, packed;
+  out_keep_.clear();
+  for (std::size_t i = 0; i < local.size(); ++i) {
+    const Share& sh = *local[i];
+    w.put(static_cast<std::int32_t>(ordinals[i]));
+    put_signature(w, sh.sig);
+    w.put(static_cast<std::uint32_t>(sh.data.size()));
+    for (std::size_t j = 0; j < sh.data.size(); ++j) {
+      const std::size_t size = j < sh.bytes.size() ? sh.bytes[j] : 0;
+      const bool dir = size >= kDirectBytes && !sh.keep.empty();
+      w.put(static_cast<std::uint64_t>(size));
+      w.put(static_cast<std::uint8_t>(dir));
+      (dir ? direct : packed).emplace_back(sh.data[j], size);
+    }
+    for (const auto& k : sh.keep) out_keep_.push_back(k);
+  }
+  w.pad64();
+  for (const auto& [p, size] : packed) {
+    w.put_bytes(p, size);
+    w.pad64();
+  }
+  if (out->size() > static_cast<std::size_t>(std::numeric_limits<int>::max())) {
+    throw CollectiveError("a collective's host payloads exceed 2 GiB in one round");
+  }
+  MPI_Comm comm = pw_->data_comm();
+  sends_.clear();
+  for (auto& peer : peers_) {
+    MPI_Request r = MPI_REQUEST_NULL;
+    mpi_check(MPI_Isend(out->data(), static_cast<int>(out->size()), MPI_BYTE, peer.process, tag_,
+                        comm, &r),
+              "MPI_Isend");
+    sends_.push_back(r);
+    for (const auto& [p, size] : direct) {
+      for (std::size_t at = 0; at < size; at += kMaxPiece) {
+        const auto piece = static_cast<int>(std::min(kMaxPiece, size - at));
+        mpi_check(MPI_Isend(p + at, piece, MPI_BYTE, peer.process, tag_, comm, &r), "MPI_Isend");
+        sends_.push_back(r);
+      }
+    }
+    peer.got_header = false;
+    peer.recvs.clear();
+  }
+}
+
+LAZYTENSOR_INLINE bool ProcessLink::progress(const std::vector<Share*>& slot_share,
+                                             const std::vector<int>& slot_of_ordinal) {
+  MPI_Comm comm = pw_->data_comm();
+  bool done = true;
+  for (auto& peer : peers_) {
+    if (!peer.got_header) {
+      int flag = 0;
+      MPI_Message m;
+      MPI_Status st;
+      mpi_check(MPI_Improbe(peer.process, tag_, comm, &flag, &m, &st), "MPI_Improbe");
+      if (!flag) {
+        done = false;
+        continue;
+      }
+      int count = 0;
+      MPI_Get_count(&st, MPI_BYTE, &count);
+      auto& hb = peer.header[round_ & 1];
+      if (!hb) hb = std::make_shared<std::vector<std::byte>>();
+      hb->resize(static_cast<std::size_t>(std::max(count, 0)));
+      mpi_check(MPI_Mrecv(hb->data(), count, MPI_BYTE, &m, MPI_STATUS_IGNORE), "MPI_Mrecv");
+      peer.got_header = true;
+      PackReader r{hb->data(), hb->data() + hb->size(), peer.process};
+      if (r.get<std::uint64_t>() != kPackageMagic || r.get<std::uint64_t>() != hash_) {
+        throw CollectiveError("process " + std::to_string(peer.process) +
+                              " sent a package of another group on this group's tag");
+      }
+      const auto seq = r.get<std::uint64_t>();
+      if (seq != round_) {
+        throw CollectiveError("process " + std::to_string(peer.process) + " sent collective #" +
+                              std::to_string(seq) + " of this group where #" +
+                              std::to_string(round_) + " was expected");
+      }
+      const auto nshares = r.get<std::uint32_t>();
+      struct Entry {
+        Share* share;
+        std::size_t index, size;
+        bool direct;
+      };
+      std::vector<Entry> entries;
+      for (std::uint32_t i = 0; i < nshares; ++i) {
+        const int ordinal = r.get<std::int32_t>();
+        if (ordinal < 0 || static_cast<std::size_t>(ordinal) >= slot_of_ordinal.size() ||
+            slot_of_ordinal[static_cast<std::size_t>(ordinal)] < 0 ||
+            std::find(peer.ordinals.begin(), peer.ordinals.end(), ordinal) ==
+                peer.ordinals.end()) {
+          throw CollectiveError("process " + std::to_string(peer.process) +
+                                " sent a share of replica " + std::to_string(ordinal) +
+                                ", which is not its member of this group");
+        }
+        Share& sh = *slot_share[static_cast<std::size_t>(slot_of_ordinal[static_cast<std::size_t>(ordinal)])];
+        sh.sig = get_signature(r);
+        const auto nd = r.get<std::uint32_t>();
+        sh.data.assign(nd, nullptr);
+        sh.bytes.assign(nd, 0);
+        sh.buffers.clear();
+        sh.keep.clear();
+        for (std::uint32_t j = 0; j < nd; ++j) {
+          const auto size = static_cast<std::size_t>(r.get<std::uint64_t>());
+          const bool dir = r.get<std::uint8_t>() != 0;
+          sh.bytes[j] = size;
+          entries.push_back({&sh, j, size, dir});
+        }
+      }
+      std::size_t at = align64(static_cast<std::size_t>(r.p - hb->data())), bulk = 0;
+      for (auto& e : entries) {
+        if (e.direct) {
+          bulk += align64(e.size);
+          continue;
+        }
+        if (hb->size() < at + e.size) r.need(std::numeric_limits<std::size_t>::max());
+        e.share->data[e.index] = hb->data() + at;
+        at += align64(e.size);
+      }
+      auto& bb = peer.bulk[round_ & 1];
+      if (!bb) bb = std::make_shared<std::vector<std::byte>>();
+      if (bb->size() < bulk) bb->resize(bulk);
+      std::size_t off = 0;
+      for (auto& e : entries) {
+        if (!e.direct) continue;
+        std::byte* dst = bb->data() + off;
+        e.share->data[e.index] = dst;
+        for (std::size_t b = 0; b < e.size; b += kMaxPiece) {
+          MPI_Request req = MPI_REQUEST_NULL;
+          const auto piece = static_cast<int>(std::min(kMaxPiece, e.size - b));
+          mpi_check(MPI_Irecv(dst + b, piece, MPI_BYTE, peer.process, tag_, comm, &req),
+                    "MPI_Irecv");
+          peer.recvs.push_back(req);
+        }
+        off += align64(e.size);
+      }
+    }
+    if (!peer.recvs.empty()) {
+      int flag = 0;
+      mpi_check(MPI_Testall(static_cast<int>(peer.recvs.size()), peer.recvs.data(), &flag,
+                            MPI_STATUSES_IGNORE),
+                "MPI_Testall");
+      if (!flag) {
+        done = false;
+      } else {
+        peer.recvs.clear();
+      }
+    }
+  }
+  if (!sends_.empty()) {
+    int flag = 0;
+    mpi_check(MPI_Testall(static_cast<int>(sends_.size()), sends_.data(), &flag,
+                          MPI_STATUSES_IGNORE),
+              "MPI_Testall");
+    if (!flag) {
+      done = false;
+    } else {
+      sends_.clear();
+      out_keep_.clear();
+    }
+  }
+  return done;
+}
+
+LAZYTENSOR_INLINE std::string ProcessLink::waiting_for() const {
+  std::string w;
+  for (const auto& peer : peers_) {
+    if (peer.got_header && peer.recvs.empty()) continue;
+    if (!w.empty()) w += ", ";
+    w += "process " + std::to_string(peer.process) + " (replica" +
+         (peer.ordinals.size() > 1 ? "s " : " ") + list_str(peer.ordinals).substr(1);
+    w.back() = ')';
+  }
+  return w.empty() ? "the other processes' sends to complete" : w;
+}
+
+LAZYTENSOR_INLINE bool ProcessLink::delivered_by_owner(int ordinal) const {
+  for (const auto& peer : peers_) {
+    if (std::find(peer.ordinals.begin(), peer.ordinals.end(), ordinal) != peer.ordinals.end())
+      return peer.got_header;
+  }
+  return true;
+}
+
+LAZYTENSOR_INLINE void ProcessLink::abandon() {
+  std::vector<MPI_Request> reqs;
+  std::vector<std::shared_ptr<void>> keep;
+  for (auto& peer : peers_) {
+    for (auto& r : peer.recvs) {
+      if (r != MPI_REQUEST_NULL) MPI_Cancel(&r);
+      reqs.push_back(r);
+    }
+    peer.recvs.clear();
+    for (auto& b : peer.header) keep.push_back(b);
+    for (auto& b : peer.bulk) keep.push_back(b);
+  }
+  for (auto r : sends_) reqs.push_back(r);
+  sends_.clear();
+  for (auto& b : out_) keep.push_back(b);
+  for (auto& k : out_keep_) keep.push_back(std::move(k));
+  out_keep_.clear();
+  pw_->abandon(std::move(reqs), std::move(keep));
+}
+
+}  // namespace lazy::dist::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS && LAZYTENSOR_WITH_MPI
