@@ -2,6 +2,7 @@
 // Helpers shared by the lazy::dist tests: a watchdog that turns a hang into a failure, the
 // known per-replica inputs the references are computed from, and bitwise comparison.
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -95,6 +96,65 @@ bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
     return a == b;
   else
     return a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+/// The reduce ops defined on T (and/or only on integers and bool).
+template <class T>
+std::vector<lazy::ReduceOp> ops_for() {
+  if constexpr (lazy::is_floating_v<T>)
+    return {lazy::ReduceOp::Sum, lazy::ReduceOp::Mul, lazy::ReduceOp::Min, lazy::ReduceOp::Max};
+  else
+    return {lazy::ReduceOp::Sum, lazy::ReduceOp::Mul, lazy::ReduceOp::And,
+            lazy::ReduceOp::Or,  lazy::ReduceOp::Min, lazy::ReduceOp::Max};
+}
+
+/// Wide exact type of the reference.
+template <class T>
+using wide_t = std::conditional_t<std::is_same_v<T, bool>, bool,
+                                  std::conditional_t<lazy::is_floating_v<T>, double, std::int64_t>>;
+
+template <class W>
+W ref_combine(lazy::ReduceOp op, W a, W b) {
+  if constexpr (std::is_same_v<W, bool>) {
+    // torch.distributed on bool tensors: sum is a logical or, product a logical and.
+    switch (op) {
+      case lazy::ReduceOp::Sum:
+      case lazy::ReduceOp::Or:
+      case lazy::ReduceOp::Max:
+        return a || b;
+      default:
+        return a && b;
+    }
+  } else {
+    switch (op) {
+      case lazy::ReduceOp::Sum:
+        return a + b;
+      case lazy::ReduceOp::Mul:
+        return a * b;
+      case lazy::ReduceOp::Min:
+        return std::min(a, b);
+      case lazy::ReduceOp::Max:
+        return std::max(a, b);
+      case lazy::ReduceOp::And:
+        if constexpr (std::is_integral_v<W>) return a & b;
+        break;
+      case lazy::ReduceOp::Or:
+        if constexpr (std::is_integral_v<W>) return a | b;
+        break;
+    }
+    ADD_FAILURE() << "and/or on a floating reference";
+    return a;
+  }
+}
+
+/// Reference reduction of element i over `members` (in wide exact arithmetic).
+template <class T>
+T reduce_ref(lazy::ReduceOp op, const std::vector<int>& members, std::int64_t i, int salt) {
+  using W = wide_t<T>;
+  W acc = static_cast<W>(value<T>(members[0], i, salt));
+  for (std::size_t k = 1; k < members.size(); ++k)
+    acc = ref_combine<W>(op, acc, static_cast<W>(value<T>(members[k], i, salt)));
+  return static_cast<T>(acc);
 }
 
 /// The message of the exception thrown by f, or "" when it throws none or another type.

@@ -17,6 +17,8 @@
 namespace {
 
 using dist_testing::input;
+using dist_testing::ops_for;
+using dist_testing::reduce_ref;
 using dist_testing::same_bits;
 using dist_testing::value;
 using dist_testing::Watchdog;
@@ -25,54 +27,6 @@ using lazy::Shape;
 using lazy::Tensor;
 using lazy::dist::Groups;
 namespace dist = lazy::dist;
-
-template <class T>
-std::vector<ReduceOp> ops_for() {
-  if constexpr (lazy::is_floating_v<T>)
-    return {ReduceOp::Sum, ReduceOp::Mul, ReduceOp::Min, ReduceOp::Max};
-  else
-    return {ReduceOp::Sum, ReduceOp::Mul, ReduceOp::And,
-            ReduceOp::Or,  ReduceOp::Min, ReduceOp::Max};
-}
-
-/// Wide exact type of the reference.
-template <class T>
-using wide_t = std::conditional_t<std::is_same_v<T, bool>, bool,
-                                  std::conditional_t<lazy::is_floating_v<T>, double, std::int64_t>>;
-
-template <class W>
-W ref_combine(ReduceOp op, W a, W b) {
-  if constexpr (std::is_same_v<W, bool>) {
-    // torch.distributed on bool tensors: sum is a logical or, product a logical and.
-    switch (op) {
-      case ReduceOp::Sum:
-      case ReduceOp::Or:
-      case ReduceOp::Max:
-        return a || b;
-      default:
-        return a && b;
-    }
-  } else {
-    switch (op) {
-      case ReduceOp::Sum:
-        return a + b;
-      case ReduceOp::Mul:
-        return a * b;
-      case ReduceOp::Min:
-        return std::min(a, b);
-      case ReduceOp::Max:
-        return std::max(a, b);
-      case ReduceOp::And:
-        if constexpr (std::is_integral_v<W>) return a & b;
-        break;
-      case ReduceOp::Or:
-        if constexpr (std::is_integral_v<W>) return a | b;
-        break;
-    }
-    ADD_FAILURE() << "and/or on a floating reference";
-    return a;
-  }
-}
 
 /// The members of `replica`'s group, in group order.
 std::vector<int> group_of(const Groups& groups, int world, int replica) {
@@ -88,15 +42,6 @@ std::vector<int> group_of(const Groups& groups, int world, int replica) {
   return {};
 }
 
-/// Reference reduction of element i over `members` (in wide exact arithmetic).
-template <class T>
-T reduce_ref(ReduceOp op, const std::vector<int>& members, std::int64_t i, int salt) {
-  using W = wide_t<T>;
-  W acc = static_cast<W>(value<T>(members[0], i, salt));
-  for (std::size_t k = 1; k < members.size(); ++k)
-    acc = ref_combine<W>(op, acc, static_cast<W>(value<T>(members[k], i, salt)));
-  return static_cast<T>(acc);
-}
 
 std::vector<std::int64_t> unravel(std::int64_t lin, const Shape& s) {
   std::vector<std::int64_t> idx(static_cast<std::size_t>(s.rank()));

@@ -5,14 +5,14 @@
 
 #include <gtest/gtest.h>
 
-#include <mpi.h>
-
 #include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "train/trainer_testing.hpp"
+
+#include <mpi.h>  // (after the library, which asks for MPI's C API only)
 
 namespace {
 

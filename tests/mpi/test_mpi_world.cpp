@@ -29,6 +29,8 @@
 namespace {
 
 using dist_testing::message_of;
+using dist_testing::ops_for;
+using dist_testing::reduce_ref;
 using dist_testing::same_bits;
 using dist_testing::TimeoutGuard;
 using dist_testing::value;
@@ -79,44 +81,6 @@ std::vector<int> group_of(const Groups& groups, int r) {
 /// Group layouts of a 4-replica world over 2 processes (replicas 0, 1 in process 0).
 const std::vector<Groups> kLayouts = {
     {}, {{0, 1}, {2, 3}}, {{0, 2}, {1, 3}}, {{3, 1}, {2, 0}}, {{3, 0, 2, 1}}};
-
-template <class T>
-std::vector<ReduceOp> ops_for() {
-  if constexpr (lazy::is_floating_v<T>)
-    return {ReduceOp::Sum, ReduceOp::Mul, ReduceOp::Min, ReduceOp::Max};
-  else
-    return {ReduceOp::Sum, ReduceOp::Mul, ReduceOp::And, ReduceOp::Or, ReduceOp::Min, ReduceOp::Max};
-}
-
-/// Reference of element i: the members' values combined in group order, exactly (small
-/// integers), as torch.distributed treats bool.
-template <class T>
-T reduce_ref(ReduceOp op, const std::vector<int>& members, std::int64_t i, int salt) {
-  using W = std::conditional_t<std::is_same_v<T, bool>, bool,
-                               std::conditional_t<lazy::is_floating_v<T>, double, std::int64_t>>;
-  W acc = static_cast<W>(value<T>(members[0], i, salt));
-  for (std::size_t k = 1; k < members.size(); ++k) {
-    const W b = static_cast<W>(value<T>(members[k], i, salt));
-    if constexpr (std::is_same_v<W, bool>) {
-      acc = (op == ReduceOp::Sum || op == ReduceOp::Or || op == ReduceOp::Max) ? (acc || b)
-                                                                                 : (acc && b);
-    } else {
-      switch (op) {
-        case ReduceOp::Sum: acc = acc + b; break;
-        case ReduceOp::Mul: acc = acc * b; break;
-        case ReduceOp::Min: acc = std::min(acc, b); break;
-        case ReduceOp::Max: acc = std::max(acc, b); break;
-        case ReduceOp::And:
-          if constexpr (std::is_integral_v<W>) acc = acc & b;
-          break;
-        case ReduceOp::Or:
-          if constexpr (std::is_integral_v<W>) acc = acc | b;
-          break;
-      }
-    }
-  }
-  return static_cast<T>(acc);
-}
 
 TEST(MpiWorld, RuntimeQueriesDescribeTheProcessesAndTheirReplicas) {
   Watchdog dog;
