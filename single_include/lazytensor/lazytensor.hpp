@@ -10571,8 +10571,12 @@ LAZYTENSOR_INLINE void WorldState::mark_exited(int ordinal) {
 #include <mpi.h>
 
 #include <atomic>
+#include <deque>
+#include <functional>
+#include <map>
 #include <mutex>
 #include <thread>
+#include <utility>
 #endif
 
 namespace lazy::dist::detail {
@@ -10630,8 +10634,6 @@ class ProcessWorld {
   /// The world layout: P x n replicas, this process's offset, the replicas of its host.
   WorldLayout layout() const;
   MPI_Comm data_comm() const { return data_; }
-  /// Largest tag usable on the data communicator.
-  int tag_bound() const { return tag_ub_; }
 
   /// Starts the watcher thread, which applies other processes' exit notices to `w`.
   void watch(WorldState& w);
@@ -10645,16 +10647,35 @@ class ProcessWorld {
   /// Requests a failed round left in flight, with what their buffers need to outlive them.
   void abandon(std::vector<MPI_Request> requests, std::vector<std::shared_ptr<void>> keep);
 
+  /// A fresh tag for the large entries of one round (every destination, every piece): the
+  /// receiver learns it from the package, so no other group's data can match them.
+  int piece_tag();
+
+  /// Packages are sent on a tag derived from their group (few tags: groups may share one).
+  /// A leader that receives another group's package leaves it here for that group's leader.
+  void post_package(std::uint64_t group, int source, std::shared_ptr<std::vector<std::byte>> p);
+  std::shared_ptr<std::vector<std::byte>> take_package(std::uint64_t group, int source);
+
+  /// What a group that spans processes is told when a peer process gave up one of its
+  /// rounds: it must fail its later rounds (as every member does in one process).
+  using BrokenHandler = std::function<void(const std::string& reason, bool timeout)>;
+  void on_group_broken(std::uint64_t group, BrokenHandler h);
+  void forget_group(std::uint64_t group);
+  /// Tells the processes in `peers` that this process gave up a round of `group`.
+  void announce_broken(std::uint64_t group, const std::vector<int>& peers, const std::string& reason,
+                       bool timeout);
+
  private:
   ProcessWorld(int replicas, ProcessPlace place, MPI_Comm data, MPI_Comm ctl);
   void run_watcher();
   void apply_notice(const std::vector<char>& msg, int source);
+  void apply_broken(const std::vector<char>& msg);
+  void send_control(std::shared_ptr<std::vector<std::byte>> msg, const std::vector<int>& to, int tag);
   void settle(bool final_pass);
 
   int replicas_;
   ProcessPlace place_;
   MPI_Comm data_, ctl_;
-  int tag_ub_ = 32767;
   WorldState* world_ = nullptr;
   std::thread watcher_;
   std::atomic<bool> stop_{false};
@@ -10666,6 +10687,9 @@ class ProcessWorld {
   };
   std::vector<Pending> outbox_;     // exit notices in flight
   std::vector<Pending> abandoned_;  // failed rounds' transfers
+  std::map<std::pair<std::uint64_t, int>, std::deque<std::shared_ptr<std::vector<std::byte>>>> mailbox_;
+  std::map<std::uint64_t, BrokenHandler> groups_;
+  std::atomic<std::uint32_t> piece_counter_{0};
 };
 
 /// One group's link to the other processes holding members: sends this process's shares
@@ -10682,12 +10706,19 @@ class ProcessLink {
   bool progress(const std::vector<Share*>& slot_share, const std::vector<int>& slot_of_ordinal);
   /// The peers not heard from yet in this round ("process 1 (replicas 2, 3)").
   std::string waiting_for() const;
-  /// Whether every member of process `p` has delivered this round.
+  /// Whether the process holding `ordinal` has delivered this round's package.
   bool delivered_by_owner(int ordinal) const;
-  /// Gives up on the round: cancels receives, hands what is in flight to the ProcessWorld.
-  void abandon();
+  /// Gives up on the round: cancels receives, hands what is in flight to the ProcessWorld,
+  /// and tells the peer processes the group is broken.
+  void abandon(const std::string& reason, bool timeout);
+  std::uint64_t group_hash() const { return hash_; }
+  const ProcessWorld& processes() const { return *pw_; }
+  ProcessWorld& processes() { return *pw_; }
 
  private:
+  /// Takes the peer's next package of this group (from the mailbox or MPI); null if none.
+  std::shared_ptr<std::vector<std::byte>> next_package(int process);
+
   struct Peer {
     int process = 0;
     std::vector<int> ordinals;  ///< its members of the group
@@ -10746,8 +10777,13 @@ LAZYTENSOR_INLINE ProcessPlace process_place() { return {}; }
 #if LAZYTENSOR_HEADER_DEFINITIONS && LAZYTENSOR_WITH_MPI
 namespace lazy::dist::detail {
 
-/// Tag of exit notices on the control communicator.
+/// Tags on the control communicator: a replica's exit, a group a peer gave up.
 inline constexpr int kExitTag = 1;
+inline constexpr int kBrokenTag = 2;
+/// Tags on the data communicator: packages on [1, kPieceTagBase) by group hash, large
+/// entries on fresh tags from [kPieceTagBase, 32767] (MPI guarantees tags up to 32767).
+inline constexpr int kPieceTagBase = 16384;
+inline constexpr int kPieceTags = 32768 - kPieceTagBase;
 /// Data entries at least this large, held by a buffer, are sent from where they are
 /// (no copy into the package).
 inline constexpr std::size_t kDirectBytes = std::size_t{64} << 10;
@@ -10894,6 +10930,15 @@ inline std::vector<std::shared_ptr<void>>& leaked_keep() {
   return *keep;
 }
 
+/// Tests `reqs` without throwing: true when all completed (or MPI reports an error for
+/// them: a dead peer's requests are not waited for).
+inline bool test_all_quietly(std::vector<MPI_Request>& reqs) {
+  int flag = 0;
+  const int rc =
+      MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &flag, MPI_STATUSES_IGNORE);
+  return rc != MPI_SUCCESS || flag;
+}
+
 /// Waits for `reqs` until `deadline`; false on timeout (the requests stay pending).
 inline bool wait_all_until(std::vector<MPI_Request>& reqs,
                            std::chrono::steady_clock::time_point deadline) {
@@ -10933,10 +10978,19 @@ LAZYTENSOR_INLINE std::shared_ptr<ProcessWorld> ProcessWorld::join(int replicas)
   MPI_Comm data = (*comms)[0], ctl = (*comms)[1];
   MPI_Comm_set_errhandler(data, MPI_ERRORS_RETURN);
   MPI_Comm_set_errhandler(ctl, MPI_ERRORS_RETURN);
-  auto counts = std::make_shared<std::vector<int>>(static_cast<std::size_t>(place.count) + 1);
+  // Every process's replica count and host (a hash of its processor name), in one
+  // non-blocking collective: nothing after it can block on a process that gave up.
+  char host[MPI_MAX_PROCESSOR_NAME] = {};
+  int host_len = 0;
+  MPI_Get_processor_name(host, &host_len);
+  std::uint32_t host_hash = 2166136261u;
+  for (int i = 0; i < host_len; ++i)
+    host_hash = (host_hash ^ static_cast<unsigned char>(host[i])) * 16777619u;
+  auto counts = std::make_shared<std::vector<int>>(2 * (static_cast<std::size_t>(place.count) + 1));
   (*counts)[0] = replicas;
+  (*counts)[1] = static_cast<int>(host_hash & 0x7fffffff);
   std::vector<MPI_Request> gather(1);
-  mpi_check(MPI_Iallgather(counts->data(), 1, MPI_INT, counts->data() + 1, 1, MPI_INT, data,
+  mpi_check(MPI_Iallgather(counts->data(), 2, MPI_INT, counts->data() + 2, 2, MPI_INT, data,
                            &gather[0]),
             "MPI_Iallgather");
   if (!wait_all_until(gather, deadline)) {
@@ -10945,31 +10999,27 @@ LAZYTENSOR_INLINE std::shared_ptr<ProcessWorld> ProcessWorld::join(int replicas)
   }
   auto pw = std::shared_ptr<ProcessWorld>(new ProcessWorld(replicas, place, data, ctl));
   for (int p = 0; p < place.count; ++p) {
-    const int theirs = (*counts)[static_cast<std::size_t>(p) + 1];
+    const int theirs = (*counts)[2 * static_cast<std::size_t>(p) + 2];
     if (theirs != replicas) {
       throw Error("spawn: every process must spawn the same number of replicas; process " +
                   std::to_string(place.index) + " asked for " + std::to_string(replicas) +
                   ", process " + std::to_string(p) + " for " + std::to_string(theirs));
     }
   }
-  // Processes sharing this host (collective, but every process is here now).
-  MPI_Comm host = MPI_COMM_NULL;
-  mpi_check(MPI_Comm_split_type(data, MPI_COMM_TYPE_SHARED, place.index, MPI_INFO_NULL, &host),
-            "MPI_Comm_split_type");
-  MPI_Comm_rank(host, &pw->place_.host_index);
-  MPI_Comm_size(host, &pw->place_.host_count);
-  MPI_Comm_free(&host);
+  // Processes on this host: those with the same host hash, numbered by rank.
+  pw->place_.host_index = 0;
+  pw->place_.host_count = 0;
+  for (int p = 0; p < place.count; ++p) {
+    if ((*counts)[2 * static_cast<std::size_t>(p) + 3] != (*counts)[1]) continue;
+    ++pw->place_.host_count;
+    if (p < place.index) ++pw->place_.host_index;
+  }
   return pw;
 }
 
 LAZYTENSOR_INLINE ProcessWorld::ProcessWorld(int replicas, ProcessPlace place, MPI_Comm data,
                                              MPI_Comm ctl)
-    : replicas_(replicas), place_(place), data_(data), ctl_(ctl) {
-  void* value = nullptr;
-  int flag = 0;
-  MPI_Comm_get_attr(data_, MPI_TAG_UB, &value, &flag);
-  if (flag && value) tag_ub_ = *static_cast<int*>(value);
-}
+    : replicas_(replicas), place_(place), data_(data), ctl_(ctl) {}
 
 LAZYTENSOR_INLINE ProcessWorld::~ProcessWorld() {
   if (watcher_.joinable()) {
@@ -11040,30 +11090,97 @@ inline std::exception_ptr rebuild(ErrorClass c, const std::string& msg) {
   }
 }
 
+LAZYTENSOR_INLINE void ProcessWorld::send_control(std::shared_ptr<std::vector<std::byte>> msg,
+                                                  const std::vector<int>& to, int tag) {
+  Pending p;
+  for (int q : to) {
+    MPI_Request r = MPI_REQUEST_NULL;
+    if (MPI_Isend(msg->data(), static_cast<int>(msg->size()), MPI_BYTE, q, tag, ctl_, &r) ==
+        MPI_SUCCESS)
+      p.requests.push_back(r);
+  }
+  p.keep.push_back(std::move(msg));
+  std::lock_guard lock(mu_);
+  outbox_.push_back(std::move(p));
+}
+
 LAZYTENSOR_INLINE void ProcessWorld::announce_exit(int ordinal, const std::exception_ptr& e) {
-  auto [cls, what] = classify(e);
+  std::exception_ptr cause = e;
+  // A replica stopped because another failed carries that failure, so every process
+  // re-throws the root cause rather than the ReplicaAborted it led to.
+  if (e && world_) {
+    if (auto first = world_->first_error(); first && classify(e).first == ErrorClass::Aborted)
+      cause = first;
+  }
+  auto [cls, what] = classify(cause);
   if (cls == ErrorClass::Error || cls == ErrorClass::Other) {
-    what = "replica " + std::to_string(ordinal) + " (process " + std::to_string(place_.index) +
-           ") failed: " + what;
+    if (cause == e)
+      what += " (replica " + std::to_string(ordinal) + ", process " + std::to_string(place_.index) + ")";
   }
   auto msg = std::make_shared<std::vector<std::byte>>();
   PackWriter w{*msg};
   w.put(static_cast<std::int32_t>(ordinal));
   w.put(static_cast<std::uint8_t>(cls));
   w.put_bytes(what.data(), what.size());
-  Pending p;
-  for (int q = 0; q < place_.count; ++q) {
-    if (q == place_.index) continue;
-    MPI_Request r = MPI_REQUEST_NULL;
-    MPI_Isend(msg->data(), static_cast<int>(msg->size()), MPI_BYTE, q, kExitTag, ctl_, &r);
-    p.requests.push_back(r);
-  }
-  p.keep.push_back(msg);
+  std::vector<int> others;
+  for (int q = 0; q < place_.count; ++q)
+    if (q != place_.index) others.push_back(q);
+  send_control(std::move(msg), others, kExitTag);
+  local_exited_.fetch_add(1);
+}
+
+LAZYTENSOR_INLINE void ProcessWorld::announce_broken(std::uint64_t group, const std::vector<int>& peers,
+                                                     const std::string& reason, bool timeout) {
+  auto msg = std::make_shared<std::vector<std::byte>>();
+  PackWriter w{*msg};
+  w.put(group);
+  w.put(static_cast<std::uint8_t>(timeout));
+  w.put_bytes(reason.data(), reason.size());
+  send_control(std::move(msg), peers, kBrokenTag);
+}
+
+LAZYTENSOR_INLINE void ProcessWorld::apply_broken(const std::vector<char>& msg) {
+  PackReader r{reinterpret_cast<const std::byte*>(msg.data()),
+               reinterpret_cast<const std::byte*>(msg.data() + msg.size()), -1};
+  const auto group = r.get<std::uint64_t>();
+  const bool timeout = r.get<std::uint8_t>() != 0;
+  const std::string reason(reinterpret_cast<const char*>(r.p), static_cast<std::size_t>(r.end - r.p));
+  BrokenHandler h;
   {
     std::lock_guard lock(mu_);
-    outbox_.push_back(std::move(p));
+    if (auto it = groups_.find(group); it != groups_.end()) h = it->second;
   }
-  local_exited_.fetch_add(1);
+  if (h) h(reason, timeout);
+}
+
+LAZYTENSOR_INLINE void ProcessWorld::on_group_broken(std::uint64_t group, BrokenHandler h) {
+  std::lock_guard lock(mu_);
+  groups_[group] = std::move(h);
+}
+
+LAZYTENSOR_INLINE void ProcessWorld::forget_group(std::uint64_t group) {
+  std::lock_guard lock(mu_);
+  groups_.erase(group);
+}
+
+LAZYTENSOR_INLINE int ProcessWorld::piece_tag() {
+  return kPieceTagBase + static_cast<int>(piece_counter_.fetch_add(1) % kPieceTags);
+}
+
+LAZYTENSOR_INLINE void ProcessWorld::post_package(std::uint64_t group, int source,
+                                                  std::shared_ptr<std::vector<std::byte>> p) {
+  std::lock_guard lock(mu_);
+  mailbox_[{group, source}].push_back(std::move(p));
+}
+
+LAZYTENSOR_INLINE std::shared_ptr<std::vector<std::byte>> ProcessWorld::take_package(std::uint64_t group,
+                                                                                    int source) {
+  std::lock_guard lock(mu_);
+  auto it = mailbox_.find({group, source});
+  if (it == mailbox_.end() || it->second.empty()) return nullptr;
+  auto p = std::move(it->second.front());
+  it->second.pop_front();
+  return p;
 }
 
 LAZYTENSOR_INLINE void ProcessWorld::apply_notice(const std::vector<char>& msg, int source) {
@@ -11087,17 +11204,21 @@ LAZYTENSOR_INLINE void ProcessWorld::run_watcher() {
       int flag = 0;
       MPI_Message m;
       MPI_Status st;
-      if (MPI_Improbe(MPI_ANY_SOURCE, kExitTag, ctl_, &flag, &m, &st) != MPI_SUCCESS || !flag)
+      if (MPI_Improbe(MPI_ANY_SOURCE, MPI_ANY_TAG, ctl_, &flag, &m, &st) != MPI_SUCCESS || !flag)
         break;
       int count = 0;
       MPI_Get_count(&st, MPI_BYTE, &count);
       buf.resize(static_cast<std::size_t>(std::max(count, 0)));
       MPI_Mrecv(buf.data(), count, MPI_BYTE, &m, MPI_STATUS_IGNORE);
       try {
-        apply_notice(buf, st.MPI_SOURCE);
+        if (st.MPI_TAG == kBrokenTag) {
+          apply_broken(buf);
+        } else {
+          apply_notice(buf, st.MPI_SOURCE);
+          ++received;
+        }
       } catch (const Error&) {  // malformed: ignore it rather than end the watcher
       }
-      ++received;
     }
     settle(false);
     if (stop_.load()) {
@@ -11132,23 +11253,23 @@ LAZYTENSOR_INLINE void ProcessWorld::settle(bool final_pass) {
   std::lock_guard lock(mu_);
   for (auto* list : {&outbox_, &abandoned_}) {
     for (auto it = list->begin(); it != list->end();) {
-      int flag = 0;
-      MPI_Testall(static_cast<int>(it->requests.size()), it->requests.data(), &flag,
-                  MPI_STATUSES_IGNORE);
+      bool flag = test_all_quietly(it->requests);
       if (!flag && final_pass) {
         // A peer that is gone never completes these: cancel, wait a little, and otherwise
-        // keep their memory for the rest of the program.
+        // keep their memory for the rest of the program. (Never throws: this runs in
+        // destructors and after failures.)
         for (auto& r : it->requests) {
           if (r != MPI_REQUEST_NULL) MPI_Cancel(&r);
         }
-        flag = wait_all_until(it->requests,
-                              std::chrono::steady_clock::now() + std::chrono::milliseconds(500));
+        const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
+        while (!(flag = test_all_quietly(it->requests)) && std::chrono::steady_clock::now() < until)
+          std::this_thread::sleep_for(std::chrono::microseconds(100));
         if (!flag) {
           for (auto& r : it->requests) {
             if (r != MPI_REQUEST_NULL) MPI_Request_free(&r);
           }
           for (auto& k : it->keep) leaked_keep().push_back(std::move(k));
-          flag = 1;
+          flag = true;
         }
       }
       it = flag ? list->erase(it) : it + 1;
@@ -11169,9 +11290,15 @@ LAZYTENSOR_INLINE ProcessLink::ProcessLink(std::shared_ptr<ProcessWorld> pw,
     peers_.back().ordinals.push_back(m);
   }
   hash_ = h;
-  // Tag 0 is left unused; different groups that hash alike still check the group hash in
-  // every package and fail loudly rather than mix their data.
-  tag_ = 1 + static_cast<int>(h % static_cast<std::uint64_t>(std::max(1, pw_->tag_bound() - 1)));
+  // Groups that hash to the same tag share it: a package carries its group's hash and a
+  // leader that receives another group's leaves it in the mailbox (ProcessWorld), and large
+  // entries travel on fresh tags named in the package, so no data can reach the wrong group.
+  // LAZYTENSOR_MPI_PACKAGE_TAGS (1 to 16383, read when a group forms) narrows the tags so
+  // that tests can make groups share one.
+  int tags = kPieceTagBase - 1;
+  if (const char* env = std::getenv("LAZYTENSOR_MPI_PACKAGE_TAGS"))
+    tags = std::clamp(std::atoi(env), 1, kPieceTagBase - 1);
+  tag_ = 1 + static_cast<int>(h % static_cast<std::uint64_t>(tags));
 }
 
 LAZYTENSOR_INLINE void ProcessLink::begin(std::uint64_t s, const std::vector<Share*>& local,
@@ -11184,6 +11311,8 @@ LAZYTENSOR_INLINE void ProcessLink::begin(std::uint64_t s, const std::vector<Sha
   w.put(kPackageMagic);
   w.put(hash_);
   w.put(s);
+  const std::size_t tag_at = out->size();
+  w.put(static_cast<std::int32_t>(0));  // the pieces' tag, below
   w.put(static_cast<std::uint32_t>(local.size()));
   std::vector<std::pair<const std::byte*, std::size_t>> direct, packed;
   out_keep_.clear();
@@ -11209,6 +11338,8 @@ LAZYTENSOR_INLINE void ProcessLink::begin(std::uint64_t s, const std::vector<Sha
   if (out->size() > static_cast<std::size_t>(std::numeric_limits<int>::max())) {
     throw CollectiveError("a collective's host payloads exceed 2 GiB in one round");
   }
+  const std::int32_t pieces = direct.empty() ? 0 : pw_->piece_tag();
+  std::memcpy(out->data() + tag_at, &pieces, sizeof pieces);
   MPI_Comm comm = pw_->data_comm();
   sends_.clear();
   for (auto& peer : peers_) {
@@ -11220,7 +11351,7 @@ LAZYTENSOR_INLINE void ProcessLink::begin(std::uint64_t s, const std::vector<Sha
     for (const auto& [p, size] : direct) {
       for (std::size_t at = 0; at < size; at += kMaxPiece) {
         const auto piece = static_cast<int>(std::min(kMaxPiece, size - at));
-        mpi_check(MPI_Isend(p + at, piece, MPI_BYTE, peer.process, tag_, comm, &r), "MPI_Isend");
+        mpi_check(MPI_Isend(p + at, piece, MPI_BYTE, peer.process, pieces, comm, &r), "MPI_Isend");
         sends_.push_back(r);
       }
     }
@@ -11235,32 +11366,23 @@ LAZYTENSOR_INLINE bool ProcessLink::progress(const std::vector<Share*>& slot_sha
   bool done = true;
   for (auto& peer : peers_) {
     if (!peer.got_header) {
-      int flag = 0;
-      MPI_Message m;
-      MPI_Status st;
-      mpi_check(MPI_Improbe(peer.process, tag_, comm, &flag, &m, &st), "MPI_Improbe");
-      if (!flag) {
+      auto pkg = next_package(peer.process);
+      if (!pkg) {
         done = false;
         continue;
       }
-      int count = 0;
-      MPI_Get_count(&st, MPI_BYTE, &count);
       auto& hb = peer.header[round_ & 1];
-      if (!hb) hb = std::make_shared<std::vector<std::byte>>();
-      hb->resize(static_cast<std::size_t>(std::max(count, 0)));
-      mpi_check(MPI_Mrecv(hb->data(), count, MPI_BYTE, &m, MPI_STATUS_IGNORE), "MPI_Mrecv");
+      hb = std::move(pkg);
       peer.got_header = true;
       PackReader r{hb->data(), hb->data() + hb->size(), peer.process};
-      if (r.get<std::uint64_t>() != kPackageMagic || r.get<std::uint64_t>() != hash_) {
-        throw CollectiveError("process " + std::to_string(peer.process) +
-                              " sent a package of another group on this group's tag");
-      }
+      r.p += 2 * sizeof(std::uint64_t);  // magic and group: checked by next_package
       const auto seq = r.get<std::uint64_t>();
       if (seq != round_) {
         throw CollectiveError("process " + std::to_string(peer.process) + " sent collective #" +
                               std::to_string(seq) + " of this group where #" +
                               std::to_string(round_) + " was expected");
       }
+      const int pieces = r.get<std::int32_t>();
       const auto nshares = r.get<std::uint32_t>();
       struct Entry {
         Share* share;
@@ -11313,7 +11435,7 @@ LAZYTENSOR_INLINE bool ProcessLink::progress(const std::vector<Share*>& slot_sha
         for (std::size_t b = 0; b < e.size; b += kMaxPiece) {
           MPI_Request req = MPI_REQUEST_NULL;
           const auto piece = static_cast<int>(std::min(kMaxPiece, e.size - b));
-          mpi_check(MPI_Irecv(dst + b, piece, MPI_BYTE, peer.process, tag_, comm, &req),
+          mpi_check(MPI_Irecv(dst + b, piece, MPI_BYTE, peer.process, pieces, comm, &req),
                     "MPI_Irecv");
           peer.recvs.push_back(req);
         }
@@ -11347,6 +11469,28 @@ LAZYTENSOR_INLINE bool ProcessLink::progress(const std::vector<Share*>& slot_sha
   return done;
 }
 
+LAZYTENSOR_INLINE std::shared_ptr<std::vector<std::byte>> ProcessLink::next_package(int process) {
+  if (auto p = pw_->take_package(hash_, process)) return p;
+  for (;;) {
+    int flag = 0;
+    MPI_Message m;
+    MPI_Status st;
+    mpi_check(MPI_Improbe(process, tag_, pw_->data_comm(), &flag, &m, &st), "MPI_Improbe");
+    if (!flag) return pw_->take_package(hash_, process);  // (another leader may have left it)
+    int count = 0;
+    MPI_Get_count(&st, MPI_BYTE, &count);
+    auto buf = std::make_shared<std::vector<std::byte>>(static_cast<std::size_t>(std::max(count, 0)));
+    mpi_check(MPI_Mrecv(buf->data(), count, MPI_BYTE, &m, MPI_STATUS_IGNORE), "MPI_Mrecv");
+    PackReader r{buf->data(), buf->data() + buf->size(), process};
+    if (r.get<std::uint64_t>() != kPackageMagic) {
+      throw CollectiveError("malformed collective package from process " + std::to_string(process));
+    }
+    const auto group = r.get<std::uint64_t>();
+    if (group == hash_) return buf;
+    pw_->post_package(group, process, std::move(buf));  // another group's: same tag
+  }
+}
+
 LAZYTENSOR_INLINE std::string ProcessLink::waiting_for() const {
   std::string w;
   for (const auto& peer : peers_) {
@@ -11367,7 +11511,7 @@ LAZYTENSOR_INLINE bool ProcessLink::delivered_by_owner(int ordinal) const {
   return true;
 }
 
-LAZYTENSOR_INLINE void ProcessLink::abandon() {
+LAZYTENSOR_INLINE void ProcessLink::abandon(const std::string& reason, bool timeout) {
   std::vector<MPI_Request> reqs;
   std::vector<std::shared_ptr<void>> keep;
   for (auto& peer : peers_) {
@@ -11385,6 +11529,9 @@ LAZYTENSOR_INLINE void ProcessLink::abandon() {
   for (auto& k : out_keep_) keep.push_back(std::move(k));
   out_keep_.clear();
   pw_->abandon(std::move(reqs), std::move(keep));
+  std::vector<int> to;
+  for (const auto& peer : peers_) to.push_back(peer.process);
+  if (!reason.empty()) pw_->announce_broken(hash_, to, reason, timeout);
 }
 
 }  // namespace lazy::dist::detail
@@ -11401,6 +11548,9 @@ std::string timed_out(std::chrono::milliseconds timeout, const std::string& whom
 class GroupComm {
  public:
   GroupComm(std::shared_ptr<WorldState> world, std::vector<int> members);
+  ~GroupComm();
+  GroupComm(const GroupComm&) = delete;
+  GroupComm& operator=(const GroupComm&) = delete;
 
   int size() const { return static_cast<int>(members_.size()); }
   /// Members, sorted by ordinal (slot i belongs to members()[i]).
@@ -11502,6 +11652,10 @@ class GroupComm {
 
   [[noreturn]] void throw_broken(int me, std::uint64_t s, const Signature& sig);
 
+  /// Another process gave up a round of this group: later rounds fail (a round that
+  /// already started here completes).
+  void break_from_peer(const std::string& reason, bool timeout);
+
   [[noreturn]] static void raise(Failure why, const std::string& msg);
 
   /// Throws CollectiveMismatch (on every member: they all see the same signatures) when
@@ -11524,6 +11678,7 @@ class GroupComm {
   std::mutex broken_mu_;
   Failure broken_kind_ = Failure::Timeout;  // guarded by broken_mu_
   std::string broken_reason_;               // guarded by broken_mu_
+  bool broken_by_peer_ = false;             // guarded by broken_mu_: another process said so
 };
 
 }  // namespace lazy::dist::detail
@@ -11546,8 +11701,31 @@ LAZYTENSOR_INLINE GroupComm::GroupComm(std::shared_ptr<WorldState> world, std::v
     }
   }
 #if LAZYTENSOR_WITH_MPI
-  if (spans_processes()) link_ = std::make_unique<ProcessLink>(world_->processes(), members_);
+  if (spans_processes()) {
+    link_ = std::make_unique<ProcessLink>(world_->processes(), members_);
+    link_->processes().on_group_broken(
+        link_->group_hash(), [this](const std::string& reason, bool timeout) { break_from_peer(reason, timeout); });
+  }
 #endif
+}
+
+LAZYTENSOR_INLINE GroupComm::~GroupComm() {
+#if LAZYTENSOR_WITH_MPI
+  if (link_) link_->processes().forget_group(link_->group_hash());
+#endif
+}
+
+LAZYTENSOR_INLINE void GroupComm::break_from_peer(const std::string& reason, bool timeout) {
+  {
+    std::lock_guard lock(broken_mu_);
+    if (!(state_.load(std::memory_order_acquire) & kBroken)) {
+      broken_kind_ = timeout ? Failure::Timeout : Failure::Exited;
+      broken_reason_ = reason;
+      broken_by_peer_ = true;
+    }
+    state_.fetch_or(kBroken, std::memory_order_acq_rel);
+  }
+  world_->event().notify();
 }
 
 LAZYTENSOR_INLINE std::string GroupComm::prefix(int me, std::uint64_t s,
@@ -11640,19 +11818,38 @@ LAZYTENSOR_INLINE void GroupComm::cross_process(int me, std::uint64_t s, const S
     }
     return true;
   };
-  // 1. This process's members (withdraw() throws: nobody can start before the leader).
+  // Giving up throws (withdraw(): nobody can start before the leader), and first tells the
+  // group's other processes, which must not wait for this one's later rounds.
+  auto give_up = [&](Failure why, const std::string& reason) {
+    link_->abandon("replica " + std::to_string(members_[static_cast<std::size_t>(me)]) + " " + reason,
+                   why == Failure::Timeout);
+    withdraw(me, s, sig, why, reason);
+  };
+  // The group broke meanwhile (a local member or a peer process gave up): peers must hear
+  // of a local reason.
+  auto broken_out = [&] {
+    std::string reason;
+    bool timeout = false;
+    {
+      std::lock_guard lock(broken_mu_);
+      if (!broken_by_peer_) reason = broken_reason_;
+      timeout = broken_kind_ == Failure::Timeout;
+    }
+    link_->abandon(reason, timeout);
+    throw_broken(me, s, sig);
+  };
+  // 1. This process's members.
   if (!spin_until(locals_arrived, w.wait())) {
     while (!locals_arrived()) {
-      if (state_.load(std::memory_order_acquire) & kBroken) throw_broken(me, s, sig);
+      if (state_.load(std::memory_order_acquire) & kBroken) broken_out();
       const int gone = exited_partner(s);
       if (w.aborted()) {
-        withdraw(me, s, sig, Failure::Aborted, "aborted because " + w.abort_reason());
+        give_up(Failure::Aborted, "aborted because " + w.abort_reason());
       } else if (gone >= 0) {
-        withdraw(me, s, sig, Failure::Exited,
-                 "replica " + std::to_string(gone) +
-                     " exited (its function returned) without joining this collective");
+        give_up(Failure::Exited, "replica " + std::to_string(gone) +
+                                     " exited (its function returned) without joining this collective");
       } else if (std::chrono::steady_clock::now() >= deadline) {
-        withdraw(me, s, sig, Failure::Timeout, timed_out(timeout, missing(s)));
+        give_up(Failure::Timeout, timed_out(timeout, missing(s)));
       }
       w.event().wait_until(
           [&] {
@@ -11671,10 +11868,6 @@ LAZYTENSOR_INLINE void GroupComm::cross_process(int me, std::uint64_t s, const S
     local.push_back(by_slot[j]);
     ordinals.push_back(members_[j]);
   }
-  auto give_up = [&](Failure why, const std::string& reason) {
-    link_->abandon();
-    withdraw(me, s, sig, why, reason);
-  };
   try {
     link_->begin(s, local, ordinals);
   } catch (const std::exception& e) {
@@ -11694,6 +11887,7 @@ LAZYTENSOR_INLINE void GroupComm::cross_process(int me, std::uint64_t s, const S
     if (done) break;
     if ((i & 15) != 15) continue;
     const auto now = std::chrono::steady_clock::now();
+    if (state_.load(std::memory_order_acquire) & kBroken) broken_out();
     if (w.aborted()) give_up(Failure::Aborted, "aborted because " + w.abort_reason());
     int gone = -1;
     for (std::size_t j = 0; j < n && gone < 0; ++j) {
@@ -14716,6 +14910,13 @@ auto spawn(F&& fn, int nprocs) {
   world->state().set_processes(processes);
   detail::ReplicaDevices devices(nprocs, layout.host_replicas);
   if (processes) processes->watch(world->state());
+  // The watcher reads the world: it stops before the world goes, whatever happens below.
+  struct StopWatching {
+    detail::ProcessWorld* p;
+    ~StopWatching() {
+      if (p) p->finish();
+    }
+  } stop_watching{processes.get()};
   std::conditional_t<std::is_void_v<R>, detail::NoResult, std::optional<R>> result;
   auto body = [&](int i) {
     if constexpr (std::is_void_v<R>) {
@@ -14727,14 +14928,18 @@ auto spawn(F&& fn, int nprocs) {
     }
   };
   std::vector<std::thread> threads;
-  threads.reserve(static_cast<std::size_t>(nprocs));
   try {
+    threads.reserve(static_cast<std::size_t>(nprocs));
     for (int i = 0; i < nprocs; ++i)
       threads.emplace_back([&, i] { detail::run_replica(world, i, body); });
   } catch (...) {  // could not start a thread: stop the others
     world->state().fail(-1, std::current_exception());
+    // The other processes count this process's replicas: the ones never started exit now.
+    if (processes) {
+      for (int i = static_cast<int>(threads.size()); i < nprocs; ++i)
+        processes->announce_exit(layout.process_offset + i, std::current_exception());
+    }
     for (auto& t : threads) t.join();
-    if (processes) processes->finish();
     throw;
   }
   for (auto& t : threads) t.join();
@@ -27634,21 +27839,25 @@ auto Trainer::launch_replicas(M& module, Run run_fn) {
       runs_.back()->progress = kept[static_cast<std::size_t>(i)].first;
       runs_.back()->metrics.set_callback_metrics(kept[static_cast<std::size_t>(i)].second);
     }
-    // Copies made here, before any replica runs a hook that changes the originals. Global
-    // rank zero (replica 0 of process 0) keeps them.
-    const bool global_zero = i == 0 && runtime::process_index() == 0;
+    // Copies made here, before any replica runs a hook that changes the originals. The
+    // first replica of each process keeps them (under MPI each process has its own, as
+    // each Lightning process has).
     for (const auto& cb : callbacks_) {
-      std::shared_ptr<Callback> copy = global_zero ? nullptr : cb->clone();
+      std::shared_ptr<Callback> copy = i == 0 ? nullptr : cb->clone();
       runs_.back()->callbacks.push_back(copy ? copy : cb);
-      runs_.back()->shared_callback.push_back(!global_zero && !copy);
+      runs_.back()->shared_callback.push_back(i != 0 && !copy);
     }
   }
   return strategy_->launch([&](Strategy& s) {
     detail::ReplicaRun& r = run();
-    const bool zero = s.global_rank() == 0;
+    // The first replica of each process trains the caller's module (under MPI every
+    // process's caller ends with a trained module, as with Lightning's DDP); the others
+    // train copies of their own. The strategy's setup gives them all rank zero's weights.
+    const auto* ctx = dist::detail::current_context();
+    const bool first_here = !ctx || ctx->local == 0;
     std::shared_ptr<M> own;
     M* m = &module;
-    if (!zero) {
+    if (!first_here) {
       if constexpr (std::is_default_constructible_v<M>) {
         own = std::make_shared<M>();
         own->hparams = module.hparams;

@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <numeric>
 #include <stdexcept>
 #include <string>
@@ -222,6 +223,26 @@ TEST(MpiWorld, AllGatherReduceScatterAllToAllAndBroadcastMatchTheReference) {
   }
 }
 
+TEST(MpiWorld, GroupsSharingOneTagKeepTheirDataApart) {
+  Watchdog dog;
+  // Every group's packages on one tag: concurrent rounds of {0, 2} and {1, 3} (both over
+  // the same two processes) must still each get their own data, large entries included.
+  setenv("LAZYTENSOR_MPI_PACKAGE_TAGS", "1", 1);
+  const Groups groups = {{0, 2}, {1, 3}};
+  run_world([&](int r) {
+    const auto members = group_of(groups, r);
+    for (int round = 0; round < 20; ++round) {
+      const std::int64_t n = round % 2 ? 30000 : 5;
+      auto x = lazy::from_vector<double>(dist_testing::input<double>(r, n, round), Shape{n});
+      auto y = dist::all_reduce(ReduceOp::Sum, x, {.groups = groups}).to_vector();
+      std::vector<double> want;
+      for (std::int64_t i = 0; i < n; ++i) want.push_back(reduce_ref<double>(ReduceOp::Sum, members, i, round));
+      EXPECT_TRUE(same_bits(y, want)) << "replica " << r << " round " << round;
+    }
+  });
+  unsetenv("LAZYTENSOR_MPI_PACKAGE_TAGS");
+}
+
 TEST(MpiWorld, HostCollectivesSpanTheProcesses) {
   Watchdog dog;
   run_world([](int r) {
@@ -416,6 +437,27 @@ TEST(MpiWorld, ALatePartnerEndsInCollectiveTimeout) {
     EXPECT_GT(threw_after[static_cast<std::size_t>(local)], 0.0);
     EXPECT_LT(threw_after[static_cast<std::size_t>(local)], 3.5) << "local replica " << local;
   }
+}
+
+TEST(MpiWorld, AGroupThatTimedOutFailsAtOnceInEveryProcessAfterwards) {
+  Watchdog dog;
+  TimeoutGuard limit(std::chrono::milliseconds(1500));
+  run_world([&](int r) {
+    if (r == 1) std::this_thread::sleep_for(std::chrono::seconds(3));
+    // Round 1 times out (replica 1 is late); whoever catches it and goes on finds the group
+    // unusable at once, in its own process and in the other (no wait for a package that
+    // will never come).
+    EXPECT_FALSE(message_of<lazy::CollectiveError>([] {
+                   (void)dist::all_reduce(ReduceOp::Sum, lazy::from_vector<float>({1.0f})).item();
+                 }).empty())
+        << "replica " << r;
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::string again = message_of<lazy::CollectiveError>(
+        [] { (void)dist::all_reduce(ReduceOp::Sum, lazy::from_vector<float>({1.0f})).item(); });
+    EXPECT_NE(again.find("can no longer be used"), std::string::npos) << "replica " << r << ": " << again;
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 0.5)
+        << "replica " << r;
+  });
 }
 
 TEST(MpiWorld, EveryProcessMustSpawnAsManyReplicas) {

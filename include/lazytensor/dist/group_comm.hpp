@@ -54,6 +54,9 @@ std::string timed_out(std::chrono::milliseconds timeout, const std::string& whom
 class GroupComm {
  public:
   GroupComm(std::shared_ptr<WorldState> world, std::vector<int> members);
+  ~GroupComm();
+  GroupComm(const GroupComm&) = delete;
+  GroupComm& operator=(const GroupComm&) = delete;
 
   int size() const { return static_cast<int>(members_.size()); }
   /// Members, sorted by ordinal (slot i belongs to members()[i]).
@@ -155,6 +158,10 @@ class GroupComm {
 
   [[noreturn]] void throw_broken(int me, std::uint64_t s, const Signature& sig);
 
+  /// Another process gave up a round of this group: later rounds fail (a round that
+  /// already started here completes).
+  void break_from_peer(const std::string& reason, bool timeout);
+
   [[noreturn]] static void raise(Failure why, const std::string& msg);
 
   /// Throws CollectiveMismatch (on every member: they all see the same signatures) when
@@ -177,6 +184,7 @@ class GroupComm {
   std::mutex broken_mu_;
   Failure broken_kind_ = Failure::Timeout;  // guarded by broken_mu_
   std::string broken_reason_;               // guarded by broken_mu_
+  bool broken_by_peer_ = false;             // guarded by broken_mu_: another process said so
 };
 
 }  // namespace lazy::dist::detail
@@ -199,8 +207,31 @@ LAZYTENSOR_INLINE GroupComm::GroupComm(std::shared_ptr<WorldState> world, std::v
     }
   }
 #if LAZYTENSOR_WITH_MPI
-  if (spans_processes()) link_ = std::make_unique<ProcessLink>(world_->processes(), members_);
+  if (spans_processes()) {
+    link_ = std::make_unique<ProcessLink>(world_->processes(), members_);
+    link_->processes().on_group_broken(
+        link_->group_hash(), [this](const std::string& reason, bool timeout) { break_from_peer(reason, timeout); });
+  }
 #endif
+}
+
+LAZYTENSOR_INLINE GroupComm::~GroupComm() {
+#if LAZYTENSOR_WITH_MPI
+  if (link_) link_->processes().forget_group(link_->group_hash());
+#endif
+}
+
+LAZYTENSOR_INLINE void GroupComm::break_from_peer(const std::string& reason, bool timeout) {
+  {
+    std::lock_guard lock(broken_mu_);
+    if (!(state_.load(std::memory_order_acquire) & kBroken)) {
+      broken_kind_ = timeout ? Failure::Timeout : Failure::Exited;
+      broken_reason_ = reason;
+      broken_by_peer_ = true;
+    }
+    state_.fetch_or(kBroken, std::memory_order_acq_rel);
+  }
+  world_->event().notify();
 }
 
 LAZYTENSOR_INLINE std::string GroupComm::prefix(int me, std::uint64_t s,
@@ -293,19 +324,38 @@ LAZYTENSOR_INLINE void GroupComm::cross_process(int me, std::uint64_t s, const S
     }
     return true;
   };
-  // 1. This process's members (withdraw() throws: nobody can start before the leader).
+  // Giving up throws (withdraw(): nobody can start before the leader), and first tells the
+  // group's other processes, which must not wait for this one's later rounds.
+  auto give_up = [&](Failure why, const std::string& reason) {
+    link_->abandon("replica " + std::to_string(members_[static_cast<std::size_t>(me)]) + " " + reason,
+                   why == Failure::Timeout);
+    withdraw(me, s, sig, why, reason);
+  };
+  // The group broke meanwhile (a local member or a peer process gave up): peers must hear
+  // of a local reason.
+  auto broken_out = [&] {
+    std::string reason;
+    bool timeout = false;
+    {
+      std::lock_guard lock(broken_mu_);
+      if (!broken_by_peer_) reason = broken_reason_;
+      timeout = broken_kind_ == Failure::Timeout;
+    }
+    link_->abandon(reason, timeout);
+    throw_broken(me, s, sig);
+  };
+  // 1. This process's members.
   if (!spin_until(locals_arrived, w.wait())) {
     while (!locals_arrived()) {
-      if (state_.load(std::memory_order_acquire) & kBroken) throw_broken(me, s, sig);
+      if (state_.load(std::memory_order_acquire) & kBroken) broken_out();
       const int gone = exited_partner(s);
       if (w.aborted()) {
-        withdraw(me, s, sig, Failure::Aborted, "aborted because " + w.abort_reason());
+        give_up(Failure::Aborted, "aborted because " + w.abort_reason());
       } else if (gone >= 0) {
-        withdraw(me, s, sig, Failure::Exited,
-                 "replica " + std::to_string(gone) +
-                     " exited (its function returned) without joining this collective");
+        give_up(Failure::Exited, "replica " + std::to_string(gone) +
+                                     " exited (its function returned) without joining this collective");
       } else if (std::chrono::steady_clock::now() >= deadline) {
-        withdraw(me, s, sig, Failure::Timeout, timed_out(timeout, missing(s)));
+        give_up(Failure::Timeout, timed_out(timeout, missing(s)));
       }
       w.event().wait_until(
           [&] {
@@ -324,10 +374,6 @@ LAZYTENSOR_INLINE void GroupComm::cross_process(int me, std::uint64_t s, const S
     local.push_back(by_slot[j]);
     ordinals.push_back(members_[j]);
   }
-  auto give_up = [&](Failure why, const std::string& reason) {
-    link_->abandon();
-    withdraw(me, s, sig, why, reason);
-  };
   try {
     link_->begin(s, local, ordinals);
   } catch (const std::exception& e) {
@@ -347,6 +393,7 @@ LAZYTENSOR_INLINE void GroupComm::cross_process(int me, std::uint64_t s, const S
     if (done) break;
     if ((i & 15) != 15) continue;
     const auto now = std::chrono::steady_clock::now();
+    if (state_.load(std::memory_order_acquire) & kBroken) broken_out();
     if (w.aborted()) give_up(Failure::Aborted, "aborted because " + w.abort_reason());
     int gone = -1;
     for (std::size_t j = 0; j < n && gone < 0; ++j) {

@@ -52,8 +52,12 @@
 #include <mpi.h>
 
 #include <atomic>
+#include <deque>
+#include <functional>
+#include <map>
 #include <mutex>
 #include <thread>
+#include <utility>
 #endif
 
 namespace lazy::dist::detail {
@@ -111,8 +115,6 @@ class ProcessWorld {
   /// The world layout: P x n replicas, this process's offset, the replicas of its host.
   WorldLayout layout() const;
   MPI_Comm data_comm() const { return data_; }
-  /// Largest tag usable on the data communicator.
-  int tag_bound() const { return tag_ub_; }
 
   /// Starts the watcher thread, which applies other processes' exit notices to `w`.
   void watch(WorldState& w);
@@ -126,16 +128,35 @@ class ProcessWorld {
   /// Requests a failed round left in flight, with what their buffers need to outlive them.
   void abandon(std::vector<MPI_Request> requests, std::vector<std::shared_ptr<void>> keep);
 
+  /// A fresh tag for the large entries of one round (every destination, every piece): the
+  /// receiver learns it from the package, so no other group's data can match them.
+  int piece_tag();
+
+  /// Packages are sent on a tag derived from their group (few tags: groups may share one).
+  /// A leader that receives another group's package leaves it here for that group's leader.
+  void post_package(std::uint64_t group, int source, std::shared_ptr<std::vector<std::byte>> p);
+  std::shared_ptr<std::vector<std::byte>> take_package(std::uint64_t group, int source);
+
+  /// What a group that spans processes is told when a peer process gave up one of its
+  /// rounds: it must fail its later rounds (as every member does in one process).
+  using BrokenHandler = std::function<void(const std::string& reason, bool timeout)>;
+  void on_group_broken(std::uint64_t group, BrokenHandler h);
+  void forget_group(std::uint64_t group);
+  /// Tells the processes in `peers` that this process gave up a round of `group`.
+  void announce_broken(std::uint64_t group, const std::vector<int>& peers, const std::string& reason,
+                       bool timeout);
+
  private:
   ProcessWorld(int replicas, ProcessPlace place, MPI_Comm data, MPI_Comm ctl);
   void run_watcher();
   void apply_notice(const std::vector<char>& msg, int source);
+  void apply_broken(const std::vector<char>& msg);
+  void send_control(std::shared_ptr<std::vector<std::byte>> msg, const std::vector<int>& to, int tag);
   void settle(bool final_pass);
 
   int replicas_;
   ProcessPlace place_;
   MPI_Comm data_, ctl_;
-  int tag_ub_ = 32767;
   WorldState* world_ = nullptr;
   std::thread watcher_;
   std::atomic<bool> stop_{false};
@@ -147,6 +168,9 @@ class ProcessWorld {
   };
   std::vector<Pending> outbox_;     // exit notices in flight
   std::vector<Pending> abandoned_;  // failed rounds' transfers
+  std::map<std::pair<std::uint64_t, int>, std::deque<std::shared_ptr<std::vector<std::byte>>>> mailbox_;
+  std::map<std::uint64_t, BrokenHandler> groups_;
+  std::atomic<std::uint32_t> piece_counter_{0};
 };
 
 /// One group's link to the other processes holding members: sends this process's shares
@@ -163,12 +187,19 @@ class ProcessLink {
   bool progress(const std::vector<Share*>& slot_share, const std::vector<int>& slot_of_ordinal);
   /// The peers not heard from yet in this round ("process 1 (replicas 2, 3)").
   std::string waiting_for() const;
-  /// Whether every member of process `p` has delivered this round.
+  /// Whether the process holding `ordinal` has delivered this round's package.
   bool delivered_by_owner(int ordinal) const;
-  /// Gives up on the round: cancels receives, hands what is in flight to the ProcessWorld.
-  void abandon();
+  /// Gives up on the round: cancels receives, hands what is in flight to the ProcessWorld,
+  /// and tells the peer processes the group is broken.
+  void abandon(const std::string& reason, bool timeout);
+  std::uint64_t group_hash() const { return hash_; }
+  const ProcessWorld& processes() const { return *pw_; }
+  ProcessWorld& processes() { return *pw_; }
 
  private:
+  /// Takes the peer's next package of this group (from the mailbox or MPI); null if none.
+  std::shared_ptr<std::vector<std::byte>> next_package(int process);
+
   struct Peer {
     int process = 0;
     std::vector<int> ordinals;  ///< its members of the group

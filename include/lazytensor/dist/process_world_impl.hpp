@@ -15,8 +15,13 @@
 #if LAZYTENSOR_HEADER_DEFINITIONS && LAZYTENSOR_WITH_MPI
 namespace lazy::dist::detail {
 
-/// Tag of exit notices on the control communicator.
+/// Tags on the control communicator: a replica's exit, a group a peer gave up.
 inline constexpr int kExitTag = 1;
+inline constexpr int kBrokenTag = 2;
+/// Tags on the data communicator: packages on [1, kPieceTagBase) by group hash, large
+/// entries on fresh tags from [kPieceTagBase, 32767] (MPI guarantees tags up to 32767).
+inline constexpr int kPieceTagBase = 16384;
+inline constexpr int kPieceTags = 32768 - kPieceTagBase;
 /// Data entries at least this large, held by a buffer, are sent from where they are
 /// (no copy into the package).
 inline constexpr std::size_t kDirectBytes = std::size_t{64} << 10;
@@ -163,6 +168,15 @@ inline std::vector<std::shared_ptr<void>>& leaked_keep() {
   return *keep;
 }
 
+/// Tests `reqs` without throwing: true when all completed (or MPI reports an error for
+/// them: a dead peer's requests are not waited for).
+inline bool test_all_quietly(std::vector<MPI_Request>& reqs) {
+  int flag = 0;
+  const int rc =
+      MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &flag, MPI_STATUSES_IGNORE);
+  return rc != MPI_SUCCESS || flag;
+}
+
 /// Waits for `reqs` until `deadline`; false on timeout (the requests stay pending).
 inline bool wait_all_until(std::vector<MPI_Request>& reqs,
                            std::chrono::steady_clock::time_point deadline) {
@@ -202,10 +216,19 @@ LAZYTENSOR_INLINE std::shared_ptr<ProcessWorld> ProcessWorld::join(int replicas)
   MPI_Comm data = (*comms)[0], ctl = (*comms)[1];
   MPI_Comm_set_errhandler(data, MPI_ERRORS_RETURN);
   MPI_Comm_set_errhandler(ctl, MPI_ERRORS_RETURN);
-  auto counts = std::make_shared<std::vector<int>>(static_cast<std::size_t>(place.count) + 1);
+  // Every process's replica count and host (a hash of its processor name), in one
+  // non-blocking collective: nothing after it can block on a process that gave up.
+  char host[MPI_MAX_PROCESSOR_NAME] = {};
+  int host_len = 0;
+  MPI_Get_processor_name(host, &host_len);
+  std::uint32_t host_hash = 2166136261u;
+  for (int i = 0; i < host_len; ++i)
+    host_hash = (host_hash ^ static_cast<unsigned char>(host[i])) * 16777619u;
+  auto counts = std::make_shared<std::vector<int>>(2 * (static_cast<std::size_t>(place.count) + 1));
   (*counts)[0] = replicas;
+  (*counts)[1] = static_cast<int>(host_hash & 0x7fffffff);
   std::vector<MPI_Request> gather(1);
-  mpi_check(MPI_Iallgather(counts->data(), 1, MPI_INT, counts->data() + 1, 1, MPI_INT, data,
+  mpi_check(MPI_Iallgather(counts->data(), 2, MPI_INT, counts->data() + 2, 2, MPI_INT, data,
                            &gather[0]),
             "MPI_Iallgather");
   if (!wait_all_until(gather, deadline)) {
@@ -214,31 +237,27 @@ LAZYTENSOR_INLINE std::shared_ptr<ProcessWorld> ProcessWorld::join(int replicas)
   }
   auto pw = std::shared_ptr<ProcessWorld>(new ProcessWorld(replicas, place, data, ctl));
   for (int p = 0; p < place.count; ++p) {
-    const int theirs = (*counts)[static_cast<std::size_t>(p) + 1];
+    const int theirs = (*counts)[2 * static_cast<std::size_t>(p) + 2];
     if (theirs != replicas) {
       throw Error("spawn: every process must spawn the same number of replicas; process " +
                   std::to_string(place.index) + " asked for " + std::to_string(replicas) +
                   ", process " + std::to_string(p) + " for " + std::to_string(theirs));
     }
   }
-  // Processes sharing this host (collective, but every process is here now).
-  MPI_Comm host = MPI_COMM_NULL;
-  mpi_check(MPI_Comm_split_type(data, MPI_COMM_TYPE_SHARED, place.index, MPI_INFO_NULL, &host),
-            "MPI_Comm_split_type");
-  MPI_Comm_rank(host, &pw->place_.host_index);
-  MPI_Comm_size(host, &pw->place_.host_count);
-  MPI_Comm_free(&host);
+  // Processes on this host: those with the same host hash, numbered by rank.
+  pw->place_.host_index = 0;
+  pw->place_.host_count = 0;
+  for (int p = 0; p < place.count; ++p) {
+    if ((*counts)[2 * static_cast<std::size_t>(p) + 3] != (*counts)[1]) continue;
+    ++pw->place_.host_count;
+    if (p < place.index) ++pw->place_.host_index;
+  }
   return pw;
 }
 
 LAZYTENSOR_INLINE ProcessWorld::ProcessWorld(int replicas, ProcessPlace place, MPI_Comm data,
                                              MPI_Comm ctl)
-    : replicas_(replicas), place_(place), data_(data), ctl_(ctl) {
-  void* value = nullptr;
-  int flag = 0;
-  MPI_Comm_get_attr(data_, MPI_TAG_UB, &value, &flag);
-  if (flag && value) tag_ub_ = *static_cast<int*>(value);
-}
+    : replicas_(replicas), place_(place), data_(data), ctl_(ctl) {}
 
 LAZYTENSOR_INLINE ProcessWorld::~ProcessWorld() {
   if (watcher_.joinable()) {
@@ -309,30 +328,97 @@ inline std::exception_ptr rebuild(ErrorClass c, const std::string& msg) {
   }
 }
 
+LAZYTENSOR_INLINE void ProcessWorld::send_control(std::shared_ptr<std::vector<std::byte>> msg,
+                                                  const std::vector<int>& to, int tag) {
+  Pending p;
+  for (int q : to) {
+    MPI_Request r = MPI_REQUEST_NULL;
+    if (MPI_Isend(msg->data(), static_cast<int>(msg->size()), MPI_BYTE, q, tag, ctl_, &r) ==
+        MPI_SUCCESS)
+      p.requests.push_back(r);
+  }
+  p.keep.push_back(std::move(msg));
+  std::lock_guard lock(mu_);
+  outbox_.push_back(std::move(p));
+}
+
 LAZYTENSOR_INLINE void ProcessWorld::announce_exit(int ordinal, const std::exception_ptr& e) {
-  auto [cls, what] = classify(e);
+  std::exception_ptr cause = e;
+  // A replica stopped because another failed carries that failure, so every process
+  // re-throws the root cause rather than the ReplicaAborted it led to.
+  if (e && world_) {
+    if (auto first = world_->first_error(); first && classify(e).first == ErrorClass::Aborted)
+      cause = first;
+  }
+  auto [cls, what] = classify(cause);
   if (cls == ErrorClass::Error || cls == ErrorClass::Other) {
-    what = "replica " + std::to_string(ordinal) + " (process " + std::to_string(place_.index) +
-           ") failed: " + what;
+    if (cause == e)
+      what += " (replica " + std::to_string(ordinal) + ", process " + std::to_string(place_.index) + ")";
   }
   auto msg = std::make_shared<std::vector<std::byte>>();
   PackWriter w{*msg};
   w.put(static_cast<std::int32_t>(ordinal));
   w.put(static_cast<std::uint8_t>(cls));
   w.put_bytes(what.data(), what.size());
-  Pending p;
-  for (int q = 0; q < place_.count; ++q) {
-    if (q == place_.index) continue;
-    MPI_Request r = MPI_REQUEST_NULL;
-    MPI_Isend(msg->data(), static_cast<int>(msg->size()), MPI_BYTE, q, kExitTag, ctl_, &r);
-    p.requests.push_back(r);
-  }
-  p.keep.push_back(msg);
+  std::vector<int> others;
+  for (int q = 0; q < place_.count; ++q)
+    if (q != place_.index) others.push_back(q);
+  send_control(std::move(msg), others, kExitTag);
+  local_exited_.fetch_add(1);
+}
+
+LAZYTENSOR_INLINE void ProcessWorld::announce_broken(std::uint64_t group, const std::vector<int>& peers,
+                                                     const std::string& reason, bool timeout) {
+  auto msg = std::make_shared<std::vector<std::byte>>();
+  PackWriter w{*msg};
+  w.put(group);
+  w.put(static_cast<std::uint8_t>(timeout));
+  w.put_bytes(reason.data(), reason.size());
+  send_control(std::move(msg), peers, kBrokenTag);
+}
+
+LAZYTENSOR_INLINE void ProcessWorld::apply_broken(const std::vector<char>& msg) {
+  PackReader r{reinterpret_cast<const std::byte*>(msg.data()),
+               reinterpret_cast<const std::byte*>(msg.data() + msg.size()), -1};
+  const auto group = r.get<std::uint64_t>();
+  const bool timeout = r.get<std::uint8_t>() != 0;
+  const std::string reason(reinterpret_cast<const char*>(r.p), static_cast<std::size_t>(r.end - r.p));
+  BrokenHandler h;
   {
     std::lock_guard lock(mu_);
-    outbox_.push_back(std::move(p));
+    if (auto it = groups_.find(group); it != groups_.end()) h = it->second;
   }
-  local_exited_.fetch_add(1);
+  if (h) h(reason, timeout);
+}
+
+LAZYTENSOR_INLINE void ProcessWorld::on_group_broken(std::uint64_t group, BrokenHandler h) {
+  std::lock_guard lock(mu_);
+  groups_[group] = std::move(h);
+}
+
+LAZYTENSOR_INLINE void ProcessWorld::forget_group(std::uint64_t group) {
+  std::lock_guard lock(mu_);
+  groups_.erase(group);
+}
+
+LAZYTENSOR_INLINE int ProcessWorld::piece_tag() {
+  return kPieceTagBase + static_cast<int>(piece_counter_.fetch_add(1) % kPieceTags);
+}
+
+LAZYTENSOR_INLINE void ProcessWorld::post_package(std::uint64_t group, int source,
+                                                  std::shared_ptr<std::vector<std::byte>> p) {
+  std::lock_guard lock(mu_);
+  mailbox_[{group, source}].push_back(std::move(p));
+}
+
+LAZYTENSOR_INLINE std::shared_ptr<std::vector<std::byte>> ProcessWorld::take_package(std::uint64_t group,
+                                                                                    int source) {
+  std::lock_guard lock(mu_);
+  auto it = mailbox_.find({group, source});
+  if (it == mailbox_.end() || it->second.empty()) return nullptr;
+  auto p = std::move(it->second.front());
+  it->second.pop_front();
+  return p;
 }
 
 LAZYTENSOR_INLINE void ProcessWorld::apply_notice(const std::vector<char>& msg, int source) {
@@ -356,17 +442,21 @@ LAZYTENSOR_INLINE void ProcessWorld::run_watcher() {
       int flag = 0;
       MPI_Message m;
       MPI_Status st;
-      if (MPI_Improbe(MPI_ANY_SOURCE, kExitTag, ctl_, &flag, &m, &st) != MPI_SUCCESS || !flag)
+      if (MPI_Improbe(MPI_ANY_SOURCE, MPI_ANY_TAG, ctl_, &flag, &m, &st) != MPI_SUCCESS || !flag)
         break;
       int count = 0;
       MPI_Get_count(&st, MPI_BYTE, &count);
       buf.resize(static_cast<std::size_t>(std::max(count, 0)));
       MPI_Mrecv(buf.data(), count, MPI_BYTE, &m, MPI_STATUS_IGNORE);
       try {
-        apply_notice(buf, st.MPI_SOURCE);
+        if (st.MPI_TAG == kBrokenTag) {
+          apply_broken(buf);
+        } else {
+          apply_notice(buf, st.MPI_SOURCE);
+          ++received;
+        }
       } catch (const Error&) {  // malformed: ignore it rather than end the watcher
       }
-      ++received;
     }
     settle(false);
     if (stop_.load()) {
@@ -401,23 +491,23 @@ LAZYTENSOR_INLINE void ProcessWorld::settle(bool final_pass) {
   std::lock_guard lock(mu_);
   for (auto* list : {&outbox_, &abandoned_}) {
     for (auto it = list->begin(); it != list->end();) {
-      int flag = 0;
-      MPI_Testall(static_cast<int>(it->requests.size()), it->requests.data(), &flag,
-                  MPI_STATUSES_IGNORE);
+      bool flag = test_all_quietly(it->requests);
       if (!flag && final_pass) {
         // A peer that is gone never completes these: cancel, wait a little, and otherwise
-        // keep their memory for the rest of the program.
+        // keep their memory for the rest of the program. (Never throws: this runs in
+        // destructors and after failures.)
         for (auto& r : it->requests) {
           if (r != MPI_REQUEST_NULL) MPI_Cancel(&r);
         }
-        flag = wait_all_until(it->requests,
-                              std::chrono::steady_clock::now() + std::chrono::milliseconds(500));
+        const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
+        while (!(flag = test_all_quietly(it->requests)) && std::chrono::steady_clock::now() < until)
+          std::this_thread::sleep_for(std::chrono::microseconds(100));
         if (!flag) {
           for (auto& r : it->requests) {
             if (r != MPI_REQUEST_NULL) MPI_Request_free(&r);
           }
           for (auto& k : it->keep) leaked_keep().push_back(std::move(k));
-          flag = 1;
+          flag = true;
         }
       }
       it = flag ? list->erase(it) : it + 1;
@@ -438,9 +528,15 @@ LAZYTENSOR_INLINE ProcessLink::ProcessLink(std::shared_ptr<ProcessWorld> pw,
     peers_.back().ordinals.push_back(m);
   }
   hash_ = h;
-  // Tag 0 is left unused; different groups that hash alike still check the group hash in
-  // every package and fail loudly rather than mix their data.
-  tag_ = 1 + static_cast<int>(h % static_cast<std::uint64_t>(std::max(1, pw_->tag_bound() - 1)));
+  // Groups that hash to the same tag share it: a package carries its group's hash and a
+  // leader that receives another group's leaves it in the mailbox (ProcessWorld), and large
+  // entries travel on fresh tags named in the package, so no data can reach the wrong group.
+  // LAZYTENSOR_MPI_PACKAGE_TAGS (1 to 16383, read when a group forms) narrows the tags so
+  // that tests can make groups share one.
+  int tags = kPieceTagBase - 1;
+  if (const char* env = std::getenv("LAZYTENSOR_MPI_PACKAGE_TAGS"))
+    tags = std::clamp(std::atoi(env), 1, kPieceTagBase - 1);
+  tag_ = 1 + static_cast<int>(h % static_cast<std::uint64_t>(tags));
 }
 
 LAZYTENSOR_INLINE void ProcessLink::begin(std::uint64_t s, const std::vector<Share*>& local,
@@ -453,6 +549,8 @@ LAZYTENSOR_INLINE void ProcessLink::begin(std::uint64_t s, const std::vector<Sha
   w.put(kPackageMagic);
   w.put(hash_);
   w.put(s);
+  const std::size_t tag_at = out->size();
+  w.put(static_cast<std::int32_t>(0));  // the pieces' tag, below
   w.put(static_cast<std::uint32_t>(local.size()));
   std::vector<std::pair<const std::byte*, std::size_t>> direct, packed;
   out_keep_.clear();
@@ -478,6 +576,8 @@ LAZYTENSOR_INLINE void ProcessLink::begin(std::uint64_t s, const std::vector<Sha
   if (out->size() > static_cast<std::size_t>(std::numeric_limits<int>::max())) {
     throw CollectiveError("a collective's host payloads exceed 2 GiB in one round");
   }
+  const std::int32_t pieces = direct.empty() ? 0 : pw_->piece_tag();
+  std::memcpy(out->data() + tag_at, &pieces, sizeof pieces);
   MPI_Comm comm = pw_->data_comm();
   sends_.clear();
   for (auto& peer : peers_) {
@@ -489,7 +589,7 @@ LAZYTENSOR_INLINE void ProcessLink::begin(std::uint64_t s, const std::vector<Sha
     for (const auto& [p, size] : direct) {
       for (std::size_t at = 0; at < size; at += kMaxPiece) {
         const auto piece = static_cast<int>(std::min(kMaxPiece, size - at));
-        mpi_check(MPI_Isend(p + at, piece, MPI_BYTE, peer.process, tag_, comm, &r), "MPI_Isend");
+        mpi_check(MPI_Isend(p + at, piece, MPI_BYTE, peer.process, pieces, comm, &r), "MPI_Isend");
         sends_.push_back(r);
       }
     }
@@ -504,32 +604,23 @@ LAZYTENSOR_INLINE bool ProcessLink::progress(const std::vector<Share*>& slot_sha
   bool done = true;
   for (auto& peer : peers_) {
     if (!peer.got_header) {
-      int flag = 0;
-      MPI_Message m;
-      MPI_Status st;
-      mpi_check(MPI_Improbe(peer.process, tag_, comm, &flag, &m, &st), "MPI_Improbe");
-      if (!flag) {
+      auto pkg = next_package(peer.process);
+      if (!pkg) {
         done = false;
         continue;
       }
-      int count = 0;
-      MPI_Get_count(&st, MPI_BYTE, &count);
       auto& hb = peer.header[round_ & 1];
-      if (!hb) hb = std::make_shared<std::vector<std::byte>>();
-      hb->resize(static_cast<std::size_t>(std::max(count, 0)));
-      mpi_check(MPI_Mrecv(hb->data(), count, MPI_BYTE, &m, MPI_STATUS_IGNORE), "MPI_Mrecv");
+      hb = std::move(pkg);
       peer.got_header = true;
       PackReader r{hb->data(), hb->data() + hb->size(), peer.process};
-      if (r.get<std::uint64_t>() != kPackageMagic || r.get<std::uint64_t>() != hash_) {
-        throw CollectiveError("process " + std::to_string(peer.process) +
-                              " sent a package of another group on this group's tag");
-      }
+      r.p += 2 * sizeof(std::uint64_t);  // magic and group: checked by next_package
       const auto seq = r.get<std::uint64_t>();
       if (seq != round_) {
         throw CollectiveError("process " + std::to_string(peer.process) + " sent collective #" +
                               std::to_string(seq) + " of this group where #" +
                               std::to_string(round_) + " was expected");
       }
+      const int pieces = r.get<std::int32_t>();
       const auto nshares = r.get<std::uint32_t>();
       struct Entry {
         Share* share;
@@ -582,7 +673,7 @@ LAZYTENSOR_INLINE bool ProcessLink::progress(const std::vector<Share*>& slot_sha
         for (std::size_t b = 0; b < e.size; b += kMaxPiece) {
           MPI_Request req = MPI_REQUEST_NULL;
           const auto piece = static_cast<int>(std::min(kMaxPiece, e.size - b));
-          mpi_check(MPI_Irecv(dst + b, piece, MPI_BYTE, peer.process, tag_, comm, &req),
+          mpi_check(MPI_Irecv(dst + b, piece, MPI_BYTE, peer.process, pieces, comm, &req),
                     "MPI_Irecv");
           peer.recvs.push_back(req);
         }
@@ -616,6 +707,28 @@ LAZYTENSOR_INLINE bool ProcessLink::progress(const std::vector<Share*>& slot_sha
   return done;
 }
 
+LAZYTENSOR_INLINE std::shared_ptr<std::vector<std::byte>> ProcessLink::next_package(int process) {
+  if (auto p = pw_->take_package(hash_, process)) return p;
+  for (;;) {
+    int flag = 0;
+    MPI_Message m;
+    MPI_Status st;
+    mpi_check(MPI_Improbe(process, tag_, pw_->data_comm(), &flag, &m, &st), "MPI_Improbe");
+    if (!flag) return pw_->take_package(hash_, process);  // (another leader may have left it)
+    int count = 0;
+    MPI_Get_count(&st, MPI_BYTE, &count);
+    auto buf = std::make_shared<std::vector<std::byte>>(static_cast<std::size_t>(std::max(count, 0)));
+    mpi_check(MPI_Mrecv(buf->data(), count, MPI_BYTE, &m, MPI_STATUS_IGNORE), "MPI_Mrecv");
+    PackReader r{buf->data(), buf->data() + buf->size(), process};
+    if (r.get<std::uint64_t>() != kPackageMagic) {
+      throw CollectiveError("malformed collective package from process " + std::to_string(process));
+    }
+    const auto group = r.get<std::uint64_t>();
+    if (group == hash_) return buf;
+    pw_->post_package(group, process, std::move(buf));  // another group's: same tag
+  }
+}
+
 LAZYTENSOR_INLINE std::string ProcessLink::waiting_for() const {
   std::string w;
   for (const auto& peer : peers_) {
@@ -636,7 +749,7 @@ LAZYTENSOR_INLINE bool ProcessLink::delivered_by_owner(int ordinal) const {
   return true;
 }
 
-LAZYTENSOR_INLINE void ProcessLink::abandon() {
+LAZYTENSOR_INLINE void ProcessLink::abandon(const std::string& reason, bool timeout) {
   std::vector<MPI_Request> reqs;
   std::vector<std::shared_ptr<void>> keep;
   for (auto& peer : peers_) {
@@ -654,6 +767,9 @@ LAZYTENSOR_INLINE void ProcessLink::abandon() {
   for (auto& k : out_keep_) keep.push_back(std::move(k));
   out_keep_.clear();
   pw_->abandon(std::move(reqs), std::move(keep));
+  std::vector<int> to;
+  for (const auto& peer : peers_) to.push_back(peer.process);
+  if (!reason.empty()) pw_->announce_broken(hash_, to, reason, timeout);
 }
 
 }  // namespace lazy::dist::detail

@@ -129,6 +129,13 @@ auto spawn(F&& fn, int nprocs) {
   world->state().set_processes(processes);
   detail::ReplicaDevices devices(nprocs, layout.host_replicas);
   if (processes) processes->watch(world->state());
+  // The watcher reads the world: it stops before the world goes, whatever happens below.
+  struct StopWatching {
+    detail::ProcessWorld* p;
+    ~StopWatching() {
+      if (p) p->finish();
+    }
+  } stop_watching{processes.get()};
   std::conditional_t<std::is_void_v<R>, detail::NoResult, std::optional<R>> result;
   auto body = [&](int i) {
     if constexpr (std::is_void_v<R>) {
@@ -140,14 +147,18 @@ auto spawn(F&& fn, int nprocs) {
     }
   };
   std::vector<std::thread> threads;
-  threads.reserve(static_cast<std::size_t>(nprocs));
   try {
+    threads.reserve(static_cast<std::size_t>(nprocs));
     for (int i = 0; i < nprocs; ++i)
       threads.emplace_back([&, i] { detail::run_replica(world, i, body); });
   } catch (...) {  // could not start a thread: stop the others
     world->state().fail(-1, std::current_exception());
+    // The other processes count this process's replicas: the ones never started exit now.
+    if (processes) {
+      for (int i = static_cast<int>(threads.size()); i < nprocs; ++i)
+        processes->announce_exit(layout.process_offset + i, std::current_exception());
+    }
     for (auto& t : threads) t.join();
-    if (processes) processes->finish();
     throw;
   }
   for (auto& t : threads) t.join();

@@ -162,21 +162,25 @@ auto Trainer::launch_replicas(M& module, Run run_fn) {
       runs_.back()->progress = kept[static_cast<std::size_t>(i)].first;
       runs_.back()->metrics.set_callback_metrics(kept[static_cast<std::size_t>(i)].second);
     }
-    // Copies made here, before any replica runs a hook that changes the originals. Global
-    // rank zero (replica 0 of process 0) keeps them.
-    const bool global_zero = i == 0 && runtime::process_index() == 0;
+    // Copies made here, before any replica runs a hook that changes the originals. The
+    // first replica of each process keeps them (under MPI each process has its own, as
+    // each Lightning process has).
     for (const auto& cb : callbacks_) {
-      std::shared_ptr<Callback> copy = global_zero ? nullptr : cb->clone();
+      std::shared_ptr<Callback> copy = i == 0 ? nullptr : cb->clone();
       runs_.back()->callbacks.push_back(copy ? copy : cb);
-      runs_.back()->shared_callback.push_back(!global_zero && !copy);
+      runs_.back()->shared_callback.push_back(i != 0 && !copy);
     }
   }
   return strategy_->launch([&](Strategy& s) {
     detail::ReplicaRun& r = run();
-    const bool zero = s.global_rank() == 0;
+    // The first replica of each process trains the caller's module (under MPI every
+    // process's caller ends with a trained module, as with Lightning's DDP); the others
+    // train copies of their own. The strategy's setup gives them all rank zero's weights.
+    const auto* ctx = dist::detail::current_context();
+    const bool first_here = !ctx || ctx->local == 0;
     std::shared_ptr<M> own;
     M* m = &module;
-    if (!zero) {
+    if (!first_here) {
       if constexpr (std::is_default_constructible_v<M>) {
         own = std::make_shared<M>();
         own->hparams = module.hparams;
