@@ -12,8 +12,6 @@
 //   and the same two for 4 bytes, as latencies.
 // Measurements alternate (lazy, mpi, lazy, ...) so that drift hits both alike.
 
-#include <mpi.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -23,6 +21,8 @@
 
 #include <lazytensor/dist.hpp>
 #include <lazytensor/ops/factories.hpp>
+
+#include <mpi.h>  // (after the library, which asks for MPI's C API only)
 
 namespace {
 

@@ -10607,11 +10607,27 @@ class Mpi {
   int provided() const { return provided_; }
   ~Mpi();
 
+  /// The host's shared window (MPI_Win_allocate_shared, one segment per process on this
+  /// host): opened by the first world of several processes, over that world's data
+  /// communicator (every process is in its join then), and kept for the program, since
+  /// freeing it is collective too (done at exit).
+  struct HostWindow {
+    MPI_Comm comm = MPI_COMM_NULL;
+    MPI_Win win = MPI_WIN_NULL;
+    std::vector<std::byte*> segments;  ///< by world process index (null: none)
+    std::vector<char> on_host;         ///< by world process index
+    std::size_t bytes = 0;             ///< this process's segment
+  };
+  /// The window, opening it on first call (collective over `data`'s processes).
+  const HostWindow& host_window(MPI_Comm data, int index, int count, const std::vector<int>& host_processes);
+
  private:
   Mpi();
   bool owned_ = false;
   int provided_ = 0;
   ProcessPlace place_;
+  bool window_tried_ = false;
+  HostWindow window_;
 };
 
 /// Throws the error class for an MPI error code, naming the call.
@@ -10661,6 +10677,26 @@ class ProcessWorld {
   using BrokenHandler = std::function<void(const std::string& reason, bool timeout)>;
   void on_group_broken(std::uint64_t group, BrokenHandler h);
   void forget_group(std::uint64_t group);
+
+  /// Shared memory with the processes on this host (an MPI-3 shared window, one segment per
+  /// process): a leader copies large entries into its segment and names them in the
+  /// package, and the other processes read them in place, instead of receiving a copy.
+  /// Base of process `p`'s segment (null when it is on another host or there is none).
+  std::byte* segment_of(int p) const {
+    return window_ && static_cast<std::size_t>(p) < window_->segments.size()
+               ? window_->segments[static_cast<std::size_t>(p)]
+               : nullptr;
+  }
+  /// Whether process `p` runs on this host and shares the window.
+  bool shares_window(int p) const {
+    return window_ && static_cast<std::size_t>(p) < window_->on_host.size() &&
+           window_->on_host[static_cast<std::size_t>(p)];
+  }
+  /// Reserves `bytes` of this process's segment; returns the offset, or -1 when it is full.
+  std::int64_t reserve_segment(std::size_t bytes);
+  /// Makes this process's writes to its segment visible to the others (before a package
+  /// names them), or the others' to this process (after one arrived).
+  void sync_segments();
   /// Tells the processes in `peers` that this process gave up a round of `group`.
   void announce_broken(std::uint64_t group, const std::vector<int>& peers, const std::string& reason,
                        bool timeout);
@@ -10690,6 +10726,12 @@ class ProcessWorld {
   std::map<std::pair<std::uint64_t, int>, std::deque<std::shared_ptr<std::vector<std::byte>>>> mailbox_;
   std::map<std::uint64_t, BrokenHandler> groups_;
   std::atomic<std::uint32_t> piece_counter_{0};
+  std::atomic<int> mail_{0};  // packages in the mailbox
+  // The host's shared window (Mpi::HostWindow; null when this process is alone on its
+  // host or the memory is not there). This world's reservations start at 0: the previous
+  // world's areas are read by nobody once every process joined this one.
+  const Mpi::HostWindow* window_ = nullptr;
+  std::size_t segment_used_ = 0;  // guarded by mu_
 };
 
 /// One group's link to the other processes holding members: sends this process's shares
@@ -10734,6 +10776,10 @@ class ProcessLink {
   std::vector<MPI_Request> sends_;
   std::shared_ptr<std::vector<std::byte>> out_[2];
   std::vector<std::shared_ptr<void>> out_keep_;
+  std::vector<std::pair<const std::byte*, std::size_t>> direct_, packed_;  // begin()'s lists
+  std::int64_t region_[2] = {-1, -1};  // this group's area of the segment, by round parity
+  std::size_t region_bytes_[2] = {0, 0};
+  bool shared_peers_ = false;          // every peer process shares this host
 };
 
 #else  // !LAZYTENSOR_WITH_MPI
@@ -10770,6 +10816,8 @@ LAZYTENSOR_INLINE ProcessPlace process_place() { return {}; }
 #include <bit>
 #include <cstdlib>
 #include <cstring>
+
+#include <sys/statvfs.h>
 #include <limits>
 #include <utility>
 
@@ -10896,7 +10944,57 @@ LAZYTENSOR_INLINE Mpi::Mpi() {
 LAZYTENSOR_INLINE Mpi::~Mpi() {
   int done = 0;
   MPI_Finalized(&done);
-  if (owned_ && !done) MPI_Finalize();
+  if (done) return;
+  if (window_.win != MPI_WIN_NULL) {  // collective over the host's processes, all exiting
+    MPI_Win_unlock_all(window_.win);
+    MPI_Win_free(&window_.win);
+    MPI_Comm_free(&window_.comm);
+  }
+  if (owned_) MPI_Finalize();
+}
+
+LAZYTENSOR_INLINE const Mpi::HostWindow& Mpi::host_window(MPI_Comm data, int index, int count,
+                                                          const std::vector<int>& host_processes) {
+  if (window_tried_) return window_;
+  window_tried_ = true;
+  mpi_check(MPI_Comm_split_type(data, MPI_COMM_TYPE_SHARED, index, MPI_INFO_NULL, &window_.comm),
+            "MPI_Comm_split_type");
+  // LAZYTENSOR_MPI_SHM_BYTES per process (default 256 MiB of address space; pages are
+  // backed as they are used), at most a quarter of /dev/shm's free space shared out among
+  // the host's processes; 0 turns the window off.
+  std::size_t want = std::size_t{256} << 20;
+  if (const char* env = std::getenv("LAZYTENSOR_MPI_SHM_BYTES")) want = std::strtoull(env, nullptr, 10);
+  struct statvfs fs {};
+  if (::statvfs("/dev/shm", &fs) == 0) {
+    const auto free_bytes = static_cast<std::size_t>(fs.f_bavail) * fs.f_frsize;
+    want = std::min(want, free_bytes / 4 / host_processes.size());
+  }
+  want = want < (std::size_t{1} << 20) ? 0 : want / 4096 * 4096;
+  MPI_Info info;
+  MPI_Info_create(&info);
+  MPI_Info_set(info, "alloc_shared_noncontig", "true");
+  void* base = nullptr;
+  const int rc =
+      MPI_Win_allocate_shared(static_cast<MPI_Aint>(want), 1, info, window_.comm, &base, &window_.win);
+  MPI_Info_free(&info);
+  if (rc != MPI_SUCCESS) {
+    window_.win = MPI_WIN_NULL;
+    return window_;
+  }
+  MPI_Win_lock_all(MPI_MODE_NOCHECK, window_.win);
+  window_.segments.assign(static_cast<std::size_t>(count), nullptr);
+  window_.on_host.assign(static_cast<std::size_t>(count), 0);
+  for (std::size_t k = 0; k < host_processes.size(); ++k) {  // host ranks follow world ranks
+    MPI_Aint size = 0;
+    int unit = 0;
+    void* b = nullptr;
+    MPI_Win_shared_query(window_.win, static_cast<int>(k), &size, &unit, &b);
+    const auto p = static_cast<std::size_t>(host_processes[k]);
+    window_.on_host[p] = 1;
+    if (size > 0) window_.segments[p] = static_cast<std::byte*>(b);
+  }
+  window_.bytes = want;
+  return window_;
 }
 
 LAZYTENSOR_INLINE Mpi& Mpi::get() {
@@ -11009,12 +11107,30 @@ LAZYTENSOR_INLINE std::shared_ptr<ProcessWorld> ProcessWorld::join(int replicas)
   // Processes on this host: those with the same host hash, numbered by rank.
   pw->place_.host_index = 0;
   pw->place_.host_count = 0;
+  std::vector<int> on_host;
   for (int p = 0; p < place.count; ++p) {
     if ((*counts)[2 * static_cast<std::size_t>(p) + 3] != (*counts)[1]) continue;
     ++pw->place_.host_count;
     if (p < place.index) ++pw->place_.host_index;
+    on_host.push_back(p);
+  }
+  if (on_host.size() > 1) {
+    const auto& w = mpi.host_window(data, place.index, place.count, on_host);
+    if (w.win != MPI_WIN_NULL) pw->window_ = &w;
   }
   return pw;
+}
+
+LAZYTENSOR_INLINE std::int64_t ProcessWorld::reserve_segment(std::size_t bytes) {
+  std::lock_guard lock(mu_);
+  if (!segment_of(place_.index) || segment_used_ + bytes > window_->bytes) return -1;
+  const auto at = static_cast<std::int64_t>(segment_used_);
+  segment_used_ += align64(bytes);
+  return at;
+}
+
+LAZYTENSOR_INLINE void ProcessWorld::sync_segments() {
+  if (window_) MPI_Win_sync(window_->win);
 }
 
 LAZYTENSOR_INLINE ProcessWorld::ProcessWorld(int replicas, ProcessPlace place, MPI_Comm data,
@@ -11171,15 +11287,18 @@ LAZYTENSOR_INLINE void ProcessWorld::post_package(std::uint64_t group, int sourc
                                                   std::shared_ptr<std::vector<std::byte>> p) {
   std::lock_guard lock(mu_);
   mailbox_[{group, source}].push_back(std::move(p));
+  mail_.fetch_add(1, std::memory_order_release);
 }
 
 LAZYTENSOR_INLINE std::shared_ptr<std::vector<std::byte>> ProcessWorld::take_package(std::uint64_t group,
                                                                                     int source) {
+  if (mail_.load(std::memory_order_acquire) == 0) return nullptr;  // the common case: no lock
   std::lock_guard lock(mu_);
   auto it = mailbox_.find({group, source});
   if (it == mailbox_.end() || it->second.empty()) return nullptr;
   auto p = std::move(it->second.front());
   it->second.pop_front();
+  mail_.fetch_sub(1, std::memory_order_relaxed);
   return p;
 }
 
@@ -11233,7 +11352,9 @@ LAZYTENSOR_INLINE void ProcessWorld::run_watcher() {
       // A process that died sends nothing more: give up after the collective timeout.
       if (now - stopped > collective_timeout()) break;
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
+    // A notice is acted on within a millisecond; waking more often only takes the cores the
+    // replicas are computing on.
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
 }
 
@@ -11290,6 +11411,8 @@ LAZYTENSOR_INLINE ProcessLink::ProcessLink(std::shared_ptr<ProcessWorld> pw,
     peers_.back().ordinals.push_back(m);
   }
   hash_ = h;
+  shared_peers_ = pw_->segment_of(pw_->index()) != nullptr;
+  for (const auto& peer : peers_) shared_peers_ = shared_peers_ && pw_->shares_window(peer.process);
   // Groups that hash to the same tag share it: a package carries its group's hash and a
   // leader that receives another group's leaves it in the mailbox (ProcessWorld), and large
   // entries travel on fresh tags named in the package, so no data can reach the wrong group.
@@ -11314,22 +11437,59 @@ LAZYTENSOR_INLINE void ProcessLink::begin(std::uint64_t s, const std::vector<Sha
   const std::size_t tag_at = out->size();
   w.put(static_cast<std::int32_t>(0));  // the pieces' tag, below
   w.put(static_cast<std::uint32_t>(local.size()));
-  std::vector<std::pair<const std::byte*, std::size_t>> direct, packed;
+  auto& direct = direct_;
+  auto& packed = packed_;
+  direct.clear();
+  packed.clear();
   out_keep_.clear();
+  // Large entries go to this process's shared segment when every peer process shares the
+  // host's window: one copy here, and the peers read them in place. The group keeps one
+  // area per round parity: a peer reads round s's before it sends its round s + 1 package,
+  // which this process receives before it writes round s + 2's.
+  auto entry_size = [](const Share& sh, std::size_t j) { return j < sh.bytes.size() ? sh.bytes[j] : 0; };
+  std::size_t big = 0;
+  for (const Share* sh : local)
+    for (std::size_t j = 0; j < sh->data.size(); ++j)
+      if (entry_size(*sh, j) >= kDirectBytes) big += align64(entry_size(*sh, j));
+  std::byte* segment = nullptr;
+  std::size_t seg_at = 0;
+  if (shared_peers_ && big > 0) {
+    auto& area = region_[s & 1];
+    auto& capacity = region_bytes_[s & 1];
+    if (capacity < big) {
+      if (const std::int64_t at = pw_->reserve_segment(big); at >= 0) {
+        area = at;
+        capacity = big;
+      }
+    }
+    if (capacity >= big) {
+      segment = pw_->segment_of(pw_->index());
+      seg_at = static_cast<std::size_t>(area);
+    }
+  }
   for (std::size_t i = 0; i < local.size(); ++i) {
     const Share& sh = *local[i];
     w.put(static_cast<std::int32_t>(ordinals[i]));
     put_signature(w, sh.sig);
     w.put(static_cast<std::uint32_t>(sh.data.size()));
     for (std::size_t j = 0; j < sh.data.size(); ++j) {
-      const std::size_t size = j < sh.bytes.size() ? sh.bytes[j] : 0;
-      const bool dir = size >= kDirectBytes && !sh.keep.empty();
+      const std::size_t size = entry_size(sh, j);
       w.put(static_cast<std::uint64_t>(size));
-      w.put(static_cast<std::uint8_t>(dir));
+      if (size >= kDirectBytes && segment) {  // 2: in this process's shared segment
+        std::memcpy(segment + seg_at, sh.data[j], size);
+        w.put(static_cast<std::uint8_t>(2));
+        w.put(static_cast<std::uint64_t>(seg_at));
+        seg_at += align64(size);
+        continue;
+      }
+      const bool dir = size >= kDirectBytes && !sh.keep.empty();  // 1: a message of its own
+      w.put(static_cast<std::uint8_t>(dir));                         // 0: in the package
       (dir ? direct : packed).emplace_back(sh.data[j], size);
     }
-    for (const auto& k : sh.keep) out_keep_.push_back(k);
+    if (!segment)
+      for (const auto& k : sh.keep) out_keep_.push_back(k);
   }
+  if (segment) pw_->sync_segments();
   w.pad64();
   for (const auto& [p, size] : packed) {
     w.put_bytes(p, size);
@@ -11389,6 +11549,7 @@ LAZYTENSOR_INLINE bool ProcessLink::progress(const std::vector<Share*>& slot_sha
         std::size_t index, size;
         bool direct;
       };
+      bool shared = false;
       std::vector<Entry> entries;
       for (std::uint32_t i = 0; i < nshares; ++i) {
         const int ordinal = r.get<std::int32_t>();
@@ -11409,11 +11570,23 @@ LAZYTENSOR_INLINE bool ProcessLink::progress(const std::vector<Share*>& slot_sha
         sh.keep.clear();
         for (std::uint32_t j = 0; j < nd; ++j) {
           const auto size = static_cast<std::size_t>(r.get<std::uint64_t>());
-          const bool dir = r.get<std::uint8_t>() != 0;
+          const auto mode = r.get<std::uint8_t>();
           sh.bytes[j] = size;
-          entries.push_back({&sh, j, size, dir});
+          if (mode == 2) {  // read in place from the peer's shared segment
+            const auto at = static_cast<std::size_t>(r.get<std::uint64_t>());
+            std::byte* seg = pw_->segment_of(peer.process);
+            if (!seg) {
+              throw CollectiveError("process " + std::to_string(peer.process) +
+                                    " named its shared segment, which this process cannot see");
+            }
+            sh.data[j] = seg + at;
+            shared = true;
+            continue;
+          }
+          entries.push_back({&sh, j, size, mode != 0});
         }
       }
+      if (shared) pw_->sync_segments();  // the peer's copies, made before it sent this
       std::size_t at = align64(static_cast<std::size_t>(r.p - hb->data())), bulk = 0;
       for (auto& e : entries) {
         if (e.direct) {
@@ -11674,6 +11847,9 @@ class GroupComm {
   int local_count_ = 0;
   int leader_ = 0;
   std::unique_ptr<ProcessLink> link_;  // with members in other processes
+  // The leader's lists for cross_process (one leader, one round at a time).
+  std::vector<Share*> round_shares_, local_shares_;
+  std::vector<int> local_ordinals_;
   std::atomic<std::uint64_t> state_{0};  ///< last started round, | kBroken once unusable
   std::mutex broken_mu_;
   Failure broken_kind_ = Failure::Timeout;  // guarded by broken_mu_
@@ -11860,8 +12036,12 @@ LAZYTENSOR_INLINE void GroupComm::cross_process(int me, std::uint64_t s, const S
     }
   }
   // 2. Their shares out, the other processes' in.
-  std::vector<Share*> by_slot(n), local;
-  std::vector<int> ordinals;
+  std::vector<Share*>& by_slot = round_shares_;  // (kept: no allocation per round)
+  std::vector<Share*>& local = local_shares_;
+  std::vector<int>& ordinals = local_ordinals_;
+  by_slot.resize(n);
+  local.clear();
+  ordinals.clear();
   for (std::size_t j = 0; j < n; ++j) {
     by_slot[j] = &slots_[j].round[s & 1];
     if (local_index_[j] < 0) continue;

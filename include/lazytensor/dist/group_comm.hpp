@@ -180,6 +180,9 @@ class GroupComm {
   int local_count_ = 0;
   int leader_ = 0;
   std::unique_ptr<ProcessLink> link_;  // with members in other processes
+  // The leader's lists for cross_process (one leader, one round at a time).
+  std::vector<Share*> round_shares_, local_shares_;
+  std::vector<int> local_ordinals_;
   std::atomic<std::uint64_t> state_{0};  ///< last started round, | kBroken once unusable
   std::mutex broken_mu_;
   Failure broken_kind_ = Failure::Timeout;  // guarded by broken_mu_
@@ -366,8 +369,12 @@ LAZYTENSOR_INLINE void GroupComm::cross_process(int me, std::uint64_t s, const S
     }
   }
   // 2. Their shares out, the other processes' in.
-  std::vector<Share*> by_slot(n), local;
-  std::vector<int> ordinals;
+  std::vector<Share*>& by_slot = round_shares_;  // (kept: no allocation per round)
+  std::vector<Share*>& local = local_shares_;
+  std::vector<int>& ordinals = local_ordinals_;
+  by_slot.resize(n);
+  local.clear();
+  ordinals.clear();
   for (std::size_t j = 0; j < n; ++j) {
     by_slot[j] = &slots_[j].round[s & 1];
     if (local_index_[j] < 0) continue;

@@ -88,11 +88,27 @@ class Mpi {
   int provided() const { return provided_; }
   ~Mpi();
 
+  /// The host's shared window (MPI_Win_allocate_shared, one segment per process on this
+  /// host): opened by the first world of several processes, over that world's data
+  /// communicator (every process is in its join then), and kept for the program, since
+  /// freeing it is collective too (done at exit).
+  struct HostWindow {
+    MPI_Comm comm = MPI_COMM_NULL;
+    MPI_Win win = MPI_WIN_NULL;
+    std::vector<std::byte*> segments;  ///< by world process index (null: none)
+    std::vector<char> on_host;         ///< by world process index
+    std::size_t bytes = 0;             ///< this process's segment
+  };
+  /// The window, opening it on first call (collective over `data`'s processes).
+  const HostWindow& host_window(MPI_Comm data, int index, int count, const std::vector<int>& host_processes);
+
  private:
   Mpi();
   bool owned_ = false;
   int provided_ = 0;
   ProcessPlace place_;
+  bool window_tried_ = false;
+  HostWindow window_;
 };
 
 /// Throws the error class for an MPI error code, naming the call.
@@ -142,6 +158,26 @@ class ProcessWorld {
   using BrokenHandler = std::function<void(const std::string& reason, bool timeout)>;
   void on_group_broken(std::uint64_t group, BrokenHandler h);
   void forget_group(std::uint64_t group);
+
+  /// Shared memory with the processes on this host (an MPI-3 shared window, one segment per
+  /// process): a leader copies large entries into its segment and names them in the
+  /// package, and the other processes read them in place, instead of receiving a copy.
+  /// Base of process `p`'s segment (null when it is on another host or there is none).
+  std::byte* segment_of(int p) const {
+    return window_ && static_cast<std::size_t>(p) < window_->segments.size()
+               ? window_->segments[static_cast<std::size_t>(p)]
+               : nullptr;
+  }
+  /// Whether process `p` runs on this host and shares the window.
+  bool shares_window(int p) const {
+    return window_ && static_cast<std::size_t>(p) < window_->on_host.size() &&
+           window_->on_host[static_cast<std::size_t>(p)];
+  }
+  /// Reserves `bytes` of this process's segment; returns the offset, or -1 when it is full.
+  std::int64_t reserve_segment(std::size_t bytes);
+  /// Makes this process's writes to its segment visible to the others (before a package
+  /// names them), or the others' to this process (after one arrived).
+  void sync_segments();
   /// Tells the processes in `peers` that this process gave up a round of `group`.
   void announce_broken(std::uint64_t group, const std::vector<int>& peers, const std::string& reason,
                        bool timeout);
@@ -171,6 +207,12 @@ class ProcessWorld {
   std::map<std::pair<std::uint64_t, int>, std::deque<std::shared_ptr<std::vector<std::byte>>>> mailbox_;
   std::map<std::uint64_t, BrokenHandler> groups_;
   std::atomic<std::uint32_t> piece_counter_{0};
+  std::atomic<int> mail_{0};  // packages in the mailbox
+  // The host's shared window (Mpi::HostWindow; null when this process is alone on its
+  // host or the memory is not there). This world's reservations start at 0: the previous
+  // world's areas are read by nobody once every process joined this one.
+  const Mpi::HostWindow* window_ = nullptr;
+  std::size_t segment_used_ = 0;  // guarded by mu_
 };
 
 /// One group's link to the other processes holding members: sends this process's shares
@@ -215,6 +257,10 @@ class ProcessLink {
   std::vector<MPI_Request> sends_;
   std::shared_ptr<std::vector<std::byte>> out_[2];
   std::vector<std::shared_ptr<void>> out_keep_;
+  std::vector<std::pair<const std::byte*, std::size_t>> direct_, packed_;  // begin()'s lists
+  std::int64_t region_[2] = {-1, -1};  // this group's area of the segment, by round parity
+  std::size_t region_bytes_[2] = {0, 0};
+  bool shared_peers_ = false;          // every peer process shares this host
 };
 
 #else  // !LAZYTENSOR_WITH_MPI
