@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include "flag_args.hpp"
+
 #include <lazytensor/dist.hpp>
 #include <lazytensor/ops/factories.hpp>
 
@@ -34,23 +36,13 @@ double median(std::vector<double> v) {
 }
 
 struct Args {
-  int replicas = 1;
-  double mib = 64;
-  int reps = 7;
+  double replicas = 1, mib = 64, reps = 7;
 };
 
 Args parse(int argc, char** argv) {
   Args a;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i];
-    if (k == "--replicas") a.replicas = std::atoi(argv[i + 1]);
-    else if (k == "--mib") a.mib = std::atof(argv[i + 1]);
-    else if (k == "--reps") a.reps = std::atoi(argv[i + 1]);
-    else {
-      std::fprintf(stderr, "usage: mpi_all_reduce [--replicas N] [--mib M] [--reps R]\n");
-      std::exit(2);
-    }
-  }
+  bench::parse_flags(argc, argv, {{"--replicas", &a.replicas}, {"--mib", &a.mib}, {"--reps", &a.reps}},
+                     "mpi_all_reduce [--replicas N] [--mib M] [--reps R]");
   return a;
 }
 
@@ -106,7 +98,12 @@ std::vector<double> time_mpi(std::int64_t n, int iters, int reps) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const Args a = parse(argc, argv);
+  const Args args = parse(argc, argv);
+  struct {
+    int replicas;
+    double mib;
+    int reps;
+  } a{static_cast<int>(args.replicas), args.mib, static_cast<int>(args.reps)};
   const int procs = lazy::runtime::process_count();  // initialises MPI under mpirun
   int ready = 0;
   MPI_Initialized(&ready);

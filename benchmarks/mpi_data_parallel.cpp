@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "flag_args.hpp"
 #include "mlp_problem.hpp"
 
 #include <lazytensor/dist.hpp>
@@ -26,23 +27,13 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 struct Args {
-  int replicas = 2;
-  int steps = 40;
-  int reps = 7;
+  double replicas = 2, steps = 40, reps = 7;
 };
 
 Args parse(int argc, char** argv) {
   Args a;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i];
-    if (k == "--replicas") a.replicas = std::atoi(argv[i + 1]);
-    else if (k == "--steps") a.steps = std::atoi(argv[i + 1]);
-    else if (k == "--reps") a.reps = std::atoi(argv[i + 1]);
-    else {
-      std::fprintf(stderr, "usage: mpi_data_parallel [--replicas N] [--steps S] [--reps R]\n");
-      std::exit(2);
-    }
-  }
+  bench::parse_flags(argc, argv, {{"--replicas", &a.replicas}, {"--steps", &a.steps}, {"--reps", &a.reps}},
+                     "mpi_data_parallel [--replicas N] [--steps S] [--reps R]");
   return a;
 }
 
@@ -50,7 +41,9 @@ Args parse(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   using namespace bench::mlp;
-  const Args a = parse(argc, argv);
+  const Args args = parse(argc, argv);
+  const int replicas = static_cast<int>(args.replicas), steps = static_cast<int>(args.steps),
+            reps = static_cast<int>(args.reps);
   std::vector<double> rates;
   lazy::dist::spawn(
       [&](int) {
@@ -64,20 +57,20 @@ int main(int argc, char** argv) {
         };
         for (int i = 0; i < 5; ++i) step();
         lazy::wait_device_ops();
-        for (int rep = 0; rep < a.reps; ++rep) {
+        for (int rep = 0; rep < reps; ++rep) {
           lazy::dist::barrier("rep");
           const auto t0 = Clock::now();
-          for (int i = 0; i < a.steps; ++i) step();
+          for (int i = 0; i < steps; ++i) step();
           lazy::wait_device_ops();
           const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
-          if (r == 0) rates.push_back(static_cast<double>(world) * kBatch * a.steps / secs);
+          if (r == 0) rates.push_back(static_cast<double>(world) * kBatch * steps / secs);
         }
       },
-      a.replicas);
+      replicas);
   if (!rates.empty()) {
     std::sort(rates.begin(), rates.end());
     std::printf("data-parallel MLP: %d process(es) x %d replica(s): %.0f samples/s (median of %d)\n",
-                lazy::runtime::process_count(), a.replicas, rates[rates.size() / 2], a.reps);
+                lazy::runtime::process_count(), replicas, rates[rates.size() / 2], reps);
   }
   return 0;
 }

@@ -181,6 +181,11 @@ run_package_consumers() {
   "$tmp/pkg-find/lazytensor_package_test"
   "$tmp/pkg-find/lazytensor_package_compiled_test"
   echo "find_package consumers (header-only and lazytensor::compiled): OK"
+  if [ -x "$tmp/pkg-find/lazytensor_package_mpi_test" ] && command -v mpirun >/dev/null 2>&1; then
+    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+      mpirun -np 2 --oversubscribe "$tmp/pkg-find/lazytensor_package_mpi_test"
+    echo "find_package consumer of lazytensor::mpi (mpirun -np 2): OK"
+  fi
 
   section "package: add_subdirectory consumer"
   cmake -S tests/package/subdir -B "$tmp/pkg-subdir" "${common[@]}"
