@@ -99,30 +99,27 @@ std::vector<double> time_mpi(std::int64_t n, int iters, int reps) {
 
 int main(int argc, char** argv) {
   const Args args = parse(argc, argv);
-  struct {
-    int replicas;
-    double mib;
-    int reps;
-  } a{static_cast<int>(args.replicas), args.mib, static_cast<int>(args.reps)};
+  const int replicas = static_cast<int>(args.replicas), reps = static_cast<int>(args.reps);
+  const double mib = args.mib;
   const int procs = lazy::runtime::process_count();  // initialises MPI under mpirun
   int ready = 0;
   MPI_Initialized(&ready);
   if (!ready) MPI_Init(&argc, &argv);  // without mpirun: a world of one process for the peer
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  const int world = procs * a.replicas;
-  const auto n = static_cast<std::int64_t>(a.mib * (1 << 20) / sizeof(float));
+  const int world = procs * replicas;
+  const auto n = static_cast<std::int64_t>(mib * (1 << 20) / sizeof(float));
   const double bytes = static_cast<double>(n) * sizeof(float);
   if (rank == 0) {
     std::printf("world: %d process(es) x %d replica(s) = %d; %.0f MiB float Sum; medians of %d\n",
-                procs, a.replicas, world, a.mib, a.reps);
+                procs, replicas, world, mib, reps);
   }
   std::vector<double> big_lazy, big_mpi, small_lazy, small_mpi;
   for (int block = 0; block < 2; ++block) {  // alternate: drift hits both alike
-    auto l = time_lazy(n, 5, a.reps, a.replicas);
-    auto m = time_mpi(n, 5, a.reps);
-    auto ls = time_lazy(1, 2000, a.reps, a.replicas);
-    auto ms = time_mpi(1, 2000, a.reps);
+    auto l = time_lazy(n, 5, reps, replicas);
+    auto m = time_mpi(n, 5, reps);
+    auto ls = time_lazy(1, 2000, reps, replicas);
+    auto ms = time_mpi(1, 2000, reps);
     big_lazy.insert(big_lazy.end(), l.begin(), l.end());
     big_mpi.insert(big_mpi.end(), m.begin(), m.end());
     small_lazy.insert(small_lazy.end(), ls.begin(), ls.end());

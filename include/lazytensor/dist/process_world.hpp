@@ -235,7 +235,6 @@ class ProcessLink {
   /// and tells the peer processes the group is broken.
   void abandon(const std::string& reason, bool timeout);
   std::uint64_t group_hash() const { return hash_; }
-  const ProcessWorld& processes() const { return *pw_; }
   ProcessWorld& processes() { return *pw_; }
 
  private:
