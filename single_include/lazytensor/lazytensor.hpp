@@ -15526,6 +15526,38 @@ LAZYTENSOR_EIGEN_GEMM_INSTANCES(extern, std::int64_t)
 
 namespace lazy::detail {
 
+#if defined(__AVX512F__)
+/// Transposes 16 registers of 16 32-bit lanes in place: lane j of r[i] moves to lane i of
+/// r[j]. Only shuffles, so the lanes move as bits (floats and pairs of bfloat16 alike).
+inline void transpose_16x16_registers(__m512 r[16]) {
+  __m512 t[16];
+  // Pairs of rows interleaved, then pairs of pairs: lane L of r[4i + q] then holds
+  // column 4L + q of rows 4i .. 4i + 3.
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  auto pd = [](__m512 x) { return _mm512_castps_pd(x); };
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
+  }
+  // Lane L of the four row groups gathered into output row 4L + q.
+  for (int q = 0; q < 4; ++q) {
+    const __m512 v0 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0x88), w0 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0xDD);
+    const __m512 v1 = _mm512_shuffle_f32x4(r[8 + q], r[12 + q], 0x88),
+                 w1 = _mm512_shuffle_f32x4(r[8 + q], r[12 + q], 0xDD);
+    t[q] = _mm512_shuffle_f32x4(v0, v1, 0x88);
+    t[8 + q] = _mm512_shuffle_f32x4(v0, v1, 0xDD);
+    t[4 + q] = _mm512_shuffle_f32x4(w0, w1, 0x88);
+    t[12 + q] = _mm512_shuffle_f32x4(w0, w1, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+#endif
+
 /// Packed GEMM kernel for T = float or double (see the file comment).
 template <class T>
 struct PackedGemm {
@@ -15543,8 +15575,16 @@ struct PackedGemm {
   /// tile on padding and go to Eigen (a decision made from the shapes alone).
   static bool suits(std::int64_t rows, std::int64_t n) { return n >= kLanes && rows >= kTileRows; }
 
-  /// Depth of one pass over k: short enough that a packed row panel stays in L1.
-  static std::int64_t depth_block(std::int64_t k) { return k <= 1024 ? k : 512; }
+  /// Depth of one pass over k: short enough that a packed tile of rows (kTileRows x depth)
+  /// stays in L1 next to the stream of op(B) (4 KiB per row: 1024 floats, 512 doubles),
+  /// split evenly (784 doubles: two passes of 392, not 512 + 272), and even (the bfloat16
+  /// kernel halves it into pairs).
+  static std::int64_t depth_block(std::int64_t k) {
+    constexpr std::int64_t limit = 4096 / std::int64_t(sizeof(T));
+    if (k <= limit) return k;
+    const std::int64_t blocks = (k + limit - 1) / limit, kc = (k + blocks - 1) / blocks;
+    return kc + (kc & 1);
+  }
 
   /// Panels of kTileCols columns covering n columns.
   static std::int64_t panels(std::int64_t n) { return (n + kTileCols - 1) / kTileCols; }
@@ -15653,36 +15693,10 @@ struct PackedGemm {
     if constexpr (std::is_same_v<T, float> && kTileCols == 32) {
       if (cols != kTileCols || depth != 16) return false;
       for (int half = 0; half < 2; ++half) {
-        __m512 r[16], t[16];
+        __m512 r[16];
         for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + (half * 16 + i) * ld);
-        // Pairs of rows interleaved, then pairs of pairs: lane L of u[4i + q] then holds
-        // column 4L + q of rows 4i .. 4i + 3.
-        for (int i = 0; i < 8; ++i) {
-          t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-          t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-        }
-        auto pd = [](__m512 x) { return _mm512_castps_pd(x); };
-        for (int i = 0; i < 4; ++i) {
-          r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
-          r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
-          r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
-          r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
-        }
-        // Gather lane L of the four row groups into output row 4L + q.
-        for (int q = 0; q < 4; ++q) {
-          const __m512 v0 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0x88),
-                       w0 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0xDD);
-          const __m512 v1 = _mm512_shuffle_f32x4(r[8 + q], r[12 + q], 0x88),
-                       w1 = _mm512_shuffle_f32x4(r[8 + q], r[12 + q], 0xDD);
-          _mm512_store_ps(dst + (0 + q) * kTileCols + half * 16,
-                          _mm512_shuffle_f32x4(v0, v1, 0x88));
-          _mm512_store_ps(dst + (8 + q) * kTileCols + half * 16,
-                          _mm512_shuffle_f32x4(v0, v1, 0xDD));
-          _mm512_store_ps(dst + (4 + q) * kTileCols + half * 16,
-                          _mm512_shuffle_f32x4(w0, w1, 0x88));
-          _mm512_store_ps(dst + (12 + q) * kTileCols + half * 16,
-                          _mm512_shuffle_f32x4(w0, w1, 0xDD));
-        }
+        transpose_16x16_registers(r);
+        for (int i = 0; i < 16; ++i) _mm512_store_ps(dst + i * kTileCols + half * 16, r[i]);
       }
       return true;
     }
@@ -15794,6 +15808,357 @@ struct PackedGemm {
 
 #undef LAZYTENSOR_UNROLL
 // ---- end lazytensor/graph/gemm_kernel.hpp ----
+// ---- begin lazytensor/graph/gemm_kernel_bf16.hpp ----
+// The bfloat16 GEMM behind autocast (and the products of bfloat16 tensors): each operand is
+// rounded to bfloat16 (nearest even) while it is packed, the products accumulate in float,
+// and each result is rounded to bfloat16 and held in float. One arithmetic, two paths,
+// chosen at compile time from the user's flags:
+//
+//  - native, where AVX512-BF16 is enabled: the operands are packed as pairs of bfloat16
+//    along k (a 32-bit word per pair) and vdpbf16ps adds two products per float lane, twice
+//    the float kernel's products per instruction;
+//  - emulated, everywhere else: the rounded operands stay in float and go through the float
+//    kernel (graph/gemm_kernel.hpp) with the two k-values of each pair swapped, so its FMA
+//    chain adds the products in vdpbf16ps's order (the odd k of a pair, then the even) and
+//    runs at the float rate.
+//
+// A product of two bfloat16 values is exact in float, so both paths add the same exact
+// products in the same order, one rounding each: they agree to the bit for normal values
+// (vdpbf16ps flushes denormal inputs and results to zero; the emulation keeps them).
+// The pair layout with vdpbf16ps's semantics spelled out in plain AVX-512 (SoftBf16) runs on
+// any AVX-512 machine, so the native path's packing and tiling are tested where the
+// instruction is missing.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+
+namespace lazy::detail {
+
+/// x rounded to bfloat16 (nearest even; a NaN stays a quiet NaN, as lazy::bfloat16) and
+/// widened back to float, lane by lane.
+template <class A>
+xsimd::batch<float, A> round_to_bf16(const xsimd::batch<float, A>& x) {
+  using U = xsimd::batch<std::uint32_t, A>;
+  const U u = xsimd::bitwise_cast<U>(x);
+  const U nearest = (u + U(0x7fffu) + ((u >> 16) & U(1u))) & U(0xffff0000u);
+  const U quiet = (u | U(0x00400000u)) & U(0xffff0000u);
+  return xsimd::select(xsimd::isnan(x), xsimd::bitwise_cast<xsimd::batch<float, A>>(quiet),
+                       xsimd::bitwise_cast<xsimd::batch<float, A>>(nearest));
+}
+
+/// Rounds n floats to bfloat16 (held in float): dst may be src.
+inline void round_to_bf16(const float* src, float* dst, std::int64_t n) {
+  using batch = xsimd::batch<float>;
+  constexpr std::int64_t L = batch::size;
+  std::int64_t i = 0;
+  for (; i + L <= n; i += L) round_to_bf16(batch::load_unaligned(src + i)).store_unaligned(dst + i);
+  for (; i < n; ++i) dst[i] = static_cast<float>(bfloat16(src[i]));
+}
+
+/// The emulated path: rounded operands, pairs of k swapped, the float kernel.
+struct EmulatedBf16Gemm {
+  using Float = PackedGemm<float>;
+  static constexpr bool kNative = false;
+
+  /// Depth with the last pair completed by a zero.
+  static std::int64_t even(std::int64_t k) { return k + (k & 1); }
+  static std::int64_t panels(std::int64_t n) { return Float::panels(n); }
+  /// Bytes of op(B) packed.
+  static std::int64_t packed_bytes(std::int64_t k, std::int64_t n) {
+    return Float::packed_size(even(k), n) * std::int64_t(sizeof(float));
+  }
+
+  /// Packs panels [p0, p1) of op(B) (k x n; stored n x k when `transposed`) into `out`.
+  static void pack_b(const float* b, bool transposed, std::int64_t k, std::int64_t n, void* out, std::int64_t p0,
+                     std::int64_t p1) {
+    const std::int64_t ke = even(k), j0 = p0 * Float::kTileCols;
+    const std::int64_t w = std::min(n, p1 * Float::kTileCols) - j0;
+    if (w <= 0) return;
+    thread_local Scratch scratch;
+    float* s = scratch.get(ke * w);
+    if (transposed) {
+      for (std::int64_t j = 0; j < w; ++j) round_swapped(b + (j0 + j) * k, k, s + j * ke);
+    } else {
+      for (std::int64_t kk = 0; kk < ke; ++kk) round_row(kk < k ? b + kk * n + j0 : nullptr, w, s + (kk ^ 1) * w);
+    }
+    Float::pack_b(s, transposed, ke, w, static_cast<float*>(out) + p0 * ke * Float::kTileCols, 0, p1 - p0);
+  }
+
+  /// Rows [r0, r0 + rows) of op(A) * op(B), rounded to bfloat16, into c (row-major, n
+  /// columns, offset to row r0). op(A) is m x k, stored k x m when `a_transposed`.
+  static void multiply(const float* a, bool a_transposed, std::int64_t m, std::int64_t k, std::int64_t n,
+                       const void* packed_b, float* c, std::int64_t r0, std::int64_t rows) {
+    const std::int64_t ke = even(k);
+    thread_local Scratch scratch;
+    float* s = scratch.get(rows * ke);
+    if (a_transposed) {
+      for (std::int64_t kk = 0; kk < ke; ++kk) round_row(kk < k ? a + kk * m + r0 : nullptr, rows, s + (kk ^ 1) * rows);
+    } else {
+      for (std::int64_t i = 0; i < rows; ++i) round_swapped(a + (r0 + i) * k, k, s + i * ke);
+    }
+    Float::multiply(s, a_transposed, rows, ke, n, static_cast<const float*>(packed_b), c, 0, rows);
+    round_to_bf16(c, c, rows * n);
+  }
+
+ private:
+  struct Scratch {
+    std::vector<float, xsimd::aligned_allocator<float, 64>> v;
+    float* get(std::int64_t n) {
+      if (static_cast<std::int64_t>(v.size()) < n) v.resize(static_cast<std::size_t>(n));
+      return v.data();
+    }
+  };
+
+  // dst[0, w) = src rounded, or zeros when src is null (the pad row).
+  static void round_row(const float* src, std::int64_t w, float* dst) {
+    if (src) {
+      round_to_bf16(src, dst, w);
+    } else {
+      std::fill_n(dst, w, 0.0f);
+    }
+  }
+
+  // A row of k values rounded with each pair swapped: dst[i ^ 1] = round(src[i]), and
+  // dst[k - 1] = 0 when k is odd (the pad before the last value).
+  static void round_swapped(const float* src, std::int64_t k, float* dst) {
+    using batch = xsimd::batch<float>;
+    using U64 = xsimd::batch<std::uint64_t>;
+    constexpr std::int64_t L = batch::size;
+    std::int64_t i = 0;
+    if constexpr (L >= 2) {
+      for (; i + L <= k; i += L) {
+        const U64 x = xsimd::bitwise_cast<U64>(round_to_bf16(batch::load_unaligned(src + i)));
+        xsimd::bitwise_cast<batch>((x << 32) | (x >> 32)).store_unaligned(dst + i);
+      }
+    }
+    if (k & 1) dst[k - 1] = 0.0f;
+    for (; i < k; ++i) dst[i ^ 1] = static_cast<float>(bfloat16(src[i]));
+  }
+};
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#if defined(__AVX512BF16__)
+/// vdpbf16ps and vcvtneps2bf16 themselves.
+struct NativeBf16 {
+  /// 16 floats rounded to bfloat16 (nearest even).
+  static __m256i to_bf16(__m512 x) {
+    return (__m256i)_mm512_cvtneps_pbh(x);  // NOLINT: a vector bit cast
+  }
+  /// acc + a.odd * b.odd + a.even * b.even, lane by lane (pairs of bfloat16).
+  static __m512 dot(__m512 acc, __m512i a, __m512i b) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);  // NOLINT: vector bit casts
+  }
+};
+#endif
+
+/// The same two operations in AVX-512F/BW: the rounding of lazy::bfloat16, and vdpbf16ps as
+/// Intel defines it (the odd products' sum first; products of bfloat16 are exact in float,
+/// so each step is one FMA).
+struct SoftBf16 {
+  static __m256i to_bf16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i nearest = _mm512_add_epi32(
+        u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    const __m512i quiet = _mm512_or_si512(u, _mm512_set1_epi32(0x00400000));
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_mask_blend_epi32(nan, nearest, quiet), 16));
+  }
+  static __m512 dot(__m512 acc, __m512i a, __m512i b) {
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, high)),
+                          _mm512_castsi512_ps(_mm512_and_si512(b, high)), acc);
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)),
+                           _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), acc);
+  }
+};
+
+/// The pair layout on AVX-512: an 8 x 32 register tile (sixteen accumulators); a packed
+/// panel holds, per pair of k, 32 words (k even in the low half, odd in the high half); a
+/// packed tile of A holds, per pair, 8 words. `Isa` is NativeBf16 or SoftBf16.
+template <class Isa>
+struct PairBf16Gemm {
+  static constexpr bool kNative = !std::is_same_v<Isa, SoftBf16>;
+  static constexpr int kTileRows = 8;
+  static constexpr int kTileCols = 32;
+
+  static std::int64_t pairs(std::int64_t k) { return (k + 1) / 2; }
+  static std::int64_t panels(std::int64_t n) { return (n + kTileCols - 1) / kTileCols; }
+  static std::int64_t packed_bytes(std::int64_t k, std::int64_t n) {
+    return pairs(k) * panels(n) * kTileCols * std::int64_t(sizeof(std::uint32_t));
+  }
+  /// Pairs per pass over k (the float kernel's depth blocks, halved).
+  static std::int64_t pair_block(std::int64_t k) { return PackedGemm<float>::depth_block(2 * pairs(k)) / 2; }
+
+  /// Packs panels [p0, p1) of op(B) (k x n; stored n x k when `transposed`) into `out`.
+  static void pack_b(const float* b, bool transposed, std::int64_t k, std::int64_t n, void* out, std::int64_t p0,
+                     std::int64_t p1) {
+    const std::int64_t np = pairs(k);
+    auto* words = static_cast<std::uint32_t*>(out);
+    for (std::int64_t p = p0; p < p1; ++p) {
+      const std::int64_t j0 = p * kTileCols, cols = std::min<std::int64_t>(kTileCols, n - j0);
+      std::uint32_t* dst = words + p * np * kTileCols;
+      if (!transposed) {
+        // Rows 2q and 2q + 1, 16 columns at a time, interleaved into words.
+        for (std::int64_t q = 0; q < np; ++q)
+          for (int h = 0; h < 2; ++h) {
+            const std::int64_t c0 = h * 16, cn = std::clamp<std::int64_t>(cols - c0, 0, 16);
+            const __m256i even = load_row(b, 2 * q, k, n, j0 + c0, cn), odd = load_row(b, 2 * q + 1, k, n, j0 + c0, cn);
+            _mm512_store_si512(dst + q * kTileCols + c0, interleave(even, odd));
+          }
+        continue;
+      }
+      // Stored [n, k]: a column's pairs are already words in its row; 16 columns x 16 pairs
+      // at a time, then a register transpose.
+      for (std::int64_t q0 = 0; q0 < np; q0 += 16) {
+        const std::int64_t qn = std::min<std::int64_t>(16, np - q0);
+        for (int h = 0; h < 2; ++h) {
+          __m512 r[16];
+          for (int j = 0; j < 16; ++j) {
+            const std::int64_t col = h * 16 + j;
+            r[j] = col < cols ? _mm512_castsi512_ps(row_words(b + (j0 + col) * k, 2 * q0, k)) : _mm512_setzero_ps();
+          }
+          transpose_16x16_registers(r);
+          for (std::int64_t q = 0; q < qn; ++q) _mm512_store_ps(dst + (q0 + q) * kTileCols + h * 16, r[q]);
+        }
+      }
+    }
+  }
+
+  /// Rows [r0, r0 + rows) of op(A) * op(B), rounded to bfloat16, into c (offset to row r0).
+  static void multiply(const float* a, bool a_transposed, std::int64_t m, std::int64_t k, std::int64_t n,
+                       const void* packed_b, float* c, std::int64_t r0, std::int64_t rows) {
+    const std::int64_t np = pairs(k), qc = pair_block(k), npanels = panels(n);
+    const std::int64_t tiles = (rows + kTileRows - 1) / kTileRows;
+    alignas(64) float tile[kTileRows * kTileCols] = {};
+    thread_local std::vector<std::uint32_t, xsimd::aligned_allocator<std::uint32_t, 64>> packed_a;
+    if (static_cast<std::int64_t>(packed_a.size()) < tiles * kTileRows * qc)
+      packed_a.resize(static_cast<std::size_t>(tiles * kTileRows * qc));
+    const auto* words_b = static_cast<const std::uint32_t*>(packed_b);
+    for (std::int64_t q0 = 0; q0 < np; q0 += qc) {
+      const std::int64_t qb = std::min(qc, np - q0);
+      const bool accumulate = q0 > 0, last = q0 + qb == np;
+      for (std::int64_t t = 0; t < tiles; ++t)
+        pack_a(a, a_transposed, m, k, r0 + t * kTileRows, std::min<std::int64_t>(kTileRows, rows - t * kTileRows), q0,
+               qb, packed_a.data() + t * kTileRows * qb);
+      for (std::int64_t p = 0; p < npanels; ++p) {
+        const std::int64_t j0 = p * kTileCols, tc = std::min<std::int64_t>(kTileCols, n - j0);
+        const std::uint32_t* bp = words_b + (p * np + q0) * kTileCols;
+        for (std::int64_t t = 0; t < tiles; ++t) {
+          const std::int64_t i0 = t * kTileRows, tr = std::min<std::int64_t>(kTileRows, rows - i0);
+          const std::uint32_t* ap = packed_a.data() + t * kTileRows * qb;
+          float* cp = c + i0 * n + j0;
+          if (tr == kTileRows && tc == kTileCols) {
+            micro(ap, bp, qb, cp, n, accumulate, last);
+            continue;
+          }
+          if (accumulate)
+            for (std::int64_t i = 0; i < tr; ++i) std::copy_n(cp + i * n, tc, tile + i * kTileCols);
+          micro(ap, bp, qb, tile, kTileCols, accumulate, last);
+          for (std::int64_t i = 0; i < tr; ++i) std::copy_n(tile + i * kTileCols, tc, cp + i * n);
+        }
+      }
+    }
+  }
+
+ private:
+  // Row kk of a k x n matrix, columns [c0, c0 + cn), rounded (zeros past k or cn).
+  static __m256i load_row(const float* b, std::int64_t kk, std::int64_t k, std::int64_t n, std::int64_t c0,
+                          std::int64_t cn) {
+    if (kk >= k || cn <= 0) return _mm256_setzero_si256();
+    const __mmask16 mask = static_cast<__mmask16>((1u << cn) - 1u);
+    return Isa::to_bf16(_mm512_maskz_loadu_ps(mask, b + kk * n + c0));
+  }
+
+  // Words j of (even, odd): even[j] in the low half, odd[j] in the high half.
+  static __m512i interleave(__m256i even, __m256i odd) {
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1);
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                           6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(order, both);
+  }
+
+  // The 16 words of a contiguous row from k-value k0 (32 values; zeros past k).
+  static __m512i row_words(const float* row, std::int64_t k0, std::int64_t k) {
+    const std::int64_t left = std::clamp<std::int64_t>(k - k0, 0, 32);
+    const __mmask16 lo = static_cast<__mmask16>(left >= 16 ? 0xffffu : (1u << left) - 1u);
+    const __mmask16 hi = static_cast<__mmask16>(left >= 32 ? 0xffffu : left > 16 ? (1u << (left - 16)) - 1u : 0u);
+    const __m256i x0 = Isa::to_bf16(_mm512_maskz_loadu_ps(lo, row + k0));
+    const __m256i x1 = Isa::to_bf16(_mm512_maskz_loadu_ps(hi, row + k0 + 16));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(x0), x1, 1);
+  }
+
+  // Rows [row, row + tr) and pairs [q0, q0 + qb) of op(A): out[q * 8 + i] is the word of
+  // row i and pair q0 + q (zeros past tr and k).
+  static void pack_a(const float* a, bool transposed, std::int64_t m, std::int64_t k, std::int64_t row,
+                     std::int64_t tr, std::int64_t q0, std::int64_t qb, std::uint32_t* out) {
+    if (transposed) {
+      // Stored [k, m]: rows 2q and 2q + 1 give 8 values each; interleaved into 8 words.
+      const __mmask16 mask = static_cast<__mmask16>((1u << tr) - 1u);
+      const __m256i order = _mm256_set_epi16(15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
+      for (std::int64_t q = 0; q < qb; ++q) {
+        const std::int64_t kk = 2 * (q0 + q);
+        const __m512 even = _mm512_maskz_loadu_ps(mask, a + kk * m + row);
+        const __m512 odd = kk + 1 < k ? _mm512_maskz_loadu_ps(mask, a + (kk + 1) * m + row) : _mm512_setzero_ps();
+        const __m512 both = _mm512_insertf32x8(even, _mm512_castps512_ps256(odd), 1);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(out + q * kTileRows),
+                           _mm256_permutexvar_epi16(order, Isa::to_bf16(both)));
+      }
+      return;
+    }
+    // Stored [m, k]: each row's pairs are words; 16 pairs of the 8 rows per register
+    // transpose (8 rows of zeros).
+    for (std::int64_t s = 0; s < qb; s += 16) {
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = i < tr ? _mm512_castsi512_ps(row_words(a + (row + i) * k, 2 * (q0 + s), k)) : _mm512_setzero_ps();
+      transpose_16x16_registers(r);
+      const std::int64_t qn = std::min<std::int64_t>(16, qb - s);
+      for (std::int64_t q = 0; q < qn; ++q)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(out + (s + q) * kTileRows),
+                           _mm512_castsi512_si256(_mm512_castps_si512(r[q])));
+    }
+  }
+
+  // x rounded to bfloat16, held in float.
+  static __m512 rounded(__m512 x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(Isa::to_bf16(x)), 16)); }
+
+  // One 8 x 32 tile: c (row stride ldc) = [c +] ap * bp over qb pairs, rounded to bfloat16
+  // when it is the `last` pass over k.
+  static void micro(const std::uint32_t* __restrict ap, const std::uint32_t* __restrict bp, std::int64_t qb, float* c,
+                    std::int64_t ldc, bool accumulate, bool last) {
+    __m512 acc[kTileRows][2];
+    for (int i = 0; i < kTileRows; ++i) {
+      acc[i][0] = accumulate ? _mm512_loadu_ps(c + i * ldc) : _mm512_setzero_ps();
+      acc[i][1] = accumulate ? _mm512_loadu_ps(c + i * ldc + 16) : _mm512_setzero_ps();
+    }
+    for (std::int64_t q = 0; q < qb; ++q) {
+      const __m512i b0 = _mm512_load_si512(bp + q * kTileCols), b1 = _mm512_load_si512(bp + q * kTileCols + 16);
+      for (int i = 0; i < kTileRows; ++i) {
+        const __m512i av = _mm512_set1_epi32(static_cast<int>(ap[q * kTileRows + i]));
+        acc[i][0] = Isa::dot(acc[i][0], av, b0);
+        acc[i][1] = Isa::dot(acc[i][1], av, b1);
+      }
+    }
+    for (int i = 0; i < kTileRows; ++i) {
+      _mm512_storeu_ps(c + i * ldc, last ? rounded(acc[i][0]) : acc[i][0]);
+      _mm512_storeu_ps(c + i * ldc + 16, last ? rounded(acc[i][1]) : acc[i][1]);
+    }
+  }
+};
+#endif
+
+/// The bfloat16 GEMM this build runs (see the file comment).
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+using Bf16Gemm = PairBf16Gemm<NativeBf16>;
+#else
+using Bf16Gemm = EmulatedBf16Gemm;
+#endif
+
+}  // namespace lazy::detail
+// ---- end lazytensor/graph/gemm_kernel_bf16.hpp ----
 
 namespace lazy::graph {
 
@@ -15828,10 +16193,15 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
  public:
   using Operand = GemmOperand;
 
+  /// `bf16`: the product in bfloat16 (float only): operands rounded to bfloat16 as they are
+  /// packed, float accumulation, the result rounded to bfloat16 (graph/gemm_kernel_bf16.hpp).
   GemmNode(Operand a, Operand b, std::int64_t batch_a, std::int64_t batch_b, std::int64_t m, std::int64_t k,
-           std::int64_t n, Shape out_shape, Device* device)
+           std::int64_t n, Shape out_shape, Device* device, bool bf16 = false)
       : Node(NodeKind::Gemm, dtype_of<T>(), out_shape, device, {a.node, b.node}), ta_(a.transposed),
-        tb_(b.transposed), batch_a_(batch_a), batch_b_(batch_b), m_(m), k_(k), n_(n) {}
+        tb_(b.transposed), bf16_(bf16), batch_a_(batch_a), batch_b_(batch_b), m_(m), k_(k), n_(n) {
+    if (bf16 && !std::is_same_v<T, float>)
+      throw DTypeError("matmul: a bfloat16 product takes float operands, got " + dtype_name(dtype_of<T>()));
+  }
 
   bool a_transposed() const override { return ta_; }
   bool b_transposed() const override { return tb_; }
@@ -15842,17 +16212,18 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
   std::int64_t cols() const override { return n_; }
   NodePtr with_operands(GemmOperand a, GemmOperand b, std::int64_t m, std::int64_t k, std::int64_t n, Shape out,
                         Device* device) const override {
-    return std::make_shared<GemmNode>(std::move(a), std::move(b), 1, 1, m, k, n, out, device);
+    return std::make_shared<GemmNode>(std::move(a), std::move(b), 1, 1, m, k, n, out, device, bf16_);
   }
 
   std::string op_name() const override { return "matmul"; }
   std::string describe() const override {
     return std::string("matmul(%0") + (ta_ ? "^T" : "") + ", %1" + (tb_ ? "^T" : "") + ") [" + std::to_string(m_) +
-           "x" + std::to_string(k_) + "] x [" + std::to_string(k_) + "x" + std::to_string(n_) + "]";
+           "x" + std::to_string(k_) + "] x [" + std::to_string(k_) + "x" + std::to_string(n_) + "]" +
+           (bf16_ ? " in bfloat16" : "");
   }
   double cost_per_element() const override { return 2.0 * static_cast<double>(k_); }
   std::uint64_t structural_hash() const override {
-    return hash_combine(Node::structural_hash(), (ta_ ? 1u : 0u) | (tb_ ? 2u : 0u));
+    return hash_combine(Node::structural_hash(), (ta_ ? 1u : 0u) | (tb_ ? 2u : 0u) | (bf16_ ? 4u : 0u));
   }
 
   /// Rows per block. Eigen's blocking (and so the order of its k-sums) depends on the rows
@@ -15870,23 +16241,14 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
   /// Packs the right-hand side of every batch for the packed kernel (nothing for Eigen).
   void begin_rows(ExecContext& ctx) override {
     if (!packed()) return;
+    if constexpr (std::is_same_v<T, float>) {
+      if (bf16_) {
+        pack_b_in_tasks<Bf16Kernel>(ctx, Bf16Kernel::packed_bytes(k_, n_));
+        return;
+      }
+    }
     if constexpr (kHasPackedKernel) {
-      const std::int64_t size = Kernel::packed_size(k_, n_);
-      const std::int64_t panels = Kernel::panels(n_), jobs = batch_b_ * panels;
-      packed_b_ = ctx.device.pool().acquire(padded_bytes(batch_b_ * size, sizeof(T)));
-      T* out = static_cast<T*>(packed_b_->data());
-      const T* b = inputs()[1]->template data<T>();
-      auto& pool = ctx.device.threads();
-      const std::int64_t tasks = std::min(jobs, task_count(pool, batch_b_ * k_ * n_, 1.0));
-      pool.parallel_for(tasks, [&](std::int64_t t) {
-        auto [q0, q1] = task_range(jobs, tasks, t);
-        // One call per batch the task's panels fall in (pack_b reads rows across them).
-        for (std::int64_t q = q0; q < q1;) {
-          const std::int64_t bi = q / panels, p = q % panels, count = std::min(q1 - q, panels - p);
-          Kernel::pack_b(b + bi * k_ * n_, tb_, k_, n_, out + bi * size, p, p + count);
-          q += count;
-        }
-      });
+      pack_b_in_tasks<Kernel>(ctx, Kernel::packed_size(k_, n_) * std::int64_t(sizeof(T)));
     }
   }
   void end_rows() override { packed_b_.reset(); }
@@ -15905,6 +16267,15 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
       const std::int64_t bi = r0 / m_, row = r0 % m_;
       const std::int64_t rows = std::min({r1 - r0, m_ - row, (r0 / block + 1) * block - r0});
       const T* ab = a + (batch_a_ == 1 ? 0 : bi) * m_ * k_;
+      if constexpr (std::is_same_v<T, float>) {
+        if (bf16_) {
+          const auto* pb = static_cast<const unsigned char*>(packed_b_->data()) +
+                           (batch_b_ == 1 ? 0 : bi) * Bf16Kernel::packed_bytes(k_, n_);
+          Bf16Kernel::multiply(ab, ta_, m_, k_, n_, pb, c + r0 * n_, row, rows);
+          r0 += rows;
+          continue;
+        }
+      }
       if constexpr (kHasPackedKernel) {
         if (use_packed) {
           const T* pb = static_cast<const T*>(packed_b_->data()) +
@@ -15952,8 +16323,12 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
   static constexpr bool kHasPackedKernel = std::is_same_v<T, float> || std::is_same_v<T, double>;
   using Kernel = lazy::detail::PackedGemm<std::conditional_t<kHasPackedKernel, T, float>>;
 
-  /// True when this product runs on the packed kernel (decided by dtype and shapes only).
+  using Bf16Kernel = lazy::detail::Bf16Gemm;
+
+  /// True when this product runs on a packed kernel (decided by dtype and shapes only;
+  /// bfloat16 products always do: Eigen has no bfloat16 GEMM with float accumulation).
   bool packed() const {
+    if (bf16_) return k_ > 0;
     if constexpr (kHasPackedKernel)
       return k_ > 0 && Kernel::suits(m_ * std::max(batch_a_, batch_b_), n_);
     else
@@ -15969,7 +16344,32 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
     }
   }
 
-  bool ta_, tb_;
+  // Packs op(B) of every batch (`bytes` each) with `Kernel`, panels split over the pool.
+  template <class Kernel>
+  void pack_b_in_tasks(ExecContext& ctx, std::int64_t bytes) {
+    const std::int64_t panels = Kernel::panels(n_), jobs = batch_b_ * panels;
+    packed_b_ = ctx.device.pool().acquire(padded_bytes(batch_b_ * bytes, 1));
+    auto* out = static_cast<unsigned char*>(packed_b_->data());
+    const T* b = inputs()[1]->template data<T>();
+    auto& pool = ctx.device.threads();
+    const std::int64_t tasks = std::min(jobs, task_count(pool, batch_b_ * k_ * n_, 1.0));
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      auto [q0, q1] = task_range(jobs, tasks, t);
+      // One call per batch the task's panels fall in (pack_b reads rows across them).
+      for (std::int64_t q = q0; q < q1;) {
+        const std::int64_t bi = q / panels, p = q % panels, count = std::min(q1 - q, panels - p);
+        void* dst = out + bi * bytes;
+        if constexpr (std::is_same_v<Kernel, Bf16Kernel>) {
+          Kernel::pack_b(b + bi * k_ * n_, tb_, k_, n_, dst, p, p + count);
+        } else {
+          Kernel::pack_b(b + bi * k_ * n_, tb_, k_, n_, static_cast<T*>(dst), p, p + count);
+        }
+        q += count;
+      }
+    });
+  }
+
+  bool ta_, tb_, bf16_;
   std::int64_t batch_a_, batch_b_, m_, k_, n_;
   std::shared_ptr<Buffer> packed_b_;  ///< op(B) packed, between begin_rows and end_rows
 };
@@ -18002,9 +18402,11 @@ typename graph::GemmNode<T>::Operand gemm_operand(const Tensor<T>& t) {
   return {n, false};
 }
 
+/// The product as a GemmNode; `bf16` (float only) runs it in bfloat16 with float
+/// accumulation and a rounded result (autocast's products), and so does its backward.
 template <Element T>
 Tensor<T> gemm(const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std::int64_t batch_b,
-               std::int64_t m, std::int64_t k, std::int64_t n, const Shape& out);
+               std::int64_t m, std::int64_t k, std::int64_t n, const Shape& out, bool bf16 = false);
 
 /// Backward of C[b] = A[b] B[b] with A viewed as [batch_a, m, k], B as [batch_b, k, n] (a
 /// batch of 1 broadcasts): dA = dC B^T, dB = A^T dC, summed over broadcast batches. When a
@@ -18012,22 +18414,24 @@ Tensor<T> gemm(const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std
 /// `b_transposed`: B is the transpose of a stored [n, k] matrix (linear's weight), so dB is
 /// computed as dB^T = dC^T A in that matrix's layout; the transpose's own backward then
 /// folds away (transpose of a transpose) instead of copying the gradient.
+/// `bf16`: the gradients' products are bfloat16 products too, which is the backward of
+/// round(round(A) round(B)) (the rounding's backward rounds the gradient).
 template <Element T>
 void record_gemm(Tensor<T>& c, const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a,
                  std::int64_t batch_b, std::int64_t m, std::int64_t k, std::int64_t n,
-                 bool b_transposed) {
+                 bool b_transposed, bool bf16) {
   auto ea = autograd::edge_of(a.impl()), eb = autograd::edge_of(b.impl());
   if (!ea && !eb) return;
   autograd::record(c, "MmBackward0", {ea, eb},
                    [a = a.detach(), b = b.detach(), batch_a, batch_b, m, k, n,
                     need_a = ea != nullptr, need_b = eb != nullptr,
-                    b_transposed](const Tensor<T>& g) {
+                    b_transposed, bf16](const Tensor<T>& g) {
                      const std::int64_t B = std::max(batch_a, batch_b);
                      std::vector<graph::NodePtr> grads(2);
                      if (need_a) {
                        // dA[b] = dC[b] B[b]^T: [B*m, n] x [n, k] stacked when B is shared.
-                       Tensor<T> da = batch_b == 1 ? gemm(g, transpose(reshape(b, Shape{k, n}), 0, 1), 1, 1, B * m, n, k, Shape{B, m, k})
-                                                   : gemm(g, transpose(reshape(b, Shape{B, k, n}), 1, 2), B, B, m, n, k, Shape{B, m, k});
+                       Tensor<T> da = batch_b == 1 ? gemm(g, transpose(reshape(b, Shape{k, n}), 0, 1), 1, 1, B * m, n, k, Shape{B, m, k}, bf16)
+                                                   : gemm(g, transpose(reshape(b, Shape{B, k, n}), 1, 2), B, B, m, n, k, Shape{B, m, k}, bf16);
                        if (batch_a == 1 && B > 1) da = sum(da, {0});
                        grads[0] = reshape(da, a.shape()).node();
                      }
@@ -18036,15 +18440,15 @@ void record_gemm(Tensor<T>& c, const Tensor<T>& a, const Tensor<T>& b, std::int6
                        if (batch_b == 1 && b_transposed) {  // dB^T = dC^T A over the stacked rows
                          db = transpose(
                              gemm(transpose(reshape(g, Shape{B * m, n}), 0, 1),
-                                  reshape(a, Shape{B * m, k}), 1, 1, n, B * m, k, Shape{n, k}),
+                                  reshape(a, Shape{B * m, k}), 1, 1, n, B * m, k, Shape{n, k}, bf16),
                              0, 1);
                        } else if (batch_a == 1) {  // A shared: dB[b] = A^T dC[b]
-                         db = gemm(transpose(reshape(a, Shape{m, k}), 0, 1), g, 1, B, k, m, n, Shape{B, k, n});
+                         db = gemm(transpose(reshape(a, Shape{m, k}), 0, 1), g, 1, B, k, m, n, Shape{B, k, n}, bf16);
                        } else if (batch_b == 1) {  // B shared: one GEMM over the stacked batches
                          db = gemm(transpose(reshape(a, Shape{B * m, k}), 0, 1), reshape(g, Shape{B * m, n}), 1, 1, k,
-                                   B * m, n, Shape{k, n});
+                                   B * m, n, Shape{k, n}, bf16);
                        } else {
-                         db = gemm(transpose(reshape(a, Shape{B, m, k}), 1, 2), g, B, B, k, m, n, Shape{B, k, n});
+                         db = gemm(transpose(reshape(a, Shape{B, m, k}), 1, 2), g, B, B, k, m, n, Shape{B, k, n}, bf16);
                        }
                        if (batch_b == 1 && B > 1 && batch_a == 1) db = sum(db, {0});
                        grads[1] = reshape(db, b.shape()).node();
@@ -18055,12 +18459,13 @@ void record_gemm(Tensor<T>& c, const Tensor<T>& a, const Tensor<T>& b, std::int6
 
 template <Element T>
 Tensor<T> gemm(const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std::int64_t batch_b,
-               std::int64_t m, std::int64_t k, std::int64_t n, const Shape& out) {
+               std::int64_t m, std::int64_t k, std::int64_t n, const Shape& out, bool bf16) {
   auto oa = gemm_operand(a), ob = gemm_operand(b);
   graph::Device& dev = graph::common_device({oa.node, ob.node}, "matmul");
-  Tensor<T> c(graph::submit(std::make_shared<graph::GemmNode<T>>(oa, ob, batch_a, batch_b, m, k, n, out, &dev)));
+  Tensor<T> c(
+      graph::submit(std::make_shared<graph::GemmNode<T>>(oa, ob, batch_a, batch_b, m, k, n, out, &dev, bf16)));
   if constexpr (is_floating_v<T>) {
-    if (autograd::is_grad_enabled()) record_gemm(c, a, b, batch_a, batch_b, m, k, n, ob.transposed);
+    if (autograd::is_grad_enabled()) record_gemm(c, a, b, batch_a, batch_b, m, k, n, ob.transposed, bf16);
   }
   return c;
 }
@@ -18075,22 +18480,20 @@ Tensor<float> round_to_bf16(const Tensor<float>& x);
 
 /// Matrix product with torch.matmul's rules: 1-D x 1-D is a dot product, 2-D x 2-D a matrix
 /// product, 1-D operands gain and lose a dimension, and leading (batch) dims broadcast.
-/// bfloat16 operands multiply in float and the result is rounded once (as a bfloat16 GEMM
-/// with float accumulation); under autocast (AutocastGuard) float operands do the same.
+/// bfloat16 operands multiply on the bfloat16 GEMM (float accumulation, the result rounded
+/// once; graph/gemm_kernel_bf16.hpp); under autocast (AutocastGuard) float operands do the
+/// same, rounded to bfloat16 as the GEMM packs them.
 template <Element T>
 Tensor<T> matmul(const Tensor<T>& a, const Tensor<T>& b) {
   if constexpr (std::is_same_v<T, bfloat16>) {
+    AutocastGuard bf16;  // the float product in bfloat16 (exactly representable: the cast back is exact)
     return Tensor<bfloat16>(cast<bfloat16>(matmul(Tensor<float>(cast<float>(a)), Tensor<float>(cast<float>(b)))));
   } else if constexpr (!std::is_same_v<T, float> && !std::is_same_v<T, double> && !std::is_same_v<T, std::int32_t> &&
                        !std::is_same_v<T, std::int64_t>) {
     throw DTypeError("matmul: expected floating, int32 or int64 operands, got " + dtype_name(dtype_of<T>()));
   } else {
-    if constexpr (std::is_same_v<T, float>) {
-      if (is_autocast_enabled()) {
-        AutocastGuard off(false);
-        return detail::round_to_bf16(matmul(detail::round_to_bf16(a), detail::round_to_bf16(b)));
-      }
-    }
+    bool bf16 = false;
+    if constexpr (std::is_same_v<T, float>) bf16 = is_autocast_enabled();
     const Shape& sa = a.shape();
     const Shape& sb = b.shape();
     if (sa.rank() == 0 || sb.rank() == 0) {
@@ -18098,7 +18501,7 @@ Tensor<T> matmul(const Tensor<T>& a, const Tensor<T>& b) {
     }
     if (sa.rank() == 1 && sb.rank() == 1) {
       if (sa[0] != sb[0]) detail::matmul_mismatch(sa, sb, sa[0], sb[0]);
-      return detail::gemm(reshape(a, Shape{1, sa[0]}), reshape(b, Shape{sb[0], 1}), 1, 1, 1, sa[0], 1, Shape{});
+      return detail::gemm(reshape(a, Shape{1, sa[0]}), reshape(b, Shape{sb[0], 1}), 1, 1, 1, sa[0], 1, Shape{}, bf16);
     }
     if (sb.rank() == 1) {  // [.., m, k] x [k]
       const std::int64_t k = sa[sa.rank() - 1];
@@ -18106,7 +18509,7 @@ Tensor<T> matmul(const Tensor<T>& a, const Tensor<T>& b) {
       Shape out;
       for (int i = 0; i + 1 < sa.rank(); ++i) out.push_back(sa[i]);
       const std::int64_t m = k ? a.numel() / k : out.numel();
-      return detail::gemm(reshape(a, Shape{m, k}), reshape(b, Shape{k, 1}), 1, 1, m, k, 1, out);
+      return detail::gemm(reshape(a, Shape{m, k}), reshape(b, Shape{k, 1}), 1, 1, m, k, 1, out, bf16);
     }
     if (sa.rank() == 1) {  // [k] x [.., k, n]
       const std::int64_t k = sb[sb.rank() - 2], n = sb[sb.rank() - 1];
@@ -18116,7 +18519,7 @@ Tensor<T> matmul(const Tensor<T>& a, const Tensor<T>& b) {
       out.push_back(n);
       std::int64_t batch = 1;  // not numel / (k * n): k or n may be 0
       for (int i = 0; i + 2 < sb.rank(); ++i) batch *= sb[i];
-      return detail::gemm(reshape(a, Shape{1, k}), b, 1, batch, 1, k, n, out);
+      return detail::gemm(reshape(a, Shape{1, k}), b, 1, batch, 1, k, n, out, bf16);
     }
     const std::int64_t m = sa[sa.rank() - 2], k = sa[sa.rank() - 1];
     const std::int64_t kb = sb[sb.rank() - 2], n = sb[sb.rank() - 1];
@@ -18130,7 +18533,7 @@ Tensor<T> matmul(const Tensor<T>& a, const Tensor<T>& b) {
     out.push_back(n);
     if (bb.numel() == 1 && sb.rank() == 2) {
       // [.., m, k] x [k, n]: one GEMM with all batch rows stacked (m' = batch * m).
-      return detail::gemm(a, b, 1, 1, ba.numel() * m, k, n, out);
+      return detail::gemm(a, b, 1, 1, ba.numel() * m, k, n, out, bf16);
     }
     Shape fa = batch, fb = batch;
     fa.push_back(m);
@@ -18139,7 +18542,7 @@ Tensor<T> matmul(const Tensor<T>& a, const Tensor<T>& b) {
     fb.push_back(n);
     Tensor<T> ea = (ba == batch) ? a : expand(a, fa);
     Tensor<T> eb = (bb == batch) ? b : expand(b, fb);
-    return detail::gemm(ea, eb, batch.numel(), batch.numel(), m, k, n, out);
+    return detail::gemm(ea, eb, batch.numel(), batch.numel(), m, k, n, out, bf16);
   }
 }
 
@@ -18161,13 +18564,7 @@ Tensor<T> linear(const Tensor<T>& x, const Tensor<T>& w) {
                      "] and weight [out_features, in_features], got input " + x.shape().str() + " and weight " +
                      w.shape().str());
   }
-  if constexpr (std::is_same_v<T, float>) {
-    if (is_autocast_enabled()) {  // w rounded before the transpose, which the GEMM reads through
-      AutocastGuard off(false);
-      return detail::round_to_bf16(matmul(detail::round_to_bf16(x), transpose(detail::round_to_bf16(w), 0, 1)));
-    }
-  }
-  return matmul(x, transpose(w, 0, 1));
+  return matmul(x, transpose(w, 0, 1));  // autocast: a bfloat16 product there
 }
 
 /// x @ w^T + b. Returns an expression (as `a + b` does), so a following element-wise op

@@ -162,8 +162,20 @@ TEST(PackedGemm, ShapesDecideTheKernel) {
   EXPECT_TRUE(K::suits(K::kTileRows, K::kLanes));
   EXPECT_FALSE(K::suits(K::kTileRows - 1, 1024));  // too few rows for a tile
   EXPECT_FALSE(K::suits(1024, K::kLanes - 1));     // narrower than a register
-  EXPECT_EQ(K::depth_block(1024), 1024);
-  EXPECT_EQ(K::depth_block(1025), 512);
+}
+
+TYPED_TEST(PackedGemmTyped, DepthBlocksKeepATileOfRowsInL1AndSplitEvenly) {
+  using T = TypeParam;
+  using K = lazy::detail::PackedGemm<T>;
+  const std::int64_t per_row = 4096;  // bytes of one packed row of A per pass
+  for (const std::int64_t k : {1, 2, 99, 511, 512, 513, 784, 1024, 1025, 2100, 5000}) {
+    const std::int64_t kc = K::depth_block(k), passes = (k + kc - 1) / kc;
+    const std::int64_t fewest = (k * std::int64_t(sizeof(T)) + per_row - 1) / per_row;
+    EXPECT_LE(kc * std::int64_t(sizeof(T)), per_row + 2 * std::int64_t(sizeof(T))) << "k=" << k;
+    EXPECT_EQ(passes, fewest) << "k=" << k;  // no more passes than the L1 bound needs
+    EXPECT_LE(passes * kc - k, 2 * passes) << "k=" << k;  // even split: the last pass is not a sliver
+    if (passes > 1) EXPECT_EQ(kc % 2, 0) << "k=" << k;   // whole pairs for the bfloat16 kernel
+  }
 }
 
 }  // namespace

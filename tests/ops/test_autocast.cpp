@@ -170,6 +170,43 @@ TEST(Autocast, GradientsFlowThroughTheRoundedProduct) {
   }
 }
 
+TEST(Autocast, PackedShapesAndBothGradientsOfLinear) {
+  // Large enough for the packed bfloat16 GEMM on every instruction set (and odd depths, so
+  // the last pair of k is padded): y = linear(x, w), dx = round(round(g) w_r),
+  // dw = round(round(g)^T x_r), each a bfloat16 product with float accumulation.
+  const int m = 70, k = 131, n = 45;
+  const auto x = lazy_tests::random_values<float>(m * k, 21), w = lazy_tests::random_values<float>(n * k, 22),
+             g = lazy_tests::random_values<float>(m * n, 23);
+  Tensor<float> tx = lazy::from_vector<float>(x, Shape{m, k}), tw = lazy::from_vector<float>(w, Shape{n, k});
+  tx.requires_grad_();
+  tw.requires_grad_();
+  std::vector<float> y;
+  {
+    lazy::AutocastGuard guard;
+    Tensor<float> out = lazy::linear(tx, tw);
+    y = out.to_vector();
+    out.backward(lazy::from_vector<float>(g, Shape{m, n}));
+  }
+  // r x c results of sum_q f(i, q) * h(q, j) over d terms, operands rounded first.
+  auto product = [](int r, int c, int d, auto f, auto h) {
+    std::vector<float> out;
+    for (int i = 0; i < r; ++i)
+      for (int j = 0; j < c; ++j) {
+        double acc = 0;
+        for (int q = 0; q < d; ++q) acc += static_cast<double>(round_bf16(f(i, q))) * round_bf16(h(q, j));
+        out.push_back(round_bf16(static_cast<float>(acc)));
+      }
+    return out;
+  };
+  auto at = [](const std::vector<float>& v, int i) { return v[static_cast<std::size_t>(i)]; };
+  expect_bf16_close(y, product(m, n, k, [&](int i, int q) { return at(x, i * k + q); },
+                               [&](int q, int j) { return at(w, j * k + q); }));
+  expect_bf16_close(tx.grad().to_vector(), product(m, k, n, [&](int i, int q) { return at(g, i * n + q); },
+                                                   [&](int q, int j) { return at(w, q * k + j); }));
+  expect_bf16_close(tw.grad().to_vector(), product(n, k, m, [&](int i, int q) { return at(g, q * n + i); },
+                                                   [&](int q, int j) { return at(x, q * k + j); }));
+}
+
 TEST(Autocast, OnlyBFloat16IsAnAutocastDtype) {
   EXPECT_THROW(lazy::AutocastGuard(true, lazy::DType::Float64), lazy::DTypeError);
   EXPECT_THROW(lazy::AutocastGuard(true, lazy::DType::Int32), lazy::DTypeError);

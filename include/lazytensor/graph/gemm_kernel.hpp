@@ -33,6 +33,38 @@
 
 namespace lazy::detail {
 
+#if defined(__AVX512F__)
+/// Transposes 16 registers of 16 32-bit lanes in place: lane j of r[i] moves to lane i of
+/// r[j]. Only shuffles, so the lanes move as bits (floats and pairs of bfloat16 alike).
+inline void transpose_16x16_registers(__m512 r[16]) {
+  __m512 t[16];
+  // Pairs of rows interleaved, then pairs of pairs: lane L of r[4i + q] then holds
+  // column 4L + q of rows 4i .. 4i + 3.
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  auto pd = [](__m512 x) { return _mm512_castps_pd(x); };
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
+  }
+  // Lane L of the four row groups gathered into output row 4L + q.
+  for (int q = 0; q < 4; ++q) {
+    const __m512 v0 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0x88), w0 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0xDD);
+    const __m512 v1 = _mm512_shuffle_f32x4(r[8 + q], r[12 + q], 0x88),
+                 w1 = _mm512_shuffle_f32x4(r[8 + q], r[12 + q], 0xDD);
+    t[q] = _mm512_shuffle_f32x4(v0, v1, 0x88);
+    t[8 + q] = _mm512_shuffle_f32x4(v0, v1, 0xDD);
+    t[4 + q] = _mm512_shuffle_f32x4(w0, w1, 0x88);
+    t[12 + q] = _mm512_shuffle_f32x4(w0, w1, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+#endif
+
 /// Packed GEMM kernel for T = float or double (see the file comment).
 template <class T>
 struct PackedGemm {
@@ -50,8 +82,16 @@ struct PackedGemm {
   /// tile on padding and go to Eigen (a decision made from the shapes alone).
   static bool suits(std::int64_t rows, std::int64_t n) { return n >= kLanes && rows >= kTileRows; }
 
-  /// Depth of one pass over k: short enough that a packed row panel stays in L1.
-  static std::int64_t depth_block(std::int64_t k) { return k <= 1024 ? k : 512; }
+  /// Depth of one pass over k: short enough that a packed tile of rows (kTileRows x depth)
+  /// stays in L1 next to the stream of op(B) (4 KiB per row: 1024 floats, 512 doubles),
+  /// split evenly (784 doubles: two passes of 392, not 512 + 272), and even (the bfloat16
+  /// kernel halves it into pairs).
+  static std::int64_t depth_block(std::int64_t k) {
+    constexpr std::int64_t limit = 4096 / std::int64_t(sizeof(T));
+    if (k <= limit) return k;
+    const std::int64_t blocks = (k + limit - 1) / limit, kc = (k + blocks - 1) / blocks;
+    return kc + (kc & 1);
+  }
 
   /// Panels of kTileCols columns covering n columns.
   static std::int64_t panels(std::int64_t n) { return (n + kTileCols - 1) / kTileCols; }
@@ -160,36 +200,10 @@ struct PackedGemm {
     if constexpr (std::is_same_v<T, float> && kTileCols == 32) {
       if (cols != kTileCols || depth != 16) return false;
       for (int half = 0; half < 2; ++half) {
-        __m512 r[16], t[16];
+        __m512 r[16];
         for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + (half * 16 + i) * ld);
-        // Pairs of rows interleaved, then pairs of pairs: lane L of u[4i + q] then holds
-        // column 4L + q of rows 4i .. 4i + 3.
-        for (int i = 0; i < 8; ++i) {
-          t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-          t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-        }
-        auto pd = [](__m512 x) { return _mm512_castps_pd(x); };
-        for (int i = 0; i < 4; ++i) {
-          r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
-          r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
-          r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
-          r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
-        }
-        // Gather lane L of the four row groups into output row 4L + q.
-        for (int q = 0; q < 4; ++q) {
-          const __m512 v0 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0x88),
-                       w0 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0xDD);
-          const __m512 v1 = _mm512_shuffle_f32x4(r[8 + q], r[12 + q], 0x88),
-                       w1 = _mm512_shuffle_f32x4(r[8 + q], r[12 + q], 0xDD);
-          _mm512_store_ps(dst + (0 + q) * kTileCols + half * 16,
-                          _mm512_shuffle_f32x4(v0, v1, 0x88));
-          _mm512_store_ps(dst + (8 + q) * kTileCols + half * 16,
-                          _mm512_shuffle_f32x4(v0, v1, 0xDD));
-          _mm512_store_ps(dst + (4 + q) * kTileCols + half * 16,
-                          _mm512_shuffle_f32x4(w0, w1, 0x88));
-          _mm512_store_ps(dst + (12 + q) * kTileCols + half * 16,
-                          _mm512_shuffle_f32x4(w0, w1, 0xDD));
-        }
+        transpose_16x16_registers(r);
+        for (int i = 0; i < 16; ++i) _mm512_store_ps(dst + i * kTileCols + half * 16, r[i]);
       }
       return true;
     }

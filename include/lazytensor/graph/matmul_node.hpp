@@ -15,6 +15,7 @@
 #include <lazytensor/graph/eigen_gemm.hpp>
 #include <lazytensor/graph/elementwise_node.hpp>
 #include <lazytensor/graph/gemm_kernel.hpp>
+#include <lazytensor/graph/gemm_kernel_bf16.hpp>
 
 namespace lazy::graph {
 
@@ -49,10 +50,15 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
  public:
   using Operand = GemmOperand;
 
+  /// `bf16`: the product in bfloat16 (float only): operands rounded to bfloat16 as they are
+  /// packed, float accumulation, the result rounded to bfloat16 (graph/gemm_kernel_bf16.hpp).
   GemmNode(Operand a, Operand b, std::int64_t batch_a, std::int64_t batch_b, std::int64_t m, std::int64_t k,
-           std::int64_t n, Shape out_shape, Device* device)
+           std::int64_t n, Shape out_shape, Device* device, bool bf16 = false)
       : Node(NodeKind::Gemm, dtype_of<T>(), out_shape, device, {a.node, b.node}), ta_(a.transposed),
-        tb_(b.transposed), batch_a_(batch_a), batch_b_(batch_b), m_(m), k_(k), n_(n) {}
+        tb_(b.transposed), bf16_(bf16), batch_a_(batch_a), batch_b_(batch_b), m_(m), k_(k), n_(n) {
+    if (bf16 && !std::is_same_v<T, float>)
+      throw DTypeError("matmul: a bfloat16 product takes float operands, got " + dtype_name(dtype_of<T>()));
+  }
 
   bool a_transposed() const override { return ta_; }
   bool b_transposed() const override { return tb_; }
@@ -63,17 +69,18 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
   std::int64_t cols() const override { return n_; }
   NodePtr with_operands(GemmOperand a, GemmOperand b, std::int64_t m, std::int64_t k, std::int64_t n, Shape out,
                         Device* device) const override {
-    return std::make_shared<GemmNode>(std::move(a), std::move(b), 1, 1, m, k, n, out, device);
+    return std::make_shared<GemmNode>(std::move(a), std::move(b), 1, 1, m, k, n, out, device, bf16_);
   }
 
   std::string op_name() const override { return "matmul"; }
   std::string describe() const override {
     return std::string("matmul(%0") + (ta_ ? "^T" : "") + ", %1" + (tb_ ? "^T" : "") + ") [" + std::to_string(m_) +
-           "x" + std::to_string(k_) + "] x [" + std::to_string(k_) + "x" + std::to_string(n_) + "]";
+           "x" + std::to_string(k_) + "] x [" + std::to_string(k_) + "x" + std::to_string(n_) + "]" +
+           (bf16_ ? " in bfloat16" : "");
   }
   double cost_per_element() const override { return 2.0 * static_cast<double>(k_); }
   std::uint64_t structural_hash() const override {
-    return hash_combine(Node::structural_hash(), (ta_ ? 1u : 0u) | (tb_ ? 2u : 0u));
+    return hash_combine(Node::structural_hash(), (ta_ ? 1u : 0u) | (tb_ ? 2u : 0u) | (bf16_ ? 4u : 0u));
   }
 
   /// Rows per block. Eigen's blocking (and so the order of its k-sums) depends on the rows
@@ -91,23 +98,14 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
   /// Packs the right-hand side of every batch for the packed kernel (nothing for Eigen).
   void begin_rows(ExecContext& ctx) override {
     if (!packed()) return;
+    if constexpr (std::is_same_v<T, float>) {
+      if (bf16_) {
+        pack_b_in_tasks<Bf16Kernel>(ctx, Bf16Kernel::packed_bytes(k_, n_));
+        return;
+      }
+    }
     if constexpr (kHasPackedKernel) {
-      const std::int64_t size = Kernel::packed_size(k_, n_);
-      const std::int64_t panels = Kernel::panels(n_), jobs = batch_b_ * panels;
-      packed_b_ = ctx.device.pool().acquire(padded_bytes(batch_b_ * size, sizeof(T)));
-      T* out = static_cast<T*>(packed_b_->data());
-      const T* b = inputs()[1]->template data<T>();
-      auto& pool = ctx.device.threads();
-      const std::int64_t tasks = std::min(jobs, task_count(pool, batch_b_ * k_ * n_, 1.0));
-      pool.parallel_for(tasks, [&](std::int64_t t) {
-        auto [q0, q1] = task_range(jobs, tasks, t);
-        // One call per batch the task's panels fall in (pack_b reads rows across them).
-        for (std::int64_t q = q0; q < q1;) {
-          const std::int64_t bi = q / panels, p = q % panels, count = std::min(q1 - q, panels - p);
-          Kernel::pack_b(b + bi * k_ * n_, tb_, k_, n_, out + bi * size, p, p + count);
-          q += count;
-        }
-      });
+      pack_b_in_tasks<Kernel>(ctx, Kernel::packed_size(k_, n_) * std::int64_t(sizeof(T)));
     }
   }
   void end_rows() override { packed_b_.reset(); }
@@ -126,6 +124,15 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
       const std::int64_t bi = r0 / m_, row = r0 % m_;
       const std::int64_t rows = std::min({r1 - r0, m_ - row, (r0 / block + 1) * block - r0});
       const T* ab = a + (batch_a_ == 1 ? 0 : bi) * m_ * k_;
+      if constexpr (std::is_same_v<T, float>) {
+        if (bf16_) {
+          const auto* pb = static_cast<const unsigned char*>(packed_b_->data()) +
+                           (batch_b_ == 1 ? 0 : bi) * Bf16Kernel::packed_bytes(k_, n_);
+          Bf16Kernel::multiply(ab, ta_, m_, k_, n_, pb, c + r0 * n_, row, rows);
+          r0 += rows;
+          continue;
+        }
+      }
       if constexpr (kHasPackedKernel) {
         if (use_packed) {
           const T* pb = static_cast<const T*>(packed_b_->data()) +
@@ -173,8 +180,12 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
   static constexpr bool kHasPackedKernel = std::is_same_v<T, float> || std::is_same_v<T, double>;
   using Kernel = lazy::detail::PackedGemm<std::conditional_t<kHasPackedKernel, T, float>>;
 
-  /// True when this product runs on the packed kernel (decided by dtype and shapes only).
+  using Bf16Kernel = lazy::detail::Bf16Gemm;
+
+  /// True when this product runs on a packed kernel (decided by dtype and shapes only;
+  /// bfloat16 products always do: Eigen has no bfloat16 GEMM with float accumulation).
   bool packed() const {
+    if (bf16_) return k_ > 0;
     if constexpr (kHasPackedKernel)
       return k_ > 0 && Kernel::suits(m_ * std::max(batch_a_, batch_b_), n_);
     else
@@ -190,7 +201,32 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
     }
   }
 
-  bool ta_, tb_;
+  // Packs op(B) of every batch (`bytes` each) with `Kernel`, panels split over the pool.
+  template <class Kernel>
+  void pack_b_in_tasks(ExecContext& ctx, std::int64_t bytes) {
+    const std::int64_t panels = Kernel::panels(n_), jobs = batch_b_ * panels;
+    packed_b_ = ctx.device.pool().acquire(padded_bytes(batch_b_ * bytes, 1));
+    auto* out = static_cast<unsigned char*>(packed_b_->data());
+    const T* b = inputs()[1]->template data<T>();
+    auto& pool = ctx.device.threads();
+    const std::int64_t tasks = std::min(jobs, task_count(pool, batch_b_ * k_ * n_, 1.0));
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      auto [q0, q1] = task_range(jobs, tasks, t);
+      // One call per batch the task's panels fall in (pack_b reads rows across them).
+      for (std::int64_t q = q0; q < q1;) {
+        const std::int64_t bi = q / panels, p = q % panels, count = std::min(q1 - q, panels - p);
+        void* dst = out + bi * bytes;
+        if constexpr (std::is_same_v<Kernel, Bf16Kernel>) {
+          Kernel::pack_b(b + bi * k_ * n_, tb_, k_, n_, dst, p, p + count);
+        } else {
+          Kernel::pack_b(b + bi * k_ * n_, tb_, k_, n_, static_cast<T*>(dst), p, p + count);
+        }
+        q += count;
+      }
+    });
+  }
+
+  bool ta_, tb_, bf16_;
   std::int64_t batch_a_, batch_b_, m_, k_, n_;
   std::shared_ptr<Buffer> packed_b_;  ///< op(B) packed, between begin_rows and end_rows
 };

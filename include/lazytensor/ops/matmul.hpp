@@ -40,9 +40,11 @@ typename graph::GemmNode<T>::Operand gemm_operand(const Tensor<T>& t) {
   return {n, false};
 }
 
+/// The product as a GemmNode; `bf16` (float only) runs it in bfloat16 with float
+/// accumulation and a rounded result (autocast's products), and so does its backward.
 template <Element T>
 Tensor<T> gemm(const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std::int64_t batch_b,
-               std::int64_t m, std::int64_t k, std::int64_t n, const Shape& out);
+               std::int64_t m, std::int64_t k, std::int64_t n, const Shape& out, bool bf16 = false);
 
 /// Backward of C[b] = A[b] B[b] with A viewed as [batch_a, m, k], B as [batch_b, k, n] (a
 /// batch of 1 broadcasts): dA = dC B^T, dB = A^T dC, summed over broadcast batches. When a
@@ -50,22 +52,24 @@ Tensor<T> gemm(const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std
 /// `b_transposed`: B is the transpose of a stored [n, k] matrix (linear's weight), so dB is
 /// computed as dB^T = dC^T A in that matrix's layout; the transpose's own backward then
 /// folds away (transpose of a transpose) instead of copying the gradient.
+/// `bf16`: the gradients' products are bfloat16 products too, which is the backward of
+/// round(round(A) round(B)) (the rounding's backward rounds the gradient).
 template <Element T>
 void record_gemm(Tensor<T>& c, const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a,
                  std::int64_t batch_b, std::int64_t m, std::int64_t k, std::int64_t n,
-                 bool b_transposed) {
+                 bool b_transposed, bool bf16) {
   auto ea = autograd::edge_of(a.impl()), eb = autograd::edge_of(b.impl());
   if (!ea && !eb) return;
   autograd::record(c, "MmBackward0", {ea, eb},
                    [a = a.detach(), b = b.detach(), batch_a, batch_b, m, k, n,
                     need_a = ea != nullptr, need_b = eb != nullptr,
-                    b_transposed](const Tensor<T>& g) {
+                    b_transposed, bf16](const Tensor<T>& g) {
                      const std::int64_t B = std::max(batch_a, batch_b);
                      std::vector<graph::NodePtr> grads(2);
                      if (need_a) {
                        // dA[b] = dC[b] B[b]^T: [B*m, n] x [n, k] stacked when B is shared.
-                       Tensor<T> da = batch_b == 1 ? gemm(g, transpose(reshape(b, Shape{k, n}), 0, 1), 1, 1, B * m, n, k, Shape{B, m, k})
-                                                   : gemm(g, transpose(reshape(b, Shape{B, k, n}), 1, 2), B, B, m, n, k, Shape{B, m, k});
+                       Tensor<T> da = batch_b == 1 ? gemm(g, transpose(reshape(b, Shape{k, n}), 0, 1), 1, 1, B * m, n, k, Shape{B, m, k}, bf16)
+                                                   : gemm(g, transpose(reshape(b, Shape{B, k, n}), 1, 2), B, B, m, n, k, Shape{B, m, k}, bf16);
                        if (batch_a == 1 && B > 1) da = sum(da, {0});
                        grads[0] = reshape(da, a.shape()).node();
                      }
@@ -74,15 +78,15 @@ void record_gemm(Tensor<T>& c, const Tensor<T>& a, const Tensor<T>& b, std::int6
                        if (batch_b == 1 && b_transposed) {  // dB^T = dC^T A over the stacked rows
                          db = transpose(
                              gemm(transpose(reshape(g, Shape{B * m, n}), 0, 1),
-                                  reshape(a, Shape{B * m, k}), 1, 1, n, B * m, k, Shape{n, k}),
+                                  reshape(a, Shape{B * m, k}), 1, 1, n, B * m, k, Shape{n, k}, bf16),
                              0, 1);
                        } else if (batch_a == 1) {  // A shared: dB[b] = A^T dC[b]
-                         db = gemm(transpose(reshape(a, Shape{m, k}), 0, 1), g, 1, B, k, m, n, Shape{B, k, n});
+                         db = gemm(transpose(reshape(a, Shape{m, k}), 0, 1), g, 1, B, k, m, n, Shape{B, k, n}, bf16);
                        } else if (batch_b == 1) {  // B shared: one GEMM over the stacked batches
                          db = gemm(transpose(reshape(a, Shape{B * m, k}), 0, 1), reshape(g, Shape{B * m, n}), 1, 1, k,
-                                   B * m, n, Shape{k, n});
+                                   B * m, n, Shape{k, n}, bf16);
                        } else {
-                         db = gemm(transpose(reshape(a, Shape{B, m, k}), 1, 2), g, B, B, k, m, n, Shape{B, k, n});
+                         db = gemm(transpose(reshape(a, Shape{B, m, k}), 1, 2), g, B, B, k, m, n, Shape{B, k, n}, bf16);
                        }
                        if (batch_b == 1 && B > 1 && batch_a == 1) db = sum(db, {0});
                        grads[1] = reshape(db, b.shape()).node();
@@ -93,12 +97,13 @@ void record_gemm(Tensor<T>& c, const Tensor<T>& a, const Tensor<T>& b, std::int6
 
 template <Element T>
 Tensor<T> gemm(const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std::int64_t batch_b,
-               std::int64_t m, std::int64_t k, std::int64_t n, const Shape& out) {
+               std::int64_t m, std::int64_t k, std::int64_t n, const Shape& out, bool bf16) {
   auto oa = gemm_operand(a), ob = gemm_operand(b);
   graph::Device& dev = graph::common_device({oa.node, ob.node}, "matmul");
-  Tensor<T> c(graph::submit(std::make_shared<graph::GemmNode<T>>(oa, ob, batch_a, batch_b, m, k, n, out, &dev)));
+  Tensor<T> c(
+      graph::submit(std::make_shared<graph::GemmNode<T>>(oa, ob, batch_a, batch_b, m, k, n, out, &dev, bf16)));
   if constexpr (is_floating_v<T>) {
-    if (autograd::is_grad_enabled()) record_gemm(c, a, b, batch_a, batch_b, m, k, n, ob.transposed);
+    if (autograd::is_grad_enabled()) record_gemm(c, a, b, batch_a, batch_b, m, k, n, ob.transposed, bf16);
   }
   return c;
 }
@@ -113,22 +118,20 @@ Tensor<float> round_to_bf16(const Tensor<float>& x);
 
 /// Matrix product with torch.matmul's rules: 1-D x 1-D is a dot product, 2-D x 2-D a matrix
 /// product, 1-D operands gain and lose a dimension, and leading (batch) dims broadcast.
-/// bfloat16 operands multiply in float and the result is rounded once (as a bfloat16 GEMM
-/// with float accumulation); under autocast (AutocastGuard) float operands do the same.
+/// bfloat16 operands multiply on the bfloat16 GEMM (float accumulation, the result rounded
+/// once; graph/gemm_kernel_bf16.hpp); under autocast (AutocastGuard) float operands do the
+/// same, rounded to bfloat16 as the GEMM packs them.
 template <Element T>
 Tensor<T> matmul(const Tensor<T>& a, const Tensor<T>& b) {
   if constexpr (std::is_same_v<T, bfloat16>) {
+    AutocastGuard bf16;  // the float product in bfloat16 (exactly representable: the cast back is exact)
     return Tensor<bfloat16>(cast<bfloat16>(matmul(Tensor<float>(cast<float>(a)), Tensor<float>(cast<float>(b)))));
   } else if constexpr (!std::is_same_v<T, float> && !std::is_same_v<T, double> && !std::is_same_v<T, std::int32_t> &&
                        !std::is_same_v<T, std::int64_t>) {
     throw DTypeError("matmul: expected floating, int32 or int64 operands, got " + dtype_name(dtype_of<T>()));
   } else {
-    if constexpr (std::is_same_v<T, float>) {
-      if (is_autocast_enabled()) {
-        AutocastGuard off(false);
-        return detail::round_to_bf16(matmul(detail::round_to_bf16(a), detail::round_to_bf16(b)));
-      }
-    }
+    bool bf16 = false;
+    if constexpr (std::is_same_v<T, float>) bf16 = is_autocast_enabled();
     const Shape& sa = a.shape();
     const Shape& sb = b.shape();
     if (sa.rank() == 0 || sb.rank() == 0) {
@@ -136,7 +139,7 @@ Tensor<T> matmul(const Tensor<T>& a, const Tensor<T>& b) {
     }
     if (sa.rank() == 1 && sb.rank() == 1) {
       if (sa[0] != sb[0]) detail::matmul_mismatch(sa, sb, sa[0], sb[0]);
-      return detail::gemm(reshape(a, Shape{1, sa[0]}), reshape(b, Shape{sb[0], 1}), 1, 1, 1, sa[0], 1, Shape{});
+      return detail::gemm(reshape(a, Shape{1, sa[0]}), reshape(b, Shape{sb[0], 1}), 1, 1, 1, sa[0], 1, Shape{}, bf16);
     }
     if (sb.rank() == 1) {  // [.., m, k] x [k]
       const std::int64_t k = sa[sa.rank() - 1];
@@ -144,7 +147,7 @@ Tensor<T> matmul(const Tensor<T>& a, const Tensor<T>& b) {
       Shape out;
       for (int i = 0; i + 1 < sa.rank(); ++i) out.push_back(sa[i]);
       const std::int64_t m = k ? a.numel() / k : out.numel();
-      return detail::gemm(reshape(a, Shape{m, k}), reshape(b, Shape{k, 1}), 1, 1, m, k, 1, out);
+      return detail::gemm(reshape(a, Shape{m, k}), reshape(b, Shape{k, 1}), 1, 1, m, k, 1, out, bf16);
     }
     if (sa.rank() == 1) {  // [k] x [.., k, n]
       const std::int64_t k = sb[sb.rank() - 2], n = sb[sb.rank() - 1];
@@ -154,7 +157,7 @@ Tensor<T> matmul(const Tensor<T>& a, const Tensor<T>& b) {
       out.push_back(n);
       std::int64_t batch = 1;  // not numel / (k * n): k or n may be 0
       for (int i = 0; i + 2 < sb.rank(); ++i) batch *= sb[i];
-      return detail::gemm(reshape(a, Shape{1, k}), b, 1, batch, 1, k, n, out);
+      return detail::gemm(reshape(a, Shape{1, k}), b, 1, batch, 1, k, n, out, bf16);
     }
     const std::int64_t m = sa[sa.rank() - 2], k = sa[sa.rank() - 1];
     const std::int64_t kb = sb[sb.rank() - 2], n = sb[sb.rank() - 1];
@@ -168,7 +171,7 @@ Tensor<T> matmul(const Tensor<T>& a, const Tensor<T>& b) {
     out.push_back(n);
     if (bb.numel() == 1 && sb.rank() == 2) {
       // [.., m, k] x [k, n]: one GEMM with all batch rows stacked (m' = batch * m).
-      return detail::gemm(a, b, 1, 1, ba.numel() * m, k, n, out);
+      return detail::gemm(a, b, 1, 1, ba.numel() * m, k, n, out, bf16);
     }
     Shape fa = batch, fb = batch;
     fa.push_back(m);
@@ -177,7 +180,7 @@ Tensor<T> matmul(const Tensor<T>& a, const Tensor<T>& b) {
     fb.push_back(n);
     Tensor<T> ea = (ba == batch) ? a : expand(a, fa);
     Tensor<T> eb = (bb == batch) ? b : expand(b, fb);
-    return detail::gemm(ea, eb, batch.numel(), batch.numel(), m, k, n, out);
+    return detail::gemm(ea, eb, batch.numel(), batch.numel(), m, k, n, out, bf16);
   }
 }
 
@@ -199,13 +202,7 @@ Tensor<T> linear(const Tensor<T>& x, const Tensor<T>& w) {
                      "] and weight [out_features, in_features], got input " + x.shape().str() + " and weight " +
                      w.shape().str());
   }
-  if constexpr (std::is_same_v<T, float>) {
-    if (is_autocast_enabled()) {  // w rounded before the transpose, which the GEMM reads through
-      AutocastGuard off(false);
-      return detail::round_to_bf16(matmul(detail::round_to_bf16(x), transpose(detail::round_to_bf16(w), 0, 1)));
-    }
-  }
-  return matmul(x, transpose(w, 0, 1));
+  return matmul(x, transpose(w, 0, 1));  // autocast: a bfloat16 product there
 }
 
 /// x @ w^T + b. Returns an expression (as `a + b` does), so a following element-wise op
