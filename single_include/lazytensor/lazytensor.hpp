@@ -15509,7 +15509,7 @@ LAZYTENSOR_EIGEN_GEMM_INSTANCES(extern, std::int64_t)
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -15555,6 +15555,30 @@ inline void transpose_16x16_registers(__m512 r[16]) {
     t[12 + q] = _mm512_shuffle_f32x4(w0, w1, 0xDD);
   }
   for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+#endif
+
+#if defined(__AVX__)
+/// Transposes 8 registers of 8 floats in place: lane j of r[i] moves to lane i of r[j].
+inline void transpose_8x8_registers(__m256 r[8]) {
+  __m256 t[8];
+  // Interleave pairs of rows, then pairs of pairs: r[c] then holds column c of rows 0-3 in
+  // its low half and column c + 4 in its high half (rows 4-7 in r[c + 4]).
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {
+    r[4 * h + 0] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0x44);
+    r[4 * h + 1] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0xEE);
+    r[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0x44);
+    r[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    t[c] = _mm256_permute2f128_ps(r[c], r[4 + c], 0x20);
+    t[c + 4] = _mm256_permute2f128_ps(r[c], r[4 + c], 0x31);
+  }
+  for (int i = 0; i < 8; ++i) r[i] = t[i];
 }
 #endif
 
@@ -15629,6 +15653,7 @@ struct PackedGemm {
       for (std::int64_t k0 = 0; k0 < k; k0 += 16) {
         const std::int64_t k1 = std::min<std::int64_t>(k, k0 + 16);
         if (transpose_16x16(b + j0 * k + k0, k, dst + k0 * kTileCols, cols, k1 - k0)) continue;
+        if (transpose_8_deep(b + j0 * k + k0, k, dst + k0 * kTileCols, cols, k1 - k0)) continue;
         for (std::int64_t j = 0; j < kTileCols; ++j) {
           if (j < cols) {
             const T* src = b + (j0 + j) * k;
@@ -15706,6 +15731,27 @@ struct PackedGemm {
     return false;
   }
 
+  // The same for a whole panel of 16 float columns (AVX2's) and a depth of 8 or 16, with
+  // 8 x 8 register transposes; false (nothing written) otherwise.
+  static bool transpose_8_deep([[maybe_unused]] const T* src, [[maybe_unused]] std::int64_t ld,
+                               [[maybe_unused]] T* dst, [[maybe_unused]] std::int64_t cols,
+                               [[maybe_unused]] std::int64_t depth) {
+#if defined(__AVX__)
+    if constexpr (std::is_same_v<T, float> && kTileCols == 16) {
+      if (cols != kTileCols || depth % 8 != 0) return false;
+      for (std::int64_t d = 0; d < depth; d += 8)
+        for (int half = 0; half < 2; ++half) {
+          __m256 r[8];
+          for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + (half * 8 + i) * ld + d);
+          transpose_8x8_registers(r);
+          for (int i = 0; i < 8; ++i) _mm256_store_ps(dst + (d + i) * kTileCols + half * 8, r[i]);
+        }
+      return true;
+    }
+#endif
+    return false;
+  }
+
   // out[kk * 8 + i] = src[i * ld + kk] for 8 rows and the first multiple of 8 of `depth`
   // k-values, by 8 x 8 register transposes where float AVX registers exist (the tile of
   // AVX-512 has 8 rows). Returns how many k-values it packed (0: none).
@@ -15717,24 +15763,10 @@ struct PackedGemm {
     if constexpr (std::is_same_v<T, float> && kTileRows == 8) {
       const std::int64_t whole = depth / 8 * 8;
       for (std::int64_t kk = 0; kk < whole; kk += 8) {
-        __m256 r[8], t[8];
+        __m256 r[8];
         for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ld + kk);
-        // Interleave pairs of rows, then pairs of pairs: r[c] then holds k-value c of rows
-        // 0-3 in its low half and k-value c + 4 in its high half (rows 4-7 in r[c + 4]).
-        for (int i = 0; i < 4; ++i) {
-          t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-          t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-        }
-        for (int h = 0; h < 2; ++h) {
-          r[4 * h + 0] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0x44);
-          r[4 * h + 1] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0xEE);
-          r[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0x44);
-          r[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0xEE);
-        }
-        for (int c = 0; c < 4; ++c) {
-          _mm256_store_ps(out + (kk + c) * 8, _mm256_permute2f128_ps(r[c], r[4 + c], 0x20));
-          _mm256_store_ps(out + (kk + c + 4) * 8, _mm256_permute2f128_ps(r[c], r[4 + c], 0x31));
-        }
+        transpose_8x8_registers(r);
+        for (int c = 0; c < 8; ++c) _mm256_store_ps(out + (kk + c) * 8, r[c]);
       }
       return whole;
     }
