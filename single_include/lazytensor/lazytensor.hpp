@@ -15599,9 +15599,9 @@ struct PackedGemm {
   /// tile on padding and go to Eigen (a decision made from the shapes alone).
   static bool suits(std::int64_t rows, std::int64_t n) { return n >= kLanes && rows >= kTileRows; }
 
-  /// Depth of one pass over k: short enough that a packed tile of rows (kTileRows x depth)
-  /// stays in L1 next to the stream of op(B) (4 KiB per row: 1024 floats, 512 doubles),
-  /// split evenly (784 doubles: two passes of 392, not 512 + 272), and even (the bfloat16
+  /// Depth of one pass over k: at most 4 KiB per packed row of A (1024 floats, 512
+  /// doubles: an 8-row tile is then at most the 32 KiB of L1, the bound measured best for
+  /// floats on Zen 4; deeper double tiles ran at 0.34x OpenBLAS on Cascade Lake), split evenly (784 doubles: two passes of 392, not 512 + 272), and even (the bfloat16
   /// kernel halves it into pairs).
   static std::int64_t depth_block(std::int64_t k) {
     constexpr std::int64_t limit = 4096 / std::int64_t(sizeof(T));
@@ -15856,7 +15856,8 @@ struct PackedGemm {
 //
 // A product of two bfloat16 values is exact in float, so both paths add the same exact
 // products in the same order, one rounding each: they agree to the bit for normal values
-// (vdpbf16ps flushes denormal inputs and results to zero; the emulation keeps them).
+// (vdpbf16ps flushes denormal inputs and results to zero, including the float partial sums
+// it reloads between passes over k; the emulation keeps them).
 // The pair layout with vdpbf16ps's semantics spelled out in plain AVX-512 (SoftBf16) runs on
 // any AVX-512 machine, so the native path's packing and tiling are tested where the
 // instruction is missing.
@@ -15904,25 +15905,28 @@ struct EmulatedBf16Gemm {
   }
 
   /// Packs panels [p0, p1) of op(B) (k x n; stored n x k when `transposed`) into `out`.
+  /// One panel at a time through a scratch of k x one panel (not a copy of B per thread).
   static void pack_b(const float* b, bool transposed, std::int64_t k, std::int64_t n, void* out, std::int64_t p0,
                      std::int64_t p1) {
-    const std::int64_t ke = even(k), j0 = p0 * Float::kTileCols;
-    const std::int64_t w = std::min(n, p1 * Float::kTileCols) - j0;
-    if (w <= 0) return;
+    const std::int64_t ke = even(k);
     thread_local Scratch scratch;
-    float* s = scratch.get(ke * w);
-    if (transposed) {
-      for (std::int64_t j = 0; j < w; ++j) round_swapped(b + (j0 + j) * k, k, s + j * ke);
-    } else {
-      for (std::int64_t kk = 0; kk < ke; ++kk) round_row(kk < k ? b + kk * n + j0 : nullptr, w, s + (kk ^ 1) * w);
+    float* s = scratch.get(ke * Float::kTileCols);
+    for (std::int64_t p = p0; p < p1; ++p) {
+      const std::int64_t j0 = p * Float::kTileCols, w = std::min<std::int64_t>(Float::kTileCols, n - j0);
+      if (transposed) {
+        for (std::int64_t j = 0; j < w; ++j) round_swapped(b + (j0 + j) * k, k, s + j * ke);
+      } else {
+        for (std::int64_t kk = 0; kk < ke; ++kk) round_row(kk < k ? b + kk * n + j0 : nullptr, w, s + (kk ^ 1) * w);
+      }
+      Float::pack_b(s, transposed, ke, w, static_cast<float*>(out) + p * ke * Float::kTileCols, 0, 1);
     }
-    Float::pack_b(s, transposed, ke, w, static_cast<float*>(out) + p0 * ke * Float::kTileCols, 0, p1 - p0);
   }
 
-  /// Rows [r0, r0 + rows) of op(A) * op(B), rounded to bfloat16, into c (row-major, n
-  /// columns, offset to row r0). op(A) is m x k, stored k x m when `a_transposed`.
+  /// Rows [r0, r0 + rows) of op(A) * op(B), rounded to bfloat16 when `round`, into c
+  /// (row-major, n columns, offset to row r0). op(A) is m x k, stored k x m when
+  /// `a_transposed`.
   static void multiply(const float* a, bool a_transposed, std::int64_t m, std::int64_t k, std::int64_t n,
-                       const void* packed_b, float* c, std::int64_t r0, std::int64_t rows) {
+                       const void* packed_b, float* c, std::int64_t r0, std::int64_t rows, bool round = true) {
     const std::int64_t ke = even(k);
     thread_local Scratch scratch;
     float* s = scratch.get(rows * ke);
@@ -15932,7 +15936,7 @@ struct EmulatedBf16Gemm {
       for (std::int64_t i = 0; i < rows; ++i) round_swapped(a + (r0 + i) * k, k, s + i * ke);
     }
     Float::multiply(s, a_transposed, rows, ke, n, static_cast<const float*>(packed_b), c, 0, rows);
-    round_to_bf16(c, c, rows * n);
+    if (round) round_to_bf16(c, c, rows * n);
   }
 
  private:
@@ -16059,9 +16063,10 @@ struct PairBf16Gemm {
     }
   }
 
-  /// Rows [r0, r0 + rows) of op(A) * op(B), rounded to bfloat16, into c (offset to row r0).
+  /// Rows [r0, r0 + rows) of op(A) * op(B), rounded to bfloat16 when `round`, into c
+  /// (offset to row r0).
   static void multiply(const float* a, bool a_transposed, std::int64_t m, std::int64_t k, std::int64_t n,
-                       const void* packed_b, float* c, std::int64_t r0, std::int64_t rows) {
+                       const void* packed_b, float* c, std::int64_t r0, std::int64_t rows, bool round = true) {
     const std::int64_t np = pairs(k), qc = pair_block(k), npanels = panels(n);
     const std::int64_t tiles = (rows + kTileRows - 1) / kTileRows;
     alignas(64) float tile[kTileRows * kTileCols] = {};
@@ -16071,7 +16076,7 @@ struct PairBf16Gemm {
     const auto* words_b = static_cast<const std::uint32_t*>(packed_b);
     for (std::int64_t q0 = 0; q0 < np; q0 += qc) {
       const std::int64_t qb = std::min(qc, np - q0);
-      const bool accumulate = q0 > 0, last = q0 + qb == np;
+      const bool accumulate = q0 > 0, last = round && q0 + qb == np;
       for (std::int64_t t = 0; t < tiles; ++t)
         pack_a(a, a_transposed, m, k, r0 + t * kTileRows, std::min<std::int64_t>(kTileRows, rows - t * kTileRows), q0,
                qb, packed_a.data() + t * kTileRows * qb);
@@ -16212,10 +16217,13 @@ class BlockGemm {
   virtual std::int64_t rows() const = 0;
   virtual std::int64_t depth() const = 0;
   virtual std::int64_t cols() const = 0;
+  /// True for a bfloat16 product (operands and result rounded to bfloat16).
+  virtual bool bf16() const = 0;
   /// The product of [m, k] and [k, n] blocks, of shape `out` (m x n elements), on
-  /// `device`, not submitted.
+  /// `device`, not submitted. `partial`: a partial sum over a block of k, whose bfloat16
+  /// result is left unrounded (the sum of the partials is rounded once).
   virtual NodePtr with_operands(GemmOperand a, GemmOperand b, std::int64_t m, std::int64_t k, std::int64_t n,
-                                Shape out, Device* device) const = 0;
+                                Shape out, Device* device, bool partial = false) const = 0;
 };
 
 /// C[b] = op(A[b]) * op(B[b]) for a batch of row-major matrices; op is identity or
@@ -16226,11 +16234,16 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
   using Operand = GemmOperand;
 
   /// `bf16`: the product in bfloat16 (float only): operands rounded to bfloat16 as they are
-  /// packed, float accumulation, the result rounded to bfloat16 (graph/gemm_kernel_bf16.hpp).
+  /// packed, float accumulation, the result rounded to bfloat16 (graph/gemm_kernel_bf16.hpp)
+  /// unless `round_result` is false (a partial sum over a block of k). `packed_kernel`: on
+  /// the packed kernel whatever the shapes (a block of a product that runs there, so that
+  /// its bits are the whole product's).
   GemmNode(Operand a, Operand b, std::int64_t batch_a, std::int64_t batch_b, std::int64_t m, std::int64_t k,
-           std::int64_t n, Shape out_shape, Device* device, bool bf16 = false)
+           std::int64_t n, Shape out_shape, Device* device, bool bf16 = false, bool round_result = true,
+           bool packed_kernel = false)
       : Node(NodeKind::Gemm, dtype_of<T>(), out_shape, device, {a.node, b.node}), ta_(a.transposed),
-        tb_(b.transposed), bf16_(bf16), batch_a_(batch_a), batch_b_(batch_b), m_(m), k_(k), n_(n) {
+        tb_(b.transposed), bf16_(bf16), round_(bf16 && round_result), force_packed_(packed_kernel),
+        batch_a_(batch_a), batch_b_(batch_b), m_(m), k_(k), n_(n) {
     if (bf16 && !std::is_same_v<T, float>)
       throw DTypeError("matmul: a bfloat16 product takes float operands, got " + dtype_name(dtype_of<T>()));
   }
@@ -16242,20 +16255,24 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
   std::int64_t rows() const override { return m_; }
   std::int64_t depth() const override { return k_; }
   std::int64_t cols() const override { return n_; }
+  bool bf16() const override { return bf16_; }
   NodePtr with_operands(GemmOperand a, GemmOperand b, std::int64_t m, std::int64_t k, std::int64_t n, Shape out,
-                        Device* device) const override {
-    return std::make_shared<GemmNode>(std::move(a), std::move(b), 1, 1, m, k, n, out, device, bf16_);
+                        Device* device, bool partial) const override {
+    // The blocks run on the whole product's kernel: the packed kernel's sums do not depend
+    // on the rows, Eigen's would differ from it.
+    return std::make_shared<GemmNode>(std::move(a), std::move(b), 1, 1, m, k, n, out, device, bf16_, !partial,
+                                      packed());
   }
 
   std::string op_name() const override { return "matmul"; }
   std::string describe() const override {
     return std::string("matmul(%0") + (ta_ ? "^T" : "") + ", %1" + (tb_ ? "^T" : "") + ") [" + std::to_string(m_) +
            "x" + std::to_string(k_) + "] x [" + std::to_string(k_) + "x" + std::to_string(n_) + "]" +
-           (bf16_ ? " in bfloat16" : "");
+           (bf16_ ? (round_ ? " in bfloat16" : " in bfloat16, unrounded") : "");
   }
   double cost_per_element() const override { return 2.0 * static_cast<double>(k_); }
   std::uint64_t structural_hash() const override {
-    return hash_combine(Node::structural_hash(), (ta_ ? 1u : 0u) | (tb_ ? 2u : 0u) | (bf16_ ? 4u : 0u));
+    return hash_combine(Node::structural_hash(), (ta_ ? 1u : 0u) | (tb_ ? 2u : 0u) | (bf16_ ? 4u : 0u) | (round_ ? 8u : 0u) | (force_packed_ ? 16u : 0u));
   }
 
   /// Rows per block. Eigen's blocking (and so the order of its k-sums) depends on the rows
@@ -16300,10 +16317,10 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
       const std::int64_t rows = std::min({r1 - r0, m_ - row, (r0 / block + 1) * block - r0});
       const T* ab = a + (batch_a_ == 1 ? 0 : bi) * m_ * k_;
       if constexpr (std::is_same_v<T, float>) {
-        if (bf16_) {
+        if (bf16_ && use_packed) {  // k == 0 is Eigen's (zeros)
           const auto* pb = static_cast<const unsigned char*>(packed_b_->data()) +
                            (batch_b_ == 1 ? 0 : bi) * Bf16Kernel::packed_bytes(k_, n_);
-          Bf16Kernel::multiply(ab, ta_, m_, k_, n_, pb, c + r0 * n_, row, rows);
+          Bf16Kernel::multiply(ab, ta_, m_, k_, n_, pb, c + r0 * n_, row, rows, round_);
           r0 += rows;
           continue;
         }
@@ -16362,7 +16379,7 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
   bool packed() const {
     if (bf16_) return k_ > 0;
     if constexpr (kHasPackedKernel)
-      return k_ > 0 && Kernel::suits(m_ * std::max(batch_a_, batch_b_), n_);
+      return k_ > 0 && (force_packed_ || Kernel::suits(m_ * std::max(batch_a_, batch_b_), n_));
     else
       return false;
   }
@@ -16401,7 +16418,7 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
     });
   }
 
-  bool ta_, tb_, bf16_;
+  bool ta_, tb_, bf16_, round_, force_packed_;
   std::int64_t batch_a_, batch_b_, m_, k_, n_;
   std::shared_ptr<Buffer> packed_b_;  ///< op(B) packed, between begin_rows and end_rows
 };
@@ -18447,7 +18464,8 @@ Tensor<T> gemm(const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std
 /// computed as dB^T = dC^T A in that matrix's layout; the transpose's own backward then
 /// folds away (transpose of a transpose) instead of copying the gradient.
 /// `bf16`: the gradients' products are bfloat16 products too, which is the backward of
-/// round(round(A) round(B)) (the rounding's backward rounds the gradient).
+/// round(round(A) round(B)) (the rounding's backward rounds the gradient); where a side is
+/// broadcast over batches, its gradient is the float sum of the batches' rounded products.
 template <Element T>
 void record_gemm(Tensor<T>& c, const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a,
                  std::int64_t batch_b, std::int64_t m, std::int64_t k, std::int64_t n,
@@ -25074,15 +25092,19 @@ LAZYTENSOR_INLINE graph::NodePtr partition_gemm(const graph::Node& node, const g
     return graph::GemmOperand{std::move(p), transposed};
   };
   std::vector<graph::NodePtr> shards;
+  const bool split_k = !target.dims[1].empty();
   for (int p = 0; p < mesh->size(); ++p) {
     graph::Device& dev = mesh_device(mesh->device_ids()[static_cast<std::size_t>(p)]);
     auto& pc = pieces[static_cast<std::size_t>(p)];
-    shards.push_back(graph::submit_unpartitioned(
-        gm.with_operands(operand(pc[0], ta), operand(pc[1], tb), block[0], block[1], block[2], out_block, &dev)));
+    shards.push_back(graph::submit_unpartitioned(gm.with_operands(operand(pc[0], ta), operand(pc[1], tb), block[0],
+                                                                  block[1], block[2], out_block, &dev, split_k)));
   }
-  if (!target.dims[1].empty()) {
-    // Partial products over k blocks, combined in k order.
+  if (split_k) {
+    // Partial products over k blocks, combined in k order; a bfloat16 product's sum is
+    // rounded once, as unsharded.
     reduce_partials(shards, *mesh, target.dims[1], [&](int p) { return target.part_of(p, 1); }, Combine::Sum);
+    if (gm.bf16())
+      for (auto& s : shards) s = graph::submit_unpartitioned(std::make_shared<graph::RoundToBFloat16Node>(s));
   }
   return std::make_shared<ShardedNode>(std::move(result), std::move(shards), node.dtype(), out, node.device());
 }

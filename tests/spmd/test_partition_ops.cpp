@@ -184,3 +184,30 @@ TEST(SpmdReduction, IntegerAndBoolReductionsCombineExactly) {
   EXPECT_EQ(lazy::sum(t, {1}).to_vector(), want_sum);  // int64 partial sums, all-reduced
   EXPECT_EQ(lazy::amax(t, {0}).to_vector(), want_max);
 }
+
+TEST(SpmdMatmul, Bf16ProductWithASplitDepthRoundsTheSumOnce) {
+  // Under autocast the product rounds its operands and its result to bfloat16; with k split
+  // over the devices each partial stays unrounded and the all-reduced sum is rounded once,
+  // so the result equals the unsharded rule (one bfloat16 step of a double reference over
+  // the rounded operands) and holds bfloat16 values.
+  const int m = 8, k = 12, n = 16;
+  auto round = [](double v) { return static_cast<double>(static_cast<float>(lazy::bfloat16(static_cast<float>(v)))); };
+  std::vector<float> av, bv;
+  for (double v : random_tensor({m, k}, 31).to_vector()) av.push_back(static_cast<float>(v));
+  for (double v : random_tensor({k, n}, 32).to_vector()) bv.push_back(static_cast<float>(v));
+  for (const auto& mesh : unnamed_meshes()) {
+    auto a = lazy::from_vector<float>(av, lazy::Shape{m, k}), b = lazy::from_vector<float>(bv, lazy::Shape{k, n});
+    spmd::mark_sharding(a, mesh, {std::nullopt, 0});
+    spmd::mark_sharding(b, mesh, {0});
+    lazy::AutocastGuard bf16;
+    const auto got = lazy::matmul(a, b).to_vector();
+    for (int i = 0; i < m; ++i)
+      for (int j = 0; j < n; ++j) {
+        double s = 0;
+        for (int q = 0; q < k; ++q) s += round(av[std::size_t(i * k + q)]) * round(bv[std::size_t(q * n + j)]);
+        const float g = got[std::size_t(i * n + j)];
+        EXPECT_EQ(static_cast<float>(lazy::bfloat16(g)), g) << mesh.str() << " (" << i << ", " << j << ") not bfloat16";
+        EXPECT_NEAR(g, round(s), std::abs(round(s)) * 0x1p-7 + 1e-6) << mesh.str() << " (" << i << ", " << j << ")";
+      }
+  }
+}

@@ -14,7 +14,8 @@
 //
 // A product of two bfloat16 values is exact in float, so both paths add the same exact
 // products in the same order, one rounding each: they agree to the bit for normal values
-// (vdpbf16ps flushes denormal inputs and results to zero; the emulation keeps them).
+// (vdpbf16ps flushes denormal inputs and results to zero, including the float partial sums
+// it reloads between passes over k; the emulation keeps them).
 // The pair layout with vdpbf16ps's semantics spelled out in plain AVX-512 (SoftBf16) runs on
 // any AVX-512 machine, so the native path's packing and tiling are tested where the
 // instruction is missing.
@@ -64,25 +65,28 @@ struct EmulatedBf16Gemm {
   }
 
   /// Packs panels [p0, p1) of op(B) (k x n; stored n x k when `transposed`) into `out`.
+  /// One panel at a time through a scratch of k x one panel (not a copy of B per thread).
   static void pack_b(const float* b, bool transposed, std::int64_t k, std::int64_t n, void* out, std::int64_t p0,
                      std::int64_t p1) {
-    const std::int64_t ke = even(k), j0 = p0 * Float::kTileCols;
-    const std::int64_t w = std::min(n, p1 * Float::kTileCols) - j0;
-    if (w <= 0) return;
+    const std::int64_t ke = even(k);
     thread_local Scratch scratch;
-    float* s = scratch.get(ke * w);
-    if (transposed) {
-      for (std::int64_t j = 0; j < w; ++j) round_swapped(b + (j0 + j) * k, k, s + j * ke);
-    } else {
-      for (std::int64_t kk = 0; kk < ke; ++kk) round_row(kk < k ? b + kk * n + j0 : nullptr, w, s + (kk ^ 1) * w);
+    float* s = scratch.get(ke * Float::kTileCols);
+    for (std::int64_t p = p0; p < p1; ++p) {
+      const std::int64_t j0 = p * Float::kTileCols, w = std::min<std::int64_t>(Float::kTileCols, n - j0);
+      if (transposed) {
+        for (std::int64_t j = 0; j < w; ++j) round_swapped(b + (j0 + j) * k, k, s + j * ke);
+      } else {
+        for (std::int64_t kk = 0; kk < ke; ++kk) round_row(kk < k ? b + kk * n + j0 : nullptr, w, s + (kk ^ 1) * w);
+      }
+      Float::pack_b(s, transposed, ke, w, static_cast<float*>(out) + p * ke * Float::kTileCols, 0, 1);
     }
-    Float::pack_b(s, transposed, ke, w, static_cast<float*>(out) + p0 * ke * Float::kTileCols, 0, p1 - p0);
   }
 
-  /// Rows [r0, r0 + rows) of op(A) * op(B), rounded to bfloat16, into c (row-major, n
-  /// columns, offset to row r0). op(A) is m x k, stored k x m when `a_transposed`.
+  /// Rows [r0, r0 + rows) of op(A) * op(B), rounded to bfloat16 when `round`, into c
+  /// (row-major, n columns, offset to row r0). op(A) is m x k, stored k x m when
+  /// `a_transposed`.
   static void multiply(const float* a, bool a_transposed, std::int64_t m, std::int64_t k, std::int64_t n,
-                       const void* packed_b, float* c, std::int64_t r0, std::int64_t rows) {
+                       const void* packed_b, float* c, std::int64_t r0, std::int64_t rows, bool round = true) {
     const std::int64_t ke = even(k);
     thread_local Scratch scratch;
     float* s = scratch.get(rows * ke);
@@ -92,7 +96,7 @@ struct EmulatedBf16Gemm {
       for (std::int64_t i = 0; i < rows; ++i) round_swapped(a + (r0 + i) * k, k, s + i * ke);
     }
     Float::multiply(s, a_transposed, rows, ke, n, static_cast<const float*>(packed_b), c, 0, rows);
-    round_to_bf16(c, c, rows * n);
+    if (round) round_to_bf16(c, c, rows * n);
   }
 
  private:
@@ -219,9 +223,10 @@ struct PairBf16Gemm {
     }
   }
 
-  /// Rows [r0, r0 + rows) of op(A) * op(B), rounded to bfloat16, into c (offset to row r0).
+  /// Rows [r0, r0 + rows) of op(A) * op(B), rounded to bfloat16 when `round`, into c
+  /// (offset to row r0).
   static void multiply(const float* a, bool a_transposed, std::int64_t m, std::int64_t k, std::int64_t n,
-                       const void* packed_b, float* c, std::int64_t r0, std::int64_t rows) {
+                       const void* packed_b, float* c, std::int64_t r0, std::int64_t rows, bool round = true) {
     const std::int64_t np = pairs(k), qc = pair_block(k), npanels = panels(n);
     const std::int64_t tiles = (rows + kTileRows - 1) / kTileRows;
     alignas(64) float tile[kTileRows * kTileCols] = {};
@@ -231,7 +236,7 @@ struct PairBf16Gemm {
     const auto* words_b = static_cast<const std::uint32_t*>(packed_b);
     for (std::int64_t q0 = 0; q0 < np; q0 += qc) {
       const std::int64_t qb = std::min(qc, np - q0);
-      const bool accumulate = q0 > 0, last = q0 + qb == np;
+      const bool accumulate = q0 > 0, last = round && q0 + qb == np;
       for (std::int64_t t = 0; t < tiles; ++t)
         pack_a(a, a_transposed, m, k, r0 + t * kTileRows, std::min<std::int64_t>(kTileRows, rows - t * kTileRows), q0,
                qb, packed_a.data() + t * kTileRows * qb);

@@ -37,10 +37,13 @@ class BlockGemm {
   virtual std::int64_t rows() const = 0;
   virtual std::int64_t depth() const = 0;
   virtual std::int64_t cols() const = 0;
+  /// True for a bfloat16 product (operands and result rounded to bfloat16).
+  virtual bool bf16() const = 0;
   /// The product of [m, k] and [k, n] blocks, of shape `out` (m x n elements), on
-  /// `device`, not submitted.
+  /// `device`, not submitted. `partial`: a partial sum over a block of k, whose bfloat16
+  /// result is left unrounded (the sum of the partials is rounded once).
   virtual NodePtr with_operands(GemmOperand a, GemmOperand b, std::int64_t m, std::int64_t k, std::int64_t n,
-                                Shape out, Device* device) const = 0;
+                                Shape out, Device* device, bool partial = false) const = 0;
 };
 
 /// C[b] = op(A[b]) * op(B[b]) for a batch of row-major matrices; op is identity or
@@ -51,11 +54,16 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
   using Operand = GemmOperand;
 
   /// `bf16`: the product in bfloat16 (float only): operands rounded to bfloat16 as they are
-  /// packed, float accumulation, the result rounded to bfloat16 (graph/gemm_kernel_bf16.hpp).
+  /// packed, float accumulation, the result rounded to bfloat16 (graph/gemm_kernel_bf16.hpp)
+  /// unless `round_result` is false (a partial sum over a block of k). `packed_kernel`: on
+  /// the packed kernel whatever the shapes (a block of a product that runs there, so that
+  /// its bits are the whole product's).
   GemmNode(Operand a, Operand b, std::int64_t batch_a, std::int64_t batch_b, std::int64_t m, std::int64_t k,
-           std::int64_t n, Shape out_shape, Device* device, bool bf16 = false)
+           std::int64_t n, Shape out_shape, Device* device, bool bf16 = false, bool round_result = true,
+           bool packed_kernel = false)
       : Node(NodeKind::Gemm, dtype_of<T>(), out_shape, device, {a.node, b.node}), ta_(a.transposed),
-        tb_(b.transposed), bf16_(bf16), batch_a_(batch_a), batch_b_(batch_b), m_(m), k_(k), n_(n) {
+        tb_(b.transposed), bf16_(bf16), round_(bf16 && round_result), force_packed_(packed_kernel),
+        batch_a_(batch_a), batch_b_(batch_b), m_(m), k_(k), n_(n) {
     if (bf16 && !std::is_same_v<T, float>)
       throw DTypeError("matmul: a bfloat16 product takes float operands, got " + dtype_name(dtype_of<T>()));
   }
@@ -67,20 +75,24 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
   std::int64_t rows() const override { return m_; }
   std::int64_t depth() const override { return k_; }
   std::int64_t cols() const override { return n_; }
+  bool bf16() const override { return bf16_; }
   NodePtr with_operands(GemmOperand a, GemmOperand b, std::int64_t m, std::int64_t k, std::int64_t n, Shape out,
-                        Device* device) const override {
-    return std::make_shared<GemmNode>(std::move(a), std::move(b), 1, 1, m, k, n, out, device, bf16_);
+                        Device* device, bool partial) const override {
+    // The blocks run on the whole product's kernel: the packed kernel's sums do not depend
+    // on the rows, Eigen's would differ from it.
+    return std::make_shared<GemmNode>(std::move(a), std::move(b), 1, 1, m, k, n, out, device, bf16_, !partial,
+                                      packed());
   }
 
   std::string op_name() const override { return "matmul"; }
   std::string describe() const override {
     return std::string("matmul(%0") + (ta_ ? "^T" : "") + ", %1" + (tb_ ? "^T" : "") + ") [" + std::to_string(m_) +
            "x" + std::to_string(k_) + "] x [" + std::to_string(k_) + "x" + std::to_string(n_) + "]" +
-           (bf16_ ? " in bfloat16" : "");
+           (bf16_ ? (round_ ? " in bfloat16" : " in bfloat16, unrounded") : "");
   }
   double cost_per_element() const override { return 2.0 * static_cast<double>(k_); }
   std::uint64_t structural_hash() const override {
-    return hash_combine(Node::structural_hash(), (ta_ ? 1u : 0u) | (tb_ ? 2u : 0u) | (bf16_ ? 4u : 0u));
+    return hash_combine(Node::structural_hash(), (ta_ ? 1u : 0u) | (tb_ ? 2u : 0u) | (bf16_ ? 4u : 0u) | (round_ ? 8u : 0u) | (force_packed_ ? 16u : 0u));
   }
 
   /// Rows per block. Eigen's blocking (and so the order of its k-sums) depends on the rows
@@ -125,10 +137,10 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
       const std::int64_t rows = std::min({r1 - r0, m_ - row, (r0 / block + 1) * block - r0});
       const T* ab = a + (batch_a_ == 1 ? 0 : bi) * m_ * k_;
       if constexpr (std::is_same_v<T, float>) {
-        if (bf16_) {
+        if (bf16_ && use_packed) {  // k == 0 is Eigen's (zeros)
           const auto* pb = static_cast<const unsigned char*>(packed_b_->data()) +
                            (batch_b_ == 1 ? 0 : bi) * Bf16Kernel::packed_bytes(k_, n_);
-          Bf16Kernel::multiply(ab, ta_, m_, k_, n_, pb, c + r0 * n_, row, rows);
+          Bf16Kernel::multiply(ab, ta_, m_, k_, n_, pb, c + r0 * n_, row, rows, round_);
           r0 += rows;
           continue;
         }
@@ -187,7 +199,7 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
   bool packed() const {
     if (bf16_) return k_ > 0;
     if constexpr (kHasPackedKernel)
-      return k_ > 0 && Kernel::suits(m_ * std::max(batch_a_, batch_b_), n_);
+      return k_ > 0 && (force_packed_ || Kernel::suits(m_ * std::max(batch_a_, batch_b_), n_));
     else
       return false;
   }
@@ -226,7 +238,7 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
     });
   }
 
-  bool ta_, tb_, bf16_;
+  bool ta_, tb_, bf16_, round_, force_packed_;
   std::int64_t batch_a_, batch_b_, m_, k_, n_;
   std::shared_ptr<Buffer> packed_b_;  ///< op(B) packed, between begin_rows and end_rows
 };

@@ -53,7 +53,8 @@ Tensor<T> gemm(const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std
 /// computed as dB^T = dC^T A in that matrix's layout; the transpose's own backward then
 /// folds away (transpose of a transpose) instead of copying the gradient.
 /// `bf16`: the gradients' products are bfloat16 products too, which is the backward of
-/// round(round(A) round(B)) (the rounding's backward rounds the gradient).
+/// round(round(A) round(B)) (the rounding's backward rounds the gradient); where a side is
+/// broadcast over batches, its gradient is the float sum of the batches' rounded products.
 template <Element T>
 void record_gemm(Tensor<T>& c, const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a,
                  std::int64_t batch_b, std::int64_t m, std::int64_t k, std::int64_t n,

@@ -12,6 +12,7 @@
 #include <functional>
 #include <optional>
 
+#include <lazytensor/graph/convert_node.hpp>
 #include <lazytensor/graph/elementwise_node.hpp>
 #include <lazytensor/graph/matmul_node.hpp>
 #include <lazytensor/graph/reduction_node.hpp>
@@ -390,15 +391,19 @@ LAZYTENSOR_INLINE graph::NodePtr partition_gemm(const graph::Node& node, const g
     return graph::GemmOperand{std::move(p), transposed};
   };
   std::vector<graph::NodePtr> shards;
+  const bool split_k = !target.dims[1].empty();
   for (int p = 0; p < mesh->size(); ++p) {
     graph::Device& dev = mesh_device(mesh->device_ids()[static_cast<std::size_t>(p)]);
     auto& pc = pieces[static_cast<std::size_t>(p)];
-    shards.push_back(graph::submit_unpartitioned(
-        gm.with_operands(operand(pc[0], ta), operand(pc[1], tb), block[0], block[1], block[2], out_block, &dev)));
+    shards.push_back(graph::submit_unpartitioned(gm.with_operands(operand(pc[0], ta), operand(pc[1], tb), block[0],
+                                                                  block[1], block[2], out_block, &dev, split_k)));
   }
-  if (!target.dims[1].empty()) {
-    // Partial products over k blocks, combined in k order.
+  if (split_k) {
+    // Partial products over k blocks, combined in k order; a bfloat16 product's sum is
+    // rounded once, as unsharded.
     reduce_partials(shards, *mesh, target.dims[1], [&](int p) { return target.part_of(p, 1); }, Combine::Sum);
+    if (gm.bf16())
+      for (auto& s : shards) s = graph::submit_unpartitioned(std::make_shared<graph::RoundToBFloat16Node>(s));
   }
   return std::make_shared<ShardedNode>(std::move(result), std::move(shards), node.dtype(), out, node.device());
 }
