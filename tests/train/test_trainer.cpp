@@ -225,12 +225,20 @@ TEST(Trainer, MaxTimeStopsTraining) {
     t.fit(m, *loader);
     EXPECT_EQ(t.global_step(), 1);
   }
-  {  // With replicas it is agreed on at the logging points (every 2 steps here).
+  {  // With replicas it is voted on after every optimizer step, whatever the log cadence.
     Classifier m;
     train::Trainer t(quiet({.strategy = std::string("replica"), .devices = 2, .max_epochs = 3,
-                            .max_time = std::chrono::duration<double>(0), .log_every_n_steps = 2}));
+                            .max_time = std::chrono::duration<double>(0), .log_every_n_steps = 50}));
     t.fit(m, *loader);
-    EXPECT_EQ(t.global_step(), 2);
+    EXPECT_EQ(t.global_step(), 1);
+  }
+  {  // Accumulating 2 batches: the first step (after 2 batches) is the first stop.
+    Classifier m;
+    train::Trainer t(quiet({.strategy = std::string("replica"), .devices = 2, .max_epochs = 3,
+                            .max_time = std::chrono::duration<double>(0), .accumulate_grad_batches = 2}));
+    t.fit(m, *loader);
+    EXPECT_EQ(t.global_step(), 1);
+    EXPECT_EQ(m.record.train_steps, 2);
   }
   {  // An hour is never up here.
     Classifier m;

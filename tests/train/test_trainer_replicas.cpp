@@ -90,6 +90,44 @@ TEST(TrainerReplicas, AStopDecidedOnOneReplicaStopsThemAll) {
   EXPECT_EQ(es->stopped_epoch(), 1);
 }
 
+/// Asks the Trainer to stop at batch `At` of every epoch on rank `Rank` only (the other
+/// replicas' modules are default-constructed, so the choice is in the type).
+template <int Rank, int At>
+class StopsOnOneRank : public Classifier {
+ public:
+  void on_train_batch_end(std::int64_t i) override {
+    if (trainer().global_rank() == Rank && i == At) trainer().set_should_stop(true);
+  }
+};
+
+template <int Rank>
+void expect_stop_mid_epoch() {
+  // 64 samples, 2 replicas, batches of 8: 4 steps per epoch.
+  auto loader = lazy::data::make_data_loader(make_dataset(64), {.batch_size = 8});
+  const auto start = std::chrono::steady_clock::now();
+  {
+    StopsOnOneRank<Rank, 1> m;
+    train::Trainer t(quiet({.strategy = std::string("replica"), .devices = 2, .max_epochs = 3, .log_every_n_steps = 50}));
+    t.fit(m, *loader);
+    EXPECT_EQ(t.global_step(), 2) << "rank " << Rank << " asks after batch 1: every replica stops after step 2";
+    EXPECT_EQ(m.record.train_steps, 2);
+  }
+  {  // Before min_epochs whole epochs are done the request waits for the epoch's end.
+    StopsOnOneRank<Rank, 1> m;
+    train::Trainer t(
+        quiet({.strategy = std::string("replica"), .devices = 2, .max_epochs = 3, .min_epochs = 1, .log_every_n_steps = 50}));
+    t.fit(m, *loader);
+    EXPECT_EQ(t.global_step(), 4) << "rank " << Rank;
+    EXPECT_EQ(t.current_epoch(), 1);
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+}
+
+TEST(TrainerReplicas, AShouldStopSetOnOneReplicaMidEpochStopsEveryReplicaAtTheNextStep) {
+  expect_stop_mid_epoch<0>();
+  expect_stop_mid_epoch<1>();
+}
+
 TEST(TrainerReplicas, CheckpointsFollowRankZerosChoice) {
   const std::string dir = temp_dir("replica_ckpt");
   auto train_loader = lazy::data::make_data_loader(make_dataset(32), {.batch_size = 8});

@@ -402,15 +402,15 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
           stop = true;
           break;
         }
-        // With replicas a stop is agreed on where they meet anyway (a read point, the end
-        // of the epoch); alone, it is checked every batch.
-        if (!s.is_distributed()) {
-          if (time_is_up()) {
-            stop = true;
-            break;
-          }
-          if (r.should_stop && epoch + 1 >= o.min_epochs) break;
-        } else if (read_point && o.max_time && s.reduce_boolean_decision(time_is_up(), false)) {
+        // A stop (max_time, or should_stop set by the module or a callback) ends the epoch
+        // after this batch. Alone, every batch; with replicas, at every optimizer step,
+        // where they vote (any one's wish stops all): a stop seen by one replica only would
+        // leave the others waiting in the next step's collectives. Replicas have just met
+        // in the step's gradient all-reduce, so the vote rarely waits.
+        // should_stop cuts an epoch short only once min_epochs whole epochs are done, as
+        // in Lightning (before that it takes effect at the end of the min_epochs-th).
+        const bool wants_stop = time_is_up() || (r.should_stop && epoch >= o.min_epochs);
+        if (!s.is_distributed() ? wants_stop : step_now && s.reduce_boolean_decision(wants_stop, false)) {
           stop = true;
           break;
         }

@@ -98,8 +98,8 @@ struct TrainerOptions {
   std::int64_t min_epochs = 0;
   /// Optimizer steps to take at most (-1: no limit).
   std::int64_t max_steps = -1;
-  /// Wall time after which training stops (checked every batch on one replica; with
-  /// replicas at every log_every_n_steps point and epoch end, where they meet anyway).
+  /// Wall time after which training stops (checked after every batch on one replica;
+  /// with replicas after every optimizer step, where they vote and stop together).
   std::optional<std::chrono::duration<double>> max_time = std::nullopt;
   BatchCount limit_train_batches = 1.0;
   BatchCount limit_val_batches = 1.0;
@@ -241,8 +241,10 @@ class Trainer {
   std::int64_t estimated_stepping_batches() const { return run().estimated_stepping_batches; }
   /// Seconds since this fit started.
   double elapsed_seconds() const;
-  /// Whether a stop was requested (training ends after this epoch's or step's checks,
-  /// once min_epochs are done). Set by callbacks (EarlyStopping) or the module.
+  /// Whether a stop was requested. Training ends after the current batch (with replicas:
+  /// after the next optimizer step, where any replica's request stops every one), or at
+  /// the end of the min_epochs-th epoch when fewer are done. Set by callbacks
+  /// (EarlyStopping) or the module, on any replica.
   bool should_stop() const { return run().should_stop; }
   void set_should_stop(bool stop) { run().should_stop = stop; }
   bool sanity_checking() const { return run().running && run().stage == detail::Loop::Sanity; }
