@@ -146,7 +146,6 @@ LAZYTENSOR_INLINE void AnyTensor::set_grad(const AnyTensor& g) {
 LAZYTENSOR_INLINE AnyTensor AnyTensor::detach() const {
   AnyTensor d;  // a new tensor object on the same value, outside autograd
   d.impl_ = std::make_shared<graph::TensorImpl>(node());
-  node()->device()->register_handle(d.impl_);
   return d;
 }
 

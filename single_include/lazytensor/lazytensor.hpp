@@ -284,7 +284,7 @@ LAZYTENSOR_INLINE std::string exception_message(const std::exception_ptr& e) {
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/core/error.hpp ----
 // ---- begin lazytensor/graph/device.hpp ----
-// A device: the trace of pending nodes, the handles that can reach them, a worker pool, a
+// A device: the trace of pending nodes (each knows whether a handle holds it), a worker pool, a
 // buffer pool, an executor thread running submitted plans in order, the plan cache, a
 // random-number stream and the step closures. Devices live for the whole process.
 //
@@ -1303,7 +1303,6 @@ LAZYTENSOR_INLINE void PlanCache::trim() {
 
 #include <cstddef>
 #include <memory>
-#include <mutex>
 #include <vector>
 
 // ---- begin lazytensor/graph/node.hpp ----
@@ -1668,6 +1667,12 @@ class Node {
   std::uint64_t id() const { return id_; }
   const std::vector<NodePtr>& inputs() const { return inputs_; }
 
+  /// Whether a tensor object holds this node as its value (graph::HandleNode counts
+  /// them): mark_step computes the pending nodes that one does, and what they read.
+  bool has_handles() const { return handles_.load(std::memory_order_acquire) > 0; }
+  void add_handle() noexcept { handles_.fetch_add(1, std::memory_order_relaxed); }
+  void drop_handle() noexcept { handles_.fetch_sub(1, std::memory_order_release); }
+
   /// Lifecycle: Pending (being traced; only the tracing thread touches it), Queued (handed
   /// to an execution plan: the tracing thread may hold it as an input but must not look
   /// inside), Ready (the buffer is set and immutable). Set with release, read with acquire,
@@ -1765,6 +1770,7 @@ class Node {
   std::shared_ptr<Buffer> buffer_;
   std::uint64_t id_;
   std::atomic<State> state_{State::Pending};
+  std::atomic<std::int32_t> handles_{0};
   bool deferred_ = false;
   mutable bool hash_valid_ = false;
   mutable std::uint64_t hash_ = 0;
@@ -1907,7 +1913,6 @@ class GradFn;
 
 namespace lazy::graph {
 
-class HandleRegistry;
 struct TensorImpl;
 
 /// Per-tensor autograd state, allocated only for tensors that take part in autograd. Plain
@@ -1925,13 +1930,47 @@ struct AutogradState {
   bool retains_grad = false;
 };
 
+/// A tensor object's reference to its value: a NodePtr that counts itself among the
+/// node's handles (Node::has_handles), so that mark_step finds the pending values still
+/// wanted by looking at the traced nodes. Why a count and not a list of live tensor
+/// objects: every statement creates and drops a tensor object, and a count costs two
+/// atomic adds where a list shared with other threads cost two locked updates.
+class HandleNode {
+ public:
+  HandleNode() = default;
+  explicit HandleNode(NodePtr n) noexcept : p_(std::move(n)) {
+    if (p_) p_->add_handle();
+  }
+  HandleNode(const HandleNode&) = delete;
+  ~HandleNode() {
+    if (p_) p_->drop_handle();
+  }
+  /// Points at `n` (an in-place op's new value); the old node loses this handle.
+  HandleNode& operator=(NodePtr n) noexcept {
+    if (n) n->add_handle();
+    if (p_) p_->drop_handle();
+    p_ = std::move(n);
+    return *this;
+  }
+  HandleNode& operator=(const HandleNode& other) noexcept { return *this = other.p_; }
+
+  const NodePtr& ptr() const noexcept { return p_; }
+  operator const NodePtr&() const noexcept { return p_; }  // NOLINT: reads as the NodePtr it is
+  Node* get() const noexcept { return p_.get(); }
+  Node* operator->() const noexcept { return p_.get(); }
+  Node& operator*() const noexcept { return *p_; }
+  explicit operator bool() const noexcept { return p_ != nullptr; }
+
+ private:
+  NodePtr p_;
+};
+
 /// Shared state behind a tensor handle.
 struct TensorImpl {
   explicit TensorImpl(NodePtr n) : node(std::move(n)) {}
-  ~TensorImpl();
   TensorImpl(const TensorImpl&) = delete;
   TensorImpl& operator=(const TensorImpl&) = delete;
-  NodePtr node;
+  HandleNode node;
   /// Autograd state; null for tensors that never took part in autograd.
   std::unique_ptr<AutogradState> autograd;
 
@@ -1939,35 +1978,7 @@ struct TensorImpl {
   AutogradState& autograd_meta();
   /// True when gradients flow into this tensor.
   bool requires_grad() const { return autograd && autograd->requires_grad; }
-
-  /// The registry listing this handle (Device::register_handle), and its slot there.
-  std::shared_ptr<HandleRegistry> registry;
-  std::size_t registry_slot = 0;
 };
-
-/// The live handles of a device, so mark_step can find the pending values still wanted.
-/// A handle adds itself when registered and removes itself when destroyed (O(1) each), so
-/// a step looks at live handles only. Shared by the device and its handles: a handle that
-/// outlives its device (a static tensor at exit) still finds the registry.
-class HandleRegistry {
- public:
-  void add(TensorImpl* impl);
-  void remove(TensorImpl* impl);
-  /// Calls f(impl) for every live handle; handles cannot be destroyed meanwhile.
-  template <class F>
-  void for_each(F&& f) {
-    std::lock_guard lock(mu_);
-    for (TensorImpl* impl : live_) f(*impl);
-  }
-
- private:
-  std::mutex mu_;
-  std::vector<TensorImpl*> live_;
-};
-
-inline TensorImpl::~TensorImpl() {
-  if (registry) registry->remove(this);
-}
 
 }  // namespace lazy::graph
 
@@ -1977,20 +1988,6 @@ namespace lazy::graph {
 LAZYTENSOR_INLINE AutogradState& TensorImpl::autograd_meta() {
   if (!autograd) autograd = std::make_unique<AutogradState>();
   return *autograd;
-}
-
-LAZYTENSOR_INLINE void HandleRegistry::add(TensorImpl* impl) {
-  std::lock_guard lock(mu_);
-  impl->registry_slot = live_.size();
-  live_.push_back(impl);
-}
-
-LAZYTENSOR_INLINE void HandleRegistry::remove(TensorImpl* impl) {
-  std::lock_guard lock(mu_);
-  TensorImpl* last = live_.back();
-  live_[impl->registry_slot] = last;
-  last->registry_slot = impl->registry_slot;
-  live_.pop_back();
 }
 
 }  // namespace lazy::graph
@@ -2033,18 +2030,6 @@ class Device {
   /// Returns nodes (in creation order) to the trace, which stays in creation order: the
   /// planner relies on producers coming before their consumers.
   void keep_traced(std::vector<std::weak_ptr<Node>> older);
-
-  /// Registers a handle, so mark_step can find the pending values that are still wanted
-  /// (once per handle; it leaves the registry when destroyed). A handle registered with
-  /// another device moves here (a module moved by to(device)).
-  void register_handle(const std::shared_ptr<TensorImpl>& impl);
-  /// Calls f(node) for the node of every live handle whose value is still being traced.
-  template <class F>
-  void for_each_pending_root(F&& f) {
-    handles_->for_each([&](TensorImpl& impl) {
-      if (impl.node && impl.node->pending()) f(impl.node);
-    });
-  }
 
   // ---- execution ----------------------------------------------------------------------
 
@@ -2124,7 +2109,6 @@ class Device {
   std::vector<std::weak_ptr<Node>> trace_;
   static constexpr std::size_t kMinPruneAt = 1024;
   std::size_t prune_at_ = kMinPruneAt;
-  std::shared_ptr<HandleRegistry> handles_ = std::make_shared<HandleRegistry>();
   RngState rng_;
   bool eager_ = false;
   bool async_ = default_async();
@@ -2170,9 +2154,7 @@ int& current_device_index();
 /// This thread's current device.
 inline Device& current_device() { return DeviceRegistry::get().device(current_device_index()); }
 
-/// Points an existing handle at `node` (a parameter moved or reloaded in place); the
-/// handle's registration follows the node's device, so that device's mark_step sees the
-/// handle's later pending values.
+/// Points an existing handle at `node` (a parameter moved or reloaded in place).
 void rebind(const std::shared_ptr<TensorImpl>& impl, NodePtr node);
 
 }  // namespace lazy::graph
@@ -2234,13 +2216,6 @@ LAZYTENSOR_INLINE void Device::keep_traced(std::vector<std::weak_ptr<Node>> olde
         trace_.push_back(std::move(live[i].second));
   }
   rearm_pruning();
-}
-
-LAZYTENSOR_INLINE void Device::register_handle(const std::shared_ptr<TensorImpl>& impl) {
-  if (impl->registry == handles_) return;
-  if (impl->registry) impl->registry->remove(impl.get());
-  impl->registry = handles_;
-  handles_->add(impl.get());
 }
 
 LAZYTENSOR_INLINE void Device::enqueue(std::function<void()> job) {
@@ -2376,9 +2351,7 @@ LAZYTENSOR_INLINE int& current_device_index() {
 }
 
 LAZYTENSOR_INLINE void rebind(const std::shared_ptr<TensorImpl>& impl, NodePtr node) {
-  Device* dev = node->device();
   impl->node = std::move(node);
-  dev->register_handle(impl);
 }
 
 LAZYTENSOR_INLINE std::shared_ptr<Buffer> Node::allocate_output(ExecContext& ctx, bool allow_donation) {
@@ -5583,9 +5556,7 @@ LAZYTENSOR_INLINE std::vector<NodePtr> collect_step(Device& dev) {
   if (alive.empty()) return {};
   const std::uint64_t epoch = detail::number_nodes(alive);
   std::vector<std::uint8_t> needed(alive.size(), 0);
-  dev.for_each_pending_root([&](const NodePtr& r) {
-    if (const std::int32_t s = detail::plan_slot_of(r, epoch); s >= 0) needed[static_cast<std::size_t>(s)] = 1;
-  });
+  for (std::size_t i = 0; i < alive.size(); ++i) needed[i] = alive[i]->has_handles();
   // Consumers are newer than their inputs: one sweep from the newest marks everything needed.
   for (std::size_t i = alive.size(); i-- > 0;) {
     if (!needed[i]) continue;
@@ -6632,7 +6603,6 @@ LAZYTENSOR_INLINE void accumulate_into(graph::TensorImpl& impl, graph::NodePtr g
   auto& meta = impl.autograd_meta();
   if (!meta.grad) {
     meta.grad = std::make_shared<graph::TensorImpl>(std::move(grad));
-    meta.grad->node->device()->register_handle(meta.grad);
   } else if (!meta.grad->node) {
     meta.grad->node = std::move(grad);
   } else {
@@ -6974,9 +6944,7 @@ class Tensor {
   Tensor() = default;
 
   /// Wraps a graph node (internal: factories and ops build tensors this way).
-  explicit Tensor(graph::NodePtr node) : impl_(std::make_shared<graph::TensorImpl>(std::move(node))) {
-    impl_->node->device()->register_handle(impl_);
-  }
+  explicit Tensor(graph::NodePtr node) : impl_(std::make_shared<graph::TensorImpl>(std::move(node))) {}
 
   /// A handle on an existing tensor object (shares it, like copying a handle). Throws
   /// DTypeError when the object holds another element type.
@@ -7455,7 +7423,6 @@ LAZYTENSOR_INLINE void AnyTensor::set_grad(const AnyTensor& g) {
 LAZYTENSOR_INLINE AnyTensor AnyTensor::detach() const {
   AnyTensor d;  // a new tensor object on the same value, outside autograd
   d.impl_ = std::make_shared<graph::TensorImpl>(node());
-  node()->device()->register_handle(d.impl_);
   return d;
 }
 
@@ -12399,7 +12366,6 @@ LAZYTENSOR_INLINE void remember(const graph::NodePtr& exchange) {
   if (!ctx) return;
   if (!ctx->last) {
     ctx->last = std::make_shared<graph::TensorImpl>(exchange);
-    exchange->device()->register_handle(ctx->last);
   } else {
     ctx->last->node = exchange;
   }
@@ -24605,12 +24571,7 @@ LAZYTENSOR_INLINE ShardedNode::ShardedNode(Sharding sharding, std::vector<graph:
                                            graph::Device* device)
     : Node(graph::NodeKind::Sharded, dtype, shape, device), sharding_(std::move(sharding)) {
   shards_.reserve(pieces.size());
-  for (auto& p : pieces) {
-    graph::Device* dev = p->device();
-    auto impl = std::make_shared<graph::TensorImpl>(std::move(p));
-    dev->register_handle(impl);
-    shards_.push_back(std::move(impl));
-  }
+  for (auto& p : pieces) shards_.push_back(std::make_shared<graph::TensorImpl>(std::move(p)));
 }
 
 LAZYTENSOR_INLINE void ShardedNode::hand_out_pieces() const {
@@ -27163,8 +27124,8 @@ struct TrainerOptions {
   std::int64_t min_epochs = 0;
   /// Optimizer steps to take at most (-1: no limit).
   std::int64_t max_steps = -1;
-  /// Wall time after which training stops (checked every batch on one replica; with
-  /// replicas at every log_every_n_steps point and epoch end, where they meet anyway).
+  /// Wall time after which training stops (checked after every batch on one replica;
+  /// with replicas after every optimizer step, where they vote and stop together).
   std::optional<std::chrono::duration<double>> max_time = std::nullopt;
   BatchCount limit_train_batches = 1.0;
   BatchCount limit_val_batches = 1.0;
@@ -27306,8 +27267,10 @@ class Trainer {
   std::int64_t estimated_stepping_batches() const { return run().estimated_stepping_batches; }
   /// Seconds since this fit started.
   double elapsed_seconds() const;
-  /// Whether a stop was requested (training ends after this epoch's or step's checks,
-  /// once min_epochs are done). Set by callbacks (EarlyStopping) or the module.
+  /// Whether a stop was requested. Training ends after the current batch (with replicas:
+  /// after the next optimizer step, where any replica's request stops every one), or at
+  /// the end of the min_epochs-th epoch when fewer are done. Set by callbacks
+  /// (EarlyStopping) or the module, on any replica.
   bool should_stop() const { return run().should_stop; }
   void set_should_stop(bool stop) { run().should_stop = stop; }
   bool sanity_checking() const { return run().running && run().stage == detail::Loop::Sanity; }
@@ -28709,15 +28672,15 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
           stop = true;
           break;
         }
-        // With replicas a stop is agreed on where they meet anyway (a read point, the end
-        // of the epoch); alone, it is checked every batch.
-        if (!s.is_distributed()) {
-          if (time_is_up()) {
-            stop = true;
-            break;
-          }
-          if (r.should_stop && epoch + 1 >= o.min_epochs) break;
-        } else if (read_point && o.max_time && s.reduce_boolean_decision(time_is_up(), false)) {
+        // A stop (max_time, or should_stop set by the module or a callback) ends the epoch
+        // after this batch. Alone, every batch; with replicas, at every optimizer step,
+        // where they vote (any one's wish stops all): a stop seen by one replica only would
+        // leave the others waiting in the next step's collectives. Replicas have just met
+        // in the step's gradient all-reduce, so the vote rarely waits.
+        // should_stop cuts an epoch short only once min_epochs whole epochs are done, as
+        // in Lightning (before that it takes effect at the end of the min_epochs-th).
+        const bool wants_stop = time_is_up() || (r.should_stop && epoch >= o.min_epochs);
+        if (!s.is_distributed() ? wants_stop : step_now && s.reduce_boolean_decision(wants_stop, false)) {
           stop = true;
           break;
         }

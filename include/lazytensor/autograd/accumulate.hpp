@@ -57,7 +57,6 @@ LAZYTENSOR_INLINE void accumulate_into(graph::TensorImpl& impl, graph::NodePtr g
   auto& meta = impl.autograd_meta();
   if (!meta.grad) {
     meta.grad = std::make_shared<graph::TensorImpl>(std::move(grad));
-    meta.grad->node->device()->register_handle(meta.grad);
   } else if (!meta.grad->node) {
     meta.grad->node = std::move(grad);
   } else {

@@ -218,7 +218,6 @@ LAZYTENSOR_INLINE void remember(const graph::NodePtr& exchange) {
   if (!ctx) return;
   if (!ctx->last) {
     ctx->last = std::make_shared<graph::TensorImpl>(exchange);
-    exchange->device()->register_handle(ctx->last);
   } else {
     ctx->last->node = exchange;
   }

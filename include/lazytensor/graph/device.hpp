@@ -1,5 +1,5 @@
 #pragma once
-// A device: the trace of pending nodes, the handles that can reach them, a worker pool, a
+// A device: the trace of pending nodes (each knows whether a handle holds it), a worker pool, a
 // buffer pool, an executor thread running submitted plans in order, the plan cache, a
 // random-number stream and the step closures. Devices live for the whole process.
 //
@@ -68,18 +68,6 @@ class Device {
   /// Returns nodes (in creation order) to the trace, which stays in creation order: the
   /// planner relies on producers coming before their consumers.
   void keep_traced(std::vector<std::weak_ptr<Node>> older);
-
-  /// Registers a handle, so mark_step can find the pending values that are still wanted
-  /// (once per handle; it leaves the registry when destroyed). A handle registered with
-  /// another device moves here (a module moved by to(device)).
-  void register_handle(const std::shared_ptr<TensorImpl>& impl);
-  /// Calls f(node) for the node of every live handle whose value is still being traced.
-  template <class F>
-  void for_each_pending_root(F&& f) {
-    handles_->for_each([&](TensorImpl& impl) {
-      if (impl.node && impl.node->pending()) f(impl.node);
-    });
-  }
 
   // ---- execution ----------------------------------------------------------------------
 
@@ -159,7 +147,6 @@ class Device {
   std::vector<std::weak_ptr<Node>> trace_;
   static constexpr std::size_t kMinPruneAt = 1024;
   std::size_t prune_at_ = kMinPruneAt;
-  std::shared_ptr<HandleRegistry> handles_ = std::make_shared<HandleRegistry>();
   RngState rng_;
   bool eager_ = false;
   bool async_ = default_async();
@@ -205,9 +192,7 @@ int& current_device_index();
 /// This thread's current device.
 inline Device& current_device() { return DeviceRegistry::get().device(current_device_index()); }
 
-/// Points an existing handle at `node` (a parameter moved or reloaded in place); the
-/// handle's registration follows the node's device, so that device's mark_step sees the
-/// handle's later pending values.
+/// Points an existing handle at `node` (a parameter moved or reloaded in place).
 void rebind(const std::shared_ptr<TensorImpl>& impl, NodePtr node);
 
 }  // namespace lazy::graph
@@ -269,13 +254,6 @@ LAZYTENSOR_INLINE void Device::keep_traced(std::vector<std::weak_ptr<Node>> olde
         trace_.push_back(std::move(live[i].second));
   }
   rearm_pruning();
-}
-
-LAZYTENSOR_INLINE void Device::register_handle(const std::shared_ptr<TensorImpl>& impl) {
-  if (impl->registry == handles_) return;
-  if (impl->registry) impl->registry->remove(impl.get());
-  impl->registry = handles_;
-  handles_->add(impl.get());
 }
 
 LAZYTENSOR_INLINE void Device::enqueue(std::function<void()> job) {
@@ -411,9 +389,7 @@ LAZYTENSOR_INLINE int& current_device_index() {
 }
 
 LAZYTENSOR_INLINE void rebind(const std::shared_ptr<TensorImpl>& impl, NodePtr node) {
-  Device* dev = node->device();
   impl->node = std::move(node);
-  dev->register_handle(impl);
 }
 
 LAZYTENSOR_INLINE std::shared_ptr<Buffer> Node::allocate_output(ExecContext& ctx, bool allow_donation) {

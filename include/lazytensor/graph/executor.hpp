@@ -319,9 +319,7 @@ LAZYTENSOR_INLINE std::vector<NodePtr> collect_step(Device& dev) {
   if (alive.empty()) return {};
   const std::uint64_t epoch = detail::number_nodes(alive);
   std::vector<std::uint8_t> needed(alive.size(), 0);
-  dev.for_each_pending_root([&](const NodePtr& r) {
-    if (const std::int32_t s = detail::plan_slot_of(r, epoch); s >= 0) needed[static_cast<std::size_t>(s)] = 1;
-  });
+  for (std::size_t i = 0; i < alive.size(); ++i) needed[i] = alive[i]->has_handles();
   // Consumers are newer than their inputs: one sweep from the newest marks everything needed.
   for (std::size_t i = alive.size(); i-- > 0;) {
     if (!needed[i]) continue;

@@ -58,6 +58,12 @@ class Node {
   std::uint64_t id() const { return id_; }
   const std::vector<NodePtr>& inputs() const { return inputs_; }
 
+  /// Whether a tensor object holds this node as its value (graph::HandleNode counts
+  /// them): mark_step computes the pending nodes that one does, and what they read.
+  bool has_handles() const { return handles_.load(std::memory_order_acquire) > 0; }
+  void add_handle() noexcept { handles_.fetch_add(1, std::memory_order_relaxed); }
+  void drop_handle() noexcept { handles_.fetch_sub(1, std::memory_order_release); }
+
   /// Lifecycle: Pending (being traced; only the tracing thread touches it), Queued (handed
   /// to an execution plan: the tracing thread may hold it as an input but must not look
   /// inside), Ready (the buffer is set and immutable). Set with release, read with acquire,
@@ -155,6 +161,7 @@ class Node {
   std::shared_ptr<Buffer> buffer_;
   std::uint64_t id_;
   std::atomic<State> state_{State::Pending};
+  std::atomic<std::int32_t> handles_{0};
   bool deferred_ = false;
   mutable bool hash_valid_ = false;
   mutable std::uint64_t hash_ = 0;

@@ -4,7 +4,6 @@
 
 #include <cstddef>
 #include <memory>
-#include <mutex>
 #include <vector>
 
 #include <lazytensor/graph/node.hpp>
@@ -16,7 +15,6 @@ class GradFn;
 
 namespace lazy::graph {
 
-class HandleRegistry;
 struct TensorImpl;
 
 /// Per-tensor autograd state, allocated only for tensors that take part in autograd. Plain
@@ -34,13 +32,47 @@ struct AutogradState {
   bool retains_grad = false;
 };
 
+/// A tensor object's reference to its value: a NodePtr that counts itself among the
+/// node's handles (Node::has_handles), so that mark_step finds the pending values still
+/// wanted by looking at the traced nodes. Why a count and not a list of live tensor
+/// objects: every statement creates and drops a tensor object, and a count costs two
+/// atomic adds where a list shared with other threads cost two locked updates.
+class HandleNode {
+ public:
+  HandleNode() = default;
+  explicit HandleNode(NodePtr n) noexcept : p_(std::move(n)) {
+    if (p_) p_->add_handle();
+  }
+  HandleNode(const HandleNode&) = delete;
+  ~HandleNode() {
+    if (p_) p_->drop_handle();
+  }
+  /// Points at `n` (an in-place op's new value); the old node loses this handle.
+  HandleNode& operator=(NodePtr n) noexcept {
+    if (n) n->add_handle();
+    if (p_) p_->drop_handle();
+    p_ = std::move(n);
+    return *this;
+  }
+  HandleNode& operator=(const HandleNode& other) noexcept { return *this = other.p_; }
+
+  const NodePtr& ptr() const noexcept { return p_; }
+  operator const NodePtr&() const noexcept { return p_; }  // NOLINT: reads as the NodePtr it is
+  Node* get() const noexcept { return p_.get(); }
+  Node* operator->() const noexcept { return p_.get(); }
+  Node& operator*() const noexcept { return *p_; }
+  explicit operator bool() const noexcept { return p_ != nullptr; }
+
+ private:
+  NodePtr p_;
+};
+
 /// Shared state behind a tensor handle.
 struct TensorImpl {
   explicit TensorImpl(NodePtr n) : node(std::move(n)) {}
-  ~TensorImpl();
   TensorImpl(const TensorImpl&) = delete;
   TensorImpl& operator=(const TensorImpl&) = delete;
-  NodePtr node;
+  HandleNode node;
   /// Autograd state; null for tensors that never took part in autograd.
   std::unique_ptr<AutogradState> autograd;
 
@@ -48,35 +80,7 @@ struct TensorImpl {
   AutogradState& autograd_meta();
   /// True when gradients flow into this tensor.
   bool requires_grad() const { return autograd && autograd->requires_grad; }
-
-  /// The registry listing this handle (Device::register_handle), and its slot there.
-  std::shared_ptr<HandleRegistry> registry;
-  std::size_t registry_slot = 0;
 };
-
-/// The live handles of a device, so mark_step can find the pending values still wanted.
-/// A handle adds itself when registered and removes itself when destroyed (O(1) each), so
-/// a step looks at live handles only. Shared by the device and its handles: a handle that
-/// outlives its device (a static tensor at exit) still finds the registry.
-class HandleRegistry {
- public:
-  void add(TensorImpl* impl);
-  void remove(TensorImpl* impl);
-  /// Calls f(impl) for every live handle; handles cannot be destroyed meanwhile.
-  template <class F>
-  void for_each(F&& f) {
-    std::lock_guard lock(mu_);
-    for (TensorImpl* impl : live_) f(*impl);
-  }
-
- private:
-  std::mutex mu_;
-  std::vector<TensorImpl*> live_;
-};
-
-inline TensorImpl::~TensorImpl() {
-  if (registry) registry->remove(this);
-}
 
 }  // namespace lazy::graph
 
@@ -86,20 +90,6 @@ namespace lazy::graph {
 LAZYTENSOR_INLINE AutogradState& TensorImpl::autograd_meta() {
   if (!autograd) autograd = std::make_unique<AutogradState>();
   return *autograd;
-}
-
-LAZYTENSOR_INLINE void HandleRegistry::add(TensorImpl* impl) {
-  std::lock_guard lock(mu_);
-  impl->registry_slot = live_.size();
-  live_.push_back(impl);
-}
-
-LAZYTENSOR_INLINE void HandleRegistry::remove(TensorImpl* impl) {
-  std::lock_guard lock(mu_);
-  TensorImpl* last = live_.back();
-  live_[impl->registry_slot] = last;
-  last->registry_slot = impl->registry_slot;
-  live_.pop_back();
 }
 
 }  // namespace lazy::graph

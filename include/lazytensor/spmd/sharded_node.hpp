@@ -94,12 +94,7 @@ LAZYTENSOR_INLINE ShardedNode::ShardedNode(Sharding sharding, std::vector<graph:
                                            graph::Device* device)
     : Node(graph::NodeKind::Sharded, dtype, shape, device), sharding_(std::move(sharding)) {
   shards_.reserve(pieces.size());
-  for (auto& p : pieces) {
-    graph::Device* dev = p->device();
-    auto impl = std::make_shared<graph::TensorImpl>(std::move(p));
-    dev->register_handle(impl);
-    shards_.push_back(std::move(impl));
-  }
+  for (auto& p : pieces) shards_.push_back(std::make_shared<graph::TensorImpl>(std::move(p)));
 }
 
 LAZYTENSOR_INLINE void ShardedNode::hand_out_pieces() const {

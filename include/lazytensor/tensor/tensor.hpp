@@ -72,9 +72,7 @@ class Tensor {
   Tensor() = default;
 
   /// Wraps a graph node (internal: factories and ops build tensors this way).
-  explicit Tensor(graph::NodePtr node) : impl_(std::make_shared<graph::TensorImpl>(std::move(node))) {
-    impl_->node->device()->register_handle(impl_);
-  }
+  explicit Tensor(graph::NodePtr node) : impl_(std::make_shared<graph::TensorImpl>(std::move(node))) {}
 
   /// A handle on an existing tensor object (shares it, like copying a handle). Throws
   /// DTypeError when the object holds another element type.
