@@ -37,7 +37,7 @@ done
 
 ensure_packages cmake g++ make libeigen3-dev libxsimd-dev libgtest-dev libbenchmark-dev ccache \
   libopenmpi-dev openmpi-bin \
-  zlib1g-dev dataset-fashion-mnist
+  zlib1g-dev dataset-fashion-mnist gnuplot-nox
 case "$mode:${SANITIZER_CXX:-clang++}" in
   normal:*) ;;
   *:clang*)
