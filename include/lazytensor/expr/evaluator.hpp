@@ -334,7 +334,14 @@ inline void store_fence() {
 /// Keeps the optimizer from inlining a kernel loop into each of its callers: the loop is
 /// called once per task, so the call costs nothing, and every inlined copy of an
 /// expression's SIMD body would be compiled again.
-#if defined(__GNUC__)
+///
+/// GCC also gets no SLP vectorization inside them: the bodies are already xsimd batches,
+/// and GCC 12 at -O3 with AVX-512 miscompiled the double sigmoid gradient kernel (lanes
+/// 1-7 of the first batch came out 0) when both its loop and SLP vectorizers ran; either
+/// off fixes it (tests/expr/o3_kernels.cpp checks at -O3).
+#if defined(__GNUC__) && !defined(__clang__)
+#define LAZY_KERNEL_LOOP __attribute__((noinline, optimize("no-tree-slp-vectorize")))
+#elif defined(__GNUC__)
 #define LAZY_KERNEL_LOOP __attribute__((noinline))
 #else
 #define LAZY_KERNEL_LOOP
