@@ -4,10 +4,14 @@
 // statement on every device and inserts the all-reduces.
 //
 //   spmd [--data D] [--model M] [--epochs N] [--batch-size B] [--lr LR] [--data-dir DIR]
+//        [--save PATH]
 //     --data D        devices along "data": the batch is split D ways (default: all / M)
 //     --model M       devices along "model" (default 1): the first layer's weight is split
 //                     by output rows, the second's by input columns (Megatron's pair: one
 //                     all-reduce per forward), the last layer is replicated
+//     --save PATH     after training, saves the weights as shard files (one per device,
+//                     nothing gathered) with PATH their JSON index, then loads them back
+//                     whole and checks them against the trained weights
 //     D * M devices are used; LAZYTENSOR_NUM_DEVICES (default here: 2) sets how many exist.
 //
 // Prints the mesh and each weight's sharding (visualize_tensor_sharding), one
@@ -32,12 +36,13 @@ struct Args {
   std::size_t batch_size = 128;
   double lr = 0.05;
   std::string dir = "/usr/share/datasets/fashion-mnist";
+  std::string save;
 };
 
 [[noreturn]] void usage(const char* argv0, const std::string& problem) {
   if (!problem.empty()) std::cerr << argv0 << ": " << problem << "\n";
   std::cerr << "usage: " << argv0
-            << " [--data D] [--model M] [--epochs N] [--batch-size B] [--lr LR] [--data-dir DIR]\n";
+            << " [--data D] [--model M] [--epochs N] [--batch-size B] [--lr LR] [--data-dir DIR] [--save PATH]\n";
   std::exit(problem.empty() ? 0 : 2);
 }
 
@@ -55,6 +60,7 @@ Args parse(int argc, char** argv) {
       else if (k == "--batch-size") a.batch_size = std::stoul(v);
       else if (k == "--lr") a.lr = std::stod(v);
       else if (k == "--data-dir") a.dir = v;
+      else if (k == "--save") a.save = v;
       else usage(argv[0], "unknown option " + k);
     } catch (const std::logic_error&) {
       usage(argv[0], "bad value '" + v + "' for " + k);
@@ -149,6 +155,28 @@ int main(int argc, char** argv) {
     }
     correct += lazy::sum(lazy::argmax(forward(images), 1) == labels).item();
     total += labels.numel();
+  }
+  if (!args.save.empty()) {
+    lazy::StateDict sd;
+    sd.insert("fc1.weight", fc1->weight);
+    sd.insert("fc2.weight", fc2->weight);
+    sd.insert("fc3.weight", fc3->weight);
+    lazy::StateDict back;
+    try {
+      lazy::io::save(sd, args.save, {.shard_files = true});
+      back = lazy::io::load(args.save);
+    } catch (const lazy::Error& e) {
+      std::fprintf(stderr, "%s: %s\n", argv[0], e.what());
+      return 1;
+    }
+    for (const auto& [name, t] : sd) {
+      const Tensor<float> saved = t, loaded = back.at(name);
+      if (saved.to_vector() != loaded.to_vector()) {
+        std::fprintf(stderr, "%s: reloaded %s differs from the trained one\n", argv[0], name.c_str());
+        return 1;
+      }
+    }
+    std::printf("saved the weights as shard files indexed by %s and reloaded them\n", args.save.c_str());
   }
   std::printf("test_accuracy=%.4f\n", static_cast<double>(correct) / static_cast<double>(total));
   return 0;

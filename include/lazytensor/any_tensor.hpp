@@ -113,6 +113,11 @@ class AnyTensor {
 /// (numel * dtype_size(dtype) bytes), on `dev`.
 AnyTensor from_bytes(DType dtype, const Shape& shape, const void* bytes, Device dev = device());
 
+namespace detail {
+/// A tensor object holding `node`, typed by the node's dtype.
+AnyTensor any_of_node(graph::NodePtr node);
+}  // namespace detail
+
 #if LAZYTENSOR_HEADER_DEFINITIONS
 LAZYTENSOR_INLINE void AnyTensor::copy_bytes_to(void* dst) const {
   visit([&](const auto& t) {
@@ -221,16 +226,19 @@ LAZYTENSOR_INLINE AnyTensor from_bytes(DType dtype, const Shape& shape, const vo
   const std::size_t n = static_cast<std::size_t>(shape.numel()) * dtype_size(dtype);
   auto buf = d.pool().acquire(padded_bytes(shape.numel(), dtype_size(dtype)));
   if (n) std::memcpy(buf->data(), bytes, n);
-  auto node = std::make_shared<graph::DataNode>(dtype, shape, &d, std::move(buf));
-  switch (dtype) {
-    case DType::Bool: return Tensor<bool>(node);
-    case DType::Int32: return Tensor<std::int32_t>(node);
-    case DType::Int64: return Tensor<std::int64_t>(node);
-    case DType::BFloat16: return Tensor<bfloat16>(node);
-    case DType::Float32: return Tensor<float>(node);
+  return detail::any_of_node(std::make_shared<graph::DataNode>(dtype, shape, &d, std::move(buf)));
+}
+
+LAZYTENSOR_INLINE AnyTensor detail::any_of_node(graph::NodePtr node) {
+  switch (node->dtype()) {
+    case DType::Bool: return Tensor<bool>(std::move(node));
+    case DType::Int32: return Tensor<std::int32_t>(std::move(node));
+    case DType::Int64: return Tensor<std::int64_t>(std::move(node));
+    case DType::BFloat16: return Tensor<bfloat16>(std::move(node));
+    case DType::Float32: return Tensor<float>(std::move(node));
     case DType::Float64: break;
   }
-  return Tensor<double>(node);
+  return Tensor<double>(std::move(node));
 }
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 

@@ -12,12 +12,6 @@ namespace spmd = lazy::spmd;
 
 namespace {
 
-// Meshes of the four devices in every shape the issue names.
-std::vector<spmd::Mesh> meshes() {
-  return {spmd::Mesh({0, 1, 2, 3}, {4}, {"x"}), spmd::Mesh({0, 1, 2, 3}, {2, 2}, {"x", "y"}),
-          spmd::Mesh({0, 1, 2, 3}, {1, 4}, {"x", "y"}), spmd::Mesh({3, 2, 1, 0}, {4, 1}, {"x", "y"})};
-}
-
 // Every spec form on a 2-D tensor of an (8, 8) shape, valid on each mesh above.
 std::vector<spmd::PartitionSpec> specs(const spmd::Mesh& m) {
   std::vector<spmd::PartitionSpec> r = {{}, {0}, {std::nullopt, 0}, {"x"}, {std::nullopt, "x"}};
@@ -35,7 +29,7 @@ std::vector<spmd::PartitionSpec> specs(const spmd::Mesh& m) {
 
 TEST(SpmdMarkSharding, PiecesAreTheBlocksAndCoverEachReplicaGroupOnce) {
   const auto values = lazy_tests::random_values<double>(64, 1);
-  for (const auto& mesh : meshes()) {
+  for (const auto& mesh : lazy_tests::named_meshes()) {
     for (const auto& spec : specs(mesh)) {
       auto t = lazy::from_vector<double>(values, {8, 8});
       spmd::mark_sharding(t, mesh, spec);

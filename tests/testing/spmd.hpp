@@ -19,6 +19,14 @@ inline const bool spmd_mode_on = (lazy::spmd::use_spmd(), true);
 /// The current value of a counter of the metrics report.
 inline std::int64_t counter_value(const char* name) { return lazy::core::counter(name).value.load(); }
 
+/// Meshes of the four devices in every shape the SPMD issue names, with axes "x" (and "y");
+/// the last in reverse device order.
+inline std::vector<lazy::spmd::Mesh> named_meshes() {
+  using lazy::spmd::Mesh;
+  return {Mesh({0, 1, 2, 3}, {4}, {"x"}), Mesh({0, 1, 2, 3}, {2, 2}, {"x", "y"}), Mesh({0, 1, 2, 3}, {1, 4}, {"x", "y"}),
+          Mesh({3, 2, 1, 0}, {4, 1}, {"x", "y"})};
+}
+
 /// A double tensor of `shape` with values uniform in [-1, 1) from `seed`.
 inline lazy::Tensor<double> random_tensor(const lazy::Shape& shape, unsigned seed) {
   return lazy::from_vector<double>(random_values<double>(shape.numel(), seed), shape);

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include <lazytensor/core/shape.hpp>
 #include <lazytensor/core/thread_pool.hpp>
@@ -75,6 +76,13 @@ void copy_segments(ThreadPool& pool, std::byte* dst, const std::byte* src, std::
 
 inline const std::byte* bytes_of(const NodePtr& n) { return static_cast<const std::byte*>(n->buffer()->data()); }
 
+/// Copies a box of `box` elements per dimension between two row-major arrays of `esize`-byte
+/// elements: from `src` (shape `src_shape`) starting at `src_at` to `dst` (shape
+/// `dst_shape`) starting at `dst_at`, innermost runs by memcpy.
+void copy_box(const std::byte* src, const Shape& src_shape, const std::vector<std::int64_t>& src_at, std::byte* dst,
+              const Shape& dst_shape, const std::vector<std::int64_t>& dst_at, const std::vector<std::int64_t>& box,
+              std::size_t esize);
+
 }  // namespace lazy::graph::detail
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
@@ -99,6 +107,40 @@ LAZYTENSOR_INLINE void Odometer::next() {
     a -= stride_a[d] * size[d];
     b -= stride_b[d] * size[d];
     idx[d] = 0;
+  }
+}
+
+LAZYTENSOR_INLINE void copy_box(const std::byte* src, const Shape& src_shape, const std::vector<std::int64_t>& src_at,
+                                        std::byte* dst, const Shape& dst_shape, const std::vector<std::int64_t>& dst_at,
+                                        const std::vector<std::int64_t>& box, std::size_t esize) {
+  const int rank = src_shape.rank();
+  for (auto b : box)
+    if (b == 0) return;
+  if (rank == 0) {
+    std::memcpy(dst, src, esize);
+    return;
+  }
+  // Row-major strides in elements.
+  std::vector<std::int64_t> ss(static_cast<std::size_t>(rank), 1), ds(static_cast<std::size_t>(rank), 1);
+  for (int d = rank - 1; d-- > 0;) {
+    ss[static_cast<std::size_t>(d)] = ss[static_cast<std::size_t>(d) + 1] * src_shape[d + 1];
+    ds[static_cast<std::size_t>(d)] = ds[static_cast<std::size_t>(d) + 1] * dst_shape[d + 1];
+  }
+  const std::size_t run = static_cast<std::size_t>(box.back()) * esize;
+  std::vector<std::int64_t> c(static_cast<std::size_t>(rank), 0);  // the last entry stays 0
+  for (;;) {
+    std::int64_t so = 0, d_o = 0;
+    for (int d = 0; d < rank; ++d) {
+      so += (src_at[static_cast<std::size_t>(d)] + c[static_cast<std::size_t>(d)]) * ss[static_cast<std::size_t>(d)];
+      d_o += (dst_at[static_cast<std::size_t>(d)] + c[static_cast<std::size_t>(d)]) * ds[static_cast<std::size_t>(d)];
+    }
+    std::memcpy(dst + static_cast<std::size_t>(d_o) * esize, src + static_cast<std::size_t>(so) * esize, run);
+    int d = rank - 2;
+    for (; d >= 0; --d) {
+      if (++c[static_cast<std::size_t>(d)] < box[static_cast<std::size_t>(d)]) break;
+      c[static_cast<std::size_t>(d)] = 0;
+    }
+    if (d < 0) return;
   }
 }
 

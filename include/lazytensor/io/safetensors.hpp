@@ -33,6 +33,7 @@
 #include <lazytensor/core/error.hpp>
 #include <lazytensor/io/file.hpp>
 #include <lazytensor/io/json.hpp>
+#include <lazytensor/io/shard_index.hpp>
 #include <lazytensor/io/stored_dtype.hpp>
 #include <lazytensor/state_dict.hpp>
 
@@ -74,9 +75,6 @@ SafetensorsHeader parse_safetensors_header(std::string_view text, const std::str
 void check_safetensors_layout(const SafetensorsHeader& h, std::uint64_t buffer_bytes,
                               const std::string& path);
 
-/// A typed handle on a materialized node of run-time dtype.
-AnyTensor wrap_node(const graph::NodePtr& node);
-
 /// The header text (padded to 8 bytes) for `sd`, whose tensors are stored as `stored` and
 /// laid out in `order`.
 std::string safetensors_header(const StateDict& sd, const std::vector<const StoredDType*>& stored,
@@ -106,7 +104,14 @@ void save_file(const StateDict& sd, const std::string& path);
 /// stored_dtypes() so that save_file writes it back; U64 and the 8-bit-or-smaller float
 /// dtypes raise FormatError naming the dtype. Nothing is allocated for a tensor before the
 /// whole header has been checked against the file's size.
+/// A shard index (io::save with SaveOptions::shard_files, see shard_index.hpp) loads as the
+/// whole tensors, assembled from its shard files.
 StateDict load(const std::string& path, Device dev = device());
+
+namespace detail {
+/// load of one safetensors file.
+StateDict load_safetensors_file(const std::string& path, Device dev);
+}  // namespace detail
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace detail {
@@ -279,24 +284,6 @@ LAZYTENSOR_INLINE void check_safetensors_layout(const SafetensorsHeader& h,
   }
 }
 
-LAZYTENSOR_INLINE AnyTensor wrap_node(const graph::NodePtr& node) {
-  switch (node->dtype()) {
-    case DType::Bool:
-      return Tensor<bool>(node);
-    case DType::Int32:
-      return Tensor<std::int32_t>(node);
-    case DType::Int64:
-      return Tensor<std::int64_t>(node);
-    case DType::BFloat16:
-      return Tensor<bfloat16>(node);
-    case DType::Float32:
-      return Tensor<float>(node);
-    case DType::Float64:
-      break;
-  }
-  return Tensor<double>(node);
-}
-
 LAZYTENSOR_INLINE std::string safetensors_header(const StateDict& sd,
                                                  const std::vector<const StoredDType*>& stored,
                                                  const std::vector<std::size_t>& order) {
@@ -435,6 +422,20 @@ LAZYTENSOR_INLINE void save_file(const StateDict& sd, const std::string& path) {
 }
 
 LAZYTENSOR_INLINE StateDict load(const std::string& path, Device dev) {
+  // A safetensors file starts with its header's length, 8 bytes little endian; a shard
+  // index with `{"format`, which read as such a length would be ~2^56, far past the
+  // header limit: no valid safetensors file starts that way.
+  char head[8] = {};
+  {
+    detail::ReadFile file(path);
+    if (file.read_at(head, sizeof head, 0) != sizeof head) head[0] = 0;
+  }
+  if (std::string_view(head, sizeof head) == "{\"format")
+    return detail::load_shard_index(path, dev, &detail::load_safetensors_file);
+  return detail::load_safetensors_file(path, dev);
+}
+
+LAZYTENSOR_INLINE StateDict detail::load_safetensors_file(const std::string& path, Device dev) {
   detail::ReadFile file(path);
   const std::uint64_t size = file.size();
   if (size < 8) {
@@ -503,7 +504,7 @@ LAZYTENSOR_INLINE StateDict load(const std::string& path, Device dev) {
         }
       }
     }
-    sd.insert(e.name, detail::wrap_node(std::make_shared<graph::DataNode>(e.dtype, e.shape, &engine,
+    sd.insert(e.name, lazy::detail::any_of_node(std::make_shared<graph::DataNode>(e.dtype, e.shape, &engine,
                                                                           std::move(buf))));
   }
   sd.metadata() = header.metadata;

@@ -11,6 +11,8 @@
 
 #include <algorithm>
 #include <exception>
+#include <map>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -20,6 +22,8 @@
 #include <lazytensor/dist/runtime.hpp>
 #include <lazytensor/graph/executor.hpp>
 #include <lazytensor/io/safetensors.hpp>
+#include <lazytensor/io/shard_index.hpp>
+#include <lazytensor/spmd/sharded_node.hpp>
 
 namespace lazy::io {
 
@@ -28,6 +32,15 @@ namespace detail {
 /// Runs every pending tensor of `sd`, one execution per device.
 void materialize_all(const StateDict& sd);
 
+/// Calls f(t, name, piece, device id, block) for each block a shard-files save writes (t:
+/// the tensor's position in `sd`): every
+/// distinct block of a sharded tensor once, from the first mesh position holding it (its
+/// replicas write nothing), and a whole tensor from its device. Hands out pending pieces.
+template <class F>
+void for_each_block(const StateDict& sd, F&& f);
+
+/// Writes `sd` as shard files plus the index at `path` (SaveOptions::shard_files).
+void save_shards(const StateDict& sd, const std::string& path);
 
 }  // namespace detail
 
@@ -44,6 +57,23 @@ void materialize_all(const StateDict& sd);
 /// Outside spawn it just writes.
 void save(const StateDict& sd, const std::string& path, bool master_only = true,
           bool global_master = false);
+
+/// How io::save writes: xm.save's two choices, and the shard files of lazy::spmd.
+struct SaveOptions {
+  /// Only the master replica writes (see save above).
+  bool master_only = true;
+  /// With master_only: global ordinal 0 only, not one writer per host.
+  bool global_master = false;
+  /// Sharded tensors (lazy::spmd) as one safetensors file per device holding that device's
+  /// blocks (each distinct block once), with `path` the JSON index naming them
+  /// (shard_index.hpp), instead of whole tensors in one file: nothing is gathered. The
+  /// shard files are written first, the index last (each atomically), so an index always
+  /// names complete files. io::load reads the index as whole tensors.
+  bool shard_files = false;
+};
+
+/// save with options: `io::save(sd, "ckpt/model.json", {.shard_files = true})`.
+void save(const StateDict& sd, const std::string& path, const SaveOptions& options);
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace detail {
@@ -64,15 +94,88 @@ LAZYTENSOR_INLINE void materialize_all(const StateDict& sd) {
   }
 }
 
+template <class F>
+void for_each_block(const StateDict& sd, F&& f) {
+  std::size_t position = 0;
+  for (const auto& [name, t] : sd) {
+    const std::size_t at = position++;
+    if (!t.defined()) throw Error("io::save: tensor '" + name + "' is undefined");
+    const graph::NodePtr& node = t.impl()->node;
+    const spmd::ShardedNode* s = spmd::as_sharded(node);
+    if (!s) {
+      std::vector<std::pair<std::int64_t, std::int64_t>> whole;
+      for (auto d : node->shape()) whole.emplace_back(0, d);
+      f(at, name, node, node->device()->index(), whole);
+      continue;
+    }
+    s->hand_out_pieces();
+    std::set<std::vector<std::pair<std::int64_t, std::int64_t>>> seen;
+    for (int p = 0; p < s->num_shards(); ++p) {
+      auto block = s->sharding().block(p, node->shape());
+      if (seen.insert(block).second)
+        f(at, name, s->shard(p), s->sharding().mesh.device_ids()[static_cast<std::size_t>(p)], block);
+    }
+  }
+}
+
+LAZYTENSOR_INLINE void save_shards(const StateDict& sd, const std::string& path) {
+  std::map<int, StateDict> files;  // by device id
+  ShardIndex index;
+  std::vector<std::pair<int, ShardBlock>> blocks;  // per block: device id, then the file's position
+  std::vector<std::size_t> owner;                   // per block: its tensor in index.tensors
+  for (const auto& [name, t] : sd) {
+    ShardedEntry e{name, dtype_name(t.dtype()), {t.shape().begin(), t.shape().end()}, {}, {}};
+    if (const spmd::ShardedNode* s = spmd::as_sharded(t.impl()->node)) e.sharding = s->sharding().str();
+    index.tensors.push_back(std::move(e));
+  }
+  for_each_block(sd, [&](std::size_t tensor, const std::string& name, const graph::NodePtr& piece, int device,
+                         const auto& block) {
+    StateDict& file = files[device];
+    file.insert(name, lazy::detail::any_of_node(piece));
+    if (auto it = sd.stored_dtypes().find(name); it != sd.stored_dtypes().end()) file.stored_dtypes()[name] = it->second;
+    blocks.push_back({device, ShardBlock{0, block}});
+    owner.push_back(tensor);
+  });
+  const std::string dir = parent_dir(path) + "/";
+  std::map<int, std::size_t> position;
+  for (const auto& [device, file] : files) {
+    const std::size_t k = position.size();
+    position[device] = k;
+    index.files.push_back(shard_file_name(path, k, files.size()));
+    save_file(file, dir + index.files.back());
+  }
+  for (std::size_t b = 0; b < blocks.size(); ++b) {
+    blocks[b].second.file = position.at(blocks[b].first);
+    index.tensors[owner[b]].blocks.push_back(std::move(blocks[b].second));
+  }
+  index.metadata = sd.metadata();
+  const std::string text = shard_index_json(index);
+  AtomicFileWriter out(path);
+  out.write(text.data(), text.size());
+  out.commit();
+}
+
 }  // namespace detail
 
 LAZYTENSOR_INLINE void save(const StateDict& sd, const std::string& path, bool master_only,
                             bool global_master) {
-  const bool writer = !master_only || dist::is_master_ordinal(!global_master);
+  save(sd, path, SaveOptions{.master_only = master_only, .global_master = global_master});
+}
+
+LAZYTENSOR_INLINE void save(const StateDict& sd, const std::string& path, const SaveOptions& options) {
+  const bool writer = !options.master_only || dist::is_master_ordinal(!options.global_master);
   std::exception_ptr error;
   try {
-    detail::materialize_all(sd);
-    if (writer) save_file(sd, path);
+    if (!options.shard_files) {
+      detail::materialize_all(sd);
+      if (writer) save_file(sd, path);
+    } else if (writer) {
+      detail::save_shards(sd, path);
+    } else {  // the same sync as a writer's, without the gathers
+      detail::for_each_block(sd, [](std::size_t, const std::string&, const graph::NodePtr& piece, int, const auto&) {
+        graph::materialize(piece);
+      });
+    }
   } catch (...) {
     error = std::current_exception();
   }

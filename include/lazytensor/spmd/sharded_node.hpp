@@ -10,6 +10,7 @@
 #include <vector>
 
 #include <lazytensor/core/buffer.hpp>
+#include <lazytensor/graph/byte_copy.hpp>
 #include <lazytensor/graph/device.hpp>
 #include <lazytensor/graph/node.hpp>
 #include <lazytensor/graph/tensor_impl.hpp>
@@ -62,13 +63,6 @@ namespace detail {
 
 /// A [begin, end) range per dimension.
 using Ranges = std::vector<std::pair<std::int64_t, std::int64_t>>;
-
-/// Copies a box of `box` elements per dimension between two row-major arrays of `esize`-byte
-/// elements: from `src` (shape `src_shape`) starting at `src_at` to `dst` (shape
-/// `dst_shape`) starting at `dst_at`, innermost runs by memcpy.
-void copy_box(const std::byte* src, const Shape& src_shape, const std::vector<std::int64_t>& src_at, std::byte* dst,
-              const Shape& dst_shape, const std::vector<std::int64_t>& dst_at, const std::vector<std::int64_t>& box,
-              std::size_t esize);
 
 /// The block `ranges` of materialized `value`, as data on `dev`, copied into `dev`'s pool.
 /// The whole value on its own device shares the buffer (buffers are immutable; donation
@@ -129,45 +123,11 @@ LAZYTENSOR_INLINE void ShardedNode::compute(graph::ExecContext& ctx) {
       at.push_back(b0);
       box.push_back(b1 - b0);
     }
-    detail::copy_box(static_cast<const std::byte*>(piece->buffer()->data()), piece->shape(),
+    graph::detail::copy_box(static_cast<const std::byte*>(piece->buffer()->data()), piece->shape(),
                      std::vector<std::int64_t>(at.size(), 0), static_cast<std::byte*>(buf->data()), global, at, box,
                      esize);
   }
   set_buffer(std::move(buf));
-}
-
-LAZYTENSOR_INLINE void detail::copy_box(const std::byte* src, const Shape& src_shape, const std::vector<std::int64_t>& src_at,
-                                        std::byte* dst, const Shape& dst_shape, const std::vector<std::int64_t>& dst_at,
-                                        const std::vector<std::int64_t>& box, std::size_t esize) {
-  const int rank = src_shape.rank();
-  for (auto b : box)
-    if (b == 0) return;
-  if (rank == 0) {
-    std::memcpy(dst, src, esize);
-    return;
-  }
-  // Row-major strides in elements.
-  std::vector<std::int64_t> ss(static_cast<std::size_t>(rank), 1), ds(static_cast<std::size_t>(rank), 1);
-  for (int d = rank - 1; d-- > 0;) {
-    ss[static_cast<std::size_t>(d)] = ss[static_cast<std::size_t>(d) + 1] * src_shape[d + 1];
-    ds[static_cast<std::size_t>(d)] = ds[static_cast<std::size_t>(d) + 1] * dst_shape[d + 1];
-  }
-  const std::size_t run = static_cast<std::size_t>(box.back()) * esize;
-  std::vector<std::int64_t> c(static_cast<std::size_t>(rank), 0);  // the last entry stays 0
-  for (;;) {
-    std::int64_t so = 0, d_o = 0;
-    for (int d = 0; d < rank; ++d) {
-      so += (src_at[static_cast<std::size_t>(d)] + c[static_cast<std::size_t>(d)]) * ss[static_cast<std::size_t>(d)];
-      d_o += (dst_at[static_cast<std::size_t>(d)] + c[static_cast<std::size_t>(d)]) * ds[static_cast<std::size_t>(d)];
-    }
-    std::memcpy(dst + static_cast<std::size_t>(d_o) * esize, src + static_cast<std::size_t>(so) * esize, run);
-    int d = rank - 2;
-    for (; d >= 0; --d) {
-      if (++c[static_cast<std::size_t>(d)] < box[static_cast<std::size_t>(d)]) break;
-      c[static_cast<std::size_t>(d)] = 0;
-    }
-    if (d < 0) return;
-  }
 }
 
 LAZYTENSOR_INLINE graph::NodePtr detail::block_of(const graph::NodePtr& value, const Ranges& ranges, graph::Device& dev) {
@@ -185,7 +145,7 @@ LAZYTENSOR_INLINE graph::NodePtr detail::block_of(const graph::NodePtr& value, c
   const Shape shape(box);
   const std::size_t esize = dtype_size(value->dtype());
   auto buf = dev.pool().acquire(padded_bytes(shape.numel(), esize));
-  copy_box(static_cast<const std::byte*>(value->buffer()->data()), global, at, static_cast<std::byte*>(buf->data()),
+  graph::detail::copy_box(static_cast<const std::byte*>(value->buffer()->data()), global, at, static_cast<std::byte*>(buf->data()),
            shape, std::vector<std::int64_t>(at.size(), 0), box, esize);
   static auto& bytes = core::counter("SpmdTransferBytes");
   bytes.add(static_cast<std::int64_t>(shape.numel() * static_cast<std::int64_t>(esize)));
