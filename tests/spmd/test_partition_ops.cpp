@@ -151,6 +151,54 @@ TEST(SpmdShapeOps, ViewsTransposesAndPermutesKeepTheBlocks) {
   }
 }
 
+TEST(SpmdShapeOps, SlicesIndexSelectsAndCatsKeepTheBlocksOfTheOtherDimensions) {
+  const auto rows = lazy::from_vector<std::int64_t>({7, 0, 5, 5});
+  const auto cols = lazy::from_vector<std::int64_t>({11, 0, 5, 5, 3, 7});
+  for (const auto& mesh : unnamed_meshes()) {
+    for (const auto& spec : specs_2d(mesh)) {
+      auto x = random_tensor({8, 12}, 37);
+      auto ref = x.detach().requires_grad_();
+      spmd::mark_sharding(x, mesh, spec);
+      x.requires_grad_();
+      const std::string where = name(mesh, x);
+      const auto gathers = counter("SpmdGathers");
+      // Along dimension 1 (columns): blocks of dimension 0 stay.
+      const lazy::Tensor<double> x2 = x * 2.0, ref2 = ref * 2.0;
+      lazy::Tensor<double> by_cols[] = {lazy::slice(x, 1, 2, 11, 3), lazy::narrow(x, 1, 4, 6), lazy::index_select(x, 1, cols),
+                                        lazy::cat({x, x2}, 1), lazy::stack({x2, x}, 1)};
+      lazy::Tensor<double> want_cols[] = {lazy::slice(ref, 1, 2, 11, 3), lazy::narrow(ref, 1, 4, 6),
+                                          lazy::index_select(ref, 1, cols), lazy::cat({ref, ref2}, 1),
+                                          lazy::stack({ref2, ref}, 1)};
+      const bool cols_whole = spmd::local_shards(x)[0].data.size(1) == 12;
+      if (cols_whole) {
+        EXPECT_EQ(counter("SpmdGathers"), gathers) << where << ": a copy along an unsplit dimension gathers nothing";
+        for (std::size_t i = 0; i < 4; ++i) EXPECT_EQ(spmd::sharding_spec(by_cols[i]), spmd::sharding_spec(x)) << where;
+        EXPECT_EQ(spmd::local_shards(by_cols[4])[0].data.size(0), spmd::local_shards(x)[0].data.size(0)) << where;
+      }
+      // Along dimension 0 (rows).
+      lazy::Tensor<double> by_rows[] = {lazy::slice(x, 0, 1, 8, 2), lazy::index_select(x, 0, rows), lazy::cat({x, x2}, 0)};
+      lazy::Tensor<double> want_rows[] = {lazy::slice(ref, 0, 1, 8, 2), lazy::index_select(ref, 0, rows),
+                                          lazy::cat({ref, ref2}, 0)};
+      lazy::mark_step();
+      for (std::size_t i = 0; i < std::size(by_cols); ++i)
+        EXPECT_EQ(by_cols[i].to_vector(), want_cols[i].to_vector()) << where << " column copy " << i;
+      for (std::size_t i = 0; i < std::size(by_rows); ++i)
+        EXPECT_EQ(by_rows[i].to_vector(), want_rows[i].to_vector()) << where << " row copy " << i;
+      // Backward through every copy: the weights make each element's gradient distinct.
+      auto w = random_tensor({8, 3}, 38), v = random_tensor({4, 12}, 39);
+      auto loss = [&](const lazy::Tensor<double>* c, const lazy::Tensor<double>* r) {
+        return lazy::Tensor<double>(lazy::sum(c[0] * w) + lazy::sum(c[1]) * 0.5 + lazy::sum(lazy::square(c[2])) +
+                                    lazy::sum(lazy::square(c[3])) * 0.25 + lazy::sum(lazy::square(c[4])) * 0.125 +
+                                    lazy::sum(r[0]) + lazy::sum(r[1] * v) + lazy::sum(lazy::square(r[2])));
+      };
+      loss(by_cols, by_rows).backward();
+      loss(want_cols, want_rows).backward();
+      lazy::mark_step();
+      expect_close(x.grad().to_vector(), ref.grad().to_vector(), where + " grad");
+    }
+  }
+}
+
 TEST(SpmdLoss, CrossEntropyForwardAndBackwardOnShardedBatches) {
   for (const auto& mesh : unnamed_meshes()) {
     auto logits = random_tensor({8, 10}, 32);

@@ -188,6 +188,18 @@ class TransposeNode final : public PermuteNode, public TransposeOfLastTwo {
   NodePtr none_;
 };
 
+/// The block rule of a copy along dimension `dim` of its first input (a slice, an
+/// index_select): the output's other dimensions are the input's and may be split; `dim`
+/// is read whole, and so are the other inputs (`inputs` in all).
+inline BlockRule all_but_dim_rule(int rank, int dim, std::size_t inputs) {
+  BlockRule r{std::vector<bool>(static_cast<std::size_t>(rank), true),
+              std::vector<std::vector<int>>(inputs, std::vector<int>(static_cast<std::size_t>(rank), -1))};
+  for (int o = 0; o < rank; ++o) r.input_dim[0][static_cast<std::size_t>(o)] = o;
+  r.splittable[static_cast<std::size_t>(dim)] = false;
+  r.input_dim[0][static_cast<std::size_t>(dim)] = -1;
+  return r;
+}
+
 /// Copies a strided range of one dim: out[.., k, ..] = in[.., start + k * step, ..].
 class SliceNode final : public Node {
  public:
@@ -197,6 +209,11 @@ class SliceNode final : public Node {
   std::string describe() const override;
   // The offsets are part of the kernel's layout, not data: they belong in the hash.
   std::uint64_t structural_hash() const override;
+  /// Blocks along every dimension but the sliced one (lazy::spmd keeps such a sharding).
+  std::optional<BlockRule> block_rule() const override { return all_but_dim_rule(shape().rank(), dim_, 1); }
+  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
+    return std::make_shared<SliceNode>(op_, std::move(inputs[0]), dim_, start_, step_, std::move(shape));
+  }
 
  protected:
   void compute(ExecContext& ctx) override;
@@ -217,11 +234,18 @@ class CatNode final : public Node {
 
   std::string op_name() const override { return op_; }
   std::uint64_t structural_hash() const override;
+  /// Blocks along the dimensions before the joined one (whole rows of every input).
+  std::optional<BlockRule> block_rule() const override;
+  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device* device) const override;
 
  protected:
   void compute(ExecContext& ctx) override;
 
  private:
+  // The output dimensions whose product is outer_ (the first ones; size-1 dimensions after
+  // them are left whole).
+  int row_dims() const;
+
   std::string op_;
   std::int64_t outer_;
   std::vector<std::int64_t> widths_;
@@ -238,6 +262,11 @@ class IndexSelectNode final : public Node {
   std::string describe() const override { return "index_select(%0, dim=" + std::to_string(dim_) + ", %1)"; }
   std::uint64_t structural_hash() const override {
     return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
+  }
+  /// Blocks along every dimension but the indexed one; the index is read whole.
+  std::optional<BlockRule> block_rule() const override { return all_but_dim_rule(shape().rank(), dim_, 2); }
+  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
+    return std::make_shared<IndexSelectNode>(std::move(inputs[0]), std::move(inputs[1]), dim_, std::move(shape));
   }
 
  protected:
@@ -568,6 +597,29 @@ LAZYTENSOR_INLINE std::uint64_t CatNode::structural_hash() const {
   std::uint64_t h = hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(outer_));
   for (auto w : widths_) h = hash_combine(h, static_cast<std::uint64_t>(w));
   return h;
+}
+
+LAZYTENSOR_INLINE int CatNode::row_dims() const {
+  int k = 0;
+  for (std::int64_t prefix = 1; prefix != outer_ && k < shape().rank(); ++k) prefix *= shape()[k];
+  return k;
+}
+
+LAZYTENSOR_INLINE std::optional<BlockRule> CatNode::block_rule() const {
+  const int rank = shape().rank(), k = row_dims();
+  BlockRule r{std::vector<bool>(static_cast<std::size_t>(rank), false),
+              std::vector<std::vector<int>>(inputs().size(), std::vector<int>(static_cast<std::size_t>(rank), -1))};
+  for (int o = 0; o < k; ++o) {
+    r.splittable[static_cast<std::size_t>(o)] = true;
+    for (auto& map : r.input_dim) map[static_cast<std::size_t>(o)] = o;  // cat and stack alike
+  }
+  return r;
+}
+
+LAZYTENSOR_INLINE NodePtr CatNode::with_inputs(std::vector<NodePtr> inputs, Shape shape, Device* device) const {
+  std::int64_t outer = 1;
+  for (int o = 0; o < row_dims(); ++o) outer *= shape[o];
+  return std::make_shared<CatNode>(op_, dtype(), std::move(inputs), std::move(shape), device, outer, widths_);
 }
 
 LAZYTENSOR_INLINE void CatNode::compute(ExecContext& ctx) {
