@@ -4048,7 +4048,14 @@ inline void store_fence() {
 /// Keeps the optimizer from inlining a kernel loop into each of its callers: the loop is
 /// called once per task, so the call costs nothing, and every inlined copy of an
 /// expression's SIMD body would be compiled again.
-#if defined(__GNUC__)
+///
+/// GCC also gets no SLP vectorization inside them: the bodies are already xsimd batches,
+/// and GCC 12 at -O3 with AVX-512 miscompiled the double sigmoid gradient kernel (lanes
+/// 1-7 of the first batch came out 0) when both its loop and SLP vectorizers ran; either
+/// off fixes it (tests/expr/o3_kernels.cpp checks at -O3).
+#if defined(__GNUC__) && !defined(__clang__)
+#define LAZY_KERNEL_LOOP __attribute__((noinline, optimize("no-tree-slp-vectorize")))
+#elif defined(__GNUC__)
 #define LAZY_KERNEL_LOOP __attribute__((noinline))
 #else
 #define LAZY_KERNEL_LOOP
@@ -7390,6 +7397,11 @@ class AnyTensor {
 /// (numel * dtype_size(dtype) bytes), on `dev`.
 AnyTensor from_bytes(DType dtype, const Shape& shape, const void* bytes, Device dev = device());
 
+namespace detail {
+/// A tensor object holding `node`, typed by the node's dtype.
+AnyTensor any_of_node(graph::NodePtr node);
+}  // namespace detail
+
 #if LAZYTENSOR_HEADER_DEFINITIONS
 LAZYTENSOR_INLINE void AnyTensor::copy_bytes_to(void* dst) const {
   visit([&](const auto& t) {
@@ -7498,16 +7510,19 @@ LAZYTENSOR_INLINE AnyTensor from_bytes(DType dtype, const Shape& shape, const vo
   const std::size_t n = static_cast<std::size_t>(shape.numel()) * dtype_size(dtype);
   auto buf = d.pool().acquire(padded_bytes(shape.numel(), dtype_size(dtype)));
   if (n) std::memcpy(buf->data(), bytes, n);
-  auto node = std::make_shared<graph::DataNode>(dtype, shape, &d, std::move(buf));
-  switch (dtype) {
-    case DType::Bool: return Tensor<bool>(node);
-    case DType::Int32: return Tensor<std::int32_t>(node);
-    case DType::Int64: return Tensor<std::int64_t>(node);
-    case DType::BFloat16: return Tensor<bfloat16>(node);
-    case DType::Float32: return Tensor<float>(node);
+  return detail::any_of_node(std::make_shared<graph::DataNode>(dtype, shape, &d, std::move(buf)));
+}
+
+LAZYTENSOR_INLINE AnyTensor detail::any_of_node(graph::NodePtr node) {
+  switch (node->dtype()) {
+    case DType::Bool: return Tensor<bool>(std::move(node));
+    case DType::Int32: return Tensor<std::int32_t>(std::move(node));
+    case DType::Int64: return Tensor<std::int64_t>(std::move(node));
+    case DType::BFloat16: return Tensor<bfloat16>(std::move(node));
+    case DType::Float32: return Tensor<float>(std::move(node));
     case DType::Float64: break;
   }
-  return Tensor<double>(node);
+  return Tensor<double>(std::move(node));
 }
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
@@ -16652,6 +16667,7 @@ class ScatterAddNode final : public Node {
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 
 namespace lazy::graph::detail {
@@ -16713,6 +16729,13 @@ void copy_segments(ThreadPool& pool, std::byte* dst, const std::byte* src, std::
 
 inline const std::byte* bytes_of(const NodePtr& n) { return static_cast<const std::byte*>(n->buffer()->data()); }
 
+/// Copies a box of `box` elements per dimension between two row-major arrays of `esize`-byte
+/// elements: from `src` (shape `src_shape`) starting at `src_at` to `dst` (shape
+/// `dst_shape`) starting at `dst_at`, innermost runs by memcpy.
+void copy_box(const std::byte* src, const Shape& src_shape, const std::vector<std::int64_t>& src_at, std::byte* dst,
+              const Shape& dst_shape, const std::vector<std::int64_t>& dst_at, const std::vector<std::int64_t>& box,
+              std::size_t esize);
+
 }  // namespace lazy::graph::detail
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
@@ -16737,6 +16760,40 @@ LAZYTENSOR_INLINE void Odometer::next() {
     a -= stride_a[d] * size[d];
     b -= stride_b[d] * size[d];
     idx[d] = 0;
+  }
+}
+
+LAZYTENSOR_INLINE void copy_box(const std::byte* src, const Shape& src_shape, const std::vector<std::int64_t>& src_at,
+                                        std::byte* dst, const Shape& dst_shape, const std::vector<std::int64_t>& dst_at,
+                                        const std::vector<std::int64_t>& box, std::size_t esize) {
+  const int rank = src_shape.rank();
+  for (auto b : box)
+    if (b == 0) return;
+  if (rank == 0) {
+    std::memcpy(dst, src, esize);
+    return;
+  }
+  // Row-major strides in elements.
+  std::vector<std::int64_t> ss(static_cast<std::size_t>(rank), 1), ds(static_cast<std::size_t>(rank), 1);
+  for (int d = rank - 1; d-- > 0;) {
+    ss[static_cast<std::size_t>(d)] = ss[static_cast<std::size_t>(d) + 1] * src_shape[d + 1];
+    ds[static_cast<std::size_t>(d)] = ds[static_cast<std::size_t>(d) + 1] * dst_shape[d + 1];
+  }
+  const std::size_t run = static_cast<std::size_t>(box.back()) * esize;
+  std::vector<std::int64_t> c(static_cast<std::size_t>(rank), 0);  // the last entry stays 0
+  for (;;) {
+    std::int64_t so = 0, d_o = 0;
+    for (int d = 0; d < rank; ++d) {
+      so += (src_at[static_cast<std::size_t>(d)] + c[static_cast<std::size_t>(d)]) * ss[static_cast<std::size_t>(d)];
+      d_o += (dst_at[static_cast<std::size_t>(d)] + c[static_cast<std::size_t>(d)]) * ds[static_cast<std::size_t>(d)];
+    }
+    std::memcpy(dst + static_cast<std::size_t>(d_o) * esize, src + static_cast<std::size_t>(so) * esize, run);
+    int d = rank - 2;
+    for (; d >= 0; --d) {
+      if (++c[static_cast<std::size_t>(d)] < box[static_cast<std::size_t>(d)]) break;
+      c[static_cast<std::size_t>(d)] = 0;
+    }
+    if (d < 0) return;
   }
 }
 
@@ -16905,6 +16962,18 @@ class TransposeNode final : public PermuteNode, public TransposeOfLastTwo {
   NodePtr none_;
 };
 
+/// The block rule of a copy along dimension `dim` of its first input (a slice, an
+/// index_select): the output's other dimensions are the input's and may be split; `dim`
+/// is read whole, and so are the other inputs (`inputs` in all).
+inline BlockRule all_but_dim_rule(int rank, int dim, std::size_t inputs) {
+  BlockRule r{std::vector<bool>(static_cast<std::size_t>(rank), true),
+              std::vector<std::vector<int>>(inputs, std::vector<int>(static_cast<std::size_t>(rank), -1))};
+  for (int o = 0; o < rank; ++o) r.input_dim[0][static_cast<std::size_t>(o)] = o;
+  r.splittable[static_cast<std::size_t>(dim)] = false;
+  r.input_dim[0][static_cast<std::size_t>(dim)] = -1;
+  return r;
+}
+
 /// Copies a strided range of one dim: out[.., k, ..] = in[.., start + k * step, ..].
 class SliceNode final : public Node {
  public:
@@ -16914,6 +16983,11 @@ class SliceNode final : public Node {
   std::string describe() const override;
   // The offsets are part of the kernel's layout, not data: they belong in the hash.
   std::uint64_t structural_hash() const override;
+  /// Blocks along every dimension but the sliced one (lazy::spmd keeps such a sharding).
+  std::optional<BlockRule> block_rule() const override { return all_but_dim_rule(shape().rank(), dim_, 1); }
+  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
+    return std::make_shared<SliceNode>(op_, std::move(inputs[0]), dim_, start_, step_, std::move(shape));
+  }
 
  protected:
   void compute(ExecContext& ctx) override;
@@ -16934,11 +17008,18 @@ class CatNode final : public Node {
 
   std::string op_name() const override { return op_; }
   std::uint64_t structural_hash() const override;
+  /// Blocks along the dimensions before the joined one (whole rows of every input).
+  std::optional<BlockRule> block_rule() const override;
+  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device* device) const override;
 
  protected:
   void compute(ExecContext& ctx) override;
 
  private:
+  // The output dimensions whose product is outer_ (the first ones; size-1 dimensions after
+  // them are left whole).
+  int row_dims() const;
+
   std::string op_;
   std::int64_t outer_;
   std::vector<std::int64_t> widths_;
@@ -16955,6 +17036,11 @@ class IndexSelectNode final : public Node {
   std::string describe() const override { return "index_select(%0, dim=" + std::to_string(dim_) + ", %1)"; }
   std::uint64_t structural_hash() const override {
     return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
+  }
+  /// Blocks along every dimension but the indexed one; the index is read whole.
+  std::optional<BlockRule> block_rule() const override { return all_but_dim_rule(shape().rank(), dim_, 2); }
+  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
+    return std::make_shared<IndexSelectNode>(std::move(inputs[0]), std::move(inputs[1]), dim_, std::move(shape));
   }
 
  protected:
@@ -17285,6 +17371,29 @@ LAZYTENSOR_INLINE std::uint64_t CatNode::structural_hash() const {
   std::uint64_t h = hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(outer_));
   for (auto w : widths_) h = hash_combine(h, static_cast<std::uint64_t>(w));
   return h;
+}
+
+LAZYTENSOR_INLINE int CatNode::row_dims() const {
+  int k = 0;
+  for (std::int64_t prefix = 1; prefix != outer_ && k < shape().rank(); ++k) prefix *= shape()[k];
+  return k;
+}
+
+LAZYTENSOR_INLINE std::optional<BlockRule> CatNode::block_rule() const {
+  const int rank = shape().rank(), k = row_dims();
+  BlockRule r{std::vector<bool>(static_cast<std::size_t>(rank), false),
+              std::vector<std::vector<int>>(inputs().size(), std::vector<int>(static_cast<std::size_t>(rank), -1))};
+  for (int o = 0; o < k; ++o) {
+    r.splittable[static_cast<std::size_t>(o)] = true;
+    for (auto& map : r.input_dim) map[static_cast<std::size_t>(o)] = o;  // cat and stack alike
+  }
+  return r;
+}
+
+LAZYTENSOR_INLINE NodePtr CatNode::with_inputs(std::vector<NodePtr> inputs, Shape shape, Device* device) const {
+  std::int64_t outer = 1;
+  for (int o = 0; o < row_dims(); ++o) outer *= shape[o];
+  return std::make_shared<CatNode>(op_, dtype(), std::move(inputs), std::move(shape), device, outer, widths_);
 }
 
 LAZYTENSOR_INLINE void CatNode::compute(ExecContext& ctx) {
@@ -19464,6 +19573,323 @@ LAZYTENSOR_INLINE void JsonCursor::escape(std::string& out) {
 
 }  // namespace lazy::io::detail
 // ---- end lazytensor/io/json.hpp ----
+// ---- begin lazytensor/io/shard_index.hpp ----
+// The index of a state dict saved in shards (io::save with SaveOptions::shard_files): a
+// JSON file naming the shard files beside it (ordinary safetensors files, one per device)
+// and, for every tensor, its dtype, shape, sharding and the block each file holds, e.g.
+//
+//   {"format": "lazytensor.sharded_state_dict", "version": 1,
+//    "files": ["model.shard-0-of-2.safetensors", "model.shard-1-of-2.safetensors"],
+//    "metadata": {"epoch": "3"},
+//    "tensors": [{"name": "w", "dtype": "float32", "shape": [8, 4],
+//                 "sharding": "{devices=[2,1]0,1}",
+//                 "blocks": [{"file": 0, "index": [[0, 4], [0, 4]]},
+//                            {"file": 1, "index": [[4, 8], [0, 4]]}]}]}
+//
+// A shard file holds each tensor's block under the tensor's name, so any safetensors reader
+// can read one. io::load recognizes an index by its first byte and assembles whole tensors,
+// reading one shard file at a time; mark_sharding then puts them in any sharding.
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+
+namespace lazy::io::detail {
+
+/// The value of "format" in an index.
+inline constexpr std::string_view kShardIndexFormat = "lazytensor.sharded_state_dict";
+
+/// One block of a tensor: the shard file holding it (a position in ShardIndex::files) and
+/// the [begin, end) range of each dimension.
+struct ShardBlock {
+  std::size_t file = 0;
+  std::vector<std::pair<std::int64_t, std::int64_t>> index;
+};
+
+/// A tensor of the index.
+struct ShardedEntry {
+  std::string name;
+  std::string dtype;  ///< dtype_name()
+  std::vector<std::int64_t> shape;
+  std::string sharding;  ///< XLA's text, for people reading the file ("" when whole)
+  std::vector<ShardBlock> blocks;
+};
+
+struct ShardIndex {
+  std::vector<std::string> files;  ///< names relative to the index's directory
+  std::map<std::string, std::string> metadata;
+  std::vector<ShardedEntry> tensors;
+};
+
+/// The name of shard file `k` of `n` beside the index at `path` (its directory left out):
+/// the index's name without a ".json" suffix, then ".shard-<k>-of-<n>.safetensors".
+std::string shard_file_name(const std::string& path, std::size_t k, std::size_t n);
+
+/// The index as JSON text.
+std::string shard_index_json(const ShardIndex& index);
+
+/// Parses an index (FormatError naming `path` on anything else) and checks that every
+/// tensor's blocks lie inside its shape, name a listed file, and cover it exactly once.
+ShardIndex parse_shard_index(std::string_view text, const std::string& path);
+
+/// Reads the index at `path` and assembles each tensor on `dev` from its blocks, reading
+/// the shard files one at a time with `load_file` (io::load of a single safetensors file).
+StateDict load_shard_index(const std::string& path, Device dev, StateDict (*load_file)(const std::string&, Device));
+
+}  // namespace lazy::io::detail
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::io::detail {
+
+LAZYTENSOR_INLINE std::string shard_file_name(const std::string& path, std::size_t k, std::size_t n) {
+  std::string base = path.substr(path.find_last_of('/') == std::string::npos ? 0 : path.find_last_of('/') + 1);
+  if (base.size() > 5 && base.compare(base.size() - 5, 5, ".json") == 0) base.resize(base.size() - 5);
+  return base + ".shard-" + std::to_string(k) + "-of-" + std::to_string(n) + ".safetensors";
+}
+
+LAZYTENSOR_INLINE std::string shard_index_json(const ShardIndex& index) {
+  std::string out = "{\"format\": ";
+  append_json_string(out, kShardIndexFormat);
+  out += ", \"version\": 1,\n \"files\": [";
+  for (std::size_t k = 0; k < index.files.size(); ++k) {
+    if (k) out += ", ";
+    append_json_string(out, index.files[k]);
+  }
+  out += "],\n \"metadata\": {";
+  bool first = true;
+  for (const auto& [key, value] : index.metadata) {
+    if (!first) out += ", ";
+    first = false;
+    append_json_string(out, key);
+    out += ": ";
+    append_json_string(out, value);
+  }
+  out += "},\n \"tensors\": [";
+  for (std::size_t t = 0; t < index.tensors.size(); ++t) {
+    const ShardedEntry& e = index.tensors[t];
+    out += t ? ",\n  {\"name\": " : "\n  {\"name\": ";
+    append_json_string(out, e.name);
+    out += ", \"dtype\": ";
+    append_json_string(out, e.dtype);
+    out += ", \"shape\": [";
+    for (std::size_t d = 0; d < e.shape.size(); ++d) out += (d ? ", " : "") + std::to_string(e.shape[d]);
+    out += "], \"sharding\": ";
+    append_json_string(out, e.sharding);
+    out += ", \"blocks\": [";
+    for (std::size_t b = 0; b < e.blocks.size(); ++b) {
+      out += (b ? ", " : "") + std::string("{\"file\": ") + std::to_string(e.blocks[b].file) + ", \"index\": [";
+      for (std::size_t d = 0; d < e.blocks[b].index.size(); ++d) {
+        const auto& [lo, hi] = e.blocks[b].index[d];
+        out += (d ? ", [" : "[") + std::to_string(lo) + ", " + std::to_string(hi) + "]";
+      }
+      out += "]}";
+    }
+    out += "]}";
+  }
+  out += "]}\n";
+  return out;
+}
+
+namespace shard_index {
+
+// Calls `f(key)` for each key of the object at `cur`, positioned on its value.
+template <class F>
+void each_key(JsonCursor& cur, F&& f) {
+  cur.expect('{');
+  if (cur.accept('}')) return;
+  do {
+    const std::string key = cur.string();
+    cur.expect(':');
+    f(key);
+  } while (cur.accept(','));
+  cur.expect('}');
+}
+
+// Calls `f()` for each element of the array at `cur`, positioned on it.
+template <class F>
+void each_element(JsonCursor& cur, F&& f) {
+  cur.expect('[');
+  if (cur.accept(']')) return;
+  do f();
+  while (cur.accept(','));
+  cur.expect(']');
+}
+
+inline DType dtype_named(const std::string& name, const std::string& who) {
+  for (DType d : {DType::Bool, DType::Int32, DType::Int64, DType::BFloat16, DType::Float32, DType::Float64})
+    if (dtype_name(d) == name) return d;
+  throw FormatError(who + ": unknown dtype \"" + name + "\"");
+}
+
+inline std::int64_t dimension(JsonCursor& cur, const std::string& path, const std::string& what) {
+  const std::uint64_t v = cur.uint64();
+  if (v > (std::uint64_t{1} << 60)) throw FormatError(path + ": " + what + " " + std::to_string(v) + " is too large");
+  return static_cast<std::int64_t>(v);
+}
+
+}  // namespace shard_index
+
+LAZYTENSOR_INLINE ShardIndex parse_shard_index(std::string_view text, const std::string& path) {
+  using namespace shard_index;
+  ShardIndex index;
+  JsonCursor cur(text, path);
+  bool format = false;
+  each_key(cur, [&](const std::string& key) {
+    if (key == "format") {
+      const std::string f = cur.string();
+      if (f != kShardIndexFormat)
+        throw FormatError(path + ": \"format\" is \"" + f + "\", expected \"" + std::string(kShardIndexFormat) + "\"");
+      format = true;
+    } else if (key == "version") {
+      if (const auto v = cur.uint64(); v != 1)
+        throw FormatError(path + ": index version " + std::to_string(v) + ", this library reads version 1");
+    } else if (key == "files") {
+      each_element(cur, [&] { index.files.push_back(cur.string()); });
+    } else if (key == "metadata") {
+      each_key(cur, [&](const std::string& k) { index.metadata[k] = cur.string(); });
+    } else if (key == "tensors") {
+      each_element(cur, [&] {
+        ShardedEntry e;
+        each_key(cur, [&](const std::string& k) {
+          if (k == "name") e.name = cur.string();
+          else if (k == "dtype") e.dtype = cur.string();
+          else if (k == "sharding") e.sharding = cur.string();
+          else if (k == "shape") each_element(cur, [&] { e.shape.push_back(dimension(cur, path, "dimension")); });
+          else if (k == "blocks") {
+            each_element(cur, [&] {
+              ShardBlock b;
+              each_key(cur, [&](const std::string& bk) {
+                if (bk == "file") b.file = static_cast<std::size_t>(cur.uint64());
+                else if (bk == "index") {
+                  each_element(cur, [&] {
+                    cur.expect('[');
+                    const std::int64_t lo = dimension(cur, path, "block start");
+                    cur.expect(',');
+                    const std::int64_t hi = dimension(cur, path, "block end");
+                    cur.expect(']');
+                    b.index.emplace_back(lo, hi);
+                  });
+                } else throw FormatError(path + ": unknown key \"" + bk + "\" in a block of tensor '" + e.name + "'");
+              });
+              e.blocks.push_back(std::move(b));
+            });
+          } else throw FormatError(path + ": unknown key \"" + k + "\" in tensor '" + e.name + "'");
+        });
+        index.tensors.push_back(std::move(e));
+      });
+    } else {
+      throw FormatError(path + ": unknown key \"" + key + "\" in a shard index");
+    }
+  });
+  if (!format) throw FormatError(path + ": not a shard index (no \"format\" key)");
+  for (const ShardedEntry& e : index.tensors) {
+    const std::string who = path + ": tensor '" + e.name + "'";
+    if (e.shape.size() > static_cast<std::size_t>(kMaxRank))
+      throw FormatError(who + " has rank " + std::to_string(e.shape.size()) + ", more than " + std::to_string(kMaxRank));
+    Shape shape;
+    try {
+      shape = Shape(e.shape);
+    } catch (const Error& err) {
+      throw FormatError(who + ": " + err.what());
+    }
+    shard_index::dtype_named(e.dtype, who);
+    std::int64_t covered = 0;
+    for (std::size_t b = 0; b < e.blocks.size(); ++b) {
+      const ShardBlock& blk = e.blocks[b];
+      if (blk.file >= index.files.size())
+        throw FormatError(who + ": block " + std::to_string(b) + " names file " + std::to_string(blk.file) + " of " +
+                          std::to_string(index.files.size()));
+      if (blk.index.size() != e.shape.size())
+        throw FormatError(who + ": block " + std::to_string(b) + " has " + std::to_string(blk.index.size()) +
+                          " ranges for a tensor of rank " + std::to_string(e.shape.size()));
+      std::int64_t volume = 1;
+      for (std::size_t d = 0; d < e.shape.size(); ++d) {
+        const auto [lo, hi] = blk.index[d];
+        if (lo > hi || hi > e.shape[d])
+          throw FormatError(who + ": block " + std::to_string(b) + " range [" + std::to_string(lo) + ", " +
+                            std::to_string(hi) + ") of dimension " + std::to_string(d) + " is outside [0, " +
+                            std::to_string(e.shape[d]) + ")");
+        volume *= hi - lo;
+      }
+      for (std::size_t o = 0; o < b; ++o) {  // blocks may not overlap (a handful per tensor)
+        bool overlap = volume > 0;
+        for (std::size_t d = 0; d < e.shape.size() && overlap; ++d)
+          overlap = blk.index[d].first < e.blocks[o].index[d].second && e.blocks[o].index[d].first < blk.index[d].second;
+        if (overlap)
+          throw FormatError(who + ": blocks " + std::to_string(o) + " and " + std::to_string(b) + " overlap");
+      }
+      covered += volume;
+    }
+    if (covered != shape.numel())
+      throw FormatError(who + ": its blocks hold " + std::to_string(covered) + " of its " +
+                        std::to_string(shape.numel()) + " elements");
+  }
+  return index;
+}
+
+LAZYTENSOR_INLINE StateDict load_shard_index(const std::string& path, Device dev,
+                                             StateDict (*load_file)(const std::string&, Device)) {
+  std::string text;
+  {
+    ReadFile file(path);
+    text.resize(static_cast<std::size_t>(file.size()));
+    if (file.read_at(text.data(), text.size(), 0) != text.size())
+      throw FormatError(path + ": file shrank while reading the shard index");
+  }
+  const ShardIndex index = parse_shard_index(text, path);
+  graph::Device& engine = dev.engine();
+  // Whole buffers first, then one shard file at a time copies its blocks in.
+  std::vector<std::shared_ptr<Buffer>> whole;
+  std::vector<DType> dtypes;
+  std::map<std::string, std::string> stored;
+  for (const ShardedEntry& e : index.tensors) {
+    const DType dt = shard_index::dtype_named(e.dtype, path + ": tensor '" + e.name + "'");
+    dtypes.push_back(dt);
+    whole.push_back(engine.pool().acquire(padded_bytes(Shape(e.shape).numel(), dtype_size(dt))));
+  }
+  const std::string dir = parent_dir(path) + "/";
+  for (std::size_t k = 0; k < index.files.size(); ++k) {
+    const std::string file = dir + index.files[k];
+    const StateDict part = load_file(file, dev);
+    for (std::size_t t = 0; t < index.tensors.size(); ++t) {
+      const ShardedEntry& e = index.tensors[t];
+      for (const ShardBlock& b : e.blocks) {
+        if (b.file != k) continue;
+        const AnyTensor* piece = part.find(e.name);
+        if (!piece) throw FormatError(file + ": no tensor '" + e.name + "', which " + path + " says it holds");
+        std::vector<std::int64_t> box, at;
+        for (const auto& [lo, hi] : b.index) box.push_back(hi - lo), at.push_back(lo);
+        if (piece->dtype() != dtypes[t] || piece->shape() != Shape(box)) {
+          throw FormatError(file + ": tensor '" + e.name + "' is " + dtype_name(piece->dtype()) + " " +
+                            piece->shape().str() + ", " + path + " says " + e.dtype + " " + Shape(box).str());
+        }
+        if (auto s = part.stored_dtypes().find(e.name); s != part.stored_dtypes().end()) stored[e.name] = s->second;
+        const graph::NodePtr& node = piece->impl()->node;
+        graph::detail::copy_box(static_cast<const std::byte*>(node->buffer()->data()), piece->shape(),
+                                std::vector<std::int64_t>(box.size(), 0), static_cast<std::byte*>(whole[t]->data()),
+                                Shape(e.shape), at, box, dtype_size(dtypes[t]));
+      }
+    }
+  }
+  StateDict sd;
+  for (std::size_t t = 0; t < index.tensors.size(); ++t) {
+    const ShardedEntry& e = index.tensors[t];
+    sd.insert(e.name, lazy::detail::any_of_node(
+                          std::make_shared<graph::DataNode>(dtypes[t], Shape(e.shape), &engine, std::move(whole[t]))));
+  }
+  sd.metadata() = index.metadata;
+  sd.stored_dtypes() = std::move(stored);
+  return sd;
+}
+
+}  // namespace lazy::io::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/io/shard_index.hpp ----
 // ---- begin lazytensor/io/stored_dtype.hpp ----
 // The dtypes a safetensors file may hold, and the conversions between those lazytensor has
 // no tensor type for and the one that holds each of them exactly: F16 is read into float,
@@ -19742,9 +20168,6 @@ SafetensorsHeader parse_safetensors_header(std::string_view text, const std::str
 void check_safetensors_layout(const SafetensorsHeader& h, std::uint64_t buffer_bytes,
                               const std::string& path);
 
-/// A typed handle on a materialized node of run-time dtype.
-AnyTensor wrap_node(const graph::NodePtr& node);
-
 /// The header text (padded to 8 bytes) for `sd`, whose tensors are stored as `stored` and
 /// laid out in `order`.
 std::string safetensors_header(const StateDict& sd, const std::vector<const StoredDType*>& stored,
@@ -19774,7 +20197,14 @@ void save_file(const StateDict& sd, const std::string& path);
 /// stored_dtypes() so that save_file writes it back; U64 and the 8-bit-or-smaller float
 /// dtypes raise FormatError naming the dtype. Nothing is allocated for a tensor before the
 /// whole header has been checked against the file's size.
+/// A shard index (io::save with SaveOptions::shard_files, see shard_index.hpp) loads as the
+/// whole tensors, assembled from its shard files.
 StateDict load(const std::string& path, Device dev = device());
+
+namespace detail {
+/// load of one safetensors file.
+StateDict load_safetensors_file(const std::string& path, Device dev);
+}  // namespace detail
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace detail {
@@ -19947,24 +20377,6 @@ LAZYTENSOR_INLINE void check_safetensors_layout(const SafetensorsHeader& h,
   }
 }
 
-LAZYTENSOR_INLINE AnyTensor wrap_node(const graph::NodePtr& node) {
-  switch (node->dtype()) {
-    case DType::Bool:
-      return Tensor<bool>(node);
-    case DType::Int32:
-      return Tensor<std::int32_t>(node);
-    case DType::Int64:
-      return Tensor<std::int64_t>(node);
-    case DType::BFloat16:
-      return Tensor<bfloat16>(node);
-    case DType::Float32:
-      return Tensor<float>(node);
-    case DType::Float64:
-      break;
-  }
-  return Tensor<double>(node);
-}
-
 LAZYTENSOR_INLINE std::string safetensors_header(const StateDict& sd,
                                                  const std::vector<const StoredDType*>& stored,
                                                  const std::vector<std::size_t>& order) {
@@ -20103,6 +20515,20 @@ LAZYTENSOR_INLINE void save_file(const StateDict& sd, const std::string& path) {
 }
 
 LAZYTENSOR_INLINE StateDict load(const std::string& path, Device dev) {
+  // A safetensors file starts with its header's length, 8 bytes little endian; a shard
+  // index with `{"format`, which read as such a length would be ~2^56, far past the
+  // header limit: no valid safetensors file starts that way.
+  char head[8] = {};
+  {
+    detail::ReadFile file(path);
+    if (file.read_at(head, sizeof head, 0) != sizeof head) head[0] = 0;
+  }
+  if (std::string_view(head, sizeof head) == "{\"format")
+    return detail::load_shard_index(path, dev, &detail::load_safetensors_file);
+  return detail::load_safetensors_file(path, dev);
+}
+
+LAZYTENSOR_INLINE StateDict detail::load_safetensors_file(const std::string& path, Device dev) {
   detail::ReadFile file(path);
   const std::uint64_t size = file.size();
   if (size < 8) {
@@ -20171,7 +20597,7 @@ LAZYTENSOR_INLINE StateDict load(const std::string& path, Device dev) {
         }
       }
     }
-    sd.insert(e.name, detail::wrap_node(std::make_shared<graph::DataNode>(e.dtype, e.shape, &engine,
+    sd.insert(e.name, lazy::detail::any_of_node(std::make_shared<graph::DataNode>(e.dtype, e.shape, &engine,
                                                                           std::move(buf))));
   }
   sd.metadata() = header.metadata;
@@ -20194,10 +20620,671 @@ LAZYTENSOR_INLINE StateDict load(const std::string& path, Device dev) {
 
 #include <algorithm>
 #include <exception>
+#include <map>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
 
+// ---- begin lazytensor/spmd/sharded_node.hpp ----
+// The value of a sharded tensor: one piece per mesh device, each a node on its own device
+// (computed by that device's steps), and the whole value, gathered only when read.
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+// ---- begin lazytensor/spmd/sharding.hpp ----
+// Partition specs (how a tensor's dimensions map onto mesh axes) and the resolved sharding
+// of one tensor: which block of it each device of the mesh holds.
+
+#include <cstdint>
+#include <initializer_list>
+#include <optional>
+#include <string>
+#include <utility>
+#include <variant>
+#include <vector>
+
+// ---- begin lazytensor/spmd/mesh.hpp ----
+// Meshes: the logical arrangement of devices that shardings name (torch_xla's Mesh and
+// HybridMesh), and the process's global mesh.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+
+namespace lazy::spmd {
+
+/// The device ids of a mesh arranged in its shape (what torch_xla's get_logical_mesh
+/// returns as a numpy array): `device_ids` row-major in `shape`.
+struct LogicalMesh {
+  std::vector<std::int64_t> shape;
+  std::vector<int> device_ids;
+  /// The id at mesh coordinates `coords` (one per axis).
+  int at(const std::vector<std::int64_t>& coords) const;
+};
+
+/// A logical n-d array of devices (torch_xla.distributed.spmd.Mesh). `device_ids` are laid
+/// out row-major in `mesh_shape`; axes may be named (`axis_names`, one per axis, distinct),
+/// else each is named by its index ("0", "1", ...). A partition spec refers to the axes by
+/// index or name. Error (lazy::Error, naming the values) when the shape's product is not
+/// the number of ids, an id repeats or names no device of this process, or names repeat.
+class Mesh {
+ public:
+  Mesh(std::vector<int> device_ids, std::vector<std::int64_t> mesh_shape, std::vector<std::string> axis_names = {});
+
+  /// The axes in order, as (name, size).
+  std::vector<std::pair<std::string, std::int64_t>> shape() const;
+  /// The ids in mesh order (row-major over the axes).
+  const std::vector<int>& device_ids() const { return ids_; }
+  /// The size of each axis.
+  const std::vector<std::int64_t>& mesh_shape() const { return shape_; }
+  /// Each axis's name (the index as text for unnamed axes).
+  const std::vector<std::string>& axis_names() const { return names_; }
+  /// The ids arranged in the mesh's shape.
+  LogicalMesh get_logical_mesh() const { return {shape_, ids_}; }
+  /// Number of devices.
+  int size() const { return static_cast<int>(ids_.size()); }
+  /// Number of axes.
+  int rank() const { return static_cast<int>(shape_.size()); }
+
+  /// The coordinates of the device at mesh position `position` (row-major).
+  std::vector<std::int64_t> coordinates(int position) const;
+  /// The mesh position of device `device_id`, or -1.
+  int position_of(int device_id) const;
+  /// Text such as `Mesh(shape=("data": 2, "model": 2), devices=[0, 1, 2, 3])`.
+  std::string str() const;
+
+  friend bool operator==(const Mesh& a, const Mesh& b) {
+    return a.ids_ == b.ids_ && a.shape_ == b.shape_ && a.names_ == b.names_;
+  }
+
+ private:
+  std::vector<int> ids_;
+  std::vector<std::int64_t> shape_;
+  std::vector<std::string> names_;
+};
+
+/// A mesh for devices grouped in slices (torch_xla's HybridMesh): the mesh's axis i has
+/// size `dcn_mesh_shape[i] * ici_mesh_shape[i]`, the DCN part outer. Device ids follow
+/// the slices: slice s (the row-major index of the DCN coordinates) holds ids
+/// [s * S, (s + 1) * S), S the product of `ici_mesh_shape`, laid out row-major over the
+/// ICI coordinates. Every device of the process takes part; Error when the shapes'
+/// ranks differ or their products do not make the device count.
+class HybridMesh : public Mesh {
+ public:
+  HybridMesh(std::vector<std::int64_t> ici_mesh_shape, std::vector<std::int64_t> dcn_mesh_shape,
+             std::vector<std::string> axis_names = {});
+};
+
+/// Sets the mesh that APIs taking no mesh use (torch_xla's set_global_mesh).
+void set_global_mesh(const Mesh& mesh);
+/// The global mesh, if one was set.
+std::optional<Mesh> get_global_mesh();
+
+namespace detail {
+/// The device ids a HybridMesh lays out (see HybridMesh).
+std::vector<int> hybrid_device_ids(const std::vector<std::int64_t>& ici, const std::vector<std::int64_t>& dcn);
+/// The elementwise product of the two shapes.
+std::vector<std::int64_t> hybrid_shape(const std::vector<std::int64_t>& ici, const std::vector<std::int64_t>& dcn);
+/// "(6, 4)": a shape as JAX's messages print it.
+std::string tuple_text(const std::vector<std::int64_t>& sizes);
+}  // namespace detail
+
+}  // namespace lazy::spmd
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+#include <algorithm>
+#include <mutex>
+#include <set>
+
+namespace lazy::spmd {
+
+LAZYTENSOR_INLINE int LogicalMesh::at(const std::vector<std::int64_t>& coords) const {
+  if (coords.size() != shape.size())
+    throw Error("LogicalMesh::at: expected " + std::to_string(shape.size()) + " coordinates, got " +
+                std::to_string(coords.size()));
+  std::int64_t p = 0;
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    if (coords[i] < 0 || coords[i] >= shape[i])
+      throw Error("LogicalMesh::at: coordinate " + std::to_string(coords[i]) + " out of range for axis " +
+                  std::to_string(i) + " of size " + std::to_string(shape[i]));
+    p = p * shape[i] + coords[i];
+  }
+  return device_ids[static_cast<std::size_t>(p)];
+}
+
+LAZYTENSOR_INLINE std::string detail::tuple_text(const std::vector<std::int64_t>& sizes) {
+  std::string s = "(";
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(sizes[i]);
+  }
+  if (sizes.size() == 1) s += ",";
+  return s + ")";
+}
+
+LAZYTENSOR_INLINE Mesh::Mesh(std::vector<int> device_ids, std::vector<std::int64_t> mesh_shape,
+                             std::vector<std::string> axis_names)
+    : ids_(std::move(device_ids)), shape_(std::move(mesh_shape)), names_(std::move(axis_names)) {
+  if (shape_.empty()) throw Error("Mesh: expected at least one mesh axis, got an empty mesh shape");
+  std::int64_t product = 1;
+  for (auto s : shape_) {
+    if (s < 1) throw Error("Mesh: mesh shape " + detail::tuple_text(shape_) + " has a size below 1");
+    product *= s;
+  }
+  if (product != static_cast<std::int64_t>(ids_.size()))
+    throw Error("Mesh: mesh shape " + detail::tuple_text(shape_) + " holds " + std::to_string(product) +
+                " devices, but " + std::to_string(ids_.size()) + " device ids were given");
+  const int available = device_count();
+  std::set<int> seen;
+  for (int id : ids_) {
+    if (id < 0 || id >= available)
+      throw Error("Mesh: device id " + std::to_string(id) + " names no device of this process (it has " +
+                  std::to_string(available) + ": ids 0.." + std::to_string(available - 1) +
+                  "; LAZYTENSOR_NUM_DEVICES sets the count)");
+    if (!seen.insert(id).second) throw Error("Mesh: device id " + std::to_string(id) + " appears twice");
+  }
+  if (names_.empty()) {
+    for (std::size_t i = 0; i < shape_.size(); ++i) names_.push_back(std::to_string(i));
+  } else if (names_.size() != shape_.size()) {
+    throw Error("Mesh: " + std::to_string(names_.size()) + " axis names given for a mesh of " +
+                std::to_string(shape_.size()) + " axes " + detail::tuple_text(shape_));
+  }
+  std::set<std::string> names;
+  for (const auto& n : names_)
+    if (!names.insert(n).second) throw Error("Mesh: axis name \"" + n + "\" appears twice");
+}
+
+LAZYTENSOR_INLINE std::vector<std::pair<std::string, std::int64_t>> Mesh::shape() const {
+  std::vector<std::pair<std::string, std::int64_t>> r;
+  for (std::size_t i = 0; i < shape_.size(); ++i) r.emplace_back(names_[i], shape_[i]);
+  return r;
+}
+
+LAZYTENSOR_INLINE std::vector<std::int64_t> Mesh::coordinates(int position) const {
+  std::vector<std::int64_t> c(shape_.size());
+  std::int64_t p = position;
+  for (std::size_t i = shape_.size(); i-- > 0;) {
+    c[i] = p % shape_[i];
+    p /= shape_[i];
+  }
+  return c;
+}
+
+LAZYTENSOR_INLINE int Mesh::position_of(int device_id) const {
+  auto it = std::find(ids_.begin(), ids_.end(), device_id);
+  return it == ids_.end() ? -1 : static_cast<int>(it - ids_.begin());
+}
+
+LAZYTENSOR_INLINE std::string Mesh::str() const {
+  std::string s = "Mesh(shape=(";
+  for (std::size_t i = 0; i < shape_.size(); ++i) {
+    if (i) s += ", ";
+    s += "\"" + names_[i] + "\": " + std::to_string(shape_[i]);
+  }
+  s += "), devices=[";
+  for (std::size_t i = 0; i < ids_.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(ids_[i]);
+  }
+  return s + "])";
+}
+
+LAZYTENSOR_INLINE std::vector<std::int64_t> detail::hybrid_shape(const std::vector<std::int64_t>& ici,
+                                                                  const std::vector<std::int64_t>& dcn) {
+  if (ici.size() != dcn.size())
+    throw Error("HybridMesh: ici_mesh_shape " + tuple_text(ici) + " and dcn_mesh_shape " + tuple_text(dcn) +
+                " must have the same number of axes");
+  std::vector<std::int64_t> s(ici.size());
+  for (std::size_t i = 0; i < ici.size(); ++i) {
+    if (ici[i] < 1 || dcn[i] < 1)
+      throw Error("HybridMesh: sizes must be at least 1, got ici " + tuple_text(ici) + ", dcn " + tuple_text(dcn));
+    s[i] = ici[i] * dcn[i];
+  }
+  return s;
+}
+
+LAZYTENSOR_INLINE std::vector<int> detail::hybrid_device_ids(const std::vector<std::int64_t>& ici,
+                                                            const std::vector<std::int64_t>& dcn) {
+  const auto shape = hybrid_shape(ici, dcn);
+  std::int64_t total = 1, per_slice = 1;
+  for (auto s : shape) total *= s;
+  for (auto s : ici) per_slice *= s;
+  if (total != device_count())
+    throw Error("HybridMesh: ici " + tuple_text(ici) + " times dcn " + tuple_text(dcn) + " makes " +
+                std::to_string(total) + " devices, but this process has " + std::to_string(device_count()));
+  std::vector<int> ids(static_cast<std::size_t>(total));
+  const std::size_t rank = shape.size();
+  std::vector<std::int64_t> c(rank, 0);
+  for (std::int64_t p = 0; p < total; ++p) {
+    // Mesh coordinate c[i] = dcn coordinate * ici[i] + ici coordinate.
+    std::int64_t slice = 0, within = 0;
+    for (std::size_t i = 0; i < rank; ++i) {
+      slice = slice * dcn[i] + c[i] / ici[i];
+      within = within * ici[i] + c[i] % ici[i];
+    }
+    ids[static_cast<std::size_t>(p)] = static_cast<int>(slice * per_slice + within);
+    for (std::size_t i = rank; i-- > 0;) {
+      if (++c[i] < shape[i]) break;
+      c[i] = 0;
+    }
+  }
+  return ids;
+}
+
+LAZYTENSOR_INLINE HybridMesh::HybridMesh(std::vector<std::int64_t> ici_mesh_shape, std::vector<std::int64_t> dcn_mesh_shape,
+                                         std::vector<std::string> axis_names)
+    : Mesh(detail::hybrid_device_ids(ici_mesh_shape, dcn_mesh_shape), detail::hybrid_shape(ici_mesh_shape, dcn_mesh_shape),
+           std::move(axis_names)) {}
+
+namespace detail {
+struct GlobalMesh {
+  std::mutex mu;
+  std::optional<Mesh> mesh;
+};
+inline GlobalMesh& global_mesh() {
+  static GlobalMesh g;
+  return g;
+}
+}  // namespace detail
+
+LAZYTENSOR_INLINE void set_global_mesh(const Mesh& mesh) {
+  auto& g = detail::global_mesh();
+  std::lock_guard lock(g.mu);
+  g.mesh = mesh;
+}
+
+LAZYTENSOR_INLINE std::optional<Mesh> get_global_mesh() {
+  auto& g = detail::global_mesh();
+  std::lock_guard lock(g.mu);
+  return g.mesh;
+}
+
+}  // namespace lazy::spmd
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/spmd/mesh.hpp ----
+
+namespace lazy::spmd {
+
+/// One mesh axis in a partition spec: its index (`0`) or its name (`"data"`).
+class AxisRef {
+ public:
+  AxisRef(int index) : ref_(index) {}
+  AxisRef(const char* name) : ref_(std::string(name)) {}
+  AxisRef(std::string name) : ref_(std::move(name)) {}
+  const std::variant<int, std::string>& ref() const { return ref_; }
+
+ private:
+  std::variant<int, std::string> ref_;
+};
+
+/// One entry of a partition spec, for one tensor dimension: replicated (`std::nullopt`),
+/// one mesh axis (`0`, `"data"`), or a braced list of axes (`{"x", "y"}`) that shards the
+/// dimension over all of them, the first major.
+class PartitionEntry {
+ public:
+  PartitionEntry(std::nullopt_t) {}
+  PartitionEntry(int axis) : axes_{AxisRef(axis)} {}
+  PartitionEntry(const char* axis) : axes_{AxisRef(axis)} {}
+  PartitionEntry(std::string axis) : axes_{AxisRef(std::move(axis))} {}
+  PartitionEntry(std::initializer_list<AxisRef> axes) : axes_(axes) {}
+  /// The axes, major first (empty: replicated).
+  const std::vector<AxisRef>& axes() const { return axes_; }
+
+ private:
+  std::vector<AxisRef> axes_;
+};
+
+/// A partition spec: one entry per tensor dimension (`{0, std::nullopt}`, `{"data"}`).
+/// Shorter specs are padded with replicated entries; mesh axes it leaves out replicate.
+using PartitionSpec = std::vector<PartitionEntry>;
+
+/// The resolved sharding of a tensor of a given shape: for each dimension, the mesh axes
+/// (indices, major first) that split it. Devices whose coordinates differ only along
+/// unused axes hold the same block (replicas).
+struct Sharding {
+  Mesh mesh;
+  std::vector<std::vector<int>> dims;
+
+  /// Number of blocks along dimension `d` (the product of its axes' sizes).
+  std::int64_t parts(int d) const;
+  /// True when no dimension is split.
+  bool replicated() const;
+  /// The block index along dimension `d` of the device at mesh position `position`.
+  std::int64_t part_of(int position, int d) const;
+  /// The [begin, end) range of every dimension of `global` that mesh position `position`
+  /// holds.
+  std::vector<std::pair<std::int64_t, std::int64_t>> block(int position, const Shape& global) const;
+  /// The shape of the block every device holds.
+  Shape block_shape(const Shape& global) const;
+  /// The sharding as torch_xla's _get_xla_sharding_spec prints it (XLA's HloSharding
+  /// text): `{replicated}`, `{devices=[2,1]0,1}`, or with replication along unused axes
+  /// `{devices=[2,1,2]0,1,2,3 last_tile_dim_replicate}`.
+  std::string str() const;
+
+  friend bool operator==(const Sharding&, const Sharding&) = default;
+};
+
+/// Resolves `spec` on `mesh` for a tensor of shape `shape`. ShardingError, naming the
+/// offender, for: a spec longer than the rank, an unknown axis name or index, an axis used
+/// twice, and a dimension not divisible by its axes' sizes (JAX's message:
+/// `dimension 0 of shape (6, 4) must be divisible by 4 (mesh axis "x")`).
+Sharding resolve_sharding(const Mesh& mesh, const PartitionSpec& spec, const Shape& shape);
+
+/// A mesh and a partition spec, resolved against each tensor it is applied to (torch_xla's
+/// ShardingSpec; `minibatch` marks specs for per-process batches of a global batch, which
+/// in one process is the batch itself).
+class ShardingSpec {
+ public:
+  ShardingSpec(Mesh mesh, PartitionSpec spec, bool minibatch = false)
+      : mesh_(std::move(mesh)), spec_(std::move(spec)), minibatch_(minibatch) {}
+  const Mesh& mesh() const { return mesh_; }
+  const PartitionSpec& partition_spec() const { return spec_; }
+  bool minibatch() const { return minibatch_; }
+  /// The sharding of a tensor of `shape` (ShardingError as resolve_sharding).
+  Sharding resolve(const Shape& shape) const { return resolve_sharding(mesh_, spec_, shape); }
+
+ private:
+  Mesh mesh_;
+  PartitionSpec spec_;
+  bool minibatch_;
+};
+
+}  // namespace lazy::spmd
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::spmd {
+
+LAZYTENSOR_INLINE std::int64_t Sharding::parts(int d) const {
+  std::int64_t n = 1;
+  for (int a : dims[static_cast<std::size_t>(d)]) n *= mesh.mesh_shape()[static_cast<std::size_t>(a)];
+  return n;
+}
+
+LAZYTENSOR_INLINE bool Sharding::replicated() const {
+  for (std::size_t d = 0; d < dims.size(); ++d)
+    if (parts(static_cast<int>(d)) > 1) return false;
+  return true;
+}
+
+LAZYTENSOR_INLINE std::int64_t Sharding::part_of(int position, int d) const {
+  const auto c = mesh.coordinates(position);
+  std::int64_t idx = 0;
+  for (int a : dims[static_cast<std::size_t>(d)])
+    idx = idx * mesh.mesh_shape()[static_cast<std::size_t>(a)] + c[static_cast<std::size_t>(a)];
+  return idx;
+}
+
+LAZYTENSOR_INLINE std::vector<std::pair<std::int64_t, std::int64_t>> Sharding::block(int position,
+                                                                                      const Shape& global) const {
+  std::vector<std::pair<std::int64_t, std::int64_t>> r(static_cast<std::size_t>(global.rank()));
+  for (int d = 0; d < global.rank(); ++d) {
+    const std::int64_t n = parts(d), size = global[d] / n, i = part_of(position, d);
+    r[static_cast<std::size_t>(d)] = {i * size, (i + 1) * size};
+  }
+  return r;
+}
+
+LAZYTENSOR_INLINE Shape Sharding::block_shape(const Shape& global) const {
+  Shape s = global;
+  for (int d = 0; d < global.rank(); ++d) s[d] = global[d] / parts(d);
+  return s;
+}
+
+LAZYTENSOR_INLINE std::string Sharding::str() const {
+  if (replicated()) return "{replicated}";
+  const int rank = static_cast<int>(dims.size());
+  // Tile dimensions: the parts of each tensor dimension, then the replicas (mesh axes no
+  // dimension uses) as a last tile dimension when there are several.
+  std::vector<bool> used(static_cast<std::size_t>(mesh.rank()), false);
+  for (const auto& axes : dims)
+    for (int a : axes) used[static_cast<std::size_t>(a)] = true;
+  std::int64_t replicas = 1;
+  for (int a = 0; a < mesh.rank(); ++a)
+    if (!used[static_cast<std::size_t>(a)]) replicas *= mesh.mesh_shape()[static_cast<std::size_t>(a)];
+  std::vector<std::int64_t> tile;
+  for (int d = 0; d < rank; ++d) tile.push_back(parts(d));
+  if (replicas > 1) tile.push_back(replicas);
+  std::int64_t tiles = 1;
+  for (auto t : tile) tiles *= t;
+  std::vector<int> order(static_cast<std::size_t>(tiles), -1);
+  for (int p = 0; p < mesh.size(); ++p) {
+    const auto c = mesh.coordinates(p);
+    std::int64_t idx = 0;
+    for (int d = 0; d < rank; ++d) idx = idx * parts(d) + part_of(p, d);
+    if (replicas > 1) {
+      std::int64_t r = 0;
+      for (int a = 0; a < mesh.rank(); ++a)
+        if (!used[static_cast<std::size_t>(a)]) r = r * mesh.mesh_shape()[static_cast<std::size_t>(a)] + c[static_cast<std::size_t>(a)];
+      idx = idx * replicas + r;
+    }
+    order[static_cast<std::size_t>(idx)] = mesh.device_ids()[static_cast<std::size_t>(p)];
+  }
+  std::string s = "{devices=[";
+  for (std::size_t i = 0; i < tile.size(); ++i) {
+    if (i) s += ",";
+    s += std::to_string(tile[i]);
+  }
+  s += "]";
+  for (std::size_t i = 0; i < order.size(); ++i) {
+    if (i) s += ",";
+    s += std::to_string(order[i]);
+  }
+  if (replicas > 1) s += " last_tile_dim_replicate";
+  return s + "}";
+}
+
+LAZYTENSOR_INLINE Sharding resolve_sharding(const Mesh& mesh, const PartitionSpec& spec, const Shape& shape) {
+  const int rank = shape.rank();
+  if (static_cast<int>(spec.size()) > rank)
+    throw ShardingError("partition spec has " + std::to_string(spec.size()) + " entries, but the tensor of shape " +
+                        detail::tuple_text(shape.vec()) + " has rank " + std::to_string(rank));
+  Sharding s{mesh, std::vector<std::vector<int>>(static_cast<std::size_t>(rank))};
+  std::vector<bool> used(static_cast<std::size_t>(mesh.rank()), false);
+  auto axis_text = [&](int a) { return "\"" + mesh.axis_names()[static_cast<std::size_t>(a)] + "\""; };
+  for (std::size_t d = 0; d < spec.size(); ++d) {
+    for (const auto& ref : spec[d].axes()) {
+      int a = -1;
+      if (const int* i = std::get_if<int>(&ref.ref())) {
+        if (*i < 0 || *i >= mesh.rank())
+          throw ShardingError("partition spec entry " + std::to_string(d) + ": mesh axis " + std::to_string(*i) +
+                              " out of range for a mesh of " + std::to_string(mesh.rank()) + " axes");
+        a = *i;
+      } else {
+        const auto& name = std::get<std::string>(ref.ref());
+        for (int k = 0; k < mesh.rank(); ++k)
+          if (mesh.axis_names()[static_cast<std::size_t>(k)] == name) a = k;
+        if (a < 0) {
+          std::string names;
+          for (int k = 0; k < mesh.rank(); ++k) {
+            if (k) names += ", ";
+            names += axis_text(k);
+          }
+          throw ShardingError("partition spec entry " + std::to_string(d) + ": the mesh has no axis named \"" + name +
+                              "\" (its axes: " + names + ")");
+        }
+      }
+      if (used[static_cast<std::size_t>(a)])
+        throw ShardingError("mesh axis " + axis_text(a) + " is used twice in the partition spec");
+      used[static_cast<std::size_t>(a)] = true;
+      s.dims[d].push_back(a);
+    }
+    const std::int64_t n = s.parts(static_cast<int>(d));
+    if (shape[static_cast<int>(d)] % n != 0) {
+      std::string axes;
+      for (std::size_t k = 0; k < s.dims[d].size(); ++k) {
+        if (k) axes += ", ";
+        axes += axis_text(s.dims[d][k]);
+      }
+      throw ShardingError("dimension " + std::to_string(d) + " of shape " + detail::tuple_text(shape.vec()) +
+                          " must be divisible by " + std::to_string(n) + " (mesh " +
+                          (s.dims[d].size() == 1 ? "axis " : "axes ") + axes + ")");
+    }
+  }
+  return s;
+}
+
+}  // namespace lazy::spmd
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/spmd/sharding.hpp ----
+
+namespace lazy::spmd {
+
+/// The whole value of a tensor sharded over a mesh (NodeKind::Sharded). It holds one piece
+/// per mesh position (devices holding the same block hold equal pieces), each behind a
+/// handle registered with its device, so every device's mark_step computes its piece. The
+/// node itself is never traced or planned: graph::submit hands every node reading it to
+/// the partitioner, and reading it (item(), to_vector(), a partitioner fallback) gathers
+/// the blocks into one buffer on the tensor's device.
+class ShardedNode final : public graph::Node {
+ public:
+  ShardedNode(Sharding sharding, std::vector<graph::NodePtr> pieces, DType dtype, Shape shape,
+              graph::Device* device);
+
+  const Sharding& sharding() const { return sharding_; }
+  /// The piece at mesh position `position` (on device `mesh.device_ids()[position]`).
+  const graph::NodePtr& shard(int position) const { return shards_[static_cast<std::size_t>(position)]->node; }
+  int num_shards() const { return static_cast<int>(shards_.size()); }
+  /// Hands every device its pending work when a piece is still pending: pieces may wait
+  /// for each other in collectives, so none is waited for before all are handed out.
+  void hand_out_pieces() const;
+
+  std::string op_name() const override { return "sharded"; }
+  std::string describe() const override { return sharding_.str(); }
+
+ protected:
+  /// The gather: each distinct block once, from the first position holding it.
+  void compute(graph::ExecContext& ctx) override;
+
+ private:
+  Sharding sharding_;
+  std::vector<std::shared_ptr<graph::TensorImpl>> shards_;
+};
+
+/// `n` as a sharded node, or null.
+inline const ShardedNode* as_sharded(const graph::NodePtr& n) {
+  return n && n->kind() == graph::NodeKind::Sharded ? static_cast<const ShardedNode*>(n.get()) : nullptr;
+}
+
+/// The engine device of a mesh device id.
+inline graph::Device& mesh_device(int id) { return graph::DeviceRegistry::get().device(id); }
+
+namespace detail {
+
+/// A [begin, end) range per dimension.
+using Ranges = std::vector<std::pair<std::int64_t, std::int64_t>>;
+
+/// The block `ranges` of materialized `value`, as data on `dev`, copied into `dev`'s pool.
+/// The whole value on its own device shares the buffer (buffers are immutable; donation
+/// needs a sole holder). Devices never share a buffer: when the other device's reference is
+/// the last, this device could donate it while the other's reads are unordered with the
+/// write (shared_ptr's use_count is a relaxed read).
+graph::NodePtr block_of(const graph::NodePtr& value, const Ranges& ranges, graph::Device& dev);
+
+/// Splits `value` (materialized here; a sharded value is gathered first) over `sharding`.
+/// Counted as SpmdTransfers / SpmdTransferBytes (bytes copied to other devices).
+graph::NodePtr shard_value(const graph::NodePtr& value, const Sharding& sharding);
+
+}  // namespace detail
+}  // namespace lazy::spmd
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+#include <cstring>
+
+
+namespace lazy::spmd {
+
+LAZYTENSOR_INLINE ShardedNode::ShardedNode(Sharding sharding, std::vector<graph::NodePtr> pieces, DType dtype, Shape shape,
+                                           graph::Device* device)
+    : Node(graph::NodeKind::Sharded, dtype, shape, device), sharding_(std::move(sharding)) {
+  shards_.reserve(pieces.size());
+  for (auto& p : pieces) shards_.push_back(std::make_shared<graph::TensorImpl>(std::move(p)));
+}
+
+LAZYTENSOR_INLINE void ShardedNode::hand_out_pieces() const {
+  for (const auto& s : shards_) {
+    if (s->node->pending()) {
+      graph::step_all_devices();
+      return;
+    }
+  }
+}
+
+LAZYTENSOR_INLINE void ShardedNode::compute(graph::ExecContext& ctx) {
+  static auto& gathers = core::counter("SpmdGathers");
+  gathers.add();
+  auto buf = allocate_output(ctx, false);
+  const Shape global = shape();
+  std::int64_t blocks = 1;
+  for (int d = 0; d < global.rank(); ++d) blocks *= sharding_.parts(d);
+  std::vector<bool> done(static_cast<std::size_t>(blocks), false);
+  const std::size_t esize = dtype_size(dtype());
+  hand_out_pieces();
+  for (int p = 0; p < num_shards(); ++p) {
+    std::int64_t b = 0;
+    for (int d = 0; d < global.rank(); ++d) b = b * sharding_.parts(d) + sharding_.part_of(p, d);
+    if (done[static_cast<std::size_t>(b)]) continue;
+    done[static_cast<std::size_t>(b)] = true;
+    const graph::NodePtr& piece = shard(p);
+    graph::materialize(piece);
+    const auto ranges = sharding_.block(p, global);
+    std::vector<std::int64_t> at, box;
+    for (const auto& [b0, b1] : ranges) {
+      at.push_back(b0);
+      box.push_back(b1 - b0);
+    }
+    graph::detail::copy_box(static_cast<const std::byte*>(piece->buffer()->data()), piece->shape(),
+                     std::vector<std::int64_t>(at.size(), 0), static_cast<std::byte*>(buf->data()), global, at, box,
+                     esize);
+  }
+  set_buffer(std::move(buf));
+}
+
+LAZYTENSOR_INLINE graph::NodePtr detail::block_of(const graph::NodePtr& value, const Ranges& ranges, graph::Device& dev) {
+  const Shape& global = value->shape();
+  bool whole = true;
+  std::vector<std::int64_t> at, box;
+  for (int d = 0; d < global.rank(); ++d) {
+    const auto [b0, b1] = ranges[static_cast<std::size_t>(d)];
+    whole = whole && b0 == 0 && b1 == global[d];
+    at.push_back(b0);
+    box.push_back(b1 - b0);
+  }
+  if (whole && value->device() == &dev)
+    return std::make_shared<graph::DataNode>(value->dtype(), global, &dev, value->buffer());
+  const Shape shape(box);
+  const std::size_t esize = dtype_size(value->dtype());
+  auto buf = dev.pool().acquire(padded_bytes(shape.numel(), esize));
+  graph::detail::copy_box(static_cast<const std::byte*>(value->buffer()->data()), global, at, static_cast<std::byte*>(buf->data()),
+           shape, std::vector<std::int64_t>(at.size(), 0), box, esize);
+  static auto& bytes = core::counter("SpmdTransferBytes");
+  bytes.add(static_cast<std::int64_t>(shape.numel() * static_cast<std::int64_t>(esize)));
+  return std::make_shared<graph::DataNode>(value->dtype(), shape, &dev, std::move(buf));
+}
+
+LAZYTENSOR_INLINE graph::NodePtr detail::shard_value(const graph::NodePtr& value, const Sharding& sharding) {
+  static auto& transfers = core::counter("SpmdTransfers");
+  transfers.add();
+  graph::materialize(value);
+  std::vector<graph::NodePtr> pieces;
+  for (int p = 0; p < sharding.mesh.size(); ++p)
+    pieces.push_back(block_of(value, sharding.block(p, value->shape()),
+                              mesh_device(sharding.mesh.device_ids()[static_cast<std::size_t>(p)])));
+  return std::make_shared<ShardedNode>(sharding, std::move(pieces), value->dtype(), value->shape(), value->device());
+}
+
+}  // namespace lazy::spmd
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/spmd/sharded_node.hpp ----
 
 namespace lazy::io {
 
@@ -20206,6 +21293,15 @@ namespace detail {
 /// Runs every pending tensor of `sd`, one execution per device.
 void materialize_all(const StateDict& sd);
 
+/// Calls f(t, name, piece, device id, block) for each block a shard-files save writes (t:
+/// the tensor's position in `sd`): every
+/// distinct block of a sharded tensor once, from the first mesh position holding it (its
+/// replicas write nothing), and a whole tensor from its device. Hands out pending pieces.
+template <class F>
+void for_each_block(const StateDict& sd, F&& f);
+
+/// Writes `sd` as shard files plus the index at `path` (SaveOptions::shard_files).
+void save_shards(const StateDict& sd, const std::string& path);
 
 }  // namespace detail
 
@@ -20222,6 +21318,23 @@ void materialize_all(const StateDict& sd);
 /// Outside spawn it just writes.
 void save(const StateDict& sd, const std::string& path, bool master_only = true,
           bool global_master = false);
+
+/// How io::save writes: xm.save's two choices, and the shard files of lazy::spmd.
+struct SaveOptions {
+  /// Only the master replica writes (see save above).
+  bool master_only = true;
+  /// With master_only: global ordinal 0 only, not one writer per host.
+  bool global_master = false;
+  /// Sharded tensors (lazy::spmd) as one safetensors file per device holding that device's
+  /// blocks (each distinct block once), with `path` the JSON index naming them
+  /// (shard_index.hpp), instead of whole tensors in one file: nothing is gathered. The
+  /// shard files are written first, the index last (each atomically), so an index always
+  /// names complete files. io::load reads the index as whole tensors.
+  bool shard_files = false;
+};
+
+/// save with options: `io::save(sd, "ckpt/model.json", {.shard_files = true})`.
+void save(const StateDict& sd, const std::string& path, const SaveOptions& options);
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace detail {
@@ -20242,15 +21355,88 @@ LAZYTENSOR_INLINE void materialize_all(const StateDict& sd) {
   }
 }
 
+template <class F>
+void for_each_block(const StateDict& sd, F&& f) {
+  std::size_t position = 0;
+  for (const auto& [name, t] : sd) {
+    const std::size_t at = position++;
+    if (!t.defined()) throw Error("io::save: tensor '" + name + "' is undefined");
+    const graph::NodePtr& node = t.impl()->node;
+    const spmd::ShardedNode* s = spmd::as_sharded(node);
+    if (!s) {
+      std::vector<std::pair<std::int64_t, std::int64_t>> whole;
+      for (auto d : node->shape()) whole.emplace_back(0, d);
+      f(at, name, node, node->device()->index(), whole);
+      continue;
+    }
+    s->hand_out_pieces();
+    std::set<std::vector<std::pair<std::int64_t, std::int64_t>>> seen;
+    for (int p = 0; p < s->num_shards(); ++p) {
+      auto block = s->sharding().block(p, node->shape());
+      if (seen.insert(block).second)
+        f(at, name, s->shard(p), s->sharding().mesh.device_ids()[static_cast<std::size_t>(p)], block);
+    }
+  }
+}
+
+LAZYTENSOR_INLINE void save_shards(const StateDict& sd, const std::string& path) {
+  std::map<int, StateDict> files;  // by device id
+  ShardIndex index;
+  std::vector<std::pair<int, ShardBlock>> blocks;  // per block: device id, then the file's position
+  std::vector<std::size_t> owner;                   // per block: its tensor in index.tensors
+  for (const auto& [name, t] : sd) {
+    ShardedEntry e{name, dtype_name(t.dtype()), {t.shape().begin(), t.shape().end()}, {}, {}};
+    if (const spmd::ShardedNode* s = spmd::as_sharded(t.impl()->node)) e.sharding = s->sharding().str();
+    index.tensors.push_back(std::move(e));
+  }
+  for_each_block(sd, [&](std::size_t tensor, const std::string& name, const graph::NodePtr& piece, int device,
+                         const auto& block) {
+    StateDict& file = files[device];
+    file.insert(name, lazy::detail::any_of_node(piece));
+    if (auto it = sd.stored_dtypes().find(name); it != sd.stored_dtypes().end()) file.stored_dtypes()[name] = it->second;
+    blocks.push_back({device, ShardBlock{0, block}});
+    owner.push_back(tensor);
+  });
+  const std::string dir = parent_dir(path) + "/";
+  std::map<int, std::size_t> position;
+  for (const auto& [device, file] : files) {
+    const std::size_t k = position.size();
+    position[device] = k;
+    index.files.push_back(shard_file_name(path, k, files.size()));
+    save_file(file, dir + index.files.back());
+  }
+  for (std::size_t b = 0; b < blocks.size(); ++b) {
+    blocks[b].second.file = position.at(blocks[b].first);
+    index.tensors[owner[b]].blocks.push_back(std::move(blocks[b].second));
+  }
+  index.metadata = sd.metadata();
+  const std::string text = shard_index_json(index);
+  AtomicFileWriter out(path);
+  out.write(text.data(), text.size());
+  out.commit();
+}
+
 }  // namespace detail
 
 LAZYTENSOR_INLINE void save(const StateDict& sd, const std::string& path, bool master_only,
                             bool global_master) {
-  const bool writer = !master_only || dist::is_master_ordinal(!global_master);
+  save(sd, path, SaveOptions{.master_only = master_only, .global_master = global_master});
+}
+
+LAZYTENSOR_INLINE void save(const StateDict& sd, const std::string& path, const SaveOptions& options) {
+  const bool writer = !options.master_only || dist::is_master_ordinal(!options.global_master);
   std::exception_ptr error;
   try {
-    detail::materialize_all(sd);
-    if (writer) save_file(sd, path);
+    if (!options.shard_files) {
+      detail::materialize_all(sd);
+      if (writer) save_file(sd, path);
+    } else if (writer) {
+      detail::save_shards(sd, path);
+    } else {  // the same sync as a writer's, without the gathers
+      detail::for_each_block(sd, [](std::size_t, const std::string&, const graph::NodePtr& piece, int, const auto&) {
+        graph::materialize(piece);
+      });
+    }
   } catch (...) {
     error = std::current_exception();
   }
@@ -23715,505 +24901,6 @@ LAZYTENSOR_OPTIM_SGD_INSTANCES(extern)
 // SPMD mode (torch_xla's xr.use_spmd()): one program thread drives every device; tensors
 // annotated with a sharding live as pieces on the mesh's devices.
 
-// ---- begin lazytensor/spmd/sharding.hpp ----
-// Partition specs (how a tensor's dimensions map onto mesh axes) and the resolved sharding
-// of one tensor: which block of it each device of the mesh holds.
-
-#include <cstdint>
-#include <initializer_list>
-#include <optional>
-#include <string>
-#include <utility>
-#include <variant>
-#include <vector>
-
-// ---- begin lazytensor/spmd/mesh.hpp ----
-// Meshes: the logical arrangement of devices that shardings name (torch_xla's Mesh and
-// HybridMesh), and the process's global mesh.
-
-#include <cstdint>
-#include <optional>
-#include <string>
-#include <string_view>
-#include <utility>
-#include <vector>
-
-
-namespace lazy::spmd {
-
-/// The device ids of a mesh arranged in its shape (what torch_xla's get_logical_mesh
-/// returns as a numpy array): `device_ids` row-major in `shape`.
-struct LogicalMesh {
-  std::vector<std::int64_t> shape;
-  std::vector<int> device_ids;
-  /// The id at mesh coordinates `coords` (one per axis).
-  int at(const std::vector<std::int64_t>& coords) const;
-};
-
-/// A logical n-d array of devices (torch_xla.distributed.spmd.Mesh). `device_ids` are laid
-/// out row-major in `mesh_shape`; axes may be named (`axis_names`, one per axis, distinct),
-/// else each is named by its index ("0", "1", ...). A partition spec refers to the axes by
-/// index or name. Error (lazy::Error, naming the values) when the shape's product is not
-/// the number of ids, an id repeats or names no device of this process, or names repeat.
-class Mesh {
- public:
-  Mesh(std::vector<int> device_ids, std::vector<std::int64_t> mesh_shape, std::vector<std::string> axis_names = {});
-
-  /// The axes in order, as (name, size).
-  std::vector<std::pair<std::string, std::int64_t>> shape() const;
-  /// The ids in mesh order (row-major over the axes).
-  const std::vector<int>& device_ids() const { return ids_; }
-  /// The size of each axis.
-  const std::vector<std::int64_t>& mesh_shape() const { return shape_; }
-  /// Each axis's name (the index as text for unnamed axes).
-  const std::vector<std::string>& axis_names() const { return names_; }
-  /// The ids arranged in the mesh's shape.
-  LogicalMesh get_logical_mesh() const { return {shape_, ids_}; }
-  /// Number of devices.
-  int size() const { return static_cast<int>(ids_.size()); }
-  /// Number of axes.
-  int rank() const { return static_cast<int>(shape_.size()); }
-
-  /// The coordinates of the device at mesh position `position` (row-major).
-  std::vector<std::int64_t> coordinates(int position) const;
-  /// The mesh position of device `device_id`, or -1.
-  int position_of(int device_id) const;
-  /// Text such as `Mesh(shape=("data": 2, "model": 2), devices=[0, 1, 2, 3])`.
-  std::string str() const;
-
-  friend bool operator==(const Mesh& a, const Mesh& b) {
-    return a.ids_ == b.ids_ && a.shape_ == b.shape_ && a.names_ == b.names_;
-  }
-
- private:
-  std::vector<int> ids_;
-  std::vector<std::int64_t> shape_;
-  std::vector<std::string> names_;
-};
-
-/// A mesh for devices grouped in slices (torch_xla's HybridMesh): the mesh's axis i has
-/// size `dcn_mesh_shape[i] * ici_mesh_shape[i]`, the DCN part outer. Device ids follow
-/// the slices: slice s (the row-major index of the DCN coordinates) holds ids
-/// [s * S, (s + 1) * S), S the product of `ici_mesh_shape`, laid out row-major over the
-/// ICI coordinates. Every device of the process takes part; Error when the shapes'
-/// ranks differ or their products do not make the device count.
-class HybridMesh : public Mesh {
- public:
-  HybridMesh(std::vector<std::int64_t> ici_mesh_shape, std::vector<std::int64_t> dcn_mesh_shape,
-             std::vector<std::string> axis_names = {});
-};
-
-/// Sets the mesh that APIs taking no mesh use (torch_xla's set_global_mesh).
-void set_global_mesh(const Mesh& mesh);
-/// The global mesh, if one was set.
-std::optional<Mesh> get_global_mesh();
-
-namespace detail {
-/// The device ids a HybridMesh lays out (see HybridMesh).
-std::vector<int> hybrid_device_ids(const std::vector<std::int64_t>& ici, const std::vector<std::int64_t>& dcn);
-/// The elementwise product of the two shapes.
-std::vector<std::int64_t> hybrid_shape(const std::vector<std::int64_t>& ici, const std::vector<std::int64_t>& dcn);
-/// "(6, 4)": a shape as JAX's messages print it.
-std::string tuple_text(const std::vector<std::int64_t>& sizes);
-}  // namespace detail
-
-}  // namespace lazy::spmd
-
-#if LAZYTENSOR_HEADER_DEFINITIONS
-#include <algorithm>
-#include <mutex>
-#include <set>
-
-namespace lazy::spmd {
-
-LAZYTENSOR_INLINE int LogicalMesh::at(const std::vector<std::int64_t>& coords) const {
-  if (coords.size() != shape.size())
-    throw Error("LogicalMesh::at: expected " + std::to_string(shape.size()) + " coordinates, got " +
-                std::to_string(coords.size()));
-  std::int64_t p = 0;
-  for (std::size_t i = 0; i < shape.size(); ++i) {
-    if (coords[i] < 0 || coords[i] >= shape[i])
-      throw Error("LogicalMesh::at: coordinate " + std::to_string(coords[i]) + " out of range for axis " +
-                  std::to_string(i) + " of size " + std::to_string(shape[i]));
-    p = p * shape[i] + coords[i];
-  }
-  return device_ids[static_cast<std::size_t>(p)];
-}
-
-LAZYTENSOR_INLINE std::string detail::tuple_text(const std::vector<std::int64_t>& sizes) {
-  std::string s = "(";
-  for (std::size_t i = 0; i < sizes.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(sizes[i]);
-  }
-  if (sizes.size() == 1) s += ",";
-  return s + ")";
-}
-
-LAZYTENSOR_INLINE Mesh::Mesh(std::vector<int> device_ids, std::vector<std::int64_t> mesh_shape,
-                             std::vector<std::string> axis_names)
-    : ids_(std::move(device_ids)), shape_(std::move(mesh_shape)), names_(std::move(axis_names)) {
-  if (shape_.empty()) throw Error("Mesh: expected at least one mesh axis, got an empty mesh shape");
-  std::int64_t product = 1;
-  for (auto s : shape_) {
-    if (s < 1) throw Error("Mesh: mesh shape " + detail::tuple_text(shape_) + " has a size below 1");
-    product *= s;
-  }
-  if (product != static_cast<std::int64_t>(ids_.size()))
-    throw Error("Mesh: mesh shape " + detail::tuple_text(shape_) + " holds " + std::to_string(product) +
-                " devices, but " + std::to_string(ids_.size()) + " device ids were given");
-  const int available = device_count();
-  std::set<int> seen;
-  for (int id : ids_) {
-    if (id < 0 || id >= available)
-      throw Error("Mesh: device id " + std::to_string(id) + " names no device of this process (it has " +
-                  std::to_string(available) + ": ids 0.." + std::to_string(available - 1) +
-                  "; LAZYTENSOR_NUM_DEVICES sets the count)");
-    if (!seen.insert(id).second) throw Error("Mesh: device id " + std::to_string(id) + " appears twice");
-  }
-  if (names_.empty()) {
-    for (std::size_t i = 0; i < shape_.size(); ++i) names_.push_back(std::to_string(i));
-  } else if (names_.size() != shape_.size()) {
-    throw Error("Mesh: " + std::to_string(names_.size()) + " axis names given for a mesh of " +
-                std::to_string(shape_.size()) + " axes " + detail::tuple_text(shape_));
-  }
-  std::set<std::string> names;
-  for (const auto& n : names_)
-    if (!names.insert(n).second) throw Error("Mesh: axis name \"" + n + "\" appears twice");
-}
-
-LAZYTENSOR_INLINE std::vector<std::pair<std::string, std::int64_t>> Mesh::shape() const {
-  std::vector<std::pair<std::string, std::int64_t>> r;
-  for (std::size_t i = 0; i < shape_.size(); ++i) r.emplace_back(names_[i], shape_[i]);
-  return r;
-}
-
-LAZYTENSOR_INLINE std::vector<std::int64_t> Mesh::coordinates(int position) const {
-  std::vector<std::int64_t> c(shape_.size());
-  std::int64_t p = position;
-  for (std::size_t i = shape_.size(); i-- > 0;) {
-    c[i] = p % shape_[i];
-    p /= shape_[i];
-  }
-  return c;
-}
-
-LAZYTENSOR_INLINE int Mesh::position_of(int device_id) const {
-  auto it = std::find(ids_.begin(), ids_.end(), device_id);
-  return it == ids_.end() ? -1 : static_cast<int>(it - ids_.begin());
-}
-
-LAZYTENSOR_INLINE std::string Mesh::str() const {
-  std::string s = "Mesh(shape=(";
-  for (std::size_t i = 0; i < shape_.size(); ++i) {
-    if (i) s += ", ";
-    s += "\"" + names_[i] + "\": " + std::to_string(shape_[i]);
-  }
-  s += "), devices=[";
-  for (std::size_t i = 0; i < ids_.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(ids_[i]);
-  }
-  return s + "])";
-}
-
-LAZYTENSOR_INLINE std::vector<std::int64_t> detail::hybrid_shape(const std::vector<std::int64_t>& ici,
-                                                                  const std::vector<std::int64_t>& dcn) {
-  if (ici.size() != dcn.size())
-    throw Error("HybridMesh: ici_mesh_shape " + tuple_text(ici) + " and dcn_mesh_shape " + tuple_text(dcn) +
-                " must have the same number of axes");
-  std::vector<std::int64_t> s(ici.size());
-  for (std::size_t i = 0; i < ici.size(); ++i) {
-    if (ici[i] < 1 || dcn[i] < 1)
-      throw Error("HybridMesh: sizes must be at least 1, got ici " + tuple_text(ici) + ", dcn " + tuple_text(dcn));
-    s[i] = ici[i] * dcn[i];
-  }
-  return s;
-}
-
-LAZYTENSOR_INLINE std::vector<int> detail::hybrid_device_ids(const std::vector<std::int64_t>& ici,
-                                                            const std::vector<std::int64_t>& dcn) {
-  const auto shape = hybrid_shape(ici, dcn);
-  std::int64_t total = 1, per_slice = 1;
-  for (auto s : shape) total *= s;
-  for (auto s : ici) per_slice *= s;
-  if (total != device_count())
-    throw Error("HybridMesh: ici " + tuple_text(ici) + " times dcn " + tuple_text(dcn) + " makes " +
-                std::to_string(total) + " devices, but this process has " + std::to_string(device_count()));
-  std::vector<int> ids(static_cast<std::size_t>(total));
-  const std::size_t rank = shape.size();
-  std::vector<std::int64_t> c(rank, 0);
-  for (std::int64_t p = 0; p < total; ++p) {
-    // Mesh coordinate c[i] = dcn coordinate * ici[i] + ici coordinate.
-    std::int64_t slice = 0, within = 0;
-    for (std::size_t i = 0; i < rank; ++i) {
-      slice = slice * dcn[i] + c[i] / ici[i];
-      within = within * ici[i] + c[i] % ici[i];
-    }
-    ids[static_cast<std::size_t>(p)] = static_cast<int>(slice * per_slice + within);
-    for (std::size_t i = rank; i-- > 0;) {
-      if (++c[i] < shape[i]) break;
-      c[i] = 0;
-    }
-  }
-  return ids;
-}
-
-LAZYTENSOR_INLINE HybridMesh::HybridMesh(std::vector<std::int64_t> ici_mesh_shape, std::vector<std::int64_t> dcn_mesh_shape,
-                                         std::vector<std::string> axis_names)
-    : Mesh(detail::hybrid_device_ids(ici_mesh_shape, dcn_mesh_shape), detail::hybrid_shape(ici_mesh_shape, dcn_mesh_shape),
-           std::move(axis_names)) {}
-
-namespace detail {
-struct GlobalMesh {
-  std::mutex mu;
-  std::optional<Mesh> mesh;
-};
-inline GlobalMesh& global_mesh() {
-  static GlobalMesh g;
-  return g;
-}
-}  // namespace detail
-
-LAZYTENSOR_INLINE void set_global_mesh(const Mesh& mesh) {
-  auto& g = detail::global_mesh();
-  std::lock_guard lock(g.mu);
-  g.mesh = mesh;
-}
-
-LAZYTENSOR_INLINE std::optional<Mesh> get_global_mesh() {
-  auto& g = detail::global_mesh();
-  std::lock_guard lock(g.mu);
-  return g.mesh;
-}
-
-}  // namespace lazy::spmd
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
-// ---- end lazytensor/spmd/mesh.hpp ----
-
-namespace lazy::spmd {
-
-/// One mesh axis in a partition spec: its index (`0`) or its name (`"data"`).
-class AxisRef {
- public:
-  AxisRef(int index) : ref_(index) {}
-  AxisRef(const char* name) : ref_(std::string(name)) {}
-  AxisRef(std::string name) : ref_(std::move(name)) {}
-  const std::variant<int, std::string>& ref() const { return ref_; }
-
- private:
-  std::variant<int, std::string> ref_;
-};
-
-/// One entry of a partition spec, for one tensor dimension: replicated (`std::nullopt`),
-/// one mesh axis (`0`, `"data"`), or a braced list of axes (`{"x", "y"}`) that shards the
-/// dimension over all of them, the first major.
-class PartitionEntry {
- public:
-  PartitionEntry(std::nullopt_t) {}
-  PartitionEntry(int axis) : axes_{AxisRef(axis)} {}
-  PartitionEntry(const char* axis) : axes_{AxisRef(axis)} {}
-  PartitionEntry(std::string axis) : axes_{AxisRef(std::move(axis))} {}
-  PartitionEntry(std::initializer_list<AxisRef> axes) : axes_(axes) {}
-  /// The axes, major first (empty: replicated).
-  const std::vector<AxisRef>& axes() const { return axes_; }
-
- private:
-  std::vector<AxisRef> axes_;
-};
-
-/// A partition spec: one entry per tensor dimension (`{0, std::nullopt}`, `{"data"}`).
-/// Shorter specs are padded with replicated entries; mesh axes it leaves out replicate.
-using PartitionSpec = std::vector<PartitionEntry>;
-
-/// The resolved sharding of a tensor of a given shape: for each dimension, the mesh axes
-/// (indices, major first) that split it. Devices whose coordinates differ only along
-/// unused axes hold the same block (replicas).
-struct Sharding {
-  Mesh mesh;
-  std::vector<std::vector<int>> dims;
-
-  /// Number of blocks along dimension `d` (the product of its axes' sizes).
-  std::int64_t parts(int d) const;
-  /// True when no dimension is split.
-  bool replicated() const;
-  /// The block index along dimension `d` of the device at mesh position `position`.
-  std::int64_t part_of(int position, int d) const;
-  /// The [begin, end) range of every dimension of `global` that mesh position `position`
-  /// holds.
-  std::vector<std::pair<std::int64_t, std::int64_t>> block(int position, const Shape& global) const;
-  /// The shape of the block every device holds.
-  Shape block_shape(const Shape& global) const;
-  /// The sharding as torch_xla's _get_xla_sharding_spec prints it (XLA's HloSharding
-  /// text): `{replicated}`, `{devices=[2,1]0,1}`, or with replication along unused axes
-  /// `{devices=[2,1,2]0,1,2,3 last_tile_dim_replicate}`.
-  std::string str() const;
-
-  friend bool operator==(const Sharding&, const Sharding&) = default;
-};
-
-/// Resolves `spec` on `mesh` for a tensor of shape `shape`. ShardingError, naming the
-/// offender, for: a spec longer than the rank, an unknown axis name or index, an axis used
-/// twice, and a dimension not divisible by its axes' sizes (JAX's message:
-/// `dimension 0 of shape (6, 4) must be divisible by 4 (mesh axis "x")`).
-Sharding resolve_sharding(const Mesh& mesh, const PartitionSpec& spec, const Shape& shape);
-
-/// A mesh and a partition spec, resolved against each tensor it is applied to (torch_xla's
-/// ShardingSpec; `minibatch` marks specs for per-process batches of a global batch, which
-/// in one process is the batch itself).
-class ShardingSpec {
- public:
-  ShardingSpec(Mesh mesh, PartitionSpec spec, bool minibatch = false)
-      : mesh_(std::move(mesh)), spec_(std::move(spec)), minibatch_(minibatch) {}
-  const Mesh& mesh() const { return mesh_; }
-  const PartitionSpec& partition_spec() const { return spec_; }
-  bool minibatch() const { return minibatch_; }
-  /// The sharding of a tensor of `shape` (ShardingError as resolve_sharding).
-  Sharding resolve(const Shape& shape) const { return resolve_sharding(mesh_, spec_, shape); }
-
- private:
-  Mesh mesh_;
-  PartitionSpec spec_;
-  bool minibatch_;
-};
-
-}  // namespace lazy::spmd
-
-#if LAZYTENSOR_HEADER_DEFINITIONS
-namespace lazy::spmd {
-
-LAZYTENSOR_INLINE std::int64_t Sharding::parts(int d) const {
-  std::int64_t n = 1;
-  for (int a : dims[static_cast<std::size_t>(d)]) n *= mesh.mesh_shape()[static_cast<std::size_t>(a)];
-  return n;
-}
-
-LAZYTENSOR_INLINE bool Sharding::replicated() const {
-  for (std::size_t d = 0; d < dims.size(); ++d)
-    if (parts(static_cast<int>(d)) > 1) return false;
-  return true;
-}
-
-LAZYTENSOR_INLINE std::int64_t Sharding::part_of(int position, int d) const {
-  const auto c = mesh.coordinates(position);
-  std::int64_t idx = 0;
-  for (int a : dims[static_cast<std::size_t>(d)])
-    idx = idx * mesh.mesh_shape()[static_cast<std::size_t>(a)] + c[static_cast<std::size_t>(a)];
-  return idx;
-}
-
-LAZYTENSOR_INLINE std::vector<std::pair<std::int64_t, std::int64_t>> Sharding::block(int position,
-                                                                                      const Shape& global) const {
-  std::vector<std::pair<std::int64_t, std::int64_t>> r(static_cast<std::size_t>(global.rank()));
-  for (int d = 0; d < global.rank(); ++d) {
-    const std::int64_t n = parts(d), size = global[d] / n, i = part_of(position, d);
-    r[static_cast<std::size_t>(d)] = {i * size, (i + 1) * size};
-  }
-  return r;
-}
-
-LAZYTENSOR_INLINE Shape Sharding::block_shape(const Shape& global) const {
-  Shape s = global;
-  for (int d = 0; d < global.rank(); ++d) s[d] = global[d] / parts(d);
-  return s;
-}
-
-LAZYTENSOR_INLINE std::string Sharding::str() const {
-  if (replicated()) return "{replicated}";
-  const int rank = static_cast<int>(dims.size());
-  // Tile dimensions: the parts of each tensor dimension, then the replicas (mesh axes no
-  // dimension uses) as a last tile dimension when there are several.
-  std::vector<bool> used(static_cast<std::size_t>(mesh.rank()), false);
-  for (const auto& axes : dims)
-    for (int a : axes) used[static_cast<std::size_t>(a)] = true;
-  std::int64_t replicas = 1;
-  for (int a = 0; a < mesh.rank(); ++a)
-    if (!used[static_cast<std::size_t>(a)]) replicas *= mesh.mesh_shape()[static_cast<std::size_t>(a)];
-  std::vector<std::int64_t> tile;
-  for (int d = 0; d < rank; ++d) tile.push_back(parts(d));
-  if (replicas > 1) tile.push_back(replicas);
-  std::int64_t tiles = 1;
-  for (auto t : tile) tiles *= t;
-  std::vector<int> order(static_cast<std::size_t>(tiles), -1);
-  for (int p = 0; p < mesh.size(); ++p) {
-    const auto c = mesh.coordinates(p);
-    std::int64_t idx = 0;
-    for (int d = 0; d < rank; ++d) idx = idx * parts(d) + part_of(p, d);
-    if (replicas > 1) {
-      std::int64_t r = 0;
-      for (int a = 0; a < mesh.rank(); ++a)
-        if (!used[static_cast<std::size_t>(a)]) r = r * mesh.mesh_shape()[static_cast<std::size_t>(a)] + c[static_cast<std::size_t>(a)];
-      idx = idx * replicas + r;
-    }
-    order[static_cast<std::size_t>(idx)] = mesh.device_ids()[static_cast<std::size_t>(p)];
-  }
-  std::string s = "{devices=[";
-  for (std::size_t i = 0; i < tile.size(); ++i) {
-    if (i) s += ",";
-    s += std::to_string(tile[i]);
-  }
-  s += "]";
-  for (std::size_t i = 0; i < order.size(); ++i) {
-    if (i) s += ",";
-    s += std::to_string(order[i]);
-  }
-  if (replicas > 1) s += " last_tile_dim_replicate";
-  return s + "}";
-}
-
-LAZYTENSOR_INLINE Sharding resolve_sharding(const Mesh& mesh, const PartitionSpec& spec, const Shape& shape) {
-  const int rank = shape.rank();
-  if (static_cast<int>(spec.size()) > rank)
-    throw ShardingError("partition spec has " + std::to_string(spec.size()) + " entries, but the tensor of shape " +
-                        detail::tuple_text(shape.vec()) + " has rank " + std::to_string(rank));
-  Sharding s{mesh, std::vector<std::vector<int>>(static_cast<std::size_t>(rank))};
-  std::vector<bool> used(static_cast<std::size_t>(mesh.rank()), false);
-  auto axis_text = [&](int a) { return "\"" + mesh.axis_names()[static_cast<std::size_t>(a)] + "\""; };
-  for (std::size_t d = 0; d < spec.size(); ++d) {
-    for (const auto& ref : spec[d].axes()) {
-      int a = -1;
-      if (const int* i = std::get_if<int>(&ref.ref())) {
-        if (*i < 0 || *i >= mesh.rank())
-          throw ShardingError("partition spec entry " + std::to_string(d) + ": mesh axis " + std::to_string(*i) +
-                              " out of range for a mesh of " + std::to_string(mesh.rank()) + " axes");
-        a = *i;
-      } else {
-        const auto& name = std::get<std::string>(ref.ref());
-        for (int k = 0; k < mesh.rank(); ++k)
-          if (mesh.axis_names()[static_cast<std::size_t>(k)] == name) a = k;
-        if (a < 0) {
-          std::string names;
-          for (int k = 0; k < mesh.rank(); ++k) {
-            if (k) names += ", ";
-            names += axis_text(k);
-          }
-          throw ShardingError("partition spec entry " + std::to_string(d) + ": the mesh has no axis named \"" + name +
-                              "\" (its axes: " + names + ")");
-        }
-      }
-      if (used[static_cast<std::size_t>(a)])
-        throw ShardingError("mesh axis " + axis_text(a) + " is used twice in the partition spec");
-      used[static_cast<std::size_t>(a)] = true;
-      s.dims[d].push_back(a);
-    }
-    const std::int64_t n = s.parts(static_cast<int>(d));
-    if (shape[static_cast<int>(d)] % n != 0) {
-      std::string axes;
-      for (std::size_t k = 0; k < s.dims[d].size(); ++k) {
-        if (k) axes += ", ";
-        axes += axis_text(s.dims[d][k]);
-      }
-      throw ShardingError("dimension " + std::to_string(d) + " of shape " + detail::tuple_text(shape.vec()) +
-                          " must be divisible by " + std::to_string(n) + " (mesh " +
-                          (s.dims[d].size() == 1 ? "axis " : "axes ") + axes + ")");
-    }
-  }
-  return s;
-}
-
-}  // namespace lazy::spmd
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
-// ---- end lazytensor/spmd/sharding.hpp ----
 // ---- begin lazytensor/spmd/partitioner.hpp ----
 // The SPMD partitioner: graph::submit hands it every node that reads a sharded value, and
 // it returns the node standing for the result. Nodes with a block rule (element-wise,
@@ -24491,207 +25178,6 @@ LAZYTENSOR_INLINE std::vector<graph::NodePtr> all_reduce(const std::vector<graph
 }  // namespace lazy::spmd
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/spmd/collective.hpp ----
-// ---- begin lazytensor/spmd/sharded_node.hpp ----
-// The value of a sharded tensor: one piece per mesh device, each a node on its own device
-// (computed by that device's steps), and the whole value, gathered only when read.
-
-#include <cstddef>
-#include <cstdint>
-#include <memory>
-#include <string>
-#include <utility>
-#include <vector>
-
-
-namespace lazy::spmd {
-
-/// The whole value of a tensor sharded over a mesh (NodeKind::Sharded). It holds one piece
-/// per mesh position (devices holding the same block hold equal pieces), each behind a
-/// handle registered with its device, so every device's mark_step computes its piece. The
-/// node itself is never traced or planned: graph::submit hands every node reading it to
-/// the partitioner, and reading it (item(), to_vector(), a partitioner fallback) gathers
-/// the blocks into one buffer on the tensor's device.
-class ShardedNode final : public graph::Node {
- public:
-  ShardedNode(Sharding sharding, std::vector<graph::NodePtr> pieces, DType dtype, Shape shape,
-              graph::Device* device);
-
-  const Sharding& sharding() const { return sharding_; }
-  /// The piece at mesh position `position` (on device `mesh.device_ids()[position]`).
-  const graph::NodePtr& shard(int position) const { return shards_[static_cast<std::size_t>(position)]->node; }
-  int num_shards() const { return static_cast<int>(shards_.size()); }
-  /// Hands every device its pending work when a piece is still pending: pieces may wait
-  /// for each other in collectives, so none is waited for before all are handed out.
-  void hand_out_pieces() const;
-
-  std::string op_name() const override { return "sharded"; }
-  std::string describe() const override { return sharding_.str(); }
-
- protected:
-  /// The gather: each distinct block once, from the first position holding it.
-  void compute(graph::ExecContext& ctx) override;
-
- private:
-  Sharding sharding_;
-  std::vector<std::shared_ptr<graph::TensorImpl>> shards_;
-};
-
-/// `n` as a sharded node, or null.
-inline const ShardedNode* as_sharded(const graph::NodePtr& n) {
-  return n && n->kind() == graph::NodeKind::Sharded ? static_cast<const ShardedNode*>(n.get()) : nullptr;
-}
-
-/// The engine device of a mesh device id.
-inline graph::Device& mesh_device(int id) { return graph::DeviceRegistry::get().device(id); }
-
-namespace detail {
-
-/// A [begin, end) range per dimension.
-using Ranges = std::vector<std::pair<std::int64_t, std::int64_t>>;
-
-/// Copies a box of `box` elements per dimension between two row-major arrays of `esize`-byte
-/// elements: from `src` (shape `src_shape`) starting at `src_at` to `dst` (shape
-/// `dst_shape`) starting at `dst_at`, innermost runs by memcpy.
-void copy_box(const std::byte* src, const Shape& src_shape, const std::vector<std::int64_t>& src_at, std::byte* dst,
-              const Shape& dst_shape, const std::vector<std::int64_t>& dst_at, const std::vector<std::int64_t>& box,
-              std::size_t esize);
-
-/// The block `ranges` of materialized `value`, as data on `dev`, copied into `dev`'s pool.
-/// The whole value on its own device shares the buffer (buffers are immutable; donation
-/// needs a sole holder). Devices never share a buffer: when the other device's reference is
-/// the last, this device could donate it while the other's reads are unordered with the
-/// write (shared_ptr's use_count is a relaxed read).
-graph::NodePtr block_of(const graph::NodePtr& value, const Ranges& ranges, graph::Device& dev);
-
-/// Splits `value` (materialized here; a sharded value is gathered first) over `sharding`.
-/// Counted as SpmdTransfers / SpmdTransferBytes (bytes copied to other devices).
-graph::NodePtr shard_value(const graph::NodePtr& value, const Sharding& sharding);
-
-}  // namespace detail
-}  // namespace lazy::spmd
-
-#if LAZYTENSOR_HEADER_DEFINITIONS
-#include <cstring>
-
-
-namespace lazy::spmd {
-
-LAZYTENSOR_INLINE ShardedNode::ShardedNode(Sharding sharding, std::vector<graph::NodePtr> pieces, DType dtype, Shape shape,
-                                           graph::Device* device)
-    : Node(graph::NodeKind::Sharded, dtype, shape, device), sharding_(std::move(sharding)) {
-  shards_.reserve(pieces.size());
-  for (auto& p : pieces) shards_.push_back(std::make_shared<graph::TensorImpl>(std::move(p)));
-}
-
-LAZYTENSOR_INLINE void ShardedNode::hand_out_pieces() const {
-  for (const auto& s : shards_) {
-    if (s->node->pending()) {
-      graph::step_all_devices();
-      return;
-    }
-  }
-}
-
-LAZYTENSOR_INLINE void ShardedNode::compute(graph::ExecContext& ctx) {
-  static auto& gathers = core::counter("SpmdGathers");
-  gathers.add();
-  auto buf = allocate_output(ctx, false);
-  const Shape global = shape();
-  std::int64_t blocks = 1;
-  for (int d = 0; d < global.rank(); ++d) blocks *= sharding_.parts(d);
-  std::vector<bool> done(static_cast<std::size_t>(blocks), false);
-  const std::size_t esize = dtype_size(dtype());
-  hand_out_pieces();
-  for (int p = 0; p < num_shards(); ++p) {
-    std::int64_t b = 0;
-    for (int d = 0; d < global.rank(); ++d) b = b * sharding_.parts(d) + sharding_.part_of(p, d);
-    if (done[static_cast<std::size_t>(b)]) continue;
-    done[static_cast<std::size_t>(b)] = true;
-    const graph::NodePtr& piece = shard(p);
-    graph::materialize(piece);
-    const auto ranges = sharding_.block(p, global);
-    std::vector<std::int64_t> at, box;
-    for (const auto& [b0, b1] : ranges) {
-      at.push_back(b0);
-      box.push_back(b1 - b0);
-    }
-    detail::copy_box(static_cast<const std::byte*>(piece->buffer()->data()), piece->shape(),
-                     std::vector<std::int64_t>(at.size(), 0), static_cast<std::byte*>(buf->data()), global, at, box,
-                     esize);
-  }
-  set_buffer(std::move(buf));
-}
-
-LAZYTENSOR_INLINE void detail::copy_box(const std::byte* src, const Shape& src_shape, const std::vector<std::int64_t>& src_at,
-                                        std::byte* dst, const Shape& dst_shape, const std::vector<std::int64_t>& dst_at,
-                                        const std::vector<std::int64_t>& box, std::size_t esize) {
-  const int rank = src_shape.rank();
-  for (auto b : box)
-    if (b == 0) return;
-  if (rank == 0) {
-    std::memcpy(dst, src, esize);
-    return;
-  }
-  // Row-major strides in elements.
-  std::vector<std::int64_t> ss(static_cast<std::size_t>(rank), 1), ds(static_cast<std::size_t>(rank), 1);
-  for (int d = rank - 1; d-- > 0;) {
-    ss[static_cast<std::size_t>(d)] = ss[static_cast<std::size_t>(d) + 1] * src_shape[d + 1];
-    ds[static_cast<std::size_t>(d)] = ds[static_cast<std::size_t>(d) + 1] * dst_shape[d + 1];
-  }
-  const std::size_t run = static_cast<std::size_t>(box.back()) * esize;
-  std::vector<std::int64_t> c(static_cast<std::size_t>(rank), 0);  // the last entry stays 0
-  for (;;) {
-    std::int64_t so = 0, d_o = 0;
-    for (int d = 0; d < rank; ++d) {
-      so += (src_at[static_cast<std::size_t>(d)] + c[static_cast<std::size_t>(d)]) * ss[static_cast<std::size_t>(d)];
-      d_o += (dst_at[static_cast<std::size_t>(d)] + c[static_cast<std::size_t>(d)]) * ds[static_cast<std::size_t>(d)];
-    }
-    std::memcpy(dst + static_cast<std::size_t>(d_o) * esize, src + static_cast<std::size_t>(so) * esize, run);
-    int d = rank - 2;
-    for (; d >= 0; --d) {
-      if (++c[static_cast<std::size_t>(d)] < box[static_cast<std::size_t>(d)]) break;
-      c[static_cast<std::size_t>(d)] = 0;
-    }
-    if (d < 0) return;
-  }
-}
-
-LAZYTENSOR_INLINE graph::NodePtr detail::block_of(const graph::NodePtr& value, const Ranges& ranges, graph::Device& dev) {
-  const Shape& global = value->shape();
-  bool whole = true;
-  std::vector<std::int64_t> at, box;
-  for (int d = 0; d < global.rank(); ++d) {
-    const auto [b0, b1] = ranges[static_cast<std::size_t>(d)];
-    whole = whole && b0 == 0 && b1 == global[d];
-    at.push_back(b0);
-    box.push_back(b1 - b0);
-  }
-  if (whole && value->device() == &dev)
-    return std::make_shared<graph::DataNode>(value->dtype(), global, &dev, value->buffer());
-  const Shape shape(box);
-  const std::size_t esize = dtype_size(value->dtype());
-  auto buf = dev.pool().acquire(padded_bytes(shape.numel(), esize));
-  copy_box(static_cast<const std::byte*>(value->buffer()->data()), global, at, static_cast<std::byte*>(buf->data()),
-           shape, std::vector<std::int64_t>(at.size(), 0), box, esize);
-  static auto& bytes = core::counter("SpmdTransferBytes");
-  bytes.add(static_cast<std::int64_t>(shape.numel() * static_cast<std::int64_t>(esize)));
-  return std::make_shared<graph::DataNode>(value->dtype(), shape, &dev, std::move(buf));
-}
-
-LAZYTENSOR_INLINE graph::NodePtr detail::shard_value(const graph::NodePtr& value, const Sharding& sharding) {
-  static auto& transfers = core::counter("SpmdTransfers");
-  transfers.add();
-  graph::materialize(value);
-  std::vector<graph::NodePtr> pieces;
-  for (int p = 0; p < sharding.mesh.size(); ++p)
-    pieces.push_back(block_of(value, sharding.block(p, value->shape()),
-                              mesh_device(sharding.mesh.device_ids()[static_cast<std::size_t>(p)])));
-  return std::make_shared<ShardedNode>(sharding, std::move(pieces), value->dtype(), value->shape(), value->device());
-}
-
-}  // namespace lazy::spmd
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
-// ---- end lazytensor/spmd/sharded_node.hpp ----
 
 namespace lazy::spmd::detail {
 
