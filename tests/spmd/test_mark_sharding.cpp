@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <lazytensor/io.hpp>
 #include <lazytensor/spmd.hpp>
 
 #include "testing/spmd.hpp"
@@ -154,23 +155,31 @@ TEST(SpmdMarkSharding, LoadersDeliverBatchesAlreadySharded) {
   EXPECT_EQ(seen, 16u);
 }
 
+// Whole (save_file) or as shard files plus an index (io::save with shard_files): either
+// loads back whole and reshards.
 TEST(SpmdMarkSharding, SavingWritesTheWholeTensorAndLoadingReshards) {
   spmd::Mesh mesh({0, 1, 2, 3}, {2, 2}, {"x", "y"});
   const auto values = lazy_tests::random_values<double>(32, 9);
-  auto t = lazy::from_vector<double>(values, {4, 8});
-  spmd::mark_sharding(t, mesh, {"x", "y"});
-  lazy::StateDict sd;
-  sd.insert("w", t);
-  const std::string path = ::testing::TempDir() + "spmd_save.safetensors";
-  lazy::io::save_file(sd, path);
-  auto loaded = lazy::io::load(path);
-  lazy::Tensor<double> w = loaded.at("w");
-  EXPECT_EQ(w.shape(), (lazy::Shape{4, 8}));
-  EXPECT_EQ(w.to_vector(), values);
-  // Reloaded into another sharding.
-  spmd::mark_sharding(w, mesh, {std::nullopt, {"y", "x"}});
-  EXPECT_EQ(spmd::local_shards(w)[1].data.to_vector(),
-            (std::vector<double>{values[4], values[5], values[12], values[13], values[20], values[21], values[28],
-                                 values[29]}));
-  std::remove(path.c_str());
+  for (const bool shard_files : {false, true}) {
+    auto t = lazy::from_vector<double>(values, {4, 8});
+    spmd::mark_sharding(t, mesh, {"x", "y"});
+    lazy::StateDict sd;
+    sd.insert("w", t);
+    const std::string path = ::testing::TempDir() + (shard_files ? "spmd_save.json" : "spmd_save.safetensors");
+    if (shard_files) lazy::io::save(sd, path, {.shard_files = true});
+    else lazy::io::save_file(sd, path);
+    auto loaded = lazy::io::load(path);
+    lazy::Tensor<double> w = loaded.at("w");
+    EXPECT_EQ(w.shape(), (lazy::Shape{4, 8}));
+    EXPECT_EQ(w.to_vector(), values);
+    // Reloaded into another sharding.
+    spmd::mark_sharding(w, mesh, {std::nullopt, {"y", "x"}});
+    EXPECT_EQ(spmd::local_shards(w)[1].data.to_vector(),
+              (std::vector<double>{values[4], values[5], values[12], values[13], values[20], values[21], values[28],
+                                   values[29]}))
+        << (shard_files ? "shard files" : "one file");
+    std::remove(path.c_str());
+    for (int k = 0; shard_files && k < 4; ++k)
+      std::remove((::testing::TempDir() + "spmd_save.shard-" + std::to_string(k) + "-of-4.safetensors").c_str());
+  }
 }
