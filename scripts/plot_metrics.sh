@@ -20,7 +20,7 @@ out="${2:-${csv%.csv}.png}"
 [ -r "$csv" ] || die "cannot read '$csv'"
 command -v gnuplot >/dev/null 2>&1 || die "gnuplot not found (Debian: apt-get install gnuplot-nox)"
 
-IFS=',' read -r -a columns < <(head -n 1 "$csv" | tr -d '\r')
+IFS=',' read -r -a columns < <(head -n 1 "$csv" | tr -d '\r') || die "'$csv' is empty"
 step=0
 loss=()
 acc=()
@@ -35,12 +35,15 @@ done
 [ "$step" -gt 0 ] || die "'$csv' has no \"step\" column (columns: ${columns[*]})"
 [ "${#loss[@]}" -gt 0 ] || [ "${#acc[@]}" -gt 0 ] ||
   die "'$csv' has no loss or accuracy column (columns: ${columns[*]})"
-rows=$(($(wc -l < "$csv") - 1))
+rows=$(($(grep -c '' "$csv") - 1))  # counts a last line without a newline too
 [ "$rows" -gt 0 ] || die "'$csv' has no rows"
 
 # gnuplot's terminal: cairo's when built in, else libgd's.
 terminal=png
-gnuplot -e 'set terminal' 2>&1 | grep -q pngcairo && terminal=pngcairo
+case "$(gnuplot -e 'set terminal' 2>&1)" in *pngcairo*) terminal=pngcairo ;; esac
+
+# A gnuplot single-quoted string (a quote inside is doubled).
+gq() { local s="${1//\'/\'\'}"; printf "'%s'" "$s"; }
 
 # One plot command per panel. With a comma separator gnuplot reads an empty cell as missing
 # data and draws each series through the rows that have it.
@@ -51,7 +54,7 @@ panel() {
   for entry in "$@"; do
     local col="${entry%%:*}" name="${entry#*:}"
     [ -n "$cmd" ] && cmd+=", "
-    cmd+="'$csv' using $step:$col with linespoints title '${name//_/\\_}'"
+    cmd+="$(gq "$csv") using $step:$col with linespoints title $(gq "${name//_/\\_}")"
   done
   printf 'set title "%s"\nplot %s\n' "$title" "$cmd"
 }
@@ -61,13 +64,13 @@ panels=0
 [ "${#acc[@]}" -gt 0 ] && panels=$((panels + 1))
 {
   printf 'set terminal %s size 900,%d\n' "$terminal" $((360 * panels))
-  printf 'set output "%s"\n' "$out"
+  printf 'set output %s\n' "$(gq "$out")"
   printf 'set datafile separator ","\nset key outside right\nset grid\nset xlabel "step"\n'
   printf 'set pointsize 0.6\nset multiplot layout %d,1\n' "$panels"
-  [ "${#loss[@]}" -gt 0 ] && panel loss "${loss[@]}"
-  [ "${#acc[@]}" -gt 0 ] && panel accuracy "${acc[@]}"
+  if [ "${#loss[@]}" -gt 0 ]; then panel loss "${loss[@]}"; fi
+  if [ "${#acc[@]}" -gt 0 ]; then panel accuracy "${acc[@]}"; fi
   printf 'unset multiplot\nset output\n'
 } | gnuplot - || die "gnuplot failed"
 
 names() { local e; for e in "$@"; do printf '%s ' "${e#*:}"; done; }
-echo "plotted $(names "${loss[@]}")(loss) and $(names "${acc[@]}")(accuracy) against step from $rows rows to $out"
+echo "plotted $(names ${loss[@]+"${loss[@]}"})(loss) and $(names ${acc[@]+"${acc[@]}"})(accuracy) against step from $rows rows to $out"

@@ -7797,7 +7797,7 @@ inline constexpr bool is_tensor_v<Tensor<T>> = true;
 
 /// A tensor under construction on the host: a buffer from `dev`'s pool that the caller
 /// fills through data(), then finish() wraps it as a materialized tensor. Safe to use from
-/// any thread (the pool and the device's handle registry are locked).
+/// any thread (the pool is locked; handles count themselves on their node atomically).
 template <Element T>
 class HostTensor {
  public:
@@ -16984,7 +16984,10 @@ class SliceNode final : public Node {
   // The offsets are part of the kernel's layout, not data: they belong in the hash.
   std::uint64_t structural_hash() const override;
   /// Blocks along every dimension but the sliced one (lazy::spmd keeps such a sharding).
-  std::optional<BlockRule> block_rule() const override { return all_but_dim_rule(shape().rank(), dim_, 1); }
+  std::optional<BlockRule> block_rule() const override {
+    if (dim_ >= shape().rank()) return std::nullopt;
+    return all_but_dim_rule(shape().rank(), dim_, 1);
+  }
   NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
     return std::make_shared<SliceNode>(op_, std::move(inputs[0]), dim_, start_, step_, std::move(shape));
   }
@@ -17038,7 +17041,10 @@ class IndexSelectNode final : public Node {
     return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
   }
   /// Blocks along every dimension but the indexed one; the index is read whole.
-  std::optional<BlockRule> block_rule() const override { return all_but_dim_rule(shape().rank(), dim_, 2); }
+  std::optional<BlockRule> block_rule() const override {
+    if (dim_ >= shape().rank()) return std::nullopt;  // a 0-d input: nothing to split
+    return all_but_dim_rule(shape().rank(), dim_, 2);
+  }
   NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
     return std::make_shared<IndexSelectNode>(std::move(inputs[0]), std::move(inputs[1]), dim_, std::move(shape));
   }
@@ -19587,12 +19593,15 @@ LAZYTENSOR_INLINE void JsonCursor::escape(std::string& out) {
 //                            {"file": 1, "index": [[4, 8], [0, 4]]}]}]}
 //
 // A shard file holds each tensor's block under the tensor's name, so any safetensors reader
-// can read one. io::load recognizes an index by its first byte and assembles whole tensors,
-// reading one shard file at a time; mark_sharding then puts them in any sharding.
+// can read one. Shard file names carry a token of the save that wrote them, so a save that
+// dies half-way never leaves the previous index naming a mix of two saves' files. io::load
+// recognizes an index by its first 8 bytes and assembles whole tensors, reading one shard
+// file at a time; mark_sharding then puts them in any sharding.
 
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -19626,9 +19635,10 @@ struct ShardIndex {
   std::vector<ShardedEntry> tensors;
 };
 
-/// The name of shard file `k` of `n` beside the index at `path` (its directory left out):
-/// the index's name without a ".json" suffix, then ".shard-<k>-of-<n>.safetensors".
-std::string shard_file_name(const std::string& path, std::size_t k, std::size_t n);
+/// The name of shard file `k` of `n` of the save `token` beside the index at `path` (its
+/// directory left out): the index's name without a ".json" suffix, then
+/// ".<token>.shard-<k>-of-<n>.safetensors".
+std::string shard_file_name(const std::string& path, const std::string& token, std::size_t k, std::size_t n);
 
 /// The index as JSON text.
 std::string shard_index_json(const ShardIndex& index);
@@ -19646,10 +19656,11 @@ StateDict load_shard_index(const std::string& path, Device dev, StateDict (*load
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace lazy::io::detail {
 
-LAZYTENSOR_INLINE std::string shard_file_name(const std::string& path, std::size_t k, std::size_t n) {
+LAZYTENSOR_INLINE std::string shard_file_name(const std::string& path, const std::string& token, std::size_t k,
+                                              std::size_t n) {
   std::string base = path.substr(path.find_last_of('/') == std::string::npos ? 0 : path.find_last_of('/') + 1);
   if (base.size() > 5 && base.compare(base.size() - 5, 5, ".json") == 0) base.resize(base.size() - 5);
-  return base + ".shard-" + std::to_string(k) + "-of-" + std::to_string(n) + ".safetensors";
+  return base + "." + token + ".shard-" + std::to_string(k) + "-of-" + std::to_string(n) + ".safetensors";
 }
 
 LAZYTENSOR_INLINE std::string shard_index_json(const ShardIndex& index) {
@@ -19787,8 +19798,14 @@ LAZYTENSOR_INLINE ShardIndex parse_shard_index(std::string_view text, const std:
     }
   });
   if (!format) throw FormatError(path + ": not a shard index (no \"format\" key)");
+  for (const std::string& f : index.files) {
+    if (f.empty() || f.find('/') != std::string::npos || f == "." || f == "..")
+      throw FormatError(path + ": shard file \"" + f + "\" is not a file name beside the index");
+  }
+  std::set<std::string> names;
   for (const ShardedEntry& e : index.tensors) {
     const std::string who = path + ": tensor '" + e.name + "'";
+    if (!names.insert(e.name).second) throw FormatError(who + " is listed twice");
     if (e.shape.size() > static_cast<std::size_t>(kMaxRank))
       throw FormatError(who + " has rank " + std::to_string(e.shape.size()) + ", more than " + std::to_string(kMaxRank));
     Shape shape;
@@ -19817,6 +19834,9 @@ LAZYTENSOR_INLINE ShardIndex parse_shard_index(std::string_view text, const std:
         volume *= hi - lo;
       }
       for (std::size_t o = 0; o < b; ++o) {  // blocks may not overlap (a handful per tensor)
+        if (e.blocks[o].file == blk.file)  // a file holds one block of a tensor (under its name)
+          throw FormatError(who + ": blocks " + std::to_string(o) + " and " + std::to_string(b) + " both name file " +
+                            std::to_string(blk.file));
         bool overlap = volume > 0;
         for (std::size_t d = 0; d < e.shape.size() && overlap; ++d)
           overlap = blk.index[d].first < e.blocks[o].index[d].second && e.blocks[o].index[d].first < blk.index[d].second;
@@ -19847,6 +19867,11 @@ LAZYTENSOR_INLINE StateDict load_shard_index(const std::string& path, Device dev
   std::vector<std::shared_ptr<Buffer>> whole;
   std::vector<DType> dtypes;
   std::map<std::string, std::string> stored;
+  std::uint64_t bytes = 0;
+  for (const ShardedEntry& e : index.tensors)
+    bytes += static_cast<std::uint64_t>(Shape(e.shape).numel()) *
+             dtype_size(shard_index::dtype_named(e.dtype, path + ": tensor '" + e.name + "'"));
+  lazy::detail::check_fits_in_memory(bytes, path + ": the tensors' data");
   for (const ShardedEntry& e : index.tensors) {
     const DType dt = shard_index::dtype_named(e.dtype, path + ": tensor '" + e.name + "'");
     dtypes.push_back(dt);
@@ -20516,7 +20541,7 @@ LAZYTENSOR_INLINE void save_file(const StateDict& sd, const std::string& path) {
 
 LAZYTENSOR_INLINE StateDict load(const std::string& path, Device dev) {
   // A safetensors file starts with its header's length, 8 bytes little endian; a shard
-  // index with `{"format`, which read as such a length would be ~2^56, far past the
+  // index with `{"format`, which read as such a length would be ~2^63, far past the
   // header limit: no valid safetensors file starts that way.
   char head[8] = {};
   {
@@ -20619,6 +20644,9 @@ LAZYTENSOR_INLINE StateDict detail::load_safetensors_file(const std::string& pat
 // re-throws its own error, the others throw IoError naming it.
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
 #include <exception>
 #include <map>
 #include <set>
@@ -21141,7 +21169,8 @@ namespace lazy::spmd {
 
 /// The whole value of a tensor sharded over a mesh (NodeKind::Sharded). It holds one piece
 /// per mesh position (devices holding the same block hold equal pieces), each behind a
-/// handle registered with its device, so every device's mark_step computes its piece. The
+/// tensor object of its own (a handle on the piece), so every device's mark_step computes
+/// its piece. The
 /// node itself is never traced or planned: graph::submit hands every node reading it to
 /// the partitioner, and reading it (item(), to_vector(), a partitioner fallback) gathers
 /// the blocks into one buffer on the tensor's device.
@@ -21328,8 +21357,9 @@ struct SaveOptions {
   /// Sharded tensors (lazy::spmd) as one safetensors file per device holding that device's
   /// blocks (each distinct block once), with `path` the JSON index naming them
   /// (shard_index.hpp), instead of whole tensors in one file: nothing is gathered. The
-  /// shard files are written first, the index last (each atomically), so an index always
-  /// names complete files. io::load reads the index as whole tensors.
+  /// shard files (named with a token of this save) are written first, the index last, each
+  /// atomically, and then the files of the save it replaced are removed: an index always
+  /// names complete files of one save. io::load reads the index as whole tensors.
   bool shard_files = false;
 };
 
@@ -21380,11 +21410,26 @@ void for_each_block(const StateDict& sd, F&& f) {
 }
 
 LAZYTENSOR_INLINE void save_shards(const StateDict& sd, const std::string& path) {
+  // The files of the save this one replaces, removed once the new index is in place.
+  std::vector<std::string> previous;
+  try {
+    ReadFile old(path);
+    std::string text(static_cast<std::size_t>(old.size()), '\0');
+    if (old.read_at(text.data(), text.size(), 0) == text.size()) previous = parse_shard_index(text, path).files;
+  } catch (const Error&) {  // no index there yet, or not one: nothing to replace
+  }
+  // This save's token: its shard files never take the names of the previous save's.
+  static std::atomic<std::uint64_t> saves{0};
+  char token[40];
+  std::snprintf(token, sizeof token, "%llx%02llx",
+                static_cast<unsigned long long>(std::chrono::system_clock::now().time_since_epoch().count()),
+                static_cast<unsigned long long>(saves.fetch_add(1) & 0xff));
   std::map<int, StateDict> files;  // by device id
   ShardIndex index;
   std::vector<std::pair<int, ShardBlock>> blocks;  // per block: device id, then the file's position
   std::vector<std::size_t> owner;                   // per block: its tensor in index.tensors
   for (const auto& [name, t] : sd) {
+    if (!t.defined()) throw Error("io::save: tensor '" + name + "' is undefined");
     ShardedEntry e{name, dtype_name(t.dtype()), {t.shape().begin(), t.shape().end()}, {}, {}};
     if (const spmd::ShardedNode* s = spmd::as_sharded(t.impl()->node)) e.sharding = s->sharding().str();
     index.tensors.push_back(std::move(e));
@@ -21402,7 +21447,7 @@ LAZYTENSOR_INLINE void save_shards(const StateDict& sd, const std::string& path)
   for (const auto& [device, file] : files) {
     const std::size_t k = position.size();
     position[device] = k;
-    index.files.push_back(shard_file_name(path, k, files.size()));
+    index.files.push_back(shard_file_name(path, token, k, files.size()));
     save_file(file, dir + index.files.back());
   }
   for (std::size_t b = 0; b < blocks.size(); ++b) {
@@ -21414,6 +21459,8 @@ LAZYTENSOR_INLINE void save_shards(const StateDict& sd, const std::string& path)
   AtomicFileWriter out(path);
   out.write(text.data(), text.size());
   out.commit();
+  for (const std::string& f : previous)
+    if (std::find(index.files.begin(), index.files.end(), f) == index.files.end()) std::remove((dir + f).c_str());
 }
 
 }  // namespace detail
@@ -29170,8 +29217,10 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
         // A stop (max_time, or should_stop set by the module or a callback) ends the epoch
         // after this batch. Alone, every batch; with replicas, at every optimizer step,
         // where they vote (any one's wish stops all): a stop seen by one replica only would
-        // leave the others waiting in the next step's collectives. Replicas have just met
-        // in the step's gradient all-reduce, so the vote rarely waits.
+        // leave the others waiting in the next step's collectives. The vote is a host
+        // collective, so it runs the step's pending work first (what the loader's
+        // mark_step would run next): replicas then meet where the gradient all-reduce
+        // made them meet anyway; 1.6 us per vote between two thread replicas.
         // should_stop cuts an epoch short only once min_epochs whole epochs are done, as
         // in Lightning (before that it takes effect at the end of the min_epochs-th).
         const bool wants_stop = time_is_up() || (r.should_stop && epoch >= o.min_epochs);

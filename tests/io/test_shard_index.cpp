@@ -87,8 +87,8 @@ TEST(ShardIndex, TheTextParsesBackToTheIndex) {
 }
 
 TEST(ShardIndex, ShardFileNamesDropAJsonSuffixAndTheDirectory) {
-  EXPECT_EQ(io::detail::shard_file_name("ckpt/model.json", 1, 4), "model.shard-1-of-4.safetensors");
-  EXPECT_EQ(io::detail::shard_file_name("model", 0, 1), "model.shard-0-of-1.safetensors");
+  EXPECT_EQ(io::detail::shard_file_name("ckpt/model.json", "7f", 1, 4), "model.7f.shard-1-of-4.safetensors");
+  EXPECT_EQ(io::detail::shard_file_name("model", "7f", 0, 1), "model.7f.shard-0-of-1.safetensors");
 }
 
 TEST(ShardIndex, MalformedIndexesNameTheProblem) {
@@ -106,6 +106,9 @@ TEST(ShardIndex, MalformedIndexesNameTheProblem) {
       {"dtype", [](ShardIndex& i) { i.tensors[0].dtype = "float16"; }, "unknown dtype \"float16\""},
       {"mismatch", [](ShardIndex& i) { i.tensors[0].dtype = "float64"; }, "says float64"},
       {"missing", [](ShardIndex& i) { i.tensors[0].name = "v"; }, "no tensor 'v'"},
+      {"same file", [](ShardIndex& i) { i.tensors[0].blocks[0].file = 0; }, "both name file 0"},
+      {"path", [](ShardIndex& i) { i.files[1] = "../hand.b.safetensors"; }, "is not a file name beside the index"},
+      {"twice", [](ShardIndex& i) { i.tensors.push_back(i.tensors[0]); }, "listed twice"},
   };
   for (const auto& c : cases) {
     Fixture f;

@@ -103,3 +103,36 @@ TEST(SpmdSaveShards, EachDistinctBlockIsWrittenOnceAndLoadsBackWhole) {
     }
   }
 }
+
+TEST(SpmdSaveShards, ASecondSaveReplacesTheFirstsFiles) {
+  spmd::Mesh mesh({0, 1, 2, 3}, {4}, {"x"});
+  auto t = lazy_tests::random_tensor({8, 4}, 12);
+  spmd::mark_sharding(t, mesh, {"x"});
+  lazy::StateDict sd;
+  sd.insert("w", t);
+  const std::string path = ::testing::TempDir() + "resave.json";
+  auto files_of = [&] {
+    std::ifstream in(path, std::ios::binary);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    return lazy::io::detail::parse_shard_index(text, path).files;
+  };
+  auto exists = [](const std::string& f) {
+    std::ifstream in(::testing::TempDir() + f);
+    return in.good();
+  };
+  lazy::io::save(sd, path, {.shard_files = true});
+  const auto first = files_of();
+  ASSERT_EQ(first.size(), 4u);
+  lazy::io::save(sd, path, {.shard_files = true});
+  const auto second = files_of();
+  ASSERT_EQ(second.size(), 4u);
+  for (std::size_t k = 0; k < 4; ++k) {
+    EXPECT_NE(first[k], second[k]) << "a new save writes new names";
+    EXPECT_FALSE(exists(first[k])) << first[k] << ": the replaced save's file is removed";
+    EXPECT_TRUE(exists(second[k])) << second[k];
+  }
+  const lazy::Tensor<double> back = lazy::io::load(path).at("w");
+  EXPECT_EQ(back.to_vector(), t.to_vector());
+  for (const auto& f : second) std::remove((::testing::TempDir() + f).c_str());
+  std::remove(path.c_str());
+}

@@ -36,7 +36,7 @@ inline constexpr bool is_tensor_v<Tensor<T>> = true;
 
 /// A tensor under construction on the host: a buffer from `dev`'s pool that the caller
 /// fills through data(), then finish() wraps it as a materialized tensor. Safe to use from
-/// any thread (the pool and the device's handle registry are locked).
+/// any thread (the pool is locked; handles count themselves on their node atomically).
 template <Element T>
 class HostTensor {
  public:

@@ -210,7 +210,10 @@ class SliceNode final : public Node {
   // The offsets are part of the kernel's layout, not data: they belong in the hash.
   std::uint64_t structural_hash() const override;
   /// Blocks along every dimension but the sliced one (lazy::spmd keeps such a sharding).
-  std::optional<BlockRule> block_rule() const override { return all_but_dim_rule(shape().rank(), dim_, 1); }
+  std::optional<BlockRule> block_rule() const override {
+    if (dim_ >= shape().rank()) return std::nullopt;
+    return all_but_dim_rule(shape().rank(), dim_, 1);
+  }
   NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
     return std::make_shared<SliceNode>(op_, std::move(inputs[0]), dim_, start_, step_, std::move(shape));
   }
@@ -264,7 +267,10 @@ class IndexSelectNode final : public Node {
     return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
   }
   /// Blocks along every dimension but the indexed one; the index is read whole.
-  std::optional<BlockRule> block_rule() const override { return all_but_dim_rule(shape().rank(), dim_, 2); }
+  std::optional<BlockRule> block_rule() const override {
+    if (dim_ >= shape().rank()) return std::nullopt;  // a 0-d input: nothing to split
+    return all_but_dim_rule(shape().rank(), dim_, 2);
+  }
   NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
     return std::make_shared<IndexSelectNode>(std::move(inputs[0]), std::move(inputs[1]), dim_, std::move(shape));
   }

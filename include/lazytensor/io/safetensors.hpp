@@ -423,7 +423,7 @@ LAZYTENSOR_INLINE void save_file(const StateDict& sd, const std::string& path) {
 
 LAZYTENSOR_INLINE StateDict load(const std::string& path, Device dev) {
   // A safetensors file starts with its header's length, 8 bytes little endian; a shard
-  // index with `{"format`, which read as such a length would be ~2^56, far past the
+  // index with `{"format`, which read as such a length would be ~2^63, far past the
   // header limit: no valid safetensors file starts that way.
   char head[8] = {};
   {

@@ -10,6 +10,9 @@
 // re-throws its own error, the others throw IoError naming it.
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
 #include <exception>
 #include <map>
 #include <set>
@@ -67,8 +70,9 @@ struct SaveOptions {
   /// Sharded tensors (lazy::spmd) as one safetensors file per device holding that device's
   /// blocks (each distinct block once), with `path` the JSON index naming them
   /// (shard_index.hpp), instead of whole tensors in one file: nothing is gathered. The
-  /// shard files are written first, the index last (each atomically), so an index always
-  /// names complete files. io::load reads the index as whole tensors.
+  /// shard files (named with a token of this save) are written first, the index last, each
+  /// atomically, and then the files of the save it replaced are removed: an index always
+  /// names complete files of one save. io::load reads the index as whole tensors.
   bool shard_files = false;
 };
 
@@ -119,11 +123,26 @@ void for_each_block(const StateDict& sd, F&& f) {
 }
 
 LAZYTENSOR_INLINE void save_shards(const StateDict& sd, const std::string& path) {
+  // The files of the save this one replaces, removed once the new index is in place.
+  std::vector<std::string> previous;
+  try {
+    ReadFile old(path);
+    std::string text(static_cast<std::size_t>(old.size()), '\0');
+    if (old.read_at(text.data(), text.size(), 0) == text.size()) previous = parse_shard_index(text, path).files;
+  } catch (const Error&) {  // no index there yet, or not one: nothing to replace
+  }
+  // This save's token: its shard files never take the names of the previous save's.
+  static std::atomic<std::uint64_t> saves{0};
+  char token[40];
+  std::snprintf(token, sizeof token, "%llx%02llx",
+                static_cast<unsigned long long>(std::chrono::system_clock::now().time_since_epoch().count()),
+                static_cast<unsigned long long>(saves.fetch_add(1) & 0xff));
   std::map<int, StateDict> files;  // by device id
   ShardIndex index;
   std::vector<std::pair<int, ShardBlock>> blocks;  // per block: device id, then the file's position
   std::vector<std::size_t> owner;                   // per block: its tensor in index.tensors
   for (const auto& [name, t] : sd) {
+    if (!t.defined()) throw Error("io::save: tensor '" + name + "' is undefined");
     ShardedEntry e{name, dtype_name(t.dtype()), {t.shape().begin(), t.shape().end()}, {}, {}};
     if (const spmd::ShardedNode* s = spmd::as_sharded(t.impl()->node)) e.sharding = s->sharding().str();
     index.tensors.push_back(std::move(e));
@@ -141,7 +160,7 @@ LAZYTENSOR_INLINE void save_shards(const StateDict& sd, const std::string& path)
   for (const auto& [device, file] : files) {
     const std::size_t k = position.size();
     position[device] = k;
-    index.files.push_back(shard_file_name(path, k, files.size()));
+    index.files.push_back(shard_file_name(path, token, k, files.size()));
     save_file(file, dir + index.files.back());
   }
   for (std::size_t b = 0; b < blocks.size(); ++b) {
@@ -153,6 +172,8 @@ LAZYTENSOR_INLINE void save_shards(const StateDict& sd, const std::string& path)
   AtomicFileWriter out(path);
   out.write(text.data(), text.size());
   out.commit();
+  for (const std::string& f : previous)
+    if (std::find(index.files.begin(), index.files.end(), f) == index.files.end()) std::remove((dir + f).c_str());
 }
 
 }  // namespace detail

@@ -12,12 +12,15 @@
 //                            {"file": 1, "index": [[4, 8], [0, 4]]}]}]}
 //
 // A shard file holds each tensor's block under the tensor's name, so any safetensors reader
-// can read one. io::load recognizes an index by its first byte and assembles whole tensors,
-// reading one shard file at a time; mark_sharding then puts them in any sharding.
+// can read one. Shard file names carry a token of the save that wrote them, so a save that
+// dies half-way never leaves the previous index naming a mix of two saves' files. io::load
+// recognizes an index by its first 8 bytes and assembles whole tensors, reading one shard
+// file at a time; mark_sharding then puts them in any sharding.
 
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -57,9 +60,10 @@ struct ShardIndex {
   std::vector<ShardedEntry> tensors;
 };
 
-/// The name of shard file `k` of `n` beside the index at `path` (its directory left out):
-/// the index's name without a ".json" suffix, then ".shard-<k>-of-<n>.safetensors".
-std::string shard_file_name(const std::string& path, std::size_t k, std::size_t n);
+/// The name of shard file `k` of `n` of the save `token` beside the index at `path` (its
+/// directory left out): the index's name without a ".json" suffix, then
+/// ".<token>.shard-<k>-of-<n>.safetensors".
+std::string shard_file_name(const std::string& path, const std::string& token, std::size_t k, std::size_t n);
 
 /// The index as JSON text.
 std::string shard_index_json(const ShardIndex& index);
@@ -77,10 +81,11 @@ StateDict load_shard_index(const std::string& path, Device dev, StateDict (*load
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace lazy::io::detail {
 
-LAZYTENSOR_INLINE std::string shard_file_name(const std::string& path, std::size_t k, std::size_t n) {
+LAZYTENSOR_INLINE std::string shard_file_name(const std::string& path, const std::string& token, std::size_t k,
+                                              std::size_t n) {
   std::string base = path.substr(path.find_last_of('/') == std::string::npos ? 0 : path.find_last_of('/') + 1);
   if (base.size() > 5 && base.compare(base.size() - 5, 5, ".json") == 0) base.resize(base.size() - 5);
-  return base + ".shard-" + std::to_string(k) + "-of-" + std::to_string(n) + ".safetensors";
+  return base + "." + token + ".shard-" + std::to_string(k) + "-of-" + std::to_string(n) + ".safetensors";
 }
 
 LAZYTENSOR_INLINE std::string shard_index_json(const ShardIndex& index) {
@@ -218,8 +223,14 @@ LAZYTENSOR_INLINE ShardIndex parse_shard_index(std::string_view text, const std:
     }
   });
   if (!format) throw FormatError(path + ": not a shard index (no \"format\" key)");
+  for (const std::string& f : index.files) {
+    if (f.empty() || f.find('/') != std::string::npos || f == "." || f == "..")
+      throw FormatError(path + ": shard file \"" + f + "\" is not a file name beside the index");
+  }
+  std::set<std::string> names;
   for (const ShardedEntry& e : index.tensors) {
     const std::string who = path + ": tensor '" + e.name + "'";
+    if (!names.insert(e.name).second) throw FormatError(who + " is listed twice");
     if (e.shape.size() > static_cast<std::size_t>(kMaxRank))
       throw FormatError(who + " has rank " + std::to_string(e.shape.size()) + ", more than " + std::to_string(kMaxRank));
     Shape shape;
@@ -248,6 +259,9 @@ LAZYTENSOR_INLINE ShardIndex parse_shard_index(std::string_view text, const std:
         volume *= hi - lo;
       }
       for (std::size_t o = 0; o < b; ++o) {  // blocks may not overlap (a handful per tensor)
+        if (e.blocks[o].file == blk.file)  // a file holds one block of a tensor (under its name)
+          throw FormatError(who + ": blocks " + std::to_string(o) + " and " + std::to_string(b) + " both name file " +
+                            std::to_string(blk.file));
         bool overlap = volume > 0;
         for (std::size_t d = 0; d < e.shape.size() && overlap; ++d)
           overlap = blk.index[d].first < e.blocks[o].index[d].second && e.blocks[o].index[d].first < blk.index[d].second;
@@ -278,6 +292,11 @@ LAZYTENSOR_INLINE StateDict load_shard_index(const std::string& path, Device dev
   std::vector<std::shared_ptr<Buffer>> whole;
   std::vector<DType> dtypes;
   std::map<std::string, std::string> stored;
+  std::uint64_t bytes = 0;
+  for (const ShardedEntry& e : index.tensors)
+    bytes += static_cast<std::uint64_t>(Shape(e.shape).numel()) *
+             dtype_size(shard_index::dtype_named(e.dtype, path + ": tensor '" + e.name + "'"));
+  lazy::detail::check_fits_in_memory(bytes, path + ": the tensors' data");
   for (const ShardedEntry& e : index.tensors) {
     const DType dt = shard_index::dtype_named(e.dtype, path + ": tensor '" + e.name + "'");
     dtypes.push_back(dt);

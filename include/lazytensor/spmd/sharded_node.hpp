@@ -22,7 +22,8 @@ namespace lazy::spmd {
 
 /// The whole value of a tensor sharded over a mesh (NodeKind::Sharded). It holds one piece
 /// per mesh position (devices holding the same block hold equal pieces), each behind a
-/// handle registered with its device, so every device's mark_step computes its piece. The
+/// tensor object of its own (a handle on the piece), so every device's mark_step computes
+/// its piece. The
 /// node itself is never traced or planned: graph::submit hands every node reading it to
 /// the partitioner, and reading it (item(), to_vector(), a partitioner fallback) gathers
 /// the blocks into one buffer on the tensor's device.
