@@ -19647,6 +19647,9 @@ std::string shard_index_json(const ShardIndex& index);
 /// tensor's blocks lie inside its shape, name a listed file, and cover it exactly once.
 ShardIndex parse_shard_index(std::string_view text, const std::string& path);
 
+/// Reads and parses the index at `path` (parse_shard_index).
+ShardIndex read_shard_index(const std::string& path);
+
 /// Reads the index at `path` and assembles each tensor on `dev` from its blocks, reading
 /// the shard files one at a time with `load_file` (io::load of a single safetensors file).
 StateDict load_shard_index(const std::string& path, Device dev, StateDict (*load_file)(const std::string&, Device));
@@ -19852,16 +19855,17 @@ LAZYTENSOR_INLINE ShardIndex parse_shard_index(std::string_view text, const std:
   return index;
 }
 
+LAZYTENSOR_INLINE ShardIndex read_shard_index(const std::string& path) {
+  ReadFile file(path);
+  std::string text(static_cast<std::size_t>(file.size()), '\0');
+  if (file.read_at(text.data(), text.size(), 0) != text.size())
+    throw FormatError(path + ": file shrank while reading the shard index");
+  return parse_shard_index(text, path);
+}
+
 LAZYTENSOR_INLINE StateDict load_shard_index(const std::string& path, Device dev,
                                              StateDict (*load_file)(const std::string&, Device)) {
-  std::string text;
-  {
-    ReadFile file(path);
-    text.resize(static_cast<std::size_t>(file.size()));
-    if (file.read_at(text.data(), text.size(), 0) != text.size())
-      throw FormatError(path + ": file shrank while reading the shard index");
-  }
-  const ShardIndex index = parse_shard_index(text, path);
+  const ShardIndex index = read_shard_index(path);
   graph::Device& engine = dev.engine();
   // Whole buffers first, then one shard file at a time copies its blocks in.
   std::vector<std::shared_ptr<Buffer>> whole;
@@ -21413,9 +21417,7 @@ LAZYTENSOR_INLINE void save_shards(const StateDict& sd, const std::string& path)
   // The files of the save this one replaces, removed once the new index is in place.
   std::vector<std::string> previous;
   try {
-    ReadFile old(path);
-    std::string text(static_cast<std::size_t>(old.size()), '\0');
-    if (old.read_at(text.data(), text.size(), 0) == text.size()) previous = parse_shard_index(text, path).files;
+    previous = read_shard_index(path).files;
   } catch (const Error&) {  // no index there yet, or not one: nothing to replace
   }
   // This save's token: its shard files never take the names of the previous save's.
@@ -21426,8 +21428,6 @@ LAZYTENSOR_INLINE void save_shards(const StateDict& sd, const std::string& path)
                 static_cast<unsigned long long>(saves.fetch_add(1) & 0xff));
   std::map<int, StateDict> files;  // by device id
   ShardIndex index;
-  std::vector<std::pair<int, ShardBlock>> blocks;  // per block: device id, then the file's position
-  std::vector<std::size_t> owner;                   // per block: its tensor in index.tensors
   for (const auto& [name, t] : sd) {
     if (!t.defined()) throw Error("io::save: tensor '" + name + "' is undefined");
     ShardedEntry e{name, dtype_name(t.dtype()), {t.shape().begin(), t.shape().end()}, {}, {}};
@@ -21439,8 +21439,8 @@ LAZYTENSOR_INLINE void save_shards(const StateDict& sd, const std::string& path)
     StateDict& file = files[device];
     file.insert(name, lazy::detail::any_of_node(piece));
     if (auto it = sd.stored_dtypes().find(name); it != sd.stored_dtypes().end()) file.stored_dtypes()[name] = it->second;
-    blocks.push_back({device, ShardBlock{0, block}});
-    owner.push_back(tensor);
+    // `file` holds the device id until the files are numbered below.
+    index.tensors[tensor].blocks.push_back(ShardBlock{static_cast<std::size_t>(device), block});
   });
   const std::string dir = parent_dir(path) + "/";
   std::map<int, std::size_t> position;
@@ -21450,10 +21450,8 @@ LAZYTENSOR_INLINE void save_shards(const StateDict& sd, const std::string& path)
     index.files.push_back(shard_file_name(path, token, k, files.size()));
     save_file(file, dir + index.files.back());
   }
-  for (std::size_t b = 0; b < blocks.size(); ++b) {
-    blocks[b].second.file = position.at(blocks[b].first);
-    index.tensors[owner[b]].blocks.push_back(std::move(blocks[b].second));
-  }
+  for (auto& e : index.tensors)
+    for (auto& b : e.blocks) b.file = position.at(static_cast<int>(b.file));
   index.metadata = sd.metadata();
   const std::string text = shard_index_json(index);
   AtomicFileWriter out(path);

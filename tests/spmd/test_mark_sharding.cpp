@@ -4,9 +4,6 @@
 
 #include <gtest/gtest.h>
 
-#include <fstream>
-#include <iterator>
-
 #include <lazytensor/io.hpp>
 #include <lazytensor/spmd.hpp>
 
@@ -181,12 +178,8 @@ TEST(SpmdMarkSharding, SavingWritesTheWholeTensorAndLoadingReshards) {
               (std::vector<double>{values[4], values[5], values[12], values[13], values[20], values[21], values[28],
                                    values[29]}))
         << (shard_files ? "shard files" : "one file");
-    if (shard_files) {
-      std::ifstream in(path, std::ios::binary);
-      const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-      for (const auto& f : lazy::io::detail::parse_shard_index(text, path).files)
-        std::remove((::testing::TempDir() + f).c_str());
-    }
+    if (shard_files)
+      for (const auto& f : lazy::io::detail::read_shard_index(path).files) std::remove((::testing::TempDir() + f).c_str());
     std::remove(path.c_str());
   }
 }

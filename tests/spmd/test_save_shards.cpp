@@ -7,7 +7,6 @@
 
 #include <cstdio>
 #include <fstream>
-#include <iterator>
 #include <map>
 #include <set>
 #include <string>
@@ -71,11 +70,7 @@ TEST(SpmdSaveShards, EachDistinctBlockIsWrittenOnceAndLoadsBackWhole) {
       std::set<std::vector<double>> blocks;
       const std::string dir = ::testing::TempDir();
       std::vector<std::string> files;
-      {
-        std::ifstream in(path, std::ios::binary);
-        const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-        for (const auto& f : lazy::io::detail::parse_shard_index(text, path).files) files.push_back(dir + f);
-      }
+      for (const auto& f : lazy::io::detail::read_shard_index(path).files) files.push_back(dir + f);
       for (const auto& f : files) {
         auto part = lazy::io::load(f);
         if (const auto* piece = part.find("w")) {
@@ -111,11 +106,7 @@ TEST(SpmdSaveShards, ASecondSaveReplacesTheFirstsFiles) {
   lazy::StateDict sd;
   sd.insert("w", t);
   const std::string path = ::testing::TempDir() + "resave.json";
-  auto files_of = [&] {
-    std::ifstream in(path, std::ios::binary);
-    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    return lazy::io::detail::parse_shard_index(text, path).files;
-  };
+  auto files_of = [&] { return lazy::io::detail::read_shard_index(path).files; };
   auto exists = [](const std::string& f) {
     std::ifstream in(::testing::TempDir() + f);
     return in.good();

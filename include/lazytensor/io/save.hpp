@@ -126,9 +126,7 @@ LAZYTENSOR_INLINE void save_shards(const StateDict& sd, const std::string& path)
   // The files of the save this one replaces, removed once the new index is in place.
   std::vector<std::string> previous;
   try {
-    ReadFile old(path);
-    std::string text(static_cast<std::size_t>(old.size()), '\0');
-    if (old.read_at(text.data(), text.size(), 0) == text.size()) previous = parse_shard_index(text, path).files;
+    previous = read_shard_index(path).files;
   } catch (const Error&) {  // no index there yet, or not one: nothing to replace
   }
   // This save's token: its shard files never take the names of the previous save's.
@@ -139,8 +137,6 @@ LAZYTENSOR_INLINE void save_shards(const StateDict& sd, const std::string& path)
                 static_cast<unsigned long long>(saves.fetch_add(1) & 0xff));
   std::map<int, StateDict> files;  // by device id
   ShardIndex index;
-  std::vector<std::pair<int, ShardBlock>> blocks;  // per block: device id, then the file's position
-  std::vector<std::size_t> owner;                   // per block: its tensor in index.tensors
   for (const auto& [name, t] : sd) {
     if (!t.defined()) throw Error("io::save: tensor '" + name + "' is undefined");
     ShardedEntry e{name, dtype_name(t.dtype()), {t.shape().begin(), t.shape().end()}, {}, {}};
@@ -152,8 +148,8 @@ LAZYTENSOR_INLINE void save_shards(const StateDict& sd, const std::string& path)
     StateDict& file = files[device];
     file.insert(name, lazy::detail::any_of_node(piece));
     if (auto it = sd.stored_dtypes().find(name); it != sd.stored_dtypes().end()) file.stored_dtypes()[name] = it->second;
-    blocks.push_back({device, ShardBlock{0, block}});
-    owner.push_back(tensor);
+    // `file` holds the device id until the files are numbered below.
+    index.tensors[tensor].blocks.push_back(ShardBlock{static_cast<std::size_t>(device), block});
   });
   const std::string dir = parent_dir(path) + "/";
   std::map<int, std::size_t> position;
@@ -163,10 +159,8 @@ LAZYTENSOR_INLINE void save_shards(const StateDict& sd, const std::string& path)
     index.files.push_back(shard_file_name(path, token, k, files.size()));
     save_file(file, dir + index.files.back());
   }
-  for (std::size_t b = 0; b < blocks.size(); ++b) {
-    blocks[b].second.file = position.at(blocks[b].first);
-    index.tensors[owner[b]].blocks.push_back(std::move(blocks[b].second));
-  }
+  for (auto& e : index.tensors)
+    for (auto& b : e.blocks) b.file = position.at(static_cast<int>(b.file));
   index.metadata = sd.metadata();
   const std::string text = shard_index_json(index);
   AtomicFileWriter out(path);

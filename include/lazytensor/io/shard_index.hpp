@@ -72,6 +72,9 @@ std::string shard_index_json(const ShardIndex& index);
 /// tensor's blocks lie inside its shape, name a listed file, and cover it exactly once.
 ShardIndex parse_shard_index(std::string_view text, const std::string& path);
 
+/// Reads and parses the index at `path` (parse_shard_index).
+ShardIndex read_shard_index(const std::string& path);
+
 /// Reads the index at `path` and assembles each tensor on `dev` from its blocks, reading
 /// the shard files one at a time with `load_file` (io::load of a single safetensors file).
 StateDict load_shard_index(const std::string& path, Device dev, StateDict (*load_file)(const std::string&, Device));
@@ -277,16 +280,17 @@ LAZYTENSOR_INLINE ShardIndex parse_shard_index(std::string_view text, const std:
   return index;
 }
 
+LAZYTENSOR_INLINE ShardIndex read_shard_index(const std::string& path) {
+  ReadFile file(path);
+  std::string text(static_cast<std::size_t>(file.size()), '\0');
+  if (file.read_at(text.data(), text.size(), 0) != text.size())
+    throw FormatError(path + ": file shrank while reading the shard index");
+  return parse_shard_index(text, path);
+}
+
 LAZYTENSOR_INLINE StateDict load_shard_index(const std::string& path, Device dev,
                                              StateDict (*load_file)(const std::string&, Device)) {
-  std::string text;
-  {
-    ReadFile file(path);
-    text.resize(static_cast<std::size_t>(file.size()));
-    if (file.read_at(text.data(), text.size(), 0) != text.size())
-      throw FormatError(path + ": file shrank while reading the shard index");
-  }
-  const ShardIndex index = parse_shard_index(text, path);
+  const ShardIndex index = read_shard_index(path);
   graph::Device& engine = dev.engine();
   // Whole buffers first, then one shard file at a time copies its blocks in.
   std::vector<std::shared_ptr<Buffer>> whole;
