@@ -2778,7 +2778,36 @@ class ChunkReduction {
 #include <type_traits>
 #include <vector>
 
+// ---- begin lazytensor/core/simd.hpp ----
+// xsimd, as the library includes it: every kernel header includes this one, not xsimd.
+//
+// xsimd 8.1's AVX-512 kernels do not compile when GCC implements the AVX-512 intrinsics as
+// macros, which it does when it is not optimizing (-O0, -fsyntax-only): the macros cast an
+// xsimd batch to a vector type, which C++ rejects (select() on AVX-512BW, hadd() on
+// AVX-512DQ, and the AVX-512CD registers are only declared with BW). A Debug build with
+// -march=native on an AVX-512 CPU failed. Unoptimized GCC builds therefore hide AVX-512 from
+// xsimd's configuration, so xsimd's best architecture there is AVX2 (FMA3): half the
+// register width in a build that is not about speed. The library's own AVX-512 intrinsics
+// (the bfloat16 GEMM) still see the compiler's flags. A program that includes xsimd itself
+// before lazytensor gets xsimd's own choice.
+#if defined(__GNUC__) && !defined(__clang__) && !defined(__OPTIMIZE__) && defined(__AVX512F__)
+#pragma push_macro("__AVX512F__")
+#pragma push_macro("__AVX512CD__")
+#pragma push_macro("__AVX512DQ__")
+#pragma push_macro("__AVX512BW__")
+#undef __AVX512F__
+#undef __AVX512CD__
+#undef __AVX512DQ__
+#undef __AVX512BW__
 #include <xsimd/xsimd.hpp>
+#pragma pop_macro("__AVX512BW__")
+#pragma pop_macro("__AVX512DQ__")
+#pragma pop_macro("__AVX512CD__")
+#pragma pop_macro("__AVX512F__")
+#else
+#include <xsimd/xsimd.hpp>
+#endif
+// ---- end lazytensor/core/simd.hpp ----
 
 // ---- begin lazytensor/expr/kernel_form.hpp ----
 // The kernel form of an expression: the same tree with every tensor leaf replaced by the
@@ -2816,7 +2845,6 @@ class ChunkReduction {
 #include <limits>
 #include <type_traits>
 
-#include <xsimd/xsimd.hpp>
 
 
 namespace lazy::ops {
@@ -5905,7 +5933,6 @@ LAZYTENSOR_INLINE void GradFn::check_not_released() const {
 #include <limits>
 #include <type_traits>
 
-#include <xsimd/xsimd.hpp>
 
 
 namespace lazy::ops::reduce {
@@ -15494,7 +15521,6 @@ LAZYTENSOR_EIGEN_GEMM_INSTANCES(extern, std::int64_t)
 #include <immintrin.h>
 #endif
 
-#include <xsimd/xsimd.hpp>
 
 // Full unrolling keeps the accumulator tile in registers at -O2 too.
 #if defined(__clang__)
@@ -18775,7 +18801,6 @@ LAZYTENSOR_INLINE void matmul_mismatch(const Shape& a, const Shape& b, std::int6
 #include <type_traits>
 #include <vector>
 
-#include <xsimd/xsimd.hpp>
 
 
 namespace lazy {
@@ -21543,7 +21568,6 @@ LAZYTENSOR_INLINE void save(const StateDict& sd, const std::string& path, const 
 #include <limits>
 #include <string>
 
-#include <xsimd/xsimd.hpp>
 
 
 namespace lazy::graph {

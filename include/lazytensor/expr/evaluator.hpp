@@ -10,7 +10,7 @@
 #include <type_traits>
 #include <vector>
 
-#include <xsimd/xsimd.hpp>
+#include <lazytensor/core/simd.hpp>
 
 #include <lazytensor/expr/kernel_form.hpp>
 #include <lazytensor/expr/layout.hpp>

@@ -5,7 +5,7 @@
 #include <limits>
 #include <type_traits>
 
-#include <xsimd/xsimd.hpp>
+#include <lazytensor/core/simd.hpp>
 
 #include <lazytensor/core/dtype.hpp>
 

@@ -20,7 +20,7 @@
 #include <immintrin.h>
 #endif
 
-#include <xsimd/xsimd.hpp>
+#include <lazytensor/core/simd.hpp>
 
 // Full unrolling keeps the accumulator tile in registers at -O2 too.
 #if defined(__clang__)

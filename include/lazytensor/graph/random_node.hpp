@@ -12,7 +12,7 @@
 #include <type_traits>
 #include <vector>
 
-#include <xsimd/xsimd.hpp>
+#include <lazytensor/core/simd.hpp>
 
 #include <lazytensor/core/bfloat16.hpp>
 #include <lazytensor/core/dtype.hpp>

@@ -9,7 +9,7 @@
 #include <limits>
 #include <string>
 
-#include <xsimd/xsimd.hpp>
+#include <lazytensor/core/simd.hpp>
 
 #include <lazytensor/graph/device.hpp>
 #include <lazytensor/graph/parallel.hpp>
