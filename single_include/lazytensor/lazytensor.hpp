@@ -1651,6 +1651,19 @@ struct BlockRule {
   std::vector<std::vector<int>> input_dim;
 };
 
+/// The block rule of an op that computes each index of its leading `lead` dimensions alone
+/// from the same index of every input's leading dimensions (the images and channels of a
+/// convolution's im2col or of pooling): those are splittable, the rest whole.
+inline BlockRule leading_dims_rule(int rank, int lead, std::size_t inputs) {
+  BlockRule r{std::vector<bool>(static_cast<std::size_t>(rank), false),
+              std::vector<std::vector<int>>(inputs, std::vector<int>(static_cast<std::size_t>(rank), -1))};
+  for (int o = 0; o < lead && o < rank; ++o) {
+    r.splittable[static_cast<std::size_t>(o)] = true;
+    for (auto& map : r.input_dim) map[static_cast<std::size_t>(o)] = o;
+  }
+  return r;
+}
+
 /// A value in the pending graph of one device.
 class Node {
  public:
@@ -6174,7 +6187,8 @@ class BlockReduction {
   virtual ~BlockReduction() = default;
   virtual const Shape& child_shape() const = 0;
   virtual ReduceGeometry geometry() const = 0;
-  /// The reduction's name ("sum", "prod", "max", "min", "any", "all").
+  /// The reduction's name ("sum", "prod", "max", "min", "any", "all"; "argmax" and
+  /// "argmin", whose results over blocks of the reduced dimensions do not combine).
   virtual const char* reduce_name() const = 0;
   /// The same kernel and scale over `inputs` (blocks of this node's inputs, of `child`
   /// shape or single elements), producing `out` on `device`, not yet submitted.
@@ -6332,16 +6346,25 @@ class ReductionNode final : public Node, public ChunkReduction, public BlockRedu
 
 /// argmax / argmin (first occurrence; NaN counts as the extreme, as in torch).
 template <class K, class S, bool IsMax>
-class ArgReductionNode final : public Node {
+class ArgReductionNode final : public Node, public BlockReduction {
  public:
   ArgReductionNode(K kernel, Shape out_shape, ReduceGeometry g, Device* device,
                    std::vector<NodePtr> inputs, Shape child_shape)
       : Node(NodeKind::Reduction, DType::Int64, out_shape, device, std::move(inputs)),
         kernel_(std::move(kernel)),
         g_(g),
-        splat_(detail::splat_flags(this->inputs(), child_shape.numel())) {}
+        child_shape_(std::move(child_shape)),
+        splat_(detail::splat_flags(this->inputs(), child_shape_.numel())) {}
   std::string op_name() const override { return IsMax ? "argmax" : "argmin"; }
   std::string describe() const override { return op_name() + "(" + expr::kernel_text(kernel_) + ")"; }
+
+  const Shape& child_shape() const override { return child_shape_; }
+  ReduceGeometry geometry() const override { return g_; }
+  const char* reduce_name() const override { return IsMax ? "argmax" : "argmin"; }
+  NodePtr with_block(std::vector<NodePtr> inputs, Shape out, ReduceGeometry g, Shape child,
+                     Device* device) const override {
+    return std::make_shared<ArgReductionNode>(kernel_, out, g, device, std::move(inputs), std::move(child));
+  }
 
  protected:
   void compute(ExecContext& ctx) override {
@@ -6378,6 +6401,7 @@ class ArgReductionNode final : public Node {
  private:
   K kernel_;
   ReduceGeometry g_;
+  Shape child_shape_;
   core::SmallVector<char, 8> splat_;
 };
 
@@ -16226,11 +16250,13 @@ class BlockGemm {
   virtual std::int64_t cols() const = 0;
   /// True for a bfloat16 product (operands and result rounded to bfloat16).
   virtual bool bf16() const = 0;
-  /// The product of [m, k] and [k, n] blocks, of shape `out` (m x n elements), on
-  /// `device`, not submitted. `partial`: a partial sum over a block of k, whose bfloat16
-  /// result is left unrounded (the sum of the partials is rounded once).
+  /// The product of [m, k] and [k, n] blocks (batches of `batch_a` and `batch_b` of them,
+  /// 1 broadcasting), of shape `out`, on `device`, not submitted. `partial`: a partial sum
+  /// over a block of k, whose bfloat16 result is left unrounded (the sum of the partials is
+  /// rounded once).
   virtual NodePtr with_operands(GemmOperand a, GemmOperand b, std::int64_t m, std::int64_t k, std::int64_t n,
-                                Shape out, Device* device, bool partial = false) const = 0;
+                                Shape out, Device* device, bool partial = false, std::int64_t batch_a = 1,
+                                std::int64_t batch_b = 1) const = 0;
 };
 
 /// C[b] = op(A[b]) * op(B[b]) for a batch of row-major matrices; op is identity or
@@ -16264,11 +16290,11 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
   std::int64_t cols() const override { return n_; }
   bool bf16() const override { return bf16_; }
   NodePtr with_operands(GemmOperand a, GemmOperand b, std::int64_t m, std::int64_t k, std::int64_t n, Shape out,
-                        Device* device, bool partial) const override {
+                        Device* device, bool partial, std::int64_t batch_a, std::int64_t batch_b) const override {
     // The blocks run on the whole product's kernel: the packed kernel's sums do not depend
     // on the rows, Eigen's would differ from it.
-    return std::make_shared<GemmNode>(std::move(a), std::move(b), 1, 1, m, k, n, out, device, bf16_, !partial,
-                                      packed());
+    return std::make_shared<GemmNode>(std::move(a), std::move(b), batch_a, batch_b, m, k, n, out, device, bf16_,
+                                      !partial, packed());
   }
 
   std::string op_name() const override { return "matmul"; }
@@ -22621,8 +22647,11 @@ LAZYTENSOR_NN_INIT_INSTANCES(extern)
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
+#include <optional>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 // ---- begin lazytensor/graph/window.hpp ----
 // The geometry of a 2-D window sliding over [H, W] planes (Window2d), which the pooling and
@@ -22811,6 +22840,11 @@ class Im2colNode final : public Node {
   std::string op_name() const override { return "im2col"; }
   std::string describe() const override { return "im2col(%0, " + g_.str() + ")"; }
   std::uint64_t structural_hash() const override { return g_.hash(Node::structural_hash()); }
+  /// Image by image (lazy::spmd splits the batch).
+  std::optional<BlockRule> block_rule() const override { return leading_dims_rule(3, 1, 1); }
+  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
+    return std::make_shared<Im2colNode>(std::move(inputs[0]), g_);
+  }
 
  protected:
   void compute(ExecContext& ctx) override {
@@ -22845,6 +22879,11 @@ class Col2imNode final : public Node {
   std::string op_name() const override { return "col2im"; }
   std::string describe() const override { return "col2im(%0, " + g_.str() + ")"; }
   std::uint64_t structural_hash() const override { return g_.hash(Node::structural_hash()); }
+  /// Image by image.
+  std::optional<BlockRule> block_rule() const override { return leading_dims_rule(4, 1, 1); }
+  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
+    return std::make_shared<Col2imNode>(std::move(inputs[0]), std::move(shape), g_);
+  }
   double cost_per_element() const override {
     return std::max(
         1.0, static_cast<double>(g_.kh * g_.kw * g_.oh * g_.ow) / static_cast<double>(g_.h * g_.w));
@@ -22875,6 +22914,16 @@ class Col2imNode final : public Node {
   Window2d g_;
 };
 
+/// What the SPMD partitioner needs of a sum over a batch: the node's value is the sum over
+/// dimension 0 of its inputs (which all have it first) of per-item results.
+class BlockBatchSum {
+ public:
+  virtual ~BlockBatchSum() = default;
+  /// The same op over `inputs` (blocks of this node's inputs along dimension 0) on
+  /// `device`, not submitted.
+  virtual NodePtr with_batch(std::vector<NodePtr> inputs, Device* device) const = 0;
+};
+
 /// The weight gradient of a convolution: dW [O, K] = sum over n of G[n] [O, L] x cols[n]^T,
 /// with G [N, O, L] and cols [N, K, L]. The transposes are read through (Eigen layouts) and
 /// the images are added in order. dW is computed in blocks of kBlock columns, each with its
@@ -22882,7 +22931,7 @@ class Col2imNode final : public Node {
 /// blocks depend on K only: Eigen's kernels sum in an order that depends on the shape of the
 /// call, so splitting by thread count would change the bits.
 template <class T>
-class ConvWeightGradNode final : public Node {
+class ConvWeightGradNode final : public Node, public BlockBatchSum {
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
                 "conv weight gradients run on float or double");
 
@@ -22893,6 +22942,9 @@ class ConvWeightGradNode final : public Node {
       : Node(NodeKind::Gemm, dtype_of<T>(), Shape{g->shape()[1], cols->shape()[1]}, g->device(),
              {g, cols}) {}
   std::string op_name() const override { return "conv2d_weight_grad"; }
+  NodePtr with_batch(std::vector<NodePtr> inputs, Device*) const override {
+    return std::make_shared<ConvWeightGradNode>(std::move(inputs[0]), std::move(inputs[1]));
+  }
   double cost_per_element() const override {
     return 2.0 * static_cast<double>(inputs()[0]->shape()[0] * inputs()[0]->shape()[2]);
   }
@@ -23807,6 +23859,11 @@ class Pool2dNode final : public PoolNode {
                  g, max, count_include_pad) {}
   std::string op_name() const override { return max_ ? "max_pool2d" : "avg_pool2d"; }
   double cost_per_element() const override { return window_cost(); }
+  /// Plane by plane: images and channels split alike (lazy::spmd).
+  std::optional<BlockRule> block_rule() const override { return leading_dims_rule(4, 2, 1); }
+  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
+    return std::make_shared<Pool2dNode>(std::move(inputs[0]), g_, max_, count_include_pad_);
+  }
 
  protected:
   void compute(ExecContext& ctx) override {
@@ -23858,6 +23915,15 @@ class Pool2dBackwardNode final : public PoolNode {
                  count_include_pad) {}
   std::string op_name() const override {
     return max_ ? "max_pool2d_backward" : "avg_pool2d_backward";
+  }
+  /// Plane by plane, the gradient and the forward's input split alike.
+  std::optional<BlockRule> block_rule() const override {
+    return leading_dims_rule(4, 2, inputs().size());
+  }
+  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
+    NodePtr x = inputs.size() > 1 ? std::move(inputs[1]) : nullptr;
+    return std::make_shared<Pool2dBackwardNode>(std::move(inputs[0]), std::move(x), std::move(shape), g_, max_,
+                                                count_include_pad_);
   }
   double cost_per_element() const override {
     return std::max(
@@ -24973,12 +25039,13 @@ LAZYTENSOR_OPTIM_SGD_INSTANCES(extern)
 // ---- begin lazytensor/spmd/partitioner.hpp ----
 // The SPMD partitioner: graph::submit hands it every node that reads a sharded value, and
 // it returns the node standing for the result. Nodes with a block rule (element-wise,
-// permutes, softmax, gather, one_hot, conversions) run block-wise, one node per mesh device
-// on that device's graph; views keep their input's blocks when the elements stay in order;
-// reductions and 2-D products run on blocks, and where the reduced or contracted dimension
-// is split, the partial results are all-reduced among the devices that share the rest of
-// the block. Operands sharded otherwise (or not at all) are split to the chosen blocks
-// first. Other ops read the gathered value and run whole on the tensor's device (a
+// permutes, softmax, gather, one_hot, conversions, im2col/col2im, pooling) run block-wise,
+// one node per mesh device on that device's graph; views keep their input's blocks when
+// the elements stay in order; reductions, products (batched too) and sums over a batch (a
+// convolution's weight gradient) run on blocks, and where the reduced, contracted or summed
+// dimension is split, the partial results are all-reduced among the devices that share the
+// rest of the block. Operands sharded otherwise (or not at all) are split to the chosen
+// blocks first. Other ops read the gathered value and run whole on the tensor's device (a
 // synchronous gather, counted as SpmdGathers).
 
 #include <functional>
@@ -25261,9 +25328,13 @@ graph::NodePtr partition_blockwise(const graph::Node& node, const graph::BlockRu
 /// split), or null when its operands do not allow it.
 graph::NodePtr partition_reduction(const graph::Node& node, const graph::BlockReduction& r);
 
-/// A 2-D product run on blocks: rows of A and columns of B stay split; a split contracted
-/// dimension gives partial products, all-reduced. Null for batched products.
+/// A product run on blocks: the batch, rows of A and columns of B stay split; a split
+/// contracted dimension gives partial products, all-reduced.
 graph::NodePtr partition_gemm(const graph::Node& node, const graph::BlockGemm& g);
+
+/// A sum over a batch (graph::BlockBatchSum) run on the blocks of the batch, whose sums are
+/// all-reduced; null unless an input is split along its batch only.
+graph::NodePtr partition_batch_sum(const graph::Node& node, const graph::BlockBatchSum& bs);
 
 /// Per mesh position, the pieces of `inputs` for blocks of `target` over a logical shape:
 /// `logical_of[i][d]` is the logical dimension that cuts dimension d of input i (-1: whole).
@@ -25320,6 +25391,8 @@ LAZYTENSOR_INLINE graph::NodePtr partition(graph::NodePtr node) {
     if (auto r = partition_reduction(*node, *red)) return r;
   } else if (auto* gemm = dynamic_cast<const graph::BlockGemm*>(node.get())) {
     if (auto r = partition_gemm(*node, *gemm)) return r;
+  } else if (auto* bsum = dynamic_cast<const graph::BlockBatchSum*>(node.get())) {
+    if (auto r = partition_batch_sum(*node, *bsum)) return r;
   } else if (auto rule = node->block_rule()) {
     if (auto r = partition_blockwise(*node, *rule)) return r;
   }
@@ -25393,9 +25466,16 @@ LAZYTENSOR_INLINE std::vector<std::vector<graph::NodePtr>> pieces_for(const std:
     const auto& in = ins[i];
     const ShardedNode* s = as_sharded(in);
     bool local = s && s->sharding().mesh == mesh;
+    // Mesh axes of size 1 cut nothing: a dimension over one is cut as one over none.
+    auto cuts = [&](const std::vector<int>& axes) {
+      std::vector<int> r;
+      for (int a : axes)
+        if (mesh.mesh_shape()[static_cast<std::size_t>(a)] > 1) r.push_back(a);
+      return r;
+    };
     for (int d = 0; local && d < in->shape().rank(); ++d) {
       const int l = logical_of[i][static_cast<std::size_t>(d)];
-      local = l >= 0 ? s->sharding().dims[static_cast<std::size_t>(d)] == target.dims[static_cast<std::size_t>(l)]
+      local = l >= 0 ? cuts(s->sharding().dims[static_cast<std::size_t>(d)]) == cuts(target.dims[static_cast<std::size_t>(l)])
                      : s->sharding().parts(d) == 1;
     }
     if (local) {
@@ -25508,8 +25588,8 @@ LAZYTENSOR_INLINE graph::NodePtr partition_reduction(const graph::Node& node, co
   std::int64_t extent = 1;
   while (b < rank && extent < g.extent) extent *= child[b++];
   if (extent != g.extent) return nullptr;
-  Combine op;
-  if (!combine_of(r.reduce_name(), op)) return nullptr;
+  Combine op = Combine::Sum;
+  const bool combines = combine_of(r.reduce_name(), op);  // argmax/argmin: blocks of whole rows only
   const auto& ins = node.inputs();
   // Inputs are of the child's shape or single elements (read whole).
   const ShardedNode* lead = nullptr;
@@ -25538,6 +25618,7 @@ LAZYTENSOR_INLINE graph::NodePtr partition_reduction(const graph::Node& node, co
   } else {
     return nullptr;
   }
+  if (!combines && !axes_of(target, a, b).empty()) return nullptr;
   auto pieces = pieces_for(ins, logical_of, target, child);
   const Shape child_block = target.block_shape(child);
   graph::ReduceGeometry local;
@@ -25568,17 +25649,36 @@ LAZYTENSOR_INLINE graph::NodePtr partition_gemm(const graph::Node& node, const g
   const auto& ins = node.inputs();
   const Shape& out = node.shape();
   const std::int64_t m = gm.rows(), k = gm.depth(), n = gm.cols();
-  // Single products of 2-D operands; the result may carry leading size-1 dimensions (the
-  // backward's [1, m, k]).
-  bool single = gm.batch_a() == 1 && gm.batch_b() == 1 && out.rank() >= 2 && out[out.rank() - 2] == m &&
-                out[out.rank() - 1] == n && ins[0]->shape().rank() == 2 && ins[1]->shape().rank() == 2;
-  for (int d = 0; single && d + 2 < out.rank(); ++d) single = out[d] == 1;
-  if (!single) return nullptr;
+  const std::int64_t ba = gm.batch_a(), bb = gm.batch_b(), batch = std::max(ba, bb);
+  // Operands are matrices or batches of them ([b, ., .], b = 1 broadcasting); the result is
+  // [batch, m, n], or [m, n] with leading size-1 dimensions (the backward's [1, m, k]).
   const bool ta = gm.a_transposed(), tb = gm.b_transposed();
-  // Logical dimensions: 0 = m, 1 = k, 2 = n; each operand's stored dimensions map onto them.
-  const std::vector<std::vector<int>> logical_of = {ta ? std::vector<int>{1, 0} : std::vector<int>{0, 1},
-                                                    tb ? std::vector<int>{2, 1} : std::vector<int>{1, 2}};
-  const Shape logical{m, k, n};
+  const int rank = out.rank();
+  // A 3-D left operand of a single product has its batch folded into the rows (x [b, r, k]
+  // times W [k, n]): its dimension 0 then acts as the batch, with r rows each.
+  const Shape& sa = ins[0]->shape();
+  const bool folded = batch == 1 && !ta && sa.rank() == 3 && sa[0] * sa[1] == m && ins[1]->shape().rank() == 2 &&
+                      rank == 3 && out[0] == sa[0] && out[1] == sa[1];
+  auto operand_ok = [](const graph::NodePtr& in, std::int64_t b) {
+    const int r = in->shape().rank();
+    return r == 2 ? b == 1 : r == 3 && in->shape()[0] == b;
+  };
+  if (!folded && (!operand_ok(ins[0], ba) || !operand_ok(ins[1], bb))) return nullptr;
+  bool fits = folded || (rank >= 2 && out[rank - 2] == m && out[rank - 1] == n);
+  if (!folded && batch > 1) fits = fits && rank == 3 && out[0] == batch;
+  else if (!folded) for (int d = 0; fits && d + 2 < rank; ++d) fits = out[d] == 1;
+  if (!fits) return nullptr;
+  // Logical dimensions: 0 = batch, 1 = m (rows per batch when folded), 2 = k, 3 = n; each
+  // operand's stored dimensions map onto them (a broadcast batch of 1 onto none: every
+  // block reads it whole).
+  auto dims_of = [](const graph::NodePtr& in, std::int64_t b, std::vector<int> matrix) {
+    if (in->shape().rank() == 3) matrix.insert(matrix.begin(), b > 1 ? 0 : -1);
+    return matrix;
+  };
+  const std::vector<std::vector<int>> logical_of = {
+      folded ? std::vector<int>{0, 1, 2} : dims_of(ins[0], ba, ta ? std::vector<int>{2, 1} : std::vector<int>{1, 2}),
+      dims_of(ins[1], bb, tb ? std::vector<int>{3, 2} : std::vector<int>{2, 3})};
+  const Shape logical = folded ? Shape{sa[0], sa[1], k, n} : Shape{batch, m, k, n};
   // The blocks: the larger sharded operand's split dimensions first, then the other's where
   // they use mesh axes not taken yet.
   std::vector<std::size_t> order = {0, 1};
@@ -25587,14 +25687,16 @@ LAZYTENSOR_INLINE graph::NodePtr partition_gemm(const graph::Node& node, const g
   for (auto i : order)
     if (const ShardedNode* s = as_sharded(ins[i]); s && !mesh) mesh = &s->sharding().mesh;
   if (!mesh) return nullptr;
-  Sharding target{*mesh, std::vector<std::vector<int>>(3)};
+  Sharding target{*mesh, std::vector<std::vector<int>>(4)};
   std::vector<bool> used(static_cast<std::size_t>(mesh->rank()), false);
   for (auto i : order) {
     const ShardedNode* s = as_sharded(ins[i]);
     if (!s || !(s->sharding().mesh == *mesh)) continue;
-    for (int d = 0; d < 2; ++d) {
+    for (int d = 0; d < s->shape().rank(); ++d) {
+      const int l = logical_of[i][static_cast<std::size_t>(d)];
       const auto& axes = s->sharding().dims[static_cast<std::size_t>(d)];
-      auto& slot = target.dims[static_cast<std::size_t>(logical_of[i][static_cast<std::size_t>(d)])];
+      if (l < 0) continue;
+      auto& slot = target.dims[static_cast<std::size_t>(l)];
       bool free = slot.empty();
       for (int ax : axes) free = free && !used[static_cast<std::size_t>(ax)];
       if (!free) continue;
@@ -25604,34 +25706,73 @@ LAZYTENSOR_INLINE graph::NodePtr partition_gemm(const graph::Node& node, const g
   }
   auto pieces = pieces_for(ins, logical_of, target, logical);
   const Shape block = target.block_shape(logical);
-  Sharding result{*mesh, std::vector<std::vector<int>>(static_cast<std::size_t>(out.rank()))};
-  result.dims[static_cast<std::size_t>(out.rank() - 2)] = target.dims[0];
-  result.dims[static_cast<std::size_t>(out.rank() - 1)] = target.dims[2];
+  Sharding result{*mesh, std::vector<std::vector<int>>(static_cast<std::size_t>(rank))};
+  if (batch > 1 || folded) result.dims[0] = target.dims[0];
+  result.dims[static_cast<std::size_t>(rank - 2)] = target.dims[1];
+  result.dims[static_cast<std::size_t>(rank - 1)] = target.dims[3];
   const Shape out_block = result.block_shape(out);
-  // A pending transpose of a 2-D piece is read through, as matmul does unsharded.
+  // A pending transpose of a piece is read through, as matmul does unsharded.
   auto operand = [](graph::NodePtr p, bool transposed) {
     if (p->pending()) {
-      if (auto* tr = dynamic_cast<graph::TransposeOfLastTwo*>(p.get()); tr && tr->transpose_source()->shape().rank() == 2)
+      if (auto* tr = dynamic_cast<graph::TransposeOfLastTwo*>(p.get());
+          tr && tr->transpose_source()->shape().rank() == p->shape().rank())
         return graph::GemmOperand{tr->transpose_source(), !transposed};
     }
     return graph::GemmOperand{std::move(p), transposed};
   };
   std::vector<graph::NodePtr> shards;
-  const bool split_k = !target.dims[1].empty();
+  const bool split_k = !target.dims[2].empty();
+  const std::int64_t block_ba = ba > 1 ? block[0] : 1, block_bb = bb > 1 ? block[0] : 1;
   for (int p = 0; p < mesh->size(); ++p) {
     graph::Device& dev = mesh_device(mesh->device_ids()[static_cast<std::size_t>(p)]);
     auto& pc = pieces[static_cast<std::size_t>(p)];
-    shards.push_back(graph::submit_unpartitioned(gm.with_operands(operand(pc[0], ta), operand(pc[1], tb), block[0],
-                                                                  block[1], block[2], out_block, &dev, split_k)));
+    const std::int64_t rows = folded ? block[0] * block[1] : block[1];
+    shards.push_back(graph::submit_unpartitioned(gm.with_operands(operand(pc[0], ta), operand(pc[1], tb), rows,
+                                                                  block[2], block[3], out_block, &dev, split_k,
+                                                                  block_ba, block_bb)));
   }
   if (split_k) {
     // Partial products over k blocks, combined in k order; a bfloat16 product's sum is
     // rounded once, as unsharded.
-    reduce_partials(shards, *mesh, target.dims[1], [&](int p) { return target.part_of(p, 1); }, Combine::Sum);
+    reduce_partials(shards, *mesh, target.dims[2], [&](int p) { return target.part_of(p, 2); }, Combine::Sum);
     if (gm.bf16())
       for (auto& s : shards) s = graph::submit_unpartitioned(std::make_shared<graph::RoundToBFloat16Node>(s));
   }
   return std::make_shared<ShardedNode>(std::move(result), std::move(shards), node.dtype(), out, node.device());
+}
+
+LAZYTENSOR_INLINE graph::NodePtr partition_batch_sum(const graph::Node& node, const graph::BlockBatchSum& bs) {
+  const auto& ins = node.inputs();
+  // The lead: the largest sharded input split along its batch only.
+  const ShardedNode* lead = nullptr;
+  for (const auto& in : ins) {
+    const ShardedNode* s = as_sharded(in);
+    if (!s) continue;
+    bool batch_only = true;
+    for (int d = 1; d < s->shape().rank(); ++d) batch_only = batch_only && s->sharding().parts(d) == 1;
+    if (batch_only && (!lead || s->numel() > lead->numel())) lead = s;
+  }
+  if (!lead) return nullptr;
+  const Mesh& mesh = lead->sharding().mesh;
+  // One logical dimension, the batch; every other dimension is read whole.
+  const Sharding target{mesh, {lead->sharding().dims[0]}};
+  std::vector<std::vector<int>> logical_of;
+  for (const auto& in : ins) {
+    std::vector<int> map(static_cast<std::size_t>(in->shape().rank()), -1);
+    map[0] = 0;
+    logical_of.push_back(std::move(map));
+  }
+  auto pieces = pieces_for(ins, logical_of, target, Shape{ins[0]->shape()[0]});
+  std::vector<graph::NodePtr> shards;
+  for (int p = 0; p < mesh.size(); ++p) {
+    graph::Device& dev = mesh_device(mesh.device_ids()[static_cast<std::size_t>(p)]);
+    shards.push_back(graph::submit_unpartitioned(bs.with_batch(std::move(pieces[static_cast<std::size_t>(p)]), &dev)));
+  }
+  // Each block's sum over its items; the blocks' sums added in batch order.
+  if (!target.dims[0].empty())
+    reduce_partials(shards, mesh, target.dims[0], [&](int p) { return target.part_of(p, 0); }, Combine::Sum);
+  Sharding result{mesh, std::vector<std::vector<int>>(static_cast<std::size_t>(node.shape().rank()))};
+  return std::make_shared<ShardedNode>(std::move(result), std::move(shards), node.dtype(), node.shape(), node.device());
 }
 
 LAZYTENSOR_INLINE graph::NodePtr partition_transpose(const graph::TransposeNode& node) {

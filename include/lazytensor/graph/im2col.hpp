@@ -14,8 +14,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
+#include <optional>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include <lazytensor/graph/device.hpp>
 #include <lazytensor/graph/eigen_gemm.hpp>
@@ -99,6 +102,11 @@ class Im2colNode final : public Node {
   std::string op_name() const override { return "im2col"; }
   std::string describe() const override { return "im2col(%0, " + g_.str() + ")"; }
   std::uint64_t structural_hash() const override { return g_.hash(Node::structural_hash()); }
+  /// Image by image (lazy::spmd splits the batch).
+  std::optional<BlockRule> block_rule() const override { return leading_dims_rule(3, 1, 1); }
+  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
+    return std::make_shared<Im2colNode>(std::move(inputs[0]), g_);
+  }
 
  protected:
   void compute(ExecContext& ctx) override {
@@ -133,6 +141,11 @@ class Col2imNode final : public Node {
   std::string op_name() const override { return "col2im"; }
   std::string describe() const override { return "col2im(%0, " + g_.str() + ")"; }
   std::uint64_t structural_hash() const override { return g_.hash(Node::structural_hash()); }
+  /// Image by image.
+  std::optional<BlockRule> block_rule() const override { return leading_dims_rule(4, 1, 1); }
+  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
+    return std::make_shared<Col2imNode>(std::move(inputs[0]), std::move(shape), g_);
+  }
   double cost_per_element() const override {
     return std::max(
         1.0, static_cast<double>(g_.kh * g_.kw * g_.oh * g_.ow) / static_cast<double>(g_.h * g_.w));
@@ -163,6 +176,16 @@ class Col2imNode final : public Node {
   Window2d g_;
 };
 
+/// What the SPMD partitioner needs of a sum over a batch: the node's value is the sum over
+/// dimension 0 of its inputs (which all have it first) of per-item results.
+class BlockBatchSum {
+ public:
+  virtual ~BlockBatchSum() = default;
+  /// The same op over `inputs` (blocks of this node's inputs along dimension 0) on
+  /// `device`, not submitted.
+  virtual NodePtr with_batch(std::vector<NodePtr> inputs, Device* device) const = 0;
+};
+
 /// The weight gradient of a convolution: dW [O, K] = sum over n of G[n] [O, L] x cols[n]^T,
 /// with G [N, O, L] and cols [N, K, L]. The transposes are read through (Eigen layouts) and
 /// the images are added in order. dW is computed in blocks of kBlock columns, each with its
@@ -170,7 +193,7 @@ class Col2imNode final : public Node {
 /// blocks depend on K only: Eigen's kernels sum in an order that depends on the shape of the
 /// call, so splitting by thread count would change the bits.
 template <class T>
-class ConvWeightGradNode final : public Node {
+class ConvWeightGradNode final : public Node, public BlockBatchSum {
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
                 "conv weight gradients run on float or double");
 
@@ -181,6 +204,9 @@ class ConvWeightGradNode final : public Node {
       : Node(NodeKind::Gemm, dtype_of<T>(), Shape{g->shape()[1], cols->shape()[1]}, g->device(),
              {g, cols}) {}
   std::string op_name() const override { return "conv2d_weight_grad"; }
+  NodePtr with_batch(std::vector<NodePtr> inputs, Device*) const override {
+    return std::make_shared<ConvWeightGradNode>(std::move(inputs[0]), std::move(inputs[1]));
+  }
   double cost_per_element() const override {
     return 2.0 * static_cast<double>(inputs()[0]->shape()[0] * inputs()[0]->shape()[2]);
   }

@@ -39,11 +39,13 @@ class BlockGemm {
   virtual std::int64_t cols() const = 0;
   /// True for a bfloat16 product (operands and result rounded to bfloat16).
   virtual bool bf16() const = 0;
-  /// The product of [m, k] and [k, n] blocks, of shape `out` (m x n elements), on
-  /// `device`, not submitted. `partial`: a partial sum over a block of k, whose bfloat16
-  /// result is left unrounded (the sum of the partials is rounded once).
+  /// The product of [m, k] and [k, n] blocks (batches of `batch_a` and `batch_b` of them,
+  /// 1 broadcasting), of shape `out`, on `device`, not submitted. `partial`: a partial sum
+  /// over a block of k, whose bfloat16 result is left unrounded (the sum of the partials is
+  /// rounded once).
   virtual NodePtr with_operands(GemmOperand a, GemmOperand b, std::int64_t m, std::int64_t k, std::int64_t n,
-                                Shape out, Device* device, bool partial = false) const = 0;
+                                Shape out, Device* device, bool partial = false, std::int64_t batch_a = 1,
+                                std::int64_t batch_b = 1) const = 0;
 };
 
 /// C[b] = op(A[b]) * op(B[b]) for a batch of row-major matrices; op is identity or
@@ -77,11 +79,11 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
   std::int64_t cols() const override { return n_; }
   bool bf16() const override { return bf16_; }
   NodePtr with_operands(GemmOperand a, GemmOperand b, std::int64_t m, std::int64_t k, std::int64_t n, Shape out,
-                        Device* device, bool partial) const override {
+                        Device* device, bool partial, std::int64_t batch_a, std::int64_t batch_b) const override {
     // The blocks run on the whole product's kernel: the packed kernel's sums do not depend
     // on the rows, Eigen's would differ from it.
-    return std::make_shared<GemmNode>(std::move(a), std::move(b), 1, 1, m, k, n, out, device, bf16_, !partial,
-                                      packed());
+    return std::make_shared<GemmNode>(std::move(a), std::move(b), batch_a, batch_b, m, k, n, out, device, bf16_,
+                                      !partial, packed());
   }
 
   std::string op_name() const override { return "matmul"; }

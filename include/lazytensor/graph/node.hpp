@@ -42,6 +42,19 @@ struct BlockRule {
   std::vector<std::vector<int>> input_dim;
 };
 
+/// The block rule of an op that computes each index of its leading `lead` dimensions alone
+/// from the same index of every input's leading dimensions (the images and channels of a
+/// convolution's im2col or of pooling): those are splittable, the rest whole.
+inline BlockRule leading_dims_rule(int rank, int lead, std::size_t inputs) {
+  BlockRule r{std::vector<bool>(static_cast<std::size_t>(rank), false),
+              std::vector<std::vector<int>>(inputs, std::vector<int>(static_cast<std::size_t>(rank), -1))};
+  for (int o = 0; o < lead && o < rank; ++o) {
+    r.splittable[static_cast<std::size_t>(o)] = true;
+    for (auto& map : r.input_dim) map[static_cast<std::size_t>(o)] = o;
+  }
+  return r;
+}
+
 /// A value in the pending graph of one device.
 class Node {
  public:

@@ -122,6 +122,11 @@ class Pool2dNode final : public PoolNode {
                  g, max, count_include_pad) {}
   std::string op_name() const override { return max_ ? "max_pool2d" : "avg_pool2d"; }
   double cost_per_element() const override { return window_cost(); }
+  /// Plane by plane: images and channels split alike (lazy::spmd).
+  std::optional<BlockRule> block_rule() const override { return leading_dims_rule(4, 2, 1); }
+  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
+    return std::make_shared<Pool2dNode>(std::move(inputs[0]), g_, max_, count_include_pad_);
+  }
 
  protected:
   void compute(ExecContext& ctx) override {
@@ -173,6 +178,15 @@ class Pool2dBackwardNode final : public PoolNode {
                  count_include_pad) {}
   std::string op_name() const override {
     return max_ ? "max_pool2d_backward" : "avg_pool2d_backward";
+  }
+  /// Plane by plane, the gradient and the forward's input split alike.
+  std::optional<BlockRule> block_rule() const override {
+    return leading_dims_rule(4, 2, inputs().size());
+  }
+  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
+    NodePtr x = inputs.size() > 1 ? std::move(inputs[1]) : nullptr;
+    return std::make_shared<Pool2dBackwardNode>(std::move(inputs[0]), std::move(x), std::move(shape), g_, max_,
+                                                count_include_pad_);
   }
   double cost_per_element() const override {
     return std::max(

@@ -122,7 +122,8 @@ class BlockReduction {
   virtual ~BlockReduction() = default;
   virtual const Shape& child_shape() const = 0;
   virtual ReduceGeometry geometry() const = 0;
-  /// The reduction's name ("sum", "prod", "max", "min", "any", "all").
+  /// The reduction's name ("sum", "prod", "max", "min", "any", "all"; "argmax" and
+  /// "argmin", whose results over blocks of the reduced dimensions do not combine).
   virtual const char* reduce_name() const = 0;
   /// The same kernel and scale over `inputs` (blocks of this node's inputs, of `child`
   /// shape or single elements), producing `out` on `device`, not yet submitted.
@@ -280,16 +281,25 @@ class ReductionNode final : public Node, public ChunkReduction, public BlockRedu
 
 /// argmax / argmin (first occurrence; NaN counts as the extreme, as in torch).
 template <class K, class S, bool IsMax>
-class ArgReductionNode final : public Node {
+class ArgReductionNode final : public Node, public BlockReduction {
  public:
   ArgReductionNode(K kernel, Shape out_shape, ReduceGeometry g, Device* device,
                    std::vector<NodePtr> inputs, Shape child_shape)
       : Node(NodeKind::Reduction, DType::Int64, out_shape, device, std::move(inputs)),
         kernel_(std::move(kernel)),
         g_(g),
-        splat_(detail::splat_flags(this->inputs(), child_shape.numel())) {}
+        child_shape_(std::move(child_shape)),
+        splat_(detail::splat_flags(this->inputs(), child_shape_.numel())) {}
   std::string op_name() const override { return IsMax ? "argmax" : "argmin"; }
   std::string describe() const override { return op_name() + "(" + expr::kernel_text(kernel_) + ")"; }
+
+  const Shape& child_shape() const override { return child_shape_; }
+  ReduceGeometry geometry() const override { return g_; }
+  const char* reduce_name() const override { return IsMax ? "argmax" : "argmin"; }
+  NodePtr with_block(std::vector<NodePtr> inputs, Shape out, ReduceGeometry g, Shape child,
+                     Device* device) const override {
+    return std::make_shared<ArgReductionNode>(kernel_, out, g, device, std::move(inputs), std::move(child));
+  }
 
  protected:
   void compute(ExecContext& ctx) override {
@@ -326,6 +336,7 @@ class ArgReductionNode final : public Node {
  private:
   K kernel_;
   ReduceGeometry g_;
+  Shape child_shape_;
   core::SmallVector<char, 8> splat_;
 };
 

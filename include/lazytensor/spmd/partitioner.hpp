@@ -1,12 +1,13 @@
 #pragma once
 // The SPMD partitioner: graph::submit hands it every node that reads a sharded value, and
 // it returns the node standing for the result. Nodes with a block rule (element-wise,
-// permutes, softmax, gather, one_hot, conversions) run block-wise, one node per mesh device
-// on that device's graph; views keep their input's blocks when the elements stay in order;
-// reductions and 2-D products run on blocks, and where the reduced or contracted dimension
-// is split, the partial results are all-reduced among the devices that share the rest of
-// the block. Operands sharded otherwise (or not at all) are split to the chosen blocks
-// first. Other ops read the gathered value and run whole on the tensor's device (a
+// permutes, softmax, gather, one_hot, conversions, im2col/col2im, pooling) run block-wise,
+// one node per mesh device on that device's graph; views keep their input's blocks when
+// the elements stay in order; reductions, products (batched too) and sums over a batch (a
+// convolution's weight gradient) run on blocks, and where the reduced, contracted or summed
+// dimension is split, the partial results are all-reduced among the devices that share the
+// rest of the block. Operands sharded otherwise (or not at all) are split to the chosen
+// blocks first. Other ops read the gathered value and run whole on the tensor's device (a
 // synchronous gather, counted as SpmdGathers).
 
 #include <functional>
@@ -14,6 +15,7 @@
 
 #include <lazytensor/graph/convert_node.hpp>
 #include <lazytensor/graph/elementwise_node.hpp>
+#include <lazytensor/graph/im2col.hpp>
 #include <lazytensor/graph/matmul_node.hpp>
 #include <lazytensor/graph/reduction_node.hpp>
 #include <lazytensor/graph/transpose_hint.hpp>
@@ -35,9 +37,13 @@ graph::NodePtr partition_blockwise(const graph::Node& node, const graph::BlockRu
 /// split), or null when its operands do not allow it.
 graph::NodePtr partition_reduction(const graph::Node& node, const graph::BlockReduction& r);
 
-/// A 2-D product run on blocks: rows of A and columns of B stay split; a split contracted
-/// dimension gives partial products, all-reduced. Null for batched products.
+/// A product run on blocks: the batch, rows of A and columns of B stay split; a split
+/// contracted dimension gives partial products, all-reduced.
 graph::NodePtr partition_gemm(const graph::Node& node, const graph::BlockGemm& g);
+
+/// A sum over a batch (graph::BlockBatchSum) run on the blocks of the batch, whose sums are
+/// all-reduced; null unless an input is split along its batch only.
+graph::NodePtr partition_batch_sum(const graph::Node& node, const graph::BlockBatchSum& bs);
 
 /// Per mesh position, the pieces of `inputs` for blocks of `target` over a logical shape:
 /// `logical_of[i][d]` is the logical dimension that cuts dimension d of input i (-1: whole).
@@ -94,6 +100,8 @@ LAZYTENSOR_INLINE graph::NodePtr partition(graph::NodePtr node) {
     if (auto r = partition_reduction(*node, *red)) return r;
   } else if (auto* gemm = dynamic_cast<const graph::BlockGemm*>(node.get())) {
     if (auto r = partition_gemm(*node, *gemm)) return r;
+  } else if (auto* bsum = dynamic_cast<const graph::BlockBatchSum*>(node.get())) {
+    if (auto r = partition_batch_sum(*node, *bsum)) return r;
   } else if (auto rule = node->block_rule()) {
     if (auto r = partition_blockwise(*node, *rule)) return r;
   }
@@ -167,9 +175,16 @@ LAZYTENSOR_INLINE std::vector<std::vector<graph::NodePtr>> pieces_for(const std:
     const auto& in = ins[i];
     const ShardedNode* s = as_sharded(in);
     bool local = s && s->sharding().mesh == mesh;
+    // Mesh axes of size 1 cut nothing: a dimension over one is cut as one over none.
+    auto cuts = [&](const std::vector<int>& axes) {
+      std::vector<int> r;
+      for (int a : axes)
+        if (mesh.mesh_shape()[static_cast<std::size_t>(a)] > 1) r.push_back(a);
+      return r;
+    };
     for (int d = 0; local && d < in->shape().rank(); ++d) {
       const int l = logical_of[i][static_cast<std::size_t>(d)];
-      local = l >= 0 ? s->sharding().dims[static_cast<std::size_t>(d)] == target.dims[static_cast<std::size_t>(l)]
+      local = l >= 0 ? cuts(s->sharding().dims[static_cast<std::size_t>(d)]) == cuts(target.dims[static_cast<std::size_t>(l)])
                      : s->sharding().parts(d) == 1;
     }
     if (local) {
@@ -282,8 +297,8 @@ LAZYTENSOR_INLINE graph::NodePtr partition_reduction(const graph::Node& node, co
   std::int64_t extent = 1;
   while (b < rank && extent < g.extent) extent *= child[b++];
   if (extent != g.extent) return nullptr;
-  Combine op;
-  if (!combine_of(r.reduce_name(), op)) return nullptr;
+  Combine op = Combine::Sum;
+  const bool combines = combine_of(r.reduce_name(), op);  // argmax/argmin: blocks of whole rows only
   const auto& ins = node.inputs();
   // Inputs are of the child's shape or single elements (read whole).
   const ShardedNode* lead = nullptr;
@@ -312,6 +327,7 @@ LAZYTENSOR_INLINE graph::NodePtr partition_reduction(const graph::Node& node, co
   } else {
     return nullptr;
   }
+  if (!combines && !axes_of(target, a, b).empty()) return nullptr;
   auto pieces = pieces_for(ins, logical_of, target, child);
   const Shape child_block = target.block_shape(child);
   graph::ReduceGeometry local;
@@ -342,17 +358,36 @@ LAZYTENSOR_INLINE graph::NodePtr partition_gemm(const graph::Node& node, const g
   const auto& ins = node.inputs();
   const Shape& out = node.shape();
   const std::int64_t m = gm.rows(), k = gm.depth(), n = gm.cols();
-  // Single products of 2-D operands; the result may carry leading size-1 dimensions (the
-  // backward's [1, m, k]).
-  bool single = gm.batch_a() == 1 && gm.batch_b() == 1 && out.rank() >= 2 && out[out.rank() - 2] == m &&
-                out[out.rank() - 1] == n && ins[0]->shape().rank() == 2 && ins[1]->shape().rank() == 2;
-  for (int d = 0; single && d + 2 < out.rank(); ++d) single = out[d] == 1;
-  if (!single) return nullptr;
+  const std::int64_t ba = gm.batch_a(), bb = gm.batch_b(), batch = std::max(ba, bb);
+  // Operands are matrices or batches of them ([b, ., .], b = 1 broadcasting); the result is
+  // [batch, m, n], or [m, n] with leading size-1 dimensions (the backward's [1, m, k]).
   const bool ta = gm.a_transposed(), tb = gm.b_transposed();
-  // Logical dimensions: 0 = m, 1 = k, 2 = n; each operand's stored dimensions map onto them.
-  const std::vector<std::vector<int>> logical_of = {ta ? std::vector<int>{1, 0} : std::vector<int>{0, 1},
-                                                    tb ? std::vector<int>{2, 1} : std::vector<int>{1, 2}};
-  const Shape logical{m, k, n};
+  const int rank = out.rank();
+  // A 3-D left operand of a single product has its batch folded into the rows (x [b, r, k]
+  // times W [k, n]): its dimension 0 then acts as the batch, with r rows each.
+  const Shape& sa = ins[0]->shape();
+  const bool folded = batch == 1 && !ta && sa.rank() == 3 && sa[0] * sa[1] == m && ins[1]->shape().rank() == 2 &&
+                      rank == 3 && out[0] == sa[0] && out[1] == sa[1];
+  auto operand_ok = [](const graph::NodePtr& in, std::int64_t b) {
+    const int r = in->shape().rank();
+    return r == 2 ? b == 1 : r == 3 && in->shape()[0] == b;
+  };
+  if (!folded && (!operand_ok(ins[0], ba) || !operand_ok(ins[1], bb))) return nullptr;
+  bool fits = folded || (rank >= 2 && out[rank - 2] == m && out[rank - 1] == n);
+  if (!folded && batch > 1) fits = fits && rank == 3 && out[0] == batch;
+  else if (!folded) for (int d = 0; fits && d + 2 < rank; ++d) fits = out[d] == 1;
+  if (!fits) return nullptr;
+  // Logical dimensions: 0 = batch, 1 = m (rows per batch when folded), 2 = k, 3 = n; each
+  // operand's stored dimensions map onto them (a broadcast batch of 1 onto none: every
+  // block reads it whole).
+  auto dims_of = [](const graph::NodePtr& in, std::int64_t b, std::vector<int> matrix) {
+    if (in->shape().rank() == 3) matrix.insert(matrix.begin(), b > 1 ? 0 : -1);
+    return matrix;
+  };
+  const std::vector<std::vector<int>> logical_of = {
+      folded ? std::vector<int>{0, 1, 2} : dims_of(ins[0], ba, ta ? std::vector<int>{2, 1} : std::vector<int>{1, 2}),
+      dims_of(ins[1], bb, tb ? std::vector<int>{3, 2} : std::vector<int>{2, 3})};
+  const Shape logical = folded ? Shape{sa[0], sa[1], k, n} : Shape{batch, m, k, n};
   // The blocks: the larger sharded operand's split dimensions first, then the other's where
   // they use mesh axes not taken yet.
   std::vector<std::size_t> order = {0, 1};
@@ -361,14 +396,16 @@ LAZYTENSOR_INLINE graph::NodePtr partition_gemm(const graph::Node& node, const g
   for (auto i : order)
     if (const ShardedNode* s = as_sharded(ins[i]); s && !mesh) mesh = &s->sharding().mesh;
   if (!mesh) return nullptr;
-  Sharding target{*mesh, std::vector<std::vector<int>>(3)};
+  Sharding target{*mesh, std::vector<std::vector<int>>(4)};
   std::vector<bool> used(static_cast<std::size_t>(mesh->rank()), false);
   for (auto i : order) {
     const ShardedNode* s = as_sharded(ins[i]);
     if (!s || !(s->sharding().mesh == *mesh)) continue;
-    for (int d = 0; d < 2; ++d) {
+    for (int d = 0; d < s->shape().rank(); ++d) {
+      const int l = logical_of[i][static_cast<std::size_t>(d)];
       const auto& axes = s->sharding().dims[static_cast<std::size_t>(d)];
-      auto& slot = target.dims[static_cast<std::size_t>(logical_of[i][static_cast<std::size_t>(d)])];
+      if (l < 0) continue;
+      auto& slot = target.dims[static_cast<std::size_t>(l)];
       bool free = slot.empty();
       for (int ax : axes) free = free && !used[static_cast<std::size_t>(ax)];
       if (!free) continue;
@@ -378,34 +415,73 @@ LAZYTENSOR_INLINE graph::NodePtr partition_gemm(const graph::Node& node, const g
   }
   auto pieces = pieces_for(ins, logical_of, target, logical);
   const Shape block = target.block_shape(logical);
-  Sharding result{*mesh, std::vector<std::vector<int>>(static_cast<std::size_t>(out.rank()))};
-  result.dims[static_cast<std::size_t>(out.rank() - 2)] = target.dims[0];
-  result.dims[static_cast<std::size_t>(out.rank() - 1)] = target.dims[2];
+  Sharding result{*mesh, std::vector<std::vector<int>>(static_cast<std::size_t>(rank))};
+  if (batch > 1 || folded) result.dims[0] = target.dims[0];
+  result.dims[static_cast<std::size_t>(rank - 2)] = target.dims[1];
+  result.dims[static_cast<std::size_t>(rank - 1)] = target.dims[3];
   const Shape out_block = result.block_shape(out);
-  // A pending transpose of a 2-D piece is read through, as matmul does unsharded.
+  // A pending transpose of a piece is read through, as matmul does unsharded.
   auto operand = [](graph::NodePtr p, bool transposed) {
     if (p->pending()) {
-      if (auto* tr = dynamic_cast<graph::TransposeOfLastTwo*>(p.get()); tr && tr->transpose_source()->shape().rank() == 2)
+      if (auto* tr = dynamic_cast<graph::TransposeOfLastTwo*>(p.get());
+          tr && tr->transpose_source()->shape().rank() == p->shape().rank())
         return graph::GemmOperand{tr->transpose_source(), !transposed};
     }
     return graph::GemmOperand{std::move(p), transposed};
   };
   std::vector<graph::NodePtr> shards;
-  const bool split_k = !target.dims[1].empty();
+  const bool split_k = !target.dims[2].empty();
+  const std::int64_t block_ba = ba > 1 ? block[0] : 1, block_bb = bb > 1 ? block[0] : 1;
   for (int p = 0; p < mesh->size(); ++p) {
     graph::Device& dev = mesh_device(mesh->device_ids()[static_cast<std::size_t>(p)]);
     auto& pc = pieces[static_cast<std::size_t>(p)];
-    shards.push_back(graph::submit_unpartitioned(gm.with_operands(operand(pc[0], ta), operand(pc[1], tb), block[0],
-                                                                  block[1], block[2], out_block, &dev, split_k)));
+    const std::int64_t rows = folded ? block[0] * block[1] : block[1];
+    shards.push_back(graph::submit_unpartitioned(gm.with_operands(operand(pc[0], ta), operand(pc[1], tb), rows,
+                                                                  block[2], block[3], out_block, &dev, split_k,
+                                                                  block_ba, block_bb)));
   }
   if (split_k) {
     // Partial products over k blocks, combined in k order; a bfloat16 product's sum is
     // rounded once, as unsharded.
-    reduce_partials(shards, *mesh, target.dims[1], [&](int p) { return target.part_of(p, 1); }, Combine::Sum);
+    reduce_partials(shards, *mesh, target.dims[2], [&](int p) { return target.part_of(p, 2); }, Combine::Sum);
     if (gm.bf16())
       for (auto& s : shards) s = graph::submit_unpartitioned(std::make_shared<graph::RoundToBFloat16Node>(s));
   }
   return std::make_shared<ShardedNode>(std::move(result), std::move(shards), node.dtype(), out, node.device());
+}
+
+LAZYTENSOR_INLINE graph::NodePtr partition_batch_sum(const graph::Node& node, const graph::BlockBatchSum& bs) {
+  const auto& ins = node.inputs();
+  // The lead: the largest sharded input split along its batch only.
+  const ShardedNode* lead = nullptr;
+  for (const auto& in : ins) {
+    const ShardedNode* s = as_sharded(in);
+    if (!s) continue;
+    bool batch_only = true;
+    for (int d = 1; d < s->shape().rank(); ++d) batch_only = batch_only && s->sharding().parts(d) == 1;
+    if (batch_only && (!lead || s->numel() > lead->numel())) lead = s;
+  }
+  if (!lead) return nullptr;
+  const Mesh& mesh = lead->sharding().mesh;
+  // One logical dimension, the batch; every other dimension is read whole.
+  const Sharding target{mesh, {lead->sharding().dims[0]}};
+  std::vector<std::vector<int>> logical_of;
+  for (const auto& in : ins) {
+    std::vector<int> map(static_cast<std::size_t>(in->shape().rank()), -1);
+    map[0] = 0;
+    logical_of.push_back(std::move(map));
+  }
+  auto pieces = pieces_for(ins, logical_of, target, Shape{ins[0]->shape()[0]});
+  std::vector<graph::NodePtr> shards;
+  for (int p = 0; p < mesh.size(); ++p) {
+    graph::Device& dev = mesh_device(mesh.device_ids()[static_cast<std::size_t>(p)]);
+    shards.push_back(graph::submit_unpartitioned(bs.with_batch(std::move(pieces[static_cast<std::size_t>(p)]), &dev)));
+  }
+  // Each block's sum over its items; the blocks' sums added in batch order.
+  if (!target.dims[0].empty())
+    reduce_partials(shards, mesh, target.dims[0], [&](int p) { return target.part_of(p, 0); }, Combine::Sum);
+  Sharding result{mesh, std::vector<std::vector<int>>(static_cast<std::size_t>(node.shape().rank()))};
+  return std::make_shared<ShardedNode>(std::move(result), std::move(shards), node.dtype(), node.shape(), node.device());
 }
 
 LAZYTENSOR_INLINE graph::NodePtr partition_transpose(const graph::TransposeNode& node) {
