@@ -199,6 +199,45 @@ TEST(SpmdShapeOps, SlicesIndexSelectsAndCatsKeepTheBlocksOfTheOtherDimensions) {
   }
 }
 
+TEST(SpmdShapeOps, BackwardOfColumnCopiesKeepsTheRowBlocks) {
+  // slice_backward, index_add and scatter_add (the adjoints of slice, index_select and
+  // gather along the columns) run on the rows' blocks: no gather, the gradient keeps x's
+  // sharding, and no sum is split (duplicates of an index add up within a row): bitwise.
+  const auto cols = lazy::from_vector<std::int64_t>({11, 0, 5, 5, 3, 7});
+  std::vector<std::int64_t> picks(8 * 3);
+  for (std::size_t i = 0; i < picks.size(); ++i) picks[i] = static_cast<std::int64_t>((i * 5 + 3) % 12);
+  const auto index = lazy::from_vector<std::int64_t>(picks, {8, 3});
+  for (const auto& mesh : unnamed_meshes()) {
+    std::vector<spmd::PartitionSpec> specs = {{0}};
+    if (mesh.rank() == 2) specs.push_back({{0, 1}});
+    for (const auto& spec : specs) {
+      auto x = random_tensor({8, 12}, 40);
+      auto ref = x.detach().requires_grad_();
+      auto loss = [&](const lazy::Tensor<double>& t) {
+        return lazy::Tensor<double>(lazy::sum(lazy::square(lazy::slice(t, 1, 2, 11, 3))) +
+                                    lazy::sum(lazy::square(lazy::index_select(t, 1, cols))) * 0.5 +
+                                    lazy::sum(lazy::square(lazy::gather(t, 1, index))) * 0.25);
+      };
+      loss(ref).backward();
+      lazy::mark_step();
+      spmd::mark_sharding(x, mesh, spec);
+      auto idx = index.detach();
+      spmd::mark_sharding(idx, mesh, spec);
+      x.requires_grad_();
+      const auto gathers = counter("SpmdGathers");
+      auto l = lazy::Tensor<double>(lazy::sum(lazy::square(lazy::slice(x, 1, 2, 11, 3))) +
+                                    lazy::sum(lazy::square(lazy::index_select(x, 1, cols))) * 0.5 +
+                                    lazy::sum(lazy::square(lazy::gather(x, 1, idx))) * 0.25);
+      l.backward();
+      lazy::mark_step();
+      const std::string where = name(mesh, x);
+      EXPECT_EQ(counter("SpmdGathers"), gathers) << where;
+      EXPECT_EQ(spmd::sharding_spec(x.grad()), spmd::sharding_spec(x)) << where;
+      EXPECT_EQ(x.grad().to_vector(), ref.grad().to_vector()) << where;
+    }
+  }
+}
+
 TEST(SpmdLoss, CrossEntropyForwardAndBackwardOnShardedBatches) {
   for (const auto& mesh : unnamed_meshes()) {
     auto logits = random_tensor({8, 10}, 32);

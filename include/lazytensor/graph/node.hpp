@@ -42,6 +42,18 @@ struct BlockRule {
   std::vector<std::vector<int>> input_dim;
 };
 
+/// The block rule of a copy along dimension `dim` of its first input (a slice, an
+/// index_select): the output's other dimensions are the input's and may be split; `dim`
+/// is read whole, and so are the other inputs (`inputs` in all).
+inline BlockRule all_but_dim_rule(int rank, int dim, std::size_t inputs) {
+  BlockRule r{std::vector<bool>(static_cast<std::size_t>(rank), true),
+              std::vector<std::vector<int>>(inputs, std::vector<int>(static_cast<std::size_t>(rank), -1))};
+  for (int o = 0; o < rank; ++o) r.input_dim[0][static_cast<std::size_t>(o)] = o;
+  r.splittable[static_cast<std::size_t>(dim)] = false;
+  r.input_dim[0][static_cast<std::size_t>(dim)] = -1;
+  return r;
+}
+
 /// The block rule of an op that computes each index of its leading `lead` dimensions alone
 /// from the same index of every input's leading dimensions (the images and channels of a
 /// convolution's im2col or of pooling): those are splittable, the rest whole.

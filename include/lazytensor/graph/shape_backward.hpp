@@ -7,7 +7,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include <lazytensor/graph/device.hpp>
 #include <lazytensor/graph/parallel.hpp>
@@ -25,6 +28,14 @@ class SliceBackwardNode final : public Node {
     return hash_combine(hash_combine(hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_)),
                                      static_cast<std::uint64_t>(start_)),
                         static_cast<std::uint64_t>(step_));
+  }
+  /// Blocks along every dimension but the sliced one (lazy::spmd), as the slice's.
+  std::optional<BlockRule> block_rule() const override {
+    if (dim_ >= shape().rank()) return std::nullopt;
+    return all_but_dim_rule(shape().rank(), dim_, 1);
+  }
+  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
+    return std::make_shared<SliceBackwardNode>(std::move(inputs[0]), std::move(shape), dim_, start_, step_);
   }
 
  protected:
@@ -70,6 +81,14 @@ class IndexAddNode final : public Node {
   std::string op_name() const override { return "index_add"; }
   std::uint64_t structural_hash() const override {
     return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
+  }
+  /// Blocks along every dimension but the indexed one; the index is read whole.
+  std::optional<BlockRule> block_rule() const override {
+    if (dim_ >= shape().rank()) return std::nullopt;
+    return all_but_dim_rule(shape().rank(), dim_, 2);
+  }
+  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
+    return std::make_shared<IndexAddNode>(std::move(inputs[0]), std::move(inputs[1]), std::move(shape), dim_);
   }
 
  protected:
@@ -126,6 +145,23 @@ class ScatterAddNode final : public Node {
   std::string op_name() const override { return "scatter_add"; }
   std::uint64_t structural_hash() const override {
     return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
+  }
+  /// Blocks along the dimensions other than `dim` where the index spans the whole output
+  /// (the gradient and the index cut alike), as gather's.
+  std::optional<BlockRule> block_rule() const override {
+    const Shape& index = inputs()[1]->shape();
+    const int rank = shape().rank();
+    BlockRule r{std::vector<bool>(static_cast<std::size_t>(rank), false),
+                {std::vector<int>(static_cast<std::size_t>(rank), -1), std::vector<int>(static_cast<std::size_t>(rank), -1)}};
+    for (int o = 0; o < rank && index.rank() == rank; ++o) {
+      if (o == dim_ || index[o] != shape()[o]) continue;
+      r.splittable[static_cast<std::size_t>(o)] = true;
+      r.input_dim[0][static_cast<std::size_t>(o)] = r.input_dim[1][static_cast<std::size_t>(o)] = o;
+    }
+    return r;
+  }
+  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
+    return std::make_shared<ScatterAddNode>(std::move(inputs[0]), std::move(inputs[1]), std::move(shape), dim_);
   }
 
  protected:

@@ -188,18 +188,6 @@ class TransposeNode final : public PermuteNode, public TransposeOfLastTwo {
   NodePtr none_;
 };
 
-/// The block rule of a copy along dimension `dim` of its first input (a slice, an
-/// index_select): the output's other dimensions are the input's and may be split; `dim`
-/// is read whole, and so are the other inputs (`inputs` in all).
-inline BlockRule all_but_dim_rule(int rank, int dim, std::size_t inputs) {
-  BlockRule r{std::vector<bool>(static_cast<std::size_t>(rank), true),
-              std::vector<std::vector<int>>(inputs, std::vector<int>(static_cast<std::size_t>(rank), -1))};
-  for (int o = 0; o < rank; ++o) r.input_dim[0][static_cast<std::size_t>(o)] = o;
-  r.splittable[static_cast<std::size_t>(dim)] = false;
-  r.input_dim[0][static_cast<std::size_t>(dim)] = -1;
-  return r;
-}
-
 /// Copies a strided range of one dim: out[.., k, ..] = in[.., start + k * step, ..].
 class SliceNode final : public Node {
  public:

@@ -29,6 +29,12 @@ namespace lazy::spmd::detail {
 /// The partition hook (graph::PartitionHook).
 graph::NodePtr partition(graph::NodePtr node);
 
+/// Whether sharded operand `s` rather than `lead` (may be null) sets a result's blocks: the
+/// larger one (moving the others costs less), and of two as large the one cut into more
+/// blocks (a replicated operand is narrowed to any split on its devices, while a split one
+/// would have to be gathered to become replicated, and the work would be repeated).
+bool leads(const ShardedNode* s, const ShardedNode* lead);
+
 /// A node with a block rule run block-wise, or null when no sharded operand can lead (each
 /// is split along a dimension the rule cannot split).
 graph::NodePtr partition_blockwise(const graph::Node& node, const graph::BlockRule& rule);
@@ -108,6 +114,17 @@ LAZYTENSOR_INLINE graph::NodePtr partition(graph::NodePtr node) {
   return run_gathered(std::move(node));
 }
 
+LAZYTENSOR_INLINE bool leads(const ShardedNode* s, const ShardedNode* lead) {
+  if (!lead) return true;
+  if (s->numel() != lead->numel()) return s->numel() > lead->numel();
+  auto blocks = [](const ShardedNode* x) {
+    std::int64_t b = 1;
+    for (int d = 0; d < x->shape().rank(); ++d) b *= x->sharding().parts(d);
+    return b;
+  };
+  return blocks(s) > blocks(lead);
+}
+
 LAZYTENSOR_INLINE graph::NodePtr run_gathered(graph::NodePtr node) {
   for (const auto& in : node->inputs())
     if (in->kind() == graph::NodeKind::Sharded) graph::materialize(in);
@@ -130,7 +147,7 @@ LAZYTENSOR_INLINE graph::NodePtr partition_blockwise(const graph::Node& node, co
   std::optional<Sharding> lead_blocks;  // no placeholder mesh built on every call
   for (std::size_t i = 0; i < ins.size(); ++i) {
     const ShardedNode* s = as_sharded(ins[i]);
-    if (!s || (lead && s->numel() <= lead->numel())) continue;
+    if (!s || !leads(s, lead)) continue;
     Sharding t{s->sharding().mesh, std::vector<std::vector<int>>(static_cast<std::size_t>(rank))};
     bool ok = true;
     for (int d = 0; ok && d < s->shape().rank(); ++d) {
@@ -190,6 +207,34 @@ LAZYTENSOR_INLINE std::vector<std::vector<graph::NodePtr>> pieces_for(const std:
     if (local) {
       for (int p = 0; p < n; ++p) pieces[static_cast<std::size_t>(p)].push_back(s->shard(p));
       continue;
+    }
+    if (s && s->sharding().mesh == mesh) {
+      // Each position's piece may hold its target block (a replicated value, or a coarser
+      // split): the block is then narrowed out of it on that device, moving no data.
+      std::vector<graph::NodePtr> cut;
+      for (int p = 0; p < n; ++p) {
+        const auto want = target.block(p, logical);
+        const auto have = s->sharding().block(p, in->shape());
+        graph::NodePtr piece = s->shard(p);
+        for (int d = 0; piece && d < in->shape().rank(); ++d) {
+          const int l = logical_of[i][static_cast<std::size_t>(d)];
+          const auto [w0, w1] = l >= 0 ? want[static_cast<std::size_t>(l)] : std::pair<std::int64_t, std::int64_t>{0, in->shape()[d]};
+          const auto [h0, h1] = have[static_cast<std::size_t>(d)];
+          if (w0 < h0 || w1 > h1) piece = nullptr;
+          else if (w0 != h0 || w1 != h1) {
+            Shape narrowed = piece->shape();
+            narrowed[d] = w1 - w0;
+            piece = graph::submit_unpartitioned(
+                std::make_shared<graph::SliceNode>("narrow", piece, d, w0 - h0, 1, std::move(narrowed)));
+          }
+        }
+        if (!piece) break;
+        cut.push_back(std::move(piece));
+      }
+      if (static_cast<int>(cut.size()) == n) {
+        for (int p = 0; p < n; ++p) pieces[static_cast<std::size_t>(p)].push_back(std::move(cut[static_cast<std::size_t>(p)]));
+        continue;
+      }
     }
     if (!s && in->pending()) {
       // A small pending value every block reads whole: trace it again on each device.
@@ -307,7 +352,7 @@ LAZYTENSOR_INLINE graph::NodePtr partition_reduction(const graph::Node& node, co
     std::vector<int> map(static_cast<std::size_t>(in->shape().rank()), -1);
     if (in->shape() == child) {
       for (int d = 0; d < rank; ++d) map[static_cast<std::size_t>(d)] = d;
-      if (const ShardedNode* s = as_sharded(in); s && (!lead || s->numel() > lead->numel())) lead = s;
+      if (const ShardedNode* s = as_sharded(in); s && leads(s, lead)) lead = s;
     } else if (in->numel() != 1) {
       return nullptr;
     }
@@ -459,7 +504,7 @@ LAZYTENSOR_INLINE graph::NodePtr partition_batch_sum(const graph::Node& node, co
     if (!s) continue;
     bool batch_only = true;
     for (int d = 1; d < s->shape().rank(); ++d) batch_only = batch_only && s->sharding().parts(d) == 1;
-    if (batch_only && (!lead || s->numel() > lead->numel())) lead = s;
+    if (batch_only && leads(s, lead)) lead = s;
   }
   if (!lead) return nullptr;
   const Mesh& mesh = lead->sharding().mesh;
