@@ -21265,7 +21265,7 @@ namespace lazy::spmd {
 /// node itself is never traced or planned: graph::submit hands every node reading it to
 /// the partitioner, and reading it (item(), to_vector(), a partitioner fallback) gathers
 /// the blocks into one buffer on the tensor's device.
-class ShardedNode final : public graph::Node {
+class ShardedNode : public graph::Node {
  public:
   ShardedNode(Sharding sharding, std::vector<graph::NodePtr> pieces, DType dtype, Shape shape,
               graph::Device* device);
@@ -21288,6 +21288,21 @@ class ShardedNode final : public graph::Node {
  private:
   Sharding sharding_;
   std::vector<std::shared_ptr<graph::TensorImpl>> shards_;
+};
+
+/// A sharded value that is another's with the last two dimensions swapped (the
+/// partitioner's transpose): a GEMM reads the source through it, as through a pending
+/// TransposeNode, so a product with `W^T` and its backward copy no transpose (the
+/// gradient comes out in W's layout).
+class TransposedShardedNode final : public ShardedNode, public graph::TransposeOfLastTwo {
+ public:
+  TransposedShardedNode(graph::NodePtr source, Sharding sharding, std::vector<graph::NodePtr> pieces, DType dtype,
+                        Shape shape, graph::Device* device)
+      : ShardedNode(std::move(sharding), std::move(pieces), dtype, std::move(shape), device), source_(std::move(source)) {}
+  const graph::NodePtr& transpose_source() const override { return source_; }
+
+ private:
+  graph::NodePtr source_;
 };
 
 /// `n` as a sharded node, or null.
@@ -25873,7 +25888,8 @@ LAZYTENSOR_INLINE graph::NodePtr partition_transpose(const graph::TransposeNode&
     }
     shards.push_back(graph::submit_unpartitioned(std::make_shared<graph::TransposeNode>(piece)));
   }
-  return std::make_shared<ShardedNode>(std::move(result), std::move(shards), node.dtype(), node.shape(), node.device());
+  return std::make_shared<TransposedShardedNode>(node.inputs()[0], std::move(result), std::move(shards), node.dtype(),
+                                                 node.shape(), node.device());
 }
 
 LAZYTENSOR_INLINE bool block_runs(const Shape& shape, const Ranges& ranges, std::size_t limit,

@@ -546,7 +546,8 @@ LAZYTENSOR_INLINE graph::NodePtr partition_transpose(const graph::TransposeNode&
     }
     shards.push_back(graph::submit_unpartitioned(std::make_shared<graph::TransposeNode>(piece)));
   }
-  return std::make_shared<ShardedNode>(std::move(result), std::move(shards), node.dtype(), node.shape(), node.device());
+  return std::make_shared<TransposedShardedNode>(node.inputs()[0], std::move(result), std::move(shards), node.dtype(),
+                                                 node.shape(), node.device());
 }
 
 LAZYTENSOR_INLINE bool block_runs(const Shape& shape, const Ranges& ranges, std::size_t limit,

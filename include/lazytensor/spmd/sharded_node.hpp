@@ -14,6 +14,7 @@
 #include <lazytensor/graph/device.hpp>
 #include <lazytensor/graph/node.hpp>
 #include <lazytensor/graph/tensor_impl.hpp>
+#include <lazytensor/graph/transpose_hint.hpp>
 #include <lazytensor/spmd/sharding.hpp>
 #include <lazytensor/core/counters.hpp>
 #include <lazytensor/graph/submit.hpp>
@@ -27,7 +28,7 @@ namespace lazy::spmd {
 /// node itself is never traced or planned: graph::submit hands every node reading it to
 /// the partitioner, and reading it (item(), to_vector(), a partitioner fallback) gathers
 /// the blocks into one buffer on the tensor's device.
-class ShardedNode final : public graph::Node {
+class ShardedNode : public graph::Node {
  public:
   ShardedNode(Sharding sharding, std::vector<graph::NodePtr> pieces, DType dtype, Shape shape,
               graph::Device* device);
@@ -50,6 +51,21 @@ class ShardedNode final : public graph::Node {
  private:
   Sharding sharding_;
   std::vector<std::shared_ptr<graph::TensorImpl>> shards_;
+};
+
+/// A sharded value that is another's with the last two dimensions swapped (the
+/// partitioner's transpose): a GEMM reads the source through it, as through a pending
+/// TransposeNode, so a product with `W^T` and its backward copy no transpose (the
+/// gradient comes out in W's layout).
+class TransposedShardedNode final : public ShardedNode, public graph::TransposeOfLastTwo {
+ public:
+  TransposedShardedNode(graph::NodePtr source, Sharding sharding, std::vector<graph::NodePtr> pieces, DType dtype,
+                        Shape shape, graph::Device* device)
+      : ShardedNode(std::move(sharding), std::move(pieces), dtype, std::move(shape), device), source_(std::move(source)) {}
+  const graph::NodePtr& transpose_source() const override { return source_; }
+
+ private:
+  graph::NodePtr source_;
 };
 
 /// `n` as a sharded node, or null.
