@@ -25714,7 +25714,11 @@ LAZYTENSOR_INLINE graph::NodePtr partition_reduction(const graph::Node& node, co
   } else {
     return nullptr;
   }
-  if (!combines && !axes_of(target, a, b).empty()) return nullptr;
+  if (!combines) {
+    // Blocks of whole rows only (a mesh axis of size 1 cuts nothing).
+    for (int ax : axes_of(target, a, b))
+      if (target.mesh.mesh_shape()[static_cast<std::size_t>(ax)] > 1) return nullptr;
+  }
   auto pieces = pieces_for(ins, logical_of, target, child);
   const Shape child_block = target.block_shape(child);
   graph::ReduceGeometry local;
@@ -25807,11 +25811,11 @@ LAZYTENSOR_INLINE graph::NodePtr partition_gemm(const graph::Node& node, const g
   result.dims[static_cast<std::size_t>(rank - 2)] = target.dims[1];
   result.dims[static_cast<std::size_t>(rank - 1)] = target.dims[3];
   const Shape out_block = result.block_shape(out);
-  // A pending transpose of a piece is read through, as matmul does unsharded.
+  // A pending transpose of a 2-D piece is read through, as matmul does unsharded (not of a
+  // batch: a batched GEMM may stack its batches' rows, which a transposed read breaks).
   auto operand = [](graph::NodePtr p, bool transposed) {
     if (p->pending()) {
-      if (auto* tr = dynamic_cast<graph::TransposeOfLastTwo*>(p.get());
-          tr && tr->transpose_source()->shape().rank() == p->shape().rank())
+      if (auto* tr = dynamic_cast<graph::TransposeOfLastTwo*>(p.get()); tr && tr->transpose_source()->shape().rank() == 2)
         return graph::GemmOperand{tr->transpose_source(), !transposed};
     }
     return graph::GemmOperand{std::move(p), transposed};

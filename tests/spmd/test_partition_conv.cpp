@@ -128,6 +128,17 @@ TEST(SpmdBmm, BatchedProductsSplitAlongTheBatchAndTheirRowsAndColumns) {
     expect_near_rel(b.grad().to_vector(), rb.grad().to_vector(), mesh.str() + " grad b");
     EXPECT_EQ(spmd::sharding_spec(a.grad()), spmd::sharding_spec(a)) << mesh.str();
   }
+  // A transposed batch times a shared matrix: the batch folds into the rows of one product,
+  // so the transposed pieces are copied, not read through as one matrix.
+  for (const auto& mesh : lazy_tests::named_meshes()) {
+    auto h = random_tensor({8, 5, 6}, 56), w = random_tensor({5, 4}, 57);
+    const auto want = lazy::matmul(lazy::transpose(h, 1, 2), w).to_vector();
+    spmd::mark_sharding(h, mesh, {"x"});
+    spmd::mark_sharding(w, mesh, {});
+    auto y = lazy::matmul(lazy::transpose(h, 1, 2), w);
+    EXPECT_EQ(spmd::sharding_spec(y), spmd::sharding_spec(h)) << mesh.str();
+    EXPECT_EQ(y.to_vector(), want) << mesh.str() << ": folded product of a transposed batch";
+  }
   // Rows of each matrix over one axis, the batch over the other; and a split depth.
   spmd::Mesh mesh({0, 1, 2, 3}, {2, 2}, {"x", "y"});
   auto a = random_tensor({4, 6, 8}, 51), b = random_tensor({4, 8, 6}, 52);
@@ -145,6 +156,24 @@ TEST(SpmdBmm, BatchedProductsSplitAlongTheBatchAndTheirRowsAndColumns) {
   auto depth = lazy::matmul(a2, b2);
   EXPECT_EQ(conv_counter("SpmdAllReduces"), reduces + 2) << "one all-reduce per batch block";
   expect_near_rel(depth.to_vector(), want2, "split depth");
+}
+
+TEST(SpmdArgmax, ArgmaxOverASplitDimensionGathersAndStaysRight) {
+  spmd::Mesh mesh({0, 1, 2, 3}, {2, 2}, {"x", "y"});
+  auto logits = random_tensor({8, 10}, 58);
+  const auto want = lazy::argmax(logits, 1).to_vector();
+  const auto want_rows = lazy::argmax(logits, 0).to_vector();
+  spmd::mark_sharding(logits, mesh, {"x", "y"});  // the reduced dimension split: blocks do not combine
+  EXPECT_EQ(lazy::argmax(logits, 1).to_vector(), want);
+  EXPECT_EQ(lazy::argmax(logits, 0).to_vector(), want_rows);
+  auto one = random_tensor({8, 10}, 59);
+  const auto want_one = lazy::argmax(one, 1).to_vector();
+  spmd::Mesh thin({0, 1, 2, 3}, {4, 1}, {"x", "y"});
+  spmd::mark_sharding(one, thin, {"x", "y"});  // over an axis of size 1: whole rows after all
+  const auto gathers = conv_counter("SpmdGathers");
+  auto idx = lazy::argmax(one, 1);
+  EXPECT_EQ(conv_counter("SpmdGathers"), gathers);
+  EXPECT_EQ(idx.to_vector(), want_one);
 }
 
 TEST(SpmdArgmax, ArgmaxOverAnUnsplitDimensionStaysOnTheBlocks) {
