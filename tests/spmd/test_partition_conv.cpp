@@ -16,15 +16,9 @@ namespace spmd = lazy::spmd;
 
 namespace {
 
+using lazy_tests::counter_value;
+using lazy_tests::expect_close_rel;
 using lazy_tests::random_tensor;
-
-std::int64_t conv_counter(const char* name) { return lazy_tests::counter_value(name); }
-
-void expect_near_rel(const std::vector<double>& got, const std::vector<double>& want, const std::string& what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  for (std::size_t i = 0; i < got.size(); ++i)
-    EXPECT_NEAR(got[i], want[i], 1e-12 * std::max(1.0, std::abs(want[i]))) << what << " at " << i;
-}
 
 // Batch specs of a mesh: the batch over each axis, and over both of a 2-D mesh.
 std::vector<spmd::PartitionSpec> batch_specs(const spmd::Mesh& m) {
@@ -59,23 +53,23 @@ TEST(SpmdConv, DataParallelConvolutionsAndPoolingRunOnBlocksForwardAndBackward) 
       spmd::mark_sharding(x, mesh, spec);
       for (auto* p : {&w1, &b1, &w2}) spmd::mark_sharding(*p, mesh, {});
       for (auto* p : {&x, &w1, &b1, &w2}) p->requires_grad_();
-      const auto gathers = conv_counter("SpmdGathers"), transfers = conv_counter("SpmdTransfers");
+      const auto gathers = counter_value("SpmdGathers"), transfers = counter_value("SpmdTransfers");
       auto loss = cnn_loss(x, w1, b1, w2);
       loss.backward();
       lazy::mark_step();
       const std::string where = mesh.str() + " " + spmd::sharding_spec(x);
-      EXPECT_EQ(conv_counter("SpmdGathers"), gathers) << where << ": nothing is gathered";
+      EXPECT_EQ(counter_value("SpmdGathers"), gathers) << where << ": nothing is gathered";
       // At most one transfer: the backward's seed (ones of the loss's input shape, traced
       // unsharded) split for the first sharded product; the convolutions and pools move
       // nothing.
-      EXPECT_LE(conv_counter("SpmdTransfers"), transfers + 1) << where;
-      expect_near_rel(loss.to_vector(), ref.to_vector(), where + " loss");
+      EXPECT_LE(counter_value("SpmdTransfers"), transfers + 1) << where;
+      expect_close_rel(loss.to_vector(), ref.to_vector(), where + " loss");
       // Image by image, nothing is summed across blocks: the input's gradient is bitwise.
       EXPECT_EQ(x.grad().to_vector(), rx.grad().to_vector()) << where;
       EXPECT_EQ(spmd::sharding_spec(x.grad()), spmd::sharding_spec(x)) << where;
-      expect_near_rel(w1.grad().to_vector(), rw1.grad().to_vector(), where + " conv1 weight grad");
-      expect_near_rel(b1.grad().to_vector(), rb1.grad().to_vector(), where + " conv1 bias grad");
-      expect_near_rel(w2.grad().to_vector(), rw2.grad().to_vector(), where + " conv2 weight grad");
+      expect_close_rel(w1.grad().to_vector(), rw1.grad().to_vector(), where + " conv1 weight grad");
+      expect_close_rel(b1.grad().to_vector(), rb1.grad().to_vector(), where + " conv1 bias grad");
+      expect_close_rel(w2.grad().to_vector(), rw2.grad().to_vector(), where + " conv2 weight grad");
     }
   }
 }
@@ -90,12 +84,12 @@ TEST(SpmdConv, PoolingKeepsImagesAndChannelsSplitAndConvolutionKeepsImagesSplit)
   spmd::mark_sharding(images, mesh, {"data"});
   spmd::mark_sharding(w, mesh, {});
   spmd::mark_sharding(b, mesh, {});
-  const auto gathers = conv_counter("SpmdGathers");
+  const auto gathers = counter_value("SpmdGathers");
   lazy::Tensor<double> avg = lazy::avg_pool2d(x, 3, 2, 1);  // plane by plane: both splits stay
   EXPECT_EQ(spmd::sharding_spec(avg), spmd::sharding_spec(x));
   lazy::Tensor<double> y = lazy::max_pool2d(lazy::conv2d(images, w, b, 2, 1), 2, 1);
   EXPECT_EQ(spmd::sharding_spec(y), spmd::sharding_spec(images));
-  EXPECT_EQ(conv_counter("SpmdGathers"), gathers);
+  EXPECT_EQ(counter_value("SpmdGathers"), gathers);
   EXPECT_EQ(avg.to_vector(), want_avg.to_vector());
   EXPECT_EQ(y.to_vector(), want.to_vector());  // image by image: bitwise
 }
@@ -113,19 +107,19 @@ TEST(SpmdBmm, BatchedProductsSplitAlongTheBatchAndTheirRowsAndColumns) {
     spmd::mark_sharding(w, mesh, {});
     a.requires_grad_();
     b.requires_grad_();
-    const auto gathers = conv_counter("SpmdGathers"), reduces = conv_counter("SpmdAllReduces");
+    const auto gathers = counter_value("SpmdGathers"), reduces = counter_value("SpmdAllReduces");
     auto c = lazy::matmul(a, b);
     auto cw = lazy::matmul(a, w);  // a shared right operand: the batch folds into its rows
-    EXPECT_EQ(conv_counter("SpmdAllReduces"), reduces) << mesh.str() << ": a batch split sums nothing";
+    EXPECT_EQ(counter_value("SpmdAllReduces"), reduces) << mesh.str() << ": a batch split sums nothing";
     lazy::sum(c * c).backward();
     lazy::mark_step();
-    EXPECT_EQ(conv_counter("SpmdGathers"), gathers) << mesh.str();
+    EXPECT_EQ(counter_value("SpmdGathers"), gathers) << mesh.str();
     EXPECT_EQ(spmd::sharding_spec(c), spmd::sharding_spec(a)) << mesh.str();
     EXPECT_EQ(spmd::sharding_spec(cw), spmd::sharding_spec(a)) << mesh.str();
     EXPECT_EQ(c.to_vector(), want) << mesh.str();
     EXPECT_EQ(cw.to_vector(), want_w) << mesh.str();
-    expect_near_rel(a.grad().to_vector(), ra.grad().to_vector(), mesh.str() + " grad a");
-    expect_near_rel(b.grad().to_vector(), rb.grad().to_vector(), mesh.str() + " grad b");
+    expect_close_rel(a.grad().to_vector(), ra.grad().to_vector(), mesh.str() + " grad a");
+    expect_close_rel(b.grad().to_vector(), rb.grad().to_vector(), mesh.str() + " grad b");
     EXPECT_EQ(spmd::sharding_spec(a.grad()), spmd::sharding_spec(a)) << mesh.str();
   }
   // A transposed batch times a shared matrix: the batch folds into the rows of one product,
@@ -147,15 +141,15 @@ TEST(SpmdBmm, BatchedProductsSplitAlongTheBatchAndTheirRowsAndColumns) {
   spmd::mark_sharding(b, mesh, {"x"});
   auto rows = lazy::matmul(a, b);
   EXPECT_EQ(spmd::sharding_spec(rows), spmd::sharding_spec(a));
-  expect_near_rel(rows.to_vector(), want, "batch and rows split");  // Eigen's small products: sums per call shape
+  expect_close_rel(rows.to_vector(), want, "batch and rows split");  // Eigen's small products: sums per call shape
   auto a2 = random_tensor({4, 6, 8}, 53), b2 = random_tensor({4, 8, 6}, 54);
   const auto want2 = lazy::matmul(a2, b2).to_vector();
   spmd::mark_sharding(a2, mesh, {"x", std::nullopt, "y"});
   spmd::mark_sharding(b2, mesh, {"x", "y"});
-  const auto reduces = conv_counter("SpmdAllReduces");
+  const auto reduces = counter_value("SpmdAllReduces");
   auto depth = lazy::matmul(a2, b2);
-  EXPECT_EQ(conv_counter("SpmdAllReduces"), reduces + 2) << "one all-reduce per batch block";
-  expect_near_rel(depth.to_vector(), want2, "split depth");
+  EXPECT_EQ(counter_value("SpmdAllReduces"), reduces + 2) << "one all-reduce per batch block";
+  expect_close_rel(depth.to_vector(), want2, "split depth");
 }
 
 TEST(SpmdArgmax, ArgmaxOverASplitDimensionGathersAndStaysRight) {
@@ -170,9 +164,9 @@ TEST(SpmdArgmax, ArgmaxOverASplitDimensionGathersAndStaysRight) {
   const auto want_one = lazy::argmax(one, 1).to_vector();
   spmd::Mesh thin({0, 1, 2, 3}, {4, 1}, {"x", "y"});
   spmd::mark_sharding(one, thin, {"x", "y"});  // over an axis of size 1: whole rows after all
-  const auto gathers = conv_counter("SpmdGathers");
+  const auto gathers = counter_value("SpmdGathers");
   auto idx = lazy::argmax(one, 1);
-  EXPECT_EQ(conv_counter("SpmdGathers"), gathers);
+  EXPECT_EQ(counter_value("SpmdGathers"), gathers);
   EXPECT_EQ(idx.to_vector(), want_one);
 }
 
@@ -182,10 +176,10 @@ TEST(SpmdArgmax, ArgmaxOverAnUnsplitDimensionStaysOnTheBlocks) {
     const auto want = lazy::argmax(logits, 1).to_vector();
     const auto want_min = lazy::argmin(logits * 2.0, 1, true).to_vector();
     spmd::mark_sharding(logits, mesh, {"x"});
-    const auto gathers = conv_counter("SpmdGathers");
+    const auto gathers = counter_value("SpmdGathers");
     auto idx = lazy::argmax(logits, 1);
     auto idx_min = lazy::argmin(logits * 2.0, 1, true);
-    EXPECT_EQ(conv_counter("SpmdGathers"), gathers) << mesh.str();
+    EXPECT_EQ(counter_value("SpmdGathers"), gathers) << mesh.str();
     EXPECT_EQ(idx.to_vector(), want) << mesh.str();
     EXPECT_EQ(idx_min.to_vector(), want_min) << mesh.str();
     EXPECT_EQ(spmd::sharding_spec(idx), spmd::sharding_spec(lazy::amax(logits.detach(), {1}))) << mesh.str();

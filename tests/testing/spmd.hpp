@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include <lazytensor/spmd.hpp>
 
@@ -30,6 +32,14 @@ inline std::vector<lazy::spmd::Mesh> named_meshes() {
 /// A double tensor of `shape` with values uniform in [-1, 1) from `seed`.
 inline lazy::Tensor<double> random_tensor(const lazy::Shape& shape, unsigned seed) {
   return lazy::from_vector<double>(random_values<double>(shape.numel(), seed), shape);
+}
+
+/// Expects `got` to equal `want` within 1e-12, relative above 1 and absolute below (a
+/// sharded computation whose sums are split against the unsharded one, in double).
+inline void expect_close_rel(const std::vector<double>& got, const std::vector<double>& want, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (std::size_t i = 0; i < got.size(); ++i)
+    EXPECT_NEAR(got[i], want[i], 1e-12 * std::max(1.0, std::abs(want[i]))) << what << " at " << i;
 }
 
 /// Expects two training runs (any struct with `losses` and per-parameter `weights`) to agree
