@@ -1663,6 +1663,21 @@ inline BlockRule all_but_dim_rule(int rank, int dim, std::size_t inputs) {
   return r;
 }
 
+/// The block rule of gather and of its adjoint scatter_add (two inputs, cut alike): every
+/// dimension but `dim` where `other` (the gathered input, the scattered index) has the
+/// output's size splits; the rest are whole.
+inline BlockRule same_size_but_dim_rule(const Shape& out, const Shape& other, int dim) {
+  const int rank = out.rank();
+  BlockRule r{std::vector<bool>(static_cast<std::size_t>(rank), false),
+              {std::vector<int>(static_cast<std::size_t>(rank), -1), std::vector<int>(static_cast<std::size_t>(rank), -1)}};
+  for (int o = 0; o < rank && other.rank() == rank; ++o) {
+    if (o == dim || other[o] != out[o]) continue;
+    r.splittable[static_cast<std::size_t>(o)] = true;
+    r.input_dim[0][static_cast<std::size_t>(o)] = r.input_dim[1][static_cast<std::size_t>(o)] = o;
+  }
+  return r;
+}
+
 /// The block rule of an op that computes each index of its leading `lead` dimensions alone
 /// from the same index of every input's leading dimensions (the images and channels of a
 /// convolution's im2col or of pooling): those are splittable, the rest whole.
@@ -16670,16 +16685,7 @@ class ScatterAddNode final : public Node {
   /// Blocks along the dimensions other than `dim` where the index spans the whole output
   /// (the gradient and the index cut alike), as gather's.
   std::optional<BlockRule> block_rule() const override {
-    const Shape& index = inputs()[1]->shape();
-    const int rank = shape().rank();
-    BlockRule r{std::vector<bool>(static_cast<std::size_t>(rank), false),
-                {std::vector<int>(static_cast<std::size_t>(rank), -1), std::vector<int>(static_cast<std::size_t>(rank), -1)}};
-    for (int o = 0; o < rank && index.rank() == rank; ++o) {
-      if (o == dim_ || index[o] != shape()[o]) continue;
-      r.splittable[static_cast<std::size_t>(o)] = true;
-      r.input_dim[0][static_cast<std::size_t>(o)] = r.input_dim[1][static_cast<std::size_t>(o)] = o;
-    }
-    return r;
+    return same_size_but_dim_rule(shape(), inputs()[1]->shape(), dim_);
   }
   NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
     return std::make_shared<ScatterAddNode>(std::move(inputs[0]), std::move(inputs[1]), std::move(shape), dim_);
@@ -17183,16 +17189,7 @@ class GatherNode final : public Node {
 
   /// Blocks along the other dimensions where input and index have the same size.
   std::optional<BlockRule> block_rule() const override {
-    const Shape& in = inputs()[0]->shape();
-    const int rank = shape().rank();
-    BlockRule r{std::vector<bool>(static_cast<std::size_t>(rank), false),
-                {std::vector<int>(static_cast<std::size_t>(rank), -1), std::vector<int>(static_cast<std::size_t>(rank), -1)}};
-    for (int o = 0; o < rank; ++o) {
-      if (o == dim_ || in[o] != shape()[o]) continue;
-      r.splittable[static_cast<std::size_t>(o)] = true;
-      r.input_dim[0][static_cast<std::size_t>(o)] = r.input_dim[1][static_cast<std::size_t>(o)] = o;
-    }
-    return r;
+    return same_size_but_dim_rule(shape(), inputs()[0]->shape(), dim_);
   }
   NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
     return std::make_shared<GatherNode>(std::move(inputs[0]), std::move(inputs[1]), dim_);
@@ -21076,6 +21073,11 @@ struct Sharding {
 
   /// Number of blocks along dimension `d` (the product of its axes' sizes).
   std::int64_t parts(int d) const;
+  /// The axes that cut dimension `d`: its axes but those of size 1, which cut nothing (two
+  /// dimensions with the same cuts are split into the same blocks).
+  std::vector<int> cuts(int d) const;
+  /// Number of distinct blocks (the product of every dimension's parts).
+  std::int64_t blocks() const;
   /// True when no dimension is split.
   bool replicated() const;
   /// The block index along dimension `d` of the device at mesh position `position`.
@@ -21126,6 +21128,19 @@ namespace lazy::spmd {
 LAZYTENSOR_INLINE std::int64_t Sharding::parts(int d) const {
   std::int64_t n = 1;
   for (int a : dims[static_cast<std::size_t>(d)]) n *= mesh.mesh_shape()[static_cast<std::size_t>(a)];
+  return n;
+}
+
+LAZYTENSOR_INLINE std::vector<int> Sharding::cuts(int d) const {
+  std::vector<int> axes;
+  for (int a : dims[static_cast<std::size_t>(d)])
+    if (mesh.mesh_shape()[static_cast<std::size_t>(a)] > 1) axes.push_back(a);
+  return axes;
+}
+
+LAZYTENSOR_INLINE std::int64_t Sharding::blocks() const {
+  std::int64_t n = 1;
+  for (std::size_t d = 0; d < dims.size(); ++d) n *= parts(static_cast<int>(d));
   return n;
 }
 
@@ -21359,9 +21374,7 @@ LAZYTENSOR_INLINE void ShardedNode::compute(graph::ExecContext& ctx) {
   gathers.add();
   auto buf = allocate_output(ctx, false);
   const Shape global = shape();
-  std::int64_t blocks = 1;
-  for (int d = 0; d < global.rank(); ++d) blocks *= sharding_.parts(d);
-  std::vector<bool> done(static_cast<std::size_t>(blocks), false);
+  std::vector<bool> done(static_cast<std::size_t>(sharding_.blocks()), false);
   const std::size_t esize = dtype_size(dtype());
   hand_out_pieces();
   for (int p = 0; p < num_shards(); ++p) {
@@ -25459,12 +25472,7 @@ LAZYTENSOR_INLINE graph::NodePtr partition(graph::NodePtr node) {
 LAZYTENSOR_INLINE bool leads(const ShardedNode* s, const ShardedNode* lead) {
   if (!lead) return true;
   if (s->numel() != lead->numel()) return s->numel() > lead->numel();
-  auto blocks = [](const ShardedNode* x) {
-    std::int64_t b = 1;
-    for (int d = 0; d < x->shape().rank(); ++d) b *= x->sharding().parts(d);
-    return b;
-  };
-  return blocks(s) > blocks(lead);
+  return s->sharding().blocks() > lead->sharding().blocks();
 }
 
 LAZYTENSOR_INLINE graph::NodePtr run_gathered(graph::NodePtr node) {
@@ -25534,17 +25542,9 @@ LAZYTENSOR_INLINE std::vector<std::vector<graph::NodePtr>> pieces_for(const std:
     const auto& in = ins[i];
     const ShardedNode* s = as_sharded(in);
     bool local = s && s->sharding().mesh == mesh;
-    // Mesh axes of size 1 cut nothing: a dimension over one is cut as one over none.
-    auto cuts = [&](const std::vector<int>& axes) {
-      std::vector<int> r;
-      for (int a : axes)
-        if (mesh.mesh_shape()[static_cast<std::size_t>(a)] > 1) r.push_back(a);
-      return r;
-    };
     for (int d = 0; local && d < in->shape().rank(); ++d) {
       const int l = logical_of[i][static_cast<std::size_t>(d)];
-      local = l >= 0 ? cuts(s->sharding().dims[static_cast<std::size_t>(d)]) == cuts(target.dims[static_cast<std::size_t>(l)])
-                     : s->sharding().parts(d) == 1;
+      local = l >= 0 ? s->sharding().cuts(d) == target.cuts(l) : s->sharding().parts(d) == 1;
     }
     if (local) {
       for (int p = 0; p < n; ++p) pieces[static_cast<std::size_t>(p)].push_back(s->shard(p));
@@ -25714,11 +25714,8 @@ LAZYTENSOR_INLINE graph::NodePtr partition_reduction(const graph::Node& node, co
   } else {
     return nullptr;
   }
-  if (!combines) {
-    // Blocks of whole rows only (a mesh axis of size 1 cuts nothing).
-    for (int ax : axes_of(target, a, b))
-      if (target.mesh.mesh_shape()[static_cast<std::size_t>(ax)] > 1) return nullptr;
-  }
+  for (int d = a; !combines && d < b; ++d)
+    if (target.parts(d) > 1) return nullptr;  // blocks of whole rows only
   auto pieces = pieces_for(ins, logical_of, target, child);
   const Shape child_block = target.block_shape(child);
   graph::ReduceGeometry local;
@@ -25759,15 +25756,17 @@ LAZYTENSOR_INLINE graph::NodePtr partition_gemm(const graph::Node& node, const g
   const Shape& sa = ins[0]->shape();
   const bool folded = batch == 1 && !ta && sa.rank() == 3 && sa[0] * sa[1] == m && ins[1]->shape().rank() == 2 &&
                       rank == 3 && out[0] == sa[0] && out[1] == sa[1];
-  auto operand_ok = [](const graph::NodePtr& in, std::int64_t b) {
-    const int r = in->shape().rank();
-    return r == 2 ? b == 1 : r == 3 && in->shape()[0] == b;
-  };
-  if (!folded && (!operand_ok(ins[0], ba) || !operand_ok(ins[1], bb))) return nullptr;
-  bool fits = folded || (rank >= 2 && out[rank - 2] == m && out[rank - 1] == n);
-  if (!folded && batch > 1) fits = fits && rank == 3 && out[0] == batch;
-  else if (!folded) for (int d = 0; fits && d + 2 < rank; ++d) fits = out[d] == 1;
-  if (!fits) return nullptr;
+  if (!folded) {
+    auto operand_ok = [](const graph::NodePtr& in, std::int64_t b) {
+      const int r = in->shape().rank();
+      return r == 2 ? b == 1 : r == 3 && in->shape()[0] == b;
+    };
+    bool fits = operand_ok(ins[0], ba) && operand_ok(ins[1], bb) && rank >= 2 && out[rank - 2] == m &&
+                out[rank - 1] == n;
+    if (batch > 1) fits = fits && rank == 3 && out[0] == batch;
+    else for (int d = 0; fits && d + 2 < rank; ++d) fits = out[d] == 1;
+    if (!fits) return nullptr;
+  }
   // Logical dimensions: 0 = batch, 1 = m (rows per batch when folded), 2 = k, 3 = n; each
   // operand's stored dimensions map onto them (a broadcast batch of 1 onto none: every
   // block reads it whole).

@@ -54,6 +54,21 @@ inline BlockRule all_but_dim_rule(int rank, int dim, std::size_t inputs) {
   return r;
 }
 
+/// The block rule of gather and of its adjoint scatter_add (two inputs, cut alike): every
+/// dimension but `dim` where `other` (the gathered input, the scattered index) has the
+/// output's size splits; the rest are whole.
+inline BlockRule same_size_but_dim_rule(const Shape& out, const Shape& other, int dim) {
+  const int rank = out.rank();
+  BlockRule r{std::vector<bool>(static_cast<std::size_t>(rank), false),
+              {std::vector<int>(static_cast<std::size_t>(rank), -1), std::vector<int>(static_cast<std::size_t>(rank), -1)}};
+  for (int o = 0; o < rank && other.rank() == rank; ++o) {
+    if (o == dim || other[o] != out[o]) continue;
+    r.splittable[static_cast<std::size_t>(o)] = true;
+    r.input_dim[0][static_cast<std::size_t>(o)] = r.input_dim[1][static_cast<std::size_t>(o)] = o;
+  }
+  return r;
+}
+
 /// The block rule of an op that computes each index of its leading `lead` dimensions alone
 /// from the same index of every input's leading dimensions (the images and channels of a
 /// convolution's im2col or of pooling): those are splittable, the rest whole.

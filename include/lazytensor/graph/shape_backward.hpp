@@ -149,16 +149,7 @@ class ScatterAddNode final : public Node {
   /// Blocks along the dimensions other than `dim` where the index spans the whole output
   /// (the gradient and the index cut alike), as gather's.
   std::optional<BlockRule> block_rule() const override {
-    const Shape& index = inputs()[1]->shape();
-    const int rank = shape().rank();
-    BlockRule r{std::vector<bool>(static_cast<std::size_t>(rank), false),
-                {std::vector<int>(static_cast<std::size_t>(rank), -1), std::vector<int>(static_cast<std::size_t>(rank), -1)}};
-    for (int o = 0; o < rank && index.rank() == rank; ++o) {
-      if (o == dim_ || index[o] != shape()[o]) continue;
-      r.splittable[static_cast<std::size_t>(o)] = true;
-      r.input_dim[0][static_cast<std::size_t>(o)] = r.input_dim[1][static_cast<std::size_t>(o)] = o;
-    }
-    return r;
+    return same_size_but_dim_rule(shape(), inputs()[1]->shape(), dim_);
   }
   NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
     return std::make_shared<ScatterAddNode>(std::move(inputs[0]), std::move(inputs[1]), std::move(shape), dim_);

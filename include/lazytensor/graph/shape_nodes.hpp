@@ -309,16 +309,7 @@ class GatherNode final : public Node {
 
   /// Blocks along the other dimensions where input and index have the same size.
   std::optional<BlockRule> block_rule() const override {
-    const Shape& in = inputs()[0]->shape();
-    const int rank = shape().rank();
-    BlockRule r{std::vector<bool>(static_cast<std::size_t>(rank), false),
-                {std::vector<int>(static_cast<std::size_t>(rank), -1), std::vector<int>(static_cast<std::size_t>(rank), -1)}};
-    for (int o = 0; o < rank; ++o) {
-      if (o == dim_ || in[o] != shape()[o]) continue;
-      r.splittable[static_cast<std::size_t>(o)] = true;
-      r.input_dim[0][static_cast<std::size_t>(o)] = r.input_dim[1][static_cast<std::size_t>(o)] = o;
-    }
-    return r;
+    return same_size_but_dim_rule(shape(), inputs()[0]->shape(), dim_);
   }
   NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
     return std::make_shared<GatherNode>(std::move(inputs[0]), std::move(inputs[1]), dim_);

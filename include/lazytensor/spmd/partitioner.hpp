@@ -117,12 +117,7 @@ LAZYTENSOR_INLINE graph::NodePtr partition(graph::NodePtr node) {
 LAZYTENSOR_INLINE bool leads(const ShardedNode* s, const ShardedNode* lead) {
   if (!lead) return true;
   if (s->numel() != lead->numel()) return s->numel() > lead->numel();
-  auto blocks = [](const ShardedNode* x) {
-    std::int64_t b = 1;
-    for (int d = 0; d < x->shape().rank(); ++d) b *= x->sharding().parts(d);
-    return b;
-  };
-  return blocks(s) > blocks(lead);
+  return s->sharding().blocks() > lead->sharding().blocks();
 }
 
 LAZYTENSOR_INLINE graph::NodePtr run_gathered(graph::NodePtr node) {
@@ -192,17 +187,9 @@ LAZYTENSOR_INLINE std::vector<std::vector<graph::NodePtr>> pieces_for(const std:
     const auto& in = ins[i];
     const ShardedNode* s = as_sharded(in);
     bool local = s && s->sharding().mesh == mesh;
-    // Mesh axes of size 1 cut nothing: a dimension over one is cut as one over none.
-    auto cuts = [&](const std::vector<int>& axes) {
-      std::vector<int> r;
-      for (int a : axes)
-        if (mesh.mesh_shape()[static_cast<std::size_t>(a)] > 1) r.push_back(a);
-      return r;
-    };
     for (int d = 0; local && d < in->shape().rank(); ++d) {
       const int l = logical_of[i][static_cast<std::size_t>(d)];
-      local = l >= 0 ? cuts(s->sharding().dims[static_cast<std::size_t>(d)]) == cuts(target.dims[static_cast<std::size_t>(l)])
-                     : s->sharding().parts(d) == 1;
+      local = l >= 0 ? s->sharding().cuts(d) == target.cuts(l) : s->sharding().parts(d) == 1;
     }
     if (local) {
       for (int p = 0; p < n; ++p) pieces[static_cast<std::size_t>(p)].push_back(s->shard(p));
@@ -372,11 +359,8 @@ LAZYTENSOR_INLINE graph::NodePtr partition_reduction(const graph::Node& node, co
   } else {
     return nullptr;
   }
-  if (!combines) {
-    // Blocks of whole rows only (a mesh axis of size 1 cuts nothing).
-    for (int ax : axes_of(target, a, b))
-      if (target.mesh.mesh_shape()[static_cast<std::size_t>(ax)] > 1) return nullptr;
-  }
+  for (int d = a; !combines && d < b; ++d)
+    if (target.parts(d) > 1) return nullptr;  // blocks of whole rows only
   auto pieces = pieces_for(ins, logical_of, target, child);
   const Shape child_block = target.block_shape(child);
   graph::ReduceGeometry local;
@@ -417,15 +401,17 @@ LAZYTENSOR_INLINE graph::NodePtr partition_gemm(const graph::Node& node, const g
   const Shape& sa = ins[0]->shape();
   const bool folded = batch == 1 && !ta && sa.rank() == 3 && sa[0] * sa[1] == m && ins[1]->shape().rank() == 2 &&
                       rank == 3 && out[0] == sa[0] && out[1] == sa[1];
-  auto operand_ok = [](const graph::NodePtr& in, std::int64_t b) {
-    const int r = in->shape().rank();
-    return r == 2 ? b == 1 : r == 3 && in->shape()[0] == b;
-  };
-  if (!folded && (!operand_ok(ins[0], ba) || !operand_ok(ins[1], bb))) return nullptr;
-  bool fits = folded || (rank >= 2 && out[rank - 2] == m && out[rank - 1] == n);
-  if (!folded && batch > 1) fits = fits && rank == 3 && out[0] == batch;
-  else if (!folded) for (int d = 0; fits && d + 2 < rank; ++d) fits = out[d] == 1;
-  if (!fits) return nullptr;
+  if (!folded) {
+    auto operand_ok = [](const graph::NodePtr& in, std::int64_t b) {
+      const int r = in->shape().rank();
+      return r == 2 ? b == 1 : r == 3 && in->shape()[0] == b;
+    };
+    bool fits = operand_ok(ins[0], ba) && operand_ok(ins[1], bb) && rank >= 2 && out[rank - 2] == m &&
+                out[rank - 1] == n;
+    if (batch > 1) fits = fits && rank == 3 && out[0] == batch;
+    else for (int d = 0; fits && d + 2 < rank; ++d) fits = out[d] == 1;
+    if (!fits) return nullptr;
+  }
   // Logical dimensions: 0 = batch, 1 = m (rows per batch when folded), 2 = k, 3 = n; each
   // operand's stored dimensions map onto them (a broadcast batch of 1 onto none: every
   // block reads it whole).

@@ -122,9 +122,7 @@ LAZYTENSOR_INLINE void ShardedNode::compute(graph::ExecContext& ctx) {
   gathers.add();
   auto buf = allocate_output(ctx, false);
   const Shape global = shape();
-  std::int64_t blocks = 1;
-  for (int d = 0; d < global.rank(); ++d) blocks *= sharding_.parts(d);
-  std::vector<bool> done(static_cast<std::size_t>(blocks), false);
+  std::vector<bool> done(static_cast<std::size_t>(sharding_.blocks()), false);
   const std::size_t esize = dtype_size(dtype());
   hand_out_pieces();
   for (int p = 0; p < num_shards(); ++p) {

@@ -57,6 +57,11 @@ struct Sharding {
 
   /// Number of blocks along dimension `d` (the product of its axes' sizes).
   std::int64_t parts(int d) const;
+  /// The axes that cut dimension `d`: its axes but those of size 1, which cut nothing (two
+  /// dimensions with the same cuts are split into the same blocks).
+  std::vector<int> cuts(int d) const;
+  /// Number of distinct blocks (the product of every dimension's parts).
+  std::int64_t blocks() const;
   /// True when no dimension is split.
   bool replicated() const;
   /// The block index along dimension `d` of the device at mesh position `position`.
@@ -107,6 +112,19 @@ namespace lazy::spmd {
 LAZYTENSOR_INLINE std::int64_t Sharding::parts(int d) const {
   std::int64_t n = 1;
   for (int a : dims[static_cast<std::size_t>(d)]) n *= mesh.mesh_shape()[static_cast<std::size_t>(a)];
+  return n;
+}
+
+LAZYTENSOR_INLINE std::vector<int> Sharding::cuts(int d) const {
+  std::vector<int> axes;
+  for (int a : dims[static_cast<std::size_t>(d)])
+    if (mesh.mesh_shape()[static_cast<std::size_t>(a)] > 1) axes.push_back(a);
+  return axes;
+}
+
+LAZYTENSOR_INLINE std::int64_t Sharding::blocks() const {
+  std::int64_t n = 1;
+  for (std::size_t d = 0; d < dims.size(); ++d) n *= parts(static_cast<int>(d));
   return n;
 }
 
