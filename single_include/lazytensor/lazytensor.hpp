@@ -1816,6 +1816,27 @@ class Node {
   mutable std::uint64_t hash_ = 0;
 };
 
+/// A collective node (NodeKind::Collective) whose run meets its peers on other devices in
+/// three phases. The planner batches a step's collectives that nothing between them reads
+/// (PlanStep::Kind::Batch): every member publishes, then each combines, then each
+/// releases, so a device waits for its slowest peer once per batch rather than once per
+/// collective. Each phase waits only on the same or an earlier phase of the same or an
+/// earlier collective, and every device meets its collectives in program order, so
+/// devices that batch differently (a read runs part of a step) still meet.
+class Rendezvous {
+ public:
+  /// Offers this member's input to its peers; never waits.
+  virtual void publish() = 0;
+  /// Waits for every peer's input and returns the combination, a new buffer of this
+  /// device; afterwards this member no longer reads its peers' inputs.
+  virtual std::shared_ptr<Buffer> combine(ExecContext& ctx) = 0;
+  /// Waits until every peer has read this member's input, then lets go of it.
+  virtual void release() = 0;
+
+ protected:
+  ~Rendezvous() = default;
+};
+
 /// A value that already exists (factories, reads from host memory, computed results).
 class DataNode final : public Node {
  public:
@@ -2730,6 +2751,11 @@ inline void hide_from_vectorizer([[maybe_unused]] T& value) {
 // is computed into a chunk-sized scratch and never written whole. A reduction of every
 // element of a child the group computes ends the group: it reduces each chunk as the chunk
 // is made (see chunk_reduction.hpp).
+//
+// Collectives sink: a step's collectives (graph::Rendezvous nodes) wait in an open batch
+// until a node reads one of them, and then run together (PlanStep::Kind::Batch). The
+// gradient all-reduces of a data-parallel backward pass, which only the optimizer reads,
+// become one meeting of the devices instead of one per gradient.
 
 #include <algorithm>
 #include <cstdint>
@@ -4660,9 +4686,10 @@ LAZYTENSOR_INLINE void ElementwiseNode::run_with_producer(ExecContext& ctx, cons
 
 namespace lazy::graph {
 
-/// One unit of execution: a single node, or a fused element-wise group.
+/// One unit of execution: a single node, a fused element-wise group, or a batch of
+/// collectives (Rendezvous nodes) run phase by phase.
 struct PlanStep {
-  enum class Kind : std::uint8_t { Single, Group };
+  enum class Kind : std::uint8_t { Single, Group, Batch };
   Kind kind = Kind::Single;
   /// Plan positions of the members, in execution order.
   std::vector<std::int32_t> members;
@@ -4730,6 +4757,11 @@ const ElementwiseNode* chunkable(const NodePtr& n);
 /// A reduction that can end a group of `numel`-element chunks: it reduces every element
 /// of a child with that many elements, each input having them all or one.
 ChunkReduction* chunk_reduction(const NodePtr& n, std::int64_t numel);
+
+/// A collective that runs in phases (Rendezvous), else null.
+inline Rendezvous* rendezvous(const NodePtr& n) {
+  return n->kind() == NodeKind::Collective ? dynamic_cast<Rendezvous*>(n.get()) : nullptr;
+}
 
 /// Signature (see the file comment) of `nodes`, numbered with `epoch`; `outside[i]` is
 /// true when something outside the step refers to node i.
@@ -4835,11 +4867,13 @@ LAZYTENSOR_INLINE std::shared_ptr<Plan> build_plan(const std::vector<NodePtr>& n
     std::int64_t numel;
   };
   std::vector<Open> open;  // in creation order
+  constexpr std::int64_t kBatchKey = -1;  // the open batch of collectives, among the groups
 
   auto close_unit = [&](std::int32_t u) {
     for (std::size_t g = 0; g < open.size(); ++g) {
       if (open[g].unit != u) continue;
-      if (open[g].st.members.size() > 1) open[g].st.kind = PlanStep::Kind::Group;
+      if (open[g].st.members.size() == 1) open[g].st.kind = PlanStep::Kind::Single;
+      else if (open[g].st.kind == PlanStep::Kind::Single) open[g].st.kind = PlanStep::Kind::Group;
       plan->steps.push_back(std::move(open[g].st));
       open.erase(open.begin() + static_cast<std::ptrdiff_t>(g));
       return;
@@ -4878,6 +4912,19 @@ LAZYTENSOR_INLINE std::shared_ptr<Plan> build_plan(const std::vector<NodePtr>& n
 
   for (std::size_t i = 0; i < n; ++i) {
     const NodePtr& node = nodes[i];
+    if (rendezvous(node)) {
+      Open* b = open_with(kBatchKey);
+      close_read(node, b ? b->unit : -1);
+      b = open_with(kBatchKey);
+      if (!b) {
+        PlanStep batch;
+        batch.kind = PlanStep::Kind::Batch;
+        open.push_back(Open{std::move(batch), next_unit++, kBatchKey});
+        b = &open.back();
+      }
+      add_member(*b, i);
+      continue;
+    }
     if (chunkable(node)) {
       Open* g = open_with(node->numel());
       if (g && g->st.members.size() >= kMaxGroupMembers) {
@@ -4902,7 +4949,7 @@ LAZYTENSOR_INLINE std::shared_ptr<Plan> build_plan(const std::vector<NodePtr>& n
       Open* g = nullptr;
       for (auto& o : open)
         if (o.unit == u) g = &o;
-      if (!g || !chunk_reduction(node, g->numel)) continue;
+      if (!g || g->numel == kBatchKey || !chunk_reduction(node, g->numel)) continue;
       close_read(node, u);
       for (auto& o : open)
         if (o.unit == u) g = &o;
@@ -5350,6 +5397,11 @@ class SeenNodes {
   std::unordered_set<const Node*> set_;
 };
 
+/// Runs a batch of collectives (PlanStep::Kind::Batch) phase by phase: every member
+/// publishes, then each combines, then each releases (see graph::Rendezvous). Returns how
+/// many ran; a member a read already computed is skipped. Counted as CollectiveBatches.
+std::int64_t run_batch(ExecContext& ctx, const PlanStep& st, std::span<NodePtr> nodes);
+
 }  // namespace detail
 
 /// Pending nodes reachable from `roots`, producers before consumers (iterative DFS, so a
@@ -5416,6 +5468,26 @@ void run_step(Device& dev, std::vector<NodePtr> nodes);
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace lazy::graph::detail {
+
+LAZYTENSOR_INLINE std::int64_t run_batch(ExecContext& ctx, const PlanStep& st, std::span<NodePtr> nodes) {
+  static auto& batches = core::counter("CollectiveBatches");
+  batches.add();
+  std::vector<Node*> run;
+  for (auto m : st.members) {
+    Node* n = nodes[static_cast<std::size_t>(m)].get();
+    if (!n->materialized()) run.push_back(n);
+  }
+  for (Node* n : run) dynamic_cast<Rendezvous&>(*n).publish();
+  std::vector<std::shared_ptr<Buffer>> out;
+  out.reserve(run.size());
+  for (Node* n : run) out.push_back(dynamic_cast<Rendezvous&>(*n).combine(ctx));
+  for (std::size_t i = 0; i < run.size(); ++i) {
+    dynamic_cast<Rendezvous&>(*run[i]).release();
+    run[i]->finish_with(std::move(out[i]));
+  }
+  for (auto m : st.members) nodes[static_cast<std::size_t>(m)].reset();
+  return static_cast<std::int64_t>(run.size());
+}
 
 LAZYTENSOR_INLINE bool SeenNodes::insert(const Node* n) {
   if (set_.empty()) {
@@ -5564,6 +5636,10 @@ LAZYTENSOR_INLINE void run_plan(Device& device,
           ++ran;
         }
         n.reset();
+        continue;
+      }
+      if (st.kind == PlanStep::Kind::Batch) {
+        ran += detail::run_batch(ctx, st, nodes);
         continue;
       }
       detail::run_group(ctx, st, detail::GroupMembers(nodes, st));
@@ -25120,7 +25196,8 @@ LAZYTENSOR_OPTIM_SGD_INSTANCES(extern)
 // partial results of a product or reduction split along its contracted dimension). One
 // node per member, each on its member's graph; when the member's executor runs it, it
 // publishes its input, waits for the group, and combines every input in group order, so
-// every member holds the same bits.
+// every member holds the same bits. The planner runs a step's consecutive all-reduces as
+// one batch (graph::Rendezvous), one meeting for all of them.
 
 #include <atomic>
 #include <condition_variable>
@@ -25139,18 +25216,35 @@ enum class Combine { Sum, Prod, Max, Min };
 
 namespace detail {
 
-/// One round of an all-reduce: the group's inputs, published as members arrive.
+/// One round of an all-reduce: the group's inputs, published as members arrive. A member
+/// publishes, combines, then releases (graph::Rendezvous's phases); between the phases it
+/// may serve other rounds.
 class ReduceRound {
  public:
   ReduceRound(Combine op, std::vector<graph::Device*> members);
-  /// Member `slot` publishes `in` and waits for every member; returns the combination of all
-  /// inputs in slot order as a new buffer of `dev`. CollectiveError when a member's device
-  /// fails before arriving (its step stopped), CollectiveTimeout after dist's timeout.
+  /// Member `slot` offers `in` to the group; never waits.
+  void publish(int slot, std::shared_ptr<Buffer> in);
+  /// Member `slot` waits for every member's input and returns their combination in slot
+  /// order, a new buffer of `dev`. CollectiveError when a member's device fails before
+  /// publishing (its step stopped), CollectiveTimeout after dist's timeout.
+  std::shared_ptr<Buffer> combine(int slot, DType dtype, std::int64_t numel, graph::Device& dev);
+  /// Member `slot` waits until every member has read its input (or failed), then lets go
+  /// of it: a buffer whose last reference another device dropped could be donated
+  /// (overwritten) there with nothing ordering this device's reads before the write.
+  void release(int slot);
+  /// All three phases.
   std::shared_ptr<Buffer> run(int slot, std::shared_ptr<Buffer> in, DType dtype, std::int64_t numel, graph::Device& dev);
   Combine op() const { return op_; }
   int size() const { return static_cast<int>(members_.size()); }
 
  private:
+  /// Waits, `lock` held, until `count` reaches the group size: members of a step arrive
+  /// close together, so it spins, then yields for up to 2 ms, then sleeps (a sleeping
+  /// waiter's wake-up costs tens of microseconds on a VM; dist waits alike). Returns
+  /// false when a member whose `marks` entry is still 0 failed since the round was traced.
+  bool await(std::unique_lock<std::mutex>& lock, const int& count, const std::atomic<int>& fast,
+             const std::vector<std::uint8_t>& marks, const char* what);
+
   Combine op_;
   std::vector<graph::Device*> members_;
   std::vector<std::uint64_t> failures_;  // each member device's failure count when traced
@@ -25159,6 +25253,7 @@ class ReduceRound {
   int arrived_ = 0, done_ = 0;
   std::atomic<int> arrived_fast_{0};  // arrived_, readable without the lock (spinning)
   std::atomic<int> done_fast_{0};     // members done reading, likewise
+  std::vector<std::uint8_t> arrived_marks_, done_marks_;  // per member
   std::vector<std::shared_ptr<Buffer>> inputs_;
 };
 
@@ -25170,12 +25265,17 @@ void combine(Combine op, DType dtype, const std::vector<const void*>& in, void* 
 /// A member's part of an all-reduce (NodeKind::Collective): its value is the group's
 /// combination. Takes the device's previous SPMD collective as an extra input, so each
 /// device meets its collectives in program order.
-class AllReduceNode final : public graph::Node {
+class AllReduceNode final : public graph::Node, public graph::Rendezvous {
  public:
   AllReduceNode(graph::NodePtr in, std::shared_ptr<detail::ReduceRound> round, int slot, graph::NodePtr previous);
   std::string op_name() const override { return "spmd_all_reduce"; }
   std::string describe() const override;
   std::uint64_t structural_hash() const override;
+  void publish() override { round_->publish(slot_, inputs()[0]->buffer()); }
+  std::shared_ptr<Buffer> combine(graph::ExecContext& ctx) override {
+    return round_->combine(slot_, dtype(), numel(), ctx.device);
+  }
+  void release() override { round_->release(slot_); }
 
  protected:
   void compute(graph::ExecContext& ctx) override;
@@ -25202,23 +25302,19 @@ namespace lazy::spmd {
 namespace detail {
 
 LAZYTENSOR_INLINE ReduceRound::ReduceRound(Combine op, std::vector<graph::Device*> members)
-    : op_(op), members_(std::move(members)), inputs_(members_.size()) {
+    : op_(op), members_(std::move(members)), arrived_marks_(members_.size()), done_marks_(members_.size()),
+      inputs_(members_.size()) {
   for (auto* d : members_) failures_.push_back(d->failures());
 }
 
-LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::run(int slot, std::shared_ptr<Buffer> in, DType dtype,
-                                                           std::int64_t numel, graph::Device& dev) {
+LAZYTENSOR_INLINE bool ReduceRound::await(std::unique_lock<std::mutex>& lock, const int& count,
+                                          const std::atomic<int>& fast, const std::vector<std::uint8_t>& marks,
+                                          const char* what) {
   const int n = size();
-  std::unique_lock lock(mu_);
-  inputs_[static_cast<std::size_t>(slot)] = std::move(in);
-  if (++arrived_ == n) cv_.notify_all();
-  arrived_fast_.store(arrived_, std::memory_order_release);
-  if (arrived_ < n) {
-    // Members of a step arrive close together: spin, then yield, before sleeping (a
-    // sleeping waiter's wake-up costs tens of microseconds on a VM; dist waits alike).
+  if (count < n) {
     lock.unlock();
     const auto start = std::chrono::steady_clock::now();
-    for (int spins = 0; arrived_fast_.load(std::memory_order_acquire) < n; ++spins) {
+    for (int spins = 0; fast.load(std::memory_order_acquire) < n; ++spins) {
       if (spins < 2000) continue;
       if (std::chrono::steady_clock::now() - start > std::chrono::milliseconds(2)) break;
       std::this_thread::yield();
@@ -25226,36 +25322,60 @@ LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::run(int slot, std::shared
     lock.lock();
   }
   const auto deadline = std::chrono::steady_clock::now() + dist::collective_timeout();
-  while (arrived_ < n) {
+  while (count < n) {
     cv_.wait_for(lock, std::chrono::milliseconds(2));
-    for (std::size_t m = 0; m < members_.size() && arrived_ < n; ++m) {
-      if (!inputs_[m] && members_[m]->failures() != failures_[m])
+    for (std::size_t m = 0; m < members_.size() && count < n; ++m) {
+      if (!marks[m] && members_[m]->failures() != failures_[m]) return false;
+    }
+    if (count < n && std::chrono::steady_clock::now() > deadline)
+      throw CollectiveTimeout(std::string("SPMD all-reduce: waited longer than the collective timeout for ") +
+                              std::to_string(n - count) + " of " + std::to_string(n) + " devices to " + what);
+  }
+  return true;
+}
+
+LAZYTENSOR_INLINE void ReduceRound::publish(int slot, std::shared_ptr<Buffer> in) {
+  const auto s = static_cast<std::size_t>(slot);
+  std::lock_guard lock(mu_);
+  inputs_[s] = std::move(in);
+  arrived_marks_[s] = 1;
+  if (++arrived_ == size()) cv_.notify_all();
+  arrived_fast_.store(arrived_, std::memory_order_release);
+}
+
+LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::combine(int slot, DType dtype, std::int64_t numel,
+                                                               graph::Device& dev) {
+  std::unique_lock lock(mu_);
+  if (!await(lock, arrived_, arrived_fast_, arrived_marks_, "arrive")) {
+    for (std::size_t m = 0; m < members_.size(); ++m)
+      if (!arrived_marks_[m] && members_[m]->failures() != failures_[m])
         throw CollectiveError("SPMD all-reduce: " + members_[m]->str() +
                               " failed before reaching it (its step stopped; the error surfaces there)");
-    }
-    if (arrived_ < n && std::chrono::steady_clock::now() > deadline)
-      throw CollectiveTimeout("SPMD all-reduce: waited longer than the collective timeout for " +
-                              std::to_string(n - arrived_) + " of " + std::to_string(n) + " devices");
   }
   std::vector<const void*> ptrs;
   for (const auto& b : inputs_) ptrs.push_back(b->data());
   lock.unlock();
   auto out = dev.pool().acquire(padded_bytes(numel, dtype_size(dtype)));
-  combine(op_, dtype, ptrs, out->data(), numel);
-  // Every member lets go of its own input only once all have read it, on its own thread:
-  // a buffer whose last reference another device dropped could be donated (overwritten)
-  // here with nothing ordering that device's reads before the write.
+  detail::combine(op_, dtype, ptrs, out->data(), numel);
   lock.lock();
-  if (++done_ == n) cv_.notify_all();
+  done_marks_[static_cast<std::size_t>(slot)] = 1;
+  if (++done_ == size()) cv_.notify_all();
   done_fast_.store(done_, std::memory_order_release);
-  if (done_ < n) {
-    lock.unlock();
-    for (int spins = 0; done_fast_.load(std::memory_order_acquire) < n; ++spins) {
-      if (spins >= 2000) std::this_thread::yield();
-    }
-    lock.lock();
-  }
+  return out;
+}
+
+LAZYTENSOR_INLINE void ReduceRound::release(int slot) {
+  std::unique_lock lock(mu_);
+  // A member that failed before reading never will: nothing more to wait for.
+  (void)await(lock, done_, done_fast_, done_marks_, "read");
   inputs_[static_cast<std::size_t>(slot)].reset();
+}
+
+LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::run(int slot, std::shared_ptr<Buffer> in, DType dtype,
+                                                           std::int64_t numel, graph::Device& dev) {
+  publish(slot, std::move(in));
+  auto out = combine(slot, dtype, numel, dev);
+  release(slot);
   return out;
 }
 

@@ -38,6 +38,11 @@ class SeenNodes {
   std::unordered_set<const Node*> set_;
 };
 
+/// Runs a batch of collectives (PlanStep::Kind::Batch) phase by phase: every member
+/// publishes, then each combines, then each releases (see graph::Rendezvous). Returns how
+/// many ran; a member a read already computed is skipped. Counted as CollectiveBatches.
+std::int64_t run_batch(ExecContext& ctx, const PlanStep& st, std::span<NodePtr> nodes);
+
 }  // namespace detail
 
 /// Pending nodes reachable from `roots`, producers before consumers (iterative DFS, so a
@@ -104,6 +109,26 @@ void run_step(Device& dev, std::vector<NodePtr> nodes);
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace lazy::graph::detail {
+
+LAZYTENSOR_INLINE std::int64_t run_batch(ExecContext& ctx, const PlanStep& st, std::span<NodePtr> nodes) {
+  static auto& batches = core::counter("CollectiveBatches");
+  batches.add();
+  std::vector<Node*> run;
+  for (auto m : st.members) {
+    Node* n = nodes[static_cast<std::size_t>(m)].get();
+    if (!n->materialized()) run.push_back(n);
+  }
+  for (Node* n : run) dynamic_cast<Rendezvous&>(*n).publish();
+  std::vector<std::shared_ptr<Buffer>> out;
+  out.reserve(run.size());
+  for (Node* n : run) out.push_back(dynamic_cast<Rendezvous&>(*n).combine(ctx));
+  for (std::size_t i = 0; i < run.size(); ++i) {
+    dynamic_cast<Rendezvous&>(*run[i]).release();
+    run[i]->finish_with(std::move(out[i]));
+  }
+  for (auto m : st.members) nodes[static_cast<std::size_t>(m)].reset();
+  return static_cast<std::int64_t>(run.size());
+}
 
 LAZYTENSOR_INLINE bool SeenNodes::insert(const Node* n) {
   if (set_.empty()) {
@@ -252,6 +277,10 @@ LAZYTENSOR_INLINE void run_plan(Device& device,
           ++ran;
         }
         n.reset();
+        continue;
+      }
+      if (st.kind == PlanStep::Kind::Batch) {
+        ran += detail::run_batch(ctx, st, nodes);
         continue;
       }
       detail::run_group(ctx, st, detail::GroupMembers(nodes, st));

@@ -207,6 +207,27 @@ class Node {
   mutable std::uint64_t hash_ = 0;
 };
 
+/// A collective node (NodeKind::Collective) whose run meets its peers on other devices in
+/// three phases. The planner batches a step's collectives that nothing between them reads
+/// (PlanStep::Kind::Batch): every member publishes, then each combines, then each
+/// releases, so a device waits for its slowest peer once per batch rather than once per
+/// collective. Each phase waits only on the same or an earlier phase of the same or an
+/// earlier collective, and every device meets its collectives in program order, so
+/// devices that batch differently (a read runs part of a step) still meet.
+class Rendezvous {
+ public:
+  /// Offers this member's input to its peers; never waits.
+  virtual void publish() = 0;
+  /// Waits for every peer's input and returns the combination, a new buffer of this
+  /// device; afterwards this member no longer reads its peers' inputs.
+  virtual std::shared_ptr<Buffer> combine(ExecContext& ctx) = 0;
+  /// Waits until every peer has read this member's input, then lets go of it.
+  virtual void release() = 0;
+
+ protected:
+  ~Rendezvous() = default;
+};
+
 /// A value that already exists (factories, reads from host memory, computed results).
 class DataNode final : public Node {
  public:

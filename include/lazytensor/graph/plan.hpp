@@ -14,6 +14,11 @@
 // is computed into a chunk-sized scratch and never written whole. A reduction of every
 // element of a child the group computes ends the group: it reduces each chunk as the chunk
 // is made (see chunk_reduction.hpp).
+//
+// Collectives sink: a step's collectives (graph::Rendezvous nodes) wait in an open batch
+// until a node reads one of them, and then run together (PlanStep::Kind::Batch). The
+// gradient all-reduces of a data-parallel backward pass, which only the optimizer reads,
+// become one meeting of the devices instead of one per gradient.
 
 #include <algorithm>
 #include <cstdint>
@@ -30,9 +35,10 @@
 
 namespace lazy::graph {
 
-/// One unit of execution: a single node, or a fused element-wise group.
+/// One unit of execution: a single node, a fused element-wise group, or a batch of
+/// collectives (Rendezvous nodes) run phase by phase.
 struct PlanStep {
-  enum class Kind : std::uint8_t { Single, Group };
+  enum class Kind : std::uint8_t { Single, Group, Batch };
   Kind kind = Kind::Single;
   /// Plan positions of the members, in execution order.
   std::vector<std::int32_t> members;
@@ -100,6 +106,11 @@ const ElementwiseNode* chunkable(const NodePtr& n);
 /// A reduction that can end a group of `numel`-element chunks: it reduces every element
 /// of a child with that many elements, each input having them all or one.
 ChunkReduction* chunk_reduction(const NodePtr& n, std::int64_t numel);
+
+/// A collective that runs in phases (Rendezvous), else null.
+inline Rendezvous* rendezvous(const NodePtr& n) {
+  return n->kind() == NodeKind::Collective ? dynamic_cast<Rendezvous*>(n.get()) : nullptr;
+}
 
 /// Signature (see the file comment) of `nodes`, numbered with `epoch`; `outside[i]` is
 /// true when something outside the step refers to node i.
@@ -205,11 +216,13 @@ LAZYTENSOR_INLINE std::shared_ptr<Plan> build_plan(const std::vector<NodePtr>& n
     std::int64_t numel;
   };
   std::vector<Open> open;  // in creation order
+  constexpr std::int64_t kBatchKey = -1;  // the open batch of collectives, among the groups
 
   auto close_unit = [&](std::int32_t u) {
     for (std::size_t g = 0; g < open.size(); ++g) {
       if (open[g].unit != u) continue;
-      if (open[g].st.members.size() > 1) open[g].st.kind = PlanStep::Kind::Group;
+      if (open[g].st.members.size() == 1) open[g].st.kind = PlanStep::Kind::Single;
+      else if (open[g].st.kind == PlanStep::Kind::Single) open[g].st.kind = PlanStep::Kind::Group;
       plan->steps.push_back(std::move(open[g].st));
       open.erase(open.begin() + static_cast<std::ptrdiff_t>(g));
       return;
@@ -248,6 +261,19 @@ LAZYTENSOR_INLINE std::shared_ptr<Plan> build_plan(const std::vector<NodePtr>& n
 
   for (std::size_t i = 0; i < n; ++i) {
     const NodePtr& node = nodes[i];
+    if (rendezvous(node)) {
+      Open* b = open_with(kBatchKey);
+      close_read(node, b ? b->unit : -1);
+      b = open_with(kBatchKey);
+      if (!b) {
+        PlanStep batch;
+        batch.kind = PlanStep::Kind::Batch;
+        open.push_back(Open{std::move(batch), next_unit++, kBatchKey});
+        b = &open.back();
+      }
+      add_member(*b, i);
+      continue;
+    }
     if (chunkable(node)) {
       Open* g = open_with(node->numel());
       if (g && g->st.members.size() >= kMaxGroupMembers) {
@@ -272,7 +298,7 @@ LAZYTENSOR_INLINE std::shared_ptr<Plan> build_plan(const std::vector<NodePtr>& n
       Open* g = nullptr;
       for (auto& o : open)
         if (o.unit == u) g = &o;
-      if (!g || !chunk_reduction(node, g->numel)) continue;
+      if (!g || g->numel == kBatchKey || !chunk_reduction(node, g->numel)) continue;
       close_read(node, u);
       for (auto& o : open)
         if (o.unit == u) g = &o;

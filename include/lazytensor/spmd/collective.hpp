@@ -3,7 +3,8 @@
 // partial results of a product or reduction split along its contracted dimension). One
 // node per member, each on its member's graph; when the member's executor runs it, it
 // publishes its input, waits for the group, and combines every input in group order, so
-// every member holds the same bits.
+// every member holds the same bits. The planner runs a step's consecutive all-reduces as
+// one batch (graph::Rendezvous), one meeting for all of them.
 
 #include <atomic>
 #include <condition_variable>
@@ -29,18 +30,35 @@ enum class Combine { Sum, Prod, Max, Min };
 
 namespace detail {
 
-/// One round of an all-reduce: the group's inputs, published as members arrive.
+/// One round of an all-reduce: the group's inputs, published as members arrive. A member
+/// publishes, combines, then releases (graph::Rendezvous's phases); between the phases it
+/// may serve other rounds.
 class ReduceRound {
  public:
   ReduceRound(Combine op, std::vector<graph::Device*> members);
-  /// Member `slot` publishes `in` and waits for every member; returns the combination of all
-  /// inputs in slot order as a new buffer of `dev`. CollectiveError when a member's device
-  /// fails before arriving (its step stopped), CollectiveTimeout after dist's timeout.
+  /// Member `slot` offers `in` to the group; never waits.
+  void publish(int slot, std::shared_ptr<Buffer> in);
+  /// Member `slot` waits for every member's input and returns their combination in slot
+  /// order, a new buffer of `dev`. CollectiveError when a member's device fails before
+  /// publishing (its step stopped), CollectiveTimeout after dist's timeout.
+  std::shared_ptr<Buffer> combine(int slot, DType dtype, std::int64_t numel, graph::Device& dev);
+  /// Member `slot` waits until every member has read its input (or failed), then lets go
+  /// of it: a buffer whose last reference another device dropped could be donated
+  /// (overwritten) there with nothing ordering this device's reads before the write.
+  void release(int slot);
+  /// All three phases.
   std::shared_ptr<Buffer> run(int slot, std::shared_ptr<Buffer> in, DType dtype, std::int64_t numel, graph::Device& dev);
   Combine op() const { return op_; }
   int size() const { return static_cast<int>(members_.size()); }
 
  private:
+  /// Waits, `lock` held, until `count` reaches the group size: members of a step arrive
+  /// close together, so it spins, then yields for up to 2 ms, then sleeps (a sleeping
+  /// waiter's wake-up costs tens of microseconds on a VM; dist waits alike). Returns
+  /// false when a member whose `marks` entry is still 0 failed since the round was traced.
+  bool await(std::unique_lock<std::mutex>& lock, const int& count, const std::atomic<int>& fast,
+             const std::vector<std::uint8_t>& marks, const char* what);
+
   Combine op_;
   std::vector<graph::Device*> members_;
   std::vector<std::uint64_t> failures_;  // each member device's failure count when traced
@@ -49,6 +67,7 @@ class ReduceRound {
   int arrived_ = 0, done_ = 0;
   std::atomic<int> arrived_fast_{0};  // arrived_, readable without the lock (spinning)
   std::atomic<int> done_fast_{0};     // members done reading, likewise
+  std::vector<std::uint8_t> arrived_marks_, done_marks_;  // per member
   std::vector<std::shared_ptr<Buffer>> inputs_;
 };
 
@@ -60,12 +79,17 @@ void combine(Combine op, DType dtype, const std::vector<const void*>& in, void* 
 /// A member's part of an all-reduce (NodeKind::Collective): its value is the group's
 /// combination. Takes the device's previous SPMD collective as an extra input, so each
 /// device meets its collectives in program order.
-class AllReduceNode final : public graph::Node {
+class AllReduceNode final : public graph::Node, public graph::Rendezvous {
  public:
   AllReduceNode(graph::NodePtr in, std::shared_ptr<detail::ReduceRound> round, int slot, graph::NodePtr previous);
   std::string op_name() const override { return "spmd_all_reduce"; }
   std::string describe() const override;
   std::uint64_t structural_hash() const override;
+  void publish() override { round_->publish(slot_, inputs()[0]->buffer()); }
+  std::shared_ptr<Buffer> combine(graph::ExecContext& ctx) override {
+    return round_->combine(slot_, dtype(), numel(), ctx.device);
+  }
+  void release() override { round_->release(slot_); }
 
  protected:
   void compute(graph::ExecContext& ctx) override;
@@ -92,23 +116,19 @@ namespace lazy::spmd {
 namespace detail {
 
 LAZYTENSOR_INLINE ReduceRound::ReduceRound(Combine op, std::vector<graph::Device*> members)
-    : op_(op), members_(std::move(members)), inputs_(members_.size()) {
+    : op_(op), members_(std::move(members)), arrived_marks_(members_.size()), done_marks_(members_.size()),
+      inputs_(members_.size()) {
   for (auto* d : members_) failures_.push_back(d->failures());
 }
 
-LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::run(int slot, std::shared_ptr<Buffer> in, DType dtype,
-                                                           std::int64_t numel, graph::Device& dev) {
+LAZYTENSOR_INLINE bool ReduceRound::await(std::unique_lock<std::mutex>& lock, const int& count,
+                                          const std::atomic<int>& fast, const std::vector<std::uint8_t>& marks,
+                                          const char* what) {
   const int n = size();
-  std::unique_lock lock(mu_);
-  inputs_[static_cast<std::size_t>(slot)] = std::move(in);
-  if (++arrived_ == n) cv_.notify_all();
-  arrived_fast_.store(arrived_, std::memory_order_release);
-  if (arrived_ < n) {
-    // Members of a step arrive close together: spin, then yield, before sleeping (a
-    // sleeping waiter's wake-up costs tens of microseconds on a VM; dist waits alike).
+  if (count < n) {
     lock.unlock();
     const auto start = std::chrono::steady_clock::now();
-    for (int spins = 0; arrived_fast_.load(std::memory_order_acquire) < n; ++spins) {
+    for (int spins = 0; fast.load(std::memory_order_acquire) < n; ++spins) {
       if (spins < 2000) continue;
       if (std::chrono::steady_clock::now() - start > std::chrono::milliseconds(2)) break;
       std::this_thread::yield();
@@ -116,36 +136,60 @@ LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::run(int slot, std::shared
     lock.lock();
   }
   const auto deadline = std::chrono::steady_clock::now() + dist::collective_timeout();
-  while (arrived_ < n) {
+  while (count < n) {
     cv_.wait_for(lock, std::chrono::milliseconds(2));
-    for (std::size_t m = 0; m < members_.size() && arrived_ < n; ++m) {
-      if (!inputs_[m] && members_[m]->failures() != failures_[m])
+    for (std::size_t m = 0; m < members_.size() && count < n; ++m) {
+      if (!marks[m] && members_[m]->failures() != failures_[m]) return false;
+    }
+    if (count < n && std::chrono::steady_clock::now() > deadline)
+      throw CollectiveTimeout(std::string("SPMD all-reduce: waited longer than the collective timeout for ") +
+                              std::to_string(n - count) + " of " + std::to_string(n) + " devices to " + what);
+  }
+  return true;
+}
+
+LAZYTENSOR_INLINE void ReduceRound::publish(int slot, std::shared_ptr<Buffer> in) {
+  const auto s = static_cast<std::size_t>(slot);
+  std::lock_guard lock(mu_);
+  inputs_[s] = std::move(in);
+  arrived_marks_[s] = 1;
+  if (++arrived_ == size()) cv_.notify_all();
+  arrived_fast_.store(arrived_, std::memory_order_release);
+}
+
+LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::combine(int slot, DType dtype, std::int64_t numel,
+                                                               graph::Device& dev) {
+  std::unique_lock lock(mu_);
+  if (!await(lock, arrived_, arrived_fast_, arrived_marks_, "arrive")) {
+    for (std::size_t m = 0; m < members_.size(); ++m)
+      if (!arrived_marks_[m] && members_[m]->failures() != failures_[m])
         throw CollectiveError("SPMD all-reduce: " + members_[m]->str() +
                               " failed before reaching it (its step stopped; the error surfaces there)");
-    }
-    if (arrived_ < n && std::chrono::steady_clock::now() > deadline)
-      throw CollectiveTimeout("SPMD all-reduce: waited longer than the collective timeout for " +
-                              std::to_string(n - arrived_) + " of " + std::to_string(n) + " devices");
   }
   std::vector<const void*> ptrs;
   for (const auto& b : inputs_) ptrs.push_back(b->data());
   lock.unlock();
   auto out = dev.pool().acquire(padded_bytes(numel, dtype_size(dtype)));
-  combine(op_, dtype, ptrs, out->data(), numel);
-  // Every member lets go of its own input only once all have read it, on its own thread:
-  // a buffer whose last reference another device dropped could be donated (overwritten)
-  // here with nothing ordering that device's reads before the write.
+  detail::combine(op_, dtype, ptrs, out->data(), numel);
   lock.lock();
-  if (++done_ == n) cv_.notify_all();
+  done_marks_[static_cast<std::size_t>(slot)] = 1;
+  if (++done_ == size()) cv_.notify_all();
   done_fast_.store(done_, std::memory_order_release);
-  if (done_ < n) {
-    lock.unlock();
-    for (int spins = 0; done_fast_.load(std::memory_order_acquire) < n; ++spins) {
-      if (spins >= 2000) std::this_thread::yield();
-    }
-    lock.lock();
-  }
+  return out;
+}
+
+LAZYTENSOR_INLINE void ReduceRound::release(int slot) {
+  std::unique_lock lock(mu_);
+  // A member that failed before reading never will: nothing more to wait for.
+  (void)await(lock, done_, done_fast_, done_marks_, "read");
   inputs_[static_cast<std::size_t>(slot)].reset();
+}
+
+LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::run(int slot, std::shared_ptr<Buffer> in, DType dtype,
+                                                           std::int64_t numel, graph::Device& dev) {
+  publish(slot, std::move(in));
+  auto out = combine(slot, dtype, numel, dev);
+  release(slot);
   return out;
 }
 

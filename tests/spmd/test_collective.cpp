@@ -1,0 +1,202 @@
+// The SPMD all-reduce's phases (spmd/collective.hpp) and the planner's batches of them
+// (graph/plan.hpp): devices that meet their collectives one by one and devices that batch
+// them (publish all, combine all, release all) still meet, in any mix, and get the sums a
+// scalar loop gives; a member that fails before publishing stops its peers with an error
+// instead of a hang; a data-parallel backward's gradient all-reduces run as one batch.
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <thread>
+
+#include <lazytensor/lazytensor.hpp>
+
+#include "testing/spmd.hpp"
+
+namespace spmd = lazy::spmd;
+using lazy::spmd::Combine;
+using lazy::spmd::detail::ReduceRound;
+
+namespace {
+
+constexpr std::int64_t kElements = 37;
+
+// Member `slot`'s input to round `r`: distinct values per round and member.
+float round_input(int r, int slot, std::int64_t i) { return static_cast<float>(r * 100 + slot * 10) + 0.25f * static_cast<float>(i); }
+
+struct Round {
+  std::vector<int> devices;  // members, in slot order
+  Combine op;
+  std::shared_ptr<ReduceRound> round;
+};
+
+std::vector<Round> make_rounds() {
+  auto& reg = lazy::graph::DeviceRegistry::get();
+  const std::vector<std::pair<std::vector<int>, Combine>> layout = {
+      {{0, 1, 2}, Combine::Sum}, {{0, 1}, Combine::Max}, {{1, 2}, Combine::Sum}, {{2, 0, 1}, Combine::Min}, {{0, 2}, Combine::Sum}};
+  std::vector<Round> rounds;
+  for (const auto& [devices, op] : layout) {
+    std::vector<lazy::graph::Device*> members;
+    for (int d : devices) members.push_back(&reg.device(d));
+    rounds.push_back(Round{devices, op, std::make_shared<ReduceRound>(op, members)});
+  }
+  return rounds;
+}
+
+float reference(const Round& r, int index, std::int64_t i) {
+  float acc = round_input(index, 0, i);
+  for (int s = 1; s < static_cast<int>(r.devices.size()); ++s) {
+    const float v = round_input(index, s, i);
+    if (r.op == Combine::Sum) acc += v;
+    if (r.op == Combine::Max) acc = std::max(acc, v);
+    if (r.op == Combine::Min) acc = std::min(acc, v);
+  }
+  return acc;
+}
+
+// How a device meets its rounds: one by one, all batched, or the first two batched.
+enum class Style { OneByOne, Batched, Mixed };
+
+// Runs device `d`'s part of `rounds` (in program order) the way `style` says; returns each
+// of its results by round index.
+std::vector<std::vector<float>> meet(int d, const std::vector<Round>& rounds, Style style) {
+  auto& dev = lazy::graph::DeviceRegistry::get().device(d);
+  std::vector<int> mine, slots;
+  for (int r = 0; r < static_cast<int>(rounds.size()); ++r)
+    for (int s = 0; s < static_cast<int>(rounds[static_cast<std::size_t>(r)].devices.size()); ++s)
+      if (rounds[static_cast<std::size_t>(r)].devices[static_cast<std::size_t>(s)] == d) {
+        mine.push_back(r);
+        slots.push_back(s);
+      }
+  auto input = [&](std::size_t k) {
+    auto buf = dev.pool().acquire(lazy::padded_bytes(kElements, sizeof(float)));
+    auto* p = static_cast<float*>(buf->data());
+    for (std::int64_t i = 0; i < kElements; ++i) p[i] = round_input(mine[k], slots[k], i);
+    return buf;
+  };
+  std::vector<std::vector<float>> out(rounds.size());
+  auto keep = [&](std::size_t k, const std::shared_ptr<lazy::Buffer>& b) {
+    const auto* p = static_cast<const float*>(b->data());
+    out[static_cast<std::size_t>(mine[k])].assign(p, p + kElements);
+  };
+  const std::size_t batched = style == Style::OneByOne ? 0 : style == Style::Batched ? mine.size() : std::min<std::size_t>(2, mine.size());
+  std::vector<std::shared_ptr<lazy::Buffer>> results(mine.size());
+  auto round = [&](std::size_t k) -> ReduceRound& { return *rounds[static_cast<std::size_t>(mine[k])].round; };
+  for (std::size_t k = 0; k < batched; ++k) round(k).publish(slots[k], input(k));
+  for (std::size_t k = 0; k < batched; ++k) results[k] = round(k).combine(slots[k], lazy::DType::Float32, kElements, dev);
+  for (std::size_t k = 0; k < batched; ++k) round(k).release(slots[k]);
+  for (std::size_t k = batched; k < mine.size(); ++k)
+    results[k] = round(k).run(slots[k], input(k), lazy::DType::Float32, kElements, dev);
+  for (std::size_t k = 0; k < mine.size(); ++k) keep(k, results[k]);
+  return out;
+}
+
+}  // namespace
+
+TEST(SpmdCollective, BatchedAndOneByOneMembersMeetInEveryMix) {
+  const std::vector<std::vector<Style>> mixes = {{Style::OneByOne, Style::Batched, Style::Mixed},
+                                                 {Style::Batched, Style::OneByOne, Style::Batched},
+                                                 {Style::Mixed, Style::Mixed, Style::OneByOne},
+                                                 {Style::Batched, Style::Batched, Style::Batched}};
+  for (int iteration = 0; iteration < 40; ++iteration) {
+    const auto& mix = mixes[static_cast<std::size_t>(iteration) % mixes.size()];
+    const auto rounds = make_rounds();
+    std::vector<std::vector<std::vector<float>>> got(3);
+    std::vector<std::thread> threads;
+    for (int d = 0; d < 3; ++d)
+      threads.emplace_back([&, d] { got[static_cast<std::size_t>(d)] = meet(d, rounds, mix[static_cast<std::size_t>(d)]); });
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < static_cast<int>(rounds.size()); ++r) {
+      for (int d : rounds[static_cast<std::size_t>(r)].devices) {
+        const auto& v = got[static_cast<std::size_t>(d)][static_cast<std::size_t>(r)];
+        ASSERT_EQ(v.size(), static_cast<std::size_t>(kElements)) << "round " << r << " device " << d;
+        for (std::int64_t i = 0; i < kElements; ++i)
+          ASSERT_EQ(v[static_cast<std::size_t>(i)], reference(rounds[static_cast<std::size_t>(r)], r, i))
+              << "round " << r << " device " << d << " element " << i << " (iteration " << iteration << ")";
+      }
+    }
+  }
+}
+
+TEST(SpmdCollective, AMemberThatFailsBeforePublishingStopsItsPeers) {
+  auto& reg = lazy::graph::DeviceRegistry::get();
+  auto& d0 = reg.device(0);
+  auto& d1 = reg.device(1);
+  ReduceRound round(Combine::Sum, {&d0, &d1});
+  auto buf = d0.pool().acquire(lazy::padded_bytes(kElements, sizeof(float)));
+  std::memset(buf->data(), 0, static_cast<std::size_t>(kElements) * sizeof(float));
+  round.publish(0, buf);
+  // Device 1's step fails (as an executor stores a step's error) and never publishes.
+  std::thread fail([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    d1.store_error(std::make_exception_ptr(lazy::Error("device 1's step failed")));
+  });
+  EXPECT_THROW((void)round.combine(0, lazy::DType::Float32, kElements, d0), lazy::CollectiveError);
+  fail.join();
+  EXPECT_THROW(d1.rethrow_stored_error(), lazy::Error);  // consumed: the device works on
+  round.release(0);  // nobody will read device 0's input: returns at once
+}
+
+TEST(SpmdCollective, ADataParallelStepMeetsItsPeersOnce) {
+  const spmd::Mesh mesh({0, 1, 2, 3}, {4}, {"data"});
+  auto w1 = lazy_tests::random_tensor({6, 5}, 71), w2 = lazy_tests::random_tensor({3, 6}, 72);
+  auto b1 = lazy_tests::random_tensor({6}, 73);
+  auto x = lazy_tests::random_tensor({8, 5}, 74);
+  auto loss_of = [](const lazy::Tensor<double>& x, const lazy::Tensor<double>& w1, const lazy::Tensor<double>& b1,
+                    const lazy::Tensor<double>& w2) {
+    auto h = lazy::Tensor<double>(lazy::relu(lazy::linear(x, w1, b1)));
+    return lazy::sum(lazy::Tensor<double>(lazy::linear(h, w2)));
+  };
+  auto rw1 = w1.detach().requires_grad_(), rb1 = b1.detach().requires_grad_(), rw2 = w2.detach().requires_grad_();
+  auto ref = loss_of(x, rw1, rb1, rw2);
+  ref.backward();
+  lazy::mark_step();
+
+  for (auto* p : {&w1, &b1, &w2}) spmd::mark_sharding(*p, mesh, {}).requires_grad_();
+  spmd::mark_sharding(x, mesh, {"data"});
+  const auto reduces = lazy_tests::counter_value("SpmdAllReduces");
+  const auto batches = lazy_tests::counter_value("CollectiveBatches");
+  auto loss = loss_of(x, w1, b1, w2);
+  loss.backward();
+  lazy::mark_step();
+  lazy::wait_device_ops();
+  // The loss and the three gradients are all-reduced, and nothing in the step reads any of
+  // them: all four meet in one batch per device.
+  EXPECT_EQ(lazy_tests::counter_value("SpmdAllReduces") - reduces, 4);
+  EXPECT_EQ(lazy_tests::counter_value("CollectiveBatches") - batches, 4) << "one batch per device";
+  lazy_tests::expect_close_rel(loss.to_vector(), ref.to_vector(), "loss");
+  lazy_tests::expect_close_rel(w1.grad().to_vector(), rw1.grad().to_vector(), "w1 grad");
+  lazy_tests::expect_close_rel(b1.grad().to_vector(), rb1.grad().to_vector(), "b1 grad");
+  lazy_tests::expect_close_rel(w2.grad().to_vector(), rw2.grad().to_vector(), "w2 grad");
+}
+
+TEST(SpmdCollective, AnAllReduceThatIsReadBeforeTheNextRunsAlone) {
+  // Megatron's pair twice in a row: each all-reduce's sum feeds the next pair, so no two of
+  // them can meet together.
+  const spmd::Mesh mesh({0, 1, 2, 3}, {1, 4}, {"data", "model"});
+  auto x = lazy_tests::random_tensor({4, 8}, 81);
+  std::vector<lazy::Tensor<double>> ws;
+  for (unsigned i = 0; i < 4; ++i) ws.push_back(lazy_tests::random_tensor({8, 8}, 82 + i));
+  auto forward = [&](const std::vector<lazy::Tensor<double>>& w) {
+    lazy::Tensor<double> h = x;
+    for (std::size_t i = 0; i < w.size(); i += 2) {
+      auto a = lazy::Tensor<double>(lazy::relu(lazy::linear(h, w[i])));
+      h = lazy::Tensor<double>(lazy::relu(lazy::linear(a, w[i + 1])));
+    }
+    return h;
+  };
+  std::vector<lazy::Tensor<double>> ref_ws;
+  for (auto& w : ws) ref_ws.push_back(w.detach());
+  auto ref = forward(ref_ws);
+  lazy::mark_step();
+  for (std::size_t i = 0; i < ws.size(); ++i)
+    spmd::mark_sharding(ws[i], mesh, i % 2 == 0 ? spmd::PartitionSpec{"model", std::nullopt} : spmd::PartitionSpec{std::nullopt, "model"});
+  const auto reduces = lazy_tests::counter_value("SpmdAllReduces");
+  const auto batches = lazy_tests::counter_value("CollectiveBatches");
+  auto got = forward(ws);
+  lazy::mark_step();
+  lazy::wait_device_ops();
+  EXPECT_EQ(lazy_tests::counter_value("SpmdAllReduces") - reduces, 2) << "one per column-row pair";
+  EXPECT_EQ(lazy_tests::counter_value("CollectiveBatches") - batches, 0);
+  lazy_tests::expect_close_rel(got.to_vector(), ref.to_vector(), "output");
+}
