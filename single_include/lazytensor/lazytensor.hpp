@@ -1832,6 +1832,9 @@ class Rendezvous {
   virtual std::shared_ptr<Buffer> combine(ExecContext& ctx) = 0;
   /// Waits until every peer has read this member's input, then lets go of it.
   virtual void release() = 0;
+  /// How many of the inputs, from the first, are values it reads; the rest only order it
+  /// (the device's previous collective, program order).
+  virtual std::size_t data_inputs() const = 0;
 
  protected:
   ~Rendezvous() = default;
@@ -4912,9 +4915,14 @@ LAZYTENSOR_INLINE std::shared_ptr<Plan> build_plan(const std::vector<NodePtr>& n
 
   for (std::size_t i = 0; i < n; ++i) {
     const NodePtr& node = nodes[i];
-    if (rendezvous(node)) {
+    if (const Rendezvous* rv = rendezvous(node)) {
       Open* b = open_with(kBatchKey);
-      close_read(node, b ? b->unit : -1);
+      bool reads_batch = false;  // a collective of a batch member's value: the batch runs first
+      for (std::size_t d = 0; b && d < rv->data_inputs(); ++d) {
+        const std::int32_t s = plan_slot_of(node->inputs()[d], epoch);
+        reads_batch = reads_batch || (s >= 0 && unit[static_cast<std::size_t>(s)] == b->unit);
+      }
+      close_read(node, b && !reads_batch ? b->unit : -1);
       b = open_with(kBatchKey);
       if (!b) {
         PlanStep batch;
@@ -5461,8 +5469,11 @@ void run_plan_storing_error(Device& dev, const Plan& plan, std::vector<NodePtr>&
 /// thread to wake (two thread wake-ups, 15-50 us each on a VM). Errors of an asynchronous
 /// step are stored. A step cheaper than the hand-off (kInlineStepWork), or any step of a
 /// device set to inline_steps, runs here once the queue is empty, its errors stored as if
-/// it had run on the executor.
-void run_step(Device& dev, std::vector<NodePtr> nodes);
+/// it had run on the executor. `wait_previous` false: returns once the step is queued,
+/// and the caller waits for the previous step (`dev.wait_below(2)`) itself; a thread
+/// driving several devices (SPMD) queues every device's step first, so no executor idles
+/// while this thread waits for another device.
+void run_step(Device& dev, std::vector<NodePtr> nodes, bool wait_previous = true);
 
 }  // namespace lazy::graph
 
@@ -5732,7 +5743,7 @@ LAZYTENSOR_INLINE void run_plan_storing_error(Device& dev, const Plan& plan, std
   }
 }
 
-LAZYTENSOR_INLINE void run_step(Device& dev, std::vector<NodePtr> nodes) {
+LAZYTENSOR_INLINE void run_step(Device& dev, std::vector<NodePtr> nodes, bool wait_previous) {
   if (nodes.empty()) return;
   prepare(nodes);
   auto plan = plan_for(dev, nodes, true);
@@ -5772,7 +5783,7 @@ LAZYTENSOR_INLINE void run_step(Device& dev, std::vector<NodePtr> nodes) {
     }
     run_plan_storing_error(dev, *plan, nodes);
   });
-  dev.wait_below(2);  // the previous step is done (this one may still run)
+  if (wait_previous) dev.wait_below(2);  // the previous step is done (this one may still run)
 }
 
 }  // namespace lazy::graph
@@ -5856,7 +5867,8 @@ LAZYTENSOR_INLINE NodePtr submit_unpartitioned(NodePtr node) {
 LAZYTENSOR_INLINE void step_all_devices() {
   auto& registry = DeviceRegistry::get();
   const int n = registry.count();
-  for (int i = 0; i < n; ++i) run_step(registry.device(i), collect_step(registry.device(i)));
+  for (int i = 0; i < n; ++i) run_step(registry.device(i), collect_step(registry.device(i)), /*wait_previous=*/false);
+  for (int i = 0; i < n; ++i) registry.device(i).wait_below(2);
 }
 
 LAZYTENSOR_INLINE bool materialize(const NodePtr& node) {
@@ -13734,9 +13746,9 @@ LAZYTENSOR_INLINE Device device(int index) {
 
 namespace detail {
 /// One device's share of a step: its pending values, then a fresh random stream (as XLA's
-/// seed advance after mark_step).
-inline void step_device(graph::Device& dev) {
-  graph::run_step(dev, graph::collect_step(dev));
+/// seed advance after mark_step). `wait_previous`: as graph::run_step's.
+inline void step_device(graph::Device& dev, bool wait_previous = true) {
+  graph::run_step(dev, graph::collect_step(dev), wait_previous);
   auto& rng = dev.rng();
   rng.seed = graph::hash_combine(rng.seed, 0x9e3779b97f4a7c15ull);
   rng.offset = 0;
@@ -13749,11 +13761,14 @@ LAZYTENSOR_INLINE void mark_step() {
   steps.add();
   if (graph::step_every_device().load(std::memory_order_acquire)) {
     // SPMD: this thread drives every device. Each device's step is handed to its own
-    // executor, so the shards of a statement compute in parallel.
+    // executor, so the shards of a statement compute in parallel; every device gets its
+    // step before this thread waits for any previous one (an executor that finished first
+    // would otherwise idle until the others did).
     auto& registry = graph::DeviceRegistry::get();
     const int n = device_count();
     for (int i = 0; i < n; ++i) registry.device(i).rethrow_stored_error();
-    for (int i = 0; i < n; ++i) detail::step_device(registry.device(i));
+    for (int i = 0; i < n; ++i) detail::step_device(registry.device(i), /*wait_previous=*/false);
+    for (int i = 0; i < n; ++i) registry.device(i).wait_below(2);
   } else {
     dev.rethrow_stored_error();
     detail::step_device(dev);
@@ -25276,6 +25291,7 @@ class AllReduceNode final : public graph::Node, public graph::Rendezvous {
     return round_->combine(slot_, dtype(), numel(), ctx.device);
   }
   void release() override { round_->release(slot_); }
+  std::size_t data_inputs() const override { return 1; }
 
  protected:
   void compute(graph::ExecContext& ctx) override;

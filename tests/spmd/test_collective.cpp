@@ -200,3 +200,34 @@ TEST(SpmdCollective, AnAllReduceThatIsReadBeforeTheNextRunsAlone) {
   EXPECT_EQ(lazy_tests::counter_value("CollectiveBatches") - batches, 0);
   lazy_tests::expect_close_rel(got.to_vector(), ref.to_vector(), "output");
 }
+
+TEST(SpmdCollective, AnAllReduceOfAnAllReducesResultWaitsForIt) {
+  // Two all-reduces, the second of the first's results: the planner must not put them in
+  // one batch (the second would publish a value not computed yet).
+  auto& reg = lazy::graph::DeviceRegistry::get();
+  std::vector<lazy::graph::NodePtr> pieces;
+  std::vector<double> want(kElements, 0.0);
+  for (int d = 0; d < 4; ++d) {
+    auto& dev = reg.device(d);
+    auto buf = dev.pool().acquire(lazy::padded_bytes(kElements, sizeof(double)));
+    auto* p = static_cast<double*>(buf->data());
+    for (std::int64_t i = 0; i < kElements; ++i) {
+      p[i] = static_cast<double>(d + 1) * 0.5 + static_cast<double>(i);
+      want[static_cast<std::size_t>(i)] += 4 * p[i];  // summed, then the 4 equal sums summed
+    }
+    pieces.push_back(std::make_shared<lazy::graph::DataNode>(lazy::DType::Float64, lazy::Shape{kElements}, &dev, buf));
+  }
+  const auto batches = lazy_tests::counter_value("CollectiveBatches");
+  const auto twice = spmd::all_reduce(spmd::all_reduce(pieces, Combine::Sum), Combine::Sum);
+  for (const auto& n : twice) n->add_handle();  // as a tensor holding it: mark_step computes it
+  lazy::mark_step();
+  lazy::wait_device_ops();
+  for (const auto& n : twice) n->drop_handle();
+  EXPECT_EQ(lazy_tests::counter_value("CollectiveBatches") - batches, 0);
+  for (int d = 0; d < 4; ++d) {
+    ASSERT_TRUE(twice[static_cast<std::size_t>(d)]->materialized()) << "device " << d;
+    const auto* got = twice[static_cast<std::size_t>(d)]->data<double>();
+    for (std::int64_t i = 0; i < kElements; ++i)
+      EXPECT_EQ(got[i], want[static_cast<std::size_t>(i)]) << "device " << d << " element " << i;
+  }
+}

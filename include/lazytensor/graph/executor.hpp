@@ -102,8 +102,11 @@ void run_plan_storing_error(Device& dev, const Plan& plan, std::vector<NodePtr>&
 /// thread to wake (two thread wake-ups, 15-50 us each on a VM). Errors of an asynchronous
 /// step are stored. A step cheaper than the hand-off (kInlineStepWork), or any step of a
 /// device set to inline_steps, runs here once the queue is empty, its errors stored as if
-/// it had run on the executor.
-void run_step(Device& dev, std::vector<NodePtr> nodes);
+/// it had run on the executor. `wait_previous` false: returns once the step is queued,
+/// and the caller waits for the previous step (`dev.wait_below(2)`) itself; a thread
+/// driving several devices (SPMD) queues every device's step first, so no executor idles
+/// while this thread waits for another device.
+void run_step(Device& dev, std::vector<NodePtr> nodes, bool wait_previous = true);
 
 }  // namespace lazy::graph
 
@@ -373,7 +376,7 @@ LAZYTENSOR_INLINE void run_plan_storing_error(Device& dev, const Plan& plan, std
   }
 }
 
-LAZYTENSOR_INLINE void run_step(Device& dev, std::vector<NodePtr> nodes) {
+LAZYTENSOR_INLINE void run_step(Device& dev, std::vector<NodePtr> nodes, bool wait_previous) {
   if (nodes.empty()) return;
   prepare(nodes);
   auto plan = plan_for(dev, nodes, true);
@@ -413,7 +416,7 @@ LAZYTENSOR_INLINE void run_step(Device& dev, std::vector<NodePtr> nodes) {
     }
     run_plan_storing_error(dev, *plan, nodes);
   });
-  dev.wait_below(2);  // the previous step is done (this one may still run)
+  if (wait_previous) dev.wait_below(2);  // the previous step is done (this one may still run)
 }
 
 }  // namespace lazy::graph

@@ -223,6 +223,9 @@ class Rendezvous {
   virtual std::shared_ptr<Buffer> combine(ExecContext& ctx) = 0;
   /// Waits until every peer has read this member's input, then lets go of it.
   virtual void release() = 0;
+  /// How many of the inputs, from the first, are values it reads; the rest only order it
+  /// (the device's previous collective, program order).
+  virtual std::size_t data_inputs() const = 0;
 
  protected:
   ~Rendezvous() = default;

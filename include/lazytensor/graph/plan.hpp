@@ -261,9 +261,14 @@ LAZYTENSOR_INLINE std::shared_ptr<Plan> build_plan(const std::vector<NodePtr>& n
 
   for (std::size_t i = 0; i < n; ++i) {
     const NodePtr& node = nodes[i];
-    if (rendezvous(node)) {
+    if (const Rendezvous* rv = rendezvous(node)) {
       Open* b = open_with(kBatchKey);
-      close_read(node, b ? b->unit : -1);
+      bool reads_batch = false;  // a collective of a batch member's value: the batch runs first
+      for (std::size_t d = 0; b && d < rv->data_inputs(); ++d) {
+        const std::int32_t s = plan_slot_of(node->inputs()[d], epoch);
+        reads_batch = reads_batch || (s >= 0 && unit[static_cast<std::size_t>(s)] == b->unit);
+      }
+      close_read(node, b && !reads_batch ? b->unit : -1);
       b = open_with(kBatchKey);
       if (!b) {
         PlanStep batch;

@@ -87,7 +87,8 @@ LAZYTENSOR_INLINE NodePtr submit_unpartitioned(NodePtr node) {
 LAZYTENSOR_INLINE void step_all_devices() {
   auto& registry = DeviceRegistry::get();
   const int n = registry.count();
-  for (int i = 0; i < n; ++i) run_step(registry.device(i), collect_step(registry.device(i)));
+  for (int i = 0; i < n; ++i) run_step(registry.device(i), collect_step(registry.device(i)), /*wait_previous=*/false);
+  for (int i = 0; i < n; ++i) registry.device(i).wait_below(2);
 }
 
 LAZYTENSOR_INLINE bool materialize(const NodePtr& node) {

@@ -90,6 +90,7 @@ class AllReduceNode final : public graph::Node, public graph::Rendezvous {
     return round_->combine(slot_, dtype(), numel(), ctx.device);
   }
   void release() override { round_->release(slot_); }
+  std::size_t data_inputs() const override { return 1; }
 
  protected:
   void compute(graph::ExecContext& ctx) override;

@@ -119,9 +119,9 @@ LAZYTENSOR_INLINE Device device(int index) {
 
 namespace detail {
 /// One device's share of a step: its pending values, then a fresh random stream (as XLA's
-/// seed advance after mark_step).
-inline void step_device(graph::Device& dev) {
-  graph::run_step(dev, graph::collect_step(dev));
+/// seed advance after mark_step). `wait_previous`: as graph::run_step's.
+inline void step_device(graph::Device& dev, bool wait_previous = true) {
+  graph::run_step(dev, graph::collect_step(dev), wait_previous);
   auto& rng = dev.rng();
   rng.seed = graph::hash_combine(rng.seed, 0x9e3779b97f4a7c15ull);
   rng.offset = 0;
@@ -134,11 +134,14 @@ LAZYTENSOR_INLINE void mark_step() {
   steps.add();
   if (graph::step_every_device().load(std::memory_order_acquire)) {
     // SPMD: this thread drives every device. Each device's step is handed to its own
-    // executor, so the shards of a statement compute in parallel.
+    // executor, so the shards of a statement compute in parallel; every device gets its
+    // step before this thread waits for any previous one (an executor that finished first
+    // would otherwise idle until the others did).
     auto& registry = graph::DeviceRegistry::get();
     const int n = device_count();
     for (int i = 0; i < n; ++i) registry.device(i).rethrow_stored_error();
-    for (int i = 0; i < n; ++i) detail::step_device(registry.device(i));
+    for (int i = 0; i < n; ++i) detail::step_device(registry.device(i), /*wait_previous=*/false);
+    for (int i = 0; i < n; ++i) registry.device(i).wait_below(2);
   } else {
     dev.rethrow_stored_error();
     detail::step_device(dev);
