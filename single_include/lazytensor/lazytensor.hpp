@@ -5483,18 +5483,18 @@ namespace lazy::graph::detail {
 LAZYTENSOR_INLINE std::int64_t run_batch(ExecContext& ctx, const PlanStep& st, std::span<NodePtr> nodes) {
   static auto& batches = core::counter("CollectiveBatches");
   batches.add();
-  std::vector<Node*> run;
+  std::vector<std::pair<Node*, Rendezvous*>> run;
   for (auto m : st.members) {
-    Node* n = nodes[static_cast<std::size_t>(m)].get();
-    if (!n->materialized()) run.push_back(n);
+    const NodePtr& n = nodes[static_cast<std::size_t>(m)];
+    if (!n->materialized()) run.emplace_back(n.get(), rendezvous(n));
   }
-  for (Node* n : run) dynamic_cast<Rendezvous&>(*n).publish();
+  for (auto& [n, rv] : run) rv->publish();
   std::vector<std::shared_ptr<Buffer>> out;
   out.reserve(run.size());
-  for (Node* n : run) out.push_back(dynamic_cast<Rendezvous&>(*n).combine(ctx));
+  for (auto& [n, rv] : run) out.push_back(rv->combine(ctx));
   for (std::size_t i = 0; i < run.size(); ++i) {
-    dynamic_cast<Rendezvous&>(*run[i]).release();
-    run[i]->finish_with(std::move(out[i]));
+    run[i].second->release();
+    run[i].first->finish_with(std::move(out[i]));
   }
   for (auto m : st.members) nodes[static_cast<std::size_t>(m)].reset();
   return static_cast<std::int64_t>(run.size());
@@ -25255,9 +25255,10 @@ class ReduceRound {
  private:
   /// Waits, `lock` held, until `count` reaches the group size: members of a step arrive
   /// close together, so it spins, then yields for up to 2 ms, then sleeps (a sleeping
-  /// waiter's wake-up costs tens of microseconds on a VM; dist waits alike). Returns
-  /// false when a member whose `marks` entry is still 0 failed since the round was traced.
-  bool await(std::unique_lock<std::mutex>& lock, const int& count, const std::atomic<int>& fast,
+  /// waiter's wake-up costs tens of microseconds on a VM; dist waits alike). Returns -1,
+  /// or the slot of a member whose `marks` entry is still 0 and whose device failed since
+  /// the round was traced.
+  int await(std::unique_lock<std::mutex>& lock, const int& count, const std::atomic<int>& fast,
              const std::vector<std::uint8_t>& marks, const char* what);
 
   Combine op_;
@@ -25323,7 +25324,7 @@ LAZYTENSOR_INLINE ReduceRound::ReduceRound(Combine op, std::vector<graph::Device
   for (auto* d : members_) failures_.push_back(d->failures());
 }
 
-LAZYTENSOR_INLINE bool ReduceRound::await(std::unique_lock<std::mutex>& lock, const int& count,
+LAZYTENSOR_INLINE int ReduceRound::await(std::unique_lock<std::mutex>& lock, const int& count,
                                           const std::atomic<int>& fast, const std::vector<std::uint8_t>& marks,
                                           const char* what) {
   const int n = size();
@@ -25341,13 +25342,13 @@ LAZYTENSOR_INLINE bool ReduceRound::await(std::unique_lock<std::mutex>& lock, co
   while (count < n) {
     cv_.wait_for(lock, std::chrono::milliseconds(2));
     for (std::size_t m = 0; m < members_.size() && count < n; ++m) {
-      if (!marks[m] && members_[m]->failures() != failures_[m]) return false;
+      if (!marks[m] && members_[m]->failures() != failures_[m]) return static_cast<int>(m);
     }
     if (count < n && std::chrono::steady_clock::now() > deadline)
       throw CollectiveTimeout(std::string("SPMD all-reduce: waited longer than the collective timeout for ") +
                               std::to_string(n - count) + " of " + std::to_string(n) + " devices to " + what);
   }
-  return true;
+  return -1;
 }
 
 LAZYTENSOR_INLINE void ReduceRound::publish(int slot, std::shared_ptr<Buffer> in) {
@@ -25362,12 +25363,9 @@ LAZYTENSOR_INLINE void ReduceRound::publish(int slot, std::shared_ptr<Buffer> in
 LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::combine(int slot, DType dtype, std::int64_t numel,
                                                                graph::Device& dev) {
   std::unique_lock lock(mu_);
-  if (!await(lock, arrived_, arrived_fast_, arrived_marks_, "arrive")) {
-    for (std::size_t m = 0; m < members_.size(); ++m)
-      if (!arrived_marks_[m] && members_[m]->failures() != failures_[m])
-        throw CollectiveError("SPMD all-reduce: " + members_[m]->str() +
-                              " failed before reaching it (its step stopped; the error surfaces there)");
-  }
+  if (const int failed = await(lock, arrived_, arrived_fast_, arrived_marks_, "arrive"); failed >= 0)
+    throw CollectiveError("SPMD all-reduce: " + members_[static_cast<std::size_t>(failed)]->str() +
+                          " failed before reaching it (its step stopped; the error surfaces there)");
   std::vector<const void*> ptrs;
   for (const auto& b : inputs_) ptrs.push_back(b->data());
   lock.unlock();

@@ -116,18 +116,18 @@ namespace lazy::graph::detail {
 LAZYTENSOR_INLINE std::int64_t run_batch(ExecContext& ctx, const PlanStep& st, std::span<NodePtr> nodes) {
   static auto& batches = core::counter("CollectiveBatches");
   batches.add();
-  std::vector<Node*> run;
+  std::vector<std::pair<Node*, Rendezvous*>> run;
   for (auto m : st.members) {
-    Node* n = nodes[static_cast<std::size_t>(m)].get();
-    if (!n->materialized()) run.push_back(n);
+    const NodePtr& n = nodes[static_cast<std::size_t>(m)];
+    if (!n->materialized()) run.emplace_back(n.get(), rendezvous(n));
   }
-  for (Node* n : run) dynamic_cast<Rendezvous&>(*n).publish();
+  for (auto& [n, rv] : run) rv->publish();
   std::vector<std::shared_ptr<Buffer>> out;
   out.reserve(run.size());
-  for (Node* n : run) out.push_back(dynamic_cast<Rendezvous&>(*n).combine(ctx));
+  for (auto& [n, rv] : run) out.push_back(rv->combine(ctx));
   for (std::size_t i = 0; i < run.size(); ++i) {
-    dynamic_cast<Rendezvous&>(*run[i]).release();
-    run[i]->finish_with(std::move(out[i]));
+    run[i].second->release();
+    run[i].first->finish_with(std::move(out[i]));
   }
   for (auto m : st.members) nodes[static_cast<std::size_t>(m)].reset();
   return static_cast<std::int64_t>(run.size());

@@ -54,9 +54,10 @@ class ReduceRound {
  private:
   /// Waits, `lock` held, until `count` reaches the group size: members of a step arrive
   /// close together, so it spins, then yields for up to 2 ms, then sleeps (a sleeping
-  /// waiter's wake-up costs tens of microseconds on a VM; dist waits alike). Returns
-  /// false when a member whose `marks` entry is still 0 failed since the round was traced.
-  bool await(std::unique_lock<std::mutex>& lock, const int& count, const std::atomic<int>& fast,
+  /// waiter's wake-up costs tens of microseconds on a VM; dist waits alike). Returns -1,
+  /// or the slot of a member whose `marks` entry is still 0 and whose device failed since
+  /// the round was traced.
+  int await(std::unique_lock<std::mutex>& lock, const int& count, const std::atomic<int>& fast,
              const std::vector<std::uint8_t>& marks, const char* what);
 
   Combine op_;
@@ -122,7 +123,7 @@ LAZYTENSOR_INLINE ReduceRound::ReduceRound(Combine op, std::vector<graph::Device
   for (auto* d : members_) failures_.push_back(d->failures());
 }
 
-LAZYTENSOR_INLINE bool ReduceRound::await(std::unique_lock<std::mutex>& lock, const int& count,
+LAZYTENSOR_INLINE int ReduceRound::await(std::unique_lock<std::mutex>& lock, const int& count,
                                           const std::atomic<int>& fast, const std::vector<std::uint8_t>& marks,
                                           const char* what) {
   const int n = size();
@@ -140,13 +141,13 @@ LAZYTENSOR_INLINE bool ReduceRound::await(std::unique_lock<std::mutex>& lock, co
   while (count < n) {
     cv_.wait_for(lock, std::chrono::milliseconds(2));
     for (std::size_t m = 0; m < members_.size() && count < n; ++m) {
-      if (!marks[m] && members_[m]->failures() != failures_[m]) return false;
+      if (!marks[m] && members_[m]->failures() != failures_[m]) return static_cast<int>(m);
     }
     if (count < n && std::chrono::steady_clock::now() > deadline)
       throw CollectiveTimeout(std::string("SPMD all-reduce: waited longer than the collective timeout for ") +
                               std::to_string(n - count) + " of " + std::to_string(n) + " devices to " + what);
   }
-  return true;
+  return -1;
 }
 
 LAZYTENSOR_INLINE void ReduceRound::publish(int slot, std::shared_ptr<Buffer> in) {
@@ -161,12 +162,9 @@ LAZYTENSOR_INLINE void ReduceRound::publish(int slot, std::shared_ptr<Buffer> in
 LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::combine(int slot, DType dtype, std::int64_t numel,
                                                                graph::Device& dev) {
   std::unique_lock lock(mu_);
-  if (!await(lock, arrived_, arrived_fast_, arrived_marks_, "arrive")) {
-    for (std::size_t m = 0; m < members_.size(); ++m)
-      if (!arrived_marks_[m] && members_[m]->failures() != failures_[m])
-        throw CollectiveError("SPMD all-reduce: " + members_[m]->str() +
-                              " failed before reaching it (its step stopped; the error surfaces there)");
-  }
+  if (const int failed = await(lock, arrived_, arrived_fast_, arrived_marks_, "arrive"); failed >= 0)
+    throw CollectiveError("SPMD all-reduce: " + members_[static_cast<std::size_t>(failed)]->str() +
+                          " failed before reaching it (its step stopped; the error surfaces there)");
   std::vector<const void*> ptrs;
   for (const auto& b : inputs_) ptrs.push_back(b->data());
   lock.unlock();
