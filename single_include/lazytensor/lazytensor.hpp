@@ -15748,12 +15748,16 @@ struct PackedGemm {
   /// tile on padding and go to Eigen (a decision made from the shapes alone).
   static bool suits(std::int64_t rows, std::int64_t n) { return n >= kLanes && rows >= kTileRows; }
 
-  /// Depth of one pass over k: at most 4 KiB per packed row of A (1024 floats, 512
-  /// doubles: an 8-row tile is then at most the 32 KiB of L1, the bound measured best for
-  /// floats on Zen 4; deeper double tiles ran at 0.34x OpenBLAS on Cascade Lake), split evenly (784 doubles: two passes of 392, not 512 + 272), and even (the bfloat16
-  /// kernel halves it into pairs).
+  /// Depth of one pass over k: the deepest that keeps a packed panel of op(B) (kb rows of
+  /// kTileCols values) within 16 KiB, half of a 32 KiB L1, so it stays there while the
+  /// tiles of A stream past it (128 on AVX-512, 256 on AVX2; 32 KiB panels at k = 256 were
+  /// evicted by every tile and ran the transposed-A shapes at 0.90x OpenBLAS on Cascade
+  /// Lake, 0.95-0.99x at 16 KiB), and never more than 4 KiB per packed row of A (the 8-row
+  /// tile within L1 too). Split evenly (784: seven passes of 112, not six of 128 and one of
+  /// 16) and even (the bfloat16 kernel halves it into pairs).
   static std::int64_t depth_block(std::int64_t k) {
-    constexpr std::int64_t limit = 4096 / std::int64_t(sizeof(T));
+    constexpr std::int64_t panel = (16 * 1024) / (kTileCols * std::int64_t(sizeof(T)));
+    constexpr std::int64_t limit = std::min<std::int64_t>(panel, 4096 / std::int64_t(sizeof(T)));
     if (k <= limit) return k;
     const std::int64_t blocks = (k + limit - 1) / limit, kc = (k + blocks - 1) / blocks;
     return kc + (kc & 1);

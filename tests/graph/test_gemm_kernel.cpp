@@ -164,15 +164,18 @@ TEST(PackedGemm, ShapesDecideTheKernel) {
   EXPECT_FALSE(K::suits(1024, K::kLanes - 1));     // narrower than a register
 }
 
-TYPED_TEST(PackedGemmTyped, DepthBlocksKeepATileOfRowsInL1AndSplitEvenly) {
+TYPED_TEST(PackedGemmTyped, DepthBlocksKeepAPanelOfBAndATileOfRowsInL1AndSplitEvenly) {
   using T = TypeParam;
   using K = lazy::detail::PackedGemm<T>;
-  const std::int64_t per_row = 4096;  // bytes of one packed row of A per pass
-  for (const std::int64_t k : {1, 2, 99, 511, 512, 513, 784, 1024, 1025, 2100, 5000}) {
+  const std::int64_t esize = std::int64_t(sizeof(T));
+  // Values of k per pass: a packed panel of op(B) within 16 KiB, a packed row of A within
+  // 4 KiB.
+  const std::int64_t bound = std::min<std::int64_t>(16 * 1024 / (K::kTileCols * esize), 4096 / esize);
+  for (const std::int64_t k : {1, 2, 99, 127, 128, 129, 255, 256, 257, 511, 512, 513, 784, 1024, 1025, 2100, 5000}) {
     const std::int64_t kc = K::depth_block(k), passes = (k + kc - 1) / kc;
-    const std::int64_t fewest = (k * std::int64_t(sizeof(T)) + per_row - 1) / per_row;
-    EXPECT_LE(kc * std::int64_t(sizeof(T)), per_row + 2 * std::int64_t(sizeof(T))) << "k=" << k;
-    EXPECT_EQ(passes, fewest) << "k=" << k;  // no more passes than the L1 bound needs
+    const std::int64_t fewest = (k + bound - 1) / bound;
+    EXPECT_LE(kc, bound + 2) << "k=" << k;
+    EXPECT_EQ(passes, fewest) << "k=" << k;  // no more passes than the L1 bounds need
     EXPECT_LE(passes * kc - k, 2 * passes) << "k=" << k;  // even split: the last pass is not a sliver
     if (passes > 1) EXPECT_EQ(kc % 2, 0) << "k=" << k;   // whole pairs for the bfloat16 kernel
   }
