@@ -15750,11 +15750,12 @@ struct PackedGemm {
 
   /// Depth of one pass over k: the deepest that keeps a packed panel of op(B) (kb rows of
   /// kTileCols values) within 16 KiB, half of a 32 KiB L1, so it stays there while the
-  /// tiles of A stream past it (128 on AVX-512, 256 on AVX2; 32 KiB panels at k = 256 were
-  /// evicted by every tile and ran the transposed-A shapes at 0.90x OpenBLAS on Cascade
-  /// Lake, 0.95-0.99x at 16 KiB), and never more than 4 KiB per packed row of A (the 8-row
-  /// tile within L1 too). Split evenly (784: seven passes of 112, not six of 128 and one of
-  /// 16) and even (the bfloat16 kernel halves it into pairs).
+  /// tiles of A stream past it: 128 on AVX-512, 256 on AVX2, 512 on SSE2, for floats and
+  /// doubles alike (a panel at k = 256 that filled L1 was evicted by every tile; see
+  /// docs/architecture.md, "GEMM"). The bound of 4 KiB per packed row of A never binds
+  /// first. Split evenly (784 on AVX-512: seven passes of 112, not six of 128 and one of 16)
+  /// and even (the bfloat16 kernel halves it into pairs). Where k is split does not change
+  /// the bits: partial sums go through memory exactly.
   static std::int64_t depth_block(std::int64_t k) {
     constexpr std::int64_t panel = (16 * 1024) / (kTileCols * std::int64_t(sizeof(T)));
     constexpr std::int64_t limit = std::min<std::int64_t>(panel, 4096 / std::int64_t(sizeof(T)));
@@ -15834,8 +15835,8 @@ struct PackedGemm {
     for (std::int64_t k0 = 0; k0 < k; k0 += kc) {
       const std::int64_t kb = std::min(kc, k - k0);
       const bool accumulate = k0 > 0;
-      // All rows of the block packed first; then each panel of op(B) (k x 2 registers) is
-      // loaded into L2 once and used by every tile of rows, instead of all of op(B) once
+      // All rows of the block packed first; then each panel of op(B) (kb x 2 registers) is
+      // loaded into L1 once and used by every tile of rows, instead of all of op(B) once
       // per tile.
       for (std::int64_t t = 0; t < tiles; ++t)
         pack_a(a, a_transposed, m, k, r0 + t * kTileRows,

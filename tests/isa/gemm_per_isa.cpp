@@ -81,7 +81,7 @@ TYPED_TEST(GemmPerIsa, EveryTileRemainder) {
 TYPED_TEST(GemmPerIsa, DepthsOfSeveralBlocks) {
   using K = lazy::detail::PackedGemm<TypeParam>;
   unsigned seed = 100;
-  for (const std::int64_t k : {1023, 1024, 1025, 2100})
+  for (const std::int64_t k : {127, 128, 129, 255, 256, 257, 513, 1025, 2100})
     for (int t = 0; t < 4; ++t) check<TypeParam>(K::kTileRows + 1, k, 2 * K::kTileCols + 3, t & 1, t & 2, seed += 2);
 }
 
@@ -161,7 +161,7 @@ TEST(Bf16GemmPerIsa, EveryTileRemainder) {
 
 TEST(Bf16GemmPerIsa, DepthsOfSeveralBlocks) {
   unsigned seed = 300;
-  for (const std::int64_t k : {1023, 1024, 1025, 2100})
+  for (const std::int64_t k : {127, 128, 129, 255, 256, 257, 513, 1025, 2100})
     for (int t = 0; t < 4; ++t) check_bf16(9, k, 35, t & 1, t & 2, seed += 2);
 }
 
