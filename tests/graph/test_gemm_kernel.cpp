@@ -179,7 +179,9 @@ TYPED_TEST(PackedGemmTyped, DepthBlocksKeepAPanelOfBAndATileOfRowsInL1AndSplitEv
     EXPECT_LE(kc, bound) << "k=" << k;
     EXPECT_EQ(passes, fewest) << "k=" << k;  // no more passes than the L1 bounds need
     EXPECT_LE(passes * kc - k, 2 * passes) << "k=" << k;  // even split: the last pass is not a sliver
-    if (passes > 1) EXPECT_EQ(kc % 2, 0) << "k=" << k;   // whole pairs for the bfloat16 kernel
+    if (passes > 1) {
+      EXPECT_EQ(kc % 2, 0) << "k=" << k;  // whole pairs for the bfloat16 kernel
+    }
   }
 }
 
