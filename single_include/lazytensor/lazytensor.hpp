@@ -25219,12 +25219,16 @@ LAZYTENSOR_OPTIM_SGD_INSTANCES(extern)
 // The collectives the partitioner inserts: an all-reduce among the devices of a group (the
 // partial results of a product or reduction split along its contracted dimension). One
 // node per member, each on its member's graph; when the member's executor runs it, it
-// publishes its input, waits for the group, and combines every input in group order, so
-// every member holds the same bits. The planner runs a step's consecutive all-reduces as
-// one batch (graph::Rendezvous), one meeting for all of them.
+// publishes its input, waits for the group, and the members combine the inputs together
+// into one result they all share: each claims chunks of the elements until none is left,
+// adding every input in group order, so the bits do not depend on who summed what (as
+// dist's all-reduce shares its leader's output). The planner runs a step's consecutive
+// all-reduces as one batch (graph::Rendezvous), one meeting for all of them.
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -25248,13 +25252,18 @@ class ReduceRound {
   ReduceRound(Combine op, std::vector<graph::Device*> members);
   /// Member `slot` offers `in` to the group; never waits.
   void publish(int slot, std::shared_ptr<Buffer> in);
-  /// Member `slot` waits for every member's input and returns their combination in slot
-  /// order, a new buffer of `dev`. CollectiveError when a member's device fails before
-  /// publishing (its step stopped), CollectiveTimeout after dist's timeout.
+  /// Member `slot` waits for every member's input, then combines chunks of them (in slot
+  /// order) into the group's result until no chunk is left, and returns that result: one
+  /// buffer every member shares (marked shared, so never donated), taken from the pool of
+  /// the first member to get here (`dev`). Complete only once release() returns.
+  /// CollectiveError when a member's device fails before publishing (its step stopped),
+  /// CollectiveTimeout after dist's timeout.
   std::shared_ptr<Buffer> combine(int slot, DType dtype, std::int64_t numel, graph::Device& dev);
-  /// Member `slot` waits until every member has read its input (or failed), then lets go
-  /// of it: a buffer whose last reference another device dropped could be donated
-  /// (overwritten) there with nothing ordering this device's reads before the write.
+  /// Member `slot` waits until every member is done combining (so every input has been
+  /// read and every chunk of the result written), then lets go of its input: a buffer
+  /// whose last reference another device dropped could be donated (overwritten) there
+  /// with nothing ordering this device's reads before the write. CollectiveError when a
+  /// member failed with a chunk of the result claimed and not written.
   void release(int slot);
   /// All three phases.
   std::shared_ptr<Buffer> run(int slot, std::shared_ptr<Buffer> in, DType dtype, std::int64_t numel, graph::Device& dev);
@@ -25280,7 +25289,21 @@ class ReduceRound {
   std::atomic<int> done_fast_{0};     // members done reading, likewise
   std::vector<std::uint8_t> arrived_marks_, done_marks_;  // per member
   std::vector<std::shared_ptr<Buffer>> inputs_;
+  // The shared result and its chunks, set up by the first member to combine (under mu_,
+  // after every input arrived; read-only afterwards).
+  std::shared_ptr<Buffer> out_;
+  std::vector<const void*> in_ptrs_;
+  std::int64_t chunk_ = 0, chunks_ = 0;
+  std::atomic<std::int64_t> next_chunk_{0};  // the next chunk to claim
+  std::int64_t chunks_written_ = 0;          // under mu_
 };
+
+/// Elements per chunk of a shared combine: 32 KiB of the result (L1-sized pieces that two
+/// members can split evenly even for a layer's bias, while a claim, one atomic add, stays
+/// negligible against summing them).
+constexpr std::int64_t combine_chunk_elements(std::size_t elem_size) {
+  return std::max<std::int64_t>(1, static_cast<std::int64_t>((std::size_t{32} << 10) / elem_size));
+}
 
 /// Combines `n` arrays of `numel` elements of `dtype` into `out`, in order.
 void combine(Combine op, DType dtype, const std::vector<const void*>& in, void* out, std::int64_t numel);
@@ -25372,15 +25395,37 @@ LAZYTENSOR_INLINE void ReduceRound::publish(int slot, std::shared_ptr<Buffer> in
 LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::combine(int slot, DType dtype, std::int64_t numel,
                                                                graph::Device& dev) {
   std::unique_lock lock(mu_);
-  if (const int failed = await(lock, arrived_, arrived_fast_, arrived_marks_, "arrive"); failed >= 0)
+  if (const int failed = await(lock, arrived_, arrived_fast_, arrived_marks_, "arrive"); failed >= 0) {
+    // Without every input nobody combines: this member is done (it reads nothing more).
+    done_marks_[static_cast<std::size_t>(slot)] = 1;
+    if (++done_ == size()) cv_.notify_all();
+    done_fast_.store(done_, std::memory_order_release);
     throw CollectiveError("SPMD all-reduce: " + members_[static_cast<std::size_t>(failed)]->str() +
                           " failed before reaching it (its step stopped; the error surfaces there)");
-  std::vector<const void*> ptrs;
-  for (const auto& b : inputs_) ptrs.push_back(b->data());
+  }
+  const std::size_t es = dtype_size(dtype);
+  if (!out_) {
+    out_ = dev.pool().acquire(padded_bytes(numel, es));
+    out_->mark_shared();
+    for (const auto& b : inputs_) in_ptrs_.push_back(b->data());
+    chunk_ = combine_chunk_elements(es);
+    chunks_ = (numel + chunk_ - 1) / chunk_;
+  }
+  std::shared_ptr<Buffer> out = out_;
   lock.unlock();
-  auto out = dev.pool().acquire(padded_bytes(numel, dtype_size(dtype)));
-  detail::combine(op_, dtype, ptrs, out->data(), numel);
+  // Claim chunks until none is left: a member that arrived first does most of a large
+  // round while its peers are still on their way.
+  std::int64_t written = 0;
+  std::vector<const void*> ptrs(in_ptrs_.size());
+  for (std::int64_t c = next_chunk_.fetch_add(1, std::memory_order_relaxed); c < chunks_;
+       c = next_chunk_.fetch_add(1, std::memory_order_relaxed), ++written) {
+    const std::int64_t begin = c * chunk_, n = std::min(chunk_, numel - begin);
+    const auto offset = static_cast<std::size_t>(begin) * es;
+    for (std::size_t k = 0; k < ptrs.size(); ++k) ptrs[k] = static_cast<const std::byte*>(in_ptrs_[k]) + offset;
+    detail::combine(op_, dtype, ptrs, static_cast<std::byte*>(out->data()) + offset, n);
+  }
   lock.lock();
+  chunks_written_ += written;
   done_marks_[static_cast<std::size_t>(slot)] = 1;
   if (++done_ == size()) cv_.notify_all();
   done_fast_.store(done_, std::memory_order_release);
@@ -25389,9 +25434,27 @@ LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::combine(int slot, DType d
 
 LAZYTENSOR_INLINE void ReduceRound::release(int slot) {
   std::unique_lock lock(mu_);
-  // A member that failed before reading never will: nothing more to wait for.
-  (void)await(lock, done_, done_fast_, done_marks_, "read");
+  // A member that failed before combining never will: nothing more to wait for. Its
+  // chunks are written by the others, unless it failed holding a claim.
+  const int failed = await(lock, done_, done_fast_, done_marks_, "read");
+  if (failed >= 0) {
+    // The members still alive may be combining yet (reading this input): wait for them.
+    const auto deadline = std::chrono::steady_clock::now() + dist::collective_timeout();
+    auto settled = [&] {
+      for (std::size_t m = 0; m < members_.size(); ++m)
+        if (!done_marks_[m] && members_[m]->failures() == failures_[m]) return false;
+      return true;
+    };
+    while (!settled()) {
+      cv_.wait_for(lock, std::chrono::milliseconds(2));
+      if (!settled() && std::chrono::steady_clock::now() > deadline)
+        throw CollectiveTimeout("SPMD all-reduce: waited longer than the collective timeout for the devices still combining");
+    }
+  }
   inputs_[static_cast<std::size_t>(slot)].reset();
+  if (failed >= 0 && chunks_written_ != chunks_)
+    throw CollectiveError("SPMD all-reduce: " + members_[static_cast<std::size_t>(failed)]->str() +
+                          " failed while combining (part of the result was not written)");
 }
 
 LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::run(int slot, std::shared_ptr<Buffer> in, DType dtype,

@@ -1,11 +1,15 @@
 // The SPMD all-reduce's phases (spmd/collective.hpp) and the planner's batches of them
 // (graph/plan.hpp): devices that meet their collectives one by one and devices that batch
 // them (publish all, combine all, release all) still meet, in any mix, and get the sums a
-// scalar loop gives; a member that fails before publishing stops its peers with an error
-// instead of a hang; a data-parallel backward's gradient all-reduces run as one batch.
+// scalar loop gives, in one result buffer they share, summed in chunks by whoever gets
+// there; a member that fails before publishing stops its peers with an error instead of a
+// hang, one that fails after publishing leaves them the whole sum; a data-parallel
+// backward's gradient all-reduces run as one batch.
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <thread>
 
@@ -135,6 +139,76 @@ TEST(SpmdCollective, AMemberThatFailsBeforePublishingStopsItsPeers) {
   fail.join();
   EXPECT_THROW(d1.rethrow_stored_error(), lazy::Error);  // consumed: the device works on
   round.release(0);  // nobody will read device 0's input: returns at once
+}
+
+TEST(SpmdCollective, MembersShareOneResultSummedInChunksInGroupOrder) {
+  // Rounds of several chunks (and a partial last one) in three dtypes; member 2 arrives
+  // late, so members 0 and 1 sum most chunks. Every member gets the same buffer, holding
+  // what a scalar loop gives adding the inputs in slot order (float sums whose order
+  // changes the bits: values of very different magnitudes).
+  auto& reg = lazy::graph::DeviceRegistry::get();
+  std::vector<lazy::graph::Device*> devs = {&reg.device(0), &reg.device(1), &reg.device(2)};
+  auto value = [](int slot, std::int64_t i) {
+    const double scale[] = {1e8, 1.0, -1e8};
+    return scale[slot] + 0.37 * static_cast<double>((i * 7919 + slot * 31) % 1000);
+  };
+  auto check = [&](lazy::DType dtype, Combine op, auto tag) {
+    using T = decltype(tag);
+    const std::int64_t numel = 3 * lazy::spmd::detail::combine_chunk_elements(sizeof(T)) + 5;
+    auto round = std::make_shared<ReduceRound>(op, devs);
+    std::vector<std::shared_ptr<lazy::Buffer>> results(3);
+    std::vector<std::thread> threads;
+    for (int slot = 0; slot < 3; ++slot) {
+      threads.emplace_back([&, slot] {
+        if (slot == 2) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        auto& dev = *devs[static_cast<std::size_t>(slot)];
+        auto in = dev.pool().acquire(lazy::padded_bytes(numel, sizeof(T)));
+        auto* p = static_cast<T*>(in->data());
+        for (std::int64_t i = 0; i < numel; ++i) p[i] = static_cast<T>(value(slot, i));
+        results[static_cast<std::size_t>(slot)] = round->run(slot, std::move(in), dtype, numel, dev);
+      });
+    }
+    for (auto& t : threads) t.join();
+    ASSERT_TRUE(results[0]->shared()) << "a result other devices read is never donated";
+    for (int slot = 1; slot < 3; ++slot)
+      ASSERT_EQ(results[static_cast<std::size_t>(slot)].get(), results[0].get()) << "slot " << slot;
+    const auto* got = static_cast<const T*>(results[0]->data());
+    for (std::int64_t i = 0; i < numel; ++i) {
+      T want = static_cast<T>(value(0, i));
+      for (int slot = 1; slot < 3; ++slot) {
+        const T v = static_cast<T>(value(slot, i));
+        want = op == Combine::Sum ? static_cast<T>(want + v) : std::max(want, v);
+      }
+      ASSERT_EQ(got[i], want) << "element " << i << " of " << numel;
+    }
+  };
+  check(lazy::DType::Float32, Combine::Sum, float{});
+  check(lazy::DType::Float64, Combine::Sum, double{});
+  check(lazy::DType::Int32, Combine::Max, std::int32_t{});
+}
+
+TEST(SpmdCollective, AMemberThatFailsAfterPublishingLeavesItsPeersTheWholeSum) {
+  // Device 1 publishes, then its step fails before it combines: device 0 sums every chunk,
+  // and its release neither waits for device 1 nor reports a partial result.
+  auto& reg = lazy::graph::DeviceRegistry::get();
+  auto& d0 = reg.device(0);
+  auto& d1 = reg.device(1);
+  const std::int64_t numel = 2 * lazy::spmd::detail::combine_chunk_elements(sizeof(float)) + 3;
+  ReduceRound round(Combine::Sum, {&d0, &d1});
+  for (int slot = 0; slot < 2; ++slot) {
+    auto& dev = slot == 0 ? d0 : d1;
+    auto buf = dev.pool().acquire(lazy::padded_bytes(numel, sizeof(float)));
+    auto* p = static_cast<float*>(buf->data());
+    for (std::int64_t i = 0; i < numel; ++i) p[i] = static_cast<float>(i % 97) + 0.5f * static_cast<float>(slot);
+    round.publish(slot, std::move(buf));
+  }
+  d1.store_error(std::make_exception_ptr(lazy::Error("device 1's step failed")));
+  auto out = round.combine(0, lazy::DType::Float32, numel, d0);
+  round.release(0);
+  EXPECT_THROW(d1.rethrow_stored_error(), lazy::Error);  // consumed: the device works on
+  const auto* got = static_cast<const float*>(out->data());
+  for (std::int64_t i = 0; i < numel; ++i)
+    ASSERT_EQ(got[i], 2.0f * static_cast<float>(i % 97) + 0.5f) << "element " << i;
 }
 
 TEST(SpmdCollective, ADataParallelStepMeetsItsPeersOnce) {
