@@ -1827,10 +1827,12 @@ class Rendezvous {
  public:
   /// Offers this member's input to its peers; never waits.
   virtual void publish() = 0;
-  /// Waits for every peer's input and returns the combination, a new buffer of this
-  /// device; afterwards this member no longer reads its peers' inputs.
+  /// Waits for every peer's input and returns the buffer that will hold the combination
+  /// (the members may share it, marked shared); complete only once release() returns, so
+  /// nothing reads it before (run_batch finishes the node after the release).
   virtual std::shared_ptr<Buffer> combine(ExecContext& ctx) = 0;
-  /// Waits until every peer has read this member's input, then lets go of it.
+  /// Waits until no peer reads this member's input any more and the combination is
+  /// complete, then lets go of the input.
   virtual void release() = 0;
   /// How many of the inputs, from the first, are values it reads; the rest only order it
   /// (the device's previous collective, program order).
@@ -21435,9 +21437,10 @@ using Ranges = std::vector<std::pair<std::int64_t, std::int64_t>>;
 
 /// The block `ranges` of materialized `value`, as data on `dev`, copied into `dev`'s pool.
 /// The whole value on its own device shares the buffer (buffers are immutable; donation
-/// needs a sole holder). Devices never share a buffer: when the other device's reference is
-/// the last, this device could donate it while the other's reads are unordered with the
-/// write (shared_ptr's use_count is a relaxed read).
+/// needs a sole holder). Blocks are never shared with another device (only a buffer marked
+/// shared is, such as an all-reduce's result): when the other device's reference is the
+/// last, this device could donate it while the other's reads are unordered with the write
+/// (shared_ptr's use_count is a relaxed read).
 graph::NodePtr block_of(const graph::NodePtr& value, const Ranges& ranges, graph::Device& dev);
 
 /// Splits `value` (materialized here; a sharded value is gathered first) over `sharding`.
@@ -25257,13 +25260,14 @@ class ReduceRound {
   /// buffer every member shares (marked shared, so never donated), taken from the pool of
   /// the first member to get here (`dev`). Complete only once release() returns.
   /// CollectiveError when a member's device fails before publishing (its step stopped),
-  /// CollectiveTimeout after dist's timeout.
+  /// CollectiveTimeout after dist's timeout. The chunk loop itself cannot fail or block.
   std::shared_ptr<Buffer> combine(int slot, DType dtype, std::int64_t numel, graph::Device& dev);
-  /// Member `slot` waits until every member is done combining (so every input has been
-  /// read and every chunk of the result written), then lets go of its input: a buffer
-  /// whose last reference another device dropped could be donated (overwritten) there
-  /// with nothing ordering this device's reads before the write. CollectiveError when a
-  /// member failed with a chunk of the result claimed and not written.
+  /// Member `slot` waits until no member is inside its chunk loop, then lets go of its
+  /// input. Once this member's own loop has ended every chunk is claimed, so those members
+  /// are the only readers of the inputs and writers of the result left: afterwards the
+  /// result is complete, and no input is read again (a buffer whose last reference another
+  /// device dropped could be donated, overwritten, there with nothing ordering this
+  /// device's reads before the write).
   void release(int slot);
   /// All three phases.
   std::shared_ptr<Buffer> run(int slot, std::shared_ptr<Buffer> in, DType dtype, std::int64_t numel, graph::Device& dev);
@@ -25284,18 +25288,18 @@ class ReduceRound {
   std::vector<std::uint64_t> failures_;  // each member device's failure count when traced
   std::mutex mu_;
   std::condition_variable cv_;
-  int arrived_ = 0, done_ = 0;
+  int arrived_ = 0;
   std::atomic<int> arrived_fast_{0};  // arrived_, readable without the lock (spinning)
-  std::atomic<int> done_fast_{0};     // members done reading, likewise
-  std::vector<std::uint8_t> arrived_marks_, done_marks_;  // per member
+  std::vector<std::uint8_t> arrived_marks_;  // per member
   std::vector<std::shared_ptr<Buffer>> inputs_;
   // The shared result and its chunks, set up by the first member to combine (under mu_,
-  // after every input arrived; read-only afterwards).
+  // after every input arrived; read-only afterwards; out_ set last).
   std::shared_ptr<Buffer> out_;
   std::vector<const void*> in_ptrs_;
   std::int64_t chunk_ = 0, chunks_ = 0;
   std::atomic<std::int64_t> next_chunk_{0};  // the next chunk to claim
-  std::int64_t chunks_written_ = 0;          // under mu_
+  int combining_ = 0;                        // members inside their chunk loop (under mu_)
+  std::atomic<int> combining_fast_{0};       // combining_, readable without the lock
 };
 
 /// Elements per chunk of a shared combine: 32 KiB of the result (L1-sized pieces that two
@@ -25351,8 +25355,7 @@ namespace lazy::spmd {
 namespace detail {
 
 LAZYTENSOR_INLINE ReduceRound::ReduceRound(Combine op, std::vector<graph::Device*> members)
-    : op_(op), members_(std::move(members)), arrived_marks_(members_.size()), done_marks_(members_.size()),
-      inputs_(members_.size()) {
+    : op_(op), members_(std::move(members)), arrived_marks_(members_.size()), inputs_(members_.size()) {
   for (auto* d : members_) failures_.push_back(d->failures());
 }
 
@@ -25392,69 +25395,54 @@ LAZYTENSOR_INLINE void ReduceRound::publish(int slot, std::shared_ptr<Buffer> in
   arrived_fast_.store(arrived_, std::memory_order_release);
 }
 
-LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::combine(int slot, DType dtype, std::int64_t numel,
+LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::combine(int /*slot*/, DType dtype, std::int64_t numel,
                                                                graph::Device& dev) {
   std::unique_lock lock(mu_);
   if (const int failed = await(lock, arrived_, arrived_fast_, arrived_marks_, "arrive"); failed >= 0) {
-    // Without every input nobody combines: this member is done (it reads nothing more).
-    done_marks_[static_cast<std::size_t>(slot)] = 1;
-    if (++done_ == size()) cv_.notify_all();
-    done_fast_.store(done_, std::memory_order_release);
     throw CollectiveError("SPMD all-reduce: " + members_[static_cast<std::size_t>(failed)]->str() +
                           " failed before reaching it (its step stopped; the error surfaces there)");
   }
   const std::size_t es = dtype_size(dtype);
   if (!out_) {
-    out_ = dev.pool().acquire(padded_bytes(numel, es));
-    out_->mark_shared();
-    for (const auto& b : inputs_) in_ptrs_.push_back(b->data());
+    // Everything that may throw first: a member that fails here leaves the set-up to the
+    // next one.
+    auto out = dev.pool().acquire(padded_bytes(numel, es));
+    std::vector<const void*> ptrs;
+    for (const auto& b : inputs_) ptrs.push_back(b->data());
+    out->mark_shared();
+    in_ptrs_ = std::move(ptrs);
     chunk_ = combine_chunk_elements(es);
     chunks_ = (numel + chunk_ - 1) / chunk_;
+    out_ = std::move(out);
   }
   std::shared_ptr<Buffer> out = out_;
+  std::vector<const void*> ptrs(in_ptrs_.size());  // (allocated before counting in: the loop never throws)
+  combining_fast_.store(++combining_, std::memory_order_relaxed);
   lock.unlock();
-  // Claim chunks until none is left: a member that arrived first does most of a large
-  // round while its peers are still on their way.
-  std::int64_t written = 0;
-  std::vector<const void*> ptrs(in_ptrs_.size());
+  // Claim chunks until none is left: whoever gets there sums them, so the members share
+  // the work however late each arrives.
   for (std::int64_t c = next_chunk_.fetch_add(1, std::memory_order_relaxed); c < chunks_;
-       c = next_chunk_.fetch_add(1, std::memory_order_relaxed), ++written) {
+       c = next_chunk_.fetch_add(1, std::memory_order_relaxed)) {
     const std::int64_t begin = c * chunk_, n = std::min(chunk_, numel - begin);
     const auto offset = static_cast<std::size_t>(begin) * es;
     for (std::size_t k = 0; k < ptrs.size(); ++k) ptrs[k] = static_cast<const std::byte*>(in_ptrs_[k]) + offset;
     detail::combine(op_, dtype, ptrs, static_cast<std::byte*>(out->data()) + offset, n);
   }
   lock.lock();
-  chunks_written_ += written;
-  done_marks_[static_cast<std::size_t>(slot)] = 1;
-  if (++done_ == size()) cv_.notify_all();
-  done_fast_.store(done_, std::memory_order_release);
+  if (--combining_ == 0) cv_.notify_all();
+  combining_fast_.store(combining_, std::memory_order_release);
   return out;
 }
 
 LAZYTENSOR_INLINE void ReduceRound::release(int slot) {
-  std::unique_lock lock(mu_);
-  // A member that failed before combining never will: nothing more to wait for. Its
-  // chunks are written by the others, unless it failed holding a claim.
-  const int failed = await(lock, done_, done_fast_, done_marks_, "read");
-  if (failed >= 0) {
-    // The members still alive may be combining yet (reading this input): wait for them.
-    const auto deadline = std::chrono::steady_clock::now() + dist::collective_timeout();
-    auto settled = [&] {
-      for (std::size_t m = 0; m < members_.size(); ++m)
-        if (!done_marks_[m] && members_[m]->failures() == failures_[m]) return false;
-      return true;
-    };
-    while (!settled()) {
-      cv_.wait_for(lock, std::chrono::milliseconds(2));
-      if (!settled() && std::chrono::steady_clock::now() > deadline)
-        throw CollectiveTimeout("SPMD all-reduce: waited longer than the collective timeout for the devices still combining");
-    }
+  // The members still in their chunk loop finish within a chunk or a few (bounded work
+  // that never blocks): spin briefly, then sleep. The acquire load, or the lock, orders
+  // their writes of the result before this member's reads of it.
+  for (int spins = 0; spins < 4000 && combining_fast_.load(std::memory_order_acquire) > 0; ++spins) {
   }
+  std::unique_lock lock(mu_);
+  cv_.wait(lock, [&] { return combining_ == 0; });
   inputs_[static_cast<std::size_t>(slot)].reset();
-  if (failed >= 0 && chunks_written_ != chunks_)
-    throw CollectiveError("SPMD all-reduce: " + members_[static_cast<std::size_t>(failed)]->str() +
-                          " failed while combining (part of the result was not written)");
 }
 
 LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::run(int slot, std::shared_ptr<Buffer> in, DType dtype,

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <latch>
 #include <thread>
 
 #include <lazytensor/lazytensor.hpp>
@@ -142,25 +143,27 @@ TEST(SpmdCollective, AMemberThatFailsBeforePublishingStopsItsPeers) {
 }
 
 TEST(SpmdCollective, MembersShareOneResultSummedInChunksInGroupOrder) {
-  // Rounds of several chunks (and a partial last one) in three dtypes; member 2 arrives
-  // late, so members 0 and 1 sum most chunks. Every member gets the same buffer, holding
-  // what a scalar loop gives adding the inputs in slot order (float sums whose order
-  // changes the bits: values of very different magnitudes).
+  // Rounds of many chunks (and a partial last one) in three dtypes, one member arriving
+  // late; whoever is there claims chunks. Every member gets the same buffer, holding what
+  // a scalar loop gives adding the inputs in slot order (float sums whose order changes
+  // the bits: values of very different magnitudes), and an empty round works too.
   auto& reg = lazy::graph::DeviceRegistry::get();
   std::vector<lazy::graph::Device*> devs = {&reg.device(0), &reg.device(1), &reg.device(2)};
   auto value = [](int slot, std::int64_t i) {
     const double scale[] = {1e8, 1.0, -1e8};
     return scale[slot] + 0.37 * static_cast<double>((i * 7919 + slot * 31) % 1000);
   };
-  auto check = [&](lazy::DType dtype, Combine op, auto tag) {
+  auto check = [&](lazy::DType dtype, Combine op, auto tag, std::int64_t chunks) {
     using T = decltype(tag);
-    const std::int64_t numel = 3 * lazy::spmd::detail::combine_chunk_elements(sizeof(T)) + 5;
+    const std::int64_t numel = chunks == 0 ? 0 : chunks * lazy::spmd::detail::combine_chunk_elements(sizeof(T)) + 5;
     auto round = std::make_shared<ReduceRound>(op, devs);
     std::vector<std::shared_ptr<lazy::Buffer>> results(3);
+    std::latch start(3);
     std::vector<std::thread> threads;
     for (int slot = 0; slot < 3; ++slot) {
       threads.emplace_back([&, slot] {
-        if (slot == 2) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        start.arrive_and_wait();
+        if (slot == 2) std::this_thread::sleep_for(std::chrono::milliseconds(5));
         auto& dev = *devs[static_cast<std::size_t>(slot)];
         auto in = dev.pool().acquire(lazy::padded_bytes(numel, sizeof(T)));
         auto* p = static_cast<T*>(in->data());
@@ -182,14 +185,15 @@ TEST(SpmdCollective, MembersShareOneResultSummedInChunksInGroupOrder) {
       ASSERT_EQ(got[i], want) << "element " << i << " of " << numel;
     }
   };
-  check(lazy::DType::Float32, Combine::Sum, float{});
-  check(lazy::DType::Float64, Combine::Sum, double{});
-  check(lazy::DType::Int32, Combine::Max, std::int32_t{});
+  check(lazy::DType::Float32, Combine::Sum, float{}, 64);
+  check(lazy::DType::Float64, Combine::Sum, double{}, 64);
+  check(lazy::DType::Int32, Combine::Max, std::int32_t{}, 3);
+  check(lazy::DType::Float32, Combine::Sum, float{}, 0);
 }
 
 TEST(SpmdCollective, AMemberThatFailsAfterPublishingLeavesItsPeersTheWholeSum) {
   // Device 1 publishes, then its step fails before it combines: device 0 sums every chunk,
-  // and its release neither waits for device 1 nor reports a partial result.
+  // and its release does not wait for device 1.
   auto& reg = lazy::graph::DeviceRegistry::get();
   auto& d0 = reg.device(0);
   auto& d1 = reg.device(1);
@@ -203,9 +207,9 @@ TEST(SpmdCollective, AMemberThatFailsAfterPublishingLeavesItsPeersTheWholeSum) {
     round.publish(slot, std::move(buf));
   }
   d1.store_error(std::make_exception_ptr(lazy::Error("device 1's step failed")));
+  EXPECT_THROW(d1.rethrow_stored_error(), lazy::Error);  // consumed at once (its failure count stays)
   auto out = round.combine(0, lazy::DType::Float32, numel, d0);
   round.release(0);
-  EXPECT_THROW(d1.rethrow_stored_error(), lazy::Error);  // consumed: the device works on
   const auto* got = static_cast<const float*>(out->data());
   for (std::int64_t i = 0; i < numel; ++i)
     ASSERT_EQ(got[i], 2.0f * static_cast<float>(i % 97) + 0.5f) << "element " << i;

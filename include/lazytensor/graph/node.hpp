@@ -218,10 +218,12 @@ class Rendezvous {
  public:
   /// Offers this member's input to its peers; never waits.
   virtual void publish() = 0;
-  /// Waits for every peer's input and returns the combination, a new buffer of this
-  /// device; afterwards this member no longer reads its peers' inputs.
+  /// Waits for every peer's input and returns the buffer that will hold the combination
+  /// (the members may share it, marked shared); complete only once release() returns, so
+  /// nothing reads it before (run_batch finishes the node after the release).
   virtual std::shared_ptr<Buffer> combine(ExecContext& ctx) = 0;
-  /// Waits until every peer has read this member's input, then lets go of it.
+  /// Waits until no peer reads this member's input any more and the combination is
+  /// complete, then lets go of the input.
   virtual void release() = 0;
   /// How many of the inputs, from the first, are values it reads; the rest only order it
   /// (the device's previous collective, program order).

@@ -83,9 +83,10 @@ using Ranges = std::vector<std::pair<std::int64_t, std::int64_t>>;
 
 /// The block `ranges` of materialized `value`, as data on `dev`, copied into `dev`'s pool.
 /// The whole value on its own device shares the buffer (buffers are immutable; donation
-/// needs a sole holder). Devices never share a buffer: when the other device's reference is
-/// the last, this device could donate it while the other's reads are unordered with the
-/// write (shared_ptr's use_count is a relaxed read).
+/// needs a sole holder). Blocks are never shared with another device (only a buffer marked
+/// shared is, such as an all-reduce's result): when the other device's reference is the
+/// last, this device could donate it while the other's reads are unordered with the write
+/// (shared_ptr's use_count is a relaxed read).
 graph::NodePtr block_of(const graph::NodePtr& value, const Ranges& ranges, graph::Device& dev);
 
 /// Splits `value` (materialized here; a sharded value is gathered first) over `sharding`.
