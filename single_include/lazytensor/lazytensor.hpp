@@ -25258,9 +25258,10 @@ class ReduceRound {
   /// Member `slot` waits for every member's input, then combines chunks of them (in slot
   /// order) into the group's result until no chunk is left, and returns that result: one
   /// buffer every member shares (marked shared, so never donated), taken from the pool of
-  /// the first member to get here (`dev`). Complete only once release() returns.
+  /// the member that sets the round up (`dev`). Complete only once release() returns.
   /// CollectiveError when a member's device fails before publishing (its step stopped),
-  /// CollectiveTimeout after dist's timeout. The chunk loop itself cannot fail or block.
+  /// CollectiveTimeout after dist's timeout. The chunk loop itself cannot fail or block
+  /// (detail::combine is noexcept).
   std::shared_ptr<Buffer> combine(int slot, DType dtype, std::int64_t numel, graph::Device& dev);
   /// Member `slot` waits until no member is inside its chunk loop, then lets go of its
   /// input. Once this member's own loop has ended every chunk is claimed, so those members
@@ -25310,7 +25311,7 @@ constexpr std::int64_t combine_chunk_elements(std::size_t elem_size) {
 }
 
 /// Combines `n` arrays of `numel` elements of `dtype` into `out`, in order.
-void combine(Combine op, DType dtype, const std::vector<const void*>& in, void* out, std::int64_t numel);
+void combine(Combine op, DType dtype, const std::vector<const void*>& in, void* out, std::int64_t numel) noexcept;
 
 }  // namespace detail
 
@@ -25419,8 +25420,8 @@ LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::combine(int /*slot*/, DTy
   std::vector<const void*> ptrs(in_ptrs_.size());  // (allocated before counting in: the loop never throws)
   combining_fast_.store(++combining_, std::memory_order_relaxed);
   lock.unlock();
-  // Claim chunks until none is left: whoever gets there sums them, so the members share
-  // the work however late each arrives.
+  // Claim chunks until none is left: whoever is there sums them, so the members share the
+  // work however late each wakes up.
   for (std::int64_t c = next_chunk_.fetch_add(1, std::memory_order_relaxed); c < chunks_;
        c = next_chunk_.fetch_add(1, std::memory_order_relaxed)) {
     const std::int64_t begin = c * chunk_, n = std::min(chunk_, numel - begin);
@@ -25436,8 +25437,8 @@ LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::combine(int /*slot*/, DTy
 
 LAZYTENSOR_INLINE void ReduceRound::release(int slot) {
   // The members still in their chunk loop finish within a chunk or a few (bounded work
-  // that never blocks): spin briefly, then sleep. The acquire load, or the lock, orders
-  // their writes of the result before this member's reads of it.
+  // that never blocks): spin briefly, then sleep. The decision is taken under the lock,
+  // which orders their writes of the result before this member's reads of it.
   for (int spins = 0; spins < 4000 && combining_fast_.load(std::memory_order_acquire) > 0; ++spins) {
   }
   std::unique_lock lock(mu_);
@@ -25454,7 +25455,7 @@ LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::run(int slot, std::shared
 }
 
 template <class T, class Acc>
-void combine_as(Combine op, const std::vector<const void*>& in, void* out, std::int64_t numel) {
+void combine_as(Combine op, const std::vector<const void*>& in, void* out, std::int64_t numel) noexcept {
   T* o = static_cast<T*>(out);
   for (std::int64_t i = 0; i < numel; ++i) {
     Acc acc = static_cast<Acc>(static_cast<const T*>(in[0])[i]);
@@ -25484,7 +25485,7 @@ void combine_as(Combine op, const std::vector<const void*>& in, void* out, std::
 }
 
 template <class T>
-void sum_into(const std::vector<const void*>& in, void* out, std::int64_t numel) {
+void sum_into(const std::vector<const void*>& in, void* out, std::int64_t numel) noexcept {
   // Member after member into the output: the inner loop vectorizes; the order of the
   // additions is the same as element by element in group order.
   T* o = static_cast<T*>(out);
@@ -25496,7 +25497,8 @@ void sum_into(const std::vector<const void*>& in, void* out, std::int64_t numel)
   }
 }
 
-LAZYTENSOR_INLINE void combine(Combine op, DType dtype, const std::vector<const void*>& in, void* out, std::int64_t numel) {
+LAZYTENSOR_INLINE void combine(Combine op, DType dtype, const std::vector<const void*>& in, void* out,
+                               std::int64_t numel) noexcept {
   if (op == Combine::Sum && dtype == DType::Float32) return sum_into<float>(in, out, numel);
   if (op == Combine::Sum && dtype == DType::Float64) return sum_into<double>(in, out, numel);
   switch (dtype) {

@@ -144,9 +144,10 @@ TEST(SpmdCollective, AMemberThatFailsBeforePublishingStopsItsPeers) {
 
 TEST(SpmdCollective, MembersShareOneResultSummedInChunksInGroupOrder) {
   // Rounds of many chunks (and a partial last one) in three dtypes, one member arriving
-  // late; whoever is there claims chunks. Every member gets the same buffer, holding what
-  // a scalar loop gives adding the inputs in slot order (float sums whose order changes
-  // the bits: values of very different magnitudes), and an empty round works too.
+  // late; whoever is there claims chunks. Every member gets the same buffer, holding, as
+  // soon as its run() returns, what a scalar loop gives adding the inputs in slot order
+  // (float sums whose order changes the bits: values of very different magnitudes), and an
+  // empty round works too.
   auto& reg = lazy::graph::DeviceRegistry::get();
   std::vector<lazy::graph::Device*> devs = {&reg.device(0), &reg.device(1), &reg.device(2)};
   auto value = [](int slot, std::int64_t i) {
@@ -156,8 +157,17 @@ TEST(SpmdCollective, MembersShareOneResultSummedInChunksInGroupOrder) {
   auto check = [&](lazy::DType dtype, Combine op, auto tag, std::int64_t chunks) {
     using T = decltype(tag);
     const std::int64_t numel = chunks == 0 ? 0 : chunks * lazy::spmd::detail::combine_chunk_elements(sizeof(T)) + 5;
+    auto want = [&](std::int64_t i) {
+      T acc = static_cast<T>(value(0, i));
+      for (int slot = 1; slot < 3; ++slot) {
+        const T v = static_cast<T>(value(slot, i));
+        acc = op == Combine::Sum ? static_cast<T>(acc + v) : std::max(acc, v);
+      }
+      return acc;
+    };
     auto round = std::make_shared<ReduceRound>(op, devs);
     std::vector<std::shared_ptr<lazy::Buffer>> results(3);
+    std::vector<std::int64_t> first_wrong(3, -1);
     std::latch start(3);
     std::vector<std::thread> threads;
     for (int slot = 0; slot < 3; ++slot) {
@@ -168,22 +178,23 @@ TEST(SpmdCollective, MembersShareOneResultSummedInChunksInGroupOrder) {
         auto in = dev.pool().acquire(lazy::padded_bytes(numel, sizeof(T)));
         auto* p = static_cast<T*>(in->data());
         for (std::int64_t i = 0; i < numel; ++i) p[i] = static_cast<T>(value(slot, i));
-        results[static_cast<std::size_t>(slot)] = round->run(slot, std::move(in), dtype, numel, dev);
+        auto out = round->run(slot, std::move(in), dtype, numel, dev);
+        // Read at once, while peers may still be finishing: run() returns a complete result.
+        const auto* got = static_cast<const T*>(out->data());
+        for (std::int64_t i = 0; i < numel; ++i)
+          if (!(got[i] == want(i))) {
+            first_wrong[static_cast<std::size_t>(slot)] = i;
+            break;
+          }
+        results[static_cast<std::size_t>(slot)] = std::move(out);
       });
     }
     for (auto& t : threads) t.join();
+    for (int slot = 0; slot < 3; ++slot)
+      EXPECT_EQ(first_wrong[static_cast<std::size_t>(slot)], -1) << "slot " << slot << " of " << numel << " elements";
     ASSERT_TRUE(results[0]->shared()) << "a result other devices read is never donated";
     for (int slot = 1; slot < 3; ++slot)
       ASSERT_EQ(results[static_cast<std::size_t>(slot)].get(), results[0].get()) << "slot " << slot;
-    const auto* got = static_cast<const T*>(results[0]->data());
-    for (std::int64_t i = 0; i < numel; ++i) {
-      T want = static_cast<T>(value(0, i));
-      for (int slot = 1; slot < 3; ++slot) {
-        const T v = static_cast<T>(value(slot, i));
-        want = op == Combine::Sum ? static_cast<T>(want + v) : std::max(want, v);
-      }
-      ASSERT_EQ(got[i], want) << "element " << i << " of " << numel;
-    }
   };
   check(lazy::DType::Float32, Combine::Sum, float{}, 64);
   check(lazy::DType::Float64, Combine::Sum, double{}, 64);
