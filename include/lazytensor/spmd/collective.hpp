@@ -86,8 +86,9 @@ class ReduceRound {
   std::vector<const void*> in_ptrs_;
   std::int64_t chunk_ = 0, chunks_ = 0;
   std::atomic<std::int64_t> next_chunk_{0};  // the next chunk to claim
-  int combining_ = 0;                        // members inside their chunk loop (under mu_)
-  std::atomic<int> combining_fast_{0};       // combining_, readable without the lock
+  // Members inside their chunk loop: changed under mu_ (the condition variable's
+  // predicate), atomic so that release() can spin on it without the lock.
+  std::atomic<int> combining_{0};
 };
 
 /// Elements per chunk of a shared combine: 32 KiB of the result (L1-sized pieces that two
@@ -186,10 +187,9 @@ LAZYTENSOR_INLINE void ReduceRound::publish(int slot, std::shared_ptr<Buffer> in
 LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::combine(int /*slot*/, DType dtype, std::int64_t numel,
                                                                graph::Device& dev) {
   std::unique_lock lock(mu_);
-  if (const int failed = await(lock, arrived_, arrived_fast_, arrived_marks_, "arrive"); failed >= 0) {
+  if (const int failed = await(lock, arrived_, arrived_fast_, arrived_marks_, "arrive"); failed >= 0)
     throw CollectiveError("SPMD all-reduce: " + members_[static_cast<std::size_t>(failed)]->str() +
                           " failed before reaching it (its step stopped; the error surfaces there)");
-  }
   const std::size_t es = dtype_size(dtype);
   if (!out_) {
     // Everything that may throw first: a member that fails here leaves the set-up to the
@@ -205,7 +205,7 @@ LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::combine(int /*slot*/, DTy
   }
   std::shared_ptr<Buffer> out = out_;
   std::vector<const void*> ptrs(in_ptrs_.size());  // (allocated before counting in: the loop never throws)
-  combining_fast_.store(++combining_, std::memory_order_relaxed);
+  combining_.fetch_add(1, std::memory_order_relaxed);
   lock.unlock();
   // Claim chunks until none is left: whoever is there sums them, so the members share the
   // work however late each wakes up.
@@ -217,8 +217,7 @@ LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::combine(int /*slot*/, DTy
     detail::combine(op_, dtype, ptrs, static_cast<std::byte*>(out->data()) + offset, n);
   }
   lock.lock();
-  if (--combining_ == 0) cv_.notify_all();
-  combining_fast_.store(combining_, std::memory_order_release);
+  if (combining_.fetch_sub(1, std::memory_order_release) == 1) cv_.notify_all();
   return out;
 }
 
@@ -226,10 +225,10 @@ LAZYTENSOR_INLINE void ReduceRound::release(int slot) {
   // The members still in their chunk loop finish within a chunk or a few (bounded work
   // that never blocks): spin briefly, then sleep. The decision is taken under the lock,
   // which orders their writes of the result before this member's reads of it.
-  for (int spins = 0; spins < 4000 && combining_fast_.load(std::memory_order_acquire) > 0; ++spins) {
+  for (int spins = 0; spins < 4000 && combining_.load(std::memory_order_acquire) > 0; ++spins) {
   }
   std::unique_lock lock(mu_);
-  cv_.wait(lock, [&] { return combining_ == 0; });
+  cv_.wait(lock, [&] { return combining_.load(std::memory_order_relaxed) == 0; });
   inputs_[static_cast<std::size_t>(slot)].reset();
 }
 
