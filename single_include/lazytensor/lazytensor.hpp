@@ -25338,14 +25338,17 @@ namespace detail {
 class ReduceRound {
  public:
   ReduceRound(Combine op, std::vector<graph::Device*> members);
-  /// Member `slot` offers `in` to the group; never waits.
+  /// Member `slot` offers `in` to the group; never waits. A member counts once: when its
+  /// step runs again after an error (its node went back to the trace), it offers the same
+  /// value again, and the first offer stands (a peer may be reading it).
   void publish(int slot, std::shared_ptr<Buffer> in);
   /// Member `slot` waits for every member's input, then combines chunks of them (in slot
   /// order) into the group's result until no chunk is left, and returns that result: one
   /// buffer every member shares (marked shared, so never donated), taken from the pool of
   /// the member that sets the round up (`dev`). Complete only once release() returns.
   /// CollectiveError when a member's device fails before publishing (its step stopped),
-  /// CollectiveTimeout after dist's timeout. The chunk loop itself cannot fail or block
+  /// reported once to each waiting member: run again after that error, the member waits
+  /// for a new failure or the late peer. CollectiveTimeout after dist's timeout. The chunk loop itself cannot fail or block
   /// (detail::combine is noexcept).
   std::shared_ptr<Buffer> combine(int slot, DType dtype, std::int64_t numel, graph::Device& dev);
   /// Member `slot` waits until no member is inside its chunk loop, then lets go of its
@@ -25361,17 +25364,20 @@ class ReduceRound {
   int size() const { return static_cast<int>(members_.size()); }
 
  private:
-  /// Waits, `lock` held, until `count` reaches the group size: members of a step arrive
-  /// close together, so it spins, then yields for up to 2 ms, then sleeps (a sleeping
-  /// waiter's wake-up costs tens of microseconds on a VM; dist waits alike). Returns -1,
-  /// or the slot of a member whose `marks` entry is still 0 and whose device failed since
-  /// the round was traced.
-  int await(std::unique_lock<std::mutex>& lock, const int& count, const std::atomic<int>& fast,
+  /// Member `slot` waits, `lock` held, until `count` reaches the group size: members of a
+  /// step arrive close together, so it spins, then yields for up to 2 ms, then sleeps (a
+  /// sleeping waiter's wake-up costs tens of microseconds on a VM; dist waits alike).
+  /// Returns -1, or the slot of a member whose `marks` entry is still 0 and whose device
+  /// failed since `slot` last looked (the round's tracing, or its last report of that
+  /// member, which it then no longer counts).
+  int await(int slot, std::unique_lock<std::mutex>& lock, const int& count, const std::atomic<int>& fast,
              const std::vector<std::uint8_t>& marks, const char* what);
 
   Combine op_;
   std::vector<graph::Device*> members_;
-  std::vector<std::uint64_t> failures_;  // each member device's failure count when traced
+  // seen_failures_[waiter * size() + member]: the member device's failure count when the
+  // round was traced, or when `waiter` last reported that member's failure (under mu_).
+  std::vector<std::uint64_t> seen_failures_;
   std::mutex mu_;
   std::condition_variable cv_;
   int arrived_ = 0;
@@ -25443,10 +25449,11 @@ namespace detail {
 
 LAZYTENSOR_INLINE ReduceRound::ReduceRound(Combine op, std::vector<graph::Device*> members)
     : op_(op), members_(std::move(members)), arrived_marks_(members_.size()), inputs_(members_.size()) {
-  for (auto* d : members_) failures_.push_back(d->failures());
+  for (std::size_t waiter = 0; waiter < members_.size(); ++waiter)
+    for (auto* d : members_) seen_failures_.push_back(d->failures());
 }
 
-LAZYTENSOR_INLINE int ReduceRound::await(std::unique_lock<std::mutex>& lock, const int& count,
+LAZYTENSOR_INLINE int ReduceRound::await(int slot, std::unique_lock<std::mutex>& lock, const int& count,
                                           const std::atomic<int>& fast, const std::vector<std::uint8_t>& marks,
                                           const char* what) {
   const int n = size();
@@ -25464,7 +25471,11 @@ LAZYTENSOR_INLINE int ReduceRound::await(std::unique_lock<std::mutex>& lock, con
   while (count < n) {
     cv_.wait_for(lock, std::chrono::milliseconds(2));
     for (std::size_t m = 0; m < members_.size() && count < n; ++m) {
-      if (!marks[m] && members_[m]->failures() != failures_[m]) return static_cast<int>(m);
+      std::uint64_t& seen = seen_failures_[static_cast<std::size_t>(slot) * members_.size() + m];
+      if (const std::uint64_t now = members_[m]->failures(); !marks[m] && now != seen) {
+        seen = now;  // reported once: a retry of this round waits for the member again
+        return static_cast<int>(m);
+      }
     }
     if (count < n && std::chrono::steady_clock::now() > deadline)
       throw CollectiveTimeout(std::string("SPMD all-reduce: waited longer than the collective timeout for ") +
@@ -25476,16 +25487,17 @@ LAZYTENSOR_INLINE int ReduceRound::await(std::unique_lock<std::mutex>& lock, con
 LAZYTENSOR_INLINE void ReduceRound::publish(int slot, std::shared_ptr<Buffer> in) {
   const auto s = static_cast<std::size_t>(slot);
   std::lock_guard lock(mu_);
+  if (arrived_marks_[s]) return;  // offered before this step was run again (same value)
   inputs_[s] = std::move(in);
   arrived_marks_[s] = 1;
   if (++arrived_ == size()) cv_.notify_all();
   arrived_fast_.store(arrived_, std::memory_order_release);
 }
 
-LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::combine(int /*slot*/, DType dtype, std::int64_t numel,
+LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::combine(int slot, DType dtype, std::int64_t numel,
                                                                graph::Device& dev) {
   std::unique_lock lock(mu_);
-  if (const int failed = await(lock, arrived_, arrived_fast_, arrived_marks_, "arrive"); failed >= 0)
+  if (const int failed = await(slot, lock, arrived_, arrived_fast_, arrived_marks_, "arrive"); failed >= 0)
     throw CollectiveError("SPMD all-reduce: " + members_[static_cast<std::size_t>(failed)]->str() +
                           " failed before reaching it (its step stopped; the error surfaces there)");
   const std::size_t es = dtype_size(dtype);

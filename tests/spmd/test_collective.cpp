@@ -3,7 +3,8 @@
 // them (publish all, combine all, release all) still meet, in any mix, and get the sums a
 // scalar loop gives, in one result buffer they share, summed in chunks by whoever gets
 // there; a member that fails before publishing stops its peers with an error instead of a
-// hang, one that fails after publishing leaves them the whole sum; a data-parallel
+// hang, one that fails after publishing leaves them the whole sum, and a round run again
+// after such an error waits for the late member (counting each member once); a data-parallel
 // backward's gradient all-reduces run as one batch.
 
 #include <gtest/gtest.h>
@@ -224,6 +225,44 @@ TEST(SpmdCollective, AMemberThatFailsAfterPublishingLeavesItsPeersTheWholeSum) {
   const auto* got = static_cast<const float*>(out->data());
   for (std::int64_t i = 0; i < numel; ++i)
     ASSERT_EQ(got[i], 2.0f * static_cast<float>(i % 97) + 0.5f) << "element " << i;
+}
+
+TEST(SpmdCollective, ARoundRunAgainAfterAPeersFailureWaitsForThatPeer) {
+  // Device 1's step fails before it publishes; device 0's combine reports it. The program
+  // catches the error and steps again: device 0 runs its member once more (publishing the
+  // same input again), device 1 arrives late. Device 0 must wait for it and get the sum: not
+  // count its own input twice as the whole group, nor fail again on the failure it already
+  // reported.
+  auto& reg = lazy::graph::DeviceRegistry::get();
+  auto& d0 = reg.device(0);
+  auto& d1 = reg.device(1);
+  ReduceRound round(Combine::Sum, {&d0, &d1});
+  auto input = [&](lazy::graph::Device& dev, float scale) {
+    auto buf = dev.pool().acquire(lazy::padded_bytes(kElements, sizeof(float)));
+    auto* p = static_cast<float*>(buf->data());
+    for (std::int64_t i = 0; i < kElements; ++i) p[i] = scale * static_cast<float>(i + 1);
+    return buf;
+  };
+  auto in0 = input(d0, 1.0f);
+  round.publish(0, in0);
+  d1.store_error(std::make_exception_ptr(lazy::Error("device 1's step failed")));
+  EXPECT_THROW((void)round.combine(0, lazy::DType::Float32, kElements, d0), lazy::CollectiveError);
+  EXPECT_THROW(d1.rethrow_stored_error(), lazy::Error);  // the program caught it
+
+  std::shared_ptr<lazy::Buffer> out1;
+  std::thread late([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    out1 = round.run(1, input(d1, 100.0f), lazy::DType::Float32, kElements, d1);
+  });
+  round.publish(0, in0);
+  std::shared_ptr<lazy::Buffer> out0;
+  EXPECT_NO_THROW(out0 = round.combine(0, lazy::DType::Float32, kElements, d0));
+  round.release(0);
+  late.join();
+  ASSERT_TRUE(out0 && out1);
+  EXPECT_EQ(out0.get(), out1.get());
+  const auto* got = static_cast<const float*>(out0->data());
+  for (std::int64_t i = 0; i < kElements; ++i) ASSERT_EQ(got[i], 101.0f * static_cast<float>(i + 1)) << "element " << i;
 }
 
 TEST(SpmdCollective, ADataParallelStepMeetsItsPeersOnce) {
