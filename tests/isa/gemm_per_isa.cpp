@@ -72,7 +72,7 @@ TYPED_TEST(GemmPerIsa, EveryTileRemainder) {
   unsigned seed = 1;
   for (const std::int64_t m : sizes) {
     for (const std::int64_t n : sizes) {
-      for (const std::int64_t k : {1, 3, 17, 129})
+      for (const std::int64_t k : {1, 3, 17, 24, 129})
         for (int t = 0; t < 4; ++t) check<TypeParam>(m, k, n, t & 1, t & 2, seed += 2);
     }
   }

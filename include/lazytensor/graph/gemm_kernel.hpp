@@ -307,7 +307,7 @@ struct PackedGemm {
     return false;
   }
 
-  // The same for a whole panel of doubles (16 columns on AVX-512, 8 on AVX2) and a depth
+  // The same for a whole panel of doubles (16 columns on AVX-512, 8 on AVX) and a depth
   // that is a multiple of the register width, with 8 x 8 or 4 x 4 register transposes;
   // false (nothing written) otherwise.
   static bool transpose_double_panel([[maybe_unused]] const T* src, [[maybe_unused]] std::int64_t ld,
@@ -325,7 +325,10 @@ struct PackedGemm {
         }
       return true;
     }
-#elif defined(__AVX__)
+#endif
+#if defined(__AVX__)
+    // (Separate from the branch above: an unoptimized GCC build hides AVX-512 from xsimd,
+    // see core/simd.hpp, so an AVX-512 machine may run 8-wide double panels.)
     if constexpr (std::is_same_v<T, double> && kTileCols == 8) {
       if (cols != kTileCols || depth % 4 != 0) return false;
       for (std::int64_t d = 0; d < depth; d += 4)
@@ -409,10 +412,11 @@ struct PackedGemm {
         acc[i][1] = batch(T(0));
       }
     }
-    // Unrolled by 4: a step issues ~23 (6 x 2 tile) or ~29 (8 x 2) uops, three of them the
-    // loop's own counter, pointer and branch, against 6 or 8 cycles of FMAs on a core that
-    // issues 4 uops per cycle, so the rolled loop kept the FMA units waiting (unrolled:
-    // 14-15% faster in double, 2-5% in float, on a Cascade Lake, AVX-512 and AVX2 builds).
+    // Unrolled by 4 (measured: 14-15% faster in double, 2-5% in float, on a Cascade Lake,
+    // AVX-512 and AVX2 builds; 2 and 8 were no better). A step issues ~23 (6 x 2 tile) or
+    // ~29 (8 x 2) uops, three of them the loop's own counter, pointer and branch, against 6
+    // or 8 cycles of FMAs at 4 uops per cycle: little slack, which the unrolling restores
+    // (our reading; this machine's counters are not visible to measure it).
     LAZYTENSOR_UNROLL_4
     for (std::int64_t kk = 0; kk < kb; ++kk) {
       const batch b0 = batch::load_aligned(bp + kk * kTileCols);
