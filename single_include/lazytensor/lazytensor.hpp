@@ -1837,6 +1837,11 @@ class Rendezvous {
   /// How many of the inputs, from the first, are values it reads; the rest only order it
   /// (the device's previous collective, program order).
   virtual std::size_t data_inputs() const = 0;
+  /// This member's step stopped before the collective finished here (a failure ahead of
+  /// it): the node goes back to the trace (return_to_trace). Peers waiting for an input it
+  /// never published then fail with CollectiveError instead of waiting out the timeout;
+  /// when the step runs again, they wait for it as usual.
+  virtual void abandon() noexcept = 0;
 
  protected:
   ~Rendezvous() = default;
@@ -5621,6 +5626,7 @@ LAZYTENSOR_INLINE void return_to_trace(Device& device, std::span<const NodePtr> 
   std::vector<std::weak_ptr<Node>> back;
   for (const auto& n : nodes) {
     if (!n || n->materialized()) continue;
+    if (Rendezvous* rv = detail::rendezvous(n)) rv->abandon();
     n->set_deferred(false);
     n->set_state(Node::State::Pending);
     back.push_back(n);
@@ -25350,9 +25356,10 @@ class ReduceRound {
   /// order) into the group's result until no chunk is left, and returns that result: one
   /// buffer every member shares (marked shared, so never donated), taken from the pool of
   /// the member that sets the round up (`dev`). Complete only once release() returns.
-  /// CollectiveError when a member's device fails before publishing (its step stopped),
-  /// reported once to each waiting member: run again after that error, the member waits
-  /// for a new failure or the late peer. CollectiveTimeout after dist's timeout. The chunk loop itself cannot fail or block
+  /// CollectiveError when a member that has not published gave up more attempts at the
+  /// round than this one (abandon(): its step stopped before it): when the step runs
+  /// again after such an error, both have given up once, and this member waits for the
+  /// other as usual. CollectiveTimeout after dist's timeout. The chunk loop itself cannot fail or block
   /// (detail::combine is noexcept).
   std::shared_ptr<Buffer> combine(int slot, DType dtype, std::int64_t numel, graph::Device& dev);
   /// Member `slot` waits until no member is inside its chunk loop, then lets go of its
@@ -25362,6 +25369,9 @@ class ReduceRound {
   /// device dropped could be donated, overwritten, there with nothing ordering this
   /// device's reads before the write).
   void release(int slot);
+  /// Member `slot`'s node went back to the trace before the round finished for it (its
+  /// step stopped): one more attempt given up (see combine).
+  void abandon(int slot) noexcept;
   /// All three phases.
   std::shared_ptr<Buffer> run(int slot, std::shared_ptr<Buffer> in, DType dtype, std::int64_t numel, graph::Device& dev);
   Combine op() const { return op_; }
@@ -25371,17 +25381,19 @@ class ReduceRound {
   /// Member `slot` waits, `lock` held, until `count` reaches the group size: members of a
   /// step arrive close together, so it spins, then yields for up to 2 ms, then sleeps (a
   /// sleeping waiter's wake-up costs tens of microseconds on a VM; dist waits alike).
-  /// Returns -1, or the slot of a member whose `marks` entry is still 0 and whose device
-  /// failed since `slot` last looked (the round's tracing, or its last report of that
-  /// member, which it then no longer counts).
+  /// Returns -1, or the slot of a member whose `marks` entry is still 0 and that gave up
+  /// more attempts than `slot` (abandon()).
   int await(int slot, std::unique_lock<std::mutex>& lock, const int& count, const std::atomic<int>& fast,
              const std::vector<std::uint8_t>& marks, const char* what);
 
   Combine op_;
   std::vector<graph::Device*> members_;
-  // seen_failures_[waiter * size() + member]: the member device's failure count when the
-  // round was traced, or when `waiter` last reported that member's failure (under mu_).
-  std::vector<std::uint64_t> seen_failures_;
+  // Per member, how many times its node went back to the trace before finishing the round
+  // (under mu_). Counts, not a flag: a member's attempts are compared with the waiter's own,
+  // so a failure stops the attempt it happened in and no later one. (A device's failure
+  // count would not do: the waiter's own error raises its device's count, and a round
+  // traced before a failure would read it as a new one on every later attempt.)
+  std::vector<int> abandoned_;
   std::mutex mu_;
   std::condition_variable cv_;
   int arrived_ = 0;
@@ -25425,6 +25437,7 @@ class AllReduceNode final : public graph::Node, public graph::Rendezvous {
     return round_->combine(slot_, dtype(), numel(), ctx.device);
   }
   void release() override { round_->release(slot_); }
+  void abandon() noexcept override { round_->abandon(slot_); }
   std::size_t data_inputs() const override { return 1; }
 
  protected:
@@ -25452,10 +25465,11 @@ namespace lazy::spmd {
 namespace detail {
 
 LAZYTENSOR_INLINE ReduceRound::ReduceRound(Combine op, std::vector<graph::Device*> members)
-    : op_(op), members_(std::move(members)), arrived_marks_(members_.size()), inputs_(members_.size()) {
-  for (std::size_t waiter = 0; waiter < members_.size(); ++waiter)
-    for (auto* d : members_) seen_failures_.push_back(d->failures());
-}
+    : op_(op),
+      members_(std::move(members)),
+      abandoned_(members_.size(), 0),
+      arrived_marks_(members_.size()),
+      inputs_(members_.size()) {}
 
 LAZYTENSOR_INLINE int ReduceRound::await(int slot, std::unique_lock<std::mutex>& lock, const int& count,
                                           const std::atomic<int>& fast, const std::vector<std::uint8_t>& marks,
@@ -25475,17 +25489,21 @@ LAZYTENSOR_INLINE int ReduceRound::await(int slot, std::unique_lock<std::mutex>&
   while (count < n) {
     cv_.wait_for(lock, std::chrono::milliseconds(2));
     for (std::size_t m = 0; m < members_.size() && count < n; ++m) {
-      std::uint64_t& seen = seen_failures_[static_cast<std::size_t>(slot) * members_.size() + m];
-      if (const std::uint64_t now = members_[m]->failures(); !marks[m] && now != seen) {
-        seen = now;  // reported once: a retry of this round waits for the member again
-        return static_cast<int>(m);
-      }
+      if (!marks[m] && abandoned_[m] > abandoned_[static_cast<std::size_t>(slot)]) return static_cast<int>(m);
     }
     if (count < n && std::chrono::steady_clock::now() > deadline)
       throw CollectiveTimeout(std::string("SPMD all-reduce: waited longer than the collective timeout for ") +
                               std::to_string(n - count) + " of " + std::to_string(n) + " devices to " + what);
   }
   return -1;
+}
+
+LAZYTENSOR_INLINE void ReduceRound::abandon(int slot) noexcept {
+  {
+    std::lock_guard lock(mu_);
+    ++abandoned_[static_cast<std::size_t>(slot)];
+  }
+  cv_.notify_all();
 }
 
 LAZYTENSOR_INLINE void ReduceRound::publish(int slot, std::shared_ptr<Buffer> in) {
@@ -25503,7 +25521,7 @@ LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::combine(int slot, DType d
   std::unique_lock lock(mu_);
   if (const int failed = await(slot, lock, arrived_, arrived_fast_, arrived_marks_, "arrive"); failed >= 0)
     throw CollectiveError("SPMD all-reduce: " + members_[static_cast<std::size_t>(failed)]->str() +
-                          " failed before reaching it (its step stopped; the error surfaces there)");
+                          " stopped before reaching it (its step failed; the error surfaces there)");
   const std::size_t es = dtype_size(dtype);
   if (!out_) {
     // Everything that may throw first: a member that fails here leaves the set-up to the

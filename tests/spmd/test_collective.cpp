@@ -3,13 +3,15 @@
 // them (publish all, combine all, release all) still meet, in any mix, and get the sums a
 // scalar loop gives, in one result buffer they share, summed in chunks by whoever gets
 // there; a member that fails before publishing stops its peers with an error instead of a
-// hang, one that fails after publishing leaves them the whole sum, and a round run again
-// after such an error waits for the late member (counting each member once); a data-parallel
+// hang, one that fails after publishing leaves them the whole sum, and a round or a whole
+// step run again after such an error waits for the late member (counting each member once,
+// and no failure of the first attempt against the second); a data-parallel
 // backward's gradient all-reduces run as one batch.
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <latch>
@@ -124,6 +126,35 @@ TEST(SpmdCollective, BatchedAndOneByOneMembersMeetInEveryMix) {
   }
 }
 
+// A test kernel on `device` giving `value` + i at element i, after sleeping `delay`, or
+// throwing while `fail` is set. `after` (if any) only orders it after that node.
+class FlakyNode final : public lazy::graph::Node {
+ public:
+  FlakyNode(lazy::graph::Device& device, float value, std::shared_ptr<std::atomic<bool>> fail,
+            std::chrono::milliseconds delay, lazy::graph::NodePtr after = nullptr)
+      : Node(lazy::graph::NodeKind::Host, lazy::DType::Float32, lazy::Shape{kElements}, &device,
+             after ? std::vector<lazy::graph::NodePtr>{after} : std::vector<lazy::graph::NodePtr>{}),
+        value_(value),
+        fail_(std::move(fail)),
+        delay_(delay) {}
+  std::string op_name() const override { return "flaky"; }
+
+ protected:
+  void compute(lazy::graph::ExecContext& ctx) override {
+    std::this_thread::sleep_for(delay_);
+    if (fail_->load()) throw lazy::Error("flaky kernel failed");
+    auto buf = allocate_output(ctx, false);
+    auto* p = static_cast<float*>(buf->data());
+    for (std::int64_t i = 0; i < kElements; ++i) p[i] = value_ + static_cast<float>(i);
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  float value_;
+  std::shared_ptr<std::atomic<bool>> fail_;
+  std::chrono::milliseconds delay_;
+};
+
 TEST(SpmdCollective, AMemberThatFailsBeforePublishingStopsItsPeers) {
   auto& reg = lazy::graph::DeviceRegistry::get();
   auto& d0 = reg.device(0);
@@ -132,14 +163,14 @@ TEST(SpmdCollective, AMemberThatFailsBeforePublishingStopsItsPeers) {
   auto buf = d0.pool().acquire(lazy::padded_bytes(kElements, sizeof(float)));
   std::memset(buf->data(), 0, static_cast<std::size_t>(kElements) * sizeof(float));
   round.publish(0, buf);
-  // Device 1's step fails (as an executor stores a step's error) and never publishes.
+  // Device 1's step fails and never publishes: its node goes back to the trace (as
+  // return_to_trace does it, abandoning the round).
   std::thread fail([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    d1.store_error(std::make_exception_ptr(lazy::Error("device 1's step failed")));
+    round.abandon(1);
   });
   EXPECT_THROW((void)round.combine(0, lazy::DType::Float32, kElements, d0), lazy::CollectiveError);
   fail.join();
-  EXPECT_THROW(d1.rethrow_stored_error(), lazy::Error);  // consumed: the device works on
   round.release(0);  // nobody will read device 0's input: returns at once
 }
 
@@ -218,8 +249,7 @@ TEST(SpmdCollective, AMemberThatFailsAfterPublishingLeavesItsPeersTheWholeSum) {
     for (std::int64_t i = 0; i < numel; ++i) p[i] = static_cast<float>(i % 97) + 0.5f * static_cast<float>(slot);
     round.publish(slot, std::move(buf));
   }
-  d1.store_error(std::make_exception_ptr(lazy::Error("device 1's step failed")));
-  EXPECT_THROW(d1.rethrow_stored_error(), lazy::Error);  // consumed at once (its failure count stays)
+  round.abandon(1);  // device 1's step stopped after it published
   auto out = round.combine(0, lazy::DType::Float32, numel, d0);
   round.release(0);
   const auto* got = static_cast<const float*>(out->data());
@@ -228,11 +258,11 @@ TEST(SpmdCollective, AMemberThatFailsAfterPublishingLeavesItsPeersTheWholeSum) {
 }
 
 TEST(SpmdCollective, ARoundRunAgainAfterAPeersFailureWaitsForThatPeer) {
-  // Device 1's step fails before it publishes; device 0's combine reports it. The program
-  // catches the error and steps again: device 0 runs its member once more (publishing the
-  // same input again), device 1 arrives late. Device 0 must wait for it and get the sum: not
-  // count its own input twice as the whole group, nor fail again on the failure it already
-  // reported.
+  // Device 1's step fails before it publishes; device 0's combine reports it, and its node
+  // goes back to the trace too. The program catches the error and steps again: device 0
+  // runs its member once more (publishing the same input again), device 1 arrives late.
+  // Device 0 must wait for it and get the sum: not count its own input twice as the whole
+  // group, nor fail again on the failure it already reported.
   auto& reg = lazy::graph::DeviceRegistry::get();
   auto& d0 = reg.device(0);
   auto& d1 = reg.device(1);
@@ -245,9 +275,9 @@ TEST(SpmdCollective, ARoundRunAgainAfterAPeersFailureWaitsForThatPeer) {
   };
   auto in0 = input(d0, 1.0f);
   round.publish(0, in0);
-  d1.store_error(std::make_exception_ptr(lazy::Error("device 1's step failed")));
+  round.abandon(1);
   EXPECT_THROW((void)round.combine(0, lazy::DType::Float32, kElements, d0), lazy::CollectiveError);
-  EXPECT_THROW(d1.rethrow_stored_error(), lazy::Error);  // the program caught it
+  round.abandon(0);
 
   std::shared_ptr<lazy::Buffer> out1;
   std::thread late([&] {
@@ -263,6 +293,62 @@ TEST(SpmdCollective, ARoundRunAgainAfterAPeersFailureWaitsForThatPeer) {
   EXPECT_EQ(out0.get(), out1.get());
   const auto* got = static_cast<const float*>(out0->data());
   for (std::int64_t i = 0; i < kElements; ++i) ASSERT_EQ(got[i], 101.0f * static_cast<float>(i + 1)) << "element " << i;
+}
+
+TEST(SpmdCollective, AStepRunAgainAfterAFailureAheadOfItsAllReducesComputesThem) {
+  // Device 1's step fails before its two all-reduces (a kernel ahead of them throws): the
+  // sync reports it at once, and device 0 does not wait out the collective timeout. Run
+  // again with the kernel fixed, the step computes both sums, although device 1 now
+  // reaches the second 20 ms after device 0 (a kernel between them): a failure of the
+  // first attempt does not count against the second.
+  auto& reg = lazy::graph::DeviceRegistry::get();
+  auto& d0 = reg.device(0);
+  auto& d1 = reg.device(1);
+  auto fail = std::make_shared<std::atomic<bool>>(true);
+  auto never = std::make_shared<std::atomic<bool>>(false);
+  auto data = [](lazy::graph::Device& dev, float value) -> lazy::graph::NodePtr {
+    auto buf = dev.pool().acquire(lazy::padded_bytes(kElements, sizeof(float)));
+    auto* p = static_cast<float*>(buf->data());
+    for (std::int64_t i = 0; i < kElements; ++i) p[i] = value + static_cast<float>(i);
+    return std::make_shared<lazy::graph::DataNode>(lazy::DType::Float32, lazy::Shape{kElements}, &dev, buf);
+  };
+  using namespace std::chrono_literals;
+  auto flaky = lazy::graph::submit_unpartitioned(std::make_shared<FlakyNode>(d1, 10.0f, fail, 0ms));
+  const auto first = spmd::all_reduce({data(d0, 1.0f), flaky}, Combine::Sum);
+  auto slow = lazy::graph::submit_unpartitioned(std::make_shared<FlakyNode>(d1, 20.0f, never, 20ms, first[1]));
+  const auto second = spmd::all_reduce({data(d0, 2.0f), slow}, Combine::Sum);
+  std::vector<lazy::graph::NodePtr> results = {first[0], first[1], second[0], second[1]};
+  for (const auto& n : results) n->add_handle();  // as tensors holding them: mark_step computes them
+
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_THROW(
+      {
+        lazy::mark_step();
+        lazy::wait_device_ops();
+      },
+      lazy::Error);
+  // Each device stored its own error (device 1 the kernel's, device 0 a CollectiveError);
+  // a sync reports one at a time.
+  for (int i = 0; i < 2; ++i) {
+    try {
+      lazy::wait_device_ops();
+    } catch (const lazy::Error&) {
+    }
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 10s) << "device 0 waited for the timeout";
+  for (const auto& n : results) EXPECT_FALSE(n->materialized());
+
+  fail->store(false);
+  lazy::mark_step();
+  EXPECT_NO_THROW(lazy::wait_device_ops());
+  for (const auto& n : results) n->drop_handle();
+  for (std::size_t r = 0; r < results.size(); ++r) {
+    ASSERT_TRUE(results[r]->materialized()) << "result " << r;
+    const float base = r < 2 ? 11.0f : 22.0f;
+    const auto* got = results[r]->data<float>();
+    for (std::int64_t i = 0; i < kElements; ++i)
+      ASSERT_EQ(got[i], base + 2.0f * static_cast<float>(i)) << "result " << r << " element " << i;
+  }
 }
 
 TEST(SpmdCollective, ADataParallelStepMeetsItsPeersOnce) {

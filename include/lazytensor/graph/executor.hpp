@@ -252,6 +252,7 @@ LAZYTENSOR_INLINE void return_to_trace(Device& device, std::span<const NodePtr> 
   std::vector<std::weak_ptr<Node>> back;
   for (const auto& n : nodes) {
     if (!n || n->materialized()) continue;
+    if (Rendezvous* rv = detail::rendezvous(n)) rv->abandon();
     n->set_deferred(false);
     n->set_state(Node::State::Pending);
     back.push_back(n);

@@ -228,6 +228,11 @@ class Rendezvous {
   /// How many of the inputs, from the first, are values it reads; the rest only order it
   /// (the device's previous collective, program order).
   virtual std::size_t data_inputs() const = 0;
+  /// This member's step stopped before the collective finished here (a failure ahead of
+  /// it): the node goes back to the trace (return_to_trace). Peers waiting for an input it
+  /// never published then fail with CollectiveError instead of waiting out the timeout;
+  /// when the step runs again, they wait for it as usual.
+  virtual void abandon() noexcept = 0;
 
  protected:
   ~Rendezvous() = default;
