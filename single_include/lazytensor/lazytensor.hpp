@@ -2586,6 +2586,7 @@ LAZYTENSOR_INLINE void RoundToBFloat16Node::compute(ExecContext& ctx) {
 // Adding nodes to a device's pending graph.
 
 #include <atomic>
+#include <exception>
 #include <memory>
 #include <span>
 #include <string>
@@ -5831,9 +5832,21 @@ NodePtr submit(NodePtr node);
 NodePtr submit_unpartitioned(NodePtr node);
 
 /// Hands the pending values of every device to its executor, as a mark_step of each
-/// without its random-stream advance: before reading values that several devices compute
-/// together (SPMD pieces), where a collective on one device waits for its peers.
-void step_all_devices();
+/// (`advance_rng`: with its random-stream advance, as mark_step in SPMD mode; without,
+/// before reading values that several devices compute together, SPMD pieces), then waits
+/// until each has at most that step in flight. A device that refuses its step (an earlier
+/// step's error is stored on it) does not stop the others: every device runs its step or
+/// gives it back, so the collectives they share see each member's attempt (Rendezvous::
+/// abandon), never a peer left waiting for a device that was skipped. The first refusal is
+/// rethrown after the waits.
+void step_all_devices(bool advance_rng = false);
+
+/// The random stream's advance after a step (as XLA's seed advance after mark_step).
+inline void advance_random_stream(Device& dev) {
+  auto& rng = dev.rng();
+  rng.seed = hash_combine(rng.seed, 0x9e3779b97f4a7c15ull);
+  rng.offset = 0;
+}
 
 /// Materializes `node` (and what it needs). A value a step is computing is waited for;
 /// a pending one is computed now. Returns true when this read had to compute it (an
@@ -5872,11 +5885,21 @@ LAZYTENSOR_INLINE NodePtr submit_unpartitioned(NodePtr node) {
   return node;
 }
 
-LAZYTENSOR_INLINE void step_all_devices() {
+LAZYTENSOR_INLINE void step_all_devices(bool advance_rng) {
   auto& registry = DeviceRegistry::get();
   const int n = registry.count();
-  for (int i = 0; i < n; ++i) run_step(registry.device(i), collect_step(registry.device(i)), /*wait_previous=*/false);
+  std::exception_ptr refused;
+  for (int i = 0; i < n; ++i) {
+    Device& dev = registry.device(i);
+    try {
+      run_step(dev, collect_step(dev), /*wait_previous=*/false);
+      if (advance_rng) advance_random_stream(dev);
+    } catch (...) {
+      if (!refused) refused = std::current_exception();
+    }
+  }
   for (int i = 0; i < n; ++i) registry.device(i).wait_below(2);
+  if (refused) std::rethrow_exception(refused);
 }
 
 LAZYTENSOR_INLINE bool materialize(const NodePtr& node) {
@@ -13761,9 +13784,7 @@ namespace detail {
 /// seed advance after mark_step). `wait_previous`: as graph::run_step's.
 inline void step_device(graph::Device& dev, bool wait_previous = true) {
   graph::run_step(dev, graph::collect_step(dev), wait_previous);
-  auto& rng = dev.rng();
-  rng.seed = graph::hash_combine(rng.seed, 0x9e3779b97f4a7c15ull);
-  rng.offset = 0;
+  graph::advance_random_stream(dev);
 }
 }  // namespace detail
 
@@ -13779,8 +13800,7 @@ LAZYTENSOR_INLINE void mark_step() {
     auto& registry = graph::DeviceRegistry::get();
     const int n = device_count();
     for (int i = 0; i < n; ++i) registry.device(i).rethrow_stored_error();
-    for (int i = 0; i < n; ++i) detail::step_device(registry.device(i), /*wait_previous=*/false);
-    for (int i = 0; i < n; ++i) registry.device(i).wait_below(2);
+    graph::step_all_devices(/*advance_rng=*/true);
   } else {
     dev.rethrow_stored_error();
     detail::step_device(dev);

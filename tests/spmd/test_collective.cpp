@@ -5,7 +5,8 @@
 // there; a member that fails before publishing stops its peers with an error instead of a
 // hang, one that fails after publishing leaves them the whole sum, and a round or a whole
 // step run again after such an error waits for the late member (counting each member once,
-// and no failure of the first attempt against the second); a data-parallel
+// and no failure of the first attempt against the second), and a device refusing its
+// step leaves no other device unstepped; a data-parallel
 // backward's gradient all-reduces run as one batch.
 
 #include <gtest/gtest.h>
@@ -128,6 +129,14 @@ TEST(SpmdCollective, BatchedAndOneByOneMembersMeetInEveryMix) {
 
 // A test kernel on `device` giving `value` + i at element i, after sleeping `delay`, or
 // throwing while `fail` is set. `after` (if any) only orders it after that node.
+// A materialized value on `dev`: `value` + i at element i.
+lazy::graph::NodePtr data_node(lazy::graph::Device& dev, float value) {
+  auto buf = dev.pool().acquire(lazy::padded_bytes(kElements, sizeof(float)));
+  auto* p = static_cast<float*>(buf->data());
+  for (std::int64_t i = 0; i < kElements; ++i) p[i] = value + static_cast<float>(i);
+  return std::make_shared<lazy::graph::DataNode>(lazy::DType::Float32, lazy::Shape{kElements}, &dev, buf);
+}
+
 class FlakyNode final : public lazy::graph::Node {
  public:
   FlakyNode(lazy::graph::Device& device, float value, std::shared_ptr<std::atomic<bool>> fail,
@@ -306,12 +315,7 @@ TEST(SpmdCollective, AStepRunAgainAfterAFailureAheadOfItsAllReducesComputesThem)
   auto& d1 = reg.device(1);
   auto fail = std::make_shared<std::atomic<bool>>(true);
   auto never = std::make_shared<std::atomic<bool>>(false);
-  auto data = [](lazy::graph::Device& dev, float value) -> lazy::graph::NodePtr {
-    auto buf = dev.pool().acquire(lazy::padded_bytes(kElements, sizeof(float)));
-    auto* p = static_cast<float*>(buf->data());
-    for (std::int64_t i = 0; i < kElements; ++i) p[i] = value + static_cast<float>(i);
-    return std::make_shared<lazy::graph::DataNode>(lazy::DType::Float32, lazy::Shape{kElements}, &dev, buf);
-  };
+  auto data = data_node;
   using namespace std::chrono_literals;
   auto flaky = lazy::graph::submit_unpartitioned(std::make_shared<FlakyNode>(d1, 10.0f, fail, 0ms));
   const auto first = spmd::all_reduce({data(d0, 1.0f), flaky}, Combine::Sum);
@@ -348,6 +352,36 @@ TEST(SpmdCollective, AStepRunAgainAfterAFailureAheadOfItsAllReducesComputesThem)
     const auto* got = results[r]->data<float>();
     for (std::int64_t i = 0; i < kElements; ++i)
       ASSERT_EQ(got[i], base + 2.0f * static_cast<float>(i)) << "result " << r << " element " << i;
+  }
+}
+
+TEST(SpmdCollective, ADeviceThatRefusesItsStepLeavesNoOtherUnstepped) {
+  // Device 1 holds an earlier step's error, so it refuses its next step. An all-reduce over
+  // devices 0 and 2 still completes: stepping every device stops at none (it used to stop
+  // at device 1, and device 0 waited out the collective timeout for device 2).
+  auto& reg = lazy::graph::DeviceRegistry::get();
+  auto& d0 = reg.device(0);
+  auto& d1 = reg.device(1);
+  auto& d2 = reg.device(2);
+  d1.store_error(std::make_exception_ptr(lazy::Error("an earlier step of device 1 failed")));
+  const auto sums = spmd::all_reduce({data_node(d0, 1.0f), data_node(d2, 3.0f)}, Combine::Sum);
+  for (const auto& n : sums) n->add_handle();
+  // Something for device 1 to step (a device with nothing pending has no step to refuse).
+  auto other = lazy::graph::submit_unpartitioned(std::make_shared<FlakyNode>(
+      d1, 5.0f, std::make_shared<std::atomic<bool>>(false), std::chrono::milliseconds(0)));
+  other->add_handle();
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_THROW(lazy::graph::step_all_devices(), lazy::Error);  // device 1's, reported once
+  EXPECT_NO_THROW(lazy::wait_device_ops());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10)) << "a device waited for the timeout";
+  for (const auto& n : sums) n->drop_handle();
+  EXPECT_FALSE(other->materialized()) << "device 1 refused its step";
+  other->drop_handle();
+  for (std::size_t r = 0; r < sums.size(); ++r) {
+    ASSERT_TRUE(sums[r]->materialized()) << "member " << r;
+    const auto* got = sums[r]->data<float>();
+    for (std::int64_t i = 0; i < kElements; ++i)
+      ASSERT_EQ(got[i], 4.0f + 2.0f * static_cast<float>(i)) << "member " << r << " element " << i;
   }
 }
 

@@ -2,6 +2,7 @@
 // Adding nodes to a device's pending graph.
 
 #include <atomic>
+#include <exception>
 #include <memory>
 #include <span>
 #include <string>
@@ -43,9 +44,21 @@ NodePtr submit(NodePtr node);
 NodePtr submit_unpartitioned(NodePtr node);
 
 /// Hands the pending values of every device to its executor, as a mark_step of each
-/// without its random-stream advance: before reading values that several devices compute
-/// together (SPMD pieces), where a collective on one device waits for its peers.
-void step_all_devices();
+/// (`advance_rng`: with its random-stream advance, as mark_step in SPMD mode; without,
+/// before reading values that several devices compute together, SPMD pieces), then waits
+/// until each has at most that step in flight. A device that refuses its step (an earlier
+/// step's error is stored on it) does not stop the others: every device runs its step or
+/// gives it back, so the collectives they share see each member's attempt (Rendezvous::
+/// abandon), never a peer left waiting for a device that was skipped. The first refusal is
+/// rethrown after the waits.
+void step_all_devices(bool advance_rng = false);
+
+/// The random stream's advance after a step (as XLA's seed advance after mark_step).
+inline void advance_random_stream(Device& dev) {
+  auto& rng = dev.rng();
+  rng.seed = hash_combine(rng.seed, 0x9e3779b97f4a7c15ull);
+  rng.offset = 0;
+}
 
 /// Materializes `node` (and what it needs). A value a step is computing is waited for;
 /// a pending one is computed now. Returns true when this read had to compute it (an
@@ -84,11 +97,21 @@ LAZYTENSOR_INLINE NodePtr submit_unpartitioned(NodePtr node) {
   return node;
 }
 
-LAZYTENSOR_INLINE void step_all_devices() {
+LAZYTENSOR_INLINE void step_all_devices(bool advance_rng) {
   auto& registry = DeviceRegistry::get();
   const int n = registry.count();
-  for (int i = 0; i < n; ++i) run_step(registry.device(i), collect_step(registry.device(i)), /*wait_previous=*/false);
+  std::exception_ptr refused;
+  for (int i = 0; i < n; ++i) {
+    Device& dev = registry.device(i);
+    try {
+      run_step(dev, collect_step(dev), /*wait_previous=*/false);
+      if (advance_rng) advance_random_stream(dev);
+    } catch (...) {
+      if (!refused) refused = std::current_exception();
+    }
+  }
   for (int i = 0; i < n; ++i) registry.device(i).wait_below(2);
+  if (refused) std::rethrow_exception(refused);
 }
 
 LAZYTENSOR_INLINE bool materialize(const NodePtr& node) {

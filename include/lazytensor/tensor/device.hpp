@@ -122,9 +122,7 @@ namespace detail {
 /// seed advance after mark_step). `wait_previous`: as graph::run_step's.
 inline void step_device(graph::Device& dev, bool wait_previous = true) {
   graph::run_step(dev, graph::collect_step(dev), wait_previous);
-  auto& rng = dev.rng();
-  rng.seed = graph::hash_combine(rng.seed, 0x9e3779b97f4a7c15ull);
-  rng.offset = 0;
+  graph::advance_random_stream(dev);
 }
 }  // namespace detail
 
@@ -140,8 +138,7 @@ LAZYTENSOR_INLINE void mark_step() {
     auto& registry = graph::DeviceRegistry::get();
     const int n = device_count();
     for (int i = 0; i < n; ++i) registry.device(i).rethrow_stored_error();
-    for (int i = 0; i < n; ++i) detail::step_device(registry.device(i), /*wait_previous=*/false);
-    for (int i = 0; i < n; ++i) registry.device(i).wait_below(2);
+    graph::step_all_devices(/*advance_rng=*/true);
   } else {
     dev.rethrow_stored_error();
     detail::step_device(dev);
