@@ -2367,6 +2367,9 @@ LAZYTENSOR_INLINE void Device::stop_executor() {
     dropped.swap(jobs_);
     outstanding_.fetch_sub(static_cast<std::int64_t>(dropped.size()), std::memory_order_release);
   }
+  // Before the join: a dropped step gives back its collectives (executor.hpp's QueuedStep),
+  // so the executor we join is not left waiting for a peer that waits for this device.
+  dropped.clear();
   exec_cv_.notify_all();
   if (executor_.joinable()) executor_.join();
 }
@@ -5413,6 +5416,18 @@ class SeenNodes {
   std::unordered_set<const Node*> set_;
 };
 
+/// The nodes of a step queued on a device's executor. A step dropped unrun (the device
+/// stopping at process exit) gives back its collectives (Rendezvous::abandon), so a peer
+/// device waiting in one ends with an error instead of waiting out the collective timeout.
+struct QueuedStep {
+  explicit QueuedStep(std::vector<NodePtr> n) : nodes(std::move(n)) {}
+  QueuedStep(const QueuedStep&) = delete;
+  QueuedStep& operator=(const QueuedStep&) = delete;
+  ~QueuedStep();
+  std::vector<NodePtr> nodes;
+  bool taken = false;  ///< the executor ran (or refused) the step: nothing to give back
+};
+
 /// Runs a batch of collectives (PlanStep::Kind::Batch) phase by phase: every member
 /// publishes, then each combines, then each releases (see graph::Rendezvous). Returns how
 /// many ran; a member a read already computed is skipped. Counted as CollectiveBatches.
@@ -5506,6 +5521,13 @@ LAZYTENSOR_INLINE std::int64_t run_batch(ExecContext& ctx, const PlanStep& st, s
   }
   for (auto m : st.members) nodes[static_cast<std::size_t>(m)].reset();
   return static_cast<std::int64_t>(run.size());
+}
+
+LAZYTENSOR_INLINE QueuedStep::~QueuedStep() {
+  if (taken) return;
+  for (const auto& n : nodes)
+    if (n && !n->materialized())
+      if (Rendezvous* rv = rendezvous(n)) rv->abandon();
 }
 
 LAZYTENSOR_INLINE bool SeenNodes::insert(const Node* n) {
@@ -5782,15 +5804,17 @@ LAZYTENSOR_INLINE void run_step(Device& dev, std::vector<NodePtr> nodes, bool wa
     run_plan_storing_error(dev, *plan, nodes);
     return;
   }
-  dev.enqueue([&dev, plan, failures, nodes = std::move(nodes)]() mutable {
+  auto step = std::make_shared<detail::QueuedStep>(std::move(nodes));
+  dev.enqueue([&dev, plan, failures, step] {
+    step->taken = true;
     if (dev.failures() != failures) {
       // The step ahead failed after this one was queued (same reason as above): this one
       // does not run; its nodes wait in the trace for the next sync, which reports the
       // error.
-      return_to_trace(dev, nodes);
+      return_to_trace(dev, step->nodes);
       return;
     }
-    run_plan_storing_error(dev, *plan, nodes);
+    run_plan_storing_error(dev, *plan, step->nodes);
   });
   if (wait_previous) dev.wait_below(2);  // the previous step is done (this one may still run)
 }
@@ -25408,6 +25432,9 @@ class ReduceRound {
 
   Combine op_;
   std::vector<graph::Device*> members_;
+  // The members' device names, for messages: a device may be gone by then (a dropped step
+  // at process exit abandons its rounds while it is destroyed).
+  std::vector<std::string> names_;
   // Per member, how many times its node went back to the trace before finishing the round
   // (under mu_). Counts, not a flag: a member's attempts are compared with the waiter's own,
   // so a failure stops the attempt it happened in and no later one. (A device's failure
@@ -25489,7 +25516,9 @@ LAZYTENSOR_INLINE ReduceRound::ReduceRound(Combine op, std::vector<graph::Device
       members_(std::move(members)),
       abandoned_(members_.size(), 0),
       arrived_marks_(members_.size()),
-      inputs_(members_.size()) {}
+      inputs_(members_.size()) {
+  for (const auto* d : members_) names_.push_back(d->str());
+}
 
 LAZYTENSOR_INLINE int ReduceRound::await(int slot, std::unique_lock<std::mutex>& lock, const int& count,
                                           const std::atomic<int>& fast, const std::vector<std::uint8_t>& marks,
@@ -25540,7 +25569,7 @@ LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::combine(int slot, DType d
                                                                graph::Device& dev) {
   std::unique_lock lock(mu_);
   if (const int failed = await(slot, lock, arrived_, arrived_fast_, arrived_marks_, "arrive"); failed >= 0)
-    throw CollectiveError("SPMD all-reduce: " + members_[static_cast<std::size_t>(failed)]->str() +
+    throw CollectiveError("SPMD all-reduce: " + names_[static_cast<std::size_t>(failed)] +
                           " stopped before reaching it (its step failed; the error surfaces there)");
   const std::size_t es = dtype_size(dtype);
   if (!out_) {

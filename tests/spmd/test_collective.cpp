@@ -6,7 +6,8 @@
 // hang, one that fails after publishing leaves them the whole sum, and a round or a whole
 // step run again after such an error waits for the late member (counting each member once,
 // and no failure of the first attempt against the second), and a device refusing its
-// step leaves no other device unstepped; a data-parallel
+// step leaves no other device unstepped, and one stopping with a step queued releases its
+// peers; a data-parallel
 // backward's gradient all-reduces run as one batch.
 
 #include <gtest/gtest.h>
@@ -16,6 +17,8 @@
 #include <chrono>
 #include <cstring>
 #include <latch>
+#include <memory>
+#include <string>
 #include <thread>
 
 #include <lazytensor/lazytensor.hpp>
@@ -383,6 +386,39 @@ TEST(SpmdCollective, ADeviceThatRefusesItsStepLeavesNoOtherUnstepped) {
     for (std::int64_t i = 0; i < kElements; ++i)
       ASSERT_EQ(got[i], 4.0f + 2.0f * static_cast<float>(i)) << "member " << r << " element " << i;
   }
+}
+
+TEST(SpmdCollective, ADeviceStoppingWithAStepQueuedReleasesItsPeers) {
+  // At process exit a device drops the steps still queued on its executor. A peer already
+  // waiting in an all-reduce with one of them ends with an error at once, instead of
+  // waiting out the collective timeout (and holding up the exit, which joins its executor).
+  using namespace std::chrono_literals;
+  auto d0 = std::make_unique<lazy::graph::Device>(90, 1);
+  auto d1 = std::make_unique<lazy::graph::Device>(91, 1);
+  for (auto* d : {d0.get(), d1.get()}) {
+    d->async() = true;
+    d->queue_every_step() = true;
+  }
+  const auto sums = spmd::all_reduce({data_node(*d0, 1.0f), data_node(*d1, 2.0f)}, Combine::Sum);
+  for (const auto& n : sums) n->add_handle();
+  d0->enqueue([] { std::this_thread::sleep_for(200ms); });  // busy: d0's step stays queued
+  lazy::graph::run_step(*d1, lazy::graph::collect_step(*d1), /*wait_previous=*/false);
+  lazy::graph::run_step(*d0, lazy::graph::collect_step(*d0), /*wait_previous=*/false);
+  std::this_thread::sleep_for(20ms);  // d1's executor waits in the all-reduce
+  const auto start = std::chrono::steady_clock::now();
+  d0.reset();  // drops d0's step, joins its executor
+  d1->wait_idle();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 2s) << "d1 waited for the timeout";
+  try {
+    d1->rethrow_stored_error();
+    ADD_FAILURE() << "d1's step did not fail";
+  } catch (const lazy::CollectiveTimeout&) {
+    ADD_FAILURE() << "d1 waited out the collective timeout";
+  } catch (const lazy::CollectiveError& e) {
+    EXPECT_NE(std::string(e.what()).find("CPU:90"), std::string::npos) << e.what();
+  }
+  for (const auto& n : sums) n->drop_handle();
+  EXPECT_FALSE(sums[1]->materialized());
 }
 
 TEST(SpmdCollective, ADataParallelStepMeetsItsPeersOnce) {

@@ -334,6 +334,9 @@ LAZYTENSOR_INLINE void Device::stop_executor() {
     dropped.swap(jobs_);
     outstanding_.fetch_sub(static_cast<std::int64_t>(dropped.size()), std::memory_order_release);
   }
+  // Before the join: a dropped step gives back its collectives (executor.hpp's QueuedStep),
+  // so the executor we join is not left waiting for a peer that waits for this device.
+  dropped.clear();
   exec_cv_.notify_all();
   if (executor_.joinable()) executor_.join();
 }

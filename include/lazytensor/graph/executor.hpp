@@ -38,6 +38,18 @@ class SeenNodes {
   std::unordered_set<const Node*> set_;
 };
 
+/// The nodes of a step queued on a device's executor. A step dropped unrun (the device
+/// stopping at process exit) gives back its collectives (Rendezvous::abandon), so a peer
+/// device waiting in one ends with an error instead of waiting out the collective timeout.
+struct QueuedStep {
+  explicit QueuedStep(std::vector<NodePtr> n) : nodes(std::move(n)) {}
+  QueuedStep(const QueuedStep&) = delete;
+  QueuedStep& operator=(const QueuedStep&) = delete;
+  ~QueuedStep();
+  std::vector<NodePtr> nodes;
+  bool taken = false;  ///< the executor ran (or refused) the step: nothing to give back
+};
+
 /// Runs a batch of collectives (PlanStep::Kind::Batch) phase by phase: every member
 /// publishes, then each combines, then each releases (see graph::Rendezvous). Returns how
 /// many ran; a member a read already computed is skipped. Counted as CollectiveBatches.
@@ -131,6 +143,13 @@ LAZYTENSOR_INLINE std::int64_t run_batch(ExecContext& ctx, const PlanStep& st, s
   }
   for (auto m : st.members) nodes[static_cast<std::size_t>(m)].reset();
   return static_cast<std::int64_t>(run.size());
+}
+
+LAZYTENSOR_INLINE QueuedStep::~QueuedStep() {
+  if (taken) return;
+  for (const auto& n : nodes)
+    if (n && !n->materialized())
+      if (Rendezvous* rv = rendezvous(n)) rv->abandon();
 }
 
 LAZYTENSOR_INLINE bool SeenNodes::insert(const Node* n) {
@@ -407,15 +426,17 @@ LAZYTENSOR_INLINE void run_step(Device& dev, std::vector<NodePtr> nodes, bool wa
     run_plan_storing_error(dev, *plan, nodes);
     return;
   }
-  dev.enqueue([&dev, plan, failures, nodes = std::move(nodes)]() mutable {
+  auto step = std::make_shared<detail::QueuedStep>(std::move(nodes));
+  dev.enqueue([&dev, plan, failures, step] {
+    step->taken = true;
     if (dev.failures() != failures) {
       // The step ahead failed after this one was queued (same reason as above): this one
       // does not run; its nodes wait in the trace for the next sync, which reports the
       // error.
-      return_to_trace(dev, nodes);
+      return_to_trace(dev, step->nodes);
       return;
     }
-    run_plan_storing_error(dev, *plan, nodes);
+    run_plan_storing_error(dev, *plan, step->nodes);
   });
   if (wait_previous) dev.wait_below(2);  // the previous step is done (this one may still run)
 }

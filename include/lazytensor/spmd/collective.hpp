@@ -80,6 +80,9 @@ class ReduceRound {
 
   Combine op_;
   std::vector<graph::Device*> members_;
+  // The members' device names, for messages: a device may be gone by then (a dropped step
+  // at process exit abandons its rounds while it is destroyed).
+  std::vector<std::string> names_;
   // Per member, how many times its node went back to the trace before finishing the round
   // (under mu_). Counts, not a flag: a member's attempts are compared with the waiter's own,
   // so a failure stops the attempt it happened in and no later one. (A device's failure
@@ -161,7 +164,9 @@ LAZYTENSOR_INLINE ReduceRound::ReduceRound(Combine op, std::vector<graph::Device
       members_(std::move(members)),
       abandoned_(members_.size(), 0),
       arrived_marks_(members_.size()),
-      inputs_(members_.size()) {}
+      inputs_(members_.size()) {
+  for (const auto* d : members_) names_.push_back(d->str());
+}
 
 LAZYTENSOR_INLINE int ReduceRound::await(int slot, std::unique_lock<std::mutex>& lock, const int& count,
                                           const std::atomic<int>& fast, const std::vector<std::uint8_t>& marks,
@@ -212,7 +217,7 @@ LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::combine(int slot, DType d
                                                                graph::Device& dev) {
   std::unique_lock lock(mu_);
   if (const int failed = await(slot, lock, arrived_, arrived_fast_, arrived_marks_, "arrive"); failed >= 0)
-    throw CollectiveError("SPMD all-reduce: " + members_[static_cast<std::size_t>(failed)]->str() +
+    throw CollectiveError("SPMD all-reduce: " + names_[static_cast<std::size_t>(failed)] +
                           " stopped before reaching it (its step failed; the error surfaces there)");
   const std::size_t es = dtype_size(dtype);
   if (!out_) {
