@@ -398,8 +398,17 @@ LAZYTENSOR_INLINE void run_plan_storing_error(Device& dev, const Plan& plan, std
 
 LAZYTENSOR_INLINE void run_step(Device& dev, std::vector<NodePtr> nodes, bool wait_previous) {
   if (nodes.empty()) return;
-  prepare(nodes);
-  auto plan = plan_for(dev, nodes, true);
+  // Every way out before the hand-off gives the nodes back to the trace (collect_step took
+  // them): a step that cannot be planned or queued is not lost, and its collectives are
+  // abandoned for this attempt, as a failed step's are.
+  std::shared_ptr<const Plan> plan;
+  try {
+    prepare(nodes);
+    plan = plan_for(dev, nodes, true);
+  } catch (...) {
+    return_to_trace(dev, nodes);
+    throw;
+  }
   const bool queue =
       dev.async() && (dev.queue_every_step() || (!dev.inline_steps() && plan->work >= kInlineStepWork));
   if (queue)
@@ -426,18 +435,25 @@ LAZYTENSOR_INLINE void run_step(Device& dev, std::vector<NodePtr> nodes, bool wa
     run_plan_storing_error(dev, *plan, nodes);
     return;
   }
-  auto step = std::make_shared<detail::QueuedStep>(std::move(nodes));
-  dev.enqueue([&dev, plan, failures, step] {
-    step->taken = true;
-    if (dev.failures() != failures) {
-      // The step ahead failed after this one was queued (same reason as above): this one
-      // does not run; its nodes wait in the trace for the next sync, which reports the
-      // error.
-      return_to_trace(dev, step->nodes);
-      return;
-    }
-    run_plan_storing_error(dev, *plan, step->nodes);
-  });
+  std::shared_ptr<detail::QueuedStep> step;
+  try {
+    step = std::make_shared<detail::QueuedStep>(std::move(nodes));
+    dev.enqueue([&dev, plan, failures, step] {
+      step->taken = true;
+      if (dev.failures() != failures) {
+        // The step ahead failed after this one was queued (same reason as above): this one
+        // does not run; its nodes wait in the trace for the next sync, which reports the
+        // error.
+        return_to_trace(dev, step->nodes);
+        return;
+      }
+      run_plan_storing_error(dev, *plan, step->nodes);
+    });
+  } catch (...) {  // not queued (no executor thread, no memory)
+    if (step) step->taken = true;
+    return_to_trace(dev, step ? step->nodes : nodes);
+    throw;
+  }
   if (wait_previous) dev.wait_below(2);  // the previous step is done (this one may still run)
 }
 

@@ -135,9 +135,9 @@ LAZYTENSOR_INLINE void mark_step() {
     // executor, so the shards of a statement compute in parallel; every device gets its
     // step before this thread waits for any previous one (an executor that finished first
     // would otherwise idle until the others did).
+    // The devices step_all_devices steps (every device of the process).
     auto& registry = graph::DeviceRegistry::get();
-    const int n = device_count();
-    for (int i = 0; i < n; ++i) registry.device(i).rethrow_stored_error();
+    for (int i = 0, n = registry.count(); i < n; ++i) registry.device(i).rethrow_stored_error();
     graph::step_all_devices(/*advance_rng=*/true);
   } else {
     dev.rethrow_stored_error();
