@@ -15921,8 +15921,7 @@ struct PackedGemm {
       for (std::int64_t k0 = 0; k0 < k; k0 += 16) {
         const std::int64_t k1 = std::min<std::int64_t>(k, k0 + 16);
         if (transpose_16x16(b + j0 * k + k0, k, dst + k0 * kTileCols, cols, k1 - k0)) continue;
-        if (transpose_8_deep(b + j0 * k + k0, k, dst + k0 * kTileCols, cols, k1 - k0)) continue;
-        if (transpose_double_panel(b + j0 * k + k0, k, dst + k0 * kTileCols, cols, k1 - k0)) continue;
+        if (transpose_narrow_panel(b + j0 * k + k0, k, dst + k0 * kTileCols, cols, k1 - k0)) continue;
         for (std::int64_t j = 0; j < kTileCols; ++j) {
           if (j < cols) {
             const T* src = b + (j0 + j) * k;
@@ -16000,62 +15999,48 @@ struct PackedGemm {
     return false;
   }
 
-  // The same for a whole panel of 16 float columns (AVX2's) and a depth of 8 or 16, with
-  // 8 x 8 register transposes; false (nothing written) otherwise.
-  static bool transpose_8_deep([[maybe_unused]] const T* src, [[maybe_unused]] std::int64_t ld,
-                               [[maybe_unused]] T* dst, [[maybe_unused]] std::int64_t cols,
-                               [[maybe_unused]] std::int64_t depth) {
+  // The same for a whole panel two registers of W values wide (16 floats on AVX2, 16
+  // doubles on AVX-512, 8 on AVX) and a depth that is a multiple of W, through W x W
+  // register transposes; false (nothing written) otherwise.
+  static bool transpose_narrow_panel([[maybe_unused]] const T* src, [[maybe_unused]] std::int64_t ld,
+                                     [[maybe_unused]] T* dst, [[maybe_unused]] std::int64_t cols,
+                                     [[maybe_unused]] std::int64_t depth) {
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, double> && kTileCols == 16)
+      return transpose_panel<8>(src, ld, dst, cols, depth, [](const double* p) { return _mm512_loadu_pd(p); },
+                                [](__m512d* r) { transpose_8x8_registers(r); },
+                                [](double* p, __m512d v) { _mm512_store_pd(p, v); });
+#endif
 #if defined(__AVX__)
-    if constexpr (std::is_same_v<T, float> && kTileCols == 16) {
-      if (cols != kTileCols || depth % 8 != 0) return false;
-      for (std::int64_t d = 0; d < depth; d += 8)
-        for (int half = 0; half < 2; ++half) {
-          __m256 r[8];
-          for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + (half * 8 + i) * ld + d);
-          transpose_8x8_registers(r);
-          for (int i = 0; i < 8; ++i) _mm256_store_ps(dst + (d + i) * kTileCols + half * 8, r[i]);
-        }
-      return true;
-    }
+    // (Not an #elif of the branch above: an unoptimized GCC build hides AVX-512 from xsimd,
+    // see core/simd.hpp, so an AVX-512 machine may run 8-wide double panels.)
+    if constexpr (std::is_same_v<T, float> && kTileCols == 16)
+      return transpose_panel<8>(src, ld, dst, cols, depth, [](const float* p) { return _mm256_loadu_ps(p); },
+                                [](__m256* r) { transpose_8x8_registers(r); },
+                                [](float* p, __m256 v) { _mm256_store_ps(p, v); });
+    if constexpr (std::is_same_v<T, double> && kTileCols == 8)
+      return transpose_panel<4>(src, ld, dst, cols, depth, [](const double* p) { return _mm256_loadu_pd(p); },
+                                [](__m256d* r) { transpose_4x4_registers(r); },
+                                [](double* p, __m256d v) { _mm256_store_pd(p, v); });
 #endif
     return false;
   }
 
-  // The same for a whole panel of doubles (16 columns on AVX-512, 8 on AVX) and a depth
-  // that is a multiple of the register width, with 8 x 8 or 4 x 4 register transposes;
-  // false (nothing written) otherwise.
-  static bool transpose_double_panel([[maybe_unused]] const T* src, [[maybe_unused]] std::int64_t ld,
-                                     [[maybe_unused]] T* dst, [[maybe_unused]] std::int64_t cols,
-                                     [[maybe_unused]] std::int64_t depth) {
-#if defined(__AVX512F__)
-    if constexpr (std::is_same_v<T, double> && kTileCols == 16) {
-      if (cols != kTileCols || depth % 8 != 0) return false;
-      for (std::int64_t d = 0; d < depth; d += 8)
-        for (int half = 0; half < 2; ++half) {
-          __m512d r[8];
-          for (int i = 0; i < 8; ++i) r[i] = _mm512_loadu_pd(src + (half * 8 + i) * ld + d);
-          transpose_8x8_registers(r);
-          for (int i = 0; i < 8; ++i) _mm512_store_pd(dst + (d + i) * kTileCols + half * 8, r[i]);
-        }
-      return true;
-    }
-#endif
-#if defined(__AVX__)
-    // (Separate from the branch above: an unoptimized GCC build hides AVX-512 from xsimd,
-    // see core/simd.hpp, so an AVX-512 machine may run 8-wide double panels.)
-    if constexpr (std::is_same_v<T, double> && kTileCols == 8) {
-      if (cols != kTileCols || depth % 4 != 0) return false;
-      for (std::int64_t d = 0; d < depth; d += 4)
-        for (int half = 0; half < 2; ++half) {
-          __m256d r[4];
-          for (int i = 0; i < 4; ++i) r[i] = _mm256_loadu_pd(src + (half * 4 + i) * ld + d);
-          transpose_4x4_registers(r);
-          for (int i = 0; i < 4; ++i) _mm256_store_pd(dst + (d + i) * kTileCols + half * 4, r[i]);
-        }
-      return true;
-    }
-#endif
-    return false;
+  // The loop of transpose_narrow_panel: W x W blocks, `load` reading W values into a
+  // register, `transpose` transposing W registers, `store` writing one to aligned memory.
+  template <int W, class Load, class Transpose, class Store>
+  static bool transpose_panel(const T* src, std::int64_t ld, T* dst, std::int64_t cols, std::int64_t depth, Load load,
+                              Transpose transpose, Store store) {
+    static_assert(kTileCols == 2 * W);
+    if (cols != kTileCols || depth % W != 0) return false;
+    for (std::int64_t d = 0; d < depth; d += W)
+      for (int half = 0; half < 2; ++half) {
+        decltype(load(src)) r[W];
+        for (int i = 0; i < W; ++i) r[i] = load(src + (half * W + i) * ld + d);
+        transpose(r);
+        for (int i = 0; i < W; ++i) store(dst + (d + i) * kTileCols + half * W, r[i]);
+      }
+    return true;
   }
 
   // out[kk * 8 + i] = src[i * ld + kk] for 8 rows and the first multiple of 8 of `depth`
@@ -25407,7 +25392,7 @@ namespace detail {
 /// may serve other rounds.
 class ReduceRound {
  public:
-  ReduceRound(Combine op, std::vector<graph::Device*> members);
+  ReduceRound(Combine op, const std::vector<graph::Device*>& members);
   /// Member `slot` offers `in` to the group; never waits. A member counts once: when its
   /// step runs again after an error (its node went back to the trace), it offers the same
   /// value again, and the first offer stands (a peer may be reading it).
@@ -25435,7 +25420,7 @@ class ReduceRound {
   /// All three phases.
   std::shared_ptr<Buffer> run(int slot, std::shared_ptr<Buffer> in, DType dtype, std::int64_t numel, graph::Device& dev);
   Combine op() const { return op_; }
-  int size() const { return static_cast<int>(members_.size()); }
+  int size() const { return static_cast<int>(names_.size()); }
 
  private:
   /// Member `slot` waits, `lock` held, until `count` reaches the group size: members of a
@@ -25447,9 +25432,9 @@ class ReduceRound {
              const std::vector<std::uint8_t>& marks, const char* what);
 
   Combine op_;
-  std::vector<graph::Device*> members_;
-  // The members' device names, for messages: a device may be gone by then (a dropped step
-  // at process exit abandons its rounds while it is destroyed).
+  // The members' device names, for messages (the devices themselves are not kept: one may
+  // be gone by then, as a dropped step at process exit abandons its rounds while its device
+  // is destroyed).
   std::vector<std::string> names_;
   // Per member, how many times its node went back to the trace before finishing the round
   // (under mu_). Counts, not a flag: a member's attempts are compared with the waiter's own,
@@ -25527,13 +25512,12 @@ std::vector<graph::NodePtr> all_reduce(const std::vector<graph::NodePtr>& pieces
 namespace lazy::spmd {
 namespace detail {
 
-LAZYTENSOR_INLINE ReduceRound::ReduceRound(Combine op, std::vector<graph::Device*> members)
+LAZYTENSOR_INLINE ReduceRound::ReduceRound(Combine op, const std::vector<graph::Device*>& members)
     : op_(op),
-      members_(std::move(members)),
-      abandoned_(members_.size(), 0),
-      arrived_marks_(members_.size()),
-      inputs_(members_.size()) {
-  for (const auto* d : members_) names_.push_back(d->str());
+      abandoned_(members.size(), 0),
+      arrived_marks_(members.size()),
+      inputs_(members.size()) {
+  for (const auto* d : members) names_.push_back(d->str());
 }
 
 LAZYTENSOR_INLINE int ReduceRound::await(int slot, std::unique_lock<std::mutex>& lock, const int& count,
@@ -25553,7 +25537,7 @@ LAZYTENSOR_INLINE int ReduceRound::await(int slot, std::unique_lock<std::mutex>&
   const auto deadline = std::chrono::steady_clock::now() + dist::collective_timeout();
   while (count < n) {
     cv_.wait_for(lock, std::chrono::milliseconds(2));
-    for (std::size_t m = 0; m < members_.size() && count < n; ++m) {
+    for (std::size_t m = 0; m < names_.size() && count < n; ++m) {
       if (!marks[m] && abandoned_[m] > abandoned_[static_cast<std::size_t>(slot)]) return static_cast<int>(m);
     }
     if (count < n && std::chrono::steady_clock::now() > deadline)

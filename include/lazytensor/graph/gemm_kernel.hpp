@@ -207,8 +207,7 @@ struct PackedGemm {
       for (std::int64_t k0 = 0; k0 < k; k0 += 16) {
         const std::int64_t k1 = std::min<std::int64_t>(k, k0 + 16);
         if (transpose_16x16(b + j0 * k + k0, k, dst + k0 * kTileCols, cols, k1 - k0)) continue;
-        if (transpose_8_deep(b + j0 * k + k0, k, dst + k0 * kTileCols, cols, k1 - k0)) continue;
-        if (transpose_double_panel(b + j0 * k + k0, k, dst + k0 * kTileCols, cols, k1 - k0)) continue;
+        if (transpose_narrow_panel(b + j0 * k + k0, k, dst + k0 * kTileCols, cols, k1 - k0)) continue;
         for (std::int64_t j = 0; j < kTileCols; ++j) {
           if (j < cols) {
             const T* src = b + (j0 + j) * k;
@@ -286,62 +285,48 @@ struct PackedGemm {
     return false;
   }
 
-  // The same for a whole panel of 16 float columns (AVX2's) and a depth of 8 or 16, with
-  // 8 x 8 register transposes; false (nothing written) otherwise.
-  static bool transpose_8_deep([[maybe_unused]] const T* src, [[maybe_unused]] std::int64_t ld,
-                               [[maybe_unused]] T* dst, [[maybe_unused]] std::int64_t cols,
-                               [[maybe_unused]] std::int64_t depth) {
+  // The same for a whole panel two registers of W values wide (16 floats on AVX2, 16
+  // doubles on AVX-512, 8 on AVX) and a depth that is a multiple of W, through W x W
+  // register transposes; false (nothing written) otherwise.
+  static bool transpose_narrow_panel([[maybe_unused]] const T* src, [[maybe_unused]] std::int64_t ld,
+                                     [[maybe_unused]] T* dst, [[maybe_unused]] std::int64_t cols,
+                                     [[maybe_unused]] std::int64_t depth) {
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, double> && kTileCols == 16)
+      return transpose_panel<8>(src, ld, dst, cols, depth, [](const double* p) { return _mm512_loadu_pd(p); },
+                                [](__m512d* r) { transpose_8x8_registers(r); },
+                                [](double* p, __m512d v) { _mm512_store_pd(p, v); });
+#endif
 #if defined(__AVX__)
-    if constexpr (std::is_same_v<T, float> && kTileCols == 16) {
-      if (cols != kTileCols || depth % 8 != 0) return false;
-      for (std::int64_t d = 0; d < depth; d += 8)
-        for (int half = 0; half < 2; ++half) {
-          __m256 r[8];
-          for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + (half * 8 + i) * ld + d);
-          transpose_8x8_registers(r);
-          for (int i = 0; i < 8; ++i) _mm256_store_ps(dst + (d + i) * kTileCols + half * 8, r[i]);
-        }
-      return true;
-    }
+    // (Not an #elif of the branch above: an unoptimized GCC build hides AVX-512 from xsimd,
+    // see core/simd.hpp, so an AVX-512 machine may run 8-wide double panels.)
+    if constexpr (std::is_same_v<T, float> && kTileCols == 16)
+      return transpose_panel<8>(src, ld, dst, cols, depth, [](const float* p) { return _mm256_loadu_ps(p); },
+                                [](__m256* r) { transpose_8x8_registers(r); },
+                                [](float* p, __m256 v) { _mm256_store_ps(p, v); });
+    if constexpr (std::is_same_v<T, double> && kTileCols == 8)
+      return transpose_panel<4>(src, ld, dst, cols, depth, [](const double* p) { return _mm256_loadu_pd(p); },
+                                [](__m256d* r) { transpose_4x4_registers(r); },
+                                [](double* p, __m256d v) { _mm256_store_pd(p, v); });
 #endif
     return false;
   }
 
-  // The same for a whole panel of doubles (16 columns on AVX-512, 8 on AVX) and a depth
-  // that is a multiple of the register width, with 8 x 8 or 4 x 4 register transposes;
-  // false (nothing written) otherwise.
-  static bool transpose_double_panel([[maybe_unused]] const T* src, [[maybe_unused]] std::int64_t ld,
-                                     [[maybe_unused]] T* dst, [[maybe_unused]] std::int64_t cols,
-                                     [[maybe_unused]] std::int64_t depth) {
-#if defined(__AVX512F__)
-    if constexpr (std::is_same_v<T, double> && kTileCols == 16) {
-      if (cols != kTileCols || depth % 8 != 0) return false;
-      for (std::int64_t d = 0; d < depth; d += 8)
-        for (int half = 0; half < 2; ++half) {
-          __m512d r[8];
-          for (int i = 0; i < 8; ++i) r[i] = _mm512_loadu_pd(src + (half * 8 + i) * ld + d);
-          transpose_8x8_registers(r);
-          for (int i = 0; i < 8; ++i) _mm512_store_pd(dst + (d + i) * kTileCols + half * 8, r[i]);
-        }
-      return true;
-    }
-#endif
-#if defined(__AVX__)
-    // (Separate from the branch above: an unoptimized GCC build hides AVX-512 from xsimd,
-    // see core/simd.hpp, so an AVX-512 machine may run 8-wide double panels.)
-    if constexpr (std::is_same_v<T, double> && kTileCols == 8) {
-      if (cols != kTileCols || depth % 4 != 0) return false;
-      for (std::int64_t d = 0; d < depth; d += 4)
-        for (int half = 0; half < 2; ++half) {
-          __m256d r[4];
-          for (int i = 0; i < 4; ++i) r[i] = _mm256_loadu_pd(src + (half * 4 + i) * ld + d);
-          transpose_4x4_registers(r);
-          for (int i = 0; i < 4; ++i) _mm256_store_pd(dst + (d + i) * kTileCols + half * 4, r[i]);
-        }
-      return true;
-    }
-#endif
-    return false;
+  // The loop of transpose_narrow_panel: W x W blocks, `load` reading W values into a
+  // register, `transpose` transposing W registers, `store` writing one to aligned memory.
+  template <int W, class Load, class Transpose, class Store>
+  static bool transpose_panel(const T* src, std::int64_t ld, T* dst, std::int64_t cols, std::int64_t depth, Load load,
+                              Transpose transpose, Store store) {
+    static_assert(kTileCols == 2 * W);
+    if (cols != kTileCols || depth % W != 0) return false;
+    for (std::int64_t d = 0; d < depth; d += W)
+      for (int half = 0; half < 2; ++half) {
+        decltype(load(src)) r[W];
+        for (int i = 0; i < W; ++i) r[i] = load(src + (half * W + i) * ld + d);
+        transpose(r);
+        for (int i = 0; i < W; ++i) store(dst + (d + i) * kTileCols + half * W, r[i]);
+      }
+    return true;
   }
 
   // out[kk * 8 + i] = src[i * ld + kk] for 8 rows and the first multiple of 8 of `depth`

@@ -39,7 +39,7 @@ namespace detail {
 /// may serve other rounds.
 class ReduceRound {
  public:
-  ReduceRound(Combine op, std::vector<graph::Device*> members);
+  ReduceRound(Combine op, const std::vector<graph::Device*>& members);
   /// Member `slot` offers `in` to the group; never waits. A member counts once: when its
   /// step runs again after an error (its node went back to the trace), it offers the same
   /// value again, and the first offer stands (a peer may be reading it).
@@ -67,7 +67,7 @@ class ReduceRound {
   /// All three phases.
   std::shared_ptr<Buffer> run(int slot, std::shared_ptr<Buffer> in, DType dtype, std::int64_t numel, graph::Device& dev);
   Combine op() const { return op_; }
-  int size() const { return static_cast<int>(members_.size()); }
+  int size() const { return static_cast<int>(names_.size()); }
 
  private:
   /// Member `slot` waits, `lock` held, until `count` reaches the group size: members of a
@@ -79,9 +79,9 @@ class ReduceRound {
              const std::vector<std::uint8_t>& marks, const char* what);
 
   Combine op_;
-  std::vector<graph::Device*> members_;
-  // The members' device names, for messages: a device may be gone by then (a dropped step
-  // at process exit abandons its rounds while it is destroyed).
+  // The members' device names, for messages (the devices themselves are not kept: one may
+  // be gone by then, as a dropped step at process exit abandons its rounds while its device
+  // is destroyed).
   std::vector<std::string> names_;
   // Per member, how many times its node went back to the trace before finishing the round
   // (under mu_). Counts, not a flag: a member's attempts are compared with the waiter's own,
@@ -159,13 +159,12 @@ std::vector<graph::NodePtr> all_reduce(const std::vector<graph::NodePtr>& pieces
 namespace lazy::spmd {
 namespace detail {
 
-LAZYTENSOR_INLINE ReduceRound::ReduceRound(Combine op, std::vector<graph::Device*> members)
+LAZYTENSOR_INLINE ReduceRound::ReduceRound(Combine op, const std::vector<graph::Device*>& members)
     : op_(op),
-      members_(std::move(members)),
-      abandoned_(members_.size(), 0),
-      arrived_marks_(members_.size()),
-      inputs_(members_.size()) {
-  for (const auto* d : members_) names_.push_back(d->str());
+      abandoned_(members.size(), 0),
+      arrived_marks_(members.size()),
+      inputs_(members.size()) {
+  for (const auto* d : members) names_.push_back(d->str());
 }
 
 LAZYTENSOR_INLINE int ReduceRound::await(int slot, std::unique_lock<std::mutex>& lock, const int& count,
@@ -185,7 +184,7 @@ LAZYTENSOR_INLINE int ReduceRound::await(int slot, std::unique_lock<std::mutex>&
   const auto deadline = std::chrono::steady_clock::now() + dist::collective_timeout();
   while (count < n) {
     cv_.wait_for(lock, std::chrono::milliseconds(2));
-    for (std::size_t m = 0; m < members_.size() && count < n; ++m) {
+    for (std::size_t m = 0; m < names_.size() && count < n; ++m) {
       if (!marks[m] && abandoned_[m] > abandoned_[static_cast<std::size_t>(slot)]) return static_cast<int>(m);
     }
     if (count < n && std::chrono::steady_clock::now() > deadline)
