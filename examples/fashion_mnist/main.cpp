@@ -20,7 +20,8 @@
 //                 single: one device.
 //   --devices     N replicas or mesh devices (default: the number of hardware threads; 1 with
 //                 --strategy single). --replicas is an alias. Under `mpirun -np P` (when
-//                 built where MPI is installed), N replicas per process: P x N in all.
+//                 built where MPI is installed), N replicas (spmd: mesh devices) per
+//                 process: P x N in all.
 //   --batch-size  samples per step *per device* (default 64): a step trains on N times as
 //                 many samples in all.
 //   --lr          peak learning rate (default: 0.05 for the MLP, 0.03 for the CNN, times
@@ -225,10 +226,11 @@ Args parse(int argc, char** argv) {
   // rate keeps the progress per epoch. Square-root scaling: with 2 replicas the MLP ended 5
   // epochs at 0.891 (lr 0.071) against 0.887 with linear scaling (0.1) and 0.888 unscaled
   // (0.05).
-  // Under mpirun every process spawns its N replicas: the world is P x N of them.
+  // Under mpirun every process spawns its N replicas (or gives the mesh its N devices): P x N
+  // in all.
   const int processes = lazy::runtime::process_count();
-  if (processes > 1 && a.strategy != "replica")
-    usage(argv[0], "--strategy " + a.strategy + " runs in one process; use --strategy replica under mpirun");
+  if (processes > 1 && a.strategy == "single")
+    usage(argv[0], "--strategy single runs in one process; use --strategy replica or spmd under mpirun");
   if (a.lr < 0)
     a.lr = (a.model == "mlp" ? 0.05 : 0.03) * std::sqrt(static_cast<double>(a.devices * processes));
   return a;
@@ -370,9 +372,11 @@ int main(int argc, char** argv) {
     const auto test_set = lazy::data::MNIST(args.data, lazy::data::MNIST::Mode::Test).map(norm);
 
     // --batch-size is per device. Replicas each load their own batches; under SPMD one
-    // loader feeds the whole mesh, so its batch is every device's share together.
+    // loader feeds the whole mesh, so its batch is every device's share together (every
+    // process loads the same global batch and keeps its devices' blocks).
     const auto devices = static_cast<std::size_t>(args.devices);
-    args.loader_batch = args.strategy == "spmd" ? args.batch_size * devices : args.batch_size;
+    const auto mesh_devices = devices * static_cast<std::size_t>(lazy::runtime::process_count());
+    args.loader_batch = args.strategy == "spmd" ? args.batch_size * mesh_devices : args.batch_size;
 
     // shuffle + seed: the Trainer turns this into each replica's DistributedSampler(shuffle,
     // seed), and reshuffles every epoch (set_epoch), so a resumed run sees the same order.
@@ -433,15 +437,15 @@ int main(int argc, char** argv) {
     trainer.fit(module, *train_loader, *test_loader, args.resume ? "last" : "");
     const auto results = trainer.test(module, *test_loader);
 
-    // Under mpirun only process 0 holds the trained `module` (global rank zero's); the other
-    // processes' replicas trained copies of their own.
-    if (lazy::runtime::process_index() == 0) {
-      if (!args.save.empty()) {
-        lazy::io::save(module.network()->state_dict(), args.save);
-        std::printf("saved the model to %s\n", args.save.c_str());
-      }
-      std::printf("test_accuracy=%.4f\n", results.at(0).at("test_acc"));
+    // Under mpirun with replicas only process 0 holds the trained `module` (global rank
+    // zero's); the other processes' replicas trained copies of their own. An SPMD mesh spans
+    // the processes, so every process saves (a collective: process 0 writes).
+    const bool first = lazy::runtime::process_index() == 0;
+    if (!args.save.empty() && (first || args.strategy == "spmd")) {
+      lazy::io::save(module.network()->state_dict(), args.save);
+      if (first) std::printf("saved the model to %s\n", args.save.c_str());
     }
+    if (first) std::printf("test_accuracy=%.4f\n", results.at(0).at("test_acc"));
   } catch (const std::exception& e) {
     std::cerr << "error: " << e.what() << "\n";
     return 1;

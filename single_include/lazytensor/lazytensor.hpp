@@ -2082,8 +2082,24 @@ class Device {
   Device& operator=(const Device&) = delete;
 
   int index() const { return index_; }
-  /// "CPU:0", as torch_xla prints devices.
-  std::string str() const { return "CPU:" + std::to_string(index_); }
+  /// "CPU:0", as torch_xla prints devices (the global id when an SPMD program spans
+  /// processes).
+  std::string str() const { return "CPU:" + std::to_string(global_id_ < 0 ? index_ : global_id_); }
+
+  /// A device of another process that an SPMD program spans (lazy::spmd): this process
+  /// traces its nodes, as every process traces the whole program, but never computes them;
+  /// its steps drop them (drop_remote_trace). Set once, before anything is traced on it.
+  void set_span_place(int global_id, int process, bool remote) {
+    global_id_ = global_id;
+    process_ = process;
+    remote_ = remote;
+  }
+  bool remote() const { return remote_; }
+  /// The process owning this device (0 unless an SPMD program spans processes).
+  int process() const { return process_; }
+  /// A remote device's step: its traced nodes become values that exist only in their own
+  /// process (Ready without a buffer, inputs released), so nothing here keeps their graph.
+  void drop_remote_trace();
 
   ThreadPool& threads() { return threads_; }
   /// Changes the number of threads kernels use, once the steps in flight have finished.
@@ -2174,6 +2190,9 @@ class Device {
   static bool default_async() { return core::env_switch("LAZYTENSOR_ASYNC").value_or(true); }
 
   int index_;
+  int global_id_ = -1;
+  int process_ = 0;
+  bool remote_ = false;
   std::shared_ptr<BufferPool> pool_;
   ThreadPool threads_;
   std::mutex mu_;
@@ -2252,6 +2271,11 @@ LAZYTENSOR_INLINE void Device::trace(const NodePtr& n) {
   while (!trace_.empty() && trace_.back().expired()) trace_.pop_back();
   if (trace_.size() >= prune_at_) prune_trace();
   trace_.push_back(n);
+}
+
+LAZYTENSOR_INLINE void Device::drop_remote_trace() {
+  for (auto& w : take_trace())
+    if (auto n = w.lock(); n && n->pending()) n->finish_with(nullptr);
 }
 
 LAZYTENSOR_INLINE std::size_t Device::trace_size() {
@@ -5890,7 +5914,8 @@ inline void advance_random_stream(Device& dev) {
 
 /// Materializes `node` (and what it needs). A value a step is computing is waited for;
 /// a pending one is computed now. Returns true when this read had to compute it (an
-/// implicit sync). Re-throws a stored execution error.
+/// implicit sync). Re-throws a stored execution error; DeviceError for a value of another
+/// process's device (Device::remote).
 bool materialize(const NodePtr& node);
 
 }  // namespace lazy::graph
@@ -5931,6 +5956,10 @@ LAZYTENSOR_INLINE void step_all_devices(bool advance_rng) {
   std::exception_ptr refused;
   for (int i = 0; i < n; ++i) {
     Device& dev = registry.device(i);
+    if (dev.remote()) {
+      dev.drop_remote_trace();
+      continue;
+    }
     try {
       run_step(dev, collect_step(dev), /*wait_previous=*/false);
       if (advance_rng) advance_random_stream(dev);
@@ -5944,6 +5973,9 @@ LAZYTENSOR_INLINE void step_all_devices(bool advance_rng) {
 
 LAZYTENSOR_INLINE bool materialize(const NodePtr& node) {
   Device& dev = *node->device();
+  if (dev.remote())
+    throw DeviceError("materialize: the value lives on " + dev.str() + " of process " + std::to_string(dev.process()) +
+                      "; this process holds only its own devices' pieces (read the sharded tensor as a whole)");
   if (!node->materialized() && !node->pending()) dev.wait_idle();
   dev.rethrow_stored_error();
   if (node->materialized()) return false;
@@ -15136,8 +15168,9 @@ inline int process_count() {
 }
 
 /// Devices of every process taking part (xr.global_runtime_device_count()): what SPMD
-/// meshes are laid over. SPMD drives the devices of one process, so lazy::device_count().
-inline int global_runtime_device_count() { return device_count(); }
+/// meshes are laid over, lazy::device_count() per process (each process of an MPI job
+/// has the same count; use_spmd checks it).
+inline int global_runtime_device_count() { return dist::detail::process_place().count * device_count(); }
 
 /// Number of replicas in the world (xr.world_size()); 1 outside spawn.
 inline int world_size() {
@@ -21018,6 +21051,160 @@ LAZYTENSOR_INLINE StateDict detail::load_safetensors_file(const std::string& pat
 #include <utility>
 #include <vector>
 
+// ---- begin lazytensor/spmd/span.hpp ----
+// The processes an SPMD program spans (torch_xla's multi-host SPMD; here processes under
+// `mpirun`, linked with lazytensor::mpi). Every process runs the same program over one
+// global mesh, whose device ids are global: process q owns ids [q * L, (q + 1) * L), L =
+// lazy::device_count() (the same in every process). Each process holds an engine device for
+// every id: its own at registry indices 0..L-1, so the default device and everything counted
+// by device_count() stay local, and the others' as remote devices (graph::Device::remote),
+// whose nodes it traces like its own (so every process builds the same graph, and the same
+// collectives in the same order) but never computes.
+//
+// Data crosses processes in two places only, both through exchange(): an all-reduce whose
+// group holds devices of several processes, and the gather of a sharded value whose blocks
+// some process holds no piece of. Both are collective: every process meets them in program
+// order, as it does when it runs the same program.
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+
+namespace lazy::spmd::detail {
+
+/// This process's place among the processes of the SPMD program.
+struct ProcessSpan {
+  int index = 0;          ///< this process
+  int count = 1;          ///< processes
+  int local_devices = 1;  ///< devices per process
+  int host_processes = 1; ///< processes on this host (they share its cores)
+};
+
+/// The span (one process unless use_spmd joined several).
+const ProcessSpan& process_span();
+
+/// Records the span and creates the engine devices of every global id, the other
+/// processes' ones marked remote. Called once, by use_spmd, before anything is traced.
+void set_process_span(const ProcessSpan& span);
+
+/// Devices of every process: the ids a mesh may name. Known before use_spmd joins the
+/// processes (a mesh may be built first, as a strategy's is): the MPI job's process count
+/// times lazy::device_count().
+int span_device_count();
+
+/// The process owning global device id `id`.
+inline int span_process_of(int id) {
+  const auto& s = process_span();
+  return s.count == 1 ? 0 : id / s.local_devices;
+}
+
+/// The engine device of global device id `id` (registry index `id - index * L` modulo the
+/// device count: this process's devices first).
+graph::Device& span_device(int id);
+
+/// One message of an exchange: `bytes` at `data` to or from process `process`; `keep`
+/// holds the memory alive should the exchange be given up with the message in flight.
+struct Transfer {
+  int process = 0;
+  void* data = nullptr;
+  std::size_t bytes = 0;
+  std::shared_ptr<const void> keep;
+};
+
+/// Which collective an exchange serves (each has its own sequence of exchanges).
+enum class Channel : int { Reduce = 0, Gather = 1, Host = 2 };
+
+/// Sends and receives the transfers, matched with the other processes' exchange of the same
+/// channel and `seq`: the messages between two processes pair up in the order each side lists
+/// them. Each carries `signature` (what the exchange is: op, dtype, size); a message whose
+/// signature or size differs raises CollectiveMismatch, and a peer that sends nothing within
+/// the collective timeout CollectiveTimeout (`what` names the collective in both).
+using ExchangeFn = void (*)(Channel channel, std::uint64_t seq, std::uint64_t signature,
+                            const std::vector<Transfer>& sends, const std::vector<Transfer>& receives,
+                            const std::string& what);
+
+/// The installed transport (lazytensor::mpi's, installed by use_spmd), or null.
+inline std::atomic<ExchangeFn>& exchange_hook() {
+  static std::atomic<ExchangeFn> hook{nullptr};
+  return hook;
+}
+
+/// exchange_hook()'s exchange; Error when none is installed.
+void exchange(Channel channel, std::uint64_t seq, std::uint64_t signature, const std::vector<Transfer>& sends,
+              const std::vector<Transfer>& receives, const std::string& what);
+
+/// Every process's `ok` (one process: just this one's), once all processes reached this
+/// call (a barrier of the host, as dist::rendezvous inside spawn), in process order.
+std::vector<bool> span_rendezvous(bool ok, const std::string& what);
+
+}  // namespace lazy::spmd::detail
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::spmd::detail {
+
+inline ProcessSpan& mutable_process_span() {
+  static ProcessSpan span;
+  return span;
+}
+
+LAZYTENSOR_INLINE const ProcessSpan& process_span() { return mutable_process_span(); }
+
+LAZYTENSOR_INLINE void set_process_span(const ProcessSpan& span) {
+  if (span.count < 1 || span.index < 0 || span.index >= span.count || span.local_devices < 1)
+    throw Error("SPMD: invalid process span (process " + std::to_string(span.index) + " of " +
+                std::to_string(span.count) + ", " + std::to_string(span.local_devices) + " devices each)");
+  mutable_process_span() = span;
+  for (int id = 0; id < span.count * span.local_devices; ++id) {
+    graph::Device& dev = span_device(id);
+    const int owner = span_process_of(id);
+    dev.set_span_place(id, owner, owner != span.index);
+    if (owner != span.index) dev.set_num_threads(1);  // traced only: no workers
+  }
+}
+
+LAZYTENSOR_INLINE int span_device_count() { return dist::detail::process_place().count * device_count(); }
+
+LAZYTENSOR_INLINE graph::Device& span_device(int id) {
+  const auto& s = process_span();
+  if (s.count == 1) return graph::DeviceRegistry::get().device(id);
+  const int total = s.count * s.local_devices;
+  return graph::DeviceRegistry::get().device(((id - s.index * s.local_devices) % total + total) % total);
+}
+
+LAZYTENSOR_INLINE void exchange(Channel channel, std::uint64_t seq, std::uint64_t signature,
+                                const std::vector<Transfer>& sends, const std::vector<Transfer>& receives,
+                                const std::string& what) {
+  ExchangeFn fn = exchange_hook().load(std::memory_order_acquire);
+  if (!fn) throw Error("SPMD " + what + ": the program spans processes but no transport is installed");
+  fn(channel, seq, signature, sends, receives, what);
+}
+
+LAZYTENSOR_INLINE std::vector<bool> span_rendezvous(bool ok, const std::string& what) {
+  const auto& span = process_span();
+  std::vector<bool> all(static_cast<std::size_t>(span.count), ok);
+  if (span.count == 1) return all;
+  static std::atomic<std::uint64_t> seq{0};
+  auto flags = std::make_shared<std::vector<unsigned char>>(static_cast<std::size_t>(span.count) + 1, 0);
+  (*flags)[0] = ok ? 1 : 0;
+  std::vector<Transfer> sends, receives;
+  for (int q = 0; q < span.count; ++q) {
+    if (q == span.index) continue;
+    sends.push_back({q, flags->data(), 1, flags});
+    receives.push_back({q, flags->data() + 1 + q, 1, flags});
+  }
+  exchange(Channel::Host, seq.fetch_add(1, std::memory_order_relaxed), 0x5eed, sends, receives, what);
+  for (int q = 0; q < span.count; ++q)
+    if (q != span.index) all[static_cast<std::size_t>(q)] = (*flags)[static_cast<std::size_t>(q) + 1] != 0;
+  return all;
+}
+
+}  // namespace lazy::spmd::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/spmd/span.hpp ----
 
 namespace lazy::spmd {
 
@@ -21034,7 +21221,8 @@ struct LogicalMesh {
 /// out row-major in `mesh_shape`; axes may be named (`axis_names`, one per axis, distinct),
 /// else each is named by its index ("0", "1", ...). A partition spec refers to the axes by
 /// index or name. Error (lazy::Error, naming the values) when the shape's product is not
-/// the number of ids, an id repeats or names no device of this process, or names repeat.
+/// the number of ids, an id repeats or names no device, or names repeat. When the program
+/// spans processes (span.hpp) the ids are global: those of every process's devices.
 class Mesh {
  public:
   Mesh(std::vector<int> device_ids, std::vector<std::int64_t> mesh_shape, std::vector<std::string> axis_names = {});
@@ -21075,8 +21263,10 @@ class Mesh {
 /// size `dcn_mesh_shape[i] * ici_mesh_shape[i]`, the DCN part outer. Device ids follow
 /// the slices: slice s (the row-major index of the DCN coordinates) holds ids
 /// [s * S, (s + 1) * S), S the product of `ici_mesh_shape`, laid out row-major over the
-/// ICI coordinates. Every device of the process takes part; Error when the shapes'
-/// ranks differ or their products do not make the device count.
+/// ICI coordinates. Every device takes part; Error when the shapes' ranks differ or their
+/// products do not make the device count. When the program spans processes, a slice is one
+/// process: the DCN axes run across processes, the ICI axes inside one (Error unless the
+/// ICI product is the devices per process).
 class HybridMesh : public Mesh {
  public:
   HybridMesh(std::vector<std::int64_t> ici_mesh_shape, std::vector<std::int64_t> dcn_mesh_shape,
@@ -21142,13 +21332,14 @@ LAZYTENSOR_INLINE Mesh::Mesh(std::vector<int> device_ids, std::vector<std::int64
   if (product != static_cast<std::int64_t>(ids_.size()))
     throw Error("Mesh: mesh shape " + detail::tuple_text(shape_) + " holds " + std::to_string(product) +
                 " devices, but " + std::to_string(ids_.size()) + " device ids were given");
-  const int available = device_count();
+  const int available = detail::span_device_count();
+  const bool spans = dist::detail::process_place().count > 1;
   std::set<int> seen;
   for (int id : ids_) {
     if (id < 0 || id >= available)
-      throw Error("Mesh: device id " + std::to_string(id) + " names no device of this process (it has " +
-                  std::to_string(available) + ": ids 0.." + std::to_string(available - 1) +
-                  "; LAZYTENSOR_NUM_DEVICES sets the count)");
+      throw Error("Mesh: device id " + std::to_string(id) + " names no device (" +
+                  (spans ? "the processes have " : "this process has ") + std::to_string(available) + ": ids 0.." +
+                  std::to_string(available - 1) + "; LAZYTENSOR_NUM_DEVICES sets the count per process)");
     if (!seen.insert(id).second) throw Error("Mesh: device id " + std::to_string(id) + " appears twice");
   }
   if (names_.empty()) {
@@ -21217,9 +21408,16 @@ LAZYTENSOR_INLINE std::vector<int> detail::hybrid_device_ids(const std::vector<s
   std::int64_t total = 1, per_slice = 1;
   for (auto s : shape) total *= s;
   for (auto s : ici) per_slice *= s;
-  if (total != device_count())
+  const int processes = dist::detail::process_place().count;
+  if (total != span_device_count())
     throw Error("HybridMesh: ici " + tuple_text(ici) + " times dcn " + tuple_text(dcn) + " makes " +
-                std::to_string(total) + " devices, but this process has " + std::to_string(device_count()));
+                std::to_string(total) + " devices, but " +
+                (processes > 1 ? "the processes have " : "this process has ") + std::to_string(span_device_count()));
+  if (processes > 1 && per_slice != device_count())
+    throw Error("HybridMesh: the ICI axes " + tuple_text(ici) + " hold " + std::to_string(per_slice) +
+                " devices, but each of the " + std::to_string(processes) + " processes has " +
+                std::to_string(device_count()) + " (a slice is one process: its devices on the ICI axes, the "
+                "processes on the DCN axes)");
   std::vector<int> ids(static_cast<std::size_t>(total));
   const std::size_t rank = shape.size();
   std::vector<std::int64_t> c(rank, 0);
@@ -21518,10 +21716,12 @@ namespace lazy::spmd {
 /// The whole value of a tensor sharded over a mesh (NodeKind::Sharded). It holds one piece
 /// per mesh position (devices holding the same block hold equal pieces), each behind a
 /// tensor object of its own (a handle on the piece), so every device's mark_step computes
-/// its piece. The
-/// node itself is never traced or planned: graph::submit hands every node reading it to
-/// the partitioner, and reading it (item(), to_vector(), a partitioner fallback) gathers
-/// the blocks into one buffer on the tensor's device.
+/// its piece. The node itself is never traced or planned: graph::submit hands every node
+/// reading it to the partitioner, and reading it (item(), to_vector(), a partitioner
+/// fallback) gathers the blocks into one buffer on the tensor's device. When the program
+/// spans processes (span.hpp), the pieces of other processes' devices are never computed
+/// here: a block no device of this process holds comes from the first process holding it,
+/// so such a read is collective (every process reads the value, as the same program does).
 class ShardedNode : public graph::Node {
  public:
   ShardedNode(Sharding sharding, std::vector<graph::NodePtr> pieces, DType dtype, Shape shape,
@@ -21567,8 +21767,8 @@ inline const ShardedNode* as_sharded(const graph::NodePtr& n) {
   return n && n->kind() == graph::NodeKind::Sharded ? static_cast<const ShardedNode*>(n.get()) : nullptr;
 }
 
-/// The engine device of a mesh device id.
-inline graph::Device& mesh_device(int id) { return graph::DeviceRegistry::get().device(id); }
+/// The engine device of a mesh device id (global when the program spans processes).
+inline graph::Device& mesh_device(int id) { return detail::span_device(id); }
 
 namespace detail {
 
@@ -21617,25 +21817,64 @@ LAZYTENSOR_INLINE void ShardedNode::compute(graph::ExecContext& ctx) {
   gathers.add();
   auto buf = allocate_output(ctx, false);
   const Shape global = shape();
-  std::vector<bool> done(static_cast<std::size_t>(sharding_.blocks()), false);
   const std::size_t esize = dtype_size(dtype());
   hand_out_pieces();
+  // Per block: the first position holding it (its owner sends it to processes holding
+  // none), the first one on this process's devices, and which processes hold it.
+  const auto& span = detail::process_span();
+  const auto blocks = static_cast<std::size_t>(sharding_.blocks());
+  std::vector<int> first(blocks, -1), first_here(blocks, -1);
+  std::vector<std::vector<char>> held(blocks, std::vector<char>(static_cast<std::size_t>(span.count), 0));
   for (int p = 0; p < num_shards(); ++p) {
     std::int64_t b = 0;
     for (int d = 0; d < global.rank(); ++d) b = b * sharding_.parts(d) + sharding_.part_of(p, d);
-    if (done[static_cast<std::size_t>(b)]) continue;
-    done[static_cast<std::size_t>(b)] = true;
-    const graph::NodePtr& piece = shard(p);
-    graph::materialize(piece);
-    const auto ranges = sharding_.block(p, global);
+    const auto bi = static_cast<std::size_t>(b);
+    const graph::Device& dev = *shard(p)->device();
+    if (first[bi] < 0) first[bi] = p;
+    if (!dev.remote() && first_here[bi] < 0) first_here[bi] = p;
+    held[bi][static_cast<std::size_t>(dev.process())] = 1;
+  }
+  auto place = [&](const void* data, int position) {
+    const auto ranges = sharding_.block(position, global);
     std::vector<std::int64_t> at, box;
     for (const auto& [b0, b1] : ranges) {
       at.push_back(b0);
       box.push_back(b1 - b0);
     }
-    graph::detail::copy_box(static_cast<const std::byte*>(piece->buffer()->data()), piece->shape(),
-                     std::vector<std::int64_t>(at.size(), 0), static_cast<std::byte*>(buf->data()), global, at, box,
-                     esize);
+    graph::detail::copy_box(static_cast<const std::byte*>(data), shard(position)->shape(), std::vector<std::int64_t>(at.size(), 0),
+                            static_cast<std::byte*>(buf->data()), global, at, box, esize);
+  };
+  bool crosses = false;  // the same answer in every process: some process lacks a block
+  std::vector<detail::Transfer> sends, receives;
+  std::vector<std::pair<std::shared_ptr<Buffer>, int>> received;
+  for (std::size_t b = 0; b < blocks; ++b) {
+    for (int q = 0; q < span.count; ++q) crosses = crosses || !held[b][static_cast<std::size_t>(q)];
+    if (first_here[b] >= 0) {
+      const graph::NodePtr& piece = shard(first_here[b]);
+      graph::materialize(piece);
+      place(piece->buffer()->data(), first_here[b]);
+      if (first_here[b] != first[b]) continue;
+      for (int q = 0; q < span.count; ++q)
+        if (!held[b][static_cast<std::size_t>(q)])
+          sends.push_back({q, piece->buffer()->data(), static_cast<std::size_t>(piece->numel()) * esize, piece->buffer()});
+    } else {
+      const graph::NodePtr& piece = shard(first[b]);
+      auto in = ctx.device.pool().acquire(padded_bytes(piece->numel(), esize));
+      receives.push_back({piece->device()->process(), in->data(), static_cast<std::size_t>(piece->numel()) * esize, in});
+      received.emplace_back(std::move(in), first[b]);
+    }
+  }
+  if (crosses) {
+    static std::atomic<std::uint64_t> exchanges{0};  // every process counts the same gathers
+    const std::uint64_t seq = exchanges.fetch_add(1, std::memory_order_relaxed);
+    if (!sends.empty() || !receives.empty()) {
+      const std::uint64_t signature = graph::hash_combine(
+          graph::hash_combine(static_cast<std::uint64_t>(dtype()), static_cast<std::uint64_t>(global.numel())),
+          std::hash<std::string>{}(sharding_.str()));
+      detail::exchange(detail::Channel::Gather, seq, signature, sends, receives,
+                       "gather of a " + global.str() + " value sharded " + sharding_.str());
+      for (const auto& [in, position] : received) place(in->data(), position);
+    }
   }
   set_buffer(std::move(buf));
 }
@@ -21653,6 +21892,8 @@ LAZYTENSOR_INLINE graph::NodePtr detail::block_of(const graph::NodePtr& value, c
   if (whole && value->device() == &dev)
     return std::make_shared<graph::DataNode>(value->dtype(), global, &dev, value->buffer());
   const Shape shape(box);
+  // Another process's device: that process copies its own block (it holds the same value).
+  if (dev.remote()) return std::make_shared<graph::DataNode>(value->dtype(), shape, &dev, nullptr);
   const std::size_t esize = dtype_size(value->dtype());
   auto buf = dev.pool().acquire(padded_bytes(shape.numel(), esize));
   graph::detail::copy_box(static_cast<const std::byte*>(value->buffer()->data()), global, at, static_cast<std::byte*>(buf->data()),
@@ -21706,6 +21947,9 @@ void save_shards(const StateDict& sd, const std::string& path);
 ///    replicas rendezvous after the write: the file is complete when save returns on any of
 ///    them (see the file comment for failures). Every replica must call it (it is a
 ///    collective of the whole world).
+///  - An SPMD program spanning processes (lazy::spmd under mpirun) plays the world: every
+///    process gathers and calls it, one per host writes (process 0 with `global_master`),
+///    and all meet after the write. IoError for `shard_files` there.
 /// Outside spawn it just writes.
 void save(const StateDict& sd, const std::string& path, bool master_only = true,
           bool global_master = false);
@@ -21827,7 +22071,19 @@ LAZYTENSOR_INLINE void save(const StateDict& sd, const std::string& path, bool m
 }
 
 LAZYTENSOR_INLINE void save(const StateDict& sd, const std::string& path, const SaveOptions& options) {
-  const bool writer = !options.master_only || dist::is_master_ordinal(!options.global_master);
+  bool writer = !options.master_only || dist::is_master_ordinal(!options.global_master);
+  // An SPMD program spanning processes (spmd/span.hpp): every process gathers (collective),
+  // one per host writes (process 0 only with global_master), and all meet afterwards.
+  const auto& span = spmd::detail::process_span();
+  if (span.count > 1) {
+    if (options.shard_files)
+      throw IoError("io::save('" + path + "'): shard_files is not supported when an SPMD program spans " +
+                    std::to_string(span.count) + " processes (each holds only its own pieces); save whole values");
+    if (options.master_only) {
+      const auto place = dist::detail::process_place();
+      writer = options.global_master ? place.index == 0 : place.host_index == 0;
+    }
+  }
   std::exception_ptr error;
   try {
     if (!options.shard_files) {
@@ -21842,6 +22098,13 @@ LAZYTENSOR_INLINE void save(const StateDict& sd, const std::string& path, const 
     }
   } catch (...) {
     error = std::current_exception();
+  }
+  if (span.count > 1) {
+    const auto ok = spmd::detail::span_rendezvous(!error, "io::save('" + path + "')");
+    if (error) std::rethrow_exception(error);
+    for (std::size_t q = 0; q < ok.size(); ++q)
+      if (!ok[q]) throw IoError("io::save('" + path + "'): process " + std::to_string(q) + " failed to save");
+    return;
   }
   if (runtime::world_size() == 1) {
     if (error) std::rethrow_exception(error);
@@ -25367,6 +25630,12 @@ LAZYTENSOR_OPTIM_SGD_INSTANCES(extern)
 // adding every input in group order, so the bits do not depend on who summed what (as
 // dist's all-reduce shares its leader's output). The planner runs a step's consecutive
 // all-reduces as one batch (graph::Rendezvous), one meeting for all of them.
+//
+// A group that holds devices of several processes (span.hpp) meets the same way: its
+// first member on this process's devices, once the others here published, sends their
+// inputs to the group's other processes and receives the other processes' members' inputs
+// into their slots; then every process holds every input and folds them in group order,
+// so each gets the bits one process would.
 
 #include <algorithm>
 #include <atomic>
@@ -25392,7 +25661,9 @@ namespace detail {
 /// may serve other rounds.
 class ReduceRound {
  public:
-  ReduceRound(Combine op, const std::vector<graph::Device*>& members);
+  /// `seq`: the round's place among the program's all-reduces (the same in every process),
+  /// which pairs the exchanges of a group that spans processes.
+  ReduceRound(Combine op, const std::vector<graph::Device*>& members, std::uint64_t seq = 0);
   /// Member `slot` offers `in` to the group; never waits. A member counts once: when its
   /// step runs again after an error (its node went back to the trace), it offers the same
   /// value again, and the first offer stands (a peer may be reading it).
@@ -25405,7 +25676,9 @@ class ReduceRound {
   /// round than this one (abandon(): its step stopped before it): when the step runs
   /// again after such an error, both have given up once, and this member waits for the
   /// other as usual. CollectiveTimeout after dist's timeout. The chunk loop itself cannot fail or block
-  /// (detail::combine is noexcept).
+  /// (detail::combine is noexcept). In a group spanning processes the first member here
+  /// runs the exchange (exchange_inputs) before anyone combines; CollectiveError in every
+  /// member here when it fails.
   std::shared_ptr<Buffer> combine(int slot, DType dtype, std::int64_t numel, graph::Device& dev);
   /// Member `slot` waits until no member is inside its chunk loop, then lets go of its
   /// input. Once this member's own loop has ended every chunk is claimed, so those members
@@ -25429,7 +25702,10 @@ class ReduceRound {
   /// Returns -1, or the slot of a member whose `marks` entry is still 0 and that gave up
   /// more attempts than `slot` (abandon()).
   int await(int slot, std::unique_lock<std::mutex>& lock, const int& count, const std::atomic<int>& fast,
-             const std::vector<std::uint8_t>& marks, const char* what);
+             const std::vector<std::uint8_t>& marks, const char* what, int target = -1);
+  /// The exchange of a group spanning processes: run by the first member here once every
+  /// member here published (`lock` held on entry and exit, released while messages fly).
+  void exchange_inputs(int slot, DType dtype, std::int64_t numel, graph::Device& dev, std::unique_lock<std::mutex>& lock);
 
   Combine op_;
   // The members' device names, for messages (the devices themselves are not kept: one may
@@ -25442,6 +25718,16 @@ class ReduceRound {
   // count would not do: the waiter's own error raises its device's count, and a round
   // traced before a failure would read it as a new one on every later attempt.)
   std::vector<int> abandoned_;
+  // A group spanning processes: each member's process, how many members are on this
+  // process's devices (local_), the first of them (leader_, which runs the exchange), and
+  // the exchange's state (under mu_).
+  std::uint64_t seq_ = 0;
+  std::vector<int> process_;
+  int local_ = 0;
+  int leader_ = -1;
+  int released_ = 0;
+  bool exchanged_ = false;
+  std::string exchange_error_;
   std::mutex mu_;
   std::condition_variable cv_;
   int arrived_ = 0;
@@ -25512,18 +25798,25 @@ std::vector<graph::NodePtr> all_reduce(const std::vector<graph::NodePtr>& pieces
 namespace lazy::spmd {
 namespace detail {
 
-LAZYTENSOR_INLINE ReduceRound::ReduceRound(Combine op, const std::vector<graph::Device*>& members)
+LAZYTENSOR_INLINE ReduceRound::ReduceRound(Combine op, const std::vector<graph::Device*>& members, std::uint64_t seq)
     : op_(op),
       abandoned_(members.size(), 0),
+      seq_(seq),
       arrived_marks_(members.size()),
       inputs_(members.size()) {
-  for (const auto* d : members) names_.push_back(d->str());
+  for (std::size_t m = 0; m < members.size(); ++m) {
+    names_.push_back(members[m]->str());
+    process_.push_back(members[m]->process());
+    if (members[m]->remote()) continue;
+    if (leader_ < 0) leader_ = static_cast<int>(m);
+    ++local_;
+  }
 }
 
 LAZYTENSOR_INLINE int ReduceRound::await(int slot, std::unique_lock<std::mutex>& lock, const int& count,
                                           const std::atomic<int>& fast, const std::vector<std::uint8_t>& marks,
-                                          const char* what) {
-  const int n = size();
+                                          const char* what, int target) {
+  const int n = target < 0 ? size() : target;
   if (count < n) {
     lock.unlock();
     const auto start = std::chrono::steady_clock::now();
@@ -25537,6 +25830,7 @@ LAZYTENSOR_INLINE int ReduceRound::await(int slot, std::unique_lock<std::mutex>&
   const auto deadline = std::chrono::steady_clock::now() + dist::collective_timeout();
   while (count < n) {
     cv_.wait_for(lock, std::chrono::milliseconds(2));
+    if (!exchange_error_.empty()) return -2;
     for (std::size_t m = 0; m < names_.size() && count < n; ++m) {
       if (!marks[m] && abandoned_[m] > abandoned_[static_cast<std::size_t>(slot)]) return static_cast<int>(m);
     }
@@ -25568,7 +25862,11 @@ LAZYTENSOR_INLINE void ReduceRound::publish(int slot, std::shared_ptr<Buffer> in
 LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::combine(int slot, DType dtype, std::int64_t numel,
                                                                graph::Device& dev) {
   std::unique_lock lock(mu_);
-  if (const int failed = await(slot, lock, arrived_, arrived_fast_, arrived_marks_, "arrive"); failed >= 0)
+  if (local_ < size() && slot == leader_ && !exchanged_) exchange_inputs(slot, dtype, numel, dev, lock);
+  const int failed = await(slot, lock, arrived_, arrived_fast_, arrived_marks_, "arrive");
+  if (failed == -2)
+    throw CollectiveError("SPMD all-reduce: the exchange with the group's other processes failed: " + exchange_error_);
+  if (failed >= 0)
     throw CollectiveError("SPMD all-reduce: " + names_[static_cast<std::size_t>(failed)] +
                           " stopped before reaching it (its step failed; the error surfaces there)");
   const std::size_t es = dtype_size(dtype);
@@ -25611,6 +25909,60 @@ LAZYTENSOR_INLINE void ReduceRound::release(int slot) {
   std::unique_lock lock(mu_);
   cv_.wait(lock, [&] { return combining_.load(std::memory_order_relaxed) == 0; });
   inputs_[static_cast<std::size_t>(slot)].reset();
+  // The last member here also lets go of the inputs received from other processes.
+  if (local_ < size() && ++released_ == local_)
+    for (std::size_t m = 0; m < inputs_.size(); ++m)
+      if (process_[m] != process_[static_cast<std::size_t>(slot)]) inputs_[m].reset();
+}
+
+LAZYTENSOR_INLINE void ReduceRound::exchange_inputs(int slot, DType dtype, std::int64_t numel, graph::Device& dev,
+                                                    std::unique_lock<std::mutex>& lock) {
+  const int failed = await(slot, lock, arrived_, arrived_fast_, arrived_marks_, "arrive", local_);
+  if (failed == -2)
+    throw CollectiveError("SPMD all-reduce: the exchange with the group's other processes failed: " + exchange_error_);
+  if (failed >= 0)
+    throw CollectiveError("SPMD all-reduce: " + names_[static_cast<std::size_t>(failed)] +
+                          " stopped before reaching it (its step failed; the error surfaces there)");
+  const int here = process_[static_cast<std::size_t>(slot)];
+  std::vector<int> others;  // the group's other processes, ascending
+  for (int q : process_)
+    if (q != here && std::find(others.begin(), others.end(), q) == others.end()) others.push_back(q);
+  std::sort(others.begin(), others.end());
+  const std::size_t es = dtype_size(dtype), bytes = static_cast<std::size_t>(numel) * es;
+  // Each side lists its messages to a process in slot order, so they pair up in order.
+  std::vector<Transfer> sends, receives;
+  std::vector<std::shared_ptr<Buffer>> got(inputs_.size());
+  for (std::size_t m = 0; m < inputs_.size(); ++m) {
+    if (process_[m] == here) {
+      for (int q : others) sends.push_back({q, inputs_[m]->data(), bytes, inputs_[m]});
+    } else {
+      got[m] = dev.pool().acquire(padded_bytes(numel, es));
+      receives.push_back({process_[m], got[m]->data(), bytes, got[m]});
+    }
+  }
+  const std::uint64_t signature = graph::hash_combine(
+      graph::hash_combine(graph::hash_combine(static_cast<std::uint64_t>(op_), static_cast<std::uint64_t>(dtype)),
+                          static_cast<std::uint64_t>(numel)),
+      static_cast<std::uint64_t>(size()));
+  lock.unlock();
+  try {
+    exchange(Channel::Reduce, seq_, signature, sends, receives, "all-reduce of " + std::to_string(numel) + " elements");
+  } catch (const std::exception& e) {
+    lock.lock();
+    exchange_error_ = e.what();
+    cv_.notify_all();
+    throw;
+  }
+  lock.lock();
+  for (std::size_t m = 0; m < inputs_.size(); ++m) {
+    if (!got[m]) continue;
+    inputs_[m] = std::move(got[m]);
+    arrived_marks_[m] = 1;
+    ++arrived_;
+  }
+  arrived_fast_.store(arrived_, std::memory_order_release);
+  exchanged_ = true;
+  cv_.notify_all();
 }
 
 LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::run(int slot, std::shared_ptr<Buffer> in, DType dtype,
@@ -25720,10 +26072,11 @@ LAZYTENSOR_INLINE std::vector<graph::NodePtr> all_reduce(const std::vector<graph
   // Each device's last collective, so that its collectives run in program order (traced
   // by the program thread only).
   static std::map<const graph::Device*, std::weak_ptr<graph::Node>> last;
+  static std::uint64_t rounds = 0;  // every process of a span traces the same rounds
   count.add();
   std::vector<graph::Device*> members;
   for (const auto& p : pieces) members.push_back(p->device());
-  auto round = std::make_shared<detail::ReduceRound>(op, members);
+  auto round = std::make_shared<detail::ReduceRound>(op, members, rounds++);
   std::vector<graph::NodePtr> out;
   for (std::size_t i = 0; i < pieces.size(); ++i) {
     bytes.add(pieces[i]->numel() * static_cast<std::int64_t>(dtype_size(pieces[i]->dtype())));
@@ -26331,6 +26684,143 @@ LAZYTENSOR_INLINE graph::NodePtr partition_view(const graph::ViewNode& node) {
 }  // namespace lazy::spmd::detail
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/spmd/partitioner.hpp ----
+// ---- begin lazytensor/spmd/process_link.hpp ----
+// The transport of an SPMD program spanning processes (span.hpp) over MPI: use_spmd, under
+// `mpirun -np P` with lazytensor::mpi linked, joins the P processes (join_processes) and
+// installs mpi_exchange as span.hpp's exchange. Without LAZYTENSOR_WITH_MPI this header
+// declares nothing, and SPMD stays inside one process.
+//
+// An exchange posts every message at once (non-blocking; a header with the exchange's
+// sequence number, size and signature before each payload, on one duplicate of
+// MPI_COMM_WORLD per channel, tagged by the sequence number), then polls until all are done
+// or the collective timeout passes. Device executors exchange at the same time, so MPI runs
+// with MPI_THREAD_MULTIPLE, as dist's process world does.
+
+
+#if LAZYTENSOR_WITH_MPI
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <climits>
+#include <string>
+#include <vector>
+
+namespace lazy::spmd::detail {
+
+/// The communicators of the processes' SPMD program, one per channel.
+struct MpiSpan {
+  std::array<MPI_Comm, 3> comms{MPI_COMM_NULL, MPI_COMM_NULL, MPI_COMM_NULL};
+  int tag_limit = 32767;  ///< MPI_TAG_UB
+};
+
+inline MpiSpan& mpi_span() {
+  static MpiSpan s;
+  return s;
+}
+
+/// span.hpp's exchange over MPI.
+inline void mpi_exchange(Channel channel, std::uint64_t seq, std::uint64_t signature, const std::vector<Transfer>& sends,
+                         const std::vector<Transfer>& receives, const std::string& what) {
+  using dist::detail::mpi_check;
+  struct Header {
+    std::uint64_t seq, bytes, signature;
+  };
+  const MpiSpan& span = mpi_span();
+  const MPI_Comm comm = span.comms[static_cast<std::size_t>(channel)];
+  const int tag = static_cast<int>(seq % static_cast<std::uint64_t>(span.tag_limit));
+  // Headers live on the heap: a timed-out exchange leaves MPI holding them.
+  auto headers = std::make_shared<std::vector<Header>>(sends.size() + receives.size());
+  std::vector<MPI_Request> reqs;
+  constexpr std::size_t kPart = std::size_t{1} << 30;  // MPI counts are ints: 1 GiB messages
+  auto post = [&](bool send, const Transfer& t, Header* h) {
+    auto* op = send ? +[](void* b, int n, int peer, int tg, MPI_Comm c, MPI_Request* r) {
+      return MPI_Isend(b, n, MPI_BYTE, peer, tg, c, r);
+    }
+                    : +[](void* b, int n, int peer, int tg, MPI_Comm c, MPI_Request* r) {
+                        return MPI_Irecv(b, n, MPI_BYTE, peer, tg, c, r);
+                      };
+    reqs.emplace_back();
+    mpi_check(op(h, static_cast<int>(sizeof(Header)), t.process, tag, comm, &reqs.back()), send ? "MPI_Isend" : "MPI_Irecv");
+    for (std::size_t at = 0; at < t.bytes; at += kPart) {
+      reqs.emplace_back();
+      mpi_check(op(static_cast<std::byte*>(t.data) + at, static_cast<int>(std::min(kPart, t.bytes - at)), t.process, tag,
+                   comm, &reqs.back()),
+                send ? "MPI_Isend" : "MPI_Irecv");
+    }
+  };
+  for (std::size_t i = 0; i < receives.size(); ++i) post(false, receives[i], &(*headers)[sends.size() + i]);
+  for (std::size_t i = 0; i < sends.size(); ++i) {
+    (*headers)[i] = {seq, sends[i].bytes, signature};
+    post(true, sends[i], &(*headers)[i]);
+  }
+  const auto timeout = dist::collective_timeout();
+  if (!dist::detail::wait_all_until(reqs, std::chrono::steady_clock::now() + timeout)) {
+    auto& keep = dist::detail::leaked_keep();
+    keep.push_back(headers);
+    for (const auto& t : sends) keep.push_back(std::const_pointer_cast<void>(t.keep));
+    for (const auto& t : receives) keep.push_back(std::const_pointer_cast<void>(t.keep));
+    std::string from;
+    for (const auto& t : receives)
+      if (from.find("process " + std::to_string(t.process)) == std::string::npos)
+        from += (from.empty() ? "process " : ", process ") + std::to_string(t.process);
+    throw CollectiveTimeout("SPMD " + what + ": waited longer than the collective timeout (" +
+                            std::to_string(timeout.count()) + " ms) for " + (from.empty() ? "the other processes" : from) +
+                            " (every process must run the same program: read sharded values and step together)");
+  }
+  for (std::size_t i = 0; i < receives.size(); ++i) {
+    const Header& h = (*headers)[sends.size() + i];
+    if (h.seq != seq || h.bytes != receives[i].bytes || h.signature != signature)
+      throw CollectiveMismatch("SPMD " + what + ": process " + std::to_string(receives[i].process) +
+                               " sent a different collective (" + std::to_string(h.bytes) + " bytes, exchange " +
+                               std::to_string(h.seq) + ", expected " + std::to_string(receives[i].bytes) +
+                               " bytes, exchange " + std::to_string(seq) +
+                               (h.signature != signature ? ", another op, dtype or sharding" : "") +
+                               "): the processes diverged from one program");
+  }
+}
+
+/// Joins the processes of the MPI job into one SPMD program, when there are several:
+/// collective over MPI_COMM_WORLD (every process calls use_spmd). Error when MPI lacks
+/// MPI_THREAD_MULTIPLE or the processes' device counts differ.
+inline void join_processes() {
+  using dist::detail::mpi_check;
+  if (dist::detail::process_place().count == 1) return;
+  auto& mpi = dist::detail::Mpi::get();
+  const auto place = mpi.place();
+  if (!mpi.multiple())
+    throw Error("use_spmd: MPI was initialised with thread level " + std::to_string(mpi.provided()) +
+                "; an SPMD program spanning processes needs MPI_THREAD_MULTIPLE (initialise MPI with "
+                "MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...) or let lazytensor do it)");
+  MpiSpan& span = mpi_span();
+  for (auto& c : span.comms) {
+    mpi_check(MPI_Comm_dup(MPI_COMM_WORLD, &c), "MPI_Comm_dup");
+    MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
+  }
+  int* ub = nullptr;
+  int found = 0;
+  MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &ub, &found);
+  if (found && ub) span.tag_limit = *ub;
+  const int local = device_count();
+  std::vector<int> counts(static_cast<std::size_t>(place.count));
+  mpi_check(MPI_Allgather(&local, 1, MPI_INT, counts.data(), 1, MPI_INT, span.comms[0]), "MPI_Allgather");
+  for (int q = 0; q < place.count; ++q)
+    if (counts[static_cast<std::size_t>(q)] != local)
+      throw Error("use_spmd: process " + std::to_string(q) + " has " + std::to_string(counts[static_cast<std::size_t>(q)]) +
+                  " devices and process " + std::to_string(place.index) + " has " + std::to_string(local) +
+                  "; an SPMD program spanning processes needs the same LAZYTENSOR_NUM_DEVICES in each");
+  MPI_Comm host = MPI_COMM_NULL;
+  int host_processes = 1;
+  mpi_check(MPI_Comm_split_type(span.comms[0], MPI_COMM_TYPE_SHARED, place.index, MPI_INFO_NULL, &host),
+            "MPI_Comm_split_type");
+  MPI_Comm_size(host, &host_processes);
+  MPI_Comm_free(&host);
+  exchange_hook().store(&mpi_exchange, std::memory_order_release);
+  set_process_span({place.index, place.count, local, host_processes});
+}
+
+}  // namespace lazy::spmd::detail
+#endif  // LAZYTENSOR_WITH_MPI
+// ---- end lazytensor/spmd/process_link.hpp ----
 
 namespace lazy::spmd {
 
@@ -26338,9 +26828,17 @@ namespace lazy::spmd {
 /// torch_xla). From then on: graph::submit hands nodes reading sharded values to the
 /// partitioner; lazy::mark_step() and wait_device_ops() step and wait for every device,
 /// each step running on its device's executor (LAZYTENSOR_ASYNC=0 does not apply: a step
-/// holding a collective waits there for its peers); and, with several devices, each
-/// device's kernels use an equal share of the threads (as spawn gives replicas). Error
-/// inside spawn (replicas and SPMD are two different programs).
+/// holding a collective waits there for its peers); and, with several devices (of this
+/// process, or of the processes sharing its host), each device's kernels use an equal
+/// share of the threads (as spawn gives replicas). Error inside spawn (replicas and SPMD
+/// are two different programs).
+///
+/// Under `mpirun -np P` with lazytensor::mpi linked, every process calls it (collective) and
+/// the processes become one SPMD program over P x lazy::device_count() devices with global
+/// ids (span.hpp; runtime::global_runtime_device_count()): each process runs the same
+/// program, computes its own devices' pieces, and exchanges data with the others where a
+/// collective or a read of a sharded value needs it. Error when the processes' device
+/// counts differ or MPI lacks MPI_THREAD_MULTIPLE.
 void use_spmd();
 
 /// Whether use_spmd() was called.
@@ -26363,11 +26861,16 @@ LAZYTENSOR_INLINE void use_spmd() {
   if (dist::detail::current_context())
     throw Error("use_spmd: called inside spawn; SPMD mode drives every device from one program thread");
   if (is_spmd()) return;
+#if LAZYTENSOR_WITH_MPI
+  detail::join_processes();
+#endif
   const int n = device_count();
-  const int threads = std::max(1, graph::default_device_threads() / n);
+  // The devices of every process on this host share its cores.
+  const int sharing = n * detail::process_span().host_processes;
+  const int threads = std::max(1, graph::default_device_threads() / sharing);
   for (int i = 0; i < n; ++i) {
     graph::Device& dev = graph::DeviceRegistry::get().device(i);
-    if (n > 1) dev.set_num_threads(threads);
+    if (sharing > 1) dev.set_num_threads(threads);
     // Each device's steps run on its own executor, every one of them: a step holding a
     // collective waits there for its peers, never on the program thread.
     dev.async() = true;
@@ -26446,13 +26949,19 @@ Tensor<T>& clear_sharding(Tensor<T>& t) {
   return t;
 }
 
-/// The pieces of `t`, one per mesh device in mesh order (a tensor that is not sharded:
-/// one piece, the whole tensor on its device). Each `data` is a new handle on the piece's
-/// value: updating it leaves `t` alone. Reading a piece computes only that piece.
+/// The pieces of `t` on this process's devices, one per mesh device in mesh order (a
+/// tensor that is not sharded: one piece, the whole tensor on its device). Each `data` is a
+/// new handle on the piece's value: updating it leaves `t` alone. Reading a piece computes
+/// only that piece. When the program spans processes, the other processes' pieces are
+/// left out (torch_xla's addressable shards).
 template <Element T>
 std::vector<Shard<T>> local_shards(const Tensor<T>& t) {
   std::vector<Shard<T>> r;
-  for (auto& p : detail::pieces_of(t.node())) r.push_back({Tensor<T>(std::move(p.node)), Device(p.device), std::move(p.index)});
+  for (auto& p : detail::pieces_of(t.node())) {
+    if (p.node->device()->remote()) continue;
+    const int index = p.node->device()->index();
+    r.push_back({Tensor<T>(std::move(p.node)), Device(index), std::move(p.index)});
+  }
   return r;
 }
 
@@ -26819,8 +27328,11 @@ class Strategy {
   virtual bool is_distributed() const = 0;
   /// Replicas in the world (1 outside launch).
   int world_size() const { return runtime::world_size(); }
-  /// This replica's rank in the world (0 outside launch).
-  int global_rank() const { return runtime::global_ordinal(); }
+  /// This replica's rank in the world (0 outside launch; in an SPMD program spanning
+  /// processes, the process index, so that one process logs and removes checkpoints).
+  int global_rank() const {
+    return runtime::world_size() > 1 ? runtime::global_ordinal() : spmd::detail::process_span().index;
+  }
   /// This replica's rank on its host.
   int local_rank() const { return runtime::local_ordinal(); }
   /// True on global rank 0, the replica that writes checkpoints and logs.
@@ -28269,7 +28781,7 @@ struct TrainerOptions {
   std::string accelerator = "auto";
   /// "auto" (replicas when devices > 1), "single" / "single_device", "replica" (also
   /// "ddp", "ddp_spawn", "xla": thread replicas), "spmd" (one program over a 1-D "data"
-  /// mesh of the devices), or a Strategy object.
+  /// mesh of the devices; under mpirun, of every process's devices), or a Strategy object.
   std::variant<std::string, std::shared_ptr<Strategy>> strategy = std::string("auto");
   /// How many devices (replicas, or mesh devices with "spmd"); nullopt: all of them for
   /// "replica" / "spmd", one otherwise.
@@ -28574,9 +29086,17 @@ LAZYTENSOR_INLINE std::shared_ptr<Strategy> make_strategy(const TrainerOptions& 
   const int n = o.devices.value_or(device_count());
   if (name == "replica" || name == "ddp" || name == "ddp_spawn" || name == "xla") return std::make_shared<ReplicaStrategy>(n);
   if (name == "spmd") {
-    std::vector<int> ids(static_cast<std::size_t>(n));
-    for (int i = 0; i < n; ++i) ids[static_cast<std::size_t>(i)] = i;
-    return std::make_shared<SpmdStrategy>(spmd::Mesh(ids, {n}, {"data"}));
+    // Under mpirun the mesh spans the processes (devices per process, as Lightning's
+    // `devices` with num_nodes): each must give it all its devices.
+    const int processes = runtime::process_count();
+    if (processes > 1 && n != device_count())
+      throw Error("Trainer: strategy \"spmd\" across " + std::to_string(processes) +
+                  " processes takes every device of each (devices = " + std::to_string(device_count()) +
+                  ", LAZYTENSOR_NUM_DEVICES), got devices = " + std::to_string(n));
+    const int total = n * processes;
+    std::vector<int> ids(static_cast<std::size_t>(total));
+    for (int i = 0; i < total; ++i) ids[static_cast<std::size_t>(i)] = i;
+    return std::make_shared<SpmdStrategy>(spmd::Mesh(ids, {total}, {"data"}));
   }
   throw Error("Trainer: unknown strategy \"" + name +
               "\" (expected \"auto\", \"single\", \"single_device\", \"replica\", \"ddp\", \"ddp_spawn\", \"xla\" or \"spmd\")");

@@ -40,8 +40,9 @@ inline int process_count() {
 }
 
 /// Devices of every process taking part (xr.global_runtime_device_count()): what SPMD
-/// meshes are laid over. SPMD drives the devices of one process, so lazy::device_count().
-inline int global_runtime_device_count() { return device_count(); }
+/// meshes are laid over, lazy::device_count() per process (each process of an MPI job
+/// has the same count; use_spmd checks it).
+inline int global_runtime_device_count() { return dist::detail::process_place().count * device_count(); }
 
 /// Number of replicas in the world (xr.world_size()); 1 outside spawn.
 inline int world_size() {

@@ -49,8 +49,24 @@ class Device {
   Device& operator=(const Device&) = delete;
 
   int index() const { return index_; }
-  /// "CPU:0", as torch_xla prints devices.
-  std::string str() const { return "CPU:" + std::to_string(index_); }
+  /// "CPU:0", as torch_xla prints devices (the global id when an SPMD program spans
+  /// processes).
+  std::string str() const { return "CPU:" + std::to_string(global_id_ < 0 ? index_ : global_id_); }
+
+  /// A device of another process that an SPMD program spans (lazy::spmd): this process
+  /// traces its nodes, as every process traces the whole program, but never computes them;
+  /// its steps drop them (drop_remote_trace). Set once, before anything is traced on it.
+  void set_span_place(int global_id, int process, bool remote) {
+    global_id_ = global_id;
+    process_ = process;
+    remote_ = remote;
+  }
+  bool remote() const { return remote_; }
+  /// The process owning this device (0 unless an SPMD program spans processes).
+  int process() const { return process_; }
+  /// A remote device's step: its traced nodes become values that exist only in their own
+  /// process (Ready without a buffer, inputs released), so nothing here keeps their graph.
+  void drop_remote_trace();
 
   ThreadPool& threads() { return threads_; }
   /// Changes the number of threads kernels use, once the steps in flight have finished.
@@ -141,6 +157,9 @@ class Device {
   static bool default_async() { return core::env_switch("LAZYTENSOR_ASYNC").value_or(true); }
 
   int index_;
+  int global_id_ = -1;
+  int process_ = 0;
+  bool remote_ = false;
   std::shared_ptr<BufferPool> pool_;
   ThreadPool threads_;
   std::mutex mu_;
@@ -219,6 +238,11 @@ LAZYTENSOR_INLINE void Device::trace(const NodePtr& n) {
   while (!trace_.empty() && trace_.back().expired()) trace_.pop_back();
   if (trace_.size() >= prune_at_) prune_trace();
   trace_.push_back(n);
+}
+
+LAZYTENSOR_INLINE void Device::drop_remote_trace() {
+  for (auto& w : take_trace())
+    if (auto n = w.lock(); n && n->pending()) n->finish_with(nullptr);
 }
 
 LAZYTENSOR_INLINE std::size_t Device::trace_size() {

@@ -62,7 +62,8 @@ inline void advance_random_stream(Device& dev) {
 
 /// Materializes `node` (and what it needs). A value a step is computing is waited for;
 /// a pending one is computed now. Returns true when this read had to compute it (an
-/// implicit sync). Re-throws a stored execution error.
+/// implicit sync). Re-throws a stored execution error; DeviceError for a value of another
+/// process's device (Device::remote).
 bool materialize(const NodePtr& node);
 
 }  // namespace lazy::graph
@@ -103,6 +104,10 @@ LAZYTENSOR_INLINE void step_all_devices(bool advance_rng) {
   std::exception_ptr refused;
   for (int i = 0; i < n; ++i) {
     Device& dev = registry.device(i);
+    if (dev.remote()) {
+      dev.drop_remote_trace();
+      continue;
+    }
     try {
       run_step(dev, collect_step(dev), /*wait_previous=*/false);
       if (advance_rng) advance_random_stream(dev);
@@ -116,6 +121,9 @@ LAZYTENSOR_INLINE void step_all_devices(bool advance_rng) {
 
 LAZYTENSOR_INLINE bool materialize(const NodePtr& node) {
   Device& dev = *node->device();
+  if (dev.remote())
+    throw DeviceError("materialize: the value lives on " + dev.str() + " of process " + std::to_string(dev.process()) +
+                      "; this process holds only its own devices' pieces (read the sharded tensor as a whole)");
   if (!node->materialized() && !node->pending()) dev.wait_idle();
   dev.rethrow_stored_error();
   if (node->materialized()) return false;

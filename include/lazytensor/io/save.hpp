@@ -57,6 +57,9 @@ void save_shards(const StateDict& sd, const std::string& path);
 ///    replicas rendezvous after the write: the file is complete when save returns on any of
 ///    them (see the file comment for failures). Every replica must call it (it is a
 ///    collective of the whole world).
+///  - An SPMD program spanning processes (lazy::spmd under mpirun) plays the world: every
+///    process gathers and calls it, one per host writes (process 0 with `global_master`),
+///    and all meet after the write. IoError for `shard_files` there.
 /// Outside spawn it just writes.
 void save(const StateDict& sd, const std::string& path, bool master_only = true,
           bool global_master = false);
@@ -178,7 +181,19 @@ LAZYTENSOR_INLINE void save(const StateDict& sd, const std::string& path, bool m
 }
 
 LAZYTENSOR_INLINE void save(const StateDict& sd, const std::string& path, const SaveOptions& options) {
-  const bool writer = !options.master_only || dist::is_master_ordinal(!options.global_master);
+  bool writer = !options.master_only || dist::is_master_ordinal(!options.global_master);
+  // An SPMD program spanning processes (spmd/span.hpp): every process gathers (collective),
+  // one per host writes (process 0 only with global_master), and all meet afterwards.
+  const auto& span = spmd::detail::process_span();
+  if (span.count > 1) {
+    if (options.shard_files)
+      throw IoError("io::save('" + path + "'): shard_files is not supported when an SPMD program spans " +
+                    std::to_string(span.count) + " processes (each holds only its own pieces); save whole values");
+    if (options.master_only) {
+      const auto place = dist::detail::process_place();
+      writer = options.global_master ? place.index == 0 : place.host_index == 0;
+    }
+  }
   std::exception_ptr error;
   try {
     if (!options.shard_files) {
@@ -193,6 +208,13 @@ LAZYTENSOR_INLINE void save(const StateDict& sd, const std::string& path, const 
     }
   } catch (...) {
     error = std::current_exception();
+  }
+  if (span.count > 1) {
+    const auto ok = spmd::detail::span_rendezvous(!error, "io::save('" + path + "')");
+    if (error) std::rethrow_exception(error);
+    for (std::size_t q = 0; q < ok.size(); ++q)
+      if (!ok[q]) throw IoError("io::save('" + path + "'): process " + std::to_string(q) + " failed to save");
+    return;
   }
   if (runtime::world_size() == 1) {
     if (error) std::rethrow_exception(error);

@@ -7,6 +7,12 @@
 // adding every input in group order, so the bits do not depend on who summed what (as
 // dist's all-reduce shares its leader's output). The planner runs a step's consecutive
 // all-reduces as one batch (graph::Rendezvous), one meeting for all of them.
+//
+// A group that holds devices of several processes (span.hpp) meets the same way: its
+// first member on this process's devices, once the others here published, sends their
+// inputs to the group's other processes and receives the other processes' members' inputs
+// into their slots; then every process holds every input and folds them in group order,
+// so each gets the bits one process would.
 
 #include <algorithm>
 #include <atomic>
@@ -26,6 +32,7 @@
 #include <lazytensor/core/counters.hpp>
 #include <lazytensor/dist/world.hpp>
 #include <lazytensor/graph/submit.hpp>
+#include <lazytensor/spmd/span.hpp>
 
 namespace lazy::spmd {
 
@@ -39,7 +46,9 @@ namespace detail {
 /// may serve other rounds.
 class ReduceRound {
  public:
-  ReduceRound(Combine op, const std::vector<graph::Device*>& members);
+  /// `seq`: the round's place among the program's all-reduces (the same in every process),
+  /// which pairs the exchanges of a group that spans processes.
+  ReduceRound(Combine op, const std::vector<graph::Device*>& members, std::uint64_t seq = 0);
   /// Member `slot` offers `in` to the group; never waits. A member counts once: when its
   /// step runs again after an error (its node went back to the trace), it offers the same
   /// value again, and the first offer stands (a peer may be reading it).
@@ -52,7 +61,9 @@ class ReduceRound {
   /// round than this one (abandon(): its step stopped before it): when the step runs
   /// again after such an error, both have given up once, and this member waits for the
   /// other as usual. CollectiveTimeout after dist's timeout. The chunk loop itself cannot fail or block
-  /// (detail::combine is noexcept).
+  /// (detail::combine is noexcept). In a group spanning processes the first member here
+  /// runs the exchange (exchange_inputs) before anyone combines; CollectiveError in every
+  /// member here when it fails.
   std::shared_ptr<Buffer> combine(int slot, DType dtype, std::int64_t numel, graph::Device& dev);
   /// Member `slot` waits until no member is inside its chunk loop, then lets go of its
   /// input. Once this member's own loop has ended every chunk is claimed, so those members
@@ -76,7 +87,10 @@ class ReduceRound {
   /// Returns -1, or the slot of a member whose `marks` entry is still 0 and that gave up
   /// more attempts than `slot` (abandon()).
   int await(int slot, std::unique_lock<std::mutex>& lock, const int& count, const std::atomic<int>& fast,
-             const std::vector<std::uint8_t>& marks, const char* what);
+             const std::vector<std::uint8_t>& marks, const char* what, int target = -1);
+  /// The exchange of a group spanning processes: run by the first member here once every
+  /// member here published (`lock` held on entry and exit, released while messages fly).
+  void exchange_inputs(int slot, DType dtype, std::int64_t numel, graph::Device& dev, std::unique_lock<std::mutex>& lock);
 
   Combine op_;
   // The members' device names, for messages (the devices themselves are not kept: one may
@@ -89,6 +103,16 @@ class ReduceRound {
   // count would not do: the waiter's own error raises its device's count, and a round
   // traced before a failure would read it as a new one on every later attempt.)
   std::vector<int> abandoned_;
+  // A group spanning processes: each member's process, how many members are on this
+  // process's devices (local_), the first of them (leader_, which runs the exchange), and
+  // the exchange's state (under mu_).
+  std::uint64_t seq_ = 0;
+  std::vector<int> process_;
+  int local_ = 0;
+  int leader_ = -1;
+  int released_ = 0;
+  bool exchanged_ = false;
+  std::string exchange_error_;
   std::mutex mu_;
   std::condition_variable cv_;
   int arrived_ = 0;
@@ -159,18 +183,25 @@ std::vector<graph::NodePtr> all_reduce(const std::vector<graph::NodePtr>& pieces
 namespace lazy::spmd {
 namespace detail {
 
-LAZYTENSOR_INLINE ReduceRound::ReduceRound(Combine op, const std::vector<graph::Device*>& members)
+LAZYTENSOR_INLINE ReduceRound::ReduceRound(Combine op, const std::vector<graph::Device*>& members, std::uint64_t seq)
     : op_(op),
       abandoned_(members.size(), 0),
+      seq_(seq),
       arrived_marks_(members.size()),
       inputs_(members.size()) {
-  for (const auto* d : members) names_.push_back(d->str());
+  for (std::size_t m = 0; m < members.size(); ++m) {
+    names_.push_back(members[m]->str());
+    process_.push_back(members[m]->process());
+    if (members[m]->remote()) continue;
+    if (leader_ < 0) leader_ = static_cast<int>(m);
+    ++local_;
+  }
 }
 
 LAZYTENSOR_INLINE int ReduceRound::await(int slot, std::unique_lock<std::mutex>& lock, const int& count,
                                           const std::atomic<int>& fast, const std::vector<std::uint8_t>& marks,
-                                          const char* what) {
-  const int n = size();
+                                          const char* what, int target) {
+  const int n = target < 0 ? size() : target;
   if (count < n) {
     lock.unlock();
     const auto start = std::chrono::steady_clock::now();
@@ -184,6 +215,7 @@ LAZYTENSOR_INLINE int ReduceRound::await(int slot, std::unique_lock<std::mutex>&
   const auto deadline = std::chrono::steady_clock::now() + dist::collective_timeout();
   while (count < n) {
     cv_.wait_for(lock, std::chrono::milliseconds(2));
+    if (!exchange_error_.empty()) return -2;
     for (std::size_t m = 0; m < names_.size() && count < n; ++m) {
       if (!marks[m] && abandoned_[m] > abandoned_[static_cast<std::size_t>(slot)]) return static_cast<int>(m);
     }
@@ -215,7 +247,11 @@ LAZYTENSOR_INLINE void ReduceRound::publish(int slot, std::shared_ptr<Buffer> in
 LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::combine(int slot, DType dtype, std::int64_t numel,
                                                                graph::Device& dev) {
   std::unique_lock lock(mu_);
-  if (const int failed = await(slot, lock, arrived_, arrived_fast_, arrived_marks_, "arrive"); failed >= 0)
+  if (local_ < size() && slot == leader_ && !exchanged_) exchange_inputs(slot, dtype, numel, dev, lock);
+  const int failed = await(slot, lock, arrived_, arrived_fast_, arrived_marks_, "arrive");
+  if (failed == -2)
+    throw CollectiveError("SPMD all-reduce: the exchange with the group's other processes failed: " + exchange_error_);
+  if (failed >= 0)
     throw CollectiveError("SPMD all-reduce: " + names_[static_cast<std::size_t>(failed)] +
                           " stopped before reaching it (its step failed; the error surfaces there)");
   const std::size_t es = dtype_size(dtype);
@@ -258,6 +294,60 @@ LAZYTENSOR_INLINE void ReduceRound::release(int slot) {
   std::unique_lock lock(mu_);
   cv_.wait(lock, [&] { return combining_.load(std::memory_order_relaxed) == 0; });
   inputs_[static_cast<std::size_t>(slot)].reset();
+  // The last member here also lets go of the inputs received from other processes.
+  if (local_ < size() && ++released_ == local_)
+    for (std::size_t m = 0; m < inputs_.size(); ++m)
+      if (process_[m] != process_[static_cast<std::size_t>(slot)]) inputs_[m].reset();
+}
+
+LAZYTENSOR_INLINE void ReduceRound::exchange_inputs(int slot, DType dtype, std::int64_t numel, graph::Device& dev,
+                                                    std::unique_lock<std::mutex>& lock) {
+  const int failed = await(slot, lock, arrived_, arrived_fast_, arrived_marks_, "arrive", local_);
+  if (failed == -2)
+    throw CollectiveError("SPMD all-reduce: the exchange with the group's other processes failed: " + exchange_error_);
+  if (failed >= 0)
+    throw CollectiveError("SPMD all-reduce: " + names_[static_cast<std::size_t>(failed)] +
+                          " stopped before reaching it (its step failed; the error surfaces there)");
+  const int here = process_[static_cast<std::size_t>(slot)];
+  std::vector<int> others;  // the group's other processes, ascending
+  for (int q : process_)
+    if (q != here && std::find(others.begin(), others.end(), q) == others.end()) others.push_back(q);
+  std::sort(others.begin(), others.end());
+  const std::size_t es = dtype_size(dtype), bytes = static_cast<std::size_t>(numel) * es;
+  // Each side lists its messages to a process in slot order, so they pair up in order.
+  std::vector<Transfer> sends, receives;
+  std::vector<std::shared_ptr<Buffer>> got(inputs_.size());
+  for (std::size_t m = 0; m < inputs_.size(); ++m) {
+    if (process_[m] == here) {
+      for (int q : others) sends.push_back({q, inputs_[m]->data(), bytes, inputs_[m]});
+    } else {
+      got[m] = dev.pool().acquire(padded_bytes(numel, es));
+      receives.push_back({process_[m], got[m]->data(), bytes, got[m]});
+    }
+  }
+  const std::uint64_t signature = graph::hash_combine(
+      graph::hash_combine(graph::hash_combine(static_cast<std::uint64_t>(op_), static_cast<std::uint64_t>(dtype)),
+                          static_cast<std::uint64_t>(numel)),
+      static_cast<std::uint64_t>(size()));
+  lock.unlock();
+  try {
+    exchange(Channel::Reduce, seq_, signature, sends, receives, "all-reduce of " + std::to_string(numel) + " elements");
+  } catch (const std::exception& e) {
+    lock.lock();
+    exchange_error_ = e.what();
+    cv_.notify_all();
+    throw;
+  }
+  lock.lock();
+  for (std::size_t m = 0; m < inputs_.size(); ++m) {
+    if (!got[m]) continue;
+    inputs_[m] = std::move(got[m]);
+    arrived_marks_[m] = 1;
+    ++arrived_;
+  }
+  arrived_fast_.store(arrived_, std::memory_order_release);
+  exchanged_ = true;
+  cv_.notify_all();
 }
 
 LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::run(int slot, std::shared_ptr<Buffer> in, DType dtype,
@@ -367,10 +457,11 @@ LAZYTENSOR_INLINE std::vector<graph::NodePtr> all_reduce(const std::vector<graph
   // Each device's last collective, so that its collectives run in program order (traced
   // by the program thread only).
   static std::map<const graph::Device*, std::weak_ptr<graph::Node>> last;
+  static std::uint64_t rounds = 0;  // every process of a span traces the same rounds
   count.add();
   std::vector<graph::Device*> members;
   for (const auto& p : pieces) members.push_back(p->device());
-  auto round = std::make_shared<detail::ReduceRound>(op, members);
+  auto round = std::make_shared<detail::ReduceRound>(op, members, rounds++);
   std::vector<graph::NodePtr> out;
   for (std::size_t i = 0; i < pieces.size(); ++i) {
     bytes.add(pieces[i]->numel() * static_cast<std::int64_t>(dtype_size(pieces[i]->dtype())));

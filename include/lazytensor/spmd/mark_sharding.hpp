@@ -72,13 +72,19 @@ Tensor<T>& clear_sharding(Tensor<T>& t) {
   return t;
 }
 
-/// The pieces of `t`, one per mesh device in mesh order (a tensor that is not sharded:
-/// one piece, the whole tensor on its device). Each `data` is a new handle on the piece's
-/// value: updating it leaves `t` alone. Reading a piece computes only that piece.
+/// The pieces of `t` on this process's devices, one per mesh device in mesh order (a
+/// tensor that is not sharded: one piece, the whole tensor on its device). Each `data` is a
+/// new handle on the piece's value: updating it leaves `t` alone. Reading a piece computes
+/// only that piece. When the program spans processes, the other processes' pieces are
+/// left out (torch_xla's addressable shards).
 template <Element T>
 std::vector<Shard<T>> local_shards(const Tensor<T>& t) {
   std::vector<Shard<T>> r;
-  for (auto& p : detail::pieces_of(t.node())) r.push_back({Tensor<T>(std::move(p.node)), Device(p.device), std::move(p.index)});
+  for (auto& p : detail::pieces_of(t.node())) {
+    if (p.node->device()->remote()) continue;
+    const int index = p.node->device()->index();
+    r.push_back({Tensor<T>(std::move(p.node)), Device(index), std::move(p.index)});
+  }
   return r;
 }
 

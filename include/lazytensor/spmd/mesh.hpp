@@ -11,6 +11,7 @@
 
 #include <lazytensor/core/config.hpp>
 #include <lazytensor/core/error.hpp>
+#include <lazytensor/spmd/span.hpp>
 #include <lazytensor/tensor/device.hpp>
 
 namespace lazy::spmd {
@@ -28,7 +29,8 @@ struct LogicalMesh {
 /// out row-major in `mesh_shape`; axes may be named (`axis_names`, one per axis, distinct),
 /// else each is named by its index ("0", "1", ...). A partition spec refers to the axes by
 /// index or name. Error (lazy::Error, naming the values) when the shape's product is not
-/// the number of ids, an id repeats or names no device of this process, or names repeat.
+/// the number of ids, an id repeats or names no device, or names repeat. When the program
+/// spans processes (span.hpp) the ids are global: those of every process's devices.
 class Mesh {
  public:
   Mesh(std::vector<int> device_ids, std::vector<std::int64_t> mesh_shape, std::vector<std::string> axis_names = {});
@@ -69,8 +71,10 @@ class Mesh {
 /// size `dcn_mesh_shape[i] * ici_mesh_shape[i]`, the DCN part outer. Device ids follow
 /// the slices: slice s (the row-major index of the DCN coordinates) holds ids
 /// [s * S, (s + 1) * S), S the product of `ici_mesh_shape`, laid out row-major over the
-/// ICI coordinates. Every device of the process takes part; Error when the shapes'
-/// ranks differ or their products do not make the device count.
+/// ICI coordinates. Every device takes part; Error when the shapes' ranks differ or their
+/// products do not make the device count. When the program spans processes, a slice is one
+/// process: the DCN axes run across processes, the ICI axes inside one (Error unless the
+/// ICI product is the devices per process).
 class HybridMesh : public Mesh {
  public:
   HybridMesh(std::vector<std::int64_t> ici_mesh_shape, std::vector<std::int64_t> dcn_mesh_shape,
@@ -136,13 +140,14 @@ LAZYTENSOR_INLINE Mesh::Mesh(std::vector<int> device_ids, std::vector<std::int64
   if (product != static_cast<std::int64_t>(ids_.size()))
     throw Error("Mesh: mesh shape " + detail::tuple_text(shape_) + " holds " + std::to_string(product) +
                 " devices, but " + std::to_string(ids_.size()) + " device ids were given");
-  const int available = device_count();
+  const int available = detail::span_device_count();
+  const bool spans = dist::detail::process_place().count > 1;
   std::set<int> seen;
   for (int id : ids_) {
     if (id < 0 || id >= available)
-      throw Error("Mesh: device id " + std::to_string(id) + " names no device of this process (it has " +
-                  std::to_string(available) + ": ids 0.." + std::to_string(available - 1) +
-                  "; LAZYTENSOR_NUM_DEVICES sets the count)");
+      throw Error("Mesh: device id " + std::to_string(id) + " names no device (" +
+                  (spans ? "the processes have " : "this process has ") + std::to_string(available) + ": ids 0.." +
+                  std::to_string(available - 1) + "; LAZYTENSOR_NUM_DEVICES sets the count per process)");
     if (!seen.insert(id).second) throw Error("Mesh: device id " + std::to_string(id) + " appears twice");
   }
   if (names_.empty()) {
@@ -211,9 +216,16 @@ LAZYTENSOR_INLINE std::vector<int> detail::hybrid_device_ids(const std::vector<s
   std::int64_t total = 1, per_slice = 1;
   for (auto s : shape) total *= s;
   for (auto s : ici) per_slice *= s;
-  if (total != device_count())
+  const int processes = dist::detail::process_place().count;
+  if (total != span_device_count())
     throw Error("HybridMesh: ici " + tuple_text(ici) + " times dcn " + tuple_text(dcn) + " makes " +
-                std::to_string(total) + " devices, but this process has " + std::to_string(device_count()));
+                std::to_string(total) + " devices, but " +
+                (processes > 1 ? "the processes have " : "this process has ") + std::to_string(span_device_count()));
+  if (processes > 1 && per_slice != device_count())
+    throw Error("HybridMesh: the ICI axes " + tuple_text(ici) + " hold " + std::to_string(per_slice) +
+                " devices, but each of the " + std::to_string(processes) + " processes has " +
+                std::to_string(device_count()) + " (a slice is one process: its devices on the ICI axes, the "
+                "processes on the DCN axes)");
   std::vector<int> ids(static_cast<std::size_t>(total));
   const std::size_t rank = shape.size();
   std::vector<std::int64_t> c(rank, 0);

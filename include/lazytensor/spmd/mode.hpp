@@ -7,6 +7,7 @@
 #include <lazytensor/dist/parallel_loader.hpp>
 #include <lazytensor/spmd/sharding.hpp>
 #include <lazytensor/spmd/partitioner.hpp>
+#include <lazytensor/spmd/process_link.hpp>
 #include <lazytensor/tensor/device.hpp>
 
 namespace lazy::spmd {
@@ -15,9 +16,17 @@ namespace lazy::spmd {
 /// torch_xla). From then on: graph::submit hands nodes reading sharded values to the
 /// partitioner; lazy::mark_step() and wait_device_ops() step and wait for every device,
 /// each step running on its device's executor (LAZYTENSOR_ASYNC=0 does not apply: a step
-/// holding a collective waits there for its peers); and, with several devices, each
-/// device's kernels use an equal share of the threads (as spawn gives replicas). Error
-/// inside spawn (replicas and SPMD are two different programs).
+/// holding a collective waits there for its peers); and, with several devices (of this
+/// process, or of the processes sharing its host), each device's kernels use an equal
+/// share of the threads (as spawn gives replicas). Error inside spawn (replicas and SPMD
+/// are two different programs).
+///
+/// Under `mpirun -np P` with lazytensor::mpi linked, every process calls it (collective) and
+/// the processes become one SPMD program over P x lazy::device_count() devices with global
+/// ids (span.hpp; runtime::global_runtime_device_count()): each process runs the same
+/// program, computes its own devices' pieces, and exchanges data with the others where a
+/// collective or a read of a sharded value needs it. Error when the processes' device
+/// counts differ or MPI lacks MPI_THREAD_MULTIPLE.
 void use_spmd();
 
 /// Whether use_spmd() was called.
@@ -40,11 +49,16 @@ LAZYTENSOR_INLINE void use_spmd() {
   if (dist::detail::current_context())
     throw Error("use_spmd: called inside spawn; SPMD mode drives every device from one program thread");
   if (is_spmd()) return;
+#if LAZYTENSOR_WITH_MPI
+  detail::join_processes();
+#endif
   const int n = device_count();
-  const int threads = std::max(1, graph::default_device_threads() / n);
+  // The devices of every process on this host share its cores.
+  const int sharing = n * detail::process_span().host_processes;
+  const int threads = std::max(1, graph::default_device_threads() / sharing);
   for (int i = 0; i < n; ++i) {
     graph::Device& dev = graph::DeviceRegistry::get().device(i);
-    if (n > 1) dev.set_num_threads(threads);
+    if (sharing > 1) dev.set_num_threads(threads);
     // Each device's steps run on its own executor, every one of them: a step holding a
     // collective waits there for its peers, never on the program thread.
     dev.async() = true;

@@ -16,6 +16,7 @@
 #include <lazytensor/graph/tensor_impl.hpp>
 #include <lazytensor/graph/transpose_hint.hpp>
 #include <lazytensor/spmd/sharding.hpp>
+#include <lazytensor/spmd/span.hpp>
 #include <lazytensor/core/counters.hpp>
 #include <lazytensor/graph/submit.hpp>
 
@@ -24,10 +25,12 @@ namespace lazy::spmd {
 /// The whole value of a tensor sharded over a mesh (NodeKind::Sharded). It holds one piece
 /// per mesh position (devices holding the same block hold equal pieces), each behind a
 /// tensor object of its own (a handle on the piece), so every device's mark_step computes
-/// its piece. The
-/// node itself is never traced or planned: graph::submit hands every node reading it to
-/// the partitioner, and reading it (item(), to_vector(), a partitioner fallback) gathers
-/// the blocks into one buffer on the tensor's device.
+/// its piece. The node itself is never traced or planned: graph::submit hands every node
+/// reading it to the partitioner, and reading it (item(), to_vector(), a partitioner
+/// fallback) gathers the blocks into one buffer on the tensor's device. When the program
+/// spans processes (span.hpp), the pieces of other processes' devices are never computed
+/// here: a block no device of this process holds comes from the first process holding it,
+/// so such a read is collective (every process reads the value, as the same program does).
 class ShardedNode : public graph::Node {
  public:
   ShardedNode(Sharding sharding, std::vector<graph::NodePtr> pieces, DType dtype, Shape shape,
@@ -73,8 +76,8 @@ inline const ShardedNode* as_sharded(const graph::NodePtr& n) {
   return n && n->kind() == graph::NodeKind::Sharded ? static_cast<const ShardedNode*>(n.get()) : nullptr;
 }
 
-/// The engine device of a mesh device id.
-inline graph::Device& mesh_device(int id) { return graph::DeviceRegistry::get().device(id); }
+/// The engine device of a mesh device id (global when the program spans processes).
+inline graph::Device& mesh_device(int id) { return detail::span_device(id); }
 
 namespace detail {
 
@@ -123,25 +126,64 @@ LAZYTENSOR_INLINE void ShardedNode::compute(graph::ExecContext& ctx) {
   gathers.add();
   auto buf = allocate_output(ctx, false);
   const Shape global = shape();
-  std::vector<bool> done(static_cast<std::size_t>(sharding_.blocks()), false);
   const std::size_t esize = dtype_size(dtype());
   hand_out_pieces();
+  // Per block: the first position holding it (its owner sends it to processes holding
+  // none), the first one on this process's devices, and which processes hold it.
+  const auto& span = detail::process_span();
+  const auto blocks = static_cast<std::size_t>(sharding_.blocks());
+  std::vector<int> first(blocks, -1), first_here(blocks, -1);
+  std::vector<std::vector<char>> held(blocks, std::vector<char>(static_cast<std::size_t>(span.count), 0));
   for (int p = 0; p < num_shards(); ++p) {
     std::int64_t b = 0;
     for (int d = 0; d < global.rank(); ++d) b = b * sharding_.parts(d) + sharding_.part_of(p, d);
-    if (done[static_cast<std::size_t>(b)]) continue;
-    done[static_cast<std::size_t>(b)] = true;
-    const graph::NodePtr& piece = shard(p);
-    graph::materialize(piece);
-    const auto ranges = sharding_.block(p, global);
+    const auto bi = static_cast<std::size_t>(b);
+    const graph::Device& dev = *shard(p)->device();
+    if (first[bi] < 0) first[bi] = p;
+    if (!dev.remote() && first_here[bi] < 0) first_here[bi] = p;
+    held[bi][static_cast<std::size_t>(dev.process())] = 1;
+  }
+  auto place = [&](const void* data, int position) {
+    const auto ranges = sharding_.block(position, global);
     std::vector<std::int64_t> at, box;
     for (const auto& [b0, b1] : ranges) {
       at.push_back(b0);
       box.push_back(b1 - b0);
     }
-    graph::detail::copy_box(static_cast<const std::byte*>(piece->buffer()->data()), piece->shape(),
-                     std::vector<std::int64_t>(at.size(), 0), static_cast<std::byte*>(buf->data()), global, at, box,
-                     esize);
+    graph::detail::copy_box(static_cast<const std::byte*>(data), shard(position)->shape(), std::vector<std::int64_t>(at.size(), 0),
+                            static_cast<std::byte*>(buf->data()), global, at, box, esize);
+  };
+  bool crosses = false;  // the same answer in every process: some process lacks a block
+  std::vector<detail::Transfer> sends, receives;
+  std::vector<std::pair<std::shared_ptr<Buffer>, int>> received;
+  for (std::size_t b = 0; b < blocks; ++b) {
+    for (int q = 0; q < span.count; ++q) crosses = crosses || !held[b][static_cast<std::size_t>(q)];
+    if (first_here[b] >= 0) {
+      const graph::NodePtr& piece = shard(first_here[b]);
+      graph::materialize(piece);
+      place(piece->buffer()->data(), first_here[b]);
+      if (first_here[b] != first[b]) continue;
+      for (int q = 0; q < span.count; ++q)
+        if (!held[b][static_cast<std::size_t>(q)])
+          sends.push_back({q, piece->buffer()->data(), static_cast<std::size_t>(piece->numel()) * esize, piece->buffer()});
+    } else {
+      const graph::NodePtr& piece = shard(first[b]);
+      auto in = ctx.device.pool().acquire(padded_bytes(piece->numel(), esize));
+      receives.push_back({piece->device()->process(), in->data(), static_cast<std::size_t>(piece->numel()) * esize, in});
+      received.emplace_back(std::move(in), first[b]);
+    }
+  }
+  if (crosses) {
+    static std::atomic<std::uint64_t> exchanges{0};  // every process counts the same gathers
+    const std::uint64_t seq = exchanges.fetch_add(1, std::memory_order_relaxed);
+    if (!sends.empty() || !receives.empty()) {
+      const std::uint64_t signature = graph::hash_combine(
+          graph::hash_combine(static_cast<std::uint64_t>(dtype()), static_cast<std::uint64_t>(global.numel())),
+          std::hash<std::string>{}(sharding_.str()));
+      detail::exchange(detail::Channel::Gather, seq, signature, sends, receives,
+                       "gather of a " + global.str() + " value sharded " + sharding_.str());
+      for (const auto& [in, position] : received) place(in->data(), position);
+    }
   }
   set_buffer(std::move(buf));
 }
@@ -159,6 +201,8 @@ LAZYTENSOR_INLINE graph::NodePtr detail::block_of(const graph::NodePtr& value, c
   if (whole && value->device() == &dev)
     return std::make_shared<graph::DataNode>(value->dtype(), global, &dev, value->buffer());
   const Shape shape(box);
+  // Another process's device: that process copies its own block (it holds the same value).
+  if (dev.remote()) return std::make_shared<graph::DataNode>(value->dtype(), shape, &dev, nullptr);
   const std::size_t esize = dtype_size(value->dtype());
   auto buf = dev.pool().acquire(padded_bytes(shape.numel(), esize));
   graph::detail::copy_box(static_cast<const std::byte*>(value->buffer()->data()), global, at, static_cast<std::byte*>(buf->data()),

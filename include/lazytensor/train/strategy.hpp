@@ -38,6 +38,7 @@
 #include <lazytensor/nn/module.hpp>
 #include <lazytensor/ops/reshape.hpp>
 #include <lazytensor/optim/optimizer.hpp>
+#include <lazytensor/spmd/span.hpp>
 #include <lazytensor/state_dict.hpp>
 #include <lazytensor/tensor/device.hpp>
 #include <lazytensor/train/precision.hpp>
@@ -100,8 +101,11 @@ class Strategy {
   virtual bool is_distributed() const = 0;
   /// Replicas in the world (1 outside launch).
   int world_size() const { return runtime::world_size(); }
-  /// This replica's rank in the world (0 outside launch).
-  int global_rank() const { return runtime::global_ordinal(); }
+  /// This replica's rank in the world (0 outside launch; in an SPMD program spanning
+  /// processes, the process index, so that one process logs and removes checkpoints).
+  int global_rank() const {
+    return runtime::world_size() > 1 ? runtime::global_ordinal() : spmd::detail::process_span().index;
+  }
   /// This replica's rank on its host.
   int local_rank() const { return runtime::local_ordinal(); }
   /// True on global rank 0, the replica that writes checkpoints and logs.

@@ -75,7 +75,7 @@ struct TrainerOptions {
   std::string accelerator = "auto";
   /// "auto" (replicas when devices > 1), "single" / "single_device", "replica" (also
   /// "ddp", "ddp_spawn", "xla": thread replicas), "spmd" (one program over a 1-D "data"
-  /// mesh of the devices), or a Strategy object.
+  /// mesh of the devices; under mpirun, of every process's devices), or a Strategy object.
   std::variant<std::string, std::shared_ptr<Strategy>> strategy = std::string("auto");
   /// How many devices (replicas, or mesh devices with "spmd"); nullopt: all of them for
   /// "replica" / "spmd", one otherwise.
@@ -380,9 +380,17 @@ LAZYTENSOR_INLINE std::shared_ptr<Strategy> make_strategy(const TrainerOptions& 
   const int n = o.devices.value_or(device_count());
   if (name == "replica" || name == "ddp" || name == "ddp_spawn" || name == "xla") return std::make_shared<ReplicaStrategy>(n);
   if (name == "spmd") {
-    std::vector<int> ids(static_cast<std::size_t>(n));
-    for (int i = 0; i < n; ++i) ids[static_cast<std::size_t>(i)] = i;
-    return std::make_shared<SpmdStrategy>(spmd::Mesh(ids, {n}, {"data"}));
+    // Under mpirun the mesh spans the processes (devices per process, as Lightning's
+    // `devices` with num_nodes): each must give it all its devices.
+    const int processes = runtime::process_count();
+    if (processes > 1 && n != device_count())
+      throw Error("Trainer: strategy \"spmd\" across " + std::to_string(processes) +
+                  " processes takes every device of each (devices = " + std::to_string(device_count()) +
+                  ", LAZYTENSOR_NUM_DEVICES), got devices = " + std::to_string(n));
+    const int total = n * processes;
+    std::vector<int> ids(static_cast<std::size_t>(total));
+    for (int i = 0; i < total; ++i) ids[static_cast<std::size_t>(i)] = i;
+    return std::make_shared<SpmdStrategy>(spmd::Mesh(ids, {total}, {"data"}));
   }
   throw Error("Trainer: unknown strategy \"" + name +
               "\" (expected \"auto\", \"single\", \"single_device\", \"replica\", \"ddp\", \"ddp_spawn\", \"xla\" or \"spmd\")");
