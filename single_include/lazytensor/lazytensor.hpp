@@ -21815,10 +21815,8 @@ LAZYTENSOR_INLINE void ShardedNode::hand_out_pieces() const {
 LAZYTENSOR_INLINE void ShardedNode::compute(graph::ExecContext& ctx) {
   static auto& gathers = core::counter("SpmdGathers");
   gathers.add();
-  auto buf = allocate_output(ctx, false);
   const Shape global = shape();
   const std::size_t esize = dtype_size(dtype());
-  hand_out_pieces();
   // Per block: the first position holding it (its owner sends it to processes holding
   // none), the first one on this process's devices, and which processes hold it.
   const auto& span = detail::process_span();
@@ -21834,6 +21832,15 @@ LAZYTENSOR_INLINE void ShardedNode::compute(graph::ExecContext& ctx) {
     if (!dev.remote() && first_here[bi] < 0) first_here[bi] = p;
     held[bi][static_cast<std::size_t>(dev.process())] = 1;
   }
+  // Whether some process lacks a block: the same answer in every process, so each counts
+  // the same cross-process gathers (counted before anything here can throw).
+  bool crosses = false;
+  for (std::size_t b = 0; b < blocks; ++b)
+    for (int q = 0; q < span.count; ++q) crosses = crosses || !held[b][static_cast<std::size_t>(q)];
+  static std::atomic<std::uint64_t> exchanges{0};
+  const std::uint64_t seq = crosses ? exchanges.fetch_add(1, std::memory_order_relaxed) : 0;
+  auto buf = allocate_output(ctx, false);
+  hand_out_pieces();
   auto place = [&](const void* data, int position) {
     const auto ranges = sharding_.block(position, global);
     std::vector<std::int64_t> at, box;
@@ -21843,12 +21850,9 @@ LAZYTENSOR_INLINE void ShardedNode::compute(graph::ExecContext& ctx) {
     }
     graph::detail::copy_box(static_cast<const std::byte*>(data), shard(position)->shape(), std::vector<std::int64_t>(at.size(), 0),
                             static_cast<std::byte*>(buf->data()), global, at, box, esize);
-  };
-  bool crosses = false;  // the same answer in every process: some process lacks a block
-  std::vector<detail::Transfer> sends, receives;
+  };  std::vector<detail::Transfer> sends, receives;
   std::vector<std::pair<std::shared_ptr<Buffer>, int>> received;
   for (std::size_t b = 0; b < blocks; ++b) {
-    for (int q = 0; q < span.count; ++q) crosses = crosses || !held[b][static_cast<std::size_t>(q)];
     if (first_here[b] >= 0) {
       const graph::NodePtr& piece = shard(first_here[b]);
       graph::materialize(piece);
@@ -21864,17 +21868,13 @@ LAZYTENSOR_INLINE void ShardedNode::compute(graph::ExecContext& ctx) {
       received.emplace_back(std::move(in), first[b]);
     }
   }
-  if (crosses) {
-    static std::atomic<std::uint64_t> exchanges{0};  // every process counts the same gathers
-    const std::uint64_t seq = exchanges.fetch_add(1, std::memory_order_relaxed);
-    if (!sends.empty() || !receives.empty()) {
-      const std::uint64_t signature = graph::hash_combine(
-          graph::hash_combine(static_cast<std::uint64_t>(dtype()), static_cast<std::uint64_t>(global.numel())),
-          std::hash<std::string>{}(sharding_.str()));
-      detail::exchange(detail::Channel::Gather, seq, signature, sends, receives,
-                       "gather of a " + global.str() + " value sharded " + sharding_.str());
-      for (const auto& [in, position] : received) place(in->data(), position);
-    }
+  if (!sends.empty() || !receives.empty()) {
+    const std::uint64_t signature = graph::hash_combine(
+        graph::hash_combine(static_cast<std::uint64_t>(dtype()), static_cast<std::uint64_t>(global.numel())),
+        std::hash<std::string>{}(sharding_.str()));
+    detail::exchange(detail::Channel::Gather, seq, signature, sends, receives,
+                     "gather of a " + global.str() + " value sharded " + sharding_.str());
+    for (const auto& [in, position] : received) place(in->data(), position);
   }
   set_buffer(std::move(buf));
 }
@@ -25677,8 +25677,9 @@ class ReduceRound {
   /// again after such an error, both have given up once, and this member waits for the
   /// other as usual. CollectiveTimeout after dist's timeout. The chunk loop itself cannot fail or block
   /// (detail::combine is noexcept). In a group spanning processes the first member here
-  /// runs the exchange (exchange_inputs) before anyone combines; CollectiveError in every
-  /// member here when it fails.
+  /// runs the exchange (exchange_inputs) before anyone combines; when it fails, every
+  /// member here gets a CollectiveError, now and on any later attempt (the processes'
+  /// exchanges may no longer pair up: a failed exchange ends the round for good).
   std::shared_ptr<Buffer> combine(int slot, DType dtype, std::int64_t numel, graph::Device& dev);
   /// Member `slot` waits until no member is inside its chunk loop, then lets go of its
   /// input. Once this member's own loop has ended every chunk is claimed, so those members
@@ -25827,13 +25828,19 @@ LAZYTENSOR_INLINE int ReduceRound::await(int slot, std::unique_lock<std::mutex>&
     }
     lock.lock();
   }
-  const auto deadline = std::chrono::steady_clock::now() + dist::collective_timeout();
+  // A member waiting for inputs another process sends gives the leader's exchange (which
+  // has the timeout of its own) time to end first.
+  const bool behind_exchange = local_ < size() && slot != leader_;
+  const auto deadline = std::chrono::steady_clock::now() + dist::collective_timeout() * (behind_exchange ? 2 : 1);
   while (count < n) {
     cv_.wait_for(lock, std::chrono::milliseconds(2));
     if (!exchange_error_.empty()) return -2;
     for (std::size_t m = 0; m < names_.size() && count < n; ++m) {
       if (!marks[m] && abandoned_[m] > abandoned_[static_cast<std::size_t>(slot)]) return static_cast<int>(m);
     }
+    // The leader gave up before bringing the other processes' inputs: nobody else will.
+    if (behind_exchange && !exchanged_ && abandoned_[static_cast<std::size_t>(leader_)] > abandoned_[static_cast<std::size_t>(slot)])
+      return leader_;
     if (count < n && std::chrono::steady_clock::now() > deadline)
       throw CollectiveTimeout(std::string("SPMD all-reduce: waited longer than the collective timeout for ") +
                               std::to_string(n - count) + " of " + std::to_string(n) + " devices to " + what);
@@ -26690,10 +26697,10 @@ LAZYTENSOR_INLINE graph::NodePtr partition_view(const graph::ViewNode& node) {
 // installs mpi_exchange as span.hpp's exchange. Without LAZYTENSOR_WITH_MPI this header
 // declares nothing, and SPMD stays inside one process.
 //
-// An exchange posts every message at once (non-blocking; a header with the exchange's
-// sequence number, size and signature before each payload, on one duplicate of
-// MPI_COMM_WORLD per channel, tagged by the sequence number), then polls until all are done
-// or the collective timeout passes. Device executors exchange at the same time, so MPI runs
+// An exchange sends a header (the exchange's sequence number, size and signature) for each
+// payload, checks the headers it receives, then receives the payloads (non-blocking, on one
+// duplicate of MPI_COMM_WORLD per channel, tagged by the sequence number), polling until
+// all are done or the collective timeout passes. Device executors exchange at the same time, so MPI runs
 // with MPI_THREAD_MULTIPLE, as dist's process world does.
 
 
@@ -26701,8 +26708,8 @@ LAZYTENSOR_INLINE graph::NodePtr partition_view(const graph::ViewNode& node) {
 #include <algorithm>
 #include <array>
 #include <chrono>
-#include <climits>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace lazy::spmd::detail {
@@ -26718,64 +26725,90 @@ inline MpiSpan& mpi_span() {
   return s;
 }
 
-/// span.hpp's exchange over MPI.
+/// Polls the first `n` of `reqs` until they completed (true) or `deadline` passed (false):
+/// yielding for the first 2 ms (the peer's messages of a step come within microseconds;
+/// a sleep would add its granularity to every exchange), then sleeping between polls.
+inline bool wait_requests(std::vector<MPI_Request>& reqs, std::size_t n, std::chrono::steady_clock::time_point deadline) {
+  const auto start = std::chrono::steady_clock::now();
+  for (;;) {
+    int flag = 0;
+    dist::detail::mpi_check(MPI_Testall(static_cast<int>(n), reqs.data(), &flag, MPI_STATUSES_IGNORE), "MPI_Testall");
+    if (flag) return true;
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) return false;
+    if (now - start < std::chrono::milliseconds(2)) std::this_thread::yield();
+    else std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+/// span.hpp's exchange over MPI, in two phases: every header, then every payload, so a
+/// payload is received only once its header said it has the expected size (a larger one
+/// would otherwise fail as a truncated receive, not as the mismatch it is). Messages
+/// between two processes on one tag arrive in the order they were sent, so each process
+/// posts all its headers before any payload.
 inline void mpi_exchange(Channel channel, std::uint64_t seq, std::uint64_t signature, const std::vector<Transfer>& sends,
                          const std::vector<Transfer>& receives, const std::string& what) {
-  using dist::detail::mpi_check;
   struct Header {
     std::uint64_t seq, bytes, signature;
   };
   const MpiSpan& span = mpi_span();
   const MPI_Comm comm = span.comms[static_cast<std::size_t>(channel)];
   const int tag = static_cast<int>(seq % static_cast<std::uint64_t>(span.tag_limit));
-  // Headers live on the heap: a timed-out exchange leaves MPI holding them.
+  // Headers live on the heap: an exchange given up leaves MPI holding them.
   auto headers = std::make_shared<std::vector<Header>>(sends.size() + receives.size());
   std::vector<MPI_Request> reqs;
   constexpr std::size_t kPart = std::size_t{1} << 30;  // MPI counts are ints: 1 GiB messages
-  auto post = [&](bool send, const Transfer& t, Header* h) {
-    auto* op = send ? +[](void* b, int n, int peer, int tg, MPI_Comm c, MPI_Request* r) {
-      return MPI_Isend(b, n, MPI_BYTE, peer, tg, c, r);
-    }
-                    : +[](void* b, int n, int peer, int tg, MPI_Comm c, MPI_Request* r) {
-                        return MPI_Irecv(b, n, MPI_BYTE, peer, tg, c, r);
-                      };
-    reqs.emplace_back();
-    mpi_check(op(h, static_cast<int>(sizeof(Header)), t.process, tag, comm, &reqs.back()), send ? "MPI_Isend" : "MPI_Irecv");
-    for (std::size_t at = 0; at < t.bytes; at += kPart) {
+  auto post = [&](bool send, void* data, std::size_t bytes, int peer) {
+    std::size_t at = 0;
+    do {
+      const int n = static_cast<int>(std::min(kPart, bytes - at));
+      void* p = static_cast<std::byte*>(data) + at;
       reqs.emplace_back();
-      mpi_check(op(static_cast<std::byte*>(t.data) + at, static_cast<int>(std::min(kPart, t.bytes - at)), t.process, tag,
-                   comm, &reqs.back()),
-                send ? "MPI_Isend" : "MPI_Irecv");
-    }
+      dist::detail::mpi_check(send ? MPI_Isend(p, n, MPI_BYTE, peer, tag, comm, &reqs.back())
+                                   : MPI_Irecv(p, n, MPI_BYTE, peer, tag, comm, &reqs.back()),
+                              send ? "MPI_Isend" : "MPI_Irecv");
+      at += static_cast<std::size_t>(n);
+    } while (at < bytes);
   };
-  for (std::size_t i = 0; i < receives.size(); ++i) post(false, receives[i], &(*headers)[sends.size() + i]);
-  for (std::size_t i = 0; i < sends.size(); ++i) {
-    (*headers)[i] = {seq, sends[i].bytes, signature};
-    post(true, sends[i], &(*headers)[i]);
-  }
   const auto timeout = dist::collective_timeout();
-  if (!dist::detail::wait_all_until(reqs, std::chrono::steady_clock::now() + timeout)) {
-    auto& keep = dist::detail::leaked_keep();
-    keep.push_back(headers);
-    for (const auto& t : sends) keep.push_back(std::const_pointer_cast<void>(t.keep));
-    for (const auto& t : receives) keep.push_back(std::const_pointer_cast<void>(t.keep));
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto timed_out = [&] {
     std::string from;
     for (const auto& t : receives)
       if (from.find("process " + std::to_string(t.process)) == std::string::npos)
         from += (from.empty() ? "process " : ", process ") + std::to_string(t.process);
-    throw CollectiveTimeout("SPMD " + what + ": waited longer than the collective timeout (" +
-                            std::to_string(timeout.count()) + " ms) for " + (from.empty() ? "the other processes" : from) +
-                            " (every process must run the same program: read sharded values and step together)");
-  }
-  for (std::size_t i = 0; i < receives.size(); ++i) {
-    const Header& h = (*headers)[sends.size() + i];
-    if (h.seq != seq || h.bytes != receives[i].bytes || h.signature != signature)
-      throw CollectiveMismatch("SPMD " + what + ": process " + std::to_string(receives[i].process) +
-                               " sent a different collective (" + std::to_string(h.bytes) + " bytes, exchange " +
-                               std::to_string(h.seq) + ", expected " + std::to_string(receives[i].bytes) +
-                               " bytes, exchange " + std::to_string(seq) +
-                               (h.signature != signature ? ", another op, dtype or sharding" : "") +
-                               "): the processes diverged from one program");
+    return CollectiveTimeout("SPMD " + what + ": waited longer than the collective timeout (" +
+                             std::to_string(timeout.count()) + " ms) for " + (from.empty() ? "the other processes" : from) +
+                             " (every process must run the same program: read sharded values and step together)");
+  };
+  try {
+    for (std::size_t i = 0; i < receives.size(); ++i)
+      post(false, &(*headers)[sends.size() + i], sizeof(Header), receives[i].process);
+    for (std::size_t i = 0; i < sends.size(); ++i) {
+      (*headers)[i] = {seq, sends[i].bytes, signature};
+      post(true, &(*headers)[i], sizeof(Header), sends[i].process);
+    }
+    for (const auto& t : sends) post(true, t.data, t.bytes, t.process);
+    if (!wait_requests(reqs, receives.size(), deadline)) throw timed_out();
+    for (std::size_t i = 0; i < receives.size(); ++i) {
+      const Header& h = (*headers)[sends.size() + i];
+      if (h.seq != seq || h.bytes != receives[i].bytes || h.signature != signature)
+        throw CollectiveMismatch("SPMD " + what + ": process " + std::to_string(receives[i].process) +
+                                 " sent a different collective (" + std::to_string(h.bytes) + " bytes in exchange " +
+                                 std::to_string(h.seq) + ", expected " + std::to_string(receives[i].bytes) +
+                                 " bytes in exchange " + std::to_string(seq) +
+                                 (h.signature != signature ? ", and another op, dtype or sharding" : "") +
+                                 "): the processes diverged from one program");
+    }
+    for (const auto& t : receives) post(false, t.data, t.bytes, t.process);
+    if (!wait_requests(reqs, reqs.size(), deadline)) throw timed_out();
+  } catch (...) {
+    // Requests may still be in flight: their memory stays for the rest of the program.
+    auto& keep = dist::detail::leaked_keep();
+    keep.push_back(headers);
+    for (const auto& t : sends) keep.push_back(std::const_pointer_cast<void>(t.keep));
+    for (const auto& t : receives) keep.push_back(std::const_pointer_cast<void>(t.keep));
+    throw;
   }
 }
 
@@ -26953,7 +26986,8 @@ Tensor<T>& clear_sharding(Tensor<T>& t) {
 /// tensor that is not sharded: one piece, the whole tensor on its device). Each `data` is a
 /// new handle on the piece's value: updating it leaves `t` alone. Reading a piece computes
 /// only that piece. When the program spans processes, the other processes' pieces are
-/// left out (torch_xla's addressable shards).
+/// left out (torch_xla's addressable shards), and `device` is this process's device (its
+/// index counts this process's devices; the mesh names it by its global id).
 template <Element T>
 std::vector<Shard<T>> local_shards(const Tensor<T>& t) {
   std::vector<Shard<T>> r;
@@ -27328,15 +27362,14 @@ class Strategy {
   virtual bool is_distributed() const = 0;
   /// Replicas in the world (1 outside launch).
   int world_size() const { return runtime::world_size(); }
-  /// This replica's rank in the world (0 outside launch; in an SPMD program spanning
-  /// processes, the process index, so that one process logs and removes checkpoints).
-  int global_rank() const {
-    return runtime::world_size() > 1 ? runtime::global_ordinal() : spmd::detail::process_span().index;
-  }
+  /// This replica's rank in the world (0 outside launch, and in every process of an SPMD
+  /// program spanning processes: each runs the one replica, with the same seeds).
+  int global_rank() const { return runtime::global_ordinal(); }
   /// This replica's rank on its host.
   int local_rank() const { return runtime::local_ordinal(); }
-  /// True on global rank 0, the replica that writes checkpoints and logs.
-  bool is_global_zero() const { return global_rank() == 0; }
+  /// True on global rank 0, the replica that writes checkpoints and logs (in an SPMD
+  /// program spanning processes, rank 0 of process 0 only).
+  bool is_global_zero() const { return global_rank() == 0 && spmd::detail::process_span().index == 0; }
 
   // ---- set-up ----------------------------------------------------------------------------
 
@@ -29030,7 +29063,10 @@ template <class F>
 void Trainer::each_callback(F f) {
   detail::ReplicaRun& r = run();
   for (std::size_t i = 0; i < r.callbacks.size(); ++i) {
-    if (r.shared_callback[i] && !is_global_zero()) continue;
+    // (Rank 0 of each process: processes hold their own callbacks, and a collective in a
+    // hook, such as ModelCheckpoint's save in an SPMD program spanning processes, needs
+    // every process.)
+    if (r.shared_callback[i] && global_rank() != 0) continue;
     f(*r.callbacks[i]);
   }
 }

@@ -5,13 +5,15 @@
 // split across the processes all-reduce through MPI and equal a double reference, training
 // data-parallel, FSDP-style and tensor-parallel across the processes gives the unsharded
 // run's losses and weights (within 1e-12) with the same bits in both processes, io::save
-// gathers, writes once and returns with the file complete in both, and a
+// gathers, writes once and returns with the file complete in both, the Trainer's "spmd"
+// strategy trains over both processes' devices as one device would, with checkpoints, and a
 // program that diverges between the processes ends in CollectiveMismatch or
 // CollectiveTimeout, not a hang. (SPMD mode holds for the whole process, so these tests
 // run in their own mpirun, apart from the replica world's.)
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -29,6 +31,8 @@
 
 #include "dist/dist_testing.hpp"
 #include "testing/helpers.hpp"
+#include "testing/spmd_training.hpp"
+#include "train/trainer_testing.hpp"
 
 // (Named, not anonymous: test_mpi compiles its files as one unity source.)
 namespace mpi_spmd_testing {
@@ -159,57 +163,15 @@ TEST_F(MpiSpmd, ContractionSplitAcrossProcessesAllReduces) {
   EXPECT_TRUE(same_in_every_process(rows.to_vector()));
 }
 
-enum class Mode { None, Data, Fsdp, Tensor };
+using lazy_tests::SpmdMode;
+using TrainingRun = lazy_tests::SpmdRun;
 
-struct TrainingRun {
-  std::vector<double> losses;
-  std::vector<std::vector<double>> weights;
-};
-
-TrainingRun train(Mode mode) {
-  lazy::set_rng_state(11);
-  nn::Linear fc1(8, 16), fc2(16, 4);
-  fc1->to(lazy::DType::Float64);
-  fc2->to(lazy::DType::Float64);
-  // Data and FSDP: one axis over the 4 devices of both processes. Tensor parallel: the
-  // model axis across the processes (ici (2, 1) x dcn (1, 2)).
+// Data and FSDP: one axis over the 4 devices of both processes. Tensor parallel: the model
+// axis across the processes (ici (2, 1) x dcn (1, 2)), the batch split over "data".
+TrainingRun train(SpmdMode mode) {
   const spmd::HybridMesh data({2}, {2}, {"data"});
   const spmd::HybridMesh model({2, 1}, {1, 2}, {"data", "model"});
-  auto params = fc1->parameters();
-  for (auto& p : fc2->parameters()) params.push_back(p);
-  if (mode == Mode::Data) {
-    for (auto& p : params) spmd::mark_sharding(p, data, {});
-  } else if (mode == Mode::Fsdp) {
-    for (auto& p : params) spmd::mark_sharding(p, data, {"data"});
-  } else if (mode == Mode::Tensor) {
-    spmd::mark_sharding(params[0], model, {"model", std::nullopt});
-    spmd::mark_sharding(params[1], model, {"model"});
-    spmd::mark_sharding(params[2], model, {std::nullopt, "model"});
-    spmd::mark_sharding(params[3], model, {});
-  }
-  lazy::optim::SGD opt(params, lazy::optim::SGDOptions(0.1).momentum(0.9));
-  TrainingRun r;
-  for (int step = 0; step < 4; ++step) {
-    auto x = host_tensor({8, 8}, 200 + static_cast<unsigned>(step));
-    std::vector<std::int64_t> labels(8);
-    for (int i = 0; i < 8; ++i) labels[static_cast<std::size_t>(i)] = (i * 3 + step) % 4;
-    auto y = lazy::from_vector<std::int64_t>(labels, {8});
-    if (mode == Mode::Data || mode == Mode::Fsdp) {
-      spmd::mark_sharding(x, data, {"data"});
-      spmd::mark_sharding(y, data, {"data"});
-    } else if (mode == Mode::Tensor) {
-      spmd::mark_sharding(x, model, {"data"});
-      spmd::mark_sharding(y, model, {"data"});
-    }
-    opt.zero_grad();
-    auto loss = nn::functional::cross_entropy(fc2(Tensor<double>(lazy::relu(fc1(x)))), y);
-    loss.backward();
-    opt.step();
-    lazy::mark_step();
-    r.losses.push_back(loss.item());
-  }
-  for (auto& p : params) r.weights.push_back(Tensor<double>(p).to_vector());
-  return r;
+  return lazy_tests::train_spmd_mlp(mode, data, model, {"data"}, 11, 200);
 }
 
 void expect_same_run(const TrainingRun& got, const TrainingRun& want, const char* what) {
@@ -224,12 +186,12 @@ void expect_same_run(const TrainingRun& got, const TrainingRun& want, const char
 }
 
 TEST_F(MpiSpmd, TrainingAcrossProcessesMatchesUnsharded) {
-  const TrainingRun ref = train(Mode::None);
+  const TrainingRun ref = train(SpmdMode::None);
   const auto reduces = counter("SpmdAllReduces");
-  expect_same_run(train(Mode::Data), ref, "data parallel");
+  expect_same_run(train(SpmdMode::Data), ref, "data parallel");
   EXPECT_GT(counter("SpmdAllReduces"), reduces);
-  expect_same_run(train(Mode::Fsdp), ref, "fsdp");
-  expect_same_run(train(Mode::Tensor), ref, "tensor parallel");
+  expect_same_run(train(SpmdMode::Fsdp), ref, "fsdp");
+  expect_same_run(train(SpmdMode::Tensor), ref, "tensor parallel");
 }
 
 TEST_F(MpiSpmd, SaveGathersWritesOnceAndIsCompleteEverywhere) {
@@ -250,12 +212,54 @@ TEST_F(MpiSpmd, SaveGathersWritesOnceAndIsCompleteEverywhere) {
   if (rank() == 0) std::remove(path.c_str());
 }
 
+TEST_F(MpiSpmd, TrainerSpmdStrategySpansTheProcesses) {
+  using trainer_testing::Classifier;
+  namespace train = lazy::train;
+  char name[256] = {};  // one checkpoint directory for the job: process 0 names it
+  if (rank() == 0) std::strncpy(name, trainer_testing::temp_dir("mpi_spmd_ckpt").c_str(), sizeof name - 1);
+  MPI_Bcast(name, sizeof name, MPI_CHAR, 0, MPI_COMM_WORLD);
+  const std::string dir = name;
+  auto loader = lazy::data::make_data_loader(trainer_testing::make_dataset(64), {.batch_size = 16});
+  Classifier spanned, single;
+  train::TrainerOptions o = trainer_testing::quiet({.strategy = std::string("spmd"), .devices = 2, .max_epochs = 2});
+  o.enable_checkpointing = true;
+  o.callbacks = {std::make_shared<train::ModelCheckpoint>(
+      train::ModelCheckpointOptions{.dirpath = dir, .filename = "{epoch}", .save_last = true, .save_top_k = -1})};
+  train::Trainer t(o);
+  t.fit(spanned, *loader);
+  // One replica per process, with the same seeds; process 0 alone logs and writes.
+  EXPECT_EQ(t.global_rank(), 0);
+  EXPECT_EQ(t.is_global_zero(), rank() == 0);
+  EXPECT_EQ(t.global_step(), 8) << "the mesh takes the whole batch of 16: 4 steps per epoch";
+  train::Trainer ts(trainer_testing::quiet({.max_epochs = 2}));
+  ts.fit(single, *loader);
+  const auto a = trainer_testing::weights(spanned), b = trainer_testing::weights(single);
+  ASSERT_EQ(a.size(), b.size());
+  for (std::size_t p = 0; p < a.size(); ++p) {
+    for (std::size_t i = 0; i < a[p].size(); ++i) EXPECT_NEAR(a[p][i], b[p][i], 2e-5) << "parameter " << p;
+    EXPECT_TRUE(same_in_every_process(std::vector<double>(a[p].begin(), a[p].end()))) << "parameter " << p;
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  std::vector<std::string> files;
+  for (const auto& n : lazy::io::detail::list_directory(dir)) files.push_back(n);
+  std::sort(files.begin(), files.end());
+  EXPECT_EQ(files, (std::vector<std::string>{"epoch=0.safetensors", "epoch=1.safetensors", "last.safetensors"}));
+  EXPECT_NO_THROW((void)lazy::io::load(dir + "/last.safetensors"));
+}
+
 TEST_F(MpiSpmd, DivergentProgramsEndInErrors) {
   const auto mesh = rows_are_processes();
-  // The same tensor sharded two ways, one per process: the gathers' messages differ.
+  // The same tensor sharded two ways, one per process: the blocks are as large, the
+  // gathers' signatures differ.
   auto x = host_tensor({4, 4}, 5);
   spmd::mark_sharding(x, mesh, rank() == 0 ? spmd::PartitionSpec{"data"} : spmd::PartitionSpec{std::nullopt, "data"});
   EXPECT_THROW(x.to_vector(), lazy::CollectiveMismatch);
+  // Tensors of different sizes: each process is sent a block of another size than it
+  // expects (a mismatch, not a truncated receive).
+  auto w = host_tensor({4, rank() == 0 ? 4 : 6}, 8);
+  spmd::mark_sharding(w, mesh, {"data"});
+  const auto text = dist_testing::message_of<lazy::CollectiveMismatch>([&] { (void)w.to_vector(); });
+  EXPECT_NE(text.find("sent a different collective"), std::string::npos) << text;
 
   // One process reads a value the other never does: a timeout, not a hang. (Last: the
   // processes' exchange sequences part here.)

@@ -14,6 +14,7 @@
 #include <lazytensor/lazytensor.hpp>
 
 #include "testing/spmd.hpp"
+#include "testing/spmd_training.hpp"
 
 namespace spmd = lazy::spmd;
 namespace nn = lazy::nn;
@@ -48,10 +49,7 @@ StrategyRun run_with(lazy::train::Strategy& strategy) {
       lazy::mark_step();
       r.losses.push_back(loss.item());
     }
-    for (auto& p : params) {
-      r.weights.push_back(lazy::Tensor<double>(p).to_vector());
-      r.specs.push_back(spmd::sharding_spec(lazy::Tensor<double>(p)));
-    }
+    lazy_tests::record_parameters(params, r);
     return r;
   });
 }

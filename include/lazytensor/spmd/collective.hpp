@@ -62,8 +62,9 @@ class ReduceRound {
   /// again after such an error, both have given up once, and this member waits for the
   /// other as usual. CollectiveTimeout after dist's timeout. The chunk loop itself cannot fail or block
   /// (detail::combine is noexcept). In a group spanning processes the first member here
-  /// runs the exchange (exchange_inputs) before anyone combines; CollectiveError in every
-  /// member here when it fails.
+  /// runs the exchange (exchange_inputs) before anyone combines; when it fails, every
+  /// member here gets a CollectiveError, now and on any later attempt (the processes'
+  /// exchanges may no longer pair up: a failed exchange ends the round for good).
   std::shared_ptr<Buffer> combine(int slot, DType dtype, std::int64_t numel, graph::Device& dev);
   /// Member `slot` waits until no member is inside its chunk loop, then lets go of its
   /// input. Once this member's own loop has ended every chunk is claimed, so those members
@@ -212,13 +213,19 @@ LAZYTENSOR_INLINE int ReduceRound::await(int slot, std::unique_lock<std::mutex>&
     }
     lock.lock();
   }
-  const auto deadline = std::chrono::steady_clock::now() + dist::collective_timeout();
+  // A member waiting for inputs another process sends gives the leader's exchange (which
+  // has the timeout of its own) time to end first.
+  const bool behind_exchange = local_ < size() && slot != leader_;
+  const auto deadline = std::chrono::steady_clock::now() + dist::collective_timeout() * (behind_exchange ? 2 : 1);
   while (count < n) {
     cv_.wait_for(lock, std::chrono::milliseconds(2));
     if (!exchange_error_.empty()) return -2;
     for (std::size_t m = 0; m < names_.size() && count < n; ++m) {
       if (!marks[m] && abandoned_[m] > abandoned_[static_cast<std::size_t>(slot)]) return static_cast<int>(m);
     }
+    // The leader gave up before bringing the other processes' inputs: nobody else will.
+    if (behind_exchange && !exchanged_ && abandoned_[static_cast<std::size_t>(leader_)] > abandoned_[static_cast<std::size_t>(slot)])
+      return leader_;
     if (count < n && std::chrono::steady_clock::now() > deadline)
       throw CollectiveTimeout(std::string("SPMD all-reduce: waited longer than the collective timeout for ") +
                               std::to_string(n - count) + " of " + std::to_string(n) + " devices to " + what);

@@ -76,7 +76,8 @@ Tensor<T>& clear_sharding(Tensor<T>& t) {
 /// tensor that is not sharded: one piece, the whole tensor on its device). Each `data` is a
 /// new handle on the piece's value: updating it leaves `t` alone. Reading a piece computes
 /// only that piece. When the program spans processes, the other processes' pieces are
-/// left out (torch_xla's addressable shards).
+/// left out (torch_xla's addressable shards), and `device` is this process's device (its
+/// index counts this process's devices; the mesh names it by its global id).
 template <Element T>
 std::vector<Shard<T>> local_shards(const Tensor<T>& t) {
   std::vector<Shard<T>> r;

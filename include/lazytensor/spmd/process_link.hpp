@@ -4,10 +4,10 @@
 // installs mpi_exchange as span.hpp's exchange. Without LAZYTENSOR_WITH_MPI this header
 // declares nothing, and SPMD stays inside one process.
 //
-// An exchange posts every message at once (non-blocking; a header with the exchange's
-// sequence number, size and signature before each payload, on one duplicate of
-// MPI_COMM_WORLD per channel, tagged by the sequence number), then polls until all are done
-// or the collective timeout passes. Device executors exchange at the same time, so MPI runs
+// An exchange sends a header (the exchange's sequence number, size and signature) for each
+// payload, checks the headers it receives, then receives the payloads (non-blocking, on one
+// duplicate of MPI_COMM_WORLD per channel, tagged by the sequence number), polling until
+// all are done or the collective timeout passes. Device executors exchange at the same time, so MPI runs
 // with MPI_THREAD_MULTIPLE, as dist's process world does.
 
 #include <lazytensor/dist/process_world.hpp>
@@ -17,8 +17,8 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
-#include <climits>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace lazy::spmd::detail {
@@ -34,64 +34,90 @@ inline MpiSpan& mpi_span() {
   return s;
 }
 
-/// span.hpp's exchange over MPI.
+/// Polls the first `n` of `reqs` until they completed (true) or `deadline` passed (false):
+/// yielding for the first 2 ms (the peer's messages of a step come within microseconds;
+/// a sleep would add its granularity to every exchange), then sleeping between polls.
+inline bool wait_requests(std::vector<MPI_Request>& reqs, std::size_t n, std::chrono::steady_clock::time_point deadline) {
+  const auto start = std::chrono::steady_clock::now();
+  for (;;) {
+    int flag = 0;
+    dist::detail::mpi_check(MPI_Testall(static_cast<int>(n), reqs.data(), &flag, MPI_STATUSES_IGNORE), "MPI_Testall");
+    if (flag) return true;
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) return false;
+    if (now - start < std::chrono::milliseconds(2)) std::this_thread::yield();
+    else std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+/// span.hpp's exchange over MPI, in two phases: every header, then every payload, so a
+/// payload is received only once its header said it has the expected size (a larger one
+/// would otherwise fail as a truncated receive, not as the mismatch it is). Messages
+/// between two processes on one tag arrive in the order they were sent, so each process
+/// posts all its headers before any payload.
 inline void mpi_exchange(Channel channel, std::uint64_t seq, std::uint64_t signature, const std::vector<Transfer>& sends,
                          const std::vector<Transfer>& receives, const std::string& what) {
-  using dist::detail::mpi_check;
   struct Header {
     std::uint64_t seq, bytes, signature;
   };
   const MpiSpan& span = mpi_span();
   const MPI_Comm comm = span.comms[static_cast<std::size_t>(channel)];
   const int tag = static_cast<int>(seq % static_cast<std::uint64_t>(span.tag_limit));
-  // Headers live on the heap: a timed-out exchange leaves MPI holding them.
+  // Headers live on the heap: an exchange given up leaves MPI holding them.
   auto headers = std::make_shared<std::vector<Header>>(sends.size() + receives.size());
   std::vector<MPI_Request> reqs;
   constexpr std::size_t kPart = std::size_t{1} << 30;  // MPI counts are ints: 1 GiB messages
-  auto post = [&](bool send, const Transfer& t, Header* h) {
-    auto* op = send ? +[](void* b, int n, int peer, int tg, MPI_Comm c, MPI_Request* r) {
-      return MPI_Isend(b, n, MPI_BYTE, peer, tg, c, r);
-    }
-                    : +[](void* b, int n, int peer, int tg, MPI_Comm c, MPI_Request* r) {
-                        return MPI_Irecv(b, n, MPI_BYTE, peer, tg, c, r);
-                      };
-    reqs.emplace_back();
-    mpi_check(op(h, static_cast<int>(sizeof(Header)), t.process, tag, comm, &reqs.back()), send ? "MPI_Isend" : "MPI_Irecv");
-    for (std::size_t at = 0; at < t.bytes; at += kPart) {
+  auto post = [&](bool send, void* data, std::size_t bytes, int peer) {
+    std::size_t at = 0;
+    do {
+      const int n = static_cast<int>(std::min(kPart, bytes - at));
+      void* p = static_cast<std::byte*>(data) + at;
       reqs.emplace_back();
-      mpi_check(op(static_cast<std::byte*>(t.data) + at, static_cast<int>(std::min(kPart, t.bytes - at)), t.process, tag,
-                   comm, &reqs.back()),
-                send ? "MPI_Isend" : "MPI_Irecv");
-    }
+      dist::detail::mpi_check(send ? MPI_Isend(p, n, MPI_BYTE, peer, tag, comm, &reqs.back())
+                                   : MPI_Irecv(p, n, MPI_BYTE, peer, tag, comm, &reqs.back()),
+                              send ? "MPI_Isend" : "MPI_Irecv");
+      at += static_cast<std::size_t>(n);
+    } while (at < bytes);
   };
-  for (std::size_t i = 0; i < receives.size(); ++i) post(false, receives[i], &(*headers)[sends.size() + i]);
-  for (std::size_t i = 0; i < sends.size(); ++i) {
-    (*headers)[i] = {seq, sends[i].bytes, signature};
-    post(true, sends[i], &(*headers)[i]);
-  }
   const auto timeout = dist::collective_timeout();
-  if (!dist::detail::wait_all_until(reqs, std::chrono::steady_clock::now() + timeout)) {
-    auto& keep = dist::detail::leaked_keep();
-    keep.push_back(headers);
-    for (const auto& t : sends) keep.push_back(std::const_pointer_cast<void>(t.keep));
-    for (const auto& t : receives) keep.push_back(std::const_pointer_cast<void>(t.keep));
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto timed_out = [&] {
     std::string from;
     for (const auto& t : receives)
       if (from.find("process " + std::to_string(t.process)) == std::string::npos)
         from += (from.empty() ? "process " : ", process ") + std::to_string(t.process);
-    throw CollectiveTimeout("SPMD " + what + ": waited longer than the collective timeout (" +
-                            std::to_string(timeout.count()) + " ms) for " + (from.empty() ? "the other processes" : from) +
-                            " (every process must run the same program: read sharded values and step together)");
-  }
-  for (std::size_t i = 0; i < receives.size(); ++i) {
-    const Header& h = (*headers)[sends.size() + i];
-    if (h.seq != seq || h.bytes != receives[i].bytes || h.signature != signature)
-      throw CollectiveMismatch("SPMD " + what + ": process " + std::to_string(receives[i].process) +
-                               " sent a different collective (" + std::to_string(h.bytes) + " bytes, exchange " +
-                               std::to_string(h.seq) + ", expected " + std::to_string(receives[i].bytes) +
-                               " bytes, exchange " + std::to_string(seq) +
-                               (h.signature != signature ? ", another op, dtype or sharding" : "") +
-                               "): the processes diverged from one program");
+    return CollectiveTimeout("SPMD " + what + ": waited longer than the collective timeout (" +
+                             std::to_string(timeout.count()) + " ms) for " + (from.empty() ? "the other processes" : from) +
+                             " (every process must run the same program: read sharded values and step together)");
+  };
+  try {
+    for (std::size_t i = 0; i < receives.size(); ++i)
+      post(false, &(*headers)[sends.size() + i], sizeof(Header), receives[i].process);
+    for (std::size_t i = 0; i < sends.size(); ++i) {
+      (*headers)[i] = {seq, sends[i].bytes, signature};
+      post(true, &(*headers)[i], sizeof(Header), sends[i].process);
+    }
+    for (const auto& t : sends) post(true, t.data, t.bytes, t.process);
+    if (!wait_requests(reqs, receives.size(), deadline)) throw timed_out();
+    for (std::size_t i = 0; i < receives.size(); ++i) {
+      const Header& h = (*headers)[sends.size() + i];
+      if (h.seq != seq || h.bytes != receives[i].bytes || h.signature != signature)
+        throw CollectiveMismatch("SPMD " + what + ": process " + std::to_string(receives[i].process) +
+                                 " sent a different collective (" + std::to_string(h.bytes) + " bytes in exchange " +
+                                 std::to_string(h.seq) + ", expected " + std::to_string(receives[i].bytes) +
+                                 " bytes in exchange " + std::to_string(seq) +
+                                 (h.signature != signature ? ", and another op, dtype or sharding" : "") +
+                                 "): the processes diverged from one program");
+    }
+    for (const auto& t : receives) post(false, t.data, t.bytes, t.process);
+    if (!wait_requests(reqs, reqs.size(), deadline)) throw timed_out();
+  } catch (...) {
+    // Requests may still be in flight: their memory stays for the rest of the program.
+    auto& keep = dist::detail::leaked_keep();
+    keep.push_back(headers);
+    for (const auto& t : sends) keep.push_back(std::const_pointer_cast<void>(t.keep));
+    for (const auto& t : receives) keep.push_back(std::const_pointer_cast<void>(t.keep));
+    throw;
   }
 }
 

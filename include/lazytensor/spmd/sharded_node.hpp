@@ -124,10 +124,8 @@ LAZYTENSOR_INLINE void ShardedNode::hand_out_pieces() const {
 LAZYTENSOR_INLINE void ShardedNode::compute(graph::ExecContext& ctx) {
   static auto& gathers = core::counter("SpmdGathers");
   gathers.add();
-  auto buf = allocate_output(ctx, false);
   const Shape global = shape();
   const std::size_t esize = dtype_size(dtype());
-  hand_out_pieces();
   // Per block: the first position holding it (its owner sends it to processes holding
   // none), the first one on this process's devices, and which processes hold it.
   const auto& span = detail::process_span();
@@ -143,6 +141,15 @@ LAZYTENSOR_INLINE void ShardedNode::compute(graph::ExecContext& ctx) {
     if (!dev.remote() && first_here[bi] < 0) first_here[bi] = p;
     held[bi][static_cast<std::size_t>(dev.process())] = 1;
   }
+  // Whether some process lacks a block: the same answer in every process, so each counts
+  // the same cross-process gathers (counted before anything here can throw).
+  bool crosses = false;
+  for (std::size_t b = 0; b < blocks; ++b)
+    for (int q = 0; q < span.count; ++q) crosses = crosses || !held[b][static_cast<std::size_t>(q)];
+  static std::atomic<std::uint64_t> exchanges{0};
+  const std::uint64_t seq = crosses ? exchanges.fetch_add(1, std::memory_order_relaxed) : 0;
+  auto buf = allocate_output(ctx, false);
+  hand_out_pieces();
   auto place = [&](const void* data, int position) {
     const auto ranges = sharding_.block(position, global);
     std::vector<std::int64_t> at, box;
@@ -152,12 +159,9 @@ LAZYTENSOR_INLINE void ShardedNode::compute(graph::ExecContext& ctx) {
     }
     graph::detail::copy_box(static_cast<const std::byte*>(data), shard(position)->shape(), std::vector<std::int64_t>(at.size(), 0),
                             static_cast<std::byte*>(buf->data()), global, at, box, esize);
-  };
-  bool crosses = false;  // the same answer in every process: some process lacks a block
-  std::vector<detail::Transfer> sends, receives;
+  };  std::vector<detail::Transfer> sends, receives;
   std::vector<std::pair<std::shared_ptr<Buffer>, int>> received;
   for (std::size_t b = 0; b < blocks; ++b) {
-    for (int q = 0; q < span.count; ++q) crosses = crosses || !held[b][static_cast<std::size_t>(q)];
     if (first_here[b] >= 0) {
       const graph::NodePtr& piece = shard(first_here[b]);
       graph::materialize(piece);
@@ -173,17 +177,13 @@ LAZYTENSOR_INLINE void ShardedNode::compute(graph::ExecContext& ctx) {
       received.emplace_back(std::move(in), first[b]);
     }
   }
-  if (crosses) {
-    static std::atomic<std::uint64_t> exchanges{0};  // every process counts the same gathers
-    const std::uint64_t seq = exchanges.fetch_add(1, std::memory_order_relaxed);
-    if (!sends.empty() || !receives.empty()) {
-      const std::uint64_t signature = graph::hash_combine(
-          graph::hash_combine(static_cast<std::uint64_t>(dtype()), static_cast<std::uint64_t>(global.numel())),
-          std::hash<std::string>{}(sharding_.str()));
-      detail::exchange(detail::Channel::Gather, seq, signature, sends, receives,
-                       "gather of a " + global.str() + " value sharded " + sharding_.str());
-      for (const auto& [in, position] : received) place(in->data(), position);
-    }
+  if (!sends.empty() || !receives.empty()) {
+    const std::uint64_t signature = graph::hash_combine(
+        graph::hash_combine(static_cast<std::uint64_t>(dtype()), static_cast<std::uint64_t>(global.numel())),
+        std::hash<std::string>{}(sharding_.str()));
+    detail::exchange(detail::Channel::Gather, seq, signature, sends, receives,
+                     "gather of a " + global.str() + " value sharded " + sharding_.str());
+    for (const auto& [in, position] : received) place(in->data(), position);
   }
   set_buffer(std::move(buf));
 }

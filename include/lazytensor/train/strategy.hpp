@@ -101,15 +101,14 @@ class Strategy {
   virtual bool is_distributed() const = 0;
   /// Replicas in the world (1 outside launch).
   int world_size() const { return runtime::world_size(); }
-  /// This replica's rank in the world (0 outside launch; in an SPMD program spanning
-  /// processes, the process index, so that one process logs and removes checkpoints).
-  int global_rank() const {
-    return runtime::world_size() > 1 ? runtime::global_ordinal() : spmd::detail::process_span().index;
-  }
+  /// This replica's rank in the world (0 outside launch, and in every process of an SPMD
+  /// program spanning processes: each runs the one replica, with the same seeds).
+  int global_rank() const { return runtime::global_ordinal(); }
   /// This replica's rank on its host.
   int local_rank() const { return runtime::local_ordinal(); }
-  /// True on global rank 0, the replica that writes checkpoints and logs.
-  bool is_global_zero() const { return global_rank() == 0; }
+  /// True on global rank 0, the replica that writes checkpoints and logs (in an SPMD
+  /// program spanning processes, rank 0 of process 0 only).
+  bool is_global_zero() const { return global_rank() == 0 && spmd::detail::process_span().index == 0; }
 
   // ---- set-up ----------------------------------------------------------------------------
 

@@ -324,7 +324,10 @@ template <class F>
 void Trainer::each_callback(F f) {
   detail::ReplicaRun& r = run();
   for (std::size_t i = 0; i < r.callbacks.size(); ++i) {
-    if (r.shared_callback[i] && !is_global_zero()) continue;
+    // (Rank 0 of each process: processes hold their own callbacks, and a collective in a
+    // hook, such as ModelCheckpoint's save in an SPMD program spanning processes, needs
+    // every process.)
+    if (r.shared_callback[i] && global_rank() != 0) continue;
     f(*r.callbacks[i]);
   }
 }
