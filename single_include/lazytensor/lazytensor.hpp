@@ -21850,7 +21850,8 @@ LAZYTENSOR_INLINE void ShardedNode::compute(graph::ExecContext& ctx) {
     }
     graph::detail::copy_box(static_cast<const std::byte*>(data), shard(position)->shape(), std::vector<std::int64_t>(at.size(), 0),
                             static_cast<std::byte*>(buf->data()), global, at, box, esize);
-  };  std::vector<detail::Transfer> sends, receives;
+  };
+  std::vector<detail::Transfer> sends, receives;
   std::vector<std::pair<std::shared_ptr<Buffer>, int>> received;
   for (std::size_t b = 0; b < blocks; ++b) {
     if (first_here[b] >= 0) {
@@ -25869,6 +25870,8 @@ LAZYTENSOR_INLINE void ReduceRound::publish(int slot, std::shared_ptr<Buffer> in
 LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::combine(int slot, DType dtype, std::int64_t numel,
                                                                graph::Device& dev) {
   std::unique_lock lock(mu_);
+  if (!exchange_error_.empty())  // (an attempt after a failed exchange: its messages no longer pair up)
+    throw CollectiveError("SPMD all-reduce: the exchange with the group's other processes failed: " + exchange_error_);
   if (local_ < size() && slot == leader_ && !exchanged_) exchange_inputs(slot, dtype, numel, dev, lock);
   const int failed = await(slot, lock, arrived_, arrived_fast_, arrived_marks_, "arrive");
   if (failed == -2)
@@ -25947,10 +25950,10 @@ LAZYTENSOR_INLINE void ReduceRound::exchange_inputs(int slot, DType dtype, std::
       receives.push_back({process_[m], got[m]->data(), bytes, got[m]});
     }
   }
-  const std::uint64_t signature = graph::hash_combine(
-      graph::hash_combine(graph::hash_combine(static_cast<std::uint64_t>(op_), static_cast<std::uint64_t>(dtype)),
-                          static_cast<std::uint64_t>(numel)),
-      static_cast<std::uint64_t>(size()));
+  // What the round is: op, dtype, size and its members (global device ids).
+  std::uint64_t signature = graph::hash_combine(
+      graph::hash_combine(static_cast<std::uint64_t>(op_), static_cast<std::uint64_t>(dtype)), static_cast<std::uint64_t>(numel));
+  for (const auto& name : names_) signature = graph::hash_combine(signature, std::hash<std::string>{}(name));
   lock.unlock();
   try {
     exchange(Channel::Reduce, seq_, signature, sends, receives, "all-reduce of " + std::to_string(numel) + " elements");
@@ -26748,8 +26751,10 @@ inline bool wait_requests(std::vector<MPI_Request>& reqs, std::size_t n, std::ch
 /// posts all its headers before any payload.
 inline void mpi_exchange(Channel channel, std::uint64_t seq, std::uint64_t signature, const std::vector<Transfer>& sends,
                          const std::vector<Transfer>& receives, const std::string& what) {
+  // (count and index: the sender's transfers to this receiver, and this one's place among
+  // them, so that a peer sending more or fewer is caught before any payload is received.)
   struct Header {
-    std::uint64_t seq, bytes, signature;
+    std::uint64_t seq, bytes, signature, count, index;
   };
   const MpiSpan& span = mpi_span();
   const MPI_Comm comm = span.comms[static_cast<std::size_t>(channel)];
@@ -26784,14 +26789,31 @@ inline void mpi_exchange(Channel channel, std::uint64_t seq, std::uint64_t signa
   try {
     for (std::size_t i = 0; i < receives.size(); ++i)
       post(false, &(*headers)[sends.size() + i], sizeof(Header), receives[i].process);
+    auto place_among = [](const std::vector<Transfer>& ts, std::size_t i, std::uint64_t& count, std::uint64_t& index) {
+      count = index = 0;
+      for (std::size_t k = 0; k < ts.size(); ++k) {
+        if (ts[k].process != ts[i].process) continue;
+        if (k < i) ++index;
+        ++count;
+      }
+    };
     for (std::size_t i = 0; i < sends.size(); ++i) {
-      (*headers)[i] = {seq, sends[i].bytes, signature};
+      std::uint64_t count = 0, index = 0;
+      place_among(sends, i, count, index);
+      (*headers)[i] = {seq, sends[i].bytes, signature, count, index};
       post(true, &(*headers)[i], sizeof(Header), sends[i].process);
     }
     for (const auto& t : sends) post(true, t.data, t.bytes, t.process);
     if (!wait_requests(reqs, receives.size(), deadline)) throw timed_out();
     for (std::size_t i = 0; i < receives.size(); ++i) {
       const Header& h = (*headers)[sends.size() + i];
+      std::uint64_t count = 0, index = 0;
+      place_among(receives, i, count, index);
+      if (h.count != count || h.index != index)
+        throw CollectiveMismatch("SPMD " + what + ": process " + std::to_string(receives[i].process) + " sent " +
+                                 std::to_string(h.count) + " messages in exchange " + std::to_string(h.seq) +
+                                 ", expected " + std::to_string(count) + " in exchange " + std::to_string(seq) +
+                                 ": the processes diverged from one program");
       if (h.seq != seq || h.bytes != receives[i].bytes || h.signature != signature)
         throw CollectiveMismatch("SPMD " + what + ": process " + std::to_string(receives[i].process) +
                                  " sent a different collective (" + std::to_string(h.bytes) + " bytes in exchange " +
@@ -28065,6 +28087,7 @@ LAZYTENSOR_INLINE void CSVLogger::save() {
 // that the accessors find from the calling thread's rank, as Strategy does. After a fit the
 // accessors show global rank zero's run.
 
+#include <algorithm>
 #include <charconv>
 #include <chrono>
 #include <cstdint>
@@ -29063,10 +29086,7 @@ template <class F>
 void Trainer::each_callback(F f) {
   detail::ReplicaRun& r = run();
   for (std::size_t i = 0; i < r.callbacks.size(); ++i) {
-    // (Rank 0 of each process: processes hold their own callbacks, and a collective in a
-    // hook, such as ModelCheckpoint's save in an SPMD program spanning processes, needs
-    // every process.)
-    if (r.shared_callback[i] && global_rank() != 0) continue;
+    if (r.shared_callback[i] && !is_global_zero()) continue;
     f(*r.callbacks[i]);
   }
 }
@@ -29220,7 +29240,15 @@ LAZYTENSOR_INLINE double Trainer::elapsed_seconds() const {
 }
 
 LAZYTENSOR_INLINE bool Trainer::time_is_up() const {
-  return options_.max_time && elapsed_seconds() >= options_.max_time->count();
+  if (!options_.max_time) return false;
+  const bool up = elapsed_seconds() >= options_.max_time->count();
+  // An SPMD program spanning processes: each reads its own clock, and all stop at the
+  // step where the first one's time is up (every process asks at the same points).
+  if (spmd::detail::process_span().count > 1) {
+    const auto votes = spmd::detail::span_rendezvous(up, "Trainer: max_time");
+    return std::find(votes.begin(), votes.end(), true) != votes.end();
+  }
+  return up;
 }
 
 LAZYTENSOR_INLINE std::string Trainer::log_dir() const {

@@ -245,6 +245,14 @@ TEST_F(MpiSpmd, TrainerSpmdStrategySpansTheProcesses) {
   std::sort(files.begin(), files.end());
   EXPECT_EQ(files, (std::vector<std::string>{"epoch=0.safetensors", "epoch=1.safetensors", "last.safetensors"}));
   EXPECT_NO_THROW((void)lazy::io::load(dir + "/last.safetensors"));
+
+  // max_time: the processes decide together (each reads its own clock), so both stop after
+  // the same step instead of one waiting in the next step's all-reduce.
+  Classifier timed;
+  train::Trainer tt(trainer_testing::quiet({.strategy = std::string("spmd"), .devices = 2,
+                                            .max_time = std::chrono::duration<double>(rank() == 0 ? 0.0 : 3600.0)}));
+  tt.fit(timed, *loader);
+  EXPECT_EQ(tt.global_step(), 1) << "process 0's time is up at the first check: every process stops there";
 }
 
 TEST_F(MpiSpmd, DivergentProgramsEndInErrors) {

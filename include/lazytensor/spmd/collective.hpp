@@ -254,6 +254,8 @@ LAZYTENSOR_INLINE void ReduceRound::publish(int slot, std::shared_ptr<Buffer> in
 LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::combine(int slot, DType dtype, std::int64_t numel,
                                                                graph::Device& dev) {
   std::unique_lock lock(mu_);
+  if (!exchange_error_.empty())  // (an attempt after a failed exchange: its messages no longer pair up)
+    throw CollectiveError("SPMD all-reduce: the exchange with the group's other processes failed: " + exchange_error_);
   if (local_ < size() && slot == leader_ && !exchanged_) exchange_inputs(slot, dtype, numel, dev, lock);
   const int failed = await(slot, lock, arrived_, arrived_fast_, arrived_marks_, "arrive");
   if (failed == -2)
@@ -332,10 +334,10 @@ LAZYTENSOR_INLINE void ReduceRound::exchange_inputs(int slot, DType dtype, std::
       receives.push_back({process_[m], got[m]->data(), bytes, got[m]});
     }
   }
-  const std::uint64_t signature = graph::hash_combine(
-      graph::hash_combine(graph::hash_combine(static_cast<std::uint64_t>(op_), static_cast<std::uint64_t>(dtype)),
-                          static_cast<std::uint64_t>(numel)),
-      static_cast<std::uint64_t>(size()));
+  // What the round is: op, dtype, size and its members (global device ids).
+  std::uint64_t signature = graph::hash_combine(
+      graph::hash_combine(static_cast<std::uint64_t>(op_), static_cast<std::uint64_t>(dtype)), static_cast<std::uint64_t>(numel));
+  for (const auto& name : names_) signature = graph::hash_combine(signature, std::hash<std::string>{}(name));
   lock.unlock();
   try {
     exchange(Channel::Reduce, seq_, signature, sends, receives, "all-reduce of " + std::to_string(numel) + " elements");

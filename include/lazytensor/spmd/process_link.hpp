@@ -57,8 +57,10 @@ inline bool wait_requests(std::vector<MPI_Request>& reqs, std::size_t n, std::ch
 /// posts all its headers before any payload.
 inline void mpi_exchange(Channel channel, std::uint64_t seq, std::uint64_t signature, const std::vector<Transfer>& sends,
                          const std::vector<Transfer>& receives, const std::string& what) {
+  // (count and index: the sender's transfers to this receiver, and this one's place among
+  // them, so that a peer sending more or fewer is caught before any payload is received.)
   struct Header {
-    std::uint64_t seq, bytes, signature;
+    std::uint64_t seq, bytes, signature, count, index;
   };
   const MpiSpan& span = mpi_span();
   const MPI_Comm comm = span.comms[static_cast<std::size_t>(channel)];
@@ -93,14 +95,31 @@ inline void mpi_exchange(Channel channel, std::uint64_t seq, std::uint64_t signa
   try {
     for (std::size_t i = 0; i < receives.size(); ++i)
       post(false, &(*headers)[sends.size() + i], sizeof(Header), receives[i].process);
+    auto place_among = [](const std::vector<Transfer>& ts, std::size_t i, std::uint64_t& count, std::uint64_t& index) {
+      count = index = 0;
+      for (std::size_t k = 0; k < ts.size(); ++k) {
+        if (ts[k].process != ts[i].process) continue;
+        if (k < i) ++index;
+        ++count;
+      }
+    };
     for (std::size_t i = 0; i < sends.size(); ++i) {
-      (*headers)[i] = {seq, sends[i].bytes, signature};
+      std::uint64_t count = 0, index = 0;
+      place_among(sends, i, count, index);
+      (*headers)[i] = {seq, sends[i].bytes, signature, count, index};
       post(true, &(*headers)[i], sizeof(Header), sends[i].process);
     }
     for (const auto& t : sends) post(true, t.data, t.bytes, t.process);
     if (!wait_requests(reqs, receives.size(), deadline)) throw timed_out();
     for (std::size_t i = 0; i < receives.size(); ++i) {
       const Header& h = (*headers)[sends.size() + i];
+      std::uint64_t count = 0, index = 0;
+      place_among(receives, i, count, index);
+      if (h.count != count || h.index != index)
+        throw CollectiveMismatch("SPMD " + what + ": process " + std::to_string(receives[i].process) + " sent " +
+                                 std::to_string(h.count) + " messages in exchange " + std::to_string(h.seq) +
+                                 ", expected " + std::to_string(count) + " in exchange " + std::to_string(seq) +
+                                 ": the processes diverged from one program");
       if (h.seq != seq || h.bytes != receives[i].bytes || h.signature != signature)
         throw CollectiveMismatch("SPMD " + what + ": process " + std::to_string(receives[i].process) +
                                  " sent a different collective (" + std::to_string(h.bytes) + " bytes in exchange " +

@@ -159,7 +159,8 @@ LAZYTENSOR_INLINE void ShardedNode::compute(graph::ExecContext& ctx) {
     }
     graph::detail::copy_box(static_cast<const std::byte*>(data), shard(position)->shape(), std::vector<std::int64_t>(at.size(), 0),
                             static_cast<std::byte*>(buf->data()), global, at, box, esize);
-  };  std::vector<detail::Transfer> sends, receives;
+  };
+  std::vector<detail::Transfer> sends, receives;
   std::vector<std::pair<std::shared_ptr<Buffer>, int>> received;
   for (std::size_t b = 0; b < blocks; ++b) {
     if (first_here[b] >= 0) {

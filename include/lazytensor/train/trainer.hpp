@@ -10,6 +10,7 @@
 // that the accessors find from the calling thread's rank, as Strategy does. After a fit the
 // accessors show global rank zero's run.
 
+#include <algorithm>
 #include <charconv>
 #include <chrono>
 #include <cstdint>
@@ -324,10 +325,7 @@ template <class F>
 void Trainer::each_callback(F f) {
   detail::ReplicaRun& r = run();
   for (std::size_t i = 0; i < r.callbacks.size(); ++i) {
-    // (Rank 0 of each process: processes hold their own callbacks, and a collective in a
-    // hook, such as ModelCheckpoint's save in an SPMD program spanning processes, needs
-    // every process.)
-    if (r.shared_callback[i] && global_rank() != 0) continue;
+    if (r.shared_callback[i] && !is_global_zero()) continue;
     f(*r.callbacks[i]);
   }
 }
@@ -481,7 +479,15 @@ LAZYTENSOR_INLINE double Trainer::elapsed_seconds() const {
 }
 
 LAZYTENSOR_INLINE bool Trainer::time_is_up() const {
-  return options_.max_time && elapsed_seconds() >= options_.max_time->count();
+  if (!options_.max_time) return false;
+  const bool up = elapsed_seconds() >= options_.max_time->count();
+  // An SPMD program spanning processes: each reads its own clock, and all stop at the
+  // step where the first one's time is up (every process asks at the same points).
+  if (spmd::detail::process_span().count > 1) {
+    const auto votes = spmd::detail::span_rendezvous(up, "Trainer: max_time");
+    return std::find(votes.begin(), votes.end(), true) != votes.end();
+  }
+  return up;
 }
 
 LAZYTENSOR_INLINE std::string Trainer::log_dir() const {
