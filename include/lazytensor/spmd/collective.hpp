@@ -82,13 +82,18 @@ class ReduceRound {
   int size() const { return static_cast<int>(names_.size()); }
 
  private:
-  /// Member `slot` waits, `lock` held, until `count` reaches the group size: members of a
-  /// step arrive close together, so it spins, then yields for up to 2 ms, then sleeps (a
-  /// sleeping waiter's wake-up costs tens of microseconds on a VM; dist waits alike).
-  /// Returns -1, or the slot of a member whose `marks` entry is still 0 and that gave up
-  /// more attempts than `slot` (abandon()).
+  /// Member `slot` waits, `lock` held, until `count` reaches `target` (default: the group
+  /// size): members of a step arrive close together, so it spins, then yields for up to
+  /// 2 ms, then sleeps (a sleeping waiter's wake-up costs tens of microseconds on a VM; dist
+  /// waits alike). Returns -1, the slot of
+  /// a member whose `marks` entry is still 0 and that gave up more attempts than `slot`
+  /// (abandon(); also the leader that gave up before the exchange), or -2 when the exchange
+  /// with the other processes failed.
   int await(int slot, std::unique_lock<std::mutex>& lock, const int& count, const std::atomic<int>& fast,
              const std::vector<std::uint8_t>& marks, const char* what, int target = -1);
+  /// Throws the CollectiveError of an await that returned `failed` (-2: the exchange with
+  /// the other processes failed; a slot: that member gave up first); nothing for -1.
+  void throw_if_failed(int failed) const;
   /// The exchange of a group spanning processes: run by the first member here once every
   /// member here published (`lock` held on entry and exit, released while messages fly).
   void exchange_inputs(int slot, DType dtype, std::int64_t numel, graph::Device& dev, std::unique_lock<std::mutex>& lock);
@@ -254,15 +259,10 @@ LAZYTENSOR_INLINE void ReduceRound::publish(int slot, std::shared_ptr<Buffer> in
 LAZYTENSOR_INLINE std::shared_ptr<Buffer> ReduceRound::combine(int slot, DType dtype, std::int64_t numel,
                                                                graph::Device& dev) {
   std::unique_lock lock(mu_);
-  if (!exchange_error_.empty())  // (an attempt after a failed exchange: its messages no longer pair up)
-    throw CollectiveError("SPMD all-reduce: the exchange with the group's other processes failed: " + exchange_error_);
+  // (An attempt after a failed exchange fails too: its messages no longer pair up.)
+  throw_if_failed(exchange_error_.empty() ? -1 : -2);
   if (local_ < size() && slot == leader_ && !exchanged_) exchange_inputs(slot, dtype, numel, dev, lock);
-  const int failed = await(slot, lock, arrived_, arrived_fast_, arrived_marks_, "arrive");
-  if (failed == -2)
-    throw CollectiveError("SPMD all-reduce: the exchange with the group's other processes failed: " + exchange_error_);
-  if (failed >= 0)
-    throw CollectiveError("SPMD all-reduce: " + names_[static_cast<std::size_t>(failed)] +
-                          " stopped before reaching it (its step failed; the error surfaces there)");
+  throw_if_failed(await(slot, lock, arrived_, arrived_fast_, arrived_marks_, "arrive"));
   const std::size_t es = dtype_size(dtype);
   if (!out_) {
     // Everything that may throw first: a member that fails here leaves the set-up to the
@@ -309,19 +309,22 @@ LAZYTENSOR_INLINE void ReduceRound::release(int slot) {
       if (process_[m] != process_[static_cast<std::size_t>(slot)]) inputs_[m].reset();
 }
 
-LAZYTENSOR_INLINE void ReduceRound::exchange_inputs(int slot, DType dtype, std::int64_t numel, graph::Device& dev,
-                                                    std::unique_lock<std::mutex>& lock) {
-  const int failed = await(slot, lock, arrived_, arrived_fast_, arrived_marks_, "arrive", local_);
+LAZYTENSOR_INLINE void ReduceRound::throw_if_failed(int failed) const {
   if (failed == -2)
     throw CollectiveError("SPMD all-reduce: the exchange with the group's other processes failed: " + exchange_error_);
   if (failed >= 0)
     throw CollectiveError("SPMD all-reduce: " + names_[static_cast<std::size_t>(failed)] +
                           " stopped before reaching it (its step failed; the error surfaces there)");
+}
+
+LAZYTENSOR_INLINE void ReduceRound::exchange_inputs(int slot, DType dtype, std::int64_t numel, graph::Device& dev,
+                                                    std::unique_lock<std::mutex>& lock) {
+  throw_if_failed(await(slot, lock, arrived_, arrived_fast_, arrived_marks_, "arrive", local_));
   const int here = process_[static_cast<std::size_t>(slot)];
-  std::vector<int> others;  // the group's other processes, ascending
-  for (int q : process_)
-    if (q != here && std::find(others.begin(), others.end(), q) == others.end()) others.push_back(q);
+  std::vector<int> others = process_;  // the group's other processes, ascending
   std::sort(others.begin(), others.end());
+  others.erase(std::unique(others.begin(), others.end()), others.end());
+  others.erase(std::find(others.begin(), others.end(), here));
   const std::size_t es = dtype_size(dtype), bytes = static_cast<std::size_t>(numel) * es;
   // Each side lists its messages to a process in slot order, so they pair up in order.
   std::vector<Transfer> sends, receives;
