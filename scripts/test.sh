@@ -197,7 +197,7 @@ run_package_consumers() {
   cmake -S tests/package/subdir -B "$tmp/pkg-fetch" "${common[@]}" -DCONSUMER_USE_FETCHCONTENT=ON
   cmake --build "$tmp/pkg-fetch" -j"$JOBS"
   "$tmp/pkg-fetch/lazytensor_subdir_test"
-  echo "FetchContent consumer (lazytensor::compiled): OK"
+  echo "FetchContent consumer: OK"
 }
 
 # --------------------------------------------------------------------------------------------
