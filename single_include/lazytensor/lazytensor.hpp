@@ -6153,6 +6153,8 @@ LAZYTENSOR_INLINE void GradFn::check_not_released() const {
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstddef>
+#include <memory>
 #include <string>
 #include <typeinfo>
 #include <vector>
@@ -6414,153 +6416,201 @@ class BlockReduction {
                              Device* device) const = 0;
 };
 
-/// Reduces kernel-form expression K (with lane S) by R into Tout, scaling by `scale`.
-template <class K, class R, class S, Element Tout>
-class ReductionNode final : public Node, public ChunkReduction, public BlockReduction {
+/// The loops of one reduction (R, lane S, result Tout) of one kernel-form expression, behind
+/// a virtual face: only these loops are compiled per expression, while the node that runs
+/// them (ReductionNode: threads, partials, plans, SPMD blocks) is compiled once. Each loop
+/// takes `contig` (no input is a single element broadcast over the child) and picks the
+/// kernel compiled for it.
+class ReduceKernel {
  public:
-  ReductionNode(K kernel, Shape out_shape, ReduceGeometry g, double scale, Device* device,
-                std::vector<NodePtr> inputs, Shape child_shape)
-      : Node(NodeKind::Reduction, dtype_of<Tout>(), out_shape, device, std::move(inputs)),
-        kernel_(std::move(kernel)),
-        g_(g),
-        scale_(scale),
-        child_shape_(child_shape),
-        splat_(detail::splat_flags(this->inputs(), child_shape.numel())) {}
+  virtual ~ReduceKernel() = default;
+  /// The reduction's name (R::name).
+  virtual const char* name() const = 0;
+  /// The expression as text ("exp(in0)").
+  virtual std::string text() const = 0;
+  /// Estimated cost per element of the child (the expression's, plus one for the combine).
+  virtual double cost() const = 0;
+  /// Identity of the code (reducer, lane, result and expression form; never scalar values).
+  virtual std::uint64_t hash() const = 0;
+  /// Bytes of one partial result (sizeof(S)).
+  virtual std::size_t partial_bytes() const = 0;
+  /// Partials of blocks [b0, b1) of kReduceBlock elements of a span of `len` elements
+  /// starting at element 0, into `partials` (indexed by block).
+  virtual void blocks(const void* const* in, const char* splat, bool contig, std::int64_t b0, std::int64_t b1,
+                      std::int64_t len, void* partials) const = 0;
+  /// Combines `count` partials pairwise (overwriting them) and writes the finished value
+  /// (times `scale`, as Tout) to `out`.
+  virtual void finish(void* partials, std::int64_t count, double scale, void* out) const = 0;
+  /// Rows [o0, o1) of a child reduced over contiguous runs of `extent` (inner == 1).
+  virtual void rows(const void* const* in, const char* splat, bool contig, std::int64_t o0, std::int64_t o1,
+                    std::int64_t extent, double scale, void* out) const = 0;
+  /// Units [u0, u1) of a child reduced across rows (inner > 1): a unit is one outer index
+  /// and kReduceColumns columns.
+  virtual void columns(const void* const* in, const char* splat, bool contig, std::int64_t u0, std::int64_t u1,
+                       ReduceGeometry g, double scale, void* out) const = 0;
+};
 
-  std::string op_name() const override { return R::name; }
-  std::string describe() const override {
-    return std::string(R::name) + "(" + expr::kernel_text(kernel_) + ") over [" + std::to_string(g_.outer) +
-           ", " + std::to_string(g_.extent) + ", " + std::to_string(g_.inner) + "]";
-  }
-  double cost_per_element() const override { return expr::kernel_cost<K>() + 1; }
-  std::uint64_t structural_hash() const override {
-    static const std::uint64_t kernel_hash = typeid(K).hash_code();  // hashes the type's name: once
-    std::uint64_t h = hash_combine(Node::structural_hash(), kernel_hash);
-    h = hash_combine(h, hash_shape(child_shape_));
-    return hash_combine(h, static_cast<std::uint64_t>(g_.extent));
-  }
+/// Columns of one unit of ReduceKernel::columns.
+inline constexpr std::int64_t kReduceColumns = 256;
 
-  const Shape& child_shape() const override { return child_shape_; }
-  ReduceGeometry geometry() const override { return g_; }
-  const char* reduce_name() const override { return R::name; }
-  NodePtr with_block(std::vector<NodePtr> inputs, Shape out, ReduceGeometry g, Shape child,
-                     Device* device) const override {
-    return std::make_shared<ReductionNode>(kernel_, out, g, scale_, device, std::move(inputs), child);
-  }
+/// ReduceKernel's loops for kernel-form expression K reduced by R in lane S into Tout.
+template <class K, class R, class S, Element Tout>
+class ReduceLoops final : public ReduceKernel {
+ public:
+  using Ev = expr::Evaluator<S, K>;
+  static_assert(alignof(S) <= alignof(std::max_align_t), "partials are kept in plain heap or stack storage");
 
-  bool reduces_all() const override { return g_.outer == 1 && g_.inner == 1; }
+  explicit ReduceLoops(K k) : k_(std::move(k)) {}
+
+  const K& expression() const { return k_; }
+
+  const char* name() const override { return R::name; }
+  std::string text() const override { return expr::kernel_text(k_); }
+  double cost() const override { return expr::kernel_cost<K>() + 1; }
+  std::uint64_t hash() const override {
+    static const std::uint64_t h = typeid(ReduceLoops).hash_code();  // hashes the type's name: once
+    return h;
+  }
   std::size_t partial_bytes() const override { return sizeof(S); }
-  void reduce_chunk(const void* const* inputs, std::int64_t len, void* partial) const override {
-    bool contig = true;
-    for (char s : splat_) contig = contig && !s;
-    const expr::Evaluator<S, K> ev(kernel_, inputs, splat_.data());
-    *static_cast<S*>(partial) = contig ? detail::reduce_span<R, S, true>(ev, 0, len) : detail::reduce_span<R, S, false>(ev, 0, len);
-  }
-  void finish_partials(ExecContext& ctx, void* partials, std::int64_t count) override {
-    auto buf = allocate_output(ctx, false);
-    static_cast<Tout*>(buf->data())[0] = finish_value(
-        detail::pairwise<R>(static_cast<S*>(partials), static_cast<std::size_t>(count)));
-    set_buffer(std::move(buf));
-    finish();
-  }
 
- protected:
-  void compute(ExecContext& ctx) override {
-    const auto& ins = inputs();
-    detail::InputPointers ptrs;
-    ptrs.resize(ins.size());
-    for (std::size_t i = 0; i < ins.size(); ++i) ptrs[i] = ins[i]->buffer()->data();
-    auto buf = allocate_output(ctx, false);
-    Tout* out = static_cast<Tout*>(buf->data());
-    bool contig = true;
-    for (char s : splat_) contig = contig && !s;
-    if (contig) run<true>(ctx, ptrs, out);
-    else run<false>(ctx, ptrs, out);
-    set_buffer(std::move(buf));
+  void blocks(const void* const* in, const char* splat, bool contig, std::int64_t b0, std::int64_t b1,
+              std::int64_t len, void* partials) const override {
+    const Ev ev(k_, in, splat);
+    S* p = static_cast<S*>(partials);
+    for (std::int64_t b = b0; b < b1; ++b) {
+      const std::int64_t s = b * kReduceBlock, n = std::min(kReduceBlock, len - s);
+      p[b] = contig ? detail::reduce_span<R, S, true>(ev, s, n) : detail::reduce_span<R, S, false>(ev, s, n);
+    }
+  }
+  void finish(void* partials, std::int64_t count, double scale, void* out) const override {
+    *static_cast<Tout*>(out) =
+        finish_value(detail::pairwise<R>(static_cast<S*>(partials), static_cast<std::size_t>(count)), scale);
+  }
+  void rows(const void* const* in, const char* splat, bool contig, std::int64_t o0, std::int64_t o1,
+            std::int64_t extent, double scale, void* out) const override {
+    const Ev ev(k_, in, splat);
+    Tout* o = static_cast<Tout*>(out);
+    for (std::int64_t r = o0; r < o1; ++r)
+      o[r] = finish_value(contig ? detail::reduce_range<R, S, true>(ev, r * extent, extent)
+                                 : detail::reduce_range<R, S, false>(ev, r * extent, extent),
+                          scale);
+  }
+  void columns(const void* const* in, const char* splat, bool contig, std::int64_t u0, std::int64_t u1,
+               ReduceGeometry g, double scale, void* out) const override {
+    const Ev ev(k_, in, splat);
+    if (contig) column_units<true>(ev, u0, u1, g, scale, static_cast<Tout*>(out));
+    else column_units<false>(ev, u0, u1, g, scale, static_cast<Tout*>(out));
   }
 
  private:
-  Tout finish_value(S v) const {
-    if (scale_ != 1.0) v = static_cast<S>(v * static_cast<S>(scale_));
+  static Tout finish_value(S v, double scale) {
+    if (scale != 1.0) v = static_cast<S>(v * static_cast<S>(scale));
     return expr::to_storage<Tout>(v);
   }
 
+  // Reduce across rows: vectorized along the inner dimension, R in order.
   template <bool C>
-  void run(ExecContext& ctx, const detail::InputPointers& ptrs, Tout* out) {
-    auto& pool = ctx.device.threads();
-    const double cost = cost_per_element();
-    const std::int64_t outer = g_.outer, R_ = g_.extent, inner = g_.inner;
-    const std::int64_t total = outer * R_ * inner;
-    auto eval = [&] { return expr::Evaluator<S, K>(kernel_, ptrs.data(), splat_.data()); };
-    if (inner == 1 && outer == 1) {
-      // One value: blocks in parallel, then the fixed pairwise tree.
-      const std::int64_t blocks = (R_ + kReduceBlock - 1) / kReduceBlock;
-      detail::Partials<S> partial;
-      partial.resize(static_cast<std::size_t>(blocks));
-      const std::int64_t tasks = std::min(blocks, task_count(pool, total, cost));
-      pool.parallel_for(tasks, [&](std::int64_t t) {
-        auto ev = eval();
-        auto [b0, b1] = task_range(blocks, tasks, t);
-        for (std::int64_t b = b0; b < b1; ++b) {
-          const std::int64_t s = b * kReduceBlock;
-          partial[b] = detail::reduce_span<R, S, C>(ev, s, std::min(kReduceBlock, R_ - s));
+  LAZY_KERNEL_LOOP static void column_units(const Ev& ev, std::int64_t u0, std::int64_t u1, ReduceGeometry g,
+                                            double scale, Tout* out) {
+    const std::int64_t extent = g.extent, inner = g.inner;
+    const std::int64_t chunks = (inner + kReduceColumns - 1) / kReduceColumns;
+    for (std::int64_t u = u0; u < u1; ++u) {
+      const std::int64_t o = u / chunks, c0 = (u % chunks) * kReduceColumns;
+      const std::int64_t c1 = std::min(inner, c0 + kReduceColumns), base = o * extent * inner;
+      Tout* dst = out + o * inner;
+      if constexpr (Ev::simd) {
+        // Whole batches of columns; the last may be partial (its extra lanes are computed
+        // from padding and dropped).
+        using V = expr::batch_t<S>;
+        constexpr std::int64_t W = V::size;
+        for (std::int64_t c = c0; c < c1; c += W) {
+          V acc = R::template identity<V>();
+          for (std::int64_t r = 0; r < extent; ++r) acc = R::combine(acc, ev.template packet<C>(base + r * inner + c));
+          alignas(64) S tmp[W];
+          acc.store_aligned(tmp);
+          for (std::int64_t k = 0; k < std::min(W, c1 - c); ++k) dst[c + k] = finish_value(tmp[k], scale);
         }
-      });
-      out[0] = finish_value(detail::pairwise<R>(partial.data(), partial.size()));
-    } else if (inner == 1) {
-      const std::int64_t tasks = std::min(outer, task_count(pool, total, cost));
-      pool.parallel_for(tasks, [&](std::int64_t t) {
-        auto ev = eval();
-        auto [o0, o1] = task_range(outer, tasks, t);
-        for (std::int64_t o = o0; o < o1; ++o) out[o] = finish_value(detail::reduce_range<R, S, C>(ev, o * R_, R_));
-      });
-    } else {
-      // Reduce across rows: vectorized along the inner dimension, R in order.
-      constexpr std::int64_t kCols = 256;
-      const std::int64_t col_chunks = (inner + kCols - 1) / kCols;
-      const std::int64_t units = outer * col_chunks;
-      const std::int64_t tasks = std::min(units, task_count(pool, total, cost));
-      pool.parallel_for(tasks, [&](std::int64_t t) {
-        auto ev = eval();
-        auto [u0, u1] = task_range(units, tasks, t);
-        for (std::int64_t u = u0; u < u1; ++u) {
-          const std::int64_t o = u / col_chunks, c0 = (u % col_chunks) * kCols, c1 = std::min(inner, c0 + kCols);
-          reduce_columns<C>(ev, out + o * inner, o * R_ * inner, c0, c1);
+      } else {
+        for (std::int64_t c = c0; c < c1; ++c) {
+          S acc = R::template identity<S>();
+          for (std::int64_t r = 0; r < extent; ++r) acc = R::combine(acc, ev.coeff(base + r * inner + c));
+          dst[c] = finish_value(acc, scale);
         }
-      });
-    }
-  }
-
-  template <bool C>
-  LAZY_KERNEL_LOOP void reduce_columns(const expr::Evaluator<S, K>& ev, Tout* out, std::int64_t base, std::int64_t c0, std::int64_t c1) {
-    const std::int64_t R_ = g_.extent, inner = g_.inner;
-    if constexpr (expr::Evaluator<S, K>::simd) {
-      // Whole batches of columns; the last may be partial (its extra lanes are computed
-      // from padding and dropped).
-      using V = expr::batch_t<S>;
-      constexpr std::int64_t W = V::size;
-      for (std::int64_t c = c0; c < c1; c += W) {
-        V acc = R::template identity<V>();
-        for (std::int64_t r = 0; r < R_; ++r) acc = R::combine(acc, ev.template packet<C>(base + r * inner + c));
-        alignas(64) S tmp[W];
-        acc.store_aligned(tmp);
-        for (std::int64_t k = 0; k < std::min(W, c1 - c); ++k) out[c + k] = finish_value(tmp[k]);
-      }
-    } else {
-      for (std::int64_t c = c0; c < c1; ++c) {
-        S acc = R::template identity<S>();
-        for (std::int64_t r = 0; r < R_; ++r) acc = R::combine(acc, ev.coeff(base + r * inner + c));
-        out[c] = finish_value(acc);
       }
     }
   }
 
-  K kernel_;
+  K k_;
+};
+
+/// Reduces a child expression ([outer, extent, inner], of `child_shape`) with a ReduceKernel
+/// and scales by `scale`. Not a template: what depends on the expression is the kernel,
+/// which ReductionNodeOf holds (one allocation per node, as one statement's fixed cost).
+class ReductionNode : public Node, public ChunkReduction, public BlockReduction {
+ public:
+  std::string op_name() const override { return kernel_.name(); }
+  std::string describe() const override;
+  double cost_per_element() const override { return kernel_.cost(); }
+  std::uint64_t structural_hash() const override;
+
+  const Shape& child_shape() const override { return child_shape_; }
+  ReduceGeometry geometry() const override { return g_; }
+  const char* reduce_name() const override { return kernel_.name(); }
+
+  bool reduces_all() const override { return g_.outer == 1 && g_.inner == 1; }
+  std::size_t partial_bytes() const override { return kernel_.partial_bytes(); }
+  void reduce_chunk(const void* const* inputs, std::int64_t len, void* partial) const override;
+  void finish_partials(ExecContext& ctx, void* partials, std::int64_t count) override;
+
+ protected:
+  /// `kernel` is a member of the derived node: it is not touched here before that
+  /// member is constructed.
+  ReductionNode(const ReduceKernel& kernel, DType dtype, Shape out_shape, ReduceGeometry g, double scale,
+                Device* device, std::vector<NodePtr> inputs, Shape child_shape);
+
+  void compute(ExecContext& ctx) override;
+
+  double scale() const { return scale_; }
+
+ private:
+  bool contig() const;
+
+  const ReduceKernel& kernel_;
   ReduceGeometry g_;
   double scale_;
   Shape child_shape_;
   core::SmallVector<char, 8> splat_;
 };
+
+/// A ReductionNode holding its loops: kernel-form expression K reduced by R in lane S into
+/// Tout.
+template <class K, class R, class S, Element Tout>
+class ReductionNodeOf final : public ReductionNode {
+ public:
+  ReductionNodeOf(K k, Shape out_shape, ReduceGeometry g, double scale, Device* device, std::vector<NodePtr> inputs,
+                  Shape child_shape)
+      : ReductionNode(loops_, dtype_of<Tout>(), std::move(out_shape), g, scale, device, std::move(inputs),
+                      std::move(child_shape)),
+        loops_(std::move(k)) {}
+
+  NodePtr with_block(std::vector<NodePtr> inputs, Shape out, ReduceGeometry g, Shape child,
+                     Device* device) const override {
+    return std::make_shared<ReductionNodeOf>(loops_.expression(), std::move(out), g, scale(), device,
+                                             std::move(inputs), std::move(child));
+  }
+
+ private:
+  ReduceLoops<K, R, S, Tout> loops_;
+};
+
+/// A pending-node-to-be reducing kernel-form expression `k` (lane of the combine S) by R
+/// into Tout (not yet submitted).
+template <class R, class S, Element Tout, class K>
+NodePtr reduction_node(K k, Shape out_shape, ReduceGeometry g, double scale, Device* device,
+                       std::vector<NodePtr> inputs, Shape child_shape) {
+  return std::make_shared<ReductionNodeOf<K, R, S, Tout>>(std::move(k), std::move(out_shape), g, scale, device,
+                                                          std::move(inputs), std::move(child_shape));
+}
 
 /// argmax / argmin (first occurrence; NaN counts as the extreme, as in torch).
 template <class K, class S, bool IsMax>
@@ -6638,6 +6688,94 @@ LAZYTENSOR_INLINE core::SmallVector<char, 8> splat_flags(const std::vector<NodeP
 }
 
 }  // namespace lazy::graph::detail
+
+namespace lazy::graph {
+
+LAZYTENSOR_INLINE ReductionNode::ReductionNode(const ReduceKernel& kernel, DType dtype, Shape out_shape,
+                                               ReduceGeometry g, double scale, Device* device,
+                                               std::vector<NodePtr> inputs, Shape child_shape)
+    : Node(NodeKind::Reduction, dtype, std::move(out_shape), device, std::move(inputs)),
+      kernel_(kernel),
+      g_(g),
+      scale_(scale),
+      child_shape_(std::move(child_shape)),
+      splat_(detail::splat_flags(this->inputs(), child_shape_.numel())) {}
+
+LAZYTENSOR_INLINE std::string ReductionNode::describe() const {
+  return std::string(kernel_.name()) + "(" + kernel_.text() + ") over [" + std::to_string(g_.outer) + ", " +
+         std::to_string(g_.extent) + ", " + std::to_string(g_.inner) + "]";
+}
+
+LAZYTENSOR_INLINE std::uint64_t ReductionNode::structural_hash() const {
+  std::uint64_t h = hash_combine(Node::structural_hash(), kernel_.hash());
+  h = hash_combine(h, hash_shape(child_shape_));
+  return hash_combine(h, static_cast<std::uint64_t>(g_.extent));
+}
+
+LAZYTENSOR_INLINE bool ReductionNode::contig() const {
+  for (char s : splat_)
+    if (s) return false;
+  return true;
+}
+
+LAZYTENSOR_INLINE void ReductionNode::reduce_chunk(const void* const* inputs, std::int64_t len, void* partial) const {
+  kernel_.blocks(inputs, splat_.data(), contig(), 0, 1, len, partial);
+}
+
+LAZYTENSOR_INLINE void ReductionNode::finish_partials(ExecContext& ctx, void* partials, std::int64_t count) {
+  auto buf = allocate_output(ctx, false);
+  kernel_.finish(partials, count, scale_, buf->data());
+  set_buffer(std::move(buf));
+  finish();
+}
+
+LAZYTENSOR_INLINE void ReductionNode::compute(ExecContext& ctx) {
+  const auto& ins = inputs();
+  detail::InputPointers ptrs;
+  ptrs.resize(ins.size());
+  for (std::size_t i = 0; i < ins.size(); ++i) ptrs[i] = ins[i]->buffer()->data();
+  auto buf = allocate_output(ctx, false);
+  void* out = buf->data();
+  const bool c = contig();
+  const ReduceKernel& k = kernel_;
+  auto& pool = ctx.device.threads();
+  const double cost = cost_per_element();
+  const std::int64_t outer = g_.outer, extent = g_.extent, inner = g_.inner;
+  const std::int64_t total = outer * extent * inner;
+  const void* const* in = ptrs.data();
+  const char* splat = splat_.data();
+  if (inner == 1 && outer == 1) {
+    // One value: blocks in parallel, then the fixed pairwise tree.
+    const std::int64_t blocks = (extent + kReduceBlock - 1) / kReduceBlock;
+    // Partials of any lane (at most 8 bytes): 64 of them inline, as a statement that fits
+    // in L2 has.
+    core::SmallVector<std::max_align_t, 64> partial;
+    const std::size_t bytes = static_cast<std::size_t>(blocks) * k.partial_bytes();
+    partial.resize((bytes + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t));
+    const std::int64_t tasks = std::min(blocks, task_count(pool, total, cost));
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      auto [b0, b1] = task_range(blocks, tasks, t);
+      k.blocks(in, splat, c, b0, b1, extent, partial.data());
+    });
+    k.finish(partial.data(), blocks, scale_, out);
+  } else if (inner == 1) {
+    const std::int64_t tasks = std::min(outer, task_count(pool, total, cost));
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      auto [o0, o1] = task_range(outer, tasks, t);
+      k.rows(in, splat, c, o0, o1, extent, scale_, out);
+    });
+  } else {
+    const std::int64_t units = outer * ((inner + kReduceColumns - 1) / kReduceColumns);
+    const std::int64_t tasks = std::min(units, task_count(pool, total, cost));
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      auto [u0, u1] = task_range(units, tasks, t);
+      k.columns(in, splat, c, u0, u1, g_, scale_, out);
+    });
+  }
+  set_buffer(std::move(buf));
+}
+
+}  // namespace lazy::graph
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/graph/reduction_node.hpp ----
 
@@ -6707,8 +6845,8 @@ graph::NodePtr sum_to_shape_of(const graph::NodePtr& g, const Shape& to) {
     for (int d = 0; d < lo; ++d) more = more || reduced[d];
     const Shape out = more ? next : to;  // the last pass writes the target shape directly
     using K = expr::KLeaf<T>;
-    cur = graph::submit(std::make_shared<graph::ReductionNode<K, ops::reduce::Sum, S, T>>(
-        K{0}, out, geo, 1.0, cur->device(), std::vector<graph::NodePtr>{cur}, cur_shape));
+    cur = graph::submit(graph::reduction_node<ops::reduce::Sum, S, T>(K{0}, out, geo, 1.0, cur->device(),
+                                                                       std::vector<graph::NodePtr>{cur}, cur_shape));
     cur_shape = next;
     hi = lo - 1;
   }
@@ -18528,6 +18666,29 @@ bool flat_child(const E& e, const std::vector<graph::NodePtr>& inputs) {
   return true;
 }
 
+template <class R, class Tout, class X>
+graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims, bool keepdim, double scale_kind,
+                              const char* op);
+
+/// Reduces `t` over dims `rd` that are not adjacent: moves them to the back first (one
+/// copy), then reduces. Per dtype, not per operand expression.
+template <class R, class Tout, class V>
+graph::NodePtr reduction_node_permuted(const Tensor<V>& t, const DimList& rd, bool keepdim, double scale_kind,
+                                       const char* op) {
+  const Shape& s = t.shape();
+  std::vector<std::int64_t> perm;
+  for (int i = 0; i < s.rank(); ++i)
+    if (std::find(rd.begin(), rd.end(), i) == rd.end()) perm.push_back(i);
+  for (int d : rd) perm.push_back(d);
+  Tensor<V> p = permute(t, perm);
+  std::vector<std::int64_t> back;
+  for (std::size_t i = 0; i < rd.size(); ++i)
+    back.push_back(s.rank() - static_cast<std::int64_t>(rd.size()) + static_cast<std::int64_t>(i));
+  auto node = reduction_node<R, Tout>(p, back, false, scale_kind, op);
+  if (!keepdim) return node;
+  return reshape(Tensor<Tout>(node), reduced_shape(s, rd, true)).node();
+}
+
 /// Builds the node for reducing the operand `x` (flat kernel form) with reducer R.
 template <class R, class Tout, class X>
 graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims, bool keepdim, double scale_kind,
@@ -18536,22 +18697,9 @@ graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims,
   auto rd = reduce_dims(s, dims, op);
   graph::ReduceGeometry g;
   if (!geometry(s, rd, g)) {
-    // Reduced dims are not adjacent: move them to the back first (one copy), then reduce.
     using V = expr::value_t<X>;
-    Tensor<V> t = [&] {
-      if constexpr (expr::is_expr_node<X>::value) return Tensor<V>(x);
-      else return x;
-    }();
-    std::vector<std::int64_t> perm;
-    for (int i = 0; i < s.rank(); ++i)
-      if (std::find(rd.begin(), rd.end(), i) == rd.end()) perm.push_back(i);
-    for (int d : rd) perm.push_back(d);
-    Tensor<V> p = permute(t, perm);
-    std::vector<std::int64_t> back;
-    for (std::size_t i = 0; i < rd.size(); ++i) back.push_back(s.rank() - static_cast<std::int64_t>(rd.size() + 0) + static_cast<std::int64_t>(i));
-    auto node = reduction_node<R, Tout>(p, back, false, scale_kind, op);
-    if (!keepdim) return node;
-    return reshape(Tensor<Tout>(node), reduced_shape(s, rd, true)).node();
+    if constexpr (expr::is_expr_node<X>::value) return reduction_node_permuted<R, Tout>(Tensor<V>(x), rd, keepdim, scale_kind, op);
+    else return reduction_node_permuted<R, Tout>(x, rd, keepdim, scale_kind, op);
   }
   const Shape out = reduced_shape(s, rd, keepdim);
   const double scale = scale_kind == 0 ? 1.0 : (g.extent ? 1.0 / static_cast<double>(g.extent) : std::nan(""));
@@ -18567,8 +18715,7 @@ graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims,
   }
   using S = expr::lane_combine<expr::kernel_lane_t<K>, expr::lane_of<Tout>>;
   graph::Device& dev = graph::common_device(inputs, op);
-  return graph::submit(std::make_shared<graph::ReductionNode<K, R, S, Tout>>(std::move(k), out, g, scale, &dev,
-                                                                            std::move(inputs), s));
+  return graph::submit(graph::reduction_node<R, S, Tout>(std::move(k), out, g, scale, &dev, std::move(inputs), s));
 }
 
 template <class R, class X>
@@ -18595,6 +18742,20 @@ Shape keep_shape(const X& x, const std::vector<std::int64_t>& dims, const char* 
   return reduced_shape(x.shape(), reduce_dims(x.shape(), dims, op), true);
 }
 
+/// Records sum / mean's backward (of an operand of dtype V, input shape `in`, kept shape
+/// `keep`) on `r`. Apart from record_sum so that its code is compiled once per pair of
+/// dtypes, not once per operand expression.
+template <class T, class V>
+void record_sum_backward(Tensor<T>& r, std::shared_ptr<autograd::GradFn> e, const Shape& in, const Shape& keep,
+                         bool mean) {
+  const double scale = mean && keep.numel() ? static_cast<double>(keep.numel()) / static_cast<double>(in.numel()) : 1.0;
+  autograd::record(r, mean ? "MeanBackward0" : "SumBackward0", {std::move(e)}, [in, keep, scale](const Tensor<T>& g) {
+    Tensor<T> gk = reshape(g, keep);
+    return std::vector<graph::NodePtr>{
+        (scale == 1.0 ? evaluate_as<V>(cast<V>(gk), in) : evaluate_as<V>(cast<V>(gk * scale), in)).node()};
+  });
+}
+
 /// sum / mean backward: the gradient, scaled, broadcast back over the reduced dims.
 template <class T, class X>
 void record_sum(Tensor<T>& r, const X& x, const std::vector<std::int64_t>& dims, bool mean) {
@@ -18603,13 +18764,7 @@ void record_sum(Tensor<T>& r, const X& x, const std::vector<std::int64_t>& dims,
     if (!autograd::is_grad_enabled()) return;
     auto e = autograd::operand_edge(x);
     if (!e) return;
-    const Shape in = x.shape(), keep = keep_shape(x, dims, "sum");
-    const double scale = mean && keep.numel() ? static_cast<double>(keep.numel()) / static_cast<double>(in.numel()) : 1.0;
-    autograd::record(r, mean ? "MeanBackward0" : "SumBackward0", {e}, [in, keep, scale](const Tensor<T>& g) {
-      Tensor<T> gk = reshape(g, keep);
-      return std::vector<graph::NodePtr>{
-          (scale == 1.0 ? evaluate_as<V>(cast<V>(gk), in) : evaluate_as<V>(cast<V>(gk * scale), in)).node()};
-    });
+    record_sum_backward<T, V>(r, std::move(e), x.shape(), keep_shape(x, dims, "sum"), mean);
   }
 }
 

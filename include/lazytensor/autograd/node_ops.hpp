@@ -83,8 +83,8 @@ graph::NodePtr sum_to_shape_of(const graph::NodePtr& g, const Shape& to) {
     for (int d = 0; d < lo; ++d) more = more || reduced[d];
     const Shape out = more ? next : to;  // the last pass writes the target shape directly
     using K = expr::KLeaf<T>;
-    cur = graph::submit(std::make_shared<graph::ReductionNode<K, ops::reduce::Sum, S, T>>(
-        K{0}, out, geo, 1.0, cur->device(), std::vector<graph::NodePtr>{cur}, cur_shape));
+    cur = graph::submit(graph::reduction_node<ops::reduce::Sum, S, T>(K{0}, out, geo, 1.0, cur->device(),
+                                                                       std::vector<graph::NodePtr>{cur}, cur_shape));
     cur_shape = next;
     hi = lo - 1;
   }

@@ -40,6 +40,29 @@ bool flat_child(const E& e, const std::vector<graph::NodePtr>& inputs) {
   return true;
 }
 
+template <class R, class Tout, class X>
+graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims, bool keepdim, double scale_kind,
+                              const char* op);
+
+/// Reduces `t` over dims `rd` that are not adjacent: moves them to the back first (one
+/// copy), then reduces. Per dtype, not per operand expression.
+template <class R, class Tout, class V>
+graph::NodePtr reduction_node_permuted(const Tensor<V>& t, const DimList& rd, bool keepdim, double scale_kind,
+                                       const char* op) {
+  const Shape& s = t.shape();
+  std::vector<std::int64_t> perm;
+  for (int i = 0; i < s.rank(); ++i)
+    if (std::find(rd.begin(), rd.end(), i) == rd.end()) perm.push_back(i);
+  for (int d : rd) perm.push_back(d);
+  Tensor<V> p = permute(t, perm);
+  std::vector<std::int64_t> back;
+  for (std::size_t i = 0; i < rd.size(); ++i)
+    back.push_back(s.rank() - static_cast<std::int64_t>(rd.size()) + static_cast<std::int64_t>(i));
+  auto node = reduction_node<R, Tout>(p, back, false, scale_kind, op);
+  if (!keepdim) return node;
+  return reshape(Tensor<Tout>(node), reduced_shape(s, rd, true)).node();
+}
+
 /// Builds the node for reducing the operand `x` (flat kernel form) with reducer R.
 template <class R, class Tout, class X>
 graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims, bool keepdim, double scale_kind,
@@ -48,22 +71,9 @@ graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims,
   auto rd = reduce_dims(s, dims, op);
   graph::ReduceGeometry g;
   if (!geometry(s, rd, g)) {
-    // Reduced dims are not adjacent: move them to the back first (one copy), then reduce.
     using V = expr::value_t<X>;
-    Tensor<V> t = [&] {
-      if constexpr (expr::is_expr_node<X>::value) return Tensor<V>(x);
-      else return x;
-    }();
-    std::vector<std::int64_t> perm;
-    for (int i = 0; i < s.rank(); ++i)
-      if (std::find(rd.begin(), rd.end(), i) == rd.end()) perm.push_back(i);
-    for (int d : rd) perm.push_back(d);
-    Tensor<V> p = permute(t, perm);
-    std::vector<std::int64_t> back;
-    for (std::size_t i = 0; i < rd.size(); ++i) back.push_back(s.rank() - static_cast<std::int64_t>(rd.size() + 0) + static_cast<std::int64_t>(i));
-    auto node = reduction_node<R, Tout>(p, back, false, scale_kind, op);
-    if (!keepdim) return node;
-    return reshape(Tensor<Tout>(node), reduced_shape(s, rd, true)).node();
+    if constexpr (expr::is_expr_node<X>::value) return reduction_node_permuted<R, Tout>(Tensor<V>(x), rd, keepdim, scale_kind, op);
+    else return reduction_node_permuted<R, Tout>(x, rd, keepdim, scale_kind, op);
   }
   const Shape out = reduced_shape(s, rd, keepdim);
   const double scale = scale_kind == 0 ? 1.0 : (g.extent ? 1.0 / static_cast<double>(g.extent) : std::nan(""));
@@ -79,8 +89,7 @@ graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims,
   }
   using S = expr::lane_combine<expr::kernel_lane_t<K>, expr::lane_of<Tout>>;
   graph::Device& dev = graph::common_device(inputs, op);
-  return graph::submit(std::make_shared<graph::ReductionNode<K, R, S, Tout>>(std::move(k), out, g, scale, &dev,
-                                                                            std::move(inputs), s));
+  return graph::submit(graph::reduction_node<R, S, Tout>(std::move(k), out, g, scale, &dev, std::move(inputs), s));
 }
 
 template <class R, class X>
@@ -107,6 +116,20 @@ Shape keep_shape(const X& x, const std::vector<std::int64_t>& dims, const char* 
   return reduced_shape(x.shape(), reduce_dims(x.shape(), dims, op), true);
 }
 
+/// Records sum / mean's backward (of an operand of dtype V, input shape `in`, kept shape
+/// `keep`) on `r`. Apart from record_sum so that its code is compiled once per pair of
+/// dtypes, not once per operand expression.
+template <class T, class V>
+void record_sum_backward(Tensor<T>& r, std::shared_ptr<autograd::GradFn> e, const Shape& in, const Shape& keep,
+                         bool mean) {
+  const double scale = mean && keep.numel() ? static_cast<double>(keep.numel()) / static_cast<double>(in.numel()) : 1.0;
+  autograd::record(r, mean ? "MeanBackward0" : "SumBackward0", {std::move(e)}, [in, keep, scale](const Tensor<T>& g) {
+    Tensor<T> gk = reshape(g, keep);
+    return std::vector<graph::NodePtr>{
+        (scale == 1.0 ? evaluate_as<V>(cast<V>(gk), in) : evaluate_as<V>(cast<V>(gk * scale), in)).node()};
+  });
+}
+
 /// sum / mean backward: the gradient, scaled, broadcast back over the reduced dims.
 template <class T, class X>
 void record_sum(Tensor<T>& r, const X& x, const std::vector<std::int64_t>& dims, bool mean) {
@@ -115,13 +138,7 @@ void record_sum(Tensor<T>& r, const X& x, const std::vector<std::int64_t>& dims,
     if (!autograd::is_grad_enabled()) return;
     auto e = autograd::operand_edge(x);
     if (!e) return;
-    const Shape in = x.shape(), keep = keep_shape(x, dims, "sum");
-    const double scale = mean && keep.numel() ? static_cast<double>(keep.numel()) / static_cast<double>(in.numel()) : 1.0;
-    autograd::record(r, mean ? "MeanBackward0" : "SumBackward0", {e}, [in, keep, scale](const Tensor<T>& g) {
-      Tensor<T> gk = reshape(g, keep);
-      return std::vector<graph::NodePtr>{
-          (scale == 1.0 ? evaluate_as<V>(cast<V>(gk), in) : evaluate_as<V>(cast<V>(gk * scale), in)).node()};
-    });
+    record_sum_backward<T, V>(r, std::move(e), x.shape(), keep_shape(x, dims, "sum"), mean);
   }
 }
 
