@@ -2819,6 +2819,10 @@ namespace lazy::graph {
 
 struct ExecContext;
 
+/// Leaf size of a reduction's pairwise tree, and so the chunk of fused groups (plan.hpp's
+/// kFusionChunk is this value): one chunk is one block, reduced by one block's loop.
+inline constexpr std::int64_t kReduceBlock = 4096;
+
 /// Implemented by reduction nodes that can end a fused group (see the file comment).
 class ChunkReduction {
  public:
@@ -2828,7 +2832,7 @@ class ChunkReduction {
   virtual bool reduces_all() const = 0;
   /// Bytes of one partial result.
   virtual std::size_t partial_bytes() const = 0;
-  /// Reduces `len` (<= one chunk) elements whose inputs start at `inputs` (an input of
+  /// Reduces `len` (<= kReduceBlock: one chunk) elements whose inputs start at `inputs` (an input of
   /// one element broadcast to all: its only element) into `partial`.
   virtual void reduce_chunk(const void* const* inputs, std::int64_t len, void* partial) const = 0;
   /// Combines `count` partials (in chunk order) into the node's value and finishes it;
@@ -4753,9 +4757,9 @@ struct Plan {
 /// inter-processor interrupt) than running them. About 10 us of work.
 inline constexpr double kInlineStepWork = 1 << 14;
 
-/// Elements a fused group processes per chunk: a reduction block (kReduceBlock), 16 KiB of
-/// floats.
-inline constexpr std::int64_t kFusionChunk = 4096;
+/// Elements a fused group processes per chunk: a reduction block (chunk_reduction.hpp),
+/// 16 KiB of floats.
+inline constexpr std::int64_t kFusionChunk = kReduceBlock;
 
 /// Element-wise members a fused group holds at most (a reduction ending a full group is
 /// one more, with no scratch); the next statement starts a new group. Each
@@ -6311,10 +6315,6 @@ struct All : Min {
 
 namespace lazy::graph {
 
-/// Leaf size of the pairwise reduction tree (also the chunk of fused groups, see
-/// chunk_reduction.hpp).
-inline constexpr std::int64_t kReduceBlock = 4096;
-
 /// How a child of shape `in` is reduced: [outer, R, inner].
 struct ReduceGeometry {
   std::int64_t outer = 1, extent = 1, inner = 1;
@@ -6747,8 +6747,8 @@ LAZYTENSOR_INLINE void ReductionNode::compute(ExecContext& ctx) {
   if (inner == 1 && outer == 1) {
     // One value: blocks in parallel, then the fixed pairwise tree.
     const std::int64_t blocks = (extent + kReduceBlock - 1) / kReduceBlock;
-    // Partials of any lane (at most 8 bytes): 64 of them inline, as a statement that fits
-    // in L2 has.
+    // Partials of any lane, in 2 KiB inline (512 floats' worth: a statement of up to 8 MiB
+    // of floats needs no heap).
     core::SmallVector<std::max_align_t, 64> partial;
     const std::size_t bytes = static_cast<std::size_t>(blocks) * k.partial_bytes();
     partial.resize((bytes + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t));

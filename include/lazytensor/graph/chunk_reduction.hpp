@@ -15,6 +15,10 @@ namespace lazy::graph {
 
 struct ExecContext;
 
+/// Leaf size of a reduction's pairwise tree, and so the chunk of fused groups (plan.hpp's
+/// kFusionChunk is this value): one chunk is one block, reduced by one block's loop.
+inline constexpr std::int64_t kReduceBlock = 4096;
+
 /// Implemented by reduction nodes that can end a fused group (see the file comment).
 class ChunkReduction {
  public:
@@ -24,7 +28,7 @@ class ChunkReduction {
   virtual bool reduces_all() const = 0;
   /// Bytes of one partial result.
   virtual std::size_t partial_bytes() const = 0;
-  /// Reduces `len` (<= one chunk) elements whose inputs start at `inputs` (an input of
+  /// Reduces `len` (<= kReduceBlock: one chunk) elements whose inputs start at `inputs` (an input of
   /// one element broadcast to all: its only element) into `partial`.
   virtual void reduce_chunk(const void* const* inputs, std::int64_t len, void* partial) const = 0;
   /// Combines `count` partials (in chunk order) into the node's value and finishes it;

@@ -64,9 +64,9 @@ struct Plan {
 /// inter-processor interrupt) than running them. About 10 us of work.
 inline constexpr double kInlineStepWork = 1 << 14;
 
-/// Elements a fused group processes per chunk: a reduction block (kReduceBlock), 16 KiB of
-/// floats.
-inline constexpr std::int64_t kFusionChunk = 4096;
+/// Elements a fused group processes per chunk: a reduction block (chunk_reduction.hpp),
+/// 16 KiB of floats.
+inline constexpr std::int64_t kFusionChunk = kReduceBlock;
 
 /// Element-wise members a fused group holds at most (a reduction ending a full group is
 /// one more, with no scratch); the next statement starts a new group. Each

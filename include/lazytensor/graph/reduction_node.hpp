@@ -28,10 +28,6 @@
 
 namespace lazy::graph {
 
-/// Leaf size of the pairwise reduction tree (also the chunk of fused groups, see
-/// chunk_reduction.hpp).
-inline constexpr std::int64_t kReduceBlock = 4096;
-
 /// How a child of shape `in` is reduced: [outer, R, inner].
 struct ReduceGeometry {
   std::int64_t outer = 1, extent = 1, inner = 1;
@@ -464,8 +460,8 @@ LAZYTENSOR_INLINE void ReductionNode::compute(ExecContext& ctx) {
   if (inner == 1 && outer == 1) {
     // One value: blocks in parallel, then the fixed pairwise tree.
     const std::int64_t blocks = (extent + kReduceBlock - 1) / kReduceBlock;
-    // Partials of any lane (at most 8 bytes): 64 of them inline, as a statement that fits
-    // in L2 has.
+    // Partials of any lane, in 2 KiB inline (512 floats' worth: a statement of up to 8 MiB
+    // of floats needs no heap).
     core::SmallVector<std::max_align_t, 64> partial;
     const std::size_t bytes = static_cast<std::size_t>(blocks) * k.partial_bytes();
     partial.resize((bytes + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t));
