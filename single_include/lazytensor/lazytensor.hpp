@@ -10160,33 +10160,30 @@ LAZYTENSOR_INLINE std::string graph_dot(const std::vector<graph::NodePtr>& roots
 #include <vector>
 
 // ---- begin lazytensor/dist/process_world.hpp ----
-// The processes of a replica world (MPI, built with LAZYTENSOR_WITH_MPI: the CMake target
-// lazytensor::mpi). Every process of `mpirun -np P` calls spawn(fn, n); together they form
-// one world of P x n replicas, ordinal = process index * n + local index.
+// The processes of a replica world. Every process of `mpirun -np P` calls spawn(fn, n);
+// together they form one world of P x n replicas, ordinal = process index * n + local index.
 //
 // Hierarchical: replicas inside a process meet through shared memory (group_comm.hpp) as
 // in the threads backend, and one thread per process and group (the group's lowest local
-// member, its "leader") talks MPI. In a round that spans processes the leader waits for
-// its local members, sends their shares (signature and data) to the other processes of the
-// group as one package, receives theirs into the group's slots of the remote members, and
-// only then lets the round start. Every process then holds every member's data, so the
-// exchange kernels and the signature check run unchanged, and the result is the same fold
-// in group order as in one process: bitwise the threads world's.
+// member, its "leader") talks to the other processes through its group's ProcessLink. In a
+// round that spans processes the leader waits for its local members, sends their shares
+// (signature and data) to the other processes of the group, receives theirs into the
+// group's slots of the remote members, and only then lets the round start. Every process
+// then holds every member's data, so the exchange kernels and the signature check run
+// unchanged, and the result is the same fold in group order as in one process: bitwise the
+// threads world's.
 //
-// What a program pays: without LAZYTENSOR_WITH_MPI this header declares nothing but the
-// queries' single-process answers; <mpi.h> is included only with it.
-//
-// Failure: a replica's exit is announced to every other process (with its exception when
-// it failed) on a control communicator that a watcher thread per process reads, so a failure
-// in one process aborts every other one's collectives at once, and a partner that exited
-// without joining a round ends it with a CollectiveError. A process that died or never
-// arrives ends a round with CollectiveTimeout (collective_timeout()); mpirun then ends the
-// job. Every spawn works on its own duplicates of MPI_COMM_WORLD, so nothing a failed
-// spawn left in flight can reach the next one.
+// The transport is an interface (ProcessTransport, ProcessWorld, ProcessLink) that the
+// runtime calls, so the runtime is the same code with and without MPI, header-only or
+// compiled once in lazytensor::compiled (which is built without MPI). lazytensor::mpi's
+// transport (mpi_world.hpp) is header code compiled in the programs that link it: a
+// translation unit that includes this header with LAZYTENSOR_WITH_MPI installs it when the
+// program starts. Without a transport the program is one process.
 
-#include <chrono>
+#include <atomic>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -10946,10 +10943,124 @@ LAZYTENSOR_INLINE void WorldState::mark_exited(int ordinal) {
 #define LAZYTENSOR_WITH_MPI 0
 #endif
 
+namespace lazy::dist::detail {
+
+/// Where this process sits among the processes (0 of 1 without MPI).
+struct ProcessPlace {
+  int index = 0;       ///< rank among the processes (MPI_COMM_WORLD's)
+  int count = 1;       ///< processes
+  int host_index = 0;  ///< rank among the processes on this host
+  int host_count = 1;  ///< processes on this host
+};
+
+/// One group's link to the other processes holding some of its members: sends this
+/// process's shares of a round, receives theirs. Used by the group's leader only.
+class ProcessLink {
+ public:
+  virtual ~ProcessLink() = default;
+  /// Starts round s: sends the shares of the local slots (their members' ordinals) to every
+  /// peer process.
+  virtual void begin(std::uint64_t s, const std::vector<Share*>& local, const std::vector<int>& ordinals) = 0;
+  /// Makes progress; true once every peer's package arrived into `slot_share` (indexed by
+  /// slot; `slot_of_ordinal` maps ordinals to slots) and every send completed.
+  virtual bool progress(const std::vector<Share*>& slot_share, const std::vector<int>& slot_of_ordinal) = 0;
+  /// The peers not heard from yet in this round ("process 1 (replicas 2, 3)").
+  virtual std::string waiting_for() const = 0;
+  /// Whether the process holding `ordinal` has delivered this round's package.
+  virtual bool delivered_by_owner(int ordinal) const = 0;
+  /// Gives up on the round: cancels receives, keeps what is in flight alive, and tells the
+  /// peer processes (with `reason` when not empty) that the group is broken.
+  virtual void abandon(const std::string& reason, bool timeout) = 0;
+};
+
+/// The processes of one spawn, as the runtime sees them.
+class ProcessWorld {
+ public:
+  virtual ~ProcessWorld() = default;
+  /// The world layout: P x n replicas, this process's offset, the replicas of its host.
+  virtual WorldLayout layout() const = 0;
+  /// Starts watching the other processes: their exit notices are applied to `w`.
+  virtual void watch(WorldState& w) = 0;
+  /// Tells every other process that local replica `ordinal` exited (failed with `e` when
+  /// not null).
+  virtual void announce_exit(int ordinal, const std::exception_ptr& e) = 0;
+  /// After every local replica exited: waits (at most the collective timeout) for the
+  /// other processes' notices, then stops watching.
+  virtual void finish() = 0;
+  /// What a group that spans processes is told (from another thread) when a peer process
+  /// gave up one of its rounds: it must fail its later rounds.
+  using BrokenHandler = std::function<void(const std::string& reason, bool timeout)>;
+  /// The link of group `members` (sorted ordinals, some in other processes). `on_broken`
+  /// is called until the link is destroyed.
+  virtual std::unique_ptr<ProcessLink> link(const std::vector<int>& members, BrokenHandler on_broken) = 0;
+};
+
+/// A way to reach other processes (lazytensor::mpi installs MPI's).
+class ProcessTransport {
+ public:
+  /// This process's place among the processes of the job.
+  virtual ProcessPlace place() = 0;
+  /// Joins the other processes' spawn(fn, replicas); null when the program runs as one
+  /// process.
+  virtual std::shared_ptr<ProcessWorld> join(int replicas) = 0;
+
+ protected:
+  ~ProcessTransport() = default;
+};
+
+/// The installed transport (null: the program is one process).
+std::atomic<ProcessTransport*>& process_transport();
+
+/// This process's place. With MPI, when an MPI launcher started the process (or the program
+/// initialised MPI), initialises MPI on first use; otherwise a process of one.
+ProcessPlace process_place();
+
+/// Joins the other processes' spawn(fn, replicas) through the transport (collective over
+/// the job's processes, gives up after the collective timeout) and checks that every
+/// process asked for as many replicas. Null when the program runs as one process.
+std::shared_ptr<ProcessWorld> join_process_world(int replicas);
+
+}  // namespace lazy::dist::detail
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::dist::detail {
+
+LAZYTENSOR_INLINE std::atomic<ProcessTransport*>& process_transport() {
+  static std::atomic<ProcessTransport*> transport{nullptr};
+  return transport;
+}
+
+LAZYTENSOR_INLINE ProcessPlace process_place() {
+  ProcessTransport* t = process_transport().load(std::memory_order_acquire);
+  return t ? t->place() : ProcessPlace{};
+}
+
+LAZYTENSOR_INLINE std::shared_ptr<ProcessWorld> join_process_world(int replicas) {
+  ProcessTransport* t = process_transport().load(std::memory_order_acquire);
+  return t ? t->join(replicas) : nullptr;
+}
+
+}  // namespace lazy::dist::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+// lazytensor::mpi's transport, in the programs that link it (empty without
+// LAZYTENSOR_WITH_MPI).
+// ---- begin lazytensor/dist/mpi_world.hpp ----
+// lazytensor::mpi's transport between processes (process_world.hpp's interfaces over MPI),
+// included by process_world.hpp (empty without LAZYTENSOR_WITH_MPI). Header code compiled in
+// the programs that link lazytensor::mpi, with or without lazytensor::compiled: a
+// translation unit that includes it installs the transport when the program starts.
+//
+// Failure: a replica's exit is announced to every other process (with its exception when
+// it failed) on a control communicator that a watcher thread per process reads, so a failure
+// in one process aborts every other one's collectives at once, and a partner that exited
+// without joining a round ends it with a CollectiveError. A process that died or never
+// arrives ends a round with CollectiveTimeout (collective_timeout()); mpirun then ends the
+// job. Every spawn works on its own duplicates of MPI_COMM_WORLD, so nothing a failed
+// spawn left in flight can reach the next one.
+
+
 #if LAZYTENSOR_WITH_MPI
-#if defined(LAZYTENSOR_COMPILED) && !defined(LAZYTENSOR_BUILDING_RUNTIME)
-#error "lazytensor::mpi is header-only: link lazytensor::mpi without lazytensor::compiled"
-#endif
 // The C API is all lazytensor uses: skip the deprecated C++ bindings (and their cost).
 #ifndef OMPI_SKIP_MPICXX
 #define OMPI_SKIP_MPICXX 1
@@ -10960,29 +11071,20 @@ LAZYTENSOR_INLINE void WorldState::mark_exited(int ordinal) {
 #include <mpi.h>
 
 #include <atomic>
+#include <chrono>
+#include <cstdint>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <utility>
-#endif
+#include <vector>
 
 namespace lazy::dist::detail {
-
-/// Where this process sits among the processes (0 of 1 without MPI).
-struct ProcessPlace {
-  int index = 0;       ///< MPI rank in MPI_COMM_WORLD
-  int count = 1;       ///< processes
-  int host_index = 0;  ///< rank among the processes on this host
-  int host_count = 1;  ///< processes on this host
-};
-
-/// This process's place. With MPI, when an MPI launcher started the process (or the program
-/// initialised MPI), initialises MPI on first use (see Mpi); otherwise a process of one.
-ProcessPlace process_place();
-
-#if LAZYTENSOR_WITH_MPI
 
 /// The MPI library, initialised on first use unless the program did (with
 /// MPI_THREAD_MULTIPLE: replica threads of different groups talk MPI at the same time), and
@@ -11023,31 +11125,28 @@ class Mpi {
 void mpi_check(int rc, const char* what);
 
 /// The processes of one spawn: their communicators, the exit notices, the watcher thread.
-class ProcessWorld {
+class MpiWorld final : public ProcessWorld, public std::enable_shared_from_this<MpiWorld> {
  public:
   /// Joins the other processes' spawn(fn, replicas) (collective over MPI_COMM_WORLD, gives
   /// up after the collective timeout) and checks that every process asked for as many
   /// replicas. Null when the program runs as one process.
-  static std::shared_ptr<ProcessWorld> join(int replicas);
-  ~ProcessWorld();
-  ProcessWorld(const ProcessWorld&) = delete;
-  ProcessWorld& operator=(const ProcessWorld&) = delete;
+  static std::shared_ptr<MpiWorld> join(int replicas);
+  ~MpiWorld() override;
+  MpiWorld(const MpiWorld&) = delete;
+  MpiWorld& operator=(const MpiWorld&) = delete;
 
   int index() const { return place_.index; }
   int count() const { return place_.count; }
   int replicas() const { return replicas_; }
-  /// The world layout: P x n replicas, this process's offset, the replicas of its host.
-  WorldLayout layout() const;
+  WorldLayout layout() const override;
   MPI_Comm data_comm() const { return data_; }
 
   /// Starts the watcher thread, which applies other processes' exit notices to `w`.
-  void watch(WorldState& w);
-  /// Tells every other process that local replica `ordinal` exited (failed with `e` when
-  /// not null).
-  void announce_exit(int ordinal, const std::exception_ptr& e);
-  /// After every local replica exited: waits (at most the collective timeout) for the
-  /// other processes' notices, then stops the watcher and settles abandoned transfers.
-  void finish();
+  void watch(WorldState& w) override;
+  void announce_exit(int ordinal, const std::exception_ptr& e) override;
+  /// Also stops the watcher and settles abandoned transfers.
+  void finish() override;
+  std::unique_ptr<ProcessLink> link(const std::vector<int>& members, BrokenHandler on_broken) override;
 
   /// Requests a failed round left in flight, with what their buffers need to outlive them.
   void abandon(std::vector<MPI_Request> requests, std::vector<std::shared_ptr<void>> keep);
@@ -11061,9 +11160,7 @@ class ProcessWorld {
   void post_package(std::uint64_t group, int source, std::shared_ptr<std::vector<std::byte>> p);
   std::shared_ptr<std::vector<std::byte>> take_package(std::uint64_t group, int source);
 
-  /// What a group that spans processes is told when a peer process gave up one of its
-  /// rounds: it must fail its later rounds (as every member does in one process).
-  using BrokenHandler = std::function<void(const std::string& reason, bool timeout)>;
+  /// Registers what a group is told when a peer process gave up one of its rounds.
   void on_group_broken(std::uint64_t group, BrokenHandler h);
   void forget_group(std::uint64_t group);
 
@@ -11091,7 +11188,7 @@ class ProcessWorld {
                        bool timeout);
 
  private:
-  ProcessWorld(int replicas, ProcessPlace place, MPI_Comm data, MPI_Comm ctl);
+  MpiWorld(int replicas, ProcessPlace place, MPI_Comm data, MPI_Comm ctl);
   void run_watcher();
   void apply_notice(const std::vector<char>& msg, int source);
   void apply_broken(const std::vector<char>& msg);
@@ -11123,27 +11220,22 @@ class ProcessWorld {
   std::size_t segment_used_ = 0;  // guarded by mu_
 };
 
-/// One group's link to the other processes holding members: sends this process's shares
-/// of a round, receives theirs.
-class ProcessLink {
+/// One group's link to the other processes holding members (MPI messages, and the host's
+/// shared window for large entries).
+class MpiLink final : public ProcessLink {
  public:
-  /// `members`: the group (sorted ordinals); `local[slot]`: whether a member lives here.
-  ProcessLink(std::shared_ptr<ProcessWorld> pw, const std::vector<int>& members);
+  /// `members`: the group (sorted ordinals); `on_broken`: see ProcessWorld::link.
+  MpiLink(std::shared_ptr<MpiWorld> pw, const std::vector<int>& members, ProcessWorld::BrokenHandler on_broken);
+  ~MpiLink() override;
+  MpiLink(const MpiLink&) = delete;
+  MpiLink& operator=(const MpiLink&) = delete;
 
-  /// Starts round s: sends the shares of the local slots to every peer process.
-  void begin(std::uint64_t s, const std::vector<Share*>& local, const std::vector<int>& ordinals);
-  /// Makes progress; true once every peer's package arrived into `remote` (indexed by slot)
-  /// and every send completed.
-  bool progress(const std::vector<Share*>& slot_share, const std::vector<int>& slot_of_ordinal);
-  /// The peers not heard from yet in this round ("process 1 (replicas 2, 3)").
-  std::string waiting_for() const;
-  /// Whether the process holding `ordinal` has delivered this round's package.
-  bool delivered_by_owner(int ordinal) const;
-  /// Gives up on the round: cancels receives, hands what is in flight to the ProcessWorld,
-  /// and tells the peer processes the group is broken.
-  void abandon(const std::string& reason, bool timeout);
-  std::uint64_t group_hash() const { return hash_; }
-  ProcessWorld& processes() { return *pw_; }
+  void begin(std::uint64_t s, const std::vector<Share*>& local, const std::vector<int>& ordinals) override;
+  bool progress(const std::vector<Share*>& slot_share, const std::vector<int>& slot_of_ordinal) override;
+  std::string waiting_for() const override;
+  bool delivered_by_owner(int ordinal) const override;
+  /// Also hands what is in flight to the MpiWorld.
+  void abandon(const std::string& reason, bool timeout) override;
 
  private:
   /// Takes the peer's next package of this group (from the mailbox or MPI); null if none.
@@ -11156,7 +11248,7 @@ class ProcessLink {
     bool got_header = false;
     std::vector<MPI_Request> recvs;
   };
-  std::shared_ptr<ProcessWorld> pw_;
+  std::shared_ptr<MpiWorld> pw_;
   std::uint64_t hash_ = 0;
   int tag_ = 1;
   std::uint64_t round_ = 0;
@@ -11170,34 +11262,29 @@ class ProcessLink {
   bool shared_peers_ = false;          // every peer process shares this host
 };
 
-#else  // !LAZYTENSOR_WITH_MPI
 
-/// Without MPI a world is one process: spawn never builds one of these.
-class ProcessWorld {
+/// process_world.hpp's ProcessTransport over MPI.
+class MpiTransport final : public ProcessTransport {
  public:
-  static std::shared_ptr<ProcessWorld> join(int) { return nullptr; }
-  WorldLayout layout() const { return {}; }
-  void watch(WorldState&) {}
-  void announce_exit(int, const std::exception_ptr&) {}
-  void finish() {}
+  ProcessPlace place() override;
+  std::shared_ptr<ProcessWorld> join(int replicas) override { return MpiWorld::join(replicas); }
 };
 
-class ProcessLink {};
+inline MpiTransport& mpi_transport() {
+  static MpiTransport t;
+  return t;
+}
 
+/// Installs MPI's transport before main (every translation unit that includes this header
+/// initialises it; the first one does the work).
+inline const bool kMpiTransportInstalled =
+    (process_transport().store(&mpi_transport(), std::memory_order_release), true);
+
+}  // namespace lazy::dist::detail
 #endif  // LAZYTENSOR_WITH_MPI
 
-}  // namespace lazy::dist::detail
-
-#if LAZYTENSOR_HEADER_DEFINITIONS && !LAZYTENSOR_WITH_MPI
-namespace lazy::dist::detail {
-LAZYTENSOR_INLINE ProcessPlace process_place() { return {}; }
-}  // namespace lazy::dist::detail
-#endif
-
-// The MPI backend's definitions (empty without MPI or without header definitions).
-// ---- begin lazytensor/dist/process_world_impl.hpp ----
-// Definitions of process_world.hpp's MPI backend (included at its end; empty unless the
-// headers define the runtime and LAZYTENSOR_WITH_MPI is set).
+// ---- begin lazytensor/dist/mpi_world_impl.hpp ----
+// Definitions of mpi_world.hpp (included at its end): lazytensor::mpi's transport.
 
 #include <algorithm>
 #include <array>
@@ -11210,7 +11297,8 @@ LAZYTENSOR_INLINE ProcessPlace process_place() { return {}; }
 #include <utility>
 
 
-#if LAZYTENSOR_HEADER_DEFINITIONS && LAZYTENSOR_WITH_MPI
+#if LAZYTENSOR_WITH_MPI
+
 namespace lazy::dist::detail {
 
 /// Tags on the control communicator: a replica's exit, a group a peer gave up.
@@ -11307,7 +11395,7 @@ inline Signature get_signature(PackReader& r) {
   return s;
 }
 
-LAZYTENSOR_INLINE void mpi_check(int rc, const char* what) {
+inline void mpi_check(int rc, const char* what) {
   if (rc == MPI_SUCCESS) return;
   char text[MPI_MAX_ERROR_STRING];
   int len = 0;
@@ -11315,7 +11403,7 @@ LAZYTENSOR_INLINE void mpi_check(int rc, const char* what) {
   throw CollectiveError(std::string(what) + " failed: " + std::string(text, len));
 }
 
-LAZYTENSOR_INLINE Mpi::Mpi() {
+inline Mpi::Mpi() {
   int ready = 0;
   MPI_Initialized(&ready);
   if (!ready) {
@@ -11329,7 +11417,7 @@ LAZYTENSOR_INLINE Mpi::Mpi() {
   MPI_Comm_size(MPI_COMM_WORLD, &place_.count);
 }
 
-LAZYTENSOR_INLINE Mpi::~Mpi() {
+inline Mpi::~Mpi() {
   int done = 0;
   MPI_Finalized(&done);
   if (done) return;
@@ -11341,7 +11429,7 @@ LAZYTENSOR_INLINE Mpi::~Mpi() {
   if (owned_) MPI_Finalize();
 }
 
-LAZYTENSOR_INLINE const Mpi::HostWindow& Mpi::host_window(MPI_Comm data, int index, int count,
+inline const Mpi::HostWindow& Mpi::host_window(MPI_Comm data, int index, int count,
                                                           const std::vector<int>& host_processes) {
   if (window_tried_) return window_;
   window_tried_ = true;
@@ -11385,7 +11473,7 @@ LAZYTENSOR_INLINE const Mpi::HostWindow& Mpi::host_window(MPI_Comm data, int ind
   return window_;
 }
 
-LAZYTENSOR_INLINE Mpi& Mpi::get() {
+inline Mpi& Mpi::get() {
   static Mpi mpi;
   return mpi;
 }
@@ -11404,7 +11492,7 @@ inline bool mpi_launched() {
   return false;
 }
 
-LAZYTENSOR_INLINE ProcessPlace process_place() {
+inline ProcessPlace MpiTransport::place() {
   static const bool launched = mpi_launched();
   return launched ? Mpi::get().place() : ProcessPlace{};
 }
@@ -11438,8 +11526,8 @@ inline bool wait_all_until(std::vector<MPI_Request>& reqs,
   }
 }
 
-LAZYTENSOR_INLINE std::shared_ptr<ProcessWorld> ProcessWorld::join(int replicas) {
-  if (process_place().count == 1) return nullptr;
+inline std::shared_ptr<MpiWorld> MpiWorld::join(int replicas) {
+  if (mpi_transport().place().count == 1) return nullptr;
   Mpi& mpi = Mpi::get();
   const ProcessPlace place = mpi.place();
   if (!mpi.multiple()) {
@@ -11483,7 +11571,7 @@ LAZYTENSOR_INLINE std::shared_ptr<ProcessWorld> ProcessWorld::join(int replicas)
     leaked_keep().push_back(counts);
     throw CollectiveTimeout("spawn: timed out exchanging replica counts between processes");
   }
-  auto pw = std::shared_ptr<ProcessWorld>(new ProcessWorld(replicas, place, data, ctl));
+  auto pw = std::shared_ptr<MpiWorld>(new MpiWorld(replicas, place, data, ctl));
   for (int p = 0; p < place.count; ++p) {
     const int theirs = (*counts)[2 * static_cast<std::size_t>(p) + 2];
     if (theirs != replicas) {
@@ -11509,7 +11597,7 @@ LAZYTENSOR_INLINE std::shared_ptr<ProcessWorld> ProcessWorld::join(int replicas)
   return pw;
 }
 
-LAZYTENSOR_INLINE std::int64_t ProcessWorld::reserve_segment(std::size_t bytes) {
+inline std::int64_t MpiWorld::reserve_segment(std::size_t bytes) {
   std::lock_guard lock(mu_);
   if (!segment_of(place_.index) || segment_used_ + bytes > window_->bytes) return -1;
   const auto at = static_cast<std::int64_t>(segment_used_);
@@ -11517,15 +11605,14 @@ LAZYTENSOR_INLINE std::int64_t ProcessWorld::reserve_segment(std::size_t bytes) 
   return at;
 }
 
-LAZYTENSOR_INLINE void ProcessWorld::sync_segments() {
+inline void MpiWorld::sync_segments() {
   if (window_) MPI_Win_sync(window_->win);
 }
 
-LAZYTENSOR_INLINE ProcessWorld::ProcessWorld(int replicas, ProcessPlace place, MPI_Comm data,
-                                             MPI_Comm ctl)
+inline MpiWorld::MpiWorld(int replicas, ProcessPlace place, MPI_Comm data, MPI_Comm ctl)
     : replicas_(replicas), place_(place), data_(data), ctl_(ctl) {}
 
-LAZYTENSOR_INLINE ProcessWorld::~ProcessWorld() {
+inline MpiWorld::~MpiWorld() {
   if (watcher_.joinable()) {
     stop_.store(true);
     watcher_.join();
@@ -11540,7 +11627,7 @@ LAZYTENSOR_INLINE ProcessWorld::~ProcessWorld() {
   MPI_Comm_free(&ctl_);
 }
 
-LAZYTENSOR_INLINE WorldLayout ProcessWorld::layout() const {
+inline WorldLayout MpiWorld::layout() const {
   WorldLayout l;
   l.world_size = place_.count * replicas_;
   l.process_offset = place_.index * replicas_;
@@ -11550,7 +11637,7 @@ LAZYTENSOR_INLINE WorldLayout ProcessWorld::layout() const {
   return l;
 }
 
-LAZYTENSOR_INLINE void ProcessWorld::watch(WorldState& w) {
+inline void MpiWorld::watch(WorldState& w) {
   world_ = &w;
   watcher_ = std::thread([this] { run_watcher(); });
 }
@@ -11594,7 +11681,7 @@ inline std::exception_ptr rebuild(ErrorClass c, const std::string& msg) {
   }
 }
 
-LAZYTENSOR_INLINE void ProcessWorld::send_control(std::shared_ptr<std::vector<std::byte>> msg,
+inline void MpiWorld::send_control(std::shared_ptr<std::vector<std::byte>> msg,
                                                   const std::vector<int>& to, int tag) {
   Pending p;
   for (int q : to) {
@@ -11608,7 +11695,7 @@ LAZYTENSOR_INLINE void ProcessWorld::send_control(std::shared_ptr<std::vector<st
   outbox_.push_back(std::move(p));
 }
 
-LAZYTENSOR_INLINE void ProcessWorld::announce_exit(int ordinal, const std::exception_ptr& e) {
+inline void MpiWorld::announce_exit(int ordinal, const std::exception_ptr& e) {
   std::exception_ptr cause = e;
   // A replica stopped because another failed carries that failure, so every process
   // re-throws the root cause rather than the ReplicaAborted it led to.
@@ -11633,7 +11720,7 @@ LAZYTENSOR_INLINE void ProcessWorld::announce_exit(int ordinal, const std::excep
   local_exited_.fetch_add(1);
 }
 
-LAZYTENSOR_INLINE void ProcessWorld::announce_broken(std::uint64_t group, const std::vector<int>& peers,
+inline void MpiWorld::announce_broken(std::uint64_t group, const std::vector<int>& peers,
                                                      const std::string& reason, bool timeout) {
   auto msg = std::make_shared<std::vector<std::byte>>();
   PackWriter w{*msg};
@@ -11643,7 +11730,7 @@ LAZYTENSOR_INLINE void ProcessWorld::announce_broken(std::uint64_t group, const 
   send_control(std::move(msg), peers, kBrokenTag);
 }
 
-LAZYTENSOR_INLINE void ProcessWorld::apply_broken(const std::vector<char>& msg) {
+inline void MpiWorld::apply_broken(const std::vector<char>& msg) {
   PackReader r{reinterpret_cast<const std::byte*>(msg.data()),
                reinterpret_cast<const std::byte*>(msg.data() + msg.size()), -1};
   const auto group = r.get<std::uint64_t>();
@@ -11657,28 +11744,28 @@ LAZYTENSOR_INLINE void ProcessWorld::apply_broken(const std::vector<char>& msg) 
   if (h) h(reason, timeout);
 }
 
-LAZYTENSOR_INLINE void ProcessWorld::on_group_broken(std::uint64_t group, BrokenHandler h) {
+inline void MpiWorld::on_group_broken(std::uint64_t group, BrokenHandler h) {
   std::lock_guard lock(mu_);
   groups_[group] = std::move(h);
 }
 
-LAZYTENSOR_INLINE void ProcessWorld::forget_group(std::uint64_t group) {
+inline void MpiWorld::forget_group(std::uint64_t group) {
   std::lock_guard lock(mu_);
   groups_.erase(group);
 }
 
-LAZYTENSOR_INLINE int ProcessWorld::piece_tag() {
+inline int MpiWorld::piece_tag() {
   return kPieceTagBase + static_cast<int>(piece_counter_.fetch_add(1) % kPieceTags);
 }
 
-LAZYTENSOR_INLINE void ProcessWorld::post_package(std::uint64_t group, int source,
+inline void MpiWorld::post_package(std::uint64_t group, int source,
                                                   std::shared_ptr<std::vector<std::byte>> p) {
   std::lock_guard lock(mu_);
   mailbox_[{group, source}].push_back(std::move(p));
   mail_.fetch_add(1, std::memory_order_release);
 }
 
-LAZYTENSOR_INLINE std::shared_ptr<std::vector<std::byte>> ProcessWorld::take_package(std::uint64_t group,
+inline std::shared_ptr<std::vector<std::byte>> MpiWorld::take_package(std::uint64_t group,
                                                                                     int source) {
   if (mail_.load(std::memory_order_acquire) == 0) return nullptr;  // the common case: no lock
   std::lock_guard lock(mu_);
@@ -11690,7 +11777,7 @@ LAZYTENSOR_INLINE std::shared_ptr<std::vector<std::byte>> ProcessWorld::take_pac
   return p;
 }
 
-LAZYTENSOR_INLINE void ProcessWorld::apply_notice(const std::vector<char>& msg, int source) {
+inline void MpiWorld::apply_notice(const std::vector<char>& msg, int source) {
   PackReader r{reinterpret_cast<const std::byte*>(msg.data()),
                reinterpret_cast<const std::byte*>(msg.data() + msg.size()), source};
   const int ordinal = r.get<std::int32_t>();
@@ -11701,7 +11788,7 @@ LAZYTENSOR_INLINE void ProcessWorld::apply_notice(const std::vector<char>& msg, 
   world_->mark_exited(ordinal);
 }
 
-LAZYTENSOR_INLINE void ProcessWorld::run_watcher() {
+inline void MpiWorld::run_watcher() {
   const int expected = (place_.count - 1) * replicas_;
   int received = 0;
   std::chrono::steady_clock::time_point stopped{};
@@ -11746,19 +11833,19 @@ LAZYTENSOR_INLINE void ProcessWorld::run_watcher() {
   }
 }
 
-LAZYTENSOR_INLINE void ProcessWorld::finish() {
+inline void MpiWorld::finish() {
   stop_.store(true);
   if (watcher_.joinable()) watcher_.join();
   settle(true);
 }
 
-LAZYTENSOR_INLINE void ProcessWorld::abandon(std::vector<MPI_Request> requests,
+inline void MpiWorld::abandon(std::vector<MPI_Request> requests,
                                              std::vector<std::shared_ptr<void>> keep) {
   std::lock_guard lock(mu_);
   abandoned_.push_back({std::move(requests), std::move(keep)});
 }
 
-LAZYTENSOR_INLINE void ProcessWorld::settle(bool final_pass) {
+inline void MpiWorld::settle(bool final_pass) {
   std::lock_guard lock(mu_);
   for (auto* list : {&outbox_, &abandoned_}) {
     for (auto it = list->begin(); it != list->end();) {
@@ -11786,8 +11873,13 @@ LAZYTENSOR_INLINE void ProcessWorld::settle(bool final_pass) {
   }
 }
 
-LAZYTENSOR_INLINE ProcessLink::ProcessLink(std::shared_ptr<ProcessWorld> pw,
-                                           const std::vector<int>& members)
+inline std::unique_ptr<ProcessLink> MpiWorld::link(const std::vector<int>& members,
+                                                   BrokenHandler on_broken) {
+  return std::make_unique<MpiLink>(shared_from_this(), members, std::move(on_broken));
+}
+
+inline MpiLink::MpiLink(std::shared_ptr<MpiWorld> pw, const std::vector<int>& members,
+                        ProcessWorld::BrokenHandler on_broken)
     : pw_(std::move(pw)) {
   const int n = pw_->replicas();
   std::uint64_t h = 1469598103934665603ULL;  // FNV-1a of the members
@@ -11802,7 +11894,7 @@ LAZYTENSOR_INLINE ProcessLink::ProcessLink(std::shared_ptr<ProcessWorld> pw,
   shared_peers_ = pw_->segment_of(pw_->index()) != nullptr;
   for (const auto& peer : peers_) shared_peers_ = shared_peers_ && pw_->shares_window(peer.process);
   // Groups that hash to the same tag share it: a package carries its group's hash and a
-  // leader that receives another group's leaves it in the mailbox (ProcessWorld), and large
+  // leader that receives another group's leaves it in the mailbox (MpiWorld), and large
   // entries travel on fresh tags named in the package, so no data can reach the wrong group.
   // LAZYTENSOR_MPI_PACKAGE_TAGS (1 to 16383, read when a group forms) narrows the tags so
   // that tests can make groups share one.
@@ -11810,9 +11902,12 @@ LAZYTENSOR_INLINE ProcessLink::ProcessLink(std::shared_ptr<ProcessWorld> pw,
   if (const char* env = std::getenv("LAZYTENSOR_MPI_PACKAGE_TAGS"))
     tags = std::clamp(std::atoi(env), 1, kPieceTagBase - 1);
   tag_ = 1 + static_cast<int>(h % static_cast<std::uint64_t>(tags));
+  pw_->on_group_broken(hash_, std::move(on_broken));
 }
 
-LAZYTENSOR_INLINE void ProcessLink::begin(std::uint64_t s, const std::vector<Share*>& local,
+inline MpiLink::~MpiLink() { pw_->forget_group(hash_); }
+
+inline void MpiLink::begin(std::uint64_t s, const std::vector<Share*>& local,
                                           const std::vector<int>& ordinals) {
   round_ = s;
   auto& out = out_[s & 1];
@@ -11908,7 +12003,7 @@ LAZYTENSOR_INLINE void ProcessLink::begin(std::uint64_t s, const std::vector<Sha
   }
 }
 
-LAZYTENSOR_INLINE bool ProcessLink::progress(const std::vector<Share*>& slot_share,
+inline bool MpiLink::progress(const std::vector<Share*>& slot_share,
                                              const std::vector<int>& slot_of_ordinal) {
   MPI_Comm comm = pw_->data_comm();
   bool done = true;
@@ -12030,7 +12125,7 @@ LAZYTENSOR_INLINE bool ProcessLink::progress(const std::vector<Share*>& slot_sha
   return done;
 }
 
-LAZYTENSOR_INLINE std::shared_ptr<std::vector<std::byte>> ProcessLink::next_package(int process) {
+inline std::shared_ptr<std::vector<std::byte>> MpiLink::next_package(int process) {
   if (auto p = pw_->take_package(hash_, process)) return p;
   for (;;) {
     int flag = 0;
@@ -12052,7 +12147,7 @@ LAZYTENSOR_INLINE std::shared_ptr<std::vector<std::byte>> ProcessLink::next_pack
   }
 }
 
-LAZYTENSOR_INLINE std::string ProcessLink::waiting_for() const {
+inline std::string MpiLink::waiting_for() const {
   std::string w;
   for (const auto& peer : peers_) {
     if (peer.got_header && peer.recvs.empty()) continue;
@@ -12064,7 +12159,7 @@ LAZYTENSOR_INLINE std::string ProcessLink::waiting_for() const {
   return w.empty() ? "the other processes' sends to complete" : w;
 }
 
-LAZYTENSOR_INLINE bool ProcessLink::delivered_by_owner(int ordinal) const {
+inline bool MpiLink::delivered_by_owner(int ordinal) const {
   for (const auto& peer : peers_) {
     if (std::find(peer.ordinals.begin(), peer.ordinals.end(), ordinal) != peer.ordinals.end())
       return peer.got_header;
@@ -12072,7 +12167,7 @@ LAZYTENSOR_INLINE bool ProcessLink::delivered_by_owner(int ordinal) const {
   return true;
 }
 
-LAZYTENSOR_INLINE void ProcessLink::abandon(const std::string& reason, bool timeout) {
+inline void MpiLink::abandon(const std::string& reason, bool timeout) {
   std::vector<MPI_Request> reqs;
   std::vector<std::shared_ptr<void>> keep;
   for (auto& peer : peers_) {
@@ -12096,8 +12191,9 @@ LAZYTENSOR_INLINE void ProcessLink::abandon(const std::string& reason, bool time
 }
 
 }  // namespace lazy::dist::detail
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS && LAZYTENSOR_WITH_MPI
-// ---- end lazytensor/dist/process_world_impl.hpp ----
+#endif  // LAZYTENSOR_WITH_MPI
+// ---- end lazytensor/dist/mpi_world_impl.hpp ----
+// ---- end lazytensor/dist/mpi_world.hpp ----
 // ---- end lazytensor/dist/process_world.hpp ----
 
 namespace lazy::dist::detail {
@@ -12264,19 +12360,14 @@ LAZYTENSOR_INLINE GroupComm::GroupComm(std::shared_ptr<WorldState> world, std::v
       local_index_[i] = local_count_++;
     }
   }
-#if LAZYTENSOR_WITH_MPI
   if (spans_processes()) {
-    link_ = std::make_unique<ProcessLink>(world_->processes(), members_);
-    link_->processes().on_group_broken(
-        link_->group_hash(), [this](const std::string& reason, bool timeout) { break_from_peer(reason, timeout); });
+    link_ = world_->processes()->link(
+        members_, [this](const std::string& reason, bool timeout) { break_from_peer(reason, timeout); });
   }
-#endif
 }
 
 LAZYTENSOR_INLINE GroupComm::~GroupComm() {
-#if LAZYTENSOR_WITH_MPI
-  if (link_) link_->processes().forget_group(link_->group_hash());
-#endif
+  link_.reset();  // first: it stops calling break_from_peer
 }
 
 LAZYTENSOR_INLINE void GroupComm::break_from_peer(const std::string& reason, bool timeout) {
@@ -12371,7 +12462,6 @@ LAZYTENSOR_INLINE std::string timed_out(std::chrono::milliseconds timeout,
 
 LAZYTENSOR_INLINE void GroupComm::cross_process(int me, std::uint64_t s, const Signature& sig,
                                                 std::chrono::milliseconds timeout) {
-#if LAZYTENSOR_WITH_MPI
   WorldState& w = *world_;
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   const std::size_t n = members_.size();
@@ -12482,9 +12572,6 @@ LAZYTENSOR_INLINE void GroupComm::cross_process(int me, std::uint64_t s, const S
     slots_[j].arrived.store(s, std::memory_order_seq_cst);
   }
   w.event().notify();
-#else
-  (void)me, (void)s, (void)sig, (void)timeout;
-#endif
 }
 
 LAZYTENSOR_INLINE void GroupComm::start(int me, std::uint64_t s, const Signature& sig) {
@@ -15474,7 +15561,7 @@ auto spawn(F&& fn, int nprocs) {
   std::unique_lock guard(detail::spawn_mutex(), std::try_to_lock);
   if (!guard.owns_lock()) throw Error("spawn: another spawn is already running in this process");
 
-  auto processes = detail::ProcessWorld::join(nprocs);  // null: this process is the world
+  auto processes = detail::join_process_world(nprocs);  // null: this process is the world
   detail::WorldLayout layout;
   layout.world_size = layout.process_replicas = layout.host_replicas = nprocs;
   if (processes) layout = processes->layout();
@@ -21288,6 +21375,14 @@ inline std::atomic<ExchangeFn>& exchange_hook() {
   return hook;
 }
 
+/// What use_spmd calls to join the processes of the job into one SPMD program (installs
+/// exchange_hook's transport and the span): lazytensor::mpi's join (process_link.hpp),
+/// installed before main by the programs that link it; null: SPMD stays in this process.
+inline std::atomic<void (*)()>& process_join_hook() {
+  static std::atomic<void (*)()> hook{nullptr};
+  return hook;
+}
+
 /// exchange_hook()'s exchange; Error when none is installed.
 void exchange(Channel channel, std::uint64_t seq, std::uint64_t signature, const std::vector<Transfer>& sends,
               const std::vector<Transfer>& receives, const std::string& what);
@@ -26854,9 +26949,11 @@ LAZYTENSOR_INLINE graph::NodePtr partition_view(const graph::ViewNode& node) {
 // ---- end lazytensor/spmd/partitioner.hpp ----
 // ---- begin lazytensor/spmd/process_link.hpp ----
 // The transport of an SPMD program spanning processes (span.hpp) over MPI: use_spmd, under
-// `mpirun -np P` with lazytensor::mpi linked, joins the P processes (join_processes) and
-// installs mpi_exchange as span.hpp's exchange. Without LAZYTENSOR_WITH_MPI this header
-// declares nothing, and SPMD stays inside one process.
+// `mpirun -np P` with lazytensor::mpi linked, joins the P processes (join_processes, which
+// this header installs as span.hpp's process_join_hook) and installs mpi_exchange as its
+// exchange. Header code compiled in the programs that link lazytensor::mpi (with or
+// without lazytensor::compiled). Without LAZYTENSOR_WITH_MPI this header declares nothing,
+// and SPMD stays inside one process.
 //
 // An exchange sends a header (the exchange's sequence number, size and signature) for each
 // payload, checks the headers it receives, then receives the payloads (non-blocking, on one
@@ -27031,6 +27128,10 @@ inline void join_processes() {
   set_process_span({place.index, place.count, local, host_processes});
 }
 
+/// Installs join_processes as use_spmd's join before main (see process_join_hook).
+inline const bool kMpiSpanInstalled =
+    (process_join_hook().store(&join_processes, std::memory_order_release), true);
+
 }  // namespace lazy::spmd::detail
 #endif  // LAZYTENSOR_WITH_MPI
 // ---- end lazytensor/spmd/process_link.hpp ----
@@ -27074,9 +27175,7 @@ LAZYTENSOR_INLINE void use_spmd() {
   if (dist::detail::current_context())
     throw Error("use_spmd: called inside spawn; SPMD mode drives every device from one program thread");
   if (is_spmd()) return;
-#if LAZYTENSOR_WITH_MPI
-  detail::join_processes();
-#endif
+  if (auto join = detail::process_join_hook().load(std::memory_order_acquire)) join();
   const int n = device_count();
   // The devices of every process on this host share its cores.
   const int sharing = n * detail::process_span().host_processes;

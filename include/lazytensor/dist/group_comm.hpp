@@ -209,19 +209,14 @@ LAZYTENSOR_INLINE GroupComm::GroupComm(std::shared_ptr<WorldState> world, std::v
       local_index_[i] = local_count_++;
     }
   }
-#if LAZYTENSOR_WITH_MPI
   if (spans_processes()) {
-    link_ = std::make_unique<ProcessLink>(world_->processes(), members_);
-    link_->processes().on_group_broken(
-        link_->group_hash(), [this](const std::string& reason, bool timeout) { break_from_peer(reason, timeout); });
+    link_ = world_->processes()->link(
+        members_, [this](const std::string& reason, bool timeout) { break_from_peer(reason, timeout); });
   }
-#endif
 }
 
 LAZYTENSOR_INLINE GroupComm::~GroupComm() {
-#if LAZYTENSOR_WITH_MPI
-  if (link_) link_->processes().forget_group(link_->group_hash());
-#endif
+  link_.reset();  // first: it stops calling break_from_peer
 }
 
 LAZYTENSOR_INLINE void GroupComm::break_from_peer(const std::string& reason, bool timeout) {
@@ -316,7 +311,6 @@ LAZYTENSOR_INLINE std::string timed_out(std::chrono::milliseconds timeout,
 
 LAZYTENSOR_INLINE void GroupComm::cross_process(int me, std::uint64_t s, const Signature& sig,
                                                 std::chrono::milliseconds timeout) {
-#if LAZYTENSOR_WITH_MPI
   WorldState& w = *world_;
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   const std::size_t n = members_.size();
@@ -427,9 +421,6 @@ LAZYTENSOR_INLINE void GroupComm::cross_process(int me, std::uint64_t s, const S
     slots_[j].arrived.store(s, std::memory_order_seq_cst);
   }
   w.event().notify();
-#else
-  (void)me, (void)s, (void)sig, (void)timeout;
-#endif
 }
 
 LAZYTENSOR_INLINE void GroupComm::start(int me, std::uint64_t s, const Signature& sig) {

@@ -1,31 +1,28 @@
 #pragma once
-// The processes of a replica world (MPI, built with LAZYTENSOR_WITH_MPI: the CMake target
-// lazytensor::mpi). Every process of `mpirun -np P` calls spawn(fn, n); together they form
-// one world of P x n replicas, ordinal = process index * n + local index.
+// The processes of a replica world. Every process of `mpirun -np P` calls spawn(fn, n);
+// together they form one world of P x n replicas, ordinal = process index * n + local index.
 //
 // Hierarchical: replicas inside a process meet through shared memory (group_comm.hpp) as
 // in the threads backend, and one thread per process and group (the group's lowest local
-// member, its "leader") talks MPI. In a round that spans processes the leader waits for
-// its local members, sends their shares (signature and data) to the other processes of the
-// group as one package, receives theirs into the group's slots of the remote members, and
-// only then lets the round start. Every process then holds every member's data, so the
-// exchange kernels and the signature check run unchanged, and the result is the same fold
-// in group order as in one process: bitwise the threads world's.
+// member, its "leader") talks to the other processes through its group's ProcessLink. In a
+// round that spans processes the leader waits for its local members, sends their shares
+// (signature and data) to the other processes of the group, receives theirs into the
+// group's slots of the remote members, and only then lets the round start. Every process
+// then holds every member's data, so the exchange kernels and the signature check run
+// unchanged, and the result is the same fold in group order as in one process: bitwise the
+// threads world's.
 //
-// What a program pays: without LAZYTENSOR_WITH_MPI this header declares nothing but the
-// queries' single-process answers; <mpi.h> is included only with it.
-//
-// Failure: a replica's exit is announced to every other process (with its exception when
-// it failed) on a control communicator that a watcher thread per process reads, so a failure
-// in one process aborts every other one's collectives at once, and a partner that exited
-// without joining a round ends it with a CollectiveError. A process that died or never
-// arrives ends a round with CollectiveTimeout (collective_timeout()); mpirun then ends the
-// job. Every spawn works on its own duplicates of MPI_COMM_WORLD, so nothing a failed
-// spawn left in flight can reach the next one.
+// The transport is an interface (ProcessTransport, ProcessWorld, ProcessLink) that the
+// runtime calls, so the runtime is the same code with and without MPI, header-only or
+// compiled once in lazytensor::compiled (which is built without MPI). lazytensor::mpi's
+// transport (mpi_world.hpp) is header code compiled in the programs that link it: a
+// translation unit that includes this header with LAZYTENSOR_WITH_MPI installs it when the
+// program starts. Without a transport the program is one process.
 
-#include <chrono>
+#include <atomic>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -38,253 +35,106 @@
 #define LAZYTENSOR_WITH_MPI 0
 #endif
 
-#if LAZYTENSOR_WITH_MPI
-#if defined(LAZYTENSOR_COMPILED) && !defined(LAZYTENSOR_BUILDING_RUNTIME)
-#error "lazytensor::mpi is header-only: link lazytensor::mpi without lazytensor::compiled"
-#endif
-// The C API is all lazytensor uses: skip the deprecated C++ bindings (and their cost).
-#ifndef OMPI_SKIP_MPICXX
-#define OMPI_SKIP_MPICXX 1
-#endif
-#ifndef MPICH_SKIP_MPICXX
-#define MPICH_SKIP_MPICXX 1
-#endif
-#include <mpi.h>
-
-#include <atomic>
-#include <deque>
-#include <functional>
-#include <map>
-#include <mutex>
-#include <thread>
-#include <utility>
-#endif
-
 namespace lazy::dist::detail {
 
 /// Where this process sits among the processes (0 of 1 without MPI).
 struct ProcessPlace {
-  int index = 0;       ///< MPI rank in MPI_COMM_WORLD
+  int index = 0;       ///< rank among the processes (MPI_COMM_WORLD's)
   int count = 1;       ///< processes
   int host_index = 0;  ///< rank among the processes on this host
   int host_count = 1;  ///< processes on this host
 };
 
-/// This process's place. With MPI, when an MPI launcher started the process (or the program
-/// initialised MPI), initialises MPI on first use (see Mpi); otherwise a process of one.
-ProcessPlace process_place();
-
-#if LAZYTENSOR_WITH_MPI
-
-/// The MPI library, initialised on first use unless the program did (with
-/// MPI_THREAD_MULTIPLE: replica threads of different groups talk MPI at the same time), and
-/// finalised at exit if initialised here.
-class Mpi {
- public:
-  static Mpi& get();
-  const ProcessPlace& place() const { return place_; }
-  /// MPI_THREAD_MULTIPLE granted (a world of several processes needs it).
-  bool multiple() const { return provided_ >= MPI_THREAD_MULTIPLE; }
-  int provided() const { return provided_; }
-  ~Mpi();
-
-  /// The host's shared window (MPI_Win_allocate_shared, one segment per process on this
-  /// host): opened by the first world of several processes, over that world's data
-  /// communicator (every process is in its join then), and kept for the program, since
-  /// freeing it is collective too (done at exit).
-  struct HostWindow {
-    MPI_Comm comm = MPI_COMM_NULL;
-    MPI_Win win = MPI_WIN_NULL;
-    std::vector<std::byte*> segments;  ///< by world process index (null: none)
-    std::vector<char> on_host;         ///< by world process index
-    std::size_t bytes = 0;             ///< this process's segment
-  };
-  /// The window, opening it on first call (collective over `data`'s processes).
-  const HostWindow& host_window(MPI_Comm data, int index, int count, const std::vector<int>& host_processes);
-
- private:
-  Mpi();
-  bool owned_ = false;
-  int provided_ = 0;
-  ProcessPlace place_;
-  bool window_tried_ = false;
-  HostWindow window_;
-};
-
-/// Throws the error class for an MPI error code, naming the call.
-void mpi_check(int rc, const char* what);
-
-/// The processes of one spawn: their communicators, the exit notices, the watcher thread.
-class ProcessWorld {
- public:
-  /// Joins the other processes' spawn(fn, replicas) (collective over MPI_COMM_WORLD, gives
-  /// up after the collective timeout) and checks that every process asked for as many
-  /// replicas. Null when the program runs as one process.
-  static std::shared_ptr<ProcessWorld> join(int replicas);
-  ~ProcessWorld();
-  ProcessWorld(const ProcessWorld&) = delete;
-  ProcessWorld& operator=(const ProcessWorld&) = delete;
-
-  int index() const { return place_.index; }
-  int count() const { return place_.count; }
-  int replicas() const { return replicas_; }
-  /// The world layout: P x n replicas, this process's offset, the replicas of its host.
-  WorldLayout layout() const;
-  MPI_Comm data_comm() const { return data_; }
-
-  /// Starts the watcher thread, which applies other processes' exit notices to `w`.
-  void watch(WorldState& w);
-  /// Tells every other process that local replica `ordinal` exited (failed with `e` when
-  /// not null).
-  void announce_exit(int ordinal, const std::exception_ptr& e);
-  /// After every local replica exited: waits (at most the collective timeout) for the
-  /// other processes' notices, then stops the watcher and settles abandoned transfers.
-  void finish();
-
-  /// Requests a failed round left in flight, with what their buffers need to outlive them.
-  void abandon(std::vector<MPI_Request> requests, std::vector<std::shared_ptr<void>> keep);
-
-  /// A fresh tag for the large entries of one round (every destination, every piece): the
-  /// receiver learns it from the package, so no other group's data can match them.
-  int piece_tag();
-
-  /// Packages are sent on a tag derived from their group (few tags: groups may share one).
-  /// A leader that receives another group's package leaves it here for that group's leader.
-  void post_package(std::uint64_t group, int source, std::shared_ptr<std::vector<std::byte>> p);
-  std::shared_ptr<std::vector<std::byte>> take_package(std::uint64_t group, int source);
-
-  /// What a group that spans processes is told when a peer process gave up one of its
-  /// rounds: it must fail its later rounds (as every member does in one process).
-  using BrokenHandler = std::function<void(const std::string& reason, bool timeout)>;
-  void on_group_broken(std::uint64_t group, BrokenHandler h);
-  void forget_group(std::uint64_t group);
-
-  /// Shared memory with the processes on this host (an MPI-3 shared window, one segment per
-  /// process): a leader copies large entries into its segment and names them in the
-  /// package, and the other processes read them in place, instead of receiving a copy.
-  /// Base of process `p`'s segment (null when it is on another host or there is none).
-  std::byte* segment_of(int p) const {
-    return window_ && static_cast<std::size_t>(p) < window_->segments.size()
-               ? window_->segments[static_cast<std::size_t>(p)]
-               : nullptr;
-  }
-  /// Whether process `p` runs on this host and shares the window.
-  bool shares_window(int p) const {
-    return window_ && static_cast<std::size_t>(p) < window_->on_host.size() &&
-           window_->on_host[static_cast<std::size_t>(p)];
-  }
-  /// Reserves `bytes` of this process's segment; returns the offset, or -1 when it is full.
-  std::int64_t reserve_segment(std::size_t bytes);
-  /// Makes this process's writes to its segment visible to the others (before a package
-  /// names them), or the others' to this process (after one arrived).
-  void sync_segments();
-  /// Tells the processes in `peers` that this process gave up a round of `group`.
-  void announce_broken(std::uint64_t group, const std::vector<int>& peers, const std::string& reason,
-                       bool timeout);
-
- private:
-  ProcessWorld(int replicas, ProcessPlace place, MPI_Comm data, MPI_Comm ctl);
-  void run_watcher();
-  void apply_notice(const std::vector<char>& msg, int source);
-  void apply_broken(const std::vector<char>& msg);
-  void send_control(std::shared_ptr<std::vector<std::byte>> msg, const std::vector<int>& to, int tag);
-  void settle(bool final_pass);
-
-  int replicas_;
-  ProcessPlace place_;
-  MPI_Comm data_, ctl_;
-  WorldState* world_ = nullptr;
-  std::thread watcher_;
-  std::atomic<bool> stop_{false};
-  std::atomic<int> local_exited_{0};
-  std::mutex mu_;  // guards the lists below
-  struct Pending {
-    std::vector<MPI_Request> requests;
-    std::vector<std::shared_ptr<void>> keep;
-  };
-  std::vector<Pending> outbox_;     // exit notices in flight
-  std::vector<Pending> abandoned_;  // failed rounds' transfers
-  std::map<std::pair<std::uint64_t, int>, std::deque<std::shared_ptr<std::vector<std::byte>>>> mailbox_;
-  std::map<std::uint64_t, BrokenHandler> groups_;
-  std::atomic<std::uint32_t> piece_counter_{0};
-  std::atomic<int> mail_{0};  // packages in the mailbox
-  // The host's shared window (Mpi::HostWindow; null when this process is alone on its
-  // host or the memory is not there). This world's reservations start at 0: the previous
-  // world's areas are read by nobody once every process joined this one.
-  const Mpi::HostWindow* window_ = nullptr;
-  std::size_t segment_used_ = 0;  // guarded by mu_
-};
-
-/// One group's link to the other processes holding members: sends this process's shares
-/// of a round, receives theirs.
+/// One group's link to the other processes holding some of its members: sends this
+/// process's shares of a round, receives theirs. Used by the group's leader only.
 class ProcessLink {
  public:
-  /// `members`: the group (sorted ordinals); `local[slot]`: whether a member lives here.
-  ProcessLink(std::shared_ptr<ProcessWorld> pw, const std::vector<int>& members);
-
-  /// Starts round s: sends the shares of the local slots to every peer process.
-  void begin(std::uint64_t s, const std::vector<Share*>& local, const std::vector<int>& ordinals);
-  /// Makes progress; true once every peer's package arrived into `remote` (indexed by slot)
-  /// and every send completed.
-  bool progress(const std::vector<Share*>& slot_share, const std::vector<int>& slot_of_ordinal);
+  virtual ~ProcessLink() = default;
+  /// Starts round s: sends the shares of the local slots (their members' ordinals) to every
+  /// peer process.
+  virtual void begin(std::uint64_t s, const std::vector<Share*>& local, const std::vector<int>& ordinals) = 0;
+  /// Makes progress; true once every peer's package arrived into `slot_share` (indexed by
+  /// slot; `slot_of_ordinal` maps ordinals to slots) and every send completed.
+  virtual bool progress(const std::vector<Share*>& slot_share, const std::vector<int>& slot_of_ordinal) = 0;
   /// The peers not heard from yet in this round ("process 1 (replicas 2, 3)").
-  std::string waiting_for() const;
+  virtual std::string waiting_for() const = 0;
   /// Whether the process holding `ordinal` has delivered this round's package.
-  bool delivered_by_owner(int ordinal) const;
-  /// Gives up on the round: cancels receives, hands what is in flight to the ProcessWorld,
-  /// and tells the peer processes the group is broken.
-  void abandon(const std::string& reason, bool timeout);
-  std::uint64_t group_hash() const { return hash_; }
-  ProcessWorld& processes() { return *pw_; }
-
- private:
-  /// Takes the peer's next package of this group (from the mailbox or MPI); null if none.
-  std::shared_ptr<std::vector<std::byte>> next_package(int process);
-
-  struct Peer {
-    int process = 0;
-    std::vector<int> ordinals;  ///< its members of the group
-    std::shared_ptr<std::vector<std::byte>> header[2], bulk[2];
-    bool got_header = false;
-    std::vector<MPI_Request> recvs;
-  };
-  std::shared_ptr<ProcessWorld> pw_;
-  std::uint64_t hash_ = 0;
-  int tag_ = 1;
-  std::uint64_t round_ = 0;
-  std::vector<Peer> peers_;
-  std::vector<MPI_Request> sends_;
-  std::shared_ptr<std::vector<std::byte>> out_[2];
-  std::vector<std::shared_ptr<void>> out_keep_;
-  std::vector<std::pair<const std::byte*, std::size_t>> direct_, packed_;  // begin()'s lists
-  std::int64_t region_[2] = {-1, -1};  // this group's area of the segment, by round parity
-  std::size_t region_bytes_[2] = {0, 0};
-  bool shared_peers_ = false;          // every peer process shares this host
+  virtual bool delivered_by_owner(int ordinal) const = 0;
+  /// Gives up on the round: cancels receives, keeps what is in flight alive, and tells the
+  /// peer processes (with `reason` when not empty) that the group is broken.
+  virtual void abandon(const std::string& reason, bool timeout) = 0;
 };
 
-#else  // !LAZYTENSOR_WITH_MPI
-
-/// Without MPI a world is one process: spawn never builds one of these.
+/// The processes of one spawn, as the runtime sees them.
 class ProcessWorld {
  public:
-  static std::shared_ptr<ProcessWorld> join(int) { return nullptr; }
-  WorldLayout layout() const { return {}; }
-  void watch(WorldState&) {}
-  void announce_exit(int, const std::exception_ptr&) {}
-  void finish() {}
+  virtual ~ProcessWorld() = default;
+  /// The world layout: P x n replicas, this process's offset, the replicas of its host.
+  virtual WorldLayout layout() const = 0;
+  /// Starts watching the other processes: their exit notices are applied to `w`.
+  virtual void watch(WorldState& w) = 0;
+  /// Tells every other process that local replica `ordinal` exited (failed with `e` when
+  /// not null).
+  virtual void announce_exit(int ordinal, const std::exception_ptr& e) = 0;
+  /// After every local replica exited: waits (at most the collective timeout) for the
+  /// other processes' notices, then stops watching.
+  virtual void finish() = 0;
+  /// What a group that spans processes is told (from another thread) when a peer process
+  /// gave up one of its rounds: it must fail its later rounds.
+  using BrokenHandler = std::function<void(const std::string& reason, bool timeout)>;
+  /// The link of group `members` (sorted ordinals, some in other processes). `on_broken`
+  /// is called until the link is destroyed.
+  virtual std::unique_ptr<ProcessLink> link(const std::vector<int>& members, BrokenHandler on_broken) = 0;
 };
 
-class ProcessLink {};
+/// A way to reach other processes (lazytensor::mpi installs MPI's).
+class ProcessTransport {
+ public:
+  /// This process's place among the processes of the job.
+  virtual ProcessPlace place() = 0;
+  /// Joins the other processes' spawn(fn, replicas); null when the program runs as one
+  /// process.
+  virtual std::shared_ptr<ProcessWorld> join(int replicas) = 0;
 
-#endif  // LAZYTENSOR_WITH_MPI
+ protected:
+  ~ProcessTransport() = default;
+};
+
+/// The installed transport (null: the program is one process).
+std::atomic<ProcessTransport*>& process_transport();
+
+/// This process's place. With MPI, when an MPI launcher started the process (or the program
+/// initialised MPI), initialises MPI on first use; otherwise a process of one.
+ProcessPlace process_place();
+
+/// Joins the other processes' spawn(fn, replicas) through the transport (collective over
+/// the job's processes, gives up after the collective timeout) and checks that every
+/// process asked for as many replicas. Null when the program runs as one process.
+std::shared_ptr<ProcessWorld> join_process_world(int replicas);
 
 }  // namespace lazy::dist::detail
 
-#if LAZYTENSOR_HEADER_DEFINITIONS && !LAZYTENSOR_WITH_MPI
+#if LAZYTENSOR_HEADER_DEFINITIONS
 namespace lazy::dist::detail {
-LAZYTENSOR_INLINE ProcessPlace process_place() { return {}; }
-}  // namespace lazy::dist::detail
-#endif
 
-// The MPI backend's definitions (empty without MPI or without header definitions).
-#include <lazytensor/dist/process_world_impl.hpp>
+LAZYTENSOR_INLINE std::atomic<ProcessTransport*>& process_transport() {
+  static std::atomic<ProcessTransport*> transport{nullptr};
+  return transport;
+}
+
+LAZYTENSOR_INLINE ProcessPlace process_place() {
+  ProcessTransport* t = process_transport().load(std::memory_order_acquire);
+  return t ? t->place() : ProcessPlace{};
+}
+
+LAZYTENSOR_INLINE std::shared_ptr<ProcessWorld> join_process_world(int replicas) {
+  ProcessTransport* t = process_transport().load(std::memory_order_acquire);
+  return t ? t->join(replicas) : nullptr;
+}
+
+}  // namespace lazy::dist::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+// lazytensor::mpi's transport, in the programs that link it (empty without
+// LAZYTENSOR_WITH_MPI).
+#include <lazytensor/dist/mpi_world.hpp>

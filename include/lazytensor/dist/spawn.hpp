@@ -121,7 +121,7 @@ auto spawn(F&& fn, int nprocs) {
   std::unique_lock guard(detail::spawn_mutex(), std::try_to_lock);
   if (!guard.owns_lock()) throw Error("spawn: another spawn is already running in this process");
 
-  auto processes = detail::ProcessWorld::join(nprocs);  // null: this process is the world
+  auto processes = detail::join_process_world(nprocs);  // null: this process is the world
   detail::WorldLayout layout;
   layout.world_size = layout.process_replicas = layout.host_replicas = nprocs;
   if (processes) layout = processes->layout();

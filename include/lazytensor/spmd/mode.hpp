@@ -49,9 +49,7 @@ LAZYTENSOR_INLINE void use_spmd() {
   if (dist::detail::current_context())
     throw Error("use_spmd: called inside spawn; SPMD mode drives every device from one program thread");
   if (is_spmd()) return;
-#if LAZYTENSOR_WITH_MPI
-  detail::join_processes();
-#endif
+  if (auto join = detail::process_join_hook().load(std::memory_order_acquire)) join();
   const int n = device_count();
   // The devices of every process on this host share its cores.
   const int sharing = n * detail::process_span().host_processes;

@@ -1,8 +1,10 @@
 #pragma once
 // The transport of an SPMD program spanning processes (span.hpp) over MPI: use_spmd, under
-// `mpirun -np P` with lazytensor::mpi linked, joins the P processes (join_processes) and
-// installs mpi_exchange as span.hpp's exchange. Without LAZYTENSOR_WITH_MPI this header
-// declares nothing, and SPMD stays inside one process.
+// `mpirun -np P` with lazytensor::mpi linked, joins the P processes (join_processes, which
+// this header installs as span.hpp's process_join_hook) and installs mpi_exchange as its
+// exchange. Header code compiled in the programs that link lazytensor::mpi (with or
+// without lazytensor::compiled). Without LAZYTENSOR_WITH_MPI this header declares nothing,
+// and SPMD stays inside one process.
 //
 // An exchange sends a header (the exchange's sequence number, size and signature) for each
 // payload, checks the headers it receives, then receives the payloads (non-blocking, on one
@@ -178,6 +180,10 @@ inline void join_processes() {
   exchange_hook().store(&mpi_exchange, std::memory_order_release);
   set_process_span({place.index, place.count, local, host_processes});
 }
+
+/// Installs join_processes as use_spmd's join before main (see process_join_hook).
+inline const bool kMpiSpanInstalled =
+    (process_join_hook().store(&join_processes, std::memory_order_release), true);
 
 }  // namespace lazy::spmd::detail
 #endif  // LAZYTENSOR_WITH_MPI

@@ -85,6 +85,14 @@ inline std::atomic<ExchangeFn>& exchange_hook() {
   return hook;
 }
 
+/// What use_spmd calls to join the processes of the job into one SPMD program (installs
+/// exchange_hook's transport and the span): lazytensor::mpi's join (process_link.hpp),
+/// installed before main by the programs that link it; null: SPMD stays in this process.
+inline std::atomic<void (*)()>& process_join_hook() {
+  static std::atomic<void (*)()> hook{nullptr};
+  return hook;
+}
+
 /// exchange_hook()'s exchange; Error when none is installed.
 void exchange(Channel channel, std::uint64_t seq, std::uint64_t signature, const std::vector<Transfer>& sends,
               const std::vector<Transfer>& receives, const std::string& what);

@@ -1,6 +1,5 @@
 #pragma once
-// Definitions of process_world.hpp's MPI backend (included at its end; empty unless the
-// headers define the runtime and LAZYTENSOR_WITH_MPI is set).
+// Definitions of mpi_world.hpp (included at its end): lazytensor::mpi's transport.
 
 #include <algorithm>
 #include <array>
@@ -14,7 +13,8 @@
 
 #include <lazytensor/core/error.hpp>
 
-#if LAZYTENSOR_HEADER_DEFINITIONS && LAZYTENSOR_WITH_MPI
+#if LAZYTENSOR_WITH_MPI
+
 namespace lazy::dist::detail {
 
 /// Tags on the control communicator: a replica's exit, a group a peer gave up.
@@ -111,7 +111,7 @@ inline Signature get_signature(PackReader& r) {
   return s;
 }
 
-LAZYTENSOR_INLINE void mpi_check(int rc, const char* what) {
+inline void mpi_check(int rc, const char* what) {
   if (rc == MPI_SUCCESS) return;
   char text[MPI_MAX_ERROR_STRING];
   int len = 0;
@@ -119,7 +119,7 @@ LAZYTENSOR_INLINE void mpi_check(int rc, const char* what) {
   throw CollectiveError(std::string(what) + " failed: " + std::string(text, len));
 }
 
-LAZYTENSOR_INLINE Mpi::Mpi() {
+inline Mpi::Mpi() {
   int ready = 0;
   MPI_Initialized(&ready);
   if (!ready) {
@@ -133,7 +133,7 @@ LAZYTENSOR_INLINE Mpi::Mpi() {
   MPI_Comm_size(MPI_COMM_WORLD, &place_.count);
 }
 
-LAZYTENSOR_INLINE Mpi::~Mpi() {
+inline Mpi::~Mpi() {
   int done = 0;
   MPI_Finalized(&done);
   if (done) return;
@@ -145,7 +145,7 @@ LAZYTENSOR_INLINE Mpi::~Mpi() {
   if (owned_) MPI_Finalize();
 }
 
-LAZYTENSOR_INLINE const Mpi::HostWindow& Mpi::host_window(MPI_Comm data, int index, int count,
+inline const Mpi::HostWindow& Mpi::host_window(MPI_Comm data, int index, int count,
                                                           const std::vector<int>& host_processes) {
   if (window_tried_) return window_;
   window_tried_ = true;
@@ -189,7 +189,7 @@ LAZYTENSOR_INLINE const Mpi::HostWindow& Mpi::host_window(MPI_Comm data, int ind
   return window_;
 }
 
-LAZYTENSOR_INLINE Mpi& Mpi::get() {
+inline Mpi& Mpi::get() {
   static Mpi mpi;
   return mpi;
 }
@@ -208,7 +208,7 @@ inline bool mpi_launched() {
   return false;
 }
 
-LAZYTENSOR_INLINE ProcessPlace process_place() {
+inline ProcessPlace MpiTransport::place() {
   static const bool launched = mpi_launched();
   return launched ? Mpi::get().place() : ProcessPlace{};
 }
@@ -242,8 +242,8 @@ inline bool wait_all_until(std::vector<MPI_Request>& reqs,
   }
 }
 
-LAZYTENSOR_INLINE std::shared_ptr<ProcessWorld> ProcessWorld::join(int replicas) {
-  if (process_place().count == 1) return nullptr;
+inline std::shared_ptr<MpiWorld> MpiWorld::join(int replicas) {
+  if (mpi_transport().place().count == 1) return nullptr;
   Mpi& mpi = Mpi::get();
   const ProcessPlace place = mpi.place();
   if (!mpi.multiple()) {
@@ -287,7 +287,7 @@ LAZYTENSOR_INLINE std::shared_ptr<ProcessWorld> ProcessWorld::join(int replicas)
     leaked_keep().push_back(counts);
     throw CollectiveTimeout("spawn: timed out exchanging replica counts between processes");
   }
-  auto pw = std::shared_ptr<ProcessWorld>(new ProcessWorld(replicas, place, data, ctl));
+  auto pw = std::shared_ptr<MpiWorld>(new MpiWorld(replicas, place, data, ctl));
   for (int p = 0; p < place.count; ++p) {
     const int theirs = (*counts)[2 * static_cast<std::size_t>(p) + 2];
     if (theirs != replicas) {
@@ -313,7 +313,7 @@ LAZYTENSOR_INLINE std::shared_ptr<ProcessWorld> ProcessWorld::join(int replicas)
   return pw;
 }
 
-LAZYTENSOR_INLINE std::int64_t ProcessWorld::reserve_segment(std::size_t bytes) {
+inline std::int64_t MpiWorld::reserve_segment(std::size_t bytes) {
   std::lock_guard lock(mu_);
   if (!segment_of(place_.index) || segment_used_ + bytes > window_->bytes) return -1;
   const auto at = static_cast<std::int64_t>(segment_used_);
@@ -321,15 +321,14 @@ LAZYTENSOR_INLINE std::int64_t ProcessWorld::reserve_segment(std::size_t bytes) 
   return at;
 }
 
-LAZYTENSOR_INLINE void ProcessWorld::sync_segments() {
+inline void MpiWorld::sync_segments() {
   if (window_) MPI_Win_sync(window_->win);
 }
 
-LAZYTENSOR_INLINE ProcessWorld::ProcessWorld(int replicas, ProcessPlace place, MPI_Comm data,
-                                             MPI_Comm ctl)
+inline MpiWorld::MpiWorld(int replicas, ProcessPlace place, MPI_Comm data, MPI_Comm ctl)
     : replicas_(replicas), place_(place), data_(data), ctl_(ctl) {}
 
-LAZYTENSOR_INLINE ProcessWorld::~ProcessWorld() {
+inline MpiWorld::~MpiWorld() {
   if (watcher_.joinable()) {
     stop_.store(true);
     watcher_.join();
@@ -344,7 +343,7 @@ LAZYTENSOR_INLINE ProcessWorld::~ProcessWorld() {
   MPI_Comm_free(&ctl_);
 }
 
-LAZYTENSOR_INLINE WorldLayout ProcessWorld::layout() const {
+inline WorldLayout MpiWorld::layout() const {
   WorldLayout l;
   l.world_size = place_.count * replicas_;
   l.process_offset = place_.index * replicas_;
@@ -354,7 +353,7 @@ LAZYTENSOR_INLINE WorldLayout ProcessWorld::layout() const {
   return l;
 }
 
-LAZYTENSOR_INLINE void ProcessWorld::watch(WorldState& w) {
+inline void MpiWorld::watch(WorldState& w) {
   world_ = &w;
   watcher_ = std::thread([this] { run_watcher(); });
 }
@@ -398,7 +397,7 @@ inline std::exception_ptr rebuild(ErrorClass c, const std::string& msg) {
   }
 }
 
-LAZYTENSOR_INLINE void ProcessWorld::send_control(std::shared_ptr<std::vector<std::byte>> msg,
+inline void MpiWorld::send_control(std::shared_ptr<std::vector<std::byte>> msg,
                                                   const std::vector<int>& to, int tag) {
   Pending p;
   for (int q : to) {
@@ -412,7 +411,7 @@ LAZYTENSOR_INLINE void ProcessWorld::send_control(std::shared_ptr<std::vector<st
   outbox_.push_back(std::move(p));
 }
 
-LAZYTENSOR_INLINE void ProcessWorld::announce_exit(int ordinal, const std::exception_ptr& e) {
+inline void MpiWorld::announce_exit(int ordinal, const std::exception_ptr& e) {
   std::exception_ptr cause = e;
   // A replica stopped because another failed carries that failure, so every process
   // re-throws the root cause rather than the ReplicaAborted it led to.
@@ -437,7 +436,7 @@ LAZYTENSOR_INLINE void ProcessWorld::announce_exit(int ordinal, const std::excep
   local_exited_.fetch_add(1);
 }
 
-LAZYTENSOR_INLINE void ProcessWorld::announce_broken(std::uint64_t group, const std::vector<int>& peers,
+inline void MpiWorld::announce_broken(std::uint64_t group, const std::vector<int>& peers,
                                                      const std::string& reason, bool timeout) {
   auto msg = std::make_shared<std::vector<std::byte>>();
   PackWriter w{*msg};
@@ -447,7 +446,7 @@ LAZYTENSOR_INLINE void ProcessWorld::announce_broken(std::uint64_t group, const 
   send_control(std::move(msg), peers, kBrokenTag);
 }
 
-LAZYTENSOR_INLINE void ProcessWorld::apply_broken(const std::vector<char>& msg) {
+inline void MpiWorld::apply_broken(const std::vector<char>& msg) {
   PackReader r{reinterpret_cast<const std::byte*>(msg.data()),
                reinterpret_cast<const std::byte*>(msg.data() + msg.size()), -1};
   const auto group = r.get<std::uint64_t>();
@@ -461,28 +460,28 @@ LAZYTENSOR_INLINE void ProcessWorld::apply_broken(const std::vector<char>& msg) 
   if (h) h(reason, timeout);
 }
 
-LAZYTENSOR_INLINE void ProcessWorld::on_group_broken(std::uint64_t group, BrokenHandler h) {
+inline void MpiWorld::on_group_broken(std::uint64_t group, BrokenHandler h) {
   std::lock_guard lock(mu_);
   groups_[group] = std::move(h);
 }
 
-LAZYTENSOR_INLINE void ProcessWorld::forget_group(std::uint64_t group) {
+inline void MpiWorld::forget_group(std::uint64_t group) {
   std::lock_guard lock(mu_);
   groups_.erase(group);
 }
 
-LAZYTENSOR_INLINE int ProcessWorld::piece_tag() {
+inline int MpiWorld::piece_tag() {
   return kPieceTagBase + static_cast<int>(piece_counter_.fetch_add(1) % kPieceTags);
 }
 
-LAZYTENSOR_INLINE void ProcessWorld::post_package(std::uint64_t group, int source,
+inline void MpiWorld::post_package(std::uint64_t group, int source,
                                                   std::shared_ptr<std::vector<std::byte>> p) {
   std::lock_guard lock(mu_);
   mailbox_[{group, source}].push_back(std::move(p));
   mail_.fetch_add(1, std::memory_order_release);
 }
 
-LAZYTENSOR_INLINE std::shared_ptr<std::vector<std::byte>> ProcessWorld::take_package(std::uint64_t group,
+inline std::shared_ptr<std::vector<std::byte>> MpiWorld::take_package(std::uint64_t group,
                                                                                     int source) {
   if (mail_.load(std::memory_order_acquire) == 0) return nullptr;  // the common case: no lock
   std::lock_guard lock(mu_);
@@ -494,7 +493,7 @@ LAZYTENSOR_INLINE std::shared_ptr<std::vector<std::byte>> ProcessWorld::take_pac
   return p;
 }
 
-LAZYTENSOR_INLINE void ProcessWorld::apply_notice(const std::vector<char>& msg, int source) {
+inline void MpiWorld::apply_notice(const std::vector<char>& msg, int source) {
   PackReader r{reinterpret_cast<const std::byte*>(msg.data()),
                reinterpret_cast<const std::byte*>(msg.data() + msg.size()), source};
   const int ordinal = r.get<std::int32_t>();
@@ -505,7 +504,7 @@ LAZYTENSOR_INLINE void ProcessWorld::apply_notice(const std::vector<char>& msg, 
   world_->mark_exited(ordinal);
 }
 
-LAZYTENSOR_INLINE void ProcessWorld::run_watcher() {
+inline void MpiWorld::run_watcher() {
   const int expected = (place_.count - 1) * replicas_;
   int received = 0;
   std::chrono::steady_clock::time_point stopped{};
@@ -550,19 +549,19 @@ LAZYTENSOR_INLINE void ProcessWorld::run_watcher() {
   }
 }
 
-LAZYTENSOR_INLINE void ProcessWorld::finish() {
+inline void MpiWorld::finish() {
   stop_.store(true);
   if (watcher_.joinable()) watcher_.join();
   settle(true);
 }
 
-LAZYTENSOR_INLINE void ProcessWorld::abandon(std::vector<MPI_Request> requests,
+inline void MpiWorld::abandon(std::vector<MPI_Request> requests,
                                              std::vector<std::shared_ptr<void>> keep) {
   std::lock_guard lock(mu_);
   abandoned_.push_back({std::move(requests), std::move(keep)});
 }
 
-LAZYTENSOR_INLINE void ProcessWorld::settle(bool final_pass) {
+inline void MpiWorld::settle(bool final_pass) {
   std::lock_guard lock(mu_);
   for (auto* list : {&outbox_, &abandoned_}) {
     for (auto it = list->begin(); it != list->end();) {
@@ -590,8 +589,13 @@ LAZYTENSOR_INLINE void ProcessWorld::settle(bool final_pass) {
   }
 }
 
-LAZYTENSOR_INLINE ProcessLink::ProcessLink(std::shared_ptr<ProcessWorld> pw,
-                                           const std::vector<int>& members)
+inline std::unique_ptr<ProcessLink> MpiWorld::link(const std::vector<int>& members,
+                                                   BrokenHandler on_broken) {
+  return std::make_unique<MpiLink>(shared_from_this(), members, std::move(on_broken));
+}
+
+inline MpiLink::MpiLink(std::shared_ptr<MpiWorld> pw, const std::vector<int>& members,
+                        ProcessWorld::BrokenHandler on_broken)
     : pw_(std::move(pw)) {
   const int n = pw_->replicas();
   std::uint64_t h = 1469598103934665603ULL;  // FNV-1a of the members
@@ -606,7 +610,7 @@ LAZYTENSOR_INLINE ProcessLink::ProcessLink(std::shared_ptr<ProcessWorld> pw,
   shared_peers_ = pw_->segment_of(pw_->index()) != nullptr;
   for (const auto& peer : peers_) shared_peers_ = shared_peers_ && pw_->shares_window(peer.process);
   // Groups that hash to the same tag share it: a package carries its group's hash and a
-  // leader that receives another group's leaves it in the mailbox (ProcessWorld), and large
+  // leader that receives another group's leaves it in the mailbox (MpiWorld), and large
   // entries travel on fresh tags named in the package, so no data can reach the wrong group.
   // LAZYTENSOR_MPI_PACKAGE_TAGS (1 to 16383, read when a group forms) narrows the tags so
   // that tests can make groups share one.
@@ -614,9 +618,12 @@ LAZYTENSOR_INLINE ProcessLink::ProcessLink(std::shared_ptr<ProcessWorld> pw,
   if (const char* env = std::getenv("LAZYTENSOR_MPI_PACKAGE_TAGS"))
     tags = std::clamp(std::atoi(env), 1, kPieceTagBase - 1);
   tag_ = 1 + static_cast<int>(h % static_cast<std::uint64_t>(tags));
+  pw_->on_group_broken(hash_, std::move(on_broken));
 }
 
-LAZYTENSOR_INLINE void ProcessLink::begin(std::uint64_t s, const std::vector<Share*>& local,
+inline MpiLink::~MpiLink() { pw_->forget_group(hash_); }
+
+inline void MpiLink::begin(std::uint64_t s, const std::vector<Share*>& local,
                                           const std::vector<int>& ordinals) {
   round_ = s;
   auto& out = out_[s & 1];
@@ -712,7 +719,7 @@ LAZYTENSOR_INLINE void ProcessLink::begin(std::uint64_t s, const std::vector<Sha
   }
 }
 
-LAZYTENSOR_INLINE bool ProcessLink::progress(const std::vector<Share*>& slot_share,
+inline bool MpiLink::progress(const std::vector<Share*>& slot_share,
                                              const std::vector<int>& slot_of_ordinal) {
   MPI_Comm comm = pw_->data_comm();
   bool done = true;
@@ -834,7 +841,7 @@ LAZYTENSOR_INLINE bool ProcessLink::progress(const std::vector<Share*>& slot_sha
   return done;
 }
 
-LAZYTENSOR_INLINE std::shared_ptr<std::vector<std::byte>> ProcessLink::next_package(int process) {
+inline std::shared_ptr<std::vector<std::byte>> MpiLink::next_package(int process) {
   if (auto p = pw_->take_package(hash_, process)) return p;
   for (;;) {
     int flag = 0;
@@ -856,7 +863,7 @@ LAZYTENSOR_INLINE std::shared_ptr<std::vector<std::byte>> ProcessLink::next_pack
   }
 }
 
-LAZYTENSOR_INLINE std::string ProcessLink::waiting_for() const {
+inline std::string MpiLink::waiting_for() const {
   std::string w;
   for (const auto& peer : peers_) {
     if (peer.got_header && peer.recvs.empty()) continue;
@@ -868,7 +875,7 @@ LAZYTENSOR_INLINE std::string ProcessLink::waiting_for() const {
   return w.empty() ? "the other processes' sends to complete" : w;
 }
 
-LAZYTENSOR_INLINE bool ProcessLink::delivered_by_owner(int ordinal) const {
+inline bool MpiLink::delivered_by_owner(int ordinal) const {
   for (const auto& peer : peers_) {
     if (std::find(peer.ordinals.begin(), peer.ordinals.end(), ordinal) != peer.ordinals.end())
       return peer.got_header;
@@ -876,7 +883,7 @@ LAZYTENSOR_INLINE bool ProcessLink::delivered_by_owner(int ordinal) const {
   return true;
 }
 
-LAZYTENSOR_INLINE void ProcessLink::abandon(const std::string& reason, bool timeout) {
+inline void MpiLink::abandon(const std::string& reason, bool timeout) {
   std::vector<MPI_Request> reqs;
   std::vector<std::shared_ptr<void>> keep;
   for (auto& peer : peers_) {
@@ -900,4 +907,4 @@ LAZYTENSOR_INLINE void ProcessLink::abandon(const std::string& reason, bool time
 }
 
 }  // namespace lazy::dist::detail
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS && LAZYTENSOR_WITH_MPI
+#endif  // LAZYTENSOR_WITH_MPI
