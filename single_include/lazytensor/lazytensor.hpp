@@ -2728,7 +2728,10 @@ class SmallVector {
     o.size_ = 0;
   }
 
-  T inline_[N] = {};
+  // Left uninitialized: only the first size_ elements are ever read, and resize, assign and
+  // push_back write those. Zeroing all N cost a memset per construction (1 KiB for a
+  // reduction's partials, ~6% of a small statement's time).
+  T inline_[N];
   std::unique_ptr<T[]> heap_;
   std::size_t heap_capacity_ = 0;
   std::size_t size_ = 0;
