@@ -10994,7 +10994,7 @@ class ProcessWorld {
   /// gave up one of its rounds: it must fail its later rounds.
   using BrokenHandler = std::function<void(const std::string& reason, bool timeout)>;
   /// The link of group `members` (sorted ordinals, some in other processes). `on_broken`
-  /// is called until the link is destroyed.
+  /// may be called until the link's destructor returns, never after it.
   virtual std::unique_ptr<ProcessLink> link(const std::vector<int>& members, BrokenHandler on_broken) = 0;
 };
 
@@ -11163,7 +11163,8 @@ class MpiWorld final : public ProcessWorld, public std::enable_shared_from_this<
   void post_package(std::uint64_t group, int source, std::shared_ptr<std::vector<std::byte>> p);
   std::shared_ptr<std::vector<std::byte>> take_package(std::uint64_t group, int source);
 
-  /// Registers what a group is told when a peer process gave up one of its rounds.
+  /// Registers what a group is told when a peer process gave up one of its rounds; after
+  /// forget_group returns the handler is not running and is never called again.
   void on_group_broken(std::uint64_t group, BrokenHandler h);
   void forget_group(std::uint64_t group);
 
@@ -11205,7 +11206,8 @@ class MpiWorld final : public ProcessWorld, public std::enable_shared_from_this<
   std::thread watcher_;
   std::atomic<bool> stop_{false};
   std::atomic<int> local_exited_{0};
-  std::mutex mu_;  // guards the lists below
+  std::mutex calling_mu_;  // held while a BrokenHandler runs (see forget_group)
+  std::mutex mu_;          // guards the lists below
   struct Pending {
     std::vector<MPI_Request> requests;
     std::vector<std::shared_ptr<void>> keep;
@@ -11264,7 +11266,6 @@ class MpiLink final : public ProcessLink {
   std::size_t region_bytes_[2] = {0, 0};
   bool shared_peers_ = false;          // every peer process shares this host
 };
-
 
 /// process_world.hpp's ProcessTransport over MPI.
 class MpiTransport final : public ProcessTransport {
@@ -11433,7 +11434,7 @@ inline Mpi::~Mpi() {
 }
 
 inline const Mpi::HostWindow& Mpi::host_window(MPI_Comm data, int index, int count,
-                                                          const std::vector<int>& host_processes) {
+                                               const std::vector<int>& host_processes) {
   if (window_tried_) return window_;
   window_tried_ = true;
   mpi_check(MPI_Comm_split_type(data, MPI_COMM_TYPE_SHARED, index, MPI_INFO_NULL, &window_.comm),
@@ -11685,7 +11686,7 @@ inline std::exception_ptr rebuild(ErrorClass c, const std::string& msg) {
 }
 
 inline void MpiWorld::send_control(std::shared_ptr<std::vector<std::byte>> msg,
-                                                  const std::vector<int>& to, int tag) {
+                                   const std::vector<int>& to, int tag) {
   Pending p;
   for (int q : to) {
     MPI_Request r = MPI_REQUEST_NULL;
@@ -11724,7 +11725,7 @@ inline void MpiWorld::announce_exit(int ordinal, const std::exception_ptr& e) {
 }
 
 inline void MpiWorld::announce_broken(std::uint64_t group, const std::vector<int>& peers,
-                                                     const std::string& reason, bool timeout) {
+                                      const std::string& reason, bool timeout) {
   auto msg = std::make_shared<std::vector<std::byte>>();
   PackWriter w{*msg};
   w.put(group);
@@ -11739,6 +11740,8 @@ inline void MpiWorld::apply_broken(const std::vector<char>& msg) {
   const auto group = r.get<std::uint64_t>();
   const bool timeout = r.get<std::uint8_t>() != 0;
   const std::string reason(reinterpret_cast<const char*>(r.p), static_cast<std::size_t>(r.end - r.p));
+  // Held through the call: forget_group returns only once no call is in progress.
+  std::lock_guard calling(calling_mu_);
   BrokenHandler h;
   {
     std::lock_guard lock(mu_);
@@ -11753,8 +11756,11 @@ inline void MpiWorld::on_group_broken(std::uint64_t group, BrokenHandler h) {
 }
 
 inline void MpiWorld::forget_group(std::uint64_t group) {
-  std::lock_guard lock(mu_);
-  groups_.erase(group);
+  {
+    std::lock_guard lock(mu_);
+    groups_.erase(group);
+  }
+  std::lock_guard wait_for_call(calling_mu_);  // a handler still running may use its group
 }
 
 inline int MpiWorld::piece_tag() {
@@ -11762,14 +11768,14 @@ inline int MpiWorld::piece_tag() {
 }
 
 inline void MpiWorld::post_package(std::uint64_t group, int source,
-                                                  std::shared_ptr<std::vector<std::byte>> p) {
+                                   std::shared_ptr<std::vector<std::byte>> p) {
   std::lock_guard lock(mu_);
   mailbox_[{group, source}].push_back(std::move(p));
   mail_.fetch_add(1, std::memory_order_release);
 }
 
 inline std::shared_ptr<std::vector<std::byte>> MpiWorld::take_package(std::uint64_t group,
-                                                                                    int source) {
+                                                                      int source) {
   if (mail_.load(std::memory_order_acquire) == 0) return nullptr;  // the common case: no lock
   std::lock_guard lock(mu_);
   auto it = mailbox_.find({group, source});
@@ -11843,7 +11849,7 @@ inline void MpiWorld::finish() {
 }
 
 inline void MpiWorld::abandon(std::vector<MPI_Request> requests,
-                                             std::vector<std::shared_ptr<void>> keep) {
+                              std::vector<std::shared_ptr<void>> keep) {
   std::lock_guard lock(mu_);
   abandoned_.push_back({std::move(requests), std::move(keep)});
 }
@@ -11883,7 +11889,7 @@ inline std::unique_ptr<ProcessLink> MpiWorld::link(const std::vector<int>& membe
 
 inline MpiLink::MpiLink(std::shared_ptr<MpiWorld> pw, const std::vector<int>& members,
                         ProcessWorld::BrokenHandler on_broken)
-    : pw_(std::move(pw)) {
+                        : pw_(std::move(pw)) {
   const int n = pw_->replicas();
   std::uint64_t h = 1469598103934665603ULL;  // FNV-1a of the members
   for (int m : members) {
@@ -11911,7 +11917,7 @@ inline MpiLink::MpiLink(std::shared_ptr<MpiWorld> pw, const std::vector<int>& me
 inline MpiLink::~MpiLink() { pw_->forget_group(hash_); }
 
 inline void MpiLink::begin(std::uint64_t s, const std::vector<Share*>& local,
-                                          const std::vector<int>& ordinals) {
+                           const std::vector<int>& ordinals) {
   round_ = s;
   auto& out = out_[s & 1];
   if (!out) out = std::make_shared<std::vector<std::byte>>();
@@ -12007,7 +12013,7 @@ inline void MpiLink::begin(std::uint64_t s, const std::vector<Share*>& local,
 }
 
 inline bool MpiLink::progress(const std::vector<Share*>& slot_share,
-                                             const std::vector<int>& slot_of_ordinal) {
+                              const std::vector<int>& slot_of_ordinal) {
   MPI_Comm comm = pw_->data_comm();
   bool done = true;
   for (auto& peer : peers_) {

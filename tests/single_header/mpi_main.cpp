@@ -1,6 +1,7 @@
 // Compiled by scripts/test.sh --all with mpicxx -DLAZYTENSOR_WITH_MPI=1 against
-// single_include/ only, and run under mpirun -np 2: the single header's MPI backend forms one
-// world of the processes' replicas.
+// single_include/ only (header-only), and by the installed package's consumer against
+// lazytensor::compiled + lazytensor::mpi; both run under mpirun -np 2, where the MPI
+// transport forms one world of the processes' replicas.
 #include <lazytensor/lazytensor.hpp>
 
 #include <cstdio>

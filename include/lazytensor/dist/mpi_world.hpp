@@ -114,7 +114,8 @@ class MpiWorld final : public ProcessWorld, public std::enable_shared_from_this<
   void post_package(std::uint64_t group, int source, std::shared_ptr<std::vector<std::byte>> p);
   std::shared_ptr<std::vector<std::byte>> take_package(std::uint64_t group, int source);
 
-  /// Registers what a group is told when a peer process gave up one of its rounds.
+  /// Registers what a group is told when a peer process gave up one of its rounds; after
+  /// forget_group returns the handler is not running and is never called again.
   void on_group_broken(std::uint64_t group, BrokenHandler h);
   void forget_group(std::uint64_t group);
 
@@ -156,7 +157,8 @@ class MpiWorld final : public ProcessWorld, public std::enable_shared_from_this<
   std::thread watcher_;
   std::atomic<bool> stop_{false};
   std::atomic<int> local_exited_{0};
-  std::mutex mu_;  // guards the lists below
+  std::mutex calling_mu_;  // held while a BrokenHandler runs (see forget_group)
+  std::mutex mu_;          // guards the lists below
   struct Pending {
     std::vector<MPI_Request> requests;
     std::vector<std::shared_ptr<void>> keep;
@@ -215,7 +217,6 @@ class MpiLink final : public ProcessLink {
   std::size_t region_bytes_[2] = {0, 0};
   bool shared_peers_ = false;          // every peer process shares this host
 };
-
 
 /// process_world.hpp's ProcessTransport over MPI.
 class MpiTransport final : public ProcessTransport {

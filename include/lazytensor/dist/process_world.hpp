@@ -83,7 +83,7 @@ class ProcessWorld {
   /// gave up one of its rounds: it must fail its later rounds.
   using BrokenHandler = std::function<void(const std::string& reason, bool timeout)>;
   /// The link of group `members` (sorted ordinals, some in other processes). `on_broken`
-  /// is called until the link is destroyed.
+  /// may be called until the link's destructor returns, never after it.
   virtual std::unique_ptr<ProcessLink> link(const std::vector<int>& members, BrokenHandler on_broken) = 0;
 };
 
