@@ -2855,10 +2855,12 @@ class ChunkReduction {
 // compile time) to its SIMD loops, and gives the planner one interface to run any
 // element-wise kernel over a range of elements.
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <typeinfo>
+#include <utility>
 #include <vector>
 
 // ---- begin lazytensor/expr/dual.hpp ----
@@ -3248,6 +3250,20 @@ struct is_scalar : std::false_type {};
 template <class T>
 struct is_scalar<Scalar<T>> : std::true_type {};
 
+namespace detail {
+/// Calls `f` with the operands of a node (a tuple of one, two or three): std::apply's job,
+/// without the invoke and noexcept-deduction templates it instantiates for every node type
+/// of every expression.
+template <class Tuple, class F>
+decltype(auto) unpack(Tuple& t, F&& f) {
+  constexpr std::size_t n = std::tuple_size_v<std::remove_const_t<Tuple>>;
+  static_assert(n >= 1 && n <= 3, "element-wise ops take one, two or three operands");
+  if constexpr (n == 1) return f(std::get<0>(t));
+  else if constexpr (n == 2) return f(std::get<0>(t), std::get<1>(t));
+  else return f(std::get<0>(t), std::get<1>(t), std::get<2>(t));
+}
+}  // namespace detail
+
 /// Type a kernel computes in: bool as int32, bfloat16 as float.
 template <Element T>
 using lane_of = std::conditional_t<std::is_same_v<T, bool>, std::int32_t, compute_t<T>>;
@@ -3264,7 +3280,7 @@ class Expr {
   using value_type = typename Op::template result<typename Children::value_type...>;
 
   explicit Expr(Children... c) : children_(std::move(c)...) {
-    shape_ = std::apply([](const auto&... ch) { return broadcast_all(ch.shape()...); }, children_);
+    shape_ = expr::detail::unpack(children_, [](const auto&... ch) { return broadcast_all(ch.shape()...); });
   }
 
   const Shape& shape() const { return shape_; }
@@ -3309,7 +3325,7 @@ bool any_leaf_grad(const X& x) {
   if constexpr (is_leaf<X>::value) {
     return x.grad != nullptr;
   } else if constexpr (is_expr_node<X>::value) {
-    return std::apply([](const auto&... ch) { return (any_leaf_grad(ch) || ...); }, x.children());
+    return detail::unpack(x.children(), [](const auto&... ch) { return (any_leaf_grad(ch) || ...); });
   } else {
     return false;
   }
@@ -3684,6 +3700,18 @@ struct leaf_count<Expr<Op, C...>>
 template <class E>
 inline constexpr std::size_t leaf_count_v = leaf_count<std::remove_cvref_t<E>>::value;
 
+/// Whether expression type E reads a floating tensor. Only floating tensors can require
+/// grad, so an expression without one never records a backward function, and the code of
+/// one is not compiled for it (an int32 or bool expression costs its forward kernel only).
+template <class E>
+struct has_floating_leaf : std::false_type {};
+template <Element T>
+struct has_floating_leaf<Leaf<T>> : std::bool_constant<is_floating_v<T>> {};
+template <class Op, class... C>
+struct has_floating_leaf<Expr<Op, C...>> : std::bool_constant<(has_floating_leaf<C>::value || ...)> {};
+template <class E>
+inline constexpr bool has_floating_leaf_v = has_floating_leaf<std::remove_cvref_t<E>>::value;
+
 /// Converts an expression to kernel form, appending its distinct leaf nodes to `inputs`.
 /// With `edges`, a leaf's autograd edge is appended alongside, and two leaves share a slot
 /// only when both node and edge agree (x * x.detach() has two slots: one gets a gradient).
@@ -3704,12 +3732,10 @@ Scalar<T> to_kernel(const Scalar<T>& s, std::vector<graph::NodePtr>&, std::vecto
 template <class Op, class... C>
 auto to_kernel(const Expr<Op, C...>& e, std::vector<graph::NodePtr>& inputs,
                std::vector<autograd::GradFnPtr>* edges = nullptr) {
-  return std::apply(
-      [&](const auto&... ch) {
-        // Braced initialization evaluates left to right: slots follow operand order.
-        return KExpr<Op, kernel_form_t<C>...>{std::tuple<kernel_form_t<C>...>{to_kernel(ch, inputs, edges)...}};
-      },
-      e.children());
+  return detail::unpack(e.children(), [&](const auto&... ch) {
+    // Braced initialization evaluates left to right: slots follow operand order.
+    return KExpr<Op, kernel_form_t<C>...>{std::tuple<kernel_form_t<C>...>{to_kernel(ch, inputs, edges)...}};
+  });
 }
 
 /// Sum of the op costs of a kernel-form expression, per output element.
@@ -3726,30 +3752,47 @@ constexpr double kernel_cost() {
   }
 }
 
-/// "add(mul(in0, in1), 2)": the expression as text, for graph dumps (inK is input K).
-template <Element T>
-std::string kernel_text(const KLeaf<T>& l) {
-  std::string s = "in";
-  s += std::to_string(l.slot);
-  return s;
+namespace detail {
+inline void append_slot(std::string& s, int slot) {
+  s += "in";
+  s += std::to_string(slot);
 }
-template <Element T>
-std::string kernel_text(const Scalar<T>& s) {
-  std::string v = std::to_string(static_cast<double>(static_cast<compute_t<T>>(s.value)));
+inline void append_number(std::string& s, double value) {
+  std::string v = std::to_string(value);
   v.erase(v.find_last_not_of('0') + 1);
   if (!v.empty() && v.back() == '.') v.pop_back();
-  return v;
+  s += v;
+}
+}  // namespace detail
+
+/// Appends "add(mul(in0, in1), 2)", the expression as text for graph dumps (inK is input
+/// K), to `s`. The per-node templates only pass names and numbers to the two non-template
+/// helpers above: every expression type instantiates them, so they stay small.
+template <Element T>
+void append_text(std::string& s, const KLeaf<T>& l) {
+  detail::append_slot(s, l.slot);
+}
+template <Element T>
+void append_text(std::string& s, const Scalar<T>& v) {
+  detail::append_number(s, static_cast<double>(static_cast<compute_t<T>>(v.value)));
 }
 template <class Op, class... C>
-std::string kernel_text(const KExpr<Op, C...>& k) {
-  std::string s = std::string(Op::name) + "(";
-  bool first = true;
-  std::apply(
-      [&](const auto&... ch) {
-        ((s.append(first ? "" : ", ").append(kernel_text(ch)), first = false), ...);
-      },
-      k.children);
-  return s + ")";
+void append_text(std::string& s, const KExpr<Op, C...>& k) {
+  s += Op::name;
+  s += '(';
+  detail::unpack(k.children, [&](const auto&... ch) {
+    int n = 0;
+    ((s += (n++ ? ", " : ""), append_text(s, ch)), ...);
+  });
+  s += ')';
+}
+
+/// The expression as text (see append_text).
+template <class K>
+std::string kernel_text(const K& k) {
+  std::string s;
+  append_text(s, k);
+  return s;
 }
 
 }  // namespace lazy::expr
@@ -4096,14 +4139,14 @@ struct ExactEval<S, KExpr<Op, C...>> {
   std::tuple<ExactEval<S, C>...> children;
 
   ExactEval(const KExpr<Op, C...>& k, const void* const* ptrs, const char* splats)
-      : children(std::apply(
-            [&](const auto&... ch) { return std::tuple<ExactEval<S, C>...>{ExactEval<S, C>(ch, ptrs, splats)...}; },
-            k.children)) {}
+      : children(detail::unpack(k.children, [&](const auto&... ch) {
+          return std::tuple<ExactEval<S, C>...>{ExactEval<S, C>(ch, ptrs, splats)...};
+        })) {}
   void seek(const std::int64_t* offsets) {
-    std::apply([&](auto&... ch) { (ch.seek(offsets), ...); }, children);
+    detail::unpack(children, [&](auto&... ch) { (ch.seek(offsets), ...); });
   }
   lane_of<V> coeff(std::int64_t i) const {
-    return std::apply([&](const auto&... ch) { return apply(ch...)(i); }, children);
+    return detail::unpack(children, [&](const auto&... ch) { return apply(ch...)(i); });
   }
 
  private:
@@ -4451,10 +4494,15 @@ struct Eval<S, KGrad<K, Tg>> {
   }
 };
 
-/// "grad_in2(mul(in0, in1)) * in3" for graph dumps.
+/// "d/din1(mul(in0, in1)) * in2" for graph dumps.
 template <class K, Element Tg>
-std::string kernel_text(const KGrad<K, Tg>& k) {
-  return "d/din" + std::to_string(k.target) + "(" + kernel_text(k.fwd) + ") * " + kernel_text(k.grad);
+void append_text(std::string& s, const KGrad<K, Tg>& k) {
+  s += "d/din";
+  s += std::to_string(k.target);
+  s += '(';
+  append_text(s, k.fwd);
+  s += ") * ";
+  append_text(s, k.grad);
 }
 
 }  // namespace lazy::expr
@@ -4513,6 +4561,37 @@ class ElementwiseKernel {
   /// never enter it (not even 0 and +-1, which DESIGN allows: no kernel specializes on
   /// them), so a new learning rate or a schedule reaching 0 never changes a plan.
   virtual std::uint64_t hash() const = 0;
+
+ private:
+  friend class KernelRef;
+  mutable std::atomic<std::int32_t> refs_{0};
+};
+
+/// Shared ownership of a kernel (nodes made by with_inputs share their original's).
+/// Counted inside ElementwiseKernel rather than by std::shared_ptr: make_shared would
+/// instantiate a control block and its allocator machinery for every expression type,
+/// a fifth of what an element-wise statement costs to compile.
+class KernelRef {
+ public:
+  /// Takes ownership of a kernel made with `new`.
+  explicit KernelRef(const ElementwiseKernel* k) noexcept : k_(k) { retain(); }
+  KernelRef(const KernelRef& o) noexcept : k_(o.k_) { retain(); }
+  KernelRef(KernelRef&& o) noexcept : k_(std::exchange(o.k_, nullptr)) {}
+  KernelRef& operator=(KernelRef o) noexcept {
+    std::swap(k_, o.k_);
+    return *this;
+  }
+  ~KernelRef() {
+    if (k_ && k_->refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete k_;
+  }
+  const ElementwiseKernel* operator->() const noexcept { return k_; }
+  const ElementwiseKernel& operator*() const noexcept { return *k_; }
+
+ private:
+  void retain() const noexcept {
+    if (k_) k_->refs_.fetch_add(1, std::memory_order_relaxed);
+  }
+  const ElementwiseKernel* k_;
 };
 
 /// The loops of kernel-form expression K writing Tout.
@@ -4559,7 +4638,7 @@ class CompiledKernel final : public ElementwiseKernel {
 /// Evaluates an element-wise kernel into a tensor.
 class ElementwiseNode final : public Node {
  public:
-  ElementwiseNode(std::shared_ptr<const ElementwiseKernel> kernel, bool can_stream, DType dtype, Shape shape,
+  ElementwiseNode(KernelRef kernel, bool can_stream, DType dtype, Shape shape,
                   Device* device, std::vector<NodePtr> inputs);
 
   /// Element-wise: every output dimension splits; inputs aligned right (NumPy).
@@ -4597,7 +4676,7 @@ class ElementwiseNode final : public Node {
 
   double producer_cost() const { return inputs()[fused_slot_]->cost_per_element(); }
 
-  std::shared_ptr<const ElementwiseKernel> kernel_;
+  KernelRef kernel_;
   bool can_stream_;
   expr::Layout layout_;
   int fused_slot_ = -1;
@@ -4608,8 +4687,8 @@ class ElementwiseNode final : public Node {
 template <Element Tout, class K>
 NodePtr elementwise_node(K k, const Shape& shape, Device* device, std::vector<NodePtr> inputs) {
   using CK = CompiledKernel<K, Tout>;
-  return std::make_shared<ElementwiseNode>(std::make_shared<const CK>(std::move(k)), CK::can_stream, dtype_of<Tout>(),
-                                           shape, device, std::move(inputs));
+  return std::make_shared<ElementwiseNode>(KernelRef(new CK(std::move(k))), CK::can_stream, dtype_of<Tout>(), shape,
+                                           device, std::move(inputs));
 }
 
 }  // namespace lazy::graph
@@ -4621,7 +4700,7 @@ LAZYTENSOR_INLINE RowProducer::Session::Session(RowProducer& p, ExecContext& ctx
 
 LAZYTENSOR_INLINE RowProducer::Session::~Session() { p_.end_rows(); }
 
-LAZYTENSOR_INLINE ElementwiseNode::ElementwiseNode(std::shared_ptr<const ElementwiseKernel> kernel,
+LAZYTENSOR_INLINE ElementwiseNode::ElementwiseNode(KernelRef kernel,
   bool can_stream,
   DType dtype,
   Shape shape,
@@ -7293,9 +7372,13 @@ graph::NodePtr make_elementwise(const E& e, const Shape& shape, autograd::GradFn
   if (grad_fn) edges.reserve(expr::leaf_count_v<E>);
   auto k = expr::to_kernel(e, inputs, grad_fn ? &edges : nullptr);
   graph::Device& dev = graph::common_device(inputs, E::op_type::name);
-  if constexpr (is_floating_v<Tout>) {
+  // Only floating tensors require grad: without a floating leaf, no backward code is
+  // compiled for the expression.
+  if constexpr (is_floating_v<Tout> && expr::has_floating_leaf_v<E>) {
     if (grad_fn && autograd::any_edge(edges)) {
-      auto fn = std::make_shared<autograd::ElementwiseGradFn<decltype(k), Tout>>(k, inputs);
+      // Owned through the base class: std::shared_ptr's control block is then one type
+      // for every expression, not one more per expression (make_shared's would be).
+      autograd::GradFnPtr fn(static_cast<autograd::GradFn*>(new autograd::ElementwiseGradFn<decltype(k), Tout>(k, inputs)));
       fn->next = std::move(edges);
       *grad_fn = std::move(fn);
     }
@@ -8046,8 +8129,8 @@ template <expr::ExprLike X>
 GradFnPtr operand_edge(const X& x) {
   if constexpr (expr::is_expr_node<X>::value) {
     using V = typename X::value_type;
-    if constexpr (!is_floating_v<V>) {
-      return nullptr;
+    if constexpr (!is_floating_v<V> || !expr::has_floating_leaf_v<X>) {
+      return nullptr;  // no floating tensor operand: nothing here can require grad
     } else {
       if (!is_grad_enabled() || !expr::any_leaf_grad(x)) return nullptr;
       // any_leaf_grad found an edge, so `edges` holds at least one.
@@ -8056,7 +8139,8 @@ GradFnPtr operand_edge(const X& x) {
       inputs.reserve(expr::leaf_count_v<X>);
       edges.reserve(expr::leaf_count_v<X>);
       auto k = expr::to_kernel(x, inputs, &edges);
-      auto fn = std::make_shared<ElementwiseGradFn<decltype(k), V>>(k, inputs);
+      // Owned through the base class (see make_elementwise).
+      GradFnPtr fn(static_cast<GradFn*>(new ElementwiseGradFn<decltype(k), V>(k, inputs)));
       fn->next = std::move(edges);
       fn->dtype = dtype_of<V>();
       fn->shape = x.shape();

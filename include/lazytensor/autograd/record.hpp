@@ -36,8 +36,8 @@ template <expr::ExprLike X>
 GradFnPtr operand_edge(const X& x) {
   if constexpr (expr::is_expr_node<X>::value) {
     using V = typename X::value_type;
-    if constexpr (!is_floating_v<V>) {
-      return nullptr;
+    if constexpr (!is_floating_v<V> || !expr::has_floating_leaf_v<X>) {
+      return nullptr;  // no floating tensor operand: nothing here can require grad
     } else {
       if (!is_grad_enabled() || !expr::any_leaf_grad(x)) return nullptr;
       // any_leaf_grad found an edge, so `edges` holds at least one.
@@ -46,7 +46,8 @@ GradFnPtr operand_edge(const X& x) {
       inputs.reserve(expr::leaf_count_v<X>);
       edges.reserve(expr::leaf_count_v<X>);
       auto k = expr::to_kernel(x, inputs, &edges);
-      auto fn = std::make_shared<ElementwiseGradFn<decltype(k), V>>(k, inputs);
+      // Owned through the base class (see make_elementwise).
+      GradFnPtr fn(static_cast<GradFn*>(new ElementwiseGradFn<decltype(k), V>(k, inputs)));
       fn->next = std::move(edges);
       fn->dtype = dtype_of<V>();
       fn->shape = x.shape();

@@ -187,10 +187,15 @@ struct Eval<S, KGrad<K, Tg>> {
   }
 };
 
-/// "grad_in2(mul(in0, in1)) * in3" for graph dumps.
+/// "d/din1(mul(in0, in1)) * in2" for graph dumps.
 template <class K, Element Tg>
-std::string kernel_text(const KGrad<K, Tg>& k) {
-  return "d/din" + std::to_string(k.target) + "(" + kernel_text(k.fwd) + ") * " + kernel_text(k.grad);
+void append_text(std::string& s, const KGrad<K, Tg>& k) {
+  s += "d/din";
+  s += std::to_string(k.target);
+  s += '(';
+  append_text(s, k.fwd);
+  s += ") * ";
+  append_text(s, k.grad);
 }
 
 }  // namespace lazy::expr

@@ -243,14 +243,14 @@ struct ExactEval<S, KExpr<Op, C...>> {
   std::tuple<ExactEval<S, C>...> children;
 
   ExactEval(const KExpr<Op, C...>& k, const void* const* ptrs, const char* splats)
-      : children(std::apply(
-            [&](const auto&... ch) { return std::tuple<ExactEval<S, C>...>{ExactEval<S, C>(ch, ptrs, splats)...}; },
-            k.children)) {}
+      : children(detail::unpack(k.children, [&](const auto&... ch) {
+          return std::tuple<ExactEval<S, C>...>{ExactEval<S, C>(ch, ptrs, splats)...};
+        })) {}
   void seek(const std::int64_t* offsets) {
-    std::apply([&](auto&... ch) { (ch.seek(offsets), ...); }, children);
+    detail::unpack(children, [&](auto&... ch) { (ch.seek(offsets), ...); });
   }
   lane_of<V> coeff(std::int64_t i) const {
-    return std::apply([&](const auto&... ch) { return apply(ch...)(i); }, children);
+    return detail::unpack(children, [&](const auto&... ch) { return apply(ch...)(i); });
   }
 
  private:

@@ -62,6 +62,20 @@ struct is_scalar : std::false_type {};
 template <class T>
 struct is_scalar<Scalar<T>> : std::true_type {};
 
+namespace detail {
+/// Calls `f` with the operands of a node (a tuple of one, two or three): std::apply's job,
+/// without the invoke and noexcept-deduction templates it instantiates for every node type
+/// of every expression.
+template <class Tuple, class F>
+decltype(auto) unpack(Tuple& t, F&& f) {
+  constexpr std::size_t n = std::tuple_size_v<std::remove_const_t<Tuple>>;
+  static_assert(n >= 1 && n <= 3, "element-wise ops take one, two or three operands");
+  if constexpr (n == 1) return f(std::get<0>(t));
+  else if constexpr (n == 2) return f(std::get<0>(t), std::get<1>(t));
+  else return f(std::get<0>(t), std::get<1>(t), std::get<2>(t));
+}
+}  // namespace detail
+
 /// Type a kernel computes in: bool as int32, bfloat16 as float.
 template <Element T>
 using lane_of = std::conditional_t<std::is_same_v<T, bool>, std::int32_t, compute_t<T>>;
@@ -78,7 +92,7 @@ class Expr {
   using value_type = typename Op::template result<typename Children::value_type...>;
 
   explicit Expr(Children... c) : children_(std::move(c)...) {
-    shape_ = std::apply([](const auto&... ch) { return broadcast_all(ch.shape()...); }, children_);
+    shape_ = expr::detail::unpack(children_, [](const auto&... ch) { return broadcast_all(ch.shape()...); });
   }
 
   const Shape& shape() const { return shape_; }
@@ -123,7 +137,7 @@ bool any_leaf_grad(const X& x) {
   if constexpr (is_leaf<X>::value) {
     return x.grad != nullptr;
   } else if constexpr (is_expr_node<X>::value) {
-    return std::apply([](const auto&... ch) { return (any_leaf_grad(ch) || ...); }, x.children());
+    return detail::unpack(x.children(), [](const auto&... ch) { return (any_leaf_grad(ch) || ...); });
   } else {
     return false;
   }

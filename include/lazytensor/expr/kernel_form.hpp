@@ -78,6 +78,18 @@ struct leaf_count<Expr<Op, C...>>
 template <class E>
 inline constexpr std::size_t leaf_count_v = leaf_count<std::remove_cvref_t<E>>::value;
 
+/// Whether expression type E reads a floating tensor. Only floating tensors can require
+/// grad, so an expression without one never records a backward function, and the code of
+/// one is not compiled for it (an int32 or bool expression costs its forward kernel only).
+template <class E>
+struct has_floating_leaf : std::false_type {};
+template <Element T>
+struct has_floating_leaf<Leaf<T>> : std::bool_constant<is_floating_v<T>> {};
+template <class Op, class... C>
+struct has_floating_leaf<Expr<Op, C...>> : std::bool_constant<(has_floating_leaf<C>::value || ...)> {};
+template <class E>
+inline constexpr bool has_floating_leaf_v = has_floating_leaf<std::remove_cvref_t<E>>::value;
+
 /// Converts an expression to kernel form, appending its distinct leaf nodes to `inputs`.
 /// With `edges`, a leaf's autograd edge is appended alongside, and two leaves share a slot
 /// only when both node and edge agree (x * x.detach() has two slots: one gets a gradient).
@@ -98,12 +110,10 @@ Scalar<T> to_kernel(const Scalar<T>& s, std::vector<graph::NodePtr>&, std::vecto
 template <class Op, class... C>
 auto to_kernel(const Expr<Op, C...>& e, std::vector<graph::NodePtr>& inputs,
                std::vector<autograd::GradFnPtr>* edges = nullptr) {
-  return std::apply(
-      [&](const auto&... ch) {
-        // Braced initialization evaluates left to right: slots follow operand order.
-        return KExpr<Op, kernel_form_t<C>...>{std::tuple<kernel_form_t<C>...>{to_kernel(ch, inputs, edges)...}};
-      },
-      e.children());
+  return detail::unpack(e.children(), [&](const auto&... ch) {
+    // Braced initialization evaluates left to right: slots follow operand order.
+    return KExpr<Op, kernel_form_t<C>...>{std::tuple<kernel_form_t<C>...>{to_kernel(ch, inputs, edges)...}};
+  });
 }
 
 /// Sum of the op costs of a kernel-form expression, per output element.
@@ -120,30 +130,47 @@ constexpr double kernel_cost() {
   }
 }
 
-/// "add(mul(in0, in1), 2)": the expression as text, for graph dumps (inK is input K).
-template <Element T>
-std::string kernel_text(const KLeaf<T>& l) {
-  std::string s = "in";
-  s += std::to_string(l.slot);
-  return s;
+namespace detail {
+inline void append_slot(std::string& s, int slot) {
+  s += "in";
+  s += std::to_string(slot);
 }
-template <Element T>
-std::string kernel_text(const Scalar<T>& s) {
-  std::string v = std::to_string(static_cast<double>(static_cast<compute_t<T>>(s.value)));
+inline void append_number(std::string& s, double value) {
+  std::string v = std::to_string(value);
   v.erase(v.find_last_not_of('0') + 1);
   if (!v.empty() && v.back() == '.') v.pop_back();
-  return v;
+  s += v;
+}
+}  // namespace detail
+
+/// Appends "add(mul(in0, in1), 2)", the expression as text for graph dumps (inK is input
+/// K), to `s`. The per-node templates only pass names and numbers to the two non-template
+/// helpers above: every expression type instantiates them, so they stay small.
+template <Element T>
+void append_text(std::string& s, const KLeaf<T>& l) {
+  detail::append_slot(s, l.slot);
+}
+template <Element T>
+void append_text(std::string& s, const Scalar<T>& v) {
+  detail::append_number(s, static_cast<double>(static_cast<compute_t<T>>(v.value)));
 }
 template <class Op, class... C>
-std::string kernel_text(const KExpr<Op, C...>& k) {
-  std::string s = std::string(Op::name) + "(";
-  bool first = true;
-  std::apply(
-      [&](const auto&... ch) {
-        ((s.append(first ? "" : ", ").append(kernel_text(ch)), first = false), ...);
-      },
-      k.children);
-  return s + ")";
+void append_text(std::string& s, const KExpr<Op, C...>& k) {
+  s += Op::name;
+  s += '(';
+  detail::unpack(k.children, [&](const auto&... ch) {
+    int n = 0;
+    ((s += (n++ ? ", " : ""), append_text(s, ch)), ...);
+  });
+  s += ')';
+}
+
+/// The expression as text (see append_text).
+template <class K>
+std::string kernel_text(const K& k) {
+  std::string s;
+  append_text(s, k);
+  return s;
 }
 
 }  // namespace lazy::expr

@@ -8,10 +8,12 @@
 // compile time) to its SIMD loops, and gives the planner one interface to run any
 // element-wise kernel over a range of elements.
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <typeinfo>
+#include <utility>
 #include <vector>
 
 #include <lazytensor/core/counters.hpp>
@@ -75,6 +77,37 @@ class ElementwiseKernel {
   /// never enter it (not even 0 and +-1, which DESIGN allows: no kernel specializes on
   /// them), so a new learning rate or a schedule reaching 0 never changes a plan.
   virtual std::uint64_t hash() const = 0;
+
+ private:
+  friend class KernelRef;
+  mutable std::atomic<std::int32_t> refs_{0};
+};
+
+/// Shared ownership of a kernel (nodes made by with_inputs share their original's).
+/// Counted inside ElementwiseKernel rather than by std::shared_ptr: make_shared would
+/// instantiate a control block and its allocator machinery for every expression type,
+/// a fifth of what an element-wise statement costs to compile.
+class KernelRef {
+ public:
+  /// Takes ownership of a kernel made with `new`.
+  explicit KernelRef(const ElementwiseKernel* k) noexcept : k_(k) { retain(); }
+  KernelRef(const KernelRef& o) noexcept : k_(o.k_) { retain(); }
+  KernelRef(KernelRef&& o) noexcept : k_(std::exchange(o.k_, nullptr)) {}
+  KernelRef& operator=(KernelRef o) noexcept {
+    std::swap(k_, o.k_);
+    return *this;
+  }
+  ~KernelRef() {
+    if (k_ && k_->refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete k_;
+  }
+  const ElementwiseKernel* operator->() const noexcept { return k_; }
+  const ElementwiseKernel& operator*() const noexcept { return *k_; }
+
+ private:
+  void retain() const noexcept {
+    if (k_) k_->refs_.fetch_add(1, std::memory_order_relaxed);
+  }
+  const ElementwiseKernel* k_;
 };
 
 /// The loops of kernel-form expression K writing Tout.
@@ -121,7 +154,7 @@ class CompiledKernel final : public ElementwiseKernel {
 /// Evaluates an element-wise kernel into a tensor.
 class ElementwiseNode final : public Node {
  public:
-  ElementwiseNode(std::shared_ptr<const ElementwiseKernel> kernel, bool can_stream, DType dtype, Shape shape,
+  ElementwiseNode(KernelRef kernel, bool can_stream, DType dtype, Shape shape,
                   Device* device, std::vector<NodePtr> inputs);
 
   /// Element-wise: every output dimension splits; inputs aligned right (NumPy).
@@ -159,7 +192,7 @@ class ElementwiseNode final : public Node {
 
   double producer_cost() const { return inputs()[fused_slot_]->cost_per_element(); }
 
-  std::shared_ptr<const ElementwiseKernel> kernel_;
+  KernelRef kernel_;
   bool can_stream_;
   expr::Layout layout_;
   int fused_slot_ = -1;
@@ -170,8 +203,8 @@ class ElementwiseNode final : public Node {
 template <Element Tout, class K>
 NodePtr elementwise_node(K k, const Shape& shape, Device* device, std::vector<NodePtr> inputs) {
   using CK = CompiledKernel<K, Tout>;
-  return std::make_shared<ElementwiseNode>(std::make_shared<const CK>(std::move(k)), CK::can_stream, dtype_of<Tout>(),
-                                           shape, device, std::move(inputs));
+  return std::make_shared<ElementwiseNode>(KernelRef(new CK(std::move(k))), CK::can_stream, dtype_of<Tout>(), shape,
+                                           device, std::move(inputs));
 }
 
 }  // namespace lazy::graph
@@ -183,7 +216,7 @@ LAZYTENSOR_INLINE RowProducer::Session::Session(RowProducer& p, ExecContext& ctx
 
 LAZYTENSOR_INLINE RowProducer::Session::~Session() { p_.end_rows(); }
 
-LAZYTENSOR_INLINE ElementwiseNode::ElementwiseNode(std::shared_ptr<const ElementwiseKernel> kernel,
+LAZYTENSOR_INLINE ElementwiseNode::ElementwiseNode(KernelRef kernel,
   bool can_stream,
   DType dtype,
   Shape shape,

@@ -25,9 +25,13 @@ graph::NodePtr make_elementwise(const E& e, const Shape& shape, autograd::GradFn
   if (grad_fn) edges.reserve(expr::leaf_count_v<E>);
   auto k = expr::to_kernel(e, inputs, grad_fn ? &edges : nullptr);
   graph::Device& dev = graph::common_device(inputs, E::op_type::name);
-  if constexpr (is_floating_v<Tout>) {
+  // Only floating tensors require grad: without a floating leaf, no backward code is
+  // compiled for the expression.
+  if constexpr (is_floating_v<Tout> && expr::has_floating_leaf_v<E>) {
     if (grad_fn && autograd::any_edge(edges)) {
-      auto fn = std::make_shared<autograd::ElementwiseGradFn<decltype(k), Tout>>(k, inputs);
+      // Owned through the base class: std::shared_ptr's control block is then one type
+      // for every expression, not one more per expression (make_shared's would be).
+      autograd::GradFnPtr fn(static_cast<autograd::GradFn*>(new autograd::ElementwiseGradFn<decltype(k), Tout>(k, inputs)));
       fn->next = std::move(edges);
       *grad_fn = std::move(fn);
     }
