@@ -1,7 +1,8 @@
 # cmake -DNM=<nm> -DOBJECTS=<object files> -P check_symbols.cmake
 #
 # Fails when the float-only program's objects define a symbol whose template arguments name
-# bfloat16 or double: a kernel, node or backward compiled for a dtype the program never uses.
+# bfloat16 or double: a kernel, node or backward compiled for a dtype the program never uses;
+# or backward code for an expression without a float tensor leaf.
 # Function parameters of type double (a learning rate, a cost) are fine; template arguments
 # are what select kernels, so only the part of each demangled name before its parameter list
 # is searched.
@@ -19,6 +20,11 @@ foreach(entry IN LISTS entries)
   if(name MATCHES "lazy::" AND name MATCHES "bfloat16|[<,] ?double ?[,>]")
     list(APPEND bad "${name}")
   endif()
+  # Backward code exists only for expressions that read a floating tensor (only those can
+  # require grad), here a float one: a gradient kernel without a float leaf is dead code.
+  if(name MATCHES "KGrad<|ElementwiseGradFn<" AND NOT name MATCHES "KLeaf<float>")
+    list(APPEND bad "${name}")
+  endif()
 endforeach()
-lean_report(${count} 100 bad "the float-only program defines symbols for other dtypes")
-message(STATUS "float-only program: ${count} symbols, none for double or bfloat16")
+lean_report(${count} 100 bad "the float-only program defines symbols for other dtypes or dead backward code")
+message(STATUS "float-only program: ${count} symbols, none for double or bfloat16, no dead backward")

@@ -1,6 +1,7 @@
 // A program that computes in float only: forward, backward and an optimizer step. Its object
 // file must hold no double or bfloat16 kernels (tests/lean/check_symbols.cmake): the runtime
 // dispatches on dtypes, but it must not compile every dtype's kernels into every program.
+// Nor backward code for an expression that reads no floating tensor.
 #include <iostream>
 
 #include <lazytensor/nn.hpp>
@@ -17,6 +18,10 @@ int main() {
   // for modules converted at run time).
   lazy::optim::BasicSGD<float> opt(fc->parameters(), lazy::optim::SGDOptions(0.1).momentum(0.9));
   auto target = lazy::randint<std::int64_t>(0, 10, {64});
+  // Float computed from integers only: no tensor here can require grad, so no backward
+  // code may be compiled for it either (check_symbols.cmake).
+  lazy::Tensor<float> half = lazy::cast<float>(target) * 0.5f;
+  std::cout << lazy::sum(half).item() << "\n";
   auto loss = lazy::nn::functional::cross_entropy(fc(y), target);
   opt.zero_grad();
   loss.backward();
