@@ -22,6 +22,8 @@ foreach(entry IN LISTS entries)
   endif()
   # Backward code exists only for expressions that read a floating tensor (only those can
   # require grad), here a float one: a gradient kernel without a float leaf is dead code.
+  # (`name` is cut at its parameter list; no op type takes a value template argument, which
+  # GCC would print as "(Type)1" and cut there.)
   if(name MATCHES "KGrad<|ElementwiseGradFn<" AND NOT name MATCHES "KLeaf<float>")
     list(APPEND bad "${name}")
   endif()

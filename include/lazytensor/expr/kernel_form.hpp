@@ -80,7 +80,8 @@ inline constexpr std::size_t leaf_count_v = leaf_count<std::remove_cvref_t<E>>::
 
 /// Whether expression type E reads a floating tensor. Only floating tensors can require
 /// grad, so an expression without one never records a backward function, and the code of
-/// one is not compiled for it (an int32 or bool expression costs its forward kernel only).
+/// one is not compiled for it: a floating result computed from integers only
+/// (`cast<float>(idx) * 0.5f`) costs its forward kernel only.
 template <class E>
 struct has_floating_leaf : std::false_type {};
 template <Element T>
