@@ -34,8 +34,15 @@
 //   #if LAZYTENSOR_HEADER_DEFINITIONS
 //   LAZYTENSOR_INLINE void ThreadPool::resize(int threads) { ... }
 //   #endif
-// so both modes read the same text. LAZYTENSOR_INLINE goes on those definitions only, never
-// on a declaration.
+// so both modes read the same text. LAZYTENSOR_INLINE goes on those definitions, and on the
+// in-class declaration of a virtual function defined that way: the first virtual function
+// declared without `inline` is the class's key function, and a TU that defines the key
+// function emits the vtable and every virtual function it names. Header-only, every TU
+// defines it (inline), so every TU that merely included the class compiled all of them
+// (the umbrella's three-line program: 70 vtables); with the mark, a class has no key
+// function header-only (its vtable comes with its constructor's use) and keeps it in the
+// library. tests/lean/check_symbols.cmake fails on a vtable of a module the program never
+// uses. Elsewhere it never goes on a declaration.
 
 #if defined(LAZYTENSOR_BUILDING_RUNTIME)
 // src/compiled.cpp: the one TU that defines the runtime, with external linkage.
@@ -1738,7 +1745,7 @@ class Node {
   /// (cached: a node's structure never changes).
   std::uint64_t hash() const;
   /// Computes the structural hash (override to add kernel parameters).
-  virtual std::uint64_t structural_hash() const;
+  LAZYTENSOR_INLINE virtual std::uint64_t structural_hash() const;
   /// Estimated cost per output element (1 = one add), used to decide threading.
   virtual double cost_per_element() const { return 1.0; }
 
@@ -2516,7 +2523,7 @@ class ConvertNode final : public Node {
   }
 
  protected:
-  void compute(ExecContext& ctx) override;
+  LAZYTENSOR_INLINE void compute(ExecContext& ctx) override;
 };
 
 /// `in` (float) with every element rounded to the nearest bfloat16 value, still float: the
@@ -2533,7 +2540,7 @@ class RoundToBFloat16Node final : public Node {
   }
 
  protected:
-  void compute(ExecContext& ctx) override;
+  LAZYTENSOR_INLINE void compute(ExecContext& ctx) override;
 };
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
@@ -4661,12 +4668,12 @@ class ElementwiseNode final : public Node {
   /// True when the kernel can write its output with non-temporal stores.
   bool can_stream() const { return can_stream_; }
 
-  void fuse_producers() override;
+  LAZYTENSOR_INLINE void fuse_producers() override;
 
  protected:
-  void compute(ExecContext& ctx) override;
+  LAZYTENSOR_INLINE void compute(ExecContext& ctx) override;
 
-  void finish() override;
+  LAZYTENSOR_INLINE void finish() override;
 
  private:
   void run(ExecContext& ctx, const std::vector<const void*>& ptrs, void* out) const;
@@ -6632,9 +6639,9 @@ class ReduceLoops final : public ReduceKernel {
 class ReductionNode : public Node, public ChunkReduction, public BlockReduction {
  public:
   std::string op_name() const override { return kernel_.name(); }
-  std::string describe() const override;
+  LAZYTENSOR_INLINE std::string describe() const override;
   double cost_per_element() const override { return kernel_.cost(); }
-  std::uint64_t structural_hash() const override;
+  LAZYTENSOR_INLINE std::uint64_t structural_hash() const override;
 
   const Shape& child_shape() const override { return child_shape_; }
   ReduceGeometry geometry() const override { return g_; }
@@ -6642,8 +6649,8 @@ class ReductionNode : public Node, public ChunkReduction, public BlockReduction 
 
   bool reduces_all() const override { return g_.outer == 1 && g_.inner == 1; }
   std::size_t partial_bytes() const override { return kernel_.partial_bytes(); }
-  void reduce_chunk(const void* const* inputs, std::int64_t len, void* partial) const override;
-  void finish_partials(ExecContext& ctx, void* partials, std::int64_t count) override;
+  LAZYTENSOR_INLINE void reduce_chunk(const void* const* inputs, std::int64_t len, void* partial) const override;
+  LAZYTENSOR_INLINE void finish_partials(ExecContext& ctx, void* partials, std::int64_t count) override;
 
  protected:
   /// `kernel` is a member of the derived node: it is not touched here before that
@@ -6651,7 +6658,7 @@ class ReductionNode : public Node, public ChunkReduction, public BlockReduction 
   ReductionNode(const ReduceKernel& kernel, DType dtype, Shape out_shape, ReduceGeometry g, double scale,
                 Device* device, std::vector<NodePtr> inputs, Shape child_shape);
 
-  void compute(ExecContext& ctx) override;
+  LAZYTENSOR_INLINE void compute(ExecContext& ctx) override;
 
   double scale() const { return scale_; }
 
@@ -7262,9 +7269,9 @@ class ElementwiseGradFnBase : public GradFn {
  public:
   explicit ElementwiseGradFnBase(std::vector<graph::NodePtr> inputs) : inputs_(std::move(inputs)) {}
 
-  std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override;
+  LAZYTENSOR_INLINE std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override;
 
-  void release_saved() override;
+  LAZYTENSOR_INLINE void release_saved() override;
 
  protected:
   /// A pending node computing grad * d(output)/d(input `slot`), in the output's shape.
@@ -8115,8 +8122,8 @@ class FunctionGradFn final : public GradFn {
   using Backward = std::function<std::vector<graph::NodePtr>(const graph::NodePtr&)>;
   FunctionGradFn(std::string name, Backward f) : name_(std::move(name)), f_(std::move(f)) {}
   std::string name() const override { return name_; }
-  std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override;
-  void release_saved() override;
+  LAZYTENSOR_INLINE std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override;
+  LAZYTENSOR_INLINE void release_saved() override;
 
  private:
   std::string name_;
@@ -8583,7 +8590,7 @@ class Sampler {
 /// 0, 1, ..., n-1.
 class SequentialSampler final : public Sampler {
  public:
-  std::vector<std::size_t> indices(std::size_t n) const override;
+  LAZYTENSOR_INLINE std::vector<std::size_t> indices(std::size_t n) const override;
   std::size_t size(std::size_t n) const override { return n; }
 };
 
@@ -8617,7 +8624,7 @@ class DistributedSampler final : public Sampler {
     return drop_last_ ? n / num_replicas_ : (n + num_replicas_ - 1) / num_replicas_;
   }
 
-  std::vector<std::size_t> indices(std::size_t n) const override;
+  LAZYTENSOR_INLINE std::vector<std::size_t> indices(std::size_t n) const override;
 
   std::size_t num_replicas() const { return num_replicas_; }
   std::size_t rank() const { return rank_; }
@@ -11219,22 +11226,22 @@ class MpiWorld final : public ProcessWorld, public std::enable_shared_from_this<
   /// up after the collective timeout) and checks that every process asked for as many
   /// replicas. Null when the program runs as one process.
   static std::shared_ptr<MpiWorld> join(int replicas);
-  ~MpiWorld() override;
+  inline ~MpiWorld() override;
   MpiWorld(const MpiWorld&) = delete;
   MpiWorld& operator=(const MpiWorld&) = delete;
 
   int index() const { return place_.index; }
   int count() const { return place_.count; }
   int replicas() const { return replicas_; }
-  WorldLayout layout() const override;
+  inline WorldLayout layout() const override;
   MPI_Comm data_comm() const { return data_; }
 
   /// Starts the watcher thread, which applies other processes' exit notices to `w`.
-  void watch(WorldState& w) override;
-  void announce_exit(int ordinal, const std::exception_ptr& e) override;
+  inline void watch(WorldState& w) override;
+  inline void announce_exit(int ordinal, const std::exception_ptr& e) override;
   /// Also stops the watcher and settles abandoned transfers.
-  void finish() override;
-  std::unique_ptr<ProcessLink> link(const std::vector<int>& members, BrokenHandler on_broken) override;
+  inline void finish() override;
+  inline std::unique_ptr<ProcessLink> link(const std::vector<int>& members, BrokenHandler on_broken) override;
 
   /// Requests a failed round left in flight, with what their buffers need to outlive them.
   void abandon(std::vector<MPI_Request> requests, std::vector<std::shared_ptr<void>> keep);
@@ -11316,16 +11323,16 @@ class MpiLink final : public ProcessLink {
  public:
   /// `members`: the group (sorted ordinals); `on_broken`: see ProcessWorld::link.
   MpiLink(std::shared_ptr<MpiWorld> pw, const std::vector<int>& members, ProcessWorld::BrokenHandler on_broken);
-  ~MpiLink() override;
+  inline ~MpiLink() override;
   MpiLink(const MpiLink&) = delete;
   MpiLink& operator=(const MpiLink&) = delete;
 
-  void begin(std::uint64_t s, const std::vector<Share*>& local, const std::vector<int>& ordinals) override;
-  bool progress(const std::vector<Share*>& slot_share, const std::vector<int>& slot_of_ordinal) override;
-  std::string waiting_for() const override;
-  bool delivered_by_owner(int ordinal) const override;
+  inline void begin(std::uint64_t s, const std::vector<Share*>& local, const std::vector<int>& ordinals) override;
+  inline bool progress(const std::vector<Share*>& slot_share, const std::vector<int>& slot_of_ordinal) override;
+  inline std::string waiting_for() const override;
+  inline bool delivered_by_owner(int ordinal) const override;
   /// Also hands what is in flight to the MpiWorld.
-  void abandon(const std::string& reason, bool timeout) override;
+  inline void abandon(const std::string& reason, bool timeout) override;
 
  private:
   /// Takes the peer's next package of this group (from the mailbox or MPI); null if none.
@@ -11355,7 +11362,7 @@ class MpiLink final : public ProcessLink {
 /// process_world.hpp's ProcessTransport over MPI.
 class MpiTransport final : public ProcessTransport {
  public:
-  ProcessPlace place() override;
+  inline ProcessPlace place() override;
   std::shared_ptr<ProcessWorld> join(int replicas) override { return MpiWorld::join(replicas); }
 };
 
@@ -12998,7 +13005,7 @@ class ExchangeNode : public graph::Node {
                graph::Device* device);
 
   std::string op_name() const override { return kind_name(call_.sig.kind); }
-  std::string describe() const override;
+  LAZYTENSOR_INLINE std::string describe() const override;
   double cost_per_element() const override { return 0; }
 
   /// Lets the exchange drop output `i` at once when its result node is gone.
@@ -13014,8 +13021,8 @@ class ExchangeNode : public graph::Node {
   const graph::NodePtr& data(std::size_t i) const { return inputs()[i]; }
 
  protected:
-  void compute(graph::ExecContext& ctx) final;
-  void finish() override;
+  LAZYTENSOR_INLINE void compute(graph::ExecContext& ctx) final;
+  LAZYTENSOR_INLINE void finish() override;
 
   /// Runs the exchange; returns one buffer per output.
   virtual std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext& ctx) = 0;
@@ -13329,7 +13336,7 @@ class AllGatherExchange final : public ExchangeNode {
                     graph::Device* device, int dim);
 
  protected:
-  std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext& ctx) override;
+  LAZYTENSOR_INLINE std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext& ctx) override;
 
  private:
   int dim_;
@@ -13402,7 +13409,7 @@ class AllToAllExchange final : public ExchangeNode {
                    graph::Device* device, int split, int concat);
 
  protected:
-  std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext& ctx) override;
+  LAZYTENSOR_INLINE std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext& ctx) override;
 
  private:
   int split_, concat_;
@@ -13415,7 +13422,7 @@ class BroadcastExchange final : public ExchangeNode {
                     graph::Device* device, int src_slot);
 
  protected:
-  std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext&) override;
+  LAZYTENSOR_INLINE std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext&) override;
 
  private:
   int src_slot_;
@@ -17550,15 +17557,15 @@ class PermuteNode : public Node {
   bool swaps_last_two() const;
 
   std::string op_name() const override { return op_; }
-  std::string describe() const override;
-  std::uint64_t structural_hash() const override;
+  LAZYTENSOR_INLINE std::string describe() const override;
+  LAZYTENSOR_INLINE std::uint64_t structural_hash() const override;
 
   /// Every output dimension splits, reading the input dimension it moves.
-  std::optional<BlockRule> block_rule() const override;
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device* device) const override;
+  LAZYTENSOR_INLINE std::optional<BlockRule> block_rule() const override;
+  LAZYTENSOR_INLINE NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device* device) const override;
 
  protected:
-  void compute(ExecContext& ctx) override;
+  LAZYTENSOR_INLINE void compute(ExecContext& ctx) override;
 
  private:
   static constexpr std::int64_t kTile = 32;
@@ -17653,7 +17660,7 @@ class TransposeNode final : public PermuteNode, public TransposeOfLastTwo {
   /// The node whose last two dims this value swaps (null once this node has run: a
   /// computed node keeps no inputs).
   const NodePtr& transpose_source() const override { return inputs().empty() ? none_ : inputs()[0]; }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device* device) const override;
+  LAZYTENSOR_INLINE NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device* device) const override;
 
   /// The identity permutation with the last two entries swapped.
   static std::vector<int> last_two(int rank);
@@ -17668,9 +17675,9 @@ class SliceNode final : public Node {
   SliceNode(std::string op, NodePtr in, int dim, std::int64_t start, std::int64_t step, Shape out);
 
   std::string op_name() const override { return op_; }
-  std::string describe() const override;
+  LAZYTENSOR_INLINE std::string describe() const override;
   // The offsets are part of the kernel's layout, not data: they belong in the hash.
-  std::uint64_t structural_hash() const override;
+  LAZYTENSOR_INLINE std::uint64_t structural_hash() const override;
   /// Blocks along every dimension but the sliced one (lazy::spmd keeps such a sharding).
   std::optional<BlockRule> block_rule() const override {
     if (dim_ >= shape().rank()) return std::nullopt;
@@ -17681,7 +17688,7 @@ class SliceNode final : public Node {
   }
 
  protected:
-  void compute(ExecContext& ctx) override;
+  LAZYTENSOR_INLINE void compute(ExecContext& ctx) override;
 
  private:
   std::string op_;
@@ -17698,13 +17705,13 @@ class CatNode final : public Node {
           std::vector<std::int64_t> widths);
 
   std::string op_name() const override { return op_; }
-  std::uint64_t structural_hash() const override;
+  LAZYTENSOR_INLINE std::uint64_t structural_hash() const override;
   /// Blocks along the dimensions before the joined one (whole rows of every input).
-  std::optional<BlockRule> block_rule() const override;
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device* device) const override;
+  LAZYTENSOR_INLINE std::optional<BlockRule> block_rule() const override;
+  LAZYTENSOR_INLINE NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device* device) const override;
 
  protected:
-  void compute(ExecContext& ctx) override;
+  LAZYTENSOR_INLINE void compute(ExecContext& ctx) override;
 
  private:
   // The output dimensions whose product is outer_ (the first ones; size-1 dimensions after
@@ -22084,7 +22091,7 @@ class ShardedNode : public graph::Node {
 
  protected:
   /// The gather: each distinct block once, from the first position holding it.
-  void compute(graph::ExecContext& ctx) override;
+  LAZYTENSOR_INLINE void compute(graph::ExecContext& ctx) override;
 
  private:
   Sharding sharding_;
@@ -22965,7 +22972,7 @@ class Module : public std::enable_shared_from_this<Module> {
   void load_state_dict(const StateDict& sd, bool strict = true);
 
   /// Training mode (dropout active, batch norm uses batch statistics), recursively.
-  virtual void train(bool on = true);
+  LAZYTENSOR_INLINE virtual void train(bool on = true);
   /// Evaluation mode: train(false).
   void eval() { train(false); }
   /// True in training mode.
@@ -23315,7 +23322,7 @@ class FlattenImpl : public Module {
   auto forward(const E& x) const {
     return forward(lazy::eval(x));
   }
-  void pretty_print(std::ostream& os) const override;
+  LAZYTENSOR_INLINE void pretty_print(std::ostream& os) const override;
 
  private:
   std::int64_t start_, end_;
@@ -23339,7 +23346,7 @@ class DropoutImpl : public Module {
   auto forward(const E& x) const {
     return forward(lazy::eval(x));
   }
-  void pretty_print(std::ostream& os) const override;
+  LAZYTENSOR_INLINE void pretty_print(std::ostream& os) const override;
 
  private:
   double p_;
@@ -24231,7 +24238,7 @@ class Conv2dImpl : public Module {
 
   /// PyTorch's repr: `Conv2d(1, 32, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1))`
   /// (padding, dilation and bias shown only when not the default).
-  void pretty_print(std::ostream& os) const override;
+  LAZYTENSOR_INLINE void pretty_print(std::ostream& os) const override;
 
   /// The options the layer was built with.
   const Conv2dOptions options;
@@ -24321,7 +24328,7 @@ class EmbeddingImpl : public Module {
   /// IndexError when computed.
   template <FloatingElement T = float, IndexElement I>
   Tensor<T> forward(const Tensor<I>& indices) const;
-  void pretty_print(std::ostream& os) const override;
+  LAZYTENSOR_INLINE void pretty_print(std::ostream& os) const override;
 
   Tensor<float> weight;
 
@@ -24398,7 +24405,7 @@ class LinearImpl : public Module {
     return forward(lazy::eval(x));
   }
 
-  void pretty_print(std::ostream& os) const override;
+  LAZYTENSOR_INLINE void pretty_print(std::ostream& os) const override;
 
   Tensor<float> weight;
   Tensor<float> bias;
@@ -24475,7 +24482,7 @@ class LayerNormImpl : public Module {
   auto forward(const E& x) const {
     return forward(lazy::eval(x));
   }
-  void pretty_print(std::ostream& os) const override;
+  LAZYTENSOR_INLINE void pretty_print(std::ostream& os) const override;
 
   Tensor<float> weight, bias;
 
@@ -24752,8 +24759,8 @@ class PoolNode : public Node {
  public:
   PoolNode(DType dtype, Shape shape, Device* device, std::vector<NodePtr> inputs, const Window2d& g,
            bool max, bool count_include_pad);
-  std::uint64_t structural_hash() const override;
-  std::string describe() const override;
+  LAZYTENSOR_INLINE std::uint64_t structural_hash() const override;
+  LAZYTENSOR_INLINE std::string describe() const override;
   /// Work per element of the pooled output: one window.
   double window_cost() const { return static_cast<double>(g_.kh * g_.kw); }
 
@@ -25094,7 +25101,7 @@ class MaxPool2dImpl : public Module {
   }
   /// PyTorch's repr: `MaxPool2d(kernel_size=2, stride=2, padding=0, dilation=1,
   /// ceil_mode=False)`.
-  void pretty_print(std::ostream& os) const override;
+  LAZYTENSOR_INLINE void pretty_print(std::ostream& os) const override;
 
   /// The options the layer was built with.
   const MaxPool2dOptions options;
@@ -25120,7 +25127,7 @@ class AvgPool2dImpl : public Module {
   }
   /// PyTorch's repr: `AvgPool2d(kernel_size=2, stride=2, padding=0)` (plus
   /// `count_include_pad=False` when set).
-  void pretty_print(std::ostream& os) const override;
+  LAZYTENSOR_INLINE void pretty_print(std::ostream& os) const override;
 
   /// The options the layer was built with.
   const AvgPool2dOptions options;
@@ -25693,7 +25700,7 @@ class StepLR : public LRScheduler {
   StepLR(Optimizer& opt, std::int64_t step_size, double gamma = 0.1);
 
  protected:
-  double rate(double base, std::int64_t s) const override;
+  LAZYTENSOR_INLINE double rate(double base, std::int64_t s) const override;
 
  private:
   std::int64_t size_;
@@ -25706,7 +25713,7 @@ class CosineAnnealingLR : public LRScheduler {
   CosineAnnealingLR(Optimizer& opt, std::int64_t T_max, double eta_min = 0);
 
  protected:
-  double rate(double base, std::int64_t s) const override;
+  LAZYTENSOR_INLINE double rate(double base, std::int64_t s) const override;
 
  private:
   std::int64_t T_;
@@ -25720,7 +25727,7 @@ class LinearLR : public LRScheduler {
   LinearLR(Optimizer& opt, double start_factor = 1.0 / 3, double end_factor = 1.0, std::int64_t total_iters = 5);
 
  protected:
-  double rate(double base, std::int64_t s) const override;
+  LAZYTENSOR_INLINE double rate(double base, std::int64_t s) const override;
 
  private:
   double start_, end_;
@@ -26115,8 +26122,8 @@ class AllReduceNode final : public graph::Node, public graph::Rendezvous {
  public:
   AllReduceNode(graph::NodePtr in, std::shared_ptr<detail::ReduceRound> round, int slot, graph::NodePtr previous);
   std::string op_name() const override { return "spmd_all_reduce"; }
-  std::string describe() const override;
-  std::uint64_t structural_hash() const override;
+  LAZYTENSOR_INLINE std::string describe() const override;
+  LAZYTENSOR_INLINE std::uint64_t structural_hash() const override;
   void publish() override { round_->publish(slot_, inputs()[0]->buffer()); }
   std::shared_ptr<Buffer> combine(graph::ExecContext& ctx) override {
     return round_->combine(slot_, dtype(), numel(), ctx.device);
@@ -26126,7 +26133,7 @@ class AllReduceNode final : public graph::Node, public graph::Rendezvous {
   std::size_t data_inputs() const override { return 1; }
 
  protected:
-  void compute(graph::ExecContext& ctx) override;
+  LAZYTENSOR_INLINE void compute(graph::ExecContext& ctx) override;
 
  private:
   std::shared_ptr<detail::ReduceRound> round_;
@@ -27788,12 +27795,12 @@ class Strategy {
 
   /// Backpropagates `loss` (a one-element tensor) into the parameters' gradients, through
   /// the precision plugin.
-  virtual void backward(const AnyTensor& loss, optim::Optimizer* optimizer = nullptr);
+  LAZYTENSOR_INLINE virtual void backward(const AnyTensor& loss, optim::Optimizer* optimizer = nullptr);
   /// Runs `closure` (forward and backward, returning the loss; may be empty), then the
   /// optimizer's step: with replicas, the gradients are first averaged over the world
   /// (dist::optimizer_step). Returns the closure's loss (undefined without a closure).
-  virtual AnyTensor optimizer_step(optim::Optimizer& optimizer,
-                                       const std::function<AnyTensor()>& closure = {});
+  LAZYTENSOR_INLINE virtual AnyTensor optimizer_step(optim::Optimizer& optimizer,
+                                                     const std::function<AnyTensor()>& closure = {});
 
   // ---- collectives -----------------------------------------------------------------------
 
@@ -27830,9 +27837,9 @@ class Strategy {
   /// every replica has computed its pending tensors; returns on every replica once the file
   /// is complete. Every replica must call it (never from a rank-0-only branch). The file is
   /// written to a temporary and renamed: a crash leaves the old file or the new one.
-  virtual void save_checkpoint(const StateDict& checkpoint, const std::string& path);
+  LAZYTENSOR_INLINE virtual void save_checkpoint(const StateDict& checkpoint, const std::string& path);
   /// Removes the file at `path` (global rank zero does; a missing file is not an error).
-  virtual void remove_checkpoint(const std::string& path);
+  LAZYTENSOR_INLINE virtual void remove_checkpoint(const std::string& path);
 
   // ---- life cycle ------------------------------------------------------------------------
 
@@ -28049,7 +28056,7 @@ class Accelerator {
   /// Called at the end of every training epoch.
   virtual void on_train_epoch_end() {}
   /// Called when training ends: computes whatever is still pending on this replica.
-  virtual void on_train_end();
+  LAZYTENSOR_INLINE virtual void on_train_end();
   /// Releases what setup took (the strategy's teardown).
   virtual void teardown() { strategy_->teardown(); }
 
@@ -28267,10 +28274,10 @@ class CSVLogger : public Logger {
   /// `save_dir/name/version_N`.
   std::string log_dir() const override { return log_dir_; }
 
-  void log_metrics(const std::map<std::string, double>& metrics, std::int64_t step) override;
-  void log_hyperparams(const std::map<std::string, std::string>& params) override;
+  LAZYTENSOR_INLINE void log_metrics(const std::map<std::string, double>& metrics, std::int64_t step) override;
+  LAZYTENSOR_INLINE void log_hyperparams(const std::map<std::string, std::string>& params) override;
   /// Rewrites metrics.csv (and hparams.yaml) with everything logged so far.
-  void save() override;
+  LAZYTENSOR_INLINE void save() override;
 
   /// The rows logged so far (key -> value, "step" included).
   std::vector<std::map<std::string, double>> rows() const;
@@ -29781,15 +29788,15 @@ class ModelCheckpoint : public Callback {
   explicit ModelCheckpoint(ModelCheckpointOptions options = {});
 
   std::shared_ptr<Callback> clone() const override { return std::make_shared<ModelCheckpoint>(*this); }
-  std::string state_key() const override;
-  std::map<std::string, std::string> state_dict() const override;
-  void load_state_dict(const std::map<std::string, std::string>& state) override;
+  LAZYTENSOR_INLINE std::string state_key() const override;
+  LAZYTENSOR_INLINE std::map<std::string, std::string> state_dict() const override;
+  LAZYTENSOR_INLINE void load_state_dict(const std::map<std::string, std::string>& state) override;
 
-  void on_fit_start(Trainer& trainer, LightningModuleBase& module) override;
-  void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
-  void on_train_batch_end(Trainer& trainer, LightningModuleBase& module, std::int64_t batch_idx) override;
-  void on_validation_end(Trainer& trainer, LightningModuleBase& module) override;
-  void on_train_epoch_end(Trainer& trainer, LightningModuleBase& module) override;
+  LAZYTENSOR_INLINE void on_fit_start(Trainer& trainer, LightningModuleBase& module) override;
+  LAZYTENSOR_INLINE void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
+  LAZYTENSOR_INLINE void on_train_batch_end(Trainer& trainer, LightningModuleBase& module, std::int64_t batch_idx) override;
+  LAZYTENSOR_INLINE void on_validation_end(Trainer& trainer, LightningModuleBase& module) override;
+  LAZYTENSOR_INLINE void on_train_epoch_end(Trainer& trainer, LightningModuleBase& module) override;
 
   const ModelCheckpointOptions& options() const { return options_; }
   /// The directory files go to (resolved at fit start).
@@ -30073,10 +30080,10 @@ class ProgressBar : public Callback {
   std::shared_ptr<Callback> clone() const override { return std::make_shared<ProgressBar>(*this); }
   std::string state_key() const override { return "ProgressBar"; }
 
-  void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
-  void on_train_batch_end(Trainer& trainer, LightningModuleBase& module, std::int64_t batch_idx) override;
-  void on_train_epoch_end(Trainer& trainer, LightningModuleBase& module) override;
-  void on_validation_end(Trainer& trainer, LightningModuleBase& module) override;
+  LAZYTENSOR_INLINE void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
+  LAZYTENSOR_INLINE void on_train_batch_end(Trainer& trainer, LightningModuleBase& module, std::int64_t batch_idx) override;
+  LAZYTENSOR_INLINE void on_train_epoch_end(Trainer& trainer, LightningModuleBase& module) override;
+  LAZYTENSOR_INLINE void on_validation_end(Trainer& trainer, LightningModuleBase& module) override;
 
   /// Whether the bar is redrawn in place (the stream is a terminal).
   bool interactive() const { return interactive_; }
@@ -30245,12 +30252,12 @@ class EarlyStopping : public Callback {
 
   std::shared_ptr<Callback> clone() const override { return std::make_shared<EarlyStopping>(*this); }
   std::string state_key() const override { return "EarlyStopping{monitor=" + options_.monitor + ",mode=" + options_.mode + "}"; }
-  std::map<std::string, std::string> state_dict() const override;
-  void load_state_dict(const std::map<std::string, std::string>& state) override;
+  LAZYTENSOR_INLINE std::map<std::string, std::string> state_dict() const override;
+  LAZYTENSOR_INLINE void load_state_dict(const std::map<std::string, std::string>& state) override;
 
-  void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
-  void on_validation_end(Trainer& trainer, LightningModuleBase& module) override;
-  void on_train_epoch_end(Trainer& trainer, LightningModuleBase& module) override;
+  LAZYTENSOR_INLINE void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
+  LAZYTENSOR_INLINE void on_validation_end(Trainer& trainer, LightningModuleBase& module) override;
+  LAZYTENSOR_INLINE void on_train_epoch_end(Trainer& trainer, LightningModuleBase& module) override;
 
   const EarlyStoppingOptions& options() const { return options_; }
   /// Checks in a row without improvement.
@@ -30914,9 +30921,9 @@ class LearningRateMonitor : public Callback {
   std::shared_ptr<Callback> clone() const override { return std::make_shared<LearningRateMonitor>(*this); }
   std::string state_key() const override { return "LearningRateMonitor"; }
 
-  void on_fit_start(Trainer& trainer, LightningModuleBase& module) override;
-  void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
-  void on_train_batch_end(Trainer& trainer, LightningModuleBase& module, std::int64_t batch_idx) override;
+  LAZYTENSOR_INLINE void on_fit_start(Trainer& trainer, LightningModuleBase& module) override;
+  LAZYTENSOR_INLINE void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
+  LAZYTENSOR_INLINE void on_train_batch_end(Trainer& trainer, LightningModuleBase& module, std::int64_t batch_idx) override;
 
   /// The rates as logged: name -> rate.
   static std::map<std::string, double> rates(const optim::Optimizer& optimizer);

@@ -2,11 +2,11 @@
 // file must hold no double or bfloat16 kernels (tests/lean/check_symbols.cmake): the runtime
 // dispatches on dtypes, but it must not compile every dtype's kernels into every program.
 // Nor backward code for an expression that reads no floating tensor.
+// It includes the umbrella header, as most programs do: the modules it never calls (train,
+// io, data, dist, spmd, the other layers) must leave nothing in its object either.
 #include <iostream>
 
-#include <lazytensor/nn.hpp>
-#include <lazytensor/optim.hpp>
-#include <lazytensor/tensor.hpp>
+#include <lazytensor/lazytensor.hpp>
 
 int main() {
   auto a = lazy::randn<float>({64, 64});

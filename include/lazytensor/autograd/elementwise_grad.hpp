@@ -21,9 +21,9 @@ class ElementwiseGradFnBase : public GradFn {
  public:
   explicit ElementwiseGradFnBase(std::vector<graph::NodePtr> inputs) : inputs_(std::move(inputs)) {}
 
-  std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override;
+  LAZYTENSOR_INLINE std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override;
 
-  void release_saved() override;
+  LAZYTENSOR_INLINE void release_saved() override;
 
  protected:
   /// A pending node computing grad * d(output)/d(input `slot`), in the output's shape.

@@ -21,8 +21,8 @@ class FunctionGradFn final : public GradFn {
   using Backward = std::function<std::vector<graph::NodePtr>(const graph::NodePtr&)>;
   FunctionGradFn(std::string name, Backward f) : name_(std::move(name)), f_(std::move(f)) {}
   std::string name() const override { return name_; }
-  std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override;
-  void release_saved() override;
+  LAZYTENSOR_INLINE std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override;
+  LAZYTENSOR_INLINE void release_saved() override;
 
  private:
   std::string name_;

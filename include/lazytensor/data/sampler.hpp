@@ -34,7 +34,7 @@ class Sampler {
 /// 0, 1, ..., n-1.
 class SequentialSampler final : public Sampler {
  public:
-  std::vector<std::size_t> indices(std::size_t n) const override;
+  LAZYTENSOR_INLINE std::vector<std::size_t> indices(std::size_t n) const override;
   std::size_t size(std::size_t n) const override { return n; }
 };
 
@@ -68,7 +68,7 @@ class DistributedSampler final : public Sampler {
     return drop_last_ ? n / num_replicas_ : (n + num_replicas_ - 1) / num_replicas_;
   }
 
-  std::vector<std::size_t> indices(std::size_t n) const override;
+  LAZYTENSOR_INLINE std::vector<std::size_t> indices(std::size_t n) const override;
 
   std::size_t num_replicas() const { return num_replicas_; }
   std::size_t rank() const { return rank_; }

@@ -35,7 +35,7 @@ class ExchangeNode : public graph::Node {
                graph::Device* device);
 
   std::string op_name() const override { return kind_name(call_.sig.kind); }
-  std::string describe() const override;
+  LAZYTENSOR_INLINE std::string describe() const override;
   double cost_per_element() const override { return 0; }
 
   /// Lets the exchange drop output `i` at once when its result node is gone.
@@ -51,8 +51,8 @@ class ExchangeNode : public graph::Node {
   const graph::NodePtr& data(std::size_t i) const { return inputs()[i]; }
 
  protected:
-  void compute(graph::ExecContext& ctx) final;
-  void finish() override;
+  LAZYTENSOR_INLINE void compute(graph::ExecContext& ctx) final;
+  LAZYTENSOR_INLINE void finish() override;
 
   /// Runs the exchange; returns one buffer per output.
   virtual std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext& ctx) = 0;

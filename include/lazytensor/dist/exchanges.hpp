@@ -154,7 +154,7 @@ class AllGatherExchange final : public ExchangeNode {
                     graph::Device* device, int dim);
 
  protected:
-  std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext& ctx) override;
+  LAZYTENSOR_INLINE std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext& ctx) override;
 
  private:
   int dim_;
@@ -227,7 +227,7 @@ class AllToAllExchange final : public ExchangeNode {
                    graph::Device* device, int split, int concat);
 
  protected:
-  std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext& ctx) override;
+  LAZYTENSOR_INLINE std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext& ctx) override;
 
  private:
   int split_, concat_;
@@ -240,7 +240,7 @@ class BroadcastExchange final : public ExchangeNode {
                     graph::Device* device, int src_slot);
 
  protected:
-  std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext&) override;
+  LAZYTENSOR_INLINE std::vector<std::shared_ptr<Buffer>> run(graph::ExecContext&) override;
 
  private:
   int src_slot_;

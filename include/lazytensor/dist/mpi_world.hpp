@@ -85,22 +85,22 @@ class MpiWorld final : public ProcessWorld, public std::enable_shared_from_this<
   /// up after the collective timeout) and checks that every process asked for as many
   /// replicas. Null when the program runs as one process.
   static std::shared_ptr<MpiWorld> join(int replicas);
-  ~MpiWorld() override;
+  inline ~MpiWorld() override;
   MpiWorld(const MpiWorld&) = delete;
   MpiWorld& operator=(const MpiWorld&) = delete;
 
   int index() const { return place_.index; }
   int count() const { return place_.count; }
   int replicas() const { return replicas_; }
-  WorldLayout layout() const override;
+  inline WorldLayout layout() const override;
   MPI_Comm data_comm() const { return data_; }
 
   /// Starts the watcher thread, which applies other processes' exit notices to `w`.
-  void watch(WorldState& w) override;
-  void announce_exit(int ordinal, const std::exception_ptr& e) override;
+  inline void watch(WorldState& w) override;
+  inline void announce_exit(int ordinal, const std::exception_ptr& e) override;
   /// Also stops the watcher and settles abandoned transfers.
-  void finish() override;
-  std::unique_ptr<ProcessLink> link(const std::vector<int>& members, BrokenHandler on_broken) override;
+  inline void finish() override;
+  inline std::unique_ptr<ProcessLink> link(const std::vector<int>& members, BrokenHandler on_broken) override;
 
   /// Requests a failed round left in flight, with what their buffers need to outlive them.
   void abandon(std::vector<MPI_Request> requests, std::vector<std::shared_ptr<void>> keep);
@@ -182,16 +182,16 @@ class MpiLink final : public ProcessLink {
  public:
   /// `members`: the group (sorted ordinals); `on_broken`: see ProcessWorld::link.
   MpiLink(std::shared_ptr<MpiWorld> pw, const std::vector<int>& members, ProcessWorld::BrokenHandler on_broken);
-  ~MpiLink() override;
+  inline ~MpiLink() override;
   MpiLink(const MpiLink&) = delete;
   MpiLink& operator=(const MpiLink&) = delete;
 
-  void begin(std::uint64_t s, const std::vector<Share*>& local, const std::vector<int>& ordinals) override;
-  bool progress(const std::vector<Share*>& slot_share, const std::vector<int>& slot_of_ordinal) override;
-  std::string waiting_for() const override;
-  bool delivered_by_owner(int ordinal) const override;
+  inline void begin(std::uint64_t s, const std::vector<Share*>& local, const std::vector<int>& ordinals) override;
+  inline bool progress(const std::vector<Share*>& slot_share, const std::vector<int>& slot_of_ordinal) override;
+  inline std::string waiting_for() const override;
+  inline bool delivered_by_owner(int ordinal) const override;
   /// Also hands what is in flight to the MpiWorld.
-  void abandon(const std::string& reason, bool timeout) override;
+  inline void abandon(const std::string& reason, bool timeout) override;
 
  private:
   /// Takes the peer's next package of this group (from the mailbox or MPI); null if none.
@@ -221,7 +221,7 @@ class MpiLink final : public ProcessLink {
 /// process_world.hpp's ProcessTransport over MPI.
 class MpiTransport final : public ProcessTransport {
  public:
-  ProcessPlace place() override;
+  inline ProcessPlace place() override;
   std::shared_ptr<ProcessWorld> join(int replicas) override { return MpiWorld::join(replicas); }
 };
 

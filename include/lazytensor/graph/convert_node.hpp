@@ -32,7 +32,7 @@ class ConvertNode final : public Node {
   }
 
  protected:
-  void compute(ExecContext& ctx) override;
+  LAZYTENSOR_INLINE void compute(ExecContext& ctx) override;
 };
 
 /// `in` (float) with every element rounded to the nearest bfloat16 value, still float: the
@@ -49,7 +49,7 @@ class RoundToBFloat16Node final : public Node {
   }
 
  protected:
-  void compute(ExecContext& ctx) override;
+  LAZYTENSOR_INLINE void compute(ExecContext& ctx) override;
 };
 
 #if LAZYTENSOR_HEADER_DEFINITIONS

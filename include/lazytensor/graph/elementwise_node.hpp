@@ -176,12 +176,12 @@ class ElementwiseNode final : public Node {
   /// True when the kernel can write its output with non-temporal stores.
   bool can_stream() const { return can_stream_; }
 
-  void fuse_producers() override;
+  LAZYTENSOR_INLINE void fuse_producers() override;
 
  protected:
-  void compute(ExecContext& ctx) override;
+  LAZYTENSOR_INLINE void compute(ExecContext& ctx) override;
 
-  void finish() override;
+  LAZYTENSOR_INLINE void finish() override;
 
  private:
   void run(ExecContext& ctx, const std::vector<const void*>& ptrs, void* out) const;

@@ -129,7 +129,7 @@ class Node {
   /// (cached: a node's structure never changes).
   std::uint64_t hash() const;
   /// Computes the structural hash (override to add kernel parameters).
-  virtual std::uint64_t structural_hash() const;
+  LAZYTENSOR_INLINE virtual std::uint64_t structural_hash() const;
   /// Estimated cost per output element (1 = one add), used to decide threading.
   virtual double cost_per_element() const { return 1.0; }
 

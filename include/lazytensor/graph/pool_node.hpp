@@ -100,8 +100,8 @@ class PoolNode : public Node {
  public:
   PoolNode(DType dtype, Shape shape, Device* device, std::vector<NodePtr> inputs, const Window2d& g,
            bool max, bool count_include_pad);
-  std::uint64_t structural_hash() const override;
-  std::string describe() const override;
+  LAZYTENSOR_INLINE std::uint64_t structural_hash() const override;
+  LAZYTENSOR_INLINE std::string describe() const override;
   /// Work per element of the pooled output: one window.
   double window_cost() const { return static_cast<double>(g_.kh * g_.kw); }
 

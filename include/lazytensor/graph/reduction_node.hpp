@@ -262,9 +262,9 @@ class ReduceLoops final : public ReduceKernel {
 class ReductionNode : public Node, public ChunkReduction, public BlockReduction {
  public:
   std::string op_name() const override { return kernel_.name(); }
-  std::string describe() const override;
+  LAZYTENSOR_INLINE std::string describe() const override;
   double cost_per_element() const override { return kernel_.cost(); }
-  std::uint64_t structural_hash() const override;
+  LAZYTENSOR_INLINE std::uint64_t structural_hash() const override;
 
   const Shape& child_shape() const override { return child_shape_; }
   ReduceGeometry geometry() const override { return g_; }
@@ -272,8 +272,8 @@ class ReductionNode : public Node, public ChunkReduction, public BlockReduction 
 
   bool reduces_all() const override { return g_.outer == 1 && g_.inner == 1; }
   std::size_t partial_bytes() const override { return kernel_.partial_bytes(); }
-  void reduce_chunk(const void* const* inputs, std::int64_t len, void* partial) const override;
-  void finish_partials(ExecContext& ctx, void* partials, std::int64_t count) override;
+  LAZYTENSOR_INLINE void reduce_chunk(const void* const* inputs, std::int64_t len, void* partial) const override;
+  LAZYTENSOR_INLINE void finish_partials(ExecContext& ctx, void* partials, std::int64_t count) override;
 
  protected:
   /// `kernel` is a member of the derived node: it is not touched here before that
@@ -281,7 +281,7 @@ class ReductionNode : public Node, public ChunkReduction, public BlockReduction 
   ReductionNode(const ReduceKernel& kernel, DType dtype, Shape out_shape, ReduceGeometry g, double scale,
                 Device* device, std::vector<NodePtr> inputs, Shape child_shape);
 
-  void compute(ExecContext& ctx) override;
+  LAZYTENSOR_INLINE void compute(ExecContext& ctx) override;
 
   double scale() const { return scale_; }
 

@@ -76,15 +76,15 @@ class PermuteNode : public Node {
   bool swaps_last_two() const;
 
   std::string op_name() const override { return op_; }
-  std::string describe() const override;
-  std::uint64_t structural_hash() const override;
+  LAZYTENSOR_INLINE std::string describe() const override;
+  LAZYTENSOR_INLINE std::uint64_t structural_hash() const override;
 
   /// Every output dimension splits, reading the input dimension it moves.
-  std::optional<BlockRule> block_rule() const override;
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device* device) const override;
+  LAZYTENSOR_INLINE std::optional<BlockRule> block_rule() const override;
+  LAZYTENSOR_INLINE NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device* device) const override;
 
  protected:
-  void compute(ExecContext& ctx) override;
+  LAZYTENSOR_INLINE void compute(ExecContext& ctx) override;
 
  private:
   static constexpr std::int64_t kTile = 32;
@@ -179,7 +179,7 @@ class TransposeNode final : public PermuteNode, public TransposeOfLastTwo {
   /// The node whose last two dims this value swaps (null once this node has run: a
   /// computed node keeps no inputs).
   const NodePtr& transpose_source() const override { return inputs().empty() ? none_ : inputs()[0]; }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device* device) const override;
+  LAZYTENSOR_INLINE NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device* device) const override;
 
   /// The identity permutation with the last two entries swapped.
   static std::vector<int> last_two(int rank);
@@ -194,9 +194,9 @@ class SliceNode final : public Node {
   SliceNode(std::string op, NodePtr in, int dim, std::int64_t start, std::int64_t step, Shape out);
 
   std::string op_name() const override { return op_; }
-  std::string describe() const override;
+  LAZYTENSOR_INLINE std::string describe() const override;
   // The offsets are part of the kernel's layout, not data: they belong in the hash.
-  std::uint64_t structural_hash() const override;
+  LAZYTENSOR_INLINE std::uint64_t structural_hash() const override;
   /// Blocks along every dimension but the sliced one (lazy::spmd keeps such a sharding).
   std::optional<BlockRule> block_rule() const override {
     if (dim_ >= shape().rank()) return std::nullopt;
@@ -207,7 +207,7 @@ class SliceNode final : public Node {
   }
 
  protected:
-  void compute(ExecContext& ctx) override;
+  LAZYTENSOR_INLINE void compute(ExecContext& ctx) override;
 
  private:
   std::string op_;
@@ -224,13 +224,13 @@ class CatNode final : public Node {
           std::vector<std::int64_t> widths);
 
   std::string op_name() const override { return op_; }
-  std::uint64_t structural_hash() const override;
+  LAZYTENSOR_INLINE std::uint64_t structural_hash() const override;
   /// Blocks along the dimensions before the joined one (whole rows of every input).
-  std::optional<BlockRule> block_rule() const override;
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device* device) const override;
+  LAZYTENSOR_INLINE std::optional<BlockRule> block_rule() const override;
+  LAZYTENSOR_INLINE NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device* device) const override;
 
  protected:
-  void compute(ExecContext& ctx) override;
+  LAZYTENSOR_INLINE void compute(ExecContext& ctx) override;
 
  private:
   // The output dimensions whose product is outer_ (the first ones; size-1 dimensions after

@@ -49,7 +49,7 @@ class FlattenImpl : public Module {
   auto forward(const E& x) const {
     return forward(lazy::eval(x));
   }
-  void pretty_print(std::ostream& os) const override;
+  LAZYTENSOR_INLINE void pretty_print(std::ostream& os) const override;
 
  private:
   std::int64_t start_, end_;
@@ -73,7 +73,7 @@ class DropoutImpl : public Module {
   auto forward(const E& x) const {
     return forward(lazy::eval(x));
   }
-  void pretty_print(std::ostream& os) const override;
+  LAZYTENSOR_INLINE void pretty_print(std::ostream& os) const override;
 
  private:
   double p_;

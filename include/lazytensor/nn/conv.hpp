@@ -65,7 +65,7 @@ class Conv2dImpl : public Module {
 
   /// PyTorch's repr: `Conv2d(1, 32, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1))`
   /// (padding, dilation and bias shown only when not the default).
-  void pretty_print(std::ostream& os) const override;
+  LAZYTENSOR_INLINE void pretty_print(std::ostream& os) const override;
 
   /// The options the layer was built with.
   const Conv2dOptions options;

@@ -20,7 +20,7 @@ class EmbeddingImpl : public Module {
   /// IndexError when computed.
   template <FloatingElement T = float, IndexElement I>
   Tensor<T> forward(const Tensor<I>& indices) const;
-  void pretty_print(std::ostream& os) const override;
+  LAZYTENSOR_INLINE void pretty_print(std::ostream& os) const override;
 
   Tensor<float> weight;
 

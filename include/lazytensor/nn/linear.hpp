@@ -30,7 +30,7 @@ class LinearImpl : public Module {
     return forward(lazy::eval(x));
   }
 
-  void pretty_print(std::ostream& os) const override;
+  LAZYTENSOR_INLINE void pretty_print(std::ostream& os) const override;
 
   Tensor<float> weight;
   Tensor<float> bias;

@@ -89,7 +89,7 @@ class Module : public std::enable_shared_from_this<Module> {
   void load_state_dict(const StateDict& sd, bool strict = true);
 
   /// Training mode (dropout active, batch norm uses batch statistics), recursively.
-  virtual void train(bool on = true);
+  LAZYTENSOR_INLINE virtual void train(bool on = true);
   /// Evaluation mode: train(false).
   void eval() { train(false); }
   /// True in training mode.

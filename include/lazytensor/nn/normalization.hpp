@@ -26,7 +26,7 @@ class LayerNormImpl : public Module {
   auto forward(const E& x) const {
     return forward(lazy::eval(x));
   }
-  void pretty_print(std::ostream& os) const override;
+  LAZYTENSOR_INLINE void pretty_print(std::ostream& os) const override;
 
   Tensor<float> weight, bias;
 

@@ -73,7 +73,7 @@ class MaxPool2dImpl : public Module {
   }
   /// PyTorch's repr: `MaxPool2d(kernel_size=2, stride=2, padding=0, dilation=1,
   /// ceil_mode=False)`.
-  void pretty_print(std::ostream& os) const override;
+  LAZYTENSOR_INLINE void pretty_print(std::ostream& os) const override;
 
   /// The options the layer was built with.
   const MaxPool2dOptions options;
@@ -99,7 +99,7 @@ class AvgPool2dImpl : public Module {
   }
   /// PyTorch's repr: `AvgPool2d(kernel_size=2, stride=2, padding=0)` (plus
   /// `count_include_pad=False` when set).
-  void pretty_print(std::ostream& os) const override;
+  LAZYTENSOR_INLINE void pretty_print(std::ostream& os) const override;
 
   /// The options the layer was built with.
   const AvgPool2dOptions options;

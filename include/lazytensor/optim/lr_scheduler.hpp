@@ -52,7 +52,7 @@ class StepLR : public LRScheduler {
   StepLR(Optimizer& opt, std::int64_t step_size, double gamma = 0.1);
 
  protected:
-  double rate(double base, std::int64_t s) const override;
+  LAZYTENSOR_INLINE double rate(double base, std::int64_t s) const override;
 
  private:
   std::int64_t size_;
@@ -65,7 +65,7 @@ class CosineAnnealingLR : public LRScheduler {
   CosineAnnealingLR(Optimizer& opt, std::int64_t T_max, double eta_min = 0);
 
  protected:
-  double rate(double base, std::int64_t s) const override;
+  LAZYTENSOR_INLINE double rate(double base, std::int64_t s) const override;
 
  private:
   std::int64_t T_;
@@ -79,7 +79,7 @@ class LinearLR : public LRScheduler {
   LinearLR(Optimizer& opt, double start_factor = 1.0 / 3, double end_factor = 1.0, std::int64_t total_iters = 5);
 
  protected:
-  double rate(double base, std::int64_t s) const override;
+  LAZYTENSOR_INLINE double rate(double base, std::int64_t s) const override;
 
  private:
   double start_, end_;

@@ -155,8 +155,8 @@ class AllReduceNode final : public graph::Node, public graph::Rendezvous {
  public:
   AllReduceNode(graph::NodePtr in, std::shared_ptr<detail::ReduceRound> round, int slot, graph::NodePtr previous);
   std::string op_name() const override { return "spmd_all_reduce"; }
-  std::string describe() const override;
-  std::uint64_t structural_hash() const override;
+  LAZYTENSOR_INLINE std::string describe() const override;
+  LAZYTENSOR_INLINE std::uint64_t structural_hash() const override;
   void publish() override { round_->publish(slot_, inputs()[0]->buffer()); }
   std::shared_ptr<Buffer> combine(graph::ExecContext& ctx) override {
     return round_->combine(slot_, dtype(), numel(), ctx.device);
@@ -166,7 +166,7 @@ class AllReduceNode final : public graph::Node, public graph::Rendezvous {
   std::size_t data_inputs() const override { return 1; }
 
  protected:
-  void compute(graph::ExecContext& ctx) override;
+  LAZYTENSOR_INLINE void compute(graph::ExecContext& ctx) override;
 
  private:
   std::shared_ptr<detail::ReduceRound> round_;

@@ -49,7 +49,7 @@ class ShardedNode : public graph::Node {
 
  protected:
   /// The gather: each distinct block once, from the first position holding it.
-  void compute(graph::ExecContext& ctx) override;
+  LAZYTENSOR_INLINE void compute(graph::ExecContext& ctx) override;
 
  private:
   Sharding sharding_;

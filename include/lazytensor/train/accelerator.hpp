@@ -95,7 +95,7 @@ class Accelerator {
   /// Called at the end of every training epoch.
   virtual void on_train_epoch_end() {}
   /// Called when training ends: computes whatever is still pending on this replica.
-  virtual void on_train_end();
+  LAZYTENSOR_INLINE virtual void on_train_end();
   /// Releases what setup took (the strategy's teardown).
   virtual void teardown() { strategy_->teardown(); }
 

@@ -37,10 +37,10 @@ class CSVLogger : public Logger {
   /// `save_dir/name/version_N`.
   std::string log_dir() const override { return log_dir_; }
 
-  void log_metrics(const std::map<std::string, double>& metrics, std::int64_t step) override;
-  void log_hyperparams(const std::map<std::string, std::string>& params) override;
+  LAZYTENSOR_INLINE void log_metrics(const std::map<std::string, double>& metrics, std::int64_t step) override;
+  LAZYTENSOR_INLINE void log_hyperparams(const std::map<std::string, std::string>& params) override;
   /// Rewrites metrics.csv (and hparams.yaml) with everything logged so far.
-  void save() override;
+  LAZYTENSOR_INLINE void save() override;
 
   /// The rows logged so far (key -> value, "step" included).
   std::vector<std::map<std::string, double>> rows() const;

@@ -54,12 +54,12 @@ class EarlyStopping : public Callback {
 
   std::shared_ptr<Callback> clone() const override { return std::make_shared<EarlyStopping>(*this); }
   std::string state_key() const override { return "EarlyStopping{monitor=" + options_.monitor + ",mode=" + options_.mode + "}"; }
-  std::map<std::string, std::string> state_dict() const override;
-  void load_state_dict(const std::map<std::string, std::string>& state) override;
+  LAZYTENSOR_INLINE std::map<std::string, std::string> state_dict() const override;
+  LAZYTENSOR_INLINE void load_state_dict(const std::map<std::string, std::string>& state) override;
 
-  void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
-  void on_validation_end(Trainer& trainer, LightningModuleBase& module) override;
-  void on_train_epoch_end(Trainer& trainer, LightningModuleBase& module) override;
+  LAZYTENSOR_INLINE void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
+  LAZYTENSOR_INLINE void on_validation_end(Trainer& trainer, LightningModuleBase& module) override;
+  LAZYTENSOR_INLINE void on_train_epoch_end(Trainer& trainer, LightningModuleBase& module) override;
 
   const EarlyStoppingOptions& options() const { return options_; }
   /// Checks in a row without improvement.

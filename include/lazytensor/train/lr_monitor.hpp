@@ -27,9 +27,9 @@ class LearningRateMonitor : public Callback {
   std::shared_ptr<Callback> clone() const override { return std::make_shared<LearningRateMonitor>(*this); }
   std::string state_key() const override { return "LearningRateMonitor"; }
 
-  void on_fit_start(Trainer& trainer, LightningModuleBase& module) override;
-  void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
-  void on_train_batch_end(Trainer& trainer, LightningModuleBase& module, std::int64_t batch_idx) override;
+  LAZYTENSOR_INLINE void on_fit_start(Trainer& trainer, LightningModuleBase& module) override;
+  LAZYTENSOR_INLINE void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
+  LAZYTENSOR_INLINE void on_train_batch_end(Trainer& trainer, LightningModuleBase& module, std::int64_t batch_idx) override;
 
   /// The rates as logged: name -> rate.
   static std::map<std::string, double> rates(const optim::Optimizer& optimizer);

@@ -64,15 +64,15 @@ class ModelCheckpoint : public Callback {
   explicit ModelCheckpoint(ModelCheckpointOptions options = {});
 
   std::shared_ptr<Callback> clone() const override { return std::make_shared<ModelCheckpoint>(*this); }
-  std::string state_key() const override;
-  std::map<std::string, std::string> state_dict() const override;
-  void load_state_dict(const std::map<std::string, std::string>& state) override;
+  LAZYTENSOR_INLINE std::string state_key() const override;
+  LAZYTENSOR_INLINE std::map<std::string, std::string> state_dict() const override;
+  LAZYTENSOR_INLINE void load_state_dict(const std::map<std::string, std::string>& state) override;
 
-  void on_fit_start(Trainer& trainer, LightningModuleBase& module) override;
-  void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
-  void on_train_batch_end(Trainer& trainer, LightningModuleBase& module, std::int64_t batch_idx) override;
-  void on_validation_end(Trainer& trainer, LightningModuleBase& module) override;
-  void on_train_epoch_end(Trainer& trainer, LightningModuleBase& module) override;
+  LAZYTENSOR_INLINE void on_fit_start(Trainer& trainer, LightningModuleBase& module) override;
+  LAZYTENSOR_INLINE void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
+  LAZYTENSOR_INLINE void on_train_batch_end(Trainer& trainer, LightningModuleBase& module, std::int64_t batch_idx) override;
+  LAZYTENSOR_INLINE void on_validation_end(Trainer& trainer, LightningModuleBase& module) override;
+  LAZYTENSOR_INLINE void on_train_epoch_end(Trainer& trainer, LightningModuleBase& module) override;
 
   const ModelCheckpointOptions& options() const { return options_; }
   /// The directory files go to (resolved at fit start).

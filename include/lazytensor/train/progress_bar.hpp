@@ -32,10 +32,10 @@ class ProgressBar : public Callback {
   std::shared_ptr<Callback> clone() const override { return std::make_shared<ProgressBar>(*this); }
   std::string state_key() const override { return "ProgressBar"; }
 
-  void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
-  void on_train_batch_end(Trainer& trainer, LightningModuleBase& module, std::int64_t batch_idx) override;
-  void on_train_epoch_end(Trainer& trainer, LightningModuleBase& module) override;
-  void on_validation_end(Trainer& trainer, LightningModuleBase& module) override;
+  LAZYTENSOR_INLINE void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
+  LAZYTENSOR_INLINE void on_train_batch_end(Trainer& trainer, LightningModuleBase& module, std::int64_t batch_idx) override;
+  LAZYTENSOR_INLINE void on_train_epoch_end(Trainer& trainer, LightningModuleBase& module) override;
+  LAZYTENSOR_INLINE void on_validation_end(Trainer& trainer, LightningModuleBase& module) override;
 
   /// Whether the bar is redrawn in place (the stream is a terminal).
   bool interactive() const { return interactive_; }

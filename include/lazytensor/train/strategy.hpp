@@ -154,12 +154,12 @@ class Strategy {
 
   /// Backpropagates `loss` (a one-element tensor) into the parameters' gradients, through
   /// the precision plugin.
-  virtual void backward(const AnyTensor& loss, optim::Optimizer* optimizer = nullptr);
+  LAZYTENSOR_INLINE virtual void backward(const AnyTensor& loss, optim::Optimizer* optimizer = nullptr);
   /// Runs `closure` (forward and backward, returning the loss; may be empty), then the
   /// optimizer's step: with replicas, the gradients are first averaged over the world
   /// (dist::optimizer_step). Returns the closure's loss (undefined without a closure).
-  virtual AnyTensor optimizer_step(optim::Optimizer& optimizer,
-                                       const std::function<AnyTensor()>& closure = {});
+  LAZYTENSOR_INLINE virtual AnyTensor optimizer_step(optim::Optimizer& optimizer,
+                                                     const std::function<AnyTensor()>& closure = {});
 
   // ---- collectives -----------------------------------------------------------------------
 
@@ -196,9 +196,9 @@ class Strategy {
   /// every replica has computed its pending tensors; returns on every replica once the file
   /// is complete. Every replica must call it (never from a rank-0-only branch). The file is
   /// written to a temporary and renamed: a crash leaves the old file or the new one.
-  virtual void save_checkpoint(const StateDict& checkpoint, const std::string& path);
+  LAZYTENSOR_INLINE virtual void save_checkpoint(const StateDict& checkpoint, const std::string& path);
   /// Removes the file at `path` (global rank zero does; a missing file is not an error).
-  virtual void remove_checkpoint(const std::string& path);
+  LAZYTENSOR_INLINE virtual void remove_checkpoint(const std::string& path);
 
   // ---- life cycle ------------------------------------------------------------------------
 
