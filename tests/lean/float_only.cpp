@@ -2,8 +2,8 @@
 // file must hold no double or bfloat16 kernels (tests/lean/check_symbols.cmake): the runtime
 // dispatches on dtypes, but it must not compile every dtype's kernels into every program.
 // Nor backward code for an expression that reads no floating tensor.
-// It includes the umbrella header, as most programs do: the modules it never calls (train,
-// io, data, dist, spmd, the other layers) must leave nothing in its object either.
+// It includes the umbrella header, as most programs do: the modules it never calls must leave
+// no vtable in its object (no symbol at all of train, io and data).
 #include <iostream>
 
 #include <lazytensor/lazytensor.hpp>
