@@ -13,16 +13,8 @@
 //   LAZYTENSOR_INLINE void ThreadPool::resize(int threads) { ... }
 //   #endif
 // so both modes read the same text. LAZYTENSOR_INLINE goes on those definitions, and on the
-// in-class declaration of every virtual function defined that way: a class's key function is
-// its first non-pure virtual function neither defined in the class nor declared `inline`
-// there, and a TU that defines the key function emits the vtable and every virtual function
-// it names. Header-only, every TU defines it (inline), so every TU that merely included the
-// class compiled all of them (the umbrella's three-line program: 70 classes' vtables). With
-// the mark on each one (an unmarked one would become the key function), a header-only class
-// has no key function and its vtable comes only with the use of a constructor or destructor;
-// in the compiled runtime the macro is empty, the class keeps its key function and
-// src/compiled.cpp emits the vtable once. tests/lean/check_symbols.cmake fails on a vtable
-// of a module the program never uses. Elsewhere it never goes on a declaration.
+// in-class declaration of each virtual function so defined, so that no header-only class has
+// an inline key function (every TU would emit its vtable: docs/architecture.md).
 
 #if defined(LAZYTENSOR_BUILDING_RUNTIME)
 // src/compiled.cpp: the one TU that defines the runtime, with external linkage.
