@@ -23,3 +23,12 @@ LAZYTENSOR_EIGEN_GEMM_INSTANCES(, float)
 LAZYTENSOR_EIGEN_GEMM_INSTANCES(, double)
 LAZYTENSOR_EIGEN_GEMM_INSTANCES(, std::int32_t)
 LAZYTENSOR_EIGEN_GEMM_INSTANCES(, std::int64_t)
+// The train templates whose definitions sit in runtime blocks (the Trainer's constructor,
+// the callbacks it can build, the precision factories): they are templates only so that
+// header-only programs that never use them compile none of them.
+LAZYTENSOR_TRAIN_EARLY_STOPPING_INSTANCES()
+LAZYTENSOR_TRAIN_LR_MONITOR_INSTANCES()
+LAZYTENSOR_TRAIN_PROGRESS_BAR_INSTANCES()
+LAZYTENSOR_TRAIN_MODEL_CHECKPOINT_INSTANCES()
+LAZYTENSOR_TRAIN_PRECISION_INSTANCES()
+LAZYTENSOR_TRAIN_TRAINER_INSTANCES()

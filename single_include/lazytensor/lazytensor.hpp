@@ -27624,14 +27624,17 @@ class MixedPrecision : public Precision {
 /// The plugin for Lightning's `precision` argument: "32-true" (or "32"), "64-true" ("64"),
 /// "bf16-mixed" ("bf16", as Lightning reads it), "bf16-true". Error naming the choices
 /// otherwise (16-bit float is not a dtype lazytensor has).
+template <class = void>
 std::shared_ptr<Precision> make_precision(std::string_view name);
 
 /// The default plugin: "bf16-true" when LAZYTENSOR_USE_BF16 is on, "32-true" otherwise.
 /// Error when the variable is not an on/off switch.
+template <class = void>
 std::shared_ptr<Precision> default_precision();
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
-LAZYTENSOR_INLINE std::shared_ptr<Precision> make_precision(std::string_view name) {
+template <class>
+std::shared_ptr<Precision> make_precision(std::string_view name) {
   if (name == "32-true" || name == "32") return std::make_shared<Precision>();
   if (name == "64-true" || name == "64") return std::make_shared<DoublePrecision>();
   if (name == "bf16-mixed" || name == "bf16") return std::make_shared<MixedPrecision>();
@@ -27641,7 +27644,8 @@ LAZYTENSOR_INLINE std::shared_ptr<Precision> make_precision(std::string_view nam
               (name.find("16") != std::string_view::npos ? " (float16 is not supported; use bfloat16)" : ""));
 }
 
-LAZYTENSOR_INLINE std::shared_ptr<Precision> default_precision() {
+template <class>
+std::shared_ptr<Precision> default_precision() {
   return core::env_switch("LAZYTENSOR_USE_BF16").value_or(false) ? make_precision("bf16-true")
                                                                  : make_precision("32-true");
 }
@@ -27649,6 +27653,13 @@ LAZYTENSOR_INLINE std::shared_ptr<Precision> default_precision() {
 
 }  // namespace lazy::train
 
+// Defined once by lazytensor::compiled (src/compiled.cpp).
+#define LAZYTENSOR_TRAIN_PRECISION_INSTANCES(P)                                                      \
+  P template std::shared_ptr<lazy::train::Precision> lazy::train::make_precision<void>(std::string_view); \
+  P template std::shared_ptr<lazy::train::Precision> lazy::train::default_precision<void>();
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_TRAIN_PRECISION_INSTANCES(extern)
+#endif
 // ---- end lazytensor/train/precision.hpp ----
 // ---- begin lazytensor/train/strategy.hpp ----
 // train::Strategy, Lightning's Strategy: where a model runs and how its replicas talk.
@@ -29274,11 +29285,15 @@ struct ReplicaRun {
   std::chrono::steady_clock::time_point started;
 };
 
-/// The default callbacks and logger (defined in train/default_callbacks.hpp).
+/// The default callbacks and logger (defined in train/default_callbacks.hpp; these and
+/// make_strategy are templates, their parameter unused, for the Trainer's constructor).
+template <class = void>
 void add_default_callbacks(std::vector<std::shared_ptr<Callback>>& callbacks, const TrainerOptions& options,
                            bool checkpointing, bool progress_bar);
+template <class = void>
 std::shared_ptr<Logger> make_default_logger(const TrainerOptions& options);
 /// The strategy an option names.
+template <class = void>
 std::shared_ptr<Strategy> make_strategy(const TrainerOptions& options);
 /// The checkpoint "last" names: the last one a ModelCheckpoint among `callbacks` wrote (or
 /// would write) (defined in train/model_checkpoint.hpp); empty when there is none.
@@ -29298,6 +29313,9 @@ std::uint64_t parse_uint64(const std::string& text, const std::string& what);
 class Trainer {
  public:
   /// Checks the options and builds the strategy, precision plugin, logger and callbacks.
+  /// (A template, its parameter unused, so that a program that never constructs a
+  /// Trainer compiles none of what it builds.)
+  template <class = void>
   explicit Trainer(TrainerOptions options = {});
 
   // ---- the loops (train/loops.hpp) -------------------------------------------------------
@@ -29478,7 +29496,8 @@ LAZYTENSOR_INLINE std::uint64_t parse_uint64(const std::string& text, const std:
   return parse_integer<std::uint64_t>(text, what);
 }
 
-LAZYTENSOR_INLINE std::shared_ptr<Strategy> make_strategy(const TrainerOptions& o) {
+template <class>
+std::shared_ptr<Strategy> make_strategy(const TrainerOptions& o) {
   if (const auto* given = std::get_if<std::shared_ptr<Strategy>>(&o.strategy)) {
     if (!*given) throw Error("Trainer: the strategy object is empty");
     return *given;
@@ -29512,7 +29531,8 @@ LAZYTENSOR_INLINE std::shared_ptr<Strategy> make_strategy(const TrainerOptions& 
 
 }  // namespace detail
 
-LAZYTENSOR_INLINE Trainer::Trainer(TrainerOptions options) : options_(std::move(options)) {
+template <class>
+Trainer::Trainer(TrainerOptions options) : options_(std::move(options)) {
   TrainerOptions& o = options_;
   auto at_least = [](std::int64_t v, std::int64_t lo, const char* name) {
     if (v < lo) throw Error(std::string("Trainer: ") + name + " must be >= " + std::to_string(lo) + ", got " + std::to_string(v));
@@ -29770,7 +29790,10 @@ struct ModelCheckpointOptions {
 };
 
 /// Lightning's ModelCheckpoint (see the file comment).
-class ModelCheckpoint : public Callback {
+/// A class template (the parameter is unused; use ModelCheckpoint) so that a program that never
+/// constructs one compiles none of it.
+template <class = void>
+class BasicModelCheckpoint : public Callback {
  public:
   /// ".safetensors".
   static constexpr const char* kFileExtension = ".safetensors";
@@ -29779,18 +29802,18 @@ class ModelCheckpoint : public Callback {
 
   /// Checks the options (Error for an invalid mode, save_top_k, intervals, or save_top_k
   /// other than -1, 0, 1 without a monitor).
-  explicit ModelCheckpoint(ModelCheckpointOptions options = {});
+  explicit BasicModelCheckpoint(ModelCheckpointOptions options = {});
 
-  std::shared_ptr<Callback> clone() const override { return std::make_shared<ModelCheckpoint>(*this); }
-  LAZYTENSOR_INLINE std::string state_key() const override;
-  LAZYTENSOR_INLINE std::map<std::string, std::string> state_dict() const override;
-  LAZYTENSOR_INLINE void load_state_dict(const std::map<std::string, std::string>& state) override;
+  std::shared_ptr<Callback> clone() const override { return std::make_shared<BasicModelCheckpoint>(*this); }
+  std::string state_key() const override;
+  std::map<std::string, std::string> state_dict() const override;
+  void load_state_dict(const std::map<std::string, std::string>& state) override;
 
-  LAZYTENSOR_INLINE void on_fit_start(Trainer& trainer, LightningModuleBase& module) override;
-  LAZYTENSOR_INLINE void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
-  LAZYTENSOR_INLINE void on_train_batch_end(Trainer& trainer, LightningModuleBase& module, std::int64_t batch_idx) override;
-  LAZYTENSOR_INLINE void on_validation_end(Trainer& trainer, LightningModuleBase& module) override;
-  LAZYTENSOR_INLINE void on_train_epoch_end(Trainer& trainer, LightningModuleBase& module) override;
+  void on_fit_start(Trainer& trainer, LightningModuleBase& module) override;
+  void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
+  void on_train_batch_end(Trainer& trainer, LightningModuleBase& module, std::int64_t batch_idx) override;
+  void on_validation_end(Trainer& trainer, LightningModuleBase& module) override;
+  void on_train_epoch_end(Trainer& trainer, LightningModuleBase& module) override;
 
   const ModelCheckpointOptions& options() const { return options_; }
   /// The directory files go to (resolved at fit start).
@@ -29824,9 +29847,13 @@ class ModelCheckpoint : public Callback {
   bool validated_this_epoch_ = false;
 };
 
+/// Lightning's ModelCheckpoint (see BasicModelCheckpoint).
+using ModelCheckpoint = BasicModelCheckpoint<>;
+
 #if LAZYTENSOR_HEADER_DEFINITIONS
 
-LAZYTENSOR_INLINE ModelCheckpoint::ModelCheckpoint(ModelCheckpointOptions options) : options_(std::move(options)) {
+template <class V>
+BasicModelCheckpoint<V>::BasicModelCheckpoint(ModelCheckpointOptions options) : options_(std::move(options)) {
   const auto& o = options_;
   if (o.mode != "min" && o.mode != "max")
     throw Error("ModelCheckpoint: mode must be \"min\" or \"max\", got \"" + o.mode + "\"");
@@ -29842,13 +29869,15 @@ LAZYTENSOR_INLINE ModelCheckpoint::ModelCheckpoint(ModelCheckpointOptions option
   dirpath_ = o.dirpath;
 }
 
-LAZYTENSOR_INLINE std::string ModelCheckpoint::state_key() const {
+template <class V>
+std::string BasicModelCheckpoint<V>::state_key() const {
   return "ModelCheckpoint{monitor=" + options_.monitor.value_or("") + ",mode=" + options_.mode +
          ",every_n_train_steps=" + std::to_string(options_.every_n_train_steps) +
          ",every_n_epochs=" + std::to_string(every_n_epochs_) + "}";
 }
 
-LAZYTENSOR_INLINE std::map<std::string, std::string> ModelCheckpoint::state_dict() const {
+template <class V>
+std::map<std::string, std::string> BasicModelCheckpoint<V>::state_dict() const {
   std::map<std::string, std::string> s;
   s["dirpath"] = dirpath_;
   s["best_model_path"] = best_model_path_;
@@ -29864,7 +29893,8 @@ LAZYTENSOR_INLINE std::map<std::string, std::string> ModelCheckpoint::state_dict
   return s;
 }
 
-LAZYTENSOR_INLINE void ModelCheckpoint::load_state_dict(const std::map<std::string, std::string>& s) {
+template <class V>
+void BasicModelCheckpoint<V>::load_state_dict(const std::map<std::string, std::string>& s) {
   const auto get = [&](const std::string& k) {
     const auto it = s.find(k);
     return it == s.end() ? std::string() : it->second;
@@ -29884,33 +29914,39 @@ LAZYTENSOR_INLINE void ModelCheckpoint::load_state_dict(const std::map<std::stri
   if (!get("last_saved_step").empty()) last_saved_step_ = detail::parse_int(get("last_saved_step"), "ModelCheckpoint state");
 }
 
-LAZYTENSOR_INLINE void ModelCheckpoint::on_fit_start(Trainer& trainer, LightningModuleBase&) {
+template <class V>
+void BasicModelCheckpoint<V>::on_fit_start(Trainer& trainer, LightningModuleBase&) {
   if (dirpath_.empty()) dirpath_ = trainer.log_dir() + "/checkpoints";
   if (trainer.is_global_zero()) io::detail::make_directories(dirpath_);
 }
 
-LAZYTENSOR_INLINE void ModelCheckpoint::on_train_epoch_start(Trainer&, LightningModuleBase&) {
+template <class V>
+void BasicModelCheckpoint<V>::on_train_epoch_start(Trainer&, LightningModuleBase&) {
   validated_this_epoch_ = false;
 }
 
-LAZYTENSOR_INLINE void ModelCheckpoint::on_train_batch_end(Trainer& trainer, LightningModuleBase&, std::int64_t) {
+template <class V>
+void BasicModelCheckpoint<V>::on_train_batch_end(Trainer& trainer, LightningModuleBase&, std::int64_t) {
   const std::int64_t n = options_.every_n_train_steps;
   if (n > 0 && trainer.global_step() > 0 && trainer.global_step() % n == 0) save_checkpoint(trainer);
 }
 
-LAZYTENSOR_INLINE void ModelCheckpoint::on_validation_end(Trainer& trainer, LightningModuleBase&) {
+template <class V>
+void BasicModelCheckpoint<V>::on_validation_end(Trainer& trainer, LightningModuleBase&) {
   if (trainer.sanity_checking()) return;
   validated_this_epoch_ = true;
   if (options_.save_on_train_epoch_end.value_or(false)) return;
   if (every_n_epochs_ > 0 && (trainer.current_epoch() + 1) % every_n_epochs_ == 0) save_checkpoint(trainer);
 }
 
-LAZYTENSOR_INLINE void ModelCheckpoint::on_train_epoch_end(Trainer& trainer, LightningModuleBase&) {
+template <class V>
+void BasicModelCheckpoint<V>::on_train_epoch_end(Trainer& trainer, LightningModuleBase&) {
   if (!options_.save_on_train_epoch_end.value_or(!validated_this_epoch_)) return;
   if (every_n_epochs_ > 0 && (trainer.current_epoch() + 1) % every_n_epochs_ == 0) save_checkpoint(trainer);
 }
 
-LAZYTENSOR_INLINE std::string ModelCheckpoint::format_checkpoint_name(const std::map<std::string, double>& metrics) const {
+template <class V>
+std::string BasicModelCheckpoint<V>::format_checkpoint_name(const std::map<std::string, double>& metrics) const {
   const std::string& tpl = options_.filename.empty() ? std::string("{epoch}-{step}") : options_.filename;
   std::string out;
   for (std::size_t i = 0; i < tpl.size();) {
@@ -29948,14 +29984,16 @@ LAZYTENSOR_INLINE std::string ModelCheckpoint::format_checkpoint_name(const std:
   return out;
 }
 
-LAZYTENSOR_INLINE std::string ModelCheckpoint::worst_kept() const {
+template <class V>
+std::string BasicModelCheckpoint<V>::worst_kept() const {
   std::string worst;
   for (const auto& [path, score] : best_k_)
     if (worst.empty() || better(best_k_.at(worst), score)) worst = path;
   return worst;
 }
 
-LAZYTENSOR_INLINE void ModelCheckpoint::save_checkpoint(Trainer& trainer) {
+template <class V>
+void BasicModelCheckpoint<V>::save_checkpoint(Trainer& trainer) {
   if (trainer.fast_dev_run() || trainer.sanity_checking()) return;
   if (trainer.global_step() == last_saved_step_) return;
   last_saved_step_ = trainer.global_step();
@@ -30043,6 +30081,13 @@ LAZYTENSOR_INLINE std::string last_checkpoint_path(const std::vector<std::shared
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::train
+
+// Defined once by lazytensor::compiled (src/compiled.cpp, where the definitions above are
+// visible); user TUs of the compiled runtime see only this declaration.
+#define LAZYTENSOR_TRAIN_MODEL_CHECKPOINT_INSTANCES(P) P template class lazy::train::BasicModelCheckpoint<void>;
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_TRAIN_MODEL_CHECKPOINT_INSTANCES(extern)
+#endif
 // ---- end lazytensor/train/model_checkpoint.hpp ----
 // ---- begin lazytensor/train/progress_bar.hpp ----
 // train::ProgressBar (Lightning's TQDMProgressBar): on global rank zero, a line per training
@@ -30065,19 +30110,22 @@ LAZYTENSOR_INLINE std::string last_checkpoint_path(const std::vector<std::shared
 namespace lazy::train {
 
 /// The Trainer's progress bar (see the file comment).
-class ProgressBar : public Callback {
+/// A class template (the parameter is unused; use ProgressBar) so that a program that never
+/// constructs one compiles none of it.
+template <class = void>
+class BasicProgressBar : public Callback {
  public:
   /// Refreshed every `refresh_rate` batches (0 disables it), written to `out` (stderr by
   /// default, so that stdout stays the program's).
-  explicit ProgressBar(std::int64_t refresh_rate = 20, std::FILE* out = stderr);
+  explicit BasicProgressBar(std::int64_t refresh_rate = 20, std::FILE* out = stderr);
 
-  std::shared_ptr<Callback> clone() const override { return std::make_shared<ProgressBar>(*this); }
+  std::shared_ptr<Callback> clone() const override { return std::make_shared<BasicProgressBar>(*this); }
   std::string state_key() const override { return "ProgressBar"; }
 
-  LAZYTENSOR_INLINE void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
-  LAZYTENSOR_INLINE void on_train_batch_end(Trainer& trainer, LightningModuleBase& module, std::int64_t batch_idx) override;
-  LAZYTENSOR_INLINE void on_train_epoch_end(Trainer& trainer, LightningModuleBase& module) override;
-  LAZYTENSOR_INLINE void on_validation_end(Trainer& trainer, LightningModuleBase& module) override;
+  void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
+  void on_train_batch_end(Trainer& trainer, LightningModuleBase& module, std::int64_t batch_idx) override;
+  void on_train_epoch_end(Trainer& trainer, LightningModuleBase& module) override;
+  void on_validation_end(Trainer& trainer, LightningModuleBase& module) override;
 
   /// Whether the bar is redrawn in place (the stream is a terminal).
   bool interactive() const { return interactive_; }
@@ -30096,21 +30144,27 @@ class ProgressBar : public Callback {
   std::int64_t done_ = 0;
 };
 
+/// Lightning's progress bar (see BasicProgressBar).
+using ProgressBar = BasicProgressBar<>;
+
 #if LAZYTENSOR_HEADER_DEFINITIONS
 
-LAZYTENSOR_INLINE ProgressBar::ProgressBar(std::int64_t refresh_rate, std::FILE* out)
+template <class V>
+BasicProgressBar<V>::BasicProgressBar(std::int64_t refresh_rate, std::FILE* out)
     : refresh_rate_(refresh_rate), out_(out), interactive_(out && ::isatty(::fileno(out)) == 1) {
   if (refresh_rate < 0) throw Error("ProgressBar: refresh_rate must be >= 0, got " + std::to_string(refresh_rate));
   if (!out) throw Error("ProgressBar: the output stream is null");
 }
 
-LAZYTENSOR_INLINE void ProgressBar::on_train_epoch_start(Trainer& trainer, LightningModuleBase&) {
+template <class V>
+void BasicProgressBar<V>::on_train_epoch_start(Trainer& trainer, LightningModuleBase&) {
   epoch_start_ = last_batch_end_ = std::chrono::steady_clock::now();
   epoch_samples_start_ = trainer.samples_seen();
   done_ = 0;
 }
 
-LAZYTENSOR_INLINE void ProgressBar::draw(Trainer& trainer, std::int64_t done, bool final) {
+template <class V>
+void BasicProgressBar<V>::draw(Trainer& trainer, std::int64_t done, bool final) {
   // The epoch's last line is timed at its last batch (validation excluded).
   const auto until = final ? last_batch_end_ : std::chrono::steady_clock::now();
   const double secs = std::chrono::duration<double>(until - epoch_start_).count();
@@ -30149,19 +30203,22 @@ LAZYTENSOR_INLINE void ProgressBar::draw(Trainer& trainer, std::int64_t done, bo
   std::fflush(out_);
 }
 
-LAZYTENSOR_INLINE void ProgressBar::on_train_batch_end(Trainer& trainer, LightningModuleBase&, std::int64_t batch_idx) {
+template <class V>
+void BasicProgressBar<V>::on_train_batch_end(Trainer& trainer, LightningModuleBase&, std::int64_t batch_idx) {
   done_ = batch_idx + 1;
   last_batch_end_ = std::chrono::steady_clock::now();
   if (refresh_rate_ == 0 || !trainer.is_global_zero()) return;
   if (done_ % refresh_rate_ == 0 && done_ != trainer.num_training_batches()) draw(trainer, done_, false);
 }
 
-LAZYTENSOR_INLINE void ProgressBar::on_train_epoch_end(Trainer& trainer, LightningModuleBase&) {
+template <class V>
+void BasicProgressBar<V>::on_train_epoch_end(Trainer& trainer, LightningModuleBase&) {
   if (refresh_rate_ == 0 || !trainer.is_global_zero()) return;
   draw(trainer, done_, true);
 }
 
-LAZYTENSOR_INLINE void ProgressBar::on_validation_end(Trainer& trainer, LightningModuleBase&) {
+template <class V>
+void BasicProgressBar<V>::on_validation_end(Trainer& trainer, LightningModuleBase&) {
   if (refresh_rate_ == 0 || !trainer.is_global_zero() || trainer.sanity_checking() || !interactive_) return;
   std::fprintf(out_, "\r%s (validated)\033[K", line_.c_str());
   std::fflush(out_);
@@ -30170,12 +30227,20 @@ LAZYTENSOR_INLINE void ProgressBar::on_validation_end(Trainer& trainer, Lightnin
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::train
+
+// Defined once by lazytensor::compiled (src/compiled.cpp, where the definitions above are
+// visible); user TUs of the compiled runtime see only this declaration.
+#define LAZYTENSOR_TRAIN_PROGRESS_BAR_INSTANCES(P) P template class lazy::train::BasicProgressBar<void>;
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_TRAIN_PROGRESS_BAR_INSTANCES(extern)
+#endif
 // ---- end lazytensor/train/progress_bar.hpp ----
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace lazy::train::detail {
 
-LAZYTENSOR_INLINE void add_default_callbacks(std::vector<std::shared_ptr<Callback>>& callbacks,
+template <class>
+void add_default_callbacks(std::vector<std::shared_ptr<Callback>>& callbacks,
                                              const TrainerOptions& options, bool checkpointing, bool progress_bar) {
   (void)options;
   bool has_checkpoint = false, has_bar = false;
@@ -30187,12 +30252,27 @@ LAZYTENSOR_INLINE void add_default_callbacks(std::vector<std::shared_ptr<Callbac
   if (progress_bar && !has_bar) callbacks.push_back(std::make_shared<ProgressBar>());
 }
 
-LAZYTENSOR_INLINE std::shared_ptr<Logger> make_default_logger(const TrainerOptions& options) {
+template <class>
+std::shared_ptr<Logger> make_default_logger(const TrainerOptions& options) {
   return std::make_shared<CSVLogger>(options.default_root_dir);
 }
 
 }  // namespace lazy::train::detail
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+// The Trainer's constructor and what it builds, defined once by lazytensor::compiled
+// (src/compiled.cpp).
+#define LAZYTENSOR_TRAIN_TRAINER_INSTANCES(P)                                                        \
+  P template lazy::train::Trainer::Trainer(lazy::train::TrainerOptions);                             \
+  P template std::shared_ptr<lazy::train::Strategy> lazy::train::detail::make_strategy<void>(        \
+      const lazy::train::TrainerOptions&);                                                           \
+  P template std::shared_ptr<lazy::train::Logger> lazy::train::detail::make_default_logger<void>(    \
+      const lazy::train::TrainerOptions&);                                                           \
+  P template void lazy::train::detail::add_default_callbacks<void>(                                  \
+      std::vector<std::shared_ptr<lazy::train::Callback>>&, const lazy::train::TrainerOptions&, bool, bool);
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_TRAIN_TRAINER_INSTANCES(extern)
+#endif
 // ---- end lazytensor/train/default_callbacks.hpp ----
 // ---- begin lazytensor/train/early_stopping.hpp ----
 // train::EarlyStopping, Lightning's: stops training when a monitored value stops improving
@@ -30239,19 +30319,22 @@ struct EarlyStoppingOptions {
 };
 
 /// Lightning's EarlyStopping (see the file comment).
-class EarlyStopping : public Callback {
+/// A class template (the parameter is unused; use EarlyStopping) so that a program that never
+/// constructs one compiles none of it.
+template <class = void>
+class BasicEarlyStopping : public Callback {
  public:
   /// Error for an empty monitor, an invalid mode, or a negative patience or min_delta.
-  explicit EarlyStopping(EarlyStoppingOptions options);
+  explicit BasicEarlyStopping(EarlyStoppingOptions options);
 
-  std::shared_ptr<Callback> clone() const override { return std::make_shared<EarlyStopping>(*this); }
+  std::shared_ptr<Callback> clone() const override { return std::make_shared<BasicEarlyStopping>(*this); }
   std::string state_key() const override { return "EarlyStopping{monitor=" + options_.monitor + ",mode=" + options_.mode + "}"; }
-  LAZYTENSOR_INLINE std::map<std::string, std::string> state_dict() const override;
-  LAZYTENSOR_INLINE void load_state_dict(const std::map<std::string, std::string>& state) override;
+  std::map<std::string, std::string> state_dict() const override;
+  void load_state_dict(const std::map<std::string, std::string>& state) override;
 
-  LAZYTENSOR_INLINE void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
-  LAZYTENSOR_INLINE void on_validation_end(Trainer& trainer, LightningModuleBase& module) override;
-  LAZYTENSOR_INLINE void on_train_epoch_end(Trainer& trainer, LightningModuleBase& module) override;
+  void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
+  void on_validation_end(Trainer& trainer, LightningModuleBase& module) override;
+  void on_train_epoch_end(Trainer& trainer, LightningModuleBase& module) override;
 
   const EarlyStoppingOptions& options() const { return options_; }
   /// Checks in a row without improvement.
@@ -30278,9 +30361,13 @@ class EarlyStopping : public Callback {
   bool validated_this_epoch_ = false;
 };
 
+/// Lightning's EarlyStopping (see BasicEarlyStopping).
+using EarlyStopping = BasicEarlyStopping<>;
+
 #if LAZYTENSOR_HEADER_DEFINITIONS
 
-LAZYTENSOR_INLINE EarlyStopping::EarlyStopping(EarlyStoppingOptions options) : options_(std::move(options)) {
+template <class V>
+BasicEarlyStopping<V>::BasicEarlyStopping(EarlyStoppingOptions options) : options_(std::move(options)) {
   if (options_.monitor.empty()) throw Error("EarlyStopping: monitor names no metric");
   if (options_.mode != "min" && options_.mode != "max")
     throw Error("EarlyStopping: mode must be \"min\" or \"max\", got \"" + options_.mode + "\"");
@@ -30289,14 +30376,16 @@ LAZYTENSOR_INLINE EarlyStopping::EarlyStopping(EarlyStoppingOptions options) : o
   best_score_ = options_.mode == "min" ? std::numeric_limits<double>::infinity() : -std::numeric_limits<double>::infinity();
 }
 
-LAZYTENSOR_INLINE std::map<std::string, std::string> EarlyStopping::state_dict() const {
+template <class V>
+std::map<std::string, std::string> BasicEarlyStopping<V>::state_dict() const {
   return {{"wait_count", std::to_string(wait_count_)},
           {"stopped_epoch", std::to_string(stopped_epoch_)},
           {"best_score", detail::double_text(best_score_)},
           {"patience", std::to_string(options_.patience)}};
 }
 
-LAZYTENSOR_INLINE void EarlyStopping::load_state_dict(const std::map<std::string, std::string>& s) {
+template <class V>
+void BasicEarlyStopping<V>::load_state_dict(const std::map<std::string, std::string>& s) {
   if (s.empty()) return;
   const auto get = [&](const char* k) {
     const auto it = s.find(k);
@@ -30308,7 +30397,8 @@ LAZYTENSOR_INLINE void EarlyStopping::load_state_dict(const std::map<std::string
   best_score_ = detail::parse_double(get("best_score"), "EarlyStopping state");
 }
 
-LAZYTENSOR_INLINE std::pair<bool, std::string> EarlyStopping::evaluate(double current) {
+template <class V>
+std::pair<bool, std::string> BasicEarlyStopping<V>::evaluate(double current) {
   const auto& o = options_;
   const auto text = [](double v) { return detail::double_text(v); };
   if (o.check_finite && !std::isfinite(current)) {
@@ -30337,7 +30427,8 @@ LAZYTENSOR_INLINE std::pair<bool, std::string> EarlyStopping::evaluate(double cu
   return {false, ""};
 }
 
-LAZYTENSOR_INLINE void EarlyStopping::check(Trainer& trainer) {
+template <class V>
+void BasicEarlyStopping<V>::check(Trainer& trainer) {
   if (trainer.sanity_checking() || trainer.fast_dev_run()) return;
   const auto& metrics = trainer.callback_metrics();
   const auto it = metrics.find(options_.monitor);
@@ -30363,21 +30454,31 @@ LAZYTENSOR_INLINE void EarlyStopping::check(Trainer& trainer) {
   }
 }
 
-LAZYTENSOR_INLINE void EarlyStopping::on_train_epoch_start(Trainer&, LightningModuleBase&) { validated_this_epoch_ = false; }
+template <class V>
+void BasicEarlyStopping<V>::on_train_epoch_start(Trainer&, LightningModuleBase&) { validated_this_epoch_ = false; }
 
-LAZYTENSOR_INLINE void EarlyStopping::on_validation_end(Trainer& trainer, LightningModuleBase&) {
+template <class V>
+void BasicEarlyStopping<V>::on_validation_end(Trainer& trainer, LightningModuleBase&) {
   if (trainer.sanity_checking()) return;
   validated_this_epoch_ = true;
   if (!options_.check_on_train_epoch_end.value_or(false)) check(trainer);
 }
 
-LAZYTENSOR_INLINE void EarlyStopping::on_train_epoch_end(Trainer& trainer, LightningModuleBase&) {
+template <class V>
+void BasicEarlyStopping<V>::on_train_epoch_end(Trainer& trainer, LightningModuleBase&) {
   if (options_.check_on_train_epoch_end.value_or(!validated_this_epoch_)) check(trainer);
 }
 
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::train
+
+// Defined once by lazytensor::compiled (src/compiled.cpp, where the definitions above are
+// visible); user TUs of the compiled runtime see only this declaration.
+#define LAZYTENSOR_TRAIN_EARLY_STOPPING_INSTANCES(P) P template class lazy::train::BasicEarlyStopping<void>;
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_TRAIN_EARLY_STOPPING_INSTANCES(extern)
+#endif
 // ---- end lazytensor/train/early_stopping.hpp ----
 // ---- begin lazytensor/train/loops.hpp ----
 // The Trainer's loops: fit (sanity check, training epochs with validation, checkpoints and
@@ -30906,18 +31007,21 @@ std::vector<AnyTensor> Trainer::predict(M& module, Loader& data, const std::stri
 namespace lazy::train {
 
 /// Lightning's LearningRateMonitor (see the file comment).
-class LearningRateMonitor : public Callback {
+/// A class template (the parameter is unused; use LearningRateMonitor) so that a program that never
+/// constructs one compiles none of it.
+template <class = void>
+class BasicLearningRateMonitor : public Callback {
  public:
   /// `logging_interval`: "epoch", "step", or nullopt (the scheduler's interval; "epoch"
   /// without a scheduler).
-  explicit LearningRateMonitor(std::optional<std::string> logging_interval = std::nullopt);
+  explicit BasicLearningRateMonitor(std::optional<std::string> logging_interval = std::nullopt);
 
-  std::shared_ptr<Callback> clone() const override { return std::make_shared<LearningRateMonitor>(*this); }
+  std::shared_ptr<Callback> clone() const override { return std::make_shared<BasicLearningRateMonitor>(*this); }
   std::string state_key() const override { return "LearningRateMonitor"; }
 
-  LAZYTENSOR_INLINE void on_fit_start(Trainer& trainer, LightningModuleBase& module) override;
-  LAZYTENSOR_INLINE void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
-  LAZYTENSOR_INLINE void on_train_batch_end(Trainer& trainer, LightningModuleBase& module, std::int64_t batch_idx) override;
+  void on_fit_start(Trainer& trainer, LightningModuleBase& module) override;
+  void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
+  void on_train_batch_end(Trainer& trainer, LightningModuleBase& module, std::int64_t batch_idx) override;
 
   /// The rates as logged: name -> rate.
   static std::map<std::string, double> rates(const optim::Optimizer& optimizer);
@@ -30930,15 +31034,20 @@ class LearningRateMonitor : public Callback {
   std::int64_t last_step_ = -1;
 };
 
+/// Lightning's LearningRateMonitor (see BasicLearningRateMonitor).
+using LearningRateMonitor = BasicLearningRateMonitor<>;
+
 #if LAZYTENSOR_HEADER_DEFINITIONS
 
-LAZYTENSOR_INLINE LearningRateMonitor::LearningRateMonitor(std::optional<std::string> logging_interval)
+template <class V>
+BasicLearningRateMonitor<V>::BasicLearningRateMonitor(std::optional<std::string> logging_interval)
     : interval_(std::move(logging_interval)) {
   if (interval_ && *interval_ != "epoch" && *interval_ != "step")
     throw Error("LearningRateMonitor: logging_interval must be \"epoch\" or \"step\", got \"" + *interval_ + "\"");
 }
 
-LAZYTENSOR_INLINE std::map<std::string, double> LearningRateMonitor::rates(const optim::Optimizer& optimizer) {
+template <class V>
+std::map<std::string, double> BasicLearningRateMonitor<V>::rates(const optim::Optimizer& optimizer) {
   std::map<std::string, double> out;
   const std::size_t groups = optimizer.num_param_groups();
   for (std::size_t g = 0; g < groups; ++g) {
@@ -30949,26 +31058,31 @@ LAZYTENSOR_INLINE std::map<std::string, double> LearningRateMonitor::rates(const
   return out;
 }
 
-LAZYTENSOR_INLINE std::string LearningRateMonitor::interval(const Trainer& trainer) const {
+template <class V>
+std::string BasicLearningRateMonitor<V>::interval(const Trainer& trainer) const {
   if (interval_) return *interval_;
   return trainer.lr_scheduler() ? trainer.lr_scheduler_interval() : std::string("epoch");
 }
 
-LAZYTENSOR_INLINE void LearningRateMonitor::on_fit_start(Trainer& trainer, LightningModuleBase&) {
+template <class V>
+void BasicLearningRateMonitor<V>::on_fit_start(Trainer& trainer, LightningModuleBase&) {
   if (!trainer.logger())
     throw Error("LearningRateMonitor: the Trainer has no logger to send the learning rates to (logger = false)");
 }
 
-LAZYTENSOR_INLINE void LearningRateMonitor::log(Trainer& trainer) {
+template <class V>
+void BasicLearningRateMonitor<V>::log(Trainer& trainer) {
   if (!trainer.is_global_zero() || !trainer.logger()) return;
   trainer.logger()->log_metrics(rates(trainer.optimizer()), trainer.global_step());
 }
 
-LAZYTENSOR_INLINE void LearningRateMonitor::on_train_epoch_start(Trainer& trainer, LightningModuleBase&) {
+template <class V>
+void BasicLearningRateMonitor<V>::on_train_epoch_start(Trainer& trainer, LightningModuleBase&) {
   if (interval(trainer) == "epoch") log(trainer);
 }
 
-LAZYTENSOR_INLINE void LearningRateMonitor::on_train_batch_end(Trainer& trainer, LightningModuleBase&, std::int64_t) {
+template <class V>
+void BasicLearningRateMonitor<V>::on_train_batch_end(Trainer& trainer, LightningModuleBase&, std::int64_t) {
   if (interval(trainer) != "step" || trainer.global_step() == last_step_) return;
   if (trainer.global_step() % trainer.options().log_every_n_steps != 0) return;
   last_step_ = trainer.global_step();
@@ -30978,6 +31092,13 @@ LAZYTENSOR_INLINE void LearningRateMonitor::on_train_batch_end(Trainer& trainer,
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::train
+
+// Defined once by lazytensor::compiled (src/compiled.cpp, where the definitions above are
+// visible); user TUs of the compiled runtime see only this declaration.
+#define LAZYTENSOR_TRAIN_LR_MONITOR_INSTANCES(P) P template class lazy::train::BasicLearningRateMonitor<void>;
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_TRAIN_LR_MONITOR_INSTANCES(extern)
+#endif
 // ---- end lazytensor/train/lr_monitor.hpp ----
 // ---- end lazytensor/train.hpp ----
 // ---- end lazytensor/lazytensor.hpp ----

@@ -15,7 +15,8 @@
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace lazy::train::detail {
 
-LAZYTENSOR_INLINE void add_default_callbacks(std::vector<std::shared_ptr<Callback>>& callbacks,
+template <class>
+void add_default_callbacks(std::vector<std::shared_ptr<Callback>>& callbacks,
                                              const TrainerOptions& options, bool checkpointing, bool progress_bar) {
   (void)options;
   bool has_checkpoint = false, has_bar = false;
@@ -27,9 +28,24 @@ LAZYTENSOR_INLINE void add_default_callbacks(std::vector<std::shared_ptr<Callbac
   if (progress_bar && !has_bar) callbacks.push_back(std::make_shared<ProgressBar>());
 }
 
-LAZYTENSOR_INLINE std::shared_ptr<Logger> make_default_logger(const TrainerOptions& options) {
+template <class>
+std::shared_ptr<Logger> make_default_logger(const TrainerOptions& options) {
   return std::make_shared<CSVLogger>(options.default_root_dir);
 }
 
 }  // namespace lazy::train::detail
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+// The Trainer's constructor and what it builds, defined once by lazytensor::compiled
+// (src/compiled.cpp).
+#define LAZYTENSOR_TRAIN_TRAINER_INSTANCES(P)                                                        \
+  P template lazy::train::Trainer::Trainer(lazy::train::TrainerOptions);                             \
+  P template std::shared_ptr<lazy::train::Strategy> lazy::train::detail::make_strategy<void>(        \
+      const lazy::train::TrainerOptions&);                                                           \
+  P template std::shared_ptr<lazy::train::Logger> lazy::train::detail::make_default_logger<void>(    \
+      const lazy::train::TrainerOptions&);                                                           \
+  P template void lazy::train::detail::add_default_callbacks<void>(                                  \
+      std::vector<std::shared_ptr<lazy::train::Callback>>&, const lazy::train::TrainerOptions&, bool, bool);
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_TRAIN_TRAINER_INSTANCES(extern)
+#endif

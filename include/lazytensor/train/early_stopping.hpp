@@ -47,19 +47,22 @@ struct EarlyStoppingOptions {
 };
 
 /// Lightning's EarlyStopping (see the file comment).
-class EarlyStopping : public Callback {
+/// A class template (the parameter is unused; use EarlyStopping) so that a program that never
+/// constructs one compiles none of it.
+template <class = void>
+class BasicEarlyStopping : public Callback {
  public:
   /// Error for an empty monitor, an invalid mode, or a negative patience or min_delta.
-  explicit EarlyStopping(EarlyStoppingOptions options);
+  explicit BasicEarlyStopping(EarlyStoppingOptions options);
 
-  std::shared_ptr<Callback> clone() const override { return std::make_shared<EarlyStopping>(*this); }
+  std::shared_ptr<Callback> clone() const override { return std::make_shared<BasicEarlyStopping>(*this); }
   std::string state_key() const override { return "EarlyStopping{monitor=" + options_.monitor + ",mode=" + options_.mode + "}"; }
-  LAZYTENSOR_INLINE std::map<std::string, std::string> state_dict() const override;
-  LAZYTENSOR_INLINE void load_state_dict(const std::map<std::string, std::string>& state) override;
+  std::map<std::string, std::string> state_dict() const override;
+  void load_state_dict(const std::map<std::string, std::string>& state) override;
 
-  LAZYTENSOR_INLINE void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
-  LAZYTENSOR_INLINE void on_validation_end(Trainer& trainer, LightningModuleBase& module) override;
-  LAZYTENSOR_INLINE void on_train_epoch_end(Trainer& trainer, LightningModuleBase& module) override;
+  void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
+  void on_validation_end(Trainer& trainer, LightningModuleBase& module) override;
+  void on_train_epoch_end(Trainer& trainer, LightningModuleBase& module) override;
 
   const EarlyStoppingOptions& options() const { return options_; }
   /// Checks in a row without improvement.
@@ -86,9 +89,13 @@ class EarlyStopping : public Callback {
   bool validated_this_epoch_ = false;
 };
 
+/// Lightning's EarlyStopping (see BasicEarlyStopping).
+using EarlyStopping = BasicEarlyStopping<>;
+
 #if LAZYTENSOR_HEADER_DEFINITIONS
 
-LAZYTENSOR_INLINE EarlyStopping::EarlyStopping(EarlyStoppingOptions options) : options_(std::move(options)) {
+template <class V>
+BasicEarlyStopping<V>::BasicEarlyStopping(EarlyStoppingOptions options) : options_(std::move(options)) {
   if (options_.monitor.empty()) throw Error("EarlyStopping: monitor names no metric");
   if (options_.mode != "min" && options_.mode != "max")
     throw Error("EarlyStopping: mode must be \"min\" or \"max\", got \"" + options_.mode + "\"");
@@ -97,14 +104,16 @@ LAZYTENSOR_INLINE EarlyStopping::EarlyStopping(EarlyStoppingOptions options) : o
   best_score_ = options_.mode == "min" ? std::numeric_limits<double>::infinity() : -std::numeric_limits<double>::infinity();
 }
 
-LAZYTENSOR_INLINE std::map<std::string, std::string> EarlyStopping::state_dict() const {
+template <class V>
+std::map<std::string, std::string> BasicEarlyStopping<V>::state_dict() const {
   return {{"wait_count", std::to_string(wait_count_)},
           {"stopped_epoch", std::to_string(stopped_epoch_)},
           {"best_score", detail::double_text(best_score_)},
           {"patience", std::to_string(options_.patience)}};
 }
 
-LAZYTENSOR_INLINE void EarlyStopping::load_state_dict(const std::map<std::string, std::string>& s) {
+template <class V>
+void BasicEarlyStopping<V>::load_state_dict(const std::map<std::string, std::string>& s) {
   if (s.empty()) return;
   const auto get = [&](const char* k) {
     const auto it = s.find(k);
@@ -116,7 +125,8 @@ LAZYTENSOR_INLINE void EarlyStopping::load_state_dict(const std::map<std::string
   best_score_ = detail::parse_double(get("best_score"), "EarlyStopping state");
 }
 
-LAZYTENSOR_INLINE std::pair<bool, std::string> EarlyStopping::evaluate(double current) {
+template <class V>
+std::pair<bool, std::string> BasicEarlyStopping<V>::evaluate(double current) {
   const auto& o = options_;
   const auto text = [](double v) { return detail::double_text(v); };
   if (o.check_finite && !std::isfinite(current)) {
@@ -145,7 +155,8 @@ LAZYTENSOR_INLINE std::pair<bool, std::string> EarlyStopping::evaluate(double cu
   return {false, ""};
 }
 
-LAZYTENSOR_INLINE void EarlyStopping::check(Trainer& trainer) {
+template <class V>
+void BasicEarlyStopping<V>::check(Trainer& trainer) {
   if (trainer.sanity_checking() || trainer.fast_dev_run()) return;
   const auto& metrics = trainer.callback_metrics();
   const auto it = metrics.find(options_.monitor);
@@ -171,18 +182,28 @@ LAZYTENSOR_INLINE void EarlyStopping::check(Trainer& trainer) {
   }
 }
 
-LAZYTENSOR_INLINE void EarlyStopping::on_train_epoch_start(Trainer&, LightningModuleBase&) { validated_this_epoch_ = false; }
+template <class V>
+void BasicEarlyStopping<V>::on_train_epoch_start(Trainer&, LightningModuleBase&) { validated_this_epoch_ = false; }
 
-LAZYTENSOR_INLINE void EarlyStopping::on_validation_end(Trainer& trainer, LightningModuleBase&) {
+template <class V>
+void BasicEarlyStopping<V>::on_validation_end(Trainer& trainer, LightningModuleBase&) {
   if (trainer.sanity_checking()) return;
   validated_this_epoch_ = true;
   if (!options_.check_on_train_epoch_end.value_or(false)) check(trainer);
 }
 
-LAZYTENSOR_INLINE void EarlyStopping::on_train_epoch_end(Trainer& trainer, LightningModuleBase&) {
+template <class V>
+void BasicEarlyStopping<V>::on_train_epoch_end(Trainer& trainer, LightningModuleBase&) {
   if (options_.check_on_train_epoch_end.value_or(!validated_this_epoch_)) check(trainer);
 }
 
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::train
+
+// Defined once by lazytensor::compiled (src/compiled.cpp, where the definitions above are
+// visible); user TUs of the compiled runtime see only this declaration.
+#define LAZYTENSOR_TRAIN_EARLY_STOPPING_INSTANCES(P) P template class lazy::train::BasicEarlyStopping<void>;
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_TRAIN_EARLY_STOPPING_INSTANCES(extern)
+#endif

@@ -18,18 +18,21 @@
 namespace lazy::train {
 
 /// Lightning's LearningRateMonitor (see the file comment).
-class LearningRateMonitor : public Callback {
+/// A class template (the parameter is unused; use LearningRateMonitor) so that a program that never
+/// constructs one compiles none of it.
+template <class = void>
+class BasicLearningRateMonitor : public Callback {
  public:
   /// `logging_interval`: "epoch", "step", or nullopt (the scheduler's interval; "epoch"
   /// without a scheduler).
-  explicit LearningRateMonitor(std::optional<std::string> logging_interval = std::nullopt);
+  explicit BasicLearningRateMonitor(std::optional<std::string> logging_interval = std::nullopt);
 
-  std::shared_ptr<Callback> clone() const override { return std::make_shared<LearningRateMonitor>(*this); }
+  std::shared_ptr<Callback> clone() const override { return std::make_shared<BasicLearningRateMonitor>(*this); }
   std::string state_key() const override { return "LearningRateMonitor"; }
 
-  LAZYTENSOR_INLINE void on_fit_start(Trainer& trainer, LightningModuleBase& module) override;
-  LAZYTENSOR_INLINE void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
-  LAZYTENSOR_INLINE void on_train_batch_end(Trainer& trainer, LightningModuleBase& module, std::int64_t batch_idx) override;
+  void on_fit_start(Trainer& trainer, LightningModuleBase& module) override;
+  void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
+  void on_train_batch_end(Trainer& trainer, LightningModuleBase& module, std::int64_t batch_idx) override;
 
   /// The rates as logged: name -> rate.
   static std::map<std::string, double> rates(const optim::Optimizer& optimizer);
@@ -42,15 +45,20 @@ class LearningRateMonitor : public Callback {
   std::int64_t last_step_ = -1;
 };
 
+/// Lightning's LearningRateMonitor (see BasicLearningRateMonitor).
+using LearningRateMonitor = BasicLearningRateMonitor<>;
+
 #if LAZYTENSOR_HEADER_DEFINITIONS
 
-LAZYTENSOR_INLINE LearningRateMonitor::LearningRateMonitor(std::optional<std::string> logging_interval)
+template <class V>
+BasicLearningRateMonitor<V>::BasicLearningRateMonitor(std::optional<std::string> logging_interval)
     : interval_(std::move(logging_interval)) {
   if (interval_ && *interval_ != "epoch" && *interval_ != "step")
     throw Error("LearningRateMonitor: logging_interval must be \"epoch\" or \"step\", got \"" + *interval_ + "\"");
 }
 
-LAZYTENSOR_INLINE std::map<std::string, double> LearningRateMonitor::rates(const optim::Optimizer& optimizer) {
+template <class V>
+std::map<std::string, double> BasicLearningRateMonitor<V>::rates(const optim::Optimizer& optimizer) {
   std::map<std::string, double> out;
   const std::size_t groups = optimizer.num_param_groups();
   for (std::size_t g = 0; g < groups; ++g) {
@@ -61,26 +69,31 @@ LAZYTENSOR_INLINE std::map<std::string, double> LearningRateMonitor::rates(const
   return out;
 }
 
-LAZYTENSOR_INLINE std::string LearningRateMonitor::interval(const Trainer& trainer) const {
+template <class V>
+std::string BasicLearningRateMonitor<V>::interval(const Trainer& trainer) const {
   if (interval_) return *interval_;
   return trainer.lr_scheduler() ? trainer.lr_scheduler_interval() : std::string("epoch");
 }
 
-LAZYTENSOR_INLINE void LearningRateMonitor::on_fit_start(Trainer& trainer, LightningModuleBase&) {
+template <class V>
+void BasicLearningRateMonitor<V>::on_fit_start(Trainer& trainer, LightningModuleBase&) {
   if (!trainer.logger())
     throw Error("LearningRateMonitor: the Trainer has no logger to send the learning rates to (logger = false)");
 }
 
-LAZYTENSOR_INLINE void LearningRateMonitor::log(Trainer& trainer) {
+template <class V>
+void BasicLearningRateMonitor<V>::log(Trainer& trainer) {
   if (!trainer.is_global_zero() || !trainer.logger()) return;
   trainer.logger()->log_metrics(rates(trainer.optimizer()), trainer.global_step());
 }
 
-LAZYTENSOR_INLINE void LearningRateMonitor::on_train_epoch_start(Trainer& trainer, LightningModuleBase&) {
+template <class V>
+void BasicLearningRateMonitor<V>::on_train_epoch_start(Trainer& trainer, LightningModuleBase&) {
   if (interval(trainer) == "epoch") log(trainer);
 }
 
-LAZYTENSOR_INLINE void LearningRateMonitor::on_train_batch_end(Trainer& trainer, LightningModuleBase&, std::int64_t) {
+template <class V>
+void BasicLearningRateMonitor<V>::on_train_batch_end(Trainer& trainer, LightningModuleBase&, std::int64_t) {
   if (interval(trainer) != "step" || trainer.global_step() == last_step_) return;
   if (trainer.global_step() % trainer.options().log_every_n_steps != 0) return;
   last_step_ = trainer.global_step();
@@ -90,3 +103,10 @@ LAZYTENSOR_INLINE void LearningRateMonitor::on_train_batch_end(Trainer& trainer,
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::train
+
+// Defined once by lazytensor::compiled (src/compiled.cpp, where the definitions above are
+// visible); user TUs of the compiled runtime see only this declaration.
+#define LAZYTENSOR_TRAIN_LR_MONITOR_INSTANCES(P) P template class lazy::train::BasicLearningRateMonitor<void>;
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_TRAIN_LR_MONITOR_INSTANCES(extern)
+#endif

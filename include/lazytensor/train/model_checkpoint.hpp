@@ -52,7 +52,10 @@ struct ModelCheckpointOptions {
 };
 
 /// Lightning's ModelCheckpoint (see the file comment).
-class ModelCheckpoint : public Callback {
+/// A class template (the parameter is unused; use ModelCheckpoint) so that a program that never
+/// constructs one compiles none of it.
+template <class = void>
+class BasicModelCheckpoint : public Callback {
  public:
   /// ".safetensors".
   static constexpr const char* kFileExtension = ".safetensors";
@@ -61,18 +64,18 @@ class ModelCheckpoint : public Callback {
 
   /// Checks the options (Error for an invalid mode, save_top_k, intervals, or save_top_k
   /// other than -1, 0, 1 without a monitor).
-  explicit ModelCheckpoint(ModelCheckpointOptions options = {});
+  explicit BasicModelCheckpoint(ModelCheckpointOptions options = {});
 
-  std::shared_ptr<Callback> clone() const override { return std::make_shared<ModelCheckpoint>(*this); }
-  LAZYTENSOR_INLINE std::string state_key() const override;
-  LAZYTENSOR_INLINE std::map<std::string, std::string> state_dict() const override;
-  LAZYTENSOR_INLINE void load_state_dict(const std::map<std::string, std::string>& state) override;
+  std::shared_ptr<Callback> clone() const override { return std::make_shared<BasicModelCheckpoint>(*this); }
+  std::string state_key() const override;
+  std::map<std::string, std::string> state_dict() const override;
+  void load_state_dict(const std::map<std::string, std::string>& state) override;
 
-  LAZYTENSOR_INLINE void on_fit_start(Trainer& trainer, LightningModuleBase& module) override;
-  LAZYTENSOR_INLINE void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
-  LAZYTENSOR_INLINE void on_train_batch_end(Trainer& trainer, LightningModuleBase& module, std::int64_t batch_idx) override;
-  LAZYTENSOR_INLINE void on_validation_end(Trainer& trainer, LightningModuleBase& module) override;
-  LAZYTENSOR_INLINE void on_train_epoch_end(Trainer& trainer, LightningModuleBase& module) override;
+  void on_fit_start(Trainer& trainer, LightningModuleBase& module) override;
+  void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
+  void on_train_batch_end(Trainer& trainer, LightningModuleBase& module, std::int64_t batch_idx) override;
+  void on_validation_end(Trainer& trainer, LightningModuleBase& module) override;
+  void on_train_epoch_end(Trainer& trainer, LightningModuleBase& module) override;
 
   const ModelCheckpointOptions& options() const { return options_; }
   /// The directory files go to (resolved at fit start).
@@ -106,9 +109,13 @@ class ModelCheckpoint : public Callback {
   bool validated_this_epoch_ = false;
 };
 
+/// Lightning's ModelCheckpoint (see BasicModelCheckpoint).
+using ModelCheckpoint = BasicModelCheckpoint<>;
+
 #if LAZYTENSOR_HEADER_DEFINITIONS
 
-LAZYTENSOR_INLINE ModelCheckpoint::ModelCheckpoint(ModelCheckpointOptions options) : options_(std::move(options)) {
+template <class V>
+BasicModelCheckpoint<V>::BasicModelCheckpoint(ModelCheckpointOptions options) : options_(std::move(options)) {
   const auto& o = options_;
   if (o.mode != "min" && o.mode != "max")
     throw Error("ModelCheckpoint: mode must be \"min\" or \"max\", got \"" + o.mode + "\"");
@@ -124,13 +131,15 @@ LAZYTENSOR_INLINE ModelCheckpoint::ModelCheckpoint(ModelCheckpointOptions option
   dirpath_ = o.dirpath;
 }
 
-LAZYTENSOR_INLINE std::string ModelCheckpoint::state_key() const {
+template <class V>
+std::string BasicModelCheckpoint<V>::state_key() const {
   return "ModelCheckpoint{monitor=" + options_.monitor.value_or("") + ",mode=" + options_.mode +
          ",every_n_train_steps=" + std::to_string(options_.every_n_train_steps) +
          ",every_n_epochs=" + std::to_string(every_n_epochs_) + "}";
 }
 
-LAZYTENSOR_INLINE std::map<std::string, std::string> ModelCheckpoint::state_dict() const {
+template <class V>
+std::map<std::string, std::string> BasicModelCheckpoint<V>::state_dict() const {
   std::map<std::string, std::string> s;
   s["dirpath"] = dirpath_;
   s["best_model_path"] = best_model_path_;
@@ -146,7 +155,8 @@ LAZYTENSOR_INLINE std::map<std::string, std::string> ModelCheckpoint::state_dict
   return s;
 }
 
-LAZYTENSOR_INLINE void ModelCheckpoint::load_state_dict(const std::map<std::string, std::string>& s) {
+template <class V>
+void BasicModelCheckpoint<V>::load_state_dict(const std::map<std::string, std::string>& s) {
   const auto get = [&](const std::string& k) {
     const auto it = s.find(k);
     return it == s.end() ? std::string() : it->second;
@@ -166,33 +176,39 @@ LAZYTENSOR_INLINE void ModelCheckpoint::load_state_dict(const std::map<std::stri
   if (!get("last_saved_step").empty()) last_saved_step_ = detail::parse_int(get("last_saved_step"), "ModelCheckpoint state");
 }
 
-LAZYTENSOR_INLINE void ModelCheckpoint::on_fit_start(Trainer& trainer, LightningModuleBase&) {
+template <class V>
+void BasicModelCheckpoint<V>::on_fit_start(Trainer& trainer, LightningModuleBase&) {
   if (dirpath_.empty()) dirpath_ = trainer.log_dir() + "/checkpoints";
   if (trainer.is_global_zero()) io::detail::make_directories(dirpath_);
 }
 
-LAZYTENSOR_INLINE void ModelCheckpoint::on_train_epoch_start(Trainer&, LightningModuleBase&) {
+template <class V>
+void BasicModelCheckpoint<V>::on_train_epoch_start(Trainer&, LightningModuleBase&) {
   validated_this_epoch_ = false;
 }
 
-LAZYTENSOR_INLINE void ModelCheckpoint::on_train_batch_end(Trainer& trainer, LightningModuleBase&, std::int64_t) {
+template <class V>
+void BasicModelCheckpoint<V>::on_train_batch_end(Trainer& trainer, LightningModuleBase&, std::int64_t) {
   const std::int64_t n = options_.every_n_train_steps;
   if (n > 0 && trainer.global_step() > 0 && trainer.global_step() % n == 0) save_checkpoint(trainer);
 }
 
-LAZYTENSOR_INLINE void ModelCheckpoint::on_validation_end(Trainer& trainer, LightningModuleBase&) {
+template <class V>
+void BasicModelCheckpoint<V>::on_validation_end(Trainer& trainer, LightningModuleBase&) {
   if (trainer.sanity_checking()) return;
   validated_this_epoch_ = true;
   if (options_.save_on_train_epoch_end.value_or(false)) return;
   if (every_n_epochs_ > 0 && (trainer.current_epoch() + 1) % every_n_epochs_ == 0) save_checkpoint(trainer);
 }
 
-LAZYTENSOR_INLINE void ModelCheckpoint::on_train_epoch_end(Trainer& trainer, LightningModuleBase&) {
+template <class V>
+void BasicModelCheckpoint<V>::on_train_epoch_end(Trainer& trainer, LightningModuleBase&) {
   if (!options_.save_on_train_epoch_end.value_or(!validated_this_epoch_)) return;
   if (every_n_epochs_ > 0 && (trainer.current_epoch() + 1) % every_n_epochs_ == 0) save_checkpoint(trainer);
 }
 
-LAZYTENSOR_INLINE std::string ModelCheckpoint::format_checkpoint_name(const std::map<std::string, double>& metrics) const {
+template <class V>
+std::string BasicModelCheckpoint<V>::format_checkpoint_name(const std::map<std::string, double>& metrics) const {
   const std::string& tpl = options_.filename.empty() ? std::string("{epoch}-{step}") : options_.filename;
   std::string out;
   for (std::size_t i = 0; i < tpl.size();) {
@@ -230,14 +246,16 @@ LAZYTENSOR_INLINE std::string ModelCheckpoint::format_checkpoint_name(const std:
   return out;
 }
 
-LAZYTENSOR_INLINE std::string ModelCheckpoint::worst_kept() const {
+template <class V>
+std::string BasicModelCheckpoint<V>::worst_kept() const {
   std::string worst;
   for (const auto& [path, score] : best_k_)
     if (worst.empty() || better(best_k_.at(worst), score)) worst = path;
   return worst;
 }
 
-LAZYTENSOR_INLINE void ModelCheckpoint::save_checkpoint(Trainer& trainer) {
+template <class V>
+void BasicModelCheckpoint<V>::save_checkpoint(Trainer& trainer) {
   if (trainer.fast_dev_run() || trainer.sanity_checking()) return;
   if (trainer.global_step() == last_saved_step_) return;
   last_saved_step_ = trainer.global_step();
@@ -325,3 +343,10 @@ LAZYTENSOR_INLINE std::string last_checkpoint_path(const std::vector<std::shared
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::train
+
+// Defined once by lazytensor::compiled (src/compiled.cpp, where the definitions above are
+// visible); user TUs of the compiled runtime see only this declaration.
+#define LAZYTENSOR_TRAIN_MODEL_CHECKPOINT_INSTANCES(P) P template class lazy::train::BasicModelCheckpoint<void>;
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_TRAIN_MODEL_CHECKPOINT_INSTANCES(extern)
+#endif

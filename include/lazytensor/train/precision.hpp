@@ -102,14 +102,17 @@ class MixedPrecision : public Precision {
 /// The plugin for Lightning's `precision` argument: "32-true" (or "32"), "64-true" ("64"),
 /// "bf16-mixed" ("bf16", as Lightning reads it), "bf16-true". Error naming the choices
 /// otherwise (16-bit float is not a dtype lazytensor has).
+template <class = void>
 std::shared_ptr<Precision> make_precision(std::string_view name);
 
 /// The default plugin: "bf16-true" when LAZYTENSOR_USE_BF16 is on, "32-true" otherwise.
 /// Error when the variable is not an on/off switch.
+template <class = void>
 std::shared_ptr<Precision> default_precision();
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
-LAZYTENSOR_INLINE std::shared_ptr<Precision> make_precision(std::string_view name) {
+template <class>
+std::shared_ptr<Precision> make_precision(std::string_view name) {
   if (name == "32-true" || name == "32") return std::make_shared<Precision>();
   if (name == "64-true" || name == "64") return std::make_shared<DoublePrecision>();
   if (name == "bf16-mixed" || name == "bf16") return std::make_shared<MixedPrecision>();
@@ -119,7 +122,8 @@ LAZYTENSOR_INLINE std::shared_ptr<Precision> make_precision(std::string_view nam
               (name.find("16") != std::string_view::npos ? " (float16 is not supported; use bfloat16)" : ""));
 }
 
-LAZYTENSOR_INLINE std::shared_ptr<Precision> default_precision() {
+template <class>
+std::shared_ptr<Precision> default_precision() {
   return core::env_switch("LAZYTENSOR_USE_BF16").value_or(false) ? make_precision("bf16-true")
                                                                  : make_precision("32-true");
 }
@@ -127,3 +131,10 @@ LAZYTENSOR_INLINE std::shared_ptr<Precision> default_precision() {
 
 }  // namespace lazy::train
 
+// Defined once by lazytensor::compiled (src/compiled.cpp).
+#define LAZYTENSOR_TRAIN_PRECISION_INSTANCES(P)                                                      \
+  P template std::shared_ptr<lazy::train::Precision> lazy::train::make_precision<void>(std::string_view); \
+  P template std::shared_ptr<lazy::train::Precision> lazy::train::default_precision<void>();
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_TRAIN_PRECISION_INSTANCES(extern)
+#endif

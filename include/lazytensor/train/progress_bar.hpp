@@ -23,19 +23,22 @@
 namespace lazy::train {
 
 /// The Trainer's progress bar (see the file comment).
-class ProgressBar : public Callback {
+/// A class template (the parameter is unused; use ProgressBar) so that a program that never
+/// constructs one compiles none of it.
+template <class = void>
+class BasicProgressBar : public Callback {
  public:
   /// Refreshed every `refresh_rate` batches (0 disables it), written to `out` (stderr by
   /// default, so that stdout stays the program's).
-  explicit ProgressBar(std::int64_t refresh_rate = 20, std::FILE* out = stderr);
+  explicit BasicProgressBar(std::int64_t refresh_rate = 20, std::FILE* out = stderr);
 
-  std::shared_ptr<Callback> clone() const override { return std::make_shared<ProgressBar>(*this); }
+  std::shared_ptr<Callback> clone() const override { return std::make_shared<BasicProgressBar>(*this); }
   std::string state_key() const override { return "ProgressBar"; }
 
-  LAZYTENSOR_INLINE void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
-  LAZYTENSOR_INLINE void on_train_batch_end(Trainer& trainer, LightningModuleBase& module, std::int64_t batch_idx) override;
-  LAZYTENSOR_INLINE void on_train_epoch_end(Trainer& trainer, LightningModuleBase& module) override;
-  LAZYTENSOR_INLINE void on_validation_end(Trainer& trainer, LightningModuleBase& module) override;
+  void on_train_epoch_start(Trainer& trainer, LightningModuleBase& module) override;
+  void on_train_batch_end(Trainer& trainer, LightningModuleBase& module, std::int64_t batch_idx) override;
+  void on_train_epoch_end(Trainer& trainer, LightningModuleBase& module) override;
+  void on_validation_end(Trainer& trainer, LightningModuleBase& module) override;
 
   /// Whether the bar is redrawn in place (the stream is a terminal).
   bool interactive() const { return interactive_; }
@@ -54,21 +57,27 @@ class ProgressBar : public Callback {
   std::int64_t done_ = 0;
 };
 
+/// Lightning's progress bar (see BasicProgressBar).
+using ProgressBar = BasicProgressBar<>;
+
 #if LAZYTENSOR_HEADER_DEFINITIONS
 
-LAZYTENSOR_INLINE ProgressBar::ProgressBar(std::int64_t refresh_rate, std::FILE* out)
+template <class V>
+BasicProgressBar<V>::BasicProgressBar(std::int64_t refresh_rate, std::FILE* out)
     : refresh_rate_(refresh_rate), out_(out), interactive_(out && ::isatty(::fileno(out)) == 1) {
   if (refresh_rate < 0) throw Error("ProgressBar: refresh_rate must be >= 0, got " + std::to_string(refresh_rate));
   if (!out) throw Error("ProgressBar: the output stream is null");
 }
 
-LAZYTENSOR_INLINE void ProgressBar::on_train_epoch_start(Trainer& trainer, LightningModuleBase&) {
+template <class V>
+void BasicProgressBar<V>::on_train_epoch_start(Trainer& trainer, LightningModuleBase&) {
   epoch_start_ = last_batch_end_ = std::chrono::steady_clock::now();
   epoch_samples_start_ = trainer.samples_seen();
   done_ = 0;
 }
 
-LAZYTENSOR_INLINE void ProgressBar::draw(Trainer& trainer, std::int64_t done, bool final) {
+template <class V>
+void BasicProgressBar<V>::draw(Trainer& trainer, std::int64_t done, bool final) {
   // The epoch's last line is timed at its last batch (validation excluded).
   const auto until = final ? last_batch_end_ : std::chrono::steady_clock::now();
   const double secs = std::chrono::duration<double>(until - epoch_start_).count();
@@ -107,19 +116,22 @@ LAZYTENSOR_INLINE void ProgressBar::draw(Trainer& trainer, std::int64_t done, bo
   std::fflush(out_);
 }
 
-LAZYTENSOR_INLINE void ProgressBar::on_train_batch_end(Trainer& trainer, LightningModuleBase&, std::int64_t batch_idx) {
+template <class V>
+void BasicProgressBar<V>::on_train_batch_end(Trainer& trainer, LightningModuleBase&, std::int64_t batch_idx) {
   done_ = batch_idx + 1;
   last_batch_end_ = std::chrono::steady_clock::now();
   if (refresh_rate_ == 0 || !trainer.is_global_zero()) return;
   if (done_ % refresh_rate_ == 0 && done_ != trainer.num_training_batches()) draw(trainer, done_, false);
 }
 
-LAZYTENSOR_INLINE void ProgressBar::on_train_epoch_end(Trainer& trainer, LightningModuleBase&) {
+template <class V>
+void BasicProgressBar<V>::on_train_epoch_end(Trainer& trainer, LightningModuleBase&) {
   if (refresh_rate_ == 0 || !trainer.is_global_zero()) return;
   draw(trainer, done_, true);
 }
 
-LAZYTENSOR_INLINE void ProgressBar::on_validation_end(Trainer& trainer, LightningModuleBase&) {
+template <class V>
+void BasicProgressBar<V>::on_validation_end(Trainer& trainer, LightningModuleBase&) {
   if (refresh_rate_ == 0 || !trainer.is_global_zero() || trainer.sanity_checking() || !interactive_) return;
   std::fprintf(out_, "\r%s (validated)\033[K", line_.c_str());
   std::fflush(out_);
@@ -128,3 +140,10 @@ LAZYTENSOR_INLINE void ProgressBar::on_validation_end(Trainer& trainer, Lightnin
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
 }  // namespace lazy::train
+
+// Defined once by lazytensor::compiled (src/compiled.cpp, where the definitions above are
+// visible); user TUs of the compiled runtime see only this declaration.
+#define LAZYTENSOR_TRAIN_PROGRESS_BAR_INSTANCES(P) P template class lazy::train::BasicProgressBar<void>;
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_TRAIN_PROGRESS_BAR_INSTANCES(extern)
+#endif

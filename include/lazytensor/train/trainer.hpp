@@ -161,11 +161,15 @@ struct ReplicaRun {
   std::chrono::steady_clock::time_point started;
 };
 
-/// The default callbacks and logger (defined in train/default_callbacks.hpp).
+/// The default callbacks and logger (defined in train/default_callbacks.hpp; these and
+/// make_strategy are templates, their parameter unused, for the Trainer's constructor).
+template <class = void>
 void add_default_callbacks(std::vector<std::shared_ptr<Callback>>& callbacks, const TrainerOptions& options,
                            bool checkpointing, bool progress_bar);
+template <class = void>
 std::shared_ptr<Logger> make_default_logger(const TrainerOptions& options);
 /// The strategy an option names.
+template <class = void>
 std::shared_ptr<Strategy> make_strategy(const TrainerOptions& options);
 /// The checkpoint "last" names: the last one a ModelCheckpoint among `callbacks` wrote (or
 /// would write) (defined in train/model_checkpoint.hpp); empty when there is none.
@@ -185,6 +189,9 @@ std::uint64_t parse_uint64(const std::string& text, const std::string& what);
 class Trainer {
  public:
   /// Checks the options and builds the strategy, precision plugin, logger and callbacks.
+  /// (A template, its parameter unused, so that a program that never constructs a
+  /// Trainer compiles none of what it builds.)
+  template <class = void>
   explicit Trainer(TrainerOptions options = {});
 
   // ---- the loops (train/loops.hpp) -------------------------------------------------------
@@ -365,7 +372,8 @@ LAZYTENSOR_INLINE std::uint64_t parse_uint64(const std::string& text, const std:
   return parse_integer<std::uint64_t>(text, what);
 }
 
-LAZYTENSOR_INLINE std::shared_ptr<Strategy> make_strategy(const TrainerOptions& o) {
+template <class>
+std::shared_ptr<Strategy> make_strategy(const TrainerOptions& o) {
   if (const auto* given = std::get_if<std::shared_ptr<Strategy>>(&o.strategy)) {
     if (!*given) throw Error("Trainer: the strategy object is empty");
     return *given;
@@ -399,7 +407,8 @@ LAZYTENSOR_INLINE std::shared_ptr<Strategy> make_strategy(const TrainerOptions& 
 
 }  // namespace detail
 
-LAZYTENSOR_INLINE Trainer::Trainer(TrainerOptions options) : options_(std::move(options)) {
+template <class>
+Trainer::Trainer(TrainerOptions options) : options_(std::move(options)) {
   TrainerOptions& o = options_;
   auto at_least = [](std::int64_t v, std::int64_t lo, const char* name) {
     if (v < lo) throw Error(std::string("Trainer: ") + name + " must be >= " + std::to_string(lo) + ", got " + std::to_string(v));
