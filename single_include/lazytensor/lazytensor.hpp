@@ -28,15 +28,18 @@
 // uses a part compiles that part again. With LAZYTENSOR_COMPILED (defined for users by the
 // CMake target lazytensor::compiled) the headers only declare it, and the library defines it
 // once: a user TU then compiles just the templates it names (kernels of its dtypes and ops).
-// Templates are always defined in the headers.
+// Templates are defined in the headers too, but for runtime code made a template only so that
+// it is instantiated on use (`template <class = void>`): that sits in the runtime blocks below
+// and src/compiled.cpp instantiates it.
 //
 // A header writes its runtime definitions after its declarations, as
 //   #if LAZYTENSOR_HEADER_DEFINITIONS
 //   LAZYTENSOR_INLINE void ThreadPool::resize(int threads) { ... }
 //   #endif
 // so both modes read the same text. LAZYTENSOR_INLINE goes on those definitions, and on the
-// in-class declaration of each virtual function so defined, so that no header-only class has
-// an inline key function (every TU would emit its vtable: docs/architecture.md).
+// in-class declaration of each virtual function so defined (in a non-template class), so that no
+// header-only class has an inline key function (every TU would emit its vtable:
+// docs/architecture.md).
 
 #if defined(LAZYTENSOR_BUILDING_RUNTIME)
 // src/compiled.cpp: the one TU that defines the runtime, with external linkage.
@@ -55,10 +58,10 @@
 // one instantiates it again. With the compiled runtime the library instantiates them once:
 // each header keeps a list macro, LAZYTENSOR_<NAME>_INSTANCES(P, T), that names its per-dtype
 // templates with prefix P. The header expands it with P = extern (user TUs, and the library
-// before its definitions), src/compiled.cpp (core, graph, ops) or src/compiled_frontend.cpp
-// and src/compiled_nn_wide.cpp (nn, optim, train) with P empty at its end, after every
-// header: one list, so the declarations and
-// the definitions cannot disagree.
+// before its definitions), src/compiled.cpp (core, graph, ops, and templates defined in a
+// runtime block) or src/compiled_frontend.cpp and src/compiled_nn_wide.cpp (nn, optim, train)
+// with P empty at its end, after every header: one list, so the declarations and the
+// definitions cannot disagree.
 //
 // The frontend (nn, optim) lists the templates whose arguments the library fixes: the
 // `template <class = void>` functions and layers (at void), the losses and layers over a
@@ -29795,6 +29798,9 @@ struct ModelCheckpointOptions {
 template <class = void>
 class BasicModelCheckpoint : public Callback {
  public:
+  /// The usual name, which derived classes inherit (as they would a non-template base's).
+  using ModelCheckpoint = BasicModelCheckpoint;
+
   /// ".safetensors".
   static constexpr const char* kFileExtension = ".safetensors";
   /// "last".
@@ -30115,6 +30121,9 @@ namespace lazy::train {
 template <class = void>
 class BasicProgressBar : public Callback {
  public:
+  /// The usual name, which derived classes inherit (as they would a non-template base's).
+  using ProgressBar = BasicProgressBar;
+
   /// Refreshed every `refresh_rate` batches (0 disables it), written to `out` (stderr by
   /// default, so that stdout stays the program's).
   explicit BasicProgressBar(std::int64_t refresh_rate = 20, std::FILE* out = stderr);
@@ -30324,6 +30333,9 @@ struct EarlyStoppingOptions {
 template <class = void>
 class BasicEarlyStopping : public Callback {
  public:
+  /// The usual name, which derived classes inherit (as they would a non-template base's).
+  using EarlyStopping = BasicEarlyStopping;
+
   /// Error for an empty monitor, an invalid mode, or a negative patience or min_delta.
   explicit BasicEarlyStopping(EarlyStoppingOptions options);
 
@@ -31012,6 +31024,9 @@ namespace lazy::train {
 template <class = void>
 class BasicLearningRateMonitor : public Callback {
  public:
+  /// The usual name, which derived classes inherit (as they would a non-template base's).
+  using LearningRateMonitor = BasicLearningRateMonitor;
+
   /// `logging_interval`: "epoch", "step", or nullopt (the scheduler's interval; "epoch"
   /// without a scheduler).
   explicit BasicLearningRateMonitor(std::optional<std::string> logging_interval = std::nullopt);

@@ -52,6 +52,9 @@ struct EarlyStoppingOptions {
 template <class = void>
 class BasicEarlyStopping : public Callback {
  public:
+  /// The usual name, which derived classes inherit (as they would a non-template base's).
+  using EarlyStopping = BasicEarlyStopping;
+
   /// Error for an empty monitor, an invalid mode, or a negative patience or min_delta.
   explicit BasicEarlyStopping(EarlyStoppingOptions options);
 

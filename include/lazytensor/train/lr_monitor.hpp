@@ -23,6 +23,9 @@ namespace lazy::train {
 template <class = void>
 class BasicLearningRateMonitor : public Callback {
  public:
+  /// The usual name, which derived classes inherit (as they would a non-template base's).
+  using LearningRateMonitor = BasicLearningRateMonitor;
+
   /// `logging_interval`: "epoch", "step", or nullopt (the scheduler's interval; "epoch"
   /// without a scheduler).
   explicit BasicLearningRateMonitor(std::optional<std::string> logging_interval = std::nullopt);

@@ -57,6 +57,9 @@ struct ModelCheckpointOptions {
 template <class = void>
 class BasicModelCheckpoint : public Callback {
  public:
+  /// The usual name, which derived classes inherit (as they would a non-template base's).
+  using ModelCheckpoint = BasicModelCheckpoint;
+
   /// ".safetensors".
   static constexpr const char* kFileExtension = ".safetensors";
   /// "last".

@@ -28,6 +28,9 @@ namespace lazy::train {
 template <class = void>
 class BasicProgressBar : public Callback {
  public:
+  /// The usual name, which derived classes inherit (as they would a non-template base's).
+  using ProgressBar = BasicProgressBar;
+
   /// Refreshed every `refresh_rate` batches (0 disables it), written to `out` (stderr by
   /// default, so that stdout stays the program's).
   explicit BasicProgressBar(std::int64_t refresh_rate = 20, std::FILE* out = stderr);
