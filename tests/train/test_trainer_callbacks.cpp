@@ -198,6 +198,31 @@ TEST(ModelCheckpoint, WithoutAMonitorKeepsTheLatestEveryNSteps) {
   EXPECT_THROW(train::ModelCheckpoint({.mode = "best"}), lazy::Error);
 }
 
+/// A user's checkpoint callback that names its base as the base's own name (inherited
+/// constructor, base hook called explicitly), as with any non-template base class.
+struct CountingCheckpoint : train::ModelCheckpoint {
+  using ModelCheckpoint::ModelCheckpoint;
+  std::shared_ptr<train::Callback> clone() const override { return std::make_shared<CountingCheckpoint>(*this); }
+  void on_train_epoch_end(train::Trainer& trainer, train::LightningModuleBase& module) override {
+    ++epoch_ends;
+    ModelCheckpoint::on_train_epoch_end(trainer, module);
+  }
+  int epoch_ends = 0;
+};
+
+TEST(ModelCheckpoint, ASubclassNamesItsBaseAndKeepsItsBehaviour) {
+  const std::string dir = temp_dir("subclass");
+  auto loader = lazy::data::make_data_loader(make_dataset(32), {.batch_size = 8});
+  Classifier m;
+  auto ck = std::make_shared<CountingCheckpoint>(train::ModelCheckpointOptions{.dirpath = dir});
+  train::TrainerOptions o = quiet({.max_epochs = 2});
+  o.callbacks = {ck};
+  train::Trainer(o).fit(m, *loader);
+  EXPECT_EQ(ck->epoch_ends, 2);
+  // The base's own saving ran: the last epoch's file (4 steps an epoch), as a plain one writes.
+  EXPECT_EQ(checkpoint_files(dir), (std::vector<std::string>{"epoch=1-step=8.safetensors"}));
+}
+
 /// The epoch at which EarlyStopping(min, patience, min_delta) stops over `scores`
 /// (training runs epochs 0..stop), computed directly.
 std::size_t reference_stop(const std::vector<double>& scores, std::int64_t patience, double min_delta) {
