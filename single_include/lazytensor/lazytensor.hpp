@@ -30088,8 +30088,7 @@ LAZYTENSOR_INLINE std::string last_checkpoint_path(const std::vector<std::shared
 
 }  // namespace lazy::train
 
-// Defined once by lazytensor::compiled (src/compiled.cpp, where the definitions above are
-// visible); user TUs of the compiled runtime see only this declaration.
+// Defined once by lazytensor::compiled (src/compiled.cpp).
 #define LAZYTENSOR_TRAIN_MODEL_CHECKPOINT_INSTANCES(P) P template class lazy::train::BasicModelCheckpoint<void>;
 #if LAZYTENSOR_EXPLICIT_INSTANTIATION
 LAZYTENSOR_TRAIN_MODEL_CHECKPOINT_INSTANCES(extern)
@@ -30237,8 +30236,7 @@ void BasicProgressBar<V>::on_validation_end(Trainer& trainer, LightningModuleBas
 
 }  // namespace lazy::train
 
-// Defined once by lazytensor::compiled (src/compiled.cpp, where the definitions above are
-// visible); user TUs of the compiled runtime see only this declaration.
+// Defined once by lazytensor::compiled (src/compiled.cpp).
 #define LAZYTENSOR_TRAIN_PROGRESS_BAR_INSTANCES(P) P template class lazy::train::BasicProgressBar<void>;
 #if LAZYTENSOR_EXPLICIT_INSTANTIATION
 LAZYTENSOR_TRAIN_PROGRESS_BAR_INSTANCES(extern)
@@ -30485,8 +30483,7 @@ void BasicEarlyStopping<V>::on_train_epoch_end(Trainer& trainer, LightningModule
 
 }  // namespace lazy::train
 
-// Defined once by lazytensor::compiled (src/compiled.cpp, where the definitions above are
-// visible); user TUs of the compiled runtime see only this declaration.
+// Defined once by lazytensor::compiled (src/compiled.cpp).
 #define LAZYTENSOR_TRAIN_EARLY_STOPPING_INSTANCES(P) P template class lazy::train::BasicEarlyStopping<void>;
 #if LAZYTENSOR_EXPLICIT_INSTANTIATION
 LAZYTENSOR_TRAIN_EARLY_STOPPING_INSTANCES(extern)
@@ -31108,8 +31105,7 @@ void BasicLearningRateMonitor<V>::on_train_batch_end(Trainer& trainer, Lightning
 
 }  // namespace lazy::train
 
-// Defined once by lazytensor::compiled (src/compiled.cpp, where the definitions above are
-// visible); user TUs of the compiled runtime see only this declaration.
+// Defined once by lazytensor::compiled (src/compiled.cpp).
 #define LAZYTENSOR_TRAIN_LR_MONITOR_INSTANCES(P) P template class lazy::train::BasicLearningRateMonitor<void>;
 #if LAZYTENSOR_EXPLICIT_INSTANTIATION
 LAZYTENSOR_TRAIN_LR_MONITOR_INSTANCES(extern)

@@ -204,8 +204,7 @@ void BasicEarlyStopping<V>::on_train_epoch_end(Trainer& trainer, LightningModule
 
 }  // namespace lazy::train
 
-// Defined once by lazytensor::compiled (src/compiled.cpp, where the definitions above are
-// visible); user TUs of the compiled runtime see only this declaration.
+// Defined once by lazytensor::compiled (src/compiled.cpp).
 #define LAZYTENSOR_TRAIN_EARLY_STOPPING_INSTANCES(P) P template class lazy::train::BasicEarlyStopping<void>;
 #if LAZYTENSOR_EXPLICIT_INSTANTIATION
 LAZYTENSOR_TRAIN_EARLY_STOPPING_INSTANCES(extern)

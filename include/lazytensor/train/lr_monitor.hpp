@@ -107,8 +107,7 @@ void BasicLearningRateMonitor<V>::on_train_batch_end(Trainer& trainer, Lightning
 
 }  // namespace lazy::train
 
-// Defined once by lazytensor::compiled (src/compiled.cpp, where the definitions above are
-// visible); user TUs of the compiled runtime see only this declaration.
+// Defined once by lazytensor::compiled (src/compiled.cpp).
 #define LAZYTENSOR_TRAIN_LR_MONITOR_INSTANCES(P) P template class lazy::train::BasicLearningRateMonitor<void>;
 #if LAZYTENSOR_EXPLICIT_INSTANTIATION
 LAZYTENSOR_TRAIN_LR_MONITOR_INSTANCES(extern)

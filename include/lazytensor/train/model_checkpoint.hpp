@@ -347,8 +347,7 @@ LAZYTENSOR_INLINE std::string last_checkpoint_path(const std::vector<std::shared
 
 }  // namespace lazy::train
 
-// Defined once by lazytensor::compiled (src/compiled.cpp, where the definitions above are
-// visible); user TUs of the compiled runtime see only this declaration.
+// Defined once by lazytensor::compiled (src/compiled.cpp).
 #define LAZYTENSOR_TRAIN_MODEL_CHECKPOINT_INSTANCES(P) P template class lazy::train::BasicModelCheckpoint<void>;
 #if LAZYTENSOR_EXPLICIT_INSTANTIATION
 LAZYTENSOR_TRAIN_MODEL_CHECKPOINT_INSTANCES(extern)

@@ -144,8 +144,7 @@ void BasicProgressBar<V>::on_validation_end(Trainer& trainer, LightningModuleBas
 
 }  // namespace lazy::train
 
-// Defined once by lazytensor::compiled (src/compiled.cpp, where the definitions above are
-// visible); user TUs of the compiled runtime see only this declaration.
+// Defined once by lazytensor::compiled (src/compiled.cpp).
 #define LAZYTENSOR_TRAIN_PROGRESS_BAR_INSTANCES(P) P template class lazy::train::BasicProgressBar<void>;
 #if LAZYTENSOR_EXPLICIT_INSTANTIATION
 LAZYTENSOR_TRAIN_PROGRESS_BAR_INSTANCES(extern)
