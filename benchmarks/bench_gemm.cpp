@@ -16,6 +16,9 @@
 //   BM_FmaPeak<T>         the core's FMA rate: independent FMA chains on the widest
 //                         registers the build allows (the ceiling every GEMM row is read
 //                         against)
+//   BM_Bf16DotPeak        the same for vdpbf16ps (4 flops per float lane), where the build
+//                         has AVX512-BF16: the native bfloat16 GEMM's ceiling, and what
+//                         decides which path it takes (graph/gemm_kernel_bf16.hpp)
 //
 // s indexes kShapes (m x k x n, which operand is read transposed). The GFLOP counter is the
 // rate of 2*m*k*n flops.
@@ -235,6 +238,25 @@ void BM_FmaPeak(benchmark::State& state) {
   state.SetLabel(xsimd::default_arch::name());
 }
 
+#if defined(__AVX512BF16__)
+void BM_Bf16DotPeak(benchmark::State& state) {
+  constexpr int kChains = 24;  // vdpbf16ps's latency is twice the FMA's on some cores
+  constexpr std::int64_t kSteps = 1 << 15;
+  __m512 acc[kChains];
+  for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_ps(float(i));
+  const __m512bh x = (__m512bh)_mm512_set1_epi32(0x3f803f7f);  // NOLINT: a vector bit cast
+  for (auto _ : state) {
+    for (std::int64_t s = 0; s < kSteps; ++s) {
+      for (int i = 0; i < kChains; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], x, x);
+    }
+    for (int i = 0; i < kChains; ++i) benchmark::DoNotOptimize(acc[i]);
+  }
+  state.counters["GFLOP"] =
+      benchmark::Counter(4.0 * kChains * kSteps * 16 / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  state.SetLabel(lazy::detail::Bf16Gemm::native() ? "GEMM path: native" : "GEMM path: emulated");
+}
+#endif
+
 void shapes(benchmark::internal::Benchmark* b) {
   for (std::size_t i = 0; i < kShapes.size(); ++i) b->Arg(static_cast<std::int64_t>(i));
   b->UseRealTime();
@@ -248,6 +270,9 @@ void BM_Gemm_KernelBF16(benchmark::State& state) { BM_Gemm_Kernel<float, lazy::d
 
 BENCHMARK(BM_FmaPeak<float>)->UseRealTime();
 BENCHMARK(BM_FmaPeak<double>)->UseRealTime();
+#if defined(__AVX512BF16__)
+BENCHMARK(BM_Bf16DotPeak)->UseRealTime();
+#endif
 BENCHMARK(BM_Gemm_Lazy<float>)->Apply(shapes);
 BENCHMARK(BM_Gemm_Kernel<float>)->Apply(shapes);
 BENCHMARK(BM_Gemm_Eigen<float>)->Apply(shapes);

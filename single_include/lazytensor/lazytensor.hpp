@@ -16500,11 +16500,12 @@ struct PackedGemm {
 // The bfloat16 GEMM behind autocast (and the products of bfloat16 tensors): each operand is
 // rounded to bfloat16 (nearest even) while it is packed, the products accumulate in float,
 // and each result is rounded to bfloat16 and held in float. One arithmetic, two paths,
-// chosen at compile time from the user's flags:
+// chosen from the user's flags and, where both are built, the core:
 //
-//  - native, where AVX512-BF16 is enabled: the operands are packed as pairs of bfloat16
-//    along k (a 32-bit word per pair) and vdpbf16ps adds two products per float lane, twice
-//    the float kernel's products per instruction;
+//  - native, where AVX512-BF16 is enabled and the core issues vdpbf16ps at the FMA's rate
+//    (see native_bf16_gemm): the operands are packed as pairs of bfloat16 along k (a 32-bit
+//    word per pair) and vdpbf16ps adds two products per float lane, twice the float
+//    kernel's products per instruction;
 //  - emulated, everywhere else: the rounded operands stay in float and go through the float
 //    kernel (graph/gemm_kernel.hpp) with the two k-values of each pair swapped, so its FMA
 //    chain adds the products in vdpbf16ps's order (the odd k of a pair, then the even) and
@@ -16843,11 +16844,55 @@ struct PairBf16Gemm {
 };
 #endif
 
-/// The bfloat16 GEMM this build runs (see the file comment).
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
-using Bf16Gemm = PairBf16Gemm<NativeBf16>;
+/// True when this process runs the native path. vdpbf16ps has two products per float lane,
+/// but how often it issues depends on the core: AMD's Zen 4 issues it as often as an FMA
+/// (twice the float kernel's products), Intel's Sapphire and Emerald Rapids once every two
+/// cycles (measured on Emerald Rapids, 24 independent chains: 80 GFLOP/s against the FMA's
+/// 167), half the float rate, where the emulated path keeps ~0.9 of it. So Intel cores take
+/// the emulated path; LAZYTENSOR_NATIVE_BF16_GEMM=1 or 0 overrides. Decided once per
+/// process: a packing and its multiplies must use the same layout.
+inline bool native_bf16_gemm() {
+  static const bool native = [] {
+    if (const auto forced = core::env_switch("LAZYTENSOR_NATIVE_BF16_GEMM")) return *forced;
+    __builtin_cpu_init();
+    return !__builtin_cpu_is("intel");
+  }();
+  return native;
+}
+
+/// The bfloat16 GEMM of this build: the native or the emulated path, per native_bf16_gemm().
+struct Bf16Gemm {
+  using Native = PairBf16Gemm<NativeBf16>;
+  using Emulated = EmulatedBf16Gemm;
+
+  static bool native() { return native_bf16_gemm(); }
+  static std::int64_t panels(std::int64_t n) { return native() ? Native::panels(n) : Emulated::panels(n); }
+  static std::int64_t packed_bytes(std::int64_t k, std::int64_t n) {
+    return native() ? Native::packed_bytes(k, n) : Emulated::packed_bytes(k, n);
+  }
+  static void pack_b(const float* b, bool transposed, std::int64_t k, std::int64_t n, void* out, std::int64_t p0,
+                     std::int64_t p1) {
+    if (native()) {
+      Native::pack_b(b, transposed, k, n, out, p0, p1);
+    } else {
+      Emulated::pack_b(b, transposed, k, n, out, p0, p1);
+    }
+  }
+  static void multiply(const float* a, bool a_transposed, std::int64_t m, std::int64_t k, std::int64_t n,
+                       const void* packed_b, float* c, std::int64_t r0, std::int64_t rows, bool round = true) {
+    if (native()) {
+      Native::multiply(a, a_transposed, m, k, n, packed_b, c, r0, rows, round);
+    } else {
+      Emulated::multiply(a, a_transposed, m, k, n, packed_b, c, r0, rows, round);
+    }
+  }
+};
 #else
-using Bf16Gemm = EmulatedBf16Gemm;
+/// The bfloat16 GEMM of this build: the emulated path (no AVX512-BF16 in the flags).
+struct Bf16Gemm : EmulatedBf16Gemm {
+  static constexpr bool native() { return false; }
+};
 #endif
 
 }  // namespace lazy::detail

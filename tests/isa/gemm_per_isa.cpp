@@ -5,6 +5,8 @@
 // operand layouts and both element types.
 
 #include <cmath>
+#include <cpuid.h>
+#include <cstdlib>
 #include <cstdio>
 #include <cstdint>
 #include <cstring>
@@ -16,6 +18,7 @@
 #include <gtest/gtest.h>
 #include <xsimd/xsimd.hpp>
 
+#include <lazytensor/core/error.hpp>
 #include <lazytensor/graph/gemm_kernel.hpp>
 #include <lazytensor/graph/gemm_kernel_bf16.hpp>
 
@@ -129,11 +132,13 @@ std::vector<float> run_bf16(const std::vector<float>& a, const std::vector<float
   return c;
 }
 
-// The kernel this build selects against a double triple loop over the rounded operands:
-// every result a bfloat16 value within one bfloat16 step of the rounded exact sum.
+// A bfloat16 GEMM (by default the path this process takes) against a double triple loop
+// over the rounded operands: every result a bfloat16 value within one bfloat16 step of the
+// rounded exact sum.
+template <class K = lazy::detail::Bf16Gemm>
 void check_bf16(std::int64_t m, std::int64_t k, std::int64_t n, bool ta, bool tb, unsigned seed) {
   const auto a = values<float>(m * k, seed), b = values<float>(k * n, seed + 1);
-  const auto c = run_bf16<lazy::detail::Bf16Gemm>(a, b, m, k, n, ta, tb);
+  const auto c = run_bf16<K>(a, b, m, k, n, ta, tb);
   for (std::int64_t i = 0; i < m; ++i) {
     for (std::int64_t j = 0; j < n; ++j) {
       double s = 0;
@@ -147,8 +152,8 @@ void check_bf16(std::int64_t m, std::int64_t k, std::int64_t n, bool ta, bool tb
   }
 }
 
-TEST(Bf16GemmPerIsa, EveryTileRemainder) {
-  std::printf("bfloat16 GEMM: %s path\n", lazy::detail::Bf16Gemm::kNative ? "native (vdpbf16ps)" : "emulated");
+template <class K = lazy::detail::Bf16Gemm>
+void check_every_tile_remainder() {
   std::vector<std::int64_t> sizes;
   for (std::int64_t s = 1; s <= 17; ++s) sizes.push_back(s);
   for (std::int64_t s : {31, 33, 127, 129}) sizes.push_back(s);
@@ -156,7 +161,43 @@ TEST(Bf16GemmPerIsa, EveryTileRemainder) {
   for (const std::int64_t m : sizes)
     for (const std::int64_t n : sizes)
       for (const std::int64_t k : {1, 2, 3, 17, 34, 129})
-        for (int t = 0; t < 4; ++t) check_bf16(m, k, n, t & 1, t & 2, seed += 2);
+        for (int t = 0; t < 4; ++t) check_bf16<K>(m, k, n, t & 1, t & 2, seed += 2);
+}
+
+TEST(Bf16GemmPerIsa, EveryTileRemainder) {
+  std::printf("bfloat16 GEMM: %s path\n", lazy::detail::Bf16Gemm::native() ? "native (vdpbf16ps)" : "emulated");
+  check_every_tile_remainder();
+}
+
+// The path this process takes: LAZYTENSOR_NATIVE_BF16_GEMM when set (tests/CMakeLists.txt
+// runs this program once more with each value), else the native one except on Intel cores
+// (vendor read here with cpuid itself), and never the native one in a build without
+// AVX512-BF16.
+TEST(Bf16GemmPerIsa, PathFollowsTheSwitchOrTheCore) {
+  const char* env = std::getenv("LAZYTENSOR_NATIVE_BF16_GEMM");
+  const std::string set = env ? env : "";
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+  if (set == "1" || set == "0") {
+    EXPECT_EQ(lazy::detail::Bf16Gemm::native(), set == "1");
+  } else if (!set.empty()) {
+    try {
+      (void)lazy::detail::Bf16Gemm::native();
+      ADD_FAILURE() << "LAZYTENSOR_NATIVE_BF16_GEMM='" << set << "' was accepted";
+    } catch (const lazy::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("LAZYTENSOR_NATIVE_BF16_GEMM='" + set + "'"), std::string::npos) << e.what();
+    }
+  } else {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    ASSERT_TRUE(__get_cpuid(0, &eax, &ebx, &ecx, &edx));
+    char vendor[13] = {};
+    std::memcpy(vendor, &ebx, 4);
+    std::memcpy(vendor + 4, &edx, 4);
+    std::memcpy(vendor + 8, &ecx, 4);
+    EXPECT_EQ(lazy::detail::Bf16Gemm::native(), std::string(vendor) != "GenuineIntel") << vendor;
+  }
+#else
+  EXPECT_FALSE(lazy::detail::Bf16Gemm::native()) << "LAZYTENSOR_NATIVE_BF16_GEMM='" << set << "'";
+#endif
 }
 
 TEST(Bf16GemmPerIsa, DepthsOfSeveralBlocks) {
@@ -203,6 +244,9 @@ TEST(Bf16GemmPerIsa, PairLayoutAgreesWithTheEmulationToTheBit) {
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+// The native path whatever the core (the default takes it only where it is the faster).
+TEST(Bf16GemmPerIsa, NativeEveryTileRemainder) { check_every_tile_remainder<lazy::detail::Bf16Gemm::Native>(); }
+
 // vdpbf16ps itself against the emulation: the same sums (to one bfloat16 step, should a
 // processor round its two products otherwise than Intel's definition).
 TEST(Bf16GemmPerIsa, NativeAgreesWithTheEmulation) {
