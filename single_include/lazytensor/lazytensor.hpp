@@ -2128,7 +2128,9 @@ class Device {
   void enqueue(std::function<void()> job);
   /// Blocks until every enqueued job has finished.
   void wait_idle() { wait_below(1); }
-  /// Blocks until fewer than `n` enqueued jobs are unfinished (running or waiting).
+  /// Blocks until fewer than `n` enqueued jobs are unfinished (running or waiting). While
+  /// no job runs, the caller runs the oldest queued job itself instead of waiting for the
+  /// executor thread to wake up for it (and then for this thread to wake up again).
   void wait_below(std::int64_t n);
   /// True when jobs are enqueued or running.
   bool busy() { return outstanding_.load(std::memory_order_acquire) != 0; }
@@ -2218,9 +2220,12 @@ class Device {
   std::mutex exec_mu_;
   std::condition_variable exec_cv_, idle_cv_;
   std::deque<std::function<void()>> jobs_;
+  // Runs the oldest queued job on this thread; `lock` holds exec_mu_ before and after.
+  void run_front(std::unique_lock<std::mutex>& lock);
   // Changed under exec_mu_ (the condition variables' predicate), read without it by
   // wait_below's and busy()'s fast path.
   std::atomic<std::int64_t> outstanding_{0};
+  bool running_ = false;  // a job runs (on the executor or a waiting thread); under exec_mu_
   bool stop_ = false;
   std::thread executor_;
 };
@@ -2331,8 +2336,38 @@ LAZYTENSOR_INLINE void Device::wait_below(std::int64_t n) {
   // Every read and eager op asks; the executor is usually idle by then. The acquire load
   // pairs with the release decrement, so a finished job's writes are visible.
   if (outstanding_.load(std::memory_order_acquire) < n) return;
+  // Waking a sleeping thread costs 15-50 us on a VM (more when its core is idle): a step
+  // read right after mark_step would pay it twice, the executor's start and this thread's
+  // return. So a waiter runs the next job itself when none is running; jobs still run one
+  // at a time, in order (running_), and the executor runs whatever the waiters leave.
   std::unique_lock lock(exec_mu_);
-  idle_cv_.wait(lock, [&] { return outstanding_.load(std::memory_order_relaxed) < n; });
+  while (outstanding_.load(std::memory_order_relaxed) >= n) {
+    if (!running_ && !jobs_.empty()) {
+      run_front(lock);
+    } else {
+      idle_cv_.wait(lock);
+    }
+  }
+}
+
+LAZYTENSOR_INLINE void Device::run_front(std::unique_lock<std::mutex>& lock) {
+  std::function<void()> job = std::move(jobs_.front());
+  jobs_.pop_front();
+  running_ = true;
+  struct Finish {  // also when a job throws (they store their errors; memory may not)
+    Device& d;
+    std::unique_lock<std::mutex>& lock;
+    ~Finish() {
+      if (!lock.owns_lock()) lock.lock();
+      d.running_ = false;
+      d.outstanding_.fetch_sub(1, std::memory_order_release);
+      d.idle_cv_.notify_all();
+      if (!d.jobs_.empty() || d.stop_) d.exec_cv_.notify_all();  // the executor waits out running_
+    }
+  } finish{*this, lock};
+  lock.unlock();
+  job();
+  job = nullptr;
 }
 
 LAZYTENSOR_INLINE void Device::add_step_closure(std::function<void()> f) {
@@ -2369,21 +2404,10 @@ LAZYTENSOR_INLINE void Device::rethrow_stored_error() {
 
 LAZYTENSOR_INLINE void Device::executor_loop() {
   for (;;) {
-    std::function<void()> job;
-    {
-      std::unique_lock lock(exec_mu_);
-      exec_cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
-      if (jobs_.empty()) return;  // stopping, nothing left
-      job = std::move(jobs_.front());
-      jobs_.pop_front();
-    }
-    job();  // jobs catch their own errors (store_error)
-    job = nullptr;
-    {
-      std::lock_guard lock(exec_mu_);
-      outstanding_.fetch_sub(1, std::memory_order_release);
-    }
-    idle_cv_.notify_all();
+    std::unique_lock lock(exec_mu_);
+    exec_cv_.wait(lock, [&] { return !running_ && (stop_ || !jobs_.empty()); });
+    if (jobs_.empty()) return;  // stopping, nothing left
+    run_front(lock);  // jobs catch their own errors (store_error)
   }
 }
 

@@ -13,9 +13,11 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -864,6 +866,68 @@ TEST_F(Executor, ConcurrentDevicesInThreads) {
   t1.join();
   t2.join();
   EXPECT_EQ(failures.load(), 0);
+}
+
+// The executor's queue (Device::enqueue / wait_below): whichever thread runs a job, the jobs
+// run in the order they were queued and never two at once.
+TEST(DeviceJobs, RunInOrderOneAtATimeWhicheverThreadRunsThem) {
+  lazy::graph::Device dev(7, 1);
+  constexpr int kJobs = 600;
+  std::mutex m;
+  std::vector<int> order;
+  std::set<std::thread::id> runners;
+  std::atomic<int> running{0}, most{0};
+  std::atomic<bool> done{false};
+  std::vector<std::thread> waiters;
+  for (int t = 0; t < 3; ++t)
+    waiters.emplace_back([&, t] {
+      while (!done.load()) {
+        dev.wait_below(1 + t % 2);
+        std::this_thread::yield();
+      }
+    });
+  for (int i = 0; i < kJobs; ++i) {
+    dev.enqueue([&, i] {
+      const int now = running.fetch_add(1) + 1;
+      int seen = most.load();
+      while (now > seen && !most.compare_exchange_weak(seen, now)) {
+      }
+      {
+        std::lock_guard lock(m);
+        order.push_back(i);
+        runners.insert(std::this_thread::get_id());
+      }
+      std::this_thread::yield();
+      running.fetch_sub(1);
+    });
+    if (i % 7 == 0) std::this_thread::yield();
+  }
+  dev.wait_idle();
+  done = true;
+  for (auto& w : waiters) w.join();
+  ASSERT_EQ(order.size(), std::size_t(kJobs));
+  for (int i = 0; i < kJobs; ++i) ASSERT_EQ(order[i], i) << "job " << i << " ran out of order";
+  EXPECT_EQ(most.load(), 1) << "two jobs ran at once";
+  EXPECT_FALSE(dev.busy());
+  std::printf("jobs ran on %zu threads\n", runners.size());
+}
+
+// A read right after a step does not wait for the executor thread to wake up: while no job
+// runs, the waiting thread runs the queued one itself (the executor, woken by the enqueue,
+// finds nothing left). Over many rounds the reading thread must have run some of them.
+TEST(DeviceJobs, AWaiterRunsTheQueuedJobWhenNoneRuns) {
+  lazy::graph::Device dev(8, 1);
+  const auto me = std::this_thread::get_id();
+  int here = 0;
+  constexpr int kRounds = 200;
+  for (int r = 0; r < kRounds; ++r) {
+    std::thread::id ran;
+    dev.enqueue([&] { ran = std::this_thread::get_id(); });
+    dev.wait_idle();  // orders the job's write before this read, whoever ran it
+    here += ran == me;
+  }
+  EXPECT_GT(here, 0) << "every job waited for the executor thread";
+  std::printf("%d of %d jobs ran on the waiting thread\n", here, kRounds);
 }
 
 }  // namespace
