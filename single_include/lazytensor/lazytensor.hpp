@@ -294,8 +294,9 @@ LAZYTENSOR_INLINE std::string exception_message(const std::exception_ptr& e) {
 //
 // Threads: one thread traces a device (its replica thread, or the user's), creating
 // pending nodes and calling mark_step; the device's executor thread runs the plans
-// mark_step hands it, using the worker pool. The tracing thread never looks inside a
-// queued node, and waits for the executor (wait_idle) before it runs anything itself.
+// mark_step hands it, using the worker pool, unless a thread waiting for them runs them
+// first (wait_below). The tracing thread never looks inside a queued node, and waits for
+// the queue (wait_idle) before it runs anything itself.
 
 #include <algorithm>
 #include <atomic>
@@ -2124,7 +2125,8 @@ class Device {
 
   // ---- execution ----------------------------------------------------------------------
 
-  /// Runs `job` on the executor thread after the jobs before it.
+  /// Runs `job` after the jobs before it: on the executor thread, or on a thread that waits
+  /// for it (wait_below) while no other job runs.
   void enqueue(std::function<void()> job);
   /// Blocks until every enqueued job has finished.
   void wait_idle() { wait_below(1); }
@@ -2339,7 +2341,10 @@ LAZYTENSOR_INLINE void Device::wait_below(std::int64_t n) {
   // Waking a sleeping thread costs 15-50 us on a VM (more when its core is idle): a step
   // read right after mark_step would pay it twice, the executor's start and this thread's
   // return. So a waiter runs the next job itself when none is running; jobs still run one
-  // at a time, in order (running_), and the executor runs whatever the waiters leave.
+  // at a time, in order (running_), and the executor runs whatever the waiters leave. A
+  // waiter runs only jobs it would otherwise wait for, so this adds no wait to any thread.
+  // The job runs with the waiter's thread state: inside a pool task (ThreadPool::in_worker)
+  // its loops run serially, and its GEMM scratch is that thread's.
   std::unique_lock lock(exec_mu_);
   while (outstanding_.load(std::memory_order_relaxed) >= n) {
     if (!running_ && !jobs_.empty()) {
@@ -2354,20 +2359,18 @@ LAZYTENSOR_INLINE void Device::run_front(std::unique_lock<std::mutex>& lock) {
   std::function<void()> job = std::move(jobs_.front());
   jobs_.pop_front();
   running_ = true;
-  struct Finish {  // also when a job throws (they store their errors; memory may not)
-    Device& d;
-    std::unique_lock<std::mutex>& lock;
-    ~Finish() {
-      if (!lock.owns_lock()) lock.lock();
-      d.running_ = false;
-      d.outstanding_.fetch_sub(1, std::memory_order_release);
-      d.idle_cv_.notify_all();
-      if (!d.jobs_.empty() || d.stop_) d.exec_cv_.notify_all();  // the executor waits out running_
-    }
-  } finish{*this, lock};
   lock.unlock();
-  job();
-  job = nullptr;
+  try {
+    job();
+  } catch (...) {  // jobs store their own errors; this is for one they could not (memory)
+    store_error(std::current_exception());
+  }
+  job = nullptr;  // the step's nodes go before the count says it is done
+  lock.lock();
+  running_ = false;
+  outstanding_.fetch_sub(1, std::memory_order_release);
+  idle_cv_.notify_all();
+  if (!jobs_.empty() || stop_) exec_cv_.notify_all();  // the executor waits out running_
 }
 
 LAZYTENSOR_INLINE void Device::add_step_closure(std::function<void()> f) {

@@ -177,8 +177,9 @@ TEST(Bf16GemmPerIsa, PathFollowsTheSwitchOrTheCore) {
   const char* env = std::getenv("LAZYTENSOR_NATIVE_BF16_GEMM");
   const std::string set = env ? env : "";
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
-  if (set == "1" || set == "0") {
-    EXPECT_EQ(lazy::detail::Bf16Gemm::native(), set == "1");
+  const bool on = set == "1" || set == "on" || set == "true", off = set == "0" || set == "off" || set == "false";
+  if (on || off) {
+    EXPECT_EQ(lazy::detail::Bf16Gemm::native(), on);
   } else if (!set.empty()) {
     try {
       (void)lazy::detail::Bf16Gemm::native();
