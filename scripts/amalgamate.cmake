@@ -7,7 +7,7 @@
 # (-D options must come before -P.)
 #
 # Rules:
-#   * Starting at the umbrella, every `#include <lazytensor/...>` and every `#include "..."`
+#   * Starting at the umbrella (then eigen.hpp, the opt-in adapter it leaves out), every `#include <lazytensor/...>` and every `#include "..."`
 #     that resolves to a file under include/lazytensor is inlined, recursively, each file
 #     exactly once (first occurrence wins, like #pragma once).
 #   * `#pragma once` lines are dropped from inlined files; the output starts with a banner
@@ -166,7 +166,8 @@ function(_lt_inline file)
 endfunction()
 
 file(WRITE "${LT_TMP}"
-"// lazytensor — single-header distribution, generated from include/lazytensor/lazytensor.hpp.
+"// lazytensor — single-header distribution, generated from include/lazytensor/lazytensor.hpp
+// and the opt-in include/lazytensor/eigen.hpp.
 //
 // GENERATED FILE — DO NOT EDIT. Regenerate with:
 //   cmake -P scripts/amalgamate.cmake
@@ -177,6 +178,9 @@ file(WRITE "${LT_TMP}"
 
 ")
 _lt_inline("${LT_UMBRELLA}")
+# The opt-in adapters the umbrella leaves out: a single-header user is header-only, so parses
+# Eigen already (the products the packed GEMM does not take), and has no other file to include.
+_lt_inline("${LT_PKG_DIR}/eigen.hpp")
 
 if(CHECK)
   set(_ok FALSE)

@@ -7,6 +7,7 @@
 #include <iostream>
 #include <vector>
 
+#include <lazytensor/eigen.hpp>  // opt-in: h.eigen() below
 #include <lazytensor/lazytensor.hpp>
 
 namespace {

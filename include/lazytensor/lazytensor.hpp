@@ -1,6 +1,8 @@
 #pragma once
 // lazytensor: lazy tensors with fused, SIMD-vectorized kernels. Umbrella header: include
-// this, or one module header, and link lazytensor::lazytensor.
+// this, or one module header, and link lazytensor::lazytensor. Adapters to other libraries
+// are opt-in and not included here: <lazytensor/eigen.hpp> (Eigen interop) costs its parse
+// only to the programs that use Eigen (the single header, header-only anyway, carries it).
 
 #include <lazytensor/any_tensor.hpp>
 #include <lazytensor/autograd/functional.hpp>
@@ -9,7 +11,6 @@
 #include <lazytensor/data.hpp>
 #include <lazytensor/debug/graph_dump.hpp>
 #include <lazytensor/dist.hpp>
-#include <lazytensor/eigen.hpp>
 #include <lazytensor/fwd.hpp>
 #include <lazytensor/io.hpp>
 #include <lazytensor/nn.hpp>

@@ -1,4 +1,5 @@
-// lazytensor — single-header distribution, generated from include/lazytensor/lazytensor.hpp.
+// lazytensor — single-header distribution, generated from include/lazytensor/lazytensor.hpp
+// and the opt-in include/lazytensor/eigen.hpp.
 //
 // GENERATED FILE — DO NOT EDIT. Regenerate with:
 //   cmake -P scripts/amalgamate.cmake
@@ -9,7 +10,9 @@
 
 // ---- begin lazytensor/lazytensor.hpp ----
 // lazytensor: lazy tensors with fused, SIMD-vectorized kernels. Umbrella header: include
-// this, or one module header, and link lazytensor::lazytensor.
+// this, or one module header, and link lazytensor::lazytensor. Adapters to other libraries
+// are opt-in and not included here: <lazytensor/eigen.hpp> (Eigen interop) costs its parse
+// only to the programs that use Eigen (the single header, header-only anyway, carries it).
 
 // ---- begin lazytensor/any_tensor.hpp ----
 // AnyTensor: a tensor whose element type is known at run time only. State dicts, file
@@ -15761,1400 +15764,1652 @@ LAZYTENSOR_INLINE ReplicaDevices::~ReplicaDevices() {
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/dist/spawn.hpp ----
 // ---- end lazytensor/dist.hpp ----
-// ---- begin lazytensor/eigen.hpp ----
-// lazytensor with Eigen: lazy::from_eigen(matrix) and tensor.eigen(), a row-major
-// Eigen::Map of a tensor's values. Apart from <lazytensor/tensor.hpp> so that only programs
-// that use Eigen parse it.
-
-// ---- begin lazytensor/ops/eigen.hpp ----
-// Eigen interop: a tensor from an Eigen matrix (from_eigen) and a tensor viewed as one
-// (Tensor::eigen()). Kept apart from the factories so that only programs that use Eigen
-// parse it.
-
-#include <cstdint>
-#include <type_traits>
-
-#include <Eigen/Core>
+// ---- begin lazytensor/fwd.hpp ----
+// Declarations of lazytensor's user-facing types, for a user's own headers: a header that
+// only names `lazy::Tensor<float>` in a signature includes this (as nlohmann's json_fwd.hpp)
+// and leaves the definitions, and their compile time, to the source files that use them.
+// It costs <cstdint>, <string> and <ostream> (through the element types), nothing else.
 
 
 namespace lazy {
 
-namespace detail {
-template <class T>
-struct EigenView<T, void> {
-  static auto map(const Tensor<T>& t) {
-    using M = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-    const Shape& s = t.shape();
-    const std::int64_t cols = s.rank() <= 1 ? 1 : s[s.rank() - 1];
-    const std::int64_t rows = cols == 0 ? 0 : t.numel() / cols;
-    return Eigen::Map<const M>(t.data(), static_cast<Eigen::Index>(rows), static_cast<Eigen::Index>(cols));
-  }
-};
-}  // namespace detail
+class Shape;
+class Device;
+template <Element T>
+class Tensor;
+class AnyTensor;
+class StateDict;
+struct Size2;
 
-/// A 2-D tensor copied from an Eigen matrix or expression (any storage order).
-template <class Derived>
-auto from_eigen(const Eigen::DenseBase<Derived>& m, Device dev = device()) {
-  using T = typename Derived::Scalar;
-  const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> rm = m;
-  return Tensor<T>(detail::data_node<T>(rm.data(), Shape{rm.rows(), rm.cols()}, dev));
-}
+enum class ReduceOp;
+
+class AutocastGuard;
+
+class Error;
+class ShapeError;
+class DTypeError;
+class IndexError;
+class DeviceError;
+class ShardingError;
+class CollectiveError;
+class CollectiveMismatch;
+class CollectiveTimeout;
+class ReplicaAborted;
+class FormatError;
+class IoError;
+class OutOfMemoryError;
+
+namespace nn {
+class Module;
+template <class Impl>
+class ModuleHolder;
+}  // namespace nn
+
+namespace optim {
+class Optimizer;
+}  // namespace optim
+
+namespace spmd {
+class Mesh;
+class HybridMesh;
+class ShardingSpec;
+}  // namespace spmd
+
+namespace train {
+class Strategy;
+class SingleDeviceStrategy;
+template <class>
+class BasicReplicaStrategy;
+using ReplicaStrategy = BasicReplicaStrategy<void>;
+class Precision;
+class DoublePrecision;
+class HalfPrecision;
+class MixedPrecision;
+class Accelerator;
+class CPUAccelerator;
+}  // namespace train
 
 }  // namespace lazy
-// ---- end lazytensor/ops/eigen.hpp ----
-// ---- begin lazytensor/tensor.hpp ----
-// lazytensor's core module: what a program that computes with tensors includes.
-//
-//   Tensor<T> and Device, element-wise expressions (operators and functions), factories
-//   (zeros/ones/full/from_vector/arange/..., randn/rand/randint/...), reductions, matmul and
-//   linear, mark_step/sync and the other step controls, and the metrics report.
-//
-// Shape ops, softmax, convolution and pooling are in <lazytensor/ops/...>; the frontend
-// modules (nn, optim, data, io, dist) have one header each; <lazytensor/lazytensor.hpp>
-// includes everything, <lazytensor/fwd.hpp> only declares.
+// ---- end lazytensor/fwd.hpp ----
+// ---- begin lazytensor/io.hpp ----
+// lazy::io: reading and writing tensors. safetensors files (readable by the Python
+// `safetensors` package) through io::save_file and io::load, with atomic, streaming writes;
+// io::save writes from replicas (only the master writes, as xm.save).
 
-// ---- begin lazytensor/debug/metrics.hpp ----
-// Counters and metrics, named like PyTorch/XLA's (torch_xla.debug.metrics).
+// ---- begin lazytensor/io/safetensors.hpp ----
+// safetensors files (https://github.com/huggingface/safetensors), readable by the Python
+// `safetensors` package:
 //
-// Steps run asynchronously; every function here first waits for the steps issued on the
-// calling thread's device, so that what it reports includes everything issued so far
-// (other devices are not waited for: a replica must not wait on another's collectives).
+//   [8 bytes]  N, the header length, unsigned little-endian
+//   [N bytes]  a JSON object: "name": {"dtype": "F32", "shape": [2, 3], "data_offsets": [b, e]}
+//              per tensor, plus an optional "__metadata__": {string: string}; padded with
+//              spaces so that the data starts 8-byte aligned
+//   [rest]     the tensors' bytes, little-endian, row-major; offsets are relative to the
+//              start of this buffer, and the tensors tile it exactly (no gap, no overlap,
+//              nothing after the last one)
+//
+// Writing streams one tensor at a time into a temporary file that replaces the target
+// atomically; reading validates the whole header against the file size before allocating
+// anything, then reads each tensor straight into a buffer of the target device.
 
+#include <algorithm>
+#include <bit>
 #include <cstdint>
-#include <iomanip>
-#include <optional>
-#include <sstream>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <numeric>
 #include <string>
+#include <string_view>
+#include <unordered_set>
+#include <utility>
 #include <vector>
 
+// ---- begin lazytensor/io/json.hpp ----
+// The little JSON that file headers need, written by us and strict: a cursor that reads
+// objects, strings and non-negative integers exactly as RFC 8259 spells them (and nothing
+// else: no comments, no trailing commas, no NaN, no leading zeros, valid UTF-8 only), and
+// a writer for strings. Callers read the schema they expect with these primitives, so a
+// hostile header never builds a document tree bigger than what the caller keeps.
 
-namespace lazy::debug {
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
 
-namespace detail {
-/// Waits for the steps in flight on the current device (see the file comment).
-inline void settle() { graph::current_device().wait_idle(); }
-}  // namespace detail
 
-/// Value of counter `name` (0 when it never fired), as met.counter_value.
-std::int64_t counter_value(const std::string& name);
+namespace lazy::io::detail {
 
-/// Summary of metric `name` (count, total, min, max in ns), if it was ever recorded.
-std::optional<core::MetricData> metric_data(const std::string& name);
+/// Length of the valid UTF-8 sequence starting at s[i], or 0 when it is invalid (overlong
+/// forms, surrogates and code points above U+10FFFF are invalid, as RFC 3629 says).
+std::size_t utf8_sequence_length(std::string_view s, std::size_t i);
 
-/// Names of the counters that fired.
-std::vector<std::string> counter_names();
+/// True when `s` is valid UTF-8.
+bool valid_utf8(std::string_view s);
 
-/// Resets every counter and metric to zero.
-void clear_metrics();
+/// Appends `s` as a JSON string literal: quotes, backslashes and control characters are
+/// escaped (the short forms where JSON has them), everything else is copied as is.
+void append_json_string(std::string& out, std::string_view s);
 
-namespace detail {
-std::string fmt_ns(double ns);
-}  // namespace detail
+/// A read position in a JSON text. Every method throws FormatError("<where>: <what> at
+/// byte <pos>") on anything that is not exactly what was asked for.
+class JsonCursor {
+ public:
+  JsonCursor(std::string_view text, std::string where) : s_(text), where_(std::move(where)) {}
 
-/// Every metric and counter, plus the buffer pool of device 0, in PyTorch/XLA's format.
-std::string metrics_report();
+  std::size_t pos() const { return i_; }
+  bool at_end() const { return i_ >= s_.size(); }
 
-/// One line: steps, syncs, kernels, time executing and bytes allocated.
-std::string short_metrics_report();
+  /// Skips JSON whitespace (space, tab, line feed, carriage return).
+  void skip_ws();
+  /// The next non-whitespace character (or '\0' at the end), without consuming it.
+  char peek();
+  /// Consumes `c` (after whitespace), else FormatError.
+  void expect(char c);
+  /// Consumes `c` when it comes next.
+  bool accept(char c);
+
+  /// Reads a string literal, decoding escapes (\uXXXX with surrogate pairs) to UTF-8.
+  std::string string();
+
+  /// Reads a non-negative integer literal that fits in 64 bits. Signs, fractions,
+  /// exponents and leading zeros are rejected: sizes and offsets are whole numbers.
+  std::uint64_t uint64();
+
+  /// Throws FormatError naming the position.
+  [[noreturn]] void fail(const std::string& what) const;
+
+  /// A short quote of the text at the cursor, for messages.
+  std::string found() const;
+
+ private:
+  static int hex_value(char c);
+  std::uint32_t hex4();
+  static void append_utf8(std::string& out, std::uint32_t cp);
+  void escape(std::string& out);
+
+  std::string_view s_;
+  std::string where_;
+  std::size_t i_ = 0;
+};
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
-LAZYTENSOR_INLINE std::int64_t counter_value(const std::string& name) {
-  detail::settle();
-  std::int64_t v = 0;
-  core::Registry::get().for_each([&](const std::string& n, const core::Counter* c, const core::Metric*) {
-    if (c && n == name) v = c->value.load();
-  });
+LAZYTENSOR_INLINE std::size_t utf8_sequence_length(std::string_view s, std::size_t i) {
+  const auto b = [&](std::size_t k) { return static_cast<unsigned char>(s[i + k]); };
+  const unsigned char c = b(0);
+  if (c < 0x80) return 1;
+  std::size_t n;
+  std::uint32_t cp;
+  if (c >= 0xC2 && c <= 0xDF)
+    n = 2, cp = c & 0x1Fu;
+  else if (c >= 0xE0 && c <= 0xEF)
+    n = 3, cp = c & 0x0Fu;
+  else if (c >= 0xF0 && c <= 0xF4)
+    n = 4, cp = c & 0x07u;
+  else
+    return 0;
+  if (i + n > s.size()) return 0;
+  for (std::size_t k = 1; k < n; ++k) {
+    if ((b(k) & 0xC0u) != 0x80u) return 0;
+    cp = (cp << 6) | (b(k) & 0x3Fu);
+  }
+  if ((n == 3 && cp < 0x800) || (n == 4 && cp < 0x10000) || cp > 0x10FFFF ||
+      (cp >= 0xD800 && cp <= 0xDFFF))
+    return 0;
+  return n;
+}
+
+LAZYTENSOR_INLINE bool valid_utf8(std::string_view s) {
+  for (std::size_t i = 0; i < s.size();) {
+    const std::size_t n = utf8_sequence_length(s, i);
+    if (n == 0) return false;
+    i += n;
+  }
+  return true;
+}
+
+LAZYTENSOR_INLINE void append_json_string(std::string& out, std::string_view s) {
+  static constexpr char hex[] = "0123456789abcdef";
+  out += '"';
+  for (const char ch : s) {
+    const auto c = static_cast<unsigned char>(ch);
+    switch (c) {
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\b':
+        out += "\\b";
+        break;
+      case '\f':
+        out += "\\f";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      default:
+        if (c < 0x20) {
+          out += "\\u00";
+          out += hex[c >> 4];
+          out += hex[c & 0xF];
+        } else {
+          out += ch;
+        }
+    }
+  }
+  out += '"';
+}
+
+LAZYTENSOR_INLINE void JsonCursor::skip_ws() {
+  while (i_ < s_.size() && (s_[i_] == ' ' || s_[i_] == '\t' || s_[i_] == '\n' || s_[i_] == '\r'))
+    ++i_;
+}
+
+LAZYTENSOR_INLINE char JsonCursor::peek() {
+  skip_ws();
+  return at_end() ? '\0' : s_[i_];
+}
+
+LAZYTENSOR_INLINE void JsonCursor::expect(char c) {
+  if (peek() != c) fail(std::string("expected '") + c + "', found " + found());
+  ++i_;
+}
+
+LAZYTENSOR_INLINE bool JsonCursor::accept(char c) {
+  if (peek() != c) return false;
+  ++i_;
+  return true;
+}
+
+LAZYTENSOR_INLINE std::string JsonCursor::string() {
+  if (peek() != '"') fail("expected a string, found " + found());
+  ++i_;
+  std::string out;
+  for (;;) {
+    if (at_end()) fail("unterminated string");
+    const auto c = static_cast<unsigned char>(s_[i_]);
+    if (c == '"') {
+      ++i_;
+      return out;
+    }
+    if (c < 0x20) fail("unescaped control character in a string");
+    if (c == '\\') {
+      escape(out);
+      continue;
+    }
+    const std::size_t n = utf8_sequence_length(s_, i_);
+    if (n == 0) fail("invalid UTF-8 in a string");
+    out.append(s_.substr(i_, n));
+    i_ += n;
+  }
+}
+
+LAZYTENSOR_INLINE std::uint64_t JsonCursor::uint64() {
+  peek();
+  const std::size_t start = i_;
+  if (at_end() || s_[i_] < '0' || s_[i_] > '9')
+    fail("expected a non-negative integer, found " + found());
+  if (s_[i_] == '0' && i_ + 1 < s_.size() && s_[i_ + 1] >= '0' && s_[i_ + 1] <= '9')
+    fail("leading zero in a number");
+  std::uint64_t v = 0;
+  while (i_ < s_.size() && s_[i_] >= '0' && s_[i_] <= '9') {
+    const auto d = static_cast<std::uint64_t>(s_[i_] - '0');
+    if (v > (UINT64_MAX - d) / 10) {
+      i_ = start;
+      fail("integer does not fit in 64 bits");
+    }
+    v = v * 10 + d;
+    ++i_;
+  }
+  if (i_ < s_.size() && (s_[i_] == '.' || s_[i_] == 'e' || s_[i_] == 'E'))
+    fail("expected an integer, found a fraction or exponent");
   return v;
 }
 
-LAZYTENSOR_INLINE std::optional<core::MetricData> metric_data(const std::string& name) {
-  detail::settle();
-  std::optional<core::MetricData> r;
-  core::Registry::get().for_each([&](const std::string& n, const core::Counter*, const core::Metric* m) {
-    if (m && n == name && m->data().count) r = m->data();
-  });
-  return r;
+LAZYTENSOR_INLINE void JsonCursor::fail(const std::string& what) const {
+  throw FormatError(where_ + ": " + what + " at byte " + std::to_string(i_) + " of the header");
 }
 
-LAZYTENSOR_INLINE std::vector<std::string> counter_names() {
-  detail::settle();
-  std::vector<std::string> names;
-  core::Registry::get().for_each([&](const std::string& n, const core::Counter* c, const core::Metric*) {
-    if (c && c->value.load()) names.push_back(n);
-  });
-  return names;
+LAZYTENSOR_INLINE std::string JsonCursor::found() const {
+  if (at_end()) return "the end of the header";
+  std::string q;
+  for (std::size_t k = i_; k < s_.size() && k < i_ + 12; ++k) {
+    const auto c = static_cast<unsigned char>(s_[k]);
+    q += (c >= 0x20 && c < 0x7F) ? static_cast<char>(c) : '?';
+  }
+  return "'" + q + "'";
 }
 
-LAZYTENSOR_INLINE void clear_metrics() {
-  detail::settle();
-  core::Registry::get().reset();
+LAZYTENSOR_INLINE int JsonCursor::hex_value(char c) {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+  return -1;
 }
 
-namespace detail {
-LAZYTENSOR_INLINE std::string fmt_ns(double ns) {
-  std::ostringstream os;
-  os << std::fixed << std::setprecision(3);
-  if (ns >= 1e9) os << ns / 1e9 << "s";
-  else if (ns >= 1e6) os << ns / 1e6 << "ms";
-  else if (ns >= 1e3) os << ns / 1e3 << "us";
-  else os << ns << "ns";
-  return os.str();
-}
-}  // namespace detail
-
-LAZYTENSOR_INLINE std::string metrics_report() {
-  detail::settle();
-  std::ostringstream os;
-  core::Registry::get().for_each([&](const std::string& n, const core::Counter*, const core::Metric* m) {
-    if (!m) return;
-    auto d = m->data();
-    if (!d.count) return;
-    os << "Metric: " << n << "\n  TotalSamples: " << d.count << "\n  Accumulator: " << detail::fmt_ns(d.total_ns)
-       << "\n  Mean: " << detail::fmt_ns(d.total_ns / static_cast<double>(d.count))
-       << "\n  Min: " << detail::fmt_ns(d.min_ns) << "\n  Max: " << detail::fmt_ns(d.max_ns) << "\n";
-  });
-  core::Registry::get().for_each([&](const std::string& n, const core::Counter* c, const core::Metric*) {
-    if (c && c->value.load()) os << "Counter: " << n << "\n  Value: " << c->value.load() << "\n";
-  });
-  auto ps = graph::current_device().pool().stats();
-  os << "Counter: BytesAllocated\n  Value: " << ps.fresh_bytes << "\n";
-  os << "Counter: FreshAllocations\n  Value: " << ps.fresh_allocations << "\n";
-  os << "Counter: PoolReuses\n  Value: " << ps.reuses << "\n";
-  return os.str();
+LAZYTENSOR_INLINE std::uint32_t JsonCursor::hex4() {
+  if (i_ + 4 > s_.size()) fail("truncated \\u escape");
+  std::uint32_t v = 0;
+  for (int k = 0; k < 4; ++k) {
+    const int h = hex_value(s_[i_ + static_cast<std::size_t>(k)]);
+    if (h < 0) fail("invalid hex digit in a \\u escape");
+    v = v * 16 + static_cast<std::uint32_t>(h);
+  }
+  i_ += 4;
+  return v;
 }
 
-LAZYTENSOR_INLINE std::string short_metrics_report() {
-  std::ostringstream os;
-  auto exec = metric_data("ExecuteTime");
-  os << "MarkStep=" << counter_value("MarkStep") << " ImplicitSync=" << counter_value("ImplicitSync")
-     << " KernelsRun=" << counter_value("KernelsRun")
-     << " ExecuteTime=" << detail::fmt_ns(exec ? exec->total_ns : 0)
-     << " BytesAllocated=" << graph::current_device().pool().stats().fresh_bytes;
-  return os.str();
+LAZYTENSOR_INLINE void JsonCursor::append_utf8(std::string& out, std::uint32_t cp) {
+  if (cp < 0x80) {
+    out += static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    out += static_cast<char>(0xC0 | (cp >> 6));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else if (cp < 0x10000) {
+    out += static_cast<char>(0xE0 | (cp >> 12));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else {
+    out += static_cast<char>(0xF0 | (cp >> 18));
+    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+}
+
+LAZYTENSOR_INLINE void JsonCursor::escape(std::string& out) {
+  ++i_;  // the backslash
+  if (at_end()) fail("truncated escape");
+  const char e = s_[i_++];
+  switch (e) {
+    case '"':
+      out += '"';
+      return;
+    case '\\':
+      out += '\\';
+      return;
+    case '/':
+      out += '/';
+      return;
+    case 'b':
+      out += '\b';
+      return;
+    case 'f':
+      out += '\f';
+      return;
+    case 'n':
+      out += '\n';
+      return;
+    case 'r':
+      out += '\r';
+      return;
+    case 't':
+      out += '\t';
+      return;
+    case 'u':
+      break;
+    default:
+      --i_;
+      fail("invalid escape");
+  }
+  std::uint32_t cp = hex4();
+  if (cp >= 0xDC00 && cp <= 0xDFFF) fail("unpaired low surrogate in a \\u escape");
+  if (cp >= 0xD800 && cp <= 0xDBFF) {
+    if (i_ + 2 > s_.size() || s_[i_] != '\\' || s_[i_ + 1] != 'u')
+      fail("unpaired high surrogate in a \\u escape");
+    i_ += 2;
+    const std::uint32_t lo = hex4();
+    if (lo < 0xDC00 || lo > 0xDFFF) fail("unpaired high surrogate in a \\u escape");
+    cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+  }
+  append_utf8(out, cp);
 }
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
-}  // namespace lazy::debug
-// ---- end lazytensor/debug/metrics.hpp ----
-// ---- begin lazytensor/ops/matmul.hpp ----
-// matmul, linear, bmm, and the GEMM's derivative rule, over GemmNode (graph/matmul_node.hpp):
-// the packed GEMM kernel (graph/gemm_kernel.hpp) for float and double products of at least a
-// register tile, Eigen GEMM on maps of the buffers otherwise. Transposes are layouts (a
-// pending transpose of the last two dims is read through, never copied), and a GEMM that
-// feeds only an element-wise expression runs in row blocks with that expression applied to
-// each block while it is in cache (see ElementwiseNode::fuse_producers).
+}  // namespace lazy::io::detail
+// ---- end lazytensor/io/json.hpp ----
+// ---- begin lazytensor/io/shard_index.hpp ----
+// The index of a state dict saved in shards (io::save with SaveOptions::shard_files): a
+// JSON file naming the shard files beside it (ordinary safetensors files, one per device)
+// and, for every tensor, its dtype, shape, sharding and the block each file holds, e.g.
+//
+//   {"format": "lazytensor.sharded_state_dict", "version": 1,
+//    "files": ["model.shard-0-of-2.safetensors", "model.shard-1-of-2.safetensors"],
+//    "metadata": {"epoch": "3"},
+//    "tensors": [{"name": "w", "dtype": "float32", "shape": [8, 4],
+//                 "sharding": "{devices=[2,1]0,1}",
+//                 "blocks": [{"file": 0, "index": [[0, 4], [0, 4]]},
+//                            {"file": 1, "index": [[4, 8], [0, 4]]}]}]}
+//
+// A shard file holds each tensor's block under the tensor's name, so any safetensors reader
+// can read one. Shard file names carry a token of the save that wrote them, so a save that
+// dies half-way never leaves the previous index naming a mix of two saves' files. io::load
+// recognizes an index by its first 8 bytes and assembles whole tensors, reading one shard
+// file at a time; mark_sharding then puts them in any sharding.
 
-#include <algorithm>
+#include <cstddef>
 #include <cstdint>
-#include <memory>
+#include <map>
+#include <set>
 #include <string>
-#include <type_traits>
+#include <string_view>
 #include <utility>
 #include <vector>
 
-// ---- begin lazytensor/core/autocast.hpp ----
-// Mixed precision as torch.autocast: while an AutocastGuard is alive on a thread, the
-// products of float tensors (matmul, linear, bmm, conv2d) run in bfloat16: their operands
-// are rounded to bfloat16, the products accumulate in float, and the result is rounded to
-// bfloat16 (and held in a float tensor, so the program's types do not change). Everything
-// else keeps its inputs' dtype. Thread-local, as torch's: every replica thread sets its own.
-
-
-namespace lazy {
-
-namespace detail {
-struct AutocastState {
-  bool enabled = false;
-  DType dtype = DType::BFloat16;
-};
-inline AutocastState& autocast_state() {
-  thread_local AutocastState state;
-  return state;
-}
-}  // namespace detail
-
-/// True while an enabled AutocastGuard is alive on this thread.
-inline bool is_autocast_enabled() { return detail::autocast_state().enabled; }
-/// The dtype products run in under autocast (bfloat16).
-inline DType get_autocast_dtype() { return detail::autocast_state().dtype; }
-
-/// Turns autocast on (or, with `enabled` false, off) for this thread until destroyed;
-/// guards nest. DTypeError for a dtype other than bfloat16 (the one lower precision CPUs
-/// run products in).
-class AutocastGuard {
- public:
-  explicit AutocastGuard(bool enabled = true, DType dtype = DType::BFloat16) : saved_(detail::autocast_state()) {
-    if (dtype != DType::BFloat16) {
-      throw DTypeError("AutocastGuard: expected dtype bfloat16, got " + dtype_name(dtype));
-    }
-    detail::autocast_state() = {enabled, dtype};
-  }
-  ~AutocastGuard() { detail::autocast_state() = saved_; }
-  AutocastGuard(const AutocastGuard&) = delete;
-  AutocastGuard& operator=(const AutocastGuard&) = delete;
-
- private:
-  detail::AutocastState saved_;
-};
-
-}  // namespace lazy
-// ---- end lazytensor/core/autocast.hpp ----
-// ---- begin lazytensor/graph/matmul_node.hpp ----
-// GemmNode, the node behind matmul, linear and bmm: a batch of row-major products, on the
-// packed kernel (graph/gemm_kernel.hpp) for float and double products of at least a register
-// tile and on Eigen otherwise, produced in row blocks so that an element-wise consumer can
-// run on each block while it is in cache (RowProducer, ElementwiseNode::fuse_producers).
+// ---- begin lazytensor/graph/byte_copy.hpp ----
+// The byte-copy helpers of the copy nodes (graph/shape_nodes.hpp): one kernel per element
+// size (1, 2, 4, 8 bytes) serves every dtype and keeps the code small. The element copy is a
+// constant-size memcpy: one load and one store, valid whatever type wrote the buffer.
 
 #include <algorithm>
+#include <array>
+#include <cstddef>
 #include <cstdint>
-#include <memory>
-#include <stdexcept>
-#include <string>
+#include <cstring>
 #include <type_traits>
-#include <utility>
+#include <vector>
 
-// ---- begin lazytensor/graph/eigen_gemm.hpp ----
-// The products that do not run on the packed kernel (integer dtypes, products thinner than a
-// register tile; the convolution's weight gradient), on Eigen's GEMM over maps of the buffers.
-//
-// A function template of its own, declared here and defined only where the runtime is
-// defined: header-only, the headers define it; with the compiled runtime the library
-// instantiates it for the four GEMM dtypes (core/config.hpp), so a user TU neither
-// instantiates it nor parses Eigen.
-
-#include <cstdint>
-
-
-#if LAZYTENSOR_HEADER_DEFINITIONS
-#include <Eigen/Core>
-#endif
 
 namespace lazy::graph::detail {
 
-/// Rows [row, row + rows) of op(A) * op(B) into c (row-major, n columns, already offset to
-/// the first row), with A stored m x k (k x m when `ta`) and B k x n (n x k when `tb`).
-/// T: float, double, int32 or int64.
-template <class T>
-void eigen_gemm_rows(const T* a, const T* b, T* c, bool ta, bool tb, std::int64_t m, std::int64_t k,
-                     std::int64_t n, std::int64_t row, std::int64_t rows);
+/// Copies one element of N bytes (see the file comment for why memcpy).
+template <std::size_t N>
+inline void copy_elem(std::byte* dst, const std::byte* src) {
+  std::memcpy(dst, src, N);
+}
 
-#if LAZYTENSOR_HEADER_DEFINITIONS
-template <class T>
-void eigen_gemm_rows(const T* a, const T* b, T* c, bool ta, bool tb, std::int64_t m, std::int64_t k,
-                     std::int64_t n, std::int64_t row, std::int64_t rows) {
-  using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  using CMap = Eigen::Map<const Mat>;
-  Eigen::Map<Mat> C(c, rows, n);
-  if (k == 0) {
-    C.setZero();
-    return;
+/// Calls f(std::integral_constant<std::size_t, N>{}) for an element size of N bytes, so a
+/// kernel is instantiated once per size instead of once per dtype.
+template <class F>
+void with_elem_size(std::size_t bytes, F&& f) {
+  switch (bytes) {
+    case 1: f(std::integral_constant<std::size_t, 1>{}); break;
+    case 2: f(std::integral_constant<std::size_t, 2>{}); break;
+    case 4: f(std::integral_constant<std::size_t, 4>{}); break;
+    default: f(std::integral_constant<std::size_t, 8>{}); break;
   }
-  auto run = [&](const auto& A) {
-    if (tb) C.noalias() = A * CMap(b, n, k).transpose();
-    else C.noalias() = A * CMap(b, k, n);
-  };
-  if (ta) run(CMap(a, k, m).middleCols(row, rows).transpose());
-  else run(CMap(a, m, k).middleRows(row, rows));
 }
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
-/// D += G * C^T for row-major G [rows x inner], C [cols x inner] (both dense) and D
-/// [rows x cols] with row stride `ldd` (a block of columns of a wider matrix). T: float or
-/// double. The convolution's weight gradient, image by image.
-template <class T>
-void eigen_gemm_add_nt(const T* g, const T* c, T* d, std::int64_t rows, std::int64_t cols, std::int64_t inner,
-                       std::int64_t ldd);
+/// A multi-index over `rank` dims (last fastest) that tracks two linear offsets, `a` and
+/// `b`, with their own strides: typically an input offset and an output offset.
+struct Odometer {
+  int rank = 0;
+  std::array<std::int64_t, kMaxRank> size{}, stride_a{}, stride_b{}, idx{};
+  std::int64_t a = 0, b = 0;
 
-#if LAZYTENSOR_HEADER_DEFINITIONS
-template <class T>
-void eigen_gemm_add_nt(const T* g, const T* c, T* d, std::int64_t rows, std::int64_t cols, std::int64_t inner,
-                       std::int64_t ldd) {
-  using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  using Stride = Eigen::OuterStride<>;
-  Eigen::Map<Mat, 0, Stride> D(d, rows, cols, Stride(ldd));
-  Eigen::Map<const Mat> G(g, rows, inner);
-  Eigen::Map<const Mat> C(c, cols, inner);
-  D.noalias() += G * C.transpose();
+  /// Positions the multi-index at linear position `lin` (row-major over `size`).
+  void seek(std::int64_t lin);
+  /// Advances by one position (carry from the last dim).
+  void next();
+};
+
+/// Fills `segs` equal-length output segments of `len` elements each, segment s copied from
+/// the contiguous input run starting at element `src_off(s)`. The split across threads is
+/// over output elements, not segments, so one huge segment and a million tiny ones both
+/// balance.
+template <std::size_t N, class SrcOff>
+void copy_segments(ThreadPool& pool, std::byte* dst, const std::byte* src, std::int64_t segs, std::int64_t len,
+                   const SrcOff& src_off) {
+  const std::int64_t n = segs * len;
+  if (n == 0) return;
+  const std::int64_t tasks = task_count(pool, n, 1.0);
+  pool.parallel_for(tasks, [&](std::int64_t t) {
+    auto [b, e] = task_range(n, tasks, t);
+    if (len == 1) {  // gathers of single elements: no variable-size memcpy per element
+      for (std::int64_t f = b; f < e; ++f) copy_elem<N>(dst + f * N, src + src_off(f) * N);
+      return;
+    }
+    while (b < e) {
+      const std::int64_t s = b / len, k = b % len, c = std::min(len - k, e - b);
+      std::memcpy(dst + b * N, src + (src_off(s) + k) * N, static_cast<std::size_t>(c) * N);
+      b += c;
+    }
+  });
 }
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+inline const std::byte* bytes_of(const NodePtr& n) { return static_cast<const std::byte*>(n->buffer()->data()); }
+
+/// Copies a box of `box` elements per dimension between two row-major arrays of `esize`-byte
+/// elements: from `src` (shape `src_shape`) starting at `src_at` to `dst` (shape
+/// `dst_shape`) starting at `dst_at`, innermost runs by memcpy.
+void copy_box(const std::byte* src, const Shape& src_shape, const std::vector<std::int64_t>& src_at, std::byte* dst,
+              const Shape& dst_shape, const std::vector<std::int64_t>& dst_at, const std::vector<std::int64_t>& box,
+              std::size_t esize);
 
 }  // namespace lazy::graph::detail
 
-// Instantiated once in the compiled runtime (core/config.hpp).
-#define LAZYTENSOR_EIGEN_GEMM_INSTANCES(P, T)                                                             \
-  P template void lazy::graph::detail::eigen_gemm_rows<T>(const T*, const T*, T*, bool, bool, std::int64_t, \
-                                                          std::int64_t, std::int64_t, std::int64_t, std::int64_t);
-#define LAZYTENSOR_EIGEN_GEMM_ADD_NT_INSTANCES(P, T)                                                        \
-  P template void lazy::graph::detail::eigen_gemm_add_nt<T>(const T*, const T*, T*, std::int64_t, std::int64_t, \
-                                                            std::int64_t, std::int64_t);
-#if LAZYTENSOR_EXPLICIT_INSTANTIATION
-LAZYTENSOR_EIGEN_GEMM_ADD_NT_INSTANCES(extern, float)
-LAZYTENSOR_EIGEN_GEMM_ADD_NT_INSTANCES(extern, double)
-LAZYTENSOR_EIGEN_GEMM_INSTANCES(extern, float)
-LAZYTENSOR_EIGEN_GEMM_INSTANCES(extern, double)
-LAZYTENSOR_EIGEN_GEMM_INSTANCES(extern, std::int32_t)
-LAZYTENSOR_EIGEN_GEMM_INSTANCES(extern, std::int64_t)
-#endif
-// ---- end lazytensor/graph/eigen_gemm.hpp ----
-// ---- begin lazytensor/graph/gemm_kernel.hpp ----
-// The packed GEMM for float and double: the right-hand side is packed once per product
-// into panels two SIMD registers wide and shared by every row block and thread; each row
-// block packs a few rows of the left-hand side at a time and runs a register-tiled
-// micro-kernel over all panels. Eigen's GEMM (the other dtypes, thin products) re-packs
-// the right-hand side on every call and, on the AVX-512 machine we measure, runs at 60-70%
-// of this kernel's rate (docs/architecture.md, "GEMM").
-//
-// Determinism: every output element is one FMA chain over k in order, split at depth
-// blocks fixed by k alone, so the bits depend on the shapes only (not on row blocks,
-// threads or which tile an element falls in).
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::graph::detail {
 
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
-#include <type_traits>
-#include <vector>
-
-#if defined(__AVX__)
-#include <immintrin.h>
-#endif
-
-
-// Full unrolling keeps the accumulator tile in registers at -O2 too; UNROLL_4 unrolls the
-// micro-kernel's depth loop (see there).
-#if defined(__clang__)
-#define LAZYTENSOR_UNROLL _Pragma("unroll")
-#define LAZYTENSOR_UNROLL_4 _Pragma("unroll 4")
-#elif defined(__GNUC__)
-#define LAZYTENSOR_UNROLL _Pragma("GCC unroll 16")
-#define LAZYTENSOR_UNROLL_4 _Pragma("GCC unroll 4")
-#else
-#define LAZYTENSOR_UNROLL
-#define LAZYTENSOR_UNROLL_4
-#endif
-
-namespace lazy::detail {
-
-#if defined(__AVX512F__)
-/// Transposes 16 registers of 16 32-bit lanes in place: lane j of r[i] moves to lane i of
-/// r[j]. Only shuffles, so the lanes move as bits (floats and pairs of bfloat16 alike).
-inline void transpose_16x16_registers(__m512 r[16]) {
-  __m512 t[16];
-  // Pairs of rows interleaved, then pairs of pairs: lane L of r[4i + q] then holds
-  // column 4L + q of rows 4i .. 4i + 3.
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  auto pd = [](__m512 x) { return _mm512_castps_pd(x); };
-  for (int i = 0; i < 4; ++i) {
-    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
-    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
-    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
-    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
-  }
-  // Lane L of the four row groups gathered into output row 4L + q.
-  for (int q = 0; q < 4; ++q) {
-    const __m512 v0 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0x88), w0 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0xDD);
-    const __m512 v1 = _mm512_shuffle_f32x4(r[8 + q], r[12 + q], 0x88),
-                 w1 = _mm512_shuffle_f32x4(r[8 + q], r[12 + q], 0xDD);
-    t[q] = _mm512_shuffle_f32x4(v0, v1, 0x88);
-    t[8 + q] = _mm512_shuffle_f32x4(v0, v1, 0xDD);
-    t[4 + q] = _mm512_shuffle_f32x4(w0, w1, 0x88);
-    t[12 + q] = _mm512_shuffle_f32x4(w0, w1, 0xDD);
-  }
-  for (int i = 0; i < 16; ++i) r[i] = t[i];
-}
-#endif
-
-#if defined(__AVX__)
-/// Transposes 8 registers of 8 floats in place: lane j of r[i] moves to lane i of r[j].
-inline void transpose_8x8_registers(__m256 r[8]) {
-  __m256 t[8];
-  // Interleave pairs of rows, then pairs of pairs: r[c] then holds column c of rows 0-3 in
-  // its low half and column c + 4 in its high half (rows 4-7 in r[c + 4]).
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int h = 0; h < 2; ++h) {
-    r[4 * h + 0] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0x44);
-    r[4 * h + 1] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0xEE);
-    r[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0x44);
-    r[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0xEE);
-  }
-  for (int c = 0; c < 4; ++c) {
-    t[c] = _mm256_permute2f128_ps(r[c], r[4 + c], 0x20);
-    t[c + 4] = _mm256_permute2f128_ps(r[c], r[4 + c], 0x31);
-  }
-  for (int i = 0; i < 8; ++i) r[i] = t[i];
-}
-#endif
-
-#if defined(__AVX512F__)
-/// Transposes 8 registers of 8 doubles in place: lane j of r[i] moves to lane i of r[j].
-inline void transpose_8x8_registers(__m512d r[8]) {
-  __m512d t[8], u[8];
-  // Pairs of rows interleaved: t[2i] holds the even columns of rows 2i, 2i + 1, t[2i + 1]
-  // the odd ones.
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm512_unpacklo_pd(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_pd(r[2 * i], r[2 * i + 1]);
-  }
-  // 128-bit lanes of two row pairs gathered: u[4h + q] holds, for the four rows 4h .. 4h + 3,
-  // columns q' and q' + 4 (q' = 0, 2, 1, 3 for q = 0, 1, 2, 3).
-  for (int h = 0; h < 2; ++h) {
-    u[4 * h + 0] = _mm512_shuffle_f64x2(t[4 * h], t[4 * h + 2], 0x88);
-    u[4 * h + 1] = _mm512_shuffle_f64x2(t[4 * h], t[4 * h + 2], 0xDD);
-    u[4 * h + 2] = _mm512_shuffle_f64x2(t[4 * h + 1], t[4 * h + 3], 0x88);
-    u[4 * h + 3] = _mm512_shuffle_f64x2(t[4 * h + 1], t[4 * h + 3], 0xDD);
-  }
-  constexpr int column[4] = {0, 2, 1, 3};
-  for (int q = 0; q < 4; ++q) {
-    r[column[q]] = _mm512_shuffle_f64x2(u[q], u[4 + q], 0x88);
-    r[column[q] + 4] = _mm512_shuffle_f64x2(u[q], u[4 + q], 0xDD);
+LAZYTENSOR_INLINE void Odometer::seek(std::int64_t lin) {
+  a = b = 0;
+  for (int d = rank - 1; d >= 0; --d) {
+    idx[d] = lin % size[d];
+    lin /= size[d];
+    a += idx[d] * stride_a[d];
+    b += idx[d] * stride_b[d];
   }
 }
-#endif
 
-#if defined(__AVX__)
-/// Transposes 4 registers of 4 doubles in place: lane j of r[i] moves to lane i of r[j].
-inline void transpose_4x4_registers(__m256d r[4]) {
-  const __m256d t0 = _mm256_unpacklo_pd(r[0], r[1]), t1 = _mm256_unpackhi_pd(r[0], r[1]);
-  const __m256d t2 = _mm256_unpacklo_pd(r[2], r[3]), t3 = _mm256_unpackhi_pd(r[2], r[3]);
-  r[0] = _mm256_permute2f128_pd(t0, t2, 0x20);
-  r[1] = _mm256_permute2f128_pd(t1, t3, 0x20);
-  r[2] = _mm256_permute2f128_pd(t0, t2, 0x31);
-  r[3] = _mm256_permute2f128_pd(t1, t3, 0x31);
-}
-#endif
-
-/// Packed GEMM kernel for T = float or double (see the file comment).
-template <class T>
-struct PackedGemm {
-  using batch = xsimd::batch<T>;
-  static constexpr int kLanes = static_cast<int>(batch::size);
-  /// Rows of the register tile: 8 x 2 accumulators need the 32 registers of AVX-512;
-  /// 16-register instruction sets (SSE2, AVX2) take 6 x 2: twelve accumulators, two B
-  /// registers and one broadcast (BLIS's Haswell/Zen shape), eight FMAs per three loads
-  /// and broadcasts where 4 x 2 had eight per six.
-  static constexpr int kTileRows = XSIMD_WITH_AVX512F ? 8 : 6;
-  /// Columns of the register tile (and of a packed panel): two registers.
-  static constexpr int kTileCols = 2 * kLanes;
-
-  /// True when the shapes suit the kernel: narrower or shorter products waste most of a
-  /// tile on padding and go to Eigen (a decision made from the shapes alone).
-  static bool suits(std::int64_t rows, std::int64_t n) { return n >= kLanes && rows >= kTileRows; }
-
-  /// Depth of one pass over k: the deepest that keeps a packed panel of op(B) (kb rows of
-  /// kTileCols values) within 16 KiB, half of a 32 KiB L1, so it stays there while the
-  /// tiles of A stream past it: 128 on AVX-512, 256 on AVX2, 512 on SSE2, for floats and
-  /// doubles alike (a panel at k = 256 that filled L1 was evicted by every tile; see
-  /// docs/architecture.md, "GEMM"). The bound of 4 KiB per packed row of A never binds
-  /// first. Split evenly (784 on AVX-512: seven passes of 112, not six of 128 and one of 16)
-  /// and even (the bfloat16 kernel halves it into pairs). Where k is split does not change
-  /// the bits: partial sums go through memory exactly.
-  static std::int64_t depth_block(std::int64_t k) {
-    constexpr std::int64_t panel = (16 * 1024) / (kTileCols * std::int64_t(sizeof(T)));
-    constexpr std::int64_t limit = std::min<std::int64_t>(panel, 4096 / std::int64_t(sizeof(T)));
-    if (k <= limit) return k;
-    const std::int64_t blocks = (k + limit - 1) / limit, kc = (k + blocks - 1) / blocks;
-    return kc + (kc & 1);
+LAZYTENSOR_INLINE void Odometer::next() {
+  for (int d = rank - 1; d >= 0; --d) {
+    ++idx[d];
+    a += stride_a[d];
+    b += stride_b[d];
+    if (idx[d] < size[d]) return;
+    a -= stride_a[d] * size[d];
+    b -= stride_b[d] * size[d];
+    idx[d] = 0;
   }
-
-  /// Panels of kTileCols columns covering n columns.
-  static std::int64_t panels(std::int64_t n) { return (n + kTileCols - 1) / kTileCols; }
-
-  /// Elements of op(B) packed (k x n, columns padded to whole panels).
-  static std::int64_t packed_size(std::int64_t k, std::int64_t n) {
-    return k * panels(n) * kTileCols;
-  }
-
-  /// Packs panels [p0, p1) of op(B) (k x n; stored k x n, or n x k when `transposed`) into
-  /// `out` (packed_size elements, aligned): panel p holds columns [p*kTileCols, ...) as k
-  /// rows of kTileCols contiguous values, zero past n.
-  static void pack_b(const T* b, bool transposed, std::int64_t k, std::int64_t n, T* out,
-                     std::int64_t p0, std::int64_t p1) {
-    if (!transposed) {
-      // Row by row of B across the range's panels, so each source row is read once, front
-      // to back. Panel by panel, every 128-byte read jumps a whole row ahead, which the
-      // prefetcher follows poorly (256 x 784 from memory: 75 us against 46 us).
-      const std::int64_t full = std::min(p1, n / kTileCols);  // panels without padding
-      for (std::int64_t kk = 0; kk < k; ++kk) {
-        const T* src = b + kk * n;
-        for (std::int64_t p = p0; p < full; ++p) {
-          T* row = out + (p * k + kk) * kTileCols;
-          batch::load_unaligned(src + p * kTileCols).store_aligned(row);
-          batch::load_unaligned(src + p * kTileCols + kLanes).store_aligned(row + kLanes);
-        }
-        for (std::int64_t p = std::max(p0, full); p < p1; ++p) {
-          const std::int64_t cols = std::min<std::int64_t>(kTileCols, n - p * kTileCols);
-          T* row = out + (p * k + kk) * kTileCols;
-          for (std::int64_t j = 0; j < kTileCols; ++j)
-            row[j] = j < cols ? src[p * kTileCols + j] : T(0);
-        }
-      }
-      return;
-    }
-    for (std::int64_t p = p0; p < p1; ++p) {
-      const std::int64_t j0 = p * kTileCols, cols = std::min<std::int64_t>(kTileCols, n - j0);
-      T* dst = out + p * k * kTileCols;
-      // Stored [n, k]: 16 k-values of each column at a time, so each source line is read
-      // once while the destination rows are still in cache (16 x 16 register transposes
-      // where available).
-      for (std::int64_t k0 = 0; k0 < k; k0 += 16) {
-        const std::int64_t k1 = std::min<std::int64_t>(k, k0 + 16);
-        if (transpose_16x16(b + j0 * k + k0, k, dst + k0 * kTileCols, cols, k1 - k0)) continue;
-        if (transpose_narrow_panel(b + j0 * k + k0, k, dst + k0 * kTileCols, cols, k1 - k0)) continue;
-        for (std::int64_t j = 0; j < kTileCols; ++j) {
-          if (j < cols) {
-            const T* src = b + (j0 + j) * k;
-            for (std::int64_t kk = k0; kk < k1; ++kk) dst[kk * kTileCols + j] = src[kk];
-          } else {
-            for (std::int64_t kk = k0; kk < k1; ++kk) dst[kk * kTileCols + j] = T(0);
-          }
-        }
-      }
-    }
-  }
-
-  /// Rows [r0, r0 + rows) of op(A) * op(B) into c (row-major, n columns, already offset
-  /// to row r0). op(A) is m x k, stored m x k or, when `a_transposed`, k x m. `packed_b`
-  /// comes from pack_b.
-  static void multiply(const T* a, bool a_transposed, std::int64_t m, std::int64_t k,
-                       std::int64_t n, const T* packed_b, T* c, std::int64_t r0,
-                       std::int64_t rows) {
-    const std::int64_t kc = depth_block(k), np = panels(n);
-    const std::int64_t tiles = (rows + kTileRows - 1) / kTileRows;
-    alignas(64) T tile[kTileRows * kTileCols] = {};
-    thread_local std::vector<T, xsimd::aligned_allocator<T, 64>> packed_a;
-    if (static_cast<std::int64_t>(packed_a.size()) < tiles * kTileRows * kc)
-      packed_a.resize(tiles * kTileRows * kc);
-    for (std::int64_t k0 = 0; k0 < k; k0 += kc) {
-      const std::int64_t kb = std::min(kc, k - k0);
-      const bool accumulate = k0 > 0;
-      // All rows of the block packed first; then each panel of op(B) (kb x 2 registers) is
-      // loaded into L1 once and used by every tile of rows, instead of all of op(B) once
-      // per tile.
-      for (std::int64_t t = 0; t < tiles; ++t)
-        pack_a(a, a_transposed, m, k, r0 + t * kTileRows,
-               std::min<std::int64_t>(kTileRows, rows - t * kTileRows), k0, kb,
-               packed_a.data() + t * kTileRows * kb);
-      for (std::int64_t p = 0; p < np; ++p) {
-        const std::int64_t j0 = p * kTileCols, tc = std::min<std::int64_t>(kTileCols, n - j0);
-        const T* bp = packed_b + p * k * kTileCols + k0 * kTileCols;
-        for (std::int64_t t = 0; t < tiles; ++t) {
-          const std::int64_t i0 = t * kTileRows, tr = std::min<std::int64_t>(kTileRows, rows - i0);
-          const T* ap = packed_a.data() + t * kTileRows * kb;
-          T* cp = c + i0 * n + j0;
-          if (tr == kTileRows && tc == kTileCols) {
-            micro(ap, bp, kb, cp, n, accumulate);
-            continue;
-          }
-          // An edge tile runs the same arithmetic on a full tile in registers' image.
-          if (accumulate)
-            for (std::int64_t i = 0; i < tr; ++i) std::copy_n(cp + i * n, tc, tile + i * kTileCols);
-          micro(ap, bp, kb, tile, kTileCols, accumulate);
-          for (std::int64_t i = 0; i < tr; ++i) std::copy_n(tile + i * kTileCols, tc, cp + i * n);
-        }
-      }
-    }
-  }
-
- private:
-  // dst[kk * kTileCols + j] = src[j * ld + kk] for a whole panel (cols == kTileCols = 32)
-  // and 16 k-values, with AVX-512 float registers; false (nothing written) otherwise.
-  static bool transpose_16x16([[maybe_unused]] const T* src, [[maybe_unused]] std::int64_t ld,
-                              [[maybe_unused]] T* dst, std::int64_t cols, std::int64_t depth) {
-#if defined(__AVX512F__)
-    if constexpr (std::is_same_v<T, float> && kTileCols == 32) {
-      if (cols != kTileCols || depth != 16) return false;
-      for (int half = 0; half < 2; ++half) {
-        __m512 r[16];
-        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + (half * 16 + i) * ld);
-        transpose_16x16_registers(r);
-        for (int i = 0; i < 16; ++i) _mm512_store_ps(dst + i * kTileCols + half * 16, r[i]);
-      }
-      return true;
-    }
-#endif
-    (void)cols;
-    (void)depth;
-    return false;
-  }
-
-  // The same for a whole panel two registers of W values wide (16 floats on AVX2, 16
-  // doubles on AVX-512, 8 on AVX) and a depth that is a multiple of W, through W x W
-  // register transposes; false (nothing written) otherwise.
-  static bool transpose_narrow_panel([[maybe_unused]] const T* src, [[maybe_unused]] std::int64_t ld,
-                                     [[maybe_unused]] T* dst, [[maybe_unused]] std::int64_t cols,
-                                     [[maybe_unused]] std::int64_t depth) {
-#if defined(__AVX512F__)
-    if constexpr (std::is_same_v<T, double> && kTileCols == 16)
-      return transpose_panel<8>(src, ld, dst, cols, depth, [](const double* p) { return _mm512_loadu_pd(p); },
-                                [](__m512d* r) { transpose_8x8_registers(r); },
-                                [](double* p, __m512d v) { _mm512_store_pd(p, v); });
-#endif
-#if defined(__AVX__)
-    // (Not an #elif of the branch above: an unoptimized GCC build hides AVX-512 from xsimd,
-    // see core/simd.hpp, so an AVX-512 machine may run 8-wide double panels.)
-    if constexpr (std::is_same_v<T, float> && kTileCols == 16)
-      return transpose_panel<8>(src, ld, dst, cols, depth, [](const float* p) { return _mm256_loadu_ps(p); },
-                                [](__m256* r) { transpose_8x8_registers(r); },
-                                [](float* p, __m256 v) { _mm256_store_ps(p, v); });
-    if constexpr (std::is_same_v<T, double> && kTileCols == 8)
-      return transpose_panel<4>(src, ld, dst, cols, depth, [](const double* p) { return _mm256_loadu_pd(p); },
-                                [](__m256d* r) { transpose_4x4_registers(r); },
-                                [](double* p, __m256d v) { _mm256_store_pd(p, v); });
-#endif
-    return false;
-  }
-
-  // The loop of transpose_narrow_panel: W x W blocks, `load` reading W values into a
-  // register, `transpose` transposing W registers, `store` writing one to aligned memory.
-  template <int W, class Load, class Transpose, class Store>
-  static bool transpose_panel(const T* src, std::int64_t ld, T* dst, std::int64_t cols, std::int64_t depth, Load load,
-                              Transpose transpose, Store store) {
-    static_assert(kTileCols == 2 * W);
-    if (cols != kTileCols || depth % W != 0) return false;
-    for (std::int64_t d = 0; d < depth; d += W)
-      for (int half = 0; half < 2; ++half) {
-        decltype(load(src)) r[W];
-        for (int i = 0; i < W; ++i) r[i] = load(src + (half * W + i) * ld + d);
-        transpose(r);
-        for (int i = 0; i < W; ++i) store(dst + (d + i) * kTileCols + half * W, r[i]);
-      }
-    return true;
-  }
-
-  // out[kk * 8 + i] = src[i * ld + kk] for 8 rows and the first multiple of 8 of `depth`
-  // k-values, by 8 x 8 register transposes where float AVX registers exist (the tile of
-  // AVX-512 has 8 rows). Returns how many k-values it packed (0: none). (The same for
-  // doubles and for AVX2's 6-row tile was measured: no change, the gather is bound by
-  // reading A, not by its instructions.)
-  static std::int64_t transpose_rows_8([[maybe_unused]] const T* src,
-                                       [[maybe_unused]] std::int64_t ld,
-                                       [[maybe_unused]] std::int64_t depth,
-                                       [[maybe_unused]] T* out) {
-#if defined(__AVX512F__)
-    if constexpr (std::is_same_v<T, float> && kTileRows == 8) {
-      const std::int64_t whole = depth / 8 * 8;
-      for (std::int64_t kk = 0; kk < whole; kk += 8) {
-        __m256 r[8];
-        for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ld + kk);
-        transpose_8x8_registers(r);
-        for (int c = 0; c < 8; ++c) _mm256_store_ps(out + (kk + c) * 8, r[c]);
-      }
-      return whole;
-    }
-#endif
-    return 0;
-  }
-
-  // Rows [row, row + tr) and depth [k0, k0 + kb) of op(A), k-major in tiles of kTileRows
-  // (zero past tr).
-  static void pack_a(const T* a, bool transposed, std::int64_t m, std::int64_t k, std::int64_t row,
-                     std::int64_t tr, std::int64_t k0, std::int64_t kb, T* out) {
-    if (transposed) {
-      for (std::int64_t kk = 0; kk < kb; ++kk) {
-        const T* src = a + (k0 + kk) * m + row;
-        T* dst = out + kk * kTileRows;
-        // A fixed-length copy: one vector move, not a library call (an element loop
-        // compiles to kTileRows scalar moves, src and dst may alias as far as GCC knows).
-        if (tr == kTileRows) {
-          std::memcpy(dst, src, sizeof(T) * kTileRows);
-        } else {
-          for (int i = 0; i < kTileRows; ++i) dst[i] = i < tr ? src[i] : T(0);
-        }
-      }
-      return;
-    }
-    std::int64_t done = 0;
-    if (tr == kTileRows) done = transpose_rows_8(a + row * k + k0, k, kb, out);
-    for (std::int64_t i = 0; i < kTileRows; ++i) {
-      if (i < tr) {
-        const T* src = a + (row + i) * k + k0;
-        for (std::int64_t kk = done; kk < kb; ++kk) out[kk * kTileRows + i] = src[kk];
-      } else {
-        for (std::int64_t kk = 0; kk < kb; ++kk) out[kk * kTileRows + i] = T(0);
-      }
-    }
-  }
-
-  // One kTileRows x kTileCols tile: c (row stride ldc) = [c +] ap * bp over kb.
-  static void micro(const T* __restrict ap, const T* __restrict bp, std::int64_t kb, T* c,
-                    std::int64_t ldc, bool accumulate) {
-    batch acc[kTileRows][2];
-    LAZYTENSOR_UNROLL
-    for (int i = 0; i < kTileRows; ++i) {
-      if (accumulate) {
-        acc[i][0] = batch::load_unaligned(c + i * ldc);
-        acc[i][1] = batch::load_unaligned(c + i * ldc + kLanes);
-      } else {
-        acc[i][0] = batch(T(0));
-        acc[i][1] = batch(T(0));
-      }
-    }
-    // Unrolled by 4 (measured: 14-15% faster in double, 2-5% in float, on a Cascade Lake,
-    // AVX-512 and AVX2 builds; 2 and 8 were no better). A step issues ~23 (6 x 2 tile) or
-    // ~29 (8 x 2) uops, three of them the loop's own counter, pointer and branch, against 6
-    // or 8 cycles of FMAs at 4 uops per cycle: little slack, which the unrolling restores
-    // (our reading; this machine's counters are not visible to measure it).
-    LAZYTENSOR_UNROLL_4
-    for (std::int64_t kk = 0; kk < kb; ++kk) {
-      const batch b0 = batch::load_aligned(bp + kk * kTileCols);
-      const batch b1 = batch::load_aligned(bp + kk * kTileCols + kLanes);
-      LAZYTENSOR_UNROLL
-      for (int i = 0; i < kTileRows; ++i) {
-        const batch av(ap[kk * kTileRows + i]);
-        acc[i][0] = xsimd::fma(av, b0, acc[i][0]);
-        acc[i][1] = xsimd::fma(av, b1, acc[i][1]);
-      }
-    }
-    LAZYTENSOR_UNROLL
-    for (int i = 0; i < kTileRows; ++i) {
-      acc[i][0].store_unaligned(c + i * ldc);
-      acc[i][1].store_unaligned(c + i * ldc + kLanes);
-    }
-  }
-};
-
-}  // namespace lazy::detail
-
-#undef LAZYTENSOR_UNROLL
-#undef LAZYTENSOR_UNROLL_4
-// ---- end lazytensor/graph/gemm_kernel.hpp ----
-// ---- begin lazytensor/graph/gemm_kernel_bf16.hpp ----
-// The bfloat16 GEMM behind autocast (and the products of bfloat16 tensors): each operand is
-// rounded to bfloat16 (nearest even) while it is packed, the products accumulate in float,
-// and each result is rounded to bfloat16 and held in float. One arithmetic, two paths,
-// chosen from the user's flags and, where both are built, the core:
-//
-//  - native, where AVX512-BF16 is enabled and the core issues vdpbf16ps at the FMA's rate
-//    (see native_bf16_gemm): the operands are packed as pairs of bfloat16 along k (a 32-bit
-//    word per pair) and vdpbf16ps adds two products per float lane, twice the float
-//    kernel's products per instruction;
-//  - emulated, everywhere else: the rounded operands stay in float and go through the float
-//    kernel (graph/gemm_kernel.hpp) with the two k-values of each pair swapped, so its FMA
-//    chain adds the products in vdpbf16ps's order (the odd k of a pair, then the even) and
-//    runs at the float rate.
-//
-// A product of two bfloat16 values is exact in float, so both paths add the same exact
-// products in the same order, one rounding each: they agree to the bit for normal values
-// (vdpbf16ps flushes denormal inputs and results to zero, including the float partial sums
-// it reloads between passes over k; the emulation keeps them).
-// The pair layout with vdpbf16ps's semantics spelled out in plain AVX-512 (SoftBf16) runs on
-// any AVX-512 machine, so the native path's packing and tiling are tested where the
-// instruction is missing.
-
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
-#include <vector>
-
-
-namespace lazy::detail {
-
-/// x rounded to bfloat16 (nearest even; a NaN stays a quiet NaN, as lazy::bfloat16) and
-/// widened back to float, lane by lane.
-template <class A>
-xsimd::batch<float, A> round_to_bf16(const xsimd::batch<float, A>& x) {
-  using U = xsimd::batch<std::uint32_t, A>;
-  const U u = xsimd::bitwise_cast<U>(x);
-  const U nearest = (u + U(0x7fffu) + ((u >> 16) & U(1u))) & U(0xffff0000u);
-  const U quiet = (u | U(0x00400000u)) & U(0xffff0000u);
-  return xsimd::select(xsimd::isnan(x), xsimd::bitwise_cast<xsimd::batch<float, A>>(quiet),
-                       xsimd::bitwise_cast<xsimd::batch<float, A>>(nearest));
 }
 
-/// Rounds n floats to bfloat16 (held in float): dst may be src.
-inline void round_to_bf16(const float* src, float* dst, std::int64_t n) {
-  using batch = xsimd::batch<float>;
-  constexpr std::int64_t L = batch::size;
-  std::int64_t i = 0;
-  for (; i + L <= n; i += L) round_to_bf16(batch::load_unaligned(src + i)).store_unaligned(dst + i);
-  for (; i < n; ++i) dst[i] = static_cast<float>(bfloat16(src[i]));
+LAZYTENSOR_INLINE void copy_box(const std::byte* src, const Shape& src_shape, const std::vector<std::int64_t>& src_at,
+                                        std::byte* dst, const Shape& dst_shape, const std::vector<std::int64_t>& dst_at,
+                                        const std::vector<std::int64_t>& box, std::size_t esize) {
+  const int rank = src_shape.rank();
+  for (auto b : box)
+    if (b == 0) return;
+  if (rank == 0) {
+    std::memcpy(dst, src, esize);
+    return;
+  }
+  // Row-major strides in elements.
+  std::vector<std::int64_t> ss(static_cast<std::size_t>(rank), 1), ds(static_cast<std::size_t>(rank), 1);
+  for (int d = rank - 1; d-- > 0;) {
+    ss[static_cast<std::size_t>(d)] = ss[static_cast<std::size_t>(d) + 1] * src_shape[d + 1];
+    ds[static_cast<std::size_t>(d)] = ds[static_cast<std::size_t>(d) + 1] * dst_shape[d + 1];
+  }
+  const std::size_t run = static_cast<std::size_t>(box.back()) * esize;
+  std::vector<std::int64_t> c(static_cast<std::size_t>(rank), 0);  // the last entry stays 0
+  for (;;) {
+    std::int64_t so = 0, d_o = 0;
+    for (int d = 0; d < rank; ++d) {
+      so += (src_at[static_cast<std::size_t>(d)] + c[static_cast<std::size_t>(d)]) * ss[static_cast<std::size_t>(d)];
+      d_o += (dst_at[static_cast<std::size_t>(d)] + c[static_cast<std::size_t>(d)]) * ds[static_cast<std::size_t>(d)];
+    }
+    std::memcpy(dst + static_cast<std::size_t>(d_o) * esize, src + static_cast<std::size_t>(so) * esize, run);
+    int d = rank - 2;
+    for (; d >= 0; --d) {
+      if (++c[static_cast<std::size_t>(d)] < box[static_cast<std::size_t>(d)]) break;
+      c[static_cast<std::size_t>(d)] = 0;
+    }
+    if (d < 0) return;
+  }
 }
 
-/// The emulated path: rounded operands, pairs of k swapped, the float kernel.
-struct EmulatedBf16Gemm {
-  using Float = PackedGemm<float>;
-  static constexpr bool kNative = false;
+}  // namespace lazy::graph::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/graph/byte_copy.hpp ----
 
-  /// Depth with the last pair completed by a zero.
-  static std::int64_t even(std::int64_t k) { return k + (k & 1); }
-  static std::int64_t panels(std::int64_t n) { return Float::panels(n); }
-  /// Bytes of op(B) packed.
-  static std::int64_t packed_bytes(std::int64_t k, std::int64_t n) {
-    return Float::packed_size(even(k), n) * std::int64_t(sizeof(float));
-  }
+namespace lazy::io::detail {
 
-  /// Packs panels [p0, p1) of op(B) (k x n; stored n x k when `transposed`) into `out`.
-  /// One panel at a time through a scratch of k x one panel (not a copy of B per thread).
-  static void pack_b(const float* b, bool transposed, std::int64_t k, std::int64_t n, void* out, std::int64_t p0,
-                     std::int64_t p1) {
-    const std::int64_t ke = even(k);
-    thread_local Scratch scratch;
-    float* s = scratch.get(ke * Float::kTileCols);
-    for (std::int64_t p = p0; p < p1; ++p) {
-      const std::int64_t j0 = p * Float::kTileCols, w = std::min<std::int64_t>(Float::kTileCols, n - j0);
-      if (transposed) {
-        for (std::int64_t j = 0; j < w; ++j) round_swapped(b + (j0 + j) * k, k, s + j * ke);
-      } else {
-        for (std::int64_t kk = 0; kk < ke; ++kk) round_row(kk < k ? b + kk * n + j0 : nullptr, w, s + (kk ^ 1) * w);
-      }
-      Float::pack_b(s, transposed, ke, w, static_cast<float*>(out) + p * ke * Float::kTileCols, 0, 1);
-    }
-  }
+/// The value of "format" in an index.
+inline constexpr std::string_view kShardIndexFormat = "lazytensor.sharded_state_dict";
 
-  /// Rows [r0, r0 + rows) of op(A) * op(B), rounded to bfloat16 when `round`, into c
-  /// (row-major, n columns, offset to row r0). op(A) is m x k, stored k x m when
-  /// `a_transposed`.
-  static void multiply(const float* a, bool a_transposed, std::int64_t m, std::int64_t k, std::int64_t n,
-                       const void* packed_b, float* c, std::int64_t r0, std::int64_t rows, bool round = true) {
-    const std::int64_t ke = even(k);
-    thread_local Scratch scratch;
-    float* s = scratch.get(rows * ke);
-    if (a_transposed) {
-      for (std::int64_t kk = 0; kk < ke; ++kk) round_row(kk < k ? a + kk * m + r0 : nullptr, rows, s + (kk ^ 1) * rows);
-    } else {
-      for (std::int64_t i = 0; i < rows; ++i) round_swapped(a + (r0 + i) * k, k, s + i * ke);
-    }
-    Float::multiply(s, a_transposed, rows, ke, n, static_cast<const float*>(packed_b), c, 0, rows);
-    if (round) round_to_bf16(c, c, rows * n);
-  }
-
- private:
-  struct Scratch {
-    std::vector<float, xsimd::aligned_allocator<float, 64>> v;
-    float* get(std::int64_t n) {
-      if (static_cast<std::int64_t>(v.size()) < n) v.resize(static_cast<std::size_t>(n));
-      return v.data();
-    }
-  };
-
-  // dst[0, w) = src rounded, or zeros when src is null (the pad row).
-  static void round_row(const float* src, std::int64_t w, float* dst) {
-    if (src) {
-      round_to_bf16(src, dst, w);
-    } else {
-      std::fill_n(dst, w, 0.0f);
-    }
-  }
-
-  // A row of k values rounded with each pair swapped: dst[i ^ 1] = round(src[i]), and
-  // dst[k - 1] = 0 when k is odd (the pad before the last value).
-  static void round_swapped(const float* src, std::int64_t k, float* dst) {
-    using batch = xsimd::batch<float>;
-    using U64 = xsimd::batch<std::uint64_t>;
-    constexpr std::int64_t L = batch::size;
-    std::int64_t i = 0;
-    if constexpr (L >= 2) {
-      for (; i + L <= k; i += L) {
-        const U64 x = xsimd::bitwise_cast<U64>(round_to_bf16(batch::load_unaligned(src + i)));
-        xsimd::bitwise_cast<batch>((x << 32) | (x >> 32)).store_unaligned(dst + i);
-      }
-    }
-    if (k & 1) dst[k - 1] = 0.0f;
-    for (; i < k; ++i) dst[i ^ 1] = static_cast<float>(bfloat16(src[i]));
-  }
+/// One block of a tensor: the shard file holding it (a position in ShardIndex::files) and
+/// the [begin, end) range of each dimension.
+struct ShardBlock {
+  std::size_t file = 0;
+  std::vector<std::pair<std::int64_t, std::int64_t>> index;
 };
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
-#if defined(__AVX512BF16__)
-/// vdpbf16ps and vcvtneps2bf16 themselves.
-struct NativeBf16 {
-  /// 16 floats rounded to bfloat16 (nearest even).
-  static __m256i to_bf16(__m512 x) {
-    return (__m256i)_mm512_cvtneps_pbh(x);  // NOLINT: a vector bit cast
-  }
-  /// acc + a.odd * b.odd + a.even * b.even, lane by lane (pairs of bfloat16).
-  static __m512 dot(__m512 acc, __m512i a, __m512i b) {
-    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);  // NOLINT: vector bit casts
-  }
-};
-#endif
-
-/// The same two operations in AVX-512F/BW: the rounding of lazy::bfloat16, and vdpbf16ps as
-/// Intel defines it (the odd products' sum first; products of bfloat16 are exact in float,
-/// so each step is one FMA).
-struct SoftBf16 {
-  static __m256i to_bf16(__m512 x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i nearest = _mm512_add_epi32(
-        u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-    const __m512i quiet = _mm512_or_si512(u, _mm512_set1_epi32(0x00400000));
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_mask_blend_epi32(nan, nearest, quiet), 16));
-  }
-  static __m512 dot(__m512 acc, __m512i a, __m512i b) {
-    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
-    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, high)),
-                          _mm512_castsi512_ps(_mm512_and_si512(b, high)), acc);
-    return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)),
-                           _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), acc);
-  }
+/// A tensor of the index.
+struct ShardedEntry {
+  std::string name;
+  std::string dtype;  ///< dtype_name()
+  std::vector<std::int64_t> shape;
+  std::string sharding;  ///< XLA's text, for people reading the file ("" when whole)
+  std::vector<ShardBlock> blocks;
 };
 
-/// The pair layout on AVX-512: an 8 x 32 register tile (sixteen accumulators); a packed
-/// panel holds, per pair of k, 32 words (k even in the low half, odd in the high half); a
-/// packed tile of A holds, per pair, 8 words. `Isa` is NativeBf16 or SoftBf16.
-template <class Isa>
-struct PairBf16Gemm {
-  static constexpr bool kNative = !std::is_same_v<Isa, SoftBf16>;
-  static constexpr int kTileRows = 8;
-  static constexpr int kTileCols = 32;
-
-  static std::int64_t pairs(std::int64_t k) { return (k + 1) / 2; }
-  static std::int64_t panels(std::int64_t n) { return (n + kTileCols - 1) / kTileCols; }
-  static std::int64_t packed_bytes(std::int64_t k, std::int64_t n) {
-    return pairs(k) * panels(n) * kTileCols * std::int64_t(sizeof(std::uint32_t));
-  }
-  /// Pairs per pass over k (the float kernel's depth blocks, halved).
-  static std::int64_t pair_block(std::int64_t k) { return PackedGemm<float>::depth_block(2 * pairs(k)) / 2; }
-
-  /// Packs panels [p0, p1) of op(B) (k x n; stored n x k when `transposed`) into `out`.
-  static void pack_b(const float* b, bool transposed, std::int64_t k, std::int64_t n, void* out, std::int64_t p0,
-                     std::int64_t p1) {
-    const std::int64_t np = pairs(k);
-    auto* words = static_cast<std::uint32_t*>(out);
-    for (std::int64_t p = p0; p < p1; ++p) {
-      const std::int64_t j0 = p * kTileCols, cols = std::min<std::int64_t>(kTileCols, n - j0);
-      std::uint32_t* dst = words + p * np * kTileCols;
-      if (!transposed) {
-        // Rows 2q and 2q + 1, 16 columns at a time, interleaved into words.
-        for (std::int64_t q = 0; q < np; ++q)
-          for (int h = 0; h < 2; ++h) {
-            const std::int64_t c0 = h * 16, cn = std::clamp<std::int64_t>(cols - c0, 0, 16);
-            const __m256i even = load_row(b, 2 * q, k, n, j0 + c0, cn), odd = load_row(b, 2 * q + 1, k, n, j0 + c0, cn);
-            _mm512_store_si512(dst + q * kTileCols + c0, interleave(even, odd));
-          }
-        continue;
-      }
-      // Stored [n, k]: a column's pairs are already words in its row; 16 columns x 16 pairs
-      // at a time, then a register transpose.
-      for (std::int64_t q0 = 0; q0 < np; q0 += 16) {
-        const std::int64_t qn = std::min<std::int64_t>(16, np - q0);
-        for (int h = 0; h < 2; ++h) {
-          __m512 r[16];
-          for (int j = 0; j < 16; ++j) {
-            const std::int64_t col = h * 16 + j;
-            r[j] = col < cols ? _mm512_castsi512_ps(row_words(b + (j0 + col) * k, 2 * q0, k)) : _mm512_setzero_ps();
-          }
-          transpose_16x16_registers(r);
-          for (std::int64_t q = 0; q < qn; ++q) _mm512_store_ps(dst + (q0 + q) * kTileCols + h * 16, r[q]);
-        }
-      }
-    }
-  }
-
-  /// Rows [r0, r0 + rows) of op(A) * op(B), rounded to bfloat16 when `round`, into c
-  /// (offset to row r0).
-  static void multiply(const float* a, bool a_transposed, std::int64_t m, std::int64_t k, std::int64_t n,
-                       const void* packed_b, float* c, std::int64_t r0, std::int64_t rows, bool round = true) {
-    const std::int64_t np = pairs(k), qc = pair_block(k), npanels = panels(n);
-    const std::int64_t tiles = (rows + kTileRows - 1) / kTileRows;
-    alignas(64) float tile[kTileRows * kTileCols] = {};
-    thread_local std::vector<std::uint32_t, xsimd::aligned_allocator<std::uint32_t, 64>> packed_a;
-    if (static_cast<std::int64_t>(packed_a.size()) < tiles * kTileRows * qc)
-      packed_a.resize(static_cast<std::size_t>(tiles * kTileRows * qc));
-    const auto* words_b = static_cast<const std::uint32_t*>(packed_b);
-    for (std::int64_t q0 = 0; q0 < np; q0 += qc) {
-      const std::int64_t qb = std::min(qc, np - q0);
-      const bool accumulate = q0 > 0, last = round && q0 + qb == np;
-      for (std::int64_t t = 0; t < tiles; ++t)
-        pack_a(a, a_transposed, m, k, r0 + t * kTileRows, std::min<std::int64_t>(kTileRows, rows - t * kTileRows), q0,
-               qb, packed_a.data() + t * kTileRows * qb);
-      for (std::int64_t p = 0; p < npanels; ++p) {
-        const std::int64_t j0 = p * kTileCols, tc = std::min<std::int64_t>(kTileCols, n - j0);
-        const std::uint32_t* bp = words_b + (p * np + q0) * kTileCols;
-        for (std::int64_t t = 0; t < tiles; ++t) {
-          const std::int64_t i0 = t * kTileRows, tr = std::min<std::int64_t>(kTileRows, rows - i0);
-          const std::uint32_t* ap = packed_a.data() + t * kTileRows * qb;
-          float* cp = c + i0 * n + j0;
-          if (tr == kTileRows && tc == kTileCols) {
-            micro(ap, bp, qb, cp, n, accumulate, last);
-            continue;
-          }
-          if (accumulate)
-            for (std::int64_t i = 0; i < tr; ++i) std::copy_n(cp + i * n, tc, tile + i * kTileCols);
-          micro(ap, bp, qb, tile, kTileCols, accumulate, last);
-          for (std::int64_t i = 0; i < tr; ++i) std::copy_n(tile + i * kTileCols, tc, cp + i * n);
-        }
-      }
-    }
-  }
-
- private:
-  // Row kk of a k x n matrix, columns [c0, c0 + cn), rounded (zeros past k or cn).
-  static __m256i load_row(const float* b, std::int64_t kk, std::int64_t k, std::int64_t n, std::int64_t c0,
-                          std::int64_t cn) {
-    if (kk >= k || cn <= 0) return _mm256_setzero_si256();
-    const __mmask16 mask = static_cast<__mmask16>((1u << cn) - 1u);
-    return Isa::to_bf16(_mm512_maskz_loadu_ps(mask, b + kk * n + c0));
-  }
-
-  // Words j of (even, odd): even[j] in the low half, odd[j] in the high half.
-  static __m512i interleave(__m256i even, __m256i odd) {
-    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1);
-    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
-                                           6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    return _mm512_permutexvar_epi16(order, both);
-  }
-
-  // The 16 words of a contiguous row from k-value k0 (32 values; zeros past k).
-  static __m512i row_words(const float* row, std::int64_t k0, std::int64_t k) {
-    const std::int64_t left = std::clamp<std::int64_t>(k - k0, 0, 32);
-    const __mmask16 lo = static_cast<__mmask16>(left >= 16 ? 0xffffu : (1u << left) - 1u);
-    const __mmask16 hi = static_cast<__mmask16>(left >= 32 ? 0xffffu : left > 16 ? (1u << (left - 16)) - 1u : 0u);
-    const __m256i x0 = Isa::to_bf16(_mm512_maskz_loadu_ps(lo, row + k0));
-    const __m256i x1 = Isa::to_bf16(_mm512_maskz_loadu_ps(hi, row + k0 + 16));
-    return _mm512_inserti64x4(_mm512_castsi256_si512(x0), x1, 1);
-  }
-
-  // Rows [row, row + tr) and pairs [q0, q0 + qb) of op(A): out[q * 8 + i] is the word of
-  // row i and pair q0 + q (zeros past tr and k).
-  static void pack_a(const float* a, bool transposed, std::int64_t m, std::int64_t k, std::int64_t row,
-                     std::int64_t tr, std::int64_t q0, std::int64_t qb, std::uint32_t* out) {
-    if (transposed) {
-      // Stored [k, m]: rows 2q and 2q + 1 give 8 values each; interleaved into 8 words.
-      const __mmask16 mask = static_cast<__mmask16>((1u << tr) - 1u);
-      const __m256i order = _mm256_set_epi16(15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
-      for (std::int64_t q = 0; q < qb; ++q) {
-        const std::int64_t kk = 2 * (q0 + q);
-        const __m512 even = _mm512_maskz_loadu_ps(mask, a + kk * m + row);
-        const __m512 odd = kk + 1 < k ? _mm512_maskz_loadu_ps(mask, a + (kk + 1) * m + row) : _mm512_setzero_ps();
-        const __m512 both = _mm512_insertf32x8(even, _mm512_castps512_ps256(odd), 1);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(out + q * kTileRows),
-                           _mm256_permutexvar_epi16(order, Isa::to_bf16(both)));
-      }
-      return;
-    }
-    // Stored [m, k]: each row's pairs are words; 16 pairs of the 8 rows per register
-    // transpose (8 rows of zeros).
-    for (std::int64_t s = 0; s < qb; s += 16) {
-      __m512 r[16];
-      for (int i = 0; i < 16; ++i)
-        r[i] = i < tr ? _mm512_castsi512_ps(row_words(a + (row + i) * k, 2 * (q0 + s), k)) : _mm512_setzero_ps();
-      transpose_16x16_registers(r);
-      const std::int64_t qn = std::min<std::int64_t>(16, qb - s);
-      for (std::int64_t q = 0; q < qn; ++q)
-        _mm256_store_si256(reinterpret_cast<__m256i*>(out + (s + q) * kTileRows),
-                           _mm512_castsi512_si256(_mm512_castps_si512(r[q])));
-    }
-  }
-
-  // x rounded to bfloat16, held in float.
-  static __m512 rounded(__m512 x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(Isa::to_bf16(x)), 16)); }
-
-  // One 8 x 32 tile: c (row stride ldc) = [c +] ap * bp over qb pairs, rounded to bfloat16
-  // when it is the `last` pass over k.
-  static void micro(const std::uint32_t* __restrict ap, const std::uint32_t* __restrict bp, std::int64_t qb, float* c,
-                    std::int64_t ldc, bool accumulate, bool last) {
-    __m512 acc[kTileRows][2];
-    for (int i = 0; i < kTileRows; ++i) {
-      acc[i][0] = accumulate ? _mm512_loadu_ps(c + i * ldc) : _mm512_setzero_ps();
-      acc[i][1] = accumulate ? _mm512_loadu_ps(c + i * ldc + 16) : _mm512_setzero_ps();
-    }
-    for (std::int64_t q = 0; q < qb; ++q) {
-      const __m512i b0 = _mm512_load_si512(bp + q * kTileCols), b1 = _mm512_load_si512(bp + q * kTileCols + 16);
-      for (int i = 0; i < kTileRows; ++i) {
-        const __m512i av = _mm512_set1_epi32(static_cast<int>(ap[q * kTileRows + i]));
-        acc[i][0] = Isa::dot(acc[i][0], av, b0);
-        acc[i][1] = Isa::dot(acc[i][1], av, b1);
-      }
-    }
-    for (int i = 0; i < kTileRows; ++i) {
-      _mm512_storeu_ps(c + i * ldc, last ? rounded(acc[i][0]) : acc[i][0]);
-      _mm512_storeu_ps(c + i * ldc + 16, last ? rounded(acc[i][1]) : acc[i][1]);
-    }
-  }
+struct ShardIndex {
+  std::vector<std::string> files;  ///< names relative to the index's directory
+  std::map<std::string, std::string> metadata;
+  std::vector<ShardedEntry> tensors;
 };
-#endif
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
-/// True when this process runs the native path. vdpbf16ps has two products per float lane,
-/// but how often it issues depends on the core: AMD's Zen 4 issues it as often as an FMA
-/// (twice the float kernel's products), Intel's Sapphire and Emerald Rapids once every two
-/// cycles (measured on Emerald Rapids, 24 independent chains: 80 GFLOP/s against the FMA's
-/// 167), half the float rate, where the emulated path keeps ~0.9 of it. So Intel cores take
-/// the emulated path; LAZYTENSOR_NATIVE_BF16_GEMM=1 or 0 overrides. Decided once per
-/// process: a packing and its multiplies must use the same layout.
-inline bool native_bf16_gemm() {
-  static const bool native = [] {
-    if (const auto forced = core::env_switch("LAZYTENSOR_NATIVE_BF16_GEMM")) return *forced;
-    __builtin_cpu_init();
-    return !__builtin_cpu_is("intel");
-  }();
-  return native;
+/// The name of shard file `k` of `n` of the save `token` beside the index at `path` (its
+/// directory left out): the index's name without a ".json" suffix, then
+/// ".<token>.shard-<k>-of-<n>.safetensors".
+std::string shard_file_name(const std::string& path, const std::string& token, std::size_t k, std::size_t n);
+
+/// The index as JSON text.
+std::string shard_index_json(const ShardIndex& index);
+
+/// Parses an index (FormatError naming `path` on anything else) and checks that every
+/// tensor's blocks lie inside its shape, name a listed file, and cover it exactly once.
+ShardIndex parse_shard_index(std::string_view text, const std::string& path);
+
+/// Reads and parses the index at `path` (parse_shard_index).
+ShardIndex read_shard_index(const std::string& path);
+
+/// Reads the index at `path` and assembles each tensor on `dev` from its blocks, reading
+/// the shard files one at a time with `load_file` (io::load of a single safetensors file).
+StateDict load_shard_index(const std::string& path, Device dev, StateDict (*load_file)(const std::string&, Device));
+
+}  // namespace lazy::io::detail
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::io::detail {
+
+LAZYTENSOR_INLINE std::string shard_file_name(const std::string& path, const std::string& token, std::size_t k,
+                                              std::size_t n) {
+  std::string base = path.substr(path.find_last_of('/') == std::string::npos ? 0 : path.find_last_of('/') + 1);
+  if (base.size() > 5 && base.compare(base.size() - 5, 5, ".json") == 0) base.resize(base.size() - 5);
+  return base + "." + token + ".shard-" + std::to_string(k) + "-of-" + std::to_string(n) + ".safetensors";
 }
 
-/// The bfloat16 GEMM of this build: the native or the emulated path, per native_bf16_gemm().
-struct Bf16Gemm {
-  using Native = PairBf16Gemm<NativeBf16>;
-  using Emulated = EmulatedBf16Gemm;
-
-  static bool native() { return native_bf16_gemm(); }
-  static std::int64_t panels(std::int64_t n) { return native() ? Native::panels(n) : Emulated::panels(n); }
-  static std::int64_t packed_bytes(std::int64_t k, std::int64_t n) {
-    return native() ? Native::packed_bytes(k, n) : Emulated::packed_bytes(k, n);
+LAZYTENSOR_INLINE std::string shard_index_json(const ShardIndex& index) {
+  std::string out = "{\"format\": ";
+  append_json_string(out, kShardIndexFormat);
+  out += ", \"version\": 1,\n \"files\": [";
+  for (std::size_t k = 0; k < index.files.size(); ++k) {
+    if (k) out += ", ";
+    append_json_string(out, index.files[k]);
   }
-  static void pack_b(const float* b, bool transposed, std::int64_t k, std::int64_t n, void* out, std::int64_t p0,
-                     std::int64_t p1) {
-    if (native()) {
-      Native::pack_b(b, transposed, k, n, out, p0, p1);
-    } else {
-      Emulated::pack_b(b, transposed, k, n, out, p0, p1);
-    }
+  out += "],\n \"metadata\": {";
+  bool first = true;
+  for (const auto& [key, value] : index.metadata) {
+    if (!first) out += ", ";
+    first = false;
+    append_json_string(out, key);
+    out += ": ";
+    append_json_string(out, value);
   }
-  static void multiply(const float* a, bool a_transposed, std::int64_t m, std::int64_t k, std::int64_t n,
-                       const void* packed_b, float* c, std::int64_t r0, std::int64_t rows, bool round = true) {
-    if (native()) {
-      Native::multiply(a, a_transposed, m, k, n, packed_b, c, r0, rows, round);
-    } else {
-      Emulated::multiply(a, a_transposed, m, k, n, packed_b, c, r0, rows, round);
-    }
-  }
-};
-#else
-/// The bfloat16 GEMM of this build: the emulated path (no AVX512-BF16 in the flags).
-struct Bf16Gemm : EmulatedBf16Gemm {
-  static constexpr bool native() { return false; }
-};
-#endif
-
-}  // namespace lazy::detail
-// ---- end lazytensor/graph/gemm_kernel_bf16.hpp ----
-
-namespace lazy::graph {
-
-/// An operand as a GEMM reads it.
-struct GemmOperand {
-  NodePtr node;
-  bool transposed;  ///< the node holds [.., cols, rows] and is read transposed
-};
-
-/// What the SPMD partitioner needs of a product: its operands' layouts and sizes, and the
-/// same product over blocks.
-class BlockGemm {
- public:
-  virtual ~BlockGemm() = default;
-  virtual bool a_transposed() const = 0;
-  virtual bool b_transposed() const = 0;
-  virtual std::int64_t batch_a() const = 0;
-  virtual std::int64_t batch_b() const = 0;
-  virtual std::int64_t rows() const = 0;
-  virtual std::int64_t depth() const = 0;
-  virtual std::int64_t cols() const = 0;
-  /// True for a bfloat16 product (operands and result rounded to bfloat16).
-  virtual bool bf16() const = 0;
-  /// The product of [m, k] and [k, n] blocks (batches of `batch_a` and `batch_b` of them,
-  /// 1 broadcasting), of shape `out`, on `device`, not submitted. `partial`: a partial sum
-  /// over a block of k, whose bfloat16 result is left unrounded (the sum of the partials is
-  /// rounded once).
-  virtual NodePtr with_operands(GemmOperand a, GemmOperand b, std::int64_t m, std::int64_t k, std::int64_t n,
-                                Shape out, Device* device, bool partial = false, std::int64_t batch_a = 1,
-                                std::int64_t batch_b = 1) const = 0;
-};
-
-/// C[b] = op(A[b]) * op(B[b]) for a batch of row-major matrices; op is identity or
-/// transpose. A batch count of 1 on either side broadcasts.
-template <Element T>
-class GemmNode final : public Node, public RowProducer, public BlockGemm {
- public:
-  using Operand = GemmOperand;
-
-  /// `bf16`: the product in bfloat16 (float only): operands rounded to bfloat16 as they are
-  /// packed, float accumulation, the result rounded to bfloat16 (graph/gemm_kernel_bf16.hpp)
-  /// unless `round_result` is false (a partial sum over a block of k). `packed_kernel`: on
-  /// the packed kernel whatever the shapes (a block of a product that runs there, so that
-  /// its bits are the whole product's).
-  GemmNode(Operand a, Operand b, std::int64_t batch_a, std::int64_t batch_b, std::int64_t m, std::int64_t k,
-           std::int64_t n, Shape out_shape, Device* device, bool bf16 = false, bool round_result = true,
-           bool packed_kernel = false)
-      : Node(NodeKind::Gemm, dtype_of<T>(), out_shape, device, {a.node, b.node}), ta_(a.transposed),
-        tb_(b.transposed), bf16_(bf16), round_(bf16 && round_result), force_packed_(packed_kernel),
-        batch_a_(batch_a), batch_b_(batch_b), m_(m), k_(k), n_(n) {
-    if (bf16 && !std::is_same_v<T, float>)
-      throw DTypeError("matmul: a bfloat16 product takes float operands, got " + dtype_name(dtype_of<T>()));
-  }
-
-  bool a_transposed() const override { return ta_; }
-  bool b_transposed() const override { return tb_; }
-  std::int64_t batch_a() const override { return batch_a_; }
-  std::int64_t batch_b() const override { return batch_b_; }
-  std::int64_t rows() const override { return m_; }
-  std::int64_t depth() const override { return k_; }
-  std::int64_t cols() const override { return n_; }
-  bool bf16() const override { return bf16_; }
-  NodePtr with_operands(GemmOperand a, GemmOperand b, std::int64_t m, std::int64_t k, std::int64_t n, Shape out,
-                        Device* device, bool partial, std::int64_t batch_a, std::int64_t batch_b) const override {
-    // The blocks run on the whole product's kernel: the packed kernel's sums do not depend
-    // on the rows, Eigen's would differ from it.
-    return std::make_shared<GemmNode>(std::move(a), std::move(b), batch_a, batch_b, m, k, n, out, device, bf16_,
-                                      !partial, packed());
-  }
-
-  std::string op_name() const override { return "matmul"; }
-  std::string describe() const override {
-    return std::string("matmul(%0") + (ta_ ? "^T" : "") + ", %1" + (tb_ ? "^T" : "") + ") [" + std::to_string(m_) +
-           "x" + std::to_string(k_) + "] x [" + std::to_string(k_) + "x" + std::to_string(n_) + "]" +
-           (bf16_ ? (round_ ? " in bfloat16" : " in bfloat16, unrounded") : "");
-  }
-  double cost_per_element() const override { return 2.0 * static_cast<double>(k_); }
-  std::uint64_t structural_hash() const override {
-    return hash_combine(Node::structural_hash(), (ta_ ? 1u : 0u) | (tb_ ? 2u : 0u) | (bf16_ ? 4u : 0u) | (round_ ? 8u : 0u) | (force_packed_ ? 16u : 0u));
-  }
-
-  /// Rows per block. Eigen's blocking (and so the order of its k-sums) depends on the rows
-  /// of a call, so blocks are fixed by the shapes alone; each Eigen call re-packs the
-  /// right-hand side, so its blocks are as tall as the epilogue's cache allows (128 rows).
-  /// The packed kernel's sums do not depend on the blocks and it packs the right-hand side
-  /// once, so its blocks are shorter (64 rows: even splits of common batches over threads).
-  /// A small product is one block.
-  std::int64_t row_block() const override {
-    const std::int64_t rows = m_ * std::max(batch_a_, batch_b_);
-    if (rows * n_ * k_ <= (std::int64_t(1) << 16)) return std::max<std::int64_t>(rows, 1);
-    return packed() ? 64 : 128;
-  }
-
-  /// Packs the right-hand side of every batch for the packed kernel (nothing for Eigen).
-  void begin_rows(ExecContext& ctx) override {
-    if (!packed()) return;
-    if constexpr (std::is_same_v<T, float>) {
-      if (bf16_) {
-        pack_b_in_tasks<Bf16Kernel>(ctx, Bf16Kernel::packed_bytes(k_, n_));
-        return;
+  out += "},\n \"tensors\": [";
+  for (std::size_t t = 0; t < index.tensors.size(); ++t) {
+    const ShardedEntry& e = index.tensors[t];
+    out += t ? ",\n  {\"name\": " : "\n  {\"name\": ";
+    append_json_string(out, e.name);
+    out += ", \"dtype\": ";
+    append_json_string(out, e.dtype);
+    out += ", \"shape\": [";
+    for (std::size_t d = 0; d < e.shape.size(); ++d) out += (d ? ", " : "") + std::to_string(e.shape[d]);
+    out += "], \"sharding\": ";
+    append_json_string(out, e.sharding);
+    out += ", \"blocks\": [";
+    for (std::size_t b = 0; b < e.blocks.size(); ++b) {
+      out += (b ? ", " : "") + std::string("{\"file\": ") + std::to_string(e.blocks[b].file) + ", \"index\": [";
+      for (std::size_t d = 0; d < e.blocks[b].index.size(); ++d) {
+        const auto& [lo, hi] = e.blocks[b].index[d];
+        out += (d ? ", [" : "[") + std::to_string(lo) + ", " + std::to_string(hi) + "]";
       }
+      out += "]}";
     }
-    if constexpr (kHasPackedKernel) {
-      pack_b_in_tasks<Kernel>(ctx, Kernel::packed_size(k_, n_) * std::int64_t(sizeof(T)));
-    }
+    out += "]}";
   }
-  void end_rows() override { packed_b_.reset(); }
+  out += "]}\n";
+  return out;
+}
 
-  void produce_rows(void* out, std::int64_t r0, std::int64_t r1) override {
-    T* c = static_cast<T*>(out);
-    const T* a = inputs()[0]->template data<T>();
-    const T* b = inputs()[1]->template data<T>();
-    const std::int64_t block = row_block();
-    const bool use_packed = packed();
-    if (use_packed && !packed_b_)
-      throw std::logic_error("matmul: rows produced outside begin_rows/end_rows");
-    // Rows of the output run over (batch, m); a range may span several batches. Calls are
-    // cut at block boundaries and batch ends only (see row_block).
-    while (r0 < r1) {
-      const std::int64_t bi = r0 / m_, row = r0 % m_;
-      const std::int64_t rows = std::min({r1 - r0, m_ - row, (r0 / block + 1) * block - r0});
-      const T* ab = a + (batch_a_ == 1 ? 0 : bi) * m_ * k_;
-      if constexpr (std::is_same_v<T, float>) {
-        if (bf16_ && use_packed) {  // k == 0 is Eigen's (zeros)
-          const auto* pb = static_cast<const unsigned char*>(packed_b_->data()) +
-                           (batch_b_ == 1 ? 0 : bi) * Bf16Kernel::packed_bytes(k_, n_);
-          Bf16Kernel::multiply(ab, ta_, m_, k_, n_, pb, c + r0 * n_, row, rows, round_);
-          r0 += rows;
-          continue;
-        }
-      }
-      if constexpr (kHasPackedKernel) {
-        if (use_packed) {
-          const T* pb = static_cast<const T*>(packed_b_->data()) +
-                        (batch_b_ == 1 ? 0 : bi) * Kernel::packed_size(k_, n_);
-          Kernel::multiply(ab, ta_, m_, k_, n_, pb, c + r0 * n_, row, rows);
-          r0 += rows;
-          continue;
-        }
-      }
-      gemm_block(ab, b + (batch_b_ == 1 ? 0 : bi) * k_ * n_, c + r0 * n_, row, rows);
-      r0 += rows;
-    }
-  }
+namespace shard_index {
 
- protected:
-  void compute(ExecContext& ctx) override {
-    auto buf = allocate_output(ctx, false);
-    auto& pool = ctx.device.threads();
-    const std::int64_t rows = m_ * std::max(batch_a_, batch_b_);
-    if (n_ == 0 || rows == 0) {
-      set_buffer(std::move(buf));
-      return;
-    }
-    if (k_ == 0) {
-      std::fill_n(static_cast<T*>(buf->data()), rows * n_, T(0));
-      set_buffer(std::move(buf));
-      return;
-    }
-    // Whole blocks per task (row_block): the same GEMM calls whatever the thread count.
-    const std::int64_t block = row_block(), blocks = (rows + block - 1) / block;
-    const std::int64_t tasks =
-        std::max<std::int64_t>(1, std::min<std::int64_t>(task_count(pool, rows * n_, cost_per_element()), blocks));
-    void* out = buf->data();
-    {
-      RowProducer::Session session(*this, ctx);
-      pool.parallel_for(tasks, [&](std::int64_t t) {
-        auto [b0, b1] = task_range(blocks, tasks, t);
-        produce_rows(out, b0 * block, std::min(rows, b1 * block));
+// Calls `f(key)` for each key of the object at `cur`, positioned on its value.
+template <class F>
+void each_key(JsonCursor& cur, F&& f) {
+  cur.expect('{');
+  if (cur.accept('}')) return;
+  do {
+    const std::string key = cur.string();
+    cur.expect(':');
+    f(key);
+  } while (cur.accept(','));
+  cur.expect('}');
+}
+
+// Calls `f()` for each element of the array at `cur`, positioned on it.
+template <class F>
+void each_element(JsonCursor& cur, F&& f) {
+  cur.expect('[');
+  if (cur.accept(']')) return;
+  do f();
+  while (cur.accept(','));
+  cur.expect(']');
+}
+
+inline DType dtype_named(const std::string& name, const std::string& who) {
+  for (DType d : {DType::Bool, DType::Int32, DType::Int64, DType::BFloat16, DType::Float32, DType::Float64})
+    if (dtype_name(d) == name) return d;
+  throw FormatError(who + ": unknown dtype \"" + name + "\"");
+}
+
+inline std::int64_t dimension(JsonCursor& cur, const std::string& path, const std::string& what) {
+  const std::uint64_t v = cur.uint64();
+  if (v > (std::uint64_t{1} << 60)) throw FormatError(path + ": " + what + " " + std::to_string(v) + " is too large");
+  return static_cast<std::int64_t>(v);
+}
+
+}  // namespace shard_index
+
+LAZYTENSOR_INLINE ShardIndex parse_shard_index(std::string_view text, const std::string& path) {
+  using namespace shard_index;
+  ShardIndex index;
+  JsonCursor cur(text, path);
+  bool format = false;
+  each_key(cur, [&](const std::string& key) {
+    if (key == "format") {
+      const std::string f = cur.string();
+      if (f != kShardIndexFormat)
+        throw FormatError(path + ": \"format\" is \"" + f + "\", expected \"" + std::string(kShardIndexFormat) + "\"");
+      format = true;
+    } else if (key == "version") {
+      if (const auto v = cur.uint64(); v != 1)
+        throw FormatError(path + ": index version " + std::to_string(v) + ", this library reads version 1");
+    } else if (key == "files") {
+      each_element(cur, [&] { index.files.push_back(cur.string()); });
+    } else if (key == "metadata") {
+      each_key(cur, [&](const std::string& k) { index.metadata[k] = cur.string(); });
+    } else if (key == "tensors") {
+      each_element(cur, [&] {
+        ShardedEntry e;
+        each_key(cur, [&](const std::string& k) {
+          if (k == "name") e.name = cur.string();
+          else if (k == "dtype") e.dtype = cur.string();
+          else if (k == "sharding") e.sharding = cur.string();
+          else if (k == "shape") each_element(cur, [&] { e.shape.push_back(dimension(cur, path, "dimension")); });
+          else if (k == "blocks") {
+            each_element(cur, [&] {
+              ShardBlock b;
+              each_key(cur, [&](const std::string& bk) {
+                if (bk == "file") b.file = static_cast<std::size_t>(cur.uint64());
+                else if (bk == "index") {
+                  each_element(cur, [&] {
+                    cur.expect('[');
+                    const std::int64_t lo = dimension(cur, path, "block start");
+                    cur.expect(',');
+                    const std::int64_t hi = dimension(cur, path, "block end");
+                    cur.expect(']');
+                    b.index.emplace_back(lo, hi);
+                  });
+                } else throw FormatError(path + ": unknown key \"" + bk + "\" in a block of tensor '" + e.name + "'");
+              });
+              e.blocks.push_back(std::move(b));
+            });
+          } else throw FormatError(path + ": unknown key \"" + k + "\" in tensor '" + e.name + "'");
+        });
+        index.tensors.push_back(std::move(e));
       });
-    }
-    set_buffer(std::move(buf));
-  }
-
- private:
-  static constexpr bool kHasPackedKernel = std::is_same_v<T, float> || std::is_same_v<T, double>;
-  using Kernel = lazy::detail::PackedGemm<std::conditional_t<kHasPackedKernel, T, float>>;
-
-  using Bf16Kernel = lazy::detail::Bf16Gemm;
-
-  /// True when this product runs on a packed kernel (decided by dtype and shapes only;
-  /// bfloat16 products always do: Eigen has no bfloat16 GEMM with float accumulation).
-  bool packed() const {
-    if (bf16_) return k_ > 0;
-    if constexpr (kHasPackedKernel)
-      return k_ > 0 && (force_packed_ || Kernel::suits(m_ * std::max(batch_a_, batch_b_), n_));
-    else
-      return false;
-  }
-
-  // Rows [row, row + rows) of op(A) * op(B) for one batch, into c (already offset).
-  void gemm_block(const T* a, const T* b, T* c, std::int64_t row, std::int64_t rows) const {
-    if constexpr (std::is_same_v<T, bool> || std::is_same_v<T, bfloat16>) {
-      throw DTypeError("matmul: no product of " + dtype_name(dtype_of<T>()) + " values");  // ops/matmul.hpp refuses first
     } else {
-      detail::eigen_gemm_rows(a, b, c, ta_, tb_, m_, k_, n_, row, rows);
+      throw FormatError(path + ": unknown key \"" + key + "\" in a shard index");
+    }
+  });
+  if (!format) throw FormatError(path + ": not a shard index (no \"format\" key)");
+  for (const std::string& f : index.files) {
+    if (f.empty() || f.find('/') != std::string::npos || f == "." || f == "..")
+      throw FormatError(path + ": shard file \"" + f + "\" is not a file name beside the index");
+  }
+  std::set<std::string> names;
+  for (const ShardedEntry& e : index.tensors) {
+    const std::string who = path + ": tensor '" + e.name + "'";
+    if (!names.insert(e.name).second) throw FormatError(who + " is listed twice");
+    if (e.shape.size() > static_cast<std::size_t>(kMaxRank))
+      throw FormatError(who + " has rank " + std::to_string(e.shape.size()) + ", more than " + std::to_string(kMaxRank));
+    Shape shape;
+    try {
+      shape = Shape(e.shape);
+    } catch (const Error& err) {
+      throw FormatError(who + ": " + err.what());
+    }
+    shard_index::dtype_named(e.dtype, who);
+    std::int64_t covered = 0;
+    for (std::size_t b = 0; b < e.blocks.size(); ++b) {
+      const ShardBlock& blk = e.blocks[b];
+      if (blk.file >= index.files.size())
+        throw FormatError(who + ": block " + std::to_string(b) + " names file " + std::to_string(blk.file) + " of " +
+                          std::to_string(index.files.size()));
+      if (blk.index.size() != e.shape.size())
+        throw FormatError(who + ": block " + std::to_string(b) + " has " + std::to_string(blk.index.size()) +
+                          " ranges for a tensor of rank " + std::to_string(e.shape.size()));
+      std::int64_t volume = 1;
+      for (std::size_t d = 0; d < e.shape.size(); ++d) {
+        const auto [lo, hi] = blk.index[d];
+        if (lo > hi || hi > e.shape[d])
+          throw FormatError(who + ": block " + std::to_string(b) + " range [" + std::to_string(lo) + ", " +
+                            std::to_string(hi) + ") of dimension " + std::to_string(d) + " is outside [0, " +
+                            std::to_string(e.shape[d]) + ")");
+        volume *= hi - lo;
+      }
+      for (std::size_t o = 0; o < b; ++o) {  // blocks may not overlap (a handful per tensor)
+        if (e.blocks[o].file == blk.file)  // a file holds one block of a tensor (under its name)
+          throw FormatError(who + ": blocks " + std::to_string(o) + " and " + std::to_string(b) + " both name file " +
+                            std::to_string(blk.file));
+        bool overlap = volume > 0;
+        for (std::size_t d = 0; d < e.shape.size() && overlap; ++d)
+          overlap = blk.index[d].first < e.blocks[o].index[d].second && e.blocks[o].index[d].first < blk.index[d].second;
+        if (overlap)
+          throw FormatError(who + ": blocks " + std::to_string(o) + " and " + std::to_string(b) + " overlap");
+      }
+      covered += volume;
+    }
+    if (covered != shape.numel())
+      throw FormatError(who + ": its blocks hold " + std::to_string(covered) + " of its " +
+                        std::to_string(shape.numel()) + " elements");
+  }
+  return index;
+}
+
+LAZYTENSOR_INLINE ShardIndex read_shard_index(const std::string& path) {
+  ReadFile file(path);
+  std::string text(static_cast<std::size_t>(file.size()), '\0');
+  if (file.read_at(text.data(), text.size(), 0) != text.size())
+    throw FormatError(path + ": file shrank while reading the shard index");
+  return parse_shard_index(text, path);
+}
+
+LAZYTENSOR_INLINE StateDict load_shard_index(const std::string& path, Device dev,
+                                             StateDict (*load_file)(const std::string&, Device)) {
+  const ShardIndex index = read_shard_index(path);
+  graph::Device& engine = dev.engine();
+  // Whole buffers first, then one shard file at a time copies its blocks in.
+  std::vector<std::shared_ptr<Buffer>> whole;
+  std::vector<DType> dtypes;
+  std::map<std::string, std::string> stored;
+  std::uint64_t bytes = 0;
+  for (const ShardedEntry& e : index.tensors)
+    bytes += static_cast<std::uint64_t>(Shape(e.shape).numel()) *
+             dtype_size(shard_index::dtype_named(e.dtype, path + ": tensor '" + e.name + "'"));
+  lazy::detail::check_fits_in_memory(bytes, path + ": the tensors' data");
+  for (const ShardedEntry& e : index.tensors) {
+    const DType dt = shard_index::dtype_named(e.dtype, path + ": tensor '" + e.name + "'");
+    dtypes.push_back(dt);
+    whole.push_back(engine.pool().acquire(padded_bytes(Shape(e.shape).numel(), dtype_size(dt))));
+  }
+  const std::string dir = parent_dir(path) + "/";
+  for (std::size_t k = 0; k < index.files.size(); ++k) {
+    const std::string file = dir + index.files[k];
+    const StateDict part = load_file(file, dev);
+    for (std::size_t t = 0; t < index.tensors.size(); ++t) {
+      const ShardedEntry& e = index.tensors[t];
+      for (const ShardBlock& b : e.blocks) {
+        if (b.file != k) continue;
+        const AnyTensor* piece = part.find(e.name);
+        if (!piece) throw FormatError(file + ": no tensor '" + e.name + "', which " + path + " says it holds");
+        std::vector<std::int64_t> box, at;
+        for (const auto& [lo, hi] : b.index) box.push_back(hi - lo), at.push_back(lo);
+        if (piece->dtype() != dtypes[t] || piece->shape() != Shape(box)) {
+          throw FormatError(file + ": tensor '" + e.name + "' is " + dtype_name(piece->dtype()) + " " +
+                            piece->shape().str() + ", " + path + " says " + e.dtype + " " + Shape(box).str());
+        }
+        if (auto s = part.stored_dtypes().find(e.name); s != part.stored_dtypes().end()) stored[e.name] = s->second;
+        const graph::NodePtr& node = piece->impl()->node;
+        graph::detail::copy_box(static_cast<const std::byte*>(node->buffer()->data()), piece->shape(),
+                                std::vector<std::int64_t>(box.size(), 0), static_cast<std::byte*>(whole[t]->data()),
+                                Shape(e.shape), at, box, dtype_size(dtypes[t]));
+      }
     }
   }
+  StateDict sd;
+  for (std::size_t t = 0; t < index.tensors.size(); ++t) {
+    const ShardedEntry& e = index.tensors[t];
+    sd.insert(e.name, lazy::detail::any_of_node(
+                          std::make_shared<graph::DataNode>(dtypes[t], Shape(e.shape), &engine, std::move(whole[t]))));
+  }
+  sd.metadata() = index.metadata;
+  sd.stored_dtypes() = std::move(stored);
+  return sd;
+}
 
-  // Packs op(B) of every batch (`bytes` each) with `Kernel`, panels split over the pool.
-  template <class Kernel>
-  void pack_b_in_tasks(ExecContext& ctx, std::int64_t bytes) {
-    const std::int64_t panels = Kernel::panels(n_), jobs = batch_b_ * panels;
-    packed_b_ = ctx.device.pool().acquire(padded_bytes(batch_b_ * bytes, 1));
-    auto* out = static_cast<unsigned char*>(packed_b_->data());
-    const T* b = inputs()[1]->template data<T>();
-    auto& pool = ctx.device.threads();
-    const std::int64_t tasks = std::min(jobs, task_count(pool, batch_b_ * k_ * n_, 1.0));
-    pool.parallel_for(tasks, [&](std::int64_t t) {
-      auto [q0, q1] = task_range(jobs, tasks, t);
-      // One call per batch the task's panels fall in (pack_b reads rows across them).
-      for (std::int64_t q = q0; q < q1;) {
-        const std::int64_t bi = q / panels, p = q % panels, count = std::min(q1 - q, panels - p);
-        void* dst = out + bi * bytes;
-        if constexpr (std::is_same_v<Kernel, Bf16Kernel>) {
-          Kernel::pack_b(b + bi * k_ * n_, tb_, k_, n_, dst, p, p + count);
-        } else {
-          Kernel::pack_b(b + bi * k_ * n_, tb_, k_, n_, static_cast<T*>(dst), p, p + count);
+}  // namespace lazy::io::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/io/shard_index.hpp ----
+// ---- begin lazytensor/io/stored_dtype.hpp ----
+// The dtypes a safetensors file may hold, and the conversions between those lazytensor has
+// no tensor type for and the one that holds each of them exactly: F16 is read into float,
+// U8/I8/I16/U16 into int32, U32 into int64. A state dict remembers the stored dtype of such
+// a tensor (StateDict::stored_dtypes) so that saving it writes the file's dtype back.
+//
+// Conversions run on chunks of raw bytes: the reader widens what it reads into the tensor's
+// buffer, the writer narrows into a small staging buffer, so neither holds a second copy of
+// a tensor.
+
+#include <bit>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <string_view>
+
+
+namespace lazy::io::detail {
+
+/// One safetensors dtype: its name in the header, its element size, and the lazytensor dtype
+/// that holds its values (the same dtype when `native`).
+struct StoredDType {
+  enum class Kind : std::uint8_t { Bool, U8, I8, I16, U16, F16, BF16, I32, U32, F32, F64, I64 };
+  Kind kind;
+  const char* name;
+  std::size_t size;
+  DType holds;
+  bool native;
+};
+
+/// The stored dtype named `name` (as in a safetensors header), or nullptr when lazytensor
+/// cannot load it; then `why` says why (unknown, or known without a dtype that holds it).
+const StoredDType* find_stored_dtype(std::string_view name, std::string* why = nullptr);
+
+/// The native stored dtype of `d` (F32 for float, ...).
+const StoredDType& native_stored_dtype(DType d);
+
+/// Elements converted per step when a tensor is read or written in another dtype: the
+/// staging buffer holds at most this many, never a second copy of the tensor.
+inline constexpr std::size_t kConvertChunk = std::size_t{1} << 16;
+
+/// Half-precision (IEEE binary16) bits to float: exact, NaN payloads kept.
+float half_to_float(std::uint16_t h);
+
+/// float to half-precision bits, rounded to nearest even; overflow gives infinity, NaN
+/// payloads are kept where they fit (half -> float -> half is the identity on every pattern).
+std::uint16_t float_to_half(float f);
+
+/// Widens `n` elements of stored dtype `s` at `src` into `s.holds` elements at `dst`.
+void widen(const StoredDType& s, const void* src, void* dst, std::size_t n);
+
+/// Narrows `n` elements of dtype `s.holds` at `src` into stored dtype `s` at `dst`. Integers
+/// must fit (callers check first with `find_out_of_range`); floats round to nearest even.
+void narrow(const StoredDType& s, const void* src, void* dst, std::size_t n);
+
+/// The index of the first of `n` elements of `s.holds` at `src` that `s` cannot represent,
+/// or `n` when all fit (floats always fit: they round). `value` receives its text.
+std::size_t find_out_of_range(const StoredDType& s, const void* src, std::size_t n,
+                              std::string* value);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+
+namespace stored_dtype_table {
+using K = StoredDType::Kind;
+inline constexpr StoredDType kAll[] = {
+    {K::Bool, "BOOL", 1, DType::Bool, true},      {K::U8, "U8", 1, DType::Int32, false},
+    {K::I8, "I8", 1, DType::Int32, false},        {K::I16, "I16", 2, DType::Int32, false},
+    {K::U16, "U16", 2, DType::Int32, false},      {K::F16, "F16", 2, DType::Float32, false},
+    {K::BF16, "BF16", 2, DType::BFloat16, true},  {K::I32, "I32", 4, DType::Int32, true},
+    {K::U32, "U32", 4, DType::Int64, false},      {K::F32, "F32", 4, DType::Float32, true},
+    {K::F64, "F64", 8, DType::Float64, true},     {K::I64, "I64", 8, DType::Int64, true},
+};
+}  // namespace stored_dtype_table
+
+LAZYTENSOR_INLINE const StoredDType* find_stored_dtype(std::string_view name, std::string* why) {
+  for (const StoredDType& s : stored_dtype_table::kAll) {
+    if (name == s.name) return &s;
+  }
+  if (why) {
+    if (name == "U64") {
+      *why = "unsupported dtype 'U64': lazytensor's widest integer is int64, which cannot hold "
+             "every unsigned 64-bit value";
+    } else if (name.substr(0, 2) == "F8" || name.substr(0, 2) == "F6" || name == "F4") {
+      *why = "unsupported dtype '" + std::string(name) +
+             "': lazytensor has no 8-bit or smaller floating-point dtype (convert the tensor "
+             "to F16, BF16 or F32 before saving)";
+    } else if (name == "C64") {
+      *why = "unsupported dtype 'C64': lazytensor has no complex dtype";
+    } else {
+      std::string list;
+      for (const StoredDType& s : stored_dtype_table::kAll) list += (list.empty() ? "" : ", ") + std::string(s.name);
+      *why = "unknown dtype '" + std::string(name) + "' (expected one of " + list + ")";
+    }
+  }
+  return nullptr;
+}
+
+LAZYTENSOR_INLINE const StoredDType& native_stored_dtype(DType d) {
+  for (const StoredDType& s : stored_dtype_table::kAll) {
+    if (s.native && s.holds == d) return s;
+  }
+  throw Error("no safetensors dtype for " + dtype_name(d));
+}
+
+LAZYTENSOR_INLINE float half_to_float(std::uint16_t h) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  const std::uint32_t exp = (h >> 10) & 0x1Fu;
+  std::uint32_t mant = h & 0x3FFu;
+  std::uint32_t bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (mant << 13);  // infinity, or NaN with its payload
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);  // rebias 15 -> 127
+  } else if (mant == 0) {
+    bits = sign;
+  } else {
+    // Subnormal mant * 2^-24: normalise so the leading one becomes float's implicit bit.
+    std::uint32_t e = 113;
+    while (!(mant & 0x400u)) mant <<= 1, --e;
+    bits = sign | (e << 23) | ((mant & 0x3FFu) << 13);
+  }
+  return std::bit_cast<float>(bits);
+}
+
+LAZYTENSOR_INLINE std::uint16_t float_to_half(float f) {
+  std::uint32_t x = std::bit_cast<std::uint32_t>(f);
+  const auto sign = static_cast<std::uint16_t>((x >> 16) & 0x8000u);
+  x &= 0x7FFFFFFFu;
+  if (x >= 0x7F800000u) {
+    if (x == 0x7F800000u) return sign | 0x7C00u;
+    const auto payload = static_cast<std::uint16_t>((x >> 13) & 0x3FFu);
+    return sign | 0x7C00u | (payload ? payload : 0x200u);  // a NaN stays a NaN
+  }
+  if (x >= 0x477FF000u) return sign | 0x7C00u;  // >= 65520 rounds past 65504, the largest
+  if (x >= 0x38800000u) {                        // normal in half: >= 2^-14
+    std::uint32_t r = x - 0x38000000u;           // rebias 127 -> 15
+    r += 0x0FFFu + ((r >> 13) & 1u);             // round to nearest even on the dropped 13 bits
+    return sign | static_cast<std::uint16_t>(r >> 13);
+  }
+  if (x <= 0x33000000u) return sign;  // <= 2^-25: half the smallest subnormal ties to 0
+  // Subnormal in half: the value in units of 2^-24, rounded to nearest even.
+  const std::uint32_t exp = x >> 23;  // 102 .. 112 here
+  const std::uint32_t m = (x & 0x7FFFFFu) | 0x800000u;
+  const std::uint32_t shift = 126 - exp;  // value = m * 2^(exp - 150) = (m >> shift) * 2^-24
+  std::uint32_t q = m >> shift;
+  const std::uint32_t rem = m & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+  if (rem > halfway || (rem == halfway && (q & 1u))) ++q;
+  return sign | static_cast<std::uint16_t>(q);
+}
+
+namespace stored_dtype_impl {
+template <class From, class To>
+void convert(const void* src, void* dst, std::size_t n) {
+  const auto* s = static_cast<const unsigned char*>(src);
+  auto* d = static_cast<unsigned char*>(dst);
+  for (std::size_t i = 0; i < n; ++i) {
+    From v;
+    std::memcpy(&v, s + i * sizeof(From), sizeof(From));
+    const To w = static_cast<To>(v);
+    std::memcpy(d + i * sizeof(To), &w, sizeof(To));
+  }
+}
+
+template <class Stored, class Held>
+std::size_t first_out_of_range(const void* src, std::size_t n, std::string* value) {
+  const auto* s = static_cast<const unsigned char*>(src);
+  for (std::size_t i = 0; i < n; ++i) {
+    Held v;
+    std::memcpy(&v, s + i * sizeof(Held), sizeof(Held));
+    if (v < static_cast<Held>(std::numeric_limits<Stored>::min()) ||
+        v > static_cast<Held>(std::numeric_limits<Stored>::max())) {
+      if (value) *value = std::to_string(v);
+      return i;
+    }
+  }
+  return n;
+}
+}  // namespace stored_dtype_impl
+
+LAZYTENSOR_INLINE void widen(const StoredDType& s, const void* src, void* dst, std::size_t n) {
+  using namespace stored_dtype_impl;
+  using K = StoredDType::Kind;
+  switch (s.kind) {
+    case K::U8: return convert<std::uint8_t, std::int32_t>(src, dst, n);
+    case K::I8: return convert<std::int8_t, std::int32_t>(src, dst, n);
+    case K::I16: return convert<std::int16_t, std::int32_t>(src, dst, n);
+    case K::U16: return convert<std::uint16_t, std::int32_t>(src, dst, n);
+    case K::U32: return convert<std::uint32_t, std::int64_t>(src, dst, n);
+    case K::F16: {
+      const auto* p = static_cast<const unsigned char*>(src);
+      auto* d = static_cast<float*>(dst);
+      for (std::size_t i = 0; i < n; ++i) d[i] = half_to_float(static_cast<std::uint16_t>(p[2 * i] | (p[2 * i + 1] << 8)));
+      return;
+    }
+    default: std::memcpy(dst, src, n * s.size); return;
+  }
+}
+
+LAZYTENSOR_INLINE void narrow(const StoredDType& s, const void* src, void* dst, std::size_t n) {
+  using namespace stored_dtype_impl;
+  using K = StoredDType::Kind;
+  switch (s.kind) {
+    case K::U8: return convert<std::int32_t, std::uint8_t>(src, dst, n);
+    case K::I8: return convert<std::int32_t, std::int8_t>(src, dst, n);
+    case K::I16: return convert<std::int32_t, std::int16_t>(src, dst, n);
+    case K::U16: return convert<std::int32_t, std::uint16_t>(src, dst, n);
+    case K::U32: return convert<std::int64_t, std::uint32_t>(src, dst, n);
+    case K::F16: {
+      const auto* p = static_cast<const float*>(src);
+      auto* d = static_cast<unsigned char*>(dst);
+      for (std::size_t i = 0; i < n; ++i) {
+        const std::uint16_t h = float_to_half(p[i]);
+        d[2 * i] = static_cast<unsigned char>(h), d[2 * i + 1] = static_cast<unsigned char>(h >> 8);
+      }
+      return;
+    }
+    default: std::memcpy(dst, src, n * s.size); return;
+  }
+}
+
+LAZYTENSOR_INLINE std::size_t find_out_of_range(const StoredDType& s, const void* src,
+                                                std::size_t n, std::string* value) {
+  using namespace stored_dtype_impl;
+  using K = StoredDType::Kind;
+  switch (s.kind) {
+    case K::U8: return first_out_of_range<std::uint8_t, std::int32_t>(src, n, value);
+    case K::I8: return first_out_of_range<std::int8_t, std::int32_t>(src, n, value);
+    case K::I16: return first_out_of_range<std::int16_t, std::int32_t>(src, n, value);
+    case K::U16: return first_out_of_range<std::uint16_t, std::int32_t>(src, n, value);
+    case K::U32: return first_out_of_range<std::uint32_t, std::int64_t>(src, n, value);
+    default: return n;
+  }
+}
+
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+}  // namespace lazy::io::detail
+// ---- end lazytensor/io/stored_dtype.hpp ----
+
+namespace lazy::io {
+
+namespace detail {
+
+static_assert(
+    std::endian::native == std::endian::little,
+    "lazy::io writes tensor bytes as they are in memory; safetensors needs little-endian");
+
+/// Largest header accepted (and written): the limit of the reference implementation.
+inline constexpr std::uint64_t kMaxSafetensorsHeader = 100'000'000;
+
+/// One tensor as the header describes it.
+struct SafetensorsEntry {
+  std::string name;
+  const StoredDType* stored = nullptr;  ///< as in the file
+  DType dtype = DType::Float32;  ///< the dtype that holds it in memory
+  Shape shape;
+  std::uint64_t begin = 0;  ///< data_offsets, relative to the data buffer
+  std::uint64_t end = 0;
+};
+
+/// A parsed header: tensors in header order, and the metadata.
+struct SafetensorsHeader {
+  std::vector<SafetensorsEntry> tensors;
+  std::map<std::string, std::string> metadata;
+};
+
+void parse_tensor_entry(JsonCursor& cur, SafetensorsEntry& e);
+
+/// Parses a header strictly; FormatError("<path>: ...") on anything malformed.
+SafetensorsHeader parse_safetensors_header(std::string_view text, const std::string& path);
+
+/// Checks that the tensors tile a data buffer of `buffer_bytes` exactly: each tensor's
+/// byte range matches its shape and dtype, ranges neither overlap nor leave gaps, and the
+/// last one ends where the file ends. FormatError("<path>: ...") otherwise.
+void check_safetensors_layout(const SafetensorsHeader& h, std::uint64_t buffer_bytes,
+                              const std::string& path);
+
+/// The header text (padded to 8 bytes) for `sd`, whose tensors are stored as `stored` and
+/// laid out in `order`.
+std::string safetensors_header(const StateDict& sd, const std::vector<const StoredDType*>& stored,
+                               const std::vector<std::size_t>& order);
+
+/// Rejects what the format cannot store (before anything is written) and returns the dtype
+/// each tensor is stored as: its own, or its entry in sd.stored_dtypes(), which must name a
+/// tensor of the dict, a dtype that the tensor's dtype holds, and values that fit.
+std::vector<const StoredDType*> check_saveable(const StateDict& sd, const std::string& path);
+
+}  // namespace detail
+
+/// Writes `sd` (tensors and metadata) to `path` as a safetensors file. Each tensor is
+/// materialized and written in turn (the file is never assembled in memory), into a
+/// temporary file in the same directory that is fsynced and renamed over `path`: a failure
+/// leaves any previous file intact and no temporary file behind. Disk errors raise IoError;
+/// an error computing a pending tensor propagates as is. Data are laid out by decreasing
+/// element size (so each tensor is aligned to its element size, as the reference writer
+/// does); the header lists tensors in the state dict's order.
+void save_file(const StateDict& sd, const std::string& path);
+
+/// Reads a safetensors file into a state dict (tensors in header order, materialized on
+/// `dev`; the "__metadata__" entries in metadata()). IoError when the file cannot be read;
+/// FormatError naming the file and the problem when it is not a valid safetensors file.
+/// BOOL, I32, I64, BF16, F32 and F64 load as they are; F16 loads into float, U8, I8, I16 and
+/// U16 into int32, U32 into int64 (all exact), each such tensor's file dtype recorded in
+/// stored_dtypes() so that save_file writes it back; U64 and the 8-bit-or-smaller float
+/// dtypes raise FormatError naming the dtype. Nothing is allocated for a tensor before the
+/// whole header has been checked against the file's size.
+/// A shard index (io::save with SaveOptions::shard_files, see shard_index.hpp) loads as the
+/// whole tensors, assembled from its shard files.
+StateDict load(const std::string& path, Device dev = device());
+
+namespace detail {
+/// load of one safetensors file.
+StateDict load_safetensors_file(const std::string& path, Device dev);
+}  // namespace detail
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace detail {
+
+LAZYTENSOR_INLINE void parse_tensor_entry(JsonCursor& cur, SafetensorsEntry& e) {
+  const std::string ctx = "tensor '" + e.name + "': ";
+  bool have_dtype = false, have_shape = false, have_offsets = false;
+  cur.expect('{');
+  if (!cur.accept('}')) {
+    for (;;) {
+      const std::string key = cur.string();
+      cur.expect(':');
+      if (key == "dtype") {
+        if (have_dtype) cur.fail(ctx + "duplicate key 'dtype'");
+        have_dtype = true;
+        const std::string name = cur.string();
+        std::string why;
+        e.stored = find_stored_dtype(name, &why);
+        if (!e.stored) cur.fail(ctx + why);
+        e.dtype = e.stored->holds;
+      } else if (key == "shape") {
+        if (have_shape) cur.fail(ctx + "duplicate key 'shape'");
+        have_shape = true;
+        cur.expect('[');
+        if (!cur.accept(']')) {
+          for (;;) {
+            if (e.shape.rank() == kMaxRank) {
+              cur.fail(ctx + "shape has more than " + std::to_string(kMaxRank) +
+                       " dimensions (the maximum rank)");
+            }
+            const std::uint64_t d = cur.uint64();
+            if (d > static_cast<std::uint64_t>(INT64_MAX))
+              cur.fail(ctx + "dimension " + std::to_string(d) + " is too large");
+            try {
+              e.shape.push_back(static_cast<std::int64_t>(d));
+            } catch (const ShapeError& err) {
+              cur.fail(ctx + err.what());
+            }
+            if (cur.accept(']')) break;
+            cur.expect(',');
+          }
         }
-        q += count;
+      } else if (key == "data_offsets") {
+        if (have_offsets) cur.fail(ctx + "duplicate key 'data_offsets'");
+        have_offsets = true;
+        cur.expect('[');
+        e.begin = cur.uint64();
+        cur.expect(',');
+        e.end = cur.uint64();
+        if (cur.peek() != ']')
+          cur.fail(ctx + "data_offsets must hold exactly two numbers [begin, end]");
+        cur.expect(']');
+      } else {
+        cur.fail(ctx + "unexpected key '" + key + "' (expected dtype, shape and data_offsets)");
+      }
+      if (cur.accept('}')) break;
+      cur.expect(',');
+    }
+  }
+  if (!have_dtype) cur.fail(ctx + "missing 'dtype'");
+  if (!have_shape) cur.fail(ctx + "missing 'shape'");
+  if (!have_offsets) cur.fail(ctx + "missing 'data_offsets'");
+}
+
+LAZYTENSOR_INLINE SafetensorsHeader parse_safetensors_header(std::string_view text,
+                                                             const std::string& path) {
+  SafetensorsHeader h;
+  JsonCursor cur(text, path);
+  if (text.empty() || text.front() != '{')
+    cur.fail("the header must be a JSON object starting with '{', found " + cur.found());
+  std::unordered_set<std::string> keys;
+  cur.expect('{');
+  if (!cur.accept('}')) {
+    for (;;) {
+      std::string key = cur.string();
+      cur.expect(':');
+      if (!keys.insert(key).second) cur.fail("duplicate key '" + key + "'");
+      if (key == "__metadata__") {
+        cur.expect('{');
+        if (!cur.accept('}')) {
+          for (;;) {
+            std::string k = cur.string();
+            cur.expect(':');
+            if (cur.peek() != '"')
+              cur.fail("__metadata__ value of '" + k + "' must be a string, found " + cur.found());
+            std::string v = cur.string();
+            if (!h.metadata.emplace(k, std::move(v)).second)
+              cur.fail("duplicate __metadata__ key '" + k + "'");
+            if (cur.accept('}')) break;
+            cur.expect(',');
+          }
+        }
+      } else {
+        SafetensorsEntry e;
+        e.name = std::move(key);
+        parse_tensor_entry(cur, e);
+        h.tensors.push_back(std::move(e));
+      }
+      if (cur.accept('}')) break;
+      cur.expect(',');
+    }
+  }
+  cur.skip_ws();  // writers pad the header with spaces
+  if (!cur.at_end()) cur.fail("unexpected data after the header's JSON object: " + cur.found());
+  return h;
+}
+
+LAZYTENSOR_INLINE void check_safetensors_layout(const SafetensorsHeader& h,
+                                                std::uint64_t buffer_bytes,
+                                                const std::string& path) {
+  const auto& ts = h.tensors;
+  const auto fail = [&](const std::string& what) { throw FormatError(path + ": " + what); };
+  for (const auto& e : ts) {
+    if (e.end < e.begin) {
+      fail("tensor '" + e.name + "': data_offsets [" + std::to_string(e.begin) + ", " +
+           std::to_string(e.end) + "] end before they begin");
+    }
+    std::uint64_t numel = 1;
+    for (const auto d : e.shape) {
+      if (__builtin_mul_overflow(numel, static_cast<std::uint64_t>(d), &numel)) {
+        fail("tensor '" + e.name + "': shape " + e.shape.str() +
+             " has more elements than 64 bits can count");
+      }
+    }
+    std::uint64_t nbytes = 0;
+    if (__builtin_mul_overflow(numel, static_cast<std::uint64_t>(e.stored->size), &nbytes)) {
+      fail("tensor '" + e.name + "': shape " + e.shape.str() +
+           " has more bytes than 64 bits can count");
+    }
+    if (e.end - e.begin != nbytes) {
+      fail("tensor '" + e.name + "': shape " + e.shape.str() + " of " +
+           e.stored->name + " needs " + std::to_string(nbytes) +
+           " bytes, but data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
+           "] hold " + std::to_string(e.end - e.begin));
+    }
+  }
+  std::vector<std::size_t> order(ts.size());
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+    return std::pair(ts[a].begin, ts[a].end) < std::pair(ts[b].begin, ts[b].end);
+  });
+  std::uint64_t pos = 0;
+  std::string prev = "the start of the data buffer";
+  for (const std::size_t k : order) {
+    const auto& e = ts[k];
+    if (e.begin < pos) {
+      fail("tensor '" + e.name + "' (data_offsets [" + std::to_string(e.begin) + ", " +
+           std::to_string(e.end) + "]) overlaps " + prev + ", which ends at byte " +
+           std::to_string(pos));
+    }
+    if (e.begin > pos) {
+      fail("gap of " + std::to_string(e.begin - pos) + " bytes between " + prev +
+           " (ends at byte " + std::to_string(pos) + ") and tensor '" + e.name +
+           "' (starts at byte " + std::to_string(e.begin) +
+           "): the offsets must cover the data buffer contiguously");
+    }
+    pos = e.end;
+    prev = "tensor '" + e.name + "'";
+  }
+  if (pos > buffer_bytes) {
+    fail("truncated: the header describes " + std::to_string(pos) +
+         " bytes of tensor data, but only " + std::to_string(buffer_bytes) +
+         " bytes follow the header");
+  }
+  if (pos < buffer_bytes) {
+    fail(std::to_string(buffer_bytes - pos) +
+         " bytes of trailing data after the last tensor (the header describes " +
+         std::to_string(pos) + " bytes of tensor data, " + std::to_string(buffer_bytes) +
+         " follow the header)");
+  }
+}
+
+LAZYTENSOR_INLINE std::string safetensors_header(const StateDict& sd,
+                                                 const std::vector<const StoredDType*>& stored,
+                                                 const std::vector<std::size_t>& order) {
+  const auto& items = sd.items();
+  const auto stored_bytes = [&](std::size_t k) {
+    return static_cast<std::uint64_t>(items[k].second.numel()) * stored[k]->size;
+  };
+  std::vector<std::uint64_t> begin(items.size());
+  std::uint64_t pos = 0;
+  for (const std::size_t k : order) {
+    begin[k] = pos;
+    pos += stored_bytes(k);
+  }
+  std::string h = "{";
+  if (!sd.metadata().empty()) {
+    append_json_string(h, "__metadata__");
+    h += ":{";
+    bool first = true;
+    for (const auto& [k, v] : sd.metadata()) {
+      if (!first) h += ',';
+      first = false;
+      append_json_string(h, k);
+      h += ':';
+      append_json_string(h, v);
+    }
+    h += '}';
+  }
+  for (std::size_t k = 0; k < items.size(); ++k) {
+    const AnyTensor& t = items[k].second;
+    if (h.size() > 1) h += ',';
+    append_json_string(h, items[k].first);
+    h += ":{\"dtype\":\"";
+    h += stored[k]->name;
+    h += "\",\"shape\":[";
+    for (int d = 0; d < t.shape().rank(); ++d) {
+      if (d) h += ',';
+      h += std::to_string(t.shape()[d]);
+    }
+    h += "],\"data_offsets\":[" + std::to_string(begin[k]) + "," +
+         std::to_string(begin[k] + stored_bytes(k)) + "]}";
+  }
+  h += '}';
+  h.append((8 - h.size() % 8) % 8, ' ');  // the data then starts 8-byte aligned
+  return h;
+}
+
+LAZYTENSOR_INLINE std::vector<const StoredDType*> check_saveable(const StateDict& sd,
+                                                                 const std::string& path) {
+  const std::string cannot = "cannot save '" + path + "': ";
+  for (const auto& [name, t] : sd) {
+    if (!t.defined()) throw Error(cannot + "tensor '" + name + "' is undefined");
+    if (name == "__metadata__")
+      throw FormatError(cannot + "'__metadata__' is reserved by safetensors, not a tensor name");
+    if (!valid_utf8(name))
+      throw FormatError(cannot + "tensor name '" + name + "' is not valid UTF-8");
+  }
+  for (const auto& [k, v] : sd.metadata()) {
+    if (!valid_utf8(k) || !valid_utf8(v))
+      throw FormatError(cannot + "metadata entry '" + k + "' is not valid UTF-8");
+  }
+  for (const auto& [name, dtype_in_file] : sd.stored_dtypes()) {
+    if (!sd.contains(name)) {
+      throw FormatError(cannot + "stored_dtypes names '" + name +
+                        "', which is not a tensor of the state dict");
+    }
+  }
+  std::vector<const StoredDType*> stored;
+  for (const auto& [name, t] : sd) {
+    const auto it = sd.stored_dtypes().find(name);
+    if (it == sd.stored_dtypes().end()) {
+      stored.push_back(&native_stored_dtype(t.dtype()));
+      continue;
+    }
+    std::string why;
+    const StoredDType* s = find_stored_dtype(it->second, &why);
+    if (!s) throw FormatError(cannot + "stored_dtypes['" + name + "']: " + why);
+    if (s->holds != t.dtype()) {
+      throw FormatError(cannot + "tensor '" + name + "' is " + dtype_name(t.dtype()) +
+                        ", but stored_dtypes asks for " + s->name + ", which is held in " +
+                        dtype_name(s->holds));
+    }
+    std::string value;
+    const auto n = static_cast<std::size_t>(t.numel());
+    std::size_t bad = n;
+    if (!s->native && n != 0)
+      t.visit([&](const auto& typed) { bad = find_out_of_range(*s, typed.data(), n, &value); });
+    if (bad != n) {
+      throw FormatError(cannot + "tensor '" + name + "': element " + std::to_string(bad) + " is " +
+                        value + ", which " + s->name + " (its stored dtype) cannot hold");
+    }
+    stored.push_back(s);
+  }
+  return stored;
+}
+
+}  // namespace detail
+
+LAZYTENSOR_INLINE void save_file(const StateDict& sd, const std::string& path) {
+  const std::vector<const detail::StoredDType*> stored = detail::check_saveable(sd, path);
+  const auto& items = sd.items();
+  std::vector<std::size_t> order(items.size());
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  std::stable_sort(order.begin(), order.end(),
+                   [&](std::size_t a, std::size_t b) { return stored[a]->size > stored[b]->size; });
+  const std::string header = detail::safetensors_header(sd, stored, order);
+  if (header.size() > detail::kMaxSafetensorsHeader) {
+    throw FormatError("cannot save '" + path + "': the header would take " +
+                      std::to_string(header.size()) + " bytes, more than safetensors' limit of " +
+                      std::to_string(detail::kMaxSafetensorsHeader));
+  }
+  detail::AtomicFileWriter out(path);
+  unsigned char len[8];
+  for (int i = 0; i < 8; ++i)
+    len[i] = static_cast<unsigned char>(static_cast<std::uint64_t>(header.size()) >> (8 * i));
+  out.write(len, sizeof len);
+  out.write(header.data(), header.size());
+  std::vector<unsigned char> staging;  // narrowed chunks of tensors stored in another dtype
+  for (const std::size_t k : order) {
+    const AnyTensor& t = items[k].second;
+    const auto n = static_cast<std::size_t>(t.numel());
+    if (n == 0) continue;
+    const detail::StoredDType& s = *stored[k];
+    t.visit([&](const auto& typed) {
+      if (s.native) return out.write(typed.data(), n * s.size);
+      constexpr std::size_t kChunk = detail::kConvertChunk;
+      staging.resize(std::min(n, kChunk) * s.size);
+      const auto* src = reinterpret_cast<const unsigned char*>(typed.data());
+      for (std::size_t i = 0; i < n; i += kChunk) {
+        const std::size_t m = std::min(kChunk, n - i);
+        detail::narrow(s, src + i * dtype_size(t.dtype()), staging.data(), m);
+        out.write(staging.data(), m * s.size);
       }
     });
   }
+  out.commit();
+}
 
-  bool ta_, tb_, bf16_, round_, force_packed_;
-  std::int64_t batch_a_, batch_b_, m_, k_, n_;
-  std::shared_ptr<Buffer> packed_b_;  ///< op(B) packed, between begin_rows and end_rows
-};
+LAZYTENSOR_INLINE StateDict load(const std::string& path, Device dev) {
+  // A safetensors file starts with its header's length, 8 bytes little endian; a shard
+  // index with `{"format`, which read as such a length would be ~2^63, far past the
+  // header limit: no valid safetensors file starts that way.
+  char head[8] = {};
+  {
+    detail::ReadFile file(path);
+    if (file.read_at(head, sizeof head, 0) != sizeof head) head[0] = 0;
+  }
+  if (std::string_view(head, sizeof head) == "{\"format")
+    return detail::load_shard_index(path, dev, &detail::load_safetensors_file);
+  return detail::load_safetensors_file(path, dev);
+}
 
-}  // namespace lazy::graph
-// ---- end lazytensor/graph/matmul_node.hpp ----
+LAZYTENSOR_INLINE StateDict detail::load_safetensors_file(const std::string& path, Device dev) {
+  detail::ReadFile file(path);
+  const std::uint64_t size = file.size();
+  if (size < 8) {
+    throw FormatError(path + ": file is " + std::to_string(size) +
+                      " bytes long, too short for the 8-byte header length of a safetensors file");
+  }
+  unsigned char len[8];
+  if (file.read_at(len, 8, 0) != 8)
+    throw FormatError(path + ": file shrank while reading the header length");
+  std::uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | len[i];
+  if (n > detail::kMaxSafetensorsHeader) {
+    throw FormatError(
+        path + ": header length " + std::to_string(n) + " exceeds safetensors' limit of " +
+        std::to_string(detail::kMaxSafetensorsHeader) + " bytes (corrupt length field?)");
+  }
+  if (n > size - 8) {
+    throw FormatError(path + ": header length " + std::to_string(n) + " but only " +
+                      std::to_string(size - 8) +
+                      " bytes follow the length field (truncated file or wrong header length)");
+  }
+  std::string text(static_cast<std::size_t>(n), '\0');
+  if (file.read_at(text.data(), text.size(), 8) != text.size())
+    throw FormatError(path + ": file shrank while reading the header");
+  const detail::SafetensorsHeader header = detail::parse_safetensors_header(text, path);
+  const std::uint64_t data_start = 8 + n;
+  detail::check_safetensors_layout(header, size - data_start, path);
+
+  // The data is read whole into buffers: a file whose data the machine cannot hold (a sparse
+  // file's apparent size, consistent with its header) fails at once, naming the size.
+  std::uint64_t held_bytes = 0;  // wider than the file's data when dtypes are widened
+  for (const auto& e : header.tensors)
+    held_bytes += (e.end - e.begin) / e.stored->size * dtype_size(e.dtype);
+  lazy::detail::check_fits_in_memory(held_bytes, path + ": the tensors' data");
+  StateDict sd;
+  graph::Device& engine = dev.engine();
+  std::vector<unsigned char> staging;  // chunks of tensors stored in a dtype we widen
+  for (const auto& e : header.tensors) {
+    const std::size_t nbytes = static_cast<std::size_t>(e.end - e.begin);
+    const std::size_t n = nbytes / e.stored->size;
+    auto buf = engine.pool().acquire(padded_bytes(e.shape.numel(), dtype_size(e.dtype)));
+    const auto shrank = [&] {
+      return FormatError(path + ": file shrank while reading tensor '" + e.name + "'");
+    };
+    if (e.stored->native) {
+      if (file.read_at(buf->data(), nbytes, data_start + e.begin) != nbytes) throw shrank();
+    } else {
+      constexpr std::size_t kChunk = detail::kConvertChunk;
+      staging.resize(std::min(n, kChunk) * e.stored->size);
+      auto* dst = static_cast<unsigned char*>(buf->data());
+      for (std::size_t i = 0; i < n; i += kChunk) {
+        const std::size_t m = std::min(kChunk, n - i), bytes = m * e.stored->size;
+        if (file.read_at(staging.data(), bytes, data_start + e.begin + i * e.stored->size) != bytes)
+          throw shrank();
+        detail::widen(*e.stored, staging.data(), dst + i * dtype_size(e.dtype), m);
+      }
+      sd.stored_dtypes()[e.name] = e.stored->name;
+    }
+    if (e.dtype == DType::Bool) {
+      // A byte other than 0/1 read as bool is undefined behaviour; such a file is corrupt.
+      const auto* p = static_cast<const unsigned char*>(buf->data());
+      for (std::size_t i = 0; i < nbytes; ++i) {
+        if (p[i] > 1) {
+          throw FormatError(path + ": tensor '" + e.name + "': BOOL element " + std::to_string(i) +
+                            " is " + std::to_string(p[i]) + ", expected 0 or 1");
+        }
+      }
+    }
+    sd.insert(e.name, lazy::detail::any_of_node(std::make_shared<graph::DataNode>(e.dtype, e.shape, &engine,
+                                                                          std::move(buf))));
+  }
+  sd.metadata() = header.metadata;
+  return sd;
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+}  // namespace lazy::io
+// ---- end lazytensor/io/safetensors.hpp ----
+// ---- begin lazytensor/io/save.hpp ----
+// io::save: saving a state dict from a replicated program, as torch_xla's xm.save.
+//
+// Every replica calls it with its own state dict. Each one first materializes the pending
+// tensors of its state dict (one execution per device: a sync, as xm.save's transfer to the
+// CPU is), then the writer(s) write, then all replicas meet in a rendezvous: when save
+// returns on any replica the file is complete (renamed into place and fsynced), so another
+// replica may read it at once. A failure on one replica is reported on all of them, after the
+// rendezvous (nobody is left waiting for a replica that failed): the failing replica
+// re-throws its own error, the others throw IoError naming it.
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <exception>
+#include <map>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+// ---- begin lazytensor/spmd/sharded_node.hpp ----
+// The value of a sharded tensor: one piece per mesh device, each a node on its own device
+// (computed by that device's steps), and the whole value, gathered only when read.
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
 // ---- begin lazytensor/graph/transpose_hint.hpp ----
 // A node that is the transpose of its input's last two dimensions can say so, so that a
 // GEMM reads the source with a transposed layout instead of waiting for the copy.
@@ -17171,6 +17426,1558 @@ class TransposeOfLastTwo {
 
 }  // namespace lazy::graph
 // ---- end lazytensor/graph/transpose_hint.hpp ----
+// ---- begin lazytensor/spmd/sharding.hpp ----
+// Partition specs (how a tensor's dimensions map onto mesh axes) and the resolved sharding
+// of one tensor: which block of it each device of the mesh holds.
+
+#include <cstdint>
+#include <initializer_list>
+#include <optional>
+#include <string>
+#include <utility>
+#include <variant>
+#include <vector>
+
+// ---- begin lazytensor/spmd/mesh.hpp ----
+// Meshes: the logical arrangement of devices that shardings name (torch_xla's Mesh and
+// HybridMesh), and the process's global mesh.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+// ---- begin lazytensor/spmd/span.hpp ----
+// The processes an SPMD program spans (torch_xla's multi-host SPMD; here processes under
+// `mpirun`, linked with lazytensor::mpi). Every process runs the same program over one
+// global mesh, whose device ids are global: process q owns ids [q * L, (q + 1) * L), L =
+// lazy::device_count() (the same in every process). Each process holds an engine device for
+// every id: its own at registry indices 0..L-1, so the default device and everything counted
+// by device_count() stay local, and the others' as remote devices (graph::Device::remote),
+// whose nodes it traces like its own (so every process builds the same graph, and the same
+// collectives in the same order) but never computes.
+//
+// Data crosses processes in two places only, both through exchange(): an all-reduce whose
+// group holds devices of several processes, and the gather of a sharded value whose blocks
+// some process holds no piece of. Both are collective: every process meets them in program
+// order, as it does when it runs the same program.
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+
+namespace lazy::spmd::detail {
+
+/// This process's place among the processes of the SPMD program.
+struct ProcessSpan {
+  int index = 0;          ///< this process
+  int count = 1;          ///< processes
+  int local_devices = 1;  ///< devices per process
+  int host_processes = 1; ///< processes on this host (they share its cores)
+};
+
+/// The span (one process unless use_spmd joined several).
+const ProcessSpan& process_span();
+
+/// Records the span and creates the engine devices of every global id, the other
+/// processes' ones marked remote. Called once, by use_spmd, before anything is traced.
+void set_process_span(const ProcessSpan& span);
+
+/// Devices of every process: the ids a mesh may name. Known before use_spmd joins the
+/// processes (a mesh may be built first, as a strategy's is): the MPI job's process count
+/// times lazy::device_count().
+int span_device_count();
+
+/// The process owning global device id `id`.
+inline int span_process_of(int id) {
+  const auto& s = process_span();
+  return s.count == 1 ? 0 : id / s.local_devices;
+}
+
+/// The engine device of global device id `id` (registry index `id - index * L` modulo the
+/// device count: this process's devices first).
+graph::Device& span_device(int id);
+
+/// One message of an exchange: `bytes` at `data` to or from process `process`; `keep`
+/// holds the memory alive should the exchange be given up with the message in flight.
+struct Transfer {
+  int process = 0;
+  void* data = nullptr;
+  std::size_t bytes = 0;
+  std::shared_ptr<const void> keep;
+};
+
+/// Which collective an exchange serves (each has its own sequence of exchanges).
+enum class Channel : int { Reduce = 0, Gather = 1, Host = 2 };
+
+/// Sends and receives the transfers, matched with the other processes' exchange of the same
+/// channel and `seq`: the messages between two processes pair up in the order each side lists
+/// them. Each carries `signature` (what the exchange is: op, dtype, size); a message whose
+/// signature or size differs raises CollectiveMismatch, and a peer that sends nothing within
+/// the collective timeout CollectiveTimeout (`what` names the collective in both).
+using ExchangeFn = void (*)(Channel channel, std::uint64_t seq, std::uint64_t signature,
+                            const std::vector<Transfer>& sends, const std::vector<Transfer>& receives,
+                            const std::string& what);
+
+/// The installed transport (lazytensor::mpi's, installed by use_spmd), or null.
+inline std::atomic<ExchangeFn>& exchange_hook() {
+  static std::atomic<ExchangeFn> hook{nullptr};
+  return hook;
+}
+
+/// What use_spmd calls to join the processes of the job into one SPMD program (installs
+/// exchange_hook's transport and the span): lazytensor::mpi's join (process_link.hpp),
+/// installed before main by the programs that link it; null: SPMD stays in this process.
+inline std::atomic<void (*)()>& process_join_hook() {
+  static std::atomic<void (*)()> hook{nullptr};
+  return hook;
+}
+
+/// exchange_hook()'s exchange; Error when none is installed.
+void exchange(Channel channel, std::uint64_t seq, std::uint64_t signature, const std::vector<Transfer>& sends,
+              const std::vector<Transfer>& receives, const std::string& what);
+
+/// Every process's `ok` (one process: just this one's), once all processes reached this
+/// call (a barrier of the host, as dist::rendezvous inside spawn), in process order.
+std::vector<bool> span_rendezvous(bool ok, const std::string& what);
+
+}  // namespace lazy::spmd::detail
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::spmd::detail {
+
+inline ProcessSpan& mutable_process_span() {
+  static ProcessSpan span;
+  return span;
+}
+
+LAZYTENSOR_INLINE const ProcessSpan& process_span() { return mutable_process_span(); }
+
+LAZYTENSOR_INLINE void set_process_span(const ProcessSpan& span) {
+  if (span.count < 1 || span.index < 0 || span.index >= span.count || span.local_devices < 1)
+    throw Error("SPMD: invalid process span (process " + std::to_string(span.index) + " of " +
+                std::to_string(span.count) + ", " + std::to_string(span.local_devices) + " devices each)");
+  mutable_process_span() = span;
+  for (int id = 0; id < span.count * span.local_devices; ++id) {
+    graph::Device& dev = span_device(id);
+    const int owner = span_process_of(id);
+    dev.set_span_place(id, owner, owner != span.index);
+    if (owner != span.index) dev.set_num_threads(1);  // traced only: no workers
+  }
+}
+
+LAZYTENSOR_INLINE int span_device_count() { return dist::detail::process_place().count * device_count(); }
+
+LAZYTENSOR_INLINE graph::Device& span_device(int id) {
+  const auto& s = process_span();
+  if (s.count == 1) return graph::DeviceRegistry::get().device(id);
+  const int total = s.count * s.local_devices;
+  return graph::DeviceRegistry::get().device(((id - s.index * s.local_devices) % total + total) % total);
+}
+
+LAZYTENSOR_INLINE void exchange(Channel channel, std::uint64_t seq, std::uint64_t signature,
+                                const std::vector<Transfer>& sends, const std::vector<Transfer>& receives,
+                                const std::string& what) {
+  ExchangeFn fn = exchange_hook().load(std::memory_order_acquire);
+  if (!fn) throw Error("SPMD " + what + ": the program spans processes but no transport is installed");
+  fn(channel, seq, signature, sends, receives, what);
+}
+
+LAZYTENSOR_INLINE std::vector<bool> span_rendezvous(bool ok, const std::string& what) {
+  const auto& span = process_span();
+  std::vector<bool> all(static_cast<std::size_t>(span.count), ok);
+  if (span.count == 1) return all;
+  static std::atomic<std::uint64_t> seq{0};
+  auto flags = std::make_shared<std::vector<unsigned char>>(static_cast<std::size_t>(span.count) + 1, 0);
+  (*flags)[0] = ok ? 1 : 0;
+  std::vector<Transfer> sends, receives;
+  for (int q = 0; q < span.count; ++q) {
+    if (q == span.index) continue;
+    sends.push_back({q, flags->data(), 1, flags});
+    receives.push_back({q, flags->data() + 1 + q, 1, flags});
+  }
+  exchange(Channel::Host, seq.fetch_add(1, std::memory_order_relaxed), 0x5eed, sends, receives, what);
+  for (int q = 0; q < span.count; ++q)
+    if (q != span.index) all[static_cast<std::size_t>(q)] = (*flags)[static_cast<std::size_t>(q) + 1] != 0;
+  return all;
+}
+
+}  // namespace lazy::spmd::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/spmd/span.hpp ----
+
+namespace lazy::spmd {
+
+/// The device ids of a mesh arranged in its shape (what torch_xla's get_logical_mesh
+/// returns as a numpy array): `device_ids` row-major in `shape`.
+struct LogicalMesh {
+  std::vector<std::int64_t> shape;
+  std::vector<int> device_ids;
+  /// The id at mesh coordinates `coords` (one per axis).
+  int at(const std::vector<std::int64_t>& coords) const;
+};
+
+/// A logical n-d array of devices (torch_xla.distributed.spmd.Mesh). `device_ids` are laid
+/// out row-major in `mesh_shape`; axes may be named (`axis_names`, one per axis, distinct),
+/// else each is named by its index ("0", "1", ...). A partition spec refers to the axes by
+/// index or name. Error (lazy::Error, naming the values) when the shape's product is not
+/// the number of ids, an id repeats or names no device, or names repeat. When the program
+/// spans processes (span.hpp) the ids are global: those of every process's devices.
+class Mesh {
+ public:
+  Mesh(std::vector<int> device_ids, std::vector<std::int64_t> mesh_shape, std::vector<std::string> axis_names = {});
+
+  /// The axes in order, as (name, size).
+  std::vector<std::pair<std::string, std::int64_t>> shape() const;
+  /// The ids in mesh order (row-major over the axes).
+  const std::vector<int>& device_ids() const { return ids_; }
+  /// The size of each axis.
+  const std::vector<std::int64_t>& mesh_shape() const { return shape_; }
+  /// Each axis's name (the index as text for unnamed axes).
+  const std::vector<std::string>& axis_names() const { return names_; }
+  /// The ids arranged in the mesh's shape.
+  LogicalMesh get_logical_mesh() const { return {shape_, ids_}; }
+  /// Number of devices.
+  int size() const { return static_cast<int>(ids_.size()); }
+  /// Number of axes.
+  int rank() const { return static_cast<int>(shape_.size()); }
+
+  /// The coordinates of the device at mesh position `position` (row-major).
+  std::vector<std::int64_t> coordinates(int position) const;
+  /// The mesh position of device `device_id`, or -1.
+  int position_of(int device_id) const;
+  /// Text such as `Mesh(shape=("data": 2, "model": 2), devices=[0, 1, 2, 3])`.
+  std::string str() const;
+
+  friend bool operator==(const Mesh& a, const Mesh& b) {
+    return a.ids_ == b.ids_ && a.shape_ == b.shape_ && a.names_ == b.names_;
+  }
+
+ private:
+  std::vector<int> ids_;
+  std::vector<std::int64_t> shape_;
+  std::vector<std::string> names_;
+};
+
+/// A mesh for devices grouped in slices (torch_xla's HybridMesh): the mesh's axis i has
+/// size `dcn_mesh_shape[i] * ici_mesh_shape[i]`, the DCN part outer. Device ids follow
+/// the slices: slice s (the row-major index of the DCN coordinates) holds ids
+/// [s * S, (s + 1) * S), S the product of `ici_mesh_shape`, laid out row-major over the
+/// ICI coordinates. Every device takes part; Error when the shapes' ranks differ or their
+/// products do not make the device count. When the program spans processes, a slice is one
+/// process: the DCN axes run across processes, the ICI axes inside one (Error unless the
+/// ICI product is the devices per process).
+class HybridMesh : public Mesh {
+ public:
+  HybridMesh(std::vector<std::int64_t> ici_mesh_shape, std::vector<std::int64_t> dcn_mesh_shape,
+             std::vector<std::string> axis_names = {});
+};
+
+/// Sets the mesh that APIs taking no mesh use (torch_xla's set_global_mesh).
+void set_global_mesh(const Mesh& mesh);
+/// The global mesh, if one was set.
+std::optional<Mesh> get_global_mesh();
+
+namespace detail {
+/// The device ids a HybridMesh lays out (see HybridMesh).
+std::vector<int> hybrid_device_ids(const std::vector<std::int64_t>& ici, const std::vector<std::int64_t>& dcn);
+/// The elementwise product of the two shapes.
+std::vector<std::int64_t> hybrid_shape(const std::vector<std::int64_t>& ici, const std::vector<std::int64_t>& dcn);
+/// "(6, 4)": a shape as JAX's messages print it.
+std::string tuple_text(const std::vector<std::int64_t>& sizes);
+}  // namespace detail
+
+}  // namespace lazy::spmd
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+#include <algorithm>
+#include <mutex>
+#include <set>
+
+namespace lazy::spmd {
+
+LAZYTENSOR_INLINE int LogicalMesh::at(const std::vector<std::int64_t>& coords) const {
+  if (coords.size() != shape.size())
+    throw Error("LogicalMesh::at: expected " + std::to_string(shape.size()) + " coordinates, got " +
+                std::to_string(coords.size()));
+  std::int64_t p = 0;
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    if (coords[i] < 0 || coords[i] >= shape[i])
+      throw Error("LogicalMesh::at: coordinate " + std::to_string(coords[i]) + " out of range for axis " +
+                  std::to_string(i) + " of size " + std::to_string(shape[i]));
+    p = p * shape[i] + coords[i];
+  }
+  return device_ids[static_cast<std::size_t>(p)];
+}
+
+LAZYTENSOR_INLINE std::string detail::tuple_text(const std::vector<std::int64_t>& sizes) {
+  std::string s = "(";
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(sizes[i]);
+  }
+  if (sizes.size() == 1) s += ",";
+  return s + ")";
+}
+
+LAZYTENSOR_INLINE Mesh::Mesh(std::vector<int> device_ids, std::vector<std::int64_t> mesh_shape,
+                             std::vector<std::string> axis_names)
+    : ids_(std::move(device_ids)), shape_(std::move(mesh_shape)), names_(std::move(axis_names)) {
+  if (shape_.empty()) throw Error("Mesh: expected at least one mesh axis, got an empty mesh shape");
+  std::int64_t product = 1;
+  for (auto s : shape_) {
+    if (s < 1) throw Error("Mesh: mesh shape " + detail::tuple_text(shape_) + " has a size below 1");
+    product *= s;
+  }
+  if (product != static_cast<std::int64_t>(ids_.size()))
+    throw Error("Mesh: mesh shape " + detail::tuple_text(shape_) + " holds " + std::to_string(product) +
+                " devices, but " + std::to_string(ids_.size()) + " device ids were given");
+  const int available = detail::span_device_count();
+  const bool spans = dist::detail::process_place().count > 1;
+  std::set<int> seen;
+  for (int id : ids_) {
+    if (id < 0 || id >= available)
+      throw Error("Mesh: device id " + std::to_string(id) + " names no device (" +
+                  (spans ? "the processes have " : "this process has ") + std::to_string(available) + ": ids 0.." +
+                  std::to_string(available - 1) + "; LAZYTENSOR_NUM_DEVICES sets the count per process)");
+    if (!seen.insert(id).second) throw Error("Mesh: device id " + std::to_string(id) + " appears twice");
+  }
+  if (names_.empty()) {
+    for (std::size_t i = 0; i < shape_.size(); ++i) names_.push_back(std::to_string(i));
+  } else if (names_.size() != shape_.size()) {
+    throw Error("Mesh: " + std::to_string(names_.size()) + " axis names given for a mesh of " +
+                std::to_string(shape_.size()) + " axes " + detail::tuple_text(shape_));
+  }
+  std::set<std::string> names;
+  for (const auto& n : names_)
+    if (!names.insert(n).second) throw Error("Mesh: axis name \"" + n + "\" appears twice");
+}
+
+LAZYTENSOR_INLINE std::vector<std::pair<std::string, std::int64_t>> Mesh::shape() const {
+  std::vector<std::pair<std::string, std::int64_t>> r;
+  for (std::size_t i = 0; i < shape_.size(); ++i) r.emplace_back(names_[i], shape_[i]);
+  return r;
+}
+
+LAZYTENSOR_INLINE std::vector<std::int64_t> Mesh::coordinates(int position) const {
+  std::vector<std::int64_t> c(shape_.size());
+  std::int64_t p = position;
+  for (std::size_t i = shape_.size(); i-- > 0;) {
+    c[i] = p % shape_[i];
+    p /= shape_[i];
+  }
+  return c;
+}
+
+LAZYTENSOR_INLINE int Mesh::position_of(int device_id) const {
+  auto it = std::find(ids_.begin(), ids_.end(), device_id);
+  return it == ids_.end() ? -1 : static_cast<int>(it - ids_.begin());
+}
+
+LAZYTENSOR_INLINE std::string Mesh::str() const {
+  std::string s = "Mesh(shape=(";
+  for (std::size_t i = 0; i < shape_.size(); ++i) {
+    if (i) s += ", ";
+    s += "\"" + names_[i] + "\": " + std::to_string(shape_[i]);
+  }
+  s += "), devices=[";
+  for (std::size_t i = 0; i < ids_.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(ids_[i]);
+  }
+  return s + "])";
+}
+
+LAZYTENSOR_INLINE std::vector<std::int64_t> detail::hybrid_shape(const std::vector<std::int64_t>& ici,
+                                                                  const std::vector<std::int64_t>& dcn) {
+  if (ici.size() != dcn.size())
+    throw Error("HybridMesh: ici_mesh_shape " + tuple_text(ici) + " and dcn_mesh_shape " + tuple_text(dcn) +
+                " must have the same number of axes");
+  std::vector<std::int64_t> s(ici.size());
+  for (std::size_t i = 0; i < ici.size(); ++i) {
+    if (ici[i] < 1 || dcn[i] < 1)
+      throw Error("HybridMesh: sizes must be at least 1, got ici " + tuple_text(ici) + ", dcn " + tuple_text(dcn));
+    s[i] = ici[i] * dcn[i];
+  }
+  return s;
+}
+
+LAZYTENSOR_INLINE std::vector<int> detail::hybrid_device_ids(const std::vector<std::int64_t>& ici,
+                                                            const std::vector<std::int64_t>& dcn) {
+  const auto shape = hybrid_shape(ici, dcn);
+  std::int64_t total = 1, per_slice = 1;
+  for (auto s : shape) total *= s;
+  for (auto s : ici) per_slice *= s;
+  const int processes = dist::detail::process_place().count;
+  if (total != span_device_count())
+    throw Error("HybridMesh: ici " + tuple_text(ici) + " times dcn " + tuple_text(dcn) + " makes " +
+                std::to_string(total) + " devices, but " +
+                (processes > 1 ? "the processes have " : "this process has ") + std::to_string(span_device_count()));
+  if (processes > 1 && per_slice != device_count())
+    throw Error("HybridMesh: the ICI axes " + tuple_text(ici) + " hold " + std::to_string(per_slice) +
+                " devices, but each of the " + std::to_string(processes) + " processes has " +
+                std::to_string(device_count()) + " (a slice is one process: its devices on the ICI axes, the "
+                "processes on the DCN axes)");
+  std::vector<int> ids(static_cast<std::size_t>(total));
+  const std::size_t rank = shape.size();
+  std::vector<std::int64_t> c(rank, 0);
+  for (std::int64_t p = 0; p < total; ++p) {
+    // Mesh coordinate c[i] = dcn coordinate * ici[i] + ici coordinate.
+    std::int64_t slice = 0, within = 0;
+    for (std::size_t i = 0; i < rank; ++i) {
+      slice = slice * dcn[i] + c[i] / ici[i];
+      within = within * ici[i] + c[i] % ici[i];
+    }
+    ids[static_cast<std::size_t>(p)] = static_cast<int>(slice * per_slice + within);
+    for (std::size_t i = rank; i-- > 0;) {
+      if (++c[i] < shape[i]) break;
+      c[i] = 0;
+    }
+  }
+  return ids;
+}
+
+LAZYTENSOR_INLINE HybridMesh::HybridMesh(std::vector<std::int64_t> ici_mesh_shape, std::vector<std::int64_t> dcn_mesh_shape,
+                                         std::vector<std::string> axis_names)
+    : Mesh(detail::hybrid_device_ids(ici_mesh_shape, dcn_mesh_shape), detail::hybrid_shape(ici_mesh_shape, dcn_mesh_shape),
+           std::move(axis_names)) {}
+
+namespace detail {
+struct GlobalMesh {
+  std::mutex mu;
+  std::optional<Mesh> mesh;
+};
+inline GlobalMesh& global_mesh() {
+  static GlobalMesh g;
+  return g;
+}
+}  // namespace detail
+
+LAZYTENSOR_INLINE void set_global_mesh(const Mesh& mesh) {
+  auto& g = detail::global_mesh();
+  std::lock_guard lock(g.mu);
+  g.mesh = mesh;
+}
+
+LAZYTENSOR_INLINE std::optional<Mesh> get_global_mesh() {
+  auto& g = detail::global_mesh();
+  std::lock_guard lock(g.mu);
+  return g.mesh;
+}
+
+}  // namespace lazy::spmd
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/spmd/mesh.hpp ----
+
+namespace lazy::spmd {
+
+/// One mesh axis in a partition spec: its index (`0`) or its name (`"data"`).
+class AxisRef {
+ public:
+  AxisRef(int index) : ref_(index) {}
+  AxisRef(const char* name) : ref_(std::string(name)) {}
+  AxisRef(std::string name) : ref_(std::move(name)) {}
+  const std::variant<int, std::string>& ref() const { return ref_; }
+
+ private:
+  std::variant<int, std::string> ref_;
+};
+
+/// One entry of a partition spec, for one tensor dimension: replicated (`std::nullopt`),
+/// one mesh axis (`0`, `"data"`), or a braced list of axes (`{"x", "y"}`) that shards the
+/// dimension over all of them, the first major.
+class PartitionEntry {
+ public:
+  PartitionEntry(std::nullopt_t) {}
+  PartitionEntry(int axis) : axes_{AxisRef(axis)} {}
+  PartitionEntry(const char* axis) : axes_{AxisRef(axis)} {}
+  PartitionEntry(std::string axis) : axes_{AxisRef(std::move(axis))} {}
+  PartitionEntry(std::initializer_list<AxisRef> axes) : axes_(axes) {}
+  /// The axes, major first (empty: replicated).
+  const std::vector<AxisRef>& axes() const { return axes_; }
+
+ private:
+  std::vector<AxisRef> axes_;
+};
+
+/// A partition spec: one entry per tensor dimension (`{0, std::nullopt}`, `{"data"}`).
+/// Shorter specs are padded with replicated entries; mesh axes it leaves out replicate.
+using PartitionSpec = std::vector<PartitionEntry>;
+
+/// The resolved sharding of a tensor of a given shape: for each dimension, the mesh axes
+/// (indices, major first) that split it. Devices whose coordinates differ only along
+/// unused axes hold the same block (replicas).
+struct Sharding {
+  Mesh mesh;
+  std::vector<std::vector<int>> dims;
+
+  /// Number of blocks along dimension `d` (the product of its axes' sizes).
+  std::int64_t parts(int d) const;
+  /// The axes that cut dimension `d`: its axes but those of size 1, which cut nothing (two
+  /// dimensions with the same cuts are split into the same blocks).
+  std::vector<int> cuts(int d) const;
+  /// Number of distinct blocks (the product of every dimension's parts).
+  std::int64_t blocks() const;
+  /// True when no dimension is split.
+  bool replicated() const;
+  /// The block index along dimension `d` of the device at mesh position `position`.
+  std::int64_t part_of(int position, int d) const;
+  /// The [begin, end) range of every dimension of `global` that mesh position `position`
+  /// holds.
+  std::vector<std::pair<std::int64_t, std::int64_t>> block(int position, const Shape& global) const;
+  /// The shape of the block every device holds.
+  Shape block_shape(const Shape& global) const;
+  /// The sharding as torch_xla's _get_xla_sharding_spec prints it (XLA's HloSharding
+  /// text): `{replicated}`, `{devices=[2,1]0,1}`, or with replication along unused axes
+  /// `{devices=[2,1,2]0,1,2,3 last_tile_dim_replicate}`.
+  std::string str() const;
+
+  friend bool operator==(const Sharding&, const Sharding&) = default;
+};
+
+/// Resolves `spec` on `mesh` for a tensor of shape `shape`. ShardingError, naming the
+/// offender, for: a spec longer than the rank, an unknown axis name or index, an axis used
+/// twice, and a dimension not divisible by its axes' sizes (JAX's message:
+/// `dimension 0 of shape (6, 4) must be divisible by 4 (mesh axis "x")`).
+Sharding resolve_sharding(const Mesh& mesh, const PartitionSpec& spec, const Shape& shape);
+
+/// A mesh and a partition spec, resolved against each tensor it is applied to (torch_xla's
+/// ShardingSpec; `minibatch` marks specs for per-process batches of a global batch, which
+/// in one process is the batch itself).
+class ShardingSpec {
+ public:
+  ShardingSpec(Mesh mesh, PartitionSpec spec, bool minibatch = false)
+      : mesh_(std::move(mesh)), spec_(std::move(spec)), minibatch_(minibatch) {}
+  const Mesh& mesh() const { return mesh_; }
+  const PartitionSpec& partition_spec() const { return spec_; }
+  bool minibatch() const { return minibatch_; }
+  /// The sharding of a tensor of `shape` (ShardingError as resolve_sharding).
+  Sharding resolve(const Shape& shape) const { return resolve_sharding(mesh_, spec_, shape); }
+
+ private:
+  Mesh mesh_;
+  PartitionSpec spec_;
+  bool minibatch_;
+};
+
+}  // namespace lazy::spmd
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::spmd {
+
+LAZYTENSOR_INLINE std::int64_t Sharding::parts(int d) const {
+  std::int64_t n = 1;
+  for (int a : dims[static_cast<std::size_t>(d)]) n *= mesh.mesh_shape()[static_cast<std::size_t>(a)];
+  return n;
+}
+
+LAZYTENSOR_INLINE std::vector<int> Sharding::cuts(int d) const {
+  std::vector<int> axes;
+  for (int a : dims[static_cast<std::size_t>(d)])
+    if (mesh.mesh_shape()[static_cast<std::size_t>(a)] > 1) axes.push_back(a);
+  return axes;
+}
+
+LAZYTENSOR_INLINE std::int64_t Sharding::blocks() const {
+  std::int64_t n = 1;
+  for (std::size_t d = 0; d < dims.size(); ++d) n *= parts(static_cast<int>(d));
+  return n;
+}
+
+LAZYTENSOR_INLINE bool Sharding::replicated() const {
+  for (std::size_t d = 0; d < dims.size(); ++d)
+    if (parts(static_cast<int>(d)) > 1) return false;
+  return true;
+}
+
+LAZYTENSOR_INLINE std::int64_t Sharding::part_of(int position, int d) const {
+  const auto c = mesh.coordinates(position);
+  std::int64_t idx = 0;
+  for (int a : dims[static_cast<std::size_t>(d)])
+    idx = idx * mesh.mesh_shape()[static_cast<std::size_t>(a)] + c[static_cast<std::size_t>(a)];
+  return idx;
+}
+
+LAZYTENSOR_INLINE std::vector<std::pair<std::int64_t, std::int64_t>> Sharding::block(int position,
+                                                                                      const Shape& global) const {
+  std::vector<std::pair<std::int64_t, std::int64_t>> r(static_cast<std::size_t>(global.rank()));
+  for (int d = 0; d < global.rank(); ++d) {
+    const std::int64_t n = parts(d), size = global[d] / n, i = part_of(position, d);
+    r[static_cast<std::size_t>(d)] = {i * size, (i + 1) * size};
+  }
+  return r;
+}
+
+LAZYTENSOR_INLINE Shape Sharding::block_shape(const Shape& global) const {
+  Shape s = global;
+  for (int d = 0; d < global.rank(); ++d) s[d] = global[d] / parts(d);
+  return s;
+}
+
+LAZYTENSOR_INLINE std::string Sharding::str() const {
+  if (replicated()) return "{replicated}";
+  const int rank = static_cast<int>(dims.size());
+  // Tile dimensions: the parts of each tensor dimension, then the replicas (mesh axes no
+  // dimension uses) as a last tile dimension when there are several.
+  std::vector<bool> used(static_cast<std::size_t>(mesh.rank()), false);
+  for (const auto& axes : dims)
+    for (int a : axes) used[static_cast<std::size_t>(a)] = true;
+  std::int64_t replicas = 1;
+  for (int a = 0; a < mesh.rank(); ++a)
+    if (!used[static_cast<std::size_t>(a)]) replicas *= mesh.mesh_shape()[static_cast<std::size_t>(a)];
+  std::vector<std::int64_t> tile;
+  for (int d = 0; d < rank; ++d) tile.push_back(parts(d));
+  if (replicas > 1) tile.push_back(replicas);
+  std::int64_t tiles = 1;
+  for (auto t : tile) tiles *= t;
+  std::vector<int> order(static_cast<std::size_t>(tiles), -1);
+  for (int p = 0; p < mesh.size(); ++p) {
+    const auto c = mesh.coordinates(p);
+    std::int64_t idx = 0;
+    for (int d = 0; d < rank; ++d) idx = idx * parts(d) + part_of(p, d);
+    if (replicas > 1) {
+      std::int64_t r = 0;
+      for (int a = 0; a < mesh.rank(); ++a)
+        if (!used[static_cast<std::size_t>(a)]) r = r * mesh.mesh_shape()[static_cast<std::size_t>(a)] + c[static_cast<std::size_t>(a)];
+      idx = idx * replicas + r;
+    }
+    order[static_cast<std::size_t>(idx)] = mesh.device_ids()[static_cast<std::size_t>(p)];
+  }
+  std::string s = "{devices=[";
+  for (std::size_t i = 0; i < tile.size(); ++i) {
+    if (i) s += ",";
+    s += std::to_string(tile[i]);
+  }
+  s += "]";
+  for (std::size_t i = 0; i < order.size(); ++i) {
+    if (i) s += ",";
+    s += std::to_string(order[i]);
+  }
+  if (replicas > 1) s += " last_tile_dim_replicate";
+  return s + "}";
+}
+
+LAZYTENSOR_INLINE Sharding resolve_sharding(const Mesh& mesh, const PartitionSpec& spec, const Shape& shape) {
+  const int rank = shape.rank();
+  if (static_cast<int>(spec.size()) > rank)
+    throw ShardingError("partition spec has " + std::to_string(spec.size()) + " entries, but the tensor of shape " +
+                        detail::tuple_text(shape.vec()) + " has rank " + std::to_string(rank));
+  Sharding s{mesh, std::vector<std::vector<int>>(static_cast<std::size_t>(rank))};
+  std::vector<bool> used(static_cast<std::size_t>(mesh.rank()), false);
+  auto axis_text = [&](int a) { return "\"" + mesh.axis_names()[static_cast<std::size_t>(a)] + "\""; };
+  for (std::size_t d = 0; d < spec.size(); ++d) {
+    for (const auto& ref : spec[d].axes()) {
+      int a = -1;
+      if (const int* i = std::get_if<int>(&ref.ref())) {
+        if (*i < 0 || *i >= mesh.rank())
+          throw ShardingError("partition spec entry " + std::to_string(d) + ": mesh axis " + std::to_string(*i) +
+                              " out of range for a mesh of " + std::to_string(mesh.rank()) + " axes");
+        a = *i;
+      } else {
+        const auto& name = std::get<std::string>(ref.ref());
+        for (int k = 0; k < mesh.rank(); ++k)
+          if (mesh.axis_names()[static_cast<std::size_t>(k)] == name) a = k;
+        if (a < 0) {
+          std::string names;
+          for (int k = 0; k < mesh.rank(); ++k) {
+            if (k) names += ", ";
+            names += axis_text(k);
+          }
+          throw ShardingError("partition spec entry " + std::to_string(d) + ": the mesh has no axis named \"" + name +
+                              "\" (its axes: " + names + ")");
+        }
+      }
+      if (used[static_cast<std::size_t>(a)])
+        throw ShardingError("mesh axis " + axis_text(a) + " is used twice in the partition spec");
+      used[static_cast<std::size_t>(a)] = true;
+      s.dims[d].push_back(a);
+    }
+    const std::int64_t n = s.parts(static_cast<int>(d));
+    if (shape[static_cast<int>(d)] % n != 0) {
+      std::string axes;
+      for (std::size_t k = 0; k < s.dims[d].size(); ++k) {
+        if (k) axes += ", ";
+        axes += axis_text(s.dims[d][k]);
+      }
+      throw ShardingError("dimension " + std::to_string(d) + " of shape " + detail::tuple_text(shape.vec()) +
+                          " must be divisible by " + std::to_string(n) + " (mesh " +
+                          (s.dims[d].size() == 1 ? "axis " : "axes ") + axes + ")");
+    }
+  }
+  return s;
+}
+
+}  // namespace lazy::spmd
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/spmd/sharding.hpp ----
+
+namespace lazy::spmd {
+
+/// The whole value of a tensor sharded over a mesh (NodeKind::Sharded). It holds one piece
+/// per mesh position (devices holding the same block hold equal pieces), each behind a
+/// tensor object of its own (a handle on the piece), so every device's mark_step computes
+/// its piece. The node itself is never traced or planned: graph::submit hands every node
+/// reading it to the partitioner, and reading it (item(), to_vector(), a partitioner
+/// fallback) gathers the blocks into one buffer on the tensor's device. When the program
+/// spans processes (span.hpp), the pieces of other processes' devices are never computed
+/// here: a block no device of this process holds comes from the first process holding it,
+/// so such a read is collective (every process reads the value, as the same program does).
+class ShardedNode : public graph::Node {
+ public:
+  ShardedNode(Sharding sharding, std::vector<graph::NodePtr> pieces, DType dtype, Shape shape,
+              graph::Device* device);
+
+  const Sharding& sharding() const { return sharding_; }
+  /// The piece at mesh position `position` (on device `mesh.device_ids()[position]`).
+  const graph::NodePtr& shard(int position) const { return shards_[static_cast<std::size_t>(position)]->node; }
+  int num_shards() const { return static_cast<int>(shards_.size()); }
+  /// Hands every device its pending work when a piece is still pending: pieces may wait
+  /// for each other in collectives, so none is waited for before all are handed out.
+  void hand_out_pieces() const;
+
+  std::string op_name() const override { return "sharded"; }
+  std::string describe() const override { return sharding_.str(); }
+
+ protected:
+  /// The gather: each distinct block once, from the first position holding it.
+  LAZYTENSOR_INLINE void compute(graph::ExecContext& ctx) override;
+
+ private:
+  Sharding sharding_;
+  std::vector<std::shared_ptr<graph::TensorImpl>> shards_;
+};
+
+/// A sharded value that is another's with the last two dimensions swapped (the
+/// partitioner's transpose): a GEMM reads the source through it, as through a pending
+/// TransposeNode, so a product with `W^T` and its backward copy no transpose (the
+/// gradient comes out in W's layout).
+class TransposedShardedNode final : public ShardedNode, public graph::TransposeOfLastTwo {
+ public:
+  TransposedShardedNode(graph::NodePtr source, Sharding sharding, std::vector<graph::NodePtr> pieces, DType dtype,
+                        Shape shape, graph::Device* device)
+      : ShardedNode(std::move(sharding), std::move(pieces), dtype, std::move(shape), device), source_(std::move(source)) {}
+  const graph::NodePtr& transpose_source() const override { return source_; }
+
+ private:
+  graph::NodePtr source_;
+};
+
+/// `n` as a sharded node, or null.
+inline const ShardedNode* as_sharded(const graph::NodePtr& n) {
+  return n && n->kind() == graph::NodeKind::Sharded ? static_cast<const ShardedNode*>(n.get()) : nullptr;
+}
+
+/// The engine device of a mesh device id (global when the program spans processes).
+inline graph::Device& mesh_device(int id) { return detail::span_device(id); }
+
+namespace detail {
+
+/// A [begin, end) range per dimension.
+using Ranges = std::vector<std::pair<std::int64_t, std::int64_t>>;
+
+/// The block `ranges` of materialized `value`, as data on `dev`, copied into `dev`'s pool.
+/// The whole value on its own device shares the buffer (buffers are immutable; donation
+/// needs a sole holder). Blocks are never shared with another device (only a buffer marked
+/// shared is, such as an all-reduce's result): when the other device's reference is the
+/// last, this device could donate it while the other's reads are unordered with the write
+/// (shared_ptr's use_count is a relaxed read).
+graph::NodePtr block_of(const graph::NodePtr& value, const Ranges& ranges, graph::Device& dev);
+
+/// Splits `value` (materialized here; a sharded value is gathered first) over `sharding`.
+/// Counted as SpmdTransfers / SpmdTransferBytes (bytes copied to other devices).
+graph::NodePtr shard_value(const graph::NodePtr& value, const Sharding& sharding);
+
+}  // namespace detail
+}  // namespace lazy::spmd
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+#include <cstring>
+
+
+namespace lazy::spmd {
+
+LAZYTENSOR_INLINE ShardedNode::ShardedNode(Sharding sharding, std::vector<graph::NodePtr> pieces, DType dtype, Shape shape,
+                                           graph::Device* device)
+    : Node(graph::NodeKind::Sharded, dtype, shape, device), sharding_(std::move(sharding)) {
+  shards_.reserve(pieces.size());
+  for (auto& p : pieces) shards_.push_back(std::make_shared<graph::TensorImpl>(std::move(p)));
+}
+
+LAZYTENSOR_INLINE void ShardedNode::hand_out_pieces() const {
+  for (const auto& s : shards_) {
+    if (s->node->pending()) {
+      graph::step_all_devices();
+      return;
+    }
+  }
+}
+
+LAZYTENSOR_INLINE void ShardedNode::compute(graph::ExecContext& ctx) {
+  static auto& gathers = core::counter("SpmdGathers");
+  gathers.add();
+  const Shape global = shape();
+  const std::size_t esize = dtype_size(dtype());
+  // Per block: the first position holding it (its owner sends it to processes holding
+  // none), the first one on this process's devices, and which processes hold it.
+  const auto& span = detail::process_span();
+  const auto blocks = static_cast<std::size_t>(sharding_.blocks());
+  std::vector<int> first(blocks, -1), first_here(blocks, -1);
+  std::vector<std::vector<char>> held(blocks, std::vector<char>(static_cast<std::size_t>(span.count), 0));
+  for (int p = 0; p < num_shards(); ++p) {
+    std::int64_t b = 0;
+    for (int d = 0; d < global.rank(); ++d) b = b * sharding_.parts(d) + sharding_.part_of(p, d);
+    const auto bi = static_cast<std::size_t>(b);
+    const graph::Device& dev = *shard(p)->device();
+    if (first[bi] < 0) first[bi] = p;
+    if (!dev.remote() && first_here[bi] < 0) first_here[bi] = p;
+    held[bi][static_cast<std::size_t>(dev.process())] = 1;
+  }
+  // Whether some process lacks a block: the same answer in every process, so each counts
+  // the same cross-process gathers (counted before anything here can throw).
+  bool crosses = false;
+  for (std::size_t b = 0; b < blocks; ++b)
+    for (int q = 0; q < span.count; ++q) crosses = crosses || !held[b][static_cast<std::size_t>(q)];
+  static std::atomic<std::uint64_t> exchanges{0};
+  const std::uint64_t seq = crosses ? exchanges.fetch_add(1, std::memory_order_relaxed) : 0;
+  auto buf = allocate_output(ctx, false);
+  hand_out_pieces();
+  auto place = [&](const void* data, int position) {
+    const auto ranges = sharding_.block(position, global);
+    std::vector<std::int64_t> at, box;
+    for (const auto& [b0, b1] : ranges) {
+      at.push_back(b0);
+      box.push_back(b1 - b0);
+    }
+    graph::detail::copy_box(static_cast<const std::byte*>(data), shard(position)->shape(), std::vector<std::int64_t>(at.size(), 0),
+                            static_cast<std::byte*>(buf->data()), global, at, box, esize);
+  };
+  std::vector<detail::Transfer> sends, receives;
+  std::vector<std::pair<std::shared_ptr<Buffer>, int>> received;
+  for (std::size_t b = 0; b < blocks; ++b) {
+    if (first_here[b] >= 0) {
+      const graph::NodePtr& piece = shard(first_here[b]);
+      graph::materialize(piece);
+      place(piece->buffer()->data(), first_here[b]);
+      if (first_here[b] != first[b]) continue;
+      for (int q = 0; q < span.count; ++q)
+        if (!held[b][static_cast<std::size_t>(q)])
+          sends.push_back({q, piece->buffer()->data(), static_cast<std::size_t>(piece->numel()) * esize, piece->buffer()});
+    } else {
+      const graph::NodePtr& piece = shard(first[b]);
+      auto in = ctx.device.pool().acquire(padded_bytes(piece->numel(), esize));
+      receives.push_back({piece->device()->process(), in->data(), static_cast<std::size_t>(piece->numel()) * esize, in});
+      received.emplace_back(std::move(in), first[b]);
+    }
+  }
+  if (!sends.empty() || !receives.empty()) {
+    const std::uint64_t signature = graph::hash_combine(
+        graph::hash_combine(static_cast<std::uint64_t>(dtype()), static_cast<std::uint64_t>(global.numel())),
+        std::hash<std::string>{}(sharding_.str()));
+    detail::exchange(detail::Channel::Gather, seq, signature, sends, receives,
+                     "gather of a " + global.str() + " value sharded " + sharding_.str());
+    for (const auto& [in, position] : received) place(in->data(), position);
+  }
+  set_buffer(std::move(buf));
+}
+
+LAZYTENSOR_INLINE graph::NodePtr detail::block_of(const graph::NodePtr& value, const Ranges& ranges, graph::Device& dev) {
+  const Shape& global = value->shape();
+  bool whole = true;
+  std::vector<std::int64_t> at, box;
+  for (int d = 0; d < global.rank(); ++d) {
+    const auto [b0, b1] = ranges[static_cast<std::size_t>(d)];
+    whole = whole && b0 == 0 && b1 == global[d];
+    at.push_back(b0);
+    box.push_back(b1 - b0);
+  }
+  if (whole && value->device() == &dev)
+    return std::make_shared<graph::DataNode>(value->dtype(), global, &dev, value->buffer());
+  const Shape shape(box);
+  // Another process's device: that process copies its own block (it holds the same value).
+  if (dev.remote()) return std::make_shared<graph::DataNode>(value->dtype(), shape, &dev, nullptr);
+  const std::size_t esize = dtype_size(value->dtype());
+  auto buf = dev.pool().acquire(padded_bytes(shape.numel(), esize));
+  graph::detail::copy_box(static_cast<const std::byte*>(value->buffer()->data()), global, at, static_cast<std::byte*>(buf->data()),
+           shape, std::vector<std::int64_t>(at.size(), 0), box, esize);
+  static auto& bytes = core::counter("SpmdTransferBytes");
+  bytes.add(static_cast<std::int64_t>(shape.numel() * static_cast<std::int64_t>(esize)));
+  return std::make_shared<graph::DataNode>(value->dtype(), shape, &dev, std::move(buf));
+}
+
+LAZYTENSOR_INLINE graph::NodePtr detail::shard_value(const graph::NodePtr& value, const Sharding& sharding) {
+  static auto& transfers = core::counter("SpmdTransfers");
+  transfers.add();
+  graph::materialize(value);
+  std::vector<graph::NodePtr> pieces;
+  for (int p = 0; p < sharding.mesh.size(); ++p)
+    pieces.push_back(block_of(value, sharding.block(p, value->shape()),
+                              mesh_device(sharding.mesh.device_ids()[static_cast<std::size_t>(p)])));
+  return std::make_shared<ShardedNode>(sharding, std::move(pieces), value->dtype(), value->shape(), value->device());
+}
+
+}  // namespace lazy::spmd
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/spmd/sharded_node.hpp ----
+
+namespace lazy::io {
+
+namespace detail {
+
+/// Runs every pending tensor of `sd`, one execution per device.
+void materialize_all(const StateDict& sd);
+
+/// Calls f(t, name, piece, device id, block) for each block a shard-files save writes (t:
+/// the tensor's position in `sd`): every
+/// distinct block of a sharded tensor once, from the first mesh position holding it (its
+/// replicas write nothing), and a whole tensor from its device. Hands out pending pieces.
+template <class F>
+void for_each_block(const StateDict& sd, F&& f);
+
+/// Writes `sd` as shard files plus the index at `path` (SaveOptions::shard_files).
+void save_shards(const StateDict& sd, const std::string& path);
+
+}  // namespace detail
+
+/// Saves `sd` to `path` as a safetensors file (see save_file), as xm.save(data, path,
+/// master_only, global_master):
+///  - `master_only` (default): only the master replica writes: the local master (local
+///    ordinal 0, one per host) or, with `global_master`, global ordinal 0 only. Otherwise
+///    every replica writes (give each its own path; replicas writing one path replace the
+///    file atomically in turn, the last rename wins).
+///  - Every replica materializes the pending tensors of `sd` first (a sync), then all
+///    replicas rendezvous after the write: the file is complete when save returns on any of
+///    them (see the file comment for failures). Every replica must call it (it is a
+///    collective of the whole world).
+///  - An SPMD program spanning processes (lazy::spmd under mpirun) plays the world: every
+///    process gathers and calls it, one per host writes (process 0 with `global_master`),
+///    and all meet after the write. IoError for `shard_files` there.
+/// Outside spawn it just writes.
+void save(const StateDict& sd, const std::string& path, bool master_only = true,
+          bool global_master = false);
+
+/// How io::save writes: xm.save's two choices, and the shard files of lazy::spmd.
+struct SaveOptions {
+  /// Only the master replica writes (see save above).
+  bool master_only = true;
+  /// With master_only: global ordinal 0 only, not one writer per host.
+  bool global_master = false;
+  /// Sharded tensors (lazy::spmd) as one safetensors file per device holding that device's
+  /// blocks (each distinct block once), with `path` the JSON index naming them
+  /// (shard_index.hpp), instead of whole tensors in one file: nothing is gathered. The
+  /// shard files (named with a token of this save) are written first, the index last, each
+  /// atomically, and then the files of the save it replaced are removed: an index always
+  /// names complete files of one save. io::load reads the index as whole tensors.
+  bool shard_files = false;
+};
+
+/// save with options: `io::save(sd, "ckpt/model.json", {.shard_files = true})`.
+void save(const StateDict& sd, const std::string& path, const SaveOptions& options);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace detail {
+
+LAZYTENSOR_INLINE void materialize_all(const StateDict& sd) {
+  std::vector<std::pair<graph::Device*, std::vector<graph::NodePtr>>> pending;
+  for (const auto& [name, t] : sd) {
+    if (!t.defined() || t.impl()->node->materialized()) continue;
+    const graph::NodePtr& node = t.impl()->node;
+    auto it = std::find_if(pending.begin(), pending.end(),
+                           [&](const auto& p) { return p.first == node->device(); });
+    if (it == pending.end()) it = pending.insert(pending.end(), {node->device(), {}});
+    it->second.push_back(node);
+  }
+  for (auto& [dev, nodes] : pending) {
+    dev->rethrow_stored_error();
+    graph::execute(*dev, nodes);
+  }
+}
+
+template <class F>
+void for_each_block(const StateDict& sd, F&& f) {
+  std::size_t position = 0;
+  for (const auto& [name, t] : sd) {
+    const std::size_t at = position++;
+    if (!t.defined()) throw Error("io::save: tensor '" + name + "' is undefined");
+    const graph::NodePtr& node = t.impl()->node;
+    const spmd::ShardedNode* s = spmd::as_sharded(node);
+    if (!s) {
+      std::vector<std::pair<std::int64_t, std::int64_t>> whole;
+      for (auto d : node->shape()) whole.emplace_back(0, d);
+      f(at, name, node, node->device()->index(), whole);
+      continue;
+    }
+    s->hand_out_pieces();
+    std::set<std::vector<std::pair<std::int64_t, std::int64_t>>> seen;
+    for (int p = 0; p < s->num_shards(); ++p) {
+      auto block = s->sharding().block(p, node->shape());
+      if (seen.insert(block).second)
+        f(at, name, s->shard(p), s->sharding().mesh.device_ids()[static_cast<std::size_t>(p)], block);
+    }
+  }
+}
+
+LAZYTENSOR_INLINE void save_shards(const StateDict& sd, const std::string& path) {
+  // The files of the save this one replaces, removed once the new index is in place.
+  std::vector<std::string> previous;
+  try {
+    previous = read_shard_index(path).files;
+  } catch (const Error&) {  // no index there yet, or not one: nothing to replace
+  }
+  // This save's token: its shard files never take the names of the previous save's.
+  static std::atomic<std::uint64_t> saves{0};
+  char token[40];
+  std::snprintf(token, sizeof token, "%llx%02llx",
+                static_cast<unsigned long long>(std::chrono::system_clock::now().time_since_epoch().count()),
+                static_cast<unsigned long long>(saves.fetch_add(1) & 0xff));
+  std::map<int, StateDict> files;  // by device id
+  ShardIndex index;
+  for (const auto& [name, t] : sd) {
+    if (!t.defined()) throw Error("io::save: tensor '" + name + "' is undefined");
+    ShardedEntry e{name, dtype_name(t.dtype()), {t.shape().begin(), t.shape().end()}, {}, {}};
+    if (const spmd::ShardedNode* s = spmd::as_sharded(t.impl()->node)) e.sharding = s->sharding().str();
+    index.tensors.push_back(std::move(e));
+  }
+  for_each_block(sd, [&](std::size_t tensor, const std::string& name, const graph::NodePtr& piece, int device,
+                         const auto& block) {
+    StateDict& file = files[device];
+    file.insert(name, lazy::detail::any_of_node(piece));
+    if (auto it = sd.stored_dtypes().find(name); it != sd.stored_dtypes().end()) file.stored_dtypes()[name] = it->second;
+    // `file` holds the device id until the files are numbered below.
+    index.tensors[tensor].blocks.push_back(ShardBlock{static_cast<std::size_t>(device), block});
+  });
+  const std::string dir = parent_dir(path) + "/";
+  std::map<int, std::size_t> position;
+  for (const auto& [device, file] : files) {
+    const std::size_t k = position.size();
+    position[device] = k;
+    index.files.push_back(shard_file_name(path, token, k, files.size()));
+    save_file(file, dir + index.files.back());
+  }
+  for (auto& e : index.tensors)
+    for (auto& b : e.blocks) b.file = position.at(static_cast<int>(b.file));
+  index.metadata = sd.metadata();
+  const std::string text = shard_index_json(index);
+  AtomicFileWriter out(path);
+  out.write(text.data(), text.size());
+  out.commit();
+  for (const std::string& f : previous)
+    if (std::find(index.files.begin(), index.files.end(), f) == index.files.end()) std::remove((dir + f).c_str());
+}
+
+}  // namespace detail
+
+LAZYTENSOR_INLINE void save(const StateDict& sd, const std::string& path, bool master_only,
+                            bool global_master) {
+  save(sd, path, SaveOptions{.master_only = master_only, .global_master = global_master});
+}
+
+LAZYTENSOR_INLINE void save(const StateDict& sd, const std::string& path, const SaveOptions& options) {
+  bool writer = !options.master_only || dist::is_master_ordinal(!options.global_master);
+  // An SPMD program spanning processes (spmd/span.hpp): every process gathers (collective),
+  // one per host writes (process 0 only with global_master), and all meet afterwards.
+  const auto& span = spmd::detail::process_span();
+  if (span.count > 1) {
+    if (options.shard_files)
+      throw IoError("io::save('" + path + "'): shard_files is not supported when an SPMD program spans " +
+                    std::to_string(span.count) + " processes (each holds only its own pieces); save whole values");
+    if (options.master_only) {
+      const auto place = dist::detail::process_place();
+      writer = options.global_master ? place.index == 0 : place.host_index == 0;
+    }
+  }
+  std::exception_ptr error;
+  try {
+    if (!options.shard_files) {
+      detail::materialize_all(sd);
+      if (writer) save_file(sd, path);
+    } else if (writer) {
+      detail::save_shards(sd, path);
+    } else {  // the same sync as a writer's, without the gathers
+      detail::for_each_block(sd, [](std::size_t, const std::string&, const graph::NodePtr& piece, int, const auto&) {
+        graph::materialize(piece);
+      });
+    }
+  } catch (...) {
+    error = std::current_exception();
+  }
+  if (span.count > 1) {
+    const auto ok = spmd::detail::span_rendezvous(!error, "io::save('" + path + "')");
+    if (error) std::rethrow_exception(error);
+    for (std::size_t q = 0; q < ok.size(); ++q)
+      if (!ok[q]) throw IoError("io::save('" + path + "'): process " + std::to_string(q) + " failed to save");
+    return;
+  }
+  if (runtime::world_size() == 1) {
+    if (error) std::rethrow_exception(error);
+    return;
+  }
+  // Every replica reaches the rendezvous, failed or not; each says how it went ("" = ok).
+  const std::string mine = error ? "!" + lazy::detail::exception_message(error) : std::string();
+  const std::vector<std::string> all = dist::rendezvous("lazy::io::save", mine);
+  if (error) std::rethrow_exception(error);
+  for (std::size_t q = 0; q < all.size(); ++q) {
+    if (!all[q].empty()) {
+      throw IoError("io::save('" + path + "'): replica " + std::to_string(q) +
+                    " failed: " + all[q].substr(1));
+    }
+  }
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+}  // namespace lazy::io
+// ---- end lazytensor/io/save.hpp ----
+// ---- end lazytensor/io.hpp ----
+// ---- begin lazytensor/nn.hpp ----
+// lazy::nn: modules, layers, initializers and losses (torch::nn).
+
+// ---- begin lazytensor/nn/activation.hpp ----
+// Parameter-free layers: activations, Flatten, Dropout.
+
+#include <cstdint>
+#include <string>
+
+// ---- begin lazytensor/nn/functional.hpp ----
+// torch.nn.functional: losses and the functional forms of layers, in bfloat16, float or
+// double (the input's dtype). Each takes a tensor or a pending expression.
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+// ---- begin lazytensor/ops/random.hpp ----
+// Random tensors from a counter-based generator (Philox4x32-10, Salmon et al., "Parallel
+// Random Numbers: As Easy as 1, 2, 3", SC'11). A counter-based generator needs no state
+// per thread: the value of element i is a pure function of (seed, counter(i)), so results
+// are identical whatever the thread count and however the work is chunked.
+//
+// Streams: each call reserves a block of counters from its device's RngState at creation
+// time (offset .. offset + blocks) and captures the seed; element i uses counter
+// offset + i / P, where P is how many elements one 128-bit Philox output yields (4 for
+// 32-bit draws, 2 for 64-bit draws): in the 4 * B words of a block of B consecutive
+// counters, element j of the block reads word j (32-bit draws) or words 2j, 2j + 1. The
+// values are computed lazily, at mark_step, by a RandomNode (graph/random_node.hpp, with
+// Philox and the distributions), always a whole block at a time (block k holds the call's
+// elements k * B * P ..), so a vectorized distribution gives every element the same bits
+// whichever task computes it. set_rng_state / manual_seed restart the stream; mark_step
+// advances the seed.
+
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+// ---- begin lazytensor/graph/random_node.hpp ----
+// RandomNode, the kernel of every random tensor: Philox4x32-10 (a counter-based generator,
+// so element i's value is a pure function of the seed and i, whatever the thread count) and
+// the distributions that turn its output words into elements (uniform, normal, integers,
+// Bernoulli). ops/random.hpp describes the streams and reserves the counters.
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <numbers>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+
+
+namespace lazy {
+
+namespace ops {
+
+/// 128-bit Philox counter (four 32-bit words, word 0 least significant).
+using PhiloxCounter = std::array<std::uint32_t, 4>;
+/// 64-bit Philox key (two 32-bit words).
+using PhiloxKey = std::array<std::uint32_t, 2>;
+
+/// The Philox4x32-10 bijection of `counter` under `key`: ten rounds of two 32x32->64-bit
+/// multiplies, with the key bumped by the Weyl constants between rounds. Matches the
+/// Random123 known-answer vectors (e.g. counter 0, key 0 -> 6627e8d5 e169c58d bc57ac4c
+/// 9b00dbd8).
+constexpr PhiloxCounter philox4x32_10(PhiloxCounter ctr, PhiloxKey key) {
+  constexpr std::uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;  // round multipliers
+  constexpr std::uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;  // Weyl key increments
+  for (int r = 0; r < 10; ++r) {
+    if (r > 0) {
+      key[0] += kW0;
+      key[1] += kW1;
+    }
+    const std::uint64_t p0 = std::uint64_t{kM0} * ctr[0];
+    const std::uint64_t p1 = std::uint64_t{kM1} * ctr[2];
+    const auto hi0 = static_cast<std::uint32_t>(p0 >> 32), lo0 = static_cast<std::uint32_t>(p0);
+    const auto hi1 = static_cast<std::uint32_t>(p1 >> 32), lo1 = static_cast<std::uint32_t>(p1);
+    ctr = {hi1 ^ ctr[1] ^ key[0], lo1, hi0 ^ ctr[3] ^ key[1], lo0};
+  }
+  return ctr;
+}
+
+/// The key of a 64-bit seed: its low and high words.
+constexpr PhiloxKey philox_key(std::uint64_t seed) {
+  return {static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32)};
+}
+
+/// Philox output for 64-bit counter value `c` (the upper 64 counter bits are zero).
+constexpr PhiloxCounter philox_block(std::uint64_t c, const PhiloxKey& key) {
+  return philox4x32_10({static_cast<std::uint32_t>(c), static_cast<std::uint32_t>(c >> 32), 0u, 0u}, key);
+}
+
+}  // namespace ops
+
+namespace graph {
+
+namespace detail {
+
+// A distribution turns the 4 * kRandomBlock words of one block of counters into
+// P * kRandomBlock elements (P = per_counter). fill(words, j0, cnt, out, i) writes elements
+// [j0, j0 + cnt) of the block to out[0..cnt); `i` is the global index of out[0] (for
+// distributions that read an input element-wise). A distribution that vectorizes computes
+// the whole block and keeps the part asked for, so no element's bits depend on where a task
+// starts.
+
+/// Counters per block.
+inline constexpr int kRandomBlock = 16;
+
+/// Uniform 24-bit float in [0, 1): exact, never 1.
+inline float unit_float(std::uint32_t x) { return static_cast<float>(x >> 8) * 0x1p-24f; }
+inline std::uint64_t word64(std::uint32_t hi, std::uint32_t lo) { return (std::uint64_t{hi} << 32) | lo; }
+/// Uniform 53-bit double in [0, 1).
+inline double unit_double(std::uint32_t hi, std::uint32_t lo) {
+  return static_cast<double>(word64(hi, lo) >> 11) * 0x1p-53;
+}
+
+/// torch.rand: uniform in [0, 1).
+template <Element T>
+struct UniformDist {
+  static constexpr const char* name = "rand";
+  static constexpr int per_counter = std::is_same_v<T, double> ? 2 : 4;
+  static constexpr double cost = 2;
+  std::string params() const { return ""; }
+  void bind(const std::vector<NodePtr>&) {}
+  void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t) const {
+    for (int k = 0; k < cnt; ++k) {
+      const int j = j0 + k;
+      if constexpr (std::is_same_v<T, double>) {
+        out[k] = unit_double(w[2 * j], w[2 * j + 1]);
+      } else if constexpr (std::is_same_v<T, bfloat16>) {
+        // 8 random bits: k / 256 is exact in bfloat16, whereas rounding a 24-bit float
+        // could round up to 1.0 and break the [0, 1) contract.
+        out[k] = bfloat16(static_cast<float>(w[j] >> 24) * 0x1p-8f);
+      } else {
+        out[k] = unit_float(w[j]);
+      }
+    }
+  }
+};
+
+/// torch.randn: standard normal by Box-Muller on pairs of uniforms (u1, u2) -> (r cos t,
+/// r sin t), r = sqrt(-2 log u1), t = 2 pi u2. u1 is in (0, 1], so log(0) cannot happen.
+/// Vectorized with xsimd over a whole block; bfloat16 computes in float and rounds.
+template <Element T>
+struct NormalDist {
+  static constexpr const char* name = "randn";
+  static constexpr int per_counter = std::is_same_v<T, double> ? 2 : 4;
+  static constexpr double cost = 6;
+  std::string params() const { return ""; }
+  void bind(const std::vector<NodePtr>&) {}
+  void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t) const {
+    using S = std::conditional_t<std::is_same_v<T, double>, double, float>;
+    using V = xsimd::batch<S>;
+    constexpr int kPairs = kRandomBlock * per_counter / 2;
+    static_assert(kPairs % V::size == 0, "a block is a whole number of SIMD batches");
+    alignas(64) S u1[kPairs], u2[kPairs], z[2 * kPairs];
+    for (int m = 0; m < kPairs; ++m) {
+      if constexpr (std::is_same_v<S, double>) {
+        u1[m] = static_cast<double>((word64(w[4 * m], w[4 * m + 1]) >> 11) + 1) * 0x1p-53;
+        u2[m] = unit_double(w[4 * m + 2], w[4 * m + 3]);
+      } else {
+        u1[m] = static_cast<float>((w[2 * m] >> 8) + 1) * 0x1p-24f;
+        u2[m] = unit_float(w[2 * m + 1]);
+      }
+    }
+    for (int m = 0; m < kPairs; m += static_cast<int>(V::size)) {
+      const V r = xsimd::sqrt(V(S(-2)) * xsimd::log(V::load_aligned(u1 + m)));
+      const auto [sn, cs] = xsimd::sincos(V(S(2) * std::numbers::pi_v<S>) * V::load_aligned(u2 + m));
+      alignas(64) S c[V::size], s[V::size];
+      (r * cs).store_aligned(c);
+      (r * sn).store_aligned(s);
+      for (std::size_t l = 0; l < V::size; ++l) {
+        z[2 * (m + static_cast<int>(l))] = c[l];
+        z[2 * (m + static_cast<int>(l)) + 1] = s[l];
+      }
+    }
+    for (int k = 0; k < cnt; ++k) out[k] = static_cast<T>(z[j0 + k]);
+  }
+};
+
+/// torch.randint: integers in [low, high). A 64-bit draw modulo the range: the bias is at
+/// most range / 2^64, far below anything a test can see.
+template <Element T>
+struct RandIntDist {
+  static constexpr const char* name = "randint";
+  static constexpr int per_counter = 2;
+  static constexpr double cost = 3;
+  std::int64_t low;
+  std::uint64_t range;
+  std::string params() const {
+    return "low=" + std::to_string(low) + ", high=" + std::to_string(static_cast<std::int64_t>(static_cast<std::uint64_t>(low) + range));
+  }
+  void bind(const std::vector<NodePtr>&) {}
+  void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t) const {
+    for (int k = 0; k < cnt; ++k) {
+      const int j = j0 + k;
+      // Unsigned arithmetic: low + v may pass through values outside int64 mid-way.
+      const std::uint64_t v = static_cast<std::uint64_t>(low) + word64(w[2 * j], w[2 * j + 1]) % range;
+      out[k] = static_cast<T>(static_cast<std::int64_t>(v));
+    }
+  }
+};
+
+/// torch.bernoulli with one probability: 1 with probability p, else 0.
+template <Element T>
+struct BernoulliDist {
+  static constexpr const char* name = "bernoulli";
+  static constexpr int per_counter = 4;
+  static constexpr double cost = 2;
+  double p;
+  std::string params() const { return "p=" + std::to_string(p); }
+  void bind(const std::vector<NodePtr>&) {}
+  void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t) const {
+    // u = x / 2^32 in [0, 1): p = 0 never fires, p = 1 always does.
+    for (int k = 0; k < cnt; ++k) out[k] = static_cast<T>(static_cast<double>(w[j0 + k]) * 0x1p-32 < p);
+  }
+};
+
+/// torch.bernoulli(probs): element i is 1 with probability probs[i]. Probabilities outside
+/// [0, 1] (or NaN) raise lazy::Error when the kernel runs.
+template <Element T>
+struct BernoulliTensorDist {
+  static constexpr const char* name = "bernoulli";
+  static constexpr int per_counter = 4;
+  static constexpr double cost = 3;
+  const T* probs = nullptr;
+  std::string params() const { return "p=%0"; }
+  void bind(const std::vector<NodePtr>& ins) { probs = ins[0]->template data<T>(); }
+  void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t i) const {
+    for (int k = 0; k < cnt; ++k) {
+      const double p = static_cast<double>(static_cast<compute_t<T>>(probs[i + k]));
+      if (!(p >= 0.0 && p <= 1.0)) {
+        throw Error("bernoulli: expected every probability in [0, 1], found " + std::to_string(p) + " at element " +
+                    std::to_string(i + k));
+      }
+      out[k] = static_cast<T>(static_cast<double>(w[j0 + k]) * 0x1p-32 < p);
+    }
+  }
+};
+
+}  // namespace detail
+
+/// A tensor of random values drawn from distribution D with counters offset.. of `seed`.
+template <Element T, class D>
+class RandomNode final : public Node {
+ public:
+  RandomNode(D dist, Shape shape, Device* device, std::uint64_t seed, std::uint64_t offset,
+             std::vector<NodePtr> inputs = {})
+      : Node(NodeKind::Random, dtype_of<T>(), shape, device, std::move(inputs)), dist_(dist), seed_(seed),
+        offset_(offset) {}
+
+  std::string op_name() const override { return D::name; }
+  std::string describe() const override {
+    const std::string p = dist_.params();
+    return std::string(D::name) + "(" + p + (p.empty() ? "" : ", ") + "offset=" + std::to_string(offset_) + ")";
+  }
+  double cost_per_element() const override { return D::cost; }
+  /// Shape, dtype and distribution only: a new seed or offset every step must not make the
+  /// plan look new (the values are data, as a learning rate is).
+  std::uint64_t structural_hash() const override { return Node::structural_hash(); }
+
+  std::uint64_t seed() const { return seed_; }
+  std::uint64_t offset() const { return offset_; }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    D d = dist_;
+    d.bind(inputs());  // input pointers first (house rule)
+    // No donation: bernoulli(probs) may throw half-way, and must leave its input intact.
+    auto buf = allocate_output(ctx, false);
+    T* out = static_cast<T*>(buf->data());
+    const std::int64_t n = numel();
+    constexpr std::int64_t E = std::int64_t{detail::kRandomBlock} * D::per_counter;  // elements per block
+    const auto key = ops::philox_key(seed_);
+    auto& pool = ctx.device.threads();
+    const std::int64_t tasks = task_count(pool, n, D::cost);
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      // Tasks start on block boundaries (no block computed twice), but the values depend
+      // only on the element index either way.
+      auto [b, e] = task_range(n, tasks, t, E);
+      std::uint32_t words[4 * detail::kRandomBlock];
+      for (std::int64_t i = b; i < e;) {
+        const std::int64_t blk = i / E;
+        const std::uint64_t c0 = offset_ + static_cast<std::uint64_t>(blk) * detail::kRandomBlock;
+        for (int c = 0; c < detail::kRandomBlock; ++c) {
+          const auto r = ops::philox_block(c0 + static_cast<std::uint64_t>(c), key);
+          for (int k = 0; k < 4; ++k) words[4 * c + k] = r[k];
+        }
+        const int j0 = static_cast<int>(i - blk * E);
+        const int cnt = static_cast<int>(std::min<std::int64_t>(E - j0, e - i));
+        d.fill(words, j0, cnt, out + i, i);
+        i += cnt;
+      }
+    });
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  D dist_;
+  std::uint64_t seed_, offset_;
+};
+
+}  // namespace graph
+
+}  // namespace lazy
+// ---- end lazytensor/graph/random_node.hpp ----
+
+namespace lazy {
+
+namespace detail {
+
+/// Reserves the counters of `n` elements from the device stream and builds the node.
+template <Element T, class D>
+Tensor<T> make_random(D dist, const Shape& shape, const Device& dev, std::vector<graph::NodePtr> inputs = {}) {
+  graph::Device& eng = dev.engine();
+  auto& rng = eng.rng();
+  const auto blocks = static_cast<std::uint64_t>((shape.numel() + D::per_counter - 1) / D::per_counter);
+  const std::uint64_t offset = rng.offset;
+  rng.offset += blocks;
+  return Tensor<T>(graph::submit(
+      std::make_shared<graph::RandomNode<T, D>>(dist, shape, &eng, rng.seed, offset, std::move(inputs))));
+}
+
+template <class T>
+constexpr std::int64_t exact_integer_limit() {
+  if constexpr (std::is_same_v<T, bfloat16>) return std::int64_t{1} << 8;
+  else if constexpr (std::is_same_v<T, float>) return std::int64_t{1} << 24;
+  else return std::int64_t{1} << 53;
+}
+
+}  // namespace detail
+
+/// Seeds the current device's random stream; alias of set_rng_state (torch.manual_seed).
+inline void manual_seed(std::uint64_t seed) { set_rng_state(seed); }
+
+/// Uniform values in [0, 1) (torch.rand). T: float, double or bfloat16. Lazy: drawn when
+/// the tensor is materialized, identical whatever the thread count.
+template <Element T>
+  requires is_floating_v<T>
+Tensor<T> rand(const Shape& shape, Device dev = device()) {
+  return detail::make_random<T>(graph::detail::UniformDist<T>{}, shape, dev);
+}
+
+/// Standard normal values (torch.randn). T: float, double or bfloat16.
+template <Element T>
+  requires is_floating_v<T>
+Tensor<T> randn(const Shape& shape, Device dev = device()) {
+  return detail::make_random<T>(graph::detail::NormalDist<T>{}, shape, dev);
+}
+
+/// rand with t's shape and device.
+template <Element T>
+  requires is_floating_v<T>
+Tensor<T> rand_like(const Tensor<T>& t) {
+  return rand<T>(t.shape(), t.device());
+}
+/// randn with t's shape and device.
+template <Element T>
+  requires is_floating_v<T>
+Tensor<T> randn_like(const Tensor<T>& t) {
+  return randn<T>(t.shape(), t.device());
+}
+
+/// Integers uniform in [low, high) (torch.randint), stored as T (int32, int64, float,
+/// double or bfloat16; default int64). lazy::Error when low >= high or when a bound does
+/// not fit T (exactly, for floating T).
+template <Element T = std::int64_t>
+  requires(!std::is_same_v<T, bool>)
+Tensor<T> randint(std::int64_t low, std::int64_t high, const Shape& shape, Device dev = device()) {
+  if (low >= high) {
+    throw Error("randint: expected low < high, got low=" + std::to_string(low) + ", high=" + std::to_string(high));
+  }
+  if constexpr (is_integral_v<T>) {
+    if (low < std::numeric_limits<T>::min() || high - 1 > std::numeric_limits<T>::max()) {
+      throw Error("randint: range [" + std::to_string(low) + ", " + std::to_string(high) + ") does not fit " +
+                  dtype_name(dtype_of<T>()));
+    }
+  } else {
+    constexpr std::int64_t lim = detail::exact_integer_limit<T>();
+    if (low < -lim || high > lim) {
+      throw Error("randint: range [" + std::to_string(low) + ", " + std::to_string(high) + ") is not exactly " +
+                  "representable in " + dtype_name(dtype_of<T>()) + " (expected bounds within +-" +
+                  std::to_string(lim) + ")");
+    }
+  }
+  const std::uint64_t range = static_cast<std::uint64_t>(high) - static_cast<std::uint64_t>(low);
+  return detail::make_random<T>(graph::detail::RandIntDist<T>{low, range}, shape, dev);
+}
+
+/// Integers uniform in [0, high) (torch.randint(high, size)).
+template <Element T = std::int64_t>
+  requires(!std::is_same_v<T, bool>)
+Tensor<T> randint(std::int64_t high, const Shape& shape, Device dev = device()) {
+  return randint<T>(0, high, shape, dev);
+}
+
+/// 1 with probability p, else 0, for every element (torch.empty(shape).bernoulli_(p)).
+/// T: any element type (bool gives true/false). lazy::Error unless 0 <= p <= 1.
+template <Element T>
+Tensor<T> bernoulli(double p, const Shape& shape, Device dev = device()) {
+  if (!(p >= 0.0 && p <= 1.0)) {
+    throw Error("bernoulli: expected 0 <= p <= 1, got p=" + std::to_string(p));
+  }
+  return detail::make_random<T>(graph::detail::BernoulliDist<T>{p}, shape, dev);
+}
+
+/// Element i is 1 with probability probs[i], else 0 (torch.bernoulli(probs)); the result
+/// has probs' shape, dtype and device. probs: a floating tensor or expression; values
+/// outside [0, 1] raise lazy::Error when the kernel runs (next mark_step or read).
+template <expr::ExprLike X>
+  requires is_floating_v<expr::value_t<X>>
+auto bernoulli(const X& probs) {
+  using T = expr::value_t<X>;
+  Tensor<T> p = [&] {
+    if constexpr (std::is_same_v<X, Tensor<T>>) return probs;
+    else if constexpr (expr::is_expr_node<X>::value) return Tensor<T>(probs);
+    else return Tensor<T>(probs.to_leaf().node);
+  }();
+  return detail::make_random<T>(graph::detail::BernoulliTensorDist<T>{}, p.shape(), p.device(),
+                                            {p.node()});
+}
+
+}  // namespace lazy
+
+// Per-dtype templates the compiled runtime instantiates once (core/config.hpp).
+#define LAZYTENSOR_RANDOM_INSTANCES(P, T)                                                                   \
+  P template lazy::Tensor<T> lazy::detail::make_random<T, lazy::graph::detail::UniformDist<T>>(              \
+      lazy::graph::detail::UniformDist<T>, const lazy::Shape&, const lazy::Device&, std::vector<lazy::graph::NodePtr>); \
+  P template lazy::Tensor<T> lazy::detail::make_random<T, lazy::graph::detail::NormalDist<T>>(               \
+      lazy::graph::detail::NormalDist<T>, const lazy::Shape&, const lazy::Device&, std::vector<lazy::graph::NodePtr>);
+#define LAZYTENSOR_RANDINT_INSTANCES(P, T)                                                                  \
+  P template lazy::Tensor<T> lazy::detail::make_random<T, lazy::graph::detail::RandIntDist<T>>(              \
+      lazy::graph::detail::RandIntDist<T>, const lazy::Shape&, const lazy::Device&, std::vector<lazy::graph::NodePtr>);
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_FOR_FLOATING(LAZYTENSOR_RANDOM_INSTANCES, extern)
+LAZYTENSOR_RANDINT_INSTANCES(extern, std::int32_t)
+LAZYTENSOR_RANDINT_INSTANCES(extern, std::int64_t)
+#endif
+// ---- end lazytensor/ops/random.hpp ----
 // ---- begin lazytensor/ops/reduction.hpp ----
 // Reductions: sum mean prod max min amax amin argmax argmin any all logsumexp norm.
 // Each takes a tensor or an element-wise expression (fused into the reduction loop) and
@@ -17432,150 +19239,6 @@ class ScatterAddNode final : public Node {
 #include <utility>
 #include <vector>
 
-// ---- begin lazytensor/graph/byte_copy.hpp ----
-// The byte-copy helpers of the copy nodes (graph/shape_nodes.hpp): one kernel per element
-// size (1, 2, 4, 8 bytes) serves every dtype and keeps the code small. The element copy is a
-// constant-size memcpy: one load and one store, valid whatever type wrote the buffer.
-
-#include <algorithm>
-#include <array>
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
-#include <type_traits>
-#include <vector>
-
-
-namespace lazy::graph::detail {
-
-/// Copies one element of N bytes (see the file comment for why memcpy).
-template <std::size_t N>
-inline void copy_elem(std::byte* dst, const std::byte* src) {
-  std::memcpy(dst, src, N);
-}
-
-/// Calls f(std::integral_constant<std::size_t, N>{}) for an element size of N bytes, so a
-/// kernel is instantiated once per size instead of once per dtype.
-template <class F>
-void with_elem_size(std::size_t bytes, F&& f) {
-  switch (bytes) {
-    case 1: f(std::integral_constant<std::size_t, 1>{}); break;
-    case 2: f(std::integral_constant<std::size_t, 2>{}); break;
-    case 4: f(std::integral_constant<std::size_t, 4>{}); break;
-    default: f(std::integral_constant<std::size_t, 8>{}); break;
-  }
-}
-
-/// A multi-index over `rank` dims (last fastest) that tracks two linear offsets, `a` and
-/// `b`, with their own strides: typically an input offset and an output offset.
-struct Odometer {
-  int rank = 0;
-  std::array<std::int64_t, kMaxRank> size{}, stride_a{}, stride_b{}, idx{};
-  std::int64_t a = 0, b = 0;
-
-  /// Positions the multi-index at linear position `lin` (row-major over `size`).
-  void seek(std::int64_t lin);
-  /// Advances by one position (carry from the last dim).
-  void next();
-};
-
-/// Fills `segs` equal-length output segments of `len` elements each, segment s copied from
-/// the contiguous input run starting at element `src_off(s)`. The split across threads is
-/// over output elements, not segments, so one huge segment and a million tiny ones both
-/// balance.
-template <std::size_t N, class SrcOff>
-void copy_segments(ThreadPool& pool, std::byte* dst, const std::byte* src, std::int64_t segs, std::int64_t len,
-                   const SrcOff& src_off) {
-  const std::int64_t n = segs * len;
-  if (n == 0) return;
-  const std::int64_t tasks = task_count(pool, n, 1.0);
-  pool.parallel_for(tasks, [&](std::int64_t t) {
-    auto [b, e] = task_range(n, tasks, t);
-    if (len == 1) {  // gathers of single elements: no variable-size memcpy per element
-      for (std::int64_t f = b; f < e; ++f) copy_elem<N>(dst + f * N, src + src_off(f) * N);
-      return;
-    }
-    while (b < e) {
-      const std::int64_t s = b / len, k = b % len, c = std::min(len - k, e - b);
-      std::memcpy(dst + b * N, src + (src_off(s) + k) * N, static_cast<std::size_t>(c) * N);
-      b += c;
-    }
-  });
-}
-
-inline const std::byte* bytes_of(const NodePtr& n) { return static_cast<const std::byte*>(n->buffer()->data()); }
-
-/// Copies a box of `box` elements per dimension between two row-major arrays of `esize`-byte
-/// elements: from `src` (shape `src_shape`) starting at `src_at` to `dst` (shape
-/// `dst_shape`) starting at `dst_at`, innermost runs by memcpy.
-void copy_box(const std::byte* src, const Shape& src_shape, const std::vector<std::int64_t>& src_at, std::byte* dst,
-              const Shape& dst_shape, const std::vector<std::int64_t>& dst_at, const std::vector<std::int64_t>& box,
-              std::size_t esize);
-
-}  // namespace lazy::graph::detail
-
-#if LAZYTENSOR_HEADER_DEFINITIONS
-namespace lazy::graph::detail {
-
-LAZYTENSOR_INLINE void Odometer::seek(std::int64_t lin) {
-  a = b = 0;
-  for (int d = rank - 1; d >= 0; --d) {
-    idx[d] = lin % size[d];
-    lin /= size[d];
-    a += idx[d] * stride_a[d];
-    b += idx[d] * stride_b[d];
-  }
-}
-
-LAZYTENSOR_INLINE void Odometer::next() {
-  for (int d = rank - 1; d >= 0; --d) {
-    ++idx[d];
-    a += stride_a[d];
-    b += stride_b[d];
-    if (idx[d] < size[d]) return;
-    a -= stride_a[d] * size[d];
-    b -= stride_b[d] * size[d];
-    idx[d] = 0;
-  }
-}
-
-LAZYTENSOR_INLINE void copy_box(const std::byte* src, const Shape& src_shape, const std::vector<std::int64_t>& src_at,
-                                        std::byte* dst, const Shape& dst_shape, const std::vector<std::int64_t>& dst_at,
-                                        const std::vector<std::int64_t>& box, std::size_t esize) {
-  const int rank = src_shape.rank();
-  for (auto b : box)
-    if (b == 0) return;
-  if (rank == 0) {
-    std::memcpy(dst, src, esize);
-    return;
-  }
-  // Row-major strides in elements.
-  std::vector<std::int64_t> ss(static_cast<std::size_t>(rank), 1), ds(static_cast<std::size_t>(rank), 1);
-  for (int d = rank - 1; d-- > 0;) {
-    ss[static_cast<std::size_t>(d)] = ss[static_cast<std::size_t>(d) + 1] * src_shape[d + 1];
-    ds[static_cast<std::size_t>(d)] = ds[static_cast<std::size_t>(d) + 1] * dst_shape[d + 1];
-  }
-  const std::size_t run = static_cast<std::size_t>(box.back()) * esize;
-  std::vector<std::int64_t> c(static_cast<std::size_t>(rank), 0);  // the last entry stays 0
-  for (;;) {
-    std::int64_t so = 0, d_o = 0;
-    for (int d = 0; d < rank; ++d) {
-      so += (src_at[static_cast<std::size_t>(d)] + c[static_cast<std::size_t>(d)]) * ss[static_cast<std::size_t>(d)];
-      d_o += (dst_at[static_cast<std::size_t>(d)] + c[static_cast<std::size_t>(d)]) * ds[static_cast<std::size_t>(d)];
-    }
-    std::memcpy(dst + static_cast<std::size_t>(d_o) * esize, src + static_cast<std::size_t>(so) * esize, run);
-    int d = rank - 2;
-    for (; d >= 0; --d) {
-      if (++c[static_cast<std::size_t>(d)] < box[static_cast<std::size_t>(d)]) break;
-      c[static_cast<std::size_t>(d)] = 0;
-    }
-    if (d < 0) return;
-  }
-}
-
-}  // namespace lazy::graph::detail
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
-// ---- end lazytensor/graph/byte_copy.hpp ----
 
 namespace lazy::graph {
 
@@ -19287,3284 +20950,6 @@ LAZYTENSOR_INLINE bool geometry(const Shape& s, const DimList& dims, graph::Redu
 LAZYTENSOR_FOR_FLOATING(LAZYTENSOR_REDUCTION_INSTANCES, extern)
 #endif
 // ---- end lazytensor/ops/reduction.hpp ----
-
-namespace lazy {
-
-namespace detail {
-
-/// The operand as a GEMM reads it: through a pending transpose when there is one.
-template <Element T>
-typename graph::GemmNode<T>::Operand gemm_operand(const Tensor<T>& t) {
-  const auto& n = t.node();
-  if (n->pending()) {
-    // Only a 2-D source: batched GEMMs may stack batch rows, which a transposed read breaks.
-    if (auto* tr = dynamic_cast<graph::TransposeOfLastTwo*>(n.get()); tr && tr->transpose_source()->shape().rank() == 2)
-      return {tr->transpose_source(), true};
-  }
-  return {n, false};
-}
-
-/// The product as a GemmNode; `bf16` (float only) runs it in bfloat16 with float
-/// accumulation and a rounded result (autocast's products), and so does its backward.
-template <Element T>
-Tensor<T> gemm(const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std::int64_t batch_b,
-               std::int64_t m, std::int64_t k, std::int64_t n, const Shape& out, bool bf16 = false);
-
-/// Backward of C[b] = A[b] B[b] with A viewed as [batch_a, m, k], B as [batch_b, k, n] (a
-/// batch of 1 broadcasts): dA = dC B^T, dB = A^T dC, summed over broadcast batches. When a
-/// side is shared by every batch, the batches are stacked into one GEMM instead.
-/// `b_transposed`: B is the transpose of a stored [n, k] matrix (linear's weight), so dB is
-/// computed as dB^T = dC^T A in that matrix's layout; the transpose's own backward then
-/// folds away (transpose of a transpose) instead of copying the gradient.
-/// `bf16`: the gradients' products are bfloat16 products too, which is the backward of
-/// round(round(A) round(B)) (the rounding's backward rounds the gradient); where a side is
-/// broadcast over batches, its gradient is the float sum of the batches' rounded products.
-template <Element T>
-void record_gemm(Tensor<T>& c, const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a,
-                 std::int64_t batch_b, std::int64_t m, std::int64_t k, std::int64_t n,
-                 bool b_transposed, bool bf16) {
-  auto ea = autograd::edge_of(a.impl()), eb = autograd::edge_of(b.impl());
-  if (!ea && !eb) return;
-  autograd::record(c, "MmBackward0", {ea, eb},
-                   [a = a.detach(), b = b.detach(), batch_a, batch_b, m, k, n,
-                    need_a = ea != nullptr, need_b = eb != nullptr,
-                    b_transposed, bf16](const Tensor<T>& g) {
-                     const std::int64_t B = std::max(batch_a, batch_b);
-                     std::vector<graph::NodePtr> grads(2);
-                     if (need_a) {
-                       // dA[b] = dC[b] B[b]^T: [B*m, n] x [n, k] stacked when B is shared.
-                       Tensor<T> da = batch_b == 1 ? gemm(g, transpose(reshape(b, Shape{k, n}), 0, 1), 1, 1, B * m, n, k, Shape{B, m, k}, bf16)
-                                                   : gemm(g, transpose(reshape(b, Shape{B, k, n}), 1, 2), B, B, m, n, k, Shape{B, m, k}, bf16);
-                       if (batch_a == 1 && B > 1) da = sum(da, {0});
-                       grads[0] = reshape(da, a.shape()).node();
-                     }
-                     if (need_b) {
-                       Tensor<T> db;
-                       if (batch_b == 1 && b_transposed) {  // dB^T = dC^T A over the stacked rows
-                         db = transpose(
-                             gemm(transpose(reshape(g, Shape{B * m, n}), 0, 1),
-                                  reshape(a, Shape{B * m, k}), 1, 1, n, B * m, k, Shape{n, k}, bf16),
-                             0, 1);
-                       } else if (batch_a == 1) {  // A shared: dB[b] = A^T dC[b]
-                         db = gemm(transpose(reshape(a, Shape{m, k}), 0, 1), g, 1, B, k, m, n, Shape{B, k, n}, bf16);
-                       } else if (batch_b == 1) {  // B shared: one GEMM over the stacked batches
-                         db = gemm(transpose(reshape(a, Shape{B * m, k}), 0, 1), reshape(g, Shape{B * m, n}), 1, 1, k,
-                                   B * m, n, Shape{k, n}, bf16);
-                       } else {
-                         db = gemm(transpose(reshape(a, Shape{B, m, k}), 1, 2), g, B, B, k, m, n, Shape{B, k, n}, bf16);
-                       }
-                       if (batch_b == 1 && B > 1 && batch_a == 1) db = sum(db, {0});
-                       grads[1] = reshape(db, b.shape()).node();
-                     }
-                     return grads;
-                   });
-}
-
-template <Element T>
-Tensor<T> gemm(const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std::int64_t batch_b,
-               std::int64_t m, std::int64_t k, std::int64_t n, const Shape& out, bool bf16) {
-  auto oa = gemm_operand(a), ob = gemm_operand(b);
-  graph::Device& dev = graph::common_device({oa.node, ob.node}, "matmul");
-  Tensor<T> c(
-      graph::submit(std::make_shared<graph::GemmNode<T>>(oa, ob, batch_a, batch_b, m, k, n, out, &dev, bf16)));
-  if constexpr (is_floating_v<T>) {
-    if (autograd::is_grad_enabled()) record_gemm(c, a, b, batch_a, batch_b, m, k, n, ob.transposed, bf16);
-  }
-  return c;
-}
-
-[[noreturn]] void matmul_mismatch(const Shape& a, const Shape& b, std::int64_t ka, std::int64_t kb);
-
-/// x rounded to bfloat16 and held as float (autocast's operands and results); the gradient
-/// is rounded the same way, as the backward of torch's casts rounds it.
-Tensor<float> round_to_bf16(const Tensor<float>& x);
-
-}  // namespace detail
-
-/// Matrix product with torch.matmul's rules: 1-D x 1-D is a dot product, 2-D x 2-D a matrix
-/// product, 1-D operands gain and lose a dimension, and leading (batch) dims broadcast.
-/// bfloat16 operands multiply on the bfloat16 GEMM (float accumulation, the result rounded
-/// once; graph/gemm_kernel_bf16.hpp); under autocast (AutocastGuard) float operands do the
-/// same, rounded to bfloat16 as the GEMM packs them.
-template <Element T>
-Tensor<T> matmul(const Tensor<T>& a, const Tensor<T>& b) {
-  if constexpr (std::is_same_v<T, bfloat16>) {
-    AutocastGuard bf16;  // the float product in bfloat16 (exactly representable: the cast back is exact)
-    return Tensor<bfloat16>(cast<bfloat16>(matmul(Tensor<float>(cast<float>(a)), Tensor<float>(cast<float>(b)))));
-  } else if constexpr (!std::is_same_v<T, float> && !std::is_same_v<T, double> && !std::is_same_v<T, std::int32_t> &&
-                       !std::is_same_v<T, std::int64_t>) {
-    throw DTypeError("matmul: expected floating, int32 or int64 operands, got " + dtype_name(dtype_of<T>()));
-  } else {
-    bool bf16 = false;
-    if constexpr (std::is_same_v<T, float>) bf16 = is_autocast_enabled();
-    const Shape& sa = a.shape();
-    const Shape& sb = b.shape();
-    if (sa.rank() == 0 || sb.rank() == 0) {
-      throw ShapeError("matmul: both arguments need at least 1 dimension, got " + sa.str() + " and " + sb.str());
-    }
-    if (sa.rank() == 1 && sb.rank() == 1) {
-      if (sa[0] != sb[0]) detail::matmul_mismatch(sa, sb, sa[0], sb[0]);
-      return detail::gemm(reshape(a, Shape{1, sa[0]}), reshape(b, Shape{sb[0], 1}), 1, 1, 1, sa[0], 1, Shape{}, bf16);
-    }
-    if (sb.rank() == 1) {  // [.., m, k] x [k]
-      const std::int64_t k = sa[sa.rank() - 1];
-      if (k != sb[0]) detail::matmul_mismatch(sa, sb, k, sb[0]);
-      Shape out;
-      for (int i = 0; i + 1 < sa.rank(); ++i) out.push_back(sa[i]);
-      const std::int64_t m = k ? a.numel() / k : out.numel();
-      return detail::gemm(reshape(a, Shape{m, k}), reshape(b, Shape{k, 1}), 1, 1, m, k, 1, out, bf16);
-    }
-    if (sa.rank() == 1) {  // [k] x [.., k, n]
-      const std::int64_t k = sb[sb.rank() - 2], n = sb[sb.rank() - 1];
-      if (k != sa[0]) detail::matmul_mismatch(sa, sb, sa[0], k);
-      Shape out;
-      for (int i = 0; i + 2 < sb.rank(); ++i) out.push_back(sb[i]);
-      out.push_back(n);
-      std::int64_t batch = 1;  // not numel / (k * n): k or n may be 0
-      for (int i = 0; i + 2 < sb.rank(); ++i) batch *= sb[i];
-      return detail::gemm(reshape(a, Shape{1, k}), b, 1, batch, 1, k, n, out, bf16);
-    }
-    const std::int64_t m = sa[sa.rank() - 2], k = sa[sa.rank() - 1];
-    const std::int64_t kb = sb[sb.rank() - 2], n = sb[sb.rank() - 1];
-    if (k != kb) detail::matmul_mismatch(sa, sb, k, kb);
-    Shape ba, bb;
-    for (int i = 0; i + 2 < sa.rank(); ++i) ba.push_back(sa[i]);
-    for (int i = 0; i + 2 < sb.rank(); ++i) bb.push_back(sb[i]);
-    const Shape batch = broadcast_shapes(ba, bb, "matmul");
-    Shape out = batch;
-    out.push_back(m);
-    out.push_back(n);
-    if (bb.numel() == 1 && sb.rank() == 2) {
-      // [.., m, k] x [k, n]: one GEMM with all batch rows stacked (m' = batch * m).
-      return detail::gemm(a, b, 1, 1, ba.numel() * m, k, n, out, bf16);
-    }
-    Shape fa = batch, fb = batch;
-    fa.push_back(m);
-    fa.push_back(k);
-    fb.push_back(k);
-    fb.push_back(n);
-    Tensor<T> ea = (ba == batch) ? a : expand(a, fa);
-    Tensor<T> eb = (bb == batch) ? b : expand(b, fb);
-    return detail::gemm(ea, eb, batch.numel(), batch.numel(), m, k, n, out, bf16);
-  }
-}
-
-/// Batched matrix product of [b, m, k] and [b, k, n] (no broadcasting, as torch.bmm).
-template <Element T>
-Tensor<T> bmm(const Tensor<T>& a, const Tensor<T>& b) {
-  if (a.dim() != 3 || b.dim() != 3 || a.size(0) != b.size(0)) {
-    throw ShapeError("bmm: expected 3-D tensors with equal batch sizes, got " + a.shape().str() + " and " +
-                     b.shape().str());
-  }
-  return matmul(a, b);
-}
-
-/// x @ w^T (torch.nn.functional.linear without bias); w is [out_features, in_features].
-template <Element T>
-Tensor<T> linear(const Tensor<T>& x, const Tensor<T>& w) {
-  if (w.dim() != 2 || x.dim() < 1 || x.size(-1) != w.size(1)) {
-    throw ShapeError("linear: expected input [..., " + std::to_string(w.dim() == 2 ? w.size(1) : -1) +
-                     "] and weight [out_features, in_features], got input " + x.shape().str() + " and weight " +
-                     w.shape().str());
-  }
-  return matmul(x, transpose(w, 0, 1));  // autocast: a bfloat16 product there
-}
-
-/// x @ w^T + b. Returns an expression (as `a + b` does), so a following element-wise op
-/// such as relu joins the bias in one epilogue that runs on the GEMM's row blocks.
-/// (The return type is spelled out so that naming a call does not compile the GEMM: a
-/// deduced type would instantiate this body wherever a call is merely written.)
-template <Element T>
-auto linear(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& b)
-    -> decltype(std::declval<const Tensor<T>&>() + std::declval<const Tensor<T>&>()) {
-  if (b.dim() != 1 || b.size(0) != w.size(0)) {
-    throw ShapeError("linear: expected bias of shape (" + std::to_string(w.size(0)) + ",), got " + b.shape().str());
-  }
-  return linear(x, w) + b;
-}
-
-}  // namespace lazy
-
-#if LAZYTENSOR_HEADER_DEFINITIONS
-namespace lazy::detail {
-LAZYTENSOR_INLINE Tensor<float> round_to_bf16(const Tensor<float>& x) {
-  Tensor<float> y(graph::submit(std::make_shared<graph::RoundToBFloat16Node>(x.node())));
-  if (autograd::is_grad_enabled()) {
-    if (auto edge = autograd::edge_of(x.impl())) {
-      autograd::record(y, "RoundToBFloat16Backward", {edge}, [](const Tensor<float>& g) {
-        return std::vector<graph::NodePtr>{graph::submit(std::make_shared<graph::RoundToBFloat16Node>(g.node()))};
-      });
-    }
-  }
-  return y;
-}
-
-
-LAZYTENSOR_INLINE void matmul_mismatch(const Shape& a, const Shape& b, std::int64_t ka, std::int64_t kb) {
-  throw ShapeError("matmul: mat1 and mat2 shapes cannot be multiplied (" + a.str() + " and " + b.str() +
-                   "): expected the contracted sizes to match, found " + std::to_string(ka) + " and " +
-                   std::to_string(kb));
-}
-
-}  // namespace lazy::detail
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
-// ---- end lazytensor/ops/matmul.hpp ----
-// ---- begin lazytensor/ops/random.hpp ----
-// Random tensors from a counter-based generator (Philox4x32-10, Salmon et al., "Parallel
-// Random Numbers: As Easy as 1, 2, 3", SC'11). A counter-based generator needs no state
-// per thread: the value of element i is a pure function of (seed, counter(i)), so results
-// are identical whatever the thread count and however the work is chunked.
-//
-// Streams: each call reserves a block of counters from its device's RngState at creation
-// time (offset .. offset + blocks) and captures the seed; element i uses counter
-// offset + i / P, where P is how many elements one 128-bit Philox output yields (4 for
-// 32-bit draws, 2 for 64-bit draws): in the 4 * B words of a block of B consecutive
-// counters, element j of the block reads word j (32-bit draws) or words 2j, 2j + 1. The
-// values are computed lazily, at mark_step, by a RandomNode (graph/random_node.hpp, with
-// Philox and the distributions), always a whole block at a time (block k holds the call's
-// elements k * B * P ..), so a vectorized distribution gives every element the same bits
-// whichever task computes it. set_rng_state / manual_seed restart the stream; mark_step
-// advances the seed.
-
-#include <cstdint>
-#include <limits>
-#include <memory>
-#include <string>
-#include <type_traits>
-#include <vector>
-
-// ---- begin lazytensor/graph/random_node.hpp ----
-// RandomNode, the kernel of every random tensor: Philox4x32-10 (a counter-based generator,
-// so element i's value is a pure function of the seed and i, whatever the thread count) and
-// the distributions that turn its output words into elements (uniform, normal, integers,
-// Bernoulli). ops/random.hpp describes the streams and reserves the counters.
-
-#include <algorithm>
-#include <array>
-#include <cstdint>
-#include <numbers>
-#include <string>
-#include <type_traits>
-#include <vector>
-
-
-
-namespace lazy {
-
-namespace ops {
-
-/// 128-bit Philox counter (four 32-bit words, word 0 least significant).
-using PhiloxCounter = std::array<std::uint32_t, 4>;
-/// 64-bit Philox key (two 32-bit words).
-using PhiloxKey = std::array<std::uint32_t, 2>;
-
-/// The Philox4x32-10 bijection of `counter` under `key`: ten rounds of two 32x32->64-bit
-/// multiplies, with the key bumped by the Weyl constants between rounds. Matches the
-/// Random123 known-answer vectors (e.g. counter 0, key 0 -> 6627e8d5 e169c58d bc57ac4c
-/// 9b00dbd8).
-constexpr PhiloxCounter philox4x32_10(PhiloxCounter ctr, PhiloxKey key) {
-  constexpr std::uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;  // round multipliers
-  constexpr std::uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;  // Weyl key increments
-  for (int r = 0; r < 10; ++r) {
-    if (r > 0) {
-      key[0] += kW0;
-      key[1] += kW1;
-    }
-    const std::uint64_t p0 = std::uint64_t{kM0} * ctr[0];
-    const std::uint64_t p1 = std::uint64_t{kM1} * ctr[2];
-    const auto hi0 = static_cast<std::uint32_t>(p0 >> 32), lo0 = static_cast<std::uint32_t>(p0);
-    const auto hi1 = static_cast<std::uint32_t>(p1 >> 32), lo1 = static_cast<std::uint32_t>(p1);
-    ctr = {hi1 ^ ctr[1] ^ key[0], lo1, hi0 ^ ctr[3] ^ key[1], lo0};
-  }
-  return ctr;
-}
-
-/// The key of a 64-bit seed: its low and high words.
-constexpr PhiloxKey philox_key(std::uint64_t seed) {
-  return {static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32)};
-}
-
-/// Philox output for 64-bit counter value `c` (the upper 64 counter bits are zero).
-constexpr PhiloxCounter philox_block(std::uint64_t c, const PhiloxKey& key) {
-  return philox4x32_10({static_cast<std::uint32_t>(c), static_cast<std::uint32_t>(c >> 32), 0u, 0u}, key);
-}
-
-}  // namespace ops
-
-namespace graph {
-
-namespace detail {
-
-// A distribution turns the 4 * kRandomBlock words of one block of counters into
-// P * kRandomBlock elements (P = per_counter). fill(words, j0, cnt, out, i) writes elements
-// [j0, j0 + cnt) of the block to out[0..cnt); `i` is the global index of out[0] (for
-// distributions that read an input element-wise). A distribution that vectorizes computes
-// the whole block and keeps the part asked for, so no element's bits depend on where a task
-// starts.
-
-/// Counters per block.
-inline constexpr int kRandomBlock = 16;
-
-/// Uniform 24-bit float in [0, 1): exact, never 1.
-inline float unit_float(std::uint32_t x) { return static_cast<float>(x >> 8) * 0x1p-24f; }
-inline std::uint64_t word64(std::uint32_t hi, std::uint32_t lo) { return (std::uint64_t{hi} << 32) | lo; }
-/// Uniform 53-bit double in [0, 1).
-inline double unit_double(std::uint32_t hi, std::uint32_t lo) {
-  return static_cast<double>(word64(hi, lo) >> 11) * 0x1p-53;
-}
-
-/// torch.rand: uniform in [0, 1).
-template <Element T>
-struct UniformDist {
-  static constexpr const char* name = "rand";
-  static constexpr int per_counter = std::is_same_v<T, double> ? 2 : 4;
-  static constexpr double cost = 2;
-  std::string params() const { return ""; }
-  void bind(const std::vector<NodePtr>&) {}
-  void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t) const {
-    for (int k = 0; k < cnt; ++k) {
-      const int j = j0 + k;
-      if constexpr (std::is_same_v<T, double>) {
-        out[k] = unit_double(w[2 * j], w[2 * j + 1]);
-      } else if constexpr (std::is_same_v<T, bfloat16>) {
-        // 8 random bits: k / 256 is exact in bfloat16, whereas rounding a 24-bit float
-        // could round up to 1.0 and break the [0, 1) contract.
-        out[k] = bfloat16(static_cast<float>(w[j] >> 24) * 0x1p-8f);
-      } else {
-        out[k] = unit_float(w[j]);
-      }
-    }
-  }
-};
-
-/// torch.randn: standard normal by Box-Muller on pairs of uniforms (u1, u2) -> (r cos t,
-/// r sin t), r = sqrt(-2 log u1), t = 2 pi u2. u1 is in (0, 1], so log(0) cannot happen.
-/// Vectorized with xsimd over a whole block; bfloat16 computes in float and rounds.
-template <Element T>
-struct NormalDist {
-  static constexpr const char* name = "randn";
-  static constexpr int per_counter = std::is_same_v<T, double> ? 2 : 4;
-  static constexpr double cost = 6;
-  std::string params() const { return ""; }
-  void bind(const std::vector<NodePtr>&) {}
-  void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t) const {
-    using S = std::conditional_t<std::is_same_v<T, double>, double, float>;
-    using V = xsimd::batch<S>;
-    constexpr int kPairs = kRandomBlock * per_counter / 2;
-    static_assert(kPairs % V::size == 0, "a block is a whole number of SIMD batches");
-    alignas(64) S u1[kPairs], u2[kPairs], z[2 * kPairs];
-    for (int m = 0; m < kPairs; ++m) {
-      if constexpr (std::is_same_v<S, double>) {
-        u1[m] = static_cast<double>((word64(w[4 * m], w[4 * m + 1]) >> 11) + 1) * 0x1p-53;
-        u2[m] = unit_double(w[4 * m + 2], w[4 * m + 3]);
-      } else {
-        u1[m] = static_cast<float>((w[2 * m] >> 8) + 1) * 0x1p-24f;
-        u2[m] = unit_float(w[2 * m + 1]);
-      }
-    }
-    for (int m = 0; m < kPairs; m += static_cast<int>(V::size)) {
-      const V r = xsimd::sqrt(V(S(-2)) * xsimd::log(V::load_aligned(u1 + m)));
-      const auto [sn, cs] = xsimd::sincos(V(S(2) * std::numbers::pi_v<S>) * V::load_aligned(u2 + m));
-      alignas(64) S c[V::size], s[V::size];
-      (r * cs).store_aligned(c);
-      (r * sn).store_aligned(s);
-      for (std::size_t l = 0; l < V::size; ++l) {
-        z[2 * (m + static_cast<int>(l))] = c[l];
-        z[2 * (m + static_cast<int>(l)) + 1] = s[l];
-      }
-    }
-    for (int k = 0; k < cnt; ++k) out[k] = static_cast<T>(z[j0 + k]);
-  }
-};
-
-/// torch.randint: integers in [low, high). A 64-bit draw modulo the range: the bias is at
-/// most range / 2^64, far below anything a test can see.
-template <Element T>
-struct RandIntDist {
-  static constexpr const char* name = "randint";
-  static constexpr int per_counter = 2;
-  static constexpr double cost = 3;
-  std::int64_t low;
-  std::uint64_t range;
-  std::string params() const {
-    return "low=" + std::to_string(low) + ", high=" + std::to_string(static_cast<std::int64_t>(static_cast<std::uint64_t>(low) + range));
-  }
-  void bind(const std::vector<NodePtr>&) {}
-  void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t) const {
-    for (int k = 0; k < cnt; ++k) {
-      const int j = j0 + k;
-      // Unsigned arithmetic: low + v may pass through values outside int64 mid-way.
-      const std::uint64_t v = static_cast<std::uint64_t>(low) + word64(w[2 * j], w[2 * j + 1]) % range;
-      out[k] = static_cast<T>(static_cast<std::int64_t>(v));
-    }
-  }
-};
-
-/// torch.bernoulli with one probability: 1 with probability p, else 0.
-template <Element T>
-struct BernoulliDist {
-  static constexpr const char* name = "bernoulli";
-  static constexpr int per_counter = 4;
-  static constexpr double cost = 2;
-  double p;
-  std::string params() const { return "p=" + std::to_string(p); }
-  void bind(const std::vector<NodePtr>&) {}
-  void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t) const {
-    // u = x / 2^32 in [0, 1): p = 0 never fires, p = 1 always does.
-    for (int k = 0; k < cnt; ++k) out[k] = static_cast<T>(static_cast<double>(w[j0 + k]) * 0x1p-32 < p);
-  }
-};
-
-/// torch.bernoulli(probs): element i is 1 with probability probs[i]. Probabilities outside
-/// [0, 1] (or NaN) raise lazy::Error when the kernel runs.
-template <Element T>
-struct BernoulliTensorDist {
-  static constexpr const char* name = "bernoulli";
-  static constexpr int per_counter = 4;
-  static constexpr double cost = 3;
-  const T* probs = nullptr;
-  std::string params() const { return "p=%0"; }
-  void bind(const std::vector<NodePtr>& ins) { probs = ins[0]->template data<T>(); }
-  void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t i) const {
-    for (int k = 0; k < cnt; ++k) {
-      const double p = static_cast<double>(static_cast<compute_t<T>>(probs[i + k]));
-      if (!(p >= 0.0 && p <= 1.0)) {
-        throw Error("bernoulli: expected every probability in [0, 1], found " + std::to_string(p) + " at element " +
-                    std::to_string(i + k));
-      }
-      out[k] = static_cast<T>(static_cast<double>(w[j0 + k]) * 0x1p-32 < p);
-    }
-  }
-};
-
-}  // namespace detail
-
-/// A tensor of random values drawn from distribution D with counters offset.. of `seed`.
-template <Element T, class D>
-class RandomNode final : public Node {
- public:
-  RandomNode(D dist, Shape shape, Device* device, std::uint64_t seed, std::uint64_t offset,
-             std::vector<NodePtr> inputs = {})
-      : Node(NodeKind::Random, dtype_of<T>(), shape, device, std::move(inputs)), dist_(dist), seed_(seed),
-        offset_(offset) {}
-
-  std::string op_name() const override { return D::name; }
-  std::string describe() const override {
-    const std::string p = dist_.params();
-    return std::string(D::name) + "(" + p + (p.empty() ? "" : ", ") + "offset=" + std::to_string(offset_) + ")";
-  }
-  double cost_per_element() const override { return D::cost; }
-  /// Shape, dtype and distribution only: a new seed or offset every step must not make the
-  /// plan look new (the values are data, as a learning rate is).
-  std::uint64_t structural_hash() const override { return Node::structural_hash(); }
-
-  std::uint64_t seed() const { return seed_; }
-  std::uint64_t offset() const { return offset_; }
-
- protected:
-  void compute(ExecContext& ctx) override {
-    D d = dist_;
-    d.bind(inputs());  // input pointers first (house rule)
-    // No donation: bernoulli(probs) may throw half-way, and must leave its input intact.
-    auto buf = allocate_output(ctx, false);
-    T* out = static_cast<T*>(buf->data());
-    const std::int64_t n = numel();
-    constexpr std::int64_t E = std::int64_t{detail::kRandomBlock} * D::per_counter;  // elements per block
-    const auto key = ops::philox_key(seed_);
-    auto& pool = ctx.device.threads();
-    const std::int64_t tasks = task_count(pool, n, D::cost);
-    pool.parallel_for(tasks, [&](std::int64_t t) {
-      // Tasks start on block boundaries (no block computed twice), but the values depend
-      // only on the element index either way.
-      auto [b, e] = task_range(n, tasks, t, E);
-      std::uint32_t words[4 * detail::kRandomBlock];
-      for (std::int64_t i = b; i < e;) {
-        const std::int64_t blk = i / E;
-        const std::uint64_t c0 = offset_ + static_cast<std::uint64_t>(blk) * detail::kRandomBlock;
-        for (int c = 0; c < detail::kRandomBlock; ++c) {
-          const auto r = ops::philox_block(c0 + static_cast<std::uint64_t>(c), key);
-          for (int k = 0; k < 4; ++k) words[4 * c + k] = r[k];
-        }
-        const int j0 = static_cast<int>(i - blk * E);
-        const int cnt = static_cast<int>(std::min<std::int64_t>(E - j0, e - i));
-        d.fill(words, j0, cnt, out + i, i);
-        i += cnt;
-      }
-    });
-    set_buffer(std::move(buf));
-  }
-
- private:
-  D dist_;
-  std::uint64_t seed_, offset_;
-};
-
-}  // namespace graph
-
-}  // namespace lazy
-// ---- end lazytensor/graph/random_node.hpp ----
-
-namespace lazy {
-
-namespace detail {
-
-/// Reserves the counters of `n` elements from the device stream and builds the node.
-template <Element T, class D>
-Tensor<T> make_random(D dist, const Shape& shape, const Device& dev, std::vector<graph::NodePtr> inputs = {}) {
-  graph::Device& eng = dev.engine();
-  auto& rng = eng.rng();
-  const auto blocks = static_cast<std::uint64_t>((shape.numel() + D::per_counter - 1) / D::per_counter);
-  const std::uint64_t offset = rng.offset;
-  rng.offset += blocks;
-  return Tensor<T>(graph::submit(
-      std::make_shared<graph::RandomNode<T, D>>(dist, shape, &eng, rng.seed, offset, std::move(inputs))));
-}
-
-template <class T>
-constexpr std::int64_t exact_integer_limit() {
-  if constexpr (std::is_same_v<T, bfloat16>) return std::int64_t{1} << 8;
-  else if constexpr (std::is_same_v<T, float>) return std::int64_t{1} << 24;
-  else return std::int64_t{1} << 53;
-}
-
-}  // namespace detail
-
-/// Seeds the current device's random stream; alias of set_rng_state (torch.manual_seed).
-inline void manual_seed(std::uint64_t seed) { set_rng_state(seed); }
-
-/// Uniform values in [0, 1) (torch.rand). T: float, double or bfloat16. Lazy: drawn when
-/// the tensor is materialized, identical whatever the thread count.
-template <Element T>
-  requires is_floating_v<T>
-Tensor<T> rand(const Shape& shape, Device dev = device()) {
-  return detail::make_random<T>(graph::detail::UniformDist<T>{}, shape, dev);
-}
-
-/// Standard normal values (torch.randn). T: float, double or bfloat16.
-template <Element T>
-  requires is_floating_v<T>
-Tensor<T> randn(const Shape& shape, Device dev = device()) {
-  return detail::make_random<T>(graph::detail::NormalDist<T>{}, shape, dev);
-}
-
-/// rand with t's shape and device.
-template <Element T>
-  requires is_floating_v<T>
-Tensor<T> rand_like(const Tensor<T>& t) {
-  return rand<T>(t.shape(), t.device());
-}
-/// randn with t's shape and device.
-template <Element T>
-  requires is_floating_v<T>
-Tensor<T> randn_like(const Tensor<T>& t) {
-  return randn<T>(t.shape(), t.device());
-}
-
-/// Integers uniform in [low, high) (torch.randint), stored as T (int32, int64, float,
-/// double or bfloat16; default int64). lazy::Error when low >= high or when a bound does
-/// not fit T (exactly, for floating T).
-template <Element T = std::int64_t>
-  requires(!std::is_same_v<T, bool>)
-Tensor<T> randint(std::int64_t low, std::int64_t high, const Shape& shape, Device dev = device()) {
-  if (low >= high) {
-    throw Error("randint: expected low < high, got low=" + std::to_string(low) + ", high=" + std::to_string(high));
-  }
-  if constexpr (is_integral_v<T>) {
-    if (low < std::numeric_limits<T>::min() || high - 1 > std::numeric_limits<T>::max()) {
-      throw Error("randint: range [" + std::to_string(low) + ", " + std::to_string(high) + ") does not fit " +
-                  dtype_name(dtype_of<T>()));
-    }
-  } else {
-    constexpr std::int64_t lim = detail::exact_integer_limit<T>();
-    if (low < -lim || high > lim) {
-      throw Error("randint: range [" + std::to_string(low) + ", " + std::to_string(high) + ") is not exactly " +
-                  "representable in " + dtype_name(dtype_of<T>()) + " (expected bounds within +-" +
-                  std::to_string(lim) + ")");
-    }
-  }
-  const std::uint64_t range = static_cast<std::uint64_t>(high) - static_cast<std::uint64_t>(low);
-  return detail::make_random<T>(graph::detail::RandIntDist<T>{low, range}, shape, dev);
-}
-
-/// Integers uniform in [0, high) (torch.randint(high, size)).
-template <Element T = std::int64_t>
-  requires(!std::is_same_v<T, bool>)
-Tensor<T> randint(std::int64_t high, const Shape& shape, Device dev = device()) {
-  return randint<T>(0, high, shape, dev);
-}
-
-/// 1 with probability p, else 0, for every element (torch.empty(shape).bernoulli_(p)).
-/// T: any element type (bool gives true/false). lazy::Error unless 0 <= p <= 1.
-template <Element T>
-Tensor<T> bernoulli(double p, const Shape& shape, Device dev = device()) {
-  if (!(p >= 0.0 && p <= 1.0)) {
-    throw Error("bernoulli: expected 0 <= p <= 1, got p=" + std::to_string(p));
-  }
-  return detail::make_random<T>(graph::detail::BernoulliDist<T>{p}, shape, dev);
-}
-
-/// Element i is 1 with probability probs[i], else 0 (torch.bernoulli(probs)); the result
-/// has probs' shape, dtype and device. probs: a floating tensor or expression; values
-/// outside [0, 1] raise lazy::Error when the kernel runs (next mark_step or read).
-template <expr::ExprLike X>
-  requires is_floating_v<expr::value_t<X>>
-auto bernoulli(const X& probs) {
-  using T = expr::value_t<X>;
-  Tensor<T> p = [&] {
-    if constexpr (std::is_same_v<X, Tensor<T>>) return probs;
-    else if constexpr (expr::is_expr_node<X>::value) return Tensor<T>(probs);
-    else return Tensor<T>(probs.to_leaf().node);
-  }();
-  return detail::make_random<T>(graph::detail::BernoulliTensorDist<T>{}, p.shape(), p.device(),
-                                            {p.node()});
-}
-
-}  // namespace lazy
-
-// Per-dtype templates the compiled runtime instantiates once (core/config.hpp).
-#define LAZYTENSOR_RANDOM_INSTANCES(P, T)                                                                   \
-  P template lazy::Tensor<T> lazy::detail::make_random<T, lazy::graph::detail::UniformDist<T>>(              \
-      lazy::graph::detail::UniformDist<T>, const lazy::Shape&, const lazy::Device&, std::vector<lazy::graph::NodePtr>); \
-  P template lazy::Tensor<T> lazy::detail::make_random<T, lazy::graph::detail::NormalDist<T>>(               \
-      lazy::graph::detail::NormalDist<T>, const lazy::Shape&, const lazy::Device&, std::vector<lazy::graph::NodePtr>);
-#define LAZYTENSOR_RANDINT_INSTANCES(P, T)                                                                  \
-  P template lazy::Tensor<T> lazy::detail::make_random<T, lazy::graph::detail::RandIntDist<T>>(              \
-      lazy::graph::detail::RandIntDist<T>, const lazy::Shape&, const lazy::Device&, std::vector<lazy::graph::NodePtr>);
-#if LAZYTENSOR_EXPLICIT_INSTANTIATION
-LAZYTENSOR_FOR_FLOATING(LAZYTENSOR_RANDOM_INSTANCES, extern)
-LAZYTENSOR_RANDINT_INSTANCES(extern, std::int32_t)
-LAZYTENSOR_RANDINT_INSTANCES(extern, std::int64_t)
-#endif
-// ---- end lazytensor/ops/random.hpp ----
-// ---- end lazytensor/tensor.hpp ----
-// ---- end lazytensor/eigen.hpp ----
-// ---- begin lazytensor/fwd.hpp ----
-// Declarations of lazytensor's user-facing types, for a user's own headers: a header that
-// only names `lazy::Tensor<float>` in a signature includes this (as nlohmann's json_fwd.hpp)
-// and leaves the definitions, and their compile time, to the source files that use them.
-// It costs <cstdint>, <string> and <ostream> (through the element types), nothing else.
-
-
-namespace lazy {
-
-class Shape;
-class Device;
-template <Element T>
-class Tensor;
-class AnyTensor;
-class StateDict;
-struct Size2;
-
-enum class ReduceOp;
-
-class AutocastGuard;
-
-class Error;
-class ShapeError;
-class DTypeError;
-class IndexError;
-class DeviceError;
-class ShardingError;
-class CollectiveError;
-class CollectiveMismatch;
-class CollectiveTimeout;
-class ReplicaAborted;
-class FormatError;
-class IoError;
-class OutOfMemoryError;
-
-namespace nn {
-class Module;
-template <class Impl>
-class ModuleHolder;
-}  // namespace nn
-
-namespace optim {
-class Optimizer;
-}  // namespace optim
-
-namespace spmd {
-class Mesh;
-class HybridMesh;
-class ShardingSpec;
-}  // namespace spmd
-
-namespace train {
-class Strategy;
-class SingleDeviceStrategy;
-template <class>
-class BasicReplicaStrategy;
-using ReplicaStrategy = BasicReplicaStrategy<void>;
-class Precision;
-class DoublePrecision;
-class HalfPrecision;
-class MixedPrecision;
-class Accelerator;
-class CPUAccelerator;
-}  // namespace train
-
-}  // namespace lazy
-// ---- end lazytensor/fwd.hpp ----
-// ---- begin lazytensor/io.hpp ----
-// lazy::io: reading and writing tensors. safetensors files (readable by the Python
-// `safetensors` package) through io::save_file and io::load, with atomic, streaming writes;
-// io::save writes from replicas (only the master writes, as xm.save).
-
-// ---- begin lazytensor/io/safetensors.hpp ----
-// safetensors files (https://github.com/huggingface/safetensors), readable by the Python
-// `safetensors` package:
-//
-//   [8 bytes]  N, the header length, unsigned little-endian
-//   [N bytes]  a JSON object: "name": {"dtype": "F32", "shape": [2, 3], "data_offsets": [b, e]}
-//              per tensor, plus an optional "__metadata__": {string: string}; padded with
-//              spaces so that the data starts 8-byte aligned
-//   [rest]     the tensors' bytes, little-endian, row-major; offsets are relative to the
-//              start of this buffer, and the tensors tile it exactly (no gap, no overlap,
-//              nothing after the last one)
-//
-// Writing streams one tensor at a time into a temporary file that replaces the target
-// atomically; reading validates the whole header against the file size before allocating
-// anything, then reads each tensor straight into a buffer of the target device.
-
-#include <algorithm>
-#include <bit>
-#include <cstdint>
-#include <cstring>
-#include <map>
-#include <memory>
-#include <numeric>
-#include <string>
-#include <string_view>
-#include <unordered_set>
-#include <utility>
-#include <vector>
-
-// ---- begin lazytensor/io/json.hpp ----
-// The little JSON that file headers need, written by us and strict: a cursor that reads
-// objects, strings and non-negative integers exactly as RFC 8259 spells them (and nothing
-// else: no comments, no trailing commas, no NaN, no leading zeros, valid UTF-8 only), and
-// a writer for strings. Callers read the schema they expect with these primitives, so a
-// hostile header never builds a document tree bigger than what the caller keeps.
-
-#include <cstddef>
-#include <cstdint>
-#include <string>
-#include <string_view>
-
-
-namespace lazy::io::detail {
-
-/// Length of the valid UTF-8 sequence starting at s[i], or 0 when it is invalid (overlong
-/// forms, surrogates and code points above U+10FFFF are invalid, as RFC 3629 says).
-std::size_t utf8_sequence_length(std::string_view s, std::size_t i);
-
-/// True when `s` is valid UTF-8.
-bool valid_utf8(std::string_view s);
-
-/// Appends `s` as a JSON string literal: quotes, backslashes and control characters are
-/// escaped (the short forms where JSON has them), everything else is copied as is.
-void append_json_string(std::string& out, std::string_view s);
-
-/// A read position in a JSON text. Every method throws FormatError("<where>: <what> at
-/// byte <pos>") on anything that is not exactly what was asked for.
-class JsonCursor {
- public:
-  JsonCursor(std::string_view text, std::string where) : s_(text), where_(std::move(where)) {}
-
-  std::size_t pos() const { return i_; }
-  bool at_end() const { return i_ >= s_.size(); }
-
-  /// Skips JSON whitespace (space, tab, line feed, carriage return).
-  void skip_ws();
-  /// The next non-whitespace character (or '\0' at the end), without consuming it.
-  char peek();
-  /// Consumes `c` (after whitespace), else FormatError.
-  void expect(char c);
-  /// Consumes `c` when it comes next.
-  bool accept(char c);
-
-  /// Reads a string literal, decoding escapes (\uXXXX with surrogate pairs) to UTF-8.
-  std::string string();
-
-  /// Reads a non-negative integer literal that fits in 64 bits. Signs, fractions,
-  /// exponents and leading zeros are rejected: sizes and offsets are whole numbers.
-  std::uint64_t uint64();
-
-  /// Throws FormatError naming the position.
-  [[noreturn]] void fail(const std::string& what) const;
-
-  /// A short quote of the text at the cursor, for messages.
-  std::string found() const;
-
- private:
-  static int hex_value(char c);
-  std::uint32_t hex4();
-  static void append_utf8(std::string& out, std::uint32_t cp);
-  void escape(std::string& out);
-
-  std::string_view s_;
-  std::string where_;
-  std::size_t i_ = 0;
-};
-
-#if LAZYTENSOR_HEADER_DEFINITIONS
-LAZYTENSOR_INLINE std::size_t utf8_sequence_length(std::string_view s, std::size_t i) {
-  const auto b = [&](std::size_t k) { return static_cast<unsigned char>(s[i + k]); };
-  const unsigned char c = b(0);
-  if (c < 0x80) return 1;
-  std::size_t n;
-  std::uint32_t cp;
-  if (c >= 0xC2 && c <= 0xDF)
-    n = 2, cp = c & 0x1Fu;
-  else if (c >= 0xE0 && c <= 0xEF)
-    n = 3, cp = c & 0x0Fu;
-  else if (c >= 0xF0 && c <= 0xF4)
-    n = 4, cp = c & 0x07u;
-  else
-    return 0;
-  if (i + n > s.size()) return 0;
-  for (std::size_t k = 1; k < n; ++k) {
-    if ((b(k) & 0xC0u) != 0x80u) return 0;
-    cp = (cp << 6) | (b(k) & 0x3Fu);
-  }
-  if ((n == 3 && cp < 0x800) || (n == 4 && cp < 0x10000) || cp > 0x10FFFF ||
-      (cp >= 0xD800 && cp <= 0xDFFF))
-    return 0;
-  return n;
-}
-
-LAZYTENSOR_INLINE bool valid_utf8(std::string_view s) {
-  for (std::size_t i = 0; i < s.size();) {
-    const std::size_t n = utf8_sequence_length(s, i);
-    if (n == 0) return false;
-    i += n;
-  }
-  return true;
-}
-
-LAZYTENSOR_INLINE void append_json_string(std::string& out, std::string_view s) {
-  static constexpr char hex[] = "0123456789abcdef";
-  out += '"';
-  for (const char ch : s) {
-    const auto c = static_cast<unsigned char>(ch);
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\b':
-        out += "\\b";
-        break;
-      case '\f':
-        out += "\\f";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\r':
-        out += "\\r";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      default:
-        if (c < 0x20) {
-          out += "\\u00";
-          out += hex[c >> 4];
-          out += hex[c & 0xF];
-        } else {
-          out += ch;
-        }
-    }
-  }
-  out += '"';
-}
-
-LAZYTENSOR_INLINE void JsonCursor::skip_ws() {
-  while (i_ < s_.size() && (s_[i_] == ' ' || s_[i_] == '\t' || s_[i_] == '\n' || s_[i_] == '\r'))
-    ++i_;
-}
-
-LAZYTENSOR_INLINE char JsonCursor::peek() {
-  skip_ws();
-  return at_end() ? '\0' : s_[i_];
-}
-
-LAZYTENSOR_INLINE void JsonCursor::expect(char c) {
-  if (peek() != c) fail(std::string("expected '") + c + "', found " + found());
-  ++i_;
-}
-
-LAZYTENSOR_INLINE bool JsonCursor::accept(char c) {
-  if (peek() != c) return false;
-  ++i_;
-  return true;
-}
-
-LAZYTENSOR_INLINE std::string JsonCursor::string() {
-  if (peek() != '"') fail("expected a string, found " + found());
-  ++i_;
-  std::string out;
-  for (;;) {
-    if (at_end()) fail("unterminated string");
-    const auto c = static_cast<unsigned char>(s_[i_]);
-    if (c == '"') {
-      ++i_;
-      return out;
-    }
-    if (c < 0x20) fail("unescaped control character in a string");
-    if (c == '\\') {
-      escape(out);
-      continue;
-    }
-    const std::size_t n = utf8_sequence_length(s_, i_);
-    if (n == 0) fail("invalid UTF-8 in a string");
-    out.append(s_.substr(i_, n));
-    i_ += n;
-  }
-}
-
-LAZYTENSOR_INLINE std::uint64_t JsonCursor::uint64() {
-  peek();
-  const std::size_t start = i_;
-  if (at_end() || s_[i_] < '0' || s_[i_] > '9')
-    fail("expected a non-negative integer, found " + found());
-  if (s_[i_] == '0' && i_ + 1 < s_.size() && s_[i_ + 1] >= '0' && s_[i_ + 1] <= '9')
-    fail("leading zero in a number");
-  std::uint64_t v = 0;
-  while (i_ < s_.size() && s_[i_] >= '0' && s_[i_] <= '9') {
-    const auto d = static_cast<std::uint64_t>(s_[i_] - '0');
-    if (v > (UINT64_MAX - d) / 10) {
-      i_ = start;
-      fail("integer does not fit in 64 bits");
-    }
-    v = v * 10 + d;
-    ++i_;
-  }
-  if (i_ < s_.size() && (s_[i_] == '.' || s_[i_] == 'e' || s_[i_] == 'E'))
-    fail("expected an integer, found a fraction or exponent");
-  return v;
-}
-
-LAZYTENSOR_INLINE void JsonCursor::fail(const std::string& what) const {
-  throw FormatError(where_ + ": " + what + " at byte " + std::to_string(i_) + " of the header");
-}
-
-LAZYTENSOR_INLINE std::string JsonCursor::found() const {
-  if (at_end()) return "the end of the header";
-  std::string q;
-  for (std::size_t k = i_; k < s_.size() && k < i_ + 12; ++k) {
-    const auto c = static_cast<unsigned char>(s_[k]);
-    q += (c >= 0x20 && c < 0x7F) ? static_cast<char>(c) : '?';
-  }
-  return "'" + q + "'";
-}
-
-LAZYTENSOR_INLINE int JsonCursor::hex_value(char c) {
-  if (c >= '0' && c <= '9') return c - '0';
-  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
-  return -1;
-}
-
-LAZYTENSOR_INLINE std::uint32_t JsonCursor::hex4() {
-  if (i_ + 4 > s_.size()) fail("truncated \\u escape");
-  std::uint32_t v = 0;
-  for (int k = 0; k < 4; ++k) {
-    const int h = hex_value(s_[i_ + static_cast<std::size_t>(k)]);
-    if (h < 0) fail("invalid hex digit in a \\u escape");
-    v = v * 16 + static_cast<std::uint32_t>(h);
-  }
-  i_ += 4;
-  return v;
-}
-
-LAZYTENSOR_INLINE void JsonCursor::append_utf8(std::string& out, std::uint32_t cp) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xC0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xE0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-}
-
-LAZYTENSOR_INLINE void JsonCursor::escape(std::string& out) {
-  ++i_;  // the backslash
-  if (at_end()) fail("truncated escape");
-  const char e = s_[i_++];
-  switch (e) {
-    case '"':
-      out += '"';
-      return;
-    case '\\':
-      out += '\\';
-      return;
-    case '/':
-      out += '/';
-      return;
-    case 'b':
-      out += '\b';
-      return;
-    case 'f':
-      out += '\f';
-      return;
-    case 'n':
-      out += '\n';
-      return;
-    case 'r':
-      out += '\r';
-      return;
-    case 't':
-      out += '\t';
-      return;
-    case 'u':
-      break;
-    default:
-      --i_;
-      fail("invalid escape");
-  }
-  std::uint32_t cp = hex4();
-  if (cp >= 0xDC00 && cp <= 0xDFFF) fail("unpaired low surrogate in a \\u escape");
-  if (cp >= 0xD800 && cp <= 0xDBFF) {
-    if (i_ + 2 > s_.size() || s_[i_] != '\\' || s_[i_ + 1] != 'u')
-      fail("unpaired high surrogate in a \\u escape");
-    i_ += 2;
-    const std::uint32_t lo = hex4();
-    if (lo < 0xDC00 || lo > 0xDFFF) fail("unpaired high surrogate in a \\u escape");
-    cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
-  }
-  append_utf8(out, cp);
-}
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
-
-}  // namespace lazy::io::detail
-// ---- end lazytensor/io/json.hpp ----
-// ---- begin lazytensor/io/shard_index.hpp ----
-// The index of a state dict saved in shards (io::save with SaveOptions::shard_files): a
-// JSON file naming the shard files beside it (ordinary safetensors files, one per device)
-// and, for every tensor, its dtype, shape, sharding and the block each file holds, e.g.
-//
-//   {"format": "lazytensor.sharded_state_dict", "version": 1,
-//    "files": ["model.shard-0-of-2.safetensors", "model.shard-1-of-2.safetensors"],
-//    "metadata": {"epoch": "3"},
-//    "tensors": [{"name": "w", "dtype": "float32", "shape": [8, 4],
-//                 "sharding": "{devices=[2,1]0,1}",
-//                 "blocks": [{"file": 0, "index": [[0, 4], [0, 4]]},
-//                            {"file": 1, "index": [[4, 8], [0, 4]]}]}]}
-//
-// A shard file holds each tensor's block under the tensor's name, so any safetensors reader
-// can read one. Shard file names carry a token of the save that wrote them, so a save that
-// dies half-way never leaves the previous index naming a mix of two saves' files. io::load
-// recognizes an index by its first 8 bytes and assembles whole tensors, reading one shard
-// file at a time; mark_sharding then puts them in any sharding.
-
-#include <cstddef>
-#include <cstdint>
-#include <map>
-#include <set>
-#include <string>
-#include <string_view>
-#include <utility>
-#include <vector>
-
-
-namespace lazy::io::detail {
-
-/// The value of "format" in an index.
-inline constexpr std::string_view kShardIndexFormat = "lazytensor.sharded_state_dict";
-
-/// One block of a tensor: the shard file holding it (a position in ShardIndex::files) and
-/// the [begin, end) range of each dimension.
-struct ShardBlock {
-  std::size_t file = 0;
-  std::vector<std::pair<std::int64_t, std::int64_t>> index;
-};
-
-/// A tensor of the index.
-struct ShardedEntry {
-  std::string name;
-  std::string dtype;  ///< dtype_name()
-  std::vector<std::int64_t> shape;
-  std::string sharding;  ///< XLA's text, for people reading the file ("" when whole)
-  std::vector<ShardBlock> blocks;
-};
-
-struct ShardIndex {
-  std::vector<std::string> files;  ///< names relative to the index's directory
-  std::map<std::string, std::string> metadata;
-  std::vector<ShardedEntry> tensors;
-};
-
-/// The name of shard file `k` of `n` of the save `token` beside the index at `path` (its
-/// directory left out): the index's name without a ".json" suffix, then
-/// ".<token>.shard-<k>-of-<n>.safetensors".
-std::string shard_file_name(const std::string& path, const std::string& token, std::size_t k, std::size_t n);
-
-/// The index as JSON text.
-std::string shard_index_json(const ShardIndex& index);
-
-/// Parses an index (FormatError naming `path` on anything else) and checks that every
-/// tensor's blocks lie inside its shape, name a listed file, and cover it exactly once.
-ShardIndex parse_shard_index(std::string_view text, const std::string& path);
-
-/// Reads and parses the index at `path` (parse_shard_index).
-ShardIndex read_shard_index(const std::string& path);
-
-/// Reads the index at `path` and assembles each tensor on `dev` from its blocks, reading
-/// the shard files one at a time with `load_file` (io::load of a single safetensors file).
-StateDict load_shard_index(const std::string& path, Device dev, StateDict (*load_file)(const std::string&, Device));
-
-}  // namespace lazy::io::detail
-
-#if LAZYTENSOR_HEADER_DEFINITIONS
-namespace lazy::io::detail {
-
-LAZYTENSOR_INLINE std::string shard_file_name(const std::string& path, const std::string& token, std::size_t k,
-                                              std::size_t n) {
-  std::string base = path.substr(path.find_last_of('/') == std::string::npos ? 0 : path.find_last_of('/') + 1);
-  if (base.size() > 5 && base.compare(base.size() - 5, 5, ".json") == 0) base.resize(base.size() - 5);
-  return base + "." + token + ".shard-" + std::to_string(k) + "-of-" + std::to_string(n) + ".safetensors";
-}
-
-LAZYTENSOR_INLINE std::string shard_index_json(const ShardIndex& index) {
-  std::string out = "{\"format\": ";
-  append_json_string(out, kShardIndexFormat);
-  out += ", \"version\": 1,\n \"files\": [";
-  for (std::size_t k = 0; k < index.files.size(); ++k) {
-    if (k) out += ", ";
-    append_json_string(out, index.files[k]);
-  }
-  out += "],\n \"metadata\": {";
-  bool first = true;
-  for (const auto& [key, value] : index.metadata) {
-    if (!first) out += ", ";
-    first = false;
-    append_json_string(out, key);
-    out += ": ";
-    append_json_string(out, value);
-  }
-  out += "},\n \"tensors\": [";
-  for (std::size_t t = 0; t < index.tensors.size(); ++t) {
-    const ShardedEntry& e = index.tensors[t];
-    out += t ? ",\n  {\"name\": " : "\n  {\"name\": ";
-    append_json_string(out, e.name);
-    out += ", \"dtype\": ";
-    append_json_string(out, e.dtype);
-    out += ", \"shape\": [";
-    for (std::size_t d = 0; d < e.shape.size(); ++d) out += (d ? ", " : "") + std::to_string(e.shape[d]);
-    out += "], \"sharding\": ";
-    append_json_string(out, e.sharding);
-    out += ", \"blocks\": [";
-    for (std::size_t b = 0; b < e.blocks.size(); ++b) {
-      out += (b ? ", " : "") + std::string("{\"file\": ") + std::to_string(e.blocks[b].file) + ", \"index\": [";
-      for (std::size_t d = 0; d < e.blocks[b].index.size(); ++d) {
-        const auto& [lo, hi] = e.blocks[b].index[d];
-        out += (d ? ", [" : "[") + std::to_string(lo) + ", " + std::to_string(hi) + "]";
-      }
-      out += "]}";
-    }
-    out += "]}";
-  }
-  out += "]}\n";
-  return out;
-}
-
-namespace shard_index {
-
-// Calls `f(key)` for each key of the object at `cur`, positioned on its value.
-template <class F>
-void each_key(JsonCursor& cur, F&& f) {
-  cur.expect('{');
-  if (cur.accept('}')) return;
-  do {
-    const std::string key = cur.string();
-    cur.expect(':');
-    f(key);
-  } while (cur.accept(','));
-  cur.expect('}');
-}
-
-// Calls `f()` for each element of the array at `cur`, positioned on it.
-template <class F>
-void each_element(JsonCursor& cur, F&& f) {
-  cur.expect('[');
-  if (cur.accept(']')) return;
-  do f();
-  while (cur.accept(','));
-  cur.expect(']');
-}
-
-inline DType dtype_named(const std::string& name, const std::string& who) {
-  for (DType d : {DType::Bool, DType::Int32, DType::Int64, DType::BFloat16, DType::Float32, DType::Float64})
-    if (dtype_name(d) == name) return d;
-  throw FormatError(who + ": unknown dtype \"" + name + "\"");
-}
-
-inline std::int64_t dimension(JsonCursor& cur, const std::string& path, const std::string& what) {
-  const std::uint64_t v = cur.uint64();
-  if (v > (std::uint64_t{1} << 60)) throw FormatError(path + ": " + what + " " + std::to_string(v) + " is too large");
-  return static_cast<std::int64_t>(v);
-}
-
-}  // namespace shard_index
-
-LAZYTENSOR_INLINE ShardIndex parse_shard_index(std::string_view text, const std::string& path) {
-  using namespace shard_index;
-  ShardIndex index;
-  JsonCursor cur(text, path);
-  bool format = false;
-  each_key(cur, [&](const std::string& key) {
-    if (key == "format") {
-      const std::string f = cur.string();
-      if (f != kShardIndexFormat)
-        throw FormatError(path + ": \"format\" is \"" + f + "\", expected \"" + std::string(kShardIndexFormat) + "\"");
-      format = true;
-    } else if (key == "version") {
-      if (const auto v = cur.uint64(); v != 1)
-        throw FormatError(path + ": index version " + std::to_string(v) + ", this library reads version 1");
-    } else if (key == "files") {
-      each_element(cur, [&] { index.files.push_back(cur.string()); });
-    } else if (key == "metadata") {
-      each_key(cur, [&](const std::string& k) { index.metadata[k] = cur.string(); });
-    } else if (key == "tensors") {
-      each_element(cur, [&] {
-        ShardedEntry e;
-        each_key(cur, [&](const std::string& k) {
-          if (k == "name") e.name = cur.string();
-          else if (k == "dtype") e.dtype = cur.string();
-          else if (k == "sharding") e.sharding = cur.string();
-          else if (k == "shape") each_element(cur, [&] { e.shape.push_back(dimension(cur, path, "dimension")); });
-          else if (k == "blocks") {
-            each_element(cur, [&] {
-              ShardBlock b;
-              each_key(cur, [&](const std::string& bk) {
-                if (bk == "file") b.file = static_cast<std::size_t>(cur.uint64());
-                else if (bk == "index") {
-                  each_element(cur, [&] {
-                    cur.expect('[');
-                    const std::int64_t lo = dimension(cur, path, "block start");
-                    cur.expect(',');
-                    const std::int64_t hi = dimension(cur, path, "block end");
-                    cur.expect(']');
-                    b.index.emplace_back(lo, hi);
-                  });
-                } else throw FormatError(path + ": unknown key \"" + bk + "\" in a block of tensor '" + e.name + "'");
-              });
-              e.blocks.push_back(std::move(b));
-            });
-          } else throw FormatError(path + ": unknown key \"" + k + "\" in tensor '" + e.name + "'");
-        });
-        index.tensors.push_back(std::move(e));
-      });
-    } else {
-      throw FormatError(path + ": unknown key \"" + key + "\" in a shard index");
-    }
-  });
-  if (!format) throw FormatError(path + ": not a shard index (no \"format\" key)");
-  for (const std::string& f : index.files) {
-    if (f.empty() || f.find('/') != std::string::npos || f == "." || f == "..")
-      throw FormatError(path + ": shard file \"" + f + "\" is not a file name beside the index");
-  }
-  std::set<std::string> names;
-  for (const ShardedEntry& e : index.tensors) {
-    const std::string who = path + ": tensor '" + e.name + "'";
-    if (!names.insert(e.name).second) throw FormatError(who + " is listed twice");
-    if (e.shape.size() > static_cast<std::size_t>(kMaxRank))
-      throw FormatError(who + " has rank " + std::to_string(e.shape.size()) + ", more than " + std::to_string(kMaxRank));
-    Shape shape;
-    try {
-      shape = Shape(e.shape);
-    } catch (const Error& err) {
-      throw FormatError(who + ": " + err.what());
-    }
-    shard_index::dtype_named(e.dtype, who);
-    std::int64_t covered = 0;
-    for (std::size_t b = 0; b < e.blocks.size(); ++b) {
-      const ShardBlock& blk = e.blocks[b];
-      if (blk.file >= index.files.size())
-        throw FormatError(who + ": block " + std::to_string(b) + " names file " + std::to_string(blk.file) + " of " +
-                          std::to_string(index.files.size()));
-      if (blk.index.size() != e.shape.size())
-        throw FormatError(who + ": block " + std::to_string(b) + " has " + std::to_string(blk.index.size()) +
-                          " ranges for a tensor of rank " + std::to_string(e.shape.size()));
-      std::int64_t volume = 1;
-      for (std::size_t d = 0; d < e.shape.size(); ++d) {
-        const auto [lo, hi] = blk.index[d];
-        if (lo > hi || hi > e.shape[d])
-          throw FormatError(who + ": block " + std::to_string(b) + " range [" + std::to_string(lo) + ", " +
-                            std::to_string(hi) + ") of dimension " + std::to_string(d) + " is outside [0, " +
-                            std::to_string(e.shape[d]) + ")");
-        volume *= hi - lo;
-      }
-      for (std::size_t o = 0; o < b; ++o) {  // blocks may not overlap (a handful per tensor)
-        if (e.blocks[o].file == blk.file)  // a file holds one block of a tensor (under its name)
-          throw FormatError(who + ": blocks " + std::to_string(o) + " and " + std::to_string(b) + " both name file " +
-                            std::to_string(blk.file));
-        bool overlap = volume > 0;
-        for (std::size_t d = 0; d < e.shape.size() && overlap; ++d)
-          overlap = blk.index[d].first < e.blocks[o].index[d].second && e.blocks[o].index[d].first < blk.index[d].second;
-        if (overlap)
-          throw FormatError(who + ": blocks " + std::to_string(o) + " and " + std::to_string(b) + " overlap");
-      }
-      covered += volume;
-    }
-    if (covered != shape.numel())
-      throw FormatError(who + ": its blocks hold " + std::to_string(covered) + " of its " +
-                        std::to_string(shape.numel()) + " elements");
-  }
-  return index;
-}
-
-LAZYTENSOR_INLINE ShardIndex read_shard_index(const std::string& path) {
-  ReadFile file(path);
-  std::string text(static_cast<std::size_t>(file.size()), '\0');
-  if (file.read_at(text.data(), text.size(), 0) != text.size())
-    throw FormatError(path + ": file shrank while reading the shard index");
-  return parse_shard_index(text, path);
-}
-
-LAZYTENSOR_INLINE StateDict load_shard_index(const std::string& path, Device dev,
-                                             StateDict (*load_file)(const std::string&, Device)) {
-  const ShardIndex index = read_shard_index(path);
-  graph::Device& engine = dev.engine();
-  // Whole buffers first, then one shard file at a time copies its blocks in.
-  std::vector<std::shared_ptr<Buffer>> whole;
-  std::vector<DType> dtypes;
-  std::map<std::string, std::string> stored;
-  std::uint64_t bytes = 0;
-  for (const ShardedEntry& e : index.tensors)
-    bytes += static_cast<std::uint64_t>(Shape(e.shape).numel()) *
-             dtype_size(shard_index::dtype_named(e.dtype, path + ": tensor '" + e.name + "'"));
-  lazy::detail::check_fits_in_memory(bytes, path + ": the tensors' data");
-  for (const ShardedEntry& e : index.tensors) {
-    const DType dt = shard_index::dtype_named(e.dtype, path + ": tensor '" + e.name + "'");
-    dtypes.push_back(dt);
-    whole.push_back(engine.pool().acquire(padded_bytes(Shape(e.shape).numel(), dtype_size(dt))));
-  }
-  const std::string dir = parent_dir(path) + "/";
-  for (std::size_t k = 0; k < index.files.size(); ++k) {
-    const std::string file = dir + index.files[k];
-    const StateDict part = load_file(file, dev);
-    for (std::size_t t = 0; t < index.tensors.size(); ++t) {
-      const ShardedEntry& e = index.tensors[t];
-      for (const ShardBlock& b : e.blocks) {
-        if (b.file != k) continue;
-        const AnyTensor* piece = part.find(e.name);
-        if (!piece) throw FormatError(file + ": no tensor '" + e.name + "', which " + path + " says it holds");
-        std::vector<std::int64_t> box, at;
-        for (const auto& [lo, hi] : b.index) box.push_back(hi - lo), at.push_back(lo);
-        if (piece->dtype() != dtypes[t] || piece->shape() != Shape(box)) {
-          throw FormatError(file + ": tensor '" + e.name + "' is " + dtype_name(piece->dtype()) + " " +
-                            piece->shape().str() + ", " + path + " says " + e.dtype + " " + Shape(box).str());
-        }
-        if (auto s = part.stored_dtypes().find(e.name); s != part.stored_dtypes().end()) stored[e.name] = s->second;
-        const graph::NodePtr& node = piece->impl()->node;
-        graph::detail::copy_box(static_cast<const std::byte*>(node->buffer()->data()), piece->shape(),
-                                std::vector<std::int64_t>(box.size(), 0), static_cast<std::byte*>(whole[t]->data()),
-                                Shape(e.shape), at, box, dtype_size(dtypes[t]));
-      }
-    }
-  }
-  StateDict sd;
-  for (std::size_t t = 0; t < index.tensors.size(); ++t) {
-    const ShardedEntry& e = index.tensors[t];
-    sd.insert(e.name, lazy::detail::any_of_node(
-                          std::make_shared<graph::DataNode>(dtypes[t], Shape(e.shape), &engine, std::move(whole[t]))));
-  }
-  sd.metadata() = index.metadata;
-  sd.stored_dtypes() = std::move(stored);
-  return sd;
-}
-
-}  // namespace lazy::io::detail
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
-// ---- end lazytensor/io/shard_index.hpp ----
-// ---- begin lazytensor/io/stored_dtype.hpp ----
-// The dtypes a safetensors file may hold, and the conversions between those lazytensor has
-// no tensor type for and the one that holds each of them exactly: F16 is read into float,
-// U8/I8/I16/U16 into int32, U32 into int64. A state dict remembers the stored dtype of such
-// a tensor (StateDict::stored_dtypes) so that saving it writes the file's dtype back.
-//
-// Conversions run on chunks of raw bytes: the reader widens what it reads into the tensor's
-// buffer, the writer narrows into a small staging buffer, so neither holds a second copy of
-// a tensor.
-
-#include <bit>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <string>
-#include <string_view>
-
-
-namespace lazy::io::detail {
-
-/// One safetensors dtype: its name in the header, its element size, and the lazytensor dtype
-/// that holds its values (the same dtype when `native`).
-struct StoredDType {
-  enum class Kind : std::uint8_t { Bool, U8, I8, I16, U16, F16, BF16, I32, U32, F32, F64, I64 };
-  Kind kind;
-  const char* name;
-  std::size_t size;
-  DType holds;
-  bool native;
-};
-
-/// The stored dtype named `name` (as in a safetensors header), or nullptr when lazytensor
-/// cannot load it; then `why` says why (unknown, or known without a dtype that holds it).
-const StoredDType* find_stored_dtype(std::string_view name, std::string* why = nullptr);
-
-/// The native stored dtype of `d` (F32 for float, ...).
-const StoredDType& native_stored_dtype(DType d);
-
-/// Elements converted per step when a tensor is read or written in another dtype: the
-/// staging buffer holds at most this many, never a second copy of the tensor.
-inline constexpr std::size_t kConvertChunk = std::size_t{1} << 16;
-
-/// Half-precision (IEEE binary16) bits to float: exact, NaN payloads kept.
-float half_to_float(std::uint16_t h);
-
-/// float to half-precision bits, rounded to nearest even; overflow gives infinity, NaN
-/// payloads are kept where they fit (half -> float -> half is the identity on every pattern).
-std::uint16_t float_to_half(float f);
-
-/// Widens `n` elements of stored dtype `s` at `src` into `s.holds` elements at `dst`.
-void widen(const StoredDType& s, const void* src, void* dst, std::size_t n);
-
-/// Narrows `n` elements of dtype `s.holds` at `src` into stored dtype `s` at `dst`. Integers
-/// must fit (callers check first with `find_out_of_range`); floats round to nearest even.
-void narrow(const StoredDType& s, const void* src, void* dst, std::size_t n);
-
-/// The index of the first of `n` elements of `s.holds` at `src` that `s` cannot represent,
-/// or `n` when all fit (floats always fit: they round). `value` receives its text.
-std::size_t find_out_of_range(const StoredDType& s, const void* src, std::size_t n,
-                              std::string* value);
-
-#if LAZYTENSOR_HEADER_DEFINITIONS
-
-namespace stored_dtype_table {
-using K = StoredDType::Kind;
-inline constexpr StoredDType kAll[] = {
-    {K::Bool, "BOOL", 1, DType::Bool, true},      {K::U8, "U8", 1, DType::Int32, false},
-    {K::I8, "I8", 1, DType::Int32, false},        {K::I16, "I16", 2, DType::Int32, false},
-    {K::U16, "U16", 2, DType::Int32, false},      {K::F16, "F16", 2, DType::Float32, false},
-    {K::BF16, "BF16", 2, DType::BFloat16, true},  {K::I32, "I32", 4, DType::Int32, true},
-    {K::U32, "U32", 4, DType::Int64, false},      {K::F32, "F32", 4, DType::Float32, true},
-    {K::F64, "F64", 8, DType::Float64, true},     {K::I64, "I64", 8, DType::Int64, true},
-};
-}  // namespace stored_dtype_table
-
-LAZYTENSOR_INLINE const StoredDType* find_stored_dtype(std::string_view name, std::string* why) {
-  for (const StoredDType& s : stored_dtype_table::kAll) {
-    if (name == s.name) return &s;
-  }
-  if (why) {
-    if (name == "U64") {
-      *why = "unsupported dtype 'U64': lazytensor's widest integer is int64, which cannot hold "
-             "every unsigned 64-bit value";
-    } else if (name.substr(0, 2) == "F8" || name.substr(0, 2) == "F6" || name == "F4") {
-      *why = "unsupported dtype '" + std::string(name) +
-             "': lazytensor has no 8-bit or smaller floating-point dtype (convert the tensor "
-             "to F16, BF16 or F32 before saving)";
-    } else if (name == "C64") {
-      *why = "unsupported dtype 'C64': lazytensor has no complex dtype";
-    } else {
-      std::string list;
-      for (const StoredDType& s : stored_dtype_table::kAll) list += (list.empty() ? "" : ", ") + std::string(s.name);
-      *why = "unknown dtype '" + std::string(name) + "' (expected one of " + list + ")";
-    }
-  }
-  return nullptr;
-}
-
-LAZYTENSOR_INLINE const StoredDType& native_stored_dtype(DType d) {
-  for (const StoredDType& s : stored_dtype_table::kAll) {
-    if (s.native && s.holds == d) return s;
-  }
-  throw Error("no safetensors dtype for " + dtype_name(d));
-}
-
-LAZYTENSOR_INLINE float half_to_float(std::uint16_t h) {
-  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
-  const std::uint32_t exp = (h >> 10) & 0x1Fu;
-  std::uint32_t mant = h & 0x3FFu;
-  std::uint32_t bits;
-  if (exp == 0x1F) {
-    bits = sign | 0x7F800000u | (mant << 13);  // infinity, or NaN with its payload
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (mant << 13);  // rebias 15 -> 127
-  } else if (mant == 0) {
-    bits = sign;
-  } else {
-    // Subnormal mant * 2^-24: normalise so the leading one becomes float's implicit bit.
-    std::uint32_t e = 113;
-    while (!(mant & 0x400u)) mant <<= 1, --e;
-    bits = sign | (e << 23) | ((mant & 0x3FFu) << 13);
-  }
-  return std::bit_cast<float>(bits);
-}
-
-LAZYTENSOR_INLINE std::uint16_t float_to_half(float f) {
-  std::uint32_t x = std::bit_cast<std::uint32_t>(f);
-  const auto sign = static_cast<std::uint16_t>((x >> 16) & 0x8000u);
-  x &= 0x7FFFFFFFu;
-  if (x >= 0x7F800000u) {
-    if (x == 0x7F800000u) return sign | 0x7C00u;
-    const auto payload = static_cast<std::uint16_t>((x >> 13) & 0x3FFu);
-    return sign | 0x7C00u | (payload ? payload : 0x200u);  // a NaN stays a NaN
-  }
-  if (x >= 0x477FF000u) return sign | 0x7C00u;  // >= 65520 rounds past 65504, the largest
-  if (x >= 0x38800000u) {                        // normal in half: >= 2^-14
-    std::uint32_t r = x - 0x38000000u;           // rebias 127 -> 15
-    r += 0x0FFFu + ((r >> 13) & 1u);             // round to nearest even on the dropped 13 bits
-    return sign | static_cast<std::uint16_t>(r >> 13);
-  }
-  if (x <= 0x33000000u) return sign;  // <= 2^-25: half the smallest subnormal ties to 0
-  // Subnormal in half: the value in units of 2^-24, rounded to nearest even.
-  const std::uint32_t exp = x >> 23;  // 102 .. 112 here
-  const std::uint32_t m = (x & 0x7FFFFFu) | 0x800000u;
-  const std::uint32_t shift = 126 - exp;  // value = m * 2^(exp - 150) = (m >> shift) * 2^-24
-  std::uint32_t q = m >> shift;
-  const std::uint32_t rem = m & ((1u << shift) - 1), halfway = 1u << (shift - 1);
-  if (rem > halfway || (rem == halfway && (q & 1u))) ++q;
-  return sign | static_cast<std::uint16_t>(q);
-}
-
-namespace stored_dtype_impl {
-template <class From, class To>
-void convert(const void* src, void* dst, std::size_t n) {
-  const auto* s = static_cast<const unsigned char*>(src);
-  auto* d = static_cast<unsigned char*>(dst);
-  for (std::size_t i = 0; i < n; ++i) {
-    From v;
-    std::memcpy(&v, s + i * sizeof(From), sizeof(From));
-    const To w = static_cast<To>(v);
-    std::memcpy(d + i * sizeof(To), &w, sizeof(To));
-  }
-}
-
-template <class Stored, class Held>
-std::size_t first_out_of_range(const void* src, std::size_t n, std::string* value) {
-  const auto* s = static_cast<const unsigned char*>(src);
-  for (std::size_t i = 0; i < n; ++i) {
-    Held v;
-    std::memcpy(&v, s + i * sizeof(Held), sizeof(Held));
-    if (v < static_cast<Held>(std::numeric_limits<Stored>::min()) ||
-        v > static_cast<Held>(std::numeric_limits<Stored>::max())) {
-      if (value) *value = std::to_string(v);
-      return i;
-    }
-  }
-  return n;
-}
-}  // namespace stored_dtype_impl
-
-LAZYTENSOR_INLINE void widen(const StoredDType& s, const void* src, void* dst, std::size_t n) {
-  using namespace stored_dtype_impl;
-  using K = StoredDType::Kind;
-  switch (s.kind) {
-    case K::U8: return convert<std::uint8_t, std::int32_t>(src, dst, n);
-    case K::I8: return convert<std::int8_t, std::int32_t>(src, dst, n);
-    case K::I16: return convert<std::int16_t, std::int32_t>(src, dst, n);
-    case K::U16: return convert<std::uint16_t, std::int32_t>(src, dst, n);
-    case K::U32: return convert<std::uint32_t, std::int64_t>(src, dst, n);
-    case K::F16: {
-      const auto* p = static_cast<const unsigned char*>(src);
-      auto* d = static_cast<float*>(dst);
-      for (std::size_t i = 0; i < n; ++i) d[i] = half_to_float(static_cast<std::uint16_t>(p[2 * i] | (p[2 * i + 1] << 8)));
-      return;
-    }
-    default: std::memcpy(dst, src, n * s.size); return;
-  }
-}
-
-LAZYTENSOR_INLINE void narrow(const StoredDType& s, const void* src, void* dst, std::size_t n) {
-  using namespace stored_dtype_impl;
-  using K = StoredDType::Kind;
-  switch (s.kind) {
-    case K::U8: return convert<std::int32_t, std::uint8_t>(src, dst, n);
-    case K::I8: return convert<std::int32_t, std::int8_t>(src, dst, n);
-    case K::I16: return convert<std::int32_t, std::int16_t>(src, dst, n);
-    case K::U16: return convert<std::int32_t, std::uint16_t>(src, dst, n);
-    case K::U32: return convert<std::int64_t, std::uint32_t>(src, dst, n);
-    case K::F16: {
-      const auto* p = static_cast<const float*>(src);
-      auto* d = static_cast<unsigned char*>(dst);
-      for (std::size_t i = 0; i < n; ++i) {
-        const std::uint16_t h = float_to_half(p[i]);
-        d[2 * i] = static_cast<unsigned char>(h), d[2 * i + 1] = static_cast<unsigned char>(h >> 8);
-      }
-      return;
-    }
-    default: std::memcpy(dst, src, n * s.size); return;
-  }
-}
-
-LAZYTENSOR_INLINE std::size_t find_out_of_range(const StoredDType& s, const void* src,
-                                                std::size_t n, std::string* value) {
-  using namespace stored_dtype_impl;
-  using K = StoredDType::Kind;
-  switch (s.kind) {
-    case K::U8: return first_out_of_range<std::uint8_t, std::int32_t>(src, n, value);
-    case K::I8: return first_out_of_range<std::int8_t, std::int32_t>(src, n, value);
-    case K::I16: return first_out_of_range<std::int16_t, std::int32_t>(src, n, value);
-    case K::U16: return first_out_of_range<std::uint16_t, std::int32_t>(src, n, value);
-    case K::U32: return first_out_of_range<std::uint32_t, std::int64_t>(src, n, value);
-    default: return n;
-  }
-}
-
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
-
-}  // namespace lazy::io::detail
-// ---- end lazytensor/io/stored_dtype.hpp ----
-
-namespace lazy::io {
-
-namespace detail {
-
-static_assert(
-    std::endian::native == std::endian::little,
-    "lazy::io writes tensor bytes as they are in memory; safetensors needs little-endian");
-
-/// Largest header accepted (and written): the limit of the reference implementation.
-inline constexpr std::uint64_t kMaxSafetensorsHeader = 100'000'000;
-
-/// One tensor as the header describes it.
-struct SafetensorsEntry {
-  std::string name;
-  const StoredDType* stored = nullptr;  ///< as in the file
-  DType dtype = DType::Float32;  ///< the dtype that holds it in memory
-  Shape shape;
-  std::uint64_t begin = 0;  ///< data_offsets, relative to the data buffer
-  std::uint64_t end = 0;
-};
-
-/// A parsed header: tensors in header order, and the metadata.
-struct SafetensorsHeader {
-  std::vector<SafetensorsEntry> tensors;
-  std::map<std::string, std::string> metadata;
-};
-
-void parse_tensor_entry(JsonCursor& cur, SafetensorsEntry& e);
-
-/// Parses a header strictly; FormatError("<path>: ...") on anything malformed.
-SafetensorsHeader parse_safetensors_header(std::string_view text, const std::string& path);
-
-/// Checks that the tensors tile a data buffer of `buffer_bytes` exactly: each tensor's
-/// byte range matches its shape and dtype, ranges neither overlap nor leave gaps, and the
-/// last one ends where the file ends. FormatError("<path>: ...") otherwise.
-void check_safetensors_layout(const SafetensorsHeader& h, std::uint64_t buffer_bytes,
-                              const std::string& path);
-
-/// The header text (padded to 8 bytes) for `sd`, whose tensors are stored as `stored` and
-/// laid out in `order`.
-std::string safetensors_header(const StateDict& sd, const std::vector<const StoredDType*>& stored,
-                               const std::vector<std::size_t>& order);
-
-/// Rejects what the format cannot store (before anything is written) and returns the dtype
-/// each tensor is stored as: its own, or its entry in sd.stored_dtypes(), which must name a
-/// tensor of the dict, a dtype that the tensor's dtype holds, and values that fit.
-std::vector<const StoredDType*> check_saveable(const StateDict& sd, const std::string& path);
-
-}  // namespace detail
-
-/// Writes `sd` (tensors and metadata) to `path` as a safetensors file. Each tensor is
-/// materialized and written in turn (the file is never assembled in memory), into a
-/// temporary file in the same directory that is fsynced and renamed over `path`: a failure
-/// leaves any previous file intact and no temporary file behind. Disk errors raise IoError;
-/// an error computing a pending tensor propagates as is. Data are laid out by decreasing
-/// element size (so each tensor is aligned to its element size, as the reference writer
-/// does); the header lists tensors in the state dict's order.
-void save_file(const StateDict& sd, const std::string& path);
-
-/// Reads a safetensors file into a state dict (tensors in header order, materialized on
-/// `dev`; the "__metadata__" entries in metadata()). IoError when the file cannot be read;
-/// FormatError naming the file and the problem when it is not a valid safetensors file.
-/// BOOL, I32, I64, BF16, F32 and F64 load as they are; F16 loads into float, U8, I8, I16 and
-/// U16 into int32, U32 into int64 (all exact), each such tensor's file dtype recorded in
-/// stored_dtypes() so that save_file writes it back; U64 and the 8-bit-or-smaller float
-/// dtypes raise FormatError naming the dtype. Nothing is allocated for a tensor before the
-/// whole header has been checked against the file's size.
-/// A shard index (io::save with SaveOptions::shard_files, see shard_index.hpp) loads as the
-/// whole tensors, assembled from its shard files.
-StateDict load(const std::string& path, Device dev = device());
-
-namespace detail {
-/// load of one safetensors file.
-StateDict load_safetensors_file(const std::string& path, Device dev);
-}  // namespace detail
-
-#if LAZYTENSOR_HEADER_DEFINITIONS
-namespace detail {
-
-LAZYTENSOR_INLINE void parse_tensor_entry(JsonCursor& cur, SafetensorsEntry& e) {
-  const std::string ctx = "tensor '" + e.name + "': ";
-  bool have_dtype = false, have_shape = false, have_offsets = false;
-  cur.expect('{');
-  if (!cur.accept('}')) {
-    for (;;) {
-      const std::string key = cur.string();
-      cur.expect(':');
-      if (key == "dtype") {
-        if (have_dtype) cur.fail(ctx + "duplicate key 'dtype'");
-        have_dtype = true;
-        const std::string name = cur.string();
-        std::string why;
-        e.stored = find_stored_dtype(name, &why);
-        if (!e.stored) cur.fail(ctx + why);
-        e.dtype = e.stored->holds;
-      } else if (key == "shape") {
-        if (have_shape) cur.fail(ctx + "duplicate key 'shape'");
-        have_shape = true;
-        cur.expect('[');
-        if (!cur.accept(']')) {
-          for (;;) {
-            if (e.shape.rank() == kMaxRank) {
-              cur.fail(ctx + "shape has more than " + std::to_string(kMaxRank) +
-                       " dimensions (the maximum rank)");
-            }
-            const std::uint64_t d = cur.uint64();
-            if (d > static_cast<std::uint64_t>(INT64_MAX))
-              cur.fail(ctx + "dimension " + std::to_string(d) + " is too large");
-            try {
-              e.shape.push_back(static_cast<std::int64_t>(d));
-            } catch (const ShapeError& err) {
-              cur.fail(ctx + err.what());
-            }
-            if (cur.accept(']')) break;
-            cur.expect(',');
-          }
-        }
-      } else if (key == "data_offsets") {
-        if (have_offsets) cur.fail(ctx + "duplicate key 'data_offsets'");
-        have_offsets = true;
-        cur.expect('[');
-        e.begin = cur.uint64();
-        cur.expect(',');
-        e.end = cur.uint64();
-        if (cur.peek() != ']')
-          cur.fail(ctx + "data_offsets must hold exactly two numbers [begin, end]");
-        cur.expect(']');
-      } else {
-        cur.fail(ctx + "unexpected key '" + key + "' (expected dtype, shape and data_offsets)");
-      }
-      if (cur.accept('}')) break;
-      cur.expect(',');
-    }
-  }
-  if (!have_dtype) cur.fail(ctx + "missing 'dtype'");
-  if (!have_shape) cur.fail(ctx + "missing 'shape'");
-  if (!have_offsets) cur.fail(ctx + "missing 'data_offsets'");
-}
-
-LAZYTENSOR_INLINE SafetensorsHeader parse_safetensors_header(std::string_view text,
-                                                             const std::string& path) {
-  SafetensorsHeader h;
-  JsonCursor cur(text, path);
-  if (text.empty() || text.front() != '{')
-    cur.fail("the header must be a JSON object starting with '{', found " + cur.found());
-  std::unordered_set<std::string> keys;
-  cur.expect('{');
-  if (!cur.accept('}')) {
-    for (;;) {
-      std::string key = cur.string();
-      cur.expect(':');
-      if (!keys.insert(key).second) cur.fail("duplicate key '" + key + "'");
-      if (key == "__metadata__") {
-        cur.expect('{');
-        if (!cur.accept('}')) {
-          for (;;) {
-            std::string k = cur.string();
-            cur.expect(':');
-            if (cur.peek() != '"')
-              cur.fail("__metadata__ value of '" + k + "' must be a string, found " + cur.found());
-            std::string v = cur.string();
-            if (!h.metadata.emplace(k, std::move(v)).second)
-              cur.fail("duplicate __metadata__ key '" + k + "'");
-            if (cur.accept('}')) break;
-            cur.expect(',');
-          }
-        }
-      } else {
-        SafetensorsEntry e;
-        e.name = std::move(key);
-        parse_tensor_entry(cur, e);
-        h.tensors.push_back(std::move(e));
-      }
-      if (cur.accept('}')) break;
-      cur.expect(',');
-    }
-  }
-  cur.skip_ws();  // writers pad the header with spaces
-  if (!cur.at_end()) cur.fail("unexpected data after the header's JSON object: " + cur.found());
-  return h;
-}
-
-LAZYTENSOR_INLINE void check_safetensors_layout(const SafetensorsHeader& h,
-                                                std::uint64_t buffer_bytes,
-                                                const std::string& path) {
-  const auto& ts = h.tensors;
-  const auto fail = [&](const std::string& what) { throw FormatError(path + ": " + what); };
-  for (const auto& e : ts) {
-    if (e.end < e.begin) {
-      fail("tensor '" + e.name + "': data_offsets [" + std::to_string(e.begin) + ", " +
-           std::to_string(e.end) + "] end before they begin");
-    }
-    std::uint64_t numel = 1;
-    for (const auto d : e.shape) {
-      if (__builtin_mul_overflow(numel, static_cast<std::uint64_t>(d), &numel)) {
-        fail("tensor '" + e.name + "': shape " + e.shape.str() +
-             " has more elements than 64 bits can count");
-      }
-    }
-    std::uint64_t nbytes = 0;
-    if (__builtin_mul_overflow(numel, static_cast<std::uint64_t>(e.stored->size), &nbytes)) {
-      fail("tensor '" + e.name + "': shape " + e.shape.str() +
-           " has more bytes than 64 bits can count");
-    }
-    if (e.end - e.begin != nbytes) {
-      fail("tensor '" + e.name + "': shape " + e.shape.str() + " of " +
-           e.stored->name + " needs " + std::to_string(nbytes) +
-           " bytes, but data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
-           "] hold " + std::to_string(e.end - e.begin));
-    }
-  }
-  std::vector<std::size_t> order(ts.size());
-  std::iota(order.begin(), order.end(), std::size_t{0});
-  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
-    return std::pair(ts[a].begin, ts[a].end) < std::pair(ts[b].begin, ts[b].end);
-  });
-  std::uint64_t pos = 0;
-  std::string prev = "the start of the data buffer";
-  for (const std::size_t k : order) {
-    const auto& e = ts[k];
-    if (e.begin < pos) {
-      fail("tensor '" + e.name + "' (data_offsets [" + std::to_string(e.begin) + ", " +
-           std::to_string(e.end) + "]) overlaps " + prev + ", which ends at byte " +
-           std::to_string(pos));
-    }
-    if (e.begin > pos) {
-      fail("gap of " + std::to_string(e.begin - pos) + " bytes between " + prev +
-           " (ends at byte " + std::to_string(pos) + ") and tensor '" + e.name +
-           "' (starts at byte " + std::to_string(e.begin) +
-           "): the offsets must cover the data buffer contiguously");
-    }
-    pos = e.end;
-    prev = "tensor '" + e.name + "'";
-  }
-  if (pos > buffer_bytes) {
-    fail("truncated: the header describes " + std::to_string(pos) +
-         " bytes of tensor data, but only " + std::to_string(buffer_bytes) +
-         " bytes follow the header");
-  }
-  if (pos < buffer_bytes) {
-    fail(std::to_string(buffer_bytes - pos) +
-         " bytes of trailing data after the last tensor (the header describes " +
-         std::to_string(pos) + " bytes of tensor data, " + std::to_string(buffer_bytes) +
-         " follow the header)");
-  }
-}
-
-LAZYTENSOR_INLINE std::string safetensors_header(const StateDict& sd,
-                                                 const std::vector<const StoredDType*>& stored,
-                                                 const std::vector<std::size_t>& order) {
-  const auto& items = sd.items();
-  const auto stored_bytes = [&](std::size_t k) {
-    return static_cast<std::uint64_t>(items[k].second.numel()) * stored[k]->size;
-  };
-  std::vector<std::uint64_t> begin(items.size());
-  std::uint64_t pos = 0;
-  for (const std::size_t k : order) {
-    begin[k] = pos;
-    pos += stored_bytes(k);
-  }
-  std::string h = "{";
-  if (!sd.metadata().empty()) {
-    append_json_string(h, "__metadata__");
-    h += ":{";
-    bool first = true;
-    for (const auto& [k, v] : sd.metadata()) {
-      if (!first) h += ',';
-      first = false;
-      append_json_string(h, k);
-      h += ':';
-      append_json_string(h, v);
-    }
-    h += '}';
-  }
-  for (std::size_t k = 0; k < items.size(); ++k) {
-    const AnyTensor& t = items[k].second;
-    if (h.size() > 1) h += ',';
-    append_json_string(h, items[k].first);
-    h += ":{\"dtype\":\"";
-    h += stored[k]->name;
-    h += "\",\"shape\":[";
-    for (int d = 0; d < t.shape().rank(); ++d) {
-      if (d) h += ',';
-      h += std::to_string(t.shape()[d]);
-    }
-    h += "],\"data_offsets\":[" + std::to_string(begin[k]) + "," +
-         std::to_string(begin[k] + stored_bytes(k)) + "]}";
-  }
-  h += '}';
-  h.append((8 - h.size() % 8) % 8, ' ');  // the data then starts 8-byte aligned
-  return h;
-}
-
-LAZYTENSOR_INLINE std::vector<const StoredDType*> check_saveable(const StateDict& sd,
-                                                                 const std::string& path) {
-  const std::string cannot = "cannot save '" + path + "': ";
-  for (const auto& [name, t] : sd) {
-    if (!t.defined()) throw Error(cannot + "tensor '" + name + "' is undefined");
-    if (name == "__metadata__")
-      throw FormatError(cannot + "'__metadata__' is reserved by safetensors, not a tensor name");
-    if (!valid_utf8(name))
-      throw FormatError(cannot + "tensor name '" + name + "' is not valid UTF-8");
-  }
-  for (const auto& [k, v] : sd.metadata()) {
-    if (!valid_utf8(k) || !valid_utf8(v))
-      throw FormatError(cannot + "metadata entry '" + k + "' is not valid UTF-8");
-  }
-  for (const auto& [name, dtype_in_file] : sd.stored_dtypes()) {
-    if (!sd.contains(name)) {
-      throw FormatError(cannot + "stored_dtypes names '" + name +
-                        "', which is not a tensor of the state dict");
-    }
-  }
-  std::vector<const StoredDType*> stored;
-  for (const auto& [name, t] : sd) {
-    const auto it = sd.stored_dtypes().find(name);
-    if (it == sd.stored_dtypes().end()) {
-      stored.push_back(&native_stored_dtype(t.dtype()));
-      continue;
-    }
-    std::string why;
-    const StoredDType* s = find_stored_dtype(it->second, &why);
-    if (!s) throw FormatError(cannot + "stored_dtypes['" + name + "']: " + why);
-    if (s->holds != t.dtype()) {
-      throw FormatError(cannot + "tensor '" + name + "' is " + dtype_name(t.dtype()) +
-                        ", but stored_dtypes asks for " + s->name + ", which is held in " +
-                        dtype_name(s->holds));
-    }
-    std::string value;
-    const auto n = static_cast<std::size_t>(t.numel());
-    std::size_t bad = n;
-    if (!s->native && n != 0)
-      t.visit([&](const auto& typed) { bad = find_out_of_range(*s, typed.data(), n, &value); });
-    if (bad != n) {
-      throw FormatError(cannot + "tensor '" + name + "': element " + std::to_string(bad) + " is " +
-                        value + ", which " + s->name + " (its stored dtype) cannot hold");
-    }
-    stored.push_back(s);
-  }
-  return stored;
-}
-
-}  // namespace detail
-
-LAZYTENSOR_INLINE void save_file(const StateDict& sd, const std::string& path) {
-  const std::vector<const detail::StoredDType*> stored = detail::check_saveable(sd, path);
-  const auto& items = sd.items();
-  std::vector<std::size_t> order(items.size());
-  std::iota(order.begin(), order.end(), std::size_t{0});
-  std::stable_sort(order.begin(), order.end(),
-                   [&](std::size_t a, std::size_t b) { return stored[a]->size > stored[b]->size; });
-  const std::string header = detail::safetensors_header(sd, stored, order);
-  if (header.size() > detail::kMaxSafetensorsHeader) {
-    throw FormatError("cannot save '" + path + "': the header would take " +
-                      std::to_string(header.size()) + " bytes, more than safetensors' limit of " +
-                      std::to_string(detail::kMaxSafetensorsHeader));
-  }
-  detail::AtomicFileWriter out(path);
-  unsigned char len[8];
-  for (int i = 0; i < 8; ++i)
-    len[i] = static_cast<unsigned char>(static_cast<std::uint64_t>(header.size()) >> (8 * i));
-  out.write(len, sizeof len);
-  out.write(header.data(), header.size());
-  std::vector<unsigned char> staging;  // narrowed chunks of tensors stored in another dtype
-  for (const std::size_t k : order) {
-    const AnyTensor& t = items[k].second;
-    const auto n = static_cast<std::size_t>(t.numel());
-    if (n == 0) continue;
-    const detail::StoredDType& s = *stored[k];
-    t.visit([&](const auto& typed) {
-      if (s.native) return out.write(typed.data(), n * s.size);
-      constexpr std::size_t kChunk = detail::kConvertChunk;
-      staging.resize(std::min(n, kChunk) * s.size);
-      const auto* src = reinterpret_cast<const unsigned char*>(typed.data());
-      for (std::size_t i = 0; i < n; i += kChunk) {
-        const std::size_t m = std::min(kChunk, n - i);
-        detail::narrow(s, src + i * dtype_size(t.dtype()), staging.data(), m);
-        out.write(staging.data(), m * s.size);
-      }
-    });
-  }
-  out.commit();
-}
-
-LAZYTENSOR_INLINE StateDict load(const std::string& path, Device dev) {
-  // A safetensors file starts with its header's length, 8 bytes little endian; a shard
-  // index with `{"format`, which read as such a length would be ~2^63, far past the
-  // header limit: no valid safetensors file starts that way.
-  char head[8] = {};
-  {
-    detail::ReadFile file(path);
-    if (file.read_at(head, sizeof head, 0) != sizeof head) head[0] = 0;
-  }
-  if (std::string_view(head, sizeof head) == "{\"format")
-    return detail::load_shard_index(path, dev, &detail::load_safetensors_file);
-  return detail::load_safetensors_file(path, dev);
-}
-
-LAZYTENSOR_INLINE StateDict detail::load_safetensors_file(const std::string& path, Device dev) {
-  detail::ReadFile file(path);
-  const std::uint64_t size = file.size();
-  if (size < 8) {
-    throw FormatError(path + ": file is " + std::to_string(size) +
-                      " bytes long, too short for the 8-byte header length of a safetensors file");
-  }
-  unsigned char len[8];
-  if (file.read_at(len, 8, 0) != 8)
-    throw FormatError(path + ": file shrank while reading the header length");
-  std::uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = (n << 8) | len[i];
-  if (n > detail::kMaxSafetensorsHeader) {
-    throw FormatError(
-        path + ": header length " + std::to_string(n) + " exceeds safetensors' limit of " +
-        std::to_string(detail::kMaxSafetensorsHeader) + " bytes (corrupt length field?)");
-  }
-  if (n > size - 8) {
-    throw FormatError(path + ": header length " + std::to_string(n) + " but only " +
-                      std::to_string(size - 8) +
-                      " bytes follow the length field (truncated file or wrong header length)");
-  }
-  std::string text(static_cast<std::size_t>(n), '\0');
-  if (file.read_at(text.data(), text.size(), 8) != text.size())
-    throw FormatError(path + ": file shrank while reading the header");
-  const detail::SafetensorsHeader header = detail::parse_safetensors_header(text, path);
-  const std::uint64_t data_start = 8 + n;
-  detail::check_safetensors_layout(header, size - data_start, path);
-
-  // The data is read whole into buffers: a file whose data the machine cannot hold (a sparse
-  // file's apparent size, consistent with its header) fails at once, naming the size.
-  std::uint64_t held_bytes = 0;  // wider than the file's data when dtypes are widened
-  for (const auto& e : header.tensors)
-    held_bytes += (e.end - e.begin) / e.stored->size * dtype_size(e.dtype);
-  lazy::detail::check_fits_in_memory(held_bytes, path + ": the tensors' data");
-  StateDict sd;
-  graph::Device& engine = dev.engine();
-  std::vector<unsigned char> staging;  // chunks of tensors stored in a dtype we widen
-  for (const auto& e : header.tensors) {
-    const std::size_t nbytes = static_cast<std::size_t>(e.end - e.begin);
-    const std::size_t n = nbytes / e.stored->size;
-    auto buf = engine.pool().acquire(padded_bytes(e.shape.numel(), dtype_size(e.dtype)));
-    const auto shrank = [&] {
-      return FormatError(path + ": file shrank while reading tensor '" + e.name + "'");
-    };
-    if (e.stored->native) {
-      if (file.read_at(buf->data(), nbytes, data_start + e.begin) != nbytes) throw shrank();
-    } else {
-      constexpr std::size_t kChunk = detail::kConvertChunk;
-      staging.resize(std::min(n, kChunk) * e.stored->size);
-      auto* dst = static_cast<unsigned char*>(buf->data());
-      for (std::size_t i = 0; i < n; i += kChunk) {
-        const std::size_t m = std::min(kChunk, n - i), bytes = m * e.stored->size;
-        if (file.read_at(staging.data(), bytes, data_start + e.begin + i * e.stored->size) != bytes)
-          throw shrank();
-        detail::widen(*e.stored, staging.data(), dst + i * dtype_size(e.dtype), m);
-      }
-      sd.stored_dtypes()[e.name] = e.stored->name;
-    }
-    if (e.dtype == DType::Bool) {
-      // A byte other than 0/1 read as bool is undefined behaviour; such a file is corrupt.
-      const auto* p = static_cast<const unsigned char*>(buf->data());
-      for (std::size_t i = 0; i < nbytes; ++i) {
-        if (p[i] > 1) {
-          throw FormatError(path + ": tensor '" + e.name + "': BOOL element " + std::to_string(i) +
-                            " is " + std::to_string(p[i]) + ", expected 0 or 1");
-        }
-      }
-    }
-    sd.insert(e.name, lazy::detail::any_of_node(std::make_shared<graph::DataNode>(e.dtype, e.shape, &engine,
-                                                                          std::move(buf))));
-  }
-  sd.metadata() = header.metadata;
-  return sd;
-}
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
-
-}  // namespace lazy::io
-// ---- end lazytensor/io/safetensors.hpp ----
-// ---- begin lazytensor/io/save.hpp ----
-// io::save: saving a state dict from a replicated program, as torch_xla's xm.save.
-//
-// Every replica calls it with its own state dict. Each one first materializes the pending
-// tensors of its state dict (one execution per device: a sync, as xm.save's transfer to the
-// CPU is), then the writer(s) write, then all replicas meet in a rendezvous: when save
-// returns on any replica the file is complete (renamed into place and fsynced), so another
-// replica may read it at once. A failure on one replica is reported on all of them, after the
-// rendezvous (nobody is left waiting for a replica that failed): the failing replica
-// re-throws its own error, the others throw IoError naming it.
-
-#include <algorithm>
-#include <atomic>
-#include <chrono>
-#include <cstdio>
-#include <exception>
-#include <map>
-#include <set>
-#include <string>
-#include <utility>
-#include <vector>
-
-// ---- begin lazytensor/spmd/sharded_node.hpp ----
-// The value of a sharded tensor: one piece per mesh device, each a node on its own device
-// (computed by that device's steps), and the whole value, gathered only when read.
-
-#include <cstddef>
-#include <cstdint>
-#include <memory>
-#include <string>
-#include <utility>
-#include <vector>
-
-// ---- begin lazytensor/spmd/sharding.hpp ----
-// Partition specs (how a tensor's dimensions map onto mesh axes) and the resolved sharding
-// of one tensor: which block of it each device of the mesh holds.
-
-#include <cstdint>
-#include <initializer_list>
-#include <optional>
-#include <string>
-#include <utility>
-#include <variant>
-#include <vector>
-
-// ---- begin lazytensor/spmd/mesh.hpp ----
-// Meshes: the logical arrangement of devices that shardings name (torch_xla's Mesh and
-// HybridMesh), and the process's global mesh.
-
-#include <cstdint>
-#include <optional>
-#include <string>
-#include <string_view>
-#include <utility>
-#include <vector>
-
-// ---- begin lazytensor/spmd/span.hpp ----
-// The processes an SPMD program spans (torch_xla's multi-host SPMD; here processes under
-// `mpirun`, linked with lazytensor::mpi). Every process runs the same program over one
-// global mesh, whose device ids are global: process q owns ids [q * L, (q + 1) * L), L =
-// lazy::device_count() (the same in every process). Each process holds an engine device for
-// every id: its own at registry indices 0..L-1, so the default device and everything counted
-// by device_count() stay local, and the others' as remote devices (graph::Device::remote),
-// whose nodes it traces like its own (so every process builds the same graph, and the same
-// collectives in the same order) but never computes.
-//
-// Data crosses processes in two places only, both through exchange(): an all-reduce whose
-// group holds devices of several processes, and the gather of a sharded value whose blocks
-// some process holds no piece of. Both are collective: every process meets them in program
-// order, as it does when it runs the same program.
-
-#include <atomic>
-#include <cstddef>
-#include <cstdint>
-#include <memory>
-#include <string>
-#include <vector>
-
-
-namespace lazy::spmd::detail {
-
-/// This process's place among the processes of the SPMD program.
-struct ProcessSpan {
-  int index = 0;          ///< this process
-  int count = 1;          ///< processes
-  int local_devices = 1;  ///< devices per process
-  int host_processes = 1; ///< processes on this host (they share its cores)
-};
-
-/// The span (one process unless use_spmd joined several).
-const ProcessSpan& process_span();
-
-/// Records the span and creates the engine devices of every global id, the other
-/// processes' ones marked remote. Called once, by use_spmd, before anything is traced.
-void set_process_span(const ProcessSpan& span);
-
-/// Devices of every process: the ids a mesh may name. Known before use_spmd joins the
-/// processes (a mesh may be built first, as a strategy's is): the MPI job's process count
-/// times lazy::device_count().
-int span_device_count();
-
-/// The process owning global device id `id`.
-inline int span_process_of(int id) {
-  const auto& s = process_span();
-  return s.count == 1 ? 0 : id / s.local_devices;
-}
-
-/// The engine device of global device id `id` (registry index `id - index * L` modulo the
-/// device count: this process's devices first).
-graph::Device& span_device(int id);
-
-/// One message of an exchange: `bytes` at `data` to or from process `process`; `keep`
-/// holds the memory alive should the exchange be given up with the message in flight.
-struct Transfer {
-  int process = 0;
-  void* data = nullptr;
-  std::size_t bytes = 0;
-  std::shared_ptr<const void> keep;
-};
-
-/// Which collective an exchange serves (each has its own sequence of exchanges).
-enum class Channel : int { Reduce = 0, Gather = 1, Host = 2 };
-
-/// Sends and receives the transfers, matched with the other processes' exchange of the same
-/// channel and `seq`: the messages between two processes pair up in the order each side lists
-/// them. Each carries `signature` (what the exchange is: op, dtype, size); a message whose
-/// signature or size differs raises CollectiveMismatch, and a peer that sends nothing within
-/// the collective timeout CollectiveTimeout (`what` names the collective in both).
-using ExchangeFn = void (*)(Channel channel, std::uint64_t seq, std::uint64_t signature,
-                            const std::vector<Transfer>& sends, const std::vector<Transfer>& receives,
-                            const std::string& what);
-
-/// The installed transport (lazytensor::mpi's, installed by use_spmd), or null.
-inline std::atomic<ExchangeFn>& exchange_hook() {
-  static std::atomic<ExchangeFn> hook{nullptr};
-  return hook;
-}
-
-/// What use_spmd calls to join the processes of the job into one SPMD program (installs
-/// exchange_hook's transport and the span): lazytensor::mpi's join (process_link.hpp),
-/// installed before main by the programs that link it; null: SPMD stays in this process.
-inline std::atomic<void (*)()>& process_join_hook() {
-  static std::atomic<void (*)()> hook{nullptr};
-  return hook;
-}
-
-/// exchange_hook()'s exchange; Error when none is installed.
-void exchange(Channel channel, std::uint64_t seq, std::uint64_t signature, const std::vector<Transfer>& sends,
-              const std::vector<Transfer>& receives, const std::string& what);
-
-/// Every process's `ok` (one process: just this one's), once all processes reached this
-/// call (a barrier of the host, as dist::rendezvous inside spawn), in process order.
-std::vector<bool> span_rendezvous(bool ok, const std::string& what);
-
-}  // namespace lazy::spmd::detail
-
-#if LAZYTENSOR_HEADER_DEFINITIONS
-namespace lazy::spmd::detail {
-
-inline ProcessSpan& mutable_process_span() {
-  static ProcessSpan span;
-  return span;
-}
-
-LAZYTENSOR_INLINE const ProcessSpan& process_span() { return mutable_process_span(); }
-
-LAZYTENSOR_INLINE void set_process_span(const ProcessSpan& span) {
-  if (span.count < 1 || span.index < 0 || span.index >= span.count || span.local_devices < 1)
-    throw Error("SPMD: invalid process span (process " + std::to_string(span.index) + " of " +
-                std::to_string(span.count) + ", " + std::to_string(span.local_devices) + " devices each)");
-  mutable_process_span() = span;
-  for (int id = 0; id < span.count * span.local_devices; ++id) {
-    graph::Device& dev = span_device(id);
-    const int owner = span_process_of(id);
-    dev.set_span_place(id, owner, owner != span.index);
-    if (owner != span.index) dev.set_num_threads(1);  // traced only: no workers
-  }
-}
-
-LAZYTENSOR_INLINE int span_device_count() { return dist::detail::process_place().count * device_count(); }
-
-LAZYTENSOR_INLINE graph::Device& span_device(int id) {
-  const auto& s = process_span();
-  if (s.count == 1) return graph::DeviceRegistry::get().device(id);
-  const int total = s.count * s.local_devices;
-  return graph::DeviceRegistry::get().device(((id - s.index * s.local_devices) % total + total) % total);
-}
-
-LAZYTENSOR_INLINE void exchange(Channel channel, std::uint64_t seq, std::uint64_t signature,
-                                const std::vector<Transfer>& sends, const std::vector<Transfer>& receives,
-                                const std::string& what) {
-  ExchangeFn fn = exchange_hook().load(std::memory_order_acquire);
-  if (!fn) throw Error("SPMD " + what + ": the program spans processes but no transport is installed");
-  fn(channel, seq, signature, sends, receives, what);
-}
-
-LAZYTENSOR_INLINE std::vector<bool> span_rendezvous(bool ok, const std::string& what) {
-  const auto& span = process_span();
-  std::vector<bool> all(static_cast<std::size_t>(span.count), ok);
-  if (span.count == 1) return all;
-  static std::atomic<std::uint64_t> seq{0};
-  auto flags = std::make_shared<std::vector<unsigned char>>(static_cast<std::size_t>(span.count) + 1, 0);
-  (*flags)[0] = ok ? 1 : 0;
-  std::vector<Transfer> sends, receives;
-  for (int q = 0; q < span.count; ++q) {
-    if (q == span.index) continue;
-    sends.push_back({q, flags->data(), 1, flags});
-    receives.push_back({q, flags->data() + 1 + q, 1, flags});
-  }
-  exchange(Channel::Host, seq.fetch_add(1, std::memory_order_relaxed), 0x5eed, sends, receives, what);
-  for (int q = 0; q < span.count; ++q)
-    if (q != span.index) all[static_cast<std::size_t>(q)] = (*flags)[static_cast<std::size_t>(q) + 1] != 0;
-  return all;
-}
-
-}  // namespace lazy::spmd::detail
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
-// ---- end lazytensor/spmd/span.hpp ----
-
-namespace lazy::spmd {
-
-/// The device ids of a mesh arranged in its shape (what torch_xla's get_logical_mesh
-/// returns as a numpy array): `device_ids` row-major in `shape`.
-struct LogicalMesh {
-  std::vector<std::int64_t> shape;
-  std::vector<int> device_ids;
-  /// The id at mesh coordinates `coords` (one per axis).
-  int at(const std::vector<std::int64_t>& coords) const;
-};
-
-/// A logical n-d array of devices (torch_xla.distributed.spmd.Mesh). `device_ids` are laid
-/// out row-major in `mesh_shape`; axes may be named (`axis_names`, one per axis, distinct),
-/// else each is named by its index ("0", "1", ...). A partition spec refers to the axes by
-/// index or name. Error (lazy::Error, naming the values) when the shape's product is not
-/// the number of ids, an id repeats or names no device, or names repeat. When the program
-/// spans processes (span.hpp) the ids are global: those of every process's devices.
-class Mesh {
- public:
-  Mesh(std::vector<int> device_ids, std::vector<std::int64_t> mesh_shape, std::vector<std::string> axis_names = {});
-
-  /// The axes in order, as (name, size).
-  std::vector<std::pair<std::string, std::int64_t>> shape() const;
-  /// The ids in mesh order (row-major over the axes).
-  const std::vector<int>& device_ids() const { return ids_; }
-  /// The size of each axis.
-  const std::vector<std::int64_t>& mesh_shape() const { return shape_; }
-  /// Each axis's name (the index as text for unnamed axes).
-  const std::vector<std::string>& axis_names() const { return names_; }
-  /// The ids arranged in the mesh's shape.
-  LogicalMesh get_logical_mesh() const { return {shape_, ids_}; }
-  /// Number of devices.
-  int size() const { return static_cast<int>(ids_.size()); }
-  /// Number of axes.
-  int rank() const { return static_cast<int>(shape_.size()); }
-
-  /// The coordinates of the device at mesh position `position` (row-major).
-  std::vector<std::int64_t> coordinates(int position) const;
-  /// The mesh position of device `device_id`, or -1.
-  int position_of(int device_id) const;
-  /// Text such as `Mesh(shape=("data": 2, "model": 2), devices=[0, 1, 2, 3])`.
-  std::string str() const;
-
-  friend bool operator==(const Mesh& a, const Mesh& b) {
-    return a.ids_ == b.ids_ && a.shape_ == b.shape_ && a.names_ == b.names_;
-  }
-
- private:
-  std::vector<int> ids_;
-  std::vector<std::int64_t> shape_;
-  std::vector<std::string> names_;
-};
-
-/// A mesh for devices grouped in slices (torch_xla's HybridMesh): the mesh's axis i has
-/// size `dcn_mesh_shape[i] * ici_mesh_shape[i]`, the DCN part outer. Device ids follow
-/// the slices: slice s (the row-major index of the DCN coordinates) holds ids
-/// [s * S, (s + 1) * S), S the product of `ici_mesh_shape`, laid out row-major over the
-/// ICI coordinates. Every device takes part; Error when the shapes' ranks differ or their
-/// products do not make the device count. When the program spans processes, a slice is one
-/// process: the DCN axes run across processes, the ICI axes inside one (Error unless the
-/// ICI product is the devices per process).
-class HybridMesh : public Mesh {
- public:
-  HybridMesh(std::vector<std::int64_t> ici_mesh_shape, std::vector<std::int64_t> dcn_mesh_shape,
-             std::vector<std::string> axis_names = {});
-};
-
-/// Sets the mesh that APIs taking no mesh use (torch_xla's set_global_mesh).
-void set_global_mesh(const Mesh& mesh);
-/// The global mesh, if one was set.
-std::optional<Mesh> get_global_mesh();
-
-namespace detail {
-/// The device ids a HybridMesh lays out (see HybridMesh).
-std::vector<int> hybrid_device_ids(const std::vector<std::int64_t>& ici, const std::vector<std::int64_t>& dcn);
-/// The elementwise product of the two shapes.
-std::vector<std::int64_t> hybrid_shape(const std::vector<std::int64_t>& ici, const std::vector<std::int64_t>& dcn);
-/// "(6, 4)": a shape as JAX's messages print it.
-std::string tuple_text(const std::vector<std::int64_t>& sizes);
-}  // namespace detail
-
-}  // namespace lazy::spmd
-
-#if LAZYTENSOR_HEADER_DEFINITIONS
-#include <algorithm>
-#include <mutex>
-#include <set>
-
-namespace lazy::spmd {
-
-LAZYTENSOR_INLINE int LogicalMesh::at(const std::vector<std::int64_t>& coords) const {
-  if (coords.size() != shape.size())
-    throw Error("LogicalMesh::at: expected " + std::to_string(shape.size()) + " coordinates, got " +
-                std::to_string(coords.size()));
-  std::int64_t p = 0;
-  for (std::size_t i = 0; i < shape.size(); ++i) {
-    if (coords[i] < 0 || coords[i] >= shape[i])
-      throw Error("LogicalMesh::at: coordinate " + std::to_string(coords[i]) + " out of range for axis " +
-                  std::to_string(i) + " of size " + std::to_string(shape[i]));
-    p = p * shape[i] + coords[i];
-  }
-  return device_ids[static_cast<std::size_t>(p)];
-}
-
-LAZYTENSOR_INLINE std::string detail::tuple_text(const std::vector<std::int64_t>& sizes) {
-  std::string s = "(";
-  for (std::size_t i = 0; i < sizes.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(sizes[i]);
-  }
-  if (sizes.size() == 1) s += ",";
-  return s + ")";
-}
-
-LAZYTENSOR_INLINE Mesh::Mesh(std::vector<int> device_ids, std::vector<std::int64_t> mesh_shape,
-                             std::vector<std::string> axis_names)
-    : ids_(std::move(device_ids)), shape_(std::move(mesh_shape)), names_(std::move(axis_names)) {
-  if (shape_.empty()) throw Error("Mesh: expected at least one mesh axis, got an empty mesh shape");
-  std::int64_t product = 1;
-  for (auto s : shape_) {
-    if (s < 1) throw Error("Mesh: mesh shape " + detail::tuple_text(shape_) + " has a size below 1");
-    product *= s;
-  }
-  if (product != static_cast<std::int64_t>(ids_.size()))
-    throw Error("Mesh: mesh shape " + detail::tuple_text(shape_) + " holds " + std::to_string(product) +
-                " devices, but " + std::to_string(ids_.size()) + " device ids were given");
-  const int available = detail::span_device_count();
-  const bool spans = dist::detail::process_place().count > 1;
-  std::set<int> seen;
-  for (int id : ids_) {
-    if (id < 0 || id >= available)
-      throw Error("Mesh: device id " + std::to_string(id) + " names no device (" +
-                  (spans ? "the processes have " : "this process has ") + std::to_string(available) + ": ids 0.." +
-                  std::to_string(available - 1) + "; LAZYTENSOR_NUM_DEVICES sets the count per process)");
-    if (!seen.insert(id).second) throw Error("Mesh: device id " + std::to_string(id) + " appears twice");
-  }
-  if (names_.empty()) {
-    for (std::size_t i = 0; i < shape_.size(); ++i) names_.push_back(std::to_string(i));
-  } else if (names_.size() != shape_.size()) {
-    throw Error("Mesh: " + std::to_string(names_.size()) + " axis names given for a mesh of " +
-                std::to_string(shape_.size()) + " axes " + detail::tuple_text(shape_));
-  }
-  std::set<std::string> names;
-  for (const auto& n : names_)
-    if (!names.insert(n).second) throw Error("Mesh: axis name \"" + n + "\" appears twice");
-}
-
-LAZYTENSOR_INLINE std::vector<std::pair<std::string, std::int64_t>> Mesh::shape() const {
-  std::vector<std::pair<std::string, std::int64_t>> r;
-  for (std::size_t i = 0; i < shape_.size(); ++i) r.emplace_back(names_[i], shape_[i]);
-  return r;
-}
-
-LAZYTENSOR_INLINE std::vector<std::int64_t> Mesh::coordinates(int position) const {
-  std::vector<std::int64_t> c(shape_.size());
-  std::int64_t p = position;
-  for (std::size_t i = shape_.size(); i-- > 0;) {
-    c[i] = p % shape_[i];
-    p /= shape_[i];
-  }
-  return c;
-}
-
-LAZYTENSOR_INLINE int Mesh::position_of(int device_id) const {
-  auto it = std::find(ids_.begin(), ids_.end(), device_id);
-  return it == ids_.end() ? -1 : static_cast<int>(it - ids_.begin());
-}
-
-LAZYTENSOR_INLINE std::string Mesh::str() const {
-  std::string s = "Mesh(shape=(";
-  for (std::size_t i = 0; i < shape_.size(); ++i) {
-    if (i) s += ", ";
-    s += "\"" + names_[i] + "\": " + std::to_string(shape_[i]);
-  }
-  s += "), devices=[";
-  for (std::size_t i = 0; i < ids_.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(ids_[i]);
-  }
-  return s + "])";
-}
-
-LAZYTENSOR_INLINE std::vector<std::int64_t> detail::hybrid_shape(const std::vector<std::int64_t>& ici,
-                                                                  const std::vector<std::int64_t>& dcn) {
-  if (ici.size() != dcn.size())
-    throw Error("HybridMesh: ici_mesh_shape " + tuple_text(ici) + " and dcn_mesh_shape " + tuple_text(dcn) +
-                " must have the same number of axes");
-  std::vector<std::int64_t> s(ici.size());
-  for (std::size_t i = 0; i < ici.size(); ++i) {
-    if (ici[i] < 1 || dcn[i] < 1)
-      throw Error("HybridMesh: sizes must be at least 1, got ici " + tuple_text(ici) + ", dcn " + tuple_text(dcn));
-    s[i] = ici[i] * dcn[i];
-  }
-  return s;
-}
-
-LAZYTENSOR_INLINE std::vector<int> detail::hybrid_device_ids(const std::vector<std::int64_t>& ici,
-                                                            const std::vector<std::int64_t>& dcn) {
-  const auto shape = hybrid_shape(ici, dcn);
-  std::int64_t total = 1, per_slice = 1;
-  for (auto s : shape) total *= s;
-  for (auto s : ici) per_slice *= s;
-  const int processes = dist::detail::process_place().count;
-  if (total != span_device_count())
-    throw Error("HybridMesh: ici " + tuple_text(ici) + " times dcn " + tuple_text(dcn) + " makes " +
-                std::to_string(total) + " devices, but " +
-                (processes > 1 ? "the processes have " : "this process has ") + std::to_string(span_device_count()));
-  if (processes > 1 && per_slice != device_count())
-    throw Error("HybridMesh: the ICI axes " + tuple_text(ici) + " hold " + std::to_string(per_slice) +
-                " devices, but each of the " + std::to_string(processes) + " processes has " +
-                std::to_string(device_count()) + " (a slice is one process: its devices on the ICI axes, the "
-                "processes on the DCN axes)");
-  std::vector<int> ids(static_cast<std::size_t>(total));
-  const std::size_t rank = shape.size();
-  std::vector<std::int64_t> c(rank, 0);
-  for (std::int64_t p = 0; p < total; ++p) {
-    // Mesh coordinate c[i] = dcn coordinate * ici[i] + ici coordinate.
-    std::int64_t slice = 0, within = 0;
-    for (std::size_t i = 0; i < rank; ++i) {
-      slice = slice * dcn[i] + c[i] / ici[i];
-      within = within * ici[i] + c[i] % ici[i];
-    }
-    ids[static_cast<std::size_t>(p)] = static_cast<int>(slice * per_slice + within);
-    for (std::size_t i = rank; i-- > 0;) {
-      if (++c[i] < shape[i]) break;
-      c[i] = 0;
-    }
-  }
-  return ids;
-}
-
-LAZYTENSOR_INLINE HybridMesh::HybridMesh(std::vector<std::int64_t> ici_mesh_shape, std::vector<std::int64_t> dcn_mesh_shape,
-                                         std::vector<std::string> axis_names)
-    : Mesh(detail::hybrid_device_ids(ici_mesh_shape, dcn_mesh_shape), detail::hybrid_shape(ici_mesh_shape, dcn_mesh_shape),
-           std::move(axis_names)) {}
-
-namespace detail {
-struct GlobalMesh {
-  std::mutex mu;
-  std::optional<Mesh> mesh;
-};
-inline GlobalMesh& global_mesh() {
-  static GlobalMesh g;
-  return g;
-}
-}  // namespace detail
-
-LAZYTENSOR_INLINE void set_global_mesh(const Mesh& mesh) {
-  auto& g = detail::global_mesh();
-  std::lock_guard lock(g.mu);
-  g.mesh = mesh;
-}
-
-LAZYTENSOR_INLINE std::optional<Mesh> get_global_mesh() {
-  auto& g = detail::global_mesh();
-  std::lock_guard lock(g.mu);
-  return g.mesh;
-}
-
-}  // namespace lazy::spmd
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
-// ---- end lazytensor/spmd/mesh.hpp ----
-
-namespace lazy::spmd {
-
-/// One mesh axis in a partition spec: its index (`0`) or its name (`"data"`).
-class AxisRef {
- public:
-  AxisRef(int index) : ref_(index) {}
-  AxisRef(const char* name) : ref_(std::string(name)) {}
-  AxisRef(std::string name) : ref_(std::move(name)) {}
-  const std::variant<int, std::string>& ref() const { return ref_; }
-
- private:
-  std::variant<int, std::string> ref_;
-};
-
-/// One entry of a partition spec, for one tensor dimension: replicated (`std::nullopt`),
-/// one mesh axis (`0`, `"data"`), or a braced list of axes (`{"x", "y"}`) that shards the
-/// dimension over all of them, the first major.
-class PartitionEntry {
- public:
-  PartitionEntry(std::nullopt_t) {}
-  PartitionEntry(int axis) : axes_{AxisRef(axis)} {}
-  PartitionEntry(const char* axis) : axes_{AxisRef(axis)} {}
-  PartitionEntry(std::string axis) : axes_{AxisRef(std::move(axis))} {}
-  PartitionEntry(std::initializer_list<AxisRef> axes) : axes_(axes) {}
-  /// The axes, major first (empty: replicated).
-  const std::vector<AxisRef>& axes() const { return axes_; }
-
- private:
-  std::vector<AxisRef> axes_;
-};
-
-/// A partition spec: one entry per tensor dimension (`{0, std::nullopt}`, `{"data"}`).
-/// Shorter specs are padded with replicated entries; mesh axes it leaves out replicate.
-using PartitionSpec = std::vector<PartitionEntry>;
-
-/// The resolved sharding of a tensor of a given shape: for each dimension, the mesh axes
-/// (indices, major first) that split it. Devices whose coordinates differ only along
-/// unused axes hold the same block (replicas).
-struct Sharding {
-  Mesh mesh;
-  std::vector<std::vector<int>> dims;
-
-  /// Number of blocks along dimension `d` (the product of its axes' sizes).
-  std::int64_t parts(int d) const;
-  /// The axes that cut dimension `d`: its axes but those of size 1, which cut nothing (two
-  /// dimensions with the same cuts are split into the same blocks).
-  std::vector<int> cuts(int d) const;
-  /// Number of distinct blocks (the product of every dimension's parts).
-  std::int64_t blocks() const;
-  /// True when no dimension is split.
-  bool replicated() const;
-  /// The block index along dimension `d` of the device at mesh position `position`.
-  std::int64_t part_of(int position, int d) const;
-  /// The [begin, end) range of every dimension of `global` that mesh position `position`
-  /// holds.
-  std::vector<std::pair<std::int64_t, std::int64_t>> block(int position, const Shape& global) const;
-  /// The shape of the block every device holds.
-  Shape block_shape(const Shape& global) const;
-  /// The sharding as torch_xla's _get_xla_sharding_spec prints it (XLA's HloSharding
-  /// text): `{replicated}`, `{devices=[2,1]0,1}`, or with replication along unused axes
-  /// `{devices=[2,1,2]0,1,2,3 last_tile_dim_replicate}`.
-  std::string str() const;
-
-  friend bool operator==(const Sharding&, const Sharding&) = default;
-};
-
-/// Resolves `spec` on `mesh` for a tensor of shape `shape`. ShardingError, naming the
-/// offender, for: a spec longer than the rank, an unknown axis name or index, an axis used
-/// twice, and a dimension not divisible by its axes' sizes (JAX's message:
-/// `dimension 0 of shape (6, 4) must be divisible by 4 (mesh axis "x")`).
-Sharding resolve_sharding(const Mesh& mesh, const PartitionSpec& spec, const Shape& shape);
-
-/// A mesh and a partition spec, resolved against each tensor it is applied to (torch_xla's
-/// ShardingSpec; `minibatch` marks specs for per-process batches of a global batch, which
-/// in one process is the batch itself).
-class ShardingSpec {
- public:
-  ShardingSpec(Mesh mesh, PartitionSpec spec, bool minibatch = false)
-      : mesh_(std::move(mesh)), spec_(std::move(spec)), minibatch_(minibatch) {}
-  const Mesh& mesh() const { return mesh_; }
-  const PartitionSpec& partition_spec() const { return spec_; }
-  bool minibatch() const { return minibatch_; }
-  /// The sharding of a tensor of `shape` (ShardingError as resolve_sharding).
-  Sharding resolve(const Shape& shape) const { return resolve_sharding(mesh_, spec_, shape); }
-
- private:
-  Mesh mesh_;
-  PartitionSpec spec_;
-  bool minibatch_;
-};
-
-}  // namespace lazy::spmd
-
-#if LAZYTENSOR_HEADER_DEFINITIONS
-namespace lazy::spmd {
-
-LAZYTENSOR_INLINE std::int64_t Sharding::parts(int d) const {
-  std::int64_t n = 1;
-  for (int a : dims[static_cast<std::size_t>(d)]) n *= mesh.mesh_shape()[static_cast<std::size_t>(a)];
-  return n;
-}
-
-LAZYTENSOR_INLINE std::vector<int> Sharding::cuts(int d) const {
-  std::vector<int> axes;
-  for (int a : dims[static_cast<std::size_t>(d)])
-    if (mesh.mesh_shape()[static_cast<std::size_t>(a)] > 1) axes.push_back(a);
-  return axes;
-}
-
-LAZYTENSOR_INLINE std::int64_t Sharding::blocks() const {
-  std::int64_t n = 1;
-  for (std::size_t d = 0; d < dims.size(); ++d) n *= parts(static_cast<int>(d));
-  return n;
-}
-
-LAZYTENSOR_INLINE bool Sharding::replicated() const {
-  for (std::size_t d = 0; d < dims.size(); ++d)
-    if (parts(static_cast<int>(d)) > 1) return false;
-  return true;
-}
-
-LAZYTENSOR_INLINE std::int64_t Sharding::part_of(int position, int d) const {
-  const auto c = mesh.coordinates(position);
-  std::int64_t idx = 0;
-  for (int a : dims[static_cast<std::size_t>(d)])
-    idx = idx * mesh.mesh_shape()[static_cast<std::size_t>(a)] + c[static_cast<std::size_t>(a)];
-  return idx;
-}
-
-LAZYTENSOR_INLINE std::vector<std::pair<std::int64_t, std::int64_t>> Sharding::block(int position,
-                                                                                      const Shape& global) const {
-  std::vector<std::pair<std::int64_t, std::int64_t>> r(static_cast<std::size_t>(global.rank()));
-  for (int d = 0; d < global.rank(); ++d) {
-    const std::int64_t n = parts(d), size = global[d] / n, i = part_of(position, d);
-    r[static_cast<std::size_t>(d)] = {i * size, (i + 1) * size};
-  }
-  return r;
-}
-
-LAZYTENSOR_INLINE Shape Sharding::block_shape(const Shape& global) const {
-  Shape s = global;
-  for (int d = 0; d < global.rank(); ++d) s[d] = global[d] / parts(d);
-  return s;
-}
-
-LAZYTENSOR_INLINE std::string Sharding::str() const {
-  if (replicated()) return "{replicated}";
-  const int rank = static_cast<int>(dims.size());
-  // Tile dimensions: the parts of each tensor dimension, then the replicas (mesh axes no
-  // dimension uses) as a last tile dimension when there are several.
-  std::vector<bool> used(static_cast<std::size_t>(mesh.rank()), false);
-  for (const auto& axes : dims)
-    for (int a : axes) used[static_cast<std::size_t>(a)] = true;
-  std::int64_t replicas = 1;
-  for (int a = 0; a < mesh.rank(); ++a)
-    if (!used[static_cast<std::size_t>(a)]) replicas *= mesh.mesh_shape()[static_cast<std::size_t>(a)];
-  std::vector<std::int64_t> tile;
-  for (int d = 0; d < rank; ++d) tile.push_back(parts(d));
-  if (replicas > 1) tile.push_back(replicas);
-  std::int64_t tiles = 1;
-  for (auto t : tile) tiles *= t;
-  std::vector<int> order(static_cast<std::size_t>(tiles), -1);
-  for (int p = 0; p < mesh.size(); ++p) {
-    const auto c = mesh.coordinates(p);
-    std::int64_t idx = 0;
-    for (int d = 0; d < rank; ++d) idx = idx * parts(d) + part_of(p, d);
-    if (replicas > 1) {
-      std::int64_t r = 0;
-      for (int a = 0; a < mesh.rank(); ++a)
-        if (!used[static_cast<std::size_t>(a)]) r = r * mesh.mesh_shape()[static_cast<std::size_t>(a)] + c[static_cast<std::size_t>(a)];
-      idx = idx * replicas + r;
-    }
-    order[static_cast<std::size_t>(idx)] = mesh.device_ids()[static_cast<std::size_t>(p)];
-  }
-  std::string s = "{devices=[";
-  for (std::size_t i = 0; i < tile.size(); ++i) {
-    if (i) s += ",";
-    s += std::to_string(tile[i]);
-  }
-  s += "]";
-  for (std::size_t i = 0; i < order.size(); ++i) {
-    if (i) s += ",";
-    s += std::to_string(order[i]);
-  }
-  if (replicas > 1) s += " last_tile_dim_replicate";
-  return s + "}";
-}
-
-LAZYTENSOR_INLINE Sharding resolve_sharding(const Mesh& mesh, const PartitionSpec& spec, const Shape& shape) {
-  const int rank = shape.rank();
-  if (static_cast<int>(spec.size()) > rank)
-    throw ShardingError("partition spec has " + std::to_string(spec.size()) + " entries, but the tensor of shape " +
-                        detail::tuple_text(shape.vec()) + " has rank " + std::to_string(rank));
-  Sharding s{mesh, std::vector<std::vector<int>>(static_cast<std::size_t>(rank))};
-  std::vector<bool> used(static_cast<std::size_t>(mesh.rank()), false);
-  auto axis_text = [&](int a) { return "\"" + mesh.axis_names()[static_cast<std::size_t>(a)] + "\""; };
-  for (std::size_t d = 0; d < spec.size(); ++d) {
-    for (const auto& ref : spec[d].axes()) {
-      int a = -1;
-      if (const int* i = std::get_if<int>(&ref.ref())) {
-        if (*i < 0 || *i >= mesh.rank())
-          throw ShardingError("partition spec entry " + std::to_string(d) + ": mesh axis " + std::to_string(*i) +
-                              " out of range for a mesh of " + std::to_string(mesh.rank()) + " axes");
-        a = *i;
-      } else {
-        const auto& name = std::get<std::string>(ref.ref());
-        for (int k = 0; k < mesh.rank(); ++k)
-          if (mesh.axis_names()[static_cast<std::size_t>(k)] == name) a = k;
-        if (a < 0) {
-          std::string names;
-          for (int k = 0; k < mesh.rank(); ++k) {
-            if (k) names += ", ";
-            names += axis_text(k);
-          }
-          throw ShardingError("partition spec entry " + std::to_string(d) + ": the mesh has no axis named \"" + name +
-                              "\" (its axes: " + names + ")");
-        }
-      }
-      if (used[static_cast<std::size_t>(a)])
-        throw ShardingError("mesh axis " + axis_text(a) + " is used twice in the partition spec");
-      used[static_cast<std::size_t>(a)] = true;
-      s.dims[d].push_back(a);
-    }
-    const std::int64_t n = s.parts(static_cast<int>(d));
-    if (shape[static_cast<int>(d)] % n != 0) {
-      std::string axes;
-      for (std::size_t k = 0; k < s.dims[d].size(); ++k) {
-        if (k) axes += ", ";
-        axes += axis_text(s.dims[d][k]);
-      }
-      throw ShardingError("dimension " + std::to_string(d) + " of shape " + detail::tuple_text(shape.vec()) +
-                          " must be divisible by " + std::to_string(n) + " (mesh " +
-                          (s.dims[d].size() == 1 ? "axis " : "axes ") + axes + ")");
-    }
-  }
-  return s;
-}
-
-}  // namespace lazy::spmd
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
-// ---- end lazytensor/spmd/sharding.hpp ----
-
-namespace lazy::spmd {
-
-/// The whole value of a tensor sharded over a mesh (NodeKind::Sharded). It holds one piece
-/// per mesh position (devices holding the same block hold equal pieces), each behind a
-/// tensor object of its own (a handle on the piece), so every device's mark_step computes
-/// its piece. The node itself is never traced or planned: graph::submit hands every node
-/// reading it to the partitioner, and reading it (item(), to_vector(), a partitioner
-/// fallback) gathers the blocks into one buffer on the tensor's device. When the program
-/// spans processes (span.hpp), the pieces of other processes' devices are never computed
-/// here: a block no device of this process holds comes from the first process holding it,
-/// so such a read is collective (every process reads the value, as the same program does).
-class ShardedNode : public graph::Node {
- public:
-  ShardedNode(Sharding sharding, std::vector<graph::NodePtr> pieces, DType dtype, Shape shape,
-              graph::Device* device);
-
-  const Sharding& sharding() const { return sharding_; }
-  /// The piece at mesh position `position` (on device `mesh.device_ids()[position]`).
-  const graph::NodePtr& shard(int position) const { return shards_[static_cast<std::size_t>(position)]->node; }
-  int num_shards() const { return static_cast<int>(shards_.size()); }
-  /// Hands every device its pending work when a piece is still pending: pieces may wait
-  /// for each other in collectives, so none is waited for before all are handed out.
-  void hand_out_pieces() const;
-
-  std::string op_name() const override { return "sharded"; }
-  std::string describe() const override { return sharding_.str(); }
-
- protected:
-  /// The gather: each distinct block once, from the first position holding it.
-  LAZYTENSOR_INLINE void compute(graph::ExecContext& ctx) override;
-
- private:
-  Sharding sharding_;
-  std::vector<std::shared_ptr<graph::TensorImpl>> shards_;
-};
-
-/// A sharded value that is another's with the last two dimensions swapped (the
-/// partitioner's transpose): a GEMM reads the source through it, as through a pending
-/// TransposeNode, so a product with `W^T` and its backward copy no transpose (the
-/// gradient comes out in W's layout).
-class TransposedShardedNode final : public ShardedNode, public graph::TransposeOfLastTwo {
- public:
-  TransposedShardedNode(graph::NodePtr source, Sharding sharding, std::vector<graph::NodePtr> pieces, DType dtype,
-                        Shape shape, graph::Device* device)
-      : ShardedNode(std::move(sharding), std::move(pieces), dtype, std::move(shape), device), source_(std::move(source)) {}
-  const graph::NodePtr& transpose_source() const override { return source_; }
-
- private:
-  graph::NodePtr source_;
-};
-
-/// `n` as a sharded node, or null.
-inline const ShardedNode* as_sharded(const graph::NodePtr& n) {
-  return n && n->kind() == graph::NodeKind::Sharded ? static_cast<const ShardedNode*>(n.get()) : nullptr;
-}
-
-/// The engine device of a mesh device id (global when the program spans processes).
-inline graph::Device& mesh_device(int id) { return detail::span_device(id); }
-
-namespace detail {
-
-/// A [begin, end) range per dimension.
-using Ranges = std::vector<std::pair<std::int64_t, std::int64_t>>;
-
-/// The block `ranges` of materialized `value`, as data on `dev`, copied into `dev`'s pool.
-/// The whole value on its own device shares the buffer (buffers are immutable; donation
-/// needs a sole holder). Blocks are never shared with another device (only a buffer marked
-/// shared is, such as an all-reduce's result): when the other device's reference is the
-/// last, this device could donate it while the other's reads are unordered with the write
-/// (shared_ptr's use_count is a relaxed read).
-graph::NodePtr block_of(const graph::NodePtr& value, const Ranges& ranges, graph::Device& dev);
-
-/// Splits `value` (materialized here; a sharded value is gathered first) over `sharding`.
-/// Counted as SpmdTransfers / SpmdTransferBytes (bytes copied to other devices).
-graph::NodePtr shard_value(const graph::NodePtr& value, const Sharding& sharding);
-
-}  // namespace detail
-}  // namespace lazy::spmd
-
-#if LAZYTENSOR_HEADER_DEFINITIONS
-#include <cstring>
-
-
-namespace lazy::spmd {
-
-LAZYTENSOR_INLINE ShardedNode::ShardedNode(Sharding sharding, std::vector<graph::NodePtr> pieces, DType dtype, Shape shape,
-                                           graph::Device* device)
-    : Node(graph::NodeKind::Sharded, dtype, shape, device), sharding_(std::move(sharding)) {
-  shards_.reserve(pieces.size());
-  for (auto& p : pieces) shards_.push_back(std::make_shared<graph::TensorImpl>(std::move(p)));
-}
-
-LAZYTENSOR_INLINE void ShardedNode::hand_out_pieces() const {
-  for (const auto& s : shards_) {
-    if (s->node->pending()) {
-      graph::step_all_devices();
-      return;
-    }
-  }
-}
-
-LAZYTENSOR_INLINE void ShardedNode::compute(graph::ExecContext& ctx) {
-  static auto& gathers = core::counter("SpmdGathers");
-  gathers.add();
-  const Shape global = shape();
-  const std::size_t esize = dtype_size(dtype());
-  // Per block: the first position holding it (its owner sends it to processes holding
-  // none), the first one on this process's devices, and which processes hold it.
-  const auto& span = detail::process_span();
-  const auto blocks = static_cast<std::size_t>(sharding_.blocks());
-  std::vector<int> first(blocks, -1), first_here(blocks, -1);
-  std::vector<std::vector<char>> held(blocks, std::vector<char>(static_cast<std::size_t>(span.count), 0));
-  for (int p = 0; p < num_shards(); ++p) {
-    std::int64_t b = 0;
-    for (int d = 0; d < global.rank(); ++d) b = b * sharding_.parts(d) + sharding_.part_of(p, d);
-    const auto bi = static_cast<std::size_t>(b);
-    const graph::Device& dev = *shard(p)->device();
-    if (first[bi] < 0) first[bi] = p;
-    if (!dev.remote() && first_here[bi] < 0) first_here[bi] = p;
-    held[bi][static_cast<std::size_t>(dev.process())] = 1;
-  }
-  // Whether some process lacks a block: the same answer in every process, so each counts
-  // the same cross-process gathers (counted before anything here can throw).
-  bool crosses = false;
-  for (std::size_t b = 0; b < blocks; ++b)
-    for (int q = 0; q < span.count; ++q) crosses = crosses || !held[b][static_cast<std::size_t>(q)];
-  static std::atomic<std::uint64_t> exchanges{0};
-  const std::uint64_t seq = crosses ? exchanges.fetch_add(1, std::memory_order_relaxed) : 0;
-  auto buf = allocate_output(ctx, false);
-  hand_out_pieces();
-  auto place = [&](const void* data, int position) {
-    const auto ranges = sharding_.block(position, global);
-    std::vector<std::int64_t> at, box;
-    for (const auto& [b0, b1] : ranges) {
-      at.push_back(b0);
-      box.push_back(b1 - b0);
-    }
-    graph::detail::copy_box(static_cast<const std::byte*>(data), shard(position)->shape(), std::vector<std::int64_t>(at.size(), 0),
-                            static_cast<std::byte*>(buf->data()), global, at, box, esize);
-  };
-  std::vector<detail::Transfer> sends, receives;
-  std::vector<std::pair<std::shared_ptr<Buffer>, int>> received;
-  for (std::size_t b = 0; b < blocks; ++b) {
-    if (first_here[b] >= 0) {
-      const graph::NodePtr& piece = shard(first_here[b]);
-      graph::materialize(piece);
-      place(piece->buffer()->data(), first_here[b]);
-      if (first_here[b] != first[b]) continue;
-      for (int q = 0; q < span.count; ++q)
-        if (!held[b][static_cast<std::size_t>(q)])
-          sends.push_back({q, piece->buffer()->data(), static_cast<std::size_t>(piece->numel()) * esize, piece->buffer()});
-    } else {
-      const graph::NodePtr& piece = shard(first[b]);
-      auto in = ctx.device.pool().acquire(padded_bytes(piece->numel(), esize));
-      receives.push_back({piece->device()->process(), in->data(), static_cast<std::size_t>(piece->numel()) * esize, in});
-      received.emplace_back(std::move(in), first[b]);
-    }
-  }
-  if (!sends.empty() || !receives.empty()) {
-    const std::uint64_t signature = graph::hash_combine(
-        graph::hash_combine(static_cast<std::uint64_t>(dtype()), static_cast<std::uint64_t>(global.numel())),
-        std::hash<std::string>{}(sharding_.str()));
-    detail::exchange(detail::Channel::Gather, seq, signature, sends, receives,
-                     "gather of a " + global.str() + " value sharded " + sharding_.str());
-    for (const auto& [in, position] : received) place(in->data(), position);
-  }
-  set_buffer(std::move(buf));
-}
-
-LAZYTENSOR_INLINE graph::NodePtr detail::block_of(const graph::NodePtr& value, const Ranges& ranges, graph::Device& dev) {
-  const Shape& global = value->shape();
-  bool whole = true;
-  std::vector<std::int64_t> at, box;
-  for (int d = 0; d < global.rank(); ++d) {
-    const auto [b0, b1] = ranges[static_cast<std::size_t>(d)];
-    whole = whole && b0 == 0 && b1 == global[d];
-    at.push_back(b0);
-    box.push_back(b1 - b0);
-  }
-  if (whole && value->device() == &dev)
-    return std::make_shared<graph::DataNode>(value->dtype(), global, &dev, value->buffer());
-  const Shape shape(box);
-  // Another process's device: that process copies its own block (it holds the same value).
-  if (dev.remote()) return std::make_shared<graph::DataNode>(value->dtype(), shape, &dev, nullptr);
-  const std::size_t esize = dtype_size(value->dtype());
-  auto buf = dev.pool().acquire(padded_bytes(shape.numel(), esize));
-  graph::detail::copy_box(static_cast<const std::byte*>(value->buffer()->data()), global, at, static_cast<std::byte*>(buf->data()),
-           shape, std::vector<std::int64_t>(at.size(), 0), box, esize);
-  static auto& bytes = core::counter("SpmdTransferBytes");
-  bytes.add(static_cast<std::int64_t>(shape.numel() * static_cast<std::int64_t>(esize)));
-  return std::make_shared<graph::DataNode>(value->dtype(), shape, &dev, std::move(buf));
-}
-
-LAZYTENSOR_INLINE graph::NodePtr detail::shard_value(const graph::NodePtr& value, const Sharding& sharding) {
-  static auto& transfers = core::counter("SpmdTransfers");
-  transfers.add();
-  graph::materialize(value);
-  std::vector<graph::NodePtr> pieces;
-  for (int p = 0; p < sharding.mesh.size(); ++p)
-    pieces.push_back(block_of(value, sharding.block(p, value->shape()),
-                              mesh_device(sharding.mesh.device_ids()[static_cast<std::size_t>(p)])));
-  return std::make_shared<ShardedNode>(sharding, std::move(pieces), value->dtype(), value->shape(), value->device());
-}
-
-}  // namespace lazy::spmd
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
-// ---- end lazytensor/spmd/sharded_node.hpp ----
-
-namespace lazy::io {
-
-namespace detail {
-
-/// Runs every pending tensor of `sd`, one execution per device.
-void materialize_all(const StateDict& sd);
-
-/// Calls f(t, name, piece, device id, block) for each block a shard-files save writes (t:
-/// the tensor's position in `sd`): every
-/// distinct block of a sharded tensor once, from the first mesh position holding it (its
-/// replicas write nothing), and a whole tensor from its device. Hands out pending pieces.
-template <class F>
-void for_each_block(const StateDict& sd, F&& f);
-
-/// Writes `sd` as shard files plus the index at `path` (SaveOptions::shard_files).
-void save_shards(const StateDict& sd, const std::string& path);
-
-}  // namespace detail
-
-/// Saves `sd` to `path` as a safetensors file (see save_file), as xm.save(data, path,
-/// master_only, global_master):
-///  - `master_only` (default): only the master replica writes: the local master (local
-///    ordinal 0, one per host) or, with `global_master`, global ordinal 0 only. Otherwise
-///    every replica writes (give each its own path; replicas writing one path replace the
-///    file atomically in turn, the last rename wins).
-///  - Every replica materializes the pending tensors of `sd` first (a sync), then all
-///    replicas rendezvous after the write: the file is complete when save returns on any of
-///    them (see the file comment for failures). Every replica must call it (it is a
-///    collective of the whole world).
-///  - An SPMD program spanning processes (lazy::spmd under mpirun) plays the world: every
-///    process gathers and calls it, one per host writes (process 0 with `global_master`),
-///    and all meet after the write. IoError for `shard_files` there.
-/// Outside spawn it just writes.
-void save(const StateDict& sd, const std::string& path, bool master_only = true,
-          bool global_master = false);
-
-/// How io::save writes: xm.save's two choices, and the shard files of lazy::spmd.
-struct SaveOptions {
-  /// Only the master replica writes (see save above).
-  bool master_only = true;
-  /// With master_only: global ordinal 0 only, not one writer per host.
-  bool global_master = false;
-  /// Sharded tensors (lazy::spmd) as one safetensors file per device holding that device's
-  /// blocks (each distinct block once), with `path` the JSON index naming them
-  /// (shard_index.hpp), instead of whole tensors in one file: nothing is gathered. The
-  /// shard files (named with a token of this save) are written first, the index last, each
-  /// atomically, and then the files of the save it replaced are removed: an index always
-  /// names complete files of one save. io::load reads the index as whole tensors.
-  bool shard_files = false;
-};
-
-/// save with options: `io::save(sd, "ckpt/model.json", {.shard_files = true})`.
-void save(const StateDict& sd, const std::string& path, const SaveOptions& options);
-
-#if LAZYTENSOR_HEADER_DEFINITIONS
-namespace detail {
-
-LAZYTENSOR_INLINE void materialize_all(const StateDict& sd) {
-  std::vector<std::pair<graph::Device*, std::vector<graph::NodePtr>>> pending;
-  for (const auto& [name, t] : sd) {
-    if (!t.defined() || t.impl()->node->materialized()) continue;
-    const graph::NodePtr& node = t.impl()->node;
-    auto it = std::find_if(pending.begin(), pending.end(),
-                           [&](const auto& p) { return p.first == node->device(); });
-    if (it == pending.end()) it = pending.insert(pending.end(), {node->device(), {}});
-    it->second.push_back(node);
-  }
-  for (auto& [dev, nodes] : pending) {
-    dev->rethrow_stored_error();
-    graph::execute(*dev, nodes);
-  }
-}
-
-template <class F>
-void for_each_block(const StateDict& sd, F&& f) {
-  std::size_t position = 0;
-  for (const auto& [name, t] : sd) {
-    const std::size_t at = position++;
-    if (!t.defined()) throw Error("io::save: tensor '" + name + "' is undefined");
-    const graph::NodePtr& node = t.impl()->node;
-    const spmd::ShardedNode* s = spmd::as_sharded(node);
-    if (!s) {
-      std::vector<std::pair<std::int64_t, std::int64_t>> whole;
-      for (auto d : node->shape()) whole.emplace_back(0, d);
-      f(at, name, node, node->device()->index(), whole);
-      continue;
-    }
-    s->hand_out_pieces();
-    std::set<std::vector<std::pair<std::int64_t, std::int64_t>>> seen;
-    for (int p = 0; p < s->num_shards(); ++p) {
-      auto block = s->sharding().block(p, node->shape());
-      if (seen.insert(block).second)
-        f(at, name, s->shard(p), s->sharding().mesh.device_ids()[static_cast<std::size_t>(p)], block);
-    }
-  }
-}
-
-LAZYTENSOR_INLINE void save_shards(const StateDict& sd, const std::string& path) {
-  // The files of the save this one replaces, removed once the new index is in place.
-  std::vector<std::string> previous;
-  try {
-    previous = read_shard_index(path).files;
-  } catch (const Error&) {  // no index there yet, or not one: nothing to replace
-  }
-  // This save's token: its shard files never take the names of the previous save's.
-  static std::atomic<std::uint64_t> saves{0};
-  char token[40];
-  std::snprintf(token, sizeof token, "%llx%02llx",
-                static_cast<unsigned long long>(std::chrono::system_clock::now().time_since_epoch().count()),
-                static_cast<unsigned long long>(saves.fetch_add(1) & 0xff));
-  std::map<int, StateDict> files;  // by device id
-  ShardIndex index;
-  for (const auto& [name, t] : sd) {
-    if (!t.defined()) throw Error("io::save: tensor '" + name + "' is undefined");
-    ShardedEntry e{name, dtype_name(t.dtype()), {t.shape().begin(), t.shape().end()}, {}, {}};
-    if (const spmd::ShardedNode* s = spmd::as_sharded(t.impl()->node)) e.sharding = s->sharding().str();
-    index.tensors.push_back(std::move(e));
-  }
-  for_each_block(sd, [&](std::size_t tensor, const std::string& name, const graph::NodePtr& piece, int device,
-                         const auto& block) {
-    StateDict& file = files[device];
-    file.insert(name, lazy::detail::any_of_node(piece));
-    if (auto it = sd.stored_dtypes().find(name); it != sd.stored_dtypes().end()) file.stored_dtypes()[name] = it->second;
-    // `file` holds the device id until the files are numbered below.
-    index.tensors[tensor].blocks.push_back(ShardBlock{static_cast<std::size_t>(device), block});
-  });
-  const std::string dir = parent_dir(path) + "/";
-  std::map<int, std::size_t> position;
-  for (const auto& [device, file] : files) {
-    const std::size_t k = position.size();
-    position[device] = k;
-    index.files.push_back(shard_file_name(path, token, k, files.size()));
-    save_file(file, dir + index.files.back());
-  }
-  for (auto& e : index.tensors)
-    for (auto& b : e.blocks) b.file = position.at(static_cast<int>(b.file));
-  index.metadata = sd.metadata();
-  const std::string text = shard_index_json(index);
-  AtomicFileWriter out(path);
-  out.write(text.data(), text.size());
-  out.commit();
-  for (const std::string& f : previous)
-    if (std::find(index.files.begin(), index.files.end(), f) == index.files.end()) std::remove((dir + f).c_str());
-}
-
-}  // namespace detail
-
-LAZYTENSOR_INLINE void save(const StateDict& sd, const std::string& path, bool master_only,
-                            bool global_master) {
-  save(sd, path, SaveOptions{.master_only = master_only, .global_master = global_master});
-}
-
-LAZYTENSOR_INLINE void save(const StateDict& sd, const std::string& path, const SaveOptions& options) {
-  bool writer = !options.master_only || dist::is_master_ordinal(!options.global_master);
-  // An SPMD program spanning processes (spmd/span.hpp): every process gathers (collective),
-  // one per host writes (process 0 only with global_master), and all meet afterwards.
-  const auto& span = spmd::detail::process_span();
-  if (span.count > 1) {
-    if (options.shard_files)
-      throw IoError("io::save('" + path + "'): shard_files is not supported when an SPMD program spans " +
-                    std::to_string(span.count) + " processes (each holds only its own pieces); save whole values");
-    if (options.master_only) {
-      const auto place = dist::detail::process_place();
-      writer = options.global_master ? place.index == 0 : place.host_index == 0;
-    }
-  }
-  std::exception_ptr error;
-  try {
-    if (!options.shard_files) {
-      detail::materialize_all(sd);
-      if (writer) save_file(sd, path);
-    } else if (writer) {
-      detail::save_shards(sd, path);
-    } else {  // the same sync as a writer's, without the gathers
-      detail::for_each_block(sd, [](std::size_t, const std::string&, const graph::NodePtr& piece, int, const auto&) {
-        graph::materialize(piece);
-      });
-    }
-  } catch (...) {
-    error = std::current_exception();
-  }
-  if (span.count > 1) {
-    const auto ok = spmd::detail::span_rendezvous(!error, "io::save('" + path + "')");
-    if (error) std::rethrow_exception(error);
-    for (std::size_t q = 0; q < ok.size(); ++q)
-      if (!ok[q]) throw IoError("io::save('" + path + "'): process " + std::to_string(q) + " failed to save");
-    return;
-  }
-  if (runtime::world_size() == 1) {
-    if (error) std::rethrow_exception(error);
-    return;
-  }
-  // Every replica reaches the rendezvous, failed or not; each says how it went ("" = ok).
-  const std::string mine = error ? "!" + lazy::detail::exception_message(error) : std::string();
-  const std::vector<std::string> all = dist::rendezvous("lazy::io::save", mine);
-  if (error) std::rethrow_exception(error);
-  for (std::size_t q = 0; q < all.size(); ++q) {
-    if (!all[q].empty()) {
-      throw IoError("io::save('" + path + "'): replica " + std::to_string(q) +
-                    " failed: " + all[q].substr(1));
-    }
-  }
-}
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
-
-}  // namespace lazy::io
-// ---- end lazytensor/io/save.hpp ----
-// ---- end lazytensor/io.hpp ----
-// ---- begin lazytensor/nn.hpp ----
-// lazy::nn: modules, layers, initializers and losses (torch::nn).
-
-// ---- begin lazytensor/nn/activation.hpp ----
-// Parameter-free layers: activations, Flatten, Dropout.
-
-#include <cstdint>
-#include <string>
-
-// ---- begin lazytensor/nn/functional.hpp ----
-// torch.nn.functional: losses and the functional forms of layers, in bfloat16, float or
-// double (the input's dtype). Each takes a tensor or a pending expression.
-
-#include <cmath>
-#include <cstdint>
-#include <string>
-#include <type_traits>
-
 // ---- begin lazytensor/ops/softmax.hpp ----
 // softmax and log_softmax (stable, along one dim) and their derivative rules; the fused row
 // kernels are SoftmaxNode's (graph/softmax_node.hpp).
@@ -23644,6 +22029,89 @@ LAZYTENSOR_NN_INIT_INSTANCES(extern)
 #include <type_traits>
 #include <vector>
 
+// ---- begin lazytensor/graph/eigen_gemm.hpp ----
+// The products that do not run on the packed kernel (integer dtypes, products thinner than a
+// register tile; the convolution's weight gradient), on Eigen's GEMM over maps of the buffers.
+//
+// A function template of its own, declared here and defined only where the runtime is
+// defined: header-only, the headers define it; with the compiled runtime the library
+// instantiates it for the four GEMM dtypes (core/config.hpp), so a user TU neither
+// instantiates it nor parses Eigen.
+
+#include <cstdint>
+
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+#include <Eigen/Core>
+#endif
+
+namespace lazy::graph::detail {
+
+/// Rows [row, row + rows) of op(A) * op(B) into c (row-major, n columns, already offset to
+/// the first row), with A stored m x k (k x m when `ta`) and B k x n (n x k when `tb`).
+/// T: float, double, int32 or int64.
+template <class T>
+void eigen_gemm_rows(const T* a, const T* b, T* c, bool ta, bool tb, std::int64_t m, std::int64_t k,
+                     std::int64_t n, std::int64_t row, std::int64_t rows);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+template <class T>
+void eigen_gemm_rows(const T* a, const T* b, T* c, bool ta, bool tb, std::int64_t m, std::int64_t k,
+                     std::int64_t n, std::int64_t row, std::int64_t rows) {
+  using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  using CMap = Eigen::Map<const Mat>;
+  Eigen::Map<Mat> C(c, rows, n);
+  if (k == 0) {
+    C.setZero();
+    return;
+  }
+  auto run = [&](const auto& A) {
+    if (tb) C.noalias() = A * CMap(b, n, k).transpose();
+    else C.noalias() = A * CMap(b, k, n);
+  };
+  if (ta) run(CMap(a, k, m).middleCols(row, rows).transpose());
+  else run(CMap(a, m, k).middleRows(row, rows));
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+/// D += G * C^T for row-major G [rows x inner], C [cols x inner] (both dense) and D
+/// [rows x cols] with row stride `ldd` (a block of columns of a wider matrix). T: float or
+/// double. The convolution's weight gradient, image by image.
+template <class T>
+void eigen_gemm_add_nt(const T* g, const T* c, T* d, std::int64_t rows, std::int64_t cols, std::int64_t inner,
+                       std::int64_t ldd);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+template <class T>
+void eigen_gemm_add_nt(const T* g, const T* c, T* d, std::int64_t rows, std::int64_t cols, std::int64_t inner,
+                       std::int64_t ldd) {
+  using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  using Stride = Eigen::OuterStride<>;
+  Eigen::Map<Mat, 0, Stride> D(d, rows, cols, Stride(ldd));
+  Eigen::Map<const Mat> G(g, rows, inner);
+  Eigen::Map<const Mat> C(c, cols, inner);
+  D.noalias() += G * C.transpose();
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+}  // namespace lazy::graph::detail
+
+// Instantiated once in the compiled runtime (core/config.hpp).
+#define LAZYTENSOR_EIGEN_GEMM_INSTANCES(P, T)                                                             \
+  P template void lazy::graph::detail::eigen_gemm_rows<T>(const T*, const T*, T*, bool, bool, std::int64_t, \
+                                                          std::int64_t, std::int64_t, std::int64_t, std::int64_t);
+#define LAZYTENSOR_EIGEN_GEMM_ADD_NT_INSTANCES(P, T)                                                        \
+  P template void lazy::graph::detail::eigen_gemm_add_nt<T>(const T*, const T*, T*, std::int64_t, std::int64_t, \
+                                                            std::int64_t, std::int64_t);
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_EIGEN_GEMM_ADD_NT_INSTANCES(extern, float)
+LAZYTENSOR_EIGEN_GEMM_ADD_NT_INSTANCES(extern, double)
+LAZYTENSOR_EIGEN_GEMM_INSTANCES(extern, float)
+LAZYTENSOR_EIGEN_GEMM_INSTANCES(extern, double)
+LAZYTENSOR_EIGEN_GEMM_INSTANCES(extern, std::int32_t)
+LAZYTENSOR_EIGEN_GEMM_INSTANCES(extern, std::int64_t)
+#endif
+// ---- end lazytensor/graph/eigen_gemm.hpp ----
 // ---- begin lazytensor/graph/window.hpp ----
 // The geometry of a 2-D window sliding over [H, W] planes (Window2d), which the pooling and
 // im2col kernels run over, and the (height, width) size pairs it is printed with (Size2,
@@ -23968,6 +22436,1364 @@ class ConvWeightGradNode final : public Node, public BlockBatchSum {
 
 }  // namespace lazy::graph
 // ---- end lazytensor/graph/im2col.hpp ----
+// ---- begin lazytensor/ops/matmul.hpp ----
+// matmul, linear, bmm, and the GEMM's derivative rule, over GemmNode (graph/matmul_node.hpp):
+// the packed GEMM kernel (graph/gemm_kernel.hpp) for float and double products of at least a
+// register tile, Eigen GEMM on maps of the buffers otherwise. Transposes are layouts (a
+// pending transpose of the last two dims is read through, never copied), and a GEMM that
+// feeds only an element-wise expression runs in row blocks with that expression applied to
+// each block while it is in cache (see ElementwiseNode::fuse_producers).
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+// ---- begin lazytensor/core/autocast.hpp ----
+// Mixed precision as torch.autocast: while an AutocastGuard is alive on a thread, the
+// products of float tensors (matmul, linear, bmm, conv2d) run in bfloat16: their operands
+// are rounded to bfloat16, the products accumulate in float, and the result is rounded to
+// bfloat16 (and held in a float tensor, so the program's types do not change). Everything
+// else keeps its inputs' dtype. Thread-local, as torch's: every replica thread sets its own.
+
+
+namespace lazy {
+
+namespace detail {
+struct AutocastState {
+  bool enabled = false;
+  DType dtype = DType::BFloat16;
+};
+inline AutocastState& autocast_state() {
+  thread_local AutocastState state;
+  return state;
+}
+}  // namespace detail
+
+/// True while an enabled AutocastGuard is alive on this thread.
+inline bool is_autocast_enabled() { return detail::autocast_state().enabled; }
+/// The dtype products run in under autocast (bfloat16).
+inline DType get_autocast_dtype() { return detail::autocast_state().dtype; }
+
+/// Turns autocast on (or, with `enabled` false, off) for this thread until destroyed;
+/// guards nest. DTypeError for a dtype other than bfloat16 (the one lower precision CPUs
+/// run products in).
+class AutocastGuard {
+ public:
+  explicit AutocastGuard(bool enabled = true, DType dtype = DType::BFloat16) : saved_(detail::autocast_state()) {
+    if (dtype != DType::BFloat16) {
+      throw DTypeError("AutocastGuard: expected dtype bfloat16, got " + dtype_name(dtype));
+    }
+    detail::autocast_state() = {enabled, dtype};
+  }
+  ~AutocastGuard() { detail::autocast_state() = saved_; }
+  AutocastGuard(const AutocastGuard&) = delete;
+  AutocastGuard& operator=(const AutocastGuard&) = delete;
+
+ private:
+  detail::AutocastState saved_;
+};
+
+}  // namespace lazy
+// ---- end lazytensor/core/autocast.hpp ----
+// ---- begin lazytensor/graph/matmul_node.hpp ----
+// GemmNode, the node behind matmul, linear and bmm: a batch of row-major products, on the
+// packed kernel (graph/gemm_kernel.hpp) for float and double products of at least a register
+// tile and on Eigen otherwise, produced in row blocks so that an element-wise consumer can
+// run on each block while it is in cache (RowProducer, ElementwiseNode::fuse_producers).
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+// ---- begin lazytensor/graph/gemm_kernel.hpp ----
+// The packed GEMM for float and double: the right-hand side is packed once per product
+// into panels two SIMD registers wide and shared by every row block and thread; each row
+// block packs a few rows of the left-hand side at a time and runs a register-tiled
+// micro-kernel over all panels. Eigen's GEMM (the other dtypes, thin products) re-packs
+// the right-hand side on every call and, on the AVX-512 machine we measure, runs at 60-70%
+// of this kernel's rate (docs/architecture.md, "GEMM").
+//
+// Determinism: every output element is one FMA chain over k in order, split at depth
+// blocks fixed by k alone, so the bits depend on the shapes only (not on row blocks,
+// threads or which tile an element falls in).
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+
+// Full unrolling keeps the accumulator tile in registers at -O2 too; UNROLL_4 unrolls the
+// micro-kernel's depth loop (see there).
+#if defined(__clang__)
+#define LAZYTENSOR_UNROLL _Pragma("unroll")
+#define LAZYTENSOR_UNROLL_4 _Pragma("unroll 4")
+#elif defined(__GNUC__)
+#define LAZYTENSOR_UNROLL _Pragma("GCC unroll 16")
+#define LAZYTENSOR_UNROLL_4 _Pragma("GCC unroll 4")
+#else
+#define LAZYTENSOR_UNROLL
+#define LAZYTENSOR_UNROLL_4
+#endif
+
+namespace lazy::detail {
+
+#if defined(__AVX512F__)
+/// Transposes 16 registers of 16 32-bit lanes in place: lane j of r[i] moves to lane i of
+/// r[j]. Only shuffles, so the lanes move as bits (floats and pairs of bfloat16 alike).
+inline void transpose_16x16_registers(__m512 r[16]) {
+  __m512 t[16];
+  // Pairs of rows interleaved, then pairs of pairs: lane L of r[4i + q] then holds
+  // column 4L + q of rows 4i .. 4i + 3.
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  auto pd = [](__m512 x) { return _mm512_castps_pd(x); };
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
+  }
+  // Lane L of the four row groups gathered into output row 4L + q.
+  for (int q = 0; q < 4; ++q) {
+    const __m512 v0 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0x88), w0 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0xDD);
+    const __m512 v1 = _mm512_shuffle_f32x4(r[8 + q], r[12 + q], 0x88),
+                 w1 = _mm512_shuffle_f32x4(r[8 + q], r[12 + q], 0xDD);
+    t[q] = _mm512_shuffle_f32x4(v0, v1, 0x88);
+    t[8 + q] = _mm512_shuffle_f32x4(v0, v1, 0xDD);
+    t[4 + q] = _mm512_shuffle_f32x4(w0, w1, 0x88);
+    t[12 + q] = _mm512_shuffle_f32x4(w0, w1, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+#endif
+
+#if defined(__AVX__)
+/// Transposes 8 registers of 8 floats in place: lane j of r[i] moves to lane i of r[j].
+inline void transpose_8x8_registers(__m256 r[8]) {
+  __m256 t[8];
+  // Interleave pairs of rows, then pairs of pairs: r[c] then holds column c of rows 0-3 in
+  // its low half and column c + 4 in its high half (rows 4-7 in r[c + 4]).
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {
+    r[4 * h + 0] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0x44);
+    r[4 * h + 1] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0xEE);
+    r[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0x44);
+    r[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    t[c] = _mm256_permute2f128_ps(r[c], r[4 + c], 0x20);
+    t[c + 4] = _mm256_permute2f128_ps(r[c], r[4 + c], 0x31);
+  }
+  for (int i = 0; i < 8; ++i) r[i] = t[i];
+}
+#endif
+
+#if defined(__AVX512F__)
+/// Transposes 8 registers of 8 doubles in place: lane j of r[i] moves to lane i of r[j].
+inline void transpose_8x8_registers(__m512d r[8]) {
+  __m512d t[8], u[8];
+  // Pairs of rows interleaved: t[2i] holds the even columns of rows 2i, 2i + 1, t[2i + 1]
+  // the odd ones.
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm512_unpacklo_pd(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_pd(r[2 * i], r[2 * i + 1]);
+  }
+  // 128-bit lanes of two row pairs gathered: u[4h + q] holds, for the four rows 4h .. 4h + 3,
+  // columns q' and q' + 4 (q' = 0, 2, 1, 3 for q = 0, 1, 2, 3).
+  for (int h = 0; h < 2; ++h) {
+    u[4 * h + 0] = _mm512_shuffle_f64x2(t[4 * h], t[4 * h + 2], 0x88);
+    u[4 * h + 1] = _mm512_shuffle_f64x2(t[4 * h], t[4 * h + 2], 0xDD);
+    u[4 * h + 2] = _mm512_shuffle_f64x2(t[4 * h + 1], t[4 * h + 3], 0x88);
+    u[4 * h + 3] = _mm512_shuffle_f64x2(t[4 * h + 1], t[4 * h + 3], 0xDD);
+  }
+  constexpr int column[4] = {0, 2, 1, 3};
+  for (int q = 0; q < 4; ++q) {
+    r[column[q]] = _mm512_shuffle_f64x2(u[q], u[4 + q], 0x88);
+    r[column[q] + 4] = _mm512_shuffle_f64x2(u[q], u[4 + q], 0xDD);
+  }
+}
+#endif
+
+#if defined(__AVX__)
+/// Transposes 4 registers of 4 doubles in place: lane j of r[i] moves to lane i of r[j].
+inline void transpose_4x4_registers(__m256d r[4]) {
+  const __m256d t0 = _mm256_unpacklo_pd(r[0], r[1]), t1 = _mm256_unpackhi_pd(r[0], r[1]);
+  const __m256d t2 = _mm256_unpacklo_pd(r[2], r[3]), t3 = _mm256_unpackhi_pd(r[2], r[3]);
+  r[0] = _mm256_permute2f128_pd(t0, t2, 0x20);
+  r[1] = _mm256_permute2f128_pd(t1, t3, 0x20);
+  r[2] = _mm256_permute2f128_pd(t0, t2, 0x31);
+  r[3] = _mm256_permute2f128_pd(t1, t3, 0x31);
+}
+#endif
+
+/// Packed GEMM kernel for T = float or double (see the file comment).
+template <class T>
+struct PackedGemm {
+  using batch = xsimd::batch<T>;
+  static constexpr int kLanes = static_cast<int>(batch::size);
+  /// Rows of the register tile: 8 x 2 accumulators need the 32 registers of AVX-512;
+  /// 16-register instruction sets (SSE2, AVX2) take 6 x 2: twelve accumulators, two B
+  /// registers and one broadcast (BLIS's Haswell/Zen shape), eight FMAs per three loads
+  /// and broadcasts where 4 x 2 had eight per six.
+  static constexpr int kTileRows = XSIMD_WITH_AVX512F ? 8 : 6;
+  /// Columns of the register tile (and of a packed panel): two registers.
+  static constexpr int kTileCols = 2 * kLanes;
+
+  /// True when the shapes suit the kernel: narrower or shorter products waste most of a
+  /// tile on padding and go to Eigen (a decision made from the shapes alone).
+  static bool suits(std::int64_t rows, std::int64_t n) { return n >= kLanes && rows >= kTileRows; }
+
+  /// Depth of one pass over k: the deepest that keeps a packed panel of op(B) (kb rows of
+  /// kTileCols values) within 16 KiB, half of a 32 KiB L1, so it stays there while the
+  /// tiles of A stream past it: 128 on AVX-512, 256 on AVX2, 512 on SSE2, for floats and
+  /// doubles alike (a panel at k = 256 that filled L1 was evicted by every tile; see
+  /// docs/architecture.md, "GEMM"). The bound of 4 KiB per packed row of A never binds
+  /// first. Split evenly (784 on AVX-512: seven passes of 112, not six of 128 and one of 16)
+  /// and even (the bfloat16 kernel halves it into pairs). Where k is split does not change
+  /// the bits: partial sums go through memory exactly.
+  static std::int64_t depth_block(std::int64_t k) {
+    constexpr std::int64_t panel = (16 * 1024) / (kTileCols * std::int64_t(sizeof(T)));
+    constexpr std::int64_t limit = std::min<std::int64_t>(panel, 4096 / std::int64_t(sizeof(T)));
+    if (k <= limit) return k;
+    const std::int64_t blocks = (k + limit - 1) / limit, kc = (k + blocks - 1) / blocks;
+    return kc + (kc & 1);
+  }
+
+  /// Panels of kTileCols columns covering n columns.
+  static std::int64_t panels(std::int64_t n) { return (n + kTileCols - 1) / kTileCols; }
+
+  /// Elements of op(B) packed (k x n, columns padded to whole panels).
+  static std::int64_t packed_size(std::int64_t k, std::int64_t n) {
+    return k * panels(n) * kTileCols;
+  }
+
+  /// Packs panels [p0, p1) of op(B) (k x n; stored k x n, or n x k when `transposed`) into
+  /// `out` (packed_size elements, aligned): panel p holds columns [p*kTileCols, ...) as k
+  /// rows of kTileCols contiguous values, zero past n.
+  static void pack_b(const T* b, bool transposed, std::int64_t k, std::int64_t n, T* out,
+                     std::int64_t p0, std::int64_t p1) {
+    if (!transposed) {
+      // Row by row of B across the range's panels, so each source row is read once, front
+      // to back. Panel by panel, every 128-byte read jumps a whole row ahead, which the
+      // prefetcher follows poorly (256 x 784 from memory: 75 us against 46 us).
+      const std::int64_t full = std::min(p1, n / kTileCols);  // panels without padding
+      for (std::int64_t kk = 0; kk < k; ++kk) {
+        const T* src = b + kk * n;
+        for (std::int64_t p = p0; p < full; ++p) {
+          T* row = out + (p * k + kk) * kTileCols;
+          batch::load_unaligned(src + p * kTileCols).store_aligned(row);
+          batch::load_unaligned(src + p * kTileCols + kLanes).store_aligned(row + kLanes);
+        }
+        for (std::int64_t p = std::max(p0, full); p < p1; ++p) {
+          const std::int64_t cols = std::min<std::int64_t>(kTileCols, n - p * kTileCols);
+          T* row = out + (p * k + kk) * kTileCols;
+          for (std::int64_t j = 0; j < kTileCols; ++j)
+            row[j] = j < cols ? src[p * kTileCols + j] : T(0);
+        }
+      }
+      return;
+    }
+    for (std::int64_t p = p0; p < p1; ++p) {
+      const std::int64_t j0 = p * kTileCols, cols = std::min<std::int64_t>(kTileCols, n - j0);
+      T* dst = out + p * k * kTileCols;
+      // Stored [n, k]: 16 k-values of each column at a time, so each source line is read
+      // once while the destination rows are still in cache (16 x 16 register transposes
+      // where available).
+      for (std::int64_t k0 = 0; k0 < k; k0 += 16) {
+        const std::int64_t k1 = std::min<std::int64_t>(k, k0 + 16);
+        if (transpose_16x16(b + j0 * k + k0, k, dst + k0 * kTileCols, cols, k1 - k0)) continue;
+        if (transpose_narrow_panel(b + j0 * k + k0, k, dst + k0 * kTileCols, cols, k1 - k0)) continue;
+        for (std::int64_t j = 0; j < kTileCols; ++j) {
+          if (j < cols) {
+            const T* src = b + (j0 + j) * k;
+            for (std::int64_t kk = k0; kk < k1; ++kk) dst[kk * kTileCols + j] = src[kk];
+          } else {
+            for (std::int64_t kk = k0; kk < k1; ++kk) dst[kk * kTileCols + j] = T(0);
+          }
+        }
+      }
+    }
+  }
+
+  /// Rows [r0, r0 + rows) of op(A) * op(B) into c (row-major, n columns, already offset
+  /// to row r0). op(A) is m x k, stored m x k or, when `a_transposed`, k x m. `packed_b`
+  /// comes from pack_b.
+  static void multiply(const T* a, bool a_transposed, std::int64_t m, std::int64_t k,
+                       std::int64_t n, const T* packed_b, T* c, std::int64_t r0,
+                       std::int64_t rows) {
+    const std::int64_t kc = depth_block(k), np = panels(n);
+    const std::int64_t tiles = (rows + kTileRows - 1) / kTileRows;
+    alignas(64) T tile[kTileRows * kTileCols] = {};
+    thread_local std::vector<T, xsimd::aligned_allocator<T, 64>> packed_a;
+    if (static_cast<std::int64_t>(packed_a.size()) < tiles * kTileRows * kc)
+      packed_a.resize(tiles * kTileRows * kc);
+    for (std::int64_t k0 = 0; k0 < k; k0 += kc) {
+      const std::int64_t kb = std::min(kc, k - k0);
+      const bool accumulate = k0 > 0;
+      // All rows of the block packed first; then each panel of op(B) (kb x 2 registers) is
+      // loaded into L1 once and used by every tile of rows, instead of all of op(B) once
+      // per tile.
+      for (std::int64_t t = 0; t < tiles; ++t)
+        pack_a(a, a_transposed, m, k, r0 + t * kTileRows,
+               std::min<std::int64_t>(kTileRows, rows - t * kTileRows), k0, kb,
+               packed_a.data() + t * kTileRows * kb);
+      for (std::int64_t p = 0; p < np; ++p) {
+        const std::int64_t j0 = p * kTileCols, tc = std::min<std::int64_t>(kTileCols, n - j0);
+        const T* bp = packed_b + p * k * kTileCols + k0 * kTileCols;
+        for (std::int64_t t = 0; t < tiles; ++t) {
+          const std::int64_t i0 = t * kTileRows, tr = std::min<std::int64_t>(kTileRows, rows - i0);
+          const T* ap = packed_a.data() + t * kTileRows * kb;
+          T* cp = c + i0 * n + j0;
+          if (tr == kTileRows && tc == kTileCols) {
+            micro(ap, bp, kb, cp, n, accumulate);
+            continue;
+          }
+          // An edge tile runs the same arithmetic on a full tile in registers' image.
+          if (accumulate)
+            for (std::int64_t i = 0; i < tr; ++i) std::copy_n(cp + i * n, tc, tile + i * kTileCols);
+          micro(ap, bp, kb, tile, kTileCols, accumulate);
+          for (std::int64_t i = 0; i < tr; ++i) std::copy_n(tile + i * kTileCols, tc, cp + i * n);
+        }
+      }
+    }
+  }
+
+ private:
+  // dst[kk * kTileCols + j] = src[j * ld + kk] for a whole panel (cols == kTileCols = 32)
+  // and 16 k-values, with AVX-512 float registers; false (nothing written) otherwise.
+  static bool transpose_16x16([[maybe_unused]] const T* src, [[maybe_unused]] std::int64_t ld,
+                              [[maybe_unused]] T* dst, std::int64_t cols, std::int64_t depth) {
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, float> && kTileCols == 32) {
+      if (cols != kTileCols || depth != 16) return false;
+      for (int half = 0; half < 2; ++half) {
+        __m512 r[16];
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + (half * 16 + i) * ld);
+        transpose_16x16_registers(r);
+        for (int i = 0; i < 16; ++i) _mm512_store_ps(dst + i * kTileCols + half * 16, r[i]);
+      }
+      return true;
+    }
+#endif
+    (void)cols;
+    (void)depth;
+    return false;
+  }
+
+  // The same for a whole panel two registers of W values wide (16 floats on AVX2, 16
+  // doubles on AVX-512, 8 on AVX) and a depth that is a multiple of W, through W x W
+  // register transposes; false (nothing written) otherwise.
+  static bool transpose_narrow_panel([[maybe_unused]] const T* src, [[maybe_unused]] std::int64_t ld,
+                                     [[maybe_unused]] T* dst, [[maybe_unused]] std::int64_t cols,
+                                     [[maybe_unused]] std::int64_t depth) {
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, double> && kTileCols == 16)
+      return transpose_panel<8>(src, ld, dst, cols, depth, [](const double* p) { return _mm512_loadu_pd(p); },
+                                [](__m512d* r) { transpose_8x8_registers(r); },
+                                [](double* p, __m512d v) { _mm512_store_pd(p, v); });
+#endif
+#if defined(__AVX__)
+    // (Not an #elif of the branch above: an unoptimized GCC build hides AVX-512 from xsimd,
+    // see core/simd.hpp, so an AVX-512 machine may run 8-wide double panels.)
+    if constexpr (std::is_same_v<T, float> && kTileCols == 16)
+      return transpose_panel<8>(src, ld, dst, cols, depth, [](const float* p) { return _mm256_loadu_ps(p); },
+                                [](__m256* r) { transpose_8x8_registers(r); },
+                                [](float* p, __m256 v) { _mm256_store_ps(p, v); });
+    if constexpr (std::is_same_v<T, double> && kTileCols == 8)
+      return transpose_panel<4>(src, ld, dst, cols, depth, [](const double* p) { return _mm256_loadu_pd(p); },
+                                [](__m256d* r) { transpose_4x4_registers(r); },
+                                [](double* p, __m256d v) { _mm256_store_pd(p, v); });
+#endif
+    return false;
+  }
+
+  // The loop of transpose_narrow_panel: W x W blocks, `load` reading W values into a
+  // register, `transpose` transposing W registers, `store` writing one to aligned memory.
+  template <int W, class Load, class Transpose, class Store>
+  static bool transpose_panel(const T* src, std::int64_t ld, T* dst, std::int64_t cols, std::int64_t depth, Load load,
+                              Transpose transpose, Store store) {
+    static_assert(kTileCols == 2 * W);
+    if (cols != kTileCols || depth % W != 0) return false;
+    for (std::int64_t d = 0; d < depth; d += W)
+      for (int half = 0; half < 2; ++half) {
+        decltype(load(src)) r[W];
+        for (int i = 0; i < W; ++i) r[i] = load(src + (half * W + i) * ld + d);
+        transpose(r);
+        for (int i = 0; i < W; ++i) store(dst + (d + i) * kTileCols + half * W, r[i]);
+      }
+    return true;
+  }
+
+  // out[kk * 8 + i] = src[i * ld + kk] for 8 rows and the first multiple of 8 of `depth`
+  // k-values, by 8 x 8 register transposes where float AVX registers exist (the tile of
+  // AVX-512 has 8 rows). Returns how many k-values it packed (0: none). (The same for
+  // doubles and for AVX2's 6-row tile was measured: no change, the gather is bound by
+  // reading A, not by its instructions.)
+  static std::int64_t transpose_rows_8([[maybe_unused]] const T* src,
+                                       [[maybe_unused]] std::int64_t ld,
+                                       [[maybe_unused]] std::int64_t depth,
+                                       [[maybe_unused]] T* out) {
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, float> && kTileRows == 8) {
+      const std::int64_t whole = depth / 8 * 8;
+      for (std::int64_t kk = 0; kk < whole; kk += 8) {
+        __m256 r[8];
+        for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ld + kk);
+        transpose_8x8_registers(r);
+        for (int c = 0; c < 8; ++c) _mm256_store_ps(out + (kk + c) * 8, r[c]);
+      }
+      return whole;
+    }
+#endif
+    return 0;
+  }
+
+  // Rows [row, row + tr) and depth [k0, k0 + kb) of op(A), k-major in tiles of kTileRows
+  // (zero past tr).
+  static void pack_a(const T* a, bool transposed, std::int64_t m, std::int64_t k, std::int64_t row,
+                     std::int64_t tr, std::int64_t k0, std::int64_t kb, T* out) {
+    if (transposed) {
+      for (std::int64_t kk = 0; kk < kb; ++kk) {
+        const T* src = a + (k0 + kk) * m + row;
+        T* dst = out + kk * kTileRows;
+        // A fixed-length copy: one vector move, not a library call (an element loop
+        // compiles to kTileRows scalar moves, src and dst may alias as far as GCC knows).
+        if (tr == kTileRows) {
+          std::memcpy(dst, src, sizeof(T) * kTileRows);
+        } else {
+          for (int i = 0; i < kTileRows; ++i) dst[i] = i < tr ? src[i] : T(0);
+        }
+      }
+      return;
+    }
+    std::int64_t done = 0;
+    if (tr == kTileRows) done = transpose_rows_8(a + row * k + k0, k, kb, out);
+    for (std::int64_t i = 0; i < kTileRows; ++i) {
+      if (i < tr) {
+        const T* src = a + (row + i) * k + k0;
+        for (std::int64_t kk = done; kk < kb; ++kk) out[kk * kTileRows + i] = src[kk];
+      } else {
+        for (std::int64_t kk = 0; kk < kb; ++kk) out[kk * kTileRows + i] = T(0);
+      }
+    }
+  }
+
+  // One kTileRows x kTileCols tile: c (row stride ldc) = [c +] ap * bp over kb.
+  static void micro(const T* __restrict ap, const T* __restrict bp, std::int64_t kb, T* c,
+                    std::int64_t ldc, bool accumulate) {
+    batch acc[kTileRows][2];
+    LAZYTENSOR_UNROLL
+    for (int i = 0; i < kTileRows; ++i) {
+      if (accumulate) {
+        acc[i][0] = batch::load_unaligned(c + i * ldc);
+        acc[i][1] = batch::load_unaligned(c + i * ldc + kLanes);
+      } else {
+        acc[i][0] = batch(T(0));
+        acc[i][1] = batch(T(0));
+      }
+    }
+    // Unrolled by 4 (measured: 14-15% faster in double, 2-5% in float, on a Cascade Lake,
+    // AVX-512 and AVX2 builds; 2 and 8 were no better). A step issues ~23 (6 x 2 tile) or
+    // ~29 (8 x 2) uops, three of them the loop's own counter, pointer and branch, against 6
+    // or 8 cycles of FMAs at 4 uops per cycle: little slack, which the unrolling restores
+    // (our reading; this machine's counters are not visible to measure it).
+    LAZYTENSOR_UNROLL_4
+    for (std::int64_t kk = 0; kk < kb; ++kk) {
+      const batch b0 = batch::load_aligned(bp + kk * kTileCols);
+      const batch b1 = batch::load_aligned(bp + kk * kTileCols + kLanes);
+      LAZYTENSOR_UNROLL
+      for (int i = 0; i < kTileRows; ++i) {
+        const batch av(ap[kk * kTileRows + i]);
+        acc[i][0] = xsimd::fma(av, b0, acc[i][0]);
+        acc[i][1] = xsimd::fma(av, b1, acc[i][1]);
+      }
+    }
+    LAZYTENSOR_UNROLL
+    for (int i = 0; i < kTileRows; ++i) {
+      acc[i][0].store_unaligned(c + i * ldc);
+      acc[i][1].store_unaligned(c + i * ldc + kLanes);
+    }
+  }
+};
+
+}  // namespace lazy::detail
+
+#undef LAZYTENSOR_UNROLL
+#undef LAZYTENSOR_UNROLL_4
+// ---- end lazytensor/graph/gemm_kernel.hpp ----
+// ---- begin lazytensor/graph/gemm_kernel_bf16.hpp ----
+// The bfloat16 GEMM behind autocast (and the products of bfloat16 tensors): each operand is
+// rounded to bfloat16 (nearest even) while it is packed, the products accumulate in float,
+// and each result is rounded to bfloat16 and held in float. One arithmetic, two paths,
+// chosen from the user's flags and, where both are built, the core:
+//
+//  - native, where AVX512-BF16 is enabled and the core issues vdpbf16ps at the FMA's rate
+//    (see native_bf16_gemm): the operands are packed as pairs of bfloat16 along k (a 32-bit
+//    word per pair) and vdpbf16ps adds two products per float lane, twice the float
+//    kernel's products per instruction;
+//  - emulated, everywhere else: the rounded operands stay in float and go through the float
+//    kernel (graph/gemm_kernel.hpp) with the two k-values of each pair swapped, so its FMA
+//    chain adds the products in vdpbf16ps's order (the odd k of a pair, then the even) and
+//    runs at the float rate.
+//
+// A product of two bfloat16 values is exact in float, so both paths add the same exact
+// products in the same order, one rounding each: they agree to the bit for normal values
+// (vdpbf16ps flushes denormal inputs and results to zero, including the float partial sums
+// it reloads between passes over k; the emulation keeps them).
+// The pair layout with vdpbf16ps's semantics spelled out in plain AVX-512 (SoftBf16) runs on
+// any AVX-512 machine, so the native path's packing and tiling are tested where the
+// instruction is missing.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+
+namespace lazy::detail {
+
+/// x rounded to bfloat16 (nearest even; a NaN stays a quiet NaN, as lazy::bfloat16) and
+/// widened back to float, lane by lane.
+template <class A>
+xsimd::batch<float, A> round_to_bf16(const xsimd::batch<float, A>& x) {
+  using U = xsimd::batch<std::uint32_t, A>;
+  const U u = xsimd::bitwise_cast<U>(x);
+  const U nearest = (u + U(0x7fffu) + ((u >> 16) & U(1u))) & U(0xffff0000u);
+  const U quiet = (u | U(0x00400000u)) & U(0xffff0000u);
+  return xsimd::select(xsimd::isnan(x), xsimd::bitwise_cast<xsimd::batch<float, A>>(quiet),
+                       xsimd::bitwise_cast<xsimd::batch<float, A>>(nearest));
+}
+
+/// Rounds n floats to bfloat16 (held in float): dst may be src.
+inline void round_to_bf16(const float* src, float* dst, std::int64_t n) {
+  using batch = xsimd::batch<float>;
+  constexpr std::int64_t L = batch::size;
+  std::int64_t i = 0;
+  for (; i + L <= n; i += L) round_to_bf16(batch::load_unaligned(src + i)).store_unaligned(dst + i);
+  for (; i < n; ++i) dst[i] = static_cast<float>(bfloat16(src[i]));
+}
+
+/// The emulated path: rounded operands, pairs of k swapped, the float kernel.
+struct EmulatedBf16Gemm {
+  using Float = PackedGemm<float>;
+  static constexpr bool kNative = false;
+
+  /// Depth with the last pair completed by a zero.
+  static std::int64_t even(std::int64_t k) { return k + (k & 1); }
+  static std::int64_t panels(std::int64_t n) { return Float::panels(n); }
+  /// Bytes of op(B) packed.
+  static std::int64_t packed_bytes(std::int64_t k, std::int64_t n) {
+    return Float::packed_size(even(k), n) * std::int64_t(sizeof(float));
+  }
+
+  /// Packs panels [p0, p1) of op(B) (k x n; stored n x k when `transposed`) into `out`.
+  /// One panel at a time through a scratch of k x one panel (not a copy of B per thread).
+  static void pack_b(const float* b, bool transposed, std::int64_t k, std::int64_t n, void* out, std::int64_t p0,
+                     std::int64_t p1) {
+    const std::int64_t ke = even(k);
+    thread_local Scratch scratch;
+    float* s = scratch.get(ke * Float::kTileCols);
+    for (std::int64_t p = p0; p < p1; ++p) {
+      const std::int64_t j0 = p * Float::kTileCols, w = std::min<std::int64_t>(Float::kTileCols, n - j0);
+      if (transposed) {
+        for (std::int64_t j = 0; j < w; ++j) round_swapped(b + (j0 + j) * k, k, s + j * ke);
+      } else {
+        for (std::int64_t kk = 0; kk < ke; ++kk) round_row(kk < k ? b + kk * n + j0 : nullptr, w, s + (kk ^ 1) * w);
+      }
+      Float::pack_b(s, transposed, ke, w, static_cast<float*>(out) + p * ke * Float::kTileCols, 0, 1);
+    }
+  }
+
+  /// Rows [r0, r0 + rows) of op(A) * op(B), rounded to bfloat16 when `round`, into c
+  /// (row-major, n columns, offset to row r0). op(A) is m x k, stored k x m when
+  /// `a_transposed`.
+  static void multiply(const float* a, bool a_transposed, std::int64_t m, std::int64_t k, std::int64_t n,
+                       const void* packed_b, float* c, std::int64_t r0, std::int64_t rows, bool round = true) {
+    const std::int64_t ke = even(k);
+    thread_local Scratch scratch;
+    float* s = scratch.get(rows * ke);
+    if (a_transposed) {
+      for (std::int64_t kk = 0; kk < ke; ++kk) round_row(kk < k ? a + kk * m + r0 : nullptr, rows, s + (kk ^ 1) * rows);
+    } else {
+      for (std::int64_t i = 0; i < rows; ++i) round_swapped(a + (r0 + i) * k, k, s + i * ke);
+    }
+    Float::multiply(s, a_transposed, rows, ke, n, static_cast<const float*>(packed_b), c, 0, rows);
+    if (round) round_to_bf16(c, c, rows * n);
+  }
+
+ private:
+  struct Scratch {
+    std::vector<float, xsimd::aligned_allocator<float, 64>> v;
+    float* get(std::int64_t n) {
+      if (static_cast<std::int64_t>(v.size()) < n) v.resize(static_cast<std::size_t>(n));
+      return v.data();
+    }
+  };
+
+  // dst[0, w) = src rounded, or zeros when src is null (the pad row).
+  static void round_row(const float* src, std::int64_t w, float* dst) {
+    if (src) {
+      round_to_bf16(src, dst, w);
+    } else {
+      std::fill_n(dst, w, 0.0f);
+    }
+  }
+
+  // A row of k values rounded with each pair swapped: dst[i ^ 1] = round(src[i]), and
+  // dst[k - 1] = 0 when k is odd (the pad before the last value).
+  static void round_swapped(const float* src, std::int64_t k, float* dst) {
+    using batch = xsimd::batch<float>;
+    using U64 = xsimd::batch<std::uint64_t>;
+    constexpr std::int64_t L = batch::size;
+    std::int64_t i = 0;
+    if constexpr (L >= 2) {
+      for (; i + L <= k; i += L) {
+        const U64 x = xsimd::bitwise_cast<U64>(round_to_bf16(batch::load_unaligned(src + i)));
+        xsimd::bitwise_cast<batch>((x << 32) | (x >> 32)).store_unaligned(dst + i);
+      }
+    }
+    if (k & 1) dst[k - 1] = 0.0f;
+    for (; i < k; ++i) dst[i ^ 1] = static_cast<float>(bfloat16(src[i]));
+  }
+};
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#if defined(__AVX512BF16__)
+/// vdpbf16ps and vcvtneps2bf16 themselves.
+struct NativeBf16 {
+  /// 16 floats rounded to bfloat16 (nearest even).
+  static __m256i to_bf16(__m512 x) {
+    return (__m256i)_mm512_cvtneps_pbh(x);  // NOLINT: a vector bit cast
+  }
+  /// acc + a.odd * b.odd + a.even * b.even, lane by lane (pairs of bfloat16).
+  static __m512 dot(__m512 acc, __m512i a, __m512i b) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);  // NOLINT: vector bit casts
+  }
+};
+#endif
+
+/// The same two operations in AVX-512F/BW: the rounding of lazy::bfloat16, and vdpbf16ps as
+/// Intel defines it (the odd products' sum first; products of bfloat16 are exact in float,
+/// so each step is one FMA).
+struct SoftBf16 {
+  static __m256i to_bf16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i nearest = _mm512_add_epi32(
+        u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    const __m512i quiet = _mm512_or_si512(u, _mm512_set1_epi32(0x00400000));
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_mask_blend_epi32(nan, nearest, quiet), 16));
+  }
+  static __m512 dot(__m512 acc, __m512i a, __m512i b) {
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, high)),
+                          _mm512_castsi512_ps(_mm512_and_si512(b, high)), acc);
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)),
+                           _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), acc);
+  }
+};
+
+/// The pair layout on AVX-512: an 8 x 32 register tile (sixteen accumulators); a packed
+/// panel holds, per pair of k, 32 words (k even in the low half, odd in the high half); a
+/// packed tile of A holds, per pair, 8 words. `Isa` is NativeBf16 or SoftBf16.
+template <class Isa>
+struct PairBf16Gemm {
+  static constexpr bool kNative = !std::is_same_v<Isa, SoftBf16>;
+  static constexpr int kTileRows = 8;
+  static constexpr int kTileCols = 32;
+
+  static std::int64_t pairs(std::int64_t k) { return (k + 1) / 2; }
+  static std::int64_t panels(std::int64_t n) { return (n + kTileCols - 1) / kTileCols; }
+  static std::int64_t packed_bytes(std::int64_t k, std::int64_t n) {
+    return pairs(k) * panels(n) * kTileCols * std::int64_t(sizeof(std::uint32_t));
+  }
+  /// Pairs per pass over k (the float kernel's depth blocks, halved).
+  static std::int64_t pair_block(std::int64_t k) { return PackedGemm<float>::depth_block(2 * pairs(k)) / 2; }
+
+  /// Packs panels [p0, p1) of op(B) (k x n; stored n x k when `transposed`) into `out`.
+  static void pack_b(const float* b, bool transposed, std::int64_t k, std::int64_t n, void* out, std::int64_t p0,
+                     std::int64_t p1) {
+    const std::int64_t np = pairs(k);
+    auto* words = static_cast<std::uint32_t*>(out);
+    for (std::int64_t p = p0; p < p1; ++p) {
+      const std::int64_t j0 = p * kTileCols, cols = std::min<std::int64_t>(kTileCols, n - j0);
+      std::uint32_t* dst = words + p * np * kTileCols;
+      if (!transposed) {
+        // Rows 2q and 2q + 1, 16 columns at a time, interleaved into words.
+        for (std::int64_t q = 0; q < np; ++q)
+          for (int h = 0; h < 2; ++h) {
+            const std::int64_t c0 = h * 16, cn = std::clamp<std::int64_t>(cols - c0, 0, 16);
+            const __m256i even = load_row(b, 2 * q, k, n, j0 + c0, cn), odd = load_row(b, 2 * q + 1, k, n, j0 + c0, cn);
+            _mm512_store_si512(dst + q * kTileCols + c0, interleave(even, odd));
+          }
+        continue;
+      }
+      // Stored [n, k]: a column's pairs are already words in its row; 16 columns x 16 pairs
+      // at a time, then a register transpose.
+      for (std::int64_t q0 = 0; q0 < np; q0 += 16) {
+        const std::int64_t qn = std::min<std::int64_t>(16, np - q0);
+        for (int h = 0; h < 2; ++h) {
+          __m512 r[16];
+          for (int j = 0; j < 16; ++j) {
+            const std::int64_t col = h * 16 + j;
+            r[j] = col < cols ? _mm512_castsi512_ps(row_words(b + (j0 + col) * k, 2 * q0, k)) : _mm512_setzero_ps();
+          }
+          transpose_16x16_registers(r);
+          for (std::int64_t q = 0; q < qn; ++q) _mm512_store_ps(dst + (q0 + q) * kTileCols + h * 16, r[q]);
+        }
+      }
+    }
+  }
+
+  /// Rows [r0, r0 + rows) of op(A) * op(B), rounded to bfloat16 when `round`, into c
+  /// (offset to row r0).
+  static void multiply(const float* a, bool a_transposed, std::int64_t m, std::int64_t k, std::int64_t n,
+                       const void* packed_b, float* c, std::int64_t r0, std::int64_t rows, bool round = true) {
+    const std::int64_t np = pairs(k), qc = pair_block(k), npanels = panels(n);
+    const std::int64_t tiles = (rows + kTileRows - 1) / kTileRows;
+    alignas(64) float tile[kTileRows * kTileCols] = {};
+    thread_local std::vector<std::uint32_t, xsimd::aligned_allocator<std::uint32_t, 64>> packed_a;
+    if (static_cast<std::int64_t>(packed_a.size()) < tiles * kTileRows * qc)
+      packed_a.resize(static_cast<std::size_t>(tiles * kTileRows * qc));
+    const auto* words_b = static_cast<const std::uint32_t*>(packed_b);
+    for (std::int64_t q0 = 0; q0 < np; q0 += qc) {
+      const std::int64_t qb = std::min(qc, np - q0);
+      const bool accumulate = q0 > 0, last = round && q0 + qb == np;
+      for (std::int64_t t = 0; t < tiles; ++t)
+        pack_a(a, a_transposed, m, k, r0 + t * kTileRows, std::min<std::int64_t>(kTileRows, rows - t * kTileRows), q0,
+               qb, packed_a.data() + t * kTileRows * qb);
+      for (std::int64_t p = 0; p < npanels; ++p) {
+        const std::int64_t j0 = p * kTileCols, tc = std::min<std::int64_t>(kTileCols, n - j0);
+        const std::uint32_t* bp = words_b + (p * np + q0) * kTileCols;
+        for (std::int64_t t = 0; t < tiles; ++t) {
+          const std::int64_t i0 = t * kTileRows, tr = std::min<std::int64_t>(kTileRows, rows - i0);
+          const std::uint32_t* ap = packed_a.data() + t * kTileRows * qb;
+          float* cp = c + i0 * n + j0;
+          if (tr == kTileRows && tc == kTileCols) {
+            micro(ap, bp, qb, cp, n, accumulate, last);
+            continue;
+          }
+          if (accumulate)
+            for (std::int64_t i = 0; i < tr; ++i) std::copy_n(cp + i * n, tc, tile + i * kTileCols);
+          micro(ap, bp, qb, tile, kTileCols, accumulate, last);
+          for (std::int64_t i = 0; i < tr; ++i) std::copy_n(tile + i * kTileCols, tc, cp + i * n);
+        }
+      }
+    }
+  }
+
+ private:
+  // Row kk of a k x n matrix, columns [c0, c0 + cn), rounded (zeros past k or cn).
+  static __m256i load_row(const float* b, std::int64_t kk, std::int64_t k, std::int64_t n, std::int64_t c0,
+                          std::int64_t cn) {
+    if (kk >= k || cn <= 0) return _mm256_setzero_si256();
+    const __mmask16 mask = static_cast<__mmask16>((1u << cn) - 1u);
+    return Isa::to_bf16(_mm512_maskz_loadu_ps(mask, b + kk * n + c0));
+  }
+
+  // Words j of (even, odd): even[j] in the low half, odd[j] in the high half.
+  static __m512i interleave(__m256i even, __m256i odd) {
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1);
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                           6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(order, both);
+  }
+
+  // The 16 words of a contiguous row from k-value k0 (32 values; zeros past k).
+  static __m512i row_words(const float* row, std::int64_t k0, std::int64_t k) {
+    const std::int64_t left = std::clamp<std::int64_t>(k - k0, 0, 32);
+    const __mmask16 lo = static_cast<__mmask16>(left >= 16 ? 0xffffu : (1u << left) - 1u);
+    const __mmask16 hi = static_cast<__mmask16>(left >= 32 ? 0xffffu : left > 16 ? (1u << (left - 16)) - 1u : 0u);
+    const __m256i x0 = Isa::to_bf16(_mm512_maskz_loadu_ps(lo, row + k0));
+    const __m256i x1 = Isa::to_bf16(_mm512_maskz_loadu_ps(hi, row + k0 + 16));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(x0), x1, 1);
+  }
+
+  // Rows [row, row + tr) and pairs [q0, q0 + qb) of op(A): out[q * 8 + i] is the word of
+  // row i and pair q0 + q (zeros past tr and k).
+  static void pack_a(const float* a, bool transposed, std::int64_t m, std::int64_t k, std::int64_t row,
+                     std::int64_t tr, std::int64_t q0, std::int64_t qb, std::uint32_t* out) {
+    if (transposed) {
+      // Stored [k, m]: rows 2q and 2q + 1 give 8 values each; interleaved into 8 words.
+      const __mmask16 mask = static_cast<__mmask16>((1u << tr) - 1u);
+      const __m256i order = _mm256_set_epi16(15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
+      for (std::int64_t q = 0; q < qb; ++q) {
+        const std::int64_t kk = 2 * (q0 + q);
+        const __m512 even = _mm512_maskz_loadu_ps(mask, a + kk * m + row);
+        const __m512 odd = kk + 1 < k ? _mm512_maskz_loadu_ps(mask, a + (kk + 1) * m + row) : _mm512_setzero_ps();
+        const __m512 both = _mm512_insertf32x8(even, _mm512_castps512_ps256(odd), 1);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(out + q * kTileRows),
+                           _mm256_permutexvar_epi16(order, Isa::to_bf16(both)));
+      }
+      return;
+    }
+    // Stored [m, k]: each row's pairs are words; 16 pairs of the 8 rows per register
+    // transpose (8 rows of zeros).
+    for (std::int64_t s = 0; s < qb; s += 16) {
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = i < tr ? _mm512_castsi512_ps(row_words(a + (row + i) * k, 2 * (q0 + s), k)) : _mm512_setzero_ps();
+      transpose_16x16_registers(r);
+      const std::int64_t qn = std::min<std::int64_t>(16, qb - s);
+      for (std::int64_t q = 0; q < qn; ++q)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(out + (s + q) * kTileRows),
+                           _mm512_castsi512_si256(_mm512_castps_si512(r[q])));
+    }
+  }
+
+  // x rounded to bfloat16, held in float.
+  static __m512 rounded(__m512 x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(Isa::to_bf16(x)), 16)); }
+
+  // One 8 x 32 tile: c (row stride ldc) = [c +] ap * bp over qb pairs, rounded to bfloat16
+  // when it is the `last` pass over k.
+  static void micro(const std::uint32_t* __restrict ap, const std::uint32_t* __restrict bp, std::int64_t qb, float* c,
+                    std::int64_t ldc, bool accumulate, bool last) {
+    __m512 acc[kTileRows][2];
+    for (int i = 0; i < kTileRows; ++i) {
+      acc[i][0] = accumulate ? _mm512_loadu_ps(c + i * ldc) : _mm512_setzero_ps();
+      acc[i][1] = accumulate ? _mm512_loadu_ps(c + i * ldc + 16) : _mm512_setzero_ps();
+    }
+    for (std::int64_t q = 0; q < qb; ++q) {
+      const __m512i b0 = _mm512_load_si512(bp + q * kTileCols), b1 = _mm512_load_si512(bp + q * kTileCols + 16);
+      for (int i = 0; i < kTileRows; ++i) {
+        const __m512i av = _mm512_set1_epi32(static_cast<int>(ap[q * kTileRows + i]));
+        acc[i][0] = Isa::dot(acc[i][0], av, b0);
+        acc[i][1] = Isa::dot(acc[i][1], av, b1);
+      }
+    }
+    for (int i = 0; i < kTileRows; ++i) {
+      _mm512_storeu_ps(c + i * ldc, last ? rounded(acc[i][0]) : acc[i][0]);
+      _mm512_storeu_ps(c + i * ldc + 16, last ? rounded(acc[i][1]) : acc[i][1]);
+    }
+  }
+};
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+/// True when this process runs the native path. vdpbf16ps has two products per float lane,
+/// but how often it issues depends on the core: AMD's Zen 4 issues it as often as an FMA
+/// (twice the float kernel's products), Intel's Sapphire and Emerald Rapids once every two
+/// cycles (measured on Emerald Rapids, 24 independent chains: 80 GFLOP/s against the FMA's
+/// 167), half the float rate, where the emulated path keeps ~0.9 of it. So Intel cores take
+/// the emulated path; LAZYTENSOR_NATIVE_BF16_GEMM=1 or 0 overrides. Decided once per
+/// process: a packing and its multiplies must use the same layout.
+inline bool native_bf16_gemm() {
+  static const bool native = [] {
+    if (const auto forced = core::env_switch("LAZYTENSOR_NATIVE_BF16_GEMM")) return *forced;
+    __builtin_cpu_init();
+    return !__builtin_cpu_is("intel");
+  }();
+  return native;
+}
+
+/// The bfloat16 GEMM of this build: the native or the emulated path, per native_bf16_gemm().
+struct Bf16Gemm {
+  using Native = PairBf16Gemm<NativeBf16>;
+  using Emulated = EmulatedBf16Gemm;
+
+  static bool native() { return native_bf16_gemm(); }
+  static std::int64_t panels(std::int64_t n) { return native() ? Native::panels(n) : Emulated::panels(n); }
+  static std::int64_t packed_bytes(std::int64_t k, std::int64_t n) {
+    return native() ? Native::packed_bytes(k, n) : Emulated::packed_bytes(k, n);
+  }
+  static void pack_b(const float* b, bool transposed, std::int64_t k, std::int64_t n, void* out, std::int64_t p0,
+                     std::int64_t p1) {
+    if (native()) {
+      Native::pack_b(b, transposed, k, n, out, p0, p1);
+    } else {
+      Emulated::pack_b(b, transposed, k, n, out, p0, p1);
+    }
+  }
+  static void multiply(const float* a, bool a_transposed, std::int64_t m, std::int64_t k, std::int64_t n,
+                       const void* packed_b, float* c, std::int64_t r0, std::int64_t rows, bool round = true) {
+    if (native()) {
+      Native::multiply(a, a_transposed, m, k, n, packed_b, c, r0, rows, round);
+    } else {
+      Emulated::multiply(a, a_transposed, m, k, n, packed_b, c, r0, rows, round);
+    }
+  }
+};
+#else
+/// The bfloat16 GEMM of this build: the emulated path (no AVX512-BF16 in the flags).
+struct Bf16Gemm : EmulatedBf16Gemm {
+  static constexpr bool native() { return false; }
+};
+#endif
+
+}  // namespace lazy::detail
+// ---- end lazytensor/graph/gemm_kernel_bf16.hpp ----
+
+namespace lazy::graph {
+
+/// An operand as a GEMM reads it.
+struct GemmOperand {
+  NodePtr node;
+  bool transposed;  ///< the node holds [.., cols, rows] and is read transposed
+};
+
+/// What the SPMD partitioner needs of a product: its operands' layouts and sizes, and the
+/// same product over blocks.
+class BlockGemm {
+ public:
+  virtual ~BlockGemm() = default;
+  virtual bool a_transposed() const = 0;
+  virtual bool b_transposed() const = 0;
+  virtual std::int64_t batch_a() const = 0;
+  virtual std::int64_t batch_b() const = 0;
+  virtual std::int64_t rows() const = 0;
+  virtual std::int64_t depth() const = 0;
+  virtual std::int64_t cols() const = 0;
+  /// True for a bfloat16 product (operands and result rounded to bfloat16).
+  virtual bool bf16() const = 0;
+  /// The product of [m, k] and [k, n] blocks (batches of `batch_a` and `batch_b` of them,
+  /// 1 broadcasting), of shape `out`, on `device`, not submitted. `partial`: a partial sum
+  /// over a block of k, whose bfloat16 result is left unrounded (the sum of the partials is
+  /// rounded once).
+  virtual NodePtr with_operands(GemmOperand a, GemmOperand b, std::int64_t m, std::int64_t k, std::int64_t n,
+                                Shape out, Device* device, bool partial = false, std::int64_t batch_a = 1,
+                                std::int64_t batch_b = 1) const = 0;
+};
+
+/// C[b] = op(A[b]) * op(B[b]) for a batch of row-major matrices; op is identity or
+/// transpose. A batch count of 1 on either side broadcasts.
+template <Element T>
+class GemmNode final : public Node, public RowProducer, public BlockGemm {
+ public:
+  using Operand = GemmOperand;
+
+  /// `bf16`: the product in bfloat16 (float only): operands rounded to bfloat16 as they are
+  /// packed, float accumulation, the result rounded to bfloat16 (graph/gemm_kernel_bf16.hpp)
+  /// unless `round_result` is false (a partial sum over a block of k). `packed_kernel`: on
+  /// the packed kernel whatever the shapes (a block of a product that runs there, so that
+  /// its bits are the whole product's).
+  GemmNode(Operand a, Operand b, std::int64_t batch_a, std::int64_t batch_b, std::int64_t m, std::int64_t k,
+           std::int64_t n, Shape out_shape, Device* device, bool bf16 = false, bool round_result = true,
+           bool packed_kernel = false)
+      : Node(NodeKind::Gemm, dtype_of<T>(), out_shape, device, {a.node, b.node}), ta_(a.transposed),
+        tb_(b.transposed), bf16_(bf16), round_(bf16 && round_result), force_packed_(packed_kernel),
+        batch_a_(batch_a), batch_b_(batch_b), m_(m), k_(k), n_(n) {
+    if (bf16 && !std::is_same_v<T, float>)
+      throw DTypeError("matmul: a bfloat16 product takes float operands, got " + dtype_name(dtype_of<T>()));
+  }
+
+  bool a_transposed() const override { return ta_; }
+  bool b_transposed() const override { return tb_; }
+  std::int64_t batch_a() const override { return batch_a_; }
+  std::int64_t batch_b() const override { return batch_b_; }
+  std::int64_t rows() const override { return m_; }
+  std::int64_t depth() const override { return k_; }
+  std::int64_t cols() const override { return n_; }
+  bool bf16() const override { return bf16_; }
+  NodePtr with_operands(GemmOperand a, GemmOperand b, std::int64_t m, std::int64_t k, std::int64_t n, Shape out,
+                        Device* device, bool partial, std::int64_t batch_a, std::int64_t batch_b) const override {
+    // The blocks run on the whole product's kernel: the packed kernel's sums do not depend
+    // on the rows, Eigen's would differ from it.
+    return std::make_shared<GemmNode>(std::move(a), std::move(b), batch_a, batch_b, m, k, n, out, device, bf16_,
+                                      !partial, packed());
+  }
+
+  std::string op_name() const override { return "matmul"; }
+  std::string describe() const override {
+    return std::string("matmul(%0") + (ta_ ? "^T" : "") + ", %1" + (tb_ ? "^T" : "") + ") [" + std::to_string(m_) +
+           "x" + std::to_string(k_) + "] x [" + std::to_string(k_) + "x" + std::to_string(n_) + "]" +
+           (bf16_ ? (round_ ? " in bfloat16" : " in bfloat16, unrounded") : "");
+  }
+  double cost_per_element() const override { return 2.0 * static_cast<double>(k_); }
+  std::uint64_t structural_hash() const override {
+    return hash_combine(Node::structural_hash(), (ta_ ? 1u : 0u) | (tb_ ? 2u : 0u) | (bf16_ ? 4u : 0u) | (round_ ? 8u : 0u) | (force_packed_ ? 16u : 0u));
+  }
+
+  /// Rows per block. Eigen's blocking (and so the order of its k-sums) depends on the rows
+  /// of a call, so blocks are fixed by the shapes alone; each Eigen call re-packs the
+  /// right-hand side, so its blocks are as tall as the epilogue's cache allows (128 rows).
+  /// The packed kernel's sums do not depend on the blocks and it packs the right-hand side
+  /// once, so its blocks are shorter (64 rows: even splits of common batches over threads).
+  /// A small product is one block.
+  std::int64_t row_block() const override {
+    const std::int64_t rows = m_ * std::max(batch_a_, batch_b_);
+    if (rows * n_ * k_ <= (std::int64_t(1) << 16)) return std::max<std::int64_t>(rows, 1);
+    return packed() ? 64 : 128;
+  }
+
+  /// Packs the right-hand side of every batch for the packed kernel (nothing for Eigen).
+  void begin_rows(ExecContext& ctx) override {
+    if (!packed()) return;
+    if constexpr (std::is_same_v<T, float>) {
+      if (bf16_) {
+        pack_b_in_tasks<Bf16Kernel>(ctx, Bf16Kernel::packed_bytes(k_, n_));
+        return;
+      }
+    }
+    if constexpr (kHasPackedKernel) {
+      pack_b_in_tasks<Kernel>(ctx, Kernel::packed_size(k_, n_) * std::int64_t(sizeof(T)));
+    }
+  }
+  void end_rows() override { packed_b_.reset(); }
+
+  void produce_rows(void* out, std::int64_t r0, std::int64_t r1) override {
+    T* c = static_cast<T*>(out);
+    const T* a = inputs()[0]->template data<T>();
+    const T* b = inputs()[1]->template data<T>();
+    const std::int64_t block = row_block();
+    const bool use_packed = packed();
+    if (use_packed && !packed_b_)
+      throw std::logic_error("matmul: rows produced outside begin_rows/end_rows");
+    // Rows of the output run over (batch, m); a range may span several batches. Calls are
+    // cut at block boundaries and batch ends only (see row_block).
+    while (r0 < r1) {
+      const std::int64_t bi = r0 / m_, row = r0 % m_;
+      const std::int64_t rows = std::min({r1 - r0, m_ - row, (r0 / block + 1) * block - r0});
+      const T* ab = a + (batch_a_ == 1 ? 0 : bi) * m_ * k_;
+      if constexpr (std::is_same_v<T, float>) {
+        if (bf16_ && use_packed) {  // k == 0 is Eigen's (zeros)
+          const auto* pb = static_cast<const unsigned char*>(packed_b_->data()) +
+                           (batch_b_ == 1 ? 0 : bi) * Bf16Kernel::packed_bytes(k_, n_);
+          Bf16Kernel::multiply(ab, ta_, m_, k_, n_, pb, c + r0 * n_, row, rows, round_);
+          r0 += rows;
+          continue;
+        }
+      }
+      if constexpr (kHasPackedKernel) {
+        if (use_packed) {
+          const T* pb = static_cast<const T*>(packed_b_->data()) +
+                        (batch_b_ == 1 ? 0 : bi) * Kernel::packed_size(k_, n_);
+          Kernel::multiply(ab, ta_, m_, k_, n_, pb, c + r0 * n_, row, rows);
+          r0 += rows;
+          continue;
+        }
+      }
+      gemm_block(ab, b + (batch_b_ == 1 ? 0 : bi) * k_ * n_, c + r0 * n_, row, rows);
+      r0 += rows;
+    }
+  }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    auto buf = allocate_output(ctx, false);
+    auto& pool = ctx.device.threads();
+    const std::int64_t rows = m_ * std::max(batch_a_, batch_b_);
+    if (n_ == 0 || rows == 0) {
+      set_buffer(std::move(buf));
+      return;
+    }
+    if (k_ == 0) {
+      std::fill_n(static_cast<T*>(buf->data()), rows * n_, T(0));
+      set_buffer(std::move(buf));
+      return;
+    }
+    // Whole blocks per task (row_block): the same GEMM calls whatever the thread count.
+    const std::int64_t block = row_block(), blocks = (rows + block - 1) / block;
+    const std::int64_t tasks =
+        std::max<std::int64_t>(1, std::min<std::int64_t>(task_count(pool, rows * n_, cost_per_element()), blocks));
+    void* out = buf->data();
+    {
+      RowProducer::Session session(*this, ctx);
+      pool.parallel_for(tasks, [&](std::int64_t t) {
+        auto [b0, b1] = task_range(blocks, tasks, t);
+        produce_rows(out, b0 * block, std::min(rows, b1 * block));
+      });
+    }
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  static constexpr bool kHasPackedKernel = std::is_same_v<T, float> || std::is_same_v<T, double>;
+  using Kernel = lazy::detail::PackedGemm<std::conditional_t<kHasPackedKernel, T, float>>;
+
+  using Bf16Kernel = lazy::detail::Bf16Gemm;
+
+  /// True when this product runs on a packed kernel (decided by dtype and shapes only;
+  /// bfloat16 products always do: Eigen has no bfloat16 GEMM with float accumulation).
+  bool packed() const {
+    if (bf16_) return k_ > 0;
+    if constexpr (kHasPackedKernel)
+      return k_ > 0 && (force_packed_ || Kernel::suits(m_ * std::max(batch_a_, batch_b_), n_));
+    else
+      return false;
+  }
+
+  // Rows [row, row + rows) of op(A) * op(B) for one batch, into c (already offset).
+  void gemm_block(const T* a, const T* b, T* c, std::int64_t row, std::int64_t rows) const {
+    if constexpr (std::is_same_v<T, bool> || std::is_same_v<T, bfloat16>) {
+      throw DTypeError("matmul: no product of " + dtype_name(dtype_of<T>()) + " values");  // ops/matmul.hpp refuses first
+    } else {
+      detail::eigen_gemm_rows(a, b, c, ta_, tb_, m_, k_, n_, row, rows);
+    }
+  }
+
+  // Packs op(B) of every batch (`bytes` each) with `Kernel`, panels split over the pool.
+  template <class Kernel>
+  void pack_b_in_tasks(ExecContext& ctx, std::int64_t bytes) {
+    const std::int64_t panels = Kernel::panels(n_), jobs = batch_b_ * panels;
+    packed_b_ = ctx.device.pool().acquire(padded_bytes(batch_b_ * bytes, 1));
+    auto* out = static_cast<unsigned char*>(packed_b_->data());
+    const T* b = inputs()[1]->template data<T>();
+    auto& pool = ctx.device.threads();
+    const std::int64_t tasks = std::min(jobs, task_count(pool, batch_b_ * k_ * n_, 1.0));
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      auto [q0, q1] = task_range(jobs, tasks, t);
+      // One call per batch the task's panels fall in (pack_b reads rows across them).
+      for (std::int64_t q = q0; q < q1;) {
+        const std::int64_t bi = q / panels, p = q % panels, count = std::min(q1 - q, panels - p);
+        void* dst = out + bi * bytes;
+        if constexpr (std::is_same_v<Kernel, Bf16Kernel>) {
+          Kernel::pack_b(b + bi * k_ * n_, tb_, k_, n_, dst, p, p + count);
+        } else {
+          Kernel::pack_b(b + bi * k_ * n_, tb_, k_, n_, static_cast<T*>(dst), p, p + count);
+        }
+        q += count;
+      }
+    });
+  }
+
+  bool ta_, tb_, bf16_, round_, force_packed_;
+  std::int64_t batch_a_, batch_b_, m_, k_, n_;
+  std::shared_ptr<Buffer> packed_b_;  ///< op(B) packed, between begin_rows and end_rows
+};
+
+}  // namespace lazy::graph
+// ---- end lazytensor/graph/matmul_node.hpp ----
+
+namespace lazy {
+
+namespace detail {
+
+/// The operand as a GEMM reads it: through a pending transpose when there is one.
+template <Element T>
+typename graph::GemmNode<T>::Operand gemm_operand(const Tensor<T>& t) {
+  const auto& n = t.node();
+  if (n->pending()) {
+    // Only a 2-D source: batched GEMMs may stack batch rows, which a transposed read breaks.
+    if (auto* tr = dynamic_cast<graph::TransposeOfLastTwo*>(n.get()); tr && tr->transpose_source()->shape().rank() == 2)
+      return {tr->transpose_source(), true};
+  }
+  return {n, false};
+}
+
+/// The product as a GemmNode; `bf16` (float only) runs it in bfloat16 with float
+/// accumulation and a rounded result (autocast's products), and so does its backward.
+template <Element T>
+Tensor<T> gemm(const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std::int64_t batch_b,
+               std::int64_t m, std::int64_t k, std::int64_t n, const Shape& out, bool bf16 = false);
+
+/// Backward of C[b] = A[b] B[b] with A viewed as [batch_a, m, k], B as [batch_b, k, n] (a
+/// batch of 1 broadcasts): dA = dC B^T, dB = A^T dC, summed over broadcast batches. When a
+/// side is shared by every batch, the batches are stacked into one GEMM instead.
+/// `b_transposed`: B is the transpose of a stored [n, k] matrix (linear's weight), so dB is
+/// computed as dB^T = dC^T A in that matrix's layout; the transpose's own backward then
+/// folds away (transpose of a transpose) instead of copying the gradient.
+/// `bf16`: the gradients' products are bfloat16 products too, which is the backward of
+/// round(round(A) round(B)) (the rounding's backward rounds the gradient); where a side is
+/// broadcast over batches, its gradient is the float sum of the batches' rounded products.
+template <Element T>
+void record_gemm(Tensor<T>& c, const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a,
+                 std::int64_t batch_b, std::int64_t m, std::int64_t k, std::int64_t n,
+                 bool b_transposed, bool bf16) {
+  auto ea = autograd::edge_of(a.impl()), eb = autograd::edge_of(b.impl());
+  if (!ea && !eb) return;
+  autograd::record(c, "MmBackward0", {ea, eb},
+                   [a = a.detach(), b = b.detach(), batch_a, batch_b, m, k, n,
+                    need_a = ea != nullptr, need_b = eb != nullptr,
+                    b_transposed, bf16](const Tensor<T>& g) {
+                     const std::int64_t B = std::max(batch_a, batch_b);
+                     std::vector<graph::NodePtr> grads(2);
+                     if (need_a) {
+                       // dA[b] = dC[b] B[b]^T: [B*m, n] x [n, k] stacked when B is shared.
+                       Tensor<T> da = batch_b == 1 ? gemm(g, transpose(reshape(b, Shape{k, n}), 0, 1), 1, 1, B * m, n, k, Shape{B, m, k}, bf16)
+                                                   : gemm(g, transpose(reshape(b, Shape{B, k, n}), 1, 2), B, B, m, n, k, Shape{B, m, k}, bf16);
+                       if (batch_a == 1 && B > 1) da = sum(da, {0});
+                       grads[0] = reshape(da, a.shape()).node();
+                     }
+                     if (need_b) {
+                       Tensor<T> db;
+                       if (batch_b == 1 && b_transposed) {  // dB^T = dC^T A over the stacked rows
+                         db = transpose(
+                             gemm(transpose(reshape(g, Shape{B * m, n}), 0, 1),
+                                  reshape(a, Shape{B * m, k}), 1, 1, n, B * m, k, Shape{n, k}, bf16),
+                             0, 1);
+                       } else if (batch_a == 1) {  // A shared: dB[b] = A^T dC[b]
+                         db = gemm(transpose(reshape(a, Shape{m, k}), 0, 1), g, 1, B, k, m, n, Shape{B, k, n}, bf16);
+                       } else if (batch_b == 1) {  // B shared: one GEMM over the stacked batches
+                         db = gemm(transpose(reshape(a, Shape{B * m, k}), 0, 1), reshape(g, Shape{B * m, n}), 1, 1, k,
+                                   B * m, n, Shape{k, n}, bf16);
+                       } else {
+                         db = gemm(transpose(reshape(a, Shape{B, m, k}), 1, 2), g, B, B, k, m, n, Shape{B, k, n}, bf16);
+                       }
+                       if (batch_b == 1 && B > 1 && batch_a == 1) db = sum(db, {0});
+                       grads[1] = reshape(db, b.shape()).node();
+                     }
+                     return grads;
+                   });
+}
+
+template <Element T>
+Tensor<T> gemm(const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std::int64_t batch_b,
+               std::int64_t m, std::int64_t k, std::int64_t n, const Shape& out, bool bf16) {
+  auto oa = gemm_operand(a), ob = gemm_operand(b);
+  graph::Device& dev = graph::common_device({oa.node, ob.node}, "matmul");
+  Tensor<T> c(
+      graph::submit(std::make_shared<graph::GemmNode<T>>(oa, ob, batch_a, batch_b, m, k, n, out, &dev, bf16)));
+  if constexpr (is_floating_v<T>) {
+    if (autograd::is_grad_enabled()) record_gemm(c, a, b, batch_a, batch_b, m, k, n, ob.transposed, bf16);
+  }
+  return c;
+}
+
+[[noreturn]] void matmul_mismatch(const Shape& a, const Shape& b, std::int64_t ka, std::int64_t kb);
+
+/// x rounded to bfloat16 and held as float (autocast's operands and results); the gradient
+/// is rounded the same way, as the backward of torch's casts rounds it.
+Tensor<float> round_to_bf16(const Tensor<float>& x);
+
+}  // namespace detail
+
+/// Matrix product with torch.matmul's rules: 1-D x 1-D is a dot product, 2-D x 2-D a matrix
+/// product, 1-D operands gain and lose a dimension, and leading (batch) dims broadcast.
+/// bfloat16 operands multiply on the bfloat16 GEMM (float accumulation, the result rounded
+/// once; graph/gemm_kernel_bf16.hpp); under autocast (AutocastGuard) float operands do the
+/// same, rounded to bfloat16 as the GEMM packs them.
+template <Element T>
+Tensor<T> matmul(const Tensor<T>& a, const Tensor<T>& b) {
+  if constexpr (std::is_same_v<T, bfloat16>) {
+    AutocastGuard bf16;  // the float product in bfloat16 (exactly representable: the cast back is exact)
+    return Tensor<bfloat16>(cast<bfloat16>(matmul(Tensor<float>(cast<float>(a)), Tensor<float>(cast<float>(b)))));
+  } else if constexpr (!std::is_same_v<T, float> && !std::is_same_v<T, double> && !std::is_same_v<T, std::int32_t> &&
+                       !std::is_same_v<T, std::int64_t>) {
+    throw DTypeError("matmul: expected floating, int32 or int64 operands, got " + dtype_name(dtype_of<T>()));
+  } else {
+    bool bf16 = false;
+    if constexpr (std::is_same_v<T, float>) bf16 = is_autocast_enabled();
+    const Shape& sa = a.shape();
+    const Shape& sb = b.shape();
+    if (sa.rank() == 0 || sb.rank() == 0) {
+      throw ShapeError("matmul: both arguments need at least 1 dimension, got " + sa.str() + " and " + sb.str());
+    }
+    if (sa.rank() == 1 && sb.rank() == 1) {
+      if (sa[0] != sb[0]) detail::matmul_mismatch(sa, sb, sa[0], sb[0]);
+      return detail::gemm(reshape(a, Shape{1, sa[0]}), reshape(b, Shape{sb[0], 1}), 1, 1, 1, sa[0], 1, Shape{}, bf16);
+    }
+    if (sb.rank() == 1) {  // [.., m, k] x [k]
+      const std::int64_t k = sa[sa.rank() - 1];
+      if (k != sb[0]) detail::matmul_mismatch(sa, sb, k, sb[0]);
+      Shape out;
+      for (int i = 0; i + 1 < sa.rank(); ++i) out.push_back(sa[i]);
+      const std::int64_t m = k ? a.numel() / k : out.numel();
+      return detail::gemm(reshape(a, Shape{m, k}), reshape(b, Shape{k, 1}), 1, 1, m, k, 1, out, bf16);
+    }
+    if (sa.rank() == 1) {  // [k] x [.., k, n]
+      const std::int64_t k = sb[sb.rank() - 2], n = sb[sb.rank() - 1];
+      if (k != sa[0]) detail::matmul_mismatch(sa, sb, sa[0], k);
+      Shape out;
+      for (int i = 0; i + 2 < sb.rank(); ++i) out.push_back(sb[i]);
+      out.push_back(n);
+      std::int64_t batch = 1;  // not numel / (k * n): k or n may be 0
+      for (int i = 0; i + 2 < sb.rank(); ++i) batch *= sb[i];
+      return detail::gemm(reshape(a, Shape{1, k}), b, 1, batch, 1, k, n, out, bf16);
+    }
+    const std::int64_t m = sa[sa.rank() - 2], k = sa[sa.rank() - 1];
+    const std::int64_t kb = sb[sb.rank() - 2], n = sb[sb.rank() - 1];
+    if (k != kb) detail::matmul_mismatch(sa, sb, k, kb);
+    Shape ba, bb;
+    for (int i = 0; i + 2 < sa.rank(); ++i) ba.push_back(sa[i]);
+    for (int i = 0; i + 2 < sb.rank(); ++i) bb.push_back(sb[i]);
+    const Shape batch = broadcast_shapes(ba, bb, "matmul");
+    Shape out = batch;
+    out.push_back(m);
+    out.push_back(n);
+    if (bb.numel() == 1 && sb.rank() == 2) {
+      // [.., m, k] x [k, n]: one GEMM with all batch rows stacked (m' = batch * m).
+      return detail::gemm(a, b, 1, 1, ba.numel() * m, k, n, out, bf16);
+    }
+    Shape fa = batch, fb = batch;
+    fa.push_back(m);
+    fa.push_back(k);
+    fb.push_back(k);
+    fb.push_back(n);
+    Tensor<T> ea = (ba == batch) ? a : expand(a, fa);
+    Tensor<T> eb = (bb == batch) ? b : expand(b, fb);
+    return detail::gemm(ea, eb, batch.numel(), batch.numel(), m, k, n, out, bf16);
+  }
+}
+
+/// Batched matrix product of [b, m, k] and [b, k, n] (no broadcasting, as torch.bmm).
+template <Element T>
+Tensor<T> bmm(const Tensor<T>& a, const Tensor<T>& b) {
+  if (a.dim() != 3 || b.dim() != 3 || a.size(0) != b.size(0)) {
+    throw ShapeError("bmm: expected 3-D tensors with equal batch sizes, got " + a.shape().str() + " and " +
+                     b.shape().str());
+  }
+  return matmul(a, b);
+}
+
+/// x @ w^T (torch.nn.functional.linear without bias); w is [out_features, in_features].
+template <Element T>
+Tensor<T> linear(const Tensor<T>& x, const Tensor<T>& w) {
+  if (w.dim() != 2 || x.dim() < 1 || x.size(-1) != w.size(1)) {
+    throw ShapeError("linear: expected input [..., " + std::to_string(w.dim() == 2 ? w.size(1) : -1) +
+                     "] and weight [out_features, in_features], got input " + x.shape().str() + " and weight " +
+                     w.shape().str());
+  }
+  return matmul(x, transpose(w, 0, 1));  // autocast: a bfloat16 product there
+}
+
+/// x @ w^T + b. Returns an expression (as `a + b` does), so a following element-wise op
+/// such as relu joins the bias in one epilogue that runs on the GEMM's row blocks.
+/// (The return type is spelled out so that naming a call does not compile the GEMM: a
+/// deduced type would instantiate this body wherever a call is merely written.)
+template <Element T>
+auto linear(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& b)
+    -> decltype(std::declval<const Tensor<T>&>() + std::declval<const Tensor<T>&>()) {
+  if (b.dim() != 1 || b.size(0) != w.size(0)) {
+    throw ShapeError("linear: expected bias of shape (" + std::to_string(w.size(0)) + ",), got " + b.shape().str());
+  }
+  return linear(x, w) + b;
+}
+
+}  // namespace lazy
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::detail {
+LAZYTENSOR_INLINE Tensor<float> round_to_bf16(const Tensor<float>& x) {
+  Tensor<float> y(graph::submit(std::make_shared<graph::RoundToBFloat16Node>(x.node())));
+  if (autograd::is_grad_enabled()) {
+    if (auto edge = autograd::edge_of(x.impl())) {
+      autograd::record(y, "RoundToBFloat16Backward", {edge}, [](const Tensor<float>& g) {
+        return std::vector<graph::NodePtr>{graph::submit(std::make_shared<graph::RoundToBFloat16Node>(g.node()))};
+      });
+    }
+  }
+  return y;
+}
+
+
+LAZYTENSOR_INLINE void matmul_mismatch(const Shape& a, const Shape& b, std::int64_t ka, std::int64_t kb) {
+  throw ShapeError("matmul: mat1 and mat2 shapes cannot be multiplied (" + a.str() + " and " + b.str() +
+                   "): expected the contracted sizes to match, found " + std::to_string(ka) + " and " +
+                   std::to_string(kb));
+}
+
+}  // namespace lazy::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/ops/matmul.hpp ----
 // ---- begin lazytensor/ops/window.hpp ----
 // Argument checks shared by convolution and pooling: an NCHW input, positive strides and
 // dilations, and the validated geometry (graph::Window2d) of a kernel over the input's
@@ -27574,6 +27400,141 @@ LAZYTENSOR_INLINE std::string visualize(const graph::NodePtr& value) {
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/spmd/mark_sharding.hpp ----
 // ---- end lazytensor/spmd.hpp ----
+// ---- begin lazytensor/tensor.hpp ----
+// lazytensor's core module: what a program that computes with tensors includes.
+//
+//   Tensor<T> and Device, element-wise expressions (operators and functions), factories
+//   (zeros/ones/full/from_vector/arange/..., randn/rand/randint/...), reductions, matmul and
+//   linear, mark_step/sync and the other step controls, and the metrics report.
+//
+// Shape ops, softmax, convolution and pooling are in <lazytensor/ops/...>; the frontend
+// modules (nn, optim, data, io, dist) have one header each; <lazytensor/lazytensor.hpp>
+// includes everything, <lazytensor/fwd.hpp> only declares.
+
+// ---- begin lazytensor/debug/metrics.hpp ----
+// Counters and metrics, named like PyTorch/XLA's (torch_xla.debug.metrics).
+//
+// Steps run asynchronously; every function here first waits for the steps issued on the
+// calling thread's device, so that what it reports includes everything issued so far
+// (other devices are not waited for: a replica must not wait on another's collectives).
+
+#include <cstdint>
+#include <iomanip>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+
+namespace lazy::debug {
+
+namespace detail {
+/// Waits for the steps in flight on the current device (see the file comment).
+inline void settle() { graph::current_device().wait_idle(); }
+}  // namespace detail
+
+/// Value of counter `name` (0 when it never fired), as met.counter_value.
+std::int64_t counter_value(const std::string& name);
+
+/// Summary of metric `name` (count, total, min, max in ns), if it was ever recorded.
+std::optional<core::MetricData> metric_data(const std::string& name);
+
+/// Names of the counters that fired.
+std::vector<std::string> counter_names();
+
+/// Resets every counter and metric to zero.
+void clear_metrics();
+
+namespace detail {
+std::string fmt_ns(double ns);
+}  // namespace detail
+
+/// Every metric and counter, plus the buffer pool of device 0, in PyTorch/XLA's format.
+std::string metrics_report();
+
+/// One line: steps, syncs, kernels, time executing and bytes allocated.
+std::string short_metrics_report();
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE std::int64_t counter_value(const std::string& name) {
+  detail::settle();
+  std::int64_t v = 0;
+  core::Registry::get().for_each([&](const std::string& n, const core::Counter* c, const core::Metric*) {
+    if (c && n == name) v = c->value.load();
+  });
+  return v;
+}
+
+LAZYTENSOR_INLINE std::optional<core::MetricData> metric_data(const std::string& name) {
+  detail::settle();
+  std::optional<core::MetricData> r;
+  core::Registry::get().for_each([&](const std::string& n, const core::Counter*, const core::Metric* m) {
+    if (m && n == name && m->data().count) r = m->data();
+  });
+  return r;
+}
+
+LAZYTENSOR_INLINE std::vector<std::string> counter_names() {
+  detail::settle();
+  std::vector<std::string> names;
+  core::Registry::get().for_each([&](const std::string& n, const core::Counter* c, const core::Metric*) {
+    if (c && c->value.load()) names.push_back(n);
+  });
+  return names;
+}
+
+LAZYTENSOR_INLINE void clear_metrics() {
+  detail::settle();
+  core::Registry::get().reset();
+}
+
+namespace detail {
+LAZYTENSOR_INLINE std::string fmt_ns(double ns) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(3);
+  if (ns >= 1e9) os << ns / 1e9 << "s";
+  else if (ns >= 1e6) os << ns / 1e6 << "ms";
+  else if (ns >= 1e3) os << ns / 1e3 << "us";
+  else os << ns << "ns";
+  return os.str();
+}
+}  // namespace detail
+
+LAZYTENSOR_INLINE std::string metrics_report() {
+  detail::settle();
+  std::ostringstream os;
+  core::Registry::get().for_each([&](const std::string& n, const core::Counter*, const core::Metric* m) {
+    if (!m) return;
+    auto d = m->data();
+    if (!d.count) return;
+    os << "Metric: " << n << "\n  TotalSamples: " << d.count << "\n  Accumulator: " << detail::fmt_ns(d.total_ns)
+       << "\n  Mean: " << detail::fmt_ns(d.total_ns / static_cast<double>(d.count))
+       << "\n  Min: " << detail::fmt_ns(d.min_ns) << "\n  Max: " << detail::fmt_ns(d.max_ns) << "\n";
+  });
+  core::Registry::get().for_each([&](const std::string& n, const core::Counter* c, const core::Metric*) {
+    if (c && c->value.load()) os << "Counter: " << n << "\n  Value: " << c->value.load() << "\n";
+  });
+  auto ps = graph::current_device().pool().stats();
+  os << "Counter: BytesAllocated\n  Value: " << ps.fresh_bytes << "\n";
+  os << "Counter: FreshAllocations\n  Value: " << ps.fresh_allocations << "\n";
+  os << "Counter: PoolReuses\n  Value: " << ps.reuses << "\n";
+  return os.str();
+}
+
+LAZYTENSOR_INLINE std::string short_metrics_report() {
+  std::ostringstream os;
+  auto exec = metric_data("ExecuteTime");
+  os << "MarkStep=" << counter_value("MarkStep") << " ImplicitSync=" << counter_value("ImplicitSync")
+     << " KernelsRun=" << counter_value("KernelsRun")
+     << " ExecuteTime=" << detail::fmt_ns(exec ? exec->total_ns : 0)
+     << " BytesAllocated=" << graph::current_device().pool().stats().fresh_bytes;
+  return os.str();
+}
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+}  // namespace lazy::debug
+// ---- end lazytensor/debug/metrics.hpp ----
+// ---- end lazytensor/tensor.hpp ----
 // ---- begin lazytensor/train.hpp ----
 // lazy::train: Lightning's layer over lazytensor's devices and replicas. Strategies say
 // where a model runs and how replicas talk (Strategy, SingleDeviceStrategy,
@@ -31185,3 +31146,45 @@ LAZYTENSOR_TRAIN_LR_MONITOR_INSTANCES(extern)
 // ---- end lazytensor/train/lr_monitor.hpp ----
 // ---- end lazytensor/train.hpp ----
 // ---- end lazytensor/lazytensor.hpp ----
+// ---- begin lazytensor/eigen.hpp ----
+// lazytensor with Eigen: lazy::from_eigen(matrix) and tensor.eigen(), a row-major
+// Eigen::Map of a tensor's values. Apart from <lazytensor/tensor.hpp> so that only programs
+// that use Eigen parse it.
+
+// ---- begin lazytensor/ops/eigen.hpp ----
+// Eigen interop: a tensor from an Eigen matrix (from_eigen) and a tensor viewed as one
+// (Tensor::eigen()). Kept apart from the factories so that only programs that use Eigen
+// parse it.
+
+#include <cstdint>
+#include <type_traits>
+
+#include <Eigen/Core>
+
+
+namespace lazy {
+
+namespace detail {
+template <class T>
+struct EigenView<T, void> {
+  static auto map(const Tensor<T>& t) {
+    using M = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+    const Shape& s = t.shape();
+    const std::int64_t cols = s.rank() <= 1 ? 1 : s[s.rank() - 1];
+    const std::int64_t rows = cols == 0 ? 0 : t.numel() / cols;
+    return Eigen::Map<const M>(t.data(), static_cast<Eigen::Index>(rows), static_cast<Eigen::Index>(cols));
+  }
+};
+}  // namespace detail
+
+/// A 2-D tensor copied from an Eigen matrix or expression (any storage order).
+template <class Derived>
+auto from_eigen(const Eigen::DenseBase<Derived>& m, Device dev = device()) {
+  using T = typename Derived::Scalar;
+  const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> rm = m;
+  return Tensor<T>(detail::data_node<T>(rm.data(), Shape{rm.rows(), rm.cols()}, dev));
+}
+
+}  // namespace lazy
+// ---- end lazytensor/ops/eigen.hpp ----
+// ---- end lazytensor/eigen.hpp ----
