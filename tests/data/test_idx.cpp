@@ -16,6 +16,8 @@
 
 #include <gtest/gtest.h>
 
+#include "testing/helpers.hpp"
+
 #include <lazytensor/data/idx.hpp>
 #include <lazytensor/data/mnist.hpp>
 #include <lazytensor/tensor.hpp>
@@ -25,10 +27,11 @@ namespace {
 using Bytes = std::vector<std::uint8_t>;
 using lazy::data::read_idx;
 
+// A directory of this file's own in the process's scratch directory (removed at exit).
 std::string temp_dir() {
   static const std::string dir = [] {
-    std::string d = ::testing::TempDir() + "lazytensor_idx_" + std::to_string(::getpid());
-    ::mkdir(d.c_str(), 0755);
+    const std::string d = lazy_tests::scratch_dir() + "/idx";
+    std::filesystem::create_directories(d);
     return d;
   }();
   return dir;

@@ -21,6 +21,8 @@
 
 #include <gtest/gtest.h>
 
+#include "testing/helpers.hpp"
+
 #include <lazytensor/tensor.hpp>
 #include <lazytensor/io.hpp>
 #include <lazytensor/ops/factories.hpp>
@@ -33,10 +35,11 @@ using lazy::AnyTensor;
 using lazy::Shape;
 using lazy::StateDict;
 
+// A directory of this file's own in the process's scratch directory (removed at exit).
 std::string temp_dir() {
   static const std::string dir = [] {
-    std::string d = ::testing::TempDir() + "lazytensor_st_" + std::to_string(::getpid());
-    ::mkdir(d.c_str(), 0755);
+    const std::string d = lazy_tests::scratch_dir() + "/safetensors";
+    std::filesystem::create_directories(d);
     return d;
   }();
   return dir;

@@ -17,6 +17,8 @@
 
 #include <gtest/gtest.h>
 
+#include "testing/helpers.hpp"
+
 #include <lazytensor/io.hpp>
 #include <lazytensor/ops/factories.hpp>
 #include <lazytensor/tensor.hpp>
@@ -107,7 +109,7 @@ TEST(StoredDtype, FloatToHalfRoundsToNearestEven) {
 // ---- files of every stored dtype, written here ------------------------------------------
 
 std::string st_path(const std::string& name) {
-  return ::testing::TempDir() + "lazytensor_stored_" + std::to_string(::getpid()) + "_" + name;
+  return lazy_tests::scratch_dir() + "/stored_" + name;
 }
 
 StBytes st_read(const std::string& path) {

@@ -346,6 +346,8 @@ TEST(MpiWorld, SaveWritesFromTheGlobalMasterOnly) {
     auto back = lazy::io::load(path);
     EXPECT_EQ(back.at("who").as<float>().item(), 0.0f) << "replica " << r;
   });
+  MPI_Barrier(MPI_COMM_WORLD);  // every process has read it
+  if (mpi_rank() == 0) std::remove(path.c_str());
 }
 
 // ---- failures end as errors in every process --------------------------------------------

@@ -2,15 +2,40 @@
 // Helpers shared by the test files. Each folder's tests compile as one translation unit
 // (tests/CMakeLists.txt), so a helper used by two files lives here, once.
 
+#include <unistd.h>
+
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <random>
+#include <string>
+#include <system_error>
 #include <type_traits>
 #include <vector>
 
 #include <lazytensor/lazytensor.hpp>
 
 namespace lazy_tests {
+
+/// This test process's own directory under the system's temp dir, made on first use and
+/// removed with everything in it when the process exits: tests write their files here, so
+/// a run leaves nothing behind and concurrent runs (ctest -j) never share a file.
+inline const std::string& scratch_dir() {
+  struct Dir {
+    std::string path = (std::filesystem::temp_directory_path() / ("lazytensor_test_" + std::to_string(::getpid())))
+                           .string();
+    Dir() {
+      std::filesystem::remove_all(path);  // a crashed run's, if the pid came round again
+      std::filesystem::create_directories(path);
+    }
+    ~Dir() {
+      std::error_code ec;  // (nothing to do about a failure at exit)
+      std::filesystem::remove_all(path, ec);
+    }
+  };
+  static const Dir dir;
+  return dir.path;
+}
 
 /// `n` values drawn uniformly from [lo, hi) (mt19937_64 seeded with `seed`), converted to T.
 template <class T>

@@ -26,11 +26,10 @@ namespace trainer_testing {
 using Dataset = lazy::data::TensorDataset<float, std::int64_t>;
 using Batch = Dataset::example_type;
 
-/// A new empty directory under the test temp dir, named after `tag`.
+/// A new empty directory in the process's scratch directory (removed at exit), named after `tag`.
 inline std::string temp_dir(const std::string& tag) {
   static std::atomic<int> counter{0};
-  const std::string d = ::testing::TempDir() + "lazytensor_" + tag + "_" + std::to_string(::getpid()) + "_" +
-                        std::to_string(counter++);
+  const std::string d = lazy_tests::scratch_dir() + "/" + tag + "_" + std::to_string(counter++);
   std::filesystem::remove_all(d);
   std::filesystem::create_directories(d);
   return d;
