@@ -13,12 +13,16 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <numeric>
-#include <random>
-#include <utility>
 #include <vector>
 
 #include <lazytensor/core/config.hpp>
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+// Only the definitions draw: with the compiled runtime a user TU does not parse <random>.
+#include <numeric>
+#include <random>
+#include <utility>
+#endif
 
 namespace lazy::data {
 
@@ -31,9 +35,6 @@ constexpr std::uint64_t splitmix64(std::uint64_t x) {
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
   return z ^ (z >> 31);
 }
-
-/// A uniform integer in [0, bound), bound > 0, by rejection (no modulo bias).
-std::uint64_t uniform_below(std::mt19937_64& gen, std::uint64_t bound);
 
 }  // namespace detail
 
@@ -48,6 +49,7 @@ std::vector<std::size_t> permutation(std::size_t n, std::uint64_t seed, std::uin
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace detail {
 
+/// A uniform integer in [0, bound), bound > 0, by rejection (no modulo bias).
 LAZYTENSOR_INLINE std::uint64_t uniform_below(std::mt19937_64& gen, std::uint64_t bound) {
   const std::uint64_t threshold = (0 - bound) % bound;  // (2^64 - bound) mod bound
   for (;;) {
