@@ -67,6 +67,20 @@ void run_world(F&& fn) {
 
 int world() { return mpi_size() * kPerProcess; }
 
+// Process 0 names the directories the processes share, in its scratch directory, which goes
+// when it exits: after the last test every process waits for the others before leaving.
+class BarrierAfterTheTests : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    int up = 0, down = 0;
+    MPI_Initialized(&up);
+    MPI_Finalized(&down);
+    if (up && !down) MPI_Barrier(MPI_COMM_WORLD);
+  }
+};
+[[maybe_unused]] ::testing::Environment* const kBarrierAfterTheTests =
+    ::testing::AddGlobalTestEnvironment(new BarrierAfterTheTests);
+
 std::vector<int> group_of(const Groups& groups, int r) {
   if (groups.empty()) {
     std::vector<int> all(static_cast<std::size_t>(world()));

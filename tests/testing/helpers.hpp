@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <random>
@@ -13,13 +15,17 @@
 #include <type_traits>
 #include <vector>
 
+#include <gtest/gtest.h>
+
 #include <lazytensor/lazytensor.hpp>
 
 namespace lazy_tests {
 
 /// This test process's own directory under the system's temp dir, made on first use and
-/// removed with everything in it when the process exits: tests write their files here, so
-/// a run leaves nothing behind and concurrent runs (ctest -j) never share a file.
+/// removed with everything in it when the process exits normally, unless a test failed or
+/// LAZYTENSOR_KEEP_TEST_FILES is set (then kept for inspection, and its path printed). The
+/// tests that write files of their own (checkpoints, logs, datasets, safetensors) put them
+/// here, so that passing runs do not pile up files and parallel ones never share a name.
 inline const std::string& scratch_dir() {
   struct Dir {
     std::string path = (std::filesystem::temp_directory_path() / ("lazytensor_test_" + std::to_string(::getpid())))
@@ -29,6 +35,11 @@ inline const std::string& scratch_dir() {
       std::filesystem::create_directories(path);
     }
     ~Dir() {
+      // (gtest's UnitTest is never destroyed, so it is still there when statics go.)
+      if (std::getenv("LAZYTENSOR_KEEP_TEST_FILES") || ::testing::UnitTest::GetInstance()->Failed()) {
+        std::fprintf(stderr, "test files kept in %s\n", path.c_str());
+        return;
+      }
       std::error_code ec;  // (nothing to do about a failure at exit)
       std::filesystem::remove_all(path, ec);
     }
