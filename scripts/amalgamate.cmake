@@ -1,4 +1,5 @@
-# Generates single_include/lazytensor/lazytensor.hpp from include/lazytensor/lazytensor.hpp.
+# Generates single_include/lazytensor/lazytensor.hpp from include/lazytensor/lazytensor.hpp
+# and the opt-in include/lazytensor/eigen.hpp.
 #
 #   cmake -P scripts/amalgamate.cmake               # (re)generate the single header
 #   cmake -DCHECK=ON -P scripts/amalgamate.cmake    # fail if the committed single header is stale
@@ -7,9 +8,10 @@
 # (-D options must come before -P.)
 #
 # Rules:
-#   * Starting at the umbrella (then eigen.hpp, the opt-in adapter it leaves out), every `#include <lazytensor/...>` and every `#include "..."`
-#     that resolves to a file under include/lazytensor is inlined, recursively, each file
-#     exactly once (first occurrence wins, like #pragma once).
+#   * Starting at the umbrella, then eigen.hpp (the opt-in adapter it leaves out), every
+#     `#include <lazytensor/...>` and every `#include "..."` that resolves to a file under
+#     include/lazytensor is inlined, recursively, each file exactly once (first occurrence
+#     wins, like #pragma once).
 #   * `#pragma once` lines are dropped from inlined files; the output starts with a banner
 #     and a single `#pragma once`.
 #   * All other includes (<vector>, <Eigen/...>, <xsimd/...>, ...) stay in place.
@@ -178,7 +180,7 @@ file(WRITE "${LT_TMP}"
 
 ")
 _lt_inline("${LT_UMBRELLA}")
-# The opt-in adapters the umbrella leaves out: a single-header user is header-only, so parses
+# The opt-in adapter the umbrella leaves out: a single-header user is header-only, so parses
 # Eigen already (the products the packed GEMM does not take), and has no other file to include.
 _lt_inline("${LT_PKG_DIR}/eigen.hpp")
 

@@ -177,7 +177,7 @@ def main():
                 elif n == "fashion_mnist":
                     src = base / "examples" / "fashion_mnist" / "main.cpp"
                 jobs[n + "@baseline"] = (n, src, base)
-                LABELS[n + "@baseline"] = LABELS[n].replace("lazytensor,", "baseline,", 1) + " (baseline)"
+                LABELS[n + "@baseline"] = LABELS[n] + " (baseline)"
         runtime = None
         if any(n in COMPILED for n in jobs):
             runtime = []

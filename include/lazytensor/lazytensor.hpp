@@ -1,8 +1,8 @@
 #pragma once
 // lazytensor: lazy tensors with fused, SIMD-vectorized kernels. Umbrella header: include
-// this, or one module header, and link lazytensor::lazytensor. Adapters to other libraries
-// are opt-in and not included here: <lazytensor/eigen.hpp> (Eigen interop) costs its parse
-// only to the programs that use Eigen (the single header, header-only anyway, carries it).
+// this, or one module header, and link lazytensor::lazytensor. The Eigen adapter (opt-in
+// <lazytensor/eigen.hpp>) is left out: with lazytensor::compiled only programs that include
+// it parse Eigen (header-only code does for its GEMMs; the single header carries it).
 
 #include <lazytensor/any_tensor.hpp>
 #include <lazytensor/autograd/functional.hpp>

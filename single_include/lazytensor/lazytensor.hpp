@@ -10,9 +10,9 @@
 
 // ---- begin lazytensor/lazytensor.hpp ----
 // lazytensor: lazy tensors with fused, SIMD-vectorized kernels. Umbrella header: include
-// this, or one module header, and link lazytensor::lazytensor. Adapters to other libraries
-// are opt-in and not included here: <lazytensor/eigen.hpp> (Eigen interop) costs its parse
-// only to the programs that use Eigen (the single header, header-only anyway, carries it).
+// this, or one module header, and link lazytensor::lazytensor. The Eigen adapter (opt-in
+// <lazytensor/eigen.hpp>) is left out: with lazytensor::compiled only programs that include
+// it parse Eigen (header-only code does for its GEMMs; the single header carries it).
 
 // ---- begin lazytensor/any_tensor.hpp ----
 // AnyTensor: a tensor whose element type is known at run time only. State dicts, file
@@ -7544,8 +7544,8 @@ class Tensor {
   /// A row-major Eigen view of the values: rank 2 as is, rank 1 as a column, rank 0 as
   /// 1x1, higher ranks as (numel / last dim) x last dim. Valid while this handle keeps the
   /// value (until it is modified or destroyed). Materializes (an implicit sync).
-  /// Needs <lazytensor/eigen.hpp> (the umbrella includes it), so that programs that never
-  /// view a tensor through Eigen do not parse it.
+  /// Needs <lazytensor/eigen.hpp> (opt-in, not in the umbrella), so that programs that never
+  /// view a tensor through Eigen do not parse its interop.
   template <class Unused = void>
   auto eigen() const
     requires(!std::is_same_v<T, bfloat16>)

@@ -1,8 +1,8 @@
 // Linked with test_dist's objects (compiled without MPI) into test_dist_mpi_linked: a
 // translation unit that includes the transport with LAZYTENSOR_WITH_MPI installs it when the
 // program starts (dist/mpi_world.hpp), so the threads-only suite runs with MPI underneath.
-// LAZYTENSOR_WITH_MPI only adds declarations to the headers, so the two kinds of objects
-// agree on every definition they share.
+// LAZYTENSOR_WITH_MPI only adds entities of its own (the transport, the variables that install
+// it) and changes no definition that the objects without it also have.
 #include <lazytensor/dist.hpp>
 
 #include <atomic>

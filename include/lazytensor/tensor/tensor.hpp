@@ -137,8 +137,8 @@ class Tensor {
   /// A row-major Eigen view of the values: rank 2 as is, rank 1 as a column, rank 0 as
   /// 1x1, higher ranks as (numel / last dim) x last dim. Valid while this handle keeps the
   /// value (until it is modified or destroyed). Materializes (an implicit sync).
-  /// Needs <lazytensor/eigen.hpp> (the umbrella includes it), so that programs that never
-  /// view a tensor through Eigen do not parse it.
+  /// Needs <lazytensor/eigen.hpp> (opt-in, not in the umbrella), so that programs that never
+  /// view a tensor through Eigen do not parse its interop.
   template <class Unused = void>
   auto eigen() const
     requires(!std::is_same_v<T, bfloat16>)
