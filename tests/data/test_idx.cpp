@@ -29,11 +29,7 @@ using lazy::data::read_idx;
 
 // A directory of this file's own in the process's scratch directory (removed at exit).
 std::string temp_dir() {
-  static const std::string dir = [] {
-    const std::string d = lazy_tests::scratch_dir() + "/idx";
-    std::filesystem::create_directories(d);
-    return d;
-  }();
+  static const std::string dir = lazy_tests::scratch_subdir("idx");
   return dir;
 }
 

@@ -37,11 +37,7 @@ using lazy::StateDict;
 
 // A directory of this file's own in the process's scratch directory (removed at exit).
 std::string temp_dir() {
-  static const std::string dir = [] {
-    const std::string d = lazy_tests::scratch_dir() + "/safetensors";
-    std::filesystem::create_directories(d);
-    return d;
-  }();
+  static const std::string dir = lazy_tests::scratch_subdir("safetensors");
   return dir;
 }
 

@@ -67,8 +67,9 @@ void run_world(F&& fn) {
 
 int world() { return mpi_size() * kPerProcess; }
 
-// Process 0 names the directories the processes share, in its scratch directory, which goes
-// when it exits: after the last test every process waits for the others before leaving.
+// Process 0 names the directories the processes share (MpiTrainer's and MpiSpmd's checkpoint
+// directories), in its scratch directory, which goes when it exits: after the last test every
+// process waits for the others before leaving.
 class BarrierAfterTheTests : public ::testing::Environment {
  public:
   void TearDown() override {

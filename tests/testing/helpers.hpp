@@ -48,6 +48,13 @@ inline const std::string& scratch_dir() {
   return dir.path;
 }
 
+/// Directory `name` inside scratch_dir(), made if missing.
+inline std::string scratch_subdir(const std::string& name) {
+  const std::string d = scratch_dir() + "/" + name;
+  std::filesystem::create_directories(d);
+  return d;
+}
+
 /// `n` values drawn uniformly from [lo, hi) (mt19937_64 seeded with `seed`), converted to T.
 template <class T>
 std::vector<T> random_values(std::int64_t n, unsigned seed, double lo = -1, double hi = 1) {

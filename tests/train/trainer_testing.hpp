@@ -29,10 +29,7 @@ using Batch = Dataset::example_type;
 /// A new empty directory in the process's scratch directory (removed at exit), named after `tag`.
 inline std::string temp_dir(const std::string& tag) {
   static std::atomic<int> counter{0};
-  const std::string d = lazy_tests::scratch_dir() + "/" + tag + "_" + std::to_string(counter++);
-  std::filesystem::remove_all(d);
-  std::filesystem::create_directories(d);
-  return d;
+  return lazy_tests::scratch_subdir(tag + "_" + std::to_string(counter++));  // new: one per call
 }
 
 /// `n` samples of 6 features in 3 classes (a fixed random problem).
