@@ -1747,6 +1747,10 @@ class Node {
   std::uint64_t hash() const;
   /// Computes the structural hash (override to add kernel parameters).
   LAZYTENSOR_INLINE virtual std::uint64_t structural_hash() const;
+  /// The part of structural_hash every node shares: kind, dtype, shape, and the inputs'
+  /// dtypes and shapes (an override that names its op without building op_name()'s string
+  /// starts from it).
+  std::uint64_t layout_hash() const;
   /// Estimated cost per output element (1 = one add), used to decide threading.
   virtual double cost_per_element() const { return 1.0; }
 
@@ -1964,14 +1968,18 @@ LAZYTENSOR_INLINE std::uint64_t hash_shape(const Shape& s) {
   return h;
 }
 
-LAZYTENSOR_INLINE std::uint64_t Node::structural_hash() const {
+LAZYTENSOR_INLINE std::uint64_t Node::layout_hash() const {
   std::uint64_t h = hash_combine(static_cast<std::uint64_t>(kind_), static_cast<std::uint64_t>(dtype_));
   h = hash_combine(h, hash_shape(shape_));
   for (const auto& in : inputs_) {
     h = hash_combine(h, static_cast<std::uint64_t>(in->dtype()));
     h = hash_combine(h, hash_shape(in->shape()));
   }
-  return hash_combine(h, std::hash<std::string>{}(op_name()));
+  return h;
+}
+
+LAZYTENSOR_INLINE std::uint64_t Node::structural_hash() const {
+  return hash_combine(layout_hash(), std::hash<std::string>{}(op_name()));
 }
 
 LAZYTENSOR_INLINE std::shared_ptr<Buffer> Node::try_donate(std::size_t i) {
@@ -2120,8 +2128,10 @@ class Device {
   void trace(const NodePtr& n);
   /// Number of entries in the trace, dropped nodes not yet pruned included (for tests).
   std::size_t trace_size();
-  /// Takes the trace (the caller puts back what it does not run, see keep_traced).
-  std::vector<std::weak_ptr<Node>> take_trace();
+  /// Takes the trace into `into` (the caller puts back what it does not run, see
+  /// keep_traced). The trace keeps `into`'s former storage, emptied: a caller that keeps
+  /// its vector from step to step lets the next statements trace without allocating.
+  void take_trace(std::vector<std::weak_ptr<Node>>& into);
   /// Returns nodes (in creation order) to the trace, which stays in creation order: the
   /// planner relies on producers coming before their consumers.
   void keep_traced(std::vector<std::weak_ptr<Node>> older);
@@ -2288,7 +2298,9 @@ LAZYTENSOR_INLINE void Device::trace(const NodePtr& n) {
 }
 
 LAZYTENSOR_INLINE void Device::drop_remote_trace() {
-  for (auto& w : take_trace())
+  std::vector<std::weak_ptr<Node>> taken;
+  take_trace(taken);
+  for (auto& w : taken)
     if (auto n = w.lock(); n && n->pending()) n->finish_with(nullptr);
 }
 
@@ -2297,10 +2309,11 @@ LAZYTENSOR_INLINE std::size_t Device::trace_size() {
   return trace_.size();
 }
 
-LAZYTENSOR_INLINE std::vector<std::weak_ptr<Node>> Device::take_trace() {
+LAZYTENSOR_INLINE void Device::take_trace(std::vector<std::weak_ptr<Node>>& into) {
+  into.clear();
   std::lock_guard lock(mu_);
   prune_at_ = kMinPruneAt;  // a large step must not leave a high threshold behind
-  return std::exchange(trace_, {});
+  into.swap(trace_);
 }
 
 LAZYTENSOR_INLINE void Device::keep_traced(std::vector<std::weak_ptr<Node>> older) {
@@ -4687,7 +4700,11 @@ class ElementwiseNode final : public Node {
   std::string op_name() const override { return "fused"; }
   std::string describe() const override { return kernel_->text(); }
   double cost_per_element() const override { return kernel_->cost(); }
-  std::uint64_t structural_hash() const override { return hash_combine(Node::structural_hash(), kernel_->hash()); }
+  /// (A constant stands for op_name(): hashing a string per node was a visible part of a
+  /// step's planning.)
+  std::uint64_t structural_hash() const override {
+    return hash_combine(hash_combine(layout_hash(), 0x66757365644e6f64ull), kernel_->hash());
+  }
   const expr::Layout& layout() const { return layout_; }
   const ElementwiseKernel& kernel() const { return *kernel_; }
   /// True when this node runs a GEMM producer in row blocks (see fuse_producers).
@@ -4922,10 +4939,10 @@ inline Rendezvous* rendezvous(const NodePtr& n) {
   return n->kind() == NodeKind::Collective ? dynamic_cast<Rendezvous*>(n.get()) : nullptr;
 }
 
-/// Signature (see the file comment) of `nodes`, numbered with `epoch`; `outside[i]` is
-/// true when something outside the step refers to node i.
-std::vector<std::uint64_t> plan_signature(const std::vector<NodePtr>& nodes, std::uint64_t epoch,
-                                          std::vector<std::uint8_t>& outside);
+/// Writes into `sig` the signature (see the file comment) of `nodes`, numbered with
+/// `epoch`, and into `outside` whether something outside the step refers to each node.
+void plan_signature(const std::vector<NodePtr>& nodes, std::uint64_t epoch,
+                    std::vector<std::uint8_t>& outside, std::vector<std::uint64_t>& sig);
 
 std::uint64_t fold_signature(const std::vector<std::uint64_t>& sig);
 
@@ -4980,9 +4997,10 @@ LAZYTENSOR_INLINE ChunkReduction* chunk_reduction(const NodePtr& n, std::int64_t
   return reads_chunk ? r : nullptr;
 }
 
-LAZYTENSOR_INLINE std::vector<std::uint64_t> plan_signature(const std::vector<NodePtr>& nodes,
+LAZYTENSOR_INLINE void plan_signature(const std::vector<NodePtr>& nodes,
     std::uint64_t epoch,
-    std::vector<std::uint8_t>& outside) {
+    std::vector<std::uint8_t>& outside,
+    std::vector<std::uint64_t>& sig) {
   core::SmallVector<std::int32_t, 32> refs;  // a read of a few statements allocates nothing here
   refs.assign(nodes.size(), 0);
   for (const auto& n : nodes)
@@ -4990,8 +5008,8 @@ LAZYTENSOR_INLINE std::vector<std::uint64_t> plan_signature(const std::vector<No
       const std::int32_t s = plan_slot_of(in, epoch);
       if (s >= 0) ++refs[static_cast<std::size_t>(s)];
     }
-  std::vector<std::uint64_t> sig;
-  sig.reserve(nodes.size() * 3);
+  sig.clear();
+  sig.reserve(nodes.size() * 2);
   outside.assign(nodes.size(), 0);
   for (std::size_t i = 0; i < nodes.size(); ++i) {
     const auto& n = nodes[i];
@@ -5002,7 +5020,6 @@ LAZYTENSOR_INLINE std::vector<std::uint64_t> plan_signature(const std::vector<No
     for (const auto& in : n->inputs()) wiring = hash_combine(wiring, static_cast<std::uint64_t>(plan_slot_of(in, epoch) + 1));
     sig.push_back(wiring);
   }
-  return sig;
 }
 
 LAZYTENSOR_INLINE std::uint64_t fold_signature(const std::vector<std::uint64_t>& sig) {
@@ -5626,6 +5643,10 @@ void execute(Device& device, std::span<const NodePtr> roots);
 /// values' consumers) stays traced for later steps.
 std::vector<NodePtr> collect_step(Device& dev);
 
+/// Entries of the per-thread scratch that collect_step and plan_for keep between steps
+/// (larger ones, left by an unusually large step, are freed).
+inline constexpr std::size_t kKeptTraceCapacity = std::size_t{1} << 14;
+
 /// run_plan for a step nobody waits on: its error is stored on the device, to surface at
 /// the next read or sync.
 void run_plan_storing_error(Device& dev, const Plan& plan, std::vector<NodePtr>& nodes);
@@ -5745,8 +5766,10 @@ LAZYTENSOR_INLINE std::shared_ptr<const Plan> plan_for(Device& dev,
   static auto& plan_time = core::metric("PlanTime");
   const auto t0 = core::MetricClock::now();
   const std::uint64_t epoch = detail::number_nodes(nodes);
-  std::vector<std::uint8_t> outside;
-  auto sig = detail::plan_signature(nodes, epoch, outside);
+  // This thread's scratch, kept from step to step (a cached plan then allocates nothing).
+  thread_local std::vector<std::uint8_t> outside;
+  thread_local std::vector<std::uint64_t> sig;
+  detail::plan_signature(nodes, epoch, outside, sig);
   const std::uint64_t h = detail::fold_signature(sig);
   auto& cache = dev.plan_cache();
   auto& stats = dev.plan_stats();
@@ -5783,7 +5806,9 @@ LAZYTENSOR_INLINE std::shared_ptr<const Plan> plan_for(Device& dev,
                    static_cast<long long>(stats.steps - 10), node, what.c_str(), nodes.size(), prev.size() / 2);
     }
   }
-  if (step) stats.last_signature = std::move(sig);
+  if (step) stats.last_signature.swap(sig);  // (the old one's storage is reused next time)
+  if (sig.capacity() > 2 * kKeptTraceCapacity) sig = {};
+  if (outside.capacity() > kKeptTraceCapacity) outside = {};
   const auto t1 = core::MetricClock::now();
   plan_time.record(core::MetricClock::to_ns(t0, t1));
   if (done) *done = t1;
@@ -5886,14 +5911,21 @@ LAZYTENSOR_INLINE void execute(Device& device, std::span<const NodePtr> roots) {
 }
 
 LAZYTENSOR_INLINE std::vector<NodePtr> collect_step(Device& dev) {
-  auto trace = dev.take_trace();
+  // This thread's scratch, kept from step to step: a step of a few statements allocates
+  // only the vector it returns. (Its weak references are dropped before returning: they
+  // would keep the nodes' memory.)
+  thread_local std::vector<std::weak_ptr<Node>> trace;
+  thread_local std::vector<std::uint8_t> needed;
+  dev.take_trace(trace);
   std::vector<NodePtr> alive;
   alive.reserve(trace.size());
   for (auto& w : trace)
     if (auto n = w.lock(); n && n->pending()) alive.push_back(std::move(n));
+  trace.clear();
+  if (trace.capacity() > kKeptTraceCapacity) trace = {};
   if (alive.empty()) return {};
   const std::uint64_t epoch = detail::number_nodes(alive);
-  std::vector<std::uint8_t> needed(alive.size(), 0);
+  needed.assign(alive.size(), 0);
   for (std::size_t i = 0; i < alive.size(); ++i) needed[i] = alive[i]->has_handles();
   // Consumers are newer than their inputs: one sweep from the newest marks everything needed.
   for (std::size_t i = alive.size(); i-- > 0;) {
@@ -5901,14 +5933,21 @@ LAZYTENSOR_INLINE std::vector<NodePtr> collect_step(Device& dev) {
     for (const auto& in : alive[i]->inputs())
       if (const std::int32_t s = detail::plan_slot_of(in, epoch); s >= 0) needed[static_cast<std::size_t>(s)] = 1;
   }
-  std::vector<NodePtr> run;
+  // The needed nodes move to the front (in order); the rest go back to the trace.
   std::vector<std::weak_ptr<Node>> keep;
+  std::size_t run = 0;
   for (std::size_t i = 0; i < alive.size(); ++i) {
-    if (needed[i]) run.push_back(std::move(alive[i]));
-    else keep.push_back(alive[i]);
+    if (needed[i]) {
+      if (run != i) alive[run] = std::move(alive[i]);
+      ++run;
+    } else {
+      keep.push_back(alive[i]);
+    }
   }
+  alive.resize(run);
+  if (needed.capacity() > kKeptTraceCapacity) needed = {};
   dev.keep_traced(std::move(keep));
-  return run;
+  return alive;
 }
 
 LAZYTENSOR_INLINE void run_plan_storing_error(Device& dev, const Plan& plan, std::vector<NodePtr>& nodes) {
@@ -10074,7 +10113,8 @@ LAZYTENSOR_INLINE Fusion plan_fusion(const std::vector<graph::NodePtr>& order) {
   graph::prepare(order);  // decisions redone by the real step's planning
   const std::uint64_t epoch = graph::detail::number_nodes(order);
   std::vector<std::uint8_t> outside;
-  graph::detail::plan_signature(order, epoch, outside);
+  std::vector<std::uint64_t> sig;
+  graph::detail::plan_signature(order, epoch, outside, sig);
   auto plan = graph::detail::build_plan(order, epoch, outside);
   int g = 0;
   for (const auto& st : plan->steps) {
@@ -10199,6 +10239,7 @@ LAZYTENSOR_INLINE std::string graph_dot(const std::vector<graph::NodePtr>& roots
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -10378,14 +10419,17 @@ namespace dist::detail {
 /// comment); `where` names the collective.
 template <Element T>
 void check_reduction(ReduceOp op, double scale, const char* where) {
-  const std::string what = std::string(where) + "(" + reduce_op_name(op) + ") on a " +
-                           dtype_name(dtype_of<T>()) + " tensor";
+  // The message is built only on failure: this runs for every traced collective.
+  auto what = [&] {
+    return std::string(where) + "(" + reduce_op_name(op) + ") on a " + dtype_name(dtype_of<T>()) +
+           " tensor";
+  };
   if constexpr (is_floating_v<T>) {
     if (op == ReduceOp::And || op == ReduceOp::Or) {
-      throw DTypeError(what + ": and/or need an integral or bool tensor (found a floating dtype)");
+      throw DTypeError(what() + ": and/or need an integral or bool tensor (found a floating dtype)");
     }
   } else if (scale != 1.0) {
-    throw DTypeError(what + ": scale must be 1 for integral and bool tensors, got " +
+    throw DTypeError(what() + ": scale must be 1 for integral and bool tensors, got " +
                      std::to_string(scale));
   }
 }
@@ -10603,7 +10647,21 @@ struct Signature {
   std::string str() const;
 };
 
-/// Hash of a list of shapes (order-sensitive).
+/// Hash of a list of shapes (order-sensitive), built one shape at a time.
+class ShapesHash {
+ public:
+  void add(const Shape& s) {
+    mix(static_cast<std::uint64_t>(s.rank()) + 0x100);
+    for (auto d : s) mix(static_cast<std::uint64_t>(d));
+  }
+  std::uint64_t value() const { return h_; }
+
+ private:
+  void mix(std::uint64_t v) { h_ = (h_ ^ v) * 1099511628211ull; }
+  std::uint64_t h_ = 1469598103934665603ull;
+};
+
+/// Hash of a list of shapes (ShapesHash of each in order).
 std::uint64_t shapes_hash(const std::vector<Shape>& shapes);
 
 }  // namespace detail
@@ -10736,13 +10794,9 @@ LAZYTENSOR_INLINE std::string Signature::str() const {
 }
 
 LAZYTENSOR_INLINE std::uint64_t shapes_hash(const std::vector<Shape>& shapes) {
-  std::uint64_t h = 1469598103934665603ull;
-  auto mix = [&](std::uint64_t v) { h = (h ^ v) * 1099511628211ull; };
-  for (const auto& s : shapes) {
-    mix(static_cast<std::uint64_t>(s.rank()) + 0x100);
-    for (auto d : s) mix(static_cast<std::uint64_t>(d));
-  }
-  return h;
+  ShapesHash h;
+  for (const auto& s : shapes) h.add(s);
+  return h.value();
 }
 }  // namespace lazy::dist::detail
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
@@ -11365,7 +11419,16 @@ class MpiLink final : public ProcessLink {
 
  private:
   /// Takes the peer's next package of this group (from the mailbox or MPI); null if none.
-  std::shared_ptr<std::vector<std::byte>> next_package(int process);
+  /// A package received from MPI goes into `recycle`'s storage when nothing else holds it.
+  std::shared_ptr<std::vector<std::byte>> next_package(int process,
+                                                       std::shared_ptr<std::vector<std::byte>>& recycle);
+
+  /// An entry of a received package (progress()'s scratch).
+  struct Entry {
+    Share* share;
+    std::size_t index, size;
+    bool direct;
+  };
 
   struct Peer {
     int process = 0;
@@ -11383,6 +11446,7 @@ class MpiLink final : public ProcessLink {
   std::shared_ptr<std::vector<std::byte>> out_[2];
   std::vector<std::shared_ptr<void>> out_keep_;
   std::vector<std::pair<const std::byte*, std::size_t>> direct_, packed_;  // begin()'s lists
+  std::vector<Entry> entries_;                                            // progress()'s
   std::int64_t region_[2] = {-1, -1};  // this group's area of the segment, by round parity
   std::size_t region_bytes_[2] = {0, 0};
   bool shared_peers_ = false;          // every peer process shares this host
@@ -11440,21 +11504,31 @@ inline constexpr std::size_t kDirectBytes = std::size_t{64} << 10;
 inline constexpr std::size_t kMaxPiece = std::size_t{1} << 30;
 inline constexpr std::uint64_t kPackageMagic = 0x314950544c5a414cULL;  // "LAZLTPI1"
 
-/// Appends plain values to a byte package.
+/// Appends plain values to a byte package. The vector grows ahead of the writes (one
+/// resize per doubling, not one per value: a package is written every round); finish()
+/// trims it to what was written, and must be called before the package is used.
 struct PackWriter {
   std::vector<std::byte>& out;
+  std::size_t at = out.size();
+
   template <class V>
   void put(const V& v) {
-    const auto at = out.size();
-    out.resize(at + sizeof(V));
-    std::memcpy(out.data() + at, &v, sizeof(V));
+    put_bytes(&v, sizeof(V));
   }
   void put_bytes(const void* p, std::size_t n) {
-    const auto at = out.size();
-    out.resize(at + n);
+    if (out.size() - at < n) out.resize(std::max({at + n, 2 * out.size(), std::size_t{256}}));
     if (n) std::memcpy(out.data() + at, p, n);
+    at += n;
   }
-  void pad64() { out.resize(align64(out.size())); }
+  void pad64() {
+    const std::size_t to = align64(at);
+    if (out.size() < to) out.resize(std::max(to, 2 * out.size()));
+    std::memset(out.data() + at, 0, to - at);
+    at = to;
+  }
+  /// Bytes written so far.
+  std::size_t size() const { return at; }
+  void finish() { out.resize(at); }
 };
 
 /// Reads them back, bounds-checked: a malformed package is a CollectiveError naming its
@@ -11838,6 +11912,7 @@ inline void MpiWorld::announce_exit(int ordinal, const std::exception_ptr& e) {
   w.put(static_cast<std::int32_t>(ordinal));
   w.put(static_cast<std::uint8_t>(cls));
   w.put_bytes(what.data(), what.size());
+  w.finish();
   std::vector<int> others;
   for (int q = 0; q < place_.count; ++q)
     if (q != place_.index) others.push_back(q);
@@ -11852,6 +11927,7 @@ inline void MpiWorld::announce_broken(std::uint64_t group, const std::vector<int
   w.put(group);
   w.put(static_cast<std::uint8_t>(timeout));
   w.put_bytes(reason.data(), reason.size());
+  w.finish();
   send_control(std::move(msg), peers, kBrokenTag);
 }
 
@@ -12047,7 +12123,7 @@ inline void MpiLink::begin(std::uint64_t s, const std::vector<Share*>& local,
   w.put(kPackageMagic);
   w.put(hash_);
   w.put(s);
-  const std::size_t tag_at = out->size();
+  const std::size_t tag_at = w.size();
   w.put(static_cast<std::int32_t>(0));  // the pieces' tag, below
   w.put(static_cast<std::uint32_t>(local.size()));
   auto& direct = direct_;
@@ -12108,6 +12184,7 @@ inline void MpiLink::begin(std::uint64_t s, const std::vector<Share*>& local,
     w.put_bytes(p, size);
     w.pad64();
   }
+  w.finish();
   if (out->size() > static_cast<std::size_t>(std::numeric_limits<int>::max())) {
     throw CollectiveError("a collective's host payloads exceed 2 GiB in one round");
   }
@@ -12139,12 +12216,12 @@ inline bool MpiLink::progress(const std::vector<Share*>& slot_share,
   bool done = true;
   for (auto& peer : peers_) {
     if (!peer.got_header) {
-      auto pkg = next_package(peer.process);
+      auto& hb = peer.header[round_ & 1];  // (round s - 2's package: read by now)
+      auto pkg = next_package(peer.process, hb);
       if (!pkg) {
         done = false;
         continue;
       }
-      auto& hb = peer.header[round_ & 1];
       hb = std::move(pkg);
       peer.got_header = true;
       PackReader r{hb->data(), hb->data() + hb->size(), peer.process};
@@ -12157,13 +12234,9 @@ inline bool MpiLink::progress(const std::vector<Share*>& slot_share,
       }
       const int pieces = r.get<std::int32_t>();
       const auto nshares = r.get<std::uint32_t>();
-      struct Entry {
-        Share* share;
-        std::size_t index, size;
-        bool direct;
-      };
       bool shared = false;
-      std::vector<Entry> entries;
+      std::vector<Entry>& entries = entries_;
+      entries.clear();
       for (std::uint32_t i = 0; i < nshares; ++i) {
         const int ordinal = r.get<std::int32_t>();
         if (ordinal < 0 || static_cast<std::size_t>(ordinal) >= slot_of_ordinal.size() ||
@@ -12255,7 +12328,8 @@ inline bool MpiLink::progress(const std::vector<Share*>& slot_share,
   return done;
 }
 
-inline std::shared_ptr<std::vector<std::byte>> MpiLink::next_package(int process) {
+inline std::shared_ptr<std::vector<std::byte>> MpiLink::next_package(
+    int process, std::shared_ptr<std::vector<std::byte>>& recycle) {
   if (auto p = pw_->take_package(hash_, process)) return p;
   for (;;) {
     int flag = 0;
@@ -12265,7 +12339,10 @@ inline std::shared_ptr<std::vector<std::byte>> MpiLink::next_package(int process
     if (!flag) return pw_->take_package(hash_, process);  // (another leader may have left it)
     int count = 0;
     MPI_Get_count(&st, MPI_BYTE, &count);
-    auto buf = std::make_shared<std::vector<std::byte>>(static_cast<std::size_t>(std::max(count, 0)));
+    std::shared_ptr<std::vector<std::byte>> buf;
+    if (recycle && recycle.use_count() == 1) buf = std::move(recycle);
+    else buf = std::make_shared<std::vector<std::byte>>();
+    buf->resize(static_cast<std::size_t>(std::max(count, 0)));
     mpi_check(MPI_Mrecv(buf->data(), count, MPI_BYTE, &m, MPI_STATUS_IGNORE), "MPI_Mrecv");
     PackReader r{buf->data(), buf->data() + buf->size(), process};
     if (r.get<std::uint64_t>() != kPackageMagic) {
@@ -13035,6 +13112,10 @@ class ExchangeNode : public graph::Node {
 
   std::string op_name() const override { return kind_name(call_.sig.kind); }
   LAZYTENSOR_INLINE std::string describe() const override;
+  /// The kind stands for op_name() (no string per traced collective).
+  std::uint64_t structural_hash() const override {
+    return graph::hash_combine(layout_hash(), 0x45786368616e6765ull + static_cast<std::uint64_t>(call_.sig.kind));
+  }
   double cost_per_element() const override { return 0; }
 
   /// Lets the exchange drop output `i` at once when its result node is gone.
@@ -13082,6 +13163,9 @@ class ResultNode final : public graph::Node {
   ResultNode(const std::shared_ptr<ExchangeNode>& ex, std::size_t index, DType dtype, Shape shape);
   std::string op_name() const override {
     return kind_name(static_cast<const ExchangeNode&>(*inputs()[0]).call().sig.kind);
+  }
+  std::uint64_t structural_hash() const override {
+    return graph::hash_combine(graph::hash_combine(layout_hash(), 0x526573756c744e6full), index_);
   }
   double cost_per_element() const override { return 0; }
 
@@ -13666,7 +13750,9 @@ Signature tensor_signature(CollectiveKind kind, const Tensor<T>& t) {
   sig.dtype = dtype_of<T>();
   sig.tensors = 1;
   sig.shape = t.shape();
-  sig.shapes_hash = shapes_hash({t.shape()});
+  ShapesHash h;
+  h.add(t.shape());
+  sig.shapes_hash = h.value();
   return sig;
 }
 
@@ -13682,6 +13768,36 @@ std::vector<Tensor<T>> trace(CollectiveCall call, Make&& make,
   return res;
 }
 
+/// The result nodes of an all_reduce of `tensors` (one exchange; see below).
+template <Element T>
+std::vector<graph::NodePtr> all_reduce_nodes(ReduceOp op, std::span<const Tensor<T>> tensors,
+                                             const AllReduceOptions& opts) {
+  check_reduction<T>(op, opts.scale, "all_reduce");
+  if (tensors.empty()) return {};
+  std::vector<graph::NodePtr> nodes;
+  nodes.reserve(tensors.size() + 1);  // (+1: the exchange's program-order input)
+  std::vector<OutputSpec> outs;
+  outs.reserve(tensors.size());
+  ShapesHash shapes;
+  for (const auto& t : tensors) {
+    nodes.push_back(t.node());
+    shapes.add(t.shape());
+    outs.push_back({dtype_of<T>(), t.shape()});
+  }
+  graph::Device& dev = collective_device(nodes, "all_reduce");
+  Signature sig = tensor_signature(CollectiveKind::AllReduce, tensors.front());
+  sig.op = op;
+  sig.tensors = static_cast<int>(tensors.size());
+  sig.shapes_hash = shapes.value();
+  sig.scale = opts.scale;
+  CollectiveCall call = capture(std::move(sig), group_of(opts.groups, "all_reduce"));
+  // Only exchanges that talk to other replicas are chained in program order.
+  const graph::NodePtr after = call.comm ? pending_predecessor() : nullptr;
+  auto ex = std::make_shared<AllReduceExchange<T>>(std::move(call), std::move(nodes), after, &dev,
+                                                   op, opts.scale);
+  return submit_exchange(ex, outs);
+}
+
 }  // namespace detail
 
 /// All-reduces several tensors in one exchange (coalesced; as xm.all_reduce on a list, but
@@ -13690,38 +13806,16 @@ std::vector<Tensor<T>> trace(CollectiveCall call, Make&& make,
 template <Element T>
 std::vector<Tensor<T>> all_reduce(ReduceOp op, const std::vector<Tensor<T>>& tensors,
                                   const AllReduceOptions& opts = {}) {
-  detail::check_reduction<T>(op, opts.scale, "all_reduce");
-  if (tensors.empty()) return {};
-  std::vector<graph::NodePtr> nodes;
-  std::vector<Shape> shapes;
-  std::vector<detail::OutputSpec> outs;
-  for (const auto& t : tensors) {
-    nodes.push_back(t.node());
-    shapes.push_back(t.shape());
-    outs.push_back({dtype_of<T>(), t.shape()});
-  }
-  graph::Device& dev = detail::collective_device(nodes, "all_reduce");
-  detail::Signature sig =
-      detail::tensor_signature(detail::CollectiveKind::AllReduce, tensors.front());
-  sig.op = op;
-  sig.tensors = static_cast<int>(tensors.size());
-  sig.shapes_hash = detail::shapes_hash(shapes);
-  sig.scale = opts.scale;
-  auto call = detail::capture(std::move(sig), detail::group_of(opts.groups, "all_reduce"));
-  return detail::trace<T>(
-      std::move(call),
-      [&](detail::CollectiveCall c, const graph::NodePtr& after) {
-        return std::make_shared<detail::AllReduceExchange<T>>(std::move(c), std::move(nodes), after,
-                                                              &dev, op, opts.scale);
-      },
-      outs);
+  std::vector<Tensor<T>> res;
+  for (auto& node : detail::all_reduce_nodes<T>(op, tensors, opts)) res.emplace_back(std::move(node));
+  return res;
 }
 
 /// All-reduces one tensor (xm.all_reduce(reduce_type, t, scale, groups)); returns a new
 /// tensor. Example: `all_reduce(lazy::ReduceOp::Sum, g, {.scale = 1.0 / world_size()})`.
 template <Element T>
 Tensor<T> all_reduce(ReduceOp op, const Tensor<T>& t, const AllReduceOptions& opts = {}) {
-  return all_reduce(op, std::vector<Tensor<T>>{t}, opts).front();
+  return Tensor<T>(std::move(detail::all_reduce_nodes<T>(op, std::span(&t, 1), opts).front()));
 }
 
 /// In-place all_reduce of a list (one exchange), as xm.all_reduce on a list: every tensor

@@ -78,7 +78,8 @@ LAZYTENSOR_INLINE Fusion plan_fusion(const std::vector<graph::NodePtr>& order) {
   graph::prepare(order);  // decisions redone by the real step's planning
   const std::uint64_t epoch = graph::detail::number_nodes(order);
   std::vector<std::uint8_t> outside;
-  graph::detail::plan_signature(order, epoch, outside);
+  std::vector<std::uint64_t> sig;
+  graph::detail::plan_signature(order, epoch, outside, sig);
   auto plan = graph::detail::build_plan(order, epoch, outside);
   int g = 0;
   for (const auto& st : plan->steps) {

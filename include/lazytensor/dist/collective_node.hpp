@@ -36,6 +36,10 @@ class ExchangeNode : public graph::Node {
 
   std::string op_name() const override { return kind_name(call_.sig.kind); }
   LAZYTENSOR_INLINE std::string describe() const override;
+  /// The kind stands for op_name() (no string per traced collective).
+  std::uint64_t structural_hash() const override {
+    return graph::hash_combine(layout_hash(), 0x45786368616e6765ull + static_cast<std::uint64_t>(call_.sig.kind));
+  }
   double cost_per_element() const override { return 0; }
 
   /// Lets the exchange drop output `i` at once when its result node is gone.
@@ -83,6 +87,9 @@ class ResultNode final : public graph::Node {
   ResultNode(const std::shared_ptr<ExchangeNode>& ex, std::size_t index, DType dtype, Shape shape);
   std::string op_name() const override {
     return kind_name(static_cast<const ExchangeNode&>(*inputs()[0]).call().sig.kind);
+  }
+  std::uint64_t structural_hash() const override {
+    return graph::hash_combine(graph::hash_combine(layout_hash(), 0x526573756c744e6full), index_);
   }
   double cost_per_element() const override { return 0; }
 

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -36,7 +37,9 @@ Signature tensor_signature(CollectiveKind kind, const Tensor<T>& t) {
   sig.dtype = dtype_of<T>();
   sig.tensors = 1;
   sig.shape = t.shape();
-  sig.shapes_hash = shapes_hash({t.shape()});
+  ShapesHash h;
+  h.add(t.shape());
+  sig.shapes_hash = h.value();
   return sig;
 }
 
@@ -52,6 +55,36 @@ std::vector<Tensor<T>> trace(CollectiveCall call, Make&& make,
   return res;
 }
 
+/// The result nodes of an all_reduce of `tensors` (one exchange; see below).
+template <Element T>
+std::vector<graph::NodePtr> all_reduce_nodes(ReduceOp op, std::span<const Tensor<T>> tensors,
+                                             const AllReduceOptions& opts) {
+  check_reduction<T>(op, opts.scale, "all_reduce");
+  if (tensors.empty()) return {};
+  std::vector<graph::NodePtr> nodes;
+  nodes.reserve(tensors.size() + 1);  // (+1: the exchange's program-order input)
+  std::vector<OutputSpec> outs;
+  outs.reserve(tensors.size());
+  ShapesHash shapes;
+  for (const auto& t : tensors) {
+    nodes.push_back(t.node());
+    shapes.add(t.shape());
+    outs.push_back({dtype_of<T>(), t.shape()});
+  }
+  graph::Device& dev = collective_device(nodes, "all_reduce");
+  Signature sig = tensor_signature(CollectiveKind::AllReduce, tensors.front());
+  sig.op = op;
+  sig.tensors = static_cast<int>(tensors.size());
+  sig.shapes_hash = shapes.value();
+  sig.scale = opts.scale;
+  CollectiveCall call = capture(std::move(sig), group_of(opts.groups, "all_reduce"));
+  // Only exchanges that talk to other replicas are chained in program order.
+  const graph::NodePtr after = call.comm ? pending_predecessor() : nullptr;
+  auto ex = std::make_shared<AllReduceExchange<T>>(std::move(call), std::move(nodes), after, &dev,
+                                                   op, opts.scale);
+  return submit_exchange(ex, outs);
+}
+
 }  // namespace detail
 
 /// All-reduces several tensors in one exchange (coalesced; as xm.all_reduce on a list, but
@@ -60,38 +93,16 @@ std::vector<Tensor<T>> trace(CollectiveCall call, Make&& make,
 template <Element T>
 std::vector<Tensor<T>> all_reduce(ReduceOp op, const std::vector<Tensor<T>>& tensors,
                                   const AllReduceOptions& opts = {}) {
-  detail::check_reduction<T>(op, opts.scale, "all_reduce");
-  if (tensors.empty()) return {};
-  std::vector<graph::NodePtr> nodes;
-  std::vector<Shape> shapes;
-  std::vector<detail::OutputSpec> outs;
-  for (const auto& t : tensors) {
-    nodes.push_back(t.node());
-    shapes.push_back(t.shape());
-    outs.push_back({dtype_of<T>(), t.shape()});
-  }
-  graph::Device& dev = detail::collective_device(nodes, "all_reduce");
-  detail::Signature sig =
-      detail::tensor_signature(detail::CollectiveKind::AllReduce, tensors.front());
-  sig.op = op;
-  sig.tensors = static_cast<int>(tensors.size());
-  sig.shapes_hash = detail::shapes_hash(shapes);
-  sig.scale = opts.scale;
-  auto call = detail::capture(std::move(sig), detail::group_of(opts.groups, "all_reduce"));
-  return detail::trace<T>(
-      std::move(call),
-      [&](detail::CollectiveCall c, const graph::NodePtr& after) {
-        return std::make_shared<detail::AllReduceExchange<T>>(std::move(c), std::move(nodes), after,
-                                                              &dev, op, opts.scale);
-      },
-      outs);
+  std::vector<Tensor<T>> res;
+  for (auto& node : detail::all_reduce_nodes<T>(op, tensors, opts)) res.emplace_back(std::move(node));
+  return res;
 }
 
 /// All-reduces one tensor (xm.all_reduce(reduce_type, t, scale, groups)); returns a new
 /// tensor. Example: `all_reduce(lazy::ReduceOp::Sum, g, {.scale = 1.0 / world_size()})`.
 template <Element T>
 Tensor<T> all_reduce(ReduceOp op, const Tensor<T>& t, const AllReduceOptions& opts = {}) {
-  return all_reduce(op, std::vector<Tensor<T>>{t}, opts).front();
+  return Tensor<T>(std::move(detail::all_reduce_nodes<T>(op, std::span(&t, 1), opts).front()));
 }
 
 /// In-place all_reduce of a list (one exchange), as xm.all_reduce on a list: every tensor

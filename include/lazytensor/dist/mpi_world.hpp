@@ -195,7 +195,16 @@ class MpiLink final : public ProcessLink {
 
  private:
   /// Takes the peer's next package of this group (from the mailbox or MPI); null if none.
-  std::shared_ptr<std::vector<std::byte>> next_package(int process);
+  /// A package received from MPI goes into `recycle`'s storage when nothing else holds it.
+  std::shared_ptr<std::vector<std::byte>> next_package(int process,
+                                                       std::shared_ptr<std::vector<std::byte>>& recycle);
+
+  /// An entry of a received package (progress()'s scratch).
+  struct Entry {
+    Share* share;
+    std::size_t index, size;
+    bool direct;
+  };
 
   struct Peer {
     int process = 0;
@@ -213,6 +222,7 @@ class MpiLink final : public ProcessLink {
   std::shared_ptr<std::vector<std::byte>> out_[2];
   std::vector<std::shared_ptr<void>> out_keep_;
   std::vector<std::pair<const std::byte*, std::size_t>> direct_, packed_;  // begin()'s lists
+  std::vector<Entry> entries_;                                            // progress()'s
   std::int64_t region_[2] = {-1, -1};  // this group's area of the segment, by round parity
   std::size_t region_bytes_[2] = {0, 0};
   bool shared_peers_ = false;          // every peer process shares this host

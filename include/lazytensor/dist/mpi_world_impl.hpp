@@ -31,21 +31,31 @@ inline constexpr std::size_t kDirectBytes = std::size_t{64} << 10;
 inline constexpr std::size_t kMaxPiece = std::size_t{1} << 30;
 inline constexpr std::uint64_t kPackageMagic = 0x314950544c5a414cULL;  // "LAZLTPI1"
 
-/// Appends plain values to a byte package.
+/// Appends plain values to a byte package. The vector grows ahead of the writes (one
+/// resize per doubling, not one per value: a package is written every round); finish()
+/// trims it to what was written, and must be called before the package is used.
 struct PackWriter {
   std::vector<std::byte>& out;
+  std::size_t at = out.size();
+
   template <class V>
   void put(const V& v) {
-    const auto at = out.size();
-    out.resize(at + sizeof(V));
-    std::memcpy(out.data() + at, &v, sizeof(V));
+    put_bytes(&v, sizeof(V));
   }
   void put_bytes(const void* p, std::size_t n) {
-    const auto at = out.size();
-    out.resize(at + n);
+    if (out.size() - at < n) out.resize(std::max({at + n, 2 * out.size(), std::size_t{256}}));
     if (n) std::memcpy(out.data() + at, p, n);
+    at += n;
   }
-  void pad64() { out.resize(align64(out.size())); }
+  void pad64() {
+    const std::size_t to = align64(at);
+    if (out.size() < to) out.resize(std::max(to, 2 * out.size()));
+    std::memset(out.data() + at, 0, to - at);
+    at = to;
+  }
+  /// Bytes written so far.
+  std::size_t size() const { return at; }
+  void finish() { out.resize(at); }
 };
 
 /// Reads them back, bounds-checked: a malformed package is a CollectiveError naming its
@@ -429,6 +439,7 @@ inline void MpiWorld::announce_exit(int ordinal, const std::exception_ptr& e) {
   w.put(static_cast<std::int32_t>(ordinal));
   w.put(static_cast<std::uint8_t>(cls));
   w.put_bytes(what.data(), what.size());
+  w.finish();
   std::vector<int> others;
   for (int q = 0; q < place_.count; ++q)
     if (q != place_.index) others.push_back(q);
@@ -443,6 +454,7 @@ inline void MpiWorld::announce_broken(std::uint64_t group, const std::vector<int
   w.put(group);
   w.put(static_cast<std::uint8_t>(timeout));
   w.put_bytes(reason.data(), reason.size());
+  w.finish();
   send_control(std::move(msg), peers, kBrokenTag);
 }
 
@@ -638,7 +650,7 @@ inline void MpiLink::begin(std::uint64_t s, const std::vector<Share*>& local,
   w.put(kPackageMagic);
   w.put(hash_);
   w.put(s);
-  const std::size_t tag_at = out->size();
+  const std::size_t tag_at = w.size();
   w.put(static_cast<std::int32_t>(0));  // the pieces' tag, below
   w.put(static_cast<std::uint32_t>(local.size()));
   auto& direct = direct_;
@@ -699,6 +711,7 @@ inline void MpiLink::begin(std::uint64_t s, const std::vector<Share*>& local,
     w.put_bytes(p, size);
     w.pad64();
   }
+  w.finish();
   if (out->size() > static_cast<std::size_t>(std::numeric_limits<int>::max())) {
     throw CollectiveError("a collective's host payloads exceed 2 GiB in one round");
   }
@@ -730,12 +743,12 @@ inline bool MpiLink::progress(const std::vector<Share*>& slot_share,
   bool done = true;
   for (auto& peer : peers_) {
     if (!peer.got_header) {
-      auto pkg = next_package(peer.process);
+      auto& hb = peer.header[round_ & 1];  // (round s - 2's package: read by now)
+      auto pkg = next_package(peer.process, hb);
       if (!pkg) {
         done = false;
         continue;
       }
-      auto& hb = peer.header[round_ & 1];
       hb = std::move(pkg);
       peer.got_header = true;
       PackReader r{hb->data(), hb->data() + hb->size(), peer.process};
@@ -748,13 +761,9 @@ inline bool MpiLink::progress(const std::vector<Share*>& slot_share,
       }
       const int pieces = r.get<std::int32_t>();
       const auto nshares = r.get<std::uint32_t>();
-      struct Entry {
-        Share* share;
-        std::size_t index, size;
-        bool direct;
-      };
       bool shared = false;
-      std::vector<Entry> entries;
+      std::vector<Entry>& entries = entries_;
+      entries.clear();
       for (std::uint32_t i = 0; i < nshares; ++i) {
         const int ordinal = r.get<std::int32_t>();
         if (ordinal < 0 || static_cast<std::size_t>(ordinal) >= slot_of_ordinal.size() ||
@@ -846,7 +855,8 @@ inline bool MpiLink::progress(const std::vector<Share*>& slot_share,
   return done;
 }
 
-inline std::shared_ptr<std::vector<std::byte>> MpiLink::next_package(int process) {
+inline std::shared_ptr<std::vector<std::byte>> MpiLink::next_package(
+    int process, std::shared_ptr<std::vector<std::byte>>& recycle) {
   if (auto p = pw_->take_package(hash_, process)) return p;
   for (;;) {
     int flag = 0;
@@ -856,7 +866,10 @@ inline std::shared_ptr<std::vector<std::byte>> MpiLink::next_package(int process
     if (!flag) return pw_->take_package(hash_, process);  // (another leader may have left it)
     int count = 0;
     MPI_Get_count(&st, MPI_BYTE, &count);
-    auto buf = std::make_shared<std::vector<std::byte>>(static_cast<std::size_t>(std::max(count, 0)));
+    std::shared_ptr<std::vector<std::byte>> buf;
+    if (recycle && recycle.use_count() == 1) buf = std::move(recycle);
+    else buf = std::make_shared<std::vector<std::byte>>();
+    buf->resize(static_cast<std::size_t>(std::max(count, 0)));
     mpi_check(MPI_Mrecv(buf->data(), count, MPI_BYTE, &m, MPI_STATUS_IGNORE), "MPI_Mrecv");
     PackReader r{buf->data(), buf->data() + buf->size(), process};
     if (r.get<std::uint64_t>() != kPackageMagic) {

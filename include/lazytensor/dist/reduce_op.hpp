@@ -39,14 +39,17 @@ namespace dist::detail {
 /// comment); `where` names the collective.
 template <Element T>
 void check_reduction(ReduceOp op, double scale, const char* where) {
-  const std::string what = std::string(where) + "(" + reduce_op_name(op) + ") on a " +
-                           dtype_name(dtype_of<T>()) + " tensor";
+  // The message is built only on failure: this runs for every traced collective.
+  auto what = [&] {
+    return std::string(where) + "(" + reduce_op_name(op) + ") on a " + dtype_name(dtype_of<T>()) +
+           " tensor";
+  };
   if constexpr (is_floating_v<T>) {
     if (op == ReduceOp::And || op == ReduceOp::Or) {
-      throw DTypeError(what + ": and/or need an integral or bool tensor (found a floating dtype)");
+      throw DTypeError(what() + ": and/or need an integral or bool tensor (found a floating dtype)");
     }
   } else if (scale != 1.0) {
-    throw DTypeError(what + ": scale must be 1 for integral and bool tensors, got " +
+    throw DTypeError(what() + ": scale must be 1 for integral and bool tensors, got " +
                      std::to_string(scale));
   }
 }

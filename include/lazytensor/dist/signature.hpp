@@ -79,7 +79,21 @@ struct Signature {
   std::string str() const;
 };
 
-/// Hash of a list of shapes (order-sensitive).
+/// Hash of a list of shapes (order-sensitive), built one shape at a time.
+class ShapesHash {
+ public:
+  void add(const Shape& s) {
+    mix(static_cast<std::uint64_t>(s.rank()) + 0x100);
+    for (auto d : s) mix(static_cast<std::uint64_t>(d));
+  }
+  std::uint64_t value() const { return h_; }
+
+ private:
+  void mix(std::uint64_t v) { h_ = (h_ ^ v) * 1099511628211ull; }
+  std::uint64_t h_ = 1469598103934665603ull;
+};
+
+/// Hash of a list of shapes (ShapesHash of each in order).
 std::uint64_t shapes_hash(const std::vector<Shape>& shapes);
 
 }  // namespace detail
@@ -212,13 +226,9 @@ LAZYTENSOR_INLINE std::string Signature::str() const {
 }
 
 LAZYTENSOR_INLINE std::uint64_t shapes_hash(const std::vector<Shape>& shapes) {
-  std::uint64_t h = 1469598103934665603ull;
-  auto mix = [&](std::uint64_t v) { h = (h ^ v) * 1099511628211ull; };
-  for (const auto& s : shapes) {
-    mix(static_cast<std::uint64_t>(s.rank()) + 0x100);
-    for (auto d : s) mix(static_cast<std::uint64_t>(d));
-  }
-  return h;
+  ShapesHash h;
+  for (const auto& s : shapes) h.add(s);
+  return h.value();
 }
 }  // namespace lazy::dist::detail
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS

@@ -80,8 +80,10 @@ class Device {
   void trace(const NodePtr& n);
   /// Number of entries in the trace, dropped nodes not yet pruned included (for tests).
   std::size_t trace_size();
-  /// Takes the trace (the caller puts back what it does not run, see keep_traced).
-  std::vector<std::weak_ptr<Node>> take_trace();
+  /// Takes the trace into `into` (the caller puts back what it does not run, see
+  /// keep_traced). The trace keeps `into`'s former storage, emptied: a caller that keeps
+  /// its vector from step to step lets the next statements trace without allocating.
+  void take_trace(std::vector<std::weak_ptr<Node>>& into);
   /// Returns nodes (in creation order) to the trace, which stays in creation order: the
   /// planner relies on producers coming before their consumers.
   void keep_traced(std::vector<std::weak_ptr<Node>> older);
@@ -248,7 +250,9 @@ LAZYTENSOR_INLINE void Device::trace(const NodePtr& n) {
 }
 
 LAZYTENSOR_INLINE void Device::drop_remote_trace() {
-  for (auto& w : take_trace())
+  std::vector<std::weak_ptr<Node>> taken;
+  take_trace(taken);
+  for (auto& w : taken)
     if (auto n = w.lock(); n && n->pending()) n->finish_with(nullptr);
 }
 
@@ -257,10 +261,11 @@ LAZYTENSOR_INLINE std::size_t Device::trace_size() {
   return trace_.size();
 }
 
-LAZYTENSOR_INLINE std::vector<std::weak_ptr<Node>> Device::take_trace() {
+LAZYTENSOR_INLINE void Device::take_trace(std::vector<std::weak_ptr<Node>>& into) {
+  into.clear();
   std::lock_guard lock(mu_);
   prune_at_ = kMinPruneAt;  // a large step must not leave a high threshold behind
-  return std::exchange(trace_, {});
+  into.swap(trace_);
 }
 
 LAZYTENSOR_INLINE void Device::keep_traced(std::vector<std::weak_ptr<Node>> older) {

@@ -168,7 +168,11 @@ class ElementwiseNode final : public Node {
   std::string op_name() const override { return "fused"; }
   std::string describe() const override { return kernel_->text(); }
   double cost_per_element() const override { return kernel_->cost(); }
-  std::uint64_t structural_hash() const override { return hash_combine(Node::structural_hash(), kernel_->hash()); }
+  /// (A constant stands for op_name(): hashing a string per node was a visible part of a
+  /// step's planning.)
+  std::uint64_t structural_hash() const override {
+    return hash_combine(hash_combine(layout_hash(), 0x66757365644e6f64ull), kernel_->hash());
+  }
   const expr::Layout& layout() const { return layout_; }
   const ElementwiseKernel& kernel() const { return *kernel_; }
   /// True when this node runs a GEMM producer in row blocks (see fuse_producers).

@@ -103,6 +103,10 @@ void execute(Device& device, std::span<const NodePtr> roots);
 /// values' consumers) stays traced for later steps.
 std::vector<NodePtr> collect_step(Device& dev);
 
+/// Entries of the per-thread scratch that collect_step and plan_for keep between steps
+/// (larger ones, left by an unusually large step, are freed).
+inline constexpr std::size_t kKeptTraceCapacity = std::size_t{1} << 14;
+
 /// run_plan for a step nobody waits on: its error is stored on the device, to surface at
 /// the next read or sync.
 void run_plan_storing_error(Device& dev, const Plan& plan, std::vector<NodePtr>& nodes);
@@ -222,8 +226,10 @@ LAZYTENSOR_INLINE std::shared_ptr<const Plan> plan_for(Device& dev,
   static auto& plan_time = core::metric("PlanTime");
   const auto t0 = core::MetricClock::now();
   const std::uint64_t epoch = detail::number_nodes(nodes);
-  std::vector<std::uint8_t> outside;
-  auto sig = detail::plan_signature(nodes, epoch, outside);
+  // This thread's scratch, kept from step to step (a cached plan then allocates nothing).
+  thread_local std::vector<std::uint8_t> outside;
+  thread_local std::vector<std::uint64_t> sig;
+  detail::plan_signature(nodes, epoch, outside, sig);
   const std::uint64_t h = detail::fold_signature(sig);
   auto& cache = dev.plan_cache();
   auto& stats = dev.plan_stats();
@@ -260,7 +266,9 @@ LAZYTENSOR_INLINE std::shared_ptr<const Plan> plan_for(Device& dev,
                    static_cast<long long>(stats.steps - 10), node, what.c_str(), nodes.size(), prev.size() / 2);
     }
   }
-  if (step) stats.last_signature = std::move(sig);
+  if (step) stats.last_signature.swap(sig);  // (the old one's storage is reused next time)
+  if (sig.capacity() > 2 * kKeptTraceCapacity) sig = {};
+  if (outside.capacity() > kKeptTraceCapacity) outside = {};
   const auto t1 = core::MetricClock::now();
   plan_time.record(core::MetricClock::to_ns(t0, t1));
   if (done) *done = t1;
@@ -363,14 +371,21 @@ LAZYTENSOR_INLINE void execute(Device& device, std::span<const NodePtr> roots) {
 }
 
 LAZYTENSOR_INLINE std::vector<NodePtr> collect_step(Device& dev) {
-  auto trace = dev.take_trace();
+  // This thread's scratch, kept from step to step: a step of a few statements allocates
+  // only the vector it returns. (Its weak references are dropped before returning: they
+  // would keep the nodes' memory.)
+  thread_local std::vector<std::weak_ptr<Node>> trace;
+  thread_local std::vector<std::uint8_t> needed;
+  dev.take_trace(trace);
   std::vector<NodePtr> alive;
   alive.reserve(trace.size());
   for (auto& w : trace)
     if (auto n = w.lock(); n && n->pending()) alive.push_back(std::move(n));
+  trace.clear();
+  if (trace.capacity() > kKeptTraceCapacity) trace = {};
   if (alive.empty()) return {};
   const std::uint64_t epoch = detail::number_nodes(alive);
-  std::vector<std::uint8_t> needed(alive.size(), 0);
+  needed.assign(alive.size(), 0);
   for (std::size_t i = 0; i < alive.size(); ++i) needed[i] = alive[i]->has_handles();
   // Consumers are newer than their inputs: one sweep from the newest marks everything needed.
   for (std::size_t i = alive.size(); i-- > 0;) {
@@ -378,14 +393,21 @@ LAZYTENSOR_INLINE std::vector<NodePtr> collect_step(Device& dev) {
     for (const auto& in : alive[i]->inputs())
       if (const std::int32_t s = detail::plan_slot_of(in, epoch); s >= 0) needed[static_cast<std::size_t>(s)] = 1;
   }
-  std::vector<NodePtr> run;
+  // The needed nodes move to the front (in order); the rest go back to the trace.
   std::vector<std::weak_ptr<Node>> keep;
+  std::size_t run = 0;
   for (std::size_t i = 0; i < alive.size(); ++i) {
-    if (needed[i]) run.push_back(std::move(alive[i]));
-    else keep.push_back(alive[i]);
+    if (needed[i]) {
+      if (run != i) alive[run] = std::move(alive[i]);
+      ++run;
+    } else {
+      keep.push_back(alive[i]);
+    }
   }
+  alive.resize(run);
+  if (needed.capacity() > kKeptTraceCapacity) needed = {};
   dev.keep_traced(std::move(keep));
-  return run;
+  return alive;
 }
 
 LAZYTENSOR_INLINE void run_plan_storing_error(Device& dev, const Plan& plan, std::vector<NodePtr>& nodes) {

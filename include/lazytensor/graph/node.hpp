@@ -130,6 +130,10 @@ class Node {
   std::uint64_t hash() const;
   /// Computes the structural hash (override to add kernel parameters).
   LAZYTENSOR_INLINE virtual std::uint64_t structural_hash() const;
+  /// The part of structural_hash every node shares: kind, dtype, shape, and the inputs'
+  /// dtypes and shapes (an override that names its op without building op_name()'s string
+  /// starts from it).
+  std::uint64_t layout_hash() const;
   /// Estimated cost per output element (1 = one add), used to decide threading.
   virtual double cost_per_element() const { return 1.0; }
 
@@ -347,14 +351,18 @@ LAZYTENSOR_INLINE std::uint64_t hash_shape(const Shape& s) {
   return h;
 }
 
-LAZYTENSOR_INLINE std::uint64_t Node::structural_hash() const {
+LAZYTENSOR_INLINE std::uint64_t Node::layout_hash() const {
   std::uint64_t h = hash_combine(static_cast<std::uint64_t>(kind_), static_cast<std::uint64_t>(dtype_));
   h = hash_combine(h, hash_shape(shape_));
   for (const auto& in : inputs_) {
     h = hash_combine(h, static_cast<std::uint64_t>(in->dtype()));
     h = hash_combine(h, hash_shape(in->shape()));
   }
-  return hash_combine(h, std::hash<std::string>{}(op_name()));
+  return h;
+}
+
+LAZYTENSOR_INLINE std::uint64_t Node::structural_hash() const {
+  return hash_combine(layout_hash(), std::hash<std::string>{}(op_name()));
 }
 
 LAZYTENSOR_INLINE std::shared_ptr<Buffer> Node::try_donate(std::size_t i) {

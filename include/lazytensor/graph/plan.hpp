@@ -112,10 +112,10 @@ inline Rendezvous* rendezvous(const NodePtr& n) {
   return n->kind() == NodeKind::Collective ? dynamic_cast<Rendezvous*>(n.get()) : nullptr;
 }
 
-/// Signature (see the file comment) of `nodes`, numbered with `epoch`; `outside[i]` is
-/// true when something outside the step refers to node i.
-std::vector<std::uint64_t> plan_signature(const std::vector<NodePtr>& nodes, std::uint64_t epoch,
-                                          std::vector<std::uint8_t>& outside);
+/// Writes into `sig` the signature (see the file comment) of `nodes`, numbered with
+/// `epoch`, and into `outside` whether something outside the step refers to each node.
+void plan_signature(const std::vector<NodePtr>& nodes, std::uint64_t epoch,
+                    std::vector<std::uint8_t>& outside, std::vector<std::uint64_t>& sig);
 
 std::uint64_t fold_signature(const std::vector<std::uint64_t>& sig);
 
@@ -170,9 +170,10 @@ LAZYTENSOR_INLINE ChunkReduction* chunk_reduction(const NodePtr& n, std::int64_t
   return reads_chunk ? r : nullptr;
 }
 
-LAZYTENSOR_INLINE std::vector<std::uint64_t> plan_signature(const std::vector<NodePtr>& nodes,
+LAZYTENSOR_INLINE void plan_signature(const std::vector<NodePtr>& nodes,
     std::uint64_t epoch,
-    std::vector<std::uint8_t>& outside) {
+    std::vector<std::uint8_t>& outside,
+    std::vector<std::uint64_t>& sig) {
   core::SmallVector<std::int32_t, 32> refs;  // a read of a few statements allocates nothing here
   refs.assign(nodes.size(), 0);
   for (const auto& n : nodes)
@@ -180,8 +181,8 @@ LAZYTENSOR_INLINE std::vector<std::uint64_t> plan_signature(const std::vector<No
       const std::int32_t s = plan_slot_of(in, epoch);
       if (s >= 0) ++refs[static_cast<std::size_t>(s)];
     }
-  std::vector<std::uint64_t> sig;
-  sig.reserve(nodes.size() * 3);
+  sig.clear();
+  sig.reserve(nodes.size() * 2);
   outside.assign(nodes.size(), 0);
   for (std::size_t i = 0; i < nodes.size(); ++i) {
     const auto& n = nodes[i];
@@ -192,7 +193,6 @@ LAZYTENSOR_INLINE std::vector<std::uint64_t> plan_signature(const std::vector<No
     for (const auto& in : n->inputs()) wiring = hash_combine(wiring, static_cast<std::uint64_t>(plan_slot_of(in, epoch) + 1));
     sig.push_back(wiring);
   }
-  return sig;
 }
 
 LAZYTENSOR_INLINE std::uint64_t fold_signature(const std::vector<std::uint64_t>& sig) {
