@@ -3853,6 +3853,7 @@ std::string kernel_text(const K& k) {
 
 #include <array>
 #include <cstdint>
+#include <span>
 #include <vector>
 
 
@@ -3876,19 +3877,19 @@ struct Layout {
 };
 
 /// Layout for writing `out` from inputs of the given shapes (each broadcastable to out).
-Layout make_layout(const Shape& out, const std::vector<Shape>& inputs);
+Layout make_layout(const Shape& out, std::span<const Shape* const> inputs);
 
 }  // namespace lazy::expr
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace lazy::expr {
 
-LAZYTENSOR_INLINE Layout make_layout(const Shape& out, const std::vector<Shape>& inputs) {
+LAZYTENSOR_INLINE Layout make_layout(const Shape& out, std::span<const Shape* const> inputs) {
   const int r = out.rank();
   const std::size_t n = inputs.size();
   // The common case first: every input has the output's shape or is one element.
   bool flat = true;
-  for (const Shape& s : inputs) flat = flat && (s == out || s.numel() == 1);
+  for (const Shape* s : inputs) flat = flat && (*s == out || s->numel() == 1);
   if (flat) {
     Layout L;
     L.stride.resize(n);
@@ -3896,7 +3897,7 @@ LAZYTENSOR_INLINE Layout make_layout(const Shape& out, const std::vector<Shape>&
     L.ndim = 1;
     L.size[0] = out.numel();
     for (std::size_t k = 0; k < n; ++k) {
-      const bool one = inputs[k].numel() == 1 && out.numel() != 1;
+      const bool one = inputs[k]->numel() == 1 && out.numel() != 1;
       L.stride[k][0] = one ? 0 : 1;
       L.splat[k] = one ? 1 : 0;
     }
@@ -3906,7 +3907,7 @@ LAZYTENSOR_INLINE Layout make_layout(const Shape& out, const std::vector<Shape>&
   std::vector<std::int64_t> sizes;
   std::vector<std::vector<std::int64_t>> strides(n);
   for (std::size_t k = 0; k < n; ++k) {
-    const Shape& s = inputs[k];
+    const Shape& s = *inputs[k];
     auto cs = contiguous_strides(s);
     const int off = r - s.rank();
     for (int d = 0; d < r; ++d) {
@@ -3926,7 +3927,7 @@ LAZYTENSOR_INLINE Layout make_layout(const Shape& out, const std::vector<Shape>&
     L.size[0] = out.numel();
     for (std::size_t k = 0; k < n; ++k) {
       L.stride[k][0] = 0;
-      L.splat[k] = inputs[k].numel() == 1 && out.numel() != 1 ? 1 : 0;
+      L.splat[k] = inputs[k]->numel() == 1 && out.numel() != 1 ? 1 : 0;
     }
     return L;
   }
@@ -4728,6 +4729,8 @@ class ElementwiseNode final : public Node {
 
   double producer_cost() const { return inputs()[fused_slot_]->cost_per_element(); }
 
+  static expr::Layout layout_of(const Shape& out, const std::vector<NodePtr>& inputs);
+
   KernelRef kernel_;
   bool can_stream_;
   expr::Layout layout_;
@@ -4759,11 +4762,12 @@ LAZYTENSOR_INLINE ElementwiseNode::ElementwiseNode(KernelRef kernel,
   Device* device,
   std::vector<NodePtr> inputs)
     : Node(NodeKind::Elementwise, dtype, shape, device, std::move(inputs)), kernel_(std::move(kernel)),
-      can_stream_(can_stream) {
-  std::vector<Shape> shapes;
-  shapes.reserve(this->inputs().size());
-  for (const auto& in : this->inputs()) shapes.push_back(in->shape());
-  layout_ = expr::make_layout(shape, shapes);
+      can_stream_(can_stream), layout_(layout_of(this->shape(), this->inputs())) {}
+
+LAZYTENSOR_INLINE expr::Layout ElementwiseNode::layout_of(const Shape& out, const std::vector<NodePtr>& inputs) {
+  core::SmallVector<const Shape*, 8> shapes;  // (no allocation for up to 8 inputs)
+  for (const auto& in : inputs) shapes.push_back(&in->shape());
+  return expr::make_layout(out, std::span<const Shape* const>(shapes.data(), shapes.size()));
 }
 
 LAZYTENSOR_INLINE void ElementwiseNode::fuse_producers() {

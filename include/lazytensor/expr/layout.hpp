@@ -6,6 +6,7 @@
 
 #include <array>
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include <lazytensor/core/shape.hpp>
@@ -32,19 +33,19 @@ struct Layout {
 };
 
 /// Layout for writing `out` from inputs of the given shapes (each broadcastable to out).
-Layout make_layout(const Shape& out, const std::vector<Shape>& inputs);
+Layout make_layout(const Shape& out, std::span<const Shape* const> inputs);
 
 }  // namespace lazy::expr
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace lazy::expr {
 
-LAZYTENSOR_INLINE Layout make_layout(const Shape& out, const std::vector<Shape>& inputs) {
+LAZYTENSOR_INLINE Layout make_layout(const Shape& out, std::span<const Shape* const> inputs) {
   const int r = out.rank();
   const std::size_t n = inputs.size();
   // The common case first: every input has the output's shape or is one element.
   bool flat = true;
-  for (const Shape& s : inputs) flat = flat && (s == out || s.numel() == 1);
+  for (const Shape* s : inputs) flat = flat && (*s == out || s->numel() == 1);
   if (flat) {
     Layout L;
     L.stride.resize(n);
@@ -52,7 +53,7 @@ LAZYTENSOR_INLINE Layout make_layout(const Shape& out, const std::vector<Shape>&
     L.ndim = 1;
     L.size[0] = out.numel();
     for (std::size_t k = 0; k < n; ++k) {
-      const bool one = inputs[k].numel() == 1 && out.numel() != 1;
+      const bool one = inputs[k]->numel() == 1 && out.numel() != 1;
       L.stride[k][0] = one ? 0 : 1;
       L.splat[k] = one ? 1 : 0;
     }
@@ -62,7 +63,7 @@ LAZYTENSOR_INLINE Layout make_layout(const Shape& out, const std::vector<Shape>&
   std::vector<std::int64_t> sizes;
   std::vector<std::vector<std::int64_t>> strides(n);
   for (std::size_t k = 0; k < n; ++k) {
-    const Shape& s = inputs[k];
+    const Shape& s = *inputs[k];
     auto cs = contiguous_strides(s);
     const int off = r - s.rank();
     for (int d = 0; d < r; ++d) {
@@ -82,7 +83,7 @@ LAZYTENSOR_INLINE Layout make_layout(const Shape& out, const std::vector<Shape>&
     L.size[0] = out.numel();
     for (std::size_t k = 0; k < n; ++k) {
       L.stride[k][0] = 0;
-      L.splat[k] = inputs[k].numel() == 1 && out.numel() != 1 ? 1 : 0;
+      L.splat[k] = inputs[k]->numel() == 1 && out.numel() != 1 ? 1 : 0;
     }
     return L;
   }

@@ -196,6 +196,8 @@ class ElementwiseNode final : public Node {
 
   double producer_cost() const { return inputs()[fused_slot_]->cost_per_element(); }
 
+  static expr::Layout layout_of(const Shape& out, const std::vector<NodePtr>& inputs);
+
   KernelRef kernel_;
   bool can_stream_;
   expr::Layout layout_;
@@ -227,11 +229,12 @@ LAZYTENSOR_INLINE ElementwiseNode::ElementwiseNode(KernelRef kernel,
   Device* device,
   std::vector<NodePtr> inputs)
     : Node(NodeKind::Elementwise, dtype, shape, device, std::move(inputs)), kernel_(std::move(kernel)),
-      can_stream_(can_stream) {
-  std::vector<Shape> shapes;
-  shapes.reserve(this->inputs().size());
-  for (const auto& in : this->inputs()) shapes.push_back(in->shape());
-  layout_ = expr::make_layout(shape, shapes);
+      can_stream_(can_stream), layout_(layout_of(this->shape(), this->inputs())) {}
+
+LAZYTENSOR_INLINE expr::Layout ElementwiseNode::layout_of(const Shape& out, const std::vector<NodePtr>& inputs) {
+  core::SmallVector<const Shape*, 8> shapes;  // (no allocation for up to 8 inputs)
+  for (const auto& in : inputs) shapes.push_back(&in->shape());
+  return expr::make_layout(out, std::span<const Shape* const>(shapes.data(), shapes.size()));
 }
 
 LAZYTENSOR_INLINE void ElementwiseNode::fuse_producers() {
