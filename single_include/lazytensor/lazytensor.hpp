@@ -11508,9 +11508,10 @@ inline constexpr std::size_t kDirectBytes = std::size_t{64} << 10;
 inline constexpr std::size_t kMaxPiece = std::size_t{1} << 30;
 inline constexpr std::uint64_t kPackageMagic = 0x314950544c5a414cULL;  // "LAZLTPI1"
 
-/// Appends plain values to a byte package. The vector grows ahead of the writes (one
-/// resize per doubling, not one per value: a package is written every round); finish()
-/// trims it to what was written, and must be called before the package is used.
+/// Appends plain values to a byte package. The vector grows ahead of the writes (a package
+/// is written every round: doubling while it is small, then by what a write needs plus
+/// 4 KiB, so a large payload is not zero-filled twice); finish() trims it to what was
+/// written, and must be called before the package is used.
 struct PackWriter {
   std::vector<std::byte>& out;
   std::size_t at = out.size();
@@ -11520,19 +11521,25 @@ struct PackWriter {
     put_bytes(&v, sizeof(V));
   }
   void put_bytes(const void* p, std::size_t n) {
-    if (out.size() - at < n) out.resize(std::max({at + n, 2 * out.size(), std::size_t{256}}));
+    if (out.size() - at < n) grow(at + n);
     if (n) std::memcpy(out.data() + at, p, n);
     at += n;
   }
   void pad64() {
     const std::size_t to = align64(at);
-    if (out.size() < to) out.resize(std::max(to, 2 * out.size()));
+    if (out.size() < to) grow(to);
     std::memset(out.data() + at, 0, to - at);
     at = to;
   }
   /// Bytes written so far.
   std::size_t size() const { return at; }
   void finish() { out.resize(at); }
+
+ private:
+  void grow(std::size_t need) {
+    const std::size_t slack = std::min<std::size_t>(out.size(), 4096);
+    out.resize(std::max({need, out.size() + slack, std::size_t{256}}));
+  }
 };
 
 /// Reads them back, bounds-checked: a malformed package is a CollectiveError naming its
@@ -11574,28 +11581,41 @@ inline void put_signature(PackWriter& w, const Signature& s) {
   w.put_bytes(s.tag.data(), s.tag.size());
 }
 
-inline Signature get_signature(PackReader& r) {
-  Signature s;
+/// Reads a signature into `s`, keeping its group list when the package names the same
+/// members (it does round after round: no allocation then).
+inline void read_signature(PackReader& r, Signature& s) {
   s.kind = static_cast<CollectiveKind>(r.get<std::uint8_t>());
   s.op = static_cast<ReduceOp>(r.get<std::uint8_t>());
   s.dtype = static_cast<DType>(r.get<std::uint8_t>());
   s.tensors = r.get<std::int32_t>();
   const auto rank = r.get<std::int32_t>();
   if (rank < 0 || rank > kMaxRank) r.need(std::numeric_limits<std::size_t>::max());
+  s.shape = Shape{};
   for (int d = 0; d < rank; ++d) s.shape.push_back(r.get<std::int64_t>());
   s.shapes_hash = r.get<std::uint64_t>();
   for (auto& p : s.params) p = r.get<std::int64_t>();
   s.scale = r.get<double>();
   const auto g = r.get<std::uint32_t>();
   r.need(std::size_t{g} * 4);
-  auto group = std::make_shared<std::vector<int>>(g);
-  for (std::uint32_t i = 0; i < g; ++i) (*group)[i] = r.get<std::int32_t>();
-  if (g) s.group = std::move(group);
+  bool same = g > 0 && s.group && s.group->size() == g;
+  for (std::uint32_t i = 0; i < g && same; ++i) {
+    std::int32_t m;
+    std::memcpy(&m, r.p + std::size_t{i} * 4, sizeof m);
+    same = (*s.group)[i] == m;
+  }
+  if (same) {
+    r.p += std::size_t{g} * 4;
+  } else if (g == 0) {
+    s.group.reset();
+  } else {
+    auto group = std::make_shared<std::vector<int>>(g);
+    for (std::uint32_t i = 0; i < g; ++i) (*group)[i] = r.get<std::int32_t>();
+    s.group = std::move(group);
+  }
   const auto n = r.get<std::uint64_t>();
   r.need(n);
   s.tag.assign(reinterpret_cast<const char*>(r.p), n);
   r.p += n;
-  return s;
 }
 
 inline void mpi_check(int rc, const char* what) {
@@ -12252,7 +12272,7 @@ inline bool MpiLink::progress(const std::vector<Share*>& slot_share,
                                 ", which is not its member of this group");
         }
         Share& sh = *slot_share[static_cast<std::size_t>(slot_of_ordinal[static_cast<std::size_t>(ordinal)])];
-        sh.sig = get_signature(r);
+        read_signature(r, sh.sig);
         const auto nd = r.get<std::uint32_t>();
         sh.data.assign(nd, nullptr);
         sh.bytes.assign(nd, 0);
@@ -12344,7 +12364,10 @@ inline std::shared_ptr<std::vector<std::byte>> MpiLink::next_package(
     int count = 0;
     MPI_Get_count(&st, MPI_BYTE, &count);
     std::shared_ptr<std::vector<std::byte>> buf;
-    if (recycle && recycle.use_count() == 1) buf = std::move(recycle);
+    // (Not a much larger one: one big round must not pin its size for the link's life.)
+    if (recycle && recycle.use_count() == 1 &&
+        recycle->capacity() <= std::max<std::size_t>(2 * static_cast<std::size_t>(count), 1 << 20))
+      buf = std::move(recycle);
     else buf = std::make_shared<std::vector<std::byte>>();
     buf->resize(static_cast<std::size_t>(std::max(count, 0)));
     mpi_check(MPI_Mrecv(buf->data(), count, MPI_BYTE, &m, MPI_STATUS_IGNORE), "MPI_Mrecv");
@@ -12945,11 +12968,14 @@ struct CollectiveCall {
   std::shared_ptr<GroupComm> comm;  ///< null for a group of one (nothing to exchange)
   int slot = 0;                     ///< this replica's slot in comm
   int rank = 0;                     ///< this replica's position in its group (data order)
-  std::vector<int> slot_of_rank;    ///< slot of each group position
+  std::vector<int> slot_of_rank;    ///< slot of each group position; empty: the position itself
   std::uint64_t seq = 0;            ///< sequence number in the group
   Signature sig;
 
   int size() const { return comm ? comm->size() : 1; }
+  /// Slot of group position `q` (a group in ascending order, the world's among them, needs
+  /// no table: captured without allocating).
+  int slot_at(int q) const { return slot_of_rank.empty() ? q : slot_of_rank[static_cast<std::size_t>(q)]; }
 };
 
 /// Captures a collective whose group is `group` (ordinals in data order, containing this
@@ -13036,8 +13062,12 @@ LAZYTENSOR_INLINE CollectiveCall capture(Signature sig,
   call.comm = ch->comm;
   call.seq = ch->next_seq++;
   call.slot = call.comm->slot_of(me);
-  call.slot_of_rank.resize(g.size());
-  for (std::size_t k = 0; k < g.size(); ++k) call.slot_of_rank[k] = call.comm->slot_of(g[k]);
+  bool in_order = true;
+  for (std::size_t k = 0; k < g.size() && in_order; ++k) in_order = call.comm->slot_of(g[k]) == static_cast<int>(k);
+  if (!in_order) {
+    call.slot_of_rank.resize(g.size());
+    for (std::size_t k = 0; k < g.size(); ++k) call.slot_of_rank[k] = call.comm->slot_of(g[k]);
+  }
   return call;
 }
 
@@ -13321,6 +13351,7 @@ LAZYTENSOR_INLINE std::vector<graph::NodePtr> submit_exchange(
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <span>
 #include <utility>
 #include <vector>
 
@@ -13335,9 +13366,15 @@ void copy_block(std::byte* dst, const std::array<std::int64_t, kMaxRank>& dstr,
 
 /// Publishes this member's inputs: copies into the slot when `copied`, else pointers (and,
 /// when the group spans processes, the buffers holding them, so they can be sent from there).
-void publish_inputs(Share& s, const std::vector<const std::byte*>& in,
-                    const std::vector<std::size_t>& nbytes, bool copied,
-                    const CollectiveCall& c, const ExchangeNode& node);
+void publish_inputs(Share& s, std::span<const std::byte* const> in,
+                    std::span<const std::size_t> nbytes, bool copied, const CollectiveCall& c,
+                    const ExchangeNode& node);
+
+/// publish_inputs of one input.
+inline void publish_input(Share& s, const std::byte* in, std::size_t nbytes, bool copied,
+                          const CollectiveCall& c, const ExchangeNode& node) {
+  publish_inputs(s, std::span(&in, 1), std::span(&nbytes, 1), copied, c, node);
+}
 
 /// all_reduce of one or several tensors of type T (coalesced: one round for all of them).
 template <Element T>
@@ -13364,9 +13401,13 @@ class AllReduceExchange final : public ExchangeNode {
       }
       return outs;
     }
-    std::vector<std::int64_t> offs(k + 1, 0);  // tensors laid end to end
-    std::vector<const std::byte*> in(k);
-    std::vector<std::size_t> nbytes(k);
+    // (Inline storage: a round of a few tensors allocates none of these.)
+    core::SmallVector<std::int64_t, 9> offs;  // tensors laid end to end
+    core::SmallVector<const std::byte*, 8> in;
+    core::SmallVector<std::size_t, 8> nbytes;
+    offs.assign(k + 1, 0);
+    in.resize(k);
+    nbytes.resize(k);
     std::size_t staged = 0;
     for (std::size_t i = 0; i < k; ++i) {
       offs[i + 1] = offs[i] + data(i)->numel();
@@ -13382,7 +13423,8 @@ class AllReduceExchange final : public ExchangeNode {
     c.comm->exchange(
         c.slot, c.seq, c.sig,
         [&](Share& s) {
-          publish_inputs(s, in, nbytes, copied, c, *this);
+          publish_inputs(s, std::span<const std::byte* const>(in.data(), k),
+                         std::span<const std::size_t>(nbytes.data(), k), copied, c, *this);
           if (!copied && leader) {
             for (auto& b : outs) b->mark_shared();
             s.buffers = outs;
@@ -13390,7 +13432,7 @@ class AllReduceExchange final : public ExchangeNode {
         },
         [&](const GroupComm::Round& r) {
           if (!copied && !leader) outs = r[c.comm->leader()].buffers;
-          reduce(ctx, r, outs, offs, copied);
+          reduce(ctx, r, outs, std::span<const std::int64_t>(offs.data(), k + 1), copied);
         },
         !copied);
     return outs;
@@ -13402,7 +13444,7 @@ class AllReduceExchange final : public ExchangeNode {
   /// workers.
   void reduce(graph::ExecContext& ctx, const GroupComm::Round& r,
               const std::vector<std::shared_ptr<Buffer>>& outs,
-              const std::vector<std::int64_t>& offs, bool whole) const {
+              std::span<const std::int64_t> offs, bool whole) const {
     const CollectiveCall& c = call();
     const int n = c.size();
     const std::int64_t total = offs.back();
@@ -13432,7 +13474,7 @@ class AllReduceExchange final : public ExchangeNode {
         const std::int64_t end = std::min(hi, offs[i + 1]), local = lo - offs[i];
         for (int q = 0; q < n; ++q) {
           p[static_cast<std::size_t>(q)] =
-              reinterpret_cast<const T*>(r[c.slot_of_rank[static_cast<std::size_t>(q)]].data[i]) +
+              reinterpret_cast<const T*>(r[c.slot_at(q)].data[i]) +
               local;
         }
         reduce_span<T>(op_, static_cast<T*>(outs[i]->data()) + local, p.data(), n, end - lo, scale_,
@@ -13501,11 +13543,11 @@ class ReduceScatterExchange final : public ExchangeNode {
     const bool copied = align64(nbytes) <= kInlineBytes;
     c.comm->exchange(
         c.slot, c.seq, c.sig,
-        [&](Share& sh) { publish_inputs(sh, {bytes(0)}, {nbytes}, copied, c, *this); },
+        [&](Share& sh) { publish_input(sh, bytes(0), nbytes, copied, c, *this); },
         [&](const GroupComm::Round& r) {
           reduce_from([&](int q) {
             return reinterpret_cast<const T*>(
-                r[c.slot_of_rank[static_cast<std::size_t>(q)]].data[0]);
+                r[c.slot_at(q)].data[0]);
           });
         },
         !copied);
@@ -13576,11 +13618,11 @@ LAZYTENSOR_INLINE void copy_block(std::byte* dst, const std::array<std::int64_t,
   }
 }
 
-LAZYTENSOR_INLINE void publish_inputs(Share& s, const std::vector<const std::byte*>& in,
-                                      const std::vector<std::size_t>& nbytes, bool copied,
+LAZYTENSOR_INLINE void publish_inputs(Share& s, std::span<const std::byte* const> in,
+                                      std::span<const std::size_t> nbytes, bool copied,
                                       const CollectiveCall& c, const ExchangeNode& node) {
   s.data.resize(in.size());
-  s.bytes = nbytes;
+  s.bytes.assign(nbytes.begin(), nbytes.end());
   if (!copied) {
     for (std::size_t i = 0; i < in.size(); ++i) s.data[i] = in[i];
     if (c.comm->spans_processes()) {
@@ -13631,7 +13673,7 @@ LAZYTENSOR_INLINE std::vector<std::shared_ptr<Buffer>> AllGatherExchange::run(
   c.comm->exchange(
       c.slot, c.seq, c.sig,
       [&](Share& sh) {
-        publish_inputs(sh, {own}, {nbytes}, copied, c, *this);
+        publish_input(sh, own, nbytes, copied, c, *this);
         if (!copied && leader) {
           outs[0]->mark_shared();
           sh.buffers = outs;
@@ -13645,14 +13687,14 @@ LAZYTENSOR_INLINE std::vector<std::shared_ptr<Buffer>> AllGatherExchange::run(
           // ... and the local members share the blocks of members in other processes.
           const int locals = c.comm->local_count(), mine = c.comm->local_index(c.slot);
           for (int q = 0, k = 0; q < n; ++q) {
-            const int slot = c.slot_of_rank[static_cast<std::size_t>(q)];
+            const int slot = c.slot_at(q);
             if (c.comm->local_index(slot) >= 0) continue;
             if (k++ % locals == mine) copy_rank(out, r[slot].data[0], q);
           }
           return;
         }
         for (int q = 0; q < n; ++q)
-          copy_rank(out, r[c.slot_of_rank[static_cast<std::size_t>(q)]].data[0], q);
+          copy_rank(out, r[c.slot_at(q)].data[0], q);
       },
       !copied);
   return outs;
@@ -13684,10 +13726,10 @@ LAZYTENSOR_INLINE std::vector<std::shared_ptr<Buffer>> AllToAllExchange::run(
   const auto ses = static_cast<std::int64_t>(es);
   c.comm->exchange(
       c.slot, c.seq, c.sig,
-      [&](Share& sh) { publish_inputs(sh, {bytes(0)}, {nbytes}, copied, c, *this); },
+      [&](Share& sh) { publish_input(sh, bytes(0), nbytes, copied, c, *this); },
       [&](const GroupComm::Round& r) {
         for (int q = 0; q < n; ++q) {
-          const std::byte* src = r[c.slot_of_rank[static_cast<std::size_t>(q)]].data[0] +
+          const std::byte* src = r[c.slot_at(q)].data[0] +
                                  c.rank * chunk[split_] * sstr[split_] * ses;
           copy_block(out + q * chunk[concat_] * ostr[concat_] * ses, ostr, src, sstr, chunk, es);
         }
@@ -13963,7 +14005,7 @@ Tensor<T> broadcast(const Tensor<T>& t, int src = 0, const Groups& groups = {}) 
   detail::Signature sig = detail::tensor_signature(detail::CollectiveKind::Broadcast, t);
   sig.params[0] = src;
   auto call = detail::capture(std::move(sig), std::move(group));
-  const int src_slot = call.comm ? call.slot_of_rank[static_cast<std::size_t>(src_rank)] : 0;
+  const int src_slot = call.comm ? call.slot_at(src_rank) : 0;
   return detail::trace<T>(std::move(call),
                           [&](detail::CollectiveCall c, const graph::NodePtr& after) {
                             return std::make_shared<detail::BroadcastExchange>(

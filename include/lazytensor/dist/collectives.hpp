@@ -246,7 +246,7 @@ Tensor<T> broadcast(const Tensor<T>& t, int src = 0, const Groups& groups = {}) 
   detail::Signature sig = detail::tensor_signature(detail::CollectiveKind::Broadcast, t);
   sig.params[0] = src;
   auto call = detail::capture(std::move(sig), std::move(group));
-  const int src_slot = call.comm ? call.slot_of_rank[static_cast<std::size_t>(src_rank)] : 0;
+  const int src_slot = call.comm ? call.slot_at(src_rank) : 0;
   return detail::trace<T>(std::move(call),
                           [&](detail::CollectiveCall c, const graph::NodePtr& after) {
                             return std::make_shared<detail::BroadcastExchange>(

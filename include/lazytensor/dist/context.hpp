@@ -77,11 +77,14 @@ struct CollectiveCall {
   std::shared_ptr<GroupComm> comm;  ///< null for a group of one (nothing to exchange)
   int slot = 0;                     ///< this replica's slot in comm
   int rank = 0;                     ///< this replica's position in its group (data order)
-  std::vector<int> slot_of_rank;    ///< slot of each group position
+  std::vector<int> slot_of_rank;    ///< slot of each group position; empty: the position itself
   std::uint64_t seq = 0;            ///< sequence number in the group
   Signature sig;
 
   int size() const { return comm ? comm->size() : 1; }
+  /// Slot of group position `q` (a group in ascending order, the world's among them, needs
+  /// no table: captured without allocating).
+  int slot_at(int q) const { return slot_of_rank.empty() ? q : slot_of_rank[static_cast<std::size_t>(q)]; }
 };
 
 /// Captures a collective whose group is `group` (ordinals in data order, containing this
@@ -168,8 +171,12 @@ LAZYTENSOR_INLINE CollectiveCall capture(Signature sig,
   call.comm = ch->comm;
   call.seq = ch->next_seq++;
   call.slot = call.comm->slot_of(me);
-  call.slot_of_rank.resize(g.size());
-  for (std::size_t k = 0; k < g.size(); ++k) call.slot_of_rank[k] = call.comm->slot_of(g[k]);
+  bool in_order = true;
+  for (std::size_t k = 0; k < g.size() && in_order; ++k) in_order = call.comm->slot_of(g[k]) == static_cast<int>(k);
+  if (!in_order) {
+    call.slot_of_rank.resize(g.size());
+    for (std::size_t k = 0; k < g.size(); ++k) call.slot_of_rank[k] = call.comm->slot_of(g[k]);
+  }
   return call;
 }
 

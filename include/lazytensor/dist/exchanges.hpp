@@ -18,10 +18,12 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <span>
 #include <utility>
 #include <vector>
 
 #include <lazytensor/core/config.hpp>
+#include <lazytensor/core/small_vector.hpp>
 #include <lazytensor/dist/collective_node.hpp>
 #include <lazytensor/dist/reduce_op.hpp>
 #include <lazytensor/graph/parallel.hpp>
@@ -36,9 +38,15 @@ void copy_block(std::byte* dst, const std::array<std::int64_t, kMaxRank>& dstr,
 
 /// Publishes this member's inputs: copies into the slot when `copied`, else pointers (and,
 /// when the group spans processes, the buffers holding them, so they can be sent from there).
-void publish_inputs(Share& s, const std::vector<const std::byte*>& in,
-                    const std::vector<std::size_t>& nbytes, bool copied,
-                    const CollectiveCall& c, const ExchangeNode& node);
+void publish_inputs(Share& s, std::span<const std::byte* const> in,
+                    std::span<const std::size_t> nbytes, bool copied, const CollectiveCall& c,
+                    const ExchangeNode& node);
+
+/// publish_inputs of one input.
+inline void publish_input(Share& s, const std::byte* in, std::size_t nbytes, bool copied,
+                          const CollectiveCall& c, const ExchangeNode& node) {
+  publish_inputs(s, std::span(&in, 1), std::span(&nbytes, 1), copied, c, node);
+}
 
 /// all_reduce of one or several tensors of type T (coalesced: one round for all of them).
 template <Element T>
@@ -65,9 +73,13 @@ class AllReduceExchange final : public ExchangeNode {
       }
       return outs;
     }
-    std::vector<std::int64_t> offs(k + 1, 0);  // tensors laid end to end
-    std::vector<const std::byte*> in(k);
-    std::vector<std::size_t> nbytes(k);
+    // (Inline storage: a round of a few tensors allocates none of these.)
+    core::SmallVector<std::int64_t, 9> offs;  // tensors laid end to end
+    core::SmallVector<const std::byte*, 8> in;
+    core::SmallVector<std::size_t, 8> nbytes;
+    offs.assign(k + 1, 0);
+    in.resize(k);
+    nbytes.resize(k);
     std::size_t staged = 0;
     for (std::size_t i = 0; i < k; ++i) {
       offs[i + 1] = offs[i] + data(i)->numel();
@@ -83,7 +95,8 @@ class AllReduceExchange final : public ExchangeNode {
     c.comm->exchange(
         c.slot, c.seq, c.sig,
         [&](Share& s) {
-          publish_inputs(s, in, nbytes, copied, c, *this);
+          publish_inputs(s, std::span<const std::byte* const>(in.data(), k),
+                         std::span<const std::size_t>(nbytes.data(), k), copied, c, *this);
           if (!copied && leader) {
             for (auto& b : outs) b->mark_shared();
             s.buffers = outs;
@@ -91,7 +104,7 @@ class AllReduceExchange final : public ExchangeNode {
         },
         [&](const GroupComm::Round& r) {
           if (!copied && !leader) outs = r[c.comm->leader()].buffers;
-          reduce(ctx, r, outs, offs, copied);
+          reduce(ctx, r, outs, std::span<const std::int64_t>(offs.data(), k + 1), copied);
         },
         !copied);
     return outs;
@@ -103,7 +116,7 @@ class AllReduceExchange final : public ExchangeNode {
   /// workers.
   void reduce(graph::ExecContext& ctx, const GroupComm::Round& r,
               const std::vector<std::shared_ptr<Buffer>>& outs,
-              const std::vector<std::int64_t>& offs, bool whole) const {
+              std::span<const std::int64_t> offs, bool whole) const {
     const CollectiveCall& c = call();
     const int n = c.size();
     const std::int64_t total = offs.back();
@@ -133,7 +146,7 @@ class AllReduceExchange final : public ExchangeNode {
         const std::int64_t end = std::min(hi, offs[i + 1]), local = lo - offs[i];
         for (int q = 0; q < n; ++q) {
           p[static_cast<std::size_t>(q)] =
-              reinterpret_cast<const T*>(r[c.slot_of_rank[static_cast<std::size_t>(q)]].data[i]) +
+              reinterpret_cast<const T*>(r[c.slot_at(q)].data[i]) +
               local;
         }
         reduce_span<T>(op_, static_cast<T*>(outs[i]->data()) + local, p.data(), n, end - lo, scale_,
@@ -202,11 +215,11 @@ class ReduceScatterExchange final : public ExchangeNode {
     const bool copied = align64(nbytes) <= kInlineBytes;
     c.comm->exchange(
         c.slot, c.seq, c.sig,
-        [&](Share& sh) { publish_inputs(sh, {bytes(0)}, {nbytes}, copied, c, *this); },
+        [&](Share& sh) { publish_input(sh, bytes(0), nbytes, copied, c, *this); },
         [&](const GroupComm::Round& r) {
           reduce_from([&](int q) {
             return reinterpret_cast<const T*>(
-                r[c.slot_of_rank[static_cast<std::size_t>(q)]].data[0]);
+                r[c.slot_at(q)].data[0]);
           });
         },
         !copied);
@@ -277,11 +290,11 @@ LAZYTENSOR_INLINE void copy_block(std::byte* dst, const std::array<std::int64_t,
   }
 }
 
-LAZYTENSOR_INLINE void publish_inputs(Share& s, const std::vector<const std::byte*>& in,
-                                      const std::vector<std::size_t>& nbytes, bool copied,
+LAZYTENSOR_INLINE void publish_inputs(Share& s, std::span<const std::byte* const> in,
+                                      std::span<const std::size_t> nbytes, bool copied,
                                       const CollectiveCall& c, const ExchangeNode& node) {
   s.data.resize(in.size());
-  s.bytes = nbytes;
+  s.bytes.assign(nbytes.begin(), nbytes.end());
   if (!copied) {
     for (std::size_t i = 0; i < in.size(); ++i) s.data[i] = in[i];
     if (c.comm->spans_processes()) {
@@ -332,7 +345,7 @@ LAZYTENSOR_INLINE std::vector<std::shared_ptr<Buffer>> AllGatherExchange::run(
   c.comm->exchange(
       c.slot, c.seq, c.sig,
       [&](Share& sh) {
-        publish_inputs(sh, {own}, {nbytes}, copied, c, *this);
+        publish_input(sh, own, nbytes, copied, c, *this);
         if (!copied && leader) {
           outs[0]->mark_shared();
           sh.buffers = outs;
@@ -346,14 +359,14 @@ LAZYTENSOR_INLINE std::vector<std::shared_ptr<Buffer>> AllGatherExchange::run(
           // ... and the local members share the blocks of members in other processes.
           const int locals = c.comm->local_count(), mine = c.comm->local_index(c.slot);
           for (int q = 0, k = 0; q < n; ++q) {
-            const int slot = c.slot_of_rank[static_cast<std::size_t>(q)];
+            const int slot = c.slot_at(q);
             if (c.comm->local_index(slot) >= 0) continue;
             if (k++ % locals == mine) copy_rank(out, r[slot].data[0], q);
           }
           return;
         }
         for (int q = 0; q < n; ++q)
-          copy_rank(out, r[c.slot_of_rank[static_cast<std::size_t>(q)]].data[0], q);
+          copy_rank(out, r[c.slot_at(q)].data[0], q);
       },
       !copied);
   return outs;
@@ -385,10 +398,10 @@ LAZYTENSOR_INLINE std::vector<std::shared_ptr<Buffer>> AllToAllExchange::run(
   const auto ses = static_cast<std::int64_t>(es);
   c.comm->exchange(
       c.slot, c.seq, c.sig,
-      [&](Share& sh) { publish_inputs(sh, {bytes(0)}, {nbytes}, copied, c, *this); },
+      [&](Share& sh) { publish_input(sh, bytes(0), nbytes, copied, c, *this); },
       [&](const GroupComm::Round& r) {
         for (int q = 0; q < n; ++q) {
-          const std::byte* src = r[c.slot_of_rank[static_cast<std::size_t>(q)]].data[0] +
+          const std::byte* src = r[c.slot_at(q)].data[0] +
                                  c.rank * chunk[split_] * sstr[split_] * ses;
           copy_block(out + q * chunk[concat_] * ostr[concat_] * ses, ostr, src, sstr, chunk, es);
         }

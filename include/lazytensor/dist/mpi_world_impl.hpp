@@ -31,9 +31,10 @@ inline constexpr std::size_t kDirectBytes = std::size_t{64} << 10;
 inline constexpr std::size_t kMaxPiece = std::size_t{1} << 30;
 inline constexpr std::uint64_t kPackageMagic = 0x314950544c5a414cULL;  // "LAZLTPI1"
 
-/// Appends plain values to a byte package. The vector grows ahead of the writes (one
-/// resize per doubling, not one per value: a package is written every round); finish()
-/// trims it to what was written, and must be called before the package is used.
+/// Appends plain values to a byte package. The vector grows ahead of the writes (a package
+/// is written every round: doubling while it is small, then by what a write needs plus
+/// 4 KiB, so a large payload is not zero-filled twice); finish() trims it to what was
+/// written, and must be called before the package is used.
 struct PackWriter {
   std::vector<std::byte>& out;
   std::size_t at = out.size();
@@ -43,19 +44,25 @@ struct PackWriter {
     put_bytes(&v, sizeof(V));
   }
   void put_bytes(const void* p, std::size_t n) {
-    if (out.size() - at < n) out.resize(std::max({at + n, 2 * out.size(), std::size_t{256}}));
+    if (out.size() - at < n) grow(at + n);
     if (n) std::memcpy(out.data() + at, p, n);
     at += n;
   }
   void pad64() {
     const std::size_t to = align64(at);
-    if (out.size() < to) out.resize(std::max(to, 2 * out.size()));
+    if (out.size() < to) grow(to);
     std::memset(out.data() + at, 0, to - at);
     at = to;
   }
   /// Bytes written so far.
   std::size_t size() const { return at; }
   void finish() { out.resize(at); }
+
+ private:
+  void grow(std::size_t need) {
+    const std::size_t slack = std::min<std::size_t>(out.size(), 4096);
+    out.resize(std::max({need, out.size() + slack, std::size_t{256}}));
+  }
 };
 
 /// Reads them back, bounds-checked: a malformed package is a CollectiveError naming its
@@ -97,28 +104,41 @@ inline void put_signature(PackWriter& w, const Signature& s) {
   w.put_bytes(s.tag.data(), s.tag.size());
 }
 
-inline Signature get_signature(PackReader& r) {
-  Signature s;
+/// Reads a signature into `s`, keeping its group list when the package names the same
+/// members (it does round after round: no allocation then).
+inline void read_signature(PackReader& r, Signature& s) {
   s.kind = static_cast<CollectiveKind>(r.get<std::uint8_t>());
   s.op = static_cast<ReduceOp>(r.get<std::uint8_t>());
   s.dtype = static_cast<DType>(r.get<std::uint8_t>());
   s.tensors = r.get<std::int32_t>();
   const auto rank = r.get<std::int32_t>();
   if (rank < 0 || rank > kMaxRank) r.need(std::numeric_limits<std::size_t>::max());
+  s.shape = Shape{};
   for (int d = 0; d < rank; ++d) s.shape.push_back(r.get<std::int64_t>());
   s.shapes_hash = r.get<std::uint64_t>();
   for (auto& p : s.params) p = r.get<std::int64_t>();
   s.scale = r.get<double>();
   const auto g = r.get<std::uint32_t>();
   r.need(std::size_t{g} * 4);
-  auto group = std::make_shared<std::vector<int>>(g);
-  for (std::uint32_t i = 0; i < g; ++i) (*group)[i] = r.get<std::int32_t>();
-  if (g) s.group = std::move(group);
+  bool same = g > 0 && s.group && s.group->size() == g;
+  for (std::uint32_t i = 0; i < g && same; ++i) {
+    std::int32_t m;
+    std::memcpy(&m, r.p + std::size_t{i} * 4, sizeof m);
+    same = (*s.group)[i] == m;
+  }
+  if (same) {
+    r.p += std::size_t{g} * 4;
+  } else if (g == 0) {
+    s.group.reset();
+  } else {
+    auto group = std::make_shared<std::vector<int>>(g);
+    for (std::uint32_t i = 0; i < g; ++i) (*group)[i] = r.get<std::int32_t>();
+    s.group = std::move(group);
+  }
   const auto n = r.get<std::uint64_t>();
   r.need(n);
   s.tag.assign(reinterpret_cast<const char*>(r.p), n);
   r.p += n;
-  return s;
 }
 
 inline void mpi_check(int rc, const char* what) {
@@ -775,7 +795,7 @@ inline bool MpiLink::progress(const std::vector<Share*>& slot_share,
                                 ", which is not its member of this group");
         }
         Share& sh = *slot_share[static_cast<std::size_t>(slot_of_ordinal[static_cast<std::size_t>(ordinal)])];
-        sh.sig = get_signature(r);
+        read_signature(r, sh.sig);
         const auto nd = r.get<std::uint32_t>();
         sh.data.assign(nd, nullptr);
         sh.bytes.assign(nd, 0);
@@ -867,7 +887,10 @@ inline std::shared_ptr<std::vector<std::byte>> MpiLink::next_package(
     int count = 0;
     MPI_Get_count(&st, MPI_BYTE, &count);
     std::shared_ptr<std::vector<std::byte>> buf;
-    if (recycle && recycle.use_count() == 1) buf = std::move(recycle);
+    // (Not a much larger one: one big round must not pin its size for the link's life.)
+    if (recycle && recycle.use_count() == 1 &&
+        recycle->capacity() <= std::max<std::size_t>(2 * static_cast<std::size_t>(count), 1 << 20))
+      buf = std::move(recycle);
     else buf = std::make_shared<std::vector<std::byte>>();
     buf->resize(static_cast<std::size_t>(std::max(count, 0)));
     mpi_check(MPI_Mrecv(buf->data(), count, MPI_BYTE, &m, MPI_STATUS_IGNORE), "MPI_Mrecv");
