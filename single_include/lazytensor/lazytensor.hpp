@@ -10665,9 +10665,6 @@ class ShapesHash {
   std::uint64_t h_ = 1469598103934665603ull;
 };
 
-/// Hash of a list of shapes (ShapesHash of each in order).
-std::uint64_t shapes_hash(const std::vector<Shape>& shapes);
-
 }  // namespace detail
 }  // namespace lazy::dist
 
@@ -10797,11 +10794,6 @@ LAZYTENSOR_INLINE std::string Signature::str() const {
   return s + ")";
 }
 
-LAZYTENSOR_INLINE std::uint64_t shapes_hash(const std::vector<Shape>& shapes) {
-  ShapesHash h;
-  for (const auto& s : shapes) h.add(s);
-  return h.value();
-}
 }  // namespace lazy::dist::detail
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/dist/signature.hpp ----
@@ -13802,15 +13794,23 @@ Signature tensor_signature(CollectiveKind kind, const Tensor<T>& t) {
   return sig;
 }
 
-/// Submits exchange `ex` (built by make(after)) and wraps its results as tensors.
-template <Element T, class Make>
-std::vector<Tensor<T>> trace(CollectiveCall call, Make&& make,
-                             const std::vector<OutputSpec>& outs) {
+/// Submits exchange `ex` (built by make(call, after)) and returns its result nodes.
+template <class Make>
+std::vector<graph::NodePtr> trace_nodes(CollectiveCall call, Make&& make,
+                                        const std::vector<OutputSpec>& outs) {
   // Only exchanges that talk to other replicas are chained in program order.
   const graph::NodePtr after = call.comm ? pending_predecessor() : nullptr;
   std::shared_ptr<ExchangeNode> ex = make(std::move(call), after);
+  return submit_exchange(ex, outs);
+}
+
+/// trace_nodes, its results wrapped as tensors.
+template <Element T, class Make>
+std::vector<Tensor<T>> trace(CollectiveCall call, Make&& make,
+                             const std::vector<OutputSpec>& outs) {
   std::vector<Tensor<T>> res;
-  for (auto& node : submit_exchange(ex, outs)) res.emplace_back(std::move(node));
+  for (auto& node : trace_nodes(std::move(call), std::forward<Make>(make), outs))
+    res.emplace_back(std::move(node));
   return res;
 }
 
@@ -13836,12 +13836,13 @@ std::vector<graph::NodePtr> all_reduce_nodes(ReduceOp op, std::span<const Tensor
   sig.tensors = static_cast<int>(tensors.size());
   sig.shapes_hash = shapes.value();
   sig.scale = opts.scale;
-  CollectiveCall call = capture(std::move(sig), group_of(opts.groups, "all_reduce"));
-  // Only exchanges that talk to other replicas are chained in program order.
-  const graph::NodePtr after = call.comm ? pending_predecessor() : nullptr;
-  auto ex = std::make_shared<AllReduceExchange<T>>(std::move(call), std::move(nodes), after, &dev,
-                                                   op, opts.scale);
-  return submit_exchange(ex, outs);
+  return trace_nodes(
+      capture(std::move(sig), group_of(opts.groups, "all_reduce")),
+      [&](CollectiveCall c, const graph::NodePtr& after) {
+        return std::make_shared<AllReduceExchange<T>>(std::move(c), std::move(nodes), after, &dev, op,
+                                                      opts.scale);
+      },
+      outs);
 }
 
 }  // namespace detail

@@ -43,15 +43,23 @@ Signature tensor_signature(CollectiveKind kind, const Tensor<T>& t) {
   return sig;
 }
 
-/// Submits exchange `ex` (built by make(after)) and wraps its results as tensors.
-template <Element T, class Make>
-std::vector<Tensor<T>> trace(CollectiveCall call, Make&& make,
-                             const std::vector<OutputSpec>& outs) {
+/// Submits exchange `ex` (built by make(call, after)) and returns its result nodes.
+template <class Make>
+std::vector<graph::NodePtr> trace_nodes(CollectiveCall call, Make&& make,
+                                        const std::vector<OutputSpec>& outs) {
   // Only exchanges that talk to other replicas are chained in program order.
   const graph::NodePtr after = call.comm ? pending_predecessor() : nullptr;
   std::shared_ptr<ExchangeNode> ex = make(std::move(call), after);
+  return submit_exchange(ex, outs);
+}
+
+/// trace_nodes, its results wrapped as tensors.
+template <Element T, class Make>
+std::vector<Tensor<T>> trace(CollectiveCall call, Make&& make,
+                             const std::vector<OutputSpec>& outs) {
   std::vector<Tensor<T>> res;
-  for (auto& node : submit_exchange(ex, outs)) res.emplace_back(std::move(node));
+  for (auto& node : trace_nodes(std::move(call), std::forward<Make>(make), outs))
+    res.emplace_back(std::move(node));
   return res;
 }
 
@@ -77,12 +85,13 @@ std::vector<graph::NodePtr> all_reduce_nodes(ReduceOp op, std::span<const Tensor
   sig.tensors = static_cast<int>(tensors.size());
   sig.shapes_hash = shapes.value();
   sig.scale = opts.scale;
-  CollectiveCall call = capture(std::move(sig), group_of(opts.groups, "all_reduce"));
-  // Only exchanges that talk to other replicas are chained in program order.
-  const graph::NodePtr after = call.comm ? pending_predecessor() : nullptr;
-  auto ex = std::make_shared<AllReduceExchange<T>>(std::move(call), std::move(nodes), after, &dev,
-                                                   op, opts.scale);
-  return submit_exchange(ex, outs);
+  return trace_nodes(
+      capture(std::move(sig), group_of(opts.groups, "all_reduce")),
+      [&](CollectiveCall c, const graph::NodePtr& after) {
+        return std::make_shared<AllReduceExchange<T>>(std::move(c), std::move(nodes), after, &dev, op,
+                                                      opts.scale);
+      },
+      outs);
 }
 
 }  // namespace detail

@@ -93,9 +93,6 @@ class ShapesHash {
   std::uint64_t h_ = 1469598103934665603ull;
 };
 
-/// Hash of a list of shapes (ShapesHash of each in order).
-std::uint64_t shapes_hash(const std::vector<Shape>& shapes);
-
 }  // namespace detail
 }  // namespace lazy::dist
 
@@ -225,10 +222,5 @@ LAZYTENSOR_INLINE std::string Signature::str() const {
   return s + ")";
 }
 
-LAZYTENSOR_INLINE std::uint64_t shapes_hash(const std::vector<Shape>& shapes) {
-  ShapesHash h;
-  for (const auto& s : shapes) h.add(s);
-  return h.value();
-}
 }  // namespace lazy::dist::detail
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
