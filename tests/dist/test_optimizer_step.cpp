@@ -233,9 +233,9 @@ TEST(OptimizerStep, RunsNothingBeforeMarkStepUnlessBarrier) {
         lazy::wait_device_ops();  // nothing left running (mark_step may run asynchronously)
         nn::functional::mse_loss(fc(x), y).backward();
         traced.arrive_and_wait();
-        const auto before = kernels.value.load();
+        const auto before = kernels.value();
         dist::optimizer_step(opt);  // barrier = false
-        const auto after = kernels.value.load();
+        const auto after = kernels.value();
         measured.arrive_and_wait();
         EXPECT_EQ(after, before) << "replica " << r;
         // still being traced (not handed to any execution)
@@ -261,14 +261,14 @@ TEST(OptimizerStep, RunsNothingBeforeMarkStepUnlessBarrier) {
   lazy::mark_step();
   lazy::wait_device_ops();
   nn::functional::mse_loss(fc(x), y).backward();
-  const auto k0 = kernels.value.load(), s0 = steps.value.load();
+  const auto k0 = kernels.value(), s0 = steps.value();
   dist::optimizer_step(opt);
-  EXPECT_EQ(kernels.value.load(), k0);
-  EXPECT_EQ(steps.value.load(), s0);
+  EXPECT_EQ(kernels.value(), k0);
+  EXPECT_EQ(steps.value(), s0);
   dist::optimizer_step(opt, true);
-  EXPECT_EQ(steps.value.load(), s0 + 1);
+  EXPECT_EQ(steps.value(), s0 + 1);
   lazy::wait_device_ops();
-  EXPECT_GT(kernels.value.load(), k0);
+  EXPECT_GT(kernels.value(), k0);
 }
 
 TEST(OptimizerStep, ReplicasWithDifferentGradientsAreAMismatchNotAHang) {

@@ -164,17 +164,17 @@ TEST(MpDeviceLoader, MarksAStepEveryBatchesPerExecutionBatches) {
   for (std::size_t per : {1, 2, 5, 12, 20}) {
     data::DataLoader loader(indexed_dataset(n), {.batch_size = bs});
     dist::MpDeviceLoader device_loader(loader, lazy::device(), 0, per);
-    const auto s0 = steps.value.load();
+    const auto s0 = steps.value();
     std::size_t k = 0;
     Tensor<float> total = lazy::zeros<float>({});
     for (auto& b : device_loader) {
       // batch k arrives after the steps of the batches before it: floor(k / per)
-      EXPECT_EQ(steps.value.load() - s0, static_cast<std::int64_t>(k / per)) << "per " << per << " batch " << k;
+      EXPECT_EQ(steps.value() - s0, static_cast<std::int64_t>(k / per)) << "per " << per << " batch " << k;
       total = total + lazy::sum(b.data);  // traced; runs at the loader's mark_step
       ++k;
     }
     EXPECT_EQ(k, batches);
-    EXPECT_EQ(steps.value.load() - s0, static_cast<std::int64_t>((batches + per - 1) / per)) << "per " << per;
+    EXPECT_EQ(steps.value() - s0, static_cast<std::int64_t>((batches + per - 1) / per)) << "per " << per;
     EXPECT_FALSE(total.node()->pending());  // the last step was handed to execution
     EXPECT_EQ(total.item(), 0.0f);          // every sample's data sums to i - i = 0
   }

@@ -1,7 +1,10 @@
 // expr/kernel_form.hpp: the leaf count that sizes a node's input list, against the
 // number of leaves to_kernel actually visits (repeats included) and the distinct inputs
-// it keeps.
+// it keeps. Also how many references to a tensor's node an expression holds (expr.hpp's
+// operand forwarding, operand_to_kernel).
+#include <algorithm>
 #include <cstddef>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -46,6 +49,36 @@ TEST(KernelForm, LeafCountCountsEveryTensorLeafOnce) {
   check(a * b + a, 2);  // three leaves, two distinct inputs
   check(lazy::relu(a * b + c) * d - 0.5f * a, 4);
   check(lazy::where(a > b, c, lazy::cast<float>(d > 0.f)), 4);
+}
+
+// Operands are forwarded (a temporary sub-expression moves into the one above it, a named
+// one is copied): an expression holds one reference per tensor leaf, a named expression
+// stays usable after being used, a moved one gives its references over, and the values
+// are right (against a scalar loop). (The copies that moving saves are transient; their
+// cost is measured in benchmarks/bench_reduction.)
+TEST(KernelForm, ExpressionsHoldOneReferencePerLeafWhetherOperandsMoveOrCopy) {
+  const auto a = lazy::from_vector<float>({1.f, -2.f, 3.f}), w = lazy::from_vector<float>({2.f, 2.f, -1.f}),
+             b = lazy::from_vector<float>({0.5f, 0.5f, 0.5f});
+  const long base = a.node().use_count(), base_w = w.node().use_count();
+  auto e = lazy::relu(lazy::square(a * w + b) - a);
+  EXPECT_EQ(a.node().use_count(), base + 2) << "two leaves of a, whatever the depth";
+  EXPECT_EQ(w.node().use_count(), base_w + 1);
+  auto f = e * 2.f;  // e is named: copied, e keeps its references
+  EXPECT_EQ(a.node().use_count(), base + 4);
+  auto g = lazy::where(a > b, std::move(f), 0.f);  // a moved operand transfers its references
+  EXPECT_EQ(a.node().use_count(), base + 5) << "where's condition adds one";
+  const Tensor<float> y = g;
+  const auto yv = y.to_vector(), av = a.to_vector(), wv = w.to_vector(), bv = b.to_vector();
+  for (std::size_t i = 0; i < yv.size(); ++i) {
+    const float t = av[i] * wv[i] + bv[i];
+    const float want = av[i] > bv[i] ? 2.f * std::max(t * t - av[i], 0.f) : 0.f;
+    EXPECT_FLOAT_EQ(yv[i], want) << i;
+  }
+  // A reduction of a temporary expression and of a tensor (operand_to_kernel's two paths).
+  const Tensor<float> s = lazy::sum(lazy::square(a - b));
+  EXPECT_FLOAT_EQ(s.item(), (1.f - .5f) * (1.f - .5f) + (-2.f - .5f) * (-2.f - .5f) + (3.f - .5f) * (3.f - .5f));
+  EXPECT_FLOAT_EQ(lazy::sum(a).item(), 2.f);
+  EXPECT_EQ(a.node().use_count(), base + 5) << "the reductions keep no reference once computed";
 }
 
 }  // namespace

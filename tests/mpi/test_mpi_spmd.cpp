@@ -55,7 +55,7 @@ Tensor<double> host_tensor(const lazy::Shape& shape, unsigned seed) {
   return lazy::from_vector<double>(lazy_tests::random_values<double>(shape.numel(), seed), shape);
 }
 
-std::int64_t counter(const char* name) { return lazy::core::counter(name).value.load(); }
+std::int64_t counter(const char* name) { return lazy::core::counter(name).value(); }
 
 // Whether every process holds the same bits in `v`.
 bool same_in_every_process(const std::vector<double>& v) {

@@ -19,7 +19,7 @@ namespace lazy_tests {
 inline const bool spmd_mode_on = (lazy::spmd::use_spmd(), true);
 
 /// The current value of a counter of the metrics report.
-inline std::int64_t counter_value(const char* name) { return lazy::core::counter(name).value.load(); }
+inline std::int64_t counter_value(const char* name) { return lazy::core::counter(name).value(); }
 
 /// Meshes of the four devices in every shape the SPMD issue names, with axes "x" (and "y");
 /// the last in reverse device order.

@@ -50,7 +50,7 @@ LAZYTENSOR_INLINE std::int64_t counter_value(const std::string& name) {
   detail::settle();
   std::int64_t v = 0;
   core::Registry::get().for_each([&](const std::string& n, const core::Counter* c, const core::Metric*) {
-    if (c && n == name) v = c->value.load();
+    if (c && n == name) v = c->value();
   });
   return v;
 }
@@ -68,7 +68,7 @@ LAZYTENSOR_INLINE std::vector<std::string> counter_names() {
   detail::settle();
   std::vector<std::string> names;
   core::Registry::get().for_each([&](const std::string& n, const core::Counter* c, const core::Metric*) {
-    if (c && c->value.load()) names.push_back(n);
+    if (c && c->value()) names.push_back(n);
   });
   return names;
 }
@@ -102,7 +102,7 @@ LAZYTENSOR_INLINE std::string metrics_report() {
        << "\n  Min: " << detail::fmt_ns(d.min_ns) << "\n  Max: " << detail::fmt_ns(d.max_ns) << "\n";
   });
   core::Registry::get().for_each([&](const std::string& n, const core::Counter* c, const core::Metric*) {
-    if (c && c->value.load()) os << "Counter: " << n << "\n  Value: " << c->value.load() << "\n";
+    if (c && c->value()) os << "Counter: " << n << "\n  Value: " << c->value() << "\n";
   });
   auto ps = graph::current_device().pool().stats();
   os << "Counter: BytesAllocated\n  Value: " << ps.fresh_bytes << "\n";

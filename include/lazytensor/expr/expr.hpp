@@ -148,11 +148,14 @@ template <class X>
 concept Number = std::is_arithmetic_v<std::remove_cvref_t<X>> ||
                  std::is_same_v<std::remove_cvref_t<X>, bfloat16>;
 
-/// The operand form of an expression-like value.
-template <ExprLike X>
-auto operand(const X& x) {
-  if constexpr (is_expr_node<X>::value) {
-    return x;
+/// The operand form of an expression-like value. A temporary expression is moved, not
+/// copied: copying one copies every tensor reference below it (an atomic count each), and
+/// `relu(a * w + b)` would copy the leaves of each level again at the next.
+template <class X>
+  requires ExprLike<X>
+auto operand(X&& x) {
+  if constexpr (is_expr_node<std::remove_cvref_t<X>>::value) {
+    return std::remove_cvref_t<X>(std::forward<X>(x));
   } else {
     return x.to_leaf();
   }
@@ -202,23 +205,25 @@ using lane_t = typename lane<E>::type;
 /// Builds Expr<Op, ...> from operands that may be tensors, expressions or numbers; a number
 /// takes its type from the first tensor-like operand (PyTorch's weak scalars).
 template <class Op, class First, class... Rest>
-auto make(const First& first, const Rest&... rest) {
+auto make(First&& first, Rest&&... rest) {
   if constexpr (ExprLike<First>) {
     using T = value_t<First>;
-    auto conv = [](const auto& x) {
-      if constexpr (ExprLike<std::remove_cvref_t<decltype(x)>>) return operand(x);
+    auto conv = [](auto&& x) {
+      if constexpr (ExprLike<std::remove_cvref_t<decltype(x)>>) return operand(std::forward<decltype(x)>(x));
       else return scalar_for<T>(x);
     };
-    return Expr<Op, decltype(conv(first)), decltype(conv(rest))...>(conv(first), conv(rest)...);
+    return Expr<Op, decltype(conv(std::forward<First>(first))), decltype(conv(std::forward<Rest>(rest)))...>(
+        conv(std::forward<First>(first)), conv(std::forward<Rest>(rest))...);
   } else {
     // The first operand is a number: find the first tensor-like one for typing.
     using Anchor = std::tuple_element_t<0, decltype(std::tuple_cat(
         std::conditional_t<ExprLike<Rest>, std::tuple<value_t<Rest>>, std::tuple<>>{}...))>;
-    auto conv = [](const auto& x) {
-      if constexpr (ExprLike<std::remove_cvref_t<decltype(x)>>) return operand(x);
+    auto conv = [](auto&& x) {
+      if constexpr (ExprLike<std::remove_cvref_t<decltype(x)>>) return operand(std::forward<decltype(x)>(x));
       else return scalar_for<Anchor>(x);
     };
-    return Expr<Op, decltype(conv(first)), decltype(conv(rest))...>(conv(first), conv(rest)...);
+    return Expr<Op, decltype(conv(std::forward<First>(first))), decltype(conv(std::forward<Rest>(rest)))...>(
+        conv(std::forward<First>(first)), conv(std::forward<Rest>(rest))...);
   }
 }
 
@@ -249,8 +254,8 @@ concept BoolValued = std::is_same_v<typename detail::operand_value<X>::type, boo
 #define LAZY_BINARY_OPERATOR(SYM, OP)                                   \
   template <class A, class B>                                          \
     requires expr::BinaryOperands<A, B>                                \
-  auto operator SYM(const A& a, const B& b) {                          \
-    return expr::make<ops::OP>(a, b);                                  \
+  auto operator SYM(A&& a, B&& b) {                                    \
+    return expr::make<ops::OP>(std::forward<A>(a), std::forward<B>(b)); \
   }
 LAZY_BINARY_OPERATOR(+, Add)
 LAZY_BINARY_OPERATOR(*, Mul)
@@ -268,20 +273,20 @@ LAZY_BINARY_OPERATOR(|, LogicalOr)
 /// Element-wise subtraction (not of two bool operands, as in PyTorch: use logical ops).
 template <class A, class B>
   requires expr::BinaryOperands<A, B> && (!(expr::BoolValued<A> && expr::BoolValued<B>))
-auto operator-(const A& a, const B& b) {
-  return expr::make<ops::Sub>(a, b);
+auto operator-(A&& a, B&& b) {
+  return expr::make<ops::Sub>(std::forward<A>(a), std::forward<B>(b));
 }
 
 /// Element-wise negation (not of bool, as in PyTorch: use `!` / logical_not).
 template <expr::ExprLike A>
   requires(!expr::BoolValued<A>)
-auto operator-(const A& a) {
-  return expr::make<ops::Neg>(a);
+auto operator-(A&& a) {
+  return expr::make<ops::Neg>(std::forward<A>(a));
 }
 /// Element-wise logical not (a bool expression).
 template <expr::ExprLike A>
-auto operator!(const A& a) {
-  return expr::make<ops::LogicalNot>(a);
+auto operator!(A&& a) {
+  return expr::make<ops::LogicalNot>(std::forward<A>(a));
 }
 
 // Unary functions. Those marked "not for bool" have no meaning on bool (PyTorch rejects
@@ -289,143 +294,143 @@ auto operator!(const A& a) {
 
 /// Element-wise e^x.
 template <expr::ExprLike A>
-auto exp(const A& a) {
-  return expr::make<ops::Exp>(a);
+auto exp(A&& a) {
+  return expr::make<ops::Exp>(std::forward<A>(a));
 }
 /// Element-wise natural logarithm.
 template <expr::ExprLike A>
-auto log(const A& a) {
-  return expr::make<ops::Log>(a);
+auto log(A&& a) {
+  return expr::make<ops::Log>(std::forward<A>(a));
 }
 /// Element-wise log(1 + x), accurate near 0.
 template <expr::ExprLike A>
-auto log1p(const A& a) {
-  return expr::make<ops::Log1p>(a);
+auto log1p(A&& a) {
+  return expr::make<ops::Log1p>(std::forward<A>(a));
 }
 /// Element-wise e^x - 1, accurate near 0.
 template <expr::ExprLike A>
-auto expm1(const A& a) {
-  return expr::make<ops::Expm1>(a);
+auto expm1(A&& a) {
+  return expr::make<ops::Expm1>(std::forward<A>(a));
 }
 /// Element-wise square root.
 template <expr::ExprLike A>
-auto sqrt(const A& a) {
-  return expr::make<ops::Sqrt>(a);
+auto sqrt(A&& a) {
+  return expr::make<ops::Sqrt>(std::forward<A>(a));
 }
 /// Element-wise 1 / sqrt(x).
 template <expr::ExprLike A>
-auto rsqrt(const A& a) {
-  return expr::make<ops::Rsqrt>(a);
+auto rsqrt(A&& a) {
+  return expr::make<ops::Rsqrt>(std::forward<A>(a));
 }
 /// Element-wise x * x (torch.square; one load of x where `x * x` has two). Not for bool.
 template <expr::ExprLike A>
   requires(!expr::BoolValued<A>)
-auto square(const A& a) {
-  return expr::make<ops::Square>(a);
+auto square(A&& a) {
+  return expr::make<ops::Square>(std::forward<A>(a));
 }
 /// Element-wise absolute value. Not for bool.
 template <expr::ExprLike A>
   requires(!expr::BoolValued<A>)
-auto abs(const A& a) {
-  return expr::make<ops::Abs>(a);
+auto abs(A&& a) {
+  return expr::make<ops::Abs>(std::forward<A>(a));
 }
 /// Element-wise sign: -1, 0 or 1. Not for bool.
 template <expr::ExprLike A>
   requires(!expr::BoolValued<A>)
-auto sign(const A& a) {
-  return expr::make<ops::Sign>(a);
+auto sign(A&& a) {
+  return expr::make<ops::Sign>(std::forward<A>(a));
 }
 /// Element-wise sine.
 template <expr::ExprLike A>
-auto sin(const A& a) {
-  return expr::make<ops::Sin>(a);
+auto sin(A&& a) {
+  return expr::make<ops::Sin>(std::forward<A>(a));
 }
 /// Element-wise cosine.
 template <expr::ExprLike A>
-auto cos(const A& a) {
-  return expr::make<ops::Cos>(a);
+auto cos(A&& a) {
+  return expr::make<ops::Cos>(std::forward<A>(a));
 }
 /// Element-wise hyperbolic tangent.
 template <expr::ExprLike A>
-auto tanh(const A& a) {
-  return expr::make<ops::Tanh>(a);
+auto tanh(A&& a) {
+  return expr::make<ops::Tanh>(std::forward<A>(a));
 }
 /// Element-wise logistic function 1 / (1 + e^-x).
 template <expr::ExprLike A>
-auto sigmoid(const A& a) {
-  return expr::make<ops::Sigmoid>(a);
+auto sigmoid(A&& a) {
+  return expr::make<ops::Sigmoid>(std::forward<A>(a));
 }
 /// Element-wise max(x, 0), keeping NaN. Not for bool.
 template <expr::ExprLike A>
   requires(!expr::BoolValued<A>)
-auto relu(const A& a) {
-  return expr::make<ops::Relu>(a);
+auto relu(A&& a) {
+  return expr::make<ops::Relu>(std::forward<A>(a));
 }
 /// Element-wise exact GELU, x * Phi(x).
 template <expr::ExprLike A>
-auto gelu(const A& a) {
-  return expr::make<ops::Gelu>(a);
+auto gelu(A&& a) {
+  return expr::make<ops::Gelu>(std::forward<A>(a));
 }
 /// Element-wise x * sigmoid(x).
 template <expr::ExprLike A>
-auto silu(const A& a) {
-  return expr::make<ops::Silu>(a);
+auto silu(A&& a) {
+  return expr::make<ops::Silu>(std::forward<A>(a));
 }
 /// Element-wise log(1 + e^x) (linear above 20).
 template <expr::ExprLike A>
-auto softplus(const A& a) {
-  return expr::make<ops::Softplus>(a);
+auto softplus(A&& a) {
+  return expr::make<ops::Softplus>(std::forward<A>(a));
 }
 /// Element-wise logical not.
 template <expr::ExprLike A>
-auto logical_not(const A& a) {
-  return expr::make<ops::LogicalNot>(a);
+auto logical_not(A&& a) {
+  return expr::make<ops::LogicalNot>(std::forward<A>(a));
 }
 
 /// Element-wise a^b (not of two bool operands).
 template <class A, class B>
   requires expr::BinaryOperands<A, B> && (!(expr::BoolValued<A> && expr::BoolValued<B>))
-auto pow(const A& a, const B& b) {
-  return expr::make<ops::Pow>(a, b);
+auto pow(A&& a, B&& b) {
+  return expr::make<ops::Pow>(std::forward<A>(a), std::forward<B>(b));
 }
 /// Element-wise maximum (NaN-propagating).
 template <class A, class B>
   requires expr::BinaryOperands<A, B>
-auto maximum(const A& a, const B& b) {
-  return expr::make<ops::Maximum>(a, b);
+auto maximum(A&& a, B&& b) {
+  return expr::make<ops::Maximum>(std::forward<A>(a), std::forward<B>(b));
 }
 /// Element-wise minimum (NaN-propagating).
 template <class A, class B>
   requires expr::BinaryOperands<A, B>
-auto minimum(const A& a, const B& b) {
-  return expr::make<ops::Minimum>(a, b);
+auto minimum(A&& a, B&& b) {
+  return expr::make<ops::Minimum>(std::forward<A>(a), std::forward<B>(b));
 }
 /// Element-wise logical and / or of non-zero tests.
 template <class A, class B>
   requires expr::BinaryOperands<A, B>
-auto logical_and(const A& a, const B& b) {
-  return expr::make<ops::LogicalAnd>(a, b);
+auto logical_and(A&& a, B&& b) {
+  return expr::make<ops::LogicalAnd>(std::forward<A>(a), std::forward<B>(b));
 }
 template <class A, class B>
   requires expr::BinaryOperands<A, B>
-auto logical_or(const A& a, const B& b) {
-  return expr::make<ops::LogicalOr>(a, b);
+auto logical_or(A&& a, B&& b) {
+  return expr::make<ops::LogicalOr>(std::forward<A>(a), std::forward<B>(b));
 }
 /// Clamps to [lo, hi]; NaN stays NaN. Not for bool.
 template <expr::ExprLike X, class L, class H>
   requires(!expr::BoolValued<X>)
-auto clamp(const X& x, const L& lo, const H& hi) {
-  return minimum(maximum(x, lo), hi);
+auto clamp(X&& x, const L& lo, const H& hi) {
+  return minimum(maximum(std::forward<X>(x), lo), hi);
 }
 /// Element-wise choice: a where cond is non-zero, b elsewhere (all three broadcast).
 template <expr::ExprLike C, class A, class B>
-auto where(const C& cond, const A& a, const B& b) {
+auto where(C&& cond, A&& a, B&& b) {
   // A number operand takes its type from the other value operand, never from the condition.
-  auto value = [](const auto& x, const auto& other) {
+  auto value = [](auto&& x, const auto& other) {
     using X = std::remove_cvref_t<decltype(x)>;
     using O = std::remove_cvref_t<decltype(other)>;
     if constexpr (expr::ExprLike<X>) {
-      return expr::operand(x);
+      return expr::operand(std::forward<decltype(x)>(x));
     } else if constexpr (expr::ExprLike<O>) {
       return expr::scalar_for<expr::value_t<O>>(x);
     } else {
@@ -434,14 +439,16 @@ auto where(const C& cond, const A& a, const B& b) {
       return expr::scalar_for<weak_scalar_t<std::int64_t, std::common_type_t<X, O>>>(x);
     }
   };
-  auto va = value(a, b);
-  auto vb = value(b, a);
-  return Expr<ops::Where, expr::operand_t<C>, decltype(va), decltype(vb)>(expr::operand(cond), va, vb);
+  // (`other` is only read for its type, so `a` may have been moved from.)
+  auto va = value(std::forward<A>(a), b);
+  auto vb = value(std::forward<B>(b), a);
+  return Expr<ops::Where, expr::operand_t<C>, decltype(va), decltype(vb)>(expr::operand(std::forward<C>(cond)),
+                                                                          std::move(va), std::move(vb));
 }
 /// Explicit element type conversion.
 template <Element U, expr::ExprLike X>
-auto cast(const X& x) {
-  return expr::make<ops::Cast<U>>(x);
+auto cast(X&& x) {
+  return expr::make<ops::Cast<U>>(std::forward<X>(x));
 }
 
 }  // namespace lazy

@@ -79,7 +79,7 @@ graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims,
   const double scale = scale_kind == 0 ? 1.0 : (g.extent ? 1.0 / static_cast<double>(g.extent) : std::nan(""));
   std::vector<graph::NodePtr> inputs;
   inputs.reserve(expr::leaf_count_v<decltype(expr::operand(x))>);
-  auto k = expr::to_kernel(expr::operand(x), inputs);
+  auto k = expr::operand_to_kernel(x, inputs);
   using K = decltype(k);
   if constexpr (expr::is_expr_node<X>::value) {
     if (!flat_child(x, inputs)) {
@@ -274,7 +274,7 @@ Tensor<std::int64_t> arg_reduce(const X& x, std::optional<std::int64_t> dim, boo
   geometry(s, rd, g);  // a single dim is always adjacent to itself
   std::vector<graph::NodePtr> inputs;
   inputs.reserve(expr::leaf_count_v<decltype(expr::operand(x))>);
-  auto k = expr::to_kernel(expr::operand(x), inputs);
+  auto k = expr::operand_to_kernel(x, inputs);
   if constexpr (expr::is_expr_node<X>::value) {
     if (!flat_child(x, inputs)) return arg_reduce<IsMax>(Tensor<typename X::value_type>(x), dim, keepdim, op);
   }
