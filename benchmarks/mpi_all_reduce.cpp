@@ -43,6 +43,12 @@ Args parse(int argc, char** argv) {
   Args a;
   bench::parse_flags(argc, argv, {{"--replicas", &a.replicas}, {"--mib", &a.mib}, {"--reps", &a.reps}},
                      "mpi_all_reduce [--replicas N] [--mib M] [--reps R]");
+  // (The self-check reads the last element: the bandwidth run needs at least one float.)
+  if (a.replicas < 1 || a.reps < 1 || a.mib * (1 << 20) < sizeof(float)) {
+    std::fprintf(stderr, "mpi_all_reduce: --replicas and --reps must be at least 1 and --mib at least 4 bytes' worth, got %g, %g, %g\n",
+                 a.replicas, a.reps, a.mib);
+    std::exit(2);
+  }
   return a;
 }
 
