@@ -490,6 +490,7 @@ LAZYTENSOR_INLINE auto MetricClock::calibrate() noexcept -> State {
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <new>
 #include <vector>
 
 
@@ -509,11 +510,14 @@ class ThreadCells {
     for (auto& c : chunks_) delete[] c.load(std::memory_order_relaxed);
   }
 
-  /// The owner's cell `slot` (allocating its chunk on first use).
+  /// The owner's cell `slot` (allocating its chunk on first use), or null when that
+  /// allocation fails: recording runs in destructors (ScopedTimer), so it must not throw;
+  /// the caller then records into the owner's shared state.
   std::atomic<std::int64_t>* cell(std::size_t slot) {
     auto* chunk = chunks_[slot / kChunkCells].load(std::memory_order_relaxed);
     if (!chunk) [[unlikely]] {
-      chunk = new std::atomic<std::int64_t>[kChunkCells]();
+      chunk = new (std::nothrow) std::atomic<std::int64_t>[kChunkCells]();
+      if (!chunk) return nullptr;
       chunks_[slot / kChunkCells].store(chunk, std::memory_order_release);
     }
     return &chunk[slot % kChunkCells];
@@ -553,7 +557,9 @@ class ThreadCellHub {
   /// The owner at `slot` is going away: exiting threads stop folding into it.
   void release(std::size_t slot);
 
-  /// This thread's cells, or null once the thread has exited (its thread-locals destroyed).
+  /// This thread's cells; null once the thread has exited (its thread-locals destroyed) or
+  /// when they cannot be allocated. (tls_cells is an inline variable: one per program as
+  /// long as the compiled runtime is linked statically or exports it.)
   static ThreadCells* mine() {
     ThreadCells* c = tls_cells;
     if (!c) [[unlikely]] c = attach();
@@ -616,11 +622,15 @@ LAZYTENSOR_INLINE ThreadCells* ThreadCellHub::attach() {
   if (tls_exited) return nullptr;
   static thread_local Exit on_exit;  // constructed here, destroyed when the thread exits
   (void)on_exit;
-  auto* cells = new ThreadCells;
+  auto* cells = new (std::nothrow) ThreadCells;
+  if (!cells) return nullptr;  // (recording must not throw; the next record tries again)
   ThreadCellHub& hub = get();
-  {
+  try {
     std::lock_guard lock(hub.mu_);
     hub.threads_.push_back(cells);
+  } catch (...) {
+    delete cells;
+    return nullptr;
   }
   tls_cells = cells;
   return cells;
@@ -658,8 +668,8 @@ class Counter final : public detail::CellOwner {
   /// Adds `n` (from any thread).
   void add(std::int64_t n = 1) {
     detail::ThreadCells* t = detail::ThreadCellHub::mine();
-    if (t && slot_ != detail::ThreadCellHub::kNoSlot) [[likely]] {
-      std::atomic<std::int64_t>* c = t->cell(slot_);
+    std::atomic<std::int64_t>* c = t && slot_ != detail::ThreadCellHub::kNoSlot ? t->cell(slot_) : nullptr;
+    if (c) [[likely]] {
       c->store(c->load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
     } else {
       add_shared(n);
@@ -669,7 +679,7 @@ class Counter final : public detail::CellOwner {
   std::int64_t value() const;
   void reset();
 
-  void fold(const detail::ThreadCells& cells) override;
+  LAZYTENSOR_INLINE void fold(const detail::ThreadCells& cells) override;
 
  private:
   void add_shared(std::int64_t n);
@@ -699,8 +709,9 @@ class Metric final : public detail::CellOwner {
   /// Records a sample of `ns` nanoseconds (from any thread).
   void record(double ns) {
     detail::ThreadCells* t = detail::ThreadCellHub::mine();
-    if (t && slot_ != detail::ThreadCellHub::kNoSlot) [[likely]] {
-      record_into(t->cell(slot_), ns);
+    std::atomic<std::int64_t>* c = t && slot_ != detail::ThreadCellHub::kNoSlot ? t->cell(slot_) : nullptr;
+    if (c) [[likely]] {
+      record_into(c, ns);
     } else {
       record_shared(ns);
     }
@@ -708,7 +719,7 @@ class Metric final : public detail::CellOwner {
   MetricData data() const;
   void reset();
 
-  void fold(const detail::ThreadCells& cells) override;
+  LAZYTENSOR_INLINE void fold(const detail::ThreadCells& cells) override;
 
  private:
   // A thread's cells: the epoch they belong to (reset() starts a new one), the count, and
@@ -1999,6 +2010,9 @@ class Node {
   const Shape& shape() const { return shape_; }
   std::int64_t numel() const { return shape_.numel(); }
   Device* device() const { return device_; }
+  /// Order on its device: numbered when first traced there (0 until then), under the
+  /// device's trace lock. A per-device count, not a process-wide atomic: that was a
+  /// locked instruction per node.
   std::uint64_t id() const { return id_; }
   const std::vector<NodePtr>& inputs() const { return inputs_; }
 
@@ -2099,7 +2113,7 @@ class Node {
   /// overflow the stack. The outermost call drains a worklist; nested ones append to it.
   static void release_chain(std::vector<NodePtr>& inputs) noexcept;
 
-  static std::uint64_t next_id();
+  friend class Device;  // numbers the node when it traces it
 
   NodeKind kind_;
   DType dtype_;
@@ -2107,7 +2121,7 @@ class Node {
   Device* device_;
   std::vector<NodePtr> inputs_;
   std::shared_ptr<Buffer> buffer_;
-  std::uint64_t id_;
+  std::uint64_t id_ = 0;
   std::atomic<State> state_{State::Pending};
   std::atomic<std::int32_t> handles_{0};
   bool deferred_ = false;
@@ -2174,8 +2188,7 @@ std::uint64_t hash_shape(const Shape& s);
 namespace lazy::graph {
 
 LAZYTENSOR_INLINE Node::Node(NodeKind kind, DType dtype, Shape shape, Device* device, std::vector<NodePtr> inputs)
-    : kind_(kind), dtype_(dtype), shape_(shape), device_(device), inputs_(std::move(inputs)),
-      id_(next_id()) {}
+    : kind_(kind), dtype_(dtype), shape_(shape), device_(device), inputs_(std::move(inputs)) {}
 
 LAZYTENSOR_INLINE std::uint64_t Node::hash() const {
   if (!hash_valid_) {
@@ -2224,11 +2237,6 @@ LAZYTENSOR_INLINE void Node::release_chain(std::vector<NodePtr>& inputs) noexcep
     n.reset();  // a node destroyed here appends its own inputs to `work`
   }
   worklist = nullptr;
-}
-
-LAZYTENSOR_INLINE std::uint64_t Node::next_id() {
-  static std::atomic<std::uint64_t> n{0};
-  return ++n;
 }
 
 LAZYTENSOR_INLINE DataNode::DataNode(DType dtype, Shape shape, Device* device, std::shared_ptr<Buffer> buf)
@@ -2487,8 +2495,8 @@ class Device {
   // each would pin its node's memory (make_shared puts the node in the control block a
   // weak_ptr keeps). Dropping them whenever the trace has doubled keeps the cost O(1)
   // per node and the trace at most twice the nodes still alive.
-  // Ids of the newest and oldest live nodes of a list in creation order (0 and the
-  // maximum when none is alive).
+  // Ids of the newest and oldest live nodes of a list in trace order (0 and the maximum
+  // when none is alive).
   static std::uint64_t newest_id(const std::vector<std::weak_ptr<Node>>& v);
   static std::uint64_t oldest_id(const std::vector<std::weak_ptr<Node>>& v);
   void prune_trace();
@@ -2505,6 +2513,7 @@ class Device {
   ThreadPool threads_;
   std::mutex mu_;
   std::vector<std::weak_ptr<Node>> trace_;
+  std::uint64_t next_node_id_ = 0;  // Node::id of the next node traced here (under mu_)
   static constexpr std::size_t kMinPruneAt = 1024;
   std::size_t prune_at_ = kMinPruneAt;
   RngState rng_;
@@ -2581,6 +2590,7 @@ LAZYTENSOR_INLINE void Device::trace(const NodePtr& n) {
   // cycle a fresh block through the cache on every statement.
   while (!trace_.empty() && trace_.back().expired()) trace_.pop_back();
   if (trace_.size() >= prune_at_) prune_trace();
+  if (n->id_ == 0) n->id_ = ++next_node_id_;
   trace_.push_back(n);
 }
 
@@ -2606,6 +2616,9 @@ LAZYTENSOR_INLINE void Device::take_trace(std::vector<std::weak_ptr<Node>>& into
 LAZYTENSOR_INLINE void Device::keep_traced(std::vector<std::weak_ptr<Node>> older) {
   if (older.empty()) return;
   std::lock_guard lock(mu_);
+  // A node an eager device ran without tracing it comes back unnumbered: number it now.
+  for (auto& w : older)
+    if (auto n = w.lock(); n && n->id_ == 0) n->id_ = ++next_node_id_;
   if (newest_id(older) < oldest_id(trace_)) {
     // The common case (a step's unneeded nodes, older than anything traced since).
     older.insert(older.end(), trace_.begin(), trace_.end());
@@ -4082,15 +4095,15 @@ auto to_kernel(const Expr<Op, C...>& e, std::vector<graph::NodePtr>& inputs,
 
 /// The kernel form of a reduction's operand `x` (a tensor handle or an expression), read in
 /// place: an expression is not copied first (a copy costs an atomic count per leaf), and a
-/// handle's node moves into `inputs` from its operand form.
+/// handle gives its node alone (its autograd edge is the reduction's own business).
 template <class X>
 auto operand_to_kernel(const X& x, std::vector<graph::NodePtr>& inputs) {
   if constexpr (is_expr_node<X>::value) {
     return to_kernel(x, inputs);
   } else {
-    auto leaf = x.to_leaf();
-    inputs.push_back(std::move(leaf.node));
-    return KLeaf<typename decltype(leaf)::value_type>{static_cast<int>(inputs.size() - 1)};
+    using T = typename decltype(x.to_leaf())::value_type;
+    inputs.push_back(x.node());
+    return KLeaf<T>{static_cast<int>(inputs.size() - 1)};
   }
 }
 

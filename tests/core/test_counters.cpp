@@ -1,8 +1,12 @@
-// core/counters.hpp: counters and lock-free timing metrics, against totals computed
-// serially, also with several threads recording at once. Also run under ThreadSanitizer.
+// core/counters.hpp and core/thread_cells.hpp: counters and timing metrics (per-thread
+// cells), against totals computed serially, also with several threads recording at once,
+// read while they record, and after they exit. Also run under ThreadSanitizer.
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -119,10 +123,92 @@ TEST(Counter, ANewCounterStartsAtZeroInThreadsThatUsedAnOldOne) {
   EXPECT_EQ(fresh.value(), 2);
 }
 
+// A thread that recorded before a reset and exits after it folds nothing of that epoch.
+TEST(Metric, AThreadExitingAfterAResetFoldsNoStaleSamples) {
+  Metric m;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool recorded = false, reset_done = false;
+  std::thread t([&] {
+    m.record(40);
+    std::unique_lock lock(mu);
+    recorded = true;
+    cv.notify_all();
+    cv.wait(lock, [&] { return reset_done; });
+  });
+  {
+    std::unique_lock lock(mu);
+    cv.wait(lock, [&] { return recorded; });
+  }
+  EXPECT_EQ(m.data().count, 1) << "a live thread's cells are read";
+  m.reset();
+  m.record(5);
+  {
+    std::lock_guard lock(mu);
+    reset_done = true;
+  }
+  cv.notify_all();
+  t.join();
+  const auto d = m.data();
+  EXPECT_EQ(d.count, 1);
+  EXPECT_EQ(d.max_ns, 5.0) << "the exited thread's sample from before the reset is gone";
+}
+
+// Reads while threads keep adding: never above the final total, never going down, exact
+// once they stop (their cells read live, then folded as they exit).
+TEST(Counter, ReadsWhileThreadsAddAreMonotoneAndEndExact) {
+  lazy::core::Counter c;
+  std::atomic<bool> go{false};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 3; ++t) {
+    threads.emplace_back([&c, &go] {
+      while (!go.load()) std::this_thread::yield();
+      for (int i = 0; i < 20000; ++i) c.add(1);
+    });
+  }
+  go = true;
+  std::int64_t last = 0;
+  for (int k = 0; k < 200; ++k) {
+    const std::int64_t v = c.value();
+    EXPECT_GE(v, last);
+    EXPECT_LE(v, 60000);
+    last = v;
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(c.value(), 60000);
+}
+
+// Counters (one cell) and metrics (five) made in turn: the metrics' runs of cells reach
+// past a chunk's end unless kept inside one. Each records its own index, read back exactly
+// (an overrun would also be an out-of-bounds write, which ASan reports).
+TEST(Metric, CellRunsNeverStraddleAChunk) {
+  std::vector<std::unique_ptr<lazy::core::Counter>> counters;
+  std::vector<std::unique_ptr<Metric>> metrics;
+  const std::size_t n = 2 * lazy::core::detail::ThreadCells::kChunkCells / 6 + 8;
+  for (std::size_t i = 0; i < n; ++i) {
+    counters.push_back(std::make_unique<lazy::core::Counter>());
+    metrics.push_back(std::make_unique<Metric>());
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    counters[i]->add(static_cast<std::int64_t>(i));
+    metrics[i]->record(static_cast<double>(i));
+    metrics[i]->record(static_cast<double>(2 * i + 1));
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    EXPECT_EQ(counters[i]->value(), static_cast<std::int64_t>(i)) << i;
+    const auto d = metrics[i]->data();
+    EXPECT_EQ(d.count, 2) << i;
+    EXPECT_EQ(d.total_ns, static_cast<double>(3 * i + 1)) << i;
+    EXPECT_EQ(d.min_ns, static_cast<double>(i)) << i;
+    EXPECT_EQ(d.max_ns, static_cast<double>(2 * i + 1)) << i;
+  }
+}
+
 // Past the last slot, counters and metrics record into their shared state under a mutex:
-// still exact from several threads. (This leaves no slot for counters made later in this
-// test process; they take the same path.)
-TEST(Counter, CountersBeyondTheSlotsStillCountExactly) {
+// still exact from several threads. This leaves no slot for counters made later in this
+// process (they take the same path), so its suite is defined last: it runs after the
+// others of this file.
+TEST(CounterSlots, CountersBeyondTheSlotsStillCountExactly) {
   std::vector<std::unique_ptr<lazy::core::Counter>> many;
   for (std::size_t i = 0; i <= lazy::core::detail::ThreadCells::kMaxCells; ++i)
     many.push_back(std::make_unique<lazy::core::Counter>());

@@ -67,6 +67,9 @@ TEST(KernelForm, ExpressionsHoldOneReferencePerLeafWhetherOperandsMoveOrCopy) {
   EXPECT_EQ(a.node().use_count(), base + 4);
   auto g = lazy::where(a > b, std::move(f), 0.f);  // a moved operand transfers its references
   EXPECT_EQ(a.node().use_count(), base + 5) << "where's condition adds one";
+  auto h = std::move(e) * 2.f;  // moved: h takes e's references (a copy would add two)
+  EXPECT_EQ(a.node().use_count(), base + 5);
+  EXPECT_EQ(w.node().use_count(), base_w + 2) << "f's copy (now g's) and h";
   const Tensor<float> y = g;
   const auto yv = y.to_vector(), av = a.to_vector(), wv = w.to_vector(), bv = b.to_vector();
   for (std::size_t i = 0; i < yv.size(); ++i) {
@@ -78,6 +81,8 @@ TEST(KernelForm, ExpressionsHoldOneReferencePerLeafWhetherOperandsMoveOrCopy) {
   const Tensor<float> s = lazy::sum(lazy::square(a - b));
   EXPECT_FLOAT_EQ(s.item(), (1.f - .5f) * (1.f - .5f) + (-2.f - .5f) * (-2.f - .5f) + (3.f - .5f) * (3.f - .5f));
   EXPECT_FLOAT_EQ(lazy::sum(a).item(), 2.f);
+  const Tensor<float> hv = h;
+  EXPECT_FLOAT_EQ(hv.to_vector()[0], 2.f * std::max((1.f * 2.f + .5f) * (1.f * 2.f + .5f) - 1.f, 0.f));
   EXPECT_EQ(a.node().use_count(), base + 5) << "the reductions keep no reference once computed";
 }
 

@@ -31,8 +31,8 @@ class Counter final : public detail::CellOwner {
   /// Adds `n` (from any thread).
   void add(std::int64_t n = 1) {
     detail::ThreadCells* t = detail::ThreadCellHub::mine();
-    if (t && slot_ != detail::ThreadCellHub::kNoSlot) [[likely]] {
-      std::atomic<std::int64_t>* c = t->cell(slot_);
+    std::atomic<std::int64_t>* c = t && slot_ != detail::ThreadCellHub::kNoSlot ? t->cell(slot_) : nullptr;
+    if (c) [[likely]] {
       c->store(c->load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
     } else {
       add_shared(n);
@@ -42,7 +42,7 @@ class Counter final : public detail::CellOwner {
   std::int64_t value() const;
   void reset();
 
-  void fold(const detail::ThreadCells& cells) override;
+  LAZYTENSOR_INLINE void fold(const detail::ThreadCells& cells) override;
 
  private:
   void add_shared(std::int64_t n);
@@ -72,8 +72,9 @@ class Metric final : public detail::CellOwner {
   /// Records a sample of `ns` nanoseconds (from any thread).
   void record(double ns) {
     detail::ThreadCells* t = detail::ThreadCellHub::mine();
-    if (t && slot_ != detail::ThreadCellHub::kNoSlot) [[likely]] {
-      record_into(t->cell(slot_), ns);
+    std::atomic<std::int64_t>* c = t && slot_ != detail::ThreadCellHub::kNoSlot ? t->cell(slot_) : nullptr;
+    if (c) [[likely]] {
+      record_into(c, ns);
     } else {
       record_shared(ns);
     }
@@ -81,7 +82,7 @@ class Metric final : public detail::CellOwner {
   MetricData data() const;
   void reset();
 
-  void fold(const detail::ThreadCells& cells) override;
+  LAZYTENSOR_INLINE void fold(const detail::ThreadCells& cells) override;
 
  private:
   // A thread's cells: the epoch they belong to (reset() starts a new one), the count, and

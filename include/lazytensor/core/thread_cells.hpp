@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <new>
 #include <vector>
 
 #include <lazytensor/core/config.hpp>
@@ -31,11 +32,14 @@ class ThreadCells {
     for (auto& c : chunks_) delete[] c.load(std::memory_order_relaxed);
   }
 
-  /// The owner's cell `slot` (allocating its chunk on first use).
+  /// The owner's cell `slot` (allocating its chunk on first use), or null when that
+  /// allocation fails: recording runs in destructors (ScopedTimer), so it must not throw;
+  /// the caller then records into the owner's shared state.
   std::atomic<std::int64_t>* cell(std::size_t slot) {
     auto* chunk = chunks_[slot / kChunkCells].load(std::memory_order_relaxed);
     if (!chunk) [[unlikely]] {
-      chunk = new std::atomic<std::int64_t>[kChunkCells]();
+      chunk = new (std::nothrow) std::atomic<std::int64_t>[kChunkCells]();
+      if (!chunk) return nullptr;
       chunks_[slot / kChunkCells].store(chunk, std::memory_order_release);
     }
     return &chunk[slot % kChunkCells];
@@ -75,7 +79,9 @@ class ThreadCellHub {
   /// The owner at `slot` is going away: exiting threads stop folding into it.
   void release(std::size_t slot);
 
-  /// This thread's cells, or null once the thread has exited (its thread-locals destroyed).
+  /// This thread's cells; null once the thread has exited (its thread-locals destroyed) or
+  /// when they cannot be allocated. (tls_cells is an inline variable: one per program as
+  /// long as the compiled runtime is linked statically or exports it.)
   static ThreadCells* mine() {
     ThreadCells* c = tls_cells;
     if (!c) [[unlikely]] c = attach();
@@ -138,11 +144,15 @@ LAZYTENSOR_INLINE ThreadCells* ThreadCellHub::attach() {
   if (tls_exited) return nullptr;
   static thread_local Exit on_exit;  // constructed here, destroyed when the thread exits
   (void)on_exit;
-  auto* cells = new ThreadCells;
+  auto* cells = new (std::nothrow) ThreadCells;
+  if (!cells) return nullptr;  // (recording must not throw; the next record tries again)
   ThreadCellHub& hub = get();
-  {
+  try {
     std::lock_guard lock(hub.mu_);
     hub.threads_.push_back(cells);
+  } catch (...) {
+    delete cells;
+    return nullptr;
   }
   tls_cells = cells;
   return cells;

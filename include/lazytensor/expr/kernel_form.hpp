@@ -119,15 +119,15 @@ auto to_kernel(const Expr<Op, C...>& e, std::vector<graph::NodePtr>& inputs,
 
 /// The kernel form of a reduction's operand `x` (a tensor handle or an expression), read in
 /// place: an expression is not copied first (a copy costs an atomic count per leaf), and a
-/// handle's node moves into `inputs` from its operand form.
+/// handle gives its node alone (its autograd edge is the reduction's own business).
 template <class X>
 auto operand_to_kernel(const X& x, std::vector<graph::NodePtr>& inputs) {
   if constexpr (is_expr_node<X>::value) {
     return to_kernel(x, inputs);
   } else {
-    auto leaf = x.to_leaf();
-    inputs.push_back(std::move(leaf.node));
-    return KLeaf<typename decltype(leaf)::value_type>{static_cast<int>(inputs.size() - 1)};
+    using T = typename decltype(x.to_leaf())::value_type;
+    inputs.push_back(x.node());
+    return KLeaf<T>{static_cast<int>(inputs.size() - 1)};
   }
 }
 

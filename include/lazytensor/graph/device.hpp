@@ -152,8 +152,8 @@ class Device {
   // each would pin its node's memory (make_shared puts the node in the control block a
   // weak_ptr keeps). Dropping them whenever the trace has doubled keeps the cost O(1)
   // per node and the trace at most twice the nodes still alive.
-  // Ids of the newest and oldest live nodes of a list in creation order (0 and the
-  // maximum when none is alive).
+  // Ids of the newest and oldest live nodes of a list in trace order (0 and the maximum
+  // when none is alive).
   static std::uint64_t newest_id(const std::vector<std::weak_ptr<Node>>& v);
   static std::uint64_t oldest_id(const std::vector<std::weak_ptr<Node>>& v);
   void prune_trace();
@@ -170,6 +170,7 @@ class Device {
   ThreadPool threads_;
   std::mutex mu_;
   std::vector<std::weak_ptr<Node>> trace_;
+  std::uint64_t next_node_id_ = 0;  // Node::id of the next node traced here (under mu_)
   static constexpr std::size_t kMinPruneAt = 1024;
   std::size_t prune_at_ = kMinPruneAt;
   RngState rng_;
@@ -246,6 +247,7 @@ LAZYTENSOR_INLINE void Device::trace(const NodePtr& n) {
   // cycle a fresh block through the cache on every statement.
   while (!trace_.empty() && trace_.back().expired()) trace_.pop_back();
   if (trace_.size() >= prune_at_) prune_trace();
+  if (n->id_ == 0) n->id_ = ++next_node_id_;
   trace_.push_back(n);
 }
 
@@ -271,6 +273,9 @@ LAZYTENSOR_INLINE void Device::take_trace(std::vector<std::weak_ptr<Node>>& into
 LAZYTENSOR_INLINE void Device::keep_traced(std::vector<std::weak_ptr<Node>> older) {
   if (older.empty()) return;
   std::lock_guard lock(mu_);
+  // A node an eager device ran without tracing it comes back unnumbered: number it now.
+  for (auto& w : older)
+    if (auto n = w.lock(); n && n->id_ == 0) n->id_ = ++next_node_id_;
   if (newest_id(older) < oldest_id(trace_)) {
     // The common case (a step's unneeded nodes, older than anything traced since).
     older.insert(older.end(), trace_.begin(), trace_.end());

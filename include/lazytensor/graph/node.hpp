@@ -95,6 +95,9 @@ class Node {
   const Shape& shape() const { return shape_; }
   std::int64_t numel() const { return shape_.numel(); }
   Device* device() const { return device_; }
+  /// Order on its device: numbered when first traced there (0 until then), under the
+  /// device's trace lock. A per-device count, not a process-wide atomic: that was a
+  /// locked instruction per node.
   std::uint64_t id() const { return id_; }
   const std::vector<NodePtr>& inputs() const { return inputs_; }
 
@@ -195,7 +198,7 @@ class Node {
   /// overflow the stack. The outermost call drains a worklist; nested ones append to it.
   static void release_chain(std::vector<NodePtr>& inputs) noexcept;
 
-  static std::uint64_t next_id();
+  friend class Device;  // numbers the node when it traces it
 
   NodeKind kind_;
   DType dtype_;
@@ -203,7 +206,7 @@ class Node {
   Device* device_;
   std::vector<NodePtr> inputs_;
   std::shared_ptr<Buffer> buffer_;
-  std::uint64_t id_;
+  std::uint64_t id_ = 0;
   std::atomic<State> state_{State::Pending};
   std::atomic<std::int32_t> handles_{0};
   bool deferred_ = false;
@@ -270,8 +273,7 @@ std::uint64_t hash_shape(const Shape& s);
 namespace lazy::graph {
 
 LAZYTENSOR_INLINE Node::Node(NodeKind kind, DType dtype, Shape shape, Device* device, std::vector<NodePtr> inputs)
-    : kind_(kind), dtype_(dtype), shape_(shape), device_(device), inputs_(std::move(inputs)),
-      id_(next_id()) {}
+    : kind_(kind), dtype_(dtype), shape_(shape), device_(device), inputs_(std::move(inputs)) {}
 
 LAZYTENSOR_INLINE std::uint64_t Node::hash() const {
   if (!hash_valid_) {
@@ -320,11 +322,6 @@ LAZYTENSOR_INLINE void Node::release_chain(std::vector<NodePtr>& inputs) noexcep
     n.reset();  // a node destroyed here appends its own inputs to `work`
   }
   worklist = nullptr;
-}
-
-LAZYTENSOR_INLINE std::uint64_t Node::next_id() {
-  static std::atomic<std::uint64_t> n{0};
-  return ++n;
 }
 
 LAZYTENSOR_INLINE DataNode::DataNode(DType dtype, Shape shape, Device* device, std::shared_ptr<Buffer> buf)
