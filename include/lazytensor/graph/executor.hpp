@@ -91,8 +91,11 @@ void execute_now(Device& device, std::vector<NodePtr> nodes);
 /// the node alone.
 bool runs_alone(const NodePtr& node);
 
-/// The plan of one node run alone: a single step at position 0.
-const Plan& single_node_plan();
+/// Runs `node` (pending, every input materialized: runs_alone) on the calling thread, as
+/// run_plan runs a plan of that node alone, without the plan: no copy of the reference
+/// (two locked instructions), no step loop. On an error the node goes back to the trace
+/// and the exception propagates.
+void run_alone(Device& device, const NodePtr& node);
 
 /// Materializes every pending node reachable from `roots` on `device`, now, on the
 /// calling thread.
@@ -344,15 +347,20 @@ LAZYTENSOR_INLINE bool runs_alone(const NodePtr& node) {
   return true;
 }
 
-LAZYTENSOR_INLINE const Plan& single_node_plan() {
-  static const Plan plan = [] {
-    Plan p;
-    p.steps.resize(1);
-    p.steps[0].members = {0};
-    p.num_nodes = 1;
-    return p;
-  }();
-  return plan;
+LAZYTENSOR_INLINE void run_alone(Device& device, const NodePtr& node) {
+  static auto& execute_time = core::metric("ExecuteTime");
+  static auto& kernels = core::counter("KernelsRun");
+  core::ScopedTimer timer(execute_time);
+  ExecContext ctx{device};
+  try {
+    if (!node->materialized() && !node->deferred()) {
+      node->run(ctx);
+      kernels.add(1);
+    }
+  } catch (...) {
+    return_to_trace(device, std::span(&node, 1));
+    throw;
+  }
 }
 
 LAZYTENSOR_INLINE void execute(Device& device, std::span<const NodePtr> roots) {
@@ -361,10 +369,9 @@ LAZYTENSOR_INLINE void execute(Device& device, std::span<const NodePtr> roots) {
     // An eager op, or the read of a statement over materialized values: nothing to order,
     // plan or look up (so no PlanTime and no plan-cache counter), ~20% of the fixed cost
     // of such a read.
-    NodePtr node = roots[0];
-    prepare(std::span(&node, 1));
-    node->set_state(Node::State::Queued);
-    run_plan(device, single_node_plan(), std::span(&node, 1));
+    prepare(roots);
+    roots[0]->set_state(Node::State::Queued);
+    run_alone(device, roots[0]);
     return;
   }
   execute_now(device, topological_order(roots));
