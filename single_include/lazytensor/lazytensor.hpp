@@ -566,6 +566,13 @@ class ThreadCellHub {
     return c;
   }
 
+  /// This thread's cell `slot`, or null when the owner records into its shared state
+  /// instead (no slot, no cells for this thread).
+  static std::atomic<std::int64_t>* my_cell(std::size_t slot) {
+    ThreadCells* t = slot == kNoSlot ? nullptr : mine();
+    return t ? t->cell(slot) : nullptr;
+  }
+
   /// Calls f(const ThreadCells&) for every live thread; with mutex() held by the caller.
   template <class F>
   void for_each_thread(F&& f) const {
@@ -667,9 +674,7 @@ class Counter final : public detail::CellOwner {
 
   /// Adds `n` (from any thread).
   void add(std::int64_t n = 1) {
-    detail::ThreadCells* t = detail::ThreadCellHub::mine();
-    std::atomic<std::int64_t>* c = t && slot_ != detail::ThreadCellHub::kNoSlot ? t->cell(slot_) : nullptr;
-    if (c) [[likely]] {
+    if (std::atomic<std::int64_t>* c = detail::ThreadCellHub::my_cell(slot_)) [[likely]] {
       c->store(c->load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
     } else {
       add_shared(n);
@@ -708,9 +713,7 @@ class Metric final : public detail::CellOwner {
 
   /// Records a sample of `ns` nanoseconds (from any thread).
   void record(double ns) {
-    detail::ThreadCells* t = detail::ThreadCellHub::mine();
-    std::atomic<std::int64_t>* c = t && slot_ != detail::ThreadCellHub::kNoSlot ? t->cell(slot_) : nullptr;
-    if (c) [[likely]] {
+    if (std::atomic<std::int64_t>* c = detail::ThreadCellHub::my_cell(slot_)) [[likely]] {
       record_into(c, ns);
     } else {
       record_shared(ns);
@@ -747,6 +750,8 @@ class Metric final : public detail::CellOwner {
   static std::int64_t bits(double v) { return std::bit_cast<std::int64_t>(v); }
   static double real(std::int64_t b) { return std::bit_cast<double>(b); }
   static void merge(MetricData& into, std::int64_t count, double total, double lo, double hi);
+  // Merges a thread's cells into `into` when they belong to the current epoch.
+  void merge_cells(MetricData& into, const detail::ThreadCells& cells) const;
 
   std::size_t slot_;
   std::atomic<std::int64_t> epoch_{1};  // cells start at 0: every thread's first sample starts its epoch
@@ -843,24 +848,20 @@ LAZYTENSOR_INLINE void Metric::record_shared(double ns) {
   merge(shared_, 1, ns, ns, ns);
 }
 
-LAZYTENSOR_INLINE void Metric::fold(const detail::ThreadCells& cells) {
+LAZYTENSOR_INLINE void Metric::merge_cells(MetricData& into, const detail::ThreadCells& cells) const {
   const auto* c = cells.peek(slot_);
   if (!c || c[kEpoch].load(std::memory_order_acquire) != epoch_.load(std::memory_order_relaxed)) return;
-  merge(shared_, get(c[kCount]), real(get(c[kTotal])), real(get(c[kMin])), real(get(c[kMax])));
+  merge(into, get(c[kCount]), real(get(c[kTotal])), real(get(c[kMin])), real(get(c[kMax])));
 }
+
+LAZYTENSOR_INLINE void Metric::fold(const detail::ThreadCells& cells) { merge_cells(shared_, cells); }
 
 LAZYTENSOR_INLINE MetricData Metric::data() const {
   auto& hub = detail::ThreadCellHub::get();
   std::lock_guard lock(hub.mutex());
   MetricData d = shared_;
-  if (slot_ != detail::ThreadCellHub::kNoSlot) {
-    const std::int64_t epoch = epoch_.load(std::memory_order_relaxed);
-    hub.for_each_thread([&](const detail::ThreadCells& t) {
-      const auto* c = t.peek(slot_);
-      if (!c || c[kEpoch].load(std::memory_order_acquire) != epoch) return;
-      merge(d, get(c[kCount]), real(get(c[kTotal])), real(get(c[kMin])), real(get(c[kMax])));
-    });
-  }
+  if (slot_ != detail::ThreadCellHub::kNoSlot)
+    hub.for_each_thread([&](const detail::ThreadCells& t) { merge_cells(d, t); });
   if (d.count == 0) return {};
   return d;
 }

@@ -88,6 +88,13 @@ class ThreadCellHub {
     return c;
   }
 
+  /// This thread's cell `slot`, or null when the owner records into its shared state
+  /// instead (no slot, no cells for this thread).
+  static std::atomic<std::int64_t>* my_cell(std::size_t slot) {
+    ThreadCells* t = slot == kNoSlot ? nullptr : mine();
+    return t ? t->cell(slot) : nullptr;
+  }
+
   /// Calls f(const ThreadCells&) for every live thread; with mutex() held by the caller.
   template <class F>
   void for_each_thread(F&& f) const {
