@@ -347,6 +347,167 @@ LAZYTENSOR_INLINE std::string exception_message(const std::exception_ptr& e) {
 #include <unistd.h>
 #endif
 
+// ---- begin lazytensor/core/block_cache.hpp ----
+// Per-thread caches of the small blocks every statement allocates and frees: its node, its
+// tensor object, a small output buffer. A statement read at once (`sum(x).item()`) made
+// four trips through the C library's allocator, ~150 instructions each even on glibc's
+// per-thread cache path; a block taken from or given back to this cache is a few loads and
+// stores. Blocks are plain ::operator new memory rounded up to a size class, so a block
+// freed on another thread (an executor dropping a node it ran) simply joins that thread's
+// cache. Each cache holds a bounded number of blocks per class and returns the rest; a
+// thread's cache is returned when the thread exits. Under AddressSanitizer the cache is off,
+// so that a use after free is still reported.
+
+#include <cstddef>
+#include <cstdint>
+#include <new>
+
+
+namespace lazy::core {
+
+namespace detail {
+
+/// Blocks are cached in classes of 64 bytes, up to 1 KiB; larger ones go to ::operator new.
+inline constexpr std::size_t kBlockClassBytes = 64;
+inline constexpr std::size_t kBlockClasses = 16;
+/// Most blocks a thread keeps per class (272 KiB per thread if every class were full; a
+/// statement loop keeps a handful).
+inline constexpr std::uint32_t kBlocksPerClass = 32;
+
+#if defined(__SANITIZE_ADDRESS__)
+inline constexpr bool kBlockCacheOn = false;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+inline constexpr bool kBlockCacheOn = false;
+#else
+inline constexpr bool kBlockCacheOn = true;
+#endif
+#else
+inline constexpr bool kBlockCacheOn = true;
+#endif
+
+/// The size class of a block of `bytes` (0 for 1..64), kBlockClasses when not cached.
+constexpr std::size_t block_class(std::size_t bytes) noexcept {
+  const std::size_t c = (bytes + kBlockClassBytes - 1) / kBlockClassBytes;
+  return c == 0 ? 0 : (c <= kBlockClasses ? c - 1 : kBlockClasses);
+}
+
+/// One thread's free lists. Trivially constructible and destructible, so that the
+/// thread_local holding it is zero-initialized and needs no guard, and stays readable
+/// while other thread_locals' destructors run at thread exit (they may free nodes).
+struct ThreadBlockLists {
+  struct FreeBlock {
+    FreeBlock* next;
+  };
+  FreeBlock* head[kBlockClasses];
+  std::uint32_t count[kBlockClasses];
+  bool flush_registered;  ///< the exit flush below is registered for this thread
+  bool closed;            ///< the exit flush ran: nothing is kept any more
+
+  /// A cached block of class `c`, or null.
+  void* take(std::size_t c) noexcept {
+    FreeBlock* b = head[c];
+    if (!b) return nullptr;
+    head[c] = b->next;
+    --count[c];
+    return b;
+  }
+
+  /// Returns every cached block to ::operator delete.
+  void flush() noexcept {
+    for (std::size_t c = 0; c < kBlockClasses; ++c) {
+      while (FreeBlock* b = head[c]) {
+        head[c] = b->next;
+        ::operator delete(static_cast<void*>(b));
+      }
+      count[c] = 0;
+    }
+  }
+};
+
+inline ThreadBlockLists& this_thread_blocks() noexcept {
+  thread_local ThreadBlockLists lists;
+  return lists;
+}
+
+/// Flushes this thread's lists when the thread exits (registered on the first kept block).
+struct ThreadBlockFlush {
+  ~ThreadBlockFlush() {
+    ThreadBlockLists& l = this_thread_blocks();
+    l.flush();
+    l.closed = true;
+  }
+};
+
+inline void register_block_flush() {
+  thread_local ThreadBlockFlush flush;
+  (void)flush;
+}
+
+/// Keeps block `p` of class `c` in this thread's lists; false when the class is full or the
+/// thread is exiting (the caller then frees it).
+inline bool keep_block(void* p, std::size_t c) noexcept {
+  ThreadBlockLists& l = this_thread_blocks();
+  if (l.closed || l.count[c] >= kBlocksPerClass) return false;
+  if (!l.flush_registered) {
+    l.flush_registered = true;
+    try {
+      register_block_flush();
+    } catch (...) {  // the registration could not allocate: keep nothing on this thread
+      l.closed = true;
+      return false;
+    }
+  }
+  auto* b = static_cast<ThreadBlockLists::FreeBlock*>(p);
+  b->next = l.head[c];
+  l.head[c] = b;
+  ++l.count[c];
+  return true;
+}
+
+}  // namespace detail
+
+/// A block of at least `bytes` bytes (aligned as ::operator new aligns), from this thread's
+/// cache when it holds one of that class. std::bad_alloc as ::operator new.
+inline void* allocate_block(std::size_t bytes) {
+  const std::size_t c = detail::block_class(bytes);
+  if (c == detail::kBlockClasses || !detail::kBlockCacheOn) return ::operator new(bytes);
+  if (void* p = detail::this_thread_blocks().take(c)) return p;
+  return ::operator new((c + 1) * detail::kBlockClassBytes);
+}
+
+/// Gives back a block from allocate_block(`bytes`), on any thread.
+inline void free_block(void* p, std::size_t bytes) noexcept {
+  const std::size_t c = detail::block_class(bytes);
+  if (c == detail::kBlockClasses || !detail::kBlockCacheOn) {
+    ::operator delete(p);
+    return;
+  }
+  if (!detail::keep_block(p, c)) ::operator delete(p);
+}
+
+/// An allocator over allocate_block, for std::allocate_shared of the objects a statement
+/// creates (the control block and the object share one cached block).
+template <class T>
+struct BlockAllocator {
+  using value_type = T;
+  static_assert(alignof(T) <= __STDCPP_DEFAULT_NEW_ALIGNMENT__, "blocks are aligned as ::operator new aligns");
+
+  BlockAllocator() = default;
+  template <class U>
+  BlockAllocator(const BlockAllocator<U>&) noexcept {}  // NOLINT: rebinding, as std::allocator
+
+  T* allocate(std::size_t n) { return static_cast<T*>(allocate_block(n * sizeof(T))); }
+  void deallocate(T* p, std::size_t n) noexcept { free_block(p, n * sizeof(T)); }
+
+  template <class U>
+  bool operator==(const BlockAllocator<U>&) const noexcept {
+    return true;
+  }
+};
+
+}  // namespace lazy::core
+// ---- end lazytensor/core/block_cache.hpp ----
 // ---- begin lazytensor/core/counters.hpp ----
 // Process-wide counters and timing metrics, named like PyTorch/XLA's. The lower layers
 // record into them; lazy::debug reports them. A hot path looks a counter up once
@@ -1014,7 +1175,12 @@ class BufferPool;
 /// A block of aligned memory. Returned to its pool when the last reference goes.
 class Buffer {
  public:
+  /// Tag of a buffer whose memory lives in the same allocation as the Buffer itself
+  /// (detail::small_buffer): the destructor leaves it alone.
+  struct InlineMemory {};
+
   Buffer(void* p, std::size_t bytes, std::shared_ptr<BufferPool> pool);
+  Buffer(void* p, std::size_t bytes, InlineMemory) noexcept : data_(p), bytes_(bytes), owns_memory_(false) {}
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
   ~Buffer();
@@ -1034,8 +1200,29 @@ class Buffer {
   void* data_;
   std::size_t bytes_;
   std::atomic<bool> shared_{false};
+  bool owns_memory_ = true;
   std::shared_ptr<BufferPool> pool_;
 };
+
+/// Node outputs of at most this many padded bytes (a scalar of any dtype: 128 or 256 bytes;
+/// up to 48 floats) bypass the pool (output_buffer). Why: for a small statement read at
+/// once (`sum(x).item()`), the pool's two mutex round trips, size lookup and pool reference
+/// were ~600 instructions and six locked operations of a ~4,000-instruction statement,
+/// where one allocation from the C library's per-thread cache (glibc's tcache serves
+/// blocks this size without a lock) costs ~100. The pool exists for large buffers, whose
+/// system allocations fault in fresh pages; these few hundred bytes never do.
+inline constexpr std::size_t kSmallBufferBytes = 256;
+
+namespace detail {
+/// A buffer of `bytes` (<= kSmallBufferBytes, already padded) bytes allocated in one block
+/// with its Buffer and control block, 64-byte aligned, outside any pool. Error for a larger
+/// size; OutOfMemoryError when the block cannot be had.
+std::shared_ptr<Buffer> small_buffer(std::size_t bytes);
+}  // namespace detail
+
+/// The buffer of a node's output of `bytes` (already padded) bytes: small_buffer for a small
+/// one, else from `pool`.
+inline std::shared_ptr<Buffer> output_buffer(BufferPool& pool, std::size_t bytes);
 
 /// Pool statistics, for tests and metrics.
 struct PoolStats {
@@ -1098,6 +1285,10 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
   std::uint64_t tick_ = 0;
   PoolStats stats_;
 };
+
+inline std::shared_ptr<Buffer> output_buffer(BufferPool& pool, std::size_t bytes) {
+  return bytes <= kSmallBufferBytes ? detail::small_buffer(bytes) : pool.acquire(bytes);
+}
 
 }  // namespace lazy
 
@@ -1275,10 +1466,43 @@ LAZYTENSOR_INLINE void BufferPool::evict_beyond(std::size_t limit) {
 LAZYTENSOR_INLINE Buffer::~Buffer() {
   if (pool_) {
     pool_->release(data_, bytes_);
-  } else {
+  } else if (owns_memory_) {
     detail::free_buffer_memory(data_, bytes_);
   }
 }
+
+namespace detail {
+
+/// small_buffer's allocation: the Buffer and its memory, which starts at the first 64-byte
+/// boundary of `storage` (the block itself is only as aligned as the C library's malloc:
+/// an over-aligned type would go through aligned_alloc, which glibc serves from its locked
+/// arena instead of the per-thread cache).
+struct SmallBufferBlock {
+  explicit SmallBufferBlock(std::size_t bytes) noexcept : buffer(aligned_storage(), bytes, Buffer::InlineMemory{}) {}
+  void* aligned_storage() noexcept {
+    const auto at = reinterpret_cast<std::uintptr_t>(storage);
+    return storage + ((kBufferAlign - at % kBufferAlign) % kBufferAlign);
+  }
+
+  Buffer buffer;
+  unsigned char storage[kSmallBufferBytes + kBufferAlign];
+};
+
+LAZYTENSOR_INLINE std::shared_ptr<Buffer> small_buffer(std::size_t bytes) {
+  if (bytes > kSmallBufferBytes) {
+    throw Error("small_buffer: expected at most " + std::to_string(kSmallBufferBytes) + " bytes, found " +
+                          std::to_string(bytes));
+  }
+  try {
+    auto block = std::allocate_shared<detail::SmallBufferBlock>(core::BlockAllocator<detail::SmallBufferBlock>{}, bytes);
+    Buffer* buffer = &block->buffer;
+    return std::shared_ptr<Buffer>(std::move(block), buffer);
+  } catch (const std::bad_alloc&) {
+    throw OutOfMemoryError("cannot allocate a small buffer of " + byte_size_text(bytes));
+  }
+}
+
+}  // namespace detail
 
 }  // namespace lazy
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
@@ -2810,7 +3034,7 @@ LAZYTENSOR_INLINE std::shared_ptr<Buffer> Node::allocate_output(ExecContext& ctx
       }
     }
   }
-  return ctx.device.pool().acquire(padded_bytes(numel(), dtype_size(dtype_)));
+  return output_buffer(ctx.device.pool(), padded_bytes(numel(), dtype_size(dtype_)));
 }
 
 }  // namespace lazy::graph
@@ -3206,6 +3430,7 @@ class ChunkReduction {
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <new>
 #include <string>
 #include <typeinfo>
 #include <utility>
@@ -4916,6 +5141,16 @@ class RowProducer {
 class ElementwiseKernel {
  public:
   virtual ~ElementwiseKernel() = default;
+  /// Kernels come from this thread's block cache (core/block_cache.hpp): one per
+  /// element-wise statement. Sized delete: the virtual destructor passes the kernel's size.
+  static void* operator new(std::size_t bytes) { return core::allocate_block(bytes); }
+  static void operator delete(void* p, std::size_t bytes) noexcept { core::free_block(p, bytes); }
+  // An over-aligned kernel (none today) would bypass the cache: blocks are aligned as
+  // ::operator new aligns.
+  static void* operator new(std::size_t bytes, std::align_val_t al) { return ::operator new(bytes, al); }
+  static void operator delete(void* p, std::size_t, std::align_val_t al) noexcept {
+    ::operator delete(p, al);
+  }
   /// Elements [b, e) of a flat kernel (inputs of the output's shape, or single elements
   /// flagged in `splat`). `contig`: no splat. `stream`: non-temporal stores, out + b
   /// batch-aligned, the caller fences.
@@ -5064,8 +5299,8 @@ class ElementwiseNode final : public Node {
 template <Element Tout, class K>
 NodePtr elementwise_node(K k, const Shape& shape, Device* device, std::vector<NodePtr> inputs) {
   using CK = CompiledKernel<K, Tout>;
-  return std::make_shared<ElementwiseNode>(KernelRef(new CK(std::move(k))), CK::can_stream, dtype_of<Tout>(), shape,
-                                           device, std::move(inputs));
+  return std::allocate_shared<ElementwiseNode>(core::BlockAllocator<ElementwiseNode>{}, KernelRef(new CK(std::move(k))),
+                                               CK::can_stream, dtype_of<Tout>(), shape, device, std::move(inputs));
 }
 
 }  // namespace lazy::graph
@@ -5647,7 +5882,7 @@ LAZYTENSOR_INLINE std::shared_ptr<Buffer> group_output(ExecContext& ctx, const s
       return b;
     }
   }
-  return ctx.device.pool().acquire(padded_bytes(me->numel(), dtype_size(me->dtype())));
+  return output_buffer(ctx.device.pool(), padded_bytes(me->numel(), dtype_size(me->dtype())));
 }
 
 LAZYTENSOR_INLINE GroupRun::GroupRun(ExecContext& ctx, const PlanStep& st, const GroupMembers& members)
@@ -7097,8 +7332,9 @@ class ReductionNodeOf final : public ReductionNode {
 template <class R, class S, Element Tout, class K>
 NodePtr reduction_node(K k, Shape out_shape, ReduceGeometry g, double scale, Device* device,
                        std::vector<NodePtr> inputs, Shape child_shape) {
-  return std::make_shared<ReductionNodeOf<K, R, S, Tout>>(std::move(k), std::move(out_shape), g, scale, device,
-                                                          std::move(inputs), std::move(child_shape));
+  using N = ReductionNodeOf<K, R, S, Tout>;
+  return std::allocate_shared<N>(core::BlockAllocator<N>{}, std::move(k), std::move(out_shape), g, scale, device,
+                                 std::move(inputs), std::move(child_shape));
 }
 
 /// argmax / argmin (first occurrence; NaN counts as the extreme, as in torch).
@@ -7851,7 +8087,8 @@ class Tensor {
   Tensor() = default;
 
   /// Wraps a graph node (internal: factories and ops build tensors this way).
-  explicit Tensor(graph::NodePtr node) : impl_(std::make_shared<graph::TensorImpl>(std::move(node))) {}
+  explicit Tensor(graph::NodePtr node)
+      : impl_(std::allocate_shared<graph::TensorImpl>(core::BlockAllocator<graph::TensorImpl>{}, std::move(node))) {}
 
   /// A handle on an existing tensor object (shares it, like copying a handle). Throws
   /// DTypeError when the object holds another element type.

@@ -29,6 +29,7 @@
 #include <unistd.h>
 #endif
 
+#include <lazytensor/core/block_cache.hpp>
 #include <lazytensor/core/counters.hpp>
 #include <lazytensor/core/error.hpp>
 #include <lazytensor/core/env.hpp>
@@ -89,7 +90,12 @@ class BufferPool;
 /// A block of aligned memory. Returned to its pool when the last reference goes.
 class Buffer {
  public:
+  /// Tag of a buffer whose memory lives in the same allocation as the Buffer itself
+  /// (detail::small_buffer): the destructor leaves it alone.
+  struct InlineMemory {};
+
   Buffer(void* p, std::size_t bytes, std::shared_ptr<BufferPool> pool);
+  Buffer(void* p, std::size_t bytes, InlineMemory) noexcept : data_(p), bytes_(bytes), owns_memory_(false) {}
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
   ~Buffer();
@@ -109,8 +115,29 @@ class Buffer {
   void* data_;
   std::size_t bytes_;
   std::atomic<bool> shared_{false};
+  bool owns_memory_ = true;
   std::shared_ptr<BufferPool> pool_;
 };
+
+/// Node outputs of at most this many padded bytes (a scalar of any dtype: 128 or 256 bytes;
+/// up to 48 floats) bypass the pool (output_buffer). Why: for a small statement read at
+/// once (`sum(x).item()`), the pool's two mutex round trips, size lookup and pool reference
+/// were ~600 instructions and six locked operations of a ~4,000-instruction statement,
+/// where one allocation from the C library's per-thread cache (glibc's tcache serves
+/// blocks this size without a lock) costs ~100. The pool exists for large buffers, whose
+/// system allocations fault in fresh pages; these few hundred bytes never do.
+inline constexpr std::size_t kSmallBufferBytes = 256;
+
+namespace detail {
+/// A buffer of `bytes` (<= kSmallBufferBytes, already padded) bytes allocated in one block
+/// with its Buffer and control block, 64-byte aligned, outside any pool. Error for a larger
+/// size; OutOfMemoryError when the block cannot be had.
+std::shared_ptr<Buffer> small_buffer(std::size_t bytes);
+}  // namespace detail
+
+/// The buffer of a node's output of `bytes` (already padded) bytes: small_buffer for a small
+/// one, else from `pool`.
+inline std::shared_ptr<Buffer> output_buffer(BufferPool& pool, std::size_t bytes);
 
 /// Pool statistics, for tests and metrics.
 struct PoolStats {
@@ -173,6 +200,10 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
   std::uint64_t tick_ = 0;
   PoolStats stats_;
 };
+
+inline std::shared_ptr<Buffer> output_buffer(BufferPool& pool, std::size_t bytes) {
+  return bytes <= kSmallBufferBytes ? detail::small_buffer(bytes) : pool.acquire(bytes);
+}
 
 }  // namespace lazy
 
@@ -350,10 +381,43 @@ LAZYTENSOR_INLINE void BufferPool::evict_beyond(std::size_t limit) {
 LAZYTENSOR_INLINE Buffer::~Buffer() {
   if (pool_) {
     pool_->release(data_, bytes_);
-  } else {
+  } else if (owns_memory_) {
     detail::free_buffer_memory(data_, bytes_);
   }
 }
+
+namespace detail {
+
+/// small_buffer's allocation: the Buffer and its memory, which starts at the first 64-byte
+/// boundary of `storage` (the block itself is only as aligned as the C library's malloc:
+/// an over-aligned type would go through aligned_alloc, which glibc serves from its locked
+/// arena instead of the per-thread cache).
+struct SmallBufferBlock {
+  explicit SmallBufferBlock(std::size_t bytes) noexcept : buffer(aligned_storage(), bytes, Buffer::InlineMemory{}) {}
+  void* aligned_storage() noexcept {
+    const auto at = reinterpret_cast<std::uintptr_t>(storage);
+    return storage + ((kBufferAlign - at % kBufferAlign) % kBufferAlign);
+  }
+
+  Buffer buffer;
+  unsigned char storage[kSmallBufferBytes + kBufferAlign];
+};
+
+LAZYTENSOR_INLINE std::shared_ptr<Buffer> small_buffer(std::size_t bytes) {
+  if (bytes > kSmallBufferBytes) {
+    throw Error("small_buffer: expected at most " + std::to_string(kSmallBufferBytes) + " bytes, found " +
+                          std::to_string(bytes));
+  }
+  try {
+    auto block = std::allocate_shared<detail::SmallBufferBlock>(core::BlockAllocator<detail::SmallBufferBlock>{}, bytes);
+    Buffer* buffer = &block->buffer;
+    return std::shared_ptr<Buffer>(std::move(block), buffer);
+  } catch (const std::bad_alloc&) {
+    throw OutOfMemoryError("cannot allocate a small buffer of " + byte_size_text(bytes));
+  }
+}
+
+}  // namespace detail
 
 }  // namespace lazy
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS

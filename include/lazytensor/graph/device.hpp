@@ -466,7 +466,7 @@ LAZYTENSOR_INLINE std::shared_ptr<Buffer> Node::allocate_output(ExecContext& ctx
       }
     }
   }
-  return ctx.device.pool().acquire(padded_bytes(numel(), dtype_size(dtype_)));
+  return output_buffer(ctx.device.pool(), padded_bytes(numel(), dtype_size(dtype_)));
 }
 
 }  // namespace lazy::graph

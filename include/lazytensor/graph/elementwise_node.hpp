@@ -11,11 +11,13 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <new>
 #include <string>
 #include <typeinfo>
 #include <utility>
 #include <vector>
 
+#include <lazytensor/core/block_cache.hpp>
 #include <lazytensor/core/counters.hpp>
 #include <lazytensor/expr/dual.hpp>
 #include <lazytensor/expr/evaluator.hpp>
@@ -61,6 +63,16 @@ class RowProducer {
 class ElementwiseKernel {
  public:
   virtual ~ElementwiseKernel() = default;
+  /// Kernels come from this thread's block cache (core/block_cache.hpp): one per
+  /// element-wise statement. Sized delete: the virtual destructor passes the kernel's size.
+  static void* operator new(std::size_t bytes) { return core::allocate_block(bytes); }
+  static void operator delete(void* p, std::size_t bytes) noexcept { core::free_block(p, bytes); }
+  // An over-aligned kernel (none today) would bypass the cache: blocks are aligned as
+  // ::operator new aligns.
+  static void* operator new(std::size_t bytes, std::align_val_t al) { return ::operator new(bytes, al); }
+  static void operator delete(void* p, std::size_t, std::align_val_t al) noexcept {
+    ::operator delete(p, al);
+  }
   /// Elements [b, e) of a flat kernel (inputs of the output's shape, or single elements
   /// flagged in `splat`). `contig`: no splat. `stream`: non-temporal stores, out + b
   /// batch-aligned, the caller fences.
@@ -209,8 +221,8 @@ class ElementwiseNode final : public Node {
 template <Element Tout, class K>
 NodePtr elementwise_node(K k, const Shape& shape, Device* device, std::vector<NodePtr> inputs) {
   using CK = CompiledKernel<K, Tout>;
-  return std::make_shared<ElementwiseNode>(KernelRef(new CK(std::move(k))), CK::can_stream, dtype_of<Tout>(), shape,
-                                           device, std::move(inputs));
+  return std::allocate_shared<ElementwiseNode>(core::BlockAllocator<ElementwiseNode>{}, KernelRef(new CK(std::move(k))),
+                                               CK::can_stream, dtype_of<Tout>(), shape, device, std::move(inputs));
 }
 
 }  // namespace lazy::graph

@@ -162,7 +162,7 @@ LAZYTENSOR_INLINE std::shared_ptr<Buffer> group_output(ExecContext& ctx, const s
       return b;
     }
   }
-  return ctx.device.pool().acquire(padded_bytes(me->numel(), dtype_size(me->dtype())));
+  return output_buffer(ctx.device.pool(), padded_bytes(me->numel(), dtype_size(me->dtype())));
 }
 
 LAZYTENSOR_INLINE GroupRun::GroupRun(ExecContext& ctx, const PlanStep& st, const GroupMembers& members)

@@ -17,6 +17,7 @@
 #include <typeinfo>
 #include <vector>
 
+#include <lazytensor/core/block_cache.hpp>
 #include <lazytensor/core/small_vector.hpp>
 #include <lazytensor/expr/dual.hpp>
 #include <lazytensor/expr/evaluator.hpp>
@@ -321,8 +322,9 @@ class ReductionNodeOf final : public ReductionNode {
 template <class R, class S, Element Tout, class K>
 NodePtr reduction_node(K k, Shape out_shape, ReduceGeometry g, double scale, Device* device,
                        std::vector<NodePtr> inputs, Shape child_shape) {
-  return std::make_shared<ReductionNodeOf<K, R, S, Tout>>(std::move(k), std::move(out_shape), g, scale, device,
-                                                          std::move(inputs), std::move(child_shape));
+  using N = ReductionNodeOf<K, R, S, Tout>;
+  return std::allocate_shared<N>(core::BlockAllocator<N>{}, std::move(k), std::move(out_shape), g, scale, device,
+                                 std::move(inputs), std::move(child_shape));
 }
 
 /// argmax / argmin (first occurrence; NaN counts as the extreme, as in torch).

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include <lazytensor/autograd/engine.hpp>
+#include <lazytensor/core/block_cache.hpp>
 #include <lazytensor/core/counters.hpp>
 #include <lazytensor/expr/expr.hpp>
 #include <lazytensor/tensor/make_elementwise.hpp>
@@ -72,7 +73,8 @@ class Tensor {
   Tensor() = default;
 
   /// Wraps a graph node (internal: factories and ops build tensors this way).
-  explicit Tensor(graph::NodePtr node) : impl_(std::make_shared<graph::TensorImpl>(std::move(node))) {}
+  explicit Tensor(graph::NodePtr node)
+      : impl_(std::allocate_shared<graph::TensorImpl>(core::BlockAllocator<graph::TensorImpl>{}, std::move(node))) {}
 
   /// A handle on an existing tensor object (shares it, like copying a handle). Throws
   /// DTypeError when the object holds another element type.
