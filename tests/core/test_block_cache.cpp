@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -27,6 +28,7 @@ std::size_t ref_class(std::size_t bytes) {
 TEST(BlockCache, SizeClasses) {
   for (std::size_t b = 0; b <= 1100; ++b) ASSERT_EQ(bc::block_class(b), ref_class(b)) << b;
   EXPECT_EQ(bc::block_class(std::size_t{1} << 40), bc::kBlockClasses);
+  EXPECT_EQ(bc::block_class(static_cast<std::size_t>(-1)), bc::kBlockClasses);  // no wrap-around
 }
 
 TEST(BlockCache, AFreedBlockServesTheNextRequestOfItsClassOnThisThread) {
@@ -50,12 +52,10 @@ TEST(BlockCache, KeepsAtMostItsBoundPerClass) {
   for (int i = 0; i < kMany; ++i) blocks.push_back(lazy::core::allocate_block(300));
   const std::set<void*> first(blocks.begin(), blocks.end());
   ASSERT_EQ(first.size(), blocks.size()) << "a block handed out twice";
-  const std::uint32_t before = bc::this_thread_blocks().count[bc::block_class(300)];
   for (void* p : blocks) lazy::core::free_block(p, 300);
-  const std::uint32_t kept = bc::this_thread_blocks().count[bc::block_class(300)];
+  const std::uint32_t kept = bc::cached_blocks(bc::block_class(300));
   if (bc::kBlockCacheOn) {
     EXPECT_EQ(kept, bc::kBlocksPerClass);
-    EXPECT_LE(before, bc::kBlocksPerClass);
   } else {
     EXPECT_EQ(kept, 0u);
   }
@@ -74,12 +74,17 @@ TEST(BlockCache, KeepsAtMostItsBoundPerClass) {
   for (void* p : again) lazy::core::free_block(p, 300);
 }
 
-TEST(BlockCache, LargeBlocksAreNotCached) {
+TEST(BlockCache, LargeBlocksAndNullAreNotCached) {
+  std::vector<std::uint32_t> before;
+  for (std::size_t c = 0; c < bc::kBlockClasses; ++c) before.push_back(bc::cached_blocks(c));
   const std::size_t big = 64 * bc::kBlockClasses + 1;
   void* p = lazy::core::allocate_block(big);
   std::memset(p, 7, big);
   lazy::core::free_block(p, big);
-  for (std::size_t c = 0; c < bc::kBlockClasses; ++c) ASSERT_LE(bc::this_thread_blocks().count[c], bc::kBlocksPerClass);
+  lazy::core::free_block(nullptr, 64);
+  for (std::size_t c = 0; c < bc::kBlockClasses; ++c) ASSERT_EQ(bc::cached_blocks(c), before[c]) << c;
+  EXPECT_THROW((void)lazy::core::BlockAllocator<double>{}.allocate(static_cast<std::size_t>(-1) / 4),
+               std::bad_array_new_length);
 }
 
 TEST(BlockCache, BlocksFreedOnAnotherThreadJoinThatThreadsCache) {
@@ -174,6 +179,8 @@ struct Counted {
 };
 
 TEST(BlockCache, AllocateSharedThroughTheBlockAllocator) {
+  // Control block and object share one block of the class of their joint size.
+  const std::size_t c = bc::block_class(sizeof(Counted) + 16);
   std::vector<std::shared_ptr<Counted>> objects;
   for (int i = 0; i < 100; ++i)
     objects.push_back(std::allocate_shared<Counted>(lazy::core::BlockAllocator<Counted>{}, i));
@@ -183,12 +190,19 @@ TEST(BlockCache, AllocateSharedThroughTheBlockAllocator) {
   std::thread other([moved = std::move(objects)]() mutable { moved.clear(); });
   other.join();
   EXPECT_EQ(Counted::live.load(), 0);
+  // A weak reference keeps the block after the object is destroyed; its release frees it
+  // into this thread's cache.
   std::weak_ptr<Counted> w;
   {
     auto s = std::allocate_shared<Counted>(lazy::core::BlockAllocator<Counted>{}, 5);
     w = s;
   }
-  EXPECT_TRUE(w.expired());  // the block stays until the weak reference goes, then is freed
+  EXPECT_EQ(Counted::live.load(), 0);
+  const std::uint32_t before = bc::cached_blocks(c);
+  w.reset();
+  if (bc::kBlockCacheOn) {
+    EXPECT_EQ(bc::cached_blocks(c), std::min(before + 1, bc::kBlocksPerClass));
+  }
 }
 
 }  // namespace

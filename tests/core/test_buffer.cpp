@@ -322,11 +322,11 @@ TEST(Buffer, SmallOutputsAreAlignedWritableAndOutsideThePool) {
   auto pool = std::make_shared<BufferPool>();
   std::vector<std::shared_ptr<lazy::Buffer>> live;
   for (std::size_t bytes = 64; bytes <= lazy::kSmallBufferBytes; bytes += 64) {
-    for (int k = 0; k < 8; ++k) {  // several of each size: every placement inside the block
+    for (int k = 0; k < 8; ++k) {  // several of each size, at whatever offsets malloc gives
       auto b = lazy::output_buffer(*pool, bytes);
       ASSERT_EQ(reinterpret_cast<std::uintptr_t>(b->data()) % lazy::kBufferAlign, 0u) << bytes;
       ASSERT_EQ(b->bytes(), bytes);
-      // The whole padded size is ours (ASan reports a write past the block).
+      // The whole padded size is ours (under ASan the storage around it is poisoned).
       std::memset(b->data(), 0x5a, bytes);
       live.push_back(std::move(b));
     }
@@ -339,7 +339,7 @@ TEST(Buffer, SmallOutputsAreAlignedWritableAndOutsideThePool) {
   auto s = pool->stats();
   EXPECT_EQ(s.fresh_allocations + s.reuses, 0) << "small outputs never touch the pool";
   EXPECT_EQ(s.cached_bytes, 0);
-  // One byte over the bound goes to the pool, and comes back from it.
+  // The next padded size past the bound goes to the pool, and comes back from it.
   { auto b = lazy::output_buffer(*pool, lazy::kSmallBufferBytes + 64); }
   { auto b = lazy::output_buffer(*pool, lazy::kSmallBufferBytes + 64); }
   s = pool->stats();

@@ -1,13 +1,13 @@
 #pragma once
 // Per-thread caches of the small blocks every statement allocates and frees: its node, its
-// tensor object, a small output buffer. A statement read at once (`sum(x).item()`) made
-// four trips through the C library's allocator, ~150 instructions each even on glibc's
-// per-thread cache path; a block taken from or given back to this cache is a few loads and
-// stores. Blocks are plain ::operator new memory rounded up to a size class, so a block
-// freed on another thread (an executor dropping a node it ran) simply joins that thread's
-// cache. Each cache holds a bounded number of blocks per class and returns the rest; a
-// thread's cache is returned when the thread exits. Under AddressSanitizer the cache is off,
-// so that a use after free is still reported.
+// tensor object, its element-wise kernel, a small output buffer. glibc's malloc and free
+// cost ~150 instructions a pair even on its per-thread path; a block taken from or given
+// back to this cache is a few loads and stores. Blocks are plain ::operator new memory of a
+// whole size class, so a block freed on another thread (an executor dropping a node it ran)
+// simply joins that thread's cache. Each cache keeps a bounded number of blocks per class
+// and frees the rest; a thread's cache is freed when the thread exits. Under a memory
+// checker (AddressSanitizer, HWASan, MemorySanitizer) or with LAZYTENSOR_NO_BLOCK_CACHE
+// defined nothing is kept, so that a use after free is still reported.
 
 #include <cstddef>
 #include <cstdint>
@@ -19,17 +19,27 @@ namespace lazy::core {
 
 namespace detail {
 
-/// Blocks are cached in classes of 64 bytes, up to 1 KiB; larger ones go to ::operator new.
+/// Blocks come in classes of 64 bytes, up to 1 KiB; larger ones go to ::operator new as is.
 inline constexpr std::size_t kBlockClassBytes = 64;
 inline constexpr std::size_t kBlockClasses = 16;
 /// Most blocks a thread keeps per class (272 KiB per thread if every class were full; a
 /// statement loop keeps a handful).
 inline constexpr std::uint32_t kBlocksPerClass = 32;
 
+// LAZYTENSOR_DETAIL_ASAN: AddressSanitizer is on (GCC says so by a macro, clang by
+// __has_feature, which GCC 12 lacks: hence the nesting).
 #if defined(__SANITIZE_ADDRESS__)
-inline constexpr bool kBlockCacheOn = false;
+#define LAZYTENSOR_DETAIL_ASAN 1
 #elif defined(__has_feature)
 #if __has_feature(address_sanitizer)
+#define LAZYTENSOR_DETAIL_ASAN 1
+#endif
+#endif
+
+#if defined(LAZYTENSOR_NO_BLOCK_CACHE) || defined(LAZYTENSOR_DETAIL_ASAN) || defined(__SANITIZE_HWADDRESS__)
+inline constexpr bool kBlockCacheOn = false;
+#elif defined(__has_feature)
+#if __has_feature(hwaddress_sanitizer) || __has_feature(memory_sanitizer)
 inline constexpr bool kBlockCacheOn = false;
 #else
 inline constexpr bool kBlockCacheOn = true;
@@ -38,11 +48,51 @@ inline constexpr bool kBlockCacheOn = true;
 inline constexpr bool kBlockCacheOn = true;
 #endif
 
-/// The size class of a block of `bytes` (0 for 1..64), kBlockClasses when not cached.
+/// The size class of a block of `bytes` (0 for 0..64), kBlockClasses when not cached.
 constexpr std::size_t block_class(std::size_t bytes) noexcept {
-  const std::size_t c = (bytes + kBlockClassBytes - 1) / kBlockClassBytes;
-  return c == 0 ? 0 : (c <= kBlockClasses ? c - 1 : kBlockClasses);
+  if (bytes > kBlockClasses * kBlockClassBytes) return kBlockClasses;
+  return bytes == 0 ? 0 : (bytes - 1) / kBlockClassBytes;
 }
+
+/// How many blocks of class `c` this thread's cache holds (for tests).
+std::uint32_t cached_blocks(std::size_t c) noexcept;
+
+}  // namespace detail
+
+/// A block of at least `bytes` bytes (aligned as ::operator new aligns), from this thread's
+/// cache when it holds one of that class. std::bad_alloc as ::operator new.
+void* allocate_block(std::size_t bytes);
+
+/// Gives back a block from allocate_block(`bytes`), on any thread (null: nothing).
+void free_block(void* p, std::size_t bytes) noexcept;
+
+/// An allocator over allocate_block, for std::allocate_shared of the objects a statement
+/// creates (the control block and the object share one cached block).
+template <class T>
+struct BlockAllocator {
+  using value_type = T;
+
+  BlockAllocator() = default;
+  template <class U>
+  BlockAllocator(const BlockAllocator<U>&) noexcept {}  // NOLINT: rebinding, as std::allocator
+
+  T* allocate(std::size_t n) {
+    static_assert(alignof(T) <= __STDCPP_DEFAULT_NEW_ALIGNMENT__, "blocks are aligned as ::operator new aligns");
+    if (n > static_cast<std::size_t>(-1) / sizeof(T)) throw std::bad_array_new_length();
+    return static_cast<T*>(allocate_block(n * sizeof(T)));
+  }
+  void deallocate(T* p, std::size_t n) noexcept { free_block(p, n * sizeof(T)); }
+
+  template <class U>
+  bool operator==(const BlockAllocator<U>&) const noexcept {
+    return true;
+  }
+};
+
+}  // namespace lazy::core
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::core::detail {
 
 /// One thread's free lists. Trivially constructible and destructible, so that the
 /// thread_local holding it is zero-initialized and needs no guard, and stays readable
@@ -65,7 +115,7 @@ struct ThreadBlockLists {
     return b;
   }
 
-  /// Returns every cached block to ::operator delete.
+  /// Frees every cached block.
   void flush() noexcept {
     for (std::size_t c = 0; c < kBlockClasses; ++c) {
       while (FreeBlock* b = head[c]) {
@@ -77,12 +127,15 @@ struct ThreadBlockLists {
   }
 };
 
-inline ThreadBlockLists& this_thread_blocks() noexcept {
+LAZYTENSOR_INLINE ThreadBlockLists& this_thread_blocks() noexcept {
   thread_local ThreadBlockLists lists;
   return lists;
 }
 
-/// Flushes this thread's lists when the thread exits (registered on the first kept block).
+/// Flushes this thread's lists when the thread exits; registered with the first kept
+/// block (registering a thread_local's destructor does not throw: the C++ runtime's
+/// __cxa_thread_atexit is noexcept). A block first kept on the main thread after its
+/// thread_locals were destroyed (during static destruction) stays until the process ends.
 struct ThreadBlockFlush {
   ~ThreadBlockFlush() {
     ThreadBlockLists& l = this_thread_blocks();
@@ -91,24 +144,19 @@ struct ThreadBlockFlush {
   }
 };
 
-inline void register_block_flush() {
+LAZYTENSOR_INLINE void register_block_flush() noexcept {
   thread_local ThreadBlockFlush flush;
   (void)flush;
 }
 
 /// Keeps block `p` of class `c` in this thread's lists; false when the class is full or the
 /// thread is exiting (the caller then frees it).
-inline bool keep_block(void* p, std::size_t c) noexcept {
+LAZYTENSOR_INLINE bool keep_block(void* p, std::size_t c) noexcept {
   ThreadBlockLists& l = this_thread_blocks();
   if (l.closed || l.count[c] >= kBlocksPerClass) return false;
   if (!l.flush_registered) {
     l.flush_registered = true;
-    try {
-      register_block_flush();
-    } catch (...) {  // the registration could not allocate: keep nothing on this thread
-      l.closed = true;
-      return false;
-    }
+    register_block_flush();
   }
   auto* b = static_cast<ThreadBlockLists::FreeBlock*>(p);
   b->next = l.head[c];
@@ -117,45 +165,32 @@ inline bool keep_block(void* p, std::size_t c) noexcept {
   return true;
 }
 
-}  // namespace detail
+LAZYTENSOR_INLINE std::uint32_t cached_blocks(std::size_t c) noexcept {
+  return c < kBlockClasses ? this_thread_blocks().count[c] : 0;
+}
 
-/// A block of at least `bytes` bytes (aligned as ::operator new aligns), from this thread's
-/// cache when it holds one of that class. std::bad_alloc as ::operator new.
-inline void* allocate_block(std::size_t bytes) {
+}  // namespace lazy::core::detail
+
+namespace lazy::core {
+
+// A cached class's block always has the class's whole size, cache on or off: a block
+// allocated where the cache is off (a sanitized translation unit) may be freed where it is
+// on (the compiled runtime, built without) and be handed out again as a whole class.
+LAZYTENSOR_INLINE void* allocate_block(std::size_t bytes) {
   const std::size_t c = detail::block_class(bytes);
-  if (c == detail::kBlockClasses || !detail::kBlockCacheOn) return ::operator new(bytes);
-  if (void* p = detail::this_thread_blocks().take(c)) return p;
+  if (c == detail::kBlockClasses) return ::operator new(bytes);
+  if constexpr (detail::kBlockCacheOn)
+    if (void* p = detail::this_thread_blocks().take(c)) return p;
   return ::operator new((c + 1) * detail::kBlockClassBytes);
 }
 
-/// Gives back a block from allocate_block(`bytes`), on any thread.
-inline void free_block(void* p, std::size_t bytes) noexcept {
+LAZYTENSOR_INLINE void free_block(void* p, std::size_t bytes) noexcept {
+  if (!p) return;
   const std::size_t c = detail::block_class(bytes);
-  if (c == detail::kBlockClasses || !detail::kBlockCacheOn) {
-    ::operator delete(p);
-    return;
-  }
-  if (!detail::keep_block(p, c)) ::operator delete(p);
+  if constexpr (detail::kBlockCacheOn)
+    if (c < detail::kBlockClasses && detail::keep_block(p, c)) return;
+  ::operator delete(p);
 }
 
-/// An allocator over allocate_block, for std::allocate_shared of the objects a statement
-/// creates (the control block and the object share one cached block).
-template <class T>
-struct BlockAllocator {
-  using value_type = T;
-  static_assert(alignof(T) <= __STDCPP_DEFAULT_NEW_ALIGNMENT__, "blocks are aligned as ::operator new aligns");
-
-  BlockAllocator() = default;
-  template <class U>
-  BlockAllocator(const BlockAllocator<U>&) noexcept {}  // NOLINT: rebinding, as std::allocator
-
-  T* allocate(std::size_t n) { return static_cast<T*>(allocate_block(n * sizeof(T))); }
-  void deallocate(T* p, std::size_t n) noexcept { free_block(p, n * sizeof(T)); }
-
-  template <class U>
-  bool operator==(const BlockAllocator<U>&) const noexcept {
-    return true;
-  }
-};
-
 }  // namespace lazy::core
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

@@ -30,6 +30,10 @@
 #endif
 
 #include <lazytensor/core/block_cache.hpp>
+#if defined(LAZYTENSOR_DETAIL_ASAN) && LAZYTENSOR_HEADER_DEFINITIONS
+#include <sanitizer/asan_interface.h>
+#endif
+
 #include <lazytensor/core/counters.hpp>
 #include <lazytensor/core/error.hpp>
 #include <lazytensor/core/env.hpp>
@@ -119,13 +123,14 @@ class Buffer {
   std::shared_ptr<BufferPool> pool_;
 };
 
-/// Node outputs of at most this many padded bytes (a scalar of any dtype: 128 or 256 bytes;
-/// up to 48 floats) bypass the pool (output_buffer). Why: for a small statement read at
-/// once (`sum(x).item()`), the pool's two mutex round trips, size lookup and pool reference
-/// were ~600 instructions and six locked operations of a ~4,000-instruction statement,
-/// where one allocation from the C library's per-thread cache (glibc's tcache serves
-/// blocks this size without a lock) costs ~100. The pool exists for large buffers, whose
-/// system allocations fault in fresh pages; these few hundred bytes never do.
+/// Outputs of at most this many padded bytes (a scalar: 64 to 256 bytes by dtype; up to 48
+/// floats) that kernels allocate through Node::allocate_output or as a fused group's
+/// outputs bypass the pool (output_buffer). Why: for a small statement read at once
+/// (`sum(x).item()`), the pool's two mutex round trips, size lookup and pool reference were
+/// ~600 instructions and six locked operations of a ~4,000-instruction statement, where a
+/// block from this thread's block cache (core/block_cache.hpp) costs a few loads and
+/// stores. The pool exists for large buffers, whose system allocations fault in fresh
+/// pages; these few hundred bytes never do.
 inline constexpr std::size_t kSmallBufferBytes = 256;
 
 namespace detail {
@@ -393,7 +398,18 @@ namespace detail {
 /// an over-aligned type would go through aligned_alloc, which glibc serves from its locked
 /// arena instead of the per-thread cache).
 struct SmallBufferBlock {
-  explicit SmallBufferBlock(std::size_t bytes) noexcept : buffer(aligned_storage(), bytes, Buffer::InlineMemory{}) {}
+  explicit SmallBufferBlock(std::size_t bytes) noexcept : buffer(aligned_storage(), bytes, Buffer::InlineMemory{}) {
+#if defined(LAZYTENSOR_DETAIL_ASAN)
+    // The storage around the buffer's bytes is poisoned, so that AddressSanitizer still
+    // reports a kernel writing past a small output, as it does past a pooled one.
+    auto* data = static_cast<unsigned char*>(buffer.data());
+    ASAN_POISON_MEMORY_REGION(storage, static_cast<std::size_t>(data - storage));
+    ASAN_POISON_MEMORY_REGION(data + bytes, sizeof storage - static_cast<std::size_t>(data - storage) - bytes);
+#endif
+  }
+#if defined(LAZYTENSOR_DETAIL_ASAN)
+  ~SmallBufferBlock() { ASAN_UNPOISON_MEMORY_REGION(storage, sizeof storage); }
+#endif
   void* aligned_storage() noexcept {
     const auto at = reinterpret_cast<std::uintptr_t>(storage);
     return storage + ((kBufferAlign - at % kBufferAlign) % kBufferAlign);
