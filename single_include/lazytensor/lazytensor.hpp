@@ -8128,6 +8128,20 @@ graph::NodePtr data_node(const T* src, const Shape& shape, const Device& dev) {
 }
 }  // namespace detail
 
+namespace detail {
+/// Element `i` of a tensor's buffer as a host value. A bool is read through its byte (any
+/// nonzero byte is true): the memory of `empty<bool>` is uninitialized, and loading a byte
+/// other than 0 or 1 as a bool is undefined behaviour.
+template <Element T>
+T read_value(const T* p, std::int64_t i) {
+  if constexpr (std::is_same_v<T, bool>) {
+    return reinterpret_cast<const unsigned char*>(p)[i] != 0;
+  } else {
+    return p[i];
+  }
+}
+}  // namespace detail
+
 /// A lazy tensor of element type T (float, double, int32_t, int64_t, bool, bfloat16).
 template <Element T>
 class Tensor {
@@ -8192,13 +8206,19 @@ class Tensor {
       throw ShapeError("item(): a Tensor with " + std::to_string(numel()) +
                        " elements cannot be converted to a scalar (expected 1 element)");
     }
-    return data()[0];
+    return detail::read_value(data(), 0);
   }
 
   /// A copy of the values, row-major. Materializes (an implicit sync).
   std::vector<T> to_vector() const {
     const T* p = data();
-    return std::vector<T>(p, p + numel());
+    if constexpr (std::is_same_v<T, bool>) {
+      std::vector<bool> out(static_cast<std::size_t>(numel()));
+      for (std::int64_t i = 0; i < numel(); ++i) out[static_cast<std::size_t>(i)] = detail::read_value(p, i);
+      return out;
+    } else {
+      return std::vector<T>(p, p + numel());
+    }
   }
 
   /// A row-major Eigen view of the values: rank 2 as is, rank 1 as a column, rank 0 as
@@ -8435,7 +8455,7 @@ void print_value(std::ostream& os, T v) {
 template <class T>
 void print_dims(std::ostream& os, const T* p, const Shape& s, int d, std::int64_t& pos) {
   if (d == s.rank()) {
-    print_value(os, p[pos++]);
+    print_value(os, read_value(p, pos++));
     return;
   }
   os << "[";

@@ -80,6 +80,11 @@ TYPED_TEST(FactoryTyped, EmptyHasShapeOnly) {
     EXPECT_EQ(e.shape(), s);
     EXPECT_EQ(e.numel(), s.numel());
     EXPECT_EQ(e.to_vector().size(), static_cast<std::size_t>(s.numel()));  // readable, contents unspecified
+    // Printable too. For bool the bytes are read as bytes: UBSan reports a load of
+    // uninitialized memory as a bool (a value other than 0 or 1) otherwise.
+    std::ostringstream os;
+    os << e;
+    EXPECT_NE(os.str().find("tensor("), std::string::npos);
   }
 }
 
