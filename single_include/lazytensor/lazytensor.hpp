@@ -360,7 +360,9 @@ LAZYTENSOR_INLINE std::string exception_message(const std::exception_ptr& e) {
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <new>
+#include <utility>
 
 
 namespace lazy::core {
@@ -436,6 +438,13 @@ struct BlockAllocator {
     return true;
   }
 };
+
+/// std::make_shared from this thread's block cache: the object and its control block in
+/// one cached block.
+template <class T, class... Args>
+std::shared_ptr<T> make_cached(Args&&... args) {
+  return std::allocate_shared<T>(BlockAllocator<T>{}, std::forward<Args>(args)...);
+}
 
 }  // namespace lazy::core
 
@@ -1260,9 +1269,6 @@ namespace detail {
 std::shared_ptr<Buffer> small_buffer(std::size_t bytes);
 }  // namespace detail
 
-/// The buffer of a node's output of `bytes` (already padded) bytes: small_buffer for a small
-/// one, else from `pool`.
-inline std::shared_ptr<Buffer> output_buffer(BufferPool& pool, std::size_t bytes);
 
 /// Pool statistics, for tests and metrics.
 struct PoolStats {
@@ -1326,6 +1332,8 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
   PoolStats stats_;
 };
 
+/// The buffer of a node's output of `bytes` (already padded) bytes: small_buffer for a small
+/// one (kSmallBufferBytes), else from `pool`.
 inline std::shared_ptr<Buffer> output_buffer(BufferPool& pool, std::size_t bytes) {
   return bytes <= kSmallBufferBytes ? detail::small_buffer(bytes) : pool.acquire(bytes);
 }
@@ -1514,9 +1522,8 @@ LAZYTENSOR_INLINE Buffer::~Buffer() {
 namespace detail {
 
 /// small_buffer's allocation: the Buffer and its memory, which starts at the first 64-byte
-/// boundary of `storage` (the block itself is only as aligned as the C library's malloc:
-/// an over-aligned type would go through aligned_alloc, which glibc serves from its locked
-/// arena instead of the per-thread cache).
+/// boundary of `storage` (the block itself, from the block cache, is only as aligned as
+/// ::operator new aligns; an over-aligned type would bypass the cache).
 struct SmallBufferBlock {
   explicit SmallBufferBlock(std::size_t bytes) noexcept : buffer(aligned_storage(), bytes, Buffer::InlineMemory{}) {
 #if defined(LAZYTENSOR_DETAIL_ASAN)
@@ -1545,7 +1552,7 @@ LAZYTENSOR_INLINE std::shared_ptr<Buffer> small_buffer(std::size_t bytes) {
                           std::to_string(bytes));
   }
   try {
-    auto block = std::allocate_shared<detail::SmallBufferBlock>(core::BlockAllocator<detail::SmallBufferBlock>{}, bytes);
+    auto block = core::make_cached<SmallBufferBlock>(bytes);
     Buffer* buffer = &block->buffer;
     return std::shared_ptr<Buffer>(std::move(block), buffer);
   } catch (const std::bad_alloc&) {
@@ -5350,8 +5357,8 @@ class ElementwiseNode final : public Node {
 template <Element Tout, class K>
 NodePtr elementwise_node(K k, const Shape& shape, Device* device, std::vector<NodePtr> inputs) {
   using CK = CompiledKernel<K, Tout>;
-  return std::allocate_shared<ElementwiseNode>(core::BlockAllocator<ElementwiseNode>{}, KernelRef(new CK(std::move(k))),
-                                               CK::can_stream, dtype_of<Tout>(), shape, device, std::move(inputs));
+  return core::make_cached<ElementwiseNode>(KernelRef(new CK(std::move(k))), CK::can_stream, dtype_of<Tout>(), shape,
+                                            device, std::move(inputs));
 }
 
 }  // namespace lazy::graph
@@ -7383,9 +7390,8 @@ class ReductionNodeOf final : public ReductionNode {
 template <class R, class S, Element Tout, class K>
 NodePtr reduction_node(K k, Shape out_shape, ReduceGeometry g, double scale, Device* device,
                        std::vector<NodePtr> inputs, Shape child_shape) {
-  using N = ReductionNodeOf<K, R, S, Tout>;
-  return std::allocate_shared<N>(core::BlockAllocator<N>{}, std::move(k), std::move(out_shape), g, scale, device,
-                                 std::move(inputs), std::move(child_shape));
+  return core::make_cached<ReductionNodeOf<K, R, S, Tout>>(std::move(k), std::move(out_shape), g, scale, device,
+                                                            std::move(inputs), std::move(child_shape));
 }
 
 /// argmax / argmin (first occurrence; NaN counts as the extreme, as in torch).
@@ -8152,8 +8158,7 @@ class Tensor {
   Tensor() = default;
 
   /// Wraps a graph node (internal: factories and ops build tensors this way).
-  explicit Tensor(graph::NodePtr node)
-      : impl_(std::allocate_shared<graph::TensorImpl>(core::BlockAllocator<graph::TensorImpl>{}, std::move(node))) {}
+  explicit Tensor(graph::NodePtr node) : impl_(core::make_cached<graph::TensorImpl>(std::move(node))) {}
 
   /// A handle on an existing tensor object (shares it, like copying a handle). Throws
   /// DTypeError when the object holds another element type.

@@ -11,7 +11,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <new>
+#include <utility>
 
 #include <lazytensor/core/config.hpp>
 
@@ -88,6 +90,13 @@ struct BlockAllocator {
     return true;
   }
 };
+
+/// std::make_shared from this thread's block cache: the object and its control block in
+/// one cached block.
+template <class T, class... Args>
+std::shared_ptr<T> make_cached(Args&&... args) {
+  return std::allocate_shared<T>(BlockAllocator<T>{}, std::forward<Args>(args)...);
+}
 
 }  // namespace lazy::core
 

@@ -140,9 +140,6 @@ namespace detail {
 std::shared_ptr<Buffer> small_buffer(std::size_t bytes);
 }  // namespace detail
 
-/// The buffer of a node's output of `bytes` (already padded) bytes: small_buffer for a small
-/// one, else from `pool`.
-inline std::shared_ptr<Buffer> output_buffer(BufferPool& pool, std::size_t bytes);
 
 /// Pool statistics, for tests and metrics.
 struct PoolStats {
@@ -206,6 +203,8 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
   PoolStats stats_;
 };
 
+/// The buffer of a node's output of `bytes` (already padded) bytes: small_buffer for a small
+/// one (kSmallBufferBytes), else from `pool`.
 inline std::shared_ptr<Buffer> output_buffer(BufferPool& pool, std::size_t bytes) {
   return bytes <= kSmallBufferBytes ? detail::small_buffer(bytes) : pool.acquire(bytes);
 }
@@ -394,9 +393,8 @@ LAZYTENSOR_INLINE Buffer::~Buffer() {
 namespace detail {
 
 /// small_buffer's allocation: the Buffer and its memory, which starts at the first 64-byte
-/// boundary of `storage` (the block itself is only as aligned as the C library's malloc:
-/// an over-aligned type would go through aligned_alloc, which glibc serves from its locked
-/// arena instead of the per-thread cache).
+/// boundary of `storage` (the block itself, from the block cache, is only as aligned as
+/// ::operator new aligns; an over-aligned type would bypass the cache).
 struct SmallBufferBlock {
   explicit SmallBufferBlock(std::size_t bytes) noexcept : buffer(aligned_storage(), bytes, Buffer::InlineMemory{}) {
 #if defined(LAZYTENSOR_DETAIL_ASAN)
@@ -425,7 +423,7 @@ LAZYTENSOR_INLINE std::shared_ptr<Buffer> small_buffer(std::size_t bytes) {
                           std::to_string(bytes));
   }
   try {
-    auto block = std::allocate_shared<detail::SmallBufferBlock>(core::BlockAllocator<detail::SmallBufferBlock>{}, bytes);
+    auto block = core::make_cached<SmallBufferBlock>(bytes);
     Buffer* buffer = &block->buffer;
     return std::shared_ptr<Buffer>(std::move(block), buffer);
   } catch (const std::bad_alloc&) {

@@ -221,8 +221,8 @@ class ElementwiseNode final : public Node {
 template <Element Tout, class K>
 NodePtr elementwise_node(K k, const Shape& shape, Device* device, std::vector<NodePtr> inputs) {
   using CK = CompiledKernel<K, Tout>;
-  return std::allocate_shared<ElementwiseNode>(core::BlockAllocator<ElementwiseNode>{}, KernelRef(new CK(std::move(k))),
-                                               CK::can_stream, dtype_of<Tout>(), shape, device, std::move(inputs));
+  return core::make_cached<ElementwiseNode>(KernelRef(new CK(std::move(k))), CK::can_stream, dtype_of<Tout>(), shape,
+                                            device, std::move(inputs));
 }
 
 }  // namespace lazy::graph

@@ -322,9 +322,8 @@ class ReductionNodeOf final : public ReductionNode {
 template <class R, class S, Element Tout, class K>
 NodePtr reduction_node(K k, Shape out_shape, ReduceGeometry g, double scale, Device* device,
                        std::vector<NodePtr> inputs, Shape child_shape) {
-  using N = ReductionNodeOf<K, R, S, Tout>;
-  return std::allocate_shared<N>(core::BlockAllocator<N>{}, std::move(k), std::move(out_shape), g, scale, device,
-                                 std::move(inputs), std::move(child_shape));
+  return core::make_cached<ReductionNodeOf<K, R, S, Tout>>(std::move(k), std::move(out_shape), g, scale, device,
+                                                            std::move(inputs), std::move(child_shape));
 }
 
 /// argmax / argmin (first occurrence; NaN counts as the extreme, as in torch).

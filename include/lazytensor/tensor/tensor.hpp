@@ -87,8 +87,7 @@ class Tensor {
   Tensor() = default;
 
   /// Wraps a graph node (internal: factories and ops build tensors this way).
-  explicit Tensor(graph::NodePtr node)
-      : impl_(std::allocate_shared<graph::TensorImpl>(core::BlockAllocator<graph::TensorImpl>{}, std::move(node))) {}
+  explicit Tensor(graph::NodePtr node) : impl_(core::make_cached<graph::TensorImpl>(std::move(node))) {}
 
   /// A handle on an existing tensor object (shares it, like copying a handle). Throws
   /// DTypeError when the object holds another element type.
