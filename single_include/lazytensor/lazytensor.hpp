@@ -21872,14 +21872,9 @@ class SoftmaxNode final : public Node {
 namespace lazy {
 
 namespace detail {
-template <bool Log, class X>
-auto softmax_impl(const X& x, std::int64_t dim, const char* op) {
-  using V = expr::value_t<X>;
-  using T = std::conditional_t<std::is_same_v<V, double>, double, float>;
-  Tensor<T> t = [&] {
-    if constexpr (std::is_same_v<X, Tensor<T>>) return x;
-    else return Tensor<T>(cast<T>(x));
-  }();
+/// softmax (log_softmax with `Log`) of a float or double tensor along `dim`, with its rule.
+template <bool Log, class T>
+Tensor<T> softmax_rows(const Tensor<T>& t, std::int64_t dim, const char* op) {
   const Shape& s = t.shape();
   const int d = normalize_dim(dim, s.rank(), op);
   std::int64_t outer = 1, inner = 1;
@@ -21896,6 +21891,17 @@ auto softmax_impl(const X& x, std::int64_t dim, const char* op) {
                                         : Tensor<T>(y * (g - sum(g * y, {d}, true)));
                      return std::vector<graph::NodePtr>{dx.node()};
                    });
+  return r;
+}
+
+template <bool Log, class X>
+auto softmax_impl(const X& x, std::int64_t dim, const char* op) {
+  using V = expr::value_t<X>;
+  using T = std::conditional_t<std::is_same_v<V, double>, double, float>;
+  Tensor<T> r = [&] {
+    if constexpr (std::is_same_v<X, Tensor<T>>) return softmax_rows<Log>(x, dim, op);
+    else return softmax_rows<Log>(Tensor<T>(cast<T>(x)), dim, op);
+  }();
   if constexpr (std::is_same_v<V, bfloat16>) return Tensor<bfloat16>(cast<bfloat16>(r));
   else return r;
 }
@@ -21914,6 +21920,16 @@ auto log_softmax(const X& x, std::int64_t dim) {
 }
 
 }  // namespace lazy
+
+// Instantiated once by lazytensor::compiled (src/compiled.cpp): the row kernels and the
+// derivative rule's expressions of both softmax kinds.
+#define LAZYTENSOR_SOFTMAX_INSTANCES(P, T)                                                                      \
+  P template lazy::Tensor<T> lazy::detail::softmax_rows<false, T>(const lazy::Tensor<T>&, std::int64_t, const char*); \
+  P template lazy::Tensor<T> lazy::detail::softmax_rows<true, T>(const lazy::Tensor<T>&, std::int64_t, const char*);
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_SOFTMAX_INSTANCES(extern, float)
+LAZYTENSOR_SOFTMAX_INSTANCES(extern, double)
+#endif
 // ---- end lazytensor/ops/softmax.hpp ----
 
 namespace lazy::nn {
@@ -24578,6 +24594,22 @@ LAZYTENSOR_INLINE void matmul_mismatch(const Shape& a, const Shape& b, std::int6
 
 }  // namespace lazy::detail
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+// The products are instantiated once by lazytensor::compiled (src/compiled.cpp) for the four
+// GEMM dtypes: the GEMM node's virtual functions call the packed kernels, so a user TU that
+// instantiated the node would compile every kernel (float, and the bfloat16 pair) again.
+#define LAZYTENSOR_MATMUL_INSTANCES(P, T)                                                              \
+  P template class lazy::graph::GemmNode<T>;                                                           \
+  P template lazy::Tensor<T> lazy::matmul<T>(const lazy::Tensor<T>&, const lazy::Tensor<T>&);          \
+  P template lazy::Tensor<T> lazy::detail::gemm<T>(const lazy::Tensor<T>&, const lazy::Tensor<T>&,      \
+                                                   std::int64_t, std::int64_t, std::int64_t, std::int64_t, \
+                                                   std::int64_t, const lazy::Shape&, bool);
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_MATMUL_INSTANCES(extern, float)
+LAZYTENSOR_MATMUL_INSTANCES(extern, double)
+LAZYTENSOR_MATMUL_INSTANCES(extern, std::int32_t)
+LAZYTENSOR_MATMUL_INSTANCES(extern, std::int64_t)
+#endif
 // ---- end lazytensor/ops/matmul.hpp ----
 // ---- begin lazytensor/ops/window.hpp ----
 // Argument checks shared by convolution and pooling: an NCHW input, positive strides and
@@ -24871,6 +24903,20 @@ Tensor<T> fold(const Tensor<T>& input, Size2 output_size, Size2 kernel_size, Siz
 }
 
 }  // namespace lazy
+
+// Instantiated once by lazytensor::compiled (src/compiled.cpp): the convolution's GEMM
+// plumbing, the im2col/col2im nodes and the derivative rules.
+#define LAZYTENSOR_CONV_INSTANCES(P, T)                                                                       \
+  P template lazy::Tensor<T> lazy::detail::im2col<T>(const lazy::Tensor<T>&, const lazy::graph::Window2d&);   \
+  P template lazy::Tensor<T> lazy::detail::col2im<T>(const lazy::Tensor<T>&, const lazy::Shape&,              \
+                                                     const lazy::graph::Window2d&);                          \
+  P template lazy::Tensor<T> lazy::detail::conv2d_impl<T>(const lazy::Tensor<T>&, const lazy::Tensor<T>&,      \
+                                                          const lazy::Tensor<T>&, lazy::Size2, lazy::Size2,  \
+                                                          lazy::Size2);
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_CONV_INSTANCES(extern, float)
+LAZYTENSOR_CONV_INSTANCES(extern, double)
+#endif
 // ---- end lazytensor/ops/conv.hpp ----
 
 namespace lazy::nn {
@@ -25721,6 +25767,15 @@ LAZYTENSOR_INLINE graph::Window2d pool_window(const char* op,
 
 }  // namespace lazy::detail
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+// Instantiated once by lazytensor::compiled (src/compiled.cpp): the pooling nodes' kernels
+// and their derivative rules.
+#define LAZYTENSOR_POOL_INSTANCES(P, T) \
+  P template lazy::Tensor<T> lazy::detail::pool2d<T>(const lazy::Tensor<T>&, const lazy::graph::Window2d&, bool, bool);
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_POOL_INSTANCES(extern, float)
+LAZYTENSOR_POOL_INSTANCES(extern, double)
+#endif
 // ---- end lazytensor/ops/pool.hpp ----
 
 namespace lazy::nn {
@@ -31414,19 +31469,11 @@ std::int64_t batch_size_of(const B& b) {
 }
 
 /// `loss` (a one-element floating tensor from training_step) checked and scaled by `f`.
-inline AnyTensor checked_loss(const AnyTensor& loss, double f) {
-  if (!loss.defined()) throw Error("Trainer: training_step returned an undefined tensor (return the loss)");
-  if (!loss.is_floating_point())
-    throw DTypeError("Trainer: training_step must return a floating loss, found " + dtype_name(loss.dtype()));
-  if (loss.numel() != 1)
-    throw ShapeError("Trainer: training_step must return a one-element loss, found shape " + loss.shape().str());
-  if (f == 1.0) return loss;
-  switch (loss.dtype()) {
-    case DType::BFloat16: return Tensor<bfloat16>(loss.as<bfloat16>() * bfloat16(static_cast<float>(f)));
-    case DType::Float32: return Tensor<float>(loss.as<float>() * static_cast<float>(f));
-    default: return Tensor<double>(loss.as<double>() * f);
-  }
-}
+/// A template only so that it compiles where a loop calls it (and, with the compiled
+/// runtime, only in the library): its switch over the dtypes holds an element-wise kernel
+/// of every floating dtype, which a program that includes train.hpp must not pay for.
+template <class = void>
+AnyTensor checked_loss(const AnyTensor& loss, double f);
 
 /// Seed of epoch `epoch` on rank `rank` from the run's seed (splitmix64 of the three).
 inline std::uint64_t epoch_seed(std::uint64_t seed, std::int64_t epoch, int rank) {
@@ -31817,6 +31864,32 @@ std::vector<AnyTensor> Trainer::predict(M& module, Loader& data, const std::stri
 }
 
 }  // namespace lazy::train
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::train::detail {
+template <class>
+AnyTensor checked_loss(const AnyTensor& loss, double f) {
+  if (!loss.defined()) throw Error("Trainer: training_step returned an undefined tensor (return the loss)");
+  if (!loss.is_floating_point())
+    throw DTypeError("Trainer: training_step must return a floating loss, found " + dtype_name(loss.dtype()));
+  if (loss.numel() != 1)
+    throw ShapeError("Trainer: training_step must return a one-element loss, found shape " + loss.shape().str());
+  if (f == 1.0) return loss;
+  switch (loss.dtype()) {
+    case DType::BFloat16: return Tensor<bfloat16>(loss.as<bfloat16>() * bfloat16(static_cast<float>(f)));
+    case DType::Float32: return Tensor<float>(loss.as<float>() * static_cast<float>(f));
+    default: return Tensor<double>(loss.as<double>() * f);
+  }
+}
+}  // namespace lazy::train::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+// Defined once by lazytensor::compiled (src/compiled.cpp).
+#define LAZYTENSOR_TRAIN_LOOPS_INSTANCES(P) \
+  P template lazy::AnyTensor lazy::train::detail::checked_loss<void>(const lazy::AnyTensor&, double);
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_TRAIN_LOOPS_INSTANCES(extern)
+#endif
 // ---- end lazytensor/train/loops.hpp ----
 // ---- begin lazytensor/train/lr_monitor.hpp ----
 // train::LearningRateMonitor, Lightning's: sends the optimizer's learning rate(s) to the

@@ -18,11 +18,11 @@
 #include <vector>
 
 #include <lazytensor/autograd/record.hpp>
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/graph/pool_node.hpp>
 #include <lazytensor/ops/shape.hpp>
 #include <lazytensor/ops/window.hpp>
 #include <lazytensor/tensor/tensor.hpp>
-#include <lazytensor/core/config.hpp>
 
 namespace lazy {
 
@@ -123,3 +123,12 @@ LAZYTENSOR_INLINE graph::Window2d pool_window(const char* op,
 
 }  // namespace lazy::detail
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+// Instantiated once by lazytensor::compiled (src/compiled.cpp): the pooling nodes' kernels
+// and their derivative rules.
+#define LAZYTENSOR_POOL_INSTANCES(P, T) \
+  P template lazy::Tensor<T> lazy::detail::pool2d<T>(const lazy::Tensor<T>&, const lazy::graph::Window2d&, bool, bool);
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_POOL_INSTANCES(extern, float)
+LAZYTENSOR_POOL_INSTANCES(extern, double)
+#endif

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include <lazytensor/autograd/record.hpp>
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/graph/softmax_node.hpp>
 #include <lazytensor/ops/reduction.hpp>
 #include <lazytensor/tensor/tensor.hpp>
@@ -15,14 +16,9 @@
 namespace lazy {
 
 namespace detail {
-template <bool Log, class X>
-auto softmax_impl(const X& x, std::int64_t dim, const char* op) {
-  using V = expr::value_t<X>;
-  using T = std::conditional_t<std::is_same_v<V, double>, double, float>;
-  Tensor<T> t = [&] {
-    if constexpr (std::is_same_v<X, Tensor<T>>) return x;
-    else return Tensor<T>(cast<T>(x));
-  }();
+/// softmax (log_softmax with `Log`) of a float or double tensor along `dim`, with its rule.
+template <bool Log, class T>
+Tensor<T> softmax_rows(const Tensor<T>& t, std::int64_t dim, const char* op) {
   const Shape& s = t.shape();
   const int d = normalize_dim(dim, s.rank(), op);
   std::int64_t outer = 1, inner = 1;
@@ -39,6 +35,17 @@ auto softmax_impl(const X& x, std::int64_t dim, const char* op) {
                                         : Tensor<T>(y * (g - sum(g * y, {d}, true)));
                      return std::vector<graph::NodePtr>{dx.node()};
                    });
+  return r;
+}
+
+template <bool Log, class X>
+auto softmax_impl(const X& x, std::int64_t dim, const char* op) {
+  using V = expr::value_t<X>;
+  using T = std::conditional_t<std::is_same_v<V, double>, double, float>;
+  Tensor<T> r = [&] {
+    if constexpr (std::is_same_v<X, Tensor<T>>) return softmax_rows<Log>(x, dim, op);
+    else return softmax_rows<Log>(Tensor<T>(cast<T>(x)), dim, op);
+  }();
   if constexpr (std::is_same_v<V, bfloat16>) return Tensor<bfloat16>(cast<bfloat16>(r));
   else return r;
 }
@@ -57,3 +64,13 @@ auto log_softmax(const X& x, std::int64_t dim) {
 }
 
 }  // namespace lazy
+
+// Instantiated once by lazytensor::compiled (src/compiled.cpp): the row kernels and the
+// derivative rule's expressions of both softmax kinds.
+#define LAZYTENSOR_SOFTMAX_INSTANCES(P, T)                                                                      \
+  P template lazy::Tensor<T> lazy::detail::softmax_rows<false, T>(const lazy::Tensor<T>&, std::int64_t, const char*); \
+  P template lazy::Tensor<T> lazy::detail::softmax_rows<true, T>(const lazy::Tensor<T>&, std::int64_t, const char*);
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_SOFTMAX_INSTANCES(extern, float)
+LAZYTENSOR_SOFTMAX_INSTANCES(extern, double)
+#endif

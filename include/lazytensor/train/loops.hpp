@@ -112,19 +112,11 @@ std::int64_t batch_size_of(const B& b) {
 }
 
 /// `loss` (a one-element floating tensor from training_step) checked and scaled by `f`.
-inline AnyTensor checked_loss(const AnyTensor& loss, double f) {
-  if (!loss.defined()) throw Error("Trainer: training_step returned an undefined tensor (return the loss)");
-  if (!loss.is_floating_point())
-    throw DTypeError("Trainer: training_step must return a floating loss, found " + dtype_name(loss.dtype()));
-  if (loss.numel() != 1)
-    throw ShapeError("Trainer: training_step must return a one-element loss, found shape " + loss.shape().str());
-  if (f == 1.0) return loss;
-  switch (loss.dtype()) {
-    case DType::BFloat16: return Tensor<bfloat16>(loss.as<bfloat16>() * bfloat16(static_cast<float>(f)));
-    case DType::Float32: return Tensor<float>(loss.as<float>() * static_cast<float>(f));
-    default: return Tensor<double>(loss.as<double>() * f);
-  }
-}
+/// A template only so that it compiles where a loop calls it (and, with the compiled
+/// runtime, only in the library): its switch over the dtypes holds an element-wise kernel
+/// of every floating dtype, which a program that includes train.hpp must not pay for.
+template <class = void>
+AnyTensor checked_loss(const AnyTensor& loss, double f);
 
 /// Seed of epoch `epoch` on rank `rank` from the run's seed (splitmix64 of the three).
 inline std::uint64_t epoch_seed(std::uint64_t seed, std::int64_t epoch, int rank) {
@@ -515,3 +507,29 @@ std::vector<AnyTensor> Trainer::predict(M& module, Loader& data, const std::stri
 }
 
 }  // namespace lazy::train
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::train::detail {
+template <class>
+AnyTensor checked_loss(const AnyTensor& loss, double f) {
+  if (!loss.defined()) throw Error("Trainer: training_step returned an undefined tensor (return the loss)");
+  if (!loss.is_floating_point())
+    throw DTypeError("Trainer: training_step must return a floating loss, found " + dtype_name(loss.dtype()));
+  if (loss.numel() != 1)
+    throw ShapeError("Trainer: training_step must return a one-element loss, found shape " + loss.shape().str());
+  if (f == 1.0) return loss;
+  switch (loss.dtype()) {
+    case DType::BFloat16: return Tensor<bfloat16>(loss.as<bfloat16>() * bfloat16(static_cast<float>(f)));
+    case DType::Float32: return Tensor<float>(loss.as<float>() * static_cast<float>(f));
+    default: return Tensor<double>(loss.as<double>() * f);
+  }
+}
+}  // namespace lazy::train::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+// Defined once by lazytensor::compiled (src/compiled.cpp).
+#define LAZYTENSOR_TRAIN_LOOPS_INSTANCES(P) \
+  P template lazy::AnyTensor lazy::train::detail::checked_loss<void>(const lazy::AnyTensor&, double);
+#if LAZYTENSOR_EXPLICIT_INSTANTIATION
+LAZYTENSOR_TRAIN_LOOPS_INSTANCES(extern)
+#endif
