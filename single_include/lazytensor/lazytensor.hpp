@@ -6778,10 +6778,8 @@ LAZYTENSOR_INLINE bool materialize(const NodePtr& node) {
 
 #include <cstdint>
 #include <cstring>
-#include <iomanip>
 #include <memory>
 #include <ostream>
-#include <sstream>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -28259,12 +28257,15 @@ LAZYTENSOR_INLINE std::string visualize(const graph::NodePtr& value) {
 // (other devices are not waited for: a replica must not wait on another's collectives).
 
 #include <cstdint>
-#include <iomanip>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <vector>
 
+
+#if LAZYTENSOR_HEADER_DEFINITIONS  // formatting is the definitions' alone (no <iomanip> in user TUs)
+#include <iomanip>
+#include <sstream>
+#endif
 
 namespace lazy::debug {
 

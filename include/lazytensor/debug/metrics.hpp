@@ -6,15 +6,18 @@
 // (other devices are not waited for: a replica must not wait on another's collectives).
 
 #include <cstdint>
-#include <iomanip>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include <lazytensor/core/config.hpp>
 #include <lazytensor/core/counters.hpp>
 #include <lazytensor/graph/device.hpp>
+
+#if LAZYTENSOR_HEADER_DEFINITIONS  // formatting is the definitions' alone (no <iomanip> in user TUs)
+#include <iomanip>
+#include <sstream>
+#endif
 
 namespace lazy::debug {
 

@@ -4,10 +4,8 @@
 
 #include <cstdint>
 #include <cstring>
-#include <iomanip>
 #include <memory>
 #include <ostream>
-#include <sstream>
 #include <string>
 #include <type_traits>
 #include <vector>
