@@ -302,6 +302,7 @@ LAZYTENSOR_INLINE std::string exception_message(const std::exception_ptr& e) {
 // the queue (wait_idle) before it runs anything itself.
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -1565,6 +1566,52 @@ LAZYTENSOR_INLINE std::shared_ptr<Buffer> small_buffer(std::size_t bytes) {
 }  // namespace lazy
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/core/buffer.hpp ----
+// ---- begin lazytensor/core/spin_lock.hpp ----
+// SpinLock: a lock for short critical sections that are almost never contended (a device's
+// trace, taken once per traced statement). Taking it is one atomic exchange and giving it
+// back a release store, where std::mutex pays a locked instruction each way and a call into
+// the C library; a waiter spins briefly, then yields its core (the holder may have been
+// preempted, and on a 2-core machine it may be waiting for this very core).
+
+#include <atomic>
+#include <thread>
+
+namespace lazy::core {
+
+/// BasicLockable (std::lock_guard, std::unique_lock, std::scoped_lock work with it); not
+/// recursive.
+class SpinLock {
+ public:
+  void lock() noexcept {
+    while (flag_.exchange(true, std::memory_order_acquire)) wait_until_free();
+  }
+  bool try_lock() noexcept {
+    return !flag_.load(std::memory_order_relaxed) && !flag_.exchange(true, std::memory_order_acquire);
+  }
+  void unlock() noexcept { flag_.store(false, std::memory_order_release); }
+
+ private:
+  // Reads (no writes) until the lock looks free, so waiters do not bounce its cache line.
+  void wait_until_free() const noexcept {
+    for (int spins = 0; flag_.load(std::memory_order_relaxed);) {
+      if (spins < 64) {
+        ++spins;
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#elif defined(__aarch64__)
+        __asm__ __volatile__("yield");
+#endif
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
+
+  std::atomic<bool> flag_{false};
+};
+
+}  // namespace lazy::core
+// ---- end lazytensor/core/spin_lock.hpp ----
 // ---- begin lazytensor/core/thread_pool.hpp ----
 
 // Fork-join worker pool: a kernel splits its work into tasks, the calling thread takes part,
@@ -2794,7 +2841,10 @@ class Device {
   bool remote_ = false;
   std::shared_ptr<BufferPool> pool_;
   ThreadPool threads_;
-  std::mutex mu_;
+  // Guards the trace, node ids, closures and stored error: a spin lock (one locked instruction
+  // where std::mutex paid two and two calls), taken per traced statement for a push; its O(trace)
+  // holds (a step's merge, a pruning) are the tracing thread's own, met only by error paths.
+  core::SpinLock mu_;
   std::vector<std::weak_ptr<Node>> trace_;
   std::uint64_t next_node_id_ = 0;  // Node::id of the next node traced here (under mu_)
   static constexpr std::size_t kMinPruneAt = 1024;
@@ -2831,14 +2881,26 @@ int default_device_threads();
 class DeviceRegistry {
  public:
   static DeviceRegistry& get();
-  /// Device `index`, created on first use.
-  Device& device(int index);
+  /// Device `index`, created on first use. Every traced factory, collective and mark_step
+  /// asks for the current device: a device already created is found without a lock.
+  Device& device(int index) {
+    if (index >= 0 && index < kPublished) {
+      Device* d = published_[static_cast<std::size_t>(index)].load(std::memory_order_acquire);
+      if (d) return *d;
+    }
+    return create(index);
+  }
   /// Number of devices created so far (at least 1).
   int count();
 
  private:
+  static constexpr int kPublished = 64;
+  Device& create(int index);
+
   std::mutex mu_;
   std::deque<std::unique_ptr<Device>> devices_;
+  // Devices [0, kPublished) once created (devices are never destroyed before exit).
+  std::array<std::atomic<Device*>, kPublished> published_{};
 };
 
 /// Index of this thread's current device (replicas bind their thread to their device).
@@ -3058,13 +3120,16 @@ LAZYTENSOR_INLINE DeviceRegistry& DeviceRegistry::get() {
   return r;
 }
 
-LAZYTENSOR_INLINE Device& DeviceRegistry::device(int index) {
+LAZYTENSOR_INLINE Device& DeviceRegistry::create(int index) {
   if (index < 0) throw DeviceError("device index must be >= 0, got " + std::to_string(index));
   std::lock_guard lock(mu_);
   while (static_cast<int>(devices_.size()) <= index) {
-    devices_.push_back(std::make_unique<Device>(static_cast<int>(devices_.size()), default_device_threads()));
+    const int i = static_cast<int>(devices_.size());
+    devices_.push_back(std::make_unique<Device>(i, default_device_threads()));
+    if (i < kPublished)
+      published_[static_cast<std::size_t>(i)].store(devices_.back().get(), std::memory_order_release);
   }
-  return *devices_[index];
+  return *devices_[static_cast<std::size_t>(index)];
 }
 
 LAZYTENSOR_INLINE int DeviceRegistry::count() {
@@ -13951,7 +14016,7 @@ LAZYTENSOR_INLINE std::vector<graph::NodePtr> submit_exchange(
   std::vector<graph::NodePtr> results;
   results.reserve(outs.size());
   for (std::size_t i = 0; i < outs.size(); ++i) {
-    auto r = std::make_shared<ResultNode>(ex, i, outs[i].dtype, outs[i].shape);
+    auto r = core::make_cached<ResultNode>(ex, i, outs[i].dtype, outs[i].shape);
     ex->watch(i, r);
     results.push_back(std::move(r));
   }
@@ -14479,8 +14544,8 @@ std::vector<graph::NodePtr> all_reduce_nodes(ReduceOp op, std::span<const Tensor
   return trace_nodes(
       capture(std::move(sig), group_of(opts.groups, "all_reduce")),
       [&](CollectiveCall c, const graph::NodePtr& after) {
-        return std::make_shared<AllReduceExchange<T>>(std::move(c), std::move(nodes), after, &dev, op,
-                                                      opts.scale);
+        return core::make_cached<AllReduceExchange<T>>(std::move(c), std::move(nodes), after, &dev,
+                                                      op, opts.scale);
       },
       outs);
 }
@@ -14537,7 +14602,7 @@ Tensor<T> all_gather(const Tensor<T>& t, std::int64_t dim = 0, const Groups& gro
   auto call = detail::capture(std::move(sig), std::move(group));
   return detail::trace<T>(std::move(call),
                           [&](detail::CollectiveCall c, const graph::NodePtr& after) {
-                            return std::make_shared<detail::AllGatherExchange>(
+                            return core::make_cached<detail::AllGatherExchange>(
                                 std::move(c), t.node(), after, &dev, d);
                           },
                           {{dtype_of<T>(), out}})
@@ -14577,7 +14642,7 @@ Tensor<T> reduce_scatter(ReduceOp op, const Tensor<T>& t, double scale, std::int
   auto call = detail::capture(std::move(sig), std::move(group));
   return detail::trace<T>(std::move(call),
                           [&](detail::CollectiveCall c, const graph::NodePtr& after) {
-                            return std::make_shared<detail::ReduceScatterExchange<T>>(
+                            return core::make_cached<detail::ReduceScatterExchange<T>>(
                                 std::move(c), t.node(), after, &dev, op, scale, d);
                           },
                           {{dtype_of<T>(), out}})
@@ -14620,7 +14685,7 @@ Tensor<T> all_to_all(const Tensor<T>& t, std::int64_t split_dimension,
   auto call = detail::capture(std::move(sig), std::move(group));
   return detail::trace<T>(std::move(call),
                           [&](detail::CollectiveCall c, const graph::NodePtr& after) {
-                            return std::make_shared<detail::AllToAllExchange>(
+                            return core::make_cached<detail::AllToAllExchange>(
                                 std::move(c), t.node(), after, &dev, sd, cd);
                           },
                           {{dtype_of<T>(), out}})
@@ -14649,7 +14714,7 @@ Tensor<T> broadcast(const Tensor<T>& t, int src = 0, const Groups& groups = {}) 
   const int src_slot = call.comm ? call.slot_at(src_rank) : 0;
   return detail::trace<T>(std::move(call),
                           [&](detail::CollectiveCall c, const graph::NodePtr& after) {
-                            return std::make_shared<detail::BroadcastExchange>(
+                            return core::make_cached<detail::BroadcastExchange>(
                                 std::move(c), t.node(), after, &dev, src_slot);
                           },
                           {{dtype_of<T>(), t.shape()}})
@@ -21921,9 +21986,11 @@ auto log_softmax(const X& x, std::int64_t dim) {
 
 // Instantiated once by lazytensor::compiled (src/compiled.cpp): the row kernels and the
 // derivative rule's expressions of both softmax kinds.
-#define LAZYTENSOR_SOFTMAX_INSTANCES(P, T)                                                                      \
-  P template lazy::Tensor<T> lazy::detail::softmax_rows<false, T>(const lazy::Tensor<T>&, std::int64_t, const char*); \
-  P template lazy::Tensor<T> lazy::detail::softmax_rows<true, T>(const lazy::Tensor<T>&, std::int64_t, const char*);
+#define LAZYTENSOR_SOFTMAX_INSTANCES(P, T)                                                   \
+  P template lazy::Tensor<T> lazy::detail::softmax_rows<false, T>(const lazy::Tensor<T>&,   \
+                                                                  std::int64_t, const char*); \
+  P template lazy::Tensor<T> lazy::detail::softmax_rows<true, T>(const lazy::Tensor<T>&,    \
+                                                                 std::int64_t, const char*);
 #if LAZYTENSOR_EXPLICIT_INSTANTIATION
 LAZYTENSOR_SOFTMAX_INSTANCES(extern, float)
 LAZYTENSOR_SOFTMAX_INSTANCES(extern, double)
@@ -24596,12 +24663,12 @@ LAZYTENSOR_INLINE void matmul_mismatch(const Shape& a, const Shape& b, std::int6
 // The products are instantiated once by lazytensor::compiled (src/compiled.cpp) for the four
 // GEMM dtypes: the GEMM node's virtual functions call the packed kernels, so a user TU that
 // instantiated the node would compile every kernel (float, and the bfloat16 pair) again.
-#define LAZYTENSOR_MATMUL_INSTANCES(P, T)                                                              \
-  P template class lazy::graph::GemmNode<T>;                                                           \
-  P template lazy::Tensor<T> lazy::matmul<T>(const lazy::Tensor<T>&, const lazy::Tensor<T>&);          \
-  P template lazy::Tensor<T> lazy::detail::gemm<T>(const lazy::Tensor<T>&, const lazy::Tensor<T>&,      \
-                                                   std::int64_t, std::int64_t, std::int64_t, std::int64_t, \
-                                                   std::int64_t, const lazy::Shape&, bool);
+#define LAZYTENSOR_MATMUL_INSTANCES(P, T)                                                    \
+  P template class lazy::graph::GemmNode<T>;                                                 \
+  P template lazy::Tensor<T> lazy::matmul<T>(const lazy::Tensor<T>&, const lazy::Tensor<T>&); \
+  P template lazy::Tensor<T> lazy::detail::gemm<T>(                                          \
+      const lazy::Tensor<T>&, const lazy::Tensor<T>&, std::int64_t, std::int64_t, std::int64_t, \
+      std::int64_t, std::int64_t, const lazy::Shape&, bool);
 #if LAZYTENSOR_EXPLICIT_INSTANTIATION
 LAZYTENSOR_MATMUL_INSTANCES(extern, float)
 LAZYTENSOR_MATMUL_INSTANCES(extern, double)
@@ -24904,13 +24971,14 @@ Tensor<T> fold(const Tensor<T>& input, Size2 output_size, Size2 kernel_size, Siz
 
 // Instantiated once by lazytensor::compiled (src/compiled.cpp): the convolution's GEMM
 // plumbing, the im2col/col2im nodes and the derivative rules.
-#define LAZYTENSOR_CONV_INSTANCES(P, T)                                                                       \
-  P template lazy::Tensor<T> lazy::detail::im2col<T>(const lazy::Tensor<T>&, const lazy::graph::Window2d&);   \
-  P template lazy::Tensor<T> lazy::detail::col2im<T>(const lazy::Tensor<T>&, const lazy::Shape&,              \
-                                                     const lazy::graph::Window2d&);                          \
-  P template lazy::Tensor<T> lazy::detail::conv2d_impl<T>(const lazy::Tensor<T>&, const lazy::Tensor<T>&,      \
-                                                          const lazy::Tensor<T>&, lazy::Size2, lazy::Size2,  \
-                                                          lazy::Size2);
+#define LAZYTENSOR_CONV_INSTANCES(P, T)                                                         \
+  P template lazy::Tensor<T> lazy::detail::im2col<T>(const lazy::Tensor<T>&,                     \
+                                                     const lazy::graph::Window2d&);              \
+  P template lazy::Tensor<T> lazy::detail::col2im<T>(const lazy::Tensor<T>&, const lazy::Shape&, \
+                                                     const lazy::graph::Window2d&);              \
+  P template lazy::Tensor<T> lazy::detail::conv2d_impl<T>(                                       \
+      const lazy::Tensor<T>&, const lazy::Tensor<T>&, const lazy::Tensor<T>&, lazy::Size2,       \
+      lazy::Size2, lazy::Size2);
 #if LAZYTENSOR_EXPLICIT_INSTANTIATION
 LAZYTENSOR_CONV_INSTANCES(extern, float)
 LAZYTENSOR_CONV_INSTANCES(extern, double)
@@ -25768,8 +25836,9 @@ LAZYTENSOR_INLINE graph::Window2d pool_window(const char* op,
 
 // Instantiated once by lazytensor::compiled (src/compiled.cpp): the pooling nodes' kernels
 // and their derivative rules.
-#define LAZYTENSOR_POOL_INSTANCES(P, T) \
-  P template lazy::Tensor<T> lazy::detail::pool2d<T>(const lazy::Tensor<T>&, const lazy::graph::Window2d&, bool, bool);
+#define LAZYTENSOR_POOL_INSTANCES(P, T)                                                       \
+  P template lazy::Tensor<T> lazy::detail::pool2d<T>(const lazy::Tensor<T>&,                 \
+                                                     const lazy::graph::Window2d&, bool, bool);
 #if LAZYTENSOR_EXPLICIT_INSTANTIATION
 LAZYTENSOR_POOL_INSTANCES(extern, float)
 LAZYTENSOR_POOL_INSTANCES(extern, double)
@@ -28262,7 +28331,8 @@ LAZYTENSOR_INLINE std::string visualize(const graph::NodePtr& value) {
 #include <vector>
 
 
-#if LAZYTENSOR_HEADER_DEFINITIONS  // formatting is the definitions' alone (no <iomanip> in user TUs)
+// Formatting is the definitions' alone: no <iomanip> in user TUs of the compiled runtime.
+#if LAZYTENSOR_HEADER_DEFINITIONS
 #include <iomanip>
 #include <sstream>
 #endif

@@ -976,3 +976,35 @@ TEST(DeviceJobs, TheExecutorRunsWhatNoWaiterTakes) {
 }
 
 }  // namespace
+
+// DeviceRegistry::device finds created devices without a lock: threads that create and look
+// up devices at once all get the one object per index, and a bad index is still refused.
+TEST(DeviceRegistry, ConcurrentLookupsAgreeOnEachDevice) {
+  auto& registry = lazy::graph::DeviceRegistry::get();
+  constexpr int kThreads = 4, kDevices = 6;
+  std::vector<std::vector<lazy::graph::Device*>> seen(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int round = 0; round < 200; ++round)
+        for (int i = 0; i < kDevices; ++i) {
+          const int idx = (i + t) % kDevices;  // threads create devices in different orders
+          lazy::graph::Device* d = &registry.device(idx);
+          // Read through the pointer: a device published before it was constructed shows
+          // as a wrong index (and as a race under ThreadSanitizer).
+          if (d->index() != idx) d = nullptr;
+          if (round == 0) seen[t].resize(kDevices);
+          if (round == 0) seen[t][idx] = d;
+          else if (seen[t][idx] != d) seen[t][idx] = nullptr;  // a different object: caught below
+        }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int i = 0; i < kDevices; ++i) {
+    lazy::graph::Device* d = &registry.device(i);
+    EXPECT_EQ(d->index(), i);
+    for (int t = 0; t < kThreads; ++t) EXPECT_EQ(seen[t][i], d) << "thread " << t << ", device " << i;
+  }
+  EXPECT_GE(registry.count(), kDevices);
+  EXPECT_THROW(registry.device(-1), lazy::DeviceError);
+}

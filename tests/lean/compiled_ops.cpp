@@ -81,7 +81,8 @@ int main() {
               for (int q = 0; q < 3; ++q) {
                 const int rr = r + p - 1, ss = s + q - 1;
                 if (rr < 0 || rr >= H || ss < 0 || ss >= W) continue;
-                acc += double(wv[((o * C + ch) * 3 + p) * 3 + q]) * xv[((n * C + ch) * H + rr) * W + ss];
+                acc += double(wv[((o * C + ch) * 3 + p) * 3 + q]) *
+                       xv[((n * C + ch) * H + rr) * W + ss];
               }
           y_ref[((n * O + o) * H + r) * W + s] = acc;
         }

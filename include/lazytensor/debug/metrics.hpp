@@ -14,7 +14,8 @@
 #include <lazytensor/core/counters.hpp>
 #include <lazytensor/graph/device.hpp>
 
-#if LAZYTENSOR_HEADER_DEFINITIONS  // formatting is the definitions' alone (no <iomanip> in user TUs)
+// Formatting is the definitions' alone: no <iomanip> in user TUs of the compiled runtime.
+#if LAZYTENSOR_HEADER_DEFINITIONS
 #include <iomanip>
 #include <sstream>
 #endif

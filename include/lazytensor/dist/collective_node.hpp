@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include <lazytensor/core/block_cache.hpp>
 #include <lazytensor/core/config.hpp>
 #include <lazytensor/dist/context.hpp>
 #include <lazytensor/graph/submit.hpp>
@@ -209,7 +210,7 @@ LAZYTENSOR_INLINE std::vector<graph::NodePtr> submit_exchange(
   std::vector<graph::NodePtr> results;
   results.reserve(outs.size());
   for (std::size_t i = 0; i < outs.size(); ++i) {
-    auto r = std::make_shared<ResultNode>(ex, i, outs[i].dtype, outs[i].shape);
+    auto r = core::make_cached<ResultNode>(ex, i, outs[i].dtype, outs[i].shape);
     ex->watch(i, r);
     results.push_back(std::move(r));
   }

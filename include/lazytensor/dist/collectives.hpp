@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include <lazytensor/core/block_cache.hpp>
 #include <lazytensor/dist/collective_node.hpp>
 #include <lazytensor/dist/exchanges.hpp>
 #include <lazytensor/dist/reduce_op.hpp>
@@ -88,8 +89,8 @@ std::vector<graph::NodePtr> all_reduce_nodes(ReduceOp op, std::span<const Tensor
   return trace_nodes(
       capture(std::move(sig), group_of(opts.groups, "all_reduce")),
       [&](CollectiveCall c, const graph::NodePtr& after) {
-        return std::make_shared<AllReduceExchange<T>>(std::move(c), std::move(nodes), after, &dev, op,
-                                                      opts.scale);
+        return core::make_cached<AllReduceExchange<T>>(std::move(c), std::move(nodes), after, &dev,
+                                                      op, opts.scale);
       },
       outs);
 }
@@ -146,7 +147,7 @@ Tensor<T> all_gather(const Tensor<T>& t, std::int64_t dim = 0, const Groups& gro
   auto call = detail::capture(std::move(sig), std::move(group));
   return detail::trace<T>(std::move(call),
                           [&](detail::CollectiveCall c, const graph::NodePtr& after) {
-                            return std::make_shared<detail::AllGatherExchange>(
+                            return core::make_cached<detail::AllGatherExchange>(
                                 std::move(c), t.node(), after, &dev, d);
                           },
                           {{dtype_of<T>(), out}})
@@ -186,7 +187,7 @@ Tensor<T> reduce_scatter(ReduceOp op, const Tensor<T>& t, double scale, std::int
   auto call = detail::capture(std::move(sig), std::move(group));
   return detail::trace<T>(std::move(call),
                           [&](detail::CollectiveCall c, const graph::NodePtr& after) {
-                            return std::make_shared<detail::ReduceScatterExchange<T>>(
+                            return core::make_cached<detail::ReduceScatterExchange<T>>(
                                 std::move(c), t.node(), after, &dev, op, scale, d);
                           },
                           {{dtype_of<T>(), out}})
@@ -229,7 +230,7 @@ Tensor<T> all_to_all(const Tensor<T>& t, std::int64_t split_dimension,
   auto call = detail::capture(std::move(sig), std::move(group));
   return detail::trace<T>(std::move(call),
                           [&](detail::CollectiveCall c, const graph::NodePtr& after) {
-                            return std::make_shared<detail::AllToAllExchange>(
+                            return core::make_cached<detail::AllToAllExchange>(
                                 std::move(c), t.node(), after, &dev, sd, cd);
                           },
                           {{dtype_of<T>(), out}})
@@ -258,7 +259,7 @@ Tensor<T> broadcast(const Tensor<T>& t, int src = 0, const Groups& groups = {}) 
   const int src_slot = call.comm ? call.slot_at(src_rank) : 0;
   return detail::trace<T>(std::move(call),
                           [&](detail::CollectiveCall c, const graph::NodePtr& after) {
-                            return std::make_shared<detail::BroadcastExchange>(
+                            return core::make_cached<detail::BroadcastExchange>(
                                 std::move(c), t.node(), after, &dev, src_slot);
                           },
                           {{dtype_of<T>(), t.shape()}})

@@ -10,6 +10,7 @@
 // the queue (wait_idle) before it runs anything itself.
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -28,6 +29,7 @@
 #include <lazytensor/core/counters.hpp>
 #include <lazytensor/core/env.hpp>
 #include <lazytensor/core/error.hpp>
+#include <lazytensor/core/spin_lock.hpp>
 #include <lazytensor/core/thread_pool.hpp>
 #include <lazytensor/graph/plan_cache.hpp>
 #include <lazytensor/graph/tensor_impl.hpp>
@@ -168,7 +170,10 @@ class Device {
   bool remote_ = false;
   std::shared_ptr<BufferPool> pool_;
   ThreadPool threads_;
-  std::mutex mu_;
+  // Guards the trace, node ids, closures and stored error: a spin lock (one locked instruction
+  // where std::mutex paid two and two calls), taken per traced statement for a push; its O(trace)
+  // holds (a step's merge, a pruning) are the tracing thread's own, met only by error paths.
+  core::SpinLock mu_;
   std::vector<std::weak_ptr<Node>> trace_;
   std::uint64_t next_node_id_ = 0;  // Node::id of the next node traced here (under mu_)
   static constexpr std::size_t kMinPruneAt = 1024;
@@ -205,14 +210,26 @@ int default_device_threads();
 class DeviceRegistry {
  public:
   static DeviceRegistry& get();
-  /// Device `index`, created on first use.
-  Device& device(int index);
+  /// Device `index`, created on first use. Every traced factory, collective and mark_step
+  /// asks for the current device: a device already created is found without a lock.
+  Device& device(int index) {
+    if (index >= 0 && index < kPublished) {
+      Device* d = published_[static_cast<std::size_t>(index)].load(std::memory_order_acquire);
+      if (d) return *d;
+    }
+    return create(index);
+  }
   /// Number of devices created so far (at least 1).
   int count();
 
  private:
+  static constexpr int kPublished = 64;
+  Device& create(int index);
+
   std::mutex mu_;
   std::deque<std::unique_ptr<Device>> devices_;
+  // Devices [0, kPublished) once created (devices are never destroyed before exit).
+  std::array<std::atomic<Device*>, kPublished> published_{};
 };
 
 /// Index of this thread's current device (replicas bind their thread to their device).
@@ -432,13 +449,16 @@ LAZYTENSOR_INLINE DeviceRegistry& DeviceRegistry::get() {
   return r;
 }
 
-LAZYTENSOR_INLINE Device& DeviceRegistry::device(int index) {
+LAZYTENSOR_INLINE Device& DeviceRegistry::create(int index) {
   if (index < 0) throw DeviceError("device index must be >= 0, got " + std::to_string(index));
   std::lock_guard lock(mu_);
   while (static_cast<int>(devices_.size()) <= index) {
-    devices_.push_back(std::make_unique<Device>(static_cast<int>(devices_.size()), default_device_threads()));
+    const int i = static_cast<int>(devices_.size());
+    devices_.push_back(std::make_unique<Device>(i, default_device_threads()));
+    if (i < kPublished)
+      published_[static_cast<std::size_t>(i)].store(devices_.back().get(), std::memory_order_release);
   }
-  return *devices_[index];
+  return *devices_[static_cast<std::size_t>(index)];
 }
 
 LAZYTENSOR_INLINE int DeviceRegistry::count() {

@@ -237,13 +237,14 @@ Tensor<T> fold(const Tensor<T>& input, Size2 output_size, Size2 kernel_size, Siz
 
 // Instantiated once by lazytensor::compiled (src/compiled.cpp): the convolution's GEMM
 // plumbing, the im2col/col2im nodes and the derivative rules.
-#define LAZYTENSOR_CONV_INSTANCES(P, T)                                                                       \
-  P template lazy::Tensor<T> lazy::detail::im2col<T>(const lazy::Tensor<T>&, const lazy::graph::Window2d&);   \
-  P template lazy::Tensor<T> lazy::detail::col2im<T>(const lazy::Tensor<T>&, const lazy::Shape&,              \
-                                                     const lazy::graph::Window2d&);                          \
-  P template lazy::Tensor<T> lazy::detail::conv2d_impl<T>(const lazy::Tensor<T>&, const lazy::Tensor<T>&,      \
-                                                          const lazy::Tensor<T>&, lazy::Size2, lazy::Size2,  \
-                                                          lazy::Size2);
+#define LAZYTENSOR_CONV_INSTANCES(P, T)                                                         \
+  P template lazy::Tensor<T> lazy::detail::im2col<T>(const lazy::Tensor<T>&,                     \
+                                                     const lazy::graph::Window2d&);              \
+  P template lazy::Tensor<T> lazy::detail::col2im<T>(const lazy::Tensor<T>&, const lazy::Shape&, \
+                                                     const lazy::graph::Window2d&);              \
+  P template lazy::Tensor<T> lazy::detail::conv2d_impl<T>(                                       \
+      const lazy::Tensor<T>&, const lazy::Tensor<T>&, const lazy::Tensor<T>&, lazy::Size2,       \
+      lazy::Size2, lazy::Size2);
 #if LAZYTENSOR_EXPLICIT_INSTANTIATION
 LAZYTENSOR_CONV_INSTANCES(extern, float)
 LAZYTENSOR_CONV_INSTANCES(extern, double)

@@ -248,12 +248,12 @@ LAZYTENSOR_INLINE void matmul_mismatch(const Shape& a, const Shape& b, std::int6
 // The products are instantiated once by lazytensor::compiled (src/compiled.cpp) for the four
 // GEMM dtypes: the GEMM node's virtual functions call the packed kernels, so a user TU that
 // instantiated the node would compile every kernel (float, and the bfloat16 pair) again.
-#define LAZYTENSOR_MATMUL_INSTANCES(P, T)                                                              \
-  P template class lazy::graph::GemmNode<T>;                                                           \
-  P template lazy::Tensor<T> lazy::matmul<T>(const lazy::Tensor<T>&, const lazy::Tensor<T>&);          \
-  P template lazy::Tensor<T> lazy::detail::gemm<T>(const lazy::Tensor<T>&, const lazy::Tensor<T>&,      \
-                                                   std::int64_t, std::int64_t, std::int64_t, std::int64_t, \
-                                                   std::int64_t, const lazy::Shape&, bool);
+#define LAZYTENSOR_MATMUL_INSTANCES(P, T)                                                    \
+  P template class lazy::graph::GemmNode<T>;                                                 \
+  P template lazy::Tensor<T> lazy::matmul<T>(const lazy::Tensor<T>&, const lazy::Tensor<T>&); \
+  P template lazy::Tensor<T> lazy::detail::gemm<T>(                                          \
+      const lazy::Tensor<T>&, const lazy::Tensor<T>&, std::int64_t, std::int64_t, std::int64_t, \
+      std::int64_t, std::int64_t, const lazy::Shape&, bool);
 #if LAZYTENSOR_EXPLICIT_INSTANTIATION
 LAZYTENSOR_MATMUL_INSTANCES(extern, float)
 LAZYTENSOR_MATMUL_INSTANCES(extern, double)

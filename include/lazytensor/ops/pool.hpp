@@ -126,8 +126,9 @@ LAZYTENSOR_INLINE graph::Window2d pool_window(const char* op,
 
 // Instantiated once by lazytensor::compiled (src/compiled.cpp): the pooling nodes' kernels
 // and their derivative rules.
-#define LAZYTENSOR_POOL_INSTANCES(P, T) \
-  P template lazy::Tensor<T> lazy::detail::pool2d<T>(const lazy::Tensor<T>&, const lazy::graph::Window2d&, bool, bool);
+#define LAZYTENSOR_POOL_INSTANCES(P, T)                                                       \
+  P template lazy::Tensor<T> lazy::detail::pool2d<T>(const lazy::Tensor<T>&,                 \
+                                                     const lazy::graph::Window2d&, bool, bool);
 #if LAZYTENSOR_EXPLICIT_INSTANTIATION
 LAZYTENSOR_POOL_INSTANCES(extern, float)
 LAZYTENSOR_POOL_INSTANCES(extern, double)

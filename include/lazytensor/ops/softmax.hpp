@@ -67,9 +67,11 @@ auto log_softmax(const X& x, std::int64_t dim) {
 
 // Instantiated once by lazytensor::compiled (src/compiled.cpp): the row kernels and the
 // derivative rule's expressions of both softmax kinds.
-#define LAZYTENSOR_SOFTMAX_INSTANCES(P, T)                                                                      \
-  P template lazy::Tensor<T> lazy::detail::softmax_rows<false, T>(const lazy::Tensor<T>&, std::int64_t, const char*); \
-  P template lazy::Tensor<T> lazy::detail::softmax_rows<true, T>(const lazy::Tensor<T>&, std::int64_t, const char*);
+#define LAZYTENSOR_SOFTMAX_INSTANCES(P, T)                                                   \
+  P template lazy::Tensor<T> lazy::detail::softmax_rows<false, T>(const lazy::Tensor<T>&,   \
+                                                                  std::int64_t, const char*); \
+  P template lazy::Tensor<T> lazy::detail::softmax_rows<true, T>(const lazy::Tensor<T>&,    \
+                                                                 std::int64_t, const char*);
 #if LAZYTENSOR_EXPLICIT_INSTANTIATION
 LAZYTENSOR_SOFTMAX_INSTANCES(extern, float)
 LAZYTENSOR_SOFTMAX_INSTANCES(extern, double)
