@@ -1578,6 +1578,19 @@ LAZYTENSOR_INLINE std::shared_ptr<Buffer> small_buffer(std::size_t bytes) {
 
 namespace lazy::core {
 
+/// Tells the core this thread is spin-waiting (x86's pause, ARM's yield): the sibling
+/// hyperthread gets the pipeline and the wait does not flood the memory order machinery.
+/// Elsewhere it gives up the time slice.
+inline void cpu_relax() noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
+#else
+  std::this_thread::yield();
+#endif
+}
+
 /// BasicLockable (std::lock_guard, std::unique_lock, std::scoped_lock work with it); not
 /// recursive.
 class SpinLock {
@@ -1596,11 +1609,7 @@ class SpinLock {
     for (int spins = 0; flag_.load(std::memory_order_relaxed);) {
       if (spins < 64) {
         ++spins;
-#if defined(__x86_64__) || defined(__i386__)
-        __builtin_ia32_pause();
-#elif defined(__aarch64__)
-        __asm__ __volatile__("yield");
-#endif
+        cpu_relax();
       } else {
         std::this_thread::yield();
       }
@@ -1632,9 +1641,6 @@ class SpinLock {
 #include <utility>
 #include <vector>
 
-#if defined(__SSE2__)
-#include <immintrin.h>
-#endif
 
 namespace lazy {
 
@@ -1676,14 +1682,6 @@ class ThreadPool {
   void run_job(std::int64_t tasks, TaskRef job);
 
   static constexpr int kSpin = 2000;  // some tens of microseconds of pause instructions
-
-  static void pause() {
-#if defined(__SSE2__)
-    _mm_pause();
-#else
-    std::this_thread::yield();
-#endif
-  }
 
   static bool& in_worker() {
     thread_local bool flag = false;
@@ -1752,7 +1750,7 @@ LAZYTENSOR_INLINE void ThreadPool::run_job(std::int64_t tasks, TaskRef job) {
   in_worker() = true;
   drain();
   in_worker() = false;
-  for (int spin = 0; spin < kSpin && !finished(); ++spin) pause();
+  for (int spin = 0; spin < kSpin && !finished(); ++spin) core::cpu_relax();
   std::unique_lock lock(mu_);
   done_cv_.wait(lock, [&] { return finished(); });
   job_ = {};
@@ -1795,7 +1793,7 @@ LAZYTENSOR_INLINE void ThreadPool::worker_loop(std::uint64_t seen) {
         ready = true;
         break;
       }
-      pause();
+      core::cpu_relax();
     }
     if (!ready) {
       std::unique_lock lock(mu_);
@@ -11557,10 +11555,6 @@ LAZYTENSOR_INLINE std::byte* Share::stage(std::size_t n) {
 #include <utility>
 #include <vector>
 
-#if defined(__SSE2__)
-#include <immintrin.h>
-#endif
-
 
 namespace lazy::dist {
 
@@ -11578,13 +11572,7 @@ inline std::atomic<std::int64_t>& timeout_ms() {
   return ms;
 }
 
-inline void cpu_relax() {
-#if defined(__SSE2__)
-  _mm_pause();
-#else
-  std::this_thread::yield();
-#endif
-}
+using core::cpu_relax;
 
 }  // namespace detail
 

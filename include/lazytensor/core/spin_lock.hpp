@@ -10,6 +10,19 @@
 
 namespace lazy::core {
 
+/// Tells the core this thread is spin-waiting (x86's pause, ARM's yield): the sibling
+/// hyperthread gets the pipeline and the wait does not flood the memory order machinery.
+/// Elsewhere it gives up the time slice.
+inline void cpu_relax() noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
+#else
+  std::this_thread::yield();
+#endif
+}
+
 /// BasicLockable (std::lock_guard, std::unique_lock, std::scoped_lock work with it); not
 /// recursive.
 class SpinLock {
@@ -28,11 +41,7 @@ class SpinLock {
     for (int spins = 0; flag_.load(std::memory_order_relaxed);) {
       if (spins < 64) {
         ++spins;
-#if defined(__x86_64__) || defined(__i386__)
-        __builtin_ia32_pause();
-#elif defined(__aarch64__)
-        __asm__ __volatile__("yield");
-#endif
+        cpu_relax();
       } else {
         std::this_thread::yield();
       }

@@ -19,9 +19,7 @@
 #include <utility>
 #include <vector>
 
-#if defined(__SSE2__)
-#include <immintrin.h>
-#endif
+#include <lazytensor/core/spin_lock.hpp>
 
 namespace lazy {
 
@@ -63,14 +61,6 @@ class ThreadPool {
   void run_job(std::int64_t tasks, TaskRef job);
 
   static constexpr int kSpin = 2000;  // some tens of microseconds of pause instructions
-
-  static void pause() {
-#if defined(__SSE2__)
-    _mm_pause();
-#else
-    std::this_thread::yield();
-#endif
-  }
 
   static bool& in_worker() {
     thread_local bool flag = false;
@@ -139,7 +129,7 @@ LAZYTENSOR_INLINE void ThreadPool::run_job(std::int64_t tasks, TaskRef job) {
   in_worker() = true;
   drain();
   in_worker() = false;
-  for (int spin = 0; spin < kSpin && !finished(); ++spin) pause();
+  for (int spin = 0; spin < kSpin && !finished(); ++spin) core::cpu_relax();
   std::unique_lock lock(mu_);
   done_cv_.wait(lock, [&] { return finished(); });
   job_ = {};
@@ -182,7 +172,7 @@ LAZYTENSOR_INLINE void ThreadPool::worker_loop(std::uint64_t seen) {
         ready = true;
         break;
       }
-      pause();
+      core::cpu_relax();
     }
     if (!ready) {
       std::unique_lock lock(mu_);

@@ -17,12 +17,9 @@
 #include <utility>
 #include <vector>
 
-#if defined(__SSE2__)
-#include <immintrin.h>
-#endif
-
 #include <lazytensor/core/config.hpp>
 #include <lazytensor/core/error.hpp>
+#include <lazytensor/core/spin_lock.hpp>
 
 namespace lazy::dist {
 
@@ -40,13 +37,7 @@ inline std::atomic<std::int64_t>& timeout_ms() {
   return ms;
 }
 
-inline void cpu_relax() {
-#if defined(__SSE2__)
-  _mm_pause();
-#else
-  std::this_thread::yield();
-#endif
-}
+using core::cpu_relax;
 
 }  // namespace detail
 
