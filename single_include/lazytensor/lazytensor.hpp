@@ -3583,7 +3583,6 @@ class ChunkReduction {
 #include <cstring>
 #include <tuple>
 #include <type_traits>
-#include <vector>
 
 // ---- begin lazytensor/core/simd.hpp ----
 // xsimd, as the library includes it: every kernel header includes this one, not xsimd.
@@ -4547,6 +4546,40 @@ struct Layout {
 /// Layout for writing `out` from inputs of the given shapes (each broadcastable to out).
 Layout make_layout(const Shape& out, std::span<const Shape* const> inputs);
 
+/// Walks the rows of a layout (a row: the innermost dimension, at one index of the outer
+/// ones), giving each input slot's element offset at the row's start. Not a template: the
+/// row loop of every expression (expr::eval_rows) shares this odometer, so an expression
+/// compiles only its own seek and the call of its inner loop.
+class RowCursor {
+ public:
+  /// At row `r0` of `layout` (which must outlive the cursor).
+  RowCursor(const Layout& layout, std::int64_t r0);
+  RowCursor(const RowCursor&) = delete;
+  RowCursor& operator=(const RowCursor&) = delete;
+  /// Per input slot, the offset of the current row's first element.
+  const std::int64_t* offsets() const { return off_; }
+  /// Moves to the next row (past the last one, the offsets wrap to row 0's). Inline only
+  /// the step along the innermost outer dimension (most rows): the carry is shared code.
+  void next() {
+    if (++last_ < last_size_) {
+      for (std::size_t k = 0; k < nin_; ++k) off_[k] += step_[k];
+      return;
+    }
+    carry();
+  }
+
+ private:
+  void carry();
+
+  const Layout& L_;
+  std::size_t nin_;
+  std::int64_t last_ = 0, last_size_ = 1;  // the innermost outer dimension's index and size
+  std::array<std::int64_t, kMaxRank> idx_{};
+  core::SmallVector<std::int64_t, 16> store_;  // offsets, then steps (no allocation for up to 8 inputs)
+  std::int64_t* off_ = nullptr;
+  std::int64_t* step_ = nullptr;
+};
+
 }  // namespace lazy::expr
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
@@ -4622,6 +4655,43 @@ LAZYTENSOR_INLINE Layout make_layout(const Shape& out, std::span<const Shape* co
     L.splat[k] = cstride[k].back() == 0;
   }
   return L;
+}
+
+LAZYTENSOR_INLINE RowCursor::RowCursor(const Layout& layout, std::int64_t r0)
+    : L_(layout), nin_(layout.stride.size()) {
+  const int outer = L_.ndim - 1;
+  for (int d = outer - 1; d >= 0; --d) {
+    idx_[d] = r0 % L_.size[d];
+    r0 /= L_.size[d];
+  }
+  store_.resize(2 * nin_);
+  off_ = store_.data();
+  step_ = off_ + nin_;
+  for (std::size_t k = 0; k < nin_; ++k) {
+    std::int64_t o = 0;
+    for (int d = 0; d < outer; ++d) o += idx_[d] * L_.stride[k][d];
+    off_[k] = o;
+    step_[k] = outer > 0 ? L_.stride[k][outer - 1] : 0;
+  }
+  if (outer > 0) {
+    last_ = idx_[outer - 1];
+    last_size_ = L_.size[outer - 1];
+  }
+}
+
+LAZYTENSOR_INLINE void RowCursor::carry() {
+  // The innermost outer dimension wrapped: back to its start, then count up the next ones.
+  const int outer = L_.ndim - 1;
+  if (outer <= 0) return;
+  const auto* stride = L_.stride.data();
+  for (std::size_t k = 0; k < nin_; ++k) off_[k] -= step_[k] * (last_size_ - 1);
+  last_ = 0;
+  for (int d = outer - 2; d >= 0; --d) {
+    for (std::size_t k = 0; k < nin_; ++k) off_[k] += stride[k][d];
+    if (++idx_[d] < L_.size[d]) return;
+    for (std::size_t k = 0; k < nin_; ++k) off_[k] -= stride[k][d] * L_.size[d];
+    idx_[d] = 0;
+  }
 }
 
 }  // namespace lazy::expr
@@ -5010,30 +5080,11 @@ LAZY_KERNEL_LOOP void eval_range(const Ev& ev_in, Tout* out, std::int64_t b, std
 /// Evaluates rows [r0, r1) of a layout with several collapsed dimensions.
 template <class S, class Tout, class Ev>
 LAZY_KERNEL_LOOP void eval_rows(Ev& ev, const Layout& L, Tout* out, std::int64_t r0, std::int64_t r1) {
-  const int outer = L.ndim - 1;
   const std::int64_t inner = L.inner();
-  const std::size_t nin = L.stride.size();
-  std::array<std::int64_t, kMaxRank> idx{};
-  std::int64_t rem = r0;
-  for (int d = outer - 1; d >= 0; --d) {
-    idx[d] = rem % L.size[d];
-    rem /= L.size[d];
-  }
-  std::vector<std::int64_t> off(nin);
-  for (std::size_t k = 0; k < nin; ++k) {
-    off[k] = 0;
-    for (int d = 0; d < outer; ++d) off[k] += idx[d] * L.stride[k][d];
-  }
-  for (std::int64_t r = r0; r < r1; ++r) {
-    ev.seek(off.data());
+  RowCursor row(L, r0);
+  for (std::int64_t r = r0; r < r1; ++r, row.next()) {
+    ev.seek(row.offsets());
     eval_range<S, Tout, false, false>(ev, out + r * inner, 0, inner);
-    // Advance the odometer over the outer dimensions.
-    for (int d = outer - 1; d >= 0; --d) {
-      for (std::size_t k = 0; k < nin; ++k) off[k] += L.stride[k][d];
-      if (++idx[d] < L.size[d]) break;
-      for (std::size_t k = 0; k < nin; ++k) off[k] -= L.stride[k][d] * L.size[d];
-      idx[d] = 0;
-    }
   }
 }
 
@@ -5321,8 +5372,11 @@ class KernelRef {
   const ElementwiseKernel* k_;
 };
 
-/// The loops of kernel-form expression K writing Tout.
-template <class K, Element Tout>
+/// The loops of kernel-form expression K writing Tout. `Lean`: one loop form only, the
+/// general one (any input may be a single element), which flat ranges run directly and rows
+/// step through: for expressions only a rare path writes out (ops/reduction.hpp), a quarter
+/// of the loop code and no streaming stores.
+template <class K, Element Tout, bool Lean = false>
 class CompiledKernel final : public ElementwiseKernel {
  public:
   using S = expr::kernel_lane_t<K>;
@@ -5334,14 +5388,20 @@ class CompiledKernel final : public ElementwiseKernel {
             bool stream) const override {
     Tout* out = static_cast<Tout*>(out_v);
     Ev ev(k_, in, splat);
-    if constexpr (Ev::simd && std::is_same_v<S, Tout>) {
-      if (stream) {
-        expr::eval_range<S, Tout, true, true>(ev, out, b, e);
-        return;
+    if constexpr (Lean) {
+      (void)contig;
+      (void)stream;  // (can_stream is false)
+      expr::eval_range<S, Tout, false, false>(ev, out, b, e);
+    } else {
+      if constexpr (Ev::simd && std::is_same_v<S, Tout>) {
+        if (stream) {
+          expr::eval_range<S, Tout, true, true>(ev, out, b, e);
+          return;
+        }
       }
+      if (contig) expr::eval_range<S, Tout, true, false>(ev, out, b, e);
+      else expr::eval_range<S, Tout, false, false>(ev, out, b, e);
     }
-    if (contig) expr::eval_range<S, Tout, true, false>(ev, out, b, e);
-    else expr::eval_range<S, Tout, false, false>(ev, out, b, e);
   }
   void rows(const void* const* in, const expr::Layout& layout, void* out, std::int64_t r0,
             std::int64_t r1) const override {
@@ -5356,7 +5416,7 @@ class CompiledKernel final : public ElementwiseKernel {
   }
 
   /// Whether this kernel can stream its stores (a SIMD lane that is the output type).
-  static constexpr bool can_stream = Ev::simd && std::is_same_v<S, Tout>;
+  static constexpr bool can_stream = !Lean && Ev::simd && std::is_same_v<S, Tout>;
 
  private:
   K k_;
@@ -5417,9 +5477,9 @@ class ElementwiseNode final : public Node {
 
 /// A pending-node-to-be for kernel-form expression `k` writing Tout of `shape` on `device`
 /// (not yet submitted).
-template <Element Tout, class K>
+template <Element Tout, class K, bool Lean = false>
 NodePtr elementwise_node(K k, const Shape& shape, Device* device, std::vector<NodePtr> inputs) {
-  using CK = CompiledKernel<K, Tout>;
+  using CK = CompiledKernel<K, Tout, Lean>;
   return core::make_cached<ElementwiseNode>(KernelRef(new CK(std::move(k))), CK::can_stream, dtype_of<Tout>(), shape,
                                             device, std::move(inputs));
 }
@@ -21426,6 +21486,21 @@ template <class R, class Tout, class X>
 graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims, bool keepdim, double scale_kind,
                               const char* op);
 
+/// Expression `x` written out as a tensor of its value type, for the reductions that need
+/// their operand in memory (dims that are not adjacent, a broadcast inside the operand).
+/// Without history (the reduction records its backward from `x` itself) and with the lean
+/// kernel (graph::CompiledKernel): as `Tensor(x)`, these rare paths compiled a whole
+/// statement into every reduction of an expression, ~12% of a TU of such reductions.
+template <class X>
+Tensor<expr::value_t<X>> written_operand(const X& x) {
+  std::vector<graph::NodePtr> inputs;
+  inputs.reserve(expr::leaf_count_v<X>);
+  auto k = expr::to_kernel(x, inputs);
+  graph::Device& dev = graph::common_device(inputs, X::op_type::name);
+  return Tensor<expr::value_t<X>>(graph::submit(
+      graph::elementwise_node<expr::value_t<X>, decltype(k), true>(std::move(k), x.shape(), &dev, std::move(inputs))));
+}
+
 /// Reduces `t` over dims `rd` that are not adjacent: moves them to the back first (one
 /// copy), then reduces. Per dtype, not per operand expression.
 template <class R, class Tout, class V>
@@ -21453,8 +21528,7 @@ graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims,
   auto rd = reduce_dims(s, dims, op);
   graph::ReduceGeometry g;
   if (!geometry(s, rd, g)) {
-    using V = expr::value_t<X>;
-    if constexpr (expr::is_expr_node<X>::value) return reduction_node_permuted<R, Tout>(Tensor<V>(x), rd, keepdim, scale_kind, op);
+    if constexpr (expr::is_expr_node<X>::value) return reduction_node_permuted<R, Tout>(written_operand(x), rd, keepdim, scale_kind, op);
     else return reduction_node_permuted<R, Tout>(x, rd, keepdim, scale_kind, op);
   }
   const Shape out = reduced_shape(s, rd, keepdim);
@@ -21466,7 +21540,7 @@ graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims,
   if constexpr (expr::is_expr_node<X>::value) {
     if (!flat_child(x, inputs)) {
       // A broadcast inside the child: materialize it once, then reduce the result.
-      return reduction_node<R, Tout>(Tensor<typename X::value_type>(x), dims, keepdim, scale_kind, op);
+      return reduction_node<R, Tout>(written_operand(x), dims, keepdim, scale_kind, op);
     }
   }
   using S = expr::lane_combine<expr::kernel_lane_t<K>, expr::lane_of<Tout>>;

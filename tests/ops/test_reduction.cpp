@@ -796,6 +796,33 @@ TEST(Reduction, BroadcastChildOverNonAdjacentDims) {
   }
 }
 
+TEST(Reduction, GradientsReachLeavesOfOperandsWrittenOutFirst) {
+  // Both paths that write an expression operand to memory before reducing it (a broadcast
+  // inside it; dims that are not adjacent) take the gradient from the expression itself.
+  const Shape sh{6, 5, 40};
+  const auto x = make_data<double>(sh.numel(), 81), bias = make_data<double>(40, 82);
+  const auto u = make_data<double>(6, 83), w = make_data<double>(5, 84);
+  Tensor<double> X = lazy::from_vector(x, sh).requires_grad_();
+  Tensor<double> Bv = lazy::from_vector(bias).requires_grad_();
+  const Tensor<double> U = lazy::from_vector(u), W = lazy::from_vector(w);
+  // L1: sum over (1, 2) of X * X + Bv (a broadcast leaf), weighted by u:
+  // dL1/dX = 2 X u[i], dL1/dBv[k] = 5 sum(u).
+  lazy::sum(lazy::sum(X * X + Bv, {1, 2}) * U).backward();
+  // L2: mean over (2, 0) (not adjacent) of X * 3, weighted by w: dL2/dX = 3 w[j] / (6 * 40).
+  lazy::sum(lazy::mean(X * 3.0, {2, 0}) * W).backward();
+  const auto gx = X.grad().to_vector(), gb = Bv.grad().to_vector();
+  double usum = 0;
+  for (double v : u) usum += v;
+  for (std::size_t i = 0; i < 6; ++i)
+    for (std::size_t j = 0; j < 5; ++j)
+      for (std::size_t k = 0; k < 40; ++k) {
+        const std::size_t at = (i * 5 + j) * 40 + k;
+        const double want = 2 * x[at] * u[i] + 3 * w[j] / 240.0;
+        ASSERT_NEAR(gx[at], want, 1e-12 * (1 + std::abs(want))) << i << "," << j << "," << k;
+      }
+  for (std::size_t k = 0; k < 40; ++k) ASSERT_NEAR(gb[k], 5 * usum, 1e-12 * (1 + 5 * std::abs(usum))) << k;
+}
+
 TEST(Reduction, ExpressionValuesAreCapturedAtBuildTime) {
   Tensor<float> x = lazy::from_vector(std::vector<float>{1, 2, 3});
   Tensor<float> s = lazy::sum(x * 2.f);

@@ -8,7 +8,6 @@
 #include <cstring>
 #include <tuple>
 #include <type_traits>
-#include <vector>
 
 #include <lazytensor/core/simd.hpp>
 
@@ -397,30 +396,11 @@ LAZY_KERNEL_LOOP void eval_range(const Ev& ev_in, Tout* out, std::int64_t b, std
 /// Evaluates rows [r0, r1) of a layout with several collapsed dimensions.
 template <class S, class Tout, class Ev>
 LAZY_KERNEL_LOOP void eval_rows(Ev& ev, const Layout& L, Tout* out, std::int64_t r0, std::int64_t r1) {
-  const int outer = L.ndim - 1;
   const std::int64_t inner = L.inner();
-  const std::size_t nin = L.stride.size();
-  std::array<std::int64_t, kMaxRank> idx{};
-  std::int64_t rem = r0;
-  for (int d = outer - 1; d >= 0; --d) {
-    idx[d] = rem % L.size[d];
-    rem /= L.size[d];
-  }
-  std::vector<std::int64_t> off(nin);
-  for (std::size_t k = 0; k < nin; ++k) {
-    off[k] = 0;
-    for (int d = 0; d < outer; ++d) off[k] += idx[d] * L.stride[k][d];
-  }
-  for (std::int64_t r = r0; r < r1; ++r) {
-    ev.seek(off.data());
+  RowCursor row(L, r0);
+  for (std::int64_t r = r0; r < r1; ++r, row.next()) {
+    ev.seek(row.offsets());
     eval_range<S, Tout, false, false>(ev, out + r * inner, 0, inner);
-    // Advance the odometer over the outer dimensions.
-    for (int d = outer - 1; d >= 0; --d) {
-      for (std::size_t k = 0; k < nin; ++k) off[k] += L.stride[k][d];
-      if (++idx[d] < L.size[d]) break;
-      for (std::size_t k = 0; k < nin; ++k) off[k] -= L.stride[k][d] * L.size[d];
-      idx[d] = 0;
-    }
   }
 }
 

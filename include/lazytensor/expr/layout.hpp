@@ -35,6 +35,40 @@ struct Layout {
 /// Layout for writing `out` from inputs of the given shapes (each broadcastable to out).
 Layout make_layout(const Shape& out, std::span<const Shape* const> inputs);
 
+/// Walks the rows of a layout (a row: the innermost dimension, at one index of the outer
+/// ones), giving each input slot's element offset at the row's start. Not a template: the
+/// row loop of every expression (expr::eval_rows) shares this odometer, so an expression
+/// compiles only its own seek and the call of its inner loop.
+class RowCursor {
+ public:
+  /// At row `r0` of `layout` (which must outlive the cursor).
+  RowCursor(const Layout& layout, std::int64_t r0);
+  RowCursor(const RowCursor&) = delete;
+  RowCursor& operator=(const RowCursor&) = delete;
+  /// Per input slot, the offset of the current row's first element.
+  const std::int64_t* offsets() const { return off_; }
+  /// Moves to the next row (past the last one, the offsets wrap to row 0's). Inline only
+  /// the step along the innermost outer dimension (most rows): the carry is shared code.
+  void next() {
+    if (++last_ < last_size_) {
+      for (std::size_t k = 0; k < nin_; ++k) off_[k] += step_[k];
+      return;
+    }
+    carry();
+  }
+
+ private:
+  void carry();
+
+  const Layout& L_;
+  std::size_t nin_;
+  std::int64_t last_ = 0, last_size_ = 1;  // the innermost outer dimension's index and size
+  std::array<std::int64_t, kMaxRank> idx_{};
+  core::SmallVector<std::int64_t, 16> store_;  // offsets, then steps (no allocation for up to 8 inputs)
+  std::int64_t* off_ = nullptr;
+  std::int64_t* step_ = nullptr;
+};
+
 }  // namespace lazy::expr
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
@@ -110,6 +144,43 @@ LAZYTENSOR_INLINE Layout make_layout(const Shape& out, std::span<const Shape* co
     L.splat[k] = cstride[k].back() == 0;
   }
   return L;
+}
+
+LAZYTENSOR_INLINE RowCursor::RowCursor(const Layout& layout, std::int64_t r0)
+    : L_(layout), nin_(layout.stride.size()) {
+  const int outer = L_.ndim - 1;
+  for (int d = outer - 1; d >= 0; --d) {
+    idx_[d] = r0 % L_.size[d];
+    r0 /= L_.size[d];
+  }
+  store_.resize(2 * nin_);
+  off_ = store_.data();
+  step_ = off_ + nin_;
+  for (std::size_t k = 0; k < nin_; ++k) {
+    std::int64_t o = 0;
+    for (int d = 0; d < outer; ++d) o += idx_[d] * L_.stride[k][d];
+    off_[k] = o;
+    step_[k] = outer > 0 ? L_.stride[k][outer - 1] : 0;
+  }
+  if (outer > 0) {
+    last_ = idx_[outer - 1];
+    last_size_ = L_.size[outer - 1];
+  }
+}
+
+LAZYTENSOR_INLINE void RowCursor::carry() {
+  // The innermost outer dimension wrapped: back to its start, then count up the next ones.
+  const int outer = L_.ndim - 1;
+  if (outer <= 0) return;
+  const auto* stride = L_.stride.data();
+  for (std::size_t k = 0; k < nin_; ++k) off_[k] -= step_[k] * (last_size_ - 1);
+  last_ = 0;
+  for (int d = outer - 2; d >= 0; --d) {
+    for (std::size_t k = 0; k < nin_; ++k) off_[k] += stride[k][d];
+    if (++idx_[d] < L_.size[d]) return;
+    for (std::size_t k = 0; k < nin_; ++k) off_[k] -= stride[k][d] * L_.size[d];
+    idx_[d] = 0;
+  }
 }
 
 }  // namespace lazy::expr

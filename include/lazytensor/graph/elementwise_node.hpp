@@ -122,8 +122,11 @@ class KernelRef {
   const ElementwiseKernel* k_;
 };
 
-/// The loops of kernel-form expression K writing Tout.
-template <class K, Element Tout>
+/// The loops of kernel-form expression K writing Tout. `Lean`: one loop form only, the
+/// general one (any input may be a single element), which flat ranges run directly and rows
+/// step through: for expressions only a rare path writes out (ops/reduction.hpp), a quarter
+/// of the loop code and no streaming stores.
+template <class K, Element Tout, bool Lean = false>
 class CompiledKernel final : public ElementwiseKernel {
  public:
   using S = expr::kernel_lane_t<K>;
@@ -135,14 +138,20 @@ class CompiledKernel final : public ElementwiseKernel {
             bool stream) const override {
     Tout* out = static_cast<Tout*>(out_v);
     Ev ev(k_, in, splat);
-    if constexpr (Ev::simd && std::is_same_v<S, Tout>) {
-      if (stream) {
-        expr::eval_range<S, Tout, true, true>(ev, out, b, e);
-        return;
+    if constexpr (Lean) {
+      (void)contig;
+      (void)stream;  // (can_stream is false)
+      expr::eval_range<S, Tout, false, false>(ev, out, b, e);
+    } else {
+      if constexpr (Ev::simd && std::is_same_v<S, Tout>) {
+        if (stream) {
+          expr::eval_range<S, Tout, true, true>(ev, out, b, e);
+          return;
+        }
       }
+      if (contig) expr::eval_range<S, Tout, true, false>(ev, out, b, e);
+      else expr::eval_range<S, Tout, false, false>(ev, out, b, e);
     }
-    if (contig) expr::eval_range<S, Tout, true, false>(ev, out, b, e);
-    else expr::eval_range<S, Tout, false, false>(ev, out, b, e);
   }
   void rows(const void* const* in, const expr::Layout& layout, void* out, std::int64_t r0,
             std::int64_t r1) const override {
@@ -157,7 +166,7 @@ class CompiledKernel final : public ElementwiseKernel {
   }
 
   /// Whether this kernel can stream its stores (a SIMD lane that is the output type).
-  static constexpr bool can_stream = Ev::simd && std::is_same_v<S, Tout>;
+  static constexpr bool can_stream = !Lean && Ev::simd && std::is_same_v<S, Tout>;
 
  private:
   K k_;
@@ -218,9 +227,9 @@ class ElementwiseNode final : public Node {
 
 /// A pending-node-to-be for kernel-form expression `k` writing Tout of `shape` on `device`
 /// (not yet submitted).
-template <Element Tout, class K>
+template <Element Tout, class K, bool Lean = false>
 NodePtr elementwise_node(K k, const Shape& shape, Device* device, std::vector<NodePtr> inputs) {
-  using CK = CompiledKernel<K, Tout>;
+  using CK = CompiledKernel<K, Tout, Lean>;
   return core::make_cached<ElementwiseNode>(KernelRef(new CK(std::move(k))), CK::can_stream, dtype_of<Tout>(), shape,
                                             device, std::move(inputs));
 }

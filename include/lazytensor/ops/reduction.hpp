@@ -44,6 +44,21 @@ template <class R, class Tout, class X>
 graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims, bool keepdim, double scale_kind,
                               const char* op);
 
+/// Expression `x` written out as a tensor of its value type, for the reductions that need
+/// their operand in memory (dims that are not adjacent, a broadcast inside the operand).
+/// Without history (the reduction records its backward from `x` itself) and with the lean
+/// kernel (graph::CompiledKernel): as `Tensor(x)`, these rare paths compiled a whole
+/// statement into every reduction of an expression, ~12% of a TU of such reductions.
+template <class X>
+Tensor<expr::value_t<X>> written_operand(const X& x) {
+  std::vector<graph::NodePtr> inputs;
+  inputs.reserve(expr::leaf_count_v<X>);
+  auto k = expr::to_kernel(x, inputs);
+  graph::Device& dev = graph::common_device(inputs, X::op_type::name);
+  return Tensor<expr::value_t<X>>(graph::submit(
+      graph::elementwise_node<expr::value_t<X>, decltype(k), true>(std::move(k), x.shape(), &dev, std::move(inputs))));
+}
+
 /// Reduces `t` over dims `rd` that are not adjacent: moves them to the back first (one
 /// copy), then reduces. Per dtype, not per operand expression.
 template <class R, class Tout, class V>
@@ -71,8 +86,7 @@ graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims,
   auto rd = reduce_dims(s, dims, op);
   graph::ReduceGeometry g;
   if (!geometry(s, rd, g)) {
-    using V = expr::value_t<X>;
-    if constexpr (expr::is_expr_node<X>::value) return reduction_node_permuted<R, Tout>(Tensor<V>(x), rd, keepdim, scale_kind, op);
+    if constexpr (expr::is_expr_node<X>::value) return reduction_node_permuted<R, Tout>(written_operand(x), rd, keepdim, scale_kind, op);
     else return reduction_node_permuted<R, Tout>(x, rd, keepdim, scale_kind, op);
   }
   const Shape out = reduced_shape(s, rd, keepdim);
@@ -84,7 +98,7 @@ graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims,
   if constexpr (expr::is_expr_node<X>::value) {
     if (!flat_child(x, inputs)) {
       // A broadcast inside the child: materialize it once, then reduce the result.
-      return reduction_node<R, Tout>(Tensor<typename X::value_type>(x), dims, keepdim, scale_kind, op);
+      return reduction_node<R, Tout>(written_operand(x), dims, keepdim, scale_kind, op);
     }
   }
   using S = expr::lane_combine<expr::kernel_lane_t<K>, expr::lane_of<Tout>>;
