@@ -4549,7 +4549,7 @@ Layout make_layout(const Shape& out, std::span<const Shape* const> inputs);
 /// Walks the rows of a layout (a row: the innermost dimension, at one index of the outer
 /// ones), giving each input slot's element offset at the row's start. Not a template: the
 /// row loop of every expression (expr::eval_rows) shares this odometer, so an expression
-/// compiles only its own seek and the call of its inner loop.
+/// compiles only its own seek, the inline step and the call of its inner loop.
 class RowCursor {
  public:
   /// At row `r0` of `layout` (which must outlive the cursor).
@@ -4562,7 +4562,10 @@ class RowCursor {
   /// the step along the innermost outer dimension (most rows): the carry is shared code.
   void next() {
     if (++last_ < last_size_) {
-      for (std::size_t k = 0; k < nin_; ++k) off_[k] += step_[k];
+      // (Locals: stores through off_ could otherwise alias the members, reloaded each time.)
+      std::int64_t* off = off_;
+      const std::int64_t* step = step_;
+      for (std::size_t k = 0, n = nin_; k < n; ++k) off[k] += step[k];
       return;
     }
     carry();
@@ -4575,7 +4578,7 @@ class RowCursor {
   std::size_t nin_;
   std::int64_t last_ = 0, last_size_ = 1;  // the innermost outer dimension's index and size
   std::array<std::int64_t, kMaxRank> idx_{};
-  core::SmallVector<std::int64_t, 16> store_;  // offsets, then steps (no allocation for up to 8 inputs)
+  core::SmallVector<std::int64_t, 16> store_;  // offsets, then steps (inline up to 8 inputs)
   std::int64_t* off_ = nullptr;
   std::int64_t* step_ = nullptr;
 };
@@ -5415,7 +5418,8 @@ class CompiledKernel final : public ElementwiseKernel {
     return h;
   }
 
-  /// Whether this kernel can stream its stores (a SIMD lane that is the output type).
+  /// Whether this kernel can stream its stores (a SIMD lane that is the output type, and
+  /// not the lean form).
   static constexpr bool can_stream = !Lean && Ev::simd && std::is_same_v<S, Tout>;
 
  private:
@@ -21487,18 +21491,21 @@ graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims,
                               const char* op);
 
 /// Expression `x` written out as a tensor of its value type, for the reductions that need
-/// their operand in memory (dims that are not adjacent, a broadcast inside the operand).
-/// Without history (the reduction records its backward from `x` itself) and with the lean
-/// kernel (graph::CompiledKernel): as `Tensor(x)`, these rare paths compiled a whole
-/// statement into every reduction of an expression, ~12% of a TU of such reductions.
+/// their operand in memory (dims that are not adjacent, a broadcast inside the operand, an
+/// arg-reduction over all elements). Without history (a reduction records its backward from
+/// `x` itself; arg-reductions have none) and with the lean kernel (graph::CompiledKernel):
+/// as `Tensor(x)`, these rare paths compiled a whole statement into every reduction of an
+/// expression.
 template <class X>
 Tensor<expr::value_t<X>> written_operand(const X& x) {
+  using V = expr::value_t<X>;
   std::vector<graph::NodePtr> inputs;
   inputs.reserve(expr::leaf_count_v<X>);
   auto k = expr::to_kernel(x, inputs);
   graph::Device& dev = graph::common_device(inputs, X::op_type::name);
-  return Tensor<expr::value_t<X>>(graph::submit(
-      graph::elementwise_node<expr::value_t<X>, decltype(k), true>(std::move(k), x.shape(), &dev, std::move(inputs))));
+  using K = decltype(k);
+  auto node = graph::elementwise_node<V, K, true>(std::move(k), x.shape(), &dev, std::move(inputs));
+  return Tensor<V>(graph::submit(std::move(node)));
 }
 
 /// Reduces `t` over dims `rd` that are not adjacent: moves them to the back first (one
@@ -21528,7 +21535,8 @@ graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims,
   auto rd = reduce_dims(s, dims, op);
   graph::ReduceGeometry g;
   if (!geometry(s, rd, g)) {
-    if constexpr (expr::is_expr_node<X>::value) return reduction_node_permuted<R, Tout>(written_operand(x), rd, keepdim, scale_kind, op);
+    if constexpr (expr::is_expr_node<X>::value)
+      return reduction_node_permuted<R, Tout>(written_operand(x), rd, keepdim, scale_kind, op);
     else return reduction_node_permuted<R, Tout>(x, rd, keepdim, scale_kind, op);
   }
   const Shape out = reduced_shape(s, rd, keepdim);
@@ -21713,7 +21721,7 @@ Tensor<std::int64_t> arg_reduce(const X& x, std::optional<std::int64_t> dim, boo
     // Over the flattened tensor.
     using V = expr::value_t<X>;
     Tensor<V> t = [&] {
-      if constexpr (expr::is_expr_node<X>::value) return Tensor<V>(x);
+      if constexpr (expr::is_expr_node<X>::value) return written_operand(x);
       else return x;
     }();
     Tensor<V> flat = reshape(t, Shape{t.numel()});
@@ -21732,7 +21740,7 @@ Tensor<std::int64_t> arg_reduce(const X& x, std::optional<std::int64_t> dim, boo
   inputs.reserve(expr::leaf_count_v<decltype(expr::operand(x))>);
   auto k = expr::operand_to_kernel(x, inputs);
   if constexpr (expr::is_expr_node<X>::value) {
-    if (!flat_child(x, inputs)) return arg_reduce<IsMax>(Tensor<typename X::value_type>(x), dim, keepdim, op);
+    if (!flat_child(x, inputs)) return arg_reduce<IsMax>(written_operand(x), dim, keepdim, op);
   }
   using K = decltype(k);
   graph::Device& dev = graph::common_device(inputs, op);

@@ -43,10 +43,13 @@ void check_row_cursor(const Shape& out, const std::vector<Shape>& inputs) {
     for (std::int64_t r = r0; r < rows; ++r, cursor.next()) {
       for (std::size_t k = 0; k < inputs.size(); ++k) {
         ASSERT_EQ(cursor.offsets()[k], broadcast_offset_reference(out, inputs[k], r * inner))
-            << "out " << out.str() << ", input " << k << " " << inputs[k].str() << ", start row " << r0
-            << ", row " << r;
+            << "out " << out.str() << ", input " << k << " " << inputs[k].str() << ", start row "
+            << r0 << ", row " << r;
       }
     }
+    // One step past the last row wraps to row 0 (what eval_rows' last step leaves).
+    for (std::size_t k = 0; k < inputs.size(); ++k)
+      ASSERT_EQ(cursor.offsets()[k], 0) << out.str() << ", input " << k << ", from row " << r0;
   }
 }
 
@@ -59,9 +62,9 @@ TEST(RowCursor, OffsetsFollowBroadcastingFromEveryStartRow) {
 
 TEST(RowCursor, MoreInputsThanTheInlineCapacity) {
   // Nine inputs: the cursor's offsets leave their inline storage of eight.
-  check_row_cursor(Shape{3, 4, 5},
-                   {Shape{3, 4, 5}, Shape{4, 1}, Shape{5}, Shape{3, 1, 1}, Shape{1, 4, 5}, Shape{3, 1, 5},
-                    Shape{1}, Shape{4, 5}, Shape{3, 4, 1}});
+  check_row_cursor(Shape{3, 4, 5}, {Shape{3, 4, 5}, Shape{4, 1}, Shape{5}, Shape{3, 1, 1},
+                                    Shape{1, 4, 5}, Shape{3, 1, 5}, Shape{1}, Shape{4, 5},
+                                    Shape{3, 4, 1}});
 }
 
 }  // namespace

@@ -820,7 +820,8 @@ TEST(Reduction, GradientsReachLeavesOfOperandsWrittenOutFirst) {
         const double want = 2 * x[at] * u[i] + 3 * w[j] / 240.0;
         ASSERT_NEAR(gx[at], want, 1e-12 * (1 + std::abs(want))) << i << "," << j << "," << k;
       }
-  for (std::size_t k = 0; k < 40; ++k) ASSERT_NEAR(gb[k], 5 * usum, 1e-12 * (1 + 5 * std::abs(usum))) << k;
+  for (std::size_t k = 0; k < 40; ++k)
+    ASSERT_NEAR(gb[k], 5 * usum, 1e-12 * (1 + 5 * std::abs(usum))) << k;
 }
 
 TEST(Reduction, ExpressionValuesAreCapturedAtBuildTime) {

@@ -38,7 +38,7 @@ Layout make_layout(const Shape& out, std::span<const Shape* const> inputs);
 /// Walks the rows of a layout (a row: the innermost dimension, at one index of the outer
 /// ones), giving each input slot's element offset at the row's start. Not a template: the
 /// row loop of every expression (expr::eval_rows) shares this odometer, so an expression
-/// compiles only its own seek and the call of its inner loop.
+/// compiles only its own seek, the inline step and the call of its inner loop.
 class RowCursor {
  public:
   /// At row `r0` of `layout` (which must outlive the cursor).
@@ -51,7 +51,10 @@ class RowCursor {
   /// the step along the innermost outer dimension (most rows): the carry is shared code.
   void next() {
     if (++last_ < last_size_) {
-      for (std::size_t k = 0; k < nin_; ++k) off_[k] += step_[k];
+      // (Locals: stores through off_ could otherwise alias the members, reloaded each time.)
+      std::int64_t* off = off_;
+      const std::int64_t* step = step_;
+      for (std::size_t k = 0, n = nin_; k < n; ++k) off[k] += step[k];
       return;
     }
     carry();
@@ -64,7 +67,7 @@ class RowCursor {
   std::size_t nin_;
   std::int64_t last_ = 0, last_size_ = 1;  // the innermost outer dimension's index and size
   std::array<std::int64_t, kMaxRank> idx_{};
-  core::SmallVector<std::int64_t, 16> store_;  // offsets, then steps (no allocation for up to 8 inputs)
+  core::SmallVector<std::int64_t, 16> store_;  // offsets, then steps (inline up to 8 inputs)
   std::int64_t* off_ = nullptr;
   std::int64_t* step_ = nullptr;
 };

@@ -165,7 +165,8 @@ class CompiledKernel final : public ElementwiseKernel {
     return h;
   }
 
-  /// Whether this kernel can stream its stores (a SIMD lane that is the output type).
+  /// Whether this kernel can stream its stores (a SIMD lane that is the output type, and
+  /// not the lean form).
   static constexpr bool can_stream = !Lean && Ev::simd && std::is_same_v<S, Tout>;
 
  private:

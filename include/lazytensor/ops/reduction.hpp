@@ -45,18 +45,21 @@ graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims,
                               const char* op);
 
 /// Expression `x` written out as a tensor of its value type, for the reductions that need
-/// their operand in memory (dims that are not adjacent, a broadcast inside the operand).
-/// Without history (the reduction records its backward from `x` itself) and with the lean
-/// kernel (graph::CompiledKernel): as `Tensor(x)`, these rare paths compiled a whole
-/// statement into every reduction of an expression, ~12% of a TU of such reductions.
+/// their operand in memory (dims that are not adjacent, a broadcast inside the operand, an
+/// arg-reduction over all elements). Without history (a reduction records its backward from
+/// `x` itself; arg-reductions have none) and with the lean kernel (graph::CompiledKernel):
+/// as `Tensor(x)`, these rare paths compiled a whole statement into every reduction of an
+/// expression.
 template <class X>
 Tensor<expr::value_t<X>> written_operand(const X& x) {
+  using V = expr::value_t<X>;
   std::vector<graph::NodePtr> inputs;
   inputs.reserve(expr::leaf_count_v<X>);
   auto k = expr::to_kernel(x, inputs);
   graph::Device& dev = graph::common_device(inputs, X::op_type::name);
-  return Tensor<expr::value_t<X>>(graph::submit(
-      graph::elementwise_node<expr::value_t<X>, decltype(k), true>(std::move(k), x.shape(), &dev, std::move(inputs))));
+  using K = decltype(k);
+  auto node = graph::elementwise_node<V, K, true>(std::move(k), x.shape(), &dev, std::move(inputs));
+  return Tensor<V>(graph::submit(std::move(node)));
 }
 
 /// Reduces `t` over dims `rd` that are not adjacent: moves them to the back first (one
@@ -86,7 +89,8 @@ graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims,
   auto rd = reduce_dims(s, dims, op);
   graph::ReduceGeometry g;
   if (!geometry(s, rd, g)) {
-    if constexpr (expr::is_expr_node<X>::value) return reduction_node_permuted<R, Tout>(written_operand(x), rd, keepdim, scale_kind, op);
+    if constexpr (expr::is_expr_node<X>::value)
+      return reduction_node_permuted<R, Tout>(written_operand(x), rd, keepdim, scale_kind, op);
     else return reduction_node_permuted<R, Tout>(x, rd, keepdim, scale_kind, op);
   }
   const Shape out = reduced_shape(s, rd, keepdim);
@@ -271,7 +275,7 @@ Tensor<std::int64_t> arg_reduce(const X& x, std::optional<std::int64_t> dim, boo
     // Over the flattened tensor.
     using V = expr::value_t<X>;
     Tensor<V> t = [&] {
-      if constexpr (expr::is_expr_node<X>::value) return Tensor<V>(x);
+      if constexpr (expr::is_expr_node<X>::value) return written_operand(x);
       else return x;
     }();
     Tensor<V> flat = reshape(t, Shape{t.numel()});
@@ -290,7 +294,7 @@ Tensor<std::int64_t> arg_reduce(const X& x, std::optional<std::int64_t> dim, boo
   inputs.reserve(expr::leaf_count_v<decltype(expr::operand(x))>);
   auto k = expr::operand_to_kernel(x, inputs);
   if constexpr (expr::is_expr_node<X>::value) {
-    if (!flat_child(x, inputs)) return arg_reduce<IsMax>(Tensor<typename X::value_type>(x), dim, keepdim, op);
+    if (!flat_child(x, inputs)) return arg_reduce<IsMax>(written_operand(x), dim, keepdim, op);
   }
   using K = decltype(k);
   graph::Device& dev = graph::common_device(inputs, op);
