@@ -4750,31 +4750,119 @@ inline void store_lane(T* p, const batch_t<S>& b) {
   }
 }
 
+/// Bytes a single-element input's broadcast copies take: one batch of its storage type
+/// (at most 16 lanes of 8 bytes).
+inline constexpr std::size_t kSplatBytes = 128;
+
+/// What an evaluator reads: per input slot, the data pointer and whether it is a single
+/// element broadcast over the range (splat); `room` holds kSplatBytes per slot for the
+/// broadcast copies of splat inputs (SplatRoom).
+struct EvalInputs {
+  const void* const* ptrs;
+  const char* splats;
+  std::byte* room;
+};
+
+/// Leaves of kernel form K: an upper bound on its input slots, which are numbered densely
+/// by first use (to_kernel).
+template <class K>
+struct kernel_leaves : std::integral_constant<std::size_t, 0> {};
+template <Element T>
+struct kernel_leaves<KLeaf<T>> : std::integral_constant<std::size_t, 1> {};
+template <class Op, class... C>
+struct kernel_leaves<KExpr<Op, C...>>
+    : std::integral_constant<std::size_t, (std::size_t{0} + ... + kernel_leaves<C>::value)> {};
+
+/// Stack room for the broadcast copies of kernel K's splat inputs, kSplatBytes per slot.
+/// Left uninitialized: only the blocks of splat inputs are written, by their leaves.
+template <class K>
+struct SplatRoom {
+  static constexpr std::size_t kSlots = kernel_leaves<K>::value ? kernel_leaves<K>::value : 1;
+  alignas(64) std::byte bytes[kSlots * kSplatBytes];
+};
+
+/// Fills a kSplatBytes block (64-byte aligned) with copies of the `size`-byte element at
+/// `element`. Whole-batch stores, which the batch loads that follow read back forwarded
+/// (narrower stores cannot forward to a wider load: a stall on every row of the rows
+/// path). Not a template and not inlined: the leaves of integer, bool and bfloat16 inputs
+/// call it.
+[[gnu::noinline]] inline void fill_splat(void* block, const void* element, std::size_t size) {
+  if (size == 8) {
+    std::uint64_t v;
+    std::memcpy(&v, element, 8);
+    using B = xsimd::batch<std::uint64_t>;
+    for (std::size_t k = 0; k < kSplatBytes / 8; k += B::size)
+      B(v).store_aligned(static_cast<std::uint64_t*>(block) + k);
+    return;
+  }
+  std::uint32_t v = 0;
+  std::memcpy(&v, element, size);
+  if (size == 1)
+    v *= 0x01010101u;
+  else if (size == 2)
+    v |= v << 16;
+  using B = xsimd::batch<std::uint32_t>;
+  for (std::size_t k = 0; k < kSplatBytes / 4; k += B::size)
+    B(v).store_aligned(static_cast<std::uint32_t*>(block) + k);
+}
+
 template <class S, class K>
 struct Eval;
 
+/// A leaf reads element i at ptr[i * step]. A splat input points at a batch of copies of
+/// its element with step 0, so a loop serves both kinds of input without a branch per
+/// leaf; the step is loop-invariant, so compilers bump one pointer per leaf and batch. A
+/// loop that knows every input is contiguous reads ptr[i] instead (packet<true>), one
+/// index for all leaves, for the flat loop of the common case.
 template <class S, Element T>
 struct Eval<S, KLeaf<T>> {
   static constexpr bool simd = simd_lane_v<S>;
+  static_assert((simd ? batch_t<S>::size : 1) * sizeof(T) <= kSplatBytes,
+                "a batch of copies must fit in kSplatBytes");
   const T* base;
   const T* ptr;
-  bool splat;
+  T* copies;  ///< this slot's block of the room (used when the input is a splat)
+  std::int64_t step;
   int slot;
 
-  Eval(const KLeaf<T>& k, const void* const* ptrs, const char* splats)
-      : base(static_cast<const T*>(ptrs[k.slot])), ptr(base), splat(splats[k.slot] != 0), slot(k.slot) {}
-  void seek(const std::int64_t* offsets) { ptr = base + offsets[slot]; }
-  S coeff(std::int64_t i) const { return static_cast<S>(static_cast<compute_t<T>>(ptr[splat ? 0 : i])); }
+  Eval(const KLeaf<T>& k, const EvalInputs& in)
+      : base(static_cast<const T*>(in.ptrs[k.slot])),
+        ptr(base),
+        copies(reinterpret_cast<T*>(in.room + static_cast<std::size_t>(k.slot) * kSplatBytes)),
+        step(in.splats[k.slot] ? 0 : 1),
+        slot(k.slot) {
+    if (!step) broadcast(base);
+  }
+  /// Moves to a row (offsets per slot); a splat input's copies take the row's element.
+  void seek(const std::int64_t* offsets) {
+    ptr = base + offsets[slot];
+    if (!step) broadcast(ptr);
+  }
+  S coeff(std::int64_t i) const { return static_cast<S>(static_cast<compute_t<T>>(ptr[i * step])); }
+  /// `Contig`: the caller knows no input is a splat (step 1), which saves the compiler a
+  /// pointer per leaf.
   template <bool Contig>
   batch_t<S> packet(std::int64_t i) const {
-    if (!Contig && splat) return batch_t<S>(static_cast<S>(static_cast<compute_t<T>>(ptr[0])));
+    const T* p = Contig ? ptr + i : ptr + i * step;
     if constexpr (std::is_same_v<T, bfloat16>) {
       alignas(64) S tmp[batch_t<S>::size];
-      for (std::size_t k = 0; k < batch_t<S>::size; ++k) tmp[k] = static_cast<S>(float(ptr[i + k]));
+      for (std::size_t k = 0; k < batch_t<S>::size; ++k) tmp[k] = static_cast<S>(float(p[k]));
       return batch_t<S>::load_aligned(tmp);
     } else {
-      return load_lane<S>(ptr + i);
+      return load_lane<S>(p);
     }
+  }
+
+ private:
+  void broadcast(const T* element) {
+    if constexpr (simd_lane_v<T>) {
+      // Inline whole-batch stores: the rows path refills every row.
+      for (std::size_t k = 0; k < kSplatBytes / sizeof(T); k += batch_t<T>::size)
+        batch_t<T>(*element).store_aligned(copies + k);
+    } else {
+      fill_splat(copies, element, sizeof(T));
+    }
+    ptr = copies;
   }
 };
 
@@ -4782,7 +4870,8 @@ template <class S, Element T>
 struct Eval<S, Scalar<T>> {
   static constexpr bool simd = simd_lane_v<S>;
   S value;
-  Eval(const Scalar<T>& s, const void* const*, const char*) : value(static_cast<S>(static_cast<compute_t<T>>(s.value))) {}
+  Eval(const Scalar<T>& s, const EvalInputs&)
+      : value(static_cast<S>(static_cast<compute_t<T>>(s.value))) {}
   void seek(const std::int64_t*) {}
   S coeff(std::int64_t) const { return value; }
   template <bool Contig>
@@ -4801,7 +4890,7 @@ struct Eval<S, KExpr<Op, C0>> {
   static constexpr bool simd = simd_lane_v<S>;
   Eval<S, C0> c0;
 
-  Eval(const KExpr<Op, C0>& k, const void* const* ptrs, const char* splats) : c0(std::get<0>(k.children), ptrs, splats) {}
+  Eval(const KExpr<Op, C0>& k, const EvalInputs& in) : c0(std::get<0>(k.children), in) {}
   void seek(const std::int64_t* offsets) { c0.seek(offsets); }
   S coeff(std::int64_t i) const { return Op::apply(c0.coeff(i)); }
   template <bool Contig>
@@ -4816,8 +4905,8 @@ struct Eval<S, KExpr<Op, C0, C1>> {
   Eval<S, C0> c0;
   Eval<S, C1> c1;
 
-  Eval(const KExpr<Op, C0, C1>& k, const void* const* ptrs, const char* splats)
-      : c0(std::get<0>(k.children), ptrs, splats), c1(std::get<1>(k.children), ptrs, splats) {}
+  Eval(const KExpr<Op, C0, C1>& k, const EvalInputs& in)
+      : c0(std::get<0>(k.children), in), c1(std::get<1>(k.children), in) {}
   void seek(const std::int64_t* offsets) {
     c0.seek(offsets);
     c1.seek(offsets);
@@ -4836,9 +4925,10 @@ struct Eval<S, KExpr<Op, C0, C1, C2>> {
   Eval<S, C1> c1;
   Eval<S, C2> c2;
 
-  Eval(const KExpr<Op, C0, C1, C2>& k, const void* const* ptrs, const char* splats)
-      : c0(std::get<0>(k.children), ptrs, splats), c1(std::get<1>(k.children), ptrs, splats),
-        c2(std::get<2>(k.children), ptrs, splats) {}
+  Eval(const KExpr<Op, C0, C1, C2>& k, const EvalInputs& in)
+      : c0(std::get<0>(k.children), in),
+        c1(std::get<1>(k.children), in),
+        c2(std::get<2>(k.children), in) {}
   void seek(const std::int64_t* offsets) {
     c0.seek(offsets);
     c1.seek(offsets);
@@ -4928,9 +5018,9 @@ struct ExactEval<S, KExpr<Op, C...>> {
   using V = typename KExpr<Op, C...>::value_type;
   std::tuple<ExactEval<S, C>...> children;
 
-  ExactEval(const KExpr<Op, C...>& k, const void* const* ptrs, const char* splats)
+  ExactEval(const KExpr<Op, C...>& k, const EvalInputs& in)
       : children(detail::unpack(k.children, [&](const auto&... ch) {
-          return std::tuple<ExactEval<S, C>...>{ExactEval<S, C>(ch, ptrs, splats)...};
+          return std::tuple<ExactEval<S, C>...>{ExactEval<S, C>(ch, in)...};
         })) {}
   void seek(const std::int64_t* offsets) {
     detail::unpack(children, [&](auto&... ch) { (ch.seek(offsets), ...); });
@@ -4970,7 +5060,7 @@ template <class S, class K>
 struct ExactRoot {
   static constexpr bool simd = false;
   ExactEval<S, K> ev;
-  ExactRoot(const K& k, const void* const* ptrs, const char* splats) : ev(k, ptrs, splats) {}
+  ExactRoot(const K& k, const EvalInputs& in) : ev(k, in) {}
   void seek(const std::int64_t* offsets) { ev.seek(offsets); }
   S coeff(std::int64_t i) const { return static_cast<S>(ev.coeff(i)); }
 };
@@ -5057,22 +5147,32 @@ inline void store_partial(Tout* p, const batch_t<S>& b, std::int64_t count) {
   for (std::int64_t k = 0; k < count; ++k) p[k] = to_storage<Tout>(tmp[k]);
 }
 
-/// Evaluates elements [b, e) of a kernel into `out` (indices relative to the evaluator's
-/// leaf positions). `Contig`: no leaf is a splatted single element. The tail is one whole
+/// Evaluates elements [b, e) of a kernel (indices relative to the evaluator's leaf
+/// positions) into out[0, e - b). `Contig`: no input is a splat. The tail is one whole
 /// batch of which only the owned lanes are stored: buffers carry a spare batch of padding,
 /// so the read stays in bounds, and no scalar copy of the expression is compiled. With
-/// `Stream`, stores bypass the cache (out + b batch-aligned; the caller fences).
-template <class S, class Tout, bool Contig, bool Stream, class Ev>
-LAZY_KERNEL_LOOP void eval_range(const Ev& ev_in, Tout* out, std::int64_t b, std::int64_t e) {
+/// `stream` (S == Tout only), stores bypass the cache (out 64-byte aligned; the caller
+/// fences): a loop-invariant branch per batch rather than a loop of its own.
+template <class S, class Tout, bool Contig, class Ev>
+LAZY_KERNEL_LOOP void eval_range(const Ev& ev_in, Tout* out, std::int64_t b, std::int64_t e,
+                                 bool stream) {
   // A local copy: stores through `out` may alias anything, which would otherwise force a
   // reload of every leaf pointer from *ev_in after each store.
   const Ev ev = ev_in;
+  out -= b;
   if constexpr (Ev::simd) {
     constexpr std::int64_t W = batch_t<S>::size;
     std::int64_t i = b;
     for (; i + W <= e; i += W) {
-      if constexpr (Stream) stream_store<S>(out + i, ev.template packet<Contig>(i));
-      else store_lane<Tout, S>(out + i, ev.template packet<Contig>(i));
+      const batch_t<S> v = ev.template packet<Contig>(i);
+      if constexpr (std::is_same_v<S, Tout>) {
+        if (stream)
+          stream_store<S>(out + i, v);
+        else
+          store_lane<Tout, S>(out + i, v);
+      } else {
+        store_lane<Tout, S>(out + i, v);
+      }
     }
     if (i < e) store_partial<Tout, S>(out + i, ev.template packet<Contig>(i), e - i);
   } else {
@@ -5087,7 +5187,7 @@ LAZY_KERNEL_LOOP void eval_rows(Ev& ev, const Layout& L, Tout* out, std::int64_t
   RowCursor row(L, r0);
   for (std::int64_t r = r0; r < r1; ++r, row.next()) {
     ev.seek(row.offsets());
-    eval_range<S, Tout, false, false>(ev, out + r * inner, 0, inner);
+    eval_range<S, Tout, false>(ev, out + r * inner, 0, inner, false);
   }
 }
 
@@ -5110,13 +5210,13 @@ template <class S, Element T>
 struct DualEval<S, KLeaf<T>> {
   Eval<S, KLeaf<T>> e;
   bool active;
-  DualEval(const KLeaf<T>& k, const void* const* ptrs, const char* splats, int target)
-      : e(k, ptrs, splats), active(k.slot == target) {}
+  DualEval(const KLeaf<T>& k, const EvalInputs& in, int target)
+      : e(k, in), active(k.slot == target) {}
   void seek(const std::int64_t* offsets) { e.seek(offsets); }
   Dual<S> coeff(std::int64_t i) const { return {e.coeff(i), S(active ? 1 : 0)}; }
-  template <bool C>
+  template <bool Contig>
   Dual<batch_t<S>> packet(std::int64_t i) const {
-    return {e.template packet<C>(i), batch_t<S>(S(active ? 1 : 0))};
+    return {e.template packet<Contig>(i), batch_t<S>(S(active ? 1 : 0))};
   }
 };
 
@@ -5124,12 +5224,12 @@ template <class S, Element T>
 struct DualEval<S, Scalar<T>> {
   Eval<S, Scalar<T>> e;
   static constexpr bool active = false;
-  DualEval(const Scalar<T>& k, const void* const* ptrs, const char* splats, int) : e(k, ptrs, splats) {}
+  DualEval(const Scalar<T>& k, const EvalInputs& in, int) : e(k, in) {}
   void seek(const std::int64_t*) {}
   Dual<S> coeff(std::int64_t i) const { return {e.coeff(i), S(0)}; }
-  template <bool C>
+  template <bool Contig>
   Dual<batch_t<S>> packet(std::int64_t i) const {
-    return {e.template packet<C>(i), batch_t<S>(S(0))};
+    return {e.template packet<Contig>(i), batch_t<S>(S(0))};
   }
 };
 
@@ -5142,8 +5242,8 @@ struct DualEval<S, KExpr<Op, C0>> {
   DualEval<S, C0> c0;
   bool active;
 
-  DualEval(const KExpr<Op, C0>& k, const void* const* ptrs, const char* splats, int target)
-      : c0(std::get<0>(k.children), ptrs, splats, target), active(c0.active) {}
+  DualEval(const KExpr<Op, C0>& k, const EvalInputs& in, int target)
+      : c0(std::get<0>(k.children), in, target), active(c0.active) {}
   void seek(const std::int64_t* offsets) { c0.seek(offsets); }
   Dual<S> coeff(std::int64_t i) const { return combine(c0.coeff(i)); }
   template <bool Contig>
@@ -5167,8 +5267,9 @@ struct DualEval<S, KExpr<Op, C0, C1>> {
   DualEval<S, C1> c1;
   bool active;
 
-  DualEval(const KExpr<Op, C0, C1>& k, const void* const* ptrs, const char* splats, int target)
-      : c0(std::get<0>(k.children), ptrs, splats, target), c1(std::get<1>(k.children), ptrs, splats, target),
+  DualEval(const KExpr<Op, C0, C1>& k, const EvalInputs& in, int target)
+      : c0(std::get<0>(k.children), in, target),
+        c1(std::get<1>(k.children), in, target),
         active(c0.active || c1.active) {}
   void seek(const std::int64_t* offsets) {
     c0.seek(offsets);
@@ -5200,9 +5301,11 @@ struct DualEval<S, KExpr<Op, C0, C1, C2>> {
   DualEval<S, C2> c2;
   bool active;
 
-  DualEval(const KExpr<Op, C0, C1, C2>& k, const void* const* ptrs, const char* splats, int target)
-      : c0(std::get<0>(k.children), ptrs, splats, target), c1(std::get<1>(k.children), ptrs, splats, target),
-        c2(std::get<2>(k.children), ptrs, splats, target), active(c0.active || c1.active || c2.active) {}
+  DualEval(const KExpr<Op, C0, C1, C2>& k, const EvalInputs& in, int target)
+      : c0(std::get<0>(k.children), in, target),
+        c1(std::get<1>(k.children), in, target),
+        c2(std::get<2>(k.children), in, target),
+        active(c0.active || c1.active || c2.active) {}
   void seek(const std::int64_t* offsets) {
     c0.seek(offsets);
     c1.seek(offsets);
@@ -5247,21 +5350,24 @@ struct klane<KGrad<K, Tg>> {
   using type = typename KGrad<K, Tg>::lane;
 };
 
+template <class K, Element Tg>
+struct kernel_leaves<KGrad<K, Tg>>
+    : std::integral_constant<std::size_t, kernel_leaves<K>::value + 1> {};
+
 template <class S, class K, Element Tg>
 struct Eval<S, KGrad<K, Tg>> {
   static constexpr bool simd = simd_lane_v<S>;
   DualEval<S, K> f;
   Eval<S, KLeaf<Tg>> g;
-  Eval(const KGrad<K, Tg>& k, const void* const* ptrs, const char* splats)
-      : f(k.fwd, ptrs, splats, k.target), g(k.grad, ptrs, splats) {}
+  Eval(const KGrad<K, Tg>& k, const EvalInputs& in) : f(k.fwd, in, k.target), g(k.grad, in) {}
   void seek(const std::int64_t* offsets) {
     f.seek(offsets);
     g.seek(offsets);
   }
   S coeff(std::int64_t i) const { return g.coeff(i) * f.coeff(i).t; }
-  template <bool C>
+  template <bool Contig>
   batch_t<S> packet(std::int64_t i) const {
-    return g.template packet<C>(i) * f.template packet<C>(i).t;
+    return g.template packet<Contig>(i) * f.template packet<Contig>(i).t;
   }
 };
 
@@ -5375,10 +5481,9 @@ class KernelRef {
   const ElementwiseKernel* k_;
 };
 
-/// The loops of kernel-form expression K writing Tout. `Lean`: one loop form only, the
-/// general one (any input may be a single element), which flat ranges run directly and rows
-/// step through: for expressions only a rare path writes out (ops/reduction.hpp), a quarter
-/// of the loop code and no streaming stores.
+/// The loops of kernel-form expression K writing Tout: expr::eval_range in two forms, for
+/// flat ranges without splat inputs and for the rest (splat inputs, rows). `Lean`: the
+/// general form only, for expressions only a rare path writes out (ops/reduction.hpp).
 template <class K, Element Tout, bool Lean = false>
 class CompiledKernel final : public ElementwiseKernel {
  public:
@@ -5389,26 +5494,21 @@ class CompiledKernel final : public ElementwiseKernel {
 
   void flat(const void* const* in, const char* splat, void* out_v, std::int64_t b, std::int64_t e, bool contig,
             bool stream) const override {
-    Tout* out = static_cast<Tout*>(out_v);
-    Ev ev(k_, in, splat);
-    if constexpr (Lean) {
-      (void)contig;
-      (void)stream;  // (can_stream is false)
-      expr::eval_range<S, Tout, false, false>(ev, out, b, e);
-    } else {
-      if constexpr (Ev::simd && std::is_same_v<S, Tout>) {
-        if (stream) {
-          expr::eval_range<S, Tout, true, true>(ev, out, b, e);
-          return;
-        }
+    Tout* out = static_cast<Tout*>(out_v) + b;
+    expr::SplatRoom<K> room;
+    const Ev ev(k_, expr::EvalInputs{in, splat, room.bytes});
+    if constexpr (!Lean) {
+      if (contig) {
+        expr::eval_range<S, Tout, true>(ev, out, b, e, stream);
+        return;
       }
-      if (contig) expr::eval_range<S, Tout, true, false>(ev, out, b, e);
-      else expr::eval_range<S, Tout, false, false>(ev, out, b, e);
     }
+    expr::eval_range<S, Tout, false>(ev, out, b, e, can_stream && stream);
   }
   void rows(const void* const* in, const expr::Layout& layout, void* out, std::int64_t r0,
             std::int64_t r1) const override {
-    Ev ev(k_, in, layout.splat.data());
+    expr::SplatRoom<K> room;
+    Ev ev(k_, expr::EvalInputs{in, layout.splat.data(), room.bytes});
     expr::eval_rows<S, Tout>(ev, layout, static_cast<Tout*>(out), r0, r1);
   }
   std::string text() const override { return expr::kernel_text(k_); }
@@ -7231,16 +7331,16 @@ namespace detail {
 
 /// A batch of the child's values at [i, i + W) with the lanes from `count` on replaced by
 /// the reduction's identity (the tail of a span; the read stays inside the padding).
-template <class R, class S, bool C, class Ev>
+template <class R, class S, class Ev>
 inline expr::batch_t<S> masked_packet(const Ev& ev, std::int64_t i, std::int64_t count) {
   using V = expr::batch_t<S>;
   alignas(64) S tmp[V::size];
-  ev.template packet<C>(i).store_aligned(tmp);
+  ev.template packet<false>(i).store_aligned(tmp);
   for (std::int64_t k = count; k < static_cast<std::int64_t>(V::size); ++k) tmp[k] = R::template identity<S>();
   return V::load_aligned(tmp);
 }
 
-template <class R, class S, bool C, class Ev>
+template <class R, class S, class Ev>
 LAZY_KERNEL_LOOP S reduce_span(const Ev& ev, std::int64_t b, std::int64_t len) {
   const std::int64_t e = b + len;
   std::int64_t i = b;
@@ -7249,13 +7349,13 @@ LAZY_KERNEL_LOOP S reduce_span(const Ev& ev, std::int64_t b, std::int64_t len) {
     constexpr std::int64_t W = V::size;
     V a0 = R::template identity<V>(), a1 = a0, a2 = a0, a3 = a0;
     for (; i + 4 * W <= e; i += 4 * W) {
-      a0 = R::combine(a0, ev.template packet<C>(i));
-      a1 = R::combine(a1, ev.template packet<C>(i + W));
-      a2 = R::combine(a2, ev.template packet<C>(i + 2 * W));
-      a3 = R::combine(a3, ev.template packet<C>(i + 3 * W));
+      a0 = R::combine(a0, ev.template packet<false>(i));
+      a1 = R::combine(a1, ev.template packet<false>(i + W));
+      a2 = R::combine(a2, ev.template packet<false>(i + 2 * W));
+      a3 = R::combine(a3, ev.template packet<false>(i + 3 * W));
     }
     // At most four more batches, the last one partial: one masked body serves them all.
-    for (; i < e; i += W) a0 = R::combine(a0, masked_packet<R, S, C>(ev, i, std::min(W, e - i)));
+    for (; i < e; i += W) a0 = R::combine(a0, masked_packet<R, S>(ev, i, std::min(W, e - i)));
     return R::template horizontal<S>(R::combine(R::combine(a0, a1), R::combine(a2, a3)));
   } else {
     S a[4] = {R::template identity<S>(), R::template identity<S>(), R::template identity<S>(),
@@ -7293,14 +7393,14 @@ using InputPointers = core::SmallVector<const void*, 8>;
 core::SmallVector<char, 8> splat_flags(const std::vector<NodePtr>& inputs,
                                               std::int64_t child_numel);
 
-template <class R, class S, bool C, class Ev>
+template <class R, class S, class Ev>
 S reduce_range(const Ev& ev, std::int64_t b, std::int64_t len) {
-  if (len <= kReduceBlock) return reduce_span<R, S, C>(ev, b, len);
+  if (len <= kReduceBlock) return reduce_span<R, S>(ev, b, len);
   Partials<S> partial;
   partial.resize(static_cast<std::size_t>((len + kReduceBlock - 1) / kReduceBlock));
   for (std::size_t j = 0; j < partial.size(); ++j) {
     const std::int64_t o = static_cast<std::int64_t>(j) * kReduceBlock;
-    partial[j] = reduce_span<R, S, C>(ev, b + o, std::min(kReduceBlock, len - o));
+    partial[j] = reduce_span<R, S>(ev, b + o, std::min(kReduceBlock, len - o));
   }
   return pairwise<R>(partial.data(), partial.size());
 }
@@ -7325,9 +7425,8 @@ class BlockReduction {
 
 /// The loops of one reduction (R, lane S, result Tout) of one kernel-form expression, behind
 /// a virtual face: only these loops are compiled per expression, while the node that runs
-/// them (ReductionNode: threads, partials, plans, SPMD blocks) is compiled once. Each loop
-/// takes `contig` (no input is a single element broadcast over the child) and picks the
-/// kernel compiled for it.
+/// them (ReductionNode: threads, partials, plans, SPMD blocks) is compiled once. `splat`
+/// flags the inputs that are single elements broadcast over the child.
 class ReduceKernel {
  public:
   virtual ~ReduceKernel() = default;
@@ -7343,17 +7442,17 @@ class ReduceKernel {
   virtual std::size_t partial_bytes() const = 0;
   /// Partials of blocks [b0, b1) of kReduceBlock elements of a span of `len` elements
   /// starting at element 0, into `partials` (indexed by block).
-  virtual void blocks(const void* const* in, const char* splat, bool contig, std::int64_t b0, std::int64_t b1,
+  virtual void blocks(const void* const* in, const char* splat, std::int64_t b0, std::int64_t b1,
                       std::int64_t len, void* partials) const = 0;
   /// Combines `count` partials pairwise (overwriting them) and writes the finished value
   /// (times `scale`, as Tout) to `out`.
   virtual void finish(void* partials, std::int64_t count, double scale, void* out) const = 0;
   /// Rows [o0, o1) of a child reduced over contiguous runs of `extent` (inner == 1).
-  virtual void rows(const void* const* in, const char* splat, bool contig, std::int64_t o0, std::int64_t o1,
+  virtual void rows(const void* const* in, const char* splat, std::int64_t o0, std::int64_t o1,
                     std::int64_t extent, double scale, void* out) const = 0;
   /// Units [u0, u1) of a child reduced across rows (inner > 1): a unit is one outer index
   /// and kReduceColumns columns.
-  virtual void columns(const void* const* in, const char* splat, bool contig, std::int64_t u0, std::int64_t u1,
+  virtual void columns(const void* const* in, const char* splat, std::int64_t u0, std::int64_t u1,
                        ReduceGeometry g, double scale, void* out) const = 0;
 };
 
@@ -7380,33 +7479,33 @@ class ReduceLoops final : public ReduceKernel {
   }
   std::size_t partial_bytes() const override { return sizeof(S); }
 
-  void blocks(const void* const* in, const char* splat, bool contig, std::int64_t b0, std::int64_t b1,
+  void blocks(const void* const* in, const char* splat, std::int64_t b0, std::int64_t b1,
               std::int64_t len, void* partials) const override {
-    const Ev ev(k_, in, splat);
+    expr::SplatRoom<K> room;
+    const Ev ev(k_, expr::EvalInputs{in, splat, room.bytes});
     S* p = static_cast<S*>(partials);
     for (std::int64_t b = b0; b < b1; ++b) {
-      const std::int64_t s = b * kReduceBlock, n = std::min(kReduceBlock, len - s);
-      p[b] = contig ? detail::reduce_span<R, S, true>(ev, s, n) : detail::reduce_span<R, S, false>(ev, s, n);
+      const std::int64_t s = b * kReduceBlock;
+      p[b] = detail::reduce_span<R, S>(ev, s, std::min(kReduceBlock, len - s));
     }
   }
   void finish(void* partials, std::int64_t count, double scale, void* out) const override {
     *static_cast<Tout*>(out) =
         finish_value(detail::pairwise<R>(static_cast<S*>(partials), static_cast<std::size_t>(count)), scale);
   }
-  void rows(const void* const* in, const char* splat, bool contig, std::int64_t o0, std::int64_t o1,
+  void rows(const void* const* in, const char* splat, std::int64_t o0, std::int64_t o1,
             std::int64_t extent, double scale, void* out) const override {
-    const Ev ev(k_, in, splat);
+    expr::SplatRoom<K> room;
+    const Ev ev(k_, expr::EvalInputs{in, splat, room.bytes});
     Tout* o = static_cast<Tout*>(out);
     for (std::int64_t r = o0; r < o1; ++r)
-      o[r] = finish_value(contig ? detail::reduce_range<R, S, true>(ev, r * extent, extent)
-                                 : detail::reduce_range<R, S, false>(ev, r * extent, extent),
-                          scale);
+      o[r] = finish_value(detail::reduce_range<R, S>(ev, r * extent, extent), scale);
   }
-  void columns(const void* const* in, const char* splat, bool contig, std::int64_t u0, std::int64_t u1,
+  void columns(const void* const* in, const char* splat, std::int64_t u0, std::int64_t u1,
                ReduceGeometry g, double scale, void* out) const override {
-    const Ev ev(k_, in, splat);
-    if (contig) column_units<true>(ev, u0, u1, g, scale, static_cast<Tout*>(out));
-    else column_units<false>(ev, u0, u1, g, scale, static_cast<Tout*>(out));
+    expr::SplatRoom<K> room;
+    const Ev ev(k_, expr::EvalInputs{in, splat, room.bytes});
+    column_units(ev, u0, u1, g, scale, static_cast<Tout*>(out));
   }
 
  private:
@@ -7416,7 +7515,6 @@ class ReduceLoops final : public ReduceKernel {
   }
 
   // Reduce across rows: vectorized along the inner dimension, R in order.
-  template <bool C>
   LAZY_KERNEL_LOOP static void column_units(const Ev& ev, std::int64_t u0, std::int64_t u1, ReduceGeometry g,
                                             double scale, Tout* out) {
     const std::int64_t extent = g.extent, inner = g.inner;
@@ -7432,7 +7530,8 @@ class ReduceLoops final : public ReduceKernel {
         constexpr std::int64_t W = V::size;
         for (std::int64_t c = c0; c < c1; c += W) {
           V acc = R::template identity<V>();
-          for (std::int64_t r = 0; r < extent; ++r) acc = R::combine(acc, ev.template packet<C>(base + r * inner + c));
+          for (std::int64_t r = 0; r < extent; ++r)
+            acc = R::combine(acc, ev.template packet<false>(base + r * inner + c));
           alignas(64) S tmp[W];
           acc.store_aligned(tmp);
           for (std::int64_t k = 0; k < std::min(W, c1 - c); ++k) dst[c + k] = finish_value(tmp[k], scale);
@@ -7480,8 +7579,6 @@ class ReductionNode : public Node, public ChunkReduction, public BlockReduction 
   double scale() const { return scale_; }
 
  private:
-  bool contig() const;
-
   const ReduceKernel& kernel_;
   ReduceGeometry g_;
   double scale_;
@@ -7553,7 +7650,9 @@ class ArgReductionNode final : public Node, public BlockReduction {
     const std::int64_t units = g_.outer * g_.inner;
     const std::int64_t tasks = std::min(units, task_count(pool, units * g_.extent, 2.0));
     pool.parallel_for(tasks, [&](std::int64_t t) {
-      expr::Evaluator<S, K> ev(kernel_, ptrs.data(), splat_.data());
+      expr::SplatRoom<K> room;
+      const expr::Evaluator<S, K> ev(kernel_,
+                                     expr::EvalInputs{ptrs.data(), splat_.data(), room.bytes});
       auto [u0, u1] = task_range(units, tasks, t);
       for (std::int64_t u = u0; u < u1; ++u) {
         const std::int64_t o = u / g_.inner, c = u % g_.inner;
@@ -7619,14 +7718,8 @@ LAZYTENSOR_INLINE std::uint64_t ReductionNode::structural_hash() const {
   return hash_combine(h, static_cast<std::uint64_t>(g_.extent));
 }
 
-LAZYTENSOR_INLINE bool ReductionNode::contig() const {
-  for (char s : splat_)
-    if (s) return false;
-  return true;
-}
-
 LAZYTENSOR_INLINE void ReductionNode::reduce_chunk(const void* const* inputs, std::int64_t len, void* partial) const {
-  kernel_.blocks(inputs, splat_.data(), contig(), 0, 1, len, partial);
+  kernel_.blocks(inputs, splat_.data(), 0, 1, len, partial);
 }
 
 LAZYTENSOR_INLINE void ReductionNode::finish_partials(ExecContext& ctx, void* partials, std::int64_t count) {
@@ -7643,7 +7736,6 @@ LAZYTENSOR_INLINE void ReductionNode::compute(ExecContext& ctx) {
   for (std::size_t i = 0; i < ins.size(); ++i) ptrs[i] = ins[i]->buffer()->data();
   auto buf = allocate_output(ctx, false);
   void* out = buf->data();
-  const bool c = contig();
   const ReduceKernel& k = kernel_;
   auto& pool = ctx.device.threads();
   const double cost = cost_per_element();
@@ -7662,21 +7754,21 @@ LAZYTENSOR_INLINE void ReductionNode::compute(ExecContext& ctx) {
     const std::int64_t tasks = std::min(blocks, task_count(pool, total, cost));
     pool.parallel_for(tasks, [&](std::int64_t t) {
       auto [b0, b1] = task_range(blocks, tasks, t);
-      k.blocks(in, splat, c, b0, b1, extent, partial.data());
+      k.blocks(in, splat, b0, b1, extent, partial.data());
     });
     k.finish(partial.data(), blocks, scale_, out);
   } else if (inner == 1) {
     const std::int64_t tasks = std::min(outer, task_count(pool, total, cost));
     pool.parallel_for(tasks, [&](std::int64_t t) {
       auto [o0, o1] = task_range(outer, tasks, t);
-      k.rows(in, splat, c, o0, o1, extent, scale_, out);
+      k.rows(in, splat, o0, o1, extent, scale_, out);
     });
   } else {
     const std::int64_t units = outer * ((inner + kReduceColumns - 1) / kReduceColumns);
     const std::int64_t tasks = std::min(units, task_count(pool, total, cost));
     pool.parallel_for(tasks, [&](std::int64_t t) {
       auto [u0, u1] = task_range(units, tasks, t);
-      k.columns(in, splat, c, u0, u1, g_, scale_, out);
+      k.columns(in, splat, u0, u1, g_, scale_, out);
     });
   }
   set_buffer(std::move(buf));

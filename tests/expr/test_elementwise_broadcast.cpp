@@ -83,6 +83,45 @@ TYPED_TEST(ElementwiseBroadcast, BroadcastUnaryOfBroadcastExpression) {
     }
 }
 
+TYPED_TEST(ElementwiseBroadcast, SingleElementInputsOnRowsAndFlatPaths) {
+  // Kernels read a single element for every index through a batch of its copies: on the
+  // rows path a column [R, 1], read twice in one kernel (one input slot), is copied anew
+  // for each row; on the flat path a one-element tensor, also read twice. Row lengths
+  // around the SIMD batch width.
+  using T = TypeParam;
+  const auto vs = gen<T>(1, kCoarse, 5);
+  const auto s = make<T>(vs, {1});
+  for (std::int64_t cols : {1, 7, 15, 16, 17, 33}) {
+    const std::int64_t rows = 6;
+    const auto vc = gen<T>(rows, kCoarse, 6 + static_cast<std::uint64_t>(cols));
+    const auto va = gen<T>(rows * cols, kCoarse, 7 + static_cast<std::uint64_t>(cols));
+    const auto col = make<T>(vc, {rows, 1});
+    const auto a = make<T>(va, {rows, cols});
+    using R = typename decltype(lazy::maximum(col, a) * col + s)::value_type;
+    using RL = RefLane<T, R>;
+    Tensor<R> by_rows = lazy::maximum(col, a) * col + s;
+    Tensor<R> by_flat = lazy::maximum(a, s) * s + a;
+    ASSERT_EQ(by_rows.shape(), (Shape{rows, cols}));
+    const auto gr = by_rows.to_vector(), gf = by_flat.to_vector();
+    const auto z = RL::in(vs[0]);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      for (std::int64_t c = 0; c < cols; ++c) {
+        const std::int64_t i = r * cols + c;
+        const auto x = RL::in(vc[static_cast<std::size_t>(r)]),
+                   y = RL::in(va[static_cast<std::size_t>(i)]);
+        const R want_rows = to_result<R>((x < y ? y : x) * x + z);
+        const R want_flat = to_result<R>((y < z ? z : y) * z + y);
+        EXPECT_TRUE(close<R>(gr[static_cast<std::size_t>(i)], want_rows,
+                             static_cast<double>(want_rows), kExact))
+            << "rows path, cols " << cols << " at " << r << "," << c;
+        EXPECT_TRUE(close<R>(gf[static_cast<std::size_t>(i)], want_flat,
+                             static_cast<double>(want_flat), kExact))
+            << "flat path, cols " << cols << " at " << r << "," << c;
+      }
+    }
+  }
+}
+
 // ---- shape errors ---------------------------------------------------------------------
 
 template <class Op>

@@ -32,13 +32,13 @@ template <class S, Element T>
 struct DualEval<S, KLeaf<T>> {
   Eval<S, KLeaf<T>> e;
   bool active;
-  DualEval(const KLeaf<T>& k, const void* const* ptrs, const char* splats, int target)
-      : e(k, ptrs, splats), active(k.slot == target) {}
+  DualEval(const KLeaf<T>& k, const EvalInputs& in, int target)
+      : e(k, in), active(k.slot == target) {}
   void seek(const std::int64_t* offsets) { e.seek(offsets); }
   Dual<S> coeff(std::int64_t i) const { return {e.coeff(i), S(active ? 1 : 0)}; }
-  template <bool C>
+  template <bool Contig>
   Dual<batch_t<S>> packet(std::int64_t i) const {
-    return {e.template packet<C>(i), batch_t<S>(S(active ? 1 : 0))};
+    return {e.template packet<Contig>(i), batch_t<S>(S(active ? 1 : 0))};
   }
 };
 
@@ -46,12 +46,12 @@ template <class S, Element T>
 struct DualEval<S, Scalar<T>> {
   Eval<S, Scalar<T>> e;
   static constexpr bool active = false;
-  DualEval(const Scalar<T>& k, const void* const* ptrs, const char* splats, int) : e(k, ptrs, splats) {}
+  DualEval(const Scalar<T>& k, const EvalInputs& in, int) : e(k, in) {}
   void seek(const std::int64_t*) {}
   Dual<S> coeff(std::int64_t i) const { return {e.coeff(i), S(0)}; }
-  template <bool C>
+  template <bool Contig>
   Dual<batch_t<S>> packet(std::int64_t i) const {
-    return {e.template packet<C>(i), batch_t<S>(S(0))};
+    return {e.template packet<Contig>(i), batch_t<S>(S(0))};
   }
 };
 
@@ -64,8 +64,8 @@ struct DualEval<S, KExpr<Op, C0>> {
   DualEval<S, C0> c0;
   bool active;
 
-  DualEval(const KExpr<Op, C0>& k, const void* const* ptrs, const char* splats, int target)
-      : c0(std::get<0>(k.children), ptrs, splats, target), active(c0.active) {}
+  DualEval(const KExpr<Op, C0>& k, const EvalInputs& in, int target)
+      : c0(std::get<0>(k.children), in, target), active(c0.active) {}
   void seek(const std::int64_t* offsets) { c0.seek(offsets); }
   Dual<S> coeff(std::int64_t i) const { return combine(c0.coeff(i)); }
   template <bool Contig>
@@ -89,8 +89,9 @@ struct DualEval<S, KExpr<Op, C0, C1>> {
   DualEval<S, C1> c1;
   bool active;
 
-  DualEval(const KExpr<Op, C0, C1>& k, const void* const* ptrs, const char* splats, int target)
-      : c0(std::get<0>(k.children), ptrs, splats, target), c1(std::get<1>(k.children), ptrs, splats, target),
+  DualEval(const KExpr<Op, C0, C1>& k, const EvalInputs& in, int target)
+      : c0(std::get<0>(k.children), in, target),
+        c1(std::get<1>(k.children), in, target),
         active(c0.active || c1.active) {}
   void seek(const std::int64_t* offsets) {
     c0.seek(offsets);
@@ -122,9 +123,11 @@ struct DualEval<S, KExpr<Op, C0, C1, C2>> {
   DualEval<S, C2> c2;
   bool active;
 
-  DualEval(const KExpr<Op, C0, C1, C2>& k, const void* const* ptrs, const char* splats, int target)
-      : c0(std::get<0>(k.children), ptrs, splats, target), c1(std::get<1>(k.children), ptrs, splats, target),
-        c2(std::get<2>(k.children), ptrs, splats, target), active(c0.active || c1.active || c2.active) {}
+  DualEval(const KExpr<Op, C0, C1, C2>& k, const EvalInputs& in, int target)
+      : c0(std::get<0>(k.children), in, target),
+        c1(std::get<1>(k.children), in, target),
+        c2(std::get<2>(k.children), in, target),
+        active(c0.active || c1.active || c2.active) {}
   void seek(const std::int64_t* offsets) {
     c0.seek(offsets);
     c1.seek(offsets);
@@ -169,21 +172,24 @@ struct klane<KGrad<K, Tg>> {
   using type = typename KGrad<K, Tg>::lane;
 };
 
+template <class K, Element Tg>
+struct kernel_leaves<KGrad<K, Tg>>
+    : std::integral_constant<std::size_t, kernel_leaves<K>::value + 1> {};
+
 template <class S, class K, Element Tg>
 struct Eval<S, KGrad<K, Tg>> {
   static constexpr bool simd = simd_lane_v<S>;
   DualEval<S, K> f;
   Eval<S, KLeaf<Tg>> g;
-  Eval(const KGrad<K, Tg>& k, const void* const* ptrs, const char* splats)
-      : f(k.fwd, ptrs, splats, k.target), g(k.grad, ptrs, splats) {}
+  Eval(const KGrad<K, Tg>& k, const EvalInputs& in) : f(k.fwd, in, k.target), g(k.grad, in) {}
   void seek(const std::int64_t* offsets) {
     f.seek(offsets);
     g.seek(offsets);
   }
   S coeff(std::int64_t i) const { return g.coeff(i) * f.coeff(i).t; }
-  template <bool C>
+  template <bool Contig>
   batch_t<S> packet(std::int64_t i) const {
-    return g.template packet<C>(i) * f.template packet<C>(i).t;
+    return g.template packet<Contig>(i) * f.template packet<Contig>(i).t;
   }
 };
 

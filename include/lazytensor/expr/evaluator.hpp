@@ -63,31 +63,119 @@ inline void store_lane(T* p, const batch_t<S>& b) {
   }
 }
 
+/// Bytes a single-element input's broadcast copies take: one batch of its storage type
+/// (at most 16 lanes of 8 bytes).
+inline constexpr std::size_t kSplatBytes = 128;
+
+/// What an evaluator reads: per input slot, the data pointer and whether it is a single
+/// element broadcast over the range (splat); `room` holds kSplatBytes per slot for the
+/// broadcast copies of splat inputs (SplatRoom).
+struct EvalInputs {
+  const void* const* ptrs;
+  const char* splats;
+  std::byte* room;
+};
+
+/// Leaves of kernel form K: an upper bound on its input slots, which are numbered densely
+/// by first use (to_kernel).
+template <class K>
+struct kernel_leaves : std::integral_constant<std::size_t, 0> {};
+template <Element T>
+struct kernel_leaves<KLeaf<T>> : std::integral_constant<std::size_t, 1> {};
+template <class Op, class... C>
+struct kernel_leaves<KExpr<Op, C...>>
+    : std::integral_constant<std::size_t, (std::size_t{0} + ... + kernel_leaves<C>::value)> {};
+
+/// Stack room for the broadcast copies of kernel K's splat inputs, kSplatBytes per slot.
+/// Left uninitialized: only the blocks of splat inputs are written, by their leaves.
+template <class K>
+struct SplatRoom {
+  static constexpr std::size_t kSlots = kernel_leaves<K>::value ? kernel_leaves<K>::value : 1;
+  alignas(64) std::byte bytes[kSlots * kSplatBytes];
+};
+
+/// Fills a kSplatBytes block (64-byte aligned) with copies of the `size`-byte element at
+/// `element`. Whole-batch stores, which the batch loads that follow read back forwarded
+/// (narrower stores cannot forward to a wider load: a stall on every row of the rows
+/// path). Not a template and not inlined: the leaves of integer, bool and bfloat16 inputs
+/// call it.
+[[gnu::noinline]] inline void fill_splat(void* block, const void* element, std::size_t size) {
+  if (size == 8) {
+    std::uint64_t v;
+    std::memcpy(&v, element, 8);
+    using B = xsimd::batch<std::uint64_t>;
+    for (std::size_t k = 0; k < kSplatBytes / 8; k += B::size)
+      B(v).store_aligned(static_cast<std::uint64_t*>(block) + k);
+    return;
+  }
+  std::uint32_t v = 0;
+  std::memcpy(&v, element, size);
+  if (size == 1)
+    v *= 0x01010101u;
+  else if (size == 2)
+    v |= v << 16;
+  using B = xsimd::batch<std::uint32_t>;
+  for (std::size_t k = 0; k < kSplatBytes / 4; k += B::size)
+    B(v).store_aligned(static_cast<std::uint32_t*>(block) + k);
+}
+
 template <class S, class K>
 struct Eval;
 
+/// A leaf reads element i at ptr[i * step]. A splat input points at a batch of copies of
+/// its element with step 0, so a loop serves both kinds of input without a branch per
+/// leaf; the step is loop-invariant, so compilers bump one pointer per leaf and batch. A
+/// loop that knows every input is contiguous reads ptr[i] instead (packet<true>), one
+/// index for all leaves, for the flat loop of the common case.
 template <class S, Element T>
 struct Eval<S, KLeaf<T>> {
   static constexpr bool simd = simd_lane_v<S>;
+  static_assert((simd ? batch_t<S>::size : 1) * sizeof(T) <= kSplatBytes,
+                "a batch of copies must fit in kSplatBytes");
   const T* base;
   const T* ptr;
-  bool splat;
+  T* copies;  ///< this slot's block of the room (used when the input is a splat)
+  std::int64_t step;
   int slot;
 
-  Eval(const KLeaf<T>& k, const void* const* ptrs, const char* splats)
-      : base(static_cast<const T*>(ptrs[k.slot])), ptr(base), splat(splats[k.slot] != 0), slot(k.slot) {}
-  void seek(const std::int64_t* offsets) { ptr = base + offsets[slot]; }
-  S coeff(std::int64_t i) const { return static_cast<S>(static_cast<compute_t<T>>(ptr[splat ? 0 : i])); }
+  Eval(const KLeaf<T>& k, const EvalInputs& in)
+      : base(static_cast<const T*>(in.ptrs[k.slot])),
+        ptr(base),
+        copies(reinterpret_cast<T*>(in.room + static_cast<std::size_t>(k.slot) * kSplatBytes)),
+        step(in.splats[k.slot] ? 0 : 1),
+        slot(k.slot) {
+    if (!step) broadcast(base);
+  }
+  /// Moves to a row (offsets per slot); a splat input's copies take the row's element.
+  void seek(const std::int64_t* offsets) {
+    ptr = base + offsets[slot];
+    if (!step) broadcast(ptr);
+  }
+  S coeff(std::int64_t i) const { return static_cast<S>(static_cast<compute_t<T>>(ptr[i * step])); }
+  /// `Contig`: the caller knows no input is a splat (step 1), which saves the compiler a
+  /// pointer per leaf.
   template <bool Contig>
   batch_t<S> packet(std::int64_t i) const {
-    if (!Contig && splat) return batch_t<S>(static_cast<S>(static_cast<compute_t<T>>(ptr[0])));
+    const T* p = Contig ? ptr + i : ptr + i * step;
     if constexpr (std::is_same_v<T, bfloat16>) {
       alignas(64) S tmp[batch_t<S>::size];
-      for (std::size_t k = 0; k < batch_t<S>::size; ++k) tmp[k] = static_cast<S>(float(ptr[i + k]));
+      for (std::size_t k = 0; k < batch_t<S>::size; ++k) tmp[k] = static_cast<S>(float(p[k]));
       return batch_t<S>::load_aligned(tmp);
     } else {
-      return load_lane<S>(ptr + i);
+      return load_lane<S>(p);
     }
+  }
+
+ private:
+  void broadcast(const T* element) {
+    if constexpr (simd_lane_v<T>) {
+      // Inline whole-batch stores: the rows path refills every row.
+      for (std::size_t k = 0; k < kSplatBytes / sizeof(T); k += batch_t<T>::size)
+        batch_t<T>(*element).store_aligned(copies + k);
+    } else {
+      fill_splat(copies, element, sizeof(T));
+    }
+    ptr = copies;
   }
 };
 
@@ -95,7 +183,8 @@ template <class S, Element T>
 struct Eval<S, Scalar<T>> {
   static constexpr bool simd = simd_lane_v<S>;
   S value;
-  Eval(const Scalar<T>& s, const void* const*, const char*) : value(static_cast<S>(static_cast<compute_t<T>>(s.value))) {}
+  Eval(const Scalar<T>& s, const EvalInputs&)
+      : value(static_cast<S>(static_cast<compute_t<T>>(s.value))) {}
   void seek(const std::int64_t*) {}
   S coeff(std::int64_t) const { return value; }
   template <bool Contig>
@@ -114,7 +203,7 @@ struct Eval<S, KExpr<Op, C0>> {
   static constexpr bool simd = simd_lane_v<S>;
   Eval<S, C0> c0;
 
-  Eval(const KExpr<Op, C0>& k, const void* const* ptrs, const char* splats) : c0(std::get<0>(k.children), ptrs, splats) {}
+  Eval(const KExpr<Op, C0>& k, const EvalInputs& in) : c0(std::get<0>(k.children), in) {}
   void seek(const std::int64_t* offsets) { c0.seek(offsets); }
   S coeff(std::int64_t i) const { return Op::apply(c0.coeff(i)); }
   template <bool Contig>
@@ -129,8 +218,8 @@ struct Eval<S, KExpr<Op, C0, C1>> {
   Eval<S, C0> c0;
   Eval<S, C1> c1;
 
-  Eval(const KExpr<Op, C0, C1>& k, const void* const* ptrs, const char* splats)
-      : c0(std::get<0>(k.children), ptrs, splats), c1(std::get<1>(k.children), ptrs, splats) {}
+  Eval(const KExpr<Op, C0, C1>& k, const EvalInputs& in)
+      : c0(std::get<0>(k.children), in), c1(std::get<1>(k.children), in) {}
   void seek(const std::int64_t* offsets) {
     c0.seek(offsets);
     c1.seek(offsets);
@@ -149,9 +238,10 @@ struct Eval<S, KExpr<Op, C0, C1, C2>> {
   Eval<S, C1> c1;
   Eval<S, C2> c2;
 
-  Eval(const KExpr<Op, C0, C1, C2>& k, const void* const* ptrs, const char* splats)
-      : c0(std::get<0>(k.children), ptrs, splats), c1(std::get<1>(k.children), ptrs, splats),
-        c2(std::get<2>(k.children), ptrs, splats) {}
+  Eval(const KExpr<Op, C0, C1, C2>& k, const EvalInputs& in)
+      : c0(std::get<0>(k.children), in),
+        c1(std::get<1>(k.children), in),
+        c2(std::get<2>(k.children), in) {}
   void seek(const std::int64_t* offsets) {
     c0.seek(offsets);
     c1.seek(offsets);
@@ -241,9 +331,9 @@ struct ExactEval<S, KExpr<Op, C...>> {
   using V = typename KExpr<Op, C...>::value_type;
   std::tuple<ExactEval<S, C>...> children;
 
-  ExactEval(const KExpr<Op, C...>& k, const void* const* ptrs, const char* splats)
+  ExactEval(const KExpr<Op, C...>& k, const EvalInputs& in)
       : children(detail::unpack(k.children, [&](const auto&... ch) {
-          return std::tuple<ExactEval<S, C>...>{ExactEval<S, C>(ch, ptrs, splats)...};
+          return std::tuple<ExactEval<S, C>...>{ExactEval<S, C>(ch, in)...};
         })) {}
   void seek(const std::int64_t* offsets) {
     detail::unpack(children, [&](auto&... ch) { (ch.seek(offsets), ...); });
@@ -283,7 +373,7 @@ template <class S, class K>
 struct ExactRoot {
   static constexpr bool simd = false;
   ExactEval<S, K> ev;
-  ExactRoot(const K& k, const void* const* ptrs, const char* splats) : ev(k, ptrs, splats) {}
+  ExactRoot(const K& k, const EvalInputs& in) : ev(k, in) {}
   void seek(const std::int64_t* offsets) { ev.seek(offsets); }
   S coeff(std::int64_t i) const { return static_cast<S>(ev.coeff(i)); }
 };
@@ -370,22 +460,32 @@ inline void store_partial(Tout* p, const batch_t<S>& b, std::int64_t count) {
   for (std::int64_t k = 0; k < count; ++k) p[k] = to_storage<Tout>(tmp[k]);
 }
 
-/// Evaluates elements [b, e) of a kernel into `out` (indices relative to the evaluator's
-/// leaf positions). `Contig`: no leaf is a splatted single element. The tail is one whole
+/// Evaluates elements [b, e) of a kernel (indices relative to the evaluator's leaf
+/// positions) into out[0, e - b). `Contig`: no input is a splat. The tail is one whole
 /// batch of which only the owned lanes are stored: buffers carry a spare batch of padding,
 /// so the read stays in bounds, and no scalar copy of the expression is compiled. With
-/// `Stream`, stores bypass the cache (out + b batch-aligned; the caller fences).
-template <class S, class Tout, bool Contig, bool Stream, class Ev>
-LAZY_KERNEL_LOOP void eval_range(const Ev& ev_in, Tout* out, std::int64_t b, std::int64_t e) {
+/// `stream` (S == Tout only), stores bypass the cache (out 64-byte aligned; the caller
+/// fences): a loop-invariant branch per batch rather than a loop of its own.
+template <class S, class Tout, bool Contig, class Ev>
+LAZY_KERNEL_LOOP void eval_range(const Ev& ev_in, Tout* out, std::int64_t b, std::int64_t e,
+                                 bool stream) {
   // A local copy: stores through `out` may alias anything, which would otherwise force a
   // reload of every leaf pointer from *ev_in after each store.
   const Ev ev = ev_in;
+  out -= b;
   if constexpr (Ev::simd) {
     constexpr std::int64_t W = batch_t<S>::size;
     std::int64_t i = b;
     for (; i + W <= e; i += W) {
-      if constexpr (Stream) stream_store<S>(out + i, ev.template packet<Contig>(i));
-      else store_lane<Tout, S>(out + i, ev.template packet<Contig>(i));
+      const batch_t<S> v = ev.template packet<Contig>(i);
+      if constexpr (std::is_same_v<S, Tout>) {
+        if (stream)
+          stream_store<S>(out + i, v);
+        else
+          store_lane<Tout, S>(out + i, v);
+      } else {
+        store_lane<Tout, S>(out + i, v);
+      }
     }
     if (i < e) store_partial<Tout, S>(out + i, ev.template packet<Contig>(i), e - i);
   } else {
@@ -400,7 +500,7 @@ LAZY_KERNEL_LOOP void eval_rows(Ev& ev, const Layout& L, Tout* out, std::int64_t
   RowCursor row(L, r0);
   for (std::int64_t r = r0; r < r1; ++r, row.next()) {
     ev.seek(row.offsets());
-    eval_range<S, Tout, false, false>(ev, out + r * inner, 0, inner);
+    eval_range<S, Tout, false>(ev, out + r * inner, 0, inner, false);
   }
 }
 

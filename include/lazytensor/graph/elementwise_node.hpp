@@ -122,10 +122,9 @@ class KernelRef {
   const ElementwiseKernel* k_;
 };
 
-/// The loops of kernel-form expression K writing Tout. `Lean`: one loop form only, the
-/// general one (any input may be a single element), which flat ranges run directly and rows
-/// step through: for expressions only a rare path writes out (ops/reduction.hpp), a quarter
-/// of the loop code and no streaming stores.
+/// The loops of kernel-form expression K writing Tout: expr::eval_range in two forms, for
+/// flat ranges without splat inputs and for the rest (splat inputs, rows). `Lean`: the
+/// general form only, for expressions only a rare path writes out (ops/reduction.hpp).
 template <class K, Element Tout, bool Lean = false>
 class CompiledKernel final : public ElementwiseKernel {
  public:
@@ -136,26 +135,21 @@ class CompiledKernel final : public ElementwiseKernel {
 
   void flat(const void* const* in, const char* splat, void* out_v, std::int64_t b, std::int64_t e, bool contig,
             bool stream) const override {
-    Tout* out = static_cast<Tout*>(out_v);
-    Ev ev(k_, in, splat);
-    if constexpr (Lean) {
-      (void)contig;
-      (void)stream;  // (can_stream is false)
-      expr::eval_range<S, Tout, false, false>(ev, out, b, e);
-    } else {
-      if constexpr (Ev::simd && std::is_same_v<S, Tout>) {
-        if (stream) {
-          expr::eval_range<S, Tout, true, true>(ev, out, b, e);
-          return;
-        }
+    Tout* out = static_cast<Tout*>(out_v) + b;
+    expr::SplatRoom<K> room;
+    const Ev ev(k_, expr::EvalInputs{in, splat, room.bytes});
+    if constexpr (!Lean) {
+      if (contig) {
+        expr::eval_range<S, Tout, true>(ev, out, b, e, stream);
+        return;
       }
-      if (contig) expr::eval_range<S, Tout, true, false>(ev, out, b, e);
-      else expr::eval_range<S, Tout, false, false>(ev, out, b, e);
     }
+    expr::eval_range<S, Tout, false>(ev, out, b, e, can_stream && stream);
   }
   void rows(const void* const* in, const expr::Layout& layout, void* out, std::int64_t r0,
             std::int64_t r1) const override {
-    Ev ev(k_, in, layout.splat.data());
+    expr::SplatRoom<K> room;
+    Ev ev(k_, expr::EvalInputs{in, layout.splat.data(), room.bytes});
     expr::eval_rows<S, Tout>(ev, layout, static_cast<Tout*>(out), r0, r1);
   }
   std::string text() const override { return expr::kernel_text(k_); }

@@ -38,16 +38,16 @@ namespace detail {
 
 /// A batch of the child's values at [i, i + W) with the lanes from `count` on replaced by
 /// the reduction's identity (the tail of a span; the read stays inside the padding).
-template <class R, class S, bool C, class Ev>
+template <class R, class S, class Ev>
 inline expr::batch_t<S> masked_packet(const Ev& ev, std::int64_t i, std::int64_t count) {
   using V = expr::batch_t<S>;
   alignas(64) S tmp[V::size];
-  ev.template packet<C>(i).store_aligned(tmp);
+  ev.template packet<false>(i).store_aligned(tmp);
   for (std::int64_t k = count; k < static_cast<std::int64_t>(V::size); ++k) tmp[k] = R::template identity<S>();
   return V::load_aligned(tmp);
 }
 
-template <class R, class S, bool C, class Ev>
+template <class R, class S, class Ev>
 LAZY_KERNEL_LOOP S reduce_span(const Ev& ev, std::int64_t b, std::int64_t len) {
   const std::int64_t e = b + len;
   std::int64_t i = b;
@@ -56,13 +56,13 @@ LAZY_KERNEL_LOOP S reduce_span(const Ev& ev, std::int64_t b, std::int64_t len) {
     constexpr std::int64_t W = V::size;
     V a0 = R::template identity<V>(), a1 = a0, a2 = a0, a3 = a0;
     for (; i + 4 * W <= e; i += 4 * W) {
-      a0 = R::combine(a0, ev.template packet<C>(i));
-      a1 = R::combine(a1, ev.template packet<C>(i + W));
-      a2 = R::combine(a2, ev.template packet<C>(i + 2 * W));
-      a3 = R::combine(a3, ev.template packet<C>(i + 3 * W));
+      a0 = R::combine(a0, ev.template packet<false>(i));
+      a1 = R::combine(a1, ev.template packet<false>(i + W));
+      a2 = R::combine(a2, ev.template packet<false>(i + 2 * W));
+      a3 = R::combine(a3, ev.template packet<false>(i + 3 * W));
     }
     // At most four more batches, the last one partial: one masked body serves them all.
-    for (; i < e; i += W) a0 = R::combine(a0, masked_packet<R, S, C>(ev, i, std::min(W, e - i)));
+    for (; i < e; i += W) a0 = R::combine(a0, masked_packet<R, S>(ev, i, std::min(W, e - i)));
     return R::template horizontal<S>(R::combine(R::combine(a0, a1), R::combine(a2, a3)));
   } else {
     S a[4] = {R::template identity<S>(), R::template identity<S>(), R::template identity<S>(),
@@ -100,14 +100,14 @@ using InputPointers = core::SmallVector<const void*, 8>;
 core::SmallVector<char, 8> splat_flags(const std::vector<NodePtr>& inputs,
                                               std::int64_t child_numel);
 
-template <class R, class S, bool C, class Ev>
+template <class R, class S, class Ev>
 S reduce_range(const Ev& ev, std::int64_t b, std::int64_t len) {
-  if (len <= kReduceBlock) return reduce_span<R, S, C>(ev, b, len);
+  if (len <= kReduceBlock) return reduce_span<R, S>(ev, b, len);
   Partials<S> partial;
   partial.resize(static_cast<std::size_t>((len + kReduceBlock - 1) / kReduceBlock));
   for (std::size_t j = 0; j < partial.size(); ++j) {
     const std::int64_t o = static_cast<std::int64_t>(j) * kReduceBlock;
-    partial[j] = reduce_span<R, S, C>(ev, b + o, std::min(kReduceBlock, len - o));
+    partial[j] = reduce_span<R, S>(ev, b + o, std::min(kReduceBlock, len - o));
   }
   return pairwise<R>(partial.data(), partial.size());
 }
@@ -132,9 +132,8 @@ class BlockReduction {
 
 /// The loops of one reduction (R, lane S, result Tout) of one kernel-form expression, behind
 /// a virtual face: only these loops are compiled per expression, while the node that runs
-/// them (ReductionNode: threads, partials, plans, SPMD blocks) is compiled once. Each loop
-/// takes `contig` (no input is a single element broadcast over the child) and picks the
-/// kernel compiled for it.
+/// them (ReductionNode: threads, partials, plans, SPMD blocks) is compiled once. `splat`
+/// flags the inputs that are single elements broadcast over the child.
 class ReduceKernel {
  public:
   virtual ~ReduceKernel() = default;
@@ -150,17 +149,17 @@ class ReduceKernel {
   virtual std::size_t partial_bytes() const = 0;
   /// Partials of blocks [b0, b1) of kReduceBlock elements of a span of `len` elements
   /// starting at element 0, into `partials` (indexed by block).
-  virtual void blocks(const void* const* in, const char* splat, bool contig, std::int64_t b0, std::int64_t b1,
+  virtual void blocks(const void* const* in, const char* splat, std::int64_t b0, std::int64_t b1,
                       std::int64_t len, void* partials) const = 0;
   /// Combines `count` partials pairwise (overwriting them) and writes the finished value
   /// (times `scale`, as Tout) to `out`.
   virtual void finish(void* partials, std::int64_t count, double scale, void* out) const = 0;
   /// Rows [o0, o1) of a child reduced over contiguous runs of `extent` (inner == 1).
-  virtual void rows(const void* const* in, const char* splat, bool contig, std::int64_t o0, std::int64_t o1,
+  virtual void rows(const void* const* in, const char* splat, std::int64_t o0, std::int64_t o1,
                     std::int64_t extent, double scale, void* out) const = 0;
   /// Units [u0, u1) of a child reduced across rows (inner > 1): a unit is one outer index
   /// and kReduceColumns columns.
-  virtual void columns(const void* const* in, const char* splat, bool contig, std::int64_t u0, std::int64_t u1,
+  virtual void columns(const void* const* in, const char* splat, std::int64_t u0, std::int64_t u1,
                        ReduceGeometry g, double scale, void* out) const = 0;
 };
 
@@ -187,33 +186,33 @@ class ReduceLoops final : public ReduceKernel {
   }
   std::size_t partial_bytes() const override { return sizeof(S); }
 
-  void blocks(const void* const* in, const char* splat, bool contig, std::int64_t b0, std::int64_t b1,
+  void blocks(const void* const* in, const char* splat, std::int64_t b0, std::int64_t b1,
               std::int64_t len, void* partials) const override {
-    const Ev ev(k_, in, splat);
+    expr::SplatRoom<K> room;
+    const Ev ev(k_, expr::EvalInputs{in, splat, room.bytes});
     S* p = static_cast<S*>(partials);
     for (std::int64_t b = b0; b < b1; ++b) {
-      const std::int64_t s = b * kReduceBlock, n = std::min(kReduceBlock, len - s);
-      p[b] = contig ? detail::reduce_span<R, S, true>(ev, s, n) : detail::reduce_span<R, S, false>(ev, s, n);
+      const std::int64_t s = b * kReduceBlock;
+      p[b] = detail::reduce_span<R, S>(ev, s, std::min(kReduceBlock, len - s));
     }
   }
   void finish(void* partials, std::int64_t count, double scale, void* out) const override {
     *static_cast<Tout*>(out) =
         finish_value(detail::pairwise<R>(static_cast<S*>(partials), static_cast<std::size_t>(count)), scale);
   }
-  void rows(const void* const* in, const char* splat, bool contig, std::int64_t o0, std::int64_t o1,
+  void rows(const void* const* in, const char* splat, std::int64_t o0, std::int64_t o1,
             std::int64_t extent, double scale, void* out) const override {
-    const Ev ev(k_, in, splat);
+    expr::SplatRoom<K> room;
+    const Ev ev(k_, expr::EvalInputs{in, splat, room.bytes});
     Tout* o = static_cast<Tout*>(out);
     for (std::int64_t r = o0; r < o1; ++r)
-      o[r] = finish_value(contig ? detail::reduce_range<R, S, true>(ev, r * extent, extent)
-                                 : detail::reduce_range<R, S, false>(ev, r * extent, extent),
-                          scale);
+      o[r] = finish_value(detail::reduce_range<R, S>(ev, r * extent, extent), scale);
   }
-  void columns(const void* const* in, const char* splat, bool contig, std::int64_t u0, std::int64_t u1,
+  void columns(const void* const* in, const char* splat, std::int64_t u0, std::int64_t u1,
                ReduceGeometry g, double scale, void* out) const override {
-    const Ev ev(k_, in, splat);
-    if (contig) column_units<true>(ev, u0, u1, g, scale, static_cast<Tout*>(out));
-    else column_units<false>(ev, u0, u1, g, scale, static_cast<Tout*>(out));
+    expr::SplatRoom<K> room;
+    const Ev ev(k_, expr::EvalInputs{in, splat, room.bytes});
+    column_units(ev, u0, u1, g, scale, static_cast<Tout*>(out));
   }
 
  private:
@@ -223,7 +222,6 @@ class ReduceLoops final : public ReduceKernel {
   }
 
   // Reduce across rows: vectorized along the inner dimension, R in order.
-  template <bool C>
   LAZY_KERNEL_LOOP static void column_units(const Ev& ev, std::int64_t u0, std::int64_t u1, ReduceGeometry g,
                                             double scale, Tout* out) {
     const std::int64_t extent = g.extent, inner = g.inner;
@@ -239,7 +237,8 @@ class ReduceLoops final : public ReduceKernel {
         constexpr std::int64_t W = V::size;
         for (std::int64_t c = c0; c < c1; c += W) {
           V acc = R::template identity<V>();
-          for (std::int64_t r = 0; r < extent; ++r) acc = R::combine(acc, ev.template packet<C>(base + r * inner + c));
+          for (std::int64_t r = 0; r < extent; ++r)
+            acc = R::combine(acc, ev.template packet<false>(base + r * inner + c));
           alignas(64) S tmp[W];
           acc.store_aligned(tmp);
           for (std::int64_t k = 0; k < std::min(W, c1 - c); ++k) dst[c + k] = finish_value(tmp[k], scale);
@@ -287,8 +286,6 @@ class ReductionNode : public Node, public ChunkReduction, public BlockReduction 
   double scale() const { return scale_; }
 
  private:
-  bool contig() const;
-
   const ReduceKernel& kernel_;
   ReduceGeometry g_;
   double scale_;
@@ -360,7 +357,9 @@ class ArgReductionNode final : public Node, public BlockReduction {
     const std::int64_t units = g_.outer * g_.inner;
     const std::int64_t tasks = std::min(units, task_count(pool, units * g_.extent, 2.0));
     pool.parallel_for(tasks, [&](std::int64_t t) {
-      expr::Evaluator<S, K> ev(kernel_, ptrs.data(), splat_.data());
+      expr::SplatRoom<K> room;
+      const expr::Evaluator<S, K> ev(kernel_,
+                                     expr::EvalInputs{ptrs.data(), splat_.data(), room.bytes});
       auto [u0, u1] = task_range(units, tasks, t);
       for (std::int64_t u = u0; u < u1; ++u) {
         const std::int64_t o = u / g_.inner, c = u % g_.inner;
@@ -426,14 +425,8 @@ LAZYTENSOR_INLINE std::uint64_t ReductionNode::structural_hash() const {
   return hash_combine(h, static_cast<std::uint64_t>(g_.extent));
 }
 
-LAZYTENSOR_INLINE bool ReductionNode::contig() const {
-  for (char s : splat_)
-    if (s) return false;
-  return true;
-}
-
 LAZYTENSOR_INLINE void ReductionNode::reduce_chunk(const void* const* inputs, std::int64_t len, void* partial) const {
-  kernel_.blocks(inputs, splat_.data(), contig(), 0, 1, len, partial);
+  kernel_.blocks(inputs, splat_.data(), 0, 1, len, partial);
 }
 
 LAZYTENSOR_INLINE void ReductionNode::finish_partials(ExecContext& ctx, void* partials, std::int64_t count) {
@@ -450,7 +443,6 @@ LAZYTENSOR_INLINE void ReductionNode::compute(ExecContext& ctx) {
   for (std::size_t i = 0; i < ins.size(); ++i) ptrs[i] = ins[i]->buffer()->data();
   auto buf = allocate_output(ctx, false);
   void* out = buf->data();
-  const bool c = contig();
   const ReduceKernel& k = kernel_;
   auto& pool = ctx.device.threads();
   const double cost = cost_per_element();
@@ -469,21 +461,21 @@ LAZYTENSOR_INLINE void ReductionNode::compute(ExecContext& ctx) {
     const std::int64_t tasks = std::min(blocks, task_count(pool, total, cost));
     pool.parallel_for(tasks, [&](std::int64_t t) {
       auto [b0, b1] = task_range(blocks, tasks, t);
-      k.blocks(in, splat, c, b0, b1, extent, partial.data());
+      k.blocks(in, splat, b0, b1, extent, partial.data());
     });
     k.finish(partial.data(), blocks, scale_, out);
   } else if (inner == 1) {
     const std::int64_t tasks = std::min(outer, task_count(pool, total, cost));
     pool.parallel_for(tasks, [&](std::int64_t t) {
       auto [o0, o1] = task_range(outer, tasks, t);
-      k.rows(in, splat, c, o0, o1, extent, scale_, out);
+      k.rows(in, splat, o0, o1, extent, scale_, out);
     });
   } else {
     const std::int64_t units = outer * ((inner + kReduceColumns - 1) / kReduceColumns);
     const std::int64_t tasks = std::min(units, task_count(pool, total, cost));
     pool.parallel_for(tasks, [&](std::int64_t t) {
       auto [u0, u1] = task_range(units, tasks, t);
-      k.columns(in, splat, c, u0, u1, g_, scale_, out);
+      k.columns(in, splat, u0, u1, g_, scale_, out);
     });
   }
   set_buffer(std::move(buf));
