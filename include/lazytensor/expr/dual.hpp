@@ -173,8 +173,7 @@ struct klane<KGrad<K, Tg>> {
 };
 
 template <class K, Element Tg>
-struct kernel_leaves<KGrad<K, Tg>>
-    : std::integral_constant<std::size_t, kernel_leaves<K>::value + 1> {};
+struct leaf_count<KGrad<K, Tg>> : std::integral_constant<std::size_t, leaf_count<K>::value + 1> {};
 
 template <class S, class K, Element Tg>
 struct Eval<S, KGrad<K, Tg>> {

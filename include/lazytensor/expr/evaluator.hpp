@@ -76,21 +76,11 @@ struct EvalInputs {
   std::byte* room;
 };
 
-/// Leaves of kernel form K: an upper bound on its input slots, which are numbered densely
-/// by first use (to_kernel).
-template <class K>
-struct kernel_leaves : std::integral_constant<std::size_t, 0> {};
-template <Element T>
-struct kernel_leaves<KLeaf<T>> : std::integral_constant<std::size_t, 1> {};
-template <class Op, class... C>
-struct kernel_leaves<KExpr<Op, C...>>
-    : std::integral_constant<std::size_t, (std::size_t{0} + ... + kernel_leaves<C>::value)> {};
-
 /// Stack room for the broadcast copies of kernel K's splat inputs, kSplatBytes per slot.
 /// Left uninitialized: only the blocks of splat inputs are written, by their leaves.
 template <class K>
 struct SplatRoom {
-  static constexpr std::size_t kSlots = kernel_leaves<K>::value ? kernel_leaves<K>::value : 1;
+  static constexpr std::size_t kSlots = leaf_count<K>::value ? leaf_count<K>::value : 1;
   alignas(64) std::byte bytes[kSlots * kSplatBytes];
 };
 

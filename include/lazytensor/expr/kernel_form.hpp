@@ -75,6 +75,13 @@ struct leaf_count<Leaf<T>> : std::integral_constant<std::size_t, 1> {};
 template <class Op, class... C>
 struct leaf_count<Expr<Op, C...>>
     : std::integral_constant<std::size_t, (std::size_t{0} + ... + leaf_count<C>::value)> {};
+// Kernel forms too: their leaves bound the input slots, which are numbered densely by first
+// use (to_kernel).
+template <Element T>
+struct leaf_count<KLeaf<T>> : std::integral_constant<std::size_t, 1> {};
+template <class Op, class... C>
+struct leaf_count<KExpr<Op, C...>>
+    : std::integral_constant<std::size_t, (std::size_t{0} + ... + leaf_count<C>::value)> {};
 template <class E>
 inline constexpr std::size_t leaf_count_v = leaf_count<std::remove_cvref_t<E>>::value;
 
