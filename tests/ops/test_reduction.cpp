@@ -844,6 +844,33 @@ TEST(Reduction, ExpressionValuesAreCapturedAtBuildTime) {
 
 // ---- determinism -------------------------------------------------------------------------
 
+TEST(Reduction, OneElementInputInsideTheReducedExpression) {
+  // A one-element tensor read at every index of the child (through a batch of its copies):
+  // over everything (several blocks of kReduceBlock), along rows and down columns.
+  const std::int64_t rows = 3, cols = 5000;
+  std::vector<float> v(static_cast<std::size_t>(rows * cols));
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(i % 11) * 0.25f - 1.0f;
+  const float sv = 1.5f;
+  const auto a = lazy::from_vector<float>(v, Shape{rows, cols});
+  const auto s = lazy::from_vector<float>({sv}, Shape{1});
+  const float all = lazy::sum(a * s - s).item();
+  const auto by_row = lazy::sum(a * s - s, {1}).to_vector();
+  const auto by_col = lazy::amax(s - a * s, {0}).to_vector();
+  double want_all = 0;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    double want_row = 0;
+    for (std::int64_t c = 0; c < cols; ++c) want_row += double(v[static_cast<std::size_t>(r * cols + c)]) * sv - sv;
+    want_all += want_row;
+    EXPECT_NEAR(by_row[static_cast<std::size_t>(r)], want_row, 1e-3) << "row " << r;
+  }
+  EXPECT_NEAR(all, want_all, 1e-2);
+  for (std::int64_t c = 0; c < cols; ++c) {
+    float want = -std::numeric_limits<float>::infinity();
+    for (std::int64_t r = 0; r < rows; ++r) want = std::max(want, sv - v[static_cast<std::size_t>(r * cols + c)] * sv);
+    ASSERT_EQ(by_col[static_cast<std::size_t>(c)], want) << "column " << c;
+  }
+}
+
 TEST(Reduction, BitwiseIdenticalAcrossThreadCounts) {
   auto& pool = lazy::graph::current_device().threads();
   const int saved = pool.size();

@@ -68,10 +68,14 @@ using klane_t = typename klane<K>::type;
 
 /// Number of tensor leaves in expression type E, repeats included: the most slots its
 /// kernel form can need, so callers reserve the input list once instead of growing it.
+/// (No primary definition: a new node form must say how many leaves it has, since kernel
+/// evaluators size their splat room by it.)
 template <class E>
-struct leaf_count : std::integral_constant<std::size_t, 0> {};
+struct leaf_count;
 template <Element T>
 struct leaf_count<Leaf<T>> : std::integral_constant<std::size_t, 1> {};
+template <Element T>
+struct leaf_count<Scalar<T>> : std::integral_constant<std::size_t, 0> {};
 template <class Op, class... C>
 struct leaf_count<Expr<Op, C...>>
     : std::integral_constant<std::size_t, (std::size_t{0} + ... + leaf_count<C>::value)> {};
