@@ -4390,10 +4390,14 @@ using klane_t = typename klane<K>::type;
 
 /// Number of tensor leaves in expression type E, repeats included: the most slots its
 /// kernel form can need, so callers reserve the input list once instead of growing it.
+/// (No primary definition: a new node form must say how many leaves it has, since kernel
+/// evaluators size their splat room by it.)
 template <class E>
-struct leaf_count : std::integral_constant<std::size_t, 0> {};
+struct leaf_count;
 template <Element T>
 struct leaf_count<Leaf<T>> : std::integral_constant<std::size_t, 1> {};
+template <Element T>
+struct leaf_count<Scalar<T>> : std::integral_constant<std::size_t, 0> {};
 template <class Op, class... C>
 struct leaf_count<Expr<Op, C...>>
     : std::integral_constant<std::size_t, (std::size_t{0} + ... + leaf_count<C>::value)> {};
@@ -4757,8 +4761,8 @@ inline void store_lane(T* p, const batch_t<S>& b) {
   }
 }
 
-/// Bytes a single-element input's broadcast copies take: one batch of its storage type
-/// (at most 16 lanes of 8 bytes).
+/// Bytes a single-element input's broadcast copies take: one batch of lanes in its storage
+/// type (at most 16 lanes of an 8-byte type).
 inline constexpr std::size_t kSplatBytes = 128;
 
 /// What an evaluator reads: per input slot, the data pointer and whether it is a single
@@ -4778,29 +4782,16 @@ struct SplatRoom {
   alignas(64) std::byte bytes[kSlots * kSplatBytes];
 };
 
-/// Fills a kSplatBytes block (64-byte aligned) with copies of the `size`-byte element at
-/// `element`. Whole-batch stores, which the batch loads that follow read back forwarded
-/// (narrower stores cannot forward to a wider load: a stall on every row of the rows
-/// path). Not a template and not inlined: the leaves of integer, bool and bfloat16 inputs
-/// call it.
+/// Fills a kSplatBytes block with copies of the `size`-byte element at `element`. The
+/// pattern is built in a local buffer and copied out whole, so the block is written with
+/// full-width stores, which the batch loads that follow read back forwarded (narrower
+/// stores cannot forward to a wider load: a stall on every row of the rows path). Not a
+/// template and not inlined: the leaves of integer, bool and bfloat16 inputs call it.
 [[gnu::noinline]] inline void fill_splat(void* block, const void* element, std::size_t size) {
-  if (size == 8) {
-    std::uint64_t v;
-    std::memcpy(&v, element, 8);
-    using B = xsimd::batch<std::uint64_t>;
-    for (std::size_t k = 0; k < kSplatBytes / 8; k += B::size)
-      B(v).store_aligned(static_cast<std::uint64_t*>(block) + k);
-    return;
-  }
-  std::uint32_t v = 0;
-  std::memcpy(&v, element, size);
-  if (size == 1)
-    v *= 0x01010101u;
-  else if (size == 2)
-    v |= v << 16;
-  using B = xsimd::batch<std::uint32_t>;
-  for (std::size_t k = 0; k < kSplatBytes / 4; k += B::size)
-    B(v).store_aligned(static_cast<std::uint32_t*>(block) + k);
+  alignas(64) unsigned char pattern[kSplatBytes];
+  std::memcpy(pattern, element, size);
+  for (std::size_t n = size; n < kSplatBytes; n *= 2) std::memcpy(pattern + n, pattern, n);
+  std::memcpy(block, pattern, kSplatBytes);
 }
 
 template <class S, class K>
@@ -5148,7 +5139,7 @@ inline void store_partial(Tout* p, const batch_t<S>& b, std::int64_t count) {
 /// positions) into out[0, e - b). `Contig`: no input is a splat. The tail is one whole
 /// batch of which only the owned lanes are stored: buffers carry a spare batch of padding,
 /// so the read stays in bounds, and no scalar copy of the expression is compiled. With
-/// `stream` (S == Tout only), stores bypass the cache (out 64-byte aligned; the caller
+/// `stream` (S == Tout only), stores bypass the cache (out batch-aligned; the caller
 /// fences): a loop-invariant branch per batch rather than a loop of its own.
 template <class S, class Tout, bool Contig, class Ev>
 LAZY_KERNEL_LOOP void eval_range(const Ev& ev_in, Tout* out, std::int64_t b, std::int64_t e,
@@ -19977,6 +19968,7 @@ LAZYTENSOR_RANDINT_INSTANCES(extern, std::int64_t)
 #include <limits>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 // ---- begin lazytensor/ops/shape.hpp ----
@@ -21712,7 +21704,16 @@ void record_extreme(Tensor<T>& r, const X& x, const std::vector<std::int64_t>& d
 
 }  // namespace detail
 
-using Dims = std::vector<std::int64_t>;
+/// Dimensions to reduce over, taken as torch's IntArrayRef takes them: a braced list
+/// (`{0, 2}`), a vector, or a single dimension (`sum(x, 1)`); empty (the default) means
+/// every dimension.
+struct Dims : std::vector<std::int64_t> {
+  Dims() = default;
+  Dims(std::initializer_list<std::int64_t> dims) : std::vector<std::int64_t>(dims) {}
+  Dims(std::vector<std::int64_t> dims) : std::vector<std::int64_t>(std::move(dims)) {}  // NOLINT
+  /// One dimension, implicitly, as `torch::sum(x, 1)` takes it.
+  Dims(std::int64_t dim) : std::vector<std::int64_t>{dim} {}  // NOLINT
+};
 
 /// Sum over `dims` (all when empty); integers sum to int64.
 template <expr::ExprLike X>

@@ -871,6 +871,40 @@ TEST(Reduction, OneElementInputInsideTheReducedExpression) {
   }
 }
 
+TEST(Reduction, OneDimensionGivenAsAnInteger) {
+  // torch::sum(x, 1): one dimension without braces, for every function that takes dims.
+  const std::int64_t rows = 3, cols = 5;
+  std::vector<float> v(static_cast<std::size_t>(rows * cols));
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(i % 7) - 2.5f;
+  const auto x = lazy::from_vector<float>(v, Shape{rows, cols});
+  const auto s1 = lazy::sum(x, 1).to_vector();
+  const auto m0 = lazy::mean(x, 0, true);
+  ASSERT_EQ(s1.size(), static_cast<std::size_t>(rows));
+  ASSERT_EQ(m0.shape(), (Shape{1, cols}));
+  const auto mv = m0.to_vector();
+  for (std::int64_t r = 0; r < rows; ++r) {
+    float want = 0;  // halves: exact in float
+    for (std::int64_t c = 0; c < cols; ++c) want += v[static_cast<std::size_t>(r * cols + c)];
+    EXPECT_EQ(s1[static_cast<std::size_t>(r)], want) << "row " << r;
+  }
+  for (std::int64_t c = 0; c < cols; ++c) {
+    double want = 0;
+    for (std::int64_t r = 0; r < rows; ++r) want += v[static_cast<std::size_t>(r * cols + c)];
+    EXPECT_NEAR(mv[static_cast<std::size_t>(c)], want / rows, 1e-6) << "column " << c;
+  }
+  // The rest agree with the braced form, which the tests above check against references.
+  EXPECT_EQ(lazy::prod(x, 1).to_vector(), lazy::prod(x, {1}).to_vector());
+  EXPECT_EQ(lazy::amax(x, 0).to_vector(), lazy::amax(x, {0}).to_vector());
+  EXPECT_EQ(lazy::amin(x, 1, true).shape(), (Shape{rows, 1}));
+  EXPECT_EQ(lazy::logsumexp(x, 1).to_vector(), lazy::logsumexp(x, {1}).to_vector());
+  EXPECT_EQ(lazy::norm(x, 2, 0).to_vector(), lazy::norm(x, 2, {0}).to_vector());
+  EXPECT_EQ(lazy::any(x > 2.0f, 1).to_vector(), lazy::any(x > 2.0f, {1}).to_vector());
+  EXPECT_EQ(lazy::all(x > -3.0f, 0).to_vector(), lazy::all(x > -3.0f, {0}).to_vector());
+  // A negative dimension counts from the back; an empty list still means every dimension.
+  EXPECT_EQ(lazy::sum(x, -1).to_vector(), s1);
+  EXPECT_EQ(lazy::sum(x, {}).shape(), Shape{});
+}
+
 TEST(Reduction, BitwiseIdenticalAcrossThreadCounts) {
   auto& pool = lazy::graph::current_device().threads();
   const int saved = pool.size();

@@ -9,6 +9,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <lazytensor/autograd/record.hpp>
@@ -178,7 +179,16 @@ void record_extreme(Tensor<T>& r, const X& x, const std::vector<std::int64_t>& d
 
 }  // namespace detail
 
-using Dims = std::vector<std::int64_t>;
+/// Dimensions to reduce over, taken as torch's IntArrayRef takes them: a braced list
+/// (`{0, 2}`), a vector, or a single dimension (`sum(x, 1)`); empty (the default) means
+/// every dimension.
+struct Dims : std::vector<std::int64_t> {
+  Dims() = default;
+  Dims(std::initializer_list<std::int64_t> dims) : std::vector<std::int64_t>(dims) {}
+  Dims(std::vector<std::int64_t> dims) : std::vector<std::int64_t>(std::move(dims)) {}  // NOLINT
+  /// One dimension, implicitly, as `torch::sum(x, 1)` takes it.
+  Dims(std::int64_t dim) : std::vector<std::int64_t>{dim} {}  // NOLINT
+};
 
 /// Sum over `dims` (all when empty); integers sum to int64.
 template <expr::ExprLike X>
