@@ -36,15 +36,18 @@ std::vector<T> values(std::int64_t n, unsigned seed) {
   return v;
 }
 
-// C = op(A) op(B) through the kernel, then every element against the triple loop.
+// C = op(A) op(B) through the kernel (rows [0, split) and [split, m) in two calls when split
+// is given), then every element against the triple loop.
 template <class T>
-void check(std::int64_t m, std::int64_t k, std::int64_t n, bool ta, bool tb, unsigned seed) {
+void check(std::int64_t m, std::int64_t k, std::int64_t n, bool ta, bool tb, unsigned seed,
+           std::int64_t split = 0) {
   using K = lazy::detail::PackedGemm<T>;
   const auto a = values<T>(m * k, seed), b = values<T>(k * n, seed + 1);
   Aligned<T> packed(static_cast<std::size_t>(K::packed_size(k, n)));
   K::pack_b(b.data(), tb, k, n, packed.data(), 0, K::panels(n));
   std::vector<T> c(static_cast<std::size_t>(m * n), T(-5));
-  K::multiply(a.data(), ta, m, k, n, packed.data(), c.data(), 0, m);
+  K::multiply(a.data(), ta, m, k, n, packed.data(), c.data(), 0, split);
+  K::multiply(a.data(), ta, m, k, n, packed.data(), c.data() + split * n, split, m - split);
   for (std::int64_t i = 0; i < m; ++i) {
     for (std::int64_t j = 0; j < n; ++j) {
       long double s = 0, mag = 0;
@@ -86,6 +89,17 @@ TYPED_TEST(GemmPerIsa, DepthsOfSeveralBlocks) {
   unsigned seed = 100;
   for (const std::int64_t k : {127, 128, 129, 255, 256, 257, 513, 1025, 2100})
     for (int t = 0; t < 4; ++t) check<TypeParam>(K::kTileRows + 1, k, 2 * K::kTileCols + 3, t & 1, t & 2, seed += 2);
+}
+
+TYPED_TEST(GemmPerIsa, RowsOfSeveralPackedBlocks) {
+  // More rows than one packed block of A (block_rows): multiply runs them in chunks. The
+  // second call starts inside a tile, so its chunks are offset from the first's.
+  using K = lazy::detail::PackedGemm<TypeParam>;
+  const std::int64_t k = 300, m = 1200, split = 137;
+  ASSERT_GT(m - split, 2 * K::block_rows(k)) << "the rows must span several packed blocks";
+  unsigned seed = 300;
+  for (int t = 0; t < 4; ++t)
+    check<TypeParam>(m, k, 2 * K::kTileCols + 3, t & 1, t & 2, seed += 2, split);
 }
 
 TEST(GemmPerIsaTile, FitsTheRegisterFile) {

@@ -164,6 +164,15 @@ struct PackedGemm {
     return kc + (kc & 1);
   }
 
+  /// Most rows of op(A) packed at once (whole tiles): their packed block at k's depth block
+  /// stays within 192 KiB, so it stays in L2 (512 KiB on a Zen 3) while every panel of op(B)
+  /// streams past it. multiply splits more rows into even chunks; all 256 rows of a 256 x
+  /// 784 x 256 double product packed at once ran at 0.88x OpenBLAS on a Zen 3.
+  static std::int64_t block_rows(std::int64_t k) {
+    const std::int64_t tile_bytes = kTileRows * depth_block(k) * std::int64_t(sizeof(T));
+    return std::max<std::int64_t>(1, (192 * 1024) / tile_bytes) * kTileRows;
+  }
+
   /// Panels of kTileCols columns covering n columns.
   static std::int64_t panels(std::int64_t n) { return (n + kTileCols - 1) / kTileCols; }
 
@@ -228,6 +237,18 @@ struct PackedGemm {
                        std::int64_t rows) {
     const std::int64_t kc = depth_block(k), np = panels(n);
     const std::int64_t tiles = (rows + kTileRows - 1) / kTileRows;
+    // More rows than one packed block of A: even chunks of whole tiles, each a product of its
+    // own (the bits do not change: they depend on k's blocks only).
+    const std::int64_t chunk_tiles = block_rows(k) / kTileRows;
+    if (tiles > chunk_tiles) {
+      const std::int64_t chunks = (tiles + chunk_tiles - 1) / chunk_tiles;
+      for (std::int64_t q = 0, done = 0; q < chunks; ++q) {
+        const std::int64_t end = std::min(rows, (tiles * (q + 1) / chunks) * kTileRows);
+        multiply(a, a_transposed, m, k, n, packed_b, c + done * n, r0 + done, end - done);
+        done = end;
+      }
+      return;
+    }
     alignas(64) T tile[kTileRows * kTileCols] = {};
     thread_local std::vector<T, xsimd::aligned_allocator<T, 64>> packed_a;
     if (static_cast<std::int64_t>(packed_a.size()) < tiles * kTileRows * kc)
@@ -238,10 +259,13 @@ struct PackedGemm {
       // All rows of the block packed first; then each panel of op(B) (kb x 2 registers) is
       // loaded into L1 once and used by every tile of rows, instead of all of op(B) once
       // per tile.
-      for (std::int64_t t = 0; t < tiles; ++t)
-        pack_a(a, a_transposed, m, k, r0 + t * kTileRows,
-               std::min<std::int64_t>(kTileRows, rows - t * kTileRows), k0, kb,
-               packed_a.data() + t * kTileRows * kb);
+      if (a_transposed) {
+        pack_a_transposed(a, m, r0, rows, k0, kb, packed_a.data());
+      } else {
+        for (std::int64_t t = 0; t < tiles; ++t)
+          pack_a(a, k, r0 + t * kTileRows, std::min<std::int64_t>(kTileRows, rows - t * kTileRows),
+                 k0, kb, packed_a.data() + t * kTileRows * kb);
+      }
       for (std::int64_t p = 0; p < np; ++p) {
         const std::int64_t j0 = p * kTileCols, tc = std::min<std::int64_t>(kTileCols, n - j0);
         const T* bp = packed_b + p * k * kTileCols + k0 * kTileCols;
@@ -329,15 +353,15 @@ struct PackedGemm {
     return true;
   }
 
-  // out[kk * 8 + i] = src[i * ld + kk] for 8 rows and the first multiple of 8 of `depth`
-  // k-values, by 8 x 8 register transposes where float AVX registers exist (the tile of
-  // AVX-512 has 8 rows). Returns how many k-values it packed (0: none). (The same for
-  // doubles and for AVX2's 6-row tile was measured: no change, the gather is bound by
-  // reading A, not by its instructions.)
-  static std::int64_t transpose_rows_8([[maybe_unused]] const T* src,
-                                       [[maybe_unused]] std::int64_t ld,
-                                       [[maybe_unused]] std::int64_t depth,
-                                       [[maybe_unused]] T* out) {
+  // out[kk * kTileRows + i] = src[i * ld + kk] for a whole tile of rows and the first
+  // multiple of W of `depth` k-values, by W x W register transposes: 8 x 8 floats for
+  // AVX-512's 8-row float tile; 4 x 4 doubles plus the last two rows interleaved for the
+  // 6-row double tile of AVX. Returns how many k-values it packed (0: none). Element by
+  // element, a row-major A's packing was ~14% of a 256 x 784 x 256 double product on a Zen 3
+  // (scattered 8-byte stores); the float 6-row tile of AVX2 showed no such cost.
+  static std::int64_t transpose_rows([[maybe_unused]] const T* src,
+                                     [[maybe_unused]] std::int64_t ld,
+                                     [[maybe_unused]] std::int64_t depth, [[maybe_unused]] T* out) {
 #if defined(__AVX512F__)
     if constexpr (std::is_same_v<T, float> && kTileRows == 8) {
       const std::int64_t whole = depth / 8 * 8;
@@ -350,29 +374,61 @@ struct PackedGemm {
       return whole;
     }
 #endif
+#if defined(__AVX__)
+    if constexpr (std::is_same_v<T, double> && kTileRows == 6) {
+      const std::int64_t whole = depth / 4 * 4;
+      for (std::int64_t kk = 0; kk < whole; kk += 4) {
+        __m256d r[4];
+        for (int i = 0; i < 4; ++i) r[i] = _mm256_loadu_pd(src + i * ld + kk);
+        const __m256d r4 = _mm256_loadu_pd(src + 4 * ld + kk),
+                      r5 = _mm256_loadu_pd(src + 5 * ld + kk);
+        transpose_4x4_registers(r);
+        // k-value kk + c: rows 0-3 in r[c]; rows 4-5 in lo's (c = 0, 2) or hi's (c = 1, 3)
+        // low or high half. Six doubles per k-value, stored one after another.
+        const __m256d lo = _mm256_unpacklo_pd(r4, r5), hi = _mm256_unpackhi_pd(r4, r5);
+        double* o = out + kk * 6;
+        _mm256_storeu_pd(o, r[0]);
+        _mm_storeu_pd(o + 4, _mm256_castpd256_pd128(lo));
+        _mm256_storeu_pd(o + 6, r[1]);
+        _mm_storeu_pd(o + 10, _mm256_castpd256_pd128(hi));
+        _mm256_storeu_pd(o + 12, r[2]);
+        _mm_storeu_pd(o + 16, _mm256_extractf128_pd(lo, 1));
+        _mm256_storeu_pd(o + 18, r[3]);
+        _mm_storeu_pd(o + 22, _mm256_extractf128_pd(hi, 1));
+      }
+      return whole;
+    }
+#endif
     return 0;
   }
 
-  // Rows [row, row + tr) and depth [k0, k0 + kb) of op(A), k-major in tiles of kTileRows
-  // (zero past tr).
-  static void pack_a(const T* a, bool transposed, std::int64_t m, std::int64_t k, std::int64_t row,
-                     std::int64_t tr, std::int64_t k0, std::int64_t kb, T* out) {
-    if (transposed) {
-      for (std::int64_t kk = 0; kk < kb; ++kk) {
-        const T* src = a + (k0 + kk) * m + row;
-        T* dst = out + kk * kTileRows;
-        // A fixed-length copy: one vector move, not a library call (an element loop
-        // compiles to kTileRows scalar moves, src and dst may alias as far as GCC knows).
-        if (tr == kTileRows) {
-          std::memcpy(dst, src, sizeof(T) * kTileRows);
-        } else {
-          for (int i = 0; i < kTileRows; ++i) dst[i] = i < tr ? src[i] : T(0);
-        }
-      }
-      return;
+  // Rows [r0, r0 + rows) and depth [k0, k0 + kb) of op(A) stored k x m (transposed), into
+  // consecutive tiles of kTileRows (zero past rows). Each stored row of A is read once, front
+  // to back, and dealt out to the tiles. Tile by tile, every tile re-read a line per k at a
+  // stride of m, which for m a power of two (2 KiB for 256 doubles) falls into one or two L1
+  // sets.
+  static void pack_a_transposed(const T* a, std::int64_t m, std::int64_t r0, std::int64_t rows,
+                                std::int64_t k0, std::int64_t kb, T* out) {
+    const std::int64_t whole = rows / kTileRows, tail = rows - whole * kTileRows;
+    for (std::int64_t kk = 0; kk < kb; ++kk) {
+      const T* src = a + (k0 + kk) * m + r0;
+      T* dst = out + kk * kTileRows;
+      // A fixed-length copy: one vector move, not a library call (an element loop compiles
+      // to kTileRows scalar moves, src and dst may alias as far as GCC knows).
+      for (std::int64_t t = 0; t < whole; ++t)
+        std::memcpy(dst + t * kTileRows * kb, src + t * kTileRows, sizeof(T) * kTileRows);
+      if (tail > 0)
+        for (int i = 0; i < kTileRows; ++i)
+          dst[whole * kTileRows * kb + i] = i < tail ? src[whole * kTileRows + i] : T(0);
     }
+  }
+
+  // Rows [row, row + tr) and depth [k0, k0 + kb) of op(A) stored m x k, k-major in tiles of
+  // kTileRows (zero past tr).
+  static void pack_a(const T* a, std::int64_t k, std::int64_t row, std::int64_t tr, std::int64_t k0,
+                     std::int64_t kb, T* out) {
     std::int64_t done = 0;
-    if (tr == kTileRows) done = transpose_rows_8(a + row * k + k0, k, kb, out);
+    if (tr == kTileRows) done = transpose_rows(a + row * k + k0, k, kb, out);
     for (std::int64_t i = 0; i < kTileRows; ++i) {
       if (i < tr) {
         const T* src = a + (row + i) * k + k0;
