@@ -23774,6 +23774,7 @@ struct PackedGemm {
   static void multiply(const T* a, bool a_transposed, std::int64_t m, std::int64_t k,
                        std::int64_t n, const T* packed_b, T* c, std::int64_t r0,
                        std::int64_t rows) {
+    if (rows <= 0) return;
     const std::int64_t kc = depth_block(k), np = panels(n);
     const std::int64_t tiles = (rows + kTileRows - 1) / kTileRows;
     // More rows than one packed block of A: even chunks of whole tiles, each a product of its
@@ -23795,7 +23796,7 @@ struct PackedGemm {
     for (std::int64_t k0 = 0; k0 < k; k0 += kc) {
       const std::int64_t kb = std::min(kc, k - k0);
       const bool accumulate = k0 > 0;
-      // All rows of the block packed first; then each panel of op(B) (kb x 2 registers) is
+      // All rows of the chunk packed first; then each panel of op(B) (kb x 2 registers) is
       // loaded into L1 once and used by every tile of rows, instead of all of op(B) once
       // per tile.
       if (a_transposed) {
@@ -23897,7 +23898,9 @@ struct PackedGemm {
   // AVX-512's 8-row float tile; 4 x 4 doubles plus the last two rows interleaved for the
   // 6-row double tile of AVX. Returns how many k-values it packed (0: none). Element by
   // element, a row-major A's packing was ~14% of a 256 x 784 x 256 double product on a Zen 3
-  // (scattered 8-byte stores); the float 6-row tile of AVX2 showed no such cost.
+  // (scattered 8-byte stores); the float 6-row tile of AVX2 showed no such cost, and on a
+  // Cascade Lake transposes for AVX-512's 8-row double tile changed nothing measurable
+  // (reading A bounded it there). SSE2 packs element by element.
   static std::int64_t transpose_rows([[maybe_unused]] const T* src,
                                      [[maybe_unused]] std::int64_t ld,
                                      [[maybe_unused]] std::int64_t depth, [[maybe_unused]] T* out) {
