@@ -10,6 +10,51 @@
 // register width in a build that is not about speed. The library's own AVX-512 intrinsics
 // (the bfloat16 GEMM) still see the compiler's flags. A program that includes xsimd itself
 // before lazytensor gets xsimd's own choice.
+
+// GCC's <immintrin.h> declares the intrinsics of every x86 extension whatever the target
+// flags (~39k lines; Clang's includes only the enabled ones). xsimd includes it for AVX and
+// up; alone it takes ~1 s to parse on a Zen 3, and in the compiled-mode umbrella program it
+// was 0.2-0.5 s of 7-9 s and a sixth of the peak memory. So under GCC the library includes
+// only the parts the target enables (and that xsimd and the library's own kernels use),
+// with immintrin.h's include guard defined so that xsimd's include of it is skipped, and
+// then undefines the guard: a later `#include <immintrin.h>` (the user's, Eigen's) reads
+// the whole header again, and the parts included here skip themselves by their own guards.
+// A TU that included <immintrin.h> first keeps it whole. LAZYTENSOR_FULL_IMMINTRIN turns
+// this off. (The order of the includes is immintrin.h's: later parts use earlier parts'
+// types.)
+// clang-format off
+#if defined(__GNUC__) && !defined(__clang__) && defined(__AVX__) && \
+    !defined(_IMMINTRIN_H_INCLUDED) && !defined(LAZYTENSOR_FULL_IMMINTRIN) && \
+    __has_include(<avx2intrin.h>)
+#define _IMMINTRIN_H_INCLUDED
+#define LAZYTENSOR_DETAIL_PARTIAL_IMMINTRIN
+#include <x86gprintrin.h>
+#include <mmintrin.h>
+#include <xmmintrin.h>
+#include <emmintrin.h>
+#include <pmmintrin.h>
+#include <tmmintrin.h>
+#include <smmintrin.h>
+#include <avxintrin.h>
+#include <avx2intrin.h>
+#include <fmaintrin.h>
+#include <f16cintrin.h>
+#if defined(__AVX512F__)
+#include <avx512fintrin.h>
+#include <avx512cdintrin.h>
+#include <avx512vlintrin.h>
+#include <avx512bwintrin.h>
+#include <avx512dqintrin.h>
+#include <avx512vlbwintrin.h>
+#include <avx512vldqintrin.h>
+#endif
+#if defined(__AVX512BF16__)
+#include <avx512bf16vlintrin.h>
+#include <avx512bf16intrin.h>
+#endif
+#endif
+// clang-format on
+
 #if defined(__GNUC__) && !defined(__clang__) && !defined(__OPTIMIZE__) && defined(__AVX512F__)
 #pragma push_macro("__AVX512F__")
 #pragma push_macro("__AVX512CD__")
@@ -26,4 +71,9 @@
 #pragma pop_macro("__AVX512F__")
 #else
 #include <xsimd/xsimd.hpp>
+#endif
+
+#if defined(LAZYTENSOR_DETAIL_PARTIAL_IMMINTRIN)
+#undef _IMMINTRIN_H_INCLUDED
+#undef LAZYTENSOR_DETAIL_PARTIAL_IMMINTRIN
 #endif

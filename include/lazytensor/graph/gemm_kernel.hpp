@@ -16,11 +16,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX__)
-#include <immintrin.h>
-#endif
-
-#include <lazytensor/core/simd.hpp>
+#include <lazytensor/core/simd.hpp>  // (and the x86 intrinsics the target enables)
 
 // Full unrolling keeps the accumulator tile in registers at -O2 too; UNROLL_4 unrolls the
 // micro-kernel's depth loop (see there).
