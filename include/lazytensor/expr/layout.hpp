@@ -66,6 +66,8 @@ class RowCursor {
   const Layout& L_;
   std::size_t nin_;
   std::int64_t last_ = 0, last_size_ = 1;  // the innermost outer dimension's index and size
+  /// The row's index in each outer dimension but the innermost one (last_ counts that one;
+  /// idx_[outer - 1] is only read by the constructor and goes stale after it).
   std::array<std::int64_t, kMaxRank> idx_{};
   core::SmallVector<std::int64_t, 16> store_;  // offsets, then steps (inline up to 8 inputs)
   std::int64_t* off_ = nullptr;
