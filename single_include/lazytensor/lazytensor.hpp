@@ -3598,20 +3598,22 @@ class ChunkReduction {
 // before lazytensor gets xsimd's own choice.
 
 // GCC's <immintrin.h> declares the intrinsics of every x86 extension whatever the target
-// flags (~39k lines; Clang's includes only the enabled ones). xsimd includes it for AVX and
-// up; alone it takes ~1 s to parse on a Zen 3, and in the compiled-mode umbrella program it
-// was 0.2-0.5 s of 7-9 s and a sixth of the peak memory. So under GCC the library includes
-// only the parts the target enables (and that xsimd and the library's own kernels use),
-// with immintrin.h's include guard defined so that xsimd's include of it is skipped, and
-// then undefines the guard: a later `#include <immintrin.h>` (the user's, Eigen's) reads
-// the whole header again, and the parts included here skip themselves by their own guards.
-// A TU that included <immintrin.h> first keeps it whole. LAZYTENSOR_FULL_IMMINTRIN turns
-// this off. (The order of the includes is immintrin.h's: later parts use earlier parts'
-// types.)
+// flags (~39k lines, ~1 s to parse alone on a Zen 3), and xsimd includes it for AVX and up.
+// So under GCC (11 and later, whose layout this follows) the library includes only the
+// parts that xsimd and its own kernels use for the target's flags, with immintrin.h's
+// include guard defined so that xsimd's include of it is skipped, and then undefines the
+// guard: a later `#include <immintrin.h>` (the user's, Eigen's) reads the whole header
+// again, the parts included here skipping themselves by their own guards. A TU that
+// included <immintrin.h> first keeps it whole. Code that used intrinsics without including
+// <immintrin.h> itself must now include it. In the compiled-mode umbrella program this
+// saved 0.2-0.5 s of 7-9 s and a sixth of the peak memory; header-only TUs read the whole
+// header through Eigen anyway. LAZYTENSOR_FULL_IMMINTRIN turns this off. (The includes are
+// in immintrin.h's order: later parts use earlier parts' types.)
 // clang-format off
-#if defined(__GNUC__) && !defined(__clang__) && defined(__AVX__) && \
+#if defined(__GNUC__) && __GNUC__ >= 11 && !defined(__clang__) && \
+    !defined(__INTEL_COMPILER) && !defined(__NVCOMPILER) && defined(__AVX__) && \
     !defined(_IMMINTRIN_H_INCLUDED) && !defined(LAZYTENSOR_FULL_IMMINTRIN) && \
-    __has_include(<avx2intrin.h>)
+    __has_include(<x86gprintrin.h>) && __has_include(<avx512bf16vlintrin.h>)
 #define _IMMINTRIN_H_INCLUDED
 #define LAZYTENSOR_DETAIL_PARTIAL_IMMINTRIN
 #include <x86gprintrin.h>
@@ -3633,6 +3635,13 @@ class ChunkReduction {
 #include <avx512dqintrin.h>
 #include <avx512vlbwintrin.h>
 #include <avx512vldqintrin.h>
+#endif
+#if defined(__AVX512ER__)  // (xsimd's AVX-512F rsqrt on Knights Landing)
+#include <avx512erintrin.h>
+#endif
+#if defined(__AVX512VBMI__)  // (xsimd's byte swizzle on AVX-512BW)
+#include <avx512vbmiintrin.h>
+#include <avx512vbmivlintrin.h>
 #endif
 #if defined(__AVX512BF16__)
 #include <avx512bf16vlintrin.h>
