@@ -248,5 +248,6 @@ inline const bool kMpiTransportInstalled =
 }  // namespace lazy::dist::detail
 #endif  // LAZYTENSOR_WITH_MPI
 
-#include <lazytensor/dist/mpi_link_impl.hpp>
 #include <lazytensor/dist/mpi_world_impl.hpp>
+
+#include <lazytensor/dist/mpi_link_impl.hpp>  // (after MpiWorld's definitions, which it uses)
