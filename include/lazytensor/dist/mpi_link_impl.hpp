@@ -263,13 +263,17 @@ inline bool MpiLink::progress(const std::vector<Share*>& slot_share,
 
 inline std::shared_ptr<std::vector<std::byte>> MpiLink::next_package(
     int process, std::shared_ptr<std::vector<std::byte>>& recycle) {
+  // One leader at a time looks into the mailbox and then MPI's queue (MpiWorld::probe_mutex):
+  // a package of this group that another leader received is then always in the mailbox
+  // before this leader can probe the next one. (Uncontended unless groups share the tag.)
+  std::lock_guard probing(pw_->probe_mutex());
   if (auto p = pw_->take_package(hash_, process)) return p;
   for (;;) {
     int flag = 0;
     MPI_Message m;
     MPI_Status st;
     mpi_check(MPI_Improbe(process, tag_, pw_->data_comm(), &flag, &m, &st), "MPI_Improbe");
-    if (!flag) return pw_->take_package(hash_, process);  // (another leader may have left it)
+    if (!flag) return nullptr;
     int count = 0;
     MPI_Get_count(&st, MPI_BYTE, &count);
     std::shared_ptr<std::vector<std::byte>> buf;
