@@ -263,10 +263,11 @@ inline bool MpiLink::progress(const std::vector<Share*>& slot_share,
 
 inline std::shared_ptr<std::vector<std::byte>> MpiLink::next_package(
     int process, std::shared_ptr<std::vector<std::byte>>& recycle) {
-  // One leader at a time looks into the mailbox and then MPI's queue (MpiWorld::probe_mutex):
-  // a package of this group that another leader received is then always in the mailbox
-  // before this leader can probe the next one. (Uncontended unless groups share the tag.)
-  std::lock_guard probing(pw_->probe_mutex());
+  // One leader per tag at a time looks into the mailbox and then MPI's queue
+  // (MpiWorld::probe_mutex): a package of this group that another leader received is then
+  // always in the mailbox before this leader can probe the next one. Contended only by
+  // groups whose tags share a lock (the same tag, or tags 64 apart).
+  std::lock_guard probing(pw_->probe_mutex(tag_));
   if (auto p = pw_->take_package(hash_, process)) return p;
   for (;;) {
     int flag = 0;

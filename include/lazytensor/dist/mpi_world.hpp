@@ -24,6 +24,7 @@
 #endif
 #include <mpi.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -113,11 +114,14 @@ class MpiWorld final : public ProcessWorld, public std::enable_shared_from_this<
   /// A leader that receives another group's package leaves it here for that group's leader.
   void post_package(std::uint64_t group, int source, std::shared_ptr<std::vector<std::byte>> p);
   std::shared_ptr<std::vector<std::byte>> take_package(std::uint64_t group, int source);
-  /// Held by a leader from its look into the mailbox until the package it probed is its own
-  /// or posted: otherwise, with groups sharing a tag, a leader could probe past its round s
-  /// package (taken off MPI's queue by another group's leader, not yet posted) and receive
-  /// its round s + 1 package first.
-  std::mutex& probe_mutex() { return probe_mu_; }
+  /// Held by a leader of a group on package tag `tag` from its look into the mailbox until
+  /// the package it probed is its own or posted: otherwise, with groups sharing a tag, a
+  /// leader could probe past its round s package (taken off MPI's queue by another group's
+  /// leader, not yet posted) and receive its round s + 1 package first. One mutex per tag
+  /// modulo kProbeLocks: groups on other tags do not wait for each other.
+  std::mutex& probe_mutex(int tag) {
+    return probe_mu_[static_cast<std::size_t>(tag) % kProbeLocks];
+  }
 
   /// Registers what a group is told when a peer process gave up one of its rounds; after
   /// forget_group returns the handler is not running and is never called again.
@@ -163,7 +167,8 @@ class MpiWorld final : public ProcessWorld, public std::enable_shared_from_this<
   std::atomic<bool> stop_{false};
   std::atomic<int> local_exited_{0};
   std::mutex calling_mu_;  // held while a BrokenHandler runs (see forget_group)
-  std::mutex probe_mu_;    // see probe_mutex()
+  static constexpr std::size_t kProbeLocks = 64;
+  std::array<std::mutex, kProbeLocks> probe_mu_;  // see probe_mutex()
   std::mutex mu_;          // guards the lists below
   struct Pending {
     std::vector<MPI_Request> requests;
