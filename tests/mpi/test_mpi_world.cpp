@@ -21,6 +21,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <lazytensor/data.hpp>
@@ -290,6 +291,19 @@ struct OnePackageTag {
   OnePackageTag& operator=(const OnePackageTag&) = delete;
 };
 
+/// Replica r's round `round` of a Sum all_reduce of n doubles over `groups`: the result and
+/// its scalar reference.
+std::pair<std::vector<double>, std::vector<double>> group_sum_round(const Groups& groups, int r,
+                                                                    int round, std::int64_t n) {
+  const auto members = group_of(groups, r);
+  auto x = lazy::from_vector<double>(dist_testing::input<double>(r, n, round), Shape{n});
+  auto y = dist::all_reduce(ReduceOp::Sum, x, {.groups = groups}).to_vector();
+  std::vector<double> want;
+  for (std::int64_t i = 0; i < n; ++i)
+    want.push_back(reduce_ref<double>(ReduceOp::Sum, members, i, round));
+  return {std::move(y), std::move(want)};
+}
+
 TEST(MpiWorld, GroupsSharingOneTagKeepTheirDataApart) {
   Watchdog dog;
   // Every group's packages on one tag: concurrent rounds of {0, 2} and {1, 3} (both over
@@ -297,13 +311,8 @@ TEST(MpiWorld, GroupsSharingOneTagKeepTheirDataApart) {
   const OnePackageTag one_tag;
   const Groups groups = {{0, 2}, {1, 3}};
   run_world([&](int r) {
-    const auto members = group_of(groups, r);
     for (int round = 0; round < 20; ++round) {
-      const std::int64_t n = round % 2 ? 30000 : 5;
-      auto x = lazy::from_vector<double>(dist_testing::input<double>(r, n, round), Shape{n});
-      auto y = dist::all_reduce(ReduceOp::Sum, x, {.groups = groups}).to_vector();
-      std::vector<double> want;
-      for (std::int64_t i = 0; i < n; ++i) want.push_back(reduce_ref<double>(ReduceOp::Sum, members, i, round));
+      const auto [y, want] = group_sum_round(groups, r, round, round % 2 ? 30000 : 5);
       EXPECT_TRUE(same_bits(y, want)) << "replica " << r << " round " << round;
     }
   });
@@ -319,14 +328,8 @@ TEST(MpiWorld, GroupsSharingOneTagNeverReceiveTheirNextRoundFirst) {
   const OnePackageTag one_tag;
   const Groups groups = {{0, 2}, {1, 3}};
   run_world([&](int r) {
-    const auto members = group_of(groups, r);
     for (int round = 0; round < 3000; ++round) {
-      const std::int64_t n = 3;
-      auto x = lazy::from_vector<double>(dist_testing::input<double>(r, n, round), Shape{n});
-      auto y = dist::all_reduce(ReduceOp::Sum, x, {.groups = groups}).to_vector();
-      std::vector<double> want;
-      for (std::int64_t i = 0; i < n; ++i)
-        want.push_back(reduce_ref<double>(ReduceOp::Sum, members, i, round));
+      const auto [y, want] = group_sum_round(groups, r, round, 3);
       ASSERT_TRUE(same_bits(y, want)) << "replica " << r << " round " << round;
     }
   });
