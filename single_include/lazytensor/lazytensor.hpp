@@ -12380,20 +12380,13 @@ inline const bool kMpiTransportInstalled =
 // Definitions of mpi_world.hpp's Mpi and MpiWorld (included at its end): lazytensor::mpi's
 // process world, its control messages and the watcher thread.
 
-#include <algorithm>
-#include <array>
-#include <cstdlib>
-#include <cstring>
-
-#include <sys/statvfs.h>
-#include <limits>
-#include <utility>
-
 // ---- begin lazytensor/dist/mpi_package.hpp ----
 // The byte packages lazytensor::mpi's processes exchange (a round's signature and data
 // entries, an exit or broken-group notice) and the MPI tags they travel on. Used by
 // mpi_world_impl.hpp and mpi_link_impl.hpp; plain C++, no MPI call.
 
+
+#if LAZYTENSOR_WITH_MPI
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -12402,9 +12395,6 @@ inline const bool kMpiTransportInstalled =
 #include <string>
 #include <utility>
 #include <vector>
-
-
-#if LAZYTENSOR_WITH_MPI
 
 namespace lazy::dist::detail {
 
@@ -12537,6 +12527,13 @@ inline void read_signature(PackReader& r, Signature& s) {
 // ---- end lazytensor/dist/mpi_package.hpp ----
 
 #if LAZYTENSOR_WITH_MPI
+#include <sys/statvfs.h>
+#include <algorithm>
+#include <array>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <utility>
 
 namespace lazy::dist::detail {
 
@@ -13038,14 +13035,13 @@ inline std::unique_ptr<ProcessLink> MpiWorld::link(const std::vector<int>& membe
 // Definitions of mpi_world.hpp's MpiLink (included at its end): one group's rounds between
 // processes, packages as MPI messages and large entries through the host's shared window.
 
+
+#if LAZYTENSOR_WITH_MPI
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <utility>
-
-
-#if LAZYTENSOR_WITH_MPI
 
 namespace lazy::dist::detail {
 
@@ -13300,7 +13296,10 @@ inline std::shared_ptr<std::vector<std::byte>> MpiLink::next_package(
   // One leader per tag at a time looks into the mailbox and then MPI's queue
   // (MpiWorld::probe_mutex): a package of this group that another leader received is then
   // always in the mailbox before this leader can probe the next one. Contended only by
-  // groups whose tags share a lock (the same tag, or tags 64 apart).
+  // groups whose tags share a lock (the same tag, or tags 64 apart). The lock is held
+  // through MPI_Mrecv on purpose: another group's package must be in the mailbox before
+  // the next probe. Packages are mostly short: tensor entries of kDirectBytes and more
+  // travel through the shared window or as messages of their own, outside the lock.
   std::lock_guard probing(pw_->probe_mutex(tag_));
   if (auto p = pw_->take_package(hash_, process)) return p;
   for (;;) {

@@ -2,16 +2,15 @@
 // Definitions of mpi_world.hpp's MpiLink (included at its end): one group's rounds between
 // processes, packages as MPI messages and large entries through the host's shared window.
 
+#include <lazytensor/core/error.hpp>
+#include <lazytensor/dist/mpi_package.hpp>
+
+#if LAZYTENSOR_WITH_MPI
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <utility>
-
-#include <lazytensor/core/error.hpp>
-#include <lazytensor/dist/mpi_package.hpp>
-
-#if LAZYTENSOR_WITH_MPI
 
 namespace lazy::dist::detail {
 
@@ -266,7 +265,10 @@ inline std::shared_ptr<std::vector<std::byte>> MpiLink::next_package(
   // One leader per tag at a time looks into the mailbox and then MPI's queue
   // (MpiWorld::probe_mutex): a package of this group that another leader received is then
   // always in the mailbox before this leader can probe the next one. Contended only by
-  // groups whose tags share a lock (the same tag, or tags 64 apart).
+  // groups whose tags share a lock (the same tag, or tags 64 apart). The lock is held
+  // through MPI_Mrecv on purpose: another group's package must be in the mailbox before
+  // the next probe. Packages are mostly short: tensor entries of kDirectBytes and more
+  // travel through the shared window or as messages of their own, outside the lock.
   std::lock_guard probing(pw_->probe_mutex(tag_));
   if (auto p = pw_->take_package(hash_, process)) return p;
   for (;;) {

@@ -3,6 +3,11 @@
 // entries, an exit or broken-group notice) and the MPI tags they travel on. Used by
 // mpi_world_impl.hpp and mpi_link_impl.hpp; plain C++, no MPI call.
 
+#include <lazytensor/core/error.hpp>
+#include <lazytensor/dist/share.hpp>
+#include <lazytensor/dist/signature.hpp>
+
+#if LAZYTENSOR_WITH_MPI
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -11,12 +16,6 @@
 #include <string>
 #include <utility>
 #include <vector>
-
-#include <lazytensor/core/error.hpp>
-#include <lazytensor/dist/share.hpp>
-#include <lazytensor/dist/signature.hpp>
-
-#if LAZYTENSOR_WITH_MPI
 
 namespace lazy::dist::detail {
 

@@ -2,19 +2,17 @@
 // Definitions of mpi_world.hpp's Mpi and MpiWorld (included at its end): lazytensor::mpi's
 // process world, its control messages and the watcher thread.
 
-#include <algorithm>
-#include <array>
-#include <cstdlib>
-#include <cstring>
-
-#include <sys/statvfs.h>
-#include <limits>
-#include <utility>
-
 #include <lazytensor/core/error.hpp>
 #include <lazytensor/dist/mpi_package.hpp>
 
 #if LAZYTENSOR_WITH_MPI
+#include <sys/statvfs.h>
+#include <algorithm>
+#include <array>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <utility>
 
 namespace lazy::dist::detail {
 
