@@ -164,8 +164,10 @@ struct PackedGemm {
   /// stays within 192 KiB, so it stays in L2 (512 KiB on a Zen 3) while every panel of op(B)
   /// streams past it. multiply splits more rows into even chunks; all 256 rows of a 256 x
   /// 784 x 256 double product packed at once ran at 0.88x OpenBLAS on a Zen 3.
-  static std::int64_t block_rows(std::int64_t k) {
-    const std::int64_t tile_bytes = kTileRows * depth_block(k) * std::int64_t(sizeof(T));
+  static std::int64_t block_rows(std::int64_t k) { return rows_per_block(depth_block(k)); }
+  /// The same for a depth block of kc (multiply has it at hand).
+  static std::int64_t rows_per_block(std::int64_t kc) {
+    const std::int64_t tile_bytes = kTileRows * kc * std::int64_t(sizeof(T));
     return std::max<std::int64_t>(1, (192 * 1024) / tile_bytes) * kTileRows;
   }
 
@@ -236,7 +238,7 @@ struct PackedGemm {
     const std::int64_t tiles = (rows + kTileRows - 1) / kTileRows;
     // More rows than one packed block of A: even chunks of whole tiles, each a product of its
     // own (the bits do not change: they depend on k's blocks only).
-    const std::int64_t chunk_tiles = block_rows(k) / kTileRows;
+    const std::int64_t chunk_tiles = rows_per_block(kc) / kTileRows;
     if (tiles > chunk_tiles) {
       const std::int64_t chunks = (tiles + chunk_tiles - 1) / chunk_tiles;
       for (std::int64_t q = 0, done = 0; q < chunks; ++q) {
@@ -383,9 +385,9 @@ struct PackedGemm {
                       r5 = _mm256_loadu_pd(src + 5 * ld + kk);
         transpose_4x4_registers(r);
         // k-value kk + c: rows 0-3 in r[c]; rows 4-5 in lo's (c = 0, 2) or hi's (c = 1, 3)
-        // low or high half. Six doubles per k-value, stored one after another.
+        // low or high half. Six doubles (kTileRows) per k-value, stored one after another.
         const __m256d lo = _mm256_unpacklo_pd(r4, r5), hi = _mm256_unpackhi_pd(r4, r5);
-        double* o = out + kk * 6;
+        double* o = out + kk * kTileRows;
         _mm256_storeu_pd(o, r[0]);
         _mm_storeu_pd(o + 4, _mm256_castpd256_pd128(lo));
         _mm256_storeu_pd(o + 6, r[1]);
