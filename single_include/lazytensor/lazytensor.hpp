@@ -13985,7 +13985,13 @@ LAZYTENSOR_INLINE std::shared_ptr<GroupComm> World::comm(const std::vector<int>&
 LAZYTENSOR_INLINE ReplicaContext::Channel& ReplicaContext::channel(
     const std::vector<int>& sorted_members) {
   auto& ch = channels[sorted_members];
-  if (!ch.comm) ch.comm = world->comm(sorted_members);
+  if (!ch.comm) {
+    // This replica's own control block for the shared exchange: every traced collective
+    // copies the pointer, and those counts then stay off the cache lines the group's
+    // other replicas write.
+    auto own = std::make_shared<std::shared_ptr<GroupComm>>(world->comm(sorted_members));
+    ch.comm = std::shared_ptr<GroupComm>(own, own->get());
+  }
   return ch;
 }
 
