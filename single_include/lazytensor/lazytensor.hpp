@@ -13298,8 +13298,9 @@ inline std::shared_ptr<std::vector<std::byte>> MpiLink::next_package(
   // always in the mailbox before this leader can probe the next one. Contended only by
   // groups whose tags share a lock (the same tag, or tags 64 apart). The lock is held
   // through MPI_Mrecv on purpose: another group's package must be in the mailbox before
-  // the next probe. Packages are mostly short: tensor entries of kDirectBytes and more
-  // travel through the shared window or as messages of their own, outside the lock.
+  // the next probe. A tensor collective's package is short: its entries of kDirectBytes
+  // and more travel through the shared window or as messages of their own. Host-side
+  // payloads (broadcast_object, rendezvous) travel in the package, whatever their size.
   std::lock_guard probing(pw_->probe_mutex(tag_));
   if (auto p = pw_->take_package(hash_, process)) return p;
   for (;;) {
@@ -13988,9 +13989,12 @@ LAZYTENSOR_INLINE ReplicaContext::Channel& ReplicaContext::channel(
   if (!ch.comm) {
     // This replica's own control block for the shared exchange: every traced collective
     // copies the pointer, and those counts then stay off the cache lines the group's
-    // other replicas write.
-    auto own = std::make_shared<std::shared_ptr<GroupComm>>(world->comm(sorted_members));
-    ch.comm = std::shared_ptr<GroupComm>(own, own->get());
+    // other replicas write (the holder's alignment gives the block a line of its own).
+    struct alignas(64) Holder {
+      std::shared_ptr<GroupComm> comm;
+    };
+    auto own = std::make_shared<Holder>(Holder{world->comm(sorted_members)});
+    ch.comm = std::shared_ptr<GroupComm>(own, own->comm.get());
   }
   return ch;
 }

@@ -149,9 +149,12 @@ LAZYTENSOR_INLINE ReplicaContext::Channel& ReplicaContext::channel(
   if (!ch.comm) {
     // This replica's own control block for the shared exchange: every traced collective
     // copies the pointer, and those counts then stay off the cache lines the group's
-    // other replicas write.
-    auto own = std::make_shared<std::shared_ptr<GroupComm>>(world->comm(sorted_members));
-    ch.comm = std::shared_ptr<GroupComm>(own, own->get());
+    // other replicas write (the holder's alignment gives the block a line of its own).
+    struct alignas(64) Holder {
+      std::shared_ptr<GroupComm> comm;
+    };
+    auto own = std::make_shared<Holder>(Holder{world->comm(sorted_members)});
+    ch.comm = std::shared_ptr<GroupComm>(own, own->comm.get());
   }
   return ch;
 }
