@@ -4,6 +4,7 @@
 // two within four; results bitwise identical on every replica of a group; program order,
 // skipped reads, eager mode, the world of one outside spawn. Also run under TSan.
 #include "dist_testing.hpp"
+#include "testing/env_guard.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -493,24 +494,20 @@ TEST(Collectives, EagerModeRunsEachCollectiveAtOnce) {
 TEST(Collectives, ReplicaWorkersSplitLargeReductions) {
   Watchdog dog;
   // 4 threads for 2 replicas: each replica device gets 2 workers and splits its slice.
-  const char* old = std::getenv("LAZYTENSOR_NUM_THREADS");
-  const std::string saved = old ? old : "";
-  ::setenv("LAZYTENSOR_NUM_THREADS", "4", 1);
   const std::int64_t n = 1 << 18;
   std::vector<std::vector<std::int32_t>> got(2);
   std::vector<int> workers(2);
-  dist::spawn(
-      [&](int r) {
-        workers[static_cast<std::size_t>(r)] = lazy::graph::current_device().threads().size();
-        auto y = dist::all_reduce(ReduceOp::Sum,
-                                  lazy::from_vector<std::int32_t>(input<std::int32_t>(r, n)));
-        got[static_cast<std::size_t>(r)] = y.to_vector();
-      },
-      2);
-  if (old)
-    ::setenv("LAZYTENSOR_NUM_THREADS", saved.c_str(), 1);
-  else
-    ::unsetenv("LAZYTENSOR_NUM_THREADS");
+  {
+    const lazy_tests::EnvGuard threads("LAZYTENSOR_NUM_THREADS", "4");
+    dist::spawn(
+        [&](int r) {
+          workers[static_cast<std::size_t>(r)] = lazy::graph::current_device().threads().size();
+          auto y = dist::all_reduce(ReduceOp::Sum,
+                                    lazy::from_vector<std::int32_t>(input<std::int32_t>(r, n)));
+          got[static_cast<std::size_t>(r)] = y.to_vector();
+        },
+        2);
+  }
   EXPECT_EQ(workers, (std::vector<int>{2, 2}));
   for (std::int64_t i = 0; i < n; ++i) {
     const auto want = reduce_ref<std::int32_t>(ReduceOp::Sum, {0, 1}, i, 0);

@@ -3,6 +3,7 @@
 // fill the cores, return values, runtime queries
 // inside and outside spawn. Also run under TSan.
 #include "dist_testing.hpp"
+#include "testing/env_guard.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -164,15 +165,11 @@ TEST(Spawn, ReplicasFillingEveryCoreRunTheirStepsOnTheirOwnThreads) {
 
 TEST(Spawn, LazytensorAsyncKeepsReplicasOnTheirExecutors) {
   Watchdog dog;
-  const char* old = std::getenv("LAZYTENSOR_ASYNC");
-  const std::string saved = old ? old : "";
-  ::setenv("LAZYTENSOR_ASYNC", "1", 1);
-  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  const StepModes m = step_modes(std::min(hw, 64));
-  if (old)
-    ::setenv("LAZYTENSOR_ASYNC", saved.c_str(), 1);
-  else
-    ::unsetenv("LAZYTENSOR_ASYNC");
+  const StepModes m = [] {
+    const lazy_tests::EnvGuard async("LAZYTENSOR_ASYNC", "1");
+    const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    return step_modes(std::min(hw, 64));
+  }();
   for (std::size_t i = 0; i < m.inline_steps.size(); ++i)
     EXPECT_FALSE(m.inline_steps[i]) << "replica " << i;
 }

@@ -8,6 +8,7 @@
 // failing replica in either process, a partner that exits, a timeout) ending as errors in
 // every process, never a hang.
 #include "dist/dist_testing.hpp"
+#include "testing/env_guard.hpp"
 
 #include <mpi.h>
 
@@ -17,7 +18,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <numeric>
-#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -273,24 +273,6 @@ TEST(MpiWorld, AllGatherReduceScatterAllToAllAndBroadcastMatchTheReference) {
   }
 }
 
-/// Sends every group's packages on one tag while it lives (LAZYTENSOR_MPI_PACKAGE_TAGS is
-/// read when a group forms), and restores the previous setting even when the test fails.
-struct OnePackageTag {
-  OnePackageTag() {
-    if (const char* v = std::getenv("LAZYTENSOR_MPI_PACKAGE_TAGS")) saved = v;
-    setenv("LAZYTENSOR_MPI_PACKAGE_TAGS", "1", 1);
-  }
-  ~OnePackageTag() {
-    if (saved)
-      setenv("LAZYTENSOR_MPI_PACKAGE_TAGS", saved->c_str(), 1);
-    else
-      unsetenv("LAZYTENSOR_MPI_PACKAGE_TAGS");
-  }
-  std::optional<std::string> saved;
-  OnePackageTag(const OnePackageTag&) = delete;
-  OnePackageTag& operator=(const OnePackageTag&) = delete;
-};
-
 /// Replica r's round `round` of a Sum all_reduce of n doubles over `groups`: the result and
 /// its scalar reference.
 std::pair<std::vector<double>, std::vector<double>> group_sum_round(const Groups& groups, int r,
@@ -308,7 +290,8 @@ TEST(MpiWorld, GroupsSharingOneTagKeepTheirDataApart) {
   Watchdog dog;
   // Every group's packages on one tag: concurrent rounds of {0, 2} and {1, 3} (both over
   // the same two processes) must still each get their own data, large entries included.
-  const OnePackageTag one_tag;
+  // (LAZYTENSOR_MPI_PACKAGE_TAGS is read when a group forms.)
+  const lazy_tests::EnvGuard one_tag("LAZYTENSOR_MPI_PACKAGE_TAGS", "1");
   const Groups groups = {{0, 2}, {1, 3}};
   run_world([&](int r) {
     for (int round = 0; round < 20; ++round) {
@@ -325,7 +308,8 @@ TEST(MpiWorld, GroupsSharingOneTagNeverReceiveTheirNextRoundFirst) {
   // probes again, or that leader receives its round s + 1 package first ("process 1 sent
   // collective #1341 of this group where #1340 was expected"): before the probe lock, 4 of 8
   // runs of this test failed on a 2-core Zen 3.
-  const OnePackageTag one_tag;
+  // (LAZYTENSOR_MPI_PACKAGE_TAGS is read when a group forms.)
+  const lazy_tests::EnvGuard one_tag("LAZYTENSOR_MPI_PACKAGE_TAGS", "1");
   const Groups groups = {{0, 2}, {1, 3}};
   run_world([&](int r) {
     for (int round = 0; round < 3000; ++round) {
