@@ -289,13 +289,16 @@ std::pair<std::vector<double>, std::vector<double>> group_sum_round(const Groups
 TEST(MpiWorld, GroupsSharingOneTagKeepTheirDataApart) {
   Watchdog dog;
   // Every group's packages on one tag: concurrent rounds of {0, 2} and {1, 3} (both over
-  // the same two processes) must still each get their own data, large entries included.
+  // the same two processes) must still each get their own data, large entries included:
+  // 5 doubles and 8,000 (64,000 bytes, just under kDirectBytes) travel in the package,
+  // 30,000 (240 KB) through the host's shared window.
   // (LAZYTENSOR_MPI_PACKAGE_TAGS is read when a group forms.)
   const lazy_tests::EnvGuard one_tag("LAZYTENSOR_MPI_PACKAGE_TAGS", "1");
   const Groups groups = {{0, 2}, {1, 3}};
   run_world([&](int r) {
-    for (int round = 0; round < 20; ++round) {
-      const auto [y, want] = group_sum_round(groups, r, round, round % 2 ? 30000 : 5);
+    for (int round = 0; round < 30; ++round) {
+      const std::int64_t n[] = {5, 8000, 30000};
+      const auto [y, want] = group_sum_round(groups, r, round, n[round % 3]);
       EXPECT_TRUE(same_bits(y, want)) << "replica " << r << " round " << round;
     }
   });
@@ -337,6 +340,12 @@ TEST(MpiWorld, HostCollectivesSpanTheProcesses) {
     EXPECT_EQ(total, 60);
     const auto from3 = dist::broadcast_object(std::vector<int>{r, r * r}, 3);
     EXPECT_EQ(from3, (std::vector<int>{3, 9}));
+    // 30 KB each: host payloads travel in the package (below kDirectBytes; larger ones go
+    // through the host's shared window).
+    const auto big = dist::rendezvous("big", std::string(30000, static_cast<char>('a' + r)));
+    ASSERT_EQ(big.size(), 4u);
+    for (int q = 0; q < 4; ++q)
+      EXPECT_EQ(big[static_cast<std::size_t>(q)], std::string(30000, static_cast<char>('a' + q)));
   });
 }
 
