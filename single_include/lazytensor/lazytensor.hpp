@@ -15383,6 +15383,7 @@ LAZYTENSOR_INLINE void set_rng_state(std::uint64_t seed) {
 // changes the plan.
 
 #include <charconv>
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -15411,12 +15412,26 @@ LAZYTENSOR_INLINE void set_rng_state(std::uint64_t seed) {
 
 #include <cmath>
 #include <cstdint>
+#include <exception>
 #include <initializer_list>
 #include <string>
 #include <vector>
 
 
 namespace lazy {
+
+namespace detail {
+/// `n` host values for a range factory; OutOfMemoryError when they cannot be had.
+template <Element T>
+std::vector<T> host_values(std::int64_t n, const char* who) {
+  try {
+    return std::vector<T>(static_cast<std::size_t>(n));
+  } catch (const std::exception&) {  // bad_alloc, or length_error past max_size()
+    throw OutOfMemoryError(std::string(who) + ": cannot hold " + std::to_string(n) + " values of " +
+                           std::to_string(sizeof(T)) + " bytes");
+  }
+}
+}  // namespace detail
 
 /// A tensor of `shape` filled with `value` (a lazy node: no memory is touched until used).
 template <Element T, expr::Number V>
@@ -15513,8 +15528,15 @@ Tensor<T> arange(double start, double end, double step = 1, Device dev = device(
     throw Error("arange: upper bound and step sign are inconsistent (start " + std::to_string(start) +
                 ", end " + std::to_string(end) + ", step " + std::to_string(step) + ")");
   }
-  const auto n = static_cast<std::int64_t>(std::ceil((end - start) / step));
-  std::vector<T> v(static_cast<std::size_t>(n));
+  const double count = std::ceil((end - start) / step);
+  if (!(count <= static_cast<double>(kMaxElements))) {  // (converting a larger one is undefined)
+    throw ShapeError("arange: " + std::to_string(count) + " elements (start " +
+                     std::to_string(start) + ", end " + std::to_string(end) + ", step " +
+                     std::to_string(step) + ") is more than a tensor holds (" +
+                     std::to_string(kMaxElements) + ")");
+  }
+  const auto n = static_cast<std::int64_t>(count);
+  std::vector<T> v = detail::host_values<T>(n, "arange");
   for (std::int64_t i = 0; i < n; ++i) v[i] = static_cast<T>(start + static_cast<double>(i) * step);
   return from_vector<T>(v, Shape{static_cast<std::int64_t>(v.size())}, dev);
 }
@@ -15528,7 +15550,11 @@ Tensor<T> arange(double end, Device dev = device()) {
 template <Element T>
 Tensor<T> linspace(double start, double end, std::int64_t steps, Device dev = device()) {
   if (steps < 0) throw Error("linspace: number of steps must be non-negative, got " + std::to_string(steps));
-  std::vector<T> v(static_cast<std::size_t>(steps));
+  if (steps > kMaxElements) {
+    throw ShapeError("linspace: " + std::to_string(steps) + " steps is more than a tensor holds (" +
+                     std::to_string(kMaxElements) + ")");
+  }
+  std::vector<T> v = detail::host_values<T>(steps, "linspace");
   const double step = steps > 1 ? (end - start) / static_cast<double>(steps - 1) : 0;
   // Fill from both ends, as PyTorch does, so the last value is exactly `end`.
   for (std::int64_t i = 0; i < steps; ++i) {
@@ -15636,6 +15662,9 @@ namespace detail {
 double parse_option(const std::map<std::string, std::string>& opts, const std::string& name);
 /// The shortest text that reads back as exactly `v`.
 std::string format_option(double v);
+/// A saved step count (Error unless it is a non-negative integer of one element).
+std::int64_t saved_step(const std::string& key, const AnyTensor& t);
+std::int64_t check_step(const std::string& key, std::int64_t s);
 }  // namespace detail
 
 /// Per-parameter optimizer state: named tensors (of the parameter's dtype) plus a step count.
@@ -15699,6 +15728,10 @@ class Optimizer {
   /// Options of group g as strings, and back (Error on a missing or malformed value).
   virtual std::map<std::string, std::string> options_of(std::size_t g) const = 0;
   virtual void set_options_of(std::size_t g, const std::map<std::string, std::string>& opts) = 0;
+  /// Parses and checks options saved for group g without setting them (Error when
+  /// missing, malformed or invalid): load_state_dict checks every group before it sets any.
+  virtual void check_options_of(std::size_t g,
+                                const std::map<std::string, std::string>& opts) const = 0;
 
   /// State of parameter k of group g.
   ParamState& state(std::size_t g, std::size_t k);
@@ -15721,16 +15754,10 @@ class OptimizerWithOptions : public Optimizer {
   };
 
   OptimizerWithOptions(std::vector<ParamGroup> groups) : groups_(std::move(groups)) {
-    for (auto& g : groups_) {
-      for (auto& p : g.params) {
-        if (!p.defined()) throw Error(type_name_of() + ": got an undefined parameter");
-        if (!p.is_floating_point()) {
-          throw DTypeError(type_name_of() + ": can only optimize floating parameters, got one of dtype " +
-                           dtype_name(p.dtype()));
-        }
+    for (std::size_t g = 0; g < groups_.size(); ++g) check_params(g);
+    for (auto& g : groups_)
+      for (auto& p : g.params)
         if (!p.requires_grad()) p.requires_grad_();
-      }
-    }
   }
 
   std::size_t num_param_groups() const override { return groups_.size(); }
@@ -15740,8 +15767,19 @@ class OptimizerWithOptions : public Optimizer {
   using Optimizer::set_lr;
   /// The groups, with their options (libtorch's param_groups()).
   std::vector<ParamGroup>& param_groups() { return groups_; }
-  /// Adds a group (libtorch's add_param_group).
-  void add_param_group(ParamGroup g) { groups_.push_back(std::move(g)); }
+  /// Adds a group (libtorch's add_param_group), checked as the constructor checks its groups.
+  void add_param_group(ParamGroup g) {
+    validate_options(g.options);
+    groups_.push_back(std::move(g));
+    try {
+      check_params(groups_.size() - 1);
+    } catch (...) {
+      groups_.pop_back();
+      throw;
+    }
+    for (auto& p : groups_.back().params)
+      if (!p.requires_grad()) p.requires_grad_();
+  }
 
  protected:
   const std::vector<AnyTensor>& const_params(std::size_t g) const override { return groups_.at(g).params; }
@@ -15749,7 +15787,37 @@ class OptimizerWithOptions : public Optimizer {
   void set_options_of(std::size_t g, const std::map<std::string, std::string>& opts) override {
     groups_.at(g).options = Options::from_map(opts);
   }
+  void check_options_of(std::size_t,
+                        const std::map<std::string, std::string>& opts) const override {
+    validate_options(Options::from_map(opts));
+  }
+  /// The optimizer's rules for one group's options (Error naming the invalid one).
+  virtual void validate_options(const Options&) const {}
   virtual std::string type_name_of() const { return "Optimizer"; }
+
+  /// Group g's parameters are defined and floating, and none is in an earlier group or
+  /// twice in this one (it would be updated twice per step).
+  void check_params(std::size_t g) const {
+    for (std::size_t k = 0; k < groups_[g].params.size(); ++k) {
+      const AnyTensor& p = groups_[g].params[k];
+      if (!p.defined()) throw Error(type_name_of() + ": got an undefined parameter");
+      if (!p.is_floating_point()) {
+        throw DTypeError(type_name_of() +
+                         ": can only optimize floating parameters, got one of dtype " +
+                         dtype_name(p.dtype()));
+      }
+      for (std::size_t h = 0; h <= g; ++h) {
+        const auto& other = groups_[h].params;
+        for (std::size_t j = 0; j < (h == g ? k : other.size()); ++j) {
+          if (other[j].impl() == p.impl()) {
+            throw Error(type_name_of() + ": parameter " + std::to_string(k) + " of group " +
+                        std::to_string(g) + " appears more than once (also parameter " +
+                        std::to_string(j) + " of group " + std::to_string(h) + ")");
+          }
+        }
+      }
+    }
+  }
 
   std::vector<ParamGroup> groups_;
 };
@@ -15768,6 +15836,42 @@ LAZYTENSOR_INLINE double parse_option(const std::map<std::string, std::string>& 
     throw Error("Optimizer::load_state_dict: option '" + name + "' is not a number: '" + it->second + "'");
   }
   return v;
+}
+
+LAZYTENSOR_INLINE std::int64_t saved_step(const std::string& key, const AnyTensor& t) {
+  // int64 as state_dict() writes it; a floating count as PyTorch's optimizers save theirs.
+  if (t.numel() != 1) {
+    throw ShapeError("Optimizer::load_state_dict: '" + key + "' (a step count) has shape " +
+                     t.shape().str() + ", expected one element");
+  }
+  double v = 0;
+  switch (t.dtype()) {
+    case DType::Int64:
+      return check_step(key, t.as<std::int64_t>().item());
+    case DType::Int32:
+      return check_step(key, t.as<std::int32_t>().item());
+    case DType::Float32:
+      v = t.as<float>().item();
+      break;
+    case DType::Float64:
+      v = t.as<double>().item();
+      break;
+    default:
+      throw DTypeError("Optimizer::load_state_dict: '" + key + "' (a step count) has dtype " +
+                       dtype_name(t.dtype()) + ", expected int64, int32, float32 or float64");
+  }
+  if (!(v >= 0 && v < 9.0e18 && v == std::floor(v))) {
+    throw Error("Optimizer::load_state_dict: '" + key +
+                "' is not a step count: " + std::to_string(v));
+  }
+  return static_cast<std::int64_t>(v);
+}
+
+LAZYTENSOR_INLINE std::int64_t check_step(const std::string& key, std::int64_t s) {
+  if (s < 0)
+    throw Error("Optimizer::load_state_dict: '" + key +
+                "' is a negative step count: " + std::to_string(s));
+  return s;
 }
 
 LAZYTENSOR_INLINE std::string format_option(double v) {
@@ -15816,6 +15920,18 @@ LAZYTENSOR_INLINE void Optimizer::load_state_dict(const StateDict& sd) {
     throw Error("Optimizer::load_state_dict: expected a state dict of a " + type_name() + " optimizer, found " +
                 (it == sd.metadata().end() ? std::string("none") : it->second));
   }
+  // Every group's options, checked before anything changes.
+  std::vector<std::map<std::string, std::string>> group_options(num_param_groups());
+  for (std::size_t g = 0; g < num_param_groups(); ++g) {
+    const std::string prefix = "param_groups." + std::to_string(g) + ".";
+    for (const auto& [k, v] : sd.metadata())
+      if (k.rfind(prefix, 0) == 0) group_options[g][k.substr(prefix.size())] = v;
+    try {
+      check_options_of(g, group_options[g]);
+    } catch (const Error& e) {
+      throw Error("Optimizer::load_state_dict: group " + std::to_string(g) + ": " + e.what());
+    }
+  }
   std::map<std::pair<std::size_t, std::size_t>, ParamState> loaded;
   std::size_t i = 0, total = 0;
   for (std::size_t g = 0; g < num_param_groups(); ++g) total += const_params(g).size();
@@ -15840,7 +15956,7 @@ LAZYTENSOR_INLINE void Optimizer::load_state_dict(const StateDict& sd) {
         any = true;
         const std::string field = name.substr(prefix.size());
         if (field == "step") {
-          st.step = t.as<std::int64_t>().item();
+          st.step = detail::saved_step(name, t);
           continue;
         }
         const AnyTensor& param = const_params(g)[k];
@@ -15852,18 +15968,14 @@ LAZYTENSOR_INLINE void Optimizer::load_state_dict(const StateDict& sd) {
           throw DTypeError("Optimizer::load_state_dict: '" + name + "' has dtype " + dtype_name(t.dtype()) +
                            ", the parameter has dtype " + dtype_name(param.dtype()));
         }
-        st.tensors[field] = t.to(param.device());
+        // A handle of its own: the update rebinds it in place, which must not reach the
+        // caller's state dict (or another optimizer loaded from it).
+        st.tensors[field] = t.to(param.device()).detach();
       }
       if (any) loaded[key(g, k)] = std::move(st);
     }
   }
-  for (std::size_t g = 0; g < num_param_groups(); ++g) {
-    std::map<std::string, std::string> opts;
-    const std::string prefix = "param_groups." + std::to_string(g) + ".";
-    for (const auto& [k, v] : sd.metadata())
-      if (k.rfind(prefix, 0) == 0) opts[k.substr(prefix.size())] = v;
-    set_options_of(g, opts);
-  }
+  for (std::size_t g = 0; g < num_param_groups(); ++g) set_options_of(g, group_options[g]);
   state_ = std::move(loaded);
 }
 
@@ -21520,7 +21632,8 @@ auto slice(const X& x, std::int64_t dim, std::int64_t start = 0,
   if (end < 0) end += size;
   start = std::clamp<std::int64_t>(start, 0, size);
   end = std::clamp<std::int64_t>(end, start, size);
-  const std::int64_t len = (end - start + step - 1) / step;
+  // (Not end - start + step - 1: a step near INT64_MAX would overflow.)
+  const std::int64_t len = end == start ? 0 : (end - start - 1) / step + 1;
   if (start == 0 && len == size && (step == 1 || size <= 1)) return t;
   Shape out = s;
   out[d] = len;
@@ -22342,7 +22455,7 @@ struct CrossEntropyOptions {
 template <IndexElement I, FloatingElement F>
 Tensor<F> cross_entropy(const Tensor<F>& input, const Tensor<I>& target, CrossEntropyOptions opt = {}) {
   detail::check_targets(input, target, "cross_entropy");
-  if (opt.label_smoothing < 0 || opt.label_smoothing > 1) {
+  if (!(opt.label_smoothing >= 0 && opt.label_smoothing <= 1)) {  // (NaN too)
     throw Error("cross_entropy: label_smoothing must be in [0, 1], got " + std::to_string(opt.label_smoothing));
   }
   const std::int64_t n = input.size(0), c = input.size(1);
@@ -22426,7 +22539,8 @@ auto binary_cross_entropy_with_logits(const E& input, const Y& target, Reduction
 /// Zeroes elements with probability p and scales the rest by 1 / (1 - p) in training.
 template <FloatingElement F>
 Tensor<F> dropout(const Tensor<F>& x, double p = 0.5, bool training = true) {
-  if (p < 0 || p > 1) throw Error("dropout: probability has to be between 0 and 1, but got " + std::to_string(p));
+  if (!(p >= 0 && p <= 1))
+    throw Error("dropout: probability has to be between 0 and 1, but got " + std::to_string(p));
   if (!training || p == 0) return x;
   if (p == 1) return Tensor<F>(x * 0.0f);
   return Tensor<F>(x * bernoulli<F>(1 - p, x.shape(), x.device()) * static_cast<compute_t<F>>(1 / (1 - p)));
@@ -22448,6 +22562,13 @@ Tensor<F> layer_norm(const Tensor<F>& x, const Shape& normalized, const detail::
   if (!ok) {
     throw ShapeError("layer_norm: normalized_shape " + normalized.str() + " does not match the trailing dims of input " +
                      x.shape().str());
+  }
+  // (Not left to broadcasting: a weight of shape (1,) would scale every element alike.)
+  for (const auto* p : {&weight, &bias}) {
+    if (p->defined() && !(p->shape() == normalized)) {
+      throw ShapeError(std::string("layer_norm: expected ") + (p == &weight ? "weight" : "bias") +
+                       " of shape " + normalized.str() + ", got " + p->shape().str());
+    }
   }
   std::vector<std::int64_t> dims;
   for (int i = r - k; i < r; ++i) dims.push_back(i);
@@ -22515,6 +22636,7 @@ LAZYTENSOR_FOR_FLOATING(LAZYTENSOR_NN_FUNCTIONAL_INSTANCES, extern)
 #include <sstream>
 #include <string>
 #include <type_traits>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -22693,6 +22815,8 @@ LAZYTENSOR_INLINE void Module::add_parameter(const std::string& name, AnyTensor 
 
 LAZYTENSOR_INLINE AnyTensor Module::register_buffer(const std::string& name, AnyTensor t) {
   check_name(name);
+  // (state_dict and load_state_dict read every buffer's value.)
+  if (!t.defined()) throw Error(name_ + ".register_buffer: buffer '" + name + "' is undefined");
   buffers_.emplace_back(name, t);
   return t;
 }
@@ -22706,6 +22830,18 @@ LAZYTENSOR_INLINE std::vector<AnyTensor> Module::parameters(bool recurse) const 
 LAZYTENSOR_INLINE std::vector<std::pair<std::string, AnyTensor>> Module::named_parameters(bool recurse) const {
   std::vector<std::pair<std::string, AnyTensor>> out;
   collect_params("", recurse, out);
+  // A parameter reached twice (a module shared by two parents) is listed once, under its
+  // first name, as torch's named_parameters does: an optimizer given both would update it
+  // twice per step.
+  std::unordered_set<const graph::TensorImpl*> seen;
+  seen.reserve(out.size());
+  std::size_t kept = 0;
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    if (!seen.insert(out[i].second.impl().get()).second) continue;
+    if (kept != i) out[kept] = std::move(out[i]);  // (a self-move would empty the name)
+    ++kept;
+  }
+  out.resize(kept);
   return out;
 }
 
@@ -22750,7 +22886,10 @@ LAZYTENSOR_INLINE void Module::load_state_dict(const StateDict& sd, bool strict)
     plan.emplace_back(impl, *src);
   };
   std::vector<std::string> own;
-  for (auto& [n, p] : named_parameters()) {
+  // Every name, a shared parameter's too: state_dict() writes each.
+  std::vector<std::pair<std::string, AnyTensor>> params;
+  collect_params("", true, params);
+  for (auto& [n, p] : params) {
     match(n, p.impl());
     own.push_back(n);
   }
@@ -22972,7 +23111,8 @@ LAZYTENSOR_INLINE void FlattenImpl::pretty_print(std::ostream& os) const {
 }
 
 LAZYTENSOR_INLINE DropoutImpl::DropoutImpl(double p) : Module("Dropout"), p_(p) {
-  if (p < 0 || p > 1) throw Error("Dropout: probability has to be between 0 and 1, but got " + std::to_string(p));
+  if (!(p >= 0 && p <= 1))
+    throw Error("Dropout: probability has to be between 0 and 1, but got " + std::to_string(p));
 }
 
 LAZYTENSOR_INLINE void DropoutImpl::pretty_print(std::ostream& os) const { os << "Dropout(p=" << p_ << ")"; }
@@ -25683,6 +25823,10 @@ template <int Rank>
 BatchNormImpl<Rank>::BatchNormImpl(std::int64_t num_features, double eps, double momentum, bool affine,
                                    bool track_running_stats)
     : Module(Rank == 1 ? "BatchNorm1d" : "BatchNorm2d"), c_(num_features), eps_(eps), momentum_(momentum) {
+  if (num_features <= 0) {
+    throw ShapeError(name() + ": expected a positive num_features, got " +
+                     std::to_string(num_features));
+  }
   if (affine) {
     weight = register_parameter("weight", ones<float>({num_features}));
     bias = register_parameter("bias", zeros<float>({num_features}));
@@ -26677,7 +26821,7 @@ class AdamBase : public OptimizerWithOptions<Options> {
   AdamBase(const std::vector<Tensor<T>>& params, Options options = default_options())
       : AdamBase(std::vector<AnyTensor>(params.begin(), params.end()), options) {}
   AdamBase(std::vector<ParamGroup> groups) : Base(std::move(groups)) {
-    for (const auto& g : this->groups_) validate(g.options);
+    for (const auto& g : this->groups_) validate_options(g.options);
   }
 
   void step() override;
@@ -26691,7 +26835,7 @@ class AdamBase : public OptimizerWithOptions<Options> {
     if constexpr (Decoupled) return AdamWOptions();
     else return Options();
   }
-  void validate(const AdamOptions& o) const;
+  void validate_options(const Options& o) const override;
   template <FloatingElement T>
   void update(Tensor<T> p, ParamState& st, const AdamOptions& o);
 };
@@ -26747,14 +26891,18 @@ void AdamBase<Options, Decoupled>::update(Tensor<T> p, ParamState& st, const Ada
 }
 
 template <class Options, bool Decoupled>
-void AdamBase<Options, Decoupled>::validate(const AdamOptions& o) const {
+void AdamBase<Options, Decoupled>::validate_options(const Options& o) const {
+  // Written so that NaN fails every check.
   const double b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
   const std::string n = type_name();
-  if (o.lr() < 0) throw Error(n + ": invalid learning rate " + std::to_string(o.lr()));
-  if (o.eps() < 0) throw Error(n + ": invalid epsilon value " + std::to_string(o.eps()));
-  if (b1 < 0 || b1 >= 1) throw Error(n + ": invalid beta parameter at index 0: " + std::to_string(b1));
-  if (b2 < 0 || b2 >= 1) throw Error(n + ": invalid beta parameter at index 1: " + std::to_string(b2));
-  if (o.weight_decay() < 0) throw Error(n + ": invalid weight_decay value " + std::to_string(o.weight_decay()));
+  if (!(o.lr() >= 0)) throw Error(n + ": invalid learning rate " + std::to_string(o.lr()));
+  if (!(o.eps() >= 0)) throw Error(n + ": invalid epsilon value " + std::to_string(o.eps()));
+  if (!(b1 >= 0 && b1 < 1))
+    throw Error(n + ": invalid beta parameter at index 0: " + std::to_string(b1));
+  if (!(b2 >= 0 && b2 < 1))
+    throw Error(n + ": invalid beta parameter at index 1: " + std::to_string(b2));
+  if (!(o.weight_decay() >= 0))
+    throw Error(n + ": invalid weight_decay value " + std::to_string(o.weight_decay()));
 }
 
 /// Adam (L2 weight decay added to the gradient), as torch.optim.Adam. A class template
@@ -26937,6 +27085,7 @@ LAZYTENSOR_INLINE double LinearLR::rate(double base, std::int64_t s) const {
 // ---- begin lazytensor/optim/sgd.hpp ----
 // SGD with momentum, dampening, Nesterov and weight decay, as torch.optim.SGD.
 
+#include <cmath>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -26987,6 +27136,7 @@ class BasicSGD : public OptimizerWithOptions<SGDOptions> {
 
  private:
   void validate() const;
+  void validate_options(const SGDOptions& o) const override;
   template <FloatingElement T>
   void update(Tensor<T> p, ParamState& st, const SGDOptions& o);
 };
@@ -27043,13 +27193,22 @@ void BasicSGD<V>::validate() const {
         }
       }
     }
-    const auto& o = g.options;
-    if (o.lr() < 0) throw Error("SGD: invalid learning rate " + std::to_string(o.lr()));
-    if (o.momentum() < 0) throw Error("SGD: invalid momentum value " + std::to_string(o.momentum()));
-    if (o.weight_decay() < 0) throw Error("SGD: invalid weight_decay value " + std::to_string(o.weight_decay()));
-    if (o.nesterov() && (o.momentum() <= 0 || o.dampening() != 0)) {
-      throw Error("SGD: Nesterov momentum requires a momentum and zero dampening");
-    }
+    validate_options(g.options);
+  }
+}
+
+template <class V>
+void BasicSGD<V>::validate_options(const SGDOptions& o) const {
+  // Written so that NaN fails every check.
+  if (!(o.lr() >= 0)) throw Error("SGD: invalid learning rate " + std::to_string(o.lr()));
+  if (!(o.momentum() >= 0))
+    throw Error("SGD: invalid momentum value " + std::to_string(o.momentum()));
+  if (!(o.weight_decay() >= 0))
+    throw Error("SGD: invalid weight_decay value " + std::to_string(o.weight_decay()));
+  if (!std::isfinite(o.dampening()))
+    throw Error("SGD: invalid dampening value " + std::to_string(o.dampening()));
+  if (o.nesterov() && (o.momentum() <= 0 || o.dampening() != 0)) {
+    throw Error("SGD: Nesterov momentum requires a momentum and zero dampening");
   }
 }
 

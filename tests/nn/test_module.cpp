@@ -127,9 +127,64 @@ TEST(Module, RegistrationErrors) {
   EXPECT_THROW(m.register_parameter("w", lazy::zeros<float>({2})), lazy::Error);
   EXPECT_THROW(m.register_parameter("a.b", lazy::zeros<float>({2})), lazy::Error);
   EXPECT_THROW(m.register_parameter("u", Tensor<float>()), lazy::Error);
+  // An undefined buffer would be read by state_dict / load_state_dict.
+  EXPECT_THROW(m.register_buffer("b", lazy::AnyTensor{}), lazy::Error);
+  EXPECT_EQ(m.named_buffers().size(), 0u);
   nn::Linear empty{nullptr};
   EXPECT_THROW(empty(lazy::zeros<float>({1, 1})), lazy::Error);
   EXPECT_THROW(nn::Linear(0, 2), lazy::ShapeError);
+  // (0 features would divide by zero in forward.)
+  EXPECT_THROW(nn::BatchNorm1d(0), lazy::ShapeError);
+  EXPECT_THROW(nn::BatchNorm2d(-3), lazy::ShapeError);
+}
+
+TEST(Module, SharedModuleParametersAreListedOnce) {
+  // torch's named_parameters lists a parameter reached through two parents once, under
+  // its first name; state_dict keeps both keys.
+  auto block = nn::Linear(3, 3);
+  nn::Sequential s(block, block);
+  const auto named = s->named_parameters();
+  ASSERT_EQ(named.size(), 2u);
+  EXPECT_EQ(named[0].first, "0.weight");
+  EXPECT_EQ(named[1].first, "0.bias");
+  EXPECT_EQ(s->parameters().size(), 2u);
+  EXPECT_EQ(s->state_dict().size(), 4u);
+  // Its own state dict loads back, strictly (every key is one of its names).
+  auto sd = s->state_dict();
+  EXPECT_NO_THROW(s->load_state_dict(sd));
+  EXPECT_EQ(block->weight.to_vector(), sd.at("1.weight").as<float>().to_vector());
+}
+
+TEST(Functional, LayerNormChecksWeightAndBiasShapes) {
+  auto x = lazy::from_vector<float>({1, 2, 3, 4, 5, 6, 7, 9}, Shape{2, 4});
+  // A weight of shape (1,) would broadcast: every element scaled alike, silently.
+  EXPECT_THROW(
+      nn::functional::layer_norm(x, Shape{4}, lazy::ones<float>({1}), lazy::zeros<float>({4})),
+      lazy::ShapeError);
+  EXPECT_THROW(
+      nn::functional::layer_norm(x, Shape{4}, lazy::ones<float>({4}), lazy::zeros<float>({2, 4})),
+      lazy::ShapeError);
+  // The right shapes still give the normalized rows (mean 0, variance 1 before the affine).
+  auto y = nn::functional::layer_norm(x, Shape{4}, lazy::ones<float>({4}) * 2.0f,
+                                      lazy::zeros<float>({4}) + 1.0f)
+               .to_vector();
+  for (int r = 0; r < 2; ++r) {
+    double m = 0, v = 0;
+    for (int c = 0; c < 4; ++c) m += (y[static_cast<std::size_t>(r * 4 + c)] - 1.0) / 2.0;
+    m /= 4;
+    for (int c = 0; c < 4; ++c)
+      v += std::pow((y[static_cast<std::size_t>(r * 4 + c)] - 1.0) / 2.0 - m, 2);
+    EXPECT_NEAR(m, 0.0, 1e-5);
+    EXPECT_NEAR(v / 4, 1.0, 1e-3);
+  }
+}
+
+TEST(Functional, ProbabilitiesRejectNaN) {
+  auto x = lazy::ones<float>({2, 3});
+  auto t = lazy::from_vector<std::int64_t>({0, 2}, Shape{2});
+  EXPECT_THROW(nn::functional::cross_entropy(x, t, {.label_smoothing = std::nan("")}), lazy::Error);
+  EXPECT_THROW(nn::functional::dropout(x, std::nan(""), /*training=*/false), lazy::Error);
+  EXPECT_THROW(nn::Dropout(std::nan("")), lazy::Error);
 }
 
 TEST(Layers, LinearMatchesReferenceAndInitBounds) {

@@ -311,6 +311,13 @@ TYPED_TEST(FactoryTyped, ScalarTensor) {
   EXPECT_EQ(as_double(s.item()), 1.0);
 }
 
+TEST(Factories, RangesTooLargeForATensorRaiseShapeError) {
+  // (Converting a count past 2^63 to int64 was undefined behaviour.)
+  EXPECT_THROW(lazy::arange<float>(0, 1e19), lazy::ShapeError);
+  EXPECT_THROW(lazy::arange<float>(0, 1, 1e-300), lazy::ShapeError);
+  EXPECT_THROW(lazy::linspace<float>(0, 1, std::int64_t{1} << 62), lazy::ShapeError);
+}
+
 TEST(Factories, ScalarTensorValues) {
   EXPECT_EQ(lazy::scalar_tensor(-2.25).item(), -2.25);
   EXPECT_EQ(lazy::scalar_tensor<std::int64_t>(std::int64_t{1} << 40).item(), std::int64_t{1} << 40);

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <numeric>
 #include <type_traits>
 #include <vector>
@@ -437,6 +438,15 @@ TEST(ShapeSlice, BadInputsRaiseShapeError) {
   EXPECT_THROW(lazy::narrow(make<float>(Shape{}), 0, 0, 1), lazy::ShapeError);
   EXPECT_NO_THROW(lazy::narrow(a, 0, 4, 0));
   EXPECT_NO_THROW(lazy::narrow(a, 0, -4, 4));
+  // A step near INT64_MAX takes the first element (as torch's x[0::huge]), no overflow.
+  constexpr auto big = std::numeric_limits<std::int64_t>::max();
+  for (std::int64_t step : {big, big - 1, std::int64_t{4}}) {
+    auto s = lazy::slice(a, 0, 0, big, step);
+    ASSERT_EQ(s.shape(), (Shape{1, 5})) << step;
+    EXPECT_EQ(s.to_vector(), lazy::slice(a, 0, 0, 1).to_vector()) << step;
+  }
+  EXPECT_EQ(lazy::slice(a, 0, 1, big, big).shape(), (Shape{1, 5}));
+  EXPECT_EQ(lazy::slice(a, 0, 3, 3, big).shape(), (Shape{0, 5}));
 }
 
 // ---- cat / stack --------------------------------------------------------------------------

@@ -141,6 +141,78 @@ TEST(Optimizers, StateDictRoundTripContinuesExactly) {
   EXPECT_THROW(sgd.load_state_dict(other.state_dict()), lazy::ShapeError);
 }
 
+TEST(Optimizers, LoadedStateIsNotSharedWithTheStateDict) {
+  // Loading twice from one state dict must restore the same moments: the updates between
+  // must not reach the dict's tensors (a rollback), nor another optimizer loaded from it.
+  auto p = lazy::from_vector<float>(kInit, Shape{4}).requires_grad_();
+  optim::Adam a({p}, optim::AdamOptions(0.03));
+  run(a, p, 2);
+  const auto ck = a.state_dict();
+  const auto saved = ck.at("state.0.exp_avg").as<float>().to_vector();
+  const auto p_saved = p.to_vector();
+  auto q = lazy::from_vector<float>(p_saved, Shape{4}).requires_grad_();
+  optim::Adam b({q}, optim::AdamOptions(0.03));
+  b.load_state_dict(ck);
+  run(b, q, 3);
+  EXPECT_EQ(ck.at("state.0.exp_avg").as<float>().to_vector(), saved);
+  // b again from the dict, and a copy from it too: both continue alike from step 2.
+  auto r = lazy::from_vector<float>(p_saved, Shape{4}).requires_grad_();
+  optim::Adam c({r}, optim::AdamOptions(0.03));
+  c.load_state_dict(ck);
+  auto q2 = lazy::from_vector<float>(p_saved, Shape{4}).requires_grad_();
+  b.params(0) = {q2};
+  b.load_state_dict(ck);
+  EXPECT_EQ(run(b, q2, 2), run(c, r, 2));
+}
+
+TEST(Optimizers, LoadStateDictChecksEverythingFirst) {
+  auto p = lazy::from_vector<float>(kInit, Shape{4}).requires_grad_();
+  auto w = lazy::zeros<float>({2}).requires_grad_();
+  optim::Adam a({optim::Adam::ParamGroup{{p}, optim::AdamOptions(0.03)},
+                 optim::Adam::ParamGroup{{w}, optim::AdamOptions(0.5)}});
+  run(a, p, 1);
+  const auto good = a.state_dict();
+  // beta1 = 1 would divide by a zero bias correction: NaN parameters.
+  auto bad = good;
+  bad.metadata()["param_groups.1.beta1"] = "1";
+  EXPECT_THROW(a.load_state_dict(bad), lazy::Error);
+  bad = good;
+  bad.metadata()["param_groups.0.lr"] = "nan";
+  EXPECT_THROW(a.load_state_dict(bad), lazy::Error);
+  // Nothing changed by the failed loads: group 0 keeps its rate.
+  EXPECT_DOUBLE_EQ(a.lr(0), 0.03);
+  EXPECT_DOUBLE_EQ(a.lr(1), 0.5);
+  // A negative step count; a step saved as a float (PyTorch's form) loads.
+  bad = good;
+  bad.insert_or_assign("state.0.step", lazy::AnyTensor(lazy::full<std::int64_t>(Shape{}, -1)));
+  EXPECT_THROW(a.load_state_dict(bad), lazy::Error);
+  auto as_float = good;
+  as_float.insert_or_assign("state.0.step", lazy::AnyTensor(lazy::full<float>(Shape{}, 1.0f)));
+  EXPECT_NO_THROW(a.load_state_dict(as_float));
+  as_float.insert_or_assign("state.0.step", lazy::AnyTensor(lazy::full<float>(Shape{}, 1.5f)));
+  EXPECT_THROW(a.load_state_dict(as_float), lazy::Error);
+}
+
+TEST(Optimizers, RejectNaNOptionsAndRepeatedParameters) {
+  auto p = lazy::zeros<float>({4}).requires_grad_();
+  EXPECT_THROW(optim::Adam({p}, optim::AdamOptions(std::nan(""))), lazy::Error);
+  EXPECT_THROW(optim::Adam({p}, optim::AdamOptions(0.1).betas({std::nan(""), 0.9})), lazy::Error);
+  EXPECT_THROW(optim::SGD({p}, optim::SGDOptions(0.1).momentum(std::nan(""))), lazy::Error);
+  // The same tensor twice (or in two groups) would be updated twice per step.
+  EXPECT_THROW(optim::SGD({p, p}, optim::SGDOptions(0.1)), lazy::Error);
+  auto q = lazy::zeros<float>({4});
+  optim::SGD sgd({p}, optim::SGDOptions(0.1));
+  EXPECT_THROW(sgd.add_param_group({{p}, optim::SGDOptions(0.1)}), lazy::Error);
+  EXPECT_EQ(sgd.num_param_groups(), 1u);
+  optim::Adam adam({p}, optim::AdamOptions(0.1));
+  EXPECT_THROW(adam.add_param_group({{q}, optim::AdamOptions(0.1).betas({1.0, 0.999})}),
+               lazy::Error);
+  // A valid group is added, its parameters made to require gradients (as the constructor's).
+  adam.add_param_group({{q}, optim::AdamOptions(0.1)});
+  EXPECT_EQ(adam.num_param_groups(), 2u);
+  EXPECT_TRUE(q.requires_grad());
+}
+
 TEST(Schedulers, ClosedForms) {
   auto p = lazy::zeros<float>({1}).requires_grad_();
   optim::SGD a({p}, optim::SGDOptions(1.0));

@@ -90,7 +90,8 @@ LAZYTENSOR_INLINE void FlattenImpl::pretty_print(std::ostream& os) const {
 }
 
 LAZYTENSOR_INLINE DropoutImpl::DropoutImpl(double p) : Module("Dropout"), p_(p) {
-  if (p < 0 || p > 1) throw Error("Dropout: probability has to be between 0 and 1, but got " + std::to_string(p));
+  if (!(p >= 0 && p <= 1))
+    throw Error("Dropout: probability has to be between 0 and 1, but got " + std::to_string(p));
 }
 
 LAZYTENSOR_INLINE void DropoutImpl::pretty_print(std::ostream& os) const { os << "Dropout(p=" << p_ << ")"; }

@@ -70,7 +70,7 @@ struct CrossEntropyOptions {
 template <IndexElement I, FloatingElement F>
 Tensor<F> cross_entropy(const Tensor<F>& input, const Tensor<I>& target, CrossEntropyOptions opt = {}) {
   detail::check_targets(input, target, "cross_entropy");
-  if (opt.label_smoothing < 0 || opt.label_smoothing > 1) {
+  if (!(opt.label_smoothing >= 0 && opt.label_smoothing <= 1)) {  // (NaN too)
     throw Error("cross_entropy: label_smoothing must be in [0, 1], got " + std::to_string(opt.label_smoothing));
   }
   const std::int64_t n = input.size(0), c = input.size(1);
@@ -154,7 +154,8 @@ auto binary_cross_entropy_with_logits(const E& input, const Y& target, Reduction
 /// Zeroes elements with probability p and scales the rest by 1 / (1 - p) in training.
 template <FloatingElement F>
 Tensor<F> dropout(const Tensor<F>& x, double p = 0.5, bool training = true) {
-  if (p < 0 || p > 1) throw Error("dropout: probability has to be between 0 and 1, but got " + std::to_string(p));
+  if (!(p >= 0 && p <= 1))
+    throw Error("dropout: probability has to be between 0 and 1, but got " + std::to_string(p));
   if (!training || p == 0) return x;
   if (p == 1) return Tensor<F>(x * 0.0f);
   return Tensor<F>(x * bernoulli<F>(1 - p, x.shape(), x.device()) * static_cast<compute_t<F>>(1 / (1 - p)));
@@ -176,6 +177,13 @@ Tensor<F> layer_norm(const Tensor<F>& x, const Shape& normalized, const detail::
   if (!ok) {
     throw ShapeError("layer_norm: normalized_shape " + normalized.str() + " does not match the trailing dims of input " +
                      x.shape().str());
+  }
+  // (Not left to broadcasting: a weight of shape (1,) would scale every element alike.)
+  for (const auto* p : {&weight, &bias}) {
+    if (p->defined() && !(p->shape() == normalized)) {
+      throw ShapeError(std::string("layer_norm: expected ") + (p == &weight ? "weight" : "bias") +
+                       " of shape " + normalized.str() + ", got " + p->shape().str());
+    }
   }
   std::vector<std::int64_t> dims;
   for (int i = r - k; i < r; ++i) dims.push_back(i);

@@ -19,6 +19,7 @@
 #include <sstream>
 #include <string>
 #include <type_traits>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -201,6 +202,8 @@ LAZYTENSOR_INLINE void Module::add_parameter(const std::string& name, AnyTensor 
 
 LAZYTENSOR_INLINE AnyTensor Module::register_buffer(const std::string& name, AnyTensor t) {
   check_name(name);
+  // (state_dict and load_state_dict read every buffer's value.)
+  if (!t.defined()) throw Error(name_ + ".register_buffer: buffer '" + name + "' is undefined");
   buffers_.emplace_back(name, t);
   return t;
 }
@@ -214,6 +217,18 @@ LAZYTENSOR_INLINE std::vector<AnyTensor> Module::parameters(bool recurse) const 
 LAZYTENSOR_INLINE std::vector<std::pair<std::string, AnyTensor>> Module::named_parameters(bool recurse) const {
   std::vector<std::pair<std::string, AnyTensor>> out;
   collect_params("", recurse, out);
+  // A parameter reached twice (a module shared by two parents) is listed once, under its
+  // first name, as torch's named_parameters does: an optimizer given both would update it
+  // twice per step.
+  std::unordered_set<const graph::TensorImpl*> seen;
+  seen.reserve(out.size());
+  std::size_t kept = 0;
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    if (!seen.insert(out[i].second.impl().get()).second) continue;
+    if (kept != i) out[kept] = std::move(out[i]);  // (a self-move would empty the name)
+    ++kept;
+  }
+  out.resize(kept);
   return out;
 }
 
@@ -258,7 +273,10 @@ LAZYTENSOR_INLINE void Module::load_state_dict(const StateDict& sd, bool strict)
     plan.emplace_back(impl, *src);
   };
   std::vector<std::string> own;
-  for (auto& [n, p] : named_parameters()) {
+  // Every name, a shared parameter's too: state_dict() writes each.
+  std::vector<std::pair<std::string, AnyTensor>> params;
+  collect_params("", true, params);
+  for (auto& [n, p] : params) {
     match(n, p.impl());
     own.push_back(n);
   }

@@ -89,6 +89,10 @@ template <int Rank>
 BatchNormImpl<Rank>::BatchNormImpl(std::int64_t num_features, double eps, double momentum, bool affine,
                                    bool track_running_stats)
     : Module(Rank == 1 ? "BatchNorm1d" : "BatchNorm2d"), c_(num_features), eps_(eps), momentum_(momentum) {
+  if (num_features <= 0) {
+    throw ShapeError(name() + ": expected a positive num_features, got " +
+                     std::to_string(num_features));
+  }
   if (affine) {
     weight = register_parameter("weight", ones<float>({num_features}));
     bias = register_parameter("bias", zeros<float>({num_features}));

@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <exception>
 #include <initializer_list>
 #include <string>
 #include <vector>
@@ -10,6 +11,19 @@
 #include <lazytensor/tensor/tensor.hpp>
 
 namespace lazy {
+
+namespace detail {
+/// `n` host values for a range factory; OutOfMemoryError when they cannot be had.
+template <Element T>
+std::vector<T> host_values(std::int64_t n, const char* who) {
+  try {
+    return std::vector<T>(static_cast<std::size_t>(n));
+  } catch (const std::exception&) {  // bad_alloc, or length_error past max_size()
+    throw OutOfMemoryError(std::string(who) + ": cannot hold " + std::to_string(n) + " values of " +
+                           std::to_string(sizeof(T)) + " bytes");
+  }
+}
+}  // namespace detail
 
 /// A tensor of `shape` filled with `value` (a lazy node: no memory is touched until used).
 template <Element T, expr::Number V>
@@ -106,8 +120,15 @@ Tensor<T> arange(double start, double end, double step = 1, Device dev = device(
     throw Error("arange: upper bound and step sign are inconsistent (start " + std::to_string(start) +
                 ", end " + std::to_string(end) + ", step " + std::to_string(step) + ")");
   }
-  const auto n = static_cast<std::int64_t>(std::ceil((end - start) / step));
-  std::vector<T> v(static_cast<std::size_t>(n));
+  const double count = std::ceil((end - start) / step);
+  if (!(count <= static_cast<double>(kMaxElements))) {  // (converting a larger one is undefined)
+    throw ShapeError("arange: " + std::to_string(count) + " elements (start " +
+                     std::to_string(start) + ", end " + std::to_string(end) + ", step " +
+                     std::to_string(step) + ") is more than a tensor holds (" +
+                     std::to_string(kMaxElements) + ")");
+  }
+  const auto n = static_cast<std::int64_t>(count);
+  std::vector<T> v = detail::host_values<T>(n, "arange");
   for (std::int64_t i = 0; i < n; ++i) v[i] = static_cast<T>(start + static_cast<double>(i) * step);
   return from_vector<T>(v, Shape{static_cast<std::int64_t>(v.size())}, dev);
 }
@@ -121,7 +142,11 @@ Tensor<T> arange(double end, Device dev = device()) {
 template <Element T>
 Tensor<T> linspace(double start, double end, std::int64_t steps, Device dev = device()) {
   if (steps < 0) throw Error("linspace: number of steps must be non-negative, got " + std::to_string(steps));
-  std::vector<T> v(static_cast<std::size_t>(steps));
+  if (steps > kMaxElements) {
+    throw ShapeError("linspace: " + std::to_string(steps) + " steps is more than a tensor holds (" +
+                     std::to_string(kMaxElements) + ")");
+  }
+  std::vector<T> v = detail::host_values<T>(steps, "linspace");
   const double step = steps > 1 ? (end - start) / static_cast<double>(steps - 1) : 0;
   // Fill from both ends, as PyTorch does, so the last value is exactly `end`.
   for (std::int64_t i = 0; i < steps; ++i) {

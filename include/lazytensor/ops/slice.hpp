@@ -41,7 +41,8 @@ auto slice(const X& x, std::int64_t dim, std::int64_t start = 0,
   if (end < 0) end += size;
   start = std::clamp<std::int64_t>(start, 0, size);
   end = std::clamp<std::int64_t>(end, start, size);
-  const std::int64_t len = (end - start + step - 1) / step;
+  // (Not end - start + step - 1: a step near INT64_MAX would overflow.)
+  const std::int64_t len = end == start ? 0 : (end - start - 1) / step + 1;
   if (start == 0 && len == size && (step == 1 || size <= 1)) return t;
   Shape out = s;
   out[d] = len;

@@ -47,7 +47,7 @@ class AdamBase : public OptimizerWithOptions<Options> {
   AdamBase(const std::vector<Tensor<T>>& params, Options options = default_options())
       : AdamBase(std::vector<AnyTensor>(params.begin(), params.end()), options) {}
   AdamBase(std::vector<ParamGroup> groups) : Base(std::move(groups)) {
-    for (const auto& g : this->groups_) validate(g.options);
+    for (const auto& g : this->groups_) validate_options(g.options);
   }
 
   void step() override;
@@ -61,7 +61,7 @@ class AdamBase : public OptimizerWithOptions<Options> {
     if constexpr (Decoupled) return AdamWOptions();
     else return Options();
   }
-  void validate(const AdamOptions& o) const;
+  void validate_options(const Options& o) const override;
   template <FloatingElement T>
   void update(Tensor<T> p, ParamState& st, const AdamOptions& o);
 };
@@ -117,14 +117,18 @@ void AdamBase<Options, Decoupled>::update(Tensor<T> p, ParamState& st, const Ada
 }
 
 template <class Options, bool Decoupled>
-void AdamBase<Options, Decoupled>::validate(const AdamOptions& o) const {
+void AdamBase<Options, Decoupled>::validate_options(const Options& o) const {
+  // Written so that NaN fails every check.
   const double b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
   const std::string n = type_name();
-  if (o.lr() < 0) throw Error(n + ": invalid learning rate " + std::to_string(o.lr()));
-  if (o.eps() < 0) throw Error(n + ": invalid epsilon value " + std::to_string(o.eps()));
-  if (b1 < 0 || b1 >= 1) throw Error(n + ": invalid beta parameter at index 0: " + std::to_string(b1));
-  if (b2 < 0 || b2 >= 1) throw Error(n + ": invalid beta parameter at index 1: " + std::to_string(b2));
-  if (o.weight_decay() < 0) throw Error(n + ": invalid weight_decay value " + std::to_string(o.weight_decay()));
+  if (!(o.lr() >= 0)) throw Error(n + ": invalid learning rate " + std::to_string(o.lr()));
+  if (!(o.eps() >= 0)) throw Error(n + ": invalid epsilon value " + std::to_string(o.eps()));
+  if (!(b1 >= 0 && b1 < 1))
+    throw Error(n + ": invalid beta parameter at index 0: " + std::to_string(b1));
+  if (!(b2 >= 0 && b2 < 1))
+    throw Error(n + ": invalid beta parameter at index 1: " + std::to_string(b2));
+  if (!(o.weight_decay() >= 0))
+    throw Error(n + ": invalid weight_decay value " + std::to_string(o.weight_decay()));
 }
 
 /// Adam (L2 weight decay added to the gradient), as torch.optim.Adam. A class template

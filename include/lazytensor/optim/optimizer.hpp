@@ -9,6 +9,7 @@
 // changes the plan.
 
 #include <charconv>
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -29,6 +30,9 @@ namespace detail {
 double parse_option(const std::map<std::string, std::string>& opts, const std::string& name);
 /// The shortest text that reads back as exactly `v`.
 std::string format_option(double v);
+/// A saved step count (Error unless it is a non-negative integer of one element).
+std::int64_t saved_step(const std::string& key, const AnyTensor& t);
+std::int64_t check_step(const std::string& key, std::int64_t s);
 }  // namespace detail
 
 /// Per-parameter optimizer state: named tensors (of the parameter's dtype) plus a step count.
@@ -92,6 +96,10 @@ class Optimizer {
   /// Options of group g as strings, and back (Error on a missing or malformed value).
   virtual std::map<std::string, std::string> options_of(std::size_t g) const = 0;
   virtual void set_options_of(std::size_t g, const std::map<std::string, std::string>& opts) = 0;
+  /// Parses and checks options saved for group g without setting them (Error when
+  /// missing, malformed or invalid): load_state_dict checks every group before it sets any.
+  virtual void check_options_of(std::size_t g,
+                                const std::map<std::string, std::string>& opts) const = 0;
 
   /// State of parameter k of group g.
   ParamState& state(std::size_t g, std::size_t k);
@@ -114,16 +122,10 @@ class OptimizerWithOptions : public Optimizer {
   };
 
   OptimizerWithOptions(std::vector<ParamGroup> groups) : groups_(std::move(groups)) {
-    for (auto& g : groups_) {
-      for (auto& p : g.params) {
-        if (!p.defined()) throw Error(type_name_of() + ": got an undefined parameter");
-        if (!p.is_floating_point()) {
-          throw DTypeError(type_name_of() + ": can only optimize floating parameters, got one of dtype " +
-                           dtype_name(p.dtype()));
-        }
+    for (std::size_t g = 0; g < groups_.size(); ++g) check_params(g);
+    for (auto& g : groups_)
+      for (auto& p : g.params)
         if (!p.requires_grad()) p.requires_grad_();
-      }
-    }
   }
 
   std::size_t num_param_groups() const override { return groups_.size(); }
@@ -133,8 +135,19 @@ class OptimizerWithOptions : public Optimizer {
   using Optimizer::set_lr;
   /// The groups, with their options (libtorch's param_groups()).
   std::vector<ParamGroup>& param_groups() { return groups_; }
-  /// Adds a group (libtorch's add_param_group).
-  void add_param_group(ParamGroup g) { groups_.push_back(std::move(g)); }
+  /// Adds a group (libtorch's add_param_group), checked as the constructor checks its groups.
+  void add_param_group(ParamGroup g) {
+    validate_options(g.options);
+    groups_.push_back(std::move(g));
+    try {
+      check_params(groups_.size() - 1);
+    } catch (...) {
+      groups_.pop_back();
+      throw;
+    }
+    for (auto& p : groups_.back().params)
+      if (!p.requires_grad()) p.requires_grad_();
+  }
 
  protected:
   const std::vector<AnyTensor>& const_params(std::size_t g) const override { return groups_.at(g).params; }
@@ -142,7 +155,37 @@ class OptimizerWithOptions : public Optimizer {
   void set_options_of(std::size_t g, const std::map<std::string, std::string>& opts) override {
     groups_.at(g).options = Options::from_map(opts);
   }
+  void check_options_of(std::size_t,
+                        const std::map<std::string, std::string>& opts) const override {
+    validate_options(Options::from_map(opts));
+  }
+  /// The optimizer's rules for one group's options (Error naming the invalid one).
+  virtual void validate_options(const Options&) const {}
   virtual std::string type_name_of() const { return "Optimizer"; }
+
+  /// Group g's parameters are defined and floating, and none is in an earlier group or
+  /// twice in this one (it would be updated twice per step).
+  void check_params(std::size_t g) const {
+    for (std::size_t k = 0; k < groups_[g].params.size(); ++k) {
+      const AnyTensor& p = groups_[g].params[k];
+      if (!p.defined()) throw Error(type_name_of() + ": got an undefined parameter");
+      if (!p.is_floating_point()) {
+        throw DTypeError(type_name_of() +
+                         ": can only optimize floating parameters, got one of dtype " +
+                         dtype_name(p.dtype()));
+      }
+      for (std::size_t h = 0; h <= g; ++h) {
+        const auto& other = groups_[h].params;
+        for (std::size_t j = 0; j < (h == g ? k : other.size()); ++j) {
+          if (other[j].impl() == p.impl()) {
+            throw Error(type_name_of() + ": parameter " + std::to_string(k) + " of group " +
+                        std::to_string(g) + " appears more than once (also parameter " +
+                        std::to_string(j) + " of group " + std::to_string(h) + ")");
+          }
+        }
+      }
+    }
+  }
 
   std::vector<ParamGroup> groups_;
 };
@@ -161,6 +204,42 @@ LAZYTENSOR_INLINE double parse_option(const std::map<std::string, std::string>& 
     throw Error("Optimizer::load_state_dict: option '" + name + "' is not a number: '" + it->second + "'");
   }
   return v;
+}
+
+LAZYTENSOR_INLINE std::int64_t saved_step(const std::string& key, const AnyTensor& t) {
+  // int64 as state_dict() writes it; a floating count as PyTorch's optimizers save theirs.
+  if (t.numel() != 1) {
+    throw ShapeError("Optimizer::load_state_dict: '" + key + "' (a step count) has shape " +
+                     t.shape().str() + ", expected one element");
+  }
+  double v = 0;
+  switch (t.dtype()) {
+    case DType::Int64:
+      return check_step(key, t.as<std::int64_t>().item());
+    case DType::Int32:
+      return check_step(key, t.as<std::int32_t>().item());
+    case DType::Float32:
+      v = t.as<float>().item();
+      break;
+    case DType::Float64:
+      v = t.as<double>().item();
+      break;
+    default:
+      throw DTypeError("Optimizer::load_state_dict: '" + key + "' (a step count) has dtype " +
+                       dtype_name(t.dtype()) + ", expected int64, int32, float32 or float64");
+  }
+  if (!(v >= 0 && v < 9.0e18 && v == std::floor(v))) {
+    throw Error("Optimizer::load_state_dict: '" + key +
+                "' is not a step count: " + std::to_string(v));
+  }
+  return static_cast<std::int64_t>(v);
+}
+
+LAZYTENSOR_INLINE std::int64_t check_step(const std::string& key, std::int64_t s) {
+  if (s < 0)
+    throw Error("Optimizer::load_state_dict: '" + key +
+                "' is a negative step count: " + std::to_string(s));
+  return s;
 }
 
 LAZYTENSOR_INLINE std::string format_option(double v) {
@@ -209,6 +288,18 @@ LAZYTENSOR_INLINE void Optimizer::load_state_dict(const StateDict& sd) {
     throw Error("Optimizer::load_state_dict: expected a state dict of a " + type_name() + " optimizer, found " +
                 (it == sd.metadata().end() ? std::string("none") : it->second));
   }
+  // Every group's options, checked before anything changes.
+  std::vector<std::map<std::string, std::string>> group_options(num_param_groups());
+  for (std::size_t g = 0; g < num_param_groups(); ++g) {
+    const std::string prefix = "param_groups." + std::to_string(g) + ".";
+    for (const auto& [k, v] : sd.metadata())
+      if (k.rfind(prefix, 0) == 0) group_options[g][k.substr(prefix.size())] = v;
+    try {
+      check_options_of(g, group_options[g]);
+    } catch (const Error& e) {
+      throw Error("Optimizer::load_state_dict: group " + std::to_string(g) + ": " + e.what());
+    }
+  }
   std::map<std::pair<std::size_t, std::size_t>, ParamState> loaded;
   std::size_t i = 0, total = 0;
   for (std::size_t g = 0; g < num_param_groups(); ++g) total += const_params(g).size();
@@ -233,7 +324,7 @@ LAZYTENSOR_INLINE void Optimizer::load_state_dict(const StateDict& sd) {
         any = true;
         const std::string field = name.substr(prefix.size());
         if (field == "step") {
-          st.step = t.as<std::int64_t>().item();
+          st.step = detail::saved_step(name, t);
           continue;
         }
         const AnyTensor& param = const_params(g)[k];
@@ -245,18 +336,14 @@ LAZYTENSOR_INLINE void Optimizer::load_state_dict(const StateDict& sd) {
           throw DTypeError("Optimizer::load_state_dict: '" + name + "' has dtype " + dtype_name(t.dtype()) +
                            ", the parameter has dtype " + dtype_name(param.dtype()));
         }
-        st.tensors[field] = t.to(param.device());
+        // A handle of its own: the update rebinds it in place, which must not reach the
+        // caller's state dict (or another optimizer loaded from it).
+        st.tensors[field] = t.to(param.device()).detach();
       }
       if (any) loaded[key(g, k)] = std::move(st);
     }
   }
-  for (std::size_t g = 0; g < num_param_groups(); ++g) {
-    std::map<std::string, std::string> opts;
-    const std::string prefix = "param_groups." + std::to_string(g) + ".";
-    for (const auto& [k, v] : sd.metadata())
-      if (k.rfind(prefix, 0) == 0) opts[k.substr(prefix.size())] = v;
-    set_options_of(g, opts);
-  }
+  for (std::size_t g = 0; g < num_param_groups(); ++g) set_options_of(g, group_options[g]);
   state_ = std::move(loaded);
 }
 

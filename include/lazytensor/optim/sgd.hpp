@@ -1,6 +1,7 @@
 #pragma once
 // SGD with momentum, dampening, Nesterov and weight decay, as torch.optim.SGD.
 
+#include <cmath>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -53,6 +54,7 @@ class BasicSGD : public OptimizerWithOptions<SGDOptions> {
 
  private:
   void validate() const;
+  void validate_options(const SGDOptions& o) const override;
   template <FloatingElement T>
   void update(Tensor<T> p, ParamState& st, const SGDOptions& o);
 };
@@ -109,13 +111,22 @@ void BasicSGD<V>::validate() const {
         }
       }
     }
-    const auto& o = g.options;
-    if (o.lr() < 0) throw Error("SGD: invalid learning rate " + std::to_string(o.lr()));
-    if (o.momentum() < 0) throw Error("SGD: invalid momentum value " + std::to_string(o.momentum()));
-    if (o.weight_decay() < 0) throw Error("SGD: invalid weight_decay value " + std::to_string(o.weight_decay()));
-    if (o.nesterov() && (o.momentum() <= 0 || o.dampening() != 0)) {
-      throw Error("SGD: Nesterov momentum requires a momentum and zero dampening");
-    }
+    validate_options(g.options);
+  }
+}
+
+template <class V>
+void BasicSGD<V>::validate_options(const SGDOptions& o) const {
+  // Written so that NaN fails every check.
+  if (!(o.lr() >= 0)) throw Error("SGD: invalid learning rate " + std::to_string(o.lr()));
+  if (!(o.momentum() >= 0))
+    throw Error("SGD: invalid momentum value " + std::to_string(o.momentum()));
+  if (!(o.weight_decay() >= 0))
+    throw Error("SGD: invalid weight_decay value " + std::to_string(o.weight_decay()));
+  if (!std::isfinite(o.dampening()))
+    throw Error("SGD: invalid dampening value " + std::to_string(o.dampening()));
+  if (o.nesterov() && (o.momentum() <= 0 || o.dampening() != 0)) {
+    throw Error("SGD: Nesterov momentum requires a momentum and zero dampening");
   }
 }
 
