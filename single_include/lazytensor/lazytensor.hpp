@@ -11187,6 +11187,7 @@ LAZYTENSOR_INLINE std::string graph_dot(const std::vector<graph::NodePtr>& roots
 // its result (a collective skipped on one replica would leave the others waiting).
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -11335,6 +11336,10 @@ void check_reduction(ReduceOp op, double scale, const char* where) {
     return std::string(where) + "(" + reduce_op_name(op) + ") on a " + dtype_name(dtype_of<T>()) +
            " tensor";
   };
+  if (static_cast<unsigned>(op) > static_cast<unsigned>(ReduceOp::Max)) {
+    throw Error(std::string(where) + ": invalid ReduceOp " + std::to_string(static_cast<int>(op)) +
+                " (expected Sum, Mul, And, Or, Min or Max)");
+  }
   if constexpr (is_floating_v<T>) {
     if (op == ReduceOp::And || op == ReduceOp::Or) {
       throw DTypeError(what() + ": and/or need an integral or bool tensor (found a floating dtype)");
@@ -11784,7 +11789,9 @@ using core::cpu_relax;
 std::chrono::milliseconds collective_timeout();
 
 /// Sets the collective timeout for every replica of this process (default 300 s, or
-/// LAZYTENSOR_COLLECTIVE_TIMEOUT seconds). Takes effect at the next wait.
+/// LAZYTENSOR_COLLECTIVE_TIMEOUT seconds). Takes effect at the next wait. A timeout above
+/// 1e9 s (milliseconds::max() for "never", say) waits 1e9 s, about 31 years: a deadline
+/// further away would overflow the clock.
 void set_collective_timeout(std::chrono::milliseconds t);
 
 namespace detail {
@@ -11951,7 +11958,9 @@ LAZYTENSOR_INLINE void set_collective_timeout(std::chrono::milliseconds t) {
     throw Error("set_collective_timeout: the timeout must be > 0 ms, got " +
                 std::to_string(t.count()) + " ms");
   }
-  detail::timeout_ms().store(t.count());
+  constexpr std::int64_t longest =
+      std::int64_t{1'000'000'000} * 1000;  // 1e9 s, as the variable allows
+  detail::timeout_ms().store(std::min(t.count(), longest));
 }
 }  // namespace lazy::dist
 
@@ -13912,6 +13921,22 @@ inline ReplicaContext*& current_context() {
   return ctx;
 }
 
+/// Whether a spawn runs in this process (set by spawn for its whole run).
+inline std::atomic<bool>& spawn_running() {
+  static std::atomic<bool> running{false};
+  return running;
+}
+
+/// CollectiveError when this thread is not a replica while a spawn runs: a collective there
+/// would be a world of one and return its input unreduced, without a word.
+inline void check_collective_thread(const char* op) {
+  if (!current_context() && spawn_running().load(std::memory_order_acquire)) {
+    throw CollectiveError(std::string(op) +
+                          ": called on a thread that is not a replica while spawn runs (a "
+                          "collective runs on the replica threads spawn started)");
+  }
+}
+
 /// Everything an exchange needs when it runs, captured when it is traced.
 struct CollectiveCall {
   std::shared_ptr<GroupComm> comm;  ///< null for a group of one (nothing to exchange)
@@ -14032,6 +14057,7 @@ LAZYTENSOR_INLINE CollectiveCall capture(Signature sig,
 LAZYTENSOR_INLINE std::shared_ptr<const std::vector<int>> group_of(const Groups& groups,
                                                                    const char* op) {
   ReplicaContext* ctx = current_context();
+  check_collective_thread(op);
   if (!groups.empty() || !ctx) {
     return std::make_shared<const std::vector<int>>(
         resolve_group(groups, world_size_now(), ordinal_now(), op));
@@ -14049,6 +14075,7 @@ LAZYTENSOR_INLINE std::shared_ptr<const std::vector<int>> group_of(const Groups&
 LAZYTENSOR_INLINE CollectiveCall capture_among(Signature sig, std::vector<int> replicas,
                                                const char* op) {
   if (replicas.empty()) return capture(std::move(sig), group_of({}, op));
+  check_collective_thread(op);
   const int world = world_size_now(), me = ordinal_now();
   std::sort(replicas.begin(), replicas.end());
   const std::string where = std::string(op) + ": invalid replicas " + list_str(replicas) + ": ";
@@ -14780,10 +14807,11 @@ std::vector<Tensor<T>> trace(CollectiveCall call, Make&& make,
   return res;
 }
 
-/// The result nodes of an all_reduce of `tensors` (one exchange; see below).
+/// The result nodes of an all_reduce of `tensors` (one exchange; see below). A non-empty
+/// `tag` joins the signature: replicas whose tags differ raise CollectiveMismatch.
 template <Element T>
 std::vector<graph::NodePtr> all_reduce_nodes(ReduceOp op, std::span<const Tensor<T>> tensors,
-                                             const AllReduceOptions& opts) {
+                                             const AllReduceOptions& opts, std::string tag = {}) {
   check_reduction<T>(op, opts.scale, "all_reduce");
   if (tensors.empty()) return {};
   std::vector<graph::NodePtr> nodes;
@@ -14802,6 +14830,7 @@ std::vector<graph::NodePtr> all_reduce_nodes(ReduceOp op, std::span<const Tensor
   sig.tensors = static_cast<int>(tensors.size());
   sig.shapes_hash = shapes.value();
   sig.scale = opts.scale;
+  sig.tag = std::move(tag);
   return trace_nodes(
       capture(std::move(sig), group_of(opts.groups, "all_reduce")),
       [&](CollectiveCall c, const graph::NodePtr& after) {
@@ -14831,12 +14860,21 @@ Tensor<T> all_reduce(ReduceOp op, const Tensor<T>& t, const AllReduceOptions& op
   return Tensor<T>(std::move(detail::all_reduce_nodes<T>(op, std::span(&t, 1), opts).front()));
 }
 
+namespace detail {
+/// all_reduce_ of a list with a tag in its signature (see all_reduce_nodes).
+template <Element T>
+void all_reduce_tagged_(ReduceOp op, std::vector<Tensor<T>>& tensors, const AllReduceOptions& opts,
+                        std::string tag) {
+  auto res = all_reduce_nodes<T>(op, tensors, opts, std::move(tag));
+  for (std::size_t i = 0; i < tensors.size(); ++i) tensors[i].impl()->node = std::move(res[i]);
+}
+}  // namespace detail
+
 /// In-place all_reduce of a list (one exchange), as xm.all_reduce on a list: every tensor
 /// object is rebound to its reduced value, so all handles sharing it see the result.
 template <Element T>
 void all_reduce_(ReduceOp op, std::vector<Tensor<T>>& tensors, const AllReduceOptions& opts = {}) {
-  auto res = all_reduce(op, static_cast<const std::vector<Tensor<T>>&>(tensors), opts);
-  for (std::size_t i = 0; i < tensors.size(); ++i) tensors[i].impl()->node = res[i].node();
+  detail::all_reduce_tagged_(op, tensors, opts, {});
 }
 
 /// In-place all_reduce of one tensor.
@@ -16008,6 +16046,11 @@ inline std::size_t gradient_bucket_bytes() {
 /// same buckets; set it before spawn). Error when `bytes` is 0.
 void set_gradient_bucket_bytes(std::size_t bytes);
 
+namespace detail {
+/// Ascending indices as "0-3, 5, 7-8".
+std::string ranges(const std::vector<std::size_t>& v);
+}  // namespace detail
+
 /// All-reduces the gradient of every parameter of `optimizer` that has one to the mean over
 /// this replica's group (sum times 1 / group size), in place (each parameter's .grad() then
 /// holds the mean), in coalesced buckets (see the file comment), as xm.reduce_gradients.
@@ -16035,6 +16078,22 @@ void optimizer_step(optim::Optimizer& optimizer, bool barrier = false, const Gro
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace lazy::dist {
+LAZYTENSOR_INLINE std::string detail::ranges(const std::vector<std::size_t>& v) {
+  std::string s;
+  for (std::size_t i = 0; i < v.size();) {
+    std::size_t j = i;
+    while (j + 1 < v.size() && v[j + 1] == v[j] + 1) ++j;
+    if (!s.empty()) s += ", ";
+    s += std::to_string(v[i]);
+    if (j > i) {
+      s += '-';
+      s += std::to_string(v[j]);
+    }
+    i = j + 1;
+  }
+  return s;
+}
+
 LAZYTENSOR_INLINE void set_gradient_bucket_bytes(std::size_t bytes) {
   if (bytes == 0) throw Error("set_gradient_bucket_bytes: the bucket size must be > 0 bytes");
   detail::bucket_bytes_setting().store(bytes, std::memory_order_relaxed);
@@ -16058,32 +16117,48 @@ void reduce_gradients(optim::Optimizer& optimizer, const Groups& groups) {
     std::vector<Tensor<double>> f64;
     std::vector<Tensor<bfloat16>> bf16;
     std::size_t bytes[3] = {0, 0, 0};
+    std::vector<std::size_t> params[3];  // which parameters' gradients (their optimizer index)
   } b;
-  auto flush = [&](auto& bucket, std::size_t& bytes) {
-    if (!bucket.empty()) all_reduce_(ReduceOp::Sum, bucket, opts);
+  // The parameters' indices join the bucket's signature: replicas that have gradients for
+  // different parameters (a branch taken on one only) would otherwise sum one parameter's
+  // gradient into another's of the same shape without a word.
+  auto flush = [&](auto& bucket, int k) {
+    if (!bucket.empty())
+      detail::all_reduce_tagged_(ReduceOp::Sum, bucket, opts,
+                                 "gradients of parameters " + detail::ranges(b.params[k]));
     bucket.clear();
-    bytes = 0;
+    b.bytes[k] = 0;
+    b.params[k].clear();
   };
-  auto add = [&](auto& bucket, std::size_t& bytes, auto grad) {
+  auto add = [&](auto& bucket, int k, auto grad, std::size_t index) {
     const std::size_t nbytes = static_cast<std::size_t>(grad.numel()) * sizeof(typename decltype(grad)::value_type);
-    if (!bucket.empty() && bytes + nbytes > cap) flush(bucket, bytes);
+    if (!bucket.empty() && b.bytes[k] + nbytes > cap) flush(bucket, k);
     bucket.push_back(std::move(grad));
-    bytes += nbytes;
+    b.bytes[k] += nbytes;
+    b.params[k].push_back(index);
   };
+  std::size_t index = 0;
   for (std::size_t g = 0; g < optimizer.num_param_groups(); ++g) {
     for (const auto& p : optimizer.params(g)) {
+      const std::size_t i = index++;
       const AnyTensor grad = p.grad();  // shares the gradient object: all_reduce_ rebinds it
       if (!grad.defined() || !seen.insert(p.impl().get()).second) continue;
       switch (grad.dtype()) {
-        case DType::Float64: add(b.f64, b.bytes[1], grad.as<double>()); break;
-        case DType::BFloat16: add(b.bf16, b.bytes[2], grad.as<bfloat16>()); break;
-        default: add(b.f32, b.bytes[0], grad.as<float>()); break;
+        case DType::Float64:
+          add(b.f64, 1, grad.as<double>(), i);
+          break;
+        case DType::BFloat16:
+          add(b.bf16, 2, grad.as<bfloat16>(), i);
+          break;
+        default:
+          add(b.f32, 0, grad.as<float>(), i);
+          break;
       }
     }
   }
-  flush(b.f32, b.bytes[0]);
-  flush(b.f64, b.bytes[1]);
-  flush(b.bf16, b.bytes[2]);
+  flush(b.f32, 0);
+  flush(b.f64, 1);
+  flush(b.bf16, 2);
 }
 
 template <class>
@@ -16909,6 +16984,17 @@ auto spawn(F&& fn, int nprocs) {
   }
   std::unique_lock guard(detail::spawn_mutex(), std::try_to_lock);
   if (!guard.owns_lock()) throw Error("spawn: another spawn is already running in this process");
+  // (Under the lock: use_spmd holds it while it turns SPMD mode on.)
+  if (graph::step_every_device().load(std::memory_order_acquire)) {
+    // (Each replica's mark_step would step every device, from several threads.)
+    throw Error(
+        "spawn: SPMD mode is on (use_spmd): one program thread drives every device there, "
+        "so replicas of their own cannot run");
+  }
+  detail::spawn_running().store(true, std::memory_order_release);
+  struct NotRunning {
+    ~NotRunning() { detail::spawn_running().store(false, std::memory_order_release); }
+  } not_running;
 
   auto processes = detail::join_process_world(nprocs);  // null: this process is the world
   detail::WorldLayout layout;
@@ -18918,6 +19004,7 @@ std::string tuple_text(const std::vector<std::int64_t>& sizes);
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 #include <algorithm>
+#include <limits>
 #include <mutex>
 #include <set>
 
@@ -18933,6 +19020,11 @@ LAZYTENSOR_INLINE int LogicalMesh::at(const std::vector<std::int64_t>& coords) c
       throw Error("LogicalMesh::at: coordinate " + std::to_string(coords[i]) + " out of range for axis " +
                   std::to_string(i) + " of size " + std::to_string(shape[i]));
     p = p * shape[i] + coords[i];
+  }
+  if (static_cast<std::size_t>(p) >= device_ids.size()) {
+    throw Error("LogicalMesh::at: position " + std::to_string(p) + " of shape " +
+                detail::tuple_text(shape) + " but only " + std::to_string(device_ids.size()) +
+                " device ids");
   }
   return device_ids[static_cast<std::size_t>(p)];
 }
@@ -18954,6 +19046,12 @@ LAZYTENSOR_INLINE Mesh::Mesh(std::vector<int> device_ids, std::vector<std::int64
   std::int64_t product = 1;
   for (auto s : shape_) {
     if (s < 1) throw Error("Mesh: mesh shape " + detail::tuple_text(shape_) + " has a size below 1");
+    // (No more devices than an int names: checked before the product can overflow.)
+    if (s > std::numeric_limits<int>::max() / product) {
+      throw Error("Mesh: mesh shape " + detail::tuple_text(shape_) +
+                  " holds more devices than there can be (" + std::to_string(ids_.size()) +
+                  " device ids were given)");
+    }
     product *= s;
   }
   if (product != static_cast<std::int64_t>(ids_.size()))
@@ -18987,6 +19085,10 @@ LAZYTENSOR_INLINE std::vector<std::pair<std::string, std::int64_t>> Mesh::shape(
 }
 
 LAZYTENSOR_INLINE std::vector<std::int64_t> Mesh::coordinates(int position) const {
+  if (position < 0 || static_cast<std::size_t>(position) >= ids_.size()) {
+    throw IndexError("Mesh::coordinates: position " + std::to_string(position) +
+                     " out of range for a mesh of " + std::to_string(ids_.size()) + " devices");
+  }
   std::vector<std::int64_t> c(shape_.size());
   std::int64_t p = position;
   for (std::size_t i = shape_.size(); i-- > 0;) {
@@ -19024,6 +19126,9 @@ LAZYTENSOR_INLINE std::vector<std::int64_t> detail::hybrid_shape(const std::vect
   for (std::size_t i = 0; i < ici.size(); ++i) {
     if (ici[i] < 1 || dcn[i] < 1)
       throw Error("HybridMesh: sizes must be at least 1, got ici " + tuple_text(ici) + ", dcn " + tuple_text(dcn));
+    if (ici[i] > std::numeric_limits<int>::max() / dcn[i])
+      throw Error("HybridMesh: ici " + tuple_text(ici) + " times dcn " + tuple_text(dcn) +
+                  " overflows");
     s[i] = ici[i] * dcn[i];
   }
   return s;
@@ -19154,6 +19259,8 @@ struct Sharding {
   std::vector<std::pair<std::int64_t, std::int64_t>> block(int position, const Shape& global) const;
   /// The shape of the block every device holds.
   Shape block_shape(const Shape& global) const;
+  /// ShapeError unless `global` has one dimension per entry of `dims`.
+  void check_rank(const Shape& global, const char* who) const;
   /// The sharding as torch_xla's _get_xla_sharding_spec prints it (XLA's HloSharding
   /// text): `{replicated}`, `{devices=[2,1]0,1}`, or with replication along unused axes
   /// `{devices=[2,1,2]0,1,2,3 last_tile_dim_replicate}`.
@@ -19227,6 +19334,7 @@ LAZYTENSOR_INLINE std::int64_t Sharding::part_of(int position, int d) const {
 
 LAZYTENSOR_INLINE std::vector<std::pair<std::int64_t, std::int64_t>> Sharding::block(int position,
                                                                                       const Shape& global) const {
+  check_rank(global, "Sharding::block");
   std::vector<std::pair<std::int64_t, std::int64_t>> r(static_cast<std::size_t>(global.rank()));
   for (int d = 0; d < global.rank(); ++d) {
     const std::int64_t n = parts(d), size = global[d] / n, i = part_of(position, d);
@@ -19235,7 +19343,16 @@ LAZYTENSOR_INLINE std::vector<std::pair<std::int64_t, std::int64_t>> Sharding::b
   return r;
 }
 
+LAZYTENSOR_INLINE void Sharding::check_rank(const Shape& global, const char* who) const {
+  if (global.rank() != static_cast<int>(dims.size())) {
+    throw ShapeError(std::string(who) + ": the sharding has " + std::to_string(dims.size()) +
+                     " dimensions, the shape " + global.str() + " has " +
+                     std::to_string(global.rank()));
+  }
+}
+
 LAZYTENSOR_INLINE Shape Sharding::block_shape(const Shape& global) const {
+  check_rank(global, "Sharding::block_shape");
   Shape s = global;
   for (int d = 0; d < global.rank(); ++d) s[d] = global[d] / parts(d);
   return s;
@@ -27744,6 +27861,30 @@ LAZYTENSOR_INLINE std::vector<graph::NodePtr> all_reduce(const std::vector<graph
   // by the program thread only).
   static std::map<const graph::Device*, std::weak_ptr<graph::Node>> last;
   static std::uint64_t rounds = 0;  // every process of a span traces the same rounds
+  if (static_cast<unsigned>(op) > static_cast<unsigned>(Combine::Min)) {
+    throw Error("spmd all_reduce: invalid Combine " + std::to_string(static_cast<int>(op)) +
+                " (expected Sum, Prod, Max or Min)");
+  }
+  // Every member combines numel() elements of every input: they must agree.
+  for (std::size_t i = 0; i < pieces.size(); ++i) {
+    if (!pieces[i]) throw Error("spmd all_reduce: piece " + std::to_string(i) + " is null");
+    const graph::Node &p = *pieces[i], &first = *pieces[0];
+    if (p.dtype() != first.dtype()) {
+      throw DTypeError("spmd all_reduce: piece " + std::to_string(i) + " has dtype " +
+                       dtype_name(p.dtype()) + ", piece 0 " + dtype_name(first.dtype()));
+    }
+    if (!(p.shape() == first.shape())) {
+      throw ShapeError("spmd all_reduce: piece " + std::to_string(i) + " has shape " +
+                       p.shape().str() + ", piece 0 " + first.shape().str());
+    }
+    for (std::size_t j = 0; j < i; ++j) {
+      if (pieces[j]->device() == p.device()) {
+        throw DeviceError("spmd all_reduce: pieces " + std::to_string(j) + " and " +
+                          std::to_string(i) + " are both on " + p.device()->str() +
+                          " (expected one piece per device)");
+      }
+    }
+  }
   count.add();
   std::vector<graph::Device*> members;
   for (const auto& p : pieces) members.push_back(p->device());
@@ -28582,6 +28723,12 @@ namespace lazy::spmd {
 LAZYTENSOR_INLINE void use_spmd() {
   if (dist::detail::current_context())
     throw Error("use_spmd: called inside spawn; SPMD mode drives every device from one program thread");
+  // Nor beside one (the replicas' mark_step would then step every device): held until SPMD
+  // mode is on, so a spawn starting meanwhile sees it.
+  std::unique_lock spawning(dist::detail::spawn_mutex(), std::try_to_lock);
+  if (!spawning.owns_lock())
+    throw Error(
+        "use_spmd: a spawn is running; SPMD mode drives every device from one program thread");
   if (is_spmd()) return;
   if (auto join = detail::process_join_hook().load(std::memory_order_acquire)) join();
   const int n = device_count();
@@ -28645,12 +28792,14 @@ std::string visualize(const graph::NodePtr& value);
 /// resolve_sharding). A sharded tensor is resharded.
 template <Element T>
 Tensor<T>& mark_sharding(Tensor<T>& t, const Mesh& mesh, const PartitionSpec& spec) {
+  if (!t.defined()) throw Error("mark_sharding: expected a defined tensor, got an undefined one");
   detail::mark_node(*t.impl(), mesh, spec);
   return t;
 }
 
 /// mark_sharding of a tensor of any dtype (a module's parameters()).
 inline AnyTensor& mark_sharding(AnyTensor& t, const Mesh& mesh, const PartitionSpec& spec) {
+  if (!t.defined()) throw Error("mark_sharding: expected a defined tensor, got an undefined one");
   detail::mark_node(*t.impl(), mesh, spec);
   return t;
 }
@@ -28665,6 +28814,7 @@ Tensor<T>& mark_sharding(Tensor<T>& t, const ShardingSpec& spec) {
 /// tensor's device, unsharded. A tensor that is not sharded is left as it is.
 template <Element T>
 Tensor<T>& clear_sharding(Tensor<T>& t) {
+  if (!t.defined()) throw Error("clear_sharding: expected a defined tensor, got an undefined one");
   detail::clear_node(*t.impl());
   return t;
 }

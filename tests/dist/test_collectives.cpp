@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <future>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -349,6 +350,42 @@ TEST(AllReduce, Bfloat16AccumulatesInFloatAndRoundsOnce) {
       },
       3);
   EXPECT_EQ(got, 258.0f);
+}
+
+TEST(Collectives, OnAThreadThatIsNotAReplicaWhileSpawnRunsAreAnError) {
+  // Such a thread has no replica context: its collective was a world of one and returned
+  // the input unreduced.
+  std::vector<float> got(2, 0.0f);
+  dist::spawn(
+      [&](int r) {
+        if (r == 0) {
+          auto side = std::async(std::launch::async, [] {
+            return dist::all_reduce(ReduceOp::Sum, lazy::from_vector<float>({1.0f})).item();
+          });
+          EXPECT_THROW(side.get(), lazy::CollectiveError);
+          auto host = std::async(std::launch::async, [] { dist::barrier("side"); });
+          EXPECT_THROW(host.get(), lazy::CollectiveError);
+        }
+        got[static_cast<std::size_t>(r)] =
+            dist::all_reduce(ReduceOp::Sum, lazy::from_vector<float>({1.0f})).item();
+      },
+      2);
+  EXPECT_EQ(got, (std::vector<float>{2.0f, 2.0f}));
+  // After spawn a thread of its own is a world of one again.
+  EXPECT_EQ(
+      std::async(
+          std::launch::async,
+          [] { return dist::all_reduce(ReduceOp::Sum, lazy::from_vector<float>({3.0f})).item(); })
+          .get(),
+      3.0f);
+}
+
+TEST(AllReduce, AnOpOutsideTheEnumIsRejected) {
+  // (A value read from a configuration: no case of the reduction matched it, and the
+  // result was whatever the pool's buffer held.)
+  auto t = lazy::from_vector<float>({1.0f, 2.0f});
+  EXPECT_THROW((void)dist::all_reduce(static_cast<ReduceOp>(9), t), lazy::Error);
+  EXPECT_THROW((void)dist::all_reduce(static_cast<ReduceOp>(-1), t), lazy::Error);
 }
 
 TEST(AllReduce, ScaleMultipliesTheReducedValue) {

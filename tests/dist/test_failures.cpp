@@ -165,6 +165,27 @@ TEST(Timeout, EnvironmentVariableSetsTheDefault) {
   EXPECT_THROW(dist::set_collective_timeout(std::chrono::milliseconds(0)), lazy::Error);
 }
 
+TEST(Timeout, TheLongestTimeoutMeansNever) {
+  // milliseconds::max() put the deadline past the clock's range (it wrapped into the past):
+  // a partner a few milliseconds late timed out at once.
+  Watchdog dog;
+  struct Restore {  // (the other tests' timeouts, whatever happens below)
+    std::chrono::milliseconds old = dist::collective_timeout();
+    ~Restore() { dist::set_collective_timeout(old); }
+  } restore;
+  dist::set_collective_timeout(std::chrono::milliseconds::max());
+  EXPECT_EQ(dist::collective_timeout(), std::chrono::seconds(1'000'000'000));
+  std::vector<float> got(2, 0.0f);
+  dist::spawn(
+      [&](int r) {
+        if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(30));
+        got[static_cast<std::size_t>(r)] =
+            dist::all_reduce(ReduceOp::Sum, lazy::from_vector<float>({1.0f})).item();
+      },
+      2);
+  EXPECT_EQ(got, (std::vector<float>{2.0f, 2.0f}));
+}
+
 TEST(Abort, AFailingReplicaWakesEveryWaiterAndSpawnRethrowsItsError) {
   Watchdog dog;  // the default 300 s timeout stays: the abort must wake them, not a timeout
   std::vector<std::string> caught(4);

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <latch>
 #include <set>
+#include <string>
 #include <vector>
 
 #include <lazytensor/nn.hpp>
@@ -285,6 +286,36 @@ TEST(OptimizerStep, ReplicasWithDifferentGradientsAreAMismatchNotAHang) {
                    },
                    2),
                lazy::CollectiveMismatch);
+}
+
+TEST(OptimizerStep, GradientsOfDifferentParametersOfOneShapeAreAMismatch) {
+  Watchdog dog;
+  // Each replica has a gradient for one of two parameters of the same shape: the buckets
+  // agree in count and shapes, and summing one's gradient into the other's would go
+  // unnoticed unless the parameters themselves are compared.
+  std::vector<std::string> caught(2);
+  try {
+    dist::spawn(
+        [&](int r) {
+          auto a = lazy::zeros<float>({4}).requires_grad_(),
+               b = lazy::zeros<float>({4}).requires_grad_();
+          lazy::optim::SGD opt({a, b}, lazy::optim::SGDOptions(kLr));
+          lazy::sum((r == 0 ? a : b) * 2.0f).backward();
+          try {
+            dist::optimizer_step(opt, true);
+            (void)a.to_vector();  // (the step's error surfaces at the next read)
+          } catch (const lazy::CollectiveMismatch& e) {
+            caught[static_cast<std::size_t>(r)] = e.what();
+            throw;
+          }
+        },
+        2);
+    FAIL() << "expected a CollectiveMismatch";
+  } catch (const lazy::CollectiveMismatch&) {
+  }
+  const std::string both = caught[0] + caught[1];
+  EXPECT_NE(both.find("gradients of parameters 0"), std::string::npos) << both;
+  EXPECT_NE(both.find("gradients of parameters 1"), std::string::npos) << both;
 }
 
 }  // namespace

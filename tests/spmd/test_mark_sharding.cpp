@@ -97,6 +97,20 @@ TEST(SpmdMarkSharding, ErrorsOfTheAnnotation) {
   // The failed annotation left the tensor as it was.
   EXPECT_EQ(spmd::sharding_spec(t), "");
   EXPECT_THROW(spmd::mark_sharding(t, mesh, {std::nullopt, std::nullopt, 0}), lazy::ShardingError);
+  // An undefined tensor (it was dereferenced).
+  lazy::Tensor<float> none;
+  EXPECT_THROW(spmd::mark_sharding(none, mesh, {"x"}), lazy::Error);
+  EXPECT_THROW(spmd::clear_sharding(none), lazy::Error);
+  lazy::AnyTensor any_none;
+  EXPECT_THROW(spmd::mark_sharding(any_none, mesh, {"x"}), lazy::Error);
+}
+
+TEST(SpmdMarkSharding, ReplicaWorldsAndSpmdModeExcludeEachOther) {
+  // In SPMD mode one thread drives every device: replicas stepping every device from
+  // several threads would race.
+  int ran = 0;
+  EXPECT_THROW(lazy::dist::spawn([&](int) { ++ran; }, 2), lazy::Error);
+  EXPECT_EQ(ran, 0);
 }
 
 TEST(SpmdMarkSharding, VisualizeShowsWhoHoldsWhat) {

@@ -55,6 +55,26 @@ TEST(SpmdMesh, InvalidMeshesNameTheProblem) {
             std::string::npos);
   EXPECT_NE(message_of<lazy::Error>([] { spmd::Mesh({0, 1, 2, 3}, {2, 2}, {"x"}); }).find("1 axis names given"),
             std::string::npos);
+  // A shape whose product overflows (it wrapped to 0, matching an empty id list).
+  EXPECT_NE(message_of<lazy::Error>([] {
+              spmd::Mesh({}, {std::int64_t{1} << 32, std::int64_t{1} << 32});
+            }).find("more devices than there can be"),
+            std::string::npos);
+  EXPECT_THROW(spmd::HybridMesh({1 << 20, 1}, {1 << 20, 1}), lazy::Error);
+}
+
+TEST(SpmdMesh, GeometryHelpersCheckTheirRanges) {
+  spmd::Mesh m({0, 1, 2, 3}, {2, 2});
+  EXPECT_EQ(m.coordinates(3), (std::vector<std::int64_t>{1, 1}));
+  EXPECT_THROW(m.coordinates(7), lazy::IndexError);  // (wrapped to (1, 1))
+  EXPECT_THROW(m.coordinates(-1), lazy::IndexError);
+  spmd::LogicalMesh bad{{2, 2}, {0, 1}};  // fewer ids than positions
+  EXPECT_EQ(bad.at({0, 1}), 1);
+  EXPECT_THROW(bad.at({1, 1}), lazy::Error);
+  const auto s = spmd::resolve_sharding(m, {0, 1}, lazy::Shape{4, 6});
+  EXPECT_EQ(s.block_shape(lazy::Shape{4, 6}), (lazy::Shape{2, 3}));
+  EXPECT_THROW(s.block(0, lazy::Shape{4, 6, 8}), lazy::ShapeError);
+  EXPECT_THROW(s.block_shape(lazy::Shape{4}), lazy::ShapeError);
 }
 
 TEST(SpmdMesh, HybridMeshPutsTheDcnPartOuter) {

@@ -64,10 +64,11 @@ std::vector<Tensor<T>> trace(CollectiveCall call, Make&& make,
   return res;
 }
 
-/// The result nodes of an all_reduce of `tensors` (one exchange; see below).
+/// The result nodes of an all_reduce of `tensors` (one exchange; see below). A non-empty
+/// `tag` joins the signature: replicas whose tags differ raise CollectiveMismatch.
 template <Element T>
 std::vector<graph::NodePtr> all_reduce_nodes(ReduceOp op, std::span<const Tensor<T>> tensors,
-                                             const AllReduceOptions& opts) {
+                                             const AllReduceOptions& opts, std::string tag = {}) {
   check_reduction<T>(op, opts.scale, "all_reduce");
   if (tensors.empty()) return {};
   std::vector<graph::NodePtr> nodes;
@@ -86,6 +87,7 @@ std::vector<graph::NodePtr> all_reduce_nodes(ReduceOp op, std::span<const Tensor
   sig.tensors = static_cast<int>(tensors.size());
   sig.shapes_hash = shapes.value();
   sig.scale = opts.scale;
+  sig.tag = std::move(tag);
   return trace_nodes(
       capture(std::move(sig), group_of(opts.groups, "all_reduce")),
       [&](CollectiveCall c, const graph::NodePtr& after) {
@@ -115,12 +117,21 @@ Tensor<T> all_reduce(ReduceOp op, const Tensor<T>& t, const AllReduceOptions& op
   return Tensor<T>(std::move(detail::all_reduce_nodes<T>(op, std::span(&t, 1), opts).front()));
 }
 
+namespace detail {
+/// all_reduce_ of a list with a tag in its signature (see all_reduce_nodes).
+template <Element T>
+void all_reduce_tagged_(ReduceOp op, std::vector<Tensor<T>>& tensors, const AllReduceOptions& opts,
+                        std::string tag) {
+  auto res = all_reduce_nodes<T>(op, tensors, opts, std::move(tag));
+  for (std::size_t i = 0; i < tensors.size(); ++i) tensors[i].impl()->node = std::move(res[i]);
+}
+}  // namespace detail
+
 /// In-place all_reduce of a list (one exchange), as xm.all_reduce on a list: every tensor
 /// object is rebound to its reduced value, so all handles sharing it see the result.
 template <Element T>
 void all_reduce_(ReduceOp op, std::vector<Tensor<T>>& tensors, const AllReduceOptions& opts = {}) {
-  auto res = all_reduce(op, static_cast<const std::vector<Tensor<T>>&>(tensors), opts);
-  for (std::size_t i = 0; i < tensors.size(); ++i) tensors[i].impl()->node = res[i].node();
+  detail::all_reduce_tagged_(op, tensors, opts, {});
 }
 
 /// In-place all_reduce of one tensor.

@@ -11,6 +11,7 @@
 // its result (a collective skipped on one replica would leave the others waiting).
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -70,6 +71,22 @@ struct ReplicaContext {
 inline ReplicaContext*& current_context() {
   thread_local ReplicaContext* ctx = nullptr;
   return ctx;
+}
+
+/// Whether a spawn runs in this process (set by spawn for its whole run).
+inline std::atomic<bool>& spawn_running() {
+  static std::atomic<bool> running{false};
+  return running;
+}
+
+/// CollectiveError when this thread is not a replica while a spawn runs: a collective there
+/// would be a world of one and return its input unreduced, without a word.
+inline void check_collective_thread(const char* op) {
+  if (!current_context() && spawn_running().load(std::memory_order_acquire)) {
+    throw CollectiveError(std::string(op) +
+                          ": called on a thread that is not a replica while spawn runs (a "
+                          "collective runs on the replica threads spawn started)");
+  }
 }
 
 /// Everything an exchange needs when it runs, captured when it is traced.
@@ -192,6 +209,7 @@ LAZYTENSOR_INLINE CollectiveCall capture(Signature sig,
 LAZYTENSOR_INLINE std::shared_ptr<const std::vector<int>> group_of(const Groups& groups,
                                                                    const char* op) {
   ReplicaContext* ctx = current_context();
+  check_collective_thread(op);
   if (!groups.empty() || !ctx) {
     return std::make_shared<const std::vector<int>>(
         resolve_group(groups, world_size_now(), ordinal_now(), op));
@@ -209,6 +227,7 @@ LAZYTENSOR_INLINE std::shared_ptr<const std::vector<int>> group_of(const Groups&
 LAZYTENSOR_INLINE CollectiveCall capture_among(Signature sig, std::vector<int> replicas,
                                                const char* op) {
   if (replicas.empty()) return capture(std::move(sig), group_of({}, op));
+  check_collective_thread(op);
   const int world = world_size_now(), me = ordinal_now();
   std::sort(replicas.begin(), replicas.end());
   const std::string where = std::string(op) + ": invalid replicas " + list_str(replicas) + ": ";

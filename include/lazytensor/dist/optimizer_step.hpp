@@ -40,6 +40,11 @@ inline std::size_t gradient_bucket_bytes() {
 /// same buckets; set it before spawn). Error when `bytes` is 0.
 void set_gradient_bucket_bytes(std::size_t bytes);
 
+namespace detail {
+/// Ascending indices as "0-3, 5, 7-8".
+std::string ranges(const std::vector<std::size_t>& v);
+}  // namespace detail
+
 /// All-reduces the gradient of every parameter of `optimizer` that has one to the mean over
 /// this replica's group (sum times 1 / group size), in place (each parameter's .grad() then
 /// holds the mean), in coalesced buckets (see the file comment), as xm.reduce_gradients.
@@ -67,6 +72,22 @@ void optimizer_step(optim::Optimizer& optimizer, bool barrier = false, const Gro
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace lazy::dist {
+LAZYTENSOR_INLINE std::string detail::ranges(const std::vector<std::size_t>& v) {
+  std::string s;
+  for (std::size_t i = 0; i < v.size();) {
+    std::size_t j = i;
+    while (j + 1 < v.size() && v[j + 1] == v[j] + 1) ++j;
+    if (!s.empty()) s += ", ";
+    s += std::to_string(v[i]);
+    if (j > i) {
+      s += '-';
+      s += std::to_string(v[j]);
+    }
+    i = j + 1;
+  }
+  return s;
+}
+
 LAZYTENSOR_INLINE void set_gradient_bucket_bytes(std::size_t bytes) {
   if (bytes == 0) throw Error("set_gradient_bucket_bytes: the bucket size must be > 0 bytes");
   detail::bucket_bytes_setting().store(bytes, std::memory_order_relaxed);
@@ -90,32 +111,48 @@ void reduce_gradients(optim::Optimizer& optimizer, const Groups& groups) {
     std::vector<Tensor<double>> f64;
     std::vector<Tensor<bfloat16>> bf16;
     std::size_t bytes[3] = {0, 0, 0};
+    std::vector<std::size_t> params[3];  // which parameters' gradients (their optimizer index)
   } b;
-  auto flush = [&](auto& bucket, std::size_t& bytes) {
-    if (!bucket.empty()) all_reduce_(ReduceOp::Sum, bucket, opts);
+  // The parameters' indices join the bucket's signature: replicas that have gradients for
+  // different parameters (a branch taken on one only) would otherwise sum one parameter's
+  // gradient into another's of the same shape without a word.
+  auto flush = [&](auto& bucket, int k) {
+    if (!bucket.empty())
+      detail::all_reduce_tagged_(ReduceOp::Sum, bucket, opts,
+                                 "gradients of parameters " + detail::ranges(b.params[k]));
     bucket.clear();
-    bytes = 0;
+    b.bytes[k] = 0;
+    b.params[k].clear();
   };
-  auto add = [&](auto& bucket, std::size_t& bytes, auto grad) {
+  auto add = [&](auto& bucket, int k, auto grad, std::size_t index) {
     const std::size_t nbytes = static_cast<std::size_t>(grad.numel()) * sizeof(typename decltype(grad)::value_type);
-    if (!bucket.empty() && bytes + nbytes > cap) flush(bucket, bytes);
+    if (!bucket.empty() && b.bytes[k] + nbytes > cap) flush(bucket, k);
     bucket.push_back(std::move(grad));
-    bytes += nbytes;
+    b.bytes[k] += nbytes;
+    b.params[k].push_back(index);
   };
+  std::size_t index = 0;
   for (std::size_t g = 0; g < optimizer.num_param_groups(); ++g) {
     for (const auto& p : optimizer.params(g)) {
+      const std::size_t i = index++;
       const AnyTensor grad = p.grad();  // shares the gradient object: all_reduce_ rebinds it
       if (!grad.defined() || !seen.insert(p.impl().get()).second) continue;
       switch (grad.dtype()) {
-        case DType::Float64: add(b.f64, b.bytes[1], grad.as<double>()); break;
-        case DType::BFloat16: add(b.bf16, b.bytes[2], grad.as<bfloat16>()); break;
-        default: add(b.f32, b.bytes[0], grad.as<float>()); break;
+        case DType::Float64:
+          add(b.f64, 1, grad.as<double>(), i);
+          break;
+        case DType::BFloat16:
+          add(b.bf16, 2, grad.as<bfloat16>(), i);
+          break;
+        default:
+          add(b.f32, 0, grad.as<float>(), i);
+          break;
       }
     }
   }
-  flush(b.f32, b.bytes[0]);
-  flush(b.f64, b.bytes[1]);
-  flush(b.bf16, b.bytes[2]);
+  flush(b.f32, 0);
+  flush(b.f64, 1);
+  flush(b.bf16, 2);
 }
 
 template <class>

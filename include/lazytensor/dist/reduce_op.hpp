@@ -44,6 +44,10 @@ void check_reduction(ReduceOp op, double scale, const char* where) {
     return std::string(where) + "(" + reduce_op_name(op) + ") on a " + dtype_name(dtype_of<T>()) +
            " tensor";
   };
+  if (static_cast<unsigned>(op) > static_cast<unsigned>(ReduceOp::Max)) {
+    throw Error(std::string(where) + ": invalid ReduceOp " + std::to_string(static_cast<int>(op)) +
+                " (expected Sum, Mul, And, Or, Min or Max)");
+  }
   if constexpr (is_floating_v<T>) {
     if (op == ReduceOp::And || op == ReduceOp::Or) {
       throw DTypeError(what() + ": and/or need an integral or bool tensor (found a floating dtype)");

@@ -120,6 +120,17 @@ auto spawn(F&& fn, int nprocs) {
   }
   std::unique_lock guard(detail::spawn_mutex(), std::try_to_lock);
   if (!guard.owns_lock()) throw Error("spawn: another spawn is already running in this process");
+  // (Under the lock: use_spmd holds it while it turns SPMD mode on.)
+  if (graph::step_every_device().load(std::memory_order_acquire)) {
+    // (Each replica's mark_step would step every device, from several threads.)
+    throw Error(
+        "spawn: SPMD mode is on (use_spmd): one program thread drives every device there, "
+        "so replicas of their own cannot run");
+  }
+  detail::spawn_running().store(true, std::memory_order_release);
+  struct NotRunning {
+    ~NotRunning() { detail::spawn_running().store(false, std::memory_order_release); }
+  } not_running;
 
   auto processes = detail::join_process_world(nprocs);  // null: this process is the world
   detail::WorldLayout layout;

@@ -45,7 +45,9 @@ using core::cpu_relax;
 std::chrono::milliseconds collective_timeout();
 
 /// Sets the collective timeout for every replica of this process (default 300 s, or
-/// LAZYTENSOR_COLLECTIVE_TIMEOUT seconds). Takes effect at the next wait.
+/// LAZYTENSOR_COLLECTIVE_TIMEOUT seconds). Takes effect at the next wait. A timeout above
+/// 1e9 s (milliseconds::max() for "never", say) waits 1e9 s, about 31 years: a deadline
+/// further away would overflow the clock.
 void set_collective_timeout(std::chrono::milliseconds t);
 
 namespace detail {
@@ -212,7 +214,9 @@ LAZYTENSOR_INLINE void set_collective_timeout(std::chrono::milliseconds t) {
     throw Error("set_collective_timeout: the timeout must be > 0 ms, got " +
                 std::to_string(t.count()) + " ms");
   }
-  detail::timeout_ms().store(t.count());
+  constexpr std::int64_t longest =
+      std::int64_t{1'000'000'000} * 1000;  // 1e9 s, as the variable allows
+  detail::timeout_ms().store(std::min(t.count(), longest));
 }
 }  // namespace lazy::dist
 

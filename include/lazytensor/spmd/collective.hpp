@@ -470,6 +470,30 @@ LAZYTENSOR_INLINE std::vector<graph::NodePtr> all_reduce(const std::vector<graph
   // by the program thread only).
   static std::map<const graph::Device*, std::weak_ptr<graph::Node>> last;
   static std::uint64_t rounds = 0;  // every process of a span traces the same rounds
+  if (static_cast<unsigned>(op) > static_cast<unsigned>(Combine::Min)) {
+    throw Error("spmd all_reduce: invalid Combine " + std::to_string(static_cast<int>(op)) +
+                " (expected Sum, Prod, Max or Min)");
+  }
+  // Every member combines numel() elements of every input: they must agree.
+  for (std::size_t i = 0; i < pieces.size(); ++i) {
+    if (!pieces[i]) throw Error("spmd all_reduce: piece " + std::to_string(i) + " is null");
+    const graph::Node &p = *pieces[i], &first = *pieces[0];
+    if (p.dtype() != first.dtype()) {
+      throw DTypeError("spmd all_reduce: piece " + std::to_string(i) + " has dtype " +
+                       dtype_name(p.dtype()) + ", piece 0 " + dtype_name(first.dtype()));
+    }
+    if (!(p.shape() == first.shape())) {
+      throw ShapeError("spmd all_reduce: piece " + std::to_string(i) + " has shape " +
+                       p.shape().str() + ", piece 0 " + first.shape().str());
+    }
+    for (std::size_t j = 0; j < i; ++j) {
+      if (pieces[j]->device() == p.device()) {
+        throw DeviceError("spmd all_reduce: pieces " + std::to_string(j) + " and " +
+                          std::to_string(i) + " are both on " + p.device()->str() +
+                          " (expected one piece per device)");
+      }
+    }
+  }
   count.add();
   std::vector<graph::Device*> members;
   for (const auto& p : pieces) members.push_back(p->device());

@@ -48,12 +48,14 @@ std::string visualize(const graph::NodePtr& value);
 /// resolve_sharding). A sharded tensor is resharded.
 template <Element T>
 Tensor<T>& mark_sharding(Tensor<T>& t, const Mesh& mesh, const PartitionSpec& spec) {
+  if (!t.defined()) throw Error("mark_sharding: expected a defined tensor, got an undefined one");
   detail::mark_node(*t.impl(), mesh, spec);
   return t;
 }
 
 /// mark_sharding of a tensor of any dtype (a module's parameters()).
 inline AnyTensor& mark_sharding(AnyTensor& t, const Mesh& mesh, const PartitionSpec& spec) {
+  if (!t.defined()) throw Error("mark_sharding: expected a defined tensor, got an undefined one");
   detail::mark_node(*t.impl(), mesh, spec);
   return t;
 }
@@ -68,6 +70,7 @@ Tensor<T>& mark_sharding(Tensor<T>& t, const ShardingSpec& spec) {
 /// tensor's device, unsharded. A tensor that is not sharded is left as it is.
 template <Element T>
 Tensor<T>& clear_sharding(Tensor<T>& t) {
+  if (!t.defined()) throw Error("clear_sharding: expected a defined tensor, got an undefined one");
   detail::clear_node(*t.impl());
   return t;
 }

@@ -99,6 +99,7 @@ std::string tuple_text(const std::vector<std::int64_t>& sizes);
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 #include <algorithm>
+#include <limits>
 #include <mutex>
 #include <set>
 
@@ -114,6 +115,11 @@ LAZYTENSOR_INLINE int LogicalMesh::at(const std::vector<std::int64_t>& coords) c
       throw Error("LogicalMesh::at: coordinate " + std::to_string(coords[i]) + " out of range for axis " +
                   std::to_string(i) + " of size " + std::to_string(shape[i]));
     p = p * shape[i] + coords[i];
+  }
+  if (static_cast<std::size_t>(p) >= device_ids.size()) {
+    throw Error("LogicalMesh::at: position " + std::to_string(p) + " of shape " +
+                detail::tuple_text(shape) + " but only " + std::to_string(device_ids.size()) +
+                " device ids");
   }
   return device_ids[static_cast<std::size_t>(p)];
 }
@@ -135,6 +141,12 @@ LAZYTENSOR_INLINE Mesh::Mesh(std::vector<int> device_ids, std::vector<std::int64
   std::int64_t product = 1;
   for (auto s : shape_) {
     if (s < 1) throw Error("Mesh: mesh shape " + detail::tuple_text(shape_) + " has a size below 1");
+    // (No more devices than an int names: checked before the product can overflow.)
+    if (s > std::numeric_limits<int>::max() / product) {
+      throw Error("Mesh: mesh shape " + detail::tuple_text(shape_) +
+                  " holds more devices than there can be (" + std::to_string(ids_.size()) +
+                  " device ids were given)");
+    }
     product *= s;
   }
   if (product != static_cast<std::int64_t>(ids_.size()))
@@ -168,6 +180,10 @@ LAZYTENSOR_INLINE std::vector<std::pair<std::string, std::int64_t>> Mesh::shape(
 }
 
 LAZYTENSOR_INLINE std::vector<std::int64_t> Mesh::coordinates(int position) const {
+  if (position < 0 || static_cast<std::size_t>(position) >= ids_.size()) {
+    throw IndexError("Mesh::coordinates: position " + std::to_string(position) +
+                     " out of range for a mesh of " + std::to_string(ids_.size()) + " devices");
+  }
   std::vector<std::int64_t> c(shape_.size());
   std::int64_t p = position;
   for (std::size_t i = shape_.size(); i-- > 0;) {
@@ -205,6 +221,9 @@ LAZYTENSOR_INLINE std::vector<std::int64_t> detail::hybrid_shape(const std::vect
   for (std::size_t i = 0; i < ici.size(); ++i) {
     if (ici[i] < 1 || dcn[i] < 1)
       throw Error("HybridMesh: sizes must be at least 1, got ici " + tuple_text(ici) + ", dcn " + tuple_text(dcn));
+    if (ici[i] > std::numeric_limits<int>::max() / dcn[i])
+      throw Error("HybridMesh: ici " + tuple_text(ici) + " times dcn " + tuple_text(dcn) +
+                  " overflows");
     s[i] = ici[i] * dcn[i];
   }
   return s;

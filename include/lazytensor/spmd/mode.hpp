@@ -5,9 +5,10 @@
 #include <lazytensor/core/config.hpp>
 #include <lazytensor/dist/context.hpp>
 #include <lazytensor/dist/parallel_loader.hpp>
-#include <lazytensor/spmd/sharding.hpp>
+#include <lazytensor/dist/spawn.hpp>
 #include <lazytensor/spmd/partitioner.hpp>
 #include <lazytensor/spmd/process_link.hpp>
+#include <lazytensor/spmd/sharding.hpp>
 #include <lazytensor/tensor/device.hpp>
 
 namespace lazy::spmd {
@@ -48,6 +49,12 @@ namespace lazy::spmd {
 LAZYTENSOR_INLINE void use_spmd() {
   if (dist::detail::current_context())
     throw Error("use_spmd: called inside spawn; SPMD mode drives every device from one program thread");
+  // Nor beside one (the replicas' mark_step would then step every device): held until SPMD
+  // mode is on, so a spawn starting meanwhile sees it.
+  std::unique_lock spawning(dist::detail::spawn_mutex(), std::try_to_lock);
+  if (!spawning.owns_lock())
+    throw Error(
+        "use_spmd: a spawn is running; SPMD mode drives every device from one program thread");
   if (is_spmd()) return;
   if (auto join = detail::process_join_hook().load(std::memory_order_acquire)) join();
   const int n = device_count();

@@ -71,6 +71,8 @@ struct Sharding {
   std::vector<std::pair<std::int64_t, std::int64_t>> block(int position, const Shape& global) const;
   /// The shape of the block every device holds.
   Shape block_shape(const Shape& global) const;
+  /// ShapeError unless `global` has one dimension per entry of `dims`.
+  void check_rank(const Shape& global, const char* who) const;
   /// The sharding as torch_xla's _get_xla_sharding_spec prints it (XLA's HloSharding
   /// text): `{replicated}`, `{devices=[2,1]0,1}`, or with replication along unused axes
   /// `{devices=[2,1,2]0,1,2,3 last_tile_dim_replicate}`.
@@ -144,6 +146,7 @@ LAZYTENSOR_INLINE std::int64_t Sharding::part_of(int position, int d) const {
 
 LAZYTENSOR_INLINE std::vector<std::pair<std::int64_t, std::int64_t>> Sharding::block(int position,
                                                                                       const Shape& global) const {
+  check_rank(global, "Sharding::block");
   std::vector<std::pair<std::int64_t, std::int64_t>> r(static_cast<std::size_t>(global.rank()));
   for (int d = 0; d < global.rank(); ++d) {
     const std::int64_t n = parts(d), size = global[d] / n, i = part_of(position, d);
@@ -152,7 +155,16 @@ LAZYTENSOR_INLINE std::vector<std::pair<std::int64_t, std::int64_t>> Sharding::b
   return r;
 }
 
+LAZYTENSOR_INLINE void Sharding::check_rank(const Shape& global, const char* who) const {
+  if (global.rank() != static_cast<int>(dims.size())) {
+    throw ShapeError(std::string(who) + ": the sharding has " + std::to_string(dims.size()) +
+                     " dimensions, the shape " + global.str() + " has " +
+                     std::to_string(global.rank()));
+  }
+}
+
 LAZYTENSOR_INLINE Shape Sharding::block_shape(const Shape& global) const {
+  check_rank(global, "Sharding::block_shape");
   Shape s = global;
   for (int d = 0; d < global.rank(); ++d) s[d] = global[d] / parts(d);
   return s;
