@@ -30056,6 +30056,7 @@ LAZYTENSOR_INLINE void CSVLogger::save() {
 #include <charconv>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <map>
 #include <memory>
 #include <optional>
@@ -30157,6 +30158,9 @@ class MetricStore {
   void set_loop(Loop loop) { loop_ = loop; }
   /// The loop logging now.
   Loop loop() const { return loop_; }
+  /// Whether the module's on_train_epoch_end is running: a value logged there is an epoch
+  /// value by default (on_step false, on_epoch true), as in Lightning.
+  void set_epoch_end_hook(bool on) { epoch_end_hook_ = on; }
 
   /// Records `value` under `name` (see LightningModule::log).
   void log(const std::string& name, const AnyTensor& value, const LogOptions& options);
@@ -30196,6 +30200,7 @@ class MetricStore {
 
   const Strategy* strategy_;
   Loop loop_ = Loop::Train;
+  bool epoch_end_hook_ = false;
   std::map<std::string, Entry>& entries() { return entries_[static_cast<int>(loop_)]; }
   const std::map<std::string, Entry>& entries() const { return entries_[static_cast<int>(loop_)]; }
   std::map<std::string, Entry> entries_[5];  // per Loop
@@ -30237,9 +30242,10 @@ LAZYTENSOR_INLINE void MetricStore::log(const std::string& name, const AnyTensor
     throw Error("LightningModule::log: batch_size of \"" + name + "\" must be > 0, got " +
                 std::to_string(*options.batch_size));
   }
-  const bool training = loop_ == Loop::Train;
-  const bool on_step = options.on_step.value_or(training);
-  const bool on_epoch = options.on_epoch.value_or(!training);
+  // A training step's value is a step value by default, any other an epoch value.
+  const bool in_step = loop_ == Loop::Train && !epoch_end_hook_;
+  const bool on_step = options.on_step.value_or(in_step);
+  const bool on_epoch = options.on_epoch.value_or(!in_step);
   if (!on_step && !on_epoch) {
     throw Error("LightningModule::log: \"" + name + "\" has on_step and on_epoch both false: it would go nowhere");
   }
@@ -30789,6 +30795,11 @@ class BatchCount {
   }
   /// Whether this is a fraction.
   bool is_fraction() const { return !count_.has_value(); }
+  /// How many of `total` batches of the `prefix` loader ("train", "val", ...) this limit
+  /// keeps, as of(); -1 when `total` is -1 (a loader that cannot say). A fraction that keeps
+  /// no batch of a non-empty loader is an Error, as in Lightning: it is surely a mistake
+  /// (an integer 0, or 0.0, asks for none on purpose).
+  std::int64_t batches_of(std::int64_t total, const std::string& prefix) const;
 
  private:
   std::optional<std::int64_t> count_;
@@ -30878,6 +30889,7 @@ struct ReplicaRun {
   bool running = false;                 // inside a loop
   std::int64_t num_training_batches = 0;
   std::int64_t num_val_batches = 0;
+  bool fitting = false;                 // the run is a fit (not validate/test/predict)
   std::int64_t epoch_batches_done = 0;  // training batches finished in the current epoch
   bool epoch_finished = false;          // its batches and scheduler step are done
   std::int64_t resume_batches = 0;      // batches to skip in the first resumed epoch
@@ -30981,6 +30993,9 @@ class Trainer {
   /// (EarlyStopping) or the module, on any replica.
   bool should_stop() const { return run().should_stop; }
   void set_should_stop(bool stop) { run().should_stop = stop; }
+  /// Whether a fit is running (Lightning's trainer.state.fn == "fit"): ModelCheckpoint and
+  /// EarlyStopping act only then, not in a validate() or test() of their own.
+  bool fitting() const { return run().running && run().fitting; }
   bool sanity_checking() const { return run().running && run().stage == detail::Loop::Sanity; }
   bool training() const { return run().running && run().stage == detail::Loop::Train; }
   bool validating() const { return run().running && run().stage == detail::Loop::Validate; }
@@ -31098,6 +31113,13 @@ LAZYTENSOR_INLINE std::uint64_t parse_uint64(const std::string& text, const std:
   return parse_integer<std::uint64_t>(text, what);
 }
 
+/// Shortest text of `x` ("0.01", not "0.010000").
+inline std::string short_double(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", x);
+  return buf;
+}
+
 template <class>
 std::shared_ptr<Strategy> make_strategy(const TrainerOptions& o) {
   if (const auto* given = std::get_if<std::shared_ptr<Strategy>>(&o.strategy)) {
@@ -31160,7 +31182,14 @@ Trainer::Trainer(TrainerOptions options) : options_(std::move(options)) {
   if (o.max_time && !(o.max_time->count() >= 0))
     throw Error("Trainer: max_time must be >= 0 seconds, got " + std::to_string(o.max_time->count()));
   if (o.gradient_clip_val && !(*o.gradient_clip_val >= 0))
-    throw Error("Trainer: gradient_clip_val must be >= 0, got " + std::to_string(*o.gradient_clip_val));
+    throw Error("Trainer: gradient_clip_val must be >= 0, got " +
+                std::to_string(*o.gradient_clip_val));
+  // An integer val_check_interval counts batches between validations: 0 would validate
+  // never (Lightning divides by it). The fraction 0.0 means every batch, as in Lightning.
+  if (!o.val_check_interval.is_fraction() && o.val_check_interval.of(1) == 0)
+    throw Error(
+        "Trainer: val_check_interval as a number of batches must be >= 1, got 0 (to "
+        "validate every batch use 1; to skip validation set limit_val_batches = 0)");
   if (o.gradient_clip_algorithm != "norm" && o.gradient_clip_algorithm != "value")
     throw Error("Trainer: gradient_clip_algorithm must be \"norm\" or \"value\", got \"" + o.gradient_clip_algorithm + "\"");
   if (fast_dev_run_ > 0) {
@@ -31185,10 +31214,40 @@ Trainer::Trainer(TrainerOptions options) : options_(std::move(options)) {
   callbacks_ = o.callbacks;
   for (const auto& c : callbacks_)
     if (!c) throw Error("Trainer: a callback is empty");
-  detail::add_default_callbacks(callbacks_, o, o.enable_checkpointing && fast_dev_run_ == 0, o.enable_progress_bar);
+  detail::add_default_callbacks(callbacks_, o, o.enable_checkpointing && fast_dev_run_ == 0,
+                                o.enable_progress_bar);
+  // A checkpoint keeps each stateful callback's state under its state_key: two with one key
+  // would write over each other's entries and restore a mix (Lightning raises too). A
+  // callback counts as stateful when it has state to save now (ModelCheckpoint and
+  // EarlyStopping always do).
+  std::map<std::string, std::size_t> stateful;
+  for (std::size_t i = 0; i < callbacks_.size(); ++i) {
+    if (callbacks_[i]->state_dict().empty()) continue;
+    const std::string key = callbacks_[i]->state_key();
+    if (!stateful.emplace(key, i).second)
+      throw Error("Trainer: found more than one stateful callback with the same state key \"" +
+                  key + "\" (callbacks " + std::to_string(stateful.at(key)) + " and " +
+                  std::to_string(i) +
+                  "); expected every stateful callback's state_key to be unique (give them "
+                  "different settings, such as monitor or mode)");
+  }
   runs_.push_back(std::make_unique<detail::ReplicaRun>(*strategy_));
   runs_.back()->callbacks = callbacks_;
   runs_.back()->shared_callback.assign(callbacks_.size(), false);
+}
+
+LAZYTENSOR_INLINE std::int64_t BatchCount::batches_of(std::int64_t total,
+                                                      const std::string& prefix) const {
+  if (total < 0) return -1;
+  const std::int64_t n = of(total);
+  if (n == 0 && total > 0 && is_fraction() && fraction_ > 0) {
+    const std::string f = detail::short_double(fraction_);
+    throw Error("Trainer: you requested to check " + f + " of the " + prefix + " dataloader but " +
+                f + " * " + std::to_string(total) + " < 1 batch; expected limit_" + prefix +
+                "_batches of at least " + detail::short_double(1.0 / static_cast<double>(total)) +
+                " (or 0 to skip it)");
+  }
+  return n;
 }
 
 LAZYTENSOR_INLINE detail::ReplicaRun& Trainer::run() const {
@@ -31432,7 +31491,9 @@ class BasicModelCheckpoint : public Callback {
   /// The last file written as "last" ("" before).
   const std::string& last_model_path() const { return last_model_path_; }
   /// The file name the template gives for `metrics` (with epoch and step), without the
-  /// directory.
+  /// directory. A field "{name:spec}" formats the value by `spec`,
+  /// [+|-| ][#][0][width][.precision] then d (an integer: the value must be one), f, e or g,
+  /// as Python's format() would; another spec is an Error naming it.
   std::string format_checkpoint_name(const std::map<std::string, double>& metrics) const;
 
   /// Saves now if nothing was saved at this step (what the hooks call).
@@ -31441,6 +31502,11 @@ class BasicModelCheckpoint : public Callback {
  private:
   bool better(double a, double b) const { return options_.mode == "min" ? a < b : a > b; }
   std::string worst_kept() const;
+  /// Whether this training epoch's end saves by default (save_on_train_epoch_end unset).
+  bool saves_at_epoch_end(const Trainer& trainer) const;
+  /// `value` of the template field `name` formatted by `spec` (see format_checkpoint_name).
+  static std::string format_value(double value, const std::string& spec, const std::string& name,
+                                  const std::string& tpl);
 
   ModelCheckpointOptions options_;
   std::int64_t every_n_epochs_ = 1;
@@ -31531,23 +31597,37 @@ void BasicModelCheckpoint<V>::on_train_epoch_start(Trainer&, LightningModuleBase
 }
 
 template <class V>
-void BasicModelCheckpoint<V>::on_train_batch_end(Trainer& trainer, LightningModuleBase&, std::int64_t) {
+void BasicModelCheckpoint<V>::on_train_batch_end(Trainer& trainer, LightningModuleBase&,
+                                                 std::int64_t) {
+  if (!trainer.fitting()) return;
   const std::int64_t n = options_.every_n_train_steps;
   if (n > 0 && trainer.global_step() > 0 && trainer.global_step() % n == 0) save_checkpoint(trainer);
 }
 
 template <class V>
 void BasicModelCheckpoint<V>::on_validation_end(Trainer& trainer, LightningModuleBase&) {
-  if (trainer.sanity_checking()) return;
+  // Only a fit saves (Lightning's rule): a validate() of its own has no epoch to save, and
+  // the directory is resolved at fit start.
+  if (!trainer.fitting() || trainer.sanity_checking()) return;
   validated_this_epoch_ = true;
   if (options_.save_on_train_epoch_end.value_or(false)) return;
   if (every_n_epochs_ > 0 && (trainer.current_epoch() + 1) % every_n_epochs_ == 0) save_checkpoint(trainer);
 }
 
 template <class V>
+bool BasicModelCheckpoint<V>::saves_at_epoch_end(const Trainer& trainer) const {
+  if (validated_this_epoch_) return false;  // saved after the validation
+  // With check_val_every_n_epoch > 1 an epoch without validation waits for the next one (as
+  // Lightning's): a monitored validation value would be missing, or last validation's.
+  return trainer.num_val_batches() == 0 || trainer.options().check_val_every_n_epoch == 1;
+}
+
+template <class V>
 void BasicModelCheckpoint<V>::on_train_epoch_end(Trainer& trainer, LightningModuleBase&) {
-  if (!options_.save_on_train_epoch_end.value_or(!validated_this_epoch_)) return;
-  if (every_n_epochs_ > 0 && (trainer.current_epoch() + 1) % every_n_epochs_ == 0) save_checkpoint(trainer);
+  if (!trainer.fitting()) return;
+  if (!options_.save_on_train_epoch_end.value_or(saves_at_epoch_end(trainer))) return;
+  if (every_n_epochs_ > 0 && (trainer.current_epoch() + 1) % every_n_epochs_ == 0)
+    save_checkpoint(trainer);
 }
 
 template <class V>
@@ -31572,11 +31652,8 @@ std::string BasicModelCheckpoint<V>::format_checkpoint_name(const std::map<std::
                   known + ")");
     }
     std::string value;
-    if (colon != std::string::npos) {
-      char buf[64];
-      const std::string fmt = "%" + field.substr(colon + 1);
-      std::snprintf(buf, sizeof buf, fmt.c_str(), it->second);
-      value = buf;
+    if (colon != std::string::npos && colon + 1 < field.size()) {
+      value = format_value(it->second, field.substr(colon + 1), name, tpl);
     } else if (name == "epoch" || name == "step" || it->second == std::floor(it->second)) {
       value = std::to_string(static_cast<std::int64_t>(it->second));
     } else {
@@ -31587,6 +31664,62 @@ std::string BasicModelCheckpoint<V>::format_checkpoint_name(const std::map<std::
     i = close + 1;
   }
   return out;
+}
+
+template <class V>
+std::string BasicModelCheckpoint<V>::format_value(double value, const std::string& spec,
+                                                  const std::string& name, const std::string& tpl) {
+  const auto bad = [&](const std::string& why) {
+    return Error("ModelCheckpoint: filename \"" + tpl + "\": the format spec \"" + spec +
+                 "\" of \"" + name + "\" " + why);
+  };
+  // Python's grammar restricted to what printf means the same way: sign, '#', '0', width,
+  // precision, type. (printf's '-' is left-justify, Python's the default sign: dropped.)
+  std::size_t i = 0;
+  std::string fmt = "%";
+  if (i < spec.size() && (spec[i] == '+' || spec[i] == ' ' || spec[i] == '-')) {
+    if (spec[i] != '-') fmt += spec[i];
+    ++i;
+  }
+  if (i < spec.size() && spec[i] == '#') fmt += spec[i++];
+  if (i < spec.size() && spec[i] == '0') fmt += spec[i++];
+  const auto digits = [&](const char* what) {
+    const std::size_t from = i;
+    while (i < spec.size() && spec[i] >= '0' && spec[i] <= '9') ++i;
+    // Two digits are plenty for a file name, and keep the text within bounds.
+    if (i - from > 2) throw bad(std::string("has a ") + what + " of more than two digits");
+    fmt += spec.substr(from, i - from);
+    return i > from;
+  };
+  digits("width");
+  bool precision = false;
+  if (i < spec.size() && spec[i] == '.') {
+    fmt += spec[i++];
+    if (!digits("precision")) throw bad("has a '.' without a precision");
+    precision = true;
+  }
+  if (i + 1 != spec.size() || std::string("dfeg").find(spec[i]) == std::string::npos)
+    throw bad(
+        "is not supported (expected [+|-| ][#][0][width][.precision] followed by one of "
+        "d, f, e, g)");
+  const char type = spec[i];
+  // (Sized by a first call: "{x:.2f}" of 1e200 is over 200 characters.)
+  const auto print = [](const std::string& f, auto v) {
+    std::string out(static_cast<std::size_t>(std::snprintf(nullptr, 0, f.c_str(), v)), '\0');
+    std::snprintf(out.data(), out.size() + 1, f.c_str(), v);
+    return out;
+  };
+  if (type == 'd') {
+    if (precision) throw bad("has a precision, which an integer (d) does not take");
+    // Python formats only integers with d.
+    if (!(value == std::floor(value)) || !(std::fabs(value) < 9.2e18))
+      throw bad("asks for an integer (d), found " + detail::double_text(value));
+    // '#' changes nothing for Python's d, and printf's d does not take it.
+    const auto hash = fmt.find('#');
+    if (hash != std::string::npos) fmt.erase(hash, 1);
+    return print(fmt + "lld", static_cast<long long>(value));
+  }
+  return print(fmt + type, value);
 }
 
 template <class V>
@@ -31884,8 +32017,9 @@ LAZYTENSOR_TRAIN_TRAINER_INSTANCES(extern)
 // train::EarlyStopping, Lightning's: stops training when a monitored value stops improving
 // for `patience` checks (by more than min_delta), reaches stopping_threshold, passes
 // divergence_threshold, or (check_finite) is NaN or infinite. A check runs after each
-// validation, or at the end of each training epoch when there is none; the replicas agree
-// on the stop (it holds when any of them decided it), so they all leave together.
+// validation, or at the end of each training epoch when there is none (with
+// check_val_every_n_epoch > 1, only after validations); only during a fit. The replicas
+// agree on the stop (it holds when any of them decided it), so they all leave together.
 
 #include <cmath>
 #include <cstdint>
@@ -32038,7 +32172,8 @@ std::pair<bool, std::string> BasicEarlyStopping<V>::evaluate(double current) {
 
 template <class V>
 void BasicEarlyStopping<V>::check(Trainer& trainer) {
-  if (trainer.sanity_checking() || trainer.fast_dev_run()) return;
+  // Only a fit stops early (Lightning's rule): a validate() of its own leaves the state alone.
+  if (!trainer.fitting() || trainer.sanity_checking() || trainer.fast_dev_run()) return;
   const auto& metrics = trainer.callback_metrics();
   const auto it = metrics.find(options_.monitor);
   bool stop = false;
@@ -32068,14 +32203,20 @@ void BasicEarlyStopping<V>::on_train_epoch_start(Trainer&, LightningModuleBase&)
 
 template <class V>
 void BasicEarlyStopping<V>::on_validation_end(Trainer& trainer, LightningModuleBase&) {
-  if (trainer.sanity_checking()) return;
+  if (!trainer.fitting() || trainer.sanity_checking()) return;
   validated_this_epoch_ = true;
   if (!options_.check_on_train_epoch_end.value_or(false)) check(trainer);
 }
 
 template <class V>
 void BasicEarlyStopping<V>::on_train_epoch_end(Trainer& trainer, LightningModuleBase&) {
-  if (options_.check_on_train_epoch_end.value_or(!validated_this_epoch_)) check(trainer);
+  // By default an epoch that did not validate checks here only when the fit validates every
+  // epoch or never: with check_val_every_n_epoch > 1 it waits for the next validation (as
+  // Lightning's), so a monitored validation value is neither missing nor last validation's.
+  const bool by_default =
+      !validated_this_epoch_ &&
+      (trainer.num_val_batches() == 0 || trainer.options().check_val_every_n_epoch == 1);
+  if (options_.check_on_train_epoch_end.value_or(by_default)) check(trainer);
 }
 
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
@@ -32098,6 +32239,7 @@ LAZYTENSOR_TRAIN_EARLY_STOPPING_INSTANCES(extern)
 #include <chrono>
 #include <cstdint>
 #include <exception>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -32346,6 +32488,7 @@ template <class M, class TrainLoader, class ValLoader>
 void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std::string& ckpt_path) {
   const TrainerOptions& o = options_;
   launch_replicas<M, TrainLoader>(module, [&](Strategy& s, M& m, detail::ReplicaRun& r) {
+    r.fitting = true;
     auto acc = make_accelerator(o.accelerator, s);
     acc->setup(m);
     // The loaders come first, so configure_optimizers can size a schedule by
@@ -32358,10 +32501,28 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
       val_local.emplace(*val, s, o.use_distributed_sampler, false);
       val_device = std::make_unique<dist::MpDeviceLoader<ValLoader>>(val_local->get(), s.root_device(), s.loader_options());
     }
+    // Training batches of an epoch after the limit (-1: the loader cannot say). None at all
+    // (an empty loader, or limit_train_batches = 0) skips training, as in Lightning: no
+    // epoch would ever end by steps, so a fit bounded by max_steps alone would never end.
+    const std::int64_t epoch_batches =
+        o.limit_train_batches.batches_of(detail::loader_batches(train_batches), "train");
+    const bool no_training = epoch_batches == 0;
+    // (Only when this fit validates: with no validation loader, or limit_val_batches = 0,
+    // the interval means nothing.)
+    const bool validates = val && o.limit_val_batches.of(std::int64_t{1} << 40) != 0;
+    if (validates && !o.val_check_interval.is_fraction() && epoch_batches > 0) {
+      const std::int64_t every = o.val_check_interval.of(std::numeric_limits<std::int64_t>::max());
+      if (every > epoch_batches)
+        throw Error("Trainer: val_check_interval (" + std::to_string(every) +
+                    " batches) must be <= the number of training batches (" +
+                    std::to_string(epoch_batches) +
+                    "); to skip validation set limit_val_batches = 0");
+    }
     {
-      const std::int64_t total = detail::loader_batches(train_batches);
-      const std::int64_t per_epoch = total < 0 ? -1 : (o.limit_train_batches.of(total) + o.accumulate_grad_batches - 1) /
-                                                           o.accumulate_grad_batches;
+      const std::int64_t per_epoch =
+          epoch_batches < 0
+              ? -1
+              : (epoch_batches + o.accumulate_grad_batches - 1) / o.accumulate_grad_batches;
       std::int64_t est = (per_epoch < 0 || max_epochs_ < 0) ? -1 : per_epoch * max_epochs_;
       if (o.max_steps >= 0) est = est < 0 ? o.max_steps : std::min(est, o.max_steps);
       r.estimated_stepping_batches = est;
@@ -32392,7 +32553,9 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
     m.on_fit_start();
 
     const std::int64_t val_total = val ? detail::loader_batches(*val_device) : 0;
-    const std::int64_t val_limit = val ? (val_total < 0 ? -1 : o.limit_val_batches.of(val_total)) : 0;
+    const std::int64_t val_limit = val ? o.limit_val_batches.batches_of(val_total, "val") : 0;
+    // Known from here, as in Lightning (callbacks ask whether this fit validates at all).
+    r.num_val_batches = val_limit;
     auto validate_now = [&] {
       each_callback([&](Callback& c) { c.on_validation_start(*this, m); });
       eval_epoch(m, *val_device, detail::Loop::Validate, val_limit);
@@ -32405,26 +32568,31 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
       each_callback([&](Callback& c) { c.on_sanity_check_start(*this, m); });
       eval_epoch(m, *val_device, detail::Loop::Sanity, steps);
       each_callback([&](Callback& c) { c.on_sanity_check_end(*this, m); });
+      r.num_val_batches = val_limit;
     }
 
     m.train();
     r.stage = detail::Loop::Train;
-    each_callback([&](Callback& c) { c.on_train_start(*this, m); });
-    m.on_train_start();
-    acc->on_train_start();
+    if (!no_training) {  // Lightning's fit loop skips its hooks too when there is nothing to train
+      each_callback([&](Callback& c) { c.on_train_start(*this, m); });
+      m.on_train_start();
+      acc->on_train_start();
+    }
     if (rng_after_restore && !o.deterministic) set_rng_state(*rng_after_restore);
 
     const std::int64_t k = o.accumulate_grad_batches;
     const double clip = o.gradient_clip_val.value_or(0.0);
-    bool stop = false;
+    bool stop = no_training;
     while (!stop) {
       const std::int64_t epoch = r.progress.epoch;
       if (max_epochs_ >= 0 && epoch >= max_epochs_) break;
       if (o.max_steps >= 0 && r.progress.global_step >= o.max_steps) break;
       train_local.get().set_epoch(static_cast<std::uint64_t>(epoch));
       if (o.deterministic) set_rng_state(detail::epoch_seed(r.seed, epoch, s.global_rank()));
-      const std::int64_t total = detail::loader_batches(train_batches);
-      r.num_training_batches = total < 0 ? -1 : o.limit_train_batches.of(total);
+      r.num_training_batches =
+          o.limit_train_batches.batches_of(detail::loader_batches(train_batches), "train");
+      if (r.num_training_batches == 0)
+        break;  // (a loader that shrank; an empty one never gets here)
       r.epoch_batches_done = 0;
       r.epoch_finished = false;
       r.metrics.start_epoch(detail::Loop::Train);
@@ -32461,7 +32629,8 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
           acc->optimizer_step(opt);
           acc->optimizer_zero_grad(opt);
           ++r.progress.global_step;
-          if (sched && r.optim.interval == "step" && r.progress.global_step % r.optim.frequency == 0) sched->step();
+          if (sched && r.optim.interval == "step" && r.progress.global_step % r.optim.frequency == 0)
+            sched->step();
         }
         r.epoch_batches_done = idx + 1;
         const bool read_point = step_now && r.progress.global_step % o.log_every_n_steps == 0;
@@ -32493,11 +32662,16 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
         }
       }
       finished = r.num_training_batches < 0 || idx >= r.num_training_batches;
+      // A loader that cannot say its length and gave no batch: the next epochs would give
+      // none either, and with max_steps alone the fit would never end (Lightning stops:
+      // "no training batches").
+      if (finished && idx == 0) stop = true;
       r.resume_batches = 0;
       if (finished) {
         r.epoch_batches_done = std::max<std::int64_t>(idx, r.num_training_batches);
         if (r.num_training_batches < 0) r.num_training_batches = idx;
-        if (sched && r.optim.interval == "epoch" && (epoch + 1) % r.optim.frequency == 0) sched->step();
+        if (sched && r.optim.interval == "epoch" && (epoch + 1) % r.optim.frequency == 0)
+          sched->step();
         r.epoch_finished = true;  // a checkpoint from here on resumes at the next epoch
         if (val_this_epoch) {
           validate_now();
@@ -32506,9 +32680,24 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
       }
       r.stage = detail::Loop::Train;
       r.metrics.set_loop(detail::Loop::Train);
-      log_to_logger(r.metrics.end_epoch().logged);
-      each_callback([&](Callback& c) { c.on_train_epoch_end(*this, m); });
+      // Lightning's order: the other callbacks' on_train_epoch_end, the module's, then the
+      // monitoring callbacks' (ModelCheckpoint, EarlyStopping), so that they can monitor a
+      // value the module logs in its hook; the logger gets the epoch's values last.
+      detail::MetricValues epoch_values = r.metrics.end_epoch();
+      const auto monitoring = [](const Callback& c) {
+        return dynamic_cast<const ModelCheckpoint*>(&c) || dynamic_cast<const EarlyStopping*>(&c);
+      };
+      each_callback([&](Callback& c) {
+        if (!monitoring(c)) c.on_train_epoch_end(*this, m);
+      });
+      r.metrics.set_epoch_end_hook(true);
       m.on_train_epoch_end();
+      r.metrics.set_epoch_end_hook(false);
+      for (const auto& [key, x] : r.metrics.end_epoch().logged) epoch_values.logged[key] = x;
+      each_callback([&](Callback& c) {
+        if (monitoring(c)) c.on_train_epoch_end(*this, m);
+      });
+      log_to_logger(epoch_values.logged);
       acc->on_train_epoch_end();
       if (s.is_distributed()) {
         r.should_stop = s.reduce_boolean_decision(r.should_stop, false);
@@ -32521,9 +32710,11 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
       r.epoch_finished = false;
       if (r.should_stop && r.progress.epoch >= o.min_epochs) stop = true;
     }
-    each_callback([&](Callback& c) { c.on_train_end(*this, m); });
-    m.on_train_end();
-    acc->on_train_end();
+    if (!no_training) {
+      each_callback([&](Callback& c) { c.on_train_end(*this, m); });
+      m.on_train_end();
+      acc->on_train_end();
+    }
     each_callback([&](Callback& c) { c.on_fit_end(*this, m); });
     m.on_fit_end();
     if (logger_ && is_global_zero()) logger_->finalize("success");
@@ -32543,9 +32734,13 @@ std::vector<std::map<std::string, double>> Trainer::evaluate(M& module, Loader& 
     auto batches = s.process_dataloader(local.get());
     const std::int64_t total = detail::loader_batches(batches);
     r.stage = loop;
-    each_callback([&](Callback& c) { validating ? c.on_validation_start(*this, m) : c.on_test_start(*this, m); });
-    auto values = eval_epoch(m, batches, loop, total < 0 ? -1 : limit.of(total));
-    each_callback([&](Callback& c) { validating ? c.on_validation_end(*this, m) : c.on_test_end(*this, m); });
+    each_callback([&](Callback& c) {
+      validating ? c.on_validation_start(*this, m) : c.on_test_start(*this, m);
+    });
+    auto values =
+        eval_epoch(m, batches, loop, limit.batches_of(total, validating ? "val" : "test"));
+    each_callback(
+        [&](Callback& c) { validating ? c.on_validation_end(*this, m) : c.on_test_end(*this, m); });
     if (logger_ && is_global_zero()) logger_->save();
     return std::vector<std::map<std::string, double>>{values};
   });
@@ -32570,7 +32765,7 @@ std::vector<AnyTensor> Trainer::predict(M& module, Loader& data, const std::stri
     detail::ReplicaLoader<Loader> local(data, s, options_.use_distributed_sampler);
     auto batches = s.process_dataloader(local.get());
     const std::int64_t total = detail::loader_batches(batches);
-    const std::int64_t limit = total < 0 ? -1 : options_.limit_predict_batches.of(total);
+    const std::int64_t limit = options_.limit_predict_batches.batches_of(total, "predict");
     r.stage = detail::Loop::Predict;
     r.metrics.start_epoch(detail::Loop::Predict);
     each_callback([&](Callback& c) { c.on_predict_start(*this, m); });

@@ -129,6 +129,121 @@ TEST(Trainer, ValidationCadenceAndSanitySteps) {
   }
 }
 
+TEST(Trainer, NoTrainingBatchesEndTheFitAndAFractionOfNoBatchIsAnError) {
+  auto fifty = lazy::data::make_data_loader(make_dataset(50), {.batch_size = 1});  // 50 batches
+  auto val_loader =
+      lazy::data::make_data_loader(make_dataset(24, 5), {.batch_size = 8});  // 3 batches
+  auto message = [](auto&& f) {
+    try {
+      f();
+    } catch (const lazy::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  {  // 0.01 * 50 = 0.5 batches: Lightning's "0.01 * 50 < 1".
+    Classifier m;
+    const std::string msg = message([&] {
+      train::Trainer(quiet({.max_steps = 1000, .limit_train_batches = 0.01})).fit(m, *fifty);
+    });
+    EXPECT_NE(msg.find("0.01 * 50 < 1"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("limit_train_batches"), std::string::npos) << msg;
+    EXPECT_EQ(m.record.train_steps, 0);
+  }
+  {
+    Classifier m;
+    const std::string msg = message([&] {
+      train::Trainer(quiet({.max_epochs = 1, .limit_val_batches = 0.2}))
+          .fit(m, *fifty, *val_loader);
+    });
+    EXPECT_NE(msg.find("0.2 * 3 < 1"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("limit_val_batches"), std::string::npos) << msg;
+  }
+  {  // Asking for no batch on purpose (an integer 0) trains nothing and returns. max_time
+     // only bounds the test: an epoch that cannot end by steps would spin until then.
+    Classifier m;
+    train::Trainer t(
+        quiet({.max_steps = 1000, .max_time = std::chrono::seconds(20), .limit_train_batches = 0}));
+    const auto start = std::chrono::steady_clock::now();
+    t.fit(m, *fifty);
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+    EXPECT_EQ(t.global_step(), 0);
+    EXPECT_EQ(t.current_epoch(), 0);
+    EXPECT_EQ(m.record.train_steps, 0);
+    EXPECT_TRUE(m.record.hooks.empty()) << "no training epoch started";
+  }
+  {  // A fraction that keeps at least one batch is fine: 0.02 * 50 = 1.
+    Classifier m;
+    train::Trainer t(quiet({.max_epochs = 2, .limit_train_batches = 0.02}));
+    t.fit(m, *fifty);
+    EXPECT_EQ(t.global_step(), 2);
+  }
+}
+
+TEST(Trainer, ValCheckIntervalInBatchesMustBeWithinTheEpoch) {
+  auto train_loader =
+      lazy::data::make_data_loader(make_dataset(64), {.batch_size = 8});  // 8 batches
+  auto val_loader =
+      lazy::data::make_data_loader(make_dataset(24, 5), {.batch_size = 8});  // 3 batches
+  try {
+    train::Trainer(quiet({.val_check_interval = 0}));
+    ADD_FAILURE() << "val_check_interval = 0 batches accepted";
+  } catch (const lazy::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("val_check_interval"), std::string::npos) << e.what();
+  }
+  {
+    Classifier m;
+    train::Trainer t(quiet({.max_epochs = 1, .val_check_interval = 9}));
+    try {
+      t.fit(m, *train_loader, *val_loader);
+      ADD_FAILURE() << "validating every 9 batches of an 8-batch epoch accepted";
+    } catch (const lazy::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("(9 batches)"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("(8)"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(m.record.train_steps, 0) << "raised before training";
+  }
+  {  // Every 8 batches of 8: once an epoch.
+    Classifier m;
+    train::Trainer t(quiet({.max_epochs = 2, .val_check_interval = 8}));
+    t.fit(m, *train_loader, *val_loader);
+    EXPECT_EQ(m.record.val_steps, 2 * 3);
+  }
+}
+
+TEST(Trainer, StatefulCallbacksWithOneStateKeyAreRejected) {
+  auto message = [](const std::vector<std::shared_ptr<train::Callback>>& callbacks) {
+    train::TrainerOptions o = quiet();
+    o.callbacks = callbacks;
+    try {
+      train::Trainer t(o);
+    } catch (const lazy::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  auto stopper = [](const std::string& mode) {
+    return std::make_shared<train::EarlyStopping>(
+        train::EarlyStoppingOptions{.monitor = "val_loss", .mode = mode});
+  };
+  const std::string es_key = "EarlyStopping{monitor=val_loss,mode=min}";
+  EXPECT_EQ(stopper("min")->state_key(), es_key);
+  EXPECT_NE(message({stopper("min"), stopper("min")}).find("\"" + es_key + "\""),
+            std::string::npos);
+  EXPECT_EQ(message({stopper("min"), stopper("max")}), "no error");
+  // Two checkpoints into different directories but with the same key: their states would mix.
+  auto checkpoint = [](const std::string& dir) {
+    return std::make_shared<train::ModelCheckpoint>(
+        train::ModelCheckpointOptions{.dirpath = dir, .monitor = "val_loss"});
+  };
+  const std::string ck_key = checkpoint("a")->state_key();
+  EXPECT_NE(message({checkpoint("a"), checkpoint("b")}).find("\"" + ck_key + "\""),
+            std::string::npos);
+  // Callbacks without state may share a key (the base's "Callback").
+  EXPECT_EQ(message({std::make_shared<train::Callback>(), std::make_shared<train::Callback>()}),
+            "no error");
+}
+
 TEST(Trainer, FastDevRunRunsOneBatchOfEachAndWritesNothing) {
   const std::string dir = temp_dir("fast_dev_run");
   auto loader = lazy::data::make_data_loader(make_dataset(64), {.batch_size = 8});

@@ -298,6 +298,157 @@ TEST(EarlyStopping, ThresholdsAndNonFiniteValuesStop) {
   }
 }
 
+TEST(ModelCheckpoint, FilenameFormatSpecsFormatAsPythonWould) {
+  const std::map<std::string, double> metrics{{"epoch", 3}, {"step", 12}, {"val_loss", 0.12345}};
+  auto name = [&](const std::string& tpl, bool insert = true) {
+    return train::ModelCheckpoint({.filename = tpl, .auto_insert_metric_name = insert})
+        .format_checkpoint_name(metrics);
+  };
+  // The expectations are what Python's str.format gives for the same fields.
+  EXPECT_EQ(name("{epoch:02d}-{val_loss:.2f}"), "epoch=03-val_loss=0.12");
+  EXPECT_EQ(name("{step:+05d}_{val_loss:.3e}_{val_loss:8.4f}", false), "+0012_1.235e-01_  0.1235");
+  EXPECT_EQ(name("{val_loss:g}|{epoch:-3d}|{epoch:#d}|{val_loss: .1f}", false),
+            "0.12345|  3|3| 0.1");
+  EXPECT_EQ(name("{val_loss:}"), "val_loss=0.12345") << "an empty spec is no spec";
+  // Anything else names the spec instead of reaching printf (where %s or %n would crash).
+  for (const std::string spec : {"s", "%n", ".2d", ".f", ">10.2f", "123f", "2.123f", "d ", "x"}) {
+    try {
+      const std::string got = name("{val_loss:" + spec + "}");
+      ADD_FAILURE() << "spec \"" << spec << "\" gave \"" << got << "\"";
+    } catch (const lazy::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("spec \"" + spec + "\""), std::string::npos) << e.what();
+    }
+  }
+  // d takes integers only, as in Python (0.12345 has no integer text).
+  try {
+    name("{val_loss:02d}");
+    ADD_FAILURE() << "0.12345 formatted as an integer";
+  } catch (const lazy::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("integer"), std::string::npos) << e.what();
+  }
+}
+
+TEST(ModelCheckpoint, ValidateAloneSavesNothingAndLeavesEarlyStoppingAlone) {
+  auto val_loader = lazy::data::make_data_loader(make_dataset(16, 5), {.batch_size = 8});
+  const std::string dir = temp_dir("validate_only");
+  auto ck = std::make_shared<train::ModelCheckpoint>(
+      train::ModelCheckpointOptions{.dirpath = dir, .monitor = "val_loss", .save_last = true});
+  auto es = std::make_shared<train::EarlyStopping>(
+      train::EarlyStoppingOptions{.monitor = "val_loss", .patience = 0});
+  // Strict, on a value validate() never logs: a check would raise.
+  auto strict = std::make_shared<train::EarlyStopping>(
+      train::EarlyStoppingOptions{.monitor = "never_logged"});
+  train::TrainerOptions o = quiet();
+  o.callbacks = {ck, es, strict};
+  train::Trainer t(o);
+  Classifier m;
+  const auto results = t.validate(m, *val_loader);
+  ASSERT_EQ(results.size(), 1u);
+  EXPECT_TRUE(results[0].count("val_loss")) << "the validation itself ran";
+  EXPECT_TRUE(checkpoint_files(dir).empty());
+  EXPECT_EQ(ck->best_model_path(), "");
+  EXPECT_EQ(ck->last_model_path(), "");
+  EXPECT_EQ(es->wait_count(), 0);
+  EXPECT_EQ(es->best_score(), std::numeric_limits<double>::infinity())
+      << "no check: the best is still the initial";
+  EXPECT_FALSE(t.should_stop());
+
+  // The default ModelCheckpoint of a plain Trainer: its directory is resolved only by a fit.
+  const std::string root = temp_dir("validate_default");
+  train::TrainerOptions d;
+  d.logger = false;
+  d.enable_progress_bar = false;
+  d.default_root_dir = root;
+  train::Trainer plain(d);
+  plain.validate(m, *val_loader);
+  const train::ModelCheckpoint* default_ck = nullptr;
+  for (const auto& c : plain.callbacks())
+    if (const auto* p = dynamic_cast<const train::ModelCheckpoint*>(c.get())) default_ck = p;
+  ASSERT_NE(default_ck, nullptr);
+  EXPECT_EQ(default_ck->best_model_path(), "");
+  EXPECT_TRUE(lazy::io::detail::list_directory(root).empty());
+}
+
+TEST(ModelCheckpoint, WithValidationEverySecondEpochSavesAfterValidationsOnly) {
+  const std::vector<double> scores{0.5, 0.4, 0.3, 0.2};
+  auto train_loader = lazy::data::make_data_loader(make_dataset(16), {.batch_size = 8});
+  auto val_loader = lazy::data::make_data_loader(make_dataset(8, 5), {.batch_size = 8});
+  const std::string dir = temp_dir("every_second");
+  Scripted m(scores);
+  train::TrainerOptions o = quiet({.max_epochs = 4, .check_val_every_n_epoch = 2});
+  o.callbacks = {std::make_shared<train::ModelCheckpoint>(train::ModelCheckpointOptions{
+      .dirpath = dir, .filename = "{epoch}-{score:.2f}", .monitor = "score", .save_top_k = -1})};
+  train::Trainer(o).fit(m, *train_loader, *val_loader);
+  // Epochs 1 and 3 validate (epoch + 1 divisible by 2), with their own scores.
+  EXPECT_EQ(checkpoint_files(dir), (std::vector<std::string>{"epoch=1-score=0.40.safetensors",
+                                                             "epoch=3-score=0.20.safetensors"}));
+}
+
+TEST(EarlyStopping, WithValidationEverySecondEpochChecksAfterValidationsOnly) {
+  // Only the odd epochs validate; the even epochs' scores are never seen.
+  const std::vector<double> scores{1.0, 0.4, 1.0, 0.45, 1.0, 0.3, 1.0, 0.2};
+  const std::vector<double> validated{0.4, 0.45, 0.3, 0.2};
+  auto train_loader = lazy::data::make_data_loader(make_dataset(16), {.batch_size = 8});
+  auto val_loader = lazy::data::make_data_loader(make_dataset(8, 5), {.batch_size = 8});
+  for (const bool strict : {true, false}) {
+    Scripted m(scores);
+    auto es = std::make_shared<train::EarlyStopping>(
+        train::EarlyStoppingOptions{.monitor = "score", .patience = 1, .strict = strict});
+    train::TrainerOptions o = quiet({.max_epochs = 8, .check_val_every_n_epoch = 2});
+    o.callbacks = {es};
+    train::Trainer t(o);
+    t.fit(m, *train_loader, *val_loader);
+    const auto stop = static_cast<std::int64_t>(2 * reference_stop(validated, 1, 0.0) + 1);
+    EXPECT_EQ(es->stopped_epoch(), stop) << "strict " << strict;
+    EXPECT_EQ(t.current_epoch(), stop + 1) << "strict " << strict;
+  }
+}
+
+/// A Classifier that logs a scripted "epoch_score" in its on_train_epoch_end hook.
+class EpochEndScore : public Classifier {
+ public:
+  explicit EpochEndScore(std::vector<double> scores) : scores_(std::move(scores)) {}
+  void on_train_epoch_end() override {
+    Classifier::on_train_epoch_end();
+    log("epoch_score", scores_.at(static_cast<std::size_t>(current_epoch())));
+  }
+
+ private:
+  std::vector<double> scores_;
+};
+
+TEST(EarlyStopping, MonitorsAValueTheModuleLogsInItsEpochEndHook) {
+  const std::vector<double> scores{1.0, 0.5, 0.7, 0.2, 0.1};
+  auto loader = lazy::data::make_data_loader(make_dataset(16), {.batch_size = 8});
+  const std::string dir = temp_dir("epoch_end_hook");
+  EpochEndScore m(scores);
+  auto es = std::make_shared<train::EarlyStopping>(
+      train::EarlyStoppingOptions{.monitor = "epoch_score", .patience = 1});
+  auto ck = std::make_shared<train::ModelCheckpoint>(train::ModelCheckpointOptions{
+      .dirpath = dir, .filename = "{epoch}-{epoch_score:.1f}", .monitor = "epoch_score"});
+  auto logger = std::make_shared<RecordingLogger>();
+  train::TrainerOptions o = quiet({.max_epochs = 5});
+  o.callbacks = {es, ck};
+  o.logger = logger;
+  train::Trainer t(o);
+  t.fit(m, *loader);
+  const std::size_t stop = reference_stop(scores, 1, 0.0);
+  EXPECT_EQ(t.current_epoch(), static_cast<std::int64_t>(stop) + 1);
+  // The best of the epochs run, by its own value.
+  std::size_t best = 0;
+  for (std::size_t e = 1; e <= stop; ++e)
+    if (scores[e] < scores[best]) best = e;
+  char file[64];
+  std::snprintf(file, sizeof file, "epoch=%zu-epoch_score=%.1f.safetensors", best, scores[best]);
+  EXPECT_EQ(checkpoint_files(dir), std::vector<std::string>{file});
+  // The logger got each epoch's value in that epoch's row.
+  std::vector<double> logged;
+  for (const auto& [step, row] : logger->rows)
+    if (row.count("epoch_score")) logged.push_back(row.at("epoch_score"));
+  EXPECT_EQ(logged, std::vector<double>(scores.begin(),
+                                        scores.begin() + static_cast<std::ptrdiff_t>(stop) + 1));
+}
+
 TEST(LearningRateMonitor, LogsTheSchedulersRates) {
   struct Scheduled : Classifier {
     train::OptimizerConfig configure_optimizers() override {

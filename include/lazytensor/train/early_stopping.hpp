@@ -2,8 +2,9 @@
 // train::EarlyStopping, Lightning's: stops training when a monitored value stops improving
 // for `patience` checks (by more than min_delta), reaches stopping_threshold, passes
 // divergence_threshold, or (check_finite) is NaN or infinite. A check runs after each
-// validation, or at the end of each training epoch when there is none; the replicas agree
-// on the stop (it holds when any of them decided it), so they all leave together.
+// validation, or at the end of each training epoch when there is none (with
+// check_val_every_n_epoch > 1, only after validations); only during a fit. The replicas
+// agree on the stop (it holds when any of them decided it), so they all leave together.
 
 #include <cmath>
 #include <cstdint>
@@ -160,7 +161,8 @@ std::pair<bool, std::string> BasicEarlyStopping<V>::evaluate(double current) {
 
 template <class V>
 void BasicEarlyStopping<V>::check(Trainer& trainer) {
-  if (trainer.sanity_checking() || trainer.fast_dev_run()) return;
+  // Only a fit stops early (Lightning's rule): a validate() of its own leaves the state alone.
+  if (!trainer.fitting() || trainer.sanity_checking() || trainer.fast_dev_run()) return;
   const auto& metrics = trainer.callback_metrics();
   const auto it = metrics.find(options_.monitor);
   bool stop = false;
@@ -190,14 +192,20 @@ void BasicEarlyStopping<V>::on_train_epoch_start(Trainer&, LightningModuleBase&)
 
 template <class V>
 void BasicEarlyStopping<V>::on_validation_end(Trainer& trainer, LightningModuleBase&) {
-  if (trainer.sanity_checking()) return;
+  if (!trainer.fitting() || trainer.sanity_checking()) return;
   validated_this_epoch_ = true;
   if (!options_.check_on_train_epoch_end.value_or(false)) check(trainer);
 }
 
 template <class V>
 void BasicEarlyStopping<V>::on_train_epoch_end(Trainer& trainer, LightningModuleBase&) {
-  if (options_.check_on_train_epoch_end.value_or(!validated_this_epoch_)) check(trainer);
+  // By default an epoch that did not validate checks here only when the fit validates every
+  // epoch or never: with check_val_every_n_epoch > 1 it waits for the next validation (as
+  // Lightning's), so a monitored validation value is neither missing nor last validation's.
+  const bool by_default =
+      !validated_this_epoch_ &&
+      (trainer.num_val_batches() == 0 || trainer.options().check_val_every_n_epoch == 1);
+  if (options_.check_on_train_epoch_end.value_or(by_default)) check(trainer);
 }
 
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <exception>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -23,6 +24,8 @@
 #include <lazytensor/data/sampler.hpp>
 #include <lazytensor/io/safetensors.hpp>
 #include <lazytensor/train/accelerator.hpp>
+#include <lazytensor/train/early_stopping.hpp>
+#include <lazytensor/train/model_checkpoint.hpp>
 #include <lazytensor/train/trainer.hpp>
 
 namespace lazy::train {
@@ -263,6 +266,7 @@ template <class M, class TrainLoader, class ValLoader>
 void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std::string& ckpt_path) {
   const TrainerOptions& o = options_;
   launch_replicas<M, TrainLoader>(module, [&](Strategy& s, M& m, detail::ReplicaRun& r) {
+    r.fitting = true;
     auto acc = make_accelerator(o.accelerator, s);
     acc->setup(m);
     // The loaders come first, so configure_optimizers can size a schedule by
@@ -275,10 +279,28 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
       val_local.emplace(*val, s, o.use_distributed_sampler, false);
       val_device = std::make_unique<dist::MpDeviceLoader<ValLoader>>(val_local->get(), s.root_device(), s.loader_options());
     }
+    // Training batches of an epoch after the limit (-1: the loader cannot say). None at all
+    // (an empty loader, or limit_train_batches = 0) skips training, as in Lightning: no
+    // epoch would ever end by steps, so a fit bounded by max_steps alone would never end.
+    const std::int64_t epoch_batches =
+        o.limit_train_batches.batches_of(detail::loader_batches(train_batches), "train");
+    const bool no_training = epoch_batches == 0;
+    // (Only when this fit validates: with no validation loader, or limit_val_batches = 0,
+    // the interval means nothing.)
+    const bool validates = val && o.limit_val_batches.of(std::int64_t{1} << 40) != 0;
+    if (validates && !o.val_check_interval.is_fraction() && epoch_batches > 0) {
+      const std::int64_t every = o.val_check_interval.of(std::numeric_limits<std::int64_t>::max());
+      if (every > epoch_batches)
+        throw Error("Trainer: val_check_interval (" + std::to_string(every) +
+                    " batches) must be <= the number of training batches (" +
+                    std::to_string(epoch_batches) +
+                    "); to skip validation set limit_val_batches = 0");
+    }
     {
-      const std::int64_t total = detail::loader_batches(train_batches);
-      const std::int64_t per_epoch = total < 0 ? -1 : (o.limit_train_batches.of(total) + o.accumulate_grad_batches - 1) /
-                                                           o.accumulate_grad_batches;
+      const std::int64_t per_epoch =
+          epoch_batches < 0
+              ? -1
+              : (epoch_batches + o.accumulate_grad_batches - 1) / o.accumulate_grad_batches;
       std::int64_t est = (per_epoch < 0 || max_epochs_ < 0) ? -1 : per_epoch * max_epochs_;
       if (o.max_steps >= 0) est = est < 0 ? o.max_steps : std::min(est, o.max_steps);
       r.estimated_stepping_batches = est;
@@ -309,7 +331,9 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
     m.on_fit_start();
 
     const std::int64_t val_total = val ? detail::loader_batches(*val_device) : 0;
-    const std::int64_t val_limit = val ? (val_total < 0 ? -1 : o.limit_val_batches.of(val_total)) : 0;
+    const std::int64_t val_limit = val ? o.limit_val_batches.batches_of(val_total, "val") : 0;
+    // Known from here, as in Lightning (callbacks ask whether this fit validates at all).
+    r.num_val_batches = val_limit;
     auto validate_now = [&] {
       each_callback([&](Callback& c) { c.on_validation_start(*this, m); });
       eval_epoch(m, *val_device, detail::Loop::Validate, val_limit);
@@ -322,26 +346,31 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
       each_callback([&](Callback& c) { c.on_sanity_check_start(*this, m); });
       eval_epoch(m, *val_device, detail::Loop::Sanity, steps);
       each_callback([&](Callback& c) { c.on_sanity_check_end(*this, m); });
+      r.num_val_batches = val_limit;
     }
 
     m.train();
     r.stage = detail::Loop::Train;
-    each_callback([&](Callback& c) { c.on_train_start(*this, m); });
-    m.on_train_start();
-    acc->on_train_start();
+    if (!no_training) {  // Lightning's fit loop skips its hooks too when there is nothing to train
+      each_callback([&](Callback& c) { c.on_train_start(*this, m); });
+      m.on_train_start();
+      acc->on_train_start();
+    }
     if (rng_after_restore && !o.deterministic) set_rng_state(*rng_after_restore);
 
     const std::int64_t k = o.accumulate_grad_batches;
     const double clip = o.gradient_clip_val.value_or(0.0);
-    bool stop = false;
+    bool stop = no_training;
     while (!stop) {
       const std::int64_t epoch = r.progress.epoch;
       if (max_epochs_ >= 0 && epoch >= max_epochs_) break;
       if (o.max_steps >= 0 && r.progress.global_step >= o.max_steps) break;
       train_local.get().set_epoch(static_cast<std::uint64_t>(epoch));
       if (o.deterministic) set_rng_state(detail::epoch_seed(r.seed, epoch, s.global_rank()));
-      const std::int64_t total = detail::loader_batches(train_batches);
-      r.num_training_batches = total < 0 ? -1 : o.limit_train_batches.of(total);
+      r.num_training_batches =
+          o.limit_train_batches.batches_of(detail::loader_batches(train_batches), "train");
+      if (r.num_training_batches == 0)
+        break;  // (a loader that shrank; an empty one never gets here)
       r.epoch_batches_done = 0;
       r.epoch_finished = false;
       r.metrics.start_epoch(detail::Loop::Train);
@@ -378,7 +407,8 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
           acc->optimizer_step(opt);
           acc->optimizer_zero_grad(opt);
           ++r.progress.global_step;
-          if (sched && r.optim.interval == "step" && r.progress.global_step % r.optim.frequency == 0) sched->step();
+          if (sched && r.optim.interval == "step" && r.progress.global_step % r.optim.frequency == 0)
+            sched->step();
         }
         r.epoch_batches_done = idx + 1;
         const bool read_point = step_now && r.progress.global_step % o.log_every_n_steps == 0;
@@ -410,11 +440,16 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
         }
       }
       finished = r.num_training_batches < 0 || idx >= r.num_training_batches;
+      // A loader that cannot say its length and gave no batch: the next epochs would give
+      // none either, and with max_steps alone the fit would never end (Lightning stops:
+      // "no training batches").
+      if (finished && idx == 0) stop = true;
       r.resume_batches = 0;
       if (finished) {
         r.epoch_batches_done = std::max<std::int64_t>(idx, r.num_training_batches);
         if (r.num_training_batches < 0) r.num_training_batches = idx;
-        if (sched && r.optim.interval == "epoch" && (epoch + 1) % r.optim.frequency == 0) sched->step();
+        if (sched && r.optim.interval == "epoch" && (epoch + 1) % r.optim.frequency == 0)
+          sched->step();
         r.epoch_finished = true;  // a checkpoint from here on resumes at the next epoch
         if (val_this_epoch) {
           validate_now();
@@ -423,9 +458,24 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
       }
       r.stage = detail::Loop::Train;
       r.metrics.set_loop(detail::Loop::Train);
-      log_to_logger(r.metrics.end_epoch().logged);
-      each_callback([&](Callback& c) { c.on_train_epoch_end(*this, m); });
+      // Lightning's order: the other callbacks' on_train_epoch_end, the module's, then the
+      // monitoring callbacks' (ModelCheckpoint, EarlyStopping), so that they can monitor a
+      // value the module logs in its hook; the logger gets the epoch's values last.
+      detail::MetricValues epoch_values = r.metrics.end_epoch();
+      const auto monitoring = [](const Callback& c) {
+        return dynamic_cast<const ModelCheckpoint*>(&c) || dynamic_cast<const EarlyStopping*>(&c);
+      };
+      each_callback([&](Callback& c) {
+        if (!monitoring(c)) c.on_train_epoch_end(*this, m);
+      });
+      r.metrics.set_epoch_end_hook(true);
       m.on_train_epoch_end();
+      r.metrics.set_epoch_end_hook(false);
+      for (const auto& [key, x] : r.metrics.end_epoch().logged) epoch_values.logged[key] = x;
+      each_callback([&](Callback& c) {
+        if (monitoring(c)) c.on_train_epoch_end(*this, m);
+      });
+      log_to_logger(epoch_values.logged);
       acc->on_train_epoch_end();
       if (s.is_distributed()) {
         r.should_stop = s.reduce_boolean_decision(r.should_stop, false);
@@ -438,9 +488,11 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
       r.epoch_finished = false;
       if (r.should_stop && r.progress.epoch >= o.min_epochs) stop = true;
     }
-    each_callback([&](Callback& c) { c.on_train_end(*this, m); });
-    m.on_train_end();
-    acc->on_train_end();
+    if (!no_training) {
+      each_callback([&](Callback& c) { c.on_train_end(*this, m); });
+      m.on_train_end();
+      acc->on_train_end();
+    }
     each_callback([&](Callback& c) { c.on_fit_end(*this, m); });
     m.on_fit_end();
     if (logger_ && is_global_zero()) logger_->finalize("success");
@@ -460,9 +512,13 @@ std::vector<std::map<std::string, double>> Trainer::evaluate(M& module, Loader& 
     auto batches = s.process_dataloader(local.get());
     const std::int64_t total = detail::loader_batches(batches);
     r.stage = loop;
-    each_callback([&](Callback& c) { validating ? c.on_validation_start(*this, m) : c.on_test_start(*this, m); });
-    auto values = eval_epoch(m, batches, loop, total < 0 ? -1 : limit.of(total));
-    each_callback([&](Callback& c) { validating ? c.on_validation_end(*this, m) : c.on_test_end(*this, m); });
+    each_callback([&](Callback& c) {
+      validating ? c.on_validation_start(*this, m) : c.on_test_start(*this, m);
+    });
+    auto values =
+        eval_epoch(m, batches, loop, limit.batches_of(total, validating ? "val" : "test"));
+    each_callback(
+        [&](Callback& c) { validating ? c.on_validation_end(*this, m) : c.on_test_end(*this, m); });
     if (logger_ && is_global_zero()) logger_->save();
     return std::vector<std::map<std::string, double>>{values};
   });
@@ -487,7 +543,7 @@ std::vector<AnyTensor> Trainer::predict(M& module, Loader& data, const std::stri
     detail::ReplicaLoader<Loader> local(data, s, options_.use_distributed_sampler);
     auto batches = s.process_dataloader(local.get());
     const std::int64_t total = detail::loader_batches(batches);
-    const std::int64_t limit = total < 0 ? -1 : options_.limit_predict_batches.of(total);
+    const std::int64_t limit = options_.limit_predict_batches.batches_of(total, "predict");
     r.stage = detail::Loop::Predict;
     r.metrics.start_epoch(detail::Loop::Predict);
     each_callback([&](Callback& c) { c.on_predict_start(*this, m); });

@@ -82,6 +82,9 @@ class MetricStore {
   void set_loop(Loop loop) { loop_ = loop; }
   /// The loop logging now.
   Loop loop() const { return loop_; }
+  /// Whether the module's on_train_epoch_end is running: a value logged there is an epoch
+  /// value by default (on_step false, on_epoch true), as in Lightning.
+  void set_epoch_end_hook(bool on) { epoch_end_hook_ = on; }
 
   /// Records `value` under `name` (see LightningModule::log).
   void log(const std::string& name, const AnyTensor& value, const LogOptions& options);
@@ -121,6 +124,7 @@ class MetricStore {
 
   const Strategy* strategy_;
   Loop loop_ = Loop::Train;
+  bool epoch_end_hook_ = false;
   std::map<std::string, Entry>& entries() { return entries_[static_cast<int>(loop_)]; }
   const std::map<std::string, Entry>& entries() const { return entries_[static_cast<int>(loop_)]; }
   std::map<std::string, Entry> entries_[5];  // per Loop
@@ -162,9 +166,10 @@ LAZYTENSOR_INLINE void MetricStore::log(const std::string& name, const AnyTensor
     throw Error("LightningModule::log: batch_size of \"" + name + "\" must be > 0, got " +
                 std::to_string(*options.batch_size));
   }
-  const bool training = loop_ == Loop::Train;
-  const bool on_step = options.on_step.value_or(training);
-  const bool on_epoch = options.on_epoch.value_or(!training);
+  // A training step's value is a step value by default, any other an epoch value.
+  const bool in_step = loop_ == Loop::Train && !epoch_end_hook_;
+  const bool on_step = options.on_step.value_or(in_step);
+  const bool on_epoch = options.on_epoch.value_or(!in_step);
   if (!on_step && !on_epoch) {
     throw Error("LightningModule::log: \"" + name + "\" has on_step and on_epoch both false: it would go nowhere");
   }

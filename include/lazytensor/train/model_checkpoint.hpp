@@ -92,7 +92,9 @@ class BasicModelCheckpoint : public Callback {
   /// The last file written as "last" ("" before).
   const std::string& last_model_path() const { return last_model_path_; }
   /// The file name the template gives for `metrics` (with epoch and step), without the
-  /// directory.
+  /// directory. A field "{name:spec}" formats the value by `spec`,
+  /// [+|-| ][#][0][width][.precision] then d (an integer: the value must be one), f, e or g,
+  /// as Python's format() would; another spec is an Error naming it.
   std::string format_checkpoint_name(const std::map<std::string, double>& metrics) const;
 
   /// Saves now if nothing was saved at this step (what the hooks call).
@@ -101,6 +103,11 @@ class BasicModelCheckpoint : public Callback {
  private:
   bool better(double a, double b) const { return options_.mode == "min" ? a < b : a > b; }
   std::string worst_kept() const;
+  /// Whether this training epoch's end saves by default (save_on_train_epoch_end unset).
+  bool saves_at_epoch_end(const Trainer& trainer) const;
+  /// `value` of the template field `name` formatted by `spec` (see format_checkpoint_name).
+  static std::string format_value(double value, const std::string& spec, const std::string& name,
+                                  const std::string& tpl);
 
   ModelCheckpointOptions options_;
   std::int64_t every_n_epochs_ = 1;
@@ -191,23 +198,37 @@ void BasicModelCheckpoint<V>::on_train_epoch_start(Trainer&, LightningModuleBase
 }
 
 template <class V>
-void BasicModelCheckpoint<V>::on_train_batch_end(Trainer& trainer, LightningModuleBase&, std::int64_t) {
+void BasicModelCheckpoint<V>::on_train_batch_end(Trainer& trainer, LightningModuleBase&,
+                                                 std::int64_t) {
+  if (!trainer.fitting()) return;
   const std::int64_t n = options_.every_n_train_steps;
   if (n > 0 && trainer.global_step() > 0 && trainer.global_step() % n == 0) save_checkpoint(trainer);
 }
 
 template <class V>
 void BasicModelCheckpoint<V>::on_validation_end(Trainer& trainer, LightningModuleBase&) {
-  if (trainer.sanity_checking()) return;
+  // Only a fit saves (Lightning's rule): a validate() of its own has no epoch to save, and
+  // the directory is resolved at fit start.
+  if (!trainer.fitting() || trainer.sanity_checking()) return;
   validated_this_epoch_ = true;
   if (options_.save_on_train_epoch_end.value_or(false)) return;
   if (every_n_epochs_ > 0 && (trainer.current_epoch() + 1) % every_n_epochs_ == 0) save_checkpoint(trainer);
 }
 
 template <class V>
+bool BasicModelCheckpoint<V>::saves_at_epoch_end(const Trainer& trainer) const {
+  if (validated_this_epoch_) return false;  // saved after the validation
+  // With check_val_every_n_epoch > 1 an epoch without validation waits for the next one (as
+  // Lightning's): a monitored validation value would be missing, or last validation's.
+  return trainer.num_val_batches() == 0 || trainer.options().check_val_every_n_epoch == 1;
+}
+
+template <class V>
 void BasicModelCheckpoint<V>::on_train_epoch_end(Trainer& trainer, LightningModuleBase&) {
-  if (!options_.save_on_train_epoch_end.value_or(!validated_this_epoch_)) return;
-  if (every_n_epochs_ > 0 && (trainer.current_epoch() + 1) % every_n_epochs_ == 0) save_checkpoint(trainer);
+  if (!trainer.fitting()) return;
+  if (!options_.save_on_train_epoch_end.value_or(saves_at_epoch_end(trainer))) return;
+  if (every_n_epochs_ > 0 && (trainer.current_epoch() + 1) % every_n_epochs_ == 0)
+    save_checkpoint(trainer);
 }
 
 template <class V>
@@ -232,11 +253,8 @@ std::string BasicModelCheckpoint<V>::format_checkpoint_name(const std::map<std::
                   known + ")");
     }
     std::string value;
-    if (colon != std::string::npos) {
-      char buf[64];
-      const std::string fmt = "%" + field.substr(colon + 1);
-      std::snprintf(buf, sizeof buf, fmt.c_str(), it->second);
-      value = buf;
+    if (colon != std::string::npos && colon + 1 < field.size()) {
+      value = format_value(it->second, field.substr(colon + 1), name, tpl);
     } else if (name == "epoch" || name == "step" || it->second == std::floor(it->second)) {
       value = std::to_string(static_cast<std::int64_t>(it->second));
     } else {
@@ -247,6 +265,62 @@ std::string BasicModelCheckpoint<V>::format_checkpoint_name(const std::map<std::
     i = close + 1;
   }
   return out;
+}
+
+template <class V>
+std::string BasicModelCheckpoint<V>::format_value(double value, const std::string& spec,
+                                                  const std::string& name, const std::string& tpl) {
+  const auto bad = [&](const std::string& why) {
+    return Error("ModelCheckpoint: filename \"" + tpl + "\": the format spec \"" + spec +
+                 "\" of \"" + name + "\" " + why);
+  };
+  // Python's grammar restricted to what printf means the same way: sign, '#', '0', width,
+  // precision, type. (printf's '-' is left-justify, Python's the default sign: dropped.)
+  std::size_t i = 0;
+  std::string fmt = "%";
+  if (i < spec.size() && (spec[i] == '+' || spec[i] == ' ' || spec[i] == '-')) {
+    if (spec[i] != '-') fmt += spec[i];
+    ++i;
+  }
+  if (i < spec.size() && spec[i] == '#') fmt += spec[i++];
+  if (i < spec.size() && spec[i] == '0') fmt += spec[i++];
+  const auto digits = [&](const char* what) {
+    const std::size_t from = i;
+    while (i < spec.size() && spec[i] >= '0' && spec[i] <= '9') ++i;
+    // Two digits are plenty for a file name, and keep the text within bounds.
+    if (i - from > 2) throw bad(std::string("has a ") + what + " of more than two digits");
+    fmt += spec.substr(from, i - from);
+    return i > from;
+  };
+  digits("width");
+  bool precision = false;
+  if (i < spec.size() && spec[i] == '.') {
+    fmt += spec[i++];
+    if (!digits("precision")) throw bad("has a '.' without a precision");
+    precision = true;
+  }
+  if (i + 1 != spec.size() || std::string("dfeg").find(spec[i]) == std::string::npos)
+    throw bad(
+        "is not supported (expected [+|-| ][#][0][width][.precision] followed by one of "
+        "d, f, e, g)");
+  const char type = spec[i];
+  // (Sized by a first call: "{x:.2f}" of 1e200 is over 200 characters.)
+  const auto print = [](const std::string& f, auto v) {
+    std::string out(static_cast<std::size_t>(std::snprintf(nullptr, 0, f.c_str(), v)), '\0');
+    std::snprintf(out.data(), out.size() + 1, f.c_str(), v);
+    return out;
+  };
+  if (type == 'd') {
+    if (precision) throw bad("has a precision, which an integer (d) does not take");
+    // Python formats only integers with d.
+    if (!(value == std::floor(value)) || !(std::fabs(value) < 9.2e18))
+      throw bad("asks for an integer (d), found " + detail::double_text(value));
+    // '#' changes nothing for Python's d, and printf's d does not take it.
+    const auto hash = fmt.find('#');
+    if (hash != std::string::npos) fmt.erase(hash, 1);
+    return print(fmt + "lld", static_cast<long long>(value));
+  }
+  return print(fmt + type, value);
 }
 
 template <class V>

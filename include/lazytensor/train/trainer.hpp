@@ -14,6 +14,7 @@
 #include <charconv>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <map>
 #include <memory>
 #include <optional>
@@ -63,6 +64,11 @@ class BatchCount {
   }
   /// Whether this is a fraction.
   bool is_fraction() const { return !count_.has_value(); }
+  /// How many of `total` batches of the `prefix` loader ("train", "val", ...) this limit
+  /// keeps, as of(); -1 when `total` is -1 (a loader that cannot say). A fraction that keeps
+  /// no batch of a non-empty loader is an Error, as in Lightning: it is surely a mistake
+  /// (an integer 0, or 0.0, asks for none on purpose).
+  std::int64_t batches_of(std::int64_t total, const std::string& prefix) const;
 
  private:
   std::optional<std::int64_t> count_;
@@ -152,6 +158,7 @@ struct ReplicaRun {
   bool running = false;                 // inside a loop
   std::int64_t num_training_batches = 0;
   std::int64_t num_val_batches = 0;
+  bool fitting = false;                 // the run is a fit (not validate/test/predict)
   std::int64_t epoch_batches_done = 0;  // training batches finished in the current epoch
   bool epoch_finished = false;          // its batches and scheduler step are done
   std::int64_t resume_batches = 0;      // batches to skip in the first resumed epoch
@@ -255,6 +262,9 @@ class Trainer {
   /// (EarlyStopping) or the module, on any replica.
   bool should_stop() const { return run().should_stop; }
   void set_should_stop(bool stop) { run().should_stop = stop; }
+  /// Whether a fit is running (Lightning's trainer.state.fn == "fit"): ModelCheckpoint and
+  /// EarlyStopping act only then, not in a validate() or test() of their own.
+  bool fitting() const { return run().running && run().fitting; }
   bool sanity_checking() const { return run().running && run().stage == detail::Loop::Sanity; }
   bool training() const { return run().running && run().stage == detail::Loop::Train; }
   bool validating() const { return run().running && run().stage == detail::Loop::Validate; }
@@ -372,6 +382,13 @@ LAZYTENSOR_INLINE std::uint64_t parse_uint64(const std::string& text, const std:
   return parse_integer<std::uint64_t>(text, what);
 }
 
+/// Shortest text of `x` ("0.01", not "0.010000").
+inline std::string short_double(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", x);
+  return buf;
+}
+
 template <class>
 std::shared_ptr<Strategy> make_strategy(const TrainerOptions& o) {
   if (const auto* given = std::get_if<std::shared_ptr<Strategy>>(&o.strategy)) {
@@ -434,7 +451,14 @@ Trainer::Trainer(TrainerOptions options) : options_(std::move(options)) {
   if (o.max_time && !(o.max_time->count() >= 0))
     throw Error("Trainer: max_time must be >= 0 seconds, got " + std::to_string(o.max_time->count()));
   if (o.gradient_clip_val && !(*o.gradient_clip_val >= 0))
-    throw Error("Trainer: gradient_clip_val must be >= 0, got " + std::to_string(*o.gradient_clip_val));
+    throw Error("Trainer: gradient_clip_val must be >= 0, got " +
+                std::to_string(*o.gradient_clip_val));
+  // An integer val_check_interval counts batches between validations: 0 would validate
+  // never (Lightning divides by it). The fraction 0.0 means every batch, as in Lightning.
+  if (!o.val_check_interval.is_fraction() && o.val_check_interval.of(1) == 0)
+    throw Error(
+        "Trainer: val_check_interval as a number of batches must be >= 1, got 0 (to "
+        "validate every batch use 1; to skip validation set limit_val_batches = 0)");
   if (o.gradient_clip_algorithm != "norm" && o.gradient_clip_algorithm != "value")
     throw Error("Trainer: gradient_clip_algorithm must be \"norm\" or \"value\", got \"" + o.gradient_clip_algorithm + "\"");
   if (fast_dev_run_ > 0) {
@@ -459,10 +483,40 @@ Trainer::Trainer(TrainerOptions options) : options_(std::move(options)) {
   callbacks_ = o.callbacks;
   for (const auto& c : callbacks_)
     if (!c) throw Error("Trainer: a callback is empty");
-  detail::add_default_callbacks(callbacks_, o, o.enable_checkpointing && fast_dev_run_ == 0, o.enable_progress_bar);
+  detail::add_default_callbacks(callbacks_, o, o.enable_checkpointing && fast_dev_run_ == 0,
+                                o.enable_progress_bar);
+  // A checkpoint keeps each stateful callback's state under its state_key: two with one key
+  // would write over each other's entries and restore a mix (Lightning raises too). A
+  // callback counts as stateful when it has state to save now (ModelCheckpoint and
+  // EarlyStopping always do).
+  std::map<std::string, std::size_t> stateful;
+  for (std::size_t i = 0; i < callbacks_.size(); ++i) {
+    if (callbacks_[i]->state_dict().empty()) continue;
+    const std::string key = callbacks_[i]->state_key();
+    if (!stateful.emplace(key, i).second)
+      throw Error("Trainer: found more than one stateful callback with the same state key \"" +
+                  key + "\" (callbacks " + std::to_string(stateful.at(key)) + " and " +
+                  std::to_string(i) +
+                  "); expected every stateful callback's state_key to be unique (give them "
+                  "different settings, such as monitor or mode)");
+  }
   runs_.push_back(std::make_unique<detail::ReplicaRun>(*strategy_));
   runs_.back()->callbacks = callbacks_;
   runs_.back()->shared_callback.assign(callbacks_.size(), false);
+}
+
+LAZYTENSOR_INLINE std::int64_t BatchCount::batches_of(std::int64_t total,
+                                                      const std::string& prefix) const {
+  if (total < 0) return -1;
+  const std::int64_t n = of(total);
+  if (n == 0 && total > 0 && is_fraction() && fraction_ > 0) {
+    const std::string f = detail::short_double(fraction_);
+    throw Error("Trainer: you requested to check " + f + " of the " + prefix + " dataloader but " +
+                f + " * " + std::to_string(total) + " < 1 batch; expected limit_" + prefix +
+                "_batches of at least " + detail::short_double(1.0 / static_cast<double>(total)) +
+                " (or 0 to skip it)");
+  }
+  return n;
 }
 
 LAZYTENSOR_INLINE detail::ReplicaRun& Trainer::run() const {
