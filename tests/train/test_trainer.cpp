@@ -20,6 +20,17 @@ using namespace trainer_testing;
 namespace train = lazy::train;
 namespace nn = lazy::nn;
 
+// The message of the lazy::Error that f() throws, or "no error".
+template <class F>
+std::string message(F&& f) {
+  try {
+    f();
+  } catch (const lazy::Error& e) {
+    return std::string(e.what());
+  }
+  return std::string("no error");
+}
+
 TEST(Trainer, FitTakesTheSameStepsAsAHandWrittenLoop) {
   auto ds = make_dataset(64);
   auto loader = lazy::data::make_data_loader(ds, {.batch_size = 8});
@@ -133,14 +144,6 @@ TEST(Trainer, NoTrainingBatchesEndTheFitAndAFractionOfNoBatchIsAnError) {
   auto fifty = lazy::data::make_data_loader(make_dataset(50), {.batch_size = 1});  // 50 batches
   auto val_loader =
       lazy::data::make_data_loader(make_dataset(24, 5), {.batch_size = 8});  // 3 batches
-  auto message = [](auto&& f) {
-    try {
-      f();
-    } catch (const lazy::Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
   {  // 0.01 * 50 = 0.5 batches: Lightning's "0.01 * 50 < 1".
     Classifier m;
     const std::string msg = message([&] {
@@ -381,14 +384,6 @@ TEST(Trainer, PrecisionOptionSetsTheStrategysPlugin) {
 }
 
 TEST(Trainer, BadArgumentsAreErrorsNamingThem) {
-  auto message = [](auto&& f) {
-    try {
-      f();
-    } catch (const lazy::Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
   EXPECT_NE(message([] { train::Trainer({.strategy = std::string("tpu_spawn")}); }).find("tpu_spawn"), std::string::npos);
   EXPECT_NE(message([] { train::Trainer({.max_steps = -2}); }).find("max_steps"), std::string::npos);
   EXPECT_NE(message([] { train::Trainer({.accumulate_grad_batches = 0}); }).find("accumulate_grad_batches"),
