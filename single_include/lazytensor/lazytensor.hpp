@@ -29762,6 +29762,10 @@ class Callback {
   /// Key of the callback's state in a checkpoint (Lightning's state_key): unique among a
   /// Trainer's callbacks.
   virtual std::string state_key() const { return "Callback"; }
+  /// Whether it acts on monitored values (ModelCheckpoint, EarlyStopping): its
+  /// on_train_epoch_end then runs after the module's, so that it sees what the module logs
+  /// there (Lightning's order).
+  virtual bool monitors() const { return false; }
   /// The callback's state, saved in every checkpoint's metadata.
   virtual std::map<std::string, std::string> state_dict() const { return {}; }
   /// Restores what state_dict() returned (resuming a fit).
@@ -31470,6 +31474,7 @@ class BasicModelCheckpoint : public Callback {
 
   std::shared_ptr<Callback> clone() const override { return std::make_shared<BasicModelCheckpoint>(*this); }
   std::string state_key() const override;
+  bool monitors() const override { return true; }
   std::map<std::string, std::string> state_dict() const override;
   void load_state_dict(const std::map<std::string, std::string>& state) override;
 
@@ -32071,6 +32076,7 @@ class BasicEarlyStopping : public Callback {
   explicit BasicEarlyStopping(EarlyStoppingOptions options);
 
   std::shared_ptr<Callback> clone() const override { return std::make_shared<BasicEarlyStopping>(*this); }
+  bool monitors() const override { return true; }
   std::string state_key() const override { return "EarlyStopping{monitor=" + options_.monitor + ",mode=" + options_.mode + "}"; }
   std::map<std::string, std::string> state_dict() const override;
   void load_state_dict(const std::map<std::string, std::string>& state) override;
@@ -32684,18 +32690,15 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
       // monitoring callbacks' (ModelCheckpoint, EarlyStopping), so that they can monitor a
       // value the module logs in its hook; the logger gets the epoch's values last.
       detail::MetricValues epoch_values = r.metrics.end_epoch();
-      const auto monitoring = [](const Callback& c) {
-        return dynamic_cast<const ModelCheckpoint*>(&c) || dynamic_cast<const EarlyStopping*>(&c);
-      };
       each_callback([&](Callback& c) {
-        if (!monitoring(c)) c.on_train_epoch_end(*this, m);
+        if (!c.monitors()) c.on_train_epoch_end(*this, m);
       });
       r.metrics.set_epoch_end_hook(true);
       m.on_train_epoch_end();
       r.metrics.set_epoch_end_hook(false);
       for (const auto& [key, x] : r.metrics.end_epoch().logged) epoch_values.logged[key] = x;
       each_callback([&](Callback& c) {
-        if (monitoring(c)) c.on_train_epoch_end(*this, m);
+        if (c.monitors()) c.on_train_epoch_end(*this, m);
       });
       log_to_logger(epoch_values.logged);
       acc->on_train_epoch_end();

@@ -29,6 +29,10 @@ class Callback {
   /// Key of the callback's state in a checkpoint (Lightning's state_key): unique among a
   /// Trainer's callbacks.
   virtual std::string state_key() const { return "Callback"; }
+  /// Whether it acts on monitored values (ModelCheckpoint, EarlyStopping): its
+  /// on_train_epoch_end then runs after the module's, so that it sees what the module logs
+  /// there (Lightning's order).
+  virtual bool monitors() const { return false; }
   /// The callback's state, saved in every checkpoint's metadata.
   virtual std::map<std::string, std::string> state_dict() const { return {}; }
   /// Restores what state_dict() returned (resuming a fit).

@@ -60,6 +60,7 @@ class BasicEarlyStopping : public Callback {
   explicit BasicEarlyStopping(EarlyStoppingOptions options);
 
   std::shared_ptr<Callback> clone() const override { return std::make_shared<BasicEarlyStopping>(*this); }
+  bool monitors() const override { return true; }
   std::string state_key() const override { return "EarlyStopping{monitor=" + options_.monitor + ",mode=" + options_.mode + "}"; }
   std::map<std::string, std::string> state_dict() const override;
   void load_state_dict(const std::map<std::string, std::string>& state) override;

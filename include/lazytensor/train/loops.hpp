@@ -24,8 +24,6 @@
 #include <lazytensor/data/sampler.hpp>
 #include <lazytensor/io/safetensors.hpp>
 #include <lazytensor/train/accelerator.hpp>
-#include <lazytensor/train/early_stopping.hpp>
-#include <lazytensor/train/model_checkpoint.hpp>
 #include <lazytensor/train/trainer.hpp>
 
 namespace lazy::train {
@@ -462,18 +460,15 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
       // monitoring callbacks' (ModelCheckpoint, EarlyStopping), so that they can monitor a
       // value the module logs in its hook; the logger gets the epoch's values last.
       detail::MetricValues epoch_values = r.metrics.end_epoch();
-      const auto monitoring = [](const Callback& c) {
-        return dynamic_cast<const ModelCheckpoint*>(&c) || dynamic_cast<const EarlyStopping*>(&c);
-      };
       each_callback([&](Callback& c) {
-        if (!monitoring(c)) c.on_train_epoch_end(*this, m);
+        if (!c.monitors()) c.on_train_epoch_end(*this, m);
       });
       r.metrics.set_epoch_end_hook(true);
       m.on_train_epoch_end();
       r.metrics.set_epoch_end_hook(false);
       for (const auto& [key, x] : r.metrics.end_epoch().logged) epoch_values.logged[key] = x;
       each_callback([&](Callback& c) {
-        if (monitoring(c)) c.on_train_epoch_end(*this, m);
+        if (c.monitors()) c.on_train_epoch_end(*this, m);
       });
       log_to_logger(epoch_values.logged);
       acc->on_train_epoch_end();

@@ -71,6 +71,7 @@ class BasicModelCheckpoint : public Callback {
 
   std::shared_ptr<Callback> clone() const override { return std::make_shared<BasicModelCheckpoint>(*this); }
   std::string state_key() const override;
+  bool monitors() const override { return true; }
   std::map<std::string, std::string> state_dict() const override;
   void load_state_dict(const std::map<std::string, std::string>& state) override;
 
