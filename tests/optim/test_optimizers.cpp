@@ -211,6 +211,16 @@ TEST(Optimizers, RejectNaNOptionsAndRepeatedParameters) {
   adam.add_param_group({{q}, optim::AdamOptions(0.1)});
   EXPECT_EQ(adam.num_param_groups(), 2u);
   EXPECT_TRUE(q.requires_grad());
+  // BasicSGD<float> compiles the float update only: a double parameter is refused by the
+  // constructor and by add_param_group alike, leaving the groups as they were.
+  auto d = lazy::zeros<double>({4});
+  EXPECT_THROW(optim::BasicSGD<float>({lazy::AnyTensor(d)}, optim::SGDOptions(0.1)), lazy::DTypeError);
+  optim::BasicSGD<float> float_sgd({p}, optim::SGDOptions(0.1));
+  EXPECT_THROW(float_sgd.add_param_group({{lazy::AnyTensor(d)}, optim::SGDOptions(0.1)}), lazy::DTypeError);
+  EXPECT_EQ(float_sgd.num_param_groups(), 1u);
+  EXPECT_FALSE(d.requires_grad());
+  float_sgd.add_param_group({{lazy::AnyTensor(lazy::zeros<float>({4}))}, optim::SGDOptions(0.1)});
+  EXPECT_EQ(float_sgd.num_param_groups(), 2u);
 }
 
 TEST(Schedulers, ClosedForms) {

@@ -161,6 +161,9 @@ class OptimizerWithOptions : public Optimizer {
   }
   /// The optimizer's rules for one group's options (Error naming the invalid one).
   virtual void validate_options(const Options&) const {}
+  /// The optimizer's own rule for one parameter beyond being floating (BasicSGD<float>
+  /// takes float parameters only); checked by add_param_group too.
+  virtual void validate_param(const AnyTensor&) const {}
   virtual std::string type_name_of() const { return "Optimizer"; }
 
   /// Group g's parameters are defined and floating, and none is in an earlier group or
@@ -174,6 +177,7 @@ class OptimizerWithOptions : public Optimizer {
                          ": can only optimize floating parameters, got one of dtype " +
                          dtype_name(p.dtype()));
       }
+      validate_param(p);
       for (std::size_t h = 0; h <= g; ++h) {
         const auto& other = groups_[h].params;
         for (std::size_t j = 0; j < (h == g ? k : other.size()); ++j) {

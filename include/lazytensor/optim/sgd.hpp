@@ -37,14 +37,12 @@ template <class Only = void>
 class BasicSGD : public OptimizerWithOptions<SGDOptions> {
  public:
   BasicSGD(std::vector<AnyTensor> params, SGDOptions options)
-      : OptimizerWithOptions({ParamGroup{std::move(params), options}}) {
-    validate();
-  }
+      : BasicSGD(std::vector<ParamGroup>{ParamGroup{std::move(params), options}}) {}
   /// Parameters of one dtype.
   template <FloatingElement T>
   BasicSGD(const std::vector<Tensor<T>>& params, SGDOptions options)
       : BasicSGD(std::vector<AnyTensor>(params.begin(), params.end()), options) {}
-  BasicSGD(std::vector<ParamGroup> groups) : OptimizerWithOptions(std::move(groups)) { validate(); }
+  BasicSGD(std::vector<ParamGroup> groups) : OptimizerWithOptions(checked_dtypes(std::move(groups))) { validate(); }
 
   void step() override;
 
@@ -55,6 +53,16 @@ class BasicSGD : public OptimizerWithOptions<SGDOptions> {
  private:
   void validate() const;
   void validate_options(const SGDOptions& o) const override;
+  void validate_param(const AnyTensor& p) const override { check_dtype(p); }
+  /// DTypeError for a parameter of another dtype than V (none for V = void).
+  static void check_dtype(const AnyTensor& p);
+  /// `groups`, once check_dtype passed for every parameter: before the base marks them as
+  /// requiring gradients, so that a refused parameter is left as it was.
+  static std::vector<ParamGroup> checked_dtypes(std::vector<ParamGroup> groups) {
+    for (const auto& g : groups)
+      for (const auto& p : g.params) check_dtype(p);
+    return groups;
+  }
   template <FloatingElement T>
   void update(Tensor<T> p, ParamState& st, const SGDOptions& o);
 };
@@ -102,16 +110,16 @@ void BasicSGD<V>::update(Tensor<T> p, ParamState& st, const SGDOptions& o) {
 
 template <class V>
 void BasicSGD<V>::validate() const {
-  for (const auto& g : groups_) {
-    if constexpr (!std::is_void_v<V>) {
-      for (const auto& p : g.params) {
-        if (p.dtype() != dtype_of<V>()) {
-          throw DTypeError("BasicSGD<" + dtype_name(dtype_of<V>()) + ">: got a parameter of dtype " +
-                           dtype_name(p.dtype()) + " (optim::SGD takes every floating dtype)");
-        }
-      }
+  for (const auto& g : groups_) validate_options(g.options);
+}
+
+template <class V>
+void BasicSGD<V>::check_dtype(const AnyTensor& p) {
+  if constexpr (!std::is_void_v<V>) {
+    if (p.defined() && p.dtype() != dtype_of<V>()) {
+      throw DTypeError("BasicSGD<" + dtype_name(dtype_of<V>()) + ">: got a parameter of dtype " +
+                       dtype_name(p.dtype()) + " (optim::SGD takes every floating dtype)");
     }
-    validate_options(g.options);
   }
 }
 
