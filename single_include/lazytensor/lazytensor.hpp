@@ -29778,7 +29778,10 @@ class Callback {
   /// on_train_epoch_end then runs after the module's, so that it sees what the module logs
   /// there (Lightning's order).
   virtual bool monitors() const { return false; }
-  /// The callback's state, saved in every checkpoint's metadata.
+  /// The callback's state, saved in every checkpoint's metadata. The Trainer also calls it
+  /// when it is constructed and before each checkpoint, to find the stateful callbacks
+  /// (those with a non-empty state) and refuse two under one state_key; so it must be
+  /// callable before the fit starts.
   virtual std::map<std::string, std::string> state_dict() const { return {}; }
   /// Restores what state_dict() returned (resuming a fit).
   virtual void load_state_dict(const std::map<std::string, std::string>& state) { (void)state; }
@@ -30812,9 +30815,10 @@ class BatchCount {
   /// Whether this is a fraction.
   bool is_fraction() const { return !count_.has_value(); }
   /// How many of `total` batches of the `prefix` loader ("train", "val", ...) this limit
-  /// keeps, as of(); -1 when `total` is -1 (a loader that cannot say). A fraction that keeps
-  /// no batch of a non-empty loader is an Error, as in Lightning: it is surely a mistake
-  /// (an integer 0, or 0.0, asks for none on purpose).
+  /// keeps, as of(). When `total` is -1 (a loader that cannot say): an integer limit, 0 for
+  /// 0.0, -1 (all) for 1.0, and an Error for another fraction. A fraction that keeps no
+  /// batch of a non-empty loader is an Error, as in Lightning: it is surely a mistake (an
+  /// integer 0, or 0.0, asks for none on purpose).
   std::int64_t batches_of(std::int64_t total, const std::string& prefix) const;
 
  private:
@@ -31097,6 +31101,24 @@ void Trainer::each_callback(F f) {
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace detail {
 
+/// A checkpoint keeps each stateful callback's state under its state_key: two with one key
+/// would write over each other's entries and restore a mix (Lightning raises too). A
+/// callback counts as stateful when it has state to save now (ModelCheckpoint and
+/// EarlyStopping always do).
+LAZYTENSOR_INLINE void check_state_keys(const std::vector<std::shared_ptr<Callback>>& callbacks) {
+  std::map<std::string, std::size_t> stateful;
+  for (std::size_t i = 0; i < callbacks.size(); ++i) {
+    if (callbacks[i]->state_dict().empty()) continue;
+    const std::string key = callbacks[i]->state_key();
+    if (!stateful.emplace(key, i).second)
+      throw Error("Trainer: found more than one stateful callback with the same state key \"" +
+                  key + "\" (callbacks " + std::to_string(stateful.at(key)) + " and " +
+                  std::to_string(i) +
+                  "); expected every stateful callback's state_key to be unique (give them "
+                  "different settings, such as monitor or mode)");
+  }
+}
+
 LAZYTENSOR_INLINE std::string double_text(double x) {
   char buf[32];
   const auto r = std::to_chars(buf, buf + sizeof buf, x);
@@ -31232,21 +31254,9 @@ Trainer::Trainer(TrainerOptions options) : options_(std::move(options)) {
     if (!c) throw Error("Trainer: a callback is empty");
   detail::add_default_callbacks(callbacks_, o, o.enable_checkpointing && fast_dev_run_ == 0,
                                 o.enable_progress_bar);
-  // A checkpoint keeps each stateful callback's state under its state_key: two with one key
-  // would write over each other's entries and restore a mix (Lightning raises too). A
-  // callback counts as stateful when it has state to save now (ModelCheckpoint and
-  // EarlyStopping always do).
-  std::map<std::string, std::size_t> stateful;
-  for (std::size_t i = 0; i < callbacks_.size(); ++i) {
-    if (callbacks_[i]->state_dict().empty()) continue;
-    const std::string key = callbacks_[i]->state_key();
-    if (!stateful.emplace(key, i).second)
-      throw Error("Trainer: found more than one stateful callback with the same state key \"" +
-                  key + "\" (callbacks " + std::to_string(stateful.at(key)) + " and " +
-                  std::to_string(i) +
-                  "); expected every stateful callback's state_key to be unique (give them "
-                  "different settings, such as monitor or mode)");
-  }
+  // Early, as Lightning does; dump_checkpoint checks again, for a callback whose state
+  // appears later.
+  detail::check_state_keys(callbacks_);
   runs_.push_back(std::make_unique<detail::ReplicaRun>(*strategy_));
   runs_.back()->callbacks = callbacks_;
   runs_.back()->shared_callback.assign(callbacks_.size(), false);
@@ -31254,7 +31264,17 @@ Trainer::Trainer(TrainerOptions options) : options_(std::move(options)) {
 
 LAZYTENSOR_INLINE std::int64_t BatchCount::batches_of(std::int64_t total,
                                                       const std::string& prefix) const {
-  if (total < 0) return -1;
+  if (total < 0) {
+    // A loader that cannot say its length (Lightning's iterable datasets): an integer limit
+    // is the count (the loop also ends when the loader does), 1.0 means all, 0.0 none;
+    // another fraction of an unknown length cannot be taken.
+    if (count_) return *count_;
+    if (fraction_ == 0.0) return 0;
+    if (fraction_ == 1.0) return -1;
+    throw Error("Trainer: limit_" + prefix + "_batches = " + detail::short_double(fraction_) +
+                " is a fraction of a loader that does not know its length; expected 1.0, 0.0 or "
+                "an integer number of batches");
+  }
   const std::int64_t n = of(total);
   if (n == 0 && total > 0 && is_fraction() && fraction_ > 0) {
     const std::string f = detail::short_double(fraction_);
@@ -31373,6 +31393,7 @@ LAZYTENSOR_INLINE StateDict Trainer::dump_checkpoint() {
   } else {
     meta["rng_state.0"] = std::to_string(rng);
   }
+  detail::check_state_keys(r.callbacks);
   for (std::size_t i = 0; i < r.callbacks.size(); ++i) {
     const std::string key = "callbacks." + r.callbacks[i]->state_key() + ".";
     for (const auto& [k, v] : r.callbacks[i]->state_dict()) meta[key + k] = v;
@@ -32066,7 +32087,8 @@ struct EarlyStoppingOptions {
   bool strict = true;
   /// Stop on a NaN or infinite value.
   bool check_finite = true;
-  /// Stop once the value is at least this good.
+  /// Stop once the value is better than this (strictly, as Lightning compares: in "min"
+  /// mode a value equal to the threshold does not stop).
   std::optional<double> stopping_threshold = std::nullopt;
   /// Stop once the value is worse than this.
   std::optional<double> divergence_threshold = std::nullopt;
@@ -32166,9 +32188,10 @@ std::pair<bool, std::string> BasicEarlyStopping<V>::evaluate(double current) {
     return {true, "Monitored metric " + o.monitor + " = " + text(current) + " is not finite. Previous best value was " +
                       text(best_score_) + ". Signaling Trainer to stop."};
   }
-  if (o.stopping_threshold && (current == *o.stopping_threshold || better(current, *o.stopping_threshold))) {
-    return {true, "Stopping threshold reached: " + o.monitor + " = " + text(current) + " reached " +
-                      text(*o.stopping_threshold) + ". Signaling Trainer to stop."};
+  if (o.stopping_threshold && better(current, *o.stopping_threshold)) {
+    return {true, "Stopping threshold reached: " + o.monitor + " = " + text(current) +
+                      (o.mode == "min" ? " < " : " > ") + text(*o.stopping_threshold) +
+                      ". Signaling Trainer to stop."};
   }
   if (o.divergence_threshold && better(*o.divergence_threshold, current)) {
     return {true, "Divergence threshold reached: " + o.monitor + " = " + text(current) + " is worse than " +
@@ -32627,6 +32650,7 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
       }
       std::int64_t idx = 0;
       bool finished = false;
+      bool stopped_early = false;  // a break before the loader's end or the limit
       for (auto& batch : train_batches) {
         if (r.num_training_batches >= 0 && idx >= r.num_training_batches) break;
         if (idx < r.resume_batches) {
@@ -32662,6 +32686,7 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
         }
         if (o.max_steps >= 0 && r.progress.global_step >= o.max_steps) {
           stop = true;
+          stopped_early = !last;
           break;
         }
         // A stop (max_time, or should_stop set by the module or a callback) ends the epoch
@@ -32676,18 +32701,22 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
         const bool wants_stop = time_is_up() || (r.should_stop && epoch >= o.min_epochs);
         if (!s.is_distributed() ? wants_stop : step_now && s.reduce_boolean_decision(wants_stop, false)) {
           stop = true;
+          stopped_early = !last;
           break;
         }
       }
-      finished = r.num_training_batches < 0 || idx >= r.num_training_batches;
+      // The epoch is whole when it reached its limit, or the loader ended first (a loader
+      // that cannot say its length, under an integer limit larger than what it holds).
+      finished = !stopped_early || idx >= r.num_training_batches;
       // A loader that cannot say its length and gave no batch: the next epochs would give
       // none either, and with max_steps alone the fit would never end (Lightning stops:
       // "no training batches").
       if (finished && idx == 0) stop = true;
       r.resume_batches = 0;
       if (finished) {
+        if (r.num_training_batches < 0 || idx < r.num_training_batches)
+          r.num_training_batches = idx;
         r.epoch_batches_done = std::max<std::int64_t>(idx, r.num_training_batches);
-        if (r.num_training_batches < 0) r.num_training_batches = idx;
         if (sched && r.optim.interval == "epoch" && (epoch + 1) % r.optim.frequency == 0)
           sched->step();
         r.epoch_finished = true;  // a checkpoint from here on resumes at the next epoch

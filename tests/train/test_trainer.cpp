@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -103,6 +104,63 @@ TEST(Trainer, BatchLimitsAndMaxSteps) {
     EXPECT_EQ(t.global_step(), 11);
     EXPECT_EQ(m.record.train_steps, 11);
     EXPECT_EQ(t.current_epoch(), 2) << "stopped inside the second epoch, which still ends";
+  }
+}
+
+/// A loader that cannot say its length (Lightning's iterable datasets): a DataLoader's
+/// batches without its size().
+template <class L>
+struct Unsized {
+  L* inner;
+  auto begin() { return inner->begin(); }
+  auto end() { return inner->end(); }
+  void set_epoch(std::uint64_t epoch) { inner->set_epoch(epoch); }
+};
+template <class L>
+Unsized<L> unsized(L& loader) {
+  return {&loader};
+}
+
+TEST(Trainer, BatchLimitsOfALoaderWithoutALength) {
+  auto train_data = lazy::data::make_data_loader(make_dataset(64), {.batch_size = 8});  // 8 batches
+  auto val_data =
+      lazy::data::make_data_loader(make_dataset(24, 5), {.batch_size = 8});  // 3 batches
+  auto train_loader = unsized(*train_data);
+  auto val_loader = unsized(*val_data);
+  {  // An integer limit counts batches, as with a loader that knows its length.
+    Classifier m;
+    train::Trainer t(quiet({.max_epochs = 2, .limit_train_batches = 3, .limit_val_batches = 2}));
+    t.fit(m, train_loader, val_loader);
+    EXPECT_EQ(t.global_step(), 6);
+    EXPECT_EQ(m.record.train_steps, 6);
+    EXPECT_EQ(m.record.val_steps, 2 * 2);
+  }
+  {  // A limit past the loader's end: the epoch ends with the loader, whole (it validates).
+    Classifier m;
+    train::Trainer t(quiet({.max_epochs = 2, .limit_train_batches = 20}));
+    t.fit(m, train_loader, val_loader);
+    EXPECT_EQ(t.global_step(), 16);
+    EXPECT_EQ(m.record.val_steps, 2 * 3);
+    EXPECT_EQ(t.current_epoch(), 2);
+  }
+  {  // All (1.0) and none (0.0) are the fractions an unknown length allows.
+    Classifier m;
+    train::Trainer t(
+        quiet({.max_epochs = 1, .limit_train_batches = 1.0, .limit_val_batches = 0.0}));
+    t.fit(m, train_loader, val_loader);
+    EXPECT_EQ(m.record.train_steps, 8);
+    EXPECT_EQ(m.record.val_steps, 0);
+  }
+  {  // Half of an unknown length cannot be taken.
+    Classifier m;
+    try {
+      train::Trainer(quiet({.max_epochs = 1, .limit_train_batches = 0.5})).fit(m, train_loader);
+      ADD_FAILURE() << "half of a loader without a length accepted";
+    } catch (const lazy::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("limit_train_batches = 0.5"), std::string::npos)
+          << e.what();
+    }
+    EXPECT_EQ(m.record.train_steps, 0);
   }
 }
 
@@ -245,6 +303,33 @@ TEST(Trainer, StatefulCallbacksWithOneStateKeyAreRejected) {
   // Callbacks without state may share a key (the base's "Callback").
   EXPECT_EQ(message({std::make_shared<train::Callback>(), std::make_shared<train::Callback>()}),
             "no error");
+  // Callbacks whose state appears only once the fit runs pass the constructor's check; the
+  // checkpoint refuses them rather than writing one state over the other.
+  struct LateState : train::Callback {
+    std::string value;
+    explicit LateState(std::string v) : value(std::move(v)) {}
+    std::map<std::string, std::string> state_dict() const override {
+      if (!started) return {};
+      return {{"value", value}};
+    }
+    void on_fit_start(train::Trainer&, train::LightningModuleBase&) override { started = true; }
+    bool started = false;
+  };
+  const std::string dir = temp_dir("late_state");
+  auto loader = lazy::data::make_data_loader(make_dataset(16), {.batch_size = 8});
+  Classifier m;
+  train::TrainerOptions o = quiet({.max_epochs = 1});
+  o.callbacks = {std::make_shared<LateState>("a"), std::make_shared<LateState>("b")};
+  train::Trainer t(o);
+  t.fit(m, *loader);
+  const std::string path = dir + "/late.ckpt";
+  try {
+    t.save_checkpoint(path);
+    ADD_FAILURE() << "two stateful callbacks under one key were saved";
+  } catch (const lazy::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("\"Callback\""), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(std::filesystem::exists(path));
 }
 
 TEST(Trainer, FastDevRunRunsOneBatchOfEachAndWritesNothing) {

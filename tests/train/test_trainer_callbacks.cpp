@@ -277,7 +277,15 @@ TEST(EarlyStopping, ThresholdsAndNonFiniteValuesStop) {
     t.fit(m, *train_loader, *val_loader);
     return t.current_epoch() - 1;
   };
-  EXPECT_EQ(stop_epoch({0.9, 0.7, 0.5, 0.3, 0.1}, {.patience = 10, .stopping_threshold = 0.5}), 2);
+  // Both thresholds compare strictly, as Lightning's monitor_op (torch.lt / torch.gt) does:
+  // reaching the value exactly does not stop.
+  EXPECT_EQ(stop_epoch({0.9, 0.7, 0.5, 0.3, 0.1}, {.patience = 10, .stopping_threshold = 0.5}), 3);
+  EXPECT_EQ(stop_epoch({0.9, 0.7, 0.49, 0.3, 0.1}, {.patience = 10, .stopping_threshold = 0.5}), 2);
+  EXPECT_EQ(stop_epoch({0.1, 0.3, 0.5, 0.7, 0.9},
+                       {.patience = 10, .mode = "max", .stopping_threshold = 0.5}),
+            3);
+  EXPECT_EQ(stop_epoch({0.9, 0.7, 2.0, 3.0, 0.1}, {.patience = 10, .divergence_threshold = 2.0}),
+            3);
   EXPECT_EQ(stop_epoch({0.9, 0.7, 3.0, 0.3, 0.1}, {.patience = 10, .divergence_threshold = 2.0}), 2);
   EXPECT_EQ(stop_epoch({0.9, std::nan(""), 0.5}, {.patience = 10}), 1);
   EXPECT_EQ(stop_epoch({0.9, std::nan(""), 0.5}, {.patience = 10, .check_finite = false}), 5);

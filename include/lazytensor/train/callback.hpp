@@ -33,7 +33,10 @@ class Callback {
   /// on_train_epoch_end then runs after the module's, so that it sees what the module logs
   /// there (Lightning's order).
   virtual bool monitors() const { return false; }
-  /// The callback's state, saved in every checkpoint's metadata.
+  /// The callback's state, saved in every checkpoint's metadata. The Trainer also calls it
+  /// when it is constructed and before each checkpoint, to find the stateful callbacks
+  /// (those with a non-empty state) and refuse two under one state_key; so it must be
+  /// callable before the fit starts.
   virtual std::map<std::string, std::string> state_dict() const { return {}; }
   /// Restores what state_dict() returned (resuming a fit).
   virtual void load_state_dict(const std::map<std::string, std::string>& state) { (void)state; }

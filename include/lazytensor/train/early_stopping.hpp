@@ -38,7 +38,8 @@ struct EarlyStoppingOptions {
   bool strict = true;
   /// Stop on a NaN or infinite value.
   bool check_finite = true;
-  /// Stop once the value is at least this good.
+  /// Stop once the value is better than this (strictly, as Lightning compares: in "min"
+  /// mode a value equal to the threshold does not stop).
   std::optional<double> stopping_threshold = std::nullopt;
   /// Stop once the value is worse than this.
   std::optional<double> divergence_threshold = std::nullopt;
@@ -138,9 +139,10 @@ std::pair<bool, std::string> BasicEarlyStopping<V>::evaluate(double current) {
     return {true, "Monitored metric " + o.monitor + " = " + text(current) + " is not finite. Previous best value was " +
                       text(best_score_) + ". Signaling Trainer to stop."};
   }
-  if (o.stopping_threshold && (current == *o.stopping_threshold || better(current, *o.stopping_threshold))) {
-    return {true, "Stopping threshold reached: " + o.monitor + " = " + text(current) + " reached " +
-                      text(*o.stopping_threshold) + ". Signaling Trainer to stop."};
+  if (o.stopping_threshold && better(current, *o.stopping_threshold)) {
+    return {true, "Stopping threshold reached: " + o.monitor + " = " + text(current) +
+                      (o.mode == "min" ? " < " : " > ") + text(*o.stopping_threshold) +
+                      ". Signaling Trainer to stop."};
   }
   if (o.divergence_threshold && better(*o.divergence_threshold, current)) {
     return {true, "Divergence threshold reached: " + o.monitor + " = " + text(current) + " is worse than " +

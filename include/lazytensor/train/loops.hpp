@@ -385,6 +385,7 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
       }
       std::int64_t idx = 0;
       bool finished = false;
+      bool stopped_early = false;  // a break before the loader's end or the limit
       for (auto& batch : train_batches) {
         if (r.num_training_batches >= 0 && idx >= r.num_training_batches) break;
         if (idx < r.resume_batches) {
@@ -420,6 +421,7 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
         }
         if (o.max_steps >= 0 && r.progress.global_step >= o.max_steps) {
           stop = true;
+          stopped_early = !last;
           break;
         }
         // A stop (max_time, or should_stop set by the module or a callback) ends the epoch
@@ -434,18 +436,22 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
         const bool wants_stop = time_is_up() || (r.should_stop && epoch >= o.min_epochs);
         if (!s.is_distributed() ? wants_stop : step_now && s.reduce_boolean_decision(wants_stop, false)) {
           stop = true;
+          stopped_early = !last;
           break;
         }
       }
-      finished = r.num_training_batches < 0 || idx >= r.num_training_batches;
+      // The epoch is whole when it reached its limit, or the loader ended first (a loader
+      // that cannot say its length, under an integer limit larger than what it holds).
+      finished = !stopped_early || idx >= r.num_training_batches;
       // A loader that cannot say its length and gave no batch: the next epochs would give
       // none either, and with max_steps alone the fit would never end (Lightning stops:
       // "no training batches").
       if (finished && idx == 0) stop = true;
       r.resume_batches = 0;
       if (finished) {
+        if (r.num_training_batches < 0 || idx < r.num_training_batches)
+          r.num_training_batches = idx;
         r.epoch_batches_done = std::max<std::int64_t>(idx, r.num_training_batches);
-        if (r.num_training_batches < 0) r.num_training_batches = idx;
         if (sched && r.optim.interval == "epoch" && (epoch + 1) % r.optim.frequency == 0)
           sched->step();
         r.epoch_finished = true;  // a checkpoint from here on resumes at the next epoch

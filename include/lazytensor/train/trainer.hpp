@@ -65,9 +65,10 @@ class BatchCount {
   /// Whether this is a fraction.
   bool is_fraction() const { return !count_.has_value(); }
   /// How many of `total` batches of the `prefix` loader ("train", "val", ...) this limit
-  /// keeps, as of(); -1 when `total` is -1 (a loader that cannot say). A fraction that keeps
-  /// no batch of a non-empty loader is an Error, as in Lightning: it is surely a mistake
-  /// (an integer 0, or 0.0, asks for none on purpose).
+  /// keeps, as of(). When `total` is -1 (a loader that cannot say): an integer limit, 0 for
+  /// 0.0, -1 (all) for 1.0, and an Error for another fraction. A fraction that keeps no
+  /// batch of a non-empty loader is an Error, as in Lightning: it is surely a mistake (an
+  /// integer 0, or 0.0, asks for none on purpose).
   std::int64_t batches_of(std::int64_t total, const std::string& prefix) const;
 
  private:
@@ -350,6 +351,24 @@ void Trainer::each_callback(F f) {
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace detail {
 
+/// A checkpoint keeps each stateful callback's state under its state_key: two with one key
+/// would write over each other's entries and restore a mix (Lightning raises too). A
+/// callback counts as stateful when it has state to save now (ModelCheckpoint and
+/// EarlyStopping always do).
+LAZYTENSOR_INLINE void check_state_keys(const std::vector<std::shared_ptr<Callback>>& callbacks) {
+  std::map<std::string, std::size_t> stateful;
+  for (std::size_t i = 0; i < callbacks.size(); ++i) {
+    if (callbacks[i]->state_dict().empty()) continue;
+    const std::string key = callbacks[i]->state_key();
+    if (!stateful.emplace(key, i).second)
+      throw Error("Trainer: found more than one stateful callback with the same state key \"" +
+                  key + "\" (callbacks " + std::to_string(stateful.at(key)) + " and " +
+                  std::to_string(i) +
+                  "); expected every stateful callback's state_key to be unique (give them "
+                  "different settings, such as monitor or mode)");
+  }
+}
+
 LAZYTENSOR_INLINE std::string double_text(double x) {
   char buf[32];
   const auto r = std::to_chars(buf, buf + sizeof buf, x);
@@ -485,21 +504,9 @@ Trainer::Trainer(TrainerOptions options) : options_(std::move(options)) {
     if (!c) throw Error("Trainer: a callback is empty");
   detail::add_default_callbacks(callbacks_, o, o.enable_checkpointing && fast_dev_run_ == 0,
                                 o.enable_progress_bar);
-  // A checkpoint keeps each stateful callback's state under its state_key: two with one key
-  // would write over each other's entries and restore a mix (Lightning raises too). A
-  // callback counts as stateful when it has state to save now (ModelCheckpoint and
-  // EarlyStopping always do).
-  std::map<std::string, std::size_t> stateful;
-  for (std::size_t i = 0; i < callbacks_.size(); ++i) {
-    if (callbacks_[i]->state_dict().empty()) continue;
-    const std::string key = callbacks_[i]->state_key();
-    if (!stateful.emplace(key, i).second)
-      throw Error("Trainer: found more than one stateful callback with the same state key \"" +
-                  key + "\" (callbacks " + std::to_string(stateful.at(key)) + " and " +
-                  std::to_string(i) +
-                  "); expected every stateful callback's state_key to be unique (give them "
-                  "different settings, such as monitor or mode)");
-  }
+  // Early, as Lightning does; dump_checkpoint checks again, for a callback whose state
+  // appears later.
+  detail::check_state_keys(callbacks_);
   runs_.push_back(std::make_unique<detail::ReplicaRun>(*strategy_));
   runs_.back()->callbacks = callbacks_;
   runs_.back()->shared_callback.assign(callbacks_.size(), false);
@@ -507,7 +514,17 @@ Trainer::Trainer(TrainerOptions options) : options_(std::move(options)) {
 
 LAZYTENSOR_INLINE std::int64_t BatchCount::batches_of(std::int64_t total,
                                                       const std::string& prefix) const {
-  if (total < 0) return -1;
+  if (total < 0) {
+    // A loader that cannot say its length (Lightning's iterable datasets): an integer limit
+    // is the count (the loop also ends when the loader does), 1.0 means all, 0.0 none;
+    // another fraction of an unknown length cannot be taken.
+    if (count_) return *count_;
+    if (fraction_ == 0.0) return 0;
+    if (fraction_ == 1.0) return -1;
+    throw Error("Trainer: limit_" + prefix + "_batches = " + detail::short_double(fraction_) +
+                " is a fraction of a loader that does not know its length; expected 1.0, 0.0 or "
+                "an integer number of batches");
+  }
   const std::int64_t n = of(total);
   if (n == 0 && total > 0 && is_fraction() && fraction_ > 0) {
     const std::string f = detail::short_double(fraction_);
@@ -626,6 +643,7 @@ LAZYTENSOR_INLINE StateDict Trainer::dump_checkpoint() {
   } else {
     meta["rng_state.0"] = std::to_string(rng);
   }
+  detail::check_state_keys(r.callbacks);
   for (std::size_t i = 0; i < r.callbacks.size(); ++i) {
     const std::string key = "callbacks." + r.callbacks[i]->state_key() + ".";
     for (const auto& [k, v] : r.callbacks[i]->state_dict()) meta[key + k] = v;
