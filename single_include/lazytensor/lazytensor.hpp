@@ -1956,9 +1956,11 @@ LAZYTENSOR_INLINE void PlanCache::trim() {
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 
 
 namespace lazy {
@@ -2049,6 +2051,25 @@ using weak_scalar_t = std::conditional_t<
     std::conditional_t<std::is_same_v<S, bool>, T,
                        std::conditional_t<std::is_same_v<T, bool>, std::int64_t, T>>>;
 
+namespace detail {
+/// Whether the C++ number `value` converts to the element type T without overflow, as
+/// torch's checked conversion of fill values: an int32 or int64 T holds the finite values
+/// whose integer part is in its range (a static_cast of any other is undefined behaviour);
+/// floating and bool T take every value.
+template <Element T, class V>
+bool converts_without_overflow(V value) {
+  if constexpr (!is_integral_v<T> || std::is_same_v<V, bool>) {
+    return true;
+  } else if constexpr (std::is_integral_v<V>) {
+    return std::in_range<T>(value);
+  } else {
+    const long double v = static_cast<long double>(static_cast<double>(value));
+    return v > static_cast<long double>(std::numeric_limits<T>::min()) - 1 &&
+           v < static_cast<long double>(std::numeric_limits<T>::max()) + 1;
+  }
+}
+}  // namespace detail
+
 /// Type in which a kernel computes values of type T (bfloat16 computes in float).
 template <Element T>
 using compute_t = std::conditional_t<std::is_same_v<T, bfloat16>, float, T>;
@@ -2120,7 +2141,7 @@ class Shape {
   }
 
   /// Size of dimension d, negative d counting from the back.
-  std::int64_t size(int d) const;
+  std::int64_t size(std::int64_t d) const;
 
   std::vector<std::int64_t> vec() const { return {begin(), end()}; }
 
@@ -2178,7 +2199,14 @@ class Shape {
 /// the caller in the error. A rank-0 tensor accepts -1 and 0 as PyTorch does.
 int normalize_dim(std::int64_t dim, int rank, const char* op);
 
-inline std::int64_t Shape::size(int d) const { return dims_[normalize_dim(d, rank_, "size")]; }
+inline std::int64_t Shape::size(std::int64_t d) const {
+  // (normalize_dim lets 0 and -1 name a rank-0 tensor's dimension, as reductions take them;
+  // a size has none to give, as torch says.)
+  if (rank_ == 0)
+    throw ShapeError("size: dimension specified as " + std::to_string(d) +
+                     " but tensor has no dimensions");
+  return dims_[normalize_dim(d, rank_, "size")];
+}
 
 /// Row-major strides of a shape, in elements.
 std::array<std::int64_t, kMaxRank> contiguous_strides(const Shape& s);
@@ -8460,7 +8488,7 @@ class Tensor {
   /// Same as shape(), libtorch's name.
   const Shape& sizes() const { return shape(); }
   /// Size of dimension d (negative counts from the back).
-  std::int64_t size(int d) const { return shape().size(d); }
+  std::int64_t size(std::int64_t d) const { return shape().size(d); }
   /// Rank.
   int dim() const { return shape().rank(); }
   /// Number of elements.
@@ -15474,6 +15502,11 @@ std::vector<T> host_values(std::int64_t n, const char* who) {
 /// A tensor of `shape` filled with `value` (a lazy node: no memory is touched until used).
 template <Element T, expr::Number V>
 Tensor<T> full(const Shape& shape, V value, Device dev = device()) {
+  if (!detail::converts_without_overflow<T>(value)) {
+    throw DTypeError("full: value " + std::to_string(static_cast<double>(value)) +
+                     " cannot be converted to type " + dtype_name(dtype_of<T>()) +
+                     " without overflow");
+  }
   using E = Expr<ops::Identity, expr::Scalar<T>>;
   E e(expr::Scalar<T>{static_cast<T>(value)});
   std::vector<graph::NodePtr> none;
@@ -21227,12 +21260,28 @@ std::string list_str(std::span<const std::int64_t> v);
 inline std::string list_str(const Shape& s) { return list_str(std::span<const std::int64_t>(s.begin(), s.end())); }
 inline std::span<const std::int64_t> span_of(const Shape& s) { return {s.begin(), static_cast<std::size_t>(s.rank())}; }
 
-/// A view of t with `shape` (same numel), or t's own node when the shape does not change.
+/// A new tensor object holding t's value and history (t's node; gradients flow on to t's
+/// producer or accumulator). What a shape op that changes nothing returns: views here are
+/// values, so an in-place op on the result must leave `t` alone, as it does when the op
+/// changes the shape (and as cat's result is always new in torch).
+template <Element T>
+Tensor<T> fresh_handle(const Tensor<T>& t) {
+  Tensor<T> r(t.node());
+  if (auto edge = autograd::edge_of(t.impl())) {
+    auto& meta = r.impl()->autograd_meta();
+    meta.requires_grad = true;
+    meta.grad_fn = std::move(edge);
+  }
+  return r;
+}
+
+/// A view of t with `shape` (same numel); a new handle of t's node (fresh_handle) when the
+/// shape does not change.
 /// A view of a pending view is made a view of that view's source, so chains stay short.
 template <Element T>
 Tensor<T> view_of(const Tensor<T>& t, const Shape& shape, const char* op) {
   graph::NodePtr src = t.node();
-  if (src->shape() == shape) return t;
+  if (src->shape() == shape) return fresh_handle(t);
   if (src->pending() && dynamic_cast<graph::ViewNode*>(src.get())) src = src->inputs()[0];
   Tensor<T> r(graph::submit(std::make_shared<graph::ViewNode>(op, std::move(src), shape)));
   autograd::record(r, "ViewBackward0", {autograd::edge_of(t.impl())}, [in = t.shape()](const Tensor<T>& g) {
@@ -21256,7 +21305,7 @@ Tensor<T> permute_impl(const Tensor<T>& t, std::vector<int> perm, const char* op
   const graph::NodePtr& n = t.node();
   bool identity = true;
   for (std::size_t i = 0; i < perm.size(); ++i) identity = identity && perm[i] == static_cast<int>(i);
-  if (identity) return t;
+  if (identity) return fresh_handle(t);
   if (graph::PermuteNode::make_plan(n->shape(), perm).keeps_order()) {
     return view_of(t, graph::PermuteNode::permuted_shape(n->shape(), perm), op);
   }
@@ -21318,7 +21367,7 @@ auto expand_impl(const X& x, std::span<const std::int64_t> sizes) {
       out.push_back(v);
     }
   }
-  if (out == s) return t;
+  if (out == s) return fresh_handle(t);
   // The element-wise node broadcasts its leaves to `out`: a splat per expanded dim (and
   // its gradient sums back over them).
   return evaluate_as<T>(expr::make<ops::Identity>(t), out);
@@ -21507,6 +21556,10 @@ Tensor<std::int64_t> one_hot(const Tensor<I>& index, std::int64_t num_classes = 
     const I* p = index.data();
     const auto [lo, hi] = std::minmax_element(p, p + index.numel());
     if (*lo < 0) throw IndexError("one_hot: class values must be non-negative, found " + std::to_string(*lo));
+    if (static_cast<std::int64_t>(*hi) >= kMaxElements) {
+      throw ShapeError("one_hot: class value " + std::to_string(*hi) +
+                       " would make more than 2^60 classes");
+    }
     num_classes = static_cast<std::int64_t>(*hi) + 1;
   }
   Shape out = index.shape();
@@ -21609,7 +21662,7 @@ auto squeeze(const X& x, std::int64_t dim) {
   auto t = detail::as_tensor(x);
   const Shape& s = t.shape();
   const int d = normalize_dim(dim, s.rank(), "squeeze");
-  if (s.rank() == 0 || s[d] != 1) return t;
+  if (s.rank() == 0 || s[d] != 1) return detail::fresh_handle(t);
   Shape out;
   for (int i = 0; i < s.rank(); ++i)
     if (i != d) out.push_back(s[i]);
@@ -21675,7 +21728,7 @@ auto transpose(const X& x, std::int64_t d0, std::int64_t d1) {
   auto t = detail::as_tensor(x);
   const int r = t.dim();
   const int a = normalize_dim(d0, r, "transpose"), b = normalize_dim(d1, r, "transpose");
-  if (a == b || r == 0) return t;
+  if (a == b || r == 0) return detail::fresh_handle(t);
   std::vector<int> perm(static_cast<std::size_t>(r));
   for (int i = 0; i < r; ++i) perm[i] = i;
   std::swap(perm[a], perm[b]);
@@ -21691,7 +21744,7 @@ auto transpose(const X& x) {
     throw ShapeError("transpose: t() expects a tensor with <= 2 dimensions, but got shape " + t.shape().str() +
                      " (" + std::to_string(t.dim()) + "-D)");
   }
-  if (t.dim() < 2) return t;
+  if (t.dim() < 2) return detail::fresh_handle(t);
   return transpose(t, 0, 1);
 }
 
@@ -21755,7 +21808,7 @@ auto slice(const X& x, std::int64_t dim, std::int64_t start = 0,
   end = std::clamp<std::int64_t>(end, start, size);
   // (Not end - start + step - 1: a step near INT64_MAX would overflow.)
   const std::int64_t len = end == start ? 0 : (end - start - 1) / step + 1;
-  if (start == 0 && len == size && (step == 1 || size <= 1)) return t;
+  if (start == 0 && len == size && (step == 1 || size <= 1)) return detail::fresh_handle(t);
   Shape out = s;
   out[d] = len;
   Tensor<T> r(graph::submit(std::make_shared<graph::SliceNode>("slice", t.node(), d, start, step, out)));
@@ -21783,7 +21836,7 @@ auto narrow(const X& x, std::int64_t dim, std::int64_t start, std::int64_t lengt
     throw ShapeError("narrow: start (" + std::to_string(start) + ") + length (" + std::to_string(length) +
                      ") exceeds dimension size (" + std::to_string(size) + ") of dimension " + std::to_string(d));
   }
-  if (start == 0 && length == size) return t;
+  if (start == 0 && length == size) return detail::fresh_handle(t);
   Shape out = s;
   out[d] = length;
   Tensor<T> r(graph::submit(std::make_shared<graph::SliceNode>("narrow", t.node(), d, start, 1, out)));
@@ -21802,7 +21855,7 @@ Tensor<T> cat(const std::vector<Tensor<T>>& tensors, std::int64_t dim = 0) {
   std::vector<Tensor<T>> ts;
   for (const auto& t : tensors)
     if (!(t.dim() == 1 && t.numel() == 0)) ts.push_back(t);
-  if (ts.empty()) return tensors.front();
+  if (ts.empty()) return detail::fresh_handle(tensors.front());
   const Shape& ref = ts.front().shape();
   const int r = ref.rank();
   if (r == 0) throw ShapeError("cat: zero-dimensional tensor (at position 0) cannot be concatenated (expected rank >= 1)");
@@ -21825,7 +21878,7 @@ Tensor<T> cat(const std::vector<Tensor<T>>& tensors, std::int64_t dim = 0) {
   }
   auto nodes = detail::nodes_of(ts);
   graph::Device& dev = graph::common_device(nodes, "cat");
-  if (ts.size() == 1) return ts.front();
+  if (ts.size() == 1) return detail::fresh_handle(ts.front());
   std::int64_t outer = 1, inner = 1, total = 0;
   for (int k = 0; k < d; ++k) outer *= ref[k];
   for (int k = d + 1; k < r; ++k) inner *= ref[k];
@@ -22066,6 +22119,39 @@ void record_extreme(Tensor<T>& r, const X& x, const std::vector<std::int64_t>& d
   }
 }
 
+template <bool IsMax, class X>
+Tensor<std::int64_t> arg_reduce(const X& x, std::optional<std::int64_t> dim, bool keepdim,
+                                const char* op);
+
+/// max / min along one dim (torch's max(x, dim), which also reports where): the gradient
+/// goes to the one element at the reported index (the first extreme, as argmax finds it),
+/// not split among ties as amax's.
+template <bool IsMax, class T, class X>
+void record_extreme_at(Tensor<T>& r, const X& x, std::int64_t dim, const char* name) {
+  if constexpr (is_floating_v<T>) {
+    if (!autograd::is_grad_enabled()) return;
+    auto e = autograd::operand_edge(x);
+    if (!e) return;
+    const Shape in = x.shape(), keep = keep_shape(x, {dim}, name);
+    if (in.rank() == 0) {  // one element: all of the gradient
+      autograd::record(r, name, {e}, [in](const Tensor<T>& g) {
+        return std::vector<graph::NodePtr>{reshape(g, in).node()};
+      });
+      return;
+    }
+    const int d = normalize_dim(dim, in.rank(), name);
+    autograd::record(r, name, {e}, [x = autograd::saved(x), in, keep, d](const Tensor<T>& g) {
+      Shape line;
+      for (int i = 0; i < in.rank(); ++i) line.push_back(i == d ? in[i] : 1);
+      const Tensor<std::int64_t> pos =
+          reshape(arange<std::int64_t>(0, static_cast<double>(in[d])), line);
+      const Tensor<std::int64_t> at = arg_reduce<IsMax>(x, d, true, IsMax ? "max" : "min");
+      return std::vector<graph::NodePtr>{
+          evaluate_as<T>(cast<T>(pos == at) * reshape(g, keep), in).node()};
+    });
+  }
+}
+
 }  // namespace detail
 
 /// Dimensions to reduce over, taken as torch's IntArrayRef takes them: a braced list
@@ -22139,22 +22225,30 @@ auto amin(const X& x, const Dims& dims = {}, bool keepdim = false) {
   return r;
 }
 /// Largest value: all elements, or along `dim` (values only; see argmax for indices).
+/// Over all elements the gradient is split among ties (as amax); along `dim` it goes to
+/// the first maximum, the element argmax reports (as torch's max(x, dim)).
 template <expr::ExprLike X>
 auto max(const X& x) {
   return amax(x);
 }
 template <expr::ExprLike X>
 auto max(const X& x, std::int64_t dim, bool keepdim = false) {
-  return amax(x, {dim}, keepdim);
+  detail::require_nonempty(x, {dim}, "max");
+  auto r = detail::reduce<ops::reduce::Max>(x, {dim}, keepdim, "max");
+  detail::record_extreme_at<true>(r, x, dim, "MaxBackward0");
+  return r;
 }
-/// Smallest value: all elements, or along `dim`.
+/// Smallest value: all elements, or along `dim` (gradients as max's).
 template <expr::ExprLike X>
 auto min(const X& x) {
   return amin(x);
 }
 template <expr::ExprLike X>
 auto min(const X& x, std::int64_t dim, bool keepdim = false) {
-  return amin(x, {dim}, keepdim);
+  detail::require_nonempty(x, {dim}, "min");
+  auto r = detail::reduce<ops::reduce::Min>(x, {dim}, keepdim, "min");
+  detail::record_extreme_at<false>(r, x, dim, "MinBackward0");
+  return r;
 }
 /// True where any element over `dims` is non-zero.
 template <expr::ExprLike X>
@@ -22231,17 +22325,26 @@ auto logsumexp(const X& x, const Dims& dims = {}, bool keepdim = false) {
   return reshape(r, detail::reduced_shape(t.shape(), detail::reduce_dims(t.shape(), dims, "logsumexp"), false));
 }
 
-/// p-norm over `dims` (p = 2 by default; p = inf is the max of |x|).
+/// p-norm over `dims` (p = 2 by default; p = inf is the max of |x|, p = -inf the min).
+/// A norm of zero has a zero gradient, as torch's norm_backward gives.
 template <expr::ExprLike X>
 auto norm(const X& x, double p = 2, const Dims& dims = {}, bool keepdim = false) {
   using T = to_floating_t<expr::value_t<X>>;
   // bfloat16 computes in float and rounds once (else the sum and 1/p round to bf16 first).
   using C = compute_t<T>;
-  if (p == 2) return Tensor<T>(cast<T>(sqrt(sum(cast<C>(x) * cast<C>(x), dims, keepdim))));
   if (p == 1) return Tensor<T>(sum(abs(cast<T>(x)), dims, keepdim));
-  if (std::isinf(p) && p > 0) return Tensor<T>(amax(abs(cast<T>(x)), dims, keepdim));
+  if (std::isinf(p))
+    return Tensor<T>(p > 0 ? amax(abs(cast<T>(x)), dims, keepdim)
+                           : amin(abs(cast<T>(x)), dims, keepdim));
   if (p == 0) return Tensor<T>(cast<T>(sum(cast<T>(x) != 0, dims, keepdim)));
-  return Tensor<T>(cast<T>(pow(sum(pow(abs(cast<C>(x)), p), dims, keepdim), 1.0 / p)));
+  // s^(1/p) has an infinite derivative at s = 0 (0 * inf = NaN in the chain rule): where the
+  // sum is zero the root is taken of 1 instead and the result multiplied by 0, so that no
+  // gradient flows there.
+  const Tensor<C> s = p == 2 ? sum(cast<C>(x) * cast<C>(x), dims, keepdim)
+                             : sum(pow(abs(cast<C>(x)), p), dims, keepdim);
+  const Tensor<C> safe = where(s == 0, C(1), s);
+  if (p == 2) return Tensor<T>(cast<T>(sqrt(safe) * cast<C>(s != 0)));
+  return Tensor<T>(cast<T>(pow(safe, 1.0 / p) * cast<C>(s != 0)));
 }
 
 }  // namespace lazy
@@ -25354,15 +25457,37 @@ LAZYTENSOR_INLINE graph::Window2d window_over(const char* op,
   check_window_args(op, stride, padding, dilation);
   graph::Window2d g{kernel.h,   kernel.w,   stride.h, stride.w, padding.h, padding.w,
                     dilation.h, dilation.w, image[2], image[3], 0,         0};
-  const std::int64_t eh = g.dh * (g.kh - 1) + 1, ew = g.dw * (g.kw - 1) + 1;
-  if (g.h + 2 * g.ph < eh || g.w + 2 * g.pw < ew) {
+  // Sizes in checked arithmetic: a huge kernel, dilation or padding would otherwise wrap
+  // (undefined behaviour) into a window that passes the check below.
+  std::int64_t eh = 0, ew = 0, hp = 0, wp = 0;
+  const bool wraps = __builtin_mul_overflow(g.dh, g.kh - 1, &eh) ||
+                     __builtin_mul_overflow(g.dw, g.kw - 1, &ew) ||
+                     __builtin_mul_overflow(g.ph, 2, &hp) || __builtin_add_overflow(hp, g.h, &hp) ||
+                     __builtin_mul_overflow(g.pw, 2, &wp) || __builtin_add_overflow(wp, g.w, &wp);
+  if (wraps || eh >= kMaxElements || ew >= kMaxElements || hp > kMaxElements || wp > kMaxElements) {
+    throw ShapeError(std::string(op) + ": the window (kernel " + kernel.str() + ", dilation " +
+                     dilation.str() + ", padding " + padding.str() + ") over the input " +
+                     image.str() + " spans more than 2^60 elements");
+  }
+  ++eh, ++ew;
+  if (hp < eh || wp < ew) {
     throw ShapeError(std::string(op) +
                      ": kernel size can't be greater than the padded input size: padded input " +
-                     plane_str(g.h + 2 * g.ph, g.w + 2 * g.pw) + " (input " + image.str() +
-                     ", padding " + padding.str() + "), dilated kernel " + plane_str(eh, ew) +
-                     " (kernel " + kernel.str() + ", dilation " + dilation.str() + ")");
+                     plane_str(hp, wp) + " (input " + image.str() + ", padding " + padding.str() +
+                     "), dilated kernel " + plane_str(eh, ew) + " (kernel " + kernel.str() +
+                     ", dilation " + dilation.str() + ")");
   }
   g.set_output_size();
+  // The taps of one window over all channels (unfold's rows, conv's GEMM depth, a pooling
+  // window) and the windows of a plane must be countable too.
+  std::int64_t taps = 0, windows = 0;
+  if (__builtin_mul_overflow(image[1], g.kh, &taps) || __builtin_mul_overflow(taps, g.kw, &taps) ||
+      taps > kMaxElements || __builtin_mul_overflow(g.oh, g.ow, &windows) ||
+      windows > kMaxElements) {
+    throw ShapeError(std::string(op) + ": kernel " + kernel.str() + " over " +
+                     std::to_string(image[1]) + " channels, or the " + plane_str(g.oh, g.ow) +
+                     " windows of the input " + image.str() + ", counts more than 2^60");
+  }
   return g;
 }
 
@@ -25556,8 +25681,8 @@ Tensor<T> fold(const Tensor<T>& input, Size2 output_size, Size2 kernel_size, Siz
     if (output_size.h <= 0 || output_size.w <= 0) {
       throw ShapeError("fold: expected a positive output size, got " + output_size.str());
     }
-    const std::int64_t kk = kernel_size.h * kernel_size.w;
-    if (s[1] == 0 || s[1] % kk != 0) {
+    std::int64_t kk = 0;
+    if (__builtin_mul_overflow(kernel_size.h, kernel_size.w, &kk) || s[1] == 0 || s[1] % kk != 0) {
       throw ShapeError("fold: expected size(1) of the input " + s.str() +
                        " to be a non-zero multiple of kH * kW = " + std::to_string(kk));
     }
@@ -26087,11 +26212,15 @@ namespace detail {
 /// base + ox * sw (an offset into the plane).
 template <class F>
 void for_each_tap(const Window2d& g, std::int64_t oy, F&& f) {
+  // Only the taps that can read inside the plane: a kernel much larger than the input
+  // (allowed when padding keeps every window overlapping it) costs the input's size.
   const std::int64_t ys = oy * g.sh - g.ph;
-  for (std::int64_t i = 0; i < g.kh; ++i) {
+  const std::int64_t i1 = std::min(g.kh, g.h - ys);
+  const std::int64_t j0 = std::max<std::int64_t>(0, g.pw - (g.ow - 1) * g.sw),
+                     j1 = std::min(g.kw, g.pw + g.w);
+  for (std::int64_t i = std::max<std::int64_t>(0, -ys); i < i1; ++i) {
     const std::int64_t y = ys + i;
-    if (y < 0 || y >= g.h) continue;
-    for (std::int64_t j = 0; j < g.kw; ++j) {
+    for (std::int64_t j = j0; j < j1; ++j) {
       const auto [x0, x1] = g.valid_columns(j);
       if (x0 < x1) f(y * g.w - g.pw + j, x0, x1);
     }

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -355,6 +356,24 @@ TEST(Conv2d, ShapeErrors) {
   EXPECT_THROW(lazy::fold(z(Shape{2, 10, 12}), {5, 4}, 2, 1, 0, 1),
                lazy::ShapeError);  // 10 not a multiple of 4
   EXPECT_THROW(lazy::unfold(z(Shape{2, 8, 8}), 2), lazy::ShapeError);
+}
+
+TEST(Conv2d, WindowsPastTwoToTheSixtyAreShapeErrors) {
+  // Sizes whose arithmetic wrapped: a kernel product of 2^64 (0 after wrapping: fold
+  // divided by it, unfold allocated nothing and wrote past it), a dilated kernel of
+  // INT64_MAX * 2 + 1 (-1 after wrapping: it fit every input).
+  constexpr std::int64_t big = std::int64_t{1} << 32;
+  EXPECT_THROW(lazy::fold(lazy::zeros<float>(Shape{1, 4, 1}), {2, 2}, {big, big}),
+               lazy::ShapeError);
+  EXPECT_THROW(
+      lazy::unfold(lazy::zeros<float>(Shape{1, 1, 4, 4}), {big, big}, 1, {big / 2, big / 2}),
+      lazy::ShapeError);
+  const auto x = lazy::zeros<float>(Shape{1, 1, 5, 5}), w = lazy::zeros<float>(Shape{1, 1, 3, 3});
+  const std::int64_t max = std::numeric_limits<std::int64_t>::max();
+  EXPECT_THROW(lazy::conv2d(x, w, {}, 1, 0, max), lazy::ShapeError);
+  EXPECT_THROW(lazy::conv2d(x, w, {}, 1, max / 2 + 1, 1), lazy::ShapeError);
+  // Below the limit the same checks pass: a padding that keeps the output small.
+  EXPECT_EQ(lazy::conv2d(x, w, {}, {4, 4}, 2, 1).shape(), (Shape{1, 1, 2, 2}));
 }
 
 }  // namespace

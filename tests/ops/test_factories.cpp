@@ -318,6 +318,35 @@ TEST(Factories, RangesTooLargeForATensorRaiseShapeError) {
   EXPECT_THROW(lazy::linspace<float>(0, 1, std::int64_t{1} << 62), lazy::ShapeError);
 }
 
+TEST(Factories, FullRefusesValuesAnIntegerDtypeCannotHold) {
+  // (A static_cast of such a value is undefined behaviour; torch raises.)
+  EXPECT_THROW(lazy::full<std::int32_t>({2}, 1e10), lazy::DTypeError);
+  EXPECT_THROW(lazy::full<std::int32_t>({2}, -3e9), lazy::DTypeError);
+  EXPECT_THROW(lazy::full<std::int64_t>({2}, std::nan("")), lazy::DTypeError);
+  EXPECT_THROW(lazy::full<std::int64_t>({2}, 1e19), lazy::DTypeError);
+  EXPECT_THROW(lazy::full<std::int32_t>({2}, std::int64_t{1} << 40), lazy::DTypeError);
+  EXPECT_THROW(lazy::full<std::int64_t>({2}, std::numeric_limits<double>::infinity()),
+               lazy::DTypeError);
+  // In range: truncated toward zero, as a cast; the limits themselves fit.
+  EXPECT_EQ(lazy::full<std::int32_t>({1}, 3.7).item(), 3);
+  EXPECT_EQ(lazy::full<std::int32_t>({1}, -2147483648.0).item(),
+            std::numeric_limits<std::int32_t>::min());
+  EXPECT_EQ(lazy::full<std::int32_t>({1}, 2147483647.9).item(),
+            std::numeric_limits<std::int32_t>::max());
+  EXPECT_EQ(lazy::full<std::int64_t>({1}, -9.2e18).item(), std::int64_t{-9200000000000000000});
+  // Floating and bool dtypes take any value (inf and NaN included), as torch's.
+  EXPECT_TRUE(std::isinf(lazy::full<float>({1}, 1e300).item()));
+  EXPECT_TRUE(lazy::full<bool>({1}, 2.5).item());
+}
+
+TEST(Factories, SizeOfAZeroDimTensorIsAShapeError) {
+  const auto s = lazy::scalar_tensor(1.0f);
+  EXPECT_THROW(s.size(0), lazy::ShapeError);
+  EXPECT_THROW(s.size(-1), lazy::ShapeError);
+  EXPECT_EQ(lazy::zeros<float>({4, 5}).size(-1), 5);
+  EXPECT_THROW(lazy::zeros<float>({4, 5}).size(std::int64_t{1} << 32), lazy::ShapeError);
+}
+
 TEST(Factories, ScalarTensorValues) {
   EXPECT_EQ(lazy::scalar_tensor(-2.25).item(), -2.25);
   EXPECT_EQ(lazy::scalar_tensor<std::int64_t>(std::int64_t{1} << 40).item(), std::int64_t{1} << 40);

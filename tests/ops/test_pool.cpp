@@ -293,6 +293,27 @@ TEST(Pool2dGrad, AvgPool) {
 
 // ---- errors -----------------------------------------------------------------------------
 
+TEST(Pool2d, AKernelFarLargerThanTheInputCostsTheInputsSize) {
+  // Padding at most half the kernel lets a 2^20 x 2^20 kernel pool a 4 x 4 image: one
+  // window holding the whole image. Its 2^40 taps, visited one by one, took hours; only
+  // the 16 inside the image are read now.
+  const std::int64_t k = std::int64_t{1} << 20;
+  std::vector<float> v(16);
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>((i * 7) % 16) - 5.0f;
+  const auto x = lazy::from_vector<float>(v, Shape{1, 1, 4, 4});
+  const auto mx = lazy::max_pool2d(x, k, std::nullopt, k / 2);
+  ASSERT_EQ(mx.shape(), (Shape{1, 1, 1, 1}));
+  EXPECT_EQ(mx.to_vector()[0], *std::max_element(v.begin(), v.end()));
+  double sum = 0;
+  for (float f : v) sum += f;
+  const auto avg =
+      lazy::avg_pool2d(x, k, std::nullopt, k / 2);  // divides by k * k (padding counts)
+  EXPECT_FLOAT_EQ(avg.to_vector()[0],
+                  static_cast<float>(sum / (static_cast<double>(k) * static_cast<double>(k))));
+  const auto inside = lazy::avg_pool2d(x, k, std::nullopt, k / 2, false);  // by the 16 taps inside
+  EXPECT_FLOAT_EQ(inside.to_vector()[0], static_cast<float>(sum / 16));
+}
+
 TEST(Pool2d, ShapeErrors) {
   const auto x = lazy::zeros<float>(Shape{2, 3, 8, 8});
   for (bool max : {true, false}) {
@@ -316,6 +337,9 @@ TEST(Pool2d, ShapeErrors) {
     EXPECT_NO_THROW(pool(x, {4, 2}, 1, {2, 1}));   // padding = kernel / 2
   }
   EXPECT_THROW(lazy::max_pool2d(lazy::zeros<int>(Shape{1, 1, 4, 4}), 2), lazy::DTypeError);
+  // A kernel past 2^60 taps cannot be counted.
+  EXPECT_THROW(lazy::max_pool2d(x, std::int64_t{1} << 40, std::nullopt, std::int64_t{1} << 39),
+               lazy::ShapeError);
   // Empty batch: nothing to pool, no error.
   EXPECT_EQ(lazy::max_pool2d(lazy::zeros<float>(Shape{0, 3, 4, 4}), 2).shape(),
             (Shape{0, 3, 2, 2}));

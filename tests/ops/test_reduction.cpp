@@ -668,6 +668,61 @@ TEST(Reduction, ZeroDim) {
   EXPECT_THROW(lazy::argmax(s, 1), lazy::ShapeError);
 }
 
+TEST(Reduction, NormGradientIsZeroWhereTheNormIsZero) {
+  // torch's norm_backward masks a zero norm; d sqrt(s) / ds = inf there gave 0 * inf = NaN.
+  for (double p : {2.0, 3.0}) {
+    SCOPED_TRACE(p);
+    auto x = lazy::from_vector<double>({0, 0, 0, 3, -4, 0}, Shape{2, 3}).requires_grad_();
+    lazy::sum(lazy::norm(x, p, {1})).backward();
+    const auto g = x.grad().to_vector();
+    // Row 0 (norm 0): zeros. Row 1: d/dx_i (sum |x|^p)^(1/p) = x_i |x_i|^(p-2) / n^(p-1).
+    const double n = std::pow(std::pow(3.0, p) + std::pow(4.0, p), 1.0 / p);
+    const std::vector<double> want = {0,
+                                      0,
+                                      0,
+                                      3 * std::pow(3.0, p - 2) / std::pow(n, p - 1),
+                                      -4 * std::pow(4.0, p - 2) / std::pow(n, p - 1),
+                                      0};
+    for (std::size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(g[i], want[i], 1e-12) << i;
+  }
+  // The values themselves are unchanged, zero included.
+  const auto v =
+      lazy::norm(lazy::from_vector<float>({0, 0, 3, 4}, Shape{2, 2}), 2, {1}).to_vector();
+  EXPECT_EQ(v, (std::vector<float>{0, 5}));
+}
+
+TEST(Reduction, NormOfMinusInfinityIsTheSmallestMagnitude) {
+  const auto x = lazy::from_vector<float>({3, -4, -1, 2}, Shape{2, 2});
+  EXPECT_EQ(lazy::norm(x, -INFINITY).item(), 1.0f);
+  EXPECT_EQ(lazy::norm(x, -INFINITY, {1}).to_vector(), (std::vector<float>{3, 1}));
+}
+
+TEST(Reduction, MaxAlongADimSendsTheGradientToTheIndexItReports) {
+  // torch's max(x, dim) returns (values, indices); its backward goes to those indices
+  // (the first extreme), where amax and max(x) split the gradient among ties.
+  const std::vector<double> v = {1, 3, 3, 2, 2, 0};
+  for (bool keepdim : {false, true}) {
+    SCOPED_TRACE(keepdim);
+    auto x = lazy::from_vector<double>(v, Shape{2, 3}).requires_grad_();
+    lazy::sum(lazy::max(x, 1, keepdim) * 2.0).backward();
+    EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{0, 2, 0, 2, 0, 0}));
+    auto y = lazy::from_vector<double>(v, Shape{2, 3}).requires_grad_();
+    lazy::sum(lazy::min(y, 0, keepdim)).backward();  // columns (1, 2), (3, 2), (3, 0)
+    EXPECT_EQ(y.grad().to_vector(), (std::vector<double>{1, 0, 0, 0, 1, 1}));
+  }
+  auto z = lazy::from_vector<double>(v, Shape{2, 3}).requires_grad_();
+  lazy::sum(lazy::amax(z, {1})).backward();
+  EXPECT_EQ(z.grad().to_vector(), (std::vector<double>{0, 0.5, 0.5, 0.5, 0.5, 0}))
+      << "amax splits ties";
+  // An expression operand, and a rank-0 tensor (its one element takes all).
+  auto w = lazy::from_vector<double>(v, Shape{2, 3}).requires_grad_();
+  lazy::sum(lazy::max(w * -1.0, 1)).backward();  // the first minimum of each row of w
+  EXPECT_EQ(w.grad().to_vector(), (std::vector<double>{-1, 0, 0, 0, 0, -1}));
+  auto s = lazy::scalar_tensor(2.0).requires_grad_();
+  lazy::sum(lazy::max(s, 0) * 3.0).backward();
+  EXPECT_EQ(s.grad().item(), 3.0);
+}
+
 // ---- errors ----------------------------------------------------------------------------------
 
 TEST(Reduction, DimErrors) {

@@ -3,9 +3,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <lazytensor/debug/metrics.hpp>
@@ -545,6 +547,60 @@ TEST(ShapeCat, LegacyEmptyTensorsAreSkippedAndDuplicatesWork) {
   expect_values(lazy::cat({a, a}, 0), Shape{4, 3}, ref_cat<float>({h, h}, 1, {6, 6}));
 }
 
+TEST(ShapeNoOps, AreNewTensorsThatKeepTheirHistory) {
+  // Views are values here: an in-place op on a shape op's result never writes through to
+  // its input. The ops that change nothing returned the input's own tensor object, so an
+  // in-place op on their result changed the input (and cat's result is always new in torch).
+  const std::vector<float> ones(6, 1.0f), twos(6, 2.0f);
+  using Op = std::function<Tensor<float>(const Tensor<float>&)>;
+  const std::vector<std::pair<const char*, Op>> ops = {
+      {"reshape",
+       [](const Tensor<float>& t) {
+         return lazy::reshape(t, {2, 3});
+       }},
+      {"view",
+       [](const Tensor<float>& t) {
+         return lazy::view(t, {2, 3});
+       }},
+      {"slice", [](const Tensor<float>& t) { return lazy::slice(t, 1, 0, 3); }},
+      {"narrow", [](const Tensor<float>& t) { return lazy::narrow(t, 0, 0, 2); }},
+      {"permute",
+       [](const Tensor<float>& t) {
+         return lazy::permute(t, {0, 1});
+       }},
+      {"transpose", [](const Tensor<float>& t) { return lazy::transpose(t, 1, 1); }},
+      {"squeeze", [](const Tensor<float>& t) { return lazy::squeeze(t, 0); }},
+      {"expand",
+       [](const Tensor<float>& t) {
+         return lazy::expand(t, {2, 3});
+       }},
+      {"cat", [](const Tensor<float>& t) { return lazy::cat({t}); }},
+      {"cat with an empty piece",
+       [](const Tensor<float>& t) {
+         return lazy::cat({lazy::zeros<float>({0}), t});
+       }},
+  };
+  for (const auto& [name, op] : ops) {
+    SCOPED_TRACE(name);
+    auto a = lazy::ones<float>({2, 3});
+    auto r = op(a);
+    r.add_(1.0f);
+    EXPECT_EQ(a.to_vector(), ones);
+    EXPECT_EQ(r.to_vector(), twos);
+    // Gradients still reach the input's leaf, and the result is not a leaf.
+    auto x = lazy::ones<float>({2, 3}).requires_grad_();
+    auto y = op(x);
+    EXPECT_FALSE(y.is_leaf());
+    lazy::sum(y * 3.0f).backward();
+    EXPECT_EQ(x.grad().to_vector(), std::vector<float>(6, 3.0f));
+  }
+  // t() of a 1-D tensor.
+  auto v = lazy::ones<float>({3});
+  auto tv = lazy::transpose(v);
+  tv.mul_(5.0f);
+  EXPECT_EQ(v.to_vector(), std::vector<float>(3, 1.0f));
+}
+
 TEST(ShapeCat, BadInputsRaise) {
   auto a = make<float>(Shape{2, 3});
   EXPECT_THROW(lazy::cat(std::vector<Tensor<float>>{}, 0), lazy::ShapeError);
@@ -689,6 +745,10 @@ TEST(ShapeIndex, OutOfRangeIndicesRaiseIndexErrorWhenRun) {
         lazy::IndexError);
   }
   EXPECT_THROW(lazy::one_hot(lazy::from_vector<std::int64_t>({0, -1})), lazy::IndexError);  // inferred: eager check
+  // (The largest class + 1 overflowed int64.)
+  EXPECT_THROW(
+      lazy::one_hot(lazy::from_vector<std::int64_t>({std::numeric_limits<std::int64_t>::max()})),
+      lazy::ShapeError);
   lazy::mark_step();  // nothing bad is left pending
   try {
     auto bad = lazy::gather(a, 1, lazy::from_vector<std::int64_t>({7}, Shape{1, 1}));

@@ -47,7 +47,7 @@ class Shape {
   }
 
   /// Size of dimension d, negative d counting from the back.
-  std::int64_t size(int d) const;
+  std::int64_t size(std::int64_t d) const;
 
   std::vector<std::int64_t> vec() const { return {begin(), end()}; }
 
@@ -105,7 +105,14 @@ class Shape {
 /// the caller in the error. A rank-0 tensor accepts -1 and 0 as PyTorch does.
 int normalize_dim(std::int64_t dim, int rank, const char* op);
 
-inline std::int64_t Shape::size(int d) const { return dims_[normalize_dim(d, rank_, "size")]; }
+inline std::int64_t Shape::size(std::int64_t d) const {
+  // (normalize_dim lets 0 and -1 name a rank-0 tensor's dimension, as reductions take them;
+  // a size has none to give, as torch says.)
+  if (rank_ == 0)
+    throw ShapeError("size: dimension specified as " + std::to_string(d) +
+                     " but tensor has no dimensions");
+  return dims_[normalize_dim(d, rank_, "size")];
+}
 
 /// Row-major strides of a shape, in elements.
 std::array<std::int64_t, kMaxRank> contiguous_strides(const Shape& s);

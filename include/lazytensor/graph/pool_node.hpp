@@ -25,11 +25,15 @@ namespace detail {
 /// base + ox * sw (an offset into the plane).
 template <class F>
 void for_each_tap(const Window2d& g, std::int64_t oy, F&& f) {
+  // Only the taps that can read inside the plane: a kernel much larger than the input
+  // (allowed when padding keeps every window overlapping it) costs the input's size.
   const std::int64_t ys = oy * g.sh - g.ph;
-  for (std::int64_t i = 0; i < g.kh; ++i) {
+  const std::int64_t i1 = std::min(g.kh, g.h - ys);
+  const std::int64_t j0 = std::max<std::int64_t>(0, g.pw - (g.ow - 1) * g.sw),
+                     j1 = std::min(g.kw, g.pw + g.w);
+  for (std::int64_t i = std::max<std::int64_t>(0, -ys); i < i1; ++i) {
     const std::int64_t y = ys + i;
-    if (y < 0 || y >= g.h) continue;
-    for (std::int64_t j = 0; j < g.kw; ++j) {
+    for (std::int64_t j = j0; j < j1; ++j) {
       const auto [x0, x1] = g.valid_columns(j);
       if (x0 < x1) f(y * g.w - g.pw + j, x0, x1);
     }

@@ -215,8 +215,8 @@ Tensor<T> fold(const Tensor<T>& input, Size2 output_size, Size2 kernel_size, Siz
     if (output_size.h <= 0 || output_size.w <= 0) {
       throw ShapeError("fold: expected a positive output size, got " + output_size.str());
     }
-    const std::int64_t kk = kernel_size.h * kernel_size.w;
-    if (s[1] == 0 || s[1] % kk != 0) {
+    std::int64_t kk = 0;
+    if (__builtin_mul_overflow(kernel_size.h, kernel_size.w, &kk) || s[1] == 0 || s[1] % kk != 0) {
       throw ShapeError("fold: expected size(1) of the input " + s.str() +
                        " to be a non-zero multiple of kH * kW = " + std::to_string(kk));
     }

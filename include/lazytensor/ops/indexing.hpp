@@ -109,6 +109,10 @@ Tensor<std::int64_t> one_hot(const Tensor<I>& index, std::int64_t num_classes = 
     const I* p = index.data();
     const auto [lo, hi] = std::minmax_element(p, p + index.numel());
     if (*lo < 0) throw IndexError("one_hot: class values must be non-negative, found " + std::to_string(*lo));
+    if (static_cast<std::int64_t>(*hi) >= kMaxElements) {
+      throw ShapeError("one_hot: class value " + std::to_string(*hi) +
+                       " would make more than 2^60 classes");
+    }
     num_classes = static_cast<std::int64_t>(*hi) + 1;
   }
   Shape out = index.shape();

@@ -13,11 +13,12 @@
 #include <vector>
 
 #include <lazytensor/autograd/record.hpp>
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/core/small_vector.hpp>
 #include <lazytensor/graph/reduction_node.hpp>
+#include <lazytensor/ops/factories.hpp>
 #include <lazytensor/ops/shape.hpp>
 #include <lazytensor/tensor/tensor.hpp>
-#include <lazytensor/core/config.hpp>
 
 namespace lazy {
 
@@ -177,6 +178,39 @@ void record_extreme(Tensor<T>& r, const X& x, const std::vector<std::int64_t>& d
   }
 }
 
+template <bool IsMax, class X>
+Tensor<std::int64_t> arg_reduce(const X& x, std::optional<std::int64_t> dim, bool keepdim,
+                                const char* op);
+
+/// max / min along one dim (torch's max(x, dim), which also reports where): the gradient
+/// goes to the one element at the reported index (the first extreme, as argmax finds it),
+/// not split among ties as amax's.
+template <bool IsMax, class T, class X>
+void record_extreme_at(Tensor<T>& r, const X& x, std::int64_t dim, const char* name) {
+  if constexpr (is_floating_v<T>) {
+    if (!autograd::is_grad_enabled()) return;
+    auto e = autograd::operand_edge(x);
+    if (!e) return;
+    const Shape in = x.shape(), keep = keep_shape(x, {dim}, name);
+    if (in.rank() == 0) {  // one element: all of the gradient
+      autograd::record(r, name, {e}, [in](const Tensor<T>& g) {
+        return std::vector<graph::NodePtr>{reshape(g, in).node()};
+      });
+      return;
+    }
+    const int d = normalize_dim(dim, in.rank(), name);
+    autograd::record(r, name, {e}, [x = autograd::saved(x), in, keep, d](const Tensor<T>& g) {
+      Shape line;
+      for (int i = 0; i < in.rank(); ++i) line.push_back(i == d ? in[i] : 1);
+      const Tensor<std::int64_t> pos =
+          reshape(arange<std::int64_t>(0, static_cast<double>(in[d])), line);
+      const Tensor<std::int64_t> at = arg_reduce<IsMax>(x, d, true, IsMax ? "max" : "min");
+      return std::vector<graph::NodePtr>{
+          evaluate_as<T>(cast<T>(pos == at) * reshape(g, keep), in).node()};
+    });
+  }
+}
+
 }  // namespace detail
 
 /// Dimensions to reduce over, taken as torch's IntArrayRef takes them: a braced list
@@ -250,22 +284,30 @@ auto amin(const X& x, const Dims& dims = {}, bool keepdim = false) {
   return r;
 }
 /// Largest value: all elements, or along `dim` (values only; see argmax for indices).
+/// Over all elements the gradient is split among ties (as amax); along `dim` it goes to
+/// the first maximum, the element argmax reports (as torch's max(x, dim)).
 template <expr::ExprLike X>
 auto max(const X& x) {
   return amax(x);
 }
 template <expr::ExprLike X>
 auto max(const X& x, std::int64_t dim, bool keepdim = false) {
-  return amax(x, {dim}, keepdim);
+  detail::require_nonempty(x, {dim}, "max");
+  auto r = detail::reduce<ops::reduce::Max>(x, {dim}, keepdim, "max");
+  detail::record_extreme_at<true>(r, x, dim, "MaxBackward0");
+  return r;
 }
-/// Smallest value: all elements, or along `dim`.
+/// Smallest value: all elements, or along `dim` (gradients as max's).
 template <expr::ExprLike X>
 auto min(const X& x) {
   return amin(x);
 }
 template <expr::ExprLike X>
 auto min(const X& x, std::int64_t dim, bool keepdim = false) {
-  return amin(x, {dim}, keepdim);
+  detail::require_nonempty(x, {dim}, "min");
+  auto r = detail::reduce<ops::reduce::Min>(x, {dim}, keepdim, "min");
+  detail::record_extreme_at<false>(r, x, dim, "MinBackward0");
+  return r;
 }
 /// True where any element over `dims` is non-zero.
 template <expr::ExprLike X>
@@ -342,17 +384,26 @@ auto logsumexp(const X& x, const Dims& dims = {}, bool keepdim = false) {
   return reshape(r, detail::reduced_shape(t.shape(), detail::reduce_dims(t.shape(), dims, "logsumexp"), false));
 }
 
-/// p-norm over `dims` (p = 2 by default; p = inf is the max of |x|).
+/// p-norm over `dims` (p = 2 by default; p = inf is the max of |x|, p = -inf the min).
+/// A norm of zero has a zero gradient, as torch's norm_backward gives.
 template <expr::ExprLike X>
 auto norm(const X& x, double p = 2, const Dims& dims = {}, bool keepdim = false) {
   using T = to_floating_t<expr::value_t<X>>;
   // bfloat16 computes in float and rounds once (else the sum and 1/p round to bf16 first).
   using C = compute_t<T>;
-  if (p == 2) return Tensor<T>(cast<T>(sqrt(sum(cast<C>(x) * cast<C>(x), dims, keepdim))));
   if (p == 1) return Tensor<T>(sum(abs(cast<T>(x)), dims, keepdim));
-  if (std::isinf(p) && p > 0) return Tensor<T>(amax(abs(cast<T>(x)), dims, keepdim));
+  if (std::isinf(p))
+    return Tensor<T>(p > 0 ? amax(abs(cast<T>(x)), dims, keepdim)
+                           : amin(abs(cast<T>(x)), dims, keepdim));
   if (p == 0) return Tensor<T>(cast<T>(sum(cast<T>(x) != 0, dims, keepdim)));
-  return Tensor<T>(cast<T>(pow(sum(pow(abs(cast<C>(x)), p), dims, keepdim), 1.0 / p)));
+  // s^(1/p) has an infinite derivative at s = 0 (0 * inf = NaN in the chain rule): where the
+  // sum is zero the root is taken of 1 instead and the result multiplied by 0, so that no
+  // gradient flows there.
+  const Tensor<C> s = p == 2 ? sum(cast<C>(x) * cast<C>(x), dims, keepdim)
+                             : sum(pow(abs(cast<C>(x)), p), dims, keepdim);
+  const Tensor<C> safe = where(s == 0, C(1), s);
+  if (p == 2) return Tensor<T>(cast<T>(sqrt(safe) * cast<C>(s != 0)));
+  return Tensor<T>(cast<T>(pow(safe, 1.0 / p) * cast<C>(s != 0)));
 }
 
 }  // namespace lazy

@@ -93,7 +93,7 @@ auto squeeze(const X& x, std::int64_t dim) {
   auto t = detail::as_tensor(x);
   const Shape& s = t.shape();
   const int d = normalize_dim(dim, s.rank(), "squeeze");
-  if (s.rank() == 0 || s[d] != 1) return t;
+  if (s.rank() == 0 || s[d] != 1) return detail::fresh_handle(t);
   Shape out;
   for (int i = 0; i < s.rank(); ++i)
     if (i != d) out.push_back(s[i]);
@@ -159,7 +159,7 @@ auto transpose(const X& x, std::int64_t d0, std::int64_t d1) {
   auto t = detail::as_tensor(x);
   const int r = t.dim();
   const int a = normalize_dim(d0, r, "transpose"), b = normalize_dim(d1, r, "transpose");
-  if (a == b || r == 0) return t;
+  if (a == b || r == 0) return detail::fresh_handle(t);
   std::vector<int> perm(static_cast<std::size_t>(r));
   for (int i = 0; i < r; ++i) perm[i] = i;
   std::swap(perm[a], perm[b]);
@@ -175,7 +175,7 @@ auto transpose(const X& x) {
     throw ShapeError("transpose: t() expects a tensor with <= 2 dimensions, but got shape " + t.shape().str() +
                      " (" + std::to_string(t.dim()) + "-D)");
   }
-  if (t.dim() < 2) return t;
+  if (t.dim() < 2) return detail::fresh_handle(t);
   return transpose(t, 0, 1);
 }
 

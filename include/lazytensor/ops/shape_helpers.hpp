@@ -36,12 +36,28 @@ std::string list_str(std::span<const std::int64_t> v);
 inline std::string list_str(const Shape& s) { return list_str(std::span<const std::int64_t>(s.begin(), s.end())); }
 inline std::span<const std::int64_t> span_of(const Shape& s) { return {s.begin(), static_cast<std::size_t>(s.rank())}; }
 
-/// A view of t with `shape` (same numel), or t's own node when the shape does not change.
+/// A new tensor object holding t's value and history (t's node; gradients flow on to t's
+/// producer or accumulator). What a shape op that changes nothing returns: views here are
+/// values, so an in-place op on the result must leave `t` alone, as it does when the op
+/// changes the shape (and as cat's result is always new in torch).
+template <Element T>
+Tensor<T> fresh_handle(const Tensor<T>& t) {
+  Tensor<T> r(t.node());
+  if (auto edge = autograd::edge_of(t.impl())) {
+    auto& meta = r.impl()->autograd_meta();
+    meta.requires_grad = true;
+    meta.grad_fn = std::move(edge);
+  }
+  return r;
+}
+
+/// A view of t with `shape` (same numel); a new handle of t's node (fresh_handle) when the
+/// shape does not change.
 /// A view of a pending view is made a view of that view's source, so chains stay short.
 template <Element T>
 Tensor<T> view_of(const Tensor<T>& t, const Shape& shape, const char* op) {
   graph::NodePtr src = t.node();
-  if (src->shape() == shape) return t;
+  if (src->shape() == shape) return fresh_handle(t);
   if (src->pending() && dynamic_cast<graph::ViewNode*>(src.get())) src = src->inputs()[0];
   Tensor<T> r(graph::submit(std::make_shared<graph::ViewNode>(op, std::move(src), shape)));
   autograd::record(r, "ViewBackward0", {autograd::edge_of(t.impl())}, [in = t.shape()](const Tensor<T>& g) {
@@ -65,7 +81,7 @@ Tensor<T> permute_impl(const Tensor<T>& t, std::vector<int> perm, const char* op
   const graph::NodePtr& n = t.node();
   bool identity = true;
   for (std::size_t i = 0; i < perm.size(); ++i) identity = identity && perm[i] == static_cast<int>(i);
-  if (identity) return t;
+  if (identity) return fresh_handle(t);
   if (graph::PermuteNode::make_plan(n->shape(), perm).keeps_order()) {
     return view_of(t, graph::PermuteNode::permuted_shape(n->shape(), perm), op);
   }
@@ -127,7 +143,7 @@ auto expand_impl(const X& x, std::span<const std::int64_t> sizes) {
       out.push_back(v);
     }
   }
-  if (out == s) return t;
+  if (out == s) return fresh_handle(t);
   // The element-wise node broadcasts its leaves to `out`: a splat per expanded dim (and
   // its gradient sums back over them).
   return evaluate_as<T>(expr::make<ops::Identity>(t), out);

@@ -43,7 +43,7 @@ auto slice(const X& x, std::int64_t dim, std::int64_t start = 0,
   end = std::clamp<std::int64_t>(end, start, size);
   // (Not end - start + step - 1: a step near INT64_MAX would overflow.)
   const std::int64_t len = end == start ? 0 : (end - start - 1) / step + 1;
-  if (start == 0 && len == size && (step == 1 || size <= 1)) return t;
+  if (start == 0 && len == size && (step == 1 || size <= 1)) return detail::fresh_handle(t);
   Shape out = s;
   out[d] = len;
   Tensor<T> r(graph::submit(std::make_shared<graph::SliceNode>("slice", t.node(), d, start, step, out)));
@@ -71,7 +71,7 @@ auto narrow(const X& x, std::int64_t dim, std::int64_t start, std::int64_t lengt
     throw ShapeError("narrow: start (" + std::to_string(start) + ") + length (" + std::to_string(length) +
                      ") exceeds dimension size (" + std::to_string(size) + ") of dimension " + std::to_string(d));
   }
-  if (start == 0 && length == size) return t;
+  if (start == 0 && length == size) return detail::fresh_handle(t);
   Shape out = s;
   out[d] = length;
   Tensor<T> r(graph::submit(std::make_shared<graph::SliceNode>("narrow", t.node(), d, start, 1, out)));
@@ -90,7 +90,7 @@ Tensor<T> cat(const std::vector<Tensor<T>>& tensors, std::int64_t dim = 0) {
   std::vector<Tensor<T>> ts;
   for (const auto& t : tensors)
     if (!(t.dim() == 1 && t.numel() == 0)) ts.push_back(t);
-  if (ts.empty()) return tensors.front();
+  if (ts.empty()) return detail::fresh_handle(tensors.front());
   const Shape& ref = ts.front().shape();
   const int r = ref.rank();
   if (r == 0) throw ShapeError("cat: zero-dimensional tensor (at position 0) cannot be concatenated (expected rank >= 1)");
@@ -113,7 +113,7 @@ Tensor<T> cat(const std::vector<Tensor<T>>& tensors, std::int64_t dim = 0) {
   }
   auto nodes = detail::nodes_of(ts);
   graph::Device& dev = graph::common_device(nodes, "cat");
-  if (ts.size() == 1) return ts.front();
+  if (ts.size() == 1) return detail::fresh_handle(ts.front());
   std::int64_t outer = 1, inner = 1, total = 0;
   for (int k = 0; k < d; ++k) outer *= ref[k];
   for (int k = d + 1; k < r; ++k) inner *= ref[k];

@@ -73,15 +73,37 @@ LAZYTENSOR_INLINE graph::Window2d window_over(const char* op,
   check_window_args(op, stride, padding, dilation);
   graph::Window2d g{kernel.h,   kernel.w,   stride.h, stride.w, padding.h, padding.w,
                     dilation.h, dilation.w, image[2], image[3], 0,         0};
-  const std::int64_t eh = g.dh * (g.kh - 1) + 1, ew = g.dw * (g.kw - 1) + 1;
-  if (g.h + 2 * g.ph < eh || g.w + 2 * g.pw < ew) {
+  // Sizes in checked arithmetic: a huge kernel, dilation or padding would otherwise wrap
+  // (undefined behaviour) into a window that passes the check below.
+  std::int64_t eh = 0, ew = 0, hp = 0, wp = 0;
+  const bool wraps = __builtin_mul_overflow(g.dh, g.kh - 1, &eh) ||
+                     __builtin_mul_overflow(g.dw, g.kw - 1, &ew) ||
+                     __builtin_mul_overflow(g.ph, 2, &hp) || __builtin_add_overflow(hp, g.h, &hp) ||
+                     __builtin_mul_overflow(g.pw, 2, &wp) || __builtin_add_overflow(wp, g.w, &wp);
+  if (wraps || eh >= kMaxElements || ew >= kMaxElements || hp > kMaxElements || wp > kMaxElements) {
+    throw ShapeError(std::string(op) + ": the window (kernel " + kernel.str() + ", dilation " +
+                     dilation.str() + ", padding " + padding.str() + ") over the input " +
+                     image.str() + " spans more than 2^60 elements");
+  }
+  ++eh, ++ew;
+  if (hp < eh || wp < ew) {
     throw ShapeError(std::string(op) +
                      ": kernel size can't be greater than the padded input size: padded input " +
-                     plane_str(g.h + 2 * g.ph, g.w + 2 * g.pw) + " (input " + image.str() +
-                     ", padding " + padding.str() + "), dilated kernel " + plane_str(eh, ew) +
-                     " (kernel " + kernel.str() + ", dilation " + dilation.str() + ")");
+                     plane_str(hp, wp) + " (input " + image.str() + ", padding " + padding.str() +
+                     "), dilated kernel " + plane_str(eh, ew) + " (kernel " + kernel.str() +
+                     ", dilation " + dilation.str() + ")");
   }
   g.set_output_size();
+  // The taps of one window over all channels (unfold's rows, conv's GEMM depth, a pooling
+  // window) and the windows of a plane must be countable too.
+  std::int64_t taps = 0, windows = 0;
+  if (__builtin_mul_overflow(image[1], g.kh, &taps) || __builtin_mul_overflow(taps, g.kw, &taps) ||
+      taps > kMaxElements || __builtin_mul_overflow(g.oh, g.ow, &windows) ||
+      windows > kMaxElements) {
+    throw ShapeError(std::string(op) + ": kernel " + kernel.str() + " over " +
+                     std::to_string(image[1]) + " channels, or the " + plane_str(g.oh, g.ow) +
+                     " windows of the input " + image.str() + ", counts more than 2^60");
+  }
   return g;
 }
 

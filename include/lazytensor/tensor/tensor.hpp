@@ -122,7 +122,7 @@ class Tensor {
   /// Same as shape(), libtorch's name.
   const Shape& sizes() const { return shape(); }
   /// Size of dimension d (negative counts from the back).
-  std::int64_t size(int d) const { return shape().size(d); }
+  std::int64_t size(std::int64_t d) const { return shape().size(d); }
   /// Rank.
   int dim() const { return shape().rank(); }
   /// Number of elements.
