@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <limits>
 #include <numeric>
 #include <set>
 #include <thread>
@@ -305,6 +306,17 @@ TEST(DataLoader, ValidatesOptions) {
                lazy::Error);
   auto loader = lazy::data::make_data_loader(ds, 3);
   EXPECT_EQ(loader->size(), 2u);
+  // "The whole dataset in one batch": n + batch_size - 1 wrapped, and gave no batch.
+  auto whole = lazy::data::make_data_loader(ds, std::numeric_limits<std::size_t>::max());
+  EXPECT_EQ(whole->size(), 1u);
+  std::size_t batches = 0;
+  for (auto& b : *whole) {
+    EXPECT_EQ(b.data.size(0), 4);
+    ++batches;
+  }
+  EXPECT_EQ(batches, 1u);
+  auto dropped = lazy::data::make_data_loader(ds, {.batch_size = 3, .drop_last = true});
+  EXPECT_EQ(dropped->size(), 1u);
 }
 
 }  // namespace

@@ -1,7 +1,9 @@
 // Tests of data/tensor_dataset.hpp, data/transforms.hpp and dataset.map(): values against
 // scalar loops over the source data.
 
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -133,6 +135,11 @@ TEST(Normalize, Validates) {
   EXPECT_THROW(Normalize({1.0, 2.0}, {1.0}), lazy::ShapeError);
   EXPECT_THROW(Normalize(std::vector<double>{}, std::vector<double>{}), lazy::ShapeError);
   EXPECT_THROW(Normalize(0.0, 0.0), lazy::Error);
+  // Checked as the floats it divides by: 1e-50 is 0 as a float (inf outputs before).
+  EXPECT_THROW(Normalize(0.0, 1e-50), lazy::Error);
+  EXPECT_THROW(Normalize(std::nan(""), 1.0), lazy::Error);
+  EXPECT_THROW(Normalize(0.0, std::numeric_limits<double>::infinity()), lazy::Error);
+  EXPECT_THROW(Normalize({0.0, 1e300}, {1.0, 1.0}), lazy::Error);  // inf as a float
   const Normalize three({0, 0, 0}, {1, 1, 1});
   const auto ds = make_dataset();  // 2 channels
   EXPECT_THROW(ds.map(three).get_batch({0}), lazy::ShapeError);

@@ -185,6 +185,99 @@ TEST(ModelCheckpoint, KeepsTheTopKByTheMonitorAndTheLast) {
   }
 }
 
+TEST(ModelCheckpoint, ANewBestMayTakeTheEvictedFilesName) {
+  // save_top_k = 1 into one fixed name: each improvement replaces the file it evicts. The
+  // ranking lost the new entry (erased as the evicted one) and the fit threw out_of_range.
+  const std::string dir = temp_dir("same_name");
+  auto train_loader = lazy::data::make_data_loader(make_dataset(16), {.batch_size = 8});
+  auto val_loader = lazy::data::make_data_loader(make_dataset(8, 5), {.batch_size = 8});
+  Scripted m({0.9, 0.5, 0.7, 0.2});
+  auto ck = std::make_shared<train::ModelCheckpoint>(
+      train::ModelCheckpointOptions{.dirpath = dir, .filename = "best", .monitor = "score"});
+  train::TrainerOptions o = quiet({.max_epochs = 4});
+  o.callbacks = {ck};
+  train::Trainer(o).fit(m, *train_loader, *val_loader);
+  EXPECT_EQ(checkpoint_files(dir), (std::vector<std::string>{"best.safetensors"}));
+  EXPECT_EQ(ck->best_model_path(), dir + "/best.safetensors");
+  ASSERT_TRUE(ck->best_model_score().has_value());
+  EXPECT_DOUBLE_EQ(*ck->best_model_score(), 0.2);
+  EXPECT_EQ(ck->best_k_models().size(), 1u);
+  EXPECT_EQ(lazy::io::load(dir + "/best.safetensors").metadata().at("epoch"),
+            "4");  // the last improvement's
+}
+
+TEST(ModelCheckpoint, ATakenNameGetsAVersionAndNaNRanksWorst) {
+  auto train_loader = lazy::data::make_data_loader(make_dataset(16), {.batch_size = 8});
+  auto val_loader = lazy::data::make_data_loader(make_dataset(8, 5), {.batch_size = 8});
+  {  // Every file kept under one name: -v1, -v2 (Lightning's), none written over.
+    const std::string dir = temp_dir("versions");
+    Scripted m({0.3});
+    train::TrainerOptions o = quiet({.max_epochs = 3});
+    o.callbacks = {std::make_shared<train::ModelCheckpoint>(train::ModelCheckpointOptions{
+        .dirpath = dir, .filename = "run", .monitor = "score", .save_top_k = -1})};
+    train::Trainer(o).fit(m, *train_loader, *val_loader);
+    EXPECT_EQ(
+        checkpoint_files(dir),
+        (std::vector<std::string>{"run-v1.safetensors", "run-v2.safetensors", "run.safetensors"}));
+  }
+  {  // NaN ranks as +inf in "min" mode: kept while there is room, evicted first.
+    const std::string dir = temp_dir("nan");
+    Scripted m({std::nan(""), 0.5, 0.7});
+    auto ck = std::make_shared<train::ModelCheckpoint>(train::ModelCheckpointOptions{
+        .dirpath = dir, .filename = "{epoch}", .monitor = "score", .save_top_k = 2});
+    train::TrainerOptions o = quiet({.max_epochs = 3});
+    o.callbacks = {ck};
+    train::Trainer(o).fit(m, *train_loader, *val_loader);
+    EXPECT_EQ(checkpoint_files(dir),
+              (std::vector<std::string>{"epoch=1.safetensors", "epoch=2.safetensors"}));
+    EXPECT_EQ(ck->best_model_path(), dir + "/epoch=1.safetensors");
+  }
+  // Values an int64 cannot hold print as text (the cast was undefined behaviour); a field
+  // not among the metrics reads 0, as Lightning's.
+  const train::ModelCheckpoint names({.filename = "{epoch}-{val_loss}-{missing}"});
+  EXPECT_EQ(names.format_checkpoint_name(
+                {{"epoch", 3}, {"val_loss", std::numeric_limits<double>::infinity()}}),
+            "epoch=3-val_loss=inf-missing=0");
+  EXPECT_EQ(names.format_checkpoint_name({{"epoch", 3}, {"val_loss", 1e30}}, 2),
+            "epoch=3-val_loss=1e+30-missing=0-v2");
+}
+
+TEST(ModelCheckpoint, AMonitorNotLoggedYetSkipsTopKUntilValidationRuns) {
+  // Saves every 2 steps from the start, before the first validation logs "score": Lightning
+  // warns and writes "last" only; after a validation a missing key is an error.
+  const std::string dir = temp_dir("not_yet");
+  auto train_loader = lazy::data::make_data_loader(make_dataset(32), {.batch_size = 8});  // 4 steps
+  auto val_loader = lazy::data::make_data_loader(make_dataset(8, 5), {.batch_size = 8});
+  Scripted m({0.4, 0.6});
+  auto ck = std::make_shared<train::ModelCheckpoint>(
+      train::ModelCheckpointOptions{.dirpath = dir,
+                                    .filename = "{epoch}-{step}",
+                                    .monitor = "score",
+                                    .save_last = true,
+                                    .every_n_train_steps = 2});
+  train::TrainerOptions o = quiet({.max_epochs = 2});
+  o.callbacks = {ck};
+  train::Trainer(o).fit(m, *train_loader, *val_loader);
+  // Steps 2 and 4 come before the first validation (at the end of epoch 0); step 6 and 8
+  // rank by epoch 0's 0.4 (kept) and, at step 8, still 0.4 (not better).
+  EXPECT_EQ(checkpoint_files(dir),
+            (std::vector<std::string>{"epoch=1-step=6.safetensors", "last.safetensors"}));
+  EXPECT_EQ(lazy::io::load(dir + "/last.safetensors").metadata().at("global_step"), "8");
+  // A metric name with a '/' makes a subdirectory, as Lightning's checkpoint IO does.
+  const std::string dir2 = temp_dir("slash");
+  struct Slashed : Classifier {
+    void validation_step(const Batch& b, std::int64_t i) override {
+      Classifier::validation_step(b, i);
+      log("val/score", 0.25);
+    }
+  } s;
+  train::TrainerOptions o2 = quiet({.max_epochs = 1});
+  o2.callbacks = {std::make_shared<train::ModelCheckpoint>(train::ModelCheckpointOptions{
+      .dirpath = dir2, .filename = "{val/score:.2f}", .monitor = "val/score"})};
+  train::Trainer(o2).fit(s, *train_loader, *val_loader);
+  EXPECT_EQ(checkpoint_files(dir2 + "/val"), (std::vector<std::string>{"score=0.25.safetensors"}));
+}
+
 TEST(ModelCheckpoint, WithoutAMonitorKeepsTheLatestEveryNSteps) {
   const std::string dir = temp_dir("steps");
   auto loader = lazy::data::make_data_loader(make_dataset(32), {.batch_size = 8});

@@ -246,8 +246,7 @@ class DataLoader {
   /// Batches per epoch.
   std::size_t size() const {
     const std::size_t n = sampler_ ? sampler_->size(dataset_.size()) : dataset_.size();
-    return options_.drop_last ? n / options_.batch_size
-                              : (n + options_.batch_size - 1) / options_.batch_size;
+    return batches_of(n);
   }
 
   /// The epoch the next begin() uses (it determines the shuffle); each begin() then moves
@@ -263,6 +262,13 @@ class DataLoader {
   Sampler* sampler() const { return sampler_.get(); }
 
  private:
+  /// Batches of `n` samples: without `n + batch_size - 1`, which wraps for a batch size
+  /// near SIZE_MAX (a "whole dataset in one batch" setting) and gave none.
+  std::size_t batches_of(std::size_t n) const {
+    const std::size_t bs = options_.batch_size;
+    return n / bs + (!options_.drop_last && n % bs != 0 ? 1 : 0);
+  }
+
   void start_epoch() {
     pipeline_.reset();  // stop the epoch in progress before touching what its workers read
     current_.reset();
@@ -278,14 +284,14 @@ class DataLoader {
       std::iota(order_.begin(), order_.end(), std::size_t{0});
     }
     const std::size_t bs = options_.batch_size;
-    const std::size_t batches =
-        options_.drop_last ? order_.size() / bs : (order_.size() + bs - 1) / bs;
+    const std::size_t batches = batches_of(order_.size());
     pipeline_ = std::make_unique<detail::BatchPipeline<batch_type>>(
         batches, options_.num_workers, options_.prefetch, device_.index(),
         [this, bs](std::size_t b) {
           const auto first = order_.begin() + static_cast<std::ptrdiff_t>(b * bs);
+          // (b * bs < size, so the rest is measured from there: (b + 1) * bs may wrap.)
           const auto last =
-              order_.begin() + static_cast<std::ptrdiff_t>(std::min(order_.size(), (b + 1) * bs));
+              first + static_cast<std::ptrdiff_t>(std::min(order_.size() - b * bs, bs));
           return load(std::vector<std::size_t>(first, last));
         });
   }

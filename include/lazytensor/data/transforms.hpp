@@ -3,6 +3,7 @@
 // while the batch is built: datasets that convert raw bytes to floats (MNIST) fold it into
 // that conversion, so normalizing costs nothing extra.
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -68,10 +69,17 @@ LAZYTENSOR_INLINE Normalize::Normalize(const std::vector<double>& mean,
         std::to_string(mean.size()) + " and " + std::to_string(stddev.size()));
   }
   for (std::size_t c = 0; c < mean.size(); ++c) {
-    if (stddev[c] == 0)
-      throw Error("Normalize: stddev of channel " + std::to_string(c) + " is 0");
-    mean_.push_back(static_cast<float>(mean[c]));
-    stddev_.push_back(static_cast<float>(stddev[c]));
+    // Checked as the floats the transform divides by: 1e-50 is not 0 as a double.
+    const float m = static_cast<float>(mean[c]), sd = static_cast<float>(stddev[c]);
+    if (!std::isfinite(m) || !std::isfinite(sd) || sd == 0) {
+      throw Error(
+          "Normalize: expected a finite mean and a finite, non-zero stddev (as floats) for "
+          "channel " +
+          std::to_string(c) + ", got mean " + std::to_string(mean[c]) + " and stddev " +
+          std::to_string(stddev[c]));
+    }
+    mean_.push_back(m);
+    stddev_.push_back(sd);
   }
 }
 

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cctype>
 #include <charconv>
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -128,8 +129,12 @@ LAZYTENSOR_INLINE void CSVLogger::save() {
       if (c) csv += ',';
       const auto it = row.find(columns_[c]);
       if (it == row.end()) continue;
-      // Shortest text that reads back as the same double.
-      const auto r = std::to_chars(buf, buf + sizeof buf, it->second);
+      // Shortest text that reads back as the same double; integral values (step, epoch)
+      // in positional form, so that int("100000") reads them (the shortest is "1e+05").
+      const double v = it->second;
+      const bool integral = v == std::floor(v) && std::fabs(v) < 9007199254740992.0;
+      const auto r = integral ? std::to_chars(buf, buf + sizeof buf, v, std::chars_format::fixed)
+                              : std::to_chars(buf, buf + sizeof buf, v);
       csv.append(buf, r.ptr);
     }
     csv += '\n';

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -93,10 +94,13 @@ class BasicModelCheckpoint : public Callback {
   /// The last file written as "last" ("" before).
   const std::string& last_model_path() const { return last_model_path_; }
   /// The file name the template gives for `metrics` (with epoch and step), without the
-  /// directory. A field "{name:spec}" formats the value by `spec`,
+  /// directory; `version` > 0 appends "-v<version>" (Lightning's name for a file whose name
+  /// is taken). A field "{name:spec}" formats the value by `spec`,
   /// [+|-| ][#][0][width][.precision] then d (an integer: the value must be one), f, e or g,
-  /// as Python's format() would; another spec is an Error naming it.
-  std::string format_checkpoint_name(const std::map<std::string, double>& metrics) const;
+  /// as Python's format() would; another spec is an Error naming it. A field naming a value
+  /// not among `metrics` reads 0, as Lightning's.
+  std::string format_checkpoint_name(const std::map<std::string, double>& metrics,
+                                     int version = 0) const;
 
   /// Saves now if nothing was saved at this step (what the hooks call).
   void save_checkpoint(Trainer& trainer);
@@ -104,6 +108,10 @@ class BasicModelCheckpoint : public Callback {
  private:
   bool better(double a, double b) const { return options_.mode == "min" ? a < b : a > b; }
   std::string worst_kept() const;
+  /// The path for a new file: the template's name, with -v1, -v2, ... while a file of that
+  /// name exists, unless it is `replacing` (the file this save takes the place of).
+  std::string new_file_path(const std::map<std::string, double>& metrics,
+                            const std::string& replacing) const;
   /// Whether this training epoch's end saves by default (save_on_train_epoch_end unset).
   bool saves_at_epoch_end(const Trainer& trainer) const;
   /// `value` of the template field `name` formatted by `spec` (see format_checkpoint_name).
@@ -118,6 +126,8 @@ class BasicModelCheckpoint : public Callback {
   std::map<std::string, double> best_k_;
   std::int64_t last_saved_step_ = -1;
   bool validated_this_epoch_ = false;
+  bool validation_ran_ = false;  ///< in this fit (a missing monitor is then an error)
+  bool warned_missing_ = false;
 };
 
 /// Lightning's ModelCheckpoint (see BasicModelCheckpoint).
@@ -189,6 +199,7 @@ void BasicModelCheckpoint<V>::load_state_dict(const std::map<std::string, std::s
 
 template <class V>
 void BasicModelCheckpoint<V>::on_fit_start(Trainer& trainer, LightningModuleBase&) {
+  validation_ran_ = false;
   if (dirpath_.empty()) dirpath_ = trainer.log_dir() + "/checkpoints";
   if (trainer.is_global_zero()) io::detail::make_directories(dirpath_);
 }
@@ -212,6 +223,7 @@ void BasicModelCheckpoint<V>::on_validation_end(Trainer& trainer, LightningModul
   // the directory is resolved at fit start.
   if (!trainer.fitting() || trainer.sanity_checking()) return;
   validated_this_epoch_ = true;
+  validation_ran_ = true;
   if (options_.save_on_train_epoch_end.value_or(false)) return;
   if (every_n_epochs_ > 0 && (trainer.current_epoch() + 1) % every_n_epochs_ == 0) save_checkpoint(trainer);
 }
@@ -233,7 +245,8 @@ void BasicModelCheckpoint<V>::on_train_epoch_end(Trainer& trainer, LightningModu
 }
 
 template <class V>
-std::string BasicModelCheckpoint<V>::format_checkpoint_name(const std::map<std::string, double>& metrics) const {
+std::string BasicModelCheckpoint<V>::format_checkpoint_name(
+    const std::map<std::string, double>& metrics, int version) const {
   const std::string& tpl = options_.filename.empty() ? std::string("{epoch}-{step}") : options_.filename;
   std::string out;
   for (std::size_t i = 0; i < tpl.size();) {
@@ -246,26 +259,35 @@ std::string BasicModelCheckpoint<V>::format_checkpoint_name(const std::map<std::
     const std::string field = tpl.substr(i + 1, close - i - 1);
     const auto colon = field.find(':');
     const std::string name = field.substr(0, colon);
+    // (A value not logged yet, e.g. a validation metric in a save before the first
+    // validation, reads 0, as in Lightning.)
     const auto it = metrics.find(name);
-    if (it == metrics.end()) {
-      std::string known;
-      for (const auto& [k, v] : metrics) known += (known.empty() ? "" : ", ") + k;
-      throw Error("ModelCheckpoint: filename \"" + tpl + "\" names \"" + name + "\", which is not among the metrics (" +
-                  known + ")");
-    }
+    const double v = it == metrics.end() ? 0.0 : it->second;
     std::string value;
     if (colon != std::string::npos && colon + 1 < field.size()) {
-      value = format_value(it->second, field.substr(colon + 1), name, tpl);
-    } else if (name == "epoch" || name == "step" || it->second == std::floor(it->second)) {
-      value = std::to_string(static_cast<std::int64_t>(it->second));
+      value = format_value(v, field.substr(colon + 1), name, tpl);
+    } else if (v == std::floor(v) &&
+               std::fabs(v) < 9.2e18) {  // (inf or 1e30 would not fit an int64)
+      value = std::to_string(static_cast<std::int64_t>(v));
     } else {
-      value = detail::double_text(it->second);
+      value = detail::double_text(v);
     }
     if (options_.auto_insert_metric_name) out += name + "=";
     out += value;
     i = close + 1;
   }
+  if (version > 0) out += "-v" + std::to_string(version);
   return out;
+}
+
+template <class V>
+std::string BasicModelCheckpoint<V>::new_file_path(const std::map<std::string, double>& metrics,
+                                                   const std::string& replacing) const {
+  for (int version = 0;; ++version) {
+    const std::string path =
+        dirpath_ + "/" + format_checkpoint_name(metrics, version) + kFileExtension;
+    if (path == replacing || !io::detail::path_exists(path)) return path;
+  }
 }
 
 template <class V>
@@ -343,27 +365,43 @@ void BasicModelCheckpoint<V>::save_checkpoint(Trainer& trainer) {
   // Decide on this replica, then take rank zero's decision everywhere.
   std::string save_path, remove_path;
   double score = 0;
-  if (options_.monitor) {
+  bool ranks = options_.save_top_k != 0;  // whether this save writes a top-k file at all
+  if (options_.monitor && ranks) {
     const auto it = metrics.find(*options_.monitor);
-    if (it == metrics.end()) {
+    if (it != metrics.end()) {
+      score = it->second;
+      // Lightning ranks a NaN as the worst value there is.
+      if (std::isnan(score))
+        score = options_.mode == "min" ? std::numeric_limits<double>::infinity()
+                                       : -std::numeric_limits<double>::infinity();
+    } else {
+      // Lightning's rule: once validation has run the key is surely misspelt (an Error);
+      // before (a save every n steps ahead of the first validation, or none at all) the
+      // top-k file is skipped with a warning, and "last" is still written.
       std::string known;
-      for (const auto& [k, v] : metrics) known += (known.empty() ? "" : ", ") + k;
-      throw Error("ModelCheckpoint: the monitored value \"" + *options_.monitor + "\" was not logged (callback metrics: " +
-                  known + ")");
+      for (const auto& [key, v] : metrics) known += (known.empty() ? "" : ", ") + key;
+      const std::string what = "ModelCheckpoint: the monitored value \"" + *options_.monitor +
+                               "\" was not logged (callback metrics: " + known + ")";
+      if (validation_ran_) throw Error(what);
+      if (!warned_missing_ && trainer.is_global_zero())
+        std::fprintf(stderr, "Warning: %s; no top-k checkpoint until it is\n", what.c_str());
+      warned_missing_ = true;
+      ranks = false;
     }
-    score = it->second;
   }
-  const std::string file = dirpath_ + "/" + format_checkpoint_name(metrics) + kFileExtension;
   const std::int64_t k = options_.save_top_k;
-  if (k == -1) {
-    save_path = file;
-  } else if (k > 0) {
+  if (ranks) {
+    const auto kept = static_cast<std::int64_t>(best_k_.size());
     if (!options_.monitor) {
-      save_path = file;
-      if (!best_model_path_.empty() && best_model_path_ != file) remove_path = best_model_path_;
-    } else if (!std::isnan(score) && (static_cast<std::int64_t>(best_k_.size()) < k || better(score, best_k_.at(worst_kept())))) {
-      save_path = file;
-      if (static_cast<std::int64_t>(best_k_.size()) >= k) remove_path = worst_kept();
+      // The file this save replaces, with save_top_k = 1 (-1 keeps them all).
+      const std::string replaced = k == 1 ? best_model_path_ : std::string();
+      save_path = new_file_path(metrics, replaced);
+      if (!replaced.empty() && replaced != save_path) remove_path = replaced;
+    } else if (k == -1 || kept < k) {
+      save_path = new_file_path(metrics, "");
+    } else if (better(score, best_k_.at(worst_kept()))) {
+      remove_path = worst_kept();
+      save_path = new_file_path(metrics, remove_path);
     }
   }
   struct Decision {
@@ -381,8 +419,9 @@ void BasicModelCheckpoint<V>::save_checkpoint(Trainer& trainer) {
   remove_path = d.remove;
   score = d.score;
   if (!save_path.empty()) {
-    if (k == -1 || options_.monitor) best_k_[save_path] = score;
+    // (Evicted first: the new file may take the evicted one's name.)
     if (!remove_path.empty()) best_k_.erase(remove_path);
+    if (k == -1 || options_.monitor) best_k_[save_path] = score;
     if (!options_.monitor) {
       best_model_path_ = save_path;
     } else {
@@ -397,6 +436,10 @@ void BasicModelCheckpoint<V>::save_checkpoint(Trainer& trainer) {
   if (options_.save_last) last_model_path_ = last;
   // The state above is what these files hold (best paths included), as Lightning's.
   if (!save_path.empty()) {
+    // A metric named "val/loss" in the template makes a subdirectory (Lightning's checkpoint
+    // IO creates the parent too).
+    if (trainer.is_global_zero())
+      io::detail::make_directories(save_path.substr(0, save_path.rfind('/')));
     trainer.save_checkpoint(save_path);
     if (options_.verbose && trainer.is_global_zero())
       std::fprintf(stderr, "Epoch %lld, global step %lld: saved %s\n", static_cast<long long>(trainer.current_epoch()),
