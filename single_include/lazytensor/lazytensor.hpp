@@ -9914,7 +9914,9 @@ class DataLoader {
   const DataLoaderOptions& options() const { return options_; }
   /// The device batches are created on.
   Device device() const { return device_; }
-  /// The sampler given at construction (nullptr when none).
+  /// The sampler given at construction (nullptr when none). Its epoch is the loader's:
+  /// each begin() sets it, so select an epoch with DataLoader::set_epoch (a set_epoch on
+  /// the sampler itself is overwritten, unlike torch's DistributedSampler).
   Sampler* sampler() const { return sampler_.get(); }
 
  private:
@@ -32474,6 +32476,7 @@ LAZYTENSOR_TRAIN_EARLY_STOPPING_INSTANCES(extern)
 #include <limits>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -32508,9 +32511,50 @@ class ShardSampler final : public data::Sampler {
   std::size_t replicas_, rank_;
 };
 
+/// A replica's share of a user's own sampler (Lightning's DistributedSamplerWrapper): the
+/// sampler's indices for the epoch, padded to a multiple of R by repeating from the start
+/// when `pad` (training: equal shares, so the replicas' steps pair up), then every R-th
+/// from position `rank`. The replicas' threads share the sampler, so its epoch is set and
+/// its indices taken under one lock.
+class SamplerShard final : public data::Sampler {
+ public:
+  SamplerShard(data::Sampler& inner, std::size_t replicas, std::size_t rank, bool pad)
+      : inner_(&inner), replicas_(replicas), rank_(rank), pad_(pad) {}
+  std::vector<std::size_t> indices(std::size_t n) const override {
+    std::vector<std::size_t> all;
+    {
+      static std::mutex lock;
+      std::lock_guard guard(lock);
+      inner_->set_epoch(epoch());
+      all = inner_->indices(n);
+    }
+    const std::size_t m = all.size();
+    if (pad_ && m > 0) {
+      const std::size_t total = (m + replicas_ - 1) / replicas_ * replicas_;
+      for (std::size_t k = 0; all.size() < total; ++k) all.push_back(all[k % m]);
+    }
+    std::vector<std::size_t> mine;
+    for (std::size_t i = rank_; i < all.size(); i += replicas_) mine.push_back(all[i]);
+    return mine;
+  }
+  std::size_t size(std::size_t n) const override {
+    const std::size_t m = inner_->size(n);
+    if (pad_) return (m + replicas_ - 1) / replicas_;
+    return m > rank_ ? (m - rank_ + replicas_ - 1) / replicas_ : 0;
+  }
+
+ private:
+  data::Sampler* inner_;
+  std::size_t replicas_, rank_;
+  bool pad_;
+};
+
 /// The loader one replica iterates: the given one, or (with replicas) a loader over the
 /// same dataset whose sampler gives this replica its share: a DistributedSampler for
-/// training (equal shares, so the replicas' steps pair up), a ShardSampler for evaluation.
+/// training (equal shares, so the replicas' steps pair up) with the shuffle, seed and
+/// drop_last of the loader's own sampler (a DistributedSampler's, or a RandomSampler's
+/// seed), a ShardSampler for evaluation, and a SamplerShard of any other sampler (which
+/// may select a subset: a training split).
 template <class L>
 class ReplicaLoader {
  public:
@@ -32518,12 +32562,26 @@ class ReplicaLoader {
     if (!distribute || !s.is_distributed()) return;
     if constexpr (is_data_loader_v<L>) {
       data::DataLoaderOptions o = loader.options();
-      const bool shuffle = o.shuffle || (loader.sampler() && dynamic_cast<data::RandomSampler*>(loader.sampler()));
+      data::Sampler* own_sampler = loader.sampler();
+      bool shuffle = o.shuffle, drop_last = false;
+      std::uint64_t seed = o.seed;
+      if (const auto* d = dynamic_cast<const data::DistributedSampler*>(own_sampler)) {
+        // (Its rank and replica count were one replica's; the settings hold for all.)
+        shuffle = d->shuffle(), seed = d->seed(), drop_last = d->drop_last(), own_sampler = nullptr;
+      } else if (const auto* r = dynamic_cast<const data::RandomSampler*>(own_sampler)) {
+        shuffle = true, seed = r->seed(), own_sampler = nullptr;
+      } else if (dynamic_cast<const data::SequentialSampler*>(own_sampler)) {
+        own_sampler = nullptr;
+      }
       o.shuffle = false;
       o.device = s.root_device();
       const auto world = static_cast<std::size_t>(s.world_size()), rank = static_cast<std::size_t>(s.global_rank());
-      if (training) {
-        own_ = data::make_data_loader(loader.dataset(), data::DistributedSampler(world, rank, shuffle, o.seed), o);
+      if (own_sampler) {
+        own_ = data::make_data_loader(loader.dataset(),
+                                      SamplerShard(*own_sampler, world, rank, training), o);
+      } else if (training) {
+        own_ = data::make_data_loader(
+            loader.dataset(), data::DistributedSampler(world, rank, shuffle, seed, drop_last), o);
       } else {
         own_ = data::make_data_loader(loader.dataset(), ShardSampler(world, rank), o);
       }

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -347,6 +348,69 @@ TEST_P(ReplicaCounts, ProcessDataloaderDeliversTheReplicasShardOnItsDevice) {
     std::vector<float> want;
     for (const auto i : ref.indices(samples)) want.push_back(static_cast<float>(i));
     EXPECT_EQ(seen[static_cast<std::size_t>(r)], want) << "replica " << r;
+  }
+}
+
+/// A training split: the even samples, in reverse (a user's own sampler).
+class EvenSamples final : public lazy::data::Sampler {
+ public:
+  std::vector<std::size_t> indices(std::size_t n) const override {
+    std::vector<std::size_t> v;
+    for (std::size_t i = (n - 1) / 2 * 2 + 2; i >= 2; i -= 2) v.push_back(i - 2);
+    return v;
+  }
+  std::size_t size(std::size_t n) const override { return (n + 1) / 2; }
+};
+
+TEST_P(ReplicaCounts, TheTrainersShardsKeepTheLoadersSampler) {
+  Watchdog dog;
+  const int n = GetParam();
+  const std::size_t samples = 21;
+  std::vector<float> x;
+  for (std::size_t i = 0; i < samples; ++i) x.push_back(static_cast<float>(i));
+  const lazy::data::TensorDataset<> ds(
+      lazy::from_vector<float>(x, Shape{static_cast<std::int64_t>(samples), 1}),
+      lazy::from_vector<std::int64_t>(std::vector<std::int64_t>(samples, 0),
+                                      Shape{static_cast<std::int64_t>(samples)}));
+  // What each replica's share of `loader` holds (the Trainer's fit and evaluation loaders).
+  auto shares = [&](auto& loader, bool training) {
+    train::ReplicaStrategy strategy(n);
+    return strategy.launch([&](train::Strategy& s) {
+      train::detail::ReplicaLoader<std::remove_reference_t<decltype(loader)>> local(loader, s, true,
+                                                                                    training);
+      std::vector<float> mine;
+      for (auto& b : local.get())
+        for (const float v : b.data.to_vector()) mine.push_back(v);
+      return lazy::dist::mesh_reduce("shares", mine,
+                                     [](const std::vector<std::vector<float>>& v) { return v; });
+    });
+  };
+  const auto nn = static_cast<std::size_t>(n);
+  {  // A subset sampler: its samples only (before, the whole dataset), in its order.
+    auto loader = lazy::data::make_data_loader(ds, EvenSamples(), {.batch_size = 2});
+    const std::vector<std::size_t> order = EvenSamples().indices(samples);  // 11 samples
+    for (bool training : {true, false}) {
+      const auto seen = shares(*loader, training);
+      for (std::size_t r = 0; r < nn; ++r) {
+        std::vector<float> want;
+        // Training pads to equal shares by repeating from the start; evaluation does not.
+        const std::size_t total = training ? (order.size() + nn - 1) / nn * nn : order.size();
+        for (std::size_t i = r; i < total; i += nn)
+          want.push_back(static_cast<float>(order[i % order.size()]));
+        EXPECT_EQ(seen[r], want) << "replica " << r << (training ? " training" : " evaluation");
+      }
+    }
+  }
+  {  // A DistributedSampler's shuffle, seed and drop_last carry over (its rank cannot).
+    auto loader = lazy::data::make_data_loader(
+        ds, lazy::data::DistributedSampler(1, 0, true, 7, true), {.batch_size = 2});
+    const auto seen = shares(*loader, true);
+    for (std::size_t r = 0; r < nn; ++r) {
+      std::vector<float> want;
+      for (const auto i : lazy::data::DistributedSampler(nn, r, true, 7, true).indices(samples))
+        want.push_back(static_cast<float>(i));
+      EXPECT_EQ(seen[r], want) << "replica " << r;
+    }
   }
 }
 

@@ -258,7 +258,9 @@ class DataLoader {
   const DataLoaderOptions& options() const { return options_; }
   /// The device batches are created on.
   Device device() const { return device_; }
-  /// The sampler given at construction (nullptr when none).
+  /// The sampler given at construction (nullptr when none). Its epoch is the loader's:
+  /// each begin() sets it, so select an epoch with DataLoader::set_epoch (a set_epoch on
+  /// the sampler itself is overwritten, unlike torch's DistributedSampler).
   Sampler* sampler() const { return sampler_.get(); }
 
  private:
