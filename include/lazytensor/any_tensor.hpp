@@ -155,6 +155,7 @@ LAZYTENSOR_INLINE AnyTensor AnyTensor::detach() const {
 }
 
 LAZYTENSOR_INLINE AnyTensor& AnyTensor::requires_grad_(bool on) {
+  node();  // an undefined tensor throws here
   if (on && !is_floating_point()) {
     throw DTypeError("requires_grad_: only tensors of floating point dtype can require gradients, got " +
                      dtype_name(dtype()));
@@ -184,6 +185,8 @@ LAZYTENSOR_INLINE AnyTensor& AnyTensor::zero_() {
   auto buf = d.pool().acquire(padded_bytes(numel(), dtype_size(dtype())));
   if (bytes) std::memset(buf->data(), 0, bytes);
   graph::rebind(impl_, std::make_shared<graph::DataNode>(dtype(), shape(), &d, std::move(buf)));
+  autograd::replace_history(*impl_,
+                            "ZeroBackward0");  // as Tensor<T>::zero_: the old history gets zeros
   return *this;
 }
 

@@ -1956,11 +1956,9 @@ LAZYTENSOR_INLINE void PlanCache::trim() {
 
 #include <cstddef>
 #include <cstdint>
-#include <limits>
 #include <string>
 #include <tuple>
 #include <type_traits>
-#include <utility>
 
 
 namespace lazy {
@@ -2050,25 +2048,6 @@ using weak_scalar_t = std::conditional_t<
     std::is_floating_point_v<S> || std::is_same_v<S, bfloat16>, std::conditional_t<is_floating_v<T>, T, float>,
     std::conditional_t<std::is_same_v<S, bool>, T,
                        std::conditional_t<std::is_same_v<T, bool>, std::int64_t, T>>>;
-
-namespace detail {
-/// Whether the C++ number `value` converts to the element type T without overflow, as
-/// torch's checked conversion of fill values: an int32 or int64 T holds the finite values
-/// whose integer part is in its range (a static_cast of any other is undefined behaviour);
-/// floating and bool T take every value.
-template <Element T, class V>
-bool converts_without_overflow(V value) {
-  if constexpr (!is_integral_v<T> || std::is_same_v<V, bool>) {
-    return true;
-  } else if constexpr (std::is_integral_v<V>) {
-    return std::in_range<T>(value);
-  } else {
-    const long double v = static_cast<long double>(static_cast<double>(value));
-    return v > static_cast<long double>(std::numeric_limits<T>::min()) - 1 &&
-           v < static_cast<long double>(std::numeric_limits<T>::max()) + 1;
-  }
-}
-}  // namespace detail
 
 /// Type in which a kernel computes values of type T (bfloat16 computes in float).
 template <Element T>
@@ -3916,6 +3895,32 @@ LAZY_BINARY_OP(LogicalOr, "logical_or", 1, (bool), (return from_bool<V>(not_equa
 #undef LAZY_BINARY_OP
 #undef LAZY_STRIP
 
+/// clamp(x, lo, hi) = min(max(x, lo), hi), as torch.clamp: NaN in any operand gives NaN, and
+/// hi wins when lo > hi. One op rather than minimum(maximum(x, lo), hi): the ties of those
+/// split the gradient in half at a bound, where torch's clamp_backward passes all of it to x
+/// wherever lo <= x <= hi. A tensor bound gets it where it is the result
+/// (clamp_backward_min_max: lo where x < lo < hi, hi where x > hi or hi < lo).
+struct Clamp {
+  static constexpr const char* name = "clamp";
+  static constexpr double cost = 4;
+  template <class X, class L, class H>
+  using result = promoted<promoted<X, L>, H>;
+  template <class V>
+  static V apply(const V& x, const V& lo, const V& hi) {
+    return Minimum::apply(Maximum::apply(x, lo), hi);
+  }
+  template <int I, class V>
+  static V d(const V& x, const V& lo, const V& hi, const V&) {
+    using namespace detail;
+    if constexpr (I == 0)
+      return from_bool<V>((x >= lo) & (x <= hi));
+    else if constexpr (I == 1)
+      return from_bool<V>((x < lo) & (lo < hi));
+    else
+      return from_bool<V>((x > hi) | (hi < lo));
+  }
+};
+
 /// where(cond, a, b): a where cond is non-zero.
 struct Where {
   static constexpr const char* name = "where";
@@ -4384,11 +4389,12 @@ template <class A, class B>
 auto logical_or(A&& a, B&& b) {
   return expr::make<ops::LogicalOr>(std::forward<A>(a), std::forward<B>(b));
 }
-/// Clamps to [lo, hi]; NaN stays NaN. Not for bool.
+/// Clamps to [lo, hi] (hi wins when lo > hi); NaN stays NaN. The gradient passes to x
+/// wherever lo <= x <= hi, bounds included, as torch.clamp's. Not for bool.
 template <expr::ExprLike X, class L, class H>
   requires(!expr::BoolValued<X>)
 auto clamp(X&& x, const L& lo, const H& hi) {
-  return minimum(maximum(std::forward<X>(x), lo), hi);
+    return expr::make<ops::Clamp>(std::forward<X>(x), lo, hi);
 }
 /// Element-wise choice: a where cond is non-zero, b elsewhere (all three broadcast).
 template <expr::ExprLike C, class A, class B>
@@ -7079,12 +7085,15 @@ LAZYTENSOR_INLINE bool materialize(const NodePtr& node) {
 // lazy::Tensor<T>: a cheap handle, like torch::Tensor. Copies share one tensor object that
 // points at the graph node holding the current value; in-place ops rebind that node.
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <ostream>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 // ---- begin lazytensor/autograd/engine.hpp ----
@@ -7105,8 +7114,10 @@ LAZYTENSOR_INLINE bool materialize(const NodePtr& node) {
 // AccumulateGrad: the end of every gradient path into a leaf. It adds the incoming
 // gradient into the leaf's `.grad()` (lazily: a pending add), as libtorch does.
 
+#include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 // ---- begin lazytensor/autograd/function.hpp ----
@@ -8057,7 +8068,9 @@ class AccumulateGrad final : public GradFn {
   explicit AccumulateGrad(std::shared_ptr<graph::TensorImpl> leaf);
   std::string name() const override { return "AccumulateGrad"; }
   std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override {
-    accumulate_into(*leaf_, grad);
+    // A leaf switched to requires_grad_(false) after the graph was recorded keeps its
+    // .grad() as it is, as libtorch's AccumulateGrad does.
+    if (leaf_->requires_grad()) accumulate_into(*leaf_, grad);
     return {};
   }
   /// Nothing is saved: a leaf can receive gradients from any number of backward passes.
@@ -8078,8 +8091,31 @@ bool any_edge(const std::vector<GradFnPtr>& edges);
 
 /// Makes `fn` (its `next` edges set) the producer of `impl`'s value when any edge is live;
 /// returns whether it did. With no live edge nothing changes: an in-place update under
-/// no_grad keeps the tensor's own state.
+/// no_grad keeps the tensor's own state. A retain_grad() registration moves to `fn`, so
+/// `.grad()` holds the gradient of the new value, as in libtorch.
 bool attach_grad_fn(graph::TensorImpl& impl, GradFnPtr fn);
+
+/// The grad_fn of a non-leaf whose value an in-place op replaced by one without history
+/// (copy_ of a constant, fill_, zero_): the old value no longer reaches the output, so its
+/// history receives zeros (libtorch's CopyBackwards, FillBackward0, ZeroBackward0).
+class ReplacedGradFn final : public GradFn {
+ public:
+  explicit ReplacedGradFn(std::string name) : name_(std::move(name)) {}
+  std::string name() const override { return name_; }
+  LAZYTENSOR_INLINE std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override;
+  /// Nothing is saved.
+  void release_saved() override {}
+
+ private:
+  std::string name_;
+};
+
+/// Records that an in-place op (`name`: "CopyBackwards", ...) replaced `impl`'s value by one
+/// without history. With grad mode on, a non-leaf stays one: its grad_fn becomes a
+/// ReplacedGradFn sending zeros to the old history (rather than no edge at all, so that the
+/// leaves upstream get a zero .grad() as in libtorch, not an undefined one). A leaf, or grad
+/// mode off, keeps its autograd state (libtorch leaves grad_fn alone under no_grad).
+void replace_history(graph::TensorImpl& impl, const char* name);
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 LAZYTENSOR_INLINE void accumulate_into(graph::TensorImpl& impl, graph::NodePtr grad) {
@@ -8130,8 +8166,38 @@ LAZYTENSOR_INLINE bool attach_grad_fn(graph::TensorImpl& impl, GradFnPtr fn) {
   fn->device = impl.node->device();
   auto& meta = impl.autograd_meta();
   meta.requires_grad = true;
+  if (meta.retains_grad && meta.grad_fn) {
+    // An in-place op on a tensor that retains its gradient: the old function would fill
+    // .grad() with the gradient of the old value.
+    auto& old = meta.grad_fn->retained;
+    for (auto it = old.begin(); it != old.end(); ++it) {
+      if (auto p = it->lock(); p.get() == &impl) {
+        fn->retained.push_back(std::move(*it));
+        old.erase(it);
+        break;
+      }
+    }
+  }
   meta.grad_fn = std::move(fn);
   return true;
+}
+
+LAZYTENSOR_INLINE std::vector<graph::NodePtr> ReplacedGradFn::apply(const graph::NodePtr& grad) {
+  // zeros_like(grad) in the old value's dtype, as a zeroed buffer: dtype-free, no kernel.
+  const GradFn& prev = *next.at(0);
+  graph::Device& d = *grad->device();
+  const std::size_t elem = dtype_size(prev.dtype);
+  auto buf = d.pool().acquire(padded_bytes(prev.shape.numel(), elem));
+  if (prev.shape.numel() > 0)
+    std::memset(buf->data(), 0, static_cast<std::size_t>(prev.shape.numel()) * elem);
+  return {std::make_shared<graph::DataNode>(prev.dtype, prev.shape, &d, std::move(buf))};
+}
+
+LAZYTENSOR_INLINE void replace_history(graph::TensorImpl& impl, const char* name) {
+  if (!is_grad_enabled() || !impl.autograd || !impl.autograd->grad_fn) return;
+  auto fn = std::make_shared<ReplacedGradFn>(name);
+  fn->next = {impl.autograd->grad_fn};
+  attach_grad_fn(impl, std::move(fn));
 }
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
@@ -8172,8 +8238,9 @@ LAZYTENSOR_INLINE std::vector<graph::NodePtr> run_backward(const BackwardRequest
       if (seen.insert(nx.get()).second) stack.push_back(nx.get());
     }
   }
-  std::unordered_map<GradFn*, std::size_t> captured;
-  for (std::size_t i = 0; i < req.capture.size(); ++i) captured.emplace(req.capture[i].get(), i);
+  // A function may be captured more than once (one input given twice): every slot gets it.
+  std::unordered_map<GradFn*, std::vector<std::size_t>> captured;
+  for (std::size_t i = 0; i < req.capture.size(); ++i) captured[req.capture[i].get()].push_back(i);
   std::vector<graph::NodePtr> out(req.capture.size());
 
   std::unordered_map<GradFn*, graph::NodePtr> pending;
@@ -8208,7 +8275,9 @@ LAZYTENSOR_INLINE std::vector<graph::NodePtr> run_backward(const BackwardRequest
       for (const auto& w : fn->retained) {
         if (auto impl = w.lock()) accumulate_into(*impl, g);
       }
-      if (auto c = captured.find(fn); c != captured.end()) out[c->second] = g;
+      if (auto c = captured.find(fn); c != captured.end()) {
+        for (std::size_t slot : c->second) out[slot] = g;
+      }
       // torch.autograd.grad leaves every .grad() alone; other functions still pass the
       // gradient on, so an input upstream of another captured one gets its share.
       if (!(req.capture.size() && dynamic_cast<AccumulateGrad*>(fn))) grads = fn->apply(g);
@@ -8428,6 +8497,48 @@ graph::NodePtr data_node(const T* src, const Shape& shape, const Device& dev) {
 }  // namespace detail
 
 namespace detail {
+/// `v` converted to T, or a DTypeError naming `op` when T cannot hold it, as libtorch's checked
+/// scalar conversion ("value cannot be converted to type int32_t without overflow"): NaN or
+/// a value out of range for an integer T (after truncation toward zero), a finite value
+/// beyond a floating T's range (infinities and NaN convert). A plain static_cast of those
+/// is undefined behaviour. Any value converts to bool (non-zero is true).
+template <Element T, expr::Number V>
+T checked_scalar(V v, const char* op) {
+  using W =
+      std::conditional_t<std::is_same_v<V, bfloat16>, float, V>;  // bfloat16 compares as float
+  const W w = static_cast<W>(v);
+  bool ok = true;
+  if constexpr (std::is_same_v<T, bool> || std::is_same_v<W, bool>) {
+    ok = true;
+  } else if constexpr (!is_floating_v<T>) {
+    if constexpr (std::is_floating_point_v<W>) {
+      // -min is 2^(bits-1), exact in double: the truncated value must lie in [min, -min).
+      const double t = std::trunc(static_cast<double>(w)),
+                   lo = static_cast<double>(std::numeric_limits<T>::min());
+      ok = t >= lo && t < -lo;
+    } else {
+      // (std::in_range takes no character types: widened first.)
+      if constexpr (std::is_unsigned_v<W>)
+        ok = std::in_range<T>(static_cast<unsigned long long>(w));
+      else
+        ok = std::in_range<T>(static_cast<long long>(w));
+    }
+  } else if constexpr (std::is_floating_point_v<W> && !std::is_same_v<T, double>) {
+    const double d = static_cast<double>(w),
+                 mx = static_cast<double>(std::numeric_limits<float>::max());
+    ok = !std::isfinite(d) || (d >= -mx && d <= mx);
+  }
+  if (!ok) {
+    throw DTypeError(std::string(op) + ": value " + std::to_string(static_cast<double>(w)) +
+                     " cannot be converted to type " + dtype_name(dtype_of<T>()) +
+                     " without overflow");
+  }
+  if constexpr (std::is_same_v<T, bfloat16>)
+    return bfloat16(static_cast<float>(w));
+  else
+    return static_cast<T>(w);
+}
+
 /// Element `i` of a tensor's buffer as a host value. A bool is read through its byte (any
 /// nonzero byte is true): the memory of `empty<bool>` is uninitialized, and loading a byte
 /// other than 0 or 1 as a bool is undefined behaviour.
@@ -8589,6 +8700,7 @@ class Tensor {
   }
   /// Replaces (or with an undefined tensor, clears) the accumulated gradient.
   void set_grad(const Tensor& g) {
+    node();  // an undefined tensor throws here
     auto& meta = impl_->autograd_meta();
     if (!g.defined()) {
       meta.grad.reset();
@@ -8599,8 +8711,12 @@ class Tensor {
     }
     meta.grad = g.impl_;
   }
-  /// Keeps this non-leaf tensor's gradient in `.grad()` during backward.
+  /// Keeps this non-leaf tensor's gradient in `.grad()` during backward. Error when the
+  /// tensor does not require grad (there would never be a gradient to keep), as libtorch.
   void retain_grad() {
+    node();  // an undefined tensor throws here
+    if (!requires_grad())
+      throw Error("retain_grad: can't retain_grad on Tensor that has requires_grad=False");
     if (is_leaf()) return;  // leaves keep theirs anyway
     auto& meta = *impl_->autograd;
     if (!meta.retains_grad) {
@@ -8694,21 +8810,14 @@ class Tensor {
   Tensor& operator/=(const X& x) {
     return div_(x);
   }
-  /// Sets every element to v.
+  /// Sets every element to v. Error when T cannot hold v (NaN or out of range for an
+  /// integer T, a finite value beyond a floating T's range), as libtorch.
   template <expr::Number V>
   Tensor& fill_(V v) {
-    node();  // an undefined tensor throws here
-    check_inplace("fill_");
-    if (impl_->autograd) impl_->autograd->grad_fn = nullptr;  // a constant: no history
-    std::vector<graph::NodePtr> none;
-    using E = Expr<ops::Identity, expr::Scalar<T>>;
-    E e(expr::Scalar<T>{static_cast<T>(v)});
-    impl_->node = graph::submit(
-        graph::elementwise_node<T>(expr::to_kernel(e, none), shape(), node()->device(), std::vector<graph::NodePtr>{}));
-    return *this;
+    return fill_value_(v, "fill_", "FillBackward0");
   }
   /// Sets every element to zero.
-  Tensor& zero_() { return fill_(0); }
+  Tensor& zero_() { return fill_value_(0, "zero_", "ZeroBackward0"); }
 
  private:
   template <class E>
@@ -8727,7 +8836,24 @@ class Tensor {
     check_inplace(op);
     autograd::GradFnPtr fn;
     impl_->node = detail::make_elementwise<T>(e, shape(), &fn);
-    autograd::attach_grad_fn(*impl_, std::move(fn));
+    // No history in the new value: only copy_ gets here with grad mode on (the other ops read
+    // this tensor), from tensors that need no grad; the old history then receives zeros.
+    if (!autograd::attach_grad_fn(*impl_, std::move(fn)))
+      autograd::replace_history(*impl_, "CopyBackwards");
+    return *this;
+  }
+
+  template <expr::Number V>
+  Tensor& fill_value_(V v, const char* op, const char* backward_name) {
+    node();  // an undefined tensor throws here
+    check_inplace(op);
+    const T value = detail::checked_scalar<T>(v, op);
+    std::vector<graph::NodePtr> none;
+    using E = Expr<ops::Identity, expr::Scalar<T>>;
+    E e(expr::Scalar<T>{value});
+    impl_->node = graph::submit(graph::elementwise_node<T>(
+        expr::to_kernel(e, none), shape(), node()->device(), std::vector<graph::NodePtr>{}));
+    autograd::replace_history(*impl_, backward_name);  // a constant: the old history gets zeros
     return *this;
   }
 
@@ -8945,6 +9071,7 @@ LAZYTENSOR_INLINE AnyTensor AnyTensor::detach() const {
 }
 
 LAZYTENSOR_INLINE AnyTensor& AnyTensor::requires_grad_(bool on) {
+  node();  // an undefined tensor throws here
   if (on && !is_floating_point()) {
     throw DTypeError("requires_grad_: only tensors of floating point dtype can require gradients, got " +
                      dtype_name(dtype()));
@@ -8974,6 +9101,8 @@ LAZYTENSOR_INLINE AnyTensor& AnyTensor::zero_() {
   auto buf = d.pool().acquire(padded_bytes(numel(), dtype_size(dtype())));
   if (bytes) std::memset(buf->data(), 0, bytes);
   graph::rebind(impl_, std::make_shared<graph::DataNode>(dtype(), shape(), &d, std::move(buf)));
+  autograd::replace_history(*impl_,
+                            "ZeroBackward0");  // as Tensor<T>::zero_: the old history gets zeros
   return *this;
 }
 
@@ -9047,11 +9176,14 @@ namespace lazy::autograd {
 
 /// Gradients of sum(outputs[i] * grad_outputs[i]) with respect to each of `inputs` (one-
 /// element outputs may omit grad_outputs). No `.grad()` changes. An input the outputs do
-/// not depend on is an Error unless `allow_unused` (then its gradient is undefined).
+/// not depend on is an Error unless `allow_unused` (then its gradient is undefined), and so
+/// are empty `inputs`. An input given twice gets its gradient in both places.
 template <Element T>
 std::vector<Tensor<T>> grad(const std::vector<Tensor<T>>& outputs, const std::vector<Tensor<T>>& inputs,
                             const std::vector<Tensor<T>>& grad_outputs = {}, bool retain_graph = false,
                             bool allow_unused = false) {
+  // With nothing captured, run_backward would accumulate into every leaf's .grad() instead.
+  if (inputs.empty()) throw Error("autograd::grad: grad requires non-empty inputs");
   if (!grad_outputs.empty() && grad_outputs.size() != outputs.size()) {
     throw Error("autograd::grad: expected " + std::to_string(outputs.size()) + " grad_outputs, got " +
                 std::to_string(grad_outputs.size()));
@@ -15518,13 +15650,8 @@ std::vector<T> host_values(std::int64_t n, const char* who) {
 /// A tensor of `shape` filled with `value` (a lazy node: no memory is touched until used).
 template <Element T, expr::Number V>
 Tensor<T> full(const Shape& shape, V value, Device dev = device()) {
-  if (!detail::converts_without_overflow<T>(value)) {
-    throw DTypeError("full: value " + std::to_string(static_cast<double>(value)) +
-                     " cannot be converted to type " + dtype_name(dtype_of<T>()) +
-                     " without overflow");
-  }
   using E = Expr<ops::Identity, expr::Scalar<T>>;
-  E e(expr::Scalar<T>{static_cast<T>(value)});
+  E e(expr::Scalar<T>{detail::checked_scalar<T>(value, "full")});
   std::vector<graph::NodePtr> none;
   return Tensor<T>(graph::submit(
       graph::elementwise_node<T>(expr::to_kernel(e, none), shape, &dev.engine(), std::vector<graph::NodePtr>{})));
@@ -22895,12 +23022,13 @@ class Module : public std::enable_shared_from_this<Module> {
   /// The module's type name.
   const std::string& name() const { return name_; }
 
-  /// Registers a parameter under `name` (marked requires_grad unless told otherwise) and
-  /// returns a handle sharing it.
+  /// Registers a parameter under `name` and returns a handle sharing it. A leaf's
+  /// requires_grad is set to `requires_grad` either way, as libtorch (a tensor that already
+  /// requires grad registered with false is frozen); a computed tensor keeps its history.
   template <Element T>
   Tensor<T> register_parameter(const std::string& name, Tensor<T> t, bool requires_grad = true) {
     add_parameter(name, t);
-    if (requires_grad && !t.requires_grad()) t.requires_grad_();
+    if (t.is_leaf() && t.requires_grad() != requires_grad) t.requires_grad_(requires_grad);
     return t;
   }
   /// Registers a buffer (saved in state_dict, not a parameter) and returns a handle.
@@ -23394,6 +23522,7 @@ LAZYTENSOR_FOR_FLOATING(LAZYTENSOR_NN_ACTIVATION_INSTANCES, extern)
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <type_traits>
 
@@ -23412,9 +23541,19 @@ double calculate_gain(Nonlinearity nl, double param = 0.01);
 /// product of the remaining dims), as torch computes them.
 std::pair<double, double> fans(const Shape& s);
 
-/// Fills with U(a, b).
+/// Fills with U(a, b). Error unless a <= b and b - a is finite in T, as libtorch (so NaN and
+/// infinite bounds are errors too).
 template <FloatingElement T>
 Tensor<T>& uniform_(Tensor<T>& t, double a = 0, double b = 1) {
+  if (!(a <= b)) {
+    throw Error("uniform_ expects to return a [from, to) range, but found from=" +
+                std::to_string(a) + " > to=" + std::to_string(b));
+  }
+  if (!(b - a <= static_cast<double>(std::numeric_limits<compute_t<T>>::max()))) {
+    throw Error("uniform_ expects to-from <= std::numeric_limits<" + dtype_name(dtype_of<T>()) +
+                ">::max(), but found to=" + std::to_string(b) + " and from=" + std::to_string(a) +
+                " which result in to-from to exceed the limit");
+  }
   NoGradGuard guard;
   // Drawn in float (the stream every dtype shares); double scales in double.
   if constexpr (std::is_same_v<T, double>)
@@ -23423,9 +23562,11 @@ Tensor<T>& uniform_(Tensor<T>& t, double a = 0, double b = 1) {
     t.copy_(rand<float>(t.shape(), t.device()) * static_cast<float>(b - a) + static_cast<float>(a));
   return t;
 }
-/// Fills with N(mean, std^2).
+/// Fills with N(mean, std^2). Error unless std >= 0 (so a NaN std too), as libtorch.
 template <FloatingElement T>
 Tensor<T>& normal_(Tensor<T>& t, double mean = 0, double std = 1) {
+  if (!(std >= 0.0))
+    throw Error("normal_ expects std >= 0.0, but found std " + std::to_string(std));
   NoGradGuard guard;
   if constexpr (std::is_same_v<T, double>)
     t.copy_(cast<double>(randn<float>(t.shape(), t.device())) * std + mean);

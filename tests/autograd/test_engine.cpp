@@ -1,6 +1,10 @@
 // autograd/: backward-pass semantics as in libtorch: accumulation, retain_graph, no_grad,
 // in-place rules, detach, retain_grad, torch.autograd.grad, error cases, and laziness (a
 // whole training step's backward runs no kernel until mark_step).
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
 #include <gtest/gtest.h>
 
 #include <lazytensor/lazytensor.hpp>
@@ -159,6 +163,208 @@ TEST(AutogradEngine, LinearWeightGradientIsOneGemmInTheWeightsLayout) {
   const auto got = w.grad().to_vector();
   ASSERT_EQ(got.size(), want.size());
   for (std::size_t j = 0; j < want.size(); ++j) EXPECT_NEAR(got[j], want[j], 1e-12) << j;
+}
+
+// ---- clamp: the gradient of torch's clamp_backward -----------------------------------------
+
+TEST(AutogradClamp, FullGradientAtTheBounds) {
+  // libtorch: x.grad = 1 where lo <= x <= hi (bounds included), else 0.
+  auto x = leaf({0, 0.5, 1, -1, 2});
+  lazy::sum(lazy::clamp(x, 0.0, 1.0)).backward();
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{1, 1, 1, 0, 0}));
+  // float, long enough for the SIMD loop and its tail; ties at both bounds throughout.
+  std::vector<float> v, want;
+  for (int i = 0; i < 37; ++i) {
+    v.push_back(static_cast<float>(i % 5) * 0.5f - 0.5f);  // -0.5, 0, 0.5, 1, 1.5
+    want.push_back(v.back() >= 0 && v.back() <= 1 ? 1.0f : 0.0f);
+  }
+  auto xf = lazy::from_vector<float>(v, Shape{37}).requires_grad_();
+  lazy::sum(lazy::clamp(xf, 0, 1)).backward();
+  EXPECT_EQ(xf.grad().to_vector(), want);
+}
+
+TEST(AutogradClamp, TensorBoundsAndNaN) {
+  // clamp_backward_min_max: x where lo <= x <= hi; lo where x < lo < hi; hi where x > hi or
+  // hi < lo (the last element: lo = 2 > hi = 1, the result is hi).
+  auto x = leaf({0, 0.5, 1, -1, 2, 0.5});
+  auto lo = leaf({0, 0, 0, 0, 0, 2});
+  auto hi = leaf({1, 1, 1, 1, 1, 1});
+  Tensor<double> y = lazy::clamp(x, lo, hi);
+  EXPECT_EQ(y.to_vector(), (std::vector<double>{0, 0.5, 1, 0, 1, 1}));
+  lazy::sum(y).backward();
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{1, 1, 1, 0, 0, 0}));
+  EXPECT_EQ(lo.grad().to_vector(), (std::vector<double>{0, 0, 0, 1, 0, 0}));
+  EXPECT_EQ(hi.grad().to_vector(), (std::vector<double>{0, 0, 0, 0, 1, 1}));
+  // clamp(NaN) is NaN, and its gradient 0 (NaN compares false with both bounds).
+  auto n = leaf({std::numeric_limits<double>::quiet_NaN(), 0.25});
+  Tensor<double> c = lazy::clamp(n, 0.0, 1.0);
+  EXPECT_TRUE(std::isnan(c.to_vector()[0]));
+  EXPECT_EQ(c.to_vector()[1], 0.25);
+  lazy::sum(c * 1.0).backward();
+  EXPECT_EQ(n.grad().to_vector(), (std::vector<double>{0, 1}));
+}
+
+// ---- in-place updates of non-leaves ----------------------------------------------------
+
+TEST(AutogradInPlace, CopyOfAConstantSendsZerosToTheOldHistory) {
+  // libtorch: y = 2x; y.copy_(zeros) -> CopyBackwards; sum(y).backward() gives x.grad = 0.
+  auto x = leaf({1, 1, 1});
+  Tensor<double> y = x * 2;
+  y.copy_(lazy::zeros<double>({3}));
+  EXPECT_TRUE(y.requires_grad());
+  EXPECT_FALSE(y.is_leaf());
+  ASSERT_NE(y.grad_fn(), nullptr);
+  EXPECT_EQ(y.grad_fn()->name(), "CopyBackwards");
+  lazy::sum(y).backward();
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{0, 0, 0}));
+  // The same through AnyTensor::zero_.
+  auto x2 = leaf({1, 2});
+  Tensor<double> y2 = x2 * x2;
+  lazy::AnyTensor(y2).zero_();
+  EXPECT_FALSE(y2.is_leaf());
+  ASSERT_NE(y2.grad_fn(), nullptr);
+  EXPECT_EQ(y2.grad_fn()->name(), "ZeroBackward0");
+  lazy::sum(y2 + x2).backward();
+  EXPECT_EQ(x2.grad().to_vector(), (std::vector<double>{1, 1}));
+}
+
+TEST(AutogradInPlace, FillAndZeroKeepANonLeafANonLeaf) {
+  auto x = leaf({1, 2, 3});
+  Tensor<double> y = x * 2;
+  y.fill_(5.0);
+  EXPECT_FALSE(y.is_leaf());
+  EXPECT_TRUE(y.requires_grad());
+  ASSERT_NE(y.grad_fn(), nullptr);
+  EXPECT_EQ(y.grad_fn()->name(), "FillBackward0");
+  EXPECT_NO_THROW(y.add_(1.0));  // not a leaf: in-place ops are allowed
+  lazy::sum(y * x).backward();   // d/dx sum(6 * x) = 6; the old 2x gets zeros
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{6, 6, 6}));
+  EXPECT_FALSE(y.grad().defined());  // a non-leaf's gradient is not kept
+  Tensor<double> z = x * 3;
+  z.zero_();
+  ASSERT_NE(z.grad_fn(), nullptr);
+  EXPECT_EQ(z.grad_fn()->name(), "ZeroBackward0");
+  EXPECT_EQ(z.to_vector(), (std::vector<double>{0, 0, 0}));
+  // Under no_grad libtorch leaves grad_fn alone.
+  Tensor<double> w = x * 4;
+  const auto fn = w.grad_fn();
+  {
+    lazy::NoGradGuard guard;
+    w.fill_(1.0);
+    w.zero_();
+  }
+  EXPECT_EQ(w.grad_fn(), fn);
+  EXPECT_FALSE(w.is_leaf());
+}
+
+TEST(AutogradInPlace, RetainGradFollowsInPlaceUpdates) {
+  // libtorch: h = 2x; h.retain_grad(); h.mul_(3); sum(h).backward() -> h.grad = 1 (the
+  // gradient of the new value), x.grad = 6.
+  auto x = leaf({1, 2});
+  Tensor<double> h = x * 2;
+  h.retain_grad();
+  h.mul_(3);
+  lazy::sum(h).backward();
+  EXPECT_EQ(h.grad().to_vector(), (std::vector<double>{1, 1}));
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{6, 6}));
+  // Through a value without history too: d/dh sum(h * h) with h = 1 is 2.
+  Tensor<double> k = x * 2;
+  k.retain_grad();
+  k.fill_(1.0);
+  lazy::sum(k * k).backward();
+  EXPECT_EQ(k.grad().to_vector(), (std::vector<double>{2, 2}));
+}
+
+// ---- misuse: clear errors, as libtorch ----------------------------------------------------
+
+TEST(AutogradErrors, UndefinedTensors) {
+  Tensor<double> u;
+  EXPECT_THROW(u.set_grad(lazy::ones<double>({1})), lazy::Error);
+  EXPECT_THROW(u.set_grad(Tensor<double>()), lazy::Error);
+  EXPECT_THROW(u.retain_grad(), lazy::Error);
+  lazy::AnyTensor a;
+  EXPECT_THROW(a.requires_grad_(false), lazy::Error);
+  EXPECT_THROW(a.requires_grad_(true), lazy::Error);
+}
+
+TEST(AutogradErrors, RetainGradNeedsRequiresGrad) {
+  // libtorch: "can't retain_grad on Tensor that has requires_grad=False".
+  auto c = lazy::ones<double>({2});
+  EXPECT_THROW(c.retain_grad(), lazy::Error);
+  Tensor<double> d = c * 2;
+  EXPECT_THROW(d.retain_grad(), lazy::Error);
+  auto x = leaf({1});
+  EXPECT_NO_THROW(x.retain_grad());  // a leaf that requires grad: nothing to do
+}
+
+TEST(AutogradErrors, LeafSwitchedOffAfterRecordingGetsNoGradient) {
+  // libtorch's AccumulateGrad returns early when the leaf no longer requires grad.
+  auto x = leaf({1, 2});
+  auto w = leaf({3, 4});
+  Tensor<double> y = x * w;
+  x.requires_grad_(false);
+  lazy::sum(y).backward();
+  EXPECT_FALSE(x.grad().defined());
+  EXPECT_EQ(w.grad().to_vector(), (std::vector<double>{1, 2}));
+}
+
+TEST(AutogradFunctional, EmptyInputsAreAnError) {
+  // libtorch: "grad requires non-empty inputs"; and no .grad() is written.
+  auto x = leaf({1, 2});
+  Tensor<double> s = lazy::sum(x * x);
+  EXPECT_THROW(lazy::autograd::grad<double>({s}, {}), lazy::Error);
+  EXPECT_FALSE(x.grad().defined());
+}
+
+TEST(AutogradFunctional, RepeatedInputsGetTheirGradientInEverySlot) {
+  auto x = leaf({1, 2, 3});
+  Tensor<double> h = x * x;
+  Tensor<double> s = lazy::sum(h * 3);
+  Tensor<double> same = x;  // a second handle on one tensor
+  auto g = lazy::autograd::grad<double>({s}, {x, same, h, x, h}, {}, /*retain_graph=*/true);
+  ASSERT_EQ(g.size(), 5u);
+  for (int i : {0, 1, 3}) EXPECT_EQ(g[i].to_vector(), (std::vector<double>{6, 12, 18})) << i;  // 6x
+  for (int i : {2, 4}) EXPECT_EQ(g[i].to_vector(), (std::vector<double>{3, 3, 3})) << i;
+  auto unused = leaf({1});
+  auto u = lazy::autograd::grad<double>({s}, {unused, unused}, {}, true, /*allow_unused=*/true);
+  EXPECT_FALSE(u[0].defined());
+  EXPECT_FALSE(u[1].defined());
+  EXPECT_FALSE(x.grad().defined());
+}
+
+// ---- fill_: values the dtype cannot hold ------------------------------------------------
+
+TEST(TensorFill, ValuesOutOfRangeAreErrors) {
+  // libtorch: "value cannot be converted to type int32_t without overflow".
+  const double nan = std::numeric_limits<double>::quiet_NaN(),
+               inf = std::numeric_limits<double>::infinity();
+  auto i = lazy::zeros<std::int32_t>({2});
+  EXPECT_THROW(i.fill_(3e9), lazy::Error);
+  EXPECT_THROW(i.fill_(-3e9), lazy::Error);
+  EXPECT_THROW(i.fill_(nan), lazy::Error);
+  EXPECT_THROW(i.fill_(inf), lazy::Error);
+  EXPECT_THROW(i.fill_(std::int64_t{1} << 40), lazy::Error);
+  EXPECT_EQ(i.to_vector(), (std::vector<std::int32_t>{0, 0}));  // unchanged
+  i.fill_(2147483647.9);                                        // truncates toward zero into range
+  EXPECT_EQ(i.to_vector(), (std::vector<std::int32_t>{2147483647, 2147483647}));
+  i.fill_(-2147483648.0);
+  EXPECT_EQ(i.to_vector(), (std::vector<std::int32_t>{-2147483647 - 1, -2147483647 - 1}));
+  i.fill_(-7.9);
+  EXPECT_EQ(i.to_vector(), (std::vector<std::int32_t>{-7, -7}));
+  auto l = lazy::zeros<std::int64_t>({1});
+  EXPECT_THROW(l.fill_(9.3e18), lazy::Error);
+  EXPECT_THROW(l.fill_(9.223372036854775808e18), lazy::Error);  // 2^63
+  l.fill_(-9.223372036854775808e18);                            // -2^63 fits
+  EXPECT_EQ(l.to_vector()[0], std::numeric_limits<std::int64_t>::min());
+  auto f = lazy::zeros<float>({1});
+  EXPECT_THROW(f.fill_(1e300), lazy::Error);
+  f.fill_(inf);  // infinities and NaN convert to a floating type
+  EXPECT_EQ(f.to_vector()[0], std::numeric_limits<float>::infinity());
+  f.fill_(nan);
+  EXPECT_TRUE(std::isnan(f.to_vector()[0]));
+  auto b = lazy::zeros<bool>({1});
+  b.fill_(2.5);  // any value converts to bool
+  EXPECT_TRUE(b.to_vector()[0]);
 }
 
 }  // namespace

@@ -50,6 +50,14 @@ TEST(GradElementwise, BinaryOps) {
   check("maximum", [](const V& v) { return Tensor<double>(lazy::maximum(v[0], v[1])); }, {a, b});
   check("minimum", [](const V& v) { return Tensor<double>(lazy::minimum(v[0], v[1])); }, {a, b});
   check("clamp", [](const V& v) { return Tensor<double>(lazy::clamp(v[0], -0.5, 0.5)); }, {a});
+  // Tensor bounds: x inside, below and above; then lo > hi, where hi is the result.
+  const auto lo = input(Shape{2, 3}, 15, -0.6, 0), hi = input(Shape{2, 3}, 16, 0, 0.6);
+  check("clamp tensor bounds",
+        [](const V& v) { return Tensor<double>(lazy::clamp(v[0], v[1], v[2])); }, {a, lo, hi});
+  const auto lo_above = input(Shape{2, 3}, 17, 0.2, 0.6),
+             hi_below = input(Shape{2, 3}, 18, -0.6, -0.2);
+  check("clamp lo > hi", [](const V& v) { return Tensor<double>(lazy::clamp(v[0], v[1], v[2])); },
+        {a, lo_above, hi_below});
   check("where", [](const V& v) { return Tensor<double>(lazy::where(v[0] > v[1], v[0] * 2, lazy::exp(v[1]))); },
         {a, b});
   check("scalar ops", [](const V& v) { return Tensor<double>(2.5 - v[0] / 3 + 1.5 * v[0]); }, {a});

@@ -2,6 +2,7 @@
 // (round trip, missing / unexpected / mis-shaped entries), train / eval, zero_grad, to(),
 // printing; each layer's forward against a reference computed on the host.
 #include <cmath>
+#include <limits>
 #include <numeric>
 
 #include <gtest/gtest.h>
@@ -293,6 +294,39 @@ TEST(Init, DistributionsAndFans) {
   EXPECT_NEAR(s / 20000, 2.0 / 100, 2.0 / 100 * 0.05);
   auto vec = lazy::empty<float>({3});
   EXPECT_THROW(nn::init::xavier_uniform_(vec), lazy::ShapeError);
+}
+
+TEST(Init, InvalidBoundsAndStdAreErrors) {
+  // libtorch: "uniform_ expects to return a [from, to) range, but found from=2 > to=1",
+  // "uniform_ expects to-from <= ...max()" (infinite bounds), "normal expects std >= 0.0".
+  const double nan = std::numeric_limits<double>::quiet_NaN(),
+               inf = std::numeric_limits<double>::infinity();
+  auto t = lazy::zeros<float>({4});
+  EXPECT_THROW(nn::init::uniform_(t, 2, 1), lazy::Error);
+  EXPECT_THROW(nn::init::uniform_(t, nan, 1), lazy::Error);
+  EXPECT_THROW(nn::init::uniform_(t, 0, nan), lazy::Error);
+  EXPECT_THROW(nn::init::uniform_(t, -inf, 0), lazy::Error);
+  EXPECT_THROW(nn::init::uniform_(t, 0, inf), lazy::Error);
+  EXPECT_THROW(nn::init::normal_(t, 0, -1), lazy::Error);
+  EXPECT_THROW(nn::init::normal_(t, 0, nan), lazy::Error);
+  EXPECT_EQ(host(t), (std::vector<float>{0, 0, 0, 0}));  // a refused call changes nothing
+  nn::init::uniform_(t, 1.5, 1.5);  // an empty range [a, a) is allowed: every value is a
+  EXPECT_EQ(host(t), (std::vector<float>{1.5, 1.5, 1.5, 1.5}));
+  nn::init::normal_(t, -2, 0);
+  EXPECT_EQ(host(t), (std::vector<float>{-2, -2, -2, -2}));
+}
+
+TEST(Module, RegisterParameterSetsRequiresGradOfALeaf) {
+  // libtorch's register_parameter always sets requires_grad to its argument.
+  nn::Module m("M");
+  auto frozen = m.register_parameter("frozen", lazy::zeros<float>({2}).requires_grad_(),
+                                     /*requires_grad=*/false);
+  EXPECT_FALSE(frozen.requires_grad());
+  EXPECT_FALSE(m.named_parameters()[0].second.requires_grad());
+  auto trained = m.register_parameter("trained", lazy::zeros<float>({2}));
+  EXPECT_TRUE(trained.requires_grad());
+  auto plain = m.register_parameter("plain", lazy::zeros<float>({2}), /*requires_grad=*/false);
+  EXPECT_FALSE(plain.requires_grad());
 }
 
 }  // namespace

@@ -334,9 +334,15 @@ TEST(Factories, FullRefusesValuesAnIntegerDtypeCannotHold) {
   EXPECT_EQ(lazy::full<std::int32_t>({1}, 2147483647.9).item(),
             std::numeric_limits<std::int32_t>::max());
   EXPECT_EQ(lazy::full<std::int64_t>({1}, -9.2e18).item(), std::int64_t{-9200000000000000000});
-  // Floating and bool dtypes take any value (inf and NaN included), as torch's.
-  EXPECT_TRUE(std::isinf(lazy::full<float>({1}, 1e300).item()));
+  // Floating dtypes take infinities and NaN but no finite value past their range, as
+  // torch's; bool takes any value.
+  EXPECT_THROW(lazy::full<float>({1}, 1e300), lazy::DTypeError);
+  EXPECT_THROW(lazy::full<lazy::bfloat16>({1}, -1e39), lazy::DTypeError);
+  EXPECT_TRUE(std::isinf(lazy::full<float>({1}, std::numeric_limits<double>::infinity()).item()));
+  EXPECT_TRUE(std::isnan(lazy::full<float>({1}, std::nan("")).item()));
+  EXPECT_EQ(lazy::full<double>({1}, 1e300).item(), 1e300);
   EXPECT_TRUE(lazy::full<bool>({1}, 2.5).item());
+  EXPECT_EQ(lazy::full<std::int32_t>({1}, 'a').item(), 97);  // a character is a number too
 }
 
 TEST(Factories, SizeOfAZeroDimTensorIsAShapeError) {

@@ -2,8 +2,10 @@
 // AccumulateGrad: the end of every gradient path into a leaf. It adds the incoming
 // gradient into the leaf's `.grad()` (lazily: a pending add), as libtorch does.
 
+#include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <lazytensor/autograd/function.hpp>
@@ -22,7 +24,9 @@ class AccumulateGrad final : public GradFn {
   explicit AccumulateGrad(std::shared_ptr<graph::TensorImpl> leaf);
   std::string name() const override { return "AccumulateGrad"; }
   std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override {
-    accumulate_into(*leaf_, grad);
+    // A leaf switched to requires_grad_(false) after the graph was recorded keeps its
+    // .grad() as it is, as libtorch's AccumulateGrad does.
+    if (leaf_->requires_grad()) accumulate_into(*leaf_, grad);
     return {};
   }
   /// Nothing is saved: a leaf can receive gradients from any number of backward passes.
@@ -43,8 +47,31 @@ bool any_edge(const std::vector<GradFnPtr>& edges);
 
 /// Makes `fn` (its `next` edges set) the producer of `impl`'s value when any edge is live;
 /// returns whether it did. With no live edge nothing changes: an in-place update under
-/// no_grad keeps the tensor's own state.
+/// no_grad keeps the tensor's own state. A retain_grad() registration moves to `fn`, so
+/// `.grad()` holds the gradient of the new value, as in libtorch.
 bool attach_grad_fn(graph::TensorImpl& impl, GradFnPtr fn);
+
+/// The grad_fn of a non-leaf whose value an in-place op replaced by one without history
+/// (copy_ of a constant, fill_, zero_): the old value no longer reaches the output, so its
+/// history receives zeros (libtorch's CopyBackwards, FillBackward0, ZeroBackward0).
+class ReplacedGradFn final : public GradFn {
+ public:
+  explicit ReplacedGradFn(std::string name) : name_(std::move(name)) {}
+  std::string name() const override { return name_; }
+  LAZYTENSOR_INLINE std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override;
+  /// Nothing is saved.
+  void release_saved() override {}
+
+ private:
+  std::string name_;
+};
+
+/// Records that an in-place op (`name`: "CopyBackwards", ...) replaced `impl`'s value by one
+/// without history. With grad mode on, a non-leaf stays one: its grad_fn becomes a
+/// ReplacedGradFn sending zeros to the old history (rather than no edge at all, so that the
+/// leaves upstream get a zero .grad() as in libtorch, not an undefined one). A leaf, or grad
+/// mode off, keeps its autograd state (libtorch leaves grad_fn alone under no_grad).
+void replace_history(graph::TensorImpl& impl, const char* name);
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 LAZYTENSOR_INLINE void accumulate_into(graph::TensorImpl& impl, graph::NodePtr grad) {
@@ -95,8 +122,38 @@ LAZYTENSOR_INLINE bool attach_grad_fn(graph::TensorImpl& impl, GradFnPtr fn) {
   fn->device = impl.node->device();
   auto& meta = impl.autograd_meta();
   meta.requires_grad = true;
+  if (meta.retains_grad && meta.grad_fn) {
+    // An in-place op on a tensor that retains its gradient: the old function would fill
+    // .grad() with the gradient of the old value.
+    auto& old = meta.grad_fn->retained;
+    for (auto it = old.begin(); it != old.end(); ++it) {
+      if (auto p = it->lock(); p.get() == &impl) {
+        fn->retained.push_back(std::move(*it));
+        old.erase(it);
+        break;
+      }
+    }
+  }
   meta.grad_fn = std::move(fn);
   return true;
+}
+
+LAZYTENSOR_INLINE std::vector<graph::NodePtr> ReplacedGradFn::apply(const graph::NodePtr& grad) {
+  // zeros_like(grad) in the old value's dtype, as a zeroed buffer: dtype-free, no kernel.
+  const GradFn& prev = *next.at(0);
+  graph::Device& d = *grad->device();
+  const std::size_t elem = dtype_size(prev.dtype);
+  auto buf = d.pool().acquire(padded_bytes(prev.shape.numel(), elem));
+  if (prev.shape.numel() > 0)
+    std::memset(buf->data(), 0, static_cast<std::size_t>(prev.shape.numel()) * elem);
+  return {std::make_shared<graph::DataNode>(prev.dtype, prev.shape, &d, std::move(buf))};
+}
+
+LAZYTENSOR_INLINE void replace_history(graph::TensorImpl& impl, const char* name) {
+  if (!is_grad_enabled() || !impl.autograd || !impl.autograd->grad_fn) return;
+  auto fn = std::make_shared<ReplacedGradFn>(name);
+  fn->next = {impl.autograd->grad_fn};
+  attach_grad_fn(impl, std::move(fn));
 }
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 

@@ -49,8 +49,9 @@ LAZYTENSOR_INLINE std::vector<graph::NodePtr> run_backward(const BackwardRequest
       if (seen.insert(nx.get()).second) stack.push_back(nx.get());
     }
   }
-  std::unordered_map<GradFn*, std::size_t> captured;
-  for (std::size_t i = 0; i < req.capture.size(); ++i) captured.emplace(req.capture[i].get(), i);
+  // A function may be captured more than once (one input given twice): every slot gets it.
+  std::unordered_map<GradFn*, std::vector<std::size_t>> captured;
+  for (std::size_t i = 0; i < req.capture.size(); ++i) captured[req.capture[i].get()].push_back(i);
   std::vector<graph::NodePtr> out(req.capture.size());
 
   std::unordered_map<GradFn*, graph::NodePtr> pending;
@@ -85,7 +86,9 @@ LAZYTENSOR_INLINE std::vector<graph::NodePtr> run_backward(const BackwardRequest
       for (const auto& w : fn->retained) {
         if (auto impl = w.lock()) accumulate_into(*impl, g);
       }
-      if (auto c = captured.find(fn); c != captured.end()) out[c->second] = g;
+      if (auto c = captured.find(fn); c != captured.end()) {
+        for (std::size_t slot : c->second) out[slot] = g;
+      }
       // torch.autograd.grad leaves every .grad() alone; other functions still pass the
       // gradient on, so an input upstream of another captured one gets its share.
       if (!(req.capture.size() && dynamic_cast<AccumulateGrad*>(fn))) grads = fn->apply(g);

@@ -11,11 +11,14 @@ namespace lazy::autograd {
 
 /// Gradients of sum(outputs[i] * grad_outputs[i]) with respect to each of `inputs` (one-
 /// element outputs may omit grad_outputs). No `.grad()` changes. An input the outputs do
-/// not depend on is an Error unless `allow_unused` (then its gradient is undefined).
+/// not depend on is an Error unless `allow_unused` (then its gradient is undefined), and so
+/// are empty `inputs`. An input given twice gets its gradient in both places.
 template <Element T>
 std::vector<Tensor<T>> grad(const std::vector<Tensor<T>>& outputs, const std::vector<Tensor<T>>& inputs,
                             const std::vector<Tensor<T>>& grad_outputs = {}, bool retain_graph = false,
                             bool allow_unused = false) {
+  // With nothing captured, run_backward would accumulate into every leaf's .grad() instead.
+  if (inputs.empty()) throw Error("autograd::grad: grad requires non-empty inputs");
   if (!grad_outputs.empty() && grad_outputs.size() != outputs.size()) {
     throw Error("autograd::grad: expected " + std::to_string(outputs.size()) + " grad_outputs, got " +
                 std::to_string(grad_outputs.size()));

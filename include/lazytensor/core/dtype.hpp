@@ -3,11 +3,9 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <limits>
 #include <string>
 #include <tuple>
 #include <type_traits>
-#include <utility>
 
 #include <lazytensor/core/bfloat16.hpp>
 #include <lazytensor/core/config.hpp>
@@ -99,25 +97,6 @@ using weak_scalar_t = std::conditional_t<
     std::is_floating_point_v<S> || std::is_same_v<S, bfloat16>, std::conditional_t<is_floating_v<T>, T, float>,
     std::conditional_t<std::is_same_v<S, bool>, T,
                        std::conditional_t<std::is_same_v<T, bool>, std::int64_t, T>>>;
-
-namespace detail {
-/// Whether the C++ number `value` converts to the element type T without overflow, as
-/// torch's checked conversion of fill values: an int32 or int64 T holds the finite values
-/// whose integer part is in its range (a static_cast of any other is undefined behaviour);
-/// floating and bool T take every value.
-template <Element T, class V>
-bool converts_without_overflow(V value) {
-  if constexpr (!is_integral_v<T> || std::is_same_v<V, bool>) {
-    return true;
-  } else if constexpr (std::is_integral_v<V>) {
-    return std::in_range<T>(value);
-  } else {
-    const long double v = static_cast<long double>(static_cast<double>(value));
-    return v > static_cast<long double>(std::numeric_limits<T>::min()) - 1 &&
-           v < static_cast<long double>(std::numeric_limits<T>::max()) + 1;
-  }
-}
-}  // namespace detail
 
 /// Type in which a kernel computes values of type T (bfloat16 computes in float).
 template <Element T>

@@ -416,11 +416,12 @@ template <class A, class B>
 auto logical_or(A&& a, B&& b) {
   return expr::make<ops::LogicalOr>(std::forward<A>(a), std::forward<B>(b));
 }
-/// Clamps to [lo, hi]; NaN stays NaN. Not for bool.
+/// Clamps to [lo, hi] (hi wins when lo > hi); NaN stays NaN. The gradient passes to x
+/// wherever lo <= x <= hi, bounds included, as torch.clamp's. Not for bool.
 template <expr::ExprLike X, class L, class H>
   requires(!expr::BoolValued<X>)
 auto clamp(X&& x, const L& lo, const H& hi) {
-  return minimum(maximum(std::forward<X>(x), lo), hi);
+    return expr::make<ops::Clamp>(std::forward<X>(x), lo, hi);
 }
 /// Element-wise choice: a where cond is non-zero, b elsewhere (all three broadcast).
 template <expr::ExprLike C, class A, class B>

@@ -188,6 +188,32 @@ LAZY_BINARY_OP(LogicalOr, "logical_or", 1, (bool), (return from_bool<V>(not_equa
 #undef LAZY_BINARY_OP
 #undef LAZY_STRIP
 
+/// clamp(x, lo, hi) = min(max(x, lo), hi), as torch.clamp: NaN in any operand gives NaN, and
+/// hi wins when lo > hi. One op rather than minimum(maximum(x, lo), hi): the ties of those
+/// split the gradient in half at a bound, where torch's clamp_backward passes all of it to x
+/// wherever lo <= x <= hi. A tensor bound gets it where it is the result
+/// (clamp_backward_min_max: lo where x < lo < hi, hi where x > hi or hi < lo).
+struct Clamp {
+  static constexpr const char* name = "clamp";
+  static constexpr double cost = 4;
+  template <class X, class L, class H>
+  using result = promoted<promoted<X, L>, H>;
+  template <class V>
+  static V apply(const V& x, const V& lo, const V& hi) {
+    return Minimum::apply(Maximum::apply(x, lo), hi);
+  }
+  template <int I, class V>
+  static V d(const V& x, const V& lo, const V& hi, const V&) {
+    using namespace detail;
+    if constexpr (I == 0)
+      return from_bool<V>((x >= lo) & (x <= hi));
+    else if constexpr (I == 1)
+      return from_bool<V>((x < lo) & (lo < hi));
+    else
+      return from_bool<V>((x > hi) | (hi < lo));
+  }
+};
+
 /// where(cond, a, b): a where cond is non-zero.
 struct Where {
   static constexpr const char* name = "where";

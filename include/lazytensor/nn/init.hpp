@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <type_traits>
 
@@ -26,9 +27,19 @@ double calculate_gain(Nonlinearity nl, double param = 0.01);
 /// product of the remaining dims), as torch computes them.
 std::pair<double, double> fans(const Shape& s);
 
-/// Fills with U(a, b).
+/// Fills with U(a, b). Error unless a <= b and b - a is finite in T, as libtorch (so NaN and
+/// infinite bounds are errors too).
 template <FloatingElement T>
 Tensor<T>& uniform_(Tensor<T>& t, double a = 0, double b = 1) {
+  if (!(a <= b)) {
+    throw Error("uniform_ expects to return a [from, to) range, but found from=" +
+                std::to_string(a) + " > to=" + std::to_string(b));
+  }
+  if (!(b - a <= static_cast<double>(std::numeric_limits<compute_t<T>>::max()))) {
+    throw Error("uniform_ expects to-from <= std::numeric_limits<" + dtype_name(dtype_of<T>()) +
+                ">::max(), but found to=" + std::to_string(b) + " and from=" + std::to_string(a) +
+                " which result in to-from to exceed the limit");
+  }
   NoGradGuard guard;
   // Drawn in float (the stream every dtype shares); double scales in double.
   if constexpr (std::is_same_v<T, double>)
@@ -37,9 +48,11 @@ Tensor<T>& uniform_(Tensor<T>& t, double a = 0, double b = 1) {
     t.copy_(rand<float>(t.shape(), t.device()) * static_cast<float>(b - a) + static_cast<float>(a));
   return t;
 }
-/// Fills with N(mean, std^2).
+/// Fills with N(mean, std^2). Error unless std >= 0 (so a NaN std too), as libtorch.
 template <FloatingElement T>
 Tensor<T>& normal_(Tensor<T>& t, double mean = 0, double std = 1) {
+  if (!(std >= 0.0))
+    throw Error("normal_ expects std >= 0.0, but found std " + std::to_string(std));
   NoGradGuard guard;
   if constexpr (std::is_same_v<T, double>)
     t.copy_(cast<double>(randn<float>(t.shape(), t.device())) * std + mean);

@@ -42,12 +42,13 @@ class Module : public std::enable_shared_from_this<Module> {
   /// The module's type name.
   const std::string& name() const { return name_; }
 
-  /// Registers a parameter under `name` (marked requires_grad unless told otherwise) and
-  /// returns a handle sharing it.
+  /// Registers a parameter under `name` and returns a handle sharing it. A leaf's
+  /// requires_grad is set to `requires_grad` either way, as libtorch (a tensor that already
+  /// requires grad registered with false is frozen); a computed tensor keeps its history.
   template <Element T>
   Tensor<T> register_parameter(const std::string& name, Tensor<T> t, bool requires_grad = true) {
     add_parameter(name, t);
-    if (requires_grad && !t.requires_grad()) t.requires_grad_();
+    if (t.is_leaf() && t.requires_grad() != requires_grad) t.requires_grad_(requires_grad);
     return t;
   }
   /// Registers a buffer (saved in state_dict, not a parameter) and returns a handle.

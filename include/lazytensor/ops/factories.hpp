@@ -28,13 +28,8 @@ std::vector<T> host_values(std::int64_t n, const char* who) {
 /// A tensor of `shape` filled with `value` (a lazy node: no memory is touched until used).
 template <Element T, expr::Number V>
 Tensor<T> full(const Shape& shape, V value, Device dev = device()) {
-  if (!detail::converts_without_overflow<T>(value)) {
-    throw DTypeError("full: value " + std::to_string(static_cast<double>(value)) +
-                     " cannot be converted to type " + dtype_name(dtype_of<T>()) +
-                     " without overflow");
-  }
   using E = Expr<ops::Identity, expr::Scalar<T>>;
-  E e(expr::Scalar<T>{static_cast<T>(value)});
+  E e(expr::Scalar<T>{detail::checked_scalar<T>(value, "full")});
   std::vector<graph::NodePtr> none;
   return Tensor<T>(graph::submit(
       graph::elementwise_node<T>(expr::to_kernel(e, none), shape, &dev.engine(), std::vector<graph::NodePtr>{})));

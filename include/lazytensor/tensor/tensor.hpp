@@ -2,12 +2,15 @@
 // lazy::Tensor<T>: a cheap handle, like torch::Tensor. Copies share one tensor object that
 // points at the graph node holding the current value; in-place ops rebind that node.
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <ostream>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <lazytensor/autograd/engine.hpp>
@@ -62,6 +65,48 @@ graph::NodePtr data_node(const T* src, const Shape& shape, const Device& dev) {
 }  // namespace detail
 
 namespace detail {
+/// `v` converted to T, or a DTypeError naming `op` when T cannot hold it, as libtorch's checked
+/// scalar conversion ("value cannot be converted to type int32_t without overflow"): NaN or
+/// a value out of range for an integer T (after truncation toward zero), a finite value
+/// beyond a floating T's range (infinities and NaN convert). A plain static_cast of those
+/// is undefined behaviour. Any value converts to bool (non-zero is true).
+template <Element T, expr::Number V>
+T checked_scalar(V v, const char* op) {
+  using W =
+      std::conditional_t<std::is_same_v<V, bfloat16>, float, V>;  // bfloat16 compares as float
+  const W w = static_cast<W>(v);
+  bool ok = true;
+  if constexpr (std::is_same_v<T, bool> || std::is_same_v<W, bool>) {
+    ok = true;
+  } else if constexpr (!is_floating_v<T>) {
+    if constexpr (std::is_floating_point_v<W>) {
+      // -min is 2^(bits-1), exact in double: the truncated value must lie in [min, -min).
+      const double t = std::trunc(static_cast<double>(w)),
+                   lo = static_cast<double>(std::numeric_limits<T>::min());
+      ok = t >= lo && t < -lo;
+    } else {
+      // (std::in_range takes no character types: widened first.)
+      if constexpr (std::is_unsigned_v<W>)
+        ok = std::in_range<T>(static_cast<unsigned long long>(w));
+      else
+        ok = std::in_range<T>(static_cast<long long>(w));
+    }
+  } else if constexpr (std::is_floating_point_v<W> && !std::is_same_v<T, double>) {
+    const double d = static_cast<double>(w),
+                 mx = static_cast<double>(std::numeric_limits<float>::max());
+    ok = !std::isfinite(d) || (d >= -mx && d <= mx);
+  }
+  if (!ok) {
+    throw DTypeError(std::string(op) + ": value " + std::to_string(static_cast<double>(w)) +
+                     " cannot be converted to type " + dtype_name(dtype_of<T>()) +
+                     " without overflow");
+  }
+  if constexpr (std::is_same_v<T, bfloat16>)
+    return bfloat16(static_cast<float>(w));
+  else
+    return static_cast<T>(w);
+}
+
 /// Element `i` of a tensor's buffer as a host value. A bool is read through its byte (any
 /// nonzero byte is true): the memory of `empty<bool>` is uninitialized, and loading a byte
 /// other than 0 or 1 as a bool is undefined behaviour.
@@ -223,6 +268,7 @@ class Tensor {
   }
   /// Replaces (or with an undefined tensor, clears) the accumulated gradient.
   void set_grad(const Tensor& g) {
+    node();  // an undefined tensor throws here
     auto& meta = impl_->autograd_meta();
     if (!g.defined()) {
       meta.grad.reset();
@@ -233,8 +279,12 @@ class Tensor {
     }
     meta.grad = g.impl_;
   }
-  /// Keeps this non-leaf tensor's gradient in `.grad()` during backward.
+  /// Keeps this non-leaf tensor's gradient in `.grad()` during backward. Error when the
+  /// tensor does not require grad (there would never be a gradient to keep), as libtorch.
   void retain_grad() {
+    node();  // an undefined tensor throws here
+    if (!requires_grad())
+      throw Error("retain_grad: can't retain_grad on Tensor that has requires_grad=False");
     if (is_leaf()) return;  // leaves keep theirs anyway
     auto& meta = *impl_->autograd;
     if (!meta.retains_grad) {
@@ -328,21 +378,14 @@ class Tensor {
   Tensor& operator/=(const X& x) {
     return div_(x);
   }
-  /// Sets every element to v.
+  /// Sets every element to v. Error when T cannot hold v (NaN or out of range for an
+  /// integer T, a finite value beyond a floating T's range), as libtorch.
   template <expr::Number V>
   Tensor& fill_(V v) {
-    node();  // an undefined tensor throws here
-    check_inplace("fill_");
-    if (impl_->autograd) impl_->autograd->grad_fn = nullptr;  // a constant: no history
-    std::vector<graph::NodePtr> none;
-    using E = Expr<ops::Identity, expr::Scalar<T>>;
-    E e(expr::Scalar<T>{static_cast<T>(v)});
-    impl_->node = graph::submit(
-        graph::elementwise_node<T>(expr::to_kernel(e, none), shape(), node()->device(), std::vector<graph::NodePtr>{}));
-    return *this;
+    return fill_value_(v, "fill_", "FillBackward0");
   }
   /// Sets every element to zero.
-  Tensor& zero_() { return fill_(0); }
+  Tensor& zero_() { return fill_value_(0, "zero_", "ZeroBackward0"); }
 
  private:
   template <class E>
@@ -361,7 +404,24 @@ class Tensor {
     check_inplace(op);
     autograd::GradFnPtr fn;
     impl_->node = detail::make_elementwise<T>(e, shape(), &fn);
-    autograd::attach_grad_fn(*impl_, std::move(fn));
+    // No history in the new value: only copy_ gets here with grad mode on (the other ops read
+    // this tensor), from tensors that need no grad; the old history then receives zeros.
+    if (!autograd::attach_grad_fn(*impl_, std::move(fn)))
+      autograd::replace_history(*impl_, "CopyBackwards");
+    return *this;
+  }
+
+  template <expr::Number V>
+  Tensor& fill_value_(V v, const char* op, const char* backward_name) {
+    node();  // an undefined tensor throws here
+    check_inplace(op);
+    const T value = detail::checked_scalar<T>(v, op);
+    std::vector<graph::NodePtr> none;
+    using E = Expr<ops::Identity, expr::Scalar<T>>;
+    E e(expr::Scalar<T>{value});
+    impl_->node = graph::submit(graph::elementwise_node<T>(
+        expr::to_kernel(e, none), shape(), node()->device(), std::vector<graph::NodePtr>{}));
+    autograd::replace_history(*impl_, backward_name);  // a constant: the old history gets zeros
     return *this;
   }
 
