@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -77,6 +78,15 @@ class Optimizer {
   virtual void set_lr(double lr, std::size_t g) = 0;
   /// Sets the learning rate of every group.
   void set_lr(double lr);
+  /// Group g's rate before any scheduling (torch's param_group["initial_lr"]), once an LR
+  /// scheduler recorded it: the first one built on the optimizer does, later ones read it.
+  /// Not part of state_dict(): a resumed run's schedulers record it again.
+  std::optional<double> initial_lr(std::size_t g) const {
+    const auto it = initial_lr_.find(g);
+    return it == initial_lr_.end() ? std::nullopt : std::optional<double>(it->second);
+  }
+  /// Records group g's initial rate (what LR schedulers do).
+  void set_initial_lr(double lr, std::size_t g) { initial_lr_[g] = lr; }
   /// The optimizer's kind: "SGD", "Adam", ... (what LearningRateMonitor names it by).
   std::string name() const { return type_name(); }
 
@@ -109,6 +119,7 @@ class Optimizer {
   static AnyTensor scalar_step(std::int64_t s);
 
   std::map<std::pair<std::size_t, std::size_t>, ParamState> state_;
+  std::map<std::size_t, double> initial_lr_;
 };
 
 /// The parameter groups of an optimizer with options type Options.
