@@ -21414,18 +21414,16 @@ std::string list_str(std::span<const std::int64_t> v);
 inline std::string list_str(const Shape& s) { return list_str(std::span<const std::int64_t>(s.begin(), s.end())); }
 inline std::span<const std::int64_t> span_of(const Shape& s) { return {s.begin(), static_cast<std::size_t>(s.rank())}; }
 
-/// A new tensor object holding t's value and history (t's node; gradients flow on to t's
-/// producer or accumulator). What a shape op that changes nothing returns: views here are
+/// A new tensor object holding t's value, with a pass-through backward to t's history
+/// (AliasBackward0; a node of its own, so that retain_grad and autograd::grad on the result
+/// see its gradient only). What a shape op that changes nothing returns: views here are
 /// values, so an in-place op on the result must leave `t` alone, as it does when the op
 /// changes the shape (and as cat's result is always new in torch).
 template <Element T>
 Tensor<T> fresh_handle(const Tensor<T>& t) {
   Tensor<T> r(t.node());
-  if (auto edge = autograd::edge_of(t.impl())) {
-    auto& meta = r.impl()->autograd_meta();
-    meta.requires_grad = true;
-    meta.grad_fn = std::move(edge);
-  }
+  autograd::record(r, "AliasBackward0", {autograd::edge_of(t.impl())},
+                   [](const Tensor<T>& g) { return std::vector<graph::NodePtr>{g.node()}; });
   return r;
 }
 
@@ -22480,7 +22478,7 @@ auto logsumexp(const X& x, const Dims& dims = {}, bool keepdim = false) {
 }
 
 /// p-norm over `dims` (p = 2 by default; p = inf is the max of |x|, p = -inf the min).
-/// A norm of zero has a zero gradient, as torch's norm_backward gives.
+/// For p > 0 a norm of zero has a zero gradient, as torch's norm_backward gives.
 template <expr::ExprLike X>
 auto norm(const X& x, double p = 2, const Dims& dims = {}, bool keepdim = false) {
   using T = to_floating_t<expr::value_t<X>>;
@@ -22491,11 +22489,21 @@ auto norm(const X& x, double p = 2, const Dims& dims = {}, bool keepdim = false)
     return Tensor<T>(p > 0 ? amax(abs(cast<T>(x)), dims, keepdim)
                            : amin(abs(cast<T>(x)), dims, keepdim));
   if (p == 0) return Tensor<T>(cast<T>(sum(cast<T>(x) != 0, dims, keepdim)));
-  // s^(1/p) has an infinite derivative at s = 0 (0 * inf = NaN in the chain rule): where the
-  // sum is zero the root is taken of 1 instead and the result multiplied by 0, so that no
-  // gradient flows there.
-  const Tensor<C> s = p == 2 ? sum(cast<C>(x) * cast<C>(x), dims, keepdim)
-                             : sum(pow(abs(cast<C>(x)), p), dims, keepdim);
+  if (p < 0) {  // (a zero sum's root is +inf here: nothing to mask)
+    return Tensor<T>(cast<T>(pow(sum(pow(abs(cast<C>(x)), p), dims, keepdim), 1.0 / p)));
+  }
+  // For p > 0, s^(1/p) has an infinite derivative at s = 0 (0 * inf = NaN in the chain
+  // rule): where the sum is zero the root is taken of 1 instead and the result multiplied
+  // by 0, so that no gradient flows there (torch's norm_backward). For p < 1, |x|^p has one
+  // at each zero element too, masked the same way.
+  const auto ax = abs(cast<C>(x));
+  Tensor<C> s;
+  if (p == 2)
+    s = sum(cast<C>(x) * cast<C>(x), dims, keepdim);
+  else if (p < 1)
+    s = sum(pow(where(ax == 0, C(1), ax), p) * cast<C>(ax != 0), dims, keepdim);
+  else
+    s = sum(pow(ax, p), dims, keepdim);
   const Tensor<C> safe = where(s == 0, C(1), s);
   if (p == 2) return Tensor<T>(cast<T>(sqrt(safe) * cast<C>(s != 0)));
   return Tensor<T>(cast<T>(pow(safe, 1.0 / p) * cast<C>(s != 0)));
@@ -32206,10 +32214,11 @@ void BasicModelCheckpoint<V>::save_checkpoint(Trainer& trainer) {
   if (ranks) {
     const auto kept = static_cast<std::int64_t>(best_k_.size());
     if (!options_.monitor) {
-      // The file this save replaces, with save_top_k = 1 (-1 keeps them all).
-      const std::string replaced = k == 1 ? best_model_path_ : std::string();
-      save_path = new_file_path(metrics, replaced);
-      if (!replaced.empty() && replaced != save_path) remove_path = replaced;
+      // Lightning's _save_none_monitor_checkpoint: the previous file may be written over
+      // (one name for every save), and with save_top_k = 1 it is removed otherwise.
+      save_path = new_file_path(metrics, best_model_path_);
+      if (k == 1 && !best_model_path_.empty() && best_model_path_ != save_path)
+        remove_path = best_model_path_;
     } else if (k == -1 || kept < k) {
       save_path = new_file_path(metrics, "");
     } else if (better(score, best_k_.at(worst_kept()))) {
@@ -32750,8 +32759,7 @@ class SamplerShard final : public data::Sampler {
   std::vector<std::size_t> indices(std::size_t n) const override {
     std::vector<std::size_t> all;
     {
-      static std::mutex lock;
-      std::lock_guard guard(lock);
+      std::lock_guard guard(lock());
       inner_->set_epoch(epoch());
       all = inner_->indices(n);
     }
@@ -32765,12 +32773,21 @@ class SamplerShard final : public data::Sampler {
     return mine;
   }
   std::size_t size(std::size_t n) const override {
-    const std::size_t m = inner_->size(n);
+    std::size_t m = 0;
+    {
+      std::lock_guard guard(lock());
+      inner_->set_epoch(epoch());  // (a sampler's size may depend on its epoch)
+      m = inner_->size(n);
+    }
     if (pad_) return (m + replicas_ - 1) / replicas_;
     return m > rank_ ? (m - rank_ + replicas_ - 1) / replicas_ : 0;
   }
 
  private:
+  static std::mutex& lock() {
+    static std::mutex m;
+    return m;
+  }
   data::Sampler* inner_;
   std::size_t replicas_, rank_;
   bool pad_;
@@ -33127,6 +33144,17 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
       std::int64_t idx = 0;
       bool finished = false;
       bool stopped_early = false;  // a break before the loader's end or the limit
+      bool accumulated = false;    // gradients since the last optimizer step
+      const auto optimizer_step_now = [&] {
+        m.on_before_optimizer_step(opt);
+        if (clip > 0) acc->clip_gradients(opt, clip, o.gradient_clip_algorithm);
+        acc->optimizer_step(opt);
+        acc->optimizer_zero_grad(opt);
+        accumulated = false;
+        ++r.progress.global_step;
+        if (sched && r.optim.interval == "step" && r.progress.global_step % r.optim.frequency == 0)
+          sched->step();
+      };
       for (auto& batch : train_batches) {
         if (r.num_training_batches >= 0 && idx >= r.num_training_batches) break;
         if (idx < r.resume_batches) {
@@ -33139,17 +33167,10 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
             detail::checked_loss(acc->training_step([&] { return m.training_step(batch, idx); }), 1.0 / static_cast<double>(k));
         r.samples += detail::batch_size_of(batch);
         acc->backward(loss, &opt);
+        accumulated = true;
         const bool last = r.num_training_batches >= 0 && idx + 1 == r.num_training_batches;
         const bool step_now = (idx + 1) % k == 0 || last;
-        if (step_now) {
-          m.on_before_optimizer_step(opt);
-          if (clip > 0) acc->clip_gradients(opt, clip, o.gradient_clip_algorithm);
-          acc->optimizer_step(opt);
-          acc->optimizer_zero_grad(opt);
-          ++r.progress.global_step;
-          if (sched && r.optim.interval == "step" && r.progress.global_step % r.optim.frequency == 0)
-            sched->step();
-        }
+        if (step_now) optimizer_step_now();
         r.epoch_batches_done = idx + 1;
         const bool read_point = step_now && r.progress.global_step % o.log_every_n_steps == 0;
         if (read_point) log_to_logger(r.metrics.read_step(true).logged);
@@ -33184,6 +33205,10 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
       // The epoch is whole when it reached its limit, or the loader ended first (a loader
       // that cannot say its length, under an integer limit larger than what it holds).
       finished = !stopped_early || idx >= r.num_training_batches;
+      // A loader that ended before its last batch was known (no length, or fewer batches
+      // than it said) leaves a partial accumulation: stepped now, as Lightning's look-ahead
+      // steps at the loader's last batch, so that it does not leak into the next epoch.
+      if (finished && accumulated) optimizer_step_now();
       // A loader that cannot say its length and gave no batch: the next epochs would give
       // none either, and with max_steps alone the fit would never end (Lightning stops:
       // "no training batches").

@@ -670,7 +670,8 @@ TEST(Reduction, ZeroDim) {
 
 TEST(Reduction, NormGradientIsZeroWhereTheNormIsZero) {
   // torch's norm_backward masks a zero norm; d sqrt(s) / ds = inf there gave 0 * inf = NaN.
-  for (double p : {2.0, 3.0}) {
+  // (p < 1: each zero element's |x|^p has an infinite derivative too, masked as torch does.)
+  for (double p : {2.0, 3.0, 0.5}) {
     SCOPED_TRACE(p);
     auto x = lazy::from_vector<double>({0, 0, 0, 3, -4, 0}, Shape{2, 3}).requires_grad_();
     lazy::sum(lazy::norm(x, p, {1})).backward();
@@ -689,6 +690,11 @@ TEST(Reduction, NormGradientIsZeroWhereTheNormIsZero) {
   const auto v =
       lazy::norm(lazy::from_vector<float>({0, 0, 3, 4}, Shape{2, 2}), 2, {1}).to_vector();
   EXPECT_EQ(v, (std::vector<float>{0, 5}));
+  // A negative p is not masked: a zero sum's root is +inf (|inf|^-2 = 0, 0^(-1/2) = inf).
+  const float inf = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(lazy::norm(lazy::from_vector<float>({inf, inf}), -2).item(), inf);
+  EXPECT_FLOAT_EQ(lazy::norm(lazy::from_vector<float>({3, 4}), -1).item(),
+                  1.0f / (1.0f / 3 + 1.0f / 4));
 }
 
 TEST(Reduction, NormOfMinusInfinityIsTheSmallestMagnitude) {

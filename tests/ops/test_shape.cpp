@@ -594,6 +594,13 @@ TEST(ShapeNoOps, AreNewTensorsThatKeepTheirHistory) {
     lazy::sum(y * 3.0f).backward();
     EXPECT_EQ(x.grad().to_vector(), std::vector<float>(6, 3.0f));
   }
+  // The result has a backward node of its own: its retained gradient is its own share.
+  auto x = lazy::ones<float>({2, 3}).requires_grad_();
+  auto r = lazy::reshape(x, {2, 3});
+  r.retain_grad();
+  lazy::sum(r * 3.0f + x * 5.0f).backward();
+  EXPECT_EQ(r.grad().to_vector(), std::vector<float>(6, 3.0f));
+  EXPECT_EQ(x.grad().to_vector(), std::vector<float>(6, 8.0f));
   // t() of a 1-D tensor.
   auto v = lazy::ones<float>({3});
   auto tv = lazy::transpose(v);

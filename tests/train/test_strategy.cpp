@@ -401,6 +401,17 @@ TEST_P(ReplicaCounts, TheTrainersShardsKeepTheLoadersSampler) {
       }
     }
   }
+  {  // A RandomSampler's seed carries over (the loader's seed, 0, was taken before).
+    auto loader =
+        lazy::data::make_data_loader(ds, lazy::data::RandomSampler(42), {.batch_size = 2});
+    const auto seen = shares(*loader, true);
+    for (std::size_t r = 0; r < nn; ++r) {
+      std::vector<float> want;
+      for (const auto i : lazy::data::DistributedSampler(nn, r, true, 42).indices(samples))
+        want.push_back(static_cast<float>(i));
+      EXPECT_EQ(seen[r], want) << "replica " << r;
+    }
+  }
   {  // A DistributedSampler's shuffle, seed and drop_last carry over (its rank cannot).
     auto loader = lazy::data::make_data_loader(
         ds, lazy::data::DistributedSampler(1, 0, true, 7, true), {.batch_size = 2});

@@ -151,6 +151,14 @@ TEST(Trainer, BatchLimitsOfALoaderWithoutALength) {
     EXPECT_EQ(m.record.train_steps, 8);
     EXPECT_EQ(m.record.val_steps, 0);
   }
+  {  // 8 batches accumulated 3 at a time: steps after batches 3 and 6, and the partial
+     // accumulation at the loader's end (which the loop cannot see coming) still steps.
+    Classifier m;
+    train::Trainer t(quiet({.max_epochs = 2, .accumulate_grad_batches = 3}));
+    t.fit(m, train_loader);
+    EXPECT_EQ(t.global_step(), 2 * 3);
+    EXPECT_EQ(m.record.train_steps, 2 * 8);
+  }
   {  // Half of an unknown length cannot be taken.
     Classifier m;
     try {

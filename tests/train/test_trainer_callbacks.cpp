@@ -127,6 +127,29 @@ TEST(TrainerLogging, CsvLoggerWritesOneRowPerLoggingStepAndEpoch) {
   EXPECT_EQ(text.str(), "lr: 0.1\nnote: \"two words\"\n");
 }
 
+TEST(TrainerLogging, CsvLoggerWritesIntegralValuesAsIntegers) {
+  // The shortest form of 100000 is "1e+05", which Python's int() does not read.
+  const std::string dir = temp_dir("csv_integers");
+  train::CSVLogger logger(dir);
+  logger.log_metrics({{"loss", 0.25}, {"epoch", 3}}, 100000);
+  logger.log_metrics({{"loss", -2.0}, {"big", 1e20}}, 2000000);
+  logger.save();
+  const auto csv = read_csv(logger.log_dir() + "/metrics.csv");
+  ASSERT_EQ(csv.size(), 3u);
+  const auto& header = csv[0];
+  auto cell = [&](std::size_t row, const std::string& name) {
+    const auto it = std::find(header.begin(), header.end(), name);
+    EXPECT_NE(it, header.end()) << name;
+    return csv[row][static_cast<std::size_t>(it - header.begin())];
+  };
+  EXPECT_EQ(cell(1, "step"), "100000");
+  EXPECT_EQ(cell(1, "epoch"), "3");
+  EXPECT_EQ(cell(1, "loss"), "0.25");
+  EXPECT_EQ(cell(2, "step"), "2000000");
+  EXPECT_EQ(cell(2, "loss"), "-2");
+  EXPECT_EQ(cell(2, "big"), "1e+20");  // past 2^53: the shortest form
+}
+
 TEST(TrainerLogging, LoggingBadValuesIsAnError) {
   struct BadLog : Classifier {
     lazy::AnyTensor training_step(const Batch& b, std::int64_t i) override {
@@ -287,6 +310,17 @@ TEST(ModelCheckpoint, WithoutAMonitorKeepsTheLatestEveryNSteps) {
       train::ModelCheckpointOptions{.dirpath = dir, .every_n_train_steps = 3})};
   train::Trainer(o).fit(m, *loader);
   EXPECT_EQ(checkpoint_files(dir), (std::vector<std::string>{"epoch=1-step=6.safetensors"}));
+  {  // Keeping every file under a name that repeats within an epoch: each save writes over
+     // the last one of that name (Lightning's), not a -vN copy.
+    const std::string all = temp_dir("steps_all");
+    Classifier m2;
+    train::TrainerOptions o2 = quiet({.max_epochs = 2});
+    o2.callbacks = {std::make_shared<train::ModelCheckpoint>(train::ModelCheckpointOptions{
+        .dirpath = all, .filename = "{epoch}", .save_top_k = -1, .every_n_train_steps = 2})};
+    train::Trainer(o2).fit(m2, *loader);
+    EXPECT_EQ(checkpoint_files(all),
+              (std::vector<std::string>{"epoch=0.safetensors", "epoch=1.safetensors"}));
+  }
   EXPECT_THROW(train::ModelCheckpoint({.save_top_k = 3}), lazy::Error) << "top 3 of what, without a monitor";
   EXPECT_THROW(train::ModelCheckpoint({.mode = "best"}), lazy::Error);
 }

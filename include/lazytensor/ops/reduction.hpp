@@ -385,7 +385,7 @@ auto logsumexp(const X& x, const Dims& dims = {}, bool keepdim = false) {
 }
 
 /// p-norm over `dims` (p = 2 by default; p = inf is the max of |x|, p = -inf the min).
-/// A norm of zero has a zero gradient, as torch's norm_backward gives.
+/// For p > 0 a norm of zero has a zero gradient, as torch's norm_backward gives.
 template <expr::ExprLike X>
 auto norm(const X& x, double p = 2, const Dims& dims = {}, bool keepdim = false) {
   using T = to_floating_t<expr::value_t<X>>;
@@ -396,11 +396,21 @@ auto norm(const X& x, double p = 2, const Dims& dims = {}, bool keepdim = false)
     return Tensor<T>(p > 0 ? amax(abs(cast<T>(x)), dims, keepdim)
                            : amin(abs(cast<T>(x)), dims, keepdim));
   if (p == 0) return Tensor<T>(cast<T>(sum(cast<T>(x) != 0, dims, keepdim)));
-  // s^(1/p) has an infinite derivative at s = 0 (0 * inf = NaN in the chain rule): where the
-  // sum is zero the root is taken of 1 instead and the result multiplied by 0, so that no
-  // gradient flows there.
-  const Tensor<C> s = p == 2 ? sum(cast<C>(x) * cast<C>(x), dims, keepdim)
-                             : sum(pow(abs(cast<C>(x)), p), dims, keepdim);
+  if (p < 0) {  // (a zero sum's root is +inf here: nothing to mask)
+    return Tensor<T>(cast<T>(pow(sum(pow(abs(cast<C>(x)), p), dims, keepdim), 1.0 / p)));
+  }
+  // For p > 0, s^(1/p) has an infinite derivative at s = 0 (0 * inf = NaN in the chain
+  // rule): where the sum is zero the root is taken of 1 instead and the result multiplied
+  // by 0, so that no gradient flows there (torch's norm_backward). For p < 1, |x|^p has one
+  // at each zero element too, masked the same way.
+  const auto ax = abs(cast<C>(x));
+  Tensor<C> s;
+  if (p == 2)
+    s = sum(cast<C>(x) * cast<C>(x), dims, keepdim);
+  else if (p < 1)
+    s = sum(pow(where(ax == 0, C(1), ax), p) * cast<C>(ax != 0), dims, keepdim);
+  else
+    s = sum(pow(ax, p), dims, keepdim);
   const Tensor<C> safe = where(s == 0, C(1), s);
   if (p == 2) return Tensor<T>(cast<T>(sqrt(safe) * cast<C>(s != 0)));
   return Tensor<T>(cast<T>(pow(safe, 1.0 / p) * cast<C>(s != 0)));

@@ -36,18 +36,16 @@ std::string list_str(std::span<const std::int64_t> v);
 inline std::string list_str(const Shape& s) { return list_str(std::span<const std::int64_t>(s.begin(), s.end())); }
 inline std::span<const std::int64_t> span_of(const Shape& s) { return {s.begin(), static_cast<std::size_t>(s.rank())}; }
 
-/// A new tensor object holding t's value and history (t's node; gradients flow on to t's
-/// producer or accumulator). What a shape op that changes nothing returns: views here are
+/// A new tensor object holding t's value, with a pass-through backward to t's history
+/// (AliasBackward0; a node of its own, so that retain_grad and autograd::grad on the result
+/// see its gradient only). What a shape op that changes nothing returns: views here are
 /// values, so an in-place op on the result must leave `t` alone, as it does when the op
 /// changes the shape (and as cat's result is always new in torch).
 template <Element T>
 Tensor<T> fresh_handle(const Tensor<T>& t) {
   Tensor<T> r(t.node());
-  if (auto edge = autograd::edge_of(t.impl())) {
-    auto& meta = r.impl()->autograd_meta();
-    meta.requires_grad = true;
-    meta.grad_fn = std::move(edge);
-  }
+  autograd::record(r, "AliasBackward0", {autograd::edge_of(t.impl())},
+                   [](const Tensor<T>& g) { return std::vector<graph::NodePtr>{g.node()}; });
   return r;
 }
 

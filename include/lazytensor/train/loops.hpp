@@ -65,8 +65,7 @@ class SamplerShard final : public data::Sampler {
   std::vector<std::size_t> indices(std::size_t n) const override {
     std::vector<std::size_t> all;
     {
-      static std::mutex lock;
-      std::lock_guard guard(lock);
+      std::lock_guard guard(lock());
       inner_->set_epoch(epoch());
       all = inner_->indices(n);
     }
@@ -80,12 +79,21 @@ class SamplerShard final : public data::Sampler {
     return mine;
   }
   std::size_t size(std::size_t n) const override {
-    const std::size_t m = inner_->size(n);
+    std::size_t m = 0;
+    {
+      std::lock_guard guard(lock());
+      inner_->set_epoch(epoch());  // (a sampler's size may depend on its epoch)
+      m = inner_->size(n);
+    }
     if (pad_) return (m + replicas_ - 1) / replicas_;
     return m > rank_ ? (m - rank_ + replicas_ - 1) / replicas_ : 0;
   }
 
  private:
+  static std::mutex& lock() {
+    static std::mutex m;
+    return m;
+  }
   data::Sampler* inner_;
   std::size_t replicas_, rank_;
   bool pad_;
@@ -442,6 +450,17 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
       std::int64_t idx = 0;
       bool finished = false;
       bool stopped_early = false;  // a break before the loader's end or the limit
+      bool accumulated = false;    // gradients since the last optimizer step
+      const auto optimizer_step_now = [&] {
+        m.on_before_optimizer_step(opt);
+        if (clip > 0) acc->clip_gradients(opt, clip, o.gradient_clip_algorithm);
+        acc->optimizer_step(opt);
+        acc->optimizer_zero_grad(opt);
+        accumulated = false;
+        ++r.progress.global_step;
+        if (sched && r.optim.interval == "step" && r.progress.global_step % r.optim.frequency == 0)
+          sched->step();
+      };
       for (auto& batch : train_batches) {
         if (r.num_training_batches >= 0 && idx >= r.num_training_batches) break;
         if (idx < r.resume_batches) {
@@ -454,17 +473,10 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
             detail::checked_loss(acc->training_step([&] { return m.training_step(batch, idx); }), 1.0 / static_cast<double>(k));
         r.samples += detail::batch_size_of(batch);
         acc->backward(loss, &opt);
+        accumulated = true;
         const bool last = r.num_training_batches >= 0 && idx + 1 == r.num_training_batches;
         const bool step_now = (idx + 1) % k == 0 || last;
-        if (step_now) {
-          m.on_before_optimizer_step(opt);
-          if (clip > 0) acc->clip_gradients(opt, clip, o.gradient_clip_algorithm);
-          acc->optimizer_step(opt);
-          acc->optimizer_zero_grad(opt);
-          ++r.progress.global_step;
-          if (sched && r.optim.interval == "step" && r.progress.global_step % r.optim.frequency == 0)
-            sched->step();
-        }
+        if (step_now) optimizer_step_now();
         r.epoch_batches_done = idx + 1;
         const bool read_point = step_now && r.progress.global_step % o.log_every_n_steps == 0;
         if (read_point) log_to_logger(r.metrics.read_step(true).logged);
@@ -499,6 +511,10 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
       // The epoch is whole when it reached its limit, or the loader ended first (a loader
       // that cannot say its length, under an integer limit larger than what it holds).
       finished = !stopped_early || idx >= r.num_training_batches;
+      // A loader that ended before its last batch was known (no length, or fewer batches
+      // than it said) leaves a partial accumulation: stepped now, as Lightning's look-ahead
+      // steps at the loader's last batch, so that it does not leak into the next epoch.
+      if (finished && accumulated) optimizer_step_now();
       // A loader that cannot say its length and gave no batch: the next epochs would give
       // none either, and with max_steps alone the fit would never end (Lightning stops:
       // "no training batches").

@@ -393,10 +393,11 @@ void BasicModelCheckpoint<V>::save_checkpoint(Trainer& trainer) {
   if (ranks) {
     const auto kept = static_cast<std::int64_t>(best_k_.size());
     if (!options_.monitor) {
-      // The file this save replaces, with save_top_k = 1 (-1 keeps them all).
-      const std::string replaced = k == 1 ? best_model_path_ : std::string();
-      save_path = new_file_path(metrics, replaced);
-      if (!replaced.empty() && replaced != save_path) remove_path = replaced;
+      // Lightning's _save_none_monitor_checkpoint: the previous file may be written over
+      // (one name for every save), and with save_top_k = 1 it is removed otherwise.
+      save_path = new_file_path(metrics, best_model_path_);
+      if (k == 1 && !best_model_path_.empty() && best_model_path_ != save_path)
+        remove_path = best_model_path_;
     } else if (k == -1 || kept < k) {
       save_path = new_file_path(metrics, "");
     } else if (better(score, best_k_.at(worst_kept()))) {
