@@ -11397,7 +11397,8 @@ LAZYTENSOR_INLINE std::string graph_dot(const std::vector<graph::NodePtr>& roots
 // In-place work is then split among the local members only (local_count, local_index).
 //
 // Waiting: spin, then yield, then sleep on the world's event (world.hpp, wait_budget).
-// Only step 2 gives up (abort, a partner that exited, timeout); once a round started
+// Only step 2 gives up (abort, a partner that exited, a partner of this process that joined
+// the same count of its collectives in another group, timeout); once a round started
 // every member is inside it doing bounded memory work, so steps 4-5 never give up (giving
 // up there could free memory a partner is still reading).
 
@@ -11462,7 +11463,11 @@ LAZYTENSOR_INLINE std::string graph_dot(const std::vector<graph::NodePtr>& roots
 //
 // Signature: what a replica says it is doing at a given sequence number of its group. Every
 // participant compares all of them before touching any data; a difference is a
-// CollectiveMismatch on every participant.
+// CollectiveMismatch on every participant. It also carries the replica's own count of its
+// collectives (as torch_xla's, every replica takes part in every collective over a groups
+// partition): replicas that passed different partitions, or that skipped a collective of a
+// group they are not in together, would otherwise meet a later round of the wrong call, or
+// wait for a partner that went elsewhere until the timeout.
 
 #include <bit>
 #include <cstdint>
@@ -11726,16 +11731,21 @@ struct Signature {
   double scale = 1.0;
   std::shared_ptr<const std::vector<int>> group;  ///< this replica's group, in data order
   std::string tag;                                ///< host collectives: name, tag or value type
+  /// This replica's count of its collectives over a groups partition, this one included
+  /// (1, 2, ...); 0 for a rendezvous among chosen replicas, which the others do not join.
+  std::uint64_t world_seq = 0;
 
   friend bool operator==(const Signature& a, const Signature& b) {
     return a.kind == b.kind && a.op == b.op && a.dtype == b.dtype && a.tensors == b.tensors &&
            a.shape == b.shape && a.shapes_hash == b.shapes_hash && a.params[0] == b.params[0] &&
            a.params[1] == b.params[1] && a.params[2] == b.params[2] &&
            std::bit_cast<std::uint64_t>(a.scale) == std::bit_cast<std::uint64_t>(b.scale) &&
-           a.tag == b.tag && (a.group == b.group || (a.group && b.group && *a.group == *b.group));
+           a.tag == b.tag && a.world_seq == b.world_seq &&
+           (a.group == b.group || (a.group && b.group && *a.group == *b.group));
   }
 
-  /// "all_reduce(op=sum, dtype=float32, shape=(4,), scale=1, group=[0, 1])".
+  /// "all_reduce(op=sum, dtype=float32, shape=(4,), scale=1, group=[0, 1], the replica's
+  /// collective #3)".
   std::string str() const;
 };
 
@@ -11879,6 +11889,7 @@ LAZYTENSOR_INLINE std::string Signature::str() const {
   }
   if (!tag.empty()) s += "'" + tag + "', ";
   s += "group=" + (group ? list_str(*group) : std::string("[]"));
+  if (world_seq) s += ", the replica's collective #" + std::to_string(world_seq);
   return s + ")";
 }
 
@@ -12085,10 +12096,29 @@ class WorldState {
     return exited_[static_cast<std::size_t>(ordinal)].load(std::memory_order_acquire);
   }
 
+  /// Records that replica `ordinal` (of this process) published its share of its
+  /// collective #`world_seq` (Signature::world_seq) in some group. A partner that still
+  /// waits for it in a collective with a count no higher knows it went elsewhere.
+  /// Stored after the share's arrival flag: whoever reads the count sees that flag too.
+  void note_joined(int ordinal, std::uint64_t world_seq) {
+    joined_[static_cast<std::size_t>(ordinal - layout_.process_offset)].n.store(
+        world_seq, std::memory_order_release);
+  }
+  /// The last count noted for replica `ordinal` of this process (0: none yet).
+  std::uint64_t joined(int ordinal) const {
+    return joined_[static_cast<std::size_t>(ordinal - layout_.process_offset)].n.load(
+        std::memory_order_acquire);
+  }
+
  private:
+  struct alignas(64) Joined {  // a line each: every replica writes its own per collective
+    std::atomic<std::uint64_t> n{0};
+  };
+
   WorldLayout layout_;
   std::shared_ptr<ProcessWorld> processes_;
   std::vector<std::atomic<bool>> exited_;
+  std::unique_ptr<Joined[]> joined_;
   WaitBudget wait_;
   Event event_;
   std::atomic<bool> aborted_{false};
@@ -12157,6 +12187,7 @@ LAZYTENSOR_INLINE WaitBudget wait_budget(int replicas) {
 LAZYTENSOR_INLINE WorldState::WorldState(WorldLayout layout)
     : layout_(layout),
       exited_(static_cast<std::size_t>(layout.world_size)),
+      joined_(std::make_unique<Joined[]>(static_cast<std::size_t>(layout.process_replicas))),
       wait_(wait_budget(layout.host_replicas)) {}
 
 LAZYTENSOR_INLINE bool WorldState::fail(int ordinal, std::exception_ptr e) {
@@ -12668,6 +12699,7 @@ inline void put_signature(PackWriter& w, const Signature& s) {
   for (std::uint32_t i = 0; i < g; ++i) w.put(static_cast<std::int32_t>((*s.group)[i]));
   w.put(static_cast<std::uint64_t>(s.tag.size()));
   w.put_bytes(s.tag.data(), s.tag.size());
+  w.put(s.world_seq);
 }
 
 /// Reads a signature into `s`, keeping its group list when the package names the same
@@ -12705,6 +12737,7 @@ inline void read_signature(PackReader& r, Signature& s) {
   r.need(n);
   s.tag.assign(reinterpret_cast<const char*>(r.p), n);
   r.p += n;
+  s.world_seq = r.get<std::uint64_t>();
 }
 
 }  // namespace lazy::dist::detail
@@ -13626,6 +13659,7 @@ class GroupComm {
     mine.keep.clear();
     publish(mine);
     slot.arrived.store(s, std::memory_order_seq_cst);
+    if (sig.world_seq) w.note_joined(members_[static_cast<std::size_t>(me)], sig.world_seq);
     w.event().notify();
     if (spans_processes() && me == leader_) cross_process(me, s, sig, timeout);
     await_start(me, s, sig, timeout);
@@ -13646,7 +13680,7 @@ class GroupComm {
 
  private:
   static constexpr std::uint64_t kBroken = std::uint64_t{1} << 63;
-  enum class Failure { Timeout, Exited, Aborted };
+  enum class Failure { Timeout, Exited, Aborted, Mismatch };
 
   struct alignas(64) Slot {
     std::atomic<std::uint64_t> arrived{0};  ///< last round this member published
@@ -13660,6 +13694,11 @@ class GroupComm {
   /// A member that has not arrived at round s and whose replica has exited, else -1.
   int exited_partner(std::uint64_t s) const;
   std::string missing(std::uint64_t s) const;
+  /// A member of this process that has not arrived at round s but has joined its
+  /// collective #world_seq (or a later one) elsewhere, else -1: it will never come.
+  int diverged_partner(std::uint64_t s, std::uint64_t world_seq) const;
+  /// The reason given when `partner` diverged (see diverged_partner).
+  std::string diverged(int partner, std::uint64_t world_seq) const;
 
   void await_start(int me, std::uint64_t s, const Signature& sig,
                    std::chrono::milliseconds timeout);
@@ -13729,8 +13768,9 @@ LAZYTENSOR_INLINE GroupComm::GroupComm(std::shared_ptr<WorldState> world, std::v
     }
   }
   if (spans_processes()) {
-    link_ = world_->processes()->link(
-        members_, [this](const std::string& reason, bool timeout) { break_from_peer(reason, timeout); });
+    link_ = world_->processes()->link(members_, [this](const std::string& reason, bool timeout) {
+      break_from_peer(reason, timeout);
+    });
   }
 }
 
@@ -13773,6 +13813,27 @@ LAZYTENSOR_INLINE int GroupComm::exited_partner(std::uint64_t s) const {
   return -1;
 }
 
+LAZYTENSOR_INLINE int GroupComm::diverged_partner(std::uint64_t s, std::uint64_t world_seq) const {
+  if (world_seq == 0) return -1;  // a rendezvous among chosen replicas: not counted
+  for (std::size_t j = 0; j < members_.size(); ++j) {
+    if (local_index_[j] < 0) continue;  // remote members: their process checks them
+    // The count first: it is stored after the arrival flag, so reading it makes a later
+    // arrival read current.
+    if (world_->joined(members_[j]) >= world_seq &&
+        slots_[j].arrived.load(std::memory_order_acquire) < s)
+      return members_[j];
+  }
+  return -1;
+}
+
+LAZYTENSOR_INLINE std::string GroupComm::diverged(int partner, std::uint64_t world_seq) const {
+  return "replica " + std::to_string(partner) + " joined its collective #" +
+         std::to_string(world_->joined(partner)) + " in another group instead of this one (its #" +
+         std::to_string(world_seq) +
+         " here): the replicas passed different groups partitions, or issued different "
+         "collectives";
+}
+
 LAZYTENSOR_INLINE std::string GroupComm::missing(std::uint64_t s) const {
   std::string m;
   for (std::size_t j = 0; j < members_.size(); ++j) {
@@ -13794,8 +13855,11 @@ LAZYTENSOR_INLINE void GroupComm::await_start(int me, std::uint64_t s, const Sig
       if (all_arrived(s)) break;
       if (state_.load(std::memory_order_acquire) & kBroken) break;  // start() reports it
       const int gone = exited_partner(s);
+      const int elsewhere = diverged_partner(s, sig.world_seq);
       if (w.aborted()) {
         if (withdraw(me, s, sig, Failure::Aborted, "aborted because " + w.abort_reason())) break;
+      } else if (elsewhere >= 0) {
+        if (withdraw(me, s, sig, Failure::Mismatch, diverged(elsewhere, sig.world_seq))) break;
       } else if (gone >= 0) {
         if (withdraw(me, s, sig, Failure::Exited,
                      "replica " + std::to_string(gone) +
@@ -13810,7 +13874,7 @@ LAZYTENSOR_INLINE void GroupComm::await_start(int me, std::uint64_t s, const Sig
       w.event().wait_until(
           [&] {
             return all_arrived(s) || (state_.load(std::memory_order_acquire) & kBroken) ||
-                   w.aborted() || exited_partner(s) >= 0;
+                   w.aborted() || exited_partner(s) >= 0 || diverged_partner(s, sig.world_seq) >= 0;
           },
           deadline);
     }
@@ -13819,7 +13883,7 @@ LAZYTENSOR_INLINE void GroupComm::await_start(int me, std::uint64_t s, const Sig
 }
 
 LAZYTENSOR_INLINE std::string timed_out(std::chrono::milliseconds timeout,
-                                         const std::string& whom) {
+                                        const std::string& whom) {
   std::string t = std::to_string(static_cast<double>(timeout.count()) / 1000.0);
   t.erase(t.find_last_not_of('0') + 1);
   if (t.back() == '.') t.pop_back();
@@ -13843,8 +13907,9 @@ LAZYTENSOR_INLINE void GroupComm::cross_process(int me, std::uint64_t s, const S
   // Giving up throws (withdraw(): nobody can start before the leader), and first tells the
   // group's other processes, which must not wait for this one's later rounds.
   auto give_up = [&](Failure why, const std::string& reason) {
-    link_->abandon("replica " + std::to_string(members_[static_cast<std::size_t>(me)]) + " " + reason,
-                   why == Failure::Timeout);
+    link_->abandon(
+        "replica " + std::to_string(members_[static_cast<std::size_t>(me)]) + " " + reason,
+        why == Failure::Timeout);
     withdraw(me, s, sig, why, reason);
   };
   // The group broke meanwhile (a local member or a peer process gave up): peers must hear
@@ -13865,18 +13930,22 @@ LAZYTENSOR_INLINE void GroupComm::cross_process(int me, std::uint64_t s, const S
     while (!locals_arrived()) {
       if (state_.load(std::memory_order_acquire) & kBroken) broken_out();
       const int gone = exited_partner(s);
+      const int elsewhere = diverged_partner(s, sig.world_seq);
       if (w.aborted()) {
         give_up(Failure::Aborted, "aborted because " + w.abort_reason());
+      } else if (elsewhere >= 0) {
+        give_up(Failure::Mismatch, diverged(elsewhere, sig.world_seq));
       } else if (gone >= 0) {
-        give_up(Failure::Exited, "replica " + std::to_string(gone) +
-                                     " exited (its function returned) without joining this collective");
+        give_up(Failure::Exited,
+                "replica " + std::to_string(gone) +
+                    " exited (its function returned) without joining this collective");
       } else if (std::chrono::steady_clock::now() >= deadline) {
         give_up(Failure::Timeout, timed_out(timeout, missing(s)));
       }
       w.event().wait_until(
           [&] {
             return locals_arrived() || (state_.load(std::memory_order_acquire) & kBroken) ||
-                   w.aborted() || exited_partner(s) >= 0;
+                   w.aborted() || exited_partner(s) >= 0 || diverged_partner(s, sig.world_seq) >= 0;
           },
           deadline);
     }
@@ -13968,8 +14037,7 @@ LAZYTENSOR_INLINE bool GroupComm::withdraw(int me, std::uint64_t s, const Signat
 
 LAZYTENSOR_INLINE void GroupComm::throw_broken(int me, std::uint64_t s, const Signature& sig) {
   std::lock_guard lock(broken_mu_);
-  const std::string msg =
-      prefix(me, s, sig) + "the group can no longer be used: " + broken_reason_;
+  const std::string msg = prefix(me, s, sig) + "the group can no longer be used: " + broken_reason_;
   raise(broken_kind_, msg);
 }
 
@@ -13979,6 +14047,8 @@ LAZYTENSOR_INLINE void GroupComm::raise(Failure why, const std::string& msg) {
       throw CollectiveTimeout(msg);
     case Failure::Aborted:
       throw ReplicaAborted(msg);
+    case Failure::Mismatch:
+      throw CollectiveMismatch(msg);
     case Failure::Exited:
       break;
   }
@@ -14041,8 +14111,8 @@ LAZYTENSOR_INLINE void GroupComm::finish(int me, std::uint64_t s) {
   };
   bool ready = spin_until(all_done, w.wait());
   while (!ready) {
-    ready = w.event().wait_until(all_done,
-                                 std::chrono::steady_clock::now() + std::chrono::seconds(1));
+    ready =
+        w.event().wait_until(all_done, std::chrono::steady_clock::now() + std::chrono::seconds(1));
   }
   slot.round[s & 1].buffers.clear();
   slot.round[s & 1].keep.clear();
@@ -14087,6 +14157,7 @@ struct ReplicaContext {
   std::shared_ptr<const std::vector<int>> world_group;  ///< [0, world) (cached)
   Channel* world_channel = nullptr;                     ///< its channel (cached)
   std::shared_ptr<graph::TensorImpl> last;  ///< last traced exchange, registered with the device
+  std::uint64_t world_seq = 0;              ///< collectives over a groups partition traced so far
 
   Channel& channel(const std::vector<int>& sorted_members);
 };
@@ -14125,12 +14196,17 @@ struct CollectiveCall {
   int size() const { return comm ? comm->size() : 1; }
   /// Slot of group position `q` (a group in ascending order, the world's among them, needs
   /// no table: captured without allocating).
-  int slot_at(int q) const { return slot_of_rank.empty() ? q : slot_of_rank[static_cast<std::size_t>(q)]; }
+  int slot_at(int q) const {
+    return slot_of_rank.empty() ? q : slot_of_rank[static_cast<std::size_t>(q)];
+  }
 };
 
 /// Captures a collective whose group is `group` (ordinals in data order, containing this
-/// replica): takes the group's next sequence number.
-CollectiveCall capture(Signature sig, std::shared_ptr<const std::vector<int>> group);
+/// replica): takes the group's next sequence number, and unless `among_chosen` (a
+/// rendezvous of chosen replicas, which the others skip) the replica's next count of its
+/// collectives over a partition (Signature::world_seq).
+CollectiveCall capture(Signature sig, std::shared_ptr<const std::vector<int>> group,
+                       bool among_chosen = false);
 
 /// World size and this thread's ordinal.
 inline int world_size_now() {
@@ -14201,9 +14277,12 @@ LAZYTENSOR_INLINE ReplicaContext::Channel& ReplicaContext::channel(
 }
 
 LAZYTENSOR_INLINE CollectiveCall capture(Signature sig,
-                                         std::shared_ptr<const std::vector<int>> group) {
+                                         std::shared_ptr<const std::vector<int>> group,
+                                         bool among_chosen) {
   ReplicaContext* ctx = current_context();
   const int me = ctx ? ctx->ordinal : 0;
+  // Counted before a group of one returns: its members' partners count it too.
+  if (ctx && !among_chosen) sig.world_seq = ++ctx->world_seq;
   CollectiveCall call;
   const auto& g = *group;
   call.rank = static_cast<int>(std::find(g.begin(), g.end(), me) - g.begin());
@@ -14222,7 +14301,8 @@ LAZYTENSOR_INLINE CollectiveCall capture(Signature sig,
   call.seq = ch->next_seq++;
   call.slot = call.comm->slot_of(me);
   bool in_order = true;
-  for (std::size_t k = 0; k < g.size() && in_order; ++k) in_order = call.comm->slot_of(g[k]) == static_cast<int>(k);
+  for (std::size_t k = 0; k < g.size() && in_order; ++k)
+    in_order = call.comm->slot_of(g[k]) == static_cast<int>(k);
   if (!in_order) {
     call.slot_of_rank.resize(g.size());
     for (std::size_t k = 0; k < g.size(); ++k) call.slot_of_rank[k] = call.comm->slot_of(g[k]);
@@ -14269,7 +14349,8 @@ LAZYTENSOR_INLINE CollectiveCall capture_among(Signature sig, std::vector<int> r
     throw CollectiveError(where + "the calling replica " + std::to_string(me) +
                           " is not among them");
   }
-  return capture(std::move(sig), std::make_shared<const std::vector<int>>(std::move(replicas)));
+  return capture(std::move(sig), std::make_shared<const std::vector<int>>(std::move(replicas)),
+                 /*among_chosen=*/true);
 }
 
 LAZYTENSOR_INLINE void remember(const graph::NodePtr& exchange) {

@@ -277,6 +277,62 @@ TEST(Groups, InvalidGroupsAreRejectedWhenTraced) {
   for (const auto& c : caught) EXPECT_EQ(c.cls, "") << c.msg;
 }
 
+TEST(Groups, ASkippedGroupCollectiveDoesNotPairWithTheNextCall) {
+  Watchdog dog;
+  // Replica 1 takes the first all_reduce alone ([[0], [1]]); replica 0 takes it with 1. Both
+  // then all-reduce together. Counted per group only, replica 1's second call met replica 0's
+  // first and both returned 1 + 20 without a word.
+  std::vector<float> got(2, -1.0f);
+  auto caught = run_catching(2, [&](int r) {
+    const dist::Groups first = r == 0 ? dist::Groups{{0, 1}} : dist::Groups{{0}, {1}};
+    got[static_cast<std::size_t>(r)] =
+        dist::all_reduce(ReduceOp::Sum, lazy::from_vector<float>({1.0f}), {.groups = first}).item();
+    got[static_cast<std::size_t>(r)] =
+        dist::all_reduce(ReduceOp::Sum, lazy::from_vector<float>({20.0f}), {.groups = {{0, 1}}})
+            .item();
+  });
+  for (std::size_t r = 0; r < 2; ++r) {
+    EXPECT_EQ(caught[r].cls, "CollectiveMismatch")
+        << "replica " << r << " got " << got[r] << ": " << caught[r].msg;
+    EXPECT_TRUE(contains(caught[r].msg, "replica 1 issued all_reduce(") &&
+                contains(caught[r].msg, "the replica's collective #2") &&
+                contains(caught[r].msg, "replica 0 issued all_reduce(") &&
+                contains(caught[r].msg, "the replica's collective #1"))
+        << caught[r].msg;
+  }
+  EXPECT_EQ(got[1], 1.0f) << "replica 1's group of one returns its own value";
+}
+
+TEST(Groups, DifferentPartitionsFailPromptlyInsteadOfTimingOut) {
+  Watchdog dog;
+  // Replicas 0 and 1 pair as [[0, 1], [2, 3]] says; replicas 2 and 3 wait for them in
+  // [[0, 2], [1, 3]]. Before, 2 and 3 waited for the whole timeout.
+  TimeoutGuard guard(std::chrono::seconds(60));
+  const auto start = std::chrono::steady_clock::now();
+  auto caught = run_catching(4, [&](int r) {
+    const dist::Groups groups = r < 2 ? dist::Groups{{0, 1}, {2, 3}} : dist::Groups{{0, 2}, {1, 3}};
+    (void)dist::all_reduce(ReduceOp::Sum, lazy::from_vector<float>({1.0f}), {.groups = groups})
+        .item();
+    dist::barrier("after");
+  });
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(seconds, 30.0) << "a replica waited for a partner that went to another group";
+  for (int r = 2; r < 4; ++r) {
+    const auto& c = caught[static_cast<std::size_t>(r)];
+    EXPECT_EQ(c.cls, "CollectiveMismatch") << "replica " << r << ": " << c.msg;
+    EXPECT_TRUE(contains(c.msg, "replica " + std::to_string(r - 2) + " joined its collective #") &&
+                contains(c.msg, "in another group instead of this one"))
+        << c.msg;
+  }
+  // 0 and 1 then wait at the barrier for replicas that caught their error and returned.
+  for (int r = 0; r < 2; ++r) {
+    const auto& c = caught[static_cast<std::size_t>(r)];
+    EXPECT_EQ(c.cls, "CollectiveError") << "replica " << r << ": " << c.msg;
+    EXPECT_TRUE(contains(c.msg, "exited")) << c.msg;
+  }
+}
+
 TEST(Arguments, BadCountsDimensionsAndDevicesAreRejected) {
   Watchdog dog;
   auto caught = run_catching(2, [&](int r) {

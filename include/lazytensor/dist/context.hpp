@@ -63,6 +63,7 @@ struct ReplicaContext {
   std::shared_ptr<const std::vector<int>> world_group;  ///< [0, world) (cached)
   Channel* world_channel = nullptr;                     ///< its channel (cached)
   std::shared_ptr<graph::TensorImpl> last;  ///< last traced exchange, registered with the device
+  std::uint64_t world_seq = 0;              ///< collectives over a groups partition traced so far
 
   Channel& channel(const std::vector<int>& sorted_members);
 };
@@ -101,12 +102,17 @@ struct CollectiveCall {
   int size() const { return comm ? comm->size() : 1; }
   /// Slot of group position `q` (a group in ascending order, the world's among them, needs
   /// no table: captured without allocating).
-  int slot_at(int q) const { return slot_of_rank.empty() ? q : slot_of_rank[static_cast<std::size_t>(q)]; }
+  int slot_at(int q) const {
+    return slot_of_rank.empty() ? q : slot_of_rank[static_cast<std::size_t>(q)];
+  }
 };
 
 /// Captures a collective whose group is `group` (ordinals in data order, containing this
-/// replica): takes the group's next sequence number.
-CollectiveCall capture(Signature sig, std::shared_ptr<const std::vector<int>> group);
+/// replica): takes the group's next sequence number, and unless `among_chosen` (a
+/// rendezvous of chosen replicas, which the others skip) the replica's next count of its
+/// collectives over a partition (Signature::world_seq).
+CollectiveCall capture(Signature sig, std::shared_ptr<const std::vector<int>> group,
+                       bool among_chosen = false);
 
 /// World size and this thread's ordinal.
 inline int world_size_now() {
@@ -177,9 +183,12 @@ LAZYTENSOR_INLINE ReplicaContext::Channel& ReplicaContext::channel(
 }
 
 LAZYTENSOR_INLINE CollectiveCall capture(Signature sig,
-                                         std::shared_ptr<const std::vector<int>> group) {
+                                         std::shared_ptr<const std::vector<int>> group,
+                                         bool among_chosen) {
   ReplicaContext* ctx = current_context();
   const int me = ctx ? ctx->ordinal : 0;
+  // Counted before a group of one returns: its members' partners count it too.
+  if (ctx && !among_chosen) sig.world_seq = ++ctx->world_seq;
   CollectiveCall call;
   const auto& g = *group;
   call.rank = static_cast<int>(std::find(g.begin(), g.end(), me) - g.begin());
@@ -198,7 +207,8 @@ LAZYTENSOR_INLINE CollectiveCall capture(Signature sig,
   call.seq = ch->next_seq++;
   call.slot = call.comm->slot_of(me);
   bool in_order = true;
-  for (std::size_t k = 0; k < g.size() && in_order; ++k) in_order = call.comm->slot_of(g[k]) == static_cast<int>(k);
+  for (std::size_t k = 0; k < g.size() && in_order; ++k)
+    in_order = call.comm->slot_of(g[k]) == static_cast<int>(k);
   if (!in_order) {
     call.slot_of_rank.resize(g.size());
     for (std::size_t k = 0; k < g.size(); ++k) call.slot_of_rank[k] = call.comm->slot_of(g[k]);
@@ -245,7 +255,8 @@ LAZYTENSOR_INLINE CollectiveCall capture_among(Signature sig, std::vector<int> r
     throw CollectiveError(where + "the calling replica " + std::to_string(me) +
                           " is not among them");
   }
-  return capture(std::move(sig), std::make_shared<const std::vector<int>>(std::move(replicas)));
+  return capture(std::move(sig), std::make_shared<const std::vector<int>>(std::move(replicas)),
+                 /*among_chosen=*/true);
 }
 
 LAZYTENSOR_INLINE void remember(const graph::NodePtr& exchange) {

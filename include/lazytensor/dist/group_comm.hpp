@@ -23,7 +23,8 @@
 // In-place work is then split among the local members only (local_count, local_index).
 //
 // Waiting: spin, then yield, then sleep on the world's event (world.hpp, wait_budget).
-// Only step 2 gives up (abort, a partner that exited, timeout); once a round started
+// Only step 2 gives up (abort, a partner that exited, a partner of this process that joined
+// the same count of its collectives in another group, timeout); once a round started
 // every member is inside it doing bounded memory work, so steps 4-5 never give up (giving
 // up there could free memory a partner is still reading).
 
@@ -107,6 +108,7 @@ class GroupComm {
     mine.keep.clear();
     publish(mine);
     slot.arrived.store(s, std::memory_order_seq_cst);
+    if (sig.world_seq) w.note_joined(members_[static_cast<std::size_t>(me)], sig.world_seq);
     w.event().notify();
     if (spans_processes() && me == leader_) cross_process(me, s, sig, timeout);
     await_start(me, s, sig, timeout);
@@ -127,7 +129,7 @@ class GroupComm {
 
  private:
   static constexpr std::uint64_t kBroken = std::uint64_t{1} << 63;
-  enum class Failure { Timeout, Exited, Aborted };
+  enum class Failure { Timeout, Exited, Aborted, Mismatch };
 
   struct alignas(64) Slot {
     std::atomic<std::uint64_t> arrived{0};  ///< last round this member published
@@ -141,6 +143,11 @@ class GroupComm {
   /// A member that has not arrived at round s and whose replica has exited, else -1.
   int exited_partner(std::uint64_t s) const;
   std::string missing(std::uint64_t s) const;
+  /// A member of this process that has not arrived at round s but has joined its
+  /// collective #world_seq (or a later one) elsewhere, else -1: it will never come.
+  int diverged_partner(std::uint64_t s, std::uint64_t world_seq) const;
+  /// The reason given when `partner` diverged (see diverged_partner).
+  std::string diverged(int partner, std::uint64_t world_seq) const;
 
   void await_start(int me, std::uint64_t s, const Signature& sig,
                    std::chrono::milliseconds timeout);
@@ -210,8 +217,9 @@ LAZYTENSOR_INLINE GroupComm::GroupComm(std::shared_ptr<WorldState> world, std::v
     }
   }
   if (spans_processes()) {
-    link_ = world_->processes()->link(
-        members_, [this](const std::string& reason, bool timeout) { break_from_peer(reason, timeout); });
+    link_ = world_->processes()->link(members_, [this](const std::string& reason, bool timeout) {
+      break_from_peer(reason, timeout);
+    });
   }
 }
 
@@ -254,6 +262,27 @@ LAZYTENSOR_INLINE int GroupComm::exited_partner(std::uint64_t s) const {
   return -1;
 }
 
+LAZYTENSOR_INLINE int GroupComm::diverged_partner(std::uint64_t s, std::uint64_t world_seq) const {
+  if (world_seq == 0) return -1;  // a rendezvous among chosen replicas: not counted
+  for (std::size_t j = 0; j < members_.size(); ++j) {
+    if (local_index_[j] < 0) continue;  // remote members: their process checks them
+    // The count first: it is stored after the arrival flag, so reading it makes a later
+    // arrival read current.
+    if (world_->joined(members_[j]) >= world_seq &&
+        slots_[j].arrived.load(std::memory_order_acquire) < s)
+      return members_[j];
+  }
+  return -1;
+}
+
+LAZYTENSOR_INLINE std::string GroupComm::diverged(int partner, std::uint64_t world_seq) const {
+  return "replica " + std::to_string(partner) + " joined its collective #" +
+         std::to_string(world_->joined(partner)) + " in another group instead of this one (its #" +
+         std::to_string(world_seq) +
+         " here): the replicas passed different groups partitions, or issued different "
+         "collectives";
+}
+
 LAZYTENSOR_INLINE std::string GroupComm::missing(std::uint64_t s) const {
   std::string m;
   for (std::size_t j = 0; j < members_.size(); ++j) {
@@ -275,8 +304,11 @@ LAZYTENSOR_INLINE void GroupComm::await_start(int me, std::uint64_t s, const Sig
       if (all_arrived(s)) break;
       if (state_.load(std::memory_order_acquire) & kBroken) break;  // start() reports it
       const int gone = exited_partner(s);
+      const int elsewhere = diverged_partner(s, sig.world_seq);
       if (w.aborted()) {
         if (withdraw(me, s, sig, Failure::Aborted, "aborted because " + w.abort_reason())) break;
+      } else if (elsewhere >= 0) {
+        if (withdraw(me, s, sig, Failure::Mismatch, diverged(elsewhere, sig.world_seq))) break;
       } else if (gone >= 0) {
         if (withdraw(me, s, sig, Failure::Exited,
                      "replica " + std::to_string(gone) +
@@ -291,7 +323,7 @@ LAZYTENSOR_INLINE void GroupComm::await_start(int me, std::uint64_t s, const Sig
       w.event().wait_until(
           [&] {
             return all_arrived(s) || (state_.load(std::memory_order_acquire) & kBroken) ||
-                   w.aborted() || exited_partner(s) >= 0;
+                   w.aborted() || exited_partner(s) >= 0 || diverged_partner(s, sig.world_seq) >= 0;
           },
           deadline);
     }
@@ -300,7 +332,7 @@ LAZYTENSOR_INLINE void GroupComm::await_start(int me, std::uint64_t s, const Sig
 }
 
 LAZYTENSOR_INLINE std::string timed_out(std::chrono::milliseconds timeout,
-                                         const std::string& whom) {
+                                        const std::string& whom) {
   std::string t = std::to_string(static_cast<double>(timeout.count()) / 1000.0);
   t.erase(t.find_last_not_of('0') + 1);
   if (t.back() == '.') t.pop_back();
@@ -324,8 +356,9 @@ LAZYTENSOR_INLINE void GroupComm::cross_process(int me, std::uint64_t s, const S
   // Giving up throws (withdraw(): nobody can start before the leader), and first tells the
   // group's other processes, which must not wait for this one's later rounds.
   auto give_up = [&](Failure why, const std::string& reason) {
-    link_->abandon("replica " + std::to_string(members_[static_cast<std::size_t>(me)]) + " " + reason,
-                   why == Failure::Timeout);
+    link_->abandon(
+        "replica " + std::to_string(members_[static_cast<std::size_t>(me)]) + " " + reason,
+        why == Failure::Timeout);
     withdraw(me, s, sig, why, reason);
   };
   // The group broke meanwhile (a local member or a peer process gave up): peers must hear
@@ -346,18 +379,22 @@ LAZYTENSOR_INLINE void GroupComm::cross_process(int me, std::uint64_t s, const S
     while (!locals_arrived()) {
       if (state_.load(std::memory_order_acquire) & kBroken) broken_out();
       const int gone = exited_partner(s);
+      const int elsewhere = diverged_partner(s, sig.world_seq);
       if (w.aborted()) {
         give_up(Failure::Aborted, "aborted because " + w.abort_reason());
+      } else if (elsewhere >= 0) {
+        give_up(Failure::Mismatch, diverged(elsewhere, sig.world_seq));
       } else if (gone >= 0) {
-        give_up(Failure::Exited, "replica " + std::to_string(gone) +
-                                     " exited (its function returned) without joining this collective");
+        give_up(Failure::Exited,
+                "replica " + std::to_string(gone) +
+                    " exited (its function returned) without joining this collective");
       } else if (std::chrono::steady_clock::now() >= deadline) {
         give_up(Failure::Timeout, timed_out(timeout, missing(s)));
       }
       w.event().wait_until(
           [&] {
             return locals_arrived() || (state_.load(std::memory_order_acquire) & kBroken) ||
-                   w.aborted() || exited_partner(s) >= 0;
+                   w.aborted() || exited_partner(s) >= 0 || diverged_partner(s, sig.world_seq) >= 0;
           },
           deadline);
     }
@@ -449,8 +486,7 @@ LAZYTENSOR_INLINE bool GroupComm::withdraw(int me, std::uint64_t s, const Signat
 
 LAZYTENSOR_INLINE void GroupComm::throw_broken(int me, std::uint64_t s, const Signature& sig) {
   std::lock_guard lock(broken_mu_);
-  const std::string msg =
-      prefix(me, s, sig) + "the group can no longer be used: " + broken_reason_;
+  const std::string msg = prefix(me, s, sig) + "the group can no longer be used: " + broken_reason_;
   raise(broken_kind_, msg);
 }
 
@@ -460,6 +496,8 @@ LAZYTENSOR_INLINE void GroupComm::raise(Failure why, const std::string& msg) {
       throw CollectiveTimeout(msg);
     case Failure::Aborted:
       throw ReplicaAborted(msg);
+    case Failure::Mismatch:
+      throw CollectiveMismatch(msg);
     case Failure::Exited:
       break;
   }
@@ -522,8 +560,8 @@ LAZYTENSOR_INLINE void GroupComm::finish(int me, std::uint64_t s) {
   };
   bool ready = spin_until(all_done, w.wait());
   while (!ready) {
-    ready = w.event().wait_until(all_done,
-                                 std::chrono::steady_clock::now() + std::chrono::seconds(1));
+    ready =
+        w.event().wait_until(all_done, std::chrono::steady_clock::now() + std::chrono::seconds(1));
   }
   slot.round[s & 1].buffers.clear();
   slot.round[s & 1].keep.clear();

@@ -104,6 +104,7 @@ inline void put_signature(PackWriter& w, const Signature& s) {
   for (std::uint32_t i = 0; i < g; ++i) w.put(static_cast<std::int32_t>((*s.group)[i]));
   w.put(static_cast<std::uint64_t>(s.tag.size()));
   w.put_bytes(s.tag.data(), s.tag.size());
+  w.put(s.world_seq);
 }
 
 /// Reads a signature into `s`, keeping its group list when the package names the same
@@ -141,6 +142,7 @@ inline void read_signature(PackReader& r, Signature& s) {
   r.need(n);
   s.tag.assign(reinterpret_cast<const char*>(r.p), n);
   r.p += n;
+  s.world_seq = r.get<std::uint64_t>();
 }
 
 }  // namespace lazy::dist::detail

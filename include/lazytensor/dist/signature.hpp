@@ -8,7 +8,11 @@
 //
 // Signature: what a replica says it is doing at a given sequence number of its group. Every
 // participant compares all of them before touching any data; a difference is a
-// CollectiveMismatch on every participant.
+// CollectiveMismatch on every participant. It also carries the replica's own count of its
+// collectives (as torch_xla's, every replica takes part in every collective over a groups
+// partition): replicas that passed different partitions, or that skipped a collective of a
+// group they are not in together, would otherwise meet a later round of the wrong call, or
+// wait for a partner that went elsewhere until the timeout.
 
 #include <bit>
 #include <cstdint>
@@ -66,16 +70,21 @@ struct Signature {
   double scale = 1.0;
   std::shared_ptr<const std::vector<int>> group;  ///< this replica's group, in data order
   std::string tag;                                ///< host collectives: name, tag or value type
+  /// This replica's count of its collectives over a groups partition, this one included
+  /// (1, 2, ...); 0 for a rendezvous among chosen replicas, which the others do not join.
+  std::uint64_t world_seq = 0;
 
   friend bool operator==(const Signature& a, const Signature& b) {
     return a.kind == b.kind && a.op == b.op && a.dtype == b.dtype && a.tensors == b.tensors &&
            a.shape == b.shape && a.shapes_hash == b.shapes_hash && a.params[0] == b.params[0] &&
            a.params[1] == b.params[1] && a.params[2] == b.params[2] &&
            std::bit_cast<std::uint64_t>(a.scale) == std::bit_cast<std::uint64_t>(b.scale) &&
-           a.tag == b.tag && (a.group == b.group || (a.group && b.group && *a.group == *b.group));
+           a.tag == b.tag && a.world_seq == b.world_seq &&
+           (a.group == b.group || (a.group && b.group && *a.group == *b.group));
   }
 
-  /// "all_reduce(op=sum, dtype=float32, shape=(4,), scale=1, group=[0, 1])".
+  /// "all_reduce(op=sum, dtype=float32, shape=(4,), scale=1, group=[0, 1], the replica's
+  /// collective #3)".
   std::string str() const;
 };
 
@@ -219,6 +228,7 @@ LAZYTENSOR_INLINE std::string Signature::str() const {
   }
   if (!tag.empty()) s += "'" + tag + "', ";
   s += "group=" + (group ? list_str(*group) : std::string("[]"));
+  if (world_seq) s += ", the replica's collective #" + std::to_string(world_seq);
   return s + ")";
 }
 

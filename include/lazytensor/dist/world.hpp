@@ -165,10 +165,29 @@ class WorldState {
     return exited_[static_cast<std::size_t>(ordinal)].load(std::memory_order_acquire);
   }
 
+  /// Records that replica `ordinal` (of this process) published its share of its
+  /// collective #`world_seq` (Signature::world_seq) in some group. A partner that still
+  /// waits for it in a collective with a count no higher knows it went elsewhere.
+  /// Stored after the share's arrival flag: whoever reads the count sees that flag too.
+  void note_joined(int ordinal, std::uint64_t world_seq) {
+    joined_[static_cast<std::size_t>(ordinal - layout_.process_offset)].n.store(
+        world_seq, std::memory_order_release);
+  }
+  /// The last count noted for replica `ordinal` of this process (0: none yet).
+  std::uint64_t joined(int ordinal) const {
+    return joined_[static_cast<std::size_t>(ordinal - layout_.process_offset)].n.load(
+        std::memory_order_acquire);
+  }
+
  private:
+  struct alignas(64) Joined {  // a line each: every replica writes its own per collective
+    std::atomic<std::uint64_t> n{0};
+  };
+
   WorldLayout layout_;
   std::shared_ptr<ProcessWorld> processes_;
   std::vector<std::atomic<bool>> exited_;
+  std::unique_ptr<Joined[]> joined_;
   WaitBudget wait_;
   Event event_;
   std::atomic<bool> aborted_{false};
@@ -237,6 +256,7 @@ LAZYTENSOR_INLINE WaitBudget wait_budget(int replicas) {
 LAZYTENSOR_INLINE WorldState::WorldState(WorldLayout layout)
     : layout_(layout),
       exited_(static_cast<std::size_t>(layout.world_size)),
+      joined_(std::make_unique<Joined[]>(static_cast<std::size_t>(layout.process_replicas))),
       wait_(wait_budget(layout.host_replicas)) {}
 
 LAZYTENSOR_INLINE bool WorldState::fail(int ordinal, std::exception_ptr e) {
