@@ -3702,6 +3702,7 @@ class ChunkReduction {
 
 #include <concepts>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <tuple>
 #include <type_traits>
@@ -3759,6 +3760,21 @@ template <class T, class A>
 struct lane_value<xsimd::batch<T, A>> {
   using type = T;
 };
+
+/// a^b of integers as PyTorch computes it: wrapping (modulo 2^bits, by squaring on the
+/// unsigned type) where the power leaves the type, and for a negative exponent the
+/// truncated 1 / a^-b: 1 for a base of 1, -1 or 1 by parity for -1, else 0.
+template <class V>
+inline V int_pow(V a, V b) {
+  if (b < 0) return a == V(1) ? V(1) : a == V(-1) ? ((b & 1) ? V(-1) : V(1)) : V(0);
+  using U = std::make_unsigned_t<V>;
+  U r = 1, x = static_cast<U>(a);
+  for (U e = static_cast<U>(b); e; e >>= 1) {
+    if (e & 1) r *= x;
+    x *= x;
+  }
+  return static_cast<V>(r);
+}
 
 /// Applies a scalar function to every lane of a value.
 template <class V, class F>
@@ -3837,7 +3853,15 @@ LAZY_UNARY_OP(Sqrt, "sqrt", 4, (to_floating_t<T>), (return sqrt(a);), (V(0.5) / 
 // Full-precision 1/sqrt: xsimd::rsqrt is an approximation on x86.
 LAZY_UNARY_OP(Rsqrt, "rsqrt", 5, (to_floating_t<T>), (return V(1) / sqrt(a);), (V(-0.5) * y * y * y))
 LAZY_UNARY_OP(Square, "square", 1, (T), (return a * a;), (V(2) * a))
-LAZY_UNARY_OP(Abs, "abs", 1, (T), (return abs(a);), (from_bool<V>(a > V(0)) - from_bool<V>(a < V(0))))
+// Integers: |INT_MIN| wraps to INT_MIN as in PyTorch, on the unsigned type (std::abs of it
+// is undefined).
+LAZY_UNARY_OP(Abs, "abs", 1, (T), (
+  if constexpr (std::is_integral_v<V>) {
+    using U = std::make_unsigned_t<V>;
+    return a < V(0) ? static_cast<V>(U(0) - static_cast<U>(a)) : a;
+  } else {
+    return abs(a);
+  }), (from_bool<V>(a > V(0)) - from_bool<V>(a < V(0))))
 LAZY_UNARY_OP(Sign, "sign", 2, (T), (return from_bool<V>(a > V(0)) - from_bool<V>(a < V(0));), (V(0)))
 LAZY_UNARY_OP(Sin, "sin", 10, (to_floating_t<T>), (return sin(a);), (cos(a)))
 LAZY_UNARY_OP(Cos, "cos", 10, (to_floating_t<T>), (return cos(a);), (-sin(a)))
@@ -3860,19 +3884,32 @@ LAZY_BINARY_OP(Add, "add", 1, (promoted<A, B>), (return a + b;), (V(1)), (V(1)))
 LAZY_BINARY_OP(Sub, "sub", 1, (promoted<A, B>), (return a - b;), (V(1)), (V(-1)))
 LAZY_BINARY_OP(Mul, "mul", 1, (promoted<A, B>), (return a * b;), (b), (a))
 LAZY_BINARY_OP(Div, "div", 2, (to_floating_t<promoted<A, B>>), (return a / b;), (V(1) / b), (-y / b))
-// xsimd's pow maps a zero base to 0 for every exponent (0^0 and 0^-1 included) and turns
-// inf^0, NaN^0 and 1^NaN into NaN; patch those IEEE cases to agree with std::pow/torch.pow.
+// Batches: xsimd's pow maps a zero base to 0 for every exponent (0^0 and 0^-1 included),
+// turns inf^0, NaN^0, 1^NaN and (-1)^inf into NaN, and tests an exponent's parity as
+// is_even(b - 1), wrong once b - 1 == b (|b| >= 2^24 for float). So the power is taken of
+// |a| and given its sign here, with the IEEE cases of std::pow/torch.pow patched in.
+// Integers wrap as in PyTorch (int_pow) instead of going through double.
 LAZY_BINARY_OP(Pow, "pow", 12, (promoted<A, B>), (
-  if constexpr (std::is_arithmetic_v<V>) {
+  if constexpr (std::is_integral_v<V>) {
+    return int_pow(a, b);
+  } else if constexpr (std::is_arithmetic_v<V>) {
     return V(pow(a, b));
   } else {
-    const V inf(std::numeric_limits<typename V::value_type>::infinity());
-    const auto zero_base = a == V(0);
-    const auto odd = xsimd::is_odd(b);  // a signed zero keeps its sign for odd exponents
-    V z = pow(a, b);
+    using T = typename V::value_type;
+    const V inf(std::numeric_limits<T>::infinity());
+    const V ab = xsimd::abs(a);
+    const auto integral = xsimd::trunc(b) == b;  // false for NaN, true for +-inf
+    const V half = b * V(0.5);
+    // Odd integers: floats of magnitude 2^24 (2^53) and above are all even.
+    const auto odd = integral & not_equal(xsimd::trunc(half), half);
+    const auto negative = a < V(0);
+    V z = pow(ab, b);
+    z = select(negative & odd, -z, z);
+    z = select(negative & !integral & (ab < inf), V(std::numeric_limits<T>::quiet_NaN()), z);
+    const auto zero_base = a == V(0);  // a signed zero keeps its sign for odd exponents
     z = select(zero_base, select(b < V(0), select(odd, xsimd::copysign(inf, a), inf), select(odd, a, V(0))), z);
     z = select(zero_base & is_nan(b), b, z);
-    return select((b == V(0)) | (a == V(1)), V(1), z);
+    return select((b == V(0)) | (a == V(1)) | ((a == V(-1)) & (xsimd::abs(b) == inf)), V(1), z);
   }),
   // torch.pow's backward: b * a^(b-1) (0 where b == 0), and y * log(a) (0 where a == 0, b >= 0).
   (select(b == V(0), V(0), b * Pow::apply(a, b - V(1)))),
@@ -4214,6 +4251,12 @@ struct operand_value<X> {
 };
 }  // namespace detail
 
+namespace detail {
+/// DTypeError for an integer tensor raised to an integer number that is negative or does
+/// not fit its dtype `type` (out of line: one copy of the message code).
+[[noreturn]] void bad_integer_power(long long exponent, DType type);
+}  // namespace detail
+
 /// An operand (tensor, expression or number) whose values are bool. PyTorch rejects
 /// arithmetic that has no meaning on bool (negation, subtraction of two bools, abs, sign,
 /// relu, pow of two bools, clamp); so do we, at compile time.
@@ -4243,9 +4286,10 @@ LAZY_BINARY_OPERATOR(&, LogicalAnd)
 LAZY_BINARY_OPERATOR(|, LogicalOr)
 #undef LAZY_BINARY_OPERATOR
 
-/// Element-wise subtraction (not of two bool operands, as in PyTorch: use logical ops).
+/// Element-wise subtraction (not with a bool operand, as in PyTorch: use the logical ops, or
+/// cast the bool side first).
 template <class A, class B>
-  requires expr::BinaryOperands<A, B> && (!(expr::BoolValued<A> && expr::BoolValued<B>))
+  requires expr::BinaryOperands<A, B> && (!expr::BoolValued<A>) && (!expr::BoolValued<B>)
 auto operator-(A&& a, B&& b) {
   return expr::make<ops::Sub>(std::forward<A>(a), std::forward<B>(b));
 }
@@ -4360,10 +4404,23 @@ auto logical_not(A&& a) {
   return expr::make<ops::LogicalNot>(std::forward<A>(a));
 }
 
-/// Element-wise a^b (not of two bool operands).
+/// Element-wise a^b (not of two bool operands). Integers wrap where the power leaves their
+/// type, as in PyTorch; a negative integer exponent of an integer base is a DTypeError when
+/// given as a number ("integers to negative integer powers", PyTorch's rule) and truncates
+/// toward zero elementwise when given as a tensor (1, +-1 for -1, else 0).
 template <class A, class B>
   requires expr::BinaryOperands<A, B> && (!(expr::BoolValued<A> && expr::BoolValued<B>))
 auto pow(A&& a, B&& b) {
+  if constexpr (expr::Number<B> && std::is_integral_v<std::remove_cvref_t<B>> &&
+                !std::is_same_v<std::remove_cvref_t<B>, bool>) {
+    using V = typename expr::detail::operand_value<A>::type;
+    if constexpr (is_integral_v<V> || std::is_same_v<V, bool>) {
+      // The exponent becomes a weak scalar of the result type (int64 for a bool base).
+      using R = std::conditional_t<std::is_same_v<V, bool>, std::int64_t, V>;
+      if (std::cmp_less(b, 0) || std::cmp_greater(b, std::numeric_limits<R>::max()))
+        expr::detail::bad_integer_power(static_cast<long long>(b), dtype_of<R>());
+    }
+  }
   return expr::make<ops::Pow>(std::forward<A>(a), std::forward<B>(b));
 }
 /// Element-wise maximum (NaN-propagating).
@@ -4426,6 +4483,22 @@ auto cast(X&& x) {
 }
 
 }  // namespace lazy
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::expr::detail {
+LAZYTENSOR_INLINE void bad_integer_power(long long exponent, DType type) {
+  if (exponent < 0) {
+    throw DTypeError(
+        "pow: integers to negative integer powers are not allowed (PyTorch's rule), got an "
+        "integer base and the exponent " +
+        std::to_string(exponent) + "; cast the base to a floating type first");
+  }
+  throw DTypeError("pow: the exponent " + std::to_string(exponent) +
+                   " does not fit the result's dtype " + dtype_name(type) +
+                   " (expected at most its largest value)");
+}
+}  // namespace lazy::expr::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/expr/expr.hpp ----
 
 namespace lazy::expr {
@@ -5028,8 +5101,10 @@ struct Eval<S, KExpr<Op, C0, C1, C2>> {
 // PyTorch computes each op in its own type. One floating lane for a whole kernel matches
 // that for floating values (a wider lane only rounds later), but not for integers, which a
 // float lane cannot hold above 2^24 (2^53 for double): where(x > 0, i64_a, i64_b) or
-// (i64_a + i64_b) * 0.5 must stay exact. Kernels that mix int32/int64 values with a
-// floating lane therefore evaluate node by node, each op in its own type, on the scalar
+// (i64_a + i64_b) * 0.5 must stay exact. Nor for an int32 op in an int64 lane (it wraps
+// at 2^31 in PyTorch), nor for bool + bool (true in PyTorch, 2 in any wider lane). So
+// kernels that mix int32/int64 values with a floating lane, integer kernels with any op,
+// and kernels adding bools evaluate node by node, each op in its own type, on the scalar
 // path; every other kernel keeps the single SIMD lane.
 
 /// True when K holds an int32 or int64 value anywhere (leaf, scalar or op result).
@@ -5039,9 +5114,27 @@ template <class Op, class... C>
 struct has_integral<KExpr<Op, C...>>
     : std::bool_constant<is_integral_v<typename KExpr<Op, C...>::value_type> || (has_integral<C>::value || ...)> {};
 
+/// True when K adds bools: the only op with a bool result that can leave {0, 1} in a wider
+/// lane (subtraction and negation of bools do not compile; products, extrema, comparisons
+/// and casts of 0/1 values stay 0/1).
+template <class K>
+struct has_bool_sum : std::false_type {};
+template <class Op, class... C>
+struct has_bool_sum<KExpr<Op, C...>>
+    : std::bool_constant<(std::is_same_v<Op, ops::Add> &&
+                          std::is_same_v<typename KExpr<Op, C...>::value_type, bool>) ||
+                         (has_bool_sum<C>::value || ...)> {};
+
+template <class K>
+struct is_op_node : std::false_type {};
+template <class Op, class... C>
+struct is_op_node<KExpr<Op, C...>> : std::true_type {};
+
 /// True when kernel K must use per-node evaluation (see above).
 template <class K>
-inline constexpr bool needs_exact_v = simd_lane_v<klane_t<K>> && has_integral<K>::value;
+inline constexpr bool needs_exact_v = (simd_lane_v<klane_t<K>> ? has_integral<K>::value
+                                                               : is_op_node<K>::value) ||
+                                      has_bool_sum<K>::value;
 
 /// The lane a kernel's root produces: the single lane, or (per-node kernels) the lane of
 /// the root's own type, so an int64 result is never squeezed through a float.
@@ -5072,6 +5165,29 @@ template <class A>
 struct op_compute<ops::LogicalNot, A> {
   using type = A;
 };
+
+/// The type an op of integer compute lane L runs in: int32 ops in int64, whose result then
+/// narrows modulo 2^32 (C++20 conversions wrap), as PyTorch's int32 arithmetic wraps;
+/// sums of two int32 values and their products fit. Others as they are.
+template <class L>
+using exact_lane_t = std::conditional_t<std::is_same_v<L, std::int32_t>, std::int64_t, L>;
+
+/// Ops whose int64 results wrap modulo 2^64 in PyTorch: computed on the unsigned type, where
+/// C++ defines that, instead of overflowing a signed one (undefined behaviour).
+template <class Op>
+inline constexpr bool wraps_v =
+    std::is_same_v<Op, ops::Add> || std::is_same_v<Op, ops::Sub> || std::is_same_v<Op, ops::Mul> ||
+    std::is_same_v<Op, ops::Neg> || std::is_same_v<Op, ops::Square>;
+
+/// Op applied to values in lane L, integers wrapping as PyTorch's (see above).
+template <class Op, class L, class... A>
+inline L exact_apply(A... a) {
+  if constexpr (std::is_same_v<L, std::int64_t> && wraps_v<Op>) {
+    return static_cast<L>(Op::apply(static_cast<std::uint64_t>(static_cast<L>(a))...));
+  } else {
+    return Op::apply(static_cast<L>(a)...);
+  }
+}
 
 /// Rounds a value computed in lane L to what a tensor of type V holds, in V's lane.
 template <Element V, class L>
@@ -5125,8 +5241,8 @@ struct ExactEval<S, KExpr<Op, C...>> {
         // A conversion is a store into the target type (truncation, != 0, rounding).
         return round_to<V>(to_storage<V>((ch.coeff(i), ...)));
       } else {
-        using L = lane_of<typename op_compute<Op, typename C::value_type...>::type>;
-        return round_to<V>(Op::apply(static_cast<L>(ch.coeff(i))...));
+        using L = exact_lane_t<lane_of<typename op_compute<Op, typename C::value_type...>::type>>;
+        return round_to<V>(exact_apply<Op, L>(ch.coeff(i)...));
       }
     };
   }
@@ -5289,6 +5405,32 @@ struct Dual {
 template <class S, class K>
 struct DualEval;
 
+/// A subtree whose value is not floating (bool or integer) and which one lane would compute
+/// wrong (needs_exact_v: bool sums, int32 wrapping): the forward kernel evaluates it node by
+/// node, so the gradient kernel must read the same values. No gradient passes a value that
+/// is not floating (its op's derivative is 0: a cast to an integer, a comparison), so its
+/// tangent is 0 and its value comes from the exact evaluation, lane by lane.
+template <class S, class K>
+struct ExactDual {
+  ExactEval<S, K> e;
+  static constexpr bool active = false;
+  ExactDual(const K& k, const EvalInputs& in, int) : e(k, in) {}
+  void seek(const std::int64_t* offsets) { e.seek(offsets); }
+  Dual<S> coeff(std::int64_t i) const { return {static_cast<S>(e.coeff(i)), S(0)}; }
+  template <bool Contig>
+  Dual<batch_t<S>> packet(std::int64_t i) const {
+    alignas(64) S tmp[batch_t<S>::size];
+    for (std::size_t k = 0; k < batch_t<S>::size; ++k)
+      tmp[k] = static_cast<S>(e.coeff(i + static_cast<std::int64_t>(k)));
+    return {batch_t<S>::load_aligned(tmp), batch_t<S>(S(0))};
+  }
+};
+
+/// The dual evaluator of child K: ExactDual where the forward kernel evaluates K exactly.
+template <class S, class K>
+using DualOf = std::conditional_t<!is_floating_v<typename K::value_type> && needs_exact_v<K>,
+                                  ExactDual<S, K>, DualEval<S, K>>;
+
 template <class S, Element T>
 struct DualEval<S, KLeaf<T>> {
   Eval<S, KLeaf<T>> e;
@@ -5322,7 +5464,7 @@ struct DualEval<S, Scalar<T>> {
 // depend on the target, in operand order.
 template <class S, class Op, class C0>
 struct DualEval<S, KExpr<Op, C0>> {
-  DualEval<S, C0> c0;
+  DualOf<S, C0> c0;
   bool active;
 
   DualEval(const KExpr<Op, C0>& k, const EvalInputs& in, int target)
@@ -5346,8 +5488,8 @@ struct DualEval<S, KExpr<Op, C0>> {
 
 template <class S, class Op, class C0, class C1>
 struct DualEval<S, KExpr<Op, C0, C1>> {
-  DualEval<S, C0> c0;
-  DualEval<S, C1> c1;
+  DualOf<S, C0> c0;
+  DualOf<S, C1> c1;
   bool active;
 
   DualEval(const KExpr<Op, C0, C1>& k, const EvalInputs& in, int target)
@@ -5379,9 +5521,9 @@ struct DualEval<S, KExpr<Op, C0, C1>> {
 
 template <class S, class Op, class C0, class C1, class C2>
 struct DualEval<S, KExpr<Op, C0, C1, C2>> {
-  DualEval<S, C0> c0;
-  DualEval<S, C1> c1;
-  DualEval<S, C2> c2;
+  DualOf<S, C0> c0;
+  DualOf<S, C1> c1;
+  DualOf<S, C2> c2;
   bool active;
 
   DualEval(const KExpr<Op, C0, C1, C2>& k, const EvalInputs& in, int target)

@@ -28,6 +28,32 @@ struct Dual {
 template <class S, class K>
 struct DualEval;
 
+/// A subtree whose value is not floating (bool or integer) and which one lane would compute
+/// wrong (needs_exact_v: bool sums, int32 wrapping): the forward kernel evaluates it node by
+/// node, so the gradient kernel must read the same values. No gradient passes a value that
+/// is not floating (its op's derivative is 0: a cast to an integer, a comparison), so its
+/// tangent is 0 and its value comes from the exact evaluation, lane by lane.
+template <class S, class K>
+struct ExactDual {
+  ExactEval<S, K> e;
+  static constexpr bool active = false;
+  ExactDual(const K& k, const EvalInputs& in, int) : e(k, in) {}
+  void seek(const std::int64_t* offsets) { e.seek(offsets); }
+  Dual<S> coeff(std::int64_t i) const { return {static_cast<S>(e.coeff(i)), S(0)}; }
+  template <bool Contig>
+  Dual<batch_t<S>> packet(std::int64_t i) const {
+    alignas(64) S tmp[batch_t<S>::size];
+    for (std::size_t k = 0; k < batch_t<S>::size; ++k)
+      tmp[k] = static_cast<S>(e.coeff(i + static_cast<std::int64_t>(k)));
+    return {batch_t<S>::load_aligned(tmp), batch_t<S>(S(0))};
+  }
+};
+
+/// The dual evaluator of child K: ExactDual where the forward kernel evaluates K exactly.
+template <class S, class K>
+using DualOf = std::conditional_t<!is_floating_v<typename K::value_type> && needs_exact_v<K>,
+                                  ExactDual<S, K>, DualEval<S, K>>;
+
 template <class S, Element T>
 struct DualEval<S, KLeaf<T>> {
   Eval<S, KLeaf<T>> e;
@@ -61,7 +87,7 @@ struct DualEval<S, Scalar<T>> {
 // depend on the target, in operand order.
 template <class S, class Op, class C0>
 struct DualEval<S, KExpr<Op, C0>> {
-  DualEval<S, C0> c0;
+  DualOf<S, C0> c0;
   bool active;
 
   DualEval(const KExpr<Op, C0>& k, const EvalInputs& in, int target)
@@ -85,8 +111,8 @@ struct DualEval<S, KExpr<Op, C0>> {
 
 template <class S, class Op, class C0, class C1>
 struct DualEval<S, KExpr<Op, C0, C1>> {
-  DualEval<S, C0> c0;
-  DualEval<S, C1> c1;
+  DualOf<S, C0> c0;
+  DualOf<S, C1> c1;
   bool active;
 
   DualEval(const KExpr<Op, C0, C1>& k, const EvalInputs& in, int target)
@@ -118,9 +144,9 @@ struct DualEval<S, KExpr<Op, C0, C1>> {
 
 template <class S, class Op, class C0, class C1, class C2>
 struct DualEval<S, KExpr<Op, C0, C1, C2>> {
-  DualEval<S, C0> c0;
-  DualEval<S, C1> c1;
-  DualEval<S, C2> c2;
+  DualOf<S, C0> c0;
+  DualOf<S, C1> c1;
+  DualOf<S, C2> c2;
   bool active;
 
   DualEval(const KExpr<Op, C0, C1, C2>& k, const EvalInputs& in, int target)

@@ -235,8 +235,10 @@ struct Eval<S, KExpr<Op, C0, C1, C2>> {
 // PyTorch computes each op in its own type. One floating lane for a whole kernel matches
 // that for floating values (a wider lane only rounds later), but not for integers, which a
 // float lane cannot hold above 2^24 (2^53 for double): where(x > 0, i64_a, i64_b) or
-// (i64_a + i64_b) * 0.5 must stay exact. Kernels that mix int32/int64 values with a
-// floating lane therefore evaluate node by node, each op in its own type, on the scalar
+// (i64_a + i64_b) * 0.5 must stay exact. Nor for an int32 op in an int64 lane (it wraps
+// at 2^31 in PyTorch), nor for bool + bool (true in PyTorch, 2 in any wider lane). So
+// kernels that mix int32/int64 values with a floating lane, integer kernels with any op,
+// and kernels adding bools evaluate node by node, each op in its own type, on the scalar
 // path; every other kernel keeps the single SIMD lane.
 
 /// True when K holds an int32 or int64 value anywhere (leaf, scalar or op result).
@@ -246,9 +248,27 @@ template <class Op, class... C>
 struct has_integral<KExpr<Op, C...>>
     : std::bool_constant<is_integral_v<typename KExpr<Op, C...>::value_type> || (has_integral<C>::value || ...)> {};
 
+/// True when K adds bools: the only op with a bool result that can leave {0, 1} in a wider
+/// lane (subtraction and negation of bools do not compile; products, extrema, comparisons
+/// and casts of 0/1 values stay 0/1).
+template <class K>
+struct has_bool_sum : std::false_type {};
+template <class Op, class... C>
+struct has_bool_sum<KExpr<Op, C...>>
+    : std::bool_constant<(std::is_same_v<Op, ops::Add> &&
+                          std::is_same_v<typename KExpr<Op, C...>::value_type, bool>) ||
+                         (has_bool_sum<C>::value || ...)> {};
+
+template <class K>
+struct is_op_node : std::false_type {};
+template <class Op, class... C>
+struct is_op_node<KExpr<Op, C...>> : std::true_type {};
+
 /// True when kernel K must use per-node evaluation (see above).
 template <class K>
-inline constexpr bool needs_exact_v = simd_lane_v<klane_t<K>> && has_integral<K>::value;
+inline constexpr bool needs_exact_v = (simd_lane_v<klane_t<K>> ? has_integral<K>::value
+                                                               : is_op_node<K>::value) ||
+                                      has_bool_sum<K>::value;
 
 /// The lane a kernel's root produces: the single lane, or (per-node kernels) the lane of
 /// the root's own type, so an int64 result is never squeezed through a float.
@@ -279,6 +299,29 @@ template <class A>
 struct op_compute<ops::LogicalNot, A> {
   using type = A;
 };
+
+/// The type an op of integer compute lane L runs in: int32 ops in int64, whose result then
+/// narrows modulo 2^32 (C++20 conversions wrap), as PyTorch's int32 arithmetic wraps;
+/// sums of two int32 values and their products fit. Others as they are.
+template <class L>
+using exact_lane_t = std::conditional_t<std::is_same_v<L, std::int32_t>, std::int64_t, L>;
+
+/// Ops whose int64 results wrap modulo 2^64 in PyTorch: computed on the unsigned type, where
+/// C++ defines that, instead of overflowing a signed one (undefined behaviour).
+template <class Op>
+inline constexpr bool wraps_v =
+    std::is_same_v<Op, ops::Add> || std::is_same_v<Op, ops::Sub> || std::is_same_v<Op, ops::Mul> ||
+    std::is_same_v<Op, ops::Neg> || std::is_same_v<Op, ops::Square>;
+
+/// Op applied to values in lane L, integers wrapping as PyTorch's (see above).
+template <class Op, class L, class... A>
+inline L exact_apply(A... a) {
+  if constexpr (std::is_same_v<L, std::int64_t> && wraps_v<Op>) {
+    return static_cast<L>(Op::apply(static_cast<std::uint64_t>(static_cast<L>(a))...));
+  } else {
+    return Op::apply(static_cast<L>(a)...);
+  }
+}
 
 /// Rounds a value computed in lane L to what a tensor of type V holds, in V's lane.
 template <Element V, class L>
@@ -332,8 +375,8 @@ struct ExactEval<S, KExpr<Op, C...>> {
         // A conversion is a store into the target type (truncation, != 0, rounding).
         return round_to<V>(to_storage<V>((ch.coeff(i), ...)));
       } else {
-        using L = lane_of<typename op_compute<Op, typename C::value_type...>::type>;
-        return round_to<V>(Op::apply(static_cast<L>(ch.coeff(i))...));
+        using L = exact_lane_t<lane_of<typename op_compute<Op, typename C::value_type...>::type>>;
+        return round_to<V>(exact_apply<Op, L>(ch.coeff(i)...));
       }
     };
   }

@@ -6,12 +6,15 @@
 
 #include <concepts>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <tuple>
 #include <type_traits>
 #include <utility>
 
+#include <lazytensor/core/config.hpp>
 #include <lazytensor/core/dtype.hpp>
+#include <lazytensor/core/error.hpp>
 #include <lazytensor/core/shape.hpp>
 #include <lazytensor/expr/functors.hpp>
 
@@ -241,6 +244,12 @@ struct operand_value<X> {
 };
 }  // namespace detail
 
+namespace detail {
+/// DTypeError for an integer tensor raised to an integer number that is negative or does
+/// not fit its dtype `type` (out of line: one copy of the message code).
+[[noreturn]] void bad_integer_power(long long exponent, DType type);
+}  // namespace detail
+
 /// An operand (tensor, expression or number) whose values are bool. PyTorch rejects
 /// arithmetic that has no meaning on bool (negation, subtraction of two bools, abs, sign,
 /// relu, pow of two bools, clamp); so do we, at compile time.
@@ -270,9 +279,10 @@ LAZY_BINARY_OPERATOR(&, LogicalAnd)
 LAZY_BINARY_OPERATOR(|, LogicalOr)
 #undef LAZY_BINARY_OPERATOR
 
-/// Element-wise subtraction (not of two bool operands, as in PyTorch: use logical ops).
+/// Element-wise subtraction (not with a bool operand, as in PyTorch: use the logical ops, or
+/// cast the bool side first).
 template <class A, class B>
-  requires expr::BinaryOperands<A, B> && (!(expr::BoolValued<A> && expr::BoolValued<B>))
+  requires expr::BinaryOperands<A, B> && (!expr::BoolValued<A>) && (!expr::BoolValued<B>)
 auto operator-(A&& a, B&& b) {
   return expr::make<ops::Sub>(std::forward<A>(a), std::forward<B>(b));
 }
@@ -387,10 +397,23 @@ auto logical_not(A&& a) {
   return expr::make<ops::LogicalNot>(std::forward<A>(a));
 }
 
-/// Element-wise a^b (not of two bool operands).
+/// Element-wise a^b (not of two bool operands). Integers wrap where the power leaves their
+/// type, as in PyTorch; a negative integer exponent of an integer base is a DTypeError when
+/// given as a number ("integers to negative integer powers", PyTorch's rule) and truncates
+/// toward zero elementwise when given as a tensor (1, +-1 for -1, else 0).
 template <class A, class B>
   requires expr::BinaryOperands<A, B> && (!(expr::BoolValued<A> && expr::BoolValued<B>))
 auto pow(A&& a, B&& b) {
+  if constexpr (expr::Number<B> && std::is_integral_v<std::remove_cvref_t<B>> &&
+                !std::is_same_v<std::remove_cvref_t<B>, bool>) {
+    using V = typename expr::detail::operand_value<A>::type;
+    if constexpr (is_integral_v<V> || std::is_same_v<V, bool>) {
+      // The exponent becomes a weak scalar of the result type (int64 for a bool base).
+      using R = std::conditional_t<std::is_same_v<V, bool>, std::int64_t, V>;
+      if (std::cmp_less(b, 0) || std::cmp_greater(b, std::numeric_limits<R>::max()))
+        expr::detail::bad_integer_power(static_cast<long long>(b), dtype_of<R>());
+    }
+  }
   return expr::make<ops::Pow>(std::forward<A>(a), std::forward<B>(b));
 }
 /// Element-wise maximum (NaN-propagating).
@@ -453,3 +476,19 @@ auto cast(X&& x) {
 }
 
 }  // namespace lazy
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::expr::detail {
+LAZYTENSOR_INLINE void bad_integer_power(long long exponent, DType type) {
+  if (exponent < 0) {
+    throw DTypeError(
+        "pow: integers to negative integer powers are not allowed (PyTorch's rule), got an "
+        "integer base and the exponent " +
+        std::to_string(exponent) + "; cast the base to a floating type first");
+  }
+  throw DTypeError("pow: the exponent " + std::to_string(exponent) +
+                   " does not fit the result's dtype " + dtype_name(type) +
+                   " (expected at most its largest value)");
+}
+}  // namespace lazy::expr::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS

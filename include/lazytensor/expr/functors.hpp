@@ -53,6 +53,21 @@ struct lane_value<xsimd::batch<T, A>> {
   using type = T;
 };
 
+/// a^b of integers as PyTorch computes it: wrapping (modulo 2^bits, by squaring on the
+/// unsigned type) where the power leaves the type, and for a negative exponent the
+/// truncated 1 / a^-b: 1 for a base of 1, -1 or 1 by parity for -1, else 0.
+template <class V>
+inline V int_pow(V a, V b) {
+  if (b < 0) return a == V(1) ? V(1) : a == V(-1) ? ((b & 1) ? V(-1) : V(1)) : V(0);
+  using U = std::make_unsigned_t<V>;
+  U r = 1, x = static_cast<U>(a);
+  for (U e = static_cast<U>(b); e; e >>= 1) {
+    if (e & 1) r *= x;
+    x *= x;
+  }
+  return static_cast<V>(r);
+}
+
 /// Applies a scalar function to every lane of a value.
 template <class V, class F>
 inline V map_lanes(const V& a, F f) {
@@ -130,7 +145,15 @@ LAZY_UNARY_OP(Sqrt, "sqrt", 4, (to_floating_t<T>), (return sqrt(a);), (V(0.5) / 
 // Full-precision 1/sqrt: xsimd::rsqrt is an approximation on x86.
 LAZY_UNARY_OP(Rsqrt, "rsqrt", 5, (to_floating_t<T>), (return V(1) / sqrt(a);), (V(-0.5) * y * y * y))
 LAZY_UNARY_OP(Square, "square", 1, (T), (return a * a;), (V(2) * a))
-LAZY_UNARY_OP(Abs, "abs", 1, (T), (return abs(a);), (from_bool<V>(a > V(0)) - from_bool<V>(a < V(0))))
+// Integers: |INT_MIN| wraps to INT_MIN as in PyTorch, on the unsigned type (std::abs of it
+// is undefined).
+LAZY_UNARY_OP(Abs, "abs", 1, (T), (
+  if constexpr (std::is_integral_v<V>) {
+    using U = std::make_unsigned_t<V>;
+    return a < V(0) ? static_cast<V>(U(0) - static_cast<U>(a)) : a;
+  } else {
+    return abs(a);
+  }), (from_bool<V>(a > V(0)) - from_bool<V>(a < V(0))))
 LAZY_UNARY_OP(Sign, "sign", 2, (T), (return from_bool<V>(a > V(0)) - from_bool<V>(a < V(0));), (V(0)))
 LAZY_UNARY_OP(Sin, "sin", 10, (to_floating_t<T>), (return sin(a);), (cos(a)))
 LAZY_UNARY_OP(Cos, "cos", 10, (to_floating_t<T>), (return cos(a);), (-sin(a)))
@@ -153,19 +176,32 @@ LAZY_BINARY_OP(Add, "add", 1, (promoted<A, B>), (return a + b;), (V(1)), (V(1)))
 LAZY_BINARY_OP(Sub, "sub", 1, (promoted<A, B>), (return a - b;), (V(1)), (V(-1)))
 LAZY_BINARY_OP(Mul, "mul", 1, (promoted<A, B>), (return a * b;), (b), (a))
 LAZY_BINARY_OP(Div, "div", 2, (to_floating_t<promoted<A, B>>), (return a / b;), (V(1) / b), (-y / b))
-// xsimd's pow maps a zero base to 0 for every exponent (0^0 and 0^-1 included) and turns
-// inf^0, NaN^0 and 1^NaN into NaN; patch those IEEE cases to agree with std::pow/torch.pow.
+// Batches: xsimd's pow maps a zero base to 0 for every exponent (0^0 and 0^-1 included),
+// turns inf^0, NaN^0, 1^NaN and (-1)^inf into NaN, and tests an exponent's parity as
+// is_even(b - 1), wrong once b - 1 == b (|b| >= 2^24 for float). So the power is taken of
+// |a| and given its sign here, with the IEEE cases of std::pow/torch.pow patched in.
+// Integers wrap as in PyTorch (int_pow) instead of going through double.
 LAZY_BINARY_OP(Pow, "pow", 12, (promoted<A, B>), (
-  if constexpr (std::is_arithmetic_v<V>) {
+  if constexpr (std::is_integral_v<V>) {
+    return int_pow(a, b);
+  } else if constexpr (std::is_arithmetic_v<V>) {
     return V(pow(a, b));
   } else {
-    const V inf(std::numeric_limits<typename V::value_type>::infinity());
-    const auto zero_base = a == V(0);
-    const auto odd = xsimd::is_odd(b);  // a signed zero keeps its sign for odd exponents
-    V z = pow(a, b);
+    using T = typename V::value_type;
+    const V inf(std::numeric_limits<T>::infinity());
+    const V ab = xsimd::abs(a);
+    const auto integral = xsimd::trunc(b) == b;  // false for NaN, true for +-inf
+    const V half = b * V(0.5);
+    // Odd integers: floats of magnitude 2^24 (2^53) and above are all even.
+    const auto odd = integral & not_equal(xsimd::trunc(half), half);
+    const auto negative = a < V(0);
+    V z = pow(ab, b);
+    z = select(negative & odd, -z, z);
+    z = select(negative & !integral & (ab < inf), V(std::numeric_limits<T>::quiet_NaN()), z);
+    const auto zero_base = a == V(0);  // a signed zero keeps its sign for odd exponents
     z = select(zero_base, select(b < V(0), select(odd, xsimd::copysign(inf, a), inf), select(odd, a, V(0))), z);
     z = select(zero_base & is_nan(b), b, z);
-    return select((b == V(0)) | (a == V(1)), V(1), z);
+    return select((b == V(0)) | (a == V(1)) | ((a == V(-1)) & (xsimd::abs(b) == inf)), V(1), z);
   }),
   // torch.pow's backward: b * a^(b-1) (0 where b == 0), and y * log(a) (0 where a == 0, b >= 0).
   (select(b == V(0), V(0), b * Pow::apply(a, b - V(1)))),
