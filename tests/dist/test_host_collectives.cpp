@@ -70,6 +70,27 @@ TEST(HostCollectives, RendezvousAmongASubsetOfReplicas) {
   EXPECT_EQ(got[3], (std::vector<std::string>{"1", "3"}));
 }
 
+TEST(HostCollectives, SubsetRendezvousAndTheWholeWorldKeepLaterCollectivesPaired) {
+  Watchdog dog;
+  // A rendezvous of chosen replicas is not one every replica joins, so it does not count
+  // toward later collectives' agreement; listing every replica is the same call as listing
+  // none. Both must leave the next all_reduce paired (no CollectiveMismatch).
+  std::vector<float> sums(4, 0.0f);
+  dist::spawn(
+      [&](int r) {
+        (void)dist::rendezvous("pair", "", r < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3});
+        if (r == 0) {
+          (void)dist::rendezvous("all", "");
+        } else {
+          (void)dist::rendezvous("all", "", {3, 2, 1, 0});
+        }
+        sums[static_cast<std::size_t>(r)] =
+            dist::all_reduce(lazy::ReduceOp::Sum, lazy::from_vector<float>({float(r)})).item();
+      },
+      4);
+  EXPECT_EQ(sums, (std::vector<float>{6.0f, 6.0f, 6.0f, 6.0f}));
+}
+
 TEST(HostCollectives, MeshReduceAppliesTheFunctionToEveryValue) {
   Watchdog dog;
   struct Stats {

@@ -255,8 +255,10 @@ LAZYTENSOR_INLINE CollectiveCall capture_among(Signature sig, std::vector<int> r
     throw CollectiveError(where + "the calling replica " + std::to_string(me) +
                           " is not among them");
   }
+  // Every replica chosen is the same call as the empty list: counted alike.
+  const bool everyone = static_cast<int>(replicas.size()) == world;
   return capture(std::move(sig), std::make_shared<const std::vector<int>>(std::move(replicas)),
-                 /*among_chosen=*/true);
+                 /*among_chosen=*/!everyone);
 }
 
 LAZYTENSOR_INLINE void remember(const graph::NodePtr& exchange) {
