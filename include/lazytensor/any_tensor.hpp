@@ -66,14 +66,15 @@ class AnyTensor {
   AnyTensor& requires_grad_(bool on = true);
   /// The accumulated gradient, of this tensor's dtype (undefined before a backward pass).
   AnyTensor grad() const;
-  /// Replaces (or with an undefined tensor, clears) the gradient; same dtype and shape.
+  /// Replaces (or with an undefined tensor, clears) the gradient; same dtype, shape and device.
   void set_grad(const AnyTensor& g);
   /// A new tensor sharing this value, outside autograd.
   AnyTensor detach() const;
   /// Backpropagates from this one-element tensor (Tensor<T>::backward()).
   void backward() const;
   /// Sets every element to zero, in place (every handle sees it): a zeroed buffer, so no
-  /// kernel of any dtype is compiled for it. Gradients are zeroed this way.
+  /// kernel of any dtype is compiled for it. Gradients are zeroed this way. Error on a leaf
+  /// that requires grad while grad mode is on, as Tensor<T>::zero_.
   AnyTensor& zero_();
   /// A copy on device `dev` (this handle when already there).
   AnyTensor to(const Device& dev) const;
@@ -145,6 +146,8 @@ LAZYTENSOR_INLINE void AnyTensor::set_grad(const AnyTensor& g) {
   if (!(g.shape() == shape())) {
     throw ShapeError("set_grad: assigned grad has shape " + g.shape().str() + ", expected " + shape().str());
   }
+  if (g.device() != device())
+    detail::wrong_grad_device("set_grad: assigned grad", device(), g.device());
   meta.grad = g.impl_;
 }
 
@@ -180,7 +183,8 @@ LAZYTENSOR_INLINE AnyTensor AnyTensor::to(DType target) const {
 }
 
 LAZYTENSOR_INLINE AnyTensor& AnyTensor::zero_() {
-  graph::Device& d = device().engine();
+  graph::Device& d = device().engine();  // an undefined tensor throws here
+  detail::check_inplace(*impl_, "zero_");
   const std::size_t bytes = static_cast<std::size_t>(numel()) * dtype_size(dtype());
   auto buf = d.pool().acquire(padded_bytes(numel(), dtype_size(dtype())));
   if (bytes) std::memset(buf->data(), 0, bytes);

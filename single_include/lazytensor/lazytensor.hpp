@@ -4616,6 +4616,50 @@ auto to_kernel(const Expr<Op, C...>& e, std::vector<graph::NodePtr>& inputs,
   });
 }
 
+// has_floating_leaf of kernel forms.
+template <Element T>
+struct has_floating_leaf<KLeaf<T>> : std::bool_constant<is_floating_v<T>> {};
+template <class Op, class... C>
+struct has_floating_leaf<KExpr<Op, C...>>
+    : std::bool_constant<(has_floating_leaf<C>::value || ...)> {};
+
+/// Whether kernel K passes a floating leaf through a value that is not floating (a cast to
+/// an integer or bool, a comparison): such a value carries no gradient, as in libtorch
+/// (only floating tensors require grad), so its leaves get no edge there.
+template <class K>
+struct cuts_gradient : std::false_type {};
+template <class Op, class... C>
+struct cuts_gradient<KExpr<Op, C...>>
+    : std::bool_constant<(!is_floating_v<typename KExpr<Op, C...>::value_type> &&
+                          has_floating_leaf<KExpr<Op, C...>>::value) ||
+                         (cuts_gradient<C>::value || ...)> {};
+
+namespace detail {
+/// Marks in `live` the slots that `k` reads through floating values only.
+template <class K>
+void mark_floating_slots(const K& k, std::vector<char>& live) {
+  if constexpr (requires { k.slot; }) {
+    if constexpr (is_floating_v<typename K::value_type>) live[static_cast<std::size_t>(k.slot)] = 1;
+  } else if constexpr (requires { typename K::op_type; }) {
+    if constexpr (is_floating_v<typename K::value_type>)
+      unpack(k.children, [&](const auto&... ch) { (mark_floating_slots(ch, live), ...); });
+  }
+}
+}  // namespace detail
+
+/// Drops the edges (from to_kernel) of the slots that kernel `k` reads only through a value
+/// that is not floating (see cuts_gradient): `cast<float>(x > 0)` and
+/// `cast<float>(cast<int>(x))` do not require grad, `x * (x > 0)` does (through its first x).
+template <class K>
+void drop_cut_edges(const K& k, std::vector<autograd::GradFnPtr>& edges) {
+  if constexpr (cuts_gradient<K>::value) {
+    std::vector<char> live(edges.size());
+    detail::mark_floating_slots(k, live);
+    for (std::size_t i = 0; i < edges.size(); ++i)
+      if (!live[i]) edges[i] = nullptr;
+  }
+}
+
 /// The kernel form of a reduction's operand `x` (a tensor handle or an expression), read in
 /// place: an expression is not copied first (a copy costs an atomic count per leaf), and a
 /// handle gives its node alone (its autograd edge is the reduction's own business).
@@ -5555,6 +5599,59 @@ struct DualEval<S, KExpr<Op, C0, C1, C2>> {
     return {y, t};
   }
 };
+
+/// Whether the derivatives of kernel K with respect to its leaves are constants: the chain
+/// rule through K multiplies only constant local derivatives (add, sub, neg, identity,
+/// casts, comparisons; mul and div by an operand without tensor leaves). Then a gradient
+/// kernel reads no leaf value that matters, and a backward function keeps no value for it
+/// (libtorch's AddBackward0 saves nothing), so its graph can be run again after a
+/// backward pass freed it. Conservative: false for anything else.
+template <class K>
+struct constant_tangent : std::false_type {};
+template <Element T>
+struct constant_tangent<KLeaf<T>> : std::true_type {};
+template <Element T>
+struct constant_tangent<Scalar<T>> : std::true_type {};
+
+namespace detail {
+template <class K>
+struct has_leaf : std::false_type {};
+template <Element T>
+struct has_leaf<KLeaf<T>> : std::true_type {};
+template <class Op, class... C>
+struct has_leaf<KExpr<Op, C...>> : std::bool_constant<(has_leaf<C>::value || ...)> {};
+
+/// Ops whose local derivatives are constants whatever the operands.
+template <class Op>
+struct constant_derivative
+    : std::bool_constant<std::is_same_v<Op, ops::Neg> || std::is_same_v<Op, ops::Identity> ||
+                         std::is_same_v<Op, ops::Add> || std::is_same_v<Op, ops::Sub> ||
+                         std::is_same_v<Op, ops::Sign> || std::is_same_v<Op, ops::LogicalNot> ||
+                         std::is_same_v<Op, ops::Eq> || std::is_same_v<Op, ops::Ne> ||
+                         std::is_same_v<Op, ops::Lt> || std::is_same_v<Op, ops::Le> ||
+                         std::is_same_v<Op, ops::Gt> || std::is_same_v<Op, ops::Ge> ||
+                         std::is_same_v<Op, ops::LogicalAnd> ||
+                         std::is_same_v<Op, ops::LogicalOr>> {};
+template <Element U>
+struct constant_derivative<ops::Cast<U>> : std::true_type {};
+
+template <class Op, class... C>
+struct constant_local : constant_derivative<Op> {};
+// d(a * b)/da = b: constant when b reads no tensor (and symmetrically).
+template <class C0, class C1>
+struct constant_local<ops::Mul, C0, C1>
+    : std::bool_constant<!has_leaf<C0>::value || !has_leaf<C1>::value> {};
+// d(a / b)/da = 1 / b: constant when b reads no tensor (then no gradient flows into b).
+template <class C0, class C1>
+struct constant_local<ops::Div, C0, C1> : std::bool_constant<!has_leaf<C1>::value> {};
+}  // namespace detail
+
+template <class Op, class... C>
+struct constant_tangent<KExpr<Op, C...>>
+    : std::bool_constant<detail::constant_local<Op, C...>::value &&
+                         (constant_tangent<C>::value && ...)> {};
+template <class K>
+inline constexpr bool constant_tangent_v = constant_tangent<K>::value;
 
 /// Kernel form of "g * d(fwd)/d(input `target`)": the forward kernel, the incoming
 /// gradient as the last input slot, and the target slot (a run-time value: one kernel
@@ -7254,7 +7351,9 @@ LAZYTENSOR_INLINE bool materialize(const NodePtr& node) {
 
 // ---- begin lazytensor/autograd/accumulate.hpp ----
 // AccumulateGrad: the end of every gradient path into a leaf. It adds the incoming
-// gradient into the leaf's `.grad()` (lazily: a pending add), as libtorch does.
+// gradient into the leaf's `.grad()` (lazily: a pending add), as libtorch does. Also the
+// other backward functions that need no dtype's code: an in-place op's replaced history
+// (ReplacedGradFn) and a copy between devices (ToCopyGradFn).
 
 #include <cstring>
 #include <memory>
@@ -8259,6 +8358,24 @@ class ReplacedGradFn final : public GradFn {
 /// mode off, keeps its autograd state (libtorch leaves grad_fn alone under no_grad).
 void replace_history(graph::TensorImpl& impl, const char* name);
 
+/// The backward of a copy to another device (`Tensor::to(device)`, libtorch's
+/// ToCopyBackward0): the gradient, on the copy's device, copied back to the source's device.
+/// There is no lazy transfer between devices, so, like the forward copy, it materializes the
+/// gradient first (an implicit sync of the copy's device during backward). Bytes are copied
+/// as they are: no dtype's code is compiled for it.
+class ToCopyGradFn final : public GradFn {
+ public:
+  /// `source`: the device of the tensor that was copied, where its gradient must live.
+  explicit ToCopyGradFn(graph::Device* source) : source_(source) {}
+  std::string name() const override { return "ToCopyBackward0"; }
+  LAZYTENSOR_INLINE std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override;
+  /// Nothing is saved: a second backward through a copy is allowed, as in libtorch.
+  void release_saved() override {}
+
+ private:
+  graph::Device* source_;
+};
+
 #if LAZYTENSOR_HEADER_DEFINITIONS
 LAZYTENSOR_INLINE void accumulate_into(graph::TensorImpl& impl, graph::NodePtr grad) {
   const graph::NodePtr& value = impl.node;
@@ -8333,6 +8450,21 @@ LAZYTENSOR_INLINE std::vector<graph::NodePtr> ReplacedGradFn::apply(const graph:
   if (prev.shape.numel() > 0)
     std::memset(buf->data(), 0, static_cast<std::size_t>(prev.shape.numel()) * elem);
   return {std::make_shared<graph::DataNode>(prev.dtype, prev.shape, &d, std::move(buf))};
+}
+
+LAZYTENSOR_INLINE std::vector<graph::NodePtr> ToCopyGradFn::apply(const graph::NodePtr& grad) {
+  // The gradient keeps its dtype: whatever receives it converts (AccumulateGrad, a rule, an
+  // element-wise backward), so no dtype's conversion is compiled or looked up here.
+  if (graph::materialize(grad)) {
+    static auto& implicit = core::counter("ImplicitSync");
+    implicit.add();
+  }
+  const std::size_t elem = dtype_size(grad->dtype());
+  auto buf = source_->pool().acquire(padded_bytes(shape.numel(), elem));
+  if (shape.numel() > 0)
+    std::memcpy(buf->data(), grad->buffer()->data(),
+                static_cast<std::size_t>(shape.numel()) * elem);
+  return {std::make_shared<graph::DataNode>(grad->dtype(), shape, source_, std::move(buf))};
 }
 
 LAZYTENSOR_INLINE void replace_history(graph::TensorImpl& impl, const char* name) {
@@ -8450,6 +8582,7 @@ LAZYTENSOR_INLINE std::vector<graph::NodePtr> run_backward(const BackwardRequest
 // needs a gradient (expr/dual.hpp), summed back over broadcast dimensions and converted to
 // the input's dtype.
 
+#include <cstring>
 #include <memory>
 #include <string>
 #include <utility>
@@ -8463,10 +8596,17 @@ namespace lazy::autograd {
 /// dimensions and converted to the input's dtype.
 class ElementwiseGradFnBase : public GradFn {
  public:
-  explicit ElementwiseGradFnBase(std::vector<graph::NodePtr> inputs) : inputs_(std::move(inputs)) {}
+  /// `constant`: the expression's derivatives are constants (expr::constant_tangent), so
+  /// its gradient kernels need no input value.
+  ElementwiseGradFnBase(std::vector<graph::NodePtr> inputs, bool constant)
+      : inputs_(std::move(inputs)), constant_(constant) {}
 
   LAZYTENSOR_INLINE std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override;
 
+  /// Drops the inputs. With constant derivatives nothing was saved, as in libtorch
+  /// (AddBackward0), and the function can run again: each input then reads a one-element
+  /// zero of its dtype (the gradient kernel still reads a value per slot; none changes
+  /// its result).
   LAZYTENSOR_INLINE void release_saved() override;
 
  protected:
@@ -8475,7 +8615,17 @@ class ElementwiseGradFnBase : public GradFn {
   const std::vector<graph::NodePtr>& inputs() const { return inputs_; }
 
  private:
+  /// What a released function with constant derivatives keeps of an input.
+  struct InputMeta {
+    Shape shape;
+    DType dtype;
+    graph::Device* device;
+  };
   std::vector<graph::NodePtr> inputs_;
+  /// Filled by release_saved when constant_; inputs_ then holds the placeholders (made on
+  /// the next apply: a second backward is rare, a release happens every step).
+  std::vector<InputMeta> released_inputs_;
+  bool constant_;
 };
 
 namespace detail {
@@ -8499,7 +8649,8 @@ template <class K, Element Tout>
 class ElementwiseGradFn final : public ElementwiseGradFnBase {
  public:
   ElementwiseGradFn(K kernel, std::vector<graph::NodePtr> inputs)
-      : ElementwiseGradFnBase(std::move(inputs)), kernel_(std::move(kernel)) {
+      : ElementwiseGradFnBase(std::move(inputs), expr::constant_tangent_v<K>),
+        kernel_(std::move(kernel)) {
     // apply() sums gradients of the kernel's lane back to each input's shape and dtype.
     using S = typename expr::KGrad<K, Tout>::value_type;
     register_grad_dtype<Tout>();
@@ -8542,19 +8693,33 @@ class ElementwiseGradFn final : public ElementwiseGradFnBase {
 #if LAZYTENSOR_HEADER_DEFINITIONS
 LAZYTENSOR_INLINE std::vector<graph::NodePtr> ElementwiseGradFnBase::apply(const graph::NodePtr& grad) {
   check_not_released();
+  if (!released_inputs_.empty() && inputs_.empty()) {
+    for (const InputMeta& m : released_inputs_) {
+      const std::size_t elem = dtype_size(m.dtype);
+      auto buf = m.device->pool().acquire(padded_bytes(1, elem));
+      std::memset(buf->data(), 0, elem);
+      inputs_.push_back(
+          std::make_shared<graph::DataNode>(m.dtype, Shape{}, m.device, std::move(buf)));
+    }
+  }
   std::vector<graph::NodePtr> grads(next.size());
   for (std::size_t s = 0; s < next.size(); ++s) {
     if (!next[s]) continue;
     graph::NodePtr g = gradient_kernel(static_cast<int>(s), grad);
-    g = sum_to_shape(g, inputs_[s]->shape());
+    g = sum_to_shape(g, released_inputs_.empty() ? inputs_[s]->shape() : released_inputs_[s].shape);
     grads[s] = cast_node(g, inputs_[s]->dtype());
   }
   return grads;
 }
 
 LAZYTENSOR_INLINE void ElementwiseGradFnBase::release_saved() {
+  if (constant_ && released_inputs_.empty()) {
+    released_inputs_.reserve(inputs_.size());
+    for (const auto& in : inputs_)
+      released_inputs_.push_back({in->shape(), in->dtype(), in->device()});
+  }
   inputs_.clear();
-  GradFn::release_saved();
+  if (!constant_) GradFn::release_saved();
 }
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
@@ -8579,6 +8744,7 @@ graph::NodePtr make_elementwise(const E& e, const Shape& shape, autograd::GradFn
   // Only floating tensors require grad: without a floating leaf, no backward code is
   // compiled for the expression.
   if constexpr (is_floating_v<Tout> && expr::has_floating_leaf_v<E>) {
+    if (grad_fn) expr::drop_cut_edges(k, edges);  // no gradient through integer values
     if (grad_fn && autograd::any_edge(edges)) {
       // Owned through the base class: std::shared_ptr's control block is then one type
       // for every expression, not one more per expression (make_shared's would be).
@@ -8627,6 +8793,15 @@ inline Device device() { return Device(graph::current_device_index()); }
 namespace detail {
 /// Raised when a Tensor<T> handle's object now holds another dtype (Module::to(dtype)).
 [[noreturn]] void retyped_handle(DType handle, DType held);
+
+/// Raises the DeviceError of a gradient (`what`: "backward: gradient", ...) on device
+/// `found` for a tensor on `expected`, worded as libtorch's.
+[[noreturn]] void wrong_grad_device(const char* what, const Device& expected, const Device& found);
+
+/// Refuses in-place op `op` on `impl` when it is a leaf that requires grad and grad mode is
+/// on, as libtorch: the gradient would belong to neither value. Optimizers update such
+/// leaves under NoGradGuard. (Tensor<T> and AnyTensor share it.)
+void check_inplace(const graph::TensorImpl& impl, const char* op);
 
 /// A materialized node holding a copy of `n` host values.
 template <Element T>
@@ -8796,11 +8971,24 @@ class Tensor {
   }
 
   /// A copy on device `dev` (this handle when already there). The value is materialized on
-  /// its own device first, then copied into a buffer of `dev`'s pool.
+  /// its own device first, then copied into a buffer of `dev`'s pool. Differentiable, as in
+  /// libtorch: when this tensor requires grad, the copy's grad_fn is ToCopyBackward0, which
+  /// copies the gradient back to this tensor's device.
   Tensor to(const Device& dev) const {
     if (dev == device()) return *this;
     const T* p = data();
-    return Tensor(detail::data_node<T>(p, shape(), dev));
+    Tensor out(detail::data_node<T>(p, shape(), dev));
+    if constexpr (is_floating_v<T>) {
+      // A dtype-free backward of the autograd node level: this layer needs no explicit rule
+      // (autograd/record.hpp sits above it), and AnyTensor::to, which calls this for every
+      // dtype, compiles no gradient kernel.
+      if (autograd::GradFnPtr e = autograd::edge_of(impl_)) {
+        auto fn = std::make_shared<autograd::ToCopyGradFn>(node()->device());
+        fn->next = {std::move(e)};
+        autograd::attach_grad_fn(*out.impl_, std::move(fn));
+      }
+    }
+    return out;
   }
 
   /// The tensor as an expression operand (with its autograd edge when it requires grad).
@@ -8840,7 +9028,8 @@ class Tensor {
     if (!impl_ || !impl_->autograd || !impl_->autograd->grad || !impl_->autograd->grad->node) return Tensor();
     return from_impl(impl_->autograd->grad);
   }
-  /// Replaces (or with an undefined tensor, clears) the accumulated gradient.
+  /// Replaces (or with an undefined tensor, clears) the accumulated gradient, which must have
+  /// this tensor's shape and device.
   void set_grad(const Tensor& g) {
     node();  // an undefined tensor throws here
     auto& meta = impl_->autograd_meta();
@@ -8851,6 +9040,8 @@ class Tensor {
     if (!(g.shape() == shape())) {
       throw ShapeError("set_grad: assigned grad has shape " + g.shape().str() + ", expected " + shape().str());
     }
+    if (g.device() != device())
+      detail::wrong_grad_device("set_grad: assigned grad", device(), g.device());
     meta.grad = g.impl_;
   }
   /// Keeps this non-leaf tensor's gradient in `.grad()` during backward. Error when the
@@ -8869,7 +9060,8 @@ class Tensor {
   /// A new tensor sharing this value, outside autograd (torch's detach()).
   Tensor detach() const { return Tensor(node()); }
 
-  /// Backpropagates from this tensor: `gradient` defaults to 1 for a one-element tensor.
+  /// Backpropagates from this tensor: `gradient` (of this tensor's shape and device)
+  /// defaults to 1 for a one-element tensor.
   /// Gradients accumulate into the leaves' `.grad()` as pending values; the graph is freed
   /// unless `retain_graph`.
   void backward(const Tensor& gradient = Tensor(), bool retain_graph = false) const {
@@ -8881,6 +9073,8 @@ class Tensor {
       if (!(gradient.shape() == shape())) {
         throw ShapeError("backward: gradient has shape " + gradient.shape().str() + ", expected " + shape().str());
       }
+      if (gradient.device() != device())
+        detail::wrong_grad_device("backward: gradient", device(), gradient.device());
       g = gradient.node();
     } else {
       if (numel() != 1) {
@@ -9002,10 +9196,7 @@ class Tensor {
   // libtorch refuses in-place updates of leaves that require grad while recording: the
   // gradient would belong to neither value. Optimizers update them under NoGradGuard.
   void check_inplace(const char* op) const {
-    if (autograd::is_grad_enabled() && requires_grad() && is_leaf()) {
-      throw Error(std::string(op) + ": a leaf Variable that requires grad is being used in an in-place operation "
-                  "(wrap the update in lazy::NoGradGuard)");
-    }
+    if (impl_) detail::check_inplace(*impl_, op);
   }
 
   std::shared_ptr<graph::TensorImpl> impl_;
@@ -9064,6 +9255,21 @@ auto eval(const Expr<Op, C...>& e) {
 LAZYTENSOR_INLINE void detail::retyped_handle(DType handle, DType held) {
   throw DTypeError("this Tensor<" + dtype_name(handle) + "> handle's tensor now holds " + dtype_name(held) +
                    " (its module was converted with to(dtype)); view it as AnyTensor(t).as<T>() of the new type");
+}
+
+LAZYTENSOR_INLINE void detail::wrong_grad_device(const char* what, const Device& expected,
+                                                 const Device& found) {
+  throw DeviceError(std::string(what) + " is on the wrong device: expected device " +
+                    expected.str() + " but got " + found.str());
+}
+
+LAZYTENSOR_INLINE void detail::check_inplace(const graph::TensorImpl& impl, const char* op) {
+  const bool leaf = !impl.autograd || !impl.autograd->grad_fn;
+  if (autograd::is_grad_enabled() && impl.requires_grad() && leaf) {
+    throw Error(std::string(op) +
+                ": a leaf Variable that requires grad is being used in an in-place operation "
+                "(wrap the update in lazy::NoGradGuard)");
+  }
 }
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
@@ -9124,14 +9330,15 @@ class AnyTensor {
   AnyTensor& requires_grad_(bool on = true);
   /// The accumulated gradient, of this tensor's dtype (undefined before a backward pass).
   AnyTensor grad() const;
-  /// Replaces (or with an undefined tensor, clears) the gradient; same dtype and shape.
+  /// Replaces (or with an undefined tensor, clears) the gradient; same dtype, shape and device.
   void set_grad(const AnyTensor& g);
   /// A new tensor sharing this value, outside autograd.
   AnyTensor detach() const;
   /// Backpropagates from this one-element tensor (Tensor<T>::backward()).
   void backward() const;
   /// Sets every element to zero, in place (every handle sees it): a zeroed buffer, so no
-  /// kernel of any dtype is compiled for it. Gradients are zeroed this way.
+  /// kernel of any dtype is compiled for it. Gradients are zeroed this way. Error on a leaf
+  /// that requires grad while grad mode is on, as Tensor<T>::zero_.
   AnyTensor& zero_();
   /// A copy on device `dev` (this handle when already there).
   AnyTensor to(const Device& dev) const;
@@ -9203,6 +9410,8 @@ LAZYTENSOR_INLINE void AnyTensor::set_grad(const AnyTensor& g) {
   if (!(g.shape() == shape())) {
     throw ShapeError("set_grad: assigned grad has shape " + g.shape().str() + ", expected " + shape().str());
   }
+  if (g.device() != device())
+    detail::wrong_grad_device("set_grad: assigned grad", device(), g.device());
   meta.grad = g.impl_;
 }
 
@@ -9238,7 +9447,8 @@ LAZYTENSOR_INLINE AnyTensor AnyTensor::to(DType target) const {
 }
 
 LAZYTENSOR_INLINE AnyTensor& AnyTensor::zero_() {
-  graph::Device& d = device().engine();
+  graph::Device& d = device().engine();  // an undefined tensor throws here
+  detail::check_inplace(*impl_, "zero_");
   const std::size_t bytes = static_cast<std::size_t>(numel()) * dtype_size(dtype());
   auto buf = d.pool().acquire(padded_bytes(numel(), dtype_size(dtype())));
   if (bytes) std::memset(buf->data(), 0, bytes);
@@ -9395,18 +9605,26 @@ std::vector<Tensor<T>> grad(const std::vector<Tensor<T>>& outputs, const std::ve
 
 namespace lazy::autograd {
 
+/// What a backward rule keeps from forward. libtorch raises on a second backward only
+/// through a function whose saved tensors the first one freed; a rule that captured
+/// nothing but sizes and scalars (sum, view, permute, cat, ...) can run any number of times.
+enum class Saves { tensors, nothing };
+
 /// A backward rule given as a callable.
 class FunctionGradFn final : public GradFn {
  public:
   using Backward = std::function<std::vector<graph::NodePtr>(const graph::NodePtr&)>;
-  FunctionGradFn(std::string name, Backward f) : name_(std::move(name)), f_(std::move(f)) {}
+  FunctionGradFn(std::string name, Backward f, Saves saves = Saves::tensors)
+      : name_(std::move(name)), f_(std::move(f)), saves_(saves) {}
   std::string name() const override { return name_; }
   LAZYTENSOR_INLINE std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override;
+  /// Drops the rule (and what it captured) unless it saved nothing.
   LAZYTENSOR_INLINE void release_saved() override;
 
  private:
   std::string name_;
   Backward f_;
+  Saves saves_;
 };
 
 /// Where the gradient of operand `x` goes: a tensor's own edge, or for an element-wise
@@ -9420,12 +9638,13 @@ GradFnPtr operand_edge(const X& x) {
       return nullptr;  // no floating tensor operand: nothing here can require grad
     } else {
       if (!is_grad_enabled() || !expr::any_leaf_grad(x)) return nullptr;
-      // any_leaf_grad found an edge, so `edges` holds at least one.
       std::vector<graph::NodePtr> inputs;
       std::vector<GradFnPtr> edges;
       inputs.reserve(expr::leaf_count_v<X>);
       edges.reserve(expr::leaf_count_v<X>);
       auto k = expr::to_kernel(x, inputs, &edges);
+      expr::drop_cut_edges(k, edges);  // no gradient through integer values
+      if (!any_edge(edges)) return nullptr;
       // Owned through the base class (see make_elementwise).
       GradFnPtr fn(static_cast<GradFn*>(new ElementwiseGradFn<decltype(k), V>(k, inputs)));
       fn->next = std::move(edges);
@@ -9455,16 +9674,21 @@ graph::NodePtr node_or_null(const Tensor<T>& t) {
 }
 
 /// Makes `backward` (Tensor<T> grad of out -> input gradient nodes, in `edges` order) the
-/// grad_fn of `out` when any edge is live. The rule runs with grad mode off.
+/// grad_fn of `out` when any edge is live. The rule runs with grad mode off. `saves`:
+/// Saves::nothing when the rule captures no tensor (see Saves).
 template <Element T, class F>
-void record(Tensor<T>& out, const char* name, std::vector<GradFnPtr> edges, F backward) {
+void record(Tensor<T>& out, const char* name, std::vector<GradFnPtr> edges, F backward,
+            Saves saves = Saves::tensors) {
   if constexpr (!is_floating_v<T>) return;  // integer results carry no gradient
   if (!any_edge(edges)) return;
   register_grad_dtype<T>();
-  auto fn = std::make_shared<FunctionGradFn>(name, [b = std::move(backward)](const graph::NodePtr& g) {
-    AutoGradMode off(false);
-    return b(Tensor<T>(cast_node(g, dtype_of<T>())));
-  });
+  auto fn = std::make_shared<FunctionGradFn>(
+      name,
+      [b = std::move(backward)](const graph::NodePtr& g) {
+        AutoGradMode off(false);
+        return b(Tensor<T>(cast_node(g, dtype_of<T>())));
+      },
+      saves);
   fn->next = std::move(edges);
   attach_grad_fn(*out.impl(), std::move(fn));
 }
@@ -9482,6 +9706,7 @@ LAZYTENSOR_INLINE std::vector<graph::NodePtr> FunctionGradFn::apply(const graph:
 }
 
 LAZYTENSOR_INLINE void FunctionGradFn::release_saved() {
+  if (saves_ == Saves::nothing) return;
   f_ = nullptr;
   GradFn::release_saved();
 }
@@ -21647,8 +21872,10 @@ inline std::span<const std::int64_t> span_of(const Shape& s) { return {s.begin()
 template <Element T>
 Tensor<T> fresh_handle(const Tensor<T>& t) {
   Tensor<T> r(t.node());
-  autograd::record(r, "AliasBackward0", {autograd::edge_of(t.impl())},
-                   [](const Tensor<T>& g) { return std::vector<graph::NodePtr>{g.node()}; });
+  autograd::record(
+      r, "AliasBackward0", {autograd::edge_of(t.impl())},
+      [](const Tensor<T>& g) { return std::vector<graph::NodePtr>{g.node()}; },
+      autograd::Saves::nothing);
   return r;
 }
 
@@ -21661,9 +21888,12 @@ Tensor<T> view_of(const Tensor<T>& t, const Shape& shape, const char* op) {
   if (src->shape() == shape) return fresh_handle(t);
   if (src->pending() && dynamic_cast<graph::ViewNode*>(src.get())) src = src->inputs()[0];
   Tensor<T> r(graph::submit(std::make_shared<graph::ViewNode>(op, std::move(src), shape)));
-  autograd::record(r, "ViewBackward0", {autograd::edge_of(t.impl())}, [in = t.shape()](const Tensor<T>& g) {
-    return std::vector<graph::NodePtr>{view_of(g, in, "view").node()};
-  });
+  autograd::record(
+      r, "ViewBackward0", {autograd::edge_of(t.impl())},
+      [in = t.shape()](const Tensor<T>& g) {
+        return std::vector<graph::NodePtr>{view_of(g, in, "view").node()};
+      },
+      autograd::Saves::nothing);
   return r;
 }
 
@@ -21699,9 +21929,12 @@ Tensor<T> permute_impl(const Tensor<T>& t, std::vector<int> perm, const char* op
       : swap_last_two
           ? Tensor<T>(graph::submit(std::make_shared<graph::TransposeNode>(n)))
           : Tensor<T>(graph::submit(std::make_shared<graph::PermuteNode>(n, std::move(perm), op)));
-  autograd::record(r, "PermuteBackward0", {autograd::edge_of(t.impl())}, [inverse](const Tensor<T>& g) {
-    return std::vector<graph::NodePtr>{permute_impl(g, inverse, "permute").node()};
-  });
+  autograd::record(
+      r, "PermuteBackward0", {autograd::edge_of(t.impl())},
+      [inverse](const Tensor<T>& g) {
+        return std::vector<graph::NodePtr>{permute_impl(g, inverse, "permute").node()};
+      },
+      autograd::Saves::nothing);
   return r;
 }
 
@@ -21754,11 +21987,13 @@ auto expand_impl(const X& x, std::span<const std::int64_t> sizes) {
 template <Element T>
 void record_slice(Tensor<T>& r, const Tensor<T>& t, int d, std::int64_t start, std::int64_t step) {
   if constexpr (is_floating_v<T>) {
-    autograd::record(r, "SliceBackward0", {autograd::edge_of(t.impl())},
-                     [in = t.shape(), d, start, step](const Tensor<T>& g) {
-                       return std::vector<graph::NodePtr>{graph::submit(
-                           std::make_shared<graph::SliceBackwardNode<T>>(g.node(), in, d, start, step))};
-                     });
+    autograd::record(
+        r, "SliceBackward0", {autograd::edge_of(t.impl())},
+        [in = t.shape(), d, start, step](const Tensor<T>& g) {
+          return std::vector<graph::NodePtr>{graph::submit(
+              std::make_shared<graph::SliceBackwardNode<T>>(g.node(), in, d, start, step))};
+        },
+        autograd::Saves::nothing);
   }
 }
 
@@ -22271,15 +22506,18 @@ Tensor<T> cat(const std::vector<Tensor<T>>& tensors, std::int64_t dim = 0) {
       std::make_shared<graph::CatNode>("cat", dtype_of<T>(), std::move(nodes), out, &dev, outer, std::move(widths))));
   std::vector<std::int64_t> sizes;
   for (const auto& t : ts) sizes.push_back(t.shape()[d]);
-  autograd::record(result, "CatBackward0", detail::edges_of(ts), [sizes, d](const Tensor<T>& g) {
-    std::vector<graph::NodePtr> gs;
-    std::int64_t off = 0;
-    for (auto len : sizes) {
-      gs.push_back(narrow(g, d, off, len).node());
-      off += len;
-    }
-    return gs;
-  });
+  autograd::record(
+      result, "CatBackward0", detail::edges_of(ts),
+      [sizes, d](const Tensor<T>& g) {
+        std::vector<graph::NodePtr> gs;
+        std::int64_t off = 0;
+        for (auto len : sizes) {
+          gs.push_back(narrow(g, d, off, len).node());
+          off += len;
+        }
+        return gs;
+      },
+      autograd::Saves::nothing);
   return result;
 }
 /// cat with a braced list: cat({a, b}, 1).
@@ -22318,14 +22556,16 @@ Tensor<T> stack(const std::vector<Tensor<T>>& tensors, std::int64_t dim = 0) {
   std::vector<std::int64_t> widths(tensors.size(), inner);
   Tensor<T> r(graph::submit(
       std::make_shared<graph::CatNode>("stack", dtype_of<T>(), std::move(nodes), out, &dev, outer, std::move(widths))));
-  autograd::record(r, "StackBackward0", detail::edges_of(tensors),
-                   [n = tensors.size(), d, ref](const Tensor<T>& g) {
-                     std::vector<graph::NodePtr> gs;
-                     for (std::size_t i = 0; i < n; ++i) {
-                       gs.push_back(reshape(narrow(g, d, static_cast<std::int64_t>(i), 1), ref).node());
-                     }
-                     return gs;
-                   });
+  autograd::record(
+      r, "StackBackward0", detail::edges_of(tensors),
+      [n = tensors.size(), d, ref](const Tensor<T>& g) {
+        std::vector<graph::NodePtr> gs;
+        for (std::size_t i = 0; i < n; ++i) {
+          gs.push_back(reshape(narrow(g, d, static_cast<std::int64_t>(i), 1), ref).node());
+        }
+        return gs;
+      },
+      autograd::Saves::nothing);
   return r;
 }
 /// stack with a braced list: stack({a, b}, 0).
@@ -22461,11 +22701,15 @@ template <class T, class V>
 void record_sum_backward(Tensor<T>& r, std::shared_ptr<autograd::GradFn> e, const Shape& in, const Shape& keep,
                          bool mean) {
   const double scale = mean && keep.numel() ? static_cast<double>(keep.numel()) / static_cast<double>(in.numel()) : 1.0;
-  autograd::record(r, mean ? "MeanBackward0" : "SumBackward0", {std::move(e)}, [in, keep, scale](const Tensor<T>& g) {
-    Tensor<T> gk = reshape(g, keep);
-    return std::vector<graph::NodePtr>{
-        (scale == 1.0 ? evaluate_as<V>(cast<V>(gk), in) : evaluate_as<V>(cast<V>(gk * scale), in)).node()};
-  });
+  autograd::record(
+      r, mean ? "MeanBackward0" : "SumBackward0", {std::move(e)},
+      [in, keep, scale](const Tensor<T>& g) {
+        Tensor<T> gk = reshape(g, keep);
+        return std::vector<graph::NodePtr>{(scale == 1.0 ? evaluate_as<V>(cast<V>(gk), in)
+                                                         : evaluate_as<V>(cast<V>(gk * scale), in))
+                                               .node()};
+      },
+      autograd::Saves::nothing);
 }
 
 /// sum / mean backward: the gradient, scaled, broadcast back over the reduced dims.
@@ -22511,9 +22755,10 @@ void record_extreme_at(Tensor<T>& r, const X& x, std::int64_t dim, const char* n
     if (!e) return;
     const Shape in = x.shape(), keep = keep_shape(x, {dim}, name);
     if (in.rank() == 0) {  // one element: all of the gradient
-      autograd::record(r, name, {e}, [in](const Tensor<T>& g) {
-        return std::vector<graph::NodePtr>{reshape(g, in).node()};
-      });
+      autograd::record(
+          r, name, {e},
+          [in](const Tensor<T>& g) { return std::vector<graph::NodePtr>{reshape(g, in).node()}; },
+          autograd::Saves::nothing);
       return;
     }
     const int d = normalize_dim(dim, in.rank(), name);
@@ -25753,9 +25998,13 @@ LAZYTENSOR_INLINE Tensor<float> round_to_bf16(const Tensor<float>& x) {
   Tensor<float> y(graph::submit(std::make_shared<graph::RoundToBFloat16Node>(x.node())));
   if (autograd::is_grad_enabled()) {
     if (auto edge = autograd::edge_of(x.impl())) {
-      autograd::record(y, "RoundToBFloat16Backward", {edge}, [](const Tensor<float>& g) {
-        return std::vector<graph::NodePtr>{graph::submit(std::make_shared<graph::RoundToBFloat16Node>(g.node()))};
-      });
+      autograd::record(
+          y, "RoundToBFloat16Backward", {edge},
+          [](const Tensor<float>& g) {
+            return std::vector<graph::NodePtr>{
+                graph::submit(std::make_shared<graph::RoundToBFloat16Node>(g.node()))};
+          },
+          autograd::Saves::nothing);
     }
   }
   return y;
@@ -26912,7 +27161,8 @@ Tensor<T> pool2d(const Tensor<T>& x, const graph::Window2d& g, bool max, bool co
         return std::vector<graph::NodePtr>{
             graph::submit(std::make_shared<graph::Pool2dBackwardNode<T>>(
                 gy.node(), max ? x.node() : nullptr, image, g, max, count_include_pad))};
-      });
+      },
+      max ? autograd::Saves::tensors : autograd::Saves::nothing);  // max pooling keeps its input
   return y;
 }
 

@@ -3,7 +3,9 @@
 // whole training step's backward runs no kernel until mark_step).
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
+#include <string>
 
 #include <gtest/gtest.h>
 
@@ -330,6 +332,220 @@ TEST(AutogradFunctional, RepeatedInputsGetTheirGradientInEverySlot) {
   EXPECT_FALSE(u[0].defined());
   EXPECT_FALSE(u[1].defined());
   EXPECT_FALSE(x.grad().defined());
+}
+
+// ---- to(device): differentiable, as libtorch's ToCopyBackward0 -----------------------
+
+TEST(AutogradToDevice, GradientFlowsBackToTheSourceDevice) {
+  auto x = leaf({1, 2, 3});
+  const lazy::Device other(x.device().index() == 0 ? 1 : 0);
+  Tensor<double> y = x.to(other);
+  EXPECT_EQ(y.device(), other);
+  EXPECT_TRUE(y.requires_grad());
+  EXPECT_FALSE(y.is_leaf());
+  ASSERT_TRUE(y.grad_fn());
+  EXPECT_EQ(y.grad_fn()->name(), "ToCopyBackward0");
+  // d/dx sum(y * y * w) = 2 x w, computed on `other` and copied back to x's device.
+  auto w = lazy::from_vector<double>({4, 5, 6}, Shape{3}, other);
+  lazy::sum(y * y * w).backward();
+  EXPECT_EQ(x.grad().device(), x.device());
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{8, 20, 36}));
+  // There and back again: the gradient passes both copies (and accumulates).
+  Tensor<double> z = x.to(other).to(x.device());
+  EXPECT_EQ(z.device(), x.device());
+  lazy::sum(z * 3).backward();
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{11, 23, 39}));
+  // A copy saves nothing: a second backward through it is allowed.
+  Tensor<double> s = lazy::sum(x.to(other));
+  s.backward();
+  s.backward();
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{13, 25, 41}));
+}
+
+TEST(AutogradToDevice, NoHistoryWithoutGradOrOnTheSameDevice) {
+  auto x = leaf({1, 2});
+  const lazy::Device other(x.device().index() == 0 ? 1 : 0);
+  Tensor<double> same = x.to(x.device());
+  EXPECT_EQ(same.impl(), x.impl());  // this handle, as libtorch returns self
+  {
+    lazy::NoGradGuard guard;
+    EXPECT_FALSE(x.to(other).requires_grad());
+  }
+  EXPECT_FALSE(x.detach().to(other).requires_grad());
+  auto i = lazy::from_vector<std::int32_t>({1, 2}, Shape{2});
+  EXPECT_FALSE(i.to(other).requires_grad());
+  // AnyTensor::to(device) copies through the typed handle: differentiable too.
+  lazy::AnyTensor moved = lazy::AnyTensor(x).to(other);
+  EXPECT_TRUE(moved.requires_grad());
+  lazy::sum(moved.as<double>() * 2).backward();
+  EXPECT_EQ(x.grad().device(), x.device());
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{2, 2}));
+}
+
+// ---- gradients must live on the tensor's device -------------------------------------
+
+std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const lazy::DeviceError& e) {
+    return e.what();
+  }
+  return "(no DeviceError)";
+}
+
+TEST(AutogradGradDevice, BackwardAndSetGradRefuseAnotherDevice) {
+  auto x = leaf({1, 2});
+  const lazy::Device here = x.device(), other(here.index() == 0 ? 1 : 0);
+  Tensor<double> y = x * 2;
+  auto g_other = lazy::ones<double>({2}, other);
+  const std::string expected = "expected device " + here.str() + " but got " + other.str();
+  const std::string m = message_of([&] { y.backward(g_other); });
+  EXPECT_NE(m.find("backward"), std::string::npos) << m;
+  EXPECT_NE(m.find(expected), std::string::npos) << m;
+  EXPECT_FALSE(x.grad().defined());  // refused before anything ran
+  y.backward(lazy::from_vector<double>({1, 3}, Shape{2}, here));
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{2, 6}));
+
+  const std::string s = message_of([&] { x.set_grad(lazy::zeros<double>({2}, other)); });
+  EXPECT_NE(s.find("set_grad"), std::string::npos) << s;
+  EXPECT_NE(s.find(expected), std::string::npos) << s;
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{2, 6}));  // unchanged
+
+  lazy::AnyTensor ax(x);
+  const std::string a =
+      message_of([&] { ax.set_grad(lazy::AnyTensor(lazy::zeros<double>({2}, other))); });
+  EXPECT_NE(a.find(expected), std::string::npos) << a;
+  EXPECT_THROW(ax.set_grad(lazy::AnyTensor(lazy::zeros<float>({2}))), lazy::DTypeError);
+  EXPECT_THROW(ax.set_grad(lazy::AnyTensor(lazy::zeros<double>({3}))), lazy::ShapeError);
+  EXPECT_THROW(x.set_grad(lazy::zeros<double>({3})), lazy::ShapeError);
+  x.set_grad(lazy::zeros<double>({2}, here));
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{0, 0}));
+}
+
+// ---- integer and bool values carry no gradient ---------------------------------------
+
+TEST(AutogradIntegerCasts, ResultsThroughIntegerValuesDoNotRequireGrad) {
+  auto x = leaf({-1.5, 0.5, 2.5});
+  Tensor<std::int32_t> i = lazy::cast<std::int32_t>(x);
+  EXPECT_FALSE(i.requires_grad());
+  Tensor<double> from_int = lazy::cast<double>(i);
+  EXPECT_FALSE(from_int.requires_grad());
+  // The same conversions fused into one kernel (x.to(kInt).to(kDouble) in libtorch).
+  Tensor<double> fused = lazy::cast<double>(lazy::cast<std::int32_t>(x));
+  EXPECT_FALSE(fused.requires_grad());
+  EXPECT_TRUE(fused.is_leaf());
+  Tensor<double> mask = lazy::cast<double>(x > 0.0);  // (x > 0).double()
+  EXPECT_FALSE(mask.requires_grad());
+  Tensor<double> from_bool = lazy::cast<double>(lazy::cast<bool>(x)) * 2.0;
+  EXPECT_FALSE(from_bool.requires_grad());
+  // A reduction of such an expression records nothing either.
+  EXPECT_FALSE(lazy::sum(lazy::cast<double>(x > 0.0)).requires_grad());
+  EXPECT_FALSE(lazy::sum(lazy::cast<float>(lazy::cast<std::int64_t>(x))).requires_grad());
+  // A floating path beside the integer one keeps its gradient: d/dx sum(x * (x > 0)) = (x > 0).
+  Tensor<double> relu = x * lazy::cast<double>(x > 0.0);
+  EXPECT_TRUE(relu.requires_grad());
+  lazy::sum(relu).backward();
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{0, 1, 1}));
+  // ...as does a conversion to another floating dtype.
+  Tensor<float> xf = lazy::cast<float>(x);
+  EXPECT_TRUE(xf.requires_grad());
+  x.set_grad(Tensor<double>());
+  lazy::sum(lazy::cast<float>(x) * lazy::cast<float>(x < 0.0) * 3.0f).backward();
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{3, 0, 0}));
+}
+
+// ---- a second backward through functions that saved nothing --------------------------
+
+TEST(AutogradSecondBackward, FunctionsThatSavedNothingRunAgain) {
+  auto a = leaf({1, 2});
+  auto b = leaf({3, 4});
+  Tensor<double> y = lazy::sum(a + b);  // AddBackward0 and SumBackward0 save no tensor
+  y.backward();
+  y.backward();
+  EXPECT_EQ(a.grad().to_vector(), (std::vector<double>{2, 2}));
+  EXPECT_EQ(b.grad().to_vector(), (std::vector<double>{2, 2}));
+
+  // Broadcast, scalars, a cast, views and cat, none saving a tensor. q = (2 * 1.5 (m + v) - v)
+  // / 0.5 over (3, 2): dq/dm = 6 per element, summed over the 2 columns m broadcasts to;
+  // dq/dv = (3 - 1) / 0.5 = 4, summed over the 3 rows.
+  auto m = lazy::from_vector<double>({1, 2, 3}, Shape{3, 1}).requires_grad_();
+  auto v = leaf({5, 6});
+  Tensor<double> h = (m + v) * 1.5;
+  Tensor<float> t =
+      lazy::transpose(lazy::reshape(lazy::cast<float>(h * 2.0 - v) / 0.5f, {3, 2}), 0, 1);
+  Tensor<float> s = lazy::mean(lazy::cat({t, t}, 0)) * 6.0f;  // 2 sum(t) / 12 * 6 = sum(t)
+  s.backward();
+  EXPECT_EQ(m.grad().to_vector(), (std::vector<double>{12, 12, 12}));
+  EXPECT_EQ(v.grad().to_vector(), (std::vector<double>{12, 12}));
+  s.backward();
+  EXPECT_EQ(m.grad().to_vector(), (std::vector<double>{24, 24, 24}));
+  EXPECT_EQ(v.grad().to_vector(), (std::vector<double>{24, 24}));
+  lazy::mark_step();
+  s.backward();  // and after the step computed the first two
+  EXPECT_EQ(m.grad().to_vector(), (std::vector<double>{36, 36, 36}));
+}
+
+TEST(AutogradSecondBackward, FreedSavedTensorsStillRaise) {
+  auto a = leaf({1, 2});
+  auto b = leaf({3, 4});
+  Tensor<double> p = a * b;               // MulBackward0 saves a and b
+  Tensor<double> y = lazy::sum(p + 1.0);  // the add and the sum save nothing
+  y.backward();
+  try {
+    y.backward();
+    ADD_FAILURE() << "expected an error";
+  } catch (const lazy::Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("Trying to backward through the graph a second time"), std::string::npos) << m;
+    EXPECT_NE(m.find("MulBackward0"), std::string::npos) << m;
+  }
+  EXPECT_EQ(a.grad().to_vector(), (std::vector<double>{3, 4}));
+  // So does a fused expression whose derivative reads its input (exp), and an explicit rule
+  // that saved tensors (amax keeps its input and result).
+  auto x = leaf({0.5});
+  Tensor<double> e = lazy::sum(lazy::exp(x));
+  e.backward();
+  EXPECT_THROW(e.backward(), lazy::Error);
+  Tensor<double> mx = lazy::amax(x * 2, {0});
+  mx.backward();
+  EXPECT_THROW(mx.backward(), lazy::Error);
+}
+
+// ---- AnyTensor's in-place zero_ follows the typed rule ---------------------------------
+
+TEST(AutogradInPlace, AnyTensorZeroRefusesALeafThatRequiresGrad) {
+  auto x = leaf({1, 2});
+  std::string typed, any;
+  try {
+    x.zero_();
+  } catch (const lazy::Error& e) {
+    typed = e.what();
+  }
+  lazy::AnyTensor ax(x);
+  try {
+    ax.zero_();
+  } catch (const lazy::Error& e) {
+    any = e.what();
+  }
+  EXPECT_NE(any.find("a leaf Variable that requires grad is being used in an in-place operation"),
+            std::string::npos)
+      << any;
+  EXPECT_EQ(any, typed);
+  EXPECT_EQ(x.to_vector(), (std::vector<double>{1, 2}));  // unchanged
+  {
+    lazy::NoGradGuard guard;  // allowed under no_grad, as the typed zero_
+    ax.zero_();
+  }
+  EXPECT_EQ(x.to_vector(), (std::vector<double>{0, 0}));
+  EXPECT_TRUE(x.is_leaf());
+  // A non-leaf may be zeroed: its history then receives zeros (ZeroBackward0).
+  auto w = leaf({3, 4});
+  Tensor<double> y = w * 2;
+  lazy::AnyTensor(y).zero_();
+  ASSERT_TRUE(y.grad_fn());
+  EXPECT_EQ(y.grad_fn()->name(), "ZeroBackward0");
+  lazy::sum(y).backward();
+  EXPECT_EQ(w.grad().to_vector(), (std::vector<double>{0, 0}));
 }
 
 // ---- fill_: values the dtype cannot hold ------------------------------------------------

@@ -1,6 +1,8 @@
 #pragma once
 // AccumulateGrad: the end of every gradient path into a leaf. It adds the incoming
-// gradient into the leaf's `.grad()` (lazily: a pending add), as libtorch does.
+// gradient into the leaf's `.grad()` (lazily: a pending add), as libtorch does. Also the
+// other backward functions that need no dtype's code: an in-place op's replaced history
+// (ReplacedGradFn) and a copy between devices (ToCopyGradFn).
 
 #include <cstring>
 #include <memory>
@@ -11,6 +13,7 @@
 #include <lazytensor/autograd/function.hpp>
 #include <lazytensor/autograd/node_ops.hpp>
 #include <lazytensor/core/config.hpp>
+#include <lazytensor/core/counters.hpp>
 #include <lazytensor/graph/tensor_impl.hpp>
 
 namespace lazy::autograd {
@@ -72,6 +75,24 @@ class ReplacedGradFn final : public GradFn {
 /// leaves upstream get a zero .grad() as in libtorch, not an undefined one). A leaf, or grad
 /// mode off, keeps its autograd state (libtorch leaves grad_fn alone under no_grad).
 void replace_history(graph::TensorImpl& impl, const char* name);
+
+/// The backward of a copy to another device (`Tensor::to(device)`, libtorch's
+/// ToCopyBackward0): the gradient, on the copy's device, copied back to the source's device.
+/// There is no lazy transfer between devices, so, like the forward copy, it materializes the
+/// gradient first (an implicit sync of the copy's device during backward). Bytes are copied
+/// as they are: no dtype's code is compiled for it.
+class ToCopyGradFn final : public GradFn {
+ public:
+  /// `source`: the device of the tensor that was copied, where its gradient must live.
+  explicit ToCopyGradFn(graph::Device* source) : source_(source) {}
+  std::string name() const override { return "ToCopyBackward0"; }
+  LAZYTENSOR_INLINE std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override;
+  /// Nothing is saved: a second backward through a copy is allowed, as in libtorch.
+  void release_saved() override {}
+
+ private:
+  graph::Device* source_;
+};
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 LAZYTENSOR_INLINE void accumulate_into(graph::TensorImpl& impl, graph::NodePtr grad) {
@@ -147,6 +168,21 @@ LAZYTENSOR_INLINE std::vector<graph::NodePtr> ReplacedGradFn::apply(const graph:
   if (prev.shape.numel() > 0)
     std::memset(buf->data(), 0, static_cast<std::size_t>(prev.shape.numel()) * elem);
   return {std::make_shared<graph::DataNode>(prev.dtype, prev.shape, &d, std::move(buf))};
+}
+
+LAZYTENSOR_INLINE std::vector<graph::NodePtr> ToCopyGradFn::apply(const graph::NodePtr& grad) {
+  // The gradient keeps its dtype: whatever receives it converts (AccumulateGrad, a rule, an
+  // element-wise backward), so no dtype's conversion is compiled or looked up here.
+  if (graph::materialize(grad)) {
+    static auto& implicit = core::counter("ImplicitSync");
+    implicit.add();
+  }
+  const std::size_t elem = dtype_size(grad->dtype());
+  auto buf = source_->pool().acquire(padded_bytes(shape.numel(), elem));
+  if (shape.numel() > 0)
+    std::memcpy(buf->data(), grad->buffer()->data(),
+                static_cast<std::size_t>(shape.numel()) * elem);
+  return {std::make_shared<graph::DataNode>(grad->dtype(), shape, source_, std::move(buf))};
 }
 
 LAZYTENSOR_INLINE void replace_history(graph::TensorImpl& impl, const char* name) {

@@ -3,6 +3,7 @@
 // needs a gradient (expr/dual.hpp), summed back over broadcast dimensions and converted to
 // the input's dtype.
 
+#include <cstring>
 #include <memory>
 #include <string>
 #include <utility>
@@ -19,10 +20,17 @@ namespace lazy::autograd {
 /// dimensions and converted to the input's dtype.
 class ElementwiseGradFnBase : public GradFn {
  public:
-  explicit ElementwiseGradFnBase(std::vector<graph::NodePtr> inputs) : inputs_(std::move(inputs)) {}
+  /// `constant`: the expression's derivatives are constants (expr::constant_tangent), so
+  /// its gradient kernels need no input value.
+  ElementwiseGradFnBase(std::vector<graph::NodePtr> inputs, bool constant)
+      : inputs_(std::move(inputs)), constant_(constant) {}
 
   LAZYTENSOR_INLINE std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override;
 
+  /// Drops the inputs. With constant derivatives nothing was saved, as in libtorch
+  /// (AddBackward0), and the function can run again: each input then reads a one-element
+  /// zero of its dtype (the gradient kernel still reads a value per slot; none changes
+  /// its result).
   LAZYTENSOR_INLINE void release_saved() override;
 
  protected:
@@ -31,7 +39,17 @@ class ElementwiseGradFnBase : public GradFn {
   const std::vector<graph::NodePtr>& inputs() const { return inputs_; }
 
  private:
+  /// What a released function with constant derivatives keeps of an input.
+  struct InputMeta {
+    Shape shape;
+    DType dtype;
+    graph::Device* device;
+  };
   std::vector<graph::NodePtr> inputs_;
+  /// Filled by release_saved when constant_; inputs_ then holds the placeholders (made on
+  /// the next apply: a second backward is rare, a release happens every step).
+  std::vector<InputMeta> released_inputs_;
+  bool constant_;
 };
 
 namespace detail {
@@ -55,7 +73,8 @@ template <class K, Element Tout>
 class ElementwiseGradFn final : public ElementwiseGradFnBase {
  public:
   ElementwiseGradFn(K kernel, std::vector<graph::NodePtr> inputs)
-      : ElementwiseGradFnBase(std::move(inputs)), kernel_(std::move(kernel)) {
+      : ElementwiseGradFnBase(std::move(inputs), expr::constant_tangent_v<K>),
+        kernel_(std::move(kernel)) {
     // apply() sums gradients of the kernel's lane back to each input's shape and dtype.
     using S = typename expr::KGrad<K, Tout>::value_type;
     register_grad_dtype<Tout>();
@@ -98,19 +117,33 @@ class ElementwiseGradFn final : public ElementwiseGradFnBase {
 #if LAZYTENSOR_HEADER_DEFINITIONS
 LAZYTENSOR_INLINE std::vector<graph::NodePtr> ElementwiseGradFnBase::apply(const graph::NodePtr& grad) {
   check_not_released();
+  if (!released_inputs_.empty() && inputs_.empty()) {
+    for (const InputMeta& m : released_inputs_) {
+      const std::size_t elem = dtype_size(m.dtype);
+      auto buf = m.device->pool().acquire(padded_bytes(1, elem));
+      std::memset(buf->data(), 0, elem);
+      inputs_.push_back(
+          std::make_shared<graph::DataNode>(m.dtype, Shape{}, m.device, std::move(buf)));
+    }
+  }
   std::vector<graph::NodePtr> grads(next.size());
   for (std::size_t s = 0; s < next.size(); ++s) {
     if (!next[s]) continue;
     graph::NodePtr g = gradient_kernel(static_cast<int>(s), grad);
-    g = sum_to_shape(g, inputs_[s]->shape());
+    g = sum_to_shape(g, released_inputs_.empty() ? inputs_[s]->shape() : released_inputs_[s].shape);
     grads[s] = cast_node(g, inputs_[s]->dtype());
   }
   return grads;
 }
 
 LAZYTENSOR_INLINE void ElementwiseGradFnBase::release_saved() {
+  if (constant_ && released_inputs_.empty()) {
+    released_inputs_.reserve(inputs_.size());
+    for (const auto& in : inputs_)
+      released_inputs_.push_back({in->shape(), in->dtype(), in->device()});
+  }
   inputs_.clear();
-  GradFn::release_saved();
+  if (!constant_) GradFn::release_saved();
 }
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 

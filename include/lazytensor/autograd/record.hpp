@@ -15,18 +15,26 @@
 
 namespace lazy::autograd {
 
+/// What a backward rule keeps from forward. libtorch raises on a second backward only
+/// through a function whose saved tensors the first one freed; a rule that captured
+/// nothing but sizes and scalars (sum, view, permute, cat, ...) can run any number of times.
+enum class Saves { tensors, nothing };
+
 /// A backward rule given as a callable.
 class FunctionGradFn final : public GradFn {
  public:
   using Backward = std::function<std::vector<graph::NodePtr>(const graph::NodePtr&)>;
-  FunctionGradFn(std::string name, Backward f) : name_(std::move(name)), f_(std::move(f)) {}
+  FunctionGradFn(std::string name, Backward f, Saves saves = Saves::tensors)
+      : name_(std::move(name)), f_(std::move(f)), saves_(saves) {}
   std::string name() const override { return name_; }
   LAZYTENSOR_INLINE std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override;
+  /// Drops the rule (and what it captured) unless it saved nothing.
   LAZYTENSOR_INLINE void release_saved() override;
 
  private:
   std::string name_;
   Backward f_;
+  Saves saves_;
 };
 
 /// Where the gradient of operand `x` goes: a tensor's own edge, or for an element-wise
@@ -40,12 +48,13 @@ GradFnPtr operand_edge(const X& x) {
       return nullptr;  // no floating tensor operand: nothing here can require grad
     } else {
       if (!is_grad_enabled() || !expr::any_leaf_grad(x)) return nullptr;
-      // any_leaf_grad found an edge, so `edges` holds at least one.
       std::vector<graph::NodePtr> inputs;
       std::vector<GradFnPtr> edges;
       inputs.reserve(expr::leaf_count_v<X>);
       edges.reserve(expr::leaf_count_v<X>);
       auto k = expr::to_kernel(x, inputs, &edges);
+      expr::drop_cut_edges(k, edges);  // no gradient through integer values
+      if (!any_edge(edges)) return nullptr;
       // Owned through the base class (see make_elementwise).
       GradFnPtr fn(static_cast<GradFn*>(new ElementwiseGradFn<decltype(k), V>(k, inputs)));
       fn->next = std::move(edges);
@@ -75,16 +84,21 @@ graph::NodePtr node_or_null(const Tensor<T>& t) {
 }
 
 /// Makes `backward` (Tensor<T> grad of out -> input gradient nodes, in `edges` order) the
-/// grad_fn of `out` when any edge is live. The rule runs with grad mode off.
+/// grad_fn of `out` when any edge is live. The rule runs with grad mode off. `saves`:
+/// Saves::nothing when the rule captures no tensor (see Saves).
 template <Element T, class F>
-void record(Tensor<T>& out, const char* name, std::vector<GradFnPtr> edges, F backward) {
+void record(Tensor<T>& out, const char* name, std::vector<GradFnPtr> edges, F backward,
+            Saves saves = Saves::tensors) {
   if constexpr (!is_floating_v<T>) return;  // integer results carry no gradient
   if (!any_edge(edges)) return;
   register_grad_dtype<T>();
-  auto fn = std::make_shared<FunctionGradFn>(name, [b = std::move(backward)](const graph::NodePtr& g) {
-    AutoGradMode off(false);
-    return b(Tensor<T>(cast_node(g, dtype_of<T>())));
-  });
+  auto fn = std::make_shared<FunctionGradFn>(
+      name,
+      [b = std::move(backward)](const graph::NodePtr& g) {
+        AutoGradMode off(false);
+        return b(Tensor<T>(cast_node(g, dtype_of<T>())));
+      },
+      saves);
   fn->next = std::move(edges);
   attach_grad_fn(*out.impl(), std::move(fn));
 }
@@ -102,6 +116,7 @@ LAZYTENSOR_INLINE std::vector<graph::NodePtr> FunctionGradFn::apply(const graph:
 }
 
 LAZYTENSOR_INLINE void FunctionGradFn::release_saved() {
+  if (saves_ == Saves::nothing) return;
   f_ = nullptr;
   GradFn::release_saved();
 }

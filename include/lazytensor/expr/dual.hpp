@@ -179,6 +179,59 @@ struct DualEval<S, KExpr<Op, C0, C1, C2>> {
   }
 };
 
+/// Whether the derivatives of kernel K with respect to its leaves are constants: the chain
+/// rule through K multiplies only constant local derivatives (add, sub, neg, identity,
+/// casts, comparisons; mul and div by an operand without tensor leaves). Then a gradient
+/// kernel reads no leaf value that matters, and a backward function keeps no value for it
+/// (libtorch's AddBackward0 saves nothing), so its graph can be run again after a
+/// backward pass freed it. Conservative: false for anything else.
+template <class K>
+struct constant_tangent : std::false_type {};
+template <Element T>
+struct constant_tangent<KLeaf<T>> : std::true_type {};
+template <Element T>
+struct constant_tangent<Scalar<T>> : std::true_type {};
+
+namespace detail {
+template <class K>
+struct has_leaf : std::false_type {};
+template <Element T>
+struct has_leaf<KLeaf<T>> : std::true_type {};
+template <class Op, class... C>
+struct has_leaf<KExpr<Op, C...>> : std::bool_constant<(has_leaf<C>::value || ...)> {};
+
+/// Ops whose local derivatives are constants whatever the operands.
+template <class Op>
+struct constant_derivative
+    : std::bool_constant<std::is_same_v<Op, ops::Neg> || std::is_same_v<Op, ops::Identity> ||
+                         std::is_same_v<Op, ops::Add> || std::is_same_v<Op, ops::Sub> ||
+                         std::is_same_v<Op, ops::Sign> || std::is_same_v<Op, ops::LogicalNot> ||
+                         std::is_same_v<Op, ops::Eq> || std::is_same_v<Op, ops::Ne> ||
+                         std::is_same_v<Op, ops::Lt> || std::is_same_v<Op, ops::Le> ||
+                         std::is_same_v<Op, ops::Gt> || std::is_same_v<Op, ops::Ge> ||
+                         std::is_same_v<Op, ops::LogicalAnd> ||
+                         std::is_same_v<Op, ops::LogicalOr>> {};
+template <Element U>
+struct constant_derivative<ops::Cast<U>> : std::true_type {};
+
+template <class Op, class... C>
+struct constant_local : constant_derivative<Op> {};
+// d(a * b)/da = b: constant when b reads no tensor (and symmetrically).
+template <class C0, class C1>
+struct constant_local<ops::Mul, C0, C1>
+    : std::bool_constant<!has_leaf<C0>::value || !has_leaf<C1>::value> {};
+// d(a / b)/da = 1 / b: constant when b reads no tensor (then no gradient flows into b).
+template <class C0, class C1>
+struct constant_local<ops::Div, C0, C1> : std::bool_constant<!has_leaf<C1>::value> {};
+}  // namespace detail
+
+template <class Op, class... C>
+struct constant_tangent<KExpr<Op, C...>>
+    : std::bool_constant<detail::constant_local<Op, C...>::value &&
+                         (constant_tangent<C>::value && ...)> {};
+template <class K>
+inline constexpr bool constant_tangent_v = constant_tangent<K>::value;
+
 /// Kernel form of "g * d(fwd)/d(input `target`)": the forward kernel, the incoming
 /// gradient as the last input slot, and the target slot (a run-time value: one kernel
 /// type serves every leaf of the expression).

@@ -128,6 +128,50 @@ auto to_kernel(const Expr<Op, C...>& e, std::vector<graph::NodePtr>& inputs,
   });
 }
 
+// has_floating_leaf of kernel forms.
+template <Element T>
+struct has_floating_leaf<KLeaf<T>> : std::bool_constant<is_floating_v<T>> {};
+template <class Op, class... C>
+struct has_floating_leaf<KExpr<Op, C...>>
+    : std::bool_constant<(has_floating_leaf<C>::value || ...)> {};
+
+/// Whether kernel K passes a floating leaf through a value that is not floating (a cast to
+/// an integer or bool, a comparison): such a value carries no gradient, as in libtorch
+/// (only floating tensors require grad), so its leaves get no edge there.
+template <class K>
+struct cuts_gradient : std::false_type {};
+template <class Op, class... C>
+struct cuts_gradient<KExpr<Op, C...>>
+    : std::bool_constant<(!is_floating_v<typename KExpr<Op, C...>::value_type> &&
+                          has_floating_leaf<KExpr<Op, C...>>::value) ||
+                         (cuts_gradient<C>::value || ...)> {};
+
+namespace detail {
+/// Marks in `live` the slots that `k` reads through floating values only.
+template <class K>
+void mark_floating_slots(const K& k, std::vector<char>& live) {
+  if constexpr (requires { k.slot; }) {
+    if constexpr (is_floating_v<typename K::value_type>) live[static_cast<std::size_t>(k.slot)] = 1;
+  } else if constexpr (requires { typename K::op_type; }) {
+    if constexpr (is_floating_v<typename K::value_type>)
+      unpack(k.children, [&](const auto&... ch) { (mark_floating_slots(ch, live), ...); });
+  }
+}
+}  // namespace detail
+
+/// Drops the edges (from to_kernel) of the slots that kernel `k` reads only through a value
+/// that is not floating (see cuts_gradient): `cast<float>(x > 0)` and
+/// `cast<float>(cast<int>(x))` do not require grad, `x * (x > 0)` does (through its first x).
+template <class K>
+void drop_cut_edges(const K& k, std::vector<autograd::GradFnPtr>& edges) {
+  if constexpr (cuts_gradient<K>::value) {
+    std::vector<char> live(edges.size());
+    detail::mark_floating_slots(k, live);
+    for (std::size_t i = 0; i < edges.size(); ++i)
+      if (!live[i]) edges[i] = nullptr;
+  }
+}
+
 /// The kernel form of a reduction's operand `x` (a tensor handle or an expression), read in
 /// place: an expression is not copied first (a copy costs an atomic count per leaf), and a
 /// handle gives its node alone (its autograd edge is the reduction's own business).

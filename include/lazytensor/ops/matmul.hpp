@@ -227,9 +227,13 @@ LAZYTENSOR_INLINE Tensor<float> round_to_bf16(const Tensor<float>& x) {
   Tensor<float> y(graph::submit(std::make_shared<graph::RoundToBFloat16Node>(x.node())));
   if (autograd::is_grad_enabled()) {
     if (auto edge = autograd::edge_of(x.impl())) {
-      autograd::record(y, "RoundToBFloat16Backward", {edge}, [](const Tensor<float>& g) {
-        return std::vector<graph::NodePtr>{graph::submit(std::make_shared<graph::RoundToBFloat16Node>(g.node()))};
-      });
+      autograd::record(
+          y, "RoundToBFloat16Backward", {edge},
+          [](const Tensor<float>& g) {
+            return std::vector<graph::NodePtr>{
+                graph::submit(std::make_shared<graph::RoundToBFloat16Node>(g.node()))};
+          },
+          autograd::Saves::nothing);
     }
   }
   return y;

@@ -61,7 +61,8 @@ Tensor<T> pool2d(const Tensor<T>& x, const graph::Window2d& g, bool max, bool co
         return std::vector<graph::NodePtr>{
             graph::submit(std::make_shared<graph::Pool2dBackwardNode<T>>(
                 gy.node(), max ? x.node() : nullptr, image, g, max, count_include_pad))};
-      });
+      },
+      max ? autograd::Saves::tensors : autograd::Saves::nothing);  // max pooling keeps its input
   return y;
 }
 

@@ -143,11 +143,15 @@ template <class T, class V>
 void record_sum_backward(Tensor<T>& r, std::shared_ptr<autograd::GradFn> e, const Shape& in, const Shape& keep,
                          bool mean) {
   const double scale = mean && keep.numel() ? static_cast<double>(keep.numel()) / static_cast<double>(in.numel()) : 1.0;
-  autograd::record(r, mean ? "MeanBackward0" : "SumBackward0", {std::move(e)}, [in, keep, scale](const Tensor<T>& g) {
-    Tensor<T> gk = reshape(g, keep);
-    return std::vector<graph::NodePtr>{
-        (scale == 1.0 ? evaluate_as<V>(cast<V>(gk), in) : evaluate_as<V>(cast<V>(gk * scale), in)).node()};
-  });
+  autograd::record(
+      r, mean ? "MeanBackward0" : "SumBackward0", {std::move(e)},
+      [in, keep, scale](const Tensor<T>& g) {
+        Tensor<T> gk = reshape(g, keep);
+        return std::vector<graph::NodePtr>{(scale == 1.0 ? evaluate_as<V>(cast<V>(gk), in)
+                                                         : evaluate_as<V>(cast<V>(gk * scale), in))
+                                               .node()};
+      },
+      autograd::Saves::nothing);
 }
 
 /// sum / mean backward: the gradient, scaled, broadcast back over the reduced dims.
@@ -193,9 +197,10 @@ void record_extreme_at(Tensor<T>& r, const X& x, std::int64_t dim, const char* n
     if (!e) return;
     const Shape in = x.shape(), keep = keep_shape(x, {dim}, name);
     if (in.rank() == 0) {  // one element: all of the gradient
-      autograd::record(r, name, {e}, [in](const Tensor<T>& g) {
-        return std::vector<graph::NodePtr>{reshape(g, in).node()};
-      });
+      autograd::record(
+          r, name, {e},
+          [in](const Tensor<T>& g) { return std::vector<graph::NodePtr>{reshape(g, in).node()}; },
+          autograd::Saves::nothing);
       return;
     }
     const int d = normalize_dim(dim, in.rank(), name);

@@ -44,8 +44,10 @@ inline std::span<const std::int64_t> span_of(const Shape& s) { return {s.begin()
 template <Element T>
 Tensor<T> fresh_handle(const Tensor<T>& t) {
   Tensor<T> r(t.node());
-  autograd::record(r, "AliasBackward0", {autograd::edge_of(t.impl())},
-                   [](const Tensor<T>& g) { return std::vector<graph::NodePtr>{g.node()}; });
+  autograd::record(
+      r, "AliasBackward0", {autograd::edge_of(t.impl())},
+      [](const Tensor<T>& g) { return std::vector<graph::NodePtr>{g.node()}; },
+      autograd::Saves::nothing);
   return r;
 }
 
@@ -58,9 +60,12 @@ Tensor<T> view_of(const Tensor<T>& t, const Shape& shape, const char* op) {
   if (src->shape() == shape) return fresh_handle(t);
   if (src->pending() && dynamic_cast<graph::ViewNode*>(src.get())) src = src->inputs()[0];
   Tensor<T> r(graph::submit(std::make_shared<graph::ViewNode>(op, std::move(src), shape)));
-  autograd::record(r, "ViewBackward0", {autograd::edge_of(t.impl())}, [in = t.shape()](const Tensor<T>& g) {
-    return std::vector<graph::NodePtr>{view_of(g, in, "view").node()};
-  });
+  autograd::record(
+      r, "ViewBackward0", {autograd::edge_of(t.impl())},
+      [in = t.shape()](const Tensor<T>& g) {
+        return std::vector<graph::NodePtr>{view_of(g, in, "view").node()};
+      },
+      autograd::Saves::nothing);
   return r;
 }
 
@@ -96,9 +101,12 @@ Tensor<T> permute_impl(const Tensor<T>& t, std::vector<int> perm, const char* op
       : swap_last_two
           ? Tensor<T>(graph::submit(std::make_shared<graph::TransposeNode>(n)))
           : Tensor<T>(graph::submit(std::make_shared<graph::PermuteNode>(n, std::move(perm), op)));
-  autograd::record(r, "PermuteBackward0", {autograd::edge_of(t.impl())}, [inverse](const Tensor<T>& g) {
-    return std::vector<graph::NodePtr>{permute_impl(g, inverse, "permute").node()};
-  });
+  autograd::record(
+      r, "PermuteBackward0", {autograd::edge_of(t.impl())},
+      [inverse](const Tensor<T>& g) {
+        return std::vector<graph::NodePtr>{permute_impl(g, inverse, "permute").node()};
+      },
+      autograd::Saves::nothing);
   return r;
 }
 
@@ -151,11 +159,13 @@ auto expand_impl(const X& x, std::span<const std::int64_t> sizes) {
 template <Element T>
 void record_slice(Tensor<T>& r, const Tensor<T>& t, int d, std::int64_t start, std::int64_t step) {
   if constexpr (is_floating_v<T>) {
-    autograd::record(r, "SliceBackward0", {autograd::edge_of(t.impl())},
-                     [in = t.shape(), d, start, step](const Tensor<T>& g) {
-                       return std::vector<graph::NodePtr>{graph::submit(
-                           std::make_shared<graph::SliceBackwardNode<T>>(g.node(), in, d, start, step))};
-                     });
+    autograd::record(
+        r, "SliceBackward0", {autograd::edge_of(t.impl())},
+        [in = t.shape(), d, start, step](const Tensor<T>& g) {
+          return std::vector<graph::NodePtr>{graph::submit(
+              std::make_shared<graph::SliceBackwardNode<T>>(g.node(), in, d, start, step))};
+        },
+        autograd::Saves::nothing);
   }
 }
 

@@ -129,15 +129,18 @@ Tensor<T> cat(const std::vector<Tensor<T>>& tensors, std::int64_t dim = 0) {
       std::make_shared<graph::CatNode>("cat", dtype_of<T>(), std::move(nodes), out, &dev, outer, std::move(widths))));
   std::vector<std::int64_t> sizes;
   for (const auto& t : ts) sizes.push_back(t.shape()[d]);
-  autograd::record(result, "CatBackward0", detail::edges_of(ts), [sizes, d](const Tensor<T>& g) {
-    std::vector<graph::NodePtr> gs;
-    std::int64_t off = 0;
-    for (auto len : sizes) {
-      gs.push_back(narrow(g, d, off, len).node());
-      off += len;
-    }
-    return gs;
-  });
+  autograd::record(
+      result, "CatBackward0", detail::edges_of(ts),
+      [sizes, d](const Tensor<T>& g) {
+        std::vector<graph::NodePtr> gs;
+        std::int64_t off = 0;
+        for (auto len : sizes) {
+          gs.push_back(narrow(g, d, off, len).node());
+          off += len;
+        }
+        return gs;
+      },
+      autograd::Saves::nothing);
   return result;
 }
 /// cat with a braced list: cat({a, b}, 1).
@@ -176,14 +179,16 @@ Tensor<T> stack(const std::vector<Tensor<T>>& tensors, std::int64_t dim = 0) {
   std::vector<std::int64_t> widths(tensors.size(), inner);
   Tensor<T> r(graph::submit(
       std::make_shared<graph::CatNode>("stack", dtype_of<T>(), std::move(nodes), out, &dev, outer, std::move(widths))));
-  autograd::record(r, "StackBackward0", detail::edges_of(tensors),
-                   [n = tensors.size(), d, ref](const Tensor<T>& g) {
-                     std::vector<graph::NodePtr> gs;
-                     for (std::size_t i = 0; i < n; ++i) {
-                       gs.push_back(reshape(narrow(g, d, static_cast<std::int64_t>(i), 1), ref).node());
-                     }
-                     return gs;
-                   });
+  autograd::record(
+      r, "StackBackward0", detail::edges_of(tensors),
+      [n = tensors.size(), d, ref](const Tensor<T>& g) {
+        std::vector<graph::NodePtr> gs;
+        for (std::size_t i = 0; i < n; ++i) {
+          gs.push_back(reshape(narrow(g, d, static_cast<std::int64_t>(i), 1), ref).node());
+        }
+        return gs;
+      },
+      autograd::Saves::nothing);
   return r;
 }
 /// stack with a braced list: stack({a, b}, 0).

@@ -28,6 +28,7 @@ graph::NodePtr make_elementwise(const E& e, const Shape& shape, autograd::GradFn
   // Only floating tensors require grad: without a floating leaf, no backward code is
   // compiled for the expression.
   if constexpr (is_floating_v<Tout> && expr::has_floating_leaf_v<E>) {
+    if (grad_fn) expr::drop_cut_edges(k, edges);  // no gradient through integer values
     if (grad_fn && autograd::any_edge(edges)) {
       // Owned through the base class: std::shared_ptr's control block is then one type
       // for every expression, not one more per expression (make_shared's would be).

@@ -54,6 +54,15 @@ namespace detail {
 /// Raised when a Tensor<T> handle's object now holds another dtype (Module::to(dtype)).
 [[noreturn]] void retyped_handle(DType handle, DType held);
 
+/// Raises the DeviceError of a gradient (`what`: "backward: gradient", ...) on device
+/// `found` for a tensor on `expected`, worded as libtorch's.
+[[noreturn]] void wrong_grad_device(const char* what, const Device& expected, const Device& found);
+
+/// Refuses in-place op `op` on `impl` when it is a leaf that requires grad and grad mode is
+/// on, as libtorch: the gradient would belong to neither value. Optimizers update such
+/// leaves under NoGradGuard. (Tensor<T> and AnyTensor share it.)
+void check_inplace(const graph::TensorImpl& impl, const char* op);
+
 /// A materialized node holding a copy of `n` host values.
 template <Element T>
 graph::NodePtr data_node(const T* src, const Shape& shape, const Device& dev) {
@@ -222,11 +231,24 @@ class Tensor {
   }
 
   /// A copy on device `dev` (this handle when already there). The value is materialized on
-  /// its own device first, then copied into a buffer of `dev`'s pool.
+  /// its own device first, then copied into a buffer of `dev`'s pool. Differentiable, as in
+  /// libtorch: when this tensor requires grad, the copy's grad_fn is ToCopyBackward0, which
+  /// copies the gradient back to this tensor's device.
   Tensor to(const Device& dev) const {
     if (dev == device()) return *this;
     const T* p = data();
-    return Tensor(detail::data_node<T>(p, shape(), dev));
+    Tensor out(detail::data_node<T>(p, shape(), dev));
+    if constexpr (is_floating_v<T>) {
+      // A dtype-free backward of the autograd node level: this layer needs no explicit rule
+      // (autograd/record.hpp sits above it), and AnyTensor::to, which calls this for every
+      // dtype, compiles no gradient kernel.
+      if (autograd::GradFnPtr e = autograd::edge_of(impl_)) {
+        auto fn = std::make_shared<autograd::ToCopyGradFn>(node()->device());
+        fn->next = {std::move(e)};
+        autograd::attach_grad_fn(*out.impl_, std::move(fn));
+      }
+    }
+    return out;
   }
 
   /// The tensor as an expression operand (with its autograd edge when it requires grad).
@@ -266,7 +288,8 @@ class Tensor {
     if (!impl_ || !impl_->autograd || !impl_->autograd->grad || !impl_->autograd->grad->node) return Tensor();
     return from_impl(impl_->autograd->grad);
   }
-  /// Replaces (or with an undefined tensor, clears) the accumulated gradient.
+  /// Replaces (or with an undefined tensor, clears) the accumulated gradient, which must have
+  /// this tensor's shape and device.
   void set_grad(const Tensor& g) {
     node();  // an undefined tensor throws here
     auto& meta = impl_->autograd_meta();
@@ -277,6 +300,8 @@ class Tensor {
     if (!(g.shape() == shape())) {
       throw ShapeError("set_grad: assigned grad has shape " + g.shape().str() + ", expected " + shape().str());
     }
+    if (g.device() != device())
+      detail::wrong_grad_device("set_grad: assigned grad", device(), g.device());
     meta.grad = g.impl_;
   }
   /// Keeps this non-leaf tensor's gradient in `.grad()` during backward. Error when the
@@ -295,7 +320,8 @@ class Tensor {
   /// A new tensor sharing this value, outside autograd (torch's detach()).
   Tensor detach() const { return Tensor(node()); }
 
-  /// Backpropagates from this tensor: `gradient` defaults to 1 for a one-element tensor.
+  /// Backpropagates from this tensor: `gradient` (of this tensor's shape and device)
+  /// defaults to 1 for a one-element tensor.
   /// Gradients accumulate into the leaves' `.grad()` as pending values; the graph is freed
   /// unless `retain_graph`.
   void backward(const Tensor& gradient = Tensor(), bool retain_graph = false) const {
@@ -307,6 +333,8 @@ class Tensor {
       if (!(gradient.shape() == shape())) {
         throw ShapeError("backward: gradient has shape " + gradient.shape().str() + ", expected " + shape().str());
       }
+      if (gradient.device() != device())
+        detail::wrong_grad_device("backward: gradient", device(), gradient.device());
       g = gradient.node();
     } else {
       if (numel() != 1) {
@@ -428,10 +456,7 @@ class Tensor {
   // libtorch refuses in-place updates of leaves that require grad while recording: the
   // gradient would belong to neither value. Optimizers update them under NoGradGuard.
   void check_inplace(const char* op) const {
-    if (autograd::is_grad_enabled() && requires_grad() && is_leaf()) {
-      throw Error(std::string(op) + ": a leaf Variable that requires grad is being used in an in-place operation "
-                  "(wrap the update in lazy::NoGradGuard)");
-    }
+    if (impl_) detail::check_inplace(*impl_, op);
   }
 
   std::shared_ptr<graph::TensorImpl> impl_;
@@ -490,6 +515,21 @@ auto eval(const Expr<Op, C...>& e) {
 LAZYTENSOR_INLINE void detail::retyped_handle(DType handle, DType held) {
   throw DTypeError("this Tensor<" + dtype_name(handle) + "> handle's tensor now holds " + dtype_name(held) +
                    " (its module was converted with to(dtype)); view it as AnyTensor(t).as<T>() of the new type");
+}
+
+LAZYTENSOR_INLINE void detail::wrong_grad_device(const char* what, const Device& expected,
+                                                 const Device& found) {
+  throw DeviceError(std::string(what) + " is on the wrong device: expected device " +
+                    expected.str() + " but got " + found.str());
+}
+
+LAZYTENSOR_INLINE void detail::check_inplace(const graph::TensorImpl& impl, const char* op) {
+  const bool leaf = !impl.autograd || !impl.autograd->grad_fn;
+  if (autograd::is_grad_enabled() && impl.requires_grad() && leaf) {
+    throw Error(std::string(op) +
+                ": a leaf Variable that requires grad is being used in an in-place operation "
+                "(wrap the update in lazy::NoGradGuard)");
+  }
 }
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 
