@@ -16376,7 +16376,8 @@ class Optimizer {
   void set_lr(double lr);
   /// Group g's rate before any scheduling (torch's param_group["initial_lr"]), once an LR
   /// scheduler recorded it: the first one built on the optimizer does, later ones read it.
-  /// Not part of state_dict(): a resumed run's schedulers record it again.
+  /// Saved by state_dict() and restored by load_state_dict() as torch's, so a scheduler
+  /// built after loading takes the run's initial rate as its base, not the loaded rate.
   std::optional<double> initial_lr(std::size_t g) const {
     const auto it = initial_lr_.find(g);
     return it == initial_lr_.end() ? std::nullopt : std::optional<double>(it->second);
@@ -16388,11 +16389,13 @@ class Optimizer {
 
   /// State tensors as "state.<i>.<name>" (i counts parameters across groups in order),
   /// step counts as "state.<i>.step", and every group's options in the metadata
-  /// ("param_groups.<g>.<option>").
+  /// ("param_groups.<g>.<option>", with "param_groups.<g>.initial_lr" once a scheduler
+  /// recorded it).
   StateDict state_dict() const;
 
   /// Restores state and options saved by state_dict() of the same kind of optimizer over
-  /// parameters of the same shapes. Checks everything before changing anything.
+  /// parameters of the same shapes, and each group's initial_lr where one was saved (a
+  /// group saved without one keeps its own). Checks everything before changing anything.
   void load_state_dict(const StateDict& sd);
 
  protected:
@@ -16589,6 +16592,9 @@ LAZYTENSOR_INLINE StateDict Optimizer::state_dict() const {
       sd.insert("state." + std::to_string(i) + ".step", scalar_step(it->second.step));
     }
     for (const auto& [name, v] : options_of(g)) sd.metadata()["param_groups." + std::to_string(g) + "." + name] = v;
+    if (const auto init = initial_lr(g))
+      sd.metadata()["param_groups." + std::to_string(g) + ".initial_lr"] =
+          detail::format_option(*init);
   }
   sd.metadata()["optimizer"] = type_name();
   return sd;
@@ -16601,11 +16607,17 @@ LAZYTENSOR_INLINE void Optimizer::load_state_dict(const StateDict& sd) {
   }
   // Every group's options, checked before anything changes.
   std::vector<std::map<std::string, std::string>> group_options(num_param_groups());
+  // initial_lr belongs to the schedulers, not to the optimizer's options.
+  std::vector<std::optional<double>> initial(num_param_groups());
   for (std::size_t g = 0; g < num_param_groups(); ++g) {
     const std::string prefix = "param_groups." + std::to_string(g) + ".";
     for (const auto& [k, v] : sd.metadata())
       if (k.rfind(prefix, 0) == 0) group_options[g][k.substr(prefix.size())] = v;
     try {
+      if (group_options[g].count("initial_lr")) {
+        initial[g] = detail::parse_option(group_options[g], "initial_lr");
+        group_options[g].erase("initial_lr");
+      }
       check_options_of(g, group_options[g]);
     } catch (const Error& e) {
       throw Error("Optimizer::load_state_dict: group " + std::to_string(g) + ": " + e.what());
@@ -16654,7 +16666,10 @@ LAZYTENSOR_INLINE void Optimizer::load_state_dict(const StateDict& sd) {
       if (any) loaded[key(g, k)] = std::move(st);
     }
   }
-  for (std::size_t g = 0; g < num_param_groups(); ++g) set_options_of(g, group_options[g]);
+  for (std::size_t g = 0; g < num_param_groups(); ++g) {
+    set_options_of(g, group_options[g]);
+    if (initial[g]) initial_lr_[g] = *initial[g];
+  }
   state_ = std::move(loaded);
 }
 
@@ -27853,11 +27868,20 @@ LAZYTENSOR_OPTIM_ADAM_INSTANCES(extern)
 // _get_closed_form_lr), from each group's initial rate: recorded on the optimizer by the
 // first scheduler built on it (torch's param_group["initial_lr"]), read by later ones.
 // The rate is a scalar of the update kernels: a new rate never changes the plan.
+// ChainedScheduler and SequentialLR compose schedulers built on one optimizer, as torch's.
+// state_dict / load_state_dict save and restore a scheduler's own state (its step, initial
+// and last rates), never the optimizer's rates: those come back with the optimizer's
+// state dict, as in torch.
 
+#include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdint>
+#include <map>
+#include <memory>
 #include <numbers>
 #include <string>
+#include <system_error>
 #include <vector>
 
 
@@ -27874,15 +27898,24 @@ class LRScheduler {
   virtual ~LRScheduler() = default;
   /// Advances one step (one epoch, usually): multiplies every group's current rate by this
   /// step's factor.
-  void step();
+  LAZYTENSOR_INLINE virtual void step();
   /// The rates this scheduler set at its last step (or construction), as torch's get_last_lr;
   /// the optimizer's may differ since (another scheduler, or set_lr).
   std::vector<double> get_last_lr() const { return last_; }
   /// Steps taken so far.
   std::int64_t last_epoch() const { return count_; }
-  /// Continues from `steps` steps taken (a resumed run): sets the closed-form rates of that
-  /// step from the initial rates, whatever the current ones.
-  void set_last_epoch(std::int64_t steps);
+  /// Continues from `steps` steps taken: sets the closed-form rates of that step from the
+  /// initial rates, whatever the current ones.
+  LAZYTENSOR_INLINE virtual void set_last_epoch(std::int64_t steps);
+  /// The optimizer this scheduler sets the rates of.
+  Optimizer& optimizer() const { return opt_; }
+  /// The scheduler's state as text (torch's state_dict without the optimizer):
+  /// "last_epoch", and per group "base_lrs.<g>" and "last_lr.<g>".
+  LAZYTENSOR_INLINE virtual std::map<std::string, std::string> state_dict() const;
+  /// Restores what state_dict() saved (Error naming a missing or malformed entry). The
+  /// optimizer's rates are left alone: a resumed run restores them with the optimizer's
+  /// state dict, so that schedulers chained on one optimizer all continue (torch's order).
+  LAZYTENSOR_INLINE virtual void load_state_dict(const std::map<std::string, std::string>& state);
 
  protected:
   /// The rate after step `s` of a group at rate `lr` with initial rate `base` (torch's
@@ -27892,17 +27925,106 @@ class LRScheduler {
   virtual double closed_form(double base, std::int64_t s) const = 0;
   /// Records the initial rates and sets the rates of step 0: the last line of a derived
   /// constructor, after its checks, so a refused scheduler leaves the optimizer alone.
-  void start();
+  void start() { LRScheduler::initial_step(); }
+  /// Step 0 again from the current rates (torch's _initial_step): what construction does,
+  /// and what SequentialLR asks of its first scheduler.
+  LAZYTENSOR_INLINE virtual void initial_step();
+  /// Sets every group's rate back to its initial rate (or keeps it, for a group no
+  /// scheduler has met): where a composite replays its schedulers from.
+  void reset_to_initial_rates();
+  /// The optimizer's current rates, as last rates.
+  void record_current_rates();
+
+  std::vector<double> last_;
+  std::int64_t count_ = 0;
 
  private:
+  friend class ChainedScheduler;
+  friend class SequentialLR;
   /// Initial rates of the groups not seen yet (torch's setdefault of "initial_lr").
   void adopt_groups();
   void record_last();
 
   Optimizer& opt_;
   std::vector<double> base_;
-  std::vector<double> last_;
-  std::int64_t count_ = 0;
+};
+
+namespace detail {
+/// The optimizer of the schedulers a composite takes (`given`, or the first scheduler's):
+/// Error when there is none, one is empty, or one sets another optimizer's rates.
+Optimizer& composite_optimizer(const std::vector<std::shared_ptr<LRScheduler>>& schedulers,
+                               Optimizer* given, const std::string& who);
+/// Entry `key` of a scheduler's saved state as an integer / a number (Error naming `who`).
+std::int64_t scheduler_int(const std::map<std::string, std::string>& state, const std::string& key,
+                           const std::string& who);
+double scheduler_number(const std::map<std::string, std::string>& state, const std::string& key,
+                        const std::string& who);
+/// The entries of `state` under "<prefix><i>." for each i, prefix removed; Error unless
+/// there are exactly `n` of them (i = 0 .. n-1).
+std::vector<std::map<std::string, std::string>> nested_states(
+    const std::map<std::string, std::string>& state, const std::string& prefix, std::size_t n,
+    const std::string& who);
+}  // namespace detail
+
+/// torch's ChainedScheduler(schedulers, optimizer): step() steps every scheduler in turn,
+/// so their factors multiply. The schedulers must all set one optimizer's rates.
+class ChainedScheduler : public LRScheduler {
+ public:
+  /// Chains `schedulers` (at least one, all on one optimizer: `optimizer` when given);
+  /// their constructions already set the rates of step 0, so this changes no rate.
+  explicit ChainedScheduler(std::vector<std::shared_ptr<LRScheduler>> schedulers,
+                            Optimizer* optimizer = nullptr);
+  /// Steps every scheduler in order.
+  LAZYTENSOR_INLINE void step() override;
+  /// The rates after `steps` steps of the chain: each scheduler restarted from the initial
+  /// rates in order, then stepped `steps` times (a replay, so it is exactly the run's).
+  LAZYTENSOR_INLINE void set_last_epoch(std::int64_t steps) override;
+  /// "last_epoch", "last_lr.<g>" and each scheduler's state under "_schedulers.<i>.".
+  LAZYTENSOR_INLINE std::map<std::string, std::string> state_dict() const override;
+  LAZYTENSOR_INLINE void load_state_dict(const std::map<std::string, std::string>& state) override;
+  /// The chained schedulers.
+  const std::vector<std::shared_ptr<LRScheduler>>& schedulers() const { return schedulers_; }
+
+ protected:
+  // (step and set_last_epoch are the schedulers': these are never called.)
+  double chained(double lr, double, std::int64_t) const override { return lr; }
+  double closed_form(double base, std::int64_t) const override { return base; }
+  LAZYTENSOR_INLINE void initial_step() override;
+
+ private:
+  std::vector<std::shared_ptr<LRScheduler>> schedulers_;
+};
+
+/// torch's SequentialLR(optimizer, schedulers, milestones): schedulers[0] sets the rates
+/// until step milestones[0], schedulers[1] until milestones[1], and so on. Construction
+/// puts the rates back to the initial rates and runs only the first scheduler's step 0;
+/// at a milestone the next scheduler starts at its step 0 in closed form (torch's
+/// step(0)), so it starts from the initial rates, not where the previous one left them.
+class SequentialLR : public LRScheduler {
+ public:
+  /// `schedulers` (at least one, all on `optimizer`) and `milestones` (one fewer,
+  /// non-decreasing); Error naming what was expected and found otherwise.
+  SequentialLR(Optimizer& optimizer, std::vector<std::shared_ptr<LRScheduler>> schedulers,
+               std::vector<std::int64_t> milestones);
+  /// One step of the scheduler whose interval holds the new step count.
+  LAZYTENSOR_INLINE void step() override;
+  /// The rates after `steps` steps (a replay from construction, exactly the run's).
+  LAZYTENSOR_INLINE void set_last_epoch(std::int64_t steps) override;
+  /// "last_epoch", "last_lr.<g>", "_milestones.<j>" and each scheduler's state under
+  /// "_schedulers.<i>.".
+  LAZYTENSOR_INLINE std::map<std::string, std::string> state_dict() const override;
+  LAZYTENSOR_INLINE void load_state_dict(const std::map<std::string, std::string>& state) override;
+  const std::vector<std::shared_ptr<LRScheduler>>& schedulers() const { return schedulers_; }
+  const std::vector<std::int64_t>& milestones() const { return milestones_; }
+
+ protected:
+  double chained(double lr, double, std::int64_t) const override { return lr; }
+  double closed_form(double base, std::int64_t) const override { return base; }
+  LAZYTENSOR_INLINE void initial_step() override;
+
+ private:
+  std::vector<std::shared_ptr<LRScheduler>> schedulers_;
+  std::vector<std::int64_t> milestones_;
 };
 
 /// Every step_size steps, lr *= gamma (closed form: base * gamma^(floor(step / step_size))).
@@ -27968,10 +28090,49 @@ LAZYTENSOR_INLINE void LRScheduler::set_last_epoch(std::int64_t steps) {
   record_last();
 }
 
-LAZYTENSOR_INLINE void LRScheduler::start() {
+LAZYTENSOR_INLINE void LRScheduler::initial_step() {
+  count_ = 0;
   adopt_groups();
   for (std::size_t g = 0; g < base_.size(); ++g) opt_.set_lr(chained(opt_.lr(g), base_[g], 0), g);
   record_last();
+}
+
+LAZYTENSOR_INLINE std::map<std::string, std::string> LRScheduler::state_dict() const {
+  std::map<std::string, std::string> s;
+  s["last_epoch"] = std::to_string(count_);
+  for (std::size_t g = 0; g < base_.size(); ++g)
+    s["base_lrs." + std::to_string(g)] = detail::format_option(base_[g]);
+  for (std::size_t g = 0; g < last_.size(); ++g)
+    s["last_lr." + std::to_string(g)] = detail::format_option(last_[g]);
+  return s;
+}
+
+LAZYTENSOR_INLINE void LRScheduler::load_state_dict(
+    const std::map<std::string, std::string>& state) {
+  const std::string who = "LRScheduler::load_state_dict";
+  const std::int64_t count = detail::scheduler_int(state, "last_epoch", who);
+  std::vector<double> base, last;
+  for (std::size_t g = 0; state.count("base_lrs." + std::to_string(g)); ++g)
+    base.push_back(detail::scheduler_number(state, "base_lrs." + std::to_string(g), who));
+  for (std::size_t g = 0; state.count("last_lr." + std::to_string(g)); ++g)
+    last.push_back(detail::scheduler_number(state, "last_lr." + std::to_string(g), who));
+  if (base.size() > opt_.num_param_groups())
+    throw Error(who + ": expected initial rates of at most " +
+                std::to_string(opt_.num_param_groups()) +
+                " parameter groups (the optimizer's), found " + std::to_string(base.size()));
+  count_ = count;
+  base_ = std::move(base);
+  last_ = std::move(last);
+}
+
+LAZYTENSOR_INLINE void LRScheduler::reset_to_initial_rates() {
+  for (std::size_t g = 0; g < opt_.num_param_groups(); ++g)
+    if (const auto init = opt_.initial_lr(g)) opt_.set_lr(*init, g);
+}
+
+LAZYTENSOR_INLINE void LRScheduler::record_current_rates() {
+  last_.clear();
+  for (std::size_t g = 0; g < opt_.num_param_groups(); ++g) last_.push_back(opt_.lr(g));
 }
 
 LAZYTENSOR_INLINE void LRScheduler::adopt_groups() {
@@ -27984,6 +28145,204 @@ LAZYTENSOR_INLINE void LRScheduler::adopt_groups() {
 LAZYTENSOR_INLINE void LRScheduler::record_last() {
   last_.clear();
   for (std::size_t g = 0; g < base_.size(); ++g) last_.push_back(opt_.lr(g));
+}
+
+namespace detail {
+LAZYTENSOR_INLINE Optimizer& composite_optimizer(
+    const std::vector<std::shared_ptr<LRScheduler>>& schedulers, Optimizer* given,
+    const std::string& who) {
+  if (schedulers.empty()) throw Error(who + ": expected at least one scheduler, got none");
+  for (std::size_t i = 0; i < schedulers.size(); ++i)
+    if (!schedulers[i]) throw Error(who + ": scheduler " + std::to_string(i) + " is empty");
+  Optimizer& opt = given ? *given : schedulers[0]->optimizer();
+  for (std::size_t i = 0; i < schedulers.size(); ++i) {
+    if (&schedulers[i]->optimizer() != &opt)
+      throw Error(
+          who + ": expected every scheduler to set the rates of " +
+          (given ? std::string("the given optimizer") : std::string("scheduler 0's optimizer")) +
+          " (a " + opt.name() + "), found scheduler " + std::to_string(i) +
+          " on another optimizer (a " + schedulers[i]->optimizer().name() + ")");
+  }
+  return opt;
+}
+
+LAZYTENSOR_INLINE std::int64_t scheduler_int(const std::map<std::string, std::string>& state,
+                                             const std::string& key, const std::string& who) {
+  const auto it = state.find(key);
+  if (it == state.end()) throw Error(who + ": expected an entry \"" + key + "\", found none");
+  std::int64_t v = 0;
+  const auto r = std::from_chars(it->second.data(), it->second.data() + it->second.size(), v);
+  if (r.ec != std::errc() || r.ptr != it->second.data() + it->second.size())
+    throw Error(who + ": expected an integer in \"" + key + "\", found \"" + it->second + "\"");
+  return v;
+}
+
+LAZYTENSOR_INLINE double scheduler_number(const std::map<std::string, std::string>& state,
+                                          const std::string& key, const std::string& who) {
+  const auto it = state.find(key);
+  if (it == state.end()) throw Error(who + ": expected an entry \"" + key + "\", found none");
+  double v = 0;
+  const auto r = std::from_chars(it->second.data(), it->second.data() + it->second.size(), v);
+  if (r.ec != std::errc() || r.ptr != it->second.data() + it->second.size())
+    throw Error(who + ": expected a number in \"" + key + "\", found \"" + it->second + "\"");
+  return v;
+}
+
+LAZYTENSOR_INLINE std::vector<std::map<std::string, std::string>> nested_states(
+    const std::map<std::string, std::string>& state, const std::string& prefix, std::size_t n,
+    const std::string& who) {
+  std::vector<std::map<std::string, std::string>> out(n);
+  std::size_t found = 0;
+  for (const auto& [k, v] : state) {
+    if (k.rfind(prefix, 0) != 0) continue;
+    const auto dot = k.find('.', prefix.size());
+    std::size_t i = 0;
+    const auto r = std::from_chars(k.data() + prefix.size(),
+                                   k.data() + (dot == std::string::npos ? k.size() : dot), i);
+    if (r.ec != std::errc() || dot == std::string::npos || r.ptr != k.data() + dot)
+      throw Error(who + ": expected \"" + prefix + "<index>.<name>\", found \"" + k + "\"");
+    found = std::max(found, i + 1);
+    if (i < n) out[i][k.substr(dot + 1)] = v;
+  }
+  if (found != n)
+    throw Error(who + ": expected the states of " + std::to_string(n) + " schedulers, found " +
+                std::to_string(found));
+  return out;
+}
+}  // namespace detail
+
+LAZYTENSOR_INLINE ChainedScheduler::ChainedScheduler(
+    std::vector<std::shared_ptr<LRScheduler>> schedulers, Optimizer* optimizer)
+    : LRScheduler(detail::composite_optimizer(schedulers, optimizer, "ChainedScheduler")),
+      schedulers_(std::move(schedulers)) {
+  record_current_rates();
+}
+
+LAZYTENSOR_INLINE void ChainedScheduler::step() {
+  ++count_;
+  for (const auto& s : schedulers_) s->step();
+  record_current_rates();
+}
+
+LAZYTENSOR_INLINE void ChainedScheduler::set_last_epoch(std::int64_t steps) {
+  if (steps < 0)
+    throw Error("ChainedScheduler::set_last_epoch: steps must be >= 0, got " +
+                std::to_string(steps));
+  reset_to_initial_rates();
+  initial_step();
+  for (std::int64_t i = 0; i < steps; ++i) step();
+}
+
+LAZYTENSOR_INLINE void ChainedScheduler::initial_step() {
+  count_ = 0;
+  for (const auto& s : schedulers_) s->initial_step();
+  record_current_rates();
+}
+
+LAZYTENSOR_INLINE std::map<std::string, std::string> ChainedScheduler::state_dict() const {
+  std::map<std::string, std::string> s;
+  s["last_epoch"] = std::to_string(count_);
+  for (std::size_t g = 0; g < last_.size(); ++g)
+    s["last_lr." + std::to_string(g)] = detail::format_option(last_[g]);
+  for (std::size_t i = 0; i < schedulers_.size(); ++i)
+    for (const auto& [k, v] : schedulers_[i]->state_dict())
+      s["_schedulers." + std::to_string(i) + "." + k] = v;
+  return s;
+}
+
+LAZYTENSOR_INLINE void ChainedScheduler::load_state_dict(
+    const std::map<std::string, std::string>& state) {
+  const std::string who = "ChainedScheduler::load_state_dict";
+  const std::int64_t count = detail::scheduler_int(state, "last_epoch", who);
+  const auto nested = detail::nested_states(state, "_schedulers.", schedulers_.size(), who);
+  std::vector<double> last;
+  for (std::size_t g = 0; state.count("last_lr." + std::to_string(g)); ++g)
+    last.push_back(detail::scheduler_number(state, "last_lr." + std::to_string(g), who));
+  for (std::size_t i = 0; i < schedulers_.size(); ++i) schedulers_[i]->load_state_dict(nested[i]);
+  count_ = count;
+  last_ = std::move(last);
+}
+
+LAZYTENSOR_INLINE SequentialLR::SequentialLR(Optimizer& optimizer,
+                                             std::vector<std::shared_ptr<LRScheduler>> schedulers,
+                                             std::vector<std::int64_t> milestones)
+    : LRScheduler(detail::composite_optimizer(schedulers, &optimizer, "SequentialLR")),
+      schedulers_(std::move(schedulers)),
+      milestones_(std::move(milestones)) {
+  if (milestones_.size() + 1 != schedulers_.size())
+    throw Error("SequentialLR: expected one milestone fewer than schedulers (" +
+                std::to_string(schedulers_.size() - 1) + " for " +
+                std::to_string(schedulers_.size()) + " schedulers), found " +
+                std::to_string(milestones_.size()));
+  // (torch looks the interval up by bisection, which needs them in order.)
+  for (std::size_t j = 1; j < milestones_.size(); ++j)
+    if (milestones_[j] < milestones_[j - 1])
+      throw Error("SequentialLR: expected non-decreasing milestones, found " +
+                  std::to_string(milestones_[j - 1]) + " before " + std::to_string(milestones_[j]));
+  initial_step();
+}
+
+LAZYTENSOR_INLINE void SequentialLR::initial_step() {
+  // torch's construction: the rates back to the initial ones, the steps the schedulers'
+  // constructions took undone, then step 0 of the first scheduler only.
+  reset_to_initial_rates();
+  count_ = 0;
+  for (const auto& s : schedulers_) s->count_ = -1;
+  schedulers_[0]->initial_step();
+  last_ = schedulers_[0]->get_last_lr();
+}
+
+LAZYTENSOR_INLINE void SequentialLR::step() {
+  ++count_;
+  const auto idx = static_cast<std::size_t>(
+      std::upper_bound(milestones_.begin(), milestones_.end(), count_) - milestones_.begin());
+  LRScheduler& s = *schedulers_[idx];
+  if (idx > 0 && milestones_[idx - 1] == count_) {
+    s.set_last_epoch(0);
+  } else {
+    s.step();
+  }
+  last_ = s.get_last_lr();
+}
+
+LAZYTENSOR_INLINE void SequentialLR::set_last_epoch(std::int64_t steps) {
+  if (steps < 0)
+    throw Error("SequentialLR::set_last_epoch: steps must be >= 0, got " + std::to_string(steps));
+  initial_step();
+  for (std::int64_t i = 0; i < steps; ++i) step();
+}
+
+LAZYTENSOR_INLINE std::map<std::string, std::string> SequentialLR::state_dict() const {
+  std::map<std::string, std::string> s;
+  s["last_epoch"] = std::to_string(count_);
+  for (std::size_t g = 0; g < last_.size(); ++g)
+    s["last_lr." + std::to_string(g)] = detail::format_option(last_[g]);
+  for (std::size_t j = 0; j < milestones_.size(); ++j)
+    s["_milestones." + std::to_string(j)] = std::to_string(milestones_[j]);
+  for (std::size_t i = 0; i < schedulers_.size(); ++i)
+    for (const auto& [k, v] : schedulers_[i]->state_dict())
+      s["_schedulers." + std::to_string(i) + "." + k] = v;
+  return s;
+}
+
+LAZYTENSOR_INLINE void SequentialLR::load_state_dict(
+    const std::map<std::string, std::string>& state) {
+  const std::string who = "SequentialLR::load_state_dict";
+  const std::int64_t count = detail::scheduler_int(state, "last_epoch", who);
+  const auto nested = detail::nested_states(state, "_schedulers.", schedulers_.size(), who);
+  std::vector<std::int64_t> milestones;
+  for (std::size_t j = 0; state.count("_milestones." + std::to_string(j)); ++j)
+    milestones.push_back(detail::scheduler_int(state, "_milestones." + std::to_string(j), who));
+  if (milestones.size() != milestones_.size())
+    throw Error(who + ": expected " + std::to_string(milestones_.size()) + " milestones, found " +
+                std::to_string(milestones.size()));
+  std::vector<double> last;
+  for (std::size_t g = 0; state.count("last_lr." + std::to_string(g)); ++g)
+    last.push_back(detail::scheduler_number(state, "last_lr." + std::to_string(g), who));
+  for (std::size_t i = 0; i < schedulers_.size(); ++i) schedulers_[i]->load_state_dict(nested[i]);
+  count_ = count;
+  milestones_ = std::move(milestones);
+  last_ = std::move(last);
 }
 
 LAZYTENSOR_INLINE StepLR::StepLR(Optimizer& opt, std::int64_t step_size, double gamma)
@@ -30908,8 +31267,12 @@ LAZYTENSOR_INLINE void CSVLogger::save() {
 // a monitored value (or the latest ones without a monitor), and with save_last also writes
 // last.safetensors each time. Files are named from the `filename` template
 // ("{epoch}-{step}" gives "epoch=3-step=1200.safetensors"; "{val_loss:.2f}" a monitored
-// value). Every replica calls the hooks; global rank zero's choice of file is broadcast, so
-// the replicas agree even on values they did not sync, and only rank zero writes.
+// value). A name an earlier run's file holds gets -v1, -v2, ... (last.safetensors too:
+// last-v1.safetensors), unless enable_version_counter is off. Every replica calls the
+// hooks; global rank zero's choice of file is broadcast, so the replicas agree even on
+// values they did not sync, and only rank zero writes.
+
+#include <sys/stat.h>
 
 #include <cmath>
 #include <cstdint>
@@ -30919,6 +31282,8 @@ LAZYTENSOR_INLINE void CSVLogger::save() {
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 // ---- begin lazytensor/train/trainer.hpp ----
 // train::Trainer, Lightning's: it runs a LightningModule's training, validation, test and
@@ -30961,6 +31326,7 @@ LAZYTENSOR_INLINE void CSVLogger::save() {
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 // ---- begin lazytensor/train/metrics.hpp ----
 // What LightningModule::log records, and how the Trainer reads it (Lightning's logger
@@ -31260,14 +31626,27 @@ namespace lazy::train {
 
 class Trainer;
 
-/// What configure_optimizers returns: the optimizer, and optionally a learning-rate
-/// scheduler stepped every `frequency` epochs (`interval` "epoch") or optimizer steps
-/// ("step"), as Lightning's lr_scheduler config dict.
+/// One learning-rate scheduler and when the Trainer steps it: every `frequency` epochs
+/// (`interval` "epoch") or optimizer steps ("step"), as Lightning's lr_scheduler config
+/// dict.
+struct SchedulerConfig {
+  std::shared_ptr<optim::LRScheduler> scheduler;
+  std::string interval = "epoch";
+  std::int64_t frequency = 1;
+};
+
+/// What configure_optimizers returns: the optimizer, and optionally learning-rate
+/// schedulers on it: `lr_scheduler` with `interval` and `frequency` (Lightning's
+/// {"optimizer": ..., "lr_scheduler": {...}}), and any number more in `lr_schedulers`
+/// (Lightning's `return [optimizer], [scheduler, ...]`). The Trainer steps each at its own
+/// interval and frequency, in that order. (One optimizer: Lightning trains several only
+/// with manual optimization, which lazytensor's Trainer does not have.)
 struct OptimizerConfig {
   std::shared_ptr<optim::Optimizer> optimizer;
   std::shared_ptr<optim::LRScheduler> lr_scheduler = nullptr;
   std::string interval = "epoch";
   std::int64_t frequency = 1;
+  std::vector<SchedulerConfig> lr_schedulers = {};
 };
 
 namespace detail {
@@ -31765,6 +32144,7 @@ struct ReplicaRun {
   std::vector<std::shared_ptr<Callback>> callbacks;  // this replica's copies
   std::vector<bool> shared_callback;                 // no copy: hooks on rank zero only
   OptimizerConfig optim;
+  std::vector<SchedulerConfig> schedulers;  // optim's, in stepping order
   bool should_stop = false;
   Loop stage = Loop::Train;
   bool running = false;                 // inside a loop
@@ -31790,9 +32170,17 @@ std::shared_ptr<Logger> make_default_logger(const TrainerOptions& options);
 /// The strategy an option names.
 template <class = void>
 std::shared_ptr<Strategy> make_strategy(const TrainerOptions& options);
-/// The checkpoint "last" names: the last one a ModelCheckpoint among `callbacks` wrote (or
-/// would write) (defined in train/model_checkpoint.hpp); empty when there is none.
-std::string last_checkpoint_path(const std::vector<std::shared_ptr<Callback>>& callbacks);
+/// The checkpoint ckpt_path "last" resumes (Lightning's `_find_last_checkpoints` of every
+/// ModelCheckpoint among `callbacks`, then the newest by modification time): of the files
+/// "last*.safetensors" in their directories (`default_dir` for one whose directory is not
+/// resolved yet), the most recently modified; empty when there is none (defined in
+/// train/model_checkpoint.hpp).
+std::string last_checkpoint_path(const std::vector<std::shared_ptr<Callback>>& callbacks,
+                                 const std::string& default_dir);
+/// Checks that no two stateful callbacks share a state_key; `states` holds each callback's
+/// state_dict(), in order.
+void check_state_keys(const std::vector<std::shared_ptr<Callback>>& callbacks,
+                      const std::vector<std::map<std::string, std::string>>& states);
 /// Text of a double that reads back as the same double.
 std::string double_text(double x);
 /// The double `text` holds (Error naming `what` otherwise).
@@ -31816,7 +32204,8 @@ class Trainer {
   // ---- the loops (train/loops.hpp) -------------------------------------------------------
 
   /// Trains `module` on `train` (validating on `val` when given). `ckpt_path` resumes from
-  /// a checkpoint file, or "last" (the last checkpoint of the run's ModelCheckpoint).
+  /// a checkpoint file, or "last" (the most recently modified last*.safetensors in a
+  /// ModelCheckpoint's directory, as Lightning's).
   /// With replicas, global rank zero trains `module` and every other replica a
   /// default-constructed module of the same type (its parameters made rank zero's by the
   /// strategy), each on its share of the loader's samples.
@@ -31893,10 +32282,17 @@ class Trainer {
   std::map<std::string, double> read_local_step_metrics() { return run().metrics.read_step(false).progress_bar; }
   /// The optimizer configure_optimizers returned.
   optim::Optimizer& optimizer() const;
-  /// Its learning-rate scheduler, or nullptr.
-  optim::LRScheduler* lr_scheduler() const { return run().optim.lr_scheduler.get(); }
-  /// When it steps: "epoch" or "step".
-  const std::string& lr_scheduler_interval() const { return run().optim.interval; }
+  /// The first of its learning-rate schedulers, or nullptr.
+  optim::LRScheduler* lr_scheduler() const {
+    return run().schedulers.empty() ? nullptr : run().schedulers.front().scheduler.get();
+  }
+  /// When the first scheduler steps: "epoch" or "step".
+  const std::string& lr_scheduler_interval() const {
+    return run().schedulers.empty() ? run().optim.interval : run().schedulers.front().interval;
+  }
+  /// Every scheduler configure_optimizers returned, with its interval and frequency, in
+  /// the order the Trainer steps them (Lightning's lr_scheduler_configs).
+  const std::vector<SchedulerConfig>& lr_scheduler_configs() const { return run().schedulers; }
   bool is_global_zero() const { return strategy_->is_global_zero(); }
   int world_size() const { return strategy_->world_size(); }
   int global_rank() const { return strategy_->global_rank(); }
@@ -31911,7 +32307,7 @@ class Trainer {
 
   /// Saves the run to `path` (a collective: every replica calls it): the module's state
   /// dict ("state_dict.*"), the optimizer's ("optimizer.*"), and in the metadata the
-  /// epoch and step to resume at, the scheduler's step, every callback's state, the
+  /// epoch and step to resume at, each scheduler's state, every callback's state, the
   /// hyper-parameters, the monitored values and the random state. Written by global rank
   /// zero through a temporary file, fsync and rename.
   void save_checkpoint(const std::string& path);
@@ -31966,10 +32362,12 @@ namespace detail {
 /// would write over each other's entries and restore a mix (Lightning raises too). A
 /// callback counts as stateful when it has state to save now (ModelCheckpoint and
 /// EarlyStopping always do).
-LAZYTENSOR_INLINE void check_state_keys(const std::vector<std::shared_ptr<Callback>>& callbacks) {
+LAZYTENSOR_INLINE void check_state_keys(
+    const std::vector<std::shared_ptr<Callback>>& callbacks,
+    const std::vector<std::map<std::string, std::string>>& states) {
   std::map<std::string, std::size_t> stateful;
   for (std::size_t i = 0; i < callbacks.size(); ++i) {
-    if (callbacks[i]->state_dict().empty()) continue;
+    if (states[i].empty()) continue;
     const std::string key = callbacks[i]->state_key();
     if (!stateful.emplace(key, i).second)
       throw Error("Trainer: found more than one stateful callback with the same state key \"" +
@@ -32117,7 +32515,9 @@ Trainer::Trainer(TrainerOptions options) : options_(std::move(options)) {
                                 o.enable_progress_bar);
   // Early, as Lightning does; dump_checkpoint checks again, for a callback whose state
   // appears later.
-  detail::check_state_keys(callbacks_);
+  std::vector<std::map<std::string, std::string>> states;
+  for (const auto& c : callbacks_) states.push_back(c->state_dict());
+  detail::check_state_keys(callbacks_, states);
   runs_.push_back(std::make_unique<detail::ReplicaRun>(*strategy_));
   runs_.back()->callbacks = callbacks_;
   runs_.back()->shared_callback.assign(callbacks_.size(), false);
@@ -32221,9 +32621,14 @@ LAZYTENSOR_INLINE void Trainer::call_on_exception(const std::exception& e) {
 
 LAZYTENSOR_INLINE std::string Trainer::resolve_ckpt_path(const std::string& ckpt_path) const {
   if (ckpt_path != "last") return ckpt_path;
-  const std::string last = detail::last_checkpoint_path(run().callbacks);
-  if (last.empty()) throw Error("Trainer: ckpt_path \"last\" needs a ModelCheckpoint with save_last");
-  if (!io::detail::path_exists(last)) throw Error("Trainer: ckpt_path \"last\": there is no checkpoint at '" + last + "' yet");
+  // (Lightning warns and starts afresh; a resume asked for and impossible is an error here.)
+  const std::string last =
+      detail::last_checkpoint_path(run().callbacks, log_dir() + "/checkpoints");
+  if (last.empty())
+    throw Error(
+        "Trainer: ckpt_path \"last\": expected a last*.safetensors checkpoint in the directory of "
+        "a "
+        "ModelCheckpoint (one with save_last writes it), found none");
   return last;
 }
 
@@ -32239,7 +32644,9 @@ LAZYTENSOR_INLINE StateDict Trainer::dump_checkpoint() {
     for (const auto& [name, t] : osd) sd.insert("optimizer." + name, t);
     for (const auto& [k, v] : osd.metadata()) meta["optimizer." + k] = v;
   }
-  if (r.optim.lr_scheduler) meta["lr_scheduler.last_epoch"] = std::to_string(r.optim.lr_scheduler->last_epoch());
+  for (std::size_t i = 0; i < r.schedulers.size(); ++i)
+    for (const auto& [k, v] : r.schedulers[i].scheduler->state_dict())
+      meta["lr_schedulers." + std::to_string(i) + "." + k] = v;
   // Where a resumed run starts: after a finished epoch, the next one.
   const bool epoch_done = r.epoch_finished;
   meta["epoch"] = std::to_string(r.progress.epoch + (epoch_done ? 1 : 0));
@@ -32254,10 +32661,14 @@ LAZYTENSOR_INLINE StateDict Trainer::dump_checkpoint() {
   } else {
     meta["rng_state.0"] = std::to_string(rng);
   }
-  detail::check_state_keys(r.callbacks);
+  // Each callback's state is taken once: the check and the checkpoint see the same state,
+  // and a callback whose state_dict() costs (or changes) is asked once per save.
+  std::vector<std::map<std::string, std::string>> states;
+  for (const auto& c : r.callbacks) states.push_back(c->state_dict());
+  detail::check_state_keys(r.callbacks, states);
   for (std::size_t i = 0; i < r.callbacks.size(); ++i) {
     const std::string key = "callbacks." + r.callbacks[i]->state_key() + ".";
-    for (const auto& [k, v] : r.callbacks[i]->state_dict()) meta[key + k] = v;
+    for (const auto& [k, v] : states[i]) meta[key + k] = v;
   }
   for (const auto& [k, v] : m.hparams) meta["hparams." + k] = v;
   for (const auto& [k, v] : r.metrics.callback_metrics()) meta["callback_metrics." + k] = detail::double_text(v);
@@ -32292,7 +32703,31 @@ LAZYTENSOR_INLINE void Trainer::restore_checkpoint(const StateDict& ckpt, bool t
   m.load_state_dict(strip("state_dict.", false));
   if (training_state) {
     if (r.optim.optimizer) r.optim.optimizer->load_state_dict(strip("optimizer.", true));
-    if (r.optim.lr_scheduler) r.optim.lr_scheduler->set_last_epoch(number("lr_scheduler.last_epoch"));
+    // Each scheduler's own state; the rates came back with the optimizer's (torch's order).
+    // A checkpoint of before keeps one scheduler's step, "lr_scheduler.last_epoch".
+    std::size_t saved = 0;
+    for (const auto& [k, v] : meta)
+      if (k.rfind("lr_schedulers.", 0) == 0)
+        saved = std::max<std::size_t>(saved,
+                                      detail::parse_int(k.substr(14, k.find('.', 14) - 14),
+                                                        "Trainer: checkpoint entry \"" + k + "\"") +
+                                          1);
+    const bool old_format = saved == 0 && meta.count("lr_scheduler.last_epoch");
+    if ((old_format ? 1 : saved) != r.schedulers.size())
+      throw Error("Trainer: the checkpoint holds the states of " +
+                  std::to_string(old_format ? 1 : saved) + " learning-rate schedulers, expected " +
+                  std::to_string(r.schedulers.size()) + " (what configure_optimizers returned)");
+    for (std::size_t i = 0; i < r.schedulers.size(); ++i) {
+      if (old_format) {
+        r.schedulers[i].scheduler->set_last_epoch(number("lr_scheduler.last_epoch"));
+        continue;
+      }
+      const std::string prefix = "lr_schedulers." + std::to_string(i) + ".";
+      std::map<std::string, std::string> state;
+      for (const auto& [k, v] : meta)
+        if (k.rfind(prefix, 0) == 0) state[k.substr(prefix.size())] = v;
+      r.schedulers[i].scheduler->load_state_dict(state);
+    }
     r.progress.epoch = number("epoch");
     r.resume_batches = number("batch");
     r.progress.global_step = number("global_step");
@@ -32346,6 +32781,9 @@ struct ModelCheckpointOptions {
   /// Save at the end of the training epoch (true) or after validation (false); default:
   /// after validation in epochs that validate.
   std::optional<bool> save_on_train_epoch_end = std::nullopt;
+  /// A new file whose name an existing file holds gets "-v1", "-v2", ... (true), or
+  /// replaces it (false); for last.safetensors, when the file there is not this run's last.
+  bool enable_version_counter = true;
 };
 
 /// Lightning's ModelCheckpoint (see the file comment).
@@ -32387,7 +32825,8 @@ class BasicModelCheckpoint : public Callback {
   std::optional<double> best_model_score() const { return best_model_score_; }
   /// The kept files and their monitored values.
   const std::map<std::string, double>& best_k_models() const { return best_k_; }
-  /// The last file written as "last" ("" before).
+  /// The last file written as "last" ("" before): last.safetensors, or last-v<n> when an
+  /// earlier run's last.safetensors was there (Lightning's versioning).
   const std::string& last_model_path() const { return last_model_path_; }
   /// The file name the template gives for `metrics` (with epoch and step), without the
   /// directory; `version` > 0 appends "-v<version>" (Lightning's name for a file whose name
@@ -32408,6 +32847,10 @@ class BasicModelCheckpoint : public Callback {
   /// name exists, unless it is `replacing` (the file this save takes the place of).
   std::string new_file_path(const std::map<std::string, double>& metrics,
                             const std::string& replacing) const;
+  /// The path of this save's "last": last.safetensors, or while a file of that name exists
+  /// that is not this run's last_model_path, last-v1, last-v2, ... (Lightning's
+  /// _save_last_checkpoint).
+  std::string last_file_path() const;
   /// Whether this training epoch's end saves by default (save_on_train_epoch_end unset).
   bool saves_at_epoch_end(const Trainer& trainer) const;
   /// `value` of the template field `name` formatted by `spec` (see format_checkpoint_name).
@@ -32582,8 +33025,18 @@ std::string BasicModelCheckpoint<V>::new_file_path(const std::map<std::string, d
   for (int version = 0;; ++version) {
     const std::string path =
         dirpath_ + "/" + format_checkpoint_name(metrics, version) + kFileExtension;
-    if (path == replacing || !io::detail::path_exists(path)) return path;
+    if (path == replacing || !options_.enable_version_counter || !io::detail::path_exists(path))
+      return path;
   }
+}
+
+template <class V>
+std::string BasicModelCheckpoint<V>::last_file_path() const {
+  std::string path = dirpath_ + "/" + kLastName + kFileExtension;
+  if (!options_.enable_version_counter) return path;
+  for (int version = 1; path != last_model_path_ && io::detail::path_exists(path); ++version)
+    path = dirpath_ + "/" + kLastName + "-v" + std::to_string(version) + kFileExtension;
+  return path;
 }
 
 template <class V>
@@ -32701,19 +33154,27 @@ void BasicModelCheckpoint<V>::save_checkpoint(Trainer& trainer) {
       save_path = new_file_path(metrics, remove_path);
     }
   }
+  // (Decided here with the rest: a replica that looked after rank zero wrote its first
+  // last.safetensors would take it for an earlier run's and pick last-v1.)
+  std::string last = options_.save_last ? last_file_path() : std::string();
   struct Decision {
     char save[512];
     char remove[512];
+    char last[512];
     double score;
   } d{};
-  if (save_path.size() >= sizeof d.save || remove_path.size() >= sizeof d.remove)
-    throw Error("ModelCheckpoint: a checkpoint path is longer than 511 bytes: " + save_path);
+  if (save_path.size() >= sizeof d.save || remove_path.size() >= sizeof d.remove ||
+      last.size() >= sizeof d.last)
+    throw Error("ModelCheckpoint: a checkpoint path is longer than 511 bytes: " +
+                (last.size() >= sizeof d.last ? last : save_path));
   std::snprintf(d.save, sizeof d.save, "%s", save_path.c_str());
   std::snprintf(d.remove, sizeof d.remove, "%s", remove_path.c_str());
+  std::snprintf(d.last, sizeof d.last, "%s", last.c_str());
   d.score = score;
   d = trainer.strategy().broadcast(d, 0);
   save_path = d.save;
   remove_path = d.remove;
+  last = d.last;
   score = d.score;
   if (!save_path.empty()) {
     // (Evicted first: the new file may take the evicted one's name.)
@@ -32729,7 +33190,6 @@ void BasicModelCheckpoint<V>::save_checkpoint(Trainer& trainer) {
       best_model_score_ = best_k_.at(best);
     }
   }
-  const std::string last = dirpath_ + "/" + kLastName + kFileExtension;
   if (options_.save_last) last_model_path_ = last;
   // The state above is what these files hold (best paths included), as Lightning's.
   if (!save_path.empty()) {
@@ -32747,14 +33207,37 @@ void BasicModelCheckpoint<V>::save_checkpoint(Trainer& trainer) {
 }
 
 namespace detail {
-LAZYTENSOR_INLINE std::string last_checkpoint_path(const std::vector<std::shared_ptr<Callback>>& callbacks) {
+LAZYTENSOR_INLINE std::string last_checkpoint_path(
+    const std::vector<std::shared_ptr<Callback>>& callbacks, const std::string& default_dir) {
+  const std::string ext = ModelCheckpoint::kFileExtension;
+  std::string newest;
+  std::pair<long long, long long> newest_time{0, 0};
   for (const auto& c : callbacks) {
     const auto* mc = dynamic_cast<const ModelCheckpoint*>(c.get());
-    if (!mc || !mc->options().save_last) continue;
-    if (!mc->last_model_path().empty()) return mc->last_model_path();
-    if (!mc->dirpath().empty()) return mc->dirpath() + "/" + ModelCheckpoint::kLastName + ModelCheckpoint::kFileExtension;
+    if (!mc) continue;
+    const std::string dir = mc->dirpath().empty() ? default_dir : mc->dirpath();
+    for (const auto& name : io::detail::list_directory(dir)) {
+      // Lightning's pattern: a name that starts with "last" (last, last-v1, ...), of the
+      // checkpoints' extension.
+      if (name.rfind(ModelCheckpoint::kLastName, 0) != 0 || name.size() < ext.size() ||
+          name.compare(name.size() - ext.size(), ext.size(), ext) != 0)
+        continue;
+      const std::string path = dir + "/" + name;
+      struct stat st {};
+      if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
+#ifdef __APPLE__
+      const std::pair<long long, long long> t{st.st_mtimespec.tv_sec, st.st_mtimespec.tv_nsec};
+#else
+      const std::pair<long long, long long> t{st.st_mtim.tv_sec, st.st_mtim.tv_nsec};
+#endif
+      // (Ties go to the later name, so the choice does not depend on the listing's order.)
+      if (newest.empty() || t > newest_time || (t == newest_time && path > newest)) {
+        newest = path;
+        newest_time = t;
+      }
+    }
   }
-  return {};
+  return newest;
 }
 }  // namespace detail
 
@@ -33538,13 +34021,36 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
     }
     r.optim = m.configure_optimizers();
     if (!r.optim.optimizer) throw Error("Trainer: configure_optimizers returned no optimizer");
-    if (r.optim.interval != "epoch" && r.optim.interval != "step")
-      throw Error("Trainer: the scheduler's interval must be \"epoch\" or \"step\", got \"" + r.optim.interval + "\"");
-    if (r.optim.frequency < 1)
-      throw Error("Trainer: the scheduler's frequency must be >= 1, got " + std::to_string(r.optim.frequency));
     optim::Optimizer& opt = *r.optim.optimizer;
-    optim::LRScheduler* sched = r.optim.lr_scheduler.get();
-
+    r.schedulers.clear();
+    if (r.optim.lr_scheduler) {
+      r.schedulers.push_back({r.optim.lr_scheduler, r.optim.interval, r.optim.frequency});
+    } else if (r.optim.interval != "epoch" && r.optim.interval != "step") {
+      throw Error("Trainer: the scheduler's interval must be \"epoch\" or \"step\", got \"" +
+                  r.optim.interval + "\"");
+    }
+    for (const SchedulerConfig& c : r.optim.lr_schedulers) r.schedulers.push_back(c);
+    for (std::size_t i = 0; i < r.schedulers.size(); ++i) {
+      const SchedulerConfig& c = r.schedulers[i];
+      const std::string which = "Trainer: learning-rate scheduler " + std::to_string(i);
+      if (!c.scheduler) throw Error(which + " of configure_optimizers is empty");
+      if (c.interval != "epoch" && c.interval != "step")
+        throw Error(which + ": the interval must be \"epoch\" or \"step\", got \"" + c.interval +
+                    "\"");
+      if (c.frequency < 1)
+        throw Error(which + ": the frequency must be >= 1, got " + std::to_string(c.frequency));
+      // (Lightning's _validate_optimizers_attached: its step would change rates no step uses.)
+      if (&c.scheduler->optimizer() != &opt)
+        throw Error(
+            which +
+            " sets the rates of an optimizer configure_optimizers did not return (expected its " +
+            opt.name() + ", found another " + c.scheduler->optimizer().name() + ")");
+    }
+    // Each scheduler whose interval is `interval` and whose frequency divides `count`.
+    const auto step_schedulers = [&](const char* interval, std::int64_t count) {
+      for (const SchedulerConfig& c : r.schedulers)
+        if (c.interval == interval && count % c.frequency == 0) c.scheduler->step();
+    };
 
     r.seed = get_rng_state();
     std::optional<std::uint64_t> rng_after_restore;
@@ -33627,8 +34133,7 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
         acc->optimizer_zero_grad(opt);
         accumulated = false;
         ++r.progress.global_step;
-        if (sched && r.optim.interval == "step" && r.progress.global_step % r.optim.frequency == 0)
-          sched->step();
+        step_schedulers("step", r.progress.global_step);
       };
       for (auto& batch : train_batches) {
         if (r.num_training_batches >= 0 && idx >= r.num_training_batches) break;
@@ -33693,8 +34198,7 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
         if (r.num_training_batches < 0 || idx < r.num_training_batches)
           r.num_training_batches = idx;
         r.epoch_batches_done = std::max<std::int64_t>(idx, r.num_training_batches);
-        if (sched && r.optim.interval == "epoch" && (epoch + 1) % r.optim.frequency == 0)
-          sched->step();
+        step_schedulers("epoch", epoch + 1);
         r.epoch_finished = true;  // a checkpoint from here on resumes at the next epoch
         if (val_this_epoch) {
           validate_now();
@@ -33835,8 +34339,8 @@ LAZYTENSOR_TRAIN_LOOPS_INSTANCES(extern)
 // ---- begin lazytensor/train/lr_monitor.hpp ----
 // train::LearningRateMonitor, Lightning's: sends the optimizer's learning rate(s) to the
 // logger, as "lr-<Optimizer>" ("lr-<Optimizer>/pg<i>" with several parameter groups), at
-// the start of every epoch ("epoch") or at every logging step ("step"; default: both as
-// the scheduler's interval says).
+// the start of every epoch ("epoch") or at every logging step ("step"; default: as the
+// schedulers' intervals say, at both when some step per epoch and others per step).
 
 #include <cstdint>
 #include <map>
@@ -33856,8 +34360,8 @@ class BasicLearningRateMonitor : public Callback {
   /// The usual name, which derived classes inherit (as they would a non-template base's).
   using LearningRateMonitor = BasicLearningRateMonitor;
 
-  /// `logging_interval`: "epoch", "step", or nullopt (the scheduler's interval; "epoch"
-  /// without a scheduler).
+  /// `logging_interval`: "epoch", "step", or nullopt (each interval some scheduler steps
+  /// at, as Lightning's; "epoch" without a scheduler).
   explicit BasicLearningRateMonitor(std::optional<std::string> logging_interval = std::nullopt);
 
   std::shared_ptr<Callback> clone() const override { return std::make_shared<BasicLearningRateMonitor>(*this); }
@@ -33871,7 +34375,8 @@ class BasicLearningRateMonitor : public Callback {
   static std::map<std::string, double> rates(const optim::Optimizer& optimizer);
 
  private:
-  std::string interval(const Trainer& trainer) const;
+  /// Whether the rates are logged at `interval` ("epoch" or "step").
+  bool logs_at(const Trainer& trainer, const std::string& interval) const;
   void log(Trainer& trainer);
 
   std::optional<std::string> interval_;
@@ -33903,9 +34408,14 @@ std::map<std::string, double> BasicLearningRateMonitor<V>::rates(const optim::Op
 }
 
 template <class V>
-std::string BasicLearningRateMonitor<V>::interval(const Trainer& trainer) const {
-  if (interval_) return *interval_;
-  return trainer.lr_scheduler() ? trainer.lr_scheduler_interval() : std::string("epoch");
+bool BasicLearningRateMonitor<V>::logs_at(const Trainer& trainer,
+                                          const std::string& interval) const {
+  if (interval_) return *interval_ == interval;
+  const auto& configs = trainer.lr_scheduler_configs();
+  if (configs.empty()) return interval == "epoch";
+  for (const auto& c : configs)
+    if (c.interval == interval) return true;
+  return false;
 }
 
 template <class V>
@@ -33922,12 +34432,12 @@ void BasicLearningRateMonitor<V>::log(Trainer& trainer) {
 
 template <class V>
 void BasicLearningRateMonitor<V>::on_train_epoch_start(Trainer& trainer, LightningModuleBase&) {
-  if (interval(trainer) == "epoch") log(trainer);
+  if (logs_at(trainer, "epoch")) log(trainer);
 }
 
 template <class V>
 void BasicLearningRateMonitor<V>::on_train_batch_end(Trainer& trainer, LightningModuleBase&, std::int64_t) {
-  if (interval(trainer) != "step" || trainer.global_step() == last_step_) return;
+  if (!logs_at(trainer, "step") || trainer.global_step() == last_step_) return;
   if (trainer.global_step() % trainer.options().log_every_n_steps != 0) return;
   last_step_ = trainer.global_step();
   log(trainer);

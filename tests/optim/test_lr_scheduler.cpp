@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <map>
+#include <memory>
 #include <numbers>
 #include <string>
 #include <vector>
@@ -256,6 +258,187 @@ TEST(SchedulerArguments, NonFiniteValuesAreRefused) {
   optim::CosineAnnealingLR ok2(opt, 5, 0.0);
   optim::LinearLR ok3(opt, 1.0, 0.0, 5);
   EXPECT_EQ(opt.lr(), 0.1);
+}
+
+// ---- initial_lr in the optimizer's state dict (torch's param_groups[g]["initial_lr"]) ----
+
+TEST(SchedulerResume, TheOptimizersStateDictCarriesTheInitialRate) {
+  auto opt = sgd(0.1);
+  optim::StepLR decay(opt, 2, 0.1);
+  for (int e = 1; e <= 4; ++e) decay.step();  // 0.1 -> 0.01 (step 2) -> 0.001 (step 4)
+  const lazy::StateDict saved = opt.state_dict();
+  ASSERT_TRUE(saved.metadata().count("param_groups.0.initial_lr"));
+  EXPECT_EQ(saved.metadata().at("param_groups.0.initial_lr"), "0.1");
+  // torch's resume: optimizer.load_state_dict, then a scheduler built on it takes the
+  // run's initial rate (0.1) as its base, not the loaded rate (0.001).
+  auto resumed = sgd(0.5);
+  resumed.load_state_dict(saved);
+  ASSERT_TRUE(resumed.initial_lr(0).has_value());
+  EXPECT_EQ(*resumed.initial_lr(0), 0.1);
+  EXPECT_NEAR(resumed.lr(), 0.001, 1e-15);
+  optim::StepLR again(resumed, 2, 0.1);
+  again.set_last_epoch(4);
+  EXPECT_NEAR(resumed.lr(), 0.001, 1e-15);
+  again.step();  // step 5
+  EXPECT_NEAR(resumed.lr(), 0.001, 1e-15);
+  again.step();  // step 6: 0.1 * 0.1^3
+  EXPECT_NEAR(resumed.lr(), 0.0001, 1e-16);
+}
+
+TEST(SchedulerResume, AnOptimizerWithoutSchedulerSavesNoInitialRate) {
+  auto opt = sgd(0.3);
+  EXPECT_FALSE(opt.state_dict().metadata().count("param_groups.0.initial_lr"));
+  // A group saved without one keeps the initial rate it has.
+  auto other = sgd(0.7);
+  optim::StepLR s(other, 2, 0.5);
+  other.load_state_dict(opt.state_dict());
+  EXPECT_EQ(other.lr(), 0.3);
+  EXPECT_EQ(*other.initial_lr(0), 0.7);
+  // A malformed one is refused, and nothing changes.
+  lazy::StateDict bad = opt.state_dict();
+  bad.metadata()["param_groups.0.initial_lr"] = "fast";
+  expect_error([&] { other.load_state_dict(bad); }, {"initial_lr", "fast"});
+  EXPECT_EQ(*other.initial_lr(0), 0.7);
+}
+
+// ---- ChainedScheduler and SequentialLR (torch's semantics, rates worked out by hand) ------
+
+// LinearLR(0.1 -> 1 over 3 steps) until step 3, then StepLR(2, 0.5) restarted at step 0:
+// torch's SequentialLR rates at steps 0..7 with lr 0.1.
+const std::vector<double> kSequentialRates{0.01, 0.04, 0.07, 0.1, 0.1, 0.05, 0.05, 0.025};
+
+struct Sequential {
+  optim::SGD opt = sgd(0.1);
+  std::shared_ptr<optim::LinearLR> warm = std::make_shared<optim::LinearLR>(opt, 0.1, 1.0, 3);
+  std::shared_ptr<optim::StepLR> decay = std::make_shared<optim::StepLR>(opt, 2, 0.5);
+  optim::SequentialLR seq{opt, {warm, decay}, {3}};
+};
+
+TEST(SequentialLR, SwitchesAtTheMilestoneAndRestartsTheNextSchedulerAtStepZero) {
+  Sequential s;
+  for (std::size_t e = 0; e < kSequentialRates.size(); ++e) {
+    if (e > 0) s.seq.step();
+    EXPECT_NEAR(s.opt.lr(), kSequentialRates[e], 1e-15) << "step " << e;
+    ASSERT_EQ(s.seq.get_last_lr().size(), 1u);
+    EXPECT_NEAR(s.seq.get_last_lr()[0], kSequentialRates[e], 1e-15) << "step " << e;
+    EXPECT_EQ(s.seq.last_epoch(), static_cast<int64_t>(e));
+  }
+  // The second scheduler counts from the milestone (torch's step(0) there).
+  EXPECT_EQ(s.decay->last_epoch(), 4);
+}
+
+TEST(SequentialLR, SetLastEpochAndStateDictResumeTheRun) {
+  for (std::size_t n = 0; n < kSequentialRates.size(); ++n) {
+    Sequential s;
+    s.seq.set_last_epoch(static_cast<int64_t>(n));
+    EXPECT_NEAR(s.opt.lr(), kSequentialRates[n], 1e-15) << "set_last_epoch(" << n << ")";
+  }
+  // torch's resume: a fresh optimizer and schedulers, the optimizer's state dict, then the
+  // scheduler's; stepping goes on as the uninterrupted run.
+  Sequential run;
+  for (int e = 1; e <= 4; ++e) run.seq.step();
+  const lazy::StateDict opt_state = run.opt.state_dict();
+  const std::map<std::string, std::string> state = run.seq.state_dict();
+  EXPECT_EQ(state.at("last_epoch"), "4");
+  EXPECT_EQ(state.at("_milestones.0"), "3");
+  EXPECT_EQ(state.at("_schedulers.1.last_epoch"), "1");
+  Sequential resumed;
+  resumed.opt.load_state_dict(opt_state);
+  resumed.seq.load_state_dict(state);
+  EXPECT_EQ(resumed.seq.last_epoch(), 4);
+  for (std::size_t e = 5; e < kSequentialRates.size(); ++e) {
+    resumed.seq.step();
+    EXPECT_NEAR(resumed.opt.lr(), kSequentialRates[e], 1e-15) << "step " << e;
+  }
+}
+
+TEST(SequentialLR, BadArgumentsAreRefused) {
+  auto opt = sgd(0.1);
+  auto other = sgd(0.1);
+  auto a = std::make_shared<optim::StepLR>(opt, 2, 0.5);
+  auto b = std::make_shared<optim::StepLR>(opt, 3, 0.5);
+  auto elsewhere = std::make_shared<optim::StepLR>(other, 3, 0.5);
+  expect_error([&] { optim::SequentialLR(opt, {}, {}); },
+               {"SequentialLR", "at least one scheduler"});
+  expect_error(
+      [&] {
+        optim::SequentialLR(opt, {a, b}, {});
+      },
+      {"SequentialLR", "1 for 2 schedulers", "found 0"});
+  expect_error([&] { optim::SequentialLR(opt, {a, b}, {2, 4}); }, {"SequentialLR", "found 2"});
+  expect_error(
+      [&] {
+        optim::SequentialLR(opt, {a, elsewhere}, {2});
+      },
+      {"SequentialLR", "scheduler 1"});
+  expect_error(
+      [&] {
+        optim::SequentialLR(opt, {a, nullptr}, {2});
+      },
+      {"SequentialLR", "scheduler 1", "empty"});
+  expect_error(
+      [&] {
+        optim::SequentialLR(opt, {a, b, a}, {4, 2});
+      },
+      {"SequentialLR", "non-decreasing", "4", "2"});
+  optim::SequentialLR ok(opt, {a, b}, {2});
+  expect_error(
+      [&] {
+        ok.load_state_dict({{"last_epoch", "1"}});
+      },
+      {"SequentialLR", "2 schedulers", "found 0"});
+}
+
+TEST(ChainedScheduler, StepsEverySchedulerSoTheirFactorsMultiply) {
+  // LinearLR(0.5 -> 1 over 2 steps) and StepLR(1, 0.9) (an ExponentialLR(0.9)) on lr 1:
+  // torch's ChainedScheduler gives 0.9^e * (0.5, 0.75, 1, 1, ...)[e].
+  const std::vector<double> want{0.5, 0.675, 0.81, 0.729, 0.6561, 0.59049};
+  auto opt = sgd(1.0);
+  auto warm = std::make_shared<optim::LinearLR>(opt, 0.5, 1.0, 2);
+  auto decay = std::make_shared<optim::StepLR>(opt, 1, 0.9);
+  optim::ChainedScheduler chain({warm, decay});
+  for (std::size_t e = 0; e < want.size(); ++e) {
+    if (e > 0) chain.step();
+    EXPECT_NEAR(opt.lr(), want[e], 1e-14) << "step " << e;
+    EXPECT_NEAR(chain.get_last_lr().at(0), want[e], 1e-14) << "step " << e;
+  }
+  // Resumed by the scheduler's state dict (after the optimizer's), or by set_last_epoch.
+  const lazy::StateDict opt_state = opt.state_dict();
+  const auto state = chain.state_dict();
+  EXPECT_EQ(state.at("_schedulers.0.last_epoch"), "5");
+  auto opt2 = sgd(1.0);
+  optim::ChainedScheduler chain2({std::make_shared<optim::LinearLR>(opt2, 0.5, 1.0, 2),
+                                  std::make_shared<optim::StepLR>(opt2, 1, 0.9)},
+                                 &opt2);
+  opt2.load_state_dict(opt_state);
+  chain2.load_state_dict(state);
+  chain2.step();
+  EXPECT_NEAR(opt2.lr(), 0.531441, 1e-14);
+  for (std::size_t n = 0; n < want.size(); ++n) {
+    chain2.set_last_epoch(static_cast<int64_t>(n));
+    EXPECT_NEAR(opt2.lr(), want[n], 1e-14) << "set_last_epoch(" << n << ")";
+  }
+}
+
+TEST(ChainedScheduler, BadArgumentsAreRefused) {
+  auto opt = sgd(0.1);
+  auto other = sgd(0.1);
+  auto a = std::make_shared<optim::StepLR>(opt, 2, 0.5);
+  auto b = std::make_shared<optim::StepLR>(other, 2, 0.5);
+  expect_error([] { optim::ChainedScheduler(std::vector<std::shared_ptr<optim::LRScheduler>>{}); },
+               {"ChainedScheduler", "at least one scheduler"});
+  expect_error(
+      [&] {
+        optim::ChainedScheduler({a, b});
+      },
+      {"ChainedScheduler", "scheduler 1", "another optimizer"});
+  expect_error([&] { optim::ChainedScheduler({a}, &other); }, {"ChainedScheduler", "scheduler 0"});
+  optim::ChainedScheduler ok({a});
+  expect_error(
+      [&] {
+        ok.load_state_dict({{"last_epoch", "x"}});
+      },
+      {"ChainedScheduler", "last_epoch", "x"});
 }
 
 }  // namespace

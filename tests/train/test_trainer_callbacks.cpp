@@ -7,8 +7,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <map>
@@ -263,6 +265,60 @@ TEST(ModelCheckpoint, ATakenNameGetsAVersionAndNaNRanksWorst) {
             "epoch=3-val_loss=inf-missing=0");
   EXPECT_EQ(names.format_checkpoint_name({{"epoch", 3}, {"val_loss", 1e30}}, 2),
             "epoch=3-val_loss=1e+30-missing=0-v2");
+}
+
+TEST(ModelCheckpoint, AnEarlierRunsLastGetsAVersionAndLastResumesTheNewest) {
+  auto loader = lazy::data::make_data_loader(make_dataset(16), {.batch_size = 8});
+  const std::string dir = temp_dir("last_versions");
+  struct Run {
+    std::shared_ptr<train::ModelCheckpoint> ck;
+    std::int64_t steps = 0, global_step = 0;
+  };
+  auto run = [&](std::int64_t epochs, const std::string& ckpt, bool versions = true) {
+    Classifier m;
+    Run r{std::make_shared<train::ModelCheckpoint>(train::ModelCheckpointOptions{
+        .dirpath = dir, .save_last = true, .enable_version_counter = versions})};
+    train::TrainerOptions o = quiet({.max_epochs = epochs});
+    o.callbacks = {r.ck};
+    train::Trainer t(o);
+    t.fit(m, *loader, ckpt);
+    r.steps = m.record.train_steps;
+    r.global_step = t.global_step();
+    return r;
+  };
+  // Lightning's _save_last_checkpoint: a last.safetensors that is not this run's own is
+  // kept, and this run writes last-v1 (then last-v2 ...).
+  EXPECT_EQ(run(1, "").ck->last_model_path(), dir + "/last.safetensors");     // 2 steps
+  EXPECT_EQ(run(2, "").ck->last_model_path(), dir + "/last-v1.safetensors");  // 4 steps
+  EXPECT_EQ(checkpoint_files(dir),
+            (std::vector<std::string>{"epoch=0-step=2.safetensors", "epoch=1-step=4.safetensors",
+                                      "last-v1.safetensors", "last.safetensors"}));
+  EXPECT_EQ(lazy::io::load(dir + "/last.safetensors").metadata().at("global_step"), "2");
+  EXPECT_EQ(lazy::io::load(dir + "/last-v1.safetensors").metadata().at("global_step"), "4");
+  // ckpt_path "last": the newest last*.safetensors by modification time.
+  namespace fs = std::filesystem;
+  const auto now = fs::file_time_type::clock::now();
+  fs::last_write_time(dir + "/last.safetensors", now - std::chrono::hours(2));
+  fs::last_write_time(dir + "/last-v1.safetensors", now - std::chrono::hours(1));
+  {
+    const Run r = run(3, "last");  // from last-v1 (epoch 2 of 3 left)
+    EXPECT_EQ(r.steps, 2);
+    EXPECT_EQ(r.global_step, 6);
+    // Its state names last-v1 as its last: written over, no new version.
+    EXPECT_EQ(r.ck->last_model_path(), dir + "/last-v1.safetensors");
+    EXPECT_FALSE(fs::exists(dir + "/last-v2.safetensors"));
+  }
+  fs::last_write_time(dir + "/last.safetensors", now + std::chrono::hours(1));
+  {
+    const Run r = run(3, "last");  // from last.safetensors (epochs 1 and 2 left)
+    EXPECT_EQ(r.steps, 4);
+    EXPECT_EQ(r.global_step, 6);
+    EXPECT_EQ(r.ck->last_model_path(), dir + "/last.safetensors");
+  }
+  // Without the version counter a new run writes over the earlier run's last.
+  EXPECT_EQ(run(1, "", false).ck->last_model_path(), dir + "/last.safetensors");
+  EXPECT_FALSE(fs::exists(dir + "/last-v2.safetensors"));
+  EXPECT_EQ(lazy::io::load(dir + "/last.safetensors").metadata().at("global_step"), "2");
 }
 
 TEST(ModelCheckpoint, AMonitorNotLoggedYetSkipsTopKUntilValidationRuns) {

@@ -80,7 +80,8 @@ class Optimizer {
   void set_lr(double lr);
   /// Group g's rate before any scheduling (torch's param_group["initial_lr"]), once an LR
   /// scheduler recorded it: the first one built on the optimizer does, later ones read it.
-  /// Not part of state_dict(): a resumed run's schedulers record it again.
+  /// Saved by state_dict() and restored by load_state_dict() as torch's, so a scheduler
+  /// built after loading takes the run's initial rate as its base, not the loaded rate.
   std::optional<double> initial_lr(std::size_t g) const {
     const auto it = initial_lr_.find(g);
     return it == initial_lr_.end() ? std::nullopt : std::optional<double>(it->second);
@@ -92,11 +93,13 @@ class Optimizer {
 
   /// State tensors as "state.<i>.<name>" (i counts parameters across groups in order),
   /// step counts as "state.<i>.step", and every group's options in the metadata
-  /// ("param_groups.<g>.<option>").
+  /// ("param_groups.<g>.<option>", with "param_groups.<g>.initial_lr" once a scheduler
+  /// recorded it).
   StateDict state_dict() const;
 
   /// Restores state and options saved by state_dict() of the same kind of optimizer over
-  /// parameters of the same shapes. Checks everything before changing anything.
+  /// parameters of the same shapes, and each group's initial_lr where one was saved (a
+  /// group saved without one keeps its own). Checks everything before changing anything.
   void load_state_dict(const StateDict& sd);
 
  protected:
@@ -293,6 +296,9 @@ LAZYTENSOR_INLINE StateDict Optimizer::state_dict() const {
       sd.insert("state." + std::to_string(i) + ".step", scalar_step(it->second.step));
     }
     for (const auto& [name, v] : options_of(g)) sd.metadata()["param_groups." + std::to_string(g) + "." + name] = v;
+    if (const auto init = initial_lr(g))
+      sd.metadata()["param_groups." + std::to_string(g) + ".initial_lr"] =
+          detail::format_option(*init);
   }
   sd.metadata()["optimizer"] = type_name();
   return sd;
@@ -305,11 +311,17 @@ LAZYTENSOR_INLINE void Optimizer::load_state_dict(const StateDict& sd) {
   }
   // Every group's options, checked before anything changes.
   std::vector<std::map<std::string, std::string>> group_options(num_param_groups());
+  // initial_lr belongs to the schedulers, not to the optimizer's options.
+  std::vector<std::optional<double>> initial(num_param_groups());
   for (std::size_t g = 0; g < num_param_groups(); ++g) {
     const std::string prefix = "param_groups." + std::to_string(g) + ".";
     for (const auto& [k, v] : sd.metadata())
       if (k.rfind(prefix, 0) == 0) group_options[g][k.substr(prefix.size())] = v;
     try {
+      if (group_options[g].count("initial_lr")) {
+        initial[g] = detail::parse_option(group_options[g], "initial_lr");
+        group_options[g].erase("initial_lr");
+      }
       check_options_of(g, group_options[g]);
     } catch (const Error& e) {
       throw Error("Optimizer::load_state_dict: group " + std::to_string(g) + ": " + e.what());
@@ -358,7 +370,10 @@ LAZYTENSOR_INLINE void Optimizer::load_state_dict(const StateDict& sd) {
       if (any) loaded[key(g, k)] = std::move(st);
     }
   }
-  for (std::size_t g = 0; g < num_param_groups(); ++g) set_options_of(g, group_options[g]);
+  for (std::size_t g = 0; g < num_param_groups(); ++g) {
+    set_options_of(g, group_options[g]);
+    if (initial[g]) initial_lr_[g] = *initial[g];
+  }
   state_ = std::move(loaded);
 }
 

@@ -14,6 +14,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include <lazytensor/any_tensor.hpp>
 #include <lazytensor/core/config.hpp>
@@ -28,14 +29,27 @@ namespace lazy::train {
 
 class Trainer;
 
-/// What configure_optimizers returns: the optimizer, and optionally a learning-rate
-/// scheduler stepped every `frequency` epochs (`interval` "epoch") or optimizer steps
-/// ("step"), as Lightning's lr_scheduler config dict.
+/// One learning-rate scheduler and when the Trainer steps it: every `frequency` epochs
+/// (`interval` "epoch") or optimizer steps ("step"), as Lightning's lr_scheduler config
+/// dict.
+struct SchedulerConfig {
+  std::shared_ptr<optim::LRScheduler> scheduler;
+  std::string interval = "epoch";
+  std::int64_t frequency = 1;
+};
+
+/// What configure_optimizers returns: the optimizer, and optionally learning-rate
+/// schedulers on it: `lr_scheduler` with `interval` and `frequency` (Lightning's
+/// {"optimizer": ..., "lr_scheduler": {...}}), and any number more in `lr_schedulers`
+/// (Lightning's `return [optimizer], [scheduler, ...]`). The Trainer steps each at its own
+/// interval and frequency, in that order. (One optimizer: Lightning trains several only
+/// with manual optimization, which lazytensor's Trainer does not have.)
 struct OptimizerConfig {
   std::shared_ptr<optim::Optimizer> optimizer;
   std::shared_ptr<optim::LRScheduler> lr_scheduler = nullptr;
   std::string interval = "epoch";
   std::int64_t frequency = 1;
+  std::vector<SchedulerConfig> lr_schedulers = {};
 };
 
 namespace detail {

@@ -369,13 +369,36 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
     }
     r.optim = m.configure_optimizers();
     if (!r.optim.optimizer) throw Error("Trainer: configure_optimizers returned no optimizer");
-    if (r.optim.interval != "epoch" && r.optim.interval != "step")
-      throw Error("Trainer: the scheduler's interval must be \"epoch\" or \"step\", got \"" + r.optim.interval + "\"");
-    if (r.optim.frequency < 1)
-      throw Error("Trainer: the scheduler's frequency must be >= 1, got " + std::to_string(r.optim.frequency));
     optim::Optimizer& opt = *r.optim.optimizer;
-    optim::LRScheduler* sched = r.optim.lr_scheduler.get();
-
+    r.schedulers.clear();
+    if (r.optim.lr_scheduler) {
+      r.schedulers.push_back({r.optim.lr_scheduler, r.optim.interval, r.optim.frequency});
+    } else if (r.optim.interval != "epoch" && r.optim.interval != "step") {
+      throw Error("Trainer: the scheduler's interval must be \"epoch\" or \"step\", got \"" +
+                  r.optim.interval + "\"");
+    }
+    for (const SchedulerConfig& c : r.optim.lr_schedulers) r.schedulers.push_back(c);
+    for (std::size_t i = 0; i < r.schedulers.size(); ++i) {
+      const SchedulerConfig& c = r.schedulers[i];
+      const std::string which = "Trainer: learning-rate scheduler " + std::to_string(i);
+      if (!c.scheduler) throw Error(which + " of configure_optimizers is empty");
+      if (c.interval != "epoch" && c.interval != "step")
+        throw Error(which + ": the interval must be \"epoch\" or \"step\", got \"" + c.interval +
+                    "\"");
+      if (c.frequency < 1)
+        throw Error(which + ": the frequency must be >= 1, got " + std::to_string(c.frequency));
+      // (Lightning's _validate_optimizers_attached: its step would change rates no step uses.)
+      if (&c.scheduler->optimizer() != &opt)
+        throw Error(
+            which +
+            " sets the rates of an optimizer configure_optimizers did not return (expected its " +
+            opt.name() + ", found another " + c.scheduler->optimizer().name() + ")");
+    }
+    // Each scheduler whose interval is `interval` and whose frequency divides `count`.
+    const auto step_schedulers = [&](const char* interval, std::int64_t count) {
+      for (const SchedulerConfig& c : r.schedulers)
+        if (c.interval == interval && count % c.frequency == 0) c.scheduler->step();
+    };
 
     r.seed = get_rng_state();
     std::optional<std::uint64_t> rng_after_restore;
@@ -458,8 +481,7 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
         acc->optimizer_zero_grad(opt);
         accumulated = false;
         ++r.progress.global_step;
-        if (sched && r.optim.interval == "step" && r.progress.global_step % r.optim.frequency == 0)
-          sched->step();
+        step_schedulers("step", r.progress.global_step);
       };
       for (auto& batch : train_batches) {
         if (r.num_training_batches >= 0 && idx >= r.num_training_batches) break;
@@ -524,8 +546,7 @@ void Trainer::fit_impl(M& module, TrainLoader& train, ValLoader* val, const std:
         if (r.num_training_batches < 0 || idx < r.num_training_batches)
           r.num_training_batches = idx;
         r.epoch_batches_done = std::max<std::int64_t>(idx, r.num_training_batches);
-        if (sched && r.optim.interval == "epoch" && (epoch + 1) % r.optim.frequency == 0)
-          sched->step();
+        step_schedulers("epoch", epoch + 1);
         r.epoch_finished = true;  // a checkpoint from here on resumes at the next epoch
         if (val_this_epoch) {
           validate_now();

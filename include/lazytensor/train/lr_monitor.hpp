@@ -1,8 +1,8 @@
 #pragma once
 // train::LearningRateMonitor, Lightning's: sends the optimizer's learning rate(s) to the
 // logger, as "lr-<Optimizer>" ("lr-<Optimizer>/pg<i>" with several parameter groups), at
-// the start of every epoch ("epoch") or at every logging step ("step"; default: both as
-// the scheduler's interval says).
+// the start of every epoch ("epoch") or at every logging step ("step"; default: as the
+// schedulers' intervals say, at both when some step per epoch and others per step).
 
 #include <cstdint>
 #include <map>
@@ -26,8 +26,8 @@ class BasicLearningRateMonitor : public Callback {
   /// The usual name, which derived classes inherit (as they would a non-template base's).
   using LearningRateMonitor = BasicLearningRateMonitor;
 
-  /// `logging_interval`: "epoch", "step", or nullopt (the scheduler's interval; "epoch"
-  /// without a scheduler).
+  /// `logging_interval`: "epoch", "step", or nullopt (each interval some scheduler steps
+  /// at, as Lightning's; "epoch" without a scheduler).
   explicit BasicLearningRateMonitor(std::optional<std::string> logging_interval = std::nullopt);
 
   std::shared_ptr<Callback> clone() const override { return std::make_shared<BasicLearningRateMonitor>(*this); }
@@ -41,7 +41,8 @@ class BasicLearningRateMonitor : public Callback {
   static std::map<std::string, double> rates(const optim::Optimizer& optimizer);
 
  private:
-  std::string interval(const Trainer& trainer) const;
+  /// Whether the rates are logged at `interval` ("epoch" or "step").
+  bool logs_at(const Trainer& trainer, const std::string& interval) const;
   void log(Trainer& trainer);
 
   std::optional<std::string> interval_;
@@ -73,9 +74,14 @@ std::map<std::string, double> BasicLearningRateMonitor<V>::rates(const optim::Op
 }
 
 template <class V>
-std::string BasicLearningRateMonitor<V>::interval(const Trainer& trainer) const {
-  if (interval_) return *interval_;
-  return trainer.lr_scheduler() ? trainer.lr_scheduler_interval() : std::string("epoch");
+bool BasicLearningRateMonitor<V>::logs_at(const Trainer& trainer,
+                                          const std::string& interval) const {
+  if (interval_) return *interval_ == interval;
+  const auto& configs = trainer.lr_scheduler_configs();
+  if (configs.empty()) return interval == "epoch";
+  for (const auto& c : configs)
+    if (c.interval == interval) return true;
+  return false;
 }
 
 template <class V>
@@ -92,12 +98,12 @@ void BasicLearningRateMonitor<V>::log(Trainer& trainer) {
 
 template <class V>
 void BasicLearningRateMonitor<V>::on_train_epoch_start(Trainer& trainer, LightningModuleBase&) {
-  if (interval(trainer) == "epoch") log(trainer);
+  if (logs_at(trainer, "epoch")) log(trainer);
 }
 
 template <class V>
 void BasicLearningRateMonitor<V>::on_train_batch_end(Trainer& trainer, LightningModuleBase&, std::int64_t) {
-  if (interval(trainer) != "step" || trainer.global_step() == last_step_) return;
+  if (!logs_at(trainer, "step") || trainer.global_step() == last_step_) return;
   if (trainer.global_step() % trainer.options().log_every_n_steps != 0) return;
   last_step_ = trainer.global_step();
   log(trainer);

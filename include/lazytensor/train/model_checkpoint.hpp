@@ -4,8 +4,12 @@
 // a monitored value (or the latest ones without a monitor), and with save_last also writes
 // last.safetensors each time. Files are named from the `filename` template
 // ("{epoch}-{step}" gives "epoch=3-step=1200.safetensors"; "{val_loss:.2f}" a monitored
-// value). Every replica calls the hooks; global rank zero's choice of file is broadcast, so
-// the replicas agree even on values they did not sync, and only rank zero writes.
+// value). A name an earlier run's file holds gets -v1, -v2, ... (last.safetensors too:
+// last-v1.safetensors), unless enable_version_counter is off. Every replica calls the
+// hooks; global rank zero's choice of file is broadcast, so the replicas agree even on
+// values they did not sync, and only rank zero writes.
+
+#include <sys/stat.h>
 
 #include <cmath>
 #include <cstdint>
@@ -15,6 +19,8 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <lazytensor/core/config.hpp>
 #include <lazytensor/core/error.hpp>
@@ -50,6 +56,9 @@ struct ModelCheckpointOptions {
   /// Save at the end of the training epoch (true) or after validation (false); default:
   /// after validation in epochs that validate.
   std::optional<bool> save_on_train_epoch_end = std::nullopt;
+  /// A new file whose name an existing file holds gets "-v1", "-v2", ... (true), or
+  /// replaces it (false); for last.safetensors, when the file there is not this run's last.
+  bool enable_version_counter = true;
 };
 
 /// Lightning's ModelCheckpoint (see the file comment).
@@ -91,7 +100,8 @@ class BasicModelCheckpoint : public Callback {
   std::optional<double> best_model_score() const { return best_model_score_; }
   /// The kept files and their monitored values.
   const std::map<std::string, double>& best_k_models() const { return best_k_; }
-  /// The last file written as "last" ("" before).
+  /// The last file written as "last" ("" before): last.safetensors, or last-v<n> when an
+  /// earlier run's last.safetensors was there (Lightning's versioning).
   const std::string& last_model_path() const { return last_model_path_; }
   /// The file name the template gives for `metrics` (with epoch and step), without the
   /// directory; `version` > 0 appends "-v<version>" (Lightning's name for a file whose name
@@ -112,6 +122,10 @@ class BasicModelCheckpoint : public Callback {
   /// name exists, unless it is `replacing` (the file this save takes the place of).
   std::string new_file_path(const std::map<std::string, double>& metrics,
                             const std::string& replacing) const;
+  /// The path of this save's "last": last.safetensors, or while a file of that name exists
+  /// that is not this run's last_model_path, last-v1, last-v2, ... (Lightning's
+  /// _save_last_checkpoint).
+  std::string last_file_path() const;
   /// Whether this training epoch's end saves by default (save_on_train_epoch_end unset).
   bool saves_at_epoch_end(const Trainer& trainer) const;
   /// `value` of the template field `name` formatted by `spec` (see format_checkpoint_name).
@@ -286,8 +300,18 @@ std::string BasicModelCheckpoint<V>::new_file_path(const std::map<std::string, d
   for (int version = 0;; ++version) {
     const std::string path =
         dirpath_ + "/" + format_checkpoint_name(metrics, version) + kFileExtension;
-    if (path == replacing || !io::detail::path_exists(path)) return path;
+    if (path == replacing || !options_.enable_version_counter || !io::detail::path_exists(path))
+      return path;
   }
+}
+
+template <class V>
+std::string BasicModelCheckpoint<V>::last_file_path() const {
+  std::string path = dirpath_ + "/" + kLastName + kFileExtension;
+  if (!options_.enable_version_counter) return path;
+  for (int version = 1; path != last_model_path_ && io::detail::path_exists(path); ++version)
+    path = dirpath_ + "/" + kLastName + "-v" + std::to_string(version) + kFileExtension;
+  return path;
 }
 
 template <class V>
@@ -405,19 +429,27 @@ void BasicModelCheckpoint<V>::save_checkpoint(Trainer& trainer) {
       save_path = new_file_path(metrics, remove_path);
     }
   }
+  // (Decided here with the rest: a replica that looked after rank zero wrote its first
+  // last.safetensors would take it for an earlier run's and pick last-v1.)
+  std::string last = options_.save_last ? last_file_path() : std::string();
   struct Decision {
     char save[512];
     char remove[512];
+    char last[512];
     double score;
   } d{};
-  if (save_path.size() >= sizeof d.save || remove_path.size() >= sizeof d.remove)
-    throw Error("ModelCheckpoint: a checkpoint path is longer than 511 bytes: " + save_path);
+  if (save_path.size() >= sizeof d.save || remove_path.size() >= sizeof d.remove ||
+      last.size() >= sizeof d.last)
+    throw Error("ModelCheckpoint: a checkpoint path is longer than 511 bytes: " +
+                (last.size() >= sizeof d.last ? last : save_path));
   std::snprintf(d.save, sizeof d.save, "%s", save_path.c_str());
   std::snprintf(d.remove, sizeof d.remove, "%s", remove_path.c_str());
+  std::snprintf(d.last, sizeof d.last, "%s", last.c_str());
   d.score = score;
   d = trainer.strategy().broadcast(d, 0);
   save_path = d.save;
   remove_path = d.remove;
+  last = d.last;
   score = d.score;
   if (!save_path.empty()) {
     // (Evicted first: the new file may take the evicted one's name.)
@@ -433,7 +465,6 @@ void BasicModelCheckpoint<V>::save_checkpoint(Trainer& trainer) {
       best_model_score_ = best_k_.at(best);
     }
   }
-  const std::string last = dirpath_ + "/" + kLastName + kFileExtension;
   if (options_.save_last) last_model_path_ = last;
   // The state above is what these files hold (best paths included), as Lightning's.
   if (!save_path.empty()) {
@@ -451,14 +482,37 @@ void BasicModelCheckpoint<V>::save_checkpoint(Trainer& trainer) {
 }
 
 namespace detail {
-LAZYTENSOR_INLINE std::string last_checkpoint_path(const std::vector<std::shared_ptr<Callback>>& callbacks) {
+LAZYTENSOR_INLINE std::string last_checkpoint_path(
+    const std::vector<std::shared_ptr<Callback>>& callbacks, const std::string& default_dir) {
+  const std::string ext = ModelCheckpoint::kFileExtension;
+  std::string newest;
+  std::pair<long long, long long> newest_time{0, 0};
   for (const auto& c : callbacks) {
     const auto* mc = dynamic_cast<const ModelCheckpoint*>(c.get());
-    if (!mc || !mc->options().save_last) continue;
-    if (!mc->last_model_path().empty()) return mc->last_model_path();
-    if (!mc->dirpath().empty()) return mc->dirpath() + "/" + ModelCheckpoint::kLastName + ModelCheckpoint::kFileExtension;
+    if (!mc) continue;
+    const std::string dir = mc->dirpath().empty() ? default_dir : mc->dirpath();
+    for (const auto& name : io::detail::list_directory(dir)) {
+      // Lightning's pattern: a name that starts with "last" (last, last-v1, ...), of the
+      // checkpoints' extension.
+      if (name.rfind(ModelCheckpoint::kLastName, 0) != 0 || name.size() < ext.size() ||
+          name.compare(name.size() - ext.size(), ext.size(), ext) != 0)
+        continue;
+      const std::string path = dir + "/" + name;
+      struct stat st {};
+      if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
+#ifdef __APPLE__
+      const std::pair<long long, long long> t{st.st_mtimespec.tv_sec, st.st_mtimespec.tv_nsec};
+#else
+      const std::pair<long long, long long> t{st.st_mtim.tv_sec, st.st_mtim.tv_nsec};
+#endif
+      // (Ties go to the later name, so the choice does not depend on the listing's order.)
+      if (newest.empty() || t > newest_time || (t == newest_time && path > newest)) {
+        newest = path;
+        newest_time = t;
+      }
+    }
   }
-  return {};
+  return newest;
 }
 }  // namespace detail
 

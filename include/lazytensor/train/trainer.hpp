@@ -154,6 +154,7 @@ struct ReplicaRun {
   std::vector<std::shared_ptr<Callback>> callbacks;  // this replica's copies
   std::vector<bool> shared_callback;                 // no copy: hooks on rank zero only
   OptimizerConfig optim;
+  std::vector<SchedulerConfig> schedulers;  // optim's, in stepping order
   bool should_stop = false;
   Loop stage = Loop::Train;
   bool running = false;                 // inside a loop
@@ -179,9 +180,17 @@ std::shared_ptr<Logger> make_default_logger(const TrainerOptions& options);
 /// The strategy an option names.
 template <class = void>
 std::shared_ptr<Strategy> make_strategy(const TrainerOptions& options);
-/// The checkpoint "last" names: the last one a ModelCheckpoint among `callbacks` wrote (or
-/// would write) (defined in train/model_checkpoint.hpp); empty when there is none.
-std::string last_checkpoint_path(const std::vector<std::shared_ptr<Callback>>& callbacks);
+/// The checkpoint ckpt_path "last" resumes (Lightning's `_find_last_checkpoints` of every
+/// ModelCheckpoint among `callbacks`, then the newest by modification time): of the files
+/// "last*.safetensors" in their directories (`default_dir` for one whose directory is not
+/// resolved yet), the most recently modified; empty when there is none (defined in
+/// train/model_checkpoint.hpp).
+std::string last_checkpoint_path(const std::vector<std::shared_ptr<Callback>>& callbacks,
+                                 const std::string& default_dir);
+/// Checks that no two stateful callbacks share a state_key; `states` holds each callback's
+/// state_dict(), in order.
+void check_state_keys(const std::vector<std::shared_ptr<Callback>>& callbacks,
+                      const std::vector<std::map<std::string, std::string>>& states);
 /// Text of a double that reads back as the same double.
 std::string double_text(double x);
 /// The double `text` holds (Error naming `what` otherwise).
@@ -205,7 +214,8 @@ class Trainer {
   // ---- the loops (train/loops.hpp) -------------------------------------------------------
 
   /// Trains `module` on `train` (validating on `val` when given). `ckpt_path` resumes from
-  /// a checkpoint file, or "last" (the last checkpoint of the run's ModelCheckpoint).
+  /// a checkpoint file, or "last" (the most recently modified last*.safetensors in a
+  /// ModelCheckpoint's directory, as Lightning's).
   /// With replicas, global rank zero trains `module` and every other replica a
   /// default-constructed module of the same type (its parameters made rank zero's by the
   /// strategy), each on its share of the loader's samples.
@@ -282,10 +292,17 @@ class Trainer {
   std::map<std::string, double> read_local_step_metrics() { return run().metrics.read_step(false).progress_bar; }
   /// The optimizer configure_optimizers returned.
   optim::Optimizer& optimizer() const;
-  /// Its learning-rate scheduler, or nullptr.
-  optim::LRScheduler* lr_scheduler() const { return run().optim.lr_scheduler.get(); }
-  /// When it steps: "epoch" or "step".
-  const std::string& lr_scheduler_interval() const { return run().optim.interval; }
+  /// The first of its learning-rate schedulers, or nullptr.
+  optim::LRScheduler* lr_scheduler() const {
+    return run().schedulers.empty() ? nullptr : run().schedulers.front().scheduler.get();
+  }
+  /// When the first scheduler steps: "epoch" or "step".
+  const std::string& lr_scheduler_interval() const {
+    return run().schedulers.empty() ? run().optim.interval : run().schedulers.front().interval;
+  }
+  /// Every scheduler configure_optimizers returned, with its interval and frequency, in
+  /// the order the Trainer steps them (Lightning's lr_scheduler_configs).
+  const std::vector<SchedulerConfig>& lr_scheduler_configs() const { return run().schedulers; }
   bool is_global_zero() const { return strategy_->is_global_zero(); }
   int world_size() const { return strategy_->world_size(); }
   int global_rank() const { return strategy_->global_rank(); }
@@ -300,7 +317,7 @@ class Trainer {
 
   /// Saves the run to `path` (a collective: every replica calls it): the module's state
   /// dict ("state_dict.*"), the optimizer's ("optimizer.*"), and in the metadata the
-  /// epoch and step to resume at, the scheduler's step, every callback's state, the
+  /// epoch and step to resume at, each scheduler's state, every callback's state, the
   /// hyper-parameters, the monitored values and the random state. Written by global rank
   /// zero through a temporary file, fsync and rename.
   void save_checkpoint(const std::string& path);
@@ -355,10 +372,12 @@ namespace detail {
 /// would write over each other's entries and restore a mix (Lightning raises too). A
 /// callback counts as stateful when it has state to save now (ModelCheckpoint and
 /// EarlyStopping always do).
-LAZYTENSOR_INLINE void check_state_keys(const std::vector<std::shared_ptr<Callback>>& callbacks) {
+LAZYTENSOR_INLINE void check_state_keys(
+    const std::vector<std::shared_ptr<Callback>>& callbacks,
+    const std::vector<std::map<std::string, std::string>>& states) {
   std::map<std::string, std::size_t> stateful;
   for (std::size_t i = 0; i < callbacks.size(); ++i) {
-    if (callbacks[i]->state_dict().empty()) continue;
+    if (states[i].empty()) continue;
     const std::string key = callbacks[i]->state_key();
     if (!stateful.emplace(key, i).second)
       throw Error("Trainer: found more than one stateful callback with the same state key \"" +
@@ -506,7 +525,9 @@ Trainer::Trainer(TrainerOptions options) : options_(std::move(options)) {
                                 o.enable_progress_bar);
   // Early, as Lightning does; dump_checkpoint checks again, for a callback whose state
   // appears later.
-  detail::check_state_keys(callbacks_);
+  std::vector<std::map<std::string, std::string>> states;
+  for (const auto& c : callbacks_) states.push_back(c->state_dict());
+  detail::check_state_keys(callbacks_, states);
   runs_.push_back(std::make_unique<detail::ReplicaRun>(*strategy_));
   runs_.back()->callbacks = callbacks_;
   runs_.back()->shared_callback.assign(callbacks_.size(), false);
@@ -610,9 +631,14 @@ LAZYTENSOR_INLINE void Trainer::call_on_exception(const std::exception& e) {
 
 LAZYTENSOR_INLINE std::string Trainer::resolve_ckpt_path(const std::string& ckpt_path) const {
   if (ckpt_path != "last") return ckpt_path;
-  const std::string last = detail::last_checkpoint_path(run().callbacks);
-  if (last.empty()) throw Error("Trainer: ckpt_path \"last\" needs a ModelCheckpoint with save_last");
-  if (!io::detail::path_exists(last)) throw Error("Trainer: ckpt_path \"last\": there is no checkpoint at '" + last + "' yet");
+  // (Lightning warns and starts afresh; a resume asked for and impossible is an error here.)
+  const std::string last =
+      detail::last_checkpoint_path(run().callbacks, log_dir() + "/checkpoints");
+  if (last.empty())
+    throw Error(
+        "Trainer: ckpt_path \"last\": expected a last*.safetensors checkpoint in the directory of "
+        "a "
+        "ModelCheckpoint (one with save_last writes it), found none");
   return last;
 }
 
@@ -628,7 +654,9 @@ LAZYTENSOR_INLINE StateDict Trainer::dump_checkpoint() {
     for (const auto& [name, t] : osd) sd.insert("optimizer." + name, t);
     for (const auto& [k, v] : osd.metadata()) meta["optimizer." + k] = v;
   }
-  if (r.optim.lr_scheduler) meta["lr_scheduler.last_epoch"] = std::to_string(r.optim.lr_scheduler->last_epoch());
+  for (std::size_t i = 0; i < r.schedulers.size(); ++i)
+    for (const auto& [k, v] : r.schedulers[i].scheduler->state_dict())
+      meta["lr_schedulers." + std::to_string(i) + "." + k] = v;
   // Where a resumed run starts: after a finished epoch, the next one.
   const bool epoch_done = r.epoch_finished;
   meta["epoch"] = std::to_string(r.progress.epoch + (epoch_done ? 1 : 0));
@@ -643,10 +671,14 @@ LAZYTENSOR_INLINE StateDict Trainer::dump_checkpoint() {
   } else {
     meta["rng_state.0"] = std::to_string(rng);
   }
-  detail::check_state_keys(r.callbacks);
+  // Each callback's state is taken once: the check and the checkpoint see the same state,
+  // and a callback whose state_dict() costs (or changes) is asked once per save.
+  std::vector<std::map<std::string, std::string>> states;
+  for (const auto& c : r.callbacks) states.push_back(c->state_dict());
+  detail::check_state_keys(r.callbacks, states);
   for (std::size_t i = 0; i < r.callbacks.size(); ++i) {
     const std::string key = "callbacks." + r.callbacks[i]->state_key() + ".";
-    for (const auto& [k, v] : r.callbacks[i]->state_dict()) meta[key + k] = v;
+    for (const auto& [k, v] : states[i]) meta[key + k] = v;
   }
   for (const auto& [k, v] : m.hparams) meta["hparams." + k] = v;
   for (const auto& [k, v] : r.metrics.callback_metrics()) meta["callback_metrics." + k] = detail::double_text(v);
@@ -681,7 +713,31 @@ LAZYTENSOR_INLINE void Trainer::restore_checkpoint(const StateDict& ckpt, bool t
   m.load_state_dict(strip("state_dict.", false));
   if (training_state) {
     if (r.optim.optimizer) r.optim.optimizer->load_state_dict(strip("optimizer.", true));
-    if (r.optim.lr_scheduler) r.optim.lr_scheduler->set_last_epoch(number("lr_scheduler.last_epoch"));
+    // Each scheduler's own state; the rates came back with the optimizer's (torch's order).
+    // A checkpoint of before keeps one scheduler's step, "lr_scheduler.last_epoch".
+    std::size_t saved = 0;
+    for (const auto& [k, v] : meta)
+      if (k.rfind("lr_schedulers.", 0) == 0)
+        saved = std::max<std::size_t>(saved,
+                                      detail::parse_int(k.substr(14, k.find('.', 14) - 14),
+                                                        "Trainer: checkpoint entry \"" + k + "\"") +
+                                          1);
+    const bool old_format = saved == 0 && meta.count("lr_scheduler.last_epoch");
+    if ((old_format ? 1 : saved) != r.schedulers.size())
+      throw Error("Trainer: the checkpoint holds the states of " +
+                  std::to_string(old_format ? 1 : saved) + " learning-rate schedulers, expected " +
+                  std::to_string(r.schedulers.size()) + " (what configure_optimizers returned)");
+    for (std::size_t i = 0; i < r.schedulers.size(); ++i) {
+      if (old_format) {
+        r.schedulers[i].scheduler->set_last_epoch(number("lr_scheduler.last_epoch"));
+        continue;
+      }
+      const std::string prefix = "lr_schedulers." + std::to_string(i) + ".";
+      std::map<std::string, std::string> state;
+      for (const auto& [k, v] : meta)
+        if (k.rfind(prefix, 0) == 0) state[k.substr(prefix.size())] = v;
+      r.schedulers[i].scheduler->load_state_dict(state);
+    }
     r.progress.epoch = number("epoch");
     r.resume_batches = number("batch");
     r.progress.global_step = number("global_step");
