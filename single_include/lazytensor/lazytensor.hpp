@@ -8694,13 +8694,17 @@ class ElementwiseGradFn final : public ElementwiseGradFnBase {
 LAZYTENSOR_INLINE std::vector<graph::NodePtr> ElementwiseGradFnBase::apply(const graph::NodePtr& grad) {
   check_not_released();
   if (!released_inputs_.empty() && inputs_.empty()) {
+    // Built aside and assigned whole: an allocation failing halfway leaves none behind.
+    std::vector<graph::NodePtr> zeros;
+    zeros.reserve(released_inputs_.size());
     for (const InputMeta& m : released_inputs_) {
       const std::size_t elem = dtype_size(m.dtype);
       auto buf = m.device->pool().acquire(padded_bytes(1, elem));
       std::memset(buf->data(), 0, elem);
-      inputs_.push_back(
+      zeros.push_back(
           std::make_shared<graph::DataNode>(m.dtype, Shape{}, m.device, std::move(buf)));
     }
+    inputs_ = std::move(zeros);
   }
   std::vector<graph::NodePtr> grads(next.size());
   for (std::size_t s = 0; s < next.size(); ++s) {
@@ -9560,6 +9564,10 @@ std::vector<Tensor<T>> grad(const std::vector<Tensor<T>>& outputs, const std::ve
         if (!(grad_outputs[i].shape() == o.shape())) {
           throw ShapeError("autograd::grad: grad_outputs[" + std::to_string(i) + "] has shape " +
                            grad_outputs[i].shape().str() + ", expected " + o.shape().str());
+        }
+        if (grad_outputs[i].device() != o.device()) {
+          const std::string what = "autograd::grad: grad_outputs[" + std::to_string(i) + "]";
+          lazy::detail::wrong_grad_device(what.c_str(), o.device(), grad_outputs[i].device());
         }
         g = grad_outputs[i].node();
       }
@@ -28336,6 +28344,10 @@ LAZYTENSOR_INLINE void SequentialLR::load_state_dict(
   if (milestones.size() != milestones_.size())
     throw Error(who + ": expected " + std::to_string(milestones_.size()) + " milestones, found " +
                 std::to_string(milestones.size()));
+  for (std::size_t j = 1; j < milestones.size(); ++j)  // (the constructor's rule)
+    if (milestones[j] < milestones[j - 1])
+      throw Error(who + ": expected non-decreasing milestones, found " +
+                  std::to_string(milestones[j - 1]) + " before " + std::to_string(milestones[j]));
   std::vector<double> last;
   for (std::size_t g = 0; state.count("last_lr." + std::to_string(g)); ++g)
     last.push_back(detail::scheduler_number(state, "last_lr." + std::to_string(g), who));
@@ -31277,6 +31289,7 @@ LAZYTENSOR_INLINE void CSVLogger::save() {
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <map>
 #include <memory>
@@ -33230,8 +33243,19 @@ LAZYTENSOR_INLINE std::string last_checkpoint_path(
 #else
       const std::pair<long long, long long> t{st.st_mtim.tv_sec, st.st_mtim.tv_nsec};
 #endif
-      // (Ties go to the later name, so the choice does not depend on the listing's order.)
-      if (newest.empty() || t > newest_time || (t == newest_time && path > newest)) {
+      // Equal times (file systems with coarse stamps, copies that keep them): the higher
+      // last-v<n> is the later save (last itself counts as 0), then the later name, so the
+      // choice does not depend on the listing's order.
+      const auto version = [](const std::string& p) {
+        const std::string prefix = std::string("/") + ModelCheckpoint::kLastName + "-v";
+        const std::size_t v = p.rfind(prefix);
+        return v == std::string::npos || p.find('/', v + 1) != std::string::npos
+                   ? 0L
+                   : std::strtol(p.c_str() + v + prefix.size(), nullptr, 10);
+      };
+      if (newest.empty() || t > newest_time ||
+          (t == newest_time &&
+           std::make_pair(version(path), path) > std::make_pair(version(newest), newest))) {
         newest = path;
         newest_time = t;
       }

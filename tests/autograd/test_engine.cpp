@@ -420,6 +420,17 @@ TEST(AutogradGradDevice, BackwardAndSetGradRefuseAnotherDevice) {
   EXPECT_THROW(x.set_grad(lazy::zeros<double>({3})), lazy::ShapeError);
   x.set_grad(lazy::zeros<double>({2}, here));
   EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{0, 0}));
+
+  // torch.autograd.grad: "invalid gradient at index 0 - expected device ...".
+  Tensor<double> z = x * 2;
+  const std::string f =
+      message_of([&] { (void)lazy::autograd::grad<double>({z}, {x}, {g_other}); });
+  EXPECT_NE(f.find("grad_outputs[0]"), std::string::npos) << f;
+  EXPECT_NE(f.find(expected), std::string::npos) << f;
+  const auto g =
+      lazy::autograd::grad<double>({z}, {x}, {lazy::from_vector<double>({1, 3}, Shape{2}, here)});
+  EXPECT_EQ(g[0].device(), here);
+  EXPECT_EQ(g[0].to_vector(), (std::vector<double>{2, 6}));
 }
 
 // ---- integer and bool values carry no gradient ---------------------------------------

@@ -308,6 +308,10 @@ TEST(ModelCheckpoint, AnEarlierRunsLastGetsAVersionAndLastResumesTheNewest) {
     EXPECT_EQ(r.ck->last_model_path(), dir + "/last-v1.safetensors");
     EXPECT_FALSE(fs::exists(dir + "/last-v2.safetensors"));
   }
+  // Equal times (coarse file-system stamps): the higher version is the later save.
+  fs::last_write_time(dir + "/last.safetensors", now - std::chrono::minutes(30));
+  fs::last_write_time(dir + "/last-v1.safetensors", now - std::chrono::minutes(30));
+  EXPECT_EQ(run(3, "last").steps, 0);  // from last-v1, which finished epoch 3 of 3
   fs::last_write_time(dir + "/last.safetensors", now + std::chrono::hours(1));
   {
     const Run r = run(3, "last");  // from last.safetensors (epochs 1 and 2 left)

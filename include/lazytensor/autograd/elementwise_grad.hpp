@@ -118,13 +118,17 @@ class ElementwiseGradFn final : public ElementwiseGradFnBase {
 LAZYTENSOR_INLINE std::vector<graph::NodePtr> ElementwiseGradFnBase::apply(const graph::NodePtr& grad) {
   check_not_released();
   if (!released_inputs_.empty() && inputs_.empty()) {
+    // Built aside and assigned whole: an allocation failing halfway leaves none behind.
+    std::vector<graph::NodePtr> zeros;
+    zeros.reserve(released_inputs_.size());
     for (const InputMeta& m : released_inputs_) {
       const std::size_t elem = dtype_size(m.dtype);
       auto buf = m.device->pool().acquire(padded_bytes(1, elem));
       std::memset(buf->data(), 0, elem);
-      inputs_.push_back(
+      zeros.push_back(
           std::make_shared<graph::DataNode>(m.dtype, Shape{}, m.device, std::move(buf)));
     }
+    inputs_ = std::move(zeros);
   }
   std::vector<graph::NodePtr> grads(next.size());
   for (std::size_t s = 0; s < next.size(); ++s) {

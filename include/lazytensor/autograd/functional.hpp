@@ -44,6 +44,10 @@ std::vector<Tensor<T>> grad(const std::vector<Tensor<T>>& outputs, const std::ve
           throw ShapeError("autograd::grad: grad_outputs[" + std::to_string(i) + "] has shape " +
                            grad_outputs[i].shape().str() + ", expected " + o.shape().str());
         }
+        if (grad_outputs[i].device() != o.device()) {
+          const std::string what = "autograd::grad: grad_outputs[" + std::to_string(i) + "]";
+          lazy::detail::wrong_grad_device(what.c_str(), o.device(), grad_outputs[i].device());
+        }
         g = grad_outputs[i].node();
       }
       req.roots.emplace_back(edge_of(o.impl()), g);

@@ -476,6 +476,10 @@ LAZYTENSOR_INLINE void SequentialLR::load_state_dict(
   if (milestones.size() != milestones_.size())
     throw Error(who + ": expected " + std::to_string(milestones_.size()) + " milestones, found " +
                 std::to_string(milestones.size()));
+  for (std::size_t j = 1; j < milestones.size(); ++j)  // (the constructor's rule)
+    if (milestones[j] < milestones[j - 1])
+      throw Error(who + ": expected non-decreasing milestones, found " +
+                  std::to_string(milestones[j - 1]) + " before " + std::to_string(milestones[j]));
   std::vector<double> last;
   for (std::size_t g = 0; state.count("last_lr." + std::to_string(g)); ++g)
     last.push_back(detail::scheduler_number(state, "last_lr." + std::to_string(g), who));

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <map>
 #include <memory>
@@ -505,8 +506,19 @@ LAZYTENSOR_INLINE std::string last_checkpoint_path(
 #else
       const std::pair<long long, long long> t{st.st_mtim.tv_sec, st.st_mtim.tv_nsec};
 #endif
-      // (Ties go to the later name, so the choice does not depend on the listing's order.)
-      if (newest.empty() || t > newest_time || (t == newest_time && path > newest)) {
+      // Equal times (file systems with coarse stamps, copies that keep them): the higher
+      // last-v<n> is the later save (last itself counts as 0), then the later name, so the
+      // choice does not depend on the listing's order.
+      const auto version = [](const std::string& p) {
+        const std::string prefix = std::string("/") + ModelCheckpoint::kLastName + "-v";
+        const std::size_t v = p.rfind(prefix);
+        return v == std::string::npos || p.find('/', v + 1) != std::string::npos
+                   ? 0L
+                   : std::strtol(p.c_str() + v + prefix.size(), nullptr, 10);
+      };
+      if (newest.empty() || t > newest_time ||
+          (t == newest_time &&
+           std::make_pair(version(path), path) > std::make_pair(version(newest), newest))) {
         newest = path;
         newest_time = t;
       }
