@@ -473,6 +473,43 @@ TEST(Reduction, IntegerSumDoesNotOverflowInt32) {
   EXPECT_EQ(lazy::sum(lazy::from_vector(b)).item(), 1667);
 }
 
+// A count of a float comparison runs in the float lane; past 2^24 a float total cannot
+// hold every count (2^24 + 1 rounds to 2^24), so the blocks' counts must add up in int64.
+TEST(Reduction, CountsOfFloatComparisonsAreExactPast2To24) {
+  const std::int64_t n = (std::int64_t{1} << 24) + 3;
+  Tensor<float> x = lazy::ones<float>({n});
+  EXPECT_EQ(lazy::sum(x > 0.f).item(), n);
+  EXPECT_EQ(lazy::sum(x > 0.f, {0}).item(), n);  // one row: the rows path
+  // Columns: 2^24 + 3 rows of 2 columns, the second column counting every other row.
+  std::vector<float> v(static_cast<std::size_t>(2 * n));
+  for (std::int64_t r = 0; r < n; ++r) {
+    v[static_cast<std::size_t>(2 * r)] = 1.f;
+    v[static_cast<std::size_t>(2 * r + 1)] = r % 2 ? 1.f : -1.f;
+  }
+  auto cols = lazy::sum(lazy::from_vector(v, Shape{n, 2}) > 0.f, {0}).to_vector();
+  ASSERT_EQ(cols.size(), 2u);
+  EXPECT_EQ(cols[0], n);
+  EXPECT_EQ(cols[1], n / 2);
+  v.clear();
+  v.shrink_to_fit();
+  // A product of 0/1 values stays 0/1.
+  EXPECT_EQ(lazy::prod(x > 0.f).item(), 1);
+}
+
+// PyTorch's integer sums and products wrap around in two's complement.
+TEST(Reduction, Int64SumAndProductWrapAround) {
+  const std::int64_t big = std::int64_t{1} << 62;
+  Tensor<std::int64_t> x = lazy::full<std::int64_t>({5}, big);
+  // 5 * 2^62 = 2^64 + 2^62 wraps to 2^62.
+  EXPECT_EQ(lazy::sum(x).item(), big);
+  EXPECT_EQ(lazy::sum(lazy::full<std::int64_t>({3, 5}, big), {1}).to_vector(), std::vector<std::int64_t>(3, big));
+  // (2^31 + 1)^2 = 2^62 + 2^32 + 1 fits; cubed it wraps: the reference multiplies in uint64.
+  const std::int64_t f = (std::int64_t{1} << 31) + 1;
+  std::uint64_t ref = 1;
+  for (int i = 0; i < 3; ++i) ref *= static_cast<std::uint64_t>(f);
+  EXPECT_EQ(lazy::prod(lazy::full<std::int64_t>({3}, f)).item(), static_cast<std::int64_t>(ref));
+}
+
 TEST(Reduction, MeanOfIntegersIsDTypeError) {
   EXPECT_THROW(lazy::mean(lazy::ones<std::int32_t>({3})), lazy::DTypeError);
   EXPECT_THROW(lazy::mean(lazy::ones<std::int64_t>({3, 2}), {0}), lazy::DTypeError);

@@ -23,6 +23,27 @@ struct scalar_of<xsimd::batch<T, A>> {
 template <class V>
 using scalar_of_t = typename scalar_of<V>::type;
 
+/// a + b and a * b, wrapping like PyTorch's integer kernels (two's complement; signed
+/// overflow in C++ arithmetic is undefined).
+template <class V>
+V wrapping_add(const V& a, const V& b) {
+  if constexpr (std::is_integral_v<V> && std::is_signed_v<V>) {
+    using U = std::make_unsigned_t<V>;
+    return static_cast<V>(static_cast<U>(a) + static_cast<U>(b));
+  } else {
+    return a + b;
+  }
+}
+template <class V>
+V wrapping_mul(const V& a, const V& b) {
+  if constexpr (std::is_integral_v<V> && std::is_signed_v<V>) {
+    using U = std::make_unsigned_t<V>;
+    return static_cast<V>(static_cast<U>(a) * static_cast<U>(b));
+  } else {
+    return a * b;
+  }
+}
+
 template <class S, class V, class F>
 S horizontal(const V& v, F f) {
   if constexpr (std::is_arithmetic_v<V>) {
@@ -48,11 +69,12 @@ struct Sum {
   }
   template <class V>
   static V combine(const V& a, const V& b) {
-    return a + b;
+    return detail::wrapping_add(a, b);
   }
   template <class S, class V>
   static S horizontal(const V& v) {
     if constexpr (std::is_arithmetic_v<V>) return v;
+    else if constexpr (std::is_integral_v<S>) return detail::horizontal<S>(v, detail::wrapping_add<S>);
     else return xsimd::hadd(v);
   }
 };
@@ -68,11 +90,11 @@ struct Prod {
   }
   template <class V>
   static V combine(const V& a, const V& b) {
-    return a * b;
+    return detail::wrapping_mul(a, b);
   }
   template <class S, class V>
   static S horizontal(const V& v) {
-    return detail::horizontal<S>(v, [](S a, S b) { return a * b; });
+    return detail::horizontal<S>(v, detail::wrapping_mul<S>);
   }
 };
 

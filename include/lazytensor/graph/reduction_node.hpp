@@ -100,14 +100,15 @@ using InputPointers = core::SmallVector<const void*, 8>;
 core::SmallVector<char, 8> splat_flags(const std::vector<NodePtr>& inputs,
                                               std::int64_t child_numel);
 
-template <class R, class S, class Ev>
-S reduce_range(const Ev& ev, std::int64_t b, std::int64_t len) {
-  if (len <= kReduceBlock) return reduce_span<R, S>(ev, b, len);
-  Partials<S> partial;
+/// Reduces [b, b + len) block by block in lane S, combining the blocks' results in A.
+template <class R, class S, class A, class Ev>
+A reduce_range(const Ev& ev, std::int64_t b, std::int64_t len) {
+  if (len <= kReduceBlock) return static_cast<A>(reduce_span<R, S>(ev, b, len));
+  Partials<A> partial;
   partial.resize(static_cast<std::size_t>((len + kReduceBlock - 1) / kReduceBlock));
   for (std::size_t j = 0; j < partial.size(); ++j) {
     const std::int64_t o = static_cast<std::int64_t>(j) * kReduceBlock;
-    partial[j] = reduce_span<R, S>(ev, b + o, std::min(kReduceBlock, len - o));
+    partial[j] = static_cast<A>(reduce_span<R, S>(ev, b + o, std::min(kReduceBlock, len - o)));
   }
   return pairwise<R>(partial.data(), partial.size());
 }
@@ -171,7 +172,11 @@ template <class K, class R, class S, Element Tout>
 class ReduceLoops final : public ReduceKernel {
  public:
   using Ev = expr::Evaluator<S, K>;
-  static_assert(alignof(S) <= alignof(std::max_align_t), "partials are kept in plain heap or stack storage");
+  /// Type the blocks' results combine in. An integer result from a floating lane (bools
+  /// counted, as in `sum(x > 0)`) is exact in the lane within one block (kReduceBlock
+  /// << 2^24) but not beyond: the blocks' counts combine in the integer result type.
+  using A = std::conditional_t<is_integral_v<Tout> && !is_integral_v<S>, Tout, S>;
+  static_assert(alignof(A) <= alignof(std::max_align_t), "partials are kept in plain heap or stack storage");
 
   explicit ReduceLoops(K k) : k_(std::move(k)) {}
 
@@ -184,21 +189,21 @@ class ReduceLoops final : public ReduceKernel {
     static const std::uint64_t h = typeid(ReduceLoops).hash_code();  // hashes the type's name: once
     return h;
   }
-  std::size_t partial_bytes() const override { return sizeof(S); }
+  std::size_t partial_bytes() const override { return sizeof(A); }
 
   void blocks(const void* const* in, const char* splat, std::int64_t b0, std::int64_t b1,
               std::int64_t len, void* partials) const override {
     expr::SplatRoom<K> room;
     const Ev ev(k_, expr::EvalInputs{in, splat, room.bytes});
-    S* p = static_cast<S*>(partials);
+    A* p = static_cast<A*>(partials);
     for (std::int64_t b = b0; b < b1; ++b) {
       const std::int64_t s = b * kReduceBlock;
-      p[b] = detail::reduce_span<R, S>(ev, s, std::min(kReduceBlock, len - s));
+      p[b] = static_cast<A>(detail::reduce_span<R, S>(ev, s, std::min(kReduceBlock, len - s)));
     }
   }
   void finish(void* partials, std::int64_t count, double scale, void* out) const override {
     *static_cast<Tout*>(out) =
-        finish_value(detail::pairwise<R>(static_cast<S*>(partials), static_cast<std::size_t>(count)), scale);
+        finish_value(detail::pairwise<R>(static_cast<A*>(partials), static_cast<std::size_t>(count)), scale);
   }
   void rows(const void* const* in, const char* splat, std::int64_t o0, std::int64_t o1,
             std::int64_t extent, double scale, void* out) const override {
@@ -206,7 +211,7 @@ class ReduceLoops final : public ReduceKernel {
     const Ev ev(k_, expr::EvalInputs{in, splat, room.bytes});
     Tout* o = static_cast<Tout*>(out);
     for (std::int64_t r = o0; r < o1; ++r)
-      o[r] = finish_value(detail::reduce_range<R, S>(ev, r * extent, extent), scale);
+      o[r] = finish_value(detail::reduce_range<R, S, A>(ev, r * extent, extent), scale);
   }
   void columns(const void* const* in, const char* splat, std::int64_t u0, std::int64_t u1,
                ReduceGeometry g, double scale, void* out) const override {
@@ -216,9 +221,14 @@ class ReduceLoops final : public ReduceKernel {
   }
 
  private:
-  static Tout finish_value(S v, double scale) {
-    if (scale != 1.0) v = static_cast<S>(v * static_cast<S>(scale));
-    return expr::to_storage<Tout>(v);
+  template <class V>
+  static Tout finish_value(V v, double scale) {
+    if constexpr (std::is_same_v<V, S>) {
+      if (scale != 1.0) v = static_cast<S>(v * static_cast<S>(scale));
+      return expr::to_storage<Tout>(v);
+    } else {
+      return static_cast<Tout>(v);  // a count (A): integer results are never scaled
+    }
   }
 
   // Reduce across rows: vectorized along the inner dimension, R in order.
@@ -236,18 +246,44 @@ class ReduceLoops final : public ReduceKernel {
         using V = expr::batch_t<S>;
         constexpr std::int64_t W = V::size;
         for (std::int64_t c = c0; c < c1; c += W) {
-          V acc = R::template identity<V>();
-          for (std::int64_t r = 0; r < extent; ++r)
-            acc = R::combine(acc, ev.template packet<false>(base + r * inner + c));
-          alignas(64) S tmp[W];
-          acc.store_aligned(tmp);
-          for (std::int64_t k = 0; k < std::min(W, c1 - c); ++k) dst[c + k] = finish_value(tmp[k], scale);
+          if constexpr (std::is_same_v<A, S>) {
+            V acc = R::template identity<V>();
+            for (std::int64_t r = 0; r < extent; ++r)
+              acc = R::combine(acc, ev.template packet<false>(base + r * inner + c));
+            alignas(64) S tmp[W];
+            acc.store_aligned(tmp);
+            for (std::int64_t k = 0; k < std::min(W, c1 - c); ++k) dst[c + k] = finish_value(tmp[k], scale);
+          } else {
+            // Counts: exact in the lane for one block of rows, then added up in A.
+            A total[W];
+            for (std::int64_t k = 0; k < W; ++k) total[k] = R::template identity<A>();
+            for (std::int64_t r0 = 0; r0 < extent; r0 += kReduceBlock) {
+              V acc = R::template identity<V>();
+              for (std::int64_t r = r0; r < std::min(extent, r0 + kReduceBlock); ++r)
+                acc = R::combine(acc, ev.template packet<false>(base + r * inner + c));
+              alignas(64) S tmp[W];
+              acc.store_aligned(tmp);
+              for (std::int64_t k = 0; k < W; ++k) total[k] = R::combine(total[k], static_cast<A>(tmp[k]));
+            }
+            for (std::int64_t k = 0; k < std::min(W, c1 - c); ++k) dst[c + k] = finish_value(total[k], scale);
+          }
         }
       } else {
         for (std::int64_t c = c0; c < c1; ++c) {
-          S acc = R::template identity<S>();
-          for (std::int64_t r = 0; r < extent; ++r) acc = R::combine(acc, ev.coeff(base + r * inner + c));
-          dst[c] = finish_value(acc, scale);
+          if constexpr (std::is_same_v<A, S>) {
+            S acc = R::template identity<S>();
+            for (std::int64_t r = 0; r < extent; ++r) acc = R::combine(acc, ev.coeff(base + r * inner + c));
+            dst[c] = finish_value(acc, scale);
+            continue;
+          }
+          A total = R::template identity<A>();
+          for (std::int64_t r0 = 0; r0 < extent; r0 += kReduceBlock) {
+            S acc = R::template identity<S>();
+            for (std::int64_t r = r0; r < std::min(extent, r0 + kReduceBlock); ++r)
+              acc = R::combine(acc, ev.coeff(base + r * inner + c));
+            total = R::combine(total, static_cast<A>(acc));
+          }
+          dst[c] = finish_value(total, scale);
         }
       }
     }
