@@ -11830,8 +11830,9 @@ LAZYTENSOR_INLINE std::string graph_dot(const std::vector<graph::NodePtr>& roots
 // In-place work is then split among the local members only (local_count, local_index).
 //
 // Waiting: spin, then yield, then sleep on the world's event (world.hpp, wait_budget).
-// Only step 2 gives up (abort, a partner that exited, a partner of this process that joined
-// the same count of its collectives in another group, timeout); once a round started
+// Only step 2 gives up (abort, a partner that exited, a partner that joined the same count
+// of its collectives in another group, timeout; a leader waiting for another process asks
+// it where its members went: ProcessWorld::ask_where); once a round started
 // every member is inside it doing bounded memory work, so steps 4-5 never give up (giving
 // up there could free memory a partner is still reading).
 
@@ -11873,6 +11874,7 @@ LAZYTENSOR_INLINE std::string graph_dot(const std::vector<graph::NodePtr>& roots
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 // ---- begin lazytensor/dist/share.hpp ----
@@ -12530,22 +12532,48 @@ class WorldState {
   }
 
   /// Records that replica `ordinal` (of this process) published its share of its
-  /// collective #`world_seq` (Signature::world_seq) in some group. A partner that still
-  /// waits for it in a collective with a count no higher knows it went elsewhere.
-  /// Stored after the share's arrival flag: whoever reads the count sees that flag too.
-  void note_joined(int ordinal, std::uint64_t world_seq) {
-    joined_[static_cast<std::size_t>(ordinal - layout_.process_offset)].n.store(
-        world_seq, std::memory_order_release);
+  /// collective #`world_seq` (Signature::world_seq) in the group tagged `group`
+  /// (GroupComm::tag). A partner that still waits for it in a collective with a count no
+  /// higher knows it went elsewhere. Stored after the share's arrival flag: whoever reads
+  /// the count sees that flag too.
+  void note_joined(int ordinal, std::uint64_t world_seq, std::uint32_t group) {
+    Joined& j = joined_[static_cast<std::size_t>(ordinal - layout_.process_offset)];
+    j.recent[world_seq % kRecentJoins].store(pack_join(world_seq, group), std::memory_order_relaxed);
+    j.n.store(world_seq, std::memory_order_release);
   }
   /// The last count noted for replica `ordinal` of this process (0: none yet).
   std::uint64_t joined(int ordinal) const {
     return joined_[static_cast<std::size_t>(ordinal - layout_.process_offset)].n.load(
         std::memory_order_acquire);
   }
+  /// The tag of the group in which replica `ordinal` of this process joined its collective
+  /// #`world_seq`, or -1 when it has not joined it yet or joined it too long ago to say
+  /// (another process asks this of a partner it waits for: see ProcessWorld::ask_where).
+  std::int64_t joined_group(int ordinal, std::uint64_t world_seq) const {
+    const Joined& j = joined_[static_cast<std::size_t>(ordinal - layout_.process_offset)];
+    return group_of_join(j.recent[world_seq % kRecentJoins].load(std::memory_order_acquire), world_seq);
+  }
+
+  /// A join record: collective count and group tag in one word, so a reader never sees one
+  /// collective's count with another's group. Group tags keep their low kJoinTagBits bits.
+  static constexpr int kJoinTagBits = 24;
+  static std::uint64_t pack_join(std::uint64_t world_seq, std::uint32_t group) {
+    return ((world_seq & kJoinSeqMask) << kJoinTagBits) | (group & kJoinTagMask);
+  }
+  /// The group tag of record `e` when it is of collective #`world_seq`, else -1.
+  static std::int64_t group_of_join(std::uint64_t e, std::uint64_t world_seq) {
+    return world_seq != 0 && (e >> kJoinTagBits) == (world_seq & kJoinSeqMask)
+               ? static_cast<std::int64_t>(e & kJoinTagMask)
+               : -1;
+  }
 
  private:
-  struct alignas(64) Joined {  // a line each: every replica writes its own per collective
+  static constexpr std::size_t kRecentJoins = 16;
+  static constexpr std::uint64_t kJoinSeqMask = (std::uint64_t{1} << (64 - kJoinTagBits)) - 1;
+  static constexpr std::uint32_t kJoinTagMask = (std::uint32_t{1} << kJoinTagBits) - 1;
+  struct alignas(64) Joined {  // lines of its own: every replica writes its own per collective
     std::atomic<std::uint64_t> n{0};
+    std::atomic<std::uint64_t> recent[kRecentJoins] = {};  ///< by count modulo kRecentJoins
   };
 
   WorldLayout layout_;
@@ -12673,6 +12701,10 @@ struct ProcessPlace {
   int host_count = 1;  ///< processes on this host
 };
 
+/// Why a group gave up a round, as its other processes are told (they raise the same error
+/// class: CollectiveTimeout, CollectiveError, ReplicaAborted, CollectiveMismatch).
+enum class GiveUp : std::uint8_t { Timeout, Exited, Aborted, Mismatch };
+
 /// One group's link to the other processes holding some of its members: sends this
 /// process's shares of a round, receives theirs. Used by the group's leader only.
 class ProcessLink {
@@ -12690,7 +12722,7 @@ class ProcessLink {
   virtual bool delivered_by_owner(int ordinal) const = 0;
   /// Gives up on the round: cancels receives, keeps what is in flight alive, and tells the
   /// peer processes (with `reason` when not empty) that the group is broken.
-  virtual void abandon(const std::string& reason, bool timeout) = 0;
+  virtual void abandon(const std::string& reason, GiveUp why) = 0;
 };
 
 /// The processes of one spawn, as the runtime sees them.
@@ -12709,10 +12741,18 @@ class ProcessWorld {
   virtual void finish() = 0;
   /// What a group that spans processes is told (from another thread) when a peer process
   /// gave up one of its rounds: it must fail its later rounds.
-  using BrokenHandler = std::function<void(const std::string& reason, bool timeout)>;
+  using BrokenHandler = std::function<void(const std::string& reason, GiveUp why)>;
   /// The link of group `members` (sorted ordinals, some in other processes). `on_broken`
   /// may be called until the link's destructor returns, never after it.
   virtual std::unique_ptr<ProcessLink> link(const std::vector<int>& members, BrokenHandler on_broken) = 0;
+  /// Asks the processes holding the replicas `who` names (ordinal, collective count) in
+  /// which group each joined that collective (WorldState::joined_group). A leader waiting
+  /// for a remote member asks this: a member that joined the same count in another group
+  /// will never come. The answers arrive later, through told_where.
+  virtual void ask_where(const std::vector<std::pair<int, std::uint64_t>>& who) = 0;
+  /// The answer about replica `ordinal`'s collective #`world_seq`: its group's tag, or -1
+  /// when none arrived (yet) or that replica had not joined it when asked.
+  virtual std::int64_t told_where(int ordinal, std::uint64_t world_seq) const = 0;
 };
 
 /// A way to reach other processes (lazytensor::mpi installs MPI's).
@@ -12868,6 +12908,8 @@ class MpiWorld final : public ProcessWorld, public std::enable_shared_from_this<
   /// Also stops the watcher and settles abandoned transfers.
   inline void finish() override;
   inline std::unique_ptr<ProcessLink> link(const std::vector<int>& members, BrokenHandler on_broken) override;
+  inline void ask_where(const std::vector<std::pair<int, std::uint64_t>>& who) override;
+  inline std::int64_t told_where(int ordinal, std::uint64_t world_seq) const override;
 
   /// Requests a failed round left in flight, with what their buffers need to outlive them.
   void abandon(std::vector<MPI_Request> requests, std::vector<std::shared_ptr<void>> keep);
@@ -12915,13 +12957,15 @@ class MpiWorld final : public ProcessWorld, public std::enable_shared_from_this<
   void sync_segments();
   /// Tells the processes in `peers` that this process gave up a round of `group`.
   void announce_broken(std::uint64_t group, const std::vector<int>& peers, const std::string& reason,
-                       bool timeout);
+                       GiveUp why);
 
  private:
   MpiWorld(int replicas, ProcessPlace place, MPI_Comm data, MPI_Comm ctl);
   void run_watcher();
   void apply_notice(const std::vector<char>& msg, int source);
   void apply_broken(const std::vector<char>& msg);
+  void answer_where(const std::vector<char>& msg, int source);
+  void apply_where(const std::vector<char>& msg);
   void send_control(std::shared_ptr<std::vector<std::byte>> msg, const std::vector<int>& to, int tag);
   void settle(bool final_pass);
 
@@ -12946,6 +12990,8 @@ class MpiWorld final : public ProcessWorld, public std::enable_shared_from_this<
   std::map<std::uint64_t, BrokenHandler> groups_;
   std::atomic<std::uint32_t> piece_counter_{0};
   std::atomic<int> mail_{0};  // packages in the mailbox
+  // By world ordinal: the last answer of its process to ask_where (WorldState::pack_join).
+  std::unique_ptr<std::atomic<std::uint64_t>[]> told_;
   // The host's shared window (Mpi::HostWindow; null when this process is alone on its
   // host or the memory is not there). This world's reservations start at 0: the previous
   // world's areas are read by nobody once every process joined this one.
@@ -12968,7 +13014,7 @@ class MpiLink final : public ProcessLink {
   inline std::string waiting_for() const override;
   inline bool delivered_by_owner(int ordinal) const override;
   /// Also hands what is in flight to the MpiWorld.
-  inline void abandon(const std::string& reason, bool timeout) override;
+  inline void abandon(const std::string& reason, GiveUp why) override;
 
  private:
   /// Takes the peer's next package of this group (from the mailbox or MPI); null if none.
@@ -13047,9 +13093,12 @@ inline const bool kMpiTransportInstalled =
 
 namespace lazy::dist::detail {
 
-/// Tags on the control communicator: a replica's exit, a group a peer gave up.
+/// Tags on the control communicator: a replica's exit, a group a peer gave up, a question
+/// where replicas joined a collective and its answer (ProcessWorld::ask_where).
 inline constexpr int kExitTag = 1;
 inline constexpr int kBrokenTag = 2;
+inline constexpr int kWhereAskTag = 3;
+inline constexpr int kWhereTellTag = 4;
 /// Tags on the data communicator: packages on [1, kPieceTagBase) by group hash, large
 /// entries on fresh tags from [kPieceTagBase, 32767] (MPI guarantees tags up to 32767).
 inline constexpr int kPieceTagBase = 16384;
@@ -13403,7 +13452,12 @@ inline void MpiWorld::sync_segments() {
 }
 
 inline MpiWorld::MpiWorld(int replicas, ProcessPlace place, MPI_Comm data, MPI_Comm ctl)
-    : replicas_(replicas), place_(place), data_(data), ctl_(ctl) {}
+    : replicas_(replicas),
+      place_(place),
+      data_(data),
+      ctl_(ctl),
+      told_(std::make_unique<std::atomic<std::uint64_t>[]>(static_cast<std::size_t>(place.count) *
+                                                           static_cast<std::size_t>(replicas))) {}
 
 inline MpiWorld::~MpiWorld() {
   if (watcher_.joinable()) {
@@ -13515,11 +13569,11 @@ inline void MpiWorld::announce_exit(int ordinal, const std::exception_ptr& e) {
 }
 
 inline void MpiWorld::announce_broken(std::uint64_t group, const std::vector<int>& peers,
-                                      const std::string& reason, bool timeout) {
+                                      const std::string& reason, GiveUp why) {
   auto msg = std::make_shared<std::vector<std::byte>>();
   PackWriter w{*msg};
   w.put(group);
-  w.put(static_cast<std::uint8_t>(timeout));
+  w.put(static_cast<std::uint8_t>(why));
   w.put_bytes(reason.data(), reason.size());
   w.finish();
   send_control(std::move(msg), peers, kBrokenTag);
@@ -13529,7 +13583,8 @@ inline void MpiWorld::apply_broken(const std::vector<char>& msg) {
   PackReader r{reinterpret_cast<const std::byte*>(msg.data()),
                reinterpret_cast<const std::byte*>(msg.data() + msg.size()), -1};
   const auto group = r.get<std::uint64_t>();
-  const bool timeout = r.get<std::uint8_t>() != 0;
+  const auto code = r.get<std::uint8_t>();
+  const GiveUp why = code <= static_cast<std::uint8_t>(GiveUp::Mismatch) ? static_cast<GiveUp>(code) : GiveUp::Exited;
   const std::string reason(reinterpret_cast<const char*>(r.p), static_cast<std::size_t>(r.end - r.p));
   // Held through the call: forget_group returns only once no call is in progress.
   std::lock_guard calling(calling_mu_);
@@ -13538,7 +13593,66 @@ inline void MpiWorld::apply_broken(const std::vector<char>& msg) {
     std::lock_guard lock(mu_);
     if (auto it = groups_.find(group); it != groups_.end()) h = it->second;
   }
-  if (h) h(reason, timeout);
+  if (h) h(reason, why);
+}
+
+inline void MpiWorld::ask_where(const std::vector<std::pair<int, std::uint64_t>>& who) {
+  // One question per process holding some of them: (ordinal, count) pairs.
+  const int world = place_.count * replicas_;
+  for (int q = 0; q < place_.count; ++q) {
+    if (q == place_.index) continue;
+    auto msg = std::make_shared<std::vector<std::byte>>();
+    PackWriter w{*msg};
+    bool any = false;
+    for (const auto& [ordinal, seq] : who) {
+      if (ordinal < 0 || ordinal >= world || ordinal / replicas_ != q) continue;
+      w.put(static_cast<std::int32_t>(ordinal));
+      w.put(static_cast<std::uint64_t>(seq));
+      any = true;
+    }
+    if (!any) continue;
+    w.finish();
+    send_control(std::move(msg), {q}, kWhereAskTag);
+  }
+}
+
+inline std::int64_t MpiWorld::told_where(int ordinal, std::uint64_t world_seq) const {
+  if (ordinal < 0 || ordinal >= place_.count * replicas_) return -1;
+  return WorldState::group_of_join(told_[static_cast<std::size_t>(ordinal)].load(std::memory_order_acquire),
+                                   world_seq);
+}
+
+inline void MpiWorld::answer_where(const std::vector<char>& msg, int source) {
+  PackReader r{reinterpret_cast<const std::byte*>(msg.data()),
+               reinterpret_cast<const std::byte*>(msg.data() + msg.size()), source};
+  auto out = std::make_shared<std::vector<std::byte>>();
+  PackWriter w{*out};
+  bool any = false;
+  while (r.end - r.p >= static_cast<std::ptrdiff_t>(sizeof(std::int32_t) + sizeof(std::uint64_t))) {
+    const int ordinal = r.get<std::int32_t>();
+    const auto seq = r.get<std::uint64_t>();
+    if (ordinal < place_.index * replicas_ || ordinal >= (place_.index + 1) * replicas_) continue;
+    const std::int64_t g = world_->joined_group(ordinal, seq);
+    if (g < 0) continue;  // not joined yet (or too long ago): nothing to tell
+    w.put(static_cast<std::int32_t>(ordinal));
+    w.put(WorldState::pack_join(seq, static_cast<std::uint32_t>(g)));
+    any = true;
+  }
+  if (!any) return;
+  w.finish();
+  send_control(std::move(out), {source}, kWhereTellTag);
+}
+
+inline void MpiWorld::apply_where(const std::vector<char>& msg) {
+  PackReader r{reinterpret_cast<const std::byte*>(msg.data()),
+               reinterpret_cast<const std::byte*>(msg.data() + msg.size()), -1};
+  while (r.end - r.p >= static_cast<std::ptrdiff_t>(sizeof(std::int32_t) + sizeof(std::uint64_t))) {
+    const int ordinal = r.get<std::int32_t>();
+    const auto record = r.get<std::uint64_t>();
+    if (ordinal < 0 || ordinal >= place_.count * replicas_) continue;
+    told_[static_cast<std::size_t>(ordinal)].store(record, std::memory_order_release);
+  }
+  if (world_) world_->event().notify();
 }
 
 inline void MpiWorld::on_group_broken(std::uint64_t group, BrokenHandler h) {
@@ -13607,6 +13721,10 @@ inline void MpiWorld::run_watcher() {
       try {
         if (st.MPI_TAG == kBrokenTag) {
           apply_broken(buf);
+        } else if (st.MPI_TAG == kWhereAskTag) {
+          answer_where(buf, st.MPI_SOURCE);
+        } else if (st.MPI_TAG == kWhereTellTag) {
+          apply_where(buf);
         } else {
           apply_notice(buf, st.MPI_SOURCE);
           ++received;
@@ -14001,7 +14119,7 @@ inline bool MpiLink::delivered_by_owner(int ordinal) const {
   return true;
 }
 
-inline void MpiLink::abandon(const std::string& reason, bool timeout) {
+inline void MpiLink::abandon(const std::string& reason, GiveUp why) {
   std::vector<MPI_Request> reqs;
   std::vector<std::shared_ptr<void>> keep;
   for (auto& peer : peers_) {
@@ -14021,7 +14139,7 @@ inline void MpiLink::abandon(const std::string& reason, bool timeout) {
   pw_->abandon(std::move(reqs), std::move(keep));
   std::vector<int> to;
   for (const auto& peer : peers_) to.push_back(peer.process);
-  if (!reason.empty()) pw_->announce_broken(hash_, to, reason, timeout);
+  if (!reason.empty()) pw_->announce_broken(hash_, to, reason, why);
 }
 
 }  // namespace lazy::dist::detail
@@ -14092,7 +14210,7 @@ class GroupComm {
     mine.keep.clear();
     publish(mine);
     slot.arrived.store(s, std::memory_order_seq_cst);
-    if (sig.world_seq) w.note_joined(members_[static_cast<std::size_t>(me)], sig.world_seq);
+    if (sig.world_seq) w.note_joined(members_[static_cast<std::size_t>(me)], sig.world_seq, tag_);
     w.event().notify();
     if (spans_processes() && me == leader_) cross_process(me, s, sig, timeout);
     await_start(me, s, sig, timeout);
@@ -14113,7 +14231,7 @@ class GroupComm {
 
  private:
   static constexpr std::uint64_t kBroken = std::uint64_t{1} << 63;
-  enum class Failure { Timeout, Exited, Aborted, Mismatch };
+  using Failure = GiveUp;
 
   struct alignas(64) Slot {
     std::atomic<std::uint64_t> arrived{0};  ///< last round this member published
@@ -14132,6 +14250,10 @@ class GroupComm {
   int diverged_partner(std::uint64_t s, std::uint64_t world_seq) const;
   /// The reason given when `partner` diverged (see diverged_partner).
   std::string diverged(int partner, std::uint64_t world_seq) const;
+  /// A member of another process that has not delivered round s and whose process answered
+  /// that it joined its collective #world_seq in another group, else -1 (asks its process
+  /// at most every few milliseconds: ProcessWorld::ask_where).
+  int diverged_remote(std::uint64_t world_seq, std::chrono::steady_clock::time_point now);
 
   void await_start(int me, std::uint64_t s, const Signature& sig,
                    std::chrono::milliseconds timeout);
@@ -14151,7 +14273,7 @@ class GroupComm {
 
   /// Another process gave up a round of this group: later rounds fail (a round that
   /// already started here completes).
-  void break_from_peer(const std::string& reason, bool timeout);
+  void break_from_peer(const std::string& reason, Failure why);
 
   [[noreturn]] static void raise(Failure why, const std::string& msg);
 
@@ -14170,7 +14292,9 @@ class GroupComm {
   std::vector<int> local_index_;
   int local_count_ = 0;
   int leader_ = 0;
+  std::uint32_t tag_ = 0;  ///< the members' hash (WorldState::note_joined)
   std::unique_ptr<ProcessLink> link_;  // with members in other processes
+  std::chrono::steady_clock::time_point asked_where_{};  // the leader's last ask_where
   // The leader's lists for cross_process (one leader, one round at a time).
   std::vector<Share*> round_shares_, local_shares_;
   std::vector<int> local_ordinals_;
@@ -14200,9 +14324,12 @@ LAZYTENSOR_INLINE GroupComm::GroupComm(std::shared_ptr<WorldState> world, std::v
       local_index_[i] = local_count_++;
     }
   }
+  std::uint32_t h = 2166136261u;  // FNV-1a over the ordinals: the same in every process
+  for (int m : members_) h = (h ^ static_cast<std::uint32_t>(m)) * 16777619u;
+  tag_ = h;
   if (spans_processes()) {
-    link_ = world_->processes()->link(members_, [this](const std::string& reason, bool timeout) {
-      break_from_peer(reason, timeout);
+    link_ = world_->processes()->link(members_, [this](const std::string& reason, Failure why) {
+      break_from_peer(reason, why);
     });
   }
 }
@@ -14211,11 +14338,11 @@ LAZYTENSOR_INLINE GroupComm::~GroupComm() {
   link_.reset();  // first: it stops calling break_from_peer
 }
 
-LAZYTENSOR_INLINE void GroupComm::break_from_peer(const std::string& reason, bool timeout) {
+LAZYTENSOR_INLINE void GroupComm::break_from_peer(const std::string& reason, Failure why) {
   {
     std::lock_guard lock(broken_mu_);
     if (!(state_.load(std::memory_order_acquire) & kBroken)) {
-      broken_kind_ = timeout ? Failure::Timeout : Failure::Exited;
+      broken_kind_ = why;
       broken_reason_ = reason;
       broken_by_peer_ = true;
     }
@@ -14265,6 +14392,27 @@ LAZYTENSOR_INLINE std::string GroupComm::diverged(int partner, std::uint64_t wor
          std::to_string(world_seq) +
          " here): the replicas passed different groups partitions, or issued different "
          "collectives";
+}
+
+LAZYTENSOR_INLINE int GroupComm::diverged_remote(std::uint64_t world_seq,
+                                                 std::chrono::steady_clock::time_point now) {
+  if (world_seq == 0) return -1;  // a rendezvous among chosen replicas: not counted
+  ProcessWorld& pw = *world_->processes();
+  std::vector<std::pair<int, std::uint64_t>> ask;
+  for (std::size_t j = 0; j < members_.size(); ++j) {
+    const int m = members_[j];
+    if (local_index_[j] >= 0 || link_->delivered_by_owner(m)) continue;
+    const std::int64_t g = pw.told_where(m, world_seq);
+    if (g >= 0 && static_cast<std::uint32_t>(g) != (tag_ & ((1u << WorldState::kJoinTagBits) - 1))) return m;
+    if (g < 0) ask.emplace_back(m, world_seq);
+  }
+  // Asking costs the peer's watcher a message: a few times per wait is enough to fail
+  // within milliseconds rather than at the timeout.
+  if (!ask.empty() && now - asked_where_ >= std::chrono::milliseconds(5)) {
+    asked_where_ = now;
+    pw.ask_where(ask);
+  }
+  return -1;
 }
 
 LAZYTENSOR_INLINE std::string GroupComm::missing(std::uint64_t s) const {
@@ -14340,22 +14488,20 @@ LAZYTENSOR_INLINE void GroupComm::cross_process(int me, std::uint64_t s, const S
   // Giving up throws (withdraw(): nobody can start before the leader), and first tells the
   // group's other processes, which must not wait for this one's later rounds.
   auto give_up = [&](Failure why, const std::string& reason) {
-    link_->abandon(
-        "replica " + std::to_string(members_[static_cast<std::size_t>(me)]) + " " + reason,
-        why == Failure::Timeout);
+    link_->abandon("replica " + std::to_string(members_[static_cast<std::size_t>(me)]) + " " + reason, why);
     withdraw(me, s, sig, why, reason);
   };
   // The group broke meanwhile (a local member or a peer process gave up): peers must hear
   // of a local reason.
   auto broken_out = [&] {
     std::string reason;
-    bool timeout = false;
+    Failure why = Failure::Exited;
     {
       std::lock_guard lock(broken_mu_);
       if (!broken_by_peer_) reason = broken_reason_;
-      timeout = broken_kind_ == Failure::Timeout;
+      why = broken_kind_;
     }
-    link_->abandon(reason, timeout);
+    link_->abandon(reason, why);
     throw_broken(me, s, sig);
   };
   // 1. This process's members.
@@ -14422,6 +14568,12 @@ LAZYTENSOR_INLINE void GroupComm::cross_process(int me, std::uint64_t s, const S
       if (local_index_[j] < 0 && w.exited(members_[j]) && !link_->delivered_by_owner(members_[j]))
         gone = members_[j];
     }
+    // (Asked only once the wait is long: most rounds end within the polite spin.)
+    if (const int elsewhere = now > polite ? diverged_remote(sig.world_seq, now) : -1; elsewhere >= 0)
+      give_up(Failure::Mismatch, "replica " + std::to_string(elsewhere) + " joined its collective #" +
+                                     std::to_string(sig.world_seq) +
+                                     " in another group instead of this one: the replicas passed "
+                                     "different groups partitions, or issued different collectives");
     if (gone < 0) {
       gone_since = {};
     } else if (gone_since == std::chrono::steady_clock::time_point{}) {

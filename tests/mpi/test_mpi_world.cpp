@@ -452,6 +452,39 @@ TEST(MpiWorld, MismatchIsReportedEverywhereAndTheGroupGoesOn) {
   }
 }
 
+// A replica that joins its collective in another group than its partners (a different
+// groups partition): replica 1 of process 0 pairs with replica 3 of process 1, which went
+// to the world's all_reduce instead. Every replica ends in CollectiveMismatch within
+// seconds, in both processes: replica 0 sees its local partner elsewhere, replica 1 learns
+// from process 1 where replica 3 went, and process 1's replicas hear why their group broke.
+// Before, replica 1 waited out the collective timeout, and process 1 got CollectiveError.
+TEST(MpiWorld, APartnerInAnotherGroupIsAMismatchInEveryProcess) {
+  Watchdog dog;
+  TimeoutGuard limit(std::chrono::seconds(60));
+  std::vector<std::string> msgs(kPerProcess);
+  std::vector<double> secs(kPerProcess, -1.0);
+  const auto t0 = std::chrono::steady_clock::now();
+  run_world([&](int r) {
+    const dist::Groups groups = r == 1 ? Groups{{0, 2}, {1, 3}} : Groups{};
+    const std::size_t local = static_cast<std::size_t>(r % kPerProcess);
+    msgs[local] = message_of<lazy::CollectiveMismatch>([&] {
+      (void)dist::all_reduce(ReduceOp::Sum, lazy::from_vector<float>({1.0f}), {.groups = groups}).item();
+    });
+    secs[local] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  });
+  for (int local = 0; local < kPerProcess; ++local) {
+    const int r = mpi_rank() * kPerProcess + local;
+    const std::string& m = msgs[static_cast<std::size_t>(local)];
+    EXPECT_NE(m.find("in another group instead of this one"), std::string::npos) << "replica " << r << ": " << m;
+    // Replica 1 names replica 3; everyone else names replica 1.
+    EXPECT_NE(m.find(r == 1 ? "replica 3 joined its collective #" : "replica 1 joined its collective #"),
+              std::string::npos)
+        << "replica " << r << ": " << m;
+    EXPECT_GT(secs[static_cast<std::size_t>(local)], 0.0);
+    EXPECT_LT(secs[static_cast<std::size_t>(local)], 10.0) << "replica " << r;
+  }
+}
+
 /// Runs a world in which replica `bad` throws std::runtime_error while the others wait in
 /// an all_reduce; returns the seconds until spawn re-threw, and checks the message.
 void expect_failure_everywhere(int bad) {

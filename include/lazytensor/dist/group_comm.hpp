@@ -23,8 +23,9 @@
 // In-place work is then split among the local members only (local_count, local_index).
 //
 // Waiting: spin, then yield, then sleep on the world's event (world.hpp, wait_budget).
-// Only step 2 gives up (abort, a partner that exited, a partner of this process that joined
-// the same count of its collectives in another group, timeout); once a round started
+// Only step 2 gives up (abort, a partner that exited, a partner that joined the same count
+// of its collectives in another group, timeout; a leader waiting for another process asks
+// it where its members went: ProcessWorld::ask_where); once a round started
 // every member is inside it doing bounded memory work, so steps 4-5 never give up (giving
 // up there could free memory a partner is still reading).
 
@@ -108,7 +109,7 @@ class GroupComm {
     mine.keep.clear();
     publish(mine);
     slot.arrived.store(s, std::memory_order_seq_cst);
-    if (sig.world_seq) w.note_joined(members_[static_cast<std::size_t>(me)], sig.world_seq);
+    if (sig.world_seq) w.note_joined(members_[static_cast<std::size_t>(me)], sig.world_seq, tag_);
     w.event().notify();
     if (spans_processes() && me == leader_) cross_process(me, s, sig, timeout);
     await_start(me, s, sig, timeout);
@@ -129,7 +130,7 @@ class GroupComm {
 
  private:
   static constexpr std::uint64_t kBroken = std::uint64_t{1} << 63;
-  enum class Failure { Timeout, Exited, Aborted, Mismatch };
+  using Failure = GiveUp;
 
   struct alignas(64) Slot {
     std::atomic<std::uint64_t> arrived{0};  ///< last round this member published
@@ -148,6 +149,10 @@ class GroupComm {
   int diverged_partner(std::uint64_t s, std::uint64_t world_seq) const;
   /// The reason given when `partner` diverged (see diverged_partner).
   std::string diverged(int partner, std::uint64_t world_seq) const;
+  /// A member of another process that has not delivered round s and whose process answered
+  /// that it joined its collective #world_seq in another group, else -1 (asks its process
+  /// at most every few milliseconds: ProcessWorld::ask_where).
+  int diverged_remote(std::uint64_t world_seq, std::chrono::steady_clock::time_point now);
 
   void await_start(int me, std::uint64_t s, const Signature& sig,
                    std::chrono::milliseconds timeout);
@@ -167,7 +172,7 @@ class GroupComm {
 
   /// Another process gave up a round of this group: later rounds fail (a round that
   /// already started here completes).
-  void break_from_peer(const std::string& reason, bool timeout);
+  void break_from_peer(const std::string& reason, Failure why);
 
   [[noreturn]] static void raise(Failure why, const std::string& msg);
 
@@ -186,7 +191,9 @@ class GroupComm {
   std::vector<int> local_index_;
   int local_count_ = 0;
   int leader_ = 0;
+  std::uint32_t tag_ = 0;  ///< the members' hash (WorldState::note_joined)
   std::unique_ptr<ProcessLink> link_;  // with members in other processes
+  std::chrono::steady_clock::time_point asked_where_{};  // the leader's last ask_where
   // The leader's lists for cross_process (one leader, one round at a time).
   std::vector<Share*> round_shares_, local_shares_;
   std::vector<int> local_ordinals_;
@@ -216,9 +223,12 @@ LAZYTENSOR_INLINE GroupComm::GroupComm(std::shared_ptr<WorldState> world, std::v
       local_index_[i] = local_count_++;
     }
   }
+  std::uint32_t h = 2166136261u;  // FNV-1a over the ordinals: the same in every process
+  for (int m : members_) h = (h ^ static_cast<std::uint32_t>(m)) * 16777619u;
+  tag_ = h;
   if (spans_processes()) {
-    link_ = world_->processes()->link(members_, [this](const std::string& reason, bool timeout) {
-      break_from_peer(reason, timeout);
+    link_ = world_->processes()->link(members_, [this](const std::string& reason, Failure why) {
+      break_from_peer(reason, why);
     });
   }
 }
@@ -227,11 +237,11 @@ LAZYTENSOR_INLINE GroupComm::~GroupComm() {
   link_.reset();  // first: it stops calling break_from_peer
 }
 
-LAZYTENSOR_INLINE void GroupComm::break_from_peer(const std::string& reason, bool timeout) {
+LAZYTENSOR_INLINE void GroupComm::break_from_peer(const std::string& reason, Failure why) {
   {
     std::lock_guard lock(broken_mu_);
     if (!(state_.load(std::memory_order_acquire) & kBroken)) {
-      broken_kind_ = timeout ? Failure::Timeout : Failure::Exited;
+      broken_kind_ = why;
       broken_reason_ = reason;
       broken_by_peer_ = true;
     }
@@ -281,6 +291,27 @@ LAZYTENSOR_INLINE std::string GroupComm::diverged(int partner, std::uint64_t wor
          std::to_string(world_seq) +
          " here): the replicas passed different groups partitions, or issued different "
          "collectives";
+}
+
+LAZYTENSOR_INLINE int GroupComm::diverged_remote(std::uint64_t world_seq,
+                                                 std::chrono::steady_clock::time_point now) {
+  if (world_seq == 0) return -1;  // a rendezvous among chosen replicas: not counted
+  ProcessWorld& pw = *world_->processes();
+  std::vector<std::pair<int, std::uint64_t>> ask;
+  for (std::size_t j = 0; j < members_.size(); ++j) {
+    const int m = members_[j];
+    if (local_index_[j] >= 0 || link_->delivered_by_owner(m)) continue;
+    const std::int64_t g = pw.told_where(m, world_seq);
+    if (g >= 0 && static_cast<std::uint32_t>(g) != (tag_ & ((1u << WorldState::kJoinTagBits) - 1))) return m;
+    if (g < 0) ask.emplace_back(m, world_seq);
+  }
+  // Asking costs the peer's watcher a message: a few times per wait is enough to fail
+  // within milliseconds rather than at the timeout.
+  if (!ask.empty() && now - asked_where_ >= std::chrono::milliseconds(5)) {
+    asked_where_ = now;
+    pw.ask_where(ask);
+  }
+  return -1;
 }
 
 LAZYTENSOR_INLINE std::string GroupComm::missing(std::uint64_t s) const {
@@ -356,22 +387,20 @@ LAZYTENSOR_INLINE void GroupComm::cross_process(int me, std::uint64_t s, const S
   // Giving up throws (withdraw(): nobody can start before the leader), and first tells the
   // group's other processes, which must not wait for this one's later rounds.
   auto give_up = [&](Failure why, const std::string& reason) {
-    link_->abandon(
-        "replica " + std::to_string(members_[static_cast<std::size_t>(me)]) + " " + reason,
-        why == Failure::Timeout);
+    link_->abandon("replica " + std::to_string(members_[static_cast<std::size_t>(me)]) + " " + reason, why);
     withdraw(me, s, sig, why, reason);
   };
   // The group broke meanwhile (a local member or a peer process gave up): peers must hear
   // of a local reason.
   auto broken_out = [&] {
     std::string reason;
-    bool timeout = false;
+    Failure why = Failure::Exited;
     {
       std::lock_guard lock(broken_mu_);
       if (!broken_by_peer_) reason = broken_reason_;
-      timeout = broken_kind_ == Failure::Timeout;
+      why = broken_kind_;
     }
-    link_->abandon(reason, timeout);
+    link_->abandon(reason, why);
     throw_broken(me, s, sig);
   };
   // 1. This process's members.
@@ -438,6 +467,12 @@ LAZYTENSOR_INLINE void GroupComm::cross_process(int me, std::uint64_t s, const S
       if (local_index_[j] < 0 && w.exited(members_[j]) && !link_->delivered_by_owner(members_[j]))
         gone = members_[j];
     }
+    // (Asked only once the wait is long: most rounds end within the polite spin.)
+    if (const int elsewhere = now > polite ? diverged_remote(sig.world_seq, now) : -1; elsewhere >= 0)
+      give_up(Failure::Mismatch, "replica " + std::to_string(elsewhere) + " joined its collective #" +
+                                     std::to_string(sig.world_seq) +
+                                     " in another group instead of this one: the replicas passed "
+                                     "different groups partitions, or issued different collectives");
     if (gone < 0) {
       gone_since = {};
     } else if (gone_since == std::chrono::steady_clock::time_point{}) {

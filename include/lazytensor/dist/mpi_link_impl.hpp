@@ -319,7 +319,7 @@ inline bool MpiLink::delivered_by_owner(int ordinal) const {
   return true;
 }
 
-inline void MpiLink::abandon(const std::string& reason, bool timeout) {
+inline void MpiLink::abandon(const std::string& reason, GiveUp why) {
   std::vector<MPI_Request> reqs;
   std::vector<std::shared_ptr<void>> keep;
   for (auto& peer : peers_) {
@@ -339,7 +339,7 @@ inline void MpiLink::abandon(const std::string& reason, bool timeout) {
   pw_->abandon(std::move(reqs), std::move(keep));
   std::vector<int> to;
   for (const auto& peer : peers_) to.push_back(peer.process);
-  if (!reason.empty()) pw_->announce_broken(hash_, to, reason, timeout);
+  if (!reason.empty()) pw_->announce_broken(hash_, to, reason, why);
 }
 
 }  // namespace lazy::dist::detail

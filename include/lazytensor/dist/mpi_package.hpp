@@ -19,9 +19,12 @@
 
 namespace lazy::dist::detail {
 
-/// Tags on the control communicator: a replica's exit, a group a peer gave up.
+/// Tags on the control communicator: a replica's exit, a group a peer gave up, a question
+/// where replicas joined a collective and its answer (ProcessWorld::ask_where).
 inline constexpr int kExitTag = 1;
 inline constexpr int kBrokenTag = 2;
+inline constexpr int kWhereAskTag = 3;
+inline constexpr int kWhereTellTag = 4;
 /// Tags on the data communicator: packages on [1, kPieceTagBase) by group hash, large
 /// entries on fresh tags from [kPieceTagBase, 32767] (MPI guarantees tags up to 32767).
 inline constexpr int kPieceTagBase = 16384;

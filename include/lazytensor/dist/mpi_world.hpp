@@ -102,6 +102,8 @@ class MpiWorld final : public ProcessWorld, public std::enable_shared_from_this<
   /// Also stops the watcher and settles abandoned transfers.
   inline void finish() override;
   inline std::unique_ptr<ProcessLink> link(const std::vector<int>& members, BrokenHandler on_broken) override;
+  inline void ask_where(const std::vector<std::pair<int, std::uint64_t>>& who) override;
+  inline std::int64_t told_where(int ordinal, std::uint64_t world_seq) const override;
 
   /// Requests a failed round left in flight, with what their buffers need to outlive them.
   void abandon(std::vector<MPI_Request> requests, std::vector<std::shared_ptr<void>> keep);
@@ -149,13 +151,15 @@ class MpiWorld final : public ProcessWorld, public std::enable_shared_from_this<
   void sync_segments();
   /// Tells the processes in `peers` that this process gave up a round of `group`.
   void announce_broken(std::uint64_t group, const std::vector<int>& peers, const std::string& reason,
-                       bool timeout);
+                       GiveUp why);
 
  private:
   MpiWorld(int replicas, ProcessPlace place, MPI_Comm data, MPI_Comm ctl);
   void run_watcher();
   void apply_notice(const std::vector<char>& msg, int source);
   void apply_broken(const std::vector<char>& msg);
+  void answer_where(const std::vector<char>& msg, int source);
+  void apply_where(const std::vector<char>& msg);
   void send_control(std::shared_ptr<std::vector<std::byte>> msg, const std::vector<int>& to, int tag);
   void settle(bool final_pass);
 
@@ -180,6 +184,8 @@ class MpiWorld final : public ProcessWorld, public std::enable_shared_from_this<
   std::map<std::uint64_t, BrokenHandler> groups_;
   std::atomic<std::uint32_t> piece_counter_{0};
   std::atomic<int> mail_{0};  // packages in the mailbox
+  // By world ordinal: the last answer of its process to ask_where (WorldState::pack_join).
+  std::unique_ptr<std::atomic<std::uint64_t>[]> told_;
   // The host's shared window (Mpi::HostWindow; null when this process is alone on its
   // host or the memory is not there). This world's reservations start at 0: the previous
   // world's areas are read by nobody once every process joined this one.
@@ -202,7 +208,7 @@ class MpiLink final : public ProcessLink {
   inline std::string waiting_for() const override;
   inline bool delivered_by_owner(int ordinal) const override;
   /// Also hands what is in flight to the MpiWorld.
-  inline void abandon(const std::string& reason, bool timeout) override;
+  inline void abandon(const std::string& reason, GiveUp why) override;
 
  private:
   /// Takes the peer's next package of this group (from the mailbox or MPI); null if none.

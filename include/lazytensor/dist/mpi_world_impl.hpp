@@ -231,7 +231,12 @@ inline void MpiWorld::sync_segments() {
 }
 
 inline MpiWorld::MpiWorld(int replicas, ProcessPlace place, MPI_Comm data, MPI_Comm ctl)
-    : replicas_(replicas), place_(place), data_(data), ctl_(ctl) {}
+    : replicas_(replicas),
+      place_(place),
+      data_(data),
+      ctl_(ctl),
+      told_(std::make_unique<std::atomic<std::uint64_t>[]>(static_cast<std::size_t>(place.count) *
+                                                           static_cast<std::size_t>(replicas))) {}
 
 inline MpiWorld::~MpiWorld() {
   if (watcher_.joinable()) {
@@ -343,11 +348,11 @@ inline void MpiWorld::announce_exit(int ordinal, const std::exception_ptr& e) {
 }
 
 inline void MpiWorld::announce_broken(std::uint64_t group, const std::vector<int>& peers,
-                                      const std::string& reason, bool timeout) {
+                                      const std::string& reason, GiveUp why) {
   auto msg = std::make_shared<std::vector<std::byte>>();
   PackWriter w{*msg};
   w.put(group);
-  w.put(static_cast<std::uint8_t>(timeout));
+  w.put(static_cast<std::uint8_t>(why));
   w.put_bytes(reason.data(), reason.size());
   w.finish();
   send_control(std::move(msg), peers, kBrokenTag);
@@ -357,7 +362,8 @@ inline void MpiWorld::apply_broken(const std::vector<char>& msg) {
   PackReader r{reinterpret_cast<const std::byte*>(msg.data()),
                reinterpret_cast<const std::byte*>(msg.data() + msg.size()), -1};
   const auto group = r.get<std::uint64_t>();
-  const bool timeout = r.get<std::uint8_t>() != 0;
+  const auto code = r.get<std::uint8_t>();
+  const GiveUp why = code <= static_cast<std::uint8_t>(GiveUp::Mismatch) ? static_cast<GiveUp>(code) : GiveUp::Exited;
   const std::string reason(reinterpret_cast<const char*>(r.p), static_cast<std::size_t>(r.end - r.p));
   // Held through the call: forget_group returns only once no call is in progress.
   std::lock_guard calling(calling_mu_);
@@ -366,7 +372,66 @@ inline void MpiWorld::apply_broken(const std::vector<char>& msg) {
     std::lock_guard lock(mu_);
     if (auto it = groups_.find(group); it != groups_.end()) h = it->second;
   }
-  if (h) h(reason, timeout);
+  if (h) h(reason, why);
+}
+
+inline void MpiWorld::ask_where(const std::vector<std::pair<int, std::uint64_t>>& who) {
+  // One question per process holding some of them: (ordinal, count) pairs.
+  const int world = place_.count * replicas_;
+  for (int q = 0; q < place_.count; ++q) {
+    if (q == place_.index) continue;
+    auto msg = std::make_shared<std::vector<std::byte>>();
+    PackWriter w{*msg};
+    bool any = false;
+    for (const auto& [ordinal, seq] : who) {
+      if (ordinal < 0 || ordinal >= world || ordinal / replicas_ != q) continue;
+      w.put(static_cast<std::int32_t>(ordinal));
+      w.put(static_cast<std::uint64_t>(seq));
+      any = true;
+    }
+    if (!any) continue;
+    w.finish();
+    send_control(std::move(msg), {q}, kWhereAskTag);
+  }
+}
+
+inline std::int64_t MpiWorld::told_where(int ordinal, std::uint64_t world_seq) const {
+  if (ordinal < 0 || ordinal >= place_.count * replicas_) return -1;
+  return WorldState::group_of_join(told_[static_cast<std::size_t>(ordinal)].load(std::memory_order_acquire),
+                                   world_seq);
+}
+
+inline void MpiWorld::answer_where(const std::vector<char>& msg, int source) {
+  PackReader r{reinterpret_cast<const std::byte*>(msg.data()),
+               reinterpret_cast<const std::byte*>(msg.data() + msg.size()), source};
+  auto out = std::make_shared<std::vector<std::byte>>();
+  PackWriter w{*out};
+  bool any = false;
+  while (r.end - r.p >= static_cast<std::ptrdiff_t>(sizeof(std::int32_t) + sizeof(std::uint64_t))) {
+    const int ordinal = r.get<std::int32_t>();
+    const auto seq = r.get<std::uint64_t>();
+    if (ordinal < place_.index * replicas_ || ordinal >= (place_.index + 1) * replicas_) continue;
+    const std::int64_t g = world_->joined_group(ordinal, seq);
+    if (g < 0) continue;  // not joined yet (or too long ago): nothing to tell
+    w.put(static_cast<std::int32_t>(ordinal));
+    w.put(WorldState::pack_join(seq, static_cast<std::uint32_t>(g)));
+    any = true;
+  }
+  if (!any) return;
+  w.finish();
+  send_control(std::move(out), {source}, kWhereTellTag);
+}
+
+inline void MpiWorld::apply_where(const std::vector<char>& msg) {
+  PackReader r{reinterpret_cast<const std::byte*>(msg.data()),
+               reinterpret_cast<const std::byte*>(msg.data() + msg.size()), -1};
+  while (r.end - r.p >= static_cast<std::ptrdiff_t>(sizeof(std::int32_t) + sizeof(std::uint64_t))) {
+    const int ordinal = r.get<std::int32_t>();
+    const auto record = r.get<std::uint64_t>();
+    if (ordinal < 0 || ordinal >= place_.count * replicas_) continue;
+    told_[static_cast<std::size_t>(ordinal)].store(record, std::memory_order_release);
+  }
+  if (world_) world_->event().notify();
 }
 
 inline void MpiWorld::on_group_broken(std::uint64_t group, BrokenHandler h) {
@@ -435,6 +500,10 @@ inline void MpiWorld::run_watcher() {
       try {
         if (st.MPI_TAG == kBrokenTag) {
           apply_broken(buf);
+        } else if (st.MPI_TAG == kWhereAskTag) {
+          answer_where(buf, st.MPI_SOURCE);
+        } else if (st.MPI_TAG == kWhereTellTag) {
+          apply_where(buf);
         } else {
           apply_notice(buf, st.MPI_SOURCE);
           ++received;

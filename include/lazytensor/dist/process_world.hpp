@@ -25,6 +25,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <lazytensor/core/config.hpp>
@@ -45,6 +46,10 @@ struct ProcessPlace {
   int host_count = 1;  ///< processes on this host
 };
 
+/// Why a group gave up a round, as its other processes are told (they raise the same error
+/// class: CollectiveTimeout, CollectiveError, ReplicaAborted, CollectiveMismatch).
+enum class GiveUp : std::uint8_t { Timeout, Exited, Aborted, Mismatch };
+
 /// One group's link to the other processes holding some of its members: sends this
 /// process's shares of a round, receives theirs. Used by the group's leader only.
 class ProcessLink {
@@ -62,7 +67,7 @@ class ProcessLink {
   virtual bool delivered_by_owner(int ordinal) const = 0;
   /// Gives up on the round: cancels receives, keeps what is in flight alive, and tells the
   /// peer processes (with `reason` when not empty) that the group is broken.
-  virtual void abandon(const std::string& reason, bool timeout) = 0;
+  virtual void abandon(const std::string& reason, GiveUp why) = 0;
 };
 
 /// The processes of one spawn, as the runtime sees them.
@@ -81,10 +86,18 @@ class ProcessWorld {
   virtual void finish() = 0;
   /// What a group that spans processes is told (from another thread) when a peer process
   /// gave up one of its rounds: it must fail its later rounds.
-  using BrokenHandler = std::function<void(const std::string& reason, bool timeout)>;
+  using BrokenHandler = std::function<void(const std::string& reason, GiveUp why)>;
   /// The link of group `members` (sorted ordinals, some in other processes). `on_broken`
   /// may be called until the link's destructor returns, never after it.
   virtual std::unique_ptr<ProcessLink> link(const std::vector<int>& members, BrokenHandler on_broken) = 0;
+  /// Asks the processes holding the replicas `who` names (ordinal, collective count) in
+  /// which group each joined that collective (WorldState::joined_group). A leader waiting
+  /// for a remote member asks this: a member that joined the same count in another group
+  /// will never come. The answers arrive later, through told_where.
+  virtual void ask_where(const std::vector<std::pair<int, std::uint64_t>>& who) = 0;
+  /// The answer about replica `ordinal`'s collective #`world_seq`: its group's tag, or -1
+  /// when none arrived (yet) or that replica had not joined it when asked.
+  virtual std::int64_t told_where(int ordinal, std::uint64_t world_seq) const = 0;
 };
 
 /// A way to reach other processes (lazytensor::mpi installs MPI's).

@@ -166,22 +166,48 @@ class WorldState {
   }
 
   /// Records that replica `ordinal` (of this process) published its share of its
-  /// collective #`world_seq` (Signature::world_seq) in some group. A partner that still
-  /// waits for it in a collective with a count no higher knows it went elsewhere.
-  /// Stored after the share's arrival flag: whoever reads the count sees that flag too.
-  void note_joined(int ordinal, std::uint64_t world_seq) {
-    joined_[static_cast<std::size_t>(ordinal - layout_.process_offset)].n.store(
-        world_seq, std::memory_order_release);
+  /// collective #`world_seq` (Signature::world_seq) in the group tagged `group`
+  /// (GroupComm::tag). A partner that still waits for it in a collective with a count no
+  /// higher knows it went elsewhere. Stored after the share's arrival flag: whoever reads
+  /// the count sees that flag too.
+  void note_joined(int ordinal, std::uint64_t world_seq, std::uint32_t group) {
+    Joined& j = joined_[static_cast<std::size_t>(ordinal - layout_.process_offset)];
+    j.recent[world_seq % kRecentJoins].store(pack_join(world_seq, group), std::memory_order_relaxed);
+    j.n.store(world_seq, std::memory_order_release);
   }
   /// The last count noted for replica `ordinal` of this process (0: none yet).
   std::uint64_t joined(int ordinal) const {
     return joined_[static_cast<std::size_t>(ordinal - layout_.process_offset)].n.load(
         std::memory_order_acquire);
   }
+  /// The tag of the group in which replica `ordinal` of this process joined its collective
+  /// #`world_seq`, or -1 when it has not joined it yet or joined it too long ago to say
+  /// (another process asks this of a partner it waits for: see ProcessWorld::ask_where).
+  std::int64_t joined_group(int ordinal, std::uint64_t world_seq) const {
+    const Joined& j = joined_[static_cast<std::size_t>(ordinal - layout_.process_offset)];
+    return group_of_join(j.recent[world_seq % kRecentJoins].load(std::memory_order_acquire), world_seq);
+  }
+
+  /// A join record: collective count and group tag in one word, so a reader never sees one
+  /// collective's count with another's group. Group tags keep their low kJoinTagBits bits.
+  static constexpr int kJoinTagBits = 24;
+  static std::uint64_t pack_join(std::uint64_t world_seq, std::uint32_t group) {
+    return ((world_seq & kJoinSeqMask) << kJoinTagBits) | (group & kJoinTagMask);
+  }
+  /// The group tag of record `e` when it is of collective #`world_seq`, else -1.
+  static std::int64_t group_of_join(std::uint64_t e, std::uint64_t world_seq) {
+    return world_seq != 0 && (e >> kJoinTagBits) == (world_seq & kJoinSeqMask)
+               ? static_cast<std::int64_t>(e & kJoinTagMask)
+               : -1;
+  }
 
  private:
-  struct alignas(64) Joined {  // a line each: every replica writes its own per collective
+  static constexpr std::size_t kRecentJoins = 16;
+  static constexpr std::uint64_t kJoinSeqMask = (std::uint64_t{1} << (64 - kJoinTagBits)) - 1;
+  static constexpr std::uint32_t kJoinTagMask = (std::uint32_t{1} << kJoinTagBits) - 1;
+  struct alignas(64) Joined {  // lines of its own: every replica writes its own per collective
     std::atomic<std::uint64_t> n{0};
+    std::atomic<std::uint64_t> recent[kRecentJoins] = {};  ///< by count modulo kRecentJoins
   };
 
   WorldLayout layout_;
