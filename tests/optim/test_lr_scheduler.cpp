@@ -387,6 +387,12 @@ TEST(SequentialLR, BadArgumentsAreRefused) {
         ok.load_state_dict({{"last_epoch", "1"}});
       },
       {"SequentialLR", "2 schedulers", "found 0"});
+  // A saved state holds the milestones too: out of order there is the constructor's error.
+  optim::SequentialLR three(opt, {a, b, a}, {2, 4});
+  auto saved = three.state_dict();
+  saved["_milestones.0"] = "5";
+  expect_error([&] { three.load_state_dict(saved); },
+               {"SequentialLR::load_state_dict", "non-decreasing", "5 before 4"});
 }
 
 TEST(ChainedScheduler, StepsEverySchedulerSoTheirFactorsMultiply) {

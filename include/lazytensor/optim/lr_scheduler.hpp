@@ -104,6 +104,9 @@ double scheduler_number(const std::map<std::string, std::string>& state, const s
 std::vector<std::map<std::string, std::string>> nested_states(
     const std::map<std::string, std::string>& state, const std::string& prefix, std::size_t n,
     const std::string& who);
+/// Error unless `milestones` never decrease (SequentialLR looks its interval up by
+/// bisection, as torch does, which needs them in order).
+void check_milestone_order(const std::vector<std::int64_t>& milestones, const std::string& who);
 }  // namespace detail
 
 /// torch's ChainedScheduler(schedulers, optimizer): step() steps every scheduler in turn,
@@ -349,6 +352,14 @@ LAZYTENSOR_INLINE std::vector<std::map<std::string, std::string>> nested_states(
                 std::to_string(found));
   return out;
 }
+
+LAZYTENSOR_INLINE void check_milestone_order(const std::vector<std::int64_t>& milestones,
+                                             const std::string& who) {
+  for (std::size_t j = 1; j < milestones.size(); ++j)
+    if (milestones[j] < milestones[j - 1])
+      throw Error(who + ": expected non-decreasing milestones, found " + std::to_string(milestones[j - 1]) +
+                  " before " + std::to_string(milestones[j]));
+}
 }  // namespace detail
 
 LAZYTENSOR_INLINE ChainedScheduler::ChainedScheduler(
@@ -414,11 +425,7 @@ LAZYTENSOR_INLINE SequentialLR::SequentialLR(Optimizer& optimizer,
                 std::to_string(schedulers_.size() - 1) + " for " +
                 std::to_string(schedulers_.size()) + " schedulers), found " +
                 std::to_string(milestones_.size()));
-  // (torch looks the interval up by bisection, which needs them in order.)
-  for (std::size_t j = 1; j < milestones_.size(); ++j)
-    if (milestones_[j] < milestones_[j - 1])
-      throw Error("SequentialLR: expected non-decreasing milestones, found " +
-                  std::to_string(milestones_[j - 1]) + " before " + std::to_string(milestones_[j]));
+  detail::check_milestone_order(milestones_, "SequentialLR");
   initial_step();
 }
 
@@ -476,10 +483,7 @@ LAZYTENSOR_INLINE void SequentialLR::load_state_dict(
   if (milestones.size() != milestones_.size())
     throw Error(who + ": expected " + std::to_string(milestones_.size()) + " milestones, found " +
                 std::to_string(milestones.size()));
-  for (std::size_t j = 1; j < milestones.size(); ++j)  // (the constructor's rule)
-    if (milestones[j] < milestones[j - 1])
-      throw Error(who + ": expected non-decreasing milestones, found " +
-                  std::to_string(milestones[j - 1]) + " before " + std::to_string(milestones[j]));
+  detail::check_milestone_order(milestones, who);
   std::vector<double> last;
   for (std::size_t g = 0; state.count("last_lr." + std::to_string(g)); ++g)
     last.push_back(detail::scheduler_number(state, "last_lr." + std::to_string(g), who));
