@@ -24,6 +24,7 @@ class Error;
 class ShapeError;
 class DTypeError;
 class IndexError;
+class ZeroDivisionError;
 class DeviceError;
 class ShardingError;
 class CollectiveError;

@@ -210,6 +210,13 @@ class IndexError : public Error {
   using Error::Error;
 };
 
+/// An integer division, remainder or floor division by zero (PyTorch raises it too; a
+/// floating one gives inf or NaN instead).
+class ZeroDivisionError : public Error {
+ public:
+  using Error::Error;
+};
+
 /// Tensors on different devices, or an unknown device.
 class DeviceError : public Error {
  public:
@@ -3776,6 +3783,79 @@ inline V int_pow(V a, V b) {
   return static_cast<V>(r);
 }
 
+[[noreturn]] inline void zero_division(const char* op) {
+  throw ZeroDivisionError(std::string(op) + ": integer division by zero");
+}
+
+/// Python's modulo (torch.remainder): fmod, moved into the divisor's sign. Integers by
+/// zero raise; by -1 give 0 (INT_MIN % -1 overflows in C++).
+template <class S>
+inline S py_mod(S a, S b) {
+  if constexpr (std::is_integral_v<S>) {
+    if (b == 0) zero_division("remainder");
+    if (b == -1) return 0;
+    const S r = a % b;
+    return r != 0 && ((r < 0) != (b < 0)) ? static_cast<S>(r + b) : r;
+  } else {
+    const S r = std::fmod(a, b);
+    return r != 0 && ((r < 0) != (b < 0)) ? r + b : r;
+  }
+}
+/// C's fmod (torch.fmod): the dividend's sign.
+template <class S>
+inline S c_fmod(S a, S b) {
+  if constexpr (std::is_integral_v<S>) {
+    if (b == 0) zero_division("fmod");
+    return b == -1 ? S(0) : static_cast<S>(a % b);
+  } else {
+    return std::fmod(a, b);
+  }
+}
+/// floor(a / b) (torch.floor_divide). Floating values as PyTorch computes them, from the
+/// exact fmod rather than a rounded quotient; integers by zero raise, and INT_MIN / -1
+/// wraps to INT_MIN.
+template <class S>
+inline S floor_div(S a, S b) {
+  if constexpr (std::is_integral_v<S>) {
+    if (b == 0) zero_division("floor_divide");
+    if (b == -1) return static_cast<S>(std::make_unsigned_t<S>(0) - static_cast<std::make_unsigned_t<S>>(a));
+    const S q = static_cast<S>(a / b);
+    return (a % b != 0) && ((a < 0) != (b < 0)) ? static_cast<S>(q - 1) : q;
+  } else {
+    if (b == 0) return a / b;
+    const S mod = std::fmod(a, b);
+    S div = (a - mod) / b;
+    if (mod != 0 && ((b < 0) != (mod < 0))) div -= S(1);
+    if (div == 0) return std::copysign(S(0), a / b);
+    S q = std::floor(div);
+    if (div - q > S(0.5)) q += S(1);
+    return q;
+  }
+}
+/// trunc(a / b) for the derivative of fmod.
+template <class S>
+inline S trunc_div(S a, S b) {
+  if constexpr (std::is_integral_v<S>) {
+    return b == 0 ? S(0) : b == -1 ? static_cast<S>(std::make_unsigned_t<S>(0) - static_cast<std::make_unsigned_t<S>>(a)) : static_cast<S>(a / b);
+  } else {
+    return std::trunc(a / b);
+  }
+}
+
+/// Applies a scalar function of two values lane by lane (ops with no exact SIMD form).
+template <class V, class F>
+inline V map_lanes2(const V& a, const V& b, F f) {
+  if constexpr (std::is_arithmetic_v<V>) {
+    return f(a, b);
+  } else {
+    alignas(64) typename V::value_type x[V::size], y[V::size];
+    a.store_aligned(x);
+    b.store_aligned(y);
+    for (std::size_t i = 0; i < V::size; ++i) x[i] = f(x[i], y[i]);
+    return V::load_aligned(x);
+  }
+}
+
 /// Applies a scalar function to every lane of a value.
 template <class V, class F>
 inline V map_lanes(const V& a, F f) {
@@ -3810,7 +3890,7 @@ using promoted = promote_t<A, B>;
     static V apply(const V& a) {                                 \
       using namespace detail;                                    \
       using std::exp, std::log, std::log1p, std::expm1, std::sqrt, std::abs, std::sin, std::cos, \
-          std::tanh, std::erf, std::trunc;                       \
+          std::tanh, std::erf, std::trunc, std::floor, std::ceil, std::nearbyint, std::log2, std::log10; \
       LAZY_STRIP BODY                                            \
     }                                                            \
     template <int I, class V>                                    \
@@ -3878,12 +3958,32 @@ LAZY_UNARY_OP(Silu, "silu", 10, (to_floating_t<T>), (return a / (V(1) + exp(-a))
 LAZY_UNARY_OP(Softplus, "softplus", 12, (to_floating_t<T>), (return select(a > V(20), a, log1p(exp(a)));),
               (select(a > V(20), V(1), V(1) / (V(1) + exp(-a)))))
 LAZY_UNARY_OP(LogicalNot, "logical_not", 1, (bool), (return from_bool<V>(a == V(0));), (V(0)))
+LAZY_UNARY_OP(Reciprocal, "reciprocal", 2, (to_floating_t<T>), (return V(1) / a;), (-y * y))
+LAZY_UNARY_OP(Log2, "log2", 8, (to_floating_t<T>), (return log2(a);), (V(1) / (a * V(0.69314718055994530942))))
+LAZY_UNARY_OP(Log10, "log10", 8, (to_floating_t<T>), (return log10(a);), (V(1) / (a * V(2.30258509299404568402))))
+LAZY_UNARY_OP(Erf, "erf", 10, (to_floating_t<T>), (return erf(a);), (V(1.12837916709551257390) * exp(-a * a)))
+// Rounding keeps the type (an integer is already whole) and has a zero derivative, as in
+// PyTorch; round is half to even (nearbyint in the default rounding mode, torch.round).
+LAZY_UNARY_OP(Floor, "floor", 1, (T), (if constexpr (std::is_integral_v<V>) return a; else return floor(a);), (V(0)))
+LAZY_UNARY_OP(Ceil, "ceil", 1, (T), (if constexpr (std::is_integral_v<V>) return a; else return ceil(a);), (V(0)))
+LAZY_UNARY_OP(Round, "round", 1, (T), (if constexpr (std::is_integral_v<V>) return a; else return nearbyint(a);), (V(0)))
+LAZY_UNARY_OP(Trunc, "trunc", 1, (T), (if constexpr (std::is_integral_v<V>) return a; else return trunc(a);), (V(0)))
 
 // Binary ops.
 LAZY_BINARY_OP(Add, "add", 1, (promoted<A, B>), (return a + b;), (V(1)), (V(1)))
 LAZY_BINARY_OP(Sub, "sub", 1, (promoted<A, B>), (return a - b;), (V(1)), (V(-1)))
 LAZY_BINARY_OP(Mul, "mul", 1, (promoted<A, B>), (return a * b;), (b), (a))
 LAZY_BINARY_OP(Div, "div", 2, (to_floating_t<promoted<A, B>>), (return a / b;), (V(1) / b), (-y / b))
+// Modulo and floor division go lane by lane through the exact scalar forms above (a SIMD
+// a - floor(a / b) * b rounds the quotient first: wrong by up to b for large a / b).
+LAZY_BINARY_OP(Remainder, "remainder", 20, (promoted<A, B>),
+               (return map_lanes2(a, b, [](auto x, auto y) { return py_mod(x, y); });), (V(1)),
+               (-map_lanes2(a, b, [](auto x, auto y) { return floor_div(x, y); })))
+LAZY_BINARY_OP(Fmod, "fmod", 20, (promoted<A, B>), (return map_lanes2(a, b, [](auto x, auto y) { return c_fmod(x, y); });),
+               (V(1)), (-map_lanes2(a, b, [](auto x, auto y) { return trunc_div(x, y); })))
+// Piecewise constant: a zero derivative, floor's (PyTorch refuses to differentiate it).
+LAZY_BINARY_OP(FloorDivide, "floor_divide", 20, (promoted<A, B>),
+               (return map_lanes2(a, b, [](auto x, auto y) { return floor_div(x, y); });), (V(0)), (V(0)))
 // Batches: xsimd's pow maps a zero base to 0 for every exponent (0^0 and 0^-1 included),
 // turns inf^0, NaN^0, 1^NaN and (-1)^inf into NaN, and tests an exponent's parity as
 // is_even(b - 1), wrong once b - 1 == b (|b| >= 2^24 for float). So the power is taken of
@@ -4398,6 +4498,52 @@ template <expr::ExprLike A>
 auto softplus(A&& a) {
   return expr::make<ops::Softplus>(std::forward<A>(a));
 }
+/// Element-wise 1 / x (torch.reciprocal; integers give float).
+template <expr::ExprLike A>
+auto reciprocal(A&& a) {
+  return expr::make<ops::Reciprocal>(std::forward<A>(a));
+}
+/// Element-wise base-2 logarithm.
+template <expr::ExprLike A>
+auto log2(A&& a) {
+  return expr::make<ops::Log2>(std::forward<A>(a));
+}
+/// Element-wise base-10 logarithm.
+template <expr::ExprLike A>
+auto log10(A&& a) {
+  return expr::make<ops::Log10>(std::forward<A>(a));
+}
+/// Element-wise error function.
+template <expr::ExprLike A>
+auto erf(A&& a) {
+  return expr::make<ops::Erf>(std::forward<A>(a));
+}
+/// Element-wise largest whole number <= x, in x's type (integers unchanged; the gradient
+/// is zero). Not for bool.
+template <expr::ExprLike A>
+  requires(!expr::BoolValued<A>)
+auto floor(A&& a) {
+  return expr::make<ops::Floor>(std::forward<A>(a));
+}
+/// Element-wise smallest whole number >= x, in x's type. Not for bool.
+template <expr::ExprLike A>
+  requires(!expr::BoolValued<A>)
+auto ceil(A&& a) {
+  return expr::make<ops::Ceil>(std::forward<A>(a));
+}
+/// Element-wise nearest whole number, halves to even (torch.round: round(2.5) == 2), in
+/// x's type. Not for bool.
+template <expr::ExprLike A>
+  requires(!expr::BoolValued<A>)
+auto round(A&& a) {
+  return expr::make<ops::Round>(std::forward<A>(a));
+}
+/// Element-wise x with its fraction dropped (toward zero), in x's type. Not for bool.
+template <expr::ExprLike A>
+  requires(!expr::BoolValued<A>)
+auto trunc(A&& a) {
+  return expr::make<ops::Trunc>(std::forward<A>(a));
+}
 /// Element-wise logical not.
 template <expr::ExprLike A>
 auto logical_not(A&& a) {
@@ -4422,6 +4568,36 @@ auto pow(A&& a, B&& b) {
     }
   }
   return expr::make<ops::Pow>(std::forward<A>(a), std::forward<B>(b));
+}
+/// Element-wise remainder with the divisor's sign (torch.remainder, Python's %):
+/// remainder(-3, 5) == 2. An integer divisor of 0 raises ZeroDivisionError when the
+/// statement runs (a floating one gives NaN). Not of two bool operands.
+template <class A, class B>
+  requires expr::BinaryOperands<A, B> && (!(expr::BoolValued<A> && expr::BoolValued<B>))
+auto remainder(A&& a, B&& b) {
+  return expr::make<ops::Remainder>(std::forward<A>(a), std::forward<B>(b));
+}
+/// Element-wise remainder with the dividend's sign (torch.fmod, C's fmod):
+/// fmod(-3, 5) == -3. Integer divisors of 0 raise ZeroDivisionError when the statement runs.
+template <class A, class B>
+  requires expr::BinaryOperands<A, B> && (!(expr::BoolValued<A> && expr::BoolValued<B>))
+auto fmod(A&& a, B&& b) {
+  return expr::make<ops::Fmod>(std::forward<A>(a), std::forward<B>(b));
+}
+/// Element-wise floor(a / b) in the operands' promoted type (torch.floor_divide, Python's
+/// //); integer divisors of 0 raise ZeroDivisionError when the statement runs, and
+/// INT64_MIN // -1 wraps (PyTorch's CPU kernel traps there). Its gradient is zero, floor's,
+/// where PyTorch refuses to differentiate it.
+template <class A, class B>
+  requires expr::BinaryOperands<A, B> && (!(expr::BoolValued<A> && expr::BoolValued<B>))
+auto floor_divide(A&& a, B&& b) {
+  return expr::make<ops::FloorDivide>(std::forward<A>(a), std::forward<B>(b));
+}
+/// `a % b` is remainder(a, b), as in PyTorch.
+template <class A, class B>
+  requires expr::BinaryOperands<A, B> && (!(expr::BoolValued<A> && expr::BoolValued<B>))
+auto operator%(A&& a, B&& b) {
+  return expr::make<ops::Remainder>(std::forward<A>(a), std::forward<B>(b));
 }
 /// Element-wise maximum (NaN-propagating).
 template <class A, class B>
@@ -17970,6 +18146,7 @@ class Error;
 class ShapeError;
 class DTypeError;
 class IndexError;
+class ZeroDivisionError;
 class DeviceError;
 class ShardingError;
 class CollectiveError;

@@ -34,6 +34,16 @@ TEST(GradElementwise, UnaryOps) {
   check("gelu", [](const V& v) { return Tensor<double>(lazy::gelu(v[0])); }, {input(Shape{2, 3}, 3, -3, 3)});
   check("silu", [](const V& v) { return Tensor<double>(lazy::silu(v[0])); }, {input(Shape{2, 3}, 4, -3, 3)});
   check("softplus", [](const V& v) { return Tensor<double>(lazy::softplus(v[0])); }, {input(Shape{2, 3}, 5, -3, 3)});
+  check("reciprocal", [](const V& v) { return Tensor<double>(lazy::reciprocal(v[0])); }, {pos});
+  check("log2", [](const V& v) { return Tensor<double>(lazy::log2(v[0])); }, {pos});
+  check("log10", [](const V& v) { return Tensor<double>(lazy::log10(v[0])); }, {pos});
+  check("erf", [](const V& v) { return Tensor<double>(lazy::erf(v[0])); }, {input(Shape{2, 3}, 7, -2, 2)});
+  // Rounding is flat between its steps (inputs away from them): zero gradients.
+  const auto off_steps = input(Shape{2, 3}, 8, 0.1, 0.4);
+  check("floor", [](const V& v) { return Tensor<double>(lazy::floor(v[0] + 2.0)); }, {off_steps});
+  check("ceil", [](const V& v) { return Tensor<double>(lazy::ceil(v[0] - 3.0)); }, {off_steps});
+  check("round", [](const V& v) { return Tensor<double>(lazy::round(v[0] + 1.0)); }, {off_steps});
+  check("trunc", [](const V& v) { return Tensor<double>(lazy::trunc(v[0] - 1.0)); }, {off_steps});
   // Above softplus's threshold (20) it is the identity.
   check("softplus linear", [](const V& v) { return Tensor<double>(lazy::softplus(v[0])); }, {input(Shape{3}, 6, 21, 25)});
 }
@@ -47,6 +57,11 @@ TEST(GradElementwise, BinaryOps) {
   check("div", [](const V& v) { return Tensor<double>(v[0] / v[1]); }, {a, pa});
   check("pow", [](const V& v) { return Tensor<double>(lazy::pow(v[0], v[1])); }, {pa, pb});
   check("pow scalar exponent", [](const V& v) { return Tensor<double>(lazy::pow(v[0], 3)); }, {a});
+  // Away from the steps of the quotient (a / b in (1.29, 1.87): floor and trunc are 1).
+  const auto num = input(Shape{2, 3}, 19, 2.2, 2.8), den = input(Shape{2, 3}, 20, 1.5, 1.7);
+  check("remainder", [](const V& v) { return Tensor<double>(lazy::remainder(v[0], v[1])); }, {num, den});
+  check("fmod", [](const V& v) { return Tensor<double>(lazy::fmod(v[0], v[1])); }, {num, den});
+  check("floor_divide", [](const V& v) { return Tensor<double>(lazy::floor_divide(v[0], v[1])); }, {num, den});
   check("maximum", [](const V& v) { return Tensor<double>(lazy::maximum(v[0], v[1])); }, {a, b});
   check("minimum", [](const V& v) { return Tensor<double>(lazy::minimum(v[0], v[1])); }, {a, b});
   check("clamp", [](const V& v) { return Tensor<double>(lazy::clamp(v[0], -0.5, 0.5)); }, {a});

@@ -313,6 +313,10 @@ UNARY_FLOAT_FN(Tanh, tanh, std::tanh(x), -6, 6, -6, 6)
 UNARY_FLOAT_FN(Sigmoid, sigmoid, 1.0 / (1.0 + std::exp(-x)), -25, 25, -25, 25)
 UNARY_FLOAT_FN(Gelu, gelu, 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0))), -6, 6, -6, 6)
 UNARY_FLOAT_FN(Silu, silu, x / (1.0 + std::exp(-x)), -20, 20, -20, 20)
+UNARY_FLOAT_FN(Reciprocal, reciprocal, 1.0 / x, 0.05, 20, 1, 1000)
+UNARY_FLOAT_FN(Log2, log2, std::log2(x), 0.01, 100, 1, 1000)
+UNARY_FLOAT_FN(Log10, log10, std::log10(x), 0.01, 100, 1, 1000)
+UNARY_FLOAT_FN(Erf, erf, std::erf(x), -4, 4, -4, 4)
 // torch.nn.functional.softplus(x, beta=1, threshold=20).
 UNARY_FLOAT_FN(Softplus, softplus, x > 20 ? x : std::log1p(std::exp(x)), -25, 25, -25, 25)
 #undef UNARY_FLOAT_FN
@@ -391,6 +395,38 @@ UNARY_EXACT(Sign, "sign", lazy::sign(x), static_cast<V>((x > 0) - (x < 0)), not_
 UNARY_EXACT(Relu, "relu", lazy::relu(x), x < 0 ? V(0) : x, not_bool<T>)
 #undef UNARY_EXACT
 
+// Rounding: exact, keeps the type; inputs on a grid of halves so that ties (round's
+// half-to-even) occur.
+#define UNARY_ROUNDING(NAME, FN, REF)                                                  \
+  struct NAME {                                                                        \
+    static constexpr const char* name = #FN;                                           \
+    template <class T>                                                                 \
+    static constexpr bool supports = not_bool<T>;                                      \
+    template <class T>                                                                 \
+    using result = T;                                                                  \
+    template <class X>                                                                 \
+    static auto apply(const X& x) {                                                    \
+      return lazy::FN(x);                                                              \
+    }                                                                                  \
+    template <class X>                                                                 \
+    static constexpr bool callable = requires(const X& x) { lazy::FN(x); };            \
+    template <class V>                                                                 \
+    static V ref(V x) {                                                                \
+      if constexpr (std::is_integral_v<V>) return x;                                   \
+      else return REF;                                                                 \
+    }                                                                                  \
+    static Domain domain() { return {-10, 10, -1000, 1000, -1000, 1000, false, true}; } \
+    template <class R>                                                                 \
+    static Tol tol() {                                                                 \
+      return kExact;                                                                   \
+    }                                                                                  \
+  };
+UNARY_ROUNDING(Floor, floor, std::floor(x))
+UNARY_ROUNDING(Ceil, ceil, std::ceil(x))
+UNARY_ROUNDING(Round, round, std::nearbyint(x))
+UNARY_ROUNDING(Trunc, trunc, std::trunc(x))
+#undef UNARY_ROUNDING
+
 struct Not {
   static constexpr const char* name = "logical_not";
   template <class T>
@@ -453,11 +489,42 @@ constexpr Domain kCoarse{-10, 10, -3, 3, -3, 3, false, true};
 constexpr Domain kPowBase{0.1, 5, -6, 6, -6, 6};
 constexpr Domain kPowExp{-3, 3, 0, 6, 0, 6};
 
+// Python's modulo and floor division, written from their definitions: integers by the
+// classic ((a mod |b|) + |b|) mod |b| shifted into b's sign; floating values in long double
+// (a - b * floor(a / b)).
+template <class V>
+V ref_pymod(V a, V b) {
+  if constexpr (std::is_integral_v<V>) {
+    const V m = b < 0 ? -b : b;
+    const V r = ((a % m) + m) % m;  // in [0, |b|)
+    return b < 0 && r != 0 ? r - m : r;
+  } else {
+    const long double q = std::floor(static_cast<long double>(a) / static_cast<long double>(b));
+    return static_cast<V>(static_cast<long double>(a) - static_cast<long double>(b) * q);
+  }
+}
+template <class V>
+V ref_fmod(V a, V b) {
+  if constexpr (std::is_integral_v<V>) return a % b;  // C's truncating remainder
+  else return static_cast<V>(std::fmod(static_cast<long double>(a), static_cast<long double>(b)));
+}
+template <class V>
+V ref_floordiv(V a, V b) {
+  if constexpr (std::is_integral_v<V>) return (a - ref_pymod(a, b)) / b;
+  else return static_cast<V>(std::floor(static_cast<long double>(a) / static_cast<long double>(b)));
+}
+
 BINARY_OP(Add, "add", a + b, a + b, (promote<A, B>), true, kWide, kWide, kExact)
 BINARY_OP(Sub, "sub", a - b, a - b, (promote<A, B>), not_bool<T>, kWide, kWide, kExact)
 BINARY_OP(Mul, "mul", a* b, a* b, (promote<A, B>), true, kMulDom, kMulDom, kExact)
 BINARY_OP(Div, "div", a / b, static_cast<double>(a) / static_cast<double>(b), (flt_t<promote<A, B>>), true, kWide,
           kDivisor, rounding_tol<R>())
+BINARY_OP(Remainder, "remainder", a % b, ref_pymod(a, b), (promote<A, B>), not_bool<T>, kWide, kDivisor,
+          rounding_tol<R>())
+BINARY_OP(Fmod, "fmod", lazy::fmod(a, b), ref_fmod(a, b), (promote<A, B>), not_bool<T>, kWide, kDivisor,
+          rounding_tol<R>())
+BINARY_OP(FloorDivide, "floor_divide", lazy::floor_divide(a, b), ref_floordiv(a, b), (promote<A, B>), not_bool<T>,
+          kWide, kDivisor, kExact)
 BINARY_OP(Maximum, "maximum", lazy::maximum(a, b), a < b ? b : a, (promote<A, B>), true, kWide, kWide, kExact)
 BINARY_OP(Minimum, "minimum", lazy::minimum(a, b), b < a ? b : a, (promote<A, B>), true, kWide, kWide, kExact)
 BINARY_OP(Eq, "eq", a == b, V(a == b), (bool), true, kCoarse, kCoarse, kExact)

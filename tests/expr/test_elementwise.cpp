@@ -56,11 +56,22 @@ UNARY_TEST(Relu)
 UNARY_TEST(Gelu)
 UNARY_TEST(Silu)
 UNARY_TEST(Softplus)
+UNARY_TEST(Reciprocal)
+UNARY_TEST(Log2)
+UNARY_TEST(Log10)
+UNARY_TEST(Erf)
+UNARY_TEST(Floor)
+UNARY_TEST(Ceil)
+UNARY_TEST(Round)
+UNARY_TEST(Trunc)
 BINARY_TEST(Add)
 BINARY_TEST(Sub)
 BINARY_TEST(Mul)
 BINARY_TEST(Div)
 BINARY_TEST(Pow)
+BINARY_TEST(Remainder)
+BINARY_TEST(Fmod)
+BINARY_TEST(FloorDivide)
 BINARY_TEST(Maximum)
 BINARY_TEST(Minimum)
 BINARY_TEST(Eq)
@@ -524,6 +535,64 @@ TEST(LaneSemantics, IntegerSubexpressionsAreExactBeforeConversion) {
 }
 
 // ---- large outputs ---------------------------------------------------------------------
+
+// PyTorch's documented values: the sign rules of remainder (divisor's) and fmod
+// (dividend's), floor division toward minus infinity, and the edges.
+TEST(Modulo, SignsAndEdgesMatchPyTorch) {
+  auto i64 = [](std::vector<std::int64_t> v) { return lazy::from_vector(v); };
+  const auto a = i64({-3, 3, -3, 3, 7, -7, 0});
+  const auto b = i64({5, -5, -5, 5, 2, 2, 3});
+  EXPECT_EQ(Tensor<std::int64_t>(a % b).to_vector(), (std::vector<std::int64_t>{2, -2, -3, 3, 1, 1, 0}));
+  EXPECT_EQ(Tensor<std::int64_t>(lazy::fmod(a, b)).to_vector(), (std::vector<std::int64_t>{-3, 3, -3, 3, 1, -1, 0}));
+  EXPECT_EQ(Tensor<std::int64_t>(lazy::floor_divide(a, b)).to_vector(),
+            (std::vector<std::int64_t>{-1, -1, 0, 0, 3, -4, 0}));
+  // INT64_MIN by -1: the quotient wraps (as in PyTorch), the remainders are 0.
+  const auto lo = i64({std::numeric_limits<std::int64_t>::min()});
+  const auto m1 = i64({-1});
+  EXPECT_EQ(Tensor<std::int64_t>(lazy::floor_divide(lo, m1)).item(), std::numeric_limits<std::int64_t>::min());
+  EXPECT_EQ(Tensor<std::int64_t>(lazy::remainder(lo, m1)).item(), 0);
+  EXPECT_EQ(Tensor<std::int64_t>(lazy::fmod(lo, m1)).item(), 0);
+  // Floating: the same signs; a zero divisor gives NaN (remainder, fmod) or +-inf.
+  const auto fa = lazy::from_vector<float>({-3.5f, 3.5f, -7.0f, 1.0f, -1.0f});
+  const auto fb = lazy::from_vector<float>({2.0f, -2.0f, 2.0f, 0.0f, 0.0f});
+  const auto r = Tensor<float>(fa % fb).to_vector();
+  EXPECT_EQ(r[0], 0.5f);
+  EXPECT_EQ(r[1], -0.5f);
+  EXPECT_EQ(r[2], 1.0f);
+  EXPECT_TRUE(std::isnan(r[3]));
+  const auto f = Tensor<float>(lazy::fmod(fa, fb)).to_vector();
+  EXPECT_EQ(f[0], -1.5f);
+  EXPECT_EQ(f[1], 1.5f);
+  EXPECT_TRUE(std::isnan(f[4]));
+  const auto q = Tensor<float>(lazy::floor_divide(fa, fb)).to_vector();
+  EXPECT_EQ(q[0], -2.0f);
+  EXPECT_EQ(q[1], -2.0f);
+  EXPECT_EQ(q[2], -4.0f);
+  EXPECT_EQ(q[3], std::numeric_limits<float>::infinity());
+  EXPECT_EQ(q[4], -std::numeric_limits<float>::infinity());
+  // A large quotient: a - floor(a / b) * b in float would be off by up to b.
+  const auto big = lazy::from_vector<float>({16777215.0f});
+  const auto tenth = lazy::from_vector<float>({0.1f});
+  EXPECT_EQ(Tensor<float>(lazy::fmod(big, tenth)).item(), std::fmod(16777215.0f, 0.1f));
+  // Numbers take the tensor's type (weak scalars): int % 3 stays int.
+  EXPECT_EQ(Tensor<std::int64_t>(a % 3).to_vector(), (std::vector<std::int64_t>{0, 0, 0, 0, 1, 2, 0}));
+}
+
+// An integer divisor of 0 raises when the statement runs, and the runtime goes on.
+TEST(Modulo, IntegerDivisionByZeroRaises) {
+  const auto a = lazy::from_vector<std::int32_t>({1, 2, 3});
+  const auto z = lazy::from_vector<std::int32_t>({1, 0, 1});
+  EXPECT_THROW((void)Tensor<std::int32_t>(a % z).to_vector(), lazy::ZeroDivisionError);
+  EXPECT_THROW((void)Tensor<std::int32_t>(lazy::fmod(a, z)).to_vector(), lazy::ZeroDivisionError);
+  EXPECT_THROW((void)Tensor<std::int32_t>(lazy::floor_divide(a, z)).to_vector(), lazy::ZeroDivisionError);
+  try {
+    (void)Tensor<std::int32_t>(a % 0).to_vector();
+    ADD_FAILURE() << "no error";
+  } catch (const lazy::ZeroDivisionError& e) {
+    EXPECT_NE(std::string(e.what()).find("remainder: integer division by zero"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(Tensor<std::int32_t>(a % 2).to_vector(), (std::vector<std::int32_t>{1, 0, 1}));
+}
 
 TEST(LargeOutputs, StreamingStorePathIsCorrect) {
   // Outputs of >= 32 MiB take a different store path.

@@ -391,6 +391,52 @@ template <expr::ExprLike A>
 auto softplus(A&& a) {
   return expr::make<ops::Softplus>(std::forward<A>(a));
 }
+/// Element-wise 1 / x (torch.reciprocal; integers give float).
+template <expr::ExprLike A>
+auto reciprocal(A&& a) {
+  return expr::make<ops::Reciprocal>(std::forward<A>(a));
+}
+/// Element-wise base-2 logarithm.
+template <expr::ExprLike A>
+auto log2(A&& a) {
+  return expr::make<ops::Log2>(std::forward<A>(a));
+}
+/// Element-wise base-10 logarithm.
+template <expr::ExprLike A>
+auto log10(A&& a) {
+  return expr::make<ops::Log10>(std::forward<A>(a));
+}
+/// Element-wise error function.
+template <expr::ExprLike A>
+auto erf(A&& a) {
+  return expr::make<ops::Erf>(std::forward<A>(a));
+}
+/// Element-wise largest whole number <= x, in x's type (integers unchanged; the gradient
+/// is zero). Not for bool.
+template <expr::ExprLike A>
+  requires(!expr::BoolValued<A>)
+auto floor(A&& a) {
+  return expr::make<ops::Floor>(std::forward<A>(a));
+}
+/// Element-wise smallest whole number >= x, in x's type. Not for bool.
+template <expr::ExprLike A>
+  requires(!expr::BoolValued<A>)
+auto ceil(A&& a) {
+  return expr::make<ops::Ceil>(std::forward<A>(a));
+}
+/// Element-wise nearest whole number, halves to even (torch.round: round(2.5) == 2), in
+/// x's type. Not for bool.
+template <expr::ExprLike A>
+  requires(!expr::BoolValued<A>)
+auto round(A&& a) {
+  return expr::make<ops::Round>(std::forward<A>(a));
+}
+/// Element-wise x with its fraction dropped (toward zero), in x's type. Not for bool.
+template <expr::ExprLike A>
+  requires(!expr::BoolValued<A>)
+auto trunc(A&& a) {
+  return expr::make<ops::Trunc>(std::forward<A>(a));
+}
 /// Element-wise logical not.
 template <expr::ExprLike A>
 auto logical_not(A&& a) {
@@ -415,6 +461,36 @@ auto pow(A&& a, B&& b) {
     }
   }
   return expr::make<ops::Pow>(std::forward<A>(a), std::forward<B>(b));
+}
+/// Element-wise remainder with the divisor's sign (torch.remainder, Python's %):
+/// remainder(-3, 5) == 2. An integer divisor of 0 raises ZeroDivisionError when the
+/// statement runs (a floating one gives NaN). Not of two bool operands.
+template <class A, class B>
+  requires expr::BinaryOperands<A, B> && (!(expr::BoolValued<A> && expr::BoolValued<B>))
+auto remainder(A&& a, B&& b) {
+  return expr::make<ops::Remainder>(std::forward<A>(a), std::forward<B>(b));
+}
+/// Element-wise remainder with the dividend's sign (torch.fmod, C's fmod):
+/// fmod(-3, 5) == -3. Integer divisors of 0 raise ZeroDivisionError when the statement runs.
+template <class A, class B>
+  requires expr::BinaryOperands<A, B> && (!(expr::BoolValued<A> && expr::BoolValued<B>))
+auto fmod(A&& a, B&& b) {
+  return expr::make<ops::Fmod>(std::forward<A>(a), std::forward<B>(b));
+}
+/// Element-wise floor(a / b) in the operands' promoted type (torch.floor_divide, Python's
+/// //); integer divisors of 0 raise ZeroDivisionError when the statement runs, and
+/// INT64_MIN // -1 wraps (PyTorch's CPU kernel traps there). Its gradient is zero, floor's,
+/// where PyTorch refuses to differentiate it.
+template <class A, class B>
+  requires expr::BinaryOperands<A, B> && (!(expr::BoolValued<A> && expr::BoolValued<B>))
+auto floor_divide(A&& a, B&& b) {
+  return expr::make<ops::FloorDivide>(std::forward<A>(a), std::forward<B>(b));
+}
+/// `a % b` is remainder(a, b), as in PyTorch.
+template <class A, class B>
+  requires expr::BinaryOperands<A, B> && (!(expr::BoolValued<A> && expr::BoolValued<B>))
+auto operator%(A&& a, B&& b) {
+  return expr::make<ops::Remainder>(std::forward<A>(a), std::forward<B>(b));
 }
 /// Element-wise maximum (NaN-propagating).
 template <class A, class B>
