@@ -16,8 +16,11 @@
 #include <lazytensor/nn.hpp>
 #include <lazytensor/ops/conv.hpp>
 #include <lazytensor/ops/pool.hpp>
+#include <lazytensor/ops/rearrange.hpp>
 #include <lazytensor/ops/shape.hpp>
 #include <lazytensor/ops/softmax.hpp>
+#include <lazytensor/ops/split.hpp>
+#include <lazytensor/ops/statistics.hpp>
 #include <lazytensor/optim.hpp>
 #include <lazytensor/spmd.hpp>
 #include <lazytensor/state_dict.hpp>

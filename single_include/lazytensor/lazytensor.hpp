@@ -28082,6 +28082,555 @@ LAZYTENSOR_NN_CLIP_GRAD_INSTANCES(extern)
 LAZYTENSOR_NN_SEQUENTIAL_INSTANCES(extern)
 #endif
 // ---- end lazytensor/nn.hpp ----
+// ---- begin lazytensor/ops/rearrange.hpp ----
+// Ops that move or mask elements without computing new values: flip, roll, repeat, tril,
+// triu, masked_fill. Composites of the differentiable primitives (index_select, narrow +
+// cat, reshape + expand, where over an arange mask), so their gradients come from those
+// primitives' backward and no node of their own exists. Dim and size lists are `Dims`
+// (ops/reduction.hpp): a braced list, a vector or one number, as libtorch's IntArrayRef.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+
+namespace lazy {
+
+namespace detail {
+
+/// roll along one dim: out[i] = t[(i - shift) mod n], as cat(narrow(start..), narrow(..start)).
+template <Element T>
+Tensor<T> roll_dim(const Tensor<T>& t, std::int64_t shift, int d, bool& changed) {
+  const std::int64_t n = t.shape()[d];
+  if (n == 0 || t.numel() == 0) return t;
+  const std::int64_t start = (n - shift % n) % n;  // shift % n is in (-n, n): no overflow
+  if (start == 0) return t;
+  changed = true;
+  return cat({narrow(t, d, start, n - start), narrow(t, d, 0, start)}, d);
+}
+
+/// repeat in one expand: x viewed with a size-1 dim before each repeated dim, expanded
+/// there, viewed back. Runs of dims that are not repeated merge into one dim. Empty when
+/// that view would pass kMaxRank (the caller then repeats one dim at a time).
+template <Element T>
+Tensor<T> repeat_by_expand(const Tensor<T>& t, const Shape& padded, const std::vector<std::int64_t>& reps,
+                           const Shape& out) {
+  std::vector<std::int64_t> src, big;
+  std::int64_t run = 1;
+  bool in_run = false;
+  for (std::size_t i = 0; i < reps.size(); ++i) {
+    if (reps[i] == 1) {
+      run *= padded[static_cast<int>(i)];
+      in_run = true;
+      continue;
+    }
+    if (in_run) {
+      src.push_back(run);
+      big.push_back(run);
+      run = 1;
+      in_run = false;
+    }
+    src.push_back(1);
+    big.push_back(reps[i]);
+    if (padded[static_cast<int>(i)] != 1) {
+      src.push_back(padded[static_cast<int>(i)]);
+      big.push_back(padded[static_cast<int>(i)]);
+    }
+  }
+  if (in_run) {
+    src.push_back(run);
+    big.push_back(run);
+  }
+  if (src.size() > static_cast<std::size_t>(kMaxRank)) return Tensor<T>();
+  return reshape(expand(reshape(t, src), big), out);
+}
+
+}  // namespace detail
+
+/// Reverses the order of elements along each of `dims` (torch.flip); an empty list returns
+/// x's values. ShapeError for a dim out of range or repeated. index_select with a reversed
+/// arange per flipped dim of size > 1 (its backward is a scatter-add).
+template <expr::ExprLike X>
+auto flip(const X& x, const Dims& dims) {
+  auto t = detail::as_tensor(x);
+  using T = typename decltype(t)::value_type;
+  const int r = t.dim();
+  std::vector<char> seen(static_cast<std::size_t>(std::max(r, 1)), 0);
+  std::vector<int> ds;
+  for (auto dim : dims) {
+    const int d = normalize_dim(dim, r, "flip");
+    if (seen[static_cast<std::size_t>(d)]) {
+      throw ShapeError("flip: dim " + std::to_string(d) + " appears multiple times in the list of dims " +
+                       detail::list_str(dims) + " (expected each dim at most once)");
+    }
+    seen[static_cast<std::size_t>(d)] = 1;
+    ds.push_back(d);
+  }
+  Tensor<T> out = t;
+  bool changed = false;
+  for (int d : ds) {
+    if (r == 0 || t.shape()[d] <= 1) continue;
+    const auto n = static_cast<double>(t.shape()[d]);
+    out = index_select(out, d, arange<std::int64_t>(n - 1, -1, -1, t.device()));
+    changed = true;
+  }
+  return changed ? out : detail::fresh_handle(t);
+}
+
+/// Rolls x's elements along `dims` by `shifts` (torch.roll): out[i] = x[(i - shift) mod n]
+/// per dim, applied dim after dim (a dim may repeat). Without dims, x is rolled as if
+/// flattened, by the single shift, and keeps its shape. ShapeError for no shifts, for
+/// shifts and dims of different lengths (or several shifts without dims), and for dims out
+/// of range (a 0-dim x has none). A cat of two narrows per rolled dim.
+template <expr::ExprLike X>
+auto roll(const X& x, const Dims& shifts, const Dims& dims = {}) {
+  auto t = detail::as_tensor(x);
+  using T = typename decltype(t)::value_type;
+  if (shifts.empty()) throw ShapeError("roll: `shifts` required, got an empty list (expected one shift per dim)");
+  bool changed = false;
+  if (dims.empty()) {
+    if (shifts.size() != 1) {
+      throw ShapeError("roll: without dims exactly one shift is expected (the flattened tensor is rolled), got " +
+                       std::to_string(shifts.size()) + " shifts " + detail::list_str(shifts));
+    }
+    Tensor<T> flat = reshape(t, Shape{t.numel()});
+    Tensor<T> r = detail::roll_dim(flat, shifts[0], 0, changed);
+    return changed ? reshape(r, t.shape()) : detail::fresh_handle(t);
+  }
+  if (shifts.size() != dims.size()) {
+    throw ShapeError("roll: shifts and dimensions must align: got " + std::to_string(shifts.size()) + " shifts " +
+                     detail::list_str(shifts) + " and " + std::to_string(dims.size()) + " dims " +
+                     detail::list_str(dims));
+  }
+  if (t.dim() == 0) {
+    throw ShapeError("roll: dimension specified as " + std::to_string(dims[0]) +
+                     " but the tensor has no dimensions (a 0-dim tensor rolls only without dims)");
+  }
+  Tensor<T> out = t;
+  for (std::size_t i = 0; i < dims.size(); ++i)
+    out = detail::roll_dim(out, shifts[i], normalize_dim(dims[i], t.dim(), "roll"), changed);
+  return changed ? out : detail::fresh_handle(t);
+}
+
+/// Tiles x (torch.Tensor.repeat): with k = repeats.size() >= x.dim(), x is viewed with
+/// k - dim leading size-1 dims and copied repeats[i] times along dim i, so out.size(i) =
+/// repeats[i] * size(i). ShapeError for fewer repeats than dims, a negative repeat, or more
+/// than kMaxRank repeats. One expand between two views (one per repeated dim at high rank).
+template <expr::ExprLike X>
+auto repeat(const X& x, const Dims& repeats) {
+  auto t = detail::as_tensor(x);
+  using T = typename decltype(t)::value_type;
+  const Shape& s = t.shape();
+  const int k = static_cast<int>(repeats.size()), r = s.rank();
+  if (k < r) {
+    throw ShapeError("repeat: the number of repeats (" + std::to_string(k) +
+                     ") can not be smaller than the number of dimensions of the tensor (" + std::to_string(r) +
+                     "); repeats " + detail::list_str(repeats) + ", tensor shape " + s.str());
+  }
+  if (k > kMaxRank) {
+    throw ShapeError("repeat: " + std::to_string(k) + " repeats " + detail::list_str(repeats) +
+                     " would make a tensor of rank " + std::to_string(k) + ", expected at most " +
+                     std::to_string(kMaxRank));
+  }
+  Shape padded, out;
+  for (int i = 0; i < k; ++i) {
+    const std::int64_t size = i < k - r ? 1 : s[i - (k - r)];
+    if (repeats[static_cast<std::size_t>(i)] < 0) {
+      throw ShapeError("repeat: repeats must be non-negative, got " + detail::list_str(repeats) +
+                       " (tensor shape " + s.str() + ")");
+    }
+    std::int64_t n = 0;
+    if (__builtin_mul_overflow(size, repeats[static_cast<std::size_t>(i)], &n)) n = kMaxElements + 1;
+    padded.push_back(size);
+    out.push_back(n);
+  }
+  out.check_size();
+  if (out == s) return detail::fresh_handle(t);
+  Tensor<T> once = detail::repeat_by_expand(t, padded, repeats, out);
+  if (once.defined()) return once;
+  // Past kMaxRank in one view: one dim at a time, each as [before, 1, size, after].
+  Tensor<T> cur = reshape(t, padded);
+  Shape cs = padded;
+  for (int i = 0; i < k; ++i) {
+    const std::int64_t rep = repeats[static_cast<std::size_t>(i)];
+    if (rep == 1) continue;
+    std::int64_t before = 1, after = 1;
+    for (int j = 0; j < i; ++j) before *= cs[j];
+    for (int j = i + 1; j < k; ++j) after *= cs[j];
+    cur = reshape(expand(reshape(cur, {before, 1, cs[i], after}), {before, rep, cs[i], after}),
+                  {before, rep * cs[i], after});
+    cs[i] *= rep;
+  }
+  return reshape(cur, out);
+}
+
+namespace detail {
+
+/// tril (Lower) / triu: x where the column minus the row of its last two dims is <= (>=)
+/// `diagonal`, zero elsewhere; a where over an arange mask, broadcast over the batch dims.
+template <bool Lower, expr::ExprLike X>
+auto triangle(const X& x, std::int64_t diagonal, const char* op) {
+  auto t = as_tensor(x);
+  using T = typename decltype(t)::value_type;
+  const Shape& s = t.shape();
+  if (s.rank() < 2) {
+    throw ShapeError(std::string(op) + ": expected a tensor with at least 2 dimensions, got shape " + s.str() +
+                     " (" + std::to_string(s.rank()) + "-D)");
+  }
+  const std::int64_t m = s[s.rank() - 2], n = s[s.rank() - 1];
+  // Every element kept: t's values (the extreme diagonals cannot overflow the tests below).
+  if (Lower ? diagonal >= n - 1 : diagonal <= 1 - m) return fresh_handle(t);
+  auto rows = reshape(arange<std::int64_t>(0, static_cast<double>(m), 1, t.device()), Shape{m, 1});
+  auto cols = reshape(arange<std::int64_t>(0, static_cast<double>(n), 1, t.device()), Shape{1, n});
+  const T zero = checked_scalar<T>(0, op);  // (a T, so that the result stays T, bool too)
+  if constexpr (Lower) return Tensor<T>(where(cols - rows <= diagonal, t, zero));
+  else return Tensor<T>(where(cols - rows >= diagonal, t, zero));
+}
+
+}  // namespace detail
+
+/// The lower triangle of the last two dims (torch.tril): elements with column - row <=
+/// `diagonal` kept, the others zero; batched over leading dims. ShapeError below 2 dims.
+template <expr::ExprLike X>
+auto tril(const X& x, std::int64_t diagonal = 0) {
+  return detail::triangle<true>(x, diagonal, "tril");
+}
+
+/// The upper triangle of the last two dims (torch.triu): elements with column - row >=
+/// `diagonal` kept, the others zero; batched over leading dims. ShapeError below 2 dims.
+template <expr::ExprLike X>
+auto triu(const X& x, std::int64_t diagonal = 0) {
+  return detail::triangle<false>(x, diagonal, "triu");
+}
+
+/// x with `value` where `mask` is true (torch.masked_fill, out of place): mask and x
+/// broadcast against each other, and the result has their broadcast shape, as torch's
+/// (ShapeError naming both shapes when they do not broadcast). DTypeError when value does
+/// not fit x's dtype. The gradient reaches x where mask is false.
+template <expr::ExprLike X, expr::Number V>
+auto masked_fill(const X& x, const Tensor<bool>& mask, V value) {
+  auto t = detail::as_tensor(x);
+  using T = typename decltype(t)::value_type;
+  broadcast_shapes(t.shape(), mask.shape(), "masked_fill");
+  return Tensor<T>(where(mask, detail::checked_scalar<T>(value, "masked_fill"), t));
+}
+
+/// masked_fill with a 0-dim tensor as the value (ShapeError for any other rank); the
+/// gradient reaches `value` too (the sum over the filled elements).
+template <expr::ExprLike X>
+auto masked_fill(const X& x, const Tensor<bool>& mask, const Tensor<expr::value_t<X>>& value) {
+  auto t = detail::as_tensor(x);
+  using T = typename decltype(t)::value_type;
+  if (value.dim() != 0) {
+    throw ShapeError("masked_fill: expected a 0-dimensional value tensor, got shape " + value.shape().str() + " (" +
+                     std::to_string(value.dim()) + " dimension(s))");
+  }
+  broadcast_shapes(t.shape(), mask.shape(), "masked_fill");
+  return Tensor<T>(where(mask, value, t));
+}
+
+}  // namespace lazy
+// ---- end lazytensor/ops/rearrange.hpp ----
+// ---- begin lazytensor/ops/split.hpp ----
+// Splitting a tensor into pieces along one dim: split (equal sizes, or the sizes given, as
+// torch's split_with_sizes), chunk and unbind. Composites of narrow (ops/slice.hpp) and
+// reshape: each piece records narrow's backward, so no node or backward of their own exists.
+// A piece is a copy, not a view (narrow copies; views here are values, so an in-place op on
+// a piece never writes through to the input). The gradient of k pieces is k slice
+// scatters into the input's shape, summed: fine for the usual few pieces (q/k/v, gates).
+
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+
+namespace lazy {
+
+namespace detail {
+
+/// ShapeError unless `s` has at least one dim (split, chunk, unbind need one to split).
+inline void require_split_rank(const Shape& s, const char* op) {
+  if (s.rank() == 0) {
+    throw ShapeError(std::string(op) + ": expected at least a 1-dimensional tensor, got a 0-dim tensor (shape " +
+                     s.str() + ")");
+  }
+}
+
+/// The pieces of `t` along dim `d` with the given sizes (which sum to t's size there).
+template <Element T>
+std::vector<Tensor<T>> split_pieces(const Tensor<T>& t, int d, const std::vector<std::int64_t>& sizes) {
+  std::vector<Tensor<T>> out;
+  out.reserve(sizes.size());
+  std::int64_t off = 0;
+  for (auto len : sizes) {
+    out.push_back(narrow(t, d, off, len));
+    off += len;
+  }
+  return out;
+}
+
+/// torch's split: pieces of `size` along `d`, the last one smaller when `size` does not
+/// divide the dim; one (empty) piece for an empty dim.
+template <Element T>
+std::vector<Tensor<T>> split_equal(const Tensor<T>& t, int d, std::int64_t size, const char* op) {
+  const std::int64_t n = t.shape()[d];
+  if (size < 0) {
+    throw ShapeError(std::string(op) + ": expected split_size to be non-negative, got split_size=" +
+                     std::to_string(size));
+  }
+  if (size == 0 && n != 0) {
+    throw ShapeError(std::string(op) + ": split_size can only be 0 if the dimension size is 0, but got size " +
+                     std::to_string(n) + " in dimension " + std::to_string(d) + " (shape " + t.shape().str() + ")");
+  }
+  std::vector<std::int64_t> sizes;
+  if (size == 0 || n == 0) {
+    sizes.push_back(0);
+  } else {
+    const std::int64_t count = n / size + (n % size != 0);  // (n + size - 1 could overflow)
+    sizes.assign(static_cast<std::size_t>(count), size);
+    sizes.back() = n - size * (count - 1);
+  }
+  return split_pieces(t, d, sizes);
+}
+
+}  // namespace detail
+
+/// Splits x along `dim` into pieces of `split_size` elements (torch.split with an integer):
+/// the last piece is smaller when split_size does not divide the dim; an empty dim gives one
+/// empty piece. ShapeError for a 0-dim x, a negative split_size, or split_size 0 on a
+/// non-empty dim. Each piece is a copy (narrow) with narrow's backward.
+template <expr::ExprLike X>
+std::vector<Tensor<expr::value_t<X>>> split(const X& x, std::int64_t split_size, std::int64_t dim = 0) {
+  auto t = detail::as_tensor(x);
+  detail::require_split_rank(t.shape(), "split");
+  return detail::split_equal(t, normalize_dim(dim, t.dim(), "split"), split_size, "split");
+}
+
+/// Splits x along `dim` into pieces of the given sizes (torch.split with a list, i.e.
+/// split_with_sizes). The sizes must be non-negative and sum to x's size in `dim`
+/// (ShapeError otherwise).
+template <expr::ExprLike X>
+std::vector<Tensor<expr::value_t<X>>> split(const X& x, const std::vector<std::int64_t>& split_sizes,
+                                            std::int64_t dim = 0) {
+  auto t = detail::as_tensor(x);
+  detail::require_split_rank(t.shape(), "split");
+  const int d = normalize_dim(dim, t.dim(), "split");
+  std::int64_t total = 0;
+  bool overflow = false;  // (past int64: cannot match the size)
+  for (auto v : split_sizes) {
+    if (v < 0) {
+      throw ShapeError("split: expected split_sizes to have only non-negative entries, but got split_sizes=" +
+                       detail::list_str(split_sizes));
+    }
+    overflow = overflow || __builtin_add_overflow(total, v, &total);
+  }
+  if (overflow || total != t.shape()[d]) {
+    throw ShapeError("split: expected split_sizes to sum exactly to " + std::to_string(t.shape()[d]) +
+                     " (the input's size at dimension " + std::to_string(d) + ", shape " + t.shape().str() +
+                     "), but got split_sizes=" + detail::list_str(split_sizes));
+  }
+  return detail::split_pieces(t, d, split_sizes);
+}
+/// split with the sizes as a braced list: split(x, {2, 3}, 1). (A one-element list is a
+/// list of sizes, not a split_size.)
+template <expr::ExprLike X>
+std::vector<Tensor<expr::value_t<X>>> split(const X& x, std::initializer_list<std::int64_t> split_sizes,
+                                            std::int64_t dim = 0) {
+  return split(x, std::vector<std::int64_t>(split_sizes), dim);
+}
+
+/// Splits x along `dim` into at most `chunks` pieces (torch.chunk): each of
+/// ceil(size / chunks) elements, the last one smaller, so fewer pieces come back when
+/// that size covers the dim sooner (chunk(arange(6), 4) gives 3 pieces of 2). An empty dim
+/// gives `chunks` empty pieces. ShapeError for chunks <= 0 or a 0-dim x.
+template <expr::ExprLike X>
+std::vector<Tensor<expr::value_t<X>>> chunk(const X& x, std::int64_t chunks, std::int64_t dim = 0) {
+  auto t = detail::as_tensor(x);
+  detail::require_split_rank(t.shape(), "chunk");
+  if (chunks <= 0) {
+    throw ShapeError("chunk: expected `chunks` to be greater than 0, got " + std::to_string(chunks));
+  }
+  const int d = normalize_dim(dim, t.dim(), "chunk");
+  const std::int64_t n = t.shape()[d];
+  if (n == 0) return detail::split_pieces(t, d, std::vector<std::int64_t>(static_cast<std::size_t>(chunks), 0));
+  return detail::split_equal(t, d, n / chunks + (n % chunks != 0), "chunk");
+}
+
+/// The slices of x along `dim`, each without that dim (torch.unbind): size(dim) tensors of
+/// x's shape minus `dim`. ShapeError for a 0-dim x.
+template <expr::ExprLike X>
+std::vector<Tensor<expr::value_t<X>>> unbind(const X& x, std::int64_t dim = 0) {
+  auto t = detail::as_tensor(x);
+  if (t.dim() == 0) {
+    throw ShapeError("unbind: dimension specified as " + std::to_string(dim) +
+                     " but the tensor has no dimensions (expected rank >= 1)");
+  }
+  const int d = normalize_dim(dim, t.dim(), "unbind");
+  Shape piece;
+  for (int i = 0; i < t.dim(); ++i)
+    if (i != d) piece.push_back(t.shape()[i]);
+  std::vector<Tensor<expr::value_t<X>>> out;
+  out.reserve(static_cast<std::size_t>(t.shape()[d]));
+  for (std::int64_t i = 0; i < t.shape()[d]; ++i) out.push_back(reshape(narrow(t, d, i, 1), piece));
+  return out;
+}
+
+}  // namespace lazy
+// ---- end lazytensor/ops/split.hpp ----
+// ---- begin lazytensor/ops/statistics.hpp ----
+// Variance and standard deviation: var, std, var_mean, std_mean (torch's, with
+// `correction`). Composites of mean and sum (ops/reduction.hpp): two passes, the mean first,
+// then the sum of squared deviations from it, both in compute_t<T> (bfloat16 in float,
+// rounded once). Their gradients come from those reductions' backward; std's square root
+// is masked where the variance is zero, so a constant slice gets a zero gradient, as
+// torch's std_backward gives, not NaN.
+
+#include <algorithm>
+#include <concepts>
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+
+namespace lazy {
+
+namespace detail {
+
+/// DTypeError for a non-floating operand of var/std (as torch raises it).
+template <class T>
+[[noreturn]] void non_floating_statistic(const char* op) {
+  throw DTypeError(std::string(op) + ": std and var only support floating point dtypes, got input dtype " +
+                   dtype_name(dtype_of<T>()));
+}
+
+/// t in compute_t<T>: t itself, or (bfloat16) a cast expression fused into its readers.
+template <Element T>
+auto in_compute(const Tensor<T>& t) {
+  if constexpr (std::is_same_v<compute_t<T>, T>) return t;
+  else return cast<compute_t<T>>(t);
+}
+
+/// v of compute_t<T> as a T (no copy when they are the same type).
+template <Element T>
+Tensor<T> from_compute(const Tensor<compute_t<T>>& v) {
+  if constexpr (std::is_same_v<compute_t<T>, T>) return v;
+  else return Tensor<T>(cast<T>(v));
+}
+
+/// Variance (reduced dims kept) and mean (kept) of t over `dims`, in compute_t<T>: the sum of
+/// squared deviations divided by max(0, N - correction), N the number of reduced elements
+/// (0 gives inf, or NaN for a zero sum, as torch).
+template <Element T>
+std::pair<Tensor<compute_t<T>>, Tensor<compute_t<T>>> variance_parts(const Tensor<T>& t, const Dims& dims,
+                                                                     double correction, const char* op) {
+  using C = compute_t<T>;
+  std::int64_t n = 1;
+  for (int d : reduce_dims(t.shape(), dims, op)) n *= t.shape()[d];
+  auto xc = in_compute(t);
+  Tensor<C> m = mean(xc, dims, true);
+  Tensor<C> ss = sum(square(xc - m), dims, true);
+  const double denom = std::max(0.0, static_cast<double>(n) - correction);
+  return {Tensor<C>(ss / static_cast<C>(denom)), m};
+}
+
+/// sqrt(v), with a zero gradient where v is zero (sqrt of 1 there, times 0).
+template <class C>
+Tensor<C> masked_sqrt(const Tensor<C>& v) {
+  return Tensor<C>(sqrt(where(v == 0, C(1), v)) * cast<C>(v != 0));
+}
+
+/// `k` (reduced dims kept) with those dims dropped unless keepdim.
+template <class C>
+Tensor<C> drop_dims(const Tensor<C>& k, const Shape& in, const Dims& dims, bool keepdim, const char* op) {
+  if (keepdim) return k;
+  return reshape(k, reduced_shape(in, reduce_dims(in, dims, op), false));
+}
+
+/// var (Std false) or std of x, and its mean.
+template <bool Std, class X>
+auto statistic(const X& x, const Dims& dims, double correction, bool keepdim, const char* op) {
+  auto t = as_tensor(x);
+  using T = typename decltype(t)::value_type;
+  if constexpr (!is_floating_v<T>) {
+    non_floating_statistic<T>(op);
+    return std::tuple<Tensor<float>, Tensor<float>>{};  // (the type statistic_t names)
+  } else {
+    auto [v, m] = variance_parts(t, dims, correction, op);
+    if constexpr (Std) v = masked_sqrt(v);
+    return std::tuple<Tensor<T>, Tensor<T>>{from_compute<T>(drop_dims(v, t.shape(), dims, keepdim, op)),
+                                            from_compute<T>(drop_dims(m, t.shape(), dims, keepdim, op))};
+  }
+}
+
+/// The result type of the statistics: x's dtype (a floating one; the others raise).
+template <class X>
+using statistic_t = std::conditional_t<is_floating_v<expr::value_t<X>>, expr::value_t<X>, float>;
+
+}  // namespace detail
+
+/// Variance over `dims` (all when empty; a braced list, a vector or one dim), the sum of
+/// squared deviations from the mean divided by N - correction (torch.var; correction 1 is
+/// Bessel's, 0 the population variance). N <= correction gives inf, or NaN when the
+/// deviations are all zero (a single element with correction 1), as torch. Floating dtypes
+/// only (DTypeError otherwise); ShapeError for dims out of range or repeated.
+template <expr::ExprLike X>
+Tensor<detail::statistic_t<X>> var(const X& x, const Dims& dims = {}, double correction = 1, bool keepdim = false) {
+  return std::get<0>(detail::statistic<false>(x, dims, correction, keepdim, "var"));
+}
+/// Variance over all elements, unbiased (correction 1) or not (0): libtorch's var(x, bool).
+/// Only an actual bool selects this (var(x, 1) is the variance over dim 1).
+template <expr::ExprLike X, std::same_as<bool> B>
+Tensor<detail::statistic_t<X>> var(const X& x, B unbiased) {
+  return var(x, Dims{}, unbiased ? 1.0 : 0.0, false);
+}
+
+/// Standard deviation over `dims`: sqrt of var (torch.std; same arguments and errors). Its
+/// gradient is zero where the result is zero (a constant slice), as torch's.
+template <expr::ExprLike X>
+Tensor<detail::statistic_t<X>> std(const X& x, const Dims& dims = {}, double correction = 1, bool keepdim = false) {
+  return std::get<0>(detail::statistic<true>(x, dims, correction, keepdim, "std"));
+}
+/// Standard deviation over all elements, unbiased or not: libtorch's std(x, bool).
+template <expr::ExprLike X, std::same_as<bool> B>
+Tensor<detail::statistic_t<X>> std(const X& x, B unbiased) {
+  return std(x, Dims{}, unbiased ? 1.0 : 0.0, false);
+}
+
+/// (variance, mean) over `dims`, the mean computed once for both (torch.var_mean; arguments
+/// and errors as var's).
+template <expr::ExprLike X>
+std::tuple<Tensor<detail::statistic_t<X>>, Tensor<detail::statistic_t<X>>> var_mean(const X& x, const Dims& dims = {},
+                                                                                     double correction = 1,
+                                                                                     bool keepdim = false) {
+  return detail::statistic<false>(x, dims, correction, keepdim, "var_mean");
+}
+/// (variance, mean) over all elements, unbiased or not: libtorch's var_mean(x, bool).
+template <expr::ExprLike X, std::same_as<bool> B>
+std::tuple<Tensor<detail::statistic_t<X>>, Tensor<detail::statistic_t<X>>> var_mean(const X& x, B unbiased) {
+  return var_mean(x, Dims{}, unbiased ? 1.0 : 0.0, false);
+}
+
+/// (standard deviation, mean) over `dims` (torch.std_mean; as std).
+template <expr::ExprLike X>
+std::tuple<Tensor<detail::statistic_t<X>>, Tensor<detail::statistic_t<X>>> std_mean(const X& x, const Dims& dims = {},
+                                                                                     double correction = 1,
+                                                                                     bool keepdim = false) {
+  return detail::statistic<true>(x, dims, correction, keepdim, "std_mean");
+}
+/// (standard deviation, mean) over all elements, unbiased or not: libtorch's std_mean(x, bool).
+template <expr::ExprLike X, std::same_as<bool> B>
+std::tuple<Tensor<detail::statistic_t<X>>, Tensor<detail::statistic_t<X>>> std_mean(const X& x, B unbiased) {
+  return std_mean(x, Dims{}, unbiased ? 1.0 : 0.0, false);
+}
+
+}  // namespace lazy
+// ---- end lazytensor/ops/statistics.hpp ----
 // ---- begin lazytensor/optim.hpp ----
 // lazy::optim: optimizers and learning-rate schedulers (torch::optim).
 

@@ -1,5 +1,6 @@
 // Tests of ops/reduction.hpp (and graph/reduction_node.hpp, expr/reduce_ops.hpp): every
-// reduction over all elements and over dims, against an independent long double reference.
+// reduction over all elements and over dims, against an independent long double reference;
+// and of ops/statistics.hpp (var, std and their _mean forms), against a two-pass one.
 
 #include <algorithm>
 #include <bit>
@@ -18,6 +19,9 @@
 #include <lazytensor/ops/factories.hpp>
 #include <lazytensor/ops/reduction.hpp>
 #include <lazytensor/ops/shape.hpp>
+#include <lazytensor/ops/statistics.hpp>
+
+#include "../autograd/gradcheck.hpp"
 
 namespace {
 
@@ -1049,6 +1053,229 @@ TEST(Reduction, BitwiseIdenticalAcrossThreadCounts) {
   }
   EXPECT_NEAR(results[0][0], static_cast<double>(want),
               (2 + 2 * std::sqrt(double(n))) * std::numeric_limits<float>::epsilon() * double(mag));
+}
+
+
+// ---- var / std / var_mean / std_mean (ops/statistics.hpp) ------------------------------------
+
+namespace stats_ref {
+
+std::vector<std::int64_t> coords_in(std::int64_t f, const Shape& s) {
+  std::vector<std::int64_t> c(static_cast<std::size_t>(s.rank()));
+  for (int d = s.rank() - 1; d >= 0; --d) {
+    c[d] = f % s[d];
+    f /= s[d];
+  }
+  return c;
+}
+
+struct Moments {
+  Shape shape;             // the result's shape (keepdim or not)
+  std::vector<LD> var, mean;
+};
+
+/// Two-pass variance and mean in long double over `dims` (empty: all) of `in` (shape s),
+/// divided by max(0, N - correction).
+template <class T>
+Moments moments(const std::vector<T>& in, const Shape& s, std::vector<std::int64_t> dims, double correction,
+                bool keepdim) {
+  std::vector<bool> reduced(static_cast<std::size_t>(s.rank()), dims.empty());
+  for (auto d : dims) reduced[static_cast<std::size_t>(d < 0 ? d + s.rank() : d)] = true;
+  Shape kept;  // reduced dims as size 1
+  Moments m;
+  for (int d = 0; d < s.rank(); ++d) {
+    kept.push_back(reduced[d] ? 1 : s[d]);
+    if (!reduced[d] || keepdim) m.shape.push_back(reduced[d] ? 1 : s[d]);
+  }
+  std::vector<std::vector<LD>> groups(static_cast<std::size_t>(kept.numel()));
+  for (std::int64_t f = 0; f < s.numel(); ++f) {
+    auto c = coords_in(f, s);
+    std::int64_t g = 0;
+    for (int d = 0; d < s.rank(); ++d) g = g * kept[d] + (reduced[d] ? 0 : c[d]);
+    groups[static_cast<std::size_t>(g)].push_back(ld(in[static_cast<std::size_t>(f)]));
+  }
+  for (const auto& g : groups) {
+    LD mean = 0, ss = 0;
+    for (LD x : g) mean += x;
+    mean /= static_cast<LD>(g.size());  // (0/0 = NaN for an empty group, as torch)
+    for (LD x : g) ss += (x - mean) * (x - mean);
+    const LD denom = std::max<LD>(0, static_cast<LD>(g.size()) - correction);
+    m.mean.push_back(mean);
+    m.var.push_back(ss / denom);
+  }
+  return m;
+}
+
+/// Expects `got` to hold `want` (shape and values) within a relative tolerance; NaN and inf
+/// must match exactly.
+template <class T>
+void expect_close(const Tensor<T>& got, const Shape& shape, const std::vector<LD>& want, double tol) {
+  ASSERT_EQ(got.shape(), shape) << "got " << got.shape().str() << ", want " << shape.str();
+  const auto v = got.to_vector();
+  ASSERT_EQ(v.size(), want.size());
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    const LD g = ld(v[i]);
+    if (std::isnan(static_cast<double>(want[i])) || std::isinf(static_cast<double>(want[i]))) {
+      EXPECT_EQ(std::isnan(static_cast<double>(g)), std::isnan(static_cast<double>(want[i]))) << i << ": got " << static_cast<double>(g);
+      if (std::isinf(static_cast<double>(want[i]))) EXPECT_EQ(static_cast<double>(g), static_cast<double>(want[i])) << i;
+      continue;
+    }
+    EXPECT_NEAR(static_cast<double>(g), static_cast<double>(want[i]),
+                tol * std::max(1.0, std::fabs(static_cast<double>(want[i]))))
+        << "element " << i;
+  }
+}
+
+template <class T>
+double stats_tol() {
+  if constexpr (std::is_same_v<T, bfloat16>) return 1e-2;  // one bfloat16 rounding of the result
+  else if constexpr (std::is_same_v<T, float>) return 2e-5;
+  else return 1e-12;
+}
+
+std::vector<LD> roots(std::vector<LD> v) {
+  for (auto& x : v) x = std::sqrt(x);
+  return v;
+}
+
+}  // namespace stats_ref
+
+TYPED_TEST(ReductionFloat, VarStdMatchTwoPassReference) {
+  using T = TypeParam;
+  using namespace stats_ref;
+  const double tol = stats_tol<T>();
+  const std::vector<std::pair<Shape, std::vector<Dims>>> cases = {
+      {Shape{7}, {{}, {0}, {-1}}},
+      {Shape{3, 4}, {{}, {0}, {1}, {-1, 0}}},
+      {Shape{2, 3, 5}, {{}, {0, 2}, {-2}, {1, 2}, {0, 1, 2}}},
+      {Shape{129, 3}, {{0}, {1}}},
+      {Shape{1, 5}, {{0}, {1}}},  // N = 1 along dim 0: NaN with correction 1
+      {Shape{1000, 70}, {{0}, {1}, {}}},
+      {Shape{}, {{}}},
+  };
+  unsigned seed = 1;
+  for (const auto& [s, dim_lists] : cases) {
+    const auto in = make_data<T>(s.numel(), seed++);
+    auto x = lazy::from_vector<T>(in, s);
+    for (const Dims& dims : dim_lists) {
+      for (double correction : {1.0, 0.0, 2.5, 5.0, 2000.0}) {
+        for (bool keepdim : {false, true}) {
+          SCOPED_TRACE("shape " + s.str() + " dims " + lazy::detail::list_str(dims) + " correction " +
+                       std::to_string(correction) + " keepdim " + std::to_string(keepdim));
+          const Moments m = moments(in, s, dims, correction, keepdim);
+          expect_close(lazy::var(x, dims, correction, keepdim), m.shape, m.var, tol);
+          expect_close(lazy::std(x, dims, correction, keepdim), m.shape, roots(m.var), tol);
+          auto [v, mu] = lazy::var_mean(x, dims, correction, keepdim);
+          expect_close(v, m.shape, m.var, tol);
+          expect_close(mu, m.shape, m.mean, tol);
+          auto [sd, mu2] = lazy::std_mean(x, dims, correction, keepdim);
+          expect_close(sd, m.shape, roots(m.var), tol);
+          expect_close(mu2, m.shape, m.mean, tol);
+        }
+      }
+    }
+  }
+  // Defaults (all elements, correction 1), one dim as an integer, libtorch's bool overloads.
+  const Shape s{4, 6};
+  const auto in = make_data<T>(s.numel(), 77);
+  auto x = lazy::from_vector<T>(in, s);
+  expect_close(lazy::var(x), Shape{}, moments(in, s, {}, 1, false).var, tol);
+  expect_close(lazy::var(x, 1), Shape{4}, moments(in, s, {1}, 1, false).var, tol);
+  expect_close(lazy::std(x, -2), Shape{6}, roots(moments(in, s, {0}, 1, false).var), tol);
+  expect_close(lazy::var(x, false), Shape{}, moments(in, s, {}, 0, false).var, tol);
+  expect_close(lazy::std(x, true), Shape{}, roots(moments(in, s, {}, 1, false).var), tol);
+  expect_close(std::get<0>(lazy::var_mean(x, false)), Shape{}, moments(in, s, {}, 0, false).var, tol);
+  expect_close(std::get<1>(lazy::std_mean(x, true)), Shape{}, moments(in, s, {}, 1, false).mean, tol);
+  // A permuted (non-contiguous source) input, reduced over non-adjacent dims.
+  const Shape s3{3, 4, 5};
+  const auto in3 = make_data<T>(s3.numel(), 78);
+  std::vector<T> pin;
+  const Shape ps{5, 3, 4};  // permute(x, {2, 0, 1})
+  for (std::int64_t k = 0; k < 5; ++k)
+    for (std::int64_t i = 0; i < 3; ++i)
+      for (std::int64_t j = 0; j < 4; ++j) pin.push_back(in3[static_cast<std::size_t>((i * 4 + j) * 5 + k)]);
+  auto p = lazy::permute(lazy::from_vector<T>(in3, s3), {2, 0, 1});
+  expect_close(lazy::var(p, {0, 2}), Shape{3}, moments(pin, ps, {0, 2}, 1, false).var, tol);
+  expect_close(lazy::std(p, {-1}, 0, true), Shape{5, 3, 1}, roots(moments(pin, ps, {2}, 0, true).var), tol);
+  // An expression operand: var(2x) = 4 var(x).
+  if constexpr (!std::is_same_v<T, bfloat16>) {
+    auto want = moments(in, s, {0}, 1, false).var;
+    for (auto& w : want) w *= 4;
+    expect_close(lazy::var(x * T(2), 0), Shape{6}, want, tol);
+  }
+}
+
+TEST(Reduction, VarStdSpecialValuesAndErrors) {
+  // [1, 2, 4]: mean 7/3, squared deviations 16/9 + 1/9 + 25/9 = 42/9.
+  auto x = lazy::from_vector<double>({1, 2, 4});
+  EXPECT_DOUBLE_EQ(lazy::var(x).item(), 42.0 / 9 / 2);
+  EXPECT_DOUBLE_EQ(lazy::var(x, 0, 0).item(), 42.0 / 9 / 3);
+  EXPECT_DOUBLE_EQ(lazy::var(x, 0, 1.5).item(), 42.0 / 9 / 1.5);
+  EXPECT_DOUBLE_EQ(lazy::std(x, 0, -1).item(), std::sqrt(42.0 / 9 / 4));
+  // N - correction <= 0: inf for a non-zero sum of squares, NaN for a zero one.
+  EXPECT_EQ(lazy::var(x, 0, 3).item(), std::numeric_limits<double>::infinity());
+  EXPECT_EQ(lazy::std(x, 0, 7).item(), std::numeric_limits<double>::infinity());
+  EXPECT_TRUE(std::isnan(lazy::var(lazy::from_vector<float>({5})).item()));
+  EXPECT_TRUE(std::isnan(lazy::var(lazy::scalar_tensor(2.0)).item()));
+  EXPECT_TRUE(std::isnan(lazy::std(lazy::zeros<float>({0})).item()));
+  EXPECT_TRUE(std::isnan(std::get<1>(lazy::var_mean(lazy::zeros<double>({0}))).item()));
+  auto e = lazy::var(lazy::zeros<float>({2, 0}), 1);
+  ASSERT_EQ(e.shape(), Shape{2});
+  for (float v : e.to_vector()) EXPECT_TRUE(std::isnan(v));
+  EXPECT_EQ(lazy::var(lazy::zeros<float>({0, 3}), 1).shape(), Shape{0});
+  // Constant input: (close to) zero.
+  EXPECT_NEAR(lazy::std(lazy::full<float>({1000}, 0.1f)).item(), 0.0f, 1e-6f);
+  // Floating dtypes only, as torch.
+  EXPECT_THROW(lazy::var(lazy::ones<std::int32_t>({3})), lazy::DTypeError);
+  EXPECT_THROW(lazy::std(lazy::ones<std::int64_t>({3, 2}), 0), lazy::DTypeError);
+  EXPECT_THROW(lazy::var_mean(lazy::ones<bool>({3})), lazy::DTypeError);
+  EXPECT_THROW(lazy::std_mean(lazy::ones<std::int32_t>({3}), true), lazy::DTypeError);
+  // Bad dims.
+  auto y = lazy::ones<float>({2, 3});
+  EXPECT_THROW(lazy::var(y, 2), lazy::ShapeError);
+  EXPECT_THROW(lazy::std(y, {-3}), lazy::ShapeError);
+  EXPECT_THROW(lazy::var_mean(y, {0, 0}), lazy::ShapeError);
+  EXPECT_THROW(lazy::std_mean(y, {1, -1}), lazy::ShapeError);
+  try {
+    lazy::var(lazy::ones<std::int32_t>({3}));
+    FAIL();
+  } catch (const lazy::DTypeError& err) {
+    EXPECT_NE(std::string(err.what()).find("floating"), std::string::npos) << err.what();
+    EXPECT_NE(std::string(err.what()).find("int32"), std::string::npos) << err.what();
+  }
+}
+
+TEST(Reduction, VarStdGradients) {
+  using gradcheck::input;
+  using V = std::vector<Tensor<double>>;
+  gradcheck::check("var over dim 1", [](const V& v) { return lazy::var(v[0], 1); }, {input(Shape{3, 5}, 1)});
+  gradcheck::check("var over all, correction 0", [](const V& v) { return lazy::var(v[0], {}, 0); },
+                   {input(Shape{2, 3, 2}, 2)});
+  gradcheck::check("std over non-adjacent dims of a permuted input, keepdim",
+                   [](const V& v) { return lazy::std(lazy::permute(v[0], {2, 0, 1}), {0, -1}, 1, true); },
+                   {input(Shape{3, 4, 2}, 3)});
+  gradcheck::check("var_mean and std_mean",
+                   [](const V& v) {
+                     auto [var, m] = lazy::var_mean(v[0], -1, 2);
+                     auto [sd, m2] = lazy::std_mean(v[0], 0);
+                     return Tensor<double>(var * 2.0 + m + sd * m2);
+                   },
+                   {input(Shape{3, 3}, 4)});
+  // Analytic: d var / dx_i = 2 (x_i - mean) / (N - correction); std: that / (2 std).
+  auto x = lazy::from_vector<double>({1, 2, 4, 3, 3, 3}, Shape{2, 3}).requires_grad_();
+  lazy::sum(lazy::std(x, 1)).backward();
+  const double sd = std::sqrt(42.0 / 9 / 2);
+  const std::vector<double> g = x.grad().to_vector();
+  const std::vector<double> want = {(1 - 7.0 / 3) / (2 * sd), (2 - 7.0 / 3) / (2 * sd), (4 - 7.0 / 3) / (2 * sd), 0, 0, 0};
+  for (std::size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(g[i], want[i], 1e-12) << i;
+  // The constant row's std is 0: a zero gradient there, as torch's std_backward, not NaN.
+  for (std::size_t i = 3; i < 6; ++i) EXPECT_EQ(g[i], 0.0) << i;
+  // bfloat16 gradients flow too (computed in float, rounded).
+  auto b = lazy::from_vector<bfloat16>({bfloat16(1.0f), bfloat16(3.0f)}).requires_grad_();
+  lazy::var(b).backward();
+  const auto gb = b.grad().to_vector();
+  EXPECT_EQ(static_cast<float>(gb[0]), -2.0f);  // 2 (1 - 2) / 1
+  EXPECT_EQ(static_cast<float>(gb[1]), 2.0f);
 }
 
 }  // namespace

@@ -1,4 +1,5 @@
-// Shape ops (include/lazytensor/ops/shape.hpp) against scalar references, for every dtype.
+// Shape ops (include/lazytensor/ops/shape.hpp, split.hpp, rearrange.hpp) against scalar
+// references, for every dtype.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -14,8 +15,11 @@
 #include <lazytensor/core/counters.hpp>
 #include <lazytensor/tensor.hpp>
 #include <lazytensor/ops/factories.hpp>
+#include <lazytensor/ops/rearrange.hpp>
 #include <lazytensor/ops/shape.hpp>
+#include <lazytensor/ops/split.hpp>
 
+#include "../autograd/gradcheck.hpp"
 #include "testing/helpers.hpp"
 
 namespace {
@@ -804,6 +808,447 @@ TEST(ShapeIndex, OneHot) {
   std::vector<std::int64_t> big;
   for (int k = 0; k < 30000; ++k) big.push_back(k % 10);
   check_one_hot<std::int64_t>(big, Shape{300, 100}, 10, 10);
+}
+
+// ---- split / chunk / unbind, flip / roll / repeat, tril / triu / masked_fill ----------------
+// (ops/split.hpp, ops/rearrange.hpp) against scalar loops over row-major coordinates.
+
+namespace rearrange_ref {
+
+std::int64_t flat_of(const std::vector<std::int64_t>& c, const Shape& s) {
+  std::int64_t f = 0;
+  for (int d = 0; d < s.rank(); ++d) f = f * s[d] + c[d];
+  return f;
+}
+
+// The elements [start, start + len) of `in` along d.
+template <class T>
+std::vector<T> narrowed(const std::vector<T>& in, const Shape& s, int d, std::int64_t start, std::int64_t len) {
+  Shape out = s;
+  out[d] = len;
+  std::vector<T> r;
+  for (std::int64_t f = 0; f < out.numel(); ++f) {
+    auto c = coords(f, out);
+    c[d] += start;
+    r.push_back(in[flat_of(c, s)]);
+  }
+  return r;
+}
+
+// Expects `got` to be the pieces of `in` (shape s) along d with the given sizes; `drop`
+// for unbind's pieces, which lose dim d.
+template <class T>
+void expect_pieces(const std::vector<Tensor<T>>& got, const std::vector<T>& in, const Shape& s, int d,
+                   const std::vector<std::int64_t>& sizes, bool drop = false) {
+  ASSERT_EQ(got.size(), sizes.size()) << "pieces of shape " << s.str() << " along " << d;
+  std::int64_t off = 0;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    SCOPED_TRACE("piece " + std::to_string(i));
+    Shape want = s;
+    want[d] = sizes[i];
+    if (drop) {
+      Shape w;
+      for (int k = 0; k < s.rank(); ++k)
+        if (k != d) w.push_back(s[k]);
+      want = w;
+    }
+    expect_values(got[i], want, narrowed(in, s, d, off, sizes[i]));
+    off += sizes[i];
+  }
+}
+
+// torch's piece sizes: `size` each, the last one the rest; an empty dim gives one empty piece.
+std::vector<std::int64_t> equal_sizes(std::int64_t n, std::int64_t size) {
+  std::vector<std::int64_t> r;
+  for (std::int64_t off = 0; off < n; off += size) r.push_back(std::min(size, n - off));
+  if (r.empty()) r.push_back(0);
+  return r;
+}
+
+// out[c] = in[c'] with c'[d] = size - 1 - c[d] for each d in dims.
+template <class T>
+std::vector<T> flipped(const std::vector<T>& in, const Shape& s, const std::vector<int>& dims) {
+  std::vector<T> r(in.size());
+  for (std::int64_t f = 0; f < s.numel(); ++f) {
+    auto c = coords(f, s);
+    for (int d : dims) c[d] = s[d] - 1 - c[d];
+    r[f] = in[flat_of(c, s)];
+  }
+  return r;
+}
+
+// out[c] = in[c'] with c'[d] = (c[d] - shift) mod size, one dim after the other.
+template <class T>
+std::vector<T> rolled(std::vector<T> in, const Shape& s, const std::vector<std::int64_t>& shifts,
+                      const std::vector<int>& dims) {
+  for (std::size_t k = 0; k < dims.size(); ++k) {
+    std::vector<T> r(in.size());
+    const int d = dims[k];
+    for (std::int64_t f = 0; f < s.numel(); ++f) {
+      auto c = coords(f, s);
+      c[d] = (((c[d] - shifts[k]) % s[d]) + s[d]) % s[d];
+      r[f] = in[flat_of(c, s)];
+    }
+    in = r;
+  }
+  return in;
+}
+
+// torch.Tensor.repeat: out[c] = in[c mod padded shape].
+template <class T>
+std::vector<T> repeated(const std::vector<T>& in, const Shape& s, const std::vector<std::int64_t>& reps, Shape& out) {
+  const int k = static_cast<int>(reps.size());
+  Shape padded;
+  out = Shape{};
+  for (int i = 0; i < k; ++i) {
+    padded.push_back(i < k - s.rank() ? 1 : s[i - (k - s.rank())]);
+    out.push_back(padded[i] * reps[i]);
+  }
+  std::vector<T> r;
+  for (std::int64_t f = 0; f < out.numel(); ++f) {
+    auto c = coords(f, out);
+    for (int i = 0; i < k; ++i) c[i] %= padded[i];
+    r.push_back(in[flat_of(c, padded)]);
+  }
+  return r;
+}
+
+// tril (lower) / triu of the last two dims.
+template <class T>
+std::vector<T> triangle(const std::vector<T>& in, const Shape& s, std::int64_t diag, bool lower) {
+  std::vector<T> r(in.size());
+  for (std::int64_t f = 0; f < s.numel(); ++f) {
+    const auto c = coords(f, s);
+    const long double j_minus_i = static_cast<long double>(c[s.rank() - 1]) - static_cast<long double>(c[s.rank() - 2]);
+    const bool keep = lower ? j_minus_i <= static_cast<long double>(diag) : j_minus_i >= static_cast<long double>(diag);
+    r[f] = keep ? in[f] : T(0);
+  }
+  return r;
+}
+
+// The element of `in` (shape s) that broadcasts to coords c of shape out.
+template <class T>
+T broadcast_at(const std::vector<T>& in, const Shape& s, const std::vector<std::int64_t>& c, const Shape& out) {
+  std::vector<std::int64_t> ci(static_cast<std::size_t>(s.rank()));
+  for (int d = 0; d < s.rank(); ++d) ci[d] = s[d] == 1 ? 0 : c[d + out.rank() - s.rank()];
+  return in[flat_of(ci, s)];
+}
+
+template <class T>
+T fill_value() {
+  if constexpr (std::is_same_v<T, bool>) return true;
+  else if constexpr (std::is_same_v<T, lazy::bfloat16>) return lazy::bfloat16(-300.0f);
+  else return static_cast<T>(-300);
+}
+
+}  // namespace rearrange_ref
+
+TYPED_TEST(ShapeOps, SplitChunkUnbindMatchNarrowedReferences) {
+  using T = TypeParam;
+  using namespace rearrange_ref;
+  for (const Shape& s : {Shape{7, 3}, Shape{2, 0, 5}, Shape{4, 5, 6}, Shape{1}, Shape{129, 2}}) {
+    const auto in = host<T>(s);
+    auto a = lazy::from_vector<T>(in, s);
+    for (int dim = -s.rank(); dim < s.rank(); ++dim) {
+      const int d = dim < 0 ? dim + s.rank() : dim;
+      const std::int64_t n = s[d];
+      SCOPED_TRACE("shape " + s.str() + " dim " + std::to_string(dim));
+      for (std::int64_t size : {std::int64_t{1}, std::int64_t{2}, std::int64_t{3}, n, n + 2}) {
+        if (size == 0) continue;
+        expect_pieces(lazy::split(a, size, dim), in, s, d, equal_sizes(n, size));
+      }
+      if (n == 0) expect_pieces(lazy::split(a, 0, dim), in, s, d, {0});
+      expect_pieces(lazy::split(a, std::vector<std::int64_t>{n / 2, 0, n - n / 2}, dim), in, s, d, {n / 2, 0, n - n / 2});
+      expect_pieces(lazy::split(a, {n}, dim), in, s, d, {n});  // a one-element list is a list of sizes
+      for (std::int64_t chunks : {1, 2, 3, 4, 7, 200}) {
+        // torch.chunk: pieces of ceil(n / chunks), so possibly fewer than `chunks`.
+        const std::int64_t size = (n + chunks - 1) / chunks;
+        expect_pieces(lazy::chunk(a, chunks, dim), in, s, d,
+                      n == 0 ? std::vector<std::int64_t>(static_cast<std::size_t>(chunks), 0) : equal_sizes(n, size));
+      }
+      expect_pieces(lazy::unbind(a, dim), in, s, d, std::vector<std::int64_t>(static_cast<std::size_t>(n), 1), true);
+    }
+  }
+  // torch's documented counts: chunk(arange(6), 4) gives 3 pieces of 2, chunk(arange(10), 4) 3, 3, 3, 1.
+  EXPECT_EQ(lazy::chunk(make<T>(Shape{6}), 4).size(), 3u);
+  EXPECT_EQ(lazy::chunk(make<T>(Shape{10}), 4).back().shape(), Shape{1});
+  // A transposed (pending, non-contiguous-source) input and an expression input.
+  const Shape s{5, 4};
+  const auto in = host<T>(s);
+  Shape ts;
+  const auto tin = ref_permute(in, s, {1, 0}, ts);
+  auto at = lazy::transpose(lazy::from_vector<T>(in, s), 0, 1);
+  expect_pieces(lazy::split(at, 2, -1), tin, ts, 1, {2, 2, 1});
+  expect_pieces(lazy::chunk(at, 3, 0), tin, ts, 0, {2, 2});
+  expect_pieces(lazy::unbind(at, 1), tin, ts, 1, {1, 1, 1, 1, 1}, true);
+  if constexpr (!std::is_same_v<T, bool>) {
+    auto pieces = lazy::split(lazy::from_vector<T>(in, s) * T(1), {1, 4}, 0);
+    expect_pieces(pieces, in, s, 0, {1, 4});
+  }
+}
+
+TYPED_TEST(ShapeOps, FlipAndRollMatchReferences) {
+  using T = TypeParam;
+  using namespace rearrange_ref;
+  for (const Shape& s : {Shape{5}, Shape{3, 4}, Shape{2, 3, 4}, Shape{0, 3}, Shape{129, 3}, Shape{3, 1, 2}}) {
+    const auto in = host<T>(s);
+    auto a = lazy::from_vector<T>(in, s);
+    SCOPED_TRACE("shape " + s.str());
+    const int r = s.rank();
+    // Every subset of dims, each named negative when its bit says so.
+    for (int mask = 0; mask < (1 << r); ++mask) {
+      std::vector<int> dims;
+      std::vector<std::int64_t> named;
+      for (int d = 0; d < r; ++d)
+        if (mask & (1 << d)) {
+          dims.push_back(d);
+          named.push_back(d % 2 ? d - r : d);
+        }
+      expect_values(lazy::flip(a, named), s, flipped(in, s, dims));
+    }
+    for (std::int64_t shift : {0, 1, -1, 2, 7, -9, 1000003}) {
+      for (int d = 0; d < r; ++d) {
+        expect_values(lazy::roll(a, shift, d - r), s, rolled(in, s, {shift}, {d}));
+      }
+      // Without dims: the flattened tensor rolls, and the shape stays.
+      expect_values(lazy::roll(a, shift), s, rolled(in, Shape{s.numel()}, {shift}, {0}));
+    }
+    if (r >= 2) {
+      expect_values(lazy::roll(a, {2, -1}, {0, -1}), s, rolled(in, s, {2, -1}, {0, r - 1}));
+      expect_values(lazy::roll(a, {1, 2}, {1, 1}), s, rolled(in, s, {1, 2}, {1, 1}));  // a dim may repeat
+    }
+  }
+  // 0-dim: flip over dim 0 (or none) and roll without dims are the value itself.
+  auto s0 = lazy::from_vector<T>({val<T>(4)}, Shape{});
+  expect_values(lazy::flip(s0, 0), Shape{}, {val<T>(4)});
+  expect_values(lazy::flip(s0, lazy::Dims{}), Shape{}, {val<T>(4)});
+  expect_values(lazy::roll(s0, 3), Shape{}, {val<T>(4)});
+  // Transposed input.
+  const Shape s{4, 6};
+  const auto in = host<T>(s);
+  Shape ts;
+  const auto tin = ref_permute(in, s, {1, 0}, ts);
+  auto at = lazy::transpose(lazy::from_vector<T>(in, s), 0, 1);
+  expect_values(lazy::flip(at, {-1, 0}), ts, flipped(tin, ts, {1, 0}));
+  expect_values(lazy::roll(at, {-2, 5}, {0, 1}), ts, rolled(tin, ts, {-2, 5}, {0, 1}));
+  expect_values(lazy::roll(at, 7), ts, rolled(tin, Shape{24}, {7}, {0}));
+}
+
+TYPED_TEST(ShapeOps, RepeatMatchesReference) {
+  using T = TypeParam;
+  using namespace rearrange_ref;
+  struct Case {
+    Shape s;
+    std::vector<std::int64_t> reps;
+  };
+  for (const Case& c : {Case{Shape{3}, {2}}, Case{Shape{3}, {4, 2}}, Case{Shape{2, 3}, {2, 1}}, Case{Shape{2, 3}, {1, 3}},
+                        Case{Shape{2, 3}, {2, 1, 3}}, Case{Shape{2, 1, 3}, {1, 4, 1}}, Case{Shape{2, 3}, {0, 2}},
+                        Case{Shape{2, 3}, {2, 0, 1}}, Case{Shape{0, 3}, {2, 2}}, Case{Shape{2, 3}, {1, 1}},
+                        Case{Shape{}, {3, 2}}, Case{Shape{}, {}}, Case{Shape{129, 2}, {2, 3}},
+                        // Past kMaxRank in one view (8 repeated dims of size 2): one dim at a time.
+                        Case{Shape{2, 2, 2, 2, 2, 2, 2, 2}, {2, 1, 2, 3, 1, 2, 1, 2}},
+                        Case{Shape{2, 3, 1}, {1, 2, 2, 2, 2, 2, 2, 2}}}) {
+    SCOPED_TRACE("shape " + c.s.str() + " repeats " + lazy::detail::list_str(c.reps));
+    const auto in = host<T>(c.s);
+    Shape out;
+    const auto want = repeated(in, c.s, c.reps, out);
+    expect_values(lazy::repeat(lazy::from_vector<T>(in, c.s), c.reps), out, want);
+  }
+  // Transposed input.
+  const Shape s{3, 5};
+  const auto in = host<T>(s);
+  Shape ts, out;
+  const auto tin = ref_permute(in, s, {1, 0}, ts);
+  const auto want = repeated(tin, ts, {2, 2, 3}, out);
+  expect_values(lazy::repeat(lazy::transpose(lazy::from_vector<T>(in, s), 0, 1), {2, 2, 3}), out, want);
+}
+
+TYPED_TEST(ShapeOps, TrilTriuMaskedFillMatchReferences) {
+  using T = TypeParam;
+  using namespace rearrange_ref;
+  constexpr auto lo = std::numeric_limits<std::int64_t>::min(), hi = std::numeric_limits<std::int64_t>::max();
+  for (const Shape& s : {Shape{3, 4}, Shape{2, 4, 3}, Shape{5, 1}, Shape{0, 3}, Shape{129, 7}, Shape{2, 1, 3, 3}}) {
+    const auto in = host<T>(s);
+    auto a = lazy::from_vector<T>(in, s);
+    for (std::int64_t diag : {std::int64_t{0}, std::int64_t{1}, std::int64_t{-1}, std::int64_t{2}, std::int64_t{-3},
+                              std::int64_t{6}, std::int64_t{-200}, lo, hi}) {
+      SCOPED_TRACE("shape " + s.str() + " diagonal " + std::to_string(diag));
+      expect_values(lazy::tril(a, diag), s, triangle(in, s, diag, true));
+      expect_values(lazy::triu(a, diag), s, triangle(in, s, diag, false));
+    }
+    expect_values(lazy::tril(a), s, triangle(in, s, 0, true));
+    expect_values(lazy::triu(a), s, triangle(in, s, 0, false));
+  }
+  // Transposed input.
+  const Shape s{3, 5};
+  const auto in = host<T>(s);
+  Shape ts;
+  const auto tin = ref_permute(in, s, {1, 0}, ts);
+  auto at = lazy::transpose(lazy::from_vector<T>(in, s), 0, 1);
+  expect_values(lazy::tril(at, -1), ts, triangle(tin, ts, -1, true));
+  expect_values(lazy::triu(at, 1), ts, triangle(tin, ts, 1, false));
+
+  // masked_fill: the mask broadcasts against x, and the result has their broadcast shape.
+  struct Case {
+    Shape x, mask, out;
+  };
+  const T v = fill_value<T>();
+  for (const Case& c : {Case{Shape{3, 4}, Shape{3, 4}, Shape{3, 4}}, Case{Shape{3, 4}, Shape{4}, Shape{3, 4}},
+                        Case{Shape{3, 4}, Shape{3, 1}, Shape{3, 4}}, Case{Shape{4}, Shape{2, 4}, Shape{2, 4}},
+                        Case{Shape{2, 1, 3}, Shape{4, 1}, Shape{2, 4, 3}}, Case{Shape{129, 3}, Shape{}, Shape{129, 3}},
+                        Case{Shape{0, 3}, Shape{3}, Shape{0, 3}}}) {
+    SCOPED_TRACE("x " + c.x.str() + " mask " + c.mask.str());
+    const auto xin = host<T>(c.x);
+    std::vector<bool> m;
+    for (std::int64_t i = 0; i < c.mask.numel(); ++i) m.push_back((i * 5 + 1) % 3 == 0);
+    std::vector<T> want;
+    for (std::int64_t f = 0; f < c.out.numel(); ++f) {
+      const auto co = coords(f, c.out);
+      want.push_back(broadcast_at(m, c.mask, co, c.out) ? v : broadcast_at(xin, c.x, co, c.out));
+    }
+    auto x = lazy::from_vector<T>(xin, c.x);
+    auto mask = lazy::from_vector<bool>(m, c.mask);
+    expect_values(lazy::masked_fill(x, mask, v), c.out, want);
+    expect_values(lazy::masked_fill(x, mask, lazy::scalar_tensor<T>(v)), c.out, want);
+  }
+  // Transposed input and a mask that is an expression's value.
+  std::vector<T> want = tin;
+  for (std::int64_t f = 0; f < ts.numel(); ++f)
+    if (f % ts[1] == 1) want[f] = v;
+  auto col = lazy::from_vector<std::int64_t>({0, 1, 2}, Shape{3});
+  expect_values(lazy::masked_fill(at, Tensor<bool>(col == std::int64_t{1}), v), ts, want);
+}
+
+TEST(ShapeSplitRearrange, BadInputsRaise) {
+  auto a = make<float>(Shape{4, 5});
+  auto s0 = make<float>(Shape{});
+  // split / chunk / unbind
+  EXPECT_THROW(lazy::split(a, -1), lazy::ShapeError);
+  EXPECT_THROW(lazy::split(a, 0), lazy::ShapeError);
+  EXPECT_THROW(lazy::split(a, 2, 2), lazy::ShapeError);
+  EXPECT_THROW(lazy::split(a, 2, -3), lazy::ShapeError);
+  EXPECT_THROW(lazy::split(s0, 1), lazy::ShapeError);
+  EXPECT_THROW(lazy::split(a, {1, 2}), lazy::ShapeError);
+  EXPECT_THROW(lazy::split(a, {5, -1}), lazy::ShapeError);
+  EXPECT_THROW(lazy::split(a, std::vector<std::int64_t>{}), lazy::ShapeError);
+  EXPECT_THROW(lazy::split(a, {2}), lazy::ShapeError);  // a list of one size (2 != 4), not split_size 2
+  EXPECT_THROW(lazy::split(a, {std::numeric_limits<std::int64_t>::max(), 2, 3}, 0), lazy::ShapeError);
+  EXPECT_THROW(lazy::chunk(a, 0), lazy::ShapeError);
+  EXPECT_THROW(lazy::chunk(a, -2), lazy::ShapeError);
+  EXPECT_THROW(lazy::chunk(s0, 1), lazy::ShapeError);
+  EXPECT_THROW(lazy::chunk(a, 2, 5), lazy::ShapeError);
+  EXPECT_THROW(lazy::unbind(s0), lazy::ShapeError);
+  EXPECT_THROW(lazy::unbind(a, -3), lazy::ShapeError);
+  // flip / roll / repeat
+  EXPECT_THROW(lazy::flip(a, {0, 0}), lazy::ShapeError);
+  EXPECT_THROW(lazy::flip(a, {1, -1}), lazy::ShapeError);
+  EXPECT_THROW(lazy::flip(a, 2), lazy::ShapeError);
+  EXPECT_THROW(lazy::roll(a, lazy::Dims{}), lazy::ShapeError);
+  EXPECT_THROW(lazy::roll(a, {1, 2}), lazy::ShapeError);
+  EXPECT_THROW(lazy::roll(a, {1, 2}, {0}), lazy::ShapeError);
+  EXPECT_THROW(lazy::roll(a, 1, 2), lazy::ShapeError);
+  EXPECT_THROW(lazy::roll(s0, 1, 0), lazy::ShapeError);
+  EXPECT_THROW(lazy::repeat(a, {2}), lazy::ShapeError);
+  EXPECT_THROW(lazy::repeat(a, {2, -1}), lazy::ShapeError);
+  EXPECT_THROW(lazy::repeat(a, {1, 1, 1, 1, 1, 1, 1, 1, 1}), lazy::ShapeError);
+  EXPECT_THROW(lazy::repeat(a, {std::int64_t{1} << 40, std::int64_t{1} << 40}), lazy::ShapeError);
+  // tril / triu / masked_fill
+  EXPECT_THROW(lazy::tril(make<float>(Shape{5})), lazy::ShapeError);
+  EXPECT_THROW(lazy::triu(s0, 1), lazy::ShapeError);
+  EXPECT_THROW(lazy::masked_fill(a, lazy::ones<bool>({4}), 1.0f), lazy::ShapeError);
+  EXPECT_THROW(lazy::masked_fill(a, lazy::ones<bool>({5}), make<float>(Shape{1})), lazy::ShapeError);
+  EXPECT_THROW(lazy::masked_fill(make<std::int32_t>(Shape{3}), lazy::ones<bool>({3}), 1e20), lazy::DTypeError);
+  // The messages name what was expected and what was found.
+  const auto message = [](auto f) {
+    try {
+      f();
+    } catch (const lazy::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const std::string m1 = message([&] { lazy::split(a, {1, 2}, 1); });
+  EXPECT_NE(m1.find("5"), std::string::npos) << m1;
+  EXPECT_NE(m1.find("[1, 2]"), std::string::npos) << m1;
+  const std::string m2 = message([&] { lazy::repeat(a, {2}); });
+  EXPECT_NE(m2.find("(4, 5)"), std::string::npos) << m2;
+  const std::string m3 = message([&] { lazy::tril(make<float>(Shape{5})); });
+  EXPECT_NE(m3.find("at least 2"), std::string::npos) << m3;
+  const std::string m4 = message([&] { lazy::masked_fill(a, lazy::ones<bool>({4}), 1.0f); });
+  EXPECT_NE(m4.find("(4,)"), std::string::npos) << m4;
+  EXPECT_NE(m4.find("(4, 5)"), std::string::npos) << m4;
+}
+
+TEST(ShapeSplitRearrange, NoOpsAreNewTensorsThatKeepTheirHistory) {
+  // As the other shape ops: a result that changes nothing is still a tensor of its own.
+  using Op = std::function<Tensor<float>(const Tensor<float>&)>;
+  const std::vector<std::pair<const char*, Op>> ops = {
+      {"split", [](const Tensor<float>& t) { return lazy::split(t, 5, 1)[0]; }},
+      {"chunk", [](const Tensor<float>& t) { return lazy::chunk(t, 1, 0)[0]; }},
+      {"flip", [](const Tensor<float>& t) { return lazy::flip(t, lazy::Dims{}); }},
+      {"roll", [](const Tensor<float>& t) { return lazy::roll(t, 6); }},
+      {"repeat", [](const Tensor<float>& t) { return lazy::repeat(t, {1, 1}); }},
+      {"tril", [](const Tensor<float>& t) { return lazy::tril(t, 3); }},
+  };
+  for (const auto& [name, op] : ops) {
+    SCOPED_TRACE(name);
+    auto a = lazy::ones<float>({2, 3});
+    auto r = op(a);
+    r.add_(1.0f);
+    EXPECT_EQ(a.to_vector(), std::vector<float>(6, 1.0f));
+    auto x = lazy::ones<float>({2, 3}).requires_grad_();
+    auto y = op(x);
+    EXPECT_FALSE(y.is_leaf());
+    lazy::sum(y * 3.0f).backward();
+    EXPECT_EQ(x.grad().to_vector(), std::vector<float>(6, 3.0f));
+  }
+}
+
+TEST(ShapeSplitRearrange, GradientsMatchFiniteDifferences) {
+  using gradcheck::input;
+  using V = std::vector<Tensor<double>>;
+  using T = Tensor<double>;
+  gradcheck::check("split, pieces reordered and scaled",
+                   [](const V& v) {
+                     auto p = lazy::split(v[0], 2, -1);
+                     return lazy::cat({p[2], T(p[0] * 3.0), p[1]}, 1);
+                   },
+                   {input(Shape{3, 5}, 1)});
+  gradcheck::check("split with sizes of a transposed input, one piece unused",
+                   [](const V& v) {
+                     auto p = lazy::split(lazy::transpose(v[0], 0, 1), {1, 2, 1}, 0);
+                     return lazy::cat({p[2], p[0]}, 0);
+                   },
+                   {input(Shape{3, 4}, 2)});
+  gradcheck::check("chunk and unbind",
+                   [](const V& v) {
+                     auto c = lazy::chunk(v[0], 3, 0);
+                     auto u = lazy::unbind(v[0], -1);
+                     return lazy::cat({T(lazy::reshape(c[1], {-1}) * 2.0), u[2], u[0]}, 0);
+                   },
+                   {input(Shape{5, 4}, 3)});
+  gradcheck::check("flip", [](const V& v) { return lazy::flip(v[0], {0, -1}); }, {input(Shape{3, 4, 2}, 4)});
+  gradcheck::check("flip of a transposed input",
+                   [](const V& v) { return lazy::flip(lazy::transpose(v[0], 0, 1), 1); }, {input(Shape{3, 5}, 5)});
+  gradcheck::check("roll", [](const V& v) { return lazy::roll(v[0], {1, -2}, {0, 1}); }, {input(Shape{3, 5}, 6)});
+  gradcheck::check("roll flattened", [](const V& v) { return lazy::roll(v[0], 4); }, {input(Shape{3, 5}, 7)});
+  gradcheck::check("repeat", [](const V& v) { return lazy::repeat(v[0], {2, 1, 3}); }, {input(Shape{2, 3}, 8)});
+  gradcheck::check("repeat of a transposed input",
+                   [](const V& v) { return lazy::repeat(lazy::transpose(v[0], 0, 1), {3, 2}); }, {input(Shape{2, 3}, 9)});
+  gradcheck::check("tril", [](const V& v) { return lazy::tril(v[0], -1); }, {input(Shape{2, 4, 3}, 10)});
+  gradcheck::check("triu", [](const V& v) { return lazy::triu(v[0], 1); }, {input(Shape{4, 3}, 11)});
+  gradcheck::check("masked_fill",
+                   [](const V& v) {
+                     auto mask = lazy::from_vector<bool>({true, false, false, true}, Shape{4});
+                     return lazy::masked_fill(v[0], mask, 2.5);
+                   },
+                   {input(Shape{3, 4}, 12)});
+  gradcheck::check("masked_fill, broadcast up, tensor value",
+                   [](const V& v) {
+                     auto mask = lazy::from_vector<bool>({true, false, false, true, true, false}, Shape{2, 3});
+                     return lazy::masked_fill(v[0], mask, v[1]);
+                   },
+                   {input(Shape{3}, 13), input(Shape{}, 14)});
 }
 
 // ---- laziness ---------------------------------------------------------------------------
