@@ -24,7 +24,6 @@ class Error;
 class ShapeError;
 class DTypeError;
 class IndexError;
-class ZeroDivisionError;
 class DeviceError;
 class ShardingError;
 class CollectiveError;

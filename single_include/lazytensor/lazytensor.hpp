@@ -210,13 +210,6 @@ class IndexError : public Error {
   using Error::Error;
 };
 
-/// An integer division, remainder or floor division by zero (PyTorch raises it too; a
-/// floating one gives inf or NaN instead).
-class ZeroDivisionError : public Error {
- public:
-  using Error::Error;
-};
-
 /// Tensors on different devices, or an unknown device.
 class DeviceError : public Error {
  public:
@@ -3783,16 +3776,17 @@ inline V int_pow(V a, V b) {
   return static_cast<V>(r);
 }
 
-[[noreturn]] inline void zero_division(const char* op) {
-  throw ZeroDivisionError(std::string(op) + ": integer division by zero");
-}
+// Integer division by zero: PyTorch's CPU kernels raise, but a lazy graph, like XLA's,
+// cannot stop inside a kernel (a kernel that throws would leave a donated buffer half
+// written and a fused producer unrun). So integers take XLA's values: x % 0 == x,
+// x // 0 == -1; and INT_MIN // -1 == INT_MIN, INT_MIN % -1 == 0.
 
 /// Python's modulo (torch.remainder): fmod, moved into the divisor's sign. Integers by
-/// zero raise; by -1 give 0 (INT_MIN % -1 overflows in C++).
+/// zero give the dividend (XLA's value, above); by -1 give 0 (INT_MIN % -1 overflows in C++).
 template <class S>
 inline S py_mod(S a, S b) {
   if constexpr (std::is_integral_v<S>) {
-    if (b == 0) zero_division("remainder");
+    if (b == 0) return a;
     if (b == -1) return 0;
     const S r = a % b;
     return r != 0 && ((r < 0) != (b < 0)) ? static_cast<S>(r + b) : r;
@@ -3805,19 +3799,19 @@ inline S py_mod(S a, S b) {
 template <class S>
 inline S c_fmod(S a, S b) {
   if constexpr (std::is_integral_v<S>) {
-    if (b == 0) zero_division("fmod");
+    if (b == 0) return a;
     return b == -1 ? S(0) : static_cast<S>(a % b);
   } else {
     return std::fmod(a, b);
   }
 }
 /// floor(a / b) (torch.floor_divide). Floating values as PyTorch computes them, from the
-/// exact fmod rather than a rounded quotient; integers by zero raise, and INT_MIN / -1
-/// wraps to INT_MIN.
+/// exact fmod rather than a rounded quotient; integers by zero give -1 (XLA's value, above),
+/// and INT_MIN / -1 wraps to INT_MIN.
 template <class S>
 inline S floor_div(S a, S b) {
   if constexpr (std::is_integral_v<S>) {
-    if (b == 0) zero_division("floor_divide");
+    if (b == 0) return S(-1);
     if (b == -1) return static_cast<S>(std::make_unsigned_t<S>(0) - static_cast<std::make_unsigned_t<S>>(a));
     const S q = static_cast<S>(a / b);
     return (a % b != 0) && ((a < 0) != (b < 0)) ? static_cast<S>(q - 1) : q;
@@ -4570,23 +4564,24 @@ auto pow(A&& a, B&& b) {
   return expr::make<ops::Pow>(std::forward<A>(a), std::forward<B>(b));
 }
 /// Element-wise remainder with the divisor's sign (torch.remainder, Python's %):
-/// remainder(-3, 5) == 2. An integer divisor of 0 raises ZeroDivisionError when the
-/// statement runs (a floating one gives NaN). Not of two bool operands.
+/// remainder(-3, 5) == 2. An integer divisor of 0 gives the dividend (XLA's value; PyTorch's
+/// CPU kernel raises), a floating one NaN. Not of two bool operands.
 template <class A, class B>
   requires expr::BinaryOperands<A, B> && (!(expr::BoolValued<A> && expr::BoolValued<B>))
 auto remainder(A&& a, B&& b) {
   return expr::make<ops::Remainder>(std::forward<A>(a), std::forward<B>(b));
 }
 /// Element-wise remainder with the dividend's sign (torch.fmod, C's fmod):
-/// fmod(-3, 5) == -3. Integer divisors of 0 raise ZeroDivisionError when the statement runs.
+/// fmod(-3, 5) == -3. An integer divisor of 0 gives the dividend (as remainder's), a floating
+/// one NaN.
 template <class A, class B>
   requires expr::BinaryOperands<A, B> && (!(expr::BoolValued<A> && expr::BoolValued<B>))
 auto fmod(A&& a, B&& b) {
   return expr::make<ops::Fmod>(std::forward<A>(a), std::forward<B>(b));
 }
 /// Element-wise floor(a / b) in the operands' promoted type (torch.floor_divide, Python's
-/// //); integer divisors of 0 raise ZeroDivisionError when the statement runs, and
-/// INT64_MIN // -1 wraps (PyTorch's CPU kernel traps there). Its gradient is zero, floor's,
+/// //); an integer divisor of 0 gives -1 (XLA's value; PyTorch's CPU kernel raises), a
+/// floating one +-inf, and INT64_MIN // -1 wraps (PyTorch's CPU kernel traps there). Its gradient is zero, floor's,
 /// where PyTorch refuses to differentiate it.
 template <class A, class B>
   requires expr::BinaryOperands<A, B> && (!(expr::BoolValued<A> && expr::BoolValued<B>))
@@ -7189,7 +7184,10 @@ LAZYTENSOR_INLINE void run_plan(Device& device,
       const PlanStep& st = plan.steps[step];
       if (st.kind == PlanStep::Kind::Single) {
         NodePtr& n = nodes[static_cast<std::size_t>(st.members[0])];
-        if (!n->materialized() && !n->deferred()) {
+        // A deferred GEMM runs inside its epilogue's step: kept here until then, so that a
+        // failure in between returns it to the trace with the rest (not left queued).
+        if (n->deferred()) continue;
+        if (!n->materialized()) {
           n->run(ctx);
           ++ran;
         }
@@ -14428,7 +14426,9 @@ class GroupComm {
   std::string diverged(int partner, std::uint64_t world_seq) const;
   /// A member of another process that has not delivered round s and whose process answered
   /// that it joined its collective #world_seq in another group, else -1 (asks its process
-  /// at most every few milliseconds: ProcessWorld::ask_where).
+  /// at most every few milliseconds: ProcessWorld::ask_where). Groups are told apart by a
+  /// 24-bit hash of their members: two that hash alike only hide a mismatch (it then ends at
+  /// the timeout), never make one up.
   int diverged_remote(std::uint64_t world_seq, std::chrono::steady_clock::time_point now);
 
   void await_start(int me, std::uint64_t s, const Signature& sig,
@@ -18146,7 +18146,6 @@ class Error;
 class ShapeError;
 class DTypeError;
 class IndexError;
-class ZeroDivisionError;
 class DeviceError;
 class ShardingError;
 class CollectiveError;

@@ -782,6 +782,27 @@ TEST_F(Executor, KernelErrorPropagatesAndLeavesTheGraphUsable) {
   EXPECT_EQ(z.to_vector(), std::vector<float>(4, 6.0f));
 }
 
+// A GEMM fused into its element-wise consumer is skipped at its own plan step and computed
+// inside the consumer's. A step failing between the two must return it to the trace with
+// the rest: before, it stayed queued without a buffer, and the next step read that.
+TEST_F(Executor, AFailureBetweenAGemmAndItsEpilogueLosesNeither) {
+  Probe bad;
+  const auto a = lazy::from_vector<float>({1, 2, 3, 4, 5, 6}, Shape{2, 3});
+  const auto w = lazy::from_vector<float>({1, -1, 2, 0, 1, 1}, Shape{3, 2});
+  Tensor<float> y, z;
+  {
+    Tensor<float> g = lazy::matmul(a, w);  // created first: planned first
+    y = bad.make(1.0f, Shape{4}, /*fail=*/true) + 1.0f;
+    z = Tensor<float>(lazy::relu(g - 5.0f));  // g's only reader once g goes
+  }
+  EXPECT_THROW(step(), lazy::Error);
+  EXPECT_TRUE(pending(z));
+  y = lazy::full<float>({4}, 2.0f);  // drop the failing graph
+  step();
+  // a @ w = [[1*1+2*2+3*1, -1+0+3], [4+10+6, -4+0+6]] = [[8, 2], [20, 2]]; minus 5, relu.
+  EXPECT_EQ(z.to_vector(), (std::vector<float>{3, 0, 15, 0}));
+}
+
 // A step that fails on the executor while the next steps are planned and queued behind
 // it: they read its values, so they must not run on the missing inputs (they crashed
 // before). The step queued behind the failing one is skipped; the error is reported once

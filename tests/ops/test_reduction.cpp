@@ -483,7 +483,8 @@ TEST(Reduction, CountsOfFloatComparisonsAreExactPast2To24) {
   const std::int64_t n = (std::int64_t{1} << 24) + 3;
   Tensor<float> x = lazy::ones<float>({n});
   EXPECT_EQ(lazy::sum(x > 0.f).item(), n);
-  EXPECT_EQ(lazy::sum(x > 0.f, {0}).item(), n);  // one row: the rows path
+  // Two rows of n: the rows path (a 1-D sum over dim 0 is the all-elements path).
+  EXPECT_EQ(lazy::sum(lazy::ones<float>({2, n}) > 0.f, {1}).to_vector(), (std::vector<std::int64_t>{n, n}));
   // Columns: 2^24 + 3 rows of 2 columns, the second column counting every other row.
   std::vector<float> v(static_cast<std::size_t>(2 * n));
   for (std::int64_t r = 0; r < n; ++r) {
@@ -1069,7 +1070,7 @@ std::vector<std::int64_t> coords_in(std::int64_t f, const Shape& s) {
   return c;
 }
 
-struct Moments {
+struct VarMoments {
   Shape shape;             // the result's shape (keepdim or not)
   std::vector<LD> var, mean;
 };
@@ -1077,12 +1078,12 @@ struct Moments {
 /// Two-pass variance and mean in long double over `dims` (empty: all) of `in` (shape s),
 /// divided by max(0, N - correction).
 template <class T>
-Moments moments(const std::vector<T>& in, const Shape& s, std::vector<std::int64_t> dims, double correction,
+VarMoments var_moments(const std::vector<T>& in, const Shape& s, std::vector<std::int64_t> dims, double correction,
                 bool keepdim) {
   std::vector<bool> reduced(static_cast<std::size_t>(s.rank()), dims.empty());
   for (auto d : dims) reduced[static_cast<std::size_t>(d < 0 ? d + s.rank() : d)] = true;
   Shape kept;  // reduced dims as size 1
-  Moments m;
+  VarMoments m;
   for (int d = 0; d < s.rank(); ++d) {
     kept.push_back(reduced[d] ? 1 : s[d]);
     if (!reduced[d] || keepdim) m.shape.push_back(reduced[d] ? 1 : s[d]);
@@ -1109,7 +1110,7 @@ Moments moments(const std::vector<T>& in, const Shape& s, std::vector<std::int64
 /// Expects `got` to hold `want` (shape and values) within a relative tolerance; NaN and inf
 /// must match exactly.
 template <class T>
-void expect_close(const Tensor<T>& got, const Shape& shape, const std::vector<LD>& want, double tol) {
+void expect_stats_close(const Tensor<T>& got, const Shape& shape, const std::vector<LD>& want, double tol) {
   ASSERT_EQ(got.shape(), shape) << "got " << got.shape().str() << ", want " << shape.str();
   const auto v = got.to_vector();
   ASSERT_EQ(v.size(), want.size());
@@ -1117,7 +1118,9 @@ void expect_close(const Tensor<T>& got, const Shape& shape, const std::vector<LD
     const LD g = ld(v[i]);
     if (std::isnan(static_cast<double>(want[i])) || std::isinf(static_cast<double>(want[i]))) {
       EXPECT_EQ(std::isnan(static_cast<double>(g)), std::isnan(static_cast<double>(want[i]))) << i << ": got " << static_cast<double>(g);
-      if (std::isinf(static_cast<double>(want[i]))) EXPECT_EQ(static_cast<double>(g), static_cast<double>(want[i])) << i;
+      if (std::isinf(static_cast<double>(want[i]))) {
+        EXPECT_EQ(static_cast<double>(g), static_cast<double>(want[i])) << i;
+      }
       continue;
     }
     EXPECT_NEAR(static_cast<double>(g), static_cast<double>(want[i]),
@@ -1162,15 +1165,15 @@ TYPED_TEST(ReductionFloat, VarStdMatchTwoPassReference) {
         for (bool keepdim : {false, true}) {
           SCOPED_TRACE("shape " + s.str() + " dims " + lazy::detail::list_str(dims) + " correction " +
                        std::to_string(correction) + " keepdim " + std::to_string(keepdim));
-          const Moments m = moments(in, s, dims, correction, keepdim);
-          expect_close(lazy::var(x, dims, correction, keepdim), m.shape, m.var, tol);
-          expect_close(lazy::std(x, dims, correction, keepdim), m.shape, roots(m.var), tol);
+          const VarMoments m = var_moments(in, s, dims, correction, keepdim);
+          expect_stats_close(lazy::var(x, dims, correction, keepdim), m.shape, m.var, tol);
+          expect_stats_close(lazy::std(x, dims, correction, keepdim), m.shape, roots(m.var), tol);
           auto [v, mu] = lazy::var_mean(x, dims, correction, keepdim);
-          expect_close(v, m.shape, m.var, tol);
-          expect_close(mu, m.shape, m.mean, tol);
+          expect_stats_close(v, m.shape, m.var, tol);
+          expect_stats_close(mu, m.shape, m.mean, tol);
           auto [sd, mu2] = lazy::std_mean(x, dims, correction, keepdim);
-          expect_close(sd, m.shape, roots(m.var), tol);
-          expect_close(mu2, m.shape, m.mean, tol);
+          expect_stats_close(sd, m.shape, roots(m.var), tol);
+          expect_stats_close(mu2, m.shape, m.mean, tol);
         }
       }
     }
@@ -1179,13 +1182,13 @@ TYPED_TEST(ReductionFloat, VarStdMatchTwoPassReference) {
   const Shape s{4, 6};
   const auto in = make_data<T>(s.numel(), 77);
   auto x = lazy::from_vector<T>(in, s);
-  expect_close(lazy::var(x), Shape{}, moments(in, s, {}, 1, false).var, tol);
-  expect_close(lazy::var(x, 1), Shape{4}, moments(in, s, {1}, 1, false).var, tol);
-  expect_close(lazy::std(x, -2), Shape{6}, roots(moments(in, s, {0}, 1, false).var), tol);
-  expect_close(lazy::var(x, false), Shape{}, moments(in, s, {}, 0, false).var, tol);
-  expect_close(lazy::std(x, true), Shape{}, roots(moments(in, s, {}, 1, false).var), tol);
-  expect_close(std::get<0>(lazy::var_mean(x, false)), Shape{}, moments(in, s, {}, 0, false).var, tol);
-  expect_close(std::get<1>(lazy::std_mean(x, true)), Shape{}, moments(in, s, {}, 1, false).mean, tol);
+  expect_stats_close(lazy::var(x), Shape{}, var_moments(in, s, {}, 1, false).var, tol);
+  expect_stats_close(lazy::var(x, 1), Shape{4}, var_moments(in, s, {1}, 1, false).var, tol);
+  expect_stats_close(lazy::std(x, -2), Shape{6}, roots(var_moments(in, s, {0}, 1, false).var), tol);
+  expect_stats_close(lazy::var(x, false), Shape{}, var_moments(in, s, {}, 0, false).var, tol);
+  expect_stats_close(lazy::std(x, true), Shape{}, roots(var_moments(in, s, {}, 1, false).var), tol);
+  expect_stats_close(std::get<0>(lazy::var_mean(x, false)), Shape{}, var_moments(in, s, {}, 0, false).var, tol);
+  expect_stats_close(std::get<1>(lazy::std_mean(x, true)), Shape{}, var_moments(in, s, {}, 1, false).mean, tol);
   // A permuted (non-contiguous source) input, reduced over non-adjacent dims.
   const Shape s3{3, 4, 5};
   const auto in3 = make_data<T>(s3.numel(), 78);
@@ -1195,13 +1198,13 @@ TYPED_TEST(ReductionFloat, VarStdMatchTwoPassReference) {
     for (std::int64_t i = 0; i < 3; ++i)
       for (std::int64_t j = 0; j < 4; ++j) pin.push_back(in3[static_cast<std::size_t>((i * 4 + j) * 5 + k)]);
   auto p = lazy::permute(lazy::from_vector<T>(in3, s3), {2, 0, 1});
-  expect_close(lazy::var(p, {0, 2}), Shape{3}, moments(pin, ps, {0, 2}, 1, false).var, tol);
-  expect_close(lazy::std(p, {-1}, 0, true), Shape{5, 3, 1}, roots(moments(pin, ps, {2}, 0, true).var), tol);
+  expect_stats_close(lazy::var(p, {0, 2}), Shape{3}, var_moments(pin, ps, {0, 2}, 1, false).var, tol);
+  expect_stats_close(lazy::std(p, {-1}, 0, true), Shape{5, 3, 1}, roots(var_moments(pin, ps, {2}, 0, true).var), tol);
   // An expression operand: var(2x) = 4 var(x).
   if constexpr (!std::is_same_v<T, bfloat16>) {
-    auto want = moments(in, s, {0}, 1, false).var;
+    auto want = var_moments(in, s, {0}, 1, false).var;
     for (auto& w : want) w *= 4;
-    expect_close(lazy::var(x * T(2), 0), Shape{6}, want, tol);
+    expect_stats_close(lazy::var(x * T(2), 0), Shape{6}, want, tol);
   }
 }
 

@@ -34,13 +34,6 @@ class IndexError : public Error {
   using Error::Error;
 };
 
-/// An integer division, remainder or floor division by zero (PyTorch raises it too; a
-/// floating one gives inf or NaN instead).
-class ZeroDivisionError : public Error {
- public:
-  using Error::Error;
-};
-
 /// Tensors on different devices, or an unknown device.
 class DeviceError : public Error {
  public:

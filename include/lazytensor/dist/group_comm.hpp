@@ -151,7 +151,9 @@ class GroupComm {
   std::string diverged(int partner, std::uint64_t world_seq) const;
   /// A member of another process that has not delivered round s and whose process answered
   /// that it joined its collective #world_seq in another group, else -1 (asks its process
-  /// at most every few milliseconds: ProcessWorld::ask_where).
+  /// at most every few milliseconds: ProcessWorld::ask_where). Groups are told apart by a
+  /// 24-bit hash of their members: two that hash alike only hide a mismatch (it then ends at
+  /// the timeout), never make one up.
   int diverged_remote(std::uint64_t world_seq, std::chrono::steady_clock::time_point now);
 
   void await_start(int me, std::uint64_t s, const Signature& sig,

@@ -463,23 +463,24 @@ auto pow(A&& a, B&& b) {
   return expr::make<ops::Pow>(std::forward<A>(a), std::forward<B>(b));
 }
 /// Element-wise remainder with the divisor's sign (torch.remainder, Python's %):
-/// remainder(-3, 5) == 2. An integer divisor of 0 raises ZeroDivisionError when the
-/// statement runs (a floating one gives NaN). Not of two bool operands.
+/// remainder(-3, 5) == 2. An integer divisor of 0 gives the dividend (XLA's value; PyTorch's
+/// CPU kernel raises), a floating one NaN. Not of two bool operands.
 template <class A, class B>
   requires expr::BinaryOperands<A, B> && (!(expr::BoolValued<A> && expr::BoolValued<B>))
 auto remainder(A&& a, B&& b) {
   return expr::make<ops::Remainder>(std::forward<A>(a), std::forward<B>(b));
 }
 /// Element-wise remainder with the dividend's sign (torch.fmod, C's fmod):
-/// fmod(-3, 5) == -3. Integer divisors of 0 raise ZeroDivisionError when the statement runs.
+/// fmod(-3, 5) == -3. An integer divisor of 0 gives the dividend (as remainder's), a floating
+/// one NaN.
 template <class A, class B>
   requires expr::BinaryOperands<A, B> && (!(expr::BoolValued<A> && expr::BoolValued<B>))
 auto fmod(A&& a, B&& b) {
   return expr::make<ops::Fmod>(std::forward<A>(a), std::forward<B>(b));
 }
 /// Element-wise floor(a / b) in the operands' promoted type (torch.floor_divide, Python's
-/// //); integer divisors of 0 raise ZeroDivisionError when the statement runs, and
-/// INT64_MIN // -1 wraps (PyTorch's CPU kernel traps there). Its gradient is zero, floor's,
+/// //); an integer divisor of 0 gives -1 (XLA's value; PyTorch's CPU kernel raises), a
+/// floating one +-inf, and INT64_MIN // -1 wraps (PyTorch's CPU kernel traps there). Its gradient is zero, floor's,
 /// where PyTorch refuses to differentiate it.
 template <class A, class B>
   requires expr::BinaryOperands<A, B> && (!(expr::BoolValued<A> && expr::BoolValued<B>))

@@ -11,7 +11,6 @@
 #include <lazytensor/core/simd.hpp>
 
 #include <lazytensor/core/dtype.hpp>
-#include <lazytensor/core/error.hpp>
 
 namespace lazy::ops {
 
@@ -69,16 +68,17 @@ inline V int_pow(V a, V b) {
   return static_cast<V>(r);
 }
 
-[[noreturn]] inline void zero_division(const char* op) {
-  throw ZeroDivisionError(std::string(op) + ": integer division by zero");
-}
+// Integer division by zero: PyTorch's CPU kernels raise, but a lazy graph, like XLA's,
+// cannot stop inside a kernel (a kernel that throws would leave a donated buffer half
+// written and a fused producer unrun). So integers take XLA's values: x % 0 == x,
+// x // 0 == -1; and INT_MIN // -1 == INT_MIN, INT_MIN % -1 == 0.
 
 /// Python's modulo (torch.remainder): fmod, moved into the divisor's sign. Integers by
-/// zero raise; by -1 give 0 (INT_MIN % -1 overflows in C++).
+/// zero give the dividend (XLA's value, above); by -1 give 0 (INT_MIN % -1 overflows in C++).
 template <class S>
 inline S py_mod(S a, S b) {
   if constexpr (std::is_integral_v<S>) {
-    if (b == 0) zero_division("remainder");
+    if (b == 0) return a;
     if (b == -1) return 0;
     const S r = a % b;
     return r != 0 && ((r < 0) != (b < 0)) ? static_cast<S>(r + b) : r;
@@ -91,19 +91,19 @@ inline S py_mod(S a, S b) {
 template <class S>
 inline S c_fmod(S a, S b) {
   if constexpr (std::is_integral_v<S>) {
-    if (b == 0) zero_division("fmod");
+    if (b == 0) return a;
     return b == -1 ? S(0) : static_cast<S>(a % b);
   } else {
     return std::fmod(a, b);
   }
 }
 /// floor(a / b) (torch.floor_divide). Floating values as PyTorch computes them, from the
-/// exact fmod rather than a rounded quotient; integers by zero raise, and INT_MIN / -1
-/// wraps to INT_MIN.
+/// exact fmod rather than a rounded quotient; integers by zero give -1 (XLA's value, above),
+/// and INT_MIN / -1 wraps to INT_MIN.
 template <class S>
 inline S floor_div(S a, S b) {
   if constexpr (std::is_integral_v<S>) {
-    if (b == 0) zero_division("floor_divide");
+    if (b == 0) return S(-1);
     if (b == -1) return static_cast<S>(std::make_unsigned_t<S>(0) - static_cast<std::make_unsigned_t<S>>(a));
     const S q = static_cast<S>(a / b);
     return (a % b != 0) && ((a < 0) != (b < 0)) ? static_cast<S>(q - 1) : q;

@@ -306,7 +306,10 @@ LAZYTENSOR_INLINE void run_plan(Device& device,
       const PlanStep& st = plan.steps[step];
       if (st.kind == PlanStep::Kind::Single) {
         NodePtr& n = nodes[static_cast<std::size_t>(st.members[0])];
-        if (!n->materialized() && !n->deferred()) {
+        // A deferred GEMM runs inside its epilogue's step: kept here until then, so that a
+        // failure in between returns it to the trace with the rest (not left queued).
+        if (n->deferred()) continue;
+        if (!n->materialized()) {
           n->run(ctx);
           ++ran;
         }
