@@ -3777,9 +3777,16 @@ inline V int_pow(V a, V b) {
 }
 
 // Integer division by zero: PyTorch's CPU kernels raise, but a lazy graph, like XLA's,
-// cannot stop inside a kernel (a kernel that throws would leave a donated buffer half
-// written and a fused producer unrun). So integers take XLA's values: x % 0 == x,
+// cannot stop inside a kernel (one that throws could leave a donated input buffer half
+// written). So integers take XLA's values: x % 0 == x,
 // x // 0 == -1; and INT_MIN // -1 == INT_MIN, INT_MIN % -1 == 0.
+
+/// -a on the unsigned type: INT_MIN stays INT_MIN, as PyTorch's integers wrap.
+template <class S>
+inline S wrapping_neg(S a) {
+  using U = std::make_unsigned_t<S>;
+  return static_cast<S>(U(0) - static_cast<U>(a));
+}
 
 /// Python's modulo (torch.remainder): fmod, moved into the divisor's sign. Integers by
 /// zero give the dividend (XLA's value, above); by -1 give 0 (INT_MIN % -1 overflows in C++).
@@ -3812,7 +3819,7 @@ template <class S>
 inline S floor_div(S a, S b) {
   if constexpr (std::is_integral_v<S>) {
     if (b == 0) return S(-1);
-    if (b == -1) return static_cast<S>(std::make_unsigned_t<S>(0) - static_cast<std::make_unsigned_t<S>>(a));
+    if (b == -1) return wrapping_neg(a);
     const S q = static_cast<S>(a / b);
     return (a % b != 0) && ((a < 0) != (b < 0)) ? static_cast<S>(q - 1) : q;
   } else {
@@ -3830,7 +3837,7 @@ inline S floor_div(S a, S b) {
 template <class S>
 inline S trunc_div(S a, S b) {
   if constexpr (std::is_integral_v<S>) {
-    return b == 0 ? S(0) : b == -1 ? static_cast<S>(std::make_unsigned_t<S>(0) - static_cast<std::make_unsigned_t<S>>(a)) : static_cast<S>(a / b);
+    return b == 0 ? S(0) : b == -1 ? wrapping_neg(a) : static_cast<S>(a / b);
   } else {
     return std::trunc(a / b);
   }
@@ -3931,8 +3938,7 @@ LAZY_UNARY_OP(Square, "square", 1, (T), (return a * a;), (V(2) * a))
 // is undefined).
 LAZY_UNARY_OP(Abs, "abs", 1, (T), (
   if constexpr (std::is_integral_v<V>) {
-    using U = std::make_unsigned_t<V>;
-    return a < V(0) ? static_cast<V>(U(0) - static_cast<U>(a)) : a;
+    return a < V(0) ? wrapping_neg(a) : a;
   } else {
     return abs(a);
   }), (from_bool<V>(a > V(0)) - from_bool<V>(a < V(0))))
@@ -8091,16 +8097,16 @@ class ReduceLoops final : public ReduceKernel {
             S acc = R::template identity<S>();
             for (std::int64_t r = 0; r < extent; ++r) acc = R::combine(acc, ev.coeff(base + r * inner + c));
             dst[c] = finish_value(acc, scale);
-            continue;
+          } else {
+            A total = R::template identity<A>();
+            for (std::int64_t r0 = 0; r0 < extent; r0 += kReduceBlock) {
+              S acc = R::template identity<S>();
+              for (std::int64_t r = r0; r < std::min(extent, r0 + kReduceBlock); ++r)
+                acc = R::combine(acc, ev.coeff(base + r * inner + c));
+              total = R::combine(total, static_cast<A>(acc));
+            }
+            dst[c] = finish_value(total, scale);
           }
-          A total = R::template identity<A>();
-          for (std::int64_t r0 = 0; r0 < extent; r0 += kReduceBlock) {
-            S acc = R::template identity<S>();
-            for (std::int64_t r = r0; r < std::min(extent, r0 + kReduceBlock); ++r)
-              acc = R::combine(acc, ev.coeff(base + r * inner + c));
-            total = R::combine(total, static_cast<A>(acc));
-          }
-          dst[c] = finish_value(total, scale);
         }
       }
     }
@@ -14468,7 +14474,7 @@ class GroupComm {
   std::vector<int> local_index_;
   int local_count_ = 0;
   int leader_ = 0;
-  std::uint32_t tag_ = 0;  ///< the members' hash (WorldState::note_joined)
+  std::uint32_t tag_ = 0;  ///< the members' hash, as a join record holds it (WorldState::note_joined)
   std::unique_ptr<ProcessLink> link_;  // with members in other processes
   std::chrono::steady_clock::time_point asked_where_{};  // the leader's last ask_where
   // The leader's lists for cross_process (one leader, one round at a time).
@@ -14502,7 +14508,7 @@ LAZYTENSOR_INLINE GroupComm::GroupComm(std::shared_ptr<WorldState> world, std::v
   }
   std::uint32_t h = 2166136261u;  // FNV-1a over the ordinals: the same in every process
   for (int m : members_) h = (h ^ static_cast<std::uint32_t>(m)) * 16777619u;
-  tag_ = h;
+  tag_ = h & ((std::uint32_t{1} << WorldState::kJoinTagBits) - 1);
   if (spans_processes()) {
     link_ = world_->processes()->link(members_, [this](const std::string& reason, Failure why) {
       break_from_peer(reason, why);
@@ -14579,7 +14585,7 @@ LAZYTENSOR_INLINE int GroupComm::diverged_remote(std::uint64_t world_seq,
     const int m = members_[j];
     if (local_index_[j] >= 0 || link_->delivered_by_owner(m)) continue;
     const std::int64_t g = pw.told_where(m, world_seq);
-    if (g >= 0 && static_cast<std::uint32_t>(g) != (tag_ & ((1u << WorldState::kJoinTagBits) - 1))) return m;
+    if (g >= 0 && static_cast<std::uint32_t>(g) != tag_) return m;
     if (g < 0) ask.emplace_back(m, world_seq);
   }
   // Asking costs the peer's watcher a message: a few times per wait is enough to fail

@@ -193,7 +193,7 @@ class GroupComm {
   std::vector<int> local_index_;
   int local_count_ = 0;
   int leader_ = 0;
-  std::uint32_t tag_ = 0;  ///< the members' hash (WorldState::note_joined)
+  std::uint32_t tag_ = 0;  ///< the members' hash, as a join record holds it (WorldState::note_joined)
   std::unique_ptr<ProcessLink> link_;  // with members in other processes
   std::chrono::steady_clock::time_point asked_where_{};  // the leader's last ask_where
   // The leader's lists for cross_process (one leader, one round at a time).
@@ -227,7 +227,7 @@ LAZYTENSOR_INLINE GroupComm::GroupComm(std::shared_ptr<WorldState> world, std::v
   }
   std::uint32_t h = 2166136261u;  // FNV-1a over the ordinals: the same in every process
   for (int m : members_) h = (h ^ static_cast<std::uint32_t>(m)) * 16777619u;
-  tag_ = h;
+  tag_ = h & ((std::uint32_t{1} << WorldState::kJoinTagBits) - 1);
   if (spans_processes()) {
     link_ = world_->processes()->link(members_, [this](const std::string& reason, Failure why) {
       break_from_peer(reason, why);
@@ -304,7 +304,7 @@ LAZYTENSOR_INLINE int GroupComm::diverged_remote(std::uint64_t world_seq,
     const int m = members_[j];
     if (local_index_[j] >= 0 || link_->delivered_by_owner(m)) continue;
     const std::int64_t g = pw.told_where(m, world_seq);
-    if (g >= 0 && static_cast<std::uint32_t>(g) != (tag_ & ((1u << WorldState::kJoinTagBits) - 1))) return m;
+    if (g >= 0 && static_cast<std::uint32_t>(g) != tag_) return m;
     if (g < 0) ask.emplace_back(m, world_seq);
   }
   // Asking costs the peer's watcher a message: a few times per wait is enough to fail

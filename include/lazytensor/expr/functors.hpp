@@ -69,9 +69,16 @@ inline V int_pow(V a, V b) {
 }
 
 // Integer division by zero: PyTorch's CPU kernels raise, but a lazy graph, like XLA's,
-// cannot stop inside a kernel (a kernel that throws would leave a donated buffer half
-// written and a fused producer unrun). So integers take XLA's values: x % 0 == x,
+// cannot stop inside a kernel (one that throws could leave a donated input buffer half
+// written). So integers take XLA's values: x % 0 == x,
 // x // 0 == -1; and INT_MIN // -1 == INT_MIN, INT_MIN % -1 == 0.
+
+/// -a on the unsigned type: INT_MIN stays INT_MIN, as PyTorch's integers wrap.
+template <class S>
+inline S wrapping_neg(S a) {
+  using U = std::make_unsigned_t<S>;
+  return static_cast<S>(U(0) - static_cast<U>(a));
+}
 
 /// Python's modulo (torch.remainder): fmod, moved into the divisor's sign. Integers by
 /// zero give the dividend (XLA's value, above); by -1 give 0 (INT_MIN % -1 overflows in C++).
@@ -104,7 +111,7 @@ template <class S>
 inline S floor_div(S a, S b) {
   if constexpr (std::is_integral_v<S>) {
     if (b == 0) return S(-1);
-    if (b == -1) return static_cast<S>(std::make_unsigned_t<S>(0) - static_cast<std::make_unsigned_t<S>>(a));
+    if (b == -1) return wrapping_neg(a);
     const S q = static_cast<S>(a / b);
     return (a % b != 0) && ((a < 0) != (b < 0)) ? static_cast<S>(q - 1) : q;
   } else {
@@ -122,7 +129,7 @@ inline S floor_div(S a, S b) {
 template <class S>
 inline S trunc_div(S a, S b) {
   if constexpr (std::is_integral_v<S>) {
-    return b == 0 ? S(0) : b == -1 ? static_cast<S>(std::make_unsigned_t<S>(0) - static_cast<std::make_unsigned_t<S>>(a)) : static_cast<S>(a / b);
+    return b == 0 ? S(0) : b == -1 ? wrapping_neg(a) : static_cast<S>(a / b);
   } else {
     return std::trunc(a / b);
   }
@@ -223,8 +230,7 @@ LAZY_UNARY_OP(Square, "square", 1, (T), (return a * a;), (V(2) * a))
 // is undefined).
 LAZY_UNARY_OP(Abs, "abs", 1, (T), (
   if constexpr (std::is_integral_v<V>) {
-    using U = std::make_unsigned_t<V>;
-    return a < V(0) ? static_cast<V>(U(0) - static_cast<U>(a)) : a;
+    return a < V(0) ? wrapping_neg(a) : a;
   } else {
     return abs(a);
   }), (from_bool<V>(a > V(0)) - from_bool<V>(a < V(0))))

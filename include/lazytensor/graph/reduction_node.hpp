@@ -274,16 +274,16 @@ class ReduceLoops final : public ReduceKernel {
             S acc = R::template identity<S>();
             for (std::int64_t r = 0; r < extent; ++r) acc = R::combine(acc, ev.coeff(base + r * inner + c));
             dst[c] = finish_value(acc, scale);
-            continue;
+          } else {
+            A total = R::template identity<A>();
+            for (std::int64_t r0 = 0; r0 < extent; r0 += kReduceBlock) {
+              S acc = R::template identity<S>();
+              for (std::int64_t r = r0; r < std::min(extent, r0 + kReduceBlock); ++r)
+                acc = R::combine(acc, ev.coeff(base + r * inner + c));
+              total = R::combine(total, static_cast<A>(acc));
+            }
+            dst[c] = finish_value(total, scale);
           }
-          A total = R::template identity<A>();
-          for (std::int64_t r0 = 0; r0 < extent; r0 += kReduceBlock) {
-            S acc = R::template identity<S>();
-            for (std::int64_t r = r0; r < std::min(extent, r0 + kReduceBlock); ++r)
-              acc = R::combine(acc, ev.coeff(base + r * inner + c));
-            total = R::combine(total, static_cast<A>(acc));
-          }
-          dst[c] = finish_value(total, scale);
         }
       }
     }
