@@ -3704,6 +3704,7 @@ class ChunkReduction {
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -3891,13 +3892,14 @@ using promoted = promote_t<A, B>;
     static V apply(const V& a) {                                 \
       using namespace detail;                                    \
       using std::exp, std::log, std::log1p, std::expm1, std::sqrt, std::abs, std::sin, std::cos, \
-          std::tanh, std::erf, std::trunc, std::floor, std::ceil, std::nearbyint, std::log2, std::log10; \
+          std::tanh, std::erf, std::trunc, std::floor, std::ceil, std::nearbyint, std::log2, std::log10, std::tan, \
+          std::asin, std::acos, std::atan, std::sinh, std::cosh, std::asinh, std::acosh, std::atanh;              \
       LAZY_STRIP BODY                                            \
     }                                                            \
     template <int I, class V>                                    \
     static V d([[maybe_unused]] const V& a, [[maybe_unused]] const V& y) { \
       using namespace detail;                                    \
-      using std::exp, std::log, std::sqrt, std::sin, std::cos, std::erf; \
+      using std::exp, std::log, std::sqrt, std::sin, std::cos, std::erf, std::sinh, std::cosh; \
       return LAZY_STRIP DERIV;                                   \
     }                                                            \
   };
@@ -3911,7 +3913,7 @@ using promoted = promote_t<A, B>;
     template <class V>                                \
     static V apply(const V& a, const V& b) {          \
       using namespace detail;                         \
-      using std::pow;                                 \
+      using std::pow, std::atan2, std::hypot;         \
       LAZY_STRIP BODY                                 \
     }                                                 \
     template <int I, class V>                         \
@@ -3962,6 +3964,31 @@ LAZY_UNARY_OP(Reciprocal, "reciprocal", 2, (to_floating_t<T>), (return V(1) / a;
 LAZY_UNARY_OP(Log2, "log2", 8, (to_floating_t<T>), (return log2(a);), (V(1) / (a * V(0.69314718055994530942))))
 LAZY_UNARY_OP(Log10, "log10", 8, (to_floating_t<T>), (return log10(a);), (V(1) / (a * V(2.30258509299404568402))))
 LAZY_UNARY_OP(Erf, "erf", 10, (to_floating_t<T>), (return erf(a);), (V(1.12837916709551257390) * exp(-a * a)))
+// Trigonometric and hyperbolic functions and their inverses (float results, as in PyTorch).
+// Outside an inverse's domain the value is NaN, and so is the derivative.
+LAZY_UNARY_OP(Tan, "tan", 12, (to_floating_t<T>), (return tan(a);), (V(1) + y * y))
+LAZY_UNARY_OP(Asin, "asin", 12, (to_floating_t<T>), (return asin(a);), (V(1) / sqrt(V(1) - a * a)))
+LAZY_UNARY_OP(Acos, "acos", 12, (to_floating_t<T>), (return acos(a);), (V(-1) / sqrt(V(1) - a * a)))
+LAZY_UNARY_OP(Atan, "atan", 12, (to_floating_t<T>), (return atan(a);), (V(1) / (V(1) + a * a)))
+LAZY_UNARY_OP(Sinh, "sinh", 10, (to_floating_t<T>), (return sinh(a);), (cosh(a)))
+LAZY_UNARY_OP(Cosh, "cosh", 10, (to_floating_t<T>), (return cosh(a);), (sinh(a)))
+LAZY_UNARY_OP(Asinh, "asinh", 12, (to_floating_t<T>), (return asinh(a);), (V(1) / sqrt(a * a + V(1))))
+LAZY_UNARY_OP(Acosh, "acosh", 12, (to_floating_t<T>), (return acosh(a);), (V(1) / sqrt(a * a - V(1))))
+LAZY_UNARY_OP(Atanh, "atanh", 12, (to_floating_t<T>), (return atanh(a);), (V(1) / (V(1) - a * a)))
+// Classification: bool results, integers are always finite.
+LAZY_UNARY_OP(IsNan, "isnan", 1, (bool), (return from_bool<V>(is_nan(a));), (V(0)))
+LAZY_UNARY_OP(IsInf, "isinf", 1, (bool), (
+  if constexpr (std::is_integral_v<typename lane_value<V>::type>) {
+    return V(0);
+  } else {
+    return from_bool<V>(abs(a) == V(std::numeric_limits<typename lane_value<V>::type>::infinity()));
+  }), (V(0)))
+LAZY_UNARY_OP(IsFinite, "isfinite", 1, (bool), (
+  if constexpr (std::is_integral_v<typename lane_value<V>::type>) {
+    return V(1);
+  } else {
+    return from_bool<V>(abs(a) < V(std::numeric_limits<typename lane_value<V>::type>::infinity()));  // false for NaN
+  }), (V(0)))
 // Rounding keeps the type (an integer is already whole) and has a zero derivative, as in
 // PyTorch; round is half to even (nearbyint in the default rounding mode, torch.round).
 LAZY_UNARY_OP(Floor, "floor", 1, (T), (if constexpr (std::is_integral_v<V>) return a; else return floor(a);), (V(0)))
@@ -4026,6 +4053,41 @@ LAZY_BINARY_OP(Le, "le", 1, (bool), (return from_bool<V>(a <= b);), (V(0)), (V(0
 LAZY_BINARY_OP(Gt, "gt", 1, (bool), (return from_bool<V>(a > b);), (V(0)), (V(0)))
 LAZY_BINARY_OP(Ge, "ge", 1, (bool), (return from_bool<V>(a >= b);), (V(0)), (V(0)))
 LAZY_BINARY_OP(LogicalAnd, "logical_and", 1, (bool), (return from_bool<V>(not_equal(a, V(0)) & not_equal(b, V(0)));), (V(0)), (V(0)))
+LAZY_BINARY_OP(LogicalXor, "logical_xor", 1, (bool), (
+  const auto x = not_equal(a, V(0));
+  const auto y = not_equal(b, V(0));
+  return from_bool<V>((x & !y) | (!x & y));),
+               (V(0)), (V(0)))
+// atan2(a, b): the angle of the point (b, a), quadrant-aware; float results. xsimd 8.1's
+// batch atan2 gives NaN where both are zero or both infinite: those take C's values here.
+LAZY_BINARY_OP(Atan2, "atan2", 14, (to_floating_t<promoted<A, B>>), (
+  if constexpr (std::is_arithmetic_v<V>) {
+    return atan2(a, b);
+  } else {
+    const V pi(3.14159265358979323846), zero(0), inf(std::numeric_limits<typename V::value_type>::infinity());
+    const auto b_negative = xsimd::copysign(V(1), b) < zero;  // -0 included
+    const V both_zero = select(b_negative, pi, zero);
+    const V both_inf = select(b_negative, pi * V(0.75), pi * V(0.25));
+    V r = xsimd::atan2(a, b);
+    r = select((a == zero) & (b == zero), xsimd::copysign(both_zero, a), r);
+    return select((xsimd::abs(a) == inf) & (xsimd::abs(b) == inf), xsimd::copysign(both_inf, a), r);
+  }), (b / (a * a + b * b)), (-a / (a * a + b * b)))
+// sqrt(a^2 + b^2) without overflow or underflow in the squares (torch.hypot): the larger
+// magnitude times sqrt(1 + q^2), q <= 1 (xsimd 8.1 squares directly); an infinity wins
+// over NaN, as in C. At (0, 0) the derivative is NaN, as torch's a / y.
+LAZY_BINARY_OP(Hypot, "hypot", 10, (to_floating_t<promoted<A, B>>), (
+  if constexpr (std::is_arithmetic_v<V>) {
+    return hypot(a, b);
+  } else {
+    using T = typename V::value_type;
+    const V zero(0), inf(std::numeric_limits<T>::infinity());
+    const V x = xsimd::abs(a), y = xsimd::abs(b);
+    const V m = xsimd::max(x, y), n = xsimd::min(x, y);
+    const V q = n / m;
+    V r = select(m == zero, zero, m * xsimd::sqrt(V(1) + q * q));
+    r = select(is_nan(a) | is_nan(b), V(std::numeric_limits<T>::quiet_NaN()), r);
+    return select((x == inf) | (y == inf), inf, r);
+  }), (a / y), (b / y))
 LAZY_BINARY_OP(LogicalOr, "logical_or", 1, (bool), (return from_bool<V>(not_equal(a, V(0)) | not_equal(b, V(0)));), (V(0)), (V(0)))
 
 #undef LAZY_UNARY_OP
@@ -4055,6 +4117,26 @@ struct Clamp {
       return from_bool<V>((x < lo) & (lo < hi));
     else
       return from_bool<V>((x > hi) | (hi < lo));
+  }
+};
+
+/// lerp(a, b, w) = a + w * (b - a), computed from b's side where w >= 0.5 (as torch.lerp),
+/// so that w == 1 gives b exactly.
+struct Lerp {
+  static constexpr const char* name = "lerp";
+  static constexpr double cost = 4;
+  template <class A, class B, class W>
+  using result = promoted<promoted<A, B>, W>;
+  template <class V>
+  static V apply(const V& a, const V& b, const V& w) {
+    using namespace detail;
+    return select(w < V(0.5), a + w * (b - a), b - (b - a) * (V(1) - w));
+  }
+  template <int I, class V>
+  static V d(const V& a, const V& b, const V& w, const V&) {
+    if constexpr (I == 0) return V(1) - w;
+    else if constexpr (I == 1) return w;
+    else return b - a;
   }
 };
 
@@ -4518,6 +4600,66 @@ template <expr::ExprLike A>
 auto erf(A&& a) {
   return expr::make<ops::Erf>(std::forward<A>(a));
 }
+/// Element-wise tangent.
+template <expr::ExprLike A>
+auto tan(A&& a) {
+  return expr::make<ops::Tan>(std::forward<A>(a));
+}
+/// Element-wise arcsine (NaN outside [-1, 1]).
+template <expr::ExprLike A>
+auto asin(A&& a) {
+  return expr::make<ops::Asin>(std::forward<A>(a));
+}
+/// Element-wise arccosine (NaN outside [-1, 1]).
+template <expr::ExprLike A>
+auto acos(A&& a) {
+  return expr::make<ops::Acos>(std::forward<A>(a));
+}
+/// Element-wise arctangent.
+template <expr::ExprLike A>
+auto atan(A&& a) {
+  return expr::make<ops::Atan>(std::forward<A>(a));
+}
+/// Element-wise hyperbolic sine.
+template <expr::ExprLike A>
+auto sinh(A&& a) {
+  return expr::make<ops::Sinh>(std::forward<A>(a));
+}
+/// Element-wise hyperbolic cosine.
+template <expr::ExprLike A>
+auto cosh(A&& a) {
+  return expr::make<ops::Cosh>(std::forward<A>(a));
+}
+/// Element-wise inverse hyperbolic sine.
+template <expr::ExprLike A>
+auto asinh(A&& a) {
+  return expr::make<ops::Asinh>(std::forward<A>(a));
+}
+/// Element-wise inverse hyperbolic cosine (NaN below 1).
+template <expr::ExprLike A>
+auto acosh(A&& a) {
+  return expr::make<ops::Acosh>(std::forward<A>(a));
+}
+/// Element-wise inverse hyperbolic tangent (NaN outside [-1, 1], infinite at +-1).
+template <expr::ExprLike A>
+auto atanh(A&& a) {
+  return expr::make<ops::Atanh>(std::forward<A>(a));
+}
+/// True where x is NaN (never for integers).
+template <expr::ExprLike A>
+auto isnan(A&& a) {
+  return expr::make<ops::IsNan>(std::forward<A>(a));
+}
+/// True where x is +-infinity.
+template <expr::ExprLike A>
+auto isinf(A&& a) {
+  return expr::make<ops::IsInf>(std::forward<A>(a));
+}
+/// True where x is neither infinite nor NaN (always for integers).
+template <expr::ExprLike A>
+auto isfinite(A&& a) {
+  return expr::make<ops::IsFinite>(std::forward<A>(a));
+}
 /// Element-wise largest whole number <= x, in x's type (integers unchanged; the gradient
 /// is zero). Not for bool.
 template <expr::ExprLike A>
@@ -4612,6 +4754,33 @@ template <class A, class B>
 auto minimum(A&& a, B&& b) {
   return expr::make<ops::Minimum>(std::forward<A>(a), std::forward<B>(b));
 }
+/// atan2(a, b): the angle of the point (b, a) in (-pi, pi], quadrant-aware (torch.atan2;
+/// float results).
+template <class A, class B>
+  requires expr::BinaryOperands<A, B>
+auto atan2(A&& a, B&& b) {
+  return expr::make<ops::Atan2>(std::forward<A>(a), std::forward<B>(b));
+}
+/// sqrt(a^2 + b^2), exact where the squares would overflow or underflow (torch.hypot).
+template <class A, class B>
+  requires expr::BinaryOperands<A, B>
+auto hypot(A&& a, B&& b) {
+  return expr::make<ops::Hypot>(std::forward<A>(a), std::forward<B>(b));
+}
+/// Element-wise exclusive or of non-zero tests (torch.logical_xor).
+template <class A, class B>
+  requires expr::BinaryOperands<A, B>
+auto logical_xor(A&& a, B&& b) {
+  return expr::make<ops::LogicalXor>(std::forward<A>(a), std::forward<B>(b));
+}
+/// a + weight * (b - a) (torch.lerp; weight a tensor, an expression or a number), computed
+/// as torch does: from b's side where weight >= 0.5, so that weight 1 gives b exactly.
+/// Floating operands (torch refuses integers); the three broadcast.
+template <expr::ExprLike A, expr::ExprLike B, class W>
+  requires is_floating_v<expr::value_t<A>> && is_floating_v<expr::value_t<B>>
+auto lerp(A&& a, B&& b, const W& weight) {
+  return expr::make<ops::Lerp>(std::forward<A>(a), std::forward<B>(b), weight);
+}
 /// Element-wise logical and / or of non-zero tests.
 template <class A, class B>
   requires expr::BinaryOperands<A, B>
@@ -4652,6 +4821,20 @@ auto where(C&& cond, A&& a, B&& b) {
   auto vb = value(std::forward<B>(b), a);
   return Expr<ops::Where, expr::operand_t<C>, decltype(va), decltype(vb)>(expr::operand(std::forward<C>(cond)),
                                                                           std::move(va), std::move(vb));
+}
+/// NaN, +inf and -inf replaced by `nan`, `posinf` and `neginf` (torch.nan_to_num; the
+/// infinities default to the dtype's largest and lowest finite values). Floating only.
+template <expr::ExprLike X>
+  requires is_floating_v<expr::value_t<X>>
+auto nan_to_num(const X& x, double nan = 0, std::optional<double> posinf = std::nullopt,
+                std::optional<double> neginf = std::nullopt) {
+  using T = expr::value_t<X>;
+  // bfloat16's largest finite value is 0x7F7F (no numeric_limits for it).
+  double largest = 3.3895313892515355e38;
+  if constexpr (!std::is_same_v<T, bfloat16>) largest = static_cast<double>(std::numeric_limits<T>::max());
+  const double inf = std::numeric_limits<double>::infinity();
+  const auto& v = x;
+  return where(isnan(v), nan, where(v == inf, posinf.value_or(largest), where(v == -inf, neginf.value_or(-largest), v)));
 }
 /// Explicit element type conversion.
 template <Element U, expr::ExprLike X>

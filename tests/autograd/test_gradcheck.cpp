@@ -38,6 +38,18 @@ TEST(GradElementwise, UnaryOps) {
   check("log2", [](const V& v) { return Tensor<double>(lazy::log2(v[0])); }, {pos});
   check("log10", [](const V& v) { return Tensor<double>(lazy::log10(v[0])); }, {pos});
   check("erf", [](const V& v) { return Tensor<double>(lazy::erf(v[0])); }, {input(Shape{2, 3}, 7, -2, 2)});
+  const auto unit = input(Shape{2, 3}, 9, -0.9, 0.9), above1 = input(Shape{2, 3}, 10, 1.1, 3);
+  check("tan", [](const V& v) { return Tensor<double>(lazy::tan(v[0])); }, {input(Shape{2, 3}, 9, -1.4, 1.4)});
+  check("asin", [](const V& v) { return Tensor<double>(lazy::asin(v[0])); }, {unit});
+  check("acos", [](const V& v) { return Tensor<double>(lazy::acos(v[0])); }, {unit});
+  check("atan", [](const V& v) { return Tensor<double>(lazy::atan(v[0])); }, {x});
+  check("sinh", [](const V& v) { return Tensor<double>(lazy::sinh(v[0])); }, {x});
+  check("cosh", [](const V& v) { return Tensor<double>(lazy::cosh(v[0])); }, {x});
+  check("asinh", [](const V& v) { return Tensor<double>(lazy::asinh(v[0])); }, {x});
+  check("acosh", [](const V& v) { return Tensor<double>(lazy::acosh(v[0])); }, {above1});
+  check("atanh", [](const V& v) { return Tensor<double>(lazy::atanh(v[0])); }, {unit});
+  // Finite values pass their gradient; a NaN or an infinity's is zero (torch's).
+  check("nan_to_num", [](const V& v) { return Tensor<double>(lazy::nan_to_num(v[0] * 2.0, 0.0, 1.0)); }, {x});
   // Rounding is flat between its steps (inputs away from them): zero gradients.
   const auto off_steps = input(Shape{2, 3}, 8, 0.1, 0.4);
   check("floor", [](const V& v) { return Tensor<double>(lazy::floor(v[0] + 2.0)); }, {off_steps});
@@ -62,6 +74,12 @@ TEST(GradElementwise, BinaryOps) {
   check("remainder", [](const V& v) { return Tensor<double>(lazy::remainder(v[0], v[1])); }, {num, den});
   check("fmod", [](const V& v) { return Tensor<double>(lazy::fmod(v[0], v[1])); }, {num, den});
   check("floor_divide", [](const V& v) { return Tensor<double>(lazy::floor_divide(v[0], v[1])); }, {num, den});
+  check("atan2", [](const V& v) { return Tensor<double>(lazy::atan2(v[0], v[1])); }, {a, b});
+  check("hypot", [](const V& v) { return Tensor<double>(lazy::hypot(v[0], v[1])); }, {a, b});
+  // Weights on both sides of 0.5 (the two forms torch.lerp switches between).
+  check("lerp", [](const V& v) { return Tensor<double>(lazy::lerp(v[0], v[1], v[2])); },
+        {a, b, input(Shape{2, 3}, 17, -0.5, 1.5)});
+  check("lerp scalar weight", [](const V& v) { return Tensor<double>(lazy::lerp(v[0], v[1], 0.75)); }, {a, b});
   check("maximum", [](const V& v) { return Tensor<double>(lazy::maximum(v[0], v[1])); }, {a, b});
   check("minimum", [](const V& v) { return Tensor<double>(lazy::minimum(v[0], v[1])); }, {a, b});
   check("clamp", [](const V& v) { return Tensor<double>(lazy::clamp(v[0], -0.5, 0.5)); }, {a});

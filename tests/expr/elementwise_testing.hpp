@@ -317,6 +317,15 @@ UNARY_FLOAT_FN(Reciprocal, reciprocal, 1.0 / x, 0.05, 20, 1, 1000)
 UNARY_FLOAT_FN(Log2, log2, std::log2(x), 0.01, 100, 1, 1000)
 UNARY_FLOAT_FN(Log10, log10, std::log10(x), 0.01, 100, 1, 1000)
 UNARY_FLOAT_FN(Erf, erf, std::erf(x), -4, 4, -4, 4)
+UNARY_FLOAT_FN(Tan, tan, std::tan(x), -1.4, 1.4, -1, 1)
+UNARY_FLOAT_FN(Asin, asin, std::asin(x), -0.99, 0.99, -1, 1)
+UNARY_FLOAT_FN(Acos, acos, std::acos(x), -0.99, 0.99, -1, 1)
+UNARY_FLOAT_FN(Atan, atan, std::atan(x), -20, 20, -1000, 1000)
+UNARY_FLOAT_FN(Sinh, sinh, std::sinh(x), -8, 8, -8, 8)
+UNARY_FLOAT_FN(Cosh, cosh, std::cosh(x), -8, 8, -8, 8)
+UNARY_FLOAT_FN(Asinh, asinh, std::asinh(x), -100, 100, -1000, 1000)
+UNARY_FLOAT_FN(Acosh, acosh, std::acosh(x), 1.01, 100, 1, 1000)
+UNARY_FLOAT_FN(Atanh, atanh, std::atanh(x), -0.99, 0.99, 0, 0)
 // torch.nn.functional.softplus(x, beta=1, threshold=20).
 UNARY_FLOAT_FN(Softplus, softplus, x > 20 ? x : std::log1p(std::exp(x)), -25, 25, -25, 25)
 #undef UNARY_FLOAT_FN
@@ -539,6 +548,12 @@ BINARY_OP(Or, "logical_or", a | b, V(a != 0 || b != 0), (bool), true, kCoarse, k
 BINARY_OP(LogicalAnd, "logical_and", lazy::logical_and(a, b), V(a != 0 && b != 0), (bool), true, kCoarse, kCoarse,
           kExact)
 BINARY_OP(LogicalOr, "logical_or", lazy::logical_or(a, b), V(a != 0 || b != 0), (bool), true, kCoarse, kCoarse,
+          kExact)
+BINARY_OP(Atan2, "atan2", lazy::atan2(a, b), std::atan2(static_cast<double>(a), static_cast<double>(b)),
+          (flt_t<promote<A, B>>), true, kMulDom, kMulDom, transcendental_tol<R>())
+BINARY_OP(Hypot, "hypot", lazy::hypot(a, b), std::hypot(static_cast<double>(a), static_cast<double>(b)),
+          (flt_t<promote<A, B>>), true, kMulDom, kMulDom, transcendental_tol<R>())
+BINARY_OP(LogicalXor, "logical_xor", lazy::logical_xor(a, b), V((a != 0) != (b != 0)), (bool), true, kCoarse, kCoarse,
           kExact)
 #undef BINARY_OP
 #undef STRIP

@@ -60,6 +60,15 @@ UNARY_TEST(Reciprocal)
 UNARY_TEST(Log2)
 UNARY_TEST(Log10)
 UNARY_TEST(Erf)
+UNARY_TEST(Tan)
+UNARY_TEST(Asin)
+UNARY_TEST(Acos)
+UNARY_TEST(Atan)
+UNARY_TEST(Sinh)
+UNARY_TEST(Cosh)
+UNARY_TEST(Asinh)
+UNARY_TEST(Acosh)
+UNARY_TEST(Atanh)
 UNARY_TEST(Floor)
 UNARY_TEST(Ceil)
 UNARY_TEST(Round)
@@ -72,6 +81,9 @@ BINARY_TEST(Pow)
 BINARY_TEST(Remainder)
 BINARY_TEST(Fmod)
 BINARY_TEST(FloorDivide)
+BINARY_TEST(Atan2)
+BINARY_TEST(Hypot)
+BINARY_TEST(LogicalXor)
 BINARY_TEST(Maximum)
 BINARY_TEST(Minimum)
 BINARY_TEST(Eq)
@@ -606,6 +618,93 @@ TEST(Rounding, HalvesGoToEven) {
   const auto r = Tensor<float>(lazy::round(lazy::from_vector<float>({0.5f, 1.5f, 2.5f, -0.5f, -2.5f, 3.5f}))).to_vector();
   EXPECT_EQ(r, (std::vector<float>{0, 2, 2, -0.0f, -2, 4}));
   EXPECT_TRUE(std::signbit(r[3]));
+}
+
+TEST(Classification, NaNsAndInfinitiesInEveryFloatingDtypeAndLongRows) {
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  // 37 values: whole SIMD batches and a tail, the specials at both.
+  std::vector<float> v(37, 1.5f);
+  v[0] = nan, v[3] = inf, v[8] = -inf, v[33] = nan, v[35] = -inf, v[36] = -0.0f;
+  auto check = [&](auto tag) {
+    using T = decltype(tag);
+    std::vector<T> tv(v.begin(), v.end());
+    const auto x = lazy::from_vector<T>(tv);
+    const auto isn = Tensor<bool>(lazy::isnan(x)).to_vector(), isi = Tensor<bool>(lazy::isinf(x)).to_vector(),
+               isf = Tensor<bool>(lazy::isfinite(x)).to_vector();
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      EXPECT_EQ(isn[i], std::isnan(v[i])) << i;
+      EXPECT_EQ(isi[i], std::isinf(v[i])) << i;
+      EXPECT_EQ(isf[i], std::isfinite(v[i])) << i;
+    }
+    const auto r = Tensor<T>(lazy::nan_to_num(x, 7.0)).to_vector();
+    const double largest = std::is_same_v<T, lazy::bfloat16> ? 3.3895313892515355e38
+                                                             : static_cast<double>(std::numeric_limits<T>::max());
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      const double want = std::isnan(v[i]) ? 7.0 : v[i] == inf ? largest : v[i] == -inf ? -largest : v[i];
+      EXPECT_EQ(static_cast<double>(r[i]), want) << i;
+    }
+    const auto s = Tensor<T>(lazy::nan_to_num(x, 0.0, 1.0, -2.0)).to_vector();
+    EXPECT_EQ(static_cast<double>(s[3]), 1.0);
+    EXPECT_EQ(static_cast<double>(s[8]), -2.0);
+  };
+  check(float{});
+  check(double{});
+  check(lazy::bfloat16{});
+  // Integers are always finite.
+  const auto i = lazy::from_vector<std::int32_t>({0, -5, 7});
+  EXPECT_EQ(Tensor<bool>(lazy::isfinite(i)).to_vector(), (std::vector<bool>{true, true, true}));
+  EXPECT_EQ(Tensor<bool>(lazy::isnan(i) | lazy::isinf(i)).to_vector(), (std::vector<bool>{false, false, false}));
+}
+
+TEST(Atan2Hypot, SignedZerosInfinitiesAndExtremesMatchC) {
+  // Every pair of specials, laid out so each SIMD lane and the scalar tail see them.
+  const double inf = std::numeric_limits<double>::infinity(), nan = std::numeric_limits<double>::quiet_NaN();
+  const std::vector<double> specials = {0.0, -0.0, 1.0, -1.0, inf, -inf, nan, 1e-300, 1e300, -3e-310, 5.0};
+  std::vector<double> va, vb;
+  for (double a : specials) {
+    for (double b : specials) va.push_back(a), vb.push_back(b);
+  }
+  const auto a = lazy::from_vector<double>(va), b = lazy::from_vector<double>(vb);
+  const auto t = Tensor<double>(lazy::atan2(a, b)).to_vector(), h = Tensor<double>(lazy::hypot(a, b)).to_vector();
+  for (std::size_t i = 0; i < va.size(); ++i) {
+    const double wt = std::atan2(va[i], vb[i]), wh = std::hypot(va[i], vb[i]);
+    if (std::isnan(wt)) {
+      EXPECT_TRUE(std::isnan(t[i])) << "atan2(" << va[i] << ", " << vb[i] << ")";
+    } else {
+      EXPECT_NEAR(t[i], wt, 1e-15 * std::abs(wt)) << "atan2(" << va[i] << ", " << vb[i] << ")";
+      EXPECT_EQ(std::signbit(t[i]), std::signbit(wt)) << "atan2(" << va[i] << ", " << vb[i] << ")";
+    }
+    if (std::isnan(wh)) {
+      EXPECT_TRUE(std::isnan(h[i])) << "hypot(" << va[i] << ", " << vb[i] << ")";
+    } else if (std::isinf(wh)) {
+      EXPECT_EQ(h[i], wh) << "hypot(" << va[i] << ", " << vb[i] << ")";
+    } else {
+      EXPECT_NEAR(h[i], wh, 1e-15 * wh) << "hypot(" << va[i] << ", " << vb[i] << ")";
+    }
+  }
+  // float: the squares of 2e38 overflow and those of 1e-30 underflow.
+  const auto f = Tensor<float>(lazy::hypot(lazy::from_vector<float>({2e38f, 1e-30f, 3.0f}),
+                                           lazy::from_vector<float>({2e38f, 1e-30f, 4.0f})))
+                     .to_vector();
+  EXPECT_NEAR(f[0], 2e38 * std::sqrt(2.0), 1e32);
+  EXPECT_NEAR(f[1], 1e-30 * std::sqrt(2.0), 1e-36);
+  EXPECT_NEAR(f[2], 5.0f, 1e-6);
+}
+
+TEST(Lerp, BothFormsAndTheEndsExact) {
+  // torch.lerp: weight < 0.5 from a's side, else from b's; the weight broadcasts.
+  const auto a = lazy::from_vector<float>({1.0f, -3.0f, 0.1f, 1e8f}), b = lazy::from_vector<float>({5.0f, 2.0f, 0.7f, 1.0f});
+  const auto w = lazy::from_vector<float>({0.25f, 0.75f, 1.0f, 0.0f});
+  const auto r = Tensor<float>(lazy::lerp(a, b, w)).to_vector();
+  EXPECT_EQ(r[0], 1.0f + 0.25f * 4.0f);
+  EXPECT_EQ(r[1], 2.0f - 5.0f * 0.25f);
+  EXPECT_EQ(r[2], 0.7f);  // weight 1 is b exactly (a + 1 * (b - a) would round)
+  EXPECT_EQ(r[3], 1e8f);
+  const auto s = Tensor<float>(lazy::lerp(a, b, 0.5)).to_vector();
+  for (std::size_t i = 0; i < 4; ++i) {
+    const float av = std::vector<float>{1.0f, -3.0f, 0.1f, 1e8f}[i], bv = std::vector<float>{5.0f, 2.0f, 0.7f, 1.0f}[i];
+    EXPECT_EQ(s[i], bv - (bv - av) * 0.5f) << i;
+  }
 }
 
 TEST(LargeOutputs, StreamingStorePathIsCorrect) {

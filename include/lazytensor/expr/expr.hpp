@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -411,6 +412,66 @@ template <expr::ExprLike A>
 auto erf(A&& a) {
   return expr::make<ops::Erf>(std::forward<A>(a));
 }
+/// Element-wise tangent.
+template <expr::ExprLike A>
+auto tan(A&& a) {
+  return expr::make<ops::Tan>(std::forward<A>(a));
+}
+/// Element-wise arcsine (NaN outside [-1, 1]).
+template <expr::ExprLike A>
+auto asin(A&& a) {
+  return expr::make<ops::Asin>(std::forward<A>(a));
+}
+/// Element-wise arccosine (NaN outside [-1, 1]).
+template <expr::ExprLike A>
+auto acos(A&& a) {
+  return expr::make<ops::Acos>(std::forward<A>(a));
+}
+/// Element-wise arctangent.
+template <expr::ExprLike A>
+auto atan(A&& a) {
+  return expr::make<ops::Atan>(std::forward<A>(a));
+}
+/// Element-wise hyperbolic sine.
+template <expr::ExprLike A>
+auto sinh(A&& a) {
+  return expr::make<ops::Sinh>(std::forward<A>(a));
+}
+/// Element-wise hyperbolic cosine.
+template <expr::ExprLike A>
+auto cosh(A&& a) {
+  return expr::make<ops::Cosh>(std::forward<A>(a));
+}
+/// Element-wise inverse hyperbolic sine.
+template <expr::ExprLike A>
+auto asinh(A&& a) {
+  return expr::make<ops::Asinh>(std::forward<A>(a));
+}
+/// Element-wise inverse hyperbolic cosine (NaN below 1).
+template <expr::ExprLike A>
+auto acosh(A&& a) {
+  return expr::make<ops::Acosh>(std::forward<A>(a));
+}
+/// Element-wise inverse hyperbolic tangent (NaN outside [-1, 1], infinite at +-1).
+template <expr::ExprLike A>
+auto atanh(A&& a) {
+  return expr::make<ops::Atanh>(std::forward<A>(a));
+}
+/// True where x is NaN (never for integers).
+template <expr::ExprLike A>
+auto isnan(A&& a) {
+  return expr::make<ops::IsNan>(std::forward<A>(a));
+}
+/// True where x is +-infinity.
+template <expr::ExprLike A>
+auto isinf(A&& a) {
+  return expr::make<ops::IsInf>(std::forward<A>(a));
+}
+/// True where x is neither infinite nor NaN (always for integers).
+template <expr::ExprLike A>
+auto isfinite(A&& a) {
+  return expr::make<ops::IsFinite>(std::forward<A>(a));
+}
 /// Element-wise largest whole number <= x, in x's type (integers unchanged; the gradient
 /// is zero). Not for bool.
 template <expr::ExprLike A>
@@ -505,6 +566,33 @@ template <class A, class B>
 auto minimum(A&& a, B&& b) {
   return expr::make<ops::Minimum>(std::forward<A>(a), std::forward<B>(b));
 }
+/// atan2(a, b): the angle of the point (b, a) in (-pi, pi], quadrant-aware (torch.atan2;
+/// float results).
+template <class A, class B>
+  requires expr::BinaryOperands<A, B>
+auto atan2(A&& a, B&& b) {
+  return expr::make<ops::Atan2>(std::forward<A>(a), std::forward<B>(b));
+}
+/// sqrt(a^2 + b^2), exact where the squares would overflow or underflow (torch.hypot).
+template <class A, class B>
+  requires expr::BinaryOperands<A, B>
+auto hypot(A&& a, B&& b) {
+  return expr::make<ops::Hypot>(std::forward<A>(a), std::forward<B>(b));
+}
+/// Element-wise exclusive or of non-zero tests (torch.logical_xor).
+template <class A, class B>
+  requires expr::BinaryOperands<A, B>
+auto logical_xor(A&& a, B&& b) {
+  return expr::make<ops::LogicalXor>(std::forward<A>(a), std::forward<B>(b));
+}
+/// a + weight * (b - a) (torch.lerp; weight a tensor, an expression or a number), computed
+/// as torch does: from b's side where weight >= 0.5, so that weight 1 gives b exactly.
+/// Floating operands (torch refuses integers); the three broadcast.
+template <expr::ExprLike A, expr::ExprLike B, class W>
+  requires is_floating_v<expr::value_t<A>> && is_floating_v<expr::value_t<B>>
+auto lerp(A&& a, B&& b, const W& weight) {
+  return expr::make<ops::Lerp>(std::forward<A>(a), std::forward<B>(b), weight);
+}
 /// Element-wise logical and / or of non-zero tests.
 template <class A, class B>
   requires expr::BinaryOperands<A, B>
@@ -545,6 +633,20 @@ auto where(C&& cond, A&& a, B&& b) {
   auto vb = value(std::forward<B>(b), a);
   return Expr<ops::Where, expr::operand_t<C>, decltype(va), decltype(vb)>(expr::operand(std::forward<C>(cond)),
                                                                           std::move(va), std::move(vb));
+}
+/// NaN, +inf and -inf replaced by `nan`, `posinf` and `neginf` (torch.nan_to_num; the
+/// infinities default to the dtype's largest and lowest finite values). Floating only.
+template <expr::ExprLike X>
+  requires is_floating_v<expr::value_t<X>>
+auto nan_to_num(const X& x, double nan = 0, std::optional<double> posinf = std::nullopt,
+                std::optional<double> neginf = std::nullopt) {
+  using T = expr::value_t<X>;
+  // bfloat16's largest finite value is 0x7F7F (no numeric_limits for it).
+  double largest = 3.3895313892515355e38;
+  if constexpr (!std::is_same_v<T, bfloat16>) largest = static_cast<double>(std::numeric_limits<T>::max());
+  const double inf = std::numeric_limits<double>::infinity();
+  const auto& v = x;
+  return where(isnan(v), nan, where(v == inf, posinf.value_or(largest), where(v == -inf, neginf.value_or(-largest), v)));
 }
 /// Explicit element type conversion.
 template <Element U, expr::ExprLike X>
