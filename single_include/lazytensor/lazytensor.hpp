@@ -21598,6 +21598,7 @@ LAZYTENSOR_RANDINT_INSTANCES(extern, std::int64_t)
 // output element, so results do not depend on the thread count.
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -21725,9 +21726,77 @@ class IndexAddNode final : public Node {
   int dim_;
 };
 
+namespace detail {
+
+/// Calls f(p, s, t) for the flat positions p in [p0, p1) of an index of shape `xs`, in
+/// order: s is p's offset in a source of strides `sst`, t its offset in a target of
+/// strides `tst` without coordinate `dim` (which the index's value supplies). Offsets move
+/// with an odometer: one division per dimension per call, not per position.
+template <class F>
+void walk_index_range(const Shape& xs, int dim, const std::array<std::int64_t, kMaxRank>& sst,
+                      const std::array<std::int64_t, kMaxRank>& tst, std::int64_t p0, std::int64_t p1, F&& f) {
+  if (p0 >= p1) return;
+  const int R = xs.rank();
+  const auto xst = contiguous_strides(xs);
+  std::int64_t c[kMaxRank] = {}, rem = p0, s = 0, t = 0;
+  for (int d = 0; d < R; ++d) {
+    c[d] = rem / xst[d];
+    rem %= xst[d];
+    s += c[d] * sst[d];
+    if (d != dim) t += c[d] * tst[d];
+  }
+  for (std::int64_t p = p0; p < p1; ++p) {
+    f(p, s, t);
+    for (int d = R - 1; d >= 0; --d) {  // the odometer's carry
+      if (++c[d] < xs[d]) {
+        s += sst[d];
+        if (d != dim) t += tst[d];
+        break;
+      }
+      s -= (xs[d] - 1) * sst[d];
+      if (d != dim) t -= (xs[d] - 1) * tst[d];
+      c[d] = 0;
+    }
+  }
+}
+
+/// How many groups walk_index_part may split an index of shape `xs` (rank >= 1, no empty
+/// dimension) into: the size of dimension 0, or of 1 when `dim` is 0 (1 for a 1-D index).
+inline std::int64_t index_parts(const Shape& xs, int dim) {
+  if (dim != 0) return xs[0];
+  return xs.rank() > 1 ? xs[1] : 1;
+}
+
+/// Group `q` of `parts` (at most index_parts) of an index's positions, walked in order by
+/// walk_index_range: a range of coordinates along the dimension index_parts counts. Two
+/// groups never write the same target, since their positions differ outside `dim`.
+template <class F>
+void walk_index_part(const Shape& xs, int dim, const std::array<std::int64_t, kMaxRank>& sst,
+                     const std::array<std::int64_t, kMaxRank>& tst, std::int64_t parts, std::int64_t q, F&& f) {
+  const int split = dim != 0 ? 0 : (xs.rank() > 1 ? 1 : -1);
+  if (split < 0) {
+    if (q == 0) walk_index_range(xs, dim, sst, tst, 0, xs.numel(), f);
+    return;
+  }
+  const auto [c0, c1] = task_range(xs[split], parts, q);
+  std::int64_t inner = 1;  // positions per coordinate of `split`
+  for (int d = split + 1; d < xs.rank(); ++d) inner *= xs[d];
+  if (split == 0) {
+    walk_index_range(xs, dim, sst, tst, c0 * inner, c1 * inner, f);
+  } else {
+    const std::int64_t row = xs[1] * inner;
+    for (std::int64_t r = 0; r < xs[0]; ++r) {
+      walk_index_range(xs, dim, sst, tst, r * row + c0 * inner, r * row + c1 * inner, f);
+    }
+  }
+}
+
+}  // namespace detail
+
 /// scatter_add into zeros: out[.., index[p], ..] += g[p] along `dim` for every position p of
 /// the index (the gradient of gather). Positions that differ outside `dim` never collide,
-/// so tasks split the index's outermost other dimension.
+/// so tasks split the index's dimension 0 (1 when `dim` is 0), each walking its positions
+/// in order.
 template <Element T, IndexElement I>
 class ScatterAddNode final : public Node {
  public:
@@ -21756,37 +21825,25 @@ class ScatterAddNode final : public Node {
     auto buf = allocate_output(ctx, false);
     T* out = static_cast<T*>(buf->data());
     std::fill(out, out + numel(), T(0));
-    const int R = xs.rank();
     const std::int64_t n = xs.numel(), dsize = ts[dim_];
-    const auto xst = contiguous_strides(xs), tst = contiguous_strides(ts);
-    // Split over the outermost dim other than `dim` (all of it in one task when none).
-    const int split = dim_ == 0 ? (R > 1 ? 1 : -1) : 0;
-    const std::int64_t parts = split < 0 ? 1 : xs[split];
-    auto& pool = ctx.device.threads();
-    const std::int64_t tasks = std::max<std::int64_t>(1, std::min(parts, task_count(pool, n, 2.0)));
-    using C = compute_t<T>;
-    pool.parallel_for(tasks, [&](std::int64_t t) {
-      auto [p0, p1] = task_range(parts, tasks, t);
-      for (std::int64_t p = 0; p < n; ++p) {
-        // Coordinates of p in the index; the target replaces coordinate `dim`.
-        std::int64_t rem = p, at = 0, part = 0;
-        for (int d = 0; d < R; ++d) {
-          const std::int64_t c = rem / xst[d];
-          rem %= xst[d];
-          if (d == split) part = c;
-          if (d != dim_) at += c * tst[d];
-        }
-        if (split >= 0 && (part < p0 || part >= p1)) continue;
-        if (split < 0 && t != 0) continue;
-        const auto k = static_cast<std::int64_t>(idx[p]);
-        if (k < 0 || k >= dsize) {
-          throw IndexError("scatter_add: index " + std::to_string(k) + " is out of bounds for dimension " +
-                           std::to_string(dim_) + " with size " + std::to_string(dsize));
-        }
-        T& dst = out[at + k * tst[dim_]];
-        dst = static_cast<T>(static_cast<C>(dst) + static_cast<C>(g[p]));
-      }
-    });
+    if (n > 0) {
+      const auto xst = contiguous_strides(xs), tst = contiguous_strides(ts);
+      auto& pool = ctx.device.threads();
+      const std::int64_t parts = detail::index_parts(xs, dim_);
+      const std::int64_t tasks = std::max<std::int64_t>(1, std::min(parts, task_count(pool, n, 2.0)));
+      using C = compute_t<T>;
+      pool.parallel_for(tasks, [&](std::int64_t t) {
+        detail::walk_index_part(xs, dim_, xst, tst, tasks, t, [&](std::int64_t p, std::int64_t, std::int64_t at) {
+          const auto k = static_cast<std::int64_t>(idx[p]);
+          if (k < 0 || k >= dsize) {
+            throw IndexError("scatter_add: index " + std::to_string(k) + " is out of bounds for dimension " +
+                             std::to_string(dim_) + " with size " + std::to_string(dsize));
+          }
+          T& dst = out[at + k * tst[dim_]];
+          dst = static_cast<T>(static_cast<C>(dst) + static_cast<C>(g[p]));
+        });
+      });
+    }
     set_buffer(std::move(buf));
   }
 
@@ -28542,8 +28599,8 @@ auto masked_fill(const X& x, const Tensor<bool>& mask, const Tensor<expr::value_
 // position p of `index` writes or combines src[p] at the same coordinates, with
 // index[p] in place of coordinate `dim`. Positions are visited in index order, so the
 // result is deterministic (duplicates: the last write wins; sums add in index order) and
-// does not depend on the thread count: tasks split the index's outermost dimension when
-// that is not `dim`, and positions with different coordinates there never collide.
+// does not depend on the thread count: tasks split the index's dimension 0 (1 when `dim`
+// is 0), and positions with different coordinates there never collide.
 
 #include <algorithm>
 #include <cmath>
@@ -28656,46 +28713,23 @@ class ScatterNode final : public Node {
       set_buffer(std::move(buf));
       return;
     }
-    const int R = xs.rank();
     const auto tst = contiguous_strides(ts), sst = contiguous_strides(ss);
     // Targets reached so far (include_self = false, mean's counts): one per output element.
     const bool counting =
         mode_ == ScatterMode::mean || (!include_self_ && mode_ != ScatterMode::assign);
     std::vector<std::int64_t> count(counting ? static_cast<std::size_t>(numel()) : 0, 0);
-    // Tasks take whole slices of the index's dimension 0 unless that is `dim`.
-    const std::int64_t parts = dim_ == 0 ? 1 : xs[0],
-                       per_part = n / xs[0] * (dim_ == 0 ? xs[0] : 1);
+    // Tasks take whole slices of the index's dimension 0 (1 when `dim` is 0): positions in
+    // different slices never share a target.
     auto& pool = ctx.device.threads();
+    const std::int64_t parts = detail::index_parts(xs, dim_);
     const std::int64_t tasks = std::max<std::int64_t>(1, std::min(parts, task_count(pool, n, 2.0)));
     pool.parallel_for(tasks, [&](std::int64_t t) {
-      const auto [q0, q1] = task_range(parts, tasks, t);
-      std::int64_t c[kMaxRank] = {};
-      std::int64_t p = q0 * per_part;
-      const std::int64_t end = q1 * per_part;
-      // Coordinates of p, and the offsets they give in src and (without `dim`) the output.
-      std::int64_t rem = p, s_off = 0, t_off = 0;
-      const auto xst = contiguous_strides(xs);
-      for (int d = 0; d < R; ++d) {
-        c[d] = rem / xst[d];
-        rem %= xst[d];
-        s_off += c[d] * sst[d];
-        if (d != dim_) t_off += c[d] * tst[d];
-      }
-      for (; p < end; ++p) {
-        const auto k = static_cast<std::int64_t>(idx[p]);
-        const std::int64_t at = t_off + k * tst[dim_];
-        combine(out[at], src[s_off], counting ? &count[static_cast<std::size_t>(at)] : nullptr);
-        for (int d = R - 1; d >= 0; --d) {  // next position: the odometer's carry
-          if (++c[d] < xs[d]) {
-            s_off += sst[d];
-            if (d != dim_) t_off += tst[d];
-            break;
-          }
-          s_off -= (xs[d] - 1) * sst[d];
-          if (d != dim_) t_off -= (xs[d] - 1) * tst[d];
-          c[d] = 0;
-        }
-      }
+      detail::walk_index_part(
+          xs, dim_, sst, tst, tasks, t,
+          [&](std::int64_t p, std::int64_t s_off, std::int64_t t_off) {
+            const std::int64_t at = t_off + static_cast<std::int64_t>(idx[p]) * tst[dim_];
+            combine(out[at], src[s_off], counting ? &count[static_cast<std::size_t>(at)] : nullptr);
+          });
     });
     if (mode_ == ScatterMode::mean) finish_mean(out, count);
     set_buffer(std::move(buf));

@@ -3,8 +3,8 @@
 // position p of `index` writes or combines src[p] at the same coordinates, with
 // index[p] in place of coordinate `dim`. Positions are visited in index order, so the
 // result is deterministic (duplicates: the last write wins; sums add in index order) and
-// does not depend on the thread count: tasks split the index's outermost dimension when
-// that is not `dim`, and positions with different coordinates there never collide.
+// does not depend on the thread count: tasks split the index's dimension 0 (1 when `dim`
+// is 0), and positions with different coordinates there never collide.
 
 #include <algorithm>
 #include <cmath>
@@ -16,6 +16,7 @@
 
 #include <lazytensor/graph/device.hpp>
 #include <lazytensor/graph/parallel.hpp>
+#include <lazytensor/graph/shape_backward.hpp>
 
 namespace lazy::graph {
 
@@ -119,46 +120,23 @@ class ScatterNode final : public Node {
       set_buffer(std::move(buf));
       return;
     }
-    const int R = xs.rank();
     const auto tst = contiguous_strides(ts), sst = contiguous_strides(ss);
     // Targets reached so far (include_self = false, mean's counts): one per output element.
     const bool counting =
         mode_ == ScatterMode::mean || (!include_self_ && mode_ != ScatterMode::assign);
     std::vector<std::int64_t> count(counting ? static_cast<std::size_t>(numel()) : 0, 0);
-    // Tasks take whole slices of the index's dimension 0 unless that is `dim`.
-    const std::int64_t parts = dim_ == 0 ? 1 : xs[0],
-                       per_part = n / xs[0] * (dim_ == 0 ? xs[0] : 1);
+    // Tasks take whole slices of the index's dimension 0 (1 when `dim` is 0): positions in
+    // different slices never share a target.
     auto& pool = ctx.device.threads();
+    const std::int64_t parts = detail::index_parts(xs, dim_);
     const std::int64_t tasks = std::max<std::int64_t>(1, std::min(parts, task_count(pool, n, 2.0)));
     pool.parallel_for(tasks, [&](std::int64_t t) {
-      const auto [q0, q1] = task_range(parts, tasks, t);
-      std::int64_t c[kMaxRank] = {};
-      std::int64_t p = q0 * per_part;
-      const std::int64_t end = q1 * per_part;
-      // Coordinates of p, and the offsets they give in src and (without `dim`) the output.
-      std::int64_t rem = p, s_off = 0, t_off = 0;
-      const auto xst = contiguous_strides(xs);
-      for (int d = 0; d < R; ++d) {
-        c[d] = rem / xst[d];
-        rem %= xst[d];
-        s_off += c[d] * sst[d];
-        if (d != dim_) t_off += c[d] * tst[d];
-      }
-      for (; p < end; ++p) {
-        const auto k = static_cast<std::int64_t>(idx[p]);
-        const std::int64_t at = t_off + k * tst[dim_];
-        combine(out[at], src[s_off], counting ? &count[static_cast<std::size_t>(at)] : nullptr);
-        for (int d = R - 1; d >= 0; --d) {  // next position: the odometer's carry
-          if (++c[d] < xs[d]) {
-            s_off += sst[d];
-            if (d != dim_) t_off += tst[d];
-            break;
-          }
-          s_off -= (xs[d] - 1) * sst[d];
-          if (d != dim_) t_off -= (xs[d] - 1) * tst[d];
-          c[d] = 0;
-        }
-      }
+      detail::walk_index_part(
+          xs, dim_, sst, tst, tasks, t,
+          [&](std::int64_t p, std::int64_t s_off, std::int64_t t_off) {
+            const std::int64_t at = t_off + static_cast<std::int64_t>(idx[p]) * tst[dim_];
+            combine(out[at], src[s_off], counting ? &count[static_cast<std::size_t>(at)] : nullptr);
+          });
     });
     if (mode_ == ScatterMode::mean) finish_mean(out, count);
     set_buffer(std::move(buf));

@@ -5,6 +5,7 @@
 // output element, so results do not depend on the thread count.
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -134,9 +135,77 @@ class IndexAddNode final : public Node {
   int dim_;
 };
 
+namespace detail {
+
+/// Calls f(p, s, t) for the flat positions p in [p0, p1) of an index of shape `xs`, in
+/// order: s is p's offset in a source of strides `sst`, t its offset in a target of
+/// strides `tst` without coordinate `dim` (which the index's value supplies). Offsets move
+/// with an odometer: one division per dimension per call, not per position.
+template <class F>
+void walk_index_range(const Shape& xs, int dim, const std::array<std::int64_t, kMaxRank>& sst,
+                      const std::array<std::int64_t, kMaxRank>& tst, std::int64_t p0, std::int64_t p1, F&& f) {
+  if (p0 >= p1) return;
+  const int R = xs.rank();
+  const auto xst = contiguous_strides(xs);
+  std::int64_t c[kMaxRank] = {}, rem = p0, s = 0, t = 0;
+  for (int d = 0; d < R; ++d) {
+    c[d] = rem / xst[d];
+    rem %= xst[d];
+    s += c[d] * sst[d];
+    if (d != dim) t += c[d] * tst[d];
+  }
+  for (std::int64_t p = p0; p < p1; ++p) {
+    f(p, s, t);
+    for (int d = R - 1; d >= 0; --d) {  // the odometer's carry
+      if (++c[d] < xs[d]) {
+        s += sst[d];
+        if (d != dim) t += tst[d];
+        break;
+      }
+      s -= (xs[d] - 1) * sst[d];
+      if (d != dim) t -= (xs[d] - 1) * tst[d];
+      c[d] = 0;
+    }
+  }
+}
+
+/// How many groups walk_index_part may split an index of shape `xs` (rank >= 1, no empty
+/// dimension) into: the size of dimension 0, or of 1 when `dim` is 0 (1 for a 1-D index).
+inline std::int64_t index_parts(const Shape& xs, int dim) {
+  if (dim != 0) return xs[0];
+  return xs.rank() > 1 ? xs[1] : 1;
+}
+
+/// Group `q` of `parts` (at most index_parts) of an index's positions, walked in order by
+/// walk_index_range: a range of coordinates along the dimension index_parts counts. Two
+/// groups never write the same target, since their positions differ outside `dim`.
+template <class F>
+void walk_index_part(const Shape& xs, int dim, const std::array<std::int64_t, kMaxRank>& sst,
+                     const std::array<std::int64_t, kMaxRank>& tst, std::int64_t parts, std::int64_t q, F&& f) {
+  const int split = dim != 0 ? 0 : (xs.rank() > 1 ? 1 : -1);
+  if (split < 0) {
+    if (q == 0) walk_index_range(xs, dim, sst, tst, 0, xs.numel(), f);
+    return;
+  }
+  const auto [c0, c1] = task_range(xs[split], parts, q);
+  std::int64_t inner = 1;  // positions per coordinate of `split`
+  for (int d = split + 1; d < xs.rank(); ++d) inner *= xs[d];
+  if (split == 0) {
+    walk_index_range(xs, dim, sst, tst, c0 * inner, c1 * inner, f);
+  } else {
+    const std::int64_t row = xs[1] * inner;
+    for (std::int64_t r = 0; r < xs[0]; ++r) {
+      walk_index_range(xs, dim, sst, tst, r * row + c0 * inner, r * row + c1 * inner, f);
+    }
+  }
+}
+
+}  // namespace detail
+
 /// scatter_add into zeros: out[.., index[p], ..] += g[p] along `dim` for every position p of
 /// the index (the gradient of gather). Positions that differ outside `dim` never collide,
-/// so tasks split the index's outermost other dimension.
+/// so tasks split the index's dimension 0 (1 when `dim` is 0), each walking its positions
+/// in order.
 template <Element T, IndexElement I>
 class ScatterAddNode final : public Node {
  public:
@@ -165,37 +234,25 @@ class ScatterAddNode final : public Node {
     auto buf = allocate_output(ctx, false);
     T* out = static_cast<T*>(buf->data());
     std::fill(out, out + numel(), T(0));
-    const int R = xs.rank();
     const std::int64_t n = xs.numel(), dsize = ts[dim_];
-    const auto xst = contiguous_strides(xs), tst = contiguous_strides(ts);
-    // Split over the outermost dim other than `dim` (all of it in one task when none).
-    const int split = dim_ == 0 ? (R > 1 ? 1 : -1) : 0;
-    const std::int64_t parts = split < 0 ? 1 : xs[split];
-    auto& pool = ctx.device.threads();
-    const std::int64_t tasks = std::max<std::int64_t>(1, std::min(parts, task_count(pool, n, 2.0)));
-    using C = compute_t<T>;
-    pool.parallel_for(tasks, [&](std::int64_t t) {
-      auto [p0, p1] = task_range(parts, tasks, t);
-      for (std::int64_t p = 0; p < n; ++p) {
-        // Coordinates of p in the index; the target replaces coordinate `dim`.
-        std::int64_t rem = p, at = 0, part = 0;
-        for (int d = 0; d < R; ++d) {
-          const std::int64_t c = rem / xst[d];
-          rem %= xst[d];
-          if (d == split) part = c;
-          if (d != dim_) at += c * tst[d];
-        }
-        if (split >= 0 && (part < p0 || part >= p1)) continue;
-        if (split < 0 && t != 0) continue;
-        const auto k = static_cast<std::int64_t>(idx[p]);
-        if (k < 0 || k >= dsize) {
-          throw IndexError("scatter_add: index " + std::to_string(k) + " is out of bounds for dimension " +
-                           std::to_string(dim_) + " with size " + std::to_string(dsize));
-        }
-        T& dst = out[at + k * tst[dim_]];
-        dst = static_cast<T>(static_cast<C>(dst) + static_cast<C>(g[p]));
-      }
-    });
+    if (n > 0) {
+      const auto xst = contiguous_strides(xs), tst = contiguous_strides(ts);
+      auto& pool = ctx.device.threads();
+      const std::int64_t parts = detail::index_parts(xs, dim_);
+      const std::int64_t tasks = std::max<std::int64_t>(1, std::min(parts, task_count(pool, n, 2.0)));
+      using C = compute_t<T>;
+      pool.parallel_for(tasks, [&](std::int64_t t) {
+        detail::walk_index_part(xs, dim_, xst, tst, tasks, t, [&](std::int64_t p, std::int64_t, std::int64_t at) {
+          const auto k = static_cast<std::int64_t>(idx[p]);
+          if (k < 0 || k >= dsize) {
+            throw IndexError("scatter_add: index " + std::to_string(k) + " is out of bounds for dimension " +
+                             std::to_string(dim_) + " with size " + std::to_string(dsize));
+          }
+          T& dst = out[at + k * tst[dim_]];
+          dst = static_cast<T>(static_cast<C>(dst) + static_cast<C>(g[p]));
+        });
+      });
+    }
     set_buffer(std::move(buf));
   }
 
