@@ -20,6 +20,7 @@
 #include <lazytensor/ops/scatter.hpp>
 #include <lazytensor/ops/shape.hpp>
 #include <lazytensor/ops/softmax.hpp>
+#include <lazytensor/ops/sort.hpp>
 #include <lazytensor/ops/split.hpp>
 #include <lazytensor/ops/statistics.hpp>
 #include <lazytensor/optim.hpp>
