@@ -17,6 +17,7 @@
 #include <lazytensor/ops/conv.hpp>
 #include <lazytensor/ops/pool.hpp>
 #include <lazytensor/ops/rearrange.hpp>
+#include <lazytensor/ops/scan.hpp>
 #include <lazytensor/ops/scatter.hpp>
 #include <lazytensor/ops/shape.hpp>
 #include <lazytensor/ops/softmax.hpp>
