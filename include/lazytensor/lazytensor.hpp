@@ -15,6 +15,7 @@
 #include <lazytensor/io.hpp>
 #include <lazytensor/nn.hpp>
 #include <lazytensor/ops/conv.hpp>
+#include <lazytensor/ops/linalg.hpp>
 #include <lazytensor/ops/pool.hpp>
 #include <lazytensor/ops/rearrange.hpp>
 #include <lazytensor/ops/scan.hpp>

@@ -28327,6 +28327,719 @@ LAZYTENSOR_NN_CLIP_GRAD_INSTANCES(extern)
 LAZYTENSOR_NN_SEQUENTIAL_INSTANCES(extern)
 #endif
 // ---- end lazytensor/nn.hpp ----
+// ---- begin lazytensor/ops/linalg.hpp ----
+// The small linear-algebra vocabulary of torch around matmul: mm, mv, dot, outer, addmm,
+// diagonal, diag and trace. Composites of matmul, reshape, permute, slice and scatter, so
+// their gradients are those ops' backward and nothing here is a node or a kernel. Each
+// checks the ranks torch's function requires (matmul alone would broadcast them).
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+// ---- begin lazytensor/ops/scatter.hpp ----
+// Writing by tensors of indices, torch's names and semantics: scatter (a tensor or a
+// number), scatter_add, scatter_reduce ("sum", "prod", "mean", "amax", "amin", with
+// include_self), index_add and index_fill. The kernels are graph/scatter_node.hpp's and
+// graph/shape_backward.hpp's; the gradients are written in gather, where and the same
+// kernels, as torch's derivative formulas are.
+//
+// Results are deterministic: positions are combined in index order, and with duplicate
+// indices the last write wins (torch leaves that case unspecified).
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+// ---- begin lazytensor/graph/scatter_node.hpp ----
+// torch.scatter and scatter_reduce in one kernel: a copy of `self` into which every
+// position p of `index` writes or combines src[p] at the same coordinates, with
+// index[p] in place of coordinate `dim`. Positions are visited in index order, so the
+// result is deterministic (duplicates: the last write wins; sums add in index order) and
+// does not depend on the thread count: tasks split the index's dimension 0 (1 when `dim`
+// is 0), and positions with different coordinates there never collide.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+
+namespace lazy::graph {
+
+/// How scattered values meet the ones already there (scatter_reduce's `reduce`; `assign`
+/// is plain scatter).
+enum class ScatterMode { assign, sum, prod, mean, amax, amin };
+
+/// The name torch gives the mode ("sum", "prod", "mean", "amax", "amin"; "assign").
+inline const char* scatter_mode_name(ScatterMode m) {
+  switch (m) {
+    case ScatterMode::assign:
+      return "assign";
+    case ScatterMode::sum:
+      return "sum";
+    case ScatterMode::prod:
+      return "prod";
+    case ScatterMode::mean:
+      return "mean";
+    case ScatterMode::amax:
+      return "amax";
+    case ScatterMode::amin:
+      return "amin";
+  }
+  return "?";
+}
+
+/// Inputs: self (the output's shape), index (IndexElement, self's rank, each size at most
+/// self's outside `dim`), src (at least index's size in every dimension; read at index's
+/// coordinates). `include_self = false` makes a target's first scattered value replace
+/// self's instead of combining with it (scatter_reduce's include_self).
+template <Element T, IndexElement I>
+class ScatterNode final : public Node {
+ public:
+  ScatterNode(NodePtr self, NodePtr index, NodePtr src, int dim, ScatterMode mode,
+              bool include_self)
+      : Node(NodeKind::Copy, self->dtype(), self->shape(), self->device(), {self, index, src}),
+        dim_(dim),
+        mode_(mode),
+        include_self_(include_self) {}
+
+  std::string op_name() const override {
+    return mode_ == ScatterMode::assign ? "scatter" : "scatter_reduce";
+  }
+  std::string describe() const override {
+    return op_name() + "(%0, dim=" + std::to_string(dim_) +
+           ", %1, %2, reduce=" + scatter_mode_name(mode_) +
+           (include_self_ ? ")" : ", include_self=false)");
+  }
+  std::uint64_t structural_hash() const override {
+    std::uint64_t h = hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
+    h = hash_combine(h, static_cast<std::uint64_t>(mode_));
+    return hash_combine(h, include_self_ ? 1u : 0u);
+  }
+  /// Blocks along the dimensions other than `dim` where index and src span the whole
+  /// output: there the three inputs cut alike.
+  std::optional<BlockRule> block_rule() const override {
+    const Shape& out = shape();
+    const Shape& is = inputs()[1]->shape();
+    const Shape& ss = inputs()[2]->shape();
+    const int rank = out.rank();
+    BlockRule r{
+        std::vector<bool>(static_cast<std::size_t>(rank), false),
+        std::vector<std::vector<int>>(3, std::vector<int>(static_cast<std::size_t>(rank), -1))};
+    for (int o = 0; o < rank; ++o) {
+      const auto u = static_cast<std::size_t>(o);
+      r.input_dim[0][u] = o;
+      if (o == dim_ || is.rank() != rank || is[o] != out[o] || ss[o] != out[o]) continue;
+      r.splittable[u] = true;
+      r.input_dim[1][u] = r.input_dim[2][u] = o;
+    }
+    for (int o = 0; o < rank; ++o) {
+      if (!r.splittable[static_cast<std::size_t>(o)])
+        r.input_dim[0][static_cast<std::size_t>(o)] = -1;
+    }
+    return r;
+  }
+  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
+    return std::make_shared<ScatterNode>(std::move(inputs[0]), std::move(inputs[1]),
+                                         std::move(inputs[2]), dim_, mode_, include_self_);
+  }
+  double cost_per_element() const override { return 2; }
+
+ protected:
+  void compute(ExecContext& ctx) override {
+    const NodePtr& self = inputs()[0];
+    check_index();             // before self's buffer may be taken: a failure leaves it intact
+    auto buf = try_donate(0);  // never src's or index's buffer: both are read while writing
+    if (!buf) {
+      buf = allocate_output(ctx, false);
+      std::copy_n(self->template data<T>(), numel(), static_cast<T*>(buf->data()));
+    }
+    T* out = static_cast<T*>(buf->data());
+    const I* idx = inputs()[1]->template data<I>();
+    const T* src = inputs()[2]->template data<T>();
+    Shape xs = inputs()[1]->shape(), ts = shape(), ss = inputs()[2]->shape();
+    if (xs.rank() == 0) xs = Shape{1};
+    if (ts.rank() == 0) ts = Shape{1};
+    if (ss.rank() == 0) ss = Shape{1};
+    const std::int64_t n = xs.numel();
+    if (n == 0) {
+      set_buffer(std::move(buf));
+      return;
+    }
+    const auto tst = contiguous_strides(ts), sst = contiguous_strides(ss);
+    // Targets reached so far (include_self = false, mean's counts): one per output element.
+    const bool counting =
+        mode_ == ScatterMode::mean || (!include_self_ && mode_ != ScatterMode::assign);
+    std::vector<std::int64_t> count(counting ? static_cast<std::size_t>(numel()) : 0, 0);
+    // Tasks take whole slices of the index's dimension 0 (1 when `dim` is 0): positions in
+    // different slices never share a target.
+    auto& pool = ctx.device.threads();
+    const std::int64_t parts = detail::index_parts(xs, dim_);
+    const std::int64_t tasks = std::max<std::int64_t>(1, std::min(parts, task_count(pool, n, 2.0)));
+    pool.parallel_for(tasks, [&](std::int64_t t) {
+      detail::walk_index_part(
+          xs, dim_, sst, tst, tasks, t,
+          [&](std::int64_t p, std::int64_t s_off, std::int64_t t_off) {
+            const std::int64_t at = t_off + static_cast<std::int64_t>(idx[p]) * tst[dim_];
+            combine(out[at], src[s_off], counting ? &count[static_cast<std::size_t>(at)] : nullptr);
+          });
+    });
+    if (mode_ == ScatterMode::mean) finish_mean(out, count);
+    set_buffer(std::move(buf));
+  }
+
+ private:
+  using C = compute_t<T>;
+
+  // Index values outside [0, size of dim) raise IndexError.
+  void check_index() const {
+    const NodePtr& index = inputs()[1];
+    const I* idx = index->template data<I>();
+    const std::int64_t dsize = shape().rank() == 0 ? 1 : shape()[dim_];
+    for (std::int64_t p = 0; p < index->numel(); ++p) {
+      const auto k = static_cast<std::int64_t>(idx[p]);
+      if (k < 0 || k >= dsize) {
+        throw IndexError(op_name() + ": index " + std::to_string(k) +
+                         " is out of bounds for dimension " + std::to_string(dim_) + " with size " +
+                         std::to_string(dsize) + " (expected 0 <= index < " +
+                         std::to_string(dsize) + ")");
+      }
+    }
+  }
+
+  // One scattered value meets its target. `seen` counts the values the target got so far
+  // (null when neither mean nor include_self = false needs it).
+  void combine(T& dst, T v, std::int64_t* seen) const {
+    if (mode_ == ScatterMode::assign) {
+      dst = v;
+      return;
+    }
+    if (seen && (*seen)++ == 0 && !include_self_) {
+      dst = v;  // the first value replaces self's
+      return;
+    }
+    const C a = static_cast<C>(dst), b = static_cast<C>(v);
+    switch (mode_) {
+      case ScatterMode::sum:
+      case ScatterMode::mean:
+        dst = static_cast<T>(wrap_add(a, b));
+        break;
+      case ScatterMode::prod:
+        dst = static_cast<T>(wrap_mul(a, b));
+        break;
+      case ScatterMode::amax:
+        dst = static_cast<T>(is_nan(a) || a > b ? a : (is_nan(b) || b > a ? b : a));
+        break;
+      case ScatterMode::amin:
+        dst = static_cast<T>(is_nan(a) || a < b ? a : (is_nan(b) || b < a ? b : a));
+        break;
+      case ScatterMode::assign:
+        break;
+    }
+  }
+
+  // mean: the sum over (count + self) values, self counted unless include_self = false.
+  // Integers divide with floor, as torch's scatter_reduce does.
+  void finish_mean(T* out, const std::vector<std::int64_t>& count) const {
+    for (std::size_t i = 0; i < count.size(); ++i) {
+      const std::int64_t m = count[i] + (include_self_ ? 1 : 0);
+      if (count[i] == 0 || m <= 1) continue;
+      if constexpr (std::is_integral_v<C> && !std::is_same_v<C, bool>) {
+        const auto s = static_cast<std::int64_t>(out[i]);
+        const std::int64_t q = s / m;
+        out[i] = static_cast<T>(q * m != s && (s < 0) != (m < 0) ? q - 1 : q);
+      } else if constexpr (std::is_same_v<C, bool>) {
+        // A bool mean is true when any value was: the sum, saturated.
+      } else {
+        out[i] = static_cast<T>(static_cast<C>(out[i]) / static_cast<C>(m));
+      }
+    }
+  }
+
+  static bool is_nan(C v) {
+    if constexpr (std::is_floating_point_v<C>)
+      return std::isnan(v);
+    else
+      return false;
+  }
+  // Integer sums and products wrap (two's complement), as the reductions' do; bool ones
+  // saturate (logical or / and).
+  static C wrap_add(C a, C b) {
+    if constexpr (std::is_same_v<C, bool>)
+      return a || b;
+    else if constexpr (std::is_integral_v<C>) {
+      using U = std::make_unsigned_t<C>;
+      return static_cast<C>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
+    } else {
+      return a + b;
+    }
+  }
+  static C wrap_mul(C a, C b) {
+    if constexpr (std::is_same_v<C, bool>)
+      return a && b;
+    else if constexpr (std::is_integral_v<C>) {
+      using U = std::make_unsigned_t<C>;
+      return static_cast<C>(static_cast<U>(static_cast<U>(a) * static_cast<U>(b)));
+    } else {
+      return a * b;
+    }
+  }
+
+  int dim_;
+  ScatterMode mode_;
+  bool include_self_;
+};
+
+}  // namespace lazy::graph
+// ---- end lazytensor/graph/scatter_node.hpp ----
+
+namespace lazy {
+
+namespace detail {
+
+/// The scatter kernel over tensors whose shapes were checked, without a gradient.
+template <Element T, IndexElement I>
+Tensor<T> scatter_kernel(const Tensor<T>& self, int dim, const Tensor<I>& index,
+                         const Tensor<T>& src, graph::ScatterMode mode, bool include_self) {
+  return Tensor<T>(graph::submit(std::make_shared<graph::ScatterNode<T, I>>(
+      self.node(), index.node(), src.node(), dim, mode, include_self)));
+}
+
+/// Checks scatter's shapes (torch's rules) and returns the normalized dim: index has self's
+/// rank, and at most src's size in every dimension and self's outside `dim`.
+inline int check_scatter_shapes(const char* op, const Shape& self, std::int64_t dim,
+                                const Shape& index, const Shape* src) {
+  const int d = normalize_dim(dim, self.rank(), op);
+  if (index.numel() == 0) return d;  // torch lets an empty index through whatever its shape
+  if (index.rank() != self.rank()) {
+    throw ShapeError(std::string(op) +
+                     ": index must have the same number of dimensions as self: expected " +
+                     std::to_string(self.rank()) + " (self shape " + self.str() + "), got " +
+                     std::to_string(index.rank()) + " (index shape " + index.str() + ")");
+  }
+  if (src && src->rank() != index.rank()) {
+    throw ShapeError(std::string(op) +
+                     ": src must have the same number of dimensions as index: expected " +
+                     std::to_string(index.rank()) + ", got " + std::to_string(src->rank()) +
+                     " (src shape " + src->str() + ")");
+  }
+  for (int k = 0; k < index.rank(); ++k) {
+    if (k != d && index[k] > self[k]) {
+      throw ShapeError(std::string(op) + ": index's size " + std::to_string(index[k]) +
+                       " in dimension " + std::to_string(k) + " exceeds self's " +
+                       std::to_string(self[k]) +
+                       " (expected index.size(d) <= self.size(d) for d != dim; index shape " +
+                       index.str() + ", self shape " + self.str() + ")");
+    }
+    if (src && index[k] > (*src)[k]) {
+      throw ShapeError(std::string(op) + ": index's size " + std::to_string(index[k]) +
+                       " in dimension " + std::to_string(k) + " exceeds src's " +
+                       std::to_string((*src)[k]) +
+                       " (expected index.size(d) <= src.size(d); index shape " + index.str() +
+                       ", src shape " + src->str() + ")");
+    }
+  }
+  return d;
+}
+
+/// src cut to index's shape (its leading part in every dimension, as torch reads it), with
+/// narrow's gradient padding the cut back.
+template <Element T>
+Tensor<T> src_for_index(Tensor<T> src, const Shape& index) {
+  if (src.shape() == index || src.shape().rank() != index.rank()) return src;
+  for (int k = 0; k < index.rank(); ++k) {
+    if (src.shape()[k] != index[k]) src = narrow(src, k, 0, index[k]);
+  }
+  return src;
+}
+
+/// "sum", "prod", "mean", "amax" or "amin" as a ScatterMode (ShapeError otherwise, naming them).
+inline graph::ScatterMode scatter_reduce_mode(std::string_view reduce, const char* op) {
+  if (reduce == "sum") return graph::ScatterMode::sum;
+  if (reduce == "prod") return graph::ScatterMode::prod;
+  if (reduce == "mean") return graph::ScatterMode::mean;
+  if (reduce == "amax") return graph::ScatterMode::amax;
+  if (reduce == "amin") return graph::ScatterMode::amin;
+  throw Error(std::string(op) +
+              ": reduce must be one of \"sum\", \"prod\", \"mean\", \"amax\", \"amin\", got \"" +
+              std::string(reduce) + "\"");
+}
+
+/// The gradients of a scatter (any mode) given the output gradient g, in the order
+/// {self, src}; src is already cut to index's shape. `out` is the forward's value.
+template <Element T, IndexElement I>
+std::vector<graph::NodePtr> scatter_backward(const Tensor<T>& g, int dim, const Tensor<I>& index,
+                                             const Tensor<T>& self, const Tensor<T>& src,
+                                             const Tensor<T>& out, graph::ScatterMode mode,
+                                             bool include_self) {
+  using graph::ScatterMode;
+  auto gather_of = [&](const Tensor<T>& t) {
+    return Tensor<T>(
+        graph::submit(std::make_shared<graph::GatherNode<I>>(t.node(), index.node(), dim)));
+  };
+  const Tensor<T> zeros_src = zeros<T>(index.shape(), g.device());
+  // Positions of self that some index reaches get 0, the rest g.
+  auto untouched = [&](const Tensor<T>& t) {
+    return scatter_kernel(t, dim, index, zeros_src, ScatterMode::assign, true);
+  };
+  // How many scattered values reach each position of self.
+  auto reach_count = [&](const Tensor<T>& per_src) {
+    return scatter_kernel(zeros<T>(self.shape(), g.device()), dim, index, per_src, ScatterMode::sum,
+                          true);
+  };
+  switch (mode) {
+    case ScatterMode::assign: {
+      // With duplicate indices only the last write is in the result, so only it gets a
+      // gradient (torch gives every duplicate one; the forward here is deterministic, so
+      // the exact rule is known): scatter each position's number, gather it back, compare.
+      const Shape& is = index.shape();
+      const auto pos = reshape(arange<std::int64_t>(static_cast<double>(is.numel()), g.device()),
+                               std::vector<std::int64_t>(is.begin(), is.end()));
+      const Tensor<std::int64_t> last =
+          scatter_kernel(full<std::int64_t>(self.shape(), -1, g.device()), dim, index, pos,
+                         ScatterMode::assign, true);
+      const Tensor<std::int64_t> kept(
+          graph::submit(std::make_shared<graph::GatherNode<I>>(last.node(), index.node(), dim)));
+      return {untouched(g).node(), Tensor<T>(where(kept == pos, gather_of(g), 0)).node()};
+    }
+    case ScatterMode::sum:
+      return {(include_self ? g : untouched(g)).node(), gather_of(g).node()};
+    case ScatterMode::mean: {
+      const Tensor<T> n = reach_count(ones<T>(index.shape(), g.device()));
+      if (include_self) {
+        const Tensor<T> share = g / (n + 1);
+        return {share.node(), gather_of(share).node()};
+      }
+      const Tensor<T> share = g / maximum(n, 1);
+      return {Tensor<T>(where(n == 0, g, 0)).node(), gather_of(share).node()};
+    }
+    case ScatterMode::amax:
+    case ScatterMode::amin: {
+      // The gradient is shared evenly between every value equal to the result (torch's rule).
+      const Tensor<T> src_hit = cast<T>(src == gather_of(out));
+      if (include_self) {
+        const Tensor<T> self_hit = cast<T>(self == out);
+        const Tensor<T> share = g / (self_hit + reach_count(src_hit));
+        return {Tensor<T>(share * self_hit).node(), Tensor<T>(gather_of(share) * src_hit).node()};
+      }
+      const Tensor<T> hits = reach_count(src_hit);
+      const Tensor<T> reached = reach_count(ones<T>(index.shape(), g.device()));
+      return {Tensor<T>(where(reached == 0, g, 0)).node(),
+              Tensor<T>(gather_of(g / maximum(hits, 1)) * src_hit).node()};
+    }
+    case ScatterMode::prod: {
+      // Products of the other factors without dividing by zero: a zero factor is replaced
+      // by one and the product recomputed (self's zeros), or, for a src value that is the
+      // only zero at its target, the product with it replaced by one.
+      Tensor<T> grad_self;
+      if (include_self) {
+        const Tensor<T> masked_self = where(self == 0, 1, self);
+        const Tensor<T> others =
+            scatter_kernel(masked_self, dim, index, src, ScatterMode::prod, true);
+        grad_self = g * where(self == 0, others, out / masked_self);
+      } else {
+        grad_self = untouched(g);
+      }
+      const Tensor<T> src_zero = cast<T>(src == 0);
+      const Tensor<T> zeros_at = gather_of(reach_count(src_zero));
+      const Tensor<T> single_zero = cast<T>(src_zero * (zeros_at == 1));
+      const Tensor<T> masked_src = where(single_zero != 0, 1, src);
+      const Tensor<T> without =
+          scatter_kernel(self, dim, index, masked_src, ScatterMode::prod, include_self);
+      const Tensor<T> grad_src = where(single_zero != 0, gather_of(g * without),
+                                       gather_of(g * out) / where(src_zero != 0, 1, src));
+      return {grad_self.node(), grad_src.node()};
+    }
+  }
+  return {};
+}
+
+/// scatter / scatter_reduce over an operand and src tensor: checks, the kernel, the record.
+template <Element T, IndexElement I>
+Tensor<T> scatter_op(const char* op, const char* grad_name, const Tensor<T>& self, std::int64_t dim,
+                     const Tensor<I>& index, const Tensor<T>& src_in, graph::ScatterMode mode,
+                     bool include_self) {
+  const int d = check_scatter_shapes(op, self.shape(), dim, index.shape(), &src_in.shape());
+  graph::common_device({self.node(), index.node(), src_in.node()}, op);
+  if (index.numel() == 0) return fresh_handle(self);
+  const Tensor<T> src = src_for_index(src_in, index.shape());
+  Tensor<T> r = scatter_kernel(self, d, index, src, mode, include_self);
+  if constexpr (is_floating_v<T>) {
+    autograd::record(r, grad_name, {autograd::edge_of(self.impl()), autograd::edge_of(src.impl())},
+                     [d, mode, include_self, idx = index.detach(), s = self.detach(),
+                      x = src.detach(), out = r.detach()](const Tensor<T>& g) {
+                       return scatter_backward(g, d, idx, s, x, out, mode, include_self);
+                     });
+  }
+  return r;
+}
+
+}  // namespace detail
+
+/// torch.scatter: a copy of `self` where, for every position p of `index`, the element at
+/// p's coordinates with index[p] in place of coordinate `dim` is src[p]. index has self's
+/// rank and at most src's size in every dimension and self's outside `dim` (ShapeError);
+/// values outside [0, self.size(dim)) raise IndexError when the kernel runs. With duplicate
+/// indices the last position in index order wins, and only it gets src's gradient.
+template <expr::ExprLike X, IndexElement I, expr::ExprLike S>
+auto scatter(const X& self, std::int64_t dim, const Tensor<I>& index, const S& src) {
+  auto t = detail::as_tensor(self);
+  auto s = detail::as_tensor(src);
+  using T = typename decltype(t)::value_type;
+  static_assert(std::is_same_v<T, typename decltype(s)::value_type>,
+                "scatter: src must have self's dtype (as torch requires); cast one of them");
+  return detail::scatter_op<T, I>("scatter", "ScatterBackward0", t, dim, index, s,
+                                  graph::ScatterMode::assign, true);
+}
+
+/// torch.scatter with a number: `value` written at every position the index names.
+template <expr::ExprLike X, IndexElement I, expr::Number V>
+auto scatter(const X& self, std::int64_t dim, const Tensor<I>& index, V value) {
+  auto t = detail::as_tensor(self);
+  using T = typename decltype(t)::value_type;
+  const int d = detail::check_scatter_shapes("scatter", t.shape(), dim, index.shape(), nullptr);
+  graph::common_device({t.node(), index.node()}, "scatter");
+  if (index.numel() == 0) return detail::fresh_handle(t);
+  Tensor<T> r = detail::scatter_kernel(t, d, index, full<T>(index.shape(), value, t.device()),
+                                       graph::ScatterMode::assign, true);
+  if constexpr (is_floating_v<T>) {
+    autograd::record(r, "ScatterBackward1", {autograd::edge_of(t.impl())},
+                     [d, idx = index.detach()](const Tensor<T>& g) {
+                       return std::vector<graph::NodePtr>{
+                           detail::scatter_kernel(g, d, idx, zeros<T>(idx.shape(), g.device()),
+                                                  graph::ScatterMode::assign, true)
+                               .node()};
+                     });
+  }
+  return r;
+}
+
+/// torch.scatter_add: a copy of `self` with src[p] added at every position the index names
+/// (shapes as scatter's). Duplicates add up, in index order.
+template <expr::ExprLike X, IndexElement I, expr::ExprLike S>
+auto scatter_add(const X& self, std::int64_t dim, const Tensor<I>& index, const S& src) {
+  auto t = detail::as_tensor(self);
+  auto s = detail::as_tensor(src);
+  using T = typename decltype(t)::value_type;
+  static_assert(std::is_same_v<T, typename decltype(s)::value_type>,
+                "scatter_add: src must have self's dtype (as torch requires); cast one of them");
+  return detail::scatter_op<T, I>("scatter_add", "ScatterAddBackward0", t, dim, index, s,
+                                  graph::ScatterMode::sum, true);
+}
+
+/// torch.scatter_reduce: src's values combined into a copy of `self` at the positions the
+/// index names, by `reduce`: "sum", "prod", "mean" (integers: floor division), "amax" or
+/// "amin" (NaN wins). With include_self = false, self's value at a position some index
+/// reaches is left out of the reduction. Integer sums and products wrap. The gradient of
+/// amax/amin is shared evenly between every value equal to the result, as torch's.
+template <expr::ExprLike X, IndexElement I, expr::ExprLike S>
+auto scatter_reduce(const X& self, std::int64_t dim, const Tensor<I>& index, const S& src,
+                    std::string_view reduce, bool include_self = true) {
+  auto t = detail::as_tensor(self);
+  auto s = detail::as_tensor(src);
+  using T = typename decltype(t)::value_type;
+  static_assert(std::is_same_v<T, typename decltype(s)::value_type>,
+                "scatter_reduce: src must have self's dtype (as torch requires); cast one of them");
+  const graph::ScatterMode mode = detail::scatter_reduce_mode(reduce, "scatter_reduce");
+  if (std::is_same_v<T, bool> && mode == graph::ScatterMode::mean) {
+    throw DTypeError("scatter_reduce: reduce=\"mean\" needs a number dtype, got bool");
+  }
+  return detail::scatter_op<T, I>("scatter_reduce", "ScatterReduceBackward0", t, dim, index, s,
+                                  mode, include_self);
+}
+
+/// torch.index_add: a copy of `self` with alpha * source's slice k added to self's slice
+/// index[k] along `dim` (index 1-D; source has self's shape but index.numel() in `dim`).
+/// Duplicates add up, in index order; values outside [0, self.size(dim)) raise IndexError
+/// when the kernel runs.
+template <expr::ExprLike X, IndexElement I, expr::ExprLike S, expr::Number A = int>
+auto index_add(const X& self, std::int64_t dim, const Tensor<I>& index, const S& source,
+               A alpha = 1) {
+  auto t = detail::as_tensor(self);
+  auto s = detail::as_tensor(source);
+  using T = typename decltype(t)::value_type;
+  static_assert(std::is_same_v<T, typename decltype(s)::value_type>,
+                "index_add: source must have self's dtype (as torch requires); cast one of them");
+  const Shape& ss = t.shape();
+  if (index.dim() > 1)
+    throw ShapeError("index_add: index must be a 1-D tensor (or 0-D), got shape " +
+                     index.shape().str());
+  const int d = normalize_dim(dim, ss.rank(), "index_add");
+  Shape want = ss;
+  if (ss.rank() > 0) want[d] = index.numel();
+  if (s.shape() != want && !(ss.rank() == 0 && s.numel() == 1 && index.numel() == 1)) {
+    throw ShapeError("index_add: source must have self's shape with index.numel() in dimension " +
+                     std::to_string(d) + ": expected " + want.str() + ", got " + s.shape().str());
+  }
+  graph::common_device({t.node(), index.node(), s.node()}, "index_add");
+  const Tensor<T> added(
+      graph::submit(std::make_shared<graph::IndexAddNode<T, I>>(s.node(), index.node(), ss, d)));
+  // The sum through expressions: its gradient reaches self and (via index_select) source.
+  Tensor<T> r = [&] {
+    autograd::AutoGradMode off(false);
+    return Tensor<T>(t + added * alpha);
+  }();
+  if constexpr (is_floating_v<T>) {
+    autograd::record(r, "IndexAddBackward0",
+                     {autograd::edge_of(t.impl()), autograd::edge_of(s.impl())},
+                     [d, alpha, idx = index.detach(), sshape = s.shape()](const Tensor<T>& g) {
+                       Tensor<T> gs = index_select(g, d, idx) * alpha;
+                       if (gs.shape() != sshape)
+                         gs = reshape(gs, std::vector<std::int64_t>(sshape.begin(), sshape.end()));
+                       return std::vector<graph::NodePtr>{g.node(), gs.node()};
+                     });
+  }
+  return r;
+}
+
+/// torch.index_fill: a copy of `self` with `value` in every slice index[k] along `dim`
+/// (index 1-D). Its gradient passes to self everywhere but the filled slices.
+template <expr::ExprLike X, IndexElement I, expr::Number V>
+auto index_fill(const X& self, std::int64_t dim, const Tensor<I>& index, V value) {
+  auto t = detail::as_tensor(self);
+  using T = typename decltype(t)::value_type;
+  const Shape& ss = t.shape();
+  if (index.dim() > 1)
+    throw ShapeError("index_fill: index must be a 1-D tensor (or 0-D), got shape " +
+                     index.shape().str());
+  const int d = normalize_dim(dim, ss.rank(), "index_fill");
+  graph::common_device({t.node(), index.node()}, "index_fill");
+  Shape slab = ss;
+  if (ss.rank() > 0) slab[d] = index.numel();
+  // How many index entries name each slice: the mask of the filled ones.
+  const Tensor<std::int32_t> hits(
+      graph::submit(std::make_shared<graph::IndexAddNode<std::int32_t, I>>(
+          ones<std::int32_t>(slab, t.device()).node(), index.node(), ss, d)));
+  return Tensor<T>(where(hits > 0, value, t));
+}
+
+}  // namespace lazy
+// ---- end lazytensor/ops/scatter.hpp ----
+
+namespace lazy {
+
+namespace detail {
+
+/// ShapeError unless `t` has rank `rank` (naming the op and the argument).
+template <Element T>
+void require_rank(const Tensor<T>& t, int rank, const char* op, const char* arg) {
+  if (t.dim() != rank) {
+    throw ShapeError(std::string(op) + ": expected " + arg + " to be " + std::to_string(rank) +
+                     "-D, got shape " + t.shape().str());
+  }
+}
+
+}  // namespace detail
+
+/// Matrix product of two 2-D tensors (torch.mm: no broadcasting, no 1-D promotion).
+template <Element T>
+Tensor<T> mm(const Tensor<T>& a, const Tensor<T>& b) {
+  detail::require_rank(a, 2, "mm", "self");
+  detail::require_rank(b, 2, "mm", "mat2");
+  return matmul(a, b);
+}
+
+/// Matrix-vector product of a 2-D and a 1-D tensor (torch.mv).
+template <Element T>
+Tensor<T> mv(const Tensor<T>& a, const Tensor<T>& v) {
+  detail::require_rank(a, 2, "mv", "self");
+  detail::require_rank(v, 1, "mv", "vec");
+  return matmul(a, v);
+}
+
+/// Inner product of two 1-D tensors of equal length, a 0-D result (torch.dot).
+template <Element T>
+Tensor<T> dot(const Tensor<T>& a, const Tensor<T>& b) {
+  detail::require_rank(a, 1, "dot", "self");
+  detail::require_rank(b, 1, "dot", "other");
+  if (a.numel() != b.numel()) {
+    throw ShapeError("dot: expected 1-D tensors of the same size, got " + a.shape().str() + " and " + b.shape().str());
+  }
+  return matmul(a, b);
+}
+
+/// Outer product of two 1-D tensors: [n] x [m] -> [n, m] (torch.outer). An element-wise
+/// product of broadcast views, not a GEMM of depth one.
+template <Element T>
+Tensor<T> outer(const Tensor<T>& a, const Tensor<T>& b) {
+  detail::require_rank(a, 1, "outer", "self");
+  detail::require_rank(b, 1, "outer", "vec2");
+  return Tensor<T>(reshape(a, {a.numel(), std::int64_t{1}}) * reshape(b, {std::int64_t{1}, b.numel()}));
+}
+
+/// beta * input + alpha * (m1 @ m2) (torch.addmm); input broadcasts to the product's shape.
+/// As in torch, beta == 0 ignores input's values (NaN and inf in it do not propagate).
+template <Element T>
+Tensor<T> addmm(const Tensor<T>& input, const Tensor<T>& m1, const Tensor<T>& m2, double beta = 1,
+                double alpha = 1) {
+  Tensor<T> p = mm(m1, m2);
+  const Shape want = broadcast_shapes(input.shape(), p.shape(), "addmm");
+  if (want != p.shape()) {
+    throw ShapeError("addmm: input of shape " + input.shape().str() + " does not broadcast to the product's shape " +
+                     p.shape().str());
+  }
+  if (beta == 0) return alpha == 1 ? p : Tensor<T>(p * alpha);
+  return Tensor<T>(input * beta + p * alpha);
+}
+
+/// The diagonal of dims dim1 and dim2 (torch.diagonal): those dims are removed and the
+/// diagonal appended as the last one; offset > 0 is above the main diagonal, < 0 below.
+/// A copy (views here are values).
+template <Element T>
+Tensor<T> diagonal(const Tensor<T>& x, std::int64_t offset = 0, std::int64_t dim1 = 0, std::int64_t dim2 = 1) {
+  const Shape& s = x.shape();
+  if (s.rank() < 2) throw ShapeError("diagonal: expected a tensor of at least 2 dimensions, got shape " + s.str());
+  const int d1 = normalize_dim(dim1, s.rank(), "diagonal"), d2 = normalize_dim(dim2, s.rank(), "diagonal");
+  if (d1 == d2) {
+    throw ShapeError("diagonal: dim1 and dim2 must be different dimensions, both are " + std::to_string(d1));
+  }
+  std::vector<std::int64_t> perm, lead;
+  for (int d = 0; d < s.rank(); ++d) {
+    if (d != d1 && d != d2) perm.push_back(d), lead.push_back(s[d]);
+  }
+  perm.push_back(d1);
+  perm.push_back(d2);
+  const std::int64_t n = s[d1], m = s[d2];
+  // Length of the diagonal, and where it starts in the flattened [n * m] plane.
+  const std::int64_t len = std::max<std::int64_t>(0, offset >= 0 ? std::min(n, m - offset) : std::min(n + offset, m));
+  const std::int64_t start = len == 0 ? 0 : (offset >= 0 ? offset : -offset * m);
+  std::vector<std::int64_t> flat = lead;
+  flat.push_back(n * m);
+  Tensor<T> plane = reshape(permute(x, perm), flat);
+  return slice(plane, -1, start, start + (len == 0 ? 0 : (len - 1) * (m + 1) + 1), m + 1);
+}
+
+/// Sum of the main diagonal of a 2-D tensor (torch.trace), a 0-D result.
+template <Element T>
+Tensor<T> trace(const Tensor<T>& x) {
+  detail::require_rank(x, 2, "trace", "self");
+  return sum(diagonal(x));
+}
+
+/// torch.diag: of a 1-D tensor, the square matrix with it on diagonal `k` (zeros elsewhere);
+/// of a 2-D tensor, its diagonal `k` as a 1-D tensor.
+template <Element T>
+Tensor<T> diag(const Tensor<T>& x, std::int64_t k = 0) {
+  if (x.dim() == 2) return diagonal(x, k, 0, 1);
+  if (x.dim() != 1) throw ShapeError("diag: expected a 1-D or 2-D tensor, got shape " + x.shape().str());
+  const std::int64_t n = x.numel(), size = n + (k < 0 ? -k : k);
+  // Flat positions of the diagonal in the [size * size] result: row i + max(-k, 0), column
+  // i + max(k, 0).
+  const std::int64_t first = (k < 0 ? -k * size : k);
+  const Tensor<std::int64_t> at(arange<std::int64_t>(0, static_cast<double>(n), 1, x.device()) * (size + 1) + first);
+  Tensor<T> flat = scatter(zeros<T>(Shape{size * size}, x.device()), 0, at, x);
+  return reshape(flat, {size, size});
+}
+
+}  // namespace lazy
+// ---- end lazytensor/ops/linalg.hpp ----
 // ---- begin lazytensor/ops/rearrange.hpp ----
 // Ops that move or mask elements without computing new values: flip, roll, repeat, tril,
 // triu, masked_fill. Composites of the differentiable primitives (index_select, narrow +
@@ -29083,590 +29796,6 @@ auto cummin(const X& x, std::int64_t dim) {
 
 }  // namespace lazy
 // ---- end lazytensor/ops/scan.hpp ----
-// ---- begin lazytensor/ops/scatter.hpp ----
-// Writing by tensors of indices, torch's names and semantics: scatter (a tensor or a
-// number), scatter_add, scatter_reduce ("sum", "prod", "mean", "amax", "amin", with
-// include_self), index_add and index_fill. The kernels are graph/scatter_node.hpp's and
-// graph/shape_backward.hpp's; the gradients are written in gather, where and the same
-// kernels, as torch's derivative formulas are.
-//
-// Results are deterministic: positions are combined in index order, and with duplicate
-// indices the last write wins (torch leaves that case unspecified).
-
-#include <cstdint>
-#include <memory>
-#include <string>
-#include <string_view>
-#include <vector>
-
-// ---- begin lazytensor/graph/scatter_node.hpp ----
-// torch.scatter and scatter_reduce in one kernel: a copy of `self` into which every
-// position p of `index` writes or combines src[p] at the same coordinates, with
-// index[p] in place of coordinate `dim`. Positions are visited in index order, so the
-// result is deterministic (duplicates: the last write wins; sums add in index order) and
-// does not depend on the thread count: tasks split the index's dimension 0 (1 when `dim`
-// is 0), and positions with different coordinates there never collide.
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <memory>
-#include <optional>
-#include <string>
-#include <vector>
-
-
-namespace lazy::graph {
-
-/// How scattered values meet the ones already there (scatter_reduce's `reduce`; `assign`
-/// is plain scatter).
-enum class ScatterMode { assign, sum, prod, mean, amax, amin };
-
-/// The name torch gives the mode ("sum", "prod", "mean", "amax", "amin"; "assign").
-inline const char* scatter_mode_name(ScatterMode m) {
-  switch (m) {
-    case ScatterMode::assign:
-      return "assign";
-    case ScatterMode::sum:
-      return "sum";
-    case ScatterMode::prod:
-      return "prod";
-    case ScatterMode::mean:
-      return "mean";
-    case ScatterMode::amax:
-      return "amax";
-    case ScatterMode::amin:
-      return "amin";
-  }
-  return "?";
-}
-
-/// Inputs: self (the output's shape), index (IndexElement, self's rank, each size at most
-/// self's outside `dim`), src (at least index's size in every dimension; read at index's
-/// coordinates). `include_self = false` makes a target's first scattered value replace
-/// self's instead of combining with it (scatter_reduce's include_self).
-template <Element T, IndexElement I>
-class ScatterNode final : public Node {
- public:
-  ScatterNode(NodePtr self, NodePtr index, NodePtr src, int dim, ScatterMode mode,
-              bool include_self)
-      : Node(NodeKind::Copy, self->dtype(), self->shape(), self->device(), {self, index, src}),
-        dim_(dim),
-        mode_(mode),
-        include_self_(include_self) {}
-
-  std::string op_name() const override {
-    return mode_ == ScatterMode::assign ? "scatter" : "scatter_reduce";
-  }
-  std::string describe() const override {
-    return op_name() + "(%0, dim=" + std::to_string(dim_) +
-           ", %1, %2, reduce=" + scatter_mode_name(mode_) +
-           (include_self_ ? ")" : ", include_self=false)");
-  }
-  std::uint64_t structural_hash() const override {
-    std::uint64_t h = hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
-    h = hash_combine(h, static_cast<std::uint64_t>(mode_));
-    return hash_combine(h, include_self_ ? 1u : 0u);
-  }
-  /// Blocks along the dimensions other than `dim` where index and src span the whole
-  /// output: there the three inputs cut alike.
-  std::optional<BlockRule> block_rule() const override {
-    const Shape& out = shape();
-    const Shape& is = inputs()[1]->shape();
-    const Shape& ss = inputs()[2]->shape();
-    const int rank = out.rank();
-    BlockRule r{
-        std::vector<bool>(static_cast<std::size_t>(rank), false),
-        std::vector<std::vector<int>>(3, std::vector<int>(static_cast<std::size_t>(rank), -1))};
-    for (int o = 0; o < rank; ++o) {
-      const auto u = static_cast<std::size_t>(o);
-      r.input_dim[0][u] = o;
-      if (o == dim_ || is.rank() != rank || is[o] != out[o] || ss[o] != out[o]) continue;
-      r.splittable[u] = true;
-      r.input_dim[1][u] = r.input_dim[2][u] = o;
-    }
-    for (int o = 0; o < rank; ++o) {
-      if (!r.splittable[static_cast<std::size_t>(o)])
-        r.input_dim[0][static_cast<std::size_t>(o)] = -1;
-    }
-    return r;
-  }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
-    return std::make_shared<ScatterNode>(std::move(inputs[0]), std::move(inputs[1]),
-                                         std::move(inputs[2]), dim_, mode_, include_self_);
-  }
-  double cost_per_element() const override { return 2; }
-
- protected:
-  void compute(ExecContext& ctx) override {
-    const NodePtr& self = inputs()[0];
-    check_index();             // before self's buffer may be taken: a failure leaves it intact
-    auto buf = try_donate(0);  // never src's or index's buffer: both are read while writing
-    if (!buf) {
-      buf = allocate_output(ctx, false);
-      std::copy_n(self->template data<T>(), numel(), static_cast<T*>(buf->data()));
-    }
-    T* out = static_cast<T*>(buf->data());
-    const I* idx = inputs()[1]->template data<I>();
-    const T* src = inputs()[2]->template data<T>();
-    Shape xs = inputs()[1]->shape(), ts = shape(), ss = inputs()[2]->shape();
-    if (xs.rank() == 0) xs = Shape{1};
-    if (ts.rank() == 0) ts = Shape{1};
-    if (ss.rank() == 0) ss = Shape{1};
-    const std::int64_t n = xs.numel();
-    if (n == 0) {
-      set_buffer(std::move(buf));
-      return;
-    }
-    const auto tst = contiguous_strides(ts), sst = contiguous_strides(ss);
-    // Targets reached so far (include_self = false, mean's counts): one per output element.
-    const bool counting =
-        mode_ == ScatterMode::mean || (!include_self_ && mode_ != ScatterMode::assign);
-    std::vector<std::int64_t> count(counting ? static_cast<std::size_t>(numel()) : 0, 0);
-    // Tasks take whole slices of the index's dimension 0 (1 when `dim` is 0): positions in
-    // different slices never share a target.
-    auto& pool = ctx.device.threads();
-    const std::int64_t parts = detail::index_parts(xs, dim_);
-    const std::int64_t tasks = std::max<std::int64_t>(1, std::min(parts, task_count(pool, n, 2.0)));
-    pool.parallel_for(tasks, [&](std::int64_t t) {
-      detail::walk_index_part(
-          xs, dim_, sst, tst, tasks, t,
-          [&](std::int64_t p, std::int64_t s_off, std::int64_t t_off) {
-            const std::int64_t at = t_off + static_cast<std::int64_t>(idx[p]) * tst[dim_];
-            combine(out[at], src[s_off], counting ? &count[static_cast<std::size_t>(at)] : nullptr);
-          });
-    });
-    if (mode_ == ScatterMode::mean) finish_mean(out, count);
-    set_buffer(std::move(buf));
-  }
-
- private:
-  using C = compute_t<T>;
-
-  // Index values outside [0, size of dim) raise IndexError.
-  void check_index() const {
-    const NodePtr& index = inputs()[1];
-    const I* idx = index->template data<I>();
-    const std::int64_t dsize = shape().rank() == 0 ? 1 : shape()[dim_];
-    for (std::int64_t p = 0; p < index->numel(); ++p) {
-      const auto k = static_cast<std::int64_t>(idx[p]);
-      if (k < 0 || k >= dsize) {
-        throw IndexError(op_name() + ": index " + std::to_string(k) +
-                         " is out of bounds for dimension " + std::to_string(dim_) + " with size " +
-                         std::to_string(dsize) + " (expected 0 <= index < " +
-                         std::to_string(dsize) + ")");
-      }
-    }
-  }
-
-  // One scattered value meets its target. `seen` counts the values the target got so far
-  // (null when neither mean nor include_self = false needs it).
-  void combine(T& dst, T v, std::int64_t* seen) const {
-    if (mode_ == ScatterMode::assign) {
-      dst = v;
-      return;
-    }
-    if (seen && (*seen)++ == 0 && !include_self_) {
-      dst = v;  // the first value replaces self's
-      return;
-    }
-    const C a = static_cast<C>(dst), b = static_cast<C>(v);
-    switch (mode_) {
-      case ScatterMode::sum:
-      case ScatterMode::mean:
-        dst = static_cast<T>(wrap_add(a, b));
-        break;
-      case ScatterMode::prod:
-        dst = static_cast<T>(wrap_mul(a, b));
-        break;
-      case ScatterMode::amax:
-        dst = static_cast<T>(is_nan(a) || a > b ? a : (is_nan(b) || b > a ? b : a));
-        break;
-      case ScatterMode::amin:
-        dst = static_cast<T>(is_nan(a) || a < b ? a : (is_nan(b) || b < a ? b : a));
-        break;
-      case ScatterMode::assign:
-        break;
-    }
-  }
-
-  // mean: the sum over (count + self) values, self counted unless include_self = false.
-  // Integers divide with floor, as torch's scatter_reduce does.
-  void finish_mean(T* out, const std::vector<std::int64_t>& count) const {
-    for (std::size_t i = 0; i < count.size(); ++i) {
-      const std::int64_t m = count[i] + (include_self_ ? 1 : 0);
-      if (count[i] == 0 || m <= 1) continue;
-      if constexpr (std::is_integral_v<C> && !std::is_same_v<C, bool>) {
-        const auto s = static_cast<std::int64_t>(out[i]);
-        const std::int64_t q = s / m;
-        out[i] = static_cast<T>(q * m != s && (s < 0) != (m < 0) ? q - 1 : q);
-      } else if constexpr (std::is_same_v<C, bool>) {
-        // A bool mean is true when any value was: the sum, saturated.
-      } else {
-        out[i] = static_cast<T>(static_cast<C>(out[i]) / static_cast<C>(m));
-      }
-    }
-  }
-
-  static bool is_nan(C v) {
-    if constexpr (std::is_floating_point_v<C>)
-      return std::isnan(v);
-    else
-      return false;
-  }
-  // Integer sums and products wrap (two's complement), as the reductions' do; bool ones
-  // saturate (logical or / and).
-  static C wrap_add(C a, C b) {
-    if constexpr (std::is_same_v<C, bool>)
-      return a || b;
-    else if constexpr (std::is_integral_v<C>) {
-      using U = std::make_unsigned_t<C>;
-      return static_cast<C>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
-    } else {
-      return a + b;
-    }
-  }
-  static C wrap_mul(C a, C b) {
-    if constexpr (std::is_same_v<C, bool>)
-      return a && b;
-    else if constexpr (std::is_integral_v<C>) {
-      using U = std::make_unsigned_t<C>;
-      return static_cast<C>(static_cast<U>(static_cast<U>(a) * static_cast<U>(b)));
-    } else {
-      return a * b;
-    }
-  }
-
-  int dim_;
-  ScatterMode mode_;
-  bool include_self_;
-};
-
-}  // namespace lazy::graph
-// ---- end lazytensor/graph/scatter_node.hpp ----
-
-namespace lazy {
-
-namespace detail {
-
-/// The scatter kernel over tensors whose shapes were checked, without a gradient.
-template <Element T, IndexElement I>
-Tensor<T> scatter_kernel(const Tensor<T>& self, int dim, const Tensor<I>& index,
-                         const Tensor<T>& src, graph::ScatterMode mode, bool include_self) {
-  return Tensor<T>(graph::submit(std::make_shared<graph::ScatterNode<T, I>>(
-      self.node(), index.node(), src.node(), dim, mode, include_self)));
-}
-
-/// Checks scatter's shapes (torch's rules) and returns the normalized dim: index has self's
-/// rank, and at most src's size in every dimension and self's outside `dim`.
-inline int check_scatter_shapes(const char* op, const Shape& self, std::int64_t dim,
-                                const Shape& index, const Shape* src) {
-  const int d = normalize_dim(dim, self.rank(), op);
-  if (index.numel() == 0) return d;  // torch lets an empty index through whatever its shape
-  if (index.rank() != self.rank()) {
-    throw ShapeError(std::string(op) +
-                     ": index must have the same number of dimensions as self: expected " +
-                     std::to_string(self.rank()) + " (self shape " + self.str() + "), got " +
-                     std::to_string(index.rank()) + " (index shape " + index.str() + ")");
-  }
-  if (src && src->rank() != index.rank()) {
-    throw ShapeError(std::string(op) +
-                     ": src must have the same number of dimensions as index: expected " +
-                     std::to_string(index.rank()) + ", got " + std::to_string(src->rank()) +
-                     " (src shape " + src->str() + ")");
-  }
-  for (int k = 0; k < index.rank(); ++k) {
-    if (k != d && index[k] > self[k]) {
-      throw ShapeError(std::string(op) + ": index's size " + std::to_string(index[k]) +
-                       " in dimension " + std::to_string(k) + " exceeds self's " +
-                       std::to_string(self[k]) +
-                       " (expected index.size(d) <= self.size(d) for d != dim; index shape " +
-                       index.str() + ", self shape " + self.str() + ")");
-    }
-    if (src && index[k] > (*src)[k]) {
-      throw ShapeError(std::string(op) + ": index's size " + std::to_string(index[k]) +
-                       " in dimension " + std::to_string(k) + " exceeds src's " +
-                       std::to_string((*src)[k]) +
-                       " (expected index.size(d) <= src.size(d); index shape " + index.str() +
-                       ", src shape " + src->str() + ")");
-    }
-  }
-  return d;
-}
-
-/// src cut to index's shape (its leading part in every dimension, as torch reads it), with
-/// narrow's gradient padding the cut back.
-template <Element T>
-Tensor<T> src_for_index(Tensor<T> src, const Shape& index) {
-  if (src.shape() == index || src.shape().rank() != index.rank()) return src;
-  for (int k = 0; k < index.rank(); ++k) {
-    if (src.shape()[k] != index[k]) src = narrow(src, k, 0, index[k]);
-  }
-  return src;
-}
-
-/// "sum", "prod", "mean", "amax" or "amin" as a ScatterMode (ShapeError otherwise, naming them).
-inline graph::ScatterMode scatter_reduce_mode(std::string_view reduce, const char* op) {
-  if (reduce == "sum") return graph::ScatterMode::sum;
-  if (reduce == "prod") return graph::ScatterMode::prod;
-  if (reduce == "mean") return graph::ScatterMode::mean;
-  if (reduce == "amax") return graph::ScatterMode::amax;
-  if (reduce == "amin") return graph::ScatterMode::amin;
-  throw Error(std::string(op) +
-              ": reduce must be one of \"sum\", \"prod\", \"mean\", \"amax\", \"amin\", got \"" +
-              std::string(reduce) + "\"");
-}
-
-/// The gradients of a scatter (any mode) given the output gradient g, in the order
-/// {self, src}; src is already cut to index's shape. `out` is the forward's value.
-template <Element T, IndexElement I>
-std::vector<graph::NodePtr> scatter_backward(const Tensor<T>& g, int dim, const Tensor<I>& index,
-                                             const Tensor<T>& self, const Tensor<T>& src,
-                                             const Tensor<T>& out, graph::ScatterMode mode,
-                                             bool include_self) {
-  using graph::ScatterMode;
-  auto gather_of = [&](const Tensor<T>& t) {
-    return Tensor<T>(
-        graph::submit(std::make_shared<graph::GatherNode<I>>(t.node(), index.node(), dim)));
-  };
-  const Tensor<T> zeros_src = zeros<T>(index.shape(), g.device());
-  // Positions of self that some index reaches get 0, the rest g.
-  auto untouched = [&](const Tensor<T>& t) {
-    return scatter_kernel(t, dim, index, zeros_src, ScatterMode::assign, true);
-  };
-  // How many scattered values reach each position of self.
-  auto reach_count = [&](const Tensor<T>& per_src) {
-    return scatter_kernel(zeros<T>(self.shape(), g.device()), dim, index, per_src, ScatterMode::sum,
-                          true);
-  };
-  switch (mode) {
-    case ScatterMode::assign: {
-      // With duplicate indices only the last write is in the result, so only it gets a
-      // gradient (torch gives every duplicate one; the forward here is deterministic, so
-      // the exact rule is known): scatter each position's number, gather it back, compare.
-      const Shape& is = index.shape();
-      const auto pos = reshape(arange<std::int64_t>(static_cast<double>(is.numel()), g.device()),
-                               std::vector<std::int64_t>(is.begin(), is.end()));
-      const Tensor<std::int64_t> last =
-          scatter_kernel(full<std::int64_t>(self.shape(), -1, g.device()), dim, index, pos,
-                         ScatterMode::assign, true);
-      const Tensor<std::int64_t> kept(
-          graph::submit(std::make_shared<graph::GatherNode<I>>(last.node(), index.node(), dim)));
-      return {untouched(g).node(), Tensor<T>(where(kept == pos, gather_of(g), 0)).node()};
-    }
-    case ScatterMode::sum:
-      return {(include_self ? g : untouched(g)).node(), gather_of(g).node()};
-    case ScatterMode::mean: {
-      const Tensor<T> n = reach_count(ones<T>(index.shape(), g.device()));
-      if (include_self) {
-        const Tensor<T> share = g / (n + 1);
-        return {share.node(), gather_of(share).node()};
-      }
-      const Tensor<T> share = g / maximum(n, 1);
-      return {Tensor<T>(where(n == 0, g, 0)).node(), gather_of(share).node()};
-    }
-    case ScatterMode::amax:
-    case ScatterMode::amin: {
-      // The gradient is shared evenly between every value equal to the result (torch's rule).
-      const Tensor<T> src_hit = cast<T>(src == gather_of(out));
-      if (include_self) {
-        const Tensor<T> self_hit = cast<T>(self == out);
-        const Tensor<T> share = g / (self_hit + reach_count(src_hit));
-        return {Tensor<T>(share * self_hit).node(), Tensor<T>(gather_of(share) * src_hit).node()};
-      }
-      const Tensor<T> hits = reach_count(src_hit);
-      const Tensor<T> reached = reach_count(ones<T>(index.shape(), g.device()));
-      return {Tensor<T>(where(reached == 0, g, 0)).node(),
-              Tensor<T>(gather_of(g / maximum(hits, 1)) * src_hit).node()};
-    }
-    case ScatterMode::prod: {
-      // Products of the other factors without dividing by zero: a zero factor is replaced
-      // by one and the product recomputed (self's zeros), or, for a src value that is the
-      // only zero at its target, the product with it replaced by one.
-      Tensor<T> grad_self;
-      if (include_self) {
-        const Tensor<T> masked_self = where(self == 0, 1, self);
-        const Tensor<T> others =
-            scatter_kernel(masked_self, dim, index, src, ScatterMode::prod, true);
-        grad_self = g * where(self == 0, others, out / masked_self);
-      } else {
-        grad_self = untouched(g);
-      }
-      const Tensor<T> src_zero = cast<T>(src == 0);
-      const Tensor<T> zeros_at = gather_of(reach_count(src_zero));
-      const Tensor<T> single_zero = cast<T>(src_zero * (zeros_at == 1));
-      const Tensor<T> masked_src = where(single_zero != 0, 1, src);
-      const Tensor<T> without =
-          scatter_kernel(self, dim, index, masked_src, ScatterMode::prod, include_self);
-      const Tensor<T> grad_src = where(single_zero != 0, gather_of(g * without),
-                                       gather_of(g * out) / where(src_zero != 0, 1, src));
-      return {grad_self.node(), grad_src.node()};
-    }
-  }
-  return {};
-}
-
-/// scatter / scatter_reduce over an operand and src tensor: checks, the kernel, the record.
-template <Element T, IndexElement I>
-Tensor<T> scatter_op(const char* op, const char* grad_name, const Tensor<T>& self, std::int64_t dim,
-                     const Tensor<I>& index, const Tensor<T>& src_in, graph::ScatterMode mode,
-                     bool include_self) {
-  const int d = check_scatter_shapes(op, self.shape(), dim, index.shape(), &src_in.shape());
-  graph::common_device({self.node(), index.node(), src_in.node()}, op);
-  if (index.numel() == 0) return fresh_handle(self);
-  const Tensor<T> src = src_for_index(src_in, index.shape());
-  Tensor<T> r = scatter_kernel(self, d, index, src, mode, include_self);
-  if constexpr (is_floating_v<T>) {
-    autograd::record(r, grad_name, {autograd::edge_of(self.impl()), autograd::edge_of(src.impl())},
-                     [d, mode, include_self, idx = index.detach(), s = self.detach(),
-                      x = src.detach(), out = r.detach()](const Tensor<T>& g) {
-                       return scatter_backward(g, d, idx, s, x, out, mode, include_self);
-                     });
-  }
-  return r;
-}
-
-}  // namespace detail
-
-/// torch.scatter: a copy of `self` where, for every position p of `index`, the element at
-/// p's coordinates with index[p] in place of coordinate `dim` is src[p]. index has self's
-/// rank and at most src's size in every dimension and self's outside `dim` (ShapeError);
-/// values outside [0, self.size(dim)) raise IndexError when the kernel runs. With duplicate
-/// indices the last position in index order wins, and only it gets src's gradient.
-template <expr::ExprLike X, IndexElement I, expr::ExprLike S>
-auto scatter(const X& self, std::int64_t dim, const Tensor<I>& index, const S& src) {
-  auto t = detail::as_tensor(self);
-  auto s = detail::as_tensor(src);
-  using T = typename decltype(t)::value_type;
-  static_assert(std::is_same_v<T, typename decltype(s)::value_type>,
-                "scatter: src must have self's dtype (as torch requires); cast one of them");
-  return detail::scatter_op<T, I>("scatter", "ScatterBackward0", t, dim, index, s,
-                                  graph::ScatterMode::assign, true);
-}
-
-/// torch.scatter with a number: `value` written at every position the index names.
-template <expr::ExprLike X, IndexElement I, expr::Number V>
-auto scatter(const X& self, std::int64_t dim, const Tensor<I>& index, V value) {
-  auto t = detail::as_tensor(self);
-  using T = typename decltype(t)::value_type;
-  const int d = detail::check_scatter_shapes("scatter", t.shape(), dim, index.shape(), nullptr);
-  graph::common_device({t.node(), index.node()}, "scatter");
-  if (index.numel() == 0) return detail::fresh_handle(t);
-  Tensor<T> r = detail::scatter_kernel(t, d, index, full<T>(index.shape(), value, t.device()),
-                                       graph::ScatterMode::assign, true);
-  if constexpr (is_floating_v<T>) {
-    autograd::record(r, "ScatterBackward1", {autograd::edge_of(t.impl())},
-                     [d, idx = index.detach()](const Tensor<T>& g) {
-                       return std::vector<graph::NodePtr>{
-                           detail::scatter_kernel(g, d, idx, zeros<T>(idx.shape(), g.device()),
-                                                  graph::ScatterMode::assign, true)
-                               .node()};
-                     });
-  }
-  return r;
-}
-
-/// torch.scatter_add: a copy of `self` with src[p] added at every position the index names
-/// (shapes as scatter's). Duplicates add up, in index order.
-template <expr::ExprLike X, IndexElement I, expr::ExprLike S>
-auto scatter_add(const X& self, std::int64_t dim, const Tensor<I>& index, const S& src) {
-  auto t = detail::as_tensor(self);
-  auto s = detail::as_tensor(src);
-  using T = typename decltype(t)::value_type;
-  static_assert(std::is_same_v<T, typename decltype(s)::value_type>,
-                "scatter_add: src must have self's dtype (as torch requires); cast one of them");
-  return detail::scatter_op<T, I>("scatter_add", "ScatterAddBackward0", t, dim, index, s,
-                                  graph::ScatterMode::sum, true);
-}
-
-/// torch.scatter_reduce: src's values combined into a copy of `self` at the positions the
-/// index names, by `reduce`: "sum", "prod", "mean" (integers: floor division), "amax" or
-/// "amin" (NaN wins). With include_self = false, self's value at a position some index
-/// reaches is left out of the reduction. Integer sums and products wrap. The gradient of
-/// amax/amin is shared evenly between every value equal to the result, as torch's.
-template <expr::ExprLike X, IndexElement I, expr::ExprLike S>
-auto scatter_reduce(const X& self, std::int64_t dim, const Tensor<I>& index, const S& src,
-                    std::string_view reduce, bool include_self = true) {
-  auto t = detail::as_tensor(self);
-  auto s = detail::as_tensor(src);
-  using T = typename decltype(t)::value_type;
-  static_assert(std::is_same_v<T, typename decltype(s)::value_type>,
-                "scatter_reduce: src must have self's dtype (as torch requires); cast one of them");
-  const graph::ScatterMode mode = detail::scatter_reduce_mode(reduce, "scatter_reduce");
-  if (std::is_same_v<T, bool> && mode == graph::ScatterMode::mean) {
-    throw DTypeError("scatter_reduce: reduce=\"mean\" needs a number dtype, got bool");
-  }
-  return detail::scatter_op<T, I>("scatter_reduce", "ScatterReduceBackward0", t, dim, index, s,
-                                  mode, include_self);
-}
-
-/// torch.index_add: a copy of `self` with alpha * source's slice k added to self's slice
-/// index[k] along `dim` (index 1-D; source has self's shape but index.numel() in `dim`).
-/// Duplicates add up, in index order; values outside [0, self.size(dim)) raise IndexError
-/// when the kernel runs.
-template <expr::ExprLike X, IndexElement I, expr::ExprLike S, expr::Number A = int>
-auto index_add(const X& self, std::int64_t dim, const Tensor<I>& index, const S& source,
-               A alpha = 1) {
-  auto t = detail::as_tensor(self);
-  auto s = detail::as_tensor(source);
-  using T = typename decltype(t)::value_type;
-  static_assert(std::is_same_v<T, typename decltype(s)::value_type>,
-                "index_add: source must have self's dtype (as torch requires); cast one of them");
-  const Shape& ss = t.shape();
-  if (index.dim() > 1)
-    throw ShapeError("index_add: index must be a 1-D tensor (or 0-D), got shape " +
-                     index.shape().str());
-  const int d = normalize_dim(dim, ss.rank(), "index_add");
-  Shape want = ss;
-  if (ss.rank() > 0) want[d] = index.numel();
-  if (s.shape() != want && !(ss.rank() == 0 && s.numel() == 1 && index.numel() == 1)) {
-    throw ShapeError("index_add: source must have self's shape with index.numel() in dimension " +
-                     std::to_string(d) + ": expected " + want.str() + ", got " + s.shape().str());
-  }
-  graph::common_device({t.node(), index.node(), s.node()}, "index_add");
-  const Tensor<T> added(
-      graph::submit(std::make_shared<graph::IndexAddNode<T, I>>(s.node(), index.node(), ss, d)));
-  // The sum through expressions: its gradient reaches self and (via index_select) source.
-  Tensor<T> r = [&] {
-    autograd::AutoGradMode off(false);
-    return Tensor<T>(t + added * alpha);
-  }();
-  if constexpr (is_floating_v<T>) {
-    autograd::record(r, "IndexAddBackward0",
-                     {autograd::edge_of(t.impl()), autograd::edge_of(s.impl())},
-                     [d, alpha, idx = index.detach(), sshape = s.shape()](const Tensor<T>& g) {
-                       Tensor<T> gs = index_select(g, d, idx) * alpha;
-                       if (gs.shape() != sshape)
-                         gs = reshape(gs, std::vector<std::int64_t>(sshape.begin(), sshape.end()));
-                       return std::vector<graph::NodePtr>{g.node(), gs.node()};
-                     });
-  }
-  return r;
-}
-
-/// torch.index_fill: a copy of `self` with `value` in every slice index[k] along `dim`
-/// (index 1-D). Its gradient passes to self everywhere but the filled slices.
-template <expr::ExprLike X, IndexElement I, expr::Number V>
-auto index_fill(const X& self, std::int64_t dim, const Tensor<I>& index, V value) {
-  auto t = detail::as_tensor(self);
-  using T = typename decltype(t)::value_type;
-  const Shape& ss = t.shape();
-  if (index.dim() > 1)
-    throw ShapeError("index_fill: index must be a 1-D tensor (or 0-D), got shape " +
-                     index.shape().str());
-  const int d = normalize_dim(dim, ss.rank(), "index_fill");
-  graph::common_device({t.node(), index.node()}, "index_fill");
-  Shape slab = ss;
-  if (ss.rank() > 0) slab[d] = index.numel();
-  // How many index entries name each slice: the mask of the filled ones.
-  const Tensor<std::int32_t> hits(
-      graph::submit(std::make_shared<graph::IndexAddNode<std::int32_t, I>>(
-          ones<std::int32_t>(slab, t.device()).node(), index.node(), ss, d)));
-  return Tensor<T>(where(hits > 0, value, t));
-}
-
-}  // namespace lazy
-// ---- end lazytensor/ops/scatter.hpp ----
 // ---- begin lazytensor/ops/sort.hpp ----
 // sort, argsort and topk. One kernel computes the int64 positions (graph/sort_node.hpp);
 // the values are a gather of the input at them (GatherNode), so their gradient is gather's
