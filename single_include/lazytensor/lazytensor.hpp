@@ -21668,8 +21668,9 @@ class SliceBackwardNode final : public Node {
 template <Element T, IndexElement I>
 class IndexAddNode final : public Node {
  public:
-  IndexAddNode(NodePtr g, NodePtr index, Shape in_shape, int dim)
-      : Node(NodeKind::Copy, dtype_of<T>(), in_shape, g->device(), {g, index}), dim_(dim) {}
+  /// `op` names the public op in an IndexError ("index_add" for index_select's backward).
+  IndexAddNode(NodePtr g, NodePtr index, Shape in_shape, int dim, const char* op = "index_add")
+      : Node(NodeKind::Copy, dtype_of<T>(), in_shape, g->device(), {g, index}), dim_(dim), op_(op) {}
   std::string op_name() const override { return "index_add"; }
   std::uint64_t structural_hash() const override {
     return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
@@ -21680,7 +21681,7 @@ class IndexAddNode final : public Node {
     return all_but_dim_rule(shape().rank(), dim_, 2);
   }
   NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
-    return std::make_shared<IndexAddNode>(std::move(inputs[0]), std::move(inputs[1]), std::move(shape), dim_);
+    return std::make_shared<IndexAddNode>(std::move(inputs[0]), std::move(inputs[1]), std::move(shape), dim_, op_);
   }
 
  protected:
@@ -21697,8 +21698,9 @@ class IndexAddNode final : public Node {
     const std::int64_t dsize = s.rank() ? s[dim_] : 1;
     for (std::int64_t k = 0; k < K; ++k) {
       if (idx[k] < 0 || idx[k] >= dsize) {
-        throw IndexError("index_add: index " + std::to_string(idx[k]) + " is out of range for dimension " +
-                         std::to_string(dim_) + " with size " + std::to_string(dsize));
+        throw IndexError(std::string(op_) + ": index " + std::to_string(idx[k]) + " is out of range for dimension " +
+                         std::to_string(dim_) + " with size " + std::to_string(dsize) + " (expected 0 <= index < " +
+                         std::to_string(dsize) + ")");
       }
     }
     using C = compute_t<T>;
@@ -21724,6 +21726,7 @@ class IndexAddNode final : public Node {
 
  private:
   int dim_;
+  const char* op_;
 };
 
 namespace detail {
@@ -21837,7 +21840,8 @@ class ScatterAddNode final : public Node {
           const auto k = static_cast<std::int64_t>(idx[p]);
           if (k < 0 || k >= dsize) {
             throw IndexError("scatter_add: index " + std::to_string(k) + " is out of bounds for dimension " +
-                             std::to_string(dim_) + " with size " + std::to_string(dsize));
+                             std::to_string(dim_) + " with size " + std::to_string(dsize) + " (expected 0 <= index < " +
+                             std::to_string(dsize) + ")");
           }
           T& dst = out[at + k * tst[dim_]];
           dst = static_cast<T>(static_cast<C>(dst) + static_cast<C>(g[p]));
@@ -28334,6 +28338,7 @@ LAZYTENSOR_NN_SEQUENTIAL_INSTANCES(extern)
 // checks the ranks torch's function requires (matmul alone would broadcast them).
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -28348,6 +28353,7 @@ LAZYTENSOR_NN_SEQUENTIAL_INSTANCES(extern)
 // Results are deterministic: positions are combined in index order, and with duplicate
 // indices the last write wins (torch leaves that case unspecified).
 
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -28455,8 +28461,11 @@ class ScatterNode final : public Node {
  protected:
   void compute(ExecContext& ctx) override {
     const NodePtr& self = inputs()[0];
-    check_index();             // before self's buffer may be taken: a failure leaves it intact
-    auto buf = try_donate(0);  // never src's or index's buffer: both are read while writing
+    check_index();  // before self's buffer may be taken: a failure leaves it intact
+    // Self's buffer only when neither src nor the index is self's node too (scatter(x, d,
+    // i, x)): both are read while the output is written.
+    std::shared_ptr<Buffer> buf;
+    if (inputs()[1] != self && inputs()[2] != self) buf = try_donate(0);
     if (!buf) {
       buf = allocate_output(ctx, false);
       std::copy_n(self->template data<T>(), numel(), static_cast<T*>(buf->data()));
@@ -28522,7 +28531,9 @@ class ScatterNode final : public Node {
       return;
     }
     if (seen && (*seen)++ == 0 && !include_self_) {
-      dst = v;  // the first value replaces self's
+      // The first value replaces self's; a sum starts from 0 as torch's does (-0 + 0 = +0).
+      dst = mode_ == ScatterMode::sum || mode_ == ScatterMode::mean ? static_cast<T>(wrap_add(C(0), static_cast<C>(v)))
+                                                                    : v;
       return;
     }
     const C a = static_cast<C>(dst), b = static_cast<C>(v);
@@ -28838,7 +28849,8 @@ auto scatter_add(const X& self, std::int64_t dim, const Tensor<I>& index, const 
 /// index names, by `reduce`: "sum", "prod", "mean" (integers: floor division), "amax" or
 /// "amin" (NaN wins). With include_self = false, self's value at a position some index
 /// reaches is left out of the reduction. Integer sums and products wrap. The gradient of
-/// amax/amin is shared evenly between every value equal to the result, as torch's.
+/// amax/amin is shared evenly between the values equal to the result that took part (with
+/// include_self = false torch 1.13 still counts self's in the divisor; here it does not).
 template <expr::ExprLike X, IndexElement I, expr::ExprLike S>
 auto scatter_reduce(const X& self, std::int64_t dim, const Tensor<I>& index, const S& src,
                     std::string_view reduce, bool include_self = true) {
@@ -28857,67 +28869,87 @@ auto scatter_reduce(const X& self, std::int64_t dim, const Tensor<I>& index, con
 
 /// torch.index_add: a copy of `self` with alpha * source's slice k added to self's slice
 /// index[k] along `dim` (index 1-D; source has self's shape but index.numel() in `dim`).
-/// Duplicates add up, in index order; values outside [0, self.size(dim)) raise IndexError
-/// when the kernel runs.
+/// Duplicates add up one after the other in index order, elements no index names are left
+/// as they are (-0 included); values outside [0, self.size(dim)) raise IndexError when the
+/// kernel runs. Integer tensors take an integer alpha (DTypeError otherwise), as torch.
 template <expr::ExprLike X, IndexElement I, expr::ExprLike S, expr::Number A = int>
-auto index_add(const X& self, std::int64_t dim, const Tensor<I>& index, const S& source,
-               A alpha = 1) {
+auto index_add(const X& self, std::int64_t dim, const Tensor<I>& index, const S& source, A alpha = 1) {
   auto t = detail::as_tensor(self);
   auto s = detail::as_tensor(source);
   using T = typename decltype(t)::value_type;
   static_assert(std::is_same_v<T, typename decltype(s)::value_type>,
                 "index_add: source must have self's dtype (as torch requires); cast one of them");
   const Shape& ss = t.shape();
-  if (index.dim() > 1)
-    throw ShapeError("index_add: index must be a 1-D tensor (or 0-D), got shape " +
-                     index.shape().str());
+  if (index.dim() > 1) {
+    throw ShapeError("index_add: index must be a 1-D tensor (or 0-D), got shape " + index.shape().str());
+  }
   const int d = normalize_dim(dim, ss.rank(), "index_add");
   Shape want = ss;
   if (ss.rank() > 0) want[d] = index.numel();
-  if (s.shape() != want && !(ss.rank() == 0 && s.numel() == 1 && index.numel() == 1)) {
-    throw ShapeError("index_add: source must have self's shape with index.numel() in dimension " +
-                     std::to_string(d) + ": expected " + want.str() + ", got " + s.shape().str());
+  if (ss.rank() == 0 && index.numel() != 1) {
+    throw ShapeError("index_add: a 0-dim self takes an index of exactly one element, got shape " +
+                     index.shape().str());
+  }
+  if (s.numel() != want.numel() || (s.shape() != want && ss.rank() > 0)) {
+    throw ShapeError("index_add: source must have self's shape with index.numel() in dimension " + std::to_string(d) +
+                     ": expected " + want.str() + ", got " + s.shape().str());
   }
   graph::common_device({t.node(), index.node(), s.node()}, "index_add");
-  const Tensor<T> added(
-      graph::submit(std::make_shared<graph::IndexAddNode<T, I>>(s.node(), index.node(), ss, d)));
-  // The sum through expressions: its gradient reaches self and (via index_select) source.
-  Tensor<T> r = [&] {
-    autograd::AutoGradMode off(false);
-    return Tensor<T>(t + added * alpha);
-  }();
-  if constexpr (is_floating_v<T>) {
-    autograd::record(r, "IndexAddBackward0",
-                     {autograd::edge_of(t.impl()), autograd::edge_of(s.impl())},
-                     [d, alpha, idx = index.detach(), sshape = s.shape()](const Tensor<T>& g) {
-                       Tensor<T> gs = index_select(g, d, idx) * alpha;
-                       if (gs.shape() != sshape)
-                         gs = reshape(gs, std::vector<std::int64_t>(sshape.begin(), sshape.end()));
-                       return std::vector<graph::NodePtr>{g.node(), gs.node()};
-                     });
+  // scatter_add with the index spread over source's shape: one kernel that adds in index
+  // order into a copy of self, and scatter's gradients (self: g; source: gather(g)).
+  Tensor<I> spread;
+  if (ss.rank() == 0) {
+    spread = reshape(index, std::vector<std::int64_t>{});
+  } else {
+    std::vector<std::int64_t> lone(static_cast<std::size_t>(ss.rank()), 1);
+    lone[static_cast<std::size_t>(d)] = index.numel();
+    spread = Tensor<I>(expand(reshape(index, lone), want));
   }
-  return r;
+  const Tensor<T> src = reshape(s, std::vector<std::int64_t>(want.begin(), want.end()));
+  Tensor<T> scaled;
+  if constexpr (is_integral_v<T> || std::is_same_v<T, bool>) {
+    if (static_cast<double>(alpha) != std::trunc(static_cast<double>(alpha))) {
+      throw DTypeError("index_add: an integer tensor takes an integer alpha, got " +
+                       std::to_string(static_cast<double>(alpha)));
+    }
+    scaled = static_cast<double>(alpha) == 1 ? src : Tensor<T>(src * static_cast<std::int64_t>(alpha));
+  } else {
+    scaled = static_cast<double>(alpha) == 1 ? src : Tensor<T>(src * static_cast<double>(alpha));
+  }
+  return detail::scatter_op<T, I>("index_add", "IndexAddBackward0", t, d, spread, scaled, graph::ScatterMode::sum,
+                                  true);
 }
 
-/// torch.index_fill: a copy of `self` with `value` in every slice index[k] along `dim`
-/// (index 1-D). Its gradient passes to self everywhere but the filled slices.
+/// torch.index_fill: a copy of `self` with `value` (converted to self's dtype) in every
+/// slice index[k] along `dim` (index 1-D; negative values count from the end, as in torch).
+/// Its gradient passes to self everywhere but the filled slices.
 template <expr::ExprLike X, IndexElement I, expr::Number V>
 auto index_fill(const X& self, std::int64_t dim, const Tensor<I>& index, V value) {
   auto t = detail::as_tensor(self);
   using T = typename decltype(t)::value_type;
   const Shape& ss = t.shape();
-  if (index.dim() > 1)
-    throw ShapeError("index_fill: index must be a 1-D tensor (or 0-D), got shape " +
-                     index.shape().str());
+  if (index.dim() > 1) {
+    throw ShapeError("index_fill: index must be a 1-D tensor (or 0-D), got shape " + index.shape().str());
+  }
   const int d = normalize_dim(dim, ss.rank(), "index_fill");
   graph::common_device({t.node(), index.node()}, "index_fill");
+  const std::int64_t size = ss.rank() > 0 ? ss[d] : 1;
+  const Tensor<I> wrapped(where(index < 0, index + size, index));
+  // A slab of ones per index entry, added at its slice: the count of entries naming each.
   Shape slab = ss;
   if (ss.rank() > 0) slab[d] = index.numel();
-  // How many index entries name each slice: the mask of the filled ones.
-  const Tensor<std::int32_t> hits(
-      graph::submit(std::make_shared<graph::IndexAddNode<std::int32_t, I>>(
-          ones<std::int32_t>(slab, t.device()).node(), index.node(), ss, d)));
-  return Tensor<T>(where(hits > 0, value, t));
+  else slab = Shape{index.numel()};
+  const Tensor<std::int32_t> hits(graph::submit(std::make_shared<graph::IndexAddNode<std::int32_t, I>>(
+      ones<std::int32_t>(slab, t.device()).node(), wrapped.node(), ss, d, "index_fill")));
+  // The value as self's dtype first: a float number would otherwise make the choice a
+  // float expression and round integers above 2^24 on the way.
+  if constexpr (std::is_same_v<T, bool>) {
+    return Tensor<T>(where(hits > 0, static_cast<double>(value) != 0, t));
+  } else if constexpr (is_integral_v<T>) {
+    return Tensor<T>(where(hits > 0, static_cast<std::int64_t>(value), t));
+  } else {
+    return Tensor<T>(where(hits > 0, static_cast<double>(value), t));
+  }
 }
 
 }  // namespace lazy
@@ -28985,8 +29017,20 @@ Tensor<T> addmm(const Tensor<T>& input, const Tensor<T>& m1, const Tensor<T>& m2
     throw ShapeError("addmm: input of shape " + input.shape().str() + " does not broadcast to the product's shape " +
                      p.shape().str());
   }
-  if (beta == 0) return alpha == 1 ? p : Tensor<T>(p * alpha);
-  return Tensor<T>(input * beta + p * alpha);
+  if constexpr (is_integral_v<T>) {
+    // Integer products stay integers: beta and alpha must be whole (torch's rule), and are
+    // applied as integers (a double factor would round values above 2^53, a float above 2^24).
+    if (beta != std::trunc(beta) || alpha != std::trunc(alpha)) {
+      throw DTypeError("addmm: integer tensors take integer beta and alpha, got " + std::to_string(beta) + " and " +
+                       std::to_string(alpha));
+    }
+    const auto b = static_cast<std::int64_t>(beta), a = static_cast<std::int64_t>(alpha);
+    if (b == 0) return a == 1 ? p : Tensor<T>(p * a);
+    return Tensor<T>(input * b + p * a);
+  } else {
+    if (beta == 0) return alpha == 1 ? p : Tensor<T>(p * alpha);
+    return Tensor<T>(input * beta + p * alpha);
+  }
 }
 
 /// The diagonal of dims dim1 and dim2 (torch.diagonal): those dims are removed and the
@@ -29016,9 +29060,10 @@ Tensor<T> diagonal(const Tensor<T>& x, std::int64_t offset = 0, std::int64_t dim
   return slice(plane, -1, start, start + (len == 0 ? 0 : (len - 1) * (m + 1) + 1), m + 1);
 }
 
-/// Sum of the main diagonal of a 2-D tensor (torch.trace), a 0-D result.
+/// Sum of the main diagonal of a 2-D tensor (torch.trace), a 0-D result of sum's dtype
+/// (int64 for integers and bool).
 template <Element T>
-Tensor<T> trace(const Tensor<T>& x) {
+auto trace(const Tensor<T>& x) {
   detail::require_rank(x, 2, "trace", "self");
   return sum(diagonal(x));
 }

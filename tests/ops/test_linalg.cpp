@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include <lazytensor/ops/factories.hpp>
@@ -155,4 +156,17 @@ TEST(Linalg, GradientsMatchFiniteDifferences) {
       "diagonal", [](const auto& v) { return lazy::diagonal(v[0], -1, 2, 0); }, {input(Shape{3, 2, 4}, 12)});
   gradcheck::check("trace", [](const auto& v) { return lazy::trace(v[0]); }, {input(Shape{3, 4}, 13)});
   gradcheck::check("diag of a vector", [](const auto& v) { return lazy::diag(v[0], 1); }, {input(Shape{3}, 14)});
+}
+
+TEST(Linalg, IntegersStayIntegers) {
+  // 16777217 is not a float; a factor applied in floating point would round it.
+  const auto big = lazy::full<std::int64_t>(lazy::Shape{1, 1}, 16777217);
+  const auto z = lazy::zeros<std::int64_t>(lazy::Shape{1, 1});
+  EXPECT_EQ(lazy::addmm(big, z, z).to_vector(), (std::vector<std::int64_t>{16777217}));
+  EXPECT_EQ(lazy::addmm(big, z, z, 3, 2).to_vector(), (std::vector<std::int64_t>{3 * 16777217LL}));
+  EXPECT_THROW(lazy::addmm(big, z, z, 0.5), lazy::DTypeError);
+  const auto m = lazy::from_vector<std::int32_t>({1, 2, 3, 4}, lazy::Shape{2, 2});
+  const auto t = lazy::trace(m);
+  static_assert(std::is_same_v<decltype(t), const lazy::Tensor<std::int64_t>>, "torch.trace of int32 is int64");
+  EXPECT_EQ(t.item(), 5);
 }

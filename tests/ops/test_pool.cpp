@@ -67,7 +67,7 @@ struct Reference {
   std::vector<double> y, dx;
 };
 template <class T>
-Reference reference(const PoolCase& k, const std::vector<T>& x, const std::vector<T>& gy, bool max,
+Reference pool_reference(const PoolCase& k, const std::vector<T>& x, const std::vector<T>& gy, bool max,
                     bool include_pad) {
   Reference r;
   const std::int64_t planes = k.n * k.c, OH = k.oh(), OW = k.ow();
@@ -129,7 +129,7 @@ void check_all(bool max, bool include_pad, unsigned seed) {
     SCOPED_TRACE(k.str() + (max ? " max" : include_pad ? " avg include_pad" : " avg"));
     const auto x = random_values<T>(k.in().numel(), seed++);
     const auto gy = random_values<T>(k.n * k.c * k.oh() * k.ow(), seed++);
-    const Reference ref = reference(k, x, gy, max, include_pad);
+    const Reference ref = pool_reference(k, x, gy, max, include_pad);
     Tensor<T> xt = lazy::from_vector<T>(x, k.in()).requires_grad_();
     Tensor<T> y = run(k, xt, max, include_pad);
     ASSERT_EQ(y.shape(), (Shape{k.n, k.c, k.oh(), k.ow()}));
@@ -192,7 +192,7 @@ TEST(Pool2d, ExpressionInputAndBfloat16) {
   const auto x = random_values<float>(k.in().numel(), 7);
   std::vector<float> twice(x.size());
   for (std::size_t i = 0; i < x.size(); ++i) twice[i] = 2 * x[i];
-  const auto ref = reference(k, twice, std::vector<float>{}, true, false);
+  const auto ref = pool_reference(k, twice, std::vector<float>{}, true, false);
   Tensor<float> xt = lazy::from_vector<float>(x, k.in());
   EXPECT_EQ(lazy::max_pool2d(xt * 2, k.kernel, k.stride, k.padding).to_vector(),
             std::vector<float>(ref.y.begin(), ref.y.end()));
@@ -201,8 +201,8 @@ TEST(Pool2d, ExpressionInputAndBfloat16) {
   std::vector<float> xr;
   for (float v : x) xb.push_back(lazy::bfloat16(v)), xr.push_back(static_cast<float>(xb.back()));
   Tensor<lazy::bfloat16> bt = lazy::from_vector<lazy::bfloat16>(xb, k.in());
-  const auto rmax = reference(k, xr, std::vector<float>{}, true, false);
-  const auto rav = reference(k, xr, std::vector<float>{}, false, true);
+  const auto rmax = pool_reference(k, xr, std::vector<float>{}, true, false);
+  const auto rav = pool_reference(k, xr, std::vector<float>{}, false, true);
   const auto gmax = lazy::max_pool2d(bt, k.kernel, k.stride, k.padding).to_vector();
   const auto gav = lazy::avg_pool2d(bt, k.kernel, k.stride, k.padding).to_vector();
   for (std::size_t i = 0; i < gmax.size(); ++i) {
@@ -221,7 +221,7 @@ TEST(Pool2d, ThreadCountDoesNotChangeBits) {
   const auto gy = random_values<float>(k.n * k.c * k.oh() * k.ow(), 32);
   for (bool max : {true, false}) {
     SCOPED_TRACE(max ? "max" : "avg");
-    const Reference ref = reference(k, x, gy, max, true);
+    const Reference ref = pool_reference(k, x, gy, max, true);
     std::vector<float> y1, dx1;
     for (int threads : {1, 2, 4}) {
       SCOPED_TRACE("threads " + std::to_string(threads));

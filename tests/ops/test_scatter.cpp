@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -352,4 +353,61 @@ TEST(IndexFill, FillsTheNamedSlices) {
       std::vector<std::int64_t>{-1, 2, -1, -1, 5, -1}, "columns");
   scatter_ref::expect_same(lazy::index_fill(x, 0, lazy::tensor<std::int32_t>({1}), 0).to_vector(),
                            std::vector<std::int64_t>{1, 2, 3, 0, 0, 0}, "rows");
+}
+
+TEST(Scatter, SrcOrIndexThatIsSelfIsReadBeforeItIsWritten) {
+  // scatter(y, 0, i, y) with y's node held by nothing else: the output must not take y's
+  // buffer, which the same kernel reads as src (this crashed).
+  lazy::Tensor<float> y = lazy::from_vector<float>({1, 2, 3}) * 1.0f;
+  y.to_vector();
+  y = lazy::scatter(y, 0, lazy::tensor<std::int64_t>({1, 2, 0}), y);
+  scatter_ref::expect_same(y.to_vector(), std::vector<float>{3, 1, 2}, "src is self");
+  lazy::Tensor<std::int64_t> x = lazy::tensor<std::int64_t>({2, 0, 1}) * 1;
+  x.to_vector();
+  x = lazy::scatter_add(x, 0, x, lazy::tensor<std::int64_t>({10, 20, 30}));
+  scatter_ref::expect_same(x.to_vector(), std::vector<std::int64_t>{22, 30, 11}, "index is self");
+}
+
+TEST(IndexAdd, AddsInOrderAndLeavesTheRestAlone) {
+  // (1e8 + 4) + 4 rounds to 1e8 twice; 1e8 + (4 + 4) would be 100000008.
+  const auto big = lazy::index_add(lazy::from_vector<float>({1e8f, -0.0f}), 0, lazy::tensor<std::int64_t>({0, 0}),
+                                   lazy::from_vector<float>({4, 4}));
+  const auto b = big.to_vector();
+  EXPECT_EQ(b[0], 1e8f);
+  EXPECT_TRUE(std::signbit(b[1])) << "an element no index names keeps its -0";
+  const auto inf = lazy::index_add(lazy::from_vector<float>({1, 2}), 0, lazy::tensor<std::int64_t>({1}),
+                                   lazy::from_vector<float>({1}), std::numeric_limits<float>::infinity());
+  const auto f = inf.to_vector();
+  EXPECT_EQ(f[0], 1.0f) << "alpha = inf leaves untouched elements finite";
+  EXPECT_TRUE(std::isinf(f[1]));
+  EXPECT_THROW(lazy::index_add(lazy::full<float>(lazy::Shape{}, 1), 0, lazy::tensor<std::int64_t>({0, 0}),
+                               lazy::full<float>(lazy::Shape{}, 10)),
+               lazy::ShapeError);
+  EXPECT_THROW(lazy::index_add(lazy::zeros<std::int32_t>(lazy::Shape{2}), 0, lazy::tensor<std::int64_t>({0}),
+                               lazy::ones<std::int32_t>(lazy::Shape{1}), 0.5),
+               lazy::DTypeError);
+  scatter_ref::expect_same(lazy::index_add(lazy::full<float>(lazy::Shape{}, 1), 0, lazy::tensor<std::int64_t>({0}),
+                                           lazy::full<float>(lazy::Shape{}, 10), 2)
+                               .to_vector(),
+                           std::vector<float>{21}, "0-dim");
+}
+
+TEST(IndexFill, KeepsIntegersWrapsNegativeIndicesAndTakesZeroDim) {
+  const auto x = lazy::from_vector<std::int64_t>({16777217, 5});
+  // The value is converted to int64 first (torch: 2); 16777217 does not pass through float.
+  scatter_ref::expect_same(lazy::index_fill(x, 0, lazy::tensor<std::int64_t>({1}), 2.5).to_vector(),
+                           std::vector<std::int64_t>{16777217, 2}, "integer self");
+  scatter_ref::expect_same(
+      lazy::index_fill(lazy::tensor<float>({1, 2, 3}), 0, lazy::tensor<std::int64_t>({-1}), 0).to_vector(),
+      std::vector<float>{1, 2, 0}, "negative index");
+  scatter_ref::expect_same(
+      lazy::index_fill(lazy::full<float>(lazy::Shape{}, 1), 0, lazy::tensor<std::int64_t>({0, 0}), 7).to_vector(),
+      std::vector<float>{7}, "0-dim");
+  auto bad = lazy::index_fill(lazy::tensor<float>({1, 2, 3}), 0, lazy::tensor<std::int64_t>({-4}), 0);
+  try {
+    bad.to_vector();
+    ADD_FAILURE() << "expected IndexError";
+  } catch (const lazy::IndexError& e) {
+    EXPECT_NE(std::string(e.what()).find("index_fill"), std::string::npos) << e.what();
+  }
 }

@@ -102,8 +102,11 @@ class ScatterNode final : public Node {
  protected:
   void compute(ExecContext& ctx) override {
     const NodePtr& self = inputs()[0];
-    check_index();             // before self's buffer may be taken: a failure leaves it intact
-    auto buf = try_donate(0);  // never src's or index's buffer: both are read while writing
+    check_index();  // before self's buffer may be taken: a failure leaves it intact
+    // Self's buffer only when neither src nor the index is self's node too (scatter(x, d,
+    // i, x)): both are read while the output is written.
+    std::shared_ptr<Buffer> buf;
+    if (inputs()[1] != self && inputs()[2] != self) buf = try_donate(0);
     if (!buf) {
       buf = allocate_output(ctx, false);
       std::copy_n(self->template data<T>(), numel(), static_cast<T*>(buf->data()));
@@ -169,7 +172,9 @@ class ScatterNode final : public Node {
       return;
     }
     if (seen && (*seen)++ == 0 && !include_self_) {
-      dst = v;  // the first value replaces self's
+      // The first value replaces self's; a sum starts from 0 as torch's does (-0 + 0 = +0).
+      dst = mode_ == ScatterMode::sum || mode_ == ScatterMode::mean ? static_cast<T>(wrap_add(C(0), static_cast<C>(v)))
+                                                                    : v;
       return;
     }
     const C a = static_cast<C>(dst), b = static_cast<C>(v);

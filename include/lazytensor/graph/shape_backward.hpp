@@ -77,8 +77,9 @@ class SliceBackwardNode final : public Node {
 template <Element T, IndexElement I>
 class IndexAddNode final : public Node {
  public:
-  IndexAddNode(NodePtr g, NodePtr index, Shape in_shape, int dim)
-      : Node(NodeKind::Copy, dtype_of<T>(), in_shape, g->device(), {g, index}), dim_(dim) {}
+  /// `op` names the public op in an IndexError ("index_add" for index_select's backward).
+  IndexAddNode(NodePtr g, NodePtr index, Shape in_shape, int dim, const char* op = "index_add")
+      : Node(NodeKind::Copy, dtype_of<T>(), in_shape, g->device(), {g, index}), dim_(dim), op_(op) {}
   std::string op_name() const override { return "index_add"; }
   std::uint64_t structural_hash() const override {
     return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
@@ -89,7 +90,7 @@ class IndexAddNode final : public Node {
     return all_but_dim_rule(shape().rank(), dim_, 2);
   }
   NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
-    return std::make_shared<IndexAddNode>(std::move(inputs[0]), std::move(inputs[1]), std::move(shape), dim_);
+    return std::make_shared<IndexAddNode>(std::move(inputs[0]), std::move(inputs[1]), std::move(shape), dim_, op_);
   }
 
  protected:
@@ -106,8 +107,9 @@ class IndexAddNode final : public Node {
     const std::int64_t dsize = s.rank() ? s[dim_] : 1;
     for (std::int64_t k = 0; k < K; ++k) {
       if (idx[k] < 0 || idx[k] >= dsize) {
-        throw IndexError("index_add: index " + std::to_string(idx[k]) + " is out of range for dimension " +
-                         std::to_string(dim_) + " with size " + std::to_string(dsize));
+        throw IndexError(std::string(op_) + ": index " + std::to_string(idx[k]) + " is out of range for dimension " +
+                         std::to_string(dim_) + " with size " + std::to_string(dsize) + " (expected 0 <= index < " +
+                         std::to_string(dsize) + ")");
       }
     }
     using C = compute_t<T>;
@@ -133,6 +135,7 @@ class IndexAddNode final : public Node {
 
  private:
   int dim_;
+  const char* op_;
 };
 
 namespace detail {
@@ -246,7 +249,8 @@ class ScatterAddNode final : public Node {
           const auto k = static_cast<std::int64_t>(idx[p]);
           if (k < 0 || k >= dsize) {
             throw IndexError("scatter_add: index " + std::to_string(k) + " is out of bounds for dimension " +
-                             std::to_string(dim_) + " with size " + std::to_string(dsize));
+                             std::to_string(dim_) + " with size " + std::to_string(dsize) + " (expected 0 <= index < " +
+                             std::to_string(dsize) + ")");
           }
           T& dst = out[at + k * tst[dim_]];
           dst = static_cast<T>(static_cast<C>(dst) + static_cast<C>(g[p]));

@@ -5,6 +5,7 @@
 // checks the ranks torch's function requires (matmul alone would broadcast them).
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -79,8 +80,20 @@ Tensor<T> addmm(const Tensor<T>& input, const Tensor<T>& m1, const Tensor<T>& m2
     throw ShapeError("addmm: input of shape " + input.shape().str() + " does not broadcast to the product's shape " +
                      p.shape().str());
   }
-  if (beta == 0) return alpha == 1 ? p : Tensor<T>(p * alpha);
-  return Tensor<T>(input * beta + p * alpha);
+  if constexpr (is_integral_v<T>) {
+    // Integer products stay integers: beta and alpha must be whole (torch's rule), and are
+    // applied as integers (a double factor would round values above 2^53, a float above 2^24).
+    if (beta != std::trunc(beta) || alpha != std::trunc(alpha)) {
+      throw DTypeError("addmm: integer tensors take integer beta and alpha, got " + std::to_string(beta) + " and " +
+                       std::to_string(alpha));
+    }
+    const auto b = static_cast<std::int64_t>(beta), a = static_cast<std::int64_t>(alpha);
+    if (b == 0) return a == 1 ? p : Tensor<T>(p * a);
+    return Tensor<T>(input * b + p * a);
+  } else {
+    if (beta == 0) return alpha == 1 ? p : Tensor<T>(p * alpha);
+    return Tensor<T>(input * beta + p * alpha);
+  }
 }
 
 /// The diagonal of dims dim1 and dim2 (torch.diagonal): those dims are removed and the
@@ -110,9 +123,10 @@ Tensor<T> diagonal(const Tensor<T>& x, std::int64_t offset = 0, std::int64_t dim
   return slice(plane, -1, start, start + (len == 0 ? 0 : (len - 1) * (m + 1) + 1), m + 1);
 }
 
-/// Sum of the main diagonal of a 2-D tensor (torch.trace), a 0-D result.
+/// Sum of the main diagonal of a 2-D tensor (torch.trace), a 0-D result of sum's dtype
+/// (int64 for integers and bool).
 template <Element T>
-Tensor<T> trace(const Tensor<T>& x) {
+auto trace(const Tensor<T>& x) {
   detail::require_rank(x, 2, "trace", "self");
   return sum(diagonal(x));
 }

@@ -8,6 +8,7 @@
 // Results are deterministic: positions are combined in index order, and with duplicate
 // indices the last write wins (torch leaves that case unspecified).
 
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -258,7 +259,8 @@ auto scatter_add(const X& self, std::int64_t dim, const Tensor<I>& index, const 
 /// index names, by `reduce`: "sum", "prod", "mean" (integers: floor division), "amax" or
 /// "amin" (NaN wins). With include_self = false, self's value at a position some index
 /// reaches is left out of the reduction. Integer sums and products wrap. The gradient of
-/// amax/amin is shared evenly between every value equal to the result, as torch's.
+/// amax/amin is shared evenly between the values equal to the result that took part (with
+/// include_self = false torch 1.13 still counts self's in the divisor; here it does not).
 template <expr::ExprLike X, IndexElement I, expr::ExprLike S>
 auto scatter_reduce(const X& self, std::int64_t dim, const Tensor<I>& index, const S& src,
                     std::string_view reduce, bool include_self = true) {
@@ -277,67 +279,87 @@ auto scatter_reduce(const X& self, std::int64_t dim, const Tensor<I>& index, con
 
 /// torch.index_add: a copy of `self` with alpha * source's slice k added to self's slice
 /// index[k] along `dim` (index 1-D; source has self's shape but index.numel() in `dim`).
-/// Duplicates add up, in index order; values outside [0, self.size(dim)) raise IndexError
-/// when the kernel runs.
+/// Duplicates add up one after the other in index order, elements no index names are left
+/// as they are (-0 included); values outside [0, self.size(dim)) raise IndexError when the
+/// kernel runs. Integer tensors take an integer alpha (DTypeError otherwise), as torch.
 template <expr::ExprLike X, IndexElement I, expr::ExprLike S, expr::Number A = int>
-auto index_add(const X& self, std::int64_t dim, const Tensor<I>& index, const S& source,
-               A alpha = 1) {
+auto index_add(const X& self, std::int64_t dim, const Tensor<I>& index, const S& source, A alpha = 1) {
   auto t = detail::as_tensor(self);
   auto s = detail::as_tensor(source);
   using T = typename decltype(t)::value_type;
   static_assert(std::is_same_v<T, typename decltype(s)::value_type>,
                 "index_add: source must have self's dtype (as torch requires); cast one of them");
   const Shape& ss = t.shape();
-  if (index.dim() > 1)
-    throw ShapeError("index_add: index must be a 1-D tensor (or 0-D), got shape " +
-                     index.shape().str());
+  if (index.dim() > 1) {
+    throw ShapeError("index_add: index must be a 1-D tensor (or 0-D), got shape " + index.shape().str());
+  }
   const int d = normalize_dim(dim, ss.rank(), "index_add");
   Shape want = ss;
   if (ss.rank() > 0) want[d] = index.numel();
-  if (s.shape() != want && !(ss.rank() == 0 && s.numel() == 1 && index.numel() == 1)) {
-    throw ShapeError("index_add: source must have self's shape with index.numel() in dimension " +
-                     std::to_string(d) + ": expected " + want.str() + ", got " + s.shape().str());
+  if (ss.rank() == 0 && index.numel() != 1) {
+    throw ShapeError("index_add: a 0-dim self takes an index of exactly one element, got shape " +
+                     index.shape().str());
+  }
+  if (s.numel() != want.numel() || (s.shape() != want && ss.rank() > 0)) {
+    throw ShapeError("index_add: source must have self's shape with index.numel() in dimension " + std::to_string(d) +
+                     ": expected " + want.str() + ", got " + s.shape().str());
   }
   graph::common_device({t.node(), index.node(), s.node()}, "index_add");
-  const Tensor<T> added(
-      graph::submit(std::make_shared<graph::IndexAddNode<T, I>>(s.node(), index.node(), ss, d)));
-  // The sum through expressions: its gradient reaches self and (via index_select) source.
-  Tensor<T> r = [&] {
-    autograd::AutoGradMode off(false);
-    return Tensor<T>(t + added * alpha);
-  }();
-  if constexpr (is_floating_v<T>) {
-    autograd::record(r, "IndexAddBackward0",
-                     {autograd::edge_of(t.impl()), autograd::edge_of(s.impl())},
-                     [d, alpha, idx = index.detach(), sshape = s.shape()](const Tensor<T>& g) {
-                       Tensor<T> gs = index_select(g, d, idx) * alpha;
-                       if (gs.shape() != sshape)
-                         gs = reshape(gs, std::vector<std::int64_t>(sshape.begin(), sshape.end()));
-                       return std::vector<graph::NodePtr>{g.node(), gs.node()};
-                     });
+  // scatter_add with the index spread over source's shape: one kernel that adds in index
+  // order into a copy of self, and scatter's gradients (self: g; source: gather(g)).
+  Tensor<I> spread;
+  if (ss.rank() == 0) {
+    spread = reshape(index, std::vector<std::int64_t>{});
+  } else {
+    std::vector<std::int64_t> lone(static_cast<std::size_t>(ss.rank()), 1);
+    lone[static_cast<std::size_t>(d)] = index.numel();
+    spread = Tensor<I>(expand(reshape(index, lone), want));
   }
-  return r;
+  const Tensor<T> src = reshape(s, std::vector<std::int64_t>(want.begin(), want.end()));
+  Tensor<T> scaled;
+  if constexpr (is_integral_v<T> || std::is_same_v<T, bool>) {
+    if (static_cast<double>(alpha) != std::trunc(static_cast<double>(alpha))) {
+      throw DTypeError("index_add: an integer tensor takes an integer alpha, got " +
+                       std::to_string(static_cast<double>(alpha)));
+    }
+    scaled = static_cast<double>(alpha) == 1 ? src : Tensor<T>(src * static_cast<std::int64_t>(alpha));
+  } else {
+    scaled = static_cast<double>(alpha) == 1 ? src : Tensor<T>(src * static_cast<double>(alpha));
+  }
+  return detail::scatter_op<T, I>("index_add", "IndexAddBackward0", t, d, spread, scaled, graph::ScatterMode::sum,
+                                  true);
 }
 
-/// torch.index_fill: a copy of `self` with `value` in every slice index[k] along `dim`
-/// (index 1-D). Its gradient passes to self everywhere but the filled slices.
+/// torch.index_fill: a copy of `self` with `value` (converted to self's dtype) in every
+/// slice index[k] along `dim` (index 1-D; negative values count from the end, as in torch).
+/// Its gradient passes to self everywhere but the filled slices.
 template <expr::ExprLike X, IndexElement I, expr::Number V>
 auto index_fill(const X& self, std::int64_t dim, const Tensor<I>& index, V value) {
   auto t = detail::as_tensor(self);
   using T = typename decltype(t)::value_type;
   const Shape& ss = t.shape();
-  if (index.dim() > 1)
-    throw ShapeError("index_fill: index must be a 1-D tensor (or 0-D), got shape " +
-                     index.shape().str());
+  if (index.dim() > 1) {
+    throw ShapeError("index_fill: index must be a 1-D tensor (or 0-D), got shape " + index.shape().str());
+  }
   const int d = normalize_dim(dim, ss.rank(), "index_fill");
   graph::common_device({t.node(), index.node()}, "index_fill");
+  const std::int64_t size = ss.rank() > 0 ? ss[d] : 1;
+  const Tensor<I> wrapped(where(index < 0, index + size, index));
+  // A slab of ones per index entry, added at its slice: the count of entries naming each.
   Shape slab = ss;
   if (ss.rank() > 0) slab[d] = index.numel();
-  // How many index entries name each slice: the mask of the filled ones.
-  const Tensor<std::int32_t> hits(
-      graph::submit(std::make_shared<graph::IndexAddNode<std::int32_t, I>>(
-          ones<std::int32_t>(slab, t.device()).node(), index.node(), ss, d)));
-  return Tensor<T>(where(hits > 0, value, t));
+  else slab = Shape{index.numel()};
+  const Tensor<std::int32_t> hits(graph::submit(std::make_shared<graph::IndexAddNode<std::int32_t, I>>(
+      ones<std::int32_t>(slab, t.device()).node(), wrapped.node(), ss, d, "index_fill")));
+  // The value as self's dtype first: a float number would otherwise make the choice a
+  // float expression and round integers above 2^24 on the way.
+  if constexpr (std::is_same_v<T, bool>) {
+    return Tensor<T>(where(hits > 0, static_cast<double>(value) != 0, t));
+  } else if constexpr (is_integral_v<T>) {
+    return Tensor<T>(where(hits > 0, static_cast<std::int64_t>(value), t));
+  } else {
+    return Tensor<T>(where(hits > 0, static_cast<double>(value), t));
+  }
 }
 
 }  // namespace lazy
