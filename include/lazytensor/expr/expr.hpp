@@ -573,7 +573,8 @@ template <class A, class B>
 auto atan2(A&& a, B&& b) {
   return expr::make<ops::Atan2>(std::forward<A>(a), std::forward<B>(b));
 }
-/// sqrt(a^2 + b^2), exact where the squares would overflow or underflow (torch.hypot).
+/// sqrt(a^2 + b^2) (torch.hypot), finite where the squares would overflow and non-zero
+/// where they would underflow.
 template <class A, class B>
   requires expr::BinaryOperands<A, B>
 auto hypot(A&& a, B&& b) {
@@ -585,8 +586,8 @@ template <class A, class B>
 auto logical_xor(A&& a, B&& b) {
   return expr::make<ops::LogicalXor>(std::forward<A>(a), std::forward<B>(b));
 }
-/// a + weight * (b - a) (torch.lerp; weight a tensor, an expression or a number), computed
-/// as torch does: from b's side where weight >= 0.5, so that weight 1 gives b exactly.
+/// a + weight * (b - a) (torch.lerp; weight a tensor, an expression or a number), with
+/// torch's formula: from b's side where weight >= 0.5, so that weight 1 gives b exactly.
 /// Floating operands (torch refuses integers); the three broadcast.
 template <expr::ExprLike A, expr::ExprLike B, class W>
   requires is_floating_v<expr::value_t<A>> && is_floating_v<expr::value_t<B>>

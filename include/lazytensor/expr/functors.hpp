@@ -363,22 +363,13 @@ LAZY_BINARY_OP(Atan2, "atan2", 14, (to_floating_t<promoted<A, B>>), (
     r = select((a == zero) & (b == zero), xsimd::copysign(both_zero, a), r);
     return select((xsimd::abs(a) == inf) & (xsimd::abs(b) == inf), xsimd::copysign(both_inf, a), r);
   }), (b / (a * a + b * b)), (-a / (a * a + b * b)))
-// sqrt(a^2 + b^2) without overflow or underflow in the squares (torch.hypot): the larger
-// magnitude times sqrt(1 + q^2), q <= 1 (xsimd 8.1 squares directly); an infinity wins
-// over NaN, as in C. At (0, 0) the derivative is NaN, as torch's a / y.
-LAZY_BINARY_OP(Hypot, "hypot", 10, (to_floating_t<promoted<A, B>>), (
-  if constexpr (std::is_arithmetic_v<V>) {
-    return hypot(a, b);
-  } else {
-    using T = typename V::value_type;
-    const V zero(0), inf(std::numeric_limits<T>::infinity());
-    const V x = xsimd::abs(a), y = xsimd::abs(b);
-    const V m = xsimd::max(x, y), n = xsimd::min(x, y);
-    const V q = n / m;
-    V r = select(m == zero, zero, m * xsimd::sqrt(V(1) + q * q));
-    r = select(is_nan(a) | is_nan(b), V(std::numeric_limits<T>::quiet_NaN()), r);
-    return select((x == inf) | (y == inf), inf, r);
-  }), (a / y), (b / y))
+// sqrt(a^2 + b^2) without overflow or underflow in the squares (torch.hypot), lane by
+// lane through the C library: xsimd 8.1's batch hypot squares directly (overflow above
+// 1.8e19 in float, underflow below 1e-19), and a scaled form is off by up to 2 ulp where
+// torch's is within half of one. An infinity wins over NaN, as in C. At (0, 0) the
+// derivative is NaN, as torch's a / y.
+LAZY_BINARY_OP(Hypot, "hypot", 20, (to_floating_t<promoted<A, B>>),
+               (return map_lanes2(a, b, [](auto x, auto y) { return std::hypot(x, y); });), (a / y), (b / y))
 LAZY_BINARY_OP(LogicalOr, "logical_or", 1, (bool), (return from_bool<V>(not_equal(a, V(0)) | not_equal(b, V(0)));), (V(0)), (V(0)))
 
 #undef LAZY_UNARY_OP
@@ -411,8 +402,9 @@ struct Clamp {
   }
 };
 
-/// lerp(a, b, w) = a + w * (b - a), computed from b's side where w >= 0.5 (as torch.lerp),
-/// so that w == 1 gives b exactly.
+/// lerp(a, b, w) = a + w * (b - a), with torch.lerp's formula: from b's side where w >= 0.5,
+/// so that w == 1 gives b exactly (torch's vector kernel fuses the multiply-adds, so the
+/// low bits may differ from it).
 struct Lerp {
   static constexpr const char* name = "lerp";
   static constexpr double cost = 4;
