@@ -22729,6 +22729,23 @@ LAZYTENSOR_FOR_ELEMENT(LAZYTENSOR_SHAPE_HELPERS_INSTANCES, extern)
 
 namespace lazy {
 
+namespace detail {
+
+/// Records `r` (x's values at `index` along `d`, index-shaped: gather, sort's values,
+/// cummax's) as a gather for autograd under `name`: the gradient goes back to where each
+/// value came from, a scatter-add into x's shape.
+template <Element T, IndexElement I>
+void record_gathered(Tensor<T>& r, const char* name, const Tensor<T>& x, int d, const Tensor<I>& index) {
+  if constexpr (is_floating_v<T>) {
+    autograd::record(r, name, {autograd::edge_of(x.impl())}, [in = x.shape(), d, idx = index.detach()](const Tensor<T>& g) {
+      return std::vector<graph::NodePtr>{
+          graph::submit(std::make_shared<graph::ScatterAddNode<T, I>>(g.node(), idx.node(), in, d))};
+    });
+  }
+}
+
+}  // namespace detail
+
 // ---- indexing ---------------------------------------------------------------------------
 
 /// The slices of x at positions `index` (1-D, int32 or int64) along `dim`
@@ -22789,13 +22806,7 @@ auto gather(const X& x, std::int64_t dim, const Tensor<I>& index) {
   }
   graph::common_device({t.node(), index.node()}, "gather");
   Tensor<T> r(graph::submit(std::make_shared<graph::GatherNode<I>>(t.node(), index.node(), d)));
-  if constexpr (is_floating_v<T>) {
-    autograd::record(r, "GatherBackward0", {autograd::edge_of(t.impl())},
-                     [in = s, d, idx = index.detach()](const Tensor<T>& g) {
-                       return std::vector<graph::NodePtr>{
-                           graph::submit(std::make_shared<graph::ScatterAddNode<T, I>>(g.node(), idx.node(), in, d))};
-                     });
-  }
+  detail::record_gathered(r, "GatherBackward0", t, d, index);
   return r;
 }
 
@@ -28362,7 +28373,6 @@ LAZYTENSOR_NN_SEQUENTIAL_INSTANCES(extern)
 // is 0), and positions with different coordinates there never collide.
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -28433,15 +28443,10 @@ class ScatterNode final : public Node {
         std::vector<bool>(static_cast<std::size_t>(rank), false),
         std::vector<std::vector<int>>(3, std::vector<int>(static_cast<std::size_t>(rank), -1))};
     for (int o = 0; o < rank; ++o) {
-      const auto u = static_cast<std::size_t>(o);
-      r.input_dim[0][u] = o;
       if (o == dim_ || is.rank() != rank || is[o] != out[o] || ss[o] != out[o]) continue;
+      const auto u = static_cast<std::size_t>(o);
       r.splittable[u] = true;
-      r.input_dim[1][u] = r.input_dim[2][u] = o;
-    }
-    for (int o = 0; o < rank; ++o) {
-      if (!r.splittable[static_cast<std::size_t>(o)])
-        r.input_dim[0][static_cast<std::size_t>(o)] = -1;
+      r.input_dim[0][u] = r.input_dim[1][u] = r.input_dim[2][u] = o;
     }
     return r;
   }
@@ -28555,46 +28560,21 @@ class ScatterNode final : public Node {
     for (std::size_t i = 0; i < count.size(); ++i) {
       const std::int64_t m = count[i] + (include_self_ ? 1 : 0);
       if (count[i] == 0 || m <= 1) continue;
-      if constexpr (std::is_integral_v<C> && !std::is_same_v<C, bool>) {
+      if constexpr (std::is_integral_v<C>) {  // (bool never gets here: scatter_reduce refuses its mean)
         const auto s = static_cast<std::int64_t>(out[i]);
         const std::int64_t q = s / m;
         out[i] = static_cast<T>(q * m != s && (s < 0) != (m < 0) ? q - 1 : q);
-      } else if constexpr (std::is_same_v<C, bool>) {
-        // A bool mean is true when any value was: the sum, saturated.
       } else {
         out[i] = static_cast<T>(static_cast<C>(out[i]) / static_cast<C>(m));
       }
     }
   }
 
-  static bool is_nan(C v) {
-    if constexpr (std::is_floating_point_v<C>)
-      return std::isnan(v);
-    else
-      return false;
-  }
-  // Integer sums and products wrap (two's complement), as the reductions' do; bool ones
-  // saturate (logical or / and).
-  static C wrap_add(C a, C b) {
-    if constexpr (std::is_same_v<C, bool>)
-      return a || b;
-    else if constexpr (std::is_integral_v<C>) {
-      using U = std::make_unsigned_t<C>;
-      return static_cast<C>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
-    } else {
-      return a + b;
-    }
-  }
-  static C wrap_mul(C a, C b) {
-    if constexpr (std::is_same_v<C, bool>)
-      return a && b;
-    else if constexpr (std::is_integral_v<C>) {
-      using U = std::make_unsigned_t<C>;
-      return static_cast<C>(static_cast<U>(static_cast<U>(a) * static_cast<U>(b)));
-    } else {
-      return a * b;
-    }
-  }
+  static bool is_nan(C v) { return v != v; }  // false for integers
+  // Integer sums and products wrap (two's complement) and bool ones are or / and, as the
+  // reductions' are.
+  static C wrap_add(C a, C b) { return ops::reduce::detail::wrapping_add(a, b); }
+  static C wrap_mul(C a, C b) { return ops::reduce::detail::wrapping_mul(a, b); }
 
   int dim_;
   ScatterMode mode_;
@@ -28785,6 +28765,18 @@ Tensor<T> scatter_op(const char* op, const char* grad_name, const Tensor<T>& sel
   return r;
 }
 
+/// scatter_op over an operand and a src operand (tensors or expressions) of one dtype.
+template <class X, IndexElement I, class S>
+auto scatter_exprs(const char* op, const char* grad_name, const X& self, std::int64_t dim, const Tensor<I>& index,
+                   const S& src, graph::ScatterMode mode, bool include_self) {
+  auto t = as_tensor(self);
+  auto s = as_tensor(src);
+  using T = typename decltype(t)::value_type;
+  static_assert(std::is_same_v<T, typename decltype(s)::value_type>,
+                "scatter ops: src (index_add: source) must have self's dtype, as torch requires; cast one of them");
+  return scatter_op<T, I>(op, grad_name, t, dim, index, s, mode, include_self);
+}
+
 }  // namespace detail
 
 /// torch.scatter: a copy of `self` where, for every position p of `index`, the element at
@@ -28794,13 +28786,7 @@ Tensor<T> scatter_op(const char* op, const char* grad_name, const Tensor<T>& sel
 /// indices the last position in index order wins, and only it gets src's gradient.
 template <expr::ExprLike X, IndexElement I, expr::ExprLike S>
 auto scatter(const X& self, std::int64_t dim, const Tensor<I>& index, const S& src) {
-  auto t = detail::as_tensor(self);
-  auto s = detail::as_tensor(src);
-  using T = typename decltype(t)::value_type;
-  static_assert(std::is_same_v<T, typename decltype(s)::value_type>,
-                "scatter: src must have self's dtype (as torch requires); cast one of them");
-  return detail::scatter_op<T, I>("scatter", "ScatterBackward0", t, dim, index, s,
-                                  graph::ScatterMode::assign, true);
+  return detail::scatter_exprs("scatter", "ScatterBackward0", self, dim, index, src, graph::ScatterMode::assign, true);
 }
 
 /// torch.scatter with a number: `value` written at every position the index names.
@@ -28808,34 +28794,16 @@ template <expr::ExprLike X, IndexElement I, expr::Number V>
 auto scatter(const X& self, std::int64_t dim, const Tensor<I>& index, V value) {
   auto t = detail::as_tensor(self);
   using T = typename decltype(t)::value_type;
-  const int d = detail::check_scatter_shapes("scatter", t.shape(), dim, index.shape(), nullptr);
-  graph::common_device({t.node(), index.node()}, "scatter");
-  if (index.numel() == 0) return detail::fresh_handle(t);
-  Tensor<T> r = detail::scatter_kernel(t, d, index, full<T>(index.shape(), value, t.device()),
-                                       graph::ScatterMode::assign, true);
-  if constexpr (is_floating_v<T>) {
-    autograd::record(r, "ScatterBackward1", {autograd::edge_of(t.impl())},
-                     [d, idx = index.detach()](const Tensor<T>& g) {
-                       return std::vector<graph::NodePtr>{
-                           detail::scatter_kernel(g, d, idx, zeros<T>(idx.shape(), g.device()),
-                                                  graph::ScatterMode::assign, true)
-                               .node()};
-                     });
-  }
-  return r;
+  return detail::scatter_op<T, I>("scatter", "ScatterBackward1", t, dim, index,
+                                  full<T>(index.shape(), value, t.device()), graph::ScatterMode::assign, true);
 }
 
 /// torch.scatter_add: a copy of `self` with src[p] added at every position the index names
 /// (shapes as scatter's). Duplicates add up, in index order.
 template <expr::ExprLike X, IndexElement I, expr::ExprLike S>
 auto scatter_add(const X& self, std::int64_t dim, const Tensor<I>& index, const S& src) {
-  auto t = detail::as_tensor(self);
-  auto s = detail::as_tensor(src);
-  using T = typename decltype(t)::value_type;
-  static_assert(std::is_same_v<T, typename decltype(s)::value_type>,
-                "scatter_add: src must have self's dtype (as torch requires); cast one of them");
-  return detail::scatter_op<T, I>("scatter_add", "ScatterAddBackward0", t, dim, index, s,
-                                  graph::ScatterMode::sum, true);
+  return detail::scatter_exprs("scatter_add", "ScatterAddBackward0", self, dim, index, src, graph::ScatterMode::sum,
+                               true);
 }
 
 /// torch.scatter_reduce: src's values combined into a copy of `self` at the positions the
@@ -28847,17 +28815,11 @@ auto scatter_add(const X& self, std::int64_t dim, const Tensor<I>& index, const 
 template <expr::ExprLike X, IndexElement I, expr::ExprLike S>
 auto scatter_reduce(const X& self, std::int64_t dim, const Tensor<I>& index, const S& src,
                     std::string_view reduce, bool include_self = true) {
-  auto t = detail::as_tensor(self);
-  auto s = detail::as_tensor(src);
-  using T = typename decltype(t)::value_type;
-  static_assert(std::is_same_v<T, typename decltype(s)::value_type>,
-                "scatter_reduce: src must have self's dtype (as torch requires); cast one of them");
   const graph::ScatterMode mode = detail::scatter_reduce_mode(reduce, "scatter_reduce");
-  if (std::is_same_v<T, bool> && mode == graph::ScatterMode::mean) {
+  if (std::is_same_v<expr::value_t<X>, bool> && mode == graph::ScatterMode::mean) {
     throw DTypeError("scatter_reduce: reduce=\"mean\" needs a number dtype, got bool");
   }
-  return detail::scatter_op<T, I>("scatter_reduce", "ScatterReduceBackward0", t, dim, index, s,
-                                  mode, include_self);
+  return detail::scatter_exprs("scatter_reduce", "ScatterReduceBackward0", self, dim, index, src, mode, include_self);
 }
 
 /// torch.index_add: a copy of `self` with alpha * source's slice k added to self's slice
@@ -29777,15 +29739,9 @@ auto cum_extreme(const X& x, std::int64_t dim, const char* op) {
   const int d = normalize_dim(dim, s.rank(), op);
   Tensor<std::int64_t> idx(graph::submit(std::make_shared<graph::CumExtremeNode<T, IsMax, true>>(t.node(), d)));
   Tensor<T> values(graph::submit(std::make_shared<graph::CumExtremeNode<T, IsMax, false>>(t.node(), d)));
-  if constexpr (is_floating_v<T>) {
-    // values = gather(x, dim, indices): its adjoint scatters g back to where each running
-    // extreme came from, adding where one element stays the extreme for several steps.
-    autograd::record(values, IsMax ? "CummaxBackward0" : "CumminBackward0", {autograd::edge_of(t.impl())},
-                     [in = s, d, ix = idx.detach()](const Tensor<T>& g) {
-                       return std::vector<graph::NodePtr>{graph::submit(
-                           std::make_shared<graph::ScatterAddNode<T, std::int64_t>>(g.node(), ix.node(), in, d))};
-                     });
-  }
+  // values = gather(x, dim, indices): its adjoint scatters g back to where each running
+  // extreme came from, adding where one element stays the extreme for several steps.
+  record_gathered(values, IsMax ? "CummaxBackward0" : "CumminBackward0", t, d, idx);
   return std::tuple<Tensor<T>, Tensor<std::int64_t>>{std::move(values), std::move(idx)};
 }
 
@@ -30107,18 +30063,11 @@ Tensor<std::int64_t> sorted_positions(const Tensor<T>& t, int d, std::int64_t k,
 }
 
 /// t's values at `idx` along d, with gather's derivative (the positions are distinct
-/// within a row, so the scatter-add only places each gradient element; adding makes it
-/// the same kernel gather's backward uses).
+/// within a row, so the scatter-add only places each gradient element).
 template <Element T>
 Tensor<T> values_at(const Tensor<T>& t, int d, const Tensor<std::int64_t>& idx, const char* backward_name) {
   Tensor<T> r(graph::submit(std::make_shared<graph::GatherNode<std::int64_t>>(t.node(), idx.node(), d)));
-  if constexpr (is_floating_v<T>) {
-    autograd::record(r, backward_name, {autograd::edge_of(t.impl())},
-                     [in = t.shape(), d, idx = idx.detach()](const Tensor<T>& g) {
-                       return std::vector<graph::NodePtr>{graph::submit(
-                           std::make_shared<graph::ScatterAddNode<T, std::int64_t>>(g.node(), idx.node(), in, d))};
-                     });
-  }
+  record_gathered(r, backward_name, t, d, idx);
   return r;
 }
 

@@ -7,13 +7,13 @@
 // is 0), and positions with different coordinates there never collide.
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include <lazytensor/expr/reduce_ops.hpp>
 #include <lazytensor/graph/device.hpp>
 #include <lazytensor/graph/parallel.hpp>
 #include <lazytensor/graph/shape_backward.hpp>
@@ -81,15 +81,10 @@ class ScatterNode final : public Node {
         std::vector<bool>(static_cast<std::size_t>(rank), false),
         std::vector<std::vector<int>>(3, std::vector<int>(static_cast<std::size_t>(rank), -1))};
     for (int o = 0; o < rank; ++o) {
-      const auto u = static_cast<std::size_t>(o);
-      r.input_dim[0][u] = o;
       if (o == dim_ || is.rank() != rank || is[o] != out[o] || ss[o] != out[o]) continue;
+      const auto u = static_cast<std::size_t>(o);
       r.splittable[u] = true;
-      r.input_dim[1][u] = r.input_dim[2][u] = o;
-    }
-    for (int o = 0; o < rank; ++o) {
-      if (!r.splittable[static_cast<std::size_t>(o)])
-        r.input_dim[0][static_cast<std::size_t>(o)] = -1;
+      r.input_dim[0][u] = r.input_dim[1][u] = r.input_dim[2][u] = o;
     }
     return r;
   }
@@ -203,46 +198,21 @@ class ScatterNode final : public Node {
     for (std::size_t i = 0; i < count.size(); ++i) {
       const std::int64_t m = count[i] + (include_self_ ? 1 : 0);
       if (count[i] == 0 || m <= 1) continue;
-      if constexpr (std::is_integral_v<C> && !std::is_same_v<C, bool>) {
+      if constexpr (std::is_integral_v<C>) {  // (bool never gets here: scatter_reduce refuses its mean)
         const auto s = static_cast<std::int64_t>(out[i]);
         const std::int64_t q = s / m;
         out[i] = static_cast<T>(q * m != s && (s < 0) != (m < 0) ? q - 1 : q);
-      } else if constexpr (std::is_same_v<C, bool>) {
-        // A bool mean is true when any value was: the sum, saturated.
       } else {
         out[i] = static_cast<T>(static_cast<C>(out[i]) / static_cast<C>(m));
       }
     }
   }
 
-  static bool is_nan(C v) {
-    if constexpr (std::is_floating_point_v<C>)
-      return std::isnan(v);
-    else
-      return false;
-  }
-  // Integer sums and products wrap (two's complement), as the reductions' do; bool ones
-  // saturate (logical or / and).
-  static C wrap_add(C a, C b) {
-    if constexpr (std::is_same_v<C, bool>)
-      return a || b;
-    else if constexpr (std::is_integral_v<C>) {
-      using U = std::make_unsigned_t<C>;
-      return static_cast<C>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
-    } else {
-      return a + b;
-    }
-  }
-  static C wrap_mul(C a, C b) {
-    if constexpr (std::is_same_v<C, bool>)
-      return a && b;
-    else if constexpr (std::is_integral_v<C>) {
-      using U = std::make_unsigned_t<C>;
-      return static_cast<C>(static_cast<U>(static_cast<U>(a) * static_cast<U>(b)));
-    } else {
-      return a * b;
-    }
-  }
+  static bool is_nan(C v) { return v != v; }  // false for integers
+  // Integer sums and products wrap (two's complement) and bool ones are or / and, as the
+  // reductions' are.
+  static C wrap_add(C a, C b) { return ops::reduce::detail::wrapping_add(a, b); }
+  static C wrap_mul(C a, C b) { return ops::reduce::detail::wrapping_mul(a, b); }
 
   int dim_;
   ScatterMode mode_;

@@ -18,6 +18,23 @@
 
 namespace lazy {
 
+namespace detail {
+
+/// Records `r` (x's values at `index` along `d`, index-shaped: gather, sort's values,
+/// cummax's) as a gather for autograd under `name`: the gradient goes back to where each
+/// value came from, a scatter-add into x's shape.
+template <Element T, IndexElement I>
+void record_gathered(Tensor<T>& r, const char* name, const Tensor<T>& x, int d, const Tensor<I>& index) {
+  if constexpr (is_floating_v<T>) {
+    autograd::record(r, name, {autograd::edge_of(x.impl())}, [in = x.shape(), d, idx = index.detach()](const Tensor<T>& g) {
+      return std::vector<graph::NodePtr>{
+          graph::submit(std::make_shared<graph::ScatterAddNode<T, I>>(g.node(), idx.node(), in, d))};
+    });
+  }
+}
+
+}  // namespace detail
+
 // ---- indexing ---------------------------------------------------------------------------
 
 /// The slices of x at positions `index` (1-D, int32 or int64) along `dim`
@@ -78,13 +95,7 @@ auto gather(const X& x, std::int64_t dim, const Tensor<I>& index) {
   }
   graph::common_device({t.node(), index.node()}, "gather");
   Tensor<T> r(graph::submit(std::make_shared<graph::GatherNode<I>>(t.node(), index.node(), d)));
-  if constexpr (is_floating_v<T>) {
-    autograd::record(r, "GatherBackward0", {autograd::edge_of(t.impl())},
-                     [in = s, d, idx = index.detach()](const Tensor<T>& g) {
-                       return std::vector<graph::NodePtr>{
-                           graph::submit(std::make_shared<graph::ScatterAddNode<T, I>>(g.node(), idx.node(), in, d))};
-                     });
-  }
+  detail::record_gathered(r, "GatherBackward0", t, d, index);
   return r;
 }
 

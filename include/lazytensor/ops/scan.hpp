@@ -13,6 +13,7 @@
 #include <lazytensor/graph/scan_node.hpp>
 #include <lazytensor/graph/shape_backward.hpp>
 #include <lazytensor/graph/submit.hpp>
+#include <lazytensor/ops/indexing.hpp>
 #include <lazytensor/ops/shape_helpers.hpp>
 #include <lazytensor/tensor/tensor.hpp>
 
@@ -82,15 +83,9 @@ auto cum_extreme(const X& x, std::int64_t dim, const char* op) {
   const int d = normalize_dim(dim, s.rank(), op);
   Tensor<std::int64_t> idx(graph::submit(std::make_shared<graph::CumExtremeNode<T, IsMax, true>>(t.node(), d)));
   Tensor<T> values(graph::submit(std::make_shared<graph::CumExtremeNode<T, IsMax, false>>(t.node(), d)));
-  if constexpr (is_floating_v<T>) {
-    // values = gather(x, dim, indices): its adjoint scatters g back to where each running
-    // extreme came from, adding where one element stays the extreme for several steps.
-    autograd::record(values, IsMax ? "CummaxBackward0" : "CumminBackward0", {autograd::edge_of(t.impl())},
-                     [in = s, d, ix = idx.detach()](const Tensor<T>& g) {
-                       return std::vector<graph::NodePtr>{graph::submit(
-                           std::make_shared<graph::ScatterAddNode<T, std::int64_t>>(g.node(), ix.node(), in, d))};
-                     });
-  }
+  // values = gather(x, dim, indices): its adjoint scatters g back to where each running
+  // extreme came from, adding where one element stays the extreme for several steps.
+  record_gathered(values, IsMax ? "CummaxBackward0" : "CumminBackward0", t, d, idx);
   return std::tuple<Tensor<T>, Tensor<std::int64_t>>{std::move(values), std::move(idx)};
 }
 

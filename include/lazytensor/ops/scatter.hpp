@@ -202,6 +202,18 @@ Tensor<T> scatter_op(const char* op, const char* grad_name, const Tensor<T>& sel
   return r;
 }
 
+/// scatter_op over an operand and a src operand (tensors or expressions) of one dtype.
+template <class X, IndexElement I, class S>
+auto scatter_exprs(const char* op, const char* grad_name, const X& self, std::int64_t dim, const Tensor<I>& index,
+                   const S& src, graph::ScatterMode mode, bool include_self) {
+  auto t = as_tensor(self);
+  auto s = as_tensor(src);
+  using T = typename decltype(t)::value_type;
+  static_assert(std::is_same_v<T, typename decltype(s)::value_type>,
+                "scatter ops: src (index_add: source) must have self's dtype, as torch requires; cast one of them");
+  return scatter_op<T, I>(op, grad_name, t, dim, index, s, mode, include_self);
+}
+
 }  // namespace detail
 
 /// torch.scatter: a copy of `self` where, for every position p of `index`, the element at
@@ -211,13 +223,7 @@ Tensor<T> scatter_op(const char* op, const char* grad_name, const Tensor<T>& sel
 /// indices the last position in index order wins, and only it gets src's gradient.
 template <expr::ExprLike X, IndexElement I, expr::ExprLike S>
 auto scatter(const X& self, std::int64_t dim, const Tensor<I>& index, const S& src) {
-  auto t = detail::as_tensor(self);
-  auto s = detail::as_tensor(src);
-  using T = typename decltype(t)::value_type;
-  static_assert(std::is_same_v<T, typename decltype(s)::value_type>,
-                "scatter: src must have self's dtype (as torch requires); cast one of them");
-  return detail::scatter_op<T, I>("scatter", "ScatterBackward0", t, dim, index, s,
-                                  graph::ScatterMode::assign, true);
+  return detail::scatter_exprs("scatter", "ScatterBackward0", self, dim, index, src, graph::ScatterMode::assign, true);
 }
 
 /// torch.scatter with a number: `value` written at every position the index names.
@@ -225,34 +231,16 @@ template <expr::ExprLike X, IndexElement I, expr::Number V>
 auto scatter(const X& self, std::int64_t dim, const Tensor<I>& index, V value) {
   auto t = detail::as_tensor(self);
   using T = typename decltype(t)::value_type;
-  const int d = detail::check_scatter_shapes("scatter", t.shape(), dim, index.shape(), nullptr);
-  graph::common_device({t.node(), index.node()}, "scatter");
-  if (index.numel() == 0) return detail::fresh_handle(t);
-  Tensor<T> r = detail::scatter_kernel(t, d, index, full<T>(index.shape(), value, t.device()),
-                                       graph::ScatterMode::assign, true);
-  if constexpr (is_floating_v<T>) {
-    autograd::record(r, "ScatterBackward1", {autograd::edge_of(t.impl())},
-                     [d, idx = index.detach()](const Tensor<T>& g) {
-                       return std::vector<graph::NodePtr>{
-                           detail::scatter_kernel(g, d, idx, zeros<T>(idx.shape(), g.device()),
-                                                  graph::ScatterMode::assign, true)
-                               .node()};
-                     });
-  }
-  return r;
+  return detail::scatter_op<T, I>("scatter", "ScatterBackward1", t, dim, index,
+                                  full<T>(index.shape(), value, t.device()), graph::ScatterMode::assign, true);
 }
 
 /// torch.scatter_add: a copy of `self` with src[p] added at every position the index names
 /// (shapes as scatter's). Duplicates add up, in index order.
 template <expr::ExprLike X, IndexElement I, expr::ExprLike S>
 auto scatter_add(const X& self, std::int64_t dim, const Tensor<I>& index, const S& src) {
-  auto t = detail::as_tensor(self);
-  auto s = detail::as_tensor(src);
-  using T = typename decltype(t)::value_type;
-  static_assert(std::is_same_v<T, typename decltype(s)::value_type>,
-                "scatter_add: src must have self's dtype (as torch requires); cast one of them");
-  return detail::scatter_op<T, I>("scatter_add", "ScatterAddBackward0", t, dim, index, s,
-                                  graph::ScatterMode::sum, true);
+  return detail::scatter_exprs("scatter_add", "ScatterAddBackward0", self, dim, index, src, graph::ScatterMode::sum,
+                               true);
 }
 
 /// torch.scatter_reduce: src's values combined into a copy of `self` at the positions the
@@ -264,17 +252,11 @@ auto scatter_add(const X& self, std::int64_t dim, const Tensor<I>& index, const 
 template <expr::ExprLike X, IndexElement I, expr::ExprLike S>
 auto scatter_reduce(const X& self, std::int64_t dim, const Tensor<I>& index, const S& src,
                     std::string_view reduce, bool include_self = true) {
-  auto t = detail::as_tensor(self);
-  auto s = detail::as_tensor(src);
-  using T = typename decltype(t)::value_type;
-  static_assert(std::is_same_v<T, typename decltype(s)::value_type>,
-                "scatter_reduce: src must have self's dtype (as torch requires); cast one of them");
   const graph::ScatterMode mode = detail::scatter_reduce_mode(reduce, "scatter_reduce");
-  if (std::is_same_v<T, bool> && mode == graph::ScatterMode::mean) {
+  if (std::is_same_v<expr::value_t<X>, bool> && mode == graph::ScatterMode::mean) {
     throw DTypeError("scatter_reduce: reduce=\"mean\" needs a number dtype, got bool");
   }
-  return detail::scatter_op<T, I>("scatter_reduce", "ScatterReduceBackward0", t, dim, index, s,
-                                  mode, include_self);
+  return detail::scatter_exprs("scatter_reduce", "ScatterReduceBackward0", self, dim, index, src, mode, include_self);
 }
 
 /// torch.index_add: a copy of `self` with alpha * source's slice k added to self's slice

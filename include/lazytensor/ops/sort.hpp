@@ -14,6 +14,7 @@
 #include <lazytensor/graph/shape_nodes.hpp>
 #include <lazytensor/graph/sort_node.hpp>
 #include <lazytensor/graph/submit.hpp>
+#include <lazytensor/ops/indexing.hpp>
 #include <lazytensor/ops/shape_helpers.hpp>
 #include <lazytensor/tensor/tensor.hpp>
 
@@ -29,18 +30,11 @@ Tensor<std::int64_t> sorted_positions(const Tensor<T>& t, int d, std::int64_t k,
 }
 
 /// t's values at `idx` along d, with gather's derivative (the positions are distinct
-/// within a row, so the scatter-add only places each gradient element; adding makes it
-/// the same kernel gather's backward uses).
+/// within a row, so the scatter-add only places each gradient element).
 template <Element T>
 Tensor<T> values_at(const Tensor<T>& t, int d, const Tensor<std::int64_t>& idx, const char* backward_name) {
   Tensor<T> r(graph::submit(std::make_shared<graph::GatherNode<std::int64_t>>(t.node(), idx.node(), d)));
-  if constexpr (is_floating_v<T>) {
-    autograd::record(r, backward_name, {autograd::edge_of(t.impl())},
-                     [in = t.shape(), d, idx = idx.detach()](const Tensor<T>& g) {
-                       return std::vector<graph::NodePtr>{graph::submit(
-                           std::make_shared<graph::ScatterAddNode<T, std::int64_t>>(g.node(), idx.node(), in, d))};
-                     });
-  }
+  record_gathered(r, backward_name, t, d, idx);
   return r;
 }
 
