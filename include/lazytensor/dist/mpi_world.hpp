@@ -7,10 +7,12 @@
 // Failure: a replica's exit is announced to every other process (with its exception when
 // it failed) on a control communicator that a watcher thread per process reads, so a failure
 // in one process aborts every other one's collectives at once, and a partner that exited
-// without joining a round ends it with a CollectiveError. A process that died or never
-// arrives ends a round with CollectiveTimeout (collective_timeout()); mpirun then ends the
-// job. Every spawn works on its own duplicates of MPI_COMM_WORLD, so nothing a failed
-// spawn left in flight can reach the next one.
+// without joining a round ends it with a CollectiveError. A world ends with one collective,
+// once every replica of the process ended: each process's first failure, gathered by all
+// (the closing exchange), so no process depends on having read every exit notice. A process
+// that died or never arrives ends a round with CollectiveTimeout (collective_timeout());
+// mpirun then ends the job. Every spawn works on its own duplicates of MPI_COMM_WORLD, so
+// nothing a failed spawn left in flight can reach the next one.
 
 #include <lazytensor/dist/process_world.hpp>
 
@@ -154,8 +156,17 @@ class MpiWorld final : public ProcessWorld, public std::enable_shared_from_this<
                        GiveUp why);
 
  private:
-  MpiWorld(int replicas, ProcessPlace place, MPI_Comm data, MPI_Comm ctl);
+  MpiWorld(int replicas, ProcessPlace place, MPI_Comm data, MPI_Comm ctl, MPI_Comm fin);
   void run_watcher();
+  /// What a process tells the others when it finishes: its first failed replica (-1: none).
+  struct Closing {
+    std::int32_t ordinal = -1;
+    std::int32_t error_class = 0;
+    char what[1016] = {};
+  };
+  /// Applies the other processes' closing records to the world: their failures (whose exit
+  /// notices may not have been read) and every replica of theirs as exited.
+  void apply_closing(const std::vector<Closing>& all);
   void apply_notice(const std::vector<char>& msg, int source);
   void apply_broken(const std::vector<char>& msg);
   void answer_where(const std::vector<char>& msg, int source);
@@ -165,11 +176,15 @@ class MpiWorld final : public ProcessWorld, public std::enable_shared_from_this<
 
   int replicas_;
   ProcessPlace place_;
-  MPI_Comm data_, ctl_;
+  // data_: packages and pieces; ctl_: exit notices and the groups' control messages, read
+  // by the watcher; fin_: one collective per world, the closing exchange (finish()).
+  MPI_Comm data_, ctl_, fin_;
+  bool fin_pending_ = false;  // the closing exchange never completed: fin_ cannot be freed
   WorldState* world_ = nullptr;
   std::thread watcher_;
   std::atomic<bool> stop_{false};
   std::atomic<int> local_exited_{0};
+  Closing closing_;  // this process's record (guarded by mu_ until the watcher stops)
   std::mutex calling_mu_;  // held while a BrokenHandler runs (see forget_group)
   static constexpr std::size_t kProbeLocks = 64;
   std::array<std::mutex, kProbeLocks> probe_mu_;  // see probe_mutex()

@@ -159,10 +159,10 @@ inline std::shared_ptr<MpiWorld> MpiWorld::join(int replicas) {
   const auto timeout = collective_timeout();
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   // The handles live on the heap: a join that times out leaves MPI writing into them.
-  auto comms = std::make_shared<std::array<MPI_Comm, 2>>();
-  std::vector<MPI_Request> reqs(2);
-  mpi_check(MPI_Comm_idup(MPI_COMM_WORLD, &(*comms)[0], &reqs[0]), "MPI_Comm_idup");
-  mpi_check(MPI_Comm_idup(MPI_COMM_WORLD, &(*comms)[1], &reqs[1]), "MPI_Comm_idup");
+  auto comms = std::make_shared<std::array<MPI_Comm, 3>>();
+  std::vector<MPI_Request> reqs(3);
+  for (std::size_t c = 0; c < 3; ++c)
+    mpi_check(MPI_Comm_idup(MPI_COMM_WORLD, &(*comms)[c], &reqs[c]), "MPI_Comm_idup");
   if (!wait_all_until(reqs, deadline)) {
     leaked_keep().push_back(comms);
     throw CollectiveTimeout("spawn: process " + std::to_string(place.index) + " waited " +
@@ -170,9 +170,8 @@ inline std::shared_ptr<MpiWorld> MpiWorld::join(int replicas) {
                             " s for the other processes to call spawn (every process of the "
                             "MPI job must call it, in the same order)");
   }
-  MPI_Comm data = (*comms)[0], ctl = (*comms)[1];
-  MPI_Comm_set_errhandler(data, MPI_ERRORS_RETURN);
-  MPI_Comm_set_errhandler(ctl, MPI_ERRORS_RETURN);
+  MPI_Comm data = (*comms)[0], ctl = (*comms)[1], fin = (*comms)[2];
+  for (MPI_Comm c : *comms) MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
   // Every process's replica count and host (a hash of its processor name), in one
   // non-blocking collective: nothing after it can block on a process that gave up.
   char host[MPI_MAX_PROCESSOR_NAME] = {};
@@ -192,7 +191,7 @@ inline std::shared_ptr<MpiWorld> MpiWorld::join(int replicas) {
     leaked_keep().push_back(counts);
     throw CollectiveTimeout("spawn: timed out exchanging replica counts between processes");
   }
-  auto pw = std::shared_ptr<MpiWorld>(new MpiWorld(replicas, place, data, ctl));
+  auto pw = std::shared_ptr<MpiWorld>(new MpiWorld(replicas, place, data, ctl, fin));
   for (int p = 0; p < place.count; ++p) {
     const int theirs = (*counts)[2 * static_cast<std::size_t>(p) + 2];
     if (theirs != replicas) {
@@ -230,11 +229,12 @@ inline void MpiWorld::sync_segments() {
   if (window_) MPI_Win_sync(window_->win);
 }
 
-inline MpiWorld::MpiWorld(int replicas, ProcessPlace place, MPI_Comm data, MPI_Comm ctl)
+inline MpiWorld::MpiWorld(int replicas, ProcessPlace place, MPI_Comm data, MPI_Comm ctl, MPI_Comm fin)
     : replicas_(replicas),
       place_(place),
       data_(data),
       ctl_(ctl),
+      fin_(fin),
       told_(std::make_unique<std::atomic<std::uint64_t>[]>(static_cast<std::size_t>(place.count) *
                                                            static_cast<std::size_t>(replicas))) {}
 
@@ -251,6 +251,7 @@ inline MpiWorld::~MpiWorld() {
   settle(true);
   MPI_Comm_free(&data_);
   MPI_Comm_free(&ctl_);
+  if (!fin_pending_) MPI_Comm_free(&fin_);  // (else a collective is still posted on it)
 }
 
 inline WorldLayout MpiWorld::layout() const {
@@ -344,6 +345,14 @@ inline void MpiWorld::announce_exit(int ordinal, const std::exception_ptr& e) {
   for (int q = 0; q < place_.count; ++q)
     if (q != place_.index) others.push_back(q);
   send_control(std::move(msg), others, kExitTag);
+  if (cls != ErrorClass::None) {
+    std::lock_guard lock(mu_);
+    if (closing_.ordinal < 0) {
+      closing_.ordinal = ordinal;
+      closing_.error_class = static_cast<std::int32_t>(cls);
+      std::memcpy(closing_.what, what.data(), std::min(what.size(), sizeof closing_.what - 1));
+    }
+  }
   local_exited_.fetch_add(1);
 }
 
@@ -482,10 +491,16 @@ inline void MpiWorld::apply_notice(const std::vector<char>& msg, int source) {
 }
 
 inline void MpiWorld::run_watcher() {
-  const int expected = (place_.count - 1) * replicas_;
-  int received = 0;
   std::chrono::steady_clock::time_point stopped{};
   std::vector<char> buf;
+  // The closing exchange: every process's record, gathered once its replicas all ended.
+  // It, not a count of exit notices, ends the world: Open MPI 4.1.4 (Debian 12's) now and
+  // then never delivered one of two exit notices that a process's replica threads sent at
+  // the same moment (with both processes on one core, about one world in a few hundred),
+  // and a watcher that waited for it hung until the collective timeout. The exchange runs
+  // on a communicator of its own, one collective per world, from this thread alone.
+  auto records = std::make_shared<std::vector<Closing>>(static_cast<std::size_t>(place_.count) + 1);
+  std::vector<MPI_Request> exchange;
   for (;;) {
     for (;;) {
       int flag = 0;
@@ -506,7 +521,6 @@ inline void MpiWorld::run_watcher() {
           apply_where(buf);
         } else {
           apply_notice(buf, st.MPI_SOURCE);
-          ++received;
         }
       } catch (const Error&) {  // malformed: ignore it rather than end the watcher
       }
@@ -514,19 +528,56 @@ inline void MpiWorld::run_watcher() {
     settle(false);
     if (stop_.load()) {
       const auto now = std::chrono::steady_clock::now();
-      if (stopped == std::chrono::steady_clock::time_point{}) stopped = now;
+      if (stopped == std::chrono::steady_clock::time_point{}) {
+        stopped = now;
+        {
+          std::lock_guard lock(mu_);  // (every local replica has announced its exit)
+          (*records)[0] = closing_;
+        }
+        exchange.assign(1, MPI_REQUEST_NULL);
+        constexpr int kBytes = static_cast<int>(sizeof(Closing));
+        if (MPI_Iallgather(records->data(), kBytes, MPI_BYTE, records->data() + 1, kBytes, MPI_BYTE,
+                           fin_, &exchange[0]) != MPI_SUCCESS)
+          exchange.clear();
+      }
       bool sent;
       {
         std::lock_guard lock(mu_);
         sent = outbox_.empty();
       }
-      if (received >= expected && sent) break;
-      // A process that died sends nothing more: give up after the collective timeout.
-      if (now - stopped > collective_timeout()) break;
+      int closed = 0;
+      if (!exchange.empty() && MPI_Testall(1, exchange.data(), &closed, MPI_STATUSES_IGNORE) != MPI_SUCCESS)
+        closed = 1;  // (an error: nothing more will come)
+      if (closed && !exchange.empty()) {
+        apply_closing(std::vector<Closing>(records->begin() + 1, records->end()));
+        exchange.clear();
+      }
+      if (exchange.empty() && sent) break;
+      // A process that died never closes: give up after the collective timeout.
+      if (now - stopped > collective_timeout()) {
+        if (!exchange.empty()) {
+          fin_pending_ = true;
+          leaked_keep().push_back(records);  // MPI may still write into it
+        }
+        break;
+      }
     }
     // A notice is acted on within a millisecond; waking more often only takes the cores the
     // replicas are computing on.
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+inline void MpiWorld::apply_closing(const std::vector<Closing>& all) {
+  for (int p = 0; p < place_.count; ++p) {
+    if (p == place_.index) continue;
+    const Closing& c = all[static_cast<std::size_t>(p)];
+    if (c.ordinal >= p * replicas_ && c.ordinal < (p + 1) * replicas_ &&
+        c.error_class != static_cast<std::int32_t>(ErrorClass::None)) {
+      const std::string what(c.what, std::find(c.what, c.what + sizeof c.what, '\0'));
+      world_->fail(c.ordinal, rebuild(static_cast<ErrorClass>(c.error_class), what));
+    }
+    for (int r = p * replicas_; r < (p + 1) * replicas_; ++r) world_->mark_exited(r);
   }
 }
 
