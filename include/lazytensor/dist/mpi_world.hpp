@@ -11,8 +11,8 @@
 // once every replica of the process ended: each process's first failure, gathered by all
 // (the closing exchange), so no process depends on having read every exit notice. A process
 // that died or never arrives ends a round with CollectiveTimeout (collective_timeout());
-// mpirun then ends the job. Every spawn works on its own duplicates of MPI_COMM_WORLD, so
-// nothing a failed spawn left in flight can reach the next one.
+// mpirun then ends the job. Every spawn works on its own duplicates of MPI_COMM_WORLD, kept
+// until MPI_Finalize, so nothing a spawn left in flight can reach the next one.
 
 #include <lazytensor/dist/process_world.hpp>
 
@@ -179,7 +179,6 @@ class MpiWorld final : public ProcessWorld, public std::enable_shared_from_this<
   // data_: packages and pieces; ctl_: exit notices and the groups' control messages, read
   // by the watcher; fin_: one collective per world, the closing exchange (finish()).
   MPI_Comm data_, ctl_, fin_;
-  bool fin_pending_ = false;  // the closing exchange never completed: fin_ cannot be freed
   WorldState* world_ = nullptr;
   std::thread watcher_;
   std::atomic<bool> stop_{false};

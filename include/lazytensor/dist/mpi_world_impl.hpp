@@ -118,11 +118,14 @@ inline ProcessPlace MpiTransport::place() {
   return launched ? Mpi::get().place() : ProcessPlace{};
 }
 
-/// Memory of requests that could not be settled (a peer died): kept for the rest of the
-/// program, since MPI may still write into it or read from it.
-inline std::vector<std::shared_ptr<void>>& leaked_keep() {
-  static auto* keep = new std::vector<std::shared_ptr<void>>();
-  return *keep;
+/// Keeps the memory of requests that could not be settled (a peer died) for the rest of the
+/// program, since MPI may still write into it or read from it. (Called from the watchers and
+/// from spawning threads of any world alive.)
+inline void keep_forever(std::shared_ptr<void> memory) {
+  static auto* mu = new std::mutex();
+  static auto* kept = new std::vector<std::shared_ptr<void>>();
+  std::lock_guard lock(*mu);
+  kept->push_back(std::move(memory));
 }
 
 /// Tests `reqs` without throwing: true when all completed (or MPI reports an error for
@@ -164,7 +167,7 @@ inline std::shared_ptr<MpiWorld> MpiWorld::join(int replicas) {
   for (std::size_t c = 0; c < 3; ++c)
     mpi_check(MPI_Comm_idup(MPI_COMM_WORLD, &(*comms)[c], &reqs[c]), "MPI_Comm_idup");
   if (!wait_all_until(reqs, deadline)) {
-    leaked_keep().push_back(comms);
+    keep_forever(comms);
     throw CollectiveTimeout("spawn: process " + std::to_string(place.index) + " waited " +
                             std::to_string(timeout.count() / 1000) +
                             " s for the other processes to call spawn (every process of the "
@@ -188,7 +191,7 @@ inline std::shared_ptr<MpiWorld> MpiWorld::join(int replicas) {
                            &gather[0]),
             "MPI_Iallgather");
   if (!wait_all_until(gather, deadline)) {
-    leaked_keep().push_back(counts);
+    keep_forever(counts);
     throw CollectiveTimeout("spawn: timed out exchanging replica counts between processes");
   }
   auto pw = std::shared_ptr<MpiWorld>(new MpiWorld(replicas, place, data, ctl, fin));
@@ -249,9 +252,11 @@ inline MpiWorld::~MpiWorld() {
   MPI_Finalized(&finalized);
   if (finalized) return;
   settle(true);
-  MPI_Comm_free(&data_);
-  MPI_Comm_free(&ctl_);
-  if (!fin_pending_) MPI_Comm_free(&fin_);  // (else a collective is still posted on it)
+  // The communicators are not freed: Open MPI gives a freed communicator's context id to the
+  // next one created, and a message still on its way to the freed one (an answer to a
+  // where-question, a package of an abandoned round) is then delivered to the next world's
+  // communicator, where it takes the sequence number of a message of that world, which is
+  // then never matched. They stay allocated until MPI_Finalize: three per spawn.
 }
 
 inline WorldLayout MpiWorld::layout() const {
@@ -494,11 +499,11 @@ inline void MpiWorld::run_watcher() {
   std::chrono::steady_clock::time_point stopped{};
   std::vector<char> buf;
   // The closing exchange: every process's record, gathered once its replicas all ended.
-  // It, not a count of exit notices, ends the world: Open MPI 4.1.4 (Debian 12's) now and
-  // then never delivered one of two exit notices that a process's replica threads sent at
-  // the same moment (with both processes on one core, about one world in a few hundred),
-  // and a watcher that waited for it hung until the collective timeout. The exchange runs
-  // on a communicator of its own, one collective per world, from this thread alone.
+  // It, not a count of exit notices, ends the world, so an unread notice cannot hold it:
+  // when communicators were freed after each spawn, one notice in a few hundred worlds
+  // never arrived (a stale message took its sequence number; see ~MpiWorld), and a watcher
+  // that waited for it hung until the collective timeout. The exchange runs on a
+  // communicator of its own, one collective per world, from this thread alone.
   auto records = std::make_shared<std::vector<Closing>>(static_cast<std::size_t>(place_.count) + 1);
   std::vector<MPI_Request> exchange;
   for (;;) {
@@ -545,20 +550,20 @@ inline void MpiWorld::run_watcher() {
         std::lock_guard lock(mu_);
         sent = outbox_.empty();
       }
-      int closed = 0;
-      if (!exchange.empty() && MPI_Testall(1, exchange.data(), &closed, MPI_STATUSES_IGNORE) != MPI_SUCCESS)
-        closed = 1;  // (an error: nothing more will come)
-      if (closed && !exchange.empty()) {
-        apply_closing(std::vector<Closing>(records->begin() + 1, records->end()));
-        exchange.clear();
+      if (!exchange.empty()) {
+        int closed = 0;
+        if (MPI_Testall(1, exchange.data(), &closed, MPI_STATUSES_IGNORE) != MPI_SUCCESS) {
+          keep_forever(records);  // (an error: the records may be half written, MPI may write on)
+          exchange.clear();
+        } else if (closed) {
+          apply_closing(std::vector<Closing>(records->begin() + 1, records->end()));
+          exchange.clear();
+        }
       }
       if (exchange.empty() && sent) break;
       // A process that died never closes: give up after the collective timeout.
       if (now - stopped > collective_timeout()) {
-        if (!exchange.empty()) {
-          fin_pending_ = true;
-          leaked_keep().push_back(records);  // MPI may still write into it
-        }
+        if (!exchange.empty()) keep_forever(records);  // MPI may still write into it
         break;
       }
     }
@@ -612,7 +617,7 @@ inline void MpiWorld::settle(bool final_pass) {
           for (auto& r : it->requests) {
             if (r != MPI_REQUEST_NULL) MPI_Request_free(&r);
           }
-          for (auto& k : it->keep) leaked_keep().push_back(std::move(k));
+          for (auto& k : it->keep) keep_forever(std::move(k));
           flag = true;
         }
       }

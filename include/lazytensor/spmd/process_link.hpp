@@ -134,10 +134,9 @@ inline void mpi_exchange(Channel channel, std::uint64_t seq, std::uint64_t signa
     if (!wait_requests(reqs, reqs.size(), deadline)) throw timed_out();
   } catch (...) {
     // Requests may still be in flight: their memory stays for the rest of the program.
-    auto& keep = dist::detail::leaked_keep();
-    keep.push_back(headers);
-    for (const auto& t : sends) keep.push_back(std::const_pointer_cast<void>(t.keep));
-    for (const auto& t : receives) keep.push_back(std::const_pointer_cast<void>(t.keep));
+    dist::detail::keep_forever(headers);
+    for (const auto& t : sends) dist::detail::keep_forever(std::const_pointer_cast<void>(t.keep));
+    for (const auto& t : receives) dist::detail::keep_forever(std::const_pointer_cast<void>(t.keep));
     throw;
   }
 }
