@@ -164,8 +164,9 @@ class MpiWorld final : public ProcessWorld, public std::enable_shared_from_this<
     std::int32_t error_class = 0;
     char what[1016] = {};
   };
-  /// Applies the other processes' closing records to the world: their failures (whose exit
-  /// notices may not have been read) and every replica of theirs as exited.
+  /// Applies the other processes' closing records (by process index) to the world: their
+  /// failures (whose exit notices may not have been read) and every replica of theirs as
+  /// exited.
   void apply_closing(const std::vector<Closing>& all);
   void apply_notice(const std::vector<char>& msg, int source);
   void apply_broken(const std::vector<char>& msg);
@@ -182,7 +183,6 @@ class MpiWorld final : public ProcessWorld, public std::enable_shared_from_this<
   WorldState* world_ = nullptr;
   std::thread watcher_;
   std::atomic<bool> stop_{false};
-  std::atomic<int> local_exited_{0};
   Closing closing_;  // this process's record (guarded by mu_ until the watcher stops)
   std::mutex calling_mu_;  // held while a BrokenHandler runs (see forget_group)
   static constexpr std::size_t kProbeLocks = 64;

@@ -358,7 +358,6 @@ inline void MpiWorld::announce_exit(int ordinal, const std::exception_ptr& e) {
       std::memcpy(closing_.what, what.data(), std::min(what.size(), sizeof closing_.what - 1));
     }
   }
-  local_exited_.fetch_add(1);
 }
 
 inline void MpiWorld::announce_broken(std::uint64_t group, const std::vector<int>& peers,
@@ -504,8 +503,8 @@ inline void MpiWorld::run_watcher() {
   // never arrived (a stale message took its sequence number; see ~MpiWorld), and a watcher
   // that waited for it hung until the collective timeout. The exchange runs on a
   // communicator of its own, one collective per world, from this thread alone.
-  auto records = std::make_shared<std::vector<Closing>>(static_cast<std::size_t>(place_.count) + 1);
-  std::vector<MPI_Request> exchange;
+  auto records = std::make_shared<std::vector<Closing>>(static_cast<std::size_t>(place_.count));
+  MPI_Request exchange = MPI_REQUEST_NULL;  // the closing exchange, while it is in flight
   for (;;) {
     for (;;) {
       int flag = 0;
@@ -537,33 +536,31 @@ inline void MpiWorld::run_watcher() {
         stopped = now;
         {
           std::lock_guard lock(mu_);  // (every local replica has announced its exit)
-          (*records)[0] = closing_;
+          (*records)[static_cast<std::size_t>(place_.index)] = closing_;
         }
-        exchange.assign(1, MPI_REQUEST_NULL);
         constexpr int kBytes = static_cast<int>(sizeof(Closing));
-        if (MPI_Iallgather(records->data(), kBytes, MPI_BYTE, records->data() + 1, kBytes, MPI_BYTE,
-                           fin_, &exchange[0]) != MPI_SUCCESS)
-          exchange.clear();
+        if (MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, records->data(), kBytes, MPI_BYTE, fin_,
+                           &exchange) != MPI_SUCCESS)
+          exchange = MPI_REQUEST_NULL;
       }
       bool sent;
       {
         std::lock_guard lock(mu_);
         sent = outbox_.empty();
       }
-      if (!exchange.empty()) {
+      if (exchange != MPI_REQUEST_NULL) {
         int closed = 0;
-        if (MPI_Testall(1, exchange.data(), &closed, MPI_STATUSES_IGNORE) != MPI_SUCCESS) {
+        if (MPI_Test(&exchange, &closed, MPI_STATUS_IGNORE) != MPI_SUCCESS) {
           keep_forever(records);  // (an error: the records may be half written, MPI may write on)
-          exchange.clear();
-        } else if (closed) {
-          apply_closing(std::vector<Closing>(records->begin() + 1, records->end()));
-          exchange.clear();
+          exchange = MPI_REQUEST_NULL;
+        } else if (closed) {  // (MPI_Test set the request to MPI_REQUEST_NULL)
+          apply_closing(*records);
         }
       }
-      if (exchange.empty() && sent) break;
+      if (exchange == MPI_REQUEST_NULL && sent) break;
       // A process that died never closes: give up after the collective timeout.
       if (now - stopped > collective_timeout()) {
-        if (!exchange.empty()) keep_forever(records);  // MPI may still write into it
+        if (exchange != MPI_REQUEST_NULL) keep_forever(records);  // MPI may still write into it
         break;
       }
     }
