@@ -25658,9 +25658,9 @@ struct PackedGemm {
       return;
     }
     alignas(64) T tile[kTileRows * kTileCols] = {};
+    const std::int64_t stride = a_tile_stride(kc);
     thread_local std::vector<T, xsimd::aligned_allocator<T, 64>> packed_a;
-    if (static_cast<std::int64_t>(packed_a.size()) < tiles * kTileRows * kc)
-      packed_a.resize(tiles * kTileRows * kc);
+    if (static_cast<std::int64_t>(packed_a.size()) < tiles * stride) packed_a.resize(tiles * stride);
     for (std::int64_t k0 = 0; k0 < k; k0 += kc) {
       const std::int64_t kb = std::min(kc, k - k0);
       const bool accumulate = k0 > 0;
@@ -25668,18 +25668,18 @@ struct PackedGemm {
       // loaded into L1 once and used by every tile of rows, instead of all of op(B) once
       // per tile.
       if (a_transposed) {
-        pack_a_transposed(a, m, r0, rows, k0, kb, packed_a.data());
+        pack_a_transposed(a, m, r0, rows, k0, kb, packed_a.data(), stride);
       } else {
         for (std::int64_t t = 0; t < tiles; ++t)
           pack_a(a, k, r0 + t * kTileRows, std::min<std::int64_t>(kTileRows, rows - t * kTileRows),
-                 k0, kb, packed_a.data() + t * kTileRows * kb);
+                 k0, kb, packed_a.data() + t * stride);
       }
       for (std::int64_t p = 0; p < np; ++p) {
         const std::int64_t j0 = p * kTileCols, tc = std::min<std::int64_t>(kTileCols, n - j0);
         const T* bp = packed_b + p * k * kTileCols + k0 * kTileCols;
         for (std::int64_t t = 0; t < tiles; ++t) {
           const std::int64_t i0 = t * kTileRows, tr = std::min<std::int64_t>(kTileRows, rows - i0);
-          const T* ap = packed_a.data() + t * kTileRows * kb;
+          const T* ap = packed_a.data() + t * stride;
           T* cp = c + i0 * n + j0;
           if (tr == kTileRows && tc == kTileCols) {
             micro(ap, bp, kb, cp, n, accumulate);
@@ -25812,24 +25812,37 @@ struct PackedGemm {
     return 0;
   }
 
+  // Elements from one packed tile of A to the next at depth block kc: a tile's kTileRows x kc
+  // values and one cache line more. Without the line, tiles sit a power of two apart (4 KiB
+  // for 8 floats x 128) and every tile's rows map to the same L1 set, so packing a transposed
+  // A, which writes to all tiles at once, evicted its own lines before filling them: 19% of a
+  // 784 x 256 x 256 product on a Zen 5 (x^T g1: 675 -> 530 us; benchmarks/results.md).
+  static std::int64_t a_tile_stride(std::int64_t kc) { return kTileRows * kc + 64 / std::int64_t(sizeof(T)); }
+
   // Rows [r0, r0 + rows) and depth [k0, k0 + kb) of op(A) stored k x m (transposed), into
-  // consecutive tiles of kTileRows (zero past rows). Each stored row of A is read once, front
-  // to back, and dealt out to the tiles. Tile by tile, every tile re-read a line per k at a
-  // stride of m, which for m a power of two (2 KiB for 256 doubles) falls into one or two L1
-  // sets.
+  // consecutive tiles `stride` apart (zero past rows). Eight stored rows of A at a time are
+  // dealt out to the tiles, so each tile receives whole cache lines (8 k-values) in one go
+  // while the eight source rows stream front to back. Tile by tile, every tile re-read a line
+  // per k at a stride of m, which for m a power of two (2 KiB for 256 doubles) falls into one
+  // or two L1 sets; row by row, each tile's line was half-written and evicted between halves.
   static void pack_a_transposed(const T* a, std::int64_t m, std::int64_t r0, std::int64_t rows,
-                                std::int64_t k0, std::int64_t kb, T* out) {
+                                std::int64_t k0, std::int64_t kb, T* out, std::int64_t stride) {
     const std::int64_t whole = rows / kTileRows, tail = rows - whole * kTileRows;
-    for (std::int64_t kk = 0; kk < kb; ++kk) {
-      const T* src = a + (k0 + kk) * m + r0;
-      T* dst = out + kk * kTileRows;
+    constexpr std::int64_t kStep = 8;
+    for (std::int64_t kq = 0; kq < kb; kq += kStep) {
+      const std::int64_t kend = std::min(kb, kq + kStep);
       // A fixed-length copy: one vector move, not a library call (an element loop compiles
       // to kTileRows scalar moves, src and dst may alias as far as GCC knows).
       for (std::int64_t t = 0; t < whole; ++t)
-        std::memcpy(dst + t * kTileRows * kb, src + t * kTileRows, sizeof(T) * kTileRows);
+        for (std::int64_t kk = kq; kk < kend; ++kk)
+          std::memcpy(out + t * stride + kk * kTileRows, a + (k0 + kk) * m + r0 + t * kTileRows,
+                      sizeof(T) * kTileRows);
       if (tail > 0)
-        for (int i = 0; i < kTileRows; ++i)
-          dst[whole * kTileRows * kb + i] = i < tail ? src[whole * kTileRows + i] : T(0);
+        for (std::int64_t kk = kq; kk < kend; ++kk) {
+          const T* src = a + (k0 + kk) * m + r0 + whole * kTileRows;
+          for (int i = 0; i < kTileRows; ++i)
+            out[whole * stride + kk * kTileRows + i] = i < tail ? src[i] : T(0);
+        }
     }
   }
 
