@@ -25576,7 +25576,7 @@ struct PackedGemm {
   static std::int64_t block_rows(std::int64_t k) { return rows_per_block(depth_block(k)); }
   /// The same for a depth block of kc (multiply has it at hand).
   static std::int64_t rows_per_block(std::int64_t kc) {
-    const std::int64_t tile_bytes = kTileRows * kc * std::int64_t(sizeof(T));
+    const std::int64_t tile_bytes = a_tile_stride(kc) * std::int64_t(sizeof(T));
     return std::max<std::int64_t>(1, (192 * 1024) / tile_bytes) * kTileRows;
   }
 
@@ -25818,16 +25818,18 @@ struct PackedGemm {
   }
 
   // Elements from one packed tile of A to the next at depth block kc: a tile's kTileRows x kc
-  // values and one cache line more. Without the line, tiles sit a power of two apart (4 KiB
-  // for 8 floats x 128) and every tile's rows map to the same L1 set, so packing a transposed
-  // A, which writes to all tiles at once, evicted its own lines before filling them: 19% of a
-  // 784 x 256 x 256 product on a Zen 5 (x^T g1: 675 -> 530 us; benchmarks/results.md).
+  // values and one cache line more (a multiple of 32 bytes, as transpose_rows's aligned
+  // stores need). Without the line, tiles sit a power of two apart (4 KiB for 8 floats x 128)
+  // and every tile's lines map to the same L1 set, so packing a transposed A, which writes to
+  // all tiles at once, evicted its own lines before filling them: 23% of the samples of a
+  // 784 x 256 x 256 product on a Zen 5 (x^T g1; 0.81x OpenBLAS before, 1.00-1.08x after,
+  // benchmarks/results.md).
   static std::int64_t a_tile_stride(std::int64_t kc) { return kTileRows * kc + 64 / std::int64_t(sizeof(T)); }
 
   // Rows [r0, r0 + rows) and depth [k0, k0 + kb) of op(A) stored k x m (transposed), into
   // consecutive tiles `stride` apart (zero past rows). Eight stored rows of A at a time are
-  // dealt out to the tiles, so each tile receives whole cache lines (8 k-values) in one go
-  // while the eight source rows stream front to back. Tile by tile, every tile re-read a line
+  // dealt out to the tiles, so each tile receives eight consecutive k-values (8 x kTileRows
+  // values, several cache lines) in one go while the eight source rows stream front to back. Tile by tile, every tile re-read a line
   // per k at a stride of m, which for m a power of two (2 KiB for 256 doubles) falls into one
   // or two L1 sets; row by row, each tile's line was half-written and evicted between halves.
   static void pack_a_transposed(const T* a, std::int64_t m, std::int64_t r0, std::int64_t rows,

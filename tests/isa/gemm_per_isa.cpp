@@ -87,8 +87,11 @@ TYPED_TEST(GemmPerIsa, EveryTileRemainder) {
 TYPED_TEST(GemmPerIsa, DepthsOfSeveralBlocks) {
   using K = lazy::detail::PackedGemm<TypeParam>;
   unsigned seed = 100;
+  // Edge panels of every kind accumulate across the blocks: wider than one register, exactly
+  // one (the one-register tile), and one column.
   for (const std::int64_t k : {127, 128, 129, 255, 256, 257, 513, 1025, 2100})
-    for (int t = 0; t < 4; ++t) check<TypeParam>(K::kTileRows + 1, k, 2 * K::kTileCols + 3, t & 1, t & 2, seed += 2);
+    for (const std::int64_t n : {2 * K::kTileCols + 3, 2 * K::kTileCols + K::kLanes, 2 * K::kTileCols + 1})
+      for (int t = 0; t < 4; ++t) check<TypeParam>(K::kTileRows + 1, k, n, t & 1, t & 2, seed += 2);
 }
 
 TYPED_TEST(GemmPerIsa, RowsOfSeveralPackedBlocks) {
