@@ -34138,10 +34138,8 @@ LAZYTENSOR_INLINE void CSVLogger::save() {
 // accessors show global rank zero's run.
 
 #include <algorithm>
-#include <charconv>
 #include <chrono>
 #include <cstdint>
-#include <cstdio>
 #include <map>
 #include <memory>
 #include <optional>
@@ -34869,6 +34867,88 @@ LAZYTENSOR_INLINE ParameterSharding fully_sharded(const spmd::Mesh& mesh, const 
 LAZYTENSOR_TRAIN_SPMD_INSTANCES(extern)
 #endif
 // ---- end lazytensor/train/spmd_strategy.hpp ----
+// ---- begin lazytensor/train/trainer_options.hpp ----
+// train::TrainerOptions, Lightning's Trainer arguments, and BatchCount, the integer-or-
+// fraction of its limit_*_batches and val_check_interval. Apart from the Trainer so that
+// the loops and callbacks that read options name them without the Trainer's internals.
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+// ---- begin lazytensor/train/state_text.hpp ----
+// The text form of the numbers a checkpoint's state holds (callbacks' scores and counters,
+// the Trainer's random state): doubles that read back bit for bit, and parsers that name
+// what they were reading when the text is not a number.
+
+#include <charconv>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <system_error>
+
+
+namespace lazy::train::detail {
+
+/// Text of a double that reads back as the same double.
+std::string double_text(double x);
+/// The double `text` holds (Error naming `what` otherwise).
+double parse_double(const std::string& text, const std::string& what);
+/// The integer `text` holds (Error naming `what` otherwise).
+std::int64_t parse_int(const std::string& text, const std::string& what);
+/// The unsigned 64-bit integer `text` holds (Error naming `what` otherwise).
+std::uint64_t parse_uint64(const std::string& text, const std::string& what);
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+
+LAZYTENSOR_INLINE std::string double_text(double x) {
+  char buf[32];
+  const auto r = std::to_chars(buf, buf + sizeof buf, x);
+  return std::string(buf, r.ptr);
+}
+
+LAZYTENSOR_INLINE double parse_double(const std::string& text, const std::string& what) {
+  double v = 0;
+  const auto r = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (r.ec != std::errc() || r.ptr != text.data() + text.size())
+    throw Error(what + ": expected a number, found \"" + text + "\"");
+  return v;
+}
+
+/// The integer of type T that `text` holds.
+template <class T>
+T parse_integer(const std::string& text, const std::string& what) {
+  T v = 0;
+  const auto r = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (r.ec != std::errc() || r.ptr != text.data() + text.size())
+    throw Error(what + ": expected an integer, found \"" + text + "\"");
+  return v;
+}
+
+LAZYTENSOR_INLINE std::int64_t parse_int(const std::string& text, const std::string& what) {
+  return parse_integer<std::int64_t>(text, what);
+}
+
+LAZYTENSOR_INLINE std::uint64_t parse_uint64(const std::string& text, const std::string& what) {
+  return parse_integer<std::uint64_t>(text, what);
+}
+
+/// Shortest text of `x` ("0.01", not "0.010000").
+inline std::string short_double(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", x);
+  return buf;
+}
+
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+}  // namespace lazy::train::detail
+// ---- end lazytensor/train/state_text.hpp ----
 
 namespace lazy::train {
 
@@ -34973,6 +35053,39 @@ struct TrainerOptions {
   std::string default_root_dir = ".";
 };
 
+#if LAZYTENSOR_HEADER_DEFINITIONS
+
+LAZYTENSOR_INLINE std::int64_t BatchCount::batches_of(std::int64_t total,
+                                                      const std::string& prefix) const {
+  if (total < 0) {
+    // A loader that cannot say its length (Lightning's iterable datasets): an integer limit
+    // is the count (the loop also ends when the loader does), 1.0 means all, 0.0 none;
+    // another fraction of an unknown length cannot be taken.
+    if (count_) return *count_;
+    if (fraction_ == 0.0) return 0;
+    if (fraction_ == 1.0) return -1;
+    throw Error("Trainer: limit_" + prefix + "_batches = " + detail::short_double(fraction_) +
+                " is a fraction of a loader that does not know its length; expected 1.0, 0.0 or "
+                "an integer number of batches");
+  }
+  const std::int64_t n = of(total);
+  if (n == 0 && total > 0 && is_fraction() && fraction_ > 0) {
+    const std::string f = detail::short_double(fraction_);
+    throw Error("Trainer: you requested to check " + f + " of the " + prefix + " dataloader but " +
+                f + " * " + std::to_string(total) + " < 1 batch; expected limit_" + prefix +
+                "_batches of at least " + detail::short_double(1.0 / static_cast<double>(total)) +
+                " (or 0 to skip it)");
+  }
+  return n;
+}
+
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+}  // namespace lazy::train
+// ---- end lazytensor/train/trainer_options.hpp ----
+
+namespace lazy::train {
+
 namespace detail {
 
 /// What the Trainer keeps for one replica.
@@ -35021,14 +35134,6 @@ std::string last_checkpoint_path(const std::vector<std::shared_ptr<Callback>>& c
 /// state_dict(), in order.
 void check_state_keys(const std::vector<std::shared_ptr<Callback>>& callbacks,
                       const std::vector<std::map<std::string, std::string>>& states);
-/// Text of a double that reads back as the same double.
-std::string double_text(double x);
-/// The double `text` holds (Error naming `what` otherwise).
-double parse_double(const std::string& text, const std::string& what);
-/// The integer `text` holds (Error naming `what` otherwise).
-std::int64_t parse_int(const std::string& text, const std::string& what);
-/// The unsigned 64-bit integer `text` holds (Error naming `what` otherwise).
-std::uint64_t parse_uint64(const std::string& text, const std::string& what);
 
 }  // namespace detail
 
@@ -35218,45 +35323,6 @@ LAZYTENSOR_INLINE void check_state_keys(
   }
 }
 
-LAZYTENSOR_INLINE std::string double_text(double x) {
-  char buf[32];
-  const auto r = std::to_chars(buf, buf + sizeof buf, x);
-  return std::string(buf, r.ptr);
-}
-
-LAZYTENSOR_INLINE double parse_double(const std::string& text, const std::string& what) {
-  double v = 0;
-  const auto r = std::from_chars(text.data(), text.data() + text.size(), v);
-  if (r.ec != std::errc() || r.ptr != text.data() + text.size())
-    throw Error(what + ": expected a number, found \"" + text + "\"");
-  return v;
-}
-
-/// The integer of type T that `text` holds.
-template <class T>
-T parse_integer(const std::string& text, const std::string& what) {
-  T v = 0;
-  const auto r = std::from_chars(text.data(), text.data() + text.size(), v);
-  if (r.ec != std::errc() || r.ptr != text.data() + text.size())
-    throw Error(what + ": expected an integer, found \"" + text + "\"");
-  return v;
-}
-
-LAZYTENSOR_INLINE std::int64_t parse_int(const std::string& text, const std::string& what) {
-  return parse_integer<std::int64_t>(text, what);
-}
-
-LAZYTENSOR_INLINE std::uint64_t parse_uint64(const std::string& text, const std::string& what) {
-  return parse_integer<std::uint64_t>(text, what);
-}
-
-/// Shortest text of `x` ("0.01", not "0.010000").
-inline std::string short_double(double x) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%g", x);
-  return buf;
-}
-
 template <class>
 std::shared_ptr<Strategy> make_strategy(const TrainerOptions& o) {
   if (const auto* given = std::get_if<std::shared_ptr<Strategy>>(&o.strategy)) {
@@ -35361,30 +35427,6 @@ Trainer::Trainer(TrainerOptions options) : options_(std::move(options)) {
   runs_.push_back(std::make_unique<detail::ReplicaRun>(*strategy_));
   runs_.back()->callbacks = callbacks_;
   runs_.back()->shared_callback.assign(callbacks_.size(), false);
-}
-
-LAZYTENSOR_INLINE std::int64_t BatchCount::batches_of(std::int64_t total,
-                                                      const std::string& prefix) const {
-  if (total < 0) {
-    // A loader that cannot say its length (Lightning's iterable datasets): an integer limit
-    // is the count (the loop also ends when the loader does), 1.0 means all, 0.0 none;
-    // another fraction of an unknown length cannot be taken.
-    if (count_) return *count_;
-    if (fraction_ == 0.0) return 0;
-    if (fraction_ == 1.0) return -1;
-    throw Error("Trainer: limit_" + prefix + "_batches = " + detail::short_double(fraction_) +
-                " is a fraction of a loader that does not know its length; expected 1.0, 0.0 or "
-                "an integer number of batches");
-  }
-  const std::int64_t n = of(total);
-  if (n == 0 && total > 0 && is_fraction() && fraction_ > 0) {
-    const std::string f = detail::short_double(fraction_);
-    throw Error("Trainer: you requested to check " + f + " of the " + prefix + " dataloader but " +
-                f + " * " + std::to_string(total) + " < 1 batch; expected limit_" + prefix +
-                "_batches of at least " + detail::short_double(1.0 / static_cast<double>(total)) +
-                " (or 0 to skip it)");
-  }
-  return n;
 }
 
 LAZYTENSOR_INLINE detail::ReplicaRun& Trainer::run() const {
@@ -36529,9 +36571,19 @@ LAZYTENSOR_TRAIN_EARLY_STOPPING_INSTANCES(extern)
 #include <utility>
 #include <vector>
 
+// ---- begin lazytensor/train/replica_loader.hpp ----
+// The loader each replica of a Trainer iterates: with replicas and use_distributed_sampler,
+// a loader over the same dataset whose sampler gives the replica its share (Lightning's
+// DistributedSampler / DistributedSamplerWrapper injection); otherwise the user's loader.
 
-namespace lazy::train {
-namespace detail {
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+
+namespace lazy::train::detail {
 
 template <class L>
 inline constexpr bool is_data_loader_v = false;
@@ -36651,6 +36703,12 @@ class ReplicaLoader {
   L* loader_;
   std::unique_ptr<L> own_;
 };
+
+}  // namespace lazy::train::detail
+// ---- end lazytensor/train/replica_loader.hpp ----
+
+namespace lazy::train {
+namespace detail {
 
 /// Batches in an epoch of `loader` (-1 when it cannot say).
 template <class L>
