@@ -10,6 +10,7 @@
 #include <vector>
 
 #include <lazytensor/autograd/record.hpp>
+#include <lazytensor/graph/index_nodes.hpp>
 #include <lazytensor/graph/shape_backward.hpp>
 #include <lazytensor/graph/shape_nodes.hpp>
 #include <lazytensor/graph/submit.hpp>

@@ -15,6 +15,7 @@
 #include <string_view>
 #include <vector>
 
+#include <lazytensor/graph/index_nodes.hpp>
 #include <lazytensor/graph/scatter_node.hpp>
 #include <lazytensor/ops/factories.hpp>
 #include <lazytensor/ops/indexing.hpp>
