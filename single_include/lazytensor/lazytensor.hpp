@@ -3695,6 +3695,18 @@ class ChunkReduction {
 #include <vector>
 
 // ---- begin lazytensor/expr/expr.hpp ----
+// The operators and element-wise functions of tensors and expressions (`a * b + 1`,
+// `relu(x)`, `where(c, a, b)`, ...): each builds an Expr node (expr/expr_node.hpp) and
+// computes nothing; assigning it to a tensor, or reading it, makes it a pending node.
+
+#include <concepts>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <type_traits>
+#include <utility>
+
+// ---- begin lazytensor/expr/expr_node.hpp ----
 // Expression nodes. They are thin: an op type and its operands. Leaves hold the graph node
 // of a tensor's value at the time the expression was built (so `auto e = a + 1; a += 5;`
 // keeps meaning the old `a`), scalars hold their value, and the shape is broadcast once,
@@ -4439,6 +4451,27 @@ concept BoolValued = std::is_same_v<typename detail::operand_value<X>::type, boo
 
 }  // namespace expr
 
+}  // namespace lazy
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::expr::detail {
+LAZYTENSOR_INLINE void bad_integer_power(long long exponent, DType type) {
+  if (exponent < 0) {
+    throw DTypeError(
+        "pow: integers to negative integer powers are not allowed (PyTorch's rule), got an "
+        "integer base and the exponent " +
+        std::to_string(exponent) + "; cast the base to a floating type first");
+  }
+  throw DTypeError("pow: the exponent " + std::to_string(exponent) +
+                   " does not fit the result's dtype " + dtype_name(type) +
+                   " (expected at most its largest value)");
+}
+}  // namespace lazy::expr::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/expr/expr_node.hpp ----
+
+namespace lazy {
+
 // ---- operators ------------------------------------------------------------------------
 
 #define LAZY_BINARY_OPERATOR(SYM, OP)                                   \
@@ -4836,22 +4869,6 @@ auto cast(X&& x) {
 }
 
 }  // namespace lazy
-
-#if LAZYTENSOR_HEADER_DEFINITIONS
-namespace lazy::expr::detail {
-LAZYTENSOR_INLINE void bad_integer_power(long long exponent, DType type) {
-  if (exponent < 0) {
-    throw DTypeError(
-        "pow: integers to negative integer powers are not allowed (PyTorch's rule), got an "
-        "integer base and the exponent " +
-        std::to_string(exponent) + "; cast the base to a floating type first");
-  }
-  throw DTypeError("pow: the exponent " + std::to_string(exponent) +
-                   " does not fit the result's dtype " + dtype_name(type) +
-                   " (expected at most its largest value)");
-}
-}  // namespace lazy::expr::detail
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/expr/expr.hpp ----
 
 namespace lazy::expr {
