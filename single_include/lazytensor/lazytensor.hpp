@@ -18828,7 +18828,7 @@ LAZYTENSOR_INLINE void JsonCursor::escape(std::string& out) {
 #include <vector>
 
 // ---- begin lazytensor/graph/byte_copy.hpp ----
-// The byte-copy helpers of the copy nodes (graph/shape_nodes.hpp): one kernel per element
+// The byte-copy helpers of the copy nodes (graph/shape_nodes.hpp, graph/index_nodes.hpp): one kernel per element
 // size (1, 2, 4, 8 bytes) serves every dtype and keeps the code small. The element copy is a
 // constant-size memcpy: one load and one store, valid whatever type wrote the buffer.
 
@@ -21659,7 +21659,7 @@ LAZYTENSOR_RANDINT_INSTANCES(extern, std::int64_t)
 
 // ---- begin lazytensor/ops/indexing.hpp ----
 // Indexing by tensors: index_select, gather and one_hot. The index may still be pending, so
-// its values are checked by the kernels (graph/shape_nodes.hpp), which raise IndexError at
+// its values are checked by the kernels (graph/index_nodes.hpp), which raise IndexError at
 // the mark_step or read that runs them; the gradients are scatter-adds (graph/shape_backward.hpp).
 
 #include <algorithm>
@@ -21679,6 +21679,7 @@ LAZYTENSOR_RANDINT_INSTANCES(extern, std::int64_t)
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -34903,20 +34904,6 @@ LAZYTENSOR_INLINE ParameterSharding fully_sharded(const spmd::Mesh& mesh, const 
 LAZYTENSOR_TRAIN_SPMD_INSTANCES(extern)
 #endif
 // ---- end lazytensor/train/spmd_strategy.hpp ----
-// ---- begin lazytensor/train/trainer_options.hpp ----
-// train::TrainerOptions, Lightning's Trainer arguments, and BatchCount, the integer-or-
-// fraction of its limit_*_batches and val_check_interval. Apart from the Trainer so that
-// the loops and callbacks that read options name them without the Trainer's internals.
-
-#include <algorithm>
-#include <chrono>
-#include <cstdint>
-#include <memory>
-#include <optional>
-#include <string>
-#include <variant>
-#include <vector>
-
 // ---- begin lazytensor/train/state_text.hpp ----
 // The text form of the numbers a checkpoint's state holds (callbacks' scores and counters,
 // the Trainer's random state): doubles that read back bit for bit, and parsers that name
@@ -34985,6 +34972,20 @@ inline std::string short_double(double x) {
 
 }  // namespace lazy::train::detail
 // ---- end lazytensor/train/state_text.hpp ----
+// ---- begin lazytensor/train/trainer_options.hpp ----
+// train::TrainerOptions, Lightning's Trainer arguments, and BatchCount, the integer-or-
+// fraction of its limit_*_batches and val_check_interval. Apart from the Trainer so that
+// the loops and callbacks that read options name them without the Trainer's internals.
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
 
 namespace lazy::train {
 
@@ -36599,7 +36600,6 @@ LAZYTENSOR_TRAIN_EARLY_STOPPING_INSTANCES(extern)
 #include <limits>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <type_traits>

@@ -1,6 +1,6 @@
 // expr/kernel_form.hpp: the leaf count that sizes a node's input list, against the
 // number of leaves to_kernel actually visits (repeats included) and the distinct inputs
-// it keeps. Also how many references to a tensor's node an expression holds (expr.hpp's
+// it keeps. Also how many references to a tensor's node an expression holds (expr_node.hpp's
 // operand forwarding, operand_to_kernel).
 #include <algorithm>
 #include <cstddef>

@@ -5,7 +5,7 @@
 # (docs/architecture.md, "Layers and folders"). The module headers at the top level
 # (tensor.hpp, nn.hpp, ..., lazytensor.hpp) are entry points and may include anything.
 # Fails on any include that points up. (A type a lower layer must name, it declares ahead:
-# expr/expr.hpp declares graph::Node and autograd::GradFn.)
+# expr/expr_node.hpp declares graph::Node and autograd::GradFn.)
 cmake_minimum_required(VERSION 3.20)
 set(LAYERS core expr graph autograd_node tensor autograd_api ops io_format frontend dist spmd io_save train debug)
 set(LAYER_OF_FOLDER_core core)

@@ -9,12 +9,14 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include <lazytensor/core/dtype.hpp>
 #include <lazytensor/core/error.hpp>
+#include <lazytensor/core/shape.hpp>
 #include <lazytensor/graph/byte_copy.hpp>
 #include <lazytensor/graph/device.hpp>
 #include <lazytensor/graph/node.hpp>

@@ -29,7 +29,6 @@
 #include <lazytensor/core/dtype.hpp>
 #include <lazytensor/core/shape.hpp>
 #include <lazytensor/graph/device.hpp>
-#include <lazytensor/graph/index_nodes.hpp>
 #include <lazytensor/graph/node.hpp>
 #include <lazytensor/graph/parallel.hpp>
 

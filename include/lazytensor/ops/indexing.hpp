@@ -1,6 +1,6 @@
 #pragma once
 // Indexing by tensors: index_select, gather and one_hot. The index may still be pending, so
-// its values are checked by the kernels (graph/shape_nodes.hpp), which raise IndexError at
+// its values are checked by the kernels (graph/index_nodes.hpp), which raise IndexError at
 // the mark_step or read that runs them; the gradients are scatter-adds (graph/shape_backward.hpp).
 
 #include <algorithm>

@@ -11,7 +11,6 @@
 #include <limits>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -21,8 +20,6 @@
 
 #include <lazytensor/core/config.hpp>
 #include <lazytensor/core/error.hpp>
-#include <lazytensor/data/data_loader.hpp>
-#include <lazytensor/data/sampler.hpp>
 #include <lazytensor/io/safetensors.hpp>
 #include <lazytensor/train/accelerator.hpp>
 #include <lazytensor/train/replica_loader.hpp>

@@ -36,6 +36,7 @@
 #include <lazytensor/train/replica.hpp>
 #include <lazytensor/train/single_device.hpp>
 #include <lazytensor/train/spmd_strategy.hpp>
+#include <lazytensor/train/state_text.hpp>
 #include <lazytensor/train/strategy.hpp>
 #include <lazytensor/train/trainer_options.hpp>
 
