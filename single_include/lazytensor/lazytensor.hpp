@@ -25866,9 +25866,10 @@ struct PackedGemm {
   // Rows [r0, r0 + rows) and depth [k0, k0 + kb) of op(A) stored k x m (transposed), into
   // consecutive tiles `stride` apart (zero past rows). Eight stored rows of A at a time are
   // dealt out to the tiles, so each tile receives eight consecutive k-values (8 x kTileRows
-  // values, several cache lines) in one go while the eight source rows stream front to back. Tile by tile, every tile re-read a line
-  // per k at a stride of m, which for m a power of two (2 KiB for 256 doubles) falls into one
-  // or two L1 sets; row by row, each tile's line was half-written and evicted between halves.
+  // values, several cache lines) in one go while the eight source rows stream front to
+  // back. Tile by tile, every tile re-read a line per k at a stride of m, which for m a
+  // power of two (2 KiB for 256 doubles) falls into one or two L1 sets; row by row, each
+  // tile's line was half-written and evicted between halves.
   static void pack_a_transposed(const T* a, std::int64_t m, std::int64_t r0, std::int64_t rows,
                                 std::int64_t k0, std::int64_t kb, T* out, std::int64_t stride) {
     const std::int64_t whole = rows / kTileRows, tail = rows - whole * kTileRows;
