@@ -13459,8 +13459,8 @@ inline const bool kMpiTransportInstalled =
 #endif  // LAZYTENSOR_WITH_MPI
 
 // ---- begin lazytensor/dist/mpi_world_impl.hpp ----
-// Definitions of mpi_world.hpp's Mpi and MpiWorld (included at its end): lazytensor::mpi's
-// process world, its control messages and the watcher thread.
+// Definitions of mpi_world.hpp's MpiWorld (included at its end): lazytensor::mpi's process
+// world, its control messages and the watcher thread.
 
 // ---- begin lazytensor/dist/mpi_package.hpp ----
 // The byte packages lazytensor::mpi's processes exchange (a round's signature and data
@@ -13612,15 +13612,22 @@ inline void read_signature(PackReader& r, Signature& s) {
 }  // namespace lazy::dist::detail
 #endif  // LAZYTENSOR_WITH_MPI
 // ---- end lazytensor/dist/mpi_package.hpp ----
+// ---- begin lazytensor/dist/mpi_process_impl.hpp ----
+// Definitions of mpi_world.hpp's Mpi (included at its end, before MpiWorld's): MPI's
+// lifetime in this process, the host's shared window, and the request helpers the process
+// world (mpi_world_impl.hpp) and its links (mpi_link_impl.hpp) share.
+
 
 #if LAZYTENSOR_WITH_MPI
 #include <sys/statvfs.h>
 #include <algorithm>
-#include <array>
+#include <chrono>
 #include <cstdlib>
-#include <cstring>
-#include <limits>
-#include <utility>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
 
 namespace lazy::dist::detail {
 
@@ -13757,6 +13764,18 @@ inline bool wait_all_until(std::vector<MPI_Request>& reqs,
     if (i > 1000) std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
 }
+
+}  // namespace lazy::dist::detail
+#endif  // LAZYTENSOR_WITH_MPI
+// ---- end lazytensor/dist/mpi_process_impl.hpp ----
+
+#if LAZYTENSOR_WITH_MPI
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <utility>
+
+namespace lazy::dist::detail {
 
 inline std::shared_ptr<MpiWorld> MpiWorld::join(int replicas) {
   if (mpi_transport().place().count == 1) return nullptr;
@@ -31498,8 +31517,16 @@ LAZYTENSOR_OPTIM_SGD_INSTANCES(extern)
 // blocks first. Other ops read the gathered value and run whole on the tensor's device (a
 // synchronous gather, counted as SpmdGathers).
 
-#include <functional>
 #include <optional>
+
+// ---- begin lazytensor/spmd/operand_pieces.hpp ----
+// The operands of the SPMD partitioner's block-wise nodes (spmd/partitioner.hpp): which
+// sharded operand sets the blocks, each mesh position's pieces of every input (its own
+// blocks, narrowed ones, small values traced again on each device, or split copies), the
+// all-reduce of partial results among the positions that share a block, and the fallback
+// that gathers everything and runs a node whole.
+
+#include <functional>
 
 // ---- begin lazytensor/spmd/collective.hpp ----
 // The collectives the partitioner inserts: an all-reduce among the devices of a group (the
@@ -32013,30 +32040,11 @@ LAZYTENSOR_INLINE std::vector<graph::NodePtr> all_reduce(const std::vector<graph
 
 namespace lazy::spmd::detail {
 
-/// The partition hook (graph::PartitionHook).
-graph::NodePtr partition(graph::NodePtr node);
-
 /// Whether sharded operand `s` rather than `lead` (may be null) sets a result's blocks: the
 /// larger one (moving the others costs less), and of two as large the one cut into more
 /// blocks (a replicated operand is narrowed to any split on its devices, while a split one
 /// would have to be gathered to become replicated, and the work would be repeated).
 bool leads(const ShardedNode* s, const ShardedNode* lead);
-
-/// A node with a block rule run block-wise, or null when no sharded operand can lead (each
-/// is split along a dimension the rule cannot split).
-graph::NodePtr partition_blockwise(const graph::Node& node, const graph::BlockRule& rule);
-
-/// A reduction run on blocks (partial results all-reduced where a reduced dimension is
-/// split), or null when its operands do not allow it.
-graph::NodePtr partition_reduction(const graph::Node& node, const graph::BlockReduction& r);
-
-/// A product run on blocks: the batch, rows of A and columns of B stay split; a split
-/// contracted dimension gives partial products, all-reduced.
-graph::NodePtr partition_gemm(const graph::Node& node, const graph::BlockGemm& g);
-
-/// A sum over a batch (graph::BlockBatchSum) run on the blocks of the batch, whose sums are
-/// all-reduced; null unless an input is split along its batch only.
-graph::NodePtr partition_batch_sum(const graph::Node& node, const graph::BlockBatchSum& bs);
 
 /// Per mesh position, the pieces of `inputs` for blocks of `target` over a logical shape:
 /// `logical_of[i][d]` is the logical dimension that cuts dimension d of input i (-1: whole).
@@ -32058,19 +32066,6 @@ graph::NodePtr replicate_small(const graph::NodePtr& value, graph::Device& dev, 
 void reduce_partials(std::vector<graph::NodePtr>& shards, const Mesh& mesh, const std::vector<int>& axes,
                      const std::function<std::int64_t(int)>& rank_in_group, Combine op);
 
-/// A transpose of the last two dimensions, piece by piece; a piece that is itself a
-/// pending transpose gives its source (as the unsharded op does), so a GEMM reads it
-/// through. Null when the input is not sharded.
-graph::NodePtr partition_transpose(const graph::TransposeNode& node);
-
-/// A view of a sharded value run on each piece, or null when the view would mix blocks.
-graph::NodePtr partition_view(const graph::ViewNode& node);
-
-/// The [start, length) runs of row-major linear indices that block `ranges` of `shape`
-/// covers, in order; false when there are more than `limit`.
-bool block_runs(const Shape& shape, const Ranges& ranges, std::size_t limit,
-                std::vector<std::pair<std::int64_t, std::int64_t>>& runs);
-
 /// `node` run whole: every sharded input is gathered (materialized) first.
 graph::NodePtr run_gathered(graph::NodePtr node);
 
@@ -32080,26 +32075,7 @@ graph::NodePtr run_gathered(graph::NodePtr node);
 #include <algorithm>
 #include <map>
 
-
 namespace lazy::spmd::detail {
-
-LAZYTENSOR_INLINE graph::NodePtr partition(graph::NodePtr node) {
-  if (auto* tr = dynamic_cast<const graph::TransposeNode*>(node.get())) {
-    if (auto r = partition_transpose(*tr)) return r;
-  }
-  if (auto* view = dynamic_cast<const graph::ViewNode*>(node.get())) {
-    if (auto r = partition_view(*view)) return r;
-  } else if (auto* red = dynamic_cast<const graph::BlockReduction*>(node.get())) {
-    if (auto r = partition_reduction(*node, *red)) return r;
-  } else if (auto* gemm = dynamic_cast<const graph::BlockGemm*>(node.get())) {
-    if (auto r = partition_gemm(*node, *gemm)) return r;
-  } else if (auto* bsum = dynamic_cast<const graph::BlockBatchSum*>(node.get())) {
-    if (auto r = partition_batch_sum(*node, *bsum)) return r;
-  } else if (auto rule = node->block_rule()) {
-    if (auto r = partition_blockwise(*node, *rule)) return r;
-  }
-  return run_gathered(std::move(node));
-}
 
 LAZYTENSOR_INLINE bool leads(const ShardedNode* s, const ShardedNode* lead) {
   if (!lead) return true;
@@ -32111,57 +32087,6 @@ LAZYTENSOR_INLINE graph::NodePtr run_gathered(graph::NodePtr node) {
   for (const auto& in : node->inputs())
     if (in->kind() == graph::NodeKind::Sharded) graph::materialize(in);
   return graph::submit_unpartitioned(std::move(node));
-}
-
-LAZYTENSOR_INLINE graph::NodePtr partition_blockwise(const graph::Node& node, const graph::BlockRule& rule) {
-  const Shape& out = node.shape();
-  const int rank = out.rank();
-  const auto& ins = node.inputs();
-  // The output dimension that cuts input dimension d of input i the same way, or -1.
-  auto cut_by = [&](std::size_t i, int d) {
-    for (int o = 0; o < rank; ++o)
-      if (rule.splittable[static_cast<std::size_t>(o)] && rule.input_dim[i][static_cast<std::size_t>(o)] == d) return o;
-    return -1;
-  };
-  // The lead: the largest sharded operand whose split dimensions the rule can cut (moving
-  // the others costs less). The result takes its blocks.
-  const ShardedNode* lead = nullptr;
-  std::optional<Sharding> lead_blocks;  // no placeholder mesh built on every call
-  for (std::size_t i = 0; i < ins.size(); ++i) {
-    const ShardedNode* s = as_sharded(ins[i]);
-    if (!s || !leads(s, lead)) continue;
-    Sharding t{s->sharding().mesh, std::vector<std::vector<int>>(static_cast<std::size_t>(rank))};
-    bool ok = true;
-    for (int d = 0; ok && d < s->shape().rank(); ++d) {
-      const int o = cut_by(i, d);
-      if (o >= 0) t.dims[static_cast<std::size_t>(o)] = s->sharding().dims[static_cast<std::size_t>(d)];
-      else ok = s->sharding().parts(d) == 1;
-    }
-    if (!ok) continue;
-    lead = s;
-    lead_blocks = std::move(t);
-  }
-  if (!lead) return nullptr;
-  Sharding target = std::move(*lead_blocks);
-  const Mesh& mesh = target.mesh;
-  const int n = mesh.size();
-  std::vector<std::vector<int>> logical_of;
-  for (std::size_t i = 0; i < ins.size(); ++i) {
-    std::vector<int> map;
-    for (int d = 0; d < ins[i]->shape().rank(); ++d) map.push_back(cut_by(i, d));
-    logical_of.push_back(std::move(map));
-  }
-  auto pieces = pieces_for(ins, logical_of, target, out);
-  const Shape block = target.block_shape(out);
-  std::vector<graph::NodePtr> shards;
-  shards.reserve(static_cast<std::size_t>(n));
-  for (int p = 0; p < n; ++p) {
-    graph::Device& dev = mesh_device(mesh.device_ids()[static_cast<std::size_t>(p)]);
-    auto piece = node.with_inputs(std::move(pieces[static_cast<std::size_t>(p)]), block, &dev);
-    if (!piece) return nullptr;
-    shards.push_back(graph::submit_unpartitioned(std::move(piece)));
-  }
-  return std::make_shared<ShardedNode>(std::move(target), std::move(shards), node.dtype(), out, node.device());
 }
 
 LAZYTENSOR_INLINE std::vector<std::vector<graph::NodePtr>> pieces_for(const std::vector<graph::NodePtr>& ins,
@@ -32283,6 +32208,120 @@ LAZYTENSOR_INLINE void reduce_partials(std::vector<graph::NodePtr>& shards, cons
     auto out = all_reduce(in, op);
     for (std::size_t i = 0; i < members.size(); ++i) shards[static_cast<std::size_t>(members[i])] = std::move(out[i]);
   }
+}
+
+}  // namespace lazy::spmd::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/spmd/operand_pieces.hpp ----
+
+namespace lazy::spmd::detail {
+
+/// The partition hook (graph::PartitionHook).
+graph::NodePtr partition(graph::NodePtr node);
+
+/// A node with a block rule run block-wise, or null when no sharded operand can lead (each
+/// is split along a dimension the rule cannot split).
+graph::NodePtr partition_blockwise(const graph::Node& node, const graph::BlockRule& rule);
+
+/// A reduction run on blocks (partial results all-reduced where a reduced dimension is
+/// split), or null when its operands do not allow it.
+graph::NodePtr partition_reduction(const graph::Node& node, const graph::BlockReduction& r);
+
+/// A product run on blocks: the batch, rows of A and columns of B stay split; a split
+/// contracted dimension gives partial products, all-reduced.
+graph::NodePtr partition_gemm(const graph::Node& node, const graph::BlockGemm& g);
+
+/// A sum over a batch (graph::BlockBatchSum) run on the blocks of the batch, whose sums are
+/// all-reduced; null unless an input is split along its batch only.
+graph::NodePtr partition_batch_sum(const graph::Node& node, const graph::BlockBatchSum& bs);
+
+/// A transpose of the last two dimensions, piece by piece; a piece that is itself a
+/// pending transpose gives its source (as the unsharded op does), so a GEMM reads it
+/// through. Null when the input is not sharded.
+graph::NodePtr partition_transpose(const graph::TransposeNode& node);
+
+/// A view of a sharded value run on each piece, or null when the view would mix blocks.
+graph::NodePtr partition_view(const graph::ViewNode& node);
+
+/// The [start, length) runs of row-major linear indices that block `ranges` of `shape`
+/// covers, in order; false when there are more than `limit`.
+bool block_runs(const Shape& shape, const Ranges& ranges, std::size_t limit,
+                std::vector<std::pair<std::int64_t, std::int64_t>>& runs);
+
+}  // namespace lazy::spmd::detail
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+#include <algorithm>
+
+namespace lazy::spmd::detail {
+
+LAZYTENSOR_INLINE graph::NodePtr partition(graph::NodePtr node) {
+  if (auto* tr = dynamic_cast<const graph::TransposeNode*>(node.get())) {
+    if (auto r = partition_transpose(*tr)) return r;
+  }
+  if (auto* view = dynamic_cast<const graph::ViewNode*>(node.get())) {
+    if (auto r = partition_view(*view)) return r;
+  } else if (auto* red = dynamic_cast<const graph::BlockReduction*>(node.get())) {
+    if (auto r = partition_reduction(*node, *red)) return r;
+  } else if (auto* gemm = dynamic_cast<const graph::BlockGemm*>(node.get())) {
+    if (auto r = partition_gemm(*node, *gemm)) return r;
+  } else if (auto* bsum = dynamic_cast<const graph::BlockBatchSum*>(node.get())) {
+    if (auto r = partition_batch_sum(*node, *bsum)) return r;
+  } else if (auto rule = node->block_rule()) {
+    if (auto r = partition_blockwise(*node, *rule)) return r;
+  }
+  return run_gathered(std::move(node));
+}
+
+LAZYTENSOR_INLINE graph::NodePtr partition_blockwise(const graph::Node& node, const graph::BlockRule& rule) {
+  const Shape& out = node.shape();
+  const int rank = out.rank();
+  const auto& ins = node.inputs();
+  // The output dimension that cuts input dimension d of input i the same way, or -1.
+  auto cut_by = [&](std::size_t i, int d) {
+    for (int o = 0; o < rank; ++o)
+      if (rule.splittable[static_cast<std::size_t>(o)] && rule.input_dim[i][static_cast<std::size_t>(o)] == d) return o;
+    return -1;
+  };
+  // The lead: the largest sharded operand whose split dimensions the rule can cut (moving
+  // the others costs less). The result takes its blocks.
+  const ShardedNode* lead = nullptr;
+  std::optional<Sharding> lead_blocks;  // no placeholder mesh built on every call
+  for (std::size_t i = 0; i < ins.size(); ++i) {
+    const ShardedNode* s = as_sharded(ins[i]);
+    if (!s || !leads(s, lead)) continue;
+    Sharding t{s->sharding().mesh, std::vector<std::vector<int>>(static_cast<std::size_t>(rank))};
+    bool ok = true;
+    for (int d = 0; ok && d < s->shape().rank(); ++d) {
+      const int o = cut_by(i, d);
+      if (o >= 0) t.dims[static_cast<std::size_t>(o)] = s->sharding().dims[static_cast<std::size_t>(d)];
+      else ok = s->sharding().parts(d) == 1;
+    }
+    if (!ok) continue;
+    lead = s;
+    lead_blocks = std::move(t);
+  }
+  if (!lead) return nullptr;
+  Sharding target = std::move(*lead_blocks);
+  const Mesh& mesh = target.mesh;
+  const int n = mesh.size();
+  std::vector<std::vector<int>> logical_of;
+  for (std::size_t i = 0; i < ins.size(); ++i) {
+    std::vector<int> map;
+    for (int d = 0; d < ins[i]->shape().rank(); ++d) map.push_back(cut_by(i, d));
+    logical_of.push_back(std::move(map));
+  }
+  auto pieces = pieces_for(ins, logical_of, target, out);
+  const Shape block = target.block_shape(out);
+  std::vector<graph::NodePtr> shards;
+  shards.reserve(static_cast<std::size_t>(n));
+  for (int p = 0; p < n; ++p) {
+    graph::Device& dev = mesh_device(mesh.device_ids()[static_cast<std::size_t>(p)]);
+    auto piece = node.with_inputs(std::move(pieces[static_cast<std::size_t>(p)]), block, &dev);
+    if (!piece) return nullptr;
+    shards.push_back(graph::submit_unpartitioned(std::move(piece)));
+  }
+  return std::make_shared<ShardedNode>(std::move(target), std::move(shards), node.dtype(), out, node.device());
 }
 
 // How partial results of a named reduction combine (false: they cannot).

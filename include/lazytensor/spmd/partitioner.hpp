@@ -10,7 +10,6 @@
 // blocks first. Other ops read the gathered value and run whole on the tensor's device (a
 // synchronous gather, counted as SpmdGathers).
 
-#include <functional>
 #include <optional>
 
 #include <lazytensor/graph/convert_node.hpp>
@@ -19,8 +18,8 @@
 #include <lazytensor/graph/matmul_node.hpp>
 #include <lazytensor/graph/reduction_node.hpp>
 #include <lazytensor/graph/transpose_hint.hpp>
-#include <lazytensor/spmd/collective.hpp>
 #include <lazytensor/graph/shape_nodes.hpp>
+#include <lazytensor/spmd/operand_pieces.hpp>
 #include <lazytensor/spmd/sharded_node.hpp>
 #include <lazytensor/graph/submit.hpp>
 
@@ -28,12 +27,6 @@ namespace lazy::spmd::detail {
 
 /// The partition hook (graph::PartitionHook).
 graph::NodePtr partition(graph::NodePtr node);
-
-/// Whether sharded operand `s` rather than `lead` (may be null) sets a result's blocks: the
-/// larger one (moving the others costs less), and of two as large the one cut into more
-/// blocks (a replicated operand is narrowed to any split on its devices, while a split one
-/// would have to be gathered to become replicated, and the work would be repeated).
-bool leads(const ShardedNode* s, const ShardedNode* lead);
 
 /// A node with a block rule run block-wise, or null when no sharded operand can lead (each
 /// is split along a dimension the rule cannot split).
@@ -51,26 +44,6 @@ graph::NodePtr partition_gemm(const graph::Node& node, const graph::BlockGemm& g
 /// all-reduced; null unless an input is split along its batch only.
 graph::NodePtr partition_batch_sum(const graph::Node& node, const graph::BlockBatchSum& bs);
 
-/// Per mesh position, the pieces of `inputs` for blocks of `target` over a logical shape:
-/// `logical_of[i][d]` is the logical dimension that cuts dimension d of input i (-1: whole).
-/// An input already cut that way contributes its pieces; others are computed and split
-/// (SpmdTransfers).
-std::vector<std::vector<graph::NodePtr>> pieces_for(const std::vector<graph::NodePtr>& inputs,
-                                                    const std::vector<std::vector<int>>& logical_of,
-                                                    const Sharding& target, const Shape& logical);
-
-/// A copy of small unsharded `value` on `dev` without computing it: materialized values
-/// share their buffer, pending views and nodes with a block rule (a backward's seed
-/// reshaped and scaled) are traced again on `dev` over copies of their inputs. Null when
-/// something on the way has no such form or the value is large (then it is computed and
-/// split, which waits for its device).
-graph::NodePtr replicate_small(const graph::NodePtr& value, graph::Device& dev, int depth = 0);
-
-/// All-reduces `shards` (one per mesh position) among the positions that differ only along
-/// mesh axes `axes`, each group combining in the order of `rank_in_group(position)`.
-void reduce_partials(std::vector<graph::NodePtr>& shards, const Mesh& mesh, const std::vector<int>& axes,
-                     const std::function<std::int64_t(int)>& rank_in_group, Combine op);
-
 /// A transpose of the last two dimensions, piece by piece; a piece that is itself a
 /// pending transpose gives its source (as the unsharded op does), so a GEMM reads it
 /// through. Null when the input is not sharded.
@@ -84,15 +57,10 @@ graph::NodePtr partition_view(const graph::ViewNode& node);
 bool block_runs(const Shape& shape, const Ranges& ranges, std::size_t limit,
                 std::vector<std::pair<std::int64_t, std::int64_t>>& runs);
 
-/// `node` run whole: every sharded input is gathered (materialized) first.
-graph::NodePtr run_gathered(graph::NodePtr node);
-
 }  // namespace lazy::spmd::detail
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
 #include <algorithm>
-#include <map>
-
 
 namespace lazy::spmd::detail {
 
@@ -112,18 +80,6 @@ LAZYTENSOR_INLINE graph::NodePtr partition(graph::NodePtr node) {
     if (auto r = partition_blockwise(*node, *rule)) return r;
   }
   return run_gathered(std::move(node));
-}
-
-LAZYTENSOR_INLINE bool leads(const ShardedNode* s, const ShardedNode* lead) {
-  if (!lead) return true;
-  if (s->numel() != lead->numel()) return s->numel() > lead->numel();
-  return s->sharding().blocks() > lead->sharding().blocks();
-}
-
-LAZYTENSOR_INLINE graph::NodePtr run_gathered(graph::NodePtr node) {
-  for (const auto& in : node->inputs())
-    if (in->kind() == graph::NodeKind::Sharded) graph::materialize(in);
-  return graph::submit_unpartitioned(std::move(node));
 }
 
 LAZYTENSOR_INLINE graph::NodePtr partition_blockwise(const graph::Node& node, const graph::BlockRule& rule) {
@@ -175,127 +131,6 @@ LAZYTENSOR_INLINE graph::NodePtr partition_blockwise(const graph::Node& node, co
     shards.push_back(graph::submit_unpartitioned(std::move(piece)));
   }
   return std::make_shared<ShardedNode>(std::move(target), std::move(shards), node.dtype(), out, node.device());
-}
-
-LAZYTENSOR_INLINE std::vector<std::vector<graph::NodePtr>> pieces_for(const std::vector<graph::NodePtr>& ins,
-                                                                         const std::vector<std::vector<int>>& logical_of,
-                                                                         const Sharding& target, const Shape& logical) {
-  const Mesh& mesh = target.mesh;
-  const int n = mesh.size();
-  std::vector<std::vector<graph::NodePtr>> pieces(static_cast<std::size_t>(n));
-  for (std::size_t i = 0; i < ins.size(); ++i) {
-    const auto& in = ins[i];
-    const ShardedNode* s = as_sharded(in);
-    bool local = s && s->sharding().mesh == mesh;
-    for (int d = 0; local && d < in->shape().rank(); ++d) {
-      const int l = logical_of[i][static_cast<std::size_t>(d)];
-      local = l >= 0 ? s->sharding().cuts(d) == target.cuts(l) : s->sharding().parts(d) == 1;
-    }
-    if (local) {
-      for (int p = 0; p < n; ++p) pieces[static_cast<std::size_t>(p)].push_back(s->shard(p));
-      continue;
-    }
-    if (s && s->sharding().mesh == mesh) {
-      // Each position's piece may hold its target block (a replicated value, or a coarser
-      // split): the block is then narrowed out of it on that device, moving no data.
-      std::vector<graph::NodePtr> cut;
-      for (int p = 0; p < n; ++p) {
-        const auto want = target.block(p, logical);
-        const auto have = s->sharding().block(p, in->shape());
-        graph::NodePtr piece = s->shard(p);
-        for (int d = 0; piece && d < in->shape().rank(); ++d) {
-          const int l = logical_of[i][static_cast<std::size_t>(d)];
-          const auto [w0, w1] = l >= 0 ? want[static_cast<std::size_t>(l)] : std::pair<std::int64_t, std::int64_t>{0, in->shape()[d]};
-          const auto [h0, h1] = have[static_cast<std::size_t>(d)];
-          if (w0 < h0 || w1 > h1) piece = nullptr;
-          else if (w0 != h0 || w1 != h1) {
-            Shape narrowed = piece->shape();
-            narrowed[d] = w1 - w0;
-            piece = graph::submit_unpartitioned(
-                std::make_shared<graph::SliceNode>("narrow", piece, d, w0 - h0, 1, std::move(narrowed)));
-          }
-        }
-        if (!piece) break;
-        cut.push_back(std::move(piece));
-      }
-      if (static_cast<int>(cut.size()) == n) {
-        for (int p = 0; p < n; ++p) pieces[static_cast<std::size_t>(p)].push_back(std::move(cut[static_cast<std::size_t>(p)]));
-        continue;
-      }
-    }
-    if (!s && in->pending()) {
-      // A small pending value every block reads whole: trace it again on each device.
-      bool whole = true;
-      for (int d = 0; whole && d < in->shape().rank(); ++d) {
-        const int l = logical_of[i][static_cast<std::size_t>(d)];
-        whole = l < 0 || target.parts(l) == 1;
-      }
-      std::vector<graph::NodePtr> copies;
-      for (int p = 0; whole && p < n; ++p) {
-        auto c = replicate_small(in, mesh_device(mesh.device_ids()[static_cast<std::size_t>(p)]));
-        if (!c) break;
-        copies.push_back(std::move(c));
-      }
-      if (static_cast<int>(copies.size()) == n) {
-        for (int p = 0; p < n; ++p) pieces[static_cast<std::size_t>(p)].push_back(std::move(copies[static_cast<std::size_t>(p)]));
-        continue;
-      }
-    }
-    static auto& transfers = core::counter("SpmdTransfers");
-    transfers.add();
-    graph::materialize(in);
-    for (int p = 0; p < n; ++p) {
-      const auto block = target.block(p, logical);
-      Ranges ranges;
-      for (int d = 0; d < in->shape().rank(); ++d) {
-        const int l = logical_of[i][static_cast<std::size_t>(d)];
-        ranges.push_back(l >= 0 ? block[static_cast<std::size_t>(l)] : std::pair<std::int64_t, std::int64_t>{0, in->shape()[d]});
-      }
-      pieces[static_cast<std::size_t>(p)].push_back(
-          block_of(in, ranges, mesh_device(mesh.device_ids()[static_cast<std::size_t>(p)])));
-    }
-  }
-  return pieces;
-}
-
-LAZYTENSOR_INLINE graph::NodePtr replicate_small(const graph::NodePtr& value, graph::Device& dev, int depth) {
-  constexpr std::int64_t kMaxElements = 4096;
-  constexpr int kMaxDepth = 8;
-  if (value->materialized()) {
-    Ranges whole;
-    for (auto d : value->shape()) whole.emplace_back(0, d);
-    return block_of(value, whole, dev);
-  }
-  if (!value->pending() || depth > kMaxDepth || value->numel() > kMaxElements) return nullptr;
-  std::vector<graph::NodePtr> inputs;
-  for (const auto& in : value->inputs()) {
-    if (in->kind() == graph::NodeKind::Sharded) return nullptr;
-    auto c = replicate_small(in, dev, depth + 1);
-    if (!c) return nullptr;
-    inputs.push_back(std::move(c));
-  }
-  if (auto* view = dynamic_cast<const graph::ViewNode*>(value.get()))
-    return graph::submit_unpartitioned(std::make_shared<graph::ViewNode>(view->op_name(), inputs[0], view->shape()));
-  if (!value->block_rule()) return nullptr;
-  auto copy = value->with_inputs(std::move(inputs), value->shape(), &dev);
-  return copy ? graph::submit_unpartitioned(std::move(copy)) : nullptr;
-}
-
-LAZYTENSOR_INLINE void reduce_partials(std::vector<graph::NodePtr>& shards, const Mesh& mesh, const std::vector<int>& axes,
-                                       const std::function<std::int64_t(int)>& rank_in_group, Combine op) {
-  std::map<std::vector<std::int64_t>, std::vector<int>> groups;
-  for (int p = 0; p < mesh.size(); ++p) {
-    auto key = mesh.coordinates(p);
-    for (int a : axes) key[static_cast<std::size_t>(a)] = 0;
-    groups[key].push_back(p);
-  }
-  for (auto& [key, members] : groups) {
-    std::sort(members.begin(), members.end(), [&](int x, int y) { return rank_in_group(x) < rank_in_group(y); });
-    std::vector<graph::NodePtr> in;
-    for (int p : members) in.push_back(shards[static_cast<std::size_t>(p)]);
-    auto out = all_reduce(in, op);
-    for (std::size_t i = 0; i < members.size(); ++i) shards[static_cast<std::size_t>(members[i])] = std::move(out[i]);
-  }
 }
 
 // How partial results of a named reduction combine (false: they cannot).
