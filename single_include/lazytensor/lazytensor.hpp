@@ -13613,9 +13613,10 @@ inline void read_signature(PackReader& r, Signature& s) {
 #endif  // LAZYTENSOR_WITH_MPI
 // ---- end lazytensor/dist/mpi_package.hpp ----
 // ---- begin lazytensor/dist/mpi_process_impl.hpp ----
-// Definitions of mpi_world.hpp's Mpi (included at its end, before MpiWorld's): MPI's
-// lifetime in this process, the host's shared window, and the request helpers the process
-// world (mpi_world_impl.hpp) and its links (mpi_link_impl.hpp) share.
+// Definitions of mpi_world.hpp's Mpi, included by mpi_world_impl.hpp before MpiWorld's:
+// MPI's lifetime in this process and whether a launcher started it, the host's shared
+// window, mpi_check (also used by mpi_link_impl.hpp) and the request helpers of the
+// process world.
 
 
 #if LAZYTENSOR_WITH_MPI
@@ -31520,7 +31521,7 @@ LAZYTENSOR_OPTIM_SGD_INSTANCES(extern)
 #include <optional>
 
 // ---- begin lazytensor/spmd/operand_pieces.hpp ----
-// The operands of the SPMD partitioner's block-wise nodes (spmd/partitioner.hpp): which
+// The operands of the SPMD partitioner's partition_* rules (spmd/partitioner.hpp): which
 // sharded operand sets the blocks, each mesh position's pieces of every input (its own
 // blocks, narrowed ones, small values traced again on each device, or split copies), the
 // all-reduce of partial results among the positions that share a block, and the fallback

@@ -1,7 +1,8 @@
 #pragma once
-// Definitions of mpi_world.hpp's Mpi (included at its end, before MpiWorld's): MPI's
-// lifetime in this process, the host's shared window, and the request helpers the process
-// world (mpi_world_impl.hpp) and its links (mpi_link_impl.hpp) share.
+// Definitions of mpi_world.hpp's Mpi, included by mpi_world_impl.hpp before MpiWorld's:
+// MPI's lifetime in this process and whether a launcher started it, the host's shared
+// window, mpi_check (also used by mpi_link_impl.hpp) and the request helpers of the
+// process world.
 
 #include <lazytensor/core/error.hpp>
 

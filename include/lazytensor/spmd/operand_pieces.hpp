@@ -1,5 +1,5 @@
 #pragma once
-// The operands of the SPMD partitioner's block-wise nodes (spmd/partitioner.hpp): which
+// The operands of the SPMD partitioner's partition_* rules (spmd/partitioner.hpp): which
 // sharded operand sets the blocks, each mesh position's pieces of every input (its own
 // blocks, narrowed ones, small values traced again on each device, or split copies), the
 // all-reduce of partial results among the positions that share a block, and the fallback
