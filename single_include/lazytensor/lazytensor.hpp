@@ -18848,9 +18848,10 @@ LAZYTENSOR_INLINE void JsonCursor::escape(std::string& out) {
 #include <vector>
 
 // ---- begin lazytensor/graph/byte_copy.hpp ----
-// The byte-copy helpers of the copy nodes (graph/shape_nodes.hpp, graph/index_nodes.hpp): one kernel per element
-// size (1, 2, 4, 8 bytes) serves every dtype and keeps the code small. The element copy is a
-// constant-size memcpy: one load and one store, valid whatever type wrote the buffer.
+// The byte-copy helpers of the copy nodes (graph/shape_nodes.hpp, graph/index_nodes.hpp):
+// one kernel per element size (1, 2, 4, 8 bytes) serves every dtype and keeps the code
+// small. The element copy is a constant-size memcpy: one load and one store, valid whatever
+// type wrote the buffer.
 
 #include <algorithm>
 #include <array>
