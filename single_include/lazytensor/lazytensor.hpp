@@ -8063,6 +8063,28 @@ inline expr::batch_t<S> masked_packet(const Ev& ev, std::int64_t i, std::int64_t
   return V::load_aligned(tmp);
 }
 
+/// reduce_span for lanes without SIMD batches (integers, bool), four scalar accumulators.
+/// Not auto-vectorized under GCC: GCC 12 at -O3 (AVX2 and AVX-512 targets) vectorized this
+/// loop for int32 operands into wrong sums and products whenever the length was 8k..8k+3
+/// (k >= 1); -O2 and Clang were right. tests/expr/o3_kernels.cpp checks at -O3.
+template <class R, class S, class Ev>
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((noinline, optimize("no-tree-vectorize")))
+#else
+LAZY_KERNEL_LOOP
+#endif
+S reduce_span_scalar(const Ev& ev, std::int64_t b, std::int64_t len) {
+  const std::int64_t e = b + len;
+  std::int64_t i = b;
+  S a[4] = {R::template identity<S>(), R::template identity<S>(), R::template identity<S>(),
+            R::template identity<S>()};
+  for (; i + 4 <= e; i += 4) {
+    for (int k = 0; k < 4; ++k) a[k] = R::combine(a[k], ev.coeff(i + k));
+  }
+  for (; i < e; ++i) a[0] = R::combine(a[0], ev.coeff(i));
+  return R::combine(R::combine(a[0], a[1]), R::combine(a[2], a[3]));
+}
+
 template <class R, class S, class Ev>
 LAZY_KERNEL_LOOP S reduce_span(const Ev& ev, std::int64_t b, std::int64_t len) {
   const std::int64_t e = b + len;
@@ -8081,13 +8103,7 @@ LAZY_KERNEL_LOOP S reduce_span(const Ev& ev, std::int64_t b, std::int64_t len) {
     for (; i < e; i += W) a0 = R::combine(a0, masked_packet<R, S>(ev, i, std::min(W, e - i)));
     return R::template horizontal<S>(R::combine(R::combine(a0, a1), R::combine(a2, a3)));
   } else {
-    S a[4] = {R::template identity<S>(), R::template identity<S>(), R::template identity<S>(),
-              R::template identity<S>()};
-    for (; i + 4 <= e; i += 4) {
-      for (int k = 0; k < 4; ++k) a[k] = R::combine(a[k], ev.coeff(i + k));
-    }
-    for (; i < e; ++i) a[0] = R::combine(a[0], ev.coeff(i));
-    return R::combine(R::combine(a[0], a[1]), R::combine(a[2], a[3]));
+    return reduce_span_scalar<R, S>(ev, b, len);
   }
 }
 

@@ -5,6 +5,7 @@
 // 1-7 of the first batch set to 0 (evaluator.hpp, LAZY_KERNEL_LOOP).
 
 #include <cmath>
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
@@ -67,3 +68,21 @@ void check(double tol) {
 TEST(O3Kernels, DoubleGradientsMatchTheirClosedForms) { check<double>(1e-12); }
 
 TEST(O3Kernels, FloatGradientsMatchTheirClosedForms) { check<float>(2e-6); }
+
+// Integer reductions run reduce_span's scalar loop, which GCC 12 at -O3 vectorized into wrong
+// int32 sums and products at lengths 8k..8k+3 (graph/reduction_node.hpp): every length 1..40,
+// against a plain loop over the same values (products of values in [-2, 2], exact in int64).
+TEST(O3Kernels, Int32SumsAndProductsAtEveryLength) {
+  for (int n = 1; n <= 40; ++n) {
+    std::vector<std::int32_t> v(static_cast<std::size_t>(n));
+    for (int i = 0; i < n; ++i) v[static_cast<std::size_t>(i)] = (i * 7 + n) % 5 - 2;
+    std::int64_t sum = 0, prod = 1;
+    for (auto x : v) {
+      sum += x;
+      prod *= x == 0 ? 1 : x;
+    }
+    const auto t = lazy::from_vector<std::int32_t>(v);
+    EXPECT_EQ(lazy::sum(t).item(), sum) << "n=" << n;
+    EXPECT_EQ(lazy::prod(lazy::where(t == 0, 1, t)).item(), prod) << "n=" << n;
+  }
+}
