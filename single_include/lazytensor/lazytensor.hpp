@@ -4294,7 +4294,10 @@ class Expr {
   const Shape& shape() const { return shape_; }
   std::int64_t numel() const { return shape_.numel(); }
   int dim() const { return shape_.rank(); }
-  const std::tuple<Children...>& children() const { return children_; }
+  const std::tuple<Children...>& children() const& { return children_; }
+  /// The operands of an expression being consumed (expr::to_kernel moves its leaves out);
+  /// the shape stays.
+  std::tuple<Children...>&& children() && { return std::move(children_); }
 
  private:
   static Shape broadcast_all(const Shape& s) { return s; }
@@ -4977,12 +4980,34 @@ template <Element T>
 Scalar<T> to_kernel(const Scalar<T>& s, std::vector<graph::NodePtr>&, std::vector<autograd::GradFnPtr>* = nullptr) {
   return s;
 }
+/// A leaf of an expression being consumed: its references move into `inputs` and `edges`
+/// instead of being copied (an atomic count each, and another when the leaf dies).
+template <Element T>
+KLeaf<T> to_kernel(Leaf<T>&& l, std::vector<graph::NodePtr>& inputs,
+                   std::vector<autograd::GradFnPtr>* edges = nullptr) {
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    if (inputs[i] == l.node && (!edges || (*edges)[i] == l.grad)) return {static_cast<int>(i)};
+  }
+  inputs.push_back(std::move(l.node));
+  if (edges) edges->push_back(std::move(l.grad));
+  return {static_cast<int>(inputs.size() - 1)};
+}
 template <class Op, class... C>
 auto to_kernel(const Expr<Op, C...>& e, std::vector<graph::NodePtr>& inputs,
                std::vector<autograd::GradFnPtr>* edges = nullptr) {
   return detail::unpack(e.children(), [&](const auto&... ch) {
     // Braced initialization evaluates left to right: slots follow operand order.
     return KExpr<Op, kernel_form_t<C>...>{std::tuple<kernel_form_t<C>...>{to_kernel(ch, inputs, edges)...}};
+  });
+}
+/// An expression being consumed (a statement's temporary): its leaves move.
+template <class Op, class... C>
+auto to_kernel(Expr<Op, C...>&& e, std::vector<graph::NodePtr>& inputs,
+               std::vector<autograd::GradFnPtr>* edges = nullptr) {
+  std::tuple<C...>&& children = std::move(e).children();
+  return detail::unpack(children, [&](auto&... ch) {
+    return KExpr<Op, kernel_form_t<C>...>{
+        std::tuple<kernel_form_t<C>...>{to_kernel(std::move(ch), inputs, edges)...}};
   });
 }
 
@@ -5033,11 +5058,16 @@ void drop_cut_edges(const K& k, std::vector<autograd::GradFnPtr>& edges) {
 /// The kernel form of a reduction's operand `x` (a tensor handle or an expression), read in
 /// place: an expression is not copied first (a copy costs an atomic count per leaf), and a
 /// handle gives its node alone (its autograd edge is the reduction's own business).
+/// `consume`: `x` is the caller's temporary expression, not const whatever this parameter
+/// says (the reductions take one parameter type for both, so that each operand type compiles
+/// once): its leaves move into `inputs`.
 template <class X>
-auto operand_to_kernel(const X& x, std::vector<graph::NodePtr>& inputs) {
+auto operand_to_kernel(const X& x, std::vector<graph::NodePtr>& inputs, bool consume = false) {
   if constexpr (is_expr_node<X>::value) {
+    if (consume) return to_kernel(std::move(const_cast<X&>(x)), inputs);
     return to_kernel(x, inputs);
   } else {
+    (void)consume;
     using T = typename decltype(x.to_leaf())::value_type;
     inputs.push_back(x.node());
     return KLeaf<T>{static_cast<int>(inputs.size() - 1)};
@@ -9180,17 +9210,20 @@ LAZYTENSOR_INLINE void ElementwiseGradFnBase::release_saved() {
 namespace lazy::detail {
 
 /// A pending node evaluating expression `e` into a tensor of type Tout and shape `shape`
-/// (the expression's own shape, or one it broadcasts to). With `grad_fn`, also returns
-/// the backward function (its `next` edges set) when a leaf of `e` requires grad.
+/// (the expression's own shape when null, or one it broadcasts to). With `grad_fn`, also
+/// returns the backward function (its `next` edges set) when a leaf of `e` requires grad.
+/// `e` is taken by value and consumed: a statement's temporary moves in, and its tensor
+/// references move on into the node (a copy would cost two atomic counts per leaf).
 template <Element Tout, class E>
-graph::NodePtr make_elementwise(const E& e, const Shape& shape, autograd::GradFnPtr* grad_fn = nullptr) {
+graph::NodePtr make_elementwise(E e, const Shape* shape, autograd::GradFnPtr* grad_fn = nullptr) {
   std::vector<graph::NodePtr> inputs;
   std::vector<autograd::GradFnPtr> edges;
   // History is recorded where the expression is evaluated, if grad mode is on there.
   if (grad_fn && !autograd::is_grad_enabled()) grad_fn = nullptr;
   inputs.reserve(expr::leaf_count_v<E>);
   if (grad_fn) edges.reserve(expr::leaf_count_v<E>);
-  auto k = expr::to_kernel(e, inputs, grad_fn ? &edges : nullptr);
+  const Shape& out = shape ? *shape : e.shape();  // an Expr keeps its shape when consumed
+  auto k = expr::to_kernel(std::move(e), inputs, grad_fn ? &edges : nullptr);
   graph::Device& dev = graph::common_device(inputs, E::op_type::name);
   // Only floating tensors require grad: without a floating leaf, no backward code is
   // compiled for the expression.
@@ -9204,7 +9237,7 @@ graph::NodePtr make_elementwise(const E& e, const Shape& shape, autograd::GradFn
       *grad_fn = std::move(fn);
     }
   }
-  return graph::submit(graph::elementwise_node<Tout>(std::move(k), shape, &dev, std::move(inputs)));
+  return graph::submit(graph::elementwise_node<Tout>(std::move(k), out, &dev, std::move(inputs)));
 }
 
 }  // namespace lazy::detail
@@ -9347,9 +9380,13 @@ class Tensor {
   /// Captures an expression as a pending node; nothing is computed until a sync or read.
   /// Records its backward function when a leaf requires grad.
   template <class Op, class... C>
-  Tensor(const Expr<Op, C...>& e) {  // NOLINT: implicit, as `Tensor<float> y = a + b;`
+  Tensor(const Expr<Op, C...>& e) : Tensor(Expr<Op, C...>(e)) {}  // NOLINT: implicit
+  /// A statement's temporary expression (`Tensor<float> y = a + b;`) is consumed: its
+  /// tensor references move into the node.
+  template <class Op, class... C>
+  Tensor(Expr<Op, C...>&& e) {  // NOLINT: implicit, as `Tensor<float> y = a + b;`
     autograd::GradFnPtr fn;
-    *this = Tensor(detail::make_elementwise<T>(e, e.shape(), &fn));
+    *this = Tensor(detail::make_elementwise<T>(std::move(e), nullptr, &fn));
     autograd::attach_grad_fn(*impl_, std::move(fn));
   }
 
@@ -9358,6 +9395,10 @@ class Tensor {
   template <class Op, class... C>
   Tensor& operator=(const Expr<Op, C...>& e) {
     return *this = Tensor(e);
+  }
+  template <class Op, class... C>
+  Tensor& operator=(Expr<Op, C...>&& e) {
+    return *this = Tensor(std::move(e));
   }
 
   /// True unless default-constructed.
@@ -9622,7 +9663,7 @@ class Tensor {
     }
     check_inplace(op);
     autograd::GradFnPtr fn;
-    impl_->node = detail::make_elementwise<T>(e, shape(), &fn);
+    impl_->node = detail::make_elementwise<T>(e, &shape(), &fn);
     // No history in the new value: only copy_ gets here with grad mode on (the other ops read
     // this tensor), from tensors that need no grad; the old history then receives zeros.
     if (!autograd::attach_grad_fn(*impl_, std::move(fn)))
@@ -9691,7 +9732,7 @@ std::ostream& operator<<(std::ostream& os, const Tensor<T>& t) {
 template <Element T, class E>
 Tensor<T> evaluate_as(const E& e, const Shape& shape) {
   autograd::GradFnPtr fn;
-  Tensor<T> t(detail::make_elementwise<T>(e, shape, &fn));
+  Tensor<T> t(detail::make_elementwise<T>(e, &shape, &fn));
   autograd::attach_grad_fn(*t.impl(), std::move(fn));
   return t;
 }
@@ -23397,16 +23438,24 @@ Shape reduced_shape(const Shape& s, const DimList& dims, bool keepdim);
 /// [outer, R, inner] when the reduced dims of size > 1 are adjacent; false otherwise.
 bool geometry(const Shape& s, const DimList& dims, graph::ReduceGeometry& g);
 
-template <class E>
-bool flat_child(const E& e, const std::vector<graph::NodePtr>& inputs) {
-  for (const auto& in : inputs)
-    if (!(in->shape() == e.shape()) && in->numel() != 1) return false;
-  return true;
+/// Whether every tensor operand of expression `x` has the shape `s` of the whole or a
+/// single element (so the reduction reads them all with one index).
+template <class X>
+bool flat_operand(const X& x, const Shape& s) {
+  if constexpr (expr::is_leaf<X>::value) {
+    return x.shape() == s || x.node->numel() == 1;
+  } else if constexpr (expr::is_expr_node<X>::value) {
+    return expr::detail::unpack(x.children(), [&](const auto&... ch) { return (flat_operand(ch, s) && ...); });
+  } else {
+    return true;
+  }
 }
 
+/// `consume`: `x` is the caller's temporary expression (not const, whatever the parameter
+/// says), whose tensor references move into the node instead of being copied.
 template <class R, class Tout, class X>
 graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims, bool keepdim, double scale_kind,
-                              const char* op);
+                              const char* op, bool consume = false);
 
 /// Expression `x` written out as a tensor of its value type, for the reductions that need
 /// their operand in memory (dims that are not adjacent, a broadcast inside the operand, an
@@ -23448,7 +23497,7 @@ graph::NodePtr reduction_node_permuted(const Tensor<V>& t, const DimList& rd, bo
 /// Builds the node for reducing the operand `x` (flat kernel form) with reducer R.
 template <class R, class Tout, class X>
 graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims, bool keepdim, double scale_kind,
-                              const char* op) {
+                              const char* op, bool consume) {
   const Shape& s = x.shape();
   auto rd = reduce_dims(s, dims, op);
   graph::ReduceGeometry g;
@@ -23459,25 +23508,26 @@ graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims,
   }
   const Shape out = reduced_shape(s, rd, keepdim);
   const double scale = scale_kind == 0 ? 1.0 : (g.extent ? 1.0 / static_cast<double>(g.extent) : std::nan(""));
-  std::vector<graph::NodePtr> inputs;
-  inputs.reserve(expr::leaf_count_v<decltype(expr::operand(x))>);
-  auto k = expr::operand_to_kernel(x, inputs);
-  using K = decltype(k);
   if constexpr (expr::is_expr_node<X>::value) {
-    if (!flat_child(x, inputs)) {
+    if (!flat_operand(x, s)) {
       // A broadcast inside the child: materialize it once, then reduce the result.
       return reduction_node<R, Tout>(written_operand(x), dims, keepdim, scale_kind, op);
     }
   }
+  std::vector<graph::NodePtr> inputs;
+  inputs.reserve(expr::leaf_count_v<decltype(expr::operand(x))>);
+  auto k = expr::operand_to_kernel(x, inputs, consume);
+  using K = decltype(k);
   using S = expr::lane_combine<expr::kernel_lane_t<K>, expr::lane_of<Tout>>;
   graph::Device& dev = graph::common_device(inputs, op);
   return graph::submit(graph::reduction_node<R, S, Tout>(std::move(k), out, g, scale, &dev, std::move(inputs), s));
 }
 
 template <class R, class X>
-auto reduce(const X& x, const std::vector<std::int64_t>& dims, bool keepdim, const char* op) {
+auto reduce(const X& x, const std::vector<std::int64_t>& dims, bool keepdim, const char* op,
+            bool consume = false) {
   using T = typename R::template result<expr::value_t<X>>;
-  return Tensor<T>(reduction_node<R, T>(x, dims, keepdim, 0, op));
+  return Tensor<T>(reduction_node<R, T>(x, dims, keepdim, 0, op, consume));
 }
 
 template <class X>
@@ -23516,17 +23566,32 @@ void record_sum_backward(Tensor<T>& r, std::shared_ptr<autograd::GradFn> e, cons
       autograd::Saves::nothing);
 }
 
-/// sum / mean backward: the gradient, scaled, broadcast back over the reduced dims.
+/// The autograd edge sum / mean record for operand `x` (null when none): taken before the
+/// reduction consumes a temporary operand, as it needs the operand's leaves.
+template <class X>
+autograd::GradFnPtr sum_edge(const X& x) {
+  if constexpr (is_floating_v<expr::value_t<X>>) {
+    if (autograd::is_grad_enabled()) return autograd::operand_edge(x);
+  }
+  return nullptr;
+}
+
+/// sum / mean backward: the gradient, scaled, broadcast back over the reduced dims (of
+/// operand `x`, read for its shape only).
 template <class T, class X>
-void record_sum(Tensor<T>& r, const X& x, const std::vector<std::int64_t>& dims, bool mean) {
+void record_sum(Tensor<T>& r, autograd::GradFnPtr e, const X& x, const std::vector<std::int64_t>& dims,
+                bool mean) {
   using V = expr::value_t<X>;
   if constexpr (is_floating_v<T> && is_floating_v<V>) {
-    if (!autograd::is_grad_enabled()) return;
-    auto e = autograd::operand_edge(x);
-    if (!e) return;
-    record_sum_backward<T, V>(r, std::move(e), x.shape(), keep_shape(x, dims, "sum"), mean);
+    if (e) record_sum_backward<T, V>(r, std::move(e), x.shape(), keep_shape(x, dims, "sum"), mean);
   }
 }
+
+/// Whether `x` (as a forwarding reference's type X) is a temporary, non-const expression
+/// that a reduction may consume.
+template <class X>
+inline constexpr bool consumable_v =
+    expr::Pending<X> && !std::is_lvalue_reference_v<X> && !std::is_const_v<std::remove_reference_t<X>>;
 
 /// amax / amin backward: the gradient goes to the extreme elements, split evenly among ties.
 template <class T, class X>
@@ -23593,9 +23658,11 @@ struct Dims : std::vector<std::int64_t> {
 
 /// Sum over `dims` (all when empty); integers sum to int64.
 template <expr::ExprLike X>
-auto sum(const X& x, const Dims& dims = {}, bool keepdim = false) {
-  auto r = detail::reduce<ops::reduce::Sum>(x, dims, keepdim, "sum");
-  detail::record_sum(r, x, dims, false);
+auto sum(X&& x, const Dims& dims = {}, bool keepdim = false) {
+  using XX = std::remove_cvref_t<X>;
+  auto e = detail::sum_edge<XX>(x);
+  auto r = detail::reduce<ops::reduce::Sum, XX>(x, dims, keepdim, "sum", detail::consumable_v<X>);
+  detail::record_sum<typename decltype(r)::value_type, XX>(r, std::move(e), x, dims, false);
   return r;
 }
 /// Product over `dims`.
@@ -23622,15 +23689,18 @@ auto prod(const X& x, const Dims& dims = {}, bool keepdim = false) {
 }
 /// Mean over `dims`; floating types only (DTypeError otherwise, as torch.mean).
 template <expr::ExprLike X>
-auto mean(const X& x, const Dims& dims = {}, bool keepdim = false) {
-  using T = expr::value_t<X>;
+auto mean(X&& x, const Dims& dims = {}, bool keepdim = false) {
+  using XX = std::remove_cvref_t<X>;
+  using T = expr::value_t<XX>;
   if constexpr (!is_floating_v<T>) {
     throw DTypeError("mean(): could not infer output dtype. Input dtype must be floating point, got " +
                      dtype_name(dtype_of<T>()));
     return Tensor<float>();
   } else {
-    Tensor<T> r(detail::reduction_node<ops::reduce::Sum, T>(x, dims, keepdim, 1, "mean"));
-    detail::record_sum(r, x, dims, true);
+    auto e = detail::sum_edge<XX>(x);
+    Tensor<T> r(detail::reduction_node<ops::reduce::Sum, T, XX>(x, dims, keepdim, 1, "mean",
+                                                                  detail::consumable_v<X>));
+    detail::record_sum<T, XX>(r, std::move(e), x, dims, true);
     return r;
   }
 }
@@ -23709,12 +23779,12 @@ Tensor<std::int64_t> arg_reduce(const X& x, std::optional<std::int64_t> dim, boo
   auto rd = reduce_dims(s, {*dim}, op);
   graph::ReduceGeometry g;
   geometry(s, rd, g);  // a single dim is always adjacent to itself
+  if constexpr (expr::is_expr_node<X>::value) {
+    if (!flat_operand(x, s)) return arg_reduce<IsMax>(written_operand(x), dim, keepdim, op);
+  }
   std::vector<graph::NodePtr> inputs;
   inputs.reserve(expr::leaf_count_v<decltype(expr::operand(x))>);
   auto k = expr::operand_to_kernel(x, inputs);
-  if constexpr (expr::is_expr_node<X>::value) {
-    if (!flat_child(x, inputs)) return arg_reduce<IsMax>(written_operand(x), dim, keepdim, op);
-  }
   using K = decltype(k);
   graph::Device& dev = graph::common_device(inputs, op);
   return Tensor<std::int64_t>(graph::submit(std::make_shared<graph::ArgReductionNode<K, expr::kernel_lane_t<K>, IsMax>>(
@@ -23847,13 +23917,13 @@ LAZYTENSOR_INLINE bool geometry(const Shape& s, const DimList& dims, graph::Redu
 // reductions of a tensor (not of an expression) and their backward records.
 #define LAZYTENSOR_REDUCTION_INSTANCES(P, T)                                                                  \
   P template lazy::graph::NodePtr lazy::detail::reduction_node<lazy::ops::reduce::Sum, T, lazy::Tensor<T>>(    \
-      const lazy::Tensor<T>&, const std::vector<std::int64_t>&, bool, double, const char*);                   \
+      const lazy::Tensor<T>&, const std::vector<std::int64_t>&, bool, double, const char*, bool);             \
   P template lazy::graph::NodePtr lazy::detail::reduction_node<lazy::ops::reduce::Max, T, lazy::Tensor<T>>(    \
-      const lazy::Tensor<T>&, const std::vector<std::int64_t>&, bool, double, const char*);                   \
+      const lazy::Tensor<T>&, const std::vector<std::int64_t>&, bool, double, const char*, bool);             \
   P template lazy::graph::NodePtr lazy::detail::reduction_node<lazy::ops::reduce::Min, T, lazy::Tensor<T>>(    \
-      const lazy::Tensor<T>&, const std::vector<std::int64_t>&, bool, double, const char*);                   \
-  P template void lazy::detail::record_sum<T, lazy::Tensor<T>>(lazy::Tensor<T>&, const lazy::Tensor<T>&,      \
-                                                               const std::vector<std::int64_t>&, bool);       \
+      const lazy::Tensor<T>&, const std::vector<std::int64_t>&, bool, double, const char*, bool);             \
+  P template void lazy::detail::record_sum<T, lazy::Tensor<T>>(lazy::Tensor<T>&, lazy::autograd::GradFnPtr,   \
+      const lazy::Tensor<T>&, const std::vector<std::int64_t>&, bool);                                        \
   P template void lazy::detail::record_extreme<T, lazy::Tensor<T>>(lazy::Tensor<T>&, const lazy::Tensor<T>&,  \
                                                                    const std::vector<std::int64_t>&, const char*);
 #if LAZYTENSOR_EXPLICIT_INSTANTIATION

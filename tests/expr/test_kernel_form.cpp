@@ -86,4 +86,83 @@ TEST(KernelForm, ExpressionsHoldOneReferencePerLeafWhetherOperandsMoveOrCopy) {
   EXPECT_EQ(a.node().use_count(), base + 5) << "the reductions keep no reference once computed";
 }
 
+// Counts the leaves of `x` whose node reference is gone (moved out).
+template <class X>
+std::size_t moved_leaves(const X& x) {
+  if constexpr (lazy::expr::is_leaf<X>::value) {
+    return x.node == nullptr ? 1 : 0;
+  } else if constexpr (lazy::expr::is_expr_node<X>::value) {
+    return std::apply([](const auto&... ch) { return (std::size_t{0} + ... + moved_leaves(ch)); },
+                      x.children());
+  } else {
+    return 0;
+  }
+}
+
+// A consumed expression (a statement's temporary) gives its references to the node instead
+// of copying them: to_kernel of an rvalue moves each distinct leaf's reference into the
+// inputs (a repeated leaf keeps its own, which dies with the expression); a named one is
+// never consumed, by a statement or a reduction, and a const one is copied even when moved.
+TEST(KernelForm, ConsumedExpressionsMoveTheirReferencesNamedOnesKeepThem) {
+  const auto a = lazy::from_vector<float>({1.f, -2.f, 3.f}), b = lazy::from_vector<float>({0.5f, 4.f, -1.f});
+  const long base_a = a.node().use_count(), base_b = b.node().use_count();
+  {
+    auto e = a * b + a;
+    ASSERT_EQ(a.node().use_count(), base_a + 2);
+    std::vector<lazy::graph::NodePtr> inputs;
+    (void)lazy::expr::to_kernel(std::move(e), inputs);
+    ASSERT_EQ(inputs.size(), 2u);
+    EXPECT_EQ(moved_leaves(std::as_const(e)), 2u) << "a's first leaf and b's moved; a's repeat stays";
+    EXPECT_EQ(a.node().use_count(), base_a + 2) << "the input and the repeated leaf";
+    EXPECT_EQ(b.node().use_count(), base_b + 1) << "the input only";
+  }
+  EXPECT_EQ(a.node().use_count(), base_a);
+  EXPECT_EQ(b.node().use_count(), base_b);
+
+  const auto av = a.to_vector(), bv = b.to_vector();
+  {
+    // A statement: the node holds one reference per distinct input until it is computed.
+    const Tensor<float> y = a * b + a;
+    EXPECT_EQ(a.node().use_count(), base_a + 1);
+    const auto yv = y.to_vector();
+    for (std::size_t i = 0; i < yv.size(); ++i) EXPECT_FLOAT_EQ(yv[i], av[i] * bv[i] + av[i]) << i;
+    EXPECT_EQ(a.node().use_count(), base_a) << "a computed node releases its inputs";
+  }
+  float want = 0.f;
+  for (std::size_t i = 0; i < av.size(); ++i) want += (av[i] - bv[i]) * (av[i] - bv[i]);
+  {
+    auto d = lazy::square(a - b);  // named: each reduction copies, d stays whole
+    EXPECT_FLOAT_EQ(lazy::sum(d).item(), want);
+    EXPECT_FLOAT_EQ(lazy::mean(d).item(), want / 3.f);
+    EXPECT_EQ(moved_leaves(d), 0u);
+    EXPECT_FLOAT_EQ(lazy::sum(std::move(d)).item(), want) << "consumed";
+    EXPECT_EQ(moved_leaves(d), 2u);
+    const auto c = lazy::square(a - b);
+    EXPECT_FLOAT_EQ(lazy::mean(std::move(c)).item(), want / 3.f);
+    EXPECT_EQ(moved_leaves(c), 0u) << "a const expression is copied, never consumed";
+  }
+  EXPECT_EQ(a.node().use_count(), base_a);
+}
+
+// Consuming a temporary keeps its history: the edges move with the references. Gradients of
+// a sum and a mean of temporaries, and of a statement, against the analytic ones computed
+// by a scalar loop.
+TEST(KernelForm, ConsumedExpressionsKeepTheirGradients) {
+  const std::vector<double> pv = {0.5, -1.5, 2.0, 3.25}, tv = {1.0, 1.0, -2.0, 0.5};
+  auto p = lazy::from_vector<double>(pv).requires_grad_();
+  const auto t = lazy::from_vector<double>(tv);
+  lazy::sum(lazy::square(p - t)).backward();
+  auto g = p.grad().to_vector();
+  for (std::size_t i = 0; i < pv.size(); ++i) EXPECT_DOUBLE_EQ(g[i], 2 * (pv[i] - tv[i])) << i;
+  p.grad().zero_();
+  lazy::mean(lazy::square(p - t) * 3.0).backward();
+  g = p.grad().to_vector();
+  for (std::size_t i = 0; i < pv.size(); ++i) EXPECT_DOUBLE_EQ(g[i], 6 * (pv[i] - tv[i]) / 4) << i;
+  p.grad().zero_();
+  Tensor<double> y = p * p + t;
+  lazy::sum(y).backward();
+  g = p.grad().to_vector();
+  for (std::size_t i = 0; i < pv.size(); ++i) EXPECT_DOUBLE_EQ(g[i], 2 * pv[i]) << i;
+}
+
 }  // namespace

@@ -102,7 +102,10 @@ class Expr {
   const Shape& shape() const { return shape_; }
   std::int64_t numel() const { return shape_.numel(); }
   int dim() const { return shape_.rank(); }
-  const std::tuple<Children...>& children() const { return children_; }
+  const std::tuple<Children...>& children() const& { return children_; }
+  /// The operands of an expression being consumed (expr::to_kernel moves its leaves out);
+  /// the shape stays.
+  std::tuple<Children...>&& children() && { return std::move(children_); }
 
  private:
   static Shape broadcast_all(const Shape& s) { return s; }

@@ -119,12 +119,34 @@ template <Element T>
 Scalar<T> to_kernel(const Scalar<T>& s, std::vector<graph::NodePtr>&, std::vector<autograd::GradFnPtr>* = nullptr) {
   return s;
 }
+/// A leaf of an expression being consumed: its references move into `inputs` and `edges`
+/// instead of being copied (an atomic count each, and another when the leaf dies).
+template <Element T>
+KLeaf<T> to_kernel(Leaf<T>&& l, std::vector<graph::NodePtr>& inputs,
+                   std::vector<autograd::GradFnPtr>* edges = nullptr) {
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    if (inputs[i] == l.node && (!edges || (*edges)[i] == l.grad)) return {static_cast<int>(i)};
+  }
+  inputs.push_back(std::move(l.node));
+  if (edges) edges->push_back(std::move(l.grad));
+  return {static_cast<int>(inputs.size() - 1)};
+}
 template <class Op, class... C>
 auto to_kernel(const Expr<Op, C...>& e, std::vector<graph::NodePtr>& inputs,
                std::vector<autograd::GradFnPtr>* edges = nullptr) {
   return detail::unpack(e.children(), [&](const auto&... ch) {
     // Braced initialization evaluates left to right: slots follow operand order.
     return KExpr<Op, kernel_form_t<C>...>{std::tuple<kernel_form_t<C>...>{to_kernel(ch, inputs, edges)...}};
+  });
+}
+/// An expression being consumed (a statement's temporary): its leaves move.
+template <class Op, class... C>
+auto to_kernel(Expr<Op, C...>&& e, std::vector<graph::NodePtr>& inputs,
+               std::vector<autograd::GradFnPtr>* edges = nullptr) {
+  std::tuple<C...>&& children = std::move(e).children();
+  return detail::unpack(children, [&](auto&... ch) {
+    return KExpr<Op, kernel_form_t<C>...>{
+        std::tuple<kernel_form_t<C>...>{to_kernel(std::move(ch), inputs, edges)...}};
   });
 }
 
@@ -175,11 +197,16 @@ void drop_cut_edges(const K& k, std::vector<autograd::GradFnPtr>& edges) {
 /// The kernel form of a reduction's operand `x` (a tensor handle or an expression), read in
 /// place: an expression is not copied first (a copy costs an atomic count per leaf), and a
 /// handle gives its node alone (its autograd edge is the reduction's own business).
+/// `consume`: `x` is the caller's temporary expression, not const whatever this parameter
+/// says (the reductions take one parameter type for both, so that each operand type compiles
+/// once): its leaves move into `inputs`.
 template <class X>
-auto operand_to_kernel(const X& x, std::vector<graph::NodePtr>& inputs) {
+auto operand_to_kernel(const X& x, std::vector<graph::NodePtr>& inputs, bool consume = false) {
   if constexpr (is_expr_node<X>::value) {
+    if (consume) return to_kernel(std::move(const_cast<X&>(x)), inputs);
     return to_kernel(x, inputs);
   } else {
+    (void)consume;
     using T = typename decltype(x.to_leaf())::value_type;
     inputs.push_back(x.node());
     return KLeaf<T>{static_cast<int>(inputs.size() - 1)};

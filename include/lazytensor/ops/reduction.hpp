@@ -35,16 +35,24 @@ Shape reduced_shape(const Shape& s, const DimList& dims, bool keepdim);
 /// [outer, R, inner] when the reduced dims of size > 1 are adjacent; false otherwise.
 bool geometry(const Shape& s, const DimList& dims, graph::ReduceGeometry& g);
 
-template <class E>
-bool flat_child(const E& e, const std::vector<graph::NodePtr>& inputs) {
-  for (const auto& in : inputs)
-    if (!(in->shape() == e.shape()) && in->numel() != 1) return false;
-  return true;
+/// Whether every tensor operand of expression `x` has the shape `s` of the whole or a
+/// single element (so the reduction reads them all with one index).
+template <class X>
+bool flat_operand(const X& x, const Shape& s) {
+  if constexpr (expr::is_leaf<X>::value) {
+    return x.shape() == s || x.node->numel() == 1;
+  } else if constexpr (expr::is_expr_node<X>::value) {
+    return expr::detail::unpack(x.children(), [&](const auto&... ch) { return (flat_operand(ch, s) && ...); });
+  } else {
+    return true;
+  }
 }
 
+/// `consume`: `x` is the caller's temporary expression (not const, whatever the parameter
+/// says), whose tensor references move into the node instead of being copied.
 template <class R, class Tout, class X>
 graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims, bool keepdim, double scale_kind,
-                              const char* op);
+                              const char* op, bool consume = false);
 
 /// Expression `x` written out as a tensor of its value type, for the reductions that need
 /// their operand in memory (dims that are not adjacent, a broadcast inside the operand, an
@@ -86,7 +94,7 @@ graph::NodePtr reduction_node_permuted(const Tensor<V>& t, const DimList& rd, bo
 /// Builds the node for reducing the operand `x` (flat kernel form) with reducer R.
 template <class R, class Tout, class X>
 graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims, bool keepdim, double scale_kind,
-                              const char* op) {
+                              const char* op, bool consume) {
   const Shape& s = x.shape();
   auto rd = reduce_dims(s, dims, op);
   graph::ReduceGeometry g;
@@ -97,25 +105,26 @@ graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims,
   }
   const Shape out = reduced_shape(s, rd, keepdim);
   const double scale = scale_kind == 0 ? 1.0 : (g.extent ? 1.0 / static_cast<double>(g.extent) : std::nan(""));
-  std::vector<graph::NodePtr> inputs;
-  inputs.reserve(expr::leaf_count_v<decltype(expr::operand(x))>);
-  auto k = expr::operand_to_kernel(x, inputs);
-  using K = decltype(k);
   if constexpr (expr::is_expr_node<X>::value) {
-    if (!flat_child(x, inputs)) {
+    if (!flat_operand(x, s)) {
       // A broadcast inside the child: materialize it once, then reduce the result.
       return reduction_node<R, Tout>(written_operand(x), dims, keepdim, scale_kind, op);
     }
   }
+  std::vector<graph::NodePtr> inputs;
+  inputs.reserve(expr::leaf_count_v<decltype(expr::operand(x))>);
+  auto k = expr::operand_to_kernel(x, inputs, consume);
+  using K = decltype(k);
   using S = expr::lane_combine<expr::kernel_lane_t<K>, expr::lane_of<Tout>>;
   graph::Device& dev = graph::common_device(inputs, op);
   return graph::submit(graph::reduction_node<R, S, Tout>(std::move(k), out, g, scale, &dev, std::move(inputs), s));
 }
 
 template <class R, class X>
-auto reduce(const X& x, const std::vector<std::int64_t>& dims, bool keepdim, const char* op) {
+auto reduce(const X& x, const std::vector<std::int64_t>& dims, bool keepdim, const char* op,
+            bool consume = false) {
   using T = typename R::template result<expr::value_t<X>>;
-  return Tensor<T>(reduction_node<R, T>(x, dims, keepdim, 0, op));
+  return Tensor<T>(reduction_node<R, T>(x, dims, keepdim, 0, op, consume));
 }
 
 template <class X>
@@ -154,17 +163,32 @@ void record_sum_backward(Tensor<T>& r, std::shared_ptr<autograd::GradFn> e, cons
       autograd::Saves::nothing);
 }
 
-/// sum / mean backward: the gradient, scaled, broadcast back over the reduced dims.
+/// The autograd edge sum / mean record for operand `x` (null when none): taken before the
+/// reduction consumes a temporary operand, as it needs the operand's leaves.
+template <class X>
+autograd::GradFnPtr sum_edge(const X& x) {
+  if constexpr (is_floating_v<expr::value_t<X>>) {
+    if (autograd::is_grad_enabled()) return autograd::operand_edge(x);
+  }
+  return nullptr;
+}
+
+/// sum / mean backward: the gradient, scaled, broadcast back over the reduced dims (of
+/// operand `x`, read for its shape only).
 template <class T, class X>
-void record_sum(Tensor<T>& r, const X& x, const std::vector<std::int64_t>& dims, bool mean) {
+void record_sum(Tensor<T>& r, autograd::GradFnPtr e, const X& x, const std::vector<std::int64_t>& dims,
+                bool mean) {
   using V = expr::value_t<X>;
   if constexpr (is_floating_v<T> && is_floating_v<V>) {
-    if (!autograd::is_grad_enabled()) return;
-    auto e = autograd::operand_edge(x);
-    if (!e) return;
-    record_sum_backward<T, V>(r, std::move(e), x.shape(), keep_shape(x, dims, "sum"), mean);
+    if (e) record_sum_backward<T, V>(r, std::move(e), x.shape(), keep_shape(x, dims, "sum"), mean);
   }
 }
+
+/// Whether `x` (as a forwarding reference's type X) is a temporary, non-const expression
+/// that a reduction may consume.
+template <class X>
+inline constexpr bool consumable_v =
+    expr::Pending<X> && !std::is_lvalue_reference_v<X> && !std::is_const_v<std::remove_reference_t<X>>;
 
 /// amax / amin backward: the gradient goes to the extreme elements, split evenly among ties.
 template <class T, class X>
@@ -231,9 +255,11 @@ struct Dims : std::vector<std::int64_t> {
 
 /// Sum over `dims` (all when empty); integers sum to int64.
 template <expr::ExprLike X>
-auto sum(const X& x, const Dims& dims = {}, bool keepdim = false) {
-  auto r = detail::reduce<ops::reduce::Sum>(x, dims, keepdim, "sum");
-  detail::record_sum(r, x, dims, false);
+auto sum(X&& x, const Dims& dims = {}, bool keepdim = false) {
+  using XX = std::remove_cvref_t<X>;
+  auto e = detail::sum_edge<XX>(x);
+  auto r = detail::reduce<ops::reduce::Sum, XX>(x, dims, keepdim, "sum", detail::consumable_v<X>);
+  detail::record_sum<typename decltype(r)::value_type, XX>(r, std::move(e), x, dims, false);
   return r;
 }
 /// Product over `dims`.
@@ -260,15 +286,18 @@ auto prod(const X& x, const Dims& dims = {}, bool keepdim = false) {
 }
 /// Mean over `dims`; floating types only (DTypeError otherwise, as torch.mean).
 template <expr::ExprLike X>
-auto mean(const X& x, const Dims& dims = {}, bool keepdim = false) {
-  using T = expr::value_t<X>;
+auto mean(X&& x, const Dims& dims = {}, bool keepdim = false) {
+  using XX = std::remove_cvref_t<X>;
+  using T = expr::value_t<XX>;
   if constexpr (!is_floating_v<T>) {
     throw DTypeError("mean(): could not infer output dtype. Input dtype must be floating point, got " +
                      dtype_name(dtype_of<T>()));
     return Tensor<float>();
   } else {
-    Tensor<T> r(detail::reduction_node<ops::reduce::Sum, T>(x, dims, keepdim, 1, "mean"));
-    detail::record_sum(r, x, dims, true);
+    auto e = detail::sum_edge<XX>(x);
+    Tensor<T> r(detail::reduction_node<ops::reduce::Sum, T, XX>(x, dims, keepdim, 1, "mean",
+                                                                  detail::consumable_v<X>));
+    detail::record_sum<T, XX>(r, std::move(e), x, dims, true);
     return r;
   }
 }
@@ -347,12 +376,12 @@ Tensor<std::int64_t> arg_reduce(const X& x, std::optional<std::int64_t> dim, boo
   auto rd = reduce_dims(s, {*dim}, op);
   graph::ReduceGeometry g;
   geometry(s, rd, g);  // a single dim is always adjacent to itself
+  if constexpr (expr::is_expr_node<X>::value) {
+    if (!flat_operand(x, s)) return arg_reduce<IsMax>(written_operand(x), dim, keepdim, op);
+  }
   std::vector<graph::NodePtr> inputs;
   inputs.reserve(expr::leaf_count_v<decltype(expr::operand(x))>);
   auto k = expr::operand_to_kernel(x, inputs);
-  if constexpr (expr::is_expr_node<X>::value) {
-    if (!flat_child(x, inputs)) return arg_reduce<IsMax>(written_operand(x), dim, keepdim, op);
-  }
   using K = decltype(k);
   graph::Device& dev = graph::common_device(inputs, op);
   return Tensor<std::int64_t>(graph::submit(std::make_shared<graph::ArgReductionNode<K, expr::kernel_lane_t<K>, IsMax>>(
@@ -485,13 +514,13 @@ LAZYTENSOR_INLINE bool geometry(const Shape& s, const DimList& dims, graph::Redu
 // reductions of a tensor (not of an expression) and their backward records.
 #define LAZYTENSOR_REDUCTION_INSTANCES(P, T)                                                                  \
   P template lazy::graph::NodePtr lazy::detail::reduction_node<lazy::ops::reduce::Sum, T, lazy::Tensor<T>>(    \
-      const lazy::Tensor<T>&, const std::vector<std::int64_t>&, bool, double, const char*);                   \
+      const lazy::Tensor<T>&, const std::vector<std::int64_t>&, bool, double, const char*, bool);             \
   P template lazy::graph::NodePtr lazy::detail::reduction_node<lazy::ops::reduce::Max, T, lazy::Tensor<T>>(    \
-      const lazy::Tensor<T>&, const std::vector<std::int64_t>&, bool, double, const char*);                   \
+      const lazy::Tensor<T>&, const std::vector<std::int64_t>&, bool, double, const char*, bool);             \
   P template lazy::graph::NodePtr lazy::detail::reduction_node<lazy::ops::reduce::Min, T, lazy::Tensor<T>>(    \
-      const lazy::Tensor<T>&, const std::vector<std::int64_t>&, bool, double, const char*);                   \
-  P template void lazy::detail::record_sum<T, lazy::Tensor<T>>(lazy::Tensor<T>&, const lazy::Tensor<T>&,      \
-                                                               const std::vector<std::int64_t>&, bool);       \
+      const lazy::Tensor<T>&, const std::vector<std::int64_t>&, bool, double, const char*, bool);             \
+  P template void lazy::detail::record_sum<T, lazy::Tensor<T>>(lazy::Tensor<T>&, lazy::autograd::GradFnPtr,   \
+      const lazy::Tensor<T>&, const std::vector<std::int64_t>&, bool);                                        \
   P template void lazy::detail::record_extreme<T, lazy::Tensor<T>>(lazy::Tensor<T>&, const lazy::Tensor<T>&,  \
                                                                    const std::vector<std::int64_t>&, const char*);
 #if LAZYTENSOR_EXPLICIT_INSTANTIATION

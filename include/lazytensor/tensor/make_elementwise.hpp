@@ -13,17 +13,20 @@
 namespace lazy::detail {
 
 /// A pending node evaluating expression `e` into a tensor of type Tout and shape `shape`
-/// (the expression's own shape, or one it broadcasts to). With `grad_fn`, also returns
-/// the backward function (its `next` edges set) when a leaf of `e` requires grad.
+/// (the expression's own shape when null, or one it broadcasts to). With `grad_fn`, also
+/// returns the backward function (its `next` edges set) when a leaf of `e` requires grad.
+/// `e` is taken by value and consumed: a statement's temporary moves in, and its tensor
+/// references move on into the node (a copy would cost two atomic counts per leaf).
 template <Element Tout, class E>
-graph::NodePtr make_elementwise(const E& e, const Shape& shape, autograd::GradFnPtr* grad_fn = nullptr) {
+graph::NodePtr make_elementwise(E e, const Shape* shape, autograd::GradFnPtr* grad_fn = nullptr) {
   std::vector<graph::NodePtr> inputs;
   std::vector<autograd::GradFnPtr> edges;
   // History is recorded where the expression is evaluated, if grad mode is on there.
   if (grad_fn && !autograd::is_grad_enabled()) grad_fn = nullptr;
   inputs.reserve(expr::leaf_count_v<E>);
   if (grad_fn) edges.reserve(expr::leaf_count_v<E>);
-  auto k = expr::to_kernel(e, inputs, grad_fn ? &edges : nullptr);
+  const Shape& out = shape ? *shape : e.shape();  // an Expr keeps its shape when consumed
+  auto k = expr::to_kernel(std::move(e), inputs, grad_fn ? &edges : nullptr);
   graph::Device& dev = graph::common_device(inputs, E::op_type::name);
   // Only floating tensors require grad: without a floating leaf, no backward code is
   // compiled for the expression.
@@ -37,7 +40,7 @@ graph::NodePtr make_elementwise(const E& e, const Shape& shape, autograd::GradFn
       *grad_fn = std::move(fn);
     }
   }
-  return graph::submit(graph::elementwise_node<Tout>(std::move(k), shape, &dev, std::move(inputs)));
+  return graph::submit(graph::elementwise_node<Tout>(std::move(k), out, &dev, std::move(inputs)));
 }
 
 }  // namespace lazy::detail

@@ -156,9 +156,13 @@ class Tensor {
   /// Captures an expression as a pending node; nothing is computed until a sync or read.
   /// Records its backward function when a leaf requires grad.
   template <class Op, class... C>
-  Tensor(const Expr<Op, C...>& e) {  // NOLINT: implicit, as `Tensor<float> y = a + b;`
+  Tensor(const Expr<Op, C...>& e) : Tensor(Expr<Op, C...>(e)) {}  // NOLINT: implicit
+  /// A statement's temporary expression (`Tensor<float> y = a + b;`) is consumed: its
+  /// tensor references move into the node.
+  template <class Op, class... C>
+  Tensor(Expr<Op, C...>&& e) {  // NOLINT: implicit, as `Tensor<float> y = a + b;`
     autograd::GradFnPtr fn;
-    *this = Tensor(detail::make_elementwise<T>(e, e.shape(), &fn));
+    *this = Tensor(detail::make_elementwise<T>(std::move(e), nullptr, &fn));
     autograd::attach_grad_fn(*impl_, std::move(fn));
   }
 
@@ -167,6 +171,10 @@ class Tensor {
   template <class Op, class... C>
   Tensor& operator=(const Expr<Op, C...>& e) {
     return *this = Tensor(e);
+  }
+  template <class Op, class... C>
+  Tensor& operator=(Expr<Op, C...>&& e) {
+    return *this = Tensor(std::move(e));
   }
 
   /// True unless default-constructed.
@@ -431,7 +439,7 @@ class Tensor {
     }
     check_inplace(op);
     autograd::GradFnPtr fn;
-    impl_->node = detail::make_elementwise<T>(e, shape(), &fn);
+    impl_->node = detail::make_elementwise<T>(e, &shape(), &fn);
     // No history in the new value: only copy_ gets here with grad mode on (the other ops read
     // this tensor), from tensors that need no grad; the old history then receives zeros.
     if (!autograd::attach_grad_fn(*impl_, std::move(fn)))
@@ -500,7 +508,7 @@ std::ostream& operator<<(std::ostream& os, const Tensor<T>& t) {
 template <Element T, class E>
 Tensor<T> evaluate_as(const E& e, const Shape& shape) {
   autograd::GradFnPtr fn;
-  Tensor<T> t(detail::make_elementwise<T>(e, shape, &fn));
+  Tensor<T> t(detail::make_elementwise<T>(e, &shape, &fn));
   autograd::attach_grad_fn(*t.impl(), std::move(fn));
   return t;
 }
