@@ -2835,10 +2835,6 @@ class Device {
   static std::uint64_t newest_id(const std::vector<std::weak_ptr<Node>>& v);
   static std::uint64_t oldest_id(const std::vector<std::weak_ptr<Node>>& v);
   void prune_trace();
-  // Moves the newest node (tail_) into the trace as a weak reference, or into `dead` when
-  // nothing else holds it; `dead` is released by the caller after mu_ (a node's
-  // destruction may cascade into its inputs'). Under mu_.
-  void retire_tail(NodePtr& dead);
   // The next pruning comes when the trace has doubled from now.
   void rearm_pruning() { prune_at_ = std::max(kMinPruneAt, 2 * trace_.size()); }
 
@@ -2855,13 +2851,6 @@ class Device {
   // holds (a step's merge, a pruning) are the tracing thread's own, met only by error paths.
   core::SpinLock mu_;
   std::vector<std::weak_ptr<Node>> trace_;
-  // The newest traced node, held strongly until the next one is traced, when it joins
-  // trace_ (or is dropped, if only tail_ holds it). A statement read and dropped before the
-  // next one (`sum(x).item()` in a loop) so never takes a weak reference: a weak count costs
-  // two locked instructions, and forces its node's last release off the uncontended fast
-  // path (two more). Nothing but the node's own read can see the extra reference: any node
-  // that reads it is traced later, and retires it first.
-  NodePtr tail_;
   std::uint64_t next_node_id_ = 0;  // Node::id of the next node traced here (under mu_)
   static constexpr std::size_t kMinPruneAt = 1024;
   std::size_t prune_at_ = kMinPruneAt;
@@ -2943,25 +2932,16 @@ LAZYTENSOR_INLINE void Device::set_num_threads(int n) {
   threads_.resize(n);
 }
 
-LAZYTENSOR_INLINE void Device::retire_tail(NodePtr& dead) {
-  if (!tail_) return;
-  if (tail_.use_count() > 1) {
-    // Dropped statements leave their entries dead at the back: reuse them at once. A dead
-    // entry holds the node's memory (weak references keep make_shared's block), so
-    // waiting for the next pruning would cycle a fresh block through the cache.
-    while (!trace_.empty() && trace_.back().expired()) trace_.pop_back();
-    if (trace_.size() >= prune_at_) prune_trace();
-    trace_.push_back(tail_);
-  }
-  dead = std::move(tail_);
-}
-
 LAZYTENSOR_INLINE void Device::trace(const NodePtr& n) {
-  NodePtr dead;  // declared first: released after the lock
   std::lock_guard lock(mu_);
-  retire_tail(dead);
+  // Statements read and dropped before the next one (`sum(x).item()` in a loop) leave
+  // their entry dead at the back: reuse it at once. A dead entry holds the node's memory
+  // (weak references keep make_shared's block), so waiting for the next pruning would
+  // cycle a fresh block through the cache on every statement.
+  while (!trace_.empty() && trace_.back().expired()) trace_.pop_back();
+  if (trace_.size() >= prune_at_) prune_trace();
   if (n->id_ == 0) n->id_ = ++next_node_id_;
-  tail_ = n;
+  trace_.push_back(n);
 }
 
 LAZYTENSOR_INLINE void Device::drop_remote_trace() {
@@ -2973,23 +2953,19 @@ LAZYTENSOR_INLINE void Device::drop_remote_trace() {
 
 LAZYTENSOR_INLINE std::size_t Device::trace_size() {
   std::lock_guard lock(mu_);
-  return trace_.size() + (tail_ ? 1 : 0);
+  return trace_.size();
 }
 
 LAZYTENSOR_INLINE void Device::take_trace(std::vector<std::weak_ptr<Node>>& into) {
   into.clear();
-  NodePtr dead;
   std::lock_guard lock(mu_);
-  retire_tail(dead);
   prune_at_ = kMinPruneAt;  // a large step must not leave a high threshold behind
   into.swap(trace_);
 }
 
 LAZYTENSOR_INLINE void Device::keep_traced(std::vector<std::weak_ptr<Node>> older) {
   if (older.empty()) return;
-  NodePtr dead;
   std::lock_guard lock(mu_);
-  retire_tail(dead);
   // A node an eager device ran without tracing it comes back unnumbered: number it now.
   for (auto& w : older)
     if (auto n = w.lock(); n && n->id_ == 0) n->id_ = ++next_node_id_;

@@ -289,39 +289,6 @@ TEST_F(Executor, ReadingWithoutMarkStepKeepsTheTraceBounded) {
   EXPECT_EQ(dev.trace_size(), 0u);
 }
 
-// The newest traced node is held until the next one is traced (device.hpp's tail_): held
-// no longer, and never computed for it. Dropped at once by the next statement, and by a
-// step, which does not compute it; a read of it, then a drop, leaves nothing behind.
-TEST_F(Executor, TheNewestNodeDroppedIsReleasedByTheNextStatementOrStep) {
-  auto& dev = lazy::graph::current_device();
-  Probe dropped, next, read;
-  std::weak_ptr<lazy::graph::Node> w;
-  {
-    Tensor<float> t = dropped.make(1.0f);
-    w = t.node();
-  }
-  const Tensor<float> n = next.make(2.0f);
-  EXPECT_TRUE(w.expired()) << "released when the next statement was traced";
-  {
-    Tensor<float> t = dropped.make(3.0f);
-    w = t.node();
-  }
-  step();
-  EXPECT_TRUE(w.expired()) << "released by the step";
-  EXPECT_EQ(dropped.count(), 0) << "a dropped node is never computed";
-  EXPECT_EQ(next.count(), 1);
-  EXPECT_EQ(dev.trace_size(), 0u);
-  {
-    Tensor<float> t = read.make(4.0f) * 2;
-    w = t.node();
-    EXPECT_EQ(t.to_vector(), std::vector<float>(4, 8.0f));
-  }
-  step();
-  EXPECT_TRUE(w.expired());
-  EXPECT_EQ(read.count(), 1);
-  EXPECT_EQ(dev.trace_size(), 0u);
-}
-
 // A read orders the pending nodes it needs by a traversal that remembers the nodes it met
 // in a short inline list, then in a hash set: both sizes must list every node once,
 // producers first. Checked against a recursive traversal with std::set, on a lattice
