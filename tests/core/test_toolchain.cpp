@@ -2,7 +2,8 @@
 // basic-block vectorizer, targeting AVX-512 at -O2, stored std::vector<std::int64_t>{1, 1, 1, 0}
 // as four ones (one broadcast of the first value), and test data written as such lists came
 // out wrong in some translation units and not in others. The build turns that vectorizer off
-// for GCC 12; this fails if the data of a list literal is miscompiled again.
+// for GCC 12; this fails if the data of a list literal is miscompiled again (it can only on
+// an AVX-512 target: scripts/test.sh builds with -march=native, LAZYTENSOR_NATIVE).
 #include <cstdint>
 #include <vector>
 

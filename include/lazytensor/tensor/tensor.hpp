@@ -156,7 +156,11 @@ class Tensor {
   /// Captures an expression as a pending node; nothing is computed until a sync or read.
   /// Records its backward function when a leaf requires grad.
   template <class Op, class... C>
-  Tensor(const Expr<Op, C...>& e) : Tensor(Expr<Op, C...>(e)) {}  // NOLINT: implicit
+  Tensor(const Expr<Op, C...>& e) {  // NOLINT: implicit, as `Tensor<float> y = e;`
+    autograd::GradFnPtr fn;
+    *this = Tensor(detail::make_elementwise<T>(e, nullptr, &fn));
+    autograd::attach_grad_fn(*impl_, std::move(fn));
+  }
   /// A statement's temporary expression (`Tensor<float> y = a + b;`) is consumed: its
   /// tensor references move into the node.
   template <class Op, class... C>
