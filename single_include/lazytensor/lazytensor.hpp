@@ -4966,12 +4966,22 @@ inline constexpr bool has_floating_leaf_v = has_floating_leaf<std::remove_cvref_
 /// Converts an expression to kernel form, appending its distinct leaf nodes to `inputs`.
 /// With `edges`, a leaf's autograd edge is appended alongside, and two leaves share a slot
 /// only when both node and edge agree (x * x.detach() has two slots: one gets a gradient).
+namespace detail {
+/// The slot of a leaf with `node` and `grad` already in `inputs` (and `edges`), or -1.
+inline int existing_slot(const graph::NodePtr& node, const autograd::GradFnPtr& grad,
+                         const std::vector<graph::NodePtr>& inputs,
+                         const std::vector<autograd::GradFnPtr>* edges) {
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    if (inputs[i] == node && (!edges || (*edges)[i] == grad)) return static_cast<int>(i);
+  }
+  return -1;
+}
+}  // namespace detail
+
 template <Element T>
 KLeaf<T> to_kernel(const Leaf<T>& l, std::vector<graph::NodePtr>& inputs,
                    std::vector<autograd::GradFnPtr>* edges = nullptr) {
-  for (std::size_t i = 0; i < inputs.size(); ++i) {
-    if (inputs[i] == l.node && (!edges || (*edges)[i] == l.grad)) return {static_cast<int>(i)};
-  }
+  if (const int s = detail::existing_slot(l.node, l.grad, inputs, edges); s >= 0) return {s};
   inputs.push_back(l.node);
   if (edges) edges->push_back(l.grad);
   return {static_cast<int>(inputs.size() - 1)};
@@ -4985,9 +4995,7 @@ Scalar<T> to_kernel(const Scalar<T>& s, std::vector<graph::NodePtr>&, std::vecto
 template <Element T>
 KLeaf<T> to_kernel(Leaf<T>&& l, std::vector<graph::NodePtr>& inputs,
                    std::vector<autograd::GradFnPtr>* edges = nullptr) {
-  for (std::size_t i = 0; i < inputs.size(); ++i) {
-    if (inputs[i] == l.node && (!edges || (*edges)[i] == l.grad)) return {static_cast<int>(i)};
-  }
+  if (const int s = detail::existing_slot(l.node, l.grad, inputs, edges); s >= 0) return {s};
   inputs.push_back(std::move(l.node));
   if (edges) edges->push_back(std::move(l.grad));
   return {static_cast<int>(inputs.size() - 1)};
@@ -5758,12 +5766,18 @@ inline void store_fence() {
 /// and GCC 12 at -O3 with AVX-512 miscompiled the double sigmoid gradient kernel (lanes
 /// 1-7 of the first batch came out 0) when both its loop and SLP vectorizers ran; either
 /// off fixes it (tests/expr/o3_kernels.cpp checks at -O3).
+///
+/// LAZY_SCALAR_LOOP: a kernel loop over scalar lanes that GCC gets without either
+/// vectorizer (GCC 12 at -O3 miscompiled the integer reductions' loop, reduction_node.hpp).
 #if defined(__GNUC__) && !defined(__clang__)
 #define LAZY_KERNEL_LOOP __attribute__((noinline, optimize("no-tree-slp-vectorize")))
+#define LAZY_SCALAR_LOOP __attribute__((noinline, optimize("no-tree-vectorize")))
 #elif defined(__GNUC__)
 #define LAZY_KERNEL_LOOP __attribute__((noinline))
+#define LAZY_SCALAR_LOOP __attribute__((noinline))
 #else
 #define LAZY_KERNEL_LOOP
+#define LAZY_SCALAR_LOOP
 #endif
 
 /// Copies `bytes` bytes from `src` to `dst` bypassing the cache where the ISA allows
@@ -8098,12 +8112,7 @@ inline expr::batch_t<S> masked_packet(const Ev& ev, std::int64_t i, std::int64_t
 /// loop for int32 operands into wrong sums and products whenever the length was 8k..8k+3
 /// (k >= 1); -O2 and Clang were right. tests/expr/o3_kernels.cpp checks at -O3.
 template <class R, class S, class Ev>
-#if defined(__GNUC__) && !defined(__clang__)
-__attribute__((noinline, optimize("no-tree-vectorize")))
-#else
-LAZY_KERNEL_LOOP
-#endif
-S reduce_span_scalar(const Ev& ev, std::int64_t b, std::int64_t len) {
+LAZY_SCALAR_LOOP S reduce_span_scalar(const Ev& ev, std::int64_t b, std::int64_t len) {
   const std::int64_t e = b + len;
   std::int64_t i = b;
   S a[4] = {R::template identity<S>(), R::template identity<S>(), R::template identity<S>(),

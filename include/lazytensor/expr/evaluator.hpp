@@ -448,12 +448,18 @@ inline void store_fence() {
 /// and GCC 12 at -O3 with AVX-512 miscompiled the double sigmoid gradient kernel (lanes
 /// 1-7 of the first batch came out 0) when both its loop and SLP vectorizers ran; either
 /// off fixes it (tests/expr/o3_kernels.cpp checks at -O3).
+///
+/// LAZY_SCALAR_LOOP: a kernel loop over scalar lanes that GCC gets without either
+/// vectorizer (GCC 12 at -O3 miscompiled the integer reductions' loop, reduction_node.hpp).
 #if defined(__GNUC__) && !defined(__clang__)
 #define LAZY_KERNEL_LOOP __attribute__((noinline, optimize("no-tree-slp-vectorize")))
+#define LAZY_SCALAR_LOOP __attribute__((noinline, optimize("no-tree-vectorize")))
 #elif defined(__GNUC__)
 #define LAZY_KERNEL_LOOP __attribute__((noinline))
+#define LAZY_SCALAR_LOOP __attribute__((noinline))
 #else
 #define LAZY_KERNEL_LOOP
+#define LAZY_SCALAR_LOOP
 #endif
 
 /// Copies `bytes` bytes from `src` to `dst` bypassing the cache where the ISA allows

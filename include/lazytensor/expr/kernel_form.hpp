@@ -105,12 +105,22 @@ inline constexpr bool has_floating_leaf_v = has_floating_leaf<std::remove_cvref_
 /// Converts an expression to kernel form, appending its distinct leaf nodes to `inputs`.
 /// With `edges`, a leaf's autograd edge is appended alongside, and two leaves share a slot
 /// only when both node and edge agree (x * x.detach() has two slots: one gets a gradient).
+namespace detail {
+/// The slot of a leaf with `node` and `grad` already in `inputs` (and `edges`), or -1.
+inline int existing_slot(const graph::NodePtr& node, const autograd::GradFnPtr& grad,
+                         const std::vector<graph::NodePtr>& inputs,
+                         const std::vector<autograd::GradFnPtr>* edges) {
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    if (inputs[i] == node && (!edges || (*edges)[i] == grad)) return static_cast<int>(i);
+  }
+  return -1;
+}
+}  // namespace detail
+
 template <Element T>
 KLeaf<T> to_kernel(const Leaf<T>& l, std::vector<graph::NodePtr>& inputs,
                    std::vector<autograd::GradFnPtr>* edges = nullptr) {
-  for (std::size_t i = 0; i < inputs.size(); ++i) {
-    if (inputs[i] == l.node && (!edges || (*edges)[i] == l.grad)) return {static_cast<int>(i)};
-  }
+  if (const int s = detail::existing_slot(l.node, l.grad, inputs, edges); s >= 0) return {s};
   inputs.push_back(l.node);
   if (edges) edges->push_back(l.grad);
   return {static_cast<int>(inputs.size() - 1)};
@@ -124,9 +134,7 @@ Scalar<T> to_kernel(const Scalar<T>& s, std::vector<graph::NodePtr>&, std::vecto
 template <Element T>
 KLeaf<T> to_kernel(Leaf<T>&& l, std::vector<graph::NodePtr>& inputs,
                    std::vector<autograd::GradFnPtr>* edges = nullptr) {
-  for (std::size_t i = 0; i < inputs.size(); ++i) {
-    if (inputs[i] == l.node && (!edges || (*edges)[i] == l.grad)) return {static_cast<int>(i)};
-  }
+  if (const int s = detail::existing_slot(l.node, l.grad, inputs, edges); s >= 0) return {s};
   inputs.push_back(std::move(l.node));
   if (edges) edges->push_back(std::move(l.grad));
   return {static_cast<int>(inputs.size() - 1)};

@@ -52,12 +52,7 @@ inline expr::batch_t<S> masked_packet(const Ev& ev, std::int64_t i, std::int64_t
 /// loop for int32 operands into wrong sums and products whenever the length was 8k..8k+3
 /// (k >= 1); -O2 and Clang were right. tests/expr/o3_kernels.cpp checks at -O3.
 template <class R, class S, class Ev>
-#if defined(__GNUC__) && !defined(__clang__)
-__attribute__((noinline, optimize("no-tree-vectorize")))
-#else
-LAZY_KERNEL_LOOP
-#endif
-S reduce_span_scalar(const Ev& ev, std::int64_t b, std::int64_t len) {
+LAZY_SCALAR_LOOP S reduce_span_scalar(const Ev& ev, std::int64_t b, std::int64_t len) {
   const std::int64_t e = b + len;
   std::int64_t i = b;
   S a[4] = {R::template identity<S>(), R::template identity<S>(), R::template identity<S>(),
