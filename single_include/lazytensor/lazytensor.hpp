@@ -15008,6 +15008,134 @@ LAZYTENSOR_INLINE std::string timed_out(std::chrono::milliseconds timeout,
          "LAZYTENSOR_COLLECTIVE_TIMEOUT seconds)";
 }
 
+LAZYTENSOR_INLINE void GroupComm::start(int me, std::uint64_t s, const Signature& sig) {
+  std::uint64_t expected = s - 1;
+  if (state_.compare_exchange_strong(expected, s, std::memory_order_acq_rel)) return;
+  if ((expected & ~kBroken) >= s) return;  // another member started it
+  throw_broken(me, s, sig);
+}
+
+LAZYTENSOR_INLINE bool GroupComm::withdraw(int me, std::uint64_t s, const Signature& sig,
+                                           Failure why, const std::string& reason) {
+  std::unique_lock lock(broken_mu_);
+  std::uint64_t expected = s - 1;
+  if (state_.compare_exchange_strong(expected, (s - 1) | kBroken, std::memory_order_acq_rel)) {
+    broken_kind_ = why;
+    broken_reason_ =
+        "replica " + std::to_string(members_[static_cast<std::size_t>(me)]) + " " + reason;
+    lock.unlock();
+    world_->event().notify();
+    raise(why, prefix(me, s, sig) + reason);
+  }
+  if ((expected & ~kBroken) >= s) return true;
+  lock.unlock();
+  throw_broken(me, s, sig);
+}
+
+LAZYTENSOR_INLINE void GroupComm::throw_broken(int me, std::uint64_t s, const Signature& sig) {
+  std::lock_guard lock(broken_mu_);
+  const std::string msg = prefix(me, s, sig) + "the group can no longer be used: " + broken_reason_;
+  raise(broken_kind_, msg);
+}
+
+LAZYTENSOR_INLINE void GroupComm::raise(Failure why, const std::string& msg) {
+  switch (why) {
+    case Failure::Timeout:
+      throw CollectiveTimeout(msg);
+    case Failure::Aborted:
+      throw ReplicaAborted(msg);
+    case Failure::Mismatch:
+      throw CollectiveMismatch(msg);
+    case Failure::Exited:
+      break;
+  }
+  throw CollectiveError(msg);
+}
+
+LAZYTENSOR_INLINE void GroupComm::check_signatures(const Round& round, int me,
+                                                   std::uint64_t s) const {
+  const int n = size();
+  bool same = true;
+  for (int j = 1; j < n && same; ++j) same = round[j].sig == round[0].sig;
+  if (same) return;
+  // Classes of equal signatures; the largest (ties: the one holding the lowest ordinal)
+  // is the reference, every other class diverged.
+  std::vector<int> cls(static_cast<std::size_t>(n), -1);
+  std::vector<std::vector<int>> classes;
+  for (int j = 0; j < n; ++j) {
+    if (cls[static_cast<std::size_t>(j)] >= 0) continue;
+    cls[static_cast<std::size_t>(j)] = static_cast<int>(classes.size());
+    classes.push_back({j});
+    for (int k = j + 1; k < n; ++k) {
+      if (cls[static_cast<std::size_t>(k)] < 0 && round[k].sig == round[j].sig) {
+        cls[static_cast<std::size_t>(k)] = cls[static_cast<std::size_t>(j)];
+        classes.back().push_back(k);
+      }
+    }
+  }
+  std::size_t ref = 0;
+  for (std::size_t c = 1; c < classes.size(); ++c) {
+    if (classes[c].size() > classes[ref].size()) ref = c;
+  }
+  auto who = [&](const std::vector<int>& slots) {
+    std::string w = slots.size() == 1 ? "replica " : "replicas ";
+    for (std::size_t i = 0; i < slots.size(); ++i) {
+      w += (i ? ", " : "") + std::to_string(members_[static_cast<std::size_t>(slots[i])]);
+    }
+    return w;
+  };
+  std::string msg = "replica " + std::to_string(members_[static_cast<std::size_t>(me)]) +
+                    ": collective mismatch at collective #" + std::to_string(s) + " of group " +
+                    list_str(members_) + ": ";
+  for (std::size_t c = 0; c < classes.size(); ++c) {
+    if (c == ref) continue;
+    msg += who(classes[c]) + " issued " + round[classes[c].front()].sig.str() + "; ";
+  }
+  msg += who(classes[ref]) + " issued " + round[classes[ref].front()].sig.str();
+  throw CollectiveMismatch(msg);
+}
+
+LAZYTENSOR_INLINE void GroupComm::finish(int me, std::uint64_t s) {
+  Slot& slot = slots_[static_cast<std::size_t>(me)];
+  slot.done.store(s, std::memory_order_seq_cst);
+  WorldState& w = *world_;
+  w.event().notify();
+  auto all_done = [&] {
+    for (std::size_t j = 0; j < members_.size(); ++j) {
+      if (slots_[j].done.load(std::memory_order_acquire) < s) return false;
+    }
+    return true;
+  };
+  bool ready = spin_until(all_done, w.wait());
+  while (!ready) {
+    ready =
+        w.event().wait_until(all_done, std::chrono::steady_clock::now() + std::chrono::seconds(1));
+  }
+  slot.round[s & 1].buffers.clear();
+  slot.round[s & 1].keep.clear();
+}
+}  // namespace lazy::dist::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+
+// ---- begin lazytensor/dist/group_comm_process.hpp ----
+// Definitions of group_comm.hpp's cross-process leg (included at its end): a leader's wait for
+// its local members, the exchange of their shares with the other processes, and the marking
+// of the remote members as arrived (see group_comm.hpp's file comment).
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::dist::detail {
+
 LAZYTENSOR_INLINE void GroupComm::cross_process(int me, std::uint64_t s, const Signature& sig,
                                                 std::chrono::milliseconds timeout) {
   WorldState& w = *world_;
@@ -15131,114 +15259,9 @@ LAZYTENSOR_INLINE void GroupComm::cross_process(int me, std::uint64_t s, const S
   w.event().notify();
 }
 
-LAZYTENSOR_INLINE void GroupComm::start(int me, std::uint64_t s, const Signature& sig) {
-  std::uint64_t expected = s - 1;
-  if (state_.compare_exchange_strong(expected, s, std::memory_order_acq_rel)) return;
-  if ((expected & ~kBroken) >= s) return;  // another member started it
-  throw_broken(me, s, sig);
-}
-
-LAZYTENSOR_INLINE bool GroupComm::withdraw(int me, std::uint64_t s, const Signature& sig,
-                                           Failure why, const std::string& reason) {
-  std::unique_lock lock(broken_mu_);
-  std::uint64_t expected = s - 1;
-  if (state_.compare_exchange_strong(expected, (s - 1) | kBroken, std::memory_order_acq_rel)) {
-    broken_kind_ = why;
-    broken_reason_ =
-        "replica " + std::to_string(members_[static_cast<std::size_t>(me)]) + " " + reason;
-    lock.unlock();
-    world_->event().notify();
-    raise(why, prefix(me, s, sig) + reason);
-  }
-  if ((expected & ~kBroken) >= s) return true;
-  lock.unlock();
-  throw_broken(me, s, sig);
-}
-
-LAZYTENSOR_INLINE void GroupComm::throw_broken(int me, std::uint64_t s, const Signature& sig) {
-  std::lock_guard lock(broken_mu_);
-  const std::string msg = prefix(me, s, sig) + "the group can no longer be used: " + broken_reason_;
-  raise(broken_kind_, msg);
-}
-
-LAZYTENSOR_INLINE void GroupComm::raise(Failure why, const std::string& msg) {
-  switch (why) {
-    case Failure::Timeout:
-      throw CollectiveTimeout(msg);
-    case Failure::Aborted:
-      throw ReplicaAborted(msg);
-    case Failure::Mismatch:
-      throw CollectiveMismatch(msg);
-    case Failure::Exited:
-      break;
-  }
-  throw CollectiveError(msg);
-}
-
-LAZYTENSOR_INLINE void GroupComm::check_signatures(const Round& round, int me,
-                                                   std::uint64_t s) const {
-  const int n = size();
-  bool same = true;
-  for (int j = 1; j < n && same; ++j) same = round[j].sig == round[0].sig;
-  if (same) return;
-  // Classes of equal signatures; the largest (ties: the one holding the lowest ordinal)
-  // is the reference, every other class diverged.
-  std::vector<int> cls(static_cast<std::size_t>(n), -1);
-  std::vector<std::vector<int>> classes;
-  for (int j = 0; j < n; ++j) {
-    if (cls[static_cast<std::size_t>(j)] >= 0) continue;
-    cls[static_cast<std::size_t>(j)] = static_cast<int>(classes.size());
-    classes.push_back({j});
-    for (int k = j + 1; k < n; ++k) {
-      if (cls[static_cast<std::size_t>(k)] < 0 && round[k].sig == round[j].sig) {
-        cls[static_cast<std::size_t>(k)] = cls[static_cast<std::size_t>(j)];
-        classes.back().push_back(k);
-      }
-    }
-  }
-  std::size_t ref = 0;
-  for (std::size_t c = 1; c < classes.size(); ++c) {
-    if (classes[c].size() > classes[ref].size()) ref = c;
-  }
-  auto who = [&](const std::vector<int>& slots) {
-    std::string w = slots.size() == 1 ? "replica " : "replicas ";
-    for (std::size_t i = 0; i < slots.size(); ++i) {
-      w += (i ? ", " : "") + std::to_string(members_[static_cast<std::size_t>(slots[i])]);
-    }
-    return w;
-  };
-  std::string msg = "replica " + std::to_string(members_[static_cast<std::size_t>(me)]) +
-                    ": collective mismatch at collective #" + std::to_string(s) + " of group " +
-                    list_str(members_) + ": ";
-  for (std::size_t c = 0; c < classes.size(); ++c) {
-    if (c == ref) continue;
-    msg += who(classes[c]) + " issued " + round[classes[c].front()].sig.str() + "; ";
-  }
-  msg += who(classes[ref]) + " issued " + round[classes[ref].front()].sig.str();
-  throw CollectiveMismatch(msg);
-}
-
-LAZYTENSOR_INLINE void GroupComm::finish(int me, std::uint64_t s) {
-  Slot& slot = slots_[static_cast<std::size_t>(me)];
-  slot.done.store(s, std::memory_order_seq_cst);
-  WorldState& w = *world_;
-  w.event().notify();
-  auto all_done = [&] {
-    for (std::size_t j = 0; j < members_.size(); ++j) {
-      if (slots_[j].done.load(std::memory_order_acquire) < s) return false;
-    }
-    return true;
-  };
-  bool ready = spin_until(all_done, w.wait());
-  while (!ready) {
-    ready =
-        w.event().wait_until(all_done, std::chrono::steady_clock::now() + std::chrono::seconds(1));
-  }
-  slot.round[s & 1].buffers.clear();
-  slot.round[s & 1].keep.clear();
-}
 }  // namespace lazy::dist::detail
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/dist/group_comm_process.hpp ----
 // ---- end lazytensor/dist/group_comm.hpp ----
 
 namespace lazy::dist::detail {
@@ -17596,6 +17619,33 @@ LAZYTENSOR_DIST_OPTIMIZER_STEP_INSTANCES(extern)
 //   for (auto& batch : device_loader) { ... lazy::dist::optimizer_step(opt); }  // mark_step
 //                                                                              // per batch
 //
+// The background pass behind each ParallelLoader is detail::LoaderPass (dist/loader_pass.hpp):
+// batches reach device d in order, as complete groups of D; see that file for the threads,
+// the queues and which batch types are copied.
+//
+// Consumers: a per-device loader is consumed by one thread; several can be consumed by
+// one thread in turn (round robin) or by a thread each. Consuming one device's loader to
+// the end while another device's is not read stalls once that device's queues are full,
+// as in torch_xla (the loader thread waits for room in every queue).
+//
+// Stopping: destroying a ParallelLoader (or MpDeviceLoader::begin() starting the next
+// epoch) wakes every background thread and joins it; a thread busy loading or copying a
+// batch finishes that batch first. The underlying loader must outlive the ParallelLoader and
+// must not be used by anyone else while a pass runs.
+
+#include <cstddef>
+#include <iterator>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+// ---- begin lazytensor/dist/loader_pass.hpp ----
+// One pass of a ParallelLoader (dist/parallel_loader.hpp) and what it copies: the loader
+// thread, the transfer threads, their queues and the reorder buffer, and the copy of a batch
+// into a device. Internal (namespace detail) but for ParallelLoaderOptions.
+//
 // One pass of a ParallelLoader over D devices runs, in the background:
 //  - a loader thread iterating the underlying loader (one epoch). It collects batches in
 //    groups of D and routes batch i*D + d of the epoch to device d only as part of a complete
@@ -17620,24 +17670,13 @@ LAZYTENSOR_DIST_OPTIMIZER_STEP_INSTANCES(extern)
 // thread while the device's owner may be tracing or running mark_step (lazy::Error).
 // Supported batch types: Tensor<T>, AnyTensor, data::Example, std::vector, std::pair,
 // std::tuple and std::optional of those; arithmetic values and strings pass unchanged.
-//
-// Consumers: a per-device loader is consumed by one thread; several can be consumed by
-// one thread in turn (round robin) or by a thread each. Consuming one device's loader to
-// the end while another device's is not read stalls once that device's queues are full,
-// as in torch_xla (the loader thread waits for room in every queue).
-//
-// Stopping: destroying a ParallelLoader (or MpDeviceLoader::begin() starting the next
-// epoch) wakes every background thread and joins it; a thread busy loading or copying a
-// batch finishes that batch first. The underlying loader must outlive the ParallelLoader and
-// must not be used by anyone else while a pass runs.
 
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
-#include <deque>
 #include <cstddef>
+#include <deque>
 #include <exception>
-#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -17939,6 +17978,38 @@ void check_options(const ParallelLoaderOptions& o, const char* who);
 
 }  // namespace detail
 
+}  // namespace lazy::dist
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::dist::detail {
+LAZYTENSOR_INLINE AnyTensor to_device(const AnyTensor& t, graph::Device& dev) {
+  if (!t.defined()) return t;
+  return t.visit([&](const auto& typed) { return AnyTensor(to_device(typed, dev)); });  // shards too
+}
+
+LAZYTENSOR_INLINE void shard_input(graph::TensorImpl& t) {
+  InputShardingHook hook = input_sharding_hook().load(std::memory_order_acquire);
+  if (!hook) throw Error("ParallelLoader: input_sharding needs SPMD mode; call lazy::spmd::use_spmd() first");
+  hook(t, *current_input_sharding());
+}
+
+LAZYTENSOR_INLINE void check_options(const ParallelLoaderOptions& o, const char* who) {
+  const std::string w(who);
+  if (o.batchdim < 0) throw Error(w + ": batchdim must be >= 0, got " + std::to_string(o.batchdim));
+  auto positive = [&](std::size_t v, const char* name) {
+    if (v == 0) throw Error(w + ": " + name + " must be at least 1, got 0");
+  };
+  positive(o.batches_per_execution, "batches_per_execution");
+  positive(o.loader_prefetch_size, "loader_prefetch_size");
+  positive(o.device_prefetch_size, "device_prefetch_size");
+  positive(o.host_to_device_transfer_threads, "host_to_device_transfer_threads");
+}
+}  // namespace lazy::dist::detail
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/dist/loader_pass.hpp ----
+
+namespace lazy::dist {
+
 template <class Loader>
 class ParallelLoader;
 
@@ -18158,33 +18229,6 @@ class MpDeviceLoader {
 };
 
 }  // namespace lazy::dist
-
-#if LAZYTENSOR_HEADER_DEFINITIONS
-namespace lazy::dist::detail {
-LAZYTENSOR_INLINE AnyTensor to_device(const AnyTensor& t, graph::Device& dev) {
-  if (!t.defined()) return t;
-  return t.visit([&](const auto& typed) { return AnyTensor(to_device(typed, dev)); });  // shards too
-}
-
-LAZYTENSOR_INLINE void shard_input(graph::TensorImpl& t) {
-  InputShardingHook hook = input_sharding_hook().load(std::memory_order_acquire);
-  if (!hook) throw Error("ParallelLoader: input_sharding needs SPMD mode; call lazy::spmd::use_spmd() first");
-  hook(t, *current_input_sharding());
-}
-
-LAZYTENSOR_INLINE void check_options(const ParallelLoaderOptions& o, const char* who) {
-  const std::string w(who);
-  if (o.batchdim < 0) throw Error(w + ": batchdim must be >= 0, got " + std::to_string(o.batchdim));
-  auto positive = [&](std::size_t v, const char* name) {
-    if (v == 0) throw Error(w + ": " + name + " must be at least 1, got 0");
-  };
-  positive(o.batches_per_execution, "batches_per_execution");
-  positive(o.loader_prefetch_size, "loader_prefetch_size");
-  positive(o.device_prefetch_size, "device_prefetch_size");
-  positive(o.host_to_device_transfer_threads, "host_to_device_transfer_threads");
-}
-}  // namespace lazy::dist::detail
-#endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/dist/parallel_loader.hpp ----
 // ---- begin lazytensor/dist/runtime.hpp ----
 // Runtime queries, as torch_xla.runtime (xr.*). Inside spawn they describe the world of
