@@ -3174,18 +3174,71 @@ LAZYTENSOR_INLINE std::shared_ptr<Buffer> Node::allocate_output(ExecContext& ctx
 #include <algorithm>
 #include <cstdint>
 
+// ---- begin lazytensor/core/tuning.hpp ----
+// The sizes at which the runtime changes strategy (threads, non-temporal stores, sliced
+// groups), and their environment overrides.
+//
+// The defaults fit today's x86 cores (0.5-2 MiB of L2 per core, 16-32 MiB of shared L3). A
+// machine with other caches can move them, as glibc's x86_non_temporal_threshold tunable
+// moves memcpy's; and the tests reach every strategy with small inputs by lowering them
+// (tests/CMakeLists.txt: the sanitizer builds), instead of filling hundreds of MiB.
+
+#include <cstdint>
+
+
+namespace lazy::core {
+
+/// The runtime's strategy thresholds. Each is read from its environment variable once per
+/// process, when the first kernel asks.
+struct Tuning {
+  /// Work (cost units x elements) below which a kernel runs on the calling thread: waking
+  /// workers and joining them costs a few microseconds, what ~2^18 simple SIMD element
+  /// operations take (workers spin between kernels; see ThreadPool).
+  /// `LAZYTENSOR_PARALLEL_WORK`.
+  double parallel_work = 1 << 18;
+  /// Outputs at least this large are written with non-temporal stores: they cannot stay in
+  /// the last-level cache anyway, and streaming skips reading each output line before
+  /// overwriting it. Fused groups reading this much take their shortest slices (their inputs
+  /// come from memory). `LAZYTENSOR_STREAMING_STORE_BYTES`.
+  std::int64_t streaming_store_bytes = std::int64_t(32) << 20;
+  /// Bytes read from outside a fused group above which it runs its chunks in slices: more
+  /// than L2 holds. `LAZYTENSOR_FUSION_SLICE_BYTES`.
+  std::int64_t fusion_slice_bytes = std::int64_t(1) << 20;
+};
+
+/// The process's thresholds: the defaults above, each replaced by its environment variable
+/// when that is set. Throws lazy::Error naming the variable when one is not a whole number
+/// >= 1.
+const Tuning& tuning();
+
+}  // namespace lazy::core
+
+#if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::core {
+
+LAZYTENSOR_INLINE const Tuning& tuning() {
+  static const Tuning t = [] {
+    Tuning r;
+    if (auto v = env_integer("LAZYTENSOR_PARALLEL_WORK", 1, "cost units x elements", "262144"))
+      r.parallel_work = static_cast<double>(*v);
+    if (auto v = env_integer("LAZYTENSOR_STREAMING_STORE_BYTES", 1, "bytes", "33554432"))
+      r.streaming_store_bytes = *v;
+    if (auto v = env_integer("LAZYTENSOR_FUSION_SLICE_BYTES", 1, "bytes", "1048576")) r.fusion_slice_bytes = *v;
+    return r;
+  }();
+  return t;
+}
+
+}  // namespace lazy::core
+#endif  // LAZYTENSOR_HEADER_DEFINITIONS
+// ---- end lazytensor/core/tuning.hpp ----
 
 namespace lazy::graph {
 
-/// Work (cost units x elements) below which a kernel runs on the calling thread: waking
-/// workers and joining them costs a few microseconds, what ~2^18 simple SIMD element operations
-/// take (workers spin between kernels; see ThreadPool).
-inline constexpr double kParallelCostThreshold = 1 << 18;
-
-/// Number of tasks for `n` items of `cost` each: 1 below the threshold, else a few per
-/// thread (slack for a noisy, shared machine), never tasks smaller than `min_items`.
+/// Number of tasks for `n` items of `cost` each: 1 below core::tuning().parallel_work, else
+/// a few per thread (slack for a noisy, shared machine), never tasks smaller than `min_items`.
 inline std::int64_t task_count(const ThreadPool& pool, std::int64_t n, double cost, std::int64_t min_items = 4096) {
-  if (pool.size() <= 1 || cost * static_cast<double>(n) < kParallelCostThreshold) return 1;
+  if (pool.size() <= 1 || cost * static_cast<double>(n) < core::tuning().parallel_work) return 1;
   const std::int64_t by_size = std::max<std::int64_t>(1, n / std::max<std::int64_t>(1, min_items));
   return std::min<std::int64_t>(by_size, 4 * pool.size());
 }
@@ -5720,10 +5773,6 @@ struct ExactRoot {
 template <class S, class K>
 using Evaluator = std::conditional_t<needs_exact_v<K>, ExactRoot<S, K>, Eval<S, K>>;
 
-/// Outputs at least this large are written with non-temporal stores: they cannot stay in
-/// cache anyway, and streaming skips reading each output line before overwriting it.
-inline constexpr std::int64_t kStreamingStoreBytes = std::int64_t(32) << 20;
-
 /// Stores a batch at a batch-aligned address, bypassing the cache where the ISA allows.
 template <class S>
 inline void stream_store(S* p, const batch_t<S>& b) {
@@ -6397,8 +6446,8 @@ LAZYTENSOR_INLINE void ElementwiseNode::run(ExecContext& ctx, const std::vector<
   const std::int64_t tasks = task_count(pool, n, cost);
   if (layout_.flat()) {
     const bool contig = !layout_.any_splat();
-    const bool stream = can_stream_ && contig &&
-                        n * static_cast<std::int64_t>(dtype_size(dtype())) >= expr::kStreamingStoreBytes;
+    const std::int64_t bytes = n * static_cast<std::int64_t>(dtype_size(dtype()));
+    const bool stream = can_stream_ && contig && bytes >= core::tuning().streaming_store_bytes;
     pool.parallel_for(tasks, [&](std::int64_t t) {
       auto [b, e] = task_range(n, tasks, t, kPadElements);
       kernel_->flat(ptrs.data(), layout_.splat.data(), out, b, e, contig, stream);
@@ -6484,17 +6533,15 @@ inline constexpr std::int64_t kFusionChunk = kReduceBlock;
 /// 1.6 GB).
 inline constexpr std::size_t kMaxGroupMembers = 64;
 
-/// Elements of the slices a group reading more than kFusionSliceBytes runs its chunks in
-/// (each member over one slice, then the next slice: see run_group).
+/// Elements of the slices a group reading more than core::tuning().fusion_slice_bytes (more
+/// than L2 holds) runs its chunks in (each member over one slice, then the next slice: see
+/// run_group).
 inline constexpr std::int64_t kFusionSlice = 256;
-/// Outside-input bytes above which a group runs sliced: more than L2 holds.
-inline constexpr std::int64_t kFusionSliceBytes = std::int64_t(1) << 20;
-/// Elements of the slices of a group reading at least kFusionMemoryBytes: its inputs
-/// stream from memory, where shorter slices keep more of the streams' loads in flight.
+/// Elements of the slices of a group reading at least core::tuning().streaming_store_bytes:
+/// its inputs come from memory, not the last-level cache (the size from which outputs are
+/// stored non-temporally, for the same reason), and shorter slices keep more of the
+/// streams' loads in flight.
 inline constexpr std::int64_t kFusionMemorySlice = 128;
-/// Outside-input bytes from which a group's inputs come from memory, not the last-level
-/// cache: the size from which outputs are stored non-temporally, for the same reason.
-inline constexpr std::int64_t kFusionMemoryBytes = expr::kStreamingStoreBytes;
 
 namespace detail {
 
@@ -6982,10 +7029,11 @@ LAZYTENSOR_INLINE void GroupRun::allocate_outputs() {
 // memory than for inputs from the last-level cache, where the kernel calls per slice
 // cost more than the loads gain (measured, docs/architecture.md).
 LAZYTENSOR_INLINE void GroupRun::choose_slices() {
-  const std::int64_t reads = outside_bytes(in_, n_, kFusionSliceBytes);
-  slice_ = reads == 0                    ? kFusionChunk
-           : reads >= kFusionMemoryBytes ? kFusionMemorySlice
-                                         : kFusionSlice;
+  const core::Tuning& tune = core::tuning();
+  const std::int64_t reads = outside_bytes(in_, n_, tune.fusion_slice_bytes);
+  slice_ = reads == 0                            ? kFusionChunk
+           : reads >= tune.streaming_store_bytes ? kFusionMemorySlice
+                                                 : kFusionSlice;
   if (slice_ < kFusionChunk) {
     static auto& sliced = core::counter("SlicedGroups");
     sliced.add();
@@ -7004,7 +7052,7 @@ LAZYTENSOR_INLINE void GroupRun::choose_streams() {
   copy_out_.assign(k_, 0);
   for (std::size_t j = 0; j < k_; ++j) {
     if (!out_ptr_[j] || !mem_[j].ew->can_stream() || !mem_[j].contig ||
-        n_ * static_cast<std::int64_t>(mem_[j].esz) < expr::kStreamingStoreBytes)
+        n_ * static_cast<std::int64_t>(mem_[j].esz) < core::tuning().streaming_store_bytes)
       continue;
     bool read_later = false;
     for (std::size_t i = j + 1; i < k_; ++i)
@@ -15848,7 +15896,7 @@ class AllReduceExchange final : public ExchangeNode {
     // cache for its readers anyway: write it around the cache (saves the read for
     // ownership of every output line).
     const bool stream = !whole && (n + 1) * total * static_cast<std::int64_t>(sizeof(T)) >=
-                                      expr::kStreamingStoreBytes;
+                                      core::tuning().streaming_store_bytes;
     pool.parallel_for(tasks, [&](std::int64_t t) {
       const auto [tb, te] = graph::task_range(e - b, tasks, t, 16);
       std::int64_t lo = b + tb;

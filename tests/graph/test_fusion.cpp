@@ -34,6 +34,12 @@ using lazy_tests::EagerGuard;
 using lazy::Shape;
 using lazy::Tensor;
 
+// The sizes at which groups change strategy (core/tuning.hpp): 32 MiB outputs stream and
+// 1 MiB of reads slice by default; the sanitizer builds lower both for this file
+// (tests/CMakeLists.txt), and the tests below size their inputs from them.
+std::int64_t streaming_bytes() { return lazy::core::tuning().streaming_store_bytes; }
+std::int64_t slice_bytes() { return lazy::core::tuning().fusion_slice_bytes; }
+
 template <class T>
 bool bitwise_equal(const std::vector<T>& a, const std::vector<T>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
@@ -136,9 +142,9 @@ TEST_F(Fusion, LongChainsRunInGroupsOfAtMostTheMemberLimit) {
 }
 
 TEST_F(Fusion, LargeGroupsStreamTheirOutputsWithTheSameBits) {
-  // Whole outputs of at least 32 MiB are written with non-temporal stores (y), except
-  // those a later member reads (t1 when kept): same bits as unfused either way.
-  const std::int64_t n = (std::int64_t(32) << 20) / 4 + 4096 + 13;
+  // Whole outputs of at least streaming_bytes() are written with non-temporal stores (y),
+  // except those a later member reads (t1 when kept): same bits as unfused either way.
+  const std::int64_t n = streaming_bytes() / 4 + 4096 + 13;
   const Inputs in(n);
   std::vector<float> unfused, t1_unfused;
   {
@@ -156,8 +162,8 @@ TEST_F(Fusion, LargeGroupsStreamTheirOutputsWithTheSameBits) {
   }
 }
 
-// Runs groups of `n` elements reading over 1 MiB (so they run their chunks in slices,
-// executor.hpp) fused and unfused, and compares the bits. Covers a partial last slice and
+// Runs groups of `n` elements reading over slice_bytes() (so they run their chunks in
+// slices, fused_group.hpp) fused and unfused, and compares the bits. Covers a partial last slice and
 // chunk, a broadcast one-element input, a member of another dtype reading a scratch
 // member, a member still held (written whole) and a reduction ending the group, which
 // reads a scratch member over whole chunks while the other scratch members hold a slice.
@@ -214,18 +220,20 @@ void check_sliced_groups(std::int64_t n) {
 }
 
 TEST_F(Fusion, GroupsLargerThanL2RunInSlicesWithTheSameBits) {
-  check_sliced_groups((std::int64_t(1) << 17) + 4096 * 2 + 37);  // 2 MiB of inputs: 256-element slices
+  // Twice slice_bytes() of inputs (2 MiB by default): 256-element slices.
+  check_sliced_groups(slice_bytes() / 8 + 4096 * 2 + 37);
 }
 
 TEST_F(Fusion, GroupsReadingFromMemoryRunInShorterSlicesWithTheSameBits) {
-  check_sliced_groups((std::int64_t(1) << 21) + 4096 + 200 + 3);  // 32 MiB of inputs: 128-element slices
+  // streaming_bytes() of inputs (32 MiB by default): 128-element slices.
+  check_sliced_groups(streaming_bytes() / 16 + 4096 + 200 + 3);
 }
 
 TEST_F(Fusion, KeptMembersOfAGroupTooLargeForTheCacheAreStreamedOutWithTheSameBits) {
-  // Outputs of 32 MiB and more are stored non-temporally; a kept member a later member
-  // reads is computed into scratch and copied out per slice (executor.hpp). A partial
-  // last chunk and a tail of 5 elements (not a whole batch) cover the copy's edges.
-  const std::int64_t n = (std::int64_t(1) << 23) + 4096 + 256 + 5;
+  // Outputs of streaming_bytes() and more are stored non-temporally; a kept member a later
+  // member reads is computed into scratch and copied out per slice (fused_group.hpp). A
+  // partial last chunk and a tail of 5 elements (not a whole batch) cover the copy's edges.
+  const std::int64_t n = streaming_bytes() / 4 + 4096 + 256 + 5;
   const Inputs in(n);
   auto run = [&] {
     Tensor<float> t1 = in.a * in.b + in.c;

@@ -32,6 +32,11 @@ using lazy::Tensor;
 using Dims = std::vector<std::int64_t>;
 using LD = long double;
 
+// The work from which kernels split across threads (core/tuning.hpp): 2^18 unless the
+// environment lowers it, as the sanitizer builds do for this file (tests/CMakeLists.txt), so
+// that the tests below reach the threaded paths with small inputs.
+std::int64_t parallel_work() { return static_cast<std::int64_t>(lazy::core::tuning().parallel_work); }
+
 template <class T>
 constexpr bool is_float_v = lazy::is_floating_v<T>;
 
@@ -412,7 +417,8 @@ TYPED_TEST(ReductionTyped, AllElementsSmallSizes) {
 
 TYPED_TEST(ReductionTyped, AllElementsAboveThreadingThreshold) {
   using T = TypeParam;
-  const std::int64_t n = (1 << 20) + 3;
+  // 4x the threshold (2^20 by default), and never fewer than 16 blocks (kReduceBlock).
+  const std::int64_t n = std::max<std::int64_t>(4 * parallel_work(), 16 * lazy::graph::kReduceBlock) + 3;
   check_all_ops<T>(Shape{n}, {}, 11,
                    {Op::Sum, Op::Mean, Op::Prod, Op::Amax, Op::Amin, Op::Argmax, Op::Argmin, Op::Any, Op::All,
                     Op::Logsumexp, Op::Norm2, Op::NormInf, Op::Norm0},
@@ -441,8 +447,12 @@ TYPED_TEST(ReductionTyped, OverDimsAboveThreadingThreshold) {
   const std::vector<Op> ops = std::is_same_v<T, float> || std::is_same_v<T, double>
                                   ? std::vector<Op>{Op::Sum, Op::Mean, Op::Amax, Op::Argmin, Op::Logsumexp}
                                   : std::vector<Op>{Op::Sum, Op::Amin, Op::Argmax, Op::All};
-  check_all_ops<T>(Shape{2048, 600}, {{0}, {1}}, 31, ops, /*both_keepdims=*/false);
-  check_all_ops<T>(Shape{64, 100, 70}, {{0, 2}, {1}}, 32, {Op::Sum, Op::Amax}, false);
+  // 600 columns: more than two column blocks (kReduceColumns) for the column path's
+  // tasks; rows enough for ~4.7x the threshold (2048 by default).
+  const std::int64_t rows = std::max<std::int64_t>(parallel_work() / 128, 16);
+  check_all_ops<T>(Shape{rows, 600}, {{0}, {1}}, 31, ops, /*both_keepdims=*/false);
+  check_all_ops<T>(Shape{std::max<std::int64_t>(parallel_work() / 4096, 2), 100, 70}, {{0, 2}, {1}}, 32,
+                   {Op::Sum, Op::Amax}, false);
 }
 
 // ---- dtypes --------------------------------------------------------------------------
@@ -1011,16 +1021,19 @@ TEST(Reduction, OneDimensionGivenAsAnInteger) {
 TEST(Reduction, BitwiseIdenticalAcrossThreadCounts) {
   auto& pool = lazy::graph::current_device().threads();
   const int saved = pool.size();
-  const std::int64_t n = (1 << 22) + 5;
+  // 16x the threshold (2^22 by default) and at least 64 blocks; a 2048 x 600 matrix by
+  // default.
+  const std::int64_t n = std::max<std::int64_t>(16 * parallel_work(), 64 * lazy::graph::kReduceBlock) + 5;
+  const std::int64_t rows = std::max<std::int64_t>(parallel_work() / 128, 16);
   const auto v = make_data<float>(n, 61);
-  const auto m = make_data<double>(2048 * 600, 62);
+  const auto m = make_data<double>(rows * 600, 62);
   std::vector<std::vector<float>> results;
   std::vector<std::vector<double>> mresults;
   for (int threads : {1, 2, 4}) {
     lazy::set_num_threads(threads);
     ASSERT_EQ(pool.size(), threads);
     Tensor<float> x = lazy::from_vector(v);
-    Tensor<double> y = lazy::from_vector(m, Shape{2048, 600});
+    Tensor<double> y = lazy::from_vector(m, Shape{rows, 600});
     Tensor<float> s = lazy::sum(x);
     Tensor<float> me = lazy::mean(lazy::exp(x));
     Tensor<float> ss = lazy::sum(x * x);

@@ -24,6 +24,7 @@
 
 #include <lazytensor/core/config.hpp>
 #include <lazytensor/core/small_vector.hpp>
+#include <lazytensor/core/tuning.hpp>
 #include <lazytensor/dist/collective_node.hpp>
 #include <lazytensor/dist/reduce_op.hpp>
 #include <lazytensor/graph/parallel.hpp>
@@ -133,7 +134,7 @@ class AllReduceExchange final : public ExchangeNode {
     // cache for its readers anyway: write it around the cache (saves the read for
     // ownership of every output line).
     const bool stream = !whole && (n + 1) * total * static_cast<std::int64_t>(sizeof(T)) >=
-                                      expr::kStreamingStoreBytes;
+                                      core::tuning().streaming_store_bytes;
     pool.parallel_for(tasks, [&](std::int64_t t) {
       const auto [tb, te] = graph::task_range(e - b, tasks, t, 16);
       std::int64_t lo = b + tb;

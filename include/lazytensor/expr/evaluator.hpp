@@ -402,10 +402,6 @@ struct ExactRoot {
 template <class S, class K>
 using Evaluator = std::conditional_t<needs_exact_v<K>, ExactRoot<S, K>, Eval<S, K>>;
 
-/// Outputs at least this large are written with non-temporal stores: they cannot stay in
-/// cache anyway, and streaming skips reading each output line before overwriting it.
-inline constexpr std::int64_t kStreamingStoreBytes = std::int64_t(32) << 20;
-
 /// Stores a batch at a batch-aligned address, bypassing the cache where the ISA allows.
 template <class S>
 inline void stream_store(S* p, const batch_t<S>& b) {

@@ -19,6 +19,7 @@
 
 #include <lazytensor/core/block_cache.hpp>
 #include <lazytensor/core/counters.hpp>
+#include <lazytensor/core/tuning.hpp>
 #include <lazytensor/expr/dual.hpp>
 #include <lazytensor/expr/evaluator.hpp>
 #include <lazytensor/expr/layout.hpp>
@@ -303,8 +304,8 @@ LAZYTENSOR_INLINE void ElementwiseNode::run(ExecContext& ctx, const std::vector<
   const std::int64_t tasks = task_count(pool, n, cost);
   if (layout_.flat()) {
     const bool contig = !layout_.any_splat();
-    const bool stream = can_stream_ && contig &&
-                        n * static_cast<std::int64_t>(dtype_size(dtype())) >= expr::kStreamingStoreBytes;
+    const std::int64_t bytes = n * static_cast<std::int64_t>(dtype_size(dtype()));
+    const bool stream = can_stream_ && contig && bytes >= core::tuning().streaming_store_bytes;
     pool.parallel_for(tasks, [&](std::int64_t t) {
       auto [b, e] = task_range(n, tasks, t, kPadElements);
       kernel_->flat(ptrs.data(), layout_.splat.data(), out, b, e, contig, stream);

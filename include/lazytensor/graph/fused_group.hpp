@@ -13,6 +13,7 @@
 
 #include <lazytensor/core/config.hpp>
 #include <lazytensor/core/counters.hpp>
+#include <lazytensor/core/tuning.hpp>
 #include <lazytensor/core/vectorizer_barrier.hpp>
 #include <lazytensor/graph/parallel.hpp>
 #include <lazytensor/graph/plan.hpp>
@@ -242,10 +243,11 @@ LAZYTENSOR_INLINE void GroupRun::allocate_outputs() {
 // memory than for inputs from the last-level cache, where the kernel calls per slice
 // cost more than the loads gain (measured, docs/architecture.md).
 LAZYTENSOR_INLINE void GroupRun::choose_slices() {
-  const std::int64_t reads = outside_bytes(in_, n_, kFusionSliceBytes);
-  slice_ = reads == 0                    ? kFusionChunk
-           : reads >= kFusionMemoryBytes ? kFusionMemorySlice
-                                         : kFusionSlice;
+  const core::Tuning& tune = core::tuning();
+  const std::int64_t reads = outside_bytes(in_, n_, tune.fusion_slice_bytes);
+  slice_ = reads == 0                            ? kFusionChunk
+           : reads >= tune.streaming_store_bytes ? kFusionMemorySlice
+                                                 : kFusionSlice;
   if (slice_ < kFusionChunk) {
     static auto& sliced = core::counter("SlicedGroups");
     sliced.add();
@@ -264,7 +266,7 @@ LAZYTENSOR_INLINE void GroupRun::choose_streams() {
   copy_out_.assign(k_, 0);
   for (std::size_t j = 0; j < k_; ++j) {
     if (!out_ptr_[j] || !mem_[j].ew->can_stream() || !mem_[j].contig ||
-        n_ * static_cast<std::int64_t>(mem_[j].esz) < expr::kStreamingStoreBytes)
+        n_ * static_cast<std::int64_t>(mem_[j].esz) < core::tuning().streaming_store_bytes)
       continue;
     bool read_later = false;
     for (std::size_t i = j + 1; i < k_; ++i)

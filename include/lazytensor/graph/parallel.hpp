@@ -5,18 +5,14 @@
 #include <cstdint>
 
 #include <lazytensor/core/thread_pool.hpp>
+#include <lazytensor/core/tuning.hpp>
 
 namespace lazy::graph {
 
-/// Work (cost units x elements) below which a kernel runs on the calling thread: waking
-/// workers and joining them costs a few microseconds, what ~2^18 simple SIMD element operations
-/// take (workers spin between kernels; see ThreadPool).
-inline constexpr double kParallelCostThreshold = 1 << 18;
-
-/// Number of tasks for `n` items of `cost` each: 1 below the threshold, else a few per
-/// thread (slack for a noisy, shared machine), never tasks smaller than `min_items`.
+/// Number of tasks for `n` items of `cost` each: 1 below core::tuning().parallel_work, else
+/// a few per thread (slack for a noisy, shared machine), never tasks smaller than `min_items`.
 inline std::int64_t task_count(const ThreadPool& pool, std::int64_t n, double cost, std::int64_t min_items = 4096) {
-  if (pool.size() <= 1 || cost * static_cast<double>(n) < kParallelCostThreshold) return 1;
+  if (pool.size() <= 1 || cost * static_cast<double>(n) < core::tuning().parallel_work) return 1;
   const std::int64_t by_size = std::max<std::int64_t>(1, n / std::max<std::int64_t>(1, min_items));
   return std::min<std::int64_t>(by_size, 4 * pool.size());
 }

@@ -76,17 +76,15 @@ inline constexpr std::int64_t kFusionChunk = kReduceBlock;
 /// 1.6 GB).
 inline constexpr std::size_t kMaxGroupMembers = 64;
 
-/// Elements of the slices a group reading more than kFusionSliceBytes runs its chunks in
-/// (each member over one slice, then the next slice: see run_group).
+/// Elements of the slices a group reading more than core::tuning().fusion_slice_bytes (more
+/// than L2 holds) runs its chunks in (each member over one slice, then the next slice: see
+/// run_group).
 inline constexpr std::int64_t kFusionSlice = 256;
-/// Outside-input bytes above which a group runs sliced: more than L2 holds.
-inline constexpr std::int64_t kFusionSliceBytes = std::int64_t(1) << 20;
-/// Elements of the slices of a group reading at least kFusionMemoryBytes: its inputs
-/// stream from memory, where shorter slices keep more of the streams' loads in flight.
+/// Elements of the slices of a group reading at least core::tuning().streaming_store_bytes:
+/// its inputs come from memory, not the last-level cache (the size from which outputs are
+/// stored non-temporally, for the same reason), and shorter slices keep more of the
+/// streams' loads in flight.
 inline constexpr std::int64_t kFusionMemorySlice = 128;
-/// Outside-input bytes from which a group's inputs come from memory, not the last-level
-/// cache: the size from which outputs are stored non-temporally, for the same reason.
-inline constexpr std::int64_t kFusionMemoryBytes = expr::kStreamingStoreBytes;
 
 namespace detail {
 
