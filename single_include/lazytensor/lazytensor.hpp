@@ -3201,8 +3201,8 @@ struct Tuning {
   /// overwriting it. Fused groups reading this much take their shortest slices (their inputs
   /// come from memory). `LAZYTENSOR_STREAMING_STORE_BYTES`.
   std::int64_t streaming_store_bytes = std::int64_t(32) << 20;
-  /// Bytes read from outside a fused group above which it runs its chunks in slices: more
-  /// than L2 holds. `LAZYTENSOR_FUSION_SLICE_BYTES`.
+  /// Bytes read from outside a fused group from which it runs its chunks in slices: what L2
+  /// holds. `LAZYTENSOR_FUSION_SLICE_BYTES`.
   std::int64_t fusion_slice_bytes = std::int64_t(1) << 20;
 };
 
@@ -6533,8 +6533,8 @@ inline constexpr std::int64_t kFusionChunk = kReduceBlock;
 /// 1.6 GB).
 inline constexpr std::size_t kMaxGroupMembers = 64;
 
-/// Elements of the slices a group reading more than core::tuning().fusion_slice_bytes (more
-/// than L2 holds) runs its chunks in (each member over one slice, then the next slice: see
+/// Elements of the slices a group reading at least core::tuning().fusion_slice_bytes (what L2
+/// holds) runs its chunks in (each member over one slice, then the next slice: see
 /// run_group).
 inline constexpr std::int64_t kFusionSlice = 256;
 /// Elements of the slices of a group reading at least core::tuning().streaming_store_bytes:

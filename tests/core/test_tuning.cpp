@@ -16,30 +16,31 @@
 namespace {
 
 // The variable's value when it holds a whole number >= 1 (parsed here without the library),
-// nullopt when unset; `malformed` is set when it holds anything else.
-std::optional<long long> valid_value(const char* name, bool& malformed) {
+// nullopt when unset; when it holds anything else, `malformed` takes its name (the first
+// such: the library reads the variables in the order the tests below ask for them).
+std::optional<long long> valid_value(const char* name, std::string& malformed) {
   const char* env = std::getenv(name);
   if (!env || !*env) return std::nullopt;
   const std::string s = env;
   const bool digits = s.find_first_not_of("0123456789") == std::string::npos;
   if (!digits || s.size() > 18 || std::stoll(s) < 1) {
-    malformed = true;
+    if (malformed.empty()) malformed = name;
     return std::nullopt;
   }
   return std::stoll(s);
 }
 
 TEST(Tuning, TakesEachThresholdFromTheEnvironmentOrItsDefault) {
-  bool malformed = false;
+  std::string malformed;
   const auto work = valid_value("LAZYTENSOR_PARALLEL_WORK", malformed);
   const auto streaming = valid_value("LAZYTENSOR_STREAMING_STORE_BYTES", malformed);
   const auto slice = valid_value("LAZYTENSOR_FUSION_SLICE_BYTES", malformed);
-  if (malformed) {
+  if (!malformed.empty()) {
     try {
       (void)lazy::core::tuning();
       ADD_FAILURE() << "a malformed threshold was accepted";
     } catch (const lazy::Error& e) {
-      EXPECT_NE(std::string(e.what()).find("LAZYTENSOR_"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(malformed + "='"), std::string::npos) << e.what();
       EXPECT_NE(std::string(e.what()).find("not a number"), std::string::npos) << e.what();
     }
     // Still an error on the next read: nothing half-initialised is kept.
@@ -54,11 +55,11 @@ TEST(Tuning, TakesEachThresholdFromTheEnvironmentOrItsDefault) {
 }
 
 TEST(Tuning, TaskCountSplitsFromTheParallelWorkThreshold) {
-  bool malformed = false;
+  std::string malformed;
   const auto work = valid_value("LAZYTENSOR_PARALLEL_WORK", malformed);
   (void)valid_value("LAZYTENSOR_STREAMING_STORE_BYTES", malformed);
   (void)valid_value("LAZYTENSOR_FUSION_SLICE_BYTES", malformed);
-  if (malformed) {  // (any of them: the thresholds are read together)
+  if (!malformed.empty()) {  // (any of them: the thresholds are read together)
     EXPECT_THROW((void)lazy::core::tuning(), lazy::Error);
     return;
   }

@@ -220,12 +220,14 @@ void check_sliced_groups(std::int64_t n) {
 }
 
 TEST_F(Fusion, GroupsLargerThanL2RunInSlicesWithTheSameBits) {
-  // Twice slice_bytes() of inputs (2 MiB by default): 256-element slices.
+  // At least twice slice_bytes() of inputs (2 MiB by default), less than streaming_bytes():
+  // 256-element slices.
   check_sliced_groups(slice_bytes() / 8 + 4096 * 2 + 37);
 }
 
 TEST_F(Fusion, GroupsReadingFromMemoryRunInShorterSlicesWithTheSameBits) {
-  // streaming_bytes() of inputs (32 MiB by default): 128-element slices.
+  // streaming_bytes() of inputs (32 MiB by default): 128-element slices for the first step's
+  // group (16 bytes of input per element); the reduction's group reads 12 and stays at 256.
   check_sliced_groups(streaming_bytes() / 16 + 4096 + 200 + 3);
 }
 

@@ -27,8 +27,8 @@ struct Tuning {
   /// overwriting it. Fused groups reading this much take their shortest slices (their inputs
   /// come from memory). `LAZYTENSOR_STREAMING_STORE_BYTES`.
   std::int64_t streaming_store_bytes = std::int64_t(32) << 20;
-  /// Bytes read from outside a fused group above which it runs its chunks in slices: more
-  /// than L2 holds. `LAZYTENSOR_FUSION_SLICE_BYTES`.
+  /// Bytes read from outside a fused group from which it runs its chunks in slices: what L2
+  /// holds. `LAZYTENSOR_FUSION_SLICE_BYTES`.
   std::int64_t fusion_slice_bytes = std::int64_t(1) << 20;
 };
 

@@ -76,8 +76,8 @@ inline constexpr std::int64_t kFusionChunk = kReduceBlock;
 /// 1.6 GB).
 inline constexpr std::size_t kMaxGroupMembers = 64;
 
-/// Elements of the slices a group reading more than core::tuning().fusion_slice_bytes (more
-/// than L2 holds) runs its chunks in (each member over one slice, then the next slice: see
+/// Elements of the slices a group reading at least core::tuning().fusion_slice_bytes (what L2
+/// holds) runs its chunks in (each member over one slice, then the next slice: see
 /// run_group).
 inline constexpr std::int64_t kFusionSlice = 256;
 /// Elements of the slices of a group reading at least core::tuning().streaming_store_bytes:
