@@ -3235,9 +3235,13 @@ LAZYTENSOR_INLINE const Tuning& tuning() {
 
 namespace lazy::graph {
 
+/// Items a task gets at least, unless a caller asks for another minimum.
+inline constexpr std::int64_t kMinTaskItems = 4096;
+
 /// Number of tasks for `n` items of `cost` each: 1 below core::tuning().parallel_work, else
 /// a few per thread (slack for a noisy, shared machine), never tasks smaller than `min_items`.
-inline std::int64_t task_count(const ThreadPool& pool, std::int64_t n, double cost, std::int64_t min_items = 4096) {
+inline std::int64_t task_count(const ThreadPool& pool, std::int64_t n, double cost,
+                               std::int64_t min_items = kMinTaskItems) {
   if (pool.size() <= 1 || cost * static_cast<double>(n) < core::tuning().parallel_work) return 1;
   const std::int64_t by_size = std::max<std::int64_t>(1, n / std::max<std::int64_t>(1, min_items));
   return std::min<std::int64_t>(by_size, 4 * pool.size());
@@ -7050,9 +7054,10 @@ LAZYTENSOR_INLINE void GroupRun::choose_slices() {
 LAZYTENSOR_INLINE void GroupRun::choose_streams() {
   stream_.assign(k_, 0);
   copy_out_.assign(k_, 0);
+  const std::int64_t streaming_bytes = core::tuning().streaming_store_bytes;
   for (std::size_t j = 0; j < k_; ++j) {
     if (!out_ptr_[j] || !mem_[j].ew->can_stream() || !mem_[j].contig ||
-        n_ * static_cast<std::int64_t>(mem_[j].esz) < core::tuning().streaming_store_bytes)
+        n_ * static_cast<std::int64_t>(mem_[j].esz) < streaming_bytes)
       continue;
     bool read_later = false;
     for (std::size_t i = j + 1; i < k_; ++i)

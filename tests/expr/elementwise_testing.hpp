@@ -261,9 +261,10 @@ W scalar_as(S s) {
 
 // Sizes: 0, 1, 2..7, 127, 128, 129, and one above the threading threshold for this kernel
 // (cost per element x elements >= core::tuning().parallel_work, which the sanitizer builds
-// lower; and never fewer than two tasks' minimum of 4096 elements), plus an odd tail.
+// lower; and never fewer than two tasks' minimum of elements), plus an odd tail.
 inline std::vector<std::int64_t> sizes_for(double cost_per_element) {
-  const double least = std::max(std::ceil(lazy::core::tuning().parallel_work / cost_per_element), 2.0 * 4096);
+  const double least = std::max(std::ceil(lazy::core::tuning().parallel_work / cost_per_element),
+                                2.0 * lazy::graph::kMinTaskItems);
   const auto big = static_cast<std::int64_t>(least) + 4099;
   return {0, 1, 2, 3, 4, 5, 6, 7, 127, 128, 129, big};
 }

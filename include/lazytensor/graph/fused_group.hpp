@@ -264,9 +264,10 @@ LAZYTENSOR_INLINE void GroupRun::choose_slices() {
 LAZYTENSOR_INLINE void GroupRun::choose_streams() {
   stream_.assign(k_, 0);
   copy_out_.assign(k_, 0);
+  const std::int64_t streaming_bytes = core::tuning().streaming_store_bytes;
   for (std::size_t j = 0; j < k_; ++j) {
     if (!out_ptr_[j] || !mem_[j].ew->can_stream() || !mem_[j].contig ||
-        n_ * static_cast<std::int64_t>(mem_[j].esz) < core::tuning().streaming_store_bytes)
+        n_ * static_cast<std::int64_t>(mem_[j].esz) < streaming_bytes)
       continue;
     bool read_later = false;
     for (std::size_t i = j + 1; i < k_; ++i)

@@ -9,9 +9,13 @@
 
 namespace lazy::graph {
 
+/// Items a task gets at least, unless a caller asks for another minimum.
+inline constexpr std::int64_t kMinTaskItems = 4096;
+
 /// Number of tasks for `n` items of `cost` each: 1 below core::tuning().parallel_work, else
 /// a few per thread (slack for a noisy, shared machine), never tasks smaller than `min_items`.
-inline std::int64_t task_count(const ThreadPool& pool, std::int64_t n, double cost, std::int64_t min_items = 4096) {
+inline std::int64_t task_count(const ThreadPool& pool, std::int64_t n, double cost,
+                               std::int64_t min_items = kMinTaskItems) {
   if (pool.size() <= 1 || cost * static_cast<double>(n) < core::tuning().parallel_work) return 1;
   const std::int64_t by_size = std::max<std::int64_t>(1, n / std::max<std::int64_t>(1, min_items));
   return std::min<std::int64_t>(by_size, 4 * pool.size());
