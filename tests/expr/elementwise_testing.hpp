@@ -17,7 +17,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
-#include <functional>
+#include <initializer_list>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -172,13 +172,11 @@ bool close(R got, R want, double ref, Tol tol) {
 class Checker {
  public:
   explicit Checker(std::string what) : what_(std::move(what)) {}
-  template <class R>
-  void check(std::int64_t i, R got, R want, double ref, Tol tol, const std::function<std::string()>& inputs) {
+  /// `inputs` describes element i's operands; called only on a mismatch.
+  template <class R, class F>
+  void check(std::int64_t i, R got, R want, double ref, Tol tol, const F& inputs) {
     if (close(got, want, ref, tol)) return;
-    if (++failures_ <= 8) {
-      ADD_FAILURE() << what_ << " [" << i << "]: got " << show(got) << ", want " << show(want) << " (exact " << ref
-                    << ") for " << inputs();
-    }
+    if (++failures_ <= 8) report(i, show(got), show(want), ref, inputs());
   }
   ~Checker() {
     if (failures_ > 8) ADD_FAILURE() << what_ << ": " << failures_ << " mismatches in total";
@@ -186,9 +184,53 @@ class Checker {
   int failures() const { return failures_; }
 
  private:
+  void report(std::int64_t i, const std::string& got, const std::string& want, double ref,
+              const std::string& inputs) const {
+    ADD_FAILURE() << what_ << " [" << i << "]: got " << got << ", want " << want << " (exact " << ref << ") for "
+                  << inputs;
+  }
+
   std::string what_;
   int failures_ = 0;
 };
+
+// One operand's values, shown in a failure message (type-erased, so that the checking loop
+// below is compiled once per result type, not once per op and dtype: the element-wise tests
+// run some 700 of them).
+struct Column {
+  const void* values;
+  std::string (*show_at)(const void* values, std::int64_t i);
+};
+template <class T>
+std::string show_element(const void* values, std::int64_t i) {
+  return show<T>((*static_cast<const std::vector<T>*>(values))[static_cast<std::size_t>(i)]);
+}
+template <class T>
+Column column(const std::vector<T>& v) {
+  return {&v, &show_element<T>};
+}
+
+// Checks got[i] against want[i] (the exact reference `exact[i]` stored as R) for every i.
+template <class R>
+void check_values(const std::string& what, const std::vector<R>& got, const std::vector<R>& want,
+                  const std::vector<double>& exact, Tol tol, std::initializer_list<Column> inputs) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  Checker c(what);
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    c.check<R>(static_cast<std::int64_t>(i), got[i], want[i], exact[i], tol, [&] {
+      std::string text;
+      for (const Column& col : inputs) text += (text.empty() ? "" : ", ") + col.show_at(col.values, static_cast<std::int64_t>(i));
+      return text;
+    });
+  }
+}
+
+// "op<float, int32> n=7": what a run of an op checks, for failure messages.
+inline std::string label(const char* op, std::initializer_list<lazy::DType> dtypes, const std::string& tail) {
+  std::string s = std::string(op) + "<";
+  for (lazy::DType d : dtypes) s += (s.back() == '<' ? "" : ", ") + lazy::dtype_name(d);
+  return s + "> " + tail;
+}
 
 // ---- inputs ---------------------------------------------------------------------------
 
@@ -277,6 +319,20 @@ class FourThreads : public ::testing::Environment {
   void TearDown() override { lazy::set_num_threads(lazy::graph::default_device_threads()); }
 };
 inline const auto* const kFourThreadsEnv = ::testing::AddGlobalTestEnvironment(new FourThreads);
+
+// Calls f.template operator()<T>() for every dtype T, in one test: the ops' tests loop over
+// the dtypes rather than being typed suites, whose registration GoogleTest compiles once
+// per test and type (a tenth of the element-wise tests' object code). Failure messages name
+// the dtype.
+template <class F>
+void for_each_dtype(const F& f) {
+  f.template operator()<float>();
+  f.template operator()<double>();
+  f.template operator()<i32>();
+  f.template operator()<i64>();
+  f.template operator()<bool>();
+  f.template operator()<bf16>();
+}
 
 // ---- op descriptors -------------------------------------------------------------------
 // Each names the op (as in error messages), says which dtypes it is meaningful for, its
@@ -604,17 +660,18 @@ void run_unary() {
   const double cost = Tensor<R>(Op::apply(make<T>(gen<T>(1, Op::domain(), 1), Shape{1}))).node()->cost_per_element();
   for (std::int64_t n : sizes_for(cost)) {
     const auto in = gen<T>(n, Op::domain(), static_cast<std::uint64_t>(n));
-    const auto a = make<T>(in, Shape{n});
-    auto out = lazy::eval(Op::apply(a));
+    auto out = lazy::eval(Op::apply(make<T>(in, Shape{n})));
     static_assert(std::is_same_v<decltype(out), Tensor<R>>);
     ASSERT_EQ(out.shape(), Shape{n});
-    const auto got = out.to_vector();
-    ASSERT_EQ(static_cast<std::int64_t>(got.size()), n);
-    Checker c(std::string(Op::name) + "<" + lazy::dtype_name(lazy::dtype_of<T>()) + "> n=" + std::to_string(n));
-    for (std::int64_t i = 0; i < n; ++i) {
+    std::vector<R> want(static_cast<std::size_t>(n));
+    std::vector<double> exact(static_cast<std::size_t>(n));
+    for (std::size_t i = 0; i < want.size(); ++i) {
       const auto r = Op::ref(RL::in(in[i]));
-      c.check<R>(i, got[i], to_result<R>(r), static_cast<double>(r), tol, [&] { return show<T>(in[i]); });
+      want[i] = to_result<R>(r);
+      exact[i] = static_cast<double>(r);
     }
+    check_values<R>(label(Op::name, {lazy::dtype_of<T>()}, "n=" + std::to_string(n)), out.to_vector(), want, exact,
+                    tol, {column(in)});
   }
 }
 
@@ -628,19 +685,18 @@ void run_binary_tensors(const std::vector<std::int64_t>& sizes, std::uint64_t sa
   for (std::int64_t n : sizes) {
     const auto va = gen<A>(n, Op::domain_a(), salt + 2 * static_cast<std::uint64_t>(n));
     const auto vb = gen<B>(n, Op::domain_b(), salt + 2 * static_cast<std::uint64_t>(n) + 1);
-    const auto ta = make<A>(va, Shape{n});
-    const auto tb = make<B>(vb, Shape{n});
-    auto out = lazy::eval(Op::apply(ta, tb));
+    auto out = lazy::eval(Op::apply(make<A>(va, Shape{n}), make<B>(vb, Shape{n})));
     static_assert(std::is_same_v<decltype(out), Tensor<R>>);
     ASSERT_EQ(out.shape(), Shape{n});
-    const auto got = out.to_vector();
-    Checker c(std::string(Op::name) + "<" + lazy::dtype_name(lazy::dtype_of<A>()) + ", " +
-              lazy::dtype_name(lazy::dtype_of<B>()) + "> n=" + std::to_string(n));
-    for (std::int64_t i = 0; i < n; ++i) {
+    std::vector<R> want(static_cast<std::size_t>(n));
+    std::vector<double> exact(static_cast<std::size_t>(n));
+    for (std::size_t i = 0; i < want.size(); ++i) {
       const auto r = Op::ref(RL::in(va[i]), RL::in(vb[i]));
-      c.check<R>(i, got[i], to_result<R>(r), static_cast<double>(r), tol,
-                 [&] { return show<A>(va[i]) + ", " + show<B>(vb[i]); });
+      want[i] = to_result<R>(r);
+      exact[i] = static_cast<double>(r);
     }
+    check_values<R>(label(Op::name, {lazy::dtype_of<A>(), lazy::dtype_of<B>()}, "n=" + std::to_string(n)),
+                    out.to_vector(), want, exact, tol, {column(va), column(vb)});
   }
 }
 
@@ -661,29 +717,31 @@ void run_binary_scalars(const std::vector<std::int64_t>& sizes) {
   for (std::int64_t n : sizes) {
     const auto va = gen<T>(n, Op::domain_a(), 7 * static_cast<std::uint64_t>(n) + 3);
     const auto vb = gen<T>(n, Op::domain_b(), 7 * static_cast<std::uint64_t>(n) + 4);
+    const auto size = static_cast<std::size_t>(n);
+    std::vector<double> exact(size);
     {
       using RL = RefLane<T, W, RR>;
       Tensor<RR> out = Op::apply(make<T>(va, Shape{n}), s_right);
-      const auto got = out.to_vector();
-      Checker c(std::string(Op::name) + "(tensor<" + lazy::dtype_name(lazy::dtype_of<T>()) + ">, " + show(s_right) +
-                ") n=" + std::to_string(n));
-      for (std::int64_t i = 0; i < n; ++i) {
+      std::vector<RR> want(size);
+      for (std::size_t i = 0; i < size; ++i) {
         const auto r = Op::ref(RL::in(va[i]), RL::in(wr));
-        c.check<RR>(i, got[i], to_result<RR>(r), static_cast<double>(r), Op::template tol<RR>(),
-                    [&] { return show<T>(va[i]); });
+        want[i] = to_result<RR>(r);
+        exact[i] = static_cast<double>(r);
       }
+      check_values<RR>(label(Op::name, {lazy::dtype_of<T>()}, "(tensor, " + show(s_right) + ") n=" + std::to_string(n)),
+                       out.to_vector(), want, exact, Op::template tol<RR>(), {column(va)});
     }
     {
       using RL = RefLane<W, T, RLt>;
       Tensor<RLt> out = Op::apply(s_left, make<T>(vb, Shape{n}));
-      const auto got = out.to_vector();
-      Checker c(std::string(Op::name) + "(" + show(s_left) + ", tensor<" + lazy::dtype_name(lazy::dtype_of<T>()) +
-                ">) n=" + std::to_string(n));
-      for (std::int64_t i = 0; i < n; ++i) {
+      std::vector<RLt> want(size);
+      for (std::size_t i = 0; i < size; ++i) {
         const auto r = Op::ref(RL::in(wl), RL::in(vb[i]));
-        c.check<RLt>(i, got[i], to_result<RLt>(r), static_cast<double>(r), Op::template tol<RLt>(),
-                     [&] { return show<T>(vb[i]); });
+        want[i] = to_result<RLt>(r);
+        exact[i] = static_cast<double>(r);
       }
+      check_values<RLt>(label(Op::name, {lazy::dtype_of<T>()}, "(" + show(s_left) + ", tensor) n=" + std::to_string(n)),
+                        out.to_vector(), want, exact, Op::template tol<RLt>(), {column(vb)});
     }
   }
 }
@@ -737,18 +795,19 @@ void run_broadcast(const Shape& sa, const Shape& sb) {
   const Shape so = ref_broadcast(sa, sb);
   Tensor<R> out = Op::apply(make<T>(va, sa), make<T>(vb, sb));
   ASSERT_EQ(out.shape(), so) << sa.str() << " vs " << sb.str();
-  const auto got = out.to_vector();
-  Checker c(std::string(Op::name) + "<" + lazy::dtype_name(lazy::dtype_of<T>()) + "> " + sa.str() + " with " +
-            sb.str());
+  const auto size = static_cast<std::size_t>(so.numel());
+  std::vector<R> want(size);
+  std::vector<double> exact(size);
+  std::vector<T> xs(size), ys(size);  // each output element's operands, for the messages
   const auto st_a = bcast_strides(so, sa), st_b = bcast_strides(so, sb);
   std::array<std::int64_t, 8> idx{};
   std::int64_t ia = 0, ib = 0;
-  for (std::int64_t i = 0; i < so.numel(); ++i) {
-    const T x = va[static_cast<std::size_t>(ia)];
-    const T y = vb[static_cast<std::size_t>(ib)];
-    const auto r = Op::ref(RL::in(x), RL::in(y));
-    c.check<R>(i, got[i], to_result<R>(r), static_cast<double>(r), Op::template tol<R>(),
-               [&] { return show(x) + ", " + show(y); });
+  for (std::size_t i = 0; i < size; ++i) {
+    xs[i] = va[static_cast<std::size_t>(ia)];
+    ys[i] = vb[static_cast<std::size_t>(ib)];
+    const auto r = Op::ref(RL::in(T(xs[i])), RL::in(T(ys[i])));
+    want[i] = to_result<R>(r);
+    exact[i] = static_cast<double>(r);
     for (int d = so.rank() - 1; d >= 0; --d) {  // odometer over the output index
       const auto k = static_cast<std::size_t>(d);
       ia += st_a[k];
@@ -759,6 +818,8 @@ void run_broadcast(const Shape& sa, const Shape& sb) {
       idx[k] = 0;
     }
   }
+  check_values<R>(label(Op::name, {lazy::dtype_of<T>()}, sa.str() + " with " + sb.str()), out.to_vector(), want,
+                  exact, Op::template tol<R>(), {column(xs), column(ys)});
 }
 
 }  // namespace lazytest

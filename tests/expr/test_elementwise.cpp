@@ -20,21 +20,27 @@ using AllTypes = ::testing::Types<float, double, i32, i64, bool, bf16>;
 TYPED_TEST_SUITE(Elementwise, AllTypes);
 
 // An op without meaning for a dtype (PyTorch rejects it) must not compile for it.
-#define UNARY_TEST(OP)                                                                  \
-  TYPED_TEST(Elementwise, OP) {                                                         \
-    if constexpr (OP::template supports<TypeParam>) {                                  \
-      run_unary<OP, TypeParam>();                                                       \
-    } else {                                                                            \
-      EXPECT_FALSE(OP::template callable<Tensor<TypeParam>>) << "rejected at compile time"; \
-    }                                                                                   \
+#define UNARY_TEST(OP)                                                                            \
+  TEST(ElementwiseOps, OP) {                                                                      \
+    for_each_dtype([]<class T>() {                                                                \
+      if constexpr (OP::template supports<T>) {                                                   \
+        run_unary<OP, T>();                                                                       \
+      } else {                                                                                    \
+        EXPECT_FALSE(OP::template callable<Tensor<T>>) << lazy::dtype_name(lazy::dtype_of<T>()) \
+                                                       << " rejected at compile time";            \
+      }                                                                                           \
+    });                                                                                           \
   }
-#define BINARY_TEST(OP)                                                                 \
-  TYPED_TEST(Elementwise, OP) {                                                         \
-    if constexpr (OP::template supports<TypeParam>) {                                  \
-      run_binary_tensors<OP, TypeParam>(binary_sizes<OP, TypeParam>());                 \
-    } else {                                                                            \
-      EXPECT_FALSE((OP::template callable<Tensor<TypeParam>, Tensor<TypeParam>>)) << "rejected at compile time"; \
-    }                                                                                   \
+#define BINARY_TEST(OP)                                                                               \
+  TEST(ElementwiseOps, OP) {                                                                          \
+    for_each_dtype([]<class T>() {                                                                    \
+      if constexpr (OP::template supports<T>) {                                                       \
+        run_binary_tensors<OP, T>(binary_sizes<OP, T>());                                             \
+      } else {                                                                                        \
+        EXPECT_FALSE((OP::template callable<Tensor<T>, Tensor<T>>)) << lazy::dtype_name(lazy::dtype_of<T>()) \
+                                                                    << " rejected at compile time";   \
+      }                                                                                               \
+    });                                                                                               \
   }
 
 UNARY_TEST(Neg)

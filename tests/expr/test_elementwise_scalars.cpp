@@ -10,20 +10,17 @@ namespace {
 
 using namespace lazytest;  // NOLINT
 
-template <class T>
-class ElementwiseScalars : public ::testing::Test {};
-using AllTypes = ::testing::Types<float, double, i32, i64, bool, bf16>;
-TYPED_TEST_SUITE(ElementwiseScalars, AllTypes);
-
-#define SCALAR_TEST(OP)                                                  \
-  TYPED_TEST(ElementwiseScalars, OP##WithScalars) {                             \
-    if constexpr (OP::template supports<TypeParam>) {                   \
-      run_binary_scalars<OP, TypeParam>(scalar_sizes<OP, TypeParam>());  \
-    } else {                                                             \
-      /* rejected at compile time, with the scalar on either side */     \
-      EXPECT_FALSE((OP::template callable<Tensor<TypeParam>, TypeParam>)); \
-      EXPECT_FALSE((OP::template callable<TypeParam, Tensor<TypeParam>>)); \
-    }                                                                    \
+#define SCALAR_TEST(OP)                                                                         \
+  TEST(ElementwiseScalars, OP##WithScalars) {                                                   \
+    for_each_dtype([]<class T>() {                                                              \
+      if constexpr (OP::template supports<T>) {                                                 \
+        run_binary_scalars<OP, T>(scalar_sizes<OP, T>());                                       \
+      } else {                                                                                  \
+        /* rejected at compile time, with the scalar on either side */                          \
+        EXPECT_FALSE((OP::template callable<Tensor<T>, T>)) << lazy::dtype_name(lazy::dtype_of<T>()); \
+        EXPECT_FALSE((OP::template callable<T, Tensor<T>>)) << lazy::dtype_name(lazy::dtype_of<T>()); \
+      }                                                                                         \
+    });                                                                                         \
   }
 SCALAR_TEST(Add)
 SCALAR_TEST(Sub)
