@@ -347,7 +347,7 @@ LAZY_BINARY_OP(LogicalAnd, "logical_and", 1, (bool), (return from_bool<V>(not_eq
 LAZY_BINARY_OP(LogicalXor, "logical_xor", 1, (bool), (
   const auto x = not_equal(a, V(0));
   const auto y = not_equal(b, V(0));
-  return from_bool<V>(x != y);),
+  return from_bool<V>((x & !y) | (!x & y));),
                (V(0)), (V(0)))
 // atan2(a, b): the angle of the point (b, a), quadrant-aware; float results. xsimd 8.1's
 // batch atan2 gives NaN where both are zero or both infinite: those take C's values here.
