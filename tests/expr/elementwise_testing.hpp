@@ -210,14 +210,32 @@ Column column(const std::vector<T>& v) {
   return {&v, &show_element<T>};
 }
 
-// Checks got[i] against want[i] (the exact reference `exact[i]` stored as R) for every i.
+// What every element should hold: the reference's exact value and that value stored as R.
 template <class R>
-void check_values(const std::string& what, const std::vector<R>& got, const std::vector<R>& want,
-                  const std::vector<double>& exact, Tol tol, std::initializer_list<Column> inputs) {
-  ASSERT_EQ(got.size(), want.size()) << what;
+struct Expected {
+  std::vector<R> want;
+  std::vector<double> exact;
+};
+/// The reference values of n elements, ref_at(i) for each (an exact int64 or a double).
+template <class R, class F>
+Expected<R> expected(std::size_t n, const F& ref_at) {
+  Expected<R> e{std::vector<R>(n), std::vector<double>(n)};
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto r = ref_at(i);
+    e.want[i] = to_result<R>(r);
+    e.exact[i] = static_cast<double>(r);
+  }
+  return e;
+}
+
+// Checks got[i] against the expected values for every i.
+template <class R>
+void check_values(const std::string& what, const std::vector<R>& got, const Expected<R>& e, Tol tol,
+                  std::initializer_list<Column> inputs) {
+  ASSERT_EQ(got.size(), e.want.size()) << what;
   Checker c(what);
   for (std::size_t i = 0; i < got.size(); ++i) {
-    c.check<R>(static_cast<std::int64_t>(i), got[i], want[i], exact[i], tol, [&] {
+    c.check<R>(static_cast<std::int64_t>(i), got[i], e.want[i], e.exact[i], tol, [&] {
       std::string text;
       for (const Column& col : inputs) text += (text.empty() ? "" : ", ") + col.show_at(col.values, static_cast<std::int64_t>(i));
       return text;
@@ -320,18 +338,20 @@ class FourThreads : public ::testing::Environment {
 };
 inline const auto* const kFourThreadsEnv = ::testing::AddGlobalTestEnvironment(new FourThreads);
 
+// Every dtype, for the typed suites and for for_each_dtype.
+using AllTypes = ::testing::Types<float, double, i32, i64, bool, bf16>;
+
 // Calls f.template operator()<T>() for every dtype T, in one test: the ops' tests loop over
 // the dtypes rather than being typed suites, whose registration GoogleTest compiles once
 // per test and type (a tenth of the element-wise tests' object code). Failure messages name
 // the dtype.
+template <class... Ts, class F>
+void for_each_type(::testing::Types<Ts...>, const F& f) {
+  (f.template operator()<Ts>(), ...);
+}
 template <class F>
 void for_each_dtype(const F& f) {
-  f.template operator()<float>();
-  f.template operator()<double>();
-  f.template operator()<i32>();
-  f.template operator()<i64>();
-  f.template operator()<bool>();
-  f.template operator()<bf16>();
+  for_each_type(AllTypes{}, f);
 }
 
 // ---- op descriptors -------------------------------------------------------------------
@@ -663,15 +683,9 @@ void run_unary() {
     auto out = lazy::eval(Op::apply(make<T>(in, Shape{n})));
     static_assert(std::is_same_v<decltype(out), Tensor<R>>);
     ASSERT_EQ(out.shape(), Shape{n});
-    std::vector<R> want(static_cast<std::size_t>(n));
-    std::vector<double> exact(static_cast<std::size_t>(n));
-    for (std::size_t i = 0; i < want.size(); ++i) {
-      const auto r = Op::ref(RL::in(in[i]));
-      want[i] = to_result<R>(r);
-      exact[i] = static_cast<double>(r);
-    }
-    check_values<R>(label(Op::name, {lazy::dtype_of<T>()}, "n=" + std::to_string(n)), out.to_vector(), want, exact,
-                    tol, {column(in)});
+    const auto e = expected<R>(in.size(), [&](std::size_t i) { return Op::ref(RL::in(in[i])); });
+    check_values<R>(label(Op::name, {lazy::dtype_of<T>()}, "n=" + std::to_string(n)), out.to_vector(), e, tol,
+                    {column(in)});
   }
 }
 
@@ -688,15 +702,9 @@ void run_binary_tensors(const std::vector<std::int64_t>& sizes, std::uint64_t sa
     auto out = lazy::eval(Op::apply(make<A>(va, Shape{n}), make<B>(vb, Shape{n})));
     static_assert(std::is_same_v<decltype(out), Tensor<R>>);
     ASSERT_EQ(out.shape(), Shape{n});
-    std::vector<R> want(static_cast<std::size_t>(n));
-    std::vector<double> exact(static_cast<std::size_t>(n));
-    for (std::size_t i = 0; i < want.size(); ++i) {
-      const auto r = Op::ref(RL::in(va[i]), RL::in(vb[i]));
-      want[i] = to_result<R>(r);
-      exact[i] = static_cast<double>(r);
-    }
+    const auto e = expected<R>(va.size(), [&](std::size_t i) { return Op::ref(RL::in(va[i]), RL::in(vb[i])); });
     check_values<R>(label(Op::name, {lazy::dtype_of<A>(), lazy::dtype_of<B>()}, "n=" + std::to_string(n)),
-                    out.to_vector(), want, exact, tol, {column(va), column(vb)});
+                    out.to_vector(), e, tol, {column(va), column(vb)});
   }
 }
 
@@ -717,31 +725,19 @@ void run_binary_scalars(const std::vector<std::int64_t>& sizes) {
   for (std::int64_t n : sizes) {
     const auto va = gen<T>(n, Op::domain_a(), 7 * static_cast<std::uint64_t>(n) + 3);
     const auto vb = gen<T>(n, Op::domain_b(), 7 * static_cast<std::uint64_t>(n) + 4);
-    const auto size = static_cast<std::size_t>(n);
-    std::vector<double> exact(size);
     {
       using RL = RefLane<T, W, RR>;
       Tensor<RR> out = Op::apply(make<T>(va, Shape{n}), s_right);
-      std::vector<RR> want(size);
-      for (std::size_t i = 0; i < size; ++i) {
-        const auto r = Op::ref(RL::in(va[i]), RL::in(wr));
-        want[i] = to_result<RR>(r);
-        exact[i] = static_cast<double>(r);
-      }
+      const auto e = expected<RR>(va.size(), [&](std::size_t i) { return Op::ref(RL::in(va[i]), RL::in(wr)); });
       check_values<RR>(label(Op::name, {lazy::dtype_of<T>()}, "(tensor, " + show(s_right) + ") n=" + std::to_string(n)),
-                       out.to_vector(), want, exact, Op::template tol<RR>(), {column(va)});
+                       out.to_vector(), e, Op::template tol<RR>(), {column(va)});
     }
     {
       using RL = RefLane<W, T, RLt>;
       Tensor<RLt> out = Op::apply(s_left, make<T>(vb, Shape{n}));
-      std::vector<RLt> want(size);
-      for (std::size_t i = 0; i < size; ++i) {
-        const auto r = Op::ref(RL::in(wl), RL::in(vb[i]));
-        want[i] = to_result<RLt>(r);
-        exact[i] = static_cast<double>(r);
-      }
+      const auto e = expected<RLt>(vb.size(), [&](std::size_t i) { return Op::ref(RL::in(wl), RL::in(vb[i])); });
       check_values<RLt>(label(Op::name, {lazy::dtype_of<T>()}, "(" + show(s_left) + ", tensor) n=" + std::to_string(n)),
-                        out.to_vector(), want, exact, Op::template tol<RLt>(), {column(vb)});
+                        out.to_vector(), e, Op::template tol<RLt>(), {column(vb)});
     }
   }
 }
@@ -796,18 +792,13 @@ void run_broadcast(const Shape& sa, const Shape& sb) {
   Tensor<R> out = Op::apply(make<T>(va, sa), make<T>(vb, sb));
   ASSERT_EQ(out.shape(), so) << sa.str() << " vs " << sb.str();
   const auto size = static_cast<std::size_t>(so.numel());
-  std::vector<R> want(size);
-  std::vector<double> exact(size);
-  std::vector<T> xs(size), ys(size);  // each output element's operands, for the messages
+  std::vector<T> xs(size), ys(size);  // each output element's operands
   const auto st_a = bcast_strides(so, sa), st_b = bcast_strides(so, sb);
   std::array<std::int64_t, 8> idx{};
   std::int64_t ia = 0, ib = 0;
   for (std::size_t i = 0; i < size; ++i) {
     xs[i] = va[static_cast<std::size_t>(ia)];
     ys[i] = vb[static_cast<std::size_t>(ib)];
-    const auto r = Op::ref(RL::in(T(xs[i])), RL::in(T(ys[i])));
-    want[i] = to_result<R>(r);
-    exact[i] = static_cast<double>(r);
     for (int d = so.rank() - 1; d >= 0; --d) {  // odometer over the output index
       const auto k = static_cast<std::size_t>(d);
       ia += st_a[k];
@@ -818,8 +809,9 @@ void run_broadcast(const Shape& sa, const Shape& sb) {
       idx[k] = 0;
     }
   }
-  check_values<R>(label(Op::name, {lazy::dtype_of<T>()}, sa.str() + " with " + sb.str()), out.to_vector(), want,
-                  exact, Op::template tol<R>(), {column(xs), column(ys)});
+  const auto e = expected<R>(size, [&](std::size_t i) { return Op::ref(RL::in(T(xs[i])), RL::in(T(ys[i]))); });
+  check_values<R>(label(Op::name, {lazy::dtype_of<T>()}, sa.str() + " with " + sb.str()), out.to_vector(), e,
+                  Op::template tol<R>(), {column(xs), column(ys)});
 }
 
 }  // namespace lazytest

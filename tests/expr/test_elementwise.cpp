@@ -16,7 +16,6 @@ using namespace lazytest;  // NOLINT
 
 template <class T>
 class Elementwise : public ::testing::Test {};
-using AllTypes = ::testing::Types<float, double, i32, i64, bool, bf16>;
 TYPED_TEST_SUITE(Elementwise, AllTypes);
 
 // An op without meaning for a dtype (PyTorch rejects it) must not compile for it.

@@ -11,7 +11,6 @@ using namespace lazytest;  // NOLINT
 
 template <class T>
 class ElementwiseBroadcast : public ::testing::Test {};
-using AllTypes = ::testing::Types<float, double, i32, i64, bool, bf16>;
 TYPED_TEST_SUITE(ElementwiseBroadcast, AllTypes);
 
 const std::vector<std::pair<Shape, Shape>>& small_broadcast_cases() {
