@@ -3806,6 +3806,34 @@ template <class V>
 inline auto not_equal(const V& a, const V& b) {
   return !(a == b);
 }
+/// And, or and exclusive or of two masks: a scalar bool or an xsimd batch_bool. Bools take the
+/// logical operators (`&` and `|` on bools draw Clang's -Wbitwise-instead-of-logical in user
+/// programs). Batches avoid xsimd 8.1's `^` (an or on AVX-512 masks) and `!=` (on SSE2 it
+/// compares float masks as floats, and an all-ones mask is a NaN).
+template <class M>
+inline M mask_and(const M& x, const M& y) {
+  if constexpr (std::is_same_v<M, bool>) {
+    return x && y;
+  } else {
+    return x & y;
+  }
+}
+template <class M>
+inline M mask_or(const M& x, const M& y) {
+  if constexpr (std::is_same_v<M, bool>) {
+    return x || y;
+  } else {
+    return x | y;
+  }
+}
+template <class M>
+inline M mask_xor(const M& x, const M& y) {
+  if constexpr (std::is_same_v<M, bool>) {
+    return x != y;
+  } else {
+    return (x & !y) | (y & !x);
+  }
+}
 /// True where a is NaN (false for integers).
 template <class V>
 inline auto is_nan(const V& a) {
@@ -4121,12 +4149,8 @@ LAZY_BINARY_OP(Lt, "lt", 1, (bool), (return from_bool<V>(a < b);), (V(0)), (V(0)
 LAZY_BINARY_OP(Le, "le", 1, (bool), (return from_bool<V>(a <= b);), (V(0)), (V(0)))
 LAZY_BINARY_OP(Gt, "gt", 1, (bool), (return from_bool<V>(a > b);), (V(0)), (V(0)))
 LAZY_BINARY_OP(Ge, "ge", 1, (bool), (return from_bool<V>(a >= b);), (V(0)), (V(0)))
-LAZY_BINARY_OP(LogicalAnd, "logical_and", 1, (bool), (return from_bool<V>(not_equal(a, V(0)) & not_equal(b, V(0)));), (V(0)), (V(0)))
-LAZY_BINARY_OP(LogicalXor, "logical_xor", 1, (bool), (
-  const auto x = not_equal(a, V(0));
-  const auto y = not_equal(b, V(0));
-  return from_bool<V>((x & !y) | (!x & y));),
-               (V(0)), (V(0)))
+LAZY_BINARY_OP(LogicalAnd, "logical_and", 1, (bool), (return from_bool<V>(mask_and(not_equal(a, V(0)), not_equal(b, V(0))));), (V(0)), (V(0)))
+LAZY_BINARY_OP(LogicalXor, "logical_xor", 1, (bool), (return from_bool<V>(mask_xor(not_equal(a, V(0)), not_equal(b, V(0))));), (V(0)), (V(0)))
 // atan2(a, b): the angle of the point (b, a), quadrant-aware; float results. xsimd 8.1's
 // batch atan2 gives NaN where both are zero or both infinite: those take C's values here.
 LAZY_BINARY_OP(Atan2, "atan2", 14, (to_floating_t<promoted<A, B>>), (
@@ -4148,7 +4172,7 @@ LAZY_BINARY_OP(Atan2, "atan2", 14, (to_floating_t<promoted<A, B>>), (
 // derivative is NaN, as torch's a / y.
 LAZY_BINARY_OP(Hypot, "hypot", 20, (to_floating_t<promoted<A, B>>),
                (return map_lanes2(a, b, [](auto x, auto y) { return std::hypot(x, y); });), (a / y), (b / y))
-LAZY_BINARY_OP(LogicalOr, "logical_or", 1, (bool), (return from_bool<V>(not_equal(a, V(0)) | not_equal(b, V(0)));), (V(0)), (V(0)))
+LAZY_BINARY_OP(LogicalOr, "logical_or", 1, (bool), (return from_bool<V>(mask_or(not_equal(a, V(0)), not_equal(b, V(0))));), (V(0)), (V(0)))
 
 #undef LAZY_UNARY_OP
 #undef LAZY_BINARY_OP
