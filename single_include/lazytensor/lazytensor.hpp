@@ -2765,6 +2765,12 @@ class Device {
   /// Returns nodes (in creation order) to the trace, which stays in creation order: the
   /// planner relies on producers coming before their consumers.
   void keep_traced(std::vector<std::weak_ptr<Node>> older);
+  /// Drops the trace's entry of `n`, a node a read has just computed, if it is the newest.
+  /// Dropped here, while the reader still holds the node, its weak reference ends without
+  /// the node's last release paying for it (shared_ptr's slow path when a weak reference
+  /// remains: two locked decrements, where a node nothing else observes is freed with
+  /// none), and the next statement finds no dead entry to remove.
+  void untrace_newest(const NodePtr& n);
 
   // ---- execution ----------------------------------------------------------------------
 
@@ -2942,6 +2948,11 @@ LAZYTENSOR_INLINE void Device::trace(const NodePtr& n) {
   if (trace_.size() >= prune_at_) prune_trace();
   if (n->id_ == 0) n->id_ = ++next_node_id_;
   trace_.push_back(n);
+}
+
+LAZYTENSOR_INLINE void Device::untrace_newest(const NodePtr& n) {
+  std::lock_guard lock(mu_);
+  if (!trace_.empty() && !trace_.back().owner_before(n) && !n.owner_before(trace_.back())) trace_.pop_back();
 }
 
 LAZYTENSOR_INLINE void Device::drop_remote_trace() {
@@ -7573,6 +7584,9 @@ LAZYTENSOR_INLINE void execute(Device& device, std::span<const NodePtr> roots) {
     prepare(roots);
     roots[0]->set_state(Node::State::Queued);
     run_alone(device, roots[0]);
+    // Computed, so no step needs its entry (a step runs pending nodes only); the newest is
+    // the usual case: a statement read as soon as it is built.
+    if (roots[0]->materialized()) device.untrace_newest(roots[0]);
     return;
   }
   execute_now(device, topological_order(roots));

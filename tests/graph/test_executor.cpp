@@ -233,6 +233,32 @@ TEST_F(Executor, ReadOfOneNodeOverMaterializedInputsSkipsPlanning) {
   EXPECT_TRUE(c.node()->materialized()) << "the read computed the pending input too";
 }
 
+// A statement read as soon as it is built leaves the trace with the read (a step would
+// skip it anyway); a node read while newer ones are traced keeps its entry until the next
+// step, which does not run it again.
+TEST_F(Executor, ReadOfTheNewestNodeTakesItOutOfTheTrace) {
+  auto& dev = lazy::graph::current_device();
+  const Tensor<float> a = lazy::full<float>({64}, 2.0f);
+  step();
+  ASSERT_EQ(dev.trace_size(), 0u);
+  Tensor<float> s = lazy::sum(a * 3.0f);
+  EXPECT_EQ(dev.trace_size(), 1u);
+  EXPECT_FLOAT_EQ(s.item(), 384.0f);
+  EXPECT_EQ(dev.trace_size(), 0u);
+
+  Probe older_probe, newer_probe;
+  Tensor<float> older = older_probe.make(1.0f) + 1;
+  Tensor<float> newer = newer_probe.make(5.0f) + 1;
+  const auto traced = dev.trace_size();
+  EXPECT_EQ(older.to_vector(), std::vector<float>(4, 2.0f));
+  EXPECT_EQ(dev.trace_size(), traced) << "not the newest: its entry stays";
+  step();
+  EXPECT_EQ(newer.to_vector(), std::vector<float>(4, 6.0f));
+  EXPECT_EQ(older_probe.count(), 1);
+  EXPECT_EQ(newer_probe.count(), 1);
+  EXPECT_EQ(dev.trace_size(), 0u);
+}
+
 // The same read path on failure: the node stays pending and traced, fails again when read
 // again, and mark_step still runs it (and reports the error).
 TEST_F(Executor, FailedReadOfOneNodeLeavesItPending) {

@@ -89,6 +89,12 @@ class Device {
   /// Returns nodes (in creation order) to the trace, which stays in creation order: the
   /// planner relies on producers coming before their consumers.
   void keep_traced(std::vector<std::weak_ptr<Node>> older);
+  /// Drops the trace's entry of `n`, a node a read has just computed, if it is the newest.
+  /// Dropped here, while the reader still holds the node, its weak reference ends without
+  /// the node's last release paying for it (shared_ptr's slow path when a weak reference
+  /// remains: two locked decrements, where a node nothing else observes is freed with
+  /// none), and the next statement finds no dead entry to remove.
+  void untrace_newest(const NodePtr& n);
 
   // ---- execution ----------------------------------------------------------------------
 
@@ -266,6 +272,11 @@ LAZYTENSOR_INLINE void Device::trace(const NodePtr& n) {
   if (trace_.size() >= prune_at_) prune_trace();
   if (n->id_ == 0) n->id_ = ++next_node_id_;
   trace_.push_back(n);
+}
+
+LAZYTENSOR_INLINE void Device::untrace_newest(const NodePtr& n) {
+  std::lock_guard lock(mu_);
+  if (!trace_.empty() && !trace_.back().owner_before(n) && !n.owner_before(trace_.back())) trace_.pop_back();
 }
 
 LAZYTENSOR_INLINE void Device::drop_remote_trace() {

@@ -375,6 +375,9 @@ LAZYTENSOR_INLINE void execute(Device& device, std::span<const NodePtr> roots) {
     prepare(roots);
     roots[0]->set_state(Node::State::Queued);
     run_alone(device, roots[0]);
+    // Computed, so no step needs its entry (a step runs pending nodes only); the newest is
+    // the usual case: a statement read as soon as it is built.
+    if (roots[0]->materialized()) device.untrace_newest(roots[0]);
     return;
   }
   execute_now(device, topological_order(roots));
