@@ -345,13 +345,9 @@ using AllTypes = ::testing::Types<float, double, i32, i64, bool, bf16>;
 // the dtypes rather than being typed suites, whose registration GoogleTest compiles once
 // per test and type (a tenth of the element-wise tests' object code). Failure messages name
 // the dtype.
-template <class... Ts, class F>
-void for_each_type(::testing::Types<Ts...>, const F& f) {
-  (f.template operator()<Ts>(), ...);
-}
 template <class F>
 void for_each_dtype(const F& f) {
-  for_each_type(AllTypes{}, f);
+  [&]<class... Ts>(::testing::Types<Ts...>) { (f.template operator()<Ts>(), ...); }(AllTypes{});
 }
 
 // ---- op descriptors -------------------------------------------------------------------
