@@ -166,3 +166,32 @@ TEST(KernelForm, ConsumedExpressionsKeepTheirGradients) {
 }
 
 }  // namespace
+
+namespace {
+
+// expr/kernel_form.hpp's text of a kernel, the form graph dumps show: "op(child, ...)", inputs
+// as "inK" (K the input's slot, a repeated tensor keeping its first slot), scalars without
+// trailing zeros; a gradient kernel (expr/dual.hpp) as "d/dinK(forward) * gradient".
+TEST(KernelForm, TextNamesOpsSlotsAndScalars) {
+  using lazy::expr::KExpr;
+  using lazy::expr::KLeaf;
+  using lazy::expr::Scalar;
+  const auto a = lazy::from_vector<float>({1, 2}, lazy::Shape{2});
+  const auto b = lazy::from_vector<float>({3, 4}, lazy::Shape{2});
+  std::vector<lazy::graph::NodePtr> inputs;
+  const auto k = lazy::expr::to_kernel(lazy::expr::operand(a * b + a), inputs);
+  EXPECT_EQ(lazy::expr::kernel_text(k), "add(mul(in0, in1), in0)");
+  inputs.clear();
+  const auto s = lazy::expr::to_kernel(lazy::expr::operand(lazy::exp(a) * 0.5f - 2.0f), inputs);
+  EXPECT_EQ(lazy::expr::kernel_text(s), "sub(mul(exp(in0), 0.5), 2)");
+
+  // Built by hand: slots as given, a three-digit slot, a negative fraction.
+  using Fwd = KExpr<lazy::ops::Mul, KLeaf<float>, KLeaf<float>>;
+  const Fwd mul{{KLeaf<float>{0}, KLeaf<float>{1}}};
+  const lazy::expr::KGrad<Fwd, float> grad{mul, KLeaf<float>{2}, 1};
+  EXPECT_EQ(lazy::expr::kernel_text(grad), "d/din1(mul(in0, in1)) * in2");
+  const KExpr<lazy::ops::Add, KLeaf<double>, Scalar<double>> wide{{KLeaf<double>{123}, Scalar<double>{-0.25}}};
+  EXPECT_EQ(lazy::expr::kernel_text(wide), "add(in123, -0.25)");
+}
+
+}  // namespace

@@ -22,8 +22,10 @@ class ElementwiseGradFnBase : public GradFn {
  public:
   /// `constant`: the expression's derivatives are constants (expr::constant_tangent), so
   /// its gradient kernels need no input value.
-  ElementwiseGradFnBase(std::vector<graph::NodePtr> inputs, bool constant)
-      : inputs_(std::move(inputs)), constant_(constant) {}
+  /// Both defined with the runtime: in place, every ElementwiseGradFn<K> inlined the input
+  /// list's copy and releases, ~2 KB per expression with a gradient.
+  LAZYTENSOR_INLINE ElementwiseGradFnBase(const std::vector<graph::NodePtr>& inputs, bool constant);
+  LAZYTENSOR_INLINE ~ElementwiseGradFnBase() override;
 
   LAZYTENSOR_INLINE std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override;
 
@@ -37,6 +39,9 @@ class ElementwiseGradFnBase : public GradFn {
   /// A pending node computing grad * d(output)/d(input `slot`), in the output's shape.
   virtual graph::NodePtr gradient_kernel(int slot, const graph::NodePtr& grad) const = 0;
   const std::vector<graph::NodePtr>& inputs() const { return inputs_; }
+  /// The inputs of a gradient kernel: the forward inputs, then `grad` converted to `dtype`
+  /// (the kernel's last slot). Not a template, like the constructor.
+  LAZYTENSOR_INLINE std::vector<graph::NodePtr> gradient_inputs(const graph::NodePtr& grad, DType dtype) const;
 
  private:
   /// What a released function with constant derivatives keeps of an input.
@@ -51,6 +56,11 @@ class ElementwiseGradFnBase : public GradFn {
   std::vector<InputMeta> released_inputs_;
   bool constant_;
 };
+
+/// Owns `fn` (made with `new`) through the base class, with `next` as its next functions.
+/// Not a template: std::shared_ptr's adopting constructor (its control block, and the
+/// cleanup that deletes `fn` when that allocation throws) is compiled once, not per expression.
+LAZYTENSOR_INLINE GradFnPtr adopt_grad_fn(GradFn* fn, std::vector<GradFnPtr>&& next);
 
 namespace detail {
 /// Registers the conversions from gradient dtype S to the dtype of every leaf of kernel K.
@@ -72,8 +82,8 @@ struct register_leaf_casts<S, expr::KExpr<Op, C...>> {
 template <class K, Element Tout>
 class ElementwiseGradFn final : public ElementwiseGradFnBase {
  public:
-  ElementwiseGradFn(K kernel, std::vector<graph::NodePtr> inputs)
-      : ElementwiseGradFnBase(std::move(inputs), expr::constant_tangent_v<K>),
+  ElementwiseGradFn(K kernel, const std::vector<graph::NodePtr>& inputs)
+      : ElementwiseGradFnBase(inputs, expr::constant_tangent_v<K>),
         kernel_(std::move(kernel)) {
     // apply() sums gradients of the kernel's lane back to each input's shape and dtype.
     using S = typename expr::KGrad<K, Tout>::value_type;
@@ -95,9 +105,8 @@ class ElementwiseGradFn final : public ElementwiseGradFnBase {
     using KG = expr::KGrad<K, Tout>;
     using S = typename KG::value_type;
     if constexpr (std::is_same_v<S, float> || std::is_same_v<S, double>) {
-      std::vector<graph::NodePtr> ins = inputs();
-      const int g_slot = static_cast<int>(ins.size());
-      ins.push_back(cast_node(grad, dtype_of<Tout>()));
+      std::vector<graph::NodePtr> ins = gradient_inputs(grad, dtype_of<Tout>());
+      const int g_slot = static_cast<int>(ins.size()) - 1;
       return graph::submit(
           graph::elementwise_node<S>(KG{kernel_, expr::KLeaf<Tout>{g_slot}, slot}, shape, grad->device(), std::move(ins)));
     } else {
@@ -115,6 +124,27 @@ class ElementwiseGradFn final : public ElementwiseGradFnBase {
 };
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
+LAZYTENSOR_INLINE GradFnPtr adopt_grad_fn(GradFn* fn, std::vector<GradFnPtr>&& next) {
+  GradFnPtr owned(fn);
+  owned->next = std::move(next);
+  return owned;
+}
+
+LAZYTENSOR_INLINE ElementwiseGradFnBase::ElementwiseGradFnBase(const std::vector<graph::NodePtr>& inputs,
+                                                                bool constant)
+    : inputs_(inputs), constant_(constant) {}
+
+LAZYTENSOR_INLINE ElementwiseGradFnBase::~ElementwiseGradFnBase() = default;
+
+LAZYTENSOR_INLINE std::vector<graph::NodePtr> ElementwiseGradFnBase::gradient_inputs(const graph::NodePtr& grad,
+                                                                                    DType dtype) const {
+  std::vector<graph::NodePtr> ins;
+  ins.reserve(inputs_.size() + 1);
+  ins = inputs_;
+  ins.push_back(cast_node(grad, dtype));
+  return ins;
+}
+
 LAZYTENSOR_INLINE std::vector<graph::NodePtr> ElementwiseGradFnBase::apply(const graph::NodePtr& grad) {
   check_not_released();
   if (!released_inputs_.empty() && inputs_.empty()) {

@@ -56,8 +56,7 @@ GradFnPtr operand_edge(const X& x) {
       expr::drop_cut_edges(k, edges);  // no gradient through integer values
       if (!any_edge(edges)) return nullptr;
       // Owned through the base class (see make_elementwise).
-      GradFnPtr fn(static_cast<GradFn*>(new ElementwiseGradFn<decltype(k), V>(k, inputs)));
-      fn->next = std::move(edges);
+      GradFnPtr fn = adopt_grad_fn(new ElementwiseGradFn<decltype(k), V>(k, inputs), std::move(edges));
       fn->dtype = dtype_of<V>();
       fn->shape = x.shape();
       fn->device = fn->next.empty() ? nullptr : inputs.front()->device();

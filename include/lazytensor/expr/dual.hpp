@@ -274,11 +274,11 @@ struct Eval<S, KGrad<K, Tg>> {
 /// "d/din1(mul(in0, in1)) * in2" for graph dumps.
 template <class K, Element Tg>
 void append_text(std::string& s, const KGrad<K, Tg>& k) {
-  s += "d/din";
-  s += std::to_string(k.target);
-  s += '(';
+  detail::append_chars(s, "d/d");
+  detail::append_slot(s, k.target);
+  detail::append_chars(s, "(");
   append_text(s, k.fwd);
-  s += ") * ";
+  detail::append_chars(s, ") * ");
   append_text(s, k.grad);
 }
 

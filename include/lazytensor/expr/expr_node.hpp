@@ -34,13 +34,28 @@ namespace lazy {
 
 namespace expr {
 
-/// A tensor operand: the graph node holding its value, and where its gradient goes
+/// What a tensor operand holds: the graph node of its value, and where its gradient goes
 /// (null unless the tensor requires grad and grad mode was on when the leaf was made).
-template <Element T>
-struct Leaf {
-  using value_type = T;
+/// Not a template, its destructor defined with the runtime: written in place, the two
+/// references' releases were inlined into every expression type's destructor, a tenth of
+/// an element-wise statement's code.
+struct LeafRefs {
   graph::NodePtr node;
   autograd::GradFnPtr grad;
+
+  LeafRefs(graph::NodePtr n, autograd::GradFnPtr g) noexcept : node(std::move(n)), grad(std::move(g)) {}
+  LeafRefs(const LeafRefs&) = default;
+  LeafRefs(LeafRefs&&) noexcept = default;
+  LeafRefs& operator=(const LeafRefs&) = default;
+  LeafRefs& operator=(LeafRefs&&) noexcept = default;
+  LAZYTENSOR_INLINE ~LeafRefs();
+};
+
+/// A tensor operand of dtype T.
+template <Element T>
+struct Leaf : LeafRefs {
+  using value_type = T;
+  using LeafRefs::LeafRefs;
   /// The node's shape. A template only so that Node (graph/node.hpp, a higher layer) is
   /// complete where it is called, not here.
   template <class N = graph::Node>
@@ -265,6 +280,10 @@ concept BoolValued = std::is_same_v<typename detail::operand_value<X>::type, boo
 }  // namespace lazy
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
+namespace lazy::expr {
+LAZYTENSOR_INLINE LeafRefs::~LeafRefs() = default;
+}  // namespace lazy::expr
+
 namespace lazy::expr::detail {
 LAZYTENSOR_INLINE void bad_integer_power(long long exponent, DType type) {
   if (exponent < 0) {

@@ -38,9 +38,7 @@ graph::NodePtr make_elementwise(E&& e, const Shape* shape, autograd::GradFnPtr* 
     if (grad_fn && autograd::any_edge(edges)) {
       // Owned through the base class: std::shared_ptr's control block is then one type
       // for every expression, not one more per expression (make_shared's would be).
-      autograd::GradFnPtr fn(static_cast<autograd::GradFn*>(new autograd::ElementwiseGradFn<decltype(k), Tout>(k, inputs)));
-      fn->next = std::move(edges);
-      *grad_fn = std::move(fn);
+      *grad_fn = autograd::adopt_grad_fn(new autograd::ElementwiseGradFn<decltype(k), Tout>(k, inputs), std::move(edges));
     }
   }
   return graph::submit(graph::elementwise_node<Tout>(std::move(k), out, &dev, std::move(inputs)));
