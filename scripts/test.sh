@@ -51,13 +51,13 @@ run_default() {
   local dir="${BUILD_DIR:-build}" benchmarks="${1:-ON}"
   section "configure + build ($dir, Release, LAZYTENSOR_NATIVE=ON)"
   # The library's compiled runtime and the examples build at -O2 (a third faster to compile
-  # than -O3, same vectorized code paths); the tests at -O1 with -O2's strict aliasing
-  # (tests/CMakeLists.txt: ~0.7x -O2's compile time, the same xsimd kernels); benchmarks
+  # than -O3, same vectorized code paths); the tests at -Og with -O2's strict aliasing
+  # (tests/CMakeLists.txt: ~0.45x -O1's compile time, the same xsimd kernels); benchmarks
   # add -O3 themselves (lazytensor_bench_flags).
   cmake -S . -B "$dir" \
     -DCMAKE_BUILD_TYPE=Release \
     "-DCMAKE_CXX_FLAGS_RELEASE=-O2 -DNDEBUG" \
-    "-DLAZYTENSOR_TEST_OPTIMIZE=-O1 -fstrict-aliasing" \
+    "-DLAZYTENSOR_TEST_OPTIMIZE=-Og -fstrict-aliasing" \
     -DLAZYTENSOR_NATIVE=ON \
     -DLAZYTENSOR_SANITIZE= \
     -DLAZYTENSOR_BUILD_TESTS=ON \
