@@ -2336,7 +2336,9 @@ inline BlockRule leading_dims_rule(int rank, int lead, std::size_t inputs) {
 class Node {
  public:
   Node(NodeKind kind, DType dtype, Shape shape, Device* device, std::vector<NodePtr> inputs = {});
-  virtual ~Node() { release_chain(inputs_); }
+  /// (The runtime's: every node class's destructor, one per expression type, calls it
+  /// rather than inlining the release of the inputs and the members.)
+  virtual ~Node();
   Node(const Node&) = delete;
   Node& operator=(const Node&) = delete;
 
@@ -2524,6 +2526,8 @@ namespace lazy::graph {
 
 LAZYTENSOR_INLINE Node::Node(NodeKind kind, DType dtype, Shape shape, Device* device, std::vector<NodePtr> inputs)
     : kind_(kind), dtype_(dtype), shape_(shape), device_(device), inputs_(std::move(inputs)) {}
+
+LAZYTENSOR_INLINE Node::~Node() { release_chain(inputs_); }
 
 LAZYTENSOR_INLINE std::uint64_t Node::hash() const {
   if (!hash_valid_) {
@@ -6440,13 +6444,21 @@ class ElementwiseNode final : public Node {
   int fused_slot_ = -1;
 };
 
+/// A pending node running `kernel` (made with `new`, adopted at once) writing `dtype` of
+/// `shape` on `device`, not yet submitted. Not a template: the node's allocation and the
+/// kernel reference's release are compiled once, not in every expression's builder
+/// (the kernel comes as a pointer and the inputs by reference, so that no call site holds
+/// a cleanup of its own).
+LAZYTENSOR_INLINE NodePtr make_elementwise_node(const ElementwiseKernel* kernel, bool can_stream, DType dtype,
+                                                const Shape& shape, Device* device, std::vector<NodePtr>&& inputs);
+
 /// A pending-node-to-be for kernel-form expression `k` writing Tout of `shape` on `device`
 /// (not yet submitted).
 template <Element Tout, class K, bool Lean = false>
-NodePtr elementwise_node(K k, const Shape& shape, Device* device, std::vector<NodePtr> inputs) {
+NodePtr elementwise_node(K k, const Shape& shape, Device* device, std::vector<NodePtr>&& inputs) {
   using CK = CompiledKernel<K, Tout, Lean>;
-  return core::make_cached<ElementwiseNode>(KernelRef(new CK(std::move(k))), CK::can_stream, dtype_of<Tout>(), shape,
-                                            device, std::move(inputs));
+  return make_elementwise_node(new CK(std::move(k)), CK::can_stream, dtype_of<Tout>(), shape, device,
+                               std::move(inputs));
 }
 
 }  // namespace lazy::graph
@@ -6457,6 +6469,12 @@ namespace lazy::graph {
 LAZYTENSOR_INLINE RowProducer::Session::Session(RowProducer& p, ExecContext& ctx) : p_(p) { p_.begin_rows(ctx); }
 
 LAZYTENSOR_INLINE RowProducer::Session::~Session() { p_.end_rows(); }
+
+LAZYTENSOR_INLINE NodePtr make_elementwise_node(const ElementwiseKernel* kernel, bool can_stream, DType dtype,
+                                                const Shape& shape, Device* device, std::vector<NodePtr>&& inputs) {
+  KernelRef ref(kernel);  // first: owned from here on, whatever throws below
+  return core::make_cached<ElementwiseNode>(std::move(ref), can_stream, dtype, shape, device, std::move(inputs));
+}
 
 LAZYTENSOR_INLINE ElementwiseNode::ElementwiseNode(KernelRef kernel,
   bool can_stream,
@@ -8497,6 +8515,8 @@ class ReduceLoops final : public ReduceKernel {
 /// which ReductionNodeOf holds (one allocation per node, as one statement's fixed cost).
 class ReductionNode : public Node, public ChunkReduction, public BlockReduction {
  public:
+  /// (The runtime's, as Node's: ReductionNodeOf's destructors then only call it.)
+  ~ReductionNode() override;
   std::string op_name() const override { return kernel_.name(); }
   LAZYTENSOR_INLINE std::string describe() const override;
   double cost_per_element() const override { return kernel_.cost(); }
@@ -8649,6 +8669,8 @@ LAZYTENSOR_INLINE ReductionNode::ReductionNode(const ReduceKernel& kernel, DType
       scale_(scale),
       child_shape_(std::move(child_shape)),
       splat_(detail::splat_flags(this->inputs(), child_shape_.numel())) {}
+
+LAZYTENSOR_INLINE ReductionNode::~ReductionNode() = default;
 
 LAZYTENSOR_INLINE std::string ReductionNode::describe() const {
   return std::string(kernel_.name()) + "(" + kernel_.text() + ") over [" + std::to_string(g_.outer) + ", " +
@@ -9255,6 +9277,10 @@ class ElementwiseGradFnBase : public GradFn {
 /// cleanup that deletes `fn` when that allocation throws) is compiled once, not per expression.
 LAZYTENSOR_INLINE GradFnPtr adopt_grad_fn(GradFn* fn, std::vector<GradFnPtr>&& next);
 
+/// libtorch's name of the backward function of op `op`: "mul" -> "MulBackward0". (The
+/// runtime's: its string building was ~180 B of every expression's backward function.)
+LAZYTENSOR_INLINE std::string backward_name(const char* op);
+
 namespace detail {
 /// Registers the conversions from gradient dtype S to the dtype of every leaf of kernel K.
 template <class S, class K>
@@ -9287,11 +9313,7 @@ class ElementwiseGradFn final : public ElementwiseGradFnBase {
     }
   }
 
-  std::string name() const override {
-    std::string n = op_label();
-    if (!n.empty() && n[0] >= 'a' && n[0] <= 'z') n[0] = static_cast<char>(n[0] - 'a' + 'A');
-    return n + "Backward0";
-  }
+  std::string name() const override { return backward_name(op_label()); }
 
  protected:
   graph::NodePtr gradient_kernel(int slot, const graph::NodePtr& grad) const override {
@@ -9321,6 +9343,12 @@ LAZYTENSOR_INLINE GradFnPtr adopt_grad_fn(GradFn* fn, std::vector<GradFnPtr>&& n
   GradFnPtr owned(fn);
   owned->next = std::move(next);
   return owned;
+}
+
+LAZYTENSOR_INLINE std::string backward_name(const char* op) {
+  std::string n = op;
+  if (!n.empty() && n[0] >= 'a' && n[0] <= 'z') n[0] = static_cast<char>(n[0] - 'a' + 'A');
+  return n + "Backward0";
 }
 
 LAZYTENSOR_INLINE ElementwiseGradFnBase::ElementwiseGradFnBase(const std::vector<graph::NodePtr>& inputs,

@@ -221,13 +221,21 @@ class ElementwiseNode final : public Node {
   int fused_slot_ = -1;
 };
 
+/// A pending node running `kernel` (made with `new`, adopted at once) writing `dtype` of
+/// `shape` on `device`, not yet submitted. Not a template: the node's allocation and the
+/// kernel reference's release are compiled once, not in every expression's builder
+/// (the kernel comes as a pointer and the inputs by reference, so that no call site holds
+/// a cleanup of its own).
+LAZYTENSOR_INLINE NodePtr make_elementwise_node(const ElementwiseKernel* kernel, bool can_stream, DType dtype,
+                                                const Shape& shape, Device* device, std::vector<NodePtr>&& inputs);
+
 /// A pending-node-to-be for kernel-form expression `k` writing Tout of `shape` on `device`
 /// (not yet submitted).
 template <Element Tout, class K, bool Lean = false>
-NodePtr elementwise_node(K k, const Shape& shape, Device* device, std::vector<NodePtr> inputs) {
+NodePtr elementwise_node(K k, const Shape& shape, Device* device, std::vector<NodePtr>&& inputs) {
   using CK = CompiledKernel<K, Tout, Lean>;
-  return core::make_cached<ElementwiseNode>(KernelRef(new CK(std::move(k))), CK::can_stream, dtype_of<Tout>(), shape,
-                                            device, std::move(inputs));
+  return make_elementwise_node(new CK(std::move(k)), CK::can_stream, dtype_of<Tout>(), shape, device,
+                               std::move(inputs));
 }
 
 }  // namespace lazy::graph
@@ -238,6 +246,12 @@ namespace lazy::graph {
 LAZYTENSOR_INLINE RowProducer::Session::Session(RowProducer& p, ExecContext& ctx) : p_(p) { p_.begin_rows(ctx); }
 
 LAZYTENSOR_INLINE RowProducer::Session::~Session() { p_.end_rows(); }
+
+LAZYTENSOR_INLINE NodePtr make_elementwise_node(const ElementwiseKernel* kernel, bool can_stream, DType dtype,
+                                                const Shape& shape, Device* device, std::vector<NodePtr>&& inputs) {
+  KernelRef ref(kernel);  // first: owned from here on, whatever throws below
+  return core::make_cached<ElementwiseNode>(std::move(ref), can_stream, dtype, shape, device, std::move(inputs));
+}
 
 LAZYTENSOR_INLINE ElementwiseNode::ElementwiseNode(KernelRef kernel,
   bool can_stream,

@@ -86,7 +86,9 @@ inline BlockRule leading_dims_rule(int rank, int lead, std::size_t inputs) {
 class Node {
  public:
   Node(NodeKind kind, DType dtype, Shape shape, Device* device, std::vector<NodePtr> inputs = {});
-  virtual ~Node() { release_chain(inputs_); }
+  /// (The runtime's: every node class's destructor, one per expression type, calls it
+  /// rather than inlining the release of the inputs and the members.)
+  virtual ~Node();
   Node(const Node&) = delete;
   Node& operator=(const Node&) = delete;
 
@@ -274,6 +276,8 @@ namespace lazy::graph {
 
 LAZYTENSOR_INLINE Node::Node(NodeKind kind, DType dtype, Shape shape, Device* device, std::vector<NodePtr> inputs)
     : kind_(kind), dtype_(dtype), shape_(shape), device_(device), inputs_(std::move(inputs)) {}
+
+LAZYTENSOR_INLINE Node::~Node() { release_chain(inputs_); }
 
 LAZYTENSOR_INLINE std::uint64_t Node::hash() const {
   if (!hash_valid_) {

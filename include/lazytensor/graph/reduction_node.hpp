@@ -308,6 +308,8 @@ class ReduceLoops final : public ReduceKernel {
 /// which ReductionNodeOf holds (one allocation per node, as one statement's fixed cost).
 class ReductionNode : public Node, public ChunkReduction, public BlockReduction {
  public:
+  /// (The runtime's, as Node's: ReductionNodeOf's destructors then only call it.)
+  ~ReductionNode() override;
   std::string op_name() const override { return kernel_.name(); }
   LAZYTENSOR_INLINE std::string describe() const override;
   double cost_per_element() const override { return kernel_.cost(); }
@@ -460,6 +462,8 @@ LAZYTENSOR_INLINE ReductionNode::ReductionNode(const ReduceKernel& kernel, DType
       scale_(scale),
       child_shape_(std::move(child_shape)),
       splat_(detail::splat_flags(this->inputs(), child_shape_.numel())) {}
+
+LAZYTENSOR_INLINE ReductionNode::~ReductionNode() = default;
 
 LAZYTENSOR_INLINE std::string ReductionNode::describe() const {
   return std::string(kernel_.name()) + "(" + kernel_.text() + ") over [" + std::to_string(g_.outer) + ", " +
