@@ -250,6 +250,25 @@ inline std::string label(const char* op, std::initializer_list<lazy::DType> dtyp
   return s + "> " + tail;
 }
 
+// Checks one run of an op on n elements: the output's shape, then every value. Compiled once
+// per result type; `operands` describes the operands before the size ("(tensor, 2) ").
+template <class R>
+void check_run(const char* op, std::initializer_list<lazy::DType> dtypes, const std::string& operands,
+               std::int64_t n, const Tensor<R>& out, const Expected<R>& e, Tol tol,
+               std::initializer_list<Column> inputs) {
+  const std::string what = label(op, dtypes, operands + "n=" + std::to_string(n));
+  ASSERT_EQ(out.shape(), Shape{n}) << what;
+  check_values<R>(what, out.to_vector(), e, tol, inputs);
+}
+
+// The same for a broadcast run: output shape `so` from operand shapes sa and sb.
+template <class R>
+void check_broadcast_run(const char* op, lazy::DType dtype, const Shape& sa, const Shape& sb, const Shape& so,
+                         const Tensor<R>& out, const Expected<R>& e, Tol tol, std::initializer_list<Column> inputs) {
+  ASSERT_EQ(out.shape(), so) << sa.str() << " vs " << sb.str();
+  check_values<R>(label(op, {dtype}, sa.str() + " with " + sb.str()), out.to_vector(), e, tol, inputs);
+}
+
 // ---- inputs ---------------------------------------------------------------------------
 
 struct Domain {
@@ -327,6 +346,21 @@ inline std::vector<std::int64_t> sizes_for(double cost_per_element) {
                                 2.0 * lazy::graph::kMinTaskItems);
   const auto big = static_cast<std::int64_t>(least) + 4099;
   return {0, 1, 2, 3, 4, 5, 6, 7, 127, 128, 129, big};
+}
+
+// A size list's entry standing for sizes_for's last: one above the threading threshold for
+// the kernel under test, whose cost the runners read from the pending node of an earlier
+// entry's statement (so no runner builds a statement only to learn it).
+constexpr std::int64_t kThreaded = -1;
+// Every size of sizes_for; fewer for the scalar-operand variants (same kernel loops, other
+// operand kinds).
+inline const std::vector<std::int64_t> kAllSizes{0, 1, 2, 3, 4, 5, 6, 7, 127, 128, 129, kThreaded};
+inline const std::vector<std::int64_t> kFewSizes{0, 1, 5, 129, kThreaded};
+// The size an entry stands for, `cost` being the kernel's cost per element.
+inline std::int64_t resolve_size(std::int64_t entry, double cost) {
+  if (entry != kThreaded) return entry;
+  EXPECT_GT(cost, 0) << "kThreaded must follow an entry of at least one element";
+  return sizes_for(cost > 0 ? cost : 1).back();
 }
 
 // Every test runs with 4 device threads, so large kernels really split into tasks even on a
@@ -673,18 +707,18 @@ void run_unary() {
   static_assert(std::is_same_v<R, typename Op::template result<T>>, "result type differs from PyTorch's");
   using RL = RefLane<T, R>;
   const Tol tol = Op::template tol<R>();
-  const double cost = Tensor<R>(Op::apply(make<T>(gen<T>(1, Op::domain(), 1), Shape{1}))).node()->cost_per_element();
-  for (std::int64_t n : sizes_for(cost)) {
+  double cost = 0;
+  for (const std::int64_t entry : kAllSizes) {
+    const std::int64_t n = resolve_size(entry, cost);
     const auto in = gen<T>(n, Op::domain(), static_cast<std::uint64_t>(n));
-    auto out = lazy::eval(Op::apply(make<T>(in, Shape{n})));
-    static_assert(std::is_same_v<decltype(out), Tensor<R>>);
-    ASSERT_EQ(out.shape(), Shape{n});
+    const Tensor<R> out = Op::apply(make<T>(in, Shape{n}));
+    if (n > 0) cost = out.node()->cost_per_element();
     const auto e = expected<R>(in.size(), [&](std::size_t i) { return Op::ref(RL::in(in[i])); });
-    check_values<R>(label(Op::name, {lazy::dtype_of<T>()}, "n=" + std::to_string(n)), out.to_vector(), e, tol,
-                    {column(in)});
+    check_run<R>(Op::name, {lazy::dtype_of<T>()}, "", n, out, e, tol, {column(in)});
   }
 }
 
+// `sizes` may hold kThreaded after an entry of at least one element.
 template <class Op, class A, class B = A>
 void run_binary_tensors(const std::vector<std::int64_t>& sizes, std::uint64_t salt = 0) {
   using E = decltype(Op::apply(std::declval<const Tensor<A>&>(), std::declval<const Tensor<B>&>()));
@@ -692,19 +726,20 @@ void run_binary_tensors(const std::vector<std::int64_t>& sizes, std::uint64_t sa
   static_assert(std::is_same_v<R, typename Op::template result<A, B>>, "result type differs from PyTorch's");
   using RL = RefLane<A, B, R>;
   const Tol tol = Op::template tol<R>();
-  for (std::int64_t n : sizes) {
+  double cost = 0;
+  for (const std::int64_t entry : sizes) {
+    const std::int64_t n = resolve_size(entry, cost);
     const auto va = gen<A>(n, Op::domain_a(), salt + 2 * static_cast<std::uint64_t>(n));
     const auto vb = gen<B>(n, Op::domain_b(), salt + 2 * static_cast<std::uint64_t>(n) + 1);
-    auto out = lazy::eval(Op::apply(make<A>(va, Shape{n}), make<B>(vb, Shape{n})));
-    static_assert(std::is_same_v<decltype(out), Tensor<R>>);
-    ASSERT_EQ(out.shape(), Shape{n});
+    const Tensor<R> out = Op::apply(make<A>(va, Shape{n}), make<B>(vb, Shape{n}));
+    if (n > 0) cost = out.node()->cost_per_element();
     const auto e = expected<R>(va.size(), [&](std::size_t i) { return Op::ref(RL::in(va[i]), RL::in(vb[i])); });
-    check_values<R>(label(Op::name, {lazy::dtype_of<A>(), lazy::dtype_of<B>()}, "n=" + std::to_string(n)),
-                    out.to_vector(), e, tol, {column(va), column(vb)});
+    check_run<R>(Op::name, {lazy::dtype_of<A>(), lazy::dtype_of<B>()}, "", n, out, e, tol, {column(va), column(vb)});
   }
 }
 
-// tensor OP scalar and scalar OP tensor, the scalar typed as PyTorch's weak scalars.
+// tensor OP scalar and scalar OP tensor, the scalar typed as PyTorch's weak scalars. `sizes`
+// may hold kThreaded (sized from tensor OP scalar's kernel) after an entry of one element or more.
 template <class Op, class T>
 void run_binary_scalars(const std::vector<std::int64_t>& sizes) {
   const auto s_right = natural_scalar<T>(Op::domain_b(), 99);
@@ -718,41 +753,26 @@ void run_binary_scalars(const std::vector<std::int64_t>& sizes) {
   static_assert(std::is_same_v<RR, typename Op::template result<T, W>>);
   static_assert(std::is_same_v<RLt, typename Op::template result<W, T>>);
   const W wr = scalar_as<W>(s_right), wl = scalar_as<W>(s_left);
-  for (std::int64_t n : sizes) {
+  const std::string right = "(tensor, " + show(s_right) + ") ", left = "(" + show(s_left) + ", tensor) ";
+  double cost = 0;
+  for (const std::int64_t entry : sizes) {
+    const std::int64_t n = resolve_size(entry, cost);
     const auto va = gen<T>(n, Op::domain_a(), 7 * static_cast<std::uint64_t>(n) + 3);
     const auto vb = gen<T>(n, Op::domain_b(), 7 * static_cast<std::uint64_t>(n) + 4);
     {
       using RL = RefLane<T, W, RR>;
-      Tensor<RR> out = Op::apply(make<T>(va, Shape{n}), s_right);
+      const Tensor<RR> out = Op::apply(make<T>(va, Shape{n}), s_right);
+      if (n > 0) cost = out.node()->cost_per_element();
       const auto e = expected<RR>(va.size(), [&](std::size_t i) { return Op::ref(RL::in(va[i]), RL::in(wr)); });
-      check_values<RR>(label(Op::name, {lazy::dtype_of<T>()}, "(tensor, " + show(s_right) + ") n=" + std::to_string(n)),
-                       out.to_vector(), e, Op::template tol<RR>(), {column(va)});
+      check_run<RR>(Op::name, {lazy::dtype_of<T>()}, right, n, out, e, Op::template tol<RR>(), {column(va)});
     }
     {
       using RL = RefLane<W, T, RLt>;
-      Tensor<RLt> out = Op::apply(s_left, make<T>(vb, Shape{n}));
+      const Tensor<RLt> out = Op::apply(s_left, make<T>(vb, Shape{n}));
       const auto e = expected<RLt>(vb.size(), [&](std::size_t i) { return Op::ref(RL::in(wl), RL::in(vb[i])); });
-      check_values<RLt>(label(Op::name, {lazy::dtype_of<T>()}, "(" + show(s_left) + ", tensor) n=" + std::to_string(n)),
-                        out.to_vector(), e, Op::template tol<RLt>(), {column(vb)});
+      check_run<RLt>(Op::name, {lazy::dtype_of<T>()}, left, n, out, e, Op::template tol<RLt>(), {column(vb)});
     }
   }
-}
-
-// Sizes for a binary op on T; the largest is above the threading threshold for its cost.
-template <class Op, class T>
-std::vector<std::int64_t> binary_sizes() {
-  const auto one = make<T>(gen<T>(1, Op::domain_a(), 5), Shape{1});
-  using R = typename decltype(Op::apply(one, one))::value_type;
-  return sizes_for(Tensor<R>(Op::apply(one, one)).node()->cost_per_element());
-}
-// Fewer sizes for the scalar-operand variants (same kernel loops, other operand kinds).
-template <class Op, class T>
-std::vector<std::int64_t> scalar_sizes() {
-  const auto one = make<T>(gen<T>(1, Op::domain_a(), 5), Shape{1});
-  const auto s = natural_scalar<T>(Op::domain_b(), 99);
-  using R = typename decltype(Op::apply(one, s))::value_type;
-  const auto all = sizes_for(Tensor<R>(Op::apply(one, s)).node()->cost_per_element());
-  return {0, 1, 5, 129, all.back()};
 }
 
 // Strides of an input of shape `in` in the coordinates of output shape `out`: 0 where the
@@ -778,24 +798,21 @@ inline Shape ref_broadcast(const Shape& a, const Shape& b) {
   return Shape(out);
 }
 
-template <class Op, class T>
-void run_broadcast(const Shape& sa, const Shape& sb) {
-  using R = typename decltype(Op::apply(std::declval<const Tensor<T>&>(), std::declval<const Tensor<T>&>()))::value_type;
-  using RL = RefLane<T, R>;
-  const auto va = gen<T>(sa.numel(), Op::domain_a(), 41 + static_cast<std::uint64_t>(sa.numel()));
-  const auto vb = gen<T>(sb.numel(), Op::domain_b(), 42 + static_cast<std::uint64_t>(sb.numel()));
-  const Shape so = ref_broadcast(sa, sb);
-  Tensor<R> out = Op::apply(make<T>(va, sa), make<T>(vb, sb));
-  ASSERT_EQ(out.shape(), so) << sa.str() << " vs " << sb.str();
+// Each output element's two operands, for inputs va of shape sa and vb of shape sb broadcast
+// to `so` (an odometer over the output index). Per dtype, not per op.
+template <class T>
+void broadcast_operands(const std::vector<T>& va, const Shape& sa, const std::vector<T>& vb, const Shape& sb,
+                        const Shape& so, std::vector<T>& xs, std::vector<T>& ys) {
   const auto size = static_cast<std::size_t>(so.numel());
-  std::vector<T> xs(size), ys(size);  // each output element's operands
+  xs.resize(size);
+  ys.resize(size);
   const auto st_a = bcast_strides(so, sa), st_b = bcast_strides(so, sb);
   std::array<std::int64_t, 8> idx{};
   std::int64_t ia = 0, ib = 0;
   for (std::size_t i = 0; i < size; ++i) {
     xs[i] = va[static_cast<std::size_t>(ia)];
     ys[i] = vb[static_cast<std::size_t>(ib)];
-    for (int d = so.rank() - 1; d >= 0; --d) {  // odometer over the output index
+    for (int d = so.rank() - 1; d >= 0; --d) {
       const auto k = static_cast<std::size_t>(d);
       ia += st_a[k];
       ib += st_b[k];
@@ -805,9 +822,21 @@ void run_broadcast(const Shape& sa, const Shape& sb) {
       idx[k] = 0;
     }
   }
-  const auto e = expected<R>(size, [&](std::size_t i) { return Op::ref(RL::in(T(xs[i])), RL::in(T(ys[i]))); });
-  check_values<R>(label(Op::name, {lazy::dtype_of<T>()}, sa.str() + " with " + sb.str()), out.to_vector(), e,
-                  Op::template tol<R>(), {column(xs), column(ys)});
+}
+
+template <class Op, class T>
+void run_broadcast(const Shape& sa, const Shape& sb) {
+  using R = typename decltype(Op::apply(std::declval<const Tensor<T>&>(), std::declval<const Tensor<T>&>()))::value_type;
+  using RL = RefLane<T, R>;
+  const auto va = gen<T>(sa.numel(), Op::domain_a(), 41 + static_cast<std::uint64_t>(sa.numel()));
+  const auto vb = gen<T>(sb.numel(), Op::domain_b(), 42 + static_cast<std::uint64_t>(sb.numel()));
+  const Shape so = ref_broadcast(sa, sb);
+  const Tensor<R> out = Op::apply(make<T>(va, sa), make<T>(vb, sb));
+  std::vector<T> xs, ys;
+  broadcast_operands(va, sa, vb, sb, so, xs, ys);
+  const auto e = expected<R>(xs.size(), [&](std::size_t i) { return Op::ref(RL::in(T(xs[i])), RL::in(T(ys[i]))); });
+  check_broadcast_run<R>(Op::name, lazy::dtype_of<T>(), sa, sb, so, out, e, Op::template tol<R>(),
+                         {column(xs), column(ys)});
 }
 
 }  // namespace lazytest
