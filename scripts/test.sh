@@ -52,7 +52,7 @@ run_default() {
   section "configure + build ($dir, Release, LAZYTENSOR_NATIVE=ON)"
   # The library's compiled runtime and the examples build at -O2 (a third faster to compile
   # than -O3, same vectorized code paths); the tests at -Og with -O2's strict aliasing
-  # (tests/CMakeLists.txt: ~0.45x -O1's compile time, the same xsimd kernels); benchmarks
+  # (tests/CMakeLists.txt: ~0.7x -O1's compile time, the same xsimd kernels); benchmarks
   # add -O3 themselves (lazytensor_bench_flags).
   cmake -S . -B "$dir" \
     -DCMAKE_BUILD_TYPE=Release \
