@@ -1,4 +1,4 @@
-// Element-wise gradient kernels built at -O3 (the tests build at -O2; users often use -O3):
+// Element-wise gradient kernels built at -O3 (the suite builds at -Og; users often use -O3):
 // the derivatives of sigmoid, tanh, exp, SiLU and GELU in double and float, at every length
 // 1..40 (whole SIMD batches and every tail), against their closed forms evaluated in long
 // double. GCC 12 at -O3 with AVX-512 once computed the double sigmoid gradient with lanes
