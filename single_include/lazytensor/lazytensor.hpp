@@ -9361,7 +9361,7 @@ LAZYTENSOR_INLINE std::vector<graph::NodePtr> ElementwiseGradFnBase::gradient_in
                                                                                     DType dtype) const {
   std::vector<graph::NodePtr> ins;
   ins.reserve(inputs_.size() + 1);
-  ins = inputs_;
+  ins.insert(ins.end(), inputs_.begin(), inputs_.end());
   ins.push_back(cast_node(grad, dtype));
   return ins;
 }

@@ -250,23 +250,23 @@ inline std::string label(const char* op, std::initializer_list<lazy::DType> dtyp
   return s + "> " + tail;
 }
 
-// Checks one run of an op on n elements: the output's shape, then every value. Compiled once
-// per result type; `operands` describes the operands before the size ("(tensor, 2) ").
+// Checks one run of an op: the output's shape, then every value; `tail` follows the op and
+// dtypes in failure messages. Compiled once per result type.
+template <class R>
+void check_output(const char* op, std::initializer_list<lazy::DType> dtypes, const std::string& tail,
+                  const Shape& shape, const Tensor<R>& out, const Expected<R>& e, Tol tol,
+                  std::initializer_list<Column> inputs) {
+  const std::string what = label(op, dtypes, tail);
+  ASSERT_EQ(out.shape(), shape) << what;
+  check_values<R>(what, out.to_vector(), e, tol, inputs);
+}
+// The same for a run on n elements; `operands` describes the operands before the size
+// ("(tensor, 2) ").
 template <class R>
 void check_run(const char* op, std::initializer_list<lazy::DType> dtypes, const std::string& operands,
                std::int64_t n, const Tensor<R>& out, const Expected<R>& e, Tol tol,
                std::initializer_list<Column> inputs) {
-  const std::string what = label(op, dtypes, operands + "n=" + std::to_string(n));
-  ASSERT_EQ(out.shape(), Shape{n}) << what;
-  check_values<R>(what, out.to_vector(), e, tol, inputs);
-}
-
-// The same for a broadcast run: output shape `so` from operand shapes sa and sb.
-template <class R>
-void check_broadcast_run(const char* op, lazy::DType dtype, const Shape& sa, const Shape& sb, const Shape& so,
-                         const Tensor<R>& out, const Expected<R>& e, Tol tol, std::initializer_list<Column> inputs) {
-  ASSERT_EQ(out.shape(), so) << sa.str() << " vs " << sb.str();
-  check_values<R>(label(op, {dtype}, sa.str() + " with " + sb.str()), out.to_vector(), e, tol, inputs);
+  check_output<R>(op, dtypes, operands + "n=" + std::to_string(n), Shape{n}, out, e, tol, inputs);
 }
 
 // ---- inputs ---------------------------------------------------------------------------
@@ -835,8 +835,8 @@ void run_broadcast(const Shape& sa, const Shape& sb) {
   std::vector<T> xs, ys;
   broadcast_operands(va, sa, vb, sb, so, xs, ys);
   const auto e = expected<R>(xs.size(), [&](std::size_t i) { return Op::ref(RL::in(T(xs[i])), RL::in(T(ys[i]))); });
-  check_broadcast_run<R>(Op::name, lazy::dtype_of<T>(), sa, sb, so, out, e, Op::template tol<R>(),
-                         {column(xs), column(ys)});
+  check_output<R>(Op::name, {lazy::dtype_of<T>()}, sa.str() + " with " + sb.str(), so, out, e, Op::template tol<R>(),
+                  {column(xs), column(ys)});
 }
 
 }  // namespace lazytest

@@ -165,10 +165,6 @@ TEST(KernelForm, ConsumedExpressionsKeepTheirGradients) {
   for (std::size_t i = 0; i < pv.size(); ++i) EXPECT_DOUBLE_EQ(g[i], 2 * pv[i]) << i;
 }
 
-}  // namespace
-
-namespace {
-
 // expr/kernel_form.hpp's text of a kernel, the form graph dumps show: "op(child, ...)", inputs
 // as "inK" (K the input's slot, a repeated tensor keeping its first slot), scalars without
 // trailing zeros; a gradient kernel (expr/dual.hpp) as "d/dinK(forward) * gradient".
