@@ -26863,8 +26863,7 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
     }
     // Whole blocks per task (row_block): the same GEMM calls whatever the thread count.
     const std::int64_t block = row_block(), blocks = (rows + block - 1) / block;
-    const std::int64_t tasks =
-        std::max<std::int64_t>(1, std::min<std::int64_t>(task_count(pool, rows * n_, cost_per_element()), blocks));
+    const std::int64_t tasks = row_tasks(pool);
     void* out = buf->data();
     {
       RowProducer::Session session(*this, ctx);
@@ -26901,6 +26900,13 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
     }
   }
 
+  // Tasks the product's rows run as: whole blocks each (row_block), as many as its cost earns.
+  std::int64_t row_tasks(const ThreadPool& pool) const {
+    const std::int64_t rows = m_ * std::max(batch_a_, batch_b_), block = row_block();
+    const std::int64_t blocks = (rows + block - 1) / block;
+    return std::max<std::int64_t>(1, std::min(task_count(pool, rows * n_, cost_per_element()), blocks));
+  }
+
   // Packs op(B) of every batch (`bytes` each) with `Kernel`, panels split over the pool.
   template <class Kernel>
   void pack_b_in_tasks(ExecContext& ctx, std::int64_t bytes) {
@@ -26909,7 +26915,10 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
     auto* out = static_cast<unsigned char*>(packed_b_->data());
     const T* b = inputs()[1]->template data<T>();
     auto& pool = ctx.device.threads();
-    const std::int64_t tasks = std::min(jobs, task_count(pool, batch_b_ * k_ * n_, 1.0));
+    // As many tasks as the product's rows get (its workers are woken for them anyway), or
+    // more when the packing alone is worth them: a 784 x 256 op(B) packs in 20-40 us, which
+    // on one thread left the others idle before every product of the MLP step.
+    const std::int64_t tasks = std::min(jobs, std::max(row_tasks(pool), task_count(pool, batch_b_ * k_ * n_, 1.0)));
     pool.parallel_for(tasks, [&](std::int64_t t) {
       auto [q0, q1] = task_range(jobs, tasks, t);
       // One call per batch the task's panels fall in (pack_b reads rows across them).
