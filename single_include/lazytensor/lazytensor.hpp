@@ -5926,20 +5926,25 @@ LAZY_KERNEL_LOOP inline void stream_copy(void* dst, const void* src, std::size_t
                 bytes - whole);
 }
 
-/// Stores the first `count` lanes of `b` to `p` (the tail of a range).
+/// Stores lanes [first, first + count) of `b` to `p` (the tail of a range).
 template <class Tout, class S>
-inline void store_partial(Tout* p, const batch_t<S>& b, std::int64_t count) {
+inline void store_partial(Tout* p, const batch_t<S>& b, std::int64_t first, std::int64_t count) {
   alignas(64) S tmp[batch_t<S>::size];
   b.store_aligned(tmp);
-  for (std::int64_t k = 0; k < count; ++k) p[k] = to_storage<Tout>(tmp[k]);
+  for (std::int64_t k = 0; k < count; ++k) p[k] = to_storage<Tout>(tmp[first + k]);
 }
 
 /// Evaluates elements [b, e) of a kernel (indices relative to the evaluator's leaf
 /// positions) into out[0, e - b). `Contig`: no input is a splat. The tail is one whole
-/// batch of which only the owned lanes are stored: buffers carry a spare batch of padding,
-/// so the read stays in bounds, and no scalar copy of the expression is compiled. With
-/// `stream` (S == Tout only), stores bypass the cache (out batch-aligned; the caller
-/// fences): a loop-invariant branch per batch rather than a loop of its own.
+/// batch of which only the owned lanes are stored, so no scalar copy of the expression is
+/// compiled. That batch ends at e when the range holds one (it evaluates again lanes already
+/// stored, which only the tail's lanes overwrite): reading past e would read elements that
+/// another task may be writing at that moment (the rows a fused producer is computing, an
+/// output written in place over its input), a data race even though those lanes are thrown
+/// away. A range shorter than a batch reads past e into the spare batch of padding every
+/// buffer carries. With `stream` (S == Tout only), stores bypass the cache (out
+/// batch-aligned; the caller fences): a loop-invariant branch per batch rather than a loop
+/// of its own.
 template <class S, class Tout, bool Contig, class Ev>
 LAZY_KERNEL_LOOP void eval_range(const Ev& ev_in, Tout* out, std::int64_t b, std::int64_t e,
                                  bool stream) {
@@ -5961,7 +5966,10 @@ LAZY_KERNEL_LOOP void eval_range(const Ev& ev_in, Tout* out, std::int64_t b, std
         store_lane<Tout, S>(out + i, v);
       }
     }
-    if (i < e) store_partial<Tout, S>(out + i, ev.template packet<Contig>(i), e - i);
+    if (i < e) {
+      const std::int64_t start = e - b >= W ? e - W : i;
+      store_partial<Tout, S>(out + i, ev.template packet<Contig>(start), i - start, e - i);
+    }
   } else {
     for (std::int64_t i = b; i < e; ++i) out[i] = to_storage<Tout>(ev.coeff(i));
   }
