@@ -5594,6 +5594,15 @@ struct Eval<S, KLeaf<T>> {
       return load_lane<S>(p);
     }
   }
+  /// The batch at i with only its first n lanes read (n < the batch's width; the others 0):
+  /// a range's tail that must not read past its end (eval_range).
+  template <bool Contig>
+  batch_t<S> packet_n(std::int64_t i, std::int64_t n) const {
+    const T* p = Contig ? ptr + i : ptr + i * step;
+    alignas(64) S tmp[batch_t<S>::size] = {};
+    for (std::int64_t k = 0; k < n; ++k) tmp[k] = static_cast<S>(static_cast<compute_t<T>>(p[k]));
+    return batch_t<S>::load_aligned(tmp);
+  }
 
  private:
   void broadcast(const T* element) {
@@ -5620,6 +5629,10 @@ struct Eval<S, Scalar<T>> {
   batch_t<S> packet(std::int64_t) const {
     return batch_t<S>(value);
   }
+  template <bool Contig>
+  batch_t<S> packet_n(std::int64_t, std::int64_t) const {
+    return batch_t<S>(value);
+  }
 };
 
 // An op node's evaluator holds its children as named members, one specialization per arity
@@ -5639,6 +5652,10 @@ struct Eval<S, KExpr<Op, C0>> {
   batch_t<S> packet(std::int64_t i) const {
     return Op::apply(c0.template packet<Contig>(i));
   }
+  template <bool Contig>
+  batch_t<S> packet_n(std::int64_t i, std::int64_t n) const {
+    return Op::apply(c0.template packet_n<Contig>(i, n));
+  }
 };
 
 template <class S, class Op, class C0, class C1>
@@ -5657,6 +5674,10 @@ struct Eval<S, KExpr<Op, C0, C1>> {
   template <bool Contig>
   batch_t<S> packet(std::int64_t i) const {
     return Op::apply(c0.template packet<Contig>(i), c1.template packet<Contig>(i));
+  }
+  template <bool Contig>
+  batch_t<S> packet_n(std::int64_t i, std::int64_t n) const {
+    return Op::apply(c0.template packet_n<Contig>(i, n), c1.template packet_n<Contig>(i, n));
   }
 };
 
@@ -5680,6 +5701,10 @@ struct Eval<S, KExpr<Op, C0, C1, C2>> {
   template <bool Contig>
   batch_t<S> packet(std::int64_t i) const {
     return Op::apply(c0.template packet<Contig>(i), c1.template packet<Contig>(i), c2.template packet<Contig>(i));
+  }
+  template <bool Contig>
+  batch_t<S> packet_n(std::int64_t i, std::int64_t n) const {
+    return Op::apply(c0.template packet_n<Contig>(i, n), c1.template packet_n<Contig>(i, n), c2.template packet_n<Contig>(i, n));
   }
 };
 
@@ -5937,14 +5962,13 @@ inline void store_partial(Tout* p, const batch_t<S>& b, std::int64_t first, std:
 /// Evaluates elements [b, e) of a kernel (indices relative to the evaluator's leaf
 /// positions) into out[0, e - b). `Contig`: no input is a splat. The tail is one whole
 /// batch of which only the owned lanes are stored, so no scalar copy of the expression is
-/// compiled. That batch ends at e when the range holds one (it evaluates again lanes already
-/// stored, which only the tail's lanes overwrite): reading past e would read elements that
-/// another task may be writing at that moment (the rows a fused producer is computing, an
-/// output written in place over its input), a data race even though those lanes are thrown
-/// away. A range shorter than a batch reads past e into the spare batch of padding every
-/// buffer carries. With `stream` (S == Tout only), stores bypass the cache (out
-/// batch-aligned; the caller fences): a loop-invariant branch per batch rather than a loop
-/// of its own.
+/// compiled, and it reads nothing past e: elements there may belong to another task that is
+/// writing them at that moment (the rows a fused producer is computing, an output written in
+/// place over its input), a data race even though those lanes would be thrown away. So the
+/// tail batch ends at e when the range holds one (lanes already stored are evaluated again
+/// and not stored), and a shorter range reads its leaves' first lanes only (packet_n). With
+/// `stream` (S == Tout only), stores bypass the cache (out batch-aligned; the caller
+/// fences): a loop-invariant branch per batch rather than a loop of its own.
 template <class S, class Tout, bool Contig, class Ev>
 LAZY_KERNEL_LOOP void eval_range(const Ev& ev_in, Tout* out, std::int64_t b, std::int64_t e,
                                  bool stream) {
@@ -5967,8 +5991,10 @@ LAZY_KERNEL_LOOP void eval_range(const Ev& ev_in, Tout* out, std::int64_t b, std
       }
     }
     if (i < e) {
-      const std::int64_t start = e - b >= W ? e - W : i;
-      store_partial<Tout, S>(out + i, ev.template packet<Contig>(start), i - start, e - i);
+      if (e - b >= W)
+        store_partial<Tout, S>(out + i, ev.template packet<Contig>(e - W), i - (e - W), e - i);
+      else
+        store_partial<Tout, S>(out + i, ev.template packet_n<Contig>(i, e - i), 0, e - i);
     }
   } else {
     for (std::int64_t i = b; i < e; ++i) out[i] = to_storage<Tout>(ev.coeff(i));
@@ -6020,6 +6046,12 @@ struct ExactDual {
       tmp[k] = static_cast<S>(e.coeff(i + static_cast<std::int64_t>(k)));
     return {batch_t<S>::load_aligned(tmp), batch_t<S>(S(0))};
   }
+  template <bool Contig>
+  Dual<batch_t<S>> packet_n(std::int64_t i, std::int64_t n) const {
+    alignas(64) S tmp[batch_t<S>::size] = {};
+    for (std::int64_t k = 0; k < n; ++k) tmp[k] = static_cast<S>(e.coeff(i + k));
+    return {batch_t<S>::load_aligned(tmp), batch_t<S>(S(0))};
+  }
 };
 
 /// The dual evaluator of child K: ExactDual where the forward kernel evaluates K exactly.
@@ -6039,6 +6071,10 @@ struct DualEval<S, KLeaf<T>> {
   Dual<batch_t<S>> packet(std::int64_t i) const {
     return {e.template packet<Contig>(i), batch_t<S>(S(active ? 1 : 0))};
   }
+  template <bool Contig>
+  Dual<batch_t<S>> packet_n(std::int64_t i, std::int64_t n) const {
+    return {e.template packet_n<Contig>(i, n), batch_t<S>(S(active ? 1 : 0))};
+  }
 };
 
 template <class S, Element T>
@@ -6051,6 +6087,10 @@ struct DualEval<S, Scalar<T>> {
   template <bool Contig>
   Dual<batch_t<S>> packet(std::int64_t i) const {
     return {e.template packet<Contig>(i), batch_t<S>(S(0))};
+  }
+  template <bool Contig>
+  Dual<batch_t<S>> packet_n(std::int64_t i, std::int64_t n) const {
+    return {e.template packet_n<Contig>(i, n), batch_t<S>(S(0))};
   }
 };
 
@@ -6070,6 +6110,10 @@ struct DualEval<S, KExpr<Op, C0>> {
   template <bool Contig>
   Dual<batch_t<S>> packet(std::int64_t i) const {
     return combine(c0.template packet<Contig>(i));
+  }
+  template <bool Contig>
+  Dual<batch_t<S>> packet_n(std::int64_t i, std::int64_t n) const {
+    return combine(c0.template packet_n<Contig>(i, n));
   }
 
  private:
@@ -6100,6 +6144,10 @@ struct DualEval<S, KExpr<Op, C0, C1>> {
   template <bool Contig>
   Dual<batch_t<S>> packet(std::int64_t i) const {
     return combine(c0.template packet<Contig>(i), c1.template packet<Contig>(i));
+  }
+  template <bool Contig>
+  Dual<batch_t<S>> packet_n(std::int64_t i, std::int64_t n) const {
+    return combine(c0.template packet_n<Contig>(i, n), c1.template packet_n<Contig>(i, n));
   }
 
  private:
@@ -6136,6 +6184,10 @@ struct DualEval<S, KExpr<Op, C0, C1, C2>> {
   template <bool Contig>
   Dual<batch_t<S>> packet(std::int64_t i) const {
     return combine(c0.template packet<Contig>(i), c1.template packet<Contig>(i), c2.template packet<Contig>(i));
+  }
+  template <bool Contig>
+  Dual<batch_t<S>> packet_n(std::int64_t i, std::int64_t n) const {
+    return combine(c0.template packet_n<Contig>(i, n), c1.template packet_n<Contig>(i, n), c2.template packet_n<Contig>(i, n));
   }
 
  private:
@@ -6241,6 +6293,10 @@ struct Eval<S, KGrad<K, Tg>> {
   template <bool Contig>
   batch_t<S> packet(std::int64_t i) const {
     return g.template packet<Contig>(i) * f.template packet<Contig>(i).t;
+  }
+  template <bool Contig>
+  batch_t<S> packet_n(std::int64_t i, std::int64_t n) const {
+    return g.template packet_n<Contig>(i, n) * f.template packet_n<Contig>(i, n).t;
   }
 };
 
@@ -8252,12 +8308,13 @@ struct ReduceGeometry {
 namespace detail {
 
 /// A batch of the child's values at [i, i + W) with the lanes from `count` on replaced by
-/// the reduction's identity (the tail of a span; the read stays inside the padding).
+/// the reduction's identity (the tail of a span; nothing past it is read, see eval_range).
 template <class R, class S, class Ev>
 inline expr::batch_t<S> masked_packet(const Ev& ev, std::int64_t i, std::int64_t count) {
   using V = expr::batch_t<S>;
   alignas(64) S tmp[V::size];
-  ev.template packet<false>(i).store_aligned(tmp);
+  (count < static_cast<std::int64_t>(V::size) ? ev.template packet_n<false>(i, count) : ev.template packet<false>(i))
+      .store_aligned(tmp);
   for (std::int64_t k = count; k < static_cast<std::int64_t>(V::size); ++k) tmp[k] = R::template identity<S>();
   return V::load_aligned(tmp);
 }

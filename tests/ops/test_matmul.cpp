@@ -462,6 +462,32 @@ TEST(Linear, FusedReluEpilogueValues) {
   lazy::set_num_threads(saved);
 }
 
+/// Outputs narrower than a SIMD batch, in rows enough for several tasks: each task's last
+/// row ends inside the buffer the fused epilogue shares with the GEMM, where the next task
+/// writes at the same time, so its tail must read nothing past the row. The values match
+/// either way; the ThreadSanitizer build (label tsan) reported the reads past it as races.
+TEST(Linear, FusedReluEpilogueNarrowOutputsOnSeveralTasks) {
+  auto& pool = lazy::graph::current_device().threads();
+  const int saved = pool.size();
+  const std::int64_t rows = 4096, in = 64;
+  for (std::int64_t out : {1, 3, 7, 10}) {
+    SCOPED_TRACE(out);
+    const auto x = matmul_values<float>(rows * in, 51), w = matmul_values<float>(out * in, 52);
+    const auto b = matmul_values<float>(out, 53);
+    std::vector<long double> mag;
+    const auto r = ref_linear(x, rows, in, w, out, &b, &mag);
+    for (int threads : {2, 3}) {
+      SCOPED_TRACE(threads);
+      lazy::set_num_threads(threads);
+      Tensor<float> X = lazy::from_vector(x, Shape{rows, in}), W = lazy::from_vector(w, Shape{out, in});
+      Tensor<float> y = lazy::relu(lazy::linear(X, W, lazy::from_vector(b)));
+      lazy::mark_step();
+      expect_close(y.to_vector(), r, mag, in, "relu(linear)", /*relu=*/true);
+    }
+  }
+  lazy::set_num_threads(saved);
+}
+
 TEST(Linear, FusedEpilogueRunsOneKernel) {
   const std::int64_t rows = 1000, in = 64, out = 300;
   const auto x = matmul_values<float>(rows * in, 31), w = matmul_values<float>(out * in, 32);

@@ -47,6 +47,12 @@ struct ExactDual {
       tmp[k] = static_cast<S>(e.coeff(i + static_cast<std::int64_t>(k)));
     return {batch_t<S>::load_aligned(tmp), batch_t<S>(S(0))};
   }
+  template <bool Contig>
+  Dual<batch_t<S>> packet_n(std::int64_t i, std::int64_t n) const {
+    alignas(64) S tmp[batch_t<S>::size] = {};
+    for (std::int64_t k = 0; k < n; ++k) tmp[k] = static_cast<S>(e.coeff(i + k));
+    return {batch_t<S>::load_aligned(tmp), batch_t<S>(S(0))};
+  }
 };
 
 /// The dual evaluator of child K: ExactDual where the forward kernel evaluates K exactly.
@@ -66,6 +72,10 @@ struct DualEval<S, KLeaf<T>> {
   Dual<batch_t<S>> packet(std::int64_t i) const {
     return {e.template packet<Contig>(i), batch_t<S>(S(active ? 1 : 0))};
   }
+  template <bool Contig>
+  Dual<batch_t<S>> packet_n(std::int64_t i, std::int64_t n) const {
+    return {e.template packet_n<Contig>(i, n), batch_t<S>(S(active ? 1 : 0))};
+  }
 };
 
 template <class S, Element T>
@@ -78,6 +88,10 @@ struct DualEval<S, Scalar<T>> {
   template <bool Contig>
   Dual<batch_t<S>> packet(std::int64_t i) const {
     return {e.template packet<Contig>(i), batch_t<S>(S(0))};
+  }
+  template <bool Contig>
+  Dual<batch_t<S>> packet_n(std::int64_t i, std::int64_t n) const {
+    return {e.template packet_n<Contig>(i, n), batch_t<S>(S(0))};
   }
 };
 
@@ -97,6 +111,10 @@ struct DualEval<S, KExpr<Op, C0>> {
   template <bool Contig>
   Dual<batch_t<S>> packet(std::int64_t i) const {
     return combine(c0.template packet<Contig>(i));
+  }
+  template <bool Contig>
+  Dual<batch_t<S>> packet_n(std::int64_t i, std::int64_t n) const {
+    return combine(c0.template packet_n<Contig>(i, n));
   }
 
  private:
@@ -127,6 +145,10 @@ struct DualEval<S, KExpr<Op, C0, C1>> {
   template <bool Contig>
   Dual<batch_t<S>> packet(std::int64_t i) const {
     return combine(c0.template packet<Contig>(i), c1.template packet<Contig>(i));
+  }
+  template <bool Contig>
+  Dual<batch_t<S>> packet_n(std::int64_t i, std::int64_t n) const {
+    return combine(c0.template packet_n<Contig>(i, n), c1.template packet_n<Contig>(i, n));
   }
 
  private:
@@ -163,6 +185,10 @@ struct DualEval<S, KExpr<Op, C0, C1, C2>> {
   template <bool Contig>
   Dual<batch_t<S>> packet(std::int64_t i) const {
     return combine(c0.template packet<Contig>(i), c1.template packet<Contig>(i), c2.template packet<Contig>(i));
+  }
+  template <bool Contig>
+  Dual<batch_t<S>> packet_n(std::int64_t i, std::int64_t n) const {
+    return combine(c0.template packet_n<Contig>(i, n), c1.template packet_n<Contig>(i, n), c2.template packet_n<Contig>(i, n));
   }
 
  private:
@@ -268,6 +294,10 @@ struct Eval<S, KGrad<K, Tg>> {
   template <bool Contig>
   batch_t<S> packet(std::int64_t i) const {
     return g.template packet<Contig>(i) * f.template packet<Contig>(i).t;
+  }
+  template <bool Contig>
+  batch_t<S> packet_n(std::int64_t i, std::int64_t n) const {
+    return g.template packet_n<Contig>(i, n) * f.template packet_n<Contig>(i, n).t;
   }
 };
 
