@@ -5962,16 +5962,18 @@ inline void store_partial(Tout* p, const batch_t<S>& b, std::int64_t first, std:
 /// Evaluates elements [b, e) of a kernel (indices relative to the evaluator's leaf
 /// positions) into out[0, e - b). `Contig`: no input is a splat. The tail is one whole
 /// batch of which only the owned lanes are stored, so no scalar copy of the expression is
-/// compiled, and it reads nothing past e: elements there may belong to another task that is
-/// writing them at that moment (the rows a fused producer is computing, an output written in
-/// place over its input), a data race even though those lanes would be thrown away. So the
-/// tail batch ends at e when the range holds one (lanes already stored are evaluated again
-/// and not stored), and a shorter range reads its leaves' first lanes only (packet_n). With
-/// `stream` (S == Tout only), stores bypass the cache (out batch-aligned; the caller
+/// compiled. `bounded`: the tail reads nothing past e, because elements there may belong to
+/// another task that is writing them at that moment (the rows a fused producer is computing,
+/// an output written in place over its input), a data race even though those lanes would be
+/// thrown away. Its batch then ends at e when the range holds one (lanes already stored are
+/// evaluated again and not stored), and a shorter range reads its leaves' first lanes only
+/// (packet_n, several times slower than a batch load). Unbounded (a row with more rows of
+/// the same task after it), the tail reads on into what follows, at worst a buffer's padding.
+/// With `stream` (S == Tout only), stores bypass the cache (out batch-aligned; the caller
 /// fences): a loop-invariant branch per batch rather than a loop of its own.
 template <class S, class Tout, bool Contig, class Ev>
 LAZY_KERNEL_LOOP void eval_range(const Ev& ev_in, Tout* out, std::int64_t b, std::int64_t e,
-                                 bool stream) {
+                                 bool stream, bool bounded = true) {
   // A local copy: stores through `out` may alias anything, which would otherwise force a
   // reload of every leaf pointer from *ev_in after each store.
   const Ev ev = ev_in;
@@ -5991,7 +5993,9 @@ LAZY_KERNEL_LOOP void eval_range(const Ev& ev_in, Tout* out, std::int64_t b, std
       }
     }
     if (i < e) {
-      if (e - b >= W)
+      if (!bounded)
+        store_partial<Tout, S>(out + i, ev.template packet<Contig>(i), 0, e - i);
+      else if (e - b >= W)
         store_partial<Tout, S>(out + i, ev.template packet<Contig>(e - W), i - (e - W), e - i);
       else
         store_partial<Tout, S>(out + i, ev.template packet_n<Contig>(i, e - i), 0, e - i);
@@ -6001,14 +6005,16 @@ LAZY_KERNEL_LOOP void eval_range(const Ev& ev_in, Tout* out, std::int64_t b, std
   }
 }
 
-/// Evaluates rows [r0, r1) of a layout with several collapsed dimensions.
+/// Evaluates rows [r0, r1) of a layout with several collapsed dimensions. A row's tail may
+/// read into the next row, which this call evaluates too (and which holds, in an output
+/// written in place, the next row's inputs still); only the last row's tail is bounded.
 template <class S, class Tout, class Ev>
 LAZY_KERNEL_LOOP void eval_rows(Ev& ev, const Layout& L, Tout* out, std::int64_t r0, std::int64_t r1) {
   const std::int64_t inner = L.inner();
   RowCursor row(L, r0);
   for (std::int64_t r = r0; r < r1; ++r, row.next()) {
     ev.seek(row.offsets());
-    eval_range<S, Tout, false>(ev, out + r * inner, 0, inner, false);
+    eval_range<S, Tout, false>(ev, out + r * inner, 0, inner, false, r + 1 == r1);
   }
 }
 
@@ -8308,13 +8314,12 @@ struct ReduceGeometry {
 namespace detail {
 
 /// A batch of the child's values at [i, i + W) with the lanes from `count` on replaced by
-/// the reduction's identity (the tail of a span; nothing past it is read, see eval_range).
+/// the reduction's identity (the tail of a span; the read stays inside the padding).
 template <class R, class S, class Ev>
 inline expr::batch_t<S> masked_packet(const Ev& ev, std::int64_t i, std::int64_t count) {
   using V = expr::batch_t<S>;
   alignas(64) S tmp[V::size];
-  (count < static_cast<std::int64_t>(V::size) ? ev.template packet_n<false>(i, count) : ev.template packet<false>(i))
-      .store_aligned(tmp);
+  ev.template packet<false>(i).store_aligned(tmp);
   for (std::int64_t k = count; k < static_cast<std::int64_t>(V::size); ++k) tmp[k] = R::template identity<S>();
   return V::load_aligned(tmp);
 }

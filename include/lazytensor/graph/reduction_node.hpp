@@ -37,13 +37,12 @@ struct ReduceGeometry {
 namespace detail {
 
 /// A batch of the child's values at [i, i + W) with the lanes from `count` on replaced by
-/// the reduction's identity (the tail of a span; nothing past it is read, see eval_range).
+/// the reduction's identity (the tail of a span; the read stays inside the padding).
 template <class R, class S, class Ev>
 inline expr::batch_t<S> masked_packet(const Ev& ev, std::int64_t i, std::int64_t count) {
   using V = expr::batch_t<S>;
   alignas(64) S tmp[V::size];
-  (count < static_cast<std::int64_t>(V::size) ? ev.template packet_n<false>(i, count) : ev.template packet<false>(i))
-      .store_aligned(tmp);
+  ev.template packet<false>(i).store_aligned(tmp);
   for (std::int64_t k = count; k < static_cast<std::int64_t>(V::size); ++k) tmp[k] = R::template identity<S>();
   return V::load_aligned(tmp);
 }
