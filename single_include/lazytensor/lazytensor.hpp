@@ -6047,11 +6047,9 @@ struct ExactDual {
   Dual<S> coeff(std::int64_t i) const { return {static_cast<S>(e.coeff(i)), S(0)}; }
   template <bool Contig>
   Dual<batch_t<S>> packet(std::int64_t i) const {
-    alignas(64) S tmp[batch_t<S>::size];
-    for (std::size_t k = 0; k < batch_t<S>::size; ++k)
-      tmp[k] = static_cast<S>(e.coeff(i + static_cast<std::int64_t>(k)));
-    return {batch_t<S>::load_aligned(tmp), batch_t<S>(S(0))};
+    return packet_n<Contig>(i, static_cast<std::int64_t>(batch_t<S>::size));
   }
+  /// Lane by lane either way: only the first n lanes are read.
   template <bool Contig>
   Dual<batch_t<S>> packet_n(std::int64_t i, std::int64_t n) const {
     alignas(64) S tmp[batch_t<S>::size] = {};
@@ -26932,8 +26930,7 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
       return;
     }
     // Whole blocks per task (row_block): the same GEMM calls whatever the thread count.
-    const std::int64_t block = row_block(), blocks = (rows + block - 1) / block;
-    const std::int64_t tasks = row_tasks(pool);
+    const std::int64_t block = row_block(), blocks = row_blocks(), tasks = row_tasks(pool);
     void* out = buf->data();
     {
       RowProducer::Session session(*this, ctx);
@@ -26970,11 +26967,15 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
     }
   }
 
-  // Tasks the product's rows run as: whole blocks each (row_block), as many as its cost earns.
-  std::int64_t row_tasks(const ThreadPool& pool) const {
+  // Row blocks of the output (rows over batch and m, row_block each).
+  std::int64_t row_blocks() const {
     const std::int64_t rows = m_ * std::max(batch_a_, batch_b_), block = row_block();
-    const std::int64_t blocks = (rows + block - 1) / block;
-    return std::max<std::int64_t>(1, std::min(task_count(pool, rows * n_, cost_per_element()), blocks));
+    return (rows + block - 1) / block;
+  }
+  // Tasks the product's rows run as: whole blocks each, as many as its cost earns.
+  std::int64_t row_tasks(const ThreadPool& pool) const {
+    const std::int64_t rows = m_ * std::max(batch_a_, batch_b_);
+    return std::max<std::int64_t>(1, std::min(task_count(pool, rows * n_, cost_per_element()), row_blocks()));
   }
 
   // Packs op(B) of every batch (`bytes` each) with `Kernel`, panels split over the pool.

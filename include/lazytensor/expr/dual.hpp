@@ -42,11 +42,9 @@ struct ExactDual {
   Dual<S> coeff(std::int64_t i) const { return {static_cast<S>(e.coeff(i)), S(0)}; }
   template <bool Contig>
   Dual<batch_t<S>> packet(std::int64_t i) const {
-    alignas(64) S tmp[batch_t<S>::size];
-    for (std::size_t k = 0; k < batch_t<S>::size; ++k)
-      tmp[k] = static_cast<S>(e.coeff(i + static_cast<std::int64_t>(k)));
-    return {batch_t<S>::load_aligned(tmp), batch_t<S>(S(0))};
+    return packet_n<Contig>(i, static_cast<std::int64_t>(batch_t<S>::size));
   }
+  /// Lane by lane either way: only the first n lanes are read.
   template <bool Contig>
   Dual<batch_t<S>> packet_n(std::int64_t i, std::int64_t n) const {
     alignas(64) S tmp[batch_t<S>::size] = {};

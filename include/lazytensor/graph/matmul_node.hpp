@@ -176,8 +176,7 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
       return;
     }
     // Whole blocks per task (row_block): the same GEMM calls whatever the thread count.
-    const std::int64_t block = row_block(), blocks = (rows + block - 1) / block;
-    const std::int64_t tasks = row_tasks(pool);
+    const std::int64_t block = row_block(), blocks = row_blocks(), tasks = row_tasks(pool);
     void* out = buf->data();
     {
       RowProducer::Session session(*this, ctx);
@@ -214,11 +213,15 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
     }
   }
 
-  // Tasks the product's rows run as: whole blocks each (row_block), as many as its cost earns.
-  std::int64_t row_tasks(const ThreadPool& pool) const {
+  // Row blocks of the output (rows over batch and m, row_block each).
+  std::int64_t row_blocks() const {
     const std::int64_t rows = m_ * std::max(batch_a_, batch_b_), block = row_block();
-    const std::int64_t blocks = (rows + block - 1) / block;
-    return std::max<std::int64_t>(1, std::min(task_count(pool, rows * n_, cost_per_element()), blocks));
+    return (rows + block - 1) / block;
+  }
+  // Tasks the product's rows run as: whole blocks each, as many as its cost earns.
+  std::int64_t row_tasks(const ThreadPool& pool) const {
+    const std::int64_t rows = m_ * std::max(batch_a_, batch_b_);
+    return std::max<std::int64_t>(1, std::min(task_count(pool, rows * n_, cost_per_element()), row_blocks()));
   }
 
   // Packs op(B) of every batch (`bytes` each) with `Kernel`, panels split over the pool.
