@@ -26871,12 +26871,16 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
   /// of a call, so blocks are fixed by the shapes alone; each Eigen call re-packs the
   /// right-hand side, so its blocks are as tall as the epilogue's cache allows (128 rows).
   /// The packed kernel's sums do not depend on the blocks and it packs the right-hand side
-  /// once, so its blocks are shorter (64 rows: even splits of common batches over threads).
-  /// A small product is one block.
+  /// once, so its blocks are shorter: 64 rows (even splits of common batches over threads)
+  /// rounded up to whole register tiles, 66 on the 6-row tiles of AVX2 and SSE2, so that only
+  /// a product's last block ends in a partial tile (256 rows: 43 tiles in blocks of 66, 44
+  /// in blocks of 64, four of them partial). A small product is one block.
   std::int64_t row_block() const override {
     const std::int64_t rows = m_ * std::max(batch_a_, batch_b_);
     if (rows * n_ * k_ <= (std::int64_t(1) << 16)) return std::max<std::int64_t>(rows, 1);
-    return packed() ? 64 : 128;
+    if (!packed()) return 128;
+    const std::int64_t tile = bf16_ && Bf16Kernel::native() ? 8 : Kernel::kTileRows;
+    return (64 + tile - 1) / tile * tile;
   }
 
   /// Packs the right-hand side of every batch for the packed kernel (nothing for Eigen).
