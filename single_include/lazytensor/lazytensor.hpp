@@ -6261,6 +6261,63 @@ struct constant_tangent<KExpr<Op, C...>>
 template <class K>
 inline constexpr bool constant_tangent_v = constant_tangent<K>::value;
 
+namespace detail {
+/// Leaf `slot` in a kernel: how often it occurs, and whether the kernel's derivative with
+/// respect to it is exactly one. A kind of node not listed here counts as unknown (-1).
+struct SlotPath {
+  int count = 0;
+  bool unit = false;
+};
+template <class K>
+SlotPath slot_path(const K&, int) {
+  return {-1, false};
+}
+template <Element T>
+SlotPath slot_path(const Scalar<T>&, int) {
+  return {};
+}
+template <Element T>
+SlotPath slot_path(const KLeaf<T>& leaf, int slot) {
+  return {leaf.slot == slot ? 1 : 0, leaf.slot == slot};
+}
+/// Whether Op passes its child `i`'s tangent through unchanged (times one).
+template <class Op>
+constexpr bool passes_tangent(std::size_t i) {
+  return std::is_same_v<Op, ops::Add> || std::is_same_v<Op, ops::Identity> || (std::is_same_v<Op, ops::Sub> && i == 0);
+}
+template <class Op, class... C>
+SlotPath slot_path(const KExpr<Op, C...>& k, int slot) {
+  SlotPath r;
+  std::size_t i = 0;
+  auto visit = [&](const auto& child) {
+    const SlotPath p = slot_path(child, slot);
+    if (p.count < 0 || r.count < 0) {
+      r.count = -1;
+    } else if (p.count > 0) {
+      using Child = std::decay_t<decltype(child)>;
+      // The lane must not change on the way: a conversion is not a factor of one.
+      constexpr bool same_lane = std::is_same_v<typename Child::value_type, typename KExpr<Op, C...>::value_type>;
+      r.unit = p.unit && same_lane && passes_tangent<Op>(i);
+      r.count += p.count;
+    }
+    ++i;
+  };
+  std::apply([&](const auto&... ch) { (visit(ch), ...); }, k.children);
+  return r;
+}
+}  // namespace detail
+
+/// Whether d(k)/d(leaf `slot`) is exactly one at every element: the leaf occurs once in `k`,
+/// reached through add (either side), sub (its left side) and identity only, in one lane
+/// type (`a + b` for a or b, `a - b` for a; not `a + a`, `-a`, `2 * a` or a cast). The
+/// gradient of such a leaf is the incoming gradient itself, summed back over broadcast
+/// dimensions: no kernel needs to write `g * 1`.
+template <class K>
+bool unit_tangent(const K& k, int slot) {
+  const detail::SlotPath p = detail::slot_path(k, slot);
+  return p.count == 1 && p.unit;
+}
+
 /// Kernel form of "g * d(fwd)/d(input `target`)": the forward kernel, the incoming
 /// gradient as the last input slot, and the target slot (a run-time value: one kernel
 /// type serves every leaf of the expression).
@@ -9388,6 +9445,14 @@ class ElementwiseGradFn final : public ElementwiseGradFnBase {
     using KG = expr::KGrad<K, Tout>;
     using S = typename KG::value_type;
     if constexpr (std::is_same_v<S, float> || std::is_same_v<S, double>) {
+      // g * 1 (a bias added, the left side of a difference): the incoming gradient itself.
+      // A kernel writing that copy read every forward input too, which kept a linear
+      // layer's product alive for the backward and out of its epilogue's row blocks. Only
+      // when the gradient is already in the kernel's lane: a bfloat16 one is widened (and
+      // summed over broadcast dims) in float by the kernel.
+      if constexpr (std::is_same_v<S, Tout>) {
+        if (expr::unit_tangent(kernel_, slot)) return cast_node(grad, dtype_of<Tout>());
+      }
       std::vector<graph::NodePtr> ins = gradient_inputs(grad, dtype_of<Tout>());
       const int g_slot = static_cast<int>(ins.size()) - 1;
       return graph::submit(

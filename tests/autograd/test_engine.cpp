@@ -1,6 +1,7 @@
 // autograd/: backward-pass semantics as in libtorch: accumulation, retain_graph, no_grad,
 // in-place rules, detach, retain_grad, torch.autograd.grad, error cases, and laziness (a
 // whole training step's backward runs no kernel until mark_step).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -165,6 +166,70 @@ TEST(AutogradEngine, LinearWeightGradientIsOneGemmInTheWeightsLayout) {
   const auto got = w.grad().to_vector();
   ASSERT_EQ(got.size(), want.size());
   for (std::size_t j = 0; j < want.size(); ++j) EXPECT_NEAR(got[j], want[j], 1e-12) << j;
+}
+
+TEST(AutogradEngine, UnitDerivativesPassTheIncomingGradient) {
+  // a + b (either side) and a - b (its left side) pass the gradient through as it is, summed
+  // over broadcast dims; a leaf met more than once, the right side of a difference and a
+  // conversion still go through their gradient kernels. References written out by hand.
+  const std::vector<double> gv{1, -2, 3, 0.5, 0.25, -4};
+  const std::vector<double> col{gv[0] + gv[3], gv[1] + gv[4], gv[2] + gv[5]};  // g summed over rows
+  auto fresh = [] {
+    return std::pair{lazy::from_vector<double>({1, 2, 3, 4, 5, 6}, Shape{2, 3}).requires_grad_(),
+                     lazy::from_vector<double>({10, 20, 30}, Shape{3}).requires_grad_()};
+  };
+  auto g = [&] { return lazy::from_vector<double>(gv, Shape{2, 3}); };
+  auto times = [](std::vector<double> v, double s) {
+    for (auto& x : v) x *= s;
+    return v;
+  };
+  {
+    auto [a, b] = fresh();
+    Tensor<double> y = a + b;
+    y.backward(g());
+    EXPECT_EQ(a.grad().to_vector(), gv);
+    EXPECT_EQ(b.grad().to_vector(), col);
+  }
+  {
+    auto [a, b] = fresh();
+    Tensor<double> y = a - b;
+    y.backward(g());
+    EXPECT_EQ(a.grad().to_vector(), gv);
+    EXPECT_EQ(b.grad().to_vector(), times(col, -1));
+  }
+  {
+    auto [a, b] = fresh();
+    Tensor<double> y = (a + b) + (a - b) + a + a;  // one kernel: a four times, b twice
+    y.backward(g());
+    EXPECT_EQ(a.grad().to_vector(), times(gv, 4));
+    EXPECT_EQ(b.grad().to_vector(), times(col, 0));
+  }
+  {
+    auto [a, b] = fresh();
+    Tensor<float> y = lazy::cast<float>(a) + 1.0f;  // through a conversion: a kernel still
+    y.backward(lazy::cast<float>(g()));
+    EXPECT_EQ(a.grad().to_vector(), gv);
+    EXPECT_FALSE(b.grad().defined());
+  }
+}
+
+TEST(AutogradEngine, LinearProductRunsInItsBiasAddsRowBlocks) {
+  // The bias's backward reads only the incoming gradient, so nothing but the bias add reads
+  // the product, which then runs inside the add's row blocks instead of being written whole.
+  auto x = lazy::randn<float>({256, 64});
+  auto w = lazy::randn<float>({64, 64}).requires_grad_();
+  auto b = lazy::randn<float>({64}).requires_grad_();
+  Tensor<float> y = lazy::linear(x, w, b);
+  lazy::sum(lazy::relu(y)).backward();
+  const std::string text = lazy::debug::graph_text(y, w.grad(), b.grad());
+  std::string product;  // the forward product's line
+  for (std::size_t at = 0, end; at < text.size(); at = end + 1) {
+    end = std::min(text.find('\n', at), text.size());
+    const std::string line = text.substr(at, end - at);
+    if (line.find("x [64x64]") != std::string::npos && line.find("^T)") != std::string::npos) product = line;
+  }
+  EXPECT_NE(product.find("{in row blocks of"), std::string::npos) << text;
+  lazy::mark_step();
 }
 
 // ---- clamp: the gradient of torch's clamp_backward -----------------------------------------

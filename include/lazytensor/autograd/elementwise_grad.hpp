@@ -105,6 +105,14 @@ class ElementwiseGradFn final : public ElementwiseGradFnBase {
     using KG = expr::KGrad<K, Tout>;
     using S = typename KG::value_type;
     if constexpr (std::is_same_v<S, float> || std::is_same_v<S, double>) {
+      // g * 1 (a bias added, the left side of a difference): the incoming gradient itself.
+      // A kernel writing that copy read every forward input too, which kept a linear
+      // layer's product alive for the backward and out of its epilogue's row blocks. Only
+      // when the gradient is already in the kernel's lane: a bfloat16 one is widened (and
+      // summed over broadcast dims) in float by the kernel.
+      if constexpr (std::is_same_v<S, Tout>) {
+        if (expr::unit_tangent(kernel_, slot)) return cast_node(grad, dtype_of<Tout>());
+      }
       std::vector<graph::NodePtr> ins = gradient_inputs(grad, dtype_of<Tout>());
       const int g_slot = static_cast<int>(ins.size()) - 1;
       return graph::submit(
