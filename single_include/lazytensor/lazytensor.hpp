@@ -26941,7 +26941,7 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
   /// a product's last block ends in a partial tile (256 rows: 43 tiles in blocks of 66, 44
   /// in blocks of 64, four of them partial). A small product is one block.
   std::int64_t row_block() const override {
-    const std::int64_t rows = m_ * std::max(batch_a_, batch_b_);
+    const std::int64_t rows = output_rows();
     if (rows * n_ * k_ <= (std::int64_t(1) << 16)) return std::max<std::int64_t>(rows, 1);
     if (!packed()) return 128;
     const std::int64_t tile = bf16_ && Bf16Kernel::native() ? 8 : Kernel::kTileRows;
@@ -27004,7 +27004,7 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
   void compute(ExecContext& ctx) override {
     auto buf = allocate_output(ctx, false);
     auto& pool = ctx.device.threads();
-    const std::int64_t rows = m_ * std::max(batch_a_, batch_b_);
+    const std::int64_t rows = output_rows();
     if (n_ == 0 || rows == 0) {
       set_buffer(std::move(buf));
       return;
@@ -27038,7 +27038,7 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
   bool packed() const {
     if (bf16_) return k_ > 0;
     if constexpr (kHasPackedKernel)
-      return k_ > 0 && (force_packed_ || Kernel::suits(m_ * std::max(batch_a_, batch_b_), n_));
+      return k_ > 0 && (force_packed_ || Kernel::suits(output_rows(), n_));
     else
       return false;
   }
@@ -27052,15 +27052,16 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
     }
   }
 
-  // Row blocks of the output (rows over batch and m, row_block each).
+  // Rows of the output: m of every batch.
+  std::int64_t output_rows() const { return m_ * std::max(batch_a_, batch_b_); }
+  // Row blocks of the output, row_block each.
   std::int64_t row_blocks() const {
-    const std::int64_t rows = m_ * std::max(batch_a_, batch_b_), block = row_block();
-    return (rows + block - 1) / block;
+    const std::int64_t block = row_block();
+    return (output_rows() + block - 1) / block;
   }
   // Tasks the product's rows run as: whole blocks each, as many as its cost earns.
   std::int64_t row_tasks(const ThreadPool& pool) const {
-    const std::int64_t rows = m_ * std::max(batch_a_, batch_b_);
-    return std::max<std::int64_t>(1, std::min(task_count(pool, rows * n_, cost_per_element()), row_blocks()));
+    return std::max<std::int64_t>(1, std::min(task_count(pool, output_rows() * n_, cost_per_element()), row_blocks()));
   }
 
   // Packs op(B) of every batch (`bytes` each) with `Kernel`, panels split over the pool.
