@@ -29973,7 +29973,7 @@ namespace lazy::graph {
 /// Which running combination a ScanNode computes.
 enum class ScanOp { Sum, Prod };
 
-namespace scan_detail {
+namespace detail::scans {
 
 /// Width bounds of a strided unit's chunk of columns. Each step along the dim reads and
 /// writes one chunk row and the next row is a whole inner stride away, usually on another
@@ -30056,7 +30056,7 @@ auto scratch_arrays(std::int64_t width) {
   return std::tuple<std::unique_ptr<Ts[]>...>{std::make_unique<Ts[]>(static_cast<std::size_t>(width))...};
 }
 
-}  // namespace scan_detail
+}  // namespace detail::scans
 
 /// The running sum or product of `In` values along `dim`, written as `Out` (forward or,
 /// with `reverse`, from the last element back: cumsum's gradient is the reversed cumsum of
@@ -30077,7 +30077,7 @@ class ScanNode final : public Node {
   std::uint64_t structural_hash() const override {
     return hash_combine(hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_)), reverse_ ? 1u : 0u);
   }
-  std::optional<BlockRule> block_rule() const override { return scan_detail::block_rule(shape(), dim_, 1); }
+  std::optional<BlockRule> block_rule() const override { return detail::scans::block_rule(shape(), dim_, 1); }
   NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
     return std::make_shared<ScanNode>(std::move(inputs[0]), dim_, reverse_);
   }
@@ -30090,11 +30090,11 @@ class ScanNode final : public Node {
     // buffer nothing else holds can take the result in place.
     auto buf = allocate_output(ctx, true);
     Out* y = static_cast<Out*>(buf->data());
-    const auto g = scan_detail::geometry(shape(), dim_);
+    const auto g = detail::scans::geometry(shape(), dim_);
     const std::int64_t n = g.extent, inner = g.inner;
     const bool rev = reverse_;
-    scan_detail::for_each_unit(
-        ctx.device.threads(), g, cost_per_element(), scan_detail::scratch_arrays<A>,
+    detail::scans::for_each_unit(
+        ctx.device.threads(), g, cost_per_element(), detail::scans::scratch_arrays<A>,
         [&](std::int64_t o) {
           const In* xr = x + o * n;
           Out* yr = y + o * n;
@@ -30120,7 +30120,7 @@ class ScanNode final : public Node {
   }
 
  private:
-  using A = scan_detail::acc_t<Out>;
+  using A = detail::scans::acc_t<Out>;
   static A identity() { return Op == ScanOp::Sum ? A(0) : A(1); }
   static A combine(A acc, A v) {
     if constexpr (Op == ScanOp::Sum) return acc + v;
@@ -30162,7 +30162,7 @@ class CumExtremeNode final : public Node {
   std::uint64_t structural_hash() const override {
     return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
   }
-  std::optional<BlockRule> block_rule() const override { return scan_detail::block_rule(shape(), dim_, 1); }
+  std::optional<BlockRule> block_rule() const override { return detail::scans::block_rule(shape(), dim_, 1); }
   NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
     return std::make_shared<CumExtremeNode>(std::move(inputs[0]), dim_);
   }
@@ -30175,10 +30175,10 @@ class CumExtremeNode final : public Node {
     // Read-before-write at each position, the running extreme kept in locals: safe in place.
     auto buf = allocate_output(ctx, true);
     R* y = static_cast<R*>(buf->data());
-    const auto g = scan_detail::geometry(shape(), dim_);
+    const auto g = detail::scans::geometry(shape(), dim_);
     const std::int64_t n = g.extent, inner = g.inner;
-    scan_detail::for_each_unit(
-        ctx.device.threads(), g, cost_per_element(), scan_detail::scratch_arrays<T, std::int64_t>,
+    detail::scans::for_each_unit(
+        ctx.device.threads(), g, cost_per_element(), detail::scans::scratch_arrays<T, std::int64_t>,
         [&](std::int64_t o) {
           const T* xr = x + o * n;
           R* yr = y + o * n;
@@ -30243,7 +30243,7 @@ class CumprodBackwardNode final : public Node {
   std::uint64_t structural_hash() const override {
     return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
   }
-  std::optional<BlockRule> block_rule() const override { return scan_detail::block_rule(shape(), dim_, 2); }
+  std::optional<BlockRule> block_rule() const override { return detail::scans::block_rule(shape(), dim_, 2); }
   NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
     return std::make_shared<CumprodBackwardNode>(std::move(inputs[0]), std::move(inputs[1]), dim_);
   }
@@ -30251,17 +30251,17 @@ class CumprodBackwardNode final : public Node {
 
  protected:
   void compute(ExecContext& ctx) override {
-    using A = scan_detail::acc_t<T>;
+    using A = detail::scans::acc_t<T>;
     const T* x = inputs()[0]->template data<T>();
     const T* gr = inputs()[1]->template data<T>();
     // No donation: the backward pass writes S(i) where a donated x would still be read as
     // x(i) by the pass's next step and by the forward pass.
     auto buf = allocate_output(ctx, false);
     T* y = static_cast<T*>(buf->data());
-    const auto g = scan_detail::geometry(shape(), dim_);
+    const auto g = detail::scans::geometry(shape(), dim_);
     const std::int64_t n = g.extent, inner = g.inner;
-    scan_detail::for_each_unit(
-        ctx.device.threads(), g, cost_per_element(), scan_detail::scratch_arrays<A>,
+    detail::scans::for_each_unit(
+        ctx.device.threads(), g, cost_per_element(), detail::scans::scratch_arrays<A>,
         [&](std::int64_t o) {
           const T* xr = x + o * n;
           const T* grow = gr + o * n;
@@ -30474,7 +30474,7 @@ auto cummin(const X& x, std::int64_t dim) {
 
 namespace lazy::graph {
 
-namespace sort_detail {
+namespace detail::sorts {
 
 /// An unsigned image of a value with the same order: ordered_bits(a) < ordered_bits(b)
 /// exactly when a < b, for every value but NaN (set aside before), -0 and +0 mapping alike
@@ -30539,7 +30539,7 @@ void order_prefix(E* e, std::int64_t f, std::int64_t m) {
   }
 }
 
-}  // namespace sort_detail
+}  // namespace detail::sorts
 
 /// The positions, along `dim`, of the first k elements of each row of the input in sorted
 /// order (ascending, or descending), as int64; the output is the input's shape with `dim`
@@ -30596,11 +30596,11 @@ class SortIndicesNode final : public Node {
     if (numel() > 0) {  // then n >= k >= 1 and every row has elements
       const T* x = inputs()[0]->template data<T>();
       auto* out = static_cast<std::int64_t*>(buf->data());
-      if constexpr (sizeof(decltype(sort_detail::ordered_bits(T{}))) <= 4) {
-        if (n <= (std::int64_t{1} << 32)) run<sort_detail::PackedEntry>(ctx, x, out, outer, n, inner);
-        else run<sort_detail::WideEntry>(ctx, x, out, outer, n, inner);
+      if constexpr (sizeof(decltype(detail::sorts::ordered_bits(T{}))) <= 4) {
+        if (n <= (std::int64_t{1} << 32)) run<detail::sorts::PackedEntry>(ctx, x, out, outer, n, inner);
+        else run<detail::sorts::WideEntry>(ctx, x, out, outer, n, inner);
       } else {
-        run<sort_detail::WideEntry>(ctx, x, out, outer, n, inner);
+        run<detail::sorts::WideEntry>(ctx, x, out, outer, n, inner);
       }
     }
     set_buffer(std::move(buf));
@@ -30617,7 +30617,7 @@ class SortIndicesNode final : public Node {
   template <class E>
   void run(ExecContext& ctx, const T* x, std::int64_t* out, std::int64_t outer, std::int64_t n,
            std::int64_t inner) const {
-    using U = decltype(sort_detail::ordered_bits(T{}));
+    using U = decltype(detail::sorts::ordered_bits(T{}));
     const std::int64_t k = k_;
     const bool descending = descending_;
     const std::int64_t width =
@@ -30629,7 +30629,7 @@ class SortIndicesNode final : public Node {
     // The key of a number: its order, reversed for descending (a complement within the key's
     // width), so that ascending integer order is the requested one either way.
     auto entry = [descending](T v, std::int64_t j) {
-      const U b = sort_detail::ordered_bits(v);
+      const U b = detail::sorts::ordered_bits(v);
       return E::make(static_cast<std::uint64_t>(descending ? static_cast<U>(~b) : b), j);
     };
     pool.parallel_for(tasks, [&](std::int64_t t) {
@@ -30648,7 +30648,7 @@ class SortIndicesNode final : public Node {
           E* row = scratch.get();
           std::int64_t f = 0, nb = n;
           for (std::int64_t j = 0; j < n; ++j) {
-            if (sort_detail::is_nan(base[j])) row[--nb] = E::make(0, j);
+            if (detail::sorts::is_nan(base[j])) row[--nb] = E::make(0, j);
             else row[f++] = entry(base[j], j);
           }
           finite[0] = f;
@@ -30658,7 +30658,7 @@ class SortIndicesNode final : public Node {
             const T* src = base + j * inner;
             for (std::int64_t b = 0; b < w; ++b) {
               E* row = scratch.get() + b * n;
-              if (sort_detail::is_nan(src[b])) row[--back[b]] = E::make(0, j);
+              if (detail::sorts::is_nan(src[b])) row[--back[b]] = E::make(0, j);
               else row[finite[b]++] = entry(src[b], j);
             }
           }
@@ -30668,7 +30668,7 @@ class SortIndicesNode final : public Node {
           // The numbers ranked among the first k: before the NaNs ascending, after them
           // descending.
           const std::int64_t m = descending ? std::clamp<std::int64_t>(k - nans, 0, f) : std::min(k, f);
-          sort_detail::order_prefix(scratch.get() + b * n, f, m);
+          detail::sorts::order_prefix(scratch.get() + b * n, f, m);
         }
         // Rank r of row b; the NaN of rank i among the NaNs is at n - 1 - i.
         std::int64_t* dst = out + o * k * inner + c0;

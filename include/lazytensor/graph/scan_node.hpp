@@ -32,7 +32,7 @@ namespace lazy::graph {
 /// Which running combination a ScanNode computes.
 enum class ScanOp { Sum, Prod };
 
-namespace scan_detail {
+namespace detail::scans {
 
 /// Width bounds of a strided unit's chunk of columns. Each step along the dim reads and
 /// writes one chunk row and the next row is a whole inner stride away, usually on another
@@ -115,7 +115,7 @@ auto scratch_arrays(std::int64_t width) {
   return std::tuple<std::unique_ptr<Ts[]>...>{std::make_unique<Ts[]>(static_cast<std::size_t>(width))...};
 }
 
-}  // namespace scan_detail
+}  // namespace detail::scans
 
 /// The running sum or product of `In` values along `dim`, written as `Out` (forward or,
 /// with `reverse`, from the last element back: cumsum's gradient is the reversed cumsum of
@@ -136,7 +136,7 @@ class ScanNode final : public Node {
   std::uint64_t structural_hash() const override {
     return hash_combine(hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_)), reverse_ ? 1u : 0u);
   }
-  std::optional<BlockRule> block_rule() const override { return scan_detail::block_rule(shape(), dim_, 1); }
+  std::optional<BlockRule> block_rule() const override { return detail::scans::block_rule(shape(), dim_, 1); }
   NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
     return std::make_shared<ScanNode>(std::move(inputs[0]), dim_, reverse_);
   }
@@ -149,11 +149,11 @@ class ScanNode final : public Node {
     // buffer nothing else holds can take the result in place.
     auto buf = allocate_output(ctx, true);
     Out* y = static_cast<Out*>(buf->data());
-    const auto g = scan_detail::geometry(shape(), dim_);
+    const auto g = detail::scans::geometry(shape(), dim_);
     const std::int64_t n = g.extent, inner = g.inner;
     const bool rev = reverse_;
-    scan_detail::for_each_unit(
-        ctx.device.threads(), g, cost_per_element(), scan_detail::scratch_arrays<A>,
+    detail::scans::for_each_unit(
+        ctx.device.threads(), g, cost_per_element(), detail::scans::scratch_arrays<A>,
         [&](std::int64_t o) {
           const In* xr = x + o * n;
           Out* yr = y + o * n;
@@ -179,7 +179,7 @@ class ScanNode final : public Node {
   }
 
  private:
-  using A = scan_detail::acc_t<Out>;
+  using A = detail::scans::acc_t<Out>;
   static A identity() { return Op == ScanOp::Sum ? A(0) : A(1); }
   static A combine(A acc, A v) {
     if constexpr (Op == ScanOp::Sum) return acc + v;
@@ -221,7 +221,7 @@ class CumExtremeNode final : public Node {
   std::uint64_t structural_hash() const override {
     return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
   }
-  std::optional<BlockRule> block_rule() const override { return scan_detail::block_rule(shape(), dim_, 1); }
+  std::optional<BlockRule> block_rule() const override { return detail::scans::block_rule(shape(), dim_, 1); }
   NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
     return std::make_shared<CumExtremeNode>(std::move(inputs[0]), dim_);
   }
@@ -234,10 +234,10 @@ class CumExtremeNode final : public Node {
     // Read-before-write at each position, the running extreme kept in locals: safe in place.
     auto buf = allocate_output(ctx, true);
     R* y = static_cast<R*>(buf->data());
-    const auto g = scan_detail::geometry(shape(), dim_);
+    const auto g = detail::scans::geometry(shape(), dim_);
     const std::int64_t n = g.extent, inner = g.inner;
-    scan_detail::for_each_unit(
-        ctx.device.threads(), g, cost_per_element(), scan_detail::scratch_arrays<T, std::int64_t>,
+    detail::scans::for_each_unit(
+        ctx.device.threads(), g, cost_per_element(), detail::scans::scratch_arrays<T, std::int64_t>,
         [&](std::int64_t o) {
           const T* xr = x + o * n;
           R* yr = y + o * n;
@@ -302,7 +302,7 @@ class CumprodBackwardNode final : public Node {
   std::uint64_t structural_hash() const override {
     return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
   }
-  std::optional<BlockRule> block_rule() const override { return scan_detail::block_rule(shape(), dim_, 2); }
+  std::optional<BlockRule> block_rule() const override { return detail::scans::block_rule(shape(), dim_, 2); }
   NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
     return std::make_shared<CumprodBackwardNode>(std::move(inputs[0]), std::move(inputs[1]), dim_);
   }
@@ -310,17 +310,17 @@ class CumprodBackwardNode final : public Node {
 
  protected:
   void compute(ExecContext& ctx) override {
-    using A = scan_detail::acc_t<T>;
+    using A = detail::scans::acc_t<T>;
     const T* x = inputs()[0]->template data<T>();
     const T* gr = inputs()[1]->template data<T>();
     // No donation: the backward pass writes S(i) where a donated x would still be read as
     // x(i) by the pass's next step and by the forward pass.
     auto buf = allocate_output(ctx, false);
     T* y = static_cast<T*>(buf->data());
-    const auto g = scan_detail::geometry(shape(), dim_);
+    const auto g = detail::scans::geometry(shape(), dim_);
     const std::int64_t n = g.extent, inner = g.inner;
-    scan_detail::for_each_unit(
-        ctx.device.threads(), g, cost_per_element(), scan_detail::scratch_arrays<A>,
+    detail::scans::for_each_unit(
+        ctx.device.threads(), g, cost_per_element(), detail::scans::scratch_arrays<A>,
         [&](std::int64_t o) {
           const T* xr = x + o * n;
           const T* grow = gr + o * n;

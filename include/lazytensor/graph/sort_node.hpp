@@ -34,7 +34,7 @@
 
 namespace lazy::graph {
 
-namespace sort_detail {
+namespace detail::sorts {
 
 /// An unsigned image of a value with the same order: ordered_bits(a) < ordered_bits(b)
 /// exactly when a < b, for every value but NaN (set aside before), -0 and +0 mapping alike
@@ -99,7 +99,7 @@ void order_prefix(E* e, std::int64_t f, std::int64_t m) {
   }
 }
 
-}  // namespace sort_detail
+}  // namespace detail::sorts
 
 /// The positions, along `dim`, of the first k elements of each row of the input in sorted
 /// order (ascending, or descending), as int64; the output is the input's shape with `dim`
@@ -156,11 +156,11 @@ class SortIndicesNode final : public Node {
     if (numel() > 0) {  // then n >= k >= 1 and every row has elements
       const T* x = inputs()[0]->template data<T>();
       auto* out = static_cast<std::int64_t*>(buf->data());
-      if constexpr (sizeof(decltype(sort_detail::ordered_bits(T{}))) <= 4) {
-        if (n <= (std::int64_t{1} << 32)) run<sort_detail::PackedEntry>(ctx, x, out, outer, n, inner);
-        else run<sort_detail::WideEntry>(ctx, x, out, outer, n, inner);
+      if constexpr (sizeof(decltype(detail::sorts::ordered_bits(T{}))) <= 4) {
+        if (n <= (std::int64_t{1} << 32)) run<detail::sorts::PackedEntry>(ctx, x, out, outer, n, inner);
+        else run<detail::sorts::WideEntry>(ctx, x, out, outer, n, inner);
       } else {
-        run<sort_detail::WideEntry>(ctx, x, out, outer, n, inner);
+        run<detail::sorts::WideEntry>(ctx, x, out, outer, n, inner);
       }
     }
     set_buffer(std::move(buf));
@@ -177,7 +177,7 @@ class SortIndicesNode final : public Node {
   template <class E>
   void run(ExecContext& ctx, const T* x, std::int64_t* out, std::int64_t outer, std::int64_t n,
            std::int64_t inner) const {
-    using U = decltype(sort_detail::ordered_bits(T{}));
+    using U = decltype(detail::sorts::ordered_bits(T{}));
     const std::int64_t k = k_;
     const bool descending = descending_;
     const std::int64_t width =
@@ -189,7 +189,7 @@ class SortIndicesNode final : public Node {
     // The key of a number: its order, reversed for descending (a complement within the key's
     // width), so that ascending integer order is the requested one either way.
     auto entry = [descending](T v, std::int64_t j) {
-      const U b = sort_detail::ordered_bits(v);
+      const U b = detail::sorts::ordered_bits(v);
       return E::make(static_cast<std::uint64_t>(descending ? static_cast<U>(~b) : b), j);
     };
     pool.parallel_for(tasks, [&](std::int64_t t) {
@@ -208,7 +208,7 @@ class SortIndicesNode final : public Node {
           E* row = scratch.get();
           std::int64_t f = 0, nb = n;
           for (std::int64_t j = 0; j < n; ++j) {
-            if (sort_detail::is_nan(base[j])) row[--nb] = E::make(0, j);
+            if (detail::sorts::is_nan(base[j])) row[--nb] = E::make(0, j);
             else row[f++] = entry(base[j], j);
           }
           finite[0] = f;
@@ -218,7 +218,7 @@ class SortIndicesNode final : public Node {
             const T* src = base + j * inner;
             for (std::int64_t b = 0; b < w; ++b) {
               E* row = scratch.get() + b * n;
-              if (sort_detail::is_nan(src[b])) row[--back[b]] = E::make(0, j);
+              if (detail::sorts::is_nan(src[b])) row[--back[b]] = E::make(0, j);
               else row[finite[b]++] = entry(src[b], j);
             }
           }
@@ -228,7 +228,7 @@ class SortIndicesNode final : public Node {
           // The numbers ranked among the first k: before the NaNs ascending, after them
           // descending.
           const std::int64_t m = descending ? std::clamp<std::int64_t>(k - nans, 0, f) : std::min(k, f);
-          sort_detail::order_prefix(scratch.get() + b * n, f, m);
+          detail::sorts::order_prefix(scratch.get() + b * n, f, m);
         }
         // Rank r of row b; the NaN of rank i among the NaNs is at n - 1 - i.
         std::int64_t* dst = out + o * k * inner + c0;
