@@ -1438,7 +1438,9 @@ LAZYTENSOR_INLINE std::shared_ptr<Buffer> BufferPool::acquire(std::size_t bytes)
     p = detail::allocate_buffer_memory(bytes);
   }
   try {
-    return std::make_shared<Buffer>(p, bytes, shared_from_this());
+    // The control block from this thread's block cache: a statement's output buffer is
+    // made and dropped every statement, and malloc and free were ~150 instructions a pair.
+    return core::make_cached<Buffer>(p, bytes, shared_from_this());
   } catch (const std::bad_alloc&) {
     detail::free_buffer_memory(p, bytes);
     throw OutOfMemoryError("cannot allocate a buffer's control block");
@@ -2149,7 +2151,12 @@ class Shape {
   std::string str() const;
 
   friend bool operator==(const Shape& a, const Shape& b) {
-    return a.rank_ == b.rank_ && std::equal(a.begin(), a.end(), b.begin());
+    // A loop, not std::equal: GCC turns that into a call to memcmp, ~30 instructions for
+    // the one to four dims of a typical shape, compared several times per statement.
+    if (a.rank_ != b.rank_) return false;
+    for (int i = 0; i < a.rank_; ++i)
+      if (a.dims_[i] != b.dims_[i]) return false;
+    return true;
   }
 
  private:
@@ -2264,12 +2271,133 @@ LAZYTENSOR_INLINE bool broadcastable_to(const Shape& from, const Shape& to) {
 }  // namespace lazy
 #endif  // LAZYTENSOR_HEADER_DEFINITIONS
 // ---- end lazytensor/core/shape.hpp ----
+// ---- begin lazytensor/core/small_vector.hpp ----
+// A vector of trivially copyable values that keeps up to N of them inline: per-node data
+// with a handful of entries (a kernel's per-input strides) then costs no allocation, which
+// matters when a step traces and frees hundreds of small nodes.
+
+#include <algorithm>
+#include <cstddef>
+#include <memory>
+#include <type_traits>
+
+namespace lazy::core {
+
+/// Fixed-capacity-inline vector (see the file comment). Only what its users need: resize,
+/// assign, indexing, data, iteration, and stack use (push_back, back, pop_back).
+template <class T, std::size_t N>
+class SmallVector {
+  static_assert(std::is_trivially_copyable_v<T>, "SmallVector holds trivially copyable values");
+
+ public:
+  SmallVector() = default;
+  SmallVector(const SmallVector& o) { copy_from(o); }
+  SmallVector& operator=(const SmallVector& o) {
+    if (this != &o) copy_from(o);
+    return *this;
+  }
+  SmallVector(SmallVector&& o) noexcept { move_from(o); }
+  SmallVector& operator=(SmallVector&& o) noexcept {
+    if (this != &o) move_from(o);
+    return *this;
+  }
+  ~SmallVector() = default;
+
+  /// Sets the size to n; new elements are value-initialized, kept ones keep their values.
+  void resize(std::size_t n) {
+    reserve(n);
+    T* d = data();  // (once: data() tests for the heap)
+    for (std::size_t i = size_; i < n; ++i) d[i] = T{};
+    size_ = n;
+  }
+  /// Resizes to n leaving new elements unset, for a caller that writes every one of them
+  /// before reading (a kernel's input pointers, its partial results).
+  void resize_for_overwrite(std::size_t n) {
+    reserve(n);
+    size_ = n;
+  }
+  /// n copies of v.
+  void assign(std::size_t n, const T& v) {
+    reserve(n);
+    std::fill_n(data(), n, v);
+    size_ = n;
+  }
+
+  /// Appends v (growing the storage geometrically once past the inline capacity).
+  void push_back(const T& v) {
+    const T copy = v;  // v may be an element of this vector, which growing frees
+    if (size_ == capacity()) reserve(std::max<std::size_t>(4, 2 * capacity()));
+    data()[size_++] = copy;
+  }
+  /// The last element (the vector must not be empty).
+  T& back() { return data()[size_ - 1]; }
+  /// Removes the last element (the vector must not be empty).
+  void pop_back() { --size_; }
+
+  std::size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  T* data() { return heap_ ? heap_.get() : inline_; }
+  const T* data() const { return heap_ ? heap_.get() : inline_; }
+  T& operator[](std::size_t i) { return data()[i]; }
+  const T& operator[](std::size_t i) const { return data()[i]; }
+  T* begin() { return data(); }
+  T* end() { return data() + size_; }
+  const T* begin() const { return data(); }
+  const T* end() const { return data() + size_; }
+
+ private:
+  void reserve(std::size_t n) {
+    if (n <= capacity()) return;
+    auto bigger = std::make_unique<T[]>(n);
+    std::copy_n(data(), size_, bigger.get());
+    heap_ = std::move(bigger);
+    heap_capacity_ = n;
+  }
+  std::size_t capacity() const { return heap_ ? heap_capacity_ : N; }
+  void copy_from(const SmallVector& o) {
+    size_ = 0;
+    reserve(o.size_);
+    std::copy_n(o.data(), o.size_, data());
+    size_ = o.size_;
+  }
+  void move_from(SmallVector& o) {
+    if (o.heap_) {
+      heap_ = std::move(o.heap_);
+      heap_capacity_ = o.heap_capacity_;
+    } else {
+      heap_.reset();
+      std::copy_n(o.inline_, o.size_, inline_);
+    }
+    size_ = o.size_;
+    o.size_ = 0;
+  }
+
+  // Left uninitialized: only the first size_ elements are ever read, and resize, assign and
+  // push_back write those. Zeroing all N cost a memset per construction (1 KiB for a
+  // reduction's partials, ~6% of a small statement's time).
+  T inline_[N];
+  std::unique_ptr<T[]> heap_;
+  std::size_t heap_capacity_ = 0;
+  std::size_t size_ = 0;
+};
+
+}  // namespace lazy::core
+// ---- end lazytensor/core/small_vector.hpp ----
 
 namespace lazy::graph {
 
 class Device;
 class Node;
 using NodePtr = std::shared_ptr<Node>;
+/// A list of nodes (a node's inputs, a step's nodes), its storage from the thread's block
+/// cache (core/block_cache.hpp): every statement builds one and drops one, and malloc and
+/// free were ~200 instructions of a small statement.
+using NodeList = std::vector<NodePtr, core::BlockAllocator<NodePtr>>;
+
+namespace detail {
+/// Input pointers of a node's kernel, inline for a handful (no allocation per run).
+using InputPointers = core::SmallVector<const void*, 8>;
+}  // namespace detail
 
 /// What a node's kernel does, for the planner and for graph dumps.
 /// `Sharded`: the whole value of a tensor sharded over a mesh (lazy::spmd), whose pieces are
@@ -2335,7 +2463,7 @@ inline BlockRule leading_dims_rule(int rank, int lead, std::size_t inputs) {
 /// A value in the pending graph of one device.
 class Node {
  public:
-  Node(NodeKind kind, DType dtype, Shape shape, Device* device, std::vector<NodePtr> inputs = {});
+  Node(NodeKind kind, DType dtype, Shape shape, Device* device, NodeList inputs = {});
   /// (The runtime's: every node class's destructor, one per expression type, calls it
   /// rather than inlining the release of the inputs and the members.)
   virtual ~Node();
@@ -2351,7 +2479,7 @@ class Node {
   /// device's trace lock. A per-device count, not a process-wide atomic: that was a
   /// locked instruction per node.
   std::uint64_t id() const { return id_; }
-  const std::vector<NodePtr>& inputs() const { return inputs_; }
+  const NodeList& inputs() const { return inputs_; }
 
   /// Whether a tensor object holds this node as its value (graph::HandleNode counts
   /// them): mark_step computes the pending nodes that one does, and what they read.
@@ -2396,7 +2524,7 @@ class Node {
   virtual std::optional<BlockRule> block_rule() const { return std::nullopt; }
   /// The same kernel over `inputs` (blocks of this node's inputs as its block rule cuts
   /// them), producing `shape` on `device`, not yet submitted. Null without a block rule.
-  virtual std::shared_ptr<Node> with_inputs(std::vector<std::shared_ptr<Node>> inputs, Shape shape,
+  virtual std::shared_ptr<Node> with_inputs(NodeList inputs, Shape shape,
                                             Device* device) const {
     (void)inputs, (void)shape, (void)device;
     return nullptr;
@@ -2442,13 +2570,13 @@ class Node {
   /// Allocates this node's output from the device pool, or takes a donated input buffer.
   std::shared_ptr<Buffer> allocate_output(ExecContext& ctx, bool allow_donation = true);
 
-  std::vector<NodePtr>& mutable_inputs() { return inputs_; }
+  NodeList& mutable_inputs() { return inputs_; }
 
  private:
   /// Drops input references without recursion: a long pending chain (`a = a + 1` repeated
   /// 10^5 times, never computed) would otherwise be freed by nested destructor calls and
   /// overflow the stack. The outermost call drains a worklist; nested ones append to it.
-  static void release_chain(std::vector<NodePtr>& inputs) noexcept;
+  static void release_chain(NodeList& inputs) noexcept;
 
   friend class Device;  // numbers the node when it traces it
 
@@ -2456,7 +2584,7 @@ class Node {
   DType dtype_;
   Shape shape_;
   Device* device_;
-  std::vector<NodePtr> inputs_;
+  NodeList inputs_;
   std::shared_ptr<Buffer> buffer_;
   std::uint64_t id_ = 0;
   std::atomic<State> state_{State::Pending};
@@ -2510,7 +2638,7 @@ class DataNode final : public Node {
 /// The block rule of an op whose output dimension o reads dimension o - (rank - input rank)
 /// of each input (dimensions aligned right, NumPy broadcasting), a size-1 input dimension
 /// being read whole: element-wise kernels, conversions.
-BlockRule aligned_block_rule(const Shape& out, const std::vector<NodePtr>& inputs);
+BlockRule aligned_block_rule(const Shape& out, const NodeList& inputs);
 
 /// Combines hashes (boost::hash_combine's mixing).
 inline std::uint64_t hash_combine(std::uint64_t seed, std::uint64_t v) {
@@ -2524,7 +2652,7 @@ std::uint64_t hash_shape(const Shape& s);
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace lazy::graph {
 
-LAZYTENSOR_INLINE Node::Node(NodeKind kind, DType dtype, Shape shape, Device* device, std::vector<NodePtr> inputs)
+LAZYTENSOR_INLINE Node::Node(NodeKind kind, DType dtype, Shape shape, Device* device, NodeList inputs)
     : kind_(kind), dtype_(dtype), shape_(shape), device_(device), inputs_(std::move(inputs)) {}
 
 LAZYTENSOR_INLINE Node::~Node() { release_chain(inputs_); }
@@ -2560,14 +2688,14 @@ LAZYTENSOR_INLINE std::shared_ptr<Buffer> Node::take_buffer(const NodePtr& n, lo
   return std::move(n->buffer_);
 }
 
-LAZYTENSOR_INLINE void Node::release_chain(std::vector<NodePtr>& inputs) noexcept {
-  thread_local std::vector<NodePtr>* worklist = nullptr;
+LAZYTENSOR_INLINE void Node::release_chain(NodeList& inputs) noexcept {
+  thread_local NodeList* worklist = nullptr;
   if (worklist) {
     for (auto& p : inputs) worklist->push_back(std::move(p));
     inputs.clear();
     return;
   }
-  std::vector<NodePtr> work = std::move(inputs);
+  NodeList work = std::move(inputs);
   inputs.clear();
   worklist = &work;
   while (!work.empty()) {
@@ -2583,7 +2711,7 @@ LAZYTENSOR_INLINE DataNode::DataNode(DType dtype, Shape shape, Device* device, s
   set_buffer(std::move(buf));
 }
 
-LAZYTENSOR_INLINE BlockRule aligned_block_rule(const Shape& out, const std::vector<NodePtr>& inputs) {
+LAZYTENSOR_INLINE BlockRule aligned_block_rule(const Shape& out, const NodeList& inputs) {
   const int rank = out.rank();
   BlockRule r{std::vector<bool>(static_cast<std::size_t>(rank), true), {}};
   for (const auto& in : inputs) {
@@ -3283,7 +3411,7 @@ class ConvertNode final : public Node {
   std::string op_name() const override { return "convert"; }
   std::string describe() const override { return "convert(%0) -> " + dtype_name(dtype()); }
   std::optional<BlockRule> block_rule() const override { return aligned_block_rule(shape(), inputs()); }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape, Device*) const override {
     return std::make_shared<ConvertNode>(std::move(inputs[0]), dtype());
   }
 
@@ -3300,7 +3428,7 @@ class RoundToBFloat16Node final : public Node {
 
   std::string op_name() const override { return "round_bf16"; }
   std::optional<BlockRule> block_rule() const override { return aligned_block_rule(shape(), inputs()); }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape, Device*) const override {
     return std::make_shared<RoundToBFloat16Node>(std::move(inputs[0]));
   }
 
@@ -3406,111 +3534,6 @@ LAZYTENSOR_INLINE void RoundToBFloat16Node::compute(ExecContext& ctx) {
 #include <utility>
 #include <vector>
 
-// ---- begin lazytensor/core/small_vector.hpp ----
-// A vector of trivially copyable values that keeps up to N of them inline: per-node data
-// with a handful of entries (a kernel's per-input strides) then costs no allocation, which
-// matters when a step traces and frees hundreds of small nodes.
-
-#include <algorithm>
-#include <cstddef>
-#include <memory>
-#include <type_traits>
-
-namespace lazy::core {
-
-/// Fixed-capacity-inline vector (see the file comment). Only what its users need: resize,
-/// assign, indexing, data, iteration, and stack use (push_back, back, pop_back).
-template <class T, std::size_t N>
-class SmallVector {
-  static_assert(std::is_trivially_copyable_v<T>, "SmallVector holds trivially copyable values");
-
- public:
-  SmallVector() = default;
-  SmallVector(const SmallVector& o) { copy_from(o); }
-  SmallVector& operator=(const SmallVector& o) {
-    if (this != &o) copy_from(o);
-    return *this;
-  }
-  SmallVector(SmallVector&& o) noexcept { move_from(o); }
-  SmallVector& operator=(SmallVector&& o) noexcept {
-    if (this != &o) move_from(o);
-    return *this;
-  }
-  ~SmallVector() = default;
-
-  /// Sets the size to n; new elements are value-initialized, kept ones keep their values.
-  void resize(std::size_t n) {
-    reserve(n);
-    for (std::size_t i = size_; i < n; ++i) data()[i] = T{};
-    size_ = n;
-  }
-  /// n copies of v.
-  void assign(std::size_t n, const T& v) {
-    reserve(n);
-    std::fill_n(data(), n, v);
-    size_ = n;
-  }
-
-  /// Appends v (growing the storage geometrically once past the inline capacity).
-  void push_back(const T& v) {
-    const T copy = v;  // v may be an element of this vector, which growing frees
-    if (size_ == capacity()) reserve(std::max<std::size_t>(4, 2 * capacity()));
-    data()[size_++] = copy;
-  }
-  /// The last element (the vector must not be empty).
-  T& back() { return data()[size_ - 1]; }
-  /// Removes the last element (the vector must not be empty).
-  void pop_back() { --size_; }
-
-  std::size_t size() const { return size_; }
-  bool empty() const { return size_ == 0; }
-  T* data() { return heap_ ? heap_.get() : inline_; }
-  const T* data() const { return heap_ ? heap_.get() : inline_; }
-  T& operator[](std::size_t i) { return data()[i]; }
-  const T& operator[](std::size_t i) const { return data()[i]; }
-  T* begin() { return data(); }
-  T* end() { return data() + size_; }
-  const T* begin() const { return data(); }
-  const T* end() const { return data() + size_; }
-
- private:
-  void reserve(std::size_t n) {
-    if (n <= capacity()) return;
-    auto bigger = std::make_unique<T[]>(n);
-    std::copy_n(data(), size_, bigger.get());
-    heap_ = std::move(bigger);
-    heap_capacity_ = n;
-  }
-  std::size_t capacity() const { return heap_ ? heap_capacity_ : N; }
-  void copy_from(const SmallVector& o) {
-    size_ = 0;
-    reserve(o.size_);
-    std::copy_n(o.data(), o.size_, data());
-    size_ = o.size_;
-  }
-  void move_from(SmallVector& o) {
-    if (o.heap_) {
-      heap_ = std::move(o.heap_);
-      heap_capacity_ = o.heap_capacity_;
-    } else {
-      heap_.reset();
-      std::copy_n(o.inline_, o.size_, inline_);
-    }
-    size_ = o.size_;
-    o.size_ = 0;
-  }
-
-  // Left uninitialized: only the first size_ elements are ever read, and resize, assign and
-  // push_back write those. Zeroing all N cost a memset per construction (1 KiB for a
-  // reduction's partials, ~6% of a small statement's time).
-  T inline_[N];
-  std::unique_ptr<T[]> heap_;
-  std::size_t heap_capacity_ = 0;
-  std::size_t size_ = 0;
-};
-
-}  // namespace lazy::core
-// ---- end lazytensor/core/small_vector.hpp ----
 // ---- begin lazytensor/graph/fused_group.hpp ----
 // Running a fused element-wise group (a PlanStep with several members): every chunk of
 // kFusionChunk elements goes through each member in order, so intermediates stay in cache.
@@ -3792,6 +3815,7 @@ class ChunkReduction {
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 // ---- begin lazytensor/expr/functors.hpp ----
 // Element-wise op functors. Each one says how it types its result (PyTorch promotion) and
@@ -4312,6 +4336,9 @@ struct Cast {
 namespace lazy::graph {
 class Node;
 using NodePtr = std::shared_ptr<Node>;
+/// A list of nodes (a node's inputs, a step's nodes), its storage from the thread's block
+/// cache (core/block_cache.hpp): every statement builds one and drops one.
+using NodeList = std::vector<NodePtr, core::BlockAllocator<NodePtr>>;
 }  // namespace lazy::graph
 namespace lazy::autograd {
 class GradFn;
@@ -5084,7 +5111,7 @@ inline constexpr bool has_floating_leaf_v = has_floating_leaf<std::remove_cvref_
 namespace detail {
 /// The slot of a leaf with `node` and `grad` already in `inputs` (and `edges`), or -1.
 inline int existing_slot(const graph::NodePtr& node, const autograd::GradFnPtr& grad,
-                         const std::vector<graph::NodePtr>& inputs,
+                         const graph::NodeList& inputs,
                          const std::vector<autograd::GradFnPtr>* edges) {
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     if (inputs[i] == node && (!edges || (*edges)[i] == grad)) return static_cast<int>(i);
@@ -5094,7 +5121,7 @@ inline int existing_slot(const graph::NodePtr& node, const autograd::GradFnPtr& 
 }  // namespace detail
 
 template <Element T>
-KLeaf<T> to_kernel(const Leaf<T>& l, std::vector<graph::NodePtr>& inputs,
+KLeaf<T> to_kernel(const Leaf<T>& l, graph::NodeList& inputs,
                    std::vector<autograd::GradFnPtr>* edges = nullptr) {
   if (const int s = detail::existing_slot(l.node, l.grad, inputs, edges); s >= 0) return {s};
   inputs.push_back(l.node);
@@ -5102,13 +5129,13 @@ KLeaf<T> to_kernel(const Leaf<T>& l, std::vector<graph::NodePtr>& inputs,
   return {static_cast<int>(inputs.size() - 1)};
 }
 template <Element T>
-Scalar<T> to_kernel(const Scalar<T>& s, std::vector<graph::NodePtr>&, std::vector<autograd::GradFnPtr>* = nullptr) {
+Scalar<T> to_kernel(const Scalar<T>& s, graph::NodeList&, std::vector<autograd::GradFnPtr>* = nullptr) {
   return s;
 }
 /// A leaf of an expression being consumed: its references move into `inputs` and `edges`
 /// instead of being copied (an atomic count each, and another when the leaf dies).
 template <Element T>
-KLeaf<T> to_kernel(Leaf<T>&& l, std::vector<graph::NodePtr>& inputs,
+KLeaf<T> to_kernel(Leaf<T>&& l, graph::NodeList& inputs,
                    std::vector<autograd::GradFnPtr>* edges = nullptr) {
   if (const int s = detail::existing_slot(l.node, l.grad, inputs, edges); s >= 0) return {s};
   inputs.push_back(std::move(l.node));
@@ -5116,7 +5143,7 @@ KLeaf<T> to_kernel(Leaf<T>&& l, std::vector<graph::NodePtr>& inputs,
   return {static_cast<int>(inputs.size() - 1)};
 }
 template <class Op, class... C>
-auto to_kernel(const Expr<Op, C...>& e, std::vector<graph::NodePtr>& inputs,
+auto to_kernel(const Expr<Op, C...>& e, graph::NodeList& inputs,
                std::vector<autograd::GradFnPtr>* edges = nullptr) {
   return detail::unpack(e.children(), [&](const auto&... ch) {
     // Braced initialization evaluates left to right: slots follow operand order.
@@ -5125,7 +5152,7 @@ auto to_kernel(const Expr<Op, C...>& e, std::vector<graph::NodePtr>& inputs,
 }
 /// An expression being consumed (a statement's temporary): its leaves move.
 template <class Op, class... C>
-auto to_kernel(Expr<Op, C...>&& e, std::vector<graph::NodePtr>& inputs,
+auto to_kernel(Expr<Op, C...>&& e, graph::NodeList& inputs,
                std::vector<autograd::GradFnPtr>* edges = nullptr) {
   std::tuple<C...>&& children = std::move(e).children();
   return detail::unpack(children, [&](auto&... ch) {
@@ -5185,7 +5212,7 @@ void drop_cut_edges(const K& k, std::vector<autograd::GradFnPtr>& edges) {
 /// says (the reductions take one parameter type for both, so that each operand type compiles
 /// once): its leaves move into `inputs`.
 template <class X>
-auto operand_to_kernel(const X& x, std::vector<graph::NodePtr>& inputs, bool consume = false) {
+auto operand_to_kernel(const X& x, graph::NodeList& inputs, bool consume = false) {
   if constexpr (is_expr_node<X>::value) {
     if (consume) return to_kernel(std::move(const_cast<X&>(x)), inputs);
     return to_kernel(x, inputs);
@@ -6520,13 +6547,13 @@ class CompiledKernel final : public ElementwiseKernel {
 class ElementwiseNode final : public Node {
  public:
   ElementwiseNode(KernelRef kernel, bool can_stream, DType dtype, Shape shape,
-                  Device* device, std::vector<NodePtr> inputs);
+                  Device* device, NodeList inputs);
 
   /// Element-wise: every output dimension splits; inputs aligned right (NumPy).
   std::optional<BlockRule> block_rule() const override { return aligned_block_rule(shape(), inputs()); }
   /// The same kernel over other inputs (the SPMD partitioner runs one per shard). The
   /// kernel is shared: it holds only the expression's form and scalars, never data.
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device* device) const override {
+  NodePtr with_inputs(NodeList inputs, Shape shape, Device* device) const override {
     return std::make_shared<ElementwiseNode>(kernel_, can_stream_, dtype(), shape, device, std::move(inputs));
   }
 
@@ -6553,15 +6580,15 @@ class ElementwiseNode final : public Node {
   LAZYTENSOR_INLINE void finish() override;
 
  private:
-  void run(ExecContext& ctx, const std::vector<const void*>& ptrs, void* out) const;
+  void run(ExecContext& ctx, const detail::InputPointers& ptrs, void* out) const;
 
   // The producer's row blocks (fixed by the shapes, not by the thread count), each
   // followed at once by the epilogue while it is still in cache.
-  void run_with_producer(ExecContext& ctx, const std::vector<const void*>& ptrs, void* out);
+  void run_with_producer(ExecContext& ctx, const detail::InputPointers& ptrs, void* out);
 
   double producer_cost() const { return inputs()[fused_slot_]->cost_per_element(); }
 
-  static expr::Layout layout_of(const Shape& out, const std::vector<NodePtr>& inputs);
+  static expr::Layout layout_of(const Shape& out, const NodeList& inputs);
 
   KernelRef kernel_;
   bool can_stream_;
@@ -6575,12 +6602,12 @@ class ElementwiseNode final : public Node {
 /// (the kernel comes as a pointer and the inputs by reference, so that no call site holds
 /// a cleanup of its own).
 LAZYTENSOR_INLINE NodePtr make_elementwise_node(const ElementwiseKernel* kernel, bool can_stream, DType dtype,
-                                                const Shape& shape, Device* device, std::vector<NodePtr>&& inputs);
+                                                const Shape& shape, Device* device, NodeList&& inputs);
 
 /// A pending-node-to-be for kernel-form expression `k` writing Tout of `shape` on `device`
 /// (not yet submitted).
 template <Element Tout, class K, bool Lean = false>
-NodePtr elementwise_node(K k, const Shape& shape, Device* device, std::vector<NodePtr>&& inputs) {
+NodePtr elementwise_node(K k, const Shape& shape, Device* device, NodeList&& inputs) {
   using CK = CompiledKernel<K, Tout, Lean>;
   return make_elementwise_node(new CK(std::move(k)), CK::can_stream, dtype_of<Tout>(), shape, device,
                                std::move(inputs));
@@ -6596,7 +6623,7 @@ LAZYTENSOR_INLINE RowProducer::Session::Session(RowProducer& p, ExecContext& ctx
 LAZYTENSOR_INLINE RowProducer::Session::~Session() { p_.end_rows(); }
 
 LAZYTENSOR_INLINE NodePtr make_elementwise_node(const ElementwiseKernel* kernel, bool can_stream, DType dtype,
-                                                const Shape& shape, Device* device, std::vector<NodePtr>&& inputs) {
+                                                const Shape& shape, Device* device, NodeList&& inputs) {
   KernelRef ref(kernel);  // first: owned from here on, whatever throws below
   return core::make_cached<ElementwiseNode>(std::move(ref), can_stream, dtype, shape, device, std::move(inputs));
 }
@@ -6606,11 +6633,11 @@ LAZYTENSOR_INLINE ElementwiseNode::ElementwiseNode(KernelRef kernel,
   DType dtype,
   Shape shape,
   Device* device,
-  std::vector<NodePtr> inputs)
+  NodeList inputs)
     : Node(NodeKind::Elementwise, dtype, shape, device, std::move(inputs)), kernel_(std::move(kernel)),
       can_stream_(can_stream), layout_(layout_of(this->shape(), this->inputs())) {}
 
-LAZYTENSOR_INLINE expr::Layout ElementwiseNode::layout_of(const Shape& out, const std::vector<NodePtr>& inputs) {
+LAZYTENSOR_INLINE expr::Layout ElementwiseNode::layout_of(const Shape& out, const NodeList& inputs) {
   core::SmallVector<const Shape*, 8> shapes;  // (no allocation for up to 8 inputs)
   for (const auto& in : inputs) shapes.push_back(&in->shape());
   return expr::make_layout(out, std::span<const Shape* const>(shapes.data(), shapes.size()));
@@ -6638,7 +6665,8 @@ LAZYTENSOR_INLINE void ElementwiseNode::fuse_producers() {
 
 LAZYTENSOR_INLINE void ElementwiseNode::compute(ExecContext& ctx) {
   const auto& ins = inputs();
-  std::vector<const void*> ptrs(ins.size());
+  detail::InputPointers ptrs;
+  ptrs.resize_for_overwrite(ins.size());
   for (std::size_t i = 0; i < ins.size(); ++i) {
     ptrs[i] = static_cast<int>(i) == fused_slot_ ? nullptr : ins[i]->buffer()->data();
   }
@@ -6658,7 +6686,7 @@ LAZYTENSOR_INLINE void ElementwiseNode::finish() {
   Node::finish();
 }
 
-LAZYTENSOR_INLINE void ElementwiseNode::run(ExecContext& ctx, const std::vector<const void*>& ptrs, void* out) const {
+LAZYTENSOR_INLINE void ElementwiseNode::run(ExecContext& ctx, const detail::InputPointers& ptrs, void* out) const {
   const std::int64_t n = numel();
   if (n == 0) return;
   auto& pool = ctx.device.threads();
@@ -6683,7 +6711,7 @@ LAZYTENSOR_INLINE void ElementwiseNode::run(ExecContext& ctx, const std::vector<
   }
 }
 
-LAZYTENSOR_INLINE void ElementwiseNode::run_with_producer(ExecContext& ctx, const std::vector<const void*>& ptrs, void* out) {
+LAZYTENSOR_INLINE void ElementwiseNode::run_with_producer(ExecContext& ctx, const detail::InputPointers& ptrs, void* out) {
   auto* producer = dynamic_cast<RowProducer*>(inputs()[fused_slot_].get());
   const std::int64_t cols = shape()[shape().rank() - 1];
   const std::int64_t rows = cols ? numel() / cols : 0;
@@ -6768,7 +6796,7 @@ namespace detail {
 std::uint64_t next_plan_epoch();
 
 /// Numbers the nodes (plan_slot) for this planning pass.
-std::uint64_t number_nodes(const std::vector<NodePtr>& nodes);
+std::uint64_t number_nodes(const NodeList& nodes);
 
 inline std::int32_t plan_slot_of(const NodePtr& n, std::uint64_t epoch) {
   return n->plan_epoch == epoch ? n->plan_slot : -1;
@@ -6789,7 +6817,7 @@ inline Rendezvous* rendezvous(const NodePtr& n) {
 
 /// Writes into `sig` the signature (see the file comment) of `nodes`, numbered with
 /// `epoch`, and into `outside` whether something outside the step refers to each node.
-void plan_signature(const std::vector<NodePtr>& nodes, std::uint64_t epoch,
+void plan_signature(const NodeList& nodes, std::uint64_t epoch,
                     std::vector<std::uint8_t>& outside, std::vector<std::uint64_t>& sig);
 
 std::uint64_t fold_signature(const std::vector<std::uint64_t>& sig);
@@ -6801,7 +6829,7 @@ std::uint64_t fold_signature(const std::vector<std::uint64_t>& sig);
 /// So every consumer comes after its producers: a non-member reading a group closes the
 /// group first, and a member reading anything else reads a single step or a closed group
 /// emitted earlier.
-std::shared_ptr<Plan> build_plan(const std::vector<NodePtr>& nodes, std::uint64_t epoch,
+std::shared_ptr<Plan> build_plan(const NodeList& nodes, std::uint64_t epoch,
                                  const std::vector<std::uint8_t>& outside);
 
 }  // namespace detail
@@ -6817,7 +6845,7 @@ LAZYTENSOR_INLINE std::uint64_t next_plan_epoch() {
   return (++epoch << 8) ^ reinterpret_cast<std::uintptr_t>(&epoch);
 }
 
-LAZYTENSOR_INLINE std::uint64_t number_nodes(const std::vector<NodePtr>& nodes) {
+LAZYTENSOR_INLINE std::uint64_t number_nodes(const NodeList& nodes) {
   const std::uint64_t epoch = next_plan_epoch();
   for (std::size_t i = 0; i < nodes.size(); ++i) {
     nodes[i]->plan_slot = static_cast<std::int32_t>(i);
@@ -6845,7 +6873,7 @@ LAZYTENSOR_INLINE ChunkReduction* chunk_reduction(const NodePtr& n, std::int64_t
   return reads_chunk ? r : nullptr;
 }
 
-LAZYTENSOR_INLINE void plan_signature(const std::vector<NodePtr>& nodes,
+LAZYTENSOR_INLINE void plan_signature(const NodeList& nodes,
     std::uint64_t epoch,
     std::vector<std::uint8_t>& outside,
     std::vector<std::uint64_t>& sig) {
@@ -6876,7 +6904,7 @@ LAZYTENSOR_INLINE std::uint64_t fold_signature(const std::vector<std::uint64_t>&
   return h;
 }
 
-LAZYTENSOR_INLINE std::shared_ptr<Plan> build_plan(const std::vector<NodePtr>& nodes,
+LAZYTENSOR_INLINE std::shared_ptr<Plan> build_plan(const NodeList& nodes,
     std::uint64_t epoch,
     const std::vector<std::uint8_t>& outside) {
   auto plan = std::make_shared<Plan>();
@@ -7432,11 +7460,11 @@ class SeenNodes {
 /// stopping at process exit) gives back its collectives (Rendezvous::abandon), so a peer
 /// device waiting in one ends with an error instead of waiting out the collective timeout.
 struct QueuedStep {
-  explicit QueuedStep(std::vector<NodePtr> n) : nodes(std::move(n)) {}
+  explicit QueuedStep(NodeList n) : nodes(std::move(n)) {}
   QueuedStep(const QueuedStep&) = delete;
   QueuedStep& operator=(const QueuedStep&) = delete;
   ~QueuedStep();
-  std::vector<NodePtr> nodes;
+  NodeList nodes;
   bool taken = false;  ///< the executor ran (or refused) the step: nothing to give back
 };
 
@@ -7449,7 +7477,7 @@ std::int64_t run_batch(ExecContext& ctx, const PlanStep& st, std::span<NodePtr> 
 
 /// Pending nodes reachable from `roots`, producers before consumers (iterative DFS, so a
 /// long chain of statements cannot overflow the stack).
-std::vector<NodePtr> topological_order(std::span<const NodePtr> roots);
+NodeList topological_order(std::span<const NodePtr> roots);
 
 /// Lets the step's element-wise nodes take over their GEMM producers (epilogue fusion).
 /// Called on every step before planning and execution: it decides on this step's nodes.
@@ -7459,7 +7487,7 @@ void prepare(std::span<const NodePtr> nodes);
 /// `step`: planning a mark_step (reads and eager ops do not count toward the re-planning
 /// warning). `done`: receives the clock reading that ended PlanTime, for a caller that
 /// runs the plan at once and can start ExecuteTime from it.
-std::shared_ptr<const Plan> plan_for(Device& dev, const std::vector<NodePtr>& nodes,
+std::shared_ptr<const Plan> plan_for(Device& dev, const NodeList& nodes,
                                             bool step, core::MetricClock::Ticks* done = nullptr);
 
 /// Puts the nodes of a step that did not run (or did not finish) back to pending and into
@@ -7475,7 +7503,7 @@ void run_plan(Device& device, const Plan& plan, std::span<NodePtr> nodes,
 
 /// Plans and runs `nodes` on the calling thread (the caller has waited for the queued
 /// plans: execute does).
-void execute_now(Device& device, std::vector<NodePtr> nodes);
+void execute_now(Device& device, NodeList nodes);
 
 /// True when `node` is pending and every input of it is materialized: its plan would be
 /// the node alone.
@@ -7494,7 +7522,7 @@ void execute(Device& device, std::span<const NodePtr> roots);
 /// The nodes a step computes: every pending node of the trace that a live handle reaches,
 /// in creation order. The rest (alive, but reachable only from expressions or dropped
 /// values' consumers) stays traced for later steps.
-std::vector<NodePtr> collect_step(Device& dev);
+NodeList collect_step(Device& dev);
 
 /// Entries of the per-thread scratch that collect_step and plan_for keep between steps
 /// (larger ones, left by an unusually large step, are freed).
@@ -7502,7 +7530,7 @@ inline constexpr std::size_t kKeptTraceCapacity = std::size_t{1} << 14;
 
 /// run_plan for a step nobody waits on: its error is stored on the device, to surface at
 /// the next read or sync.
-void run_plan_storing_error(Device& dev, const Plan& plan, std::vector<NodePtr>& nodes);
+void run_plan_storing_error(Device& dev, const Plan& plan, NodeList& nodes);
 
 /// Runs a step: plans the collected nodes now (overlapping the previous step's
 /// execution), hands the plan to the executor thread (or, with async off, runs it here),
@@ -7515,7 +7543,7 @@ void run_plan_storing_error(Device& dev, const Plan& plan, std::vector<NodePtr>&
 /// and the caller waits for the previous step (`dev.wait_below(2)`) itself; a thread
 /// driving several devices (SPMD) queues every device's step first, so no executor idles
 /// while this thread waits for another device.
-void run_step(Device& dev, std::vector<NodePtr> nodes, bool wait_previous = true);
+void run_step(Device& dev, NodeList nodes, bool wait_previous = true);
 
 }  // namespace lazy::graph
 
@@ -7566,8 +7594,8 @@ LAZYTENSOR_INLINE bool SeenNodes::insert(const Node* n) {
 }  // namespace lazy::graph::detail
 namespace lazy::graph {
 
-LAZYTENSOR_INLINE std::vector<NodePtr> topological_order(std::span<const NodePtr> roots) {
-  std::vector<NodePtr> order;
+LAZYTENSOR_INLINE NodeList topological_order(std::span<const NodePtr> roots) {
+  NodeList order;
   detail::SeenNodes seen;
   struct Frame {
     Node* node;
@@ -7611,7 +7639,7 @@ LAZYTENSOR_INLINE void prepare(std::span<const NodePtr> nodes) {
 }
 
 LAZYTENSOR_INLINE std::shared_ptr<const Plan> plan_for(Device& dev,
-    const std::vector<NodePtr>& nodes,
+    const NodeList& nodes,
     bool step,
     core::MetricClock::Ticks* done) {
   static auto& cached = core::counter("CachedPlan");
@@ -7723,7 +7751,7 @@ LAZYTENSOR_INLINE void run_plan(Device& device,
   kernels.add(ran);
 }
 
-LAZYTENSOR_INLINE void execute_now(Device& device, std::vector<NodePtr> nodes) {
+LAZYTENSOR_INLINE void execute_now(Device& device, NodeList nodes) {
   if (nodes.empty()) return;
   prepare(nodes);
   // One clock reading ends PlanTime and starts ExecuteTime.
@@ -7773,14 +7801,14 @@ LAZYTENSOR_INLINE void execute(Device& device, std::span<const NodePtr> roots) {
   execute_now(device, topological_order(roots));
 }
 
-LAZYTENSOR_INLINE std::vector<NodePtr> collect_step(Device& dev) {
+LAZYTENSOR_INLINE NodeList collect_step(Device& dev) {
   // This thread's scratch, kept from step to step: a step of a few statements allocates
   // only the vector it returns. (Its weak references are dropped before returning: they
   // would keep the nodes' memory.)
   thread_local std::vector<std::weak_ptr<Node>> trace;
   thread_local std::vector<std::uint8_t> needed;
   dev.take_trace(trace);
-  std::vector<NodePtr> alive;
+  NodeList alive;
   alive.reserve(trace.size());
   for (auto& w : trace)
     if (auto n = w.lock(); n && n->pending()) alive.push_back(std::move(n));
@@ -7813,7 +7841,7 @@ LAZYTENSOR_INLINE std::vector<NodePtr> collect_step(Device& dev) {
   return alive;
 }
 
-LAZYTENSOR_INLINE void run_plan_storing_error(Device& dev, const Plan& plan, std::vector<NodePtr>& nodes) {
+LAZYTENSOR_INLINE void run_plan_storing_error(Device& dev, const Plan& plan, NodeList& nodes) {
   try {
     run_plan(dev, plan, nodes);
   } catch (...) {
@@ -7821,7 +7849,7 @@ LAZYTENSOR_INLINE void run_plan_storing_error(Device& dev, const Plan& plan, std
   }
 }
 
-LAZYTENSOR_INLINE void run_step(Device& dev, std::vector<NodePtr> nodes, bool wait_previous) {
+LAZYTENSOR_INLINE void run_step(Device& dev, NodeList nodes, bool wait_previous) {
   if (nodes.empty()) return;
   // Every way out before the hand-off gives the nodes back to the trace (collect_step took
   // them): a step that cannot be planned or queued is not lost, and its collectives are
@@ -7890,7 +7918,7 @@ namespace lazy::graph {
 
 /// The device shared by `inputs`; throws DeviceError when they differ. With no inputs,
 /// the current device.
-Device& common_device(const std::vector<NodePtr>& inputs, const char* op);
+Device& common_device(const NodeList& inputs, const char* op);
 
 /// Rewrites a node that reads a sharded value (NodeKind::Sharded) into per-device pieces.
 /// lazy::spmd installs it (use_spmd); without it no node can read a sharded value.
@@ -7946,7 +7974,7 @@ bool materialize(const NodePtr& node);
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace lazy::graph {
 
-LAZYTENSOR_INLINE Device& common_device(const std::vector<NodePtr>& inputs, const char* op) {
+LAZYTENSOR_INLINE Device& common_device(const NodeList& inputs, const char* op) {
   Device* d = inputs.empty() ? &current_device() : inputs.front()->device();
   for (const auto& in : inputs) {
     if (in->device() != d) {
@@ -8081,7 +8109,7 @@ class GradFn {
   virtual std::string name() const = 0;
   /// Gradients of the inputs (one per entry of `next`; nullptr where none flows), given
   /// the gradient of the output (same dtype and shape as the output).
-  virtual std::vector<graph::NodePtr> apply(const graph::NodePtr& grad_output) = 0;
+  virtual graph::NodeList apply(const graph::NodePtr& grad_output) = 0;
   /// Drops what forward saved for backward (after a backward without retain_graph).
   virtual void release_saved() { released_ = true; }
   /// True once release_saved() ran: a second backward through this function is an error.
@@ -8435,12 +8463,9 @@ S pairwise(S* v, std::size_t n) {
 template <class S>
 using Partials = core::SmallVector<S, 64>;
 
-/// Input pointers of a node's kernel (most kernels read a handful of inputs).
-using InputPointers = core::SmallVector<const void*, 8>;
-
 /// Per input, 1 when it is a single element broadcast over a child of `child_numel`
 /// elements (the kernel then reads that element for every index).
-core::SmallVector<char, 8> splat_flags(const std::vector<NodePtr>& inputs,
+core::SmallVector<char, 8> splat_flags(const NodeList& inputs,
                                               std::int64_t child_numel);
 
 /// Reduces [b, b + len) block by block in lane S, combining the blocks' results in A.
@@ -8448,7 +8473,7 @@ template <class R, class S, class A, class Ev>
 A reduce_range(const Ev& ev, std::int64_t b, std::int64_t len) {
   if (len <= kReduceBlock) return static_cast<A>(reduce_span<R, S>(ev, b, len));
   Partials<A> partial;
-  partial.resize(static_cast<std::size_t>((len + kReduceBlock - 1) / kReduceBlock));
+  partial.resize_for_overwrite(static_cast<std::size_t>((len + kReduceBlock - 1) / kReduceBlock));
   for (std::size_t j = 0; j < partial.size(); ++j) {
     const std::int64_t o = static_cast<std::int64_t>(j) * kReduceBlock;
     partial[j] = static_cast<A>(reduce_span<R, S>(ev, b + o, std::min(kReduceBlock, len - o)));
@@ -8470,7 +8495,7 @@ class BlockReduction {
   virtual const char* reduce_name() const = 0;
   /// The same kernel and scale over `inputs` (blocks of this node's inputs, of `child`
   /// shape or single elements), producing `out` on `device`, not yet submitted.
-  virtual NodePtr with_block(std::vector<NodePtr> inputs, Shape out, ReduceGeometry g, Shape child,
+  virtual NodePtr with_block(NodeList inputs, Shape out, ReduceGeometry g, Shape child,
                              Device* device) const = 0;
 };
 
@@ -8660,7 +8685,7 @@ class ReductionNode : public Node, public ChunkReduction, public BlockReduction 
   /// `kernel` is a member of the derived node: it is not touched here before that
   /// member is constructed.
   ReductionNode(const ReduceKernel& kernel, DType dtype, Shape out_shape, ReduceGeometry g, double scale,
-                Device* device, std::vector<NodePtr> inputs, Shape child_shape);
+                Device* device, NodeList inputs, Shape child_shape);
 
   LAZYTENSOR_INLINE void compute(ExecContext& ctx) override;
 
@@ -8679,13 +8704,13 @@ class ReductionNode : public Node, public ChunkReduction, public BlockReduction 
 template <class K, class R, class S, Element Tout>
 class ReductionNodeOf final : public ReductionNode {
  public:
-  ReductionNodeOf(K k, Shape out_shape, ReduceGeometry g, double scale, Device* device, std::vector<NodePtr> inputs,
+  ReductionNodeOf(K k, Shape out_shape, ReduceGeometry g, double scale, Device* device, NodeList inputs,
                   Shape child_shape)
       : ReductionNode(loops_, dtype_of<Tout>(), std::move(out_shape), g, scale, device, std::move(inputs),
                       std::move(child_shape)),
         loops_(std::move(k)) {}
 
-  NodePtr with_block(std::vector<NodePtr> inputs, Shape out, ReduceGeometry g, Shape child,
+  NodePtr with_block(NodeList inputs, Shape out, ReduceGeometry g, Shape child,
                      Device* device) const override {
     return std::make_shared<ReductionNodeOf>(loops_.expression(), std::move(out), g, scale(), device,
                                              std::move(inputs), std::move(child));
@@ -8699,7 +8724,7 @@ class ReductionNodeOf final : public ReductionNode {
 /// into Tout (not yet submitted).
 template <class R, class S, Element Tout, class K>
 NodePtr reduction_node(K k, Shape out_shape, ReduceGeometry g, double scale, Device* device,
-                       std::vector<NodePtr> inputs, Shape child_shape) {
+                       NodeList inputs, Shape child_shape) {
   return core::make_cached<ReductionNodeOf<K, R, S, Tout>>(std::move(k), std::move(out_shape), g, scale, device,
                                                             std::move(inputs), std::move(child_shape));
 }
@@ -8709,7 +8734,7 @@ template <class K, class S, bool IsMax>
 class ArgReductionNode final : public Node, public BlockReduction {
  public:
   ArgReductionNode(K kernel, Shape out_shape, ReduceGeometry g, Device* device,
-                   std::vector<NodePtr> inputs, Shape child_shape)
+                   NodeList inputs, Shape child_shape)
       : Node(NodeKind::Reduction, DType::Int64, out_shape, device, std::move(inputs)),
         kernel_(std::move(kernel)),
         g_(g),
@@ -8721,7 +8746,7 @@ class ArgReductionNode final : public Node, public BlockReduction {
   const Shape& child_shape() const override { return child_shape_; }
   ReduceGeometry geometry() const override { return g_; }
   const char* reduce_name() const override { return IsMax ? "argmax" : "argmin"; }
-  NodePtr with_block(std::vector<NodePtr> inputs, Shape out, ReduceGeometry g, Shape child,
+  NodePtr with_block(NodeList inputs, Shape out, ReduceGeometry g, Shape child,
                      Device* device) const override {
     return std::make_shared<ArgReductionNode>(kernel_, out, g, device, std::move(inputs), std::move(child));
   }
@@ -8730,7 +8755,7 @@ class ArgReductionNode final : public Node, public BlockReduction {
   void compute(ExecContext& ctx) override {
     const auto& ins = inputs();
     detail::InputPointers ptrs;
-    ptrs.resize(ins.size());
+    ptrs.resize_for_overwrite(ins.size());
     for (std::size_t i = 0; i < ins.size(); ++i) ptrs[i] = ins[i]->buffer()->data();
     auto buf = allocate_output(ctx, false);
     auto* out = static_cast<std::int64_t*>(buf->data());
@@ -8772,10 +8797,10 @@ class ArgReductionNode final : public Node, public BlockReduction {
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace lazy::graph::detail {
 
-LAZYTENSOR_INLINE core::SmallVector<char, 8> splat_flags(const std::vector<NodePtr>& inputs,
+LAZYTENSOR_INLINE core::SmallVector<char, 8> splat_flags(const NodeList& inputs,
     std::int64_t child_numel) {
   core::SmallVector<char, 8> flags;
-  flags.resize(inputs.size());
+  flags.resize_for_overwrite(inputs.size());
   for (std::size_t i = 0; i < inputs.size(); ++i)
     flags[i] = inputs[i]->numel() == 1 && child_numel != 1 ? 1 : 0;
   return flags;
@@ -8787,7 +8812,7 @@ namespace lazy::graph {
 
 LAZYTENSOR_INLINE ReductionNode::ReductionNode(const ReduceKernel& kernel, DType dtype, Shape out_shape,
                                                ReduceGeometry g, double scale, Device* device,
-                                               std::vector<NodePtr> inputs, Shape child_shape)
+                                               NodeList inputs, Shape child_shape)
     : Node(NodeKind::Reduction, dtype, std::move(out_shape), device, std::move(inputs)),
       kernel_(kernel),
       g_(g),
@@ -8822,7 +8847,7 @@ LAZYTENSOR_INLINE void ReductionNode::finish_partials(ExecContext& ctx, void* pa
 LAZYTENSOR_INLINE void ReductionNode::compute(ExecContext& ctx) {
   const auto& ins = inputs();
   detail::InputPointers ptrs;
-  ptrs.resize(ins.size());
+  ptrs.resize_for_overwrite(ins.size());
   for (std::size_t i = 0; i < ins.size(); ++i) ptrs[i] = ins[i]->buffer()->data();
   auto buf = allocate_output(ctx, false);
   void* out = buf->data();
@@ -8840,7 +8865,7 @@ LAZYTENSOR_INLINE void ReductionNode::compute(ExecContext& ctx) {
     // of floats needs no heap).
     core::SmallVector<std::max_align_t, 64> partial;
     const std::size_t bytes = static_cast<std::size_t>(blocks) * k.partial_bytes();
-    partial.resize((bytes + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t));
+    partial.resize_for_overwrite((bytes + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t));
     const std::int64_t tasks = std::min(blocks, task_count(pool, total, cost));
     pool.parallel_for(tasks, [&](std::int64_t t) {
       auto [b0, b1] = task_range(blocks, tasks, t);
@@ -8872,7 +8897,7 @@ namespace lazy::autograd {
 
 namespace detail {
 template <Element T, class Op, class... Ks>
-graph::NodePtr elementwise(const Shape& shape, graph::Device* dev, std::vector<graph::NodePtr> inputs, Ks... ks) {
+graph::NodePtr elementwise(const Shape& shape, graph::Device* dev, graph::NodeList inputs, Ks... ks) {
   using K = expr::KExpr<Op, Ks...>;
   return graph::submit(graph::elementwise_node<T>(K{{ks...}}, shape, dev, std::move(inputs)));
 }
@@ -8935,7 +8960,7 @@ graph::NodePtr sum_to_shape_of(const graph::NodePtr& g, const Shape& to) {
     const Shape out = more ? next : to;  // the last pass writes the target shape directly
     using K = expr::KLeaf<T>;
     cur = graph::submit(graph::reduction_node<ops::reduce::Sum, S, T>(K{0}, out, geo, 1.0, cur->device(),
-                                                                       std::vector<graph::NodePtr>{cur}, cur_shape));
+                                                                       graph::NodeList{cur}, cur_shape));
     cur_shape = next;
     hi = lo - 1;
   }
@@ -9070,7 +9095,7 @@ class AccumulateGrad final : public GradFn {
  public:
   explicit AccumulateGrad(std::shared_ptr<graph::TensorImpl> leaf);
   std::string name() const override { return "AccumulateGrad"; }
-  std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override {
+  graph::NodeList apply(const graph::NodePtr& grad) override {
     // A leaf switched to requires_grad_(false) after the graph was recorded keeps its
     // .grad() as it is, as libtorch's AccumulateGrad does.
     if (leaf_->requires_grad()) accumulate_into(*leaf_, grad);
@@ -9084,10 +9109,19 @@ class AccumulateGrad final : public GradFn {
   std::shared_ptr<graph::TensorImpl> leaf_;
 };
 
+namespace detail {
+/// edge_of for a tensor that requires grad, with grad mode on.
+GradFnPtr history_edge(const std::shared_ptr<graph::TensorImpl>& impl);
+}  // namespace detail
+
 /// Where gradients for the tensor object `impl` go when it is read now: its grad_fn, its
 /// leaf accumulator (created on first use), or nowhere (nullptr) when it does not require
-/// grad or grad mode is off.
-GradFnPtr edge_of(const std::shared_ptr<graph::TensorImpl>& impl);
+/// grad or grad mode is off. The test is inline: every tensor read into an expression
+/// asks, and most of them need no history.
+inline GradFnPtr edge_of(const std::shared_ptr<graph::TensorImpl>& impl) {
+  if (!impl || !impl->requires_grad() || !is_grad_enabled()) return nullptr;
+  return detail::history_edge(impl);
+}
 
 /// True when any of `edges` leads somewhere.
 bool any_edge(const std::vector<GradFnPtr>& edges);
@@ -9105,7 +9139,7 @@ class ReplacedGradFn final : public GradFn {
  public:
   explicit ReplacedGradFn(std::string name) : name_(std::move(name)) {}
   std::string name() const override { return name_; }
-  LAZYTENSOR_INLINE std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override;
+  LAZYTENSOR_INLINE graph::NodeList apply(const graph::NodePtr& grad) override;
   /// Nothing is saved.
   void release_saved() override {}
 
@@ -9130,7 +9164,7 @@ class ToCopyGradFn final : public GradFn {
   /// `source`: the device of the tensor that was copied, where its gradient must live.
   explicit ToCopyGradFn(graph::Device* source) : source_(source) {}
   std::string name() const override { return "ToCopyBackward0"; }
-  LAZYTENSOR_INLINE std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override;
+  LAZYTENSOR_INLINE graph::NodeList apply(const graph::NodePtr& grad) override;
   /// Nothing is saved: a second backward through a copy is allowed, as in libtorch.
   void release_saved() override {}
 
@@ -9162,8 +9196,7 @@ LAZYTENSOR_INLINE AccumulateGrad::AccumulateGrad(std::shared_ptr<graph::TensorIm
   device = leaf_->node->device();
 }
 
-LAZYTENSOR_INLINE GradFnPtr edge_of(const std::shared_ptr<graph::TensorImpl>& impl) {
-  if (!impl || !impl->requires_grad() || !is_grad_enabled()) return nullptr;
+LAZYTENSOR_INLINE GradFnPtr detail::history_edge(const std::shared_ptr<graph::TensorImpl>& impl) {
   auto& meta = *impl->autograd;
   if (meta.grad_fn) return meta.grad_fn;
   GradFnPtr acc = meta.accumulator.lock();
@@ -9203,7 +9236,7 @@ LAZYTENSOR_INLINE bool attach_grad_fn(graph::TensorImpl& impl, GradFnPtr fn) {
   return true;
 }
 
-LAZYTENSOR_INLINE std::vector<graph::NodePtr> ReplacedGradFn::apply(const graph::NodePtr& grad) {
+LAZYTENSOR_INLINE graph::NodeList ReplacedGradFn::apply(const graph::NodePtr& grad) {
   // zeros_like(grad) in the old value's dtype, as a zeroed buffer: dtype-free, no kernel.
   const GradFn& prev = *next.at(0);
   graph::Device& d = *grad->device();
@@ -9214,7 +9247,7 @@ LAZYTENSOR_INLINE std::vector<graph::NodePtr> ReplacedGradFn::apply(const graph:
   return {std::make_shared<graph::DataNode>(prev.dtype, prev.shape, &d, std::move(buf))};
 }
 
-LAZYTENSOR_INLINE std::vector<graph::NodePtr> ToCopyGradFn::apply(const graph::NodePtr& grad) {
+LAZYTENSOR_INLINE graph::NodeList ToCopyGradFn::apply(const graph::NodePtr& grad) {
   // The gradient keeps its dtype: whatever receives it converts (AccumulateGrad, a rule, an
   // element-wise backward), so no dtype's conversion is compiled or looked up here.
   if (graph::materialize(grad)) {
@@ -9253,10 +9286,10 @@ struct BackwardRequest {
 
 /// Runs a backward pass; returns one gradient per captured function (nullptr when none
 /// reached it).
-std::vector<graph::NodePtr> run_backward(const BackwardRequest& req);
+graph::NodeList run_backward(const BackwardRequest& req);
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
-LAZYTENSOR_INLINE std::vector<graph::NodePtr> run_backward(const BackwardRequest& req) {
+LAZYTENSOR_INLINE graph::NodeList run_backward(const BackwardRequest& req) {
   AutoGradMode no_grad(false);  // gradients of gradients are not recorded
   // Dependency counts over the graph reachable from the roots.
   std::unordered_map<GradFn*, int> deps;
@@ -9277,7 +9310,7 @@ LAZYTENSOR_INLINE std::vector<graph::NodePtr> run_backward(const BackwardRequest
   // A function may be captured more than once (one input given twice): every slot gets it.
   std::unordered_map<GradFn*, std::vector<std::size_t>> captured;
   for (std::size_t i = 0; i < req.capture.size(); ++i) captured[req.capture[i].get()].push_back(i);
-  std::vector<graph::NodePtr> out(req.capture.size());
+  graph::NodeList out(req.capture.size());
 
   std::unordered_map<GradFn*, graph::NodePtr> pending;
   auto add_grad = [&](GradFn* fn, const graph::NodePtr& g) {
@@ -9306,7 +9339,7 @@ LAZYTENSOR_INLINE std::vector<graph::NodePtr> run_backward(const BackwardRequest
       g = std::move(it->second);
       pending.erase(it);
     }
-    std::vector<graph::NodePtr> grads;
+    graph::NodeList grads;
     if (g) {
       for (const auto& w : fn->retained) {
         if (auto impl = w.lock()) accumulate_into(*impl, g);
@@ -9364,10 +9397,10 @@ class ElementwiseGradFnBase : public GradFn {
   /// its gradient kernels need no input value.
   /// Both defined with the runtime: in place, every ElementwiseGradFn<K> inlined the input
   /// list's copy and releases, ~2 KB per expression with a gradient.
-  LAZYTENSOR_INLINE ElementwiseGradFnBase(const std::vector<graph::NodePtr>& inputs, bool constant);
+  LAZYTENSOR_INLINE ElementwiseGradFnBase(const graph::NodeList& inputs, bool constant);
   LAZYTENSOR_INLINE ~ElementwiseGradFnBase() override;
 
-  LAZYTENSOR_INLINE std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override;
+  LAZYTENSOR_INLINE graph::NodeList apply(const graph::NodePtr& grad) override;
 
   /// Drops the inputs. With constant derivatives nothing was saved, as in libtorch
   /// (AddBackward0), and the function can run again: each input then reads a one-element
@@ -9378,10 +9411,10 @@ class ElementwiseGradFnBase : public GradFn {
  protected:
   /// A pending node computing grad * d(output)/d(input `slot`), in the output's shape.
   virtual graph::NodePtr gradient_kernel(int slot, const graph::NodePtr& grad) const = 0;
-  const std::vector<graph::NodePtr>& inputs() const { return inputs_; }
+  const graph::NodeList& inputs() const { return inputs_; }
   /// The inputs of a gradient kernel: the forward inputs, then `grad` converted to `dtype`
   /// (the kernel's last slot). Not a template, like the constructor.
-  LAZYTENSOR_INLINE std::vector<graph::NodePtr> gradient_inputs(const graph::NodePtr& grad, DType dtype) const;
+  LAZYTENSOR_INLINE graph::NodeList gradient_inputs(const graph::NodePtr& grad, DType dtype) const;
 
  private:
   /// What a released function with constant derivatives keeps of an input.
@@ -9390,7 +9423,7 @@ class ElementwiseGradFnBase : public GradFn {
     DType dtype;
     graph::Device* device;
   };
-  std::vector<graph::NodePtr> inputs_;
+  graph::NodeList inputs_;
   /// Filled by release_saved when constant_; inputs_ then holds the placeholders (made on
   /// the next apply: a second backward is rare, a release happens every step).
   std::vector<InputMeta> released_inputs_;
@@ -9426,7 +9459,7 @@ struct register_leaf_casts<S, expr::KExpr<Op, C...>> {
 template <class K, Element Tout>
 class ElementwiseGradFn final : public ElementwiseGradFnBase {
  public:
-  ElementwiseGradFn(K kernel, const std::vector<graph::NodePtr>& inputs)
+  ElementwiseGradFn(K kernel, const graph::NodeList& inputs)
       : ElementwiseGradFnBase(inputs, expr::constant_tangent_v<K>),
         kernel_(std::move(kernel)) {
     // apply() sums gradients of the kernel's lane back to each input's shape and dtype.
@@ -9453,7 +9486,7 @@ class ElementwiseGradFn final : public ElementwiseGradFnBase {
       if constexpr (std::is_same_v<S, Tout>) {
         if (expr::unit_tangent(kernel_, slot)) return cast_node(grad, dtype_of<Tout>());
       }
-      std::vector<graph::NodePtr> ins = gradient_inputs(grad, dtype_of<Tout>());
+      graph::NodeList ins = gradient_inputs(grad, dtype_of<Tout>());
       const int g_slot = static_cast<int>(ins.size()) - 1;
       return graph::submit(
           graph::elementwise_node<S>(KG{kernel_, expr::KLeaf<Tout>{g_slot}, slot}, shape, grad->device(), std::move(ins)));
@@ -9484,26 +9517,26 @@ LAZYTENSOR_INLINE std::string backward_name(const char* op) {
   return n + "Backward0";
 }
 
-LAZYTENSOR_INLINE ElementwiseGradFnBase::ElementwiseGradFnBase(const std::vector<graph::NodePtr>& inputs,
+LAZYTENSOR_INLINE ElementwiseGradFnBase::ElementwiseGradFnBase(const graph::NodeList& inputs,
                                                                 bool constant)
     : inputs_(inputs), constant_(constant) {}
 
 LAZYTENSOR_INLINE ElementwiseGradFnBase::~ElementwiseGradFnBase() = default;
 
-LAZYTENSOR_INLINE std::vector<graph::NodePtr> ElementwiseGradFnBase::gradient_inputs(const graph::NodePtr& grad,
+LAZYTENSOR_INLINE graph::NodeList ElementwiseGradFnBase::gradient_inputs(const graph::NodePtr& grad,
                                                                                     DType dtype) const {
-  std::vector<graph::NodePtr> ins;
+  graph::NodeList ins;
   ins.reserve(inputs_.size() + 1);
   ins.insert(ins.end(), inputs_.begin(), inputs_.end());
   ins.push_back(cast_node(grad, dtype));
   return ins;
 }
 
-LAZYTENSOR_INLINE std::vector<graph::NodePtr> ElementwiseGradFnBase::apply(const graph::NodePtr& grad) {
+LAZYTENSOR_INLINE graph::NodeList ElementwiseGradFnBase::apply(const graph::NodePtr& grad) {
   check_not_released();
   if (!released_inputs_.empty() && inputs_.empty()) {
     // Built aside and assigned whole: an allocation failing halfway leaves none behind.
-    std::vector<graph::NodePtr> zeros;
+    graph::NodeList zeros;
     zeros.reserve(released_inputs_.size());
     for (const InputMeta& m : released_inputs_) {
       const std::size_t elem = dtype_size(m.dtype);
@@ -9514,7 +9547,7 @@ LAZYTENSOR_INLINE std::vector<graph::NodePtr> ElementwiseGradFnBase::apply(const
     }
     inputs_ = std::move(zeros);
   }
-  std::vector<graph::NodePtr> grads(next.size());
+  graph::NodeList grads(next.size());
   for (std::size_t s = 0; s < next.size(); ++s) {
     if (!next[s]) continue;
     graph::NodePtr g = gradient_kernel(static_cast<int>(s), grad);
@@ -9548,10 +9581,11 @@ namespace lazy::detail {
 template <Element Tout, class E>
 graph::NodePtr make_elementwise(E&& e, const Shape* shape, autograd::GradFnPtr* grad_fn = nullptr) {
   using X = std::remove_cvref_t<E>;
-  std::vector<graph::NodePtr> inputs;
+  graph::NodeList inputs;
   std::vector<autograd::GradFnPtr> edges;
-  // History is recorded where the expression is evaluated, if grad mode is on there.
-  if (grad_fn && !autograd::is_grad_enabled()) grad_fn = nullptr;
+  // History is recorded where the expression is evaluated, if grad mode is on there and a
+  // leaf has some (otherwise no edge list: an allocation per statement that needs none).
+  if (grad_fn && !(autograd::is_grad_enabled() && expr::any_leaf_grad(e))) grad_fn = nullptr;
   inputs.reserve(expr::leaf_count_v<X>);
   if (grad_fn) edges.reserve(expr::leaf_count_v<X>);
   const Shape& out = shape ? *shape : e.shape();  // an Expr keeps its shape when consumed
@@ -10010,11 +10044,11 @@ class Tensor {
     node();  // an undefined tensor throws here
     check_inplace(op);
     const T value = detail::checked_scalar<T>(v, op);
-    std::vector<graph::NodePtr> none;
+    graph::NodeList none;
     using E = Expr<ops::Identity, expr::Scalar<T>>;
     E e(expr::Scalar<T>{value});
     impl_->node = graph::submit(graph::elementwise_node<T>(
-        expr::to_kernel(e, none), shape(), node()->device(), std::vector<graph::NodePtr>{}));
+        expr::to_kernel(e, none), shape(), node()->device(), graph::NodeList{}));
     autograd::replace_history(*impl_, backward_name);  // a constant: the old history gets zeros
     return *this;
   }
@@ -10443,11 +10477,11 @@ enum class Saves { tensors, nothing };
 /// A backward rule given as a callable.
 class FunctionGradFn final : public GradFn {
  public:
-  using Backward = std::function<std::vector<graph::NodePtr>(const graph::NodePtr&)>;
+  using Backward = std::function<graph::NodeList(const graph::NodePtr&)>;
   FunctionGradFn(std::string name, Backward f, Saves saves = Saves::tensors)
       : name_(std::move(name)), f_(std::move(f)), saves_(saves) {}
   std::string name() const override { return name_; }
-  LAZYTENSOR_INLINE std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override;
+  LAZYTENSOR_INLINE graph::NodeList apply(const graph::NodePtr& grad) override;
   /// Drops the rule (and what it captured) unless it saved nothing.
   LAZYTENSOR_INLINE void release_saved() override;
 
@@ -10468,7 +10502,7 @@ GradFnPtr operand_edge(const X& x) {
       return nullptr;  // no floating tensor operand: nothing here can require grad
     } else {
       if (!is_grad_enabled() || !expr::any_leaf_grad(x)) return nullptr;
-      std::vector<graph::NodePtr> inputs;
+      graph::NodeList inputs;
       std::vector<GradFnPtr> edges;
       inputs.reserve(expr::leaf_count_v<X>);
       edges.reserve(expr::leaf_count_v<X>);
@@ -10529,7 +10563,7 @@ bool any_requires_grad(const Ts&... ts) {
 }
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
-LAZYTENSOR_INLINE std::vector<graph::NodePtr> FunctionGradFn::apply(const graph::NodePtr& grad) {
+LAZYTENSOR_INLINE graph::NodeList FunctionGradFn::apply(const graph::NodePtr& grad) {
   check_not_released();
   return f_(grad);
 }
@@ -12341,7 +12375,7 @@ concept HasNode = requires(const T& t) { t.node(); };
 
 namespace detail {
 template <class... Ts>
-std::vector<graph::NodePtr> roots_of(const Ts&... ts) {
+graph::NodeList roots_of(const Ts&... ts) {
   return {ts.node()...};
 }
 
@@ -12352,9 +12386,9 @@ struct Fusion {
   std::unordered_map<const graph::Node*, bool> scratch_only;
 };
 
-Fusion plan_fusion(const std::vector<graph::NodePtr>& order);
+Fusion plan_fusion(const graph::NodeList& order);
 
-std::vector<graph::NodePtr> with_inputs(const std::vector<graph::NodePtr>& roots, Fusion* fusion);
+graph::NodeList with_inputs(const graph::NodeList& roots, Fusion* fusion);
 
 std::string type_str(const graph::Node& n);
 }  // namespace detail
@@ -12364,7 +12398,7 @@ std::string type_str(const graph::Node& n);
 /// Fusion shows at the end of a line: `{group 0}` for members of a chunk-interleaved group
 /// (`{group 0, scratch}` when the value is never written whole), `{in row blocks of %5}`
 /// for a GEMM that its epilogue %5 runs block by block.
-std::string graph_text(const std::vector<graph::NodePtr>& roots);
+std::string graph_text(const graph::NodeList& roots);
 
 /// The graph as text for tensors given directly: graph_text(y, z).
 template <class... Ts>
@@ -12377,7 +12411,7 @@ std::string graph_text(const Ts&... tensors)
 /// The graph in Graphviz DOT; render with `dot -Tpng`. Fused groups are clusters
 /// ("fused group N"); scratch-only members are dotted; a GEMM run in row blocks by its
 /// epilogue is linked to it by a bold edge.
-std::string graph_dot(const std::vector<graph::NodePtr>& roots);
+std::string graph_dot(const graph::NodeList& roots);
 
 /// DOT for tensors given directly.
 template <class... Ts>
@@ -12390,7 +12424,7 @@ std::string graph_dot(const Ts&... tensors)
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace detail {
 
-LAZYTENSOR_INLINE Fusion plan_fusion(const std::vector<graph::NodePtr>& order) {
+LAZYTENSOR_INLINE Fusion plan_fusion(const graph::NodeList& order) {
   Fusion f;
   if (order.empty()) return f;
   graph::prepare(order);  // decisions redone by the real step's planning
@@ -12412,14 +12446,14 @@ LAZYTENSOR_INLINE Fusion plan_fusion(const std::vector<graph::NodePtr>& order) {
   return f;
 }
 
-LAZYTENSOR_INLINE std::vector<graph::NodePtr> with_inputs(const std::vector<graph::NodePtr>& roots, Fusion* fusion) {
+LAZYTENSOR_INLINE graph::NodeList with_inputs(const graph::NodeList& roots, Fusion* fusion) {
   // Steps in flight finish first: a dump looks at values, not at a graph being executed.
   for (const auto& r : roots)
     if (r) r->device()->wait_idle();
   // Pending nodes in execution order, plus the materialized values they read.
-  std::vector<graph::NodePtr> order = graph::topological_order(roots);
+  graph::NodeList order = graph::topological_order(roots);
   if (fusion) *fusion = plan_fusion(order);
-  std::vector<graph::NodePtr> all;
+  graph::NodeList all;
   std::unordered_map<const graph::Node*, bool> seen;
   for (const auto& n : order)
     for (const auto& in : n->inputs())
@@ -12440,7 +12474,7 @@ LAZYTENSOR_INLINE std::string type_str(const graph::Node& n) { return dtype_name
 
 }  // namespace detail
 
-LAZYTENSOR_INLINE std::string graph_text(const std::vector<graph::NodePtr>& roots) {
+LAZYTENSOR_INLINE std::string graph_text(const graph::NodeList& roots) {
   detail::Fusion fusion;
   auto nodes = detail::with_inputs(roots, &fusion);
   std::unordered_map<const graph::Node*, int> id;
@@ -12473,7 +12507,7 @@ LAZYTENSOR_INLINE std::string graph_text(const std::vector<graph::NodePtr>& root
   return os.str();
 }
 
-LAZYTENSOR_INLINE std::string graph_dot(const std::vector<graph::NodePtr>& roots) {
+LAZYTENSOR_INLINE std::string graph_dot(const graph::NodeList& roots) {
   detail::Fusion fusion;
   auto nodes = detail::with_inputs(roots, &fusion);
   std::unordered_map<const graph::Node*, int> id;
@@ -15845,7 +15879,7 @@ class ExchangeNode : public graph::Node {
  public:
   /// `data` are the collective's inputs; `after` (may be null) is the replica's previous
   /// pending exchange, which must run first.
-  ExchangeNode(CollectiveCall call, std::vector<graph::NodePtr> data, const graph::NodePtr& after,
+  ExchangeNode(CollectiveCall call, graph::NodeList data, const graph::NodePtr& after,
                graph::Device* device);
 
   std::string op_name() const override { return kind_name(call_.sig.kind); }
@@ -15885,7 +15919,7 @@ class ExchangeNode : public graph::Node {
   }
 
  private:
-  static std::vector<graph::NodePtr> with_after(std::vector<graph::NodePtr> data,
+  static graph::NodeList with_after(graph::NodeList data,
                                                 const graph::NodePtr& after);
 
   CollectiveCall call_;
@@ -15924,11 +15958,11 @@ struct OutputSpec {
 
 /// The device a collective's nodes go to: inside spawn, the replica's own device (its
 /// inputs must live there); outside, the inputs' common device.
-graph::Device& collective_device(const std::vector<graph::NodePtr>& inputs, const char* op);
+graph::Device& collective_device(const graph::NodeList& inputs, const char* op);
 
 /// Submits an exchange and its result nodes (in this order, so eager mode works); returns
 /// the result nodes.
-std::vector<graph::NodePtr> submit_exchange(const std::shared_ptr<ExchangeNode>& ex,
+graph::NodeList submit_exchange(const std::shared_ptr<ExchangeNode>& ex,
                                             const std::vector<OutputSpec>& outs);
 
 /// Up to 16 pointers without allocating (one per group member).
@@ -15957,7 +15991,7 @@ LAZYTENSOR_INLINE const std::shared_ptr<Buffer>& token_buffer() {
   return tok;
 }
 
-LAZYTENSOR_INLINE ExchangeNode::ExchangeNode(CollectiveCall call, std::vector<graph::NodePtr> data,
+LAZYTENSOR_INLINE ExchangeNode::ExchangeNode(CollectiveCall call, graph::NodeList data,
                                              const graph::NodePtr& after, graph::Device* device)
     : Node(graph::NodeKind::Collective, DType::Bool, Shape{0}, device,
            with_after(std::move(data), after)),
@@ -15994,8 +16028,8 @@ LAZYTENSOR_INLINE void ExchangeNode::finish() {
   call_.comm.reset();
 }
 
-LAZYTENSOR_INLINE std::vector<graph::NodePtr> ExchangeNode::with_after(
-    std::vector<graph::NodePtr> data, const graph::NodePtr& after) {
+LAZYTENSOR_INLINE graph::NodeList ExchangeNode::with_after(
+    graph::NodeList data, const graph::NodePtr& after) {
   if (after) data.push_back(after);
   return data;
 }
@@ -16004,7 +16038,7 @@ LAZYTENSOR_INLINE ResultNode::ResultNode(const std::shared_ptr<ExchangeNode>& ex
                                          DType dtype, Shape shape)
     : Node(graph::NodeKind::Collective, dtype, shape, ex->device(), {ex}), index_(index) {}
 
-LAZYTENSOR_INLINE graph::Device& collective_device(const std::vector<graph::NodePtr>& inputs,
+LAZYTENSOR_INLINE graph::Device& collective_device(const graph::NodeList& inputs,
                                                    const char* op) {
   if (!current_context()) return graph::common_device(inputs, op);
   graph::Device& dev = graph::current_device();
@@ -16018,9 +16052,9 @@ LAZYTENSOR_INLINE graph::Device& collective_device(const std::vector<graph::Node
   return dev;
 }
 
-LAZYTENSOR_INLINE std::vector<graph::NodePtr> submit_exchange(
+LAZYTENSOR_INLINE graph::NodeList submit_exchange(
     const std::shared_ptr<ExchangeNode>& ex, const std::vector<OutputSpec>& outs) {
-  std::vector<graph::NodePtr> results;
+  graph::NodeList results;
   results.reserve(outs.size());
   for (std::size_t i = 0; i < outs.size(); ++i) {
     auto r = core::make_cached<ResultNode>(ex, i, outs[i].dtype, outs[i].shape);
@@ -16084,7 +16118,7 @@ inline void publish_input(Share& s, const std::byte* in, std::size_t nbytes, boo
 template <Element T>
 class AllReduceExchange final : public ExchangeNode {
  public:
-  AllReduceExchange(CollectiveCall call, std::vector<graph::NodePtr> data,
+  AllReduceExchange(CollectiveCall call, graph::NodeList data,
                     const graph::NodePtr& after, graph::Device* device, ReduceOp op, double scale)
       : ExchangeNode(std::move(call), std::move(data), after, device), op_(op), scale_(scale) {}
 
@@ -16508,7 +16542,7 @@ Signature tensor_signature(CollectiveKind kind, const Tensor<T>& t) {
 
 /// Submits exchange `ex` (built by make(call, after)) and returns its result nodes.
 template <class Make>
-std::vector<graph::NodePtr> trace_nodes(CollectiveCall call, Make&& make,
+graph::NodeList trace_nodes(CollectiveCall call, Make&& make,
                                         const std::vector<OutputSpec>& outs) {
   // Only exchanges that talk to other replicas are chained in program order.
   const graph::NodePtr after = call.comm ? pending_predecessor() : nullptr;
@@ -16529,11 +16563,11 @@ std::vector<Tensor<T>> trace(CollectiveCall call, Make&& make,
 /// The result nodes of an all_reduce of `tensors` (one exchange; see below). A non-empty
 /// `tag` joins the signature: replicas whose tags differ raise CollectiveMismatch.
 template <Element T>
-std::vector<graph::NodePtr> all_reduce_nodes(ReduceOp op, std::span<const Tensor<T>> tensors,
+graph::NodeList all_reduce_nodes(ReduceOp op, std::span<const Tensor<T>> tensors,
                                              const AllReduceOptions& opts, std::string tag = {}) {
   check_reduction<T>(op, opts.scale, "all_reduce");
   if (tensors.empty()) return {};
-  std::vector<graph::NodePtr> nodes;
+  graph::NodeList nodes;
   nodes.reserve(tensors.size() + 1);  // (+1: the exchange's program-order input)
   std::vector<OutputSpec> outs;
   outs.reserve(tensors.size());
@@ -17196,9 +17230,9 @@ template <Element T, expr::Number V>
 Tensor<T> full(const Shape& shape, V value, Device dev = device()) {
   using E = Expr<ops::Identity, expr::Scalar<T>>;
   E e(expr::Scalar<T>{detail::checked_scalar<T>(value, "full")});
-  std::vector<graph::NodePtr> none;
+  graph::NodeList none;
   return Tensor<T>(graph::submit(
-      graph::elementwise_node<T>(expr::to_kernel(e, none), shape, &dev.engine(), std::vector<graph::NodePtr>{})));
+      graph::elementwise_node<T>(expr::to_kernel(e, none), shape, &dev.engine(), graph::NodeList{})));
 }
 
 /// Zeros of `shape`.
@@ -21239,7 +21273,7 @@ namespace lazy::spmd {
 /// so such a read is collective (every process reads the value, as the same program does).
 class ShardedNode : public graph::Node {
  public:
-  ShardedNode(Sharding sharding, std::vector<graph::NodePtr> pieces, DType dtype, Shape shape,
+  ShardedNode(Sharding sharding, graph::NodeList pieces, DType dtype, Shape shape,
               graph::Device* device);
 
   const Sharding& sharding() const { return sharding_; }
@@ -21268,7 +21302,7 @@ class ShardedNode : public graph::Node {
 /// gradient comes out in W's layout).
 class TransposedShardedNode final : public ShardedNode, public graph::TransposeOfLastTwo {
  public:
-  TransposedShardedNode(graph::NodePtr source, Sharding sharding, std::vector<graph::NodePtr> pieces, DType dtype,
+  TransposedShardedNode(graph::NodePtr source, Sharding sharding, graph::NodeList pieces, DType dtype,
                         Shape shape, graph::Device* device)
       : ShardedNode(std::move(sharding), std::move(pieces), dtype, std::move(shape), device), source_(std::move(source)) {}
   const graph::NodePtr& transpose_source() const override { return source_; }
@@ -21311,7 +21345,7 @@ graph::NodePtr shard_value(const graph::NodePtr& value, const Sharding& sharding
 
 namespace lazy::spmd {
 
-LAZYTENSOR_INLINE ShardedNode::ShardedNode(Sharding sharding, std::vector<graph::NodePtr> pieces, DType dtype, Shape shape,
+LAZYTENSOR_INLINE ShardedNode::ShardedNode(Sharding sharding, graph::NodeList pieces, DType dtype, Shape shape,
                                            graph::Device* device)
     : Node(graph::NodeKind::Sharded, dtype, shape, device), sharding_(std::move(sharding)) {
   shards_.reserve(pieces.size());
@@ -21423,7 +21457,7 @@ LAZYTENSOR_INLINE graph::NodePtr detail::shard_value(const graph::NodePtr& value
   static auto& transfers = core::counter("SpmdTransfers");
   transfers.add();
   graph::materialize(value);
-  std::vector<graph::NodePtr> pieces;
+  graph::NodeList pieces;
   for (int p = 0; p < sharding.mesh.size(); ++p)
     pieces.push_back(block_of(value, sharding.block(p, value->shape()),
                               mesh_device(sharding.mesh.device_ids()[static_cast<std::size_t>(p)])));
@@ -21492,7 +21526,7 @@ void save(const StateDict& sd, const std::string& path, const SaveOptions& optio
 namespace detail {
 
 LAZYTENSOR_INLINE void materialize_all(const StateDict& sd) {
-  std::vector<std::pair<graph::Device*, std::vector<graph::NodePtr>>> pending;
+  std::vector<std::pair<graph::Device*, graph::NodeList>> pending;
   for (const auto& [name, t] : sd) {
     if (!t.defined() || t.impl()->node->materialized()) continue;
     const graph::NodePtr& node = t.impl()->node;
@@ -21771,7 +21805,7 @@ struct UniformDist {
   static constexpr int per_counter = std::is_same_v<T, double> ? 2 : 4;
   static constexpr double cost = 2;
   std::string params() const { return ""; }
-  void bind(const std::vector<NodePtr>&) {}
+  void bind(const NodeList&) {}
   void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t) const {
     for (int k = 0; k < cnt; ++k) {
       const int j = j0 + k;
@@ -21797,7 +21831,7 @@ struct NormalDist {
   static constexpr int per_counter = std::is_same_v<T, double> ? 2 : 4;
   static constexpr double cost = 6;
   std::string params() const { return ""; }
-  void bind(const std::vector<NodePtr>&) {}
+  void bind(const NodeList&) {}
   void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t) const {
     using S = std::conditional_t<std::is_same_v<T, double>, double, float>;
     using V = xsimd::batch<S>;
@@ -21840,7 +21874,7 @@ struct RandIntDist {
   std::string params() const {
     return "low=" + std::to_string(low) + ", high=" + std::to_string(static_cast<std::int64_t>(static_cast<std::uint64_t>(low) + range));
   }
-  void bind(const std::vector<NodePtr>&) {}
+  void bind(const NodeList&) {}
   void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t) const {
     for (int k = 0; k < cnt; ++k) {
       const int j = j0 + k;
@@ -21859,7 +21893,7 @@ struct BernoulliDist {
   static constexpr double cost = 2;
   double p;
   std::string params() const { return "p=" + std::to_string(p); }
-  void bind(const std::vector<NodePtr>&) {}
+  void bind(const NodeList&) {}
   void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t) const {
     // u = x / 2^32 in [0, 1): p = 0 never fires, p = 1 always does.
     for (int k = 0; k < cnt; ++k) out[k] = static_cast<T>(static_cast<double>(w[j0 + k]) * 0x1p-32 < p);
@@ -21875,7 +21909,7 @@ struct BernoulliTensorDist {
   static constexpr double cost = 3;
   const T* probs = nullptr;
   std::string params() const { return "p=%0"; }
-  void bind(const std::vector<NodePtr>& ins) { probs = ins[0]->template data<T>(); }
+  void bind(const NodeList& ins) { probs = ins[0]->template data<T>(); }
   void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t i) const {
     for (int k = 0; k < cnt; ++k) {
       const double p = static_cast<double>(static_cast<compute_t<T>>(probs[i + k]));
@@ -21895,7 +21929,7 @@ template <Element T, class D>
 class RandomNode final : public Node {
  public:
   RandomNode(D dist, Shape shape, Device* device, std::uint64_t seed, std::uint64_t offset,
-             std::vector<NodePtr> inputs = {})
+             NodeList inputs = {})
       : Node(NodeKind::Random, dtype_of<T>(), shape, device, std::move(inputs)), dist_(dist), seed_(seed),
         offset_(offset) {}
 
@@ -21961,7 +21995,7 @@ namespace detail {
 
 /// Reserves the counters of `n` elements from the device stream and builds the node.
 template <Element T, class D>
-Tensor<T> make_random(D dist, const Shape& shape, const Device& dev, std::vector<graph::NodePtr> inputs = {}) {
+Tensor<T> make_random(D dist, const Shape& shape, const Device& dev, graph::NodeList inputs = {}) {
   graph::Device& eng = dev.engine();
   auto& rng = eng.rng();
   const auto blocks = static_cast<std::uint64_t>((shape.numel() + D::per_counter - 1) / D::per_counter);
@@ -22075,12 +22109,12 @@ auto bernoulli(const X& probs) {
 // Per-dtype templates the compiled runtime instantiates once (core/config.hpp).
 #define LAZYTENSOR_RANDOM_INSTANCES(P, T)                                                                   \
   P template lazy::Tensor<T> lazy::detail::make_random<T, lazy::graph::detail::UniformDist<T>>(              \
-      lazy::graph::detail::UniformDist<T>, const lazy::Shape&, const lazy::Device&, std::vector<lazy::graph::NodePtr>); \
+      lazy::graph::detail::UniformDist<T>, const lazy::Shape&, const lazy::Device&, lazy::graph::NodeList); \
   P template lazy::Tensor<T> lazy::detail::make_random<T, lazy::graph::detail::NormalDist<T>>(               \
-      lazy::graph::detail::NormalDist<T>, const lazy::Shape&, const lazy::Device&, std::vector<lazy::graph::NodePtr>);
+      lazy::graph::detail::NormalDist<T>, const lazy::Shape&, const lazy::Device&, lazy::graph::NodeList);
 #define LAZYTENSOR_RANDINT_INSTANCES(P, T)                                                                  \
   P template lazy::Tensor<T> lazy::detail::make_random<T, lazy::graph::detail::RandIntDist<T>>(              \
-      lazy::graph::detail::RandIntDist<T>, const lazy::Shape&, const lazy::Device&, std::vector<lazy::graph::NodePtr>);
+      lazy::graph::detail::RandIntDist<T>, const lazy::Shape&, const lazy::Device&, lazy::graph::NodeList);
 #if LAZYTENSOR_EXPLICIT_INSTANTIATION
 LAZYTENSOR_FOR_FLOATING(LAZYTENSOR_RANDOM_INSTANCES, extern)
 LAZYTENSOR_RANDINT_INSTANCES(extern, std::int32_t)
@@ -22159,7 +22193,7 @@ class IndexSelectNode final : public Node {
     if (dim_ >= shape().rank()) return std::nullopt;  // a 0-d input: nothing to split
     return all_but_dim_rule(shape().rank(), dim_, 2);
   }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape shape, Device*) const override {
     return std::make_shared<IndexSelectNode>(std::move(inputs[0]), std::move(inputs[1]), dim_, std::move(shape));
   }
 
@@ -22211,7 +22245,7 @@ class GatherNode final : public Node {
   std::optional<BlockRule> block_rule() const override {
     return same_size_but_dim_rule(shape(), inputs()[0]->shape(), dim_);
   }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape, Device*) const override {
     return std::make_shared<GatherNode>(std::move(inputs[0]), std::move(inputs[1]), dim_);
   }
   double cost_per_element() const override { return 2; }
@@ -22289,7 +22323,7 @@ class OneHotNode final : public Node {
     for (int o = 0; o + 1 < rank; ++o) r.input_dim[0][static_cast<std::size_t>(o)] = o;
     return r;
   }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape shape, Device*) const override {
     return std::make_shared<OneHotNode>(std::move(inputs[0]), classes_, shape);
   }
 
@@ -22362,7 +22396,7 @@ class SliceBackwardNode final : public Node {
     if (dim_ >= shape().rank()) return std::nullopt;
     return all_but_dim_rule(shape().rank(), dim_, 1);
   }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape shape, Device*) const override {
     return std::make_shared<SliceBackwardNode>(std::move(inputs[0]), std::move(shape), dim_, start_, step_);
   }
 
@@ -22416,7 +22450,7 @@ class IndexAddNode final : public Node {
     if (dim_ >= shape().rank()) return std::nullopt;
     return all_but_dim_rule(shape().rank(), dim_, 2);
   }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape shape, Device*) const override {
     return std::make_shared<IndexAddNode>(std::move(inputs[0]), std::move(inputs[1]), std::move(shape), dim_, op_);
   }
 
@@ -22550,7 +22584,7 @@ class ScatterAddNode final : public Node {
   std::optional<BlockRule> block_rule() const override {
     return same_size_but_dim_rule(shape(), inputs()[1]->shape(), dim_);
   }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape shape, Device*) const override {
     return std::make_shared<ScatterAddNode>(std::move(inputs[0]), std::move(inputs[1]), std::move(shape), dim_);
   }
 
@@ -22668,7 +22702,7 @@ class PermuteNode : public Node {
 
   /// Every output dimension splits, reading the input dimension it moves.
   LAZYTENSOR_INLINE std::optional<BlockRule> block_rule() const override;
-  LAZYTENSOR_INLINE NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device* device) const override;
+  LAZYTENSOR_INLINE NodePtr with_inputs(NodeList inputs, Shape shape, Device* device) const override;
 
  protected:
   LAZYTENSOR_INLINE void compute(ExecContext& ctx) override;
@@ -22766,7 +22800,7 @@ class TransposeNode final : public PermuteNode, public TransposeOfLastTwo {
   /// The node whose last two dims this value swaps (null once this node has run: a
   /// computed node keeps no inputs).
   const NodePtr& transpose_source() const override { return inputs().empty() ? none_ : inputs()[0]; }
-  LAZYTENSOR_INLINE NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device* device) const override;
+  LAZYTENSOR_INLINE NodePtr with_inputs(NodeList inputs, Shape shape, Device* device) const override;
 
   /// The identity permutation with the last two entries swapped.
   static std::vector<int> last_two(int rank);
@@ -22789,7 +22823,7 @@ class SliceNode final : public Node {
     if (dim_ >= shape().rank()) return std::nullopt;
     return all_but_dim_rule(shape().rank(), dim_, 1);
   }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape shape, Device*) const override {
     return std::make_shared<SliceNode>(op_, std::move(inputs[0]), dim_, start_, step_, std::move(shape));
   }
 
@@ -22807,14 +22841,14 @@ class SliceNode final : public Node {
 /// they compute outer and the widths.
 class CatNode final : public Node {
  public:
-  CatNode(std::string op, DType dtype, std::vector<NodePtr> ins, Shape out, Device* dev, std::int64_t outer,
+  CatNode(std::string op, DType dtype, NodeList ins, Shape out, Device* dev, std::int64_t outer,
           std::vector<std::int64_t> widths);
 
   std::string op_name() const override { return op_; }
   LAZYTENSOR_INLINE std::uint64_t structural_hash() const override;
   /// Blocks along the dimensions before the joined one (whole rows of every input).
   LAZYTENSOR_INLINE std::optional<BlockRule> block_rule() const override;
-  LAZYTENSOR_INLINE NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device* device) const override;
+  LAZYTENSOR_INLINE NodePtr with_inputs(NodeList inputs, Shape shape, Device* device) const override;
 
  protected:
   LAZYTENSOR_INLINE void compute(ExecContext& ctx) override;
@@ -22917,12 +22951,12 @@ LAZYTENSOR_INLINE std::optional<BlockRule> PermuteNode::block_rule() const {
   return r;
 }
 
-LAZYTENSOR_INLINE NodePtr PermuteNode::with_inputs(std::vector<NodePtr> inputs, Shape, Device* device) const {
+LAZYTENSOR_INLINE NodePtr PermuteNode::with_inputs(NodeList inputs, Shape, Device* device) const {
   (void)device;  // the input's device: a piece and its permute live on the same device
   return std::make_shared<PermuteNode>(std::move(inputs[0]), perm_, op_);
 }
 
-LAZYTENSOR_INLINE NodePtr TransposeNode::with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const {
+LAZYTENSOR_INLINE NodePtr TransposeNode::with_inputs(NodeList inputs, Shape, Device*) const {
   return std::make_shared<TransposeNode>(std::move(inputs[0]));
 }
 
@@ -22974,7 +23008,7 @@ LAZYTENSOR_INLINE void SliceNode::compute(ExecContext& ctx) {
 
 LAZYTENSOR_INLINE CatNode::CatNode(std::string op,
   DType dtype,
-  std::vector<NodePtr> ins,
+  NodeList ins,
   Shape out,
   Device* dev,
   std::int64_t outer,
@@ -23005,7 +23039,7 @@ LAZYTENSOR_INLINE std::optional<BlockRule> CatNode::block_rule() const {
   return r;
 }
 
-LAZYTENSOR_INLINE NodePtr CatNode::with_inputs(std::vector<NodePtr> inputs, Shape shape, Device* device) const {
+LAZYTENSOR_INLINE NodePtr CatNode::with_inputs(NodeList inputs, Shape shape, Device* device) const {
   std::int64_t outer = 1;
   for (int o = 0; o < row_dims(); ++o) outer *= shape[o];
   return std::make_shared<CatNode>(op_, dtype(), std::move(inputs), std::move(shape), device, outer, widths_);
@@ -23085,7 +23119,7 @@ Tensor<T> fresh_handle(const Tensor<T>& t) {
   Tensor<T> r(t.node());
   autograd::record(
       r, "AliasBackward0", {autograd::edge_of(t.impl())},
-      [](const Tensor<T>& g) { return std::vector<graph::NodePtr>{g.node()}; },
+      [](const Tensor<T>& g) { return graph::NodeList{g.node()}; },
       autograd::Saves::nothing);
   return r;
 }
@@ -23102,7 +23136,7 @@ Tensor<T> view_of(const Tensor<T>& t, const Shape& shape, const char* op) {
   autograd::record(
       r, "ViewBackward0", {autograd::edge_of(t.impl())},
       [in = t.shape()](const Tensor<T>& g) {
-        return std::vector<graph::NodePtr>{view_of(g, in, "view").node()};
+        return graph::NodeList{view_of(g, in, "view").node()};
       },
       autograd::Saves::nothing);
   return r;
@@ -23143,7 +23177,7 @@ Tensor<T> permute_impl(const Tensor<T>& t, std::vector<int> perm, const char* op
   autograd::record(
       r, "PermuteBackward0", {autograd::edge_of(t.impl())},
       [inverse](const Tensor<T>& g) {
-        return std::vector<graph::NodePtr>{permute_impl(g, inverse, "permute").node()};
+        return graph::NodeList{permute_impl(g, inverse, "permute").node()};
       },
       autograd::Saves::nothing);
   return r;
@@ -23201,7 +23235,7 @@ void record_slice(Tensor<T>& r, const Tensor<T>& t, int d, std::int64_t start, s
     autograd::record(
         r, "SliceBackward0", {autograd::edge_of(t.impl())},
         [in = t.shape(), d, start, step](const Tensor<T>& g) {
-          return std::vector<graph::NodePtr>{graph::submit(
+          return graph::NodeList{graph::submit(
               std::make_shared<graph::SliceBackwardNode<T>>(g.node(), in, d, start, step))};
         },
         autograd::Saves::nothing);
@@ -23218,8 +23252,8 @@ std::vector<autograd::GradFnPtr> edges_of(const std::vector<Tensor<T>>& ts) {
 }
 
 template <Element T>
-std::vector<graph::NodePtr> nodes_of(const std::vector<Tensor<T>>& ts) {
-  std::vector<graph::NodePtr> v;
+graph::NodeList nodes_of(const std::vector<Tensor<T>>& ts) {
+  graph::NodeList v;
   v.reserve(ts.size());
   for (const auto& t : ts) v.push_back(t.node());
   return v;
@@ -23297,7 +23331,7 @@ template <Element T, IndexElement I>
 void record_gathered(Tensor<T>& r, const char* name, const Tensor<T>& x, int d, const Tensor<I>& index) {
   if constexpr (is_floating_v<T>) {
     autograd::record(r, name, {autograd::edge_of(x.impl())}, [in = x.shape(), d, idx = index.detach()](const Tensor<T>& g) {
-      return std::vector<graph::NodePtr>{
+      return graph::NodeList{
           graph::submit(std::make_shared<graph::ScatterAddNode<T, I>>(g.node(), idx.node(), in, d))};
     });
   }
@@ -23334,7 +23368,7 @@ auto index_select(const X& x, std::int64_t dim, const Tensor<I>& index) {
   if constexpr (is_floating_v<T>) {
     autograd::record(r, "IndexSelectBackward0", {autograd::edge_of(t.impl())},
                      [in = s, d, idx = index.detach()](const Tensor<T>& g) {
-                       return std::vector<graph::NodePtr>{
+                       return graph::NodeList{
                            graph::submit(std::make_shared<graph::IndexAddNode<T, I>>(g.node(), idx.node(), in, d))};
                      });
   }
@@ -23731,7 +23765,7 @@ Tensor<T> cat(const std::vector<Tensor<T>>& tensors, std::int64_t dim = 0) {
   autograd::record(
       result, "CatBackward0", detail::edges_of(ts),
       [sizes, d](const Tensor<T>& g) {
-        std::vector<graph::NodePtr> gs;
+        graph::NodeList gs;
         std::int64_t off = 0;
         for (auto len : sizes) {
           gs.push_back(narrow(g, d, off, len).node());
@@ -23781,7 +23815,7 @@ Tensor<T> stack(const std::vector<Tensor<T>>& tensors, std::int64_t dim = 0) {
   autograd::record(
       r, "StackBackward0", detail::edges_of(tensors),
       [n = tensors.size(), d, ref](const Tensor<T>& g) {
-        std::vector<graph::NodePtr> gs;
+        graph::NodeList gs;
         for (std::size_t i = 0; i < n; ++i) {
           gs.push_back(reshape(narrow(g, d, static_cast<std::int64_t>(i), 1), ref).node());
         }
@@ -23843,7 +23877,7 @@ graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims,
 template <class X>
 Tensor<expr::value_t<X>> written_operand(const X& x) {
   using V = expr::value_t<X>;
-  std::vector<graph::NodePtr> inputs;
+  graph::NodeList inputs;
   inputs.reserve(expr::leaf_count_v<X>);
   auto k = expr::to_kernel(x, inputs);
   graph::Device& dev = graph::common_device(inputs, X::op_type::name);
@@ -23891,7 +23925,7 @@ graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims,
       return reduction_node<R, Tout>(written_operand(x), dims, keepdim, scale_kind, op);
     }
   }
-  std::vector<graph::NodePtr> inputs;
+  graph::NodeList inputs;
   inputs.reserve(expr::leaf_count_v<decltype(expr::operand(x))>);
   auto k = expr::operand_to_kernel(x, inputs, consume);
   using K = decltype(k);
@@ -23936,7 +23970,7 @@ void record_sum_backward(Tensor<T>& r, std::shared_ptr<autograd::GradFn> e, cons
       r, mean ? "MeanBackward0" : "SumBackward0", {std::move(e)},
       [in, keep, scale](const Tensor<T>& g) {
         Tensor<T> gk = reshape(g, keep);
-        return std::vector<graph::NodePtr>{(scale == 1.0 ? evaluate_as<V>(cast<V>(gk), in)
+        return graph::NodeList{(scale == 1.0 ? evaluate_as<V>(cast<V>(gk), in)
                                                          : evaluate_as<V>(cast<V>(gk * scale), in))
                                                .node()};
       },
@@ -23981,7 +24015,7 @@ void record_extreme(Tensor<T>& r, const X& x, const std::vector<std::int64_t>& d
     autograd::record(r, name, {e}, [x = autograd::saved(x), in, keep, dims, y = r.detach()](const Tensor<T>& g) {
       Tensor<T> hit = cast<T>(x == reshape(y, keep));
       Tensor<T> count = sum(hit, dims, true);
-      return std::vector<graph::NodePtr>{evaluate_as<T>(hit * (reshape(g, keep) / count), in).node()};
+      return graph::NodeList{evaluate_as<T>(hit * (reshape(g, keep) / count), in).node()};
     });
   }
 }
@@ -24003,7 +24037,7 @@ void record_extreme_at(Tensor<T>& r, const X& x, std::int64_t dim, const char* n
     if (in.rank() == 0) {  // one element: all of the gradient
       autograd::record(
           r, name, {e},
-          [in](const Tensor<T>& g) { return std::vector<graph::NodePtr>{reshape(g, in).node()}; },
+          [in](const Tensor<T>& g) { return graph::NodeList{reshape(g, in).node()}; },
           autograd::Saves::nothing);
       return;
     }
@@ -24014,7 +24048,7 @@ void record_extreme_at(Tensor<T>& r, const X& x, std::int64_t dim, const char* n
       const Tensor<std::int64_t> pos =
           reshape(arange<std::int64_t>(0, static_cast<double>(in[d])), line);
       const Tensor<std::int64_t> at = arg_reduce<IsMax>(x, d, true, IsMax ? "max" : "min");
-      return std::vector<graph::NodePtr>{
+      return graph::NodeList{
           evaluate_as<T>(cast<T>(pos == at) * reshape(g, keep), in).node()};
     });
   }
@@ -24057,7 +24091,7 @@ auto prod(const X& x, const Dims& dims = {}, bool keepdim = false) {
         Tensor<T> zeros = sum(cast<T>(v == 0), dims, true);
         Tensor<T> others = detail::reduce<ops::reduce::Prod>(where(v == 0, 1, v), dims, true, "prod");
         Tensor<T> gk = reshape(g, keep);
-        return std::vector<graph::NodePtr>{
+        return graph::NodeList{
             evaluate_as<T>(gk * where(zeros == 0, others / v, where((zeros == 1) & (v == 0), others, 0)), in).node()};
       });
     }
@@ -24159,7 +24193,7 @@ Tensor<std::int64_t> arg_reduce(const X& x, std::optional<std::int64_t> dim, boo
   if constexpr (expr::is_expr_node<X>::value) {
     if (!flat_operand(x, s)) return arg_reduce<IsMax>(written_operand(x), dim, keepdim, op);
   }
-  std::vector<graph::NodePtr> inputs;
+  graph::NodeList inputs;
   inputs.reserve(expr::leaf_count_v<decltype(expr::operand(x))>);
   auto k = expr::operand_to_kernel(x, inputs);
   using K = decltype(k);
@@ -24351,7 +24385,7 @@ class SoftmaxNode final : public Node {
     r.input_dim[0][static_cast<std::size_t>(dim_)] = -1;
     return r;
   }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape shape, Device*) const override {
     std::int64_t outer = 1, inner = 1;
     for (int d = 0; d < dim_; ++d) outer *= shape[d];
     for (int d = dim_ + 1; d < shape.rank(); ++d) inner *= shape[d];
@@ -24461,7 +24495,7 @@ Tensor<T> softmax_rows(const Tensor<T>& t, std::int64_t dim, const char* op) {
                    [y = r.detach(), d](const Tensor<T>& g) {
                      Tensor<T> dx = Log ? Tensor<T>(g - exp(y) * sum(g, {d}, true))
                                         : Tensor<T>(y * (g - sum(g * y, {d}, true)));
-                     return std::vector<graph::NodePtr>{dx.node()};
+                     return graph::NodeList{dx.node()};
                    });
   return r;
 }
@@ -24585,7 +24619,7 @@ Tensor<F> cross_entropy(const Tensor<F>& input, const Tensor<I>& target, CrossEn
                                         : r == Reduction::Mean ? Tensor<F>(reshape(g, Shape{1, 1}) / static_cast<F>(n))
                                                                : reshape(g, Shape{1, 1});
                      Tensor<F> dx = (exp(logp) - (cast<F>(one_hot(target, c)) * (1 - eps) + eps / static_cast<F>(c))) * gi;
-                     return std::vector<graph::NodePtr>{dx.node()};
+                     return graph::NodeList{dx.node()};
                    });
   return loss;
 }
@@ -25717,7 +25751,7 @@ class Im2colNode final : public Node {
   std::uint64_t structural_hash() const override { return g_.hash(Node::structural_hash()); }
   /// Image by image (lazy::spmd splits the batch).
   std::optional<BlockRule> block_rule() const override { return leading_dims_rule(3, 1, 1); }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape, Device*) const override {
     return std::make_shared<Im2colNode>(std::move(inputs[0]), g_);
   }
 
@@ -25756,7 +25790,7 @@ class Col2imNode final : public Node {
   std::uint64_t structural_hash() const override { return g_.hash(Node::structural_hash()); }
   /// Image by image.
   std::optional<BlockRule> block_rule() const override { return leading_dims_rule(4, 1, 1); }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape shape, Device*) const override {
     return std::make_shared<Col2imNode>(std::move(inputs[0]), std::move(shape), g_);
   }
   double cost_per_element() const override {
@@ -25796,7 +25830,7 @@ class BlockBatchSum {
   virtual ~BlockBatchSum() = default;
   /// The same op over `inputs` (blocks of this node's inputs along dimension 0) on
   /// `device`, not submitted.
-  virtual NodePtr with_batch(std::vector<NodePtr> inputs, Device* device) const = 0;
+  virtual NodePtr with_batch(NodeList inputs, Device* device) const = 0;
 };
 
 /// The weight gradient of a convolution: dW [O, K] = sum over n of G[n] [O, L] x cols[n]^T,
@@ -25817,7 +25851,7 @@ class ConvWeightGradNode final : public Node, public BlockBatchSum {
       : Node(NodeKind::Gemm, dtype_of<T>(), Shape{g->shape()[1], cols->shape()[1]}, g->device(),
              {g, cols}) {}
   std::string op_name() const override { return "conv2d_weight_grad"; }
-  NodePtr with_batch(std::vector<NodePtr> inputs, Device*) const override {
+  NodePtr with_batch(NodeList inputs, Device*) const override {
     return std::make_shared<ConvWeightGradNode>(std::move(inputs[0]), std::move(inputs[1]));
   }
   double cost_per_element() const override {
@@ -27142,7 +27176,7 @@ void record_gemm(Tensor<T>& c, const Tensor<T>& a, const Tensor<T>& b, std::int6
                     need_a = ea != nullptr, need_b = eb != nullptr,
                     b_transposed, bf16](const Tensor<T>& g) {
                      const std::int64_t B = std::max(batch_a, batch_b);
-                     std::vector<graph::NodePtr> grads(2);
+                     graph::NodeList grads(2);
                      if (need_a) {
                        // dA[b] = dC[b] B[b]^T: [B*m, n] x [n, k] stacked when B is shared.
                        Tensor<T> da = batch_b == 1 ? gemm(g, transpose(reshape(b, Shape{k, n}), 0, 1), 1, 1, B * m, n, k, Shape{B, m, k}, bf16)
@@ -27306,7 +27340,7 @@ LAZYTENSOR_INLINE Tensor<float> round_to_bf16(const Tensor<float>& x) {
       autograd::record(
           y, "RoundToBFloat16Backward", {edge},
           [](const Tensor<float>& g) {
-            return std::vector<graph::NodePtr>{
+            return graph::NodeList{
                 graph::submit(std::make_shared<graph::RoundToBFloat16Node>(g.node()))};
           },
           autograd::Saves::nothing);
@@ -27460,7 +27494,7 @@ Tensor<T> im2col(const Tensor<T>& x, const graph::Window2d& g) {
   Tensor<T> cols(graph::submit(std::make_shared<graph::Im2colNode<T>>(x.node(), g)));
   autograd::record(cols, "Im2ColBackward0", {autograd::edge_of(x.impl())},
                    [g, image = x.shape()](const Tensor<T>& gc) {
-                     return std::vector<graph::NodePtr>{graph::submit(
+                     return graph::NodeList{graph::submit(
                          std::make_shared<graph::Col2imNode<T>>(gc.node(), image, g))};
                    });
   return cols;
@@ -27472,7 +27506,7 @@ Tensor<T> col2im(const Tensor<T>& cols, const Shape& image, const graph::Window2
   Tensor<T> x(graph::submit(std::make_shared<graph::Col2imNode<T>>(cols.node(), image, g)));
   autograd::record(x, "Col2ImBackward0", {autograd::edge_of(cols.impl())},
                    [g](const Tensor<T>& gx) {
-                     return std::vector<graph::NodePtr>{
+                     return graph::NodeList{
                          graph::submit(std::make_shared<graph::Im2colNode<T>>(gx.node(), g))};
                    });
   return x;
@@ -27488,7 +27522,7 @@ void record_conv_gemm(Tensor<T>& y, const Tensor<T>& w, const Tensor<T>& cols) {
       [w = w.detach(), cols = cols.detach(), need_w = ew != nullptr,
        need_c = ec != nullptr](const Tensor<T>& g) {
         const std::int64_t N = cols.size(0), K = cols.size(1), L = cols.size(2), O = w.size(0);
-        std::vector<graph::NodePtr> grads(2);
+        graph::NodeList grads(2);
         if (need_w) {
           grads[0] =
               graph::submit(std::make_shared<graph::ConvWeightGradNode<T>>(g.node(), cols.node()));
@@ -27527,7 +27561,7 @@ Tensor<T> conv2d_impl(const Tensor<T>& x, const Tensor<T>& weight, const Tensor<
   }
   const graph::Window2d g =
       window_over("conv2d", xs, Size2(ws[2], ws[3]), stride, padding, dilation);
-  std::vector<graph::NodePtr> nodes{x.node(), weight.node()};
+  graph::NodeList nodes{x.node(), weight.node()};
   if (bias.defined()) nodes.push_back(bias.node());
   graph::common_device(nodes, "conv2d");
 
@@ -27545,7 +27579,7 @@ Tensor<T> conv2d_impl(const Tensor<T>& x, const Tensor<T>& weight, const Tensor<
     }
     autograd::record(y, "ConvolutionBackward0", std::move(edges),
                      [shapes, dev = x.device()](const Tensor<T>&) {
-                       std::vector<graph::NodePtr> grads;
+                       graph::NodeList grads;
                        for (const auto& s : shapes) grads.push_back(zeros<T>(s, dev).node());
                        return grads;
                      });
@@ -28244,7 +28278,7 @@ void for_planes(ExecContext& ctx, std::int64_t planes, std::int64_t elements, do
 /// Base of the pooling kernels: the window geometry, the mode, and their hash.
 class PoolNode : public Node {
  public:
-  PoolNode(DType dtype, Shape shape, Device* device, std::vector<NodePtr> inputs, const Window2d& g,
+  PoolNode(DType dtype, Shape shape, Device* device, NodeList inputs, const Window2d& g,
            bool max, bool count_include_pad);
   LAZYTENSOR_INLINE std::uint64_t structural_hash() const override;
   LAZYTENSOR_INLINE std::string describe() const override;
@@ -28270,7 +28304,7 @@ class Pool2dNode final : public PoolNode {
   double cost_per_element() const override { return window_cost(); }
   /// Plane by plane: images and channels split alike (lazy::spmd).
   std::optional<BlockRule> block_rule() const override { return leading_dims_rule(4, 2, 1); }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape, Device*) const override {
     return std::make_shared<Pool2dNode>(std::move(inputs[0]), g_, max_, count_include_pad_);
   }
 
@@ -28320,7 +28354,7 @@ class Pool2dBackwardNode final : public PoolNode {
   Pool2dBackwardNode(NodePtr grad, NodePtr x, Shape image, const Window2d& g, bool max,
                      bool count_include_pad)
       : PoolNode(dtype_of<T>(), image, grad->device(),
-                 x ? std::vector<NodePtr>{grad, x} : std::vector<NodePtr>{grad}, g, max,
+                 x ? NodeList{grad, x} : NodeList{grad}, g, max,
                  count_include_pad) {}
   std::string op_name() const override {
     return max_ ? "max_pool2d_backward" : "avg_pool2d_backward";
@@ -28329,7 +28363,7 @@ class Pool2dBackwardNode final : public PoolNode {
   std::optional<BlockRule> block_rule() const override {
     return leading_dims_rule(4, 2, inputs().size());
   }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape shape, Device*) const override {
     NodePtr x = inputs.size() > 1 ? std::move(inputs[1]) : nullptr;
     return std::make_shared<Pool2dBackwardNode>(std::move(inputs[0]), std::move(x), std::move(shape), g_, max_,
                                                 count_include_pad_);
@@ -28403,7 +28437,7 @@ namespace lazy::graph {
 LAZYTENSOR_INLINE PoolNode::PoolNode(DType dtype,
   Shape shape,
   Device* device,
-  std::vector<NodePtr> inputs,
+  NodeList inputs,
   const Window2d& g,
   bool max,
   bool count_include_pad)
@@ -28463,7 +28497,7 @@ Tensor<T> pool2d(const Tensor<T>& x, const graph::Window2d& g, bool max, bool co
       {autograd::edge_of(x.impl())},
       [x = max ? x.detach() : Tensor<T>(), image = x.shape(), g, max,
        count_include_pad](const Tensor<T>& gy) {
-        return std::vector<graph::NodePtr>{
+        return graph::NodeList{
             graph::submit(std::make_shared<graph::Pool2dBackwardNode<T>>(
                 gy.node(), max ? x.node() : nullptr, image, g, max, count_include_pad))};
       },
@@ -29092,7 +29126,7 @@ class ScatterNode final : public Node {
     }
     return r;
   }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape, Device*) const override {
     return std::make_shared<ScatterNode>(std::move(inputs[0]), std::move(inputs[1]),
                                          std::move(inputs[2]), dim_, mode_, include_self_);
   }
@@ -29301,7 +29335,7 @@ inline graph::ScatterMode scatter_reduce_mode(std::string_view reduce, const cha
 /// The gradients of a scatter (any mode) given the output gradient g, in the order
 /// {self, src}; src is already cut to index's shape. `out` is the forward's value.
 template <Element T, IndexElement I>
-std::vector<graph::NodePtr> scatter_backward(const Tensor<T>& g, int dim, const Tensor<I>& index,
+graph::NodeList scatter_backward(const Tensor<T>& g, int dim, const Tensor<I>& index,
                                              const Tensor<T>& self, const Tensor<T>& src,
                                              const Tensor<T>& out, graph::ScatterMode mode,
                                              bool include_self) {
@@ -30078,7 +30112,7 @@ class ScanNode final : public Node {
     return hash_combine(hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_)), reverse_ ? 1u : 0u);
   }
   std::optional<BlockRule> block_rule() const override { return detail::scans::block_rule(shape(), dim_, 1); }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape, Device*) const override {
     return std::make_shared<ScanNode>(std::move(inputs[0]), dim_, reverse_);
   }
   double cost_per_element() const override { return Op == ScanOp::Prod && is_integral_v<Out> ? 3 : 1.5; }
@@ -30163,7 +30197,7 @@ class CumExtremeNode final : public Node {
     return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
   }
   std::optional<BlockRule> block_rule() const override { return detail::scans::block_rule(shape(), dim_, 1); }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape, Device*) const override {
     return std::make_shared<CumExtremeNode>(std::move(inputs[0]), dim_);
   }
   double cost_per_element() const override { return 2; }
@@ -30244,7 +30278,7 @@ class CumprodBackwardNode final : public Node {
     return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
   }
   std::optional<BlockRule> block_rule() const override { return detail::scans::block_rule(shape(), dim_, 2); }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape, Device*) const override {
     return std::make_shared<CumprodBackwardNode>(std::move(inputs[0]), std::move(inputs[1]), dim_);
   }
   double cost_per_element() const override { return 4; }
@@ -30356,7 +30390,7 @@ auto scan_impl(const X& x, std::int64_t dim, const char* op) {
       autograd::record(
           r, "CumsumBackward0", {autograd::edge_of(t.impl())},
           [d](const Tensor<R>& g) {
-            return std::vector<graph::NodePtr>{
+            return graph::NodeList{
                 graph::submit(std::make_shared<graph::ScanNode<R, R, graph::ScanOp::Sum>>(g.node(), d, true))};
           },
           autograd::Saves::nothing);
@@ -30364,7 +30398,7 @@ auto scan_impl(const X& x, std::int64_t dim, const char* op) {
       // Dividing out by x(i) would give 0/0 at zeros: CumprodBackwardNode multiplies only.
       autograd::record(r, "CumprodBackward0", {autograd::edge_of(t.impl())},
                        [d, xs = t.detach()](const Tensor<R>& g) {
-                         return std::vector<graph::NodePtr>{graph::submit(
+                         return graph::NodeList{graph::submit(
                              std::make_shared<graph::CumprodBackwardNode<R>>(xs.node(), g.node(), d))};
                        });
     }
@@ -30580,7 +30614,7 @@ class SortIndicesNode final : public Node {
     if (shape().rank() == 0) return std::nullopt;
     return all_but_dim_rule(shape().rank(), dim_, 1);
   }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape, Device*) const override {
     return std::make_shared<SortIndicesNode>(inputs[0], dim_, k_, descending_, op_);
   }
 
@@ -32196,7 +32230,7 @@ class AllReduceNode final : public graph::Node, public graph::Rendezvous {
 /// Submits an all-reduce over `pieces` (one per member, each on its own device, in the
 /// group's combining order) and returns the members' results in the same order. Counted
 /// as SpmdAllReduces and SpmdAllReduceBytes (each member's input).
-std::vector<graph::NodePtr> all_reduce(const std::vector<graph::NodePtr>& pieces, Combine op);
+graph::NodeList all_reduce(const graph::NodeList& pieces, Combine op);
 
 }  // namespace lazy::spmd
 
@@ -32465,7 +32499,7 @@ LAZYTENSOR_INLINE void combine(Combine op, DType dtype, const std::vector<const 
 LAZYTENSOR_INLINE AllReduceNode::AllReduceNode(graph::NodePtr in, std::shared_ptr<detail::ReduceRound> round, int slot,
                                                graph::NodePtr previous)
     : Node(graph::NodeKind::Collective, in->dtype(), in->shape(), in->device(),
-           previous ? std::vector<graph::NodePtr>{in, previous} : std::vector<graph::NodePtr>{in}),
+           previous ? graph::NodeList{in, previous} : graph::NodeList{in}),
       round_(std::move(round)), slot_(slot) {}
 
 LAZYTENSOR_INLINE std::string AllReduceNode::describe() const {
@@ -32483,7 +32517,7 @@ LAZYTENSOR_INLINE void AllReduceNode::compute(graph::ExecContext& ctx) {
   set_buffer(round_->run(slot_, inputs()[0]->buffer(), dtype(), numel(), ctx.device));
 }
 
-LAZYTENSOR_INLINE std::vector<graph::NodePtr> all_reduce(const std::vector<graph::NodePtr>& pieces, Combine op) {
+LAZYTENSOR_INLINE graph::NodeList all_reduce(const graph::NodeList& pieces, Combine op) {
   static auto& count = core::counter("SpmdAllReduces");
   static auto& bytes = core::counter("SpmdAllReduceBytes");
   // Each device's last collective, so that its collectives run in program order (traced
@@ -32518,7 +32552,7 @@ LAZYTENSOR_INLINE std::vector<graph::NodePtr> all_reduce(const std::vector<graph
   std::vector<graph::Device*> members;
   for (const auto& p : pieces) members.push_back(p->device());
   auto round = std::make_shared<detail::ReduceRound>(op, members, rounds++);
-  std::vector<graph::NodePtr> out;
+  graph::NodeList out;
   for (std::size_t i = 0; i < pieces.size(); ++i) {
     bytes.add(pieces[i]->numel() * static_cast<std::int64_t>(dtype_size(pieces[i]->dtype())));
     auto& prev = last[members[i]];
@@ -32548,7 +32582,7 @@ bool leads(const ShardedNode* s, const ShardedNode* lead);
 /// `logical_of[i][d]` is the logical dimension that cuts dimension d of input i (-1: whole).
 /// An input already cut that way contributes its pieces; others are computed and split
 /// (SpmdTransfers).
-std::vector<std::vector<graph::NodePtr>> pieces_for(const std::vector<graph::NodePtr>& inputs,
+std::vector<graph::NodeList> pieces_for(const graph::NodeList& inputs,
                                                     const std::vector<std::vector<int>>& logical_of,
                                                     const Sharding& target, const Shape& logical);
 
@@ -32561,7 +32595,7 @@ graph::NodePtr replicate_small(const graph::NodePtr& value, graph::Device& dev, 
 
 /// All-reduces `shards` (one per mesh position) among the positions that differ only along
 /// mesh axes `axes`, each group combining in the order of `rank_in_group(position)`.
-void reduce_partials(std::vector<graph::NodePtr>& shards, const Mesh& mesh, const std::vector<int>& axes,
+void reduce_partials(graph::NodeList& shards, const Mesh& mesh, const std::vector<int>& axes,
                      const std::function<std::int64_t(int)>& rank_in_group, Combine op);
 
 /// `node` run whole: every sharded input is gathered (materialized) first.
@@ -32587,12 +32621,12 @@ LAZYTENSOR_INLINE graph::NodePtr run_gathered(graph::NodePtr node) {
   return graph::submit_unpartitioned(std::move(node));
 }
 
-LAZYTENSOR_INLINE std::vector<std::vector<graph::NodePtr>> pieces_for(const std::vector<graph::NodePtr>& ins,
+LAZYTENSOR_INLINE std::vector<graph::NodeList> pieces_for(const graph::NodeList& ins,
                                                                          const std::vector<std::vector<int>>& logical_of,
                                                                          const Sharding& target, const Shape& logical) {
   const Mesh& mesh = target.mesh;
   const int n = mesh.size();
-  std::vector<std::vector<graph::NodePtr>> pieces(static_cast<std::size_t>(n));
+  std::vector<graph::NodeList> pieces(static_cast<std::size_t>(n));
   for (std::size_t i = 0; i < ins.size(); ++i) {
     const auto& in = ins[i];
     const ShardedNode* s = as_sharded(in);
@@ -32608,7 +32642,7 @@ LAZYTENSOR_INLINE std::vector<std::vector<graph::NodePtr>> pieces_for(const std:
     if (s && s->sharding().mesh == mesh) {
       // Each position's piece may hold its target block (a replicated value, or a coarser
       // split): the block is then narrowed out of it on that device, moving no data.
-      std::vector<graph::NodePtr> cut;
+      graph::NodeList cut;
       for (int p = 0; p < n; ++p) {
         const auto want = target.block(p, logical);
         const auto have = s->sharding().block(p, in->shape());
@@ -32640,7 +32674,7 @@ LAZYTENSOR_INLINE std::vector<std::vector<graph::NodePtr>> pieces_for(const std:
         const int l = logical_of[i][static_cast<std::size_t>(d)];
         whole = l < 0 || target.parts(l) == 1;
       }
-      std::vector<graph::NodePtr> copies;
+      graph::NodeList copies;
       for (int p = 0; whole && p < n; ++p) {
         auto c = replicate_small(in, mesh_device(mesh.device_ids()[static_cast<std::size_t>(p)]));
         if (!c) break;
@@ -32677,7 +32711,7 @@ LAZYTENSOR_INLINE graph::NodePtr replicate_small(const graph::NodePtr& value, gr
     return block_of(value, whole, dev);
   }
   if (!value->pending() || depth > kMaxDepth || value->numel() > kMaxElements) return nullptr;
-  std::vector<graph::NodePtr> inputs;
+  graph::NodeList inputs;
   for (const auto& in : value->inputs()) {
     if (in->kind() == graph::NodeKind::Sharded) return nullptr;
     auto c = replicate_small(in, dev, depth + 1);
@@ -32691,7 +32725,7 @@ LAZYTENSOR_INLINE graph::NodePtr replicate_small(const graph::NodePtr& value, gr
   return copy ? graph::submit_unpartitioned(std::move(copy)) : nullptr;
 }
 
-LAZYTENSOR_INLINE void reduce_partials(std::vector<graph::NodePtr>& shards, const Mesh& mesh, const std::vector<int>& axes,
+LAZYTENSOR_INLINE void reduce_partials(graph::NodeList& shards, const Mesh& mesh, const std::vector<int>& axes,
                                        const std::function<std::int64_t(int)>& rank_in_group, Combine op) {
   std::map<std::vector<std::int64_t>, std::vector<int>> groups;
   for (int p = 0; p < mesh.size(); ++p) {
@@ -32701,7 +32735,7 @@ LAZYTENSOR_INLINE void reduce_partials(std::vector<graph::NodePtr>& shards, cons
   }
   for (auto& [key, members] : groups) {
     std::sort(members.begin(), members.end(), [&](int x, int y) { return rank_in_group(x) < rank_in_group(y); });
-    std::vector<graph::NodePtr> in;
+    graph::NodeList in;
     for (int p : members) in.push_back(shards[static_cast<std::size_t>(p)]);
     auto out = all_reduce(in, op);
     for (std::size_t i = 0; i < members.size(); ++i) shards[static_cast<std::size_t>(members[i])] = std::move(out[i]);
@@ -32811,7 +32845,7 @@ LAZYTENSOR_INLINE graph::NodePtr partition_blockwise(const graph::Node& node, co
   }
   auto pieces = pieces_for(ins, logical_of, target, out);
   const Shape block = target.block_shape(out);
-  std::vector<graph::NodePtr> shards;
+  graph::NodeList shards;
   shards.reserve(static_cast<std::size_t>(n));
   for (int p = 0; p < n; ++p) {
     graph::Device& dev = mesh_device(mesh.device_ids()[static_cast<std::size_t>(p)]);
@@ -32893,7 +32927,7 @@ LAZYTENSOR_INLINE graph::NodePtr partition_reduction(const graph::Node& node, co
   Sharding result{target.mesh, std::move(out_dims)};
   const Shape out_block = result.block_shape(out);
   const Mesh& mesh = target.mesh;
-  std::vector<graph::NodePtr> shards;
+  graph::NodeList shards;
   for (int p = 0; p < mesh.size(); ++p) {
     graph::Device& dev = mesh_device(mesh.device_ids()[static_cast<std::size_t>(p)]);
     shards.push_back(graph::submit_unpartitioned(
@@ -32988,7 +33022,7 @@ LAZYTENSOR_INLINE graph::NodePtr partition_gemm(const graph::Node& node, const g
     }
     return graph::GemmOperand{std::move(p), transposed};
   };
-  std::vector<graph::NodePtr> shards;
+  graph::NodeList shards;
   const bool split_k = !target.dims[2].empty();
   const std::int64_t block_ba = ba > 1 ? block[0] : 1, block_bb = bb > 1 ? block[0] : 1;
   for (int p = 0; p < mesh->size(); ++p) {
@@ -33031,7 +33065,7 @@ LAZYTENSOR_INLINE graph::NodePtr partition_batch_sum(const graph::Node& node, co
     logical_of.push_back(std::move(map));
   }
   auto pieces = pieces_for(ins, logical_of, target, Shape{ins[0]->shape()[0]});
-  std::vector<graph::NodePtr> shards;
+  graph::NodeList shards;
   for (int p = 0; p < mesh.size(); ++p) {
     graph::Device& dev = mesh_device(mesh.device_ids()[static_cast<std::size_t>(p)]);
     shards.push_back(graph::submit_unpartitioned(bs.with_batch(std::move(pieces[static_cast<std::size_t>(p)]), &dev)));
@@ -33049,7 +33083,7 @@ LAZYTENSOR_INLINE graph::NodePtr partition_transpose(const graph::TransposeNode&
   const int rank = node.shape().rank();
   Sharding result = s->sharding();
   std::swap(result.dims[static_cast<std::size_t>(rank - 2)], result.dims[static_cast<std::size_t>(rank - 1)]);
-  std::vector<graph::NodePtr> shards;
+  graph::NodeList shards;
   for (int p = 0; p < s->num_shards(); ++p) {
     const graph::NodePtr& piece = s->shard(p);
     if (piece->pending()) {
@@ -33128,7 +33162,7 @@ LAZYTENSOR_INLINE graph::NodePtr partition_view(const graph::ViewNode& node) {
       return nullptr;
   }
   const Shape block = target.block_shape(out);
-  std::vector<graph::NodePtr> shards;
+  graph::NodeList shards;
   for (int p = 0; p < s->num_shards(); ++p)
     shards.push_back(graph::submit_unpartitioned(std::make_shared<graph::ViewNode>(node.op_name(), s->shard(p), block)));
   return std::make_shared<ShardedNode>(std::move(target), std::move(shards), node.dtype(), out, node.device());
@@ -34131,7 +34165,7 @@ Tensor<T> Strategy::all_gather(const Tensor<T>& t, bool sync_grads) const {
       const int n = world_size();
       const Shape shape = t.shape();
       autograd::record(gathered, "AllGatherBackward", {autograd::edge_of(t.impl())},
-                       [n, shape](const Tensor<T>& g) -> std::vector<graph::NodePtr> {
+                       [n, shape](const Tensor<T>& g) -> graph::NodeList {
                          // Each replica's slice of every replica's gradient, summed.
                          const Tensor<T> mine = dist::reduce_scatter(ReduceOp::Sum, g, 1.0, 0, n);
                          return {Tensor<T>(reshape(mine, shape)).node()};

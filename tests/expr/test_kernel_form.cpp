@@ -34,7 +34,7 @@ void check(const E& e, std::size_t distinct) {
   const auto x = lazy::expr::operand(e);
   using X = decltype(x);
   EXPECT_EQ(lazy::expr::leaf_count_v<X>, walk_leaves(x));
-  std::vector<lazy::graph::NodePtr> inputs;
+  lazy::graph::NodeList inputs;
   (void)lazy::expr::to_kernel(x, inputs);
   EXPECT_EQ(inputs.size(), distinct);
   EXPECT_LE(inputs.size(), lazy::expr::leaf_count_v<X>);
@@ -109,7 +109,7 @@ TEST(KernelForm, ConsumedExpressionsMoveTheirReferencesNamedOnesKeepThem) {
   {
     auto e = a * b + a;
     ASSERT_EQ(a.node().use_count(), base_a + 2);
-    std::vector<lazy::graph::NodePtr> inputs;
+    lazy::graph::NodeList inputs;
     (void)lazy::expr::to_kernel(std::move(e), inputs);
     ASSERT_EQ(inputs.size(), 2u);
     EXPECT_EQ(moved_leaves(std::as_const(e)), 2u) << "a's first leaf and b's moved; a's repeat stays";
@@ -174,7 +174,7 @@ TEST(KernelForm, TextNamesOpsSlotsAndScalars) {
   using lazy::expr::Scalar;
   const auto a = lazy::from_vector<float>({1, 2}, lazy::Shape{2});
   const auto b = lazy::from_vector<float>({3, 4}, lazy::Shape{2});
-  std::vector<lazy::graph::NodePtr> inputs;
+  lazy::graph::NodeList inputs;
   const auto k = lazy::expr::to_kernel(lazy::expr::operand(a * b + a), inputs);
   EXPECT_EQ(lazy::expr::kernel_text(k), "add(mul(in0, in1), in0)");
   inputs.clear();

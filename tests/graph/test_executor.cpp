@@ -330,7 +330,7 @@ TEST_F(Executor, ReadOrderListsEachPendingNodeOnceProducersFirst) {
       t.push_back(t[i - 1] * 0.5f + t[i - 2]);
       ref.push_back(ref[i - 1] * 0.5f + ref[i - 2]);
     }
-    const std::vector<lazy::graph::NodePtr> roots{t.back().node(), t[t.size() / 2].node(),
+    const lazy::graph::NodeList roots{t.back().node(), t[t.size() / 2].node(),
                                                   x0.node()};
 
     std::set<const lazy::graph::Node*> want;

@@ -145,7 +145,7 @@ class FlakyNode final : public lazy::graph::Node {
   FlakyNode(lazy::graph::Device& device, float value, std::shared_ptr<std::atomic<bool>> fail,
             std::chrono::milliseconds delay, lazy::graph::NodePtr after = nullptr)
       : Node(lazy::graph::NodeKind::Host, lazy::DType::Float32, lazy::Shape{kElements}, &device,
-             after ? std::vector<lazy::graph::NodePtr>{after} : std::vector<lazy::graph::NodePtr>{}),
+             after ? lazy::graph::NodeList{after} : lazy::graph::NodeList{}),
         value_(value),
         fail_(std::move(fail)),
         delay_(delay) {}
@@ -324,7 +324,7 @@ TEST(SpmdCollective, AStepRunAgainAfterAFailureAheadOfItsAllReducesComputesThem)
   const auto first = spmd::all_reduce({data(d0, 1.0f), flaky}, Combine::Sum);
   auto slow = lazy::graph::submit_unpartitioned(std::make_shared<FlakyNode>(d1, 20.0f, never, 20ms, first[1]));
   const auto second = spmd::all_reduce({data(d0, 2.0f), slow}, Combine::Sum);
-  std::vector<lazy::graph::NodePtr> results = {first[0], first[1], second[0], second[1]};
+  lazy::graph::NodeList results = {first[0], first[1], second[0], second[1]};
   for (const auto& n : results) n->add_handle();  // as tensors holding them: mark_step computes them
 
   const auto start = std::chrono::steady_clock::now();
@@ -489,7 +489,7 @@ TEST(SpmdCollective, AnAllReduceOfAnAllReducesResultWaitsForIt) {
   // Two all-reduces, the second of the first's results: the planner must not put them in
   // one batch (the second would publish a value not computed yet).
   auto& reg = lazy::graph::DeviceRegistry::get();
-  std::vector<lazy::graph::NodePtr> pieces;
+  lazy::graph::NodeList pieces;
   std::vector<double> want(kElements, 0.0);
   for (int d = 0; d < 4; ++d) {
     auto& dev = reg.device(d);

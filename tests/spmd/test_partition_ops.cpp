@@ -73,7 +73,7 @@ TEST(SpmdReduction, SplitReducedDimensionAllReducesOnce) {
   auto cols = lazy::sum(x, {0});
   EXPECT_EQ(spmd::sharding_spec(cols), "{devices=[2,2]0,2,1,3 last_tile_dim_replicate}");
   // The collectives are in the devices' graphs.
-  const auto text = lazy::debug::graph_text(std::vector<lazy::graph::NodePtr>{spmd::as_sharded(rows.node())->shard(0)});
+  const auto text = lazy::debug::graph_text(lazy::graph::NodeList{spmd::as_sharded(rows.node())->shard(0)});
   EXPECT_NE(text.find("spmd_all_reduce"), std::string::npos) << text;
 }
 

@@ -26,7 +26,7 @@ class AccumulateGrad final : public GradFn {
  public:
   explicit AccumulateGrad(std::shared_ptr<graph::TensorImpl> leaf);
   std::string name() const override { return "AccumulateGrad"; }
-  std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override {
+  graph::NodeList apply(const graph::NodePtr& grad) override {
     // A leaf switched to requires_grad_(false) after the graph was recorded keeps its
     // .grad() as it is, as libtorch's AccumulateGrad does.
     if (leaf_->requires_grad()) accumulate_into(*leaf_, grad);
@@ -40,10 +40,19 @@ class AccumulateGrad final : public GradFn {
   std::shared_ptr<graph::TensorImpl> leaf_;
 };
 
+namespace detail {
+/// edge_of for a tensor that requires grad, with grad mode on.
+GradFnPtr history_edge(const std::shared_ptr<graph::TensorImpl>& impl);
+}  // namespace detail
+
 /// Where gradients for the tensor object `impl` go when it is read now: its grad_fn, its
 /// leaf accumulator (created on first use), or nowhere (nullptr) when it does not require
-/// grad or grad mode is off.
-GradFnPtr edge_of(const std::shared_ptr<graph::TensorImpl>& impl);
+/// grad or grad mode is off. The test is inline: every tensor read into an expression
+/// asks, and most of them need no history.
+inline GradFnPtr edge_of(const std::shared_ptr<graph::TensorImpl>& impl) {
+  if (!impl || !impl->requires_grad() || !is_grad_enabled()) return nullptr;
+  return detail::history_edge(impl);
+}
 
 /// True when any of `edges` leads somewhere.
 bool any_edge(const std::vector<GradFnPtr>& edges);
@@ -61,7 +70,7 @@ class ReplacedGradFn final : public GradFn {
  public:
   explicit ReplacedGradFn(std::string name) : name_(std::move(name)) {}
   std::string name() const override { return name_; }
-  LAZYTENSOR_INLINE std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override;
+  LAZYTENSOR_INLINE graph::NodeList apply(const graph::NodePtr& grad) override;
   /// Nothing is saved.
   void release_saved() override {}
 
@@ -86,7 +95,7 @@ class ToCopyGradFn final : public GradFn {
   /// `source`: the device of the tensor that was copied, where its gradient must live.
   explicit ToCopyGradFn(graph::Device* source) : source_(source) {}
   std::string name() const override { return "ToCopyBackward0"; }
-  LAZYTENSOR_INLINE std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override;
+  LAZYTENSOR_INLINE graph::NodeList apply(const graph::NodePtr& grad) override;
   /// Nothing is saved: a second backward through a copy is allowed, as in libtorch.
   void release_saved() override {}
 
@@ -118,8 +127,7 @@ LAZYTENSOR_INLINE AccumulateGrad::AccumulateGrad(std::shared_ptr<graph::TensorIm
   device = leaf_->node->device();
 }
 
-LAZYTENSOR_INLINE GradFnPtr edge_of(const std::shared_ptr<graph::TensorImpl>& impl) {
-  if (!impl || !impl->requires_grad() || !is_grad_enabled()) return nullptr;
+LAZYTENSOR_INLINE GradFnPtr detail::history_edge(const std::shared_ptr<graph::TensorImpl>& impl) {
   auto& meta = *impl->autograd;
   if (meta.grad_fn) return meta.grad_fn;
   GradFnPtr acc = meta.accumulator.lock();
@@ -159,7 +167,7 @@ LAZYTENSOR_INLINE bool attach_grad_fn(graph::TensorImpl& impl, GradFnPtr fn) {
   return true;
 }
 
-LAZYTENSOR_INLINE std::vector<graph::NodePtr> ReplacedGradFn::apply(const graph::NodePtr& grad) {
+LAZYTENSOR_INLINE graph::NodeList ReplacedGradFn::apply(const graph::NodePtr& grad) {
   // zeros_like(grad) in the old value's dtype, as a zeroed buffer: dtype-free, no kernel.
   const GradFn& prev = *next.at(0);
   graph::Device& d = *grad->device();
@@ -170,7 +178,7 @@ LAZYTENSOR_INLINE std::vector<graph::NodePtr> ReplacedGradFn::apply(const graph:
   return {std::make_shared<graph::DataNode>(prev.dtype, prev.shape, &d, std::move(buf))};
 }
 
-LAZYTENSOR_INLINE std::vector<graph::NodePtr> ToCopyGradFn::apply(const graph::NodePtr& grad) {
+LAZYTENSOR_INLINE graph::NodeList ToCopyGradFn::apply(const graph::NodePtr& grad) {
   // The gradient keeps its dtype: whatever receives it converts (AccumulateGrad, a rule, an
   // element-wise backward), so no dtype's conversion is compiled or looked up here.
   if (graph::materialize(grad)) {

@@ -24,10 +24,10 @@ class ElementwiseGradFnBase : public GradFn {
   /// its gradient kernels need no input value.
   /// Both defined with the runtime: in place, every ElementwiseGradFn<K> inlined the input
   /// list's copy and releases, ~2 KB per expression with a gradient.
-  LAZYTENSOR_INLINE ElementwiseGradFnBase(const std::vector<graph::NodePtr>& inputs, bool constant);
+  LAZYTENSOR_INLINE ElementwiseGradFnBase(const graph::NodeList& inputs, bool constant);
   LAZYTENSOR_INLINE ~ElementwiseGradFnBase() override;
 
-  LAZYTENSOR_INLINE std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override;
+  LAZYTENSOR_INLINE graph::NodeList apply(const graph::NodePtr& grad) override;
 
   /// Drops the inputs. With constant derivatives nothing was saved, as in libtorch
   /// (AddBackward0), and the function can run again: each input then reads a one-element
@@ -38,10 +38,10 @@ class ElementwiseGradFnBase : public GradFn {
  protected:
   /// A pending node computing grad * d(output)/d(input `slot`), in the output's shape.
   virtual graph::NodePtr gradient_kernel(int slot, const graph::NodePtr& grad) const = 0;
-  const std::vector<graph::NodePtr>& inputs() const { return inputs_; }
+  const graph::NodeList& inputs() const { return inputs_; }
   /// The inputs of a gradient kernel: the forward inputs, then `grad` converted to `dtype`
   /// (the kernel's last slot). Not a template, like the constructor.
-  LAZYTENSOR_INLINE std::vector<graph::NodePtr> gradient_inputs(const graph::NodePtr& grad, DType dtype) const;
+  LAZYTENSOR_INLINE graph::NodeList gradient_inputs(const graph::NodePtr& grad, DType dtype) const;
 
  private:
   /// What a released function with constant derivatives keeps of an input.
@@ -50,7 +50,7 @@ class ElementwiseGradFnBase : public GradFn {
     DType dtype;
     graph::Device* device;
   };
-  std::vector<graph::NodePtr> inputs_;
+  graph::NodeList inputs_;
   /// Filled by release_saved when constant_; inputs_ then holds the placeholders (made on
   /// the next apply: a second backward is rare, a release happens every step).
   std::vector<InputMeta> released_inputs_;
@@ -86,7 +86,7 @@ struct register_leaf_casts<S, expr::KExpr<Op, C...>> {
 template <class K, Element Tout>
 class ElementwiseGradFn final : public ElementwiseGradFnBase {
  public:
-  ElementwiseGradFn(K kernel, const std::vector<graph::NodePtr>& inputs)
+  ElementwiseGradFn(K kernel, const graph::NodeList& inputs)
       : ElementwiseGradFnBase(inputs, expr::constant_tangent_v<K>),
         kernel_(std::move(kernel)) {
     // apply() sums gradients of the kernel's lane back to each input's shape and dtype.
@@ -113,7 +113,7 @@ class ElementwiseGradFn final : public ElementwiseGradFnBase {
       if constexpr (std::is_same_v<S, Tout>) {
         if (expr::unit_tangent(kernel_, slot)) return cast_node(grad, dtype_of<Tout>());
       }
-      std::vector<graph::NodePtr> ins = gradient_inputs(grad, dtype_of<Tout>());
+      graph::NodeList ins = gradient_inputs(grad, dtype_of<Tout>());
       const int g_slot = static_cast<int>(ins.size()) - 1;
       return graph::submit(
           graph::elementwise_node<S>(KG{kernel_, expr::KLeaf<Tout>{g_slot}, slot}, shape, grad->device(), std::move(ins)));
@@ -144,26 +144,26 @@ LAZYTENSOR_INLINE std::string backward_name(const char* op) {
   return n + "Backward0";
 }
 
-LAZYTENSOR_INLINE ElementwiseGradFnBase::ElementwiseGradFnBase(const std::vector<graph::NodePtr>& inputs,
+LAZYTENSOR_INLINE ElementwiseGradFnBase::ElementwiseGradFnBase(const graph::NodeList& inputs,
                                                                 bool constant)
     : inputs_(inputs), constant_(constant) {}
 
 LAZYTENSOR_INLINE ElementwiseGradFnBase::~ElementwiseGradFnBase() = default;
 
-LAZYTENSOR_INLINE std::vector<graph::NodePtr> ElementwiseGradFnBase::gradient_inputs(const graph::NodePtr& grad,
+LAZYTENSOR_INLINE graph::NodeList ElementwiseGradFnBase::gradient_inputs(const graph::NodePtr& grad,
                                                                                     DType dtype) const {
-  std::vector<graph::NodePtr> ins;
+  graph::NodeList ins;
   ins.reserve(inputs_.size() + 1);
   ins.insert(ins.end(), inputs_.begin(), inputs_.end());
   ins.push_back(cast_node(grad, dtype));
   return ins;
 }
 
-LAZYTENSOR_INLINE std::vector<graph::NodePtr> ElementwiseGradFnBase::apply(const graph::NodePtr& grad) {
+LAZYTENSOR_INLINE graph::NodeList ElementwiseGradFnBase::apply(const graph::NodePtr& grad) {
   check_not_released();
   if (!released_inputs_.empty() && inputs_.empty()) {
     // Built aside and assigned whole: an allocation failing halfway leaves none behind.
-    std::vector<graph::NodePtr> zeros;
+    graph::NodeList zeros;
     zeros.reserve(released_inputs_.size());
     for (const InputMeta& m : released_inputs_) {
       const std::size_t elem = dtype_size(m.dtype);
@@ -174,7 +174,7 @@ LAZYTENSOR_INLINE std::vector<graph::NodePtr> ElementwiseGradFnBase::apply(const
     }
     inputs_ = std::move(zeros);
   }
-  std::vector<graph::NodePtr> grads(next.size());
+  graph::NodeList grads(next.size());
   for (std::size_t s = 0; s < next.size(); ++s) {
     if (!next[s]) continue;
     graph::NodePtr g = gradient_kernel(static_cast<int>(s), grad);

@@ -28,10 +28,10 @@ struct BackwardRequest {
 
 /// Runs a backward pass; returns one gradient per captured function (nullptr when none
 /// reached it).
-std::vector<graph::NodePtr> run_backward(const BackwardRequest& req);
+graph::NodeList run_backward(const BackwardRequest& req);
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
-LAZYTENSOR_INLINE std::vector<graph::NodePtr> run_backward(const BackwardRequest& req) {
+LAZYTENSOR_INLINE graph::NodeList run_backward(const BackwardRequest& req) {
   AutoGradMode no_grad(false);  // gradients of gradients are not recorded
   // Dependency counts over the graph reachable from the roots.
   std::unordered_map<GradFn*, int> deps;
@@ -52,7 +52,7 @@ LAZYTENSOR_INLINE std::vector<graph::NodePtr> run_backward(const BackwardRequest
   // A function may be captured more than once (one input given twice): every slot gets it.
   std::unordered_map<GradFn*, std::vector<std::size_t>> captured;
   for (std::size_t i = 0; i < req.capture.size(); ++i) captured[req.capture[i].get()].push_back(i);
-  std::vector<graph::NodePtr> out(req.capture.size());
+  graph::NodeList out(req.capture.size());
 
   std::unordered_map<GradFn*, graph::NodePtr> pending;
   auto add_grad = [&](GradFn* fn, const graph::NodePtr& g) {
@@ -81,7 +81,7 @@ LAZYTENSOR_INLINE std::vector<graph::NodePtr> run_backward(const BackwardRequest
       g = std::move(it->second);
       pending.erase(it);
     }
-    std::vector<graph::NodePtr> grads;
+    graph::NodeList grads;
     if (g) {
       for (const auto& w : fn->retained) {
         if (auto impl = w.lock()) accumulate_into(*impl, g);

@@ -33,7 +33,7 @@ class GradFn {
   virtual std::string name() const = 0;
   /// Gradients of the inputs (one per entry of `next`; nullptr where none flows), given
   /// the gradient of the output (same dtype and shape as the output).
-  virtual std::vector<graph::NodePtr> apply(const graph::NodePtr& grad_output) = 0;
+  virtual graph::NodeList apply(const graph::NodePtr& grad_output) = 0;
   /// Drops what forward saved for backward (after a backward without retain_graph).
   virtual void release_saved() { released_ = true; }
   /// True once release_saved() ran: a second backward through this function is an error.

@@ -21,7 +21,7 @@ namespace lazy::autograd {
 
 namespace detail {
 template <Element T, class Op, class... Ks>
-graph::NodePtr elementwise(const Shape& shape, graph::Device* dev, std::vector<graph::NodePtr> inputs, Ks... ks) {
+graph::NodePtr elementwise(const Shape& shape, graph::Device* dev, graph::NodeList inputs, Ks... ks) {
   using K = expr::KExpr<Op, Ks...>;
   return graph::submit(graph::elementwise_node<T>(K{{ks...}}, shape, dev, std::move(inputs)));
 }
@@ -84,7 +84,7 @@ graph::NodePtr sum_to_shape_of(const graph::NodePtr& g, const Shape& to) {
     const Shape out = more ? next : to;  // the last pass writes the target shape directly
     using K = expr::KLeaf<T>;
     cur = graph::submit(graph::reduction_node<ops::reduce::Sum, S, T>(K{0}, out, geo, 1.0, cur->device(),
-                                                                       std::vector<graph::NodePtr>{cur}, cur_shape));
+                                                                       graph::NodeList{cur}, cur_shape));
     cur_shape = next;
     hi = lo - 1;
   }

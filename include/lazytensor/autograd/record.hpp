@@ -23,11 +23,11 @@ enum class Saves { tensors, nothing };
 /// A backward rule given as a callable.
 class FunctionGradFn final : public GradFn {
  public:
-  using Backward = std::function<std::vector<graph::NodePtr>(const graph::NodePtr&)>;
+  using Backward = std::function<graph::NodeList(const graph::NodePtr&)>;
   FunctionGradFn(std::string name, Backward f, Saves saves = Saves::tensors)
       : name_(std::move(name)), f_(std::move(f)), saves_(saves) {}
   std::string name() const override { return name_; }
-  LAZYTENSOR_INLINE std::vector<graph::NodePtr> apply(const graph::NodePtr& grad) override;
+  LAZYTENSOR_INLINE graph::NodeList apply(const graph::NodePtr& grad) override;
   /// Drops the rule (and what it captured) unless it saved nothing.
   LAZYTENSOR_INLINE void release_saved() override;
 
@@ -48,7 +48,7 @@ GradFnPtr operand_edge(const X& x) {
       return nullptr;  // no floating tensor operand: nothing here can require grad
     } else {
       if (!is_grad_enabled() || !expr::any_leaf_grad(x)) return nullptr;
-      std::vector<graph::NodePtr> inputs;
+      graph::NodeList inputs;
       std::vector<GradFnPtr> edges;
       inputs.reserve(expr::leaf_count_v<X>);
       edges.reserve(expr::leaf_count_v<X>);
@@ -109,7 +109,7 @@ bool any_requires_grad(const Ts&... ts) {
 }
 
 #if LAZYTENSOR_HEADER_DEFINITIONS
-LAZYTENSOR_INLINE std::vector<graph::NodePtr> FunctionGradFn::apply(const graph::NodePtr& grad) {
+LAZYTENSOR_INLINE graph::NodeList FunctionGradFn::apply(const graph::NodePtr& grad) {
   check_not_released();
   return f_(grad);
 }

@@ -33,7 +33,14 @@ class SmallVector {
   /// Sets the size to n; new elements are value-initialized, kept ones keep their values.
   void resize(std::size_t n) {
     reserve(n);
-    for (std::size_t i = size_; i < n; ++i) data()[i] = T{};
+    T* d = data();  // (once: data() tests for the heap)
+    for (std::size_t i = size_; i < n; ++i) d[i] = T{};
+    size_ = n;
+  }
+  /// Resizes to n leaving new elements unset, for a caller that writes every one of them
+  /// before reading (a kernel's input pointers, its partial results).
+  void resize_for_overwrite(std::size_t n) {
+    reserve(n);
     size_ = n;
   }
   /// n copies of v.

@@ -23,7 +23,7 @@ concept HasNode = requires(const T& t) { t.node(); };
 
 namespace detail {
 template <class... Ts>
-std::vector<graph::NodePtr> roots_of(const Ts&... ts) {
+graph::NodeList roots_of(const Ts&... ts) {
   return {ts.node()...};
 }
 
@@ -34,9 +34,9 @@ struct Fusion {
   std::unordered_map<const graph::Node*, bool> scratch_only;
 };
 
-Fusion plan_fusion(const std::vector<graph::NodePtr>& order);
+Fusion plan_fusion(const graph::NodeList& order);
 
-std::vector<graph::NodePtr> with_inputs(const std::vector<graph::NodePtr>& roots, Fusion* fusion);
+graph::NodeList with_inputs(const graph::NodeList& roots, Fusion* fusion);
 
 std::string type_str(const graph::Node& n);
 }  // namespace detail
@@ -46,7 +46,7 @@ std::string type_str(const graph::Node& n);
 /// Fusion shows at the end of a line: `{group 0}` for members of a chunk-interleaved group
 /// (`{group 0, scratch}` when the value is never written whole), `{in row blocks of %5}`
 /// for a GEMM that its epilogue %5 runs block by block.
-std::string graph_text(const std::vector<graph::NodePtr>& roots);
+std::string graph_text(const graph::NodeList& roots);
 
 /// The graph as text for tensors given directly: graph_text(y, z).
 template <class... Ts>
@@ -59,7 +59,7 @@ std::string graph_text(const Ts&... tensors)
 /// The graph in Graphviz DOT; render with `dot -Tpng`. Fused groups are clusters
 /// ("fused group N"); scratch-only members are dotted; a GEMM run in row blocks by its
 /// epilogue is linked to it by a bold edge.
-std::string graph_dot(const std::vector<graph::NodePtr>& roots);
+std::string graph_dot(const graph::NodeList& roots);
 
 /// DOT for tensors given directly.
 template <class... Ts>
@@ -72,7 +72,7 @@ std::string graph_dot(const Ts&... tensors)
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace detail {
 
-LAZYTENSOR_INLINE Fusion plan_fusion(const std::vector<graph::NodePtr>& order) {
+LAZYTENSOR_INLINE Fusion plan_fusion(const graph::NodeList& order) {
   Fusion f;
   if (order.empty()) return f;
   graph::prepare(order);  // decisions redone by the real step's planning
@@ -94,14 +94,14 @@ LAZYTENSOR_INLINE Fusion plan_fusion(const std::vector<graph::NodePtr>& order) {
   return f;
 }
 
-LAZYTENSOR_INLINE std::vector<graph::NodePtr> with_inputs(const std::vector<graph::NodePtr>& roots, Fusion* fusion) {
+LAZYTENSOR_INLINE graph::NodeList with_inputs(const graph::NodeList& roots, Fusion* fusion) {
   // Steps in flight finish first: a dump looks at values, not at a graph being executed.
   for (const auto& r : roots)
     if (r) r->device()->wait_idle();
   // Pending nodes in execution order, plus the materialized values they read.
-  std::vector<graph::NodePtr> order = graph::topological_order(roots);
+  graph::NodeList order = graph::topological_order(roots);
   if (fusion) *fusion = plan_fusion(order);
-  std::vector<graph::NodePtr> all;
+  graph::NodeList all;
   std::unordered_map<const graph::Node*, bool> seen;
   for (const auto& n : order)
     for (const auto& in : n->inputs())
@@ -122,7 +122,7 @@ LAZYTENSOR_INLINE std::string type_str(const graph::Node& n) { return dtype_name
 
 }  // namespace detail
 
-LAZYTENSOR_INLINE std::string graph_text(const std::vector<graph::NodePtr>& roots) {
+LAZYTENSOR_INLINE std::string graph_text(const graph::NodeList& roots) {
   detail::Fusion fusion;
   auto nodes = detail::with_inputs(roots, &fusion);
   std::unordered_map<const graph::Node*, int> id;
@@ -155,7 +155,7 @@ LAZYTENSOR_INLINE std::string graph_text(const std::vector<graph::NodePtr>& root
   return os.str();
 }
 
-LAZYTENSOR_INLINE std::string graph_dot(const std::vector<graph::NodePtr>& roots) {
+LAZYTENSOR_INLINE std::string graph_dot(const graph::NodeList& roots) {
   detail::Fusion fusion;
   auto nodes = detail::with_inputs(roots, &fusion);
   std::unordered_map<const graph::Node*, int> id;

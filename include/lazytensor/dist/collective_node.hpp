@@ -32,7 +32,7 @@ class ExchangeNode : public graph::Node {
  public:
   /// `data` are the collective's inputs; `after` (may be null) is the replica's previous
   /// pending exchange, which must run first.
-  ExchangeNode(CollectiveCall call, std::vector<graph::NodePtr> data, const graph::NodePtr& after,
+  ExchangeNode(CollectiveCall call, graph::NodeList data, const graph::NodePtr& after,
                graph::Device* device);
 
   std::string op_name() const override { return kind_name(call_.sig.kind); }
@@ -72,7 +72,7 @@ class ExchangeNode : public graph::Node {
   }
 
  private:
-  static std::vector<graph::NodePtr> with_after(std::vector<graph::NodePtr> data,
+  static graph::NodeList with_after(graph::NodeList data,
                                                 const graph::NodePtr& after);
 
   CollectiveCall call_;
@@ -111,11 +111,11 @@ struct OutputSpec {
 
 /// The device a collective's nodes go to: inside spawn, the replica's own device (its
 /// inputs must live there); outside, the inputs' common device.
-graph::Device& collective_device(const std::vector<graph::NodePtr>& inputs, const char* op);
+graph::Device& collective_device(const graph::NodeList& inputs, const char* op);
 
 /// Submits an exchange and its result nodes (in this order, so eager mode works); returns
 /// the result nodes.
-std::vector<graph::NodePtr> submit_exchange(const std::shared_ptr<ExchangeNode>& ex,
+graph::NodeList submit_exchange(const std::shared_ptr<ExchangeNode>& ex,
                                             const std::vector<OutputSpec>& outs);
 
 /// Up to 16 pointers without allocating (one per group member).
@@ -144,7 +144,7 @@ LAZYTENSOR_INLINE const std::shared_ptr<Buffer>& token_buffer() {
   return tok;
 }
 
-LAZYTENSOR_INLINE ExchangeNode::ExchangeNode(CollectiveCall call, std::vector<graph::NodePtr> data,
+LAZYTENSOR_INLINE ExchangeNode::ExchangeNode(CollectiveCall call, graph::NodeList data,
                                              const graph::NodePtr& after, graph::Device* device)
     : Node(graph::NodeKind::Collective, DType::Bool, Shape{0}, device,
            with_after(std::move(data), after)),
@@ -181,8 +181,8 @@ LAZYTENSOR_INLINE void ExchangeNode::finish() {
   call_.comm.reset();
 }
 
-LAZYTENSOR_INLINE std::vector<graph::NodePtr> ExchangeNode::with_after(
-    std::vector<graph::NodePtr> data, const graph::NodePtr& after) {
+LAZYTENSOR_INLINE graph::NodeList ExchangeNode::with_after(
+    graph::NodeList data, const graph::NodePtr& after) {
   if (after) data.push_back(after);
   return data;
 }
@@ -191,7 +191,7 @@ LAZYTENSOR_INLINE ResultNode::ResultNode(const std::shared_ptr<ExchangeNode>& ex
                                          DType dtype, Shape shape)
     : Node(graph::NodeKind::Collective, dtype, shape, ex->device(), {ex}), index_(index) {}
 
-LAZYTENSOR_INLINE graph::Device& collective_device(const std::vector<graph::NodePtr>& inputs,
+LAZYTENSOR_INLINE graph::Device& collective_device(const graph::NodeList& inputs,
                                                    const char* op) {
   if (!current_context()) return graph::common_device(inputs, op);
   graph::Device& dev = graph::current_device();
@@ -205,9 +205,9 @@ LAZYTENSOR_INLINE graph::Device& collective_device(const std::vector<graph::Node
   return dev;
 }
 
-LAZYTENSOR_INLINE std::vector<graph::NodePtr> submit_exchange(
+LAZYTENSOR_INLINE graph::NodeList submit_exchange(
     const std::shared_ptr<ExchangeNode>& ex, const std::vector<OutputSpec>& outs) {
-  std::vector<graph::NodePtr> results;
+  graph::NodeList results;
   results.reserve(outs.size());
   for (std::size_t i = 0; i < outs.size(); ++i) {
     auto r = core::make_cached<ResultNode>(ex, i, outs[i].dtype, outs[i].shape);

@@ -46,7 +46,7 @@ Signature tensor_signature(CollectiveKind kind, const Tensor<T>& t) {
 
 /// Submits exchange `ex` (built by make(call, after)) and returns its result nodes.
 template <class Make>
-std::vector<graph::NodePtr> trace_nodes(CollectiveCall call, Make&& make,
+graph::NodeList trace_nodes(CollectiveCall call, Make&& make,
                                         const std::vector<OutputSpec>& outs) {
   // Only exchanges that talk to other replicas are chained in program order.
   const graph::NodePtr after = call.comm ? pending_predecessor() : nullptr;
@@ -67,11 +67,11 @@ std::vector<Tensor<T>> trace(CollectiveCall call, Make&& make,
 /// The result nodes of an all_reduce of `tensors` (one exchange; see below). A non-empty
 /// `tag` joins the signature: replicas whose tags differ raise CollectiveMismatch.
 template <Element T>
-std::vector<graph::NodePtr> all_reduce_nodes(ReduceOp op, std::span<const Tensor<T>> tensors,
+graph::NodeList all_reduce_nodes(ReduceOp op, std::span<const Tensor<T>> tensors,
                                              const AllReduceOptions& opts, std::string tag = {}) {
   check_reduction<T>(op, opts.scale, "all_reduce");
   if (tensors.empty()) return {};
-  std::vector<graph::NodePtr> nodes;
+  graph::NodeList nodes;
   nodes.reserve(tensors.size() + 1);  // (+1: the exchange's program-order input)
   std::vector<OutputSpec> outs;
   outs.reserve(tensors.size());

@@ -53,7 +53,7 @@ inline void publish_input(Share& s, const std::byte* in, std::size_t nbytes, boo
 template <Element T>
 class AllReduceExchange final : public ExchangeNode {
  public:
-  AllReduceExchange(CollectiveCall call, std::vector<graph::NodePtr> data,
+  AllReduceExchange(CollectiveCall call, graph::NodeList data,
                     const graph::NodePtr& after, graph::Device* device, ReduceOp op, double scale)
       : ExchangeNode(std::move(call), std::move(data), after, device), op_(op), scale_(scale) {}
 

@@ -12,7 +12,9 @@
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
+#include <lazytensor/core/block_cache.hpp>
 #include <lazytensor/core/config.hpp>
 #include <lazytensor/core/dtype.hpp>
 #include <lazytensor/core/error.hpp>
@@ -24,6 +26,9 @@
 namespace lazy::graph {
 class Node;
 using NodePtr = std::shared_ptr<Node>;
+/// A list of nodes (a node's inputs, a step's nodes), its storage from the thread's block
+/// cache (core/block_cache.hpp): every statement builds one and drops one.
+using NodeList = std::vector<NodePtr, core::BlockAllocator<NodePtr>>;
 }  // namespace lazy::graph
 namespace lazy::autograd {
 class GradFn;

@@ -109,7 +109,7 @@ inline constexpr bool has_floating_leaf_v = has_floating_leaf<std::remove_cvref_
 namespace detail {
 /// The slot of a leaf with `node` and `grad` already in `inputs` (and `edges`), or -1.
 inline int existing_slot(const graph::NodePtr& node, const autograd::GradFnPtr& grad,
-                         const std::vector<graph::NodePtr>& inputs,
+                         const graph::NodeList& inputs,
                          const std::vector<autograd::GradFnPtr>* edges) {
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     if (inputs[i] == node && (!edges || (*edges)[i] == grad)) return static_cast<int>(i);
@@ -119,7 +119,7 @@ inline int existing_slot(const graph::NodePtr& node, const autograd::GradFnPtr& 
 }  // namespace detail
 
 template <Element T>
-KLeaf<T> to_kernel(const Leaf<T>& l, std::vector<graph::NodePtr>& inputs,
+KLeaf<T> to_kernel(const Leaf<T>& l, graph::NodeList& inputs,
                    std::vector<autograd::GradFnPtr>* edges = nullptr) {
   if (const int s = detail::existing_slot(l.node, l.grad, inputs, edges); s >= 0) return {s};
   inputs.push_back(l.node);
@@ -127,13 +127,13 @@ KLeaf<T> to_kernel(const Leaf<T>& l, std::vector<graph::NodePtr>& inputs,
   return {static_cast<int>(inputs.size() - 1)};
 }
 template <Element T>
-Scalar<T> to_kernel(const Scalar<T>& s, std::vector<graph::NodePtr>&, std::vector<autograd::GradFnPtr>* = nullptr) {
+Scalar<T> to_kernel(const Scalar<T>& s, graph::NodeList&, std::vector<autograd::GradFnPtr>* = nullptr) {
   return s;
 }
 /// A leaf of an expression being consumed: its references move into `inputs` and `edges`
 /// instead of being copied (an atomic count each, and another when the leaf dies).
 template <Element T>
-KLeaf<T> to_kernel(Leaf<T>&& l, std::vector<graph::NodePtr>& inputs,
+KLeaf<T> to_kernel(Leaf<T>&& l, graph::NodeList& inputs,
                    std::vector<autograd::GradFnPtr>* edges = nullptr) {
   if (const int s = detail::existing_slot(l.node, l.grad, inputs, edges); s >= 0) return {s};
   inputs.push_back(std::move(l.node));
@@ -141,7 +141,7 @@ KLeaf<T> to_kernel(Leaf<T>&& l, std::vector<graph::NodePtr>& inputs,
   return {static_cast<int>(inputs.size() - 1)};
 }
 template <class Op, class... C>
-auto to_kernel(const Expr<Op, C...>& e, std::vector<graph::NodePtr>& inputs,
+auto to_kernel(const Expr<Op, C...>& e, graph::NodeList& inputs,
                std::vector<autograd::GradFnPtr>* edges = nullptr) {
   return detail::unpack(e.children(), [&](const auto&... ch) {
     // Braced initialization evaluates left to right: slots follow operand order.
@@ -150,7 +150,7 @@ auto to_kernel(const Expr<Op, C...>& e, std::vector<graph::NodePtr>& inputs,
 }
 /// An expression being consumed (a statement's temporary): its leaves move.
 template <class Op, class... C>
-auto to_kernel(Expr<Op, C...>&& e, std::vector<graph::NodePtr>& inputs,
+auto to_kernel(Expr<Op, C...>&& e, graph::NodeList& inputs,
                std::vector<autograd::GradFnPtr>* edges = nullptr) {
   std::tuple<C...>&& children = std::move(e).children();
   return detail::unpack(children, [&](auto&... ch) {
@@ -210,7 +210,7 @@ void drop_cut_edges(const K& k, std::vector<autograd::GradFnPtr>& edges) {
 /// says (the reductions take one parameter type for both, so that each operand type compiles
 /// once): its leaves move into `inputs`.
 template <class X>
-auto operand_to_kernel(const X& x, std::vector<graph::NodePtr>& inputs, bool consume = false) {
+auto operand_to_kernel(const X& x, graph::NodeList& inputs, bool consume = false) {
   if constexpr (is_expr_node<X>::value) {
     if (consume) return to_kernel(std::move(const_cast<X&>(x)), inputs);
     return to_kernel(x, inputs);

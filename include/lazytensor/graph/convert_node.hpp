@@ -27,7 +27,7 @@ class ConvertNode final : public Node {
   std::string op_name() const override { return "convert"; }
   std::string describe() const override { return "convert(%0) -> " + dtype_name(dtype()); }
   std::optional<BlockRule> block_rule() const override { return aligned_block_rule(shape(), inputs()); }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape, Device*) const override {
     return std::make_shared<ConvertNode>(std::move(inputs[0]), dtype());
   }
 
@@ -44,7 +44,7 @@ class RoundToBFloat16Node final : public Node {
 
   std::string op_name() const override { return "round_bf16"; }
   std::optional<BlockRule> block_rule() const override { return aligned_block_rule(shape(), inputs()); }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape, Device*) const override {
     return std::make_shared<RoundToBFloat16Node>(std::move(inputs[0]));
   }
 

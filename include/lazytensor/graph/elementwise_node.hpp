@@ -172,13 +172,13 @@ class CompiledKernel final : public ElementwiseKernel {
 class ElementwiseNode final : public Node {
  public:
   ElementwiseNode(KernelRef kernel, bool can_stream, DType dtype, Shape shape,
-                  Device* device, std::vector<NodePtr> inputs);
+                  Device* device, NodeList inputs);
 
   /// Element-wise: every output dimension splits; inputs aligned right (NumPy).
   std::optional<BlockRule> block_rule() const override { return aligned_block_rule(shape(), inputs()); }
   /// The same kernel over other inputs (the SPMD partitioner runs one per shard). The
   /// kernel is shared: it holds only the expression's form and scalars, never data.
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device* device) const override {
+  NodePtr with_inputs(NodeList inputs, Shape shape, Device* device) const override {
     return std::make_shared<ElementwiseNode>(kernel_, can_stream_, dtype(), shape, device, std::move(inputs));
   }
 
@@ -205,15 +205,15 @@ class ElementwiseNode final : public Node {
   LAZYTENSOR_INLINE void finish() override;
 
  private:
-  void run(ExecContext& ctx, const std::vector<const void*>& ptrs, void* out) const;
+  void run(ExecContext& ctx, const detail::InputPointers& ptrs, void* out) const;
 
   // The producer's row blocks (fixed by the shapes, not by the thread count), each
   // followed at once by the epilogue while it is still in cache.
-  void run_with_producer(ExecContext& ctx, const std::vector<const void*>& ptrs, void* out);
+  void run_with_producer(ExecContext& ctx, const detail::InputPointers& ptrs, void* out);
 
   double producer_cost() const { return inputs()[fused_slot_]->cost_per_element(); }
 
-  static expr::Layout layout_of(const Shape& out, const std::vector<NodePtr>& inputs);
+  static expr::Layout layout_of(const Shape& out, const NodeList& inputs);
 
   KernelRef kernel_;
   bool can_stream_;
@@ -227,12 +227,12 @@ class ElementwiseNode final : public Node {
 /// (the kernel comes as a pointer and the inputs by reference, so that no call site holds
 /// a cleanup of its own).
 LAZYTENSOR_INLINE NodePtr make_elementwise_node(const ElementwiseKernel* kernel, bool can_stream, DType dtype,
-                                                const Shape& shape, Device* device, std::vector<NodePtr>&& inputs);
+                                                const Shape& shape, Device* device, NodeList&& inputs);
 
 /// A pending-node-to-be for kernel-form expression `k` writing Tout of `shape` on `device`
 /// (not yet submitted).
 template <Element Tout, class K, bool Lean = false>
-NodePtr elementwise_node(K k, const Shape& shape, Device* device, std::vector<NodePtr>&& inputs) {
+NodePtr elementwise_node(K k, const Shape& shape, Device* device, NodeList&& inputs) {
   using CK = CompiledKernel<K, Tout, Lean>;
   return make_elementwise_node(new CK(std::move(k)), CK::can_stream, dtype_of<Tout>(), shape, device,
                                std::move(inputs));
@@ -248,7 +248,7 @@ LAZYTENSOR_INLINE RowProducer::Session::Session(RowProducer& p, ExecContext& ctx
 LAZYTENSOR_INLINE RowProducer::Session::~Session() { p_.end_rows(); }
 
 LAZYTENSOR_INLINE NodePtr make_elementwise_node(const ElementwiseKernel* kernel, bool can_stream, DType dtype,
-                                                const Shape& shape, Device* device, std::vector<NodePtr>&& inputs) {
+                                                const Shape& shape, Device* device, NodeList&& inputs) {
   KernelRef ref(kernel);  // first: owned from here on, whatever throws below
   return core::make_cached<ElementwiseNode>(std::move(ref), can_stream, dtype, shape, device, std::move(inputs));
 }
@@ -258,11 +258,11 @@ LAZYTENSOR_INLINE ElementwiseNode::ElementwiseNode(KernelRef kernel,
   DType dtype,
   Shape shape,
   Device* device,
-  std::vector<NodePtr> inputs)
+  NodeList inputs)
     : Node(NodeKind::Elementwise, dtype, shape, device, std::move(inputs)), kernel_(std::move(kernel)),
       can_stream_(can_stream), layout_(layout_of(this->shape(), this->inputs())) {}
 
-LAZYTENSOR_INLINE expr::Layout ElementwiseNode::layout_of(const Shape& out, const std::vector<NodePtr>& inputs) {
+LAZYTENSOR_INLINE expr::Layout ElementwiseNode::layout_of(const Shape& out, const NodeList& inputs) {
   core::SmallVector<const Shape*, 8> shapes;  // (no allocation for up to 8 inputs)
   for (const auto& in : inputs) shapes.push_back(&in->shape());
   return expr::make_layout(out, std::span<const Shape* const>(shapes.data(), shapes.size()));
@@ -290,7 +290,8 @@ LAZYTENSOR_INLINE void ElementwiseNode::fuse_producers() {
 
 LAZYTENSOR_INLINE void ElementwiseNode::compute(ExecContext& ctx) {
   const auto& ins = inputs();
-  std::vector<const void*> ptrs(ins.size());
+  detail::InputPointers ptrs;
+  ptrs.resize_for_overwrite(ins.size());
   for (std::size_t i = 0; i < ins.size(); ++i) {
     ptrs[i] = static_cast<int>(i) == fused_slot_ ? nullptr : ins[i]->buffer()->data();
   }
@@ -310,7 +311,7 @@ LAZYTENSOR_INLINE void ElementwiseNode::finish() {
   Node::finish();
 }
 
-LAZYTENSOR_INLINE void ElementwiseNode::run(ExecContext& ctx, const std::vector<const void*>& ptrs, void* out) const {
+LAZYTENSOR_INLINE void ElementwiseNode::run(ExecContext& ctx, const detail::InputPointers& ptrs, void* out) const {
   const std::int64_t n = numel();
   if (n == 0) return;
   auto& pool = ctx.device.threads();
@@ -335,7 +336,7 @@ LAZYTENSOR_INLINE void ElementwiseNode::run(ExecContext& ctx, const std::vector<
   }
 }
 
-LAZYTENSOR_INLINE void ElementwiseNode::run_with_producer(ExecContext& ctx, const std::vector<const void*>& ptrs, void* out) {
+LAZYTENSOR_INLINE void ElementwiseNode::run_with_producer(ExecContext& ctx, const detail::InputPointers& ptrs, void* out) {
   auto* producer = dynamic_cast<RowProducer*>(inputs()[fused_slot_].get());
   const std::int64_t cols = shape()[shape().rank() - 1];
   const std::int64_t rows = cols ? numel() / cols : 0;

@@ -42,11 +42,11 @@ class SeenNodes {
 /// stopping at process exit) gives back its collectives (Rendezvous::abandon), so a peer
 /// device waiting in one ends with an error instead of waiting out the collective timeout.
 struct QueuedStep {
-  explicit QueuedStep(std::vector<NodePtr> n) : nodes(std::move(n)) {}
+  explicit QueuedStep(NodeList n) : nodes(std::move(n)) {}
   QueuedStep(const QueuedStep&) = delete;
   QueuedStep& operator=(const QueuedStep&) = delete;
   ~QueuedStep();
-  std::vector<NodePtr> nodes;
+  NodeList nodes;
   bool taken = false;  ///< the executor ran (or refused) the step: nothing to give back
 };
 
@@ -59,7 +59,7 @@ std::int64_t run_batch(ExecContext& ctx, const PlanStep& st, std::span<NodePtr> 
 
 /// Pending nodes reachable from `roots`, producers before consumers (iterative DFS, so a
 /// long chain of statements cannot overflow the stack).
-std::vector<NodePtr> topological_order(std::span<const NodePtr> roots);
+NodeList topological_order(std::span<const NodePtr> roots);
 
 /// Lets the step's element-wise nodes take over their GEMM producers (epilogue fusion).
 /// Called on every step before planning and execution: it decides on this step's nodes.
@@ -69,7 +69,7 @@ void prepare(std::span<const NodePtr> nodes);
 /// `step`: planning a mark_step (reads and eager ops do not count toward the re-planning
 /// warning). `done`: receives the clock reading that ended PlanTime, for a caller that
 /// runs the plan at once and can start ExecuteTime from it.
-std::shared_ptr<const Plan> plan_for(Device& dev, const std::vector<NodePtr>& nodes,
+std::shared_ptr<const Plan> plan_for(Device& dev, const NodeList& nodes,
                                             bool step, core::MetricClock::Ticks* done = nullptr);
 
 /// Puts the nodes of a step that did not run (or did not finish) back to pending and into
@@ -85,7 +85,7 @@ void run_plan(Device& device, const Plan& plan, std::span<NodePtr> nodes,
 
 /// Plans and runs `nodes` on the calling thread (the caller has waited for the queued
 /// plans: execute does).
-void execute_now(Device& device, std::vector<NodePtr> nodes);
+void execute_now(Device& device, NodeList nodes);
 
 /// True when `node` is pending and every input of it is materialized: its plan would be
 /// the node alone.
@@ -104,7 +104,7 @@ void execute(Device& device, std::span<const NodePtr> roots);
 /// The nodes a step computes: every pending node of the trace that a live handle reaches,
 /// in creation order. The rest (alive, but reachable only from expressions or dropped
 /// values' consumers) stays traced for later steps.
-std::vector<NodePtr> collect_step(Device& dev);
+NodeList collect_step(Device& dev);
 
 /// Entries of the per-thread scratch that collect_step and plan_for keep between steps
 /// (larger ones, left by an unusually large step, are freed).
@@ -112,7 +112,7 @@ inline constexpr std::size_t kKeptTraceCapacity = std::size_t{1} << 14;
 
 /// run_plan for a step nobody waits on: its error is stored on the device, to surface at
 /// the next read or sync.
-void run_plan_storing_error(Device& dev, const Plan& plan, std::vector<NodePtr>& nodes);
+void run_plan_storing_error(Device& dev, const Plan& plan, NodeList& nodes);
 
 /// Runs a step: plans the collected nodes now (overlapping the previous step's
 /// execution), hands the plan to the executor thread (or, with async off, runs it here),
@@ -125,7 +125,7 @@ void run_plan_storing_error(Device& dev, const Plan& plan, std::vector<NodePtr>&
 /// and the caller waits for the previous step (`dev.wait_below(2)`) itself; a thread
 /// driving several devices (SPMD) queues every device's step first, so no executor idles
 /// while this thread waits for another device.
-void run_step(Device& dev, std::vector<NodePtr> nodes, bool wait_previous = true);
+void run_step(Device& dev, NodeList nodes, bool wait_previous = true);
 
 }  // namespace lazy::graph
 
@@ -176,8 +176,8 @@ LAZYTENSOR_INLINE bool SeenNodes::insert(const Node* n) {
 }  // namespace lazy::graph::detail
 namespace lazy::graph {
 
-LAZYTENSOR_INLINE std::vector<NodePtr> topological_order(std::span<const NodePtr> roots) {
-  std::vector<NodePtr> order;
+LAZYTENSOR_INLINE NodeList topological_order(std::span<const NodePtr> roots) {
+  NodeList order;
   detail::SeenNodes seen;
   struct Frame {
     Node* node;
@@ -221,7 +221,7 @@ LAZYTENSOR_INLINE void prepare(std::span<const NodePtr> nodes) {
 }
 
 LAZYTENSOR_INLINE std::shared_ptr<const Plan> plan_for(Device& dev,
-    const std::vector<NodePtr>& nodes,
+    const NodeList& nodes,
     bool step,
     core::MetricClock::Ticks* done) {
   static auto& cached = core::counter("CachedPlan");
@@ -333,7 +333,7 @@ LAZYTENSOR_INLINE void run_plan(Device& device,
   kernels.add(ran);
 }
 
-LAZYTENSOR_INLINE void execute_now(Device& device, std::vector<NodePtr> nodes) {
+LAZYTENSOR_INLINE void execute_now(Device& device, NodeList nodes) {
   if (nodes.empty()) return;
   prepare(nodes);
   // One clock reading ends PlanTime and starts ExecuteTime.
@@ -383,14 +383,14 @@ LAZYTENSOR_INLINE void execute(Device& device, std::span<const NodePtr> roots) {
   execute_now(device, topological_order(roots));
 }
 
-LAZYTENSOR_INLINE std::vector<NodePtr> collect_step(Device& dev) {
+LAZYTENSOR_INLINE NodeList collect_step(Device& dev) {
   // This thread's scratch, kept from step to step: a step of a few statements allocates
   // only the vector it returns. (Its weak references are dropped before returning: they
   // would keep the nodes' memory.)
   thread_local std::vector<std::weak_ptr<Node>> trace;
   thread_local std::vector<std::uint8_t> needed;
   dev.take_trace(trace);
-  std::vector<NodePtr> alive;
+  NodeList alive;
   alive.reserve(trace.size());
   for (auto& w : trace)
     if (auto n = w.lock(); n && n->pending()) alive.push_back(std::move(n));
@@ -423,7 +423,7 @@ LAZYTENSOR_INLINE std::vector<NodePtr> collect_step(Device& dev) {
   return alive;
 }
 
-LAZYTENSOR_INLINE void run_plan_storing_error(Device& dev, const Plan& plan, std::vector<NodePtr>& nodes) {
+LAZYTENSOR_INLINE void run_plan_storing_error(Device& dev, const Plan& plan, NodeList& nodes) {
   try {
     run_plan(dev, plan, nodes);
   } catch (...) {
@@ -431,7 +431,7 @@ LAZYTENSOR_INLINE void run_plan_storing_error(Device& dev, const Plan& plan, std
   }
 }
 
-LAZYTENSOR_INLINE void run_step(Device& dev, std::vector<NodePtr> nodes, bool wait_previous) {
+LAZYTENSOR_INLINE void run_step(Device& dev, NodeList nodes, bool wait_previous) {
   if (nodes.empty()) return;
   // Every way out before the hand-off gives the nodes back to the trace (collect_step took
   // them): a step that cannot be planned or queued is not lost, and its collectives are

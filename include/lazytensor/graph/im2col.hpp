@@ -104,7 +104,7 @@ class Im2colNode final : public Node {
   std::uint64_t structural_hash() const override { return g_.hash(Node::structural_hash()); }
   /// Image by image (lazy::spmd splits the batch).
   std::optional<BlockRule> block_rule() const override { return leading_dims_rule(3, 1, 1); }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape, Device*) const override {
     return std::make_shared<Im2colNode>(std::move(inputs[0]), g_);
   }
 
@@ -143,7 +143,7 @@ class Col2imNode final : public Node {
   std::uint64_t structural_hash() const override { return g_.hash(Node::structural_hash()); }
   /// Image by image.
   std::optional<BlockRule> block_rule() const override { return leading_dims_rule(4, 1, 1); }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape shape, Device*) const override {
     return std::make_shared<Col2imNode>(std::move(inputs[0]), std::move(shape), g_);
   }
   double cost_per_element() const override {
@@ -183,7 +183,7 @@ class BlockBatchSum {
   virtual ~BlockBatchSum() = default;
   /// The same op over `inputs` (blocks of this node's inputs along dimension 0) on
   /// `device`, not submitted.
-  virtual NodePtr with_batch(std::vector<NodePtr> inputs, Device* device) const = 0;
+  virtual NodePtr with_batch(NodeList inputs, Device* device) const = 0;
 };
 
 /// The weight gradient of a convolution: dW [O, K] = sum over n of G[n] [O, L] x cols[n]^T,
@@ -204,7 +204,7 @@ class ConvWeightGradNode final : public Node, public BlockBatchSum {
       : Node(NodeKind::Gemm, dtype_of<T>(), Shape{g->shape()[1], cols->shape()[1]}, g->device(),
              {g, cols}) {}
   std::string op_name() const override { return "conv2d_weight_grad"; }
-  NodePtr with_batch(std::vector<NodePtr> inputs, Device*) const override {
+  NodePtr with_batch(NodeList inputs, Device*) const override {
     return std::make_shared<ConvWeightGradNode>(std::move(inputs[0]), std::move(inputs[1]));
   }
   double cost_per_element() const override {

@@ -41,7 +41,7 @@ class IndexSelectNode final : public Node {
     if (dim_ >= shape().rank()) return std::nullopt;  // a 0-d input: nothing to split
     return all_but_dim_rule(shape().rank(), dim_, 2);
   }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape shape, Device*) const override {
     return std::make_shared<IndexSelectNode>(std::move(inputs[0]), std::move(inputs[1]), dim_, std::move(shape));
   }
 
@@ -93,7 +93,7 @@ class GatherNode final : public Node {
   std::optional<BlockRule> block_rule() const override {
     return same_size_but_dim_rule(shape(), inputs()[0]->shape(), dim_);
   }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape, Device*) const override {
     return std::make_shared<GatherNode>(std::move(inputs[0]), std::move(inputs[1]), dim_);
   }
   double cost_per_element() const override { return 2; }
@@ -171,7 +171,7 @@ class OneHotNode final : public Node {
     for (int o = 0; o + 1 < rank; ++o) r.input_dim[0][static_cast<std::size_t>(o)] = o;
     return r;
   }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape shape, Device*) const override {
     return std::make_shared<OneHotNode>(std::move(inputs[0]), classes_, shape);
   }
 

@@ -10,9 +10,11 @@
 #include <string>
 #include <vector>
 
+#include <lazytensor/core/block_cache.hpp>
 #include <lazytensor/core/buffer.hpp>
 #include <lazytensor/core/dtype.hpp>
 #include <lazytensor/core/shape.hpp>
+#include <lazytensor/core/small_vector.hpp>
 #include <lazytensor/core/config.hpp>
 
 namespace lazy::graph {
@@ -20,6 +22,15 @@ namespace lazy::graph {
 class Device;
 class Node;
 using NodePtr = std::shared_ptr<Node>;
+/// A list of nodes (a node's inputs, a step's nodes), its storage from the thread's block
+/// cache (core/block_cache.hpp): every statement builds one and drops one, and malloc and
+/// free were ~200 instructions of a small statement.
+using NodeList = std::vector<NodePtr, core::BlockAllocator<NodePtr>>;
+
+namespace detail {
+/// Input pointers of a node's kernel, inline for a handful (no allocation per run).
+using InputPointers = core::SmallVector<const void*, 8>;
+}  // namespace detail
 
 /// What a node's kernel does, for the planner and for graph dumps.
 /// `Sharded`: the whole value of a tensor sharded over a mesh (lazy::spmd), whose pieces are
@@ -85,7 +96,7 @@ inline BlockRule leading_dims_rule(int rank, int lead, std::size_t inputs) {
 /// A value in the pending graph of one device.
 class Node {
  public:
-  Node(NodeKind kind, DType dtype, Shape shape, Device* device, std::vector<NodePtr> inputs = {});
+  Node(NodeKind kind, DType dtype, Shape shape, Device* device, NodeList inputs = {});
   /// (The runtime's: every node class's destructor, one per expression type, calls it
   /// rather than inlining the release of the inputs and the members.)
   virtual ~Node();
@@ -101,7 +112,7 @@ class Node {
   /// device's trace lock. A per-device count, not a process-wide atomic: that was a
   /// locked instruction per node.
   std::uint64_t id() const { return id_; }
-  const std::vector<NodePtr>& inputs() const { return inputs_; }
+  const NodeList& inputs() const { return inputs_; }
 
   /// Whether a tensor object holds this node as its value (graph::HandleNode counts
   /// them): mark_step computes the pending nodes that one does, and what they read.
@@ -146,7 +157,7 @@ class Node {
   virtual std::optional<BlockRule> block_rule() const { return std::nullopt; }
   /// The same kernel over `inputs` (blocks of this node's inputs as its block rule cuts
   /// them), producing `shape` on `device`, not yet submitted. Null without a block rule.
-  virtual std::shared_ptr<Node> with_inputs(std::vector<std::shared_ptr<Node>> inputs, Shape shape,
+  virtual std::shared_ptr<Node> with_inputs(NodeList inputs, Shape shape,
                                             Device* device) const {
     (void)inputs, (void)shape, (void)device;
     return nullptr;
@@ -192,13 +203,13 @@ class Node {
   /// Allocates this node's output from the device pool, or takes a donated input buffer.
   std::shared_ptr<Buffer> allocate_output(ExecContext& ctx, bool allow_donation = true);
 
-  std::vector<NodePtr>& mutable_inputs() { return inputs_; }
+  NodeList& mutable_inputs() { return inputs_; }
 
  private:
   /// Drops input references without recursion: a long pending chain (`a = a + 1` repeated
   /// 10^5 times, never computed) would otherwise be freed by nested destructor calls and
   /// overflow the stack. The outermost call drains a worklist; nested ones append to it.
-  static void release_chain(std::vector<NodePtr>& inputs) noexcept;
+  static void release_chain(NodeList& inputs) noexcept;
 
   friend class Device;  // numbers the node when it traces it
 
@@ -206,7 +217,7 @@ class Node {
   DType dtype_;
   Shape shape_;
   Device* device_;
-  std::vector<NodePtr> inputs_;
+  NodeList inputs_;
   std::shared_ptr<Buffer> buffer_;
   std::uint64_t id_ = 0;
   std::atomic<State> state_{State::Pending};
@@ -260,7 +271,7 @@ class DataNode final : public Node {
 /// The block rule of an op whose output dimension o reads dimension o - (rank - input rank)
 /// of each input (dimensions aligned right, NumPy broadcasting), a size-1 input dimension
 /// being read whole: element-wise kernels, conversions.
-BlockRule aligned_block_rule(const Shape& out, const std::vector<NodePtr>& inputs);
+BlockRule aligned_block_rule(const Shape& out, const NodeList& inputs);
 
 /// Combines hashes (boost::hash_combine's mixing).
 inline std::uint64_t hash_combine(std::uint64_t seed, std::uint64_t v) {
@@ -274,7 +285,7 @@ std::uint64_t hash_shape(const Shape& s);
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace lazy::graph {
 
-LAZYTENSOR_INLINE Node::Node(NodeKind kind, DType dtype, Shape shape, Device* device, std::vector<NodePtr> inputs)
+LAZYTENSOR_INLINE Node::Node(NodeKind kind, DType dtype, Shape shape, Device* device, NodeList inputs)
     : kind_(kind), dtype_(dtype), shape_(shape), device_(device), inputs_(std::move(inputs)) {}
 
 LAZYTENSOR_INLINE Node::~Node() { release_chain(inputs_); }
@@ -310,14 +321,14 @@ LAZYTENSOR_INLINE std::shared_ptr<Buffer> Node::take_buffer(const NodePtr& n, lo
   return std::move(n->buffer_);
 }
 
-LAZYTENSOR_INLINE void Node::release_chain(std::vector<NodePtr>& inputs) noexcept {
-  thread_local std::vector<NodePtr>* worklist = nullptr;
+LAZYTENSOR_INLINE void Node::release_chain(NodeList& inputs) noexcept {
+  thread_local NodeList* worklist = nullptr;
   if (worklist) {
     for (auto& p : inputs) worklist->push_back(std::move(p));
     inputs.clear();
     return;
   }
-  std::vector<NodePtr> work = std::move(inputs);
+  NodeList work = std::move(inputs);
   inputs.clear();
   worklist = &work;
   while (!work.empty()) {
@@ -333,7 +344,7 @@ LAZYTENSOR_INLINE DataNode::DataNode(DType dtype, Shape shape, Device* device, s
   set_buffer(std::move(buf));
 }
 
-LAZYTENSOR_INLINE BlockRule aligned_block_rule(const Shape& out, const std::vector<NodePtr>& inputs) {
+LAZYTENSOR_INLINE BlockRule aligned_block_rule(const Shape& out, const NodeList& inputs) {
   const int rank = out.rank();
   BlockRule r{std::vector<bool>(static_cast<std::size_t>(rank), true), {}};
   for (const auto& in : inputs) {

@@ -91,7 +91,7 @@ namespace detail {
 std::uint64_t next_plan_epoch();
 
 /// Numbers the nodes (plan_slot) for this planning pass.
-std::uint64_t number_nodes(const std::vector<NodePtr>& nodes);
+std::uint64_t number_nodes(const NodeList& nodes);
 
 inline std::int32_t plan_slot_of(const NodePtr& n, std::uint64_t epoch) {
   return n->plan_epoch == epoch ? n->plan_slot : -1;
@@ -112,7 +112,7 @@ inline Rendezvous* rendezvous(const NodePtr& n) {
 
 /// Writes into `sig` the signature (see the file comment) of `nodes`, numbered with
 /// `epoch`, and into `outside` whether something outside the step refers to each node.
-void plan_signature(const std::vector<NodePtr>& nodes, std::uint64_t epoch,
+void plan_signature(const NodeList& nodes, std::uint64_t epoch,
                     std::vector<std::uint8_t>& outside, std::vector<std::uint64_t>& sig);
 
 std::uint64_t fold_signature(const std::vector<std::uint64_t>& sig);
@@ -124,7 +124,7 @@ std::uint64_t fold_signature(const std::vector<std::uint64_t>& sig);
 /// So every consumer comes after its producers: a non-member reading a group closes the
 /// group first, and a member reading anything else reads a single step or a closed group
 /// emitted earlier.
-std::shared_ptr<Plan> build_plan(const std::vector<NodePtr>& nodes, std::uint64_t epoch,
+std::shared_ptr<Plan> build_plan(const NodeList& nodes, std::uint64_t epoch,
                                  const std::vector<std::uint8_t>& outside);
 
 }  // namespace detail
@@ -140,7 +140,7 @@ LAZYTENSOR_INLINE std::uint64_t next_plan_epoch() {
   return (++epoch << 8) ^ reinterpret_cast<std::uintptr_t>(&epoch);
 }
 
-LAZYTENSOR_INLINE std::uint64_t number_nodes(const std::vector<NodePtr>& nodes) {
+LAZYTENSOR_INLINE std::uint64_t number_nodes(const NodeList& nodes) {
   const std::uint64_t epoch = next_plan_epoch();
   for (std::size_t i = 0; i < nodes.size(); ++i) {
     nodes[i]->plan_slot = static_cast<std::int32_t>(i);
@@ -168,7 +168,7 @@ LAZYTENSOR_INLINE ChunkReduction* chunk_reduction(const NodePtr& n, std::int64_t
   return reads_chunk ? r : nullptr;
 }
 
-LAZYTENSOR_INLINE void plan_signature(const std::vector<NodePtr>& nodes,
+LAZYTENSOR_INLINE void plan_signature(const NodeList& nodes,
     std::uint64_t epoch,
     std::vector<std::uint8_t>& outside,
     std::vector<std::uint64_t>& sig) {
@@ -199,7 +199,7 @@ LAZYTENSOR_INLINE std::uint64_t fold_signature(const std::vector<std::uint64_t>&
   return h;
 }
 
-LAZYTENSOR_INLINE std::shared_ptr<Plan> build_plan(const std::vector<NodePtr>& nodes,
+LAZYTENSOR_INLINE std::shared_ptr<Plan> build_plan(const NodeList& nodes,
     std::uint64_t epoch,
     const std::vector<std::uint8_t>& outside) {
   auto plan = std::make_shared<Plan>();

@@ -102,7 +102,7 @@ void for_planes(ExecContext& ctx, std::int64_t planes, std::int64_t elements, do
 /// Base of the pooling kernels: the window geometry, the mode, and their hash.
 class PoolNode : public Node {
  public:
-  PoolNode(DType dtype, Shape shape, Device* device, std::vector<NodePtr> inputs, const Window2d& g,
+  PoolNode(DType dtype, Shape shape, Device* device, NodeList inputs, const Window2d& g,
            bool max, bool count_include_pad);
   LAZYTENSOR_INLINE std::uint64_t structural_hash() const override;
   LAZYTENSOR_INLINE std::string describe() const override;
@@ -128,7 +128,7 @@ class Pool2dNode final : public PoolNode {
   double cost_per_element() const override { return window_cost(); }
   /// Plane by plane: images and channels split alike (lazy::spmd).
   std::optional<BlockRule> block_rule() const override { return leading_dims_rule(4, 2, 1); }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape, Device*) const override {
     return std::make_shared<Pool2dNode>(std::move(inputs[0]), g_, max_, count_include_pad_);
   }
 
@@ -178,7 +178,7 @@ class Pool2dBackwardNode final : public PoolNode {
   Pool2dBackwardNode(NodePtr grad, NodePtr x, Shape image, const Window2d& g, bool max,
                      bool count_include_pad)
       : PoolNode(dtype_of<T>(), image, grad->device(),
-                 x ? std::vector<NodePtr>{grad, x} : std::vector<NodePtr>{grad}, g, max,
+                 x ? NodeList{grad, x} : NodeList{grad}, g, max,
                  count_include_pad) {}
   std::string op_name() const override {
     return max_ ? "max_pool2d_backward" : "avg_pool2d_backward";
@@ -187,7 +187,7 @@ class Pool2dBackwardNode final : public PoolNode {
   std::optional<BlockRule> block_rule() const override {
     return leading_dims_rule(4, 2, inputs().size());
   }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape shape, Device*) const override {
     NodePtr x = inputs.size() > 1 ? std::move(inputs[1]) : nullptr;
     return std::make_shared<Pool2dBackwardNode>(std::move(inputs[0]), std::move(x), std::move(shape), g_, max_,
                                                 count_include_pad_);
@@ -261,7 +261,7 @@ namespace lazy::graph {
 LAZYTENSOR_INLINE PoolNode::PoolNode(DType dtype,
   Shape shape,
   Device* device,
-  std::vector<NodePtr> inputs,
+  NodeList inputs,
   const Window2d& g,
   bool max,
   bool count_include_pad)

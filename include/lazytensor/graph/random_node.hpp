@@ -91,7 +91,7 @@ struct UniformDist {
   static constexpr int per_counter = std::is_same_v<T, double> ? 2 : 4;
   static constexpr double cost = 2;
   std::string params() const { return ""; }
-  void bind(const std::vector<NodePtr>&) {}
+  void bind(const NodeList&) {}
   void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t) const {
     for (int k = 0; k < cnt; ++k) {
       const int j = j0 + k;
@@ -117,7 +117,7 @@ struct NormalDist {
   static constexpr int per_counter = std::is_same_v<T, double> ? 2 : 4;
   static constexpr double cost = 6;
   std::string params() const { return ""; }
-  void bind(const std::vector<NodePtr>&) {}
+  void bind(const NodeList&) {}
   void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t) const {
     using S = std::conditional_t<std::is_same_v<T, double>, double, float>;
     using V = xsimd::batch<S>;
@@ -160,7 +160,7 @@ struct RandIntDist {
   std::string params() const {
     return "low=" + std::to_string(low) + ", high=" + std::to_string(static_cast<std::int64_t>(static_cast<std::uint64_t>(low) + range));
   }
-  void bind(const std::vector<NodePtr>&) {}
+  void bind(const NodeList&) {}
   void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t) const {
     for (int k = 0; k < cnt; ++k) {
       const int j = j0 + k;
@@ -179,7 +179,7 @@ struct BernoulliDist {
   static constexpr double cost = 2;
   double p;
   std::string params() const { return "p=" + std::to_string(p); }
-  void bind(const std::vector<NodePtr>&) {}
+  void bind(const NodeList&) {}
   void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t) const {
     // u = x / 2^32 in [0, 1): p = 0 never fires, p = 1 always does.
     for (int k = 0; k < cnt; ++k) out[k] = static_cast<T>(static_cast<double>(w[j0 + k]) * 0x1p-32 < p);
@@ -195,7 +195,7 @@ struct BernoulliTensorDist {
   static constexpr double cost = 3;
   const T* probs = nullptr;
   std::string params() const { return "p=%0"; }
-  void bind(const std::vector<NodePtr>& ins) { probs = ins[0]->template data<T>(); }
+  void bind(const NodeList& ins) { probs = ins[0]->template data<T>(); }
   void fill(const std::uint32_t* w, int j0, int cnt, T* out, std::int64_t i) const {
     for (int k = 0; k < cnt; ++k) {
       const double p = static_cast<double>(static_cast<compute_t<T>>(probs[i + k]));
@@ -215,7 +215,7 @@ template <Element T, class D>
 class RandomNode final : public Node {
  public:
   RandomNode(D dist, Shape shape, Device* device, std::uint64_t seed, std::uint64_t offset,
-             std::vector<NodePtr> inputs = {})
+             NodeList inputs = {})
       : Node(NodeKind::Random, dtype_of<T>(), shape, device, std::move(inputs)), dist_(dist), seed_(seed),
         offset_(offset) {}
 

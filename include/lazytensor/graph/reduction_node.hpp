@@ -103,12 +103,9 @@ S pairwise(S* v, std::size_t n) {
 template <class S>
 using Partials = core::SmallVector<S, 64>;
 
-/// Input pointers of a node's kernel (most kernels read a handful of inputs).
-using InputPointers = core::SmallVector<const void*, 8>;
-
 /// Per input, 1 when it is a single element broadcast over a child of `child_numel`
 /// elements (the kernel then reads that element for every index).
-core::SmallVector<char, 8> splat_flags(const std::vector<NodePtr>& inputs,
+core::SmallVector<char, 8> splat_flags(const NodeList& inputs,
                                               std::int64_t child_numel);
 
 /// Reduces [b, b + len) block by block in lane S, combining the blocks' results in A.
@@ -116,7 +113,7 @@ template <class R, class S, class A, class Ev>
 A reduce_range(const Ev& ev, std::int64_t b, std::int64_t len) {
   if (len <= kReduceBlock) return static_cast<A>(reduce_span<R, S>(ev, b, len));
   Partials<A> partial;
-  partial.resize(static_cast<std::size_t>((len + kReduceBlock - 1) / kReduceBlock));
+  partial.resize_for_overwrite(static_cast<std::size_t>((len + kReduceBlock - 1) / kReduceBlock));
   for (std::size_t j = 0; j < partial.size(); ++j) {
     const std::int64_t o = static_cast<std::int64_t>(j) * kReduceBlock;
     partial[j] = static_cast<A>(reduce_span<R, S>(ev, b + o, std::min(kReduceBlock, len - o)));
@@ -138,7 +135,7 @@ class BlockReduction {
   virtual const char* reduce_name() const = 0;
   /// The same kernel and scale over `inputs` (blocks of this node's inputs, of `child`
   /// shape or single elements), producing `out` on `device`, not yet submitted.
-  virtual NodePtr with_block(std::vector<NodePtr> inputs, Shape out, ReduceGeometry g, Shape child,
+  virtual NodePtr with_block(NodeList inputs, Shape out, ReduceGeometry g, Shape child,
                              Device* device) const = 0;
 };
 
@@ -328,7 +325,7 @@ class ReductionNode : public Node, public ChunkReduction, public BlockReduction 
   /// `kernel` is a member of the derived node: it is not touched here before that
   /// member is constructed.
   ReductionNode(const ReduceKernel& kernel, DType dtype, Shape out_shape, ReduceGeometry g, double scale,
-                Device* device, std::vector<NodePtr> inputs, Shape child_shape);
+                Device* device, NodeList inputs, Shape child_shape);
 
   LAZYTENSOR_INLINE void compute(ExecContext& ctx) override;
 
@@ -347,13 +344,13 @@ class ReductionNode : public Node, public ChunkReduction, public BlockReduction 
 template <class K, class R, class S, Element Tout>
 class ReductionNodeOf final : public ReductionNode {
  public:
-  ReductionNodeOf(K k, Shape out_shape, ReduceGeometry g, double scale, Device* device, std::vector<NodePtr> inputs,
+  ReductionNodeOf(K k, Shape out_shape, ReduceGeometry g, double scale, Device* device, NodeList inputs,
                   Shape child_shape)
       : ReductionNode(loops_, dtype_of<Tout>(), std::move(out_shape), g, scale, device, std::move(inputs),
                       std::move(child_shape)),
         loops_(std::move(k)) {}
 
-  NodePtr with_block(std::vector<NodePtr> inputs, Shape out, ReduceGeometry g, Shape child,
+  NodePtr with_block(NodeList inputs, Shape out, ReduceGeometry g, Shape child,
                      Device* device) const override {
     return std::make_shared<ReductionNodeOf>(loops_.expression(), std::move(out), g, scale(), device,
                                              std::move(inputs), std::move(child));
@@ -367,7 +364,7 @@ class ReductionNodeOf final : public ReductionNode {
 /// into Tout (not yet submitted).
 template <class R, class S, Element Tout, class K>
 NodePtr reduction_node(K k, Shape out_shape, ReduceGeometry g, double scale, Device* device,
-                       std::vector<NodePtr> inputs, Shape child_shape) {
+                       NodeList inputs, Shape child_shape) {
   return core::make_cached<ReductionNodeOf<K, R, S, Tout>>(std::move(k), std::move(out_shape), g, scale, device,
                                                             std::move(inputs), std::move(child_shape));
 }
@@ -377,7 +374,7 @@ template <class K, class S, bool IsMax>
 class ArgReductionNode final : public Node, public BlockReduction {
  public:
   ArgReductionNode(K kernel, Shape out_shape, ReduceGeometry g, Device* device,
-                   std::vector<NodePtr> inputs, Shape child_shape)
+                   NodeList inputs, Shape child_shape)
       : Node(NodeKind::Reduction, DType::Int64, out_shape, device, std::move(inputs)),
         kernel_(std::move(kernel)),
         g_(g),
@@ -389,7 +386,7 @@ class ArgReductionNode final : public Node, public BlockReduction {
   const Shape& child_shape() const override { return child_shape_; }
   ReduceGeometry geometry() const override { return g_; }
   const char* reduce_name() const override { return IsMax ? "argmax" : "argmin"; }
-  NodePtr with_block(std::vector<NodePtr> inputs, Shape out, ReduceGeometry g, Shape child,
+  NodePtr with_block(NodeList inputs, Shape out, ReduceGeometry g, Shape child,
                      Device* device) const override {
     return std::make_shared<ArgReductionNode>(kernel_, out, g, device, std::move(inputs), std::move(child));
   }
@@ -398,7 +395,7 @@ class ArgReductionNode final : public Node, public BlockReduction {
   void compute(ExecContext& ctx) override {
     const auto& ins = inputs();
     detail::InputPointers ptrs;
-    ptrs.resize(ins.size());
+    ptrs.resize_for_overwrite(ins.size());
     for (std::size_t i = 0; i < ins.size(); ++i) ptrs[i] = ins[i]->buffer()->data();
     auto buf = allocate_output(ctx, false);
     auto* out = static_cast<std::int64_t*>(buf->data());
@@ -440,10 +437,10 @@ class ArgReductionNode final : public Node, public BlockReduction {
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace lazy::graph::detail {
 
-LAZYTENSOR_INLINE core::SmallVector<char, 8> splat_flags(const std::vector<NodePtr>& inputs,
+LAZYTENSOR_INLINE core::SmallVector<char, 8> splat_flags(const NodeList& inputs,
     std::int64_t child_numel) {
   core::SmallVector<char, 8> flags;
-  flags.resize(inputs.size());
+  flags.resize_for_overwrite(inputs.size());
   for (std::size_t i = 0; i < inputs.size(); ++i)
     flags[i] = inputs[i]->numel() == 1 && child_numel != 1 ? 1 : 0;
   return flags;
@@ -455,7 +452,7 @@ namespace lazy::graph {
 
 LAZYTENSOR_INLINE ReductionNode::ReductionNode(const ReduceKernel& kernel, DType dtype, Shape out_shape,
                                                ReduceGeometry g, double scale, Device* device,
-                                               std::vector<NodePtr> inputs, Shape child_shape)
+                                               NodeList inputs, Shape child_shape)
     : Node(NodeKind::Reduction, dtype, std::move(out_shape), device, std::move(inputs)),
       kernel_(kernel),
       g_(g),
@@ -490,7 +487,7 @@ LAZYTENSOR_INLINE void ReductionNode::finish_partials(ExecContext& ctx, void* pa
 LAZYTENSOR_INLINE void ReductionNode::compute(ExecContext& ctx) {
   const auto& ins = inputs();
   detail::InputPointers ptrs;
-  ptrs.resize(ins.size());
+  ptrs.resize_for_overwrite(ins.size());
   for (std::size_t i = 0; i < ins.size(); ++i) ptrs[i] = ins[i]->buffer()->data();
   auto buf = allocate_output(ctx, false);
   void* out = buf->data();
@@ -508,7 +505,7 @@ LAZYTENSOR_INLINE void ReductionNode::compute(ExecContext& ctx) {
     // of floats needs no heap).
     core::SmallVector<std::max_align_t, 64> partial;
     const std::size_t bytes = static_cast<std::size_t>(blocks) * k.partial_bytes();
-    partial.resize((bytes + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t));
+    partial.resize_for_overwrite((bytes + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t));
     const std::int64_t tasks = std::min(blocks, task_count(pool, total, cost));
     pool.parallel_for(tasks, [&](std::int64_t t) {
       auto [b0, b1] = task_range(blocks, tasks, t);

@@ -137,7 +137,7 @@ class ScanNode final : public Node {
     return hash_combine(hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_)), reverse_ ? 1u : 0u);
   }
   std::optional<BlockRule> block_rule() const override { return detail::scans::block_rule(shape(), dim_, 1); }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape, Device*) const override {
     return std::make_shared<ScanNode>(std::move(inputs[0]), dim_, reverse_);
   }
   double cost_per_element() const override { return Op == ScanOp::Prod && is_integral_v<Out> ? 3 : 1.5; }
@@ -222,7 +222,7 @@ class CumExtremeNode final : public Node {
     return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
   }
   std::optional<BlockRule> block_rule() const override { return detail::scans::block_rule(shape(), dim_, 1); }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape, Device*) const override {
     return std::make_shared<CumExtremeNode>(std::move(inputs[0]), dim_);
   }
   double cost_per_element() const override { return 2; }
@@ -303,7 +303,7 @@ class CumprodBackwardNode final : public Node {
     return hash_combine(Node::structural_hash(), static_cast<std::uint64_t>(dim_));
   }
   std::optional<BlockRule> block_rule() const override { return detail::scans::block_rule(shape(), dim_, 2); }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape, Device*) const override {
     return std::make_shared<CumprodBackwardNode>(std::move(inputs[0]), std::move(inputs[1]), dim_);
   }
   double cost_per_element() const override { return 4; }

@@ -88,7 +88,7 @@ class ScatterNode final : public Node {
     }
     return r;
   }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape, Device*) const override {
     return std::make_shared<ScatterNode>(std::move(inputs[0]), std::move(inputs[1]),
                                          std::move(inputs[2]), dim_, mode_, include_self_);
   }

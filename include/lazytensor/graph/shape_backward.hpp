@@ -35,7 +35,7 @@ class SliceBackwardNode final : public Node {
     if (dim_ >= shape().rank()) return std::nullopt;
     return all_but_dim_rule(shape().rank(), dim_, 1);
   }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape shape, Device*) const override {
     return std::make_shared<SliceBackwardNode>(std::move(inputs[0]), std::move(shape), dim_, start_, step_);
   }
 
@@ -89,7 +89,7 @@ class IndexAddNode final : public Node {
     if (dim_ >= shape().rank()) return std::nullopt;
     return all_but_dim_rule(shape().rank(), dim_, 2);
   }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape shape, Device*) const override {
     return std::make_shared<IndexAddNode>(std::move(inputs[0]), std::move(inputs[1]), std::move(shape), dim_, op_);
   }
 
@@ -223,7 +223,7 @@ class ScatterAddNode final : public Node {
   std::optional<BlockRule> block_rule() const override {
     return same_size_but_dim_rule(shape(), inputs()[1]->shape(), dim_);
   }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape shape, Device*) const override {
     return std::make_shared<ScatterAddNode>(std::move(inputs[0]), std::move(inputs[1]), std::move(shape), dim_);
   }
 

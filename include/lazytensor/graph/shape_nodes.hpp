@@ -80,7 +80,7 @@ class PermuteNode : public Node {
 
   /// Every output dimension splits, reading the input dimension it moves.
   LAZYTENSOR_INLINE std::optional<BlockRule> block_rule() const override;
-  LAZYTENSOR_INLINE NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device* device) const override;
+  LAZYTENSOR_INLINE NodePtr with_inputs(NodeList inputs, Shape shape, Device* device) const override;
 
  protected:
   LAZYTENSOR_INLINE void compute(ExecContext& ctx) override;
@@ -178,7 +178,7 @@ class TransposeNode final : public PermuteNode, public TransposeOfLastTwo {
   /// The node whose last two dims this value swaps (null once this node has run: a
   /// computed node keeps no inputs).
   const NodePtr& transpose_source() const override { return inputs().empty() ? none_ : inputs()[0]; }
-  LAZYTENSOR_INLINE NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device* device) const override;
+  LAZYTENSOR_INLINE NodePtr with_inputs(NodeList inputs, Shape shape, Device* device) const override;
 
   /// The identity permutation with the last two entries swapped.
   static std::vector<int> last_two(int rank);
@@ -201,7 +201,7 @@ class SliceNode final : public Node {
     if (dim_ >= shape().rank()) return std::nullopt;
     return all_but_dim_rule(shape().rank(), dim_, 1);
   }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape shape, Device*) const override {
     return std::make_shared<SliceNode>(op_, std::move(inputs[0]), dim_, start_, step_, std::move(shape));
   }
 
@@ -219,14 +219,14 @@ class SliceNode final : public Node {
 /// they compute outer and the widths.
 class CatNode final : public Node {
  public:
-  CatNode(std::string op, DType dtype, std::vector<NodePtr> ins, Shape out, Device* dev, std::int64_t outer,
+  CatNode(std::string op, DType dtype, NodeList ins, Shape out, Device* dev, std::int64_t outer,
           std::vector<std::int64_t> widths);
 
   std::string op_name() const override { return op_; }
   LAZYTENSOR_INLINE std::uint64_t structural_hash() const override;
   /// Blocks along the dimensions before the joined one (whole rows of every input).
   LAZYTENSOR_INLINE std::optional<BlockRule> block_rule() const override;
-  LAZYTENSOR_INLINE NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device* device) const override;
+  LAZYTENSOR_INLINE NodePtr with_inputs(NodeList inputs, Shape shape, Device* device) const override;
 
  protected:
   LAZYTENSOR_INLINE void compute(ExecContext& ctx) override;
@@ -329,12 +329,12 @@ LAZYTENSOR_INLINE std::optional<BlockRule> PermuteNode::block_rule() const {
   return r;
 }
 
-LAZYTENSOR_INLINE NodePtr PermuteNode::with_inputs(std::vector<NodePtr> inputs, Shape, Device* device) const {
+LAZYTENSOR_INLINE NodePtr PermuteNode::with_inputs(NodeList inputs, Shape, Device* device) const {
   (void)device;  // the input's device: a piece and its permute live on the same device
   return std::make_shared<PermuteNode>(std::move(inputs[0]), perm_, op_);
 }
 
-LAZYTENSOR_INLINE NodePtr TransposeNode::with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const {
+LAZYTENSOR_INLINE NodePtr TransposeNode::with_inputs(NodeList inputs, Shape, Device*) const {
   return std::make_shared<TransposeNode>(std::move(inputs[0]));
 }
 
@@ -386,7 +386,7 @@ LAZYTENSOR_INLINE void SliceNode::compute(ExecContext& ctx) {
 
 LAZYTENSOR_INLINE CatNode::CatNode(std::string op,
   DType dtype,
-  std::vector<NodePtr> ins,
+  NodeList ins,
   Shape out,
   Device* dev,
   std::int64_t outer,
@@ -417,7 +417,7 @@ LAZYTENSOR_INLINE std::optional<BlockRule> CatNode::block_rule() const {
   return r;
 }
 
-LAZYTENSOR_INLINE NodePtr CatNode::with_inputs(std::vector<NodePtr> inputs, Shape shape, Device* device) const {
+LAZYTENSOR_INLINE NodePtr CatNode::with_inputs(NodeList inputs, Shape shape, Device* device) const {
   std::int64_t outer = 1;
   for (int o = 0; o < row_dims(); ++o) outer *= shape[o];
   return std::make_shared<CatNode>(op_, dtype(), std::move(inputs), std::move(shape), device, outer, widths_);

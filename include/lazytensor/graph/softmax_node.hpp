@@ -36,7 +36,7 @@ class SoftmaxNode final : public Node {
     r.input_dim[0][static_cast<std::size_t>(dim_)] = -1;
     return r;
   }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape shape, Device*) const override {
     std::int64_t outer = 1, inner = 1;
     for (int d = 0; d < dim_; ++d) outer *= shape[d];
     for (int d = dim_ + 1; d < shape.rank(); ++d) inner *= shape[d];

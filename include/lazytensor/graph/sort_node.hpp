@@ -140,7 +140,7 @@ class SortIndicesNode final : public Node {
     if (shape().rank() == 0) return std::nullopt;
     return all_but_dim_rule(shape().rank(), dim_, 1);
   }
-  NodePtr with_inputs(std::vector<NodePtr> inputs, Shape, Device*) const override {
+  NodePtr with_inputs(NodeList inputs, Shape, Device*) const override {
     return std::make_shared<SortIndicesNode>(inputs[0], dim_, k_, descending_, op_);
   }
 

@@ -15,7 +15,7 @@ namespace lazy::graph {
 
 /// The device shared by `inputs`; throws DeviceError when they differ. With no inputs,
 /// the current device.
-Device& common_device(const std::vector<NodePtr>& inputs, const char* op);
+Device& common_device(const NodeList& inputs, const char* op);
 
 /// Rewrites a node that reads a sharded value (NodeKind::Sharded) into per-device pieces.
 /// lazy::spmd installs it (use_spmd); without it no node can read a sharded value.
@@ -71,7 +71,7 @@ bool materialize(const NodePtr& node);
 #if LAZYTENSOR_HEADER_DEFINITIONS
 namespace lazy::graph {
 
-LAZYTENSOR_INLINE Device& common_device(const std::vector<NodePtr>& inputs, const char* op) {
+LAZYTENSOR_INLINE Device& common_device(const NodeList& inputs, const char* op) {
   Device* d = inputs.empty() ? &current_device() : inputs.front()->device();
   for (const auto& in : inputs) {
     if (in->device() != d) {

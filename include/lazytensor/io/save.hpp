@@ -86,7 +86,7 @@ void save(const StateDict& sd, const std::string& path, const SaveOptions& optio
 namespace detail {
 
 LAZYTENSOR_INLINE void materialize_all(const StateDict& sd) {
-  std::vector<std::pair<graph::Device*, std::vector<graph::NodePtr>>> pending;
+  std::vector<std::pair<graph::Device*, graph::NodeList>> pending;
   for (const auto& [name, t] : sd) {
     if (!t.defined() || t.impl()->node->materialized()) continue;
     const graph::NodePtr& node = t.impl()->node;

@@ -93,7 +93,7 @@ Tensor<F> cross_entropy(const Tensor<F>& input, const Tensor<I>& target, CrossEn
                                         : r == Reduction::Mean ? Tensor<F>(reshape(g, Shape{1, 1}) / static_cast<F>(n))
                                                                : reshape(g, Shape{1, 1});
                      Tensor<F> dx = (exp(logp) - (cast<F>(one_hot(target, c)) * (1 - eps) + eps / static_cast<F>(c))) * gi;
-                     return std::vector<graph::NodePtr>{dx.node()};
+                     return graph::NodeList{dx.node()};
                    });
   return loss;
 }

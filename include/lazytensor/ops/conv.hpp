@@ -39,7 +39,7 @@ Tensor<T> im2col(const Tensor<T>& x, const graph::Window2d& g) {
   Tensor<T> cols(graph::submit(std::make_shared<graph::Im2colNode<T>>(x.node(), g)));
   autograd::record(cols, "Im2ColBackward0", {autograd::edge_of(x.impl())},
                    [g, image = x.shape()](const Tensor<T>& gc) {
-                     return std::vector<graph::NodePtr>{graph::submit(
+                     return graph::NodeList{graph::submit(
                          std::make_shared<graph::Col2imNode<T>>(gc.node(), image, g))};
                    });
   return cols;
@@ -51,7 +51,7 @@ Tensor<T> col2im(const Tensor<T>& cols, const Shape& image, const graph::Window2
   Tensor<T> x(graph::submit(std::make_shared<graph::Col2imNode<T>>(cols.node(), image, g)));
   autograd::record(x, "Col2ImBackward0", {autograd::edge_of(cols.impl())},
                    [g](const Tensor<T>& gx) {
-                     return std::vector<graph::NodePtr>{
+                     return graph::NodeList{
                          graph::submit(std::make_shared<graph::Im2colNode<T>>(gx.node(), g))};
                    });
   return x;
@@ -67,7 +67,7 @@ void record_conv_gemm(Tensor<T>& y, const Tensor<T>& w, const Tensor<T>& cols) {
       [w = w.detach(), cols = cols.detach(), need_w = ew != nullptr,
        need_c = ec != nullptr](const Tensor<T>& g) {
         const std::int64_t N = cols.size(0), K = cols.size(1), L = cols.size(2), O = w.size(0);
-        std::vector<graph::NodePtr> grads(2);
+        graph::NodeList grads(2);
         if (need_w) {
           grads[0] =
               graph::submit(std::make_shared<graph::ConvWeightGradNode<T>>(g.node(), cols.node()));
@@ -106,7 +106,7 @@ Tensor<T> conv2d_impl(const Tensor<T>& x, const Tensor<T>& weight, const Tensor<
   }
   const graph::Window2d g =
       window_over("conv2d", xs, Size2(ws[2], ws[3]), stride, padding, dilation);
-  std::vector<graph::NodePtr> nodes{x.node(), weight.node()};
+  graph::NodeList nodes{x.node(), weight.node()};
   if (bias.defined()) nodes.push_back(bias.node());
   graph::common_device(nodes, "conv2d");
 
@@ -124,7 +124,7 @@ Tensor<T> conv2d_impl(const Tensor<T>& x, const Tensor<T>& weight, const Tensor<
     }
     autograd::record(y, "ConvolutionBackward0", std::move(edges),
                      [shapes, dev = x.device()](const Tensor<T>&) {
-                       std::vector<graph::NodePtr> grads;
+                       graph::NodeList grads;
                        for (const auto& s : shapes) grads.push_back(zeros<T>(s, dev).node());
                        return grads;
                      });

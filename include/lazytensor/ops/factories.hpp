@@ -30,9 +30,9 @@ template <Element T, expr::Number V>
 Tensor<T> full(const Shape& shape, V value, Device dev = device()) {
   using E = Expr<ops::Identity, expr::Scalar<T>>;
   E e(expr::Scalar<T>{detail::checked_scalar<T>(value, "full")});
-  std::vector<graph::NodePtr> none;
+  graph::NodeList none;
   return Tensor<T>(graph::submit(
-      graph::elementwise_node<T>(expr::to_kernel(e, none), shape, &dev.engine(), std::vector<graph::NodePtr>{})));
+      graph::elementwise_node<T>(expr::to_kernel(e, none), shape, &dev.engine(), graph::NodeList{})));
 }
 
 /// Zeros of `shape`.

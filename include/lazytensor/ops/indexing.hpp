@@ -28,7 +28,7 @@ template <Element T, IndexElement I>
 void record_gathered(Tensor<T>& r, const char* name, const Tensor<T>& x, int d, const Tensor<I>& index) {
   if constexpr (is_floating_v<T>) {
     autograd::record(r, name, {autograd::edge_of(x.impl())}, [in = x.shape(), d, idx = index.detach()](const Tensor<T>& g) {
-      return std::vector<graph::NodePtr>{
+      return graph::NodeList{
           graph::submit(std::make_shared<graph::ScatterAddNode<T, I>>(g.node(), idx.node(), in, d))};
     });
   }
@@ -65,7 +65,7 @@ auto index_select(const X& x, std::int64_t dim, const Tensor<I>& index) {
   if constexpr (is_floating_v<T>) {
     autograd::record(r, "IndexSelectBackward0", {autograd::edge_of(t.impl())},
                      [in = s, d, idx = index.detach()](const Tensor<T>& g) {
-                       return std::vector<graph::NodePtr>{
+                       return graph::NodeList{
                            graph::submit(std::make_shared<graph::IndexAddNode<T, I>>(g.node(), idx.node(), in, d))};
                      });
   }

@@ -66,7 +66,7 @@ void record_gemm(Tensor<T>& c, const Tensor<T>& a, const Tensor<T>& b, std::int6
                     need_a = ea != nullptr, need_b = eb != nullptr,
                     b_transposed, bf16](const Tensor<T>& g) {
                      const std::int64_t B = std::max(batch_a, batch_b);
-                     std::vector<graph::NodePtr> grads(2);
+                     graph::NodeList grads(2);
                      if (need_a) {
                        // dA[b] = dC[b] B[b]^T: [B*m, n] x [n, k] stacked when B is shared.
                        Tensor<T> da = batch_b == 1 ? gemm(g, transpose(reshape(b, Shape{k, n}), 0, 1), 1, 1, B * m, n, k, Shape{B, m, k}, bf16)
@@ -230,7 +230,7 @@ LAZYTENSOR_INLINE Tensor<float> round_to_bf16(const Tensor<float>& x) {
       autograd::record(
           y, "RoundToBFloat16Backward", {edge},
           [](const Tensor<float>& g) {
-            return std::vector<graph::NodePtr>{
+            return graph::NodeList{
                 graph::submit(std::make_shared<graph::RoundToBFloat16Node>(g.node()))};
           },
           autograd::Saves::nothing);

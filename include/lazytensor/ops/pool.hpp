@@ -58,7 +58,7 @@ Tensor<T> pool2d(const Tensor<T>& x, const graph::Window2d& g, bool max, bool co
       {autograd::edge_of(x.impl())},
       [x = max ? x.detach() : Tensor<T>(), image = x.shape(), g, max,
        count_include_pad](const Tensor<T>& gy) {
-        return std::vector<graph::NodePtr>{
+        return graph::NodeList{
             graph::submit(std::make_shared<graph::Pool2dBackwardNode<T>>(
                 gy.node(), max ? x.node() : nullptr, image, g, max, count_include_pad))};
       },

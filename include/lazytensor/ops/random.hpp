@@ -34,7 +34,7 @@ namespace detail {
 
 /// Reserves the counters of `n` elements from the device stream and builds the node.
 template <Element T, class D>
-Tensor<T> make_random(D dist, const Shape& shape, const Device& dev, std::vector<graph::NodePtr> inputs = {}) {
+Tensor<T> make_random(D dist, const Shape& shape, const Device& dev, graph::NodeList inputs = {}) {
   graph::Device& eng = dev.engine();
   auto& rng = eng.rng();
   const auto blocks = static_cast<std::uint64_t>((shape.numel() + D::per_counter - 1) / D::per_counter);
@@ -148,12 +148,12 @@ auto bernoulli(const X& probs) {
 // Per-dtype templates the compiled runtime instantiates once (core/config.hpp).
 #define LAZYTENSOR_RANDOM_INSTANCES(P, T)                                                                   \
   P template lazy::Tensor<T> lazy::detail::make_random<T, lazy::graph::detail::UniformDist<T>>(              \
-      lazy::graph::detail::UniformDist<T>, const lazy::Shape&, const lazy::Device&, std::vector<lazy::graph::NodePtr>); \
+      lazy::graph::detail::UniformDist<T>, const lazy::Shape&, const lazy::Device&, lazy::graph::NodeList); \
   P template lazy::Tensor<T> lazy::detail::make_random<T, lazy::graph::detail::NormalDist<T>>(               \
-      lazy::graph::detail::NormalDist<T>, const lazy::Shape&, const lazy::Device&, std::vector<lazy::graph::NodePtr>);
+      lazy::graph::detail::NormalDist<T>, const lazy::Shape&, const lazy::Device&, lazy::graph::NodeList);
 #define LAZYTENSOR_RANDINT_INSTANCES(P, T)                                                                  \
   P template lazy::Tensor<T> lazy::detail::make_random<T, lazy::graph::detail::RandIntDist<T>>(              \
-      lazy::graph::detail::RandIntDist<T>, const lazy::Shape&, const lazy::Device&, std::vector<lazy::graph::NodePtr>);
+      lazy::graph::detail::RandIntDist<T>, const lazy::Shape&, const lazy::Device&, lazy::graph::NodeList);
 #if LAZYTENSOR_EXPLICIT_INSTANTIATION
 LAZYTENSOR_FOR_FLOATING(LAZYTENSOR_RANDOM_INSTANCES, extern)
 LAZYTENSOR_RANDINT_INSTANCES(extern, std::int32_t)

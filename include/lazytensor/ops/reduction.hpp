@@ -63,7 +63,7 @@ graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims,
 template <class X>
 Tensor<expr::value_t<X>> written_operand(const X& x) {
   using V = expr::value_t<X>;
-  std::vector<graph::NodePtr> inputs;
+  graph::NodeList inputs;
   inputs.reserve(expr::leaf_count_v<X>);
   auto k = expr::to_kernel(x, inputs);
   graph::Device& dev = graph::common_device(inputs, X::op_type::name);
@@ -111,7 +111,7 @@ graph::NodePtr reduction_node(const X& x, const std::vector<std::int64_t>& dims,
       return reduction_node<R, Tout>(written_operand(x), dims, keepdim, scale_kind, op);
     }
   }
-  std::vector<graph::NodePtr> inputs;
+  graph::NodeList inputs;
   inputs.reserve(expr::leaf_count_v<decltype(expr::operand(x))>);
   auto k = expr::operand_to_kernel(x, inputs, consume);
   using K = decltype(k);
@@ -156,7 +156,7 @@ void record_sum_backward(Tensor<T>& r, std::shared_ptr<autograd::GradFn> e, cons
       r, mean ? "MeanBackward0" : "SumBackward0", {std::move(e)},
       [in, keep, scale](const Tensor<T>& g) {
         Tensor<T> gk = reshape(g, keep);
-        return std::vector<graph::NodePtr>{(scale == 1.0 ? evaluate_as<V>(cast<V>(gk), in)
+        return graph::NodeList{(scale == 1.0 ? evaluate_as<V>(cast<V>(gk), in)
                                                          : evaluate_as<V>(cast<V>(gk * scale), in))
                                                .node()};
       },
@@ -201,7 +201,7 @@ void record_extreme(Tensor<T>& r, const X& x, const std::vector<std::int64_t>& d
     autograd::record(r, name, {e}, [x = autograd::saved(x), in, keep, dims, y = r.detach()](const Tensor<T>& g) {
       Tensor<T> hit = cast<T>(x == reshape(y, keep));
       Tensor<T> count = sum(hit, dims, true);
-      return std::vector<graph::NodePtr>{evaluate_as<T>(hit * (reshape(g, keep) / count), in).node()};
+      return graph::NodeList{evaluate_as<T>(hit * (reshape(g, keep) / count), in).node()};
     });
   }
 }
@@ -223,7 +223,7 @@ void record_extreme_at(Tensor<T>& r, const X& x, std::int64_t dim, const char* n
     if (in.rank() == 0) {  // one element: all of the gradient
       autograd::record(
           r, name, {e},
-          [in](const Tensor<T>& g) { return std::vector<graph::NodePtr>{reshape(g, in).node()}; },
+          [in](const Tensor<T>& g) { return graph::NodeList{reshape(g, in).node()}; },
           autograd::Saves::nothing);
       return;
     }
@@ -234,7 +234,7 @@ void record_extreme_at(Tensor<T>& r, const X& x, std::int64_t dim, const char* n
       const Tensor<std::int64_t> pos =
           reshape(arange<std::int64_t>(0, static_cast<double>(in[d])), line);
       const Tensor<std::int64_t> at = arg_reduce<IsMax>(x, d, true, IsMax ? "max" : "min");
-      return std::vector<graph::NodePtr>{
+      return graph::NodeList{
           evaluate_as<T>(cast<T>(pos == at) * reshape(g, keep), in).node()};
     });
   }
@@ -277,7 +277,7 @@ auto prod(const X& x, const Dims& dims = {}, bool keepdim = false) {
         Tensor<T> zeros = sum(cast<T>(v == 0), dims, true);
         Tensor<T> others = detail::reduce<ops::reduce::Prod>(where(v == 0, 1, v), dims, true, "prod");
         Tensor<T> gk = reshape(g, keep);
-        return std::vector<graph::NodePtr>{
+        return graph::NodeList{
             evaluate_as<T>(gk * where(zeros == 0, others / v, where((zeros == 1) & (v == 0), others, 0)), in).node()};
       });
     }
@@ -379,7 +379,7 @@ Tensor<std::int64_t> arg_reduce(const X& x, std::optional<std::int64_t> dim, boo
   if constexpr (expr::is_expr_node<X>::value) {
     if (!flat_operand(x, s)) return arg_reduce<IsMax>(written_operand(x), dim, keepdim, op);
   }
-  std::vector<graph::NodePtr> inputs;
+  graph::NodeList inputs;
   inputs.reserve(expr::leaf_count_v<decltype(expr::operand(x))>);
   auto k = expr::operand_to_kernel(x, inputs);
   using K = decltype(k);

@@ -58,7 +58,7 @@ auto scan_impl(const X& x, std::int64_t dim, const char* op) {
       autograd::record(
           r, "CumsumBackward0", {autograd::edge_of(t.impl())},
           [d](const Tensor<R>& g) {
-            return std::vector<graph::NodePtr>{
+            return graph::NodeList{
                 graph::submit(std::make_shared<graph::ScanNode<R, R, graph::ScanOp::Sum>>(g.node(), d, true))};
           },
           autograd::Saves::nothing);
@@ -66,7 +66,7 @@ auto scan_impl(const X& x, std::int64_t dim, const char* op) {
       // Dividing out by x(i) would give 0/0 at zeros: CumprodBackwardNode multiplies only.
       autograd::record(r, "CumprodBackward0", {autograd::edge_of(t.impl())},
                        [d, xs = t.detach()](const Tensor<R>& g) {
-                         return std::vector<graph::NodePtr>{graph::submit(
+                         return graph::NodeList{graph::submit(
                              std::make_shared<graph::CumprodBackwardNode<R>>(xs.node(), g.node(), d))};
                        });
     }

@@ -97,7 +97,7 @@ inline graph::ScatterMode scatter_reduce_mode(std::string_view reduce, const cha
 /// The gradients of a scatter (any mode) given the output gradient g, in the order
 /// {self, src}; src is already cut to index's shape. `out` is the forward's value.
 template <Element T, IndexElement I>
-std::vector<graph::NodePtr> scatter_backward(const Tensor<T>& g, int dim, const Tensor<I>& index,
+graph::NodeList scatter_backward(const Tensor<T>& g, int dim, const Tensor<I>& index,
                                              const Tensor<T>& self, const Tensor<T>& src,
                                              const Tensor<T>& out, graph::ScatterMode mode,
                                              bool include_self) {

@@ -46,7 +46,7 @@ Tensor<T> fresh_handle(const Tensor<T>& t) {
   Tensor<T> r(t.node());
   autograd::record(
       r, "AliasBackward0", {autograd::edge_of(t.impl())},
-      [](const Tensor<T>& g) { return std::vector<graph::NodePtr>{g.node()}; },
+      [](const Tensor<T>& g) { return graph::NodeList{g.node()}; },
       autograd::Saves::nothing);
   return r;
 }
@@ -63,7 +63,7 @@ Tensor<T> view_of(const Tensor<T>& t, const Shape& shape, const char* op) {
   autograd::record(
       r, "ViewBackward0", {autograd::edge_of(t.impl())},
       [in = t.shape()](const Tensor<T>& g) {
-        return std::vector<graph::NodePtr>{view_of(g, in, "view").node()};
+        return graph::NodeList{view_of(g, in, "view").node()};
       },
       autograd::Saves::nothing);
   return r;
@@ -104,7 +104,7 @@ Tensor<T> permute_impl(const Tensor<T>& t, std::vector<int> perm, const char* op
   autograd::record(
       r, "PermuteBackward0", {autograd::edge_of(t.impl())},
       [inverse](const Tensor<T>& g) {
-        return std::vector<graph::NodePtr>{permute_impl(g, inverse, "permute").node()};
+        return graph::NodeList{permute_impl(g, inverse, "permute").node()};
       },
       autograd::Saves::nothing);
   return r;
@@ -162,7 +162,7 @@ void record_slice(Tensor<T>& r, const Tensor<T>& t, int d, std::int64_t start, s
     autograd::record(
         r, "SliceBackward0", {autograd::edge_of(t.impl())},
         [in = t.shape(), d, start, step](const Tensor<T>& g) {
-          return std::vector<graph::NodePtr>{graph::submit(
+          return graph::NodeList{graph::submit(
               std::make_shared<graph::SliceBackwardNode<T>>(g.node(), in, d, start, step))};
         },
         autograd::Saves::nothing);
@@ -179,8 +179,8 @@ std::vector<autograd::GradFnPtr> edges_of(const std::vector<Tensor<T>>& ts) {
 }
 
 template <Element T>
-std::vector<graph::NodePtr> nodes_of(const std::vector<Tensor<T>>& ts) {
-  std::vector<graph::NodePtr> v;
+graph::NodeList nodes_of(const std::vector<Tensor<T>>& ts) {
+  graph::NodeList v;
   v.reserve(ts.size());
   for (const auto& t : ts) v.push_back(t.node());
   return v;

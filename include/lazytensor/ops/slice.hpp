@@ -132,7 +132,7 @@ Tensor<T> cat(const std::vector<Tensor<T>>& tensors, std::int64_t dim = 0) {
   autograd::record(
       result, "CatBackward0", detail::edges_of(ts),
       [sizes, d](const Tensor<T>& g) {
-        std::vector<graph::NodePtr> gs;
+        graph::NodeList gs;
         std::int64_t off = 0;
         for (auto len : sizes) {
           gs.push_back(narrow(g, d, off, len).node());
@@ -182,7 +182,7 @@ Tensor<T> stack(const std::vector<Tensor<T>>& tensors, std::int64_t dim = 0) {
   autograd::record(
       r, "StackBackward0", detail::edges_of(tensors),
       [n = tensors.size(), d, ref](const Tensor<T>& g) {
-        std::vector<graph::NodePtr> gs;
+        graph::NodeList gs;
         for (std::size_t i = 0; i < n; ++i) {
           gs.push_back(reshape(narrow(g, d, static_cast<std::int64_t>(i), 1), ref).node());
         }

@@ -33,7 +33,7 @@ Tensor<T> softmax_rows(const Tensor<T>& t, std::int64_t dim, const char* op) {
                    [y = r.detach(), d](const Tensor<T>& g) {
                      Tensor<T> dx = Log ? Tensor<T>(g - exp(y) * sum(g, {d}, true))
                                         : Tensor<T>(y * (g - sum(g * y, {d}, true)));
-                     return std::vector<graph::NodePtr>{dx.node()};
+                     return graph::NodeList{dx.node()};
                    });
   return r;
 }

@@ -176,7 +176,7 @@ class AllReduceNode final : public graph::Node, public graph::Rendezvous {
 /// Submits an all-reduce over `pieces` (one per member, each on its own device, in the
 /// group's combining order) and returns the members' results in the same order. Counted
 /// as SpmdAllReduces and SpmdAllReduceBytes (each member's input).
-std::vector<graph::NodePtr> all_reduce(const std::vector<graph::NodePtr>& pieces, Combine op);
+graph::NodeList all_reduce(const graph::NodeList& pieces, Combine op);
 
 }  // namespace lazy::spmd
 
@@ -445,7 +445,7 @@ LAZYTENSOR_INLINE void combine(Combine op, DType dtype, const std::vector<const 
 LAZYTENSOR_INLINE AllReduceNode::AllReduceNode(graph::NodePtr in, std::shared_ptr<detail::ReduceRound> round, int slot,
                                                graph::NodePtr previous)
     : Node(graph::NodeKind::Collective, in->dtype(), in->shape(), in->device(),
-           previous ? std::vector<graph::NodePtr>{in, previous} : std::vector<graph::NodePtr>{in}),
+           previous ? graph::NodeList{in, previous} : graph::NodeList{in}),
       round_(std::move(round)), slot_(slot) {}
 
 LAZYTENSOR_INLINE std::string AllReduceNode::describe() const {
@@ -463,7 +463,7 @@ LAZYTENSOR_INLINE void AllReduceNode::compute(graph::ExecContext& ctx) {
   set_buffer(round_->run(slot_, inputs()[0]->buffer(), dtype(), numel(), ctx.device));
 }
 
-LAZYTENSOR_INLINE std::vector<graph::NodePtr> all_reduce(const std::vector<graph::NodePtr>& pieces, Combine op) {
+LAZYTENSOR_INLINE graph::NodeList all_reduce(const graph::NodeList& pieces, Combine op) {
   static auto& count = core::counter("SpmdAllReduces");
   static auto& bytes = core::counter("SpmdAllReduceBytes");
   // Each device's last collective, so that its collectives run in program order (traced
@@ -498,7 +498,7 @@ LAZYTENSOR_INLINE std::vector<graph::NodePtr> all_reduce(const std::vector<graph
   std::vector<graph::Device*> members;
   for (const auto& p : pieces) members.push_back(p->device());
   auto round = std::make_shared<detail::ReduceRound>(op, members, rounds++);
-  std::vector<graph::NodePtr> out;
+  graph::NodeList out;
   for (std::size_t i = 0; i < pieces.size(); ++i) {
     bytes.add(pieces[i]->numel() * static_cast<std::int64_t>(dtype_size(pieces[i]->dtype())));
     auto& prev = last[members[i]];

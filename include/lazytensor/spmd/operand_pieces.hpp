@@ -24,7 +24,7 @@ bool leads(const ShardedNode* s, const ShardedNode* lead);
 /// `logical_of[i][d]` is the logical dimension that cuts dimension d of input i (-1: whole).
 /// An input already cut that way contributes its pieces; others are computed and split
 /// (SpmdTransfers).
-std::vector<std::vector<graph::NodePtr>> pieces_for(const std::vector<graph::NodePtr>& inputs,
+std::vector<graph::NodeList> pieces_for(const graph::NodeList& inputs,
                                                     const std::vector<std::vector<int>>& logical_of,
                                                     const Sharding& target, const Shape& logical);
 
@@ -37,7 +37,7 @@ graph::NodePtr replicate_small(const graph::NodePtr& value, graph::Device& dev, 
 
 /// All-reduces `shards` (one per mesh position) among the positions that differ only along
 /// mesh axes `axes`, each group combining in the order of `rank_in_group(position)`.
-void reduce_partials(std::vector<graph::NodePtr>& shards, const Mesh& mesh, const std::vector<int>& axes,
+void reduce_partials(graph::NodeList& shards, const Mesh& mesh, const std::vector<int>& axes,
                      const std::function<std::int64_t(int)>& rank_in_group, Combine op);
 
 /// `node` run whole: every sharded input is gathered (materialized) first.
@@ -63,12 +63,12 @@ LAZYTENSOR_INLINE graph::NodePtr run_gathered(graph::NodePtr node) {
   return graph::submit_unpartitioned(std::move(node));
 }
 
-LAZYTENSOR_INLINE std::vector<std::vector<graph::NodePtr>> pieces_for(const std::vector<graph::NodePtr>& ins,
+LAZYTENSOR_INLINE std::vector<graph::NodeList> pieces_for(const graph::NodeList& ins,
                                                                          const std::vector<std::vector<int>>& logical_of,
                                                                          const Sharding& target, const Shape& logical) {
   const Mesh& mesh = target.mesh;
   const int n = mesh.size();
-  std::vector<std::vector<graph::NodePtr>> pieces(static_cast<std::size_t>(n));
+  std::vector<graph::NodeList> pieces(static_cast<std::size_t>(n));
   for (std::size_t i = 0; i < ins.size(); ++i) {
     const auto& in = ins[i];
     const ShardedNode* s = as_sharded(in);
@@ -84,7 +84,7 @@ LAZYTENSOR_INLINE std::vector<std::vector<graph::NodePtr>> pieces_for(const std:
     if (s && s->sharding().mesh == mesh) {
       // Each position's piece may hold its target block (a replicated value, or a coarser
       // split): the block is then narrowed out of it on that device, moving no data.
-      std::vector<graph::NodePtr> cut;
+      graph::NodeList cut;
       for (int p = 0; p < n; ++p) {
         const auto want = target.block(p, logical);
         const auto have = s->sharding().block(p, in->shape());
@@ -116,7 +116,7 @@ LAZYTENSOR_INLINE std::vector<std::vector<graph::NodePtr>> pieces_for(const std:
         const int l = logical_of[i][static_cast<std::size_t>(d)];
         whole = l < 0 || target.parts(l) == 1;
       }
-      std::vector<graph::NodePtr> copies;
+      graph::NodeList copies;
       for (int p = 0; whole && p < n; ++p) {
         auto c = replicate_small(in, mesh_device(mesh.device_ids()[static_cast<std::size_t>(p)]));
         if (!c) break;
@@ -153,7 +153,7 @@ LAZYTENSOR_INLINE graph::NodePtr replicate_small(const graph::NodePtr& value, gr
     return block_of(value, whole, dev);
   }
   if (!value->pending() || depth > kMaxDepth || value->numel() > kMaxElements) return nullptr;
-  std::vector<graph::NodePtr> inputs;
+  graph::NodeList inputs;
   for (const auto& in : value->inputs()) {
     if (in->kind() == graph::NodeKind::Sharded) return nullptr;
     auto c = replicate_small(in, dev, depth + 1);
@@ -167,7 +167,7 @@ LAZYTENSOR_INLINE graph::NodePtr replicate_small(const graph::NodePtr& value, gr
   return copy ? graph::submit_unpartitioned(std::move(copy)) : nullptr;
 }
 
-LAZYTENSOR_INLINE void reduce_partials(std::vector<graph::NodePtr>& shards, const Mesh& mesh, const std::vector<int>& axes,
+LAZYTENSOR_INLINE void reduce_partials(graph::NodeList& shards, const Mesh& mesh, const std::vector<int>& axes,
                                        const std::function<std::int64_t(int)>& rank_in_group, Combine op) {
   std::map<std::vector<std::int64_t>, std::vector<int>> groups;
   for (int p = 0; p < mesh.size(); ++p) {
@@ -177,7 +177,7 @@ LAZYTENSOR_INLINE void reduce_partials(std::vector<graph::NodePtr>& shards, cons
   }
   for (auto& [key, members] : groups) {
     std::sort(members.begin(), members.end(), [&](int x, int y) { return rank_in_group(x) < rank_in_group(y); });
-    std::vector<graph::NodePtr> in;
+    graph::NodeList in;
     for (int p : members) in.push_back(shards[static_cast<std::size_t>(p)]);
     auto out = all_reduce(in, op);
     for (std::size_t i = 0; i < members.size(); ++i) shards[static_cast<std::size_t>(members[i])] = std::move(out[i]);

@@ -122,7 +122,7 @@ LAZYTENSOR_INLINE graph::NodePtr partition_blockwise(const graph::Node& node, co
   }
   auto pieces = pieces_for(ins, logical_of, target, out);
   const Shape block = target.block_shape(out);
-  std::vector<graph::NodePtr> shards;
+  graph::NodeList shards;
   shards.reserve(static_cast<std::size_t>(n));
   for (int p = 0; p < n; ++p) {
     graph::Device& dev = mesh_device(mesh.device_ids()[static_cast<std::size_t>(p)]);
@@ -204,7 +204,7 @@ LAZYTENSOR_INLINE graph::NodePtr partition_reduction(const graph::Node& node, co
   Sharding result{target.mesh, std::move(out_dims)};
   const Shape out_block = result.block_shape(out);
   const Mesh& mesh = target.mesh;
-  std::vector<graph::NodePtr> shards;
+  graph::NodeList shards;
   for (int p = 0; p < mesh.size(); ++p) {
     graph::Device& dev = mesh_device(mesh.device_ids()[static_cast<std::size_t>(p)]);
     shards.push_back(graph::submit_unpartitioned(
@@ -299,7 +299,7 @@ LAZYTENSOR_INLINE graph::NodePtr partition_gemm(const graph::Node& node, const g
     }
     return graph::GemmOperand{std::move(p), transposed};
   };
-  std::vector<graph::NodePtr> shards;
+  graph::NodeList shards;
   const bool split_k = !target.dims[2].empty();
   const std::int64_t block_ba = ba > 1 ? block[0] : 1, block_bb = bb > 1 ? block[0] : 1;
   for (int p = 0; p < mesh->size(); ++p) {
@@ -342,7 +342,7 @@ LAZYTENSOR_INLINE graph::NodePtr partition_batch_sum(const graph::Node& node, co
     logical_of.push_back(std::move(map));
   }
   auto pieces = pieces_for(ins, logical_of, target, Shape{ins[0]->shape()[0]});
-  std::vector<graph::NodePtr> shards;
+  graph::NodeList shards;
   for (int p = 0; p < mesh.size(); ++p) {
     graph::Device& dev = mesh_device(mesh.device_ids()[static_cast<std::size_t>(p)]);
     shards.push_back(graph::submit_unpartitioned(bs.with_batch(std::move(pieces[static_cast<std::size_t>(p)]), &dev)));
@@ -360,7 +360,7 @@ LAZYTENSOR_INLINE graph::NodePtr partition_transpose(const graph::TransposeNode&
   const int rank = node.shape().rank();
   Sharding result = s->sharding();
   std::swap(result.dims[static_cast<std::size_t>(rank - 2)], result.dims[static_cast<std::size_t>(rank - 1)]);
-  std::vector<graph::NodePtr> shards;
+  graph::NodeList shards;
   for (int p = 0; p < s->num_shards(); ++p) {
     const graph::NodePtr& piece = s->shard(p);
     if (piece->pending()) {
@@ -439,7 +439,7 @@ LAZYTENSOR_INLINE graph::NodePtr partition_view(const graph::ViewNode& node) {
       return nullptr;
   }
   const Shape block = target.block_shape(out);
-  std::vector<graph::NodePtr> shards;
+  graph::NodeList shards;
   for (int p = 0; p < s->num_shards(); ++p)
     shards.push_back(graph::submit_unpartitioned(std::make_shared<graph::ViewNode>(node.op_name(), s->shard(p), block)));
   return std::make_shared<ShardedNode>(std::move(target), std::move(shards), node.dtype(), out, node.device());

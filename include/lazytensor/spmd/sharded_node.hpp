@@ -33,7 +33,7 @@ namespace lazy::spmd {
 /// so such a read is collective (every process reads the value, as the same program does).
 class ShardedNode : public graph::Node {
  public:
-  ShardedNode(Sharding sharding, std::vector<graph::NodePtr> pieces, DType dtype, Shape shape,
+  ShardedNode(Sharding sharding, graph::NodeList pieces, DType dtype, Shape shape,
               graph::Device* device);
 
   const Sharding& sharding() const { return sharding_; }
@@ -62,7 +62,7 @@ class ShardedNode : public graph::Node {
 /// gradient comes out in W's layout).
 class TransposedShardedNode final : public ShardedNode, public graph::TransposeOfLastTwo {
  public:
-  TransposedShardedNode(graph::NodePtr source, Sharding sharding, std::vector<graph::NodePtr> pieces, DType dtype,
+  TransposedShardedNode(graph::NodePtr source, Sharding sharding, graph::NodeList pieces, DType dtype,
                         Shape shape, graph::Device* device)
       : ShardedNode(std::move(sharding), std::move(pieces), dtype, std::move(shape), device), source_(std::move(source)) {}
   const graph::NodePtr& transpose_source() const override { return source_; }
@@ -105,7 +105,7 @@ graph::NodePtr shard_value(const graph::NodePtr& value, const Sharding& sharding
 
 namespace lazy::spmd {
 
-LAZYTENSOR_INLINE ShardedNode::ShardedNode(Sharding sharding, std::vector<graph::NodePtr> pieces, DType dtype, Shape shape,
+LAZYTENSOR_INLINE ShardedNode::ShardedNode(Sharding sharding, graph::NodeList pieces, DType dtype, Shape shape,
                                            graph::Device* device)
     : Node(graph::NodeKind::Sharded, dtype, shape, device), sharding_(std::move(sharding)) {
   shards_.reserve(pieces.size());
@@ -217,7 +217,7 @@ LAZYTENSOR_INLINE graph::NodePtr detail::shard_value(const graph::NodePtr& value
   static auto& transfers = core::counter("SpmdTransfers");
   transfers.add();
   graph::materialize(value);
-  std::vector<graph::NodePtr> pieces;
+  graph::NodeList pieces;
   for (int p = 0; p < sharding.mesh.size(); ++p)
     pieces.push_back(block_of(value, sharding.block(p, value->shape()),
                               mesh_device(sharding.mesh.device_ids()[static_cast<std::size_t>(p)])));

@@ -22,10 +22,11 @@ namespace lazy::detail {
 template <Element Tout, class E>
 graph::NodePtr make_elementwise(E&& e, const Shape* shape, autograd::GradFnPtr* grad_fn = nullptr) {
   using X = std::remove_cvref_t<E>;
-  std::vector<graph::NodePtr> inputs;
+  graph::NodeList inputs;
   std::vector<autograd::GradFnPtr> edges;
-  // History is recorded where the expression is evaluated, if grad mode is on there.
-  if (grad_fn && !autograd::is_grad_enabled()) grad_fn = nullptr;
+  // History is recorded where the expression is evaluated, if grad mode is on there and a
+  // leaf has some (otherwise no edge list: an allocation per statement that needs none).
+  if (grad_fn && !(autograd::is_grad_enabled() && expr::any_leaf_grad(e))) grad_fn = nullptr;
   inputs.reserve(expr::leaf_count_v<X>);
   if (grad_fn) edges.reserve(expr::leaf_count_v<X>);
   const Shape& out = shape ? *shape : e.shape();  // an Expr keeps its shape when consumed

@@ -456,11 +456,11 @@ class Tensor {
     node();  // an undefined tensor throws here
     check_inplace(op);
     const T value = detail::checked_scalar<T>(v, op);
-    std::vector<graph::NodePtr> none;
+    graph::NodeList none;
     using E = Expr<ops::Identity, expr::Scalar<T>>;
     E e(expr::Scalar<T>{value});
     impl_->node = graph::submit(graph::elementwise_node<T>(
-        expr::to_kernel(e, none), shape(), node()->device(), std::vector<graph::NodePtr>{}));
+        expr::to_kernel(e, none), shape(), node()->device(), graph::NodeList{}));
     autograd::replace_history(*impl_, backward_name);  // a constant: the old history gets zeros
     return *this;
   }

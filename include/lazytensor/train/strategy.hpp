@@ -243,7 +243,7 @@ Tensor<T> Strategy::all_gather(const Tensor<T>& t, bool sync_grads) const {
       const int n = world_size();
       const Shape shape = t.shape();
       autograd::record(gathered, "AllGatherBackward", {autograd::edge_of(t.impl())},
-                       [n, shape](const Tensor<T>& g) -> std::vector<graph::NodePtr> {
+                       [n, shape](const Tensor<T>& g) -> graph::NodeList {
                          // Each replica's slice of every replica's gradient, summed.
                          const Tensor<T> mine = dist::reduce_scatter(ReduceOp::Sum, g, 1.0, 0, n);
                          return {Tensor<T>(reshape(mine, shape)).node()};
