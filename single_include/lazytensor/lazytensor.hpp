@@ -6416,6 +6416,9 @@ class RowProducer {
   virtual void produce_rows(void* out, std::int64_t r0, std::int64_t r1) = 0;
   /// The rows one block holds (callers split on multiples of it to avoid partial blocks).
   virtual std::int64_t row_block() const = 0;
+  /// Elements per row (a product's n). Not always the value's last dim: a matrix times a
+  /// vector has the value [m] and rows of one element.
+  virtual std::int64_t row_width() const = 0;
   /// Called once on the executing thread before any produce_rows of a step (the producer
   /// may prepare shared state there, using the device's threads) ...
   virtual void begin_rows(ExecContext& ctx) { (void)ctx; }
@@ -6651,8 +6654,10 @@ LAZYTENSOR_INLINE void ElementwiseNode::fuse_producers() {
   for (std::size_t i = 0; i < ins.size(); ++i) {
     if (ins[i]->kind() != NodeKind::Gemm) continue;
     auto* rp = dynamic_cast<RowProducer*>(ins[i].get());
+    // Rows are the epilogue's last dim: they must be the producer's rows.
     if (!rp || !ins[i]->pending() || ins[i]->dtype() != dtype() || !(ins[i]->shape() == shape()) ||
-        shape().rank() < 1 || !(layout_.flat() || layout_.inner() == shape()[shape().rank() - 1]))
+        shape().rank() < 1 || shape()[shape().rank() - 1] != rp->row_width() ||
+        !(layout_.flat() || layout_.inner() == shape()[shape().rank() - 1]))
       continue;
     long holders = 0;
     for (const auto& p : ins) holders += (p == ins[i]);
@@ -26974,6 +26979,7 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
   /// rounded up to whole register tiles, 66 on the 6-row tiles of AVX2 and SSE2, so that only
   /// a product's last block ends in a partial tile (256 rows: 43 tiles in blocks of 66, 44
   /// in blocks of 64, four of them partial). A small product is one block.
+  std::int64_t row_width() const override { return n_; }
   std::int64_t row_block() const override {
     const std::int64_t rows = output_rows();
     if (rows * n_ * k_ <= (std::int64_t(1) << 16)) return std::max<std::int64_t>(rows, 1);
@@ -27138,12 +27144,15 @@ namespace lazy {
 
 namespace detail {
 
-/// The operand as a GEMM reads it: through a pending transpose when there is one.
+/// The operand as a GEMM reads it: through a pending transpose when there is one and the
+/// GEMM reads the operand as one `rows` x `cols` matrix (`batch` 1). A batched read views
+/// the same elements as [batch, rows, cols] (matmul of a vector and a stack of matrices
+/// reads a [B, n] gradient as B rows of 1 x n), which the transposed layout does not give.
 template <Element T>
-typename graph::GemmNode<T>::Operand gemm_operand(const Tensor<T>& t) {
+typename graph::GemmNode<T>::Operand gemm_operand(const Tensor<T>& t, std::int64_t batch, std::int64_t rows,
+                                                  std::int64_t cols) {
   const auto& n = t.node();
-  if (n->pending()) {
-    // Only a 2-D source: batched GEMMs may stack batch rows, which a transposed read breaks.
+  if (n->pending() && batch == 1 && n->shape().rank() == 2 && n->shape()[0] == rows && n->shape()[1] == cols) {
     if (auto* tr = dynamic_cast<graph::TransposeOfLastTwo*>(n.get()); tr && tr->transpose_source()->shape().rank() == 2)
       return {tr->transpose_source(), true};
   }
@@ -27209,7 +27218,7 @@ void record_gemm(Tensor<T>& c, const Tensor<T>& a, const Tensor<T>& b, std::int6
 template <Element T>
 Tensor<T> gemm(const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std::int64_t batch_b,
                std::int64_t m, std::int64_t k, std::int64_t n, const Shape& out, bool bf16) {
-  auto oa = gemm_operand(a), ob = gemm_operand(b);
+  auto oa = gemm_operand(a, batch_a, m, k), ob = gemm_operand(b, batch_b, k, n);
   graph::Device& dev = graph::common_device({oa.node, ob.node}, "matmul");
   Tensor<T> c(
       graph::submit(std::make_shared<graph::GemmNode<T>>(oa, ob, batch_a, batch_b, m, k, n, out, &dev, bf16)));

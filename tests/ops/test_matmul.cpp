@@ -558,6 +558,56 @@ TEST(Matmul, FusedEpilogueFlatAndBatched) {
   }
 }
 
+// A product with a vector operand keeps a vector's shape ([m] or [B, m]) while the GEMM
+// writes rows of one element: an in-place update taking the product over as its epilogue
+// must not read that shape's last dim as the GEMM's rows (it produced row 0 only).
+TEST(Matmul, MatrixVectorProductUpdatedInPlace) {
+  for (const Shape sa : {Shape{4, 4}, Shape{2, 3, 4}}) {
+    const std::int64_t k = sa[sa.rank() - 1], rows = sa.numel() / k;
+    std::vector<double> va(static_cast<std::size_t>(sa.numel())), vb(static_cast<std::size_t>(k));
+    for (std::size_t i = 0; i < va.size(); ++i) va[i] = static_cast<double>(i % 7) - 2;
+    for (std::size_t i = 0; i < vb.size(); ++i) vb[i] = static_cast<double>(i) + 1;
+    Tensor<double> y = lazy::matmul(lazy::from_vector(va, sa), lazy::from_vector(vb, Shape{k}));
+    y += 1.5;
+    y *= 2.0;
+    const auto got = y.to_vector();
+    ASSERT_EQ(got.size(), static_cast<std::size_t>(rows));
+    for (std::int64_t r = 0; r < rows; ++r) {
+      double dot = 0;  // small integers: exact in double
+      for (std::int64_t j = 0; j < k; ++j) dot += va[static_cast<std::size_t>(r * k + j)] * vb[static_cast<std::size_t>(j)];
+      EXPECT_EQ(got[static_cast<std::size_t>(r)], (dot + 1.5) * 2) << sa.str() << " row " << r;
+    }
+  }
+}
+
+// The gradient of a vector-times-stack product reaches the GEMMs of its backward as a
+// [B, n] tensor read as B rows of 1 x n; when it is a pending transpose (the product was
+// transposed before the loss), the transposed layout must not stand in for that read.
+TEST(Matmul, VectorTimesStackGradientThroughATranspose) {
+  const std::int64_t B = 2, K = 3, N = 4;
+  std::vector<double> av(K), bv(B * K * N), g(N * B);
+  for (std::size_t i = 0; i < av.size(); ++i) av[i] = static_cast<double>(i) + 1;
+  for (std::size_t i = 0; i < bv.size(); ++i) bv[i] = static_cast<double>(i % 5) - 2;
+  for (std::size_t i = 0; i < g.size(); ++i) g[i] = static_cast<double>(i) + 1;  // not uniform
+  auto a = lazy::from_vector<double>(av, Shape{K}).requires_grad_();
+  auto b = lazy::from_vector<double>(bv, Shape{B, K, N}).requires_grad_();
+  Tensor<double> out = lazy::transpose(lazy::matmul(a, b), 0, 1);  // [N, B]
+  out.backward(lazy::from_vector<double>(g, Shape{N, B}));
+  const auto ga = a.grad().to_vector(), gb = b.grad().to_vector();
+  // out[n, bb] = sum_k a[k] b[bb, k, n]: d/da[k] = sum g[n, bb] b[bb, k, n], d/db = a[k] g[n, bb].
+  for (std::int64_t k = 0; k < K; ++k) {
+    double want = 0;
+    for (std::int64_t bb = 0; bb < B; ++bb)
+      for (std::int64_t n = 0; n < N; ++n) want += bv[static_cast<std::size_t>((bb * K + k) * N + n)] * g[static_cast<std::size_t>(n * B + bb)];
+    EXPECT_EQ(ga[static_cast<std::size_t>(k)], want) << "a.grad[" << k << "]";
+  }
+  for (std::int64_t bb = 0; bb < B; ++bb)
+    for (std::int64_t k = 0; k < K; ++k)
+      for (std::int64_t n = 0; n < N; ++n)
+        EXPECT_EQ(gb[static_cast<std::size_t>((bb * K + k) * N + n)], av[static_cast<std::size_t>(k)] * g[static_cast<std::size_t>(n * B + bb)])
+            << "b.grad[" << bb << ", " << k << ", " << n << "]";
+}
+
 TEST(Matmul, ShapeErrors) {
   Tensor<float> a = lazy::zeros<float>({2, 3}), b = lazy::zeros<float>({4, 5});
   try {

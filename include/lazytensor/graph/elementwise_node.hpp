@@ -41,6 +41,9 @@ class RowProducer {
   virtual void produce_rows(void* out, std::int64_t r0, std::int64_t r1) = 0;
   /// The rows one block holds (callers split on multiples of it to avoid partial blocks).
   virtual std::int64_t row_block() const = 0;
+  /// Elements per row (a product's n). Not always the value's last dim: a matrix times a
+  /// vector has the value [m] and rows of one element.
+  virtual std::int64_t row_width() const = 0;
   /// Called once on the executing thread before any produce_rows of a step (the producer
   /// may prepare shared state there, using the device's threads) ...
   virtual void begin_rows(ExecContext& ctx) { (void)ctx; }
@@ -276,8 +279,10 @@ LAZYTENSOR_INLINE void ElementwiseNode::fuse_producers() {
   for (std::size_t i = 0; i < ins.size(); ++i) {
     if (ins[i]->kind() != NodeKind::Gemm) continue;
     auto* rp = dynamic_cast<RowProducer*>(ins[i].get());
+    // Rows are the epilogue's last dim: they must be the producer's rows.
     if (!rp || !ins[i]->pending() || ins[i]->dtype() != dtype() || !(ins[i]->shape() == shape()) ||
-        shape().rank() < 1 || !(layout_.flat() || layout_.inner() == shape()[shape().rank() - 1]))
+        shape().rank() < 1 || shape()[shape().rank() - 1] != rp->row_width() ||
+        !(layout_.flat() || layout_.inner() == shape()[shape().rank() - 1]))
       continue;
     long holders = 0;
     for (const auto& p : ins) holders += (p == ins[i]);

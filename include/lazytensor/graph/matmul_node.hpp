@@ -105,6 +105,7 @@ class GemmNode final : public Node, public RowProducer, public BlockGemm {
   /// rounded up to whole register tiles, 66 on the 6-row tiles of AVX2 and SSE2, so that only
   /// a product's last block ends in a partial tile (256 rows: 43 tiles in blocks of 66, 44
   /// in blocks of 64, four of them partial). A small product is one block.
+  std::int64_t row_width() const override { return n_; }
   std::int64_t row_block() const override {
     const std::int64_t rows = output_rows();
     if (rows * n_ * k_ <= (std::int64_t(1) << 16)) return std::max<std::int64_t>(rows, 1);

@@ -28,12 +28,15 @@ namespace lazy {
 
 namespace detail {
 
-/// The operand as a GEMM reads it: through a pending transpose when there is one.
+/// The operand as a GEMM reads it: through a pending transpose when there is one and the
+/// GEMM reads the operand as one `rows` x `cols` matrix (`batch` 1). A batched read views
+/// the same elements as [batch, rows, cols] (matmul of a vector and a stack of matrices
+/// reads a [B, n] gradient as B rows of 1 x n), which the transposed layout does not give.
 template <Element T>
-typename graph::GemmNode<T>::Operand gemm_operand(const Tensor<T>& t) {
+typename graph::GemmNode<T>::Operand gemm_operand(const Tensor<T>& t, std::int64_t batch, std::int64_t rows,
+                                                  std::int64_t cols) {
   const auto& n = t.node();
-  if (n->pending()) {
-    // Only a 2-D source: batched GEMMs may stack batch rows, which a transposed read breaks.
+  if (n->pending() && batch == 1 && n->shape().rank() == 2 && n->shape()[0] == rows && n->shape()[1] == cols) {
     if (auto* tr = dynamic_cast<graph::TransposeOfLastTwo*>(n.get()); tr && tr->transpose_source()->shape().rank() == 2)
       return {tr->transpose_source(), true};
   }
@@ -99,7 +102,7 @@ void record_gemm(Tensor<T>& c, const Tensor<T>& a, const Tensor<T>& b, std::int6
 template <Element T>
 Tensor<T> gemm(const Tensor<T>& a, const Tensor<T>& b, std::int64_t batch_a, std::int64_t batch_b,
                std::int64_t m, std::int64_t k, std::int64_t n, const Shape& out, bool bf16) {
-  auto oa = gemm_operand(a), ob = gemm_operand(b);
+  auto oa = gemm_operand(a, batch_a, m, k), ob = gemm_operand(b, batch_b, k, n);
   graph::Device& dev = graph::common_device({oa.node, ob.node}, "matmul");
   Tensor<T> c(
       graph::submit(std::make_shared<graph::GemmNode<T>>(oa, ob, batch_a, batch_b, m, k, n, out, &dev, bf16)));
