@@ -2389,9 +2389,7 @@ namespace lazy::graph {
 class Device;
 class Node;
 using NodePtr = std::shared_ptr<Node>;
-/// A list of nodes (a node's inputs, a step's nodes), its storage from the thread's block
-/// cache (core/block_cache.hpp): every statement builds one and drops one, and malloc and
-/// free were ~200 instructions of a small statement.
+/// A list of nodes (as expr/expr_node.hpp declares it for the layer below).
 using NodeList = std::vector<NodePtr, core::BlockAllocator<NodePtr>>;
 
 namespace detail {
@@ -4337,7 +4335,8 @@ namespace lazy::graph {
 class Node;
 using NodePtr = std::shared_ptr<Node>;
 /// A list of nodes (a node's inputs, a step's nodes), its storage from the thread's block
-/// cache (core/block_cache.hpp): every statement builds one and drops one.
+/// cache (core/block_cache.hpp): every statement builds one and drops one, and malloc and
+/// free were ~200 instructions of a small statement.
 using NodeList = std::vector<NodePtr, core::BlockAllocator<NodePtr>>;
 }  // namespace lazy::graph
 namespace lazy::autograd {
@@ -27153,8 +27152,7 @@ typename graph::GemmNode<T>::Operand gemm_operand(const Tensor<T>& t, std::int64
                                                   std::int64_t cols) {
   const auto& n = t.node();
   if (n->pending() && batch == 1 && n->shape().rank() == 2 && n->shape()[0] == rows && n->shape()[1] == cols) {
-    if (auto* tr = dynamic_cast<graph::TransposeOfLastTwo*>(n.get()); tr && tr->transpose_source()->shape().rank() == 2)
-      return {tr->transpose_source(), true};
+    if (auto* tr = dynamic_cast<graph::TransposeOfLastTwo*>(n.get())) return {tr->transpose_source(), true};
   }
   return {n, false};
 }

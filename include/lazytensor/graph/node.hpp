@@ -22,9 +22,7 @@ namespace lazy::graph {
 class Device;
 class Node;
 using NodePtr = std::shared_ptr<Node>;
-/// A list of nodes (a node's inputs, a step's nodes), its storage from the thread's block
-/// cache (core/block_cache.hpp): every statement builds one and drops one, and malloc and
-/// free were ~200 instructions of a small statement.
+/// A list of nodes (as expr/expr_node.hpp declares it for the layer below).
 using NodeList = std::vector<NodePtr, core::BlockAllocator<NodePtr>>;
 
 namespace detail {

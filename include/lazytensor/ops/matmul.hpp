@@ -37,8 +37,7 @@ typename graph::GemmNode<T>::Operand gemm_operand(const Tensor<T>& t, std::int64
                                                   std::int64_t cols) {
   const auto& n = t.node();
   if (n->pending() && batch == 1 && n->shape().rank() == 2 && n->shape()[0] == rows && n->shape()[1] == cols) {
-    if (auto* tr = dynamic_cast<graph::TransposeOfLastTwo*>(n.get()); tr && tr->transpose_source()->shape().rank() == 2)
-      return {tr->transpose_source(), true};
+    if (auto* tr = dynamic_cast<graph::TransposeOfLastTwo*>(n.get())) return {tr->transpose_source(), true};
   }
   return {n, false};
 }
